@@ -1,0 +1,103 @@
+"""What crosses between a policy and an executor: ``SchedulerOutput`` one way, ``StepResult`` back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from sloserve.core.request import Request
+
+if TYPE_CHECKING:
+    from sloserve.sched.cohort import DecodeCohort
+
+
+class PreemptionMode(str, Enum):
+    RECOMPUTE = "recompute"  # drop the KV; the request is refilled later (prompt + generated tokens)
+    SWAP = "swap"  # copy the KV blocks to CPU swap space; swapped back in later
+
+
+class ScheduledChunk(NamedTuple):
+    """``num_tokens`` of ``request`` processed this step, starting at its ``num_computed_tokens``."""
+
+    request: Request
+    num_tokens: int
+
+
+class Preemption(NamedTuple):
+    request: Request
+    mode: PreemptionMode
+
+
+class BlockCopy(NamedTuple):
+    """Copy one KV block between devices (swap) or inside the GPU (copy-on-write)."""
+
+    src_block: int
+    dst_block: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's decisions. Built fresh by ``Scheduler.schedule``; never mutated afterwards."""
+
+    # Requests processing an explicit number of tokens (prefills, chunks, refills, and decodes of
+    # policies that do not use a cohort). Each chunk starts at the request's num_computed_tokens.
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    # Cohort whose every member processes exactly one decode token this step (None: no cohort step).
+    cohort: DecodeCohort | None = None
+    # Size of the cohort and the KV its members read (sum of their num_computed_tokens), this step.
+    cohort_size: int = 0
+    cohort_kv_tokens: int = 0
+    # Members that joined the cohort since the previous output (executors start tracking them).
+    cohort_joined: list[Request] = field(default_factory=list)
+    # Requests preempted while building this batch, with their mode; they are not in this batch.
+    preempted: list[Preemption] = field(default_factory=list)
+    # Block copies GPU -> CPU (swap out) and CPU -> GPU (swap in) done before the step's compute.
+    swap_out: list[BlockCopy] = field(default_factory=list)
+    swap_in: list[BlockCopy] = field(default_factory=list)
+    # KV bytes moved by the swaps above (for the cost model).
+    swap_bytes: int = 0
+    # Identical decode-only steps this output stands for (the simulator's closed-form fast path).
+    # NOTE: counts above describe the first of them; the cohort's KV grows by cohort_size per step.
+    num_steps: int = 1
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Forward size: tokens processed this step."""
+        return self.num_prefill_tokens + self.cohort_size
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.chunks) + self.cohort_size
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks and self.cohort_size == 0 and not self.swap_in and not self.swap_out
+
+    @property
+    def is_decode_only(self) -> bool:
+        return (
+            not self.chunks
+            and self.cohort_size > 0
+            and not self.preempted
+            and not self.swap_in
+            and not self.swap_out
+        )
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the executor reports after running a ``SchedulerOutput``."""
+
+    # End time of each of the output's num_steps steps (seconds, simulated or wall).
+    step_end_times: np.ndarray
+    # Requests whose last output token was sampled in this output's (last) step.
+    finished: list[Request] = field(default_factory=list)
+    # Sampled token ids per request (engine only; the simulator samples nothing).
+    sampled_token_ids: dict[int, int] = field(default_factory=dict)

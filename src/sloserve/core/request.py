@@ -1,0 +1,187 @@
+"""The request: identity, lengths, class, SLO, progress counters and per-token timing.
+
+The scheduler deals in tokens, not phases. A request knows ``num_tokens`` tokens (prompt plus the
+output tokens sampled so far); ``num_computed_tokens`` of them have KV in the cache. To sample the next
+token every known token must have KV, so a step that brings ``num_computed_tokens`` up to
+``num_tokens`` emits one token. A prefill, a chunk of one, a refill after eviction and a decode step
+are the same thing with different counts:
+
+    prefill       computed 0      -> I        emits output token 1
+    decode step   computed I+g-1  -> I+g      emits output token g+1
+    refill        computed 0      -> I+g      emits output token g+1 (after a recompute eviction)
+
+NOTE: the KV a request ever holds peaks at I + O - 1 tokens: the last output token is never processed.
+
+Decode requests that advance together every step live in a ``DecodeCohort`` (sched/cohort.py). For
+them the counters are derived lazily from the cohort's tick counter, so one step costs O(1) for the
+whole cohort instead of O(batch): ``num_computed_tokens = _computed_offset + cohort.ticks``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sloserve.sched.cohort import DecodeCohort
+
+
+class RequestClass(str, Enum):
+    """Service class: real-time (interactive, latency SLOs) or best-effort (throughput)."""
+
+    RT = "rt"
+    BE = "be"
+
+
+class RequestStatus(str, Enum):
+    WAITING = "waiting"  # never scheduled, or evicted by recompute: holds no KV
+    RUNNING = "running"  # holds KV on the GPU
+    SWAPPED = "swapped"  # KV lives in CPU swap space
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class SLO:
+    """Service-level objective of one request; ``None`` means no objective on that metric.
+
+    ttft_s: first token - arrival. tpot_s: (last token - first token) / (output tokens - 1).
+    jct_s: finish - arrival (the EconoServe JCT deadline, relative to arrival).
+    """
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    jct_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "tpot_s", "jct_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"SLO {name} must be > 0, got {value}")
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One inference request. Compared and hashed by identity.
+
+    ``true_output_tokens`` is the length the response will have. Only executors (the simulator ends a
+    request when it is reached) and the oracle predictor may read it; schedulers never do.
+    """
+
+    request_id: int
+    arrival_time: float
+    num_prompt_tokens: int
+    true_output_tokens: int
+    # User-visible cap on output tokens (OpenAI ``max_tokens``); max-allocation reserves prompt + this.
+    max_tokens: int
+    request_class: RequestClass = RequestClass.RT
+    slo: SLO = field(default_factory=SLO)
+    # Predicted response length, set at arrival by a LengthPredictor (None when no predictor runs).
+    predicted_output_tokens: int | None = None
+
+    # --- progress (mutated only by the scheduler's update) -------------------------------------
+    status: RequestStatus = RequestStatus.WAITING
+    # Stored with the cohort's tick subtracted while in a cohort; read through the properties.
+    _computed_offset: int = 0
+    _output_offset: int = 0
+    cohort: DecodeCohort | None = None
+    cohort_join_tick: int = 0
+    # Sequence number of cohort joins; lets executors discard stale per-member bookkeeping.
+    cohort_epoch: int = 0
+    replica: int = 0
+
+    # --- timing (seconds of simulated or wall time) ----------------------------------------------
+    first_token_time: float = math.nan
+    last_token_time: float = math.nan
+    finish_time: float = math.nan
+    max_token_gap: float = math.nan  # largest gap between consecutive output tokens
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 1:
+            raise ValueError(f"request {self.request_id}: prompt must have >= 1 token")
+        if self.true_output_tokens < 1:
+            raise ValueError(f"request {self.request_id}: output must have >= 1 token")
+        if self.max_tokens < self.true_output_tokens:
+            raise ValueError(
+                f"request {self.request_id}: max_tokens {self.max_tokens} < output length "
+                f"{self.true_output_tokens}"
+            )
+
+    # --- counters ----------------------------------------------------------------------------
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV is in the cache (``m`` in InferMax)."""
+        cohort = self.cohort
+        return self._computed_offset if cohort is None else self._computed_offset + cohort.ticks
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens sampled so far."""
+        cohort = self.cohort
+        return self._output_offset if cohort is None else self._output_offset + cohort.ticks
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens: prompt + sampled output."""
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def num_tokens_to_process(self) -> int:
+        """Tokens to process before the next token can be sampled (``c`` at most)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than one token must be processed (prefill, chunked prefill or refill)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """KV the request could ever need under its ``max_tokens`` cap: I + max_tokens - 1."""
+        return self.num_prompt_tokens + self.max_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    # --- mutation (scheduler side) -------------------------------------------------------------
+    def add_computed(self, num_tokens: int) -> None:
+        self._computed_offset += num_tokens
+
+    def add_output_token(self, now: float) -> None:
+        """Record one sampled output token at time ``now``."""
+        self._output_offset += 1
+        self.record_token_time(now)
+
+    def reset_computed(self) -> None:
+        """Drop all KV (recompute eviction): generated tokens are kept and will be refilled."""
+        assert self.cohort is None, "leave the cohort before dropping KV"
+        self._computed_offset = 0
+
+    def record_token_time(self, now: float) -> None:
+        if math.isnan(self.first_token_time):
+            self.first_token_time = now
+        else:
+            gap = now - self.last_token_time
+            if math.isnan(self.max_token_gap) or gap > self.max_token_gap:
+                self.max_token_gap = gap
+        self.last_token_time = now
+
+    def record_token_run(self, first: float, last: float, max_inner_gap: float) -> None:
+        """Record a run of consecutive tokens (a cohort stretch) by its first and last time and the
+        largest gap inside it (NaN when the run is one token)."""
+        self.record_token_time(first)
+        if not math.isnan(max_inner_gap) and (
+            math.isnan(self.max_token_gap) or max_inner_gap > self.max_token_gap
+        ):
+            self.max_token_gap = max_inner_gap
+        self.last_token_time = last
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(id={self.request_id}, I={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}/{self.true_output_tokens}, "
+            f"computed={self.num_computed_tokens}, {self.status.value})"
+        )

@@ -1,0 +1,66 @@
+"""The cost-model interface: a batch's shape in, its time with a breakdown out."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+import numpy as np
+
+
+class BatchShape(NamedTuple):
+    """Everything a cost model may use about one step (InferMax §3.2 symbols in comments).
+
+    A "prefill" request here is any request processing more than one token or a chunk that does not
+    emit (prefill, chunked prefill, refill); a "decode" request processes exactly one token.
+    """
+
+    num_decode: int = 0  # B: decode requests in the batch
+    decode_kv_tokens: int = 0  # sum of m over decode requests (KV read by decode attention)
+    num_prefill: int = 0  # n_p: prefill/chunk/refill requests
+    prefill_tokens: int = 0  # sum of c over prefill requests
+    prefill_attention_work: int = 0  # sum of c^2 + 2*m*c over prefill requests
+    prefill_context_tokens: int = 0  # sum of m over prefill requests (KV read by chunks)
+    swap_bytes: int = 0  # KV bytes moved between GPU and CPU memory this step
+
+    @property
+    def num_tokens(self) -> int:
+        """Forward size: sum of c over the batch."""
+        return self.num_decode + self.prefill_tokens
+
+
+class CostBreakdown(NamedTuple):
+    """Seconds spent by one step, by part. ``total_s`` is what the simulator's clock advances by."""
+
+    total_s: float
+    non_attention_s: float  # linear layers, MLP, norms, sampling, TP communication
+    decode_attention_s: float
+    prefill_attention_s: float
+    swap_s: float
+
+
+class CostModel(ABC):
+    """Predicts batch execution time. Implementations must be pure functions of the shape."""
+
+    name: str = "cost-model"
+
+    @abstractmethod
+    def batch_time(self, shape: BatchShape) -> CostBreakdown:
+        """Time of one step with this shape."""
+
+    def decode_times(self, num_decode: int, decode_kv_tokens: int, num_steps: int) -> np.ndarray:
+        """Durations (seconds, float64, shape ``(num_steps,)``) of ``num_steps`` consecutive
+        decode-only steps of ``num_decode`` requests whose summed KV starts at ``decode_kv_tokens``
+        and grows by ``num_decode`` per step.
+
+        NOTE: element k must equal ``batch_time(BatchShape(num_decode, decode_kv_tokens +
+        k * num_decode)).total_s`` to 1e-12 relative; the simulator's fast path relies on it.
+        This default loops; linear models override it with a vectorized arithmetic series.
+        """
+        return np.array(
+            [
+                self.batch_time(BatchShape(num_decode, decode_kv_tokens + k * num_decode)).total_s
+                for k in range(num_steps)
+            ],
+            dtype=np.float64,
+        )
