@@ -62,6 +62,19 @@ class SchedulerOutput:
     # Identical decode-only steps this output stands for (the simulator's closed-form fast path).
     # NOTE: counts above describe the first of them; the cohort's KV grows by cohort_size per step.
     num_steps: int = 1
+    # Blocks allocated before each of the num_steps steps, first one excluded (for the timeline).
+    new_blocks_per_step: np.ndarray | None = None
+
+    def repeated(self, num_steps: int, new_blocks_per_step: np.ndarray) -> SchedulerOutput:
+        """This decode-only output standing for ``num_steps`` identical steps (a new object)."""
+        return SchedulerOutput(
+            cohort=self.cohort,
+            cohort_size=self.cohort_size,
+            cohort_kv_tokens=self.cohort_kv_tokens,
+            cohort_joined=self.cohort_joined,
+            num_steps=num_steps,
+            new_blocks_per_step=new_blocks_per_step,
+        )
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -73,11 +73,12 @@ class Timeline:
         self._n = i + 1
 
     def extend(self, **columns: np.ndarray | float | int) -> None:
-        """Append rows given as equal-length arrays (scalars broadcast). Every column is required."""
-        missing = set(TIMELINE_COLUMNS) - set(columns)
-        if missing:
+        """Append rows given as equal-length arrays (scalars broadcast; ``start_s`` must be an array).
+        Every column is required."""
+        if len(columns) != len(TIMELINE_COLUMNS):
+            missing = set(TIMELINE_COLUMNS) - set(columns)
             raise ValueError(f"Timeline.extend: missing columns {sorted(missing)}")
-        length = max(np.size(v) for v in columns.values())
+        length = len(columns["start_s"])
         self._reserve(length)
         lo, hi = self._n, self._n + length
         for name, value in columns.items():

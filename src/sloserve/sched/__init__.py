@@ -1,0 +1,28 @@
+"""Scheduling policies behind one ``Scheduler`` contract and a registry."""
+
+from sloserve.sched.base import Scheduler
+from sloserve.sched.cohort import DecodeCohort
+from sloserve.sched.registry import (
+    SCHEDULERS,
+    SchedulerSpec,
+    build_config,
+    make_scheduler,
+    parse_set_options,
+    register,
+    scheduler_names,
+)
+from sloserve.sched.unified import UnifiedConfig, UnifiedScheduler
+
+__all__ = [
+    "SCHEDULERS",
+    "DecodeCohort",
+    "Scheduler",
+    "SchedulerSpec",
+    "UnifiedConfig",
+    "UnifiedScheduler",
+    "build_config",
+    "make_scheduler",
+    "parse_set_options",
+    "register",
+    "scheduler_names",
+]

@@ -1,0 +1,243 @@
+"""Fit InferMax's linear coefficients to measured batch times (InferMax Figure 2, step 5).
+
+The CSV has one row per measured step with the ``BatchShape`` fields and the measured seconds:
+``num_decode, decode_kv_tokens, num_prefill, prefill_tokens, prefill_attention_work,
+prefill_context_tokens, time_s`` (other columns are ignored; steps must not include KV swaps).
+
+Fitting is non-negative least squares (Lawson-Hanson active set, numpy only) of the measured time
+on the nine features, minimizing the squared *relative* error (each row weighted by 1 / time_s).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from sloserve.core.errors import ConfigError
+
+from .base import BatchShape
+from .linear import COEFFICIENT_NAMES, LinearCoefficients, LinearCostModel
+
+CSV_COLUMNS = (
+    "num_decode",
+    "decode_kv_tokens",
+    "num_prefill",
+    "prefill_tokens",
+    "prefill_attention_work",
+    "prefill_context_tokens",
+    "time_s",
+)
+# Column order of the design matrix (one per coefficient).
+FEATURE_ORDER = ("a_d", "b_d", "s_d", "a_p", "b_p", "s_p", "m_p", "a_o", "b_o")
+assert sorted(FEATURE_ORDER) == sorted(COEFFICIENT_NAMES)
+
+
+class FitReport(NamedTuple):
+    """How well the fitted model reproduces the rows it was fitted on.
+
+    ``rank``: rank of the design matrix (9 when every coefficient is identifiable); ``unidentified``:
+    coefficients whose feature is zero in every row (set to 0; e.g. prefill terms from decode-only
+    data). Collinear features (rank below the number of identified coefficients; e.g. when every
+    row has decodes b_d and b_o coincide, and with decodes only s_d and a_o too) still predict
+    these rows but split the shared term between the coefficients arbitrarily.
+    """
+
+    mean_rel_error: float
+    max_rel_error: float
+    n_rows: int
+    rank: int = len(FEATURE_ORDER)
+    unidentified: tuple[str, ...] = ()
+
+
+class LinearFit(NamedTuple):
+    """Result of a fit: the coefficients (per layer, ms) and the report."""
+
+    coefficients: LinearCoefficients
+    report: FitReport
+
+
+def feature_matrix(shapes: Sequence[BatchShape]) -> np.ndarray:
+    """Design matrix, one row per shape, columns in ``FEATURE_ORDER`` (whole-model seconds units)."""
+    rows = []
+    for s in shapes:
+        has_decode = 1.0 if s.num_decode > 0 else 0.0
+        has_prefill = 1.0 if s.num_prefill > 0 else 0.0
+        tokens = s.num_decode + s.prefill_tokens
+        rows.append(
+            [
+                has_decode * s.decode_kv_tokens,  # a_d: sum m of decodes
+                has_decode,  # b_d
+                float(s.num_decode),  # s_d: B
+                has_prefill * s.prefill_attention_work,  # a_p: sum(c^2 + 2mc)
+                has_prefill,  # b_p
+                float(s.num_prefill),  # s_p: n_p
+                has_prefill * s.prefill_context_tokens,  # m_p: sum m of prefills
+                float(tokens),  # a_o
+                1.0 if tokens > 0 else 0.0,  # b_o
+            ]
+        )
+    return np.array(rows, dtype=np.float64).reshape(len(rows), len(FEATURE_ORDER))
+
+
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """min ||a x - b|| subject to x >= 0 (Lawson & Hanson 1974, active-set)."""
+    n = a.shape[1]
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    tol = 10 * np.finfo(float).eps * np.linalg.norm(a, 1) * max(a.shape)
+    for _ in range(3 * n + 10):
+        w = a.T @ (b - a @ x)
+        candidates = np.where(~passive, w, -np.inf)
+        if passive.all() or candidates.max() <= tol:
+            break
+        passive[int(np.argmax(candidates))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            blocking = passive & (z <= 0)
+            alpha = np.min(x[blocking] / (x[blocking] - z[blocking]))
+            x = x + alpha * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+            if not passive.any():
+                break
+    return x
+
+
+def fit_linear_shapes(
+    shapes: Sequence[BatchShape], times_s: Sequence[float], *, num_layers: int, name: str = "fitted"
+) -> LinearFit:
+    """Fit coefficients to measured step times (seconds) of the given shapes; no file needed."""
+    if len(shapes) != len(times_s):
+        raise ConfigError(f"fit: {len(shapes)} shapes but {len(times_s)} times")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ConfigError(f"fit: num_layers must be a positive integer, got {num_layers!r}")
+    if len(shapes) < len(FEATURE_ORDER):
+        raise ConfigError(
+            f"fit: {len(shapes)} rows, need at least {len(FEATURE_ORDER)} (one per coefficient)"
+        )
+    times = np.asarray(times_s, dtype=np.float64)
+    if not np.all(np.isfinite(times)) or np.any(times <= 0):
+        raise ConfigError("fit: every measured time must be a positive finite number of seconds")
+    x = feature_matrix(shapes)
+    weighted = x / times[:, None]  # relative errors: (x @ c - t) / t
+    norms = np.linalg.norm(weighted, axis=0)
+    used = norms > 0
+    coef = np.zeros(len(FEATURE_ORDER))
+    scaled = weighted[:, used] / norms[used]
+    coef[used] = _nnls(scaled, np.ones(len(times))) / norms[used]
+    rank = int(np.linalg.matrix_rank(scaled)) if used.any() else 0
+    # Whole-model seconds per unit -> per-layer milliseconds.
+    per_layer_ms = {key: float(c) * 1000.0 / num_layers for key, c in zip(FEATURE_ORDER, coef)}
+    coefficients = LinearCoefficients(**per_layer_ms, num_layers=num_layers, name=name)
+    model = LinearCostModel(coefficients)
+    predicted = np.array([model.batch_time(s).total_s for s in shapes])
+    rel = np.abs(predicted - times) / times
+    report = FitReport(
+        mean_rel_error=float(rel.mean()),
+        max_rel_error=float(rel.max()),
+        n_rows=len(times),
+        rank=rank,
+        unidentified=tuple(k for k, u in zip(FEATURE_ORDER, used) if not u),
+    )
+    return LinearFit(coefficients, report)
+
+
+def read_profile_csv(csv_path: str | Path) -> tuple[list[BatchShape], list[float]]:
+    """Read a profile CSV into shapes and times; ``ConfigError`` naming file, line, column, value."""
+    path = Path(csv_path)
+    try:
+        handle = path.open(newline="")
+    except OSError as exc:
+        raise ConfigError(f"profile {path}: cannot open ({exc.strerror or exc})") from None
+    shapes: list[BatchShape] = []
+    times: list[float] = []
+    with handle:
+        reader = csv.reader(handle)
+        header: list[str] | None = None
+        for row in reader:
+            line = reader.line_num
+            if not row or not any(cell.strip() for cell in row) or row[0].lstrip().startswith("#"):
+                continue
+            if header is None:
+                header = [cell.strip() for cell in row]
+                missing = [col for col in CSV_COLUMNS if col not in header]
+                if missing:
+                    raise ConfigError(
+                        f"profile {path}, line {line}: missing column(s) {', '.join(missing)}; "
+                        f"present: {', '.join(header)}"
+                    )
+                index = {col: header.index(col) for col in CSV_COLUMNS}
+                continue
+            if len(row) != len(header):
+                raise ConfigError(
+                    f"profile {path}, line {line}: {len(row)} fields, the header has {len(header)}"
+                )
+            values: dict[str, float] = {}
+            for col in CSV_COLUMNS:
+                raw = row[index[col]].strip()
+                try:
+                    value = float(raw)
+                except ValueError:
+                    raise ConfigError(
+                        f"profile {path}, line {line}, column {col}: {raw!r} is not a number"
+                    ) from None
+                if not math.isfinite(value) or value < 0:
+                    raise ConfigError(
+                        f"profile {path}, line {line}, column {col}: {raw!r} must be a "
+                        f"non-negative finite number"
+                    )
+                values[col] = value
+            if values["time_s"] <= 0:
+                raise ConfigError(f"profile {path}, line {line}, column time_s: 0 is not a measured time")
+            if values["num_decode"] == 0 and values["decode_kv_tokens"] > 0:
+                raise ConfigError(
+                    f"profile {path}, line {line}, column decode_kv_tokens: "
+                    f"{row[index['decode_kv_tokens']].strip()!r} with num_decode 0"
+                )
+            if values["num_prefill"] == 0:
+                for col in ("prefill_tokens", "prefill_attention_work", "prefill_context_tokens"):
+                    if values[col] > 0:
+                        raise ConfigError(
+                            f"profile {path}, line {line}, column {col}: "
+                            f"{row[index[col]].strip()!r} with num_prefill 0"
+                        )
+            if values["num_decode"] + values["prefill_tokens"] == 0:
+                raise ConfigError(
+                    f"profile {path}, line {line}: empty step (num_decode and prefill_tokens are 0)"
+                )
+            shapes.append(
+                BatchShape(**{col: _number(values[col]) for col in CSV_COLUMNS if col != "time_s"})
+            )
+            times.append(values["time_s"])
+    if header is None:
+        raise ConfigError(f"profile {path}: empty file; expected a header with {', '.join(CSV_COLUMNS)}")
+    if len(shapes) < len(FEATURE_ORDER):
+        raise ConfigError(
+            f"profile {path}: {len(shapes)} data rows, need at least {len(FEATURE_ORDER)} "
+            f"(one per coefficient)"
+        )
+    return shapes, times
+
+
+def _number(value: float) -> int | float:
+    """Counts come back as ints when integral (they usually are)."""
+    return int(value) if value.is_integer() else value
+
+
+def fit_linear(csv_path: str | Path, *, num_layers: int, name: str | None = None) -> LinearFit:
+    """Fit InferMax's nine coefficients to a profile CSV (see the module docstring).
+
+    Returns ``LinearFit(coefficients, report)``; the coefficients are per layer in ms, named
+    ``name`` (default: the file's stem). Save them with ``save_preset`` to use as ``--cost-model FILE``.
+    """
+    shapes, times = read_profile_csv(csv_path)
+    return fit_linear_shapes(shapes, times, num_layers=num_layers, name=name or Path(csv_path).stem)

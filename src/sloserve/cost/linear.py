@@ -1,0 +1,135 @@
+"""InferMax's linear batch-time model (papers/infermax.md §3.2).
+
+Per layer, in milliseconds (c: tokens a request processes this step, m: tokens already in its KV,
+B: decode requests, n_p: prefill/chunk requests, tokens = sum of c over the batch):
+
+    decode attention  = a_d * sum(m over decodes) + b_d + s_d * B                 (only if B > 0)
+    prefill attention = a_p * sum(c^2 + 2mc) + b_p + s_p * n_p + m_p * sum(m)    (only if n_p > 0)
+    other             = a_o * tokens + b_o                                         (only if tokens > 0)
+
+A step takes the sum times ``num_layers``, plus ``swap_bytes / swap_bandwidth``. Left out as
+calibration details (as in the reference coefficients' notes): Vidur's decode-attention overhead
+factor (1 + fraction when B > 1) and its rounding of KV lengths to a granularity.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from sloserve.core.errors import ConfigError
+
+from .base import BatchShape, CostBreakdown, CostModel
+
+COEFFICIENT_NAMES = ("a_p", "b_p", "a_d", "b_d", "a_o", "b_o", "s_p", "s_d", "m_p")
+
+# PCIe 4.0 x16: 32 GB/s per direction theoretical, ~25 GB/s achieved by pinned-memory copies.
+DEFAULT_SWAP_BANDWIDTH = 25e9
+
+
+@dataclass(frozen=True)
+class LinearCoefficients:
+    """The nine InferMax coefficients, per model layer, in milliseconds (per unit of each feature).
+
+    ``a_p``: per unit of sum(c^2 + 2mc) of prefills; ``b_p``: prefill-attention bias; ``s_p``: per
+    prefill request; ``m_p``: per token of prefill context read (sum m of prefills); ``a_d``: per KV
+    token read by decodes (sum m); ``b_d``: decode-attention bias; ``s_d``: per decode request;
+    ``a_o``: per batch token; ``b_o``: non-attention bias.
+    """
+
+    a_p: float
+    b_p: float
+    a_d: float
+    b_d: float
+    a_o: float
+    b_o: float
+    s_p: float
+    s_d: float
+    m_p: float
+    num_layers: int
+    name: str = "linear"
+
+    def __post_init__(self) -> None:
+        for key in COEFFICIENT_NAMES:
+            value = getattr(self, key)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise ConfigError(
+                    f"cost model {self.name!r}: coefficient {key} must be a non-negative finite "
+                    f"number, got {value!r}"
+                )
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise ConfigError(
+                f"cost model {self.name!r}: num_layers must be a positive integer, got {self.num_layers!r}"
+            )
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        """Plain dict of all fields (for JSON)."""
+        return asdict(self)
+
+
+class LinearCostModel(CostModel):
+    """InferMax's linear cost model; ``batch_time`` returns seconds.
+
+    ``swap_bandwidth``: host<->GPU bytes per second for KV swaps (default 25e9, PCIe 4 x16 achieved).
+    """
+
+    def __init__(
+        self, coefficients: LinearCoefficients, *, swap_bandwidth: float = DEFAULT_SWAP_BANDWIDTH
+    ) -> None:
+        if not (isinstance(swap_bandwidth, (int, float)) and math.isfinite(swap_bandwidth) and swap_bandwidth > 0):
+            raise ConfigError(f"swap_bandwidth must be a positive number of B/s, got {swap_bandwidth!r}")
+        self.coefficients = coefficients
+        self.swap_bandwidth = float(swap_bandwidth)
+        self.name = coefficients.name
+        c = coefficients
+        # per-layer ms -> seconds for the whole model
+        self._scale = c.num_layers / 1000.0
+        self._a_d, self._b_d, self._s_d = float(c.a_d), float(c.b_d), float(c.s_d)
+        self._a_p, self._b_p, self._s_p, self._m_p = float(c.a_p), float(c.b_p), float(c.s_p), float(c.m_p)
+        self._a_o, self._b_o = float(c.a_o), float(c.b_o)
+
+    def __repr__(self) -> str:
+        return f"LinearCostModel({self.coefficients!r}, swap_bandwidth={self.swap_bandwidth!r})"
+
+    def batch_time(self, shape: BatchShape) -> CostBreakdown:
+        """Time of one step with this shape (see the module docstring for the formula)."""
+        num_decode = shape.num_decode
+        num_prefill = shape.num_prefill
+        swap_bytes = shape.swap_bytes
+        scale = self._scale
+        decode_s = 0.0
+        if num_decode > 0:
+            # a_d * B * avgKV + b_d + s_d * B
+            decode_s = (self._a_d * shape.decode_kv_tokens + self._b_d + self._s_d * num_decode) * scale
+        prefill_s = 0.0
+        if num_prefill > 0:
+            # a_p * sum(c^2 + 2mc) + b_p + s_p * n_p + m_p * sum(m)
+            prefill_s = (
+                self._a_p * shape.prefill_attention_work
+                + self._b_p
+                + self._s_p * num_prefill
+                + self._m_p * shape.prefill_context_tokens
+            ) * scale
+        tokens = num_decode + shape.prefill_tokens
+        other_s = (self._a_o * tokens + self._b_o) * scale if tokens > 0 else 0.0
+        swap_s = swap_bytes / self.swap_bandwidth if swap_bytes else 0.0
+        return CostBreakdown(other_s + decode_s + prefill_s + swap_s, other_s, decode_s, prefill_s, swap_s)
+
+    def decode_times(self, num_decode: int, decode_kv_tokens: int, num_steps: int) -> np.ndarray:
+        """Vectorized decode-only steps; same arithmetic, in the same order, as ``batch_time``."""
+        if num_steps <= 0:
+            return np.zeros(0, dtype=np.float64)
+        if num_decode <= 0:
+            return np.zeros(num_steps, dtype=np.float64)
+        scale = self._scale
+        kv = decode_kv_tokens + num_decode * np.arange(num_steps, dtype=np.int64)
+        decode_s = (self._a_d * kv + self._b_d + self._s_d * num_decode) * scale
+        other_s = (self._a_o * num_decode + self._b_o) * scale  # a scalar: no prefill tokens
+        return other_s + decode_s + 0.0 + 0.0

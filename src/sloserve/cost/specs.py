@@ -1,0 +1,269 @@
+"""Model and GPU specifications, bundled registries, and KV-cache capacity (InferMax's M)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from sloserve.core.errors import ConfigError, UnknownNameError
+
+MLP_KINDS = ("gated", "relu")
+
+
+def _check_positive_int(owner: str, field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{owner}: {field} must be a positive integer, got {value!r}")
+
+
+def _check_positive_number(owner: str, field: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(f"{owner}: {field} must be a positive finite number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture numbers of a decoder-only transformer (values of its HF ``config.json``).
+
+    ``num_params`` counts every parameter (embeddings and LM head included). ``tied_embeddings``
+    says whether the LM head shares the input embedding matrix (OPT: yes; Llama, Qwen2.5-7B: no).
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    num_params: int
+    max_context_len: int
+    dtype_bytes: float = 2
+    mlp_kind: str = "gated"  # "gated": SwiGLU (Llama, Qwen); "relu": two-matrix MLP (OPT)
+    tied_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        owner = f"model spec {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"model spec: name must be a non-empty string, got {self.name!r}")
+        for field in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "num_params",
+            "max_context_len",
+        ):
+            _check_positive_int(owner, field, getattr(self, field))
+        _check_positive_number(owner, "dtype_bytes", self.dtype_bytes)
+        if self.mlp_kind not in MLP_KINDS:
+            raise ConfigError(
+                f"{owner}: mlp_kind must be one of {', '.join(MLP_KINDS)}, got {self.mlp_kind!r}"
+            )
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"{owner}: num_kv_heads {self.num_kv_heads} must divide "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
+
+    @property
+    def kv_bytes_per_token(self) -> int | float:
+        """Bytes of K and V for one token over all layers: 2 * layers * kv_heads * head_dim * dtype."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> int | float:
+        """Bytes of all weights at ``dtype_bytes`` per parameter."""
+        return self.num_params * self.dtype_bytes
+
+    @property
+    def embedding_params(self) -> int:
+        """Parameters of the input embedding and LM head (counted once when tied)."""
+        return self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters applied to every token (decoder layers, norms): all minus embedding/LM head."""
+        return self.num_params - self.embedding_params
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One GPU's published peak numbers. Bandwidths are per direction, in bytes per second."""
+
+    name: str
+    peak_flops: float  # dense BF16/FP16 tensor-core FLOP/s (no sparsity)
+    hbm_bandwidth: float  # B/s
+    memory_bytes: float  # decimal bytes as in the datasheet ("80GB" -> 80e9)
+    pcie_bandwidth: float  # B/s one direction, host <-> GPU (KV swap)
+    interconnect_bandwidth: float  # B/s one direction per GPU, GPU <-> GPU (NVLink; TP all-reduce)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"gpu spec: name must be a non-empty string, got {self.name!r}")
+        owner = f"gpu spec {self.name!r}"
+        for field in (
+            "peak_flops",
+            "hbm_bandwidth",
+            "memory_bytes",
+            "pcie_bandwidth",
+            "interconnect_bandwidth",
+        ):
+            _check_positive_number(owner, field, getattr(self, field))
+
+
+# Models: values from each model's Hugging Face config.json; num_params is the exact count of the
+# released checkpoint (equal to the count derived from the config, checked in tests/test_cost.py).
+MODELS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in (
+        # facebook/opt-13b config.json: 40 layers, hidden 5120, 40 heads, ffn_dim 20480,
+        # vocab 50272, max_position_embeddings 2048, tied LM head, ReLU MLP.
+        ModelSpec("opt-13b", 40, 5120, 40, 40, 128, 20480, 50272, 12_853_473_280, 2048,
+                  mlp_kind="relu", tied_embeddings=True),
+        # meta-llama/Llama-2-7b-hf config.json: 32 layers, hidden 4096, 32 heads (MHA),
+        # intermediate 11008, vocab 32000, max_position_embeddings 4096.
+        ModelSpec("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000, 6_738_415_616, 4096),
+        # meta-llama/Llama-2-13b-hf config.json: 40 layers, hidden 5120, 40 heads (MHA),
+        # intermediate 13824, vocab 32000, max_position_embeddings 4096.
+        ModelSpec("llama-2-13b", 40, 5120, 40, 40, 128, 13824, 32000, 13_015_864_320, 4096),
+        # meta-llama/Llama-2-70b-hf config.json: 80 layers, hidden 8192, 64 heads, 8 KV heads,
+        # intermediate 28672, vocab 32000, max_position_embeddings 4096.
+        ModelSpec("llama-2-70b", 80, 8192, 64, 8, 128, 28672, 32000, 68_976_648_192, 4096),
+        # meta-llama/Meta-Llama-3-8B config.json: 32 layers, hidden 4096, 32 heads, 8 KV heads,
+        # intermediate 14336, vocab 128256, max_position_embeddings 8192.
+        ModelSpec("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256, 8_030_261_248, 8192),
+        # meta-llama/Meta-Llama-3-70B config.json: 80 layers, hidden 8192, 64 heads, 8 KV heads,
+        # intermediate 28672, vocab 128256, max_position_embeddings 8192.
+        ModelSpec("llama-3-70b", 80, 8192, 64, 8, 128, 28672, 128256, 70_553_706_496, 8192),
+        # Qwen/Qwen2.5-7B-Instruct config.json: 28 layers, hidden 3584, 28 heads, 4 KV heads,
+        # intermediate 18944, vocab 152064, max_position_embeddings 32768 (the base model's config
+        # says 131072; 32768 is the native context, longer needs YaRN). QKV projections have biases.
+        ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, 7_615_616_512, 32768),
+    )
+}
+
+_GB = 1e9
+# GPUs: NVIDIA datasheets (SXM form factor unless named). Datasheets quote bidirectional totals for
+# PCIe and NVLink; we store one direction (half). Dense BF16 is half the "with sparsity" figure.
+GPUS: dict[str, HardwareSpec] = {
+    g.name: g
+    for g in (
+        # A100 datasheet: BF16 312 TFLOPS dense; 80GB HBM2e at 2,039 GB/s (SXM);
+        # PCIe Gen4 64 GB/s (32 per direction); NVLink 600 GB/s (300 per direction).
+        HardwareSpec("a100-80gb", 312e12, 2039 * _GB, 80 * _GB, 32 * _GB, 300 * _GB),
+        # A100 datasheet: 40GB HBM2 at 1,555 GB/s (SXM); other numbers as A100 80GB.
+        HardwareSpec("a100-40gb", 312e12, 1555 * _GB, 40 * _GB, 32 * _GB, 300 * _GB),
+        # H100 SXM datasheet: BF16 1,979 TFLOPS with sparsity (989 dense); 80GB HBM3 at 3.35 TB/s;
+        # PCIe Gen5 128 GB/s (64 per direction); NVLink 900 GB/s (450 per direction).
+        HardwareSpec("h100", 989e12, 3350 * _GB, 80 * _GB, 64 * _GB, 450 * _GB),
+        # H200 SXM datasheet: BF16 1,979 TFLOPS with sparsity (989 dense); 141GB HBM3e at
+        # 4.8 TB/s; PCIe Gen5 128 GB/s; NVLink 900 GB/s.
+        HardwareSpec("h200", 989e12, 4800 * _GB, 141 * _GB, 64 * _GB, 450 * _GB),
+        # A30 datasheet: BF16 165 TFLOPS dense (330 with sparsity); 24GB HBM2 at 933 GB/s;
+        # PCIe Gen4 64 GB/s; third-generation NVLink bridge 200 GB/s (100 per direction).
+        HardwareSpec("a30", 165e12, 933 * _GB, 24 * _GB, 32 * _GB, 100 * _GB),
+    )
+}
+
+GPU_ALIASES: dict[str, str] = {"a100": "a100-80gb", "h100-sxm": "h100", "h200-sxm": "h200"}
+
+
+def get_model(name: str) -> ModelSpec:
+    """The bundled ``ModelSpec`` called ``name`` (case-insensitive); ``UnknownNameError`` if none."""
+    key = name.strip().lower()
+    if key not in MODELS:
+        raise UnknownNameError("model", name, list(MODELS))
+    return MODELS[key]
+
+
+def get_gpu(name: str) -> HardwareSpec:
+    """The bundled ``HardwareSpec`` called ``name`` or an alias (``a100`` = ``a100-80gb``)."""
+    key = name.strip().lower()
+    key = GPU_ALIASES.get(key, key)
+    if key not in GPUS:
+        raise UnknownNameError("gpu", name, [*GPUS, *GPU_ALIASES])
+    return GPUS[key]
+
+
+def check_tensor_parallel(model: ModelSpec, num_gpus: int) -> None:
+    """``ConfigError`` unless ``num_gpus`` is a positive integer dividing the attention heads."""
+    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
+        raise ConfigError(f"num_gpus must be a positive integer, got {num_gpus!r}")
+    if model.num_attention_heads % num_gpus:
+        raise ConfigError(
+            f"tensor parallel degree {num_gpus} must divide num_attention_heads "
+            f"{model.num_attention_heads} of model {model.name}"
+        )
+
+
+# Fixed per-GPU memory outside weights, KV and activations: CUDA context, cuBLAS/NCCL workspaces,
+# CUDA graphs. ~1 GiB is what vLLM-style engines typically leave for these.
+FIXED_RESERVE_BYTES_PER_GPU = 1 << 30
+
+
+def default_activation_reserve(model: ModelSpec, num_gpus: int = 1) -> float:
+    """Default memory held back per deployment (all GPUs) besides weights and KV, in bytes.
+
+    Per GPU: ``FIXED_RESERVE_BYTES_PER_GPU`` plus the peak activations of one forward pass of
+    ``max_context_len`` tokens: ~4 hidden-sized buffers (residual, normed input, attention output,
+    MLP output) plus the MLP's intermediate buffers (2 for gated, 1 for ReLU), the latter split by TP.
+    """
+    mlp_buffers = 2 if model.mlp_kind == "gated" else 1
+    per_token = (4 * model.hidden_size + mlp_buffers * model.intermediate_size / num_gpus)
+    activations = model.max_context_len * per_token * model.dtype_bytes
+    return num_gpus * (FIXED_RESERVE_BYTES_PER_GPU + activations)
+
+
+def kv_capacity_tokens(
+    model: ModelSpec,
+    gpu: HardwareSpec,
+    *,
+    num_gpus: int = 1,
+    memory_utilization: float = 0.9,
+    activation_reserve_bytes: float | None = None,
+) -> int:
+    """How many tokens of KV cache fit (InferMax's M): (num_gpus * memory * utilization - weights -
+    activation reserve) / kv_bytes_per_token. With tensor parallelism both the weights and each
+    token's KV are split across GPUs, so the totals are unchanged and memory sums.
+
+    ``activation_reserve_bytes`` is the total over all GPUs (default: ``default_activation_reserve``).
+    Raises ``ConfigError`` if the weights (or weights plus reserve) do not fit.
+    """
+    check_tensor_parallel(model, num_gpus)
+    if (
+        isinstance(memory_utilization, bool)
+        or not isinstance(memory_utilization, (int, float))
+        or not 0 < memory_utilization <= 1
+    ):
+        raise ConfigError(f"memory_utilization must be in (0, 1], got {memory_utilization!r}")
+    if activation_reserve_bytes is None:
+        activation_reserve_bytes = default_activation_reserve(model, num_gpus)
+    elif not math.isfinite(activation_reserve_bytes) or activation_reserve_bytes < 0:
+        raise ConfigError(
+            f"activation_reserve_bytes must be a non-negative number, got {activation_reserve_bytes!r}"
+        )
+    usable = num_gpus * gpu.memory_bytes * memory_utilization
+    where = f"{num_gpus}x {gpu.name} at memory utilization {memory_utilization:g} ({usable / 1e9:.0f} GB)"
+    if model.weight_bytes >= usable:
+        raise ConfigError(
+            f"model {model.name} ({model.weight_bytes / 1e9:.0f} GB of weights) does not fit on "
+            f"{where}; use more GPUs or a bigger GPU"
+        )
+    free = usable - model.weight_bytes - activation_reserve_bytes
+    tokens = int(free // model.kv_bytes_per_token) if free > 0 else 0
+    if tokens < 1:
+        raise ConfigError(
+            f"model {model.name} ({model.weight_bytes / 1e9:.0f} GB of weights) plus "
+            f"{activation_reserve_bytes / 1e9:.1f} GB of activation reserve leaves no room for KV "
+            f"cache on {where}; use more GPUs, a bigger GPU or a higher memory utilization"
+        )
+    return tokens

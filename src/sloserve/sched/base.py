@@ -1,0 +1,168 @@
+"""The ``Scheduler`` contract and the bookkeeping every policy shares.
+
+A policy implements ``schedule(now) -> SchedulerOutput``; ``update(output, result, now)`` applies what
+the executor did. Nothing else crosses between policy and execution. Schedulers never read the clock
+(``now`` is passed in) and never read ``Request.true_output_tokens``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+
+import numpy as np
+
+from sloserve.core.outputs import Preemption, PreemptionMode, SchedulerOutput, StepResult
+from sloserve.core.request import Request, RequestStatus
+from sloserve.kv.manager import KVCacheManager
+from sloserve.sched.cohort import DecodeCohort
+
+
+class Scheduler(ABC):
+    """Base policy: queues, a decode cohort, preemption and the post-step update.
+
+    Queues: ``waiting`` (no KV; new or evicted by recompute), ``running`` (holds GPU KV; insertion
+    order is priority order, the last entry is the first victim), ``swapped`` (KV in CPU memory).
+    """
+
+    name: str = "scheduler"
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: dict[Request, None] = {}
+        self.swapped: deque[Request] = deque()
+        # Running requests outside the cohort (prefills in progress), in running order.
+        self.outside_cohort: dict[Request, None] = {}
+        self.cohort = DecodeCohort(kv)
+        self._joined: list[Request] = []  # cohort joins not yet reported in an output
+        self.num_preemptions = 0
+
+    # --- interface ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """A request arrived; it waits until ``schedule`` admits it."""
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def check_fits(self, request: Request, max_kv_tokens: int) -> None:
+        """Raise ConfigError when ``request``, needing ``max_kv_tokens`` of KV at its peak, could never
+        finish alone in this KV cache. Default: no check."""
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @abstractmethod
+    def schedule(self, now: float) -> SchedulerOutput:
+        """Decide the next step."""
+
+    def decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
+        """Steps (>= 1, <= limit) for which repeating the decode-only ``output`` gives the same
+        decision, assuming no arrival and no completion. Default: 1 (no fast path)."""
+        return 1
+
+    def repeat_decode(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
+        """The decode-only ``output`` repeated ``num_steps`` times (``num_steps`` <= decode_horizon):
+        allocates the KV the later steps need."""
+        raise NotImplementedError(f"{self.name} has no decode fast path")
+
+    def update(self, output: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
+        """Apply an executed step: progress counters, token times, finished requests. Returns the
+        requests that finished."""
+        if output.cohort is not None:
+            self.cohort.advance(result.step_end_times)
+        emitted: list[Request] = []
+        for request, num_tokens in output.chunks:
+            request.add_computed(num_tokens)
+            if request.num_computed_tokens == request.num_tokens:
+                request.add_output_token(now)
+                emitted.append(request)
+        for request in result.finished:
+            self._finish(request, now)
+        for request in emitted:
+            if request.status is RequestStatus.RUNNING:
+                self.on_token_emitted(request)
+        return result.finished
+
+    # --- hooks and shared mechanics -----------------------------------------------------------
+    def on_token_emitted(self, request: Request) -> None:
+        """A request outside the cohort sampled a token and goes on: by default it joins the cohort."""
+        self._join_cohort(request)
+
+    def _admit(self, request: Request) -> None:
+        """Move a request that now holds KV into ``running`` (outside the cohort)."""
+        request.status = RequestStatus.RUNNING
+        self.running[request] = None
+        self.outside_cohort[request] = None
+
+    def _join_cohort(self, request: Request) -> None:
+        self.outside_cohort.pop(request, None)
+        self.cohort.add(request)
+        self._joined.append(request)
+
+    def _take_joined(self) -> list[Request]:
+        joined, self._joined = self._joined, []
+        return joined
+
+    def _finish(self, request: Request, now: float) -> None:
+        if request.cohort is not None:
+            request.cohort.remove(request)
+        self.running.pop(request, None)
+        self.outside_cohort.pop(request, None)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_time = now
+
+    def _preempt(self, request: Request, mode: PreemptionMode, output: SchedulerOutput) -> None:
+        """Evict ``request`` from the GPU (recompute: drop its KV; swap: move it to CPU memory).
+        Falls back to recompute when swap space is short."""
+        if request.cohort is not None:
+            request.cohort.remove(request)
+        del self.running[request]
+        self.outside_cohort.pop(request, None)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if mode is PreemptionMode.SWAP:
+            copies = self.kv.swap_out(request)
+            if copies is not None:
+                output.swap_out.extend(copies)
+                output.swap_bytes += self.kv.swap_bytes(copies)
+                request.status = RequestStatus.SWAPPED
+                self.swapped.append(request)
+                output.preempted.append(Preemption(request, mode))
+                return
+            mode = PreemptionMode.RECOMPUTE
+        self.kv.free(request)
+        request.reset_computed()
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        output.preempted.append(Preemption(request, mode))
+
+    # --- metrics -------------------------------------------------------------------------------
+    def kv_used_tokens(self) -> int:
+        """Tokens holding KV on the GPU."""
+        outside = sum(r.num_computed_tokens for r in self.outside_cohort)
+        return self.cohort.kv_tokens + outside
+
+    def check_integrity(self) -> None:
+        """Invariants across queues, cohort and KV manager (for tests)."""
+        self.kv.check_integrity()
+        queues = [set(self.waiting), set(self.running), set(self.swapped)]
+        for i, a in enumerate(queues):
+            for b in queues[i + 1 :]:
+                assert not a & b, "a request is in two queues"
+        for r in self.running:
+            assert r.status is RequestStatus.RUNNING, r
+            assert self.kv.num_slots(r) >= r.num_computed_tokens, f"{r} has KV beyond its slots"
+        for r in self.cohort.members:
+            assert r in self.running, f"cohort member {r} is not running"
+        assert set(self.outside_cohort) | set(self.cohort.members) == set(self.running)
+        assert not set(self.outside_cohort) & set(self.cohort.members)
+        for r in self.waiting:
+            assert r.num_computed_tokens == 0 and self.kv.num_slots(r) == 0, r
+
+
+def stretch_kv_allocated(end_allocated_tokens: int, new_blocks: np.ndarray, block_size: int) -> np.ndarray:
+    """Allocated tokens after each step of a stretch whose steps allocated ``new_blocks`` blocks
+    (``(num_steps,)``), given the allocation after the whole stretch."""
+    after = np.cumsum(new_blocks)
+    return end_allocated_tokens - (after[-1] - after) * block_size

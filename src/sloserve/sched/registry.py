@@ -1,0 +1,170 @@
+"""Scheduler registry: names, presets and ``--set key=value`` options."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sloserve.core.errors import ConfigError, UnknownNameError
+from sloserve.kv.manager import KV_MANAGERS
+from sloserve.sched.base import Scheduler
+from sloserve.sched.unified import UnifiedConfig, UnifiedScheduler
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    """A registered policy: its class, config dataclass and the preset's config values."""
+
+    name: str
+    description: str
+    scheduler_cls: Callable[..., Scheduler]
+    config_cls: type
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+
+SCHEDULERS: dict[str, SchedulerSpec] = {}
+
+
+def register(spec: SchedulerSpec) -> None:
+    SCHEDULERS[spec.name] = spec
+
+
+register(
+    SchedulerSpec(
+        "vllm",
+        "vLLM v0: prefill-first, no hybrid batches, paged KV, evict the latest-admitted (InferMax §3.1)",
+        UnifiedScheduler,
+        UnifiedConfig,
+        dict(priority="prefill_first", hybrid_batching=False, chunked_prefill=False),
+    )
+)
+register(
+    SchedulerSpec(
+        "sarathi",
+        "Sarathi-Serve: decode-first, hybrid batches, chunked prefill with budget P=512",
+        UnifiedScheduler,
+        UnifiedConfig,
+        dict(
+            priority="decode_first", hybrid_batching=True, chunked_prefill=True, prefill_token_budget=512
+        ),
+    )
+)
+register(
+    SchedulerSpec(
+        "orca",
+        "ORCA: iteration-level batching of at most 8 requests, max allocation (prompt + max_tokens)",
+        UnifiedScheduler,
+        UnifiedConfig,
+        dict(
+            priority="decode_first",
+            hybrid_batching=True,
+            chunked_prefill=False,
+            max_num_seqs=8,
+            kv_manager="max",
+            watermark=0.0,
+        ),
+    )
+)
+
+
+def scheduler_names() -> list[str]:
+    return sorted(SCHEDULERS)
+
+
+def parse_set_options(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """``["a=1", "b=x"]`` -> ``{"a": "1", "b": "x"}``."""
+    options: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set expects key=value, got {pair!r}")
+        options[key.strip()] = value.strip()
+    return options
+
+
+def _coerce(scheduler: str, key: str, value: Any, annotation: Any) -> Any:
+    """Convert a ``--set`` string to the config field's type, or raise a ConfigError naming it."""
+    if not isinstance(value, str):
+        return value
+    where = f"scheduler {scheduler}: option {key}={value!r}"
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value.lower() == "none" and type(None) in args:
+            return None
+        (annotation,) = [a for a in args if a is not type(None)]
+        return _coerce(scheduler, key, value, annotation)
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: expected one of {', '.join(map(str, args))}")
+        return value
+    if annotation is bool:
+        lowered = value.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: expected true or false")
+    if annotation in (int, float):
+        try:
+            return annotation(value)
+        except ValueError:
+            raise ConfigError(f"{where}: expected {'an integer' if annotation is int else 'a number'}") from None
+    return value
+
+
+def build_config(name: str, options: Mapping[str, Any] | None = None) -> Any:
+    """The preset's config for ``name`` with ``options`` applied (strings are converted)."""
+    spec = get_spec(name)
+    hints = typing.get_type_hints(spec.config_cls)
+    values = dict(spec.defaults)
+    for key, value in (options or {}).items():
+        if key not in hints:
+            raise ConfigError(f"scheduler {name} has no option {key!r}; valid: {', '.join(sorted(hints))}")
+        values[key] = _coerce(name, key, value, hints[key])
+    return spec.config_cls(**values)
+
+
+def get_spec(name: str) -> SchedulerSpec:
+    if name not in SCHEDULERS:
+        raise UnknownNameError("scheduler", name, scheduler_names())
+    return SCHEDULERS[name]
+
+
+def make_scheduler(
+    name: str,
+    *,
+    kv_capacity_tokens: int,
+    max_model_len: int,
+    kv_bytes_per_token: int = 0,
+    swap_space_tokens: int = 0,
+    options: Mapping[str, Any] | None = None,
+) -> Scheduler:
+    """Build a registered scheduler over a fresh KV cache of ``kv_capacity_tokens`` token slots."""
+    spec = get_spec(name)
+    config = build_config(name, options)
+    config.resolve(max_model_len)
+    if config.kv_manager not in KV_MANAGERS:
+        raise UnknownNameError("KV manager", config.kv_manager, list(KV_MANAGERS))
+    if kv_capacity_tokens < config.block_size:
+        raise ConfigError(
+            f"KV capacity {kv_capacity_tokens} tokens is below one block of {config.block_size} tokens"
+        )
+    kv = KV_MANAGERS[config.kv_manager](
+        kv_capacity_tokens // config.block_size,
+        config.block_size,
+        kv_bytes_per_token=kv_bytes_per_token,
+        num_cpu_blocks=swap_space_tokens // config.block_size,
+    )
+    scheduler = spec.scheduler_cls(kv, config)
+    scheduler.name = name
+    return scheduler
+
+
+def describe_options(name: str) -> dict[str, Any]:
+    """The preset's full option values (for ``sloserve schedulers`` and summaries)."""
+    return dataclasses.asdict(build_config(name))

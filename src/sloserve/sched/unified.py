@@ -1,0 +1,217 @@
+"""InferMax's unified scheduler (papers/infermax.md §3.1, Algorithm 1) and its vLLM, Sarathi-Serve and
+ORCA presets.
+
+GETNEXTBATCH walks request groups in priority order (1), skips a candidate of the other phase when
+hybrid batching is off (2), checks CANALLOCATE against the token budget C, the prefill budget P and
+the KV memory M (3), and on a memory failure evicts lower-priority running requests (4):
+
+    prefill_first (vLLM):   R_w (waiting: prefills and refills), then R_r (running decodes)
+    decode_first (Sarathi): R_r^d (running decodes), R_r^p (running chunked prefills), then R_w
+
+Running decodes form one ``DecodeCohort`` that is scheduled as a group: every member takes one token,
+and the group's memory need is the blocks its members must grow by this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from sloserve.core.errors import ConfigError
+from sloserve.core.outputs import PreemptionMode, ScheduledChunk, SchedulerOutput
+from sloserve.core.request import Request
+from sloserve.kv.manager import KVCacheManager
+from sloserve.sched.base import Scheduler
+
+
+@dataclass
+class UnifiedConfig:
+    """Knobs of Algorithm 1 (InferMax Table 1). Validated by ``validate``."""
+
+    priority: Literal["prefill_first", "decode_first"] = "prefill_first"
+    hybrid_batching: bool = False  # prefill and decode requests in one batch
+    chunked_prefill: bool = False  # split prompts into chunks of at most P tokens per batch
+    max_num_batched_tokens: int | None = None  # C: tokens per batch (None: max(model length, 2048))
+    prefill_token_budget: int | None = None  # P: tokens per batch once prefills join (None: C)
+    max_num_seqs: int = 256  # running requests at most
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    watermark: float = 0.01  # fraction of blocks kept free when admitting prefills (vLLM)
+    kv_manager: Literal["paged", "max", "exact"] = "paged"
+    block_size: int = 16
+
+    def resolve(self, max_model_len: int) -> None:
+        """Fill defaults that depend on the model and check every knob."""
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(max_model_len, 2048)
+        if self.prefill_token_budget is None:
+            self.prefill_token_budget = self.max_num_batched_tokens
+        c, p = self.max_num_batched_tokens, self.prefill_token_budget
+        if self.priority not in ("prefill_first", "decode_first"):
+            raise ConfigError(f"priority must be prefill_first or decode_first, got {self.priority!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ConfigError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        if c < 1 or p < 1:
+            raise ConfigError(f"token budgets must be >= 1, got C={c}, P={p}")
+        if p > c:
+            raise ConfigError(f"prefill_token_budget P={p} exceeds max_num_batched_tokens C={c}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_seqs > c:
+            raise ConfigError(
+                f"max_num_seqs={self.max_num_seqs} exceeds max_num_batched_tokens C={c}: "
+                "every running decode must fit in one batch"
+            )
+        if not self.chunked_prefill and p < max_model_len:
+            raise ConfigError(
+                f"without chunked prefill a whole prompt must fit one batch: P={p} < model length "
+                f"{max_model_len}; raise prefill_token_budget or set chunked_prefill=true"
+            )
+        if self.chunked_prefill and not self.hybrid_batching:
+            raise ConfigError("chunked prefill needs hybrid batching (a chunked prompt runs beside decodes)")
+        if not 0 <= self.watermark < 1:
+            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+
+
+class UnifiedScheduler(Scheduler):
+    """Algorithm 1 with the knobs of ``UnifiedConfig``."""
+
+    name = "unified"
+
+    def __init__(self, kv: KVCacheManager, config: UnifiedConfig) -> None:
+        super().__init__(kv)
+        self.config = config
+        self._budget = config.max_num_batched_tokens or 0  # C
+        self._prefill_budget = config.prefill_token_budget or 0  # P
+        self._watermark_blocks = int(config.watermark * kv.gpu.num_blocks)
+        self._preemption_mode = PreemptionMode(config.preemption_mode)
+
+    # --- Algorithm 1, GETNEXTBATCH ----------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        cfg = self.config
+        if cfg.priority == "prefill_first":
+            # Hybrid: prefills go first but leave room in C for the running decodes.
+            reserved = len(self.cohort) if cfg.hybrid_batching else 0
+            self._schedule_running_prefills(out, reserved)
+            if not self.swapped:
+                self._schedule_waiting(out, reserved)
+            if not out.chunks or cfg.hybrid_batching:
+                self._schedule_decodes(out)
+        else:
+            self._schedule_decodes(out)
+            if cfg.hybrid_batching or not self.cohort:
+                self._schedule_running_prefills(out, 0)
+                if not out.preempted and not self.swapped:
+                    self._schedule_waiting(out, 0)
+        out.cohort_joined = self._take_joined()
+        return out
+
+    def _used_tokens(self, out: SchedulerOutput) -> int:
+        return out.cohort_size + sum(c.num_tokens for c in out.chunks)
+
+    def _prefill_room(self, out: SchedulerOutput, reserved: int) -> int:
+        """Tokens a prefill candidate may still take: min(C, P) minus what the batch holds (3)."""
+        used = self._used_tokens(out)
+        return min(self._budget - reserved - used, self._prefill_budget - used)
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> None:
+        """Group R_r^d: every running decode takes one token; evict from the lowest priority until
+        the cohort's KV growth fits (4), then swap requests back in if nothing was evicted."""
+        cohort = self.cohort
+        if cohort:
+            tick = cohort.ticks + 1
+            while cohort and cohort.blocks_due(tick) > self.kv.num_free_blocks:
+                victim = next(reversed(self.running))
+                self._preempt(victim, self._preemption_mode, out)
+            cohort.grow_due(tick)
+        if not out.preempted:
+            self._schedule_swap_in(out)
+        if cohort:
+            out.cohort = cohort
+            out.cohort_size = len(cohort)
+            out.cohort_kv_tokens = cohort.kv_tokens
+
+    def _schedule_swap_in(self, out: SchedulerOutput) -> None:
+        """Swapped requests come back (FCFS) when their blocks, plus the next token's, fit."""
+        kv = self.kv
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            held = kv.swap_in_blocks_needed(request)
+            tokens = request.num_computed_tokens + (0 if request.is_prefill else 1)
+            extra = max(0, -(-kv.target_slots(request, tokens) // kv.block_size) - held)
+            if held + extra + self._watermark_blocks > kv.num_free_blocks:
+                break
+            self.swapped.popleft()
+            copies = kv.swap_in(request)
+            assert copies is not None and kv.allocate_slots(request, tokens)
+            out.swap_in.extend(copies)
+            out.swap_bytes += kv.swap_bytes(copies)
+            self._admit(request)
+            if not request.is_prefill:
+                self._join_cohort(request)
+
+    def _schedule_running_prefills(self, out: SchedulerOutput, reserved: int) -> None:
+        """Group R_r^p: chunked prefills in progress already hold KV for their whole prompt."""
+        for request in self.outside_cohort:
+            room = self._prefill_room(out, reserved)
+            if room <= 0:
+                break
+            out.chunks.append(ScheduledChunk(request, min(request.num_tokens_to_process, room)))
+
+    def _schedule_waiting(self, out: SchedulerOutput, reserved: int) -> None:
+        """Group R_w, FCFS: admit while C, P, M and max_num_seqs allow; stop at the first that does
+        not fit (a memory failure here skips the group, as vLLM and Sarathi do)."""
+        kv, cfg = self.kv, self.config
+        while self.waiting and len(self.running) < cfg.max_num_seqs:
+            request = self.waiting[0]
+            tokens = request.num_tokens_to_process
+            room = self._prefill_room(out, reserved)
+            num_tokens = min(tokens, room) if cfg.chunked_prefill else tokens
+            if num_tokens <= 0 or num_tokens > room:
+                break
+            # m_reserve: the whole prompt (or prompt + generated tokens for a refill).
+            if not kv.can_allocate(request, request.num_tokens, self._watermark_blocks):
+                break
+            assert kv.allocate_slots(request, request.num_tokens)
+            self.waiting.popleft()
+            self._admit(request)
+            out.chunks.append(ScheduledChunk(request, num_tokens))
+
+    # --- simulator fast path -----------------------------------------------------------------
+    def decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
+        """A decode-only step repeats unchanged until the cohort's growth outruns free memory: every
+        admission that failed this step failed on C, P, max_num_seqs or memory, and none of those
+        loosens before a completion, an arrival or an eviction."""
+        if not output.is_decode_only or limit <= 1:
+            return 1
+        cohort = self.cohort
+        return 1 + cohort.memory_horizon(cohort.ticks + 2, self.kv.num_free_blocks, limit - 1)
+
+    def repeat_decode(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
+        first = self.cohort.ticks + 1  # grown by schedule()
+        new_blocks = np.zeros(num_steps, dtype=np.int64)
+        for i in range(1, num_steps):
+            new_blocks[i] = self.cohort.grow_due(first + i)
+        return output.repeated(num_steps, new_blocks)
+
+    # --- validation ----------------------------------------------------------------------------
+    def check_fits(self, request: Request, max_kv_tokens: int) -> None:
+        """Raise ConfigError when ``request`` could never finish alone in this KV cache."""
+        kv = self.kv
+        target = kv.target_slots(request, max_kv_tokens)
+        blocks = -(-target // kv.block_size) + self._watermark_blocks
+        if blocks > kv.gpu.num_blocks:
+            what = (
+                f"prompt {request.num_prompt_tokens} + max_tokens {request.max_tokens} (max allocation)"
+                if target > max_kv_tokens
+                else f"prompt {request.num_prompt_tokens} + output {max_kv_tokens - request.num_prompt_tokens + 1} - 1"
+            )
+            raise ConfigError(
+                f"KV capacity {kv.capacity_tokens} tokens ({kv.gpu.num_blocks} blocks of {kv.block_size}"
+                f"{f', {self._watermark_blocks} kept free' if self._watermark_blocks else ''}) cannot hold "
+                f"request {request.request_id}: {what} = {target} tokens"
+            )

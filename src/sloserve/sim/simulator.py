@@ -1,0 +1,225 @@
+"""Discrete-event simulation of one replica or a cluster of replicas behind a router.
+
+The step loop per replica is ``schedule -> execute -> update``. Events are ordered by time; ties go
+to arrivals first, then to the replica with the lowest index, so a run is deterministic.
+
+Fast path: a decode-only step that would repeat unchanged (no arrival, no completion, no memory event:
+``Scheduler.decode_horizon``) is executed as one stretch of k steps whose times come from the cost
+model's arithmetic series (``CostModel.decode_times``). ``fast_path=False`` runs the same steps one
+by one; tests check both give the same per-request timestamps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sloserve.core.errors import UnknownNameError
+from sloserve.core.outputs import SchedulerOutput
+from sloserve.core.request import Request
+from sloserve.cost.base import CostModel
+from sloserve.metrics.timeline import Timeline
+from sloserve.sched.base import Scheduler, stretch_kv_allocated
+from sloserve.sim.executor import SimExecutor
+
+# Longest stretch advanced at once (bounds the arrays a stretch allocates).
+MAX_STRETCH_STEPS = 4096
+
+
+class SimulationStuckError(RuntimeError):
+    """The scheduler has unfinished requests but schedules nothing (a policy bug)."""
+
+
+class Replica:
+    """One model replica: a scheduler, a simulated executor and its own clock and timeline."""
+
+    def __init__(self, index: int, scheduler: Scheduler, cost_model: CostModel, fast_path: bool) -> None:
+        self.index = index
+        self.scheduler = scheduler
+        self.executor = SimExecutor(cost_model)
+        self.fast_path = fast_path
+        self.now = 0.0  # time at which the next step starts
+        self.timeline = Timeline()
+        self.outstanding = 0  # routed and not finished
+
+    def add(self, request: Request) -> None:
+        if not self.scheduler.has_unfinished():
+            self.now = max(self.now, request.arrival_time)
+        request.replica = self.index
+        self.scheduler.add_request(request)
+        self.outstanding += 1
+
+    def step(self, next_arrival: float) -> int:
+        """Run one step (or one decode stretch); returns how many requests finished."""
+        sched, executor, now = self.scheduler, self.executor, self.now
+        t0 = time.perf_counter()
+        out = sched.schedule(now)
+        if out.is_empty:
+            raise SimulationStuckError(
+                f"replica {self.index}: {sched.name} scheduled nothing at t={now:.6f} with "
+                f"{len(sched.waiting)} waiting, {len(sched.running)} running, {len(sched.swapped)} swapped"
+            )
+        durations = None
+        if self.fast_path and out.is_decode_only:
+            limit = min(executor.steps_until_finish(out), MAX_STRETCH_STEPS)
+            limit = sched.decode_horizon(out, limit) if limit > 1 else 1
+            if limit > 1 and next_arrival < math.inf:
+                # The stretch ends with the first step that ends at or after the next arrival; that
+                # is usually a few steps away, so look at a short prefix first.
+                durations = executor.decode_durations(out, min(limit, 16))
+                ends = now + np.cumsum(durations)
+                if ends[-1] < next_arrival and len(durations) < limit:
+                    durations = executor.decode_durations(out, limit)
+                    ends = now + np.cumsum(durations)
+                limit = min(limit, int(np.searchsorted(ends, next_arrival, side="left")) + 1)
+            if limit > 1:
+                out = sched.repeat_decode(out, limit)
+        sched_time = time.perf_counter() - t0
+        result = executor.execute(out, now, durations)
+        ends = result.step_end_times
+        # KV before update: a stretch's earlier steps end before its finished requests free theirs.
+        used_before, allocated_before = sched.kv_used_tokens(), sched.kv.allocated_tokens
+        finished = sched.update(out, result, float(ends[-1]))
+        self._record(out, now, ends, sched_time, used_before, allocated_before)
+        self.now = float(ends[-1])
+        self.outstanding -= len(finished)
+        return len(finished)
+
+    def _record(
+        self,
+        out: SchedulerOutput,
+        start: float,
+        ends: np.ndarray,
+        sched_time: float,
+        used_before: int,
+        allocated_before: int,
+    ) -> None:
+        kv = self.scheduler.kv
+        used = self.scheduler.kv_used_tokens()
+        if out.num_steps == 1:
+            self.timeline.append(
+                start,
+                float(ends[0]) - start,
+                out.num_batched_tokens,
+                out.num_prefill_tokens,
+                out.cohort_size + sum(1 for r, c in out.chunks if c == 1 and not r.is_prefill),
+                out.num_requests,
+                used,
+                kv.allocated_tokens,
+                len(out.preempted),
+                sched_time,
+                self.index,
+            )
+            return
+        k, n = out.num_steps, out.cohort_size
+        starts = np.empty(k)
+        starts[0] = start
+        starts[1:] = ends[:-1]
+        sched_times = np.zeros(k)
+        sched_times[0] = sched_time
+        kv_used = used_before + n * np.arange(1, k + 1)
+        kv_allocated = stretch_kv_allocated(allocated_before, out.new_blocks_per_step, kv.block_size)
+        kv_used[-1], kv_allocated[-1] = used, kv.allocated_tokens  # after the last step's finishes
+        self.timeline.extend(
+            start_s=starts,
+            duration_s=ends - starts,
+            num_tokens=n,
+            num_prefill_tokens=0,
+            num_decode=n,
+            num_requests=n,
+            kv_used_tokens=kv_used,
+            kv_allocated_tokens=kv_allocated,
+            num_preempted=0,
+            sched_time_s=sched_times,
+            replica=self.index,
+        )
+
+
+def _route_round_robin(replicas: Sequence[Replica], seq: int) -> Replica:
+    return replicas[seq % len(replicas)]
+
+
+def _route_least_outstanding(replicas: Sequence[Replica], seq: int) -> Replica:
+    return min(replicas, key=lambda r: (r.outstanding, r.index))
+
+
+ROUTERS: dict[str, Callable[[Sequence[Replica], int], Replica]] = {
+    "round-robin": _route_round_robin,
+    "least-outstanding": _route_least_outstanding,
+}
+
+
+@dataclass
+class SimResult:
+    """Everything a run produced: the requests (with their timestamps) and the per-step timeline."""
+
+    requests: list[Request]
+    timeline: Timeline
+    kv_capacity_tokens: int  # per replica
+    num_replicas: int
+    num_allocation_failures: int
+    swapped_bytes: int
+    num_preemptions: int
+    sim_wall_s: float
+    extra: dict = field(default_factory=dict)
+
+
+def simulate(
+    requests: Sequence[Request],
+    make_scheduler: Callable[[], Scheduler],
+    cost_model: CostModel,
+    *,
+    num_replicas: int = 1,
+    router: str = "round-robin",
+    fast_path: bool = True,
+    on_progress: Callable[[int], None] | None = None,
+) -> SimResult:
+    """Simulate ``requests`` (their arrival times set) on ``num_replicas`` replicas.
+
+    ``make_scheduler`` builds one fresh scheduler per replica. Requests are mutated in place (their
+    progress and timestamps) and returned in ``SimResult.requests``.
+    """
+    if router not in ROUTERS:
+        raise UnknownNameError("router", router, list(ROUTERS))
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    wall0 = time.perf_counter()
+    replicas = [Replica(i, make_scheduler(), cost_model, fast_path) for i in range(num_replicas)]
+    check = replicas[0].scheduler
+    for r in requests:
+        check.check_fits(r, r.num_prompt_tokens + r.true_output_tokens - 1)
+    pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
+    route = ROUTERS[router]
+    i, completed, steps = 0, 0, 0
+    while True:
+        next_arrival = pending[i].arrival_time if i < len(pending) else math.inf
+        busy = [rep for rep in replicas if rep.scheduler.has_unfinished()]
+        if not busy and next_arrival == math.inf:
+            break
+        replica = min(busy, key=lambda rep: (rep.now, rep.index)) if busy else None
+        if replica is None or next_arrival <= replica.now:
+            route(replicas, i).add(pending[i])
+            i += 1
+            continue
+        completed += replica.step(next_arrival)
+        steps += 1
+        if on_progress is not None and steps % 256 == 0:
+            on_progress(completed)
+    if on_progress is not None:
+        on_progress(completed)
+    timeline = replicas[0].timeline if num_replicas == 1 else Timeline.concat([r.timeline for r in replicas])
+    kvs = [rep.scheduler.kv for rep in replicas]
+    return SimResult(
+        requests=list(requests),
+        timeline=timeline,
+        kv_capacity_tokens=kvs[0].capacity_tokens,
+        num_replicas=num_replicas,
+        num_allocation_failures=sum(kv.num_allocation_failures for kv in kvs),
+        swapped_bytes=sum(kv.swapped_bytes for kv in kvs),
+        num_preemptions=sum(rep.scheduler.num_preemptions for rep in replicas),
+        sim_wall_s=time.perf_counter() - wall0,
+    )

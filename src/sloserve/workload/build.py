@@ -1,0 +1,286 @@
+"""Turn a ``WorkloadSpec`` into a seeded, sorted list of ``Request`` objects.
+
+Sampling (per stream, from its own child of ``np.random.SeedSequence(seed)``, so adding a stream
+or changing one stream's arrival process leaves the other draws unchanged):
+
+* trace arrivals: ``num_requests`` consecutive trace rows from a seeded random start row, times
+  rebased to 0 (wrapping around with back-to-back copies when the trace is too short; Mooncake's
+  3 s buckets are jittered), see ``arrivals.trace_replay``;
+* any other process: trace rows drawn uniformly without replacement (with replacement when more
+  requests than rows are asked for); fixed or uniform lengths for synthetic sources.
+
+Lengths are clipped to the model context: prompt <= context_len - 1, then output <= context_len -
+prompt. ``max_tokens`` is the stream's cap (or context_len - prompt), never above context_len -
+prompt; an output longer than the cap is truncated to it (a real server stops there), so
+``max_tokens >= true_output_tokens`` always holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sloserve.core.errors import ConfigError
+from sloserve.core.request import SLO, Request
+from sloserve.workload import arrivals
+from sloserve.workload.spec import (
+    FixedSource,
+    StreamSpec,
+    TraceSource,
+    UniformSource,
+    WorkloadSpec,
+    parse_workload_spec,
+)
+from sloserve.workload.traces import TRACES, load_trace
+
+
+@dataclass
+class Workload:
+    """Requests sorted by arrival, ids 0..N-1 in that order, plus what clipping changed."""
+
+    name: str
+    requests: list[Request]
+    num_clipped: int = 0
+    clipped_details: str = ""
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def duration_s(self) -> float:
+        """Arrival time of the last request (0 for an empty or offline workload)."""
+        return self.requests[-1].arrival_time if self.requests else 0.0
+
+
+def build_workload(
+    spec: WorkloadSpec, *, seed: int, context_len: int, num_requests: int | None = None,
+    rate_scale: float | None = None,
+) -> Workload:
+    """Sample the requests of ``spec``. Deterministic for a given ``seed``.
+
+    ``num_requests`` overrides the total request count, split over the streams in proportion to
+    their own counts (largest remainder, ties to the earlier stream). ``rate_scale`` multiplies the
+    load: Poisson/gamma rates are multiplied by it and trace timestamps divided by it (streams'
+    ``start_s`` offsets are not scaled).
+    Requests are ordered by arrival time, ties by stream order then sample order.
+    """
+    _check_int("seed", seed, 0)
+    _check_int("context_len", context_len, 2)
+    if num_requests is not None:
+        _check_int("num_requests", num_requests, 1)
+    if rate_scale is not None and (
+        isinstance(rate_scale, bool) or not isinstance(rate_scale, (int, float))
+        or not math.isfinite(rate_scale) or not rate_scale > 0
+    ):
+        raise ConfigError(f"rate_scale must be > 0, got {rate_scale!r}")
+    counts = _split(spec, num_requests)
+    children = np.random.SeedSequence(seed).spawn(len(spec.streams))
+
+    times, prompts, outputs, stream_ids, caps = [], [], [], [], []
+    for i, (stream, n, child) in enumerate(zip(spec.streams, counts, children)):
+        len_seed, arr_seed = child.spawn(2)
+        prefix = f"{spec.origin}: streams[{i}] ({stream.name}): "
+        try:
+            t, p, o = _sample(stream, n, np.random.default_rng(len_seed),
+                              np.random.default_rng(arr_seed), rate_scale or 1.0, prefix)
+        except ConfigError as exc:
+            if str(exc).startswith(prefix):
+                raise
+            exc.args = (prefix + str(exc),)
+            raise
+        times.append(t + stream.start_s)
+        prompts.append(p)
+        outputs.append(o)
+        stream_ids.append(np.full(n, i, dtype=np.int64))
+        caps.append(np.full(n, stream.max_tokens or context_len, dtype=np.int64))
+
+    t = np.concatenate(times) if times else np.zeros(0)
+    p = np.concatenate(prompts).astype(np.int64)
+    o = np.concatenate(outputs).astype(np.int64)
+    sid = np.concatenate(stream_ids)
+    sample = np.concatenate([np.arange(n, dtype=np.int64) for n in counts])
+
+    prompt_clipped = p > context_len - 1
+    p = np.minimum(p, context_len - 1)
+    output_clipped = p + o > context_len
+    o = np.minimum(o, context_len - p)
+    clipped = prompt_clipped | output_clipped
+    max_tokens = np.minimum(np.concatenate(caps), context_len - p)
+    capped = o > max_tokens
+    o = np.minimum(o, max_tokens)
+
+    order = np.lexsort((sample, sid, t))
+    slos = [s.slo for s in spec.streams]
+    classes = [s.request_class for s in spec.streams]
+    requests = [
+        Request(request_id=rid, arrival_time=at, num_prompt_tokens=pi, true_output_tokens=oi,
+                max_tokens=mi, request_class=classes[si], slo=slos[si])
+        for rid, (at, pi, oi, mi, si) in enumerate(zip(
+            t[order].tolist(), p[order].tolist(), o[order].tolist(), max_tokens[order].tolist(),
+            sid[order].tolist()))
+    ]
+    details = _details(spec, sid, clipped, prompt_clipped, output_clipped, capped, context_len)
+    return Workload(spec.name, requests, int(clipped.sum()), details)
+
+
+def workload_from_trace(
+    trace: str, *, num_requests: int, seed: int, context_len: int, rate: float | None = None,
+    burstiness_cv: float | None = None, trace_arrivals: bool = False, offline: bool = False,
+    request_class: str = "rt", slo: SLO | Mapping[str, float | None] | None = None,
+    max_tokens: int | None = None, columns: Mapping[str, str] | None = None,
+) -> Workload:
+    """One stream from a trace, as the CLI's ``--trace NAME`` with exactly one of ``--rate R``
+    (Poisson; gamma with ``burstiness_cv``), ``--trace-arrivals`` or ``--offline``."""
+    chosen = [flag for flag, on in (("rate (--rate)", rate is not None),
+                                    ("trace_arrivals (--trace-arrivals)", trace_arrivals),
+                                    ("offline (--offline)", offline)) if on]
+    if len(chosen) != 1:
+        raise ConfigError(
+            "give exactly one of rate (--rate), trace_arrivals (--trace-arrivals) or offline "
+            f"(--offline); got {', '.join(chosen) or 'none'}"
+        )
+    if burstiness_cv is not None and rate is None:
+        raise ConfigError("burstiness_cv (--burstiness) needs a rate (--rate)")
+    load_trace(trace, columns)  # unknown name or bad file: the loader's own message
+    arrival = _arrival(rate, burstiness_cv, offline)
+    label = trace if trace in TRACES else Path(trace).name
+    source: dict[str, Any] = {"trace": trace}
+    if columns:
+        source["columns"] = dict(columns)
+    stream = _stream_dict(label, request_class, source, arrival, num_requests, slo, max_tokens)
+    spec = parse_workload_spec({"name": f"{label}@{_arrival_label(arrival)}",
+                                "streams": [stream]}, origin=f"--trace {trace}")
+    return build_workload(spec, seed=seed, context_len=context_len)
+
+
+def synthetic_workload(
+    prompt: int, output: int, num_requests: int, *, context_len: int, seed: int = 0,
+    rate: float | None = None, burstiness_cv: float | None = None, request_class: str = "rt",
+    slo: SLO | Mapping[str, float | None] | None = None, max_tokens: int | None = None,
+) -> Workload:
+    """``num_requests`` requests with fixed prompt and output lengths (InferMax §4). Offline (all
+    at time 0) unless a ``rate`` is given (Poisson, or gamma with ``burstiness_cv``)."""
+    if burstiness_cv is not None and rate is None:
+        raise ConfigError("burstiness_cv (--burstiness) needs a rate (--rate)")
+    arrival = _arrival(rate, burstiness_cv, rate is None)
+    source = {"fixed": {"prompt": prompt, "output": output}}
+    label = f"fixed-{prompt}-{output}"
+    stream = _stream_dict(label, request_class, source, arrival, num_requests, slo, max_tokens)
+    spec = parse_workload_spec({"name": f"{label}@{_arrival_label(arrival)}",
+                                "streams": [stream]}, origin="synthetic workload")
+    return build_workload(spec, seed=seed, context_len=context_len)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+def _sample(
+    stream: StreamSpec, n: int, rng_len: np.random.Generator, rng_arr: np.random.Generator,
+    rate_scale: float, prefix: str,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Arrival times, prompt and output lengths of one stream (unclipped)."""
+    proc = stream.arrival
+    src = stream.source
+    if isinstance(src, TraceSource):
+        trace = load_trace(src.trace, src.columns)
+        if proc.process == "trace":
+            if trace.arrival_s is None:
+                raise ConfigError(
+                    f"{prefix}arrival.process 'trace' needs arrival times, but trace "
+                    f"{src.trace!r} has none; use poisson, gamma or offline"
+                )
+            t, rows = arrivals.trace_replay(trace.arrival_s, n, rng_arr, trace.arrival_quantum_s)
+            return t / rate_scale, trace.prompt_tokens[rows], trace.output_tokens[rows]
+        rows = rng_len.choice(len(trace), size=n, replace=n > len(trace))
+        p, o = trace.prompt_tokens[rows], trace.output_tokens[rows]
+    elif isinstance(src, FixedSource):
+        p, o = np.full(n, src.prompt, dtype=np.int64), np.full(n, src.output, dtype=np.int64)
+    elif isinstance(src, UniformSource):
+        p = rng_len.integers(src.prompt[0], src.prompt[1] + 1, size=n, dtype=np.int64)
+        o = rng_len.integers(src.output[0], src.output[1] + 1, size=n, dtype=np.int64)
+    else:  # pragma: no cover - spec parsing rules this out
+        raise ConfigError(f"{prefix}unknown source {src!r}")
+    if proc.process == "poisson":
+        t = arrivals.poisson(n, proc.rate * rate_scale, rng_arr)
+    elif proc.process == "gamma":
+        t = arrivals.gamma(n, proc.rate * rate_scale, proc.cv, rng_arr)
+    elif proc.process == "offline":
+        t = arrivals.offline(n)
+    else:
+        raise ConfigError(f"{prefix}arrival.process {proc.process!r} needs a trace source")
+    return t, p, o
+
+
+def _split(spec: WorkloadSpec, total: int | None) -> list[int]:
+    counts = [s.num_requests for s in spec.streams]
+    if total is None:
+        return counts
+    weight = sum(counts)
+    shares = [total * c / weight for c in counts]
+    out = [math.floor(x) for x in shares]
+    by_remainder = sorted(range(len(counts)), key=lambda i: (-(shares[i] - out[i]), i))
+    for i in by_remainder[: total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def _details(
+    spec: WorkloadSpec, sid: np.ndarray, clipped: np.ndarray, prompt_clipped: np.ndarray,
+    output_clipped: np.ndarray, capped: np.ndarray, context_len: int,
+) -> str:
+    parts = []
+    if clipped.any():
+        text = (f"{int(clipped.sum())} of {len(clipped)} requests clipped to context_len "
+                f"{context_len} ({int(prompt_clipped.sum())} prompts cut to {context_len - 1} "
+                f"tokens, {int(output_clipped.sum())} outputs cut to fit)")
+        if len(spec.streams) > 1:
+            per = ", ".join(f"{s.name}: {int(clipped[sid == i].sum())}"
+                            for i, s in enumerate(spec.streams))
+            text += f"; per stream: {per}"
+        parts.append(text)
+    if capped.any():
+        per = ", ".join(f"{s.name}: {int(capped[sid == i].sum())}"
+                        for i, s in enumerate(spec.streams) if s.max_tokens is not None)
+        parts.append(f"{int(capped.sum())} outputs truncated to the stream's max_tokens ({per})")
+    return "; ".join(parts)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _arrival(rate: float | None, cv: float | None, offline: bool) -> dict[str, Any]:
+    if offline:
+        return {"process": "offline"}
+    if rate is None:
+        return {"process": "trace"}
+    if cv is None:
+        return {"process": "poisson", "rate": rate}
+    return {"process": "gamma", "rate": rate, "cv": cv}
+
+
+def _arrival_label(arrival: Mapping[str, Any]) -> str:
+    if arrival["process"] == "poisson":
+        return f"rate={arrival['rate']:g}"
+    if arrival["process"] == "gamma":
+        return f"rate={arrival['rate']:g},cv={arrival['cv']:g}"
+    return str(arrival["process"])
+
+
+def _stream_dict(
+    name: str, request_class: str, source: dict[str, Any], arrival: dict[str, Any],
+    num_requests: int, slo: SLO | Mapping[str, float | None] | None, max_tokens: int | None,
+) -> dict[str, Any]:
+    stream: dict[str, Any] = {"name": name, "class": request_class, "source": source,
+                              "arrival": arrival, "num_requests": num_requests}
+    if slo is not None:
+        stream["slo"] = asdict(slo) if isinstance(slo, SLO) else dict(slo)
+    if max_tokens is not None:
+        stream["max_tokens"] = max_tokens
+    return stream

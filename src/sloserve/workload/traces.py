@@ -1,0 +1,465 @@
+"""LLM request traces: prompt/output token lengths and, for some, real arrival times.
+
+Bundled traces (gzip copies of public files, see ``NOTICE`` and ``data/traces/README.md``) are
+loaded by name; any other CSV or JSONL file is loaded by path with an optional column mapping.
+Nothing is ever fetched at run time.
+
+User files (``.csv``, ``.csv.gz``, ``.jsonl``, ``.jsonl.gz``; gzip is detected by content):
+
+* ``columns`` maps ``prompt``, ``output`` and (optionally) ``arrival`` to column names (CSV header
+  names or JSONL keys). Unmapped roles use the first default name present, compared
+  case-insensitively: see ``DEFAULT_COLUMNS``. An optional ``arrival_unit`` (``"s"`` or ``"ms"``)
+  sets the unit of a numeric arrival column.
+* Token counts must be integers >= 1 (prompt and output alike).
+* Arrival values are numbers or ISO-8601 date-times (e.g. the Azure ``TIMESTAMP``
+  ``2023-11-16 18:17:03.9799600``). Numbers are seconds, except a JSONL key named ``timestamp``,
+  which is milliseconds as in the Mooncake traces. Times are rebased so that the first request
+  arrives at 0; rows that are not in time order are sorted by arrival (stably).
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import gzip
+import io
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sloserve.core.errors import ConfigError, UnknownNameError
+
+ROLES = ("prompt", "output", "arrival")
+DEFAULT_COLUMNS: dict[str, tuple[str, ...]] = {
+    "prompt": ("num_prefill_tokens", "prompt_tokens", "input_length", "ContextTokens"),
+    "output": ("num_decode_tokens", "output_tokens", "output_length", "GeneratedTokens"),
+    "arrival": ("arrived_at", "arrival_s", "timestamp"),
+}
+_SUFFIXES = ".csv, .csv.gz, .jsonl, .jsonl.gz"
+
+
+@dataclass(frozen=True, eq=False)
+class TraceData:
+    """A parsed trace. Arrays are read-only; ``arrival_s`` is None when the trace has no times.
+
+    ``arrival_s`` holds float64 seconds from the first request (so ``arrival_s[0] == 0``), sorted
+    non-decreasing. ``arrival_quantum_s`` > 0 means the timestamps are bucketed to that width
+    (replay jitters each arrival uniformly inside ``[t, t + quantum)``).
+    """
+
+    name: str
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
+    arrival_s: np.ndarray | None
+    source: str
+    license: str
+    arrival_quantum_s: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.prompt_tokens)
+
+    @property
+    def duration_s(self) -> float | None:
+        """Time from the first to the last arrival (None without arrivals)."""
+        if self.arrival_s is None:
+            return None
+        return float(self.arrival_s[-1] - self.arrival_s[0])
+
+
+@dataclass(frozen=True)
+class TraceInfo:
+    """Registry entry of a bundled trace."""
+
+    description: str
+    file: str
+    source: str
+    license: str
+    columns: dict[str, str] = field(default_factory=dict)
+    arrival_quantum_s: float = 0.0
+
+
+_VIDUR = "microsoft/vidur@7d475133 data/processed_traces/"
+_ETALON = "project-etalon/etalon@d5f18de1 data/processed_traces/"
+_AZURE = "Azure/AzurePublicDataset@b469a113 data/"
+_MOONCAKE = "kvcache-ai/Mooncake@3b5a5941 FAST25-release/traces/"
+
+TRACES: dict[str, TraceInfo] = {
+    "sharegpt": TraceInfo(
+        "ShareGPT, 10k validation requests (Llama-2 tokens); short prompts, no arrival times",
+        "sharegpt_val_10k_llama2.csv.gz",
+        "AKafakA/vidur_opt_scheduler@20bdc49d data/trace_data/sharegpt/sharegpt_val_10k_llama2.csv",
+        "MIT",
+    ),
+    "sharegpt-8k": TraceInfo(
+        "ShareGPT conversations filtered to <= 8192 tokens (Llama-2 tokens), no arrival times",
+        "sharegpt_8k_filtered_stats_llama2_tokenizer.csv.gz",
+        _ETALON + "sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
+        "Apache-2.0",
+    ),
+    "bwb": TraceInfo(
+        "Bilingual Web Book document translation, <= 4096 tokens, long outputs, no arrival times",
+        "bwb_stats_llama2_tokenizer_filtered_v2.csv.gz",
+        _ETALON + "bwb_stats_llama2_tokenizer_filtered_v2.csv",
+        "Apache-2.0",
+    ),
+    "arxiv": TraceInfo(
+        "arXiv summarization, <= 4096 tokens, long prompts, no arrival times",
+        "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv.gz",
+        _VIDUR + "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
+        "MIT",
+    ),
+    "azure-conv": TraceInfo(
+        "Azure LLM inference 2023, conversation service: real arrivals, 1 h, 5.5 req/s",
+        "AzureLLMInferenceTrace_conv.csv.gz",
+        _AZURE + "AzureLLMInferenceTrace_conv.csv",
+        "CC-BY-4.0 (cite Patel et al., Splitwise, ISCA 2024)",
+        {"prompt": "ContextTokens", "output": "GeneratedTokens", "arrival": "TIMESTAMP"},
+    ),
+    "azure-code": TraceInfo(
+        "Azure LLM inference 2023, coding service: real arrivals, 1 h, 2.6 req/s, very bursty",
+        "AzureLLMInferenceTrace_code.csv.gz",
+        _AZURE + "AzureLLMInferenceTrace_code.csv",
+        "CC-BY-4.0 (cite Patel et al., Splitwise, ISCA 2024)",
+        {"prompt": "ContextTokens", "output": "GeneratedTokens", "arrival": "TIMESTAMP"},
+    ),
+    "mooncake-conv": TraceInfo(
+        "Mooncake (Kimi) conversation trace: real arrivals in 3 s buckets, very long prompts",
+        "conversation_trace.no_hash_ids.jsonl.gz",
+        _MOONCAKE + "conversation_trace.jsonl (hash_ids dropped)",
+        "Apache-2.0",
+        {"prompt": "input_length", "output": "output_length", "arrival": "timestamp"},
+        arrival_quantum_s=3.0,
+    ),
+    "mooncake-synthetic": TraceInfo(
+        "Mooncake synthetic trace: Poisson arrivals, 3.9 req/s, very long prompts",
+        "synthetic_trace.no_hash_ids.jsonl.gz",
+        _MOONCAKE + "synthetic_trace.jsonl (hash_ids dropped)",
+        "Apache-2.0",
+        {"prompt": "input_length", "output": "output_length", "arrival": "timestamp"},
+    ),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+def load_trace(name_or_path: str, columns: Mapping[str, str] | None = None) -> TraceData:
+    """Load a bundled trace by name (see ``TRACES``) or a user CSV/JSONL file by path.
+
+    ``columns`` (paths only) maps ``prompt``/``output``/``arrival`` to column names and may set
+    ``arrival_unit`` to ``"s"`` or ``"ms"``. Raises ``UnknownNameError`` for an unknown name that is
+    not an existing file and ``ConfigError`` for any unusable file, column or value.
+    """
+    name = str(name_or_path)
+    if name in TRACES:
+        if columns:
+            raise ConfigError(
+                f"trace {name!r} is bundled; a column mapping applies only to trace files"
+            )
+        return _load_bundled(name)
+    path = Path(name).expanduser()
+    if path.is_file():
+        return _load_file(path, dict(columns) if columns else {})
+    if path.exists():
+        raise ConfigError(f"trace {name}: not a file")
+    if _looks_like_path(name):
+        raise ConfigError(f"trace file {name} not found")
+    err = UnknownNameError("trace", name, list(TRACES))
+    err.args = (f"{err.args[0]}; or give the path of a {_SUFFIXES} file",)
+    raise err
+
+
+def trace_summary(name_or_path: str, columns: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Statistics of a trace for ``sloserve traces``: row count, prompt/output mean, p50, p99, max,
+    and, when the trace has arrival times, its duration and mean rate (rows / duration)."""
+    trace = load_trace(name_or_path, columns)
+    out: dict[str, Any] = {"name": trace.name, "rows": len(trace)}
+    for role, arr in (("prompt", trace.prompt_tokens), ("output", trace.output_tokens)):
+        p50, p99 = np.percentile(arr, [50, 99])
+        out[f"{role}_mean"] = float(arr.mean())
+        out[f"{role}_p50"] = float(p50)
+        out[f"{role}_p99"] = float(p99)
+        out[f"{role}_max"] = int(arr.max())
+    duration = trace.duration_s
+    out["has_arrivals"] = duration is not None
+    out["duration_s"] = duration
+    out["rate_rps"] = len(trace) / duration if duration else None
+    out["arrival_quantum_s"] = trace.arrival_quantum_s
+    out["source"] = trace.source
+    out["license"] = trace.license
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _load_bundled(name: str) -> TraceData:
+    info = TRACES[name]
+    resource = resources.files("sloserve") / "data" / "traces" / info.file
+    raw = resource.read_bytes()
+    fmt = "jsonl" if ".jsonl" in info.file else "csv"
+    return _parse(
+        raw, label=f"{name} ({info.file})", fmt=fmt, columns=info.columns, name=name,
+        source=info.source, license=info.license, quantum=info.arrival_quantum_s,
+    )
+
+
+def _load_file(path: Path, columns: dict[str, str]) -> TraceData:
+    lower = path.name.lower().removesuffix(".gz")
+    if lower.endswith(".csv"):
+        fmt = "csv"
+    elif lower.endswith((".jsonl", ".ndjson")):
+        fmt = "jsonl"
+    else:
+        raise ConfigError(f"{path}: unsupported trace file type; use {_SUFFIXES}")
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    return _parse(
+        raw, label=str(path), fmt=fmt, columns=columns, name=path.name,
+        source=str(path), license="user-supplied", quantum=0.0,
+    )
+
+
+def _looks_like_path(name: str) -> bool:
+    lower = name.lower()
+    return "/" in name or "\\" in name or lower.endswith((".csv", ".jsonl", ".gz", ".ndjson"))
+
+
+def _parse(
+    raw: bytes, *, label: str, fmt: str, columns: Mapping[str, str], name: str, source: str,
+    license: str, quantum: float,
+) -> TraceData:
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as exc:
+            raise ConfigError(f"{label}: corrupt gzip data: {exc}") from exc
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{label}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+
+    columns = dict(columns)
+    unit = columns.pop("arrival_unit", None)
+    unknown = sorted(set(columns) - set(ROLES))
+    if unknown:
+        raise ConfigError(
+            f"{label}: unknown column role(s) {', '.join(map(repr, unknown))} in the column "
+            f"mapping; valid: {', '.join(ROLES)}, arrival_unit"
+        )
+    if unit not in (None, "s", "ms"):
+        raise ConfigError(f"{label}: arrival_unit must be 's' or 'ms', got {unit!r}")
+
+    reader = _read_csv if fmt == "csv" else _read_jsonl
+    values, lines, names = reader(text, label, columns)
+    if not lines:
+        raise ConfigError(f"{label}: no data rows")
+
+    prompt = _int_column(values["prompt"], lines, label, names["prompt"], "prompt")
+    output = _int_column(values["output"], lines, label, names["output"], "output")
+    arrival = None
+    if "arrival" in values:
+        if unit is None:
+            unit = "ms" if fmt == "jsonl" and names["arrival"].lower() == "timestamp" else "s"
+        arrival = _time_column(values["arrival"], lines, label, names["arrival"], unit)
+        if np.any(arrival[1:] < arrival[:-1]):
+            order = np.argsort(arrival, kind="stable")
+            arrival, prompt, output = arrival[order], prompt[order], output[order]
+        arrival = arrival - arrival[0]
+        arrival.flags.writeable = False
+    prompt.flags.writeable = False
+    output.flags.writeable = False
+    return TraceData(name, prompt, output, arrival, source, license, quantum)
+
+
+def _resolve(
+    header: Sequence[str], columns: Mapping[str, str], label: str
+) -> dict[str, str]:
+    """Map each role to a header name: the user's choice (exact) or the first default present."""
+    present = {h.lower(): h for h in header}
+    names: dict[str, str] = {}
+    for role in ROLES:
+        if role in columns:
+            chosen = columns[role]
+            if chosen not in header:
+                raise ConfigError(
+                    f"{label}: column {chosen!r} (mapped to {role}) not found; columns present: "
+                    f"{', '.join(header)}"
+                )
+            names[role] = chosen
+            continue
+        found = next((present[c.lower()] for c in DEFAULT_COLUMNS[role] if c.lower() in present),
+                     None)
+        if found is not None:
+            names[role] = found
+        elif role != "arrival":
+            raise ConfigError(
+                f"{label}: no {role}-length column (tried {', '.join(DEFAULT_COLUMNS[role])}); "
+                f"columns present: {', '.join(header)}; map one with columns={{'{role}': NAME}}"
+            )
+    return names
+
+
+def _read_csv(
+    text: str, label: str, columns: Mapping[str, str]
+) -> tuple[dict[str, list[Any]], list[int], dict[str, str]]:
+    reader = csv.reader(io.StringIO(text))
+    header: list[str] | None = None
+    for row in reader:
+        if any(cell.strip() for cell in row):
+            header = [cell.strip() for cell in row]
+            break
+    if header is None:
+        raise ConfigError(f"{label}: empty file (no header row)")
+    names = _resolve(header, columns, label)
+    index = {role: header.index(col) for role, col in names.items()}
+    need = max(index.values()) + 1
+    values: dict[str, list[Any]] = {role: [] for role in names}
+    appenders = [(values[role].append, i) for role, i in index.items()]
+    lines: list[int] = []
+    for row in reader:
+        if len(row) < need:
+            if not any(cell.strip() for cell in row):
+                continue  # blank line
+            missing = next(r for r, i in index.items() if i >= len(row))
+            raise ConfigError(
+                f"{label}: line {reader.line_num}: column {names[missing]!r} is missing "
+                f"(row has {len(row)} fields, header has {len(header)})"
+            )
+        for append, i in appenders:
+            append(row[i])
+        lines.append(reader.line_num)
+    return values, lines, names
+
+
+def _read_jsonl(
+    text: str, label: str, columns: Mapping[str, str]
+) -> tuple[dict[str, list[Any]], list[int], dict[str, str]]:
+    names: dict[str, str] | None = None
+    values: dict[str, list[Any]] = {}
+    lines: list[int] = []
+    loads = json.loads
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{label}: line {lineno}: invalid JSON: {exc.msg}") from exc
+        if not isinstance(obj, dict):
+            raise ConfigError(
+                f"{label}: line {lineno}: expected a JSON object, got {type(obj).__name__}"
+            )
+        if names is None:
+            names = _resolve(list(obj), columns, label)
+            values = {role: [] for role in names}
+        for role, key in names.items():
+            try:
+                values[role].append(obj[key])
+            except KeyError:
+                raise ConfigError(
+                    f"{label}: line {lineno}: column {key!r} is missing; keys present: "
+                    f"{', '.join(obj)}"
+                ) from None
+        lines.append(lineno)
+    if names is None:
+        raise ConfigError(f"{label}: empty file (no JSON rows)")
+    return values, lines, names
+
+
+# --------------------------------------------------------------------------------------------
+# value conversion: vectorised fast path, row-by-row scan only to name the first bad value
+# --------------------------------------------------------------------------------------------
+def _int_column(values: list[Any], lines: list[int], label: str, column: str,
+                role: str) -> np.ndarray:
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except (ValueError, TypeError):
+        arr = None
+    if arr is not None and np.all(arr >= 1) and np.all(arr == np.floor(arr)) and np.all(
+        arr < 2**62
+    ):
+        return arr.astype(np.int64)
+    for value, line in zip(values, lines):
+        number = _number(value)
+        where = f"{label}: line {line}: column {column!r}"
+        if number is None or not math.isfinite(number) or number != math.floor(number):
+            raise ConfigError(f"{where}: {role} length {_show(value)} is not an integer")
+        if number < 1:
+            raise ConfigError(f"{where}: {role} length must be >= 1, got {_show(value)}")
+    raise ConfigError(f"{label}: column {column!r}: {role} length out of range")
+
+
+def _time_column(values: list[Any], lines: list[int], label: str, column: str,
+                 unit: str) -> np.ndarray:
+    scale = 1e-3 if unit == "ms" else 1.0
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except (ValueError, TypeError):
+        arr = None
+    if arr is not None:
+        if np.all(np.isfinite(arr)):
+            return arr * scale
+        line, value = next((ln, v) for ln, v, a in zip(lines, values, arr) if not math.isfinite(a))
+        raise ConfigError(f"{label}: line {line}: column {column!r}: arrival {_show(value)} "
+                          "is not a finite number")
+    # Date-times (e.g. Azure's TIMESTAMP with 7 fractional digits): parse at ns resolution.
+    if all(isinstance(v, str) for v in values):
+        try:
+            stamps = np.asarray(values, dtype="datetime64[ns]")
+        except ValueError:
+            stamps = None
+        if stamps is not None and not np.any(np.isnat(stamps)):
+            ns = stamps.astype(np.int64)
+            return (ns - ns.min()).astype(np.float64) * 1e-9
+    for value, line in zip(values, lines):
+        if _number(value) is None and not _is_datetime(value):
+            raise ConfigError(
+                f"{label}: line {line}: column {column!r}: arrival {_show(value)} is neither a "
+                f"number ({unit}) nor an ISO-8601 date-time"
+            )
+    line, value = lines[0], values[0]
+    raise ConfigError(
+        f"{label}: column {column!r}: arrival times mix numbers and date-times "
+        f"(line {line}: {value!r})"
+    )
+
+
+def _show(value: Any) -> str:
+    """A value for an error message: numbers bare (``-2``), anything else quoted (``'abc'``)."""
+    if isinstance(value, str) and value.strip() and _number(value) is not None:
+        return value.strip()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return repr(value)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _is_datetime(value: Any) -> bool:
+    if not isinstance(value, str) or not value.strip():
+        return False
+    try:
+        return not np.isnat(np.datetime64(value.strip(), "ns"))
+    except ValueError:
+        return False

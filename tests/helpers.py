@@ -1,0 +1,99 @@
+"""Shared test helpers: hand-made requests and a step-by-step driver that records every output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sloserve.core.outputs import SchedulerOutput
+from sloserve.core.request import Request
+from sloserve.cost import LinearCostModel, get_preset
+from sloserve.sched import make_scheduler
+from sloserve.sched.base import Scheduler
+from sloserve.sim.executor import SimExecutor
+
+
+def llama7b_cost() -> LinearCostModel:
+    return LinearCostModel(get_preset("llama-2-7b-a100"))
+
+
+def make_requests(lengths: list[tuple[int, int]], arrivals: list[float] | None = None) -> list[Request]:
+    """Requests with (prompt, output) lengths; max_tokens = output."""
+    arrivals = arrivals or [0.0] * len(lengths)
+    return [
+        Request(request_id=i, arrival_time=t, num_prompt_tokens=p, true_output_tokens=o, max_tokens=o)
+        for i, ((p, o), t) in enumerate(zip(lengths, arrivals, strict=True))
+    ]
+
+
+@dataclass
+class StepLog:
+    """What one step scheduled, captured before it ran."""
+
+    chunks: list[tuple[int, int]]  # (request id, tokens)
+    decodes: list[int]  # request ids in the cohort
+    preempted: list[tuple[int, str]]
+    swap_out: int
+    swap_in: int
+
+
+@dataclass
+class Driver:
+    """Runs a scheduler step by step on the simulated executor, checking invariants every step."""
+
+    scheduler: Scheduler
+    executor: SimExecutor = field(default_factory=lambda: SimExecutor(llama7b_cost()))
+    now: float = 0.0
+    log: list[StepLog] = field(default_factory=list)
+
+    def step(self) -> SchedulerOutput:
+        out = self.scheduler.schedule(self.now)
+        assert not out.is_empty, "scheduler stuck"
+        self.log.append(
+            StepLog(
+                chunks=[(r.request_id, c) for r, c in out.chunks],
+                decodes=sorted(r.request_id for r in out.cohort.members) if out.cohort else [],
+                preempted=[(p.request.request_id, p.mode.value) for p in out.preempted],
+                swap_out=len(out.swap_out),
+                swap_in=len(out.swap_in),
+            )
+        )
+        result = self.executor.execute(out, self.now)
+        self.now = float(result.step_end_times[-1])
+        self.scheduler.update(out, result, self.now)
+        self.scheduler.check_integrity()
+        return out
+
+    def run(self, requests: list[Request], max_steps: int = 100_000) -> None:
+        pending = sorted(requests, key=lambda r: r.arrival_time)
+        i = 0
+        for _ in range(max_steps):
+            while i < len(pending) and pending[i].arrival_time <= self.now:
+                self.scheduler.add_request(pending[i])
+                i += 1
+            if not self.scheduler.has_unfinished():
+                if i == len(pending):
+                    return
+                self.now = pending[i].arrival_time
+                continue
+            self.step()
+        raise AssertionError("did not finish")
+
+
+def scheduler(name: str, capacity: int, max_model_len: int = 4096, **options) -> Scheduler:
+    swap = options.pop("swap_space_tokens", 0)
+    return make_scheduler(
+        name,
+        kv_capacity_tokens=capacity,
+        max_model_len=max_model_len,
+        kv_bytes_per_token=524288,
+        swap_space_tokens=swap,
+        options=options,
+    )
+
+
+def timestamps(requests: list[Request]) -> np.ndarray:
+    """(N, 4): first token, last token, finish, max gap per request (by id)."""
+    ordered = sorted(requests, key=lambda r: r.request_id)
+    return np.array([[r.first_token_time, r.last_token_time, r.finish_time, r.max_token_gap] for r in ordered])

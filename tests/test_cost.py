@@ -1,0 +1,395 @@
+"""Cost models: linear (InferMax), roofline, fitting, presets, specs and KV capacity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sloserve.core.errors import ConfigError, UnknownNameError
+from sloserve.cost import (
+    GPUS,
+    MODELS,
+    BatchShape,
+    LinearCoefficients,
+    LinearCostModel,
+    ModelSpec,
+    RooflineCostModel,
+    build_cost_model,
+    fit_linear,
+    fit_linear_shapes,
+    get_gpu,
+    get_model,
+    get_preset,
+    kv_capacity_tokens,
+    list_presets,
+    load_preset,
+    save_preset,
+)
+from sloserve.cost.fit import CSV_COLUMNS, _nnls
+from sloserve.cost.linear import COEFFICIENT_NAMES
+
+L7 = get_preset("llama-2-7b-a100")
+L70 = get_preset("llama-3-70b-4xa100")
+
+
+def prefill_shape(chunks: list[tuple[int, int]], num_decode: int = 0, decode_kv: int = 0) -> BatchShape:
+    """Shape of a batch with prefill chunks given as (c, m) pairs plus some decodes."""
+    return BatchShape(
+        num_decode=num_decode,
+        decode_kv_tokens=decode_kv,
+        num_prefill=len(chunks),
+        prefill_tokens=sum(c for c, _ in chunks),
+        prefill_attention_work=sum(c * c + 2 * m * c for c, m in chunks),
+        prefill_context_tokens=sum(m for _, m in chunks),
+    )
+
+
+# ---------------------------------------------------------------- linear model
+
+
+def test_linear_decode_batch_matches_hand_computation() -> None:
+    # per layer: a_d*100000 + b_d + s_d*200 = 0.8513 + 0.01921 + 0.148 = 1.01851 ms
+    #            a_o*200 + b_o = 0.382 + 0.06486 = 0.44686 ms; x 32 layers = 46.89184 ms
+    t = LinearCostModel(L7).batch_time(BatchShape(200, 100_000))
+    assert t.decode_attention_s == pytest.approx(1.01851 * 32e-3, rel=1e-12)
+    assert t.non_attention_s == pytest.approx(0.44686 * 32e-3, rel=1e-12)
+    assert t.prefill_attention_s == 0.0 and t.swap_s == 0.0
+    assert t.total_s == pytest.approx(0.04689184, rel=1e-12)
+    # 70B: (1.222e-6*1e5 + 0.081 + 3.92e-4*200) + (0.002*200 + 0.159) = 0.8406 ms x 80 layers
+    assert LinearCostModel(L70).batch_time(BatchShape(200, 100_000)).total_s == pytest.approx(
+        0.067248, rel=1e-12
+    )
+
+
+def test_linear_prefill_batch_matches_hand_computation() -> None:
+    shape = prefill_shape([(1000, 0), (500, 0)])  # sum(c^2) = 1.25e6, n_p = 2, tokens = 1500
+    t = LinearCostModel(L7).batch_time(shape)
+    prefill_ms = 1.6773e-07 * 1.25e6 + 0.0926 + 0.001534 * 2  # = 0.3053305
+    other_ms = 0.00191 * 1500 + 0.06486  # = 2.92986
+    assert t.prefill_attention_s == pytest.approx(0.3053305 * 32e-3, rel=1e-12)
+    assert t.non_attention_s == pytest.approx(other_ms * 32e-3, rel=1e-12)
+    assert t.decode_attention_s == 0.0
+    assert t.total_s == pytest.approx((prefill_ms + other_ms) * 32e-3, rel=1e-12)
+    assert t.total_s == pytest.approx(0.103526096, rel=1e-12)
+
+
+def test_linear_hybrid_batch_matches_hand_computation() -> None:
+    # 10 decodes reading 20000 KV tokens; one chunk of c=512 after m=1024 computed tokens
+    shape = prefill_shape([(512, 1024)], num_decode=10, decode_kv=20_000)
+    assert shape.prefill_attention_work == 512**2 + 2 * 1024 * 512
+    t = LinearCostModel(L7).batch_time(shape)
+    decode_ms = 8.513e-06 * 20_000 + 0.01921 + 0.00074 * 10
+    prefill_ms = 1.6773e-07 * 1_310_720 + 0.0926 + 0.001534 * 1 + 9.224e-06 * 1024
+    other_ms = 0.00191 * 522 + 0.06486
+    assert t.decode_attention_s == pytest.approx(decode_ms * 32e-3, rel=1e-12)
+    assert t.prefill_attention_s == pytest.approx(prefill_ms * 32e-3, rel=1e-12)
+    assert t.total_s == pytest.approx((decode_ms + prefill_ms + other_ms) * 32e-3, rel=1e-12)
+    assert t.total_s == pytest.approx(
+        t.non_attention_s + t.decode_attention_s + t.prefill_attention_s + t.swap_s, rel=1e-15
+    )
+
+
+def test_linear_empty_batch_and_swap() -> None:
+    model = LinearCostModel(L7)
+    assert model.batch_time(BatchShape()).total_s == 0.0
+    swap = model.batch_time(BatchShape(swap_bytes=25_000_000_000))
+    assert swap.swap_s == pytest.approx(1.0) and swap.total_s == pytest.approx(1.0)
+    assert LinearCostModel(L7, swap_bandwidth=50e9).batch_time(BatchShape(swap_bytes=10**9)).swap_s == 0.02
+
+
+def test_linear_coefficients_validation() -> None:
+    with pytest.raises(ConfigError, match="coefficient a_d"):
+        LinearCoefficients(**{**L7.as_dict(), "a_d": -1.0})
+    with pytest.raises(ConfigError, match="num_layers"):
+        LinearCoefficients(**{**L7.as_dict(), "num_layers": 0})
+    with pytest.raises(ConfigError, match="swap_bandwidth"):
+        LinearCostModel(L7, swap_bandwidth=0)
+
+
+COST_MODELS = [
+    LinearCostModel(L7),
+    LinearCostModel(L70),
+    RooflineCostModel(get_model("llama-2-7b"), get_gpu("a100")),
+    RooflineCostModel(get_model("llama-3-70b"), get_gpu("a100"), num_gpus=4),
+    RooflineCostModel(get_model("qwen2.5-7b"), get_gpu("h100"), num_gpus=2),
+]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    which=st.integers(0, len(COST_MODELS) - 1),
+    num_decode=st.integers(0, 2048),
+    kv=st.integers(0, 20_000_000),
+    steps=st.integers(0, 400),
+)
+def test_decode_times_match_batch_time(which: int, num_decode: int, kv: int, steps: int) -> None:
+    model = COST_MODELS[which]
+    kv = kv if num_decode else 0
+    fast = model.decode_times(num_decode, kv, steps)
+    assert fast.shape == (steps,) and fast.dtype == np.float64
+    slow = np.array(
+        [model.batch_time(BatchShape(num_decode, kv + k * num_decode)).total_s for k in range(steps)]
+    )
+    np.testing.assert_allclose(fast, slow, rtol=1e-12, atol=0)
+
+
+# ---------------------------------------------------------------- roofline
+
+
+def test_roofline_monotone_in_tokens_and_kv() -> None:
+    model = RooflineCostModel(get_model("llama-2-7b"), get_gpu("a100"))
+    decode = [model.batch_time(BatchShape(b, 1000 * b)).total_s for b in (1, 8, 64, 256, 1024, 4096)]
+    assert all(x <= y for x, y in zip(decode, decode[1:])) and decode[-1] > decode[0]
+    kv = [model.batch_time(BatchShape(64, m)).total_s for m in (0, 10**4, 10**5, 10**6)]
+    assert all(x < y for x, y in zip(kv, kv[1:]))
+    prefill = [model.batch_time(prefill_shape([(c, 0)])).total_s for c in (16, 256, 1024, 4096)]
+    assert all(x <= y for x, y in zip(prefill, prefill[1:])) and prefill[-1] > prefill[0]
+    chunk = [model.batch_time(prefill_shape([(512, m)])).total_s for m in (0, 2048, 8192)]
+    assert all(x < y for x, y in zip(chunk, chunk[1:]))
+
+
+def test_roofline_small_decode_batch_is_weight_bandwidth_bound() -> None:
+    spec, gpu = get_model("llama-2-7b"), get_gpu("a100-80gb")
+    model = RooflineCostModel(spec, gpu)
+    t = model.batch_time(BatchShape(1, 100))
+    weights_s = spec.weight_bytes / (gpu.hbm_bandwidth * model.bandwidth_efficiency)
+    # every weight except the input embedding is read once: ~8.1 ms at 80% of 2,039 GB/s
+    assert t.total_s - model.step_overhead_s == pytest.approx(weights_s, rel=0.03)
+    assert t.decode_attention_s < 0.01 * t.total_s
+    # a big prefill is compute bound: ~2 * params * tokens / (peak * efficiency)
+    p = model.batch_time(prefill_shape([(4096, 0)]))
+    flops_s = 2 * spec.layer_params * 4096 / (gpu.peak_flops * model.compute_efficiency)
+    assert p.non_attention_s == pytest.approx(flops_s + model.step_overhead_s, rel=0.02)
+
+
+def test_roofline_tensor_parallel_and_swap() -> None:
+    spec, gpu = get_model("llama-3-70b"), get_gpu("a100")
+    tp4 = RooflineCostModel(spec, gpu, num_gpus=4)
+    tp8 = RooflineCostModel(spec, gpu, num_gpus=8)
+    shape = prefill_shape([(2048, 0)], num_decode=64, decode_kv=64 * 2000)
+    assert tp8.batch_time(shape).total_s < tp4.batch_time(shape).total_s
+    no_comm = RooflineCostModel(spec, gpu, num_gpus=4, allreduce_latency_s=0.0)
+    assert no_comm.batch_time(shape).total_s < tp4.batch_time(shape).total_s
+    assert tp4.batch_time(BatchShape(swap_bytes=int(25.6e9))).swap_s == pytest.approx(1.0)
+    assert tp4.batch_time(BatchShape()).total_s == 0.0
+    with pytest.raises(ConfigError, match="tensor parallel degree 3"):
+        RooflineCostModel(spec, gpu, num_gpus=3)
+    with pytest.raises(ConfigError, match="compute_efficiency"):
+        RooflineCostModel(spec, gpu, compute_efficiency=1.5)
+
+
+# ---------------------------------------------------------------- fitting
+
+
+def random_shapes(rng: np.random.Generator, n: int) -> list[BatchShape]:
+    """A mix of decode-only, prefill-only and hybrid steps."""
+    shapes = []
+    for i in range(n):
+        kind = i % 3
+        num_decode = 0 if kind == 1 else int(rng.integers(1, 256))
+        decode_kv = num_decode * int(rng.integers(1, 3000)) if num_decode else 0
+        chunks = []
+        if kind != 0:
+            chunks = [
+                (int(rng.integers(1, 2048)), int(rng.integers(0, 4096)) * int(rng.integers(0, 2)))
+                for _ in range(int(rng.integers(1, 5)))
+            ]
+        shapes.append(prefill_shape(chunks, num_decode, decode_kv) if chunks else BatchShape(num_decode, decode_kv))
+    return shapes
+
+
+def test_fit_recovers_coefficients_from_noiseless_data() -> None:
+    rng = np.random.default_rng(7)
+    shapes = random_shapes(rng, 120)
+    truth = LinearCostModel(L7)
+    times = [truth.batch_time(s).total_s for s in shapes]
+    fitted, report = fit_linear_shapes(shapes, times, num_layers=32, name="refit")
+    for key in COEFFICIENT_NAMES:
+        assert getattr(fitted, key) == pytest.approx(getattr(L7, key), rel=1e-6), key
+    assert fitted.num_layers == 32 and fitted.name == "refit"
+    assert report.n_rows == 120 and report.rank == 9 and report.unidentified == ()
+    assert report.mean_rel_error < 1e-9 and report.max_rel_error < 1e-9
+
+
+def test_fit_with_noise_reports_error_and_stays_non_negative() -> None:
+    rng = np.random.default_rng(11)
+    shapes = random_shapes(rng, 300)
+    truth = LinearCostModel(L70)
+    times = [truth.batch_time(s).total_s * (1 + 0.05 * rng.standard_normal()) for s in shapes]
+    fitted, report = fit_linear_shapes(shapes, times, num_layers=80)
+    assert 0.01 < report.mean_rel_error < 0.1
+    assert report.max_rel_error > report.mean_rel_error
+    assert all(getattr(fitted, key) >= 0 for key in COEFFICIENT_NAMES)
+    assert fitted.a_o == pytest.approx(L70.a_o, rel=0.1)  # the dominant term is still found
+
+
+def test_fit_decode_only_data_leaves_prefill_terms_unidentified() -> None:
+    shapes = [BatchShape(b, b * 500 + k) for b in (1, 4, 16, 64, 128) for k in (0, 999, 5000)]
+    times = [LinearCostModel(L7).batch_time(s).total_s for s in shapes]
+    fitted, report = fit_linear_shapes(shapes, times, num_layers=32)
+    assert set(report.unidentified) == {"a_p", "b_p", "s_p", "m_p"}
+    assert fitted.a_p == fitted.b_p == fitted.s_p == fitted.m_p == 0.0
+    assert report.rank == 3  # with decodes only, b_d = b_o and s_d = a_o coincide
+    assert report.max_rel_error < 1e-9
+
+
+def test_nnls_clips_negative_coefficient() -> None:
+    a = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    x = _nnls(a, np.array([1.0, -1.0, 0.0]))  # unconstrained optimum (1/3, -2/3)... clipped
+    np.testing.assert_allclose(x, [0.5, 0.0], atol=1e-12)
+    x = _nnls(a, np.array([1.0, 2.0, 3.0]))
+    np.testing.assert_allclose(x, [1.0, 2.0], atol=1e-12)
+
+
+def write_csv(path: Path, shapes: list[BatchShape], times: list[float]) -> Path:
+    lines = [",".join(CSV_COLUMNS)]
+    for s, t in zip(shapes, times):
+        lines.append(",".join(str(getattr(s, c)) for c in CSV_COLUMNS[:-1]) + f",{t!r}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_fit_csv_save_load_and_build(tmp_path: Path) -> None:
+    shapes = random_shapes(np.random.default_rng(3), 60)
+    times = [LinearCostModel(L7).batch_time(s).total_s for s in shapes]
+    csv_path = write_csv(tmp_path / "my-a100.csv", shapes, times)
+    fitted, report = fit_linear(csv_path, num_layers=32)
+    assert fitted.name == "my-a100" and report.n_rows == 60
+    assert fitted.a_d == pytest.approx(L7.a_d, rel=1e-6)
+    preset_path = tmp_path / "my-a100.json"
+    save_preset(fitted, preset_path, extra={"fit": report._asdict()})
+    assert load_preset(preset_path) == fitted
+    model = build_cost_model(get_model("llama-2-7b"), get_gpu("a100"), cost_model=str(preset_path))
+    assert isinstance(model, LinearCostModel) and model.coefficients == fitted
+
+
+def test_bad_csv_errors_name_the_problem(tmp_path: Path) -> None:
+    good_row = "4,4000,1,100,10000,0,0.01"
+    header = ",".join(CSV_COLUMNS)
+
+    def fit(text: str) -> None:
+        path = tmp_path / "p.csv"
+        path.write_text(text)
+        fit_linear(path, num_layers=32)
+
+    with pytest.raises(ConfigError, match=r"missing column\(s\) time_s; present: num_decode"):
+        fit(",".join(CSV_COLUMNS[:-1]) + "\n1,2,3,4,5,6\n")
+    with pytest.raises(ConfigError, match=r"p\.csv, line 3, column prefill_tokens: 'abc' is not a number"):
+        fit("\n".join([header, good_row, "4,4000,1,abc,10000,0,0.01"]) + "\n")
+    with pytest.raises(ConfigError, match=r"line 2, column decode_kv_tokens: '-5' must be a non-negative"):
+        fit("\n".join([header, "4,-5,1,100,10000,0,0.01"]) + "\n")
+    with pytest.raises(ConfigError, match=r"line 2, column time_s"):
+        fit("\n".join([header, "4,4000,1,100,10000,0,0"]) + "\n")
+    with pytest.raises(ConfigError, match=r"3 data rows, need at least 9"):
+        fit("\n".join([header, good_row, good_row, good_row]) + "\n")
+    with pytest.raises(ConfigError, match=r"line 2: 6 fields, the header has 7"):
+        fit("\n".join([header, "4,4000,1,100,10000,0"]) + "\n")
+    with pytest.raises(ConfigError, match=r"column prefill_tokens: '100' with num_prefill 0"):
+        fit("\n".join([header, "4,4000,0,100,0,0,0.01"]) + "\n")
+    with pytest.raises(ConfigError, match="empty file"):
+        fit("")
+    with pytest.raises(ConfigError, match="cannot open"):
+        fit_linear(tmp_path / "missing.csv", num_layers=32)
+
+
+def test_bad_preset_files(tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_preset(path)
+    save_preset(L7, path)
+    doc = json.loads(path.read_text())
+    del doc["coefficients"]["m_p"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match="coefficients missing m_p; present: a_p"):
+        load_preset(path)
+    doc["coefficients"]["m_p"] = "x"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match="coefficients.m_p must be a non-negative number"):
+        load_preset(path)
+    with pytest.raises(ConfigError, match="not found"):
+        load_preset(tmp_path / "nope.json")
+
+
+# ---------------------------------------------------------------- build_cost_model, presets
+
+
+def test_build_cost_model_choices(tmp_path: Path) -> None:
+    a100 = get_gpu("a100")
+    l7, l70 = get_model("llama-2-7b"), get_model("llama-3-70b")
+    assert build_cost_model(l7, a100).coefficients == L7  # type: ignore[attr-defined]
+    assert build_cost_model(l70, a100, num_gpus=4).coefficients == L70  # type: ignore[attr-defined]
+    assert isinstance(build_cost_model(l7, a100, num_gpus=2), RooflineCostModel)
+    assert isinstance(build_cost_model(l7, get_gpu("h100")), RooflineCostModel)
+    assert isinstance(build_cost_model(l7, a100, cost_model="roofline"), RooflineCostModel)
+    explicit = build_cost_model(get_model("llama-3-8b"), get_gpu("h100"), cost_model="llama-2-7b-a100")
+    assert explicit.coefficients == L7  # type: ignore[attr-defined]
+    with pytest.raises(UnknownNameError, match="llama-2-7b-a100, llama-3-70b-4xa100, roofline; or a path"):
+        build_cost_model(l7, a100, cost_model="vidur")
+    with pytest.raises(ConfigError, match="fitted for 32 layers but model llama-3-70b has 80"):
+        build_cost_model(l70, a100, num_gpus=4, cost_model="llama-2-7b-a100")
+    with pytest.raises(ConfigError, match="not found"):
+        build_cost_model(l7, a100, cost_model=str(tmp_path / "profile.json"))
+    assert list_presets() == ["llama-2-7b-a100", "llama-3-70b-4xa100"]
+
+
+# ---------------------------------------------------------------- specs, KV capacity
+
+
+def architecture_params(m: ModelSpec) -> int:
+    """Parameter count from the config (Llama/Qwen layout; OPT with biases and learned positions)."""
+    h, kv_width = m.hidden_size, m.num_kv_heads * m.head_dim
+    if m.mlp_kind == "relu":  # OPT: biases everywhere, 2 LayerNorms per layer, 2 extra positions
+        per_layer = 4 * (h * h + h) + 2 * h * m.intermediate_size + m.intermediate_size + h + 4 * h
+        return m.num_layers * per_layer + 2 * h + m.vocab_size * h + (m.max_context_len + 2) * h
+    per_layer = 2 * h * h + 2 * h * kv_width + 3 * h * m.intermediate_size + 2 * h
+    if m.name.startswith("qwen"):
+        per_layer += h + 2 * kv_width  # QKV biases
+    return m.num_layers * per_layer + h + m.embedding_params
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_bundled_models_are_consistent(name: str) -> None:
+    m = MODELS[name]
+    assert m.num_params == architecture_params(m)
+    assert m.hidden_size == m.num_attention_heads * m.head_dim
+
+
+def test_specs_registry_and_validation() -> None:
+    assert get_model("llama-2-7b").kv_bytes_per_token == 2 * 32 * 32 * 128 * 2 == 524_288
+    assert get_model("llama-3-70b").kv_bytes_per_token == 2 * 80 * 8 * 128 * 2
+    assert get_gpu("a100") is GPUS["a100-80gb"] and get_gpu("H100").hbm_bandwidth == 3.35e12
+    with pytest.raises(UnknownNameError, match="unknown model 'gpt-5'; valid: llama-2-13b"):
+        get_model("gpt-5")
+    with pytest.raises(UnknownNameError, match="a100-40gb"):
+        get_gpu("v100")
+    base = get_model("llama-2-7b")
+    with pytest.raises(ConfigError, match="num_layers must be a positive integer, got 0"):
+        ModelSpec(**{**base.__dict__, "num_layers": 0})
+    with pytest.raises(ConfigError, match="mlp_kind"):
+        ModelSpec(**{**base.__dict__, "mlp_kind": "moe"})
+
+
+def test_kv_capacity() -> None:
+    a100 = get_gpu("a100")
+    l7 = get_model("llama-2-7b")
+    tokens = kv_capacity_tokens(l7, a100)
+    assert 100_000 <= tokens <= 115_000  # InferMax uses M = 100K
+    exact = kv_capacity_tokens(l7, a100, activation_reserve_bytes=0)
+    assert exact == int((80e9 * 0.9 - l7.weight_bytes) // 524_288)
+    assert kv_capacity_tokens(get_model("llama-3-70b"), a100, num_gpus=4) > 400_000
+    with pytest.raises(
+        ConfigError,
+        match=r"^model llama-2-70b \(138 GB of weights\) does not fit on 1x a100-80gb at memory "
+        r"utilization 0.9 \(72 GB\); use more GPUs or a bigger GPU$",
+    ):
+        kv_capacity_tokens(get_model("llama-2-70b"), a100)
+    with pytest.raises(ConfigError, match="leaves no room for KV"):
+        kv_capacity_tokens(l7, get_gpu("a30"), memory_utilization=0.6)
+    with pytest.raises(ConfigError, match="memory_utilization"):
+        kv_capacity_tokens(l7, a100, memory_utilization=1.2)

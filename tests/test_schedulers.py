@@ -1,0 +1,148 @@
+"""vLLM, Sarathi-Serve and ORCA on hand-made workloads: the behaviour each one is defined by."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import Driver, make_requests, scheduler
+from sloserve.core.errors import ConfigError, UnknownNameError
+from sloserve.core.request import RequestStatus
+from sloserve.sched import UnifiedScheduler
+
+
+def test_infermax_figure1_eviction_and_refill():
+    """InferMax Figure 1: with a KV cache of 8, R3 is evicted in B2 (4 + 2 + 3 > 8) and refilled in B3."""
+    r1, r2, r3 = reqs = make_requests([(3, 2), (1, 2), (2, 2)])
+    drv = Driver(scheduler("vllm", capacity=8, max_model_len=8, block_size=1, watermark=0))
+    drv.run(reqs)
+    b1, b2, b3 = drv.log
+    assert b1.chunks == [(0, 3), (1, 1), (2, 2)] and b1.decodes == []
+    assert b2.preempted == [(2, "recompute")]
+    assert b2.decodes == [0, 1] and b2.chunks == []
+    # B3 refills R3: its prompt (2) plus its generated token (1) are processed again.
+    assert b3.chunks == [(2, 3)] and b3.decodes == []
+    assert len(drv.log) == 3
+    for r in reqs:
+        assert r.status is RequestStatus.FINISHED and r.num_output_tokens == r.true_output_tokens
+    assert r3.num_preemptions == 1 and r1.num_preemptions == r2.num_preemptions == 0
+    # R3's second token comes after the refill, so its token gap spans B2 and B3.
+    assert r3.finish_time > r1.finish_time == r2.finish_time
+
+
+class CountingVLLM(UnifiedScheduler):
+    """Records KV lost to recompute evictions (tokens that will be processed twice)."""
+
+    recomputed = 0
+
+    def _preempt(self, request, mode, output):
+        if mode.value == "recompute" and self.kv.swap_in_blocks_needed(request) == 0:
+            self.recomputed += request.num_computed_tokens
+        super()._preempt(request, mode, output)
+
+
+def _counting(name: str, capacity: int, **options) -> CountingVLLM:
+    base = scheduler(name, capacity, **options)
+    counting = CountingVLLM(base.kv, base.config)
+    counting.name = base.name
+    return counting
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("name", ["vllm", "sarathi"])
+def test_preemption_when_memory_runs_out(name, mode):
+    """Eight requests that cannot all grow in 1024 slots: the latest admitted are preempted and still
+    finish with exactly their tokens; no token is processed twice except by recompute."""
+    lengths = [(100, 120)] * 8
+    reqs = make_requests(lengths)
+    sched = _counting(name, 1024, preemption_mode=mode, swap_space_tokens=4096)
+    drv = Driver(sched)
+    drv.run(reqs)
+    preempted = [p for step in drv.log for p in step.preempted]
+    assert preempted and {m for _, m in preempted} == {mode}
+    # The victim is always the most recently admitted running request.
+    assert preempted[0][0] == max(rid for step in drv.log[:1] for rid, _ in step.chunks) or name == "sarathi"
+    for r in reqs:
+        assert r.status is RequestStatus.FINISHED
+        assert r.num_output_tokens == r.true_output_tokens
+    processed = sum(c for step in drv.log for _, c in step.chunks) + sum(len(s.decodes) for s in drv.log)
+    expected = sum(p + o - 1 for p, o in lengths)
+    if mode == "swap":
+        assert processed == expected and sched.recomputed == 0
+        assert sum(s.swap_out for s in drv.log) > 0 and sum(s.swap_in for s in drv.log) > 0
+    else:
+        assert sched.recomputed > 0 and processed == expected + sched.recomputed
+
+
+def test_swap_falls_back_to_recompute_without_swap_space():
+    reqs = make_requests([(100, 120)] * 8)
+    drv = Driver(scheduler("vllm", 1024, preemption_mode="swap", swap_space_tokens=0))
+    drv.run(reqs)
+    modes = {m for step in drv.log for _, m in step.preempted}
+    assert modes == {"recompute"}
+    assert all(r.num_output_tokens == r.true_output_tokens for r in reqs)
+
+
+def test_vllm_runs_prefills_first_and_never_mixes_phases():
+    reqs = make_requests([(50, 20)] * 4, arrivals=[0.0, 0.0, 0.05, 0.3])
+    drv = Driver(scheduler("vllm", 100_000))
+    drv.run(reqs)
+    for step in drv.log:
+        assert not (step.chunks and step.decodes), "vLLM v0 batches are prefill-only or decode-only"
+    # The request arriving mid-run is prefilled in the first step after its arrival, before decodes.
+    first_steps = [i for i, s in enumerate(drv.log) if any(rid == 2 for rid, _ in s.chunks)]
+    assert len(first_steps) == 1
+
+
+@pytest.mark.parametrize("budget", [64, 256])
+def test_sarathi_chunks_respect_p_and_c(budget):
+    reqs = make_requests([(700, 30), (300, 40), (1500, 10), (90, 60)] * 3, arrivals=[i * 0.01 for i in range(12)])
+    drv = Driver(scheduler("sarathi", 100_000, prefill_token_budget=budget, max_num_batched_tokens=4096))
+    drv.run(reqs)
+    chunked = 0
+    for step in drv.log:
+        prefill = sum(c for _, c in step.chunks)
+        batch = prefill + len(step.decodes)
+        if step.chunks:
+            assert batch <= budget, "Sarathi never exceeds P tokens once a prefill joins"
+        assert batch <= 4096
+        chunked += any(c < 90 for _, c in step.chunks)
+    assert chunked, "long prompts were split into chunks"
+    # Decode-first: every running decode is in every step (hybrid batches).
+    assert any(s.chunks and s.decodes for s in drv.log)
+    assert all(r.num_output_tokens == r.true_output_tokens for r in reqs)
+
+
+def test_orca_max_allocation_and_fixed_batch():
+    reqs = make_requests([(20, 10)] * 20)
+    for r in reqs:
+        r.max_tokens = 100
+    sched = scheduler("orca", 100 * 120 * 4, max_model_len=2048)
+    drv = Driver(sched)
+    drv.run(reqs)
+    assert max(len(s.decodes) + len(s.chunks) for s in drv.log) == 8
+    assert all(not s.preempted for s in drv.log)
+    # Each admitted request reserved prompt + max_tokens slots.
+    assert all(r.num_output_tokens == 10 for r in reqs)
+
+
+def test_orca_capacity_below_longest_request_is_an_error():
+    reqs = make_requests([(20, 10)])
+    reqs[0].max_tokens = 4000
+    sched = scheduler("orca", 2048, max_model_len=4096)
+    with pytest.raises(ConfigError, match="cannot hold request 0: prompt 20 \\+ max_tokens 4000"):
+        sched.check_fits(reqs[0], 29)
+
+
+def test_unknown_scheduler_and_option_errors():
+    with pytest.raises(UnknownNameError, match="valid: orca, sarathi, vllm"):
+        scheduler("fcfs", 1000)
+    with pytest.raises(ConfigError, match="no option 'bogus'; valid: .*block_size"):
+        scheduler("vllm", 1000, bogus="1")
+    with pytest.raises(ConfigError, match="block_size='x': expected an integer"):
+        scheduler("vllm", 1000, block_size="x")
+    with pytest.raises(ConfigError, match="exceeds max_num_batched_tokens"):
+        scheduler("sarathi", 1000, prefill_token_budget="8192", max_num_batched_tokens="4096")
+    with pytest.raises(ConfigError, match="below one block of 16 tokens"):
+        scheduler("vllm", 8)
+    with pytest.raises(ConfigError, match="chunked prefill needs hybrid"):
+        scheduler("vllm", 1000, chunked_prefill="true")

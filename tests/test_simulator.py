@@ -1,0 +1,108 @@
+"""The simulator: fast path equals step-by-step, determinism, conservation, clusters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers import llama7b_cost, scheduler, timestamps
+from sloserve.core.request import RequestStatus
+from sloserve.sim import simulate
+from sloserve.workload.build import workload_from_trace
+
+CAPACITY = 20_000  # small enough that vLLM and Sarathi preempt on these workloads
+
+
+def _run(trace: str, name: str, fast: bool, *, n=300, rate=None, trace_arrivals=False, seed=1, **options):
+    workload = workload_from_trace(
+        trace,
+        num_requests=n,
+        seed=seed,
+        context_len=4096,
+        rate=rate,
+        trace_arrivals=trace_arrivals,
+        offline=rate is None and not trace_arrivals,
+    )
+    result = simulate(
+        workload.requests,
+        lambda: scheduler(name, CAPACITY, **options),
+        llama7b_cost(),
+        fast_path=fast,
+    )
+    return workload.requests, result
+
+
+CASES = [
+    ("sharegpt", "vllm", dict(rate=12.0)),
+    ("sharegpt", "sarathi", dict(rate=12.0)),
+    ("sharegpt", "orca", dict(rate=2.0)),
+    ("azure-conv", "vllm", dict(trace_arrivals=True)),
+    ("azure-conv", "sarathi", dict(trace_arrivals=True)),
+    ("bwb", "vllm", dict()),  # offline: long decode stretches
+    ("arxiv", "sarathi", dict(rate=4.0)),
+]
+
+
+@pytest.mark.parametrize("trace,name,kwargs", CASES)
+def test_fast_path_gives_the_same_timestamps(trace, name, kwargs):
+    slow_reqs, slow = _run(trace, name, fast=False, **kwargs)
+    fast_reqs, fast = _run(trace, name, fast=True, **kwargs)
+    a, b = timestamps(slow_reqs), timestamps(fast_reqs)
+    assert np.isfinite(a[:, :3]).all()
+    np.testing.assert_allclose(b, a, rtol=1e-9, atol=0, equal_nan=True)
+    assert [r.num_preemptions for r in slow_reqs] == [r.num_preemptions for r in fast_reqs]
+    assert len(fast.timeline) == len(slow.timeline), "a stretch stands for exactly its steps"
+    for col in ("num_tokens", "kv_used_tokens", "kv_allocated_tokens", "num_decode"):
+        np.testing.assert_array_equal(fast.timeline.column(col), slow.timeline.column(col), err_msg=col)
+    np.testing.assert_allclose(fast.timeline.column("start_s"), slow.timeline.column("start_s"), rtol=1e-9)
+
+
+def test_fast_path_stretches_exist():
+    """The equivalence above is not vacuous: stretches of many steps happen."""
+    _, result = _run("bwb", "vllm", fast=True, n=100)
+    sched_times = result.timeline.column("sched_time_s")
+    assert (sched_times == 0).sum() > len(sched_times) / 2  # most steps were advanced in stretches
+
+
+@pytest.mark.parametrize("name", ["vllm", "sarathi", "orca"])
+def test_conservation_every_request_completes_with_its_length(name):
+    reqs, result = _run("sharegpt", name, fast=True, n=400, rate=20.0, seed=3)
+    for r in reqs:
+        assert r.status is RequestStatus.FINISHED
+        assert r.num_output_tokens == r.true_output_tokens
+        assert r.arrival_time <= r.first_token_time <= r.last_token_time == r.finish_time
+    processed = int(result.timeline.column("num_tokens").sum())
+    assert processed >= sum(r.num_prompt_tokens + r.true_output_tokens - 1 for r in reqs)
+    if result.num_preemptions == 0:
+        assert processed == sum(r.num_prompt_tokens + r.true_output_tokens - 1 for r in reqs)
+
+
+def test_determinism_for_a_seed():
+    a, ra = _run("azure-conv", "sarathi", fast=True, trace_arrivals=True, seed=7)
+    b, rb = _run("azure-conv", "sarathi", fast=True, trace_arrivals=True, seed=7)
+    np.testing.assert_array_equal(timestamps(a), timestamps(b))
+    np.testing.assert_array_equal(ra.timeline.column("duration_s"), rb.timeline.column("duration_s"))
+    c, _ = _run("azure-conv", "sarathi", fast=True, trace_arrivals=True, seed=8)
+    assert not np.array_equal(timestamps(a), timestamps(c))
+
+
+@pytest.mark.parametrize("router", ["round-robin", "least-outstanding"])
+def test_cluster_of_replicas(router):
+    workload = workload_from_trace("sharegpt", num_requests=400, seed=2, context_len=4096, rate=30.0)
+    result = simulate(
+        workload.requests,
+        lambda: scheduler("vllm", CAPACITY),
+        llama7b_cost(),
+        num_replicas=3,
+        router=router,
+    )
+    replicas = [r.replica for r in workload.requests]
+    assert set(replicas) == {0, 1, 2}
+    if router == "round-robin":
+        assert replicas == [i % 3 for i in range(400)]
+    assert all(r.status is RequestStatus.FINISHED for r in workload.requests)
+    assert set(result.timeline.column("replica").tolist()) == {0, 1, 2}
+    # Three replicas finish the same load sooner than one.
+    single = workload_from_trace("sharegpt", num_requests=400, seed=2, context_len=4096, rate=30.0)
+    simulate(single.requests, lambda: scheduler("vllm", CAPACITY), llama7b_cost())
+    assert max(r.finish_time for r in workload.requests) < max(r.finish_time for r in single.requests)

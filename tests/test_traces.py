@@ -1,0 +1,228 @@
+"""Bundled traces, user trace files and arrival processes."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+
+import numpy as np
+import pytest
+
+from sloserve.core.errors import ConfigError, UnknownNameError
+from sloserve.workload import arrivals
+from sloserve.workload.traces import TRACES, _load_bundled, load_trace, trace_summary
+
+ROWS = {
+    "sharegpt": 10000,
+    "sharegpt-8k": 30731,
+    "bwb": 33768,
+    "arxiv": 28257,
+    "azure-conv": 19366,
+    "azure-code": 8819,
+    "mooncake-conv": 12031,
+    "mooncake-synthetic": 3993,
+}
+
+
+# --- bundled traces ------------------------------------------------------------------------------
+def test_registry_matches_expected_names() -> None:
+    assert set(TRACES) == set(ROWS)
+    assert all(info.description for info in TRACES.values())
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_bundled_trace_loads(name: str) -> None:
+    trace = load_trace(name)
+    assert len(trace) == ROWS[name]
+    assert trace.prompt_tokens.dtype == np.int64 and trace.output_tokens.dtype == np.int64
+    assert trace.prompt_tokens.min() >= 1 and trace.output_tokens.min() >= 1
+    has_times = name.startswith(("azure", "mooncake"))
+    assert (trace.arrival_s is not None) == has_times
+    if trace.arrival_s is not None:
+        assert trace.arrival_s.dtype == np.float64
+        assert trace.arrival_s[0] == 0.0
+        assert np.all(np.diff(trace.arrival_s) >= 0)
+    assert not trace.prompt_tokens.flags.writeable  # shared through the cache
+    assert load_trace(name) is trace
+
+
+def test_bundled_statistics_match_readme() -> None:
+    conv = trace_summary("azure-conv")
+    assert conv["duration_s"] == pytest.approx(3502, abs=1)
+    assert conv["rate_rps"] == pytest.approx(5.53, abs=0.01)
+    assert conv["prompt_p50"] == 1020 and conv["prompt_max"] == 14050
+    assert conv["output_max"] == 1000
+    assert trace_summary("azure-code")["duration_s"] == pytest.approx(3436, abs=1)
+    moon = trace_summary("mooncake-conv")
+    assert moon["duration_s"] == pytest.approx(3537, abs=1)
+    assert moon["arrival_quantum_s"] == 3.0
+    assert trace_summary("mooncake-synthetic")["duration_s"] == pytest.approx(1022, abs=1)
+    share = trace_summary("sharegpt")
+    assert share["has_arrivals"] is False and share["duration_s"] is None
+    assert share["prompt_p50"] == 35 and share["prompt_max"] == 3973
+    assert trace_summary("bwb")["output_max"] == 2858
+
+
+def test_azure_timestamps_parse_to_seconds() -> None:
+    # First rows of the conv file: 18:15:46.6805900 then 18:15:50.9951690.
+    trace = load_trace("azure-conv")
+    assert trace.arrival_s[1] == pytest.approx(4.314579, abs=1e-6)
+
+
+def test_biggest_trace_loads_fast() -> None:
+    for name in ("bwb", "mooncake-conv", "azure-conv"):
+        _load_bundled.cache_clear()
+        start = time.perf_counter()
+        load_trace(name)
+        assert time.perf_counter() - start < 0.3, name
+
+
+def test_unknown_trace_lists_names() -> None:
+    with pytest.raises(UnknownNameError) as info:
+        load_trace("sharegtp")
+    msg = str(info.value)
+    assert "sharegtp" in msg and "azure-conv" in msg and "mooncake-conv" in msg and "path" in msg
+    with pytest.raises(ConfigError, match="not found"):
+        load_trace("no/such/file.csv")
+
+
+# --- user files ----------------------------------------------------------------------------------
+def test_user_csv_with_column_mapping(tmp_path) -> None:
+    path = tmp_path / "mine.csv"
+    path.write_text("t,in,out,other\n0.5,10,3,x\n1.5,20,4,y\n0.5,30,5,z\n")
+    trace = load_trace(str(path), {"prompt": "in", "output": "out", "arrival": "t"})
+    # Rows are sorted by arrival (stably) and rebased to start at 0.
+    assert trace.prompt_tokens.tolist() == [10, 30, 20]
+    assert trace.output_tokens.tolist() == [3, 5, 4]
+    assert trace.arrival_s.tolist() == [0.0, 0.0, 1.0]
+    no_times = load_trace(str(path), {"prompt": "in", "output": "out"})
+    assert no_times.arrival_s is None  # "t" is not a default arrival name
+
+
+def test_user_files_default_columns_gzip_and_jsonl(tmp_path) -> None:
+    path = tmp_path / "a.csv.gz"
+    data = b"arrived_at,num_prefill_tokens,num_decode_tokens\n0,5,6\n2,7,8"  # no final newline
+    path.write_bytes(gzip.compress(data))
+    trace = load_trace(str(path))
+    assert trace.prompt_tokens.tolist() == [5, 7] and trace.arrival_s.tolist() == [0.0, 2.0]
+
+    jl = tmp_path / "b.jsonl"
+    rows = [{"timestamp": 1000, "input_length": 9, "output_length": 2},
+            {"timestamp": 4500, "input_length": 8, "output_length": 1}]
+    jl.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    trace = load_trace(str(jl))
+    assert trace.arrival_s.tolist() == [0.0, 3.5]  # JSONL "timestamp" is in ms
+    assert load_trace(str(jl), {"arrival_unit": "s"}).arrival_s.tolist() == [0.0, 3500.0]
+
+
+def test_user_csv_datetime_arrivals(tmp_path) -> None:
+    path = tmp_path / "az.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.9951690,396,109")
+    assert load_trace(str(path)).arrival_s[1] == pytest.approx(4.314579)
+
+
+@pytest.mark.parametrize(
+    ("content", "columns", "expected"),
+    [
+        ("a,b\n1,2\n", None, r"bad\.csv: no prompt-length column .*columns present: a, b"),
+        ("p,o\n1,2\n", {"prompt": "p", "output": "x"},
+         r"bad\.csv: column 'x' \(mapped to output\) not found; columns present: p, o"),
+        ("prompt_tokens,output_tokens\n5,6\n7,abc\n", None,
+         r"bad\.csv: line 3: column 'output_tokens': output length 'abc' is not an integer"),
+        ("prompt_tokens,output_tokens\n5,6\n-3,4\n", None,
+         r"bad\.csv: line 3: column 'prompt_tokens': prompt length must be >= 1, got -3"),
+        ("prompt_tokens,output_tokens\n0,6\n", None,
+         r"line 2: .*prompt length must be >= 1, got 0"),
+        ("prompt_tokens,output_tokens\n5,0\n", None,
+         r"line 2: .*output length must be >= 1, got 0"),
+        ("prompt_tokens,output_tokens\n5,2.5\n", None,
+         r"line 2: .*output length 2\.5 is not an integer"),
+        ("prompt_tokens,output_tokens\n5\n", None, r"line 2: column 'output_tokens' is missing"),
+        ("prompt_tokens,output_tokens,arrival_s\n5,6,1\n5,6,soon\n", None,
+         r"line 3: column 'arrival_s': arrival 'soon' is neither a number"),
+        ("", None, r"bad\.csv: empty file"),
+        ("prompt_tokens,output_tokens\n", None, r"bad\.csv: no data rows"),
+        ("prompt_tokens,output_tokens\n5,6\n", {"promt": "x"}, r"unknown column role\(s\) 'promt'"),
+    ],
+)
+def test_bad_user_csv(tmp_path, content: str, columns: dict | None, expected: str) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=expected):
+        load_trace(str(path), columns)
+
+
+def test_bad_user_jsonl(tmp_path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"input_length": 5, "output_length": 6}\n{"input_length": 5}\n')
+    with pytest.raises(ConfigError, match=r"bad\.jsonl: line 2: column 'output_length' is missing"):
+        load_trace(str(path))
+    path.write_text('{"input_length": 5, "output_length": 6}\nnot json\n')
+    with pytest.raises(ConfigError, match=r"line 2: invalid JSON"):
+        load_trace(str(path))
+    other = tmp_path / "t.txt"
+    other.write_text("x")
+    with pytest.raises(ConfigError, match=r"unsupported trace file type"):
+        load_trace(str(other))
+
+
+def test_bundled_trace_rejects_columns() -> None:
+    with pytest.raises(ConfigError, match="bundled"):
+        load_trace("sharegpt", {"prompt": "x"})
+
+
+# --- arrival processes ---------------------------------------------------------------------------
+def test_poisson_rate_and_determinism() -> None:
+    times = arrivals.poisson(200_000, 8.0, np.random.default_rng(1))
+    assert times[0] == 0.0 and np.all(np.diff(times) >= 0)
+    assert (len(times) - 1) / times[-1] == pytest.approx(8.0, rel=0.02)
+    gaps = np.diff(times)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.03)
+    again = arrivals.poisson(200_000, 8.0, np.random.default_rng(1))
+    assert np.array_equal(times, again)
+
+
+@pytest.mark.parametrize("cv", [0.5, 2.0, 4.0])
+def test_gamma_cv(cv: float) -> None:
+    times = arrivals.gamma(200_000, 5.0, cv, np.random.default_rng(2))
+    gaps = np.diff(times)
+    assert gaps.mean() == pytest.approx(0.2, rel=0.03)
+    assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.08)
+    assert np.all(gaps >= 0)
+
+
+def test_offline_and_bad_parameters() -> None:
+    assert arrivals.offline(3).tolist() == [0.0, 0.0, 0.0]
+    rng = np.random.default_rng(0)
+    with pytest.raises(ConfigError, match=r"arrival rate must be > 0, got -2"):
+        arrivals.poisson(10, -2, rng)
+    with pytest.raises(ConfigError, match=r"arrival rate must be > 0, got 0"):
+        arrivals.gamma(10, 0, 1.0, rng)
+    with pytest.raises(ConfigError, match=r"arrival cv must be > 0, got 0"):
+        arrivals.gamma(10, 1.0, 0, rng)
+    with pytest.raises(ConfigError, match=r"integer >= 0"):
+        arrivals.offline(-1)
+
+
+def test_mooncake_jitter_stays_in_bucket_and_sorted() -> None:
+    trace = load_trace("mooncake-conv")
+    quantum = trace.arrival_quantum_s
+    times, rows = arrivals.trace_replay(trace.arrival_s, 3000, np.random.default_rng(5), quantum)
+    assert np.all(np.diff(times) >= 0)
+    bucket = trace.arrival_s[rows] - trace.arrival_s[rows.min()]
+    assert np.all(times >= bucket) and np.all(times < bucket + quantum)
+    # Jitter spreads the bucketed arrivals: far fewer ties than in the raw trace.
+    assert np.mean(np.diff(times) == 0) < 0.01 < np.mean(np.diff(trace.arrival_s) == 0)
+    assert sorted(rows.tolist()) == list(range(rows.min(), rows.min() + 3000))
+
+
+def test_trace_replay_wraps_around() -> None:
+    base = np.array([0.0, 1.0, 3.0])  # duration 3, mean gap 1.5 -> period 4.5
+    times, rows = arrivals.trace_replay(base, 7, np.random.default_rng(0))
+    assert len(times) == 7 and np.all(np.diff(times) >= 0) and times[0] == 0.0
+    start = rows[0]
+    idx = np.arange(start, start + 7)
+    expected = base[idx % 3] + (idx // 3) * 4.5
+    assert np.allclose(times, expected - expected[0])
