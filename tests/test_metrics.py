@@ -61,7 +61,7 @@ def make_request(
 
 def make_timeline(rows: list[tuple[float, float, int, int, int, int, int]]) -> Timeline:
     """Rows of (start, duration, num_tokens, num_requests, kv_used, kv_allocated, num_preempted)."""
-    tl = Timeline(capacity=2)  # small: exercises growth
+    tl = Timeline()
     for start, dur, tokens, reqs, used, alloc, preempted in rows:
         tl.append(start, dur, tokens, 0, reqs, reqs, used, alloc, preempted, 0.001 * tokens)
     return tl

@@ -1,6 +1,8 @@
-"""Per-step records of a run (one row per executed step), kept in growable numpy columns."""
+"""Per-step records of a run (one row per executed step)."""
 
 from __future__ import annotations
+
+from array import array
 
 import numpy as np
 
@@ -21,26 +23,26 @@ TIMELINE_COLUMNS: dict[str, type] = {
 
 
 class Timeline:
-    """Append-only table of steps. ``append`` is O(1) amortized; ``extend`` adds many rows at once
-    (the simulator's closed-form decode stretches)."""
+    """Append-only table of steps.
 
-    def __init__(self, capacity: int = 1024) -> None:
-        self._n = 0
-        self._cols = {name: np.zeros(capacity, dtype=dt) for name, dt in TIMELINE_COLUMNS.items()}
+    ``append`` adds one row; ``extend`` adds rows given as arrays; ``append_decode_stretch`` records a
+    closed-form decode stretch by its parameters only, and all stretches are expanded into rows at
+    once (vectorized) when the timeline is first read. Columns are stored in ``array.array``.
+    """
+
+    def __init__(self) -> None:
+        self._cols = {name: array("d" if dt is np.float64 else "q") for name, dt in TIMELINE_COLUMNS.items()}
+        self._bind_appenders()
+        # Decode stretches not yet expanded, one list entry per stretch (see append_decode_stretch).
+        self._stretches: list[tuple] = []
+        self._stretch_rows = 0
+
+    def _bind_appenders(self) -> None:
+        c = self._cols
+        self._appenders = tuple(c[name].append for name in TIMELINE_COLUMNS)
 
     def __len__(self) -> int:
-        return self._n
-
-    def _reserve(self, extra: int) -> None:
-        need = self._n + extra
-        cap = len(self._cols["start_s"])
-        if need <= cap:
-            return
-        new_cap = max(need, 2 * cap)
-        for name, col in self._cols.items():
-            grown = np.zeros(new_cap, dtype=col.dtype)
-            grown[: self._n] = col[: self._n]
-            self._cols[name] = grown
+        return len(self._cols["start_s"]) + self._stretch_rows
 
     def append(
         self,
@@ -56,21 +58,121 @@ class Timeline:
         sched_time_s: float,
         replica: int = 0,
     ) -> None:
-        if self._n == len(self._cols["start_s"]):
-            self._reserve(1)
-        i, c = self._n, self._cols
-        c["start_s"][i] = start_s
-        c["duration_s"][i] = duration_s
-        c["num_tokens"][i] = num_tokens
-        c["num_prefill_tokens"][i] = num_prefill_tokens
-        c["num_decode"][i] = num_decode
-        c["num_requests"][i] = num_requests
-        c["kv_used_tokens"][i] = kv_used_tokens
-        c["kv_allocated_tokens"][i] = kv_allocated_tokens
-        c["num_preempted"][i] = num_preempted
-        c["sched_time_s"][i] = sched_time_s
-        c["replica"][i] = replica
-        self._n = i + 1
+        a = self._appenders
+        a[0](start_s)
+        a[1](duration_s)
+        a[2](num_tokens)
+        a[3](num_prefill_tokens)
+        a[4](num_decode)
+        a[5](num_requests)
+        a[6](kv_used_tokens)
+        a[7](kv_allocated_tokens)
+        a[8](num_preempted)
+        a[9](sched_time_s)
+        a[10](replica)
+
+    def append_decode_stretch(
+        self,
+        start_s: float,
+        end_times: np.ndarray,
+        num_decode: int,
+        kv_used_before: int,
+        kv_used_after: int,
+        kv_allocated_before: int,
+        kv_allocated_after: int,
+        new_blocks_per_step: np.ndarray,
+        block_size: int,
+        sched_time_s: float,
+        replica: int = 0,
+    ) -> None:
+        """Record k = len(end_times) decode-only steps of ``num_decode`` requests.
+
+        Step i (0-based) ends at ``end_times[i]``; KV used after it is ``kv_used_before +
+        num_decode * (i + 1)`` except after the last step (``kv_used_after``, when finished requests
+        have been freed); allocated KV grows by ``new_blocks_per_step`` blocks (step 0's growth is
+        already in ``kv_allocated_before``) and is ``kv_allocated_after`` after the last step.
+        """
+        k = len(end_times)
+        self._stretches.append(
+            (
+                len(self),
+                start_s,
+                end_times,
+                num_decode,
+                kv_used_before,
+                kv_used_after,
+                kv_allocated_before,
+                kv_allocated_after,
+                new_blocks_per_step,
+                block_size,
+                sched_time_s,
+                replica,
+            )
+        )
+        self._stretch_rows += k
+
+    def _stretch_columns(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Rows of all pending stretches: (their row positions, their columns)."""
+        (positions, starts, ends, n, used0, used1, alloc0, alloc1, new_blocks, bs, sched, replica) = zip(
+            *self._stretches, strict=True
+        )
+        lengths = np.array([len(e) for e in ends], dtype=np.int64)
+        total = int(lengths.sum())
+        first = np.zeros(len(lengths), dtype=np.int64)  # index of each stretch's first row
+        first[1:] = np.cumsum(lengths)[:-1]
+        last = first + lengths - 1
+        local = np.arange(total, dtype=np.int64) - np.repeat(first, lengths)  # step index in stretch
+
+        end_s = np.concatenate(ends)
+        start_s = np.empty(total)
+        start_s[1:] = end_s[:-1]
+        start_s[first] = starts
+        num_decode = np.repeat(np.array(n, dtype=np.int64), lengths)
+        kv_used = np.repeat(np.array(used0, dtype=np.int64), lengths) + num_decode * (local + 1)
+        kv_used[last] = used1
+        grown = np.cumsum(np.concatenate(new_blocks).astype(np.int64))  # blocks allocated so far
+        grown_at_first = np.repeat(grown[first], lengths)
+        grown_at_last = np.repeat(grown[last], lengths)
+        # Allocated before a stretch's later steps = before-allocation minus what those steps add.
+        kv_allocated = np.repeat(np.array(alloc0, dtype=np.int64), lengths) - (
+            (grown_at_last - grown_at_first) - (grown - grown_at_first)
+        ) * np.repeat(np.array(bs, dtype=np.int64), lengths)
+        kv_allocated[last] = alloc1
+        sched_time = np.zeros(total)
+        sched_time[first] = sched
+        row_positions = np.repeat(np.array(positions, dtype=np.int64), lengths) + local
+        columns = {
+            "start_s": start_s,
+            "duration_s": end_s - start_s,
+            "num_tokens": num_decode,
+            "num_prefill_tokens": np.zeros(total, dtype=np.int64),
+            "num_decode": num_decode,
+            "num_requests": num_decode,
+            "kv_used_tokens": kv_used,
+            "kv_allocated_tokens": kv_allocated,
+            "num_preempted": np.zeros(total, dtype=np.int64),
+            "sched_time_s": sched_time,
+            "replica": np.repeat(np.array(replica, dtype=np.int64), lengths),
+        }
+        return row_positions, columns
+
+    def _expand(self) -> None:
+        """Materialize pending stretches, interleaved with the appended rows in recording order."""
+        if not self._stretches:
+            return
+        positions, stretch_cols = self._stretch_columns()
+        self._stretches, self._stretch_rows = [], 0
+        total = len(self._cols["start_s"]) + len(positions)
+        is_stretch = np.zeros(total, dtype=bool)
+        is_stretch[positions] = True
+        for name, dtype in TIMELINE_COLUMNS.items():
+            merged = np.empty(total, dtype=dtype)
+            merged[is_stretch] = stretch_cols[name]
+            merged[~is_stretch] = np.frombuffer(self._cols[name], dtype=dtype)
+            col = array(self._cols[name].typecode)
+            col.frombytes(merged.tobytes())
+            self._cols[name] = col
+        self._bind_appenders()
 
     def extend(self, **columns: np.ndarray | float | int) -> None:
         """Append rows given as equal-length arrays (scalars broadcast; ``start_s`` must be an array).
@@ -78,30 +180,37 @@ class Timeline:
         if len(columns) != len(TIMELINE_COLUMNS):
             missing = set(TIMELINE_COLUMNS) - set(columns)
             raise ValueError(f"Timeline.extend: missing columns {sorted(missing)}")
+        self._expand()
         length = len(columns["start_s"])
-        self._reserve(length)
-        lo, hi = self._n, self._n + length
-        for name, value in columns.items():
-            self._cols[name][lo:hi] = value
-        self._n = hi
+        for name, dtype in TIMELINE_COLUMNS.items():
+            values, col = columns[name], self._cols[name]
+            if isinstance(values, np.ndarray):
+                if len(values) != length:
+                    raise ValueError(f"Timeline.extend: column {name} has {len(values)} rows, not {length}")
+                col.frombytes(np.ascontiguousarray(values, dtype=dtype).tobytes())
+            else:
+                col.extend([values] * length)
 
     def column(self, name: str) -> np.ndarray:
-        """A read-only view of one column, ``(num_steps,)``."""
-        view = self._cols[name][: self._n]
-        view.flags.writeable = False
-        return view
+        """A read-only copy of one column, ``(num_steps,)``."""
+        self._expand()
+        dtype = TIMELINE_COLUMNS[name]
+        col = self._cols[name]
+        values = np.frombuffer(col, dtype=dtype).copy() if len(col) else np.zeros(0, dtype=dtype)
+        values.flags.writeable = False
+        return values
 
     def as_dict(self) -> dict[str, np.ndarray]:
         return {name: self.column(name) for name in TIMELINE_COLUMNS}
 
     @classmethod
     def concat(cls, timelines: list[Timeline]) -> Timeline:
-        """Rows of several timelines (e.g. one per replica), sorted by start time."""
-        merged = cls(capacity=max(1, sum(len(t) for t in timelines)))
-        for t in timelines:
-            if len(t):
-                merged.extend(**t.as_dict())
-        order = np.argsort(merged._cols["start_s"][: merged._n], kind="stable")
-        for name in TIMELINE_COLUMNS:
-            merged._cols[name][: merged._n] = merged._cols[name][: merged._n][order]
+        """Rows of several timelines (e.g. one per replica), sorted by start time (stable)."""
+        parts = [t.as_dict() for t in timelines if len(t)]
+        merged = cls()
+        if not parts:
+            return merged
+        columns = {name: np.concatenate([p[name] for p in parts]) for name in TIMELINE_COLUMNS}
+        order = np.argsort(columns["start_s"], kind="stable")
+        merged.extend(**{name: col[order] for name, col in columns.items()})
         return merged

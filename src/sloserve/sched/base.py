@@ -10,8 +10,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 
-import numpy as np
-
 from sloserve.core.outputs import Preemption, PreemptionMode, SchedulerOutput, StepResult
 from sloserve.core.request import Request, RequestStatus
 from sloserve.kv.manager import KVCacheManager
@@ -159,10 +157,3 @@ class Scheduler(ABC):
         assert not set(self.outside_cohort) & set(self.cohort.members)
         for r in self.waiting:
             assert r.num_computed_tokens == 0 and self.kv.num_slots(r) == 0, r
-
-
-def stretch_kv_allocated(end_allocated_tokens: int, new_blocks: np.ndarray, block_size: int) -> np.ndarray:
-    """Allocated tokens after each step of a stretch whose steps allocated ``new_blocks`` blocks
-    (``(num_steps,)``), given the allocation after the whole stretch."""
-    after = np.cumsum(new_blocks)
-    return end_allocated_tokens - (after[-1] - after) * block_size

@@ -26,6 +26,7 @@ class DecodeCohort:
         self.members: dict[Request, None] = {}  # insertion-ordered
         self._offset_sum = 0  # sum of members' _computed_offset
         self._tick_end = np.full(1024, math.nan)  # (ticks,) end time of tick k at index k
+        self._tick_gap = np.full(1024, math.nan)  # (ticks,) end of tick k minus end of tick k - 1
         # tick -> (member, epoch) pairs that need more KV slots to process their token at that tick.
         # NOTE: entries of members that left (epoch changed) are stale and skipped.
         self._due: dict[int, list[tuple[Request, int]]] = {}
@@ -66,9 +67,10 @@ class DecodeCohort:
         self._offset_sum -= request._computed_offset
         joined, now = request.cohort_join_tick, self.ticks
         if now > joined:
-            times = self._tick_end[joined + 1 : now + 1]  # (tokens,) end times of its ticks
-            inner_gap = float(np.max(np.diff(times))) if now - joined >= 2 else math.nan
-            request.record_token_run(float(times[0]), float(times[-1]), inner_gap)
+            # Its tokens came at the end of ticks joined+1..now; the gaps inside the run are the
+            # tick gaps of ticks joined+2..now.
+            inner_gap = float(self._tick_gap[joined + 2 : now + 1].max()) if now - joined >= 2 else math.nan
+            request.record_token_run(float(self._tick_end[joined + 1]), float(self._tick_end[now]), inner_gap)
         request._computed_offset += now
         request._output_offset += now
         request.cohort = None
@@ -86,19 +88,29 @@ class DecodeCohort:
             r for r, epoch in self._due.get(tick, ()) if r.cohort is self and r.cohort_epoch == epoch
         ]
 
-    def blocks_due(self, tick: int) -> int:
-        """New blocks the members due at ``tick`` need."""
+    def try_grow(self, tick: int) -> bool:
+        """Allocate the slots the members due at ``tick`` need, or change nothing and return False
+        when the free blocks are too few."""
         members = self.due_members(tick)
         if self.kv.growth_period is not None:  # paged: one block each
-            return len(members)
-        return sum(self.kv.blocks_needed(r, r._computed_offset + tick) for r in members)
+            need = len(members)
+        else:
+            need = sum(self.kv.blocks_needed(r, r._computed_offset + tick) for r in members)
+        if need > self.kv.num_free_blocks:
+            return False
+        self._grow(tick, members)
+        return True
 
     def grow_due(self, tick: int) -> int:
         """Allocate the slots the members due at ``tick`` need; returns blocks allocated.
 
-        NOTE: the caller has made room (preemption) or proved it exists (``memory_horizon``).
+        NOTE: the caller has proved the room exists (``memory_horizon``).
         """
-        members = self.due_members(tick)
+        if tick not in self._due:
+            return 0
+        return self._grow(tick, self.due_members(tick))
+
+    def _grow(self, tick: int, members: list[Request]) -> int:
         self._due.pop(tick, None)
         if not members:
             return 0
@@ -144,11 +156,14 @@ class DecodeCohort:
     # --- time ------------------------------------------------------------------------------------
     def advance(self, end_times: np.ndarray) -> None:
         """Advance ``len(end_times)`` ticks that ended at those times."""
-        k = len(end_times)
-        need = self.ticks + k + 1
-        if need > len(self._tick_end):
-            grown = np.full(max(need, 2 * len(self._tick_end)), math.nan)
-            grown[: self.ticks + 1] = self._tick_end[: self.ticks + 1]
-            self._tick_end = grown
-        self._tick_end[self.ticks + 1 : self.ticks + 1 + k] = end_times
-        self.ticks += k
+        k, t = len(end_times), self.ticks
+        if t + k + 1 > len(self._tick_end):
+            size = max(t + k + 1, 2 * len(self._tick_end))
+            for name in ("_tick_end", "_tick_gap"):
+                grown = np.full(size, math.nan)
+                grown[: t + 1] = getattr(self, name)[: t + 1]
+                setattr(self, name, grown)
+        ends = self._tick_end
+        ends[t + 1 : t + 1 + k] = end_times
+        self._tick_gap[t + 1 : t + 1 + k] = ends[t + 1 : t + 1 + k] - ends[t : t + k]
+        self.ticks = t + k

@@ -124,10 +124,9 @@ class UnifiedScheduler(Scheduler):
         cohort = self.cohort
         if cohort:
             tick = cohort.ticks + 1
-            while cohort and cohort.blocks_due(tick) > self.kv.num_free_blocks:
+            while not cohort.try_grow(tick):
                 victim = next(reversed(self.running))
                 self._preempt(victim, self._preemption_mode, out)
-            cohort.grow_due(tick)
         if not out.preempted:
             self._schedule_swap_in(out)
         if cohort:

@@ -68,6 +68,10 @@ class SimExecutor:
         self._drop_stale(cohort)
         return self._finish_heap[0][0] - cohort.ticks if self._finish_heap else 1 << 30
 
+    def step_time(self, output: SchedulerOutput) -> float:
+        """Duration of one step of ``output``."""
+        return self.cost_model.batch_time(batch_shape(output)).total_s
+
     def decode_durations(self, output: SchedulerOutput, num_steps: int) -> np.ndarray:
         """``(num_steps,)`` durations of the decode-only ``output`` repeated."""
         return self.cost_model.decode_times(output.cohort_size, output.cohort_kv_tokens, num_steps)
@@ -78,7 +82,7 @@ class SimExecutor:
         self._track_joined(output)
         k = output.num_steps
         if k == 1:
-            ends = np.array([now + self.cost_model.batch_time(batch_shape(output)).total_s])
+            ends = np.array([now + self.step_time(output)])
         else:
             if durations is None or len(durations) < k:
                 durations = self.decode_durations(output, k)

@@ -23,7 +23,7 @@ from sloserve.core.outputs import SchedulerOutput
 from sloserve.core.request import Request
 from sloserve.cost.base import CostModel
 from sloserve.metrics.timeline import Timeline
-from sloserve.sched.base import Scheduler, stretch_kv_allocated
+from sloserve.sched.base import Scheduler
 from sloserve.sim.executor import SimExecutor
 
 # Longest stretch advanced at once (bounds the arrays a stretch allocates).
@@ -65,19 +65,9 @@ class Replica:
             )
         durations = None
         if self.fast_path and out.is_decode_only:
-            limit = min(executor.steps_until_finish(out), MAX_STRETCH_STEPS)
-            limit = sched.decode_horizon(out, limit) if limit > 1 else 1
-            if limit > 1 and next_arrival < math.inf:
-                # The stretch ends with the first step that ends at or after the next arrival; that
-                # is usually a few steps away, so look at a short prefix first.
-                durations = executor.decode_durations(out, min(limit, 16))
-                ends = now + np.cumsum(durations)
-                if ends[-1] < next_arrival and len(durations) < limit:
-                    durations = executor.decode_durations(out, limit)
-                    ends = now + np.cumsum(durations)
-                limit = min(limit, int(np.searchsorted(ends, next_arrival, side="left")) + 1)
-            if limit > 1:
-                out = sched.repeat_decode(out, limit)
+            num_steps, durations = self._stretch_length(out, next_arrival)
+            if num_steps > 1:
+                out = sched.repeat_decode(out, num_steps)
         sched_time = time.perf_counter() - t0
         result = executor.execute(out, now, durations)
         ends = result.step_end_times
@@ -88,6 +78,26 @@ class Replica:
         self.now = float(ends[-1])
         self.outstanding -= len(finished)
         return len(finished)
+
+    def _stretch_length(self, out: SchedulerOutput, next_arrival: float) -> tuple[int, np.ndarray | None]:
+        """How many times the decode-only ``out`` can run unchanged, with the durations computed."""
+        executor, now = self.executor, self.now
+        # The stretch ends with the first step that ends at or after the next arrival. At load the
+        # arrival often falls inside the first step: one cost-model call decides that.
+        if now + executor.step_time(out) >= next_arrival:
+            return 1, None
+        limit = min(executor.steps_until_finish(out), MAX_STRETCH_STEPS)
+        if limit > 1:
+            limit = self.scheduler.decode_horizon(out, limit)
+        if limit <= 1 or next_arrival == math.inf:
+            return limit, None
+        # Usually a few steps away: look at a short prefix before the whole horizon.
+        durations = executor.decode_durations(out, min(limit, 16))
+        ends = now + np.cumsum(durations)
+        if ends[-1] < next_arrival and len(durations) < limit:
+            durations = executor.decode_durations(out, limit)
+            ends = now + np.cumsum(durations)
+        return min(limit, int(np.searchsorted(ends, next_arrival, side="left")) + 1), durations
 
     def _record(
         self,
@@ -115,27 +125,18 @@ class Replica:
                 self.index,
             )
             return
-        k, n = out.num_steps, out.cohort_size
-        starts = np.empty(k)
-        starts[0] = start
-        starts[1:] = ends[:-1]
-        sched_times = np.zeros(k)
-        sched_times[0] = sched_time
-        kv_used = used_before + n * np.arange(1, k + 1)
-        kv_allocated = stretch_kv_allocated(allocated_before, out.new_blocks_per_step, kv.block_size)
-        kv_used[-1], kv_allocated[-1] = used, kv.allocated_tokens  # after the last step's finishes
-        self.timeline.extend(
-            start_s=starts,
-            duration_s=ends - starts,
-            num_tokens=n,
-            num_prefill_tokens=0,
-            num_decode=n,
-            num_requests=n,
-            kv_used_tokens=kv_used,
-            kv_allocated_tokens=kv_allocated,
-            num_preempted=0,
-            sched_time_s=sched_times,
-            replica=self.index,
+        self.timeline.append_decode_stretch(
+            start,
+            ends,
+            out.cohort_size,
+            used_before,
+            used,
+            allocated_before,
+            kv.allocated_tokens,
+            out.new_blocks_per_step,
+            kv.block_size,
+            sched_time,
+            self.index,
         )
 
 
