@@ -1,0 +1,25 @@
+# The two commands of the README: `make demo` and `make test`. Needs only python3 (>= 3.11) and make.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test bench clean
+
+# The virtual environment, reinstalled when pyproject.toml changes.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/sloserve compare --trace sharegpt --schedulers vllm,sarathi,orca \
+		--model llama-2-7b --gpu a100 --rate 9 --num-requests 2000 --seed 0 --out demo-out
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q
+
+bench: $(VENV)/.installed
+	$(BIN)/python benchmarks/sim_speed.py
+
+clean:
+	rm -rf $(VENV) demo-out

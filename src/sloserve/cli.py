@@ -1,0 +1,453 @@
+"""The ``sloserve`` command: simulate, compare, sweep, and list traces, schedulers and hardware."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from sloserve.core.errors import ConfigError, SloserveError
+from sloserve.core.request import SLO
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(2)
+
+
+class _Command(click.Command):
+    """Turns sloserve's own errors into one line on stderr and exit code 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (SloserveError, FileNotFoundError) as exc:
+            _fail(str(exc))
+
+
+class _Group(click.Group):
+    command_class = _Command
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="sloserve")
+def main() -> None:
+    """SLO-aware LLM serving schedulers: simulate them on real traces."""
+
+
+# --- shared options ------------------------------------------------------------------------------
+def _workload_options(fn: Callable) -> Callable:
+    options = [
+        click.option("--trace", help="Bundled trace name (see `sloserve traces`) or a CSV/JSONL path."),
+        click.option("--workload", help="Workload spec: a bundled name or a YAML path (instead of --trace)."),
+        click.option("--columns", help="Column mapping for a user trace, e.g. prompt=in,output=out,arrival=t."),
+        click.option("--rate", type=float, help="Poisson arrival rate (requests/s)."),
+        click.option("--burstiness", type=float, help="Gamma arrivals with this coefficient of variation."),
+        click.option("--trace-arrivals", is_flag=True, help="Replay the trace's own timestamps."),
+        click.option("--offline", is_flag=True, help="All requests arrive at t=0."),
+        click.option("--num-requests", type=int, default=None, help="Requests to sample [1000 with --trace]."),
+        click.option("--max-tokens", type=int, help="Per-request max_tokens (default: context - prompt)."),
+        click.option("--slo-ttft", type=float, help="TTFT SLO in seconds for --trace requests."),
+        click.option("--slo-tpot", type=float, help="TPOT SLO in seconds for --trace requests."),
+        click.option("--slo-jct", type=float, help="JCT SLO in seconds for --trace requests."),
+        click.option("--seed", type=int, default=0, show_default=True),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _system_options(fn: Callable) -> Callable:
+    options = [
+        click.option("--model", default="llama-2-7b", show_default=True, help="Model spec name."),
+        click.option("--gpu", default="a100", show_default=True, help="GPU spec name."),
+        click.option("--num-gpus", type=int, default=1, show_default=True, help="Tensor-parallel GPUs per replica."),
+        click.option("--cost-model", help="Linear preset name, 'roofline', or a JSON preset file."),
+        click.option("--kv-capacity-tokens", type=int, help="KV cache size per replica (default: from memory)."),
+        click.option("--memory-utilization", type=float, default=0.9, show_default=True),
+        click.option("--swap-space-gib", type=float, default=4.0, show_default=True, help="CPU swap space per replica."),
+        click.option("--replicas", type=int, default=1, show_default=True),
+        click.option("--router", default="round-robin", show_default=True, help="round-robin or least-outstanding."),
+        click.option("--no-fast-path", is_flag=True, help="Run every step one by one (for checking)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+@dataclass
+class Setup:
+    """Everything a run needs besides the scheduler and the arrival rate."""
+
+    model: Any
+    gpu: Any
+    cost_model: Any
+    kv_capacity_tokens: int
+    swap_space_tokens: int
+    options: dict[str, Any]
+
+    def make_workload(self, rate: float | None = None):
+        """The workload, with ``rate`` overriding --rate (for sweeps)."""
+        from sloserve.workload import build_workload, load_workload_spec, workload_from_trace
+
+        o = self.options
+        context_len = self.model.max_context_len
+        if o["workload"]:
+            if o["trace"]:
+                raise ConfigError("give --trace or --workload, not both")
+            if rate is not None or o["rate"] is not None:
+                raise ConfigError("--rate and --rates apply to --trace; a workload spec sets its own rates")
+            spec = load_workload_spec(o["workload"])
+            return build_workload(spec, seed=o["seed"], context_len=context_len, num_requests=o["num_requests"])
+        if not o["trace"]:
+            raise ConfigError("give --trace NAME|PATH or --workload SPEC")
+        slo = {"ttft_s": o["slo_ttft"], "tpot_s": o["slo_tpot"], "jct_s": o["slo_jct"]}
+        return workload_from_trace(
+            o["trace"],
+            num_requests=o["num_requests"] or 1000,
+            seed=o["seed"],
+            context_len=context_len,
+            rate=rate if rate is not None else o["rate"],
+            burstiness_cv=o["burstiness"],
+            trace_arrivals=o["trace_arrivals"],
+            offline=o["offline"],
+            slo=SLO(**slo) if any(v is not None for v in slo.values()) else None,
+            max_tokens=o["max_tokens"],
+            columns=_parse_columns(o["columns"]),
+        )
+
+
+def _parse_columns(text: str | None) -> dict[str, str] | None:
+    if not text:
+        return None
+    columns = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ConfigError(f"--columns expects key=column pairs, got {part!r}")
+        columns[key.strip()] = value.strip()
+    return columns
+
+
+def _setup(options: dict[str, Any]) -> Setup:
+    from sloserve.cost import build_cost_model, get_gpu, get_model, kv_capacity_tokens
+
+    model, gpu = get_model(options["model"]), get_gpu(options["gpu"])
+    for name in ("num_gpus", "replicas"):
+        if options[name] < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {options[name]}")
+    if options["kv_capacity_tokens"] is not None:
+        capacity = options["kv_capacity_tokens"]
+        if capacity < 1:
+            raise ConfigError(f"--kv-capacity-tokens must be >= 1, got {capacity}")
+    else:
+        if not 0 < options["memory_utilization"] <= 1:
+            raise ConfigError(f"--memory-utilization must be in (0, 1], got {options['memory_utilization']}")
+        capacity = kv_capacity_tokens(
+            model, gpu, num_gpus=options["num_gpus"], memory_utilization=options["memory_utilization"]
+        )
+    if options["swap_space_gib"] < 0:
+        raise ConfigError(f"--swap-space-gib must be >= 0, got {options['swap_space_gib']}")
+    cost = build_cost_model(model, gpu, num_gpus=options["num_gpus"], cost_model=options["cost_model"])
+    swap_tokens = int(options["swap_space_gib"] * 2**30 // model.kv_bytes_per_token)
+    return Setup(model, gpu, cost, capacity, swap_tokens, options)
+
+
+def _run_one(setup: Setup, scheduler: str, set_options: dict[str, str], workload, *, progress: bool) -> dict:
+    """Simulate ``workload`` (fresh copies of its requests) with ``scheduler``; returns the summary
+    and keeps the result for writing."""
+    from sloserve.metrics import summarize
+    from sloserve.sched import make_scheduler
+    from sloserve.sim import simulate
+
+    o = setup.options
+    requests = [_fresh(r) for r in workload.requests]
+    factory = functools.partial(
+        make_scheduler,
+        scheduler,
+        kv_capacity_tokens=setup.kv_capacity_tokens,
+        max_model_len=setup.model.max_context_len,
+        kv_bytes_per_token=setup.model.kv_bytes_per_token,
+        swap_space_tokens=setup.swap_space_tokens,
+        options=set_options,
+    )
+    factory()  # validate the options before running
+    with _progress(len(requests), f"{scheduler}", enabled=progress) as on_progress:
+        result = simulate(
+            requests,
+            factory,
+            setup.cost_model,
+            num_replicas=o["replicas"],
+            router=o["router"],
+            fast_path=not o["no_fast_path"],
+            on_progress=on_progress,
+        )
+    summary = summarize(
+        requests,
+        result.timeline,
+        kv_capacity_tokens=result.kv_capacity_tokens,
+        sim_wall_s=result.sim_wall_s,
+        num_allocation_failures=result.num_allocation_failures,
+        swapped_bytes=result.swapped_bytes,
+        num_replicas=result.num_replicas,
+        extra={
+            "scheduler": scheduler,
+            "scheduler_options": set_options,
+            "model": setup.model.name,
+            "gpu": setup.gpu.name,
+            "num_gpus": o["num_gpus"],
+            "cost_model": setup.cost_model.name,
+            "workload": workload.name,
+            "num_clipped": workload.num_clipped,
+            "seed": o["seed"],
+            "sim_requests_per_wall_s": len(requests) / result.sim_wall_s if result.sim_wall_s else None,
+        },
+    )
+    summary["_result"] = (requests, result.timeline)
+    return summary
+
+
+def _fresh(request):
+    """A copy of a workload request with no progress, so each scheduler starts from scratch."""
+    from sloserve.core.request import Request
+
+    return Request(
+        request_id=request.request_id,
+        arrival_time=request.arrival_time,
+        num_prompt_tokens=request.num_prompt_tokens,
+        true_output_tokens=request.true_output_tokens,
+        max_tokens=request.max_tokens,
+        request_class=request.request_class,
+        slo=request.slo,
+        predicted_output_tokens=request.predicted_output_tokens,
+    )
+
+
+class _progress:
+    """A rich progress bar on stderr when it is a terminal; a no-op callback otherwise."""
+
+    def __init__(self, total: int, label: str, enabled: bool) -> None:
+        self.total, self.label = total, label
+        self.enabled = enabled and sys.stderr.isatty()
+        self._bar = None
+
+    def __enter__(self) -> Callable[[int], None] | None:
+        if not self.enabled:
+            return None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        self._bar = Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        self._bar.start()
+        task = self._bar.add_task(self.label, total=self.total)
+        return lambda done: self._bar.update(task, completed=done)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def _public(summary: dict) -> dict:
+    return {k: v for k, v in summary.items() if not k.startswith("_")}
+
+
+def _write(out: Path, summary: dict) -> None:
+    from sloserve.metrics import write_run_outputs
+
+    requests, timeline = summary["_result"]
+    write_run_outputs(out, _public(summary), requests, timeline)
+
+
+def _print_table(table) -> None:
+    from rich.console import Console
+
+    Console(width=max(160, Console().width)).print(table)
+
+
+# --- commands ------------------------------------------------------------------------------------
+@main.command()
+@click.option("--scheduler", default="vllm", show_default=True, help="Scheduler name (see `sloserve schedulers`).")
+@click.option("--set", "set_pairs", multiple=True, metavar="KEY=VALUE", help="Scheduler option; repeatable.")
+@_workload_options
+@_system_options
+@click.option("--out", type=click.Path(path_type=Path), help="Write summary.json, requests.csv, timeline.csv, plots.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+def simulate(scheduler: str, set_pairs: tuple[str, ...], out: Path | None, as_json: bool, **options: Any) -> None:
+    """Simulate one scheduler on a workload."""
+    from sloserve.metrics import compare_table, summary_to_json
+    from sloserve.sched import parse_set_options
+
+    set_options = parse_set_options(set_pairs)
+    setup = _setup(options)
+    workload = setup.make_workload()
+    summary = _run_one(setup, scheduler, set_options, workload, progress=not as_json)
+    if out is not None:
+        _write(out, summary)
+    if as_json:
+        click.echo(summary_to_json(_public(summary)))
+    else:
+        _print_table(compare_table({scheduler: summary}, f"{workload.name}, {len(workload)} requests"))
+        if workload.num_clipped:
+            click.echo(f"note: {workload.num_clipped} requests clipped to the model context: {workload.clipped_details}")
+        if out is not None:
+            click.echo(f"wrote {out}/summary.json, requests.csv, timeline.csv and plots")
+
+
+def _scheduler_list(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise ConfigError("--schedulers needs at least one name")
+    return names
+
+
+@main.command()
+@click.option("--schedulers", default="vllm,sarathi,orca", show_default=True, help="Comma-separated names.")
+@click.option("--set", "set_pairs", multiple=True, metavar="NAME.KEY=VALUE", help="Option for one scheduler.")
+@_workload_options
+@_system_options
+@click.option("--out", type=click.Path(path_type=Path), help="Write one folder per scheduler and compare.png.")
+@click.option("--json", "as_json", is_flag=True, help="Print {scheduler: summary} as JSON on stdout.")
+def compare(schedulers: str, set_pairs: tuple[str, ...], out: Path | None, as_json: bool, **options: Any) -> None:
+    """Run several schedulers on the same workload and print one table."""
+    from sloserve.metrics import compare_table, summary_to_json
+    from sloserve.metrics.plots import plot_compare_bars
+
+    names = _scheduler_list(schedulers)
+    per_scheduler = _split_set_options(set_pairs, names)
+    setup = _setup(options)
+    workload = setup.make_workload()
+    summaries = {name: _run_one(setup, name, per_scheduler[name], workload, progress=not as_json) for name in names}
+    if out is not None:
+        for name, summary in summaries.items():
+            _write(out / name, summary)
+        (out / "compare.json").write_text(summary_to_json({n: _public(s) for n, s in summaries.items()}))
+        plot_compare_bars({n: _public(s) for n, s in summaries.items()}, out / "compare.png")
+    if as_json:
+        click.echo(summary_to_json({n: _public(s) for n, s in summaries.items()}))
+    else:
+        _print_table(compare_table(summaries, f"{workload.name}, {len(workload)} requests"))
+        if out is not None:
+            click.echo(f"wrote {out}/<scheduler>/ and {out}/compare.png")
+
+
+def _split_set_options(pairs: tuple[str, ...], names: list[str]) -> dict[str, dict[str, str]]:
+    """``vllm.block_size=32`` goes to vllm; ``block_size=32`` goes to every scheduler."""
+    from sloserve.sched import parse_set_options
+
+    per: dict[str, dict[str, str]] = {name: {} for name in names}
+    for key, value in parse_set_options(pairs).items():
+        scheduler, dot, option = key.partition(".")
+        if dot and scheduler in per:
+            per[scheduler][option] = value
+        elif dot:
+            raise ConfigError(f"--set {key}: {scheduler!r} is not among --schedulers {','.join(names)}")
+        else:
+            for options in per.values():
+                options[key] = value
+    return per
+
+
+@main.command()
+@click.option("--rates", required=True, help="Comma-separated Poisson rates (requests/s).")
+@click.option("--schedulers", default="vllm,sarathi,orca", show_default=True)
+@click.option("--set", "set_pairs", multiple=True, metavar="NAME.KEY=VALUE")
+@_workload_options
+@_system_options
+@click.option("--metric", default="normalized_latency_s", show_default=True, help="Summary key to plot.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("sweep-out"), show_default=True)
+def sweep(rates: str, schedulers: str, set_pairs: tuple[str, ...], metric: str, out: Path, **options: Any) -> None:
+    """Rate sweep: the metric (default normalized latency) against request rate, per scheduler."""
+    from sloserve.metrics import summary_to_json, sweep_table
+    from sloserve.metrics.plots import plot_sweep
+
+    try:
+        rate_values = [float(r) for r in rates.split(",") if r.strip()]
+    except ValueError:
+        raise ConfigError(f"--rates must be comma-separated numbers, got {rates!r}") from None
+    if not rate_values or any(r <= 0 for r in rate_values):
+        raise ConfigError(f"--rates must be > 0, got {rates!r}")
+    names = _scheduler_list(schedulers)
+    per_scheduler = _split_set_options(set_pairs, names)
+    setup = _setup(options)
+    results: dict[str, list[tuple[float, dict]]] = {name: [] for name in names}
+    for rate in rate_values:
+        workload = setup.make_workload(rate)
+        for name in names:
+            summary = _run_one(setup, name, per_scheduler[name], workload, progress=True)
+            results[name].append((rate, _public(summary)))
+    out.mkdir(parents=True, exist_ok=True)
+    plot_sweep(results, out / f"sweep_{metric}.png", metric=metric, logy=True)
+    (out / "sweep.json").write_text(summary_to_json({n: [{"rate": r, **s} for r, s in v] for n, v in results.items()}))
+    _print_table(sweep_table(results, metric))
+    click.echo(f"wrote {out}/sweep_{metric}.png and {out}/sweep.json")
+
+
+@main.command()
+def traces() -> None:
+    """List the bundled traces with row counts and length statistics."""
+    from rich.table import Table
+
+    from sloserve.workload import TRACES, trace_summary
+
+    table = Table(title="bundled traces (token counts)")
+    for col in ("name", "rows", "prompt mean/p50/p99/max", "output mean/p50/p99/max", "arrivals", "description"):
+        table.add_column(col)
+    for name, info in TRACES.items():
+        s = trace_summary(name)
+        fmt = "{:.0f} / {:.0f} / {:.0f} / {:.0f}"
+        arrivals = f"{s['duration_s']:.0f} s, {s['rate_rps']:.2f} req/s" if s["has_arrivals"] else "-"
+        table.add_row(
+            name,
+            str(s["rows"]),
+            fmt.format(s["prompt_mean"], s["prompt_p50"], s["prompt_p99"], s["prompt_max"]),
+            fmt.format(s["output_mean"], s["output_p50"], s["output_p99"], s["output_max"]),
+            arrivals,
+            info.description,
+        )
+    _print_table(table)
+
+
+@main.command()
+def schedulers() -> None:
+    """List the registered schedulers and their options."""
+    from sloserve.sched import SCHEDULERS
+    from sloserve.sched.registry import describe_options
+
+    for name in sorted(SCHEDULERS):
+        click.echo(f"{name}: {SCHEDULERS[name].description}")
+        click.echo("    " + ", ".join(f"{k}={v}" for k, v in describe_options(name).items()))
+
+
+@main.command()
+def hardware() -> None:
+    """List the bundled model and GPU specs and the cost-model presets."""
+    from sloserve.cost import GPUS, MODELS, list_presets
+
+    click.echo("models: " + ", ".join(sorted(MODELS)))
+    click.echo("gpus: " + ", ".join(sorted(GPUS)))
+    click.echo("cost-model presets: " + ", ".join(list_presets()) + ", roofline")
+
+
+@main.command(name="workloads")
+def workloads_cmd() -> None:
+    """List the bundled workload specs."""
+    from sloserve.workload import list_workloads
+
+    for name, description in list_workloads().items():
+        click.echo(f"{name}: {description}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The ``sloserve`` command, run as a user runs it (a real subprocess for exit codes)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sloserve.workload import TRACES
+
+SLOSERVE = [sys.executable, "-m", "sloserve.cli"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*SLOSERVE, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_simulate_writes_outputs_and_json(tmp_path: Path):
+    out = tmp_path / "run"
+    proc = run("simulate", "--trace", "sharegpt", "--scheduler", "sarathi", "--rate", "6",
+               "--num-requests", "300", "--seed", "4", "--out", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    for key in ("completed", "throughput_rps", "throughput_tps", "slo_attainment", "goodput_rps",
+                "kv_utilization_mean", "preemptions", "sim_wall_s"):
+        assert key in summary
+    for key in ("ttft_s", "tpot_s", "normalized_latency_s", "jct_s"):
+        assert set(summary[key]) == {"mean", "p50", "p90", "p99"}
+    assert summary["completed"] == 300 and summary["scheduler"] == "sarathi"
+    assert json.loads((out / "summary.json").read_text())["completed"] == 300
+    with open(out / "requests.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 300 and {"ttft_s", "tpot_s", "jct_s"} <= set(rows[0])
+    with open(out / "timeline.csv") as f:
+        header = next(csv.reader(f))
+    assert {"start_s", "num_tokens", "kv_used_tokens", "kv_allocated_tokens"} <= set(header)
+    assert any(p.suffix == ".png" and p.stat().st_size > 0 for p in out.iterdir())
+
+
+def test_compare_runs_every_scheduler_on_the_same_workload(tmp_path: Path):
+    proc = run("compare", "--trace", "azure-conv", "--trace-arrivals", "--schedulers", "vllm,sarathi,orca",
+               "--num-requests", "200", "--out", str(tmp_path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    summaries = json.loads(proc.stdout)
+    assert list(summaries) == ["vllm", "sarathi", "orca"]
+    assert all(s["completed"] == 200 for s in summaries.values())
+    assert (tmp_path / "compare.png").stat().st_size > 0
+    assert (tmp_path / "orca" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("trace", sorted(TRACES))
+def test_simulate_on_every_bundled_trace(trace):
+    arrivals = ["--trace-arrivals"] if trace.startswith(("azure", "mooncake")) else ["--rate", "2"]
+    model = ["--model", "llama-3-70b", "--num-gpus", "4"] if trace.startswith("mooncake") else []
+    proc = run("simulate", "--trace", trace, *arrivals, *model, "--num-requests", "60", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["completed"] == 60
+
+
+def test_traces_lists_every_bundled_trace():
+    proc = run("traces")
+    assert proc.returncode == 0, proc.stderr
+    for name in TRACES:
+        assert name in proc.stdout
+    assert "10000" in proc.stdout and "19366" in proc.stdout
+
+
+def test_sweep_writes_plot(tmp_path: Path):
+    proc = run("sweep", "--trace", "sharegpt", "--rates", "2,6", "--schedulers", "vllm,sarathi",
+               "--num-requests", "150", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "sweep_normalized_latency_s.png").stat().st_size > 0
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert [p["rate"] for p in sweep["vllm"]] == [2.0, 6.0]
+
+
+BAD = [
+    (["--trace", "nope", "--rate", "1"], "unknown trace 'nope'; valid: arxiv"),
+    (["--trace", "sharegpt", "--rate", "0"], "arrival.rate must be > 0, got 0"),
+    (["--trace", "sharegpt", "--rate", "1", "--scheduler", "fifo"], "unknown scheduler 'fifo'; valid: orca, sarathi, vllm"),
+    (["--trace", "sharegpt", "--rate", "1", "--gpu", "tpu"], "unknown GPU"),
+    (["--trace", "sharegpt", "--rate", "1", "--kv-capacity-tokens", "8"], "below one block of 16 tokens"),
+    (["--trace", "sharegpt", "--rate", "1", "--scheduler", "orca", "--kv-capacity-tokens", "3000"],
+     "cannot hold request"),
+    (["--trace", "sharegpt"], "give exactly one of rate"),
+    (["--trace", "sharegpt", "--rate", "1", "--set", "nosuch=1"], "has no option 'nosuch'"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD)
+def test_bad_input_is_one_clear_line_and_exit_2(tmp_path: Path, args, message):
+    out = tmp_path / "out"
+    proc = run("simulate", *args, "--num-requests", "20", "--out", str(out))
+    assert proc.returncode == 2
+    assert message.lower() in proc.stderr.lower()
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not out.exists(), "nothing half-written"
+
+
+def test_bad_trace_column(tmp_path: Path):
+    path = tmp_path / "mine.csv"
+    path.write_text("in,out\n10,5\n12,abc\n")
+    proc = run("simulate", "--trace", str(path), "--columns", "prompt=in,output=out", "--rate", "1")
+    assert proc.returncode == 2
+    assert "mine.csv" in proc.stderr and "line 3" in proc.stderr and "abc" in proc.stderr
