@@ -57,6 +57,9 @@ class KVCacheManager:
         # Tokens a decoding request grows by per allocation when allocations recur periodically
         # (one block every block_size tokens); None when growth is not periodic.
         self.growth_period: int | None = block_size if self.periodic_growth else None
+        # Blocks reserved by count (decode cohort growth) whose ids are assigned later (settle_blocks).
+        # NOTE: free + used + owed = capacity; owed blocks are not free.
+        self._owed_blocks = 0
 
     # --- capacity ----------------------------------------------------------------------------
     @property
@@ -65,12 +68,19 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.gpu.num_free
+        return self.gpu.num_free - self._owed_blocks
 
     @property
     def allocated_tokens(self) -> int:
-        """Token slots held by requests (whole blocks)."""
-        return self.gpu.num_used * self.block_size
+        """Token slots held by requests (whole blocks, owed ones included)."""
+        return (self.gpu.num_used + self._owed_blocks) * self.block_size
+
+    def _take(self, num_blocks: int) -> list[int] | None:
+        """Blocks from the free pool, leaving the owed ones alone; None (counted) if too few."""
+        if num_blocks > self.gpu.num_free - self._owed_blocks:
+            self.num_allocation_failures += 1
+            return None
+        return self.gpu.allocate(num_blocks)
 
     def num_slots(self, request: Request) -> int:
         """Token slots ``request`` holds on the GPU."""
@@ -89,7 +99,7 @@ class KVCacheManager:
         return need if need > 0 else 0
 
     def can_allocate(self, request: Request, num_tokens: int, reserve_blocks: int = 0) -> bool:
-        return self.blocks_needed(request, num_tokens) + reserve_blocks <= self.gpu.num_free
+        return self.blocks_needed(request, num_tokens) + reserve_blocks <= self.num_free_blocks
 
     # --- allocation ----------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_tokens: int) -> bool:
@@ -98,9 +108,8 @@ class KVCacheManager:
         need = self.blocks_needed(request, num_tokens)
         if need == 0:
             return True
-        blocks = self.gpu.allocate(need)
+        blocks = self._take(need)
         if blocks is None:
-            self.num_allocation_failures += 1
             return False
         table = self.block_tables.get(request)
         if table is None:
@@ -109,17 +118,23 @@ class KVCacheManager:
             table.extend(blocks)
         return True
 
-    def append_block_each(self, requests: list[Request]) -> bool:
-        """Give each of ``requests`` (all holding blocks) one more block: paged decode growth in one
-        call. All or nothing."""
-        blocks = self.gpu.allocate(len(requests))
-        if blocks is None:
+    def reserve_blocks(self, num_blocks: int) -> bool:
+        """Reserve ``num_blocks`` blocks by count, their ids assigned later by ``settle_blocks`` (the
+        decode cohort's growth). All or nothing."""
+        if num_blocks > self.num_free_blocks:
             self.num_allocation_failures += 1
             return False
-        tables = self.block_tables
-        for request, block in zip(requests, blocks, strict=True):
-            tables[request].append(block)
+        self._owed_blocks += num_blocks
         return True
+
+    def settle_blocks(self, request: Request, num_blocks: int) -> None:
+        """Assign ``num_blocks`` of the reserved blocks to ``request`` (appended to its table)."""
+        assert 0 <= num_blocks <= self._owed_blocks, (num_blocks, self._owed_blocks)
+        if num_blocks:
+            self._owed_blocks -= num_blocks
+            blocks = self.gpu.allocate(num_blocks)
+            assert blocks is not None
+            self.block_tables[request].extend(blocks)
 
     def free(self, request: Request) -> None:
         """Release everything ``request`` holds, on the GPU and in swap space."""
@@ -157,9 +172,8 @@ class KVCacheManager:
     def swap_in(self, request: Request) -> list[BlockCopy] | None:
         """Bring a swapped-out request's blocks back to the GPU; None when GPU blocks are short."""
         cpu_blocks = self.cpu_tables.get(request, [])
-        gpu_blocks = self.gpu.allocate(len(cpu_blocks))
+        gpu_blocks = self._take(len(cpu_blocks))
         if gpu_blocks is None:
-            self.num_allocation_failures += 1
             return None
         del self.cpu_tables[request]
         self.cpu.release(cpu_blocks)
@@ -183,6 +197,7 @@ class KVCacheManager:
             assert len(set(free)) == len(free), f"{where}: a block is free twice"
             assert not set(owned) & set(free), f"{where}: a block is both free and owned"
             assert len(owned) + len(free) == pool.num_blocks, f"{where}: free + used != capacity"
+            assert pool is self.cpu or len(free) >= self._owed_blocks >= 0, "owed blocks exceed free ones"
             assert all(0 <= b < pool.num_blocks for b in owned + free), f"{where}: block id out of range"
         assert not set(self.block_tables) & set(self.cpu_tables), "a request is on GPU and CPU at once"
 

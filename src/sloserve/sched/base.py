@@ -68,6 +68,8 @@ class Scheduler(ABC):
         requests that finished."""
         if output.cohort is not None:
             self.cohort.advance(result.step_end_times)
+        else:
+            self.cohort.skip_growth()
         emitted: list[Request] = []
         for request, num_tokens in output.chunks:
             request.add_computed(num_tokens)
@@ -148,9 +150,11 @@ class Scheduler(ABC):
         for i, a in enumerate(queues):
             for b in queues[i + 1 :]:
                 assert not a & b, "a request is in two queues"
+        self.cohort.check_integrity()
         for r in self.running:
             assert r.status is RequestStatus.RUNNING, r
-            assert self.kv.num_slots(r) >= r.num_computed_tokens, f"{r} has KV beyond its slots"
+            slots = self.cohort.granted_slots(r) if r.cohort is self.cohort else self.kv.num_slots(r)
+            assert slots >= r.num_computed_tokens, f"{r} has KV beyond its slots"
         for r in self.cohort.members:
             assert r in self.running, f"cohort member {r} is not running"
         assert set(self.outside_cohort) | set(self.cohort.members) == set(self.running)

@@ -2,9 +2,17 @@
 
 vLLM, Sarathi-Serve and ORCA put every running decode request into every decode step, so the
 cohort advances as a whole. Its members' counters are derived lazily from ``ticks`` (see
-core/request.py), KV growth is a calendar of the ticks at which a member needs a new block, and token
-times are the ticks' end times. One step therefore costs O(1) plus O(members that need a block),
-not O(batch): this is what lets the simulator run 10k+ requests per second.
+core/request.py) and token times are the ticks' end times. KV growth costs O(1) per tick:
+
+- paged managers (one block every block_size tokens): a member needs a new block every block_size
+  ticks, at ticks of one residue class modulo block_size, so the cohort keeps only how many members
+  are in each class and reserves blocks by count; a member's block ids are assigned when it leaves
+  or when its slots are read (``settle``).
+- other managers (reservations): a calendar of the tick at which each member outgrows its
+  reservation, grown through ``KVCacheManager.allocate_slots``.
+
+One step therefore costs O(1), not O(batch): this is what lets the simulator run thousands of
+requests per wall second.
 """
 
 from __future__ import annotations
@@ -23,11 +31,16 @@ class DecodeCohort:
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
         self.ticks = 0
-        self.members: dict[Request, None] = {}  # insertion-ordered
+        # member -> first tick at which it needs a new block (insertion-ordered)
+        self.members: dict[Request, int] = {}
         self._offset_sum = 0  # sum of members' _computed_offset
         self._tick_end = np.full(1024, math.nan)  # (ticks,) end time of tick k at index k
         self._tick_gap = np.full(1024, math.nan)  # (ticks,) end of tick k minus end of tick k - 1
-        # tick -> (member, epoch) pairs that need more KV slots to process their token at that tick.
+        self._grown_through = 0  # last tick whose KV growth has been reserved
+        self._period = kv.growth_period
+        # Paged: members due at ticks t with t % period == r, per residue r.
+        self._due_count = [0] * (self._period or 1)
+        # Other managers: tick -> (member, epoch) pairs that outgrow their slots at that tick.
         # NOTE: entries of members that left (epoch changed) are stale and skipped.
         self._due: dict[int, list[tuple[Request, int]]] = {}
 
@@ -47,7 +60,7 @@ class DecodeCohort:
         """Join: from the next tick on, ``request`` processes one token per tick.
 
         NOTE: a request added while a step is being scheduled must already hold a slot for its next
-        token (the calendar for that tick has been processed).
+        token (that tick's growth has been reserved).
         """
         assert request.cohort is None and not request.is_prefill, request
         t = self.ticks
@@ -56,14 +69,26 @@ class DecodeCohort:
         request.cohort = self
         request.cohort_join_tick = t
         request.cohort_epoch += 1
-        self.members[request] = None
         self._offset_sum += request._computed_offset
-        self._register_due(request)
+        # At tick u a member processes the token at position offset + u - 1, so it needs
+        # num_slots >= offset + u: it is first due at the first tick where that fails.
+        first_due = self.kv.num_slots(request) - request._computed_offset + 1
+        # NOTE: residue counting needs the first due tick within one period after the growth mark.
+        assert 0 < first_due - self._grown_through <= (self._period or first_due), request
+        self.members[request] = first_due
+        if self._period is not None:
+            self._due_count[first_due % self._period] += 1
+        else:
+            self._due.setdefault(first_due, []).append((request, request.cohort_epoch))
 
     def remove(self, request: Request) -> None:
-        """Leave (finish or preemption): record the tokens produced while a member."""
+        """Leave (finish or preemption): record the tokens produced while a member and take the
+        block ids of its reserved growth."""
         assert request.cohort is self, request
-        del self.members[request]
+        self.settle(request)
+        first_due = self.members.pop(request)
+        if self._period is not None:
+            self._due_count[first_due % self._period] -= 1
         self._offset_sum -= request._computed_offset
         joined, now = request.cohort_join_tick, self.ticks
         if now > joined:
@@ -75,72 +100,97 @@ class DecodeCohort:
         request._output_offset += now
         request.cohort = None
 
-    # --- KV growth calendar ----------------------------------------------------------------------
-    def _register_due(self, request: Request) -> None:
-        # At tick t a member processes the token at position offset + t - 1, so it needs
-        # num_slots >= offset + t: it is due at the first tick where that fails.
-        due_tick = self.kv.num_slots(request) - request._computed_offset + 1
-        self._due.setdefault(due_tick, []).append((request, request.cohort_epoch))
+    def granted_slots(self, request: Request) -> int:
+        """Slots a member holds, counting growth reserved for it but not yet given block ids."""
+        held = self.kv.num_slots(request)
+        first_due = self.members[request]
+        if self._period is None or self._grown_through < first_due:
+            return held
+        entitled = (self._grown_through - first_due) // self._period + 1
+        return first_due - 1 + request._computed_offset + entitled * self._period
 
-    def due_members(self, tick: int) -> list[Request]:
-        """Members that need more slots to process their token at ``tick``."""
-        return [
-            r for r, epoch in self._due.get(tick, ()) if r.cohort is self and r.cohort_epoch == epoch
-        ]
+    def settle(self, request: Request) -> None:
+        """Give a member the block ids of the growth reserved for it so far (paged), so that every
+        token it has been granted has a physical slot."""
+        if self._period is not None:
+            owed = self.granted_slots(request) - self.kv.num_slots(request)
+            self.kv.settle_blocks(request, owed // self.kv.block_size)
+
+    # --- KV growth -----------------------------------------------------------------------------
+    def blocks_due(self, tick: int) -> int:
+        """New blocks the members need to process their token at ``tick``."""
+        if self._period is not None:
+            return self._due_count[tick % self._period]
+        return sum(self.kv.blocks_needed(r, r._computed_offset + tick) for r in self._due_members(tick))
+
+    def _due_members(self, tick: int) -> list[Request]:
+        return [r for r, epoch in self._due.get(tick, ()) if r.cohort is self and r.cohort_epoch == epoch]
 
     def try_grow(self, tick: int) -> bool:
-        """Allocate the slots the members due at ``tick`` need, or change nothing and return False
-        when the free blocks are too few."""
-        members = self.due_members(tick)
-        if self.kv.growth_period is not None:  # paged: one block each
-            need = len(members)
+        """Reserve the KV the members need at ``tick``, or change nothing and return False when the
+        free blocks are too few."""
+        if tick <= self._grown_through:
+            return True
+        if self._period is not None:
+            if not self.kv.reserve_blocks(self._due_count[tick % self._period]):
+                return False
         else:
-            need = sum(self.kv.blocks_needed(r, r._computed_offset + tick) for r in members)
-        if need > self.kv.num_free_blocks:
-            return False
-        self._grow(tick, members)
+            if self.blocks_due(tick) > self.kv.num_free_blocks:
+                return False
+            self._grow_calendar(tick)
+        self._grown_through = tick
         return True
 
-    def grow_due(self, tick: int) -> int:
-        """Allocate the slots the members due at ``tick`` need; returns blocks allocated.
+    def skip_growth(self) -> None:
+        """The scheduled step did not advance the cohort: drop the growth mark of its tick.
+
+        NOTE: only an empty cohort's (zero-block) reservation is dropped: a non-empty cohort that
+        reserved growth is always advanced.
+        """
+        if self._grown_through > self.ticks:
+            assert not self.members or self.blocks_due(self._grown_through) == 0
+            self._grown_through = self.ticks
+
+    def grow_through(self, last_tick: int) -> np.ndarray:
+        """Reserve the growth of every tick after the last grown one up to ``last_tick``; returns the
+        blocks reserved per tick, ``(last_tick - previous,)``.
 
         NOTE: the caller has proved the room exists (``memory_horizon``).
         """
-        if tick not in self._due:
-            return 0
-        return self._grow(tick, self.due_members(tick))
+        first = self._grown_through + 1
+        if self._period is not None:
+            period = self._period
+            counts = np.array(self._due_count, dtype=np.int64)
+            per_tick = counts[np.arange(first, last_tick + 1) % period]
+            assert self.kv.reserve_blocks(int(per_tick.sum())), "no room to grow the cohort"
+        else:
+            per_tick = np.zeros(last_tick + 1 - first, dtype=np.int64)
+            for i, tick in enumerate(range(first, last_tick + 1)):
+                per_tick[i] = self._grow_calendar(tick)
+        self._grown_through = max(self._grown_through, last_tick)
+        return per_tick
 
-    def _grow(self, tick: int, members: list[Request]) -> int:
+    def _grow_calendar(self, tick: int) -> int:
+        members = self._due_members(tick)
         self._due.pop(tick, None)
-        if not members:
-            return 0
-        period = self.kv.growth_period
-        if period is not None:
-            # Paged: one block each, and each is due again one period later.
-            assert self.kv.append_block_each(members), f"no room to grow the cohort at tick {tick}"
-            self._due.setdefault(tick + period, []).extend((r, r.cohort_epoch) for r in members)
-            return len(members)
         before = self.kv.num_free_blocks
         for r in members:
-            ok = self.kv.allocate_slots(r, r._computed_offset + tick)
-            assert ok, f"no room to grow {r} at tick {tick}"
-            self._register_due(r)
+            assert self.kv.allocate_slots(r, r._computed_offset + tick), f"no room to grow {r}"
+            due = self.kv.num_slots(r) - r._computed_offset + 1
+            self._due.setdefault(due, []).append((r, r.cohort_epoch))
         return before - self.kv.num_free_blocks
 
     def memory_horizon(self, first_tick: int, free_blocks: int, limit: int) -> int:
         """How many consecutive ticks from ``first_tick`` can grow within ``free_blocks`` (<= limit).
 
-        Paged growth is periodic: a member due at tick t is due again at t + block_size, needing one
-        block each time, so the need over k ticks is counted from one period of the calendar. Other
-        managers stop before the first due tick. Stale calendar entries are counted as needs, which
-        only makes the horizon shorter (safe).
+        Paged growth is periodic: the need over k ticks follows from one period of residue counts.
+        Other managers stop before the first tick at which a member outgrows its reservation.
         """
-        period = self.kv.growth_period
-        due = self._due
+        period = self._period
         if period is None:
-            upcoming = [t for t in due if t >= first_tick]
+            upcoming = [t for t in self._due if t >= first_tick]
             return min(limit, min(upcoming) - first_tick) if upcoming else limit
-        counts = [len(due.get(first_tick + i, ())) for i in range(period)]
+        counts = [self._due_count[(first_tick + i) % period] for i in range(period)]
         per_period = sum(counts)
         if per_period == 0:
             return limit
@@ -157,6 +207,7 @@ class DecodeCohort:
     def advance(self, end_times: np.ndarray) -> None:
         """Advance ``len(end_times)`` ticks that ended at those times."""
         k, t = len(end_times), self.ticks
+        assert self._grown_through >= t + k, "ticks advanced without reserving their growth"
         if t + k + 1 > len(self._tick_end):
             size = max(t + k + 1, 2 * len(self._tick_end))
             for name in ("_tick_end", "_tick_gap"):
@@ -167,3 +218,11 @@ class DecodeCohort:
         ends[t + 1 : t + 1 + k] = end_times
         self._tick_gap[t + 1 : t + 1 + k] = ends[t + 1 : t + 1 + k] - ends[t : t + k]
         self.ticks = t + k
+
+    def check_integrity(self) -> None:
+        """Owed blocks equal the growth reserved for members and not yet given block ids."""
+        if self._period is None:
+            return
+        owed = sum(self.granted_slots(r) - self.kv.num_slots(r) for r in self.members) // self.kv.block_size
+        assert owed == self.kv._owed_blocks, (owed, self.kv._owed_blocks)
+        assert sum(self._due_count) == len(self.members)

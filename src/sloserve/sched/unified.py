@@ -122,11 +122,10 @@ class UnifiedScheduler(Scheduler):
         """Group R_r^d: every running decode takes one token; evict from the lowest priority until
         the cohort's KV growth fits (4), then swap requests back in if nothing was evicted."""
         cohort = self.cohort
-        if cohort:
-            tick = cohort.ticks + 1
-            while not cohort.try_grow(tick):
-                victim = next(reversed(self.running))
-                self._preempt(victim, self._preemption_mode, out)
+        # NOTE: reserve this tick's growth even for an empty cohort, before swapped-in requests join.
+        while not cohort.try_grow(cohort.ticks + 1):
+            victim = next(reversed(self.running))
+            self._preempt(victim, self._preemption_mode, out)
         if not out.preempted:
             self._schedule_swap_in(out)
         if cohort:
@@ -192,10 +191,8 @@ class UnifiedScheduler(Scheduler):
 
     def repeat_decode(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
         first = self.cohort.ticks + 1  # grown by schedule()
-        new_blocks = np.zeros(num_steps, dtype=np.int64)
-        for i in range(1, num_steps):
-            new_blocks[i] = self.cohort.grow_due(first + i)
-        return output.repeated(num_steps, new_blocks)
+        later = self.cohort.grow_through(first + num_steps - 1)  # (num_steps - 1,)
+        return output.repeated(num_steps, np.concatenate(([0], later)))
 
     # --- validation ----------------------------------------------------------------------------
     def check_fits(self, request: Request, max_kv_tokens: int) -> None:
