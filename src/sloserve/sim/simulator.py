@@ -84,19 +84,19 @@ class Replica:
         executor, now = self.executor, self.now
         # The stretch ends with the first step that ends at or after the next arrival. At load the
         # arrival often falls inside the first step: one cost-model call decides that.
-        if now + executor.step_time(out) >= next_arrival:
+        first = executor.step_time(out)
+        if now + first >= next_arrival:
             return 1, None
         limit = min(executor.steps_until_finish(out), MAX_STRETCH_STEPS)
         if limit > 1:
             limit = self.scheduler.decode_horizon(out, limit)
         if limit <= 1 or next_arrival == math.inf:
             return limit, None
-        # Usually a few steps away: look at a short prefix before the whole horizon.
-        durations = executor.decode_durations(out, min(limit, 16))
+        # Step times only grow along a stretch (KV grows), so the arrival is reached within
+        # gap / first-step-time + 1 steps: no need to compute more of them.
+        limit = min(limit, int((next_arrival - now) / first) + 2)
+        durations = executor.decode_durations(out, limit)
         ends = now + np.cumsum(durations)
-        if ends[-1] < next_arrival and len(durations) < limit:
-            durations = executor.decode_durations(out, limit)
-            ends = now + np.cumsum(durations)
         return min(limit, int(np.searchsorted(ends, next_arrival, side="left")) + 1), durations
 
     def _record(
@@ -198,10 +198,13 @@ def simulate(
     i, completed, steps = 0, 0, 0
     while True:
         next_arrival = pending[i].arrival_time if i < len(pending) else math.inf
-        busy = [rep for rep in replicas if rep.scheduler.has_unfinished()]
-        if not busy and next_arrival == math.inf:
+        if num_replicas == 1:
+            replica = replicas[0] if replicas[0].scheduler.has_unfinished() else None
+        else:
+            busy = [rep for rep in replicas if rep.scheduler.has_unfinished()]
+            replica = min(busy, key=lambda rep: (rep.now, rep.index)) if busy else None
+        if replica is None and next_arrival == math.inf:
             break
-        replica = min(busy, key=lambda rep: (rep.now, rep.index)) if busy else None
         if replica is None or next_arrival <= replica.now:
             route(replicas, i).add(pending[i])
             i += 1
