@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple
@@ -109,7 +110,7 @@ class StepResult:
     """What the executor reports after running a ``SchedulerOutput``."""
 
     # End time of each of the output's num_steps steps (seconds, simulated or wall).
-    step_end_times: np.ndarray
+    step_end_times: Sequence[float]
     # Requests whose last output token was sampled in this output's (last) step.
     finished: list[Request] = field(default_factory=list)
     # Sampled token ids per request (engine only; the simulator samples nothing).

@@ -88,10 +88,12 @@ class UnifiedScheduler(Scheduler):
         self._prefill_budget = config.prefill_token_budget or 0  # P
         self._watermark_blocks = int(config.watermark * kv.gpu.num_blocks)
         self._preemption_mode = PreemptionMode(config.preemption_mode)
+        self._chunk_tokens = 0  # tokens of the chunks of the output being built
 
     # --- Algorithm 1, GETNEXTBATCH ----------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._chunk_tokens = 0  # tokens of out.chunks so far
         cfg = self.config
         if cfg.priority == "prefill_first":
             # Hybrid: prefills go first but leave room in C for the running decodes.
@@ -110,13 +112,14 @@ class UnifiedScheduler(Scheduler):
         out.cohort_joined = self._take_joined()
         return out
 
-    def _used_tokens(self, out: SchedulerOutput) -> int:
-        return out.cohort_size + sum(c.num_tokens for c in out.chunks)
-
     def _prefill_room(self, out: SchedulerOutput, reserved: int) -> int:
         """Tokens a prefill candidate may still take: min(C, P) minus what the batch holds (3)."""
-        used = self._used_tokens(out)
+        used = out.cohort_size + self._chunk_tokens
         return min(self._budget - reserved - used, self._prefill_budget - used)
+
+    def _add_chunk(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
+        out.chunks.append(ScheduledChunk(request, num_tokens))
+        self._chunk_tokens += num_tokens
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
         """Group R_r^d: every running decode takes one token; evict from the lowest priority until
@@ -158,7 +161,7 @@ class UnifiedScheduler(Scheduler):
             room = self._prefill_room(out, reserved)
             if room <= 0:
                 break
-            out.chunks.append(ScheduledChunk(request, min(request.num_tokens_to_process, room)))
+            self._add_chunk(out, request, min(request.num_tokens_to_process, room))
 
     def _schedule_waiting(self, out: SchedulerOutput, reserved: int) -> None:
         """Group R_w, FCFS: admit while C, P, M and max_num_seqs allow; stop at the first that does
@@ -177,7 +180,7 @@ class UnifiedScheduler(Scheduler):
             assert kv.allocate_slots(request, request.num_tokens)
             self.waiting.popleft()
             self._admit(request)
-            out.chunks.append(ScheduledChunk(request, num_tokens))
+            self._add_chunk(out, request, num_tokens)
 
     # --- simulator fast path -----------------------------------------------------------------
     def decode_horizon(self, output: SchedulerOutput, limit: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -82,7 +83,8 @@ class SimExecutor:
         self._track_joined(output)
         k = output.num_steps
         if k == 1:
-            ends = np.array([now + self.step_time(output)])
+            first = self.step_time(output) if durations is None else float(durations[0])
+            ends: Sequence[float] = (now + first,)
         else:
             if durations is None or len(durations) < k:
                 durations = self.decode_durations(output, k)

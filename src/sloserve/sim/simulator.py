@@ -71,11 +71,16 @@ class Replica:
         sched_time = time.perf_counter() - t0
         result = executor.execute(out, now, durations)
         ends = result.step_end_times
-        # KV before update: a stretch's earlier steps end before its finished requests free theirs.
-        used_before, allocated_before = sched.kv_used_tokens(), sched.kv.allocated_tokens
-        finished = sched.update(out, result, float(ends[-1]))
-        self._record(out, now, ends, sched_time, used_before, allocated_before)
-        self.now = float(ends[-1])
+        end = float(ends[-1])
+        if out.num_steps > 1:
+            # KV before update: a stretch's earlier steps end before its finished requests free theirs.
+            used_before, allocated_before = sched.kv_used_tokens(), sched.kv.allocated_tokens
+            finished = sched.update(out, result, end)
+            self._record_stretch(out, now, ends, sched_time, used_before, allocated_before)
+        else:
+            finished = sched.update(out, result, end)
+            self._record_step(out, now, end, sched_time)
+        self.now = end
         self.outstanding -= len(finished)
         return len(finished)
 
@@ -86,11 +91,13 @@ class Replica:
         # arrival often falls inside the first step: one cost-model call decides that.
         first = executor.step_time(out)
         if now + first >= next_arrival:
-            return 1, None
+            return 1, np.array([first])
         limit = min(executor.steps_until_finish(out), MAX_STRETCH_STEPS)
         if limit > 1:
             limit = self.scheduler.decode_horizon(out, limit)
-        if limit <= 1 or next_arrival == math.inf:
+        if limit <= 1:
+            return 1, np.array([first])
+        if next_arrival == math.inf:
             return limit, None
         # Step times only grow along a stretch (KV grows), so the arrival is reached within
         # gap / first-step-time + 1 steps: no need to compute more of them.
@@ -99,7 +106,26 @@ class Replica:
         ends = now + np.cumsum(durations)
         return min(limit, int(np.searchsorted(ends, next_arrival, side="left")) + 1), durations
 
-    def _record(
+    def _record_step(self, out: SchedulerOutput, start: float, end: float, sched_time: float) -> None:
+        num_prefill = num_decode = 0
+        for request, c in out.chunks:
+            num_prefill += c
+            num_decode += c == 1 and not request.is_prefill
+        self.timeline.append(
+            start,
+            end - start,
+            num_prefill + out.cohort_size,
+            num_prefill,
+            out.cohort_size + num_decode,
+            len(out.chunks) + out.cohort_size,
+            self.scheduler.kv_used_tokens(),
+            self.scheduler.kv.allocated_tokens,
+            len(out.preempted),
+            sched_time,
+            self.index,
+        )
+
+    def _record_stretch(
         self,
         out: SchedulerOutput,
         start: float,
@@ -109,28 +135,12 @@ class Replica:
         allocated_before: int,
     ) -> None:
         kv = self.scheduler.kv
-        used = self.scheduler.kv_used_tokens()
-        if out.num_steps == 1:
-            self.timeline.append(
-                start,
-                float(ends[0]) - start,
-                out.num_batched_tokens,
-                out.num_prefill_tokens,
-                out.cohort_size + sum(1 for r, c in out.chunks if c == 1 and not r.is_prefill),
-                out.num_requests,
-                used,
-                kv.allocated_tokens,
-                len(out.preempted),
-                sched_time,
-                self.index,
-            )
-            return
         self.timeline.append_decode_stretch(
             start,
             ends,
             out.cohort_size,
             used_before,
-            used,
+            self.scheduler.kv_used_tokens(),
             allocated_before,
             kv.allocated_tokens,
             out.new_blocks_per_step,
