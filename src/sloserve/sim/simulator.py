@@ -28,6 +28,8 @@ from sloserve.sim.executor import SimExecutor
 
 # Longest stretch advanced at once (bounds the arrays a stretch allocates).
 MAX_STRETCH_STEPS = 4096
+# A stretch is set up only when the next arrival is at least this many first-step times away.
+MIN_STRETCH_STEPS = 3
 
 
 class SimulationStuckError(RuntimeError):
@@ -88,9 +90,10 @@ class Replica:
         """How many times the decode-only ``out`` can run unchanged, with the durations computed."""
         executor, now = self.executor, self.now
         # The stretch ends with the first step that ends at or after the next arrival. At load the
-        # arrival often falls inside the first step: one cost-model call decides that.
+        # arrival is often a step or two away: then single steps (always exact) cost less than
+        # setting up a stretch, and one cost-model call decides that.
         first = executor.step_time(out)
-        if now + first >= next_arrival:
+        if now + MIN_STRETCH_STEPS * first >= next_arrival:
             return 1, np.array([first])
         limit = min(executor.steps_until_finish(out), MAX_STRETCH_STEPS)
         if limit > 1:
