@@ -95,7 +95,7 @@ class DecodeCohort:
         if now > joined:
             # Its tokens came at the end of ticks joined+1..now; the gaps inside the run are the
             # tick gaps of ticks joined+2..now.
-            inner_gap = float(self._tick_gap[joined + 2 : now + 1].max()) if now - joined >= 2 else math.nan
+            inner_gap = float(np.maximum.reduce(self._tick_gap[joined + 2 : now + 1])) if now - joined >= 2 else math.nan
             request.record_token_run(float(self._tick_end[joined + 1]), float(self._tick_end[now]), inner_gap)
         request._computed_offset += now
         request._output_offset += now
@@ -163,7 +163,7 @@ class DecodeCohort:
             period = self._period
             counts = np.array(self._due_count, dtype=np.int64)
             per_tick = counts[np.arange(first, last_tick + 1) % period]
-            assert self.kv.reserve_blocks(int(per_tick.sum())), "no room to grow the cohort"
+            assert self.kv.reserve_blocks(int(np.add.reduce(per_tick))), "no room to grow the cohort"
         else:
             per_tick = np.zeros(last_tick + 1 - first, dtype=np.int64)
             for i, tick in enumerate(range(first, last_tick + 1)):

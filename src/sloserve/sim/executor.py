@@ -88,7 +88,7 @@ class SimExecutor:
         else:
             if durations is None or len(durations) < k:
                 durations = self.decode_durations(output, k)
-            ends = now + np.cumsum(durations[:k])
+            ends = now + np.add.accumulate(durations[:k])
         finished = [
             r
             for r, c in output.chunks
