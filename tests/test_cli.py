@@ -107,3 +107,34 @@ def test_bad_trace_column(tmp_path: Path):
     proc = run("simulate", "--trace", str(path), "--columns", "prompt=in,output=out", "--rate", "1")
     assert proc.returncode == 2
     assert "mine.csv" in proc.stderr and "line 3" in proc.stderr and "abc" in proc.stderr
+
+
+def test_fit_cost_makes_a_preset_that_simulate_uses(tmp_path: Path):
+    """A profile measured on the Llama-2-7B preset's own times is fitted back, then simulated with."""
+    from sloserve.cost import BatchShape, LinearCostModel, get_preset
+
+    truth = LinearCostModel(get_preset("llama-2-7b-a100"))
+    rows = ["num_decode,decode_kv_tokens,num_prefill,prefill_tokens,prefill_attention_work,prefill_context_tokens,time_s"]
+    for b in (1, 8, 32, 128):
+        for kv in (512, 4096, 32768):
+            shape = BatchShape(b, b * kv // 8)
+            rows.append(f"{b},{b * kv // 8},0,0,0,0,{truth.batch_time(shape).total_s}")
+    for c, m in ((128, 0), (512, 0), (2048, 0), (512, 1024), (1024, 2048), (256, 256)):
+        for n in (1, 2):
+            shape = BatchShape(0, 0, n, n * c, n * (c * c + 2 * m * c), n * m)
+            rows.append(f"0,0,{n},{n * c},{n * (c * c + 2 * m * c)},{n * m},{truth.batch_time(shape).total_s}")
+            shape = BatchShape(16, 16 * 700, n, n * c, n * (c * c + 2 * m * c), n * m)
+            rows.append(f"16,{16 * 700},{n},{n * c},{n * (c * c + 2 * m * c)},{n * m},{truth.batch_time(shape).total_s}")
+    profile = tmp_path / "profile.csv"
+    profile.write_text("\n".join(rows) + "\n")
+    preset = tmp_path / "mine.json"
+    proc = run("fit-cost", "--csv", str(profile), "--layers", "32", "--out", str(preset))
+    assert proc.returncode == 0, proc.stderr
+    assert "mean relative error 0.00%" in proc.stdout
+    ours = run("simulate", "--trace", "sharegpt", "--rate", "4", "--num-requests", "100", "--cost-model", str(preset), "--json")
+    ref = run("simulate", "--trace", "sharegpt", "--rate", "4", "--num-requests", "100", "--json")
+    assert ours.returncode == 0, ours.stderr
+    a, b = json.loads(ours.stdout), json.loads(ref.stdout)
+    assert a["jct_s"]["mean"] == pytest.approx(b["jct_s"]["mean"], rel=1e-6)
+    bad = run("fit-cost", "--csv", str(tmp_path / "none.csv"), "--layers", "32", "--out", str(preset))
+    assert bad.returncode == 2 and "none.csv" in bad.stderr

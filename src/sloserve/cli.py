@@ -440,6 +440,29 @@ def hardware() -> None:
     click.echo("cost-model presets: " + ", ".join(list_presets()) + ", roofline")
 
 
+@main.command(name="fit-cost")
+@click.option("--csv", "csv_path", required=True, type=click.Path(path_type=Path),
+              help="Measured batch times: num_decode, decode_kv_tokens, num_prefill, prefill_tokens, "
+              "prefill_attention_work, prefill_context_tokens, time_s.")
+@click.option("--layers", type=int, required=True, help="Model layers (coefficients are per layer).")
+@click.option("--name", help="Preset name [the CSV file's stem].")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="JSON preset to write.")
+def fit_cost(csv_path: Path, layers: int, name: str | None, out: Path) -> None:
+    """Fit InferMax's linear cost model to measured batch times; `--cost-model OUT` then uses it."""
+    from sloserve.cost import fit_linear, save_preset
+
+    if layers < 1:
+        raise ConfigError(f"--layers must be >= 1, got {layers}")
+    coefficients, report = fit_linear(csv_path, num_layers=layers, name=name)
+    save_preset(coefficients, out, extra={"fit": report._asdict(), "source": str(csv_path)})
+    click.echo(
+        f"fitted {coefficients.name} on {report.n_rows} batches: mean relative error "
+        f"{report.mean_rel_error:.2%}, max {report.max_rel_error:.2%}; wrote {out}"
+    )
+    if report.unidentified:
+        click.echo(f"note: the data does not pin down {', '.join(report.unidentified)} (left at 0)")
+
+
 @main.command(name="workloads")
 def workloads_cmd() -> None:
     """List the bundled workload specs."""
