@@ -13,6 +13,7 @@ from collections import deque
 from sloserve.core.outputs import Preemption, PreemptionMode, SchedulerOutput, StepResult
 from sloserve.core.request import Request, RequestStatus
 from sloserve.kv.manager import KVCacheManager
+from sloserve.predict import LengthPredictor
 from sloserve.sched.cohort import DecodeCohort
 
 
@@ -25,8 +26,9 @@ class Scheduler(ABC):
 
     name: str = "scheduler"
 
-    def __init__(self, kv: KVCacheManager) -> None:
+    def __init__(self, kv: KVCacheManager, predictor: LengthPredictor | None = None) -> None:
         self.kv = kv
+        self.predictor = predictor  # sets predicted_output_tokens at arrival when given
         self.waiting: deque[Request] = deque()
         self.running: dict[Request, None] = {}
         self.swapped: deque[Request] = deque()
@@ -40,6 +42,8 @@ class Scheduler(ABC):
     def add_request(self, request: Request) -> None:
         """A request arrived; it waits until ``schedule`` admits it."""
         request.status = RequestStatus.WAITING
+        if self.predictor is not None:
+            request.predicted_output_tokens = self.predictor.predict(request)
         self.waiting.append(request)
 
     def check_fits(self, request: Request, max_kv_tokens: int) -> None:
@@ -111,6 +115,8 @@ class Scheduler(ABC):
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_time = now
+        if self.predictor is not None:
+            self.predictor.observe(request)
 
     def _preempt(self, request: Request, mode: PreemptionMode, output: SchedulerOutput) -> None:
         """Evict ``request`` from the GPU (recompute: drop its KV; swap: move it to CPU memory).

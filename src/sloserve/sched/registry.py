@@ -11,6 +11,7 @@ from typing import Any
 
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.kv.manager import KV_MANAGERS
+from sloserve.predict import LengthPredictor, make_predictor
 from sloserve.sched.base import Scheduler
 from sloserve.sched.unified import UnifiedConfig, UnifiedScheduler
 
@@ -33,23 +34,45 @@ def register(spec: SchedulerSpec) -> None:
     SCHEDULERS[spec.name] = spec
 
 
-register(
-    SchedulerSpec(
-        "vllm",
-        "vLLM v0: prefill-first, no hybrid batches, paged KV, evict the latest-admitted (InferMax §3.1)",
-        UnifiedScheduler,
-        UnifiedConfig,
-        dict(priority="prefill_first", hybrid_batching=False, chunked_prefill=False),
+_VLLM = dict(priority="prefill_first", hybrid_batching=False, chunked_prefill=False)
+_SARATHI = dict(priority="decode_first", hybrid_batching=True, chunked_prefill=True, prefill_token_budget=512)
+
+# InferMax Table 1: (name, description, knobs). P defaults to C (4096 for Llama-2-7B).
+_TABLE1 = [
+    ("vllm", "vLLM v0: prefill-first, no hybrid batches, paged KV, evict the latest-admitted (InferMax §3.1)", _VLLM),
+    ("vllm_hy", "vLLM with hybrid batches (InferMax Table 1)", dict(_VLLM, hybrid_batching=True)),
+    ("sarathi", "Sarathi-Serve: decode-first, hybrid batches, chunked prefill with budget P=512", _SARATHI),
+    ("sarathi_pc", "Sarathi with P = C (InferMax Table 1: SARATHI_P=C)", dict(_SARATHI, prefill_token_budget=None)),
+    ("sarathi_nocp", "Sarathi without chunked prefill, P = C (InferMax Table 1)",
+     dict(_SARATHI, chunked_prefill=False, prefill_token_budget=None)),
+    ("sarathi_nohy", "Sarathi without hybrid batches or chunked prefill, P = C (InferMax Table 1)",
+     dict(_SARATHI, hybrid_batching=False, chunked_prefill=False, prefill_token_budget=None)),
+]
+for _name, _description, _knobs in _TABLE1:
+    register(SchedulerSpec(_name, _description, UnifiedScheduler, UnifiedConfig, _knobs))
+    # Eviction-free variant: reserve I + O - 1 at admission (hypothetical: the oracle knows O).
+    register(
+        SchedulerSpec(
+            f"{_name}_ef",
+            f"{_name}, eviction-free: reserves I + O - 1 at admission (oracle output lengths; InferMax §4.1)",
+            UnifiedScheduler,
+            UnifiedConfig,
+            dict(_knobs, reservation="predicted", predictor="oracle", kv_manager="exact"),
+        )
     )
-)
 register(
     SchedulerSpec(
-        "sarathi",
-        "Sarathi-Serve: decode-first, hybrid batches, chunked prefill with budget P=512",
+        "infermax",
+        "InferMax §6: Sarathi groups, keep long running requests and evict the shortest, reserve "
+        "prompt + a histogram estimate of the output at admission",
         UnifiedScheduler,
         UnifiedConfig,
         dict(
-            priority="decode_first", hybrid_batching=True, chunked_prefill=True, prefill_token_budget=512
+            _SARATHI,
+            eviction_victim="shortest",
+            reservation="predicted",
+            predictor="histogram",
+            kv_manager="exact",
         ),
     )
 )
@@ -160,9 +183,18 @@ def make_scheduler(
         kv_bytes_per_token=kv_bytes_per_token,
         num_cpu_blocks=swap_space_tokens // config.block_size,
     )
-    scheduler = spec.scheduler_cls(kv, config)
+    scheduler = spec.scheduler_cls(kv, config, _predictor(config))
     scheduler.name = name
     return scheduler
+
+
+def _predictor(config: Any) -> LengthPredictor | None:
+    name = getattr(config, "predictor", "none")
+    if name == "none":
+        return None
+    if name == "histogram":
+        return make_predictor(name, quantile=config.histogram_quantile)
+    return make_predictor(name)
 
 
 def describe_options(name: str) -> dict[str, Any]:

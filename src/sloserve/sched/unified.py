@@ -22,7 +22,8 @@ import numpy as np
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import PreemptionMode, ScheduledChunk, SchedulerOutput
 from sloserve.core.request import Request
-from sloserve.kv.manager import KVCacheManager
+from sloserve.kv.manager import ExactReservationKVManager, KVCacheManager
+from sloserve.predict import LengthPredictor
 from sloserve.sched.base import Scheduler
 
 
@@ -40,6 +41,15 @@ class UnifiedConfig:
     watermark: float = 0.01  # fraction of blocks kept free when admitting prefills (vLLM)
     kv_manager: Literal["paged", "max", "exact"] = "paged"
     block_size: int = 16
+    # m_reserve at admission: the prompt (plus generated tokens on a refill), or prompt + predicted
+    # output - 1 held as an exact reservation (eviction-free variants with the oracle; InferMax §6
+    # with the online histogram).
+    reservation: Literal["prompt", "predicted"] = "prompt"
+    predictor: Literal["none", "oracle", "histogram"] = "none"
+    histogram_quantile: float = 0.5  # the output-length quantile the histogram predicts
+    # Whom to evict when the decode group's KV does not fit (4): the lowest-priority running request
+    # (the latest admitted), or the one holding the least KV (InferMax §6: keep long, evict short).
+    eviction_victim: Literal["lowest_priority", "shortest"] = "lowest_priority"
 
     def resolve(self, max_model_len: int) -> None:
         """Fill defaults that depend on the model and check every knob."""
@@ -74,6 +84,13 @@ class UnifiedConfig:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.reservation == "predicted" and (self.kv_manager != "exact" or self.predictor == "none"):
+            raise ConfigError(
+                "reservation=predicted needs kv_manager=exact and a predictor (oracle or histogram), "
+                f"got kv_manager={self.kv_manager}, predictor={self.predictor}"
+            )
+        if self.eviction_victim not in ("lowest_priority", "shortest"):
+            raise ConfigError(f"eviction_victim must be lowest_priority or shortest, got {self.eviction_victim!r}")
 
 
 class UnifiedScheduler(Scheduler):
@@ -81,8 +98,8 @@ class UnifiedScheduler(Scheduler):
 
     name = "unified"
 
-    def __init__(self, kv: KVCacheManager, config: UnifiedConfig) -> None:
-        super().__init__(kv)
+    def __init__(self, kv: KVCacheManager, config: UnifiedConfig, predictor: LengthPredictor | None = None) -> None:
+        super().__init__(kv, predictor)
         self.config = config
         self._budget = config.max_num_batched_tokens or 0  # C
         self._prefill_budget = config.prefill_token_budget or 0  # P
@@ -127,14 +144,32 @@ class UnifiedScheduler(Scheduler):
         cohort = self.cohort
         # NOTE: reserve this tick's growth even for an empty cohort, before swapped-in requests join.
         while not cohort.try_grow(cohort.ticks + 1):
-            victim = next(reversed(self.running))
-            self._preempt(victim, self._preemption_mode, out)
+            self._preempt(self._victim(), self._preemption_mode, out)
         if not out.preempted:
             self._schedule_swap_in(out)
         if cohort:
             out.cohort = cohort
             out.cohort_size = len(cohort)
             out.cohort_kv_tokens = cohort.kv_tokens
+
+    def _victim(self) -> Request:
+        """The running request to evict (4)."""
+        if self.config.eviction_victim == "shortest":
+            # Least KV held; among equals the latest admitted. O(running), and evictions are rare.
+            return min(reversed(self.running), key=lambda r: r.num_computed_tokens)
+        return next(reversed(self.running))
+
+    def _reserve_target(self, request: Request) -> int:
+        """Tokens of KV to hold when ``request`` is admitted (m_reserve)."""
+        if self.config.reservation == "predicted":
+            predicted = request.predicted_output_tokens or 1
+            # On a refill the generated tokens are known; at least the next token is still to come.
+            remaining = max(predicted - request.num_output_tokens, 1)
+            target = request.num_tokens + remaining - 1
+            assert isinstance(self.kv, ExactReservationKVManager)
+            self.kv.set_reservation(request, target)
+            return target
+        return request.num_tokens
 
     def _schedule_swap_in(self, out: SchedulerOutput) -> None:
         """Swapped requests come back (FCFS) when their blocks, plus the next token's, fit."""
@@ -174,10 +209,11 @@ class UnifiedScheduler(Scheduler):
             num_tokens = min(tokens, room) if cfg.chunked_prefill else tokens
             if num_tokens <= 0 or num_tokens > room:
                 break
-            # m_reserve: the whole prompt (or prompt + generated tokens for a refill).
-            if not kv.can_allocate(request, request.num_tokens, self._watermark_blocks):
+            # m_reserve: the whole prompt (or prompt + generated tokens for a refill), or more.
+            reserve = self._reserve_target(request)
+            if not kv.can_allocate(request, reserve, self._watermark_blocks):
                 break
-            assert kv.allocate_slots(request, request.num_tokens)
+            assert kv.allocate_slots(request, reserve)
             self.waiting.popleft()
             self._admit(request)
             self._add_chunk(out, request, num_tokens)
