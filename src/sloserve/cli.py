@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from collections.abc import Callable
@@ -67,6 +68,7 @@ def _system_options(fn: Callable) -> Callable:
         click.option("--model", default="llama-2-7b", show_default=True, help="Model spec name."),
         click.option("--gpu", default="a100", show_default=True, help="GPU spec name."),
         click.option("--num-gpus", type=int, default=1, show_default=True, help="Tensor-parallel GPUs per replica."),
+        click.option("--max-model-len", type=int, help="Context length (default: the model's own)."),
         click.option("--cost-model", help="Linear preset name, 'roofline', or a JSON preset file."),
         click.option("--kv-capacity-tokens", type=int, help="KV cache size per replica (default: from memory)."),
         click.option("--memory-utilization", type=float, default=0.9, show_default=True),
@@ -138,6 +140,10 @@ def _setup(options: dict[str, Any]) -> Setup:
     from sloserve.cost import build_cost_model, get_gpu, get_model, kv_capacity_tokens
 
     model, gpu = get_model(options["model"]), get_gpu(options["gpu"])
+    if options["max_model_len"] is not None:
+        if options["max_model_len"] < 2:
+            raise ConfigError(f"--max-model-len must be >= 2, got {options['max_model_len']}")
+        model = dataclasses.replace(model, max_context_len=options["max_model_len"])
     for name in ("num_gpus", "replicas"):
         if options[name] < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {options[name]}")
@@ -438,6 +444,97 @@ def hardware() -> None:
     click.echo("models: " + ", ".join(sorted(MODELS)))
     click.echo("gpus: " + ", ".join(sorted(GPUS)))
     click.echo("cost-model presets: " + ", ".join(list_presets()) + ", roofline")
+
+
+@main.command()
+@click.option("--fixed", help="Fixed lengths I,O for every request (InferMax §4 workloads).")
+@click.option("--trace", help="Or sample requests from a trace (name or path).")
+@click.option("--num-requests", type=int, default=3, show_default=True)
+@click.option("--rate", type=float, help="Poisson arrivals (online setting); default offline.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--kv-capacity-tokens", "capacity", type=int, help="M [default: max(2I, I+O-1) of the longest]")
+@click.option("--max-num-batched-tokens", "budget", type=int, default=4096, show_default=True, help="C")
+@click.option("--prefill-token-budget", "prefill_budget", type=int, help="P (Sarathi's budget) [none]")
+@click.option("--cost-model", default="llama-2-7b-a100", show_default=True, help="A linear preset or JSON file.")
+@click.option("--compare", "compare_with", default="vllm,vllm_ef,sarathi,infermax", show_default=True,
+              help="Heuristic schedulers to run, warm-start from and compare with.")
+@click.option("--time-limit", type=float, default=60.0, show_default=True, help="Solver time limit (s).")
+@click.option("--max-cells", type=int, default=None, help="Allow larger models (requests x batches).")
+@click.option("--out", type=click.Path(path_type=Path), help="Write schedule.json and gantt.png here.")
+def bound(fixed, trace, num_requests, rate, seed, capacity, budget, prefill_budget, cost_model, compare_with,
+          time_limit, max_cells, out) -> None:
+    """The optimal schedule (InferMax §5, OR-Tools CP-SAT) and each heuristic's gap to it."""
+    from sloserve.cost import LinearCostModel, get_preset, load_preset
+    from sloserve.optimal import MAX_CELLS, BoundProblem, run_heuristic, solve_bound
+    from sloserve.optimal.gantt import plot_gantt
+
+    try:
+        import ortools  # noqa: F401
+    except ImportError:
+        raise ConfigError("sloserve bound needs OR-Tools: pip install 'sloserve[bound]'") from None
+    if (fixed is None) == (trace is None):
+        raise ConfigError("give --fixed I,O or --trace NAME")
+    if num_requests < 1:
+        raise ConfigError(f"--num-requests must be >= 1, got {num_requests}")
+    if fixed is not None:
+        try:
+            prompt, output = (int(x) for x in fixed.split(","))
+        except ValueError:
+            raise ConfigError(f"--fixed expects I,O (two integers), got {fixed!r}") from None
+        if prompt < 1 or output < 1:
+            raise ConfigError(f"--fixed lengths must be >= 1, got {fixed!r}")
+        from sloserve.workload import synthetic_workload
+
+        workload = synthetic_workload(prompt, output, num_requests, context_len=10**9, seed=seed, rate=rate)
+    else:
+        from sloserve.workload import workload_from_trace
+
+        workload = workload_from_trace(trace, num_requests=num_requests, seed=seed, context_len=10**9,
+                                       rate=rate, offline=rate is None)
+    reqs = workload.requests
+    prompts = tuple(r.num_prompt_tokens for r in reqs)
+    outputs = tuple(r.true_output_tokens for r in reqs)
+    if capacity is None:
+        longest = max(range(len(reqs)), key=lambda i: prompts[i] + outputs[i])
+        capacity = max(2 * prompts[longest], prompts[longest] + outputs[longest] - 1)
+    cost = LinearCostModel(load_preset(cost_model) if cost_model.endswith(".json") else get_preset(cost_model))
+    problem = BoundProblem(prompts, outputs, tuple(r.arrival_time for r in reqs), capacity, budget, prefill_budget)
+    names = _scheduler_list(compare_with)
+    runs = [run_heuristic(name, problem, cost) for name in names]
+    best = min(runs, key=lambda r: r.latency_s)
+    problem = dataclasses.replace(problem, num_batches=max(r.num_batches for r in runs))
+    result = solve_bound(problem, cost, time_limit_s=time_limit, hint=best.hint, max_cells=max_cells or MAX_CELLS)
+    click.echo(
+        f"{len(reqs)} requests (I={list(prompts)}, O={list(outputs)}), M={capacity}, C={budget}, "
+        f"P={prefill_budget}, {problem.num_batches} batches, {result.num_variables} variables"
+    )
+    click.echo(
+        f"bound: {result.status} in {result.wall_s:.1f}s: latency {result.latency_s * 1e3:.3f} ms, "
+        f"best bound {result.best_bound_s * 1e3:.3f} ms, gap {result.gap:.1%}, "
+        f"evictions {sum(len(b.evicted) for b in result.schedule)}"
+    )
+    for run in runs:
+        over = run.latency_s / result.latency_s - 1 if result.latency_s > 0 else 0.0
+        click.echo(f"  {run.name:14s} latency {run.latency_s * 1e3:10.3f} ms  (+{over:.1%} over the bound's schedule), "
+                   f"{run.num_evictions} evictions")
+    if out is not None:
+        import json as _json
+
+        out.mkdir(parents=True, exist_ok=True)
+        doc = {
+            "status": result.status, "latency_s": result.latency_s, "objective_s": result.objective_s,
+            "best_bound_s": result.best_bound_s, "gap": result.gap,
+            "problem": {"prompts": prompts, "outputs": outputs, "arrivals": problem.arrivals,
+                        "kv_capacity_tokens": capacity, "max_num_batched_tokens": budget,
+                        "prefill_token_budget": prefill_budget, "num_batches": problem.num_batches},
+            "schedule": [{"start_s": b.start_s, "end_s": b.end_s, "tokens": b.tokens, "evicted": b.evicted,
+                          "kv_tokens": b.kv_tokens} for b in result.schedule],
+            "heuristics": {r.name: {"latency_s": r.latency_s, "evictions": r.num_evictions} for r in runs},
+        }
+        (out / "schedule.json").write_text(_json.dumps(doc, indent=2))
+        plot_gantt(problem, result.schedule, out / "gantt.png", title=f"{result.status} schedule, latency "
+                   f"{result.latency_s * 1e3:.2f} ms")
+        click.echo(f"wrote {out}/schedule.json and {out}/gantt.png")
 
 
 @main.command(name="fit-cost")

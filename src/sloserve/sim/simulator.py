@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sloserve.core.errors import UnknownNameError
-from sloserve.core.outputs import SchedulerOutput
+from sloserve.core.outputs import SchedulerOutput, StepResult
 from sloserve.core.request import Request
 from sloserve.cost.base import CostModel
 from sloserve.metrics.timeline import Timeline
@@ -47,6 +47,8 @@ class Replica:
         self.now = 0.0  # time at which the next step starts
         self.timeline = Timeline()
         self.outstanding = 0  # routed and not finished
+        # Called with (replica, output) before each step runs (recording schedules; fast path off).
+        self.on_step: Callable[[int, SchedulerOutput], None] | None = None
 
     def add(self, request: Request) -> None:
         if not self.scheduler.has_unfinished():
@@ -60,11 +62,18 @@ class Replica:
         sched, executor, now = self.scheduler, self.executor, self.now
         t0 = time.perf_counter()
         out = sched.schedule(now)
+        if out.is_empty and next_arrival < math.inf:
+            # Nothing to run until the next arrival (a policy may wait): idle until then.
+            sched.update(out, StepResult(step_end_times=(now,)), now)
+            self.now = next_arrival
+            return 0
         if out.is_empty:
             raise SimulationStuckError(
                 f"replica {self.index}: {sched.name} scheduled nothing at t={now:.6f} with "
                 f"{len(sched.waiting)} waiting, {len(sched.running)} running, {len(sched.swapped)} swapped"
             )
+        if self.on_step is not None:
+            self.on_step(self.index, out)
         durations = None
         if self.fast_path and out.is_decode_only:
             num_steps, durations = self._stretch_length(out, next_arrival)
@@ -192,11 +201,13 @@ def simulate(
     router: str = "round-robin",
     fast_path: bool = True,
     on_progress: Callable[[int], None] | None = None,
+    on_step: Callable[[int, SchedulerOutput], None] | None = None,
 ) -> SimResult:
     """Simulate ``requests`` (their arrival times set) on ``num_replicas`` replicas.
 
     ``make_scheduler`` builds one fresh scheduler per replica. Requests are mutated in place (their
-    progress and timestamps) and returned in ``SimResult.requests``.
+    progress and timestamps) and returned in ``SimResult.requests``. ``on_step(replica, output)``
+    sees every output before it runs (use ``fast_path=False`` to see every step).
     """
     if router not in ROUTERS:
         raise UnknownNameError("router", router, list(ROUTERS))
@@ -204,6 +215,8 @@ def simulate(
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     wall0 = time.perf_counter()
     replicas = [Replica(i, make_scheduler(), cost_model, fast_path) for i in range(num_replicas)]
+    for rep in replicas:
+        rep.on_step = on_step
     check = replicas[0].scheduler
     for r in requests:
         check.check_fits(r, r.num_prompt_tokens + r.true_output_tokens - 1)

@@ -1,0 +1,20 @@
+"""The optimal schedule as a constraint model (InferMax §5): a bound on what any policy can do."""
+
+from sloserve.optimal.heuristic import HeuristicRun, latency, problem_requests, replay, run_heuristic
+from sloserve.optimal.model import MAX_CELLS, BatchPlan, BoundProblem, BoundResult, solve_bound
+from sloserve.optimal.replay import ReplayScheduler, ScheduleViolation
+
+__all__ = [
+    "MAX_CELLS",
+    "BatchPlan",
+    "BoundProblem",
+    "BoundResult",
+    "HeuristicRun",
+    "ReplayScheduler",
+    "ScheduleViolation",
+    "latency",
+    "problem_requests",
+    "replay",
+    "run_heuristic",
+    "solve_bound",
+]

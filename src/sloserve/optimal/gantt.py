@@ -1,0 +1,42 @@
+"""Gantt chart of a schedule, like InferMax Figure 15: (p)refill, decode and evict boxes per request,
+and the KV cache usage over time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sloserve.optimal.model import BatchPlan, BoundProblem
+
+
+def plot_gantt(problem: BoundProblem, plan: list[BatchPlan], path: Path, title: str = "") -> Path:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 1.2 + 0.45 * len(problem.prompts)))
+    ax = fig.add_subplot()
+    known = list(problem.prompts)  # prompt + generated tokens
+    computed = [0] * len(problem.prompts)
+    for batch in plan:
+        width = batch.end_s - batch.start_s
+        for i in batch.evicted:
+            ax.broken_barh([(batch.start_s, width)], (i - 0.4, 0.8), facecolors="tab:red")
+            computed[i] = 0
+        for i, c in batch.tokens.items():
+            decode = known[i] - computed[i] == 1
+            ax.broken_barh([(batch.start_s, width)], (i - 0.4, 0.8),
+                           facecolors="0.6" if decode else "black", edgecolors="white", linewidth=0.5)
+            computed[i] += c
+            if computed[i] == known[i]:
+                known[i] += 1
+    ax.set_yticks(range(len(problem.prompts)), [f"R{i + 1}" for i in range(len(problem.prompts))])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (s)")
+    kv = ax.twinx()
+    kv.step([b.start_s for b in plan] + [plan[-1].end_s] if plan else [], [0] + [b.kv_tokens for b in plan] if plan else [],
+            where="post", color="tab:blue")
+    kv.axhline(problem.kv_capacity_tokens, color="tab:blue", linestyle=":", linewidth=1)
+    kv.set_ylabel("KV tokens (M dotted)", color="tab:blue")
+    kv.set_ylim(0, problem.kv_capacity_tokens * 1.1)
+    ax.set_title(title or "schedule: black = (p)refill, gray = decode, red = evict")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path

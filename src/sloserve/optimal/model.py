@@ -1,0 +1,335 @@
+"""InferMax §5: the optimal schedule as a constraint model, solved with OR-Tools CP-SAT.
+
+Variables per request i and batch j = 1..J (papers/infermax.md §5; j = 0 is the initial state):
+    S[i,j]  prompt + generated tokens after batch j        S[i,0] = I_i
+    m[i,j]  tokens with KV after batch j                    m[i,0] = 0
+    c[i,j]  tokens processed in batch j (0: not in it)
+    g[i,j]  1 if batch j samples a token of request i
+    e[i,j]  1 if request i's KV is dropped at batch j (an eviction; after the last token, a release)
+Constraints:
+    termination       sum_j g[i,j] = O_i
+    length            S[i,j] = S[i,j-1] + g[i,j]
+    memory (1)        m[i,j] = 0 if e[i,j] else m[i,j-1] + c[i,j]
+    tokens (2)        c[i,j] = 0 if e[i,j] else c[i,j] <= S[i,j-1] - m[i,j-1]
+    generation (3)    g[i,j] = 1 iff c[i,j] = S[i,j-1] - m[i,j-1]
+    batch (4)         sum_i c[i,j] <= C, sum_i m[i,j] <= M
+    prefill budget    sum_i c[i,j] <= P when batch j holds a prefill (Sarathi's budget)
+    online            a request is processed only in batches that start at or after its arrival
+Objective: the latency (end of the last batch), each batch's time given by the linear cost model of
+§3.2 with its coefficients integerized to picoseconds (``TIME_UNITS_PER_S``; rounding error < 0.1%
+for the bundled presets). The reported latency of a schedule is re-evaluated in floating point, exactly
+as the simulator does, so a replay of the schedule gives the same number.
+
+Conditional constraints use CP-SAT's enforcement literals (``OnlyEnforceIf``), the solver's native form
+of the paper's Big-M linearization.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from sloserve.core.errors import ConfigError
+from sloserve.cost.base import BatchShape
+from sloserve.cost.linear import LinearCostModel
+
+TIME_UNITS_PER_S = 10**12  # the objective's integer time unit: picoseconds
+# Largest model solved by default: requests x batches (each cell holds ~14 variables).
+MAX_CELLS = 4000
+
+
+@dataclass(frozen=True)
+class BoundProblem:
+    """A workload and the limits of one replica."""
+
+    prompts: tuple[int, ...]  # I_i
+    outputs: tuple[int, ...]  # O_i
+    arrivals: tuple[float, ...]  # T_i, seconds (all 0: offline)
+    kv_capacity_tokens: int  # M
+    max_num_batched_tokens: int  # C
+    prefill_token_budget: int | None  # P (None: no prefill budget beyond C)
+    num_batches: int = 0  # J (set before solving, e.g. from heuristic schedules)
+
+    def __post_init__(self) -> None:
+        n = len(self.prompts)
+        if not n or len(self.outputs) != n or len(self.arrivals) != n:
+            raise ConfigError("bound: prompts, outputs and arrivals must be non-empty and of one length")
+        if self.prefill_token_budget is not None and self.prefill_token_budget > self.max_num_batched_tokens:
+            raise ConfigError(
+                f"prefill budget P={self.prefill_token_budget} exceeds C={self.max_num_batched_tokens}"
+            )
+        longest = max(i + o - 1 for i, o in zip(self.prompts, self.outputs, strict=True))
+        if self.kv_capacity_tokens < longest:
+            raise ConfigError(
+                f"KV capacity M={self.kv_capacity_tokens} is below the longest request's I + O - 1 = {longest}"
+            )
+
+    @property
+    def online(self) -> bool:
+        return any(t > 0 for t in self.arrivals)
+
+
+@dataclass
+class BatchPlan:
+    """One batch of a schedule."""
+
+    start_s: float
+    end_s: float
+    tokens: dict[int, int]  # request index -> tokens processed (c)
+    evicted: list[int]  # requests whose KV is dropped before they finished
+    kv_tokens: int  # sum of m after the batch
+
+
+@dataclass
+class BoundResult:
+    status: str  # OPTIMAL, FEASIBLE, INFEASIBLE, UNKNOWN, MODEL_INVALID
+    latency_s: float  # the schedule's latency, evaluated like the simulator (nan without one)
+    objective_s: float  # the solver's objective (integerized cost model)
+    best_bound_s: float  # proven lower bound on the objective
+    gap: float  # (objective - bound) / objective
+    schedule: list[BatchPlan] = field(default_factory=list)
+    wall_s: float = 0.0
+    num_variables: int = 0
+
+
+def _int_coefficients(cost: LinearCostModel) -> dict[str, int]:
+    """The preset's per-layer ms coefficients as integer picoseconds for the whole model."""
+    c = cost.coefficients
+    scale = c.num_layers / 1000.0 * TIME_UNITS_PER_S
+    return {k: round(getattr(c, k) * scale) for k in ("a_p", "b_p", "a_d", "b_d", "a_o", "b_o", "s_p", "s_d", "m_p")}
+
+
+def batch_seconds(cost: LinearCostModel, prompts_done: list[tuple[int, int]], decodes: list[int]) -> float:
+    """Float time of a batch: ``prompts_done`` = (c, m) of prefill requests, ``decodes`` = m of each
+    decode request, evaluated by the same cost model the simulator uses."""
+    shape = BatchShape(
+        num_decode=len(decodes),
+        decode_kv_tokens=sum(decodes),
+        num_prefill=len(prompts_done),
+        prefill_tokens=sum(c for c, _ in prompts_done),
+        prefill_attention_work=sum(c * c + 2 * m * c for c, m in prompts_done),
+        prefill_context_tokens=sum(m for _, m in prompts_done),
+    )
+    return cost.batch_time(shape).total_s
+
+
+def solve_bound(
+    problem: BoundProblem,
+    cost: LinearCostModel,
+    *,
+    time_limit_s: float = 60.0,
+    hint: list[dict[int, tuple[int, bool]]] | None = None,
+    num_workers: int = 2,
+    seed: int = 0,
+    max_cells: int = MAX_CELLS,
+) -> BoundResult:
+    """Build and solve the model. ``hint``: a heuristic schedule as, per batch, {request: (c, evicted
+    before it)} (a warm start). Raises ConfigError when the model is larger than ``max_cells``."""
+    from ortools.sat.python import cp_model
+
+    n, J = len(problem.prompts), problem.num_batches
+    if J < max(problem.outputs):
+        raise ConfigError(f"bound: {J} batches cannot produce {max(problem.outputs)} tokens")
+    if n * J > max_cells:
+        suggest = max(1, max_cells // J)
+        raise ConfigError(
+            f"bound: {n} requests x {J} batches = {n * J} cells (~{14 * n * J} variables) exceeds "
+            f"the limit of {max_cells}; use at most ~{suggest} requests or shorter outputs "
+            "(the model is NP-hard; --max-cells raises the limit)"
+        )
+    k = _int_coefficients(cost)
+    C, M, P = problem.max_num_batched_tokens, problem.kv_capacity_tokens, problem.prefill_token_budget
+    model = cp_model.CpModel()
+    I, O, T = problem.prompts, problem.outputs, problem.arrivals
+
+    S = [[None] * (J + 1) for _ in range(n)]
+    m = [[None] * (J + 1) for _ in range(n)]
+    c = [[None] * (J + 1) for _ in range(n)]
+    g = [[None] * (J + 1) for _ in range(n)]
+    e = [[None] * (J + 1) for _ in range(n)]
+    act = [[None] * (J + 1) for _ in range(n)]
+    isdec = [[None] * (J + 1) for _ in range(n)]
+    ispre = [[None] * (J + 1) for _ in range(n)]
+    terms: list[list] = [[] for _ in range(J + 1)]  # per batch: integer time expressions
+    for i in range(n):
+        top = I[i] + O[i] - 1
+        S[i][0], m[i][0] = I[i], 0
+        for j in range(1, J + 1):
+            S[i][j] = model.NewIntVar(I[i], I[i] + O[i], f"S{i}_{j}")
+            m[i][j] = model.NewIntVar(0, top, f"m{i}_{j}")
+            c[i][j] = model.NewIntVar(0, min(C, top), f"c{i}_{j}")
+            g[i][j] = model.NewBoolVar(f"g{i}_{j}")
+            e[i][j] = model.NewBoolVar(f"e{i}_{j}")
+            rem = S[i][j - 1] - m[i][j - 1]  # tokens available to process
+            model.Add(S[i][j] == S[i][j - 1] + g[i][j])
+            # (1) memory and (2) tokens to process
+            model.Add(m[i][j] == 0).OnlyEnforceIf(e[i][j])
+            model.Add(c[i][j] == 0).OnlyEnforceIf(e[i][j])
+            model.Add(m[i][j] == m[i][j - 1] + c[i][j]).OnlyEnforceIf(e[i][j].Not())
+            model.Add(c[i][j] <= rem)
+            # (3) a token is sampled exactly when every known token has been processed
+            model.Add(c[i][j] == rem).OnlyEnforceIf(g[i][j])
+            model.Add(c[i][j] <= rem - 1).OnlyEnforceIf(g[i][j].Not())
+            # phases: in prefill while >= 2 tokens are to be processed, else decode
+            pre = model.NewBoolVar(f"pre{i}_{j}")
+            model.Add(rem >= 2).OnlyEnforceIf(pre)
+            model.Add(rem <= 1).OnlyEnforceIf(pre.Not())
+            act[i][j] = model.NewBoolVar(f"act{i}_{j}")
+            model.Add(c[i][j] >= 1).OnlyEnforceIf(act[i][j])
+            model.Add(c[i][j] == 0).OnlyEnforceIf(act[i][j].Not())
+            isdec[i][j] = model.NewBoolVar(f"dec{i}_{j}")
+            model.AddBoolAnd([act[i][j], pre.Not()]).OnlyEnforceIf(isdec[i][j])
+            model.AddBoolOr([act[i][j].Not(), pre]).OnlyEnforceIf(isdec[i][j].Not())
+            ispre[i][j] = model.NewBoolVar(f"pf{i}_{j}")
+            model.AddBoolAnd([act[i][j], pre]).OnlyEnforceIf(ispre[i][j])
+            model.AddBoolOr([act[i][j].Not(), pre.Not()]).OnlyEnforceIf(ispre[i][j].Not())
+            # cost terms: prefill attention work c^2 + 2mc, KV read by decodes and by chunks
+            sq = model.NewIntVar(0, min(C, top) ** 2, f"sq{i}_{j}")
+            model.AddMultiplicationEquality(sq, [c[i][j], c[i][j]])
+            work = model.NewIntVar(0, min(C, top) ** 2 + 2 * top * min(C, top), f"w{i}_{j}")
+            if j == 1:
+                model.Add(work == sq).OnlyEnforceIf(ispre[i][j])
+            else:
+                mc = model.NewIntVar(0, top * min(C, top), f"mc{i}_{j}")
+                model.AddMultiplicationEquality(mc, [m[i][j - 1], c[i][j]])
+                model.Add(work == sq + 2 * mc).OnlyEnforceIf(ispre[i][j])
+            model.Add(work == 0).OnlyEnforceIf(ispre[i][j].Not())
+            kv_read = model.NewIntVar(0, top, f"kd{i}_{j}")
+            model.Add(kv_read == m[i][j - 1]).OnlyEnforceIf(isdec[i][j])
+            model.Add(kv_read == 0).OnlyEnforceIf(isdec[i][j].Not())
+            chunk_ctx = model.NewIntVar(0, top, f"kp{i}_{j}")
+            model.Add(chunk_ctx == m[i][j - 1]).OnlyEnforceIf(ispre[i][j])
+            model.Add(chunk_ctx == 0).OnlyEnforceIf(ispre[i][j].Not())
+            terms[j] += [
+                k["a_o"] * c[i][j],
+                k["a_d"] * kv_read,
+                k["s_d"] * isdec[i][j],
+                k["a_p"] * work,
+                k["s_p"] * ispre[i][j],
+                k["m_p"] * chunk_ctx,
+            ]
+        model.Add(sum(g[i][j] for j in range(1, J + 1)) == O[i])  # termination
+        # Redundant cut (tightens the relaxation): every KV a request ends with is processed once.
+        model.Add(sum(c[i][j] for j in range(1, J + 1)) >= I[i] + O[i] - 1)
+
+    horizon = _horizon(problem, cost)
+    batch_time = []
+    any_act = []
+    for j in range(1, J + 1):
+        model.Add(sum(c[i][j] for i in range(n)) <= C)  # (4)
+        model.Add(sum(m[i][j] for i in range(n)) <= M)  # (4)
+        flags = {}
+        for name, lits in (("act", [act[i][j] for i in range(n)]), ("dec", [isdec[i][j] for i in range(n)]),
+                           ("pre", [ispre[i][j] for i in range(n)])):
+            flags[name] = model.NewBoolVar(f"any_{name}{j}")
+            model.AddMaxEquality(flags[name], lits)
+        if P is not None:
+            model.Add(sum(c[i][j] for i in range(n)) <= P).OnlyEnforceIf(flags["pre"])
+        t = model.NewIntVar(0, horizon, f"time{j}")
+        model.Add(t == sum(terms[j]) + k["b_o"] * flags["act"] + k["b_d"] * flags["dec"] + k["b_p"] * flags["pre"])
+        batch_time.append(t)
+        any_act.append(flags["act"])
+    # NOTE: empty batches go last (symmetry breaking; an empty batch costs nothing).
+    for j in range(len(any_act) - 1):
+        model.AddImplication(any_act[j + 1], any_act[j])
+    # Redundant cut: one token per request per batch, so at least max(O) batches run.
+    model.Add(sum(any_act) >= max(O))
+
+    if problem.online:
+        start = [model.NewIntVar(0, horizon, f"start{j}") for j in range(1, J + 1)]
+        for j in range(J):
+            if j:
+                model.Add(start[j] >= start[j - 1] + batch_time[j - 1])
+            for i in range(n):
+                arrival = round(T[i] * TIME_UNITS_PER_S)
+                if arrival > 0:
+                    model.Add(start[j] >= arrival).OnlyEnforceIf(act[i][j + 1])
+        end = model.NewIntVar(0, 2 * horizon, "end")
+        model.Add(end == start[-1] + batch_time[-1])
+        model.Minimize(end)
+    else:
+        model.Minimize(sum(batch_time))
+
+    if hint:
+        _add_hints(model, hint, problem, S, m, c, g, e)
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = num_workers
+    solver.parameters.random_seed = seed
+    t0 = time.perf_counter()
+    status = solver.Solve(model)
+    wall = time.perf_counter() - t0
+    name = solver.StatusName(status)
+    num_vars = len(model.Proto().variables)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return BoundResult(name, math.nan, math.nan, math.nan, math.nan, [], wall, num_vars)
+    plan = _extract(problem, cost, solver, S, m, c, e)
+    objective = solver.ObjectiveValue() / TIME_UNITS_PER_S
+    bound = solver.BestObjectiveBound() / TIME_UNITS_PER_S
+    latency = plan[-1].end_s - min(T) if plan else 0.0
+    gap = (objective - bound) / objective if objective > 0 else 0.0
+    return BoundResult(name, latency, objective, bound, gap, plan, wall, num_vars)
+
+
+def _horizon(problem: BoundProblem, cost: LinearCostModel) -> int:
+    """An upper bound on any batch time and on the schedule's length, in time units: every token
+    processed in its own batch, twice over (refills)."""
+    n, C, M = len(problem.prompts), problem.max_num_batched_tokens, problem.kv_capacity_tokens
+    worst = batch_seconds(cost, [(C, M)] * n, [M] * n)  # over-counts every term of a real batch
+    total = problem.num_batches * worst + max(problem.arrivals)
+    return int(2 * total * TIME_UNITS_PER_S) + 1
+
+
+def _add_hints(model, hint, problem, S, m, c, g, e) -> None:
+    """Warm start from a heuristic schedule: per batch {request: (c, evicted before)}."""
+    n = len(problem.prompts)
+    S_prev = list(problem.prompts)
+    m_prev = [0] * n
+    for j, batch in enumerate(hint[: problem.num_batches], start=1):
+        for i in range(n):
+            tokens, evicted = batch.get(i, (0, False))
+            if S_prev[i] == problem.prompts[i] + problem.outputs[i]:
+                evicted = True  # finished: its KV is released (the model frees memory through e)
+            m_now = 0 if evicted else m_prev[i] + tokens
+            gen = int(not evicted and tokens > 0 and tokens == S_prev[i] - m_prev[i])
+            model.AddHint(c[i][j], tokens)
+            model.AddHint(e[i][j], int(evicted))
+            model.AddHint(m[i][j], m_now)
+            model.AddHint(g[i][j], gen)
+            model.AddHint(S[i][j], S_prev[i] + gen)
+            S_prev[i] += gen
+            m_prev[i] = m_now
+
+
+def _extract(problem, cost, solver, S, m, c, e) -> list[BatchPlan]:
+    """The solved schedule, timed in floating point like the simulator (a batch starts when the
+    previous one ends and its requests have arrived)."""
+    n, J = len(problem.prompts), problem.num_batches
+    plan: list[BatchPlan] = []
+    now = 0.0
+    for j in range(1, J + 1):
+        tokens = {i: int(solver.Value(c[i][j])) for i in range(n) if solver.Value(c[i][j]) > 0}
+        evicted = [
+            i
+            for i in range(n)
+            if solver.Value(e[i][j])
+            and solver.Value(m[i][j - 1]) > 0
+            and solver.Value(S[i][j - 1]) < problem.prompts[i] + problem.outputs[i]
+        ]
+        if not tokens:
+            continue
+        prefills, decodes = [], []
+        for i, tok in tokens.items():
+            m_prev = int(solver.Value(m[i][j - 1]))
+            remaining = int(solver.Value(S[i][j - 1])) - m_prev
+            if remaining == 1:
+                decodes.append(m_prev)
+            else:
+                prefills.append((tok, m_prev))
+        start = max([now] + [problem.arrivals[i] for i in tokens])
+        now = start + batch_seconds(cost, prefills, decodes)
+        kv = sum(int(solver.Value(m[i][j])) for i in range(n))
+        plan.append(BatchPlan(start, now, tokens, evicted, kv))
+    return plan

@@ -1,0 +1,113 @@
+"""The optimal schedule as a constraint model (InferMax §5) with OR-Tools CP-SAT."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sloserve.core.errors import ConfigError
+from sloserve.cost import LinearCostModel, get_preset
+from sloserve.optimal import BoundProblem, latency, replay, run_heuristic, solve_bound
+
+COST = LinearCostModel(get_preset("llama-2-7b-a100"))
+HEURISTICS = ("vllm", "vllm_ef", "sarathi", "sarathi_ef", "infermax")
+
+
+def solve(problem: BoundProblem, names=HEURISTICS, time_limit=20.0):
+    runs = [run_heuristic(name, problem, COST) for name in names]
+    best = min(runs, key=lambda r: r.latency_s)
+    problem = dataclasses.replace(problem, num_batches=max(r.num_batches for r in runs))
+    return problem, runs, solve_bound(problem, COST, time_limit_s=time_limit, hint=best.hint)
+
+
+def test_schedule_replays_to_exactly_the_same_latency():
+    base = BoundProblem((8, 20, 5), (3, 2, 3), (0.0, 0.0, 0.0), kv_capacity_tokens=30, max_num_batched_tokens=4096,
+                        prefill_token_budget=None)
+    problem, runs, result = solve(base)
+    assert result.status == "OPTIMAL" and result.gap == pytest.approx(0, abs=1e-9)
+    requests = replay(problem, result.schedule, COST)
+    assert latency(requests) == pytest.approx(result.latency_s, rel=1e-9)
+    assert [r.num_output_tokens for r in requests] == [3, 2, 3]
+    # The integerized objective agrees with the float latency to the rounding of the coefficients.
+    assert result.objective_s == pytest.approx(result.latency_s, rel=1e-3)
+    assert all(result.latency_s <= r.latency_s * (1 + 1e-9) for r in runs)
+
+
+def test_online_arrivals_are_respected():
+    base = BoundProblem((16, 16, 4), (2, 3, 2), (0.0, 0.004, 0.02), kv_capacity_tokens=40,
+                        max_num_batched_tokens=4096, prefill_token_budget=None)
+    problem, runs, result = solve(base, names=("vllm", "sarathi"))
+    assert result.status == "OPTIMAL"
+    for batch in result.schedule:
+        for i in batch.tokens:
+            assert batch.start_s >= problem.arrivals[i] - 1e-12
+    requests = replay(problem, result.schedule, COST)
+    assert latency(requests) == pytest.approx(result.latency_s, rel=1e-9)
+    assert all(result.latency_s <= r.latency_s * (1 + 1e-9) for r in runs)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 3)), min_size=2, max_size=2),
+    extra=st.integers(0, 40),
+)
+def test_optimum_is_no_worse_than_any_heuristic(lengths, extra):
+    prompts = tuple(p for p, _ in lengths)
+    outputs = tuple(o for _, o in lengths)
+    capacity = max(p + o - 1 for p, o in lengths) + extra
+    base = BoundProblem(prompts, outputs, (0.0, 0.0), capacity, 4096, None)
+    problem, runs, result = solve(base, time_limit=10.0)
+    assert result.status in ("OPTIMAL", "FEASIBLE")
+    for run in runs:
+        assert result.latency_s <= run.latency_s * (1 + 1e-6), run.name
+    assert latency(replay(problem, result.schedule, COST)) == pytest.approx(result.latency_s, rel=1e-9)
+
+
+def test_figure15_regime_change_between_evicting_and_not():
+    """O = B = 3, M = max(2I, I+O-1): the optimum evicts for short prompts and not for long ones
+    (the paper: evictions for I <= 32 with O = B = 4), and vLLM / vLLM-EF match it on either side."""
+    outcome = {}
+    for prompt in (8, 128):
+        M = max(2 * prompt, prompt + 3 - 1)
+        base = BoundProblem((prompt,) * 3, (3,) * 3, (0.0,) * 3, M, 4096, None)
+        _, runs, result = solve(base, names=("vllm", "vllm_ef"))
+        assert result.status == "OPTIMAL"
+        by_name = {r.name: r.latency_s for r in runs}
+        outcome[prompt] = (sum(len(b.evicted) for b in result.schedule), result.latency_s, by_name)
+    evictions, optimum, heuristics = outcome[8]
+    assert evictions >= 1 and heuristics["vllm"] == pytest.approx(optimum, rel=1e-9)
+    assert heuristics["vllm_ef"] > optimum * 1.02
+    evictions, optimum, heuristics = outcome[128]
+    assert evictions == 0 and heuristics["vllm_ef"] == pytest.approx(optimum, rel=1e-9)
+    assert heuristics["vllm"] > optimum * 1.02
+
+
+def test_bad_bound_problems():
+    with pytest.raises(ConfigError, match="P=8192 exceeds C=4096"):
+        BoundProblem((8,), (2,), (0.0,), 100, 4096, 8192)
+    with pytest.raises(ConfigError, match="below the longest request's I \\+ O - 1 = 9"):
+        BoundProblem((8,), (2,), (0.0,), 8, 4096, None)
+    big = BoundProblem((8,) * 50, (100,) * 50, (0.0,) * 50, 10_000, 4096, None, num_batches=200)
+    with pytest.raises(ConfigError, match="exceeds the limit of 4000; use at most ~20 requests"):
+        solve_bound(big, COST)
+
+
+def test_bound_command(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "sloserve.cli", "bound", "--fixed", "8,3", "--num-requests", "3",
+         "--compare", "vllm,vllm_ef", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "bound: OPTIMAL" in proc.stdout and "vllm_ef" in proc.stdout
+    assert (tmp_path / "gantt.png").stat().st_size > 0 and (tmp_path / "schedule.json").exists()
+    too_big = subprocess.run(
+        [sys.executable, "-m", "sloserve.cli", "bound", "--fixed", "64,200", "--num-requests", "40",
+         "--compare", "vllm"], capture_output=True, text=True, timeout=120,
+    )
+    assert too_big.returncode == 2 and "exceeds the limit" in too_big.stderr
