@@ -109,3 +109,29 @@ def test_histogram_predictor_learns_per_prompt_bucket():
     assert hist.predict(probe) == 7  # the median of its bucket (8-15 tokens)
     probe_long = Request(request_id=10, arrival_time=0, num_prompt_tokens=1050, true_output_tokens=1, max_tokens=1000)
     assert hist.predict(probe_long) == 500
+
+
+@pytest.mark.parametrize("name,key", [("rank_i", lambda p, o: p), ("rank_o", lambda p, o: o)])
+def test_rank_schedulers_prioritize_by_rank(name, key):
+    """Under memory pressure the higher-ranked (shorter I, or shorter O) requests finish first."""
+    lengths = [(400, 60), (20, 200), (300, 30), (10, 40), (350, 120), (30, 90), (250, 50), (15, 150)]
+    reqs = make_requests(lengths)
+    drv = Driver(scheduler(name, 1600, max_model_len=1024, max_num_batched_tokens=512))
+    drv.run(reqs)
+    assert all(r.num_output_tokens == r.true_output_tokens for r in reqs)
+    first_admitted = [rid for rid, _ in drv.log[0].chunks]
+    ranked = sorted(range(len(lengths)), key=lambda i: (key(*lengths[i]), i))
+    assert first_admitted == ranked[: len(first_admitted)]
+    # The better-ranked half gets its first tokens earlier than the worse-ranked half.
+    ttft = {r.request_id: r.first_token_time for r in reqs}
+    top, bottom = ranked[:4], ranked[4:]
+    assert max(ttft[i] for i in top) <= min(ttft[i] for i in bottom)
+    assert ttft[ranked[-1]] > ttft[ranked[0]]
+
+
+def test_rank_org_keeps_arrival_order_and_finishes_everything():
+    reqs = make_requests(LENGTHS, ARRIVALS)
+    drv = Driver(scheduler("rank_org", 4096))
+    drv.run(reqs)
+    assert all(r.num_output_tokens == r.true_output_tokens for r in reqs)
+    assert any(s.preempted for s in drv.log)

@@ -13,6 +13,7 @@ from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.kv.manager import KV_MANAGERS
 from sloserve.predict import LengthPredictor, make_predictor
 from sloserve.sched.base import Scheduler
+from sloserve.sched.rank import RankConfig, RankScheduler
 from sloserve.sched.unified import UnifiedConfig, UnifiedScheduler
 
 
@@ -76,6 +77,18 @@ register(
         ),
     )
 )
+for _name, _by, _predictor in (("rank_org", "arrival", "none"), ("rank_i", "input", "none"),
+                               ("rank_o", "output", "oracle")):
+    register(
+        SchedulerSpec(
+            _name,
+            f"InferMax §4.6: one group ordered by {_by}{' (oracle output lengths)' if _by == 'output' else ''}, "
+            "hybrid batches, chunked prefill with P = C, evict lower-ranked requests",
+            RankScheduler,
+            RankConfig,
+            dict(rank_by=_by, predictor=_predictor),
+        )
+    )
 register(
     SchedulerSpec(
         "orca",
