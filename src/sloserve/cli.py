@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from sloserve.core.errors import ConfigError, SloserveError
+from sloserve.core.errors import ConfigError, SloserveError, UnknownNameError
 from sloserve.core.request import SLO
 
 
@@ -535,6 +535,28 @@ def bound(fixed, trace, num_requests, rate, seed, capacity, budget, prefill_budg
         plot_gantt(problem, result.schedule, out / "gantt.png", title=f"{result.status} schedule, latency "
                    f"{result.latency_s * 1e3:.2f} ms")
         click.echo(f"wrote {out}/schedule.json and {out}/gantt.png")
+
+
+@main.command()
+@click.argument("name")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("experiments-out"), show_default=True)
+@click.option("--quick", is_flag=True, help="A smaller grid (minutes instead of tens of minutes).")
+def experiment(name: str, out: Path, quick: bool) -> None:
+    """Run one of the papers' experiments; writes its CSV and plot and prints the paper's directions
+    next to ours. Names: see `sloserve experiment list`."""
+    from sloserve.experiments import EXPERIMENTS
+
+    if name == "list":
+        for key, fn in EXPERIMENTS.items():
+            click.echo(f"{key}: {(fn.__doc__ or '').strip().splitlines()[0] if fn.__doc__ else ''}")
+        return
+    if name not in EXPERIMENTS:
+        raise UnknownNameError("experiment", name, list(EXPERIMENTS))
+    out.mkdir(parents=True, exist_ok=True)
+    rows, lines = EXPERIMENTS[name](out, quick)
+    for line in lines:
+        click.echo(line)
+    click.echo(f"{len(rows)} runs; wrote {out}/ ({', '.join(sorted(p.name for p in out.iterdir() if p.name.startswith(name.split('-')[0])))})")
 
 
 @main.command(name="fit-cost")

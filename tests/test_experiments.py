@@ -1,0 +1,29 @@
+"""The papers' experiments as commands (the quick grids; the full ones are run by hand)."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sloserve.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_infermax_fig4_quick_reproduces_low_contention(tmp_path):
+    proc = run("experiment", "infermax-fig4", "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "no evictions at B=32 -> ours: none" in proc.stdout
+    assert "ours: vLLM lowest (or tied) in 8/8 cells" in proc.stdout
+    with open(tmp_path / "infermax_B32.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 * 2 * 6 and {r["scheduler"] for r in rows} >= {"vllm", "sarathi_nohy"}
+    assert (tmp_path / "infermax_B32.png").stat().st_size > 0
+
+
+def test_experiment_list_and_unknown_name():
+    listed = run("experiment", "list")
+    assert listed.returncode == 0 and "infermax-fig15" in listed.stdout
+    bad = run("experiment", "nope")
+    assert bad.returncode == 2 and "unknown experiment 'nope'; valid: infermax-fig10" in bad.stderr
