@@ -44,7 +44,9 @@ class UnifiedConfig:
     # m_reserve at admission: the prompt (plus generated tokens on a refill), or prompt + predicted
     # output - 1 held as an exact reservation (eviction-free variants with the oracle; InferMax §6
     # with the online histogram).
-    reservation: Literal["prompt", "predicted"] = "prompt"
+    # "predicted_check": admit only if prompt + predicted output - 1 fits in the free KV (CANALLOCATE's
+    # M check with that m_reserve), but hold only the prompt (paged growth).
+    reservation: Literal["prompt", "predicted", "predicted_check"] = "prompt"
     predictor: Literal["none", "oracle", "histogram"] = "none"
     histogram_quantile: float = 0.5  # the output-length quantile the histogram predicts
     # Whom to evict when the decode group's KV does not fit (4): the lowest-priority running request
@@ -84,6 +86,8 @@ class UnifiedConfig:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.reservation == "predicted_check" and self.predictor == "none":
+            raise ConfigError("reservation=predicted_check needs a predictor (oracle or histogram)")
         if self.reservation == "predicted" and (self.kv_manager != "exact" or self.predictor == "none"):
             raise ConfigError(
                 "reservation=predicted needs kv_manager=exact and a predictor (oracle or histogram), "
@@ -159,17 +163,19 @@ class UnifiedScheduler(Scheduler):
             return min(reversed(self.running), key=lambda r: r.num_computed_tokens)
         return next(reversed(self.running))
 
-    def _reserve_target(self, request: Request) -> int:
-        """Tokens of KV to hold when ``request`` is admitted (m_reserve)."""
-        if self.config.reservation == "predicted":
-            predicted = request.predicted_output_tokens or 1
-            # On a refill the generated tokens are known; at least the next token is still to come.
-            remaining = max(predicted - request.num_output_tokens, 1)
-            target = request.num_tokens + remaining - 1
-            assert isinstance(self.kv, ExactReservationKVManager)
-            self.kv.set_reservation(request, target)
-            return target
-        return request.num_tokens
+    def _reserve_target(self, request: Request) -> tuple[int, int]:
+        """(tokens of KV that must fit to admit ``request`` (m_reserve), tokens to hold)."""
+        reservation = self.config.reservation
+        if reservation == "prompt":
+            return request.num_tokens, request.num_tokens
+        predicted = request.predicted_output_tokens or 1
+        # On a refill the generated tokens are known; at least the next token is still to come.
+        target = request.num_tokens + max(predicted - request.num_output_tokens, 1) - 1
+        if reservation == "predicted_check":
+            return target, request.num_tokens
+        assert isinstance(self.kv, ExactReservationKVManager)
+        self.kv.set_reservation(request, target)
+        return target, target
 
     def _schedule_swap_in(self, out: SchedulerOutput) -> None:
         """Swapped requests come back (FCFS) when their blocks, plus the next token's, fit."""
@@ -210,10 +216,10 @@ class UnifiedScheduler(Scheduler):
             if num_tokens <= 0 or num_tokens > room:
                 break
             # m_reserve: the whole prompt (or prompt + generated tokens for a refill), or more.
-            reserve = self._reserve_target(request)
-            if not kv.can_allocate(request, reserve, self._watermark_blocks):
+            must_fit, hold = self._reserve_target(request)
+            if not kv.can_allocate(request, must_fit, self._watermark_blocks):
                 break
-            assert kv.allocate_slots(request, reserve)
+            assert kv.allocate_slots(request, hold)
             self.waiting.popleft()
             self._admit(request)
             self._add_chunk(out, request, num_tokens)
