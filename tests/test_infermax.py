@@ -135,3 +135,32 @@ def test_rank_org_keeps_arrival_order_and_finishes_everything():
     drv.run(reqs)
     assert all(r.num_output_tokens == r.true_output_tokens for r in reqs)
     assert any(s.preempted for s in drv.log)
+
+
+@pytest.mark.parametrize("dataset", ["alpaca", "sharegpt", "bookcorpus"])
+def test_noisy_oracle_matches_the_econoserve_accuracy(dataset):
+    from sloserve.predict import ECONOSERVE_PREDICTOR_ACCURACY, NoisyOraclePredictor, provisioning
+
+    accuracy, padding = ECONOSERVE_PREDICTOR_ACCURACY[dataset]
+    predictor = NoisyOraclePredictor.from_accuracy(accuracy, padding, seed=1)
+    reqs = [Request(request_id=i, arrival_time=0, num_prompt_tokens=10, true_output_tokens=50 + i % 400,
+                    max_tokens=4096) for i in range(20_000)]
+    for r in reqs:
+        r.predicted_output_tokens = predictor.predict(r)
+    report = provisioning(reqs, padding)
+    assert report["accuracy"] == pytest.approx(accuracy, abs=0.015)
+    assert 0 < report["under_provisioned_kv"] < report["over_provisioned_kv"]
+    # Deterministic per request and seed.
+    assert [predictor.predict(r) for r in reqs[:50]] == [r.predicted_output_tokens for r in reqs[:50]]
+
+
+def test_noisy_oracle_bad_parameters():
+    from sloserve.core.errors import ConfigError
+    from sloserve.predict import NoisyOraclePredictor, make_predictor
+
+    with pytest.raises(ConfigError, match="accuracy must be in \\(0.5, 1\\)"):
+        NoisyOraclePredictor.from_accuracy(1.2, 0.1)
+    with pytest.raises(ConfigError, match="padding must be in \\(0, 1\\)"):
+        NoisyOraclePredictor.from_accuracy(0.7, 1.5)
+    with pytest.raises(ConfigError, match="unknown predictor 'magic'; valid: histogram, noisy-oracle, oracle"):
+        make_predictor("magic")
