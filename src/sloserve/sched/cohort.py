@@ -160,10 +160,9 @@ class DecodeCohort:
         """
         first = self._grown_through + 1
         if self._period is not None:
-            period = self._period
-            counts = np.array(self._due_count, dtype=np.int64)
-            per_tick = counts[np.arange(first, last_tick + 1) % period]
-            assert self.kv.reserve_blocks(int(np.add.reduce(per_tick))), "no room to grow the cohort"
+            counts, period = self._due_count, self._period
+            per_tick = np.array([counts[t % period] for t in range(first, last_tick + 1)], dtype=np.int64)
+            assert self.kv.reserve_blocks(int(per_tick.sum())), "no room to grow the cohort"
         else:
             per_tick = np.zeros(last_tick + 1 - first, dtype=np.int64)
             for i, tick in enumerate(range(first, last_tick + 1)):

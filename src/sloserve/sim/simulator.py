@@ -28,8 +28,9 @@ from sloserve.sim.executor import SimExecutor
 
 # Longest stretch advanced at once (bounds the arrays a stretch allocates).
 MAX_STRETCH_STEPS = 4096
-# A stretch is set up only when the next arrival is at least this many first-step times away.
-MIN_STRETCH_STEPS = 3
+# A stretch is set up only when the next arrival is at least this many first-step times away:
+# setting one up costs about as much as five single steps (measured; benchmarks/sim_speed.py).
+MIN_STRETCH_STEPS = 6
 
 
 class SimulationStuckError(RuntimeError):
