@@ -27,6 +27,7 @@ __all__ = [
     "BatchShape",
     "CostBreakdown",
     "CostModel",
+    "DEFAULT_SWAP_BANDWIDTH",
     "FitReport",
     "GPUS",
     "HardwareSpec",

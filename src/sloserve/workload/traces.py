@@ -199,7 +199,7 @@ def trace_summary(name_or_path: str, columns: Mapping[str, str] | None = None) -
 # --------------------------------------------------------------------------------------------
 # loading
 # --------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load_bundled(name: str) -> TraceData:
     info = TRACES[name]
     resource = resources.files("sloserve") / "data" / "traces" / info.file
