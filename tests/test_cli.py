@@ -88,6 +88,8 @@ BAD = [
      "cannot hold request"),
     (["--trace", "sharegpt"], "give exactly one of rate"),
     (["--trace", "sharegpt", "--rate", "1", "--set", "nosuch=1"], "has no option 'nosuch'"),
+    (["--trace", "sharegpt", "--rate", "1", "--disaggregate", "2"], "--disaggregate expects P:D"),
+    (["--trace", "sharegpt", "--rate", "1", "--disaggregate", "1:1", "--link-gbps", "0"], "--link-gbps must be > 0"),
 ]
 
 

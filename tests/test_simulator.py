@@ -106,3 +106,52 @@ def test_cluster_of_replicas(router):
     single = workload_from_trace("sharegpt", num_requests=400, seed=2, context_len=4096, rate=30.0)
     simulate(single.requests, lambda: scheduler("vllm", CAPACITY), llama7b_cost())
     assert max(r.finish_time for r in workload.requests) < max(r.finish_time for r in single.requests)
+
+
+def _disaggregated(requests, link_bandwidth=12.5e9, **options):
+    kvb = 524288  # Llama-2-7B: 2 x 32 layers x 32 heads x 128 x 2 bytes
+    return simulate(
+        requests,
+        lambda: scheduler("vllm", CAPACITY, role="prefill", **options),
+        llama7b_cost(),
+        make_decode_scheduler=lambda: scheduler("vllm", CAPACITY, role="decode", **options),
+        num_decode_replicas=1,
+        link_bandwidth=link_bandwidth,
+    ), kvb
+
+
+def test_disaggregated_request_waits_for_its_kv_transfer():
+    """DistServe: the prompt's KV crosses the link before the decode replica's first step."""
+    from helpers import make_requests
+    from sloserve.cost.base import BatchShape
+
+    (req,) = make_requests([(1000, 2)])
+    result, kvb = _disaggregated([req])
+    transfer = 1000 * kvb / 12.5e9  # 1000 tokens x 0.5 MiB at 100 Gb/s = 41.9 ms
+    decode_step = llama7b_cost().batch_time(BatchShape(num_decode=1, decode_kv_tokens=1000)).total_s
+    assert req.max_token_gap == pytest.approx(transfer + decode_step, rel=1e-9)
+    assert req.replica == 1 and req.num_output_tokens == 2
+    assert result.extra["kv_transferred_bytes"] == 1000 * kvb
+    assert set(result.timeline.column("replica").tolist()) == {0, 1}
+    prefill_rows = result.timeline.column("replica") == 0
+    assert (result.timeline.column("num_decode")[prefill_rows] == 0).all(), "prefill replica never decodes"
+
+
+def test_disaggregated_transfers_share_the_link_one_at_a_time():
+    from helpers import make_requests
+
+    a, b = make_requests([(800, 2), (800, 2)])  # prefilled in one batch, handed off together
+    _disaggregated([a, b])
+    transfer = 800 * 524288 / 12.5e9
+    assert a.first_token_time == b.first_token_time
+    assert b.last_token_time - a.last_token_time == pytest.approx(transfer, rel=1e-6)
+
+
+def test_disaggregated_cluster_conserves_tokens():
+    workload = workload_from_trace("sharegpt", num_requests=300, seed=5, context_len=4096, rate=8.0)
+    result, kvb = _disaggregated(workload.requests)
+    for r in workload.requests:
+        assert r.status is RequestStatus.FINISHED and r.num_output_tokens == r.true_output_tokens
+    handed_off = [r for r in workload.requests if r.true_output_tokens > 1]
+    assert result.extra["kv_transferred_bytes"] == sum(r.num_prompt_tokens for r in handed_off) * kvb
+    assert {r.replica for r in handed_off} == {1}

@@ -75,6 +75,10 @@ def _system_options(fn: Callable) -> Callable:
         click.option("--swap-space-gib", type=float, default=4.0, show_default=True, help="CPU swap space per replica."),
         click.option("--replicas", type=int, default=1, show_default=True),
         click.option("--router", default="round-robin", show_default=True, help="round-robin or least-outstanding."),
+        click.option("--disaggregate", metavar="P:D",
+                     help="DistServe-style: P prefill replicas hand requests to D decode replicas."),
+        click.option("--link-gbps", type=float, default=100.0, show_default=True,
+                     help="KV transfer link per prefill replica (with --disaggregate), Gb/s."),
         click.option("--no-fast-path", is_flag=True, help="Run every step one by one (for checking)."),
     ]
     for option in reversed(options):
@@ -182,16 +186,25 @@ def _run_one(setup: Setup, scheduler: str, set_options: dict[str, str], workload
         swap_space_tokens=setup.swap_space_tokens,
         options=set_options,
     )
+    num_prefill, num_decode = _disaggregation(o["disaggregate"], o["link_gbps"])
+    decode_factory = None
+    if num_decode:
+        factory = functools.partial(factory, options={**set_options, "role": "prefill"})
+        decode_factory = functools.partial(factory, options={**set_options, "role": "decode"})
+        decode_factory()
     factory()  # validate the options before running
     with _progress(len(requests), f"{scheduler}", enabled=progress) as on_progress:
         result = simulate(
             requests,
             factory,
             setup.cost_model,
-            num_replicas=o["replicas"],
+            num_replicas=num_prefill or o["replicas"],
             router=o["router"],
             fast_path=not o["no_fast_path"],
             on_progress=on_progress,
+            make_decode_scheduler=decode_factory,
+            num_decode_replicas=num_decode,
+            link_bandwidth=o["link_gbps"] * 1e9 / 8,
         )
     summary = summarize(
         requests,
@@ -212,10 +225,28 @@ def _run_one(setup: Setup, scheduler: str, set_options: dict[str, str], workload
             "num_clipped": workload.num_clipped,
             "seed": o["seed"],
             "sim_requests_per_wall_s": len(requests) / result.sim_wall_s if result.sim_wall_s else None,
+            "disaggregation": {"prefill_replicas": num_prefill, "decode_replicas": num_decode,
+                               "link_gbps": o["link_gbps"]} if num_decode else None,
+            **result.extra,
         },
     )
     summary["_result"] = (requests, result.timeline)
     return summary
+
+
+def _disaggregation(text: str | None, link_gbps: float) -> tuple[int, int]:
+    """``"P:D"`` -> (P, D); (0, 0) when not given."""
+    if not text:
+        return 0, 0
+    try:
+        num_prefill, num_decode = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"--disaggregate expects P:D (prefill:decode replicas), got {text!r}") from None
+    if num_prefill < 1 or num_decode < 1:
+        raise ConfigError(f"--disaggregate needs >= 1 prefill and >= 1 decode replica, got {text!r}")
+    if not link_gbps > 0:
+        raise ConfigError(f"--link-gbps must be > 0, got {link_gbps}")
+    return num_prefill, num_decode
 
 
 def _fresh(request):

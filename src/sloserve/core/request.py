@@ -39,6 +39,7 @@ class RequestStatus(str, Enum):
     WAITING = "waiting"  # never scheduled, or evicted by recompute: holds no KV
     RUNNING = "running"  # holds KV on the GPU
     SWAPPED = "swapped"  # KV lives in CPU swap space
+    TRANSFERRING = "transferring"  # prefilled on one replica, KV on its way to a decode replica
     FINISHED = "finished"
 
 

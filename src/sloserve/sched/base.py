@@ -37,10 +37,18 @@ class Scheduler(ABC):
         self.cohort = DecodeCohort(kv)
         self._joined: list[Request] = []  # cohort joins not yet reported in an output
         self.num_preemptions = 0
+        # Disaggregated serving: requests whose prefill is done here and whose KV must move to a
+        # decode replica (prefill role), and requests arrived with their KV (decode role).
+        self.handoff: list[Request] = []
+        self.incoming: deque[Request] = deque()
 
     # --- interface ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """A request arrived; it waits until ``schedule`` admits it."""
+        """A request arrived; it waits until ``schedule`` admits it. A request that arrives with KV
+        computed elsewhere (disaggregated serving) waits in ``incoming`` for slots."""
+        if request.status is RequestStatus.TRANSFERRING:
+            self.incoming.append(request)
+            return
         request.status = RequestStatus.WAITING
         if self.predictor is not None:
             request.predicted_output_tokens = self.predictor.predict(request)
@@ -51,7 +59,20 @@ class Scheduler(ABC):
         finish alone in this KV cache. Default: no check."""
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.incoming)
+
+    def take_handoff(self) -> list[Request]:
+        """Requests to move to a decode replica (their KV is freed here)."""
+        handoff, self.handoff = self.handoff, []
+        return handoff
+
+    def _hand_off(self, request: Request) -> None:
+        """Prefill role: the request sampled its first token; its KV leaves for a decode replica."""
+        self.running.pop(request, None)
+        self.outside_cohort.pop(request, None)
+        self.kv.free(request)
+        request.status = RequestStatus.TRANSFERRING
+        self.handoff.append(request)
 
     @abstractmethod
     def schedule(self, now: float) -> SchedulerOutput:
@@ -152,7 +173,7 @@ class Scheduler(ABC):
     def check_integrity(self) -> None:
         """Invariants across queues, cohort and KV manager (for tests)."""
         self.kv.check_integrity()
-        queues = [set(self.waiting), set(self.running), set(self.swapped)]
+        queues = [set(self.waiting), set(self.running), set(self.swapped), set(self.incoming)]
         for i, a in enumerate(queues):
             for b in queues[i + 1 :]:
                 assert not a & b, "a request is in two queues"

@@ -52,6 +52,9 @@ class UnifiedConfig:
     # Whom to evict when the decode group's KV does not fit (4): the lowest-priority running request
     # (the latest admitted), or the one holding the least KV (InferMax §6: keep long, evict short).
     eviction_victim: Literal["lowest_priority", "shortest"] = "lowest_priority"
+    # Disaggregated serving (DistServe): a prefill replica hands each request off after its first
+    # token; a decode replica admits requests that arrive with their KV.
+    role: Literal["colocated", "prefill", "decode"] = "colocated"
 
     def resolve(self, max_model_len: int) -> None:
         """Fill defaults that depend on the model and check every knob."""
@@ -93,6 +96,8 @@ class UnifiedConfig:
                 "reservation=predicted needs kv_manager=exact and a predictor (oracle or histogram), "
                 f"got kv_manager={self.kv_manager}, predictor={self.predictor}"
             )
+        if self.role not in ("colocated", "prefill", "decode"):
+            raise ConfigError(f"role must be colocated, prefill or decode, got {self.role!r}")
         if self.eviction_victim not in ("lowest_priority", "shortest"):
             raise ConfigError(f"eviction_victim must be lowest_priority or shortest, got {self.eviction_victim!r}")
 
@@ -151,6 +156,7 @@ class UnifiedScheduler(Scheduler):
             self._preempt(self._victim(), self._preemption_mode, out)
         if not out.preempted:
             self._schedule_swap_in(out)
+            self._schedule_incoming(out)
         if cohort:
             out.cohort = cohort
             out.cohort_size = len(cohort)
@@ -195,6 +201,26 @@ class UnifiedScheduler(Scheduler):
             self._admit(request)
             if not request.is_prefill:
                 self._join_cohort(request)
+
+    def on_token_emitted(self, request: Request) -> None:
+        if self.config.role == "prefill":
+            self._hand_off(request)
+        else:
+            self._join_cohort(request)
+
+    def _schedule_incoming(self, out: SchedulerOutput) -> None:
+        """Decode role: requests whose KV arrived from a prefill replica take slots for it and their
+        next token (FCFS), then decode with the cohort."""
+        kv = self.kv
+        while self.incoming and len(self.running) < self.config.max_num_seqs:
+            request = self.incoming[0]
+            tokens = request.num_computed_tokens + 1
+            if not kv.can_allocate(request, tokens, self._watermark_blocks):
+                break
+            self.incoming.popleft()
+            assert kv.allocate_slots(request, tokens)
+            self._admit(request)
+            self._join_cohort(request)
 
     def _schedule_running_prefills(self, out: SchedulerOutput, reserved: int) -> None:
         """Group R_r^p: chunked prefills in progress already hold KV for their whole prompt."""

@@ -11,6 +11,7 @@ by one; tests check both give the same per-request timestamps.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -51,9 +52,10 @@ class Replica:
         # Called with (replica, output) before each step runs (recording schedules; fast path off).
         self.on_step: Callable[[int, SchedulerOutput], None] | None = None
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, available_at: float) -> None:
+        """``request`` reaches this replica at ``available_at`` (its arrival, or its KV transfer's end)."""
         if not self.scheduler.has_unfinished():
-            self.now = max(self.now, request.arrival_time)
+            self.now = max(self.now, available_at)
         request.replica = self.index
         self.scheduler.add_request(request)
         self.outstanding += 1
@@ -203,55 +205,88 @@ def simulate(
     fast_path: bool = True,
     on_progress: Callable[[int], None] | None = None,
     on_step: Callable[[int, SchedulerOutput], None] | None = None,
+    make_decode_scheduler: Callable[[], Scheduler] | None = None,
+    num_decode_replicas: int = 0,
+    link_bandwidth: float = 100e9 / 8,
 ) -> SimResult:
     """Simulate ``requests`` (their arrival times set) on ``num_replicas`` replicas.
 
     ``make_scheduler`` builds one fresh scheduler per replica. Requests are mutated in place (their
     progress and timestamps) and returned in ``SimResult.requests``. ``on_step(replica, output)``
     sees every output before it runs (use ``fast_path=False`` to see every step).
+
+    Disaggregated serving (DistServe): with ``num_decode_replicas`` > 0, the ``num_replicas``
+    replicas only prefill (their schedulers have role ``prefill``) and hand each request off after
+    its first token; its KV (prompt tokens x bytes per token) crosses the prefill replica's link, one
+    transfer at a time at ``link_bandwidth`` bytes/s (default 100 Gb/s Ethernet), and the router
+    gives it to one of the ``num_decode_replicas`` built by ``make_decode_scheduler``.
     """
     if router not in ROUTERS:
         raise UnknownNameError("router", router, list(ROUTERS))
-    if num_replicas < 1:
-        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    if num_replicas < 1 or num_decode_replicas < 0:
+        raise ValueError(f"need >= 1 replica and >= 0 decode replicas, got {num_replicas}, {num_decode_replicas}")
+    if num_decode_replicas and (make_decode_scheduler is None or not link_bandwidth > 0):
+        raise ValueError("disaggregated serving needs make_decode_scheduler and a link bandwidth > 0")
     wall0 = time.perf_counter()
     replicas = [Replica(i, make_scheduler(), cost_model, fast_path) for i in range(num_replicas)]
-    for rep in replicas:
+    decoders = [
+        Replica(num_replicas + i, make_decode_scheduler(), cost_model, fast_path)  # type: ignore[misc]
+        for i in range(num_decode_replicas)
+    ]
+    everyone = replicas + decoders
+    for rep in everyone:
         rep.on_step = on_step
-    check = replicas[0].scheduler
     for r in requests:
-        check.check_fits(r, r.num_prompt_tokens + r.true_output_tokens - 1)
+        everyone[-1].scheduler.check_fits(r, r.num_prompt_tokens + r.true_output_tokens - 1)
     pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
     route = ROUTERS[router]
-    i, completed, steps = 0, 0, 0
+    # KV transfers in flight: (time the KV has arrived, sequence, request).
+    transfers: list[tuple[float, int, Request]] = []
+    link_free = [0.0] * num_replicas  # when each prefill replica's link is idle again
+    transferred_bytes = 0
+    i = routed_to_decode = completed = steps = 0
     while True:
         next_arrival = pending[i].arrival_time if i < len(pending) else math.inf
-        if num_replicas == 1:
+        next_event = min(next_arrival, transfers[0][0]) if transfers else next_arrival
+        if len(everyone) == 1:
             replica = replicas[0] if replicas[0].scheduler.has_unfinished() else None
         else:
-            busy = [rep for rep in replicas if rep.scheduler.has_unfinished()]
+            busy = [rep for rep in everyone if rep.scheduler.has_unfinished()]
             replica = min(busy, key=lambda rep: (rep.now, rep.index)) if busy else None
-        if replica is None and next_arrival == math.inf:
+        if replica is None and next_event == math.inf:
             break
-        if replica is None or next_arrival <= replica.now:
-            route(replicas, i).add(pending[i])
-            i += 1
+        if replica is None or next_event <= replica.now:
+            if transfers and transfers[0][0] <= next_arrival:
+                done, _, request = heapq.heappop(transfers)
+                route(decoders, routed_to_decode).add(request, done)
+                routed_to_decode += 1
+            else:
+                route(replicas, i).add(pending[i], pending[i].arrival_time)
+                i += 1
             continue
-        completed += replica.step(next_arrival)
+        completed += replica.step(next_event)
         steps += 1
+        for request in replica.scheduler.take_handoff():
+            replica.outstanding -= 1
+            num_bytes = request.num_computed_tokens * replica.scheduler.kv.kv_bytes_per_token
+            start = max(request.first_token_time, link_free[replica.index])
+            link_free[replica.index] = start + num_bytes / link_bandwidth
+            transferred_bytes += num_bytes
+            heapq.heappush(transfers, (link_free[replica.index], request.request_id, request))
         if on_progress is not None and steps % 256 == 0:
             on_progress(completed)
     if on_progress is not None:
         on_progress(completed)
-    timeline = replicas[0].timeline if num_replicas == 1 else Timeline.concat([r.timeline for r in replicas])
-    kvs = [rep.scheduler.kv for rep in replicas]
+    timeline = everyone[0].timeline if len(everyone) == 1 else Timeline.concat([r.timeline for r in everyone])
+    kvs = [rep.scheduler.kv for rep in everyone]
     return SimResult(
         requests=list(requests),
         timeline=timeline,
         kv_capacity_tokens=kvs[0].capacity_tokens,
-        num_replicas=num_replicas,
+        num_replicas=len(everyone),
         num_allocation_failures=sum(kv.num_allocation_failures for kv in kvs),
         swapped_bytes=sum(kv.swapped_bytes for kv in kvs),
-        num_preemptions=sum(rep.scheduler.num_preemptions for rep in replicas),
+        num_preemptions=sum(rep.scheduler.num_preemptions for rep in everyone),
         sim_wall_s=time.perf_counter() - wall0,
+        extra={"kv_transferred_bytes": transferred_bytes} if num_decode_replicas else {},
     )
