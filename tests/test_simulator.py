@@ -155,3 +155,26 @@ def test_disaggregated_cluster_conserves_tokens():
     handed_off = [r for r in workload.requests if r.true_output_tokens > 1]
     assert result.extra["kv_transferred_bytes"] == sum(r.num_prompt_tokens for r in handed_off) * kvb
     assert {r.replica for r in handed_off} == {1}
+
+
+def test_closed_loop_batches_arrive_when_the_previous_batch_completes():
+    """BROS §7.1: best-effort jobs are resubmitted as a batch when the previous batch completes."""
+    from sloserve.workload import build_workload, parse_workload_spec
+
+    spec = parse_workload_spec({
+        "name": "be-loop",
+        "streams": [
+            {"name": "rt", "class": "rt", "source": {"trace": "sharegpt"},
+             "arrival": {"process": "poisson", "rate": 4}, "num_requests": 120},
+            {"name": "be", "class": "be", "source": {"uniform": {"prompt": [512, 1024], "output": [32, 128]}},
+             "arrival": {"process": "closed-batches", "batch_size": 16}, "num_requests": 64},
+        ],
+    })
+    workload = build_workload(spec, seed=3, context_len=4096)
+    (chain,) = workload.chains
+    assert [len(b) for b in chain] == [16, 16, 16, 16]
+    assert all(r.arrival_time == 0 for r in chain[0]) and all(r.arrival_time == float("inf") for r in chain[1])
+    simulate(workload.requests, lambda: scheduler("sarathi", CAPACITY), llama7b_cost(), chains=workload.chains)
+    for before, after in zip(chain, chain[1:]):
+        assert {r.arrival_time for r in after} == {max(r.finish_time for r in before)}
+    assert all(r.status is RequestStatus.FINISHED for r in workload.requests)

@@ -225,7 +225,7 @@ def _with(**changes) -> dict:
         (_with(arrival={"process": "gamma", "rate": 2, "cv": 0}),
          r"arrival\.cv must be > 0, got 0"),
         (_with(arrival={"process": "burst", "rate": 2}),
-         r"arrival\.process must be one of poisson, gamma, trace, offline; got 'burst'"),
+         r"arrival\.process must be one of poisson, gamma, trace, offline, closed-batches; got 'burst'"),
         (_with(arrival={"process": "offline", "rate": 2}), r"unknown key 'arrival\.rate'"),
         (_with(arrival={"process": "poisson", "rate": "fast"}),
          r"arrival\.rate must be a number, got 'fast'"),

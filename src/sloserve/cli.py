@@ -177,6 +177,8 @@ def _run_one(setup: Setup, scheduler: str, set_options: dict[str, str], workload
 
     o = setup.options
     requests = [_fresh(r) for r in workload.requests]
+    by_id = {r.request_id: r for r in requests}
+    chains = [[[by_id[r.request_id] for r in batch] for batch in chain] for chain in workload.chains]
     factory = functools.partial(
         make_scheduler,
         scheduler,
@@ -205,6 +207,7 @@ def _run_one(setup: Setup, scheduler: str, set_options: dict[str, str], workload
             make_decode_scheduler=decode_factory,
             num_decode_replicas=num_decode,
             link_bandwidth=o["link_gbps"] * 1e9 / 8,
+            chains=chains,
         )
     summary = summarize(
         requests,

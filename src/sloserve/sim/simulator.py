@@ -60,8 +60,8 @@ class Replica:
         self.scheduler.add_request(request)
         self.outstanding += 1
 
-    def step(self, next_arrival: float) -> int:
-        """Run one step (or one decode stretch); returns how many requests finished."""
+    def step(self, next_arrival: float) -> list[Request]:
+        """Run one step (or one decode stretch); returns the requests that finished."""
         sched, executor, now = self.scheduler, self.executor, self.now
         t0 = time.perf_counter()
         out = sched.schedule(now)
@@ -69,7 +69,7 @@ class Replica:
             # Nothing to run until the next arrival (a policy may wait): idle until then.
             sched.update(out, StepResult(step_end_times=(now,)), now)
             self.now = next_arrival
-            return 0
+            return []
         if out.is_empty:
             raise SimulationStuckError(
                 f"replica {self.index}: {sched.name} scheduled nothing at t={now:.6f} with "
@@ -96,7 +96,7 @@ class Replica:
             self._record_step(out, now, end, sched_time)
         self.now = end
         self.outstanding -= len(finished)
-        return len(finished)
+        return finished
 
     def _stretch_length(self, out: SchedulerOutput, next_arrival: float) -> tuple[int, np.ndarray | None]:
         """How many times the decode-only ``out`` can run unchanged, with the durations computed."""
@@ -208,6 +208,7 @@ def simulate(
     make_decode_scheduler: Callable[[], Scheduler] | None = None,
     num_decode_replicas: int = 0,
     link_bandwidth: float = 100e9 / 8,
+    chains: Sequence[Sequence[Sequence[Request]]] = (),
 ) -> SimResult:
     """Simulate ``requests`` (their arrival times set) on ``num_replicas`` replicas.
 
@@ -220,6 +221,9 @@ def simulate(
     its first token; its KV (prompt tokens x bytes per token) crosses the prefill replica's link, one
     transfer at a time at ``link_bandwidth`` bytes/s (default 100 Gb/s Ethernet), and the router
     gives it to one of the ``num_decode_replicas`` built by ``make_decode_scheduler``.
+
+    Closed-loop batches: each chain is a list of batches of ``requests``; a batch after the first
+    arrives (its ``arrival_time`` is set) when every request of the batch before it has finished.
     """
     if router not in ROUTERS:
         raise UnknownNameError("router", router, list(ROUTERS))
@@ -238,15 +242,25 @@ def simulate(
         rep.on_step = on_step
     for r in requests:
         everyone[-1].scheduler.check_fits(r, r.num_prompt_tokens + r.true_output_tokens - 1)
-    pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
+    # Arrivals not yet routed: (arrival time, request id, request). Chained batches join later.
+    chained = {id(r) for chain in chains for batch in chain[1:] for r in batch}
+    pending = [(r.arrival_time, r.request_id, r) for r in requests if id(r) not in chained]
+    heapq.heapify(pending)
+    next_batch: dict[int, tuple[int, int]] = {}  # id(request) -> (chain, index of the batch it is in)
+    left_in_batch: dict[tuple[int, int], int] = {}
+    for c, chain in enumerate(chains):
+        for b, batch in enumerate(chain):
+            left_in_batch[(c, b)] = len(batch)
+            for r in batch:
+                next_batch[id(r)] = (c, b)
     route = ROUTERS[router]
     # KV transfers in flight: (time the KV has arrived, sequence, request).
     transfers: list[tuple[float, int, Request]] = []
     link_free = [0.0] * num_replicas  # when each prefill replica's link is idle again
     transferred_bytes = 0
-    i = routed_to_decode = completed = steps = 0
+    routed = routed_to_decode = completed = steps = 0
     while True:
-        next_arrival = pending[i].arrival_time if i < len(pending) else math.inf
+        next_arrival = pending[0][0] if pending else math.inf
         next_event = min(next_arrival, transfers[0][0]) if transfers else next_arrival
         if len(everyone) == 1:
             replica = replicas[0] if replicas[0].scheduler.has_unfinished() else None
@@ -261,11 +275,23 @@ def simulate(
                 route(decoders, routed_to_decode).add(request, done)
                 routed_to_decode += 1
             else:
-                route(replicas, i).add(pending[i], pending[i].arrival_time)
-                i += 1
+                arrival, _, request = heapq.heappop(pending)
+                route(replicas, routed).add(request, arrival)
+                routed += 1
             continue
-        completed += replica.step(next_event)
+        finished = replica.step(next_event)
+        completed += len(finished)
         steps += 1
+        for request in finished if chains else ():
+            key = next_batch.get(id(request))
+            if key is None:
+                continue
+            left_in_batch[key] -= 1
+            c, b = key
+            if left_in_batch[key] == 0 and b + 1 < len(chains[c]):
+                for r in chains[c][b + 1]:  # the next batch arrives now
+                    r.arrival_time = request.finish_time
+                    heapq.heappush(pending, (r.arrival_time, r.request_id, r))
         for request in replica.scheduler.take_handoff():
             replica.outstanding -= 1
             num_bytes = request.num_computed_tokens * replica.scheduler.kv.kv_bytes_per_token

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,10 @@ class Workload:
     requests: list[Request]
     num_clipped: int = 0
     clipped_details: str = ""
+    # Closed-loop batches (arrival process closed-batches): per stream, its batches in order. Only
+    # the first batch has an arrival time; later ones have arrival_time = inf until the simulator
+    # releases each when every request of the batch before it has finished.
+    chains: list[list[list[Request]]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -124,8 +128,19 @@ def build_workload(
             t[order].tolist(), p[order].tolist(), o[order].tolist(), max_tokens[order].tolist(),
             sid[order].tolist()))
     ]
+    requests_by_row = [None] * len(requests)  # row k of the unsorted arrays -> its Request
+    for rid, k in enumerate(order.tolist()):
+        requests_by_row[k] = requests[rid]
     details = _details(spec, sid, clipped, prompt_clipped, output_clipped, capped, context_len)
-    return Workload(spec.name, requests, int(clipped.sum()), details)
+    chains = []
+    for i, stream in enumerate(spec.streams):
+        if stream.arrival.process != "closed-batches":
+            continue
+        members = sorted((sample[k], requests_by_row[k]) for k in range(len(requests_by_row)) if sid[k] == i)
+        in_order = [r for _, r in members]
+        size = stream.arrival.batch_size or len(in_order)
+        chains.append([in_order[j : j + size] for j in range(0, len(in_order), size)])
+    return Workload(spec.name, requests, int(clipped.sum()), details, chains)
 
 
 def workload_from_trace(
@@ -211,6 +226,9 @@ def _sample(
         t = arrivals.gamma(n, proc.rate * rate_scale, proc.cv, rng_arr)
     elif proc.process == "offline":
         t = arrivals.offline(n)
+    elif proc.process == "closed-batches":
+        # The first batch at the start; later ones are released by the simulator.
+        t = np.where(np.arange(n) < (proc.batch_size or n), 0.0, math.inf)
     else:
         raise ConfigError(f"{prefix}arrival.process {proc.process!r} needs a trace source")
     return t, p, o

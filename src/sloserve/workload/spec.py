@@ -37,8 +37,11 @@ from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.core.request import SLO, RequestClass
 from sloserve.workload.traces import ROLES, TRACES, _looks_like_path
 
-PROCESSES = ("poisson", "gamma", "trace", "offline")
-_PROCESS_KEYS = {"poisson": ("rate",), "gamma": ("rate", "cv"), "trace": (), "offline": ()}
+PROCESSES = ("poisson", "gamma", "trace", "offline", "closed-batches")
+# closed-batches: the stream's requests in batches of batch_size; the first arrives at start_s, each
+# next one when every request of the previous batch has finished (BROS §7.1's best-effort jobs).
+_PROCESS_KEYS = {"poisson": ("rate",), "gamma": ("rate", "cv"), "trace": (), "offline": (),
+                 "closed-batches": ("batch_size",)}
 _STREAM_KEYS = ("name", "class", "source", "arrival", "num_requests", "slo", "max_tokens",
                 "start_s")
 _SPEC_KEYS = ("name", "description", "streams")
@@ -74,11 +77,13 @@ Source = TraceSource | FixedSource | UniformSource
 
 @dataclass(frozen=True)
 class ArrivalSpec:
-    """Arrival process: ``poisson`` (rate), ``gamma`` (rate, cv), ``trace`` or ``offline``."""
+    """Arrival process: ``poisson`` (rate), ``gamma`` (rate, cv), ``trace``, ``offline`` or
+    ``closed-batches`` (batch_size)."""
 
     process: str
     rate: float | None = None
     cv: float | None = None
+    batch_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -334,7 +339,11 @@ def _parse_arrival(ctx: _Ctx, raw: Any) -> ArrivalSpec:
         if key not in raw:
             raise ctx.error(f"arrival.{key}", f"is required for process {process!r}")
         values[key] = ctx.number(raw[key], f"arrival.{key}", positive=True)
-    return ArrivalSpec(process, values.get("rate"), values.get("cv"))
+    batch_size = values.get("batch_size")
+    if batch_size is not None and batch_size != int(batch_size):
+        raise ctx.error("arrival.batch_size", f"must be a whole number, got {_show(raw['batch_size'])}")
+    return ArrivalSpec(process, values.get("rate"), values.get("cv"),
+                       None if batch_size is None else int(batch_size))
 
 
 def _parse_slo(ctx: _Ctx, raw: Any) -> SLO:
