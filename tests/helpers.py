@@ -90,6 +90,7 @@ def scheduler(name: str, capacity: int, max_model_len: int = 4096, **options) ->
         kv_bytes_per_token=524288,
         swap_space_tokens=swap,
         options=options,
+        cost_model=llama7b_cost(),
     )
 
 

@@ -187,6 +187,7 @@ def _run_one(setup: Setup, scheduler: str, set_options: dict[str, str], workload
         kv_bytes_per_token=setup.model.kv_bytes_per_token,
         swap_space_tokens=setup.swap_space_tokens,
         options=set_options,
+        cost_model=setup.cost_model,
     )
     num_prefill, num_decode = _disaggregation(o["disaggregate"], o["link_gbps"])
     decode_factory = None

@@ -13,6 +13,8 @@ from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.kv.manager import KV_MANAGERS
 from sloserve.predict import LengthPredictor, make_predictor
 from sloserve.sched.base import Scheduler
+from sloserve.cost.base import CostModel
+from sloserve.sched.bros import BrosConfig, BrosScheduler, RoundRobinScheduler
 from sloserve.sched.rank import RankConfig, RankScheduler
 from sloserve.sched.unified import UnifiedConfig, UnifiedScheduler
 
@@ -26,6 +28,7 @@ class SchedulerSpec:
     scheduler_cls: Callable[..., Scheduler]
     config_cls: type
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    needs_cost_model: bool = False  # the policy estimates batch times itself (BROS)
 
 
 SCHEDULERS: dict[str, SchedulerSpec] = {}
@@ -92,6 +95,24 @@ for _name, _by, _predictor in (("rank_org", "arrival", "none"), ("rank_i", "inpu
             dict(rank_by=_by, predictor=_predictor),
         )
     )
+register(
+    SchedulerSpec(
+        "bros",
+        "BROS: RT requests by residual time to their token deadline under a cost-model check, then BE "
+        "requests filling or replacing slack RT ones; adaptive batch size (paged KV, recompute)",
+        BrosScheduler,
+        BrosConfig,
+        needs_cost_model=True,
+    )
+)
+register(
+    SchedulerSpec(
+        "rr",
+        "BROS's RR baseline: RT and BE FCFS queues served in turn, one class per iteration",
+        RoundRobinScheduler,
+        BrosConfig,
+    )
+)
 register(
     SchedulerSpec(
         "orca",
@@ -182,11 +203,14 @@ def make_scheduler(
     kv_bytes_per_token: int = 0,
     swap_space_tokens: int = 0,
     options: Mapping[str, Any] | None = None,
+    cost_model: CostModel | None = None,
 ) -> Scheduler:
     """Build a registered scheduler over a fresh KV cache of ``kv_capacity_tokens`` token slots."""
     spec = get_spec(name)
     config = build_config(name, options)
     config.resolve(max_model_len)
+    if spec.needs_cost_model and cost_model is None:
+        raise ConfigError(f"scheduler {name} estimates batch times and needs a cost model")
     if config.kv_manager not in KV_MANAGERS:
         raise UnknownNameError("KV manager", config.kv_manager, list(KV_MANAGERS))
     if kv_capacity_tokens < config.block_size:
@@ -199,7 +223,8 @@ def make_scheduler(
         kv_bytes_per_token=kv_bytes_per_token,
         num_cpu_blocks=swap_space_tokens // config.block_size,
     )
-    scheduler = spec.scheduler_cls(kv, config, _predictor(config))
+    extra = {"cost_model": cost_model} if spec.needs_cost_model else {}
+    scheduler = spec.scheduler_cls(kv, config, _predictor(config), **extra)
     scheduler.name = name
     return scheduler
 

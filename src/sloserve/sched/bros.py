@@ -1,0 +1,302 @@
+"""BROS (papers/bros.md): real-time (RT) and best-effort (BE) requests on one GPU.
+
+Each step picks a subset of the requests that hold KV ("pending") and of the waiting ones; the rest
+wait. Prompts are processed whole; decodes take one token. KV is paged; a request that must give
+up its blocks is evicted by recompute (the paper's "No Bi-cache" configuration, §7.3).
+# TODO(next slice): bidirectional blocks and lazy checkpointing (§5) as a KV manager.
+
+BROS's formulas were lost in the text; they are rebuilt here from the prose of §4:
+    (2)-(5) iteration time: the cost model on the batch's shape (prefill and decode parts summed)
+    (6)     the estimate may not exceed the residual time of the most urgent RT request
+    (7)     at most B requests per batch, B from the adaptive batch size
+    (8)     enough free (or preemptible) blocks for every scheduled request
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+from sloserve.core.errors import ConfigError
+from sloserve.core.outputs import PreemptionMode, ScheduledChunk, SchedulerOutput
+from sloserve.core.request import Request, RequestClass, RequestStatus
+from sloserve.cost.base import BatchShape, CostModel
+from sloserve.kv.manager import KVCacheManager
+from sloserve.predict import LengthPredictor
+from sloserve.sched.base import Scheduler
+
+
+@dataclass
+class BrosConfig:
+    """Knobs of the BROS scheduler and its RR baseline. Validated by ``resolve``."""
+
+    initial_batch_size: int = 8  # B_0: the conservative start and the reset value (TCP-like)
+    batch_size_step: int = 4  # additive increase per step without an estimated violation
+    max_batch_size: int = 256
+    max_num_batched_tokens: int | None = None  # prompt tokens per batch (None: max(model length, 2048))
+    # An RT request in the batch may give its place to a BE request when its residual time exceeds
+    # this many estimated iterations (it can still run in the next one).
+    replace_slack_iterations: float = 2.0
+    default_ttft_s: float = 0.4  # SLOs for RT requests without their own (BROS §7.1)
+    default_tpot_s: float = 0.2
+    block_size: int = 16
+    kv_manager: str = "paged"
+    watermark: float = 0.0
+
+    def resolve(self, max_model_len: int) -> None:
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(max_model_len, 2048)
+        if not 1 <= self.initial_batch_size <= self.max_batch_size:
+            raise ConfigError(
+                f"batch size range needs 1 <= initial_batch_size <= max_batch_size, got "
+                f"{self.initial_batch_size} > {self.max_batch_size}"
+                if self.initial_batch_size > self.max_batch_size
+                else f"initial_batch_size must be >= 1, got {self.initial_batch_size}"
+            )
+        if self.batch_size_step < 0:
+            raise ConfigError(f"batch_size_step must be >= 0, got {self.batch_size_step}")
+        if self.max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below the model length "
+                f"{max_model_len}: prompts are processed whole"
+            )
+        for name in ("default_ttft_s", "default_tpot_s", "replace_slack_iterations"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.kv_manager != "paged":
+            raise ConfigError(f"BROS schedulers use kv_manager=paged, got {self.kv_manager!r}")
+
+
+class SubsetScheduler(Scheduler):
+    """Common mechanics of policies that run a chosen subset each step (no decode cohort)."""
+
+    def __init__(self, kv: KVCacheManager, config: BrosConfig, predictor: LengthPredictor | None = None,
+                 cost_model: CostModel | None = None) -> None:
+        super().__init__(kv, predictor)
+        self.config = config
+        self.cost_model = cost_model
+        self._budget = config.max_num_batched_tokens or 0
+        self._batch_blocks = 0  # new blocks the batch being built needs
+        self._batch_prompt_tokens = 0
+
+    def on_token_emitted(self, request: Request) -> None:
+        """Decodes stay explicit: the policy picks who runs every step."""
+
+    def deadline(self, request: Request) -> float:
+        """When the RT request's next token is due: arrival + TTFT for the first, last token + TPOT
+        after (BROS's token latency SLOs)."""
+        slo = request.slo
+        if math.isnan(request.first_token_time):
+            return request.arrival_time + (slo.ttft_s or self.config.default_ttft_s)
+        return request.last_token_time + (slo.tpot_s or self.config.default_tpot_s)
+
+    def _tokens_needed(self, request: Request) -> int:
+        return request.num_tokens if request.status is RequestStatus.WAITING else request.num_computed_tokens + 1
+
+    def _blocks(self, request: Request) -> int:
+        return self.kv.blocks_needed(request, self._tokens_needed(request))
+
+    def _fits(self, request: Request) -> bool:
+        """(8): the request's new blocks fit beside those of the batch being built."""
+        return self._blocks(request) + self._batch_blocks <= self.kv.num_free_blocks
+
+    def _add(self, batch: list[Request], request: Request) -> None:
+        batch.append(request)
+        self._batch_blocks += self._blocks(request)
+        if request.status is RequestStatus.WAITING:
+            self._batch_prompt_tokens += request.num_tokens
+
+    def _remove(self, batch: list[Request], request: Request) -> None:
+        batch.remove(request)
+        self._batch_blocks -= self._blocks(request)
+        if request.status is RequestStatus.WAITING:
+            self._batch_prompt_tokens -= request.num_tokens
+
+    def _prompt_fits(self, request: Request) -> bool:
+        return request.status is not RequestStatus.WAITING or self._batch_prompt_tokens + request.num_tokens <= self._budget
+
+    def _start_batch(self) -> list[Request]:
+        self._batch_blocks = 0
+        self._batch_prompt_tokens = 0
+        return []
+
+    def _take(self, request: Request, out: SchedulerOutput) -> None:
+        """Put ``request`` in the batch: allocate its slots, admit it if waiting, add its chunk."""
+        tokens = self._tokens_needed(request)
+        assert self.kv.allocate_slots(request, tokens)
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+            self._admit(request)
+        out.chunks.append(ScheduledChunk(request, request.num_tokens_to_process))
+
+    def _evict(self, request: Request, out: SchedulerOutput) -> None:
+        self._preempt(request, PreemptionMode.RECOMPUTE, out)
+
+
+class BrosScheduler(SubsetScheduler):
+    """Priority packing (BROS §4.2, Algorithm 1) with the adaptive batch size."""
+
+    name = "bros"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.cost_model is None:
+            raise ConfigError("the bros scheduler needs a cost model for its iteration-time estimate")
+        self.batch_size = self.config.initial_batch_size  # B
+        self.last_estimate_s = 0.0  # for tests and metrics
+        self.last_residual_s = math.inf
+
+    def _rt_in_priority_order(self):
+        """RT requests by ascending residual time. Waiting ones are in arrival order, which is
+        deadline order when they share a TTFT SLO, so only the pending ones are sorted and the two
+        are merged (§4.2, request pulling optimization)."""
+        pending = sorted((r for r in self.running if r.request_class is RequestClass.RT), key=self.deadline)
+        waiting = [r for r in self.waiting if r.request_class is RequestClass.RT]
+        if any(self.deadline(a) > self.deadline(b) for a, b in zip(waiting, waiting[1:])):
+            waiting.sort(key=self.deadline)  # mixed TTFT SLOs: no free order to rely on
+        return heapq.merge(pending, waiting, key=self.deadline)
+
+    @staticmethod
+    def _contribution(r: Request) -> tuple[int, int, int, int, int]:
+        """(decodes, decode KV, prefills, prefill tokens, prefill attention work) of one request."""
+        if r.status is RequestStatus.WAITING:
+            c = r.num_tokens
+            return 0, 0, 1, c, c * c
+        return 1, r.num_computed_tokens, 0, 0, 0
+
+    def _estimate(self, batch: list[Request], extra: Request | None = None) -> float:
+        """(2)-(5): the cost model's time for ``batch`` (plus ``extra``); the batch's sums are
+        kept in ``self._sums`` as requests are added, so this is O(1)."""
+        assert len(batch) == self._sums_len, "batch changed outside _add/_remove"
+        sums = self._sums if extra is None else [a + b for a, b in zip(self._sums, self._contribution(extra))]
+        d, kv, p, tokens, work = sums
+        return self.cost_model.batch_time(BatchShape(d, kv, p, tokens, work, 0)).total_s
+
+    def _add(self, batch: list[Request], request: Request) -> None:
+        super()._add(batch, request)
+        self._sums = [a + b for a, b in zip(self._sums, self._contribution(request))]
+        self._sums_len = len(batch)
+
+    def _remove(self, batch: list[Request], request: Request) -> None:
+        super()._remove(batch, request)
+        self._sums = [a - b for a, b in zip(self._sums, self._contribution(request))]
+        self._sums_len = len(batch)
+
+    def _start_batch(self) -> list[Request]:
+        self._sums, self._sums_len = [0] * 5, 0
+        return super()._start_batch()
+
+    def _make_room(self, request: Request, batch: list[Request], out: SchedulerOutput) -> bool:
+        """(8) for an RT request: free blocks, else evict BE requests outside the batch (the one
+        holding the most blocks first), else progressively drop RT requests outside the batch
+        with the most remaining time."""
+        while not self._fits(request):
+            outside = [r for r in self.running if r not in batch and r is not request]
+            be = [r for r in outside if r.request_class is RequestClass.BE]
+            if be:
+                self._evict(max(be, key=self.kv.num_slots), out)
+                continue
+            rt = [r for r in outside if self.deadline(r) > self.deadline(request)]
+            if not rt:
+                return False
+            self._evict(max(rt, key=self.deadline), out)
+        return True
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        cfg = self.config
+        batch = self._start_batch()
+        violated = False
+        residual = math.inf
+        for r in self._rt_in_priority_order():  # Algorithm 1, RT phase
+            if len(batch) >= self.batch_size:  # (7)
+                break
+            if not self._prompt_fits(r):
+                continue
+            # (6) protects the most urgent RT request that can still meet its deadline; requests
+            # already past theirs go first but cannot bound the batch.
+            own = self.deadline(r) - now
+            estimate = self._estimate(batch, r)
+            if residual == math.inf and own >= estimate:
+                residual = own
+            if batch and estimate > residual:
+                violated = True
+                break
+            if not self._make_room(r, batch, out):  # (8)
+                break
+            self._add(batch, r)
+        if batch and self._estimate(batch) > residual:
+            violated = True  # even the most urgent request alone misses its deadline
+        # BE phase: fewest checkpointed slots first (none here: pending ones first), then arrival.
+        be = [r for r in self.running if r.request_class is RequestClass.BE]
+        be += [r for r in self.waiting if r.request_class is RequestClass.BE]
+        for r in be:
+            if not self._prompt_fits(r) or not self._fits(r):  # BE takes free blocks only
+                continue
+            if len(batch) < self.batch_size:
+                if residual == math.inf or self._estimate(batch, r) <= residual:
+                    self._add(batch, r)
+                continue
+            # Replace the least urgent RT request in the batch if it can afford to wait a step.
+            rts = [x for x in batch if x.request_class is RequestClass.RT]
+            if len(rts) < 2:
+                break
+            least = max(rts, key=self.deadline)
+            if self.deadline(least) - now <= cfg.replace_slack_iterations * self._estimate(batch):
+                break
+            self._remove(batch, least)
+            if self._fits(r) and (residual == math.inf or self._estimate(batch, r) <= residual):  # (8), (6)
+                self._add(batch, r)
+            else:
+                self._add(batch, least)
+        self.last_estimate_s = self._estimate(batch) if batch else 0.0
+        self.last_residual_s = residual
+        # Adaptive batch size (TCP-like): reset on an estimated violation, grow otherwise.
+        if violated:
+            self.batch_size = cfg.initial_batch_size
+        else:
+            self.batch_size = min(self.batch_size + cfg.batch_size_step, cfg.max_batch_size)
+        for r in batch:
+            self._take(r, out)
+        return out
+
+
+class RoundRobinScheduler(SubsetScheduler):
+    """BROS's RR baseline (§2.2): RT and BE FCFS queues served in turn, one class per iteration."""
+
+    name = "rr"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._serve_rt = True
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        classes = [RequestClass.RT, RequestClass.BE] if self._serve_rt else [RequestClass.BE, RequestClass.RT]
+        for cls in classes:  # the class whose turn it is; the other if it has nothing to run
+            batch = self._fcfs_batch(cls, out)
+            if batch:
+                self._serve_rt = cls is RequestClass.BE
+                for r in batch:
+                    self._take(r, out)
+                break
+        return out
+
+    def _fcfs_batch(self, cls: RequestClass, out: SchedulerOutput) -> list[Request]:
+        batch = self._start_batch()
+        candidates = [r for r in self.running if r.request_class is cls]
+        candidates += [r for r in self.waiting if r.request_class is cls]
+        for r in candidates:
+            if len(batch) >= self.config.max_batch_size or not self._prompt_fits(r):
+                break
+            while not self._fits(r) and r.status is RequestStatus.RUNNING:
+                # vLLM-style: evict the latest-admitted request outside the batch (recompute).
+                victims = [x for x in self.running if x not in batch and x is not r]
+                if not victims:
+                    break
+                self._evict(victims[-1], out)
+            if not self._fits(r):
+                break
+            self._add(batch, r)
+        return batch

@@ -1,0 +1,102 @@
+"""BROS (papers/bros.md): priority packing under a cost-model check, adaptive batch size, RR."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from helpers import Driver, llama7b_cost, scheduler
+from sloserve.core.errors import ConfigError
+from sloserve.core.request import SLO, Request, RequestClass, RequestStatus
+from sloserve.sched.bros import BrosScheduler
+
+
+def mixed(num_rt: int, num_be: int, rt_gap: float = 0.05, ttft: float = 0.4, tpot: float = 0.2) -> list[Request]:
+    reqs = []
+    for i in range(num_be):
+        reqs.append(Request(request_id=i, arrival_time=0.0, num_prompt_tokens=600 + 20 * (i % 10),
+                            true_output_tokens=60 + i % 40, max_tokens=200, request_class=RequestClass.BE))
+    for j in range(num_rt):
+        reqs.append(Request(request_id=num_be + j, arrival_time=0.01 + rt_gap * j, num_prompt_tokens=100 + 37 * (j % 9),
+                            true_output_tokens=30 + 7 * (j % 11), max_tokens=200, request_class=RequestClass.RT,
+                            slo=SLO(ttft_s=ttft, tpot_s=tpot)))
+    return reqs
+
+
+class Recording(Driver):
+    """Also records, per step, BROS's estimate, the residual it respected and the batch size."""
+
+    def step(self):
+        out = super().step()
+        s = self.scheduler
+        self.packed = getattr(self, "packed", [])
+        self.packed.append((s.last_estimate_s, s.last_residual_s, len(out.chunks), s.batch_size))
+        return out
+
+
+def test_packer_respects_the_most_urgent_residual_time():
+    reqs = mixed(num_rt=60, num_be=40)
+    drv = Recording(scheduler("bros", 30_000))
+    drv.run(reqs)
+    assert all(r.status is RequestStatus.FINISHED and r.num_output_tokens == r.true_output_tokens for r in reqs)
+    constrained = [(est, res, n) for est, res, n, _ in drv.packed if res < math.inf]
+    assert constrained, "RT deadlines constrained some batches"
+    for est, res, n in constrained:
+        assert est <= res or n == 1, (est, res, n)  # a smaller batch would fit: never exceeded
+
+
+def test_rt_requests_go_first_and_be_requests_fill_in():
+    reqs = mixed(num_rt=30, num_be=40)
+    Driver(scheduler("bros", 30_000)).run(reqs)
+    rt = [r for r in reqs if r.request_class is RequestClass.RT]
+    be = [r for r in reqs if r.request_class is RequestClass.BE]
+    ttft_rt = sum(r.first_token_time - r.arrival_time for r in rt) / len(rt)
+    assert ttft_rt < 0.4  # the TTFT SLO holds on average though 40 BE prompts arrived first
+    assert all(r.num_output_tokens == r.true_output_tokens for r in be)
+
+
+def test_adaptive_batch_size_grows_without_rt_pressure_and_resets_on_a_violation():
+    sched = scheduler("bros", 60_000, initial_batch_size=4, batch_size_step=4, max_batch_size=32)
+    drv = Recording(sched)
+    be_only = mixed(num_rt=0, num_be=40)
+    drv.run(be_only)
+    sizes = [b for *_, b in drv.packed]
+    assert sizes[:4] == [8, 12, 16, 20] and max(sizes) == 32  # additive increase up to the cap
+    # Tight but feasible SLOs: one prompt fits the most urgent deadline, several do not, so the
+    # estimate would violate it and the batch size goes back to the start.
+    sched2 = scheduler("bros", 60_000, initial_batch_size=4, batch_size_step=4, max_batch_size=32)
+    drv2 = Recording(sched2)
+    urgent = mixed(num_rt=8, num_be=40, rt_gap=0.0, ttft=0.06, tpot=0.06)
+    drv2.run(urgent)
+    sizes = [b for *_, b in drv2.packed]
+    assert 4 in sizes[1:] and max(sizes) > 4
+
+
+def test_rr_alternates_classes():
+    reqs = mixed(num_rt=20, num_be=20, rt_gap=0.0)
+    drv = Driver(scheduler("rr", 60_000))
+    drv.run(reqs)
+    kinds = []
+    by_id = {r.request_id: r for r in reqs}
+    for step in drv.log:
+        classes = {by_id[rid].request_class for rid, _ in step.chunks}
+        assert len(classes) == 1, "one class per iteration"
+        kinds.append(classes.pop())
+    both = [i for i in range(len(kinds) - 1) if kinds[i] != kinds[i + 1]]
+    assert len(both) > 10  # they take turns while both have work
+    assert all(r.num_output_tokens == r.true_output_tokens for r in reqs)
+
+
+def test_bros_bad_configuration():
+    with pytest.raises(ConfigError, match="initial_batch_size <= max_batch_size, got 64 > 32"):
+        scheduler("bros", 10_000, initial_batch_size=64, max_batch_size=32)
+    with pytest.raises(ConfigError, match="default_ttft_s must be > 0"):
+        scheduler("bros", 10_000, default_ttft_s=0)
+    with pytest.raises(ValueError, match="SLO ttft_s must be > 0"):
+        SLO(ttft_s=-1)
+    from sloserve.sched import make_scheduler
+
+    with pytest.raises(ConfigError, match="needs a cost model"):
+        make_scheduler("bros", kv_capacity_tokens=10_000, max_model_len=4096)
+    assert isinstance(scheduler("bros", 10_000), BrosScheduler) and llama7b_cost() is not None
