@@ -100,3 +100,33 @@ def test_bros_bad_configuration():
     with pytest.raises(ConfigError, match="needs a cost model"):
         make_scheduler("bros", kv_capacity_tokens=10_000, max_model_len=4096)
     assert isinstance(scheduler("bros", 10_000), BrosScheduler) and llama7b_cost() is not None
+
+
+def test_vllm_priority_admits_rt_before_earlier_be():
+    reqs = mixed(num_rt=6, num_be=30, rt_gap=0.0)
+    for r in reqs:
+        if r.request_class is RequestClass.RT:
+            r.arrival_time = 0.0  # all queued together; BE requests have lower ids (arrived "first")
+    drv = Driver(scheduler("vllm_priority", 8_000, max_num_seqs=8))
+    drv.run(reqs)
+    first_batch = [rid for rid, _ in drv.log[0].chunks]
+    rt_ids = {r.request_id for r in reqs if r.request_class is RequestClass.RT}
+    assert set(first_batch[:6]) == rt_ids
+    assert all(r.num_output_tokens == r.true_output_tokens for r in reqs)
+
+
+def test_rt_rate_flag_and_bros_workload(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "sloserve.cli", "compare", "--workload", "bros-sharegpt", "--rt-rate", "3",
+         "--num-requests", "240", "--schedulers", "bros,rr,vllm_priority", "--model", "opt-13b", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    summaries = json.loads(proc.stdout)
+    for s in summaries.values():
+        assert set(s["classes"]) == {"rt", "be"}
+        assert s["classes"]["rt"]["completed"] + s["classes"]["be"]["completed"] == s["completed"] == 240

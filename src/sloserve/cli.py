@@ -56,6 +56,7 @@ def _workload_options(fn: Callable) -> Callable:
         click.option("--slo-ttft", type=float, help="TTFT SLO in seconds for --trace requests."),
         click.option("--slo-tpot", type=float, help="TPOT SLO in seconds for --trace requests."),
         click.option("--slo-jct", type=float, help="JCT SLO in seconds for --trace requests."),
+        click.option("--rt-rate", type=float, help="With --workload: the rate of its Poisson/gamma RT streams."),
         click.option("--seed", type=int, default=0, show_default=True),
     ]
     for option in reversed(options):
@@ -106,9 +107,12 @@ class Setup:
         if o["workload"]:
             if o["trace"]:
                 raise ConfigError("give --trace or --workload, not both")
-            if rate is not None or o["rate"] is not None:
-                raise ConfigError("--rate and --rates apply to --trace; a workload spec sets its own rates")
+            if o["rate"] is not None:
+                raise ConfigError("--rate applies to --trace; use --rt-rate to set a workload's RT rate")
             spec = load_workload_spec(o["workload"])
+            rt_rate = rate if rate is not None else o["rt_rate"]  # a sweep's rates are RT rates
+            if rt_rate is not None:
+                spec = _with_rt_rate(spec, rt_rate)
             return build_workload(spec, seed=o["seed"], context_len=context_len, num_requests=o["num_requests"])
         if not o["trace"]:
             raise ConfigError("give --trace NAME|PATH or --workload SPEC")
@@ -126,6 +130,23 @@ class Setup:
             max_tokens=o["max_tokens"],
             columns=_parse_columns(o["columns"]),
         )
+
+
+def _with_rt_rate(spec, rate: float):
+    """``spec`` with every Poisson or gamma RT stream at ``rate`` requests/s."""
+    from sloserve.core.request import RequestClass
+
+    if not rate > 0:
+        raise ConfigError(f"--rt-rate must be > 0, got {rate}")
+    streams = [
+        dataclasses.replace(s, arrival=dataclasses.replace(s.arrival, rate=rate))
+        if s.request_class is RequestClass.RT and s.arrival.process in ("poisson", "gamma")
+        else s
+        for s in spec.streams
+    ]
+    if streams == list(spec.streams):
+        raise ConfigError(f"--rt-rate: workload {spec.name!r} has no Poisson or gamma RT stream")
+    return dataclasses.replace(spec, streams=streams)
 
 
 def _parse_columns(text: str | None) -> dict[str, str] | None:

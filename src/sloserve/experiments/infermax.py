@@ -328,3 +328,12 @@ EXPERIMENTS: dict[str, Callable[..., tuple[list[dict], list[str]]]] = {
     "infermax-fig15": fig15,
     "infermax-sec6": sec6,
 }
+
+
+def _register_bros() -> None:
+    from sloserve.experiments import bros
+
+    EXPERIMENTS["bros-fig10"] = bros.fig10
+
+
+_register_bros()

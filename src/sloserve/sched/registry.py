@@ -97,6 +97,16 @@ for _name, _by, _predictor in (("rank_org", "arrival", "none"), ("rank_i", "inpu
     )
 register(
     SchedulerSpec(
+        "vllm_priority",
+        "vLLM with priority (BROS's baseline): real-time requests admitted before best-effort ones, "
+        "best-effort ones evicted first",
+        UnifiedScheduler,
+        UnifiedConfig,
+        dict(_VLLM, class_priority=True),
+    )
+)
+register(
+    SchedulerSpec(
         "bros",
         "BROS: RT requests by residual time to their token deadline under a cost-model check, then BE "
         "requests filling or replacing slack RT ones; adaptive batch size (paged KV, recompute)",

@@ -21,7 +21,7 @@ import numpy as np
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import PreemptionMode, ScheduledChunk, SchedulerOutput
-from sloserve.core.request import Request
+from sloserve.core.request import Request, RequestClass
 from sloserve.kv.manager import ExactReservationKVManager, KVCacheManager
 from sloserve.predict import LengthPredictor
 from sloserve.sched.base import Scheduler
@@ -55,6 +55,9 @@ class UnifiedConfig:
     # Disaggregated serving (DistServe): a prefill replica hands each request off after its first
     # token; a decode replica admits requests that arrive with their KV.
     role: Literal["colocated", "prefill", "decode"] = "colocated"
+    # Real-time requests before best-effort ones: admitted first, evicted last (BROS's "vLLM with
+    # priority" baseline).
+    class_priority: bool = False
 
     def resolve(self, max_model_len: int) -> None:
         """Fill defaults that depend on the model and check every knob."""
@@ -164,6 +167,10 @@ class UnifiedScheduler(Scheduler):
 
     def _victim(self) -> Request:
         """The running request to evict (4)."""
+        if self.config.class_priority:
+            best_effort = [r for r in self.running if r.request_class is RequestClass.BE]
+            if best_effort:
+                return best_effort[-1]
         if self.config.eviction_victim == "shortest":
             # Least KV held; among equals the latest admitted. O(running), and evictions are rare.
             return min(reversed(self.running), key=lambda r: r.num_computed_tokens)
@@ -236,6 +243,8 @@ class UnifiedScheduler(Scheduler):
         kv, cfg = self.kv, self.config
         while self.waiting and len(self.running) < cfg.max_num_seqs:
             request = self.waiting[0]
+            if cfg.class_priority and request.request_class is not RequestClass.RT:
+                request = next((r for r in self.waiting if r.request_class is RequestClass.RT), request)
             tokens = request.num_tokens_to_process
             room = self._prefill_room(out, reserved)
             num_tokens = min(tokens, room) if cfg.chunked_prefill else tokens
@@ -246,7 +255,10 @@ class UnifiedScheduler(Scheduler):
             if not kv.can_allocate(request, must_fit, self._watermark_blocks):
                 break
             assert kv.allocate_slots(request, hold)
-            self.waiting.popleft()
+            if request is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(request)
             self._admit(request)
             self._add_chunk(out, request, num_tokens)
 
