@@ -100,7 +100,7 @@ class Setup:
 
     def make_workload(self, rate: float | None = None):
         """The workload, with ``rate`` overriding --rate (for sweeps)."""
-        from sloserve.workload import build_workload, load_workload_spec, workload_from_trace
+        from sloserve.workload import build_workload, load_workload_spec, with_rt_rate, workload_from_trace
 
         o = self.options
         context_len = self.model.max_context_len
@@ -112,7 +112,7 @@ class Setup:
             spec = load_workload_spec(o["workload"])
             rt_rate = rate if rate is not None else o["rt_rate"]  # a sweep's rates are RT rates
             if rt_rate is not None:
-                spec = _with_rt_rate(spec, rt_rate)
+                spec = with_rt_rate(spec, rt_rate)
             return build_workload(spec, seed=o["seed"], context_len=context_len, num_requests=o["num_requests"])
         if not o["trace"]:
             raise ConfigError("give --trace NAME|PATH or --workload SPEC")
@@ -130,23 +130,6 @@ class Setup:
             max_tokens=o["max_tokens"],
             columns=_parse_columns(o["columns"]),
         )
-
-
-def _with_rt_rate(spec, rate: float):
-    """``spec`` with every Poisson or gamma RT stream at ``rate`` requests/s."""
-    from sloserve.core.request import RequestClass
-
-    if not rate > 0:
-        raise ConfigError(f"--rt-rate must be > 0, got {rate}")
-    streams = [
-        dataclasses.replace(s, arrival=dataclasses.replace(s.arrival, rate=rate))
-        if s.request_class is RequestClass.RT and s.arrival.process in ("poisson", "gamma")
-        else s
-        for s in spec.streams
-    ]
-    if streams == list(spec.streams):
-        raise ConfigError(f"--rt-rate: workload {spec.name!r} has no Poisson or gamma RT stream")
-    return dataclasses.replace(spec, streams=streams)
 
 
 def _parse_columns(text: str | None) -> dict[str, str] | None:

@@ -7,7 +7,6 @@ TTFT / TPOT SLOs of 0.4 s / 0.2 s, BE requests in closed-loop batches (workload 
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from sloserve.core.request import RequestClass
@@ -15,22 +14,16 @@ from sloserve.cost import build_cost_model, get_gpu, get_model, kv_capacity_toke
 from sloserve.experiments.infermax import plot_grid, write_csv
 from sloserve.sched import make_scheduler
 from sloserve.sim import simulate
-from sloserve.workload import build_workload, load_workload_spec
+from sloserve.workload import build_workload, load_workload_spec, with_rt_rate
 
 SCHEDULERS = ("bros", "rr", "vllm", "vllm_priority")
-
-
-def _rt_rate(spec, rate: float):
-    streams = [dataclasses.replace(s, arrival=dataclasses.replace(s.arrival, rate=rate))
-               if s.request_class is RequestClass.RT else s for s in spec.streams]
-    return dataclasses.replace(spec, streams=streams)
 
 
 def run_hybrid(name: str, rate: float, num_requests: int, workload: str = "bros-sharegpt") -> dict:
     model, gpu = get_model("opt-13b"), get_gpu("a100-40gb")
     cost = build_cost_model(model, gpu, num_gpus=2)
     capacity = kv_capacity_tokens(model, gpu, num_gpus=2)
-    built = build_workload(_rt_rate(load_workload_spec(workload), rate), seed=0,
+    built = build_workload(with_rt_rate(load_workload_spec(workload), rate), seed=0,
                            context_len=model.max_context_len, num_requests=num_requests)
     factory = lambda: make_scheduler(name, kv_capacity_tokens=capacity, max_model_len=model.max_context_len,  # noqa: E731
                                      cost_model=cost)

@@ -23,6 +23,7 @@ from sloserve.workload.spec import (
     list_workloads,
     load_workload_spec,
     parse_workload_spec,
+    with_rt_rate,
 )
 from sloserve.workload.traces import TRACES, TraceData, TraceInfo, load_trace, trace_summary
 
@@ -49,5 +50,6 @@ __all__ = [
     "synthetic_workload",
     "trace_replay",
     "trace_summary",
+    "with_rt_rate",
     "workload_from_trace",
 ]

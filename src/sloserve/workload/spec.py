@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -354,3 +354,18 @@ def _parse_slo(ctx: _Ctx, raw: Any) -> SLO:
     values = {k: None if raw.get(k) is None else ctx.number(raw[k], f"slo.{k}", positive=True)
               for k in _SLO_KEYS}
     return SLO(**values)
+
+
+def with_rt_rate(spec: WorkloadSpec, rate: float) -> WorkloadSpec:
+    """``spec`` with every Poisson or gamma real-time stream at ``rate`` requests/s."""
+    if not rate > 0:
+        raise ConfigError(f"RT rate must be > 0, got {rate}")
+    streams = [
+        replace(s, arrival=replace(s.arrival, rate=rate))
+        if s.request_class is RequestClass.RT and s.arrival.process in ("poisson", "gamma")
+        else s
+        for s in spec.streams
+    ]
+    if streams == list(spec.streams):
+        raise ConfigError(f"workload {spec.name!r} has no Poisson or gamma RT stream to set the rate of")
+    return replace(spec, streams=streams)
