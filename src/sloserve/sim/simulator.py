@@ -246,13 +246,13 @@ def simulate(
     chained = {id(r) for chain in chains for batch in chain[1:] for r in batch}
     pending = [(r.arrival_time, r.request_id, r) for r in requests if id(r) not in chained]
     heapq.heapify(pending)
-    next_batch: dict[int, tuple[int, int]] = {}  # id(request) -> (chain, index of the batch it is in)
+    batch_of: dict[int, tuple[int, int]] = {}  # id(request) -> (chain, index of the batch it is in)
     left_in_batch: dict[tuple[int, int], int] = {}
     for c, chain in enumerate(chains):
         for b, batch in enumerate(chain):
             left_in_batch[(c, b)] = len(batch)
             for r in batch:
-                next_batch[id(r)] = (c, b)
+                batch_of[id(r)] = (c, b)
     route = ROUTERS[router]
     # KV transfers in flight: (time the KV has arrived, sequence, request).
     transfers: list[tuple[float, int, Request]] = []
@@ -283,7 +283,7 @@ def simulate(
         completed += len(finished)
         steps += 1
         for request in finished if chains else ():
-            key = next_batch.get(id(request))
+            key = batch_of.get(id(request))
             if key is None:
                 continue
             left_in_batch[key] -= 1
