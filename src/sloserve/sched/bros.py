@@ -2,8 +2,8 @@
 
 Each step picks a subset of the requests that hold KV ("pending") and of the waiting ones; the rest
 wait. Prompts are processed whole; decodes take one token. KV is paged; a request that must give
-up its blocks is evicted by recompute (the paper's "No Bi-cache" configuration, §7.3).
-# TODO(next slice): bidirectional blocks and lazy checkpointing (§5) as a KV manager.
+up its blocks is evicted by recompute (the paper's "No Bi-cache" configuration, §7.3). The
+bidirectional blocks and lazy checkpointing of §5 are not built yet.
 
 BROS's formulas were lost in the text; they are rebuilt here from the prose of §4:
     (2)-(5) iteration time: the cost model on the batch's shape (prefill and decode parts summed)
