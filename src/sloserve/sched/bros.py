@@ -84,12 +84,13 @@ class SubsetScheduler(Scheduler):
         """Decodes stay explicit: the policy picks who runs every step."""
 
     def deadline(self, request: Request) -> float:
-        """When the RT request's next token is due: arrival + TTFT for the first, last token + TPOT
-        after (BROS's token latency SLOs)."""
+        """When the RT request's next token is due: arrival + TTFT for the first; after it, the
+        k-th further token at first token + k x TPOT, so that TPOT as measured (the average gap,
+        (last - first) / (output tokens - 1)) meets its SLO."""
         slo = request.slo
         if math.isnan(request.first_token_time):
             return request.arrival_time + (slo.ttft_s or self.config.default_ttft_s)
-        return request.last_token_time + (slo.tpot_s or self.config.default_tpot_s)
+        return request.first_token_time + request.num_output_tokens * (slo.tpot_s or self.config.default_tpot_s)
 
     def _tokens_needed(self, request: Request) -> int:
         return request.num_tokens if request.status is RequestStatus.WAITING else request.num_computed_tokens + 1
