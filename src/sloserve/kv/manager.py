@@ -246,3 +246,12 @@ KV_MANAGERS: dict[str, type[KVCacheManager]] = {
     "max": MaxAllocationKVManager,
     "exact": ExactReservationKVManager,
 }
+
+
+def _register_bidirectional() -> None:
+    from sloserve.kv.bidirectional import BidirectionalKVManager
+
+    KV_MANAGERS["bidirectional"] = BidirectionalKVManager
+
+
+_register_bidirectional()

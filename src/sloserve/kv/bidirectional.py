@@ -1,0 +1,228 @@
+"""BROS §5: bidirectional KV blocks, block preemption and lazy checkpointing.
+
+Each block of S slots holds one real-time (RT) request's tokens from the left and one best-effort (BE)
+request's tokens from the right: RT token k of the block at slot ``block * S + k``, BE token k at
+``block * S + S - 1 - k``. Growth (§5.2):
+
+    RT  its last block while it has empty slots; then the BE tokens facing it in that block, which
+        are checkpointed to CPU memory (lazy checkpointing: only the overwritten slots); then a
+        free block; then a BE-only block with the most empty slots (block preemption)
+    BE  its last block while it has empty slots; then the block with the most empty slots among
+        those without a BE owner (free blocks first); BE never overwrites RT
+
+A BE request's checkpointed tokens get new slots when it runs again (``restore``). The preemption
+table records the blocks where an RT request overwrote BE slots and the two requests sharing them.
+Requests in ``protect`` (scheduled in the same step) are never overwritten.
+
+NOTE: this manager keeps an explicit token -> slot list per request (-1: checkpointed), so it costs
+O(tokens); schedulers using it schedule requests explicitly (no decode cohort).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from sloserve.core.errors import ConfigError
+from sloserve.core.outputs import BlockCopy
+from sloserve.core.request import Request, RequestClass
+from sloserve.kv.manager import KVCacheManager
+
+CHECKPOINTED = -1  # a token whose KV lives in CPU memory
+
+
+class BidirectionalKVManager(KVCacheManager):
+    name = "bidirectional"
+    periodic_growth = False
+
+    def __init__(self, num_blocks: int, block_size: int = 16, *, kv_bytes_per_token: int = 0, num_cpu_blocks: int = 0) -> None:
+        if block_size < 4:
+            raise ConfigError(f"bidirectional blocks need at least 2 slots per side: block_size {block_size} < 4")
+        super().__init__(num_blocks, block_size, kv_bytes_per_token=kv_bytes_per_token, num_cpu_blocks=num_cpu_blocks)
+        n = num_blocks
+        self.rt_owner: list[Request | None] = [None] * n
+        self.rt_fill = [0] * n  # RT tokens stored from the left
+        self.be_owner: list[Request | None] = [None] * n
+        self.be_tokens: list[list[int]] = [[] for _ in range(n)]  # BE token indices, rightmost slot first
+        self.token_slots: dict[Request, list[int]] = {}
+        self.blocks_of: dict[Request, list[int]] = {}  # blocks a request owns a side of, in order
+        self.preemption_table: dict[int, tuple[Request, Request]] = {}  # block -> (RT, BE)
+        self.checkpointed_bytes = 0  # GPU -> CPU copies made by lazy checkpointing
+        self.restored_bytes = 0  # CPU -> GPU copies made by restore
+
+    # --- accounting ------------------------------------------------------------------------------
+    def _empty(self, block: int) -> int:
+        return self.block_size - self.rt_fill[block] - len(self.be_tokens[block])
+
+    @property
+    def allocated_tokens(self) -> int:
+        return sum(self.rt_fill) + sum(len(t) for t in self.be_tokens)
+
+    def num_slots(self, request: Request) -> int:
+        """Tokens of ``request`` with a GPU slot (checkpointed ones excluded)."""
+        return sum(s != CHECKPOINTED for s in self.token_slots.get(request, ()))
+
+    def num_checkpointed(self, request: Request) -> int:
+        return sum(s == CHECKPOINTED for s in self.token_slots.get(request, ()))
+
+    def slot_ids(self, request: Request, start: int, end: int) -> list[int]:
+        slots = self.token_slots[request][start:end]
+        if len(slots) != end - start or CHECKPOINTED in slots:
+            raise IndexError(f"{request}: tokens {start}..{end - 1} are not all on the GPU")
+        return slots
+
+    def _last(self, request: Request) -> int | None:
+        blocks = self.blocks_of.get(request)
+        return blocks[-1] if blocks else None
+
+    def _be_candidates(self) -> list[int]:
+        """Blocks a BE request may start: no BE owner, and an empty slot; most empty slots first."""
+        used = [b for b in range(self.gpu.num_blocks) if self.be_owner[b] is None and self.rt_owner[b] is not None]
+        return sorted((b for b in used if self._empty(b) > 0), key=lambda b: (-self._empty(b), b))
+
+    # --- growth ------------------------------------------------------------------------------------
+    def can_allocate(self, request: Request, num_tokens: int, reserve_blocks: int = 0,
+                     protect: Collection[Request] = ()) -> bool:
+        return self._room(request, protect) >= num_tokens - len(self.token_slots.get(request, ())) + reserve_blocks * self.block_size
+
+    def _room(self, request: Request, protect: Collection[Request]) -> int:
+        """New slots ``request`` could get now."""
+        S = self.block_size
+        last = self._last(request)
+        if request.request_class is RequestClass.RT:
+            here = 0
+            if last is not None and self.rt_owner[last] is request:
+                be = self.be_owner[last]
+                here = self._empty(last) + (len(self.be_tokens[last]) if be is not None and be not in protect else 0)
+            be_only = sum(
+                1 for b in range(self.gpu.num_blocks)
+                if self.rt_owner[b] is None and self.be_owner[b] is not None and self.be_owner[b] not in protect
+            )
+            return here + S * (self.gpu.num_free + be_only)
+        here = self._empty(last) if last is not None and self.be_owner[last] is request else 0
+        return here + S * self.gpu.num_free + sum(self._empty(b) for b in self._be_candidates())
+
+    def allocate_slots(self, request: Request, num_tokens: int, protect: Collection[Request] = ()) -> bool:
+        """Grow ``request`` to ``num_tokens`` tokens with slots; all or nothing."""
+        slots = self.token_slots.setdefault(request, [])
+        need = num_tokens - len(slots)
+        if need <= 0:
+            return True
+        if self._room(request, protect) < need:
+            self.num_allocation_failures += 1
+            if not slots:
+                del self.token_slots[request]
+            return False
+        place = self._place_rt if request.request_class is RequestClass.RT else self._place_be
+        for _ in range(need):
+            slots.append(place(request, len(slots), protect))
+        return True
+
+    def _take_block(self, request: Request, block: int) -> None:
+        self.blocks_of.setdefault(request, []).append(block)
+
+    def _place_rt(self, request: Request, token: int, protect: Collection[Request]) -> int:
+        S = self.block_size
+        b = self._last(request)
+        if b is None or self.rt_owner[b] is not request or not (
+            self._empty(b) > 0 or (self.be_owner[b] is not None and self.be_owner[b] not in protect and self.be_tokens[b])
+        ):
+            fresh = self.gpu.allocate(1)
+            if fresh is not None:
+                b = fresh[0]
+            else:  # block preemption: the BE-only block with the most empty slots
+                b = max(
+                    (x for x in range(self.gpu.num_blocks)
+                     if self.rt_owner[x] is None and self.be_owner[x] is not None and self.be_owner[x] not in protect),
+                    key=lambda x: (self._empty(x), -x),
+                )
+            self.rt_owner[b] = request
+            self._take_block(request, b)
+        if self._empty(b) == 0:  # lazy checkpointing: the BE token facing us goes to CPU memory
+            be = self.be_owner[b]
+            assert be is not None
+            overwritten = self.be_tokens[b].pop()
+            self.token_slots[be][overwritten] = CHECKPOINTED
+            self.checkpointed_bytes += self.kv_bytes_per_token
+            self.preemption_table[b] = (request, be)
+            if not self.be_tokens[b]:
+                self._drop_side(be, b)
+        slot = b * S + self.rt_fill[b]
+        self.rt_fill[b] += 1
+        return slot
+
+    def _place_be(self, request: Request, token: int, protect: Collection[Request] = ()) -> int:
+        S = self.block_size
+        b = self._last(request)
+        if b is None or self.be_owner[b] is not request or self._empty(b) == 0:
+            fresh = self.gpu.allocate(1)
+            b = fresh[0] if fresh is not None else self._be_candidates()[0]
+            self.be_owner[b] = request
+            self._take_block(request, b)
+        slot = b * S + S - 1 - len(self.be_tokens[b])
+        self.be_tokens[b].append(token)
+        return slot
+
+    def restore(self, request: Request) -> bool:
+        """Give a BE request's checkpointed tokens new GPU slots (swap-in); all or nothing."""
+        slots = self.token_slots.get(request, [])
+        missing = [i for i, s in enumerate(slots) if s == CHECKPOINTED]
+        if not missing:
+            return True
+        if self._room(request, ()) < len(missing):
+            self.num_allocation_failures += 1
+            return False
+        for i in missing:
+            slots[i] = self._place_be(request, i)
+        self.restored_bytes += len(missing) * self.kv_bytes_per_token
+        return True
+
+    # --- release -----------------------------------------------------------------------------------
+    def _drop_side(self, request: Request, block: int) -> None:
+        """``request`` no longer holds tokens in ``block``."""
+        if self.rt_owner[block] is request:
+            self.rt_owner[block], self.rt_fill[block] = None, 0
+        if self.be_owner[block] is request:
+            self.be_owner[block], self.be_tokens[block] = None, []
+        self.blocks_of[request].remove(block)
+        if self.rt_owner[block] is None and self.be_owner[block] is None:
+            self.gpu.release([block])
+            self.preemption_table.pop(block, None)
+
+    def free(self, request: Request) -> None:
+        for block in list(self.blocks_of.get(request, ())):
+            self._drop_side(request, block)
+        self.blocks_of.pop(request, None)
+        self.token_slots.pop(request, None)
+        for block, pair in list(self.preemption_table.items()):
+            if request in pair:
+                del self.preemption_table[block]
+
+    def swap_out(self, request: Request) -> list[BlockCopy] | None:
+        """Whole-request swapping is not how this layout moves KV (lazy checkpointing is)."""
+        return None
+
+    # --- invariants --------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        S = self.block_size
+        seen: dict[int, Request] = {}
+        for b in range(self.gpu.num_blocks):
+            assert self.rt_fill[b] + len(self.be_tokens[b]) <= S, f"block {b} over-full"
+            assert self.rt_owner[b] is not None or self.rt_fill[b] == 0, f"block {b}: RT tokens without owner"
+            assert self.be_owner[b] is not None or not self.be_tokens[b], f"block {b}: BE tokens without owner"
+        free = set(self.gpu.free_ids())
+        for b in range(self.gpu.num_blocks):
+            assert (b in free) == (self.rt_owner[b] is None and self.be_owner[b] is None), f"block {b} free state"
+        for request, slots in self.token_slots.items():
+            rt = request.request_class is RequestClass.RT
+            for token, slot in enumerate(slots):
+                if slot == CHECKPOINTED:
+                    assert not rt, "RT tokens are never checkpointed"
+                    continue
+                assert slot not in seen, f"slot {slot} owned by {seen[slot]} and {request}"
+                seen[slot] = request
+                b, offset = divmod(slot, S)
+                if rt:
+                    assert self.rt_owner[b] is request and offset < self.rt_fill[b], (request, slot)
+                else:
+                    j = S - 1 - offset
+                    assert self.be_owner[b] is request and self.be_tokens[b][j] == token, (request, slot)

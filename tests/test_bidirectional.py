@@ -1,0 +1,91 @@
+"""BROS §5 bidirectional KV blocks: layout, block preemption, lazy checkpointing, restore."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sloserve.core.errors import ConfigError
+from sloserve.core.request import Request, RequestClass
+from sloserve.kv.bidirectional import CHECKPOINTED, BidirectionalKVManager
+
+KVB = 10  # bytes per token
+
+
+def req(i: int, cls: RequestClass) -> Request:
+    return Request(request_id=i, arrival_time=0.0, num_prompt_tokens=4, true_output_tokens=1, max_tokens=64,
+                   request_class=cls)
+
+
+def test_rt_from_the_left_be_from_the_right_never_share_a_slot():
+    kv = BidirectionalKVManager(num_blocks=1, block_size=8, kv_bytes_per_token=KVB)
+    rt, be = req(0, RequestClass.RT), req(1, RequestClass.BE)
+    assert kv.allocate_slots(be, 3)
+    assert kv.allocate_slots(rt, 5)  # the block has 5 empty slots: no checkpointing needed
+    assert kv.slot_ids(rt, 0, 5) == [0, 1, 2, 3, 4]
+    assert kv.slot_ids(be, 0, 3) == [7, 6, 5]
+    assert kv.rt_fill[0] + len(kv.be_tokens[0]) == 8 and kv.checkpointed_bytes == 0
+    kv.check_integrity()
+
+
+def test_rt_preempts_a_be_block_and_checkpoints_exactly_the_overwritten_slots():
+    kv = BidirectionalKVManager(num_blocks=1, block_size=8, kv_bytes_per_token=KVB)
+    rt, be = req(0, RequestClass.RT), req(1, RequestClass.BE)
+    assert kv.allocate_slots(be, 6)  # BE tokens 0..5 at slots 7..2
+    assert kv.allocate_slots(rt, 4)  # no free block: RT preempts the BE block; 2 empty + 2 overwritten
+    assert kv.token_slots[be] == [7, 6, 5, 4, CHECKPOINTED, CHECKPOINTED]  # its two newest tokens
+    assert kv.checkpointed_bytes == 2 * KVB
+    assert kv.preemption_table == {0: (rt, be)}
+    assert kv.num_checkpointed(be) == 2 and kv.num_slots(be) == 4
+    with pytest.raises(IndexError):
+        kv.slot_ids(be, 0, 6)
+    kv.check_integrity()
+    # The RT request finishes; the BE request resumes with all its tokens on the GPU again.
+    kv.free(rt)
+    assert kv.restore(be) and kv.restored_bytes == 2 * KVB
+    assert len(kv.slot_ids(be, 0, 6)) == 6 and kv.preemption_table == {}
+    assert kv.allocate_slots(be, 8)  # and keeps growing
+    kv.check_integrity()
+
+
+def test_protected_requests_are_not_overwritten_and_be_never_overwrites_rt():
+    kv = BidirectionalKVManager(num_blocks=1, block_size=8, kv_bytes_per_token=KVB)
+    rt, be, be2 = req(0, RequestClass.RT), req(1, RequestClass.BE), req(2, RequestClass.BE)
+    assert kv.allocate_slots(be, 8)
+    assert not kv.allocate_slots(rt, 1, protect=[be])  # be runs this step: its slots are off limits
+    assert kv.num_allocation_failures == 1 and rt not in kv.token_slots
+    assert kv.allocate_slots(rt, 8)  # everything of be overwritten
+    assert kv.num_checkpointed(be) == 8 and kv.be_owner[0] is None
+    assert not kv.allocate_slots(be2, 1)  # a full RT block: BE may not overwrite RT
+    kv.check_integrity()
+
+
+def test_block_size_must_leave_two_slots_per_side():
+    with pytest.raises(ConfigError, match="at least 2 slots per side: block_size 3 < 4"):
+        BidirectionalKVManager(num_blocks=4, block_size=3)
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["grow", "free", "restore"]), st.integers(0, 5), st.integers(1, 12)),
+               max_size=60)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, block_size=st.sampled_from([4, 8]))
+def test_invariants_under_random_operations(ops, block_size):
+    kv = BidirectionalKVManager(num_blocks=5, block_size=block_size, kv_bytes_per_token=KVB)
+    reqs = [req(i, RequestClass.RT if i % 2 == 0 else RequestClass.BE) for i in range(6)]
+    for op, i, n in ops:
+        r = reqs[i]
+        if op == "grow":
+            before = list(kv.token_slots.get(r, []))
+            if not kv.allocate_slots(r, len(before) + n):
+                assert kv.token_slots.get(r, []) == before  # all or nothing
+        elif op == "free":
+            kv.free(r)
+        elif op == "restore" and r in kv.token_slots:
+            if kv.restore(r):
+                assert kv.num_checkpointed(r) == 0
+        kv.check_integrity()
+        for b in range(kv.gpu.num_blocks):
+            assert kv.rt_fill[b] + len(kv.be_tokens[b]) <= block_size
