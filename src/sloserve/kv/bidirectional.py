@@ -48,6 +48,36 @@ class BidirectionalKVManager(KVCacheManager):
         self.preemption_table: dict[int, tuple[Request, Request]] = {}  # block -> (RT, BE)
         self.checkpointed_bytes = 0  # GPU -> CPU copies made by lazy checkpointing
         self.restored_bytes = 0  # CPU -> GPU copies made by restore
+        # Running aggregates so room checks need no scan (kept by _update after every change):
+        # RT-only blocks and their empty slots (where BE requests may start), BE-only blocks per
+        # owner (what RT requests may preempt).
+        self._rt_only: dict[int, int] = {}  # block -> empty slots
+        self._rt_only_empty = 0
+        self._be_only: dict[int, Request] = {}  # block -> BE owner
+        self._be_only_by_owner: dict[Request, int] = {}
+        self._be_only_by_empty: list[set[int]] = [set() for _ in range(block_size + 1)]
+        self._checkpointed: dict[Request, int] = {}  # checkpointed tokens per BE request
+        self._used_slots = 0
+
+    # --- aggregates --------------------------------------------------------------------------------
+    def _update(self, block: int) -> None:
+        """Refresh ``block``'s place in the running aggregates after a change to it."""
+        if block in self._rt_only:
+            self._rt_only_empty -= self._rt_only.pop(block)
+        owner = self._be_only.pop(block, None)
+        if owner is not None:
+            self._be_only_by_owner[owner] -= 1
+            for bucket in self._be_only_by_empty:
+                bucket.discard(block)
+        rt, be = self.rt_owner[block], self.be_owner[block]
+        if rt is not None and be is None:
+            empty = self._empty(block)
+            self._rt_only[block] = empty
+            self._rt_only_empty += empty
+        elif rt is None and be is not None:
+            self._be_only[block] = be
+            self._be_only_by_owner[be] = self._be_only_by_owner.get(be, 0) + 1
+            self._be_only_by_empty[self._empty(block)].add(block)
 
     # --- accounting ------------------------------------------------------------------------------
     def _empty(self, block: int) -> int:
@@ -55,14 +85,14 @@ class BidirectionalKVManager(KVCacheManager):
 
     @property
     def allocated_tokens(self) -> int:
-        return sum(self.rt_fill) + sum(len(t) for t in self.be_tokens)
+        return self._used_slots
 
     def num_slots(self, request: Request) -> int:
         """Tokens of ``request`` with a GPU slot (checkpointed ones excluded)."""
-        return sum(s != CHECKPOINTED for s in self.token_slots.get(request, ()))
+        return len(self.token_slots.get(request, ())) - self._checkpointed.get(request, 0)
 
     def num_checkpointed(self, request: Request) -> int:
-        return sum(s == CHECKPOINTED for s in self.token_slots.get(request, ()))
+        return self._checkpointed.get(request, 0)
 
     def slot_ids(self, request: Request, start: int, end: int) -> list[int]:
         slots = self.token_slots[request][start:end]
@@ -74,32 +104,44 @@ class BidirectionalKVManager(KVCacheManager):
         blocks = self.blocks_of.get(request)
         return blocks[-1] if blocks else None
 
-    def _be_candidates(self) -> list[int]:
-        """Blocks a BE request may start: no BE owner, and an empty slot; most empty slots first."""
-        used = [b for b in range(self.gpu.num_blocks) if self.be_owner[b] is None and self.rt_owner[b] is not None]
-        return sorted((b for b in used if self._empty(b) > 0), key=lambda b: (-self._empty(b), b))
+    def _be_candidate(self) -> int:
+        """The RT-only block with the most empty slots (where a BE request starts when no block is free)."""
+        return max(self._rt_only, key=lambda b: (self._rt_only[b], -b))
 
     # --- growth ------------------------------------------------------------------------------------
     def can_allocate(self, request: Request, num_tokens: int, reserve_blocks: int = 0,
                      protect: Collection[Request] = ()) -> bool:
-        return self._room(request, protect) >= num_tokens - len(self.token_slots.get(request, ())) + reserve_blocks * self.block_size
+        need = num_tokens - len(self.token_slots.get(request, ())) + reserve_blocks * self.block_size
+        return self.has_room(request, need, protect)
 
-    def _room(self, request: Request, protect: Collection[Request]) -> int:
-        """New slots ``request`` could get now."""
+    def slots_needed(self, request: Request, num_tokens: int) -> int:
+        """New GPU slots for ``request`` to hold ``num_tokens`` tokens, restoring checkpointed ones."""
+        return max(0, num_tokens - len(self.token_slots.get(request, ()))) + self.num_checkpointed(request)
+
+    def num_tracked_tokens(self, request: Request) -> int:
+        return len(self.token_slots.get(request, ()))
+
+    def has_room(self, request: Request, need: int, protect: Collection[Request] = ()) -> bool:
+        """Whether ``request`` could get ``need`` new slots now (O(protected requests))."""
+        if need <= 0:
+            return True
         S = self.block_size
         last = self._last(request)
-        if request.request_class is RequestClass.RT:
-            here = 0
-            if last is not None and self.rt_owner[last] is request:
-                be = self.be_owner[last]
-                here = self._empty(last) + (len(self.be_tokens[last]) if be is not None and be not in protect else 0)
-            be_only = sum(
-                1 for b in range(self.gpu.num_blocks)
-                if self.rt_owner[b] is None and self.be_owner[b] is not None and self.be_owner[b] not in protect
-            )
-            return here + S * (self.gpu.num_free + be_only)
-        here = self._empty(last) if last is not None and self.be_owner[last] is request else 0
-        return here + S * self.gpu.num_free + sum(self._empty(b) for b in self._be_candidates())
+        rt = request.request_class is RequestClass.RT
+        if last is not None and (self.rt_owner[last] if rt else self.be_owner[last]) is request:
+            need -= self._empty(last)
+            be = self.be_owner[last]
+            if rt and be is not None and be not in protect:
+                need -= len(self.be_tokens[last])
+        need -= S * self.gpu.num_free
+        if need <= 0:
+            return True
+        if rt:  # block preemption: every slot of an unprotected BE-only block can be taken over
+            preemptible = len(self._be_only) - sum(self._be_only_by_owner.get(p, 0) for p in protect)
+            need -= S * preemptible
+        else:
+            need -= self._rt_only_empty
+        return need <= 0
 
     def allocate_slots(self, request: Request, num_tokens: int, protect: Collection[Request] = ()) -> bool:
         """Grow ``request`` to ``num_tokens`` tokens with slots; all or nothing."""
@@ -107,7 +149,7 @@ class BidirectionalKVManager(KVCacheManager):
         need = num_tokens - len(slots)
         if need <= 0:
             return True
-        if self._room(request, protect) < need:
+        if not self.has_room(request, need, protect):
             self.num_allocation_failures += 1
             if not slots:
                 del self.token_slots[request]
@@ -130,24 +172,29 @@ class BidirectionalKVManager(KVCacheManager):
             if fresh is not None:
                 b = fresh[0]
             else:  # block preemption: the BE-only block with the most empty slots
-                b = max(
-                    (x for x in range(self.gpu.num_blocks)
-                     if self.rt_owner[x] is None and self.be_owner[x] is not None and self.be_owner[x] not in protect),
-                    key=lambda x: (self._empty(x), -x),
+                b = next(
+                    min(x for x in bucket if self._be_only[x] not in protect)
+                    for bucket in reversed(self._be_only_by_empty)
+                    if any(self._be_only[x] not in protect for x in bucket)
                 )
             self.rt_owner[b] = request
             self._take_block(request, b)
+            self._update(b)
         if self._empty(b) == 0:  # lazy checkpointing: the BE token facing us goes to CPU memory
             be = self.be_owner[b]
             assert be is not None
             overwritten = self.be_tokens[b].pop()
             self.token_slots[be][overwritten] = CHECKPOINTED
+            self._checkpointed[be] = self._checkpointed.get(be, 0) + 1
+            self._used_slots -= 1
             self.checkpointed_bytes += self.kv_bytes_per_token
             self.preemption_table[b] = (request, be)
             if not self.be_tokens[b]:
                 self._drop_side(be, b)
         slot = b * S + self.rt_fill[b]
         self.rt_fill[b] += 1
+        self._used_slots += 1
+        self._update(b)
         return slot
 
     def _place_be(self, request: Request, token: int, protect: Collection[Request] = ()) -> int:
@@ -155,35 +202,66 @@ class BidirectionalKVManager(KVCacheManager):
         b = self._last(request)
         if b is None or self.be_owner[b] is not request or self._empty(b) == 0:
             fresh = self.gpu.allocate(1)
-            b = fresh[0] if fresh is not None else self._be_candidates()[0]
+            b = fresh[0] if fresh is not None else self._be_candidate()
             self.be_owner[b] = request
             self._take_block(request, b)
         slot = b * S + S - 1 - len(self.be_tokens[b])
         self.be_tokens[b].append(token)
+        self._used_slots += 1
+        self._update(b)
         return slot
 
     def restore(self, request: Request) -> bool:
         """Give a BE request's checkpointed tokens new GPU slots (swap-in); all or nothing."""
-        slots = self.token_slots.get(request, [])
-        missing = [i for i, s in enumerate(slots) if s == CHECKPOINTED]
-        if not missing:
+        if not self._checkpointed.get(request):
             return True
-        if self._room(request, ()) < len(missing):
+        slots = self.token_slots[request]
+        missing = [i for i, s in enumerate(slots) if s == CHECKPOINTED]
+        if not self.has_room(request, len(missing)):
             self.num_allocation_failures += 1
             return False
         for i in missing:
             slots[i] = self._place_be(request, i)
+        self._checkpointed[request] = 0
         self.restored_bytes += len(missing) * self.kv_bytes_per_token
         return True
+
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Give back the slots of ``request``'s tokens from ``num_tokens`` on (undo a growth)."""
+        S = self.block_size
+        slots = self.token_slots.get(request, [])
+        while len(slots) > num_tokens:
+            slot = slots.pop()
+            if slot == CHECKPOINTED:
+                self._checkpointed[request] -= 1
+                continue
+            self._used_slots -= 1
+            b = slot // S
+            if request.request_class is RequestClass.RT:
+                assert slot == b * S + self.rt_fill[b] - 1, "only the newest RT slot can be given back"
+                self.rt_fill[b] -= 1
+                emptied = self.rt_fill[b] == 0
+            else:
+                self.be_tokens[b].pop()
+                emptied = not self.be_tokens[b]
+            if emptied:
+                self._drop_side(request, b)
+            else:
+                self._update(b)
+        if not slots:
+            self.token_slots.pop(request, None)
 
     # --- release -----------------------------------------------------------------------------------
     def _drop_side(self, request: Request, block: int) -> None:
         """``request`` no longer holds tokens in ``block``."""
         if self.rt_owner[block] is request:
+            self._used_slots -= self.rt_fill[block]
             self.rt_owner[block], self.rt_fill[block] = None, 0
         if self.be_owner[block] is request:
+            self._used_slots -= len(self.be_tokens[block])
             self.be_owner[block], self.be_tokens[block] = None, []
         self.blocks_of[request].remove(block)
+        self._update(block)
         if self.rt_owner[block] is None and self.be_owner[block] is None:
             self.gpu.release([block])
             self.preemption_table.pop(block, None)
@@ -193,6 +271,8 @@ class BidirectionalKVManager(KVCacheManager):
             self._drop_side(request, block)
         self.blocks_of.pop(request, None)
         self.token_slots.pop(request, None)
+        self._be_only_by_owner.pop(request, None)
+        self._checkpointed.pop(request, None)
         for block, pair in list(self.preemption_table.items()):
             if request in pair:
                 del self.preemption_table[block]
@@ -209,6 +289,18 @@ class BidirectionalKVManager(KVCacheManager):
             assert self.rt_fill[b] + len(self.be_tokens[b]) <= S, f"block {b} over-full"
             assert self.rt_owner[b] is not None or self.rt_fill[b] == 0, f"block {b}: RT tokens without owner"
             assert self.be_owner[b] is not None or not self.be_tokens[b], f"block {b}: BE tokens without owner"
+        rt_only = {b: self._empty(b) for b in range(self.gpu.num_blocks)
+                   if self.rt_owner[b] is not None and self.be_owner[b] is None}
+        be_only = {b: self.be_owner[b] for b in range(self.gpu.num_blocks)
+                   if self.rt_owner[b] is None and self.be_owner[b] is not None}
+        assert self._rt_only == rt_only and self._rt_only_empty == sum(rt_only.values()), "RT-only aggregate"
+        assert self._be_only == be_only, "BE-only aggregate"
+        assert all(b in self._be_only_by_empty[self._empty(b)] for b in be_only)
+        assert sum(len(x) for x in self._be_only_by_empty) == len(be_only)
+        assert self._used_slots == sum(self.rt_fill) + sum(len(t) for t in self.be_tokens), "used slots"
+        for r, slots in self.token_slots.items():
+            assert self._checkpointed.get(r, 0) == slots.count(CHECKPOINTED), "checkpointed count"
+        assert all(self._be_only_by_owner.get(o, 0) == list(be_only.values()).count(o) for o in set(be_only.values()))
         free = set(self.gpu.free_ids())
         for b in range(self.gpu.num_blocks):
             assert (b in free) == (self.rt_owner[b] is None and self.be_owner[b] is None), f"block {b} free state"

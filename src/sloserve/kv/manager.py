@@ -87,6 +87,10 @@ class KVCacheManager:
         table = self.block_tables.get(request)
         return 0 if table is None else len(table) * self.block_size
 
+    def num_tracked_tokens(self, request: Request) -> int:
+        """Tokens of ``request`` whose KV the manager keeps (on the GPU or checkpointed)."""
+        return self.num_slots(request)
+
     def target_slots(self, request: Request, num_tokens: int) -> int:
         """Slots the manager holds for ``request`` once it needs ``num_tokens`` (policy hook)."""
         return num_tokens

@@ -180,7 +180,7 @@ class Scheduler(ABC):
         self.cohort.check_integrity()
         for r in self.running:
             assert r.status is RequestStatus.RUNNING, r
-            slots = self.cohort.granted_slots(r) if r.cohort is self.cohort else self.kv.num_slots(r)
+            slots = self.cohort.granted_slots(r) if r.cohort is self.cohort else self.kv.num_tracked_tokens(r)
             assert slots >= r.num_computed_tokens, f"{r} has KV beyond its slots"
         for r in self.cohort.members:
             assert r in self.running, f"cohort member {r} is not running"

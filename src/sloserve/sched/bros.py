@@ -2,8 +2,9 @@
 
 Each step picks a subset of the requests that hold KV ("pending") and of the waiting ones; the rest
 wait. Prompts are processed whole; decodes take one token. KV is paged; a request that must give
-up its blocks is evicted by recompute (the paper's "No Bi-cache" configuration, §7.3). The
-bidirectional blocks and lazy checkpointing of §5 are not built yet.
+up its blocks is evicted by recompute. With ``kv_manager=bidirectional`` (the ``bros`` preset) RT
+requests share blocks with BE requests and overwrite their slots with lazy checkpointing (§5);
+``bros_nobicache`` is the paper's "No Bi-cache" ablation (§7.3: recompute instead).
 
 BROS's formulas were lost in the text; they are rebuilt here from the prose of §4:
     (2)-(5) iteration time: the cost model on the batch's shape (prefill and decode parts summed)
@@ -22,6 +23,7 @@ from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import PreemptionMode, ScheduledChunk, SchedulerOutput
 from sloserve.core.request import Request, RequestClass, RequestStatus
 from sloserve.cost.base import BatchShape, CostModel
+from sloserve.kv.bidirectional import BidirectionalKVManager
 from sloserve.kv.manager import KVCacheManager
 from sloserve.predict import LengthPredictor
 from sloserve.sched.base import Scheduler
@@ -64,8 +66,8 @@ class BrosConfig:
         for name in ("default_ttft_s", "default_tpot_s", "replace_slack_iterations"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.kv_manager != "paged":
-            raise ConfigError(f"BROS schedulers use kv_manager=paged, got {self.kv_manager!r}")
+        if self.kv_manager not in ("paged", "bidirectional"):
+            raise ConfigError(f"BROS schedulers use kv_manager paged or bidirectional, got {self.kv_manager!r}")
 
 
 class SubsetScheduler(Scheduler):
@@ -79,6 +81,10 @@ class SubsetScheduler(Scheduler):
         self._budget = config.max_num_batched_tokens or 0
         self._batch_blocks = 0  # new blocks the batch being built needs
         self._batch_prompt_tokens = 0
+        # Bidirectional blocks (§5): slots are taken as requests join the batch, whose members are
+        # protected from being overwritten; checkpoint and restore traffic is the step's swap.
+        self._bicache = isinstance(kv, BidirectionalKVManager)
+        self._batch_set: set[Request] = set()
 
     def on_token_emitted(self, request: Request) -> None:
         """Decodes stay explicit: the policy picks who runs every step."""
@@ -100,17 +106,29 @@ class SubsetScheduler(Scheduler):
 
     def _fits(self, request: Request) -> bool:
         """(8): the request's new blocks fit beside those of the batch being built."""
+        if self._bicache:
+            needed = self.kv.slots_needed(request, self._tokens_needed(request))
+            return self.kv.has_room(request, needed, self._batch_set)
         return self._blocks(request) + self._batch_blocks <= self.kv.num_free_blocks
 
     def _add(self, batch: list[Request], request: Request) -> None:
+        if self._bicache:
+            assert self.kv.restore(request)  # checkpointed BE slots come back first
+            assert self.kv.allocate_slots(request, self._tokens_needed(request), protect=self._batch_set)
+        else:
+            self._batch_blocks += self._blocks(request)
         batch.append(request)
-        self._batch_blocks += self._blocks(request)
+        self._batch_set.add(request)
         if request.status is RequestStatus.WAITING:
             self._batch_prompt_tokens += request.num_tokens
 
     def _remove(self, batch: list[Request], request: Request) -> None:
         batch.remove(request)
-        self._batch_blocks -= self._blocks(request)
+        self._batch_set.discard(request)
+        if self._bicache:  # undo its growth (an RT request: never restored)
+            self.kv.truncate(request, request.num_computed_tokens)
+        else:
+            self._batch_blocks -= self._blocks(request)
         if request.status is RequestStatus.WAITING:
             self._batch_prompt_tokens -= request.num_tokens
 
@@ -120,12 +138,13 @@ class SubsetScheduler(Scheduler):
     def _start_batch(self) -> list[Request]:
         self._batch_blocks = 0
         self._batch_prompt_tokens = 0
+        self._batch_set = set()
         return []
 
     def _take(self, request: Request, out: SchedulerOutput) -> None:
         """Put ``request`` in the batch: allocate its slots, admit it if waiting, add its chunk."""
-        tokens = self._tokens_needed(request)
-        assert self.kv.allocate_slots(request, tokens)
+        if not self._bicache:  # (bidirectional: allocated when it joined the batch)
+            assert self.kv.allocate_slots(request, self._tokens_needed(request))
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
             self._admit(request)
@@ -208,6 +227,7 @@ class BrosScheduler(SubsetScheduler):
         out = SchedulerOutput()
         cfg = self.config
         batch = self._start_batch()
+        moved_before = self.kv.checkpointed_bytes + self.kv.restored_bytes if self._bicache else 0
         violated = False
         residual = math.inf
         for r in self._rt_in_priority_order():  # Algorithm 1, RT phase
@@ -231,6 +251,8 @@ class BrosScheduler(SubsetScheduler):
             violated = True  # even the most urgent request alone misses its deadline
         # BE phase: fewest checkpointed slots first (none here: pending ones first), then arrival.
         be = [r for r in self.running if r.request_class is RequestClass.BE]
+        if self._bicache:
+            be.sort(key=self.kv.num_checkpointed)  # least swap-in first (stable: arrival order)
         be += [r for r in self.waiting if r.request_class is RequestClass.BE]
         for r in be:
             if not self._prompt_fits(r) or not self._fits(r):  # BE takes free blocks only
@@ -250,7 +272,7 @@ class BrosScheduler(SubsetScheduler):
             if self._fits(r) and (residual == math.inf or self._estimate(batch, r) <= residual):  # (8), (6)
                 self._add(batch, r)
             else:
-                self._add(batch, least)
+                break  # ``least`` had slack to wait a step (the replacement rule); stop replacing
         self.last_estimate_s = self._estimate(batch) if batch else 0.0
         self.last_residual_s = residual
         # Adaptive batch size (TCP-like): reset on an estimated violation, grow otherwise.
@@ -260,6 +282,8 @@ class BrosScheduler(SubsetScheduler):
             self.batch_size = min(self.batch_size + cfg.batch_size_step, cfg.max_batch_size)
         for r in batch:
             self._take(r, out)
+        if self._bicache:
+            out.swap_bytes = self.kv.checkpointed_bytes + self.kv.restored_bytes - moved_before
         return out
 
 

@@ -109,7 +109,17 @@ register(
     SchedulerSpec(
         "bros",
         "BROS: RT requests by residual time to their token deadline under a cost-model check, then BE "
-        "requests filling or replacing slack RT ones; adaptive batch size (paged KV, recompute)",
+        "requests filling or replacing slack RT ones; adaptive batch size; bidirectional KV blocks",
+        BrosScheduler,
+        BrosConfig,
+        dict(kv_manager="bidirectional"),
+        needs_cost_model=True,
+    )
+)
+register(
+    SchedulerSpec(
+        "bros_nobicache",
+        "BROS without bidirectional blocks: paged KV, evictions by recompute (the paper's ablation)",
         BrosScheduler,
         BrosConfig,
         needs_cost_model=True,
