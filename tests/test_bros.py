@@ -135,3 +135,20 @@ def test_rt_rate_flag_and_bros_workload(tmp_path):
     for s in summaries.values():
         assert set(s["classes"]) == {"rt", "be"}
         assert s["classes"]["rt"]["completed"] + s["classes"]["be"]["completed"] == s["completed"] == 240
+
+
+def test_rt_overwrites_be_slots_which_are_checkpointed_and_restored():
+    """With bidirectional blocks, RT requests arriving into a cache full of BE requests take over BE
+    slots (lazily checkpointed); the BE requests resume later and finish with all their tokens."""
+    from sloserve.kv.bidirectional import BidirectionalKVManager
+
+    reqs = mixed(num_rt=12, num_be=12, rt_gap=0.02)
+    sched = scheduler("bros", 6_400, block_size=16, max_num_batched_tokens=4096)
+    assert isinstance(sched.kv, BidirectionalKVManager)
+    drv = Driver(sched)
+    drv.run(reqs)
+    kv = sched.kv
+    assert kv.checkpointed_bytes > 0 and kv.restored_bytes > 0
+    assert kv.restored_bytes <= kv.checkpointed_bytes
+    assert all(r.status is RequestStatus.FINISHED and r.num_output_tokens == r.true_output_tokens for r in reqs)
+    assert kv.allocated_tokens == 0 and kv.num_free_blocks == kv.gpu.num_blocks

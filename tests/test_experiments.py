@@ -26,4 +26,4 @@ def test_experiment_list_and_unknown_name():
     listed = run("experiment", "list")
     assert listed.returncode == 0 and "infermax-fig15" in listed.stdout
     bad = run("experiment", "nope")
-    assert bad.returncode == 2 and "unknown experiment 'nope'; valid: bros-fig10, infermax-fig10" in bad.stderr
+    assert bad.returncode == 2 and "unknown experiment 'nope'; valid: bros-fig10, bros-fig13, infermax-fig10" in bad.stderr

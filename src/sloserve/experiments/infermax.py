@@ -334,6 +334,7 @@ def _register_bros() -> None:
     from sloserve.experiments import bros
 
     EXPERIMENTS["bros-fig10"] = bros.fig10
+    EXPERIMENTS["bros-fig13"] = bros.fig13
 
 
 _register_bros()
