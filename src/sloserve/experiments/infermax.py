@@ -14,7 +14,10 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from sloserve.cost import LinearCostModel, get_preset
+from sloserve.metrics import request_table
 from sloserve.sched import make_scheduler
 from sloserve.sim import simulate
 from sloserve.workload import synthetic_workload
@@ -37,7 +40,8 @@ def run_fixed(name: str, prompt: int, output: int, num_requests: int, capacity: 
     simulate(requests, lambda: make_scheduler(name, kv_capacity_tokens=capacity, max_model_len=C, options=OPTIONS), cost)
     latency = max(r.finish_time for r in requests)
     tokens = sum(r.num_output_tokens for r in requests)
-    tpots = [(r.last_token_time - r.first_token_time) / (r.num_output_tokens - 1) for r in requests if r.num_output_tokens > 1]
+    table = request_table(requests)  # the metric definitions of DESIGN.md, in one place
+    tpots = table["tpot_s"][~np.isnan(table["tpot_s"])]
     return {
         "scheduler": name,
         "I": prompt,
@@ -46,8 +50,8 @@ def run_fixed(name: str, prompt: int, output: int, num_requests: int, capacity: 
         "M": capacity,
         "latency_s": latency,
         "tps": tokens / latency,
-        "ttft_s": sum(r.first_token_time - r.arrival_time for r in requests) / len(requests),
-        "tpot_s": sum(tpots) / len(tpots) if tpots else 0.0,
+        "ttft_s": float(table["ttft_s"].mean()),
+        "tpot_s": float(tpots.mean()) if len(tpots) else 0.0,
         "evictions": sum(r.num_preemptions for r in requests),
     }
 
