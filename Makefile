@@ -5,17 +5,23 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test bench clean
 
-# The virtual environment, reinstalled when pyproject.toml changes.
+# The virtual environment, reinstalled when pyproject.toml changes. The simulator needs no torch.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+# The engine's tests need torch: the exact CPU build first (a looser pin would fetch a CUDA build).
+$(VENV)/.engine: $(VENV)/.installed
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test,engine]'
 	touch $@
 
 demo: $(VENV)/.installed
 	$(BIN)/sloserve compare --trace sharegpt --schedulers vllm,sarathi,orca \
 		--model llama-2-7b --gpu a100 --rate 9 --num-requests 2000 --seed 0 --out demo-out
 
-test: $(VENV)/.installed
+test: $(VENV)/.engine
 	$(BIN)/python -m pytest -q
 
 bench: $(VENV)/.installed

@@ -39,6 +39,14 @@ class BlockCopy(NamedTuple):
     dst_block: int
 
 
+class SlotCopy(NamedTuple):
+    """Copy one token's KV between a GPU slot and a CPU slot (BROS lazy checkpointing / restore)."""
+
+    src_slot: int
+    dst_slot: int
+    to_cpu: bool  # True: GPU slot -> CPU slot (checkpoint); False: CPU slot -> GPU slot (restore)
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     """One step's decisions. Built fresh by ``Scheduler.schedule``; never mutated afterwards."""
@@ -58,7 +66,9 @@ class SchedulerOutput:
     # Block copies GPU -> CPU (swap out) and CPU -> GPU (swap in) done before the step's compute.
     swap_out: list[BlockCopy] = field(default_factory=list)
     swap_in: list[BlockCopy] = field(default_factory=list)
-    # KV bytes moved by the swaps above (for the cost model).
+    # Single-token copies between GPU and CPU slots, to run in this order after the block swaps.
+    slot_copies: list[SlotCopy] = field(default_factory=list)
+    # KV bytes moved by the swaps and copies above (for the cost model).
     swap_bytes: int = 0
     # Identical decode-only steps this output stands for (the simulator's closed-form fast path).
     # NOTE: counts above describe the first of them; the cohort's KV grows by cohort_size per step.
@@ -92,7 +102,9 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks and self.cohort_size == 0 and not self.swap_in and not self.swap_out
+        return (
+            not self.chunks and self.cohort_size == 0 and not self.swap_in and not self.swap_out and not self.slot_copies
+        )
 
     @property
     def is_decode_only(self) -> bool:
@@ -102,6 +114,7 @@ class SchedulerOutput:
             and not self.preempted
             and not self.swap_in
             and not self.swap_out
+            and not self.slot_copies
         )
 
 

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+import numpy as np
+
 from sloserve.core.errors import ConfigError
-from sloserve.core.outputs import BlockCopy
+from sloserve.core.outputs import BlockCopy, SlotCopy
 from sloserve.core.request import Request, RequestClass
 from sloserve.kv.manager import KVCacheManager
 
@@ -58,6 +60,24 @@ class BidirectionalKVManager(KVCacheManager):
         self._be_only_by_empty: list[set[int]] = [set() for _ in range(block_size + 1)]
         self._checkpointed: dict[Request, int] = {}  # checkpointed tokens per BE request
         self._used_slots = 0
+        # Lazy checkpointing's host memory, slot by slot: CPU slot of each checkpointed BE token, and
+        # the copies to run before the next step, in the order they were decided.
+        # NOTE: host memory is taken to be ample (the paper's assumption): CPU slots grow on demand.
+        self.cpu_slots: dict[Request, dict[int, int]] = {}  # BE request -> token -> CPU slot
+        self._cpu_free: list[int] = []
+        self.num_cpu_slots = 0  # CPU slots ever handed out (the engine's host buffer size)
+        self.pending_copies: list[SlotCopy] = []
+
+    def _take_cpu_slot(self) -> int:
+        if self._cpu_free:
+            return self._cpu_free.pop()
+        self.num_cpu_slots += 1
+        return self.num_cpu_slots - 1
+
+    def take_copies(self) -> list[SlotCopy]:
+        """The checkpoint (GPU -> CPU) and restore (CPU -> GPU) copies decided since the last call."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     # --- aggregates --------------------------------------------------------------------------------
     def _update(self, block: int) -> None:
@@ -99,6 +119,9 @@ class BidirectionalKVManager(KVCacheManager):
         if len(slots) != end - start or CHECKPOINTED in slots:
             raise IndexError(f"{request}: tokens {start}..{end - 1} are not all on the GPU")
         return slots
+
+    def slot_table(self, request: Request, num_tokens: int) -> np.ndarray:
+        return np.asarray(self.slot_ids(request, 0, num_tokens), dtype=np.int64)
 
     def _last(self, request: Request) -> int | None:
         blocks = self.blocks_of.get(request)
@@ -184,6 +207,9 @@ class BidirectionalKVManager(KVCacheManager):
             be = self.be_owner[b]
             assert be is not None
             overwritten = self.be_tokens[b].pop()
+            cpu_slot = self._take_cpu_slot()
+            self.cpu_slots.setdefault(be, {})[overwritten] = cpu_slot
+            self.pending_copies.append(SlotCopy(self.token_slots[be][overwritten], cpu_slot, to_cpu=True))
             self.token_slots[be][overwritten] = CHECKPOINTED
             self._checkpointed[be] = self._checkpointed.get(be, 0) + 1
             self._used_slots -= 1
@@ -220,8 +246,11 @@ class BidirectionalKVManager(KVCacheManager):
         if not self.has_room(request, len(missing)):
             self.num_allocation_failures += 1
             return False
+        saved = self.cpu_slots.pop(request)
         for i in missing:
             slots[i] = self._place_be(request, i)
+            self.pending_copies.append(SlotCopy(saved[i], slots[i], to_cpu=False))
+            self._cpu_free.append(saved[i])
         self._checkpointed[request] = 0
         self.restored_bytes += len(missing) * self.kv_bytes_per_token
         return True
@@ -234,6 +263,7 @@ class BidirectionalKVManager(KVCacheManager):
             slot = slots.pop()
             if slot == CHECKPOINTED:
                 self._checkpointed[request] -= 1
+                self._cpu_free.append(self.cpu_slots[request].pop(len(slots)))
                 continue
             self._used_slots -= 1
             b = slot // S
@@ -273,6 +303,7 @@ class BidirectionalKVManager(KVCacheManager):
         self.token_slots.pop(request, None)
         self._be_only_by_owner.pop(request, None)
         self._checkpointed.pop(request, None)
+        self._cpu_free.extend(self.cpu_slots.pop(request, {}).values())
         for block, pair in list(self.preemption_table.items()):
             if request in pair:
                 del self.preemption_table[block]
@@ -300,6 +331,11 @@ class BidirectionalKVManager(KVCacheManager):
         assert self._used_slots == sum(self.rt_fill) + sum(len(t) for t in self.be_tokens), "used slots"
         for r, slots in self.token_slots.items():
             assert self._checkpointed.get(r, 0) == slots.count(CHECKPOINTED), "checkpointed count"
+            saved = self.cpu_slots.get(r, {})
+            assert sorted(saved) == [i for i, x in enumerate(slots) if x == CHECKPOINTED], "CPU slots of checkpoints"
+        held = [c for saved in self.cpu_slots.values() for c in saved.values()]
+        assert len(set(held)) == len(held) and not set(held) & set(self._cpu_free), "a CPU slot is used twice"
+        assert len(held) + len(self._cpu_free) == self.num_cpu_slots, "CPU slots lost"
         assert all(self._be_only_by_owner.get(o, 0) == list(be_only.values()).count(o) for o in set(be_only.values()))
         free = set(self.gpu.free_ids())
         for b in range(self.gpu.num_blocks):

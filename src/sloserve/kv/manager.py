@@ -12,6 +12,8 @@ The managers differ only in how many slots they hold for a request once it asks 
 
 from __future__ import annotations
 
+import numpy as np
+
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import BlockCopy
 from sloserve.core.request import Request
@@ -156,6 +158,16 @@ class KVCacheManager:
         if end > len(table) * bs:
             raise IndexError(f"{request}: token {end - 1} has no slot ({len(table) * bs} held)")
         return [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+
+    def slot_table(self, request: Request, num_tokens: int) -> np.ndarray:
+        """``(num_tokens,)`` physical slot ids of ``request``'s first ``num_tokens`` tokens (vectorized
+        ``slot_ids``; the engine reads a request's context through it)."""
+        table = self.block_tables[request]
+        bs = self.block_size
+        if num_tokens > len(table) * bs:
+            raise IndexError(f"{request}: token {num_tokens - 1} has no slot ({len(table) * bs} held)")
+        blocks = np.asarray(table[: -(-num_tokens // bs)], dtype=np.int64)
+        return (blocks[:, None] * bs + np.arange(bs)).ravel()[:num_tokens]
 
     # --- swapping ------------------------------------------------------------------------------
     def swap_out(self, request: Request) -> list[BlockCopy] | None:

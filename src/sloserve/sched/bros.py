@@ -284,6 +284,7 @@ class BrosScheduler(SubsetScheduler):
             self._take(r, out)
         if self._bicache:
             out.swap_bytes = self.kv.checkpointed_bytes + self.kv.restored_bytes - moved_before
+            out.slot_copies = self.kv.take_copies()
         return out
 
 

@@ -233,6 +233,10 @@ def make_scheduler(
         raise ConfigError(f"scheduler {name} estimates batch times and needs a cost model")
     if config.kv_manager not in KV_MANAGERS:
         raise UnknownNameError("KV manager", config.kv_manager, list(KV_MANAGERS))
+    if config.kv_manager == "bidirectional" and spec.scheduler_cls is not BrosScheduler:
+        # NOTE: only BROS protects a step's batch from being overwritten and carries the manager's
+        # checkpoint/restore copies in its output.
+        raise ConfigError(f"scheduler {name}: kv_manager bidirectional works with the BROS scheduler only")
     if kv_capacity_tokens < config.block_size:
         raise ConfigError(
             f"KV capacity {kv_capacity_tokens} tokens is below one block of {config.block_size} tokens"

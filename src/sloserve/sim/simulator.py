@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -39,12 +40,16 @@ class SimulationStuckError(RuntimeError):
 
 
 class Replica:
-    """One model replica: a scheduler, a simulated executor and its own clock and timeline."""
+    """One model replica: a scheduler, an executor and its own clock and timeline.
 
-    def __init__(self, index: int, scheduler: Scheduler, cost_model: CostModel, fast_path: bool) -> None:
+    The executor is the simulator's ``SimExecutor`` or the real engine's ``EngineExecutor`` (which has
+    no decode fast path: run it with ``fast_path=False``).
+    """
+
+    def __init__(self, index: int, scheduler: Scheduler, executor: Any, fast_path: bool) -> None:
         self.index = index
         self.scheduler = scheduler
-        self.executor = SimExecutor(cost_model)
+        self.executor = executor
         self.fast_path = fast_path
         self.now = 0.0  # time at which the next step starts
         self.timeline = Timeline()
@@ -232,9 +237,9 @@ def simulate(
     if num_decode_replicas and (make_decode_scheduler is None or not link_bandwidth > 0):
         raise ValueError("disaggregated serving needs make_decode_scheduler and a link bandwidth > 0")
     wall0 = time.perf_counter()
-    replicas = [Replica(i, make_scheduler(), cost_model, fast_path) for i in range(num_replicas)]
+    replicas = [Replica(i, make_scheduler(), SimExecutor(cost_model), fast_path) for i in range(num_replicas)]
     decoders = [
-        Replica(num_replicas + i, make_decode_scheduler(), cost_model, fast_path)  # type: ignore[misc]
+        Replica(num_replicas + i, make_decode_scheduler(), SimExecutor(cost_model), fast_path)  # type: ignore[misc]
         for i in range(num_decode_replicas)
     ]
     everyone = replicas + decoders

@@ -1,0 +1,230 @@
+"""Model configuration for the engine: read from a HuggingFace ``config.json`` or a named random shape.
+
+Supported architectures (``ARCHITECTURES``): the Llama family (Llama-2/3, Mistral-style GQA), Qwen2 /
+Qwen2.5 (QKV biases) and OPT (learned positions, LayerNorm, ReLU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sloserve.core.errors import ConfigError, UnknownNameError
+from sloserve.cost.specs import MODELS
+
+# HF ``model_type`` -> our architecture (the module that implements it).
+ARCHITECTURES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "opt": "opt"}
+# Byte-level tokenizer of random models: ids 0..255 are bytes, then BOS and EOS.
+BYTE_BOS_ID, BYTE_EOS_ID = 256, 257
+RANDOM_PREFIX = "random:"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture numbers the engine needs (names as in HF ``config.json``).
+
+    ``model_type`` is the HF name (llama, mistral, qwen2, opt); ``architecture`` the module that runs
+    it. ``rope_scaling`` is the HF dict (``rope_type`` default, linear or llama3) or None.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    attention_bias: bool = False  # q/k/v biases (Qwen2: True)
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    # OPT only
+    word_embed_proj_dim: int | None = None
+    do_layer_norm_before: bool = True
+    enable_bias: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+    name: str = "model"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.model_type not in ARCHITECTURES:
+            raise ConfigError(
+                f"model {self.name}: unsupported architecture {self.model_type!r}; "
+                f"supported: {', '.join(sorted(ARCHITECTURES))}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"model {self.name}: {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"model {self.name}: num_key_value_heads {self.num_key_value_heads} must divide "
+                f"num_attention_heads {self.num_attention_heads}"
+            )
+
+    @property
+    def architecture(self) -> str:
+        return ARCHITECTURES[self.model_type]
+
+
+def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
+    """A ``ModelConfig`` from the dict of an HF ``config.json``; unsupported ones are a ConfigError."""
+    model_type = raw.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ConfigError(
+            f"{name}: unsupported architecture {model_type!r} (config.json model_type); "
+            f"supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+
+    def need(key: str) -> Any:
+        if key not in raw:
+            raise ConfigError(f"{name}: config.json has no {key!r}")
+        return raw[key]
+
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    heads = need("num_attention_heads")
+    hidden = need("hidden_size")
+    common = dict(
+        model_type=model_type,
+        vocab_size=need("vocab_size"),
+        hidden_size=hidden,
+        num_hidden_layers=need("num_hidden_layers"),
+        num_attention_heads=heads,
+        max_position_embeddings=need("max_position_embeddings"),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type == "opt")),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        name=name,
+    )
+    if model_type == "opt":
+        if raw.get("activation_function", "relu") not in ("relu", "gelu"):
+            raise ConfigError(f"{name}: OPT activation {raw.get('activation_function')!r} is not supported")
+        return ModelConfig(
+            **common,
+            intermediate_size=need("ffn_dim"),
+            num_key_value_heads=heads,
+            head_dim=hidden // heads,
+            norm_eps=1e-5,
+            hidden_act=raw.get("activation_function", "relu"),
+            word_embed_proj_dim=raw.get("word_embed_proj_dim", hidden),
+            do_layer_norm_before=bool(raw.get("do_layer_norm_before", True)),
+            enable_bias=bool(raw.get("enable_bias", True)),
+            extra={"remove_final_layer_norm": bool(raw.get("_remove_final_layer_norm", False))},
+        )
+    # transformers >= 5 keeps rope settings in rope_parameters; older configs at the top level.
+    rope = dict(raw.get("rope_parameters") or {})
+    rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in ("default", "linear", "llama3"):
+            raise ConfigError(f"{name}: rope scaling {kind!r} is not supported (default, linear, llama3)")
+        if kind == "default":
+            scaling = None
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{name}: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
+    return ModelConfig(
+        **common,
+        intermediate_size=need("intermediate_size"),
+        num_key_value_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or hidden // heads,
+        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=scaling,
+        # NOTE: Qwen2's config has no attention_bias key; its q/k/v projections always have biases.
+        attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+    )
+
+
+def load_hf_config(path: str | Path) -> ModelConfig:
+    """Read ``config.json`` of a local HF model directory."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"model directory {path} does not exist (models are never downloaded)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"model directory {path} has no config.json")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{config_file}: not valid JSON ({e})") from None
+    config = from_hf_config(raw, name=path.name)
+    if not config.eos_token_ids:  # some checkpoints keep EOS only in generation_config.json
+        gen = path / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+            config = dataclasses.replace(config, eos_token_ids=ids)
+    return config
+
+
+def _tiny(model_type: str, **overrides: Any) -> ModelConfig:
+    values = dict(
+        model_type=model_type,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2 if model_type != "opt" else 4,
+        head_dim=16,
+        max_position_embeddings=1024,
+        name=f"tiny-{model_type}",
+    )
+    values.update(overrides)
+    return ModelConfig(**values)
+
+
+def _from_spec(spec_name: str, model_type: str, **overrides: Any) -> ModelConfig:
+    """A random model with the shape of a bundled cost-model spec (one source of the numbers)."""
+    s = MODELS[spec_name]
+    values = dict(
+        model_type=model_type,
+        vocab_size=s.vocab_size,
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_layers,
+        num_attention_heads=s.num_attention_heads,
+        num_key_value_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+        max_position_embeddings=s.max_context_len,
+        tie_word_embeddings=s.tied_embeddings,
+        torch_dtype="bfloat16",
+        name=spec_name,
+    )
+    values.update(overrides)
+    return ModelConfig(**values)
+
+
+# Named shapes for ``random:NAME`` models (benchmarks and tests); weights are random, the tokenizer
+# is byte-level (ids 0..255, BOS 256, EOS 257).
+RANDOM_SHAPES: dict[str, ModelConfig] = {
+    "tiny-llama": _tiny("llama"),
+    "tiny-qwen2": _tiny("qwen2", attention_bias=True, norm_eps=1e-6, rope_theta=1e6),
+    "tiny-opt": _tiny("opt", hidden_act="relu", word_embed_proj_dim=64, tie_word_embeddings=True),
+    "llama-2-7b": _from_spec("llama-2-7b", "llama"),
+    "llama-3-8b": _from_spec("llama-3-8b", "llama", rope_theta=500000.0),
+    "qwen2.5-7b": _from_spec("qwen2.5-7b", "qwen2", attention_bias=True, norm_eps=1e-6, rope_theta=1e6),
+    "opt-13b": _from_spec("opt-13b", "opt", hidden_act="relu", word_embed_proj_dim=5120),
+}
+
+
+def random_config(name: str) -> ModelConfig:
+    """The shape registered as ``random:NAME``, with the byte tokenizer's special ids."""
+    if name not in RANDOM_SHAPES:
+        raise UnknownNameError("random model shape", name, list(RANDOM_SHAPES))
+    return dataclasses.replace(RANDOM_SHAPES[name], bos_token_id=BYTE_BOS_ID, eos_token_ids=(BYTE_EOS_ID,))

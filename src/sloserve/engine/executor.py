@@ -1,0 +1,164 @@
+"""The real executor: runs a ``SchedulerOutput`` through the model, same interface as ``SimExecutor``.
+
+Per step: the swaps the scheduler decided (swap-outs first, then swap-ins: a step that preempts
+swaps nothing in; then BROS's slot copies, in order), one forward pass over the flat tokens of every chunk and cohort member, and a
+sample for every request whose known tokens are all computed. A request finishes on EOS (unless
+``ignore_eos``) or at ``max_tokens``. A recompute-evicted request is refilled from its token list
+(prompt + generated), so nothing is lost.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from sloserve.core.outputs import SchedulerOutput, StepResult
+from sloserve.core.request import Request
+from sloserve.engine.attention import AttentionMetadata, PrefillSeq
+from sloserve.engine.kv_cache import KVCacheTensor
+from sloserve.engine.sampler import SamplingParams, sample
+from sloserve.kv.manager import KVCacheManager
+
+
+@dataclass
+class Sequence:
+    """The engine's side of a request: its tokens and how to sample them."""
+
+    token_ids: list[int]  # prompt + generated so far
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    finish_reason: str | None = None  # "stop" (EOS) or "length" (max_tokens), as in OpenAI's API
+    step_times: list[float] = field(default_factory=list)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+class EngineExecutor:
+    """Runs steps on a real model. ``kv`` is the scheduler's KV manager: it says where tokens live."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv: KVCacheManager,
+        cache: KVCacheTensor,
+        device: torch.device,
+        eos_token_ids: tuple[int, ...] = (),
+        seed: int = 0,
+    ) -> None:
+        self.model, self.kv, self.cache, self.device = model, kv, cache, device
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.sequences: dict[Request, Sequence] = {}
+        self._seed = seed
+        self.num_forward_tokens = 0
+
+    def add(self, request: Request, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        generator = None
+        if not params.greedy:
+            # NOTE: without a seed, each request still gets its own stream (engine seed + request id),
+            # so a run is deterministic and independent of batching.
+            seed = params.seed if params.seed is not None else self._seed * 1_000_003 + request.request_id
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.sequences[request] = Sequence(list(prompt_token_ids), len(prompt_token_ids), params, generator)
+
+    def _context(self, request: Request, num_tokens: int) -> np.ndarray:
+        cohort = request.cohort
+        if cohort is not None:
+            cohort.settle(request)  # paged cohort growth gets its block ids now
+        return self.kv.slot_table(request, num_tokens)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput, now: float, durations: np.ndarray | None = None) -> StepResult:
+        """Run ``output`` (one step) starting at ``now``; the step ends ``now`` + its measured time."""
+        assert output.num_steps == 1, "the engine runs steps one at a time (fast_path=False)"
+        t0 = time.perf_counter()
+        self.cache.swap_out(output.swap_out)
+        self.cache.swap_in(output.swap_in)
+        self.cache.copy_slots(output.slot_copies)
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[np.ndarray] = []
+        prefills: list[PrefillSeq] = []
+        decodes: list[tuple[int, np.ndarray]] = []  # (flat index, context slots)
+        samplers: list[tuple[Request, int]] = []  # (request, flat index of its last token)
+
+        def add(request: Request, num_tokens: int) -> None:
+            seq = self.sequences[request]
+            start = request.num_computed_tokens
+            end = start + num_tokens
+            context = self._context(request, end)
+            flat = len(tokens)
+            tokens.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.append(context[start:end])
+            if num_tokens == 1:
+                decodes.append((flat, context))
+            else:
+                prefills.append(PrefillSeq(flat, num_tokens, torch.from_numpy(context).to(self.device)))
+            if end == request.num_tokens:
+                samplers.append((request, flat + num_tokens - 1))
+
+        for request, num_tokens in output.chunks:
+            add(request, num_tokens)
+        if output.cohort is not None:
+            for request in list(output.cohort.members):
+                add(request, 1)
+        if tokens:
+            meta = self._metadata(slots, prefills, decodes)
+            ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)  # (T,)
+            pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # (T,)
+            hidden = self.model(ids, pos, self.cache.gpu, meta)  # (T, H)
+            rows = torch.tensor([i for _, i in samplers], dtype=torch.int64, device=self.device)
+            logits = self.model.compute_logits(hidden[rows]).float()  # (N, vocab)
+            seqs = [self.sequences[r] for r, _ in samplers]
+            sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        else:
+            sampled, seqs = [], []
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - t0
+        self.num_forward_tokens += len(tokens)
+        finished: list[Request] = []
+        sampled_ids: dict[int, int] = {}
+        for (request, _), seq, token in zip(samplers, seqs, sampled, strict=True):
+            seq.token_ids.append(token)
+            sampled_ids[request.request_id] = token
+            if token in self.eos_token_ids and not seq.params.ignore_eos:
+                seq.finish_reason = "stop"
+            elif request.num_output_tokens + 1 >= request.max_tokens:
+                seq.finish_reason = "length"
+            if seq.finish_reason is not None:
+                finished.append(request)
+        return StepResult(step_end_times=(now + elapsed,), finished=finished, sampled_token_ids=sampled_ids)
+
+    def _metadata(
+        self, slots: list[np.ndarray], prefills: list[PrefillSeq], decodes: list[tuple[int, np.ndarray]]
+    ) -> AttentionMetadata:
+        device = self.device
+        if decodes:
+            lengths = np.array([len(c) for _, c in decodes], dtype=np.int64)
+            table = np.zeros((len(decodes), int(lengths.max())), dtype=np.int64)  # padded with slot 0
+            for row, (_, context) in enumerate(decodes):
+                table[row, : len(context)] = context
+        else:
+            lengths, table = np.zeros(0, dtype=np.int64), np.zeros((0, 1), dtype=np.int64)
+        return AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+            prefills=prefills,
+            decode_token_index=torch.tensor([i for i, _ in decodes], dtype=torch.int64, device=device),
+            decode_slots=torch.from_numpy(table).to(device),
+            decode_context_lens=torch.from_numpy(lengths).to(device),
+        )
+
+    # The simulator's fast-path hooks: the engine has no closed form, every step runs.
+    def steps_until_finish(self, output: SchedulerOutput) -> int:
+        return 1
+
+    def step_time(self, output: SchedulerOutput) -> float:
+        raise NotImplementedError("the engine measures step times; run Replica with fast_path=False")

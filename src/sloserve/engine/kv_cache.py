@@ -1,0 +1,82 @@
+"""The engine's KV cache: one tensor of token slots on the device and one in CPU swap space.
+
+Slot ids come from the scheduler's KV manager (block ``b`` holds slots ``b * block_size ...``), so
+every manager's layout is a real memory layout here. Swaps in a ``SchedulerOutput`` are block copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sloserve.core.outputs import BlockCopy, SlotCopy
+from sloserve.engine.config import ModelConfig
+
+
+class KVCacheTensor:
+    """``gpu``: (2, layers, num_slots, kv_heads, head_dim) on the device; ``cpu``: the same shape with
+    the swap space's slots, in host memory (pinned when the device is CUDA)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_slots: int,
+        num_cpu_slots: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (2, config.num_hidden_layers, num_slots, config.num_key_value_heads, config.head_dim)
+        self.gpu = torch.zeros(shape, dtype=dtype, device=device)
+        cpu_shape = (*shape[:2], num_cpu_slots, *shape[3:])
+        self.cpu = torch.zeros(cpu_shape, dtype=dtype, pin_memory=device.type == "cuda")
+        self.block_size = block_size
+        self._offsets = torch.arange(block_size)
+
+    def _slots(self, blocks: list[int]) -> torch.Tensor:
+        """(len(blocks) * block_size,) slot ids of ``blocks``."""
+        return (torch.tensor(blocks, dtype=torch.int64)[:, None] * self.block_size + self._offsets).reshape(-1)
+
+    def swap_out(self, copies: list[BlockCopy]) -> None:
+        """Device blocks -> CPU blocks."""
+        if copies:
+            src = self._slots([c.src_block for c in copies]).to(self.gpu.device)
+            dst = self._slots([c.dst_block for c in copies])
+            self.cpu[:, :, dst] = self.gpu[:, :, src].cpu()
+
+    def swap_in(self, copies: list[BlockCopy]) -> None:
+        """CPU blocks -> device blocks."""
+        if copies:
+            src = self._slots([c.src_block for c in copies])
+            dst = self._slots([c.dst_block for c in copies]).to(self.gpu.device)
+            self.gpu[:, :, dst] = self.cpu[:, :, src].to(self.gpu.device, non_blocking=True)
+
+    def copy_slots(self, copies: list[SlotCopy]) -> None:
+        """Single-token copies in order (BROS checkpoints GPU -> CPU and restores CPU -> GPU).
+
+        Consecutive copies in one direction run as one gather/scatter; the CPU buffer grows when a
+        checkpoint needs a slot beyond it (host memory is taken to be ample, as in BROS).
+        """
+        i = 0
+        while i < len(copies):
+            j = i
+            while j < len(copies) and copies[j].to_cpu == copies[i].to_cpu:
+                j += 1
+            # NOTE: within a run a destination may repeat (a slot freed and reused); the last copy wins.
+            run = {c.dst_slot: c.src_slot for c in copies[i:j]}
+            dst = torch.tensor(list(run), dtype=torch.int64)
+            src = torch.tensor(list(run.values()), dtype=torch.int64)
+            if copies[i].to_cpu:
+                self._ensure_cpu_slots(int(dst.max()) + 1)
+                self.cpu[:, :, dst] = self.gpu[:, :, src.to(self.gpu.device)].cpu()
+            else:
+                self.gpu[:, :, dst.to(self.gpu.device)] = self.cpu[:, :, src].to(self.gpu.device)
+            i = j
+
+    def _ensure_cpu_slots(self, num_slots: int) -> None:
+        have = self.cpu.shape[2]
+        if num_slots > have:
+            shape = list(self.cpu.shape)
+            shape[2] = max(num_slots, 2 * have)
+            grown = torch.zeros(shape, dtype=self.cpu.dtype, pin_memory=self.cpu.is_pinned())
+            grown[:, :, :have] = self.cpu
+            self.cpu = grown

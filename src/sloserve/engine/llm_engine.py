@@ -1,0 +1,210 @@
+"""The engine: a registered scheduler driving a real model through ``EngineExecutor``.
+
+The step loop is the simulator's (``sim.simulator.Replica``: schedule, execute, update) with the
+engine's executor in place of the cost model, so the same timeline and metrics come out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from sloserve.core.errors import ConfigError
+from sloserve.core.request import Request
+from sloserve.cost import LinearCostModel, get_preset, load_preset
+from sloserve.cost.base import CostModel
+from sloserve.cost.presets import PRESETS
+from sloserve.engine.executor import EngineExecutor
+from sloserve.engine.kv_cache import KVCacheTensor
+from sloserve.engine.loader import LoadedModel
+from sloserve.engine.sampler import SamplingParams
+from sloserve.sched import make_scheduler
+from sloserve.sim.simulator import Replica
+
+# Default KV cache on the CPU: this many bytes, at most 64 full contexts (vLLM's CPU backend takes a
+# fixed KV space too). On CUDA: this fraction of the memory free after loading the weights.
+CPU_KV_CACHE_BYTES = 1 << 30
+CPU_KV_CACHE_CONTEXTS = 64
+GPU_MEMORY_UTILIZATION = 0.9
+# Default swap space: as large as the KV cache, at most 4 GiB (vLLM's default swap_space).
+MAX_SWAP_BYTES = 4 << 30
+
+
+def kv_bytes_per_token(loaded: LoadedModel) -> int:
+    """K and V of one token over all layers at the model's dtype."""
+    c = loaded.config
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * loaded.dtype.itemsize
+
+
+def default_kv_capacity(loaded: LoadedModel, max_model_len: int) -> int:
+    """KV capacity in tokens when none is given (see the constants above)."""
+    bytes_per_token = kv_bytes_per_token(loaded)
+    if loaded.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(loaded.device)
+        return int(free * GPU_MEMORY_UTILIZATION // bytes_per_token)
+    return min(CPU_KV_CACHE_BYTES // bytes_per_token, CPU_KV_CACHE_CONTEXTS * max_model_len)
+
+
+def engine_cost_model(cost_model: str | CostModel | None) -> CostModel:
+    """The cost model a policy that estimates batch times (BROS) uses on the engine: a preset name or
+    JSON file (``sloserve profile`` fits one for this model and machine), else InferMax's
+    Llama-2-7B/A100 preset."""
+    if isinstance(cost_model, CostModel):
+        return cost_model
+    if cost_model is None:
+        return LinearCostModel(get_preset("llama-2-7b-a100"))
+    return LinearCostModel(get_preset(cost_model) if cost_model in PRESETS else load_preset(cost_model))
+
+
+class LLMEngine:
+    """A model, a scheduler over a KV cache of ``kv_capacity_tokens`` slots, and the step loop.
+
+    ``max_model_len`` caps the context (default: the model's); ``max_tokens`` of a request is cut to
+    what the context leaves, as vLLM does.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        scheduler: str = "vllm",
+        *,
+        kv_capacity_tokens: int | None = None,
+        swap_space_tokens: int | None = None,
+        max_model_len: int | None = None,
+        cost_model: str | CostModel | None = None,
+        seed: int = 0,
+        scheduler_options: dict[str, Any] | None = None,
+    ) -> None:
+        config = loaded.config
+        self.loaded = loaded
+        self.max_model_len = min(config.max_position_embeddings, max_model_len or config.max_position_embeddings)
+        if self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
+        capacity = kv_capacity_tokens if kv_capacity_tokens is not None else default_kv_capacity(loaded, self.max_model_len)
+        if capacity < 1:
+            raise ConfigError(f"kv_capacity_tokens must be >= 1, got {capacity}")
+        bytes_per_token = kv_bytes_per_token(loaded)
+        if swap_space_tokens is None:
+            swap_space_tokens = min(capacity, MAX_SWAP_BYTES // bytes_per_token)
+        self.scheduler = make_scheduler(
+            scheduler,
+            kv_capacity_tokens=capacity,
+            max_model_len=self.max_model_len,
+            kv_bytes_per_token=bytes_per_token,
+            swap_space_tokens=swap_space_tokens,
+            options=scheduler_options,
+            cost_model=engine_cost_model(cost_model),
+        )
+        kv = self.scheduler.kv
+        self.cache = KVCacheTensor(
+            config, kv.gpu.num_blocks * kv.block_size, kv.cpu.num_blocks * kv.block_size, kv.block_size,
+            loaded.dtype, loaded.device,
+        )  # fmt: skip
+        self.executor = EngineExecutor(loaded.model, kv, self.cache, loaded.device, config.eos_token_ids, seed)
+        self.replica = Replica(0, self.scheduler, self.executor, fast_path=False)
+        self._next_id = 0
+
+    # --- requests ------------------------------------------------------------------------------
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, where: str = "prompt") -> SamplingParams:
+        """Validate one request; returns its params with ``max_tokens`` cut to the context."""
+        n = len(prompt_token_ids)
+        if n < 1:
+            raise ConfigError(f"{where}: empty prompt")
+        vocab = self.loaded.config.vocab_size
+        bad = [t for t in prompt_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab)]
+        if bad:
+            raise ConfigError(f"{where}: token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ConfigError(
+                f"{where}: {n} prompt tokens leave no room to generate within the model's context of "
+                f"{self.max_model_len} tokens (max_model_len)"
+            )
+        params = dataclasses.replace(params, max_tokens=min(params.max_tokens, self.max_model_len - n))
+        peak = n + params.max_tokens - 1
+        if peak > self.scheduler.kv.capacity_tokens:
+            raise ConfigError(
+                f"{where}: KV capacity {self.scheduler.kv.capacity_tokens} tokens cannot hold one request of "
+                f"{n} prompt tokens + max_tokens {params.max_tokens} - 1 = {peak} tokens"
+            )
+        return params
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        arrival_time: float = 0.0,
+        request: Request | None = None,
+    ) -> Request:
+        """Queue a request (validated with ``check_request`` first). ``request`` may carry a workload's
+        own request (its class, SLO and arrival); otherwise one is made."""
+        params = self.check_request(prompt_token_ids, params)
+        if request is None:
+            # NOTE: the engine cannot know the output length; the oracle predictor sees max_tokens.
+            request = Request(self._next_id, arrival_time, len(prompt_token_ids), params.max_tokens, params.max_tokens)
+        self._next_id = max(self._next_id, request.request_id) + 1
+        self.scheduler.check_fits(request, len(prompt_token_ids) + params.max_tokens - 1)
+        self.executor.add(request, list(prompt_token_ids), params)
+        self.replica.add(request, arrival_time)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self, next_arrival: float = math.inf) -> list[Request]:
+        """One step: schedule, run the model, update. Returns the requests that finished."""
+        return self.replica.step(next_arrival)
+
+    def output_token_ids(self, request: Request) -> list[int]:
+        return self.executor.sequences[request].output_token_ids
+
+
+def run_requests(
+    engine: LLMEngine,
+    requests: Sequence[Request],
+    prompts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    *,
+    wall_clock: bool,
+    on_progress: Callable[[int], None] | None = None,
+) -> float:
+    """Replay ``requests`` (their arrival times set) through ``engine``; returns the wall seconds.
+
+    ``wall_clock``: arrivals happen on the wall clock (the engine idles until the next one) and
+    timestamps are wall seconds since the start; otherwise the clock is the sum of measured step
+    times, jumping over idle gaps (a replay with the same step times, no waiting).
+    """
+    order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_time, requests[i].request_id))
+    for i in order:  # validate every request before running any
+        engine.check_request(prompts[i], params[i], where=f"request {requests[i].request_id}")
+    replica, start, nxt, done = engine.replica, time.perf_counter(), 0, 0
+    replica.now = 0.0
+    while nxt < len(order) or engine.has_unfinished():
+        now = time.perf_counter() - start if wall_clock else replica.now
+        while nxt < len(order) and requests[order[nxt]].arrival_time <= now:
+            i = order[nxt]
+            engine.add_request(prompts[i], params[i], requests[i].arrival_time, request=requests[i])
+            nxt += 1
+        next_arrival = requests[order[nxt]].arrival_time if nxt < len(order) else math.inf
+        if not engine.has_unfinished():
+            if wall_clock:
+                time.sleep(max(0.0, next_arrival - now))
+            else:
+                replica.now = next_arrival
+            continue
+        if wall_clock:
+            replica.now = time.perf_counter() - start
+        done += len(engine.step(next_arrival))
+        if on_progress is not None:
+            on_progress(done)
+    return time.perf_counter() - start
+
+
+def synthetic_prompt(num_tokens: int, vocab_size: int, rng: np.random.Generator) -> list[int]:
+    """Random token ids for a trace request that has lengths but no text."""
+    return rng.integers(0, vocab_size, size=num_tokens).tolist()

@@ -1,0 +1,73 @@
+"""Build a model from a local HF directory or a named random shape (``random:NAME``). Nothing is
+ever downloaded: a missing directory or file is a ConfigError naming it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sloserve.core.errors import ConfigError
+from sloserve.engine.attention import BACKENDS
+from sloserve.engine.config import RANDOM_PREFIX, ModelConfig, load_hf_config, random_config
+from sloserve.engine.models import create_model, init_random_, load_weights
+from sloserve.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    tokenizer: ByteTokenizer | HFTokenizer | None  # None: prompts must be token ids
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_device(device: str) -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N``; CUDA without a GPU is a ConfigError."""
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {device!r}; use cpu or cuda") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} requested but CUDA is not available on this machine")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(f"unsupported device {device!r}; use cpu or cuda")
+    return resolved
+
+
+def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on the CPU (exact tests), the checkpoint's dtype on CUDA."""
+    if dtype == "auto":
+        dtype = "float32" if device.type == "cpu" else config.torch_dtype
+        dtype = dtype if dtype in DTYPES else "bfloat16"
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; valid: auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(
+    model: str, *, device: str = "cpu", dtype: str = "auto", seed: int = 0, attention_backend: str = "torch"
+) -> LoadedModel:
+    """``model`` is a local HF directory (config.json, *.safetensors, tokenizer.json) or
+    ``random:NAME`` (``RANDOM_SHAPES``: random weights from ``seed``, byte tokenizer)."""
+    dev = resolve_device(device)
+    if attention_backend not in BACKENDS:
+        raise ConfigError(f"unknown attention backend {attention_backend!r}; valid: {', '.join(BACKENDS)}")
+    backend = BACKENDS[attention_backend]()
+    if model.startswith(RANDOM_PREFIX):
+        config = random_config(model[len(RANDOM_PREFIX) :])
+        torch_dtype = resolve_dtype(dtype, config, dev)
+        net = create_model(config, backend, torch_dtype, dev)
+        init_random_(net, seed)
+        return LoadedModel(net, config, ByteTokenizer(), torch_dtype, dev)
+    path = Path(model).expanduser()
+    config = load_hf_config(path)
+    torch_dtype = resolve_dtype(dtype, config, dev)
+    net = create_model(config, backend, torch_dtype, dev)
+    load_weights(net, path)
+    return LoadedModel(net, config, load_tokenizer(path), torch_dtype, dev)

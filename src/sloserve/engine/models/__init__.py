@@ -1,0 +1,85 @@
+"""Model classes by architecture, random initialisation and safetensors loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sloserve.core.errors import ConfigError
+from sloserve.engine.attention import AttentionBackend
+from sloserve.engine.config import ModelConfig
+from sloserve.engine.models.llama import LlamaForCausalLM
+from sloserve.engine.models.opt import OPTForCausalLM
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {"llama": LlamaForCausalLM, "opt": OPTForCausalLM}
+# Checkpoint tensors that are buffers in other implementations, not weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def create_model(config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """An uninitialised model on ``device`` (parameters allocated, not filled)."""
+    with torch.device("meta"):
+        model = MODEL_CLASSES[config.architecture](config, backend)
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:  # to_empty re-creates parameters: tie again
+        embed = model.model.embed_tokens if config.architecture == "llama" else model.model.decoder.embed_tokens
+        model.lm_head.weight = embed.weight
+    return model.eval()
+
+
+@torch.no_grad()
+def init_random_(model: nn.Module, seed: int) -> None:
+    """Fill weights from a seeded generator: linear weights N(0, 1/fan_in), embeddings N(0, 1),
+    norm weights 1, biases 0 (a scale at which random models give varied tokens)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if name.endswith("bias"):
+            p.zero_()
+        elif p.ndim == 1:
+            p.fill_(1.0)
+        elif "embed" in name:
+            p.normal_(0.0, 1.0, generator=generator)
+        else:
+            p.normal_(0.0, p.shape[1] ** -0.5, generator=generator)
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, path: Path) -> None:
+    """Copy every tensor of the ``*.safetensors`` files in ``path`` into ``model`` by name.
+
+    A parameter missing from the files (other than a tied LM head) is a ConfigError naming it.
+    """
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model directory {path} has no *.safetensors weights")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    device = next(model.parameters()).device
+    for file in files:
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for key in f.keys():
+                if key.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if key not in params:
+                    raise ConfigError(f"{file}: unexpected tensor {key!r} for a {model.config.model_type} model")
+                tensor = f.get_tensor(key)
+                if tensor.shape != params[key].shape:
+                    raise ConfigError(
+                        f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, the config gives "
+                        f"{tuple(params[key].shape)}"
+                    )
+                params[key].copy_(tensor)
+                loaded.add(key)
+    missing = [k for k in params if k not in loaded and not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing:
+        raise ConfigError(f"model directory {path}: weights missing for {', '.join(missing[:5])}"
+                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))

@@ -1,0 +1,163 @@
+"""The Llama family (Llama-2/3, Mistral-style grouped-query attention) and Qwen2/2.5 (QKV biases).
+
+Token-major: inputs are flat ``[num_tokens]`` ids with their positions; there is no batch dimension.
+Parameter names follow the HF checkpoints (``model.layers.N.self_attn.q_proj.weight``...), so a
+safetensors file loads by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sloserve.engine.attention import AttentionBackend, AttentionMetadata
+from sloserve.engine.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as the reference implementation does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """(head_dim / 2,) inverse frequencies, with linear or Llama-3 scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling.get("rope_type", scaling.get("type")) == "linear":
+        return inv_freq / factor
+    # Llama 3.1: long wavelengths slowed by ``factor``, short ones kept, a smooth ramp in between.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (rotate-half layout), cos/sin tables built once per device."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tables is None or self._tables[0].device != device:
+            inv_freq = rope_inv_freq(self.config).to(device)
+            positions = torch.arange(self.config.max_position_embeddings, device=device).float()
+            freqs = torch.outer(positions, inv_freq)  # (max_pos, hd / 2)
+            emb = torch.cat((freqs, freqs), dim=-1)  # (max_pos, hd)
+            self._tables = (emb.cos(), emb.sin())
+        return self._tables
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.tables(q.device)
+        cos = cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, hd)
+        sin = sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        hd, nh, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
+        self.q_proj = nn.Linear(config.hidden_size, nh * hd, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, nkv * hd, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, nkv * hd, bias=config.attention_bias)
+        self.o_proj = nn.Linear(nh * hd, config.hidden_size, bias=False)
+        self.backend = backend
+
+    def forward(self, x, positions, rotary, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # (T, nh, hd)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
+        q, k = rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta)  # (T, nh, hd)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+
+    def forward(self, x, positions, rotary, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward`` returns the final hidden states ``(T, H)``; ``compute_logits`` the vocabulary scores."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        kv_cache: torch.Tensor,  # (2, layers, num_slots, nkv, hd)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, H)
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, self.rotary, kv_cache[0, i], kv_cache[1, i], meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab)
+        return self.lm_head(hidden)

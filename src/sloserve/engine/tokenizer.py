@@ -1,0 +1,52 @@
+"""Tokenizers: a local HF ``tokenizer.json`` (the ``tokenizers`` library) or, for random models,
+bytes (ids 0..255 are the UTF-8 bytes; BOS and EOS follow)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from sloserve.core.errors import ConfigError
+from sloserve.engine.config import BYTE_BOS_ID, BYTE_EOS_ID
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids, BOS prepended; ids that are not bytes decode to nothing."""
+
+    bos_token_id, eos_token_id = BYTE_BOS_ID, BYTE_EOS_ID
+
+    def encode(self, text: str) -> list[int]:
+        return [BYTE_BOS_ID, *text.encode("utf-8")]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` loaded with the ``tokenizers`` library (special tokens as it defines them)."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer as _Tokenizer
+
+        try:
+            self._tok = _Tokenizer.from_file(str(path))
+        except Exception as e:  # the library raises a bare Exception on a bad file
+            raise ConfigError(f"{path}: cannot load tokenizer ({e})") from None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=True)
+
+
+def load_tokenizer(model_dir: Path) -> HFTokenizer | None:
+    """The directory's tokenizer, or None when it has no tokenizer.json (prompts must be token ids)."""
+    path = model_dir / "tokenizer.json"
+    return HFTokenizer(path) if path.is_file() else None

@@ -1,0 +1,239 @@
+"""The real engine against HuggingFace transformers: the same greedy tokens whatever the policy, the
+KV layout or the preemptions, on tiny random Llama (GQA), Qwen2 (QKV biases) and OPT models in float32."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from sloserve import LLM, SamplingParams  # noqa: E402
+from sloserve.core.errors import ConfigError  # noqa: E402
+from sloserve.sched import scheduler_names  # noqa: E402
+
+VOCAB = 300
+PROMPTS = [[5, 17, 33, 2, 99, 120, 7], [250, 3, 3], [i * 7 % VOCAB for i in range(1, 31)], [42] * 12,
+           [11, 22, 33, 44, 55], list(range(100, 117))]  # fmt: skip
+MAX_TOKENS = [12, 5, 20, 8, 16, 10]
+
+
+def _hf_model(arch: str):
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=256)  # fmt: skip
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2)
+        cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        config = transformers.OPTConfig(**common, ffn_dim=128, word_embed_proj_dim=64, init_std=0.2)
+        cls = transformers.OPTForCausalLM
+    torch.manual_seed({"llama": 0, "qwen2": 1, "opt": 2}[arch])
+    model = cls(config).eval()
+    with torch.no_grad():  # biases and norm weights are 0 / 1 at init: make them count
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+            elif p.ndim == 1:
+                p.mul_(1 + 0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory) -> dict[str, str]:
+    """Each architecture saved as a local HF directory (config.json + model.safetensors)."""
+    dirs = {}
+    for arch in ("llama", "qwen2", "opt"):
+        path = tmp_path_factory.mktemp(f"hf-{arch}")
+        _hf_model(arch).save_pretrained(path)
+        dirs[arch] = str(path)
+    return dirs
+
+
+@functools.cache
+def _hf_cached(arch: str):
+    return _hf_model(arch)
+
+
+@functools.cache
+def hf_greedy(arch: str, prompt: tuple[int, ...], num_tokens: int) -> list[int]:
+    """HF greedy tokens of ``prompt`` generated alone (EOS ignored)."""
+    ids = torch.tensor([prompt])
+    gen = _hf_cached(arch).generate(
+        ids, max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return gen[0, len(prompt) :].tolist()
+
+
+def reference(arch: str) -> list[list[int]]:
+    return [hf_greedy(arch, tuple(p), n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+
+
+def _generate(path: str, scheduler: str, **kwargs) -> tuple[list[list[int]], LLM]:
+    llm = LLM(path, scheduler, **kwargs)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    return [o.outputs[0].token_ids for o in outputs], llm
+
+
+@pytest.mark.parametrize("scheduler", scheduler_names())
+def test_every_scheduler_gives_hf_greedy_tokens(hf_dirs, scheduler):
+    tokens, _ = _generate(hf_dirs["llama"], scheduler)
+    assert tokens == reference("llama")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "opt"])
+@pytest.mark.parametrize("scheduler", ["vllm", "sarathi", "orca", "bros"])
+def test_qwen2_and_opt_give_hf_greedy_tokens(hf_dirs, arch, scheduler):
+    tokens, _ = _generate(hf_dirs[arch], scheduler)
+    assert tokens == reference(arch)
+
+
+@pytest.mark.parametrize("kv_manager", ["paged", "max", "exact", "bidirectional"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_every_kv_manager_gives_hf_greedy_tokens(hf_dirs, kv_manager, block_size):
+    scheduler = "bros" if kv_manager == "bidirectional" else "vllm"
+    tokens, _ = _generate(hf_dirs["llama"], scheduler, kv_manager=kv_manager, block_size=block_size)
+    assert tokens == reference("llama")
+
+
+def test_chunked_prefill_in_small_chunks(hf_dirs):
+    """Sarathi with an 8-token prefill budget: prompts run as chunks over several steps, each
+    attending to its earlier chunks through the slot table (bottom-right causal mask)."""
+    tokens, llm = _generate(hf_dirs["opt"], "sarathi", prefill_token_budget=8, block_size=4)
+    assert tokens == reference("opt")
+    assert llm.engine.replica.timeline.as_dict()["num_prefill_tokens"].max() <= 8
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize("scheduler", ["vllm", "sarathi"])
+def test_forced_preemption_loses_nothing(hf_dirs, scheduler, preemption):
+    """A KV cache of 64 slots cannot hold all six requests: some are evicted and come back (refilled
+    from prompt + generated tokens, or swapped back in), and every token still equals HF's."""
+    tokens, llm = _generate(hf_dirs["llama"], scheduler, kv_capacity_tokens=64, block_size=4, preemption_mode=preemption)
+    assert tokens == reference("llama")
+    assert llm.engine.scheduler.num_preemptions > 0
+    if preemption == "swap":
+        assert llm.engine.scheduler.kv.swapped_bytes > 0
+
+
+def test_eos_stops_a_request(hf_dirs, tmp_path):
+    """With EOS = the 4th greedy token of prompt 0, that request stops there ('stop'); others run on."""
+    ref = reference("llama")
+    eos = ref[0][3]
+    path = tmp_path / "model"
+    shutil.copytree(hf_dirs["llama"], path)
+    config = json.loads((path / "config.json").read_text())
+    config["eos_token_id"] = eos
+    (path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(path))
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0]
+    assert out.token_ids == ref[0][: ref[0].index(eos) + 1]
+    assert out.finish_reason == "stop"
+    forced = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert forced[0].outputs[0].token_ids == ref[0] and forced[0].outputs[0].finish_reason == "length"
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    llm = LLM("random:tiny-llama")
+    params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    alone = llm.generate(["sampling"], params)[0].outputs[0].token_ids
+    batch = llm.generate(["other", "sampling", "prompts here"], [SamplingParams(max_tokens=6, temperature=1.0), params,
+                                                              SamplingParams(max_tokens=3, temperature=0)])  # fmt: skip
+    assert batch[1].outputs[0].token_ids == alone
+    other_seed = llm.generate(["sampling"], SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=8, ignore_eos=True))
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_outputs_in_input_order_with_text():
+    llm = LLM("random:tiny-llama", "sarathi")
+    prompts = ["a much longer prompt than the others, to finish later", "hi", {"prompt_token_ids": [256, 104, 105]}]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert [o.prompt for o in outputs] == [prompts[0], prompts[1], None]
+    assert outputs[1].prompt_token_ids == llm.tokenizer.encode("hi")
+    # "hi" is the same tokens as {"prompt_token_ids": [BOS, h, i]}: the same greedy output.
+    assert outputs[1].outputs[0].token_ids == outputs[2].outputs[0].token_ids
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)
+    assert outputs[0].outputs[0].text == llm.tokenizer.decode(outputs[0].outputs[0].token_ids)
+
+
+def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
+    with pytest.raises(ConfigError, match="does not exist"):
+        LLM(str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no config.json"):
+        LLM(str(tmp_path / "empty"))
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    shutil.copy(f"{hf_dirs['llama']}/config.json", no_weights)
+    with pytest.raises(ConfigError, match=r"no \*.safetensors"):
+        LLM(str(no_weights))
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match="unsupported architecture 'gpt2'.*supported: llama, mistral, opt, qwen2"):
+        LLM(str(tmp_path / "gpt2"))
+    with pytest.raises(ConfigError, match="unknown random model shape 'nope'"):
+        LLM("random:nope")
+    llm = LLM("random:tiny-llama", max_model_len=32)
+    with pytest.raises(ConfigError, match="prompt 1: 40 prompt tokens .* context of 32"):
+        llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [1] * 40}])
+    assert not llm.engine.has_unfinished()  # the valid prompt was not started either
+    small = LLM("random:tiny-llama", kv_capacity_tokens=16, block_size=4)
+    with pytest.raises(ConfigError, match="KV capacity 16 tokens cannot hold one request"):
+        small.generate([{"prompt_token_ids": [1] * 10}], SamplingParams(max_tokens=10))
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        llm.generate([{"prompt_token_ids": [1, 99999]}])
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            LLM("random:tiny-llama", device="cuda")
+
+
+def test_bros_checkpoints_and_restores_real_kv(hf_dirs):
+    """BROS with bidirectional blocks in a 64-slot cache: BE requests fill it, RT requests arriving
+    later overwrite BE slots (lazy checkpointing copies exactly those slots to CPU memory), and the
+    BE requests restore them when they run again. Every request still gets HF's tokens."""
+    from sloserve.core.request import Request, RequestClass
+    from sloserve.engine.llm_engine import LLMEngine
+    from sloserve.engine.loader import load_model
+
+    engine = LLMEngine(load_model(hf_dirs["llama"]), "bros", kv_capacity_tokens=64, scheduler_options={"block_size": 8})
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts, requests = {}, []
+
+    def add(i: int, cls: RequestClass, prompt: list[int]) -> None:
+        request = Request(i, engine.replica.now, len(prompt), 10, 10, request_class=cls)
+        requests.append(engine.add_request(prompt, params, engine.replica.now, request=request))
+        prompts[request] = prompt
+
+    for i in range(3):
+        add(i, RequestClass.BE, [(7 * i + j) % VOCAB for j in range(1, 19)])
+    for _ in range(4):
+        engine.step()
+    for i in range(3, 6):
+        add(i, RequestClass.RT, [(11 * i + j) % VOCAB for j in range(1, 13)])
+    while engine.has_unfinished():
+        engine.step()
+        engine.scheduler.check_integrity()
+    kv = engine.scheduler.kv
+    assert kv.checkpointed_bytes > 0 and kv.restored_bytes > 0
+    for request in requests:
+        assert engine.output_token_ids(request) == hf_greedy("llama", tuple(prompts[request]), 10), request
+
+
+def test_the_simulator_never_imports_torch():
+    """The core install has no torch: simulating, the CLI and ``import sloserve`` must not load it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, sloserve, sloserve.cli, sloserve.sim, sloserve.sched, sloserve.metrics, sloserve.optimal\n"
+        "from sloserve.workload import synthetic_workload\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
