@@ -237,3 +237,73 @@ def test_the_simulator_never_imports_torch():
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _cli(*args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "sloserve.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_run_replays_a_workload_through_the_engine(tmp_path):
+    """`sloserve run` writes what `simulate` writes; every request gets exactly its trace's output length."""
+    import csv
+
+    out = tmp_path / "run"
+    proc = _cli("run", "--model", "random:tiny-llama", "--trace", "sharegpt", "--num-requests", "12", "--rate", "50",
+                "--max-model-len", "512", "--scheduler", "sarathi", "--virtual-clock", "--out", str(out), "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["completed"] == 12 and summary["engine"] is True and summary["clock"] == "virtual"
+    assert summary["throughput_tps"] > 0 and summary["num_steps"] > 0
+    assert {p.name for p in out.iterdir()} >= {"summary.json", "requests.csv", "timeline.csv", "timeline.png"}
+    with open(out / "requests.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 12 and all(r["ttft_s"] for r in rows)
+
+
+def test_run_with_a_closed_loop_workload_on_the_wall_clock(tmp_path):
+    """BROS on its own workload (RT Poisson + BE batches resubmitted when done), arrivals in real time."""
+    proc = _cli("run", "--model", "random:tiny-opt", "--workload", "bros-sharegpt", "--num-requests", "10",
+                "--rt-rate", "20", "--max-model-len", "1024", "--scheduler", "bros", "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["clock"] == "wall" and summary["completed"] == summary["num_requests"]
+    assert set(summary["classes"]) == {"rt", "be"}
+
+
+def test_profile_fits_a_preset_that_simulate_can_use(tmp_path):
+    preset = tmp_path / "tiny.json"
+    proc = _cli("profile", "--model", "random:tiny-llama", "--out", str(preset), "--prefill-chunks", "16,64,128,256",
+                "--context-lens", "0,128", "--batch-sizes", "1,4,8,16", "--decode-kv-lens", "32,128", "--repeats", "1")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "held out" in proc.stdout
+    doc = json.loads(preset.read_text())
+    assert doc["num_layers"] == 2 and doc["info"]["held_out"]["points"] >= 3
+    assert doc["info"]["fit"]["n_rows"] >= 9
+    from sloserve.cost import LinearCostModel, load_preset
+    from sloserve.cost.base import BatchShape
+
+    # The fitted model predicts positive, growing times (not a fixed figure: the machine decides).
+    model = LinearCostModel(load_preset(preset))
+    assert 0 < model.batch_time(BatchShape(1, 32)).total_s < model.batch_time(BatchShape(16, 16 * 128)).total_s
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("run", "--model", "/nonexistent/model", "--trace", "sharegpt"), "does not exist"),
+        (("run", "--model", "random:tiny-llama", "--trace", "sharegpt", "--device", "cuda"), "CUDA is not available"),
+        (("run", "--model", "random:huge", "--trace", "sharegpt"), "unknown random model shape"),
+        (("run", "--model", "random:tiny-llama", "--trace", "sharegpt", "--num-requests", "3", "--offline", "--kv-capacity-tokens", "64"),
+         "KV capacity 64 tokens cannot hold one request"),
+        (("profile", "--model", "random:tiny-llama", "--out", "x.json", "--batch-sizes", "a,b"), "--batch-sizes expects"),
+    ],
+)
+def test_engine_commands_bad_input_exit_2(args, message):
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = _cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr

@@ -1,4 +1,5 @@
-"""The ``sloserve`` command: simulate, compare, sweep, and list traces, schedulers and hardware."""
+"""The ``sloserve`` command: simulate, compare, sweep, bound, run and profile the real engine, and list
+traces, schedulers and hardware."""
 
 from __future__ import annotations
 
@@ -100,36 +101,39 @@ class Setup:
 
     def make_workload(self, rate: float | None = None):
         """The workload, with ``rate`` overriding --rate (for sweeps)."""
-        from sloserve.workload import build_workload, load_workload_spec, with_rt_rate, workload_from_trace
+        return _make_workload(self.options, self.model.max_context_len, rate)
 
-        o = self.options
-        context_len = self.model.max_context_len
-        if o["workload"]:
-            if o["trace"]:
-                raise ConfigError("give --trace or --workload, not both")
-            if o["rate"] is not None:
-                raise ConfigError("--rate applies to --trace; use --rt-rate to set a workload's RT rate")
-            spec = load_workload_spec(o["workload"])
-            rt_rate = rate if rate is not None else o["rt_rate"]  # a sweep's rates are RT rates
-            if rt_rate is not None:
-                spec = with_rt_rate(spec, rt_rate)
-            return build_workload(spec, seed=o["seed"], context_len=context_len, num_requests=o["num_requests"])
-        if not o["trace"]:
-            raise ConfigError("give --trace NAME|PATH or --workload SPEC")
-        slo = {"ttft_s": o["slo_ttft"], "tpot_s": o["slo_tpot"], "jct_s": o["slo_jct"]}
-        return workload_from_trace(
-            o["trace"],
-            num_requests=o["num_requests"] or 1000,
-            seed=o["seed"],
-            context_len=context_len,
-            rate=rate if rate is not None else o["rate"],
-            burstiness_cv=o["burstiness"],
-            trace_arrivals=o["trace_arrivals"],
-            offline=o["offline"],
-            slo=SLO(**slo) if any(v is not None for v in slo.values()) else None,
-            max_tokens=o["max_tokens"],
-            columns=_parse_columns(o["columns"]),
-        )
+
+def _make_workload(o: dict[str, Any], context_len: int, rate: float | None = None):
+    """The workload the --trace / --workload options describe, clipped to ``context_len``."""
+    from sloserve.workload import build_workload, load_workload_spec, with_rt_rate, workload_from_trace
+
+    if o["workload"]:
+        if o["trace"]:
+            raise ConfigError("give --trace or --workload, not both")
+        if o["rate"] is not None:
+            raise ConfigError("--rate applies to --trace; use --rt-rate to set a workload's RT rate")
+        spec = load_workload_spec(o["workload"])
+        rt_rate = rate if rate is not None else o["rt_rate"]  # a sweep's rates are RT rates
+        if rt_rate is not None:
+            spec = with_rt_rate(spec, rt_rate)
+        return build_workload(spec, seed=o["seed"], context_len=context_len, num_requests=o["num_requests"])
+    if not o["trace"]:
+        raise ConfigError("give --trace NAME|PATH or --workload SPEC")
+    slo = {"ttft_s": o["slo_ttft"], "tpot_s": o["slo_tpot"], "jct_s": o["slo_jct"]}
+    return workload_from_trace(
+        o["trace"],
+        num_requests=o["num_requests"] or 1000,
+        seed=o["seed"],
+        context_len=context_len,
+        rate=rate if rate is not None else o["rate"],
+        burstiness_cv=o["burstiness"],
+        trace_arrivals=o["trace_arrivals"],
+        offline=o["offline"],
+        slo=SLO(**slo) if any(v is not None for v in slo.values()) else None,
+        max_tokens=o["max_tokens"],
+        columns=_parse_columns(o["columns"]),
+    )
 
 
 def _parse_columns(text: str | None) -> dict[str, str] | None:
@@ -619,6 +623,158 @@ def fit_cost(csv_path: Path, layers: int, name: str | None, out: Path) -> None:
     )
     if report.unidentified:
         click.echo(f"note: the data does not pin down {', '.join(report.unidentified)} (left at 0)")
+
+
+def _engine_options(fn: Callable) -> Callable:
+    options = [
+        click.option("--model", required=True, help="Local HF model directory or random:NAME (e.g. random:tiny-llama)."),
+        click.option("--device", default="cpu", show_default=True, help="cpu or cuda."),
+        click.option("--dtype", default="auto", show_default=True, help="auto, float32, float16 or bfloat16."),
+        click.option("--max-model-len", type=int, help="Context length (default: the model's own)."),
+        click.option("--kv-capacity-tokens", type=int, help="KV cache slots (default: from free memory)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _load_engine_model(options: dict[str, Any]):
+    try:
+        from sloserve.engine.loader import load_model
+    except ImportError as exc:  # torch, safetensors or tokenizers missing
+        raise ConfigError(f"the engine needs the engine extra: pip install 'sloserve[engine]' ({exc})") from None
+    return load_model(options["model"], device=options["device"], dtype=options["dtype"], seed=options["seed"])
+
+
+@main.command()
+@click.option("--scheduler", default="vllm", show_default=True, help="Scheduler name (see `sloserve schedulers`).")
+@click.option("--set", "set_pairs", multiple=True, metavar="KEY=VALUE", help="Scheduler option; repeatable.")
+@_workload_options
+@_engine_options
+@click.option("--cost-model", help="Preset or JSON file for policies that estimate batch times (BROS).")
+@click.option("--virtual-clock", is_flag=True,
+              help="Advance time by measured step times instead of waiting for arrivals on the wall clock.")
+@click.option("--out", type=click.Path(path_type=Path), help="Write summary.json, requests.csv, timeline.csv, plots.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virtual_clock: bool, out: Path | None,
+        as_json: bool, **options: Any) -> None:  # fmt: skip
+    """Replay a workload through the real engine (random prompt tokens of the trace's lengths,
+    outputs forced to the trace's lengths with ignore_eos, greedy)."""
+    import numpy as np
+
+    from sloserve.metrics import compare_table, summarize, summary_to_json
+    from sloserve.sched import parse_set_options
+
+    set_options = parse_set_options(set_pairs)
+    loaded = _load_engine_model(options)
+    from sloserve.engine.llm_engine import LLMEngine, run_requests, synthetic_prompt
+    from sloserve.engine.sampler import SamplingParams
+
+    engine = LLMEngine(loaded, scheduler, kv_capacity_tokens=options["kv_capacity_tokens"],
+                       max_model_len=options["max_model_len"], cost_model=cost_model, seed=options["seed"],
+                       scheduler_options=set_options)  # fmt: skip
+    workload = _make_workload(options, engine.max_model_len)
+    requests = [_fresh(r) for r in workload.requests]
+    by_id = {r.request_id: r for r in requests}
+    chains = [[[by_id[r.request_id] for r in batch] for batch in chain] for chain in workload.chains]
+    rng = np.random.default_rng(options["seed"])
+    prompts = [synthetic_prompt(r.num_prompt_tokens, loaded.config.vocab_size, rng) for r in requests]
+    params = [SamplingParams(max_tokens=r.true_output_tokens, temperature=0, ignore_eos=True) for r in requests]
+    with _progress(len(requests), f"{scheduler} (engine)", enabled=not as_json) as on_progress:
+        wall = run_requests(engine, requests, prompts, params, wall_clock=not virtual_clock, chains=chains,
+                            on_progress=on_progress)  # fmt: skip
+    kv = engine.scheduler.kv
+    summary = summarize(
+        requests,
+        engine.replica.timeline,
+        kv_capacity_tokens=kv.capacity_tokens,
+        sim_wall_s=wall,
+        num_allocation_failures=kv.num_allocation_failures,
+        swapped_bytes=kv.swapped_bytes,
+        extra={
+            "engine": True,
+            "scheduler": scheduler,
+            "scheduler_options": set_options,
+            "model": options["model"],
+            "device": str(loaded.device),
+            "dtype": str(loaded.dtype).removeprefix("torch."),
+            "clock": "virtual" if virtual_clock else "wall",
+            "workload": workload.name,
+            "num_clipped": workload.num_clipped,
+            "seed": options["seed"],
+        },
+    )
+    summary["_result"] = (requests, engine.replica.timeline)
+    if out is not None:
+        _write(out, summary)
+    if as_json:
+        click.echo(summary_to_json(_public(summary)))
+    else:
+        _print_table(compare_table({scheduler: summary}, f"engine: {options['model']} on {loaded.device}, "
+                                                         f"{workload.name}, {len(requests)} requests"))  # fmt: skip
+        if out is not None:
+            click.echo(f"wrote {out}/summary.json, requests.csv, timeline.csv and plots")
+
+
+def _int_list(text: str, option: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{option} expects comma-separated integers, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise ConfigError(f"{option} expects non-negative integers, got {text!r}")
+    return values
+
+
+@main.command(name="profile")
+@_engine_options
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="JSON preset to write.")
+@click.option("--name", help="Preset name [the output file's stem].")
+@click.option("--prefill-chunks", default="32,64,128,256,512,1024,2048,4096,8192,16384", show_default=True,
+              help="Prefill chunk sizes c.")
+@click.option("--context-lens", default="0,512,2048", show_default=True, help="Tokens cached before a chunk (m).")
+@click.option("--batch-sizes", default="1,2,4,8,16,32,64,128,256", show_default=True, help="Decode batch sizes.")
+@click.option("--decode-kv-lens", default="128,512,2048", show_default=True, help="Tokens cached per decode.")
+@click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per point (median).")
+@click.option("--seed", type=int, default=0, show_default=True)
+def profile_cmd(out: Path, name: str | None, prefill_chunks: str, context_lens: str, batch_sizes: str,
+                decode_kv_lens: str, repeats: int, **options: Any) -> None:  # fmt: skip
+    """Measure the engine's batch times over a grid and fit the linear cost model to them; the preset
+    works with `simulate --cost-model OUT`. Reports the error on held-out points."""
+    from sloserve.cost import save_preset
+
+    if repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {repeats}")
+    grid_values = dict(
+        prefill_chunks=_int_list(prefill_chunks, "--prefill-chunks"),
+        context_lens=_int_list(context_lens, "--context-lens"),
+        batch_sizes=_int_list(batch_sizes, "--batch-sizes"),
+        decode_kv_lens=_int_list(decode_kv_lens, "--decode-kv-lens"),
+    )
+    loaded = _load_engine_model(options)
+    from sloserve.engine.llm_engine import default_kv_capacity
+    from sloserve.engine.profile import ProfileGrid, profile
+
+    max_len = min(loaded.config.max_position_embeddings, options["max_model_len"] or loaded.config.max_position_embeddings)
+    slots = options["kv_capacity_tokens"] or default_kv_capacity(loaded, max_len)
+    with _progress(1, "profiling", enabled=True) as bar:
+        result = profile(loaded, ProfileGrid(**grid_values), max_model_len=max_len, max_slots=slots,
+                         name=name or out.stem, repeats=repeats,
+                         on_point=(lambda i, n: bar(i / n)) if bar else None)  # fmt: skip
+    report = result.fit.report
+    save_preset(result.fit.coefficients, out, extra={
+        "model": options["model"], "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
+        "fit": report._asdict(), "held_out": {"points": len(result.held_out),
+                                              "mean_rel_error": result.held_out_mean_rel_error,
+                                              "max_rel_error": result.held_out_max_rel_error},
+        "grid": {k: list(v) for k, v in grid_values.items()},
+    })  # fmt: skip
+    click.echo(
+        f"profiled {len(result.shapes)} batches of {options['model']} on {loaded.device}; fitted on "
+        f"{report.n_rows}: mean relative error {report.mean_rel_error:.2%}, max {report.max_rel_error:.2%}; "
+        f"held out {len(result.held_out)}: mean {result.held_out_mean_rel_error:.2%}, "
+        f"max {result.held_out_max_rel_error:.2%}; wrote {out}"
+    )
 
 
 @main.command(name="workloads")

@@ -7,6 +7,7 @@ engine's executor in place of the cost model, so the same timeline and metrics c
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -171,26 +172,37 @@ def run_requests(
     params: Sequence[SamplingParams],
     *,
     wall_clock: bool,
+    chains: Sequence[Sequence[Sequence[Request]]] = (),
     on_progress: Callable[[int], None] | None = None,
 ) -> float:
     """Replay ``requests`` (their arrival times set) through ``engine``; returns the wall seconds.
 
     ``wall_clock``: arrivals happen on the wall clock (the engine idles until the next one) and
     timestamps are wall seconds since the start; otherwise the clock is the sum of measured step
-    times, jumping over idle gaps (a replay with the same step times, no waiting).
+    times, jumping over idle gaps (a replay with the same step times, no waiting). Closed-loop
+    ``chains`` work as in ``simulate``: a batch after the first arrives when the one before it is done.
     """
-    order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_time, requests[i].request_id))
-    for i in order:  # validate every request before running any
-        engine.check_request(prompts[i], params[i], where=f"request {requests[i].request_id}")
-    replica, start, nxt, done = engine.replica, time.perf_counter(), 0, 0
+    index = {id(r): i for i, r in enumerate(requests)}
+    for i, r in enumerate(requests):  # validate every request before running any
+        engine.check_request(prompts[i], params[i], where=f"request {r.request_id}")
+    chained = {id(r) for chain in chains for batch in chain[1:] for r in batch}
+    next_batch: dict[int, tuple[list[Request], list[Request]]] = {}  # id(request) -> (its batch, the next)
+    for chain in chains:
+        for batch, following in zip(chain, chain[1:]):
+            pair = (list(batch), list(following))
+            for r in batch:
+                next_batch[id(r)] = pair
+    pending = [(r.arrival_time, r.request_id, i) for i, r in enumerate(requests) if id(r) not in chained]
+    heapq.heapify(pending)
+    released: set[int] = set()  # id() of batches already arrived
+    replica, start, done = engine.replica, time.perf_counter(), 0
     replica.now = 0.0
-    while nxt < len(order) or engine.has_unfinished():
+    while pending or engine.has_unfinished():
         now = time.perf_counter() - start if wall_clock else replica.now
-        while nxt < len(order) and requests[order[nxt]].arrival_time <= now:
-            i = order[nxt]
+        while pending and pending[0][0] <= now:
+            _, _, i = heapq.heappop(pending)
             engine.add_request(prompts[i], params[i], requests[i].arrival_time, request=requests[i])
-            nxt += 1
-        next_arrival = requests[order[nxt]].arrival_time if nxt < len(order) else math.inf
+        next_arrival = pending[0][0] if pending else math.inf
         if not engine.has_unfinished():
             if wall_clock:
                 time.sleep(max(0.0, next_arrival - now))
@@ -199,7 +211,15 @@ def run_requests(
             continue
         if wall_clock:
             replica.now = time.perf_counter() - start
-        done += len(engine.step(next_arrival))
+        finished = engine.step(next_arrival)
+        done += len(finished)
+        for r in finished:
+            batch, following = next_batch.get(id(r), ((), ()))
+            if following and id(following) not in released and all(x.is_finished for x in batch):
+                released.add(id(following))
+                for x in following:  # the next batch arrives now
+                    x.arrival_time = r.finish_time
+                    heapq.heappush(pending, (x.arrival_time, x.request_id, index[id(x)]))
         if on_progress is not None:
             on_progress(done)
     return time.perf_counter() - start
