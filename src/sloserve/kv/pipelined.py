@@ -1,0 +1,328 @@
+"""EconoServe §3.2 KV-cache pipelining: a generation task (GT) lends the unused part of its allocated
+KV region to GTs predicted to finish before it gets there, recursively ("Russian nesting dolls").
+
+A GT's *region* is the KV allocated for its predicted response length (RL) l (EconoServe's exact
+allocation). Its owner writes generated tokens from offset 0 up. The owner lends its second half,
+offsets [l/2, l), to a hosted GT whose RL is at most l/2 - b (b: the buffer for under-prediction),
+then the second half of what it kept, [l/4, l/2), to another with RL at most l/4 - b, and so on; each
+hosted GT lends its own region the same way (Figure 7b). Hosted GTs start with their host, so one
+reaching the end of its RL (+ buffer) has finished before its host writes its first lent slot:
+
+    Figure 7a   r1 (RL 32): offsets [0, 16) its own, [16, 32) lent to r2 (RL 16)
+    Figure 7b   r1 also lends [8, 16) to r3 (RL 8); r2 lends [24, 32) to r4 (RL 8)
+
+Every offset is a physical slot: a top-level region takes whole blocks from the pool; a hosted
+region is a slice of its host's slots, so the engine writes a hosted GT's KV inside its host's
+allocation. If a hosted GT has not finished when its host reaches its first slot (an under-predicted
+RL), the policy evicts it: its tokens in the lent slots are copied to CPU memory (``SlotCopy``; the
+paper's copy-on-write) and come back to fresh slots when it resumes (``restore``).
+
+Prompt tokens (a prompt task's KV, allocated at its prompt length) and tokens past a region's end
+live in the request's own paged blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sloserve.core.errors import ConfigError
+from sloserve.core.outputs import SlotCopy
+from sloserve.core.request import Request
+from sloserve.kv.manager import KVCacheManager
+
+CHECKPOINTED = -1  # a token whose KV lives in CPU memory
+
+
+@dataclass(eq=False)
+class Region:
+    """A GT's allocation: ``slots[k]`` is the physical slot of offset k."""
+
+    owner: Request | None  # None once the owner left while GTs hosted inside still run
+    slots: list[int]
+    parent: Region | None = None  # the region these slots are lent from (None: from the pool)
+    start: int = 0  # offset of slots[0] in the parent region
+    blocks: list[int] = field(default_factory=list)  # pool blocks (top-level regions only)
+    frontier: int = 0  # offsets [frontier, len(slots)) are lent out (one child per halving)
+    used: int = 0  # tokens the owner has written
+    children: list[Region] = field(default_factory=list)  # live hosted regions
+
+    def child_at(self, offset: int) -> Region | None:
+        for child in self.children:
+            if child.start <= offset < child.start + len(child.slots):
+                return child
+        return None
+
+
+class PipelinedKVManager(KVCacheManager):
+    """EconoServe's KV manager: exact regions for GTs, nested by KV-cache pipelining.
+
+    ``buffer_tokens`` is the paper's b: a hosted GT's RL is at most half of what its host keeps,
+    minus b, minus the tokens the host has written already.
+    """
+
+    name = "pipelined"
+    periodic_growth = False
+
+    def __init__(self, num_blocks: int, block_size: int = 16, *, kv_bytes_per_token: int = 0,
+                 num_cpu_blocks: int = 0, buffer_tokens: int = 0) -> None:  # fmt: skip
+        super().__init__(num_blocks, block_size, kv_bytes_per_token=kv_bytes_per_token, num_cpu_blocks=num_cpu_blocks)
+        if buffer_tokens < 0:
+            raise ConfigError(f"pipelining buffer b must be >= 0 tokens, got {buffer_tokens}")
+        self.buffer_tokens = buffer_tokens
+        self.token_slots: dict[Request, list[int]] = {}  # every token's slot (CHECKPOINTED: in CPU memory)
+        self.regions: dict[Request, Region] = {}
+        self.own_blocks: dict[Request, list[int]] = {}  # paged blocks for prompt and overflow tokens
+        self._own_used: dict[Request, int] = {}  # slots taken in own_blocks
+        self.cpu_slots: dict[Request, dict[int, int]] = {}  # evicted hosted tokens: token -> CPU slot
+        self._cpu_free: list[int] = []
+        self.num_cpu_slots = 0  # CPU slots ever handed out (host memory grows on demand)
+        self.pending_copies: list[SlotCopy] = []
+        self.num_evictions = 0
+
+    # --- accounting ----------------------------------------------------------------------------
+    def num_slots(self, request: Request) -> int:
+        slots = self.token_slots.get(request, ())
+        return len(slots) - sum(1 for s in slots if s == CHECKPOINTED) if request in self.cpu_slots else len(slots)
+
+    def num_tracked_tokens(self, request: Request) -> int:
+        return len(self.token_slots.get(request, ()))
+
+    def slot_ids(self, request: Request, start: int, end: int) -> list[int]:
+        slots = self.token_slots[request][start:end]
+        if len(slots) != end - start or CHECKPOINTED in slots:
+            raise IndexError(f"{request}: tokens {start}..{end - 1} are not all on the GPU")
+        return slots
+
+    def slot_table(self, request: Request, num_tokens: int) -> np.ndarray:
+        return np.asarray(self.slot_ids(request, 0, num_tokens), dtype=np.int64)
+
+    def take_copies(self) -> list[SlotCopy]:
+        """Evictions (GPU -> CPU) and restores (CPU -> GPU) decided since the last call, in order."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    # --- regions -------------------------------------------------------------------------------
+    def reserve_region(self, request: Request, num_tokens: int) -> bool:
+        """Allocate a top-level region of ``num_tokens`` (the predicted RL, padding included) from the
+        pool, in whole blocks; all or nothing."""
+        assert request not in self.regions, f"{request} already has a region"
+        blocks = self._take(-(-num_tokens // self.block_size))
+        if blocks is None:
+            return False
+        bs = self.block_size
+        slots = [b * bs + k for b in blocks for k in range(bs)][:num_tokens]
+        self.regions[request] = Region(request, slots, blocks=blocks, frontier=num_tokens)
+        self.token_slots.setdefault(request, [])
+        return True
+
+    def lend_limit(self, host: Request) -> int:
+        """The largest RL a GT hosted next in ``host``'s region may have (< 1: nothing to lend)."""
+        region = self.regions.get(host)
+        if region is None or region.owner is not host:
+            return 0
+        half = region.frontier // 2
+        mid = region.frontier - half  # the host keeps [0, mid), lends [mid, frontier)
+        return min(half, mid - region.used - self.buffer_tokens)
+
+    def lend(self, host: Request, hosted: Request, num_tokens: int) -> bool:
+        """Host ``hosted`` (predicted RL ``num_tokens``) in the second half of what ``host`` keeps;
+        False (nothing changes) when the RL exceeds ``lend_limit(host)``."""
+        assert hosted not in self.regions, f"{hosted} already has a region"
+        if not 1 <= num_tokens <= self.lend_limit(host):
+            return False
+        region = self.regions[host]
+        half = region.frontier // 2
+        mid = region.frontier - half
+        child = Region(hosted, region.slots[mid : region.frontier], parent=region, start=mid, frontier=half)
+        region.children.append(child)
+        region.frontier = mid
+        self.regions[hosted] = child
+        self.token_slots.setdefault(hosted, [])
+        return True
+
+    def hosted_in_the_way(self, request: Request) -> Request | None:
+        """The hosted GT occupying the slot ``request`` writes next (to evict before it grows)."""
+        region = self.regions.get(request)
+        if region is None or region.used >= len(region.slots):
+            return None
+        child = region.child_at(region.used)
+        return None if child is None else child.owner
+
+    # --- growth ----------------------------------------------------------------------------------
+    def _own_slot(self, request: Request) -> int | None:
+        used = self._own_used.get(request, 0)
+        blocks = self.own_blocks.setdefault(request, [])
+        if used == len(blocks) * self.block_size:
+            new = self._take(1)
+            if new is None:
+                return None
+            blocks.extend(new)
+        self._own_used[request] = used + 1
+        return blocks[used // self.block_size] * self.block_size + used % self.block_size
+
+    def own_blocks_needed(self, request: Request, num_new: int) -> int:
+        have = len(self.own_blocks.get(request, ())) * self.block_size - self._own_used.get(request, 0)
+        return max(0, -(-(num_new - have) // self.block_size))
+
+    def blocks_needed(self, request: Request, num_tokens: int) -> int:
+        """New pool blocks growing ``request`` to ``num_tokens`` takes (region slots are held)."""
+        new = num_tokens - len(self.token_slots.get(request, ()))
+        if new <= 0:
+            return 0
+        region = self.regions.get(request)
+        if region is not None:
+            new -= len(region.slots) - region.used
+        return self.own_blocks_needed(request, new) if new > 0 else 0
+
+    def allocate_slots(self, request: Request, num_tokens: int) -> bool:
+        """Give ``request`` slots up to ``num_tokens`` tokens: its region's next offsets first (a GT),
+        then its own paged blocks (prompts, overflow). All or nothing: False when blocks are short or
+        a hosted GT still holds the next region slot (evict it with ``evict``, then retry)."""
+        slots = self.token_slots.setdefault(request, [])
+        new = num_tokens - len(slots)
+        if new <= 0:
+            return True
+        region = self.regions.get(request)
+        from_region = 0
+        if region is not None:
+            from_region = min(new, len(region.slots) - region.used)
+            for offset in range(region.used, region.used + from_region):
+                if region.child_at(offset) is not None:
+                    self.num_allocation_failures += 1
+                    return False
+        if self.own_blocks_needed(request, new - from_region) > self.num_free_blocks:
+            self.num_allocation_failures += 1
+            return False
+        if region is not None:
+            slots.extend(region.slots[region.used : region.used + from_region])
+            region.used += from_region
+        for _ in range(new - from_region):
+            slot = self._own_slot(request)
+            assert slot is not None
+            slots.append(slot)
+        return True
+
+    # --- eviction and restore ----------------------------------------------------------------------
+    def evict(self, hosted: Request) -> None:
+        """Its host needs the slots: copy ``hosted``'s tokens in its lent region to CPU memory and give
+        the region back (GTs hosted inside it stay, now inside the host's region)."""
+        region = self.regions[hosted]
+        assert region.parent is not None, "only hosted GTs are evicted"
+        slots = self.token_slots[hosted]
+        saved = self.cpu_slots.setdefault(hosted, {})
+        lent = set(region.slots)
+        for token, slot in enumerate(slots):
+            if slot in lent:
+                cpu = self._cpu_free.pop() if self._cpu_free else self._new_cpu_slot()
+                saved[token] = cpu
+                self.pending_copies.append(SlotCopy(slot, cpu, to_cpu=True))
+                slots[token] = CHECKPOINTED
+        self.swapped_bytes += len(saved) * self.kv_bytes_per_token
+        self.num_evictions += 1
+        self._leave_region(hosted)
+
+    def _new_cpu_slot(self) -> int:
+        self.num_cpu_slots += 1
+        return self.num_cpu_slots - 1
+
+    def restore(self, request: Request) -> bool:
+        """Bring an evicted GT's tokens back to fresh slots of its own blocks; all or nothing."""
+        saved = self.cpu_slots.get(request)
+        if not saved:
+            return True
+        if self.own_blocks_needed(request, len(saved)) > self.num_free_blocks:
+            self.num_allocation_failures += 1
+            return False
+        slots = self.token_slots[request]
+        for token, cpu in sorted(saved.items()):
+            slots[token] = self._own_slot(request)
+            self.pending_copies.append(SlotCopy(cpu, slots[token], to_cpu=False))
+            self._cpu_free.append(cpu)
+        self.swapped_bytes += len(saved) * self.kv_bytes_per_token
+        del self.cpu_slots[request]
+        return True
+
+    # --- release -----------------------------------------------------------------------------------
+    def _leave_region(self, request: Request) -> None:
+        """``request`` no longer uses its region: a hosted one returns to its host (with the GTs it
+        hosts); a top-level one is released once nothing hosted in it runs."""
+        region = self.regions.pop(request, None)
+        if region is None:
+            return
+        region.owner = None
+        parent = region.parent
+        if parent is not None:
+            parent.children.remove(region)
+            for child in region.children:  # re-parent: their slots lie in the parent's range too
+                child.parent, child.start = parent, child.start + region.start
+                parent.children.append(child)
+            region.children = []
+            self._release_if_idle(parent)
+        else:
+            self._release_if_idle(region)
+
+    def _release_if_idle(self, region: Region) -> None:
+        """A top-level region whose owner left goes back to the pool when nothing runs inside it.
+
+        NOTE: hosted regions are never left owner-less: ``_leave_region`` detaches them at once.
+        """
+        if region.parent is None and region.owner is None and not region.children:
+            self.gpu.release(region.blocks)
+            region.blocks = []
+
+    def free(self, request: Request) -> None:
+        self._leave_region(request)
+        blocks = self.own_blocks.pop(request, None)
+        if blocks:
+            self.gpu.release(blocks)
+        self._own_used.pop(request, None)
+        self.token_slots.pop(request, None)
+        self._cpu_free.extend(self.cpu_slots.pop(request, {}).values())
+        super().free(request)
+
+    @property
+    def allocated_tokens(self) -> int:
+        return (self.gpu.num_used + self._owed_blocks) * self.block_size
+
+    def swap_out(self, request: Request):
+        """Whole-request swapping is not how this layout moves KV (eviction of hosted GTs is)."""
+        return None
+
+    # --- invariants ----------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Every slot holds at most one request's token; region and block bookkeeping agree."""
+        owner_of: dict[int, Request] = {}
+        for request, slots in self.token_slots.items():
+            for token, slot in enumerate(slots):
+                if slot == CHECKPOINTED:
+                    assert token in self.cpu_slots.get(request, {}), (request, token)
+                    continue
+                assert slot not in owner_of, f"slot {slot} holds tokens of {owner_of[slot]} and {request}"
+                owner_of[slot] = request
+        top = {id(r): r for r in self._all_regions() if r.parent is None}
+        pool_blocks = [b for r in top.values() for b in r.blocks] + [b for bl in self.own_blocks.values() for b in bl]
+        assert len(set(pool_blocks)) == len(pool_blocks), "a block is used twice"
+        assert len(pool_blocks) + self.gpu.num_free == self.gpu.num_blocks, "blocks lost"
+        for region in self._all_regions():
+            for child in region.children:
+                assert child.parent is region
+                assert region.slots[child.start : child.start + len(child.slots)] == child.slots, "child not nested"
+            spans = sorted((c.start, c.start + len(c.slots)) for c in region.children)
+            assert all(s >= region.frontier for s, _ in spans), "a hosted region overlaps what its host kept"
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "hosted regions overlap"
+            assert all(s >= region.used for s, _ in spans) or region.owner is None, "owner wrote into a lent slot"
+
+    def _all_regions(self) -> list[Region]:
+        seen: dict[int, Region] = {}
+        stack = list(self.regions.values())
+        while stack:
+            region = stack.pop()
+            if id(region) in seen:
+                continue
+            seen[id(region)] = region
+            stack.extend(region.children)
+            if region.parent is not None:
+                stack.append(region.parent)
+        return list(seen.values())
