@@ -261,6 +261,14 @@ def test_run_replays_a_workload_through_the_engine(tmp_path):
     with open(out / "requests.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 12 and all(r["ttft_s"] for r in rows)
+    # The same workload simulated: the engine produced exactly the trace's output lengths.
+    sim = tmp_path / "sim"
+    proc = _cli("simulate", "--trace", "sharegpt", "--num-requests", "12", "--rate", "50", "--max-model-len", "512",
+                "--out", str(sim))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    with open(sim / "requests.csv") as f:
+        simulated = {r["request_id"]: r["output_tokens"] for r in csv.DictReader(f)}
+    assert {r["request_id"]: r["output_tokens"] for r in rows} == simulated
 
 
 def test_run_with_a_closed_loop_workload_on_the_wall_clock(tmp_path):

@@ -10,7 +10,7 @@ sample for every request whose known tokens are all computed. A request finishes
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,7 +33,6 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator | None
     finish_reason: str | None = None  # "stop" (EOS) or "length" (max_tokens), as in OpenAI's API
-    step_times: list[float] = field(default_factory=list)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -131,7 +130,7 @@ class EngineExecutor:
             sampled_ids[request.request_id] = token
             if token in self.eos_token_ids and not seq.params.ignore_eos:
                 seq.finish_reason = "stop"
-            elif request.num_output_tokens + 1 >= request.max_tokens:
+            elif len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_tokens:
                 seq.finish_reason = "length"
             if seq.finish_reason is not None:
                 finished.append(request)
