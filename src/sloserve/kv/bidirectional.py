@@ -22,17 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-import numpy as np
-
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import BlockCopy, SlotCopy
 from sloserve.core.request import Request, RequestClass
 from sloserve.kv.manager import KVCacheManager
+from sloserve.kv.token_slots import CHECKPOINTED, TokenSlotTable
 
-CHECKPOINTED = -1  # a token whose KV lives in CPU memory
 
 
-class BidirectionalKVManager(KVCacheManager):
+class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
     name = "bidirectional"
     periodic_growth = False
 
@@ -45,7 +43,7 @@ class BidirectionalKVManager(KVCacheManager):
         self.rt_fill = [0] * n  # RT tokens stored from the left
         self.be_owner: list[Request | None] = [None] * n
         self.be_tokens: list[list[int]] = [[] for _ in range(n)]  # BE token indices, rightmost slot first
-        self.token_slots: dict[Request, list[int]] = {}
+        self._init_token_slots()
         self.blocks_of: dict[Request, list[int]] = {}  # blocks a request owns a side of, in order
         self.preemption_table: dict[int, tuple[Request, Request]] = {}  # block -> (RT, BE)
         self.checkpointed_bytes = 0  # GPU -> CPU copies made by lazy checkpointing
@@ -60,24 +58,8 @@ class BidirectionalKVManager(KVCacheManager):
         self._be_only_by_empty: list[set[int]] = [set() for _ in range(block_size + 1)]
         self._checkpointed: dict[Request, int] = {}  # checkpointed tokens per BE request
         self._used_slots = 0
-        # Lazy checkpointing's host memory, slot by slot: CPU slot of each checkpointed BE token, and
-        # the copies to run before the next step, in the order they were decided.
-        # NOTE: host memory is taken to be ample (the paper's assumption): CPU slots grow on demand.
+        # Lazy checkpointing's host memory, slot by slot: the CPU slot of each checkpointed BE token.
         self.cpu_slots: dict[Request, dict[int, int]] = {}  # BE request -> token -> CPU slot
-        self._cpu_free: list[int] = []
-        self.num_cpu_slots = 0  # CPU slots ever handed out (the engine's host buffer size)
-        self.pending_copies: list[SlotCopy] = []
-
-    def _take_cpu_slot(self) -> int:
-        if self._cpu_free:
-            return self._cpu_free.pop()
-        self.num_cpu_slots += 1
-        return self.num_cpu_slots - 1
-
-    def take_copies(self) -> list[SlotCopy]:
-        """The checkpoint (GPU -> CPU) and restore (CPU -> GPU) copies decided since the last call."""
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
 
     # --- aggregates --------------------------------------------------------------------------------
     def _update(self, block: int) -> None:
@@ -114,15 +96,6 @@ class BidirectionalKVManager(KVCacheManager):
     def num_checkpointed(self, request: Request) -> int:
         return self._checkpointed.get(request, 0)
 
-    def slot_ids(self, request: Request, start: int, end: int) -> list[int]:
-        slots = self.token_slots[request][start:end]
-        if len(slots) != end - start or CHECKPOINTED in slots:
-            raise IndexError(f"{request}: tokens {start}..{end - 1} are not all on the GPU")
-        return slots
-
-    def slot_table(self, request: Request, num_tokens: int) -> np.ndarray:
-        return np.asarray(self.slot_ids(request, 0, num_tokens), dtype=np.int64)
-
     def _last(self, request: Request) -> int | None:
         blocks = self.blocks_of.get(request)
         return blocks[-1] if blocks else None
@@ -140,9 +113,6 @@ class BidirectionalKVManager(KVCacheManager):
     def slots_needed(self, request: Request, num_tokens: int) -> int:
         """New GPU slots for ``request`` to hold ``num_tokens`` tokens, restoring checkpointed ones."""
         return max(0, num_tokens - len(self.token_slots.get(request, ()))) + self.num_checkpointed(request)
-
-    def num_tracked_tokens(self, request: Request) -> int:
-        return len(self.token_slots.get(request, ()))
 
     def has_room(self, request: Request, need: int, protect: Collection[Request] = ()) -> bool:
         """Whether ``request`` could get ``need`` new slots now (O(protected requests))."""

@@ -25,14 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import SlotCopy
 from sloserve.core.request import Request
 from sloserve.kv.manager import KVCacheManager
+from sloserve.kv.token_slots import CHECKPOINTED, TokenSlotTable
 
-CHECKPOINTED = -1  # a token whose KV lives in CPU memory
 
 
 @dataclass(eq=False)
@@ -55,7 +53,7 @@ class Region:
         return None
 
 
-class PipelinedKVManager(KVCacheManager):
+class PipelinedKVManager(TokenSlotTable, KVCacheManager):
     """EconoServe's KV manager: exact regions for GTs, nested by KV-cache pipelining.
 
     ``buffer_tokens`` is the paper's b: a hosted GT's RL is at most half of what its host keeps,
@@ -71,37 +69,17 @@ class PipelinedKVManager(KVCacheManager):
         if buffer_tokens < 0:
             raise ConfigError(f"pipelining buffer b must be >= 0 tokens, got {buffer_tokens}")
         self.buffer_tokens = buffer_tokens
-        self.token_slots: dict[Request, list[int]] = {}  # every token's slot (CHECKPOINTED: in CPU memory)
+        self._init_token_slots()
         self.regions: dict[Request, Region] = {}
         self.own_blocks: dict[Request, list[int]] = {}  # paged blocks for prompt and overflow tokens
         self._own_used: dict[Request, int] = {}  # slots taken in own_blocks
         self.cpu_slots: dict[Request, dict[int, int]] = {}  # evicted hosted tokens: token -> CPU slot
-        self._cpu_free: list[int] = []
-        self.num_cpu_slots = 0  # CPU slots ever handed out (host memory grows on demand)
-        self.pending_copies: list[SlotCopy] = []
         self.num_evictions = 0
 
     # --- accounting ----------------------------------------------------------------------------
     def num_slots(self, request: Request) -> int:
         slots = self.token_slots.get(request, ())
         return len(slots) - sum(1 for s in slots if s == CHECKPOINTED) if request in self.cpu_slots else len(slots)
-
-    def num_tracked_tokens(self, request: Request) -> int:
-        return len(self.token_slots.get(request, ()))
-
-    def slot_ids(self, request: Request, start: int, end: int) -> list[int]:
-        slots = self.token_slots[request][start:end]
-        if len(slots) != end - start or CHECKPOINTED in slots:
-            raise IndexError(f"{request}: tokens {start}..{end - 1} are not all on the GPU")
-        return slots
-
-    def slot_table(self, request: Request, num_tokens: int) -> np.ndarray:
-        return np.asarray(self.slot_ids(request, 0, num_tokens), dtype=np.int64)
-
-    def take_copies(self) -> list[SlotCopy]:
-        """Evictions (GPU -> CPU) and restores (CPU -> GPU) decided since the last call, in order."""
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
 
     # --- regions -------------------------------------------------------------------------------
     def reserve_region(self, request: Request, num_tokens: int) -> bool:
@@ -215,17 +193,13 @@ class PipelinedKVManager(KVCacheManager):
         lent = set(region.slots)
         for token, slot in enumerate(slots):
             if slot in lent:
-                cpu = self._cpu_free.pop() if self._cpu_free else self._new_cpu_slot()
+                cpu = self._take_cpu_slot()
                 saved[token] = cpu
                 self.pending_copies.append(SlotCopy(slot, cpu, to_cpu=True))
                 slots[token] = CHECKPOINTED
         self.swapped_bytes += len(saved) * self.kv_bytes_per_token
         self.num_evictions += 1
         self._leave_region(hosted)
-
-    def _new_cpu_slot(self) -> int:
-        self.num_cpu_slots += 1
-        return self.num_cpu_slots - 1
 
     def restore(self, request: Request) -> bool:
         """Bring an evicted GT's tokens back to fresh slots of its own blocks; all or nothing."""

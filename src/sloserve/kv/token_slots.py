@@ -1,0 +1,50 @@
+"""Shared by managers that keep an explicit token -> slot list per request (BROS's bidirectional
+blocks, EconoServe's pipelined regions): slot reads, and CPU slots for tokens moved to host memory
+with the single-slot copies that move them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sloserve.core.outputs import SlotCopy
+from sloserve.core.request import Request
+
+CHECKPOINTED = -1  # a token whose KV lives in CPU memory
+
+
+class TokenSlotTable:
+    """Mixin: ``token_slots[request][k]`` is token k's GPU slot, or CHECKPOINTED.
+
+    NOTE: host memory is taken to be ample (both papers' assumption): CPU slots grow on demand;
+    ``num_cpu_slots`` is the engine's host buffer size.
+    """
+
+    def _init_token_slots(self) -> None:
+        self.token_slots: dict[Request, list[int]] = {}
+        self._cpu_free: list[int] = []
+        self.num_cpu_slots = 0  # CPU slots ever handed out
+        self.pending_copies: list[SlotCopy] = []  # copies to run before the next step, in order
+
+    def num_tracked_tokens(self, request: Request) -> int:
+        """Tokens of ``request`` whose KV is kept (on the GPU or in CPU memory)."""
+        return len(self.token_slots.get(request, ()))
+
+    def slot_ids(self, request: Request, start: int, end: int) -> list[int]:
+        slots = self.token_slots[request][start:end]
+        if len(slots) != end - start or CHECKPOINTED in slots:
+            raise IndexError(f"{request}: tokens {start}..{end - 1} are not all on the GPU")
+        return slots
+
+    def slot_table(self, request: Request, num_tokens: int) -> np.ndarray:
+        return np.asarray(self.slot_ids(request, 0, num_tokens), dtype=np.int64)
+
+    def take_copies(self) -> list[SlotCopy]:
+        """The GPU <-> CPU slot copies decided since the last call, in the order they were decided."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def _take_cpu_slot(self) -> int:
+        if self._cpu_free:
+            return self._cpu_free.pop()
+        self.num_cpu_slots += 1
+        return self.num_cpu_slots - 1
