@@ -184,9 +184,7 @@ def _run_one(setup: Setup, scheduler: str, set_options: dict[str, str], workload
     from sloserve.sim import simulate
 
     o = setup.options
-    requests = [_fresh(r) for r in workload.requests]
-    by_id = {r.request_id: r for r in requests}
-    chains = [[[by_id[r.request_id] for r in batch] for batch in chain] for chain in workload.chains]
+    requests, chains = _fresh_workload(workload)
     factory = functools.partial(
         make_scheduler,
         scheduler,
@@ -277,6 +275,14 @@ def _fresh(request):
     )
 
 
+def _fresh_workload(workload) -> tuple[list, list]:
+    """Fresh copies of the workload's requests, and its closed-loop chains over those copies."""
+    requests = [_fresh(r) for r in workload.requests]
+    by_id = {r.request_id: r for r in requests}
+    chains = [[[by_id[r.request_id] for r in batch] for batch in chain] for chain in workload.chains]
+    return requests, chains
+
+
 class _progress:
     """A rich progress bar on stderr when it is a terminal; a no-op callback otherwise."""
 
@@ -319,6 +325,22 @@ def _write(out: Path, summary: dict) -> None:
     write_run_outputs(out, _public(summary), requests, timeline)
 
 
+def _report(scheduler: str, summary: dict, workload, out: Path | None, as_json: bool, title: str) -> None:
+    """Write a one-scheduler run's outputs and print its summary (JSON, or a table and notes)."""
+    from sloserve.metrics import compare_table, summary_to_json
+
+    if out is not None:
+        _write(out, summary)
+    if as_json:
+        click.echo(summary_to_json(_public(summary)))
+        return
+    _print_table(compare_table({scheduler: summary}, title))
+    if workload.num_clipped:
+        click.echo(f"note: {workload.num_clipped} requests clipped to the model context: {workload.clipped_details}")
+    if out is not None:
+        click.echo(f"wrote {out}/summary.json, requests.csv, timeline.csv and plots")
+
+
 def _print_table(table) -> None:
     from rich.console import Console
 
@@ -335,23 +357,13 @@ def _print_table(table) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def simulate(scheduler: str, set_pairs: tuple[str, ...], out: Path | None, as_json: bool, **options: Any) -> None:
     """Simulate one scheduler on a workload."""
-    from sloserve.metrics import compare_table, summary_to_json
     from sloserve.sched import parse_set_options
 
     set_options = parse_set_options(set_pairs)
     setup = _setup(options)
     workload = setup.make_workload()
     summary = _run_one(setup, scheduler, set_options, workload, progress=not as_json)
-    if out is not None:
-        _write(out, summary)
-    if as_json:
-        click.echo(summary_to_json(_public(summary)))
-    else:
-        _print_table(compare_table({scheduler: summary}, f"{workload.name}, {len(workload)} requests"))
-        if workload.num_clipped:
-            click.echo(f"note: {workload.num_clipped} requests clipped to the model context: {workload.clipped_details}")
-        if out is not None:
-            click.echo(f"wrote {out}/summary.json, requests.csv, timeline.csv and plots")
+    _report(scheduler, summary, workload, out, as_json, f"{workload.name}, {len(workload)} requests")
 
 
 def _scheduler_list(text: str) -> list[str]:
@@ -662,7 +674,7 @@ def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virt
     outputs forced to the trace's lengths with ignore_eos, greedy)."""
     import numpy as np
 
-    from sloserve.metrics import compare_table, summarize, summary_to_json
+    from sloserve.metrics import summarize
     from sloserve.sched import parse_set_options
 
     set_options = parse_set_options(set_pairs)
@@ -674,9 +686,7 @@ def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virt
                        max_model_len=options["max_model_len"], cost_model=cost_model, seed=options["seed"],
                        scheduler_options=set_options)  # fmt: skip
     workload = _make_workload(options, engine.max_model_len)
-    requests = [_fresh(r) for r in workload.requests]
-    by_id = {r.request_id: r for r in requests}
-    chains = [[[by_id[r.request_id] for r in batch] for batch in chain] for chain in workload.chains]
+    requests, chains = _fresh_workload(workload)
     rng = np.random.default_rng(options["seed"])
     prompts = [synthetic_prompt(r.num_prompt_tokens, loaded.config.vocab_size, rng) for r in requests]
     params = [SamplingParams(max_tokens=r.true_output_tokens, temperature=0, ignore_eos=True) for r in requests]
@@ -705,15 +715,8 @@ def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virt
         },
     )
     summary["_result"] = (requests, engine.replica.timeline)
-    if out is not None:
-        _write(out, summary)
-    if as_json:
-        click.echo(summary_to_json(_public(summary)))
-    else:
-        _print_table(compare_table({scheduler: summary}, f"engine: {options['model']} on {loaded.device}, "
-                                                         f"{workload.name}, {len(requests)} requests"))  # fmt: skip
-        if out is not None:
-            click.echo(f"wrote {out}/summary.json, requests.csv, timeline.csv and plots")
+    _report(scheduler, summary, workload, out, as_json,
+            f"engine: {options['model']} on {loaded.device}, {workload.name}, {len(requests)} requests")  # fmt: skip
 
 
 def _int_list(text: str, option: str) -> tuple[int, ...]:
@@ -752,10 +755,10 @@ def profile_cmd(out: Path, name: str | None, prefill_chunks: str, context_lens: 
         decode_kv_lens=_int_list(decode_kv_lens, "--decode-kv-lens"),
     )
     loaded = _load_engine_model(options)
-    from sloserve.engine.llm_engine import default_kv_capacity
+    from sloserve.engine.llm_engine import default_kv_capacity, resolve_max_model_len
     from sloserve.engine.profile import ProfileGrid, profile
 
-    max_len = min(loaded.config.max_position_embeddings, options["max_model_len"] or loaded.config.max_position_embeddings)
+    max_len = resolve_max_model_len(loaded.config, options["max_model_len"])
     slots = options["kv_capacity_tokens"] or default_kv_capacity(loaded, max_len)
     with _progress(1, "profiling", enabled=True) as bar:
         result = profile(loaded, ProfileGrid(**grid_values), max_model_len=max_len, max_slots=slots,

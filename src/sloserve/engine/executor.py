@@ -154,10 +154,3 @@ class EngineExecutor:
             decode_slots=torch.from_numpy(table).to(device),
             decode_context_lens=torch.from_numpy(lengths).to(device),
         )
-
-    # The simulator's fast-path hooks: the engine has no closed form, every step runs.
-    def steps_until_finish(self, output: SchedulerOutput) -> int:
-        return 1
-
-    def step_time(self, output: SchedulerOutput) -> float:
-        raise NotImplementedError("the engine measures step times; run Replica with fast_path=False")

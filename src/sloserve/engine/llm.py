@@ -61,8 +61,9 @@ class LLM:
         **scheduler_options: Any,
     ) -> None:
         self.loaded = load_model(model, device=device, dtype=dtype, seed=seed, attention_backend=attention_backend)
-        self._engine_args = dict(
-            scheduler=scheduler,
+        self.engine = LLMEngine(
+            self.loaded,
+            scheduler,
             kv_capacity_tokens=kv_capacity_tokens,
             swap_space_tokens=swap_space_tokens,
             max_model_len=max_model_len,
@@ -70,10 +71,6 @@ class LLM:
             seed=seed,
             scheduler_options=scheduler_options,
         )
-        self.engine = self._new_engine()
-
-    def _new_engine(self) -> LLMEngine:
-        return LLMEngine(self.loaded, **self._engine_args)
 
     @property
     def tokenizer(self):

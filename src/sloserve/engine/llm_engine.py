@@ -21,6 +21,7 @@ from sloserve.core.request import Request
 from sloserve.cost import LinearCostModel, get_preset, load_preset
 from sloserve.cost.base import CostModel
 from sloserve.cost.presets import PRESETS
+from sloserve.engine.config import ModelConfig
 from sloserve.engine.executor import EngineExecutor
 from sloserve.engine.kv_cache import KVCacheTensor
 from sloserve.engine.loader import LoadedModel
@@ -41,6 +42,14 @@ def kv_bytes_per_token(loaded: LoadedModel) -> int:
     """K and V of one token over all layers at the model's dtype."""
     c = loaded.config
     return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * loaded.dtype.itemsize
+
+
+def resolve_max_model_len(config: ModelConfig, max_model_len: int | None) -> int:
+    """The context the engine serves: ``max_model_len`` capped by the model's positions."""
+    resolved = min(config.max_position_embeddings, max_model_len or config.max_position_embeddings)
+    if resolved < 2:
+        raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
+    return resolved
 
 
 def default_kv_capacity(loaded: LoadedModel, max_model_len: int) -> int:
@@ -84,9 +93,7 @@ class LLMEngine:
     ) -> None:
         config = loaded.config
         self.loaded = loaded
-        self.max_model_len = min(config.max_position_embeddings, max_model_len or config.max_position_embeddings)
-        if self.max_model_len < 2:
-            raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
+        self.max_model_len = resolve_max_model_len(config, max_model_len)
         capacity = kv_capacity_tokens if kv_capacity_tokens is not None else default_kv_capacity(loaded, self.max_model_len)
         if capacity < 1:
             raise ConfigError(f"kv_capacity_tokens must be >= 1, got {capacity}")

@@ -56,10 +56,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         self._be_only: dict[int, Request] = {}  # block -> BE owner
         self._be_only_by_owner: dict[Request, int] = {}
         self._be_only_by_empty: list[set[int]] = [set() for _ in range(block_size + 1)]
-        self._checkpointed: dict[Request, int] = {}  # checkpointed tokens per BE request
         self._used_slots = 0
-        # Lazy checkpointing's host memory, slot by slot: the CPU slot of each checkpointed BE token.
-        self.cpu_slots: dict[Request, dict[int, int]] = {}  # BE request -> token -> CPU slot
 
     # --- aggregates --------------------------------------------------------------------------------
     def _update(self, block: int) -> None:
@@ -88,13 +85,6 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
     @property
     def allocated_tokens(self) -> int:
         return self._used_slots
-
-    def num_slots(self, request: Request) -> int:
-        """Tokens of ``request`` with a GPU slot (checkpointed ones excluded)."""
-        return len(self.token_slots.get(request, ())) - self._checkpointed.get(request, 0)
-
-    def num_checkpointed(self, request: Request) -> int:
-        return self._checkpointed.get(request, 0)
 
     def _last(self, request: Request) -> int | None:
         blocks = self.blocks_of.get(request)
@@ -181,7 +171,6 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
             self.cpu_slots.setdefault(be, {})[overwritten] = cpu_slot
             self.pending_copies.append(SlotCopy(self.token_slots[be][overwritten], cpu_slot, to_cpu=True))
             self.token_slots[be][overwritten] = CHECKPOINTED
-            self._checkpointed[be] = self._checkpointed.get(be, 0) + 1
             self._used_slots -= 1
             self.checkpointed_bytes += self.kv_bytes_per_token
             self.preemption_table[b] = (request, be)
@@ -209,7 +198,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
 
     def restore(self, request: Request) -> bool:
         """Give a BE request's checkpointed tokens new GPU slots (swap-in); all or nothing."""
-        if not self._checkpointed.get(request):
+        if not self.cpu_slots.get(request):
             return True
         slots = self.token_slots[request]
         missing = [i for i, s in enumerate(slots) if s == CHECKPOINTED]
@@ -221,7 +210,6 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
             slots[i] = self._place_be(request, i)
             self.pending_copies.append(SlotCopy(saved[i], slots[i], to_cpu=False))
             self._cpu_free.append(saved[i])
-        self._checkpointed[request] = 0
         self.restored_bytes += len(missing) * self.kv_bytes_per_token
         return True
 
@@ -232,7 +220,6 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         while len(slots) > num_tokens:
             slot = slots.pop()
             if slot == CHECKPOINTED:
-                self._checkpointed[request] -= 1
                 self._cpu_free.append(self.cpu_slots[request].pop(len(slots)))
                 continue
             self._used_slots -= 1
@@ -272,7 +259,6 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         self.blocks_of.pop(request, None)
         self.token_slots.pop(request, None)
         self._be_only_by_owner.pop(request, None)
-        self._checkpointed.pop(request, None)
         self._cpu_free.extend(self.cpu_slots.pop(request, {}).values())
         for block, pair in list(self.preemption_table.items()):
             if request in pair:
@@ -299,13 +285,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         assert all(b in self._be_only_by_empty[self._empty(b)] for b in be_only)
         assert sum(len(x) for x in self._be_only_by_empty) == len(be_only)
         assert self._used_slots == sum(self.rt_fill) + sum(len(t) for t in self.be_tokens), "used slots"
-        for r, slots in self.token_slots.items():
-            assert self._checkpointed.get(r, 0) == slots.count(CHECKPOINTED), "checkpointed count"
-            saved = self.cpu_slots.get(r, {})
-            assert sorted(saved) == [i for i, x in enumerate(slots) if x == CHECKPOINTED], "CPU slots of checkpoints"
-        held = [c for saved in self.cpu_slots.values() for c in saved.values()]
-        assert len(set(held)) == len(held) and not set(held) & set(self._cpu_free), "a CPU slot is used twice"
-        assert len(held) + len(self._cpu_free) == self.num_cpu_slots, "CPU slots lost"
+        self._check_cpu_slots()
         assert all(self._be_only_by_owner.get(o, 0) == list(be_only.values()).count(o) for o in set(be_only.values()))
         free = set(self.gpu.free_ids())
         for b in range(self.gpu.num_blocks):

@@ -73,14 +73,9 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         self.regions: dict[Request, Region] = {}
         self.own_blocks: dict[Request, list[int]] = {}  # paged blocks for prompt and overflow tokens
         self._own_used: dict[Request, int] = {}  # slots taken in own_blocks
-        self.cpu_slots: dict[Request, dict[int, int]] = {}  # evicted hosted tokens: token -> CPU slot
         self.num_evictions = 0
 
     # --- accounting ----------------------------------------------------------------------------
-    def num_slots(self, request: Request) -> int:
-        slots = self.token_slots.get(request, ())
-        return len(slots) - sum(1 for s in slots if s == CHECKPOINTED) if request in self.cpu_slots else len(slots)
-
     # --- regions -------------------------------------------------------------------------------
     def reserve_region(self, request: Request, num_tokens: int) -> bool:
         """Allocate a top-level region of ``num_tokens`` (the predicted RL, padding included) from the
@@ -256,10 +251,6 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         self._cpu_free.extend(self.cpu_slots.pop(request, {}).values())
         super().free(request)
 
-    @property
-    def allocated_tokens(self) -> int:
-        return (self.gpu.num_used + self._owed_blocks) * self.block_size
-
     def swap_out(self, request: Request):
         """Whole-request swapping is not how this layout moves KV (eviction of hosted GTs is)."""
         return None
@@ -271,10 +262,10 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         for request, slots in self.token_slots.items():
             for token, slot in enumerate(slots):
                 if slot == CHECKPOINTED:
-                    assert token in self.cpu_slots.get(request, {}), (request, token)
                     continue
                 assert slot not in owner_of, f"slot {slot} holds tokens of {owner_of[slot]} and {request}"
                 owner_of[slot] = request
+        self._check_cpu_slots()
         top = {id(r): r for r in self._all_regions() if r.parent is None}
         pool_blocks = [b for r in top.values() for b in r.blocks] + [b for bl in self.own_blocks.values() for b in bl]
         assert len(set(pool_blocks)) == len(pool_blocks), "a block is used twice"

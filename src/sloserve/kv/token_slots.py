@@ -21,9 +21,18 @@ class TokenSlotTable:
 
     def _init_token_slots(self) -> None:
         self.token_slots: dict[Request, list[int]] = {}
+        self.cpu_slots: dict[Request, dict[int, int]] = {}  # token -> CPU slot of each token in host memory
         self._cpu_free: list[int] = []
         self.num_cpu_slots = 0  # CPU slots ever handed out
         self.pending_copies: list[SlotCopy] = []  # copies to run before the next step, in order
+
+    def num_slots(self, request: Request) -> int:
+        """Tokens of ``request`` with a GPU slot (those in CPU memory excluded)."""
+        return len(self.token_slots.get(request, ())) - self.num_checkpointed(request)
+
+    def num_checkpointed(self, request: Request) -> int:
+        """Tokens of ``request`` whose KV is in CPU memory."""
+        return len(self.cpu_slots.get(request, ()))
 
     def num_tracked_tokens(self, request: Request) -> int:
         """Tokens of ``request`` whose KV is kept (on the GPU or in CPU memory)."""
@@ -48,3 +57,12 @@ class TokenSlotTable:
             return self._cpu_free.pop()
         self.num_cpu_slots += 1
         return self.num_cpu_slots - 1
+
+    def _check_cpu_slots(self) -> None:
+        """Every CHECKPOINTED token has one CPU slot of its own; no CPU slot is lost."""
+        for request, slots in self.token_slots.items():
+            saved = self.cpu_slots.get(request, {})
+            assert sorted(saved) == [i for i, x in enumerate(slots) if x == CHECKPOINTED], "CPU slots of checkpoints"
+        held = [c for saved in self.cpu_slots.values() for c in saved.values()]
+        assert len(set(held)) == len(held) and not set(held) & set(self._cpu_free), "a CPU slot is used twice"
+        assert len(held) + len(self._cpu_free) == self.num_cpu_slots, "CPU slots lost"
