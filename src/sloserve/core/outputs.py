@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 class PreemptionMode(str, Enum):
     RECOMPUTE = "recompute"  # drop the KV; the request is refilled later (prompt + generated tokens)
     SWAP = "swap"  # copy the KV blocks to CPU swap space; swapped back in later
+    KEEP = "keep"  # offload-free (EconoServe §3.3.2): the KV stays on the GPU while the request waits
 
 
 class ScheduledChunk(NamedTuple):

@@ -264,10 +264,12 @@ KV_MANAGERS: dict[str, type[KVCacheManager]] = {
 }
 
 
-def _register_bidirectional() -> None:
+def _register_token_slot_managers() -> None:
     from sloserve.kv.bidirectional import BidirectionalKVManager
+    from sloserve.kv.pipelined import PipelinedKVManager
 
     KV_MANAGERS["bidirectional"] = BidirectionalKVManager
+    KV_MANAGERS["pipelined"] = PipelinedKVManager
 
 
-_register_bidirectional()
+_register_token_slot_managers()

@@ -17,6 +17,10 @@ allocation. If a hosted GT has not finished when its host reaches its first slot
 RL), the policy evicts it: its tokens in the lent slots are copied to CPU memory (``SlotCopy``; the
 paper's copy-on-write) and come back to fresh slots when it resumes (``restore``).
 
+A GT is granted its region up to the first offset a hosted GT holds in one go, so a running GT asks
+for slots only at the start of a hosted region (or at its region's end): a decode cohort of GTs
+grows in O(1) per step between those points.
+
 Prompt tokens (a prompt task's KV, allocated at its prompt length) and tokens past a region's end
 live in the request's own paged blocks.
 """
@@ -32,7 +36,6 @@ from sloserve.kv.manager import KVCacheManager
 from sloserve.kv.token_slots import CHECKPOINTED, TokenSlotTable
 
 
-
 @dataclass(eq=False)
 class Region:
     """A GT's allocation: ``slots[k]`` is the physical slot of offset k."""
@@ -43,7 +46,7 @@ class Region:
     start: int = 0  # offset of slots[0] in the parent region
     blocks: list[int] = field(default_factory=list)  # pool blocks (top-level regions only)
     frontier: int = 0  # offsets [frontier, len(slots)) are lent out (one child per halving)
-    used: int = 0  # tokens the owner has written
+    used: int = 0  # offsets [0, used) are granted to the owner (it writes them in order)
     children: list[Region] = field(default_factory=list)  # live hosted regions
 
     def child_at(self, offset: int) -> Region | None:
@@ -75,7 +78,6 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         self._own_used: dict[Request, int] = {}  # slots taken in own_blocks
         self.num_evictions = 0
 
-    # --- accounting ----------------------------------------------------------------------------
     # --- regions -------------------------------------------------------------------------------
     def reserve_region(self, request: Request, num_tokens: int) -> bool:
         """Allocate a top-level region of ``num_tokens`` (the predicted RL, padding included) from the
@@ -90,20 +92,51 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         self.token_slots.setdefault(request, [])
         return True
 
-    def lend_limit(self, host: Request) -> int:
-        """The largest RL a GT hosted next in ``host``'s region may have (< 1: nothing to lend)."""
+    def region_blocks_needed(self, request: Request, num_tokens: int) -> int:
+        """Pool blocks a region of ``num_tokens`` more offsets takes: a new one, or the extension of
+        the request's own top-level region (``extend_region``)."""
+        region = self.regions.get(request)
+        spare = 0 if region is None else len(region.blocks) * self.block_size - len(region.slots)
+        return max(0, -(-(num_tokens - spare) // self.block_size))
+
+    def extend_region(self, request: Request, num_tokens: int) -> bool:
+        """Add ``num_tokens`` offsets to the end of ``request``'s top-level region (a GT that used its
+        whole region and goes on with a new predicted RL), in whole blocks; all or nothing.
+
+        NOTE: a GT reaches its region's end only when nothing is hosted ahead of it, so the region
+        has no hosted GTs and all of it is granted.
+        """
+        region = self.regions[request]
+        assert region.parent is None and region.owner is request and not region.children, region
+        blocks = self._take(self.region_blocks_needed(request, num_tokens))
+        if blocks is None:
+            return False
+        region.blocks.extend(blocks)
+        bs = self.block_size
+        region.slots = [b * bs + k for b in region.blocks for k in range(bs)][: len(region.slots) + num_tokens]
+        region.frontier = len(region.slots)
+        return True
+
+    def lend_limit(self, host: Request, buffer_tokens: int | None = None) -> int:
+        """The largest RL a GT hosted next in ``host``'s region may have (< 1: nothing to lend).
+        ``buffer_tokens`` overrides the manager's b (EconoServe sets b per host: a share of its RL).
+
+        NOTE: lending happens when the host is admitted: once the host has been granted slots up to
+        its first hosted GT (``allocate_slots``), what is left to lend is what it has not been granted.
+        """
         region = self.regions.get(host)
         if region is None or region.owner is not host:
             return 0
+        b = self.buffer_tokens if buffer_tokens is None else buffer_tokens
         half = region.frontier // 2
         mid = region.frontier - half  # the host keeps [0, mid), lends [mid, frontier)
-        return min(half, mid - region.used - self.buffer_tokens)
+        return min(half, mid - region.used - b)
 
-    def lend(self, host: Request, hosted: Request, num_tokens: int) -> bool:
+    def lend(self, host: Request, hosted: Request, num_tokens: int, buffer_tokens: int | None = None) -> bool:
         """Host ``hosted`` (predicted RL ``num_tokens``) in the second half of what ``host`` keeps;
-        False (nothing changes) when the RL exceeds ``lend_limit(host)``."""
+        False (nothing changes) when the RL exceeds ``lend_limit(host, buffer_tokens)``."""
         assert hosted not in self.regions, f"{hosted} already has a region"
-        if not 1 <= num_tokens <= self.lend_limit(host):
+        if not 1 <= num_tokens <= self.lend_limit(host, buffer_tokens):
             return False
         region = self.regions[host]
         half = region.frontier // 2
@@ -139,62 +172,86 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         have = len(self.own_blocks.get(request, ())) * self.block_size - self._own_used.get(request, 0)
         return max(0, -(-(num_new - have) // self.block_size))
 
+    @staticmethod
+    def _barrier(region: Region) -> int:
+        """The first offset at or after ``region.used`` that a hosted GT holds (the region's end if
+        none): the owner may be granted every offset before it."""
+        return min((c.start for c in region.children if c.start >= region.used), default=len(region.slots))
+
     def blocks_needed(self, request: Request, num_tokens: int) -> int:
-        """New pool blocks growing ``request`` to ``num_tokens`` takes (region slots are held)."""
+        """New pool blocks growing ``request`` to ``num_tokens`` takes (region slots are held). A GT
+        whose next region slot a hosted GT still holds cannot grow from free blocks: more than the
+        pool (evict the hosted GT first)."""
         new = num_tokens - len(self.token_slots.get(request, ()))
         if new <= 0:
             return 0
         region = self.regions.get(request)
         if region is not None:
-            new -= len(region.slots) - region.used
+            barrier = self._barrier(region)
+            if new > barrier - region.used and barrier < len(region.slots):
+                return self.gpu.num_blocks + 1
+            new -= barrier - region.used
         return self.own_blocks_needed(request, new) if new > 0 else 0
 
     def allocate_slots(self, request: Request, num_tokens: int) -> bool:
-        """Give ``request`` slots up to ``num_tokens`` tokens: its region's next offsets first (a GT),
-        then its own paged blocks (prompts, overflow). All or nothing: False when blocks are short or
-        a hosted GT still holds the next region slot (evict it with ``evict``, then retry)."""
+        """Give ``request`` slots up to at least ``num_tokens`` tokens: a GT is granted its region's
+        offsets up to the first one a hosted GT holds (or the region's end) at once, so that it asks
+        again only there; tokens past its region, and prompts, take their own paged blocks. All or
+        nothing: False when blocks are short or a hosted GT holds the next region slot (evict it with
+        ``evict``, then retry)."""
         slots = self.token_slots.setdefault(request, [])
         new = num_tokens - len(slots)
         if new <= 0:
             return True
         region = self.regions.get(request)
-        from_region = 0
+        barrier = 0
         if region is not None:
-            from_region = min(new, len(region.slots) - region.used)
-            for offset in range(region.used, region.used + from_region):
-                if region.child_at(offset) is not None:
-                    self.num_allocation_failures += 1
-                    return False
-        if self.own_blocks_needed(request, new - from_region) > self.num_free_blocks:
+            barrier = self._barrier(region)
+            if new > barrier - region.used and barrier < len(region.slots):
+                self.num_allocation_failures += 1
+                return False
+            new -= barrier - region.used
+        overflow = max(new, 0)
+        if self.own_blocks_needed(request, overflow) > self.num_free_blocks:
             self.num_allocation_failures += 1
             return False
         if region is not None:
-            slots.extend(region.slots[region.used : region.used + from_region])
-            region.used += from_region
-        for _ in range(new - from_region):
+            slots.extend(region.slots[region.used : barrier])
+            region.used = barrier
+        for _ in range(overflow):
             slot = self._own_slot(request)
             assert slot is not None
             slots.append(slot)
         return True
 
     # --- eviction and restore ----------------------------------------------------------------------
-    def evict(self, hosted: Request) -> None:
-        """Its host needs the slots: copy ``hosted``'s tokens in its lent region to CPU memory and give
-        the region back (GTs hosted inside it stay, now inside the host's region)."""
+    def evict(self, hosted: Request, num_written: int) -> None:
+        """Its host needs the slots: copy the first ``num_written`` tokens of ``hosted`` that lie in its
+        lent region to CPU memory, drop its granted but unwritten slots and give the region back (GTs
+        hosted inside it stay, now inside the host's region)."""
         region = self.regions[hosted]
         assert region.parent is not None, "only hosted GTs are evicted"
         slots = self.token_slots[hosted]
-        saved = self.cpu_slots.setdefault(hosted, {})
         lent = set(region.slots)
+        # NOTE: slots past the written tokens are region slots granted ahead (own blocks grow exactly).
+        assert all(s in lent for s in slots[num_written:]), "unwritten slots outside the region"
+        del slots[num_written:]
+        saved = self.cpu_slots.setdefault(hosted, {})
         for token, slot in enumerate(slots):
             if slot in lent:
                 cpu = self._take_cpu_slot()
                 saved[token] = cpu
                 self.pending_copies.append(SlotCopy(slot, cpu, to_cpu=True))
                 slots[token] = CHECKPOINTED
+        if not saved:
+            del self.cpu_slots[hosted]
         self.swapped_bytes += len(saved) * self.kv_bytes_per_token
         self.num_evictions += 1
         self._leave_region(hosted)
+
+    def restore_blocks_needed(self, request: Request) -> int:
+        """Own blocks ``restore(request)`` takes."""
+        return self.own_blocks_needed(request, self.num_checkpointed(request))
 
     def restore(self, request: Request) -> bool:
         """Bring an evicted GT's tokens back to fresh slots of its own blocks; all or nothing."""

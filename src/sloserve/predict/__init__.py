@@ -28,6 +28,13 @@ class LengthPredictor(ABC):
     def observe(self, request: Request) -> None:
         """A request finished with ``request.num_output_tokens`` tokens (online learners update)."""
 
+    def predict_remaining(self, request: Request) -> int:
+        """Output tokens still to come (>= 1) for a request that has generated
+        ``request.num_output_tokens`` and is not finished: a re-prediction that knows the output is
+        at least that long (EconoServe's L_new after an under-prediction, §3.3.2). Default: the
+        original prediction minus what was generated, at least 1."""
+        return max(1, (request.predicted_output_tokens or 1) - request.num_output_tokens)
+
 
 class OraclePredictor(LengthPredictor):
     """The true output length: hypothetical schedulers (InferMax's eviction-free variants)."""
@@ -36,6 +43,9 @@ class OraclePredictor(LengthPredictor):
 
     def predict(self, request: Request) -> int:
         return request.true_output_tokens
+
+    def predict_remaining(self, request: Request) -> int:
+        return max(1, request.true_output_tokens - request.num_output_tokens)
 
 
 class NoisyOraclePredictor(LengthPredictor):
@@ -70,6 +80,15 @@ class NoisyOraclePredictor(LengthPredictor):
         rng = random.Random(hash((self.seed, request.request_id)) & 0xFFFFFFFF)
         noisy = request.true_output_tokens * math.exp(rng.gauss(0.0, self.sigma))
         return max(1, min(round(noisy), request.max_tokens))
+
+    def predict_remaining(self, request: Request) -> int:
+        """The true remaining length with a fresh error of the same model (a re-prediction from the
+        prompt and the generated text), deterministic per (seed, request, tokens generated)."""
+        generated = request.num_output_tokens
+        rng = random.Random(hash((self.seed, request.request_id, generated)) & 0xFFFFFFFF)
+        remaining = request.true_output_tokens - generated
+        noisy = remaining * math.exp(rng.gauss(0.0, self.sigma))
+        return max(1, min(round(noisy), request.max_tokens - generated))
 
 
 # EconoServe §2.3: (accuracy, sweet-spot padding) of its fine-tuned OPT-13B length predictor.
@@ -136,6 +155,13 @@ class OnlineHistogramPredictor(LengthPredictor):
         else:
             estimate = self.default_tokens
         return max(1, min(estimate, request.max_tokens))
+
+    def predict_remaining(self, request: Request) -> int:
+        """The quantile of the outputs seen that were longer than what was generated, minus it."""
+        generated = request.num_output_tokens
+        longer = self._all[bisect.bisect_right(self._all, generated) :]
+        estimate = self._quantile(longer) if longer else max(self.default_tokens, 2 * generated)
+        return max(1, min(estimate, request.max_tokens) - generated)
 
     def observe(self, request: Request) -> None:
         out = request.num_output_tokens

@@ -10,7 +10,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 
-from sloserve.core.outputs import Preemption, PreemptionMode, SchedulerOutput, StepResult
+import numpy as np
+
+from sloserve.core.outputs import (
+    Preemption,
+    PreemptionMode,
+    SchedulerOutput,
+    StepResult,
+)
 from sloserve.core.request import Request, RequestStatus
 from sloserve.kv.manager import KVCacheManager
 from sloserve.predict import LengthPredictor
@@ -87,6 +94,19 @@ class Scheduler(ABC):
         """The decode-only ``output`` repeated ``num_steps`` times (``num_steps`` <= decode_horizon):
         allocates the KV the later steps need."""
         raise NotImplementedError(f"{self.name} has no decode fast path")
+
+    def _cohort_decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
+        """``decode_horizon`` of a policy whose decode-only step changes only on a completion, an
+        arrival or a memory event: the cohort repeats until a member outgrows free memory."""
+        if not output.is_decode_only or limit <= 1:
+            return 1
+        cohort = self.cohort
+        return 1 + cohort.memory_horizon(cohort.ticks + 2, self.kv.num_free_blocks, limit - 1)
+
+    def _cohort_repeat_decode(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
+        first = self.cohort.ticks + 1  # grown by schedule()
+        later = self.cohort.grow_through(first + num_steps - 1)  # (num_steps - 1,)
+        return output.repeated(num_steps, np.concatenate(([0], later)))
 
     def update(self, output: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
         """Apply an executed step: progress counters, token times, finished requests. Returns the

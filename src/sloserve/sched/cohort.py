@@ -124,6 +124,11 @@ class DecodeCohort:
             return self._due_count[tick % self._period]
         return sum(self.kv.blocks_needed(r, r._computed_offset + tick) for r in self._due_members(tick))
 
+    def due_members(self, tick: int) -> list[Request]:
+        """Members that outgrow their slots at ``tick`` (managers without periodic growth only)."""
+        assert self._period is None, "paged growth is counted, not listed"
+        return self._due_members(tick)
+
     def _due_members(self, tick: int) -> list[Request]:
         return [r for r, epoch in self._due.get(tick, ()) if r.cohort is self and r.cohort_epoch == epoch]
 

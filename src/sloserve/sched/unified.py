@@ -17,8 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
-
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import PreemptionMode, ScheduledChunk, SchedulerOutput
 from sloserve.core.request import Request, RequestClass
@@ -267,15 +265,10 @@ class UnifiedScheduler(Scheduler):
         """A decode-only step repeats unchanged until the cohort's growth outruns free memory: every
         admission that failed this step failed on C, P, max_num_seqs or memory, and none of those
         loosens before a completion, an arrival or an eviction."""
-        if not output.is_decode_only or limit <= 1:
-            return 1
-        cohort = self.cohort
-        return 1 + cohort.memory_horizon(cohort.ticks + 2, self.kv.num_free_blocks, limit - 1)
+        return self._cohort_decode_horizon(output, limit)
 
     def repeat_decode(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
-        first = self.cohort.ticks + 1  # grown by schedule()
-        later = self.cohort.grow_through(first + num_steps - 1)  # (num_steps - 1,)
-        return output.repeated(num_steps, np.concatenate(([0], later)))
+        return self._cohort_repeat_decode(output, num_steps)
 
     # --- validation ----------------------------------------------------------------------------
     def check_fits(self, request: Request, max_kv_tokens: int) -> None:
