@@ -81,7 +81,7 @@ def test_sweep_writes_plot(tmp_path: Path):
 BAD = [
     (["--trace", "nope", "--rate", "1"], "unknown trace 'nope'; valid: arxiv"),
     (["--trace", "sharegpt", "--rate", "0"], "arrival.rate must be > 0, got 0"),
-    (["--trace", "sharegpt", "--rate", "1", "--scheduler", "fifo"], "unknown scheduler 'fifo'; valid: bros, bros_nobicache, infermax, orca, rank_i, rank_o, rank_org, rr, sarathi"),
+    (["--trace", "sharegpt", "--rate", "1", "--scheduler", "fifo"], "unknown scheduler 'fifo'; valid: bros, bros_nobicache, econoserve, econoserve-d, econoserve-oracle, econoserve-sd, econoserve-sdo, fastserve, infermax, multires, orca, rank_i"),
     (["--trace", "sharegpt", "--rate", "1", "--gpu", "tpu"], "unknown GPU"),
     (["--trace", "sharegpt", "--rate", "1", "--kv-capacity-tokens", "8"], "below one block of 16 tokens"),
     (["--trace", "sharegpt", "--rate", "1", "--scheduler", "orca", "--kv-capacity-tokens", "3000"],

@@ -134,7 +134,7 @@ def test_orca_capacity_below_longest_request_is_an_error():
 
 
 def test_unknown_scheduler_and_option_errors():
-    with pytest.raises(UnknownNameError, match="valid: bros, bros_nobicache, infermax, orca, rank_i, rank_o, rank_org, rr, sarathi, .*vllm_hy_ef"):
+    with pytest.raises(UnknownNameError, match="valid: bros, bros_nobicache, .*fastserve, infermax, multires, orca, rank_i, rank_o, rank_org, rr, sarathi, .*srtf, .*vllm_hy_ef"):
         scheduler("fcfs", 1000)
     with pytest.raises(ConfigError, match="no option 'bogus'; valid: .*block_size"):
         scheduler("vllm", 1000, bogus="1")

@@ -11,11 +11,15 @@ from typing import Any
 
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.kv.manager import KV_MANAGERS
-from sloserve.predict import LengthPredictor, make_predictor
+from sloserve.predict import LengthPredictor, NoisyOraclePredictor, make_predictor
 from sloserve.sched.base import Scheduler
 from sloserve.cost.base import CostModel
 from sloserve.sched.bros import BrosConfig, BrosScheduler, RoundRobinScheduler
+from sloserve.sched.econoserve import EconoServeConfig, EconoServeScheduler
+from sloserve.sched.fastserve import FastServeConfig, FastServeScheduler
+from sloserve.sched.multires import MultiResConfig, MultiResScheduler
 from sloserve.sched.rank import RankConfig, RankScheduler
+from sloserve.sched.srtf import SrtfConfig, SrtfScheduler
 from sloserve.sched.unified import UnifiedConfig, UnifiedScheduler
 
 
@@ -150,6 +154,57 @@ register(
     )
 )
 
+# --- EconoServe's baselines (papers/econoserve.md §2.1) ----------------------------------------------
+register(
+    SchedulerSpec(
+        "srtf",
+        "EconoServe's SRTF: iteration-level shortest remaining (predicted) output first, batches of at most "
+        "8, max allocation; unchosen requests keep their KV (oracle output lengths)",
+        SrtfScheduler,
+        SrtfConfig,
+    )
+)
+register(
+    SchedulerSpec(
+        "fastserve",
+        "FastServe: skip-join multi-level feedback queue (5 levels, quanta doubling from one decode "
+        "iteration), batches of at most 8, max allocation",
+        FastServeScheduler,
+        FastServeConfig,
+        needs_cost_model=True,
+    )
+)
+register(
+    SchedulerSpec(
+        "multires",
+        "EconoServe's MultiRes: running requests decode on; waiting ones picked one by one by the least "
+        "Euclidean distance of (tokens, KV) demand to the room left (O(n^2)), exact allocation (oracle)",
+        MultiResScheduler,
+        MultiResConfig,
+    )
+)
+
+
+# --- EconoServe (papers/econoserve.md §3-§4) and SyncCoupled (§2.2) -----------------------------------
+_ECONOSERVE_D = dict(time_synced=False, ordering=False, pipelining=False, kv_manager="exact")
+_ECONOSERVE = dict(time_synced=True, ordering=True, pipelining=True, kv_manager="pipelined")
+for _name, _description, _knobs in [
+    ("econoserve-d", "EconoServe-D (UnsyncDecoupled): PT and GT queues, PTs fill the TFS and GTs the KV "
+     "every iteration, FCFS, exact allocation of predicted RL + padding", _ECONOSERVE_D),
+    ("econoserve-sd", "EconoServe-SD (SyncDecoupled): + time-synced GT groups by predicted RL, admitted "
+     "when a group completes", dict(_ECONOSERVE_D, time_synced=True)),
+    ("econoserve-sdo", "EconoServe-SDO: + ordering by deadline, occupied KV and length with binary search",
+     dict(_ECONOSERVE_D, time_synced=True, ordering=True)),
+    ("econoserve", "EconoServe: SDO + KV-cache pipelining (GTs hosted in the unused half of others' "
+     "regions); noisy RL predictions at the paper's ShareGPT accuracy", _ECONOSERVE),
+    ("econoserve-oracle", "EconoServe with the true response lengths (no padding needed)",
+     dict(_ECONOSERVE, predictor="oracle", padding=0.0)),
+    ("synccoupled", "SyncCoupled (EconoServe §2.2): requests grouped by predicted RL, each allocated "
+     "prompt + RL, groups admitted when a group completes; no PT joins between", dict(
+         _ECONOSERVE_D, decoupled=False, time_synced=True)),
+]:  # fmt: skip
+    register(SchedulerSpec(_name, _description, EconoServeScheduler, EconoServeConfig, _knobs, needs_cost_model=True))
+
 
 def scheduler_names() -> list[str]:
     return sorted(SCHEDULERS)
@@ -237,6 +292,8 @@ def make_scheduler(
         # NOTE: only BROS protects a step's batch from being overwritten and carries the manager's
         # checkpoint/restore copies in its output.
         raise ConfigError(f"scheduler {name}: kv_manager bidirectional works with the BROS scheduler only")
+    if config.kv_manager == "pipelined" and spec.scheduler_cls is not EconoServeScheduler:
+        raise ConfigError(f"scheduler {name}: kv_manager pipelined works with the EconoServe schedulers only")
     if kv_capacity_tokens < config.block_size:
         raise ConfigError(
             f"KV capacity {kv_capacity_tokens} tokens is below one block of {config.block_size} tokens"
@@ -259,6 +316,10 @@ def _predictor(config: Any) -> LengthPredictor | None:
         return None
     if name == "histogram":
         return make_predictor(name, quantile=config.histogram_quantile)
+    if name == "noisy-oracle":
+        return NoisyOraclePredictor.from_accuracy(
+            config.predictor_accuracy, config.predictor_padding, seed=config.predictor_seed
+        )
     return make_predictor(name)
 
 

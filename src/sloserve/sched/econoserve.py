@@ -1,0 +1,550 @@
+"""EconoServe (papers/econoserve.md §3, Algorithm 1) and its variants D, SD, SDO, full, Oracle, and
+the SyncCoupled scheduler of §2.2.
+
+A request is a prompt task (PT) until its prompt is processed, then a generation task (GT). One
+iteration, as in Algorithm 1:
+
+    0. grow       running GTs take the slot of their next token; a hosted GT whose host reaches it is
+                  evicted to CPU memory (§3.2); a GT past its padded region grows into the free KV
+                  (the reserve) or, when there is none, stops with its KV kept (offload-free, O4)
+    1. ①          when a GT group has completed, GT groups from the GT queue fill the KV up to the
+                  reserve, each GT with an exact region of its predicted RL + padding (§3.3.1)
+    2. ②          KV-cache pipelining: GTs hosted in the regions of the GTs just admitted (§3.2)
+    3. ③          PTs from the PT queue until the forward size reaches the TFS (§3.3.1)
+    4. ④ ⑤        execute; a PT whose prompt is done becomes a GT in the GT queue (ordered, §3.4)
+
+Running GTs decode as one ``DecodeCohort`` and are never rescheduled per iteration (time-synced
+batching, §3.3.2): their slots are granted ahead, so a step costs O(1) between KV events.
+
+NOTE: GTs in the GT queue hold KV on the GPU (their prompt, and what they generated before an
+offload-free stop): their status is RUNNING although they are not in the batch (``running``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from sloserve.core.errors import ConfigError
+from sloserve.core.outputs import (
+    Preemption,
+    PreemptionMode,
+    ScheduledChunk,
+    SchedulerOutput,
+)
+from sloserve.core.request import Request, RequestStatus
+from sloserve.cost.base import CostModel
+from sloserve.cost.derived import jct_slo_s, saturating_forward_size
+from sloserve.kv.manager import ExactReservationKVManager, KVCacheManager
+from sloserve.kv.pipelined import PipelinedKVManager
+from sloserve.predict import LengthPredictor
+from sloserve.sched.base import Scheduler
+from sloserve.sched.ordering import TaskQueue
+
+
+@dataclass
+class EconoServeConfig:
+    """Knobs of EconoServe and its variants. Defaults: the paper's ShareGPT setting (§2.3, §4)."""
+
+    decoupled: bool = True  # §3.3.1 PT and GT queues (False: SyncCoupled, §2.2)
+    time_synced: bool = True  # §3.3.2 admit GTs only when a group completes (False: every iteration)
+    ordering: bool = True  # §3.4 deadline / occupied KV / length ordering with binary search
+    pipelining: bool = True  # §3.2 KV-cache pipelining (needs kv_manager=pipelined)
+    target_forward_size: int | None = None  # TFS in tokens; None: where the cost model's throughput saturates
+    tfs_saturation: float = 0.95  # the share of the best throughput that counts as saturated
+    padding: float = 0.15  # predicted RL x (1 + padding) is allocated (ShareGPT's sweet spot, §2.3)
+    reserve: float = 0.03  # share of the KV kept from GT admission, for PTs and overruns (§2.2: 3%)
+    buffer: float = 0.15  # b as a share of the host's region (§4: 15% of the predicted RL)
+    slo_scale: float = 2.0  # JCT SLO = scale x (t_p + t_g x l_g) (§4)
+    urgent_deadline_s: float = 0.5  # deadline ranges: < 0.5 s, 0.5-2 s, > 2 s left (§3.4)
+    soon_deadline_s: float = 2.0
+    kv_range_tokens: int = 128  # width of an occupied-KV range (§3.4)
+    predictor: Literal["oracle", "noisy-oracle", "histogram"] = "noisy-oracle"
+    # The noisy oracle is calibrated to this accuracy at this padding (§2.3: ShareGPT 73.2% at 15%),
+    # independently of the padding the scheduler allocates.
+    predictor_accuracy: float = 0.732
+    predictor_padding: float = 0.15
+    predictor_seed: int = 0
+    histogram_quantile: float = 0.5
+    max_num_seqs: int = 1024
+    max_num_batched_tokens: int | None = None  # upper bound of the TFS (None: max(model length, 2048))
+    block_size: int = 16
+    kv_manager: Literal["exact", "pipelined"] = "exact"
+
+    def resolve(self, max_model_len: int) -> None:
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(max_model_len, 2048)
+        for name in ("padding", "reserve", "buffer"):
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                raise ConfigError(f"EconoServe {name} must be in [0, 1), got {value}")
+        if self.target_forward_size is not None and not 0 < self.target_forward_size <= self.max_num_batched_tokens:
+            raise ConfigError(
+                f"target_forward_size (TFS) must be in (0, max_num_batched_tokens={self.max_num_batched_tokens}], "
+                f"got {self.target_forward_size}"
+            )
+        if not self.slo_scale > 0:
+            raise ConfigError(f"slo_scale must be > 0, got {self.slo_scale}")
+        if not 0 < self.urgent_deadline_s < self.soon_deadline_s:
+            raise ConfigError(
+                f"deadline ranges need 0 < urgent_deadline_s < soon_deadline_s, got "
+                f"{self.urgent_deadline_s}, {self.soon_deadline_s}"
+            )
+        if self.kv_range_tokens < 1 or self.max_num_seqs < 1 or self.block_size < 1:
+            raise ConfigError("kv_range_tokens, max_num_seqs and block_size must be >= 1")
+        if self.predictor not in ("oracle", "noisy-oracle", "histogram"):
+            raise ConfigError(f"unknown predictor {self.predictor!r}; valid: histogram, noisy-oracle, oracle")
+        if self.pipelining != (self.kv_manager == "pipelined"):
+            raise ConfigError("KV-cache pipelining and kv_manager=pipelined go together")
+        if self.kv_manager not in ("exact", "pipelined"):
+            raise ConfigError(f"EconoServe uses kv_manager exact or pipelined, got {self.kv_manager!r}")
+        if self.pipelining and not self.decoupled:
+            raise ConfigError("KV-cache pipelining needs decoupled PT and GT queues")
+
+
+class EconoServeScheduler(Scheduler):
+    """EconoServe with the mechanisms of ``EconoServeConfig`` switched on or off."""
+
+    name = "econoserve"
+
+    def __init__(self, kv: KVCacheManager, config: EconoServeConfig, predictor: LengthPredictor | None = None,
+                 cost_model: CostModel | None = None) -> None:  # fmt: skip
+        super().__init__(kv, predictor)
+        assert predictor is not None and cost_model is not None, "EconoServe needs a predictor and a cost model"
+        assert isinstance(kv, PipelinedKVManager if config.pipelining else ExactReservationKVManager), kv
+        self.config = config
+        self.cost_model = cost_model
+        c = config.max_num_batched_tokens or 0
+        # TFS: the forward size at which throughput saturates (§2.1).
+        self.target_forward_size = config.target_forward_size or saturating_forward_size(
+            cost_model, c, fraction=config.tfs_saturation
+        )
+        self._coupled_token_budget = c  # SyncCoupled: prompt tokens per step
+        self.reserve_blocks = int(config.reserve * kv.gpu.num_blocks)
+        order = "ordered" if config.ordering else "grouped" if config.time_synced else "fcfs"
+        ranges = (config.urgent_deadline_s, config.soon_deadline_s)
+        # PT queue: by prompt length (decoupled) or, SyncCoupled, requests grouped by predicted RL.
+        pt_order = "ordered" if config.ordering else "fcfs" if config.decoupled else order
+        self.pt_queue = TaskQueue(pt_order, ranges, config.kv_range_tokens)
+        self.gt_queue = TaskQueue(order, ranges, config.kv_range_tokens)
+        self._deadline: dict[Request, float] = {}
+        self._remaining: dict[Request, int] = {}  # predicted RL still to come (L), of queued GTs
+        self._queued_kv_tokens = 0  # KV held by the GT queue
+        # Running groups: GTs admitted together with the same predicted RL.
+        self._group_of: dict[Request, int] = {}
+        self._group_left: dict[int, int] = {}
+        self._num_groups = 0
+        self._refill = True  # a group completed (or KV came free) since the last GT admission
+        # What the paper's figures report.
+        self.group_sizes: list[int] = []  # size of every GT group admitted (Figure 2)
+        self.num_overruns = 0  # GTs that grew past their padded region (under-provisioned)
+        self.num_offload_free_stops = 0
+        self.num_hosted = 0
+        self.num_hosted_evictions = 0
+        self.num_dropped = 0  # queued GTs whose KV was dropped so that the queue can move (liveness)
+
+    # --- arrivals and transitions ------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """A PT arrives: its RL is predicted and its JCT deadline set (§4); it waits in the PT queue."""
+        request.status = RequestStatus.WAITING
+        assert self.predictor is not None
+        predicted = self.predictor.predict(request)
+        request.predicted_output_tokens = predicted
+        self._deadline[request] = request.arrival_time + jct_slo_s(
+            self.cost_model, request.num_prompt_tokens, predicted, self.config.slo_scale
+        )
+        self._queue_pt(request)
+
+    def _queue_pt(self, request: Request) -> None:
+        length = request.num_tokens if self.config.decoupled else request.predicted_output_tokens or 1
+        self.pt_queue.add(request, self._deadline[request], 0, length)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pt_queue or self.gt_queue or self.running)
+
+    def on_token_emitted(self, request: Request) -> None:
+        """⑤ A PT whose prompt is done becomes a GT: decoupled, it waits in the GT queue with its
+        prompt's KV; SyncCoupled, it decodes at once in the region it was admitted with."""
+        if not self.config.decoupled:
+            self._join_cohort(request)
+            return
+        del self.running[request]
+        self.outside_cohort.pop(request, None)
+        self._queue_gt(request, self._predicted_remaining(request))
+
+    def _predicted_remaining(self, request: Request) -> int:
+        """L: output tokens still to come by the arrival prediction, or re-predicted once the GT has
+        generated that many (L_new, §3.3.2)."""
+        left = (request.predicted_output_tokens or 1) - request.num_output_tokens
+        if left >= 1:
+            return left
+        assert self.predictor is not None
+        return self.predictor.predict_remaining(request)
+
+    def _queue_gt(self, request: Request, remaining: int) -> None:
+        self._remaining[request] = remaining
+        held = request.num_computed_tokens
+        self.gt_queue.add(request, self._deadline[request], held, remaining)
+        self._queued_kv_tokens += held
+        # KV came free for it (time-synced batching admits when "there is available KVC").
+        if self._gt_blocks(request) <= self._gt_room_blocks():
+            self._refill = True
+
+    def _unqueue_gt(self, request: Request) -> int:
+        self.gt_queue.remove(request)
+        self._queued_kv_tokens -= request.num_computed_tokens
+        return self._remaining.pop(request)
+
+    # --- allocation sizes ----------------------------------------------------------------------------
+    def _region_tokens(self, request: Request, remaining: int) -> int:
+        """Exact allocation: the predicted RL plus padding, capped so that the GT fits the cache alone
+        (the cap is only reached by predictions longer than the cache)."""
+        padded = math.ceil(remaining * (1 + self.config.padding))
+        room = self.kv.capacity_tokens - self.reserve_blocks * self.kv.block_size - request.num_computed_tokens
+        return max(1, min(padded, room))
+
+    def _gt_blocks(self, request: Request, remaining: int | None = None) -> int:
+        """Pool blocks admitting the queued GT takes: its region, and its tokens back from CPU."""
+        region = self._region_tokens(request, self._remaining[request] if remaining is None else remaining)
+        kv = self.kv
+        if isinstance(kv, PipelinedKVManager):
+            return kv.region_blocks_needed(request, region) + kv.restore_blocks_needed(request)
+        have = len(kv.block_tables.get(request, ()))
+        return max(0, -(-(request.num_computed_tokens + region) // kv.block_size) - have)
+
+    # --- Algorithm 1 ----------------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self.pt_queue.advance(now)
+        self.gt_queue.advance(now)
+        self._grow_running(out)  # 0
+        if self._refill or not self.config.time_synced or not self.cohort:
+            self._refill = False
+            if self.config.decoupled:
+                self._admit_gt_groups(out)  # ① and ②
+            else:
+                self._admit_coupled_groups()
+        self._fill_forward(out)  # ③
+        if self.cohort:
+            out.cohort = self.cohort
+            out.cohort_size = len(self.cohort)
+            out.cohort_kv_tokens = self.cohort.kv_tokens
+        if isinstance(self.kv, PipelinedKVManager):
+            out.slot_copies = self.kv.take_copies()
+            out.swap_bytes += len(out.slot_copies) * self.kv.kv_bytes_per_token
+        out.cohort_joined = self._take_joined()
+        return out
+
+    # --- 0: growth, evictions of hosted GTs, overruns --------------------------------------------------
+    def _grow_running(self, out: SchedulerOutput) -> None:
+        cohort, kv = self.cohort, self.kv
+        tick = cohort.ticks + 1
+        if isinstance(kv, PipelinedKVManager):
+            for host in cohort.due_members(tick):
+                hosted = kv.hosted_in_the_way(host)
+                while hosted is not None:  # §3.2: not done when its host needs the slots
+                    self._evict_hosted(hosted, out)
+                    hosted = kv.hosted_in_the_way(host)
+        while not cohort.try_grow(tick):
+            # O4: GTs past their region that the free KV (the reserve) cannot grow stop, least urgent first.
+            overrun = [r for r in cohort.due_members(tick) if kv.blocks_needed(r, r.num_computed_tokens + 1)]
+            self._stop(max(overrun, key=lambda r: (self._deadline[r], r.request_id)), out)
+
+    def _leave_batch(self, request: Request) -> None:
+        if request.cohort is not None:
+            request.cohort.remove(request)
+        del self.running[request]
+        self.outside_cohort.pop(request, None)
+        self._leave_group(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _stop(self, request: Request, out: SchedulerOutput) -> None:
+        """Offload-free preemption (§3.3.2): the under-provisioned GT leaves the batch with its KV and
+        is regrouped by its new predicted RL; its occupied KV puts it early in the GT queue."""
+        kv = self.kv
+        if isinstance(kv, PipelinedKVManager) and kv.regions[request].parent is not None:
+            # A hosted GT cannot keep its host's slots while it waits: it goes to CPU memory instead.
+            self._evict_hosted(request, out)
+            return
+        self._leave_batch(request)
+        self.num_offload_free_stops += 1
+        out.preempted.append(Preemption(request, PreemptionMode.KEEP))
+        self._queue_gt(request, self._predicted_remaining(request))
+
+    def _evict_hosted(self, request: Request, out: SchedulerOutput) -> None:
+        """§3.2: a hosted GT still running when its host reaches its slots moves to CPU memory."""
+        assert isinstance(self.kv, PipelinedKVManager)
+        self._leave_batch(request)
+        self.kv.evict(request, request.num_computed_tokens)
+        self.num_hosted_evictions += 1
+        out.preempted.append(Preemption(request, PreemptionMode.SWAP))
+        self._queue_gt(request, self._predicted_remaining(request))
+
+    # --- 1 and 2: GT groups and hosted GTs -------------------------------------------------------------
+    def _admit_gt_groups(self, out: SchedulerOutput) -> None:
+        """① GT groups in queue order until the KV is allocated up to the reserve (a group that does
+        not fit is split); with ordering, a binary search finds a GT that fits what is left."""
+        queue, kv = self.gt_queue, self.kv
+        admitted: list[Request] = []
+        groups: dict[int, int] = {}  # predicted RL -> group id, this admission round
+        room = self._gt_room_blocks()
+        while queue and len(self.running) < self.config.max_num_seqs:
+            request = queue.first()
+            assert request is not None
+            if self._gt_blocks(request) > room:
+                if not self.config.ordering:
+                    break  # the head group is split here; the rest waits for the next completion
+                request = self._fitting_gt(room)
+                if request is None:
+                    break
+            room -= self._gt_blocks(request)
+            self._start_gt(request, self._unqueue_gt(request), groups, admitted)
+        if not admitted and queue and not self.running:
+            self._unblock_gt_queue(out, groups, admitted)
+        if self.config.pipelining:
+            self._host_gts(admitted, groups)  # ②
+        for request in admitted:
+            assert kv.allocate_slots(request, request.num_computed_tokens + 1)
+            self._join_cohort(request)
+
+    def _fitting_gt(self, room_blocks: int) -> Request | None:
+        """Binary search (§3.4) for a GT whose allocation fits ``room_blocks``: the longest predicted
+        RL whose padded region fits, in the most urgent ranges; None when none does."""
+        bs, pad = self.kv.block_size, self.config.padding
+        max_rl = int(room_blocks * bs / (1 + pad))
+        while max_rl >= 1:
+            request = self.gt_queue.first_fit(max_rl)
+            if request is None:
+                return None
+            if self._gt_blocks(request) <= room_blocks:
+                return request
+            max_rl = self._remaining[request] - 1  # its prompt's partial block or restore did not fit
+        return None
+
+    def _unblock_gt_queue(self, out: SchedulerOutput, groups: dict[int, int], admitted: list[Request]) -> None:
+        """Liveness: nothing runs and the head GT does not fit beside the KV the queue holds. It may
+        use the reserve; if that is not enough, queued GTs from the back drop their KV (recompute)."""
+        head = self.gt_queue.first()
+        assert head is not None
+        while self._gt_blocks(head) > self.kv.num_free_blocks:
+            victim = list(self.gt_queue)[-1]
+            if victim is head:
+                break
+            self._drop(victim, out)
+        if self._gt_blocks(head) <= self.kv.num_free_blocks:
+            self._start_gt(head, self._unqueue_gt(head), groups, admitted)
+
+    def _drop(self, request: Request, out: SchedulerOutput) -> None:
+        self._unqueue_gt(request)
+        self.kv.free(request)
+        request.reset_computed()
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.num_dropped += 1
+        out.preempted.append(Preemption(request, PreemptionMode.RECOMPUTE))
+        self._queue_pt(request)
+
+    def _start_gt(self, request: Request, remaining: int, groups: dict[int, int], admitted: list[Request],
+                  host: Request | None = None) -> None:  # fmt: skip
+        """Allocate the GT's region (exact allocation) and put it in the batch with its group."""
+        kv = self.kv
+        region = self._region_tokens(request, remaining)
+        if isinstance(kv, PipelinedKVManager):
+            assert kv.restore(request)
+            if host is not None:
+                assert kv.lend(host, request, region, self._buffer_tokens(host))
+                self.num_hosted += 1
+            elif request in kv.regions:
+                assert kv.extend_region(request, region)
+            else:
+                assert kv.reserve_region(request, region)
+        else:
+            assert isinstance(kv, ExactReservationKVManager)
+            kv.set_reservation(request, request.num_computed_tokens + region)
+            assert kv.allocate_slots(request, request.num_computed_tokens + region)
+        self._admit(request)
+        group = groups.get(remaining)
+        if group is None:
+            group = groups[remaining] = self._num_groups
+            self._num_groups += 1
+            self._group_left[group] = 0
+            self.group_sizes.append(0)
+        self._group_of[request] = group
+        self._group_left[group] += 1
+        self.group_sizes[group] += 1
+        admitted.append(request)
+
+    def _buffer_tokens(self, host: Request) -> int:
+        """b for ``host``: the buffer share of its region (§4: a share of the predicted RL)."""
+        assert isinstance(self.kv, PipelinedKVManager)
+        return math.ceil(self.config.buffer * len(self.kv.regions[host].slots))
+
+    def _host_gts(self, hosts: list[Request], groups: dict[int, int]) -> None:
+        """② KV-cache pipelining (§3.2): each admitted GT hosts, in the second half of what it keeps,
+        the queued GT whose padded RL is the largest at most its lend limit (l/2 - b, then l/4 - b,
+        ...), recursively in the hosted GTs' own regions."""
+        kv, queue, pad = self.kv, self.gt_queue, self.config.padding
+        assert isinstance(kv, PipelinedKVManager)
+        i = 0
+        while i < len(hosts) and len(self.running) < self.config.max_num_seqs:
+            host = hosts[i]
+            i += 1
+            b = self._buffer_tokens(host)
+            while len(self.running) < self.config.max_num_seqs:
+                limit = kv.lend_limit(host, b)
+                max_rl = int(limit / (1 + pad))
+                while max_rl >= 1 and math.ceil(max_rl * (1 + pad)) > limit:
+                    max_rl -= 1
+                hosted = queue.largest_at_most(max_rl) if max_rl >= 1 else None
+                if (
+                    hosted is None
+                    or hosted in kv.regions  # holds a region of its own (stopped after using it)
+                    or kv.restore_blocks_needed(hosted) > self._gt_room_blocks()
+                ):
+                    break
+                self._start_gt(hosted, self._unqueue_gt(hosted), groups, hosts, host=host)
+
+    def _leave_group(self, request: Request) -> None:
+        group = self._group_of.pop(request, None)
+        if group is not None:
+            self._group_left[group] -= 1
+            if self._group_left[group] == 0:
+                del self._group_left[group]
+                self._refill = True  # §3.3.2: a group completed
+
+    # --- SyncCoupled (§2.2) ------------------------------------------------------------------------------
+    def _admit_coupled_groups(self) -> None:
+        """Requests grouped by predicted RL, each allocated prompt + padded RL, fill the KV up to the
+        reserve; their prompts run, then they decode together. No PT joins between completions."""
+        queue, kv = self.pt_queue, self.kv
+        assert isinstance(kv, ExactReservationKVManager)
+        groups: dict[int, int] = {}
+        admitted: list[Request] = []
+        room = kv.num_free_blocks - (self.reserve_blocks if self.running else 0)
+        while queue and len(self.running) < self.config.max_num_seqs:
+            request = queue.first()
+            assert request is not None
+            remaining = request.predicted_output_tokens or 1
+            target = request.num_tokens + self._region_tokens(request, remaining) - 1
+            if -(-target // kv.block_size) > room:
+                break
+            queue.remove(request)
+            room -= -(-target // kv.block_size)
+            kv.set_reservation(request, target)
+            assert kv.allocate_slots(request, request.num_tokens)
+            self._start_coupled(request, remaining, groups, admitted)
+
+    def _start_coupled(self, request: Request, remaining: int, groups: dict[int, int], admitted: list[Request]) -> None:
+        self._admit(request)
+        group = groups.setdefault(remaining, self._num_groups)
+        if group == self._num_groups:
+            self._num_groups += 1
+            self._group_left[group] = 0
+            self.group_sizes.append(0)
+        self._group_of[request] = group
+        self._group_left[group] += 1
+        self.group_sizes[group] += 1
+        admitted.append(request)
+
+    # --- 3: PTs up to the TFS --------------------------------------------------------------------------
+    def _fill_forward(self, out: SchedulerOutput) -> None:
+        """③ Prompts in progress go on, then PTs join until the forward size reaches the TFS. A PT
+        takes KV for its whole prompt (the reserve included) and may be chunked to hit the TFS."""
+        budget = self.target_forward_size if self.config.decoupled else self._coupled_token_budget
+        room = budget - len(self.cohort)
+        for request in self.outside_cohort:  # prompts in progress (chunked)
+            if room <= 0:
+                return
+            num_tokens = min(request.num_tokens_to_process, room)
+            out.chunks.append(ScheduledChunk(request, num_tokens))
+            room -= num_tokens
+        if not self.config.decoupled:
+            return
+        queue, kv = self.pt_queue, self.kv
+        while room > 0 and queue and len(self.running) < self.config.max_num_seqs:
+            request = queue.first()
+            assert request is not None
+            if self.config.ordering and queue.length(request) > room:
+                request = queue.first_fit(room) or request  # a prompt that fills the rest, else chunk
+            tokens = request.num_tokens
+            if kv.blocks_needed(request, tokens) > kv.num_free_blocks or not self._pt_fits_reserve(request):
+                break
+            queue.remove(request)
+            assert kv.allocate_slots(request, tokens)
+            self._admit(request)
+            num_tokens = min(tokens, room)
+            out.chunks.append(ScheduledChunk(request, num_tokens))
+            room -= num_tokens
+
+    def _pt_held_tokens(self) -> int:
+        """KV held by tasks without a region: prompts in progress and GTs in the GT queue."""
+        return self._queued_kv_tokens + sum(r.num_tokens for r in self.outside_cohort)
+
+    def _pt_fits_reserve(self, request: Request) -> bool:
+        """The reserve is the PTs' share of the KV (§3.3.1, Figure 8b): a PT joins while the KV held
+        by prompts in progress and GTs waiting for a region stays within it (a prompt larger than
+        the whole reserve joins when nothing else holds any).
+
+        NOTE: the paper keeps the reserve "for adding PTs at each iteration"; we read it as the KV
+        prompts may hold until their GT gets a region. Without such a bound prompts outpace
+        generation and their KV fills the cache until no GT region fits.
+        """
+        held = self._pt_held_tokens()
+        return held == 0 or held + request.num_tokens <= self.reserve_blocks * self.kv.block_size
+
+    def _gt_room_blocks(self) -> int:
+        """Free blocks GT regions may take: all but what is left of the PTs' reserve."""
+        reserve_left = -(-max(0, self.reserve_blocks * self.kv.block_size - self._pt_held_tokens()) // self.kv.block_size)
+        return self.kv.num_free_blocks - reserve_left
+
+    # --- finishing, metrics, fast path -------------------------------------------------------------------
+    def _finish(self, request: Request, now: float) -> None:
+        super()._finish(request, now)
+        self._leave_group(request)
+        self._deadline.pop(request, None)
+
+    def kv_used_tokens(self) -> int:
+        return super().kv_used_tokens() + self._queued_kv_tokens
+
+    def decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
+        """Decode-only steps repeat until a KV event (a GT outgrowing its granted slots), a completion
+        or an arrival; with ordering, queued tasks change deadline range with time, so only when both
+        queues are empty."""
+        if self.config.ordering and (self.pt_queue or self.gt_queue):
+            return 1
+        return self._cohort_decode_horizon(output, limit)
+
+    def repeat_decode(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
+        return self._cohort_repeat_decode(output, num_steps)
+
+    def check_fits(self, request: Request, max_kv_tokens: int) -> None:
+        kv = self.kv
+        usable = kv.capacity_tokens - self.reserve_blocks * kv.block_size
+        if max_kv_tokens > usable:
+            raise ConfigError(
+                f"KV capacity {kv.capacity_tokens} tokens ({self.reserve_blocks} blocks of {kv.block_size} "
+                f"reserved) cannot hold request {request.request_id}: prompt {request.num_prompt_tokens} + "
+                f"output - 1 = {max_kv_tokens} tokens"
+            )
+
+    def check_integrity(self) -> None:
+        """Invariants across the PT and GT queues, the batch, the cohort and the KV manager."""
+        self.kv.check_integrity()
+        self.cohort.check_integrity()
+        assert set(self.outside_cohort) | set(self.cohort.members) == set(self.running)
+        assert not set(self.outside_cohort) & set(self.cohort.members)
+        for r in self.running:
+            assert r.status is RequestStatus.RUNNING and r not in self.gt_queue and r not in self.pt_queue, r
+        held = 0
+        for r in self.gt_queue:
+            assert r.status is RequestStatus.RUNNING and r not in self.pt_queue, r
+            assert self.kv.num_tracked_tokens(r) >= r.num_computed_tokens > 0, r
+            held += r.num_computed_tokens
+        assert held == self._queued_kv_tokens, (held, self._queued_kv_tokens)
+        for r in self.pt_queue:
+            assert r.status is RequestStatus.WAITING and r.num_computed_tokens == 0, r
+            assert self.kv.num_tracked_tokens(r) == 0, r
+        assert sum(self._group_left.values()) == len(self._group_of)

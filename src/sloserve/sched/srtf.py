@@ -1,0 +1,212 @@
+"""SRTF, one of EconoServe's baselines (papers/econoserve.md §2.1): iteration-level
+shortest-remaining-time-first with ORCA's max allocation.
+
+Also the mechanics the §2.1 baselines share (FastServe, MultiRes import them from here):
+
+    IterationScheduler       decodes stay explicit chunks, prompts are processed whole, a request
+                             takes its KV when admitted
+    PriorityBatchScheduler   every iteration, all requests (holding KV or waiting) in a policy's
+                             priority order, taken while the batch size, prompt budget and KV allow
+
+The paper "assumed that the RL of each request is preknown in our first measurement": the remaining
+time is the predicted output length (the ``oracle`` predictor by default) minus the tokens generated.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from abc import abstractmethod
+from dataclasses import dataclass
+from operator import itemgetter
+from typing import Literal
+
+from sloserve.core.errors import ConfigError
+from sloserve.core.outputs import ScheduledChunk, SchedulerOutput
+from sloserve.core.request import Request, RequestStatus
+from sloserve.kv.manager import KVCacheManager
+from sloserve.predict import LengthPredictor
+from sloserve.sched.base import Scheduler
+
+
+@dataclass
+class PriorityConfig:
+    """Knobs shared by SRTF and FastServe. Validated by ``resolve``."""
+
+    # Requests per batch. EconoServe §2.1: "The batch size of ORCA and FastServe was set to 8"; the
+    # paper does not give SRTF's, so it gets ORCA's too.
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int | None = None  # prompt tokens per batch (None: max(model length, 2048))
+    kv_manager: Literal["max"] = "max"  # ORCA max allocation: prompt + max_tokens slots at admission
+    block_size: int = 16
+
+    def resolve(self, max_model_len: int) -> None:
+        """Fill defaults that depend on the model and check every knob."""
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(max_model_len, 2048)
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below the model length "
+                f"{max_model_len}: prompts are processed whole"
+            )
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_manager != "max":
+            # NOTE: a request that is not chosen keeps its KV and must never need more when it runs
+            # again; max allocation guarantees that, paged growth would need evictions.
+            raise ConfigError(f"this scheduler uses kv_manager max (max allocation), got {self.kv_manager!r}")
+
+
+@dataclass
+class SrtfConfig(PriorityConfig):
+    """SRTF: the shared knobs plus the predictor that supplies each request's output length."""
+
+    predictor: Literal["oracle", "histogram"] = "oracle"
+    histogram_quantile: float = 0.5  # the output-length quantile the histogram predicts
+
+    def resolve(self, max_model_len: int) -> None:
+        super().resolve(max_model_len)
+        if self.predictor not in ("oracle", "histogram"):
+            raise ConfigError(f"srtf needs a predictor, oracle or histogram, got {self.predictor!r}")
+
+
+def check_fits_alone(kv: KVCacheManager, request: Request, max_kv_tokens: int) -> None:
+    """Raise ConfigError when ``request``, needing ``max_kv_tokens`` of KV at its peak (its max
+    allocation under ``max``), would not fit in the whole KV cache."""
+    target = kv.target_slots(request, max_kv_tokens)
+    if -(-target // kv.block_size) > kv.gpu.num_blocks:
+        what = (
+            f"prompt {request.num_prompt_tokens} + max_tokens {request.max_tokens} (max allocation)"
+            if target > max_kv_tokens
+            else f"prompt {request.num_prompt_tokens} + output {max_kv_tokens - request.num_prompt_tokens + 1} - 1"
+        )
+        raise ConfigError(
+            f"KV capacity {kv.capacity_tokens} tokens ({kv.gpu.num_blocks} blocks of {kv.block_size}) "
+            f"cannot hold request {request.request_id}: {what} = {target} tokens"
+        )
+
+
+class IterationScheduler(Scheduler):
+    """A policy that names every request it runs each iteration: no decode cohort, a prompt (or a
+    refill) is one whole chunk, a decode is a one-token chunk."""
+
+    def __init__(self, kv: KVCacheManager, config, predictor: LengthPredictor | None = None) -> None:
+        super().__init__(kv, predictor)
+        self.config = config
+
+    def on_token_emitted(self, request: Request) -> None:
+        """Decodes stay explicit: the policy picks who runs every iteration."""
+
+    def check_fits(self, request: Request, max_kv_tokens: int) -> None:
+        check_fits_alone(self.kv, request, max_kv_tokens)
+
+    def _run(self, request: Request, out: SchedulerOutput) -> int:
+        """Put a request holding its KV in the batch; returns the tokens it adds to the forward."""
+        num_tokens = request.num_tokens_to_process
+        out.chunks.append(ScheduledChunk(request, num_tokens))
+        return num_tokens
+
+    def _try_admit(self, request: Request, hold_tokens: int) -> bool:
+        """Admit a waiting request if slots for ``hold_tokens`` tokens (stretched by the manager's
+        target, e.g. max allocation) fit in the free KV; all or nothing."""
+        if not self.kv.can_allocate(request, hold_tokens):
+            return False
+        assert self.kv.allocate_slots(request, hold_tokens)
+        self.waiting.remove(request)
+        self._admit(request)
+        return True
+
+
+class PriorityBatchScheduler(IterationScheduler):
+    """Each iteration, every request (running, i.e. holding KV, and waiting) in ``priority`` order;
+    take each one that fits until the batch holds ``max_num_seqs``. A waiting request fits when its
+    prompt fits the prompt-token budget and its max allocation fits the free KV (one that does not
+    is skipped, not waited for); a running one always fits (its allocation already covers every
+    token it can produce).
+
+    NOTE: a running request that is not taken is preempted in place: it keeps its KV (no eviction,
+    no copy, nothing in ``output.preempted``) and resumes when it ranks high enough again.
+    NOTE: waiting requests live in ``_queue`` sorted by their key, which does not change while they
+    wait (nothing is generated); a policy that changes one calls ``_reorder_queue``. An iteration
+    skips the queue once the free KV is below the smallest max allocation in it, so a saturated KV
+    cache does not cost a scan of the whole queue every iteration.
+    """
+
+    config: PriorityConfig
+
+    def __init__(self, kv: KVCacheManager, config: PriorityConfig, predictor: LengthPredictor | None = None) -> None:
+        super().__init__(kv, config, predictor)
+        # (priority key, arrival sequence number, blocks of its max allocation, request), sorted.
+        self._queue: list[tuple[tuple, int, int, Request]] = []
+        self._arrivals = itertools.count()
+        self._min_need: int | None = None  # smallest blocks entry in _queue (None: to recompute)
+
+    @abstractmethod
+    def priority(self, request: Request) -> tuple:
+        """Sort key: smaller runs first."""
+
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        if request.status is RequestStatus.WAITING:
+            need = self.kv.blocks_needed(request, request.num_tokens)
+            bisect.insort(self._queue, (self.priority(request), next(self._arrivals), need, request))
+            if self._min_need is not None:
+                self._min_need = min(self._min_need, need)
+
+    def _reorder_queue(self) -> None:
+        """Re-key and re-sort the waiting queue (after a policy changed some waiting keys)."""
+        self._queue = sorted((self.priority(r), seq, need, r) for _, seq, need, r in self._queue)
+
+    def _smallest_need(self) -> int:
+        if self._min_need is None:
+            self._min_need = min((need for _, _, need, _ in self._queue), default=0)
+        return self._min_need
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        cap = self.config.max_num_seqs
+        running = sorted(((self.priority(r), r) for r in self.running), key=itemgetter(0))
+        batch: list[Request] = []
+        admitted: set[Request] = set()
+        free, room = self.kv.num_free_blocks, self.config.max_num_batched_tokens or 0
+        i = 0  # next running request
+        for key, _, need, request in self._queue:
+            if len(batch) >= cap or free < self._smallest_need():
+                break
+            while i < len(running) and running[i][0] < key and len(batch) < cap:
+                batch.append(running[i][1])
+                i += 1
+            if len(batch) < cap and need <= free and request.num_tokens <= room:
+                batch.append(request)
+                admitted.add(request)
+                free -= need
+                room -= request.num_tokens
+        batch.extend(r for _, r in running[i : i + cap - len(batch)])
+        if admitted:
+            self._queue = [entry for entry in self._queue if entry[3] not in admitted]
+            self._min_need = None
+        for request in batch:
+            if request in admitted:
+                assert self._try_admit(request, request.num_tokens)
+            self._run(request, out)
+        return out
+
+
+class SrtfScheduler(PriorityBatchScheduler):
+    """Shortest remaining time first, re-ranked every iteration (EconoServe §2.1 "SRTF").
+
+    Remaining time = predicted output tokens - generated tokens; ties go to the earlier arrival.
+    NOTE: a request that outlives its prediction (histogram predictor) counts as one token left, so
+    it runs among the first and drains.
+    """
+
+    name = "srtf"
+
+    def remaining_tokens(self, request: Request) -> int:
+        predicted = request.predicted_output_tokens or 1
+        return max(predicted - request.num_output_tokens, 1)
+
+    def priority(self, request: Request) -> tuple:
+        return (self.remaining_tokens(request), request.arrival_time, request.request_id)

@@ -1,0 +1,222 @@
+"""EconoServe (papers/econoserve.md §3): decoupled PT/GT queues, time-synced groups, exact allocation
+with padding and reserve, offload-free preemption, KV-cache pipelining, ordering, variants."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import Driver, llama7b_cost, make_requests, scheduler
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sloserve.core.errors import ConfigError, UnknownNameError
+from sloserve.core.request import Request
+from sloserve.cost import BatchShape, CostBreakdown, CostModel
+from sloserve.cost.derived import jct_slo_s, saturating_forward_size
+from sloserve.kv.pipelined import PipelinedKVManager
+from sloserve.predict import LengthPredictor
+from sloserve.sched.econoserve import EconoServeScheduler
+from sloserve.sched.ordering import TaskQueue
+from sloserve.workload import workload_from_trace
+
+VARIANTS = ("econoserve-d", "econoserve-sd", "econoserve-sdo", "econoserve", "econoserve-oracle", "synccoupled")
+
+
+class FixedPredictor(LengthPredictor):
+    """Predicts the lengths it is given per request id (the true length otherwise); re-predictions
+    are exact."""
+
+    def __init__(self, predictions: dict[int, int]) -> None:
+        self.predictions = predictions
+
+    def predict(self, request: Request) -> int:
+        return self.predictions.get(request.request_id, request.true_output_tokens)
+
+    def predict_remaining(self, request: Request) -> int:
+        return max(1, request.true_output_tokens - request.num_output_tokens)
+
+
+def econo(name: str, capacity: int, predictions: dict[int, int] | None = None, **options) -> EconoServeScheduler:
+    s = scheduler(name, capacity, **options)
+    assert isinstance(s, EconoServeScheduler)
+    if predictions is not None:
+        s.predictor = FixedPredictor(predictions)
+    return s
+
+
+def test_figure_7a_a_hosted_gt_runs_in_the_second_half_of_its_hosts_region():
+    """Host RL 32 and hosted RL 16 (outputs 33 and 17: the first token comes with the prompt): the
+    hosted GT writes its KV in the host's second half and is done exactly when the host gets there.
+    4 blocks: the reserve (1) and the two prompts (1 each), then the host's region (2) fill the cache:
+    the RL-16 GT gets no region of its own (①) and is hosted (②)."""
+    s = econo("econoserve-oracle", 64, buffer=0.0, reserve=0.25, target_forward_size=64)
+    host, hosted = make_requests([(8, 33), (8, 17)])
+    drv = Driver(s)
+    for r in (host, hosted):
+        s.add_request(r)
+    regions = {}
+    while s.has_unfinished():
+        drv.step()
+        kv = s.kv
+        assert isinstance(kv, PipelinedKVManager)
+        for r in (host, hosted):
+            if r in kv.regions and r not in regions:
+                regions[r] = list(kv.regions[r].slots)
+        if hosted in kv.regions:
+            # Its tokens past the prompt sit inside the host's region, second half.
+            written = kv.slot_ids(hosted, 8, hosted.num_computed_tokens)
+            assert set(written) <= set(regions[host][16:32])
+        if host.num_computed_tokens > 8 + 16:
+            assert hosted.is_finished  # gone before the host needed offset 16
+    assert regions[hosted] == regions[host][16:32]
+    assert s.num_hosted == 1 and s.num_hosted_evictions == 0
+    assert host.num_output_tokens == 33 and hosted.num_output_tokens == 17
+
+
+def test_an_overrunning_hosted_gt_is_evicted_to_cpu_and_finishes_later_with_all_its_tokens():
+    # The hosted GT is predicted at 17 but generates 40: its host reaches its slots first.
+    s = econo("econoserve", 64, predictions={1: 17}, buffer=0.0, padding=0.0, reserve=0.25, target_forward_size=64)
+    host, hosted = make_requests([(8, 33), (8, 40)])
+    drv = Driver(s)
+    for r in (host, hosted):
+        s.add_request(r)
+    copies = []
+    while s.has_unfinished():
+        out = drv.step()
+        copies += out.slot_copies
+    assert s.num_hosted >= 1 and s.num_hosted_evictions == 1
+    assert any(c.to_cpu for c in copies) and any(not c.to_cpu for c in copies)  # out to CPU, then back
+    assert hosted.num_output_tokens == 40 and hosted.num_preemptions == 1 and host.num_output_tokens == 33
+
+
+def test_an_under_predicted_gt_grows_into_the_reserve():
+    s = econo("econoserve-sdo", 2048, predictions={0: 10}, padding=0.0, reserve=0.25, target_forward_size=64)
+    (r,) = make_requests([(16, 60)])
+    Driver(s).run([r])
+    assert r.num_output_tokens == 60 and r.num_preemptions == 0  # went on past its region (free KV)
+
+
+def test_an_under_predicted_gt_without_reserve_left_stops_with_its_kv_and_is_regrouped_by_l_new():
+    # 128 slots: the reserve (25%: 32 slots) holds one prompt; r0 is predicted 9 but generates 70.
+    s = econo("econoserve-sdo", 128, predictions={0: 9, 1: 60}, padding=0.0, reserve=0.25, target_forward_size=64)
+    r0, r1 = make_requests([(16, 70), (16, 60)])
+    drv = Driver(s)
+    for r in (r0, r1):
+        s.add_request(r)
+    stopped_at = None
+    while s.has_unfinished() and stopped_at is None:
+        out = drv.step()
+        for p in out.preempted:
+            assert p.request is r0 and p.mode.value == "keep"
+            stopped_at = r0.num_output_tokens
+    assert stopped_at is not None
+    # Stopped offload-free: its KV stays on the GPU while it waits in the GT queue with L_new.
+    assert r0 in s.gt_queue and s.kv.num_tracked_tokens(r0) == r0.num_computed_tokens
+    assert s.gt_queue.length(r0) == 70 - stopped_at  # re-predicted remaining length (exact here)
+    while s.has_unfinished():
+        drv.step()
+    assert r0.num_output_tokens == 70 and r1.num_output_tokens == 60
+
+
+def test_time_synced_groups_start_and_finish_together_with_exact_predictions():
+    # Group A (4 x RL 40) fills the KV; group B (4 x RL 12) waits in the GT queue until A completes,
+    # then starts and finishes as one group.
+    s = econo("econoserve-sd", 16 * 16, predictor="oracle", padding=0.0, reserve=0.25, target_forward_size=64)
+    a = make_requests([(8, 41)] * 4)
+    b = [Request(4 + i, 0.05, 8, 13, 13) for i in range(4)]
+    Driver(s).run(a + b)
+    assert len({r.finish_time for r in a}) == 1
+    assert len({r.finish_time for r in b}) == 1
+    assert min(r.finish_time for r in b) > max(r.finish_time for r in a)
+    assert s.group_sizes[:2] == [4, 4]
+
+
+def test_ordering_puts_tighter_deadlines_first_then_larger_occupied_kv():
+    q = TaskQueue("ordered", (0.5, 2.0), kv_range_tokens=128)
+    late, urgent, small_kv, big_kv = make_requests([(8, 8)] * 4)
+    q.advance(0.0)
+    q.add(late, deadline=5.0, occupied_kv_tokens=900, length=300)
+    q.add(small_kv, deadline=0.3, occupied_kv_tokens=10, length=500)
+    q.add(big_kv, deadline=0.4, occupied_kv_tokens=300, length=20)
+    q.add(urgent, deadline=0.1, occupied_kv_tokens=10, length=100)
+    assert list(q) == [big_kv, small_kv, urgent, late]  # < 0.5 s first; within it, KV range 2 > 0
+    assert q.first_fit(200) is big_kv and q.first_fit(10) is None
+    assert q.first_fit(150) is big_kv
+    q.remove(big_kv)
+    assert q.first_fit(150) is urgent  # binary search in the range: the longest that fits
+    assert q.largest_at_most(400) is late and q.largest_at_most(99) is None
+    q.advance(4.0)  # late's deadline is now 1 s away: the middle range, still after the urgent ones
+    assert list(q)[-1] is late
+    q.advance(4.8)
+    assert q.first_fit(1000) is not None and set(q) == {small_kv, urgent, late}
+
+
+def test_the_oracle_variant_has_no_allocation_failures_and_every_variant_finishes():
+    for name in VARIANTS:
+        reqs = workload_from_trace("sharegpt", num_requests=60, seed=0, context_len=4096, rate=20.0).requests
+        s = scheduler(name, 4000)
+        Driver(s).run(reqs)
+        assert all(r.num_output_tokens == r.true_output_tokens for r in reqs), name
+        if name == "econoserve-oracle":
+            assert s.kv.num_allocation_failures == 0
+            assert s.num_offload_free_stops == 0 and s.num_hosted_evictions == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    name=st.sampled_from(VARIANTS),
+    lengths=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 120)), min_size=1, max_size=25),
+    gaps=st.lists(st.floats(0, 0.2), min_size=25, max_size=25),
+    capacity_blocks=st.integers(40, 120),
+    reserve=st.sampled_from([0.0, 0.05, 0.2]),
+)
+def test_random_workloads_keep_invariants_and_finish(name, lengths, gaps, capacity_blocks, reserve):
+    arrivals = [sum(gaps[: i + 1]) for i in range(len(lengths))]
+    reqs = make_requests(lengths, arrivals)
+    s = scheduler(name, capacity_blocks * 16, target_forward_size=64, reserve=reserve)
+    Driver(s).run(reqs)  # check_integrity after every step
+    assert all(r.num_output_tokens == r.true_output_tokens for r in reqs)
+    assert s.kv.num_free_blocks == s.kv.gpu.num_blocks
+
+
+class LinearOnly(CostModel):
+    def batch_time(self, shape: BatchShape) -> CostBreakdown:
+        t = 0.01 + 1e-5 * shape.num_tokens
+        return CostBreakdown(t, t, 0.0, 0.0, 0.0)
+
+
+def test_tfs_is_where_throughput_saturates():
+    # n / (a + b n) reaches 95% of its best (at 4096) at n = 0.95 a / (b (1 - 0.95 r)), r = best * b.
+    best = 4096 / (0.01 + 1e-5 * 4096)
+    tfs = saturating_forward_size(LinearOnly(), 4096, fraction=0.95)
+    assert tfs / (0.01 + 1e-5 * tfs) >= 0.95 * best > (tfs - 16) / (0.01 + 1e-5 * (tfs - 16))
+    s = scheduler("econoserve", 8192)
+    assert s.target_forward_size == saturating_forward_size(llama7b_cost(), 4096)
+
+
+def test_jct_slo_is_scale_times_unloaded_latency():
+    cost = llama7b_cost()
+    one = jct_slo_s(cost, 100, 50, 1.0)
+    assert jct_slo_s(cost, 100, 50, 2.0) == pytest.approx(2 * one)
+    assert jct_slo_s(cost, 100, 100, 1.0) > one
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"padding": 1.0}, "padding must be in \\[0, 1\\)"),
+        ({"reserve": -0.1}, "reserve must be in \\[0, 1\\)"),
+        ({"buffer": 1.5}, "buffer must be in \\[0, 1\\)"),
+        ({"target_forward_size": 0}, "target_forward_size \\(TFS\\) must be in"),
+        ({"slo_scale": 0}, "slo_scale must be > 0"),
+        ({"predictor": "psychic"}, "predictor.*expected one of oracle, noisy-oracle, histogram"),
+        ({"pipelining": "false"}, "pipelining and kv_manager=pipelined go together"),
+    ],
+)
+def test_bad_options_are_one_clear_error(options, message):
+    with pytest.raises(ConfigError, match=message):
+        scheduler("econoserve", 8192, **{k: str(v) for k, v in options.items()})
+
+
+def test_unknown_variant_lists_the_valid_ones():
+    with pytest.raises(UnknownNameError, match="econoserve, econoserve-d, econoserve-oracle, econoserve-sd"):
+        scheduler("econoserve-x", 8192)
