@@ -26,4 +26,17 @@ def test_experiment_list_and_unknown_name():
     listed = run("experiment", "list")
     assert listed.returncode == 0 and "infermax-fig15" in listed.stdout
     bad = run("experiment", "nope")
-    assert bad.returncode == 2 and "unknown experiment 'nope'; valid: bros-fig10, bros-fig13, infermax-fig10" in bad.stderr
+    assert bad.returncode == 2 and "unknown experiment 'nope'; valid: bros-fig10, bros-fig13, econoserve-fig13, econoserve-fig15, econoserve-fig9, infermax-fig10" in bad.stderr
+
+
+def test_econoserve_ablation_runs_every_variant_on_a_table2_workload(tmp_path):
+    proc = run("experiment", "econoserve-fig13", "--quick", "--trace", "alpaca-like", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    with open(tmp_path / "econoserve_fig13_alpaca-like.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["scheduler"] for r in rows] == ["econoserve-d", "econoserve-sd", "econoserve-sdo", "econoserve",
+                                              "econoserve-oracle"]  # fmt: skip
+    assert all(0 <= float(r["ssr"]) <= 1 and float(r["jct_s"]) > 0 for r in rows)
+    assert "higher JCT than EconoServe" in proc.stdout
+    bad = run("experiment", "econoserve-fig13", "--trace", "nope")
+    assert bad.returncode == 2 and "unknown trace 'nope'; valid: alpaca-like, arxiv" in bad.stderr

@@ -596,7 +596,9 @@ def bound(fixed, trace, num_requests, rate, seed, capacity, budget, prefill_budg
 @click.argument("name")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("experiments-out"), show_default=True)
 @click.option("--quick", is_flag=True, help="A smaller grid (minutes instead of tens of minutes).")
-def experiment(name: str, out: Path, quick: bool) -> None:
+@click.option("--trace", help="Workload of the EconoServe experiments: sharegpt (default), alpaca-like, "
+              "bookcorpus-like, or another bundled trace.")
+def experiment(name: str, out: Path, quick: bool, trace: str | None) -> None:
     """Run one of the papers' experiments; writes its CSV and plot and prints the paper's directions
     next to ours. Names: see `sloserve experiment list`."""
     from sloserve.experiments import EXPERIMENTS
@@ -607,8 +609,15 @@ def experiment(name: str, out: Path, quick: bool) -> None:
         return
     if name not in EXPERIMENTS:
         raise UnknownNameError("experiment", name, list(EXPERIMENTS))
+    if trace is not None and not name.startswith("econoserve-"):
+        raise ConfigError(f"--trace applies to the econoserve-* experiments, not {name}")
+    if trace is not None and trace not in ("alpaca-like", "bookcorpus-like"):
+        from sloserve.workload import TRACES
+
+        if trace not in TRACES:
+            raise UnknownNameError("trace", trace, ["alpaca-like", "bookcorpus-like", *TRACES])
     out.mkdir(parents=True, exist_ok=True)
-    rows, lines = EXPERIMENTS[name](out, quick)
+    rows, lines = EXPERIMENTS[name](out, quick, **({"trace": trace} if trace else {}))
     for line in lines:
         click.echo(line)
     click.echo(f"{len(rows)} runs; wrote {out}/ ({', '.join(sorted(p.name for p in out.iterdir() if p.name.startswith(name.split('-')[0])))})")

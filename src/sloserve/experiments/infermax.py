@@ -341,4 +341,13 @@ def _register_bros() -> None:
     EXPERIMENTS["bros-fig13"] = bros.fig13
 
 
+def _register_econoserve() -> None:
+    from sloserve.experiments import econoserve
+
+    EXPERIMENTS["econoserve-fig9"] = econoserve.fig9
+    EXPERIMENTS["econoserve-fig13"] = econoserve.fig13
+    EXPERIMENTS["econoserve-fig15"] = econoserve.fig15
+
+
 _register_bros()
+_register_econoserve()
