@@ -111,6 +111,20 @@ def test_chunked_prefill_in_small_chunks(hf_dirs):
     assert llm.engine.replica.timeline.as_dict()["num_prefill_tokens"].max() <= 8
 
 
+def test_econoserve_offload_free_stops_keep_kv_in_place(hf_dirs):
+    """Under-predicted GTs (predicted 2-5 tokens) outgrow their regions and the reserve: they stop
+    with their KV where it is and resume in extended regions; every token still equals HF's."""
+    from test_econoserve import FixedPredictor
+
+    llm = LLM(hf_dirs["llama"], "econoserve", kv_capacity_tokens=128, block_size=4, buffer=0.0, padding=0.0,
+              reserve=0.25, target_forward_size=16)  # fmt: skip
+    llm.engine.scheduler.predictor = FixedPredictor({0: 5, 1: 2, 3: 3, 5: 4})
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in outputs] == reference("llama")
+    assert llm.engine.scheduler.num_offload_free_stops > 0
+
+
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 @pytest.mark.parametrize("scheduler", ["vllm", "sarathi"])
 def test_forced_preemption_loses_nothing(hf_dirs, scheduler, preemption):
