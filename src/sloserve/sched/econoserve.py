@@ -138,7 +138,6 @@ class EconoServeScheduler(Scheduler):
         self._refill = True  # a group completed (or KV came free) since the last GT admission
         # What the paper's figures report.
         self.group_sizes: list[int] = []  # size of every GT group admitted (Figure 2)
-        self.num_overruns = 0  # GTs that grew past their padded region (under-provisioned)
         self.num_offload_free_stops = 0
         self.num_hosted = 0
         self.num_hosted_evictions = 0
@@ -365,6 +364,10 @@ class EconoServeScheduler(Scheduler):
             assert isinstance(kv, ExactReservationKVManager)
             kv.set_reservation(request, request.num_computed_tokens + region)
             assert kv.allocate_slots(request, request.num_computed_tokens + region)
+        self._admit_in_group(request, remaining, groups, admitted)
+
+    def _admit_in_group(self, request: Request, remaining: int, groups: dict[int, int], admitted: list[Request]) -> None:
+        """Put ``request`` in the batch, in this admission round's group of its predicted RL."""
         self._admit(request)
         group = groups.get(remaining)
         if group is None:
@@ -435,19 +438,7 @@ class EconoServeScheduler(Scheduler):
             room -= -(-target // kv.block_size)
             kv.set_reservation(request, target)
             assert kv.allocate_slots(request, request.num_tokens)
-            self._start_coupled(request, remaining, groups, admitted)
-
-    def _start_coupled(self, request: Request, remaining: int, groups: dict[int, int], admitted: list[Request]) -> None:
-        self._admit(request)
-        group = groups.setdefault(remaining, self._num_groups)
-        if group == self._num_groups:
-            self._num_groups += 1
-            self._group_left[group] = 0
-            self.group_sizes.append(0)
-        self._group_of[request] = group
-        self._group_left[group] += 1
-        self.group_sizes[group] += 1
-        admitted.append(request)
+            self._admit_in_group(request, remaining, groups, admitted)
 
     # --- 3: PTs up to the TFS --------------------------------------------------------------------------
     def _fill_forward(self, out: SchedulerOutput) -> None:
