@@ -12,6 +12,7 @@ from collections import deque
 
 import numpy as np
 
+from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import (
     Preemption,
     PreemptionMode,
@@ -22,6 +23,13 @@ from sloserve.core.request import Request, RequestStatus
 from sloserve.kv.manager import KVCacheManager
 from sloserve.predict import LengthPredictor
 from sloserve.sched.cohort import DecodeCohort
+
+
+def require_whole_prompts(field: str, budget: int, max_model_len: int) -> None:
+    """Raise ConfigError when a per-step token ``budget`` (config field ``field``) cannot hold a whole
+    prompt of the model's length: for policies that never chunk prompts."""
+    if budget < max_model_len:
+        raise ConfigError(f"{field}={budget} is below the model length {max_model_len}: prompts are processed whole")
 
 
 class Scheduler(ABC):

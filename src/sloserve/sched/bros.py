@@ -26,7 +26,7 @@ from sloserve.cost.base import BatchShape, CostModel
 from sloserve.kv.bidirectional import BidirectionalKVManager
 from sloserve.kv.manager import KVCacheManager
 from sloserve.predict import LengthPredictor
-from sloserve.sched.base import Scheduler
+from sloserve.sched.base import Scheduler, require_whole_prompts
 
 
 @dataclass
@@ -58,11 +58,7 @@ class BrosConfig:
             )
         if self.batch_size_step < 0:
             raise ConfigError(f"batch_size_step must be >= 0, got {self.batch_size_step}")
-        if self.max_num_batched_tokens < max_model_len:
-            raise ConfigError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} is below the model length "
-                f"{max_model_len}: prompts are processed whole"
-            )
+        require_whole_prompts("max_num_batched_tokens", self.max_num_batched_tokens, max_model_len)
         for name in ("default_ttft_s", "default_tpot_s", "replace_slack_iterations"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

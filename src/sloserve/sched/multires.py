@@ -23,6 +23,7 @@ from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import PreemptionMode, SchedulerOutput
 from sloserve.core.request import Request
 from sloserve.kv.manager import ExactReservationKVManager
+from sloserve.sched.base import require_whole_prompts
 from sloserve.sched.srtf import IterationScheduler
 
 
@@ -43,11 +44,7 @@ class MultiResConfig:
         """Fill defaults that depend on the model and check every knob."""
         if self.target_forward_size is None:
             self.target_forward_size = max(max_model_len, 2048)
-        if self.target_forward_size < max_model_len:
-            raise ConfigError(
-                f"target_forward_size={self.target_forward_size} is below the model length "
-                f"{max_model_len}: prompts are processed whole"
-            )
+        require_whole_prompts("target_forward_size", self.target_forward_size, max_model_len)
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_seqs > self.target_forward_size:

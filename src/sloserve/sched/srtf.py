@@ -26,7 +26,7 @@ from sloserve.core.outputs import ScheduledChunk, SchedulerOutput
 from sloserve.core.request import Request, RequestStatus
 from sloserve.kv.manager import KVCacheManager
 from sloserve.predict import LengthPredictor
-from sloserve.sched.base import Scheduler
+from sloserve.sched.base import Scheduler, require_whole_prompts
 
 
 @dataclass
@@ -46,11 +46,7 @@ class PriorityConfig:
             self.max_num_batched_tokens = max(max_model_len, 2048)
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < max_model_len:
-            raise ConfigError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} is below the model length "
-                f"{max_model_len}: prompts are processed whole"
-            )
+        require_whole_prompts("max_num_batched_tokens", self.max_num_batched_tokens, max_model_len)
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_manager != "max":
