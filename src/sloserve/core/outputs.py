@@ -7,8 +7,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
-
 from sloserve.core.request import Request
 
 if TYPE_CHECKING:
@@ -75,9 +73,9 @@ class SchedulerOutput:
     # NOTE: counts above describe the first of them; the cohort's KV grows by cohort_size per step.
     num_steps: int = 1
     # Blocks allocated before each of the num_steps steps, first one excluded (for the timeline).
-    new_blocks_per_step: np.ndarray | None = None
+    new_blocks_per_step: Sequence[int] | None = None
 
-    def repeated(self, num_steps: int, new_blocks_per_step: np.ndarray) -> SchedulerOutput:
+    def repeated(self, num_steps: int, new_blocks_per_step: Sequence[int]) -> SchedulerOutput:
         """This decode-only output standing for ``num_steps`` identical steps (a new object)."""
         return SchedulerOutput(
             cohort=self.cohort,

@@ -64,3 +64,9 @@ class CostModel(ABC):
             ],
             dtype=np.float64,
         )
+
+    def decode_series(self, num_decode: int, decode_kv_tokens: int) -> tuple[float, float] | None:
+        """``(first, increment)`` when the ``decode_times`` steps take ``first + k * increment`` seconds
+        (to 1e-12 relative): an arithmetic series, as in linear models. None (the default) when they
+        do not; the simulator then times stretches with ``decode_times``."""
+        return None

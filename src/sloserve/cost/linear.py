@@ -133,3 +133,11 @@ class LinearCostModel(CostModel):
         decode_s = (self._a_d * kv + self._b_d + self._s_d * num_decode) * scale
         other_s = (self._a_o * num_decode + self._b_o) * scale  # a scalar: no prefill tokens
         return other_s + decode_s + 0.0 + 0.0
+
+    def decode_series(self, num_decode: int, decode_kv_tokens: int) -> tuple[float, float] | None:
+        """Decode-only steps form an arithmetic series: each step's summed KV grows by B, so its time
+        grows by a_d * B (per layer)."""
+        if num_decode <= 0:
+            return None
+        first = self.batch_time(BatchShape(num_decode, decode_kv_tokens)).total_s
+        return first, self._a_d * num_decode * self._scale

@@ -9,6 +9,7 @@ sample for every request whose known tokens are all computed. A request finishes
 
 from __future__ import annotations
 
+import collections.abc
 import time
 from dataclasses import dataclass
 
@@ -73,8 +74,11 @@ class EngineExecutor:
         return self.kv.slot_table(request, num_tokens)
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput, now: float, durations: np.ndarray | None = None) -> StepResult:
-        """Run ``output`` (one step) starting at ``now``; the step ends ``now`` + its measured time."""
+    def execute(
+        self, output: SchedulerOutput, now: float, end_times: collections.abc.Sequence[float] | None = None
+    ) -> StepResult:
+        """Run ``output`` (one step) starting at ``now``; the step ends ``now`` + its measured time
+        (``end_times``, the simulator's precomputed ones, are not used)."""
         assert output.num_steps == 1, "the engine runs steps one at a time (fast_path=False)"
         t0 = time.perf_counter()
         self.cache.swap_out(output.swap_out)

@@ -142,6 +142,12 @@ class KVCacheManager:
             assert blocks is not None
             self.block_tables[request].extend(blocks)
 
+    def release_owed_blocks(self, num_blocks: int) -> None:
+        """Give back ``num_blocks`` blocks reserved by count and never assigned (a cohort member that
+        leaves with its KV freed)."""
+        assert 0 <= num_blocks <= self._owed_blocks, (num_blocks, self._owed_blocks)
+        self._owed_blocks -= num_blocks
+
     def free(self, request: Request) -> None:
         """Release everything ``request`` holds, on the GPU and in swap space."""
         table = self.block_tables.pop(request, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -74,13 +75,13 @@ class Timeline:
     def append_decode_stretch(
         self,
         start_s: float,
-        end_times: np.ndarray,
+        end_times: Sequence[float],
         num_decode: int,
         kv_used_before: int,
         kv_used_after: int,
         kv_allocated_before: int,
         kv_allocated_after: int,
-        new_blocks_per_step: np.ndarray,
+        new_blocks_per_step: Sequence[int],
         block_size: int,
         sched_time_s: float,
         replica: int = 0,

@@ -10,8 +10,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 
-import numpy as np
-
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import (
     Preemption,
@@ -113,8 +111,8 @@ class Scheduler(ABC):
 
     def _cohort_repeat_decode(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
         first = self.cohort.ticks + 1  # grown by schedule()
-        later = self.cohort.grow_through(first + num_steps - 1)  # (num_steps - 1,)
-        return output.repeated(num_steps, np.concatenate(([0], later)))
+        later = self.cohort.grow_through(first + num_steps - 1)  # num_steps - 1 of them
+        return output.repeated(num_steps, [0, *later])
 
     def update(self, output: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
         """Apply an executed step: progress counters, token times, finished requests. Returns the
@@ -158,7 +156,7 @@ class Scheduler(ABC):
 
     def _finish(self, request: Request, now: float) -> None:
         if request.cohort is not None:
-            request.cohort.remove(request)
+            request.cohort.remove(request, drop_kv=True)
         self.running.pop(request, None)
         self.outside_cohort.pop(request, None)
         self.kv.free(request)

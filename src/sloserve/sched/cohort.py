@@ -82,11 +82,16 @@ class DecodeCohort:
         else:
             self._due.setdefault(first_due, []).append((request, request.cohort_epoch))
 
-    def remove(self, request: Request) -> None:
-        """Leave (finish or preemption): record the tokens produced while a member and take the
-        block ids of its reserved growth."""
+    def remove(self, request: Request, *, drop_kv: bool = False) -> None:
+        """Leave (finish or preemption): record the tokens produced while a member, and take the
+        block ids of its reserved growth, or with ``drop_kv`` (its KV is about to be freed) give the
+        reserved growth back by count."""
         assert request.cohort is self, request
-        self.settle(request)
+        if drop_kv and self._period is not None:
+            owed = self.granted_slots(request) - self.kv.num_slots(request)
+            self.kv.release_owed_blocks(owed // self.kv.block_size)
+        else:
+            self.settle(request)
         first_due = self.members.pop(request)
         if self._period is not None:
             self._due_count[first_due % self._period] -= 1
@@ -157,21 +162,19 @@ class DecodeCohort:
             assert not self.members or self.blocks_due(self._grown_through) == 0
             self._grown_through = self.ticks
 
-    def grow_through(self, last_tick: int) -> np.ndarray:
+    def grow_through(self, last_tick: int) -> list[int]:
         """Reserve the growth of every tick after the last grown one up to ``last_tick``; returns the
-        blocks reserved per tick, ``(last_tick - previous,)``.
+        blocks reserved per tick (``last_tick - previous`` of them).
 
         NOTE: the caller has proved the room exists (``memory_horizon``).
         """
         first = self._grown_through + 1
         if self._period is not None:
             counts, period = self._due_count, self._period
-            per_tick = np.array([counts[t % period] for t in range(first, last_tick + 1)], dtype=np.int64)
-            assert self.kv.reserve_blocks(int(per_tick.sum())), "no room to grow the cohort"
+            per_tick = [counts[t % period] for t in range(first, last_tick + 1)]
+            assert self.kv.reserve_blocks(sum(per_tick)), "no room to grow the cohort"
         else:
-            per_tick = np.zeros(last_tick + 1 - first, dtype=np.int64)
-            for i, tick in enumerate(range(first, last_tick + 1)):
-                per_tick[i] = self._grow_calendar(tick)
+            per_tick = [self._grow_calendar(tick) for tick in range(first, last_tick + 1)]
         self._grown_through = max(self._grown_through, last_tick)
         return per_tick
 
@@ -195,10 +198,11 @@ class DecodeCohort:
         if period is None:
             upcoming = [t for t in self._due if t >= first_tick]
             return min(limit, min(upcoming) - first_tick) if upcoming else limit
+        # NOTE: every member is in exactly one residue class, so a period needs len(members) blocks.
+        per_period = len(self.members)
+        if per_period * -(-limit // period) <= free_blocks:
+            return limit  # the common case: room for whole periods covering the limit
         counts = [self._due_count[(first_tick + i) % period] for i in range(period)]
-        per_period = sum(counts)
-        if per_period == 0:
-            return limit
         full, remaining = divmod(free_blocks, per_period)
         extra = 0
         for count in counts:
@@ -213,21 +217,23 @@ class DecodeCohort:
         """Advance ``len(end_times)`` ticks that ended at those times."""
         k, t = len(end_times), self.ticks
         assert self._grown_through >= t + k, "ticks advanced without reserving their growth"
-        if k == 1 and t + 2 <= len(self._tick_end):  # the common case, without array slicing
-            end = end_times[0]
-            self._tick_end[t + 1] = end
-            self._tick_gap[t + 1] = end - self._tick_end[t]
-            self.ticks = t + 1
-            return
         if t + k + 1 > len(self._tick_end):
             size = max(t + k + 1, 2 * len(self._tick_end))
             for name in ("_tick_end", "_tick_gap"):
                 grown = np.full(size, math.nan)
                 grown[: t + 1] = getattr(self, name)[: t + 1]
                 setattr(self, name, grown)
-        ends = self._tick_end
-        ends[t + 1 : t + 1 + k] = end_times
-        self._tick_gap[t + 1 : t + 1 + k] = ends[t + 1 : t + 1 + k] - ends[t : t + k]
+        ends, gaps = self._tick_end, self._tick_gap
+        if k <= 64:
+            # NOTE: element by element: for a few ticks numpy slicing costs more than the work.
+            previous = ends[t]
+            for tick, end in enumerate(end_times, t + 1):
+                ends[tick] = end
+                gaps[tick] = end - previous
+                previous = end
+        else:
+            ends[t + 1 : t + 1 + k] = end_times
+            gaps[t + 1 : t + 1 + k] = ends[t + 1 : t + 1 + k] - ends[t : t + k]
         self.ticks = t + k
 
     def check_integrity(self) -> None:

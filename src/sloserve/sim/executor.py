@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -11,6 +12,9 @@ from sloserve.core.outputs import SchedulerOutput, StepResult
 from sloserve.core.request import Request
 from sloserve.cost.base import BatchShape, CostModel
 from sloserve.sched.cohort import DecodeCohort
+
+# Stretches of at most this many steps are timed by a loop when the cost model gives a series.
+SHORT_STRETCH_STEPS = 64
 
 
 def batch_shape(output: SchedulerOutput) -> BatchShape:
@@ -73,22 +77,50 @@ class SimExecutor:
         """Duration of one step of ``output``."""
         return self.cost_model.batch_time(batch_shape(output)).total_s
 
-    def decode_durations(self, output: SchedulerOutput, num_steps: int) -> np.ndarray:
-        """``(num_steps,)`` durations of the decode-only ``output`` repeated."""
-        return self.cost_model.decode_times(output.cohort_size, output.cohort_kv_tokens, num_steps)
+    def decode_end_times(
+        self, output: SchedulerOutput, now: float, num_steps: int, until: float = math.inf
+    ) -> Sequence[float]:
+        """End times of the decode-only ``output`` repeated from ``now``: ``num_steps`` of them, or
+        fewer, through the first step that ends at or after ``until``."""
+        num_decode, kv = output.cohort_size, output.cohort_kv_tokens
+        series = self.cost_model.decode_series(num_decode, kv) if num_steps <= SHORT_STRETCH_STEPS else None
+        if series is not None:
+            # NOTE: the common case at load (a few steps before the next arrival): a plain loop over
+            # the arithmetic series costs a fraction of the numpy calls below.
+            first, increment = series
+            ends: list[float] = []
+            end = now
+            for k in range(num_steps):
+                end += first + k * increment
+                ends.append(end)
+                if end >= until:
+                    break
+            return ends
+        times = self.cost_model.decode_times(num_decode, kv, num_steps)
+        # NOTE: in place and in step order, so ends[i] = ((now + d0) + d1) + ... + di: the same
+        # floating-point sums as running the steps one by one.
+        times[0] += now
+        ends_array = np.add.accumulate(times, out=times)
+        if until < math.inf:
+            # The ndarray method directly; the np.searchsorted wrapper costs more than the work.
+            ends_array = ends_array[: int(ends_array.searchsorted(until, side="left")) + 1]
+        return ends_array
 
-    def execute(self, output: SchedulerOutput, now: float, durations: np.ndarray | None = None) -> StepResult:
-        """Run ``output`` starting at ``now``; ``durations`` may carry the decode times already
-        computed for this stretch."""
+    def execute(
+        self, output: SchedulerOutput, now: float, end_times: Sequence[float] | None = None
+    ) -> StepResult:
+        """Run ``output`` starting at ``now``; ``end_times`` may carry its steps' end times already
+        computed (``decode_end_times``)."""
         self._track_joined(output)
         k = output.num_steps
-        if k == 1:
-            first = self.step_time(output) if durations is None else float(durations[0])
-            ends: Sequence[float] = (now + first,)
+        if end_times is not None:
+            assert len(end_times) == k, (len(end_times), k)
+            ends = end_times
+        elif k == 1:
+            ends = (now + self.step_time(output),)
         else:
-            if durations is None or len(durations) < k:
-                durations = self.decode_durations(output, k)
-            ends = now + np.add.accumulate(durations[:k])
+            ends = self.decode_end_times(output, now, k)
+            assert len(ends) == k
         finished = [
             r
             for r, c in output.chunks

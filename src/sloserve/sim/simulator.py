@@ -18,8 +18,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from sloserve.core.errors import UnknownNameError
 from sloserve.core.outputs import SchedulerOutput, StepResult
 from sloserve.core.request import Request
@@ -31,8 +29,8 @@ from sloserve.sim.executor import SimExecutor
 # Longest stretch advanced at once (bounds the arrays a stretch allocates).
 MAX_STRETCH_STEPS = 4096
 # A stretch is set up only when the next arrival is at least this many first-step times away:
-# setting one up costs about as much as five single steps (measured; benchmarks/sim_speed.py).
-MIN_STRETCH_STEPS = 6
+# setting one up costs about as much as one or two single steps (measured; benchmarks/sim_speed.py).
+MIN_STRETCH_STEPS = 3
 
 
 class SimulationStuckError(RuntimeError):
@@ -82,13 +80,11 @@ class Replica:
             )
         if self.on_step is not None:
             self.on_step(self.index, out)
-        durations = None
+        end_times = None
         if self.fast_path and out.is_decode_only:
-            num_steps, durations = self._stretch_length(out, next_arrival)
-            if num_steps > 1:
-                out = sched.repeat_decode(out, num_steps)
+            out, end_times = self._decode_stretch(out, next_arrival)
         sched_time = time.perf_counter() - t0
-        result = executor.execute(out, now, durations)
+        result = executor.execute(out, now, end_times)
         ends = result.step_end_times
         end = float(ends[-1])
         if out.num_steps > 1:
@@ -103,29 +99,31 @@ class Replica:
         self.outstanding -= len(finished)
         return finished
 
-    def _stretch_length(self, out: SchedulerOutput, next_arrival: float) -> tuple[int, np.ndarray | None]:
-        """How many times the decode-only ``out`` can run unchanged, with the durations computed."""
+    def _decode_stretch(
+        self, out: SchedulerOutput, next_arrival: float
+    ) -> tuple[SchedulerOutput, Sequence[float]]:
+        """The decode-only ``out`` repeated for as many steps as nothing changes, with the end time of
+        each step: through the first step that ends at or after ``next_arrival``, the next completion
+        or the last step whose KV growth fits."""
         executor, now = self.executor, self.now
-        # The stretch ends with the first step that ends at or after the next arrival. At load the
-        # arrival is often a step or two away: then single steps (always exact) cost less than
-        # setting up a stretch, and one cost-model call decides that.
+        # At load the arrival is often a step or two away: then a single step (always exact) costs
+        # less than setting up a stretch, and one cost-model call decides that.
         first = executor.step_time(out)
         if now + MIN_STRETCH_STEPS * first >= next_arrival:
-            return 1, np.array([first])
+            return out, (now + first,)
         limit = min(executor.steps_until_finish(out), MAX_STRETCH_STEPS)
+        if next_arrival < math.inf:
+            # Step times only grow along a stretch (KV grows), so the arrival is reached within
+            # gap / first-step-time + 1 steps: no need to compute more of them.
+            limit = min(limit, int((next_arrival - now) / first) + 2)
         if limit > 1:
             limit = self.scheduler.decode_horizon(out, limit)
         if limit <= 1:
-            return 1, np.array([first])
-        if next_arrival == math.inf:
-            return limit, None
-        # Step times only grow along a stretch (KV grows), so the arrival is reached within
-        # gap / first-step-time + 1 steps: no need to compute more of them.
-        limit = min(limit, int((next_arrival - now) / first) + 2)
-        durations = executor.decode_durations(out, limit)
-        # NOTE: ufunc methods directly; the np.cumsum/np.searchsorted wrappers cost more than the work.
-        ends = now + np.add.accumulate(durations)
-        return min(limit, int(ends.searchsorted(next_arrival, side="left")) + 1), durations
+            return out, (now + first,)
+        ends = executor.decode_end_times(out, now, limit, next_arrival)
+        if len(ends) == 1:
+            return out, ends
+        return self.scheduler.repeat_decode(out, len(ends)), ends
 
     def _record_step(self, out: SchedulerOutput, start: float, end: float, sched_time: float) -> None:
         num_prefill = num_decode = 0
@@ -150,7 +148,7 @@ class Replica:
         self,
         out: SchedulerOutput,
         start: float,
-        ends: np.ndarray,
+        ends: Sequence[float],
         sched_time: float,
         used_before: int,
         allocated_before: int,
