@@ -35,6 +35,10 @@ def _run(trace: str, name: str, fast: bool, *, n=300, rate=None, trace_arrivals=
 CASES = [
     ("sharegpt", "vllm", dict(rate=12.0)),
     ("sharegpt", "sarathi", dict(rate=12.0)),
+    # chunk stretches with swapping, a histogram predictor's reservations, and a small P
+    ("arxiv", "sarathi", dict(rate=3.0, preemption_mode="swap", swap_space_tokens=8_000)),
+    ("azure-conv", "sarathi", dict(rate=6.0, predictor="histogram", reservation="predicted_check")),
+    ("arxiv", "sarathi", dict(rate=3.0, prefill_token_budget=128)),
     ("sharegpt", "orca", dict(rate=2.0)),
     ("azure-conv", "vllm", dict(trace_arrivals=True)),
     ("azure-conv", "sarathi", dict(trace_arrivals=True)),
@@ -62,6 +66,42 @@ def test_fast_path_stretches_exist():
     _, result = _run("bwb", "vllm", fast=True, n=100)
     sched_times = result.timeline.column("sched_time_s")
     assert (sched_times == 0).sum() > len(sched_times) / 2  # most steps were advanced in stretches
+
+
+def test_chunk_stretches_exist():
+    """Sarathi's middle chunks of long prompts run as stretches, and those go on past arrivals."""
+    reqs, result = _run("arxiv", "sarathi", fast=True, n=60, rate=3.0)
+    timeline = result.timeline
+    sched_time, starts = timeline.column("sched_time_s"), timeline.column("start_s")
+    stretched = np.flatnonzero((sched_time == 0) & (timeline.column("num_prefill_tokens") > 0))
+    assert len(stretched) > 50
+    # Where each row's stretch began: the latest row at or before it that was scheduled.
+    began = np.maximum.accumulate(np.where(sched_time > 0, np.arange(len(starts)), 0))
+    arrivals = np.array([r.arrival_time for r in reqs])
+    passed = [
+        ((arrivals > starts[began[i]]) & (arrivals < starts[i])).any() for i in stretched
+    ]
+    assert any(passed)
+
+
+@pytest.mark.parametrize("router", ["round-robin", "least-outstanding"])
+def test_fast_path_same_timestamps_in_a_cluster(router):
+    """Stretches that run past arrivals route every arrival as step-by-step does."""
+    def run(fast):
+        workload = workload_from_trace("arxiv", num_requests=150, seed=4, context_len=4096, rate=9.0)
+        simulate(
+            workload.requests,
+            lambda: scheduler("sarathi", CAPACITY),
+            llama7b_cost(),
+            num_replicas=3,
+            router=router,
+            fast_path=fast,
+        )
+        return workload.requests
+
+    slow, fast = run(False), run(True)
+    assert [r.replica for r in slow] == [r.replica for r in fast]
+    np.testing.assert_allclose(timestamps(fast), timestamps(slow), rtol=1e-9, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("name", ["vllm", "sarathi", "orca"])

@@ -69,15 +69,18 @@ class SchedulerOutput:
     slot_copies: list[SlotCopy] = field(default_factory=list)
     # KV bytes moved by the swaps and copies above (for the cost model).
     swap_bytes: int = 0
-    # Identical decode-only steps this output stands for (the simulator's closed-form fast path).
+    # Consecutive steps this output stands for (the simulator's closed-form fast path): each one
+    # decodes the cohort once and runs every chunk's num_tokens again, from where the previous left.
     # NOTE: counts above describe the first of them; the cohort's KV grows by cohort_size per step.
     num_steps: int = 1
     # Blocks allocated before each of the num_steps steps, first one excluded (for the timeline).
     new_blocks_per_step: Sequence[int] | None = None
 
     def repeated(self, num_steps: int, new_blocks_per_step: Sequence[int]) -> SchedulerOutput:
-        """This decode-only output standing for ``num_steps`` identical steps (a new object)."""
+        """This output (no preemption, swap or copy) standing for ``num_steps`` steps (a new object)."""
+        assert not (self.preempted or self.swap_in or self.swap_out or self.slot_copies), self
         return SchedulerOutput(
+            chunks=self.chunks,
             cohort=self.cohort,
             cohort_size=self.cohort_size,
             cohort_kv_tokens=self.cohort_kv_tokens,

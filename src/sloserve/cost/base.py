@@ -65,8 +65,34 @@ class CostModel(ABC):
             dtype=np.float64,
         )
 
-    def decode_series(self, num_decode: int, decode_kv_tokens: int) -> tuple[float, float] | None:
-        """``(first, increment)`` when the ``decode_times`` steps take ``first + k * increment`` seconds
-        (to 1e-12 relative): an arithmetic series, as in linear models. None (the default) when they
-        do not; the simulator then times stretches with ``decode_times``."""
+    def step_times(self, shape: BatchShape, num_steps: int) -> np.ndarray:
+        """Durations (seconds, ``(num_steps,)``) of ``num_steps`` consecutive steps of ``shape`` in
+        which every request advances: step k has the shape ``advance_shape(shape, k)``.
+
+        NOTE: element k equals ``batch_time(advance_shape(shape, k)).total_s`` to 1e-12 relative.
+        """
+        if shape.num_prefill == 0 and not shape.swap_bytes:
+            return self.decode_times(shape.num_decode, shape.decode_kv_tokens, num_steps)
+        return np.array(
+            [self.batch_time(advance_shape(shape, k)).total_s for k in range(num_steps)], dtype=np.float64
+        )
+
+    def step_series(self, shape: BatchShape) -> tuple[float, float] | None:
+        """``(first, increment)`` when the ``step_times`` of ``shape`` are ``first + k * increment``
+        seconds (to 1e-12 relative): an arithmetic series, as in linear models. None (the default)
+        when they are not; the simulator then times stretches with ``step_times``."""
         return None
+
+
+def advance_shape(shape: BatchShape, num_steps: int) -> BatchShape:
+    """``shape`` ``num_steps`` steps later, every request having advanced by its tokens each step:
+    each decode reads one more KV token per step, and the prefill chunk (at most one) of c tokens
+    starts c tokens further, so its context grows by c and its attention work by 2c^2 per step."""
+    if shape.num_prefill > 1 or shape.swap_bytes:
+        raise ValueError(f"only steps with at most one prefill chunk and no swap repeat, got {shape}")
+    c = shape.prefill_tokens
+    return shape._replace(
+        decode_kv_tokens=shape.decode_kv_tokens + num_steps * shape.num_decode,
+        prefill_attention_work=shape.prefill_attention_work + num_steps * 2 * c * c,
+        prefill_context_tokens=shape.prefill_context_tokens + num_steps * c,
+    )

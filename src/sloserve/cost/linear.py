@@ -134,10 +134,12 @@ class LinearCostModel(CostModel):
         other_s = (self._a_o * num_decode + self._b_o) * scale  # a scalar: no prefill tokens
         return other_s + decode_s + 0.0 + 0.0
 
-    def decode_series(self, num_decode: int, decode_kv_tokens: int) -> tuple[float, float] | None:
-        """Decode-only steps form an arithmetic series: each step's summed KV grows by B, so its time
-        grows by a_d * B (per layer)."""
-        if num_decode <= 0:
+    def step_series(self, shape: BatchShape) -> tuple[float, float] | None:
+        """Repeated steps form an arithmetic series: per step the decodes' summed KV grows by B and a
+        chunk of c tokens reads c more context tokens and does 2c^2 more attention work, so a step
+        takes a_d * B + a_p * 2c^2 + m_p * c (per layer) longer than the one before."""
+        if shape.num_prefill > 1 or shape.swap_bytes:
             return None
-        first = self.batch_time(BatchShape(num_decode, decode_kv_tokens)).total_s
-        return first, self._a_d * num_decode * self._scale
+        c = shape.prefill_tokens
+        increment = (self._a_d * shape.num_decode + self._a_p * 2 * c * c + self._m_p * c) * self._scale
+        return self.batch_time(shape).total_s, increment

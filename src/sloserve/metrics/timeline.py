@@ -26,15 +26,15 @@ TIMELINE_COLUMNS: dict[str, type] = {
 class Timeline:
     """Append-only table of steps.
 
-    ``append`` adds one row; ``extend`` adds rows given as arrays; ``append_decode_stretch`` records a
-    closed-form decode stretch by its parameters only, and all stretches are expanded into rows at
+    ``append`` adds one row; ``extend`` adds rows given as arrays; ``append_stretch`` records a
+    closed-form stretch of repeated steps by its parameters only, and all stretches are expanded into rows at
     once (vectorized) when the timeline is first read. Columns are stored in ``array.array``.
     """
 
     def __init__(self) -> None:
         self._cols = {name: array("d" if dt is np.float64 else "q") for name, dt in TIMELINE_COLUMNS.items()}
         self._bind_appenders()
-        # Decode stretches not yet expanded, one list entry per stretch (see append_decode_stretch).
+        # Stretches not yet expanded, one list entry per stretch (see append_stretch).
         self._stretches: list[tuple] = []
         self._stretch_rows = 0
 
@@ -72,11 +72,13 @@ class Timeline:
         a[9](sched_time_s)
         a[10](replica)
 
-    def append_decode_stretch(
+    def append_stretch(
         self,
         start_s: float,
         end_times: Sequence[float],
         num_decode: int,
+        num_prefill_tokens: int,
+        num_chunks: int,
         kv_used_before: int,
         kv_used_after: int,
         kv_allocated_before: int,
@@ -86,12 +88,14 @@ class Timeline:
         sched_time_s: float,
         replica: int = 0,
     ) -> None:
-        """Record k = len(end_times) decode-only steps of ``num_decode`` requests.
+        """Record k = len(end_times) repeated steps, each of ``num_decode`` decodes and
+        ``num_chunks`` prompt chunks of ``num_prefill_tokens`` tokens in all.
 
         Step i (0-based) ends at ``end_times[i]``; KV used after it is ``kv_used_before +
-        num_decode * (i + 1)`` except after the last step (``kv_used_after``, when finished requests
-        have been freed); allocated KV grows by ``new_blocks_per_step`` blocks (step 0's growth is
-        already in ``kv_allocated_before``) and is ``kv_allocated_after`` after the last step.
+        (num_decode + num_prefill_tokens) * (i + 1)`` except after the last step (``kv_used_after``,
+        when finished requests have been freed); allocated KV grows by ``new_blocks_per_step`` blocks
+        (step 0's growth is already in ``kv_allocated_before``) and is ``kv_allocated_after`` after
+        the last step.
         """
         k = len(end_times)
         self._stretches.append(
@@ -100,6 +104,8 @@ class Timeline:
                 start_s,
                 end_times,
                 num_decode,
+                num_prefill_tokens,
+                num_chunks,
                 kv_used_before,
                 kv_used_after,
                 kv_allocated_before,
@@ -114,8 +120,8 @@ class Timeline:
 
     def _stretch_columns(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Rows of all pending stretches: (their row positions, their columns)."""
-        (positions, starts, ends, n, used0, used1, alloc0, alloc1, new_blocks, bs, sched, replica) = zip(
-            *self._stretches, strict=True
+        (positions, starts, ends, n, prefill, chunks, used0, used1, alloc0, alloc1, new_blocks, bs, sched, replica) = (
+            zip(*self._stretches, strict=True)
         )
         lengths = np.array([len(e) for e in ends], dtype=np.int64)
         total = int(lengths.sum())
@@ -129,7 +135,9 @@ class Timeline:
         start_s[1:] = end_s[:-1]
         start_s[first] = starts
         num_decode = np.repeat(np.array(n, dtype=np.int64), lengths)
-        kv_used = np.repeat(np.array(used0, dtype=np.int64), lengths) + num_decode * (local + 1)
+        num_prefill = np.repeat(np.array(prefill, dtype=np.int64), lengths)
+        num_tokens = num_decode + num_prefill
+        kv_used = np.repeat(np.array(used0, dtype=np.int64), lengths) + num_tokens * (local + 1)
         kv_used[last] = used1
         grown = np.cumsum(np.concatenate(new_blocks).astype(np.int64))  # blocks allocated so far
         grown_at_first = np.repeat(grown[first], lengths)
@@ -145,10 +153,10 @@ class Timeline:
         columns = {
             "start_s": start_s,
             "duration_s": end_s - start_s,
-            "num_tokens": num_decode,
-            "num_prefill_tokens": np.zeros(total, dtype=np.int64),
+            "num_tokens": num_tokens,
+            "num_prefill_tokens": num_prefill,
             "num_decode": num_decode,
-            "num_requests": num_decode,
+            "num_requests": num_decode + np.repeat(np.array(chunks, dtype=np.int64), lengths),
             "kv_used_tokens": kv_used,
             "kv_allocated_tokens": kv_allocated,
             "num_preempted": np.zeros(total, dtype=np.int64),

@@ -96,20 +96,31 @@ class Scheduler(ABC):
         decision, assuming no arrival and no completion. Default: 1 (no fast path)."""
         return 1
 
-    def repeat_decode(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
-        """The decode-only ``output`` repeated ``num_steps`` times (``num_steps`` <= decode_horizon):
+    def chunk_horizon(self, output: SchedulerOutput, limit: int) -> int:
+        """Steps (>= 1, <= limit) for which ``output``, the cohort's decodes and one prompt chunk,
+        repeats with the chunk advancing by its tokens each step, assuming no completion, whatever
+        arrives meanwhile. Default: 1 (no fast path)."""
+        return 1
+
+    def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
+        """``output`` standing for ``num_steps`` steps (``num_steps`` <= its decode or chunk horizon):
         allocates the KV the later steps need."""
-        raise NotImplementedError(f"{self.name} has no decode fast path")
+        raise NotImplementedError(f"{self.name} has no fast path")
 
     def _cohort_decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
         """``decode_horizon`` of a policy whose decode-only step changes only on a completion, an
         arrival or a memory event: the cohort repeats until a member outgrows free memory."""
         if not output.is_decode_only or limit <= 1:
             return 1
+        return self._cohort_memory_horizon(limit)
+
+    def _cohort_memory_horizon(self, limit: int) -> int:
+        """Steps (>= 1, <= limit) from the scheduled one whose cohort growth fits the free KV (the
+        scheduled step's growth is reserved already)."""
         cohort = self.cohort
         return 1 + cohort.memory_horizon(cohort.ticks + 2, self.kv.num_free_blocks, limit - 1)
 
-    def _cohort_repeat_decode(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
+    def _cohort_repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
         first = self.cohort.ticks + 1  # grown by schedule()
         later = self.cohort.grow_through(first + num_steps - 1)  # num_steps - 1 of them
         return output.repeated(num_steps, [0, *later])
@@ -123,7 +134,7 @@ class Scheduler(ABC):
             self.cohort.skip_growth()
         emitted: list[Request] = []
         for request, num_tokens in output.chunks:
-            request.add_computed(num_tokens)
+            request.add_computed(num_tokens * output.num_steps)
             if request.num_computed_tokens == request.num_tokens:
                 request.add_output_token(now)
                 emitted.append(request)

@@ -508,8 +508,8 @@ class EconoServeScheduler(Scheduler):
             return 1
         return self._cohort_decode_horizon(output, limit)
 
-    def repeat_decode(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
-        return self._cohort_repeat_decode(output, num_steps)
+    def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
+        return self._cohort_repeat(output, num_steps)
 
     def check_fits(self, request: Request, max_kv_tokens: int) -> None:
         kv = self.kv

@@ -267,8 +267,36 @@ class UnifiedScheduler(Scheduler):
         loosens before a completion, an arrival or an eviction."""
         return self._cohort_decode_horizon(output, limit)
 
-    def repeat_decode(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
-        return self._cohort_repeat_decode(output, num_steps)
+    def chunk_horizon(self, output: SchedulerOutput, limit: int) -> int:
+        """Sarathi (decode first, chunked prefill): a step of the cohort and one prompt chunk that
+        takes all the room C and P leave repeats, the chunk moving on by its size, while the prompt
+        has more than a chunk to go. Arrivals change nothing (the waiting queue gets no room), the
+        prompt's KV was allocated at admission, and the cohort grows as in ``decode_horizon``. The
+        chunk that ends the prompt (it samples a token, and leaves room) runs on its own."""
+        cfg = self.config
+        if (
+            limit <= 1
+            or cfg.priority != "decode_first"
+            or not cfg.chunked_prefill
+            or len(output.chunks) != 1
+            or output.cohort is None
+            or output.preempted
+            or output.swap_in
+            or self.swapped
+            or self.incoming
+            # NOTE: _chunk_tokens is the chunk of the output just scheduled: no room is left.
+            or self._prefill_room(output, 0) > 0
+        ):
+            return 1
+        request, chunk = output.chunks[0]
+        if chunk < 2:
+            return 1
+        # Step j (from 0) runs `chunk` of the tokens left before it and must leave some.
+        limit = min(limit, -(-request.num_tokens_to_process // chunk) - 1)
+        return self._cohort_memory_horizon(limit) if limit > 1 else 1
+
+    def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
+        return self._cohort_repeat(output, num_steps)
 
     # --- validation ----------------------------------------------------------------------------
     def check_fits(self, request: Request, max_kv_tokens: int) -> None:

@@ -77,13 +77,14 @@ class SimExecutor:
         """Duration of one step of ``output``."""
         return self.cost_model.batch_time(batch_shape(output)).total_s
 
-    def decode_end_times(
+    def end_times(
         self, output: SchedulerOutput, now: float, num_steps: int, until: float = math.inf
     ) -> Sequence[float]:
-        """End times of the decode-only ``output`` repeated from ``now``: ``num_steps`` of them, or
-        fewer, through the first step that ends at or after ``until``."""
-        num_decode, kv = output.cohort_size, output.cohort_kv_tokens
-        series = self.cost_model.decode_series(num_decode, kv) if num_steps <= SHORT_STRETCH_STEPS else None
+        """End times of ``output``'s step and the ones repeating it (``CostModel.step_times``) from
+        ``now``: ``num_steps`` of them, or fewer, through the first step that ends at or after
+        ``until``."""
+        shape = batch_shape(output)
+        series = self.cost_model.step_series(shape) if num_steps <= SHORT_STRETCH_STEPS else None
         if series is not None:
             # NOTE: the common case at load (a few steps before the next arrival): a plain loop over
             # the arithmetic series costs a fraction of the numpy calls below.
@@ -96,7 +97,7 @@ class SimExecutor:
                 if end >= until:
                     break
             return ends
-        times = self.cost_model.decode_times(num_decode, kv, num_steps)
+        times = self.cost_model.step_times(shape, num_steps)
         # NOTE: in place and in step order, so ends[i] = ((now + d0) + d1) + ... + di: the same
         # floating-point sums as running the steps one by one.
         times[0] += now
@@ -109,8 +110,8 @@ class SimExecutor:
     def execute(
         self, output: SchedulerOutput, now: float, end_times: Sequence[float] | None = None
     ) -> StepResult:
-        """Run ``output`` starting at ``now``; ``end_times`` may carry its steps' end times already
-        computed (``decode_end_times``)."""
+        """Run ``output`` (all its ``num_steps`` steps) starting at ``now``; ``end_times`` may carry
+        its steps' end times already computed (``end_times``)."""
         self._track_joined(output)
         k = output.num_steps
         if end_times is not None:
@@ -119,12 +120,11 @@ class SimExecutor:
         elif k == 1:
             ends = (now + self.step_time(output),)
         else:
-            ends = self.decode_end_times(output, now, k)
-            assert len(ends) == k
+            ends = self.end_times(output, now, k)
         finished = [
             r
             for r, c in output.chunks
-            if r.num_computed_tokens + c == r.num_tokens and r.num_output_tokens + 1 >= r.true_output_tokens
+            if r.num_computed_tokens + c * k == r.num_tokens and r.num_output_tokens + 1 >= r.true_output_tokens
         ]
         cohort = output.cohort
         if cohort is not None:

@@ -3,10 +3,17 @@
 The step loop per replica is ``schedule -> execute -> update``. Events are ordered by time; ties go
 to arrivals first, then to the replica with the lowest index, so a run is deterministic.
 
-Fast path: a decode-only step that would repeat unchanged (no arrival, no completion, no memory event:
-``Scheduler.decode_horizon``) is executed as one stretch of k steps whose times come from the cost
-model's arithmetic series (``CostModel.decode_times``). ``fast_path=False`` runs the same steps one
-by one; tests check both give the same per-request timestamps.
+Fast path: a step that would repeat with every request one step further is executed as one stretch
+of k steps whose times come from the cost model's arithmetic series (``CostModel.step_series``, or
+``step_times``):
+
+- a decode-only step, until an arrival, a completion or a memory event (``Scheduler.decode_horizon``);
+- a step of decodes and a prompt chunk that leaves no room for anyone else (Sarathi's middle
+  chunks of a long prompt), until the prompt's last chunk, a completion or a memory event
+  (``Scheduler.chunk_horizon``): arrivals cannot join such steps.
+
+``fast_path=False`` runs the same steps one by one; tests check both give the same per-request
+timestamps and the same timeline.
 """
 
 from __future__ import annotations
@@ -81,8 +88,11 @@ class Replica:
         if self.on_step is not None:
             self.on_step(self.index, out)
         end_times = None
-        if self.fast_path and out.is_decode_only:
-            out, end_times = self._decode_stretch(out, next_arrival)
+        if self.fast_path:
+            if out.is_decode_only:
+                out, end_times = self._decode_stretch(out, next_arrival)
+            elif out.chunks and out.cohort is not None:
+                out, end_times = self._chunk_stretch(out)
         sched_time = time.perf_counter() - t0
         result = executor.execute(out, now, end_times)
         ends = result.step_end_times
@@ -120,10 +130,23 @@ class Replica:
             limit = self.scheduler.decode_horizon(out, limit)
         if limit <= 1:
             return out, (now + first,)
-        ends = executor.decode_end_times(out, now, limit, next_arrival)
+        ends = executor.end_times(out, now, limit, next_arrival)
         if len(ends) == 1:
             return out, ends
-        return self.scheduler.repeat_decode(out, len(ends)), ends
+        return self.scheduler.repeat(out, len(ends)), ends
+
+    def _chunk_stretch(self, out: SchedulerOutput) -> tuple[SchedulerOutput, Sequence[float] | None]:
+        """``out`` (decodes and a prompt chunk) repeated for as many steps as the scheduler's
+        ``chunk_horizon`` allows, up to the step before the next completion, with their end times;
+        ``(out, None)`` for a single step. Such steps leave no room for arrivals, so the stretch
+        does not stop at them, and it has no completion, so no router or closed loop sees it early.
+        """
+        limit = min(self.executor.steps_until_finish(out) - 1, MAX_STRETCH_STEPS)
+        if limit > 1:
+            limit = self.scheduler.chunk_horizon(out, limit)
+        if limit <= 1:
+            return out, None
+        return self.scheduler.repeat(out, limit), self.executor.end_times(out, self.now, limit)
 
     def _record_step(self, out: SchedulerOutput, start: float, end: float, sched_time: float) -> None:
         num_prefill = num_decode = 0
@@ -154,10 +177,12 @@ class Replica:
         allocated_before: int,
     ) -> None:
         kv = self.scheduler.kv
-        self.timeline.append_decode_stretch(
+        self.timeline.append_stretch(
             start,
             ends,
             out.cohort_size,
+            sum(c for _, c in out.chunks),
+            len(out.chunks),
             used_before,
             self.scheduler.kv_used_tokens(),
             allocated_before,
