@@ -30,6 +30,7 @@ from sloserve.cost import (
     load_preset,
     save_preset,
 )
+from sloserve.cost.base import advance_shape
 from sloserve.cost.fit import CSV_COLUMNS, _nnls
 from sloserve.cost.linear import COEFFICIENT_NAMES
 
@@ -136,6 +137,37 @@ def test_decode_times_match_batch_time(which: int, num_decode: int, kv: int, ste
         [model.batch_time(BatchShape(num_decode, kv + k * num_decode)).total_s for k in range(steps)]
     )
     np.testing.assert_allclose(fast, slow, rtol=1e-12, atol=0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    which=st.integers(0, len(COST_MODELS) - 1),
+    num_decode=st.integers(0, 1024),
+    kv=st.integers(0, 5_000_000),
+    chunk=st.integers(0, 4096),
+    context=st.integers(0, 100_000),
+    steps=st.integers(1, 100),
+)
+def test_repeated_steps_match_batch_time(which, num_decode, kv, chunk, context, steps) -> None:
+    """step_times / step_series of a step of decodes and one chunk equal batch_time of the shape
+    advanced k steps (the simulator's chunk stretches rely on it)."""
+    model = COST_MODELS[which]
+    kv = kv if num_decode else 0
+    context = context if chunk else 0
+    shape = BatchShape(num_decode, kv, 1 if chunk else 0, chunk, chunk * chunk + 2 * context * chunk, context)
+    slow = np.array([model.batch_time(advance_shape(shape, k)).total_s for k in range(steps)])
+    np.testing.assert_allclose(model.step_times(shape, steps), slow, rtol=1e-12, atol=0)
+    series = model.step_series(shape)
+    if isinstance(model, LinearCostModel):
+        assert series is not None
+    if series is not None:
+        first, increment = series
+        np.testing.assert_allclose(first + increment * np.arange(steps), slow, rtol=1e-12, atol=0)
+
+
+def test_advance_shape_refuses_what_does_not_repeat() -> None:
+    with pytest.raises(ValueError, match="at most one prefill chunk"):
+        advance_shape(BatchShape(4, 100, 2, 64, 64 * 64 * 2, 0), 3)
 
 
 # ---------------------------------------------------------------- roofline
