@@ -77,10 +77,10 @@ class CostModel(ABC):
             [self.batch_time(advance_shape(shape, k)).total_s for k in range(num_steps)], dtype=np.float64
         )
 
-    def step_series(self, shape: BatchShape) -> tuple[float, float] | None:
-        """``(first, increment)`` when the ``step_times`` of ``shape`` are ``first + k * increment``
-        seconds (to 1e-12 relative): an arithmetic series, as in linear models. None (the default)
-        when they are not; the simulator then times stretches with ``step_times``."""
+    def step_increment(self, shape: BatchShape) -> float | None:
+        """The constant by which each of the ``step_times`` of ``shape`` exceeds the one before
+        (to 1e-12 relative), when they form an arithmetic series as in linear models. None (the
+        default) when they do not; the simulator then times stretches with ``step_times``."""
         return None
 
 

@@ -134,12 +134,11 @@ class LinearCostModel(CostModel):
         other_s = (self._a_o * num_decode + self._b_o) * scale  # a scalar: no prefill tokens
         return other_s + decode_s + 0.0 + 0.0
 
-    def step_series(self, shape: BatchShape) -> tuple[float, float] | None:
+    def step_increment(self, shape: BatchShape) -> float | None:
         """Repeated steps form an arithmetic series: per step the decodes' summed KV grows by B and a
         chunk of c tokens reads c more context tokens and does 2c^2 more attention work, so a step
         takes a_d * B + a_p * 2c^2 + m_p * c (per layer) longer than the one before."""
         if shape.num_prefill > 1 or shape.swap_bytes:
             return None
         c = shape.prefill_tokens
-        increment = (self._a_d * shape.num_decode + self._a_p * 2 * c * c + self._m_p * c) * self._scale
-        return self.batch_time(shape).total_s, increment
+        return (self._a_d * shape.num_decode + self._a_p * 2 * c * c + self._m_p * c) * self._scale

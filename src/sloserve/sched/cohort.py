@@ -217,6 +217,12 @@ class DecodeCohort:
         """Advance ``len(end_times)`` ticks that ended at those times."""
         k, t = len(end_times), self.ticks
         assert self._grown_through >= t + k, "ticks advanced without reserving their growth"
+        if k == 1 and t + 2 <= len(self._tick_end):  # the common case, without a loop
+            end = end_times[0]
+            self._tick_end[t + 1] = end
+            self._tick_gap[t + 1] = end - self._tick_end[t]
+            self.ticks = t + 1
+            return
         if t + k + 1 > len(self._tick_end):
             size = max(t + k + 1, 2 * len(self._tick_end))
             for name in ("_tick_end", "_tick_gap"):

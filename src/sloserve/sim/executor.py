@@ -78,17 +78,22 @@ class SimExecutor:
         return self.cost_model.batch_time(batch_shape(output)).total_s
 
     def end_times(
-        self, output: SchedulerOutput, now: float, num_steps: int, until: float = math.inf
+        self,
+        output: SchedulerOutput,
+        now: float,
+        num_steps: int,
+        until: float = math.inf,
+        first_step_s: float | None = None,
     ) -> Sequence[float]:
         """End times of ``output``'s step and the ones repeating it (``CostModel.step_times``) from
         ``now``: ``num_steps`` of them, or fewer, through the first step that ends at or after
-        ``until``."""
+        ``until``. ``first_step_s``: the first step's duration, when already computed."""
         shape = batch_shape(output)
-        series = self.cost_model.step_series(shape) if num_steps <= SHORT_STRETCH_STEPS else None
-        if series is not None:
+        increment = self.cost_model.step_increment(shape) if num_steps <= SHORT_STRETCH_STEPS else None
+        if increment is not None:
             # NOTE: the common case at load (a few steps before the next arrival): a plain loop over
             # the arithmetic series costs a fraction of the numpy calls below.
-            first, increment = series
+            first = self.cost_model.batch_time(shape).total_s if first_step_s is None else first_step_s
             ends: list[float] = []
             end = now
             for k in range(num_steps):

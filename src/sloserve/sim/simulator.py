@@ -4,7 +4,7 @@ The step loop per replica is ``schedule -> execute -> update``. Events are order
 to arrivals first, then to the replica with the lowest index, so a run is deterministic.
 
 Fast path: a step that would repeat with every request one step further is executed as one stretch
-of k steps whose times come from the cost model's arithmetic series (``CostModel.step_series``, or
+of k steps whose times come from the cost model's arithmetic series (``CostModel.step_increment``, or
 ``step_times``):
 
 - a decode-only step, until an arrival, a completion or a memory event (``Scheduler.decode_horizon``);
@@ -130,7 +130,7 @@ class Replica:
             limit = self.scheduler.decode_horizon(out, limit)
         if limit <= 1:
             return out, (now + first,)
-        ends = executor.end_times(out, now, limit, next_arrival)
+        ends = executor.end_times(out, now, limit, next_arrival, first)
         if len(ends) == 1:
             return out, ends
         return self.scheduler.repeat(out, len(ends)), ends
