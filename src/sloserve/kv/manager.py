@@ -135,9 +135,8 @@ class KVCacheManager:
 
     def settle_blocks(self, request: Request, num_blocks: int) -> None:
         """Assign ``num_blocks`` of the reserved blocks to ``request`` (appended to its table)."""
-        assert 0 <= num_blocks <= self._owed_blocks, (num_blocks, self._owed_blocks)
+        self.release_owed_blocks(num_blocks)
         if num_blocks:
-            self._owed_blocks -= num_blocks
             blocks = self.gpu.allocate(num_blocks)
             assert blocks is not None
             self.block_tables[request].extend(blocks)
