@@ -95,6 +95,11 @@ def scheduler(name: str, capacity: int, max_model_len: int = 4096, **options) ->
 
 
 def timestamps(requests: list[Request]) -> np.ndarray:
-    """(N, 4): first token, last token, finish, max gap per request (by id)."""
+    """(N, 7): first token, last token, finish, max gap, first scheduled, preemption time and GT
+    queuing time per request (by id)."""
     ordered = sorted(requests, key=lambda r: r.request_id)
-    return np.array([[r.first_token_time, r.last_token_time, r.finish_time, r.max_token_gap] for r in ordered])
+    return np.array([
+        [r.first_token_time, r.last_token_time, r.finish_time, r.max_token_gap, r.first_scheduled_time,
+         r.preempted_s, r.gt_queued_s]
+        for r in ordered
+    ])  # fmt: skip

@@ -93,6 +93,7 @@ def test_an_under_predicted_gt_grows_into_the_reserve():
     (r,) = make_requests([(16, 60)])
     Driver(s).run([r])
     assert r.num_output_tokens == 60 and r.num_preemptions == 0  # went on past its region (free KV)
+    assert r.num_allocation_failures == 1  # under-provisioned once: the reserve absorbed it
 
 
 def test_an_under_predicted_gt_without_reserve_left_stops_with_its_kv_and_is_regrouped_by_l_new():
@@ -158,6 +159,7 @@ def test_the_oracle_variant_has_no_allocation_failures_and_every_variant_finishe
         assert all(r.num_output_tokens == r.true_output_tokens for r in reqs), name
         if name == "econoserve-oracle":
             assert s.kv.num_allocation_failures == 0
+            assert all(r.num_allocation_failures == 0 for r in reqs)
             assert s.num_offload_free_stops == 0 and s.num_hosted_evictions == 0
 
 
@@ -220,3 +222,27 @@ def test_bad_options_are_one_clear_error(options, message):
 def test_unknown_variant_lists_the_valid_ones():
     with pytest.raises(UnknownNameError, match="econoserve, econoserve-d, econoserve-oracle, econoserve-sd"):
         scheduler("econoserve-x", 8192)
+
+
+def test_summary_reports_gt_queuing_allocation_failures_and_group_sizes():
+    """Through the simulator: GTs wait in the GT queue (GT queuing time), mispredicted GTs count as
+    allocation failures, and the summary carries Figure 2's group sizes as a CDF."""
+    from sloserve.metrics import summarize
+    from sloserve.sim import simulate
+
+    reqs = workload_from_trace("sharegpt", num_requests=200, seed=0, context_len=4096, rate=40.0).requests
+    result = simulate(reqs, lambda: scheduler("econoserve", 6000), llama7b_cost())
+    summary = summarize(reqs, result.timeline, kv_capacity_tokens=6000, sim_wall_s=result.sim_wall_s,
+                        policy_metrics=result.policy_metrics)  # fmt: skip
+    assert any(r.gt_queued_s > 0 for r in reqs)
+    failed = [r for r in reqs if r.num_allocation_failures]
+    assert failed and summary["allocation_failure_share"] == len(failed) / len(reqs)
+    # Every preemption in EconoServe follows a failure (an overrun stop or a hosted GT's eviction).
+    assert all(r.num_allocation_failures for r in reqs if r.num_preemptions)
+    groups = summary["policy"]["gt_group_sizes"]
+    assert groups["count"] == len(result.policy_metrics["gt_group_sizes"]) >= 1
+    assert sum(result.policy_metrics["gt_group_sizes"]) >= len(reqs)  # every GT joins a group (again after a stop)
+    assert groups["cdf"][-1][1] == 1.0 and groups["max"] == groups["cdf"][-1][0]
+    fractions = [f for _, f in groups["cdf"]]
+    assert fractions == sorted(fractions)
+    assert summary["forward_size_to_target"] == summary["forward_size"]["mean"] / result.policy_metrics["target_forward_size"]

@@ -218,3 +218,59 @@ def test_closed_loop_batches_arrive_when_the_previous_batch_completes():
     for before, after in zip(chain, chain[1:]):
         assert {r.arrival_time for r in after} == {max(r.finish_time for r in before)}
     assert all(r.status is RequestStatus.FINISHED for r in workload.requests)
+
+
+def test_jct_decomposition_on_infermax_figure1():
+    """Figure 1 (KV 8): R3 is preempted in B2 and refilled in B3, so its preemption time is B2's
+    duration; nobody waits or queues, and the rest of each JCT is execution."""
+    from helpers import make_requests
+    from sloserve.metrics import request_table
+
+    reqs = make_requests([(3, 2), (1, 2), (2, 2)])
+    result = simulate(
+        reqs, lambda: scheduler("vllm", 8, max_model_len=8, block_size=1, watermark=0), llama7b_cost(), fast_path=False
+    )
+    starts = result.timeline.column("start_s")
+    assert len(starts) == 3
+    r1, r2, r3 = reqs
+    assert r3.num_preemptions == 1 and r3.preempted_s == starts[2] - starts[1] > 0
+    assert r1.preempted_s == r2.preempted_s == 0.0
+    table = request_table(reqs)
+    np.testing.assert_array_equal(table["waiting_s"], [0.0, 0.0, 0.0])
+    np.testing.assert_array_equal(table["gt_queuing_s"], [0.0, 0.0, 0.0])
+    np.testing.assert_allclose(table["execution_s"], table["jct_s"] - table["preemption_s"], rtol=1e-12)
+    assert table["num_allocation_failures"].tolist() == [0, 0, 1]
+
+
+@pytest.mark.parametrize(
+    "name,options",
+    [
+        ("vllm", dict(preemption_mode="recompute")),
+        ("vllm", dict(preemption_mode="swap", swap_space_tokens=8_000)),
+        ("sarathi", dict()),
+        ("econoserve", dict()),
+        ("bros", dict()),
+    ],
+)
+def test_jct_decomposition_parts_are_consistent(name, options):
+    """Waiting, preemption, GT queuing and execution are >= 0 and add up to the JCT; only preempted
+    requests have preemption time, and only a policy with a GT queue has GT queuing."""
+    from sloserve.metrics import request_table
+
+    reqs, _ = _run("sharegpt", name, fast=True, n=300, rate=12.0, **options)
+    table = request_table(reqs)
+    assert table["finished"].all()
+    for part in ("waiting_s", "preemption_s", "gt_queuing_s"):
+        assert (table[part] >= 0).all(), part
+    assert (table["execution_s"] > 0).all()
+    total = table["waiting_s"] + table["preemption_s"] + table["gt_queuing_s"] + table["execution_s"]
+    np.testing.assert_allclose(total, table["jct_s"], rtol=1e-9)
+    preempted = table["num_preemptions"] > 0
+    assert preempted.any(), "the capacity is meant to force preemptions"
+    assert (table["preemption_s"][~preempted] == 0).all()
+    assert (table["preemption_s"][preempted] > 0).all() or name == "econoserve"
+    assert (table["num_allocation_failures"][preempted] > 0).all()
+    if name == "econoserve":
+        assert (table["gt_queuing_s"] > 0).any()
+    else:
+        assert (table["gt_queuing_s"] == 0).all()

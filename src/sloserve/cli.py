@@ -224,6 +224,7 @@ def _run_one(setup: Setup, scheduler: str, set_options: dict[str, str], workload
         num_allocation_failures=result.num_allocation_failures,
         swapped_bytes=result.swapped_bytes,
         num_replicas=result.num_replicas,
+        policy_metrics=result.policy_metrics,
         extra={
             "scheduler": scheduler,
             "scheduler_options": set_options,
@@ -710,6 +711,7 @@ def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virt
         sim_wall_s=wall,
         num_allocation_failures=kv.num_allocation_failures,
         swapped_bytes=kv.swapped_bytes,
+        policy_metrics=engine.scheduler.policy_metrics(),
         extra={
             "engine": True,
             "scheduler": scheduler,

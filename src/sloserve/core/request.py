@@ -98,6 +98,18 @@ class Request:
     finish_time: float = math.nan
     max_token_gap: float = math.nan  # largest gap between consecutive output tokens
     num_preemptions: int = 0
+    # JCT decomposition (EconoServe §2.1), kept by the step loop (sim.simulator.Replica) from the
+    # outputs: waiting = first scheduled - arrival; preemption = time from each preemption until the
+    # request runs again; GT queuing = time between sampling a token outside the decode cohort and
+    # joining it (EconoServe's GT queue; zero for policies whose decodes join at once).
+    # Execution is the rest of the JCT.
+    first_scheduled_time: float = math.nan
+    preempted_s: float = 0.0
+    gt_queued_s: float = 0.0
+    paused_since: float = math.nan  # start of the step that preempted it, until it runs again
+    # Times it needed KV in execution that its allocation did not give it: a preemption for memory,
+    # or (EconoServe) a GT running past its exact region.
+    num_allocation_failures: int = 0
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 1:

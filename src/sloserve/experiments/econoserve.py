@@ -20,7 +20,7 @@ from sloserve.core.request import SLO
 from sloserve.cost import build_cost_model, get_gpu, get_model
 from sloserve.cost.derived import jct_slo_s
 from sloserve.experiments.infermax import plot_grid, write_csv
-from sloserve.metrics.summary import SLO_TOLERANCE_S, request_table
+from sloserve.metrics.summary import summarize
 from sloserve.sched import make_scheduler
 from sloserve.sim import simulate
 from sloserve.workload import workload_from_trace
@@ -82,31 +82,36 @@ def run_rate(name: str, rate: float, num_requests: int, trace: str = "sharegpt",
         make_decode_scheduler=(lambda: factory("decode")) if disaggregated else None,
         num_decode_replicas=1 if disaggregated else 0,
     )
-    table = request_table(requests)
-    tl = result.timeline
-    duration = tl.column("duration_s")
-    busy = float(duration.sum())
-    makespan = max(r.finish_time for r in requests) - min(r.arrival_time for r in requests)
-    s = schedulers[0]
-    groups = np.asarray(getattr(s, "group_sizes", []) or [0])
+    summary = summarize(
+        requests,
+        result.timeline,
+        kv_capacity_tokens=capacity,
+        sim_wall_s=result.sim_wall_s,
+        num_allocation_failures=result.num_allocation_failures,
+        num_replicas=result.num_replicas,
+        policy_metrics=result.policy_metrics,
+    )
+    policy = summary.get("policy", {})
+    breakdown = summary["jct_breakdown_s"]
     return {
         "scheduler": name,
         "trace": trace,
         "rate": rate,
-        "normalized_latency_s": float(table["normalized_latency_s"].mean()),
-        "jct_s": float(table["jct_s"].mean()),
-        "tbt_s": float(np.nanmean(table["tpot_s"])),
-        "ssr": float((table["jct_s"] <= table["slo_jct_s"] + SLO_TOLERANCE_S).mean()),
-        "throughput_rps": len(requests) / makespan,
-        "kv_used": float((tl.column("kv_used_tokens") * duration).sum() / busy / capacity / result.num_replicas),
-        "kv_allocated": float((tl.column("kv_allocated_tokens") * duration).sum() / busy / capacity / result.num_replicas),
-        "forward_size": float((tl.column("num_tokens") * duration).sum() / busy),
-        "tfs": getattr(s, "target_forward_size", 0),
-        "alloc_failures_per_request": result.num_allocation_failures / len(requests),
-        "preemptions_per_request": result.num_preemptions / len(requests),
-        "sched_time_share": float(tl.column("sched_time_s").sum()) / busy,
-        "mean_group_size": float(groups.mean()),
-        "hosted_share": getattr(s, "num_hosted", 0) / len(requests),
+        "normalized_latency_s": summary["normalized_latency_s"]["mean"],
+        "jct_s": summary["jct_s"]["mean"],
+        "tbt_s": summary["tpot_s"]["mean"],
+        "ssr": summary["slo_attainment"],
+        "throughput_rps": summary["throughput_rps"],
+        **{f"{part}_s": breakdown[part] for part in ("waiting", "execution", "preemption", "gt_queuing")},
+        "kv_used": summary["kv_utilization_mean"],
+        "kv_allocated": summary["kv_allocated_mean"],
+        "forward_size": summary["forward_size"]["mean"],
+        "tfs": policy.get("target_forward_size", 0),
+        "alloc_failure_share": summary["allocation_failure_share"],
+        "preemptions_per_request": summary["preemptions"] / len(requests),
+        "sched_time_share": summary["sched_time_share"],
+        "mean_group_size": policy["gt_group_sizes"]["mean"] if "gt_group_sizes" in policy else 0.0,
+        "hosted_share": policy.get("num_hosted_gts", 0) / len(requests),
     }
 
 
@@ -140,7 +145,15 @@ def fig9(out: Path, quick: bool, trace: str = "sharegpt") -> tuple[list[dict], l
             f"{vl['forward_size']:.0f}; SSR {es['ssr']:.0%} vs {vl['ssr']:.0%}; hosted GTs {es['hosted_share']:.0%}; "
             f"vLLM preemptions/request {vl['preemptions_per_request']:.2f}"
         )
+        lines.append(f"  {_jct_parts(es)}; {_jct_parts(vl)}")
     return rows, lines
+
+
+def _jct_parts(row: dict) -> str:
+    """Figure 1e/1d: the JCT decomposition as shares of the mean JCT, and the allocation failures."""
+    parts = ", ".join(f"{part.replace('_', ' ')} {row[f'{part}_s'] / row['jct_s']:.0%}"
+                      for part in ("waiting", "execution", "preemption", "gt_queuing"))  # fmt: skip
+    return f"{row['scheduler']} JCT {row['jct_s']:.2f} s = {parts}; allocation failures {row['alloc_failure_share']:.0%} of requests"
 
 
 def fig13(out: Path, quick: bool, trace: str = "sharegpt") -> tuple[list[dict], list[str]]:

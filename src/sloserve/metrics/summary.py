@@ -7,6 +7,10 @@
     throughput         = completed requests (or their output tokens) / makespan
     goodput            = requests meeting their SLO / makespan
     KV utilization     = time-weighted tokens holding KV (or allocated) / capacity
+    JCT decomposition  = waiting (first scheduled - arrival) + preemption (paused after preemptions)
+                         + GT queuing (decode waiting to join the batch) + execution (the rest)
+                         (EconoServe §2.1; kept per request by the step loop, see core/request.py)
+    allocation failure share = requests that met >= 1 KV allocation failure in execution / requests
 
 Latency statistics are taken over completed requests; NaN entries (e.g. TPOT of a one-token output)
 are left out. Every float the summary holds is a plain Python float or ``None`` (undefined), so the
@@ -43,6 +47,11 @@ REQUEST_COLUMNS: dict[str, Any] = {
     "normalized_latency_s": np.float64,
     "jct_s": np.float64,
     "num_preemptions": np.int64,
+    "num_allocation_failures": np.int64,
+    "waiting_s": np.float64,
+    "execution_s": np.float64,
+    "preemption_s": np.float64,
+    "gt_queuing_s": np.float64,
     "slo_ttft_s": np.float64,
     "slo_tpot_s": np.float64,
     "slo_jct_s": np.float64,
@@ -85,6 +94,10 @@ def request_table(requests: Sequence[Request]) -> dict[str, np.ndarray]:
         "finish_s": [r.finish_time for r in reqs],
         "max_tbt_s": [r.max_token_gap for r in reqs],
         "num_preemptions": [r.num_preemptions for r in reqs],
+        "num_allocation_failures": [r.num_allocation_failures for r in reqs],
+        "waiting_s": [r.first_scheduled_time - r.arrival_time for r in reqs],
+        "preemption_s": [r.preempted_s for r in reqs],
+        "gt_queuing_s": [r.gt_queued_s for r in reqs],
         "slo_ttft_s": [nan if r.slo is None else slo_value(r.slo.ttft_s) for r in reqs],
         "slo_tpot_s": [nan if r.slo is None else slo_value(r.slo.tpot_s) for r in reqs],
         "slo_jct_s": [nan if r.slo is None else slo_value(r.slo.jct_s) for r in reqs],
@@ -101,6 +114,7 @@ def request_table(requests: Sequence[Request]) -> dict[str, np.ndarray]:
         )
         t["jct_s"] = t["finish_s"] - t["arrival_s"]
         t["normalized_latency_s"] = np.where(out > 0, t["jct_s"] / np.maximum(out, 1), nan)
+        t["execution_s"] = t["jct_s"] - t["waiting_s"] - t["preemption_s"] - t["gt_queuing_s"]
 
     met = t["finished"].copy()
     for metric in ("ttft_s", "tpot_s", "jct_s"):
@@ -175,7 +189,28 @@ def _request_metrics(table: dict[str, np.ndarray], mask: np.ndarray, duration_s:
         out[metric] = latency_stats(table[metric][done])
     out["slo_attainment"] = met / num if num else None
     out["goodput_rps"] = _ratio(met, duration_s)
+    out["jct_breakdown_s"] = {
+        part: _float(table[f"{part}_s"][done].mean()) if completed else None
+        for part in ("waiting", "execution", "preemption", "gt_queuing")
+    }
+    failed = int((mask & (table["num_allocation_failures"] > 0)).sum())
+    out["allocation_failure_share"] = failed / num if num else None
     return out
+
+
+def distribution(values: Sequence[float], max_points: int = 50) -> dict[str, Any]:
+    """``{count, mean, p50, p90, p99, max, cdf}`` of ``values``; ``cdf`` is ``[value, fraction of values
+    <= value]`` at up to ``max_points`` distinct values (all of them when fewer), for CDF plots."""
+    v = np.sort(np.asarray(values, dtype=np.float64))
+    if v.size == 0:
+        return {"count": 0, "mean": None, "p50": None, "p90": None, "p99": None, "max": None, "cdf": []}
+    stats = latency_stats(v)
+    distinct = np.unique(v)
+    if distinct.size > max_points:
+        distinct = np.unique(np.quantile(v, np.linspace(0, 1, max_points), method="inverted_cdf"))
+    fractions = np.searchsorted(v, distinct, side="right") / v.size
+    cdf = [[_float(x), float(f)] for x, f in zip(distinct, fractions, strict=True)]
+    return {"count": int(v.size), **stats, "max": _float(v[-1]), "cdf": cdf}
 
 
 def summarize(
@@ -187,13 +222,17 @@ def summarize(
     num_allocation_failures: int = 0,
     swapped_bytes: int = 0,
     num_replicas: int = 1,
+    policy_metrics: dict | None = None,
     extra: dict | None = None,
 ) -> dict:
     """Summary of a run as a JSON-serializable dict (undefined values are ``None``).
 
     ``kv_capacity_tokens`` is per replica; utilization divides by ``capacity * num_replicas`` and
     the makespan (idle time counts as zero). Per-class entries under ``classes`` use the whole run's
-    makespan, so their throughputs add up to the totals. ``extra`` is merged in at the top level.
+    makespan, so their throughputs add up to the totals. ``policy_metrics`` (``Scheduler.policy_metrics``
+    of the run) go under ``policy``, lists as distributions (``distribution``); with a
+    ``target_forward_size`` among them, ``forward_size_to_target`` is the mean forward size over it.
+    ``extra`` is merged in at the top level.
     """
     table = request_table(requests)
     duration = _makespan(table, timeline)
@@ -232,6 +271,16 @@ def summarize(
         "p99": _float(np.percentile(sched, 99)) if sched.size else None,
         "total": float(sched.sum()),
     }
+    # Scheduling wall time over the (simulated or measured) time the steps took: its share of JCT.
+    summary["sched_time_share"] = _ratio(float(sched.sum()), float(step_s.sum()))
+    if policy_metrics:
+        summary["policy"] = {
+            k: distribution(v) if isinstance(v, (list, tuple)) else v for k, v in policy_metrics.items()
+        }
+        target = policy_metrics.get("target_forward_size")
+        mean_forward = summary["forward_size"]["mean"]
+        if target and mean_forward is not None:
+            summary["forward_size_to_target"] = mean_forward / target
     summary["sim_wall_s"] = float(sim_wall_s)
 
     classes: dict[str, dict] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
+from typing import Any
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import (
@@ -184,6 +185,7 @@ class Scheduler(ABC):
         del self.running[request]
         self.outside_cohort.pop(request, None)
         request.num_preemptions += 1
+        request.num_allocation_failures += 1  # NOTE: every policy preempts only when KV runs short
         self.num_preemptions += 1
         if mode is PreemptionMode.SWAP:
             copies = self.kv.swap_out(request)
@@ -202,6 +204,12 @@ class Scheduler(ABC):
         output.preempted.append(Preemption(request, mode))
 
     # --- metrics -------------------------------------------------------------------------------
+    def policy_metrics(self) -> dict[str, Any]:
+        """What this policy's paper reports beyond the common metrics, JSON-ready: ``num_*`` counters
+        (summed over replicas), lists of samples (concatenated; summarized as distributions) and
+        settings (kept when every replica agrees). Default: none."""
+        return {}
+
     def kv_used_tokens(self) -> int:
         """Tokens holding KV on the GPU."""
         outside = sum(r.num_computed_tokens for r in self.outside_cohort)

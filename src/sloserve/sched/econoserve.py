@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import (
@@ -130,6 +130,9 @@ class EconoServeScheduler(Scheduler):
         self.gt_queue = TaskQueue(order, ranges, config.kv_range_tokens)
         self._deadline: dict[Request, float] = {}
         self._remaining: dict[Request, int] = {}  # predicted RL still to come (L), of queued GTs
+        # Running GTs: tokens their exact region covers (prompt + generated + padded L at admission);
+        # dropped once the GT has run past it (counted once per region as an allocation failure).
+        self._region_end: dict[Request, int] = {}
         self._queued_kv_tokens = 0  # KV held by the GT queue
         # Running groups: GTs admitted together with the same predicted RL.
         self._group_of: dict[Request, int] = {}
@@ -239,12 +242,17 @@ class EconoServeScheduler(Scheduler):
     def _grow_running(self, out: SchedulerOutput) -> None:
         cohort, kv = self.cohort, self.kv
         tick = cohort.ticks + 1
-        if isinstance(kv, PipelinedKVManager):
-            for host in cohort.due_members(tick):
-                hosted = kv.hosted_in_the_way(host)
+        for gt in cohort.due_members(tick):
+            # A GT due past its region was under-provisioned (O4): a KV allocation failure, whether
+            # the reserve absorbs it below or it stops.
+            if gt.num_computed_tokens + 1 > self._region_end.get(gt, math.inf):
+                del self._region_end[gt]
+                gt.num_allocation_failures += 1
+            if isinstance(kv, PipelinedKVManager):
+                hosted = kv.hosted_in_the_way(gt)
                 while hosted is not None:  # §3.2: not done when its host needs the slots
                     self._evict_hosted(hosted, out)
-                    hosted = kv.hosted_in_the_way(host)
+                    hosted = kv.hosted_in_the_way(gt)
         while not cohort.try_grow(tick):
             # O4: GTs past their region that the free KV (the reserve) cannot grow stop, least urgent first.
             overrun = [r for r in cohort.due_members(tick) if kv.blocks_needed(r, r.num_computed_tokens + 1)]
@@ -256,6 +264,7 @@ class EconoServeScheduler(Scheduler):
         del self.running[request]
         self.outside_cohort.pop(request, None)
         self._leave_group(request)
+        self._region_end.pop(request, None)
         request.num_preemptions += 1
         self.num_preemptions += 1
 
@@ -276,6 +285,7 @@ class EconoServeScheduler(Scheduler):
         """§3.2: a hosted GT still running when its host reaches its slots moves to CPU memory."""
         assert isinstance(self.kv, PipelinedKVManager)
         self._leave_batch(request)
+        request.num_allocation_failures += 1  # it lost the slots it was still writing
         self.kv.evict(request, request.num_computed_tokens)
         self.num_hosted_evictions += 1
         out.preempted.append(Preemption(request, PreemptionMode.SWAP))
@@ -341,6 +351,7 @@ class EconoServeScheduler(Scheduler):
         request.reset_computed()
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
+        request.num_allocation_failures += 1
         self.num_preemptions += 1
         self.num_dropped += 1
         out.preempted.append(Preemption(request, PreemptionMode.RECOMPUTE))
@@ -351,6 +362,7 @@ class EconoServeScheduler(Scheduler):
         """Allocate the GT's region (exact allocation) and put it in the batch with its group."""
         kv = self.kv
         region = self._region_tokens(request, remaining)
+        self._region_end[request] = request.num_computed_tokens + region
         if isinstance(kv, PipelinedKVManager):
             assert kv.restore(request)
             if host is not None:
@@ -492,9 +504,21 @@ class EconoServeScheduler(Scheduler):
         return self.kv.num_free_blocks - reserve_left
 
     # --- finishing, metrics, fast path -------------------------------------------------------------------
+    def policy_metrics(self) -> dict[str, Any]:
+        """Figure 2's GT group sizes, the TFS, and how often each misprediction remedy ran."""
+        return {
+            "target_forward_size": self.target_forward_size,
+            "gt_group_sizes": list(self.group_sizes),
+            "num_offload_free_stops": self.num_offload_free_stops,
+            "num_hosted_gts": self.num_hosted,
+            "num_hosted_evictions": self.num_hosted_evictions,
+            "num_dropped_gts": self.num_dropped,
+        }
+
     def _finish(self, request: Request, now: float) -> None:
         super()._finish(request, now)
         self._leave_group(request)
+        self._region_end.pop(request, None)
         self._deadline.pop(request, None)
 
     def kv_used_tokens(self) -> int:

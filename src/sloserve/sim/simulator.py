@@ -85,6 +85,8 @@ class Replica:
                 f"replica {self.index}: {sched.name} scheduled nothing at t={now:.6f} with "
                 f"{len(sched.waiting)} waiting, {len(sched.running)} running, {len(sched.swapped)} swapped"
             )
+        if out.chunks or out.cohort_joined or out.preempted:
+            _account_service(out, now)
         if self.on_step is not None:
             self.on_step(self.index, out)
         end_times = None
@@ -194,6 +196,30 @@ class Replica:
         )
 
 
+def _account_service(out: SchedulerOutput, now: float) -> None:
+    """Keep the JCT decomposition of the requests ``out`` (starting at ``now``) touches: first
+    scheduled time, preemption time (from the step that preempted a request to the step it runs in
+    again: a refill chunk, a swap-in or a rejoin of the cohort) and GT queuing (from a token sampled
+    outside the cohort to joining it)."""
+    for preemption in out.preempted:
+        preemption.request.paused_since = now
+    for request, _ in out.chunks:
+        if request.paused_since == request.paused_since:  # not NaN: resumes after a preemption
+            request.preempted_s += now - request.paused_since
+            request.paused_since = math.nan
+        elif request.first_scheduled_time != request.first_scheduled_time:  # NaN: first time
+            request.first_scheduled_time = now
+    for request in out.cohort_joined:
+        if request.cohort is None:
+            continue  # joined after the last step, preempted while this one was built
+        if request.paused_since == request.paused_since:
+            request.preempted_s += now - request.paused_since
+            request.paused_since = math.nan
+        elif request.last_token_time == request.last_token_time:
+            # NOTE: a request whose prompt ended in the previous step joins at its end: zero.
+            request.gt_queued_s += now - request.last_token_time
+
+
 def _route_round_robin(replicas: Sequence[Replica], seq: int) -> Replica:
     return replicas[seq % len(replicas)]
 
@@ -221,6 +247,26 @@ class SimResult:
     num_preemptions: int
     sim_wall_s: float
     extra: dict = field(default_factory=dict)
+    # Scheduler.policy_metrics of the replicas, merged (merge_policy_metrics).
+    policy_metrics: dict = field(default_factory=dict)
+
+
+def merge_policy_metrics(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One ``policy_metrics`` dict from several replicas': ``num_*`` counters summed, lists
+    concatenated, other values kept when all replicas that report them agree."""
+    merged: dict[str, Any] = {}
+    disagree: set[str] = set()
+    for report in reports:
+        for key, value in report.items():
+            if key not in merged:
+                merged[key] = list(value) if isinstance(value, (list, tuple)) else value
+            elif isinstance(value, (list, tuple)):
+                merged[key].extend(value)
+            elif key.startswith("num_"):
+                merged[key] += value
+            elif merged[key] != value:
+                disagree.add(key)
+    return {k: v for k, v in merged.items() if k not in disagree}
 
 
 def simulate(
@@ -343,4 +389,5 @@ def simulate(
         num_preemptions=sum(rep.scheduler.num_preemptions for rep in everyone),
         sim_wall_s=time.perf_counter() - wall0,
         extra={"kv_transferred_bytes": transferred_bytes} if num_decode_replicas else {},
+        policy_metrics=merge_policy_metrics([rep.scheduler.policy_metrics() for rep in everyone]),
     )
