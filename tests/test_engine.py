@@ -240,6 +240,49 @@ def test_bros_checkpoints_and_restores_real_kv(hf_dirs):
         assert engine.output_token_ids(request) == hf_greedy("llama", tuple(prompts[request]), 10), request
 
 
+@pytest.mark.parametrize(
+    "variant,predictions,outputs,evictions",
+    [
+        ("econoserve-oracle", None, (33, 17), 0),  # Figure 7a: the hosted GT is done in time
+        ("econoserve", {1: 17}, (33, 40), 1),  # under-predicted: evicted to CPU, restored later
+    ],
+)
+def test_econoserve_pipelining_hosts_in_real_kv(hf_dirs, variant, predictions, outputs, evictions):
+    """KV-cache pipelining on the engine (the simulator's Figure 7a case): the hosted GT writes its
+    KV into the second half of its host's region, the real cache slots. When it overruns, its written
+    tokens are copied to CPU memory before the host overwrites them and copied back when it resumes.
+    Both requests still get HF's tokens."""
+    from test_econoserve import FixedPredictor
+
+    from sloserve.core.request import Request
+    from sloserve.engine.llm_engine import LLMEngine
+    from sloserve.engine.loader import load_model
+
+    engine = LLMEngine(load_model(hf_dirs["llama"]), variant, kv_capacity_tokens=64,
+                       scheduler_options={"buffer": 0.0, "padding": 0.0, "reserve": 0.25, "target_forward_size": 64})  # fmt: skip
+    scheduler = engine.scheduler
+    if predictions is not None:
+        scheduler.predictor = FixedPredictor(predictions)
+    prompts = ([3 * j % VOCAB for j in range(1, 9)], [(5 * j + 1) % VOCAB for j in range(1, 9)])
+    requests = []
+    for i, (prompt, n) in enumerate(zip(prompts, outputs, strict=True)):
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        requests.append(engine.add_request(prompt, params, 0.0, request=Request(i, 0.0, len(prompt), n, n)))
+    host, hosted = requests
+    hosted_slots = None
+    while engine.has_unfinished():
+        engine.step()
+        scheduler.check_integrity()
+        regions = scheduler.kv.regions
+        if hosted in regions and regions[hosted].parent is not None and hosted_slots is None:
+            hosted_slots = list(regions[hosted].slots)
+            assert set(hosted_slots) <= set(regions[host].slots[16:32])
+    assert hosted_slots is not None and scheduler.num_hosted >= 1
+    assert scheduler.num_hosted_evictions == evictions
+    for request, prompt, n in zip(requests, prompts, outputs, strict=True):
+        assert engine.output_token_ids(request) == hf_greedy("llama", tuple(prompt), n), request
+
+
 def test_the_simulator_never_imports_torch():
     """The core install has no torch: simulating, the CLI and ``import sloserve`` must not load it."""
     import subprocess
