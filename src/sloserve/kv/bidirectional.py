@@ -53,30 +53,36 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         # owner (what RT requests may preempt).
         self._rt_only: dict[int, int] = {}  # block -> empty slots
         self._rt_only_empty = 0
+        self._rt_only_by_empty: list[set[int]] = [set() for _ in range(block_size + 1)]
         self._be_only: dict[int, Request] = {}  # block -> BE owner
         self._be_only_by_owner: dict[Request, int] = {}
         self._be_only_by_empty: list[set[int]] = [set() for _ in range(block_size + 1)]
+        self._be_only_empty: dict[int, int] = {}  # block -> its bucket in _be_only_by_empty
         self._used_slots = 0
 
     # --- aggregates --------------------------------------------------------------------------------
     def _update(self, block: int) -> None:
         """Refresh ``block``'s place in the running aggregates after a change to it."""
         if block in self._rt_only:
-            self._rt_only_empty -= self._rt_only.pop(block)
+            empty = self._rt_only.pop(block)
+            self._rt_only_empty -= empty
+            self._rt_only_by_empty[empty].discard(block)
         owner = self._be_only.pop(block, None)
         if owner is not None:
             self._be_only_by_owner[owner] -= 1
-            for bucket in self._be_only_by_empty:
-                bucket.discard(block)
+            self._be_only_by_empty[self._be_only_empty.pop(block)].discard(block)
         rt, be = self.rt_owner[block], self.be_owner[block]
         if rt is not None and be is None:
             empty = self._empty(block)
             self._rt_only[block] = empty
             self._rt_only_empty += empty
+            self._rt_only_by_empty[empty].add(block)
         elif rt is None and be is not None:
             self._be_only[block] = be
             self._be_only_by_owner[be] = self._be_only_by_owner.get(be, 0) + 1
-            self._be_only_by_empty[self._empty(block)].add(block)
+            empty = self._empty(block)
+            self._be_only_empty[block] = empty
+            self._be_only_by_empty[empty].add(block)
 
     # --- accounting ------------------------------------------------------------------------------
     def _empty(self, block: int) -> int:
@@ -92,7 +98,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
 
     def _be_candidate(self) -> int:
         """The RT-only block with the most empty slots (where a BE request starts when no block is free)."""
-        return max(self._rt_only, key=lambda b: (self._rt_only[b], -b))
+        return next(min(bucket) for bucket in reversed(self._rt_only_by_empty) if bucket)
 
     # --- growth ------------------------------------------------------------------------------------
     def can_allocate(self, request: Request, num_tokens: int, reserve_blocks: int = 0,
@@ -132,6 +138,8 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         need = num_tokens - len(slots)
         if need <= 0:
             return True
+        if need == 1 and self._grow_in_last_block(request, slots):
+            return True
         if not self.has_room(request, need, protect):
             self.num_allocation_failures += 1
             if not slots:
@@ -140,6 +148,42 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         place = self._place_rt if request.request_class is RequestClass.RT else self._place_be
         for _ in range(need):
             slots.append(place(request, len(slots), protect))
+        return True
+
+    def _grow_in_last_block(self, request: Request, slots: list[int]) -> bool:
+        """The common decode step: one more token in an empty slot of the request's own side of its
+        last block, with the aggregates adjusted in place (what ``_place_*`` and ``_update`` would
+        do for it). False, changing nothing, when that block has no empty slot."""
+        blocks = self.blocks_of.get(request)
+        if not blocks:
+            return False
+        b = blocks[-1]
+        S = self.block_size
+        fill, be_tokens = self.rt_fill[b], self.be_tokens[b]
+        empty = S - fill - len(be_tokens)
+        if empty == 0:
+            return False
+        if request.request_class is RequestClass.RT:
+            if self.rt_owner[b] is not request:
+                return False
+            slots.append(b * S + fill)
+            self.rt_fill[b] = fill + 1
+            if b in self._rt_only:  # NOTE: shared blocks are in no aggregate
+                self._rt_only[b] = empty - 1
+                self._rt_only_empty -= 1
+                self._rt_only_by_empty[empty].discard(b)
+                self._rt_only_by_empty[empty - 1].add(b)
+        else:
+            if self.be_owner[b] is not request:
+                return False
+            token = len(slots)
+            slots.append(b * S + S - 1 - len(be_tokens))
+            be_tokens.append(token)
+            if b in self._be_only_empty:
+                self._be_only_by_empty[empty].discard(b)
+                self._be_only_by_empty[empty - 1].add(b)
+                self._be_only_empty[b] = empty - 1
+        self._used_slots += 1
         return True
 
     def _take_block(self, request: Request, block: int) -> None:
@@ -156,9 +200,9 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
                 b = fresh[0]
             else:  # block preemption: the BE-only block with the most empty slots
                 b = next(
-                    min(x for x in bucket if self._be_only[x] not in protect)
+                    min(candidates)
                     for bucket in reversed(self._be_only_by_empty)
-                    if any(self._be_only[x] not in protect for x in bucket)
+                    if (candidates := [x for x in bucket if self._be_only[x] not in protect])
                 )
             self.rt_owner[b] = request
             self._take_block(request, b)
@@ -198,14 +242,16 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
 
     def restore(self, request: Request) -> bool:
         """Give a BE request's checkpointed tokens new GPU slots (swap-in); all or nothing."""
-        if not self.cpu_slots.get(request):
+        saved = self.cpu_slots.get(request)
+        if not saved:
             return True
-        slots = self.token_slots[request]
-        missing = [i for i, s in enumerate(slots) if s == CHECKPOINTED]
-        if not self.has_room(request, len(missing)):
+        if not self.has_room(request, len(saved)):
             self.num_allocation_failures += 1
             return False
-        saved = self.cpu_slots.pop(request)
+        # NOTE: cpu_slots[request] is keyed by exactly the token indices whose slot is CHECKPOINTED.
+        slots = self.token_slots[request]
+        missing = sorted(saved)
+        del self.cpu_slots[request]
         for i in missing:
             slots[i] = self._place_be(request, i)
             self.pending_copies.append(SlotCopy(saved[i], slots[i], to_cpu=False))
@@ -281,9 +327,13 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         be_only = {b: self.be_owner[b] for b in range(self.gpu.num_blocks)
                    if self.rt_owner[b] is None and self.be_owner[b] is not None}
         assert self._rt_only == rt_only and self._rt_only_empty == sum(rt_only.values()), "RT-only aggregate"
+        assert all(b in self._rt_only_by_empty[e] for b, e in rt_only.items())
+        assert sum(len(x) for x in self._rt_only_by_empty) == len(rt_only)
         assert self._be_only == be_only, "BE-only aggregate"
         assert all(b in self._be_only_by_empty[self._empty(b)] for b in be_only)
         assert sum(len(x) for x in self._be_only_by_empty) == len(be_only)
+        assert all(b in self._be_only_by_empty[e] for b, e in self._be_only_empty.items())
+        assert self._be_only_empty.keys() == be_only.keys()
         assert self._used_slots == sum(self.rt_fill) + sum(len(t) for t in self.be_tokens), "used slots"
         self._check_cpu_slots()
         assert all(self._be_only_by_owner.get(o, 0) == list(be_only.values()).count(o) for o in set(be_only.values()))
