@@ -129,6 +129,10 @@ MODELS: dict[str, ModelSpec] = {
         # vocab 50272, max_position_embeddings 2048, tied LM head, ReLU MLP.
         ModelSpec("opt-13b", 40, 5120, 40, 40, 128, 20480, 50272, 12_853_473_280, 2048,
                   mlp_kind="relu", tied_embeddings=True),
+        # facebook/opt-30b config.json: 48 layers, hidden 7168, 56 heads, ffn_dim 28672,
+        # vocab 50272, max_position_embeddings 2048, tied LM head, ReLU MLP (BROS §7.4).
+        ModelSpec("opt-30b", 48, 7168, 56, 56, 128, 28672, 50272, 29_974_540_288, 2048,
+                  mlp_kind="relu", tied_embeddings=True),
         # meta-llama/Llama-2-7b-hf config.json: 32 layers, hidden 4096, 32 heads (MHA),
         # intermediate 11008, vocab 32000, max_position_embeddings 4096.
         ModelSpec("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000, 6_738_415_616, 4096),

@@ -1,8 +1,10 @@
 """BROS's evaluation (papers/bros.md §7) as commands.
 
-Setting (§7.1): OPT-13B with tensor parallelism over two A100-40GB GPUs (roofline cost model: there
-is no measured preset for it), RT requests from the bundled ShareGPT trace with Poisson arrivals and
-TTFT / TPOT SLOs of 0.4 s / 0.2 s, BE requests in closed-loop batches (workload ``bros-sharegpt``).
+Settings (§7.1): OPT-13B with tensor parallelism over two A100-40GB GPUs and OPT-30B over four
+(roofline cost model: there is no measured preset for OPT), and Llama-3-70B with the measured linear
+preset of four A100-80GB (the paper serves it on eight). RT requests from the bundled ShareGPT trace
+(``bros-sharegpt``) or the Azure conversation trace (``bros-lmsys-like``) with Poisson arrivals and
+TTFT / TPOT SLOs of 0.4 s / 0.2 s, BE requests in closed-loop batches.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from sloserve.core.request import RequestClass
-from sloserve.cost import build_cost_model, get_gpu, get_model, kv_capacity_tokens
+from sloserve.cost import LinearCostModel, build_cost_model, get_gpu, get_model, get_preset, kv_capacity_tokens
 from sloserve.experiments.infermax import plot_grid, write_csv
 from sloserve.metrics.summary import SLO_TOLERANCE_S, request_table
 from sloserve.sched import make_scheduler
@@ -20,12 +22,25 @@ from sloserve.sim import simulate
 from sloserve.workload import build_workload, load_workload_spec, with_rt_rate
 
 SCHEDULERS = ("bros", "rr", "vllm", "vllm_priority", "bros_nobicache")
+# setting -> (model, GPU, number of GPUs (tensor parallel degree), linear preset or None: roofline)
+SETTINGS = {
+    "opt-13b": ("opt-13b", "a100-40gb", 2, None),
+    "opt-30b": ("opt-30b", "a100-40gb", 4, None),
+    "llama-3-70b": ("llama-3-70b", "a100-80gb", 4, "llama-3-70b-4xa100"),
+}
+LABELS = {"opt-13b": "OPT-13B, 2x A100-40GB", "opt-30b": "OPT-30B, 4x A100-40GB",
+          "llama-3-70b": "Llama-3-70B, 4x A100-80GB"}  # fmt: skip
+PHASES = ("rt_ordering", "rt_packing", "be_packing", "kv_blocks")
 
 
-def run_hybrid(name: str, rate: float, num_requests: int, workload: str = "bros-sharegpt") -> dict:
-    model, gpu = get_model("opt-13b"), get_gpu("a100-40gb")
-    cost = build_cost_model(model, gpu, num_gpus=2)
-    capacity = kv_capacity_tokens(model, gpu, num_gpus=2)
+def run_hybrid(name: str, rate: float, num_requests: int, workload: str = "bros-sharegpt",
+               setting: str = "opt-13b") -> dict:  # fmt: skip
+    """One run of ``name`` at RT rate ``rate``: the per-class metrics of Figure 10 and the
+    per-iteration time breakdown of Figure 14."""
+    model_name, gpu_name, num_gpus, preset = SETTINGS[setting]
+    model, gpu = get_model(model_name), get_gpu(gpu_name)
+    cost = LinearCostModel(get_preset(preset)) if preset else build_cost_model(model, gpu, num_gpus=num_gpus)
+    capacity = kv_capacity_tokens(model, gpu, num_gpus=num_gpus)
     built = build_workload(with_rt_rate(load_workload_spec(workload), rate), seed=0,
                            context_len=model.max_context_len, num_requests=num_requests)
     factory = lambda: make_scheduler(name, kv_capacity_tokens=capacity, max_model_len=model.max_context_len,  # noqa: E731
@@ -41,56 +56,78 @@ def run_hybrid(name: str, rate: float, num_requests: int, workload: str = "bros-
     ttft_ok = int((table["ttft_s"] <= slo_ttft + SLO_TOLERANCE_S).sum())
     # A one-token output has no TPOT and meets any TPOT SLO (as in the summary's slo_met).
     tpot_ok = int((np.isnan(table["tpot_s"]) | (table["tpot_s"] <= slo_tpot + SLO_TOLERANCE_S)).sum())
-    sched_share = float(result.timeline.column("sched_time_s").sum()) / max(
-        float(result.timeline.column("duration_s").sum()), 1e-12)
-    return {
+    steps = len(result.timeline)
+    iteration_s = float(result.timeline.column("duration_s").sum())
+    sched_s = float(result.timeline.column("sched_time_s").sum())
+    policy = result.policy_metrics
+    row = {
         "scheduler": name,
+        "model": setting,
+        "workload": workload,
         "rt_rate": rate,
         "rt_normalized_latency_s": float(table["normalized_latency_s"].mean()),
         "be_throughput_tps": sum(r.num_output_tokens for r in be) / makespan,
         "ttft_attainment": ttft_ok / len(rt),
         "tpot_attainment": tpot_ok / len(rt),
-        "sched_time_share": sched_share,
+        "sched_time_share": sched_s / max(iteration_s, 1e-12),
+        "iteration_ms": iteration_s / steps * 1e3,
+        "sched_ms": sched_s / steps * 1e3,
+        "cost_model_queries_per_iteration": policy.get("num_cost_model_queries", 0) / steps,
         "I": rate,
         "O": 0,
         "M": capacity,
     }
+    # Figure 14: scheduling time by part, as shares of the (simulated) iteration time. "other" is the
+    # step loop's share outside schedule() (stretch checks, output assembly).
+    parts = {phase: policy.get(f"sched_{phase}_s", 0.0) for phase in PHASES}
+    for phase, seconds in parts.items():
+        row[f"{phase}_share"] = seconds / max(iteration_s, 1e-12)
+    if "sched_rt_packing_s" in policy:  # BROS itself
+        row["other_share"] = (sched_s - sum(parts.values())) / max(iteration_s, 1e-12)
+    return row
 
 
 def fig10(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
     """Figure 10: RT normalized latency, BE throughput, TTFT and TPOT attainment vs RT rate."""
-    rates = (2.0, 6.0) if quick else (2.0, 4.0, 6.0, 8.0, 10.0)
+    if quick:
+        grid = [("bros-sharegpt", "opt-13b", (2.0, 6.0))]
+    else:  # (a)-(c) ShareGPT and (d)-(f) LMSYS-like RT requests, OPT-13B and Llama-3-70B
+        grid = [(w, setting, rates) for w in ("bros-sharegpt", "bros-lmsys-like")
+                for setting, rates in (("opt-13b", (2.0, 4.0, 6.0, 8.0, 10.0)), ("llama-3-70b", (5.0, 10.0, 15.0)))]  # fmt: skip
     n = 800 if quick else 3280
-    rows = [run_hybrid(name, rate, n) for rate in rates for name in SCHEDULERS]
+    rows = [run_hybrid(name, rate, n, workload, setting) for workload, setting, rates in grid
+            for rate in rates for name in SCHEDULERS]  # fmt: skip
     write_csv(rows, out / "bros_fig10.csv")
     for r in rows:
-        r["all"] = "OPT-13B, 2x A100-40GB"
+        r["panel"] = f"{LABELS[r['model']]}\n{r['workload']}"
     plot_grid(rows, out / "bros_fig10.png",
               ("rt_normalized_latency_s", "be_throughput_tps", "ttft_attainment", "tpot_attainment"),
-              column="all", x="rt_rate", title="BROS Figure 10 (bros-sharegpt)")
+              column="panel", x="rt_rate", title="BROS Figure 10")
     lines = []
-    for rate in rates:
-        cell = {r["scheduler"]: r for r in rows if r["rt_rate"] == rate}
-        b, v = cell["bros"], cell["vllm"]
-        lines.append(
-            f"RT rate {rate:g}: BROS RT normalized latency {b['rt_normalized_latency_s'] / v['rt_normalized_latency_s'] - 1:+.0%} "
-            f"vs vLLM (goal <= -50%), BE throughput {b['be_throughput_tps'] / v['be_throughput_tps'] - 1:+.0%} "
-            f"(goal >= -20%); TTFT attainment BROS {b['ttft_attainment']:.0%} / RR {cell['rr']['ttft_attainment']:.0%} / "
-            f"vLLM {v['ttft_attainment']:.0%}; scheduling {b['sched_time_share']:.1%} of iteration time"
-        )
-    lines.append("paper: RT normalized latency -74% vs vLLM (-54% vs RR), BE throughput -11%; "
-                 "scheduling 7.6-9.5% of the iteration")
+    for workload, setting, rates in grid:
+        for rate in rates:
+            cell = {r["scheduler"]: r for r in rows
+                    if (r["workload"], r["model"], r["rt_rate"]) == (workload, setting, rate)}  # fmt: skip
+            b, v = cell["bros"], cell["vllm"]
+            lines.append(
+                f"{setting} {workload} RT rate {rate:g}: BROS RT normalized latency "
+                f"{b['rt_normalized_latency_s'] / v['rt_normalized_latency_s'] - 1:+.0%} vs vLLM (goal <= -50%), BE "
+                f"throughput {b['be_throughput_tps'] / v['be_throughput_tps'] - 1:+.0%} (goal >= -20%); TTFT attainment "
+                f"BROS {b['ttft_attainment']:.0%} / RR {cell['rr']['ttft_attainment']:.0%} / vLLM {v['ttft_attainment']:.0%}; "
+                f"scheduling {b['sched_time_share']:.1%} of iteration time"
+            )
+    lines.append("paper: RT normalized latency -74% vs vLLM (-54% vs RR), BE throughput -11% (ShareGPT); "
+                 "-70% / -18% (LMSYS); scheduling 7.6-9.5% of the iteration")
     return rows, lines
 
 
 def fig13(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
-    """Figure 13: with and without bidirectional KV blocks (recompute instead), RT rate 10.
-    The paper serves OPT-30B; there is no OPT-30B spec here, so OPT-13B on 2x A100-40GB."""
+    """Figure 13: with and without bidirectional KV blocks (recompute instead), OPT-30B, RT rate 10."""
     n = 800 if quick else 1600
-    rows = [run_hybrid(name, 10.0, n) for name in ("bros", "bros_nobicache")]
+    rows = [run_hybrid(name, 10.0, n, setting="opt-30b") for name in ("bros", "bros_nobicache")]
     write_csv(rows, out / "bros_fig13.csv")
     for r in rows:
-        r["all"] = "RT rate 10"
+        r["all"] = f"{LABELS['opt-30b']}, RT rate 10"
     plot_grid(rows, out / "bros_fig13.png", ("ttft_attainment", "tpot_attainment", "rt_normalized_latency_s"),
               column="all", x="rt_rate", title="BROS Figure 13: with / without bidirectional blocks")
     with_bi, without = rows
@@ -100,4 +137,31 @@ def fig13(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
         f"RT normalized latency {with_bi['rt_normalized_latency_s']:.3f} / {without['rt_normalized_latency_s']:.3f} s per token; "
         f"scheduling {with_bi['sched_time_share']:.1%} / {without['sched_time_share']:.1%} of iteration time",
     ]
+    return rows, lines
+
+
+def fig14(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
+    """Figure 14: BROS's scheduling time per iteration by part (RT ordering, RT packing with its
+    cost-model queries, BE packing, KV block allocation and checkpointing), OPT-13B and OPT-30B.
+
+    The parts are wall time of our Python scheduler; the iteration is simulated (the cost model's
+    time for the batch), so the shares say how this scheduler would weigh against that GPU."""
+    rates = (2.0, 6.0) if quick else (2.0, 4.0, 6.0, 8.0, 10.0)
+    n = 800 if quick else 1600
+    rows = [run_hybrid("bros", rate, n, setting=setting) for setting in ("opt-13b", "opt-30b") for rate in rates]
+    write_csv(rows, out / "bros_fig14.csv")
+    for r in rows:
+        r["panel"] = LABELS[r["model"]]
+    plot_grid(rows, out / "bros_fig14.png", ("sched_time_share", *(f"{p}_share" for p in PHASES)),
+              column="panel", x="rt_rate", title="BROS Figure 14: scheduling time / iteration time")
+    lines = []
+    for r in rows:
+        parts = ", ".join(f"{p.replace('_', ' ')} {r[f'{p}_share']:.1%}" for p in (*PHASES, "other"))
+        lines.append(
+            f"{LABELS[r['model']]}, RT rate {r['rt_rate']:g}: iteration {r['iteration_ms']:.1f} ms (simulated), "
+            f"scheduling {r['sched_ms']:.2f} ms = {r['sched_time_share']:.1%} ({parts}); "
+            f"{r['cost_model_queries_per_iteration']:.0f} cost-model queries per iteration"
+        )
+    worst = max(r["sched_time_share"] for r in rows)
+    lines.append(f"highest scheduling share {worst:.1%} (goal <= 5%); paper: 9.12-9.52% (OPT-13B), 7.56-8.42% (OPT-30B)")
     return rows, lines

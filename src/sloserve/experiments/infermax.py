@@ -339,6 +339,7 @@ def _register_bros() -> None:
 
     EXPERIMENTS["bros-fig10"] = bros.fig10
     EXPERIMENTS["bros-fig13"] = bros.fig13
+    EXPERIMENTS["bros-fig14"] = bros.fig14
 
 
 def _register_econoserve() -> None:

@@ -206,8 +206,8 @@ class Scheduler(ABC):
     # --- metrics -------------------------------------------------------------------------------
     def policy_metrics(self) -> dict[str, Any]:
         """What this policy's paper reports beyond the common metrics, JSON-ready: ``num_*`` counters
-        (summed over replicas), lists of samples (concatenated; summarized as distributions) and
-        settings (kept when every replica agrees). Default: none."""
+        and ``*_s`` accumulated seconds (summed over replicas), lists of samples (concatenated;
+        summarized as distributions) and settings (kept when every replica agrees). Default: none."""
         return {}
 
     def kv_used_tokens(self) -> int:

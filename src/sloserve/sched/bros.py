@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from dataclasses import dataclass
+from typing import Any
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import PreemptionMode, ScheduledChunk, SchedulerOutput
@@ -109,8 +111,10 @@ class SubsetScheduler(Scheduler):
 
     def _add(self, batch: list[Request], request: Request) -> None:
         if self._bicache:
+            t0 = time.perf_counter()
             assert self.kv.restore(request)  # checkpointed BE slots come back first
             assert self.kv.allocate_slots(request, self._tokens_needed(request), protect=self._batch_set)
+            self.kv_time_s += time.perf_counter() - t0
         else:
             self._batch_blocks += self._blocks(request)
         batch.append(request)
@@ -130,6 +134,9 @@ class SubsetScheduler(Scheduler):
 
     def _prompt_fits(self, request: Request) -> bool:
         return request.status is not RequestStatus.WAITING or self._batch_prompt_tokens + request.num_tokens <= self._budget
+
+    # Wall time spent placing batch members' slots (bidirectional), for BROS's Figure 14.
+    kv_time_s = 0.0
 
     def _start_batch(self) -> list[Request]:
         self._batch_blocks = 0
@@ -162,6 +169,18 @@ class BrosScheduler(SubsetScheduler):
         self.batch_size = self.config.initial_batch_size  # B
         self.last_estimate_s = 0.0  # for tests and metrics
         self.last_residual_s = math.inf
+        # Figure 14: wall time of schedule() by part, and the cost-model queries it made.
+        self.phase_s = {"rt_ordering": 0.0, "rt_packing": 0.0, "be_packing": 0.0, "kv_blocks": 0.0}
+        self.num_cost_model_queries = 0
+        self.num_schedule_calls = 0
+
+    def policy_metrics(self) -> dict[str, Any]:
+        """Scheduling time by part (Figure 14) and the cost-model queries behind it."""
+        return {
+            **{f"sched_{part}_s": seconds for part, seconds in self.phase_s.items()},
+            "num_cost_model_queries": self.num_cost_model_queries,
+            "num_schedule_calls": self.num_schedule_calls,
+        }
 
     def _rt_in_priority_order(self):
         """RT requests by ascending residual time. Waiting ones are in arrival order, which is
@@ -187,6 +206,7 @@ class BrosScheduler(SubsetScheduler):
         assert len(batch) == self._sums_len, "batch changed outside _add/_remove"
         sums = self._sums if extra is None else [a + b for a, b in zip(self._sums, self._contribution(extra))]
         d, kv, p, tokens, work = sums
+        self.num_cost_model_queries += 1
         return self.cost_model.batch_time(BatchShape(d, kv, p, tokens, work, 0)).total_s
 
     def _add(self, batch: list[Request], request: Request) -> None:
@@ -220,13 +240,16 @@ class BrosScheduler(SubsetScheduler):
         return True
 
     def schedule(self, now: float) -> SchedulerOutput:
+        t0 = time.perf_counter()
         out = SchedulerOutput()
         cfg = self.config
         batch = self._start_batch()
         moved_before = self.kv.checkpointed_bytes + self.kv.restored_bytes if self._bicache else 0
         violated = False
         residual = math.inf
-        for r in self._rt_in_priority_order():  # Algorithm 1, RT phase
+        rt_order = self._rt_in_priority_order()
+        t1, kv1 = time.perf_counter(), self.kv_time_s
+        for r in rt_order:  # Algorithm 1, RT phase
             if len(batch) >= self.batch_size:  # (7)
                 break
             if not self._prompt_fits(r):
@@ -245,6 +268,7 @@ class BrosScheduler(SubsetScheduler):
             self._add(batch, r)
         if batch and self._estimate(batch) > residual:
             violated = True  # even the most urgent request alone misses its deadline
+        t2, kv2 = time.perf_counter(), self.kv_time_s
         # BE phase: fewest checkpointed slots first (none here: pending ones first), then arrival.
         be = [r for r in self.running if r.request_class is RequestClass.BE]
         if self._bicache:
@@ -276,11 +300,19 @@ class BrosScheduler(SubsetScheduler):
             self.batch_size = cfg.initial_batch_size
         else:
             self.batch_size = min(self.batch_size + cfg.batch_size_step, cfg.max_batch_size)
+        t3, kv3 = time.perf_counter(), self.kv_time_s
         for r in batch:
             self._take(r, out)
         if self._bicache:
             out.swap_bytes = self.kv.checkpointed_bytes + self.kv.restored_bytes - moved_before
             out.slot_copies = self.kv.take_copies()
+        phase = self.phase_s
+        phase["rt_ordering"] += t1 - t0
+        # Slot placement while packing (bidirectional blocks) counts as KV block work.
+        phase["rt_packing"] += t2 - t1 - (kv2 - kv1)
+        phase["be_packing"] += t3 - t2 - (kv3 - kv2)
+        phase["kv_blocks"] += time.perf_counter() - t3 + (kv3 - kv1)
+        self.num_schedule_calls += 1
         return out
 
 

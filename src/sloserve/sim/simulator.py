@@ -252,8 +252,8 @@ class SimResult:
 
 
 def merge_policy_metrics(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One ``policy_metrics`` dict from several replicas': ``num_*`` counters summed, lists
-    concatenated, other values kept when all replicas that report them agree."""
+    """One ``policy_metrics`` dict from several replicas': ``num_*`` counters and ``*_s`` times
+    summed, lists concatenated, other values kept when all replicas that report them agree."""
     merged: dict[str, Any] = {}
     disagree: set[str] = set()
     for report in reports:
@@ -262,7 +262,7 @@ def merge_policy_metrics(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 merged[key] = list(value) if isinstance(value, (list, tuple)) else value
             elif isinstance(value, (list, tuple)):
                 merged[key].extend(value)
-            elif key.startswith("num_"):
+            elif key.startswith("num_") or key.endswith("_s"):
                 merged[key] += value
             elif merged[key] != value:
                 disagree.add(key)
