@@ -152,3 +152,21 @@ def test_rt_overwrites_be_slots_which_are_checkpointed_and_restored():
     assert kv.restored_bytes <= kv.checkpointed_bytes
     assert all(r.status is RequestStatus.FINISHED and r.num_output_tokens == r.true_output_tokens for r in reqs)
     assert kv.allocated_tokens == 0 and kv.num_free_blocks == kv.gpu.num_blocks
+
+
+@pytest.mark.parametrize("name", ["bros", "bros_nobicache"])
+def test_be_requests_holding_every_block_do_not_stall(name):
+    """BE requests admitted while blocks were free grow until no block is left and none of them can
+    take another (BE takes free blocks only): BROS drops the latest admitted BE requests
+    (progressive dropping, §5) so the earliest goes on, and every request still finishes."""
+    reqs = [
+        Request(request_id=i, arrival_time=0.0, num_prompt_tokens=8, true_output_tokens=40, max_tokens=40,
+                request_class=RequestClass.BE)
+        for i in range(6)
+    ]
+    sched = scheduler(name, 96, block_size=8)
+    drv = Driver(sched)
+    drv.run(reqs)
+    assert all(r.status is RequestStatus.FINISHED and r.num_output_tokens == 40 for r in reqs)
+    assert sched.num_preemptions > 0
+    assert reqs[0].num_preemptions == 0  # the earliest admitted is never the one dropped

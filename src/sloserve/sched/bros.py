@@ -239,6 +239,18 @@ class BrosScheduler(SubsetScheduler):
             self._evict(max(rt, key=self.deadline), out)
         return True
 
+    def _unblock(self, batch: list[Request], out: SchedulerOutput) -> None:
+        """Liveness: running requests hold every block and none of them can grow (BE takes free
+        blocks only), so nothing was scheduled. Progressive dropping (§5): drop BE requests, the
+        latest admitted first, then RT requests with the most remaining time, until the earliest
+        admitted running request fits; it runs alone."""
+        head = next(iter(self.running))
+        while not self._fits(head):
+            others = [r for r in self.running if r is not head]
+            be = [r for r in others if r.request_class is RequestClass.BE]
+            self._evict(be[-1] if be else max(others, key=self.deadline), out)
+        self._add(batch, head)
+
     def schedule(self, now: float) -> SchedulerOutput:
         t0 = time.perf_counter()
         out = SchedulerOutput()
@@ -293,6 +305,8 @@ class BrosScheduler(SubsetScheduler):
                 self._add(batch, r)
             else:
                 break  # ``least`` had slack to wait a step (the replacement rule); stop replacing
+        if not batch and self.running:
+            self._unblock(batch, out)
         self.last_estimate_s = self._estimate(batch) if batch else 0.0
         self.last_residual_s = residual
         # Adaptive batch size (TCP-like): reset on an estimated violation, grow otherwise.
