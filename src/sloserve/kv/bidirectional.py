@@ -138,7 +138,8 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         need = num_tokens - len(slots)
         if need <= 0:
             return True
-        if need == 1 and self._grow_in_last_block(request, slots):
+        if need <= self._own_empty_slots(request):  # the common decode step: no room check needed
+            self._fill_last_block(request, slots, need)
             return True
         if not self.has_room(request, need, protect):
             self.num_allocation_failures += 1
@@ -146,45 +147,54 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
                 del self.token_slots[request]
             return False
         place = self._place_rt if request.request_class is RequestClass.RT else self._place_be
-        for _ in range(need):
-            slots.append(place(request, len(slots), protect))
+        while need > 0:
+            # Runs of tokens into empty slots of the request's own last block go in at once; a new
+            # block, or an RT token over a BE slot (lazy checkpointing), one at a time.
+            filled = self._fill_last_block(request, slots, min(need, self._own_empty_slots(request)))
+            if not filled:
+                slots.append(place(request, len(slots), protect))
+                filled = 1
+            need -= filled
         return True
 
-    def _grow_in_last_block(self, request: Request, slots: list[int]) -> bool:
-        """The common decode step: one more token in an empty slot of the request's own side of its
-        last block, with the aggregates adjusted in place (what ``_place_*`` and ``_update`` would
-        do for it). False, changing nothing, when that block has no empty slot."""
+    def _own_empty_slots(self, request: Request) -> int:
+        """Empty slots of the block ``request`` grows in (its last one), when it owns its side."""
         blocks = self.blocks_of.get(request)
         if not blocks:
-            return False
+            return 0
         b = blocks[-1]
+        owner = self.rt_owner[b] if request.request_class is RequestClass.RT else self.be_owner[b]
+        return self._empty(b) if owner is request else 0
+
+    def _fill_last_block(self, request: Request, slots: list[int], count: int) -> int:
+        """Place ``count`` (<= ``_own_empty_slots``) tokens in the request's last block, as ``count``
+        calls of ``_place_*`` would, with the aggregates adjusted in place of ``_update``."""
+        if count <= 0:
+            return 0
+        b = self.blocks_of[request][-1]
         S = self.block_size
-        fill, be_tokens = self.rt_fill[b], self.be_tokens[b]
-        empty = S - fill - len(be_tokens)
-        if empty == 0:
-            return False
+        empty = self._empty(b)
         if request.request_class is RequestClass.RT:
-            if self.rt_owner[b] is not request:
-                return False
-            slots.append(b * S + fill)
-            self.rt_fill[b] = fill + 1
+            fill = self.rt_fill[b]
+            slots.extend(range(b * S + fill, b * S + fill + count))
+            self.rt_fill[b] = fill + count
             if b in self._rt_only:  # NOTE: shared blocks are in no aggregate
-                self._rt_only[b] = empty - 1
-                self._rt_only_empty -= 1
+                self._rt_only[b] = empty - count
+                self._rt_only_empty -= count
                 self._rt_only_by_empty[empty].discard(b)
-                self._rt_only_by_empty[empty - 1].add(b)
+                self._rt_only_by_empty[empty - count].add(b)
         else:
-            if self.be_owner[b] is not request:
-                return False
+            be_tokens = self.be_tokens[b]
+            top = b * S + S - 1 - len(be_tokens)  # BE token k of a block at base + S - 1 - k
             token = len(slots)
-            slots.append(b * S + S - 1 - len(be_tokens))
-            be_tokens.append(token)
+            slots.extend(range(top, top - count, -1))
+            be_tokens.extend(range(token, token + count))
             if b in self._be_only_empty:
                 self._be_only_by_empty[empty].discard(b)
-                self._be_only_by_empty[empty - 1].add(b)
-                self._be_only_empty[b] = empty - 1
-        self._used_slots += 1
-        return True
+                self._be_only_by_empty[empty - count].add(b)
+                self._be_only_empty[b] = empty - count
+        self._used_slots += count
+        return count
 
     def _take_block(self, request: Request, block: int) -> None:
         self.blocks_of.setdefault(request, []).append(block)
