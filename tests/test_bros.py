@@ -170,3 +170,33 @@ def test_be_requests_holding_every_block_do_not_stall(name):
     assert all(r.status is RequestStatus.FINISHED and r.num_output_tokens == 40 for r in reqs)
     assert sched.num_preemptions > 0
     assert reqs[0].num_preemptions == 0  # the earliest admitted is never the one dropped
+
+
+def test_be_tokens_by_counts_finished_and_spreads_running_requests():
+    """BE throughput window (experiments.bros): finished requests count whole, running ones by
+    their tokens spread evenly between their first and last token, unstarted ones not at all."""
+    from sloserve.experiments.bros import be_tokens_by
+
+    done, running, unstarted = (Request(i, 0.0, 8, 11, 11, request_class=RequestClass.BE) for i in range(3))
+    for t in [1.0 + 0.1 * k for k in range(11)]:  # 11 tokens from 1.0 to 2.0
+        done.add_output_token(t)
+        running.add_output_token(t + 1.0)  # 2.0 .. 3.0
+    done.finish_time, running.finish_time = 2.0, 3.0
+    assert be_tokens_by([done, running, unstarted], 2.5) == 11 + 1 + 10 * 0.5
+    assert be_tokens_by([done], 1.5) == 1 + 10 * 0.5
+
+
+def test_bros_reports_its_scheduling_time_by_part():
+    """Figure 14's parts are measured inside schedule(): they add up to no more than the step loop's
+    scheduling time, and every step queried the cost model."""
+    from sloserve.sim import simulate
+
+    reqs = mixed(num_rt=20, num_be=20, rt_gap=0.02)
+    result = simulate(reqs, lambda: scheduler("bros", 6_400, block_size=16, max_num_batched_tokens=4096),
+                      llama7b_cost(), fast_path=False)  # fmt: skip
+    policy = result.policy_metrics
+    parts = [policy[f"sched_{p}_s"] for p in ("rt_ordering", "rt_packing", "be_packing", "kv_blocks")]
+    assert all(p > 0 for p in parts)
+    assert sum(parts) <= float(result.timeline.column("sched_time_s").sum())
+    assert policy["num_schedule_calls"] >= len(result.timeline)
+    assert policy["num_cost_model_queries"] >= policy["num_schedule_calls"]
