@@ -320,3 +320,15 @@ def test_clipping_invariants(context_len: int, lo: int, span: int, max_tokens: i
         clipped += r.num_prompt_tokens + r.true_output_tokens == context_len
     if max_tokens is None:  # a clipped request fills the context exactly
         assert wl.num_clipped <= clipped
+
+
+def test_with_rt_rate_sets_the_rate_even_to_the_current_one():
+    from sloserve.core.errors import ConfigError
+    from sloserve.workload import load_workload_spec, with_rt_rate
+
+    spec = load_workload_spec("bros-sharegpt")
+    current = next(s.arrival.rate for s in spec.streams if s.request_class.value == "rt")
+    assert with_rt_rate(spec, current) == spec  # was refused as "no RT stream" before
+    assert next(s.arrival.rate for s in with_rt_rate(spec, 7.0).streams if s.request_class.value == "rt") == 7.0
+    with pytest.raises(ConfigError, match="no Poisson or gamma RT stream"):
+        with_rt_rate(load_workload_spec("azure-conv-trace"), 2.0)

@@ -360,12 +360,10 @@ def with_rt_rate(spec: WorkloadSpec, rate: float) -> WorkloadSpec:
     """``spec`` with every Poisson or gamma real-time stream at ``rate`` requests/s."""
     if not rate > 0:
         raise ConfigError(f"RT rate must be > 0, got {rate}")
-    streams = [
-        replace(s, arrival=replace(s.arrival, rate=rate))
-        if s.request_class is RequestClass.RT and s.arrival.process in ("poisson", "gamma")
-        else s
-        for s in spec.streams
-    ]
-    if streams == list(spec.streams):
+    def settable(s: StreamSpec) -> bool:
+        return s.request_class is RequestClass.RT and s.arrival.process in ("poisson", "gamma")
+
+    if not any(settable(s) for s in spec.streams):
         raise ConfigError(f"workload {spec.name!r} has no Poisson or gamma RT stream to set the rate of")
+    streams = [replace(s, arrival=replace(s.arrival, rate=rate)) if settable(s) else s for s in spec.streams]
     return replace(spec, streams=streams)
