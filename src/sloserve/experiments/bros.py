@@ -42,23 +42,24 @@ LABELS = {"opt-13b": "OPT-13B, 2x A100-40GB", "opt-30b": "OPT-30B, 4x A100-40GB"
 PHASES = ("rt_ordering", "rt_packing", "be_packing", "kv_blocks")
 
 
-# BE batches per second of the RT stream's arrival span (at least MIN_BE_BATCHES): a batch of 128
-# took 15-25 s in these settings (0.04-0.07 completed per RT second, vLLM, RR and BROS at RT rates
-# 2 and 6), so the closed loop of BE batches is still running when the RT stream ends (checked).
+# BE batches per second of the RT stream's arrival span (at least MIN_BE_BATCHES) in a first try: a
+# batch of 128 took 15-25 s with OPT-13B (0.04-0.07 completed per RT second, vLLM, RR and BROS at RT
+# rates 2 and 6). A run whose BE batches end before its RT stream is run again with 4x as many.
 BE_BATCHES_PER_RT_SECOND = 0.25
 MIN_BE_BATCHES = 8
 
 
-def hybrid_workload(workload: str, rate: float, num_rt_requests: int, context_len: int):
-    """``workload`` with ``num_rt_requests`` RT requests at ``rate`` and enough closed-loop BE
-    batches to outlast them (``BE_BATCHES_PER_RT_SECOND``)."""
+def hybrid_workload(workload: str, rate: float, num_rt_requests: int, context_len: int,
+                    be_batches_per_rt_second: float = BE_BATCHES_PER_RT_SECOND):  # fmt: skip
+    """``workload`` with ``num_rt_requests`` RT requests at ``rate`` and closed-loop BE batches,
+    ``be_batches_per_rt_second`` of them per second of the RT arrival span."""
     spec = with_rt_rate(load_workload_spec(workload), rate)
     streams = []
     for stream in spec.streams:
         if stream.request_class is RequestClass.RT:
             streams.append(replace(stream, num_requests=num_rt_requests))
         else:
-            batches = max(MIN_BE_BATCHES, math.ceil(BE_BATCHES_PER_RT_SECOND * num_rt_requests / rate))
+            batches = max(MIN_BE_BATCHES, math.ceil(be_batches_per_rt_second * num_rt_requests / rate))
             streams.append(replace(stream, num_requests=batches * (stream.arrival.batch_size or 1)))
     return build_workload(replace(spec, streams=streams), seed=0, context_len=context_len)
 
@@ -86,15 +87,18 @@ def run_hybrid(name: str, rate: float, num_rt_requests: int, workload: str = "br
     model, gpu = get_model(model_name), get_gpu(gpu_name)
     cost = LinearCostModel(get_preset(preset)) if preset else build_cost_model(model, gpu, num_gpus=num_gpus)
     capacity = kv_capacity_tokens(model, gpu, num_gpus=num_gpus)
-    built = hybrid_workload(workload, rate, num_rt_requests, model.max_context_len)
     factory = lambda: make_scheduler(name, kv_capacity_tokens=capacity, max_model_len=model.max_context_len,  # noqa: E731
                                      cost_model=cost)
-    result = simulate(built.requests, factory, cost, chains=built.chains)
-    rt = [r for r in built.requests if r.request_class is RequestClass.RT]
-    be = [r for r in built.requests if r.request_class is RequestClass.BE]
-    start, end = min(r.arrival_time for r in rt), max(r.finish_time for r in rt)
-    if max(r.finish_time for r in be) < end:
-        raise RuntimeError(f"{name}: the BE batches ran out before the RT stream ended; raise BE_BATCHES_PER_RT_SECOND")
+    supply = BE_BATCHES_PER_RT_SECOND
+    while True:
+        built = hybrid_workload(workload, rate, num_rt_requests, model.max_context_len, supply)
+        result = simulate(built.requests, factory, cost, chains=built.chains)
+        rt = [r for r in built.requests if r.request_class is RequestClass.RT]
+        be = [r for r in built.requests if r.request_class is RequestClass.BE]
+        start, end = min(r.arrival_time for r in rt), max(r.finish_time for r in rt)
+        if max(r.finish_time for r in be) >= end:  # the BE loop outlasted the RT stream
+            break
+        supply *= 4
     table = request_table(rt)  # the metric definitions of DESIGN.md, in one place
     # RT requests without their own SLO get BROS's defaults (§7.1), as the scheduler assumes.
     slo_ttft = np.where(np.isnan(table["slo_ttft_s"]), 0.4, table["slo_ttft_s"])

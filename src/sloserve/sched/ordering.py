@@ -123,20 +123,30 @@ class TaskQueue:
     def advance(self, now: float) -> None:
         """Move tasks whose deadline came close to their more urgent range."""
         self._now = now
-        for bucket in range(len(self._buckets) - 1, 0, -1):
-            heap = self._heaps[bucket]
+        entries, buckets, heaps = self._entries, self._buckets, self._heaps
+        for bucket in range(len(buckets) - 1, 0, -1):
+            heap = heaps[bucket]
+            # NOTE: the same test as _bucket_of (deadline - now < bound), so a popped task always
+            # leaves this range.
             bound = self.deadline_ranges_s[bucket - 1]
+            if not heap or heap[0][0] - now >= bound:
+                continue
+            moved: dict[int, list[tuple]] = {}
+            source = buckets[bucket]
             while heap and heap[0][0] - now < bound:
                 deadline, seq, request = heapq.heappop(heap)
-                placed = self._entries.get(request)
+                placed = entries.get(request)
                 if placed is None or placed[0] != bucket or placed[1][-2] != seq:
                     continue  # stale: removed or moved
                 target = self._bucket_of(deadline)
-                self._buckets[bucket].remove(placed[1])
-                self._buckets[target].add(placed[1])
-                self._entries[request] = (target, placed[1])
+                entry = placed[1]
+                source.remove(entry)
+                moved.setdefault(target, []).append(entry)
+                entries[request] = (target, entry)
                 if target > 0:
-                    heapq.heappush(self._heaps[target], (deadline, seq, request))
+                    heapq.heappush(heaps[target], (deadline, seq, request))
+            for target, moving in moved.items():
+                buckets[target].update(moving)
 
     # --- selection -------------------------------------------------------------------------------
     def first(self) -> Request | None:
