@@ -143,7 +143,9 @@ def fig10(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
         grid = [("bros-sharegpt", "opt-13b", (2.0, 6.0))]
     else:  # (a)-(c) ShareGPT and (d)-(f) LMSYS-like RT requests, OPT-13B and Llama-3-70B
         grid = [(w, setting, rates) for w in ("bros-sharegpt", "bros-lmsys-like")
-                for setting, rates in (("opt-13b", (2.0, 4.0, 6.0, 8.0, 10.0)), ("llama-3-70b", (5.0, 10.0, 15.0)))]  # fmt: skip
+                for setting, rates in (("opt-13b", (2.0, 4.0, 6.0, 8.0, 10.0)), ("llama-3-70b", (1.0, 2.0, 3.0)))]  # fmt: skip
+        # NOTE: Llama-3-70B runs on the measured 4x A100 preset, half the paper's eight GPUs: the
+        # paper's 5-15 req/s overload it (TTFT attainment <= 20% for every scheduler at 5), so lower rates.
     n = 400 if quick else 2000  # RT requests per run (§7.1: 2,000)
     rows = [run_hybrid(name, rate, n, workload, setting) for workload, setting, rates in grid
             for rate in rates for name in SCHEDULERS]  # fmt: skip
