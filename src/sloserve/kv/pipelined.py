@@ -168,6 +168,28 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         self._own_used[request] = used + 1
         return blocks[used // self.block_size] * self.block_size + used % self.block_size
 
+    def _own_slots(self, request: Request, count: int) -> list[int]:
+        """``count`` more of the request's own paged slots (as ``count`` calls of ``_own_slot``: the
+        same blocks, taken in one go). NOTE: the caller has checked that the blocks are free."""
+        S = self.block_size
+        used = self._own_used.get(request, 0)
+        blocks = self.own_blocks.setdefault(request, [])
+        end = used + count
+        short = -(-end // S) - len(blocks)
+        if short > 0:
+            new = self._take(short)
+            assert new is not None, "own blocks short"
+            blocks.extend(new)
+        slots: list[int] = []
+        while used < end:
+            base = blocks[used // S] * S
+            offset = used % S
+            take = min(S - offset, end - used)
+            slots.extend(range(base + offset, base + offset + take))
+            used += take
+        self._own_used[request] = end
+        return slots
+
     def own_blocks_needed(self, request: Request, num_new: int) -> int:
         have = len(self.own_blocks.get(request, ())) * self.block_size - self._own_used.get(request, 0)
         return max(0, -(-(num_new - have) // self.block_size))
@@ -218,10 +240,8 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         if region is not None:
             slots.extend(region.slots[region.used : barrier])
             region.used = barrier
-        for _ in range(overflow):
-            slot = self._own_slot(request)
-            assert slot is not None
-            slots.append(slot)
+        if overflow:
+            slots.extend(self._own_slots(request, overflow))
         return True
 
     # --- eviction and restore ----------------------------------------------------------------------
