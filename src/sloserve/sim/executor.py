@@ -126,11 +126,15 @@ class SimExecutor:
             ends = (now + self.step_time(output),)
         else:
             ends = self.end_times(output, now, k)
-        finished = [
-            r
-            for r, c in output.chunks
-            if r.num_computed_tokens + c * k == r.num_tokens and r.num_output_tokens + 1 >= r.true_output_tokens
-        ]
+        finished = (
+            [
+                r
+                for r, c in output.chunks
+                if r.num_computed_tokens + c * k == r.num_tokens and r.num_output_tokens + 1 >= r.true_output_tokens
+            ]
+            if output.chunks
+            else []
+        )
         cohort = output.cohort
         if cohort is not None:
             last_tick = cohort.ticks + k

@@ -78,12 +78,12 @@ class Replica:
         sched, executor, now = self.scheduler, self.executor, self.now
         t0 = time.perf_counter()
         out = sched.schedule(now)
-        if out.is_empty and next_arrival < math.inf:
-            # Nothing to run until the next arrival (a policy may wait): idle until then.
-            sched.update(out, StepResult(step_end_times=(now,)), now)
-            self.now = next_arrival
-            return []
         if out.is_empty:
+            if next_arrival < math.inf:
+                # Nothing to run until the next arrival (a policy may wait): idle until then.
+                sched.update(out, StepResult(step_end_times=(now,)), now)
+                self.now = next_arrival
+                return []
             raise SimulationStuckError(
                 f"replica {self.index}: {sched.name} scheduled nothing at t={now:.6f} with "
                 f"{len(sched.waiting)} waiting, {len(sched.running)} running, {len(sched.swapped)} swapped"
