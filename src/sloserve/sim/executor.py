@@ -77,6 +77,11 @@ class SimExecutor:
         """Duration of one step of ``output``."""
         return self.cost_model.batch_time(batch_shape(output)).total_s
 
+    def first_step(self, output: SchedulerOutput) -> tuple[BatchShape, float]:
+        """The shape of ``output``'s step and its duration (``end_times`` takes both back)."""
+        shape = batch_shape(output)
+        return shape, self.cost_model.batch_time(shape).total_s
+
     def end_times(
         self,
         output: SchedulerOutput,
@@ -84,11 +89,14 @@ class SimExecutor:
         num_steps: int,
         until: float = math.inf,
         first_step_s: float | None = None,
+        shape: BatchShape | None = None,
     ) -> Sequence[float]:
         """End times of ``output``'s step and the ones repeating it (``CostModel.step_times``) from
         ``now``: ``num_steps`` of them, or fewer, through the first step that ends at or after
-        ``until``. ``first_step_s``: the first step's duration, when already computed."""
-        shape = batch_shape(output)
+        ``until``. ``first_step_s`` and ``shape``: the first step's duration and shape, when already
+        computed (``first_step``)."""
+        if shape is None:
+            shape = batch_shape(output)
         increment = self.cost_model.step_increment(shape) if num_steps <= SHORT_STRETCH_STEPS else None
         if increment is not None:
             # NOTE: the common case at load (a few steps before the next arrival): a plain loop over

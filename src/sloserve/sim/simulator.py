@@ -123,7 +123,7 @@ class Replica:
         executor, now = self.executor, self.now
         # At load the arrival is often a step or two away: then a single step (always exact) costs
         # less than setting up a stretch, and one cost-model call decides that.
-        first = executor.step_time(out)
+        shape, first = executor.first_step(out)
         if now + MIN_STRETCH_STEPS * first >= next_arrival:
             return out, (now + first,)
         limit = min(executor.steps_until_finish(out), MAX_STRETCH_STEPS)
@@ -135,7 +135,7 @@ class Replica:
             limit = self.scheduler.decode_horizon(out, limit)
         if limit <= 1:
             return out, (now + first,)
-        ends = executor.end_times(out, now, limit, next_arrival, first)
+        ends = executor.end_times(out, now, limit, next_arrival, first, shape)
         if len(ends) == 1:
             return out, ends
         return self.scheduler.repeat(out, len(ends)), ends
