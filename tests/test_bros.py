@@ -200,3 +200,17 @@ def test_bros_reports_its_scheduling_time_by_part():
     assert sum(parts) <= float(result.timeline.column("sched_time_s").sum())
     assert policy["num_schedule_calls"] >= len(result.timeline)
     assert policy["num_cost_model_queries"] >= policy["num_schedule_calls"]
+
+
+def test_hybrid_workload_has_the_rt_requests_asked_and_enough_be_batches(tmp_path):
+    from sloserve.experiments import bros as experiment
+
+    built = experiment.hybrid_workload("bros-sharegpt", 4.0, 60, 2048)
+    rt = [r for r in built.requests if r.request_class is RequestClass.RT]
+    be = [r for r in built.requests if r.request_class is RequestClass.BE]
+    assert len(rt) == 60 and len(built.chains) == 1
+    assert len(built.chains[0]) == max(experiment.MIN_BE_BATCHES, math.ceil(experiment.BE_BATCHES_PER_RT_SECOND * 60 / 4.0))
+    assert len(be) == 128 * len(built.chains[0])
+    rows = [dict(model="opt-13b", rt_rate=r, **{f"{p}_share": 0.01 for p in (*experiment.PHASES, "other")}) for r in (2, 6)]
+    experiment._plot_breakdown(rows, tmp_path / "fig14.png")
+    assert (tmp_path / "fig14.png").read_bytes()[:4] == b"\x89PNG"
