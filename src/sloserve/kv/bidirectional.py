@@ -29,7 +29,6 @@ from sloserve.kv.manager import KVCacheManager
 from sloserve.kv.token_slots import CHECKPOINTED, TokenSlotTable
 
 
-
 class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
     name = "bidirectional"
     periodic_growth = False
@@ -168,32 +167,23 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
 
     def _fill_last_block(self, request: Request, slots: list[int], count: int) -> int:
         """Place ``count`` (<= ``_own_empty_slots``) tokens in the request's last block, as ``count``
-        calls of ``_place_*`` would, with the aggregates adjusted in place of ``_update``."""
+        calls of ``_place_*`` would, with one ``_update`` of the aggregates."""
         if count <= 0:
             return 0
         b = self.blocks_of[request][-1]
         S = self.block_size
-        empty = self._empty(b)
         if request.request_class is RequestClass.RT:
             fill = self.rt_fill[b]
             slots.extend(range(b * S + fill, b * S + fill + count))
             self.rt_fill[b] = fill + count
-            if b in self._rt_only:  # NOTE: shared blocks are in no aggregate
-                self._rt_only[b] = empty - count
-                self._rt_only_empty -= count
-                self._rt_only_by_empty[empty].discard(b)
-                self._rt_only_by_empty[empty - count].add(b)
         else:
             be_tokens = self.be_tokens[b]
             top = b * S + S - 1 - len(be_tokens)  # BE token k of a block at base + S - 1 - k
             token = len(slots)
             slots.extend(range(top, top - count, -1))
             be_tokens.extend(range(token, token + count))
-            if b in self._be_only_empty:
-                self._be_only_by_empty[empty].discard(b)
-                self._be_only_by_empty[empty - count].add(b)
-                self._be_only_empty[b] = empty - count
         self._used_slots += count
+        self._update(b)
         return count
 
     def _take_block(self, request: Request, block: int) -> None:
