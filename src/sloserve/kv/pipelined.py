@@ -157,20 +157,10 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         return None if child is None else child.owner
 
     # --- growth ----------------------------------------------------------------------------------
-    def _own_slot(self, request: Request) -> int | None:
-        used = self._own_used.get(request, 0)
-        blocks = self.own_blocks.setdefault(request, [])
-        if used == len(blocks) * self.block_size:
-            new = self._take(1)
-            if new is None:
-                return None
-            blocks.extend(new)
-        self._own_used[request] = used + 1
-        return blocks[used // self.block_size] * self.block_size + used % self.block_size
-
     def _own_slots(self, request: Request, count: int) -> list[int]:
-        """``count`` more of the request's own paged slots (as ``count`` calls of ``_own_slot``: the
-        same blocks, taken in one go). NOTE: the caller has checked that the blocks are free."""
+        """``count`` more of the request's own paged slots (prompts, tokens past its region, restored
+        tokens), filling its last own block before taking new ones. NOTE: the caller has checked
+        that the blocks are free."""
         S = self.block_size
         used = self._own_used.get(request, 0)
         blocks = self.own_blocks.setdefault(request, [])
@@ -282,9 +272,10 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
             self.num_allocation_failures += 1
             return False
         slots = self.token_slots[request]
-        for token, cpu in sorted(saved.items()):
-            slots[token] = self._own_slot(request)
-            self.pending_copies.append(SlotCopy(cpu, slots[token], to_cpu=False))
+        restored = sorted(saved.items())
+        for (token, cpu), slot in zip(restored, self._own_slots(request, len(restored)), strict=True):
+            slots[token] = slot
+            self.pending_copies.append(SlotCopy(cpu, slot, to_cpu=False))
             self._cpu_free.append(cpu)
         self.swapped_bytes += len(saved) * self.kv_bytes_per_token
         del self.cpu_slots[request]
