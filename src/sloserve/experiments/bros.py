@@ -25,6 +25,7 @@ from sloserve.cost import (
     kv_capacity_tokens,
 )
 from sloserve.experiments.infermax import plot_grid, write_csv
+from sloserve.metrics.plots import _figure, _save
 from sloserve.metrics.summary import SLO_TOLERANCE_S, request_table
 from sloserve.sched import make_scheduler
 from sloserve.sim import simulate
@@ -222,11 +223,7 @@ def fig14(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
 def _plot_breakdown(rows: list[dict], path: Path) -> None:
     """Figure 14's shape: one stacked bar per setting and RT rate, the scheduling parts as shares of
     the iteration time."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(1.1 * len(rows) + 2.5, 3.6))
-    FigureCanvasAgg(fig)
+    fig = _figure((1.1 * len(rows) + 2.5, 3.6))
     ax = fig.subplots()
     labels = [f"{r['model']}\n{r['rt_rate']:g} req/s" for r in rows]
     bottom = np.zeros(len(rows))
@@ -237,5 +234,4 @@ def _plot_breakdown(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("% of iteration time")
     ax.set_title("BROS Figure 14: scheduling time per iteration, by part")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, format="png")
+    _save(fig, path)
