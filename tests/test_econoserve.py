@@ -212,11 +212,24 @@ def test_jct_slo_is_scale_times_unloaded_latency():
         ({"slo_scale": 0}, "slo_scale must be > 0"),
         ({"predictor": "psychic"}, "predictor.*expected one of oracle, noisy-oracle, histogram"),
         ({"pipelining": "false"}, "pipelining and kv_manager=pipelined go together"),
+        ({"predictor_bucket_tokens": 0}, "predictor_bucket_tokens must be >= 1"),
     ],
 )
 def test_bad_options_are_one_clear_error(options, message):
     with pytest.raises(ConfigError, match=message):
         scheduler("econoserve", 8192, **{k: str(v) for k, v in options.items()})
+
+
+def test_bucketed_predictions_group_gts_of_the_same_cell():
+    """--set predictor_bucket_tokens=50: RLs predicted in 50-token cells (as [23]'s predictor), so
+    GTs of one cell admitted together form one time-synced group."""
+    s = scheduler("econoserve-sd", 64 * 16, predictor_bucket_tokens="50", reserve="0.25", target_forward_size="512")
+    reqs = [Request(request_id=i, arrival_time=0.0, num_prompt_tokens=8, true_output_tokens=20 + i % 3,
+                    max_tokens=4096) for i in range(6)]  # fmt: skip
+    Driver(s).run(reqs)
+    assert all(r.predicted_output_tokens % 50 == 0 for r in reqs)
+    assert all(r.num_output_tokens == r.true_output_tokens for r in reqs)
+    assert s.group_sizes == [6]  # unbucketed, these six predictions differ: six groups of one
 
 
 def test_unknown_variant_lists_the_valid_ones():

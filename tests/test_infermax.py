@@ -154,6 +154,32 @@ def test_noisy_oracle_matches_the_econoserve_accuracy(dataset):
     assert [predictor.predict(r) for r in reqs[:50]] == [r.predicted_output_tokens for r in reqs[:50]]
 
 
+def test_bucketed_noisy_oracle_answers_in_cells_at_the_calibrated_accuracy():
+    """Predictions in 50-token cells as from the predictor of EconoServe's [23]; sigma solved so the
+    padded cells cover the target share of a length sample (short outputs are always covered)."""
+    import numpy as np
+
+    from sloserve.predict import NoisyOraclePredictor, provisioning
+
+    rng = np.random.default_rng(3)
+    lengths = rng.lognormal(5.3, 0.9, 20_000).astype(int) + 1
+    unbucketed = NoisyOraclePredictor.from_accuracy(0.732, 0.15, seed=2)
+    predictor = NoisyOraclePredictor.from_accuracy(0.732, 0.15, seed=2, bucket_tokens=50, lengths=lengths.tolist())
+    assert predictor.sigma > unbucketed.sigma  # cells round up, so the same accuracy needs a wider error
+    reqs = [Request(request_id=i, arrival_time=0, num_prompt_tokens=10, true_output_tokens=int(o), max_tokens=100_000)
+            for i, o in enumerate(lengths)]
+    for r in reqs:
+        r.predicted_output_tokens = predictor.predict(r)
+        assert r.predicted_output_tokens % 50 == 0 and r.predicted_output_tokens >= 50
+    assert provisioning(reqs, 0.15)["accuracy"] == pytest.approx(0.732, abs=0.015)
+    # L_new after generating 20 tokens is a cell too, capped by what max_tokens leaves.
+    r = reqs[0]
+    r._output_offset = 20  # as if it had generated 20 tokens
+    assert predictor.predict_remaining(r) % 50 == 0
+    r.max_tokens = 45
+    assert predictor.predict_remaining(r) == 25
+
+
 def test_noisy_oracle_bad_parameters():
     from sloserve.core.errors import ConfigError
     from sloserve.predict import NoisyOraclePredictor, make_predictor
@@ -164,3 +190,11 @@ def test_noisy_oracle_bad_parameters():
         NoisyOraclePredictor.from_accuracy(0.7, 1.5)
     with pytest.raises(ConfigError, match="unknown predictor 'magic'; valid: histogram, noisy-oracle, oracle"):
         make_predictor("magic")
+    with pytest.raises(ConfigError, match="bucket_tokens must be >= 1, got 0"):
+        NoisyOraclePredictor(0.2, bucket_tokens=0)
+    with pytest.raises(ConfigError, match="needs output lengths"):
+        NoisyOraclePredictor.from_accuracy(0.7, 0.1, bucket_tokens=50)
+    # Outputs of at most 43 tokens fit the first 50-token cell padded by 15% whatever the error:
+    # with 60% of them, no error brings the accuracy down to 70%.
+    with pytest.raises(ConfigError, match="accuracy 0.7 is out of reach with 50-token buckets.*60.0% of them"):
+        NoisyOraclePredictor.from_accuracy(0.7, 0.15, bucket_tokens=50, lengths=[30] * 6 + [400] * 4)

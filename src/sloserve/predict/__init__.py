@@ -10,6 +10,8 @@ import bisect
 import math
 import random
 from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Sequence
 from statistics import NormalDist
 
 from sloserve.core.errors import ConfigError, UnknownNameError
@@ -49,37 +51,59 @@ class OraclePredictor(LengthPredictor):
 
 
 class NoisyOraclePredictor(LengthPredictor):
-    """The true length times a log-normal error: predicted = round(O * exp(eps)), eps ~ N(0, sigma^2),
-    at least 1 and at most max_tokens. Deterministic per (seed, request_id).
+    """The true length times a log-normal error, eps ~ N(0, sigma^2): predicted = round(O * exp(eps)),
+    or, with ``bucket_tokens`` B > 1, rounded up to a multiple of B, ceil(O * exp(eps) / B) * B; at
+    least 1 and at most max_tokens. Deterministic per (seed, request_id).
+
+    Buckets: the LLM predictor EconoServe uses ([23], Zheng et al., "Response Length Perception and
+    Sequence Scheduling") is fine-tuned on response lengths rounded up to 50-token cells, so it
+    answers in multiples of 50; with B = 50 GTs share predicted RLs and form time-synced groups.
 
     Calibration: a prediction padded by ``padding`` covers the true length (no under-provisioning)
     when eps >= -ln(1 + padding), with probability Phi(ln(1 + padding) / sigma). ``from_accuracy``
     picks sigma so that this equals a target accuracy: the EconoServe predictor's 77.5%, 73.2% and
-    69.8% at its sweet-spot paddings of 10%, 15% and 20% (Alpaca, ShareGPT, BookCorpus; §2.3).
+    69.8% at its sweet-spot paddings of 10%, 15% and 20% (Alpaca, ShareGPT, BookCorpus; §2.3). With
+    buckets the coverage depends on the length (a bucket covers short outputs whatever the error), so
+    sigma is solved for the mean coverage over a sample of output lengths.
     NOTE: the paper gives only these accuracies; the error's shape (log-normal, unbiased in log
     space) is our choice.
     """
 
     name = "noisy-oracle"
 
-    def __init__(self, sigma: float, seed: int = 0) -> None:
+    def __init__(self, sigma: float, seed: int = 0, bucket_tokens: int = 1) -> None:
         if not sigma >= 0:
             raise ConfigError(f"noisy-oracle sigma must be >= 0, got {sigma}")
+        if bucket_tokens < 1:
+            raise ConfigError(f"noisy-oracle bucket_tokens must be >= 1, got {bucket_tokens}")
         self.sigma = sigma
         self.seed = seed
+        self.bucket_tokens = bucket_tokens
 
     @classmethod
-    def from_accuracy(cls, accuracy: float, padding: float, seed: int = 0) -> NoisyOraclePredictor:
+    def from_accuracy(cls, accuracy: float, padding: float, seed: int = 0, bucket_tokens: int = 1,
+                      lengths: Sequence[int] | None = None) -> NoisyOraclePredictor:  # fmt: skip
+        """The predictor whose padded predictions cover ``accuracy`` of the outputs; with buckets,
+        on average over ``lengths`` (output lengths of the workload it will predict)."""
         if not 0.5 < accuracy < 1:
             raise ConfigError(f"noisy-oracle accuracy must be in (0.5, 1), got {accuracy}")
         if not 0 < padding < 1:
             raise ConfigError(f"padding must be in (0, 1), got {padding}")
-        return cls(math.log1p(padding) / NormalDist().inv_cdf(accuracy), seed)
+        if bucket_tokens == 1:
+            return cls(math.log1p(padding) / NormalDist().inv_cdf(accuracy), seed)
+        if not lengths:
+            raise ConfigError("a bucketed noisy-oracle needs output lengths to calibrate its error on")
+        return cls(_bucketed_sigma(accuracy, padding, bucket_tokens, lengths), seed, bucket_tokens)
+
+    def _rounded(self, noisy: float, limit: int) -> int:
+        b = self.bucket_tokens
+        value = round(noisy) if b == 1 else math.ceil(noisy / b) * b
+        return max(1, min(value, limit))
 
     def predict(self, request: Request) -> int:
         rng = random.Random(hash((self.seed, request.request_id)) & 0xFFFFFFFF)
         noisy = request.true_output_tokens * math.exp(rng.gauss(0.0, self.sigma))
-        return max(1, min(round(noisy), request.max_tokens))
+        return self._rounded(noisy, request.max_tokens)
 
     def predict_remaining(self, request: Request) -> int:
         """The true remaining length with a fresh error of the same model (a re-prediction from the
@@ -88,7 +112,44 @@ class NoisyOraclePredictor(LengthPredictor):
         rng = random.Random(hash((self.seed, request.request_id, generated)) & 0xFFFFFFFF)
         remaining = request.true_output_tokens - generated
         noisy = remaining * math.exp(rng.gauss(0.0, self.sigma))
-        return max(1, min(round(noisy), request.max_tokens - generated))
+        return self._rounded(noisy, request.max_tokens - generated)
+
+
+def _bucketed_sigma(accuracy: float, padding: float, bucket: int, lengths: Sequence[int]) -> float:
+    """sigma at which ceil(O e^eps / B) * B * (1 + padding) >= O for ``accuracy`` of the lengths O.
+
+    For one length the smallest covering multiple of B is v = B * ceil(O / ((1 + padding) B)); the
+    prediction reaches it when O e^eps > v - B, with probability Phi(ln(O / (v - B)) / sigma) (1 when
+    v = B). The mean falls with sigma towards (always covered + the rest) / 2: bisection on log sigma.
+    """
+    counts = Counter(int(o) for o in lengths if o >= 1)
+    total = sum(counts.values())
+    always = 0  # outputs that the first bucket covers whatever the error
+    margins: list[tuple[float, int]] = []  # (ln(O / (v - B)) > 0, count)
+    for o, n in counts.items():
+        v = bucket * math.ceil(o / ((1 + padding) * bucket))
+        if v <= bucket:
+            always += n
+        else:
+            margins.append((math.log(o / (v - bucket)), n))
+
+    def coverage(sigma: float) -> float:
+        return (always + sum(n * 0.5 * (1 + math.erf(m / (sigma * math.sqrt(2)))) for m, n in margins)) / total
+
+    floor = (always + 0.5 * (total - always)) / total
+    if accuracy <= floor + 1e-6:
+        raise ConfigError(
+            f"noisy-oracle accuracy {accuracy} is out of reach with {bucket}-token buckets on these lengths: "
+            f"{always / total:.1%} of them fit the first bucket, so any error covers more than {floor:.1%}"
+        )
+    lo, hi = math.log(1e-4), math.log(50.0)  # coverage(exp(lo)) ~ 1 > accuracy > coverage(exp(hi))
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if coverage(math.exp(mid)) > accuracy:
+            lo = mid
+        else:
+            hi = mid
+    return math.exp((lo + hi) / 2)
 
 
 # EconoServe §2.3: (accuracy, sweet-spot padding) of its fine-tuned OPT-13B length predictor.

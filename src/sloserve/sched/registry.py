@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sloserve.core.errors import ConfigError, UnknownNameError
+from sloserve.cost.base import CostModel
 from sloserve.kv.manager import KV_MANAGERS
 from sloserve.predict import LengthPredictor, NoisyOraclePredictor, make_predictor
 from sloserve.sched.base import Scheduler
-from sloserve.cost.base import CostModel
 from sloserve.sched.bros import BrosConfig, BrosScheduler, RoundRobinScheduler
 from sloserve.sched.econoserve import EconoServeConfig, EconoServeScheduler
 from sloserve.sched.fastserve import FastServeConfig, FastServeScheduler
@@ -21,6 +21,7 @@ from sloserve.sched.multires import MultiResConfig, MultiResScheduler
 from sloserve.sched.rank import RankConfig, RankScheduler
 from sloserve.sched.srtf import SrtfConfig, SrtfScheduler
 from sloserve.sched.unified import UnifiedConfig, UnifiedScheduler
+from sloserve.workload.traces import load_trace
 
 
 @dataclass(frozen=True)
@@ -317,9 +318,12 @@ def _predictor(config: Any) -> LengthPredictor | None:
     if name == "histogram":
         return make_predictor(name, quantile=config.histogram_quantile)
     if name == "noisy-oracle":
-        return NoisyOraclePredictor.from_accuracy(
-            config.predictor_accuracy, config.predictor_padding, seed=config.predictor_seed
-        )
+        bucket = getattr(config, "predictor_bucket_tokens", 1)
+        # NOTE: a bucketed predictor's accuracy depends on the lengths; it is calibrated on ShareGPT's
+        # (the paper's accuracies are per trace; ShareGPT's is the default).
+        lengths = load_trace("sharegpt").output_tokens.tolist() if bucket > 1 else None
+        return NoisyOraclePredictor.from_accuracy(config.predictor_accuracy, config.predictor_padding,
+                                                  seed=config.predictor_seed, bucket_tokens=bucket, lengths=lengths)  # fmt: skip
     return make_predictor(name)
 
 
