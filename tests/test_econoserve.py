@@ -151,6 +151,54 @@ def test_ordering_puts_tighter_deadlines_first_then_larger_occupied_kv():
     assert q.first_fit(1000) is not None and set(q) == {small_kv, urgent, late}
 
 
+@settings(max_examples=30, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "add", "remove", "advance", "fit"]), st.integers(0, 10**6)),
+                    min_size=1, max_size=400))  # fmt: skip
+def test_ordered_queue_matches_a_sorted_reference(ops):
+    """Moves between deadline ranges leave stale entries behind (dropped lazily, or by a rebuild):
+    the queue's order, first() and first_fit() still equal a full sort by (deadline range, occupied
+    KV range descending, length descending, arrival)."""
+    q = TaskQueue("ordered", (0.5, 2.0), kv_range_tokens=128)
+    reqs = make_requests([(8, 8)] * 200)
+    tasks: dict = {}  # request -> (deadline, kv, length, seq)
+    now, seq = 0.0, 0
+    q.advance(now)
+    for r in reqs[:150]:  # enough that one advance moves more than half of a range: it is rebuilt
+        tasks[r] = (2.0 + (seq * 37 % 200) / 100, seq * 53 % 700, 1 + seq * 31 % 300, seq)
+        q.add(r, *tasks[r][:3])
+        seq += 1
+
+    def ref_order():
+        def key(r):
+            deadline, kv, length, n = tasks[r]
+            left = deadline - now
+            return (0 if left < 0.5 else 1 if left < 2.0 else 2, -(kv // 128), -length, n)
+
+        return sorted(tasks, key=key)
+
+    for op, x in ops:
+        if op == "add" and len(tasks) < len(reqs):
+            r = next(r for r in reqs if r not in tasks)
+            tasks[r] = (now + (x % 4000) / 1000, x % 700, 1 + x % 300, seq)
+            seq += 1
+            q.add(r, *tasks[r][:3])
+        elif op == "remove" and tasks:
+            r = ref_order()[x % len(tasks)]
+            del tasks[r]
+            q.remove(r)
+        elif op == "advance":
+            now += (x % 3000) / 1000
+            q.advance(now)
+        elif op == "fit":
+            room = x % 320
+            order = ref_order()
+            fits = [r for r in order if tasks[r][2] <= room]
+            # The first range pair (deadline, KV) holding a fit, and in it the longest (then earliest).
+            assert q.first_fit(room) is (fits[0] if fits else None)
+        order = ref_order()
+        assert list(q) == order and q.first() is (order[0] if order else None) and len(q) == len(order)
+
+
 def test_the_oracle_variant_has_no_allocation_failures_and_every_variant_finishes():
     for name in VARIANTS:
         reqs = workload_from_trace("sharegpt", num_requests=60, seed=0, context_len=4096, rate=20.0).requests

@@ -12,7 +12,9 @@ ordered by three factors, each in magnitude ranges:
 
 The deadline ranges move with the clock: a task moves to a more urgent range when its deadline comes
 close (each task moves at most twice; ``advance``). Insertion, removal and the fitting search cost
-O(log n), so a queue of 10,000 tasks costs a step microseconds, not a sort.
+O(log n), so a queue of 10,000 tasks costs a step microseconds, not a sort. A moved task's old entry
+is left behind, stale, and skipped (or dropped) when a selection meets it; a range that is more
+than half stale is rebuilt at once (O(n) on presorted entries), so moves cost one insertion each.
 
 Without ordering (the -D and -SD variants) a queue is FCFS, or grouped: tasks of equal length form a
 group, groups in the order they formed (time-synced GT groups, §3.3.2).
@@ -48,6 +50,9 @@ class TaskQueue:
         # requests are never compared.
         self._buckets = [SortedList() for _ in range(len(self.deadline_ranges_s) + 1)]
         self._entries: dict[Request, tuple[int, tuple]] = {}  # request -> (bucket, entry)
+        # NOTE: an entry in bucket b is live iff _entries[its request] is (b, that entry); the others
+        # (left behind by advance) are counted here and never returned.
+        self._stale = [0] * len(self._buckets)
         self._deadline: dict[Request, float] = {}
         self._length: dict[Request, int] = {}
         # Per range after the first: (deadline, seq, request) of the tasks that will move (lazy).
@@ -68,9 +73,18 @@ class TaskQueue:
 
     def __iter__(self) -> Iterator[Request]:
         """Tasks in queue order (do not add or remove while iterating)."""
-        for bucket in self._buckets:
+        for b, bucket in enumerate(self._buckets):
             for entry in bucket:
-                yield entry[-1]
+                if self._live(b, entry):
+                    yield entry[-1]
+
+    def _live(self, bucket: int, entry: tuple) -> bool:
+        placed = self._entries.get(entry[-1])
+        return placed is not None and placed[0] == bucket and placed[1] is entry
+
+    def _drop_stale(self, bucket: int, index: int) -> None:
+        del self._buckets[bucket][index]
+        self._stale[bucket] -= 1
 
     def length(self, request: Request) -> int:
         return self._length[request]
@@ -140,19 +154,24 @@ class TaskQueue:
                     continue  # stale: removed or moved
                 target = self._bucket_of(deadline)
                 entry = placed[1]
-                source.remove(entry)
+                self._stale[bucket] += 1  # the entry stays in source, stale
                 moved.setdefault(target, []).append(entry)
                 entries[request] = (target, entry)
                 if target > 0:
                     heapq.heappush(heaps[target], (deadline, seq, request))
             for target, moving in moved.items():
                 buckets[target].update(moving)
+            if self._stale[bucket] > 64 and 2 * self._stale[bucket] > len(source):
+                buckets[bucket] = SortedList([e for e in source if self._live(bucket, e)])
+                self._stale[bucket] = 0
 
     # --- selection -------------------------------------------------------------------------------
     def first(self) -> Request | None:
-        for bucket in self._buckets:
-            if bucket:
-                return bucket[0][-1]
+        for b, bucket in enumerate(self._buckets):
+            while bucket:
+                if self._live(b, bucket[0]):
+                    return bucket[0][-1]
+                self._drop_stale(b, 0)
         return None
 
     def first_fit(self, room: int) -> Request | None:
@@ -160,14 +179,16 @@ class TaskQueue:
         is at most ``room``: within a range of both, the longest that fits (binary search)."""
         if self.order != "ordered":
             return next((r for r in self if self._length[r] <= room), None)
-        for bucket in self._buckets:
+        for b, bucket in enumerate(self._buckets):
             i = 0
             while i < len(bucket):
                 kv_range = bucket[i][0]
                 # Entries of this KV range run from i while entry[0] == kv_range, longest first.
                 j = bucket.bisect_left((kv_range, -room))
-                if j < len(bucket) and bucket[j][0] == kv_range:
-                    return bucket[j][-1]
+                while j < len(bucket) and bucket[j][0] == kv_range:
+                    if self._live(b, bucket[j]):
+                        return bucket[j][-1]
+                    self._drop_stale(b, j)
                 i = bucket.bisect_left((kv_range + 1,))  # the next (smaller) occupied-KV range
         return None
 
