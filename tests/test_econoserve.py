@@ -195,6 +195,9 @@ def test_ordered_queue_matches_a_sorted_reference(ops):
             fits = [r for r in order if tasks[r][2] <= room]
             # The first range pair (deadline, KV) holding a fit, and in it the longest (then earliest).
             assert q.first_fit(room) is (fits[0] if fits else None)
+            # Pipelining's lookup ignores ranges: the longest that fits, the earliest among equals.
+            best = min(fits, key=lambda r: (-tasks[r][2], tasks[r][3])) if fits else None
+            assert q.largest_at_most(room) is best
         order = ref_order()
         assert list(q) == order and q.first() is (order[0] if order else None) and len(q) == len(order)
 

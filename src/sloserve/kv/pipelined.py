@@ -188,6 +188,8 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
     def _barrier(region: Region) -> int:
         """The first offset at or after ``region.used`` that a hosted GT holds (the region's end if
         none): the owner may be granted every offset before it."""
+        if not region.children:  # the common case: nothing hosted
+            return len(region.slots)
         return min((c.start for c in region.children if c.start >= region.used), default=len(region.slots))
 
     def blocks_needed(self, request: Request, num_tokens: int) -> int:
