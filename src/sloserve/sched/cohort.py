@@ -18,6 +18,8 @@ requests per wall second.
 from __future__ import annotations
 
 import math
+from array import array
+from bisect import bisect_left
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,8 +37,7 @@ class DecodeCohort:
         # member -> first tick at which it needs a new block (insertion-ordered)
         self.members: dict[Request, int] = {}
         self._offset_sum = 0  # sum of members' _computed_offset
-        self._tick_end = np.full(1024, math.nan)  # (ticks,) end time of tick k at index k
-        self._tick_gap = np.full(1024, math.nan)  # (ticks,) end of tick k minus end of tick k - 1
+        self._times = TickTimes()
         self._grown_through = 0  # last tick whose KV growth has been reserved
         self._period = kv.growth_period
         # Paged: members due at ticks t with t % period == r, per residue r.
@@ -98,10 +99,7 @@ class DecodeCohort:
         self._offset_sum -= request._computed_offset
         joined, now = request.cohort_join_tick, self.ticks
         if now > joined:
-            # Its tokens came at the end of ticks joined+1..now; the gaps inside the run are the
-            # tick gaps of ticks joined+2..now.
-            inner_gap = float(np.maximum.reduce(self._tick_gap[joined + 2 : now + 1])) if now - joined >= 2 else math.nan
-            request.record_token_run(float(self._tick_end[joined + 1]), float(self._tick_end[now]), inner_gap)
+            request.record_token_run(*self._times.run(joined + 1))
         request._computed_offset += now
         request._output_offset += now
         request.cohort = None
@@ -215,32 +213,9 @@ class DecodeCohort:
     # --- time ------------------------------------------------------------------------------------
     def advance(self, end_times: Sequence[float]) -> None:
         """Advance ``len(end_times)`` ticks that ended at those times."""
-        k, t = len(end_times), self.ticks
-        assert self._grown_through >= t + k, "ticks advanced without reserving their growth"
-        if k == 1 and t + 2 <= len(self._tick_end):  # the common case, without a loop
-            end = end_times[0]
-            self._tick_end[t + 1] = end
-            self._tick_gap[t + 1] = end - self._tick_end[t]
-            self.ticks = t + 1
-            return
-        if t + k + 1 > len(self._tick_end):
-            size = max(t + k + 1, 2 * len(self._tick_end))
-            for name in ("_tick_end", "_tick_gap"):
-                grown = np.full(size, math.nan)
-                grown[: t + 1] = getattr(self, name)[: t + 1]
-                setattr(self, name, grown)
-        ends, gaps = self._tick_end, self._tick_gap
-        if k <= 64:
-            # NOTE: element by element: for a few ticks numpy slicing costs more than the work.
-            previous = ends[t]
-            for tick, end in enumerate(end_times, t + 1):
-                ends[tick] = end
-                gaps[tick] = end - previous
-                previous = end
-        else:
-            ends[t + 1 : t + 1 + k] = end_times
-            gaps[t + 1 : t + 1 + k] = ends[t + 1 : t + 1 + k] - ends[t : t + k]
-        self.ticks = t + k
+        assert self._grown_through >= self.ticks + len(end_times), "ticks advanced without reserving their growth"
+        self._times.extend(end_times)
+        self.ticks += len(end_times)
 
     def check_integrity(self) -> None:
         """Owed blocks equal the growth reserved for members and not yet given block ids."""
@@ -249,3 +224,62 @@ class DecodeCohort:
         owed = sum(self.granted_slots(r) - self.kv.num_slots(r) for r in self.members) // self.kv.block_size
         assert owed == self.kv._owed_blocks, (owed, self.kv._owed_blocks)
         assert sum(self._due_count) == len(self.members)
+
+
+class TickTimes:
+    """End times of a cohort's ticks 1, 2, ..., and the largest gap between consecutive ticks from any
+    tick to the latest, in O(log n): what a member leaving needs to record its run of tokens."""
+
+    def __init__(self) -> None:
+        self._end = array("d", [math.nan])  # (ticks + 1,) end time of tick k at index k
+        # The gaps (end of tick k minus end of tick k - 1, k >= 2) that no later gap reaches: ticks
+        # ascending, gaps strictly descending, so the largest gap from tick a to the latest tick is
+        # the first entry at or after a (a monotonic stack; each tick is pushed and popped once).
+        self._peak_ticks: list[int] = []
+        self._peak_gaps: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self._end) - 1
+
+    def extend(self, end_times: Sequence[float]) -> None:
+        """Ticks that ended at ``end_times`` follow the latest."""
+        ends, peak_ticks, peak_gaps = self._end, self._peak_ticks, self._peak_gaps
+        t, k = len(ends) - 1, len(end_times)
+        if k <= 64:
+            # NOTE: element by element: for a few ticks numpy costs more than the work.
+            previous = ends[t]
+            for tick, end in enumerate(end_times, t + 1):
+                ends.append(end)
+                if tick >= 2:
+                    gap = end - previous
+                    while peak_gaps and peak_gaps[-1] <= gap:
+                        peak_gaps.pop()
+                        peak_ticks.pop()
+                    peak_ticks.append(tick)
+                    peak_gaps.append(gap)
+                previous = end
+            return
+        run = np.asarray(end_times, dtype=np.float64)  # (k,)
+        gaps = np.empty(k)  # (k,) gaps of ticks t+1 .. t+k: the same subtractions as above
+        gaps[0] = run[0] - ends[t]
+        np.subtract(run[1:], run[:-1], out=gaps[1:])
+        ends.frombytes(run.tobytes())
+        first = 1 if t == 0 else 0  # tick 1 has no gap
+        gaps = gaps[first:]
+        # The run's gaps that no later gap of the run reaches (strictly above the largest after them).
+        after = np.maximum.accumulate(gaps[::-1])[::-1]  # (k - first,) largest gap from i on
+        keep = np.flatnonzero(np.append(gaps[:-1] > after[1:], True))
+        while peak_gaps and peak_gaps[-1] <= after[0]:
+            peak_gaps.pop()
+            peak_ticks.pop()
+        peak_ticks.extend((keep + (t + 1 + first)).tolist())
+        peak_gaps.extend(gaps[keep].tolist())
+
+    def run(self, first_tick: int) -> tuple[float, float, float]:
+        """(end of ``first_tick``, end of the latest tick, largest gap between consecutive ticks of
+        that run, NaN for a run of one tick)."""
+        last_tick = len(self._end) - 1
+        gap = math.nan
+        if last_tick > first_tick:
+            gap = float(self._peak_gaps[bisect_left(self._peak_ticks, first_tick + 1)])
+        return self._end[first_tick], self._end[last_tick], gap

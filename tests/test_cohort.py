@@ -1,0 +1,42 @@
+"""The decode cohort's tick clock: token runs of leaving members against a brute-force reference."""
+
+import math
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sloserve.sched.cohort import TickTimes
+
+# Runs of step durations: up to 64 steps are handed over as a list (single steps, short stretches),
+# longer ones as an array (long stretches), as the executor does; each run's durations are drawn
+# from its seed, some rising (KV grows along a stretch) and some not.
+runs = st.lists(
+    st.tuples(st.one_of(st.integers(1, 64), st.integers(65, 300)), st.integers(0, 2**31), st.booleans()),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(runs=runs, queries=st.lists(st.integers(0, 10**6), min_size=1, max_size=20))
+def test_tick_times_give_each_run_its_ends_and_largest_gap(runs, queries):
+    times, ends = TickTimes(), []
+    clock = 0.0
+    for length, seed, rising in runs:
+        durations = np.random.default_rng(seed).uniform(1e-3, 0.1, length)
+        if rising:
+            durations.sort()
+        new = []
+        for d in durations.tolist():
+            clock += d
+            new.append(clock)
+        ends.extend(new)
+        times.extend(np.array(new) if length > 64 else new)
+        assert len(times) == len(ends)
+        for q in queries:
+            first = 1 + q % len(ends)  # a member that joined after tick first - 1
+            start, last, gap = times.run(first)
+            assert start == ends[first - 1] and last == ends[-1]
+            gaps = [b - a for a, b in zip(ends[first - 1 :], ends[first:])]
+            assert (math.isnan(gap) and not gaps) or gap == max(gaps)
