@@ -201,6 +201,8 @@ class TaskQueue:
         is at most ``room``: within a range of both, the longest that fits (binary search)."""
         if self.order != "ordered":
             return next((r for r in self if self._length[r] <= room), None)
+        if room < 0:
+            return None
         where, length_field = self._range, max(BIAS - room, 0) << SEQ_BITS
         for b, bucket in enumerate(self._buckets):
             i = 0
