@@ -231,6 +231,16 @@ def test_random_workloads_keep_invariants_and_finish(name, lengths, gaps, capaci
     assert s.kv.num_free_blocks == s.kv.gpu.num_blocks
 
 
+def test_synccoupled_resumes_a_gt_stopped_past_its_region():
+    """Without a reserve an under-predicted SyncCoupled GT stops (O4) with its KV; it must come back
+    with its new predicted RL, not wait forever (hypothesis found this: request 3, 33 tokens)."""
+    reqs = make_requests([(1, 1), (1, 1), (56, 120), (1, 33), (1, 70), (80, 118), (136, 120), (200, 120)])
+    s = scheduler("synccoupled", 75 * 16, target_forward_size=64, reserve=0.0)
+    Driver(s).run(reqs)
+    assert s.num_offload_free_stops > 0
+    assert all(r.num_output_tokens == r.true_output_tokens for r in reqs)
+
+
 class LinearOnly(CostModel):
     def batch_time(self, shape: BatchShape) -> CostBreakdown:
         t = 0.01 + 1e-5 * shape.num_tokens

@@ -439,12 +439,28 @@ class EconoServeScheduler(Scheduler):
     # --- SyncCoupled (§2.2) ------------------------------------------------------------------------------
     def _admit_coupled_groups(self) -> None:
         """Requests grouped by predicted RL, each allocated prompt + padded RL, fill the KV up to the
-        reserve; their prompts run, then they decode together. No PT joins between completions."""
+        reserve; their prompts run, then they decode together. No PT joins between completions.
+
+        GTs stopped past their region (O4) come first: they hold KV, and go on decoding in a region
+        of their new predicted RL. NOTE: one fits once nothing runs (``_region_tokens`` caps the
+        region to what the cache holds beside its tokens, and queued PTs hold no KV), so the queue
+        always moves.
+        """
         queue, kv = self.pt_queue, self.kv
         assert isinstance(kv, ExactReservationKVManager)
         groups: dict[int, int] = {}
         admitted: list[Request] = []
         room = kv.num_free_blocks - (self.reserve_blocks if self.running else 0)
+        resumed_groups: dict[int, int] = {}  # their own groups: they have no prompt to run first
+        while self.gt_queue and len(self.running) < self.config.max_num_seqs:
+            request = self.gt_queue.first()
+            assert request is not None
+            blocks = self._gt_blocks(request)
+            if blocks > room:
+                break
+            room -= blocks
+            self._start_gt(request, self._unqueue_gt(request), resumed_groups, [])
+            self._join_cohort(request)
         while queue and len(self.running) < self.config.max_num_seqs:
             request = queue.first()
             assert request is not None
