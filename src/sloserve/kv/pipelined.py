@@ -28,6 +28,7 @@ live in the request's own paged blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import SlotCopy
@@ -86,11 +87,15 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         blocks = self._take(-(-num_tokens // self.block_size))
         if blocks is None:
             return False
-        bs = self.block_size
-        slots = [b * bs + k for b in blocks for k in range(bs)][:num_tokens]
+        slots = self._block_slots(blocks, num_tokens)
         self.regions[request] = Region(request, slots, blocks=blocks, frontier=num_tokens)
         self.token_slots.setdefault(request, [])
         return True
+
+    def _block_slots(self, blocks: list[int], num_tokens: int) -> list[int]:
+        """The first ``num_tokens`` slots of ``blocks``, in order."""
+        bs = self.block_size
+        return list(chain.from_iterable([range(b * bs, b * bs + bs) for b in blocks]))[:num_tokens]
 
     def region_blocks_needed(self, request: Request, num_tokens: int) -> int:
         """Pool blocks a region of ``num_tokens`` more offsets takes: a new one, or the extension of
@@ -112,8 +117,7 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         if blocks is None:
             return False
         region.blocks.extend(blocks)
-        bs = self.block_size
-        region.slots = [b * bs + k for b in region.blocks for k in range(bs)][: len(region.slots) + num_tokens]
+        region.slots = self._block_slots(region.blocks, len(region.slots) + num_tokens)
         region.frontier = len(region.slots)
         return True
 
@@ -170,15 +174,10 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
             new = self._take(short)
             assert new is not None, "own blocks short"
             blocks.extend(new)
-        slots: list[int] = []
-        while used < end:
-            base = blocks[used // S] * S
-            offset = used % S
-            take = min(S - offset, end - used)
-            slots.extend(range(base + offset, base + offset + take))
-            used += take
         self._own_used[request] = end
-        return slots
+        first = used // S
+        slots = self._block_slots(blocks[first : -(-end // S)], end - first * S)
+        return slots[used - first * S :]
 
     def own_blocks_needed(self, request: Request, num_new: int) -> int:
         have = len(self.own_blocks.get(request, ())) * self.block_size - self._own_used.get(request, 0)
@@ -200,6 +199,8 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         if new <= 0:
             return 0
         region = self.regions.get(request)
+        if new == 1 and (region is None or region.used == len(region.slots)):  # as in allocate_slots
+            return 0 if self._own_used.get(request, 0) < len(self.own_blocks.get(request, ())) * self.block_size else 1
         if region is not None:
             barrier = self._barrier(region)
             if new > barrier - region.used and barrier < len(region.slots):
@@ -218,6 +219,14 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         if new <= 0:
             return True
         region = self.regions.get(request)
+        if new == 1 and (region is None or region.used == len(region.slots)):
+            # The common case past a region's end: one token, in the request's last own block.
+            used = self._own_used.get(request, 0)
+            blocks = self.own_blocks.get(request)
+            if blocks and used < len(blocks) * self.block_size:
+                slots.append(blocks[used // self.block_size] * self.block_size + used % self.block_size)
+                self._own_used[request] = used + 1
+                return True
         barrier = 0
         if region is not None:
             barrier = self._barrier(region)

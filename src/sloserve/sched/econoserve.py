@@ -132,8 +132,9 @@ class EconoServeScheduler(Scheduler):
         ranges = (config.urgent_deadline_s, config.soon_deadline_s)
         # PT queue: by prompt length (decoupled) or, SyncCoupled, requests grouped by predicted RL.
         pt_order = "ordered" if config.ordering else "fcfs" if config.decoupled else order
-        self.pt_queue = TaskQueue(pt_order, ranges, config.kv_range_tokens)
-        self.gt_queue = TaskQueue(order, ranges, config.kv_range_tokens)
+        self.pt_queue = TaskQueue(pt_order, ranges, config.kv_range_tokens, lookup_by_length=False)
+        # Pipelining looks up hosted GTs by length (largest_at_most).
+        self.gt_queue = TaskQueue(order, ranges, config.kv_range_tokens, lookup_by_length=config.pipelining)
         self._deadline: dict[Request, float] = {}
         self._remaining: dict[Request, int] = {}  # predicted RL still to come (L), of queued GTs
         # Running GTs: tokens their exact region covers (prompt + generated + padded L at admission);

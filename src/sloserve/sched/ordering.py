@@ -12,11 +12,15 @@ ordered by three factors, each in magnitude ranges:
 
 The deadline ranges move with the clock: a task moves to a more urgent range when its deadline comes
 close (each task moves at most twice; ``advance``). Insertion, removal and the fitting search cost
-O(log n), so a queue of 10,000 tasks costs a step microseconds, not a sort. The ranges are
-consecutive slices of one deadline-sorted list, so the tasks a step moves are the slice from
-where a range's bound fell at the last step to where it falls now. A moved task's old entry is
-left behind, stale, and skipped (or dropped) when a selection meets it; a range that is more than
-half stale is rebuilt at once (O(n) on presorted entries), so moves cost one insertion each.
+O(log n), so a queue of 10,000 tasks costs a step microseconds, not a sort. A task waits for the
+next bound it will pass on a timing wheel (slots of 1/128 s of deadline): a step reads the slots
+the bound passed since the last step, so a move costs O(1) to find. A moved task's old entry is
+left behind, stale, and skipped (or dropped) when a selection meets it; a range read when more than
+half stale (or left unread until 7/8 stale) is rebuilt (O(n) on presorted entries). The moved
+task's sorted insertion waits in the range's pending list until a selection reads the range:
+selections rarely get past the most urgent range, so a task that moves on before its middle range
+is read never costs a sorted insertion there, and a lower bound on each range's lengths lets
+``first_fit`` pass over a range holding nothing short enough unread.
 
 An entry is one integer that sorts as its key tuple would (fields in fixed-width bit ranges), so
 the sorted lists compare machine integers, not tuples. After 10,000 arrivals at once most tasks
@@ -29,6 +33,7 @@ group, groups in the order they formed (time-synced GT groups, §3.3.2).
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterator
 from typing import Literal
@@ -45,17 +50,20 @@ QueueOrder = Literal["ordered", "grouped", "fcfs"]
 SEQ_BITS = 40
 SEQ_MASK = (1 << SEQ_BITS) - 1
 BIAS = 1 << (SEQ_BITS - 1)  # lengths and KV ranges below this keep the fields non-negative
+# Width of a slot of the timing wheels on which tasks wait to pass a deadline-range bound.
+WHEEL_SLOT_S = 1 / 128
 
 
 class TaskQueue:
     """A PT or GT queue. ``add(request, deadline, occupied_kv_tokens, length)``; ``first()`` and
     iteration follow the queue's order; ``first_fit(room)`` is the first task, in order of deadline
     and occupied-KV range, whose length is at most ``room``; ``largest_at_most(n)`` is the task of
-    largest length <= n (KV-cache pipelining looks up hosted GTs with it).
+    largest length <= n (KV-cache pipelining looks up hosted GTs with it; ``lookup_by_length=False``
+    saves keeping the index it needs).
     """
 
     def __init__(self, order: QueueOrder = "ordered", deadline_ranges_s: tuple[float, ...] = (0.5, 2.0),
-                 kv_range_tokens: int = 128) -> None:  # fmt: skip
+                 kv_range_tokens: int = 128, lookup_by_length: bool = True) -> None:  # fmt: skip
         self.order = order
         self.deadline_ranges_s = deadline_ranges_s if order == "ordered" else ()
         self.kv_range_tokens = kv_range_tokens
@@ -65,17 +73,23 @@ class TaskQueue:
         self._task: dict[int, Request] = {}  # seq -> request
         # NOTE: an entry in bucket b is live iff _range[its seq] == b; the others (left behind by
         # advance) are counted in _stale and never returned.
-        self._range: dict[int, int] = {}  # seq -> the deadline range it is in
+        self._range: list[int] = []  # seq -> the deadline range it is in (-1: removed)
+        # Entries moved into a range by advance, not yet inserted in its sorted list (_merge).
+        self._pending: list[list[tuple[float, int, int, int]]] = [[] for _ in self._buckets]  # wheel items
+        # NOTE: _stale[b] counts the stale entries of range b, in its sorted list and pending list.
         self._stale = [0] * len(self._buckets)
+        # A lower bound on the length of every live task in each range (exact after a rebuild),
+        # the first _pending_folded[b] pending entries of range b included.
+        self._min_length = [BIAS] * len(self._buckets)
+        self._pending_folded = [0] * len(self._buckets)
         self._length: dict[Request, int] = {}
-        # (deadline, entry) of every task, by deadline. NOTE: every task's range is classified
-        # against _now and the test is monotone in the deadline, so the ranges are consecutive
-        # slices of this list, the most urgent first.
-        self._by_deadline = SortedList()
-        self._deadline: dict[Request, float] = {}
-        # Per range bound: the last (deadline, entry) found under it (tasks up to it were checked).
-        self._passed: list[tuple[float, int] | None] = [None] * len(self.deadline_ranges_s)
-        self._by_length = SortedList()  # length << SEQ_BITS | seq
+        # Per range bound r, the tasks of range r + 1 (the bound they pass next) on a timing wheel:
+        # slot k holds the (deadline, seq, entry, length) of those with deadline // WHEEL_SLOT_S == k,
+        # and a min-heap the slots that hold any. NOTE: an item whose task was removed is dropped when
+        # its slot is read; each task has at most one live item.
+        self._wheel: list[dict[int, list[tuple[float, int, int, int]]]] = [{} for _ in self.deadline_ranges_s]
+        self._wheel_slots: list[list[int]] = [[] for _ in self.deadline_ranges_s]
+        self._by_length = SortedList() if lookup_by_length else None  # length << SEQ_BITS | seq
         self._groups: dict[int, list[int]] = {}  # length -> [group seq, members] (grouped order)
         self._seq = 0
         self._now = -math.inf
@@ -92,14 +106,52 @@ class TaskQueue:
     def __iter__(self) -> Iterator[Request]:
         """Tasks in queue order (do not add or remove while iterating)."""
         where, task = self._range, self._task
-        for b, bucket in enumerate(self._buckets):
+        for b in range(len(self._buckets)):
+            bucket = self._merge(b)
             for entry in bucket:
-                if where.get(entry & SEQ_MASK) == b:
+                if where[entry & SEQ_MASK] == b:
                     yield task[entry & SEQ_MASK]
 
     def _drop_stale(self, bucket: int, index: int) -> None:
         del self._buckets[bucket][index]
         self._stale[bucket] -= 1
+
+    def _merge(self, bucket: int) -> SortedList:
+        """Range ``bucket``'s sorted list, ready to read: its live pending entries inserted, or rebuilt
+        when more than half of it is stale."""
+        pending, stale = self._pending[bucket], self._stale[bucket]
+        if stale > 64 and 2 * stale > len(self._buckets[bucket]) + len(pending):
+            self._rebuild(bucket)
+        elif pending:
+            where = self._range
+            live = [item[2] for item in pending if where[item[1]] == bucket]
+            self._stale[bucket] -= len(pending) - len(live)
+            self._pending_lengths_bound(bucket)
+            self._pending[bucket] = []
+            self._pending_folded[bucket] = 0
+            self._buckets[bucket].update(live)
+        return self._buckets[bucket]
+
+    def _pending_lengths_bound(self, bucket: int) -> int:
+        """A lower bound on the lengths of range ``bucket``'s live tasks, pending ones included."""
+        pending, folded = self._pending[bucket], self._pending_folded[bucket]
+        if folded < len(pending):
+            shortest = min([item[3] for item in pending[folded:]])
+            self._min_length[bucket] = min(self._min_length[bucket], shortest)
+            self._pending_folded[bucket] = len(pending)
+        return self._min_length[bucket]
+
+    def _rebuild(self, bucket: int) -> None:
+        """Drop every stale entry of ``bucket`` (O(n)); its length bound becomes exact."""
+        where = self._range
+        live = [e for e in self._buckets[bucket] if where[e & SEQ_MASK] == bucket]
+        live += [item[2] for item in self._pending[bucket] if where[item[1]] == bucket]
+        self._buckets[bucket] = SortedList(live)
+        self._pending[bucket] = []
+        self._pending_folded[bucket] = 0
+        self._stale[bucket] = 0
+        # NOTE: only ordered queues have several ranges (and stale entries): lengths are in the entries.
+        self._min_length[bucket] = BIAS - max((e >> SEQ_BITS & SEQ_MASK for e in live), default=0)
 
     def length(self, request: Request) -> int:
         return self._length[request]
@@ -134,64 +186,107 @@ class TaskQueue:
         self._buckets[bucket].add(entry)
         self._entries[request] = entry
         self._task[seq] = request
-        self._range[seq] = bucket
+        self._range.append(bucket)  # NOTE: at index seq: seqs are 0, 1, 2, ...
         self._length[request] = length
-        self._by_length.add(length << SEQ_BITS | seq)
-        if self.deadline_ranges_s:
-            self._by_deadline.add((deadline, entry))
-            self._deadline[request] = deadline
+        if length < self._min_length[bucket]:
+            self._min_length[bucket] = length
+        if self._by_length is not None:
+            self._by_length.add(length << SEQ_BITS | seq)
+        if bucket > 0:
+            self._on_wheel(bucket - 1, int(deadline // WHEEL_SLOT_S), [(deadline, seq, entry, length)])
 
     def remove(self, request: Request) -> None:
         entry = self._entries.pop(request)
         seq = entry & SEQ_MASK
         del self._task[seq]
-        self._buckets[self._range.pop(seq)].remove(entry)
+        bucket = self._range[seq]
+        self._range[seq] = -1
+        if self._pending[bucket]:
+            self._stale[bucket] += 1  # it may be pending: left to _merge (or a rebuild) to drop
+        else:
+            self._buckets[bucket].remove(entry)
         length = self._length.pop(request)
-        self._by_length.remove(length << SEQ_BITS | seq)
-        if self.deadline_ranges_s:
-            self._by_deadline.remove((self._deadline.pop(request), entry))
+        if self._by_length is not None:
+            self._by_length.remove(length << SEQ_BITS | seq)
         if self.order == "grouped":
             group = self._groups[length]
             group[1] -= 1
             if group[1] == 0 and group[0] == entry >> SEQ_BITS:
                 del self._groups[length]
 
+    def _on_wheel(self, bound: int, slot: int, items: list[tuple[float, int, int, int]]) -> None:
+        """Put ``items`` (deadline, seq, entry, length), all of ``slot``, on the wheel of range bound
+        ``bound``."""
+        wheel = self._wheel[bound]
+        tasks = wheel.get(slot)
+        if tasks is None:
+            wheel[slot] = items
+            heapq.heappush(self._wheel_slots[bound], slot)
+        else:
+            tasks.extend(items)
+
     def advance(self, now: float) -> None:
         """Move tasks whose deadline came close to their more urgent range."""
         if now <= self._now:
             return
         self._now = now
-        where, buckets, by_deadline, passed = self._range, self._buckets, self._by_deadline, self._passed
-        moved: dict[int, list[int]] = {}
-        for r, bound in enumerate(self.deadline_ranges_s):
-            # Tasks after the last one found under range r's bound: those now under it (the test of
-            # _bucket_of) that are in a less urgent range move to r, or to a more urgent range whose
-            # bound they also passed (found first).
-            start = by_deadline.bisect_right(passed[r]) if passed[r] is not None else 0
-            for item in by_deadline.islice(start):
-                if not item[0] - now < bound:
-                    break
-                passed[r] = item
-                seq = item[1] & SEQ_MASK
-                source = where[seq]
-                if source > r:
-                    self._stale[source] += 1  # its entry stays in source, stale
-                    where[seq] = r
-                    moved.setdefault(r, []).append(item[1])
-        for target, moving in moved.items():
-            buckets[target].update(moving)
-        for b, stale in enumerate(self._stale):
-            if stale > 64 and 2 * stale > len(buckets[b]):
-                buckets[b] = SortedList([e for e in buckets[b] if where.get(e & SEQ_MASK) == b])
-                self._stale[b] = 0
+        where, stale = self._range, self._stale
+        # Least urgent bound first: a task that passed two bounds since the last step moves twice.
+        for r in range(len(self.deadline_ranges_s) - 1, -1, -1):
+            bound, wheel, slots = self.deadline_ranges_s[r], self._wheel[r], self._wheel_slots[r]
+            # Slots up to the one of now + bound. NOTE: the test below (the one of _bucket_of,
+            # monotone in the deadline) may differ from deadline < now + bound by a rounding: when
+            # now + bound is that close to the next slot, that slot is read too. (A slot holds
+            # deadlines d with floor(d / WHEEL_SLOT_S) == slot, exactly: the width is a power of 2.)
+            limit = now + bound
+            last = int(limit // WHEEL_SLOT_S)
+            if (last + 1) * WHEEL_SLOT_S - limit <= 4 * math.ulp(limit):
+                last += 1
+            if not slots or slots[0] > last:
+                continue
+            pending, source = self._pending[r], r + 1
+            num_moved = len(pending)
+            # Slots before the last one lie wholly before now + bound - (a margin for roundings):
+            # every task in them passed.
+            whole = last - 1 if limit - last * WHEEL_SLOT_S <= 4 * math.ulp(limit) else last
+            while slots and slots[0] <= last:
+                slot = slots[0]
+                items = wheel[slot]
+                waiting: list[tuple[float, int, int, int]] = []
+                if slot < whole:
+                    moved = [item for item in items if where[item[1]] == source]  # else removed
+                else:
+                    moved = []
+                    for item in items:
+                        if not item[0] - now < bound:
+                            waiting.append(item)
+                        elif where[item[1]] == source:
+                            moved.append(item)
+                for item in moved:
+                    where[item[1]] = r
+                pending.extend(moved)
+                if r > 0 and moved:
+                    self._on_wheel(r - 1, slot, moved)  # the same slot: it is the deadline's
+                if waiting:
+                    wheel[slot] = waiting
+                    break  # later slots hold later deadlines: none passes
+                del wheel[slot]
+                heapq.heappop(slots)
+            stale[source] += len(pending) - num_moved  # their entries stay in the source range, stale
+        # NOTE: ranges are rebuilt when read more than half stale (_merge); one that is not read
+        # (the least urgent, after a burst) is rebuilt when 7/8 stale, which bounds its memory.
+        for b, count in enumerate(stale):
+            if count > 64 and 8 * count > 7 * (len(self._buckets[b]) + len(self._pending[b])):
+                self._rebuild(b)
 
     # --- selection -------------------------------------------------------------------------------
     def first(self) -> Request | None:
         where = self._range
-        for b, bucket in enumerate(self._buckets):
+        for b in range(len(self._buckets)):
+            bucket = self._merge(b)
             while bucket:
                 seq = bucket[0] & SEQ_MASK
-                if where.get(seq) == b:
+                if where[seq] == b:
                     return self._task[seq]
                 self._drop_stale(b, 0)
         return None
@@ -204,7 +299,10 @@ class TaskQueue:
         if room < 0:
             return None
         where, length_field = self._range, max(BIAS - room, 0) << SEQ_BITS
-        for b, bucket in enumerate(self._buckets):
+        for b in range(len(self._buckets)):
+            if self._pending_lengths_bound(b) > room:
+                continue  # nothing in range b is short enough
+            bucket = self._merge(b)
             i = 0
             while i < len(bucket):
                 # Entries of one occupied-KV range lie in [start, end), longest first.
@@ -213,7 +311,7 @@ class TaskQueue:
                 j = bucket.bisect_left(start | length_field)
                 while j < len(bucket) and bucket[j] < end:
                     seq = bucket[j] & SEQ_MASK
-                    if where.get(seq) == b:
+                    if where[seq] == b:
                         return self._task[seq]
                     self._drop_stale(b, j)
                 i = bucket.bisect_left(end)  # the next (smaller) occupied-KV range
@@ -222,12 +320,9 @@ class TaskQueue:
     def largest_at_most(self, length: int) -> Request | None:
         """The queued task of largest length <= ``length`` (the earliest queued among equals)."""
         by_length = self._by_length
+        assert by_length is not None, "a queue made with lookup_by_length=False"
         i = by_length.bisect_left((length + 1) << SEQ_BITS)
         if i == 0:
             return None
         best = by_length[i - 1] >> SEQ_BITS
         return self._task[by_length[by_length.bisect_left(best << SEQ_BITS)] & SEQ_MASK]
-
-    def max_length(self) -> int:
-        """The largest queued length (0 when empty)."""
-        return self._by_length[-1] >> SEQ_BITS if self._by_length else 0
