@@ -199,7 +199,7 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         if new <= 0:
             return 0
         region = self.regions.get(request)
-        if new == 1 and (region is None or region.used == len(region.slots)):  # as in allocate_slots
+        if new == 1 and region is not None and region.used == len(region.slots):  # as in allocate_slots
             return 0 if self._own_used.get(request, 0) < len(self.own_blocks.get(request, ())) * self.block_size else 1
         if region is not None:
             barrier = self._barrier(region)
@@ -219,13 +219,16 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         if new <= 0:
             return True
         region = self.regions.get(request)
-        if new == 1 and (region is None or region.used == len(region.slots)):
-            # The common case past a region's end: one token, in the request's last own block.
+        past_region = region is not None and region.used == len(region.slots)
+        if new == 1 and past_region:
+            # The common case past a region's end: the rest of the request's last own block.
             used = self._own_used.get(request, 0)
             blocks = self.own_blocks.get(request)
-            if blocks and used < len(blocks) * self.block_size:
-                slots.append(blocks[used // self.block_size] * self.block_size + used % self.block_size)
-                self._own_used[request] = used + 1
+            S = self.block_size
+            if blocks and used < len(blocks) * S:
+                base = blocks[-1] * S
+                slots.extend(range(base + used % S, base + S))
+                self._own_used[request] = len(blocks) * S
                 return True
         barrier = 0
         if region is not None:
@@ -241,9 +244,28 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         if region is not None:
             slots.extend(region.slots[region.used : barrier])
             region.used = barrier
+            past_region = barrier == len(region.slots)
         if overflow:
+            if past_region:  # to the end of the last own block: it asks again only for a new block
+                overflow += -(self._own_used.get(request, 0) + overflow) % self.block_size
             slots.extend(self._own_slots(request, overflow))
         return True
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the own slots granted past ``request``'s first ``num_tokens`` tokens (a GT past
+        its region's end is granted its last own block to the end): before it leaves the batch, so
+        that what it is granted when it resumes is what a new grant would be."""
+        slots = self.token_slots.get(request)
+        if not slots or len(slots) <= num_tokens:
+            return
+        own, S = set(self.own_blocks.get(request, ())), self.block_size
+        keep = len(slots)
+        while keep > num_tokens and slots[keep - 1] // S in own:
+            keep -= 1
+        if keep < len(slots):
+            # NOTE: own slots are granted in order, so the trimmed ones are the last taken.
+            self._own_used[request] -= len(slots) - keep
+            del slots[keep:]
 
     # --- eviction and restore ----------------------------------------------------------------------
     def evict(self, hosted: Request, num_written: int) -> None:
@@ -252,9 +274,10 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         hosted inside it stay, now inside the host's region)."""
         region = self.regions[hosted]
         assert region.parent is not None, "only hosted GTs are evicted"
+        self.trim(hosted, num_written)
         slots = self.token_slots[hosted]
         lent = set(region.slots)
-        # NOTE: slots past the written tokens are region slots granted ahead (own blocks grow exactly).
+        # NOTE: slots past the written tokens are region slots granted ahead (own ones were trimmed).
         assert all(s in lent for s in slots[num_written:]), "unwritten slots outside the region"
         del slots[num_written:]
         saved = self.cpu_slots.setdefault(hosted, {})
@@ -272,7 +295,8 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
 
     def restore_blocks_needed(self, request: Request) -> int:
         """Own blocks ``restore(request)`` takes."""
-        return self.own_blocks_needed(request, self.num_checkpointed(request))
+        saved = self.cpu_slots.get(request)
+        return self.own_blocks_needed(request, len(saved)) if saved else 0
 
     def restore(self, request: Request) -> bool:
         """Bring an evicted GT's tokens back to fresh slots of its own blocks; all or nothing."""

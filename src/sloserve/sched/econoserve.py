@@ -279,11 +279,15 @@ class EconoServeScheduler(Scheduler):
         """Offload-free preemption (§3.3.2): the under-provisioned GT leaves the batch with its KV and
         is regrouped by its new predicted RL; its occupied KV puts it early in the GT queue."""
         kv = self.kv
-        if isinstance(kv, PipelinedKVManager) and kv.regions[request].parent is not None:
-            # A hosted GT cannot keep its host's slots while it waits: it goes to CPU memory instead.
-            self._evict_hosted(request, out)
-            return
-        self._leave_batch(request)
+        if isinstance(kv, PipelinedKVManager):
+            if kv.regions[request].parent is not None:
+                # A hosted GT cannot keep its host's slots while it waits: it goes to CPU memory instead.
+                self._evict_hosted(request, out)
+                return
+            self._leave_batch(request)
+            kv.trim(request, request.num_computed_tokens)
+        else:
+            self._leave_batch(request)
         self.num_offload_free_stops += 1
         out.preempted.append(Preemption(request, PreemptionMode.KEEP))
         self._queue_gt(request, self._predicted_remaining(request))
@@ -309,13 +313,15 @@ class EconoServeScheduler(Scheduler):
         while queue and len(self.running) < self.config.max_num_seqs:
             request = queue.first()
             assert request is not None
-            if self._gt_blocks(request) > room:
+            blocks = self._gt_blocks(request)
+            if blocks > room:
                 if not self.config.ordering:
                     break  # the head group is split here; the rest waits for the next completion
-                request = self._fitting_gt(room)
-                if request is None:
+                fit = self._fitting_gt(room)
+                if fit is None:
                     break
-            room -= self._gt_blocks(request)
+                request, blocks = fit
+            room -= blocks
             self._start_gt(request, self._unqueue_gt(request), groups, admitted)
         if not admitted and queue and not self.running:
             self._unblock_gt_queue(out, groups, admitted)
@@ -325,17 +331,19 @@ class EconoServeScheduler(Scheduler):
             assert kv.allocate_slots(request, request.num_computed_tokens + 1)
             self._join_cohort(request)
 
-    def _fitting_gt(self, room_blocks: int) -> Request | None:
+    def _fitting_gt(self, room_blocks: int) -> tuple[Request, int] | None:
         """Binary search (§3.4) for a GT whose allocation fits ``room_blocks``: the longest predicted
-        RL whose padded region fits, in the most urgent ranges; None when none does."""
+        RL whose padded region fits, in the most urgent ranges, and the blocks it takes; None when
+        none does."""
         bs, pad = self.kv.block_size, self.config.padding
         max_rl = int(room_blocks * bs / (1 + pad))
         while max_rl >= 1:
             request = self.gt_queue.first_fit(max_rl)
             if request is None:
                 return None
-            if self._gt_blocks(request) <= room_blocks:
-                return request
+            blocks = self._gt_blocks(request)
+            if blocks <= room_blocks:
+                return request, blocks
             max_rl = self._remaining[request] - 1  # its prompt's partial block or restore did not fit
         return None
 

@@ -303,26 +303,35 @@ class TaskQueue:
             if self._pending_lengths_bound(b) > room:
                 continue  # nothing in range b is short enough
             bucket = self._merge(b)
-            i = 0
-            while i < len(bucket):
+            # NOTE: by value (irange), not by position: positional access makes the sorted lists
+            # keep a positional index up to date on every insertion and deletion.
+            head = bucket[0] if bucket else None
+            while head is not None:
                 # Entries of one occupied-KV range lie in [start, end), longest first.
-                start = bucket[i] >> (2 * SEQ_BITS) << (2 * SEQ_BITS)
+                start = head >> (2 * SEQ_BITS) << (2 * SEQ_BITS)
                 end = start + (1 << (2 * SEQ_BITS))
-                j = bucket.bisect_left(start | length_field)
-                while j < len(bucket) and bucket[j] < end:
-                    seq = bucket[j] & SEQ_MASK
+                stale = []
+                for entry in bucket.irange(start | length_field, end, inclusive=(True, False)):
+                    seq = entry & SEQ_MASK
                     if where[seq] == b:
-                        return self._task[seq]
-                    self._drop_stale(b, j)
-                i = bucket.bisect_left(end)  # the next (smaller) occupied-KV range
+                        break
+                    stale.append(entry)
+                else:
+                    seq = -1
+                for entry in stale:
+                    bucket.remove(entry)
+                self._stale[b] -= len(stale)
+                if seq >= 0:
+                    return self._task[seq]
+                head = next(bucket.irange(end), None)  # the next (smaller) occupied-KV range
         return None
 
     def largest_at_most(self, length: int) -> Request | None:
         """The queued task of largest length <= ``length`` (the earliest queued among equals)."""
         by_length = self._by_length
         assert by_length is not None, "a queue made with lookup_by_length=False"
-        i = by_length.bisect_left((length + 1) << SEQ_BITS)
-        if i == 0:
+        below = next(by_length.irange(maximum=(length + 1) << SEQ_BITS, inclusive=(True, False), reverse=True), None)
+        if below is None:
             return None
-        best = by_length[i - 1] >> SEQ_BITS
-        return self._task[by_length[by_length.bisect_left(best << SEQ_BITS)] & SEQ_MASK]
+        best = below >> SEQ_BITS
+        return self._task[next(by_length.irange(best << SEQ_BITS)) & SEQ_MASK]
