@@ -247,6 +247,15 @@ class TickTimes:
         t, k = len(ends) - 1, len(end_times)
         if k <= 64:
             # NOTE: element by element: for a few ticks numpy costs more than the work.
+            if k > 2 and t >= 1:
+                gaps = [b - a for a, b in zip(end_times, end_times[1:])]  # ticks t+2 .. t+k
+                if gaps == sorted(gaps):
+                    # Non-decreasing (a stretch's step times grow): each gap would pop the one
+                    # before it, so pushing the first and the last leaves the same stack.
+                    ends.extend(end_times)
+                    self._push_gap(t + 1, end_times[0] - ends[t])
+                    self._push_gap(t + k, gaps[-1])
+                    return
             previous = ends[t]
             for tick, end in enumerate(end_times, t + 1):
                 ends.append(end)
@@ -274,6 +283,14 @@ class TickTimes:
             peak_ticks.pop()
         peak_ticks.extend((keep + (t + 1 + first)).tolist())
         peak_gaps.extend(gaps[keep].tolist())
+
+    def _push_gap(self, tick: int, gap: float) -> None:
+        peak_ticks, peak_gaps = self._peak_ticks, self._peak_gaps
+        while peak_gaps and peak_gaps[-1] <= gap:
+            peak_gaps.pop()
+            peak_ticks.pop()
+        peak_ticks.append(tick)
+        peak_gaps.append(gap)
 
     def run(self, first_tick: int) -> tuple[float, float, float]:
         """(end of ``first_tick``, end of the latest tick, largest gap between consecutive ticks of
