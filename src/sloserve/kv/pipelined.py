@@ -74,6 +74,8 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
             raise ConfigError(f"pipelining buffer b must be >= 0 tokens, got {buffer_tokens}")
         self.buffer_tokens = buffer_tokens
         self._init_token_slots()
+        bs = block_size
+        self._slots_of_block = [range(b * bs, b * bs + bs) for b in range(num_blocks)]  # block -> its slots
         self.regions: dict[Request, Region] = {}
         self.own_blocks: dict[Request, list[int]] = {}  # paged blocks for prompt and overflow tokens
         self._own_used: dict[Request, int] = {}  # slots taken in own_blocks
@@ -94,8 +96,7 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
 
     def _block_slots(self, blocks: list[int], num_tokens: int) -> list[int]:
         """The first ``num_tokens`` slots of ``blocks``, in order."""
-        bs = self.block_size
-        return list(chain.from_iterable([range(b * bs, b * bs + bs) for b in blocks]))[:num_tokens]
+        return list(chain.from_iterable(map(self._slots_of_block.__getitem__, blocks)))[:num_tokens]
 
     def region_blocks_needed(self, request: Request, num_tokens: int) -> int:
         """Pool blocks a region of ``num_tokens`` more offsets takes: a new one, or the extension of
