@@ -201,7 +201,7 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
             return 0
         region = self.regions.get(request)
         if new == 1 and region is not None and region.used == len(region.slots):  # as in allocate_slots
-            return 0 if self._own_used.get(request, 0) < len(self.own_blocks.get(request, ())) * self.block_size else 1
+            return self.own_blocks_needed(request, 1)
         if region is not None:
             barrier = self._barrier(region)
             if new > barrier - region.used and barrier < len(region.slots):
