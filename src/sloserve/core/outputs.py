@@ -59,14 +59,16 @@ class SchedulerOutput:
     cohort_size: int = 0
     cohort_kv_tokens: int = 0
     # Members that joined the cohort since the previous output (executors start tracking them).
-    cohort_joined: list[Request] = field(default_factory=list)
+    # NOTE: the sequences below default to a shared empty tuple (most steps have none of them, and an
+    # output is built every step); a policy that adds to one assigns a new list.
+    cohort_joined: Sequence[Request] = ()
     # Requests preempted while building this batch, with their mode; they are not in this batch.
-    preempted: list[Preemption] = field(default_factory=list)
+    preempted: Sequence[Preemption] = ()
     # Block copies GPU -> CPU (swap out) and CPU -> GPU (swap in) done before the step's compute.
-    swap_out: list[BlockCopy] = field(default_factory=list)
-    swap_in: list[BlockCopy] = field(default_factory=list)
+    swap_out: Sequence[BlockCopy] = ()
+    swap_in: Sequence[BlockCopy] = ()
     # Single-token copies between GPU and CPU slots, to run in this order after the block swaps.
-    slot_copies: list[SlotCopy] = field(default_factory=list)
+    slot_copies: Sequence[SlotCopy] = ()
     # KV bytes moved by the swaps and copies above (for the cost model).
     swap_bytes: int = 0
     # Consecutive steps this output stands for (the simulator's closed-form fast path): each one
@@ -75,6 +77,10 @@ class SchedulerOutput:
     num_steps: int = 1
     # Blocks allocated before each of the num_steps steps, first one excluded (for the timeline).
     new_blocks_per_step: Sequence[int] | None = None
+
+    def add_preemption(self, request: Request, mode: PreemptionMode) -> None:
+        """Record that ``request`` left the GPU (``mode``) while this batch was built."""
+        self.preempted = [*self.preempted, Preemption(request, mode)]
 
     def repeated(self, num_steps: int, new_blocks_per_step: Sequence[int]) -> SchedulerOutput:
         """This output (no preemption, swap or copy) standing for ``num_steps`` steps (a new object)."""
@@ -129,4 +135,5 @@ class StepResult:
     # Requests whose last output token was sampled in this output's (last) step.
     finished: list[Request] = field(default_factory=list)
     # Sampled token ids per request (engine only; the simulator samples nothing).
-    sampled_token_ids: dict[int, int] = field(default_factory=dict)
+    # NOTE: None, not an empty dict, when nothing was sampled: a result is built every step.
+    sampled_token_ids: dict[int, int] | None = None

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import (
-    Preemption,
     PreemptionMode,
     SchedulerOutput,
     StepResult,
@@ -162,7 +162,9 @@ class Scheduler(ABC):
         self.cohort.add(request)
         self._joined.append(request)
 
-    def _take_joined(self) -> list[Request]:
+    def _take_joined(self) -> Sequence[Request]:
+        if not self._joined:
+            return ()  # the common case: no new list per step
         joined, self._joined = self._joined, []
         return joined
 
@@ -190,18 +192,18 @@ class Scheduler(ABC):
         if mode is PreemptionMode.SWAP:
             copies = self.kv.swap_out(request)
             if copies is not None:
-                output.swap_out.extend(copies)
+                output.swap_out = [*output.swap_out, *copies]
                 output.swap_bytes += self.kv.swap_bytes(copies)
                 request.status = RequestStatus.SWAPPED
                 self.swapped.append(request)
-                output.preempted.append(Preemption(request, mode))
+                output.add_preemption(request, mode)
                 return
             mode = PreemptionMode.RECOMPUTE
         self.kv.free(request)
         request.reset_computed()
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
-        output.preempted.append(Preemption(request, mode))
+        output.add_preemption(request, mode)
 
     # --- metrics -------------------------------------------------------------------------------
     def policy_metrics(self) -> dict[str, Any]:
@@ -212,8 +214,9 @@ class Scheduler(ABC):
 
     def kv_used_tokens(self) -> int:
         """Tokens holding KV on the GPU."""
-        outside = sum(r.num_computed_tokens for r in self.outside_cohort)
-        return self.cohort.kv_tokens + outside
+        if not self.outside_cohort:
+            return self.cohort.kv_tokens  # the common case, read every step: no generator
+        return self.cohort.kv_tokens + sum(r.num_computed_tokens for r in self.outside_cohort)
 
     def check_integrity(self) -> None:
         """Invariants across queues, cohort and KV manager (for tests)."""

@@ -21,6 +21,7 @@ import math
 from array import array
 from bisect import bisect_left
 from collections.abc import Sequence
+from operator import sub
 
 import numpy as np
 
@@ -248,7 +249,7 @@ class TickTimes:
         if k <= 64:
             # NOTE: element by element: for a few ticks numpy costs more than the work.
             if k > 2 and t >= 1:
-                gaps = [b - a for a, b in zip(end_times, end_times[1:])]  # ticks t+2 .. t+k
+                gaps = list(map(sub, end_times[1:], end_times))  # ticks t+2 .. t+k (b - a, in C)
                 if gaps == sorted(gaps):
                     # Non-decreasing (a stretch's step times grow): each gap would pop the one
                     # before it, so pushing the first and the last leaves the same stack.

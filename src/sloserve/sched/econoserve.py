@@ -28,7 +28,6 @@ from typing import Any, Literal
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import (
-    Preemption,
     PreemptionMode,
     ScheduledChunk,
     SchedulerOutput,
@@ -289,7 +288,7 @@ class EconoServeScheduler(Scheduler):
         else:
             self._leave_batch(request)
         self.num_offload_free_stops += 1
-        out.preempted.append(Preemption(request, PreemptionMode.KEEP))
+        out.add_preemption(request, PreemptionMode.KEEP)
         self._queue_gt(request, self._predicted_remaining(request))
 
     def _evict_hosted(self, request: Request, out: SchedulerOutput) -> None:
@@ -299,7 +298,7 @@ class EconoServeScheduler(Scheduler):
         request.num_allocation_failures += 1  # it lost the slots it was still writing
         self.kv.evict(request, request.num_computed_tokens)
         self.num_hosted_evictions += 1
-        out.preempted.append(Preemption(request, PreemptionMode.SWAP))
+        out.add_preemption(request, PreemptionMode.SWAP)
         self._queue_gt(request, self._predicted_remaining(request))
 
     # --- 1 and 2: GT groups and hosted GTs -------------------------------------------------------------
@@ -369,7 +368,7 @@ class EconoServeScheduler(Scheduler):
         request.num_allocation_failures += 1
         self.num_preemptions += 1
         self.num_dropped += 1
-        out.preempted.append(Preemption(request, PreemptionMode.RECOMPUTE))
+        out.add_preemption(request, PreemptionMode.RECOMPUTE)
         self._queue_pt(request)
 
     def _start_gt(self, request: Request, remaining: int, groups: dict[int, int], admitted: list[Request],

@@ -201,7 +201,7 @@ class UnifiedScheduler(Scheduler):
             self.swapped.popleft()
             copies = kv.swap_in(request)
             assert copies is not None and kv.allocate_slots(request, tokens)
-            out.swap_in.extend(copies)
+            out.swap_in = [*out.swap_in, *copies]
             out.swap_bytes += kv.swap_bytes(copies)
             self._admit(request)
             if not request.is_prefill:
