@@ -142,7 +142,8 @@ class DecodeCohort:
         if tick <= self._grown_through:
             return True
         if self._period is not None:
-            if not self.kv.reserve_blocks(self._due_count[tick % self._period]):
+            due = self._due_count[tick % self._period]
+            if due and not self.kv.reserve_blocks(due):  # most ticks need no new block
                 return False
         else:
             if self.blocks_due(tick) > self.kv.num_free_blocks:
@@ -248,26 +249,20 @@ class TickTimes:
         t, k = len(ends) - 1, len(end_times)
         if k <= 64:
             # NOTE: element by element: for a few ticks numpy costs more than the work.
-            if k > 2 and t >= 1:
-                gaps = list(map(sub, end_times[1:], end_times))  # ticks t+2 .. t+k (b - a, in C)
-                if gaps == sorted(gaps):
-                    # Non-decreasing (a stretch's step times grow): each gap would pop the one
-                    # before it, so pushing the first and the last leaves the same stack.
-                    ends.extend(end_times)
-                    self._push_gap(t + 1, end_times[0] - ends[t])
-                    self._push_gap(t + k, gaps[-1])
-                    return
             previous = ends[t]
-            for tick, end in enumerate(end_times, t + 1):
-                ends.append(end)
-                if tick >= 2:
-                    gap = end - previous
-                    while peak_gaps and peak_gaps[-1] <= gap:
-                        peak_gaps.pop()
-                        peak_ticks.pop()
-                    peak_ticks.append(tick)
-                    peak_gaps.append(gap)
-                previous = end
+            ends.extend(end_times)
+            if t >= 1:  # tick 1 has no gap
+                self._push_gap(t + 1, end_times[0] - previous)
+            if k == 1:  # a single step: the common case
+                return
+            gaps = list(map(sub, end_times[1:], end_times))  # ticks t+2 .. t+k (b - a, in C)
+            if gaps == sorted(gaps):
+                # Non-decreasing (a stretch's step times grow): each gap would pop the one before
+                # it, so pushing the last alone leaves the same stack.
+                self._push_gap(t + k, gaps[-1])
+            else:
+                for tick, gap in enumerate(gaps, t + 2):
+                    self._push_gap(tick, gap)
             return
         run = np.asarray(end_times, dtype=np.float64)  # (k,)
         gaps = np.empty(k)  # (k,) gaps of ticks t+1 .. t+k: the same subtractions as above

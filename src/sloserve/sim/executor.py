@@ -66,7 +66,8 @@ class SimExecutor:
 
     def steps_until_finish(self, output: SchedulerOutput) -> int:
         """Cohort steps until (and including) the next one in which a member finishes."""
-        self._track_joined(output)
+        if output.cohort_joined:
+            self._track_joined(output)
         cohort = output.cohort
         if cohort is None:
             return 1
@@ -125,7 +126,8 @@ class SimExecutor:
     ) -> StepResult:
         """Run ``output`` (all its ``num_steps`` steps) starting at ``now``; ``end_times`` may carry
         its steps' end times already computed (``end_times``)."""
-        self._track_joined(output)
+        if output.cohort_joined:
+            self._track_joined(output)
         k = output.num_steps
         if end_times is not None:
             assert len(end_times) == k, (len(end_times), k)
