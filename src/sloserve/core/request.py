@@ -138,17 +138,20 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Known tokens: prompt + sampled output."""
-        return self.num_prompt_tokens + self.num_output_tokens
+        cohort = self.cohort
+        return self.num_prompt_tokens + (self._output_offset if cohort is None else self._output_offset + cohort.ticks)
 
+    # NOTE: in the two below, num_tokens - num_computed_tokens, the cohort's ticks cancel out (a
+    # member's two counters advance together), so they read the offsets alone: these run every step.
     @property
     def num_tokens_to_process(self) -> int:
         """Tokens to process before the next token can be sampled (``c`` at most)."""
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_prompt_tokens + self._output_offset - self._computed_offset
 
     @property
     def is_prefill(self) -> bool:
         """True while more than one token must be processed (prefill, chunked prefill or refill)."""
-        return self.num_tokens - self.num_computed_tokens > 1
+        return self.num_prompt_tokens + self._output_offset - self._computed_offset > 1
 
     @property
     def max_kv_tokens(self) -> int:

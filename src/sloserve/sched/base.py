@@ -136,7 +136,7 @@ class Scheduler(ABC):
         emitted: list[Request] = []
         for request, num_tokens in output.chunks:
             request.add_computed(num_tokens * output.num_steps)
-            if request.num_computed_tokens == request.num_tokens:
+            if request.num_tokens_to_process == 0:
                 request.add_output_token(now)
                 emitted.append(request)
         for request in result.finished:

@@ -156,8 +156,10 @@ class UnifiedScheduler(Scheduler):
         while not cohort.try_grow(cohort.ticks + 1):
             self._preempt(self._victim(), self._preemption_mode, out)
         if not out.preempted:
-            self._schedule_swap_in(out)
-            self._schedule_incoming(out)
+            if self.swapped:
+                self._schedule_swap_in(out)
+            if self.incoming:
+                self._schedule_incoming(out)
         if cohort:
             out.cohort = cohort
             out.cohort_size = len(cohort)

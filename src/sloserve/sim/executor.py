@@ -23,7 +23,7 @@ def batch_shape(output: SchedulerOutput) -> BatchShape:
     num_prefill = prefill_tokens = attention_work = context = 0
     for request, c in output.chunks:
         m = request.num_computed_tokens
-        if c == 1 and request.num_tokens - m == 1:  # a decode scheduled outside a cohort
+        if c == 1 and request.num_tokens_to_process == 1:  # a decode scheduled outside a cohort
             num_decode += 1
             decode_kv += m
         else:
@@ -140,7 +140,7 @@ class SimExecutor:
             [
                 r
                 for r, c in output.chunks
-                if r.num_computed_tokens + c * k == r.num_tokens and r.num_output_tokens + 1 >= r.true_output_tokens
+                if r.num_tokens_to_process == c * k and r.num_output_tokens + 1 >= r.true_output_tokens
             ]
             if output.chunks
             else []
