@@ -148,9 +148,10 @@ class Replica:
         ``(out, None)`` for a single step. Such steps leave no room for arrivals, so the stretch
         does not stop at them, and it has no completion, so no router or closed loop sees it early.
         """
-        limit = min(self.executor.steps_until_finish(out) - 1, MAX_STRETCH_STEPS)
+        # The scheduler first: most such steps cannot repeat (the chunk ends a prompt, or leaves room).
+        limit = self.scheduler.chunk_horizon(out, MAX_STRETCH_STEPS)
         if limit > 1:
-            limit = self.scheduler.chunk_horizon(out, limit)
+            limit = min(limit, self.executor.steps_until_finish(out) - 1)
         if limit <= 1:
             return out, None
         return self.scheduler.repeat(out, limit), self.executor.end_times(out, self.now, limit)
