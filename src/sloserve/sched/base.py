@@ -94,7 +94,9 @@ class Scheduler(ABC):
 
     def decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
         """Steps (>= 1, <= limit) for which repeating the decode-only ``output`` gives the same
-        decision, assuming no arrival and no completion. Default: 1 (no fast path)."""
+        decision, assuming no arrival and no completion. Default: 1 (no fast path).
+
+        NOTE: the caller checks that ``output`` is decode-only (``SchedulerOutput.is_decode_only``)."""
         return 1
 
     def chunk_horizon(self, output: SchedulerOutput, limit: int) -> int:
@@ -111,9 +113,7 @@ class Scheduler(ABC):
     def _cohort_decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
         """``decode_horizon`` of a policy whose decode-only step changes only on a completion, an
         arrival or a memory event: the cohort repeats until a member outgrows free memory."""
-        if not output.is_decode_only or limit <= 1:
-            return 1
-        return self._cohort_memory_horizon(limit)
+        return self._cohort_memory_horizon(limit) if limit > 1 else 1
 
     def _cohort_memory_horizon(self, limit: int) -> int:
         """Steps (>= 1, <= limit) from the scheduled one whose cohort growth fits the free KV (the
