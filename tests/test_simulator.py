@@ -148,6 +148,14 @@ def test_cluster_of_replicas(router):
     assert max(r.finish_time for r in workload.requests) < max(r.finish_time for r in single.requests)
 
 
+def test_simultaneous_arrivals_are_routed_by_request_id():
+    """Ties between arrivals go to the lowest request id, whatever order the requests are given in."""
+    workload = workload_from_trace("sharegpt", num_requests=40, seed=2, context_len=4096, offline=True)
+    requests = workload.requests[::-1]  # given latest id first; all arrive at t=0
+    simulate(requests, lambda: scheduler("vllm", CAPACITY), llama7b_cost(), num_replicas=3)
+    assert [r.replica for r in sorted(requests, key=lambda r: r.request_id)] == [i % 3 for i in range(40)]
+
+
 def _disaggregated(requests, link_bandwidth=12.5e9, **options):
     kvb = 524288  # Llama-2-7B: 2 x 32 layers x 32 heads x 128 x 2 bytes
     return simulate(
