@@ -278,15 +278,13 @@ class EconoServeScheduler(Scheduler):
         """Offload-free preemption (§3.3.2): the under-provisioned GT leaves the batch with its KV and
         is regrouped by its new predicted RL; its occupied KV puts it early in the GT queue."""
         kv = self.kv
+        if isinstance(kv, PipelinedKVManager) and kv.regions[request].parent is not None:
+            # A hosted GT cannot keep its host's slots while it waits: it goes to CPU memory instead.
+            self._evict_hosted(request, out)
+            return
+        self._leave_batch(request)
         if isinstance(kv, PipelinedKVManager):
-            if kv.regions[request].parent is not None:
-                # A hosted GT cannot keep its host's slots while it waits: it goes to CPU memory instead.
-                self._evict_hosted(request, out)
-                return
-            self._leave_batch(request)
-            kv.trim(request, request.num_computed_tokens)
-        else:
-            self._leave_batch(request)
+            kv.trim(request, request.num_computed_tokens)  # the slots granted ahead of its tokens
         self.num_offload_free_stops += 1
         out.add_preemption(request, PreemptionMode.KEEP)
         self._queue_gt(request, self._predicted_remaining(request))
