@@ -292,3 +292,55 @@ def test_policy_metrics_merge_over_replicas():
         {"num_stops": 3, "sched_part_s": 0.25, "sizes": [4], "target": 144, "mode": "b"},
     ])  # fmt: skip
     assert merged == {"num_stops": 5, "sched_part_s": 0.75, "sizes": [1, 2, 4], "target": 144}
+
+
+# Every registered scheduler on a small RT + BE workload under memory pressure (preemptions, swaps,
+# BROS checkpoints, EconoServe lending): preemption counts and finish times, as JSON.
+_EVERY_SCHEDULER = """
+import json, sys
+from sloserve.core.request import RequestClass
+from sloserve.cost import LinearCostModel, get_preset
+from sloserve.sched import make_scheduler
+from sloserve.sched.registry import scheduler_names
+from sloserve.sim import simulate
+from sloserve.workload import workload_from_trace
+
+cost = LinearCostModel(get_preset("llama-2-7b-a100"))
+digest = {"optimize": sys.flags.optimize}
+for name in scheduler_names():
+    workload = workload_from_trace("sharegpt", num_requests=60, seed=5, context_len=4096, rate=30.0)
+    for r in workload.requests[1::2]:
+        r.request_class = RequestClass.BE
+    result = simulate(
+        workload.requests,
+        lambda: make_scheduler(name, kv_capacity_tokens=12_000, max_model_len=4096, kv_bytes_per_token=524288,
+                               swap_space_tokens=4_000, cost_model=cost),
+        cost,
+    )
+    digest[name] = [result.num_preemptions, [r.finish_time for r in workload.requests]]
+print(json.dumps(digest))
+"""
+
+
+def test_same_results_with_asserts_stripped():
+    """``python -O`` drops assert statements: no scheduler or KV manager may do its work inside one
+    (an allocation in an assert was skipped under -O, and EconoServe crashed)."""
+    import json
+    import subprocess
+    import sys
+
+    runs = [
+        subprocess.Popen(
+            [sys.executable, *flags, "-c", _EVERY_SCHEDULER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for flags in ([], ["-O"])
+    ]
+    digests = []
+    for run in runs:
+        stdout, stderr = run.communicate(timeout=300)
+        assert run.returncode == 0, f"{run.args[1:-2]}: {stderr[-2000:]}"
+        digests.append(json.loads(stdout))
+    plain, optimized = digests
+    assert (plain.pop("optimize"), optimized.pop("optimize")) == (0, 1)
+    assert sum(preemptions for preemptions, _ in plain.values()) > 0, "the workload is meant to preempt"
+    assert optimized == plain

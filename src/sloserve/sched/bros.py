@@ -112,8 +112,10 @@ class SubsetScheduler(Scheduler):
     def _add(self, batch: list[Request], request: Request) -> None:
         if self._bicache:
             t0 = time.perf_counter()
-            assert self.kv.restore(request)  # checkpointed BE slots come back first
-            assert self.kv.allocate_slots(request, self._tokens_needed(request), protect=self._batch_set)
+            done = self.kv.restore(request)  # checkpointed BE slots come back first
+            assert done
+            done = self.kv.allocate_slots(request, self._tokens_needed(request), protect=self._batch_set)
+            assert done
             self.kv_time_s += time.perf_counter() - t0
         else:
             self._batch_blocks += self._blocks(request)
@@ -147,7 +149,8 @@ class SubsetScheduler(Scheduler):
     def _take(self, request: Request, out: SchedulerOutput) -> None:
         """Put ``request`` in the batch: allocate its slots, admit it if waiting, add its chunk."""
         if not self._bicache:  # (bidirectional: allocated when it joined the batch)
-            assert self.kv.allocate_slots(request, self._tokens_needed(request))
+            done = self.kv.allocate_slots(request, self._tokens_needed(request))
+            assert done
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
             self._admit(request)

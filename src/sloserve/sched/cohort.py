@@ -172,7 +172,8 @@ class DecodeCohort:
         if self._period is not None:
             counts, period = self._due_count, self._period
             per_tick = [counts[t % period] for t in range(first, last_tick + 1)]
-            assert self.kv.reserve_blocks(sum(per_tick)), "no room to grow the cohort"
+            done = self.kv.reserve_blocks(sum(per_tick))
+            assert done, "no room to grow the cohort"
         else:
             per_tick = [self._grow_calendar(tick) for tick in range(first, last_tick + 1)]
         self._grown_through = max(self._grown_through, last_tick)
@@ -183,7 +184,8 @@ class DecodeCohort:
         self._due.pop(tick, None)
         before = self.kv.num_free_blocks
         for r in members:
-            assert self.kv.allocate_slots(r, r._computed_offset + tick), f"no room to grow {r}"
+            done = self.kv.allocate_slots(r, r._computed_offset + tick)
+            assert done, f"no room to grow {r}"
             due = self.kv.num_slots(r) - r._computed_offset + 1
             self._due.setdefault(due, []).append((r, r.cohort_epoch))
         return before - self.kv.num_free_blocks

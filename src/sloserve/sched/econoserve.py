@@ -325,7 +325,8 @@ class EconoServeScheduler(Scheduler):
         if self.config.pipelining:
             self._host_gts(admitted, groups)  # ②
         for request in admitted:
-            assert kv.allocate_slots(request, request.num_computed_tokens + 1)
+            done = kv.allocate_slots(request, request.num_computed_tokens + 1)
+            assert done
             self._join_cohort(request)
 
     def _fitting_gt(self, room_blocks: int) -> tuple[Request, int] | None:
@@ -376,18 +377,23 @@ class EconoServeScheduler(Scheduler):
         region = self._region_tokens(request, remaining)
         self._region_end[request] = request.num_computed_tokens + region
         if isinstance(kv, PipelinedKVManager):
-            assert kv.restore(request)
+            done = kv.restore(request)
+            assert done
             if host is not None:
-                assert kv.lend(host, request, region, self._buffer_tokens(host))
+                done = kv.lend(host, request, region, self._buffer_tokens(host))
+                assert done
                 self.num_hosted += 1
             elif request in kv.regions:
-                assert kv.extend_region(request, region)
+                done = kv.extend_region(request, region)
+                assert done
             else:
-                assert kv.reserve_region(request, region)
+                done = kv.reserve_region(request, region)
+                assert done
         else:
             assert isinstance(kv, ExactReservationKVManager)
             kv.set_reservation(request, request.num_computed_tokens + region)
-            assert kv.allocate_slots(request, request.num_computed_tokens + region)
+            done = kv.allocate_slots(request, request.num_computed_tokens + region)
+            assert done
         self._admit_in_group(request, remaining, groups, admitted)
 
     def _admit_in_group(self, request: Request, remaining: int, groups: dict[int, int], admitted: list[Request]) -> None:
@@ -477,7 +483,8 @@ class EconoServeScheduler(Scheduler):
             queue.remove(request)
             room -= -(-target // kv.block_size)
             kv.set_reservation(request, target)
-            assert kv.allocate_slots(request, request.num_tokens)
+            done = kv.allocate_slots(request, request.num_tokens)
+            assert done
             self._admit_in_group(request, remaining, groups, admitted)
 
     # --- 3: PTs up to the TFS --------------------------------------------------------------------------
@@ -504,7 +511,8 @@ class EconoServeScheduler(Scheduler):
             if kv.blocks_needed(request, tokens) > kv.num_free_blocks or not self._pt_fits_reserve(request):
                 break
             queue.remove(request)
-            assert kv.allocate_slots(request, tokens)
+            done = kv.allocate_slots(request, tokens)
+            assert done
             self._admit(request)
             num_tokens = min(tokens, room)
             out.chunks.append(ScheduledChunk(request, num_tokens))

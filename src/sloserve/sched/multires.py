@@ -94,7 +94,8 @@ class MultiResScheduler(IterationScheduler):
             while request in self.running and not self.kv.can_allocate(request, tokens):
                 self._preempt(next(reversed(self.running)), PreemptionMode.RECOMPUTE, out)
             if request in self.running:  # (not evicted, for itself or an earlier request)
-                assert self.kv.allocate_slots(request, tokens)
+                done = self.kv.allocate_slots(request, tokens)
+                assert done
                 batch.append(request)
         for request in batch:
             forward += self._run(request, out)
@@ -115,6 +116,7 @@ class MultiResScheduler(IterationScheduler):
                 break  # nothing left fits either resource
             candidates.remove(best)
             self.kv.set_reservation(best, self.reservation(best))
-            assert self._try_admit(best, best.num_tokens)
+            done = self._try_admit(best, best.num_tokens)
+            assert done
             forward += self._run(best, out)
         return out

@@ -103,7 +103,8 @@ class RankScheduler(Scheduler):
                     self._preempt(cand, self._mode, out)  # (4) self-eviction
                     evicted.add(cand)
                 continue
-            assert kv.allocate_slots(cand, target)
+            done = kv.allocate_slots(cand, target)
+            assert done
             if not running:
                 self.waiting.remove(cand)
                 self._admit(cand)

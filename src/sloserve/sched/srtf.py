@@ -109,7 +109,8 @@ class IterationScheduler(Scheduler):
         target, e.g. max allocation) fit in the free KV; all or nothing."""
         if not self.kv.can_allocate(request, hold_tokens):
             return False
-        assert self.kv.allocate_slots(request, hold_tokens)
+        done = self.kv.allocate_slots(request, hold_tokens)
+        assert done
         self.waiting.remove(request)
         self._admit(request)
         return True
@@ -185,7 +186,8 @@ class PriorityBatchScheduler(IterationScheduler):
             self._min_need = None
         for request in batch:
             if request in admitted:
-                assert self._try_admit(request, request.num_tokens)
+                done = self._try_admit(request, request.num_tokens)
+                assert done
             self._run(request, out)
         return out
 

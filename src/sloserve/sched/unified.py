@@ -202,7 +202,9 @@ class UnifiedScheduler(Scheduler):
                 break
             self.swapped.popleft()
             copies = kv.swap_in(request)
-            assert copies is not None and kv.allocate_slots(request, tokens)
+            assert copies is not None
+            done = kv.allocate_slots(request, tokens)
+            assert done
             out.swap_in = [*out.swap_in, *copies]
             out.swap_bytes += kv.swap_bytes(copies)
             self._admit(request)
@@ -225,7 +227,8 @@ class UnifiedScheduler(Scheduler):
             if not kv.can_allocate(request, tokens, self._watermark_blocks):
                 break
             self.incoming.popleft()
-            assert kv.allocate_slots(request, tokens)
+            done = kv.allocate_slots(request, tokens)
+            assert done
             self._admit(request)
             self._join_cohort(request)
 
@@ -254,7 +257,8 @@ class UnifiedScheduler(Scheduler):
             must_fit, hold = self._reserve_target(request)
             if not kv.can_allocate(request, must_fit, self._watermark_blocks):
                 break
-            assert kv.allocate_slots(request, hold)
+            done = kv.allocate_slots(request, hold)
+            assert done
             if request is self.waiting[0]:
                 self.waiting.popleft()
             else:
