@@ -330,3 +330,30 @@ def test_tables_render():
     # rows = rates (sorted), columns = schedulers in the order given; mean normalized latency.
     assert rows == {"1": ["0.917", "0.917"], "2": ["2", "0.917"]}
     assert "vllm" in text and "econoserve" in text
+
+
+def test_timeline_keeps_recording_order_across_row_flushes():
+    """Appended rows are buffered and copied into the columns in blocks; stretches recorded between
+    them still land where they were recorded, and integer columns stay exact."""
+    from sloserve.metrics.timeline import ROWS_PER_FLUSH
+
+    tl = Timeline()
+    expected_starts, expected_used = [], []
+    t = 0.0
+    for i in range(2 * ROWS_PER_FLUSH + 7):
+        tl.append(t, 0.5, 3, 1, 2, 3, 2**40 + i, 2**41, 0, 1e-6, 1)
+        expected_starts.append(t)
+        expected_used.append(2**40 + i)
+        t += 0.5
+        if i % 1000 == 999:  # a stretch of 3 decode steps of 2 requests
+            ends = [t + 0.25, t + 0.5, t + 0.75]
+            tl.append_stretch(t, ends, 2, 0, 0, 100, 106, 160, 160, [0, 0, 0], 16, 1e-6, 1)
+            expected_starts += [t, t + 0.25, t + 0.5]
+            expected_used += [102, 104, 106]
+            t = ends[-1]
+    assert len(tl) == len(expected_starts)
+    np.testing.assert_array_equal(tl.column("start_s"), expected_starts)
+    np.testing.assert_array_equal(tl.column("kv_used_tokens"), expected_used)
+    assert tl.column("kv_used_tokens").dtype == np.int64
+    tl.append(t, 0.5, 3, 1, 2, 3, 7, 7, 0, 1e-6, 1)  # appending after a read goes on in order
+    assert tl.column("start_s")[-1] == t and len(tl) == len(expected_starts) + 1

@@ -344,3 +344,27 @@ def test_same_results_with_asserts_stripped():
     assert (plain.pop("optimize"), optimized.pop("optimize")) == (0, 1)
     assert sum(preemptions for preemptions, _ in plain.values()) > 0, "the workload is meant to preempt"
     assert optimized == plain
+
+
+@pytest.mark.parametrize("name", ["vllm", "sarathi", "econoserve", "bros"])
+def test_simulation_leaves_no_cyclic_garbage(name):
+    """``simulate`` pauses the cyclic garbage collector (it would only re-walk the live requests):
+    that is safe only while a run creates no reference cycles, and the collector's state comes back."""
+    import gc
+
+    from sloserve.core.request import RequestClass
+    from sloserve.sched import make_scheduler
+
+    workload = workload_from_trace("sharegpt", num_requests=200, seed=5, context_len=4096, rate=20.0)
+    for r in workload.requests[1::2]:
+        r.request_class = RequestClass.BE
+    cost = llama7b_cost()
+    gc.collect()
+    assert gc.isenabled()
+    simulate(
+        workload.requests,
+        lambda: make_scheduler(name, kv_capacity_tokens=CAPACITY, max_model_len=4096, cost_model=cost),
+        cost,
+    )
+    assert gc.isenabled()
+    assert gc.collect() == 0, "a simulation left objects in reference cycles"

@@ -21,6 +21,8 @@ TIMELINE_COLUMNS: dict[str, type] = {
     "sched_time_s": np.float64,  # wall time spent in schedule() for this step
     "replica": np.int64,
 }
+# Appended rows buffered before they are copied into the columns (bounds the buffer's memory).
+ROWS_PER_FLUSH = 4096
 
 
 class Timeline:
@@ -33,17 +35,25 @@ class Timeline:
 
     def __init__(self) -> None:
         self._cols = {name: array("d" if dt is np.float64 else "q") for name, dt in TIMELINE_COLUMNS.items()}
-        self._bind_appenders()
+        # Appended rows not yet in the columns, as tuples in column order: appending to 11 arrays
+        # parsed each value as an argument, which cost more than the row itself (see _flush_rows).
+        self._rows: list[tuple] = []
         # Stretches not yet expanded, one list entry per stretch (see append_stretch).
         self._stretches: list[tuple] = []
         self._stretch_rows = 0
 
-    def _bind_appenders(self) -> None:
-        c = self._cols
-        self._appenders = tuple(c[name].append for name in TIMELINE_COLUMNS)
-
     def __len__(self) -> int:
-        return len(self._cols["start_s"]) + self._stretch_rows
+        return len(self._cols["start_s"]) + len(self._rows) + self._stretch_rows
+
+    def _flush_rows(self) -> None:
+        """Move the buffered rows into the columns, one vectorized copy per column."""
+        if not self._rows:
+            return
+        # NOTE: integer columns pass through float64 here, exact below 2**53 (token counts are far below).
+        block = np.array(self._rows, dtype=np.float64)  # (rows, columns)
+        self._rows = []
+        for i, (name, dtype) in enumerate(TIMELINE_COLUMNS.items()):
+            self._cols[name].frombytes(block[:, i].astype(dtype).tobytes())
 
     def append(
         self,
@@ -59,18 +69,13 @@ class Timeline:
         sched_time_s: float,
         replica: int = 0,
     ) -> None:
-        a = self._appenders
-        a[0](start_s)
-        a[1](duration_s)
-        a[2](num_tokens)
-        a[3](num_prefill_tokens)
-        a[4](num_decode)
-        a[5](num_requests)
-        a[6](kv_used_tokens)
-        a[7](kv_allocated_tokens)
-        a[8](num_preempted)
-        a[9](sched_time_s)
-        a[10](replica)
+        rows = self._rows
+        rows.append((
+            start_s, duration_s, num_tokens, num_prefill_tokens, num_decode, num_requests, kv_used_tokens,
+            kv_allocated_tokens, num_preempted, sched_time_s, replica,
+        ))  # fmt: skip
+        if len(rows) == ROWS_PER_FLUSH:
+            self._flush_rows()
 
     def append_stretch(
         self,
@@ -167,6 +172,7 @@ class Timeline:
 
     def _expand(self) -> None:
         """Materialize pending stretches, interleaved with the appended rows in recording order."""
+        self._flush_rows()
         if not self._stretches:
             return
         positions, stretch_cols = self._stretch_columns()
@@ -181,7 +187,6 @@ class Timeline:
             col = array(self._cols[name].typecode)
             col.frombytes(merged.tobytes())
             self._cols[name] = col
-        self._bind_appenders()
 
     def extend(self, **columns: np.ndarray | float | int) -> None:
         """Append rows given as equal-length arrays (scalars broadcast; ``start_s`` must be an array).

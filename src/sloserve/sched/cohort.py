@@ -18,7 +18,6 @@ requests per wall second.
 from __future__ import annotations
 
 import math
-from array import array
 from bisect import bisect_left
 from collections.abc import Sequence
 from operator import sub
@@ -235,7 +234,9 @@ class TickTimes:
     tick to the latest, in O(log n): what a member leaving needs to record its run of tokens."""
 
     def __init__(self) -> None:
-        self._end = array("d", [math.nan])  # (ticks + 1,) end time of tick k at index k
+        # (ticks + 1,) end time of tick k at index k. NOTE: a list, not an array("d"): appending a
+        # float to an array parses it as an argument, which cost more than the list's extra memory.
+        self._end: list[float] = [math.nan]
         # The gaps (end of tick k minus end of tick k - 1, k >= 2) that no later gap reaches: ticks
         # ascending, gaps strictly descending, so the largest gap from tick a to the latest tick is
         # the first entry at or after a (a monotonic stack; each tick is pushed and popped once).
@@ -251,6 +252,8 @@ class TickTimes:
         t, k = len(ends) - 1, len(end_times)
         if k <= 64:
             # NOTE: element by element: for a few ticks numpy costs more than the work.
+            if isinstance(end_times, np.ndarray):
+                end_times = end_times.tolist()  # Python floats in the list, as from the other path
             previous = ends[t]
             ends.extend(end_times)
             if t >= 1:  # tick 1 has no gap
@@ -270,7 +273,7 @@ class TickTimes:
         gaps = np.empty(k)  # (k,) gaps of ticks t+1 .. t+k: the same subtractions as above
         gaps[0] = run[0] - ends[t]
         np.subtract(run[1:], run[:-1], out=gaps[1:])
-        ends.frombytes(run.tobytes())
+        ends.extend(run.tolist())
         first = 1 if t == 0 else 0  # tick 1 has no gap
         gaps = gaps[first:]
         # The run's gaps that no later gap of the run reaches (strictly above the largest after them).
