@@ -164,6 +164,21 @@ def test_repeated_steps_match_batch_time(which, num_decode, kv, chunk, context, 
         np.testing.assert_allclose(slow[0] + increment * np.arange(steps), slow, rtol=1e-12, atol=0)
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    which=st.integers(0, len(COST_MODELS) - 1),
+    num_decode=st.integers(0, 1024),
+    kv=st.integers(0, 5_000_000),
+    chunks=st.lists(st.tuples(st.integers(1, 4096), st.integers(0, 100_000)), max_size=4),
+    swap_bytes=st.sampled_from([0, 1, 123_456_789]),
+)
+def test_step_seconds_is_the_breakdown_total(which, num_decode, kv, chunks, swap_bytes) -> None:
+    """The simulator's clock (step_seconds) advances by exactly batch_time's total."""
+    model = COST_MODELS[which]
+    shape = prefill_shape(chunks, num_decode, kv if num_decode else 0)._replace(swap_bytes=swap_bytes)
+    assert model.step_seconds(shape) == model.batch_time(shape).total_s
+
+
 def test_advance_shape_refuses_what_does_not_repeat() -> None:
     with pytest.raises(ValueError, match="at most one prefill chunk"):
         advance_shape(BatchShape(4, 100, 2, 64, 64 * 64 * 2, 0), 3)

@@ -48,6 +48,11 @@ class CostModel(ABC):
     def batch_time(self, shape: BatchShape) -> CostBreakdown:
         """Time of one step with this shape."""
 
+    def step_seconds(self, shape: BatchShape) -> float:
+        """``batch_time(shape).total_s``, exactly: what the simulator's clock advances by. Models
+        override it to skip building the breakdown (the simulator asks once per step)."""
+        return self.batch_time(shape).total_s
+
     def decode_times(self, num_decode: int, decode_kv_tokens: int, num_steps: int) -> np.ndarray:
         """Durations (seconds, float64, shape ``(num_steps,)``) of ``num_steps`` consecutive
         decode-only steps of ``num_decode`` requests whose summed KV starts at ``decode_kv_tokens``

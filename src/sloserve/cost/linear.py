@@ -100,27 +100,29 @@ class LinearCostModel(CostModel):
 
     def batch_time(self, shape: BatchShape) -> CostBreakdown:
         """Time of one step with this shape (see the module docstring for the formula)."""
-        num_decode = shape.num_decode
-        num_prefill = shape.num_prefill
-        swap_bytes = shape.swap_bytes
+        other_s, decode_s, prefill_s, swap_s = self._parts(shape)
+        return CostBreakdown(other_s + decode_s + prefill_s + swap_s, other_s, decode_s, prefill_s, swap_s)
+
+    def step_seconds(self, shape: BatchShape) -> float:
+        other_s, decode_s, prefill_s, swap_s = self._parts(shape)
+        return other_s + decode_s + prefill_s + swap_s
+
+    def _parts(self, shape: BatchShape) -> tuple[float, float, float, float]:
+        """(non-attention, decode attention, prefill attention, swap) seconds of one step."""
+        num_decode, decode_kv_tokens, num_prefill, prefill_tokens, attention_work, context, swap_bytes = shape
         scale = self._scale
         decode_s = 0.0
         if num_decode > 0:
             # a_d * B * avgKV + b_d + s_d * B
-            decode_s = (self._a_d * shape.decode_kv_tokens + self._b_d + self._s_d * num_decode) * scale
+            decode_s = (self._a_d * decode_kv_tokens + self._b_d + self._s_d * num_decode) * scale
         prefill_s = 0.0
         if num_prefill > 0:
             # a_p * sum(c^2 + 2mc) + b_p + s_p * n_p + m_p * sum(m)
-            prefill_s = (
-                self._a_p * shape.prefill_attention_work
-                + self._b_p
-                + self._s_p * num_prefill
-                + self._m_p * shape.prefill_context_tokens
-            ) * scale
-        tokens = num_decode + shape.prefill_tokens
+            prefill_s = (self._a_p * attention_work + self._b_p + self._s_p * num_prefill + self._m_p * context) * scale
+        tokens = num_decode + prefill_tokens
         other_s = (self._a_o * tokens + self._b_o) * scale if tokens > 0 else 0.0
         swap_s = swap_bytes / self.swap_bandwidth if swap_bytes else 0.0
-        return CostBreakdown(other_s + decode_s + prefill_s + swap_s, other_s, decode_s, prefill_s, swap_s)
+        return other_s, decode_s, prefill_s, swap_s
 
     def decode_times(self, num_decode: int, decode_kv_tokens: int, num_steps: int) -> np.ndarray:
         """Vectorized decode-only steps; same arithmetic, in the same order, as ``batch_time``."""
