@@ -145,7 +145,7 @@ class UnifiedScheduler(Scheduler):
         return min(self._budget - reserved - used, self._prefill_budget - used)
 
     def _add_chunk(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
-        out.chunks.append(ScheduledChunk(request, num_tokens))
+        out.chunks.append(tuple.__new__(ScheduledChunk, (request, num_tokens)))  # no Python-level __new__
         self._chunk_tokens += num_tokens
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
