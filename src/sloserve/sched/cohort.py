@@ -256,17 +256,10 @@ class TickTimes:
                 end_times = end_times.tolist()  # Python floats in the list, as from the other path
             previous = ends[t]
             ends.extend(end_times)
-            if k == 1:  # a single step, the common case: _push_gap inlined
-                if t >= 1:  # tick 1 has no gap
-                    gap = end_times[0] - previous
-                    while peak_gaps and peak_gaps[-1] <= gap:
-                        peak_gaps.pop()
-                        peak_ticks.pop()
-                    peak_ticks.append(t + 1)
-                    peak_gaps.append(gap)
-                return
-            if t >= 1:
+            if t >= 1:  # tick 1 has no gap
                 self._push_gap(t + 1, end_times[0] - previous)
+            if k == 1:  # a single step: the common case
+                return
             gaps = list(map(sub, end_times[1:], end_times))  # ticks t+2 .. t+k (b - a, in C)
             if gaps == sorted(gaps):
                 # Non-decreasing (a stretch's step times grow): each gap would pop the one before
