@@ -48,7 +48,8 @@ class SlotCopy(NamedTuple):
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """One step's decisions. Built fresh by ``Scheduler.schedule``; never mutated afterwards."""
+    """One step's decisions. Built fresh by ``Scheduler.schedule``; not changed afterwards, except by
+    ``repeated`` (the simulator's fast path) before it runs."""
 
     # Requests processing an explicit number of tokens (prefills, chunks, refills, and decodes of
     # policies that do not use a cohort). Each chunk starts at the request's num_computed_tokens.
@@ -83,17 +84,15 @@ class SchedulerOutput:
         self.preempted = [*self.preempted, Preemption(request, mode)]
 
     def repeated(self, num_steps: int, new_blocks_per_step: Sequence[int]) -> SchedulerOutput:
-        """This output (no preemption, swap or copy) standing for ``num_steps`` steps (a new object)."""
+        """This output (no preemption, swap or copy) made to stand for ``num_steps`` steps; returns it.
+
+        NOTE: the one change an output may take after ``schedule`` built it: the simulator's fast
+        path turns it into a stretch before it runs (in place: a new object per stretch cost more
+        than the stretch's other bookkeeping)."""
         assert not (self.preempted or self.swap_in or self.swap_out or self.slot_copies), self
-        return SchedulerOutput(
-            chunks=self.chunks,
-            cohort=self.cohort,
-            cohort_size=self.cohort_size,
-            cohort_kv_tokens=self.cohort_kv_tokens,
-            cohort_joined=self.cohort_joined,
-            num_steps=num_steps,
-            new_blocks_per_step=new_blocks_per_step,
-        )
+        self.num_steps = num_steps
+        self.new_blocks_per_step = new_blocks_per_step
+        return self
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -214,9 +214,10 @@ class Scheduler(ABC):
 
     def kv_used_tokens(self) -> int:
         """Tokens holding KV on the GPU."""
-        if not self.outside_cohort:
-            return self.cohort.kv_tokens  # the common case, read every step: no generator
-        return self.cohort.kv_tokens + sum(r.num_computed_tokens for r in self.outside_cohort)
+        used = self.cohort.kv_tokens
+        for request in self.outside_cohort:  # NOTE: a loop: read every step, and a generator costs more
+            used += request.num_computed_tokens
+        return used
 
     def check_integrity(self) -> None:
         """Invariants across queues, cohort and KV manager (for tests)."""

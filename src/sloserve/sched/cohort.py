@@ -248,8 +248,14 @@ class TickTimes:
 
     def extend(self, end_times: Sequence[float]) -> None:
         """Ticks that ended at ``end_times`` follow the latest."""
-        ends, peak_ticks, peak_gaps = self._end, self._peak_ticks, self._peak_gaps
+        ends = self._end
         t, k = len(ends) - 1, len(end_times)
+        if k == 1:  # a single step (its end times are a tuple of a float): the common case
+            end = end_times[0]
+            ends.append(end)
+            if t:  # tick 1 has no gap
+                self._push_gap(t + 1, end - ends[t])
+            return
         if k <= 64:
             # NOTE: element by element: for a few ticks numpy costs more than the work.
             if isinstance(end_times, np.ndarray):
@@ -258,8 +264,6 @@ class TickTimes:
             ends.extend(end_times)
             if t >= 1:  # tick 1 has no gap
                 self._push_gap(t + 1, end_times[0] - previous)
-            if k == 1:  # a single step: the common case
-                return
             gaps = list(map(sub, end_times[1:], end_times))  # ticks t+2 .. t+k (b - a, in C)
             if gaps == sorted(gaps):
                 # Non-decreasing (a stretch's step times grow): each gap would pop the one before
@@ -274,6 +278,7 @@ class TickTimes:
         gaps[0] = run[0] - ends[t]
         np.subtract(run[1:], run[:-1], out=gaps[1:])
         ends.extend(run.tolist())
+        peak_ticks, peak_gaps = self._peak_ticks, self._peak_gaps
         first = 1 if t == 0 else 0  # tick 1 has no gap
         gaps = gaps[first:]
         # The run's gaps that no later gap of the run reaches (strictly above the largest after them).

@@ -282,16 +282,17 @@ class UnifiedScheduler(Scheduler):
         cfg = self.config
         if (
             limit <= 1
+            or len(output.chunks) != 1
+            # NOTE: _chunk_tokens is the chunk of the output just scheduled: no room is left. The
+            # common way out (the chunk ends its prompt), so tested early.
+            or self._prefill_room(output, 0) > 0
             or cfg.priority != "decode_first"
             or not cfg.chunked_prefill
-            or len(output.chunks) != 1
             or output.cohort is None
             or output.preempted
             or output.swap_in
             or self.swapped
             or self.incoming
-            # NOTE: _chunk_tokens is the chunk of the output just scheduled: no room is left.
-            or self._prefill_room(output, 0) > 0
         ):
             return 1
         request, chunk = output.chunks[0]

@@ -10,7 +10,8 @@ of k steps whose times come from the cost model's arithmetic series (``CostModel
 - a decode-only step, until an arrival, a completion or a memory event (``Scheduler.decode_horizon``);
 - a step of decodes and a prompt chunk that leaves no room for anyone else (Sarathi's middle
   chunks of a long prompt), until the prompt's last chunk, a completion or a memory event
-  (``Scheduler.chunk_horizon``): arrivals cannot join such steps.
+  (``Scheduler.chunk_horizon``): arrivals cannot join such steps. It stops before a completion,
+  except in a run of one replica (nothing routes arrivals by what has finished).
 
 ``fast_path=False`` runs the same steps one by one; tests check both give the same per-request
 timestamps and the same timeline.
@@ -66,6 +67,9 @@ class Replica:
         self.now = 0.0  # time at which the next step starts
         self.timeline = Timeline()
         self.outstanding = 0  # routed and not finished
+        # True when nothing outside this replica reads its state between its steps (the only
+        # replica, no closed-loop batches): a stretch may then run past arrivals up to a completion.
+        self.solo = False
         # Called with (replica, output) before each step runs (recording schedules; fast path off).
         self.on_step: Callable[[int, SchedulerOutput], None] | None = None
 
@@ -141,19 +145,20 @@ class Replica:
             return out, (now + first,)
         ends = executor.end_times(out, now, limit, next_arrival, first, shape)
         if len(ends) == 1:
-            return out, ends
+            return out, (float(ends[0]),)  # NOTE: a single step's end times are a tuple of a float
         return self.scheduler.repeat(out, len(ends)), ends
 
     def _chunk_stretch(self, out: SchedulerOutput) -> tuple[SchedulerOutput, Sequence[float] | None]:
         """``out`` (decodes and a prompt chunk) repeated for as many steps as the scheduler's
-        ``chunk_horizon`` allows, up to the step before the next completion, with their end times;
-        ``(out, None)`` for a single step. Such steps leave no room for arrivals, so the stretch
-        does not stop at them, and it has no completion, so no router or closed loop sees it early.
+        ``chunk_horizon`` allows, up to the step before the next completion (through it when
+        ``solo``), with their end times; ``(out, None)`` for a single step. Such steps leave no room
+        for arrivals, so the stretch does not stop at them; a completion inside the stretch would
+        be seen early by a router or a closed loop that acts on the arrivals it passed.
         """
         # The scheduler first: most such steps cannot repeat (the chunk ends a prompt, or leaves room).
         limit = self.scheduler.chunk_horizon(out, MAX_STRETCH_STEPS)
         if limit > 1:
-            limit = min(limit, self.executor.steps_until_finish(out) - 1)
+            limit = min(limit, self.executor.steps_until_finish(out) - (0 if self.solo else 1))
         if limit <= 1:
             return out, None
         return self.scheduler.repeat(out, limit), self.executor.end_times(out, self.now, limit)
@@ -372,6 +377,7 @@ def simulate(
     transferred_bytes = 0
     routed = routed_to_decode = completed = steps = 0
     solo = len(everyone) == 1 and not chains
+    everyone[0].solo = solo
     while True:
         next_arrival = pending[-1][0] if pending else math.inf
         next_event = min(next_arrival, transfers[0][0]) if transfers else next_arrival
