@@ -170,7 +170,10 @@ class DecodeCohort:
         first = self._grown_through + 1
         if self._period is not None:
             counts, period = self._due_count, self._period
-            per_tick = [counts[t % period] for t in range(first, last_tick + 1)]
+            # Tick t needs counts[t % period]: the counts from first's residue on, cycled (list
+            # operations in C rather than a Python loop per tick).
+            start, num_ticks = first % period, last_tick + 1 - first
+            per_tick = ((counts[start:] + counts[:start]) * -(-num_ticks // period))[:num_ticks]
             done = self.kv.reserve_blocks(sum(per_tick))
             assert done, "no room to grow the cohort"
         else:

@@ -46,6 +46,8 @@ MAX_STRETCH_STEPS = 4096
 # NOTE: counted before numpy's BLAS threads were pinned (OPENBLAS_NUM_THREADS=1), which makes the
 # count repeatable; unpinned, runs of one version differed by up to a few percent.
 MIN_STRETCH_STEPS = 2
+# on_progress is called about this often (in steps run).
+PROGRESS_EVERY_STEPS = 256
 
 
 class SimulationStuckError(RuntimeError):
@@ -121,6 +123,19 @@ class Replica:
         self.now = end
         self.outstanding -= len(finished)
         return finished
+
+    def run_until(self, next_event: float) -> tuple[int, int]:
+        """Step until ``next_event`` is due or nothing is left to run: (requests finished, steps).
+
+        NOTE: only for a ``solo`` replica, whose steps nothing else reacts to in between.
+        """
+        has_unfinished = self.scheduler.has_unfinished
+        num_finished = num_steps = 0
+        while True:
+            num_finished += len(self.step(next_event))
+            num_steps += 1
+            if self.now >= next_event or not has_unfinished():
+                return num_finished, num_steps
 
     def _decode_stretch(
         self, out: SchedulerOutput, next_arrival: float
@@ -376,6 +391,7 @@ def simulate(
     link_free = [0.0] * num_replicas  # when each prefill replica's link is idle again
     transferred_bytes = 0
     routed = routed_to_decode = completed = steps = 0
+    next_progress = PROGRESS_EVERY_STEPS
     solo = len(everyone) == 1 and not chains
     everyone[0].solo = solo
     while True:
@@ -398,7 +414,13 @@ def simulate(
                 route(replicas, routed).add(request, arrival)
                 routed += 1
             continue
-        while True:
+        if solo:
+            # One replica and no chained batches: nothing but its own clock moves the next event,
+            # so it steps on until the event is due (or it runs dry) without choosing again.
+            num_finished, num_steps = replica.run_until(next_event)
+            completed += num_finished
+            steps += num_steps
+        else:
             finished = replica.step(next_event)
             completed += len(finished)
             steps += 1
@@ -419,12 +441,9 @@ def simulate(
                 link_free[replica.index] = start + num_bytes / link_bandwidth
                 transferred_bytes += num_bytes
                 heapq.heappush(transfers, (link_free[replica.index], request.request_id, request))
-            if on_progress is not None and steps % 256 == 0:
-                on_progress(completed)
-            # One replica and no chained batches: nothing but its own clock moves the next event,
-            # so it steps on until the event is due (or it runs dry) without choosing again.
-            if not solo or replica.now >= next_event or not replica.scheduler.has_unfinished():
-                break
+        if on_progress is not None and steps >= next_progress:
+            on_progress(completed)
+            next_progress = steps + PROGRESS_EVERY_STEPS
     if on_progress is not None:
         on_progress(completed)
     timeline = everyone[0].timeline if len(everyone) == 1 else Timeline.concat([r.timeline for r in everyone])
