@@ -267,13 +267,14 @@ class TickTimes:
             ends.extend(end_times)
             if t >= 1:  # tick 1 has no gap
                 self._push_gap(t + 1, end_times[0] - previous)
-            gaps = list(map(sub, end_times[1:], end_times))  # ticks t+2 .. t+k (b - a, in C)
-            if gaps == sorted(gaps):
-                # Non-decreasing (a stretch's step times grow): each gap would pop the one before
-                # it, so pushing the last alone leaves the same stack.
-                self._push_gap(t + k, gaps[-1])
+            last_gap = end_times[-1] - end_times[-2]
+            # Gaps of ticks t+2 .. t+k are b - a (in C). When the last is the largest (a stretch's
+            # step times grow), it pops every other gap of the run: pushing it alone leaves the
+            # same stack.
+            if max(map(sub, end_times[1:], end_times)) <= last_gap:
+                self._push_gap(t + k, last_gap)
             else:
-                for tick, gap in enumerate(gaps, t + 2):
+                for tick, gap in enumerate(map(sub, end_times[1:], end_times), t + 2):
                     self._push_gap(tick, gap)
             return
         run = np.asarray(end_times, dtype=np.float64)  # (k,)

@@ -234,22 +234,28 @@ class UnifiedScheduler(Scheduler):
 
     def _schedule_running_prefills(self, out: SchedulerOutput, reserved: int) -> None:
         """Group R_r^p: chunked prefills in progress already hold KV for their whole prompt."""
+        if not self.outside_cohort:
+            return
+        room = self._prefill_room(out, reserved)
         for request in self.outside_cohort:
-            room = self._prefill_room(out, reserved)
             if room <= 0:
                 break
-            self._add_chunk(out, request, min(request.num_tokens_to_process, room))
+            num_tokens = min(request.num_tokens_to_process, room)
+            self._add_chunk(out, request, num_tokens)
+            room -= num_tokens
 
     def _schedule_waiting(self, out: SchedulerOutput, reserved: int) -> None:
         """Group R_w, FCFS: admit while C, P, M and max_num_seqs allow; stop at the first that does
         not fit (a memory failure here skips the group, as vLLM and Sarathi do)."""
+        if not self.waiting:
+            return
         kv, cfg = self.kv, self.config
+        room = self._prefill_room(out, reserved)
         while self.waiting and len(self.running) < cfg.max_num_seqs:
             request = self.waiting[0]
             if cfg.class_priority and request.request_class is not RequestClass.RT:
                 request = next((r for r in self.waiting if r.request_class is RequestClass.RT), request)
             tokens = request.num_tokens_to_process
-            room = self._prefill_room(out, reserved)
             num_tokens = min(tokens, room) if cfg.chunked_prefill else tokens
             if num_tokens <= 0 or num_tokens > room:
                 break
@@ -265,6 +271,7 @@ class UnifiedScheduler(Scheduler):
                 self.waiting.remove(request)
             self._admit(request)
             self._add_chunk(out, request, num_tokens)
+            room -= num_tokens
 
     # --- simulator fast path -----------------------------------------------------------------
     def decode_horizon(self, output: SchedulerOutput, limit: int) -> int:

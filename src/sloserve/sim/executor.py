@@ -139,15 +139,10 @@ class SimExecutor:
             ends = (now + self.step_time(output),)
         else:
             ends = self.end_times(output, now, k)
-        finished = (
-            [
-                r
-                for r, c in output.chunks
-                if r.num_tokens_to_process == c * k and r.num_output_tokens + 1 >= r.true_output_tokens
-            ]
-            if output.chunks
-            else []
-        )
+        finished = []  # NOTE: a loop, not a list comprehension: Python 3.11 calls a function for one
+        for r, c in output.chunks:
+            if r.num_tokens_to_process == c * k and r.num_output_tokens + 1 >= r.true_output_tokens:
+                finished.append(r)
         cohort = output.cohort
         if cohort is not None:
             last_tick = cohort.ticks + k

@@ -207,11 +207,14 @@ class Replica:
         allocated_before: int,
     ) -> None:
         kv = self.scheduler.kv
+        num_prefill = 0
+        for _, c in out.chunks:  # NOTE: a loop: a generator costs more for the one chunk at most
+            num_prefill += c
         self.timeline.append_stretch(
             start,
             ends,
             out.cohort_size,
-            sum(c for _, c in out.chunks),
+            num_prefill,
             len(out.chunks),
             used_before,
             self.scheduler.kv_used_tokens(),
