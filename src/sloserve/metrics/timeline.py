@@ -46,14 +46,13 @@ class Timeline:
         return len(self._cols["start_s"]) + len(self._rows) + self._stretch_rows
 
     def _flush_rows(self) -> None:
-        """Move the buffered rows into the columns, one vectorized copy per column."""
+        """Move the buffered rows into the columns."""
         if not self._rows:
             return
-        # NOTE: integer columns pass through float64 here, exact below 2**53 (token counts are far below).
-        block = np.array(self._rows, dtype=np.float64)  # (rows, columns)
+        # NOTE: rows transposed in C; each column array converts its values (ints stay exact).
+        for col, values in zip(self._cols.values(), zip(*self._rows, strict=True), strict=True):
+            col.extend(values)
         self._rows = []
-        for i, (name, dtype) in enumerate(TIMELINE_COLUMNS.items()):
-            self._cols[name].frombytes(block[:, i].astype(dtype).tobytes())
 
     def append(
         self,
