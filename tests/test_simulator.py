@@ -84,6 +84,17 @@ def test_chunk_stretches_exist():
     assert any(passed)
 
 
+def test_chunk_stretch_runs_through_a_completion_on_one_replica():
+    """On one replica a chunk stretch goes on through the step in which a decode finishes (the
+    timestamps stay those of step by step: the cases above)."""
+    reqs, result = _run("arxiv", "sarathi", fast=True, n=60, rate=3.0)
+    timeline = result.timeline
+    stretched = (timeline.column("sched_time_s") == 0) & (timeline.column("num_prefill_tokens") > 0)
+    ends = (timeline.column("start_s") + timeline.column("duration_s"))[stretched]
+    finishes = np.array([r.finish_time for r in reqs])
+    assert np.isclose(finishes[:, None], ends[None, :], rtol=1e-12, atol=0).any()
+
+
 @pytest.mark.parametrize("router", ["round-robin", "least-outstanding"])
 def test_fast_path_same_timestamps_in_a_cluster(router):
     """Stretches that run past arrivals route every arrival as step-by-step does."""
