@@ -21,6 +21,12 @@ class BlockPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
 
     @property
+    def free_list(self) -> list[int]:
+        """The free block ids, bottom of the stack first. NOTE: the pool's own list, changed in place
+        by ``allocate`` and ``release`` (its len() is the free count); read it, never change it."""
+        return self._free
+
+    @property
     def num_free(self) -> int:
         return len(self._free)
 

@@ -50,6 +50,9 @@ class KVCacheManager:
             )
         self.block_size = block_size
         self.gpu = BlockPool(num_blocks, block_size)
+        # NOTE: the GPU pool's free list itself (the pool changes it in place): its len() is read
+        # every step, and through the pool's property it cost two calls.
+        self._gpu_free = self.gpu.free_list
         self.cpu = BlockPool(num_cpu_blocks, block_size)
         self.kv_bytes_per_token = kv_bytes_per_token
         self.block_tables: dict[Request, list[int]] = {}  # GPU blocks per request, in token order
@@ -70,16 +73,16 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.gpu.num_free - self._owed_blocks
+        return len(self._gpu_free) - self._owed_blocks
 
     @property
     def allocated_tokens(self) -> int:
         """Token slots held by requests (whole blocks, owed ones included)."""
-        return (self.gpu.num_used + self._owed_blocks) * self.block_size
+        return (self.gpu.num_blocks - len(self._gpu_free) + self._owed_blocks) * self.block_size
 
     def _take(self, num_blocks: int) -> list[int] | None:
         """Blocks from the free pool, leaving the owed ones alone; None (counted) if too few."""
-        if num_blocks > self.gpu.num_free - self._owed_blocks:
+        if num_blocks > len(self._gpu_free) - self._owed_blocks:
             self.num_allocation_failures += 1
             return None
         return self.gpu.allocate(num_blocks)
@@ -127,7 +130,7 @@ class KVCacheManager:
     def reserve_blocks(self, num_blocks: int) -> bool:
         """Reserve ``num_blocks`` blocks by count, their ids assigned later by ``settle_blocks`` (the
         decode cohort's growth). All or nothing."""
-        if num_blocks > self.num_free_blocks:
+        if num_blocks > len(self._gpu_free) - self._owed_blocks:  # num_free_blocks, without a call
             self.num_allocation_failures += 1
             return False
         self._owed_blocks += num_blocks

@@ -36,7 +36,9 @@ class DecodeCohort:
         self.ticks = 0
         # member -> first tick at which it needs a new block (insertion-ordered)
         self.members: dict[Request, int] = {}
-        self._offset_sum = 0  # sum of members' _computed_offset
+        # Sum of members' num_computed_tokens: the KV decode attention reads next tick.
+        # NOTE: kept up to date by add, remove and advance (an attribute: read every step).
+        self.kv_tokens = 0
         self._times = TickTimes()
         self._grown_through = 0  # last tick whose KV growth has been reserved
         self._period = kv.growth_period
@@ -52,11 +54,6 @@ class DecodeCohort:
     def __contains__(self, request: Request) -> bool:
         return request.cohort is self
 
-    @property
-    def kv_tokens(self) -> int:
-        """Sum of members' num_computed_tokens: the KV decode attention reads next tick."""
-        return self._offset_sum + len(self.members) * self.ticks
-
     # --- membership ----------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         """Join: from the next tick on, ``request`` processes one token per tick.
@@ -66,12 +63,12 @@ class DecodeCohort:
         """
         assert request.cohort is None and not request.is_prefill, request
         t = self.ticks
+        self.kv_tokens += request._computed_offset  # its num_computed_tokens
         request._computed_offset -= t
         request._output_offset -= t
         request.cohort = self
         request.cohort_join_tick = t
         request.cohort_epoch += 1
-        self._offset_sum += request._computed_offset
         # At tick u a member processes the token at position offset + u - 1, so it needs
         # num_slots >= offset + u: it is first due at the first tick where that fails.
         first_due = self.kv.num_slots(request) - request._computed_offset + 1
@@ -96,8 +93,8 @@ class DecodeCohort:
         first_due = self.members.pop(request)
         if self._period is not None:
             self._due_count[first_due % self._period] -= 1
-        self._offset_sum -= request._computed_offset
         joined, now = request.cohort_join_tick, self.ticks
+        self.kv_tokens -= request._computed_offset + now  # its num_computed_tokens
         if now > joined:
             request.record_token_run(*self._times.run(joined + 1))
         request._computed_offset += now
@@ -219,12 +216,16 @@ class DecodeCohort:
     # --- time ------------------------------------------------------------------------------------
     def advance(self, end_times: Sequence[float]) -> None:
         """Advance ``len(end_times)`` ticks that ended at those times."""
-        assert self._grown_through >= self.ticks + len(end_times), "ticks advanced without reserving their growth"
+        k = len(end_times)
+        assert self._grown_through >= self.ticks + k, "ticks advanced without reserving their growth"
         self._times.extend(end_times)
-        self.ticks += len(end_times)
+        self.ticks += k
+        self.kv_tokens += len(self.members) * k
 
     def check_integrity(self) -> None:
-        """Owed blocks equal the growth reserved for members and not yet given block ids."""
+        """The members' KV adds up to ``kv_tokens``; owed blocks equal the growth reserved for members
+        and not yet given block ids."""
+        assert self.kv_tokens == sum(r.num_computed_tokens for r in self.members), self.kv_tokens
         if self._period is None:
             return
         owed = sum(self.granted_slots(r) - self.kv.num_slots(r) for r in self.members) // self.kv.block_size

@@ -122,21 +122,26 @@ class UnifiedScheduler(Scheduler):
         out = SchedulerOutput()
         self._chunk_tokens = 0  # tokens of out.chunks so far
         cfg = self.config
+        # NOTE: groups are visited only when not empty, and the cohort is tested by its members dict
+        # (len() of a Python-level class is a call): this runs every step.
         if cfg.priority == "prefill_first":
             # Hybrid: prefills go first but leave room in C for the running decodes.
-            reserved = len(self.cohort) if cfg.hybrid_batching else 0
-            self._schedule_running_prefills(out, reserved)
-            if not self.swapped:
+            reserved = len(self.cohort.members) if cfg.hybrid_batching else 0
+            if self.outside_cohort:
+                self._schedule_running_prefills(out, reserved)
+            if self.waiting and not self.swapped:
                 self._schedule_waiting(out, reserved)
             if not out.chunks or cfg.hybrid_batching:
                 self._schedule_decodes(out)
         else:
             self._schedule_decodes(out)
-            if cfg.hybrid_batching or not self.cohort:
-                self._schedule_running_prefills(out, 0)
-                if not out.preempted and not self.swapped:
+            if cfg.hybrid_batching or not self.cohort.members:
+                if self.outside_cohort:
+                    self._schedule_running_prefills(out, 0)
+                if self.waiting and not out.preempted and not self.swapped:
                     self._schedule_waiting(out, 0)
-        out.cohort_joined = self._take_joined()
+        if self._joined:
+            out.cohort_joined = self._take_joined()
         return out
 
     def _prefill_room(self, out: SchedulerOutput, reserved: int) -> int:
@@ -160,9 +165,9 @@ class UnifiedScheduler(Scheduler):
                 self._schedule_swap_in(out)
             if self.incoming:
                 self._schedule_incoming(out)
-        if cohort:
+        if cohort.members:  # NOTE: not `if cohort`: len() of a Python-level class costs a call
             out.cohort = cohort
-            out.cohort_size = len(cohort)
+            out.cohort_size = len(cohort.members)
             out.cohort_kv_tokens = cohort.kv_tokens
 
     def _victim(self) -> Request:
@@ -234,8 +239,6 @@ class UnifiedScheduler(Scheduler):
 
     def _schedule_running_prefills(self, out: SchedulerOutput, reserved: int) -> None:
         """Group R_r^p: chunked prefills in progress already hold KV for their whole prompt."""
-        if not self.outside_cohort:
-            return
         room = self._prefill_room(out, reserved)
         for request in self.outside_cohort:
             if room <= 0:
@@ -247,8 +250,6 @@ class UnifiedScheduler(Scheduler):
     def _schedule_waiting(self, out: SchedulerOutput, reserved: int) -> None:
         """Group R_w, FCFS: admit while C, P, M and max_num_seqs allow; stop at the first that does
         not fit (a memory failure here skips the group, as vLLM and Sarathi do)."""
-        if not self.waiting:
-            return
         kv, cfg = self.kv, self.config
         room = self._prefill_room(out, reserved)
         while self.waiting and len(self.running) < cfg.max_num_seqs:

@@ -88,7 +88,8 @@ class Replica:
         sched, executor, now = self.scheduler, self.executor, self.now
         t0 = time.perf_counter()
         out = sched.schedule(now)
-        if out.is_empty:
+        chunks = out.chunks  # NOTE: tested first below: most steps have some, and the properties cost calls
+        if not chunks and out.is_empty:
             if next_arrival < math.inf:
                 # Nothing to run until the next arrival (a policy may wait): idle until then.
                 sched.update(out, StepResult(step_end_times=(now,)), now)
@@ -98,16 +99,17 @@ class Replica:
                 f"replica {self.index}: {sched.name} scheduled nothing at t={now:.6f} with "
                 f"{len(sched.waiting)} waiting, {len(sched.running)} running, {len(sched.swapped)} swapped"
             )
-        if out.chunks or out.cohort_joined or out.preempted:
+        if chunks or out.cohort_joined or out.preempted:
             _account_service(out, now)
         if self.on_step is not None:
             self.on_step(self.index, out)
         end_times = None
         if self.fast_path:
-            if out.is_decode_only:
+            if chunks:
+                if out.cohort is not None:
+                    out, end_times = self._chunk_stretch(out)
+            elif out.is_decode_only:
                 out, end_times = self._decode_stretch(out, next_arrival)
-            elif out.chunks and out.cohort is not None:
-                out, end_times = self._chunk_stretch(out)
         sched_time = time.perf_counter() - t0
         result = executor.execute(out, now, end_times)
         ends = result.step_end_times
