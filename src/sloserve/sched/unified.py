@@ -147,7 +147,8 @@ class UnifiedScheduler(Scheduler):
     def _prefill_room(self, out: SchedulerOutput, reserved: int) -> int:
         """Tokens a prefill candidate may still take: min(C, P) minus what the batch holds (3)."""
         used = out.cohort_size + self._chunk_tokens
-        return min(self._budget - reserved - used, self._prefill_budget - used)
+        room_c, room_p = self._budget - reserved - used, self._prefill_budget - used
+        return room_c if room_c < room_p else room_p  # min(), without the builtin's call: every step
 
     def _add_chunk(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
         out.chunks.append(tuple.__new__(ScheduledChunk, (request, num_tokens)))  # no Python-level __new__

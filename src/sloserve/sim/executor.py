@@ -136,7 +136,7 @@ class SimExecutor:
             assert len(end_times) == k, (len(end_times), k)
             ends = end_times
         elif k == 1:
-            ends = (now + self.step_time(output),)
+            ends = (now + self.cost_model.step_seconds(batch_shape(output)),)  # step_time, one call less
         else:
             ends = self.end_times(output, now, k)
         finished = []  # NOTE: a loop, not a list comprehension: Python 3.11 calls a function for one
