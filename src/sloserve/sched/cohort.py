@@ -86,8 +86,7 @@ class DecodeCohort:
         reserved growth back by count."""
         assert request.cohort is self, request
         if drop_kv and self._period is not None:
-            owed = self.granted_slots(request) - self.kv.num_slots(request)
-            self.kv.release_owed_blocks(owed // self.kv.block_size)
+            self.kv.release_owed_blocks(self._owed_slots(request) // self.kv.block_size)
         else:
             self.settle(request)
         first_due = self.members.pop(request)
@@ -103,19 +102,22 @@ class DecodeCohort:
 
     def granted_slots(self, request: Request) -> int:
         """Slots a member holds, counting growth reserved for it but not yet given block ids."""
-        held = self.kv.num_slots(request)
+        return self.kv.num_slots(request) + self._owed_slots(request)
+
+    def _owed_slots(self, request: Request) -> int:
+        """Slots of the growth reserved for a member and not yet given block ids (paged; else 0)."""
         first_due = self.members[request]
         if self._period is None or self._grown_through < first_due:
-            return held
+            return 0
         entitled = (self._grown_through - first_due) // self._period + 1
-        return first_due - 1 + request._computed_offset + entitled * self._period
+        granted = first_due - 1 + request._computed_offset + entitled * self._period
+        return granted - self.kv.num_slots(request)
 
     def settle(self, request: Request) -> None:
         """Give a member the block ids of the growth reserved for it so far (paged), so that every
         token it has been granted has a physical slot."""
         if self._period is not None:
-            owed = self.granted_slots(request) - self.kv.num_slots(request)
-            self.kv.settle_blocks(request, owed // self.kv.block_size)
+            self.kv.settle_blocks(request, self._owed_slots(request) // self.kv.block_size)
 
     # --- KV growth -----------------------------------------------------------------------------
     def blocks_due(self, tick: int) -> int:
@@ -228,7 +230,7 @@ class DecodeCohort:
         assert self.kv_tokens == sum(r.num_computed_tokens for r in self.members), self.kv_tokens
         if self._period is None:
             return
-        owed = sum(self.granted_slots(r) - self.kv.num_slots(r) for r in self.members) // self.kv.block_size
+        owed = sum(self._owed_slots(r) for r in self.members) // self.kv.block_size
         assert owed == self.kv._owed_blocks, (owed, self.kv._owed_blocks)
         assert sum(self._due_count) == len(self.members)
 
