@@ -130,7 +130,7 @@ class KVCacheManager:
     def reserve_blocks(self, num_blocks: int) -> bool:
         """Reserve ``num_blocks`` blocks by count, their ids assigned later by ``settle_blocks`` (the
         decode cohort's growth). All or nothing."""
-        if num_blocks > len(self._gpu_free) - self._owed_blocks:  # num_free_blocks, without a call
+        if num_blocks > self.num_free_blocks:
             self.num_allocation_failures += 1
             return False
         self._owed_blocks += num_blocks

@@ -77,10 +77,6 @@ class SimExecutor:
         self._drop_stale(cohort)
         return self._finish_heap[0][0] - cohort.ticks if self._finish_heap else 1 << 30
 
-    def step_time(self, output: SchedulerOutput) -> float:
-        """Duration of one step of ``output``."""
-        return self.cost_model.step_seconds(batch_shape(output))
-
     def first_step(self, output: SchedulerOutput) -> tuple[BatchShape, float]:
         """The shape of ``output``'s step and its duration (``end_times`` takes both back)."""
         shape = batch_shape(output)
@@ -136,7 +132,7 @@ class SimExecutor:
             assert len(end_times) == k, (len(end_times), k)
             ends = end_times
         elif k == 1:
-            ends = (now + self.cost_model.step_seconds(batch_shape(output)),)  # step_time, one call less
+            ends = (now + self.cost_model.step_seconds(batch_shape(output)),)
         else:
             ends = self.end_times(output, now, k)
         finished = []  # NOTE: a loop, not a list comprehension: Python 3.11 calls a function for one
