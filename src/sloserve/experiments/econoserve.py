@@ -112,7 +112,15 @@ def run_rate(name: str, rate: float, num_requests: int, trace: str = "sharegpt",
         "sched_time_share": summary["sched_time_share"],
         "mean_group_size": policy["gt_group_sizes"]["mean"] if "gt_group_sizes" in policy else 0.0,
         "hosted_share": policy.get("num_hosted_gts", 0) / len(requests),
+        # What KV-cache pipelining had to work with: GTs still queued after ① (the only ones ② may
+        # host) per admission round, and the lend limit (l/2 - b) of the GTs that could host.
+        "gt_queue_after_admission": _mean(policy.get("gt_queue_after_admission")),
+        "lend_limit_tokens": _mean(policy.get("lend_limit_tokens")),
     }
+
+
+def _mean(dist: dict | None) -> float:
+    return (dist or {}).get("mean") or 0.0
 
 
 def _sustained(rows: list[dict], name: str) -> float:
@@ -143,8 +151,9 @@ def fig9(out: Path, quick: bool, trace: str = "sharegpt") -> tuple[list[dict], l
             f"rate {rate:g}: normalized latency EconoServe {es['normalized_latency_s']:.3f} vs vLLM "
             f"{vl['normalized_latency_s']:.3f} s/token; KV used/allocated EconoServe {es['kv_used']:.0%}/{es['kv_allocated']:.0%} vs vLLM "
             f"{vl['kv_used']:.0%}/{vl['kv_allocated']:.0%}; forward size {es['forward_size']:.0f} (TFS {es['tfs']}) vs "
-            f"{vl['forward_size']:.0f}; SSR {es['ssr']:.0%} vs {vl['ssr']:.0%}; hosted GTs {es['hosted_share']:.0%}; "
-            f"vLLM preemptions/request {vl['preemptions_per_request']:.2f}"
+            f"{vl['forward_size']:.0f}; SSR {es['ssr']:.0%} vs {vl['ssr']:.0%}; hosted GTs {es['hosted_share']:.0%} "
+            f"({es['gt_queue_after_admission']:.1f} GTs left queued after an admission round, lend limit "
+            f"{es['lend_limit_tokens']:.0f} tokens); vLLM preemptions/request {vl['preemptions_per_request']:.2f}"
         )
         lines.append(f"  {_jct_parts(es)}; {_jct_parts(vl)}")
     return rows, lines

@@ -151,6 +151,10 @@ class EconoServeScheduler(Scheduler):
         self.num_hosted = 0
         self.num_hosted_evictions = 0
         self.num_dropped = 0  # queued GTs whose KV was dropped so that the queue can move (liveness)
+        # Why pipelining hosts what it hosts: the GTs left in the queue when ① is done (the only ones
+        # ② can host), per admission round, and the lend limit (l/2 - b) of every admitted GT.
+        self.gt_queue_after_admission: list[int] = []
+        self.lend_limits: list[int] = []
 
     # --- arrivals and transitions ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -322,6 +326,7 @@ class EconoServeScheduler(Scheduler):
             self._start_gt(request, self._unqueue_gt(request), groups, admitted)
         if not admitted and queue and not self.running:
             self._unblock_gt_queue(out, groups, admitted)
+        self.gt_queue_after_admission.append(len(queue))
         if self.config.pipelining:
             self._host_gts(admitted, groups)  # ②
         for request in admitted:
@@ -426,6 +431,7 @@ class EconoServeScheduler(Scheduler):
             host = hosts[i]
             i += 1
             b = self._buffer_tokens(host)
+            self.lend_limits.append(kv.lend_limit(host, b))
             while len(self.running) < self.config.max_num_seqs:
                 limit = kv.lend_limit(host, b)
                 max_rl = int(limit / (1 + pad))
@@ -541,7 +547,8 @@ class EconoServeScheduler(Scheduler):
 
     # --- finishing, metrics, fast path -------------------------------------------------------------------
     def policy_metrics(self) -> dict[str, Any]:
-        """Figure 2's GT group sizes, the TFS, and how often each misprediction remedy ran."""
+        """Figure 2's GT group sizes, the TFS, how often each misprediction remedy ran, and what
+        pipelining had to work with (queued GTs after ①, lend limits)."""
         return {
             "target_forward_size": self.target_forward_size,
             "gt_group_sizes": list(self.group_sizes),
@@ -549,6 +556,8 @@ class EconoServeScheduler(Scheduler):
             "num_hosted_gts": self.num_hosted,
             "num_hosted_evictions": self.num_hosted_evictions,
             "num_dropped_gts": self.num_dropped,
+            "gt_queue_after_admission": list(self.gt_queue_after_admission),
+            "lend_limit_tokens": list(self.lend_limits),
         }
 
     def _finish(self, request: Request, now: float) -> None:
