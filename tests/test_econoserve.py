@@ -70,7 +70,7 @@ def test_figure_7a_a_hosted_gt_runs_in_the_second_half_of_its_hosts_region():
     assert regions[hosted] == regions[host][16:32]
     assert s.num_hosted == 1 and s.num_hosted_evictions == 0
     assert host.num_output_tokens == 33 and hosted.num_output_tokens == 17
-    # What pipelining had: the RL-16 GT left queued by ①, then lend limits l/2 - b of 32 / 2 and 16 / 2.
+    # What pipelining had: ① left the RL-16 GT queued; the host lends 32/2 - b = 16, the hosted 16/2 = 8 (b = 0).
     metrics = s.policy_metrics()
     assert metrics["gt_queue_after_admission"] == [0, 1, 0] and metrics["lend_limit_tokens"] == [16, 8]
 

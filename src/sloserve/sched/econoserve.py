@@ -152,7 +152,7 @@ class EconoServeScheduler(Scheduler):
         self.num_hosted_evictions = 0
         self.num_dropped = 0  # queued GTs whose KV was dropped so that the queue can move (liveness)
         # Why pipelining hosts what it hosts: the GTs left in the queue when ① is done (the only ones
-        # ② can host), per admission round, and the lend limit (l/2 - b) of every admitted GT.
+        # ② can host), per admission round, and the lend limit (l/2 - b) of every GT ② offers as a host.
         self.gt_queue_after_admission: list[int] = []
         self.lend_limits: list[int] = []
 
