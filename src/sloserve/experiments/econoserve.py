@@ -110,7 +110,7 @@ def run_rate(name: str, rate: float, num_requests: int, trace: str = "sharegpt",
         "alloc_failure_share": summary["allocation_failure_share"],
         "preemptions_per_request": summary["preemptions"] / len(requests),
         "sched_time_share": summary["sched_time_share"],
-        "mean_group_size": policy["gt_group_sizes"]["mean"] if "gt_group_sizes" in policy else 0.0,
+        "mean_group_size": _mean(policy.get("gt_group_sizes")),
         "hosted_share": policy.get("num_hosted_gts", 0) / len(requests),
         # What KV-cache pipelining had to work with: GTs still queued after ① (the only ones ② may
         # host) per admission round, and the lend limit (l/2 - b) of the GTs that could host.
@@ -120,6 +120,7 @@ def run_rate(name: str, rate: float, num_requests: int, trace: str = "sharegpt",
 
 
 def _mean(dist: dict | None) -> float:
+    """The mean of a policy metric's distribution; 0 when the policy has none or it is empty."""
     return (dist or {}).get("mean") or 0.0
 
 

@@ -431,9 +431,9 @@ class EconoServeScheduler(Scheduler):
             host = hosts[i]
             i += 1
             b = self._buffer_tokens(host)
-            self.lend_limits.append(kv.lend_limit(host, b))
+            limit = kv.lend_limit(host, b)
+            self.lend_limits.append(limit)
             while len(self.running) < self.config.max_num_seqs:
-                limit = kv.lend_limit(host, b)
                 max_rl = int(limit / (1 + pad))
                 while max_rl >= 1 and math.ceil(max_rl * (1 + pad)) > limit:
                     max_rl -= 1
@@ -445,6 +445,7 @@ class EconoServeScheduler(Scheduler):
                 ):
                     break
                 self._start_gt(hosted, self._unqueue_gt(hosted), groups, hosts, host=host)
+                limit = kv.lend_limit(host, b)  # what the host has left to lend
 
     def _leave_group(self, request: Request) -> None:
         group = self._group_of.pop(request, None)
