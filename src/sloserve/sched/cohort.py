@@ -268,15 +268,17 @@ class TickTimes:
                 end_times = end_times.tolist()  # Python floats in the list, as from the other path
             previous = ends[t]
             ends.extend(end_times)
-            if t >= 1:  # tick 1 has no gap
-                self._push_gap(t + 1, end_times[0] - previous)
             last_gap = end_times[-1] - end_times[-2]
             # Gaps of ticks t+2 .. t+k are b - a (in C). When the last is the largest (a stretch's
             # step times grow), it pops every other gap of the run: pushing it alone leaves the
-            # same stack.
+            # same stack. So does the first gap (tick t+1's; tick 1 has none) unless it is larger.
             if max(map(sub, end_times[1:], end_times)) <= last_gap:
+                if t >= 1 and end_times[0] - previous > last_gap:
+                    self._push_gap(t + 1, end_times[0] - previous)
                 self._push_gap(t + k, last_gap)
             else:
+                if t >= 1:
+                    self._push_gap(t + 1, end_times[0] - previous)
                 for tick, gap in enumerate(map(sub, end_times[1:], end_times), t + 2):
                     self._push_gap(tick, gap)
             return

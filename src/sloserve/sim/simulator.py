@@ -89,7 +89,7 @@ class Replica:
         t0 = time.perf_counter()
         out = sched.schedule(now)
         chunks = out.chunks  # NOTE: tested first below: most steps have some, and the properties cost calls
-        if not chunks and out.is_empty:
+        if not chunks and not out.cohort_size and out.is_empty:  # NOTE: cohort_size first: no call
             if next_arrival < math.inf:
                 # Nothing to run until the next arrival (a policy may wait): idle until then.
                 sched.update(out, StepResult(step_end_times=(now,)), now)
@@ -134,9 +134,15 @@ class Replica:
         has_unfinished = self.scheduler.has_unfinished
         num_finished = num_steps = 0
         while True:
-            num_finished += len(self.step(next_event))
+            finished = self.step(next_event)
             num_steps += 1
-            if self.now >= next_event or not has_unfinished():
+            # NOTE: a solo replica's requests leave only by finishing (no hand-off), so it can run
+            # dry only in a step that finished some: has_unfinished() is asked only then.
+            if finished:
+                num_finished += len(finished)
+                if not has_unfinished():
+                    return num_finished, num_steps
+            if self.now >= next_event:
                 return num_finished, num_steps
 
     def _decode_stretch(
