@@ -110,14 +110,10 @@ class Scheduler(ABC):
         allocates the KV the later steps need."""
         raise NotImplementedError(f"{self.name} has no fast path")
 
-    def _cohort_decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
-        """``decode_horizon`` of a policy whose decode-only step changes only on a completion, an
-        arrival or a memory event: the cohort repeats until a member outgrows free memory."""
-        return self._cohort_memory_horizon(limit) if limit > 1 else 1
-
     def _cohort_memory_horizon(self, limit: int) -> int:
-        """Steps (>= 1, <= limit) from the scheduled one whose cohort growth fits the free KV (the
-        scheduled step's growth is reserved already)."""
+        """Steps (>= 1, <= limit, for limit >= 1) from the scheduled one whose cohort growth fits the
+        free KV (the scheduled step's growth is reserved already): the ``decode_horizon`` of a policy
+        whose decode-only step changes only on a completion, an arrival or a memory event."""
         cohort = self.cohort
         return 1 + cohort.memory_horizon(cohort.ticks + 2, self.kv.num_free_blocks, limit - 1)
 

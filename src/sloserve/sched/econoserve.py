@@ -576,7 +576,7 @@ class EconoServeScheduler(Scheduler):
         queues are empty."""
         if self.config.ordering and (self.pt_queue or self.gt_queue):
             return 1
-        return self._cohort_decode_horizon(output, limit)
+        return self._cohort_memory_horizon(limit)
 
     def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
         return self._cohort_repeat(output, num_steps)

@@ -280,7 +280,6 @@ class UnifiedScheduler(Scheduler):
         """A decode-only step repeats unchanged until the cohort's growth outruns free memory: every
         admission that failed this step failed on C, P, max_num_seqs or memory, and none of those
         loosens before a completion, an arrival or an eviction."""
-        # NOTE: _cohort_memory_horizon directly (returns 1 for limit 1): this runs every stretch.
         return self._cohort_memory_horizon(limit)
 
     def chunk_horizon(self, output: SchedulerOutput, limit: int) -> int:
