@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import struct
 from array import array
 from collections.abc import Sequence
+from itertools import starmap
 
 import numpy as np
 
@@ -23,6 +25,9 @@ TIMELINE_COLUMNS: dict[str, type] = {
 }
 # Appended rows buffered before they are copied into the columns (bounds the buffer's memory).
 ROWS_PER_FLUSH = 4096
+# One buffered row as packed bytes (native order, no padding), and the same layout as a numpy record.
+_ROW_STRUCT = struct.Struct("=" + "".join("d" if dt is np.float64 else "q" for dt in TIMELINE_COLUMNS.values()))
+_ROW_DTYPE = np.dtype([(name, dt) for name, dt in TIMELINE_COLUMNS.items()])
 
 
 class Timeline:
@@ -49,9 +54,12 @@ class Timeline:
         """Move the buffered rows into the columns."""
         if not self._rows:
             return
-        # NOTE: rows transposed in C; each column array converts its values (ints stay exact).
-        for col, values in zip(self._cols.values(), zip(*self._rows, strict=True), strict=True):
-            col.extend(values)
+        # NOTE: each row packed by one C call (struct converts floats and ints exactly), the block
+        # read as records and copied column by column: extending 11 arrays item by item parsed every
+        # value as a call argument, about 2% of a run.
+        records = np.frombuffer(b"".join(starmap(_ROW_STRUCT.pack, self._rows)), dtype=_ROW_DTYPE)
+        for name, col in self._cols.items():
+            col.frombytes(records[name].tobytes())
         self._rows = []
 
     def append(
