@@ -5,7 +5,6 @@ from __future__ import annotations
 import struct
 from array import array
 from collections.abc import Sequence
-from itertools import starmap
 
 import numpy as np
 
@@ -23,11 +22,10 @@ TIMELINE_COLUMNS: dict[str, type] = {
     "sched_time_s": np.float64,  # wall time spent in schedule() for this step
     "replica": np.int64,
 }
-# Appended rows buffered before they are copied into the columns (bounds the buffer's memory).
-ROWS_PER_FLUSH = 4096
-# One buffered row as packed bytes (native order, no padding), and the same layout as a numpy record.
+# One appended row as packed bytes (native order, no padding), and the same layout as a numpy record.
 _ROW_STRUCT = struct.Struct("=" + "".join("d" if dt is np.float64 else "q" for dt in TIMELINE_COLUMNS.values()))
 _ROW_DTYPE = np.dtype([(name, dt) for name, dt in TIMELINE_COLUMNS.items()])
+assert _ROW_DTYPE.itemsize == _ROW_STRUCT.size
 
 
 class Timeline:
@@ -40,27 +38,26 @@ class Timeline:
 
     def __init__(self) -> None:
         self._cols = {name: array("d" if dt is np.float64 else "q") for name, dt in TIMELINE_COLUMNS.items()}
-        # Appended rows not yet in the columns, as tuples in column order: appending to 11 arrays
-        # parsed each value as an argument, which cost more than the row itself (see _flush_rows).
-        self._rows: list[tuple] = []
+        # Appended rows not yet in the columns, packed (_ROW_STRUCT) one after another: one C call
+        # per row converts its values exactly (appending to 11 arrays parsed each value as a call
+        # argument, and buffering tuples cost their conversion later: about 2% of a run).
+        self._buffer = bytearray()
         # Stretches not yet expanded, one list entry per stretch (see append_stretch).
         self._stretches: list[tuple] = []
         self._stretch_rows = 0
 
     def __len__(self) -> int:
-        return len(self._cols["start_s"]) + len(self._rows) + self._stretch_rows
+        return len(self._cols["start_s"]) + len(self._buffer) // _ROW_STRUCT.size + self._stretch_rows
 
     def _flush_rows(self) -> None:
-        """Move the buffered rows into the columns."""
-        if not self._rows:
+        """Move the appended rows into the columns."""
+        if not self._buffer:
             return
-        # NOTE: each row packed by one C call (struct converts floats and ints exactly), the block
-        # read as records and copied column by column: extending 11 arrays item by item parsed every
-        # value as a call argument, about 2% of a run.
-        records = np.frombuffer(b"".join(starmap(_ROW_STRUCT.pack, self._rows)), dtype=_ROW_DTYPE)
+        records = np.frombuffer(self._buffer, dtype=_ROW_DTYPE)
         for name, col in self._cols.items():
             col.frombytes(records[name].tobytes())
-        self._rows = []
+        del records  # NOTE: releases the buffer's export, so it can be replaced
+        self._buffer = bytearray()
 
     def append(
         self,
@@ -76,13 +73,10 @@ class Timeline:
         sched_time_s: float,
         replica: int = 0,
     ) -> None:
-        rows = self._rows
-        rows.append((
+        self._buffer += _ROW_STRUCT.pack(
             start_s, duration_s, num_tokens, num_prefill_tokens, num_decode, num_requests, kv_used_tokens,
             kv_allocated_tokens, num_preempted, sched_time_s, replica,
-        ))  # fmt: skip
-        if len(rows) == ROWS_PER_FLUSH:
-            self._flush_rows()
+        )  # fmt: skip
 
     def append_stretch(
         self,

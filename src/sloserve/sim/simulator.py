@@ -259,6 +259,30 @@ def _account_service(out: SchedulerOutput, now: float) -> None:
             request.gt_queued_s += now - request.last_token_time
 
 
+def _run_solo(
+    replica: Replica, pending: list[tuple[float, int, Request]], on_progress: Callable[[int], None] | None
+) -> tuple[int, int]:
+    """Serve the ``pending`` arrivals (the next one last) on one replica with no chained batches:
+    nothing but its own clock moves the next event, so after each arrival it steps on until the next
+    one is due (or it runs dry) without choosing again. Returns (requests finished, steps)."""
+    completed = steps = 0
+    next_progress = PROGRESS_EVERY_STEPS
+    while pending:
+        arrival, _, request = pending.pop()
+        replica.add(request, arrival)
+        next_arrival = pending[-1][0] if pending else math.inf
+        # NOTE: arrivals due by the replica's clock are all added before it steps (ties: arrivals
+        # first), and it has unfinished requests here: the one just added at least.
+        if replica.now < next_arrival:
+            num_finished, num_steps = replica.run_until(next_arrival)
+            completed += num_finished
+            steps += num_steps
+            if on_progress is not None and steps >= next_progress:
+                on_progress(completed)
+                next_progress = steps + PROGRESS_EVERY_STEPS
+    return completed, steps
+
+
 def _latest_first(arrival: tuple[float, int, Request]) -> tuple[float, int]:
     """Sort key of the pending arrivals: the earliest (ties: the lowest request id) sorts last."""
     return -arrival[0], -arrival[1]
@@ -405,33 +429,28 @@ def simulate(
     next_progress = PROGRESS_EVERY_STEPS
     solo = len(everyone) == 1 and not chains
     everyone[0].solo = solo
-    while True:
-        next_arrival = pending[-1][0] if pending else math.inf
-        next_event = min(next_arrival, transfers[0][0]) if transfers else next_arrival
-        if len(everyone) == 1:
-            replica = replicas[0] if replicas[0].scheduler.has_unfinished() else None
-        else:
+    if solo:
+        completed, steps = _run_solo(replicas[0], pending, on_progress)
+    else:
+        # A cluster, or chained batches: each turn the next event is routed or the replica furthest
+        # behind steps once.
+        while True:
+            next_arrival = pending[-1][0] if pending else math.inf
+            next_event = min(next_arrival, transfers[0][0]) if transfers else next_arrival
             busy = [rep for rep in everyone if rep.scheduler.has_unfinished()]
             replica = min(busy, key=lambda rep: (rep.now, rep.index)) if busy else None
-        if replica is None and next_event == math.inf:
-            break
-        if replica is None or next_event <= replica.now:
-            if transfers and transfers[0][0] <= next_arrival:
-                done, _, request = heapq.heappop(transfers)
-                route(decoders, routed_to_decode).add(request, done)
-                routed_to_decode += 1
-            else:
-                arrival, _, request = pending.pop()
-                route(replicas, routed).add(request, arrival)
-                routed += 1
-            continue
-        if solo:
-            # One replica and no chained batches: nothing but its own clock moves the next event,
-            # so it steps on until the event is due (or it runs dry) without choosing again.
-            num_finished, num_steps = replica.run_until(next_event)
-            completed += num_finished
-            steps += num_steps
-        else:
+            if replica is None and next_event == math.inf:
+                break
+            if replica is None or next_event <= replica.now:
+                if transfers and transfers[0][0] <= next_arrival:
+                    done, _, request = heapq.heappop(transfers)
+                    route(decoders, routed_to_decode).add(request, done)
+                    routed_to_decode += 1
+                else:
+                    arrival, _, request = pending.pop()
+                    route(replicas, routed).add(request, arrival)
+                    routed += 1
+                continue
             finished = replica.step(next_event)
             completed += len(finished)
             steps += 1
@@ -452,9 +471,9 @@ def simulate(
                 link_free[replica.index] = start + num_bytes / link_bandwidth
                 transferred_bytes += num_bytes
                 heapq.heappush(transfers, (link_free[replica.index], request.request_id, request))
-        if on_progress is not None and steps >= next_progress:
-            on_progress(completed)
-            next_progress = steps + PROGRESS_EVERY_STEPS
+            if on_progress is not None and steps >= next_progress:
+                on_progress(completed)
+                next_progress = steps + PROGRESS_EVERY_STEPS
     if on_progress is not None:
         on_progress(completed)
     timeline = everyone[0].timeline if len(everyone) == 1 else Timeline.concat([r.timeline for r in everyone])
