@@ -106,7 +106,8 @@ class Timeline:
         k = len(end_times)
         self._stretches.append(
             (
-                len(self),
+                # NOTE: len(self) spelled out: a class's __len__ is a Python-level call, per stretch
+                len(self._cols["start_s"]) + len(self._buffer) // _ROW_STRUCT.size + self._stretch_rows,
                 start_s,
                 end_times,
                 num_decode,

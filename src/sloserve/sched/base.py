@@ -110,14 +110,15 @@ class Scheduler(ABC):
         allocates the KV the later steps need."""
         raise NotImplementedError(f"{self.name} has no fast path")
 
-    def _cohort_memory_horizon(self, limit: int) -> int:
-        """Steps (>= 1, <= limit, for limit >= 1) from the scheduled one whose cohort growth fits the
-        free KV (the scheduled step's growth is reserved already): the ``decode_horizon`` of a policy
-        whose decode-only step changes only on a completion, an arrival or a memory event."""
+    def _cohort_memory_horizon(self, output: SchedulerOutput, limit: int) -> int:
+        """Steps (>= 1, <= limit, for limit >= 1) from the scheduled ``output`` whose cohort growth fits
+        the free KV (the scheduled step's growth is reserved already): the ``decode_horizon`` of a
+        policy whose decode-only step changes only on a completion, an arrival or a memory event."""
         cohort = self.cohort
         return 1 + cohort.memory_horizon(cohort.ticks + 2, self.kv.num_free_blocks, limit - 1)
 
     def _cohort_repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
+        """``repeat`` for a policy whose repeated steps only grow the cohort (and move a chunk on)."""
         first = self.cohort.ticks + 1  # grown by schedule()
         later = self.cohort.grow_through(first + num_steps - 1)  # num_steps - 1 of them
         return output.repeated(num_steps, [0, *later])

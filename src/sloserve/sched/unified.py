@@ -276,11 +276,11 @@ class UnifiedScheduler(Scheduler):
             room -= num_tokens
 
     # --- simulator fast path -----------------------------------------------------------------
-    def decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
-        """A decode-only step repeats unchanged until the cohort's growth outruns free memory: every
-        admission that failed this step failed on C, P, max_num_seqs or memory, and none of those
-        loosens before a completion, an arrival or an eviction."""
-        return self._cohort_memory_horizon(limit)
+    # A decode-only step repeats unchanged until the cohort's growth outruns free memory: every
+    # admission that failed this step failed on C, P, max_num_seqs or memory, and none of those
+    # loosens before a completion, an arrival or an eviction.
+    # NOTE: the base class's methods themselves, not methods calling them: a call fewer per stretch.
+    decode_horizon = Scheduler._cohort_memory_horizon
 
     def chunk_horizon(self, output: SchedulerOutput, limit: int) -> int:
         """Sarathi (decode first, chunked prefill): a step of the cohort and one prompt chunk that
@@ -309,10 +309,9 @@ class UnifiedScheduler(Scheduler):
             return 1
         # Step j (from 0) runs `chunk` of the tokens left before it and must leave some.
         limit = min(limit, -(-request.num_tokens_to_process // chunk) - 1)
-        return self._cohort_memory_horizon(limit) if limit > 1 else 1
+        return self._cohort_memory_horizon(output, limit) if limit > 1 else 1
 
-    def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
-        return self._cohort_repeat(output, num_steps)
+    repeat = Scheduler._cohort_repeat
 
     # --- validation ----------------------------------------------------------------------------
     def check_fits(self, request: Request, max_kv_tokens: int) -> None:
