@@ -140,7 +140,8 @@ class LinearCostModel(CostModel):
         """Repeated steps form an arithmetic series: per step the decodes' summed KV grows by B and a
         chunk of c tokens reads c more context tokens and does 2c^2 more attention work, so a step
         takes a_d * B + a_p * 2c^2 + m_p * c (per layer) longer than the one before."""
-        if shape.num_prefill > 1 or shape.swap_bytes:
+        # NOTE: unpacked, as in _parts: a named tuple's fields by name are Python-level lookups.
+        num_decode, _, num_prefill, c, _, _, swap_bytes = shape
+        if num_prefill > 1 or swap_bytes:
             return None
-        c = shape.prefill_tokens
-        return (self._a_d * shape.num_decode + self._a_p * 2 * c * c + self._m_p * c) * self._scale
+        return (self._a_d * num_decode + self._a_p * 2 * c * c + self._m_p * c) * self._scale
