@@ -1,0 +1,101 @@
+"""Instructions the simulator executes per request, counted by valgrind: repeatable where timings are not.
+
+For each benchmark cell of ``sim_speed.py`` (vllm and sarathi on sharegpt and azure-conv, near
+saturation) it runs, under ``valgrind --tool=cachegrind --cache-sim=no``, one process that simulates
+the first 1k requests of a 10k-request workload and one that simulates all 10k; the difference is
+the simulation's own count for 9k requests (imports and the workload build cancel out). The same
+source gives the same count on every run, so two versions compare to a fraction of a percent.
+Keep the ``--profiles`` files to see where the instructions go (``cg_diff A B | cg_annotate``).
+
+    python benchmarks/sim_instructions.py [--profiles DIR]
+
+Needs valgrind (``apt install valgrind``); takes about a minute per cell on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+# (trace, scheduler, rate): the rates sim_speed.py measures as 90% of saturation.
+CELLS = [
+    ("sharegpt", "vllm", 9.33),
+    ("sharegpt", "sarathi", 9.24),
+    ("azure-conv", "vllm", 5.16),
+    ("azure-conv", "sarathi", 4.96),
+]
+WORKLOAD_REQUESTS = 10_000
+BASE_REQUESTS = 1_000
+
+CHILD = """
+import sys
+from sloserve.cost import LinearCostModel, get_gpu, get_model, get_preset, kv_capacity_tokens
+from sloserve.sched import make_scheduler
+from sloserve.sim import simulate
+from sloserve.workload import workload_from_trace
+trace, scheduler, rate, n = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+cap = kv_capacity_tokens(get_model("llama-2-7b"), get_gpu("a100"))
+w = workload_from_trace(trace, num_requests={workload}, seed=0, context_len=4096, rate=rate)
+simulate(w.requests[:n], lambda: make_scheduler(scheduler, kv_capacity_tokens=cap, max_model_len=4096),
+         LinearCostModel(get_preset("llama-2-7b-a100")))
+""".format(workload=WORKLOAD_REQUESTS)
+
+
+def count(trace: str, scheduler: str, rate: float, n: int, profile: Path) -> int:
+    """Instructions of one process that simulates the first ``n`` requests."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0")
+    cmd = [
+        "setarch", "-R",  # no address randomization: the same count every run
+        "valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={profile}",
+        sys.executable, "-c", CHILD, trace, scheduler, str(rate), str(n),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    match = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
+    if done.returncode != 0 or match is None:
+        raise SystemExit(f"valgrind run failed ({trace}/{scheduler}, {n} requests):\n{done.stderr[-2000:]}")
+    return int(match.group(1).replace(",", ""))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profiles", type=Path, help="keep the cachegrind profiles in this folder")
+    args = parser.parse_args()
+    for tool in ("valgrind", "setarch"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"{tool} not found: this benchmark counts instructions with valgrind")
+    # Byte-compile first: otherwise every run compiles edited modules again (10^8 instructions).
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(Path(__file__).parents[1] / "src")], check=False)
+    folder = args.profiles or Path(tempfile.mkdtemp(prefix="sloserve-cg-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    jobs = [(cell, n) for cell in CELLS for n in (BASE_REQUESTS, WORKLOAD_REQUESTS)]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        counts = list(
+            pool.map(lambda job: count(*job[0], job[1], folder / f"{job[0][0]}_{job[0][1]}_{job[1]}.cg"), jobs)
+        )
+    table = Table(title=f"simulator instructions, requests {BASE_REQUESTS + 1:,}-{WORKLOAD_REQUESTS:,} of a workload")
+    for col in ("trace", "scheduler", "rate (req/s)", "M instructions", "per request"):
+        table.add_column(col, justify="right")
+    for i, (trace, scheduler, rate) in enumerate(CELLS):
+        own = counts[2 * i + 1] - counts[2 * i]
+        table.add_row(
+            trace, scheduler, f"{rate}", f"{own / 1e6:,.0f}", f"{own / (WORKLOAD_REQUESTS - BASE_REQUESTS):,.0f}"
+        )
+    Console().print(table)
+    if args.profiles is None:
+        shutil.rmtree(folder)
+    else:
+        print(f"profiles in {folder}: cg_diff SMALL.cg LARGE.cg > diff.out && cg_annotate diff.out")
+
+
+if __name__ == "__main__":
+    main()
