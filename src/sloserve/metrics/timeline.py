@@ -56,8 +56,7 @@ class Timeline:
         records = np.frombuffer(self._buffer, dtype=_ROW_DTYPE)
         for name, col in self._cols.items():
             col.frombytes(records[name].tobytes())
-        del records  # NOTE: releases the buffer's export, so it can be replaced
-        self._buffer = bytearray()
+        self._buffer = bytearray()  # NOTE: a new one: `records` still views the old one
 
     def append(
         self,
