@@ -82,7 +82,7 @@ class KVCacheManager:
 
     def _take(self, num_blocks: int) -> list[int] | None:
         """Blocks from the free pool, leaving the owed ones alone; None (counted) if too few."""
-        if num_blocks > len(self._gpu_free) - self._owed_blocks:
+        if num_blocks > self.num_free_blocks:
             self.num_allocation_failures += 1
             return None
         return self.gpu.allocate(num_blocks)

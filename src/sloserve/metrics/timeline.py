@@ -105,8 +105,7 @@ class Timeline:
         k = len(end_times)
         self._stretches.append(
             (
-                # NOTE: len(self) spelled out: a class's __len__ is a Python-level call, per stretch
-                len(self._cols["start_s"]) + len(self._buffer) // _ROW_STRUCT.size + self._stretch_rows,
+                len(self),
                 start_s,
                 end_times,
                 num_decode,
