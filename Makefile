@@ -11,10 +11,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
-# The engine's tests need torch: the exact CPU build first (a looser pin would fetch a CUDA build).
+# The engine's tests need torch: the exact CPU build first (a looser pin would fetch a CUDA build);
+# triton runs the engine's CUDA kernels in its interpreter.
 $(VENV)/.engine: $(VENV)/.installed
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test,engine]'
+	$(BIN)/python -m pip install -q -e '.[test,engine,kernels]'
 	touch $@
 
 demo: $(VENV)/.installed

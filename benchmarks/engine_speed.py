@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--model", default="random:llama-3-8b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention-backend", default="auto", help="auto (triton on CUDA), torch or triton")
     parser.add_argument("--gpu", default=None, help="GPU spec for the peaks [h200 on cuda, none on cpu]")
     parser.add_argument("--batch-sizes", default="1,8,32,64,128,256")
     parser.add_argument("--kv-len", type=int, default=1024, help="tokens cached per decoding request")
@@ -34,7 +35,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend)
     gpu_name = args.gpu or ("h200" if loaded.device.type == "cuda" else None)
     gpu = get_gpu(gpu_name) if gpu_name else None
     c = loaded.config
@@ -53,7 +54,8 @@ def main() -> None:
                         device=loaded.device)  # fmt: skip
     per_token_kv = kv_bytes_per_token(loaded)
     device = f"{loaded.device} ({torch.cuda.get_device_name(loaded.device)})" if loaded.device.type == "cuda" else "cpu"
-    print(f"{args.model}, {loaded.dtype}, {device}; {params / 1e9:.2f} B parameters; peaks: "
+    print(f"{args.model}, {loaded.dtype}, {device}, {loaded.attention_backend} attention; "
+          f"{params / 1e9:.2f} B parameters; peaks: "
           f"{f'{gpu.name} {gpu.hbm_bandwidth / 1e12:.2f} TB/s, {gpu.peak_flops / 1e12:.0f} TFLOP/s' if gpu else 'none'}")  # fmt: skip
     print(f"\n{'decode batch':>12} {'KV/req':>7} {'step ms':>9} {'tok/s':>10} {'MBU':>7}")
     for b in batches:

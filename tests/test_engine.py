@@ -137,6 +137,26 @@ def test_forced_preemption_loses_nothing(hf_dirs, scheduler, preemption):
         assert llm.engine.scheduler.kv.swapped_bytes > 0
 
 
+@pytest.mark.parametrize(
+    "arch,scheduler,options",
+    [
+        ("llama", "sarathi", dict(prefill_token_budget=8, block_size=4)),  # chunks attend to earlier chunks
+        ("qwen2", "vllm", dict(kv_capacity_tokens=64, block_size=4, preemption_mode="recompute")),
+        ("opt", "sarathi", dict(kv_capacity_tokens=64, block_size=4, preemption_mode="swap")),
+        ("llama", "bros", {}),  # bidirectional KV blocks
+    ],
+)
+def test_triton_backend_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options):
+    """The Triton kernels (in Triton's interpreter without CUDA) drive the whole engine: the same
+    greedy tokens as HF, through chunked prefill, preemption by recompute and swap, and BROS's layout."""
+    pytest.importorskip("triton")
+    tokens, llm = _generate(hf_dirs[arch], scheduler, attention_backend="triton", **options)
+    assert llm.loaded.attention_backend == "triton"
+    assert tokens == reference(arch)
+    if "preemption_mode" in options:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
 def test_eos_stops_a_request(hf_dirs, tmp_path):
     """With EOS = the 4th greedy token of prompt 0, that request stops there ('stop'); others run on."""
     ref = reference("llama")
@@ -364,6 +384,8 @@ def test_profile_fits_a_preset_that_simulate_can_use(tmp_path):
         (("run", "--model", "random:tiny-llama", "--trace", "sharegpt", "--num-requests", "3", "--offline", "--kv-capacity-tokens", "64"),
          "KV capacity 64 tokens cannot hold one request"),
         (("profile", "--model", "random:tiny-llama", "--out", "x.json", "--batch-sizes", "a,b"), "--batch-sizes expects"),
+        (("run", "--model", "random:tiny-llama", "--trace", "sharegpt", "--attention-backend", "flash"),
+         "unknown attention backend 'flash'; valid: auto, torch, triton"),
     ],
 )
 def test_engine_commands_bad_input_exit_2(args, message):

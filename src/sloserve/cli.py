@@ -654,6 +654,8 @@ def _engine_options(fn: Callable) -> Callable:
         click.option("--dtype", default="auto", show_default=True, help="auto, float32, float16 or bfloat16."),
         click.option("--max-model-len", type=int, help="Context length (default: the model's own)."),
         click.option("--kv-capacity-tokens", type=int, help="KV cache slots (default: from free memory)."),
+        click.option("--attention-backend", default="auto", show_default=True,
+                     help="auto (Triton kernels on CUDA when triton is installed, else torch), torch or triton."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -665,7 +667,8 @@ def _load_engine_model(options: dict[str, Any]):
         from sloserve.engine.loader import load_model
     except ImportError as exc:  # torch, safetensors or tokenizers missing
         raise ConfigError(f"the engine needs the engine extra: pip install 'sloserve[engine]' ({exc})") from None
-    return load_model(options["model"], device=options["device"], dtype=options["dtype"], seed=options["seed"])
+    return load_model(options["model"], device=options["device"], dtype=options["dtype"], seed=options["seed"],
+                      attention_backend=options["attention_backend"])  # fmt: skip
 
 
 @main.command()

@@ -8,15 +8,21 @@ token -> slot table, so any KV layout (paged, exact, bidirectional) works unchan
 diagonal is offset by the tokens already cached. NOTE: SDPA's ``is_causal`` aligns the mask top-left,
 which is wrong whenever the query is shorter than the context (chunked prefill, refill, decode).
 Decodes (one query token each) are batched into one padded call; each prefill chunk gets its own.
+
+``TritonAttention`` (``triton_attention``) runs the same function as two Triton kernels on CUDA.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
+
+from sloserve.core.errors import ConfigError
 
 
 @dataclass
@@ -29,6 +35,18 @@ class PrefillSeq:
 
 
 @dataclass
+class PackedPrefills:
+    """A step's prefills as flat tensors, for kernels that run all of them in one launch."""
+
+    query_starts: torch.Tensor  # (P,) first flat token of each prefill
+    query_lens: torch.Tensor  # (P,) tokens it processes (c)
+    context_lens: torch.Tensor  # (P,) context tokens (n: the first n - c were cached)
+    slot_starts: torch.Tensor  # (P,) where its context slots begin in `slots`
+    slots: torch.Tensor  # (sum of n,) every prefill's context slots, one prefill after another
+    max_query_len: int
+
+
+@dataclass
 class AttentionMetadata:
     """Where the step's tokens go and what each sequence reads. Built once per step, used by every layer."""
 
@@ -37,6 +55,29 @@ class AttentionMetadata:
     decode_token_index: torch.Tensor  # (num_decodes,) position of each decode token in the flat step
     decode_slots: torch.Tensor  # (num_decodes, max_context) slot table, padded with slot 0
     decode_context_lens: torch.Tensor  # (num_decodes,) context tokens (cached + the new one)
+
+    @cached_property
+    def packed_prefills(self) -> PackedPrefills:
+        """``prefills`` packed (built by the first layer that asks, shared by the others)."""
+        device = self.slot_mapping.device
+        context_lens = [seq.context_slots.numel() for seq in self.prefills]
+        slot_starts = [0]
+        for n in context_lens[:-1]:
+            slot_starts.append(slot_starts[-1] + n)
+        starts = [seq.query_start for seq in self.prefills]
+        lens = [seq.query_len for seq in self.prefills]
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return PackedPrefills(
+            query_starts=tensor(starts),
+            query_lens=tensor(lens),
+            context_lens=tensor(context_lens),
+            slot_starts=tensor(slot_starts),
+            slots=torch.cat([seq.context_slots.to(torch.int64) for seq in self.prefills]),
+            max_query_len=max(lens),
+        )
 
 
 class AttentionBackend(ABC):
@@ -57,6 +98,18 @@ class AttentionBackend(ABC):
         ...
 
 
+def write_kv(
+    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim)
+    meta: AttentionMetadata,
+) -> None:
+    """Store this step's K/V at the slots the KV manager assigned (every backend does this first)."""
+    k_cache[meta.slot_mapping] = k
+    v_cache[meta.slot_mapping] = v
+
+
 def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
     """(..., num_kv_heads, head_dim) -> (..., num_heads, head_dim) for grouped-query attention."""
     return x if group == 1 else x.repeat_interleave(group, dim=-2)
@@ -68,8 +121,7 @@ class TorchAttention(AttentionBackend):
     name = "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, meta):
-        k_cache[meta.slot_mapping] = k
-        v_cache[meta.slot_mapping] = v
+        write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
         for seq in meta.prefills:
@@ -94,4 +146,24 @@ class TorchAttention(AttentionBackend):
         return out
 
 
-BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
+def _triton() -> AttentionBackend:
+    try:
+        from sloserve.engine.triton_attention import TritonAttention
+    except ImportError as e:
+        raise ConfigError(
+            f"attention backend 'triton' needs the triton package ({e}); CUDA builds of torch bring it"
+        ) from e
+    return TritonAttention()
+
+
+def triton_available() -> bool:
+    """Whether the ``triton`` backend can be built here (the package imports)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# name -> factory. The loader's "auto" picks triton on CUDA when it is installed, torch elsewhere.
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchAttention, "triton": _triton}

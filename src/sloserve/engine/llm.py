@@ -43,6 +43,8 @@ class LLM:
         device: ``cpu`` or ``cuda``. kv_capacity_tokens: KV slots (default: see LLMEngine).
         dtype: ``auto`` (float32 on CPU, the checkpoint's on CUDA), float32, float16, bfloat16.
         cost_model: what a policy that estimates batch times (BROS) uses: a preset or a JSON file.
+        attention_backend: ``auto`` (Triton kernels on CUDA when triton is installed, else the
+            PyTorch reference), ``torch`` or ``triton``.
     """
 
     def __init__(
@@ -57,7 +59,7 @@ class LLM:
         max_model_len: int | None = None,
         swap_space_tokens: int | None = None,
         cost_model: str | CostModel | None = None,
-        attention_backend: str = "torch",
+        attention_backend: str = "auto",
         **scheduler_options: Any,
     ) -> None:
         self.loaded = load_model(model, device=device, dtype=dtype, seed=seed, attention_backend=attention_backend)

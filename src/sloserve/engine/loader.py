@@ -3,6 +3,7 @@ ever downloaded: a missing directory or file is a ConfigError naming it."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from sloserve.core.errors import ConfigError
-from sloserve.engine.attention import BACKENDS
+from sloserve.engine.attention import BACKENDS, triton_available
 from sloserve.engine.config import RANDOM_PREFIX, ModelConfig, load_hf_config, random_config
 from sloserve.engine.models import create_model, init_random_, load_weights
 from sloserve.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -25,6 +26,7 @@ class LoadedModel:
     tokenizer: ByteTokenizer | HFTokenizer | None  # None: prompts must be token ids
     dtype: torch.dtype
     device: torch.device
+    attention_backend: str = "torch"  # the backend's name (resolve_attention_backend)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -50,24 +52,39 @@ def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torc
     return DTYPES[dtype]
 
 
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """``auto``: ``triton`` on CUDA when triton is installed, else ``torch`` (the reference).
+    ``triton`` on the CPU runs only under Triton's interpreter (``TRITON_INTERPRET=1``, for tests)."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if name not in BACKENDS:
+        raise ConfigError(f"unknown attention backend {name!r}; valid: auto, {', '.join(BACKENDS)}")
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(
+            f"attention backend 'triton' runs on CUDA, not on {device.type} (on the CPU only under "
+            "Triton's interpreter, TRITON_INTERPRET=1); use 'torch' there"
+        )
+    return name
+
+
 def load_model(
-    model: str, *, device: str = "cpu", dtype: str = "auto", seed: int = 0, attention_backend: str = "torch"
+    model: str, *, device: str = "cpu", dtype: str = "auto", seed: int = 0, attention_backend: str = "auto"
 ) -> LoadedModel:
     """``model`` is a local HF directory (config.json, *.safetensors, tokenizer.json) or
-    ``random:NAME`` (``RANDOM_SHAPES``: random weights from ``seed``, byte tokenizer)."""
+    ``random:NAME`` (``RANDOM_SHAPES``: random weights from ``seed``, byte tokenizer).
+    ``attention_backend``: ``auto``, ``torch`` or ``triton`` (``resolve_attention_backend``)."""
     dev = resolve_device(device)
-    if attention_backend not in BACKENDS:
-        raise ConfigError(f"unknown attention backend {attention_backend!r}; valid: {', '.join(BACKENDS)}")
-    backend = BACKENDS[attention_backend]()
+    backend_name = resolve_attention_backend(attention_backend, dev)
+    backend = BACKENDS[backend_name]()
     if model.startswith(RANDOM_PREFIX):
         config = random_config(model[len(RANDOM_PREFIX) :])
         torch_dtype = resolve_dtype(dtype, config, dev)
         net = create_model(config, backend, torch_dtype, dev)
         init_random_(net, seed)
-        return LoadedModel(net, config, ByteTokenizer(), torch_dtype, dev)
+        return LoadedModel(net, config, ByteTokenizer(), torch_dtype, dev, backend_name)
     path = Path(model).expanduser()
     config = load_hf_config(path)
     torch_dtype = resolve_dtype(dtype, config, dev)
     net = create_model(config, backend, torch_dtype, dev)
     load_weights(net, path)
-    return LoadedModel(net, config, load_tokenizer(path), torch_dtype, dev)
+    return LoadedModel(net, config, load_tokenizer(path), torch_dtype, dev, backend_name)

@@ -1,0 +1,242 @@
+"""Triton attention over the slot-addressed KV cache: the engine's backend on CUDA.
+
+Two kernels read K/V through the token -> slot table, so every KV layout (paged, exact, pipelined,
+bidirectional) works unchanged, as with the PyTorch reference (``attention.TorchAttention``):
+
+- ``_decode_kernel``: one program per (decode sequence, KV head). It loads the query rows of every
+  head that shares that KV head (grouped-query attention: the K/V tile is read once for the group)
+  and walks the context in tiles of ``BLOCK_N`` slots with an online softmax (running max ``m``,
+  running sum ``l``, rescaled accumulator), as FlashAttention does.
+- ``_prefill_kernel``: one program per (prefill sequence, tile of ``BLOCK_M`` query tokens, head).
+  A chunk of ``c`` tokens after ``n - c`` cached ones sits at positions ``n - c .. n - 1`` and query
+  ``i`` sees keys ``0 .. n - c + i`` (the bottom-right causal mask of chunked prefill); key tiles
+  past the tile's last position are not read.
+
+Both accumulate in float32 and take float32 dots in IEEE precision (Triton's default for float32
+is tf32, about 3e-4 relative error, which would make the engine's float32 tests inexact).
+
+NOTE: on the CPU these kernels run only under Triton's interpreter (``TRITON_INTERPRET=1`` in the
+environment before triton is imported): that is how the tests check them against the reference on
+machines without a GPU. The engine picks this backend for CUDA devices (``attention_backend="auto"``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from sloserve.engine.attention import AttentionBackend, write_kv
+
+# log2(e): the kernels use exp2, so scores are scaled by softmax_scale * LOG2E.
+LOG2E = 1.4426950408889634
+# tl.dot needs every dimension >= 16.
+MIN_DOT_DIM = 16
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,  # (T, nh, hd)
+    k_cache_ptr,  # (num_slots, nkv, hd)
+    v_cache_ptr,  # (num_slots, nkv, hd)
+    out_ptr,  # (T, nh, hd)
+    token_index_ptr,  # (B,) flat token of each decode
+    slot_table_ptr,  # (B, max_context) slot of each context token, padded
+    context_lens_ptr,  # (B,)
+    stride_q_token,
+    stride_q_head,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_slot,
+    stride_v_head,
+    stride_o_token,
+    stride_o_head,
+    stride_table_row,
+    qk_scale,  # softmax scale * log2(e)
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # power of two >= 16
+    BLOCK_N: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    token = tl.load(token_index_ptr + seq)
+    context_len = tl.load(context_lens_ptr + seq)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    q_offsets = token * stride_q_token + heads[:, None] * stride_q_head + d[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # (GROUP_PAD, D)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    for start in range(0, context_len, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < context_len
+        slots = tl.load(slot_table_ptr + seq * stride_table_row + n, mask=n_ok, other=0)  # (BLOCK_N,)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(
+            k_cache_ptr + slots[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # (BLOCK_N, D)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # (GROUP_PAD, BLOCK_N)
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + slots[:, None] * stride_v_slot + kv_head * stride_v_head + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # (BLOCK_N, D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+    # NOTE: every decode sees at least its own token, so l_i > 0 on the rows that are stored.
+    out = acc / tl.where(g_ok, l_i, 1.0)[:, None]
+    o_offsets = token * stride_o_token + heads[:, None] * stride_o_head + d[None, :]
+    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # (T, nh, hd)
+    k_cache_ptr,  # (num_slots, nkv, hd)
+    v_cache_ptr,  # (num_slots, nkv, hd)
+    out_ptr,  # (T, nh, hd)
+    query_starts_ptr,  # (P,) first flat token of each prefill
+    query_lens_ptr,  # (P,) tokens it processes (c)
+    context_lens_ptr,  # (P,) context tokens (n = cached + c)
+    slot_starts_ptr,  # (P,) where its context slots begin in slots_ptr
+    slots_ptr,  # (sum n,) context slots of every prefill, one after another
+    stride_q_token,
+    stride_q_head,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_slot,
+    stride_v_head,
+    stride_o_token,
+    stride_o_head,
+    qk_scale,  # softmax scale * log2(e)
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # power of two >= 16
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+    query_len = tl.load(query_lens_ptr + seq)
+    query_start = tl.load(query_starts_ptr + seq)
+    context_len = tl.load(context_lens_ptr + seq)
+    slot_start = tl.load(slot_starts_ptr + seq)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the chunk
+    rows_ok = rows < query_len
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    q_offsets = (query_start + rows)[:, None] * stride_q_token + head * stride_q_head + d[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=rows_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, D)
+    positions = context_len - query_len + rows  # (BLOCK_M,) each query sees keys 0..position
+    # Keys through the tile's last position; none for a tile past the chunk's end (the grid covers
+    # the longest chunk of the step).
+    end = tl.minimum(context_len, context_len - query_len + (tile + 1) * BLOCK_M)
+    end = tl.where(tile * BLOCK_M < query_len, end, 0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for start in range(0, end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < context_len
+        slots = tl.load(slots_ptr + slot_start + n, mask=n_ok, other=0)  # (BLOCK_N,)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(
+            k_cache_ptr + slots[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # (BLOCK_N, D)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+        visible = (n[None, :] <= positions[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # NOTE: a padding row past the chunk sees keys too (its position is past them), so m_new is
+        # finite on every row: no -inf - -inf.
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + slots[:, None] * stride_v_slot + kv_head * stride_v_head + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # (BLOCK_N, D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+    out = acc / tl.where(rows_ok, l_i, 1.0)[:, None]
+    o_offsets = (query_start + rows)[:, None] * stride_o_token + head * stride_o_head + d[None, :]
+    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & d_ok[None, :])
+
+
+def _pow2_at_least_16(x: int) -> int:
+    return max(MIN_DOT_DIM, triton.next_power_of_2(x))
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class TritonAttention(AttentionBackend):
+    """Triton kernels for CUDA: decode and prefill-with-context over the token -> slot table, GQA,
+    online softmax. Same outputs as ``TorchAttention`` to rounding."""
+
+    name = "triton"
+
+    def __init__(self, block_m: int = 64, block_n: int = 64) -> None:
+        # Tile sizes: query tokens per prefill program, context tokens per step of either kernel.
+        # NOTE: FlashAttention-2's Triton defaults for head_dim 64-128; tune them on the GPU.
+        self.block_m = block_m
+        self.block_n = block_n
+
+    def forward(self, q, k, v, k_cache, v_cache, meta):
+        write_kv(k, v, k_cache, v_cache, meta)
+        q = _last_dim_contiguous(q)
+        out = torch.empty_like(q)
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k_cache.shape[1]
+        group = num_heads // num_kv_heads
+        head_dim_pad = _pow2_at_least_16(head_dim)
+        qk_scale = LOG2E / math.sqrt(head_dim)
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 only matters for float32
+        if meta.prefills:
+            packed = meta.packed_prefills
+            grid = (len(meta.prefills), triton.cdiv(packed.max_query_len, self.block_m), num_heads)
+            _prefill_kernel[grid](
+                q, k_cache, v_cache, out,
+                packed.query_starts, packed.query_lens, packed.context_lens, packed.slot_starts, packed.slots,
+                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+                v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+                qk_scale,
+                GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+                BLOCK_M=self.block_m, BLOCK_N=self.block_n, INPUT_PRECISION=precision,
+            )  # fmt: skip
+        num_decodes = meta.decode_token_index.numel()
+        if num_decodes:
+            table = meta.decode_slots
+            _decode_kernel[(num_decodes, num_kv_heads)](
+                q, k_cache, v_cache, out,
+                meta.decode_token_index, table, meta.decode_context_lens,
+                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+                v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), table.stride(0),
+                qk_scale,
+                GROUP=group, GROUP_PAD=_pow2_at_least_16(group), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+                BLOCK_N=self.block_n, INPUT_PRECISION=precision,
+            )  # fmt: skip
+        return out
