@@ -370,9 +370,29 @@ def test_profile_fits_a_preset_that_simulate_can_use(tmp_path):
     from sloserve.cost import LinearCostModel, load_preset
     from sloserve.cost.base import BatchShape
 
-    # The fitted model predicts positive, growing times (not a fixed figure: the machine decides).
+    # The fitted model predicts positive times, a 256-token prompt slower than one decode (not a fixed
+    # figure: the machine decides; on a CPU a tiny model's decode batches may all take the same time).
     model = LinearCostModel(load_preset(preset))
-    assert 0 < model.batch_time(BatchShape(1, 32)).total_s < model.batch_time(BatchShape(16, 16 * 128)).total_s
+    prompt = BatchShape(num_prefill=1, prefill_tokens=256, prefill_attention_work=256 * 256)
+    assert 0 < model.batch_time(BatchShape(1, 32)).total_s < model.batch_time(prompt).total_s
+    # The profiled model itself is simulated with its preset (its shape read without torch).
+    proc = _cli("simulate", "--model", "random:tiny-llama", "--cost-model", str(preset), "--trace", "sharegpt",
+                "--rate", "5", "--num-requests", "20", "--kv-capacity-tokens", "4096", "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["completed"] == 20
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
+def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
+    """`simulate --model DIR`: the spec read from config.json counts the parameters transformers has."""
+    from sloserve.cli import _model_spec
+
+    spec = _model_spec(hf_dirs[arch])
+    hf = _hf_cached(arch)
+    assert spec.num_params == sum(p.numel() for p in hf.parameters())
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (2, hf.config.num_key_value_heads
+                                                                    if arch != "opt" else 4, 16)  # fmt: skip
+    assert spec.dtype_bytes == 4  # saved in float32
 
 
 @pytest.mark.parametrize(

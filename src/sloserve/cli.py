@@ -67,7 +67,8 @@ def _workload_options(fn: Callable) -> Callable:
 
 def _system_options(fn: Callable) -> Callable:
     options = [
-        click.option("--model", default="llama-2-7b", show_default=True, help="Model spec name."),
+        click.option("--model", default="llama-2-7b", show_default=True,
+                     help="Model spec name, or an engine model: random:NAME or a local HF directory."),
         click.option("--gpu", default="a100", show_default=True, help="GPU spec name."),
         click.option("--num-gpus", type=int, default=1, show_default=True, help="Tensor-parallel GPUs per replica."),
         click.option("--max-model-len", type=int, help="Context length (default: the model's own)."),
@@ -148,10 +149,28 @@ def _parse_columns(text: str | None) -> dict[str, str] | None:
     return columns
 
 
-def _setup(options: dict[str, Any]) -> Setup:
-    from sloserve.cost import build_cost_model, get_gpu, get_model, kv_capacity_tokens
+def _model_spec(name: str):
+    """A bundled spec by name, or the shape of an engine model: ``random:NAME`` or a local HF
+    directory (its config.json; no torch needed), so a preset profiled on it simulates it."""
+    from sloserve.cost import get_model
 
-    model, gpu = get_model(options["model"]), get_gpu(options["gpu"])
+    if name.startswith("random:") or Path(name).expanduser().is_dir():
+        from sloserve.engine.config import RANDOM_PREFIX, load_hf_config, random_config
+
+        if name.startswith(RANDOM_PREFIX):
+            return random_config(name[len(RANDOM_PREFIX) :]).spec()
+        return load_hf_config(Path(name).expanduser()).spec()
+    try:
+        return get_model(name)
+    except UnknownNameError as err:
+        err.args = (f"{err.args[0]}; or random:NAME, or a local HF model directory",)
+        raise
+
+
+def _setup(options: dict[str, Any]) -> Setup:
+    from sloserve.cost import build_cost_model, get_gpu, kv_capacity_tokens
+
+    model, gpu = _model_spec(options["model"]), get_gpu(options["gpu"])
     if options["max_model_len"] is not None:
         if options["max_model_len"] < 2:
             raise ConfigError(f"--max-model-len must be >= 2, got {options['max_model_len']}")
@@ -723,6 +742,7 @@ def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virt
             "device": str(loaded.device),
             "dtype": str(loaded.dtype).removeprefix("torch."),
             "clock": "virtual" if virtual_clock else "wall",
+            "max_model_len": engine.max_model_len,
             "workload": workload.name,
             "num_clipped": workload.num_clipped,
             "seed": options["seed"],

@@ -1,18 +1,27 @@
 """The real engine (PyTorch): models, slot-addressed KV cache, attention backends, sampler, executor.
 
 Needs the ``engine`` extra (``pip install 'sloserve[engine]'``); the simulator never imports it.
+``sloserve.engine.config`` (model shapes from ``config.json``) needs no torch: the simulator reads
+an engine model's shape through it.
 """
 
 from __future__ import annotations
 
-try:
-    import torch  # noqa: F401
-except ImportError as e:  # pragma: no cover - depends on the install
-    from sloserve.core.errors import ConfigError
-
-    raise ConfigError("the engine needs PyTorch: pip install 'sloserve[engine]' (torch, safetensors, tokenizers)") from e
-
-from sloserve.engine.llm import LLM, CompletionOutput, RequestOutput
-from sloserve.engine.sampler import SamplingParams
-
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    """``LLM``, ``SamplingParams`` and the output classes load torch on first use."""
+    if name not in __all__:
+        raise AttributeError(f"module 'sloserve.engine' has no attribute {name!r}")
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:  # pragma: no cover - depends on the install
+        from sloserve.core.errors import ConfigError
+
+        raise ConfigError(
+            "the engine needs PyTorch: pip install 'sloserve[engine]' (torch, safetensors, tokenizers)"
+        ) from e
+    from sloserve.engine import llm, sampler
+
+    return getattr(sampler if name == "SamplingParams" else llm, name)

@@ -13,13 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from sloserve.core.errors import ConfigError, UnknownNameError
-from sloserve.cost.specs import MODELS
+from sloserve.cost.specs import MODELS, ModelSpec
 
 # HF ``model_type`` -> our architecture (the module that implements it).
 ARCHITECTURES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "opt": "opt"}
 # Byte-level tokenizer of random models: ids 0..255 are bytes, then BOS and EOS.
 BYTE_BOS_ID, BYTE_EOS_ID = 256, 257
 RANDOM_PREFIX = "random:"
+# OPT's learned position table starts at index 2 (a fairseq leftover, kept by HF).
+OPT_POSITION_OFFSET = 2
+# Bytes per weight of a checkpoint's torch_dtype (the simulator's weight and KV sizes).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,46 @@ class ModelConfig:
     @property
     def architecture(self) -> str:
         return ARCHITECTURES[self.model_type]
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of the engine's model of this shape (a tied LM head counted once)."""
+        h, i, v, layers = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
+        if self.architecture == "opt":
+            proj = self.word_embed_proj_dim or h
+            bias = int(self.enable_bias)
+            # q, k, v, out projections and fc1, fc2 (with biases), two LayerNorms (weight and bias)
+            layer = 4 * (h * h + bias * h) + (h * i + bias * i) + (i * h + bias * h) + 2 * 2 * h
+            final_norm = 2 * h if self.do_layer_norm_before and not self.extra.get("remove_final_layer_norm") else 0
+            embeddings = v * proj + (self.max_position_embeddings + OPT_POSITION_OFFSET) * h
+            projections = 2 * proj * h if proj != h else 0
+            lm_head = 0 if self.tie_word_embeddings else v * proj
+            return embeddings + projections + layers * layer + final_norm + lm_head
+        q_width, kv_width = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        attention = h * q_width + 2 * h * kv_width + q_width * h
+        if self.attention_bias:
+            attention += q_width + 2 * kv_width
+        mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)  # gate, up, down
+        layer = attention + mlp + 2 * h  # two RMSNorms
+        return v * h + layers * layer + h + (0 if self.tie_word_embeddings else v * h)
+
+    def spec(self) -> ModelSpec:
+        """The simulator's view of this model (``simulate --model`` with a directory or ``random:NAME``)."""
+        return ModelSpec(
+            name=self.name,
+            num_layers=self.num_hidden_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_kv_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+            num_params=self.num_params,
+            max_context_len=self.max_position_embeddings,
+            dtype_bytes=DTYPE_BYTES.get(self.torch_dtype, 2),
+            mlp_kind="relu" if self.architecture == "opt" else "gated",
+            tied_embeddings=self.tie_word_embeddings,
+        )
 
 
 def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:

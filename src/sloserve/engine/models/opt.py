@@ -8,10 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
+from sloserve.engine.config import OPT_POSITION_OFFSET as POSITION_OFFSET
 from sloserve.engine.config import ModelConfig
-
-# OPT's learned position table starts at index 2 (a fairseq leftover).
-POSITION_OFFSET = 2
 
 
 class OPTAttention(nn.Module):
