@@ -311,6 +311,8 @@ def test_the_simulator_never_imports_torch():
     code = (
         "import sys, sloserve, sloserve.cli, sloserve.sim, sloserve.sched, sloserve.metrics, sloserve.optimal\n"
         "from sloserve.workload import synthetic_workload\n"
+        "from sloserve.cli import _model_spec\n"
+        "_model_spec('llama-2-7b'), _model_spec('random:tiny-llama')  # an engine model's shape too\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

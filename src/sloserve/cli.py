@@ -153,12 +153,11 @@ def _model_spec(name: str):
     """A bundled spec by name, or the shape of an engine model: ``random:NAME`` or a local HF
     directory (its config.json; no torch needed), so a preset profiled on it simulates it."""
     from sloserve.cost import get_model
+    from sloserve.engine.config import RANDOM_PREFIX, load_hf_config, random_config
 
-    if name.startswith("random:") or Path(name).expanduser().is_dir():
-        from sloserve.engine.config import RANDOM_PREFIX, load_hf_config, random_config
-
-        if name.startswith(RANDOM_PREFIX):
-            return random_config(name[len(RANDOM_PREFIX) :]).spec()
+    if name.startswith(RANDOM_PREFIX):
+        return random_config(name[len(RANDOM_PREFIX) :]).spec()
+    if Path(name).expanduser().is_dir():
         return load_hf_config(Path(name).expanduser()).spec()
     try:
         return get_model(name)
