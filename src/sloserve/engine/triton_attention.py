@@ -37,6 +37,48 @@ MIN_DOT_DIM = 16
 
 
 @triton.jit
+def _attend_tile(
+    q,  # (M, D) query rows
+    acc,  # (M, D) float32 running sum of probabilities x values (unnormalized)
+    m_i,  # (M,) running max score (log2 units)
+    l_i,  # (M,) running sum of exp2(score - m_i)
+    k_cache_ptr,
+    v_cache_ptr,
+    slots,  # (BLOCK_N,) slots of this tile's context tokens
+    n_ok,  # (BLOCK_N,) tokens inside the context
+    visible,  # (M, BLOCK_N) or (1, BLOCK_N): which scores count
+    kv_head,
+    d,  # (D,) head-dim offsets
+    d_ok,  # (D,) offsets inside head_dim
+    stride_k_slot,
+    stride_k_head,
+    stride_v_slot,
+    stride_v_head,
+    qk_scale,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """One tile of context for both kernels: scores against its keys, then the online-softmax update
+    (rescale what was summed so far by exp2(old max - new max)). Returns (acc, m_i, l_i)."""
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(
+        k_cache_ptr + slots[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :], mask=kv_mask, other=0.0
+    )  # (BLOCK_N, D)
+    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # (M, BLOCK_N)
+    s = tl.where(visible, s, float("-inf"))
+    # NOTE: every row sees at least one key in the first tile (a decode its own token; a chunk's
+    # query, and a padding row past the chunk, key 0), so m_new is finite: no -inf - -inf.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(
+        v_cache_ptr + slots[:, None] * stride_v_slot + kv_head * stride_v_head + d[None, :], mask=kv_mask, other=0.0
+    )  # (BLOCK_N, D)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,  # (T, nh, hd)
     k_cache_ptr,  # (num_slots, nkv, hd)
@@ -80,25 +122,10 @@ def _decode_kernel(
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < context_len
         slots = tl.load(slot_table_ptr + seq * stride_table_row + n, mask=n_ok, other=0)  # (BLOCK_N,)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(
-            k_cache_ptr + slots[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # (BLOCK_N, D)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # (GROUP_PAD, BLOCK_N)
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + slots[:, None] * stride_v_slot + kv_head * stride_v_head + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # (BLOCK_N, D)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, slots, n_ok, n_ok[None, :], kv_head, d, d_ok,
+            stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, qk_scale, INPUT_PRECISION,
+        )  # fmt: skip
     # NOTE: every decode sees at least its own token, so l_i > 0 on the rows that are stored.
     out = acc / tl.where(g_ok, l_i, 1.0)[:, None]
     o_offsets = token * stride_o_token + heads[:, None] * stride_o_head + d[None, :]
@@ -158,28 +185,11 @@ def _prefill_kernel(
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < context_len
         slots = tl.load(slots_ptr + slot_start + n, mask=n_ok, other=0)  # (BLOCK_N,)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(
-            k_cache_ptr + slots[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # (BLOCK_N, D)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
-        visible = (n[None, :] <= positions[:, None]) & n_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # NOTE: a padding row past the chunk sees keys too (its position is past them), so m_new is
-        # finite on every row: no -inf - -inf.
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + slots[:, None] * stride_v_slot + kv_head * stride_v_head + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # (BLOCK_N, D)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
+        visible = (n[None, :] <= positions[:, None]) & n_ok[None, :]  # (BLOCK_M, BLOCK_N) causal
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, slots, n_ok, visible, kv_head, d, d_ok,
+            stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, qk_scale, INPUT_PRECISION,
+        )  # fmt: skip
     out = acc / tl.where(rows_ok, l_i, 1.0)[:, None]
     o_offsets = (query_start + rows)[:, None] * stride_o_token + head * stride_o_head + d[None, :]
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & d_ok[None, :])
