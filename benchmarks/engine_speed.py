@@ -4,6 +4,8 @@ FLOPs utilization (MFU) at 1k-16k tokens, for a random model of a real shape.
     python benchmarks/engine_speed.py                       # random:llama-3-8b, bf16, cuda, H200 peaks
     python benchmarks/engine_speed.py --device cpu --model random:tiny-llama --dtype float32
 
+A step is timed as the engine's clock counts it (``StepTimer``: slot tables, attention metadata,
+forward pass, logits and sampling), so the figures are what a served request sees.
 MBU = (weight bytes + KV bytes read) per decode step / step time / HBM bandwidth.
 MFU = (2 x matmul parameters x tokens + causal attention FLOPs) / step time / peak dense FLOP/s.
 Goals on the H200 (issue 6): MBU >= 70% at batch >= 64, MFU >= 50% at >= 4k prompt tokens.
@@ -19,7 +21,7 @@ import torch
 from sloserve.cost import get_gpu
 from sloserve.engine.llm_engine import kv_bytes_per_token
 from sloserve.engine.loader import load_model
-from sloserve.engine.profile import time_batch
+from sloserve.engine.profile import StepTimer
 
 
 def main() -> None:
@@ -49,9 +51,8 @@ def main() -> None:
     args.kv_len = min(args.kv_len, c.max_position_embeddings - 1)
     batches = [int(x) for x in args.batch_sizes.split(",")]
     prompts = [int(x) for x in args.prefill.split(",") if int(x) <= c.max_position_embeddings]
-    slots = max(max(batches) * (args.kv_len + 1), max(prompts, default=1))
-    cache = torch.zeros((2, c.num_hidden_layers, slots, c.num_key_value_heads, c.head_dim), dtype=loaded.dtype,
-                        device=loaded.device)  # fmt: skip
+    timer = StepTimer(loaded, max(StepTimer.blocks_needed([], [args.kv_len] * max(batches)),
+                                  StepTimer.blocks_needed([(max(prompts, default=1), 0)], [])))  # fmt: skip
     per_token_kv = kv_bytes_per_token(loaded)
     device = f"{loaded.device} ({torch.cuda.get_device_name(loaded.device)})" if loaded.device.type == "cuda" else "cpu"
     print(f"{args.model}, {loaded.dtype}, {device}, {loaded.attention_backend} attention; "
@@ -59,13 +60,13 @@ def main() -> None:
           f"{f'{gpu.name} {gpu.hbm_bandwidth / 1e12:.2f} TB/s, {gpu.peak_flops / 1e12:.0f} TFLOP/s' if gpu else 'none'}")  # fmt: skip
     print(f"\n{'decode batch':>12} {'KV/req':>7} {'step ms':>9} {'tok/s':>10} {'MBU':>7}")
     for b in batches:
-        t = time_batch(loaded, cache, [], b, args.kv_len, repeats=args.repeats)
+        t = timer.time([], [args.kv_len] * b, repeats=args.repeats)
         read = weight_bytes + b * (args.kv_len + 1) * per_token_kv
         mbu = f"{read / t / gpu.hbm_bandwidth:.1%}" if gpu else "-"
         print(f"{b:>12} {args.kv_len:>7} {t * 1e3:>9.3f} {b / t:>10.1f} {mbu:>7}")
     print(f"\n{'prefill tokens':>14} {'step ms':>9} {'tok/s':>10} {'MFU':>7}")
     for n in prompts:
-        t = time_batch(loaded, cache, [(n, 0)], 0, 0, repeats=args.repeats)
+        t = timer.time([(n, 0)], [], repeats=args.repeats)
         # Causal attention: QK^T and PV, 2 FLOPs per multiply-add, half the n x n scores.
         attention = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * n * n / 2
         flops = 2 * layer_params * n + 2 * embed + attention

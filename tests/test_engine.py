@@ -384,6 +384,33 @@ def test_profile_fits_a_preset_that_simulate_can_use(tmp_path):
     assert json.loads(proc.stdout)["completed"] == 20
 
 
+def test_a_profile_step_is_an_engine_step_and_leaves_nothing_behind():
+    """The profiler times ``EngineExecutor.execute`` (what the engine's clock counts) on requests it
+    places in a paged KV manager, and frees them after; decode lengths spread around the grid's mean."""
+    from sloserve.engine.loader import load_model
+    from sloserve.engine.profile import ProfileGrid, StepTimer, spread_decode_lens
+
+    decodes = spread_decode_lens(9, 100, 150)
+    assert decodes == sorted(decodes) and decodes[0] == 20 and max(decodes) == 150 and len(decodes) == 9
+    assert sum(spread_decode_lens(8, 50, 1000)) == 8 * 50 and spread_decode_lens(1, 70, 1000) == [70]
+    loaded = load_model("random:tiny-llama")
+    batch = ([(40, 24), (9, 0)], decodes)
+    timer = StepTimer(loaded, StepTimer.blocks_needed(*batch))
+    calls = []
+    real_execute = timer.executor.execute
+    timer.executor.execute = lambda output, now: calls.append(output) or real_execute(output, now)
+    assert timer.time(*batch, repeats=2) > 0
+    assert len(calls) == 3  # a warm-up and two timed runs
+    assert [c.num_tokens for c in calls[0].chunks] == [40, 9] + [1] * 9
+    assert [c.request.num_computed_tokens for c in calls[0].chunks] == [24, 0, *decodes]
+    assert timer.kv.num_free_blocks == timer.kv.gpu.num_blocks and not timer.executor.sequences
+    timer.kv.check_integrity()
+    # Every grid batch fits the slots it was given.
+    for prefills, decode_lens in ProfileGrid().shapes(max_model_len=1024, max_slots=20_000):
+        assert sum(c + m for c, m in prefills) + sum(m + 1 for m in decode_lens) <= 20_000
+        assert all(c + m <= 1024 for c, m in prefills) and all(m + 1 <= 1024 for m in decode_lens)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
 def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
     """`simulate --model DIR`: the spec read from config.json counts the parameters transformers has."""

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from attention_steps import make_step  # noqa: E402
+
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.engine import triton_attention  # noqa: E402
 from sloserve.engine.attention import AttentionMetadata, PrefillSeq, TorchAttention  # noqa: E402
@@ -29,58 +31,6 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32] if DEVICE.type == "cpu" else [torch.float32, torch.float16, torch.bfloat16]
 # (query heads, KV heads): grouped 2:1 (tiny Llama), plain (OPT), 7:1 (Qwen2.5-7B's 28:4), 4:1.
 HEADS = [(4, 2), (4, 4), (7, 1), (8, 2)]
-
-
-def make_step(
-    gen: torch.Generator,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    prefills: list[tuple[int, int]],  # (cached tokens m, chunk tokens c)
-    decodes: list[int],  # cached tokens of each decode
-    num_slots: int,
-):
-    """A step's q/k/v, a KV cache of random values and metadata with shuffled (non-contiguous)
-    slots, all float64 on the CPU."""
-    num_tokens = sum(c for _, c in prefills) + len(decodes)
-    perm = torch.randperm(num_slots, generator=gen)
-    taken = 0
-
-    def take(n: int) -> torch.Tensor:
-        nonlocal taken
-        taken += n
-        return perm[taken - n : taken]
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    k_cache, v_cache = randn(num_slots, num_kv_heads, head_dim), randn(num_slots, num_kv_heads, head_dim)
-    q = randn(num_tokens, num_heads, head_dim)
-    k, v = randn(num_tokens, num_kv_heads, head_dim), randn(num_tokens, num_kv_heads, head_dim)
-    written, seqs, flat = [], [], 0
-    for m, c in prefills:
-        context = take(m + c)
-        seqs.append(PrefillSeq(flat, c, context))
-        written.append(context[m:])
-        flat += c
-    index, tables = [], []
-    for m in decodes:
-        context = take(m + 1)
-        tables.append(context)
-        written.append(context[m:])
-        index.append(flat)
-        flat += 1
-    table = torch.zeros(len(decodes), max((len(t) for t in tables), default=1), dtype=torch.int64)
-    for row, context in enumerate(tables):
-        table[row, : len(context)] = context
-    meta = AttentionMetadata(
-        slot_mapping=torch.cat(written),
-        prefills=seqs,
-        decode_token_index=torch.tensor(index, dtype=torch.int64),
-        decode_slots=table,
-        decode_context_lens=torch.tensor([len(t) for t in tables], dtype=torch.int64),
-    )
-    return q, k, v, k_cache, v_cache, meta
 
 
 def _to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:

@@ -7,7 +7,10 @@ token -> slot table, so any KV layout (paged, exact, bidirectional) works unchan
 ``TorchAttention`` is the reference: it gathers K/V by slot and applies an explicit causal mask whose
 diagonal is offset by the tokens already cached. NOTE: SDPA's ``is_causal`` aligns the mask top-left,
 which is wrong whenever the query is shorter than the context (chunked prefill, refill, decode).
-Decodes (one query token each) are batched into one padded call; each prefill chunk gets its own.
+Each prefill chunk gets its own call. Decodes (one query token each) are batched into padded calls,
+grouped by context length (``AttentionMetadata.decode_groups``) so that padding stays a bounded share
+of the work: the cost follows the sum of the context lengths, as the cost model's decode term does,
+not batch x the longest context.
 
 ``TritonAttention`` (``triton_attention``) runs the same function as two Triton kernels on CUDA.
 """
@@ -46,6 +49,11 @@ class PackedPrefills:
     max_query_len: int
 
 
+# A decode group's padded work (its size x its longest context) stays within this factor of its real
+# work (the sum of its context lengths).
+DECODE_PAD_LIMIT = 1.25
+
+
 @dataclass
 class AttentionMetadata:
     """Where the step's tokens go and what each sequence reads. Built once per step, used by every layer."""
@@ -55,6 +63,28 @@ class AttentionMetadata:
     decode_token_index: torch.Tensor  # (num_decodes,) position of each decode token in the flat step
     decode_slots: torch.Tensor  # (num_decodes, max_context) slot table, padded with slot 0
     decode_context_lens: torch.Tensor  # (num_decodes,) context tokens (cached + the new one)
+
+    @cached_property
+    def decode_groups(self) -> list[tuple[torch.Tensor, int]]:
+        """The decodes split into groups of similar context length for padded batching: (rows of the
+        decode arrays, longest context in the group) each. Built once per step, shared by the layers."""
+        lengths = self.decode_context_lens.tolist()
+        order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
+        groups: list[tuple[list[int], int]] = []
+        work = 0
+        for row in order:
+            n = lengths[row]
+            if groups:
+                members, longest = groups[-1]
+                # NOTE: rows come longest first, so a group's first row sets its padded length.
+                if longest * (len(members) + 1) <= DECODE_PAD_LIMIT * (work + n):
+                    members.append(row)
+                    work += n
+                    continue
+            groups.append(([row], n))
+            work = n
+        device = self.decode_context_lens.device
+        return [(torch.tensor(rows, dtype=torch.int64, device=device), longest) for rows, longest in groups]
 
     @cached_property
     def packed_prefills(self) -> PackedPrefills:
@@ -106,8 +136,15 @@ def write_kv(
     meta: AttentionMetadata,
 ) -> None:
     """Store this step's K/V at the slots the KV manager assigned (every backend does this first)."""
-    k_cache[meta.slot_mapping] = k
-    v_cache[meta.slot_mapping] = v
+    # NOTE: index_copy_/index_select on dim 0 copy whole rows; advanced indexing (cache[slots]) is
+    # several times slower on the CPU. No two tokens share a slot, so the copy is deterministic.
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+
+
+def gather_kv(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``cache`` rows at ``slots`` (any shape): (*slots.shape, num_kv_heads, head_dim)."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
 def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -127,22 +164,25 @@ class TorchAttention(AttentionBackend):
         for seq in meta.prefills:
             s, c = seq.query_start, seq.query_len
             n = seq.context_slots.numel()  # context length; the first n - c tokens were cached
-            keys = _expand_kv(k_cache[seq.context_slots], group).transpose(0, 1)  # (nh, n, hd)
-            values = _expand_kv(v_cache[seq.context_slots], group).transpose(0, 1)  # (nh, n, hd)
+            keys = _expand_kv(gather_kv(k_cache, seq.context_slots), group).transpose(0, 1)  # (nh, n, hd)
+            values = _expand_kv(gather_kv(v_cache, seq.context_slots), group).transpose(0, 1)  # (nh, n, hd)
             query = q[s : s + c].transpose(0, 1)  # (nh, c, hd)
             # Query i sits at position n - c + i and sees keys 0..n - c + i (bottom-right causal).
             rows = torch.arange(c, device=q.device).unsqueeze(1) + (n - c)
             mask = torch.arange(n, device=q.device).unsqueeze(0) <= rows  # (c, n)
             out[s : s + c] = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask).transpose(0, 1)
-        if meta.decode_token_index.numel():
-            idx = meta.decode_token_index
-            keys = _expand_kv(k_cache[meta.decode_slots], group).permute(0, 2, 1, 3)  # (B, nh, L, hd)
-            values = _expand_kv(v_cache[meta.decode_slots], group).permute(0, 2, 1, 3)  # (B, nh, L, hd)
-            query = q[idx].unsqueeze(2)  # (B, nh, 1, hd)
-            length = meta.decode_slots.shape[1]
-            valid = torch.arange(length, device=q.device).unsqueeze(0) < meta.decode_context_lens.unsqueeze(1)
-            mask = valid[:, None, None, :]  # (B, 1, 1, L): padding slots are masked out
-            out[idx] = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask).squeeze(2)
+        nkv = k.shape[1]
+        for rows, length in meta.decode_groups:
+            idx = meta.decode_token_index[rows]
+            slots = meta.decode_slots[rows, :length]  # (b, L)
+            keys = gather_kv(k_cache, slots).permute(0, 2, 1, 3)  # (b, nkv, L, hd)
+            values = gather_kv(v_cache, slots).permute(0, 2, 1, 3)  # (b, nkv, L, hd)
+            # GQA without copying K/V per query head: a group's `group` query heads are the "query
+            # tokens" of one SDPA row against their KV head (head h reads KV head h // group).
+            query = q[idx].view(-1, nkv, group, q.shape[2])  # (b, nkv, group, hd)
+            valid = torch.arange(length, device=q.device) < meta.decode_context_lens[rows].unsqueeze(1)  # (b, L)
+            mask = valid[:, None, None, :]  # (b, 1, 1, L): padding slots are masked out
+            out[idx] = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask).flatten(1, 2)
         return out
 
 
