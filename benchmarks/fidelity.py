@@ -4,7 +4,8 @@ print the simulator's relative error on throughput and mean latencies.
 
     python benchmarks/fidelity.py                 # random:llama-3-8b, bf16, cuda (issue 6's check)
     python benchmarks/fidelity.py --device cpu --model random:tiny-llama --dtype float32 \\
-        --prefill-chunks 16,32,64,128,256,512 --batch-sizes 1,2,4,8,16,32,64 --decode-kv-lens 64,256,768
+        --prefill-chunks 16,32,64,128,256,512,1024 --context-lens 0,256,512 \\
+        --batch-sizes 1,2,4,8,16,32,64,100 --decode-kv-lens 64,256,768 --num-requests 100 --repeats 5
 
 Each step is the `sloserve` command a user would run: `profile`, `run --virtual-clock` (the engine's
 clock is the sum of its measured step times, as the simulator's is the sum of predicted ones, so

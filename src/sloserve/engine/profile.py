@@ -45,9 +45,9 @@ def spread_decode_lens(num_decode: int, mean_kv: int, max_kv: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ProfileGrid:
-    """The shapes measured: prefill chunks x cached tokens, decode batch sizes x mean cached tokens
-    per decode (``spread_decode_lens``), and mixed batches (each decode batch with the middle prefill
-    chunk)."""
+    """The shapes measured: prefill chunks x cached tokens, batches of several prompts (batch sizes x
+    chunk sizes, up to the largest chunk in all), decode batch sizes x mean cached tokens per decode
+    (``spread_decode_lens``), and mixed batches (each decode batch with the middle prefill chunk)."""
 
     prefill_chunks: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
     context_lens: tuple[int, ...] = (0, 512, 2048)
@@ -61,6 +61,12 @@ class ProfileGrid:
             for m in self.context_lens:
                 if c + m <= max_model_len and c + m <= max_slots:
                     points.append(([(c, m)], []))
+        # Batches of k prompts of c tokens each, as vLLM prefills every waiting prompt that fits at
+        # once: the cost per prefill (s_p) is identified only where the number of prefills varies.
+        for k in self.batch_sizes:
+            for c in self.prefill_chunks:
+                if k > 1 and k * c <= max(self.prefill_chunks) and c <= max_model_len and k * c <= max_slots:
+                    points.append(([(c, 0)] * k, []))
 
         def decodes(b: int, m: int) -> list[int]:
             return spread_decode_lens(b, m, max_model_len - 1)
@@ -128,19 +134,20 @@ class StepTimer:
         self.executor.add(request, tokens, SamplingParams(max_tokens=1 << 30, temperature=0.0, ignore_eos=True))
         return request
 
-    def time(self, prefills: list[tuple[int, int]], decode_lens: list[int], *, repeats: int = 3) -> float:
+    def time(self, prefills: list[tuple[int, int]], decode_lens: list[int], *, repeats: int = 3, warmup: int = 1) -> float:
         """Median seconds of one engine step running ``prefills`` ((c, m): c tokens after m cached)
-        and one decode per entry of ``decode_lens`` (its cached tokens); one warm-up run first."""
+        and one decode per entry of ``decode_lens`` (its cached tokens), over ``repeats`` runs after
+        ``warmup`` untimed ones."""
         chunks = [ScheduledChunk(self._request(m, c), c) for c, m in prefills]
         chunks += [ScheduledChunk(self._request(m, 1), 1) for m in decode_lens]
         output = SchedulerOutput(chunks=chunks)
         try:
-            times = [self.executor.execute(output, 0.0).step_end_times[0] for _ in range(repeats + 1)]
+            times = [self.executor.execute(output, 0.0).step_end_times[0] for _ in range(warmup + repeats)]
         finally:
             for chunk in chunks:
                 self.kv.free(chunk.request)
                 del self.executor.sequences[chunk.request]
-        return statistics.median(times[1:])
+        return statistics.median(times[warmup:])
 
 
 @dataclass
@@ -174,12 +181,19 @@ def profile(
         )
     c = loaded.config
     timer = StepTimer(loaded, max(StepTimer.blocks_needed(*point) for point in points))
-    shapes, times = [], []
-    for i, (prefills, decode_lens) in enumerate(points):
-        shapes.append(_shape(prefills, decode_lens))
-        times.append(timer.time(prefills, decode_lens, repeats=repeats))
-        if on_point is not None:
-            on_point(i + 1, len(points))
+    shapes = [_shape(prefills, decode_lens) for prefills, decode_lens in points]
+    # NOTE: each pass times every point once (the first pass warms up), and a point's time is its
+    # median over the passes: a slow spell on a shared machine then lands on all points alike
+    # instead of on a run of neighbours (one batch size, say), which would bend the fit.
+    samples: list[list[float]] = [[] for _ in points]
+    for rep in range(repeats + 1):
+        for i, (prefills, decode_lens) in enumerate(points):
+            t = timer.time(prefills, decode_lens, repeats=1, warmup=0)
+            if rep:
+                samples[i].append(t)
+            if on_point is not None:
+                on_point(rep * len(points) + i + 1, (repeats + 1) * len(points))
+    times = [statistics.median(ts) for ts in samples]
     held_out = [i for i in range(len(points)) if i % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1]
     train = [i for i in range(len(points)) if i % HOLD_OUT_EVERY != HOLD_OUT_EVERY - 1]
     fit = fit_linear_shapes([shapes[i] for i in train], [times[i] for i in train], num_layers=c.num_hidden_layers,
