@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -89,3 +90,8 @@ def test_invariants_under_random_operations(ops, block_size):
         kv.check_integrity()
         for b in range(kv.gpu.num_blocks):
             assert kv.rt_fill[b] + len(kv.be_tokens[b]) <= block_size
+        on_gpu = [r for r, slots in kv.token_slots.items() if slots and not kv.num_checkpointed(r)]
+        if on_gpu:  # the batch slot table (the engine's decodes) is each request's own
+            lengths = np.array([kv.num_tracked_tokens(r) for r in on_gpu])
+            table = kv.slot_tables(on_gpu, lengths)
+            assert [table[i, :n].tolist() for i, n in enumerate(lengths)] == [kv.token_slots[r] for r in on_gpu]

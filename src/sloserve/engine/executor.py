@@ -67,12 +67,6 @@ class EngineExecutor:
             generator = torch.Generator(device=self.device).manual_seed(seed)
         self.sequences[request] = Sequence(list(prompt_token_ids), len(prompt_token_ids), params, generator)
 
-    def _context(self, request: Request, num_tokens: int) -> np.ndarray:
-        cohort = request.cohort
-        if cohort is not None:
-            cohort.settle(request)  # paged cohort growth gets its block ids now
-        return self.kv.slot_table(request, num_tokens)
-
     @torch.inference_mode()
     def execute(
         self, output: SchedulerOutput, now: float, end_times: collections.abc.Sequence[float] | None = None
@@ -86,24 +80,26 @@ class EngineExecutor:
         self.cache.copy_slots(output.slot_copies)
         tokens: list[int] = []
         positions: list[int] = []
-        slots: list[np.ndarray] = []
         prefills: list[PrefillSeq] = []
-        decodes: list[tuple[int, np.ndarray]] = []  # (flat index, context slots)
+        prefill_slots: list[tuple[int, np.ndarray]] = []  # (flat index, slots its tokens are written to)
+        decodes: list[tuple[int, Request]] = []  # (flat index, request) of sequences processing one token
         samplers: list[tuple[Request, int]] = []  # (request, flat index of its last token)
 
         def add(request: Request, num_tokens: int) -> None:
             seq = self.sequences[request]
             start = request.num_computed_tokens
             end = start + num_tokens
-            context = self._context(request, end)
+            if request.cohort is not None:
+                request.cohort.settle(request)  # paged cohort growth gets its block ids now
             flat = len(tokens)
             tokens.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slots.append(context[start:end])
             if num_tokens == 1:
-                decodes.append((flat, context))
+                decodes.append((flat, request))
             else:
+                context = self.kv.slot_table(request, end)
                 prefills.append(PrefillSeq(flat, num_tokens, torch.from_numpy(context).to(self.device)))
+                prefill_slots.append((flat, context[start:]))
             if end == request.num_tokens:
                 samplers.append((request, flat + num_tokens - 1))
 
@@ -113,7 +109,7 @@ class EngineExecutor:
             for request in list(output.cohort.members):
                 add(request, 1)
         if tokens:
-            meta = self._metadata(slots, prefills, decodes)
+            meta = self._metadata(len(tokens), prefills, prefill_slots, decodes)
             ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)  # (T,)
             pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # (T,)
             hidden = self.model(ids, pos, self.cache.gpu, meta)  # (T, H)
@@ -141,20 +137,29 @@ class EngineExecutor:
         return StepResult(step_end_times=(now + elapsed,), finished=finished, sampled_token_ids=sampled_ids)
 
     def _metadata(
-        self, slots: list[np.ndarray], prefills: list[PrefillSeq], decodes: list[tuple[int, np.ndarray]]
+        self,
+        num_tokens: int,
+        prefills: list[PrefillSeq],
+        prefill_slots: list[tuple[int, np.ndarray]],
+        decodes: list[tuple[int, Request]],
     ) -> AttentionMetadata:
         device = self.device
+        slot_mapping = np.empty(num_tokens, dtype=np.int64)  # (T,)
+        for flat, slots in prefill_slots:
+            slot_mapping[flat : flat + len(slots)] = slots
         if decodes:
-            lengths = np.array([len(c) for _, c in decodes], dtype=np.int64)
-            table = np.zeros((len(decodes), int(lengths.max())), dtype=np.int64)  # padded with slot 0
-            for row, (_, context) in enumerate(decodes):
-                table[row, : len(context)] = context
+            # NOTE: one slot table for every decode at once (a batch of hundreds builds in one go).
+            flat_index = np.array([i for i, _ in decodes], dtype=np.int64)  # (B,)
+            lengths = np.array([r.num_computed_tokens + 1 for _, r in decodes], dtype=np.int64)  # (B,)
+            table = self.kv.slot_tables([r for _, r in decodes], lengths)  # (B, max context)
+            slot_mapping[flat_index] = table[np.arange(len(decodes)), lengths - 1]
         else:
-            lengths, table = np.zeros(0, dtype=np.int64), np.zeros((0, 1), dtype=np.int64)
+            flat_index, lengths = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+            table = np.zeros((0, 1), dtype=np.int64)
         return AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
             prefills=prefills,
-            decode_token_index=torch.tensor([i for i, _ in decodes], dtype=torch.int64, device=device),
+            decode_token_index=torch.from_numpy(flat_index).to(device),
             decode_slots=torch.from_numpy(table).to(device),
             decode_context_lens=torch.from_numpy(lengths).to(device),
         )

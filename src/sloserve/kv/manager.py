@@ -177,6 +177,21 @@ class KVCacheManager:
         blocks = np.asarray(table[: -(-num_tokens // bs)], dtype=np.int64)
         return (blocks[:, None] * bs + np.arange(bs)).ravel()[:num_tokens]
 
+    def slot_tables(self, requests: list[Request], num_tokens: np.ndarray) -> np.ndarray:
+        """``(len(requests), max(num_tokens))`` slot ids: row i holds the first ``num_tokens[i]``
+        slots of ``requests[i]`` (``slot_table`` for a whole batch at once); entries past a row's
+        length are valid slot ids of no meaning (readers mask them by length)."""
+        bs = self.block_size
+        num_blocks = -(-num_tokens // bs)  # (B,)
+        blocks = np.zeros((len(requests), int(num_blocks.max())), dtype=np.int64)  # (B, max blocks)
+        for row, (request, n) in enumerate(zip(requests, num_blocks.tolist(), strict=True)):
+            table = self.block_tables[request]
+            if n > len(table):
+                raise IndexError(f"{request}: token {num_tokens[row] - 1} has no slot ({len(table) * bs} held)")
+            blocks[row, :n] = table[:n]
+        slots = (blocks[:, :, None] * bs + np.arange(bs)).reshape(len(requests), -1)  # (B, max blocks * bs)
+        return slots[:, : int(num_tokens.max())]
+
     # --- swapping ------------------------------------------------------------------------------
     def swap_out(self, request: Request) -> list[BlockCopy] | None:
         """Move ``request``'s GPU blocks to CPU swap space; None when swap space is short."""

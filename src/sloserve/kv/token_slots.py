@@ -47,6 +47,14 @@ class TokenSlotTable:
     def slot_table(self, request: Request, num_tokens: int) -> np.ndarray:
         return np.asarray(self.slot_ids(request, 0, num_tokens), dtype=np.int64)
 
+    def slot_tables(self, requests: list[Request], num_tokens: np.ndarray) -> np.ndarray:
+        """``(len(requests), max(num_tokens))`` slot ids, row i the first ``num_tokens[i]`` slots of
+        ``requests[i]`` padded with slot 0 (the block managers' ``slot_tables``)."""
+        table = np.zeros((len(requests), int(num_tokens.max())), dtype=np.int64)
+        for row, (request, n) in enumerate(zip(requests, num_tokens.tolist(), strict=True)):
+            table[row, :n] = self.slot_ids(request, 0, n)
+        return table
+
     def take_copies(self) -> list[SlotCopy]:
         """The GPU <-> CPU slot copies decided since the last call, in the order they were decided."""
         copies, self.pending_copies = self.pending_copies, []
