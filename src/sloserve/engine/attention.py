@@ -164,13 +164,20 @@ class TorchAttention(AttentionBackend):
         for seq in meta.prefills:
             s, c = seq.query_start, seq.query_len
             n = seq.context_slots.numel()  # context length; the first n - c tokens were cached
-            keys = _expand_kv(gather_kv(k_cache, seq.context_slots), group).transpose(0, 1)  # (nh, n, hd)
-            values = _expand_kv(gather_kv(v_cache, seq.context_slots), group).transpose(0, 1)  # (nh, n, hd)
-            query = q[s : s + c].transpose(0, 1)  # (nh, c, hd)
-            # Query i sits at position n - c + i and sees keys 0..n - c + i (bottom-right causal).
-            rows = torch.arange(c, device=q.device).unsqueeze(1) + (n - c)
-            mask = torch.arange(n, device=q.device).unsqueeze(0) <= rows  # (c, n)
-            out[s : s + c] = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask).transpose(0, 1)
+            # NOTE: 4-D inputs (a batch of one): on the CPU, SDPA takes its flash kernel for 4-D inputs
+            # but the math path for 3-D ones, which builds the whole c x n score matrix (9x slower at
+            # 1024 tokens, and slower still once the scores outgrow the cache).
+            keys = _expand_kv(gather_kv(k_cache, seq.context_slots), group).transpose(0, 1)[None]  # (1, nh, n, hd)
+            values = _expand_kv(gather_kv(v_cache, seq.context_slots), group).transpose(0, 1)[None]  # (1, nh, n, hd)
+            query = q[s : s + c].transpose(0, 1)[None]  # (1, nh, c, hd)
+            if n == c:  # nothing cached: bottom-right and top-left alignment agree, and SDPA skips masked tiles
+                attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True)
+            else:
+                # Query i sits at position n - c + i and sees keys 0..n - c + i (bottom-right causal).
+                rows = torch.arange(c, device=q.device).unsqueeze(1) + (n - c)
+                mask = torch.arange(n, device=q.device).unsqueeze(0) <= rows  # (c, n)
+                attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
+            out[s : s + c] = attended[0].transpose(0, 1)
         nkv = k.shape[1]
         for rows, length in meta.decode_groups:
             idx = meta.decode_token_index[rows]
