@@ -10,7 +10,7 @@ from torch import nn
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend
 from sloserve.engine.config import ModelConfig
-from sloserve.engine.models.llama import LlamaForCausalLM
+from sloserve.engine.models.llama import LlamaForCausalLM, MergedLinear
 from sloserve.engine.models.opt import OPTForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {"llama": LlamaForCausalLM, "opt": OPTForCausalLM}
@@ -29,6 +29,23 @@ def create_model(config: ModelConfig, backend: AttentionBackend, dtype: torch.dt
     return model.eval()
 
 
+def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters under their checkpoint (HF) names, in registration order: a merged
+    projection (``MergedLinear``) appears as views of its parts (``q_proj.weight``...). A tied weight
+    appears under each of its names, as one tensor."""
+    merged = {name: m for name, m in model.named_modules() if isinstance(m, MergedLinear)}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        module_name, _, kind = name.rpartition(".")
+        module = merged.get(module_name)
+        if module is None:
+            tensors[name] = p
+        elif kind == "weight":  # the parts' weights and biases, once per merged module
+            prefix = module_name.rpartition(".")[0]
+            tensors.update({f"{prefix}.{part}": view for part, view in module.checkpoint_views().items()})
+    return tensors
+
+
 @torch.no_grad()
 def init_random_(model: nn.Module, seed: int) -> None:
     """Fill weights from a seeded generator: linear weights N(0, 1/fan_in), embeddings N(0, 1),
@@ -36,7 +53,7 @@ def init_random_(model: nn.Module, seed: int) -> None:
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     seen: set[int] = set()
-    for name, p in model.named_parameters():
+    for name, p in checkpoint_tensors(model).items():
         if id(p) in seen:
             continue
         seen.add(id(p))
@@ -61,7 +78,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"model directory {path} has no *.safetensors weights")
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = checkpoint_tensors(model)
     loaded: set[str] = set()
     device = next(model.parameters()).device
     for file in files:

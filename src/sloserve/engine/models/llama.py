@@ -18,7 +18,11 @@ from sloserve.engine.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, as the reference implementation does."""
+    """RMSNorm as one ``F.rms_norm`` call (a fused kernel on CUDA, accumulating in float32).
+
+    NOTE: HF rounds the normalized activations to the model's dtype before scaling by the weight;
+    the fused kernel rounds once, after. Equal in float32 (the CPU tests); in bf16 within a rounding.
+    """
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -26,9 +30,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class MergedLinear(nn.Linear):
+    """Several projections of one input as one matmul (vLLM merges Q/K/V and gate/up this way):
+    fewer kernel launches per layer. ``parts`` names the checkpoint's projections in row order; each
+    loads into its rows of the merged weight (``checkpoint_views``)."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = parts
+
+    def checkpoint_views(self) -> dict[str, torch.Tensor]:
+        """``{"q_proj.weight": rows of the weight, ...}``: views that share the merged storage."""
+        views, start = {}, 0
+        for name, rows in self.parts.items():
+            views[f"{name}.weight"] = self.weight[start : start + rows]
+            if self.bias is not None:
+                views[f"{name}.bias"] = self.bias[start : start + rows]
+            start += rows
+        return views
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -53,7 +75,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (rotate-half layout), cos/sin tables built once per device."""
+    """Rotary position embedding (rotate-half layout), cos/sin tables built once per device and
+    gathered once per step for every layer."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -69,11 +92,15 @@ class Rotary(nn.Module):
             self._tables = (emb.cos(), emb.sin())
         return self._tables
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.tables(q.device)
-        cos = cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, hd)
-        sin = sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def for_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each (T, 1, hd), of this step's positions."""
+        cos, sin = self.tables(positions.device)
+        return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, heads, hd); cos, sin: (T, 1, hd)."""
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -86,18 +113,16 @@ class LlamaAttention(nn.Module):
         super().__init__()
         hd, nh, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
-        self.q_proj = nn.Linear(config.hidden_size, nh * hd, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, nkv * hd, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, nkv * hd, bias=config.attention_bias)
+        parts = {"q_proj": nh * hd, "k_proj": nkv * hd, "v_proj": nkv * hd}
+        self.qkv_proj = MergedLinear(config.hidden_size, parts, bias=config.attention_bias)
         self.o_proj = nn.Linear(nh * hd, config.hidden_size, bias=False)
         self.backend = backend
 
-    def forward(self, x, positions, rotary, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # (T, nh, hd)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
-        q, k = rotary(positions, q, k)
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, nh + 2 * nkv, self.head_dim)  # (T, nh + 2 nkv, hd)
+        qk = apply_rotary(qkv[:, : nh + nkv], cos, sin)  # (T, nh + nkv, hd): Q and K rotated together
+        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]  # (T, nh, hd), (T, nkv, hd), (T, nkv, hd)
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta)  # (T, nh, hd)
         return self.o_proj(out.reshape(t, -1))
 
@@ -106,12 +131,14 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.intermediate_size = i
+        self.gate_up_proj = MergedLinear(h, {"gate_proj": i, "up_proj": i}, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)  # (T, 2 I)
+        i = self.intermediate_size
+        return self.down_proj(F.silu(gate_up[:, :i]) * gate_up[:, i:])
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -122,8 +149,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
 
-    def forward(self, x, positions, rotary, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, k_cache, v_cache, meta)
+    def forward(self, x, cos, sin, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -155,8 +182,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # (T, H)
         x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.for_positions(positions, x.dtype)  # (T, 1, hd) each, shared by the layers
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, self.rotary, kv_cache[0, i], kv_cache[1, i], meta)
+            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab)
