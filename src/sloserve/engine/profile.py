@@ -2,8 +2,9 @@
 
 Each grid point is one engine step (``EngineExecutor.execute``, what the engine's clock counts; no
 scheduling) of a batch of requests with random tokens held in a paged KV manager: prefill chunks of c
-tokens after m cached ones, and decode batches of B requests with m cached tokens each. Every 4th point is held out of the fit and reports the
-error a simulation with the fitted preset makes on shapes it was not fitted to.
+tokens after m cached ones, batches of several prompts, decode batches of B requests with m cached
+tokens on average, and mixed batches (``ProfileGrid``). Every 4th point is held out of the fit and
+reports the error a simulation with the fitted preset makes on shapes it was not fitted to.
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ class StepTimer:
         request = Request(self._next_id, 0.0, n, 1, 1)
         self._next_id += 1
         request.add_computed(num_cached)
-        assert self.kv.allocate_slots(request, n), "the timer's KV pool is sized for every grid point"
+        if not self.kv.allocate_slots(request, n):
+            raise ConfigError(f"profile: {self.kv.capacity_tokens} KV slots cannot hold this batch")
         tokens = self._rng.integers(0, self.loaded.config.vocab_size, size=n).tolist()
         # NOTE: a profile step never updates its requests, so each repeat runs the same tokens again.
         self.executor.add(request, tokens, SamplingParams(max_tokens=1 << 30, temperature=0.0, ignore_eos=True))

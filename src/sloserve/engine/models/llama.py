@@ -18,7 +18,7 @@ from sloserve.engine.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm as one ``F.rms_norm`` call (a fused kernel on CUDA, accumulating in float32).
+    """RMSNorm as one ``F.rms_norm`` call (torch's ``_fused_rms_norm`` op, accumulating in float32).
 
     NOTE: HF rounds the normalized activations to the model's dtype before scaling by the weight;
     the fused kernel rounds once, after. Equal in float32 (the CPU tests); in bf16 within a rounding.
