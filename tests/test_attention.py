@@ -66,11 +66,12 @@ def test_decode_groups_cover_every_decode_once_with_bounded_padding(lengths):
         decode_context_lens=torch.tensor(lengths),
     )
     rows = []
-    for group, longest in meta.decode_groups:
-        members = [lengths[r] for r in group.tolist()]
+    for group in meta.decode_groups:
+        longest = group.slots.shape[1]
+        members = [lengths[r] for r in group.rows.tolist()]
         assert longest == max(members)
         assert longest * len(members) <= DECODE_PAD_LIMIT * sum(members)
-        rows += group.tolist()
+        rows += group.rows.tolist()
     assert sorted(rows) == list(range(len(lengths)))
 
 
@@ -82,4 +83,4 @@ def test_equal_lengths_make_one_group():
         decode_slots=torch.zeros(64, 300, dtype=torch.int64),
         decode_context_lens=torch.full((64,), 300),
     )
-    assert [(len(rows), longest) for rows, longest in meta.decode_groups] == [(64, 300)]
+    assert [tuple(group.slots.shape) for group in meta.decode_groups] == [(64, 300)]

@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,15 @@ class PackedPrefills:
     max_query_len: int
 
 
+class DecodeGroup(NamedTuple):
+    """Decodes batched into one padded attention call (``AttentionMetadata.decode_groups``)."""
+
+    rows: torch.Tensor  # (b,) rows of the step's decode arrays
+    token_index: torch.Tensor  # (b,) flat token of each
+    slots: torch.Tensor  # (b, L) context slots, L the group's longest context
+    mask: torch.Tensor  # (b, 1, 1, L) True on real context tokens, False on padding
+
+
 # A decode group's padded work (its size x its longest context) stays within this factor of its real
 # work (the sum of its context lengths).
 DECODE_PAD_LIMIT = 1.25
@@ -65,9 +75,9 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # (num_decodes,) context tokens (cached + the new one)
 
     @cached_property
-    def decode_groups(self) -> list[tuple[torch.Tensor, int]]:
-        """The decodes split into groups of similar context length for padded batching: (rows of the
-        decode arrays, longest context in the group) each. Built once per step, shared by the layers."""
+    def decode_groups(self) -> list[DecodeGroup]:
+        """The decodes split into groups of similar context length for padded batching, longest
+        first. Built once per step (with each group's slots and mask), shared by the layers."""
         lengths = self.decode_context_lens.tolist()
         order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
         groups: list[tuple[list[int], int]] = []
@@ -84,7 +94,13 @@ class AttentionMetadata:
             groups.append(([row], n))
             work = n
         device = self.decode_context_lens.device
-        return [(torch.tensor(rows, dtype=torch.int64, device=device), longest) for rows, longest in groups]
+        out = []
+        for members, longest in groups:
+            rows = torch.tensor(members, dtype=torch.int64, device=device)
+            valid = torch.arange(longest, device=device) < self.decode_context_lens[rows].unsqueeze(1)  # (b, L)
+            out.append(DecodeGroup(rows, self.decode_token_index[rows], self.decode_slots[rows, :longest],
+                                   valid[:, None, None, :]))  # fmt: skip
+        return out
 
     @cached_property
     def packed_prefills(self) -> PackedPrefills:
@@ -179,17 +195,14 @@ class TorchAttention(AttentionBackend):
                 attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
             out[s : s + c] = attended[0].transpose(0, 1)
         nkv = k.shape[1]
-        for rows, length in meta.decode_groups:
-            idx = meta.decode_token_index[rows]
-            slots = meta.decode_slots[rows, :length]  # (b, L)
-            keys = gather_kv(k_cache, slots).permute(0, 2, 1, 3)  # (b, nkv, L, hd)
-            values = gather_kv(v_cache, slots).permute(0, 2, 1, 3)  # (b, nkv, L, hd)
+        for batch in meta.decode_groups:
+            keys = gather_kv(k_cache, batch.slots).permute(0, 2, 1, 3)  # (b, nkv, L, hd)
+            values = gather_kv(v_cache, batch.slots).permute(0, 2, 1, 3)  # (b, nkv, L, hd)
             # GQA without copying K/V per query head: a group's `group` query heads are the "query
             # tokens" of one SDPA row against their KV head (head h reads KV head h // group).
-            query = q[idx].view(-1, nkv, group, q.shape[2])  # (b, nkv, group, hd)
-            valid = torch.arange(length, device=q.device) < meta.decode_context_lens[rows].unsqueeze(1)  # (b, L)
-            mask = valid[:, None, None, :]  # (b, 1, 1, L): padding slots are masked out
-            out[idx] = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask).flatten(1, 2)
+            query = q[batch.token_index].view(-1, nkv, group, q.shape[2])  # (b, nkv, group, hd)
+            attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=batch.mask)  # padding masked
+            out[batch.token_index] = attended.flatten(1, 2)
         return out
 
 

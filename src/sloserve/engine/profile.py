@@ -74,15 +74,17 @@ class ProfileGrid:
 
         for b in self.batch_sizes:
             for m in self.decode_kv_lens:
-                if m + 1 <= max_model_len and sum(decodes(b, m)) + b <= max_slots:
-                    points.append(([], decodes(b, m)))
+                lens = decodes(b, m)
+                if m + 1 <= max_model_len and sum(lens) + b <= max_slots:
+                    points.append(([], lens))
         chunks = [c for c in self.prefill_chunks if c <= max_model_len]
         if chunks:
             c = chunks[len(chunks) // 2]
+            m = self.decode_kv_lens[len(self.decode_kv_lens) // 2]
             for b in self.batch_sizes:
-                m = self.decode_kv_lens[len(self.decode_kv_lens) // 2]
-                if m + 1 <= max_model_len and sum(decodes(b, m)) + b + c <= max_slots:
-                    points.append(([(c, 0)], decodes(b, m)))
+                lens = decodes(b, m)
+                if m + 1 <= max_model_len and sum(lens) + b + c <= max_slots:
+                    points.append(([(c, 0)], lens))
         return points
 
 
