@@ -121,14 +121,15 @@ def test_manager_invariants_under_random_operations(ops, manager, block_size):
         # Slot ids of different requests never collide.
         slots = [s for rr, t in kv.block_tables.items() for s in kv.slot_ids(rr, 0, len(t) * block_size)]
         assert len(slots) == len(set(slots))
-        # The batch slot table (the engine's decodes) agrees with each request's own, for partial blocks too.
+        # The batch slot table (the engine's decodes and, one row at a time, its prefills) agrees with
+        # each request's slot ids, for partial blocks too.
         held = [rr for rr, t in kv.block_tables.items() if t]
         if held:
             lengths = np.array([max(1, kv.num_slots(rr) - rr.request_id % block_size) for rr in held])
             table = kv.slot_tables(held, lengths)
             assert table.shape == (len(held), lengths.max())
             for row, (rr, n) in enumerate(zip(held, lengths)):
-                assert table[row, :n].tolist() == kv.slot_table(rr, n).tolist()
+                assert table[row, :n].tolist() == kv.slot_ids(rr, 0, n) == kv.slot_table(rr, n).tolist()
 
 
 LENGTHS = st.lists(st.tuples(st.integers(1, 120), st.integers(1, 80)), min_size=1, max_size=14)

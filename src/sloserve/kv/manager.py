@@ -170,12 +170,7 @@ class KVCacheManager:
     def slot_table(self, request: Request, num_tokens: int) -> np.ndarray:
         """``(num_tokens,)`` physical slot ids of ``request``'s first ``num_tokens`` tokens (vectorized
         ``slot_ids``; the engine reads a request's context through it)."""
-        table = self.block_tables[request]
-        bs = self.block_size
-        if num_tokens > len(table) * bs:
-            raise IndexError(f"{request}: token {num_tokens - 1} has no slot ({len(table) * bs} held)")
-        blocks = np.asarray(table[: -(-num_tokens // bs)], dtype=np.int64)
-        return (blocks[:, None] * bs + np.arange(bs)).ravel()[:num_tokens]
+        return self.slot_tables([request], np.array([num_tokens]))[0]
 
     def slot_tables(self, requests: list[Request], num_tokens: np.ndarray) -> np.ndarray:
         """``(len(requests), max(num_tokens))`` slot ids: row i holds the first ``num_tokens[i]``
