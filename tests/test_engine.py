@@ -150,7 +150,10 @@ def test_triton_backend_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options
     """The Triton kernels (in Triton's interpreter without CUDA) drive the whole engine: the same
     greedy tokens as HF, through chunked prefill, preemption by recompute and swap, and BROS's layout."""
     pytest.importorskip("triton")
-    tokens, llm = _generate(hf_dirs[arch], scheduler, attention_backend="triton", **options)
+    # NOTE: on a GPU machine the kernels are compiled for CUDA (there is no interpreter to run them on
+    # the CPU), still in float32: cuBLAS does not round float32 matmuls to tf32 unless asked to.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokens, llm = _generate(hf_dirs[arch], scheduler, attention_backend="triton", device=device, **options)
     assert llm.loaded.attention_backend == "triton"
     assert tokens == reference(arch)
     if "preemption_mode" in options:
@@ -335,6 +338,7 @@ def test_run_replays_a_workload_through_the_engine(tmp_path):
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["completed"] == 12 and summary["engine"] is True and summary["clock"] == "virtual"
+    assert summary["attention_backend"] == "torch" and summary["cuda_graphs"] is False
     assert summary["throughput_tps"] > 0 and summary["num_steps"] > 0
     assert {p.name for p in out.iterdir()} >= {"summary.json", "requests.csv", "timeline.csv", "timeline.png"}
     with open(out / "requests.csv") as f:
@@ -368,6 +372,7 @@ def test_profile_fits_a_preset_that_simulate_can_use(tmp_path):
     assert "held out" in proc.stdout
     doc = json.loads(preset.read_text())
     assert doc["num_layers"] == 2 and doc["info"]["held_out"]["points"] >= 3
+    assert doc["info"]["attention_backend"] == "torch" and doc["info"]["cuda_graphs"] is False
     assert doc["info"]["fit"]["n_rows"] >= 9
     from sloserve.cost import LinearCostModel, load_preset
     from sloserve.cost.base import BatchShape
@@ -395,7 +400,7 @@ def test_a_profile_step_is_an_engine_step_and_leaves_nothing_behind():
     assert sum(spread_decode_lens(8, 50, 1000)) == 8 * 50 and spread_decode_lens(1, 70, 1000) == [70]
     loaded = load_model("random:tiny-llama")
     batch = ([(40, 24), (9, 0)], decodes)
-    timer = StepTimer(loaded, StepTimer.blocks_needed(*batch))
+    timer = StepTimer(loaded, StepTimer.blocks_needed(*batch), max_context=256)
     calls = []
     real_execute = timer.executor.execute
     timer.executor.execute = lambda output, now: calls.append(output) or real_execute(output, now)
@@ -435,6 +440,8 @@ def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
         (("profile", "--model", "random:tiny-llama", "--out", "x.json", "--batch-sizes", "a,b"), "--batch-sizes expects"),
         (("run", "--model", "random:tiny-llama", "--trace", "sharegpt", "--attention-backend", "flash"),
          "unknown attention backend 'flash'; valid: auto, torch, triton"),
+        (("run", "--model", "random:tiny-llama", "--trace", "sharegpt", "--cuda-graphs"),
+         "CUDA graphs need device cuda and the triton attention backend"),
     ],
 )
 def test_engine_commands_bad_input_exit_2(args, message):

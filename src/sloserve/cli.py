@@ -674,6 +674,8 @@ def _engine_options(fn: Callable) -> Callable:
         click.option("--kv-capacity-tokens", type=int, help="KV cache slots (default: from free memory)."),
         click.option("--attention-backend", default="auto", show_default=True,
                      help="auto (Triton kernels on CUDA when triton is installed, else torch), torch or triton."),
+        click.option("--cuda-graphs", is_flag=True,
+                     help="Replay decode-only steps as CUDA graphs (needs cuda and the triton backend)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -686,7 +688,7 @@ def _load_engine_model(options: dict[str, Any]):
     except ImportError as exc:  # torch, safetensors or tokenizers missing
         raise ConfigError(f"the engine needs the engine extra: pip install 'sloserve[engine]' ({exc})") from None
     return load_model(options["model"], device=options["device"], dtype=options["dtype"], seed=options["seed"],
-                      attention_backend=options["attention_backend"])  # fmt: skip
+                      attention_backend=options["attention_backend"], cuda_graphs=options["cuda_graphs"])  # fmt: skip
 
 
 @main.command()
@@ -740,6 +742,8 @@ def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virt
             "model": options["model"],
             "device": str(loaded.device),
             "dtype": str(loaded.dtype).removeprefix("torch."),
+            "attention_backend": loaded.attention_backend,
+            "cuda_graphs": loaded.cuda_graphs,
             "clock": "virtual" if virtual_clock else "wall",
             "max_model_len": engine.max_model_len,
             "workload": workload.name,
@@ -800,6 +804,7 @@ def profile_cmd(out: Path, name: str | None, prefill_chunks: str, context_lens: 
     report = result.fit.report
     save_preset(result.fit.coefficients, out, extra={
         "model": options["model"], "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
+        "attention_backend": loaded.attention_backend, "cuda_graphs": loaded.cuda_graphs,
         "fit": report._asdict(), "held_out": {"points": len(result.held_out),
                                               "mean_rel_error": result.held_out_mean_rel_error,
                                               "max_rel_error": result.held_out_max_rel_error},

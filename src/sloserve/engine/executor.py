@@ -20,6 +20,7 @@ from torch import nn
 from sloserve.core.outputs import SchedulerOutput, StepResult
 from sloserve.core.request import Request
 from sloserve.engine.attention import AttentionMetadata, PrefillSeq
+from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.kv_cache import KVCacheTensor
 from sloserve.engine.sampler import SamplingParams, sample
 from sloserve.kv.manager import KVCacheManager
@@ -41,7 +42,8 @@ class Sequence:
 
 
 class EngineExecutor:
-    """Runs steps on a real model. ``kv`` is the scheduler's KV manager: it says where tokens live."""
+    """Runs steps on a real model. ``kv`` is the scheduler's KV manager: it says where tokens live.
+    With ``graphs``, a decode-only step that fits them replays a CUDA graph (``cuda_graphs``)."""
 
     def __init__(
         self,
@@ -51,8 +53,10 @@ class EngineExecutor:
         device: torch.device,
         eos_token_ids: tuple[int, ...] = (),
         seed: int = 0,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model, self.kv, self.cache, self.device = model, kv, cache, device
+        self.graphs = graphs
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sequences: dict[Request, Sequence] = {}
         self._seed = seed
@@ -109,10 +113,7 @@ class EngineExecutor:
             for request in list(output.cohort.members):
                 add(request, 1)
         if tokens:
-            meta = self._metadata(len(tokens), prefills, prefill_slots, decodes)
-            ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)  # (T,)
-            pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # (T,)
-            hidden = self.model(ids, pos, self.cache.gpu, meta)  # (T, H)
+            hidden = self._forward(tokens, positions, prefills, prefill_slots, decodes)  # (T, H)
             rows = torch.tensor([i for _, i in samplers], dtype=torch.int64, device=self.device)
             logits = self.model.compute_logits(hidden[rows]).float()  # (N, vocab)
             seqs = [self.sequences[r] for r, _ in samplers]
@@ -136,26 +137,45 @@ class EngineExecutor:
                 finished.append(request)
         return StepResult(step_end_times=(now + elapsed,), finished=finished, sampled_token_ids=sampled_ids)
 
+    def _forward(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        prefills: list[PrefillSeq],
+        prefill_slots: list[tuple[int, np.ndarray]],
+        decodes: list[tuple[int, Request]],
+    ) -> torch.Tensor:  # (T, H)
+        """The model's forward pass over the step's flat tokens: a graph replay for a decode-only step
+        that fits the captured graphs, else eager."""
+        if decodes:
+            # NOTE: one slot table for every decode at once (a batch of hundreds builds in one go).
+            lengths = np.array([r.num_computed_tokens + 1 for _, r in decodes], dtype=np.int64)  # (B,)
+            table = self.kv.slot_tables([r for _, r in decodes], lengths)  # (B, max context)
+        else:
+            lengths, table = np.zeros(0, dtype=np.int64), np.zeros((0, 1), dtype=np.int64)
+        if not prefills and self.graphs is not None and self.graphs.fits(len(decodes), table.shape[1]):
+            # NOTE: with no prefill, decode i is flat token i (each decode adds one token, in order).
+            return self.graphs.forward(tokens, positions, lengths, table)
+        meta = self._metadata(len(tokens), prefills, prefill_slots, decodes, lengths, table)
+        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)  # (T,)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # (T,)
+        return self.model(ids, pos, self.cache.gpu, meta)
+
     def _metadata(
         self,
         num_tokens: int,
         prefills: list[PrefillSeq],
         prefill_slots: list[tuple[int, np.ndarray]],
         decodes: list[tuple[int, Request]],
+        lengths: np.ndarray,  # (B,) each decode's context tokens
+        table: np.ndarray,  # (B, max context) their slot tables
     ) -> AttentionMetadata:
         device = self.device
         slot_mapping = np.empty(num_tokens, dtype=np.int64)  # (T,)
         for flat, slots in prefill_slots:
             slot_mapping[flat : flat + len(slots)] = slots
-        if decodes:
-            # NOTE: one slot table for every decode at once (a batch of hundreds builds in one go).
-            flat_index = np.array([i for i, _ in decodes], dtype=np.int64)  # (B,)
-            lengths = np.array([r.num_computed_tokens + 1 for _, r in decodes], dtype=np.int64)  # (B,)
-            table = self.kv.slot_tables([r for _, r in decodes], lengths)  # (B, max context)
-            slot_mapping[flat_index] = table[np.arange(len(decodes)), lengths - 1]
-        else:
-            flat_index, lengths = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-            table = np.zeros((0, 1), dtype=np.int64)
+        flat_index = np.array([i for i, _ in decodes], dtype=np.int64)  # (B,)
+        slot_mapping[flat_index] = table[np.arange(len(decodes)), lengths - 1]
         return AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(device),
             prefills=prefills,

@@ -13,8 +13,13 @@ from sloserve.engine.config import ModelConfig
 
 
 class KVCacheTensor:
-    """``gpu``: (2, layers, num_slots, kv_heads, head_dim) on the device; ``cpu``: the same shape with
-    the swap space's slots, in host memory (pinned when the device is CUDA)."""
+    """``gpu``: (2, layers, num_slots + 1, kv_heads, head_dim) on the device; ``cpu``: the same shape
+    with the swap space's slots, in host memory (pinned when the device is CUDA).
+
+    The last device slot, ``pad_slot``, belongs to no request: the padding rows of a CUDA-graph batch
+    (``cuda_graphs.DecodeGraphs``) write and read their K/V there. NOTE: ``gpu`` is allocated once and
+    only ever written in place, because a captured graph holds its address.
+    """
 
     def __init__(
         self,
@@ -25,8 +30,9 @@ class KVCacheTensor:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (2, config.num_hidden_layers, num_slots, config.num_key_value_heads, config.head_dim)
+        shape = (2, config.num_hidden_layers, num_slots + 1, config.num_key_value_heads, config.head_dim)
         self.gpu = torch.zeros(shape, dtype=dtype, device=device)
+        self.pad_slot = num_slots
         cpu_shape = (*shape[:2], num_cpu_slots, *shape[3:])
         self.cpu = torch.zeros(cpu_shape, dtype=dtype, pin_memory=device.type == "cuda")
         self.block_size = block_size

@@ -45,6 +45,8 @@ class LLM:
         cost_model: what a policy that estimates batch times (BROS) uses: a preset or a JSON file.
         attention_backend: ``auto`` (Triton kernels on CUDA when triton is installed, else the
             PyTorch reference), ``torch`` or ``triton``.
+        cuda_graphs: replay decode-only steps as CUDA graphs (``cuda_graphs``; needs cuda and the
+            triton backend). Off by default until measured on a GPU (vLLM captures by default).
     """
 
     def __init__(
@@ -60,9 +62,11 @@ class LLM:
         swap_space_tokens: int | None = None,
         cost_model: str | CostModel | None = None,
         attention_backend: str = "auto",
+        cuda_graphs: bool = False,
         **scheduler_options: Any,
     ) -> None:
-        self.loaded = load_model(model, device=device, dtype=dtype, seed=seed, attention_backend=attention_backend)
+        self.loaded = load_model(model, device=device, dtype=dtype, seed=seed, attention_backend=attention_backend,
+                                 cuda_graphs=cuda_graphs)  # fmt: skip
         self.engine = LLMEngine(
             self.loaded,
             scheduler,

@@ -22,6 +22,7 @@ from sloserve.cost import LinearCostModel, get_preset, load_preset
 from sloserve.cost.base import CostModel
 from sloserve.cost.presets import PRESETS
 from sloserve.engine.config import ModelConfig
+from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.executor import EngineExecutor
 from sloserve.engine.kv_cache import KVCacheTensor
 from sloserve.engine.loader import LoadedModel
@@ -114,7 +115,8 @@ class LLMEngine:
             config, kv.gpu.num_blocks * kv.block_size, kv.cpu.num_blocks * kv.block_size, kv.block_size,
             loaded.dtype, loaded.device,
         )  # fmt: skip
-        self.executor = EngineExecutor(loaded.model, kv, self.cache, loaded.device, config.eos_token_ids, seed)
+        graphs = DecodeGraphs(loaded.model, self.cache, self.max_model_len) if loaded.cuda_graphs else None
+        self.executor = EngineExecutor(loaded.model, kv, self.cache, loaded.device, config.eos_token_ids, seed, graphs)
         self.replica = Replica(0, self.scheduler, self.executor, fast_path=False)
         self._next_id = 0
 

@@ -27,6 +27,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     attention_backend: str = "torch"  # the backend's name (resolve_attention_backend)
+    cuda_graphs: bool = False  # decode-only steps replay CUDA graphs (cuda_graphs.DecodeGraphs)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -67,24 +68,43 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
     return name
 
 
+def check_cuda_graphs(device: torch.device, backend_name: str) -> None:
+    """CUDA graphs need a CUDA device and the Triton backend: the PyTorch reference groups decodes by
+    length on the host (``AttentionMetadata.decode_groups``), which a graph cannot replay."""
+    if device.type != "cuda" or backend_name != "triton":
+        raise ConfigError(
+            f"CUDA graphs need device cuda and the triton attention backend, got device {device.type} "
+            f"and the {backend_name} backend"
+        )
+
+
 def load_model(
-    model: str, *, device: str = "cpu", dtype: str = "auto", seed: int = 0, attention_backend: str = "auto"
+    model: str,
+    *,
+    device: str = "cpu",
+    dtype: str = "auto",
+    seed: int = 0,
+    attention_backend: str = "auto",
+    cuda_graphs: bool = False,
 ) -> LoadedModel:
     """``model`` is a local HF directory (config.json, *.safetensors, tokenizer.json) or
     ``random:NAME`` (``RANDOM_SHAPES``: random weights from ``seed``, byte tokenizer).
-    ``attention_backend``: ``auto``, ``torch`` or ``triton`` (``resolve_attention_backend``)."""
+    ``attention_backend``: ``auto``, ``torch`` or ``triton`` (``resolve_attention_backend``).
+    ``cuda_graphs``: engines on this model replay decode-only steps as CUDA graphs (``check_cuda_graphs``)."""
     dev = resolve_device(device)
     backend_name = resolve_attention_backend(attention_backend, dev)
+    if cuda_graphs:
+        check_cuda_graphs(dev, backend_name)
     backend = BACKENDS[backend_name]()
     if model.startswith(RANDOM_PREFIX):
         config = random_config(model[len(RANDOM_PREFIX) :])
         torch_dtype = resolve_dtype(dtype, config, dev)
         net = create_model(config, backend, torch_dtype, dev)
         init_random_(net, seed)
-        return LoadedModel(net, config, ByteTokenizer(), torch_dtype, dev, backend_name)
+        return LoadedModel(net, config, ByteTokenizer(), torch_dtype, dev, backend_name, cuda_graphs)
     path = Path(model).expanduser()
     config = load_hf_config(path)
     torch_dtype = resolve_dtype(dtype, config, dev)
     net = create_model(config, backend, torch_dtype, dev)
     load_weights(net, path)
-    return LoadedModel(net, config, load_tokenizer(path), torch_dtype, dev, backend_name)
+    return LoadedModel(net, config, load_tokenizer(path), torch_dtype, dev, backend_name, cuda_graphs)

@@ -20,6 +20,7 @@ from sloserve.core.outputs import ScheduledChunk, SchedulerOutput
 from sloserve.core.request import Request
 from sloserve.cost import BatchShape, LinearCostModel, LinearFit, fit_linear_shapes
 from sloserve.cost.fit import FEATURE_ORDER
+from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.executor import EngineExecutor
 from sloserve.engine.kv_cache import KVCacheTensor
 from sloserve.engine.loader import LoadedModel
@@ -111,11 +112,14 @@ class StepTimer:
 
     BLOCK_SIZE = 16  # the engine's default (vLLM's)
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, *, seed: int = 0) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, *, max_context: int, seed: int = 0) -> None:
+        """``num_blocks`` KV blocks of ``BLOCK_SIZE`` tokens; ``max_context``: the longest context a
+        batch will hold (the width of the CUDA graphs' slot table, when ``loaded.cuda_graphs``)."""
         self.loaded = loaded
         self.kv = PagedKVManager(num_blocks, self.BLOCK_SIZE)
         cache = KVCacheTensor(loaded.config, self.kv.capacity_tokens, 0, self.BLOCK_SIZE, loaded.dtype, loaded.device)
-        self.executor = EngineExecutor(loaded.model, self.kv, cache, loaded.device)
+        graphs = DecodeGraphs(loaded.model, cache, max_context) if loaded.cuda_graphs else None
+        self.executor = EngineExecutor(loaded.model, self.kv, cache, loaded.device, graphs=graphs)
         self._rng = np.random.default_rng(seed)
         self._next_id = 0
 
@@ -184,7 +188,7 @@ def profile(
             f"prefill chunks, context lengths, batch sizes or decode KV lengths"
         )
     c = loaded.config
-    timer = StepTimer(loaded, max(StepTimer.blocks_needed(*point) for point in points))
+    timer = StepTimer(loaded, max(StepTimer.blocks_needed(*point) for point in points), max_context=max_model_len)
     shapes = [_shape(prefills, decode_lens) for prefills, decode_lens in points]
     # NOTE: each pass times every point once (the first pass warms up), and a point's time is its
     # median over the passes: a slow spell on a shared machine then lands on all points alike

@@ -1,0 +1,139 @@
+"""CUDA graphs of decode steps: a decode-only step replays one captured graph of the forward pass
+instead of launching each layer's kernels one by one from Python (vLLM's CUDA graph runner).
+
+Why: a decode step of a 32-layer model launches about 20 kernels a layer. At a few microseconds of
+Python and launch time each, the host needs as long as the GPU takes to read the weights, so an eager
+decode step is bound by the host, not by memory bandwidth. A replay is one launch.
+
+How: a graph replays fixed kernels on fixed addresses, so each graph is captured for one batch size
+(``batch_sizes``: 1, 2, 4, then every multiple of 8, as vLLM) on static input buffers, and a step of
+``b`` decodes runs the graph of the smallest captured size ``>= b``: its ``b`` rows are copied into
+the buffers and the other rows are padding. A padding row is token 0 at position 0 whose K/V is
+written to, and read from, the KV cache's ``pad_slot`` only, so it never touches a request's cache.
+The slot table buffer is as wide as the longest context (``max_context``); a row's entries past its
+context length are never read.
+
+Only decode-only steps are replayed; a step with a prefill chunk runs eagerly. Capturing needs the
+Triton attention backend: the PyTorch reference groups decodes by length on the host
+(``AttentionMetadata.decode_groups``), which a graph cannot replay.
+
+``capture=False`` runs the same padded static-buffer path eagerly, without a graph: that is how the CPU
+tests check the padding, which is everything here that does not need a GPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import torch
+from torch import nn
+
+from sloserve.engine.attention import AttentionMetadata
+from sloserve.engine.kv_cache import KVCacheTensor
+
+# vLLM's capture sizes: 1, 2, 4, then every multiple of 8 (up to the largest batch).
+CAPTURE_SIZE_STEP = 8
+DEFAULT_MAX_BATCH_SIZE = 256  # vLLM's default max_num_seqs; larger decode batches run eagerly
+WARMUP_RUNS = 2  # eager runs before each capture: Triton compiles, cuBLAS picks its kernels
+
+# Rows of DecodeGraphs.inputs.
+TOKEN_IDS, POSITIONS, SLOT_WRITTEN, CONTEXT_LEN = range(4)
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """Batch sizes that get a graph: 1, 2, 4, 8, 16, 24, ... and ``max_batch_size`` itself."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch_size]
+    sizes += range(CAPTURE_SIZE_STEP, max_batch_size, CAPTURE_SIZE_STEP)
+    return [*sizes, max_batch_size]
+
+
+class DecodeGraphs:
+    """The decode-step graphs of one model on one KV cache, and their static input buffers."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cache: KVCacheTensor,
+        max_context: int,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        *,
+        capture: bool = True,
+    ) -> None:
+        self.model, self.cache, self.max_context = model, cache, max_context
+        self.batch_sizes = capture_sizes(max_batch_size)
+        self.capture = capture
+        device = cache.gpu.device
+        n = self.batch_sizes[-1]
+        # NOTE: a replay reads whatever these buffers hold, so a step copies its batch into them and
+        # fills the remaining rows of its graph's size with padding (``_padding``).
+        self.inputs = torch.empty(4, n, dtype=torch.int64, device=device)  # rows: TOKEN_IDS ... CONTEXT_LEN
+        self.slot_table = torch.full((n, max_context), cache.pad_slot, dtype=torch.int64, device=device)  # (n, L)
+        self.token_index = torch.arange(n, dtype=torch.int64, device=device)  # (n,) decode i is flat token i
+        self.inputs.copy_(torch.from_numpy(self._padding(n)))
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # size -> (size, H) hidden states a replay writes
+        if capture:
+            self._capture_all()
+
+    def _padding(self, size: int) -> np.ndarray:
+        """(4, size) input rows of padding: token 0 at position 0, writing and reading the pad slot."""
+        rows = np.empty((4, size), dtype=np.int64)
+        rows[TOKEN_IDS], rows[POSITIONS], rows[SLOT_WRITTEN], rows[CONTEXT_LEN] = 0, 0, self.cache.pad_slot, 1
+        return rows
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.inputs[SLOT_WRITTEN, :size],
+            prefills=[],
+            decode_token_index=self.token_index[:size],
+            decode_slots=self.slot_table[:size],
+            decode_context_lens=self.inputs[CONTEXT_LEN, :size],
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:  # (size, H)
+        return self.model(self.inputs[TOKEN_IDS, :size], self.inputs[POSITIONS, :size], self.cache.gpu,
+                          self._metadata(size))  # fmt: skip
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        # NOTE: the buffers hold padding only, so the warm-up runs and the capture write nothing but
+        # the pad slot. Largest size first: the smaller graphs then fit in the memory pool it made.
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.batch_sizes):
+            for _ in range(WARMUP_RUNS):
+                self._forward(size)
+            torch.cuda.synchronize(self.cache.gpu.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self._forward(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.cache.gpu.device)
+
+    def fits(self, num_decodes: int, longest_context: int) -> bool:
+        """Whether a decode-only step of this shape runs here (else it runs eagerly)."""
+        return 0 < num_decodes <= self.batch_sizes[-1] and longest_context <= self.max_context
+
+    def forward(
+        self,
+        token_ids: list[int],  # (b,) each decode's new token
+        positions: list[int],  # (b,)
+        context_lens: np.ndarray,  # (b,) context tokens, the new one included
+        slot_table: np.ndarray,  # (b, >= max(context_lens)) slot of every context token
+    ) -> torch.Tensor:  # (b, H) hidden states
+        """Run a decode-only step of ``b`` decodes (decode ``i`` is flat token ``i``) on the graph of
+        the smallest captured size that holds it."""
+        b, width = slot_table.shape
+        size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, b)]
+        host = self._padding(size)  # (4, size)
+        host[TOKEN_IDS, :b] = token_ids
+        host[POSITIONS, :b] = positions
+        host[SLOT_WRITTEN, :b] = slot_table[np.arange(b), context_lens - 1]
+        host[CONTEXT_LEN, :b] = context_lens
+        self.inputs[:, :size].copy_(torch.from_numpy(host))
+        self.slot_table[:b, :width].copy_(torch.from_numpy(slot_table))
+        self.slot_table[b:size, 0] = self.cache.pad_slot  # a padding row reads the pad slot only
+        if not self.capture:
+            return self._forward(size)[:b]
+        self.graphs[size].replay()
+        return self.outputs[size][:b]
