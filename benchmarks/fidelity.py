@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--cuda-graphs", action="store_true", help="profile and run with decode steps on CUDA graphs")
     parser.add_argument("--schedulers", default="vllm,sarathi")
     parser.add_argument("--trace", default="sharegpt")
     parser.add_argument("--num-requests", type=int, default=200)
@@ -74,6 +75,8 @@ def main() -> None:
               "--attention-backend", args.attention_backend]  # fmt: skip
     if args.max_model_len:
         engine += ["--max-model-len", str(args.max_model_len)]
+    if args.cuda_graphs:
+        engine.append("--cuda-graphs")
     preset = out / "preset.json"
     print(sloserve("profile", *engine, "--out", str(preset), "--prefill-chunks", args.prefill_chunks,
                    "--context-lens", args.context_lens, "--batch-sizes", args.batch_sizes,

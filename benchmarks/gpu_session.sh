@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The engine's GPU checks (issue 6), one stage per call of the device tool, each well inside its
+# 10-minute limit. The device image already holds torch, triton, transformers, safetensors, tokenizers,
+# pytest, hypothesis and sloserve's other needs, so nothing is installed: sloserve runs from src/.
+#
+#   bash benchmarks/gpu_session.sh tests      # Triton kernels vs the reference (fp32/fp16/bf16), CUDA
+#                                             # graphs vs eager, the engine vs HF greedy tokens on CUDA
+#   bash benchmarks/gpu_session.sh speed      # engine_speed.py: decode MBU (eager and graphed), prefill MFU
+#   bash benchmarks/gpu_session.sh fidelity   # fidelity.py with CUDA graphs: profile, run, simulate
+#
+# Each stage's log goes to $OUT (the device tool's output folder) or ./gpu-logs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+out=${OUT:-gpu-logs}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/device.txt"
+
+case "${1:-}" in
+  tests)
+    python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_cuda_graphs.py \
+      tests/test_attention.py tests/test_engine.py 2>&1 | tee "$out/tests.log"
+    ;;
+  speed)
+    python3 benchmarks/engine_speed.py 2>&1 | tee "$out/engine_speed.log"
+    ;;
+  fidelity)
+    # The summaries stay behind (the device tool returns at most 8 files); the fitted preset comes back.
+    python3 benchmarks/fidelity.py --cuda-graphs --out /tmp/fidelity 2>&1 | tee "$out/fidelity.log"
+    cp /tmp/fidelity/preset.json "$out/fidelity-preset.json"
+    ;;
+  *)
+    echo "usage: $0 tests|speed|fidelity" >&2
+    exit 2
+    ;;
+esac
