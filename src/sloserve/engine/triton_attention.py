@@ -10,7 +10,8 @@ bidirectional) works unchanged, as with the PyTorch reference (``attention.Torch
 - ``_prefill_kernel``: one program per (prefill sequence, tile of ``BLOCK_M`` query tokens, head).
   A chunk of ``c`` tokens after ``n - c`` cached ones sits at positions ``n - c .. n - 1`` and query
   ``i`` sees keys ``0 .. n - c + i`` (the bottom-right causal mask of chunked prefill); key tiles
-  past the tile's last position are not read.
+  past the tile's last position are not read, and tiles before its first position (every key
+  visible to every row) skip the mask, so only the tiles on the diagonal pay for it.
 
 Both accumulate in float32 and take float32 dots in IEEE precision (Triton's default for float32
 is tf32, about 3e-4 relative error, which would make the engine's float32 tests inexact).
@@ -56,15 +57,21 @@ def _attend_tile(
     stride_v_head,
     qk_scale,
     INPUT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every key of the tile is in the context and visible to every row
 ):
     """One tile of context for both kernels: scores against its keys, then the online-softmax update
-    (rescale what was summed so far by exp2(old max - new max)). Returns (acc, m_i, l_i)."""
-    kv_mask = n_ok[:, None] & d_ok[None, :]
+    (rescale what was summed so far by exp2(old max - new max)). Returns (acc, m_i, l_i).
+    An unmasked tile (``MASKED=False``) skips the context and visibility masks."""
+    if MASKED:
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+    else:
+        kv_mask = d_ok[None, :]
     k = tl.load(
         k_cache_ptr + slots[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :], mask=kv_mask, other=0.0
     )  # (BLOCK_N, D)
     s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # (M, BLOCK_N)
-    s = tl.where(visible, s, float("-inf"))
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
     # NOTE: every row sees at least one key in the first tile (a decode its own token; a chunk's
     # query, and a padding row past the chunk, key 0), so m_new is finite: no -inf - -inf.
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -124,7 +131,7 @@ def _decode_kernel(
         slots = tl.load(slot_table_ptr + seq * stride_table_row + n, mask=n_ok, other=0)  # (BLOCK_N,)
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, slots, n_ok, n_ok[None, :], kv_head, d, d_ok,
-            stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, qk_scale, INPUT_PRECISION,
+            stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, qk_scale, INPUT_PRECISION, True,
         )  # fmt: skip
     # NOTE: every decode sees at least its own token, so l_i > 0 on the rows that are stored.
     out = acc / tl.where(g_ok, l_i, 1.0)[:, None]
@@ -178,17 +185,29 @@ def _prefill_kernel(
     # the longest chunk of the step).
     end = tl.minimum(context_len, context_len - query_len + (tile + 1) * BLOCK_M)
     end = tl.where(tile * BLOCK_M < query_len, end, 0)
+    # Keys 0 .. full - 1 (whole BLOCK_N tiles) are visible to every row of the tile: at most its first
+    # row's position (FlashAttention-2's split of causal attention: only the tiles on the diagonal
+    # need the causal mask). NOTE: full is a multiple of BLOCK_N and at most the context length (the
+    # first row's position is inside the context), so the unmasked loads stay inside the slot list.
+    full = tl.minimum((context_len - query_len + tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, end)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for start in range(0, end, BLOCK_N):
+    for start in range(0, full, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        slots = tl.load(slots_ptr + slot_start + n)  # (BLOCK_N,) all inside the context
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, slots, n, n, kv_head, d, d_ok,  # (masks unused)
+            stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, qk_scale, INPUT_PRECISION, False,
+        )  # fmt: skip
+    for start in range(full, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < context_len
         slots = tl.load(slots_ptr + slot_start + n, mask=n_ok, other=0)  # (BLOCK_N,)
         visible = (n[None, :] <= positions[:, None]) & n_ok[None, :]  # (BLOCK_M, BLOCK_N) causal
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, slots, n_ok, visible, kv_head, d, d_ok,
-            stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, qk_scale, INPUT_PRECISION,
+            stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, qk_scale, INPUT_PRECISION, True,
         )  # fmt: skip
     out = acc / tl.where(rows_ok, l_i, 1.0)[:, None]
     o_offsets = (query_start + rows)[:, None] * stride_o_token + head * stride_o_head + d[None, :]
