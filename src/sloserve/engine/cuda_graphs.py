@@ -11,7 +11,9 @@ How: a graph replays fixed kernels on fixed addresses, so each graph is captured
 the buffers and the other rows are padding. A padding row is token 0 at position 0 whose K/V is
 written to, and read from, the KV cache's ``pad_slot`` only, so it never touches a request's cache.
 The slot table buffer is as wide as the longest context (``max_context``); a row's entries past its
-context length are never read.
+context length are never read. NOTE: that buffer takes 8 bytes x largest size x ``max_context`` of
+device memory (16 MiB at 256 x 8k; 256 MiB at 256 x 128k), taken after the KV cache, from the share
+of memory the engine leaves free (``GPU_MEMORY_UTILIZATION``).
 
 Only decode-only steps are replayed; a step with a prefill chunk runs eagerly. Capturing needs the
 Triton attention backend: the PyTorch reference groups decodes by length on the host
