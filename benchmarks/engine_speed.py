@@ -22,7 +22,7 @@ import torch
 
 from sloserve.cost import get_gpu
 from sloserve.engine.llm_engine import kv_bytes_per_token
-from sloserve.engine.loader import load_model, resolve_attention_backend, resolve_device
+from sloserve.engine.loader import cuda_graphs_supported, load_model, resolve_attention_backend, resolve_device
 from sloserve.engine.profile import StepTimer
 
 
@@ -40,8 +40,9 @@ def main() -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true", help="time decode steps eagerly only")
     args = parser.parse_args()
 
-    graphs_possible = resolve_attention_backend(args.attention_backend, resolve_device(args.device)) == "triton"
-    cuda_graphs = graphs_possible and args.device.startswith("cuda") and not args.no_cuda_graphs
+    device = resolve_device(args.device)
+    backend = resolve_attention_backend(args.attention_backend, device)
+    cuda_graphs = not args.no_cuda_graphs and cuda_graphs_supported(device, backend)
     loaded = load_model(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
                         cuda_graphs=cuda_graphs)  # fmt: skip
     gpu_name = args.gpu or ("h200" if loaded.device.type == "cuda" else None)
@@ -62,8 +63,8 @@ def main() -> None:
                       max_context=max([args.kv_len + 1, *prompts]))  # fmt: skip
     graphs = timer.executor.graphs
     per_token_kv = kv_bytes_per_token(loaded)
-    device = f"{loaded.device} ({torch.cuda.get_device_name(loaded.device)})" if loaded.device.type == "cuda" else "cpu"
-    print(f"{args.model}, {loaded.dtype}, {device}, {loaded.attention_backend} attention; "
+    device_name = f"{loaded.device} ({torch.cuda.get_device_name(loaded.device)})" if loaded.device.type == "cuda" else "cpu"
+    print(f"{args.model}, {loaded.dtype}, {device_name}, {loaded.attention_backend} attention; "
           f"{params / 1e9:.2f} B parameters; peaks: "
           f"{f'{gpu.name} {gpu.hbm_bandwidth / 1e12:.2f} TB/s, {gpu.peak_flops / 1e12:.0f} TFLOP/s' if gpu else 'none'}")  # fmt: skip
     print(f"\n{'decode batch':>12} {'KV/req':>7} {'eager ms':>9} {'graph ms':>9} {'speedup':>8} {'tok/s':>10} "

@@ -69,10 +69,9 @@ class DecodeGraphs:
         n = self.batch_sizes[-1]
         # NOTE: a replay reads whatever these buffers hold, so a step copies its batch into them and
         # fills the remaining rows of its graph's size with padding (``_padding``).
-        self.inputs = torch.empty(4, n, dtype=torch.int64, device=device)  # rows: TOKEN_IDS ... CONTEXT_LEN
+        self.inputs = torch.from_numpy(self._padding(n)).to(device)  # (4, n) rows: TOKEN_IDS ... CONTEXT_LEN
         self.slot_table = torch.full((n, max_context), cache.pad_slot, dtype=torch.int64, device=device)  # (n, L)
         self.token_index = torch.arange(n, dtype=torch.int64, device=device)  # (n,) decode i is flat token i
-        self.inputs.copy_(torch.from_numpy(self._padding(n)))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # size -> (size, H) hidden states a replay writes
         if capture:

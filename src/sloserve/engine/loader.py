@@ -68,10 +68,15 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def check_cuda_graphs(device: torch.device, backend_name: str) -> None:
+def cuda_graphs_supported(device: torch.device, backend_name: str) -> bool:
     """CUDA graphs need a CUDA device and the Triton backend: the PyTorch reference groups decodes by
     length on the host (``AttentionMetadata.decode_groups``), which a graph cannot replay."""
-    if device.type != "cuda" or backend_name != "triton":
+    return device.type == "cuda" and backend_name == "triton"
+
+
+def check_cuda_graphs(device: torch.device, backend_name: str) -> None:
+    """A ConfigError naming the device and backend unless ``cuda_graphs_supported``."""
+    if not cuda_graphs_supported(device, backend_name):
         raise ConfigError(
             f"CUDA graphs need device cuda and the triton attention backend, got device {device.type} "
             f"and the {backend_name} backend"
