@@ -38,7 +38,7 @@ def test_capture_sizes_are_vllms():
 
 def _decode_step(loaded, batch_size: int, seed: int, block_size: int = 4):
     """A KV cache with random contents and ``batch_size`` requests of random context lengths, each
-    about to decode one token: (graphs' inputs, the requests' KV manager, cache)."""
+    about to decode one token: (tokens, positions, context lengths, slot table, its block ids, cache)."""
     rng = np.random.default_rng(seed)
     lens = rng.integers(1, 40, size=batch_size)  # context tokens, the new one included
     kv = PagedKVManager(int(sum(-(-n // block_size) for n in lens)) + 3, block_size)
@@ -51,8 +51,9 @@ def _decode_step(loaded, batch_size: int, seed: int, block_size: int = 4):
         request.add_computed(n - 1)
         requests.append(request)
     table = kv.slot_tables(requests, lens)  # (b, max len)
+    block_ids = kv.block_id_tables(requests, lens)  # (b, max len / block_size)
     tokens = rng.integers(0, loaded.config.vocab_size, size=batch_size).tolist()
-    return tokens, (lens - 1).tolist(), lens, table, cache
+    return tokens, (lens - 1).tolist(), lens, table, block_ids, cache
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 5, 6, 8])
@@ -60,11 +61,12 @@ def test_padded_decode_equals_eager_and_writes_only_its_slots(batch_size):
     """A batch of b decodes padded to its graph's size: the same hidden states as the unpadded eager
     forward pass, and the cache changes only at the b slots written and the pad slot."""
     loaded = load_model("random:tiny-llama")
-    tokens, positions, lens, table, cache = _decode_step(loaded, batch_size, seed=batch_size)
+    tokens, positions, lens, table, block_ids, cache = _decode_step(loaded, batch_size, seed=batch_size)
+    written = table[np.arange(batch_size), lens - 1]
     before = cache.gpu.clone()
     eager_cache = cache.gpu.clone()
     meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(table[np.arange(batch_size), lens - 1].copy()),
+        slot_mapping=torch.from_numpy(written.copy()),
         prefills=[],
         decode_token_index=torch.arange(batch_size),
         decode_slots=torch.from_numpy(table),
@@ -72,16 +74,15 @@ def test_padded_decode_equals_eager_and_writes_only_its_slots(batch_size):
     )
     with torch.inference_mode():
         expected = loaded.model(torch.tensor(tokens), torch.tensor(positions), eager_cache, meta)
-        graphs = DecodeGraphs(loaded.model, cache, max_context=64, max_batch_size=6, capture=False)
+        graphs = DecodeGraphs(loaded.model, cache, max_context=64, table_block_size=4, max_batch_size=6, capture=False)
         if not graphs.fits(batch_size, table.shape[1]):
             assert batch_size > 6
             return
-        hidden = graphs.forward(tokens, positions, lens, table)
+        hidden = graphs.forward(tokens, positions, lens, written, block_ids)
     assert hidden.shape == expected.shape
     torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
-    written = set(table[np.arange(batch_size), lens - 1].tolist())
     changed = set(torch.nonzero((cache.gpu != before).flatten(0, 1).any(0).flatten(1).any(1)).flatten().tolist())
-    assert written <= changed <= written | {cache.pad_slot}
+    assert set(written.tolist()) <= changed <= set(written.tolist()) | {cache.pad_slot}
     real = list(range(cache.pad_slot))
     # The same K/V as the eager step wrote (to rounding: a matmul's blocking depends on its row count).
     torch.testing.assert_close(cache.gpu[:, :, real], eager_cache[:, :, real], rtol=1e-5, atol=1e-5)
@@ -114,7 +115,8 @@ def test_engine_on_padded_graph_buffers_gives_the_eager_tokens(backend, schedule
     expected = _generate(eager)
     llm = LLM("random:tiny-llama", scheduler, attention_backend=backend, **options)
     engine = llm.engine
-    graphs = DecodeGraphs(llm.loaded.model, engine.cache, engine.max_model_len, max_batch_size=6, capture=False)
+    graphs = DecodeGraphs(llm.loaded.model, engine.cache, engine.max_model_len, engine.scheduler.kv.table_block_size,
+                          max_batch_size=6, capture=False)  # fmt: skip
     sizes: list[int] = []
     real_forward = graphs.forward
     graphs.forward = lambda tokens, *rest: sizes.append(len(tokens)) or real_forward(tokens, *rest)
@@ -138,12 +140,13 @@ def test_captured_graphs_replay_the_eager_step(dtype):
     states, for batches that fill their graph and batches padded up to it."""
     loaded = load_model("random:tiny-llama", device="cuda", dtype=dtype, attention_backend="triton")
     for batch_size in [1, 3, 8, 13, 20]:
-        tokens, positions, lens, table, cache = _decode_step(loaded, batch_size, seed=batch_size)
-        eager = DecodeGraphs(loaded.model, cache, max_context=64, max_batch_size=20, capture=False)
+        tokens, positions, lens, table, block_ids, cache = _decode_step(loaded, batch_size, seed=batch_size)
+        step = (tokens, positions, lens, table[np.arange(batch_size), lens - 1], block_ids)
+        eager = DecodeGraphs(loaded.model, cache, max_context=64, table_block_size=4, max_batch_size=20, capture=False)
         with torch.inference_mode():
-            expected = eager.forward(tokens, positions, lens, table).clone()
-            graphs = DecodeGraphs(loaded.model, cache, max_context=64, max_batch_size=20)
-            hidden = graphs.forward(tokens, positions, lens, table)
+            expected = eager.forward(*step).clone()
+            graphs = DecodeGraphs(loaded.model, cache, max_context=64, table_block_size=4, max_batch_size=20)
+            hidden = graphs.forward(*step)
         torch.testing.assert_close(hidden, expected)
 
 

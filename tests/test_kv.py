@@ -128,8 +128,13 @@ def test_manager_invariants_under_random_operations(ops, manager, block_size):
             lengths = np.array([max(1, kv.num_slots(rr) - rr.request_id % block_size) for rr in held])
             table = kv.slot_tables(held, lengths)
             assert table.shape == (len(held), lengths.max())
+            # Its compact form, the block ids the engine sends for decodes, follows every change to a
+            # block table (the manager keeps them as arrays between calls).
+            block_ids = kv.block_id_tables(held, lengths)
             for row, (rr, n) in enumerate(zip(held, lengths)):
                 assert table[row, :n].tolist() == kv.slot_ids(rr, 0, n) == kv.slot_table(rr, n).tolist()
+                num_blocks = -(-n // block_size)
+                assert block_ids[row, :num_blocks].tolist() == kv.block_tables[rr][:num_blocks]
 
 
 LENGTHS = st.lists(st.tuples(st.integers(1, 120), st.integers(1, 80)), min_size=1, max_size=14)

@@ -71,7 +71,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # (num_tokens,) slot each token's K/V is written to
     prefills: list[PrefillSeq]
     decode_token_index: torch.Tensor  # (num_decodes,) position of each decode token in the flat step
-    decode_slots: torch.Tensor  # (num_decodes, max_context) slot table, padded with slot 0
+    decode_slots: torch.Tensor  # (num_decodes, >= max_context) slot table; entries past a context: any slot
     decode_context_lens: torch.Tensor  # (num_decodes,) context tokens (cached + the new one)
 
     @cached_property

@@ -10,10 +10,14 @@ How: a graph replays fixed kernels on fixed addresses, so each graph is captured
 ``b`` decodes runs the graph of the smallest captured size ``>= b``: its ``b`` rows are copied into
 the buffers and the other rows are padding. A padding row is token 0 at position 0 whose K/V is
 written to, and read from, the KV cache's ``pad_slot`` only, so it never touches a request's cache.
-The slot table buffer is as wide as the longest context (``max_context``); a row's entries past its
-context length are never read. NOTE: that buffer takes 8 bytes x largest size x ``max_context`` of
-device memory (16 MiB at 256 x 8k; 256 MiB at 256 x 128k), taken after the KV cache, from the share
-of memory the engine leaves free (``GPU_MEMORY_UTILIZATION``).
+
+Each row's context comes as block ids (the KV manager's ``block_id_tables``, ``table_block_size``
+tokens an entry), and the graph expands them to the slot table the attention reads: the host builds
+and copies a block-size share of the slot table (a batch of 256 x 1k contexts: 128 KiB, not 2 MiB).
+The tables are as wide as the longest context (``max_context``); a row's entries past its context
+length are never read. NOTE: the expanded table takes 8 bytes x largest size x ``max_context`` of
+device memory (16 MiB at 256 x 8k; 256 MiB at 256 x 128k), in the graphs' memory pool, taken after
+the KV cache from the share of memory the engine leaves free (``GPU_MEMORY_UTILIZATION``).
 
 Only decode-only steps are replayed; a step with a prefill chunk runs eagerly. Capturing needs the
 Triton attention backend: the PyTorch reference groups decodes by length on the host
@@ -32,7 +36,7 @@ import torch
 from torch import nn
 
 from sloserve.engine.attention import AttentionMetadata
-from sloserve.engine.kv_cache import KVCacheTensor
+from sloserve.engine.kv_cache import KVCacheTensor, expand_block_ids
 
 # vLLM's capture sizes: 1, 2, 4, then every multiple of 8 (up to the largest batch).
 CAPTURE_SIZE_STEP = 8
@@ -58,11 +62,16 @@ class DecodeGraphs:
         model: nn.Module,
         cache: KVCacheTensor,
         max_context: int,
+        table_block_size: int,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         *,
         capture: bool = True,
     ) -> None:
+        """``table_block_size``: tokens per block id of the KV manager's ``block_id_tables``."""
         self.model, self.cache, self.max_context = model, cache, max_context
+        self.table_block_size = g = table_block_size
+        assert cache.pad_slot % g == 0 and g <= cache.block_size, "the pad block is a whole table block"
+        self.pad_block = cache.pad_slot // g  # expands to pad_slot, pad_slot + 1, ... (the cache's pad block)
         self.batch_sizes = capture_sizes(max_batch_size)
         self.capture = capture
         device = cache.gpu.device
@@ -70,7 +79,8 @@ class DecodeGraphs:
         # NOTE: a replay reads whatever these buffers hold, so a step copies its batch into them and
         # fills the remaining rows of its graph's size with padding (``_padding``).
         self.inputs = torch.from_numpy(self._padding(n)).to(device)  # (4, n) rows: TOKEN_IDS ... CONTEXT_LEN
-        self.slot_table = torch.full((n, max_context), cache.pad_slot, dtype=torch.int64, device=device)  # (n, L)
+        width = -(-max_context // g)
+        self.block_ids = torch.full((n, width), self.pad_block, dtype=torch.int64, device=device)  # (n, L / g)
         self.token_index = torch.arange(n, dtype=torch.int64, device=device)  # (n,) decode i is flat token i
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # size -> (size, H) hidden states a replay writes
@@ -88,7 +98,7 @@ class DecodeGraphs:
             slot_mapping=self.inputs[SLOT_WRITTEN, :size],
             prefills=[],
             decode_token_index=self.token_index[:size],
-            decode_slots=self.slot_table[:size],
+            decode_slots=expand_block_ids(self.block_ids[:size], self.table_block_size),  # (size, >= L)
             decode_context_lens=self.inputs[CONTEXT_LEN, :size],
         )
 
@@ -120,20 +130,21 @@ class DecodeGraphs:
         token_ids: list[int],  # (b,) each decode's new token
         positions: list[int],  # (b,)
         context_lens: np.ndarray,  # (b,) context tokens, the new one included
-        slot_table: np.ndarray,  # (b, >= max(context_lens)) slot of every context token
+        slots_written: np.ndarray,  # (b,) slot of each new token
+        block_ids: np.ndarray,  # (b, >= max(context_lens) / g) block_id_tables of the contexts
     ) -> torch.Tensor:  # (b, H) hidden states
         """Run a decode-only step of ``b`` decodes (decode ``i`` is flat token ``i``) on the graph of
         the smallest captured size that holds it."""
-        b, width = slot_table.shape
+        b, width = block_ids.shape
         size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, b)]
         host = self._padding(size)  # (4, size)
         host[TOKEN_IDS, :b] = token_ids
         host[POSITIONS, :b] = positions
-        host[SLOT_WRITTEN, :b] = slot_table[np.arange(b), context_lens - 1]
+        host[SLOT_WRITTEN, :b] = slots_written
         host[CONTEXT_LEN, :b] = context_lens
         self.inputs[:, :size].copy_(torch.from_numpy(host))
-        self.slot_table[:b, :width].copy_(torch.from_numpy(slot_table))
-        self.slot_table[b:size, 0] = self.cache.pad_slot  # a padding row reads the pad slot only
+        self.block_ids[:b, :width].copy_(torch.from_numpy(block_ids))
+        self.block_ids[b:size, 0] = self.pad_block  # a padding row reads the pad slot only
         if not self.capture:
             return self._forward(size)[:b]
         self.graphs[size].replay()

@@ -21,7 +21,7 @@ from sloserve.core.outputs import SchedulerOutput, StepResult
 from sloserve.core.request import Request
 from sloserve.engine.attention import AttentionMetadata, PrefillSeq
 from sloserve.engine.cuda_graphs import DecodeGraphs
-from sloserve.engine.kv_cache import KVCacheTensor
+from sloserve.engine.kv_cache import KVCacheTensor, expand_block_ids
 from sloserve.engine.sampler import SamplingParams, sample
 from sloserve.kv.manager import KVCacheManager
 
@@ -147,16 +147,20 @@ class EngineExecutor:
     ) -> torch.Tensor:  # (T, H)
         """The model's forward pass over the step's flat tokens: a graph replay for a decode-only step
         that fits the captured graphs, else eager."""
+        # NOTE: the decodes' context tables are built at once, as block ids (a batch of hundreds of
+        # long contexts is a block size smaller that way); the device expands them to slots.
+        g = self.kv.table_block_size
+        lengths = np.array([r.num_computed_tokens + 1 for _, r in decodes], dtype=np.int64)  # (B,)
         if decodes:
-            # NOTE: one slot table for every decode at once (a batch of hundreds builds in one go).
-            lengths = np.array([r.num_computed_tokens + 1 for _, r in decodes], dtype=np.int64)  # (B,)
-            table = self.kv.slot_tables([r for _, r in decodes], lengths)  # (B, max context)
+            block_ids = self.kv.block_id_tables([r for _, r in decodes], lengths)  # (B, >= max context / g)
+            last = lengths - 1
+            written = block_ids[np.arange(len(decodes)), last // g] * g + last % g  # (B,) slot of each new token
         else:
-            lengths, table = np.zeros(0, dtype=np.int64), np.zeros((0, 1), dtype=np.int64)
-        if not prefills and self.graphs is not None and self.graphs.fits(len(decodes), table.shape[1]):
+            block_ids, written = np.zeros((0, 1), dtype=np.int64), lengths
+        if not prefills and self.graphs is not None and self.graphs.fits(len(decodes), int(lengths.max(initial=0))):
             # NOTE: with no prefill, decode i is flat token i (each decode adds one token, in order).
-            return self.graphs.forward(tokens, positions, lengths, table)
-        meta = self._metadata(len(tokens), prefills, prefill_slots, decodes, lengths, table)
+            return self.graphs.forward(tokens, positions, lengths, written, block_ids)
+        meta = self._metadata(len(tokens), prefills, prefill_slots, decodes, lengths, written, block_ids)
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)  # (T,)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # (T,)
         return self.model(ids, pos, self.cache.gpu, meta)
@@ -168,18 +172,19 @@ class EngineExecutor:
         prefill_slots: list[tuple[int, np.ndarray]],
         decodes: list[tuple[int, Request]],
         lengths: np.ndarray,  # (B,) each decode's context tokens
-        table: np.ndarray,  # (B, max context) their slot tables
+        written: np.ndarray,  # (B,) slot of each decode's new token
+        block_ids: np.ndarray,  # (B, >= max context / g) their block_id_tables
     ) -> AttentionMetadata:
         device = self.device
         slot_mapping = np.empty(num_tokens, dtype=np.int64)  # (T,)
         for flat, slots in prefill_slots:
             slot_mapping[flat : flat + len(slots)] = slots
         flat_index = np.array([i for i, _ in decodes], dtype=np.int64)  # (B,)
-        slot_mapping[flat_index] = table[np.arange(len(decodes)), lengths - 1]
+        slot_mapping[flat_index] = written
         return AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(device),
             prefills=prefills,
             decode_token_index=torch.from_numpy(flat_index).to(device),
-            decode_slots=torch.from_numpy(table).to(device),
+            decode_slots=expand_block_ids(torch.from_numpy(block_ids).to(device), self.kv.table_block_size),
             decode_context_lens=torch.from_numpy(lengths).to(device),
         )

@@ -13,12 +13,13 @@ from sloserve.engine.config import ModelConfig
 
 
 class KVCacheTensor:
-    """``gpu``: (2, layers, num_slots + 1, kv_heads, head_dim) on the device; ``cpu``: the same shape
-    with the swap space's slots, in host memory (pinned when the device is CUDA).
+    """``gpu``: (2, layers, num_slots + block_size, kv_heads, head_dim) on the device; ``cpu``: the
+    same shape with the swap space's slots, in host memory (pinned when the device is CUDA).
 
-    The last device slot, ``pad_slot``, belongs to no request: the padding rows of a CUDA-graph batch
-    (``cuda_graphs.DecodeGraphs``) write and read their K/V there. NOTE: ``gpu`` is allocated once and
-    only ever written in place, because a captured graph holds its address.
+    The last device block, from ``pad_slot`` = ``num_slots`` on, belongs to no request: the padding
+    rows of a CUDA-graph batch (``cuda_graphs.DecodeGraphs``) write and read their K/V at ``pad_slot``,
+    and their block-id row names this block, so every slot it expands to exists. NOTE: ``gpu`` is
+    allocated once and only ever written in place, because a captured graph holds its address.
     """
 
     def __init__(
@@ -30,17 +31,16 @@ class KVCacheTensor:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (2, config.num_hidden_layers, num_slots + 1, config.num_key_value_heads, config.head_dim)
+        shape = (2, config.num_hidden_layers, num_slots + block_size, config.num_key_value_heads, config.head_dim)
         self.gpu = torch.zeros(shape, dtype=dtype, device=device)
         self.pad_slot = num_slots
         cpu_shape = (*shape[:2], num_cpu_slots, *shape[3:])
         self.cpu = torch.zeros(cpu_shape, dtype=dtype, pin_memory=device.type == "cuda")
         self.block_size = block_size
-        self._offsets = torch.arange(block_size)
 
     def _slots(self, blocks: list[int]) -> torch.Tensor:
         """(len(blocks) * block_size,) slot ids of ``blocks``."""
-        return (torch.tensor(blocks, dtype=torch.int64)[:, None] * self.block_size + self._offsets).reshape(-1)
+        return expand_block_ids(torch.tensor([blocks], dtype=torch.int64), self.block_size)[0]
 
     def swap_out(self, copies: list[BlockCopy]) -> None:
         """Device blocks -> CPU blocks."""
@@ -86,3 +86,12 @@ class KVCacheTensor:
             grown = torch.zeros(shape, dtype=self.cpu.dtype, pin_memory=self.cpu.is_pinned())
             grown[:, :, :have] = self.cpu
             self.cpu = grown
+
+
+def expand_block_ids(ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``(B, n * block_size)`` slot tables from ``(B, n)`` block ids, on their device (the torch twin
+    of ``kv.manager.expand_block_ids``, run where the tables are read)."""
+    if block_size == 1:
+        return ids
+    offsets = torch.arange(block_size, dtype=ids.dtype, device=ids.device)  # (block_size,)
+    return (ids[:, :, None] * block_size + offsets).flatten(1)

@@ -115,7 +115,9 @@ class LLMEngine:
             config, kv.gpu.num_blocks * kv.block_size, kv.cpu.num_blocks * kv.block_size, kv.block_size,
             loaded.dtype, loaded.device,
         )  # fmt: skip
-        graphs = DecodeGraphs(loaded.model, self.cache, self.max_model_len) if loaded.cuda_graphs else None
+        graphs = None
+        if loaded.cuda_graphs:
+            graphs = DecodeGraphs(loaded.model, self.cache, self.max_model_len, kv.table_block_size)
         self.executor = EngineExecutor(loaded.model, kv, self.cache, loaded.device, config.eos_token_ids, seed, graphs)
         self.replica = Replica(0, self.scheduler, self.executor, fast_path=False)
         self._next_id = 0

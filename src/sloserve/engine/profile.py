@@ -118,7 +118,7 @@ class StepTimer:
         self.loaded = loaded
         self.kv = PagedKVManager(num_blocks, self.BLOCK_SIZE)
         cache = KVCacheTensor(loaded.config, self.kv.capacity_tokens, 0, self.BLOCK_SIZE, loaded.dtype, loaded.device)
-        graphs = DecodeGraphs(loaded.model, cache, max_context) if loaded.cuda_graphs else None
+        graphs = DecodeGraphs(loaded.model, cache, max_context, self.kv.table_block_size) if loaded.cuda_graphs else None
         self.executor = EngineExecutor(loaded.model, self.kv, cache, loaded.device, graphs=graphs)
         self._rng = np.random.default_rng(seed)
         self._next_id = 0

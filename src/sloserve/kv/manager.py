@@ -57,6 +57,9 @@ class KVCacheManager:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.block_tables: dict[Request, list[int]] = {}  # GPU blocks per request, in token order
         self.cpu_tables: dict[Request, list[int]] = {}  # CPU blocks of swapped-out requests
+        # Tokens per entry of ``block_id_tables``: a block (token-slot managers: one token).
+        self.table_block_size = block_size
+        self._block_arrays: dict[Request, tuple[list[int], np.ndarray]] = {}  # see _block_array
         self.num_allocation_failures = 0
         self.swapped_bytes = 0
         # Tokens a decoding request grows by per allocation when allocations recur periodically
@@ -153,6 +156,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release everything ``request`` holds, on the GPU and in swap space."""
         table = self.block_tables.pop(request, None)
+        self._block_arrays.pop(request, None)
         if table:
             self.gpu.release(table)
         cpu = self.cpu_tables.pop(request, None)
@@ -176,16 +180,42 @@ class KVCacheManager:
         """``(len(requests), max(num_tokens))`` slot ids: row i holds the first ``num_tokens[i]``
         slots of ``requests[i]`` (``slot_table`` for a whole batch at once); entries past a row's
         length are valid slot ids of no meaning (readers mask them by length)."""
+        ids = self.block_id_tables(requests, num_tokens)  # (B, max blocks)
+        return expand_block_ids(ids, self.table_block_size)[:, : int(num_tokens.max())]
+
+    def block_id_tables(self, requests: list[Request], num_tokens: np.ndarray) -> np.ndarray:
+        """``slot_tables`` in compact form, ``(len(requests), ceil(max(num_tokens) / g))`` with
+        ``g = table_block_size``: token t of row i is in slot ``ids[i, t // g] * g + t % g``
+        (``expand_block_ids``). Here g is the block size and the rows are block tables, so a batch of
+        long contexts is g times smaller to build and to send to the device than its slot tables.
+        Entries past a row's blocks are block 0."""
         bs = self.block_size
         num_blocks = -(-num_tokens // bs)  # (B,)
-        blocks = np.zeros((len(requests), int(num_blocks.max())), dtype=np.int64)  # (B, max blocks)
+        ids = np.zeros((len(requests), int(num_blocks.max())), dtype=np.int64)  # (B, max blocks)
         for row, (request, n) in enumerate(zip(requests, num_blocks.tolist(), strict=True)):
-            table = self.block_tables[request]
+            table = self._block_array(request)
             if n > len(table):
                 raise IndexError(f"{request}: token {num_tokens[row] - 1} has no slot ({len(table) * bs} held)")
-            blocks[row, :n] = table[:n]
-        slots = (blocks[:, :, None] * bs + np.arange(bs)).reshape(len(requests), -1)  # (B, max blocks * bs)
-        return slots[:, : int(num_tokens.max())]
+            ids[row, :n] = table[:n]
+        return ids
+
+    def _block_array(self, request: Request) -> np.ndarray:
+        """``request``'s GPU block table as an int64 array, kept between calls and extended by the
+        blocks added since (a decode batch of long contexts would otherwise convert every block id
+        of every request from a Python int, every step). NOTE: valid because a block table only
+        ever grows in place (``extend``); any other change gives the request a new list (swap-in,
+        allocation after ``free``), which the identity test catches, and ``free`` and ``swap_out``
+        drop the array (``check_integrity`` checks it)."""
+        table = self.block_tables[request]
+        held = self._block_arrays.get(request)
+        if held is None or held[0] is not table or len(held[1]) > len(table):
+            array = np.array(table, dtype=np.int64)
+        elif len(held[1]) < len(table):
+            array = np.concatenate((held[1], np.array(table[len(held[1]) :], dtype=np.int64)))
+        else:
+            return held[1]
+        self._block_arrays[request] = (table, array)
+        return array
 
     # --- swapping ------------------------------------------------------------------------------
     def swap_out(self, request: Request) -> list[BlockCopy] | None:
@@ -195,6 +225,7 @@ class KVCacheManager:
         if cpu_blocks is None:
             return None
         del self.block_tables[request]
+        self._block_arrays.pop(request, None)
         self.gpu.release(table)
         self.cpu_tables[request] = cpu_blocks
         self.swapped_bytes += len(table) * self.block_size * self.kv_bytes_per_token
@@ -234,6 +265,17 @@ class KVCacheManager:
             assert pool is self.cpu or len(free) >= self._owed_blocks >= 0, "owed blocks exceed free ones"
             assert all(0 <= b < pool.num_blocks for b in owned + free), f"{where}: block id out of range"
         assert not set(self.block_tables) & set(self.cpu_tables), "a request is on GPU and CPU at once"
+        for request, (table, array) in self._block_arrays.items():
+            assert request in self.block_tables, f"{request}: a block array outlived its table"
+            if table is self.block_tables[request]:
+                assert array.tolist() == table[: len(array)], f"{request}: its block table changed in place"
+
+
+def expand_block_ids(ids: np.ndarray, block_size: int) -> np.ndarray:
+    """``(B, n * block_size)`` slot tables from ``(B, n)`` block ids (``block_id_tables``)."""
+    if block_size == 1:
+        return ids
+    return (ids[:, :, None] * block_size + np.arange(block_size)).reshape(ids.shape[0], ids.shape[1] * block_size)
 
 
 class PagedKVManager(KVCacheManager):

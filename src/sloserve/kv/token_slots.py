@@ -25,6 +25,9 @@ class TokenSlotTable:
         self._cpu_free: list[int] = []
         self.num_cpu_slots = 0  # CPU slots ever handed out
         self.pending_copies: list[SlotCopy] = []  # copies to run before the next step, in order
+        # NOTE: a token's slot is not a function of its block (slots move one by one), so the tables
+        # the engine reads hold one slot per token.
+        self.table_block_size = 1
 
     def num_slots(self, request: Request) -> int:
         """Tokens of ``request`` with a GPU slot (those in CPU memory excluded)."""
@@ -47,9 +50,10 @@ class TokenSlotTable:
     def slot_table(self, request: Request, num_tokens: int) -> np.ndarray:
         return np.asarray(self.slot_ids(request, 0, num_tokens), dtype=np.int64)
 
-    def slot_tables(self, requests: list[Request], num_tokens: np.ndarray) -> np.ndarray:
+    def block_id_tables(self, requests: list[Request], num_tokens: np.ndarray) -> np.ndarray:
         """``(len(requests), max(num_tokens))`` slot ids, row i the first ``num_tokens[i]`` slots of
-        ``requests[i]`` padded with slot 0 (the block managers' ``slot_tables``)."""
+        ``requests[i]`` padded with slot 0: the compact tables of the block managers, with blocks of
+        one token (``table_block_size`` is 1), so they are the slot tables themselves."""
         table = np.zeros((len(requests), int(num_tokens.max())), dtype=np.int64)
         for row, (request, n) in enumerate(zip(requests, num_tokens.tolist(), strict=True)):
             table[row, :n] = self.slot_ids(request, 0, n)

@@ -1,0 +1,114 @@
+"""Engine host time: what the CPU spends on one decode step besides the model, against the time the
+GPU needs for that step, at batch 1-256.
+
+A decode step's host work (the flat token lists, every decode's context table, the graph's input
+buffers, the sampler's bookkeeping) adds to the step unless it hides behind the GPU's, and the
+engine's clock counts it (``StepTimer``, as ``engine_speed.py`` does). This measures it on the CPU,
+with the model replaced by ``NoForward`` (zeros of the right shapes), on the CUDA-graph path
+(``DecodeGraphs`` with ``capture=False``: its padded static buffers, without a graph). It prints:
+
+- the decodes' context tables as the engine builds them (``block_id_tables``: block ids, expanded to
+  slots on the device) next to per-token slot tables (``slot_tables``: what the engine sent before,
+  and what the token-slot managers, pipelined and bidirectional, still send), and their ratio. Both
+  start from the block arrays the manager keeps, so the ratio is the per-token expansion's cost;
+- the whole host step, and the H200 roofline time of the same step for Llama-3-8B in bf16 (weights
+  + KV read at HBM bandwidth), with the host's share of the sum: the MBU an engine that does not
+  overlap the host with the GPU loses to it (goal, issue 6: >= 70% MBU at batch >= 64).
+
+NOTE: on the CPU, ``expand_block_ids`` (device work on a GPU) runs on the host, so the host step
+here is an upper bound.
+
+    python benchmarks/engine_host.py [--batch-sizes 1,64,128,256] [--kv-lens 1024,4096] [--repeats 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+from sloserve.core.request import Request
+from sloserve.cost import get_gpu, get_model
+from sloserve.engine.cuda_graphs import DecodeGraphs
+from sloserve.engine.loader import load_model
+from sloserve.engine.profile import StepTimer
+from sloserve.kv import PagedKVManager
+
+REFERENCE_MODEL, REFERENCE_GPU = "llama-3-8b", "h200"
+
+
+class NoForward(nn.Module):
+    """The model's interface with no work behind it: zero hidden states and logits."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        super().__init__()
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+
+    def forward(self, token_ids, positions, kv_cache, meta) -> torch.Tensor:  # (T, H)
+        return torch.zeros(token_ids.shape[0], self.hidden_size)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab)
+        return torch.zeros(hidden.shape[0], self.vocab_size)
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def table_times(batch: int, kv_len: int, repeats: int) -> tuple[float, float]:
+    """(ms of block_id_tables, ms of slot_tables) for ``batch`` decodes of ``kv_len`` cached tokens."""
+    bs = StepTimer.BLOCK_SIZE
+    kv = PagedKVManager(batch * (kv_len // bs + 2), bs)
+    requests = [Request(i, 0.0, kv_len + 1, 1, 1) for i in range(batch)]
+    for request in requests:
+        assert kv.allocate_slots(request, kv_len + 1)
+    lengths = np.full(batch, kv_len + 1)
+    return (median_ms(lambda: kv.block_id_tables(requests, lengths), repeats),
+            median_ms(lambda: kv.slot_tables(requests, lengths), repeats))  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", default="1,64,128,256")
+    parser.add_argument("--kv-lens", default="1024,4096", help="tokens cached per decoding request")
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    batches = [int(x) for x in args.batch_sizes.split(",")]
+    kv_lens = [int(x) for x in args.kv_lens.split(",")]
+
+    loaded = load_model("random:tiny-llama", device="cpu", dtype="float32")
+    timer = StepTimer(loaded, StepTimer.blocks_needed([], [max(kv_lens)] * max(batches)), max_context=max(kv_lens) + 1)
+    executor = timer.executor
+    executor.model = NoForward(loaded.config.hidden_size, loaded.config.vocab_size)
+    executor.graphs = DecodeGraphs(executor.model, executor.cache, max(kv_lens) + 1, timer.kv.table_block_size,
+                                   max_batch_size=max(batches), capture=False)  # fmt: skip
+    model, gpu = get_model(REFERENCE_MODEL), get_gpu(REFERENCE_GPU)
+
+    table = Table(title=f"Host time of a decode step (CPU) vs the {gpu.name} roofline of {model.name} bf16")
+    for column in ("batch", "KV/req", "block ids ms", "slot table ms", "ratio", "host step ms",
+                   f"{gpu.name} ms", "host share"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for kv_len in kv_lens:
+        for batch in batches:
+            ids_ms, slots_ms = table_times(batch, kv_len, args.repeats)
+            host_ms = timer.time([], [kv_len] * batch, repeats=args.repeats) * 1e3
+            gpu_ms = (model.weight_bytes + batch * (kv_len + 1) * model.kv_bytes_per_token) / gpu.hbm_bandwidth * 1e3
+            table.add_row(str(batch), str(kv_len), f"{ids_ms:.3f}", f"{slots_ms:.3f}", f"{slots_ms / ids_ms:.1f}x",
+                          f"{host_ms:.2f}", f"{gpu_ms:.2f}", f"{host_ms / (host_ms + gpu_ms):.0%}")  # fmt: skip
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
