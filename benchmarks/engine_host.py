@@ -7,10 +7,11 @@ engine's clock counts it (``StepTimer``, as ``engine_speed.py`` does). This meas
 with the model replaced by ``NoForward`` (zeros of the right shapes), on the CUDA-graph path
 (``DecodeGraphs`` with ``capture=False``: its padded static buffers, without a graph). It prints:
 
-- the decodes' context tables as the engine builds them (``block_id_tables``: block ids, expanded to
-  slots on the device) next to per-token slot tables (``slot_tables``: what the engine sent before,
-  and what the token-slot managers, pipelined and bidirectional, still send), and their ratio. Both
-  start from the block arrays the manager keeps, so the ratio is the per-token expansion's cost;
+- the decodes' context tables as the engine builds them for a paged manager (``block_id_tables``:
+  block ids, expanded to slots on the device) next to per-token slot tables of the same requests
+  (``slot_tables``: what the engine sent before), and their ratio; both start from the block arrays
+  the manager keeps, so the ratio is the per-token expansion's cost. Then the tables of EconoServe's
+  pipelined manager, whose slots move one token at a time, so its tables are per token;
 - the whole host step, and the H200 roofline time of the same step for Llama-3-8B in bf16 (weights
   + KV read at HBM bandwidth), with the host's share of the sum: the MBU an engine that does not
   overlap the host with the GPU loses to it (goal, issue 6: >= 70% MBU at batch >= 64).
@@ -39,6 +40,7 @@ from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.loader import load_model
 from sloserve.engine.profile import StepTimer
 from sloserve.kv import PagedKVManager
+from sloserve.kv.pipelined import PipelinedKVManager
 
 REFERENCE_MODEL, REFERENCE_GPU = "llama-3-8b", "h200"
 
@@ -67,16 +69,21 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def table_times(batch: int, kv_len: int, repeats: int) -> tuple[float, float]:
-    """(ms of block_id_tables, ms of slot_tables) for ``batch`` decodes of ``kv_len`` cached tokens."""
+def table_times(batch: int, kv_len: int, repeats: int) -> tuple[float, float, float]:
+    """ms of (a paged manager's block_id_tables, its slot_tables, a pipelined manager's
+    block_id_tables) for ``batch`` decodes of ``kv_len`` cached tokens."""
     bs = StepTimer.BLOCK_SIZE
-    kv = PagedKVManager(batch * (kv_len // bs + 2), bs)
+    num_blocks = batch * (kv_len // bs + 2)
+    paged, pipelined = PagedKVManager(num_blocks, bs), PipelinedKVManager(num_blocks, bs)
     requests = [Request(i, 0.0, kv_len + 1, 1, 1) for i in range(batch)]
-    for request in requests:
-        assert kv.allocate_slots(request, kv_len + 1)
+    for kv in (paged, pipelined):
+        for request in requests:
+            assert kv.allocate_slots(request, kv_len + 1)
     lengths = np.full(batch, kv_len + 1)
-    return (median_ms(lambda: kv.block_id_tables(requests, lengths), repeats),
-            median_ms(lambda: kv.slot_tables(requests, lengths), repeats))  # fmt: skip
+    ids_ms, slots_ms, pipelined_ms = (median_ms(lambda read=read: read(requests, lengths), repeats)
+                                      for read in (paged.block_id_tables, paged.slot_tables,
+                                                   pipelined.block_id_tables))  # fmt: skip
+    return ids_ms, slots_ms, pipelined_ms
 
 
 def main() -> None:
@@ -97,17 +104,17 @@ def main() -> None:
     model, gpu = get_model(REFERENCE_MODEL), get_gpu(REFERENCE_GPU)
 
     table = Table(title=f"Host time of a decode step (CPU) vs the {gpu.name} roofline of {model.name} bf16")
-    for column in ("batch", "KV/req", "block ids ms", "slot table ms", "ratio", "host step ms",
+    for column in ("batch", "KV/req", "block ids ms", "slot table ms", "ratio", "pipelined ms", "host step ms",
                    f"{gpu.name} ms", "host share"):  # fmt: skip
         table.add_column(column, justify="right")
     for kv_len in kv_lens:
         for batch in batches:
-            ids_ms, slots_ms = table_times(batch, kv_len, args.repeats)
+            ids_ms, slots_ms, pipelined_ms = table_times(batch, kv_len, args.repeats)
             host_ms = timer.time([], [kv_len] * batch, repeats=args.repeats) * 1e3
             gpu_ms = (model.weight_bytes + batch * (kv_len + 1) * model.kv_bytes_per_token) / gpu.hbm_bandwidth * 1e3
             table.add_row(str(batch), str(kv_len), f"{ids_ms:.3f}", f"{slots_ms:.3f}", f"{slots_ms / ids_ms:.1f}x",
-                          f"{host_ms:.2f}", f"{gpu_ms:.2f}", f"{host_ms / (host_ms + gpu_ms):.0%}")  # fmt: skip
-    Console().print(table)
+                          f"{pipelined_ms:.3f}", f"{host_ms:.2f}", f"{gpu_ms:.2f}", f"{host_ms / (host_ms + gpu_ms):.0%}")  # fmt: skip
+    Console(width=140).print(table)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def test_block_size_must_leave_two_slots_per_side():
         BidirectionalKVManager(num_blocks=4, block_size=3)
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["grow", "free", "restore"]), st.integers(0, 5), st.integers(1, 12)),
+OPS = st.lists(st.tuples(st.sampled_from(["grow", "free", "restore", "truncate"]), st.integers(0, 5), st.integers(1, 12)),
                max_size=60)
 
 
@@ -87,6 +87,8 @@ def test_invariants_under_random_operations(ops, block_size):
         elif op == "restore" and r in kv.token_slots:
             if kv.restore(r):
                 assert kv.num_checkpointed(r) == 0
+        elif op == "truncate" and r in kv.token_slots:
+            kv.truncate(r, max(0, len(kv.token_slots[r]) - n))
         kv.check_integrity()
         for b in range(kv.gpu.num_blocks):
             assert kv.rt_fill[b] + len(kv.be_tokens[b]) <= block_size
@@ -95,3 +97,7 @@ def test_invariants_under_random_operations(ops, block_size):
             lengths = np.array([kv.num_tracked_tokens(r) for r in on_gpu])
             table = kv.slot_tables(on_gpu, lengths)
             assert [table[i, :n].tolist() for i, n in enumerate(lengths)] == [kv.token_slots[r] for r in on_gpu]
+        for r in kv.token_slots:
+            if kv.num_checkpointed(r):  # the engine reads only contexts wholly on the GPU
+                with pytest.raises(IndexError, match="not all on the GPU"):
+                    kv.block_id_tables([r], np.array([kv.num_tracked_tokens(r)]))

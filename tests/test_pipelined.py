@@ -4,6 +4,7 @@ operation sequences."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,6 +15,11 @@ from sloserve.kv.pipelined import CHECKPOINTED, PipelinedKVManager
 
 def _req(i: int, prompt: int = 4) -> Request:
     return Request(i, 0.0, prompt, 64, 64)
+
+
+def _context_table(kv: PipelinedKVManager, request: Request) -> list[int]:
+    """The engine's context table of ``request`` (``block_id_tables``; one slot per token here)."""
+    return kv.block_id_tables([request], np.array([len(kv.token_slots[request])]))[0].tolist()
 
 
 def _gt(kv: PipelinedKVManager, request: Request) -> None:
@@ -98,7 +104,10 @@ def test_under_predicted_hosted_gt_is_evicted_to_cpu_and_restored():
     kv.take_copies()
     # The hosted GT was under-predicted: it has not finished when the host needs offset 16.
     assert kv.hosted_in_the_way(host) is hosted
+    assert _context_table(kv, hosted) == kv.token_slots[hosted]
     kv.evict(hosted, 20)
+    with pytest.raises(IndexError, match="not all on the GPU"):  # the engine never reads it now
+        _context_table(kv, hosted)
     copies = kv.take_copies()
     assert [c.src_slot for c in copies] == lent and all(c.to_cpu for c in copies)
     assert kv.token_slots[hosted][4:] == [CHECKPOINTED] * 16 and kv.num_slots(hosted) == 4
@@ -109,7 +118,9 @@ def test_under_predicted_hosted_gt_is_evicted_to_cpu_and_restored():
     back = kv.take_copies()
     assert [c.src_slot for c in back] == [c.dst_slot for c in copies] and not any(c.to_cpu for c in back)
     assert [c.dst_slot for c in back] == kv.slot_ids(hosted, 4, 20)
+    assert _context_table(kv, hosted) == kv.token_slots[hosted]  # the restored slots, not the lent ones
     assert kv.allocate_slots(hosted, 21)  # resumes in its own blocks
+    assert _context_table(kv, hosted) == kv.token_slots[hosted]
     kv.check_integrity()
 
 
@@ -131,7 +142,7 @@ def test_a_host_that_finishes_first_keeps_its_region_until_hosted_gts_finish():
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["reserve", "lend", "lend", "lend", "grow", "grow", "grow", "free", "evict",
-                                           "restore"]),
+                                           "restore", "trim"]),
                           st.integers(0, 5), st.integers(0, 5), st.integers(1, 40)), min_size=20, max_size=80))  # fmt: skip
 def test_random_operations_keep_every_slot_owned_once(ops):
     kv = PipelinedKVManager(num_blocks=12, block_size=8, buffer_tokens=1)
@@ -158,7 +169,20 @@ def test_random_operations_keep_every_slot_owned_once(ops):
             kv.evict(ra, len(kv.token_slots[ra]))
         elif op == "restore" and ra in live:
             kv.restore(ra)
+        elif op == "trim" and ra in live and kv.token_slots.get(ra):
+            kv.trim(ra, len(kv.token_slots[ra]) - n % 4)
         kv.check_integrity()
+        # The engine's context tables (read every decode step, from arrays the manager keeps
+        # between reads) follow every grant, trim, eviction and restore.
+        readable = [r for r in live if kv.token_slots.get(r) and not kv.num_checkpointed(r)]
+        if readable:
+            lengths = np.array([len(kv.token_slots[r]) for r in readable])
+            table = kv.block_id_tables(readable, lengths)
+            assert [table[i, :n].tolist() for i, n in enumerate(lengths)] == [kv.token_slots[r] for r in readable]
+        for r in live:
+            if kv.num_checkpointed(r):
+                with pytest.raises(IndexError, match="not all on the GPU"):
+                    kv.block_id_tables([r], np.array([len(kv.token_slots[r])]))
     for r in list(live):
         kv.free(r)
     kv.check_integrity()

@@ -144,6 +144,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
             self.num_allocation_failures += 1
             if not slots:
                 del self.token_slots[request]
+                self._slots_rewritten(request)
             return False
         place = self._place_rt if request.request_class is RequestClass.RT else self._place_be
         while need > 0:
@@ -215,6 +216,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
             self.cpu_slots.setdefault(be, {})[overwritten] = cpu_slot
             self.pending_copies.append(SlotCopy(self.token_slots[be][overwritten], cpu_slot, to_cpu=True))
             self.token_slots[be][overwritten] = CHECKPOINTED
+            self._slots_rewritten(be)
             self._used_slots -= 1
             self.checkpointed_bytes += self.kv_bytes_per_token
             self.preemption_table[b] = (request, be)
@@ -250,6 +252,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
             return False
         # NOTE: cpu_slots[request] is keyed by exactly the token indices whose slot is CHECKPOINTED.
         slots = self.token_slots[request]
+        self._slots_rewritten(request)
         missing = sorted(saved)
         del self.cpu_slots[request]
         for i in missing:
@@ -263,6 +266,8 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         """Give back the slots of ``request``'s tokens from ``num_tokens`` on (undo a growth)."""
         S = self.block_size
         slots = self.token_slots.get(request, [])
+        if len(slots) > num_tokens:
+            self._slots_rewritten(request)
         while len(slots) > num_tokens:
             slot = slots.pop()
             if slot == CHECKPOINTED:
@@ -304,6 +309,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
             self._drop_side(request, block)
         self.blocks_of.pop(request, None)
         self.token_slots.pop(request, None)
+        self._slots_rewritten(request)
         self._be_only_by_owner.pop(request, None)
         self._cpu_free.extend(self.cpu_slots.pop(request, {}).values())
         for block, pair in list(self.preemption_table.items()):
@@ -335,7 +341,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         assert all(b in self._be_only_by_empty[e] for b, e in self._be_only_empty.items())
         assert self._be_only_empty.keys() == be_only.keys()
         assert self._used_slots == sum(self.rt_fill) + sum(len(t) for t in self.be_tokens), "used slots"
-        self._check_cpu_slots()
+        self._check_token_slots()
         assert all(self._be_only_by_owner.get(o, 0) == list(be_only.values()).count(o) for o in set(be_only.values()))
         free = set(self.gpu.free_ids())
         for b in range(self.gpu.num_blocks):

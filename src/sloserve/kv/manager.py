@@ -17,6 +17,7 @@ import numpy as np
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import BlockCopy
 from sloserve.core.request import Request
+from sloserve.kv.array_mirror import ArrayMirror
 from sloserve.kv.block_pool import BlockPool
 
 
@@ -59,7 +60,10 @@ class KVCacheManager:
         self.cpu_tables: dict[Request, list[int]] = {}  # CPU blocks of swapped-out requests
         # Tokens per entry of ``block_id_tables``: a block (token-slot managers: one token).
         self.table_block_size = block_size
-        self._block_arrays: dict[Request, tuple[list[int], np.ndarray]] = {}  # see _block_array
+        # NOTE: a block table only ever grows in place (``extend``); any other change gives the
+        # request a new list (swap-in, allocation after ``free``), so its mirror needs no drop but
+        # when the request leaves the GPU.
+        self._block_arrays = ArrayMirror()
         self.num_allocation_failures = 0
         self.swapped_bytes = 0
         # Tokens a decoding request grows by per allocation when allocations recur periodically
@@ -156,7 +160,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release everything ``request`` holds, on the GPU and in swap space."""
         table = self.block_tables.pop(request, None)
-        self._block_arrays.pop(request, None)
+        self._block_arrays.drop(request)
         if table:
             self.gpu.release(table)
         cpu = self.cpu_tables.pop(request, None)
@@ -193,29 +197,11 @@ class KVCacheManager:
         num_blocks = -(-num_tokens // bs)  # (B,)
         ids = np.zeros((len(requests), int(num_blocks.max())), dtype=np.int64)  # (B, max blocks)
         for row, (request, n) in enumerate(zip(requests, num_blocks.tolist(), strict=True)):
-            table = self._block_array(request)
+            table = self._block_arrays.array(request, self.block_tables[request])
             if n > len(table):
                 raise IndexError(f"{request}: token {num_tokens[row] - 1} has no slot ({len(table) * bs} held)")
             ids[row, :n] = table[:n]
         return ids
-
-    def _block_array(self, request: Request) -> np.ndarray:
-        """``request``'s GPU block table as an int64 array, kept between calls and extended by the
-        blocks added since (a decode batch of long contexts would otherwise convert every block id
-        of every request from a Python int, every step). NOTE: valid because a block table only
-        ever grows in place (``extend``); any other change gives the request a new list (swap-in,
-        allocation after ``free``), which the identity test catches, and ``free`` and ``swap_out``
-        drop the array (``check_integrity`` checks it)."""
-        table = self.block_tables[request]
-        held = self._block_arrays.get(request)
-        if held is None or held[0] is not table or len(held[1]) > len(table):
-            array = np.array(table, dtype=np.int64)
-        elif len(held[1]) < len(table):
-            array = np.concatenate((held[1], np.array(table[len(held[1]) :], dtype=np.int64)))
-        else:
-            return held[1]
-        self._block_arrays[request] = (table, array)
-        return array
 
     # --- swapping ------------------------------------------------------------------------------
     def swap_out(self, request: Request) -> list[BlockCopy] | None:
@@ -225,7 +211,7 @@ class KVCacheManager:
         if cpu_blocks is None:
             return None
         del self.block_tables[request]
-        self._block_arrays.pop(request, None)
+        self._block_arrays.drop(request)
         self.gpu.release(table)
         self.cpu_tables[request] = cpu_blocks
         self.swapped_bytes += len(table) * self.block_size * self.kv_bytes_per_token
@@ -265,10 +251,7 @@ class KVCacheManager:
             assert pool is self.cpu or len(free) >= self._owed_blocks >= 0, "owed blocks exceed free ones"
             assert all(0 <= b < pool.num_blocks for b in owned + free), f"{where}: block id out of range"
         assert not set(self.block_tables) & set(self.cpu_tables), "a request is on GPU and CPU at once"
-        for request, (table, array) in self._block_arrays.items():
-            assert request in self.block_tables, f"{request}: a block array outlived its table"
-            if table is self.block_tables[request]:
-                assert array.tolist() == table[: len(array)], f"{request}: its block table changed in place"
+        self._block_arrays.check(self.block_tables)
 
 
 def expand_block_ids(ids: np.ndarray, block_size: int) -> np.ndarray:

@@ -267,6 +267,7 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
             # NOTE: own slots are granted in order, so the trimmed ones are the last taken.
             self._own_used[request] -= len(slots) - keep
             del slots[keep:]
+            self._slots_rewritten(request)
 
     # --- eviction and restore ----------------------------------------------------------------------
     def evict(self, hosted: Request, num_written: int) -> None:
@@ -281,6 +282,7 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         # NOTE: slots past the written tokens are region slots granted ahead (own ones were trimmed).
         assert all(s in lent for s in slots[num_written:]), "unwritten slots outside the region"
         del slots[num_written:]
+        self._slots_rewritten(hosted)
         saved = self.cpu_slots.setdefault(hosted, {})
         for token, slot in enumerate(slots):
             if slot in lent:
@@ -308,6 +310,7 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
             self.num_allocation_failures += 1
             return False
         slots = self.token_slots[request]
+        self._slots_rewritten(request)
         restored = sorted(saved.items())
         for (token, cpu), slot in zip(restored, self._own_slots(request, len(restored)), strict=True):
             slots[token] = slot
@@ -352,6 +355,7 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
             self.gpu.release(blocks)
         self._own_used.pop(request, None)
         self.token_slots.pop(request, None)
+        self._slots_rewritten(request)
         self._cpu_free.extend(self.cpu_slots.pop(request, {}).values())
         super().free(request)
 
@@ -369,7 +373,7 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
                     continue
                 assert slot not in owner_of, f"slot {slot} holds tokens of {owner_of[slot]} and {request}"
                 owner_of[slot] = request
-        self._check_cpu_slots()
+        self._check_token_slots()
         top = {id(r): r for r in self._all_regions() if r.parent is None}
         pool_blocks = [b for r in top.values() for b in r.blocks] + [b for bl in self.own_blocks.values() for b in bl]
         assert len(set(pool_blocks)) == len(pool_blocks), "a block is used twice"

@@ -8,6 +8,7 @@ import numpy as np
 
 from sloserve.core.outputs import SlotCopy
 from sloserve.core.request import Request
+from sloserve.kv.array_mirror import ArrayMirror
 
 CHECKPOINTED = -1  # a token whose KV lives in CPU memory
 
@@ -28,6 +29,9 @@ class TokenSlotTable:
         # NOTE: a token's slot is not a function of its block (slots move one by one), so the tables
         # the engine reads hold one slot per token.
         self.table_block_size = 1
+        # NOTE: a manager that changes a slot list other than by appending (a token checkpointed,
+        # restored or given back), or drops it, calls _slots_rewritten for that request.
+        self._slot_arrays = ArrayMirror()
 
     def num_slots(self, request: Request) -> int:
         """Tokens of ``request`` with a GPU slot (those in CPU memory excluded)."""
@@ -56,8 +60,20 @@ class TokenSlotTable:
         one token (``table_block_size`` is 1), so they are the slot tables themselves."""
         table = np.zeros((len(requests), int(num_tokens.max())), dtype=np.int64)
         for row, (request, n) in enumerate(zip(requests, num_tokens.tolist(), strict=True)):
-            table[row, :n] = self.slot_ids(request, 0, n)
+            slots = self._slot_arrays.array(request, self.token_slots[request])
+            if n > len(slots):
+                raise IndexError(f"{request}: tokens {len(slots)}..{n - 1} have no slot")
+            table[row, :n] = slots[:n]
+        checkpointed = table == CHECKPOINTED  # (B, max tokens); entries past a row's length are 0
+        if checkpointed.any():
+            row = int(np.flatnonzero(checkpointed.any(axis=1))[0])
+            raise IndexError(f"{requests[row]}: tokens 0..{num_tokens[row] - 1} are not all on the GPU")
         return table
+
+    def _slots_rewritten(self, request: Request) -> None:
+        """``request``'s slot list changed other than by appending, or is gone: the engine's array
+        of it (``block_id_tables``) is rebuilt on its next read."""
+        self._slot_arrays.drop(request)
 
     def take_copies(self) -> list[SlotCopy]:
         """The GPU <-> CPU slot copies decided since the last call, in the order they were decided."""
@@ -70,8 +86,10 @@ class TokenSlotTable:
         self.num_cpu_slots += 1
         return self.num_cpu_slots - 1
 
-    def _check_cpu_slots(self) -> None:
-        """Every CHECKPOINTED token has one CPU slot of its own; no CPU slot is lost."""
+    def _check_token_slots(self) -> None:
+        """Every CHECKPOINTED token has one CPU slot of its own; no CPU slot is lost; the slot lists'
+        arrays agree with them."""
+        self._slot_arrays.check(self.token_slots)
         for request, slots in self.token_slots.items():
             saved = self.cpu_slots.get(request, {})
             assert sorted(saved) == [i for i, x in enumerate(slots) if x == CHECKPOINTED], "CPU slots of checkpoints"
