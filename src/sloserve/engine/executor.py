@@ -33,7 +33,7 @@ class Sequence:
     token_ids: list[int]  # prompt + generated so far
     num_prompt_tokens: int
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: np.random.Generator | None  # the request's own draws (host side: see sampler.sample)
     finish_reason: str | None = None  # "stop" (EOS) or "length" (max_tokens), as in OpenAI's API
 
     @property
@@ -68,7 +68,7 @@ class EngineExecutor:
             # NOTE: without a seed, each request still gets its own stream (engine seed + request id),
             # so a run is deterministic and independent of batching.
             seed = params.seed if params.seed is not None else self._seed * 1_000_003 + request.request_id
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+            generator = np.random.default_rng(seed)
         self.sequences[request] = Sequence(list(prompt_token_ids), len(prompt_token_ids), params, generator)
 
     @torch.inference_mode()

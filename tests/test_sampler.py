@@ -1,0 +1,51 @@
+"""The sampler: greedy rows, the distribution of sampled rows (temperature, top-p), rows independent."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sloserve.engine.sampler import SamplingParams, sample  # noqa: E402
+
+PROBS = np.array([0.5, 0.3, 0.15, 0.05])
+DRAWS = 20_000
+
+
+def _frequencies(params: SamplingParams, logits: torch.Tensor, seed: int = 0) -> np.ndarray:
+    """Token frequencies of ``DRAWS`` rows of ``logits`` sampled at once, each with its own generator."""
+    rows = logits.expand(DRAWS, -1)
+    generators = [np.random.default_rng([seed, i]) for i in range(DRAWS)]
+    tokens = sample(rows, [params] * DRAWS, generators)
+    return np.bincount(tokens, minlength=logits.shape[-1]) / DRAWS
+
+
+def test_sampled_rows_follow_the_softmax_at_their_temperature():
+    logits = torch.tensor(np.log(PROBS), dtype=torch.float32)
+    # 4 standard deviations of a frequency at 20k draws is at most 0.014.
+    np.testing.assert_allclose(_frequencies(SamplingParams(temperature=1.0), logits), PROBS, atol=0.014)
+    hot = PROBS**0.5 / (PROBS**0.5).sum()  # temperature 2: softmax(log p / 2)
+    np.testing.assert_allclose(_frequencies(SamplingParams(temperature=2.0), logits), hot, atol=0.014)
+
+
+def test_top_p_keeps_the_smallest_prefix_that_reaches_it():
+    logits = torch.tensor(np.log(PROBS), dtype=torch.float32)
+    # 0.5 < 0.7, so the second token stays; 0.5 + 0.3 >= 0.7, so the others go.
+    freq = _frequencies(SamplingParams(temperature=1.0, top_p=0.7), logits)
+    assert freq[2] == freq[3] == 0
+    np.testing.assert_allclose(freq[:2], [0.5 / 0.8, 0.3 / 0.8], atol=0.014)
+    # A top_p below the largest probability keeps that token alone.
+    assert _frequencies(SamplingParams(temperature=1.0, top_p=0.2), logits)[0] == 1
+
+
+def test_greedy_rows_take_the_argmax_and_rows_do_not_depend_on_each_other():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=gen)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.9),
+              SamplingParams(temperature=1.3), SamplingParams(temperature=0),
+              SamplingParams(temperature=0.5, top_p=0.5), SamplingParams(temperature=1.0)]  # fmt: skip
+    tokens = sample(logits, params, [np.random.default_rng(i) for i in range(6)])
+    assert tokens[0] == int(logits[0].argmax()) and tokens[3] == int(logits[3].argmax())
+    for i in range(6):  # each row alone, with a generator in the same state, samples the same token
+        assert sample(logits[i : i + 1], [params[i]], [np.random.default_rng(i)]) == [tokens[i]]
