@@ -12,8 +12,9 @@ the buffers and the other rows are padding. A padding row is token 0 at position
 written to, and read from, the KV cache's ``pad_slot`` only, so it never touches a request's cache.
 
 Each row's context comes as block ids (the KV manager's ``block_id_tables``, ``table_block_size``
-tokens an entry), and the graph expands them to the slot table the attention reads: the host builds
-and copies a block-size share of the slot table (a batch of 256 x 1k contexts: 128 KiB, not 2 MiB).
+tokens an entry), and the graph expands them to the slot table the attention reads: with a block
+manager the host builds and copies a block-size share of the slot table (a batch of 256 x 1k
+contexts: 128 KiB, not 2 MiB); the token-slot managers' entries are single slots.
 The tables are as wide as the longest context (``max_context``); a row's entries past its context
 length are never read. NOTE: the expanded table takes 8 bytes x largest size x ``max_context`` of
 device memory (16 MiB at 256 x 8k; 256 MiB at 256 x 128k), in the graphs' memory pool, taken after
