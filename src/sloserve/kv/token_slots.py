@@ -51,9 +51,6 @@ class TokenSlotTable:
             raise IndexError(f"{request}: tokens {start}..{end - 1} are not all on the GPU")
         return slots
 
-    def slot_table(self, request: Request, num_tokens: int) -> np.ndarray:
-        return np.asarray(self.slot_ids(request, 0, num_tokens), dtype=np.int64)
-
     def block_id_tables(self, requests: list[Request], num_tokens: np.ndarray) -> np.ndarray:
         """``(len(requests), max(num_tokens))`` slot ids, row i the first ``num_tokens[i]`` slots of
         ``requests[i]`` padded with slot 0: the compact tables of the block managers, with blocks of
