@@ -8,14 +8,14 @@ BIN := $(VENV)/bin
 # The virtual environment, reinstalled when pyproject.toml changes. The simulator needs no torch.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,serve]'
 	touch $@
 
 # The engine's tests need torch: the exact CPU build first (a looser pin would fetch a CUDA build);
 # triton runs the engine's CUDA kernels in its interpreter.
 $(VENV)/.engine: $(VENV)/.installed
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test,engine,kernels]'
+	$(BIN)/python -m pip install -q -e '.[test,serve,engine,kernels]'
 	touch $@
 
 demo: $(VENV)/.installed
@@ -23,7 +23,7 @@ demo: $(VENV)/.installed
 		--model llama-2-7b --gpu a100 --rate 9 --num-requests 2000 --seed 0 --out demo-out
 
 test: $(VENV)/.engine
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/sim_speed.py

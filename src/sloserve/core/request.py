@@ -80,6 +80,9 @@ class Request:
     slo: SLO = field(default_factory=SLO)
     # Predicted response length, set at arrival by a LengthPredictor (None when no predictor runs).
     predicted_output_tokens: int | None = None
+    # The client went away (a served request): the executor finishes it the next time it is scheduled,
+    # without computing it, and predictors do not learn from its cut-short length.
+    aborted: bool = False
 
     # --- progress (mutated only by the scheduler's update) -------------------------------------
     status: RequestStatus = RequestStatus.WAITING
@@ -170,6 +173,11 @@ class Request:
         """Record one sampled output token at time ``now``."""
         self._output_offset += 1
         self.record_token_time(now)
+
+    def set_output_tokens(self, num_tokens: int) -> None:
+        """Set the output count measured outside a scheduler (a load client reading a server's usage)."""
+        assert self.cohort is None, "not for a request in a cohort"
+        self._output_offset = num_tokens
 
     def reset_computed(self) -> None:
         """Drop all KV (recompute eviction): generated tokens are kept and will be refilled."""

@@ -3,7 +3,7 @@
 Per step: the swaps the scheduler decided (swap-outs first, then swap-ins: a step that preempts
 swaps nothing in; then BROS's slot copies, in order), one forward pass over the flat tokens of every chunk and cohort member, and a
 sample for every request whose known tokens are all computed. A request finishes on EOS (unless
-``ignore_eos``) or at ``max_tokens``. A recompute-evicted request is refilled from its token list
+``ignore_eos``), at ``max_tokens``, or when it is scheduled after it was aborted (``Request.aborted``). A recompute-evicted request is refilled from its token list
 (prompt + generated), so nothing is lost.
 """
 
@@ -34,7 +34,7 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     generator: np.random.Generator | None  # the request's own draws (host side: see sampler.sample)
-    finish_reason: str | None = None  # "stop" (EOS) or "length" (max_tokens), as in OpenAI's API
+    finish_reason: str | None = None  # "stop" (EOS), "length" (max_tokens), as in OpenAI's API, or "abort"
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -88,6 +88,7 @@ class EngineExecutor:
         prefill_slots: list[tuple[int, np.ndarray]] = []  # (flat index, slots its tokens are written to)
         decodes: list[tuple[int, Request]] = []  # (flat index, request) of sequences processing one token
         samplers: list[tuple[Request, int]] = []  # (request, flat index of its last token)
+        aborted: list[Request] = []  # scheduled, but their client went away: finished, not computed
 
         def add(request: Request, num_tokens: int) -> None:
             seq = self.sequences[request]
@@ -95,6 +96,11 @@ class EngineExecutor:
             end = start + num_tokens
             if request.cohort is not None:
                 request.cohort.settle(request)  # paged cohort growth gets its block ids now
+            if request.aborted:
+                # NOTE: its slots were allocated for this step and are left unwritten; the scheduler
+                # frees them when it sees the request finished, as after an EOS.
+                aborted.append(request)
+                return
             flat = len(tokens)
             tokens.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
@@ -124,7 +130,9 @@ class EngineExecutor:
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
         self.num_forward_tokens += len(tokens)
-        finished: list[Request] = []
+        for request in aborted:
+            self.sequences[request].finish_reason = "abort"
+        finished: list[Request] = aborted
         sampled_ids: dict[int, int] = {}
         for (request, _), seq, token in zip(samplers, seqs, sampled, strict=True):
             seq.token_ids.append(token)

@@ -112,7 +112,7 @@ class LLM:
             engine.step()
         outputs = []
         for request, (text, ids) in zip(requests, encoded, strict=True):
-            seq = engine.executor.sequences.pop(request)
+            seq = engine.release(request)
             token_ids = seq.output_token_ids
             decoded = self.loaded.tokenizer.decode(token_ids) if self.loaded.tokenizer is not None else ""
             outputs.append(

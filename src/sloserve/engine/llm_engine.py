@@ -24,6 +24,7 @@ from sloserve.cost.presets import PRESETS
 from sloserve.engine.config import ModelConfig
 from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.executor import EngineExecutor
+from sloserve.engine.executor import Sequence as SequenceState
 from sloserve.engine.kv_cache import KVCacheTensor
 from sloserve.engine.loader import LoadedModel
 from sloserve.engine.sampler import SamplingParams
@@ -175,6 +176,22 @@ class LLMEngine:
     def output_token_ids(self, request: Request) -> list[int]:
         return self.executor.sequences[request].output_token_ids
 
+    def abort(self, request: Request) -> None:
+        """Stop ``request`` (its client went away). It finishes with ``finish_reason`` "abort" and frees
+        its KV in the next step its scheduler schedules it in; nothing of it is computed from then on.
+
+        NOTE: a running request is in the next step of every policy that runs all of its running
+        requests each step (vLLM's and Sarathi's decodes); a waiting one keeps its place in the queue
+        until the policy picks it, since each policy orders its own queues."""
+        if not request.is_finished:
+            request.aborted = True
+
+    def release(self, request: Request) -> SequenceState:
+        """Forget a finished request's tokens and return them: an engine that runs for long must
+        release every request it finished, or it keeps all their tokens."""
+        assert request.is_finished, f"{request} is not finished"
+        return self.executor.sequences.pop(request)
+
 
 def run_requests(
     engine: LLMEngine,
@@ -225,6 +242,7 @@ def run_requests(
         finished = engine.step(next_arrival)
         done += len(finished)
         for r in finished:
+            engine.release(r)
             batch, following = next_batch.get(id(r), ((), ()))
             if following and id(following) not in released and all(x.is_finished for x in batch):
                 released.add(id(following))

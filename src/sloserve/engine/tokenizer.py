@@ -11,7 +11,7 @@ from sloserve.engine.config import BYTE_BOS_ID, BYTE_EOS_ID
 
 
 class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
 
@@ -21,8 +21,8 @@ class ByteTokenizer:
 
     bos_token_id, eos_token_id = BYTE_BOS_ID, BYTE_EOS_ID
 
-    def encode(self, text: str) -> list[int]:
-        return [BYTE_BOS_ID, *text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [BYTE_BOS_ID, *text.encode("utf-8")] if add_special_tokens else list(text.encode("utf-8"))
 
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
@@ -39,8 +39,8 @@ class HFTokenizer:
         except Exception as e:  # the library raises a bare Exception on a bad file
             raise ConfigError(f"{path}: cannot load tokenizer ({e})") from None
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)

@@ -61,12 +61,13 @@ def write_run_outputs(
     out_dir: Path,
     summary: dict,
     requests: Sequence[Request],
-    timeline: Timeline,
+    timeline: Timeline | None,
     *,
     plots: bool = True,
 ) -> list[Path]:
     """Write ``summary.json``, ``requests.csv``, ``timeline.csv`` and (if ``plots``) the PNG plots
-    into ``out_dir``; returns the written paths.
+    into ``out_dir``; returns the written paths. Without a ``timeline`` (a load client sees no steps),
+    only the requests' files and their latency CDF.
 
     NOTE: nothing is half-written. Everything goes to a temporary directory next to ``out_dir``
     first and is moved in only when all files were written; on error the temporary directory is
@@ -79,10 +80,14 @@ def write_run_outputs(
         (tmp / "summary.json").write_text(summary_to_json(summary))
         table = request_table(requests)
         write_columns_csv(tmp / "requests.csv", table)
-        write_columns_csv(tmp / "timeline.csv", timeline.as_dict())
-        if plots:
-            capacity = summary.get("kv_capacity_tokens")
-            plot_module.plot_run(tmp, table, timeline, kv_capacity_tokens=capacity)
+        if timeline is None:
+            if plots:
+                plot_module.plot_latency_cdf(tmp / "latency_cdf.png", table)
+        else:
+            write_columns_csv(tmp / "timeline.csv", timeline.as_dict())
+            if plots:
+                capacity = summary.get("kv_capacity_tokens")
+                plot_module.plot_run(tmp, table, timeline, kv_capacity_tokens=capacity)
         names = sorted(p.name for p in tmp.iterdir())
         out_dir.mkdir(exist_ok=True)
         for name in names:

@@ -173,7 +173,7 @@ class Scheduler(ABC):
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_time = now
-        if self.predictor is not None:
+        if self.predictor is not None and not request.aborted:
             self.predictor.observe(request)
 
     def _preempt(self, request: Request, mode: PreemptionMode, output: SchedulerOutput) -> None:

@@ -1,0 +1,60 @@
+"""Incremental detokenization with stop strings, for streamed outputs.
+
+Decoding the whole output after every token costs O(n) a token; like vLLM, we decode a small window:
+the tokens not yet rendered, with the tokens rendered last before them as context (a tokenizer may
+render a token differently after another, e.g. SentencePiece's leading space).
+"""
+
+from __future__ import annotations
+
+from sloserve.engine.tokenizer import Tokenizer
+
+
+class Detokenizer:
+    """Turns one request's output tokens into text as they come, and finds its stop strings.
+
+    ``push(token_ids)`` appends tokens and returns the text that is now final: text that could still
+    turn out to be the start of a stop string, or an incomplete UTF-8 character, is held back until
+    the next token decides it. ``stopped`` is set when a stop string appeared; the text then ends
+    before it (OpenAI's rule: the stop string is not returned).
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.token_ids: list[int] = []
+        self.text = ""  # all final text so far (stop string excluded)
+        self.num_sent_chars = 0  # chars of text already returned by push
+        self.stopped = False
+        self._prefix_offset = 0  # first token of the decode window
+        self._read_offset = 0  # tokens before this are in self.text
+        self._max_stop_chars = max((len(s) for s in self.stop), default=0)
+
+    def push(self, token_ids: list[int], finished: bool = False) -> str:
+        """Add tokens; return the new text that can be sent (all of it when ``finished``)."""
+        if self.stopped or self.tokenizer is None:
+            return ""
+        self.token_ids.extend(token_ids)
+        window = self.token_ids[self._prefix_offset :]
+        prefix_text = self.tokenizer.decode(self.token_ids[self._prefix_offset : self._read_offset])
+        window_text = self.tokenizer.decode(window)
+        if len(window_text) > len(prefix_text) and not window_text.endswith("\ufffd"):
+            searched_from = max(0, len(self.text) - self._max_stop_chars + 1)
+            self.text += window_text[len(prefix_text) :]
+            # NOTE: the tokens just rendered become the next window's context.
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self.token_ids)
+            self._find_stop(searched_from)
+        elif finished:  # an incomplete character at the very end: send it as the replacement char
+            self.text += window_text[len(prefix_text) :]
+        hold = 0 if (finished or self.stopped) else max(self._max_stop_chars - 1, 0)
+        end = max(self.num_sent_chars, len(self.text) - hold)
+        new = self.text[self.num_sent_chars : end]
+        self.num_sent_chars = end
+        return new
+
+    def _find_stop(self, searched_from: int) -> None:
+        hits = [i for i in (self.text.find(s, searched_from) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True

@@ -1,0 +1,230 @@
+"""``sloserve bench-serve``: replay a workload against any OpenAI-compatible server and measure it.
+
+As vLLM's benchmark_serving does with a length trace: each request sends a prompt of the trace's
+prompt length (random token ids, so the length is exact whatever the tokenizer) to
+``/v1/completions`` with ``max_tokens`` = the trace's output length and ``ignore_eos``, greedy, streamed.
+Requests leave at their arrival times (Poisson, gamma, the trace's own, or all at once); a workload's
+closed-loop batches are sent when the batch before them has completed. BE requests carry
+``service_tier: "flex"``, and requests with an SLO carry it as ``slo`` (sloserve's extension).
+
+From the stream, per request: TTFT (arrival to the first chunk with text), TPOT ((last chunk - first
+chunk) / (output tokens - 1), with the output tokens from the final usage), the largest gap between
+chunks (inter-token latency) and end-to-end latency. The times are the client's, so they include the
+network and the server's HTTP work, which is what a user sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from sloserve.core.errors import ConfigError
+from sloserve.core.request import Request, RequestClass, RequestStatus
+
+
+@dataclass
+class BenchResult:
+    """What the client saw: per-request timestamps are set on ``requests`` (finished ones completed)."""
+
+    requests: list[Request]
+    wall_s: float
+    errors: dict[int, str] = field(default_factory=dict)  # request id -> what went wrong
+    inter_token_s: list[float] = field(default_factory=list)  # gaps between consecutive chunks, all requests
+
+
+def synthetic_prompts(requests: Sequence[Request], vocab_size: int, seed: int) -> list[list[int]]:
+    """Random token ids of each request's prompt length (as the engine's ``run`` uses)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab_size, size=r.num_prompt_tokens).tolist() for r in requests]
+
+
+def request_body(model: str, request: Request, prompt: list[int]) -> dict:
+    body: dict = {"model": model, "prompt": prompt, "max_tokens": request.true_output_tokens, "temperature": 0,
+                  "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    if request.request_class is RequestClass.BE:
+        body["service_tier"] = "flex"
+    slo = request.slo
+    if slo.ttft_s is not None or slo.tpot_s is not None:
+        body["slo"] = {k: v * 1000 for k, v in (("ttft_ms", slo.ttft_s), ("tpot_ms", slo.tpot_s)) if v is not None}
+    return body
+
+
+class _Client:
+    def __init__(self, base_url: str, model: str, timeout_s: float) -> None:
+        self.url = base_url.rstrip("/") + "/completions"
+        self.model = model
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=httpx.Limits(max_connections=None,
+                                      max_keepalive_connections=256))  # fmt: skip
+        self.start = time.perf_counter()
+        self.inter_token_s: list[float] = []
+
+    def clock(self) -> float:
+        return time.perf_counter() - self.start
+
+    async def send(self, request: Request, prompt: list[int]) -> str | None:
+        """Send one request at once and record its times on it; returns an error message or None."""
+        request.arrival_time = self.clock()
+        chunk_times: list[float] = []
+        num_tokens = None
+        try:
+            async with self.http.stream("POST", self.url, json=request_body(self.model, request, prompt)) as response:
+                if response.status_code != 200:
+                    return f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        return f"error event: {event['error'].get('message')}"
+                    if event.get("usage"):
+                        num_tokens = event["usage"]["completion_tokens"]
+                    if any(c.get("text") for c in event.get("choices", ())):
+                        chunk_times.append(self.clock())
+        except httpx.HTTPError as e:
+            return f"{type(e).__name__}: {e}"
+        end = self.clock()
+        if num_tokens is None:
+            return "the stream ended without usage (stream_options.include_usage)"
+        if not chunk_times:  # no text at all (e.g. only special tokens): the end is the first token
+            chunk_times = [end]
+        gaps = np.diff(chunk_times)
+        self.inter_token_s.extend(gaps.tolist())
+        request.first_token_time, request.last_token_time = chunk_times[0], chunk_times[-1]
+        request.max_token_gap = float(gaps.max()) if gaps.size else math.nan
+        request.finish_time = end
+        request.set_output_tokens(num_tokens)
+        request.status = RequestStatus.FINISHED
+        return None
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+async def _replay(client: _Client, requests: Sequence[Request], prompts: Sequence[list[int]],
+                  chains: Sequence[Sequence[Sequence[Request]]],
+                  on_progress: Callable[[int], None] | None) -> dict[int, str]:  # fmt: skip
+    """Send every request at its arrival time (closed-loop batches when their predecessor is done)."""
+    index = {id(r): i for i, r in enumerate(requests)}
+    chained = {id(r) for chain in chains for batch in chain[1:] for r in batch}
+    following: dict[int, tuple[Sequence[Request], Sequence[Request]]] = {}
+    for chain in chains:
+        for batch, nxt in zip(chain, chain[1:]):
+            for r in batch:
+                following[id(r)] = (batch, nxt)
+    errors: dict[int, str] = {}
+    done = 0
+    tasks: set[asyncio.Task] = set()
+    released: set[int] = set()
+
+    async def one(request: Request, delay: float) -> None:
+        nonlocal done
+        if delay > 0:
+            await asyncio.sleep(delay)
+        error = await client.send(request, prompts[index[id(request)]])
+        if error is not None:
+            errors[request.request_id] = error
+        done += 1
+        if on_progress is not None:
+            on_progress(done)
+        batch, nxt = following.get(id(request), ((), ()))
+        if nxt and id(nxt) not in released and all(r.request_id in errors or r.is_finished for r in batch):
+            released.add(id(nxt))
+            for r in nxt:
+                launch(r, 0.0)
+
+    def launch(request: Request, delay: float) -> None:
+        task = asyncio.create_task(one(request, delay))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    for r in requests:
+        if id(r) not in chained:
+            launch(r, r.arrival_time - client.clock())
+    while tasks:
+        await asyncio.gather(*list(tasks))
+    return errors
+
+
+def run_benchmark(base_url: str, model: str, requests: Sequence[Request], prompts: Sequence[list[int]], *,
+                  chains: Sequence[Sequence[Sequence[Request]]] = (), timeout_s: float = 600.0,
+                  on_progress: Callable[[int], None] | None = None) -> BenchResult:  # fmt: skip
+    """Replay ``requests`` (arrival times relative to the start) against ``base_url`` (``.../v1``)."""
+    if len(prompts) != len(requests):
+        raise ConfigError(f"{len(prompts)} prompts for {len(requests)} requests")
+
+    async def main() -> BenchResult:
+        client = _Client(base_url, model, timeout_s)
+        try:
+            await _check_server(client)
+            client.start = time.perf_counter()
+            errors = await _replay(client, requests, prompts, chains, on_progress)
+        finally:
+            await client.close()
+        return BenchResult(list(requests), client.clock(), errors, client.inter_token_s)
+
+    return asyncio.run(main())
+
+
+async def _check_server(client: _Client) -> None:
+    """One clear error when the server is not there or does not serve ``model``."""
+    url = client.url.removesuffix("/completions") + "/models"
+    try:
+        response = await client.http.get(url)
+    except httpx.HTTPError as e:
+        raise ConfigError(f"--base-url: cannot reach {url} ({type(e).__name__}: {e})") from None
+    if response.status_code != 200:
+        raise ConfigError(f"--base-url: GET {url} answered HTTP {response.status_code}")
+    names = [m.get("id") for m in response.json().get("data", [])]
+    if client.model not in names:
+        raise ConfigError(f"--model {client.model!r} is not served at {url}; it serves: {', '.join(map(str, names))}")
+
+
+def server_max_model_len(base_url: str, model: str) -> int:
+    """The context the server reports for ``model`` in ``/v1/models`` (vLLM and sloserve do)."""
+    url = base_url.rstrip("/") + "/models"
+    try:
+        response = httpx.get(url, timeout=30)
+    except httpx.HTTPError as e:
+        raise ConfigError(f"--base-url: cannot reach {url} ({type(e).__name__}: {e})") from None
+    if response.status_code != 200:
+        raise ConfigError(f"--base-url: GET {url} answered HTTP {response.status_code}")
+    for entry in response.json().get("data", []):
+        if entry.get("id") == model:
+            if isinstance(entry.get("max_model_len"), int):
+                return entry["max_model_len"]
+            raise ConfigError(f"{url} does not say {model}'s context length: give --max-model-len")
+    names = [str(m.get("id")) for m in response.json().get("data", [])]
+    raise ConfigError(f"--model {model!r} is not served at {url}; it serves: {', '.join(names)}")
+
+
+def summarize_benchmark(result: BenchResult, extra: dict) -> dict:
+    """The simulator's summary of the client-side timestamps (no step timeline: the client sees none),
+    with the inter-token gaps and the failures added."""
+    from sloserve.metrics import summarize
+    from sloserve.metrics.summary import latency_stats
+    from sloserve.metrics.timeline import Timeline
+
+    summary = summarize(result.requests, Timeline(), kv_capacity_tokens=1, sim_wall_s=result.wall_s,
+                        extra={"client": "bench-serve", **extra})  # fmt: skip
+    for key in ("kv_capacity_tokens", "kv_utilization_mean", "kv_allocated_mean", "forward_size", "batch_size",
+                "num_steps", "preemptions", "allocation_failures", "swapped_bytes", "sched_time_per_step_s",
+                "sched_time_share", "sim_wall_s"):  # fmt: skip
+        summary.pop(key, None)  # the server's side: a client cannot see them
+    summary["inter_token_latency_s"] = latency_stats(np.asarray(result.inter_token_s, dtype=np.float64))
+    summary["num_failed"] = len(result.errors)
+    summary["wall_s"] = result.wall_s
+    return summary
+
+
+def write_outputs(out, summary: dict, result: BenchResult) -> None:
+    """``summary.json``, ``requests.csv`` and ``latency_cdf.png`` (all or nothing, as for simulate)."""
+    from sloserve.metrics import write_run_outputs
+
+    write_run_outputs(out, summary, result.requests, None)

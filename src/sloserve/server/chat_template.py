@@ -1,0 +1,91 @@
+"""Chat prompts: the model's own template, rendered with Jinja2 as transformers renders it, or a plain
+fallback for models without one (random models, directories with no tokenizer_config.json template).
+
+The fallback (``FALLBACK_TEMPLATE``) writes each message as ``<|role|>`` on a line, then its content
+on the next, and ends with ``<|assistant|>`` and a newline for the model to answer.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from sloserve.core.errors import ConfigError
+
+FALLBACK_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+class TemplateError(ConfigError):
+    """The template refused the messages (e.g. roles that do not alternate); the message says why."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _token_text(value: Any) -> str:
+    """A special token in tokenizer_config.json: a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return "" if value is None else str(value)
+
+
+class ChatTemplate:
+    """Renders a list of ``{"role", "content"}`` messages into one prompt string.
+
+    ``from_model`` is True for the model's own template: its text carries the special tokens (BOS),
+    so it is tokenized without adding them again (as vLLM does).
+    """
+
+    def __init__(self, source: str, *, special_tokens: dict[str, str] | None = None, from_model: bool = False) -> None:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ConfigError(f"chat template: {e.message} (line {e.lineno})") from None
+        self.special_tokens = special_tokens or {}
+        self.from_model = from_model
+
+    @classmethod
+    def for_model(cls, model_dir: Path | None) -> ChatTemplate:
+        """The template of a local HF directory (``chat_template.jinja``, or ``chat_template`` in
+        tokenizer_config.json), else the fallback."""
+        if model_dir is None or not model_dir.is_dir():
+            return cls(FALLBACK_TEMPLATE)
+        config_path = model_dir / "tokenizer_config.json"
+        config: dict[str, Any] = {}
+        if config_path.is_file():
+            try:
+                config = json.loads(config_path.read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise ConfigError(f"{config_path}: cannot read ({e})") from None
+        special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        jinja_path = model_dir / "chat_template.jinja"
+        source = jinja_path.read_text() if jinja_path.is_file() else config.get("chat_template")
+        if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        if not isinstance(source, str) or not source:
+            return cls(FALLBACK_TEMPLATE, special_tokens=special)
+        return cls(source, special_tokens=special, from_model=True)
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt for ``messages``, ending where the assistant's answer starts."""
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+        except TemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"chat template failed on these messages: {e}") from None

@@ -1,0 +1,150 @@
+"""``/metrics`` (Prometheus) and the request log of a served engine: the engine thread reports each
+step and each finished request here (``EngineObserver``).
+
+Latencies use the simulator's definitions (``metrics.summary``): TTFT = first token - arrival,
+TPOT = (last token - first token) / (output tokens - 1), end-to-end = finish - arrival; a request meets
+its SLO when every objective set on it is met. Aborted requests (the client left) count by outcome
+but not in latencies or SLO attainment.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from pathlib import Path
+from typing import IO
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from sloserve.core.errors import ConfigError
+from sloserve.engine.async_engine import EngineStats, ServedRequest
+from sloserve.metrics.summary import SLO_TOLERANCE_S
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0)
+TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+def served_latencies(served: ServedRequest) -> tuple[float, float, float]:
+    """(TTFT, TPOT, end-to-end) in seconds; TPOT is NaN for fewer than two output tokens."""
+    ttft = served.first_token_time - served.arrival_time
+    n = served.num_output_tokens
+    last = served.request.last_token_time if served.request.num_output_tokens else served.first_token_time
+    tpot = (min(last, served.finish_time) - served.first_token_time) / (n - 1) if n > 1 else math.nan
+    return ttft, tpot, served.finish_time - served.arrival_time
+
+
+def slo_met(served: ServedRequest) -> bool:
+    ttft, tpot, _ = served_latencies(served)
+    slo = served.request.slo
+    ok = slo.ttft_s is None or ttft <= slo.ttft_s + SLO_TOLERANCE_S
+    return ok and (slo.tpot_s is None or math.isnan(tpot) or tpot <= slo.tpot_s + SLO_TOLERANCE_S)
+
+
+class ServerMetrics:
+    """The Prometheus collectors of one server (their own registry, so servers in one process, as in
+    tests, do not share counts)."""
+
+    def __init__(self, model_name: str, request_log: Path | None = None) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("sloserve_requests", "Requests ended, by class and finish reason "
+                                "(stop, length, abort, error)", ["request_class", "outcome"], registry=r)  # fmt: skip
+        self.rejected = Counter("sloserve_requests_rejected", "Requests refused before they were accepted, by "
+                                "reason (invalid, queue_full, shutting_down)", ["reason"], registry=r)  # fmt: skip
+        self.waiting = Gauge("sloserve_num_requests_waiting", "Requests holding no KV, waiting to run", registry=r)
+        self.running = Gauge("sloserve_num_requests_running", "Requests holding KV on the device", registry=r)
+        self.swapped = Gauge("sloserve_num_requests_swapped", "Requests whose KV is in CPU swap space", registry=r)
+        self.kv_usage = Gauge("sloserve_kv_cache_usage_ratio", "Tokens holding KV / KV capacity", registry=r)
+        self.kv_allocated = Gauge("sloserve_kv_cache_allocated_ratio", "KV slots allocated / KV capacity", registry=r)
+        self.kv_used_tokens = Gauge("sloserve_kv_cache_used_tokens", "Tokens holding KV", registry=r)
+        self.preemptions = Counter("sloserve_preemptions", "Requests preempted (recompute or swap)", registry=r)
+        self.prompt_tokens = Counter("sloserve_prompt_tokens", "Prompt tokens of ended requests", registry=r)
+        self.generation_tokens = Counter("sloserve_generation_tokens", "Output tokens sent", registry=r)
+        labels = ["request_class"]
+        self.ttft = Histogram("sloserve_time_to_first_token_seconds", "TTFT", labels, buckets=LATENCY_BUCKETS_S,
+                              registry=r)  # fmt: skip
+        self.tpot = Histogram("sloserve_time_per_output_token_seconds", "TPOT", labels, buckets=TOKEN_BUCKETS_S,
+                              registry=r)  # fmt: skip
+        self.e2e = Histogram("sloserve_e2e_request_latency_seconds", "End-to-end latency", labels,
+                             buckets=LATENCY_BUCKETS_S, registry=r)  # fmt: skip
+        self.slo = Counter("sloserve_slo_requests", "Completed requests with an SLO, by whether they met it",
+                           ["request_class", "met"], registry=r)  # fmt: skip
+        self.attainment = Gauge("sloserve_slo_attainment_ratio", "Share of completed requests with an SLO that "
+                                "met it", labels, registry=r)  # fmt: skip
+        self._slo_counts: dict[str, list[int]] = {}  # class -> [met, all]
+        self._num_preemptions = 0
+        self._log: IO[str] | None = None
+        self._log_lock = threading.Lock()
+        if request_log is not None:
+            try:
+                self._log = open(request_log, "a", encoding="utf-8")  # noqa: SIM115 - open for the server's life
+            except OSError as e:
+                raise ConfigError(f"--request-log {request_log}: cannot open for appending ({e.strerror})") from None
+
+    def on_step(self, stats: EngineStats) -> None:
+        self.waiting.set(stats.num_waiting)
+        self.running.set(stats.num_running)
+        self.swapped.set(stats.num_swapped)
+        self.kv_usage.set(stats.kv_used_tokens / stats.kv_capacity_tokens)
+        self.kv_allocated.set(stats.kv_allocated_tokens / stats.kv_capacity_tokens)
+        self.kv_used_tokens.set(stats.kv_used_tokens)
+        if stats.num_preemptions > self._num_preemptions:
+            self.preemptions.inc(stats.num_preemptions - self._num_preemptions)
+            self._num_preemptions = stats.num_preemptions
+
+    def on_finish(self, served: ServedRequest) -> None:
+        cls = served.request.request_class.value
+        outcome = served.finish_reason or "error"
+        self.requests.labels(cls, outcome).inc()
+        self.prompt_tokens.inc(served.num_prompt_tokens)
+        self.generation_tokens.inc(served.num_output_tokens)
+        if outcome in ("stop", "length") and served.num_output_tokens:
+            ttft, tpot, e2e = served_latencies(served)
+            self.ttft.labels(cls).observe(ttft)
+            if not math.isnan(tpot):
+                self.tpot.labels(cls).observe(tpot)
+            self.e2e.labels(cls).observe(e2e)
+            slo = served.request.slo
+            if slo.ttft_s is not None or slo.tpot_s is not None:
+                met = slo_met(served)
+                self.slo.labels(cls, str(met).lower()).inc()
+                counts = self._slo_counts.setdefault(cls, [0, 0])
+                counts[0] += met
+                counts[1] += 1
+                self.attainment.labels(cls).set(counts[0] / counts[1])
+        if self._log is not None and served.num_output_tokens:
+            self._write_log(served)
+
+    def _write_log(self, served: ServedRequest) -> None:
+        """One JSONL line per request that got at least one token, in the order they end: readable by
+        ``--trace`` (prompt_tokens, output_tokens, arrival_s), so a served day can be simulated. A
+        request that ended before its first token (aborted, refused at shutdown) has no output
+        length to simulate: /metrics counts it."""
+        request = served.request
+
+        def seconds(value: float) -> float | None:
+            return None if math.isnan(value) else round(value, 6)
+
+        line = {
+            "request_id": served.request_id,
+            "submitted_unix_s": round(served.submitted_unix_s, 6),
+            "arrival_s": seconds(served.arrival_time),
+            "first_token_s": seconds(served.first_token_time),
+            "finish_s": seconds(served.finish_time),
+            "prompt_tokens": served.num_prompt_tokens,
+            "output_tokens": served.num_output_tokens,
+            "max_tokens": served.params.max_tokens,
+            "request_class": request.request_class.value,
+            "slo_ttft_s": request.slo.ttft_s,
+            "slo_tpot_s": request.slo.tpot_s,
+            "finish_reason": served.finish_reason,
+        }
+        with self._log_lock:
+            assert self._log is not None
+            self._log.write(json.dumps(line) + "\n")
+            self._log.flush()
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None

@@ -1,0 +1,104 @@
+"""``sloserve serve``: build the engine and the app, and run them under uvicorn until SIGTERM.
+
+Shutdown (SIGTERM or Ctrl-C): new requests get 503 at once, running ones have ``drain_timeout_s``
+to finish, then what is left is aborted (each gets an explicit error) and the process exits 0. A
+second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from sloserve.core.errors import ConfigError
+from sloserve.engine.async_engine import AsyncLLMEngine
+from sloserve.engine.llm_engine import LLMEngine
+from sloserve.engine.loader import LoadedModel
+from sloserve.sched.registry import build_config
+from sloserve.server.app import ServerConfig, build_app
+from sloserve.server.chat_template import ChatTemplate
+from sloserve.server.metrics import ServerMetrics
+
+log = logging.getLogger("uvicorn.error")  # uvicorn configures it: our lines go with its own
+
+# Predictors that read a request's true output length: a server cannot know it.
+ORACLE_PREDICTORS = frozenset({"oracle", "noisy-oracle"})
+
+
+def check_servable(scheduler: str, options: dict[str, Any]) -> None:
+    """A ConfigError when ``scheduler`` (with ``options``) needs the true output lengths."""
+    predictor = getattr(build_config(scheduler, options), "predictor", "none")
+    if predictor in ORACLE_PREDICTORS:
+        raise ConfigError(
+            f"scheduler {scheduler} predicts response lengths with the {predictor!r} predictor, which reads each "
+            "request's true output length: a server cannot know it. Serve with an online predictor: "
+            "--set predictor=histogram"
+        )
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = ""
+    max_queued_requests: int = 1024
+    rt_ttft_ms: float | None = None
+    rt_tpot_ms: float | None = None
+    request_log: Path | None = None
+    drain_timeout_s: float = 30.0
+    log_level: str = "info"
+
+
+def make_app(loaded: LoadedModel, engine: LLMEngine, options: ServeOptions, model_dir: Path | None):
+    """The app serving ``engine``, with its metrics, chat template and online front."""
+    for name in ("rt_ttft_ms", "rt_tpot_ms"):
+        value = getattr(options, name)
+        if value is not None and not value > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    if options.max_queued_requests < 1:
+        raise ConfigError(f"--max-queued-requests must be >= 1, got {options.max_queued_requests}")
+    metrics = ServerMetrics(options.served_model_name, options.request_log)
+    online = AsyncLLMEngine(engine, max_queued_requests=options.max_queued_requests, observer=metrics)
+    config = ServerConfig(options.served_model_name, options.rt_ttft_ms, options.rt_tpot_ms)
+    return build_app(online, config, ChatTemplate.for_model(model_dir), metrics)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that drains the engine on the first SIGTERM/SIGINT before it stops: 503 for new
+    requests, ``drain_timeout_s`` for running ones."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout_s = drain_timeout_s
+        self._draining: threading.Thread | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining is not None:  # a second signal: stop now
+            self.should_exit = self.force_exit = True
+            return
+        log.info("shutting down: draining %d requests (at most %.0f s)", self.engine.num_unfinished, self.drain_timeout_s)
+        self.engine.begin_shutdown()
+
+        def drain() -> None:
+            drained = self.engine.drain(self.drain_timeout_s)
+            if not drained:
+                log.warning("aborted the requests still running after %.0f s", self.drain_timeout_s)
+            self.should_exit = True  # NOTE: uvicorn checks it every tick; the signal is not re-raised
+
+        self._draining = threading.Thread(target=drain, name="sloserve-drain", daemon=True)
+        self._draining.start()
+
+
+def run_server(app, options: ServeOptions) -> None:
+    """Serve ``app`` until a signal drains and stops it."""
+    config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
+                            timeout_graceful_shutdown=5)  # fmt: skip
+    server = DrainingServer(config, app.state.engine, options.drain_timeout_s)
+    server.run()

@@ -1,0 +1,211 @@
+"""The online engine (``AsyncLLMEngine``) and aborts: an aborted request frees its KV under every
+registered policy and the other requests still get exactly the tokens they get without the abort;
+streams carry every token once, stop strings end a request, the queue bound holds and a shutdown
+ends every accepted request."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sloserve.core.errors import ConfigError  # noqa: E402
+from sloserve.engine.async_engine import AsyncLLMEngine, QueueFullError, ShuttingDownError  # noqa: E402
+from sloserve.engine.detokenizer import Detokenizer  # noqa: E402
+from sloserve.engine.llm_engine import LLMEngine  # noqa: E402
+from sloserve.engine.loader import load_model  # noqa: E402
+from sloserve.engine.sampler import SamplingParams  # noqa: E402
+from sloserve.engine.tokenizer import ByteTokenizer  # noqa: E402
+from sloserve.sched import scheduler_names  # noqa: E402
+
+PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(10 + 9 * i)] for i in range(8)]
+MAX_TOKENS = [12, 20, 8, 16, 24, 10, 14, 18]
+ABORT_AT_STEP = {1: 3, 4: 6, 6: 0}  # request index -> step after which it is aborted (6: still waiting)
+
+
+@functools.cache
+def tiny():
+    return load_model("random:tiny-llama")
+
+
+def _run(scheduler: str, aborts: dict[int, int]) -> tuple[list[list[int]], list[str], LLMEngine]:
+    engine = LLMEngine(tiny(), scheduler, kv_capacity_tokens=384)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+    requests = [engine.add_request(p, s) for p, s in zip(PROMPTS, params, strict=True)]
+    tokens: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    step = 0
+    while engine.has_unfinished():
+        for i, at in aborts.items():
+            if at == step:
+                engine.abort(requests[i])
+        for request in engine.step():
+            seq = engine.release(request)
+            tokens[request.request_id], reasons[request.request_id] = seq.output_token_ids, seq.finish_reason
+        engine.scheduler.check_integrity()
+        step += 1
+    ids = [r.request_id for r in requests]
+    return [tokens[i] for i in ids], [reasons[i] for i in ids], engine
+
+
+@functools.cache
+def _reference(scheduler: str) -> list[list[int]]:
+    return _run(scheduler, {})[0]
+
+
+@pytest.mark.parametrize("scheduler", scheduler_names())
+def test_aborted_requests_free_their_kv_and_leave_the_others_exact(scheduler):
+    tokens, reasons, engine = _run(scheduler, ABORT_AT_STEP)
+    kv = engine.scheduler.kv
+    assert kv.num_free_blocks == kv.gpu.num_blocks, "an aborted request kept KV"
+    assert not engine.executor.sequences
+    reference = _reference(scheduler)
+    for i, (got, want) in enumerate(zip(tokens, reference, strict=True)):
+        if i in ABORT_AT_STEP:
+            assert reasons[i] == "abort" and want[: len(got)] == got, i
+        else:
+            assert reasons[i] == "length" and got == want, i
+
+
+def test_aborted_requests_teach_the_length_predictor_nothing():
+    _, _, engine = _run("infermax", ABORT_AT_STEP)
+    observed = engine.scheduler.predictor._all
+    assert sorted(observed) == sorted(n for i, n in enumerate(MAX_TOKENS) if i not in ABORT_AT_STEP)
+
+
+def test_detokenizer_holds_back_a_possible_stop_string_and_cuts_it():
+    tok = ByteTokenizer()
+    d = Detokenizer(tok, stop=("END",))
+    assert d.push(list(b"abcE")) == "ab"  # "cE" could be the start of "END": held back
+    assert d.push(list(b"N")) == "c"
+    assert d.push(list(b"Dxyz")) == "" and d.stopped and d.text == "abc"
+    d = Detokenizer(tok)
+    euro = list("€".encode())  # three bytes: nothing is final until the last one
+    assert d.push(euro[:1]) == "" and d.push(euro[1:2]) == "" and d.push(euro[2:]) == "€"
+
+
+async def _collect(served):
+    parts, ids, reason = [], [], None
+    async for delta in served:
+        parts.append(delta.text)
+        ids.extend(delta.token_ids)
+        reason = delta.finish_reason
+    return "".join(parts), ids, reason
+
+
+def _online(scheduler: str = "vllm", kv: int = 2048, **kwargs) -> AsyncLLMEngine:
+    return AsyncLLMEngine(LLMEngine(tiny(), scheduler, kv_capacity_tokens=kv), **kwargs)
+
+
+def test_streams_carry_every_token_once_and_match_offline_generation():
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+    offline = LLMEngine(tiny(), "vllm", kv_capacity_tokens=2048)
+    reference = [offline.add_request(p, s) for p, s in zip(PROMPTS, params, strict=True)]
+    while offline.has_unfinished():
+        offline.step()
+    want = [offline.output_token_ids(r) for r in reference]
+
+    async def main():
+        online = _online()
+        online.start()
+        try:
+            streams = [online.submit(p, s) for p, s in zip(PROMPTS, params, strict=True)]
+            return await asyncio.gather(*(_collect(s) for s in streams)), online
+        finally:
+            await asyncio.to_thread(online.drain, 5.0)
+
+    results, online = asyncio.run(main())
+    for (text, ids, reason), expected in zip(results, want, strict=True):
+        assert ids == expected and reason == "length"
+        assert text == ByteTokenizer().decode(expected)
+    assert not online.engine.executor.sequences and online.num_unfinished == 0
+
+
+def test_a_stop_string_ends_the_request_and_is_not_returned():
+    """Greedy output of a prompt, then the same prompt with a stop string taken from that output."""
+    prompt, params = PROMPTS[2], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+    async def main():
+        online = _online()
+        online.start()
+        try:
+            full, ids, _ = await _collect(online.submit(prompt, params))
+            printable = [i for i in range(len(full) - 2) if full[i : i + 2].isprintable() and full[i] != "\ufffd"]
+            if not printable:
+                pytest.skip("no printable pair in this random model's output")
+            cut = printable[len(printable) // 2]
+            stop = full[cut : cut + 2]
+            text, stopped_ids, reason = await _collect(online.submit(prompt, params, stop=(stop,)))
+            return full, stop, text, stopped_ids, ids, reason
+        finally:
+            await asyncio.to_thread(online.drain, 5.0)
+
+    full, stop, text, stopped_ids, ids, reason = asyncio.run(main())
+    assert reason == "stop" and text == full[: full.index(stop)] and stop not in text
+    assert stopped_ids == ids[: len(stopped_ids)] and len(stopped_ids) < len(ids)
+
+
+def test_the_queue_bound_refuses_beyond_it_and_every_accepted_request_completes():
+    """ORCA reserves prompt + max_tokens: KV for one request at a time. The first runs, two wait for
+    their first token, the rest are refused."""
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+
+    async def main():
+        online = _online("orca", kv=96, max_queued_requests=2)
+        online.start()
+        try:
+            first = online.submit(PROMPTS[3][:20], params)
+            stream = first.__aiter__()
+            await stream.__anext__()  # it is running: it holds the KV
+            accepted, refused = [first], 0
+            for prompt in PROMPTS[:6]:
+                try:
+                    accepted.append(online.submit(prompt[:20], params))
+                except QueueFullError:
+                    refused += 1
+            async for _ in stream:
+                pass
+            rest = await asyncio.gather(*(_collect(s) for s in accepted[1:]))
+            return accepted, refused, rest
+        finally:
+            await asyncio.to_thread(online.drain, 5.0)
+
+    accepted, refused, rest = asyncio.run(main())
+    assert len(accepted) == 3 and refused == 4
+    assert all(len(ids) == 60 and reason == "length" for _, ids, reason in rest)
+
+
+def test_shutdown_refuses_new_requests_and_aborts_what_outlives_the_grace_period():
+    params = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
+
+    async def main():
+        online = _online()
+        online.start()
+        served = online.submit(PROMPTS[0], params)
+        stream = served.__aiter__()
+        await stream.__anext__()
+        drained = await asyncio.to_thread(online.drain, 0.05)
+        with pytest.raises(ShuttingDownError):
+            online.submit(PROMPTS[1], params)
+        reason = None
+        async for delta in stream:
+            reason = delta.finish_reason
+        return drained, reason, online
+
+    drained, reason, online = asyncio.run(main())
+    assert not drained and reason == "abort"
+    kv = online.engine.scheduler.kv
+    assert not online.engine.has_unfinished() and kv.num_free_blocks == kv.gpu.num_blocks
+
+
+def test_a_request_that_can_never_run_is_refused_at_submission():
+    async def main():
+        online = _online(kv=64)
+        with pytest.raises(ConfigError, match="KV capacity 64"):
+            online.submit(PROMPTS[7], SamplingParams(max_tokens=100))
+        assert online.num_queued == 0
+
+    asyncio.run(main())
