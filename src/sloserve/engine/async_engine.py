@@ -106,17 +106,40 @@ class ServedRequest:
 
     def _send(self, delta: StreamDelta) -> None:
         """From the engine thread: hand ``delta`` to the request's event loop."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, delta)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+        _deliver([(self, delta)])
 
     async def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        """The deltas; those that are ready together come as one, their texts and tokens joined (as
+        vLLM's output collector does when its consumer falls behind: fewer, larger chunks)."""
+        queue = self._queue
         while True:
-            delta = await self._queue.get()
+            delta = await queue.get()
+            while delta.finish_reason is None and not queue.empty():
+                later = queue.get_nowait()
+                delta = StreamDelta(delta.text + later.text, delta.token_ids + later.token_ids, later.finish_reason)
             yield delta
             if delta.finish_reason is not None:
                 return
+
+
+def _deliver(outbox: list[tuple[ServedRequest, StreamDelta]]) -> None:
+    """From the engine thread: hand each delta to its request's event loop, one wake-up per loop.
+
+    NOTE: ``call_soon_threadsafe`` writes to the loop's wake-up pipe: once per step, not once per
+    request, or a step of hundreds of decodes makes as many system calls."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[ServedRequest, StreamDelta]]] = {}
+    for served, delta in outbox:
+        by_loop.setdefault(served._loop, []).append((served, delta))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+def _put_all(items: list[tuple[ServedRequest, StreamDelta]]) -> None:
+    for served, delta in items:
+        served._queue.put_nowait(delta)
 
 
 class EngineObserver(Protocol):
@@ -298,6 +321,7 @@ class AsyncLLMEngine:
         """Send every live request the tokens and text this step gave it; release finished ones."""
         engine = self.engine
         ended = set(finished)
+        outbox: list[tuple[ServedRequest, StreamDelta]] = []
         for request, served in self._live.items():
             if served.finish_reason is not None:
                 continue  # ended for its client (stop string, abort): the engine drops it when scheduled
@@ -315,11 +339,12 @@ class AsyncLLMEngine:
             if served.detokenizer.stopped:
                 if not done:
                     engine.abort(request)  # NOTE: the stop string ended it: nothing more is computed
-                self._end(served, "stop", text, new_ids)
+                self._end(served, "stop", text, new_ids, outbox)
             elif done:
-                self._end(served, seq.finish_reason or "length", text, new_ids)
+                self._end(served, seq.finish_reason or "length", text, new_ids, outbox)
             else:
-                served._send(StreamDelta(text, new_ids))
+                outbox.append((served, StreamDelta(text, new_ids)))
+        _deliver(outbox)
         for request in finished:
             engine.release(request)
             del self._live[request]
@@ -329,12 +354,17 @@ class AsyncLLMEngine:
         if self.observer is not None:
             self.observer.on_step(self.stats())
 
-    def _end(self, served: ServedRequest, reason: str, text: str, token_ids: list[int] | None = None) -> None:
-        """The last delta of ``served``: exactly once per accepted request."""
+    def _end(self, served: ServedRequest, reason: str, text: str, token_ids: list[int] | None = None,
+             outbox: list[tuple[ServedRequest, StreamDelta]] | None = None) -> None:  # fmt: skip
+        """The last delta of ``served`` (into ``outbox`` when given): exactly once per accepted request."""
         assert served.finish_reason is None, served.request
         served.finish_reason = reason
         served.finish_time = self.clock()
-        served._send(StreamDelta(text, token_ids or [], reason))
+        delta = StreamDelta(text, token_ids or [], reason)
+        if outbox is None:
+            served._send(delta)
+        else:
+            outbox.append((served, delta))
         if self.observer is not None:
             try:
                 self.observer.on_finish(served)

@@ -7,7 +7,7 @@ Requests leave at their arrival times (Poisson, gamma, the trace's own, or all a
 closed-loop batches are sent when the batch before them has completed. BE requests carry
 ``service_tier: "flex"``, and requests with an SLO carry it as ``slo`` (sloserve's extension).
 
-From the stream, per request: TTFT (arrival to the first chunk with text), TPOT ((last chunk - first
+From the stream, per request: TTFT (arrival to the first chunk with a choice), TPOT ((last chunk - first
 chunk) / (output tokens - 1), with the output tokens from the final usage), the largest gap between
 chunks (inter-token latency) and end-to-end latency. The times are the client's, so they include the
 network and the server's HTTP work, which is what a user sees.
@@ -19,10 +19,11 @@ import asyncio
 import json
 import math
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 import numpy as np
 
 from sloserve.core.errors import ConfigError
@@ -57,11 +58,15 @@ def request_body(model: str, request: Request, prompt: list[int]) -> dict:
 
 
 class _Client:
+    """Streams requests over one aiohttp session (its C HTTP parser keeps the client's own cost per
+    token low: the client shares the machine with the server in a loopback benchmark)."""
+
     def __init__(self, base_url: str, model: str, timeout_s: float) -> None:
         self.url = base_url.rstrip("/") + "/completions"
+        self.models_url = base_url.rstrip("/") + "/models"
         self.model = model
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=httpx.Limits(max_connections=None,
-                                      max_keepalive_connections=256))  # fmt: skip
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                          connector=aiohttp.TCPConnector(limit=0))  # fmt: skip
         self.start = time.perf_counter()
         self.inter_token_s: list[float] = []
 
@@ -74,25 +79,26 @@ class _Client:
         chunk_times: list[float] = []
         num_tokens = None
         try:
-            async with self.http.stream("POST", self.url, json=request_body(self.model, request, prompt)) as response:
-                if response.status_code != 200:
-                    return f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+            async with self.http.post(self.url, json=request_body(self.model, request, prompt)) as response:
+                if response.status != 200:
+                    return f"HTTP {response.status}: {(await response.read()).decode(errors='replace')[:300]}"
+                async for raw in response.content:  # one line at a time
+                    line = raw.strip()
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
                         continue
                     event = json.loads(line[6:])
                     if "error" in event:
                         return f"error event: {event['error'].get('message')}"
                     if event.get("usage"):
                         num_tokens = event["usage"]["completion_tokens"]
-                    if any(c.get("text") for c in event.get("choices", ())):
+                    if event.get("choices"):  # a step's tokens (text may be held back), as vLLM's client counts
                         chunk_times.append(self.clock())
-        except httpx.HTTPError as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return f"{type(e).__name__}: {e}"
         end = self.clock()
         if num_tokens is None:
             return "the stream ended without usage (stream_options.include_usage)"
-        if not chunk_times:  # no text at all (e.g. only special tokens): the end is the first token
+        if not chunk_times:  # a server that sends no chunk per token: the end is the first token
             chunk_times = [end]
         gaps = np.diff(chunk_times)
         self.inter_token_s.extend(gaps.tolist())
@@ -104,7 +110,7 @@ class _Client:
         return None
 
     async def close(self) -> None:
-        await self.http.aclose()
+        await self.http.close()
 
 
 async def _replay(client: _Client, requests: Sequence[Request], prompts: Sequence[list[int]],
@@ -174,34 +180,34 @@ def run_benchmark(base_url: str, model: str, requests: Sequence[Request], prompt
 
 async def _check_server(client: _Client) -> None:
     """One clear error when the server is not there or does not serve ``model``."""
-    url = client.url.removesuffix("/completions") + "/models"
     try:
-        response = await client.http.get(url)
-    except httpx.HTTPError as e:
-        raise ConfigError(f"--base-url: cannot reach {url} ({type(e).__name__}: {e})") from None
-    if response.status_code != 200:
-        raise ConfigError(f"--base-url: GET {url} answered HTTP {response.status_code}")
-    names = [m.get("id") for m in response.json().get("data", [])]
+        async with client.http.get(client.models_url) as response:
+            status = response.status
+            body = await response.json(content_type=None) if status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        raise ConfigError(f"--base-url: cannot read {client.models_url} ({type(e).__name__}: {e})") from None
+    if status != 200:
+        raise ConfigError(f"--base-url: GET {client.models_url} answered HTTP {status}")
+    names = [m.get("id") for m in body.get("data", [])]
     if client.model not in names:
-        raise ConfigError(f"--model {client.model!r} is not served at {url}; it serves: {', '.join(map(str, names))}")
+        raise ConfigError(f"--model {client.model!r} is not served at {client.models_url}; it serves: "
+                          f"{', '.join(map(str, names))}")  # fmt: skip
 
 
 def server_max_model_len(base_url: str, model: str) -> int:
     """The context the server reports for ``model`` in ``/v1/models`` (vLLM and sloserve do)."""
     url = base_url.rstrip("/") + "/models"
     try:
-        response = httpx.get(url, timeout=30)
-    except httpx.HTTPError as e:
-        raise ConfigError(f"--base-url: cannot reach {url} ({type(e).__name__}: {e})") from None
-    if response.status_code != 200:
-        raise ConfigError(f"--base-url: GET {url} answered HTTP {response.status_code}")
-    for entry in response.json().get("data", []):
+        with urllib.request.urlopen(url, timeout=30) as response:
+            data = json.loads(response.read()).get("data", [])
+    except (OSError, ValueError) as e:  # URLError and HTTPError are OSErrors
+        raise ConfigError(f"--base-url: cannot read {url} ({e})") from None
+    for entry in data:
         if entry.get("id") == model:
             if isinstance(entry.get("max_model_len"), int):
                 return entry["max_model_len"]
             raise ConfigError(f"{url} does not say {model}'s context length: give --max-model-len")
-    names = [str(m.get("id")) for m in response.json().get("data", [])]
-    raise ConfigError(f"--model {model!r} is not served at {url}; it serves: {', '.join(names)}")
+    raise ConfigError(f"--model {model!r} is not served at {url}; it serves: {', '.join(str(m.get('id')) for m in data)}")
 
 
 def summarize_benchmark(result: BenchResult, extra: dict) -> dict:

@@ -1,0 +1,163 @@
+"""Server overhead: the same workload through `sloserve bench-serve` against `sloserve serve` and through
+the engine in-process (`run_requests` on the wall clock, as `sloserve run` does), side by side.
+
+    python benchmarks/serve_overhead.py                       # random:tiny-llama on the CPU
+    python benchmarks/serve_overhead.py --model random:llama-3-8b --device cuda --dtype bfloat16
+
+Two loads, each run in-process first and then against the server (a subprocess on 127.0.0.1):
+- offline: every request at t=0; the figure is output-token throughput, served / in-process
+  (goal >= 0.9);
+- light: Poisson arrivals at --rate, so requests rarely queue; the figure is the TTFT the server adds
+  at the median, served p50 - in-process p50 (goal <= 5 ms). The client's TTFT is to the first
+  streamed chunk with text, the engine's to the end of the step that sampled the first token.
+
+Prompts are random token ids of the trace's prompt lengths; outputs are forced to the trace's lengths
+(ignore_eos), greedy: the same work on both sides.
+
+--pin (the default on a machine of 4 cores or fewer) gives the engine the same compute on both sides:
+the in-process run and the server each get core 0 and one torch thread, and the load client gets
+core 1, so the client's own work does not count against the server (in a deployment it runs
+elsewhere). The server's event loop shares core 0 and the GIL with its engine: that is its overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+
+from sloserve.engine.llm_engine import LLMEngine, run_requests
+from sloserve.engine.loader import load_model
+from sloserve.engine.sampler import SamplingParams
+from sloserve.metrics.summary import request_table
+from sloserve.server.bench import run_benchmark, synthetic_prompts
+from sloserve.workload import workload_from_trace
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def workload(args, offline: bool, num_requests: int):
+    w = workload_from_trace(args.trace, num_requests=num_requests, seed=args.seed, context_len=args.max_model_len,
+                            offline=offline, rate=None if offline else args.rate, max_tokens=args.max_tokens)  # fmt: skip
+    return w.requests
+
+
+def figures(requests, wall_s: float) -> dict[str, float]:
+    table = request_table(requests)
+    done = table["finished"]
+    return {
+        "tokens_per_s": float(table["output_tokens"][done].sum()) / wall_s,
+        "ttft_p50_s": float(np.nanpercentile(table["ttft_s"][done], 50)),
+        "ttft_mean_s": float(np.nanmean(table["ttft_s"][done])),
+        "tpot_mean_s": float(np.nanmean(table["tpot_s"][done])),
+        "completed": int(done.sum()),
+    }
+
+
+def in_process(args, loaded, requests) -> dict[str, float]:
+    from sloserve.cli import _fresh
+
+    requests = [_fresh(r) for r in requests]
+    engine = LLMEngine(loaded, args.scheduler, kv_capacity_tokens=args.kv_capacity_tokens,
+                       max_model_len=args.max_model_len, seed=args.seed)  # fmt: skip
+    prompts = synthetic_prompts(requests, loaded.config.vocab_size, args.seed)
+    params = [SamplingParams(max_tokens=r.true_output_tokens, temperature=0, ignore_eos=True) for r in requests]
+    wall = run_requests(engine, requests, prompts, params, wall_clock=True)
+    return figures(requests, wall)
+
+
+def served(args, base_url: str, vocab_size: int, requests) -> dict[str, float]:
+    from sloserve.cli import _fresh
+
+    requests = [_fresh(r) for r in requests]
+    prompts = synthetic_prompts(requests, vocab_size, args.seed)
+    result = run_benchmark(base_url, args.model, requests, prompts)
+    if result.errors:
+        sys.exit(f"{len(result.errors)} requests failed: {next(iter(result.errors.values()))}")
+    return figures(requests, result.wall_s)
+
+
+def start_server(args, port: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "sloserve.cli", "serve", "--model", args.model, "--device", args.device,
+               "--dtype", args.dtype, "--scheduler", args.scheduler, "--port", str(port), "--log-level", "warning",
+               "--kv-capacity-tokens", str(args.kv_capacity_tokens), "--max-model-len", str(args.max_model_len),
+               "--max-queued-requests", str(10 * args.num_requests)]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"OMP_NUM_THREADS": "1"} if args.pin else {})}
+    proc = subprocess.Popen(command, env=env, preexec_fn=(lambda: os.sched_setaffinity(0, {0})) if args.pin else None)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            sys.exit("the server did not start")
+        time.sleep(0.2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="random:tiny-llama")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--scheduler", default="vllm")
+    parser.add_argument("--trace", default="sharegpt")
+    parser.add_argument("--num-requests", type=int, default=200, help="requests of the offline load")
+    parser.add_argument("--light-requests", type=int, default=60, help="requests of the light load")
+    parser.add_argument("--rate", type=float, default=4.0, help="Poisson rate of the light load (req/s)")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--max-tokens", type=int, default=256, help="cap on the trace's output lengths")
+    parser.add_argument("--kv-capacity-tokens", type=int, default=65536)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) <= 4,
+                        help="engine on core 0 with one torch thread on both sides, the client on core 1")
+    args = parser.parse_args()
+    if args.pin:
+        import torch
+
+        torch.set_num_threads(1)
+        os.sched_setaffinity(0, {0})
+
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype, seed=args.seed)
+    loads = {"offline": workload(args, True, args.num_requests), "light": workload(args, False, args.light_requests)}
+    local = {name: in_process(args, loaded, reqs) for name, reqs in loads.items()}
+    port = free_port()
+    proc = start_server(args, port)
+    if args.pin:
+        os.sched_setaffinity(0, {1})
+    try:
+        remote = {name: served(args, f"http://127.0.0.1:{port}/v1", loaded.config.vocab_size, reqs)
+                  for name, reqs in loads.items()}  # fmt: skip
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+    print(f"{args.model} on {args.device}, {args.scheduler}, {args.trace}: offline {args.num_requests} requests, "
+          f"light {args.light_requests} at {args.rate} req/s{', pinned' if args.pin else ''}")  # fmt: skip
+    print("| load | figure | in-process | served | served / in-process | served - in-process |")
+    print("|---|---|---|---|---|---|")
+    for name in loads:
+        for key in ("tokens_per_s", "ttft_p50_s", "ttft_mean_s", "tpot_mean_s"):
+            a, b = local[name][key], remote[name][key]
+            unit = 1.0 if key == "tokens_per_s" else 1e3
+            label = "output tokens/s" if key == "tokens_per_s" else key.removesuffix("_s") + " ms"
+            print(f"| {name} | {label} | {a * unit:.2f} | {b * unit:.2f} | {b / a:.3f} | {(b - a) * unit:+.2f} |")
+    off, light = local["offline"], remote["offline"]
+    print(f"\nthroughput ratio (offline, goal >= 0.9): {light['tokens_per_s'] / off['tokens_per_s']:.3f}")
+    added = (remote["light"]["ttft_p50_s"] - local["light"]["ttft_p50_s"]) * 1e3
+    print(f"TTFT added at p50 (light load, goal <= 5 ms): {added:+.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
