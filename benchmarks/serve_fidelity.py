@@ -10,8 +10,9 @@ simulator's error on throughput and mean TTFT, TPOT and end-to-end latency.
 Unlike benchmarks/fidelity.py (the engine's own clock against the simulator's), the served figures are
 what a client measures: HTTP, the event loop and detokenization are in them and not in the simulator.
 Two loads: offline (every request at t=0), then Poisson at --load times the served offline throughput.
-With --pin (the default on 4 cores or fewer) the profile and the server run on core 0 with one torch
-thread and the client on core 1, as in benchmarks/serve_overhead.py.
+With --pin (the default on 4 cores or fewer) the profile and the server's engine process run on core
+0 with one torch thread, the server's HTTP process and the client on core 1, as in
+benchmarks/serve_overhead.py.
 """
 
 from __future__ import annotations

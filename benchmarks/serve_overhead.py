@@ -15,9 +15,9 @@ Prompts are random token ids of the trace's prompt lengths; outputs are forced t
 (ignore_eos), greedy: the same work on both sides.
 
 --pin (the default on a machine of 4 cores or fewer) gives the engine the same compute on both sides:
-the in-process run and the server each get core 0 and one torch thread, and the load client gets
-core 1, so the client's own work does not count against the server (in a deployment it runs
-elsewhere). The server's event loop shares core 0 and the GIL with its engine: that is its overhead.
+core 0 and one torch thread, for the in-process run and for the server's engine process alike. The
+server's HTTP process and the load client share core 1 (in a deployment the client runs elsewhere,
+and the API server has cores of its own).
 """
 
 from __future__ import annotations
@@ -87,23 +87,47 @@ def served(args, base_url: str, vocab_size: int, requests) -> dict[str, float]:
     return figures(requests, result.wall_s)
 
 
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of process ``pid`` onto ``cores``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cores)
+
+
+def pin_server(pid: int) -> None:
+    """The server's engine process (its spawned child) on core 0, its HTTP process on core 1."""
+    children = [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    engines = [c for c in children if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+    if len(engines) != 1:
+        raise RuntimeError(f"expected the server to have one engine process, found {engines} among {children}")
+    pin(engines[0], {0})
+    pin(pid, {1})
+
+
 def start_server(args, port: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "sloserve.cli", "serve", "--model", args.model, "--device", args.device,
                "--dtype", args.dtype, "--scheduler", args.scheduler, "--port", str(port), "--log-level", "warning",
                "--kv-capacity-tokens", str(args.kv_capacity_tokens), "--max-model-len", str(args.max_model_len),
                "--max-queued-requests", str(10 * args.num_requests)]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"OMP_NUM_THREADS": "1"} if args.pin else {})}
-    proc = subprocess.Popen(command, env=env, preexec_fn=(lambda: os.sched_setaffinity(0, {0})) if args.pin else None)
+    proc = subprocess.Popen(command, env=env)
     deadline = time.monotonic() + 120
     while True:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return proc
+                break
         except httpx.HTTPError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
             sys.exit("the server did not start")
         time.sleep(0.2)
+    if args.pin:
+        try:
+            pin_server(proc.pid)
+        except (OSError, RuntimeError):
+            proc.kill()
+            raise
+    return proc
 
 
 def main() -> None:

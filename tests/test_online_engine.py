@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.engine.async_engine import AsyncLLMEngine, QueueFullError, ShuttingDownError  # noqa: E402
 from sloserve.engine.detokenizer import Detokenizer  # noqa: E402
+from sloserve.engine.engine_core import EngineSpec  # noqa: E402
 from sloserve.engine.llm_engine import LLMEngine  # noqa: E402
 from sloserve.engine.loader import load_model  # noqa: E402
 from sloserve.engine.sampler import SamplingParams  # noqa: E402
@@ -97,7 +98,15 @@ async def _collect(served):
 
 
 def _online(scheduler: str = "vllm", kv: int = 2048, **kwargs) -> AsyncLLMEngine:
-    return AsyncLLMEngine(LLMEngine(tiny(), scheduler, kv_capacity_tokens=kv), **kwargs)
+    """An online engine of random:tiny-llama (the same weights as ``tiny()``: one seed), started."""
+    online = AsyncLLMEngine(EngineSpec("random:tiny-llama", scheduler, kv_capacity_tokens=kv), **kwargs)
+    online.start()
+    return online
+
+
+def _all_freed(online: AsyncLLMEngine) -> bool:
+    stats = online.last_stats
+    return stats.kv_used_tokens == 0 and stats.kv_allocated_tokens == 0 and stats.num_running == 0
 
 
 def test_streams_carry_every_token_once_and_match_offline_generation():
@@ -110,7 +119,6 @@ def test_streams_carry_every_token_once_and_match_offline_generation():
 
     async def main():
         online = _online()
-        online.start()
         try:
             streams = [online.submit(p, s) for p, s in zip(PROMPTS, params, strict=True)]
             return await asyncio.gather(*(_collect(s) for s in streams)), online
@@ -121,7 +129,7 @@ def test_streams_carry_every_token_once_and_match_offline_generation():
     for (text, ids, reason), expected in zip(results, want, strict=True):
         assert ids == expected and reason == "length"
         assert text == ByteTokenizer().decode(expected)
-    assert not online.engine.executor.sequences and online.num_unfinished == 0
+    assert online.num_unfinished == 0 and _all_freed(online)
 
 
 def test_a_stop_string_ends_the_request_and_is_not_returned():
@@ -130,7 +138,6 @@ def test_a_stop_string_ends_the_request_and_is_not_returned():
 
     async def main():
         online = _online()
-        online.start()
         try:
             full, ids, _ = await _collect(online.submit(prompt, params))
             printable = [i for i in range(len(full) - 2) if full[i : i + 2].isprintable() and full[i] != "\ufffd"]
@@ -155,7 +162,6 @@ def test_the_queue_bound_refuses_beyond_it_and_every_accepted_request_completes(
 
     async def main():
         online = _online("orca", kv=96, max_queued_requests=2)
-        online.start()
         try:
             first = online.submit(PROMPTS[3][:20], params)
             stream = first.__aiter__()
@@ -183,7 +189,6 @@ def test_shutdown_refuses_new_requests_and_aborts_what_outlives_the_grace_period
 
     async def main():
         online = _online()
-        online.start()
         served = online.submit(PROMPTS[0], params)
         stream = served.__aiter__()
         await stream.__anext__()
@@ -196,9 +201,7 @@ def test_shutdown_refuses_new_requests_and_aborts_what_outlives_the_grace_period
         return drained, reason, online
 
     drained, reason, online = asyncio.run(main())
-    assert not drained and reason == "abort"
-    kv = online.engine.scheduler.kv
-    assert not online.engine.has_unfinished() and kv.num_free_blocks == kv.gpu.num_blocks
+    assert not drained and reason == "abort" and online.num_unfinished == 0 and _all_freed(online)
 
 
 def test_a_request_that_can_never_run_is_refused_at_submission():
@@ -207,5 +210,6 @@ def test_a_request_that_can_never_run_is_refused_at_submission():
         with pytest.raises(ConfigError, match="KV capacity 64"):
             online.submit(PROMPTS[7], SamplingParams(max_tokens=100))
         assert online.num_queued == 0
+        await asyncio.to_thread(online.drain, 1.0)
 
     asyncio.run(main())

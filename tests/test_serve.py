@@ -31,8 +31,7 @@ from hypothesis import strategies as st  # noqa: E402
 from test_engine import VOCAB, _hf_model  # noqa: E402
 
 from sloserve import LLM, SamplingParams  # noqa: E402
-from sloserve.engine.llm_engine import LLMEngine  # noqa: E402
-from sloserve.engine.loader import load_model  # noqa: E402
+from sloserve.engine.engine_core import EngineSpec  # noqa: E402
 from sloserve.server.chat_template import ChatTemplate  # noqa: E402
 from sloserve.server.serve import ServeOptions, make_app  # noqa: E402
 from sloserve.workload.traces import load_trace  # noqa: E402
@@ -86,10 +85,9 @@ class Server:
 
     def __init__(self, model_dir: Path, scheduler: str = "vllm", kv_capacity_tokens: int | None = 4096,
                  **options) -> None:  # fmt: skip
-        loaded = load_model(str(model_dir))
-        engine = LLMEngine(loaded, scheduler, kv_capacity_tokens=kv_capacity_tokens)
+        spec = EngineSpec(str(model_dir), scheduler, kv_capacity_tokens=kv_capacity_tokens)
         self.port = _free_port()
-        self.app = make_app(loaded, engine, ServeOptions(port=self.port, served_model_name=MODEL, **options), model_dir)
+        self.app = make_app(spec, ServeOptions(port=self.port, served_model_name=MODEL, **options))
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

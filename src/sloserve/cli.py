@@ -856,24 +856,22 @@ def serve(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, se
 
     set_options = parse_set_options(set_pairs)
     serve_module = _import_server("serve")
-    serve_module.check_servable(scheduler, set_options)
     if not 0 < port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {port}")
     if drain_timeout < 0:
         raise ConfigError(f"--drain-timeout must be >= 0, got {drain_timeout}")
-    loaded = _load_engine_model({**options, "seed": seed})
-    from sloserve.engine.llm_engine import LLMEngine
+    from sloserve.engine.engine_core import EngineSpec
 
-    engine = LLMEngine(loaded, scheduler, kv_capacity_tokens=options["kv_capacity_tokens"],
-                       max_model_len=options["max_model_len"], cost_model=cost_model, seed=seed,
-                       scheduler_options=set_options)  # fmt: skip
+    spec = EngineSpec(options["model"], scheduler, device=options["device"], dtype=options["dtype"], seed=seed,
+                      attention_backend=options["attention_backend"], cuda_graphs=options["cuda_graphs"],
+                      kv_capacity_tokens=options["kv_capacity_tokens"], max_model_len=options["max_model_len"],
+                      cost_model=cost_model, scheduler_options=set_options)  # fmt: skip
     serve_options = serve_module.ServeOptions(
         host=host, port=port, served_model_name=served_model_name or options["model"],
         max_queued_requests=max_queued_requests, rt_ttft_ms=rt_ttft_ms, rt_tpot_ms=rt_tpot_ms,
         request_log=request_log, drain_timeout_s=drain_timeout, log_level=log_level,
     )  # fmt: skip
-    model_dir = Path(options["model"]).expanduser()
-    app = serve_module.make_app(loaded, engine, serve_options, model_dir if model_dir.is_dir() else None)
+    app = serve_module.make_app(spec, serve_options)
     click.echo(f"serving {serve_options.served_model_name} with {scheduler} on http://{host}:{port}/v1", err=True)
     serve_module.run_server(app, serve_options)
 

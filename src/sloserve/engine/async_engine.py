@@ -1,14 +1,14 @@
-"""The online engine: an ``LLMEngine`` stepping in a background thread while requests arrive, stream
-their tokens and leave at any time. ``sloserve serve`` runs on it.
+"""The online engine, server side: requests arrive, stream their tokens and leave at any time, while
+the engine steps in its own process (``engine_core.run_core``). ``sloserve serve`` runs on it.
 
-Threads: the caller's event loop submits and aborts (``submit``, ``abort``: they only validate and
-queue a command); the engine thread applies the commands between steps, runs the steps on the wall
-clock, and sends each request's new text to its asyncio queue. The HTTP side never waits for a step.
+Threads of the server process: the caller's event loop submits and aborts (``submit`` validates the
+request as the engine would, then sends it over the pipe); a reader thread receives one message per
+engine step and hands each request's new text to its asyncio queue, one wake-up of the loop per step.
 
 Every accepted request ends with exactly one last delta (``finish_reason`` set): "stop" (EOS or a
 stop string), "length" (max_tokens), "abort" (aborted, or still unfinished when a shutdown's grace
-period ended) or "error" (the engine thread failed). Its KV is freed in the next step the policy
-schedules it in (``LLMEngine.abort``), and its tokens are released then.
+period ended) or "error" (the engine process failed). Its KV is freed in the next step the policy
+schedules it in (``LLMEngine.abort``).
 """
 
 from __future__ import annotations
@@ -16,25 +16,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import queue
+import multiprocessing
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from sloserve.core.errors import SloserveError
-from sloserve.core.request import SLO, Request, RequestClass, RequestStatus
-from sloserve.engine.detokenizer import Detokenizer
-from sloserve.engine.llm_engine import LLMEngine
+from sloserve.core.errors import ConfigError, SloserveError
+from sloserve.core.request import SLO, Request, RequestClass
+from sloserve.engine.engine_core import AddRequest, EngineInfo, EngineSpec, EngineStats, Output, run_core
+from sloserve.engine.llm_engine import check_request, engine_cost_model
 from sloserve.engine.sampler import SamplingParams
-from sloserve.metrics.timeline import Timeline
+from sloserve.sched import make_scheduler
 
 log = logging.getLogger("sloserve.engine")
 
-# The replica's timeline (one row per step) is started afresh after this many steps: a server runs
-# for days, and nothing reads the rows of a served run.
-MAX_TIMELINE_STEPS = 100_000
+# Seconds the engine process gets to start (load the model) and to stop.
+START_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 30.0
 
 
 class QueueFullError(SloserveError):
@@ -46,7 +46,7 @@ class ShuttingDownError(SloserveError):
 
 
 class EngineDeadError(SloserveError):
-    """The engine thread failed; the message says how."""
+    """The engine process failed; the message says how."""
 
 
 @dataclass(frozen=True)
@@ -58,55 +58,33 @@ class StreamDelta:
     finish_reason: str | None = None
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """The engine after a step (for metrics): requests by state and KV in tokens."""
-
-    num_waiting: int
-    num_running: int
-    num_swapped: int
-    kv_used_tokens: int  # tokens holding KV
-    kv_allocated_tokens: int  # slots allocated to requests
-    kv_capacity_tokens: int
-    num_preemptions: int  # since the start
-
-
 class ServedRequest:
     """One request from ``submit`` to its last delta. Iterate it (``async for``) for its deltas.
 
-    Timestamps are on the engine's clock (``AsyncLLMEngine.clock``: seconds since it started, step
-    ends for tokens), so TTFT and TPOT mean what they mean in the simulator.
+    Timestamps are on the engine's clock (``AsyncLLMEngine.clock``: seconds since it started; token
+    times are ends of engine steps), so TTFT and TPOT mean what they mean in the simulator.
     """
 
-    def __init__(self, request: Request, prompt_token_ids: list[int], params: SamplingParams,
-                 detokenizer: Detokenizer, loop: asyncio.AbstractEventLoop) -> None:  # fmt: skip
-        self.request = request
+    def __init__(self, request_id: int, arrival_time: float, prompt_token_ids: list[int], params: SamplingParams,
+                 request_class: RequestClass, slo: SLO, loop: asyncio.AbstractEventLoop) -> None:  # fmt: skip
+        self.request_id = request_id
+        self.arrival_time = arrival_time
         self.prompt_token_ids = prompt_token_ids
         self.params = params
-        self.detokenizer = detokenizer
+        self.request_class = request_class
+        self.slo = slo
         self.submitted_unix_s = time.time()
         self.num_output_tokens = 0  # tokens sent to the client
         self.first_token_time = math.nan
+        self.last_token_time = math.nan
         self.finish_time = math.nan
         self.finish_reason: str | None = None
         self._loop = loop
         self._queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
 
     @property
-    def request_id(self) -> int:
-        return self.request.request_id
-
-    @property
-    def arrival_time(self) -> float:
-        return self.request.arrival_time
-
-    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    def _send(self, delta: StreamDelta) -> None:
-        """From the engine thread: hand ``delta`` to the request's event loop."""
-        _deliver([(self, delta)])
 
     async def __aiter__(self) -> AsyncIterator[StreamDelta]:
         """The deltas; those that are ready together come as one, their texts and tokens joined (as
@@ -123,7 +101,7 @@ class ServedRequest:
 
 
 def _deliver(outbox: list[tuple[ServedRequest, StreamDelta]]) -> None:
-    """From the engine thread: hand each delta to its request's event loop, one wake-up per loop.
+    """From the reader thread: hand each delta to its request's event loop, one wake-up per loop.
 
     NOTE: ``call_soon_threadsafe`` writes to the loop's wake-up pipe: once per step, not once per
     request, or a step of hundreds of decodes makes as many system calls."""
@@ -143,7 +121,7 @@ def _put_all(items: list[tuple[ServedRequest, StreamDelta]]) -> None:
 
 
 class EngineObserver(Protocol):
-    """Told what happens in the engine thread (the server's metrics and request log)."""
+    """Told what happens in the engine (the server's metrics and request log), on the reader thread."""
 
     def on_step(self, stats: EngineStats) -> None: ...
 
@@ -151,42 +129,79 @@ class EngineObserver(Protocol):
 
 
 class AsyncLLMEngine:
-    """An ``LLMEngine`` served online. ``start()`` starts its thread; ``shutdown()`` drains and stops it.
+    """The engine of ``spec`` served online. ``start()`` starts its process (and raises ConfigError
+    when the engine cannot be built); ``drain()`` ends it.
 
     ``max_queued_requests`` bounds the requests accepted and not yet given a first token (``submit``
     raises ``QueueFullError`` beyond it).
     """
 
-    def __init__(self, engine: LLMEngine, *, max_queued_requests: int = 1024, observer: EngineObserver | None = None,
-                 tokenizer=None) -> None:  # fmt: skip
+    def __init__(self, spec: EngineSpec, *, max_queued_requests: int = 1024,
+                 observer: EngineObserver | None = None) -> None:  # fmt: skip
         if max_queued_requests < 1:
-            raise SloserveError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
-        self.engine = engine
-        self.tokenizer = tokenizer if tokenizer is not None else engine.loaded.tokenizer
+            raise ConfigError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
+        self.spec = spec
+        self.tokenizer = spec.tokenizer()
         self.max_queued_requests = max_queued_requests
         self.observer = observer
+        self.info: EngineInfo | None = None
+        self.last_stats: EngineStats | None = None  # as of the engine's last step
         self.draining = False
-        self.error: BaseException | None = None
+        self.error: str | None = None
         self._start = time.perf_counter()
-        self._commands: queue.SimpleQueue[tuple[str, ServedRequest]] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stop = False
-        self._lock = threading.Lock()  # guards the counters below and _next_id
+        self._lock = threading.Lock()  # guards the counters, _served and _next_id
+        # NOTE: sends on the pipe have their own lock, never held with _lock: the reader thread takes
+        # _lock, and a send blocks while the pipe is full, until the engine reads it.
+        self._send_lock = threading.Lock()
         self._all_done = threading.Condition(self._lock)
-        self._num_queued = 0  # accepted, no token yet, not finished
+        self._num_queued = 0  # accepted, no token yet, not ended
         self._num_unfinished = 0  # accepted, no last delta yet
         self._next_id = 0
-        self._live: dict[Request, ServedRequest] = {}  # in the engine (engine thread only)
-        self._num_steps = 0
-        self._thread = threading.Thread(target=self._run, name="sloserve-engine", daemon=True)
+        self._served: dict[int, ServedRequest] = {}
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._conn = None
+        self._reader: threading.Thread | None = None
+        self._scheduler = None  # a scheduler like the engine's, for its admission check (check_fits)
+        self._stopped = threading.Event()
 
-    # --- the caller's side ---------------------------------------------------------------------
+    # --- lifecycle -----------------------------------------------------------------------------
     def clock(self) -> float:
         """Seconds since the engine was made: arrivals, tokens and finishes are on this clock."""
         return time.perf_counter() - self._start
 
-    def start(self) -> None:
-        self._thread.start()
+    @property
+    def max_model_len(self) -> int:
+        assert self.info is not None, "start() first"
+        return self.info.max_model_len
+
+    def start(self) -> EngineInfo:
+        """Start the engine process and wait until its model is loaded."""
+        context = multiprocessing.get_context("spawn")  # NOTE: no fork of a process with threads
+        parent, child = context.Pipe()
+        self._process = context.Process(target=run_core, args=(self.spec, child, self._start), name="sloserve-engine",
+                                        daemon=True)  # fmt: skip
+        self._process.start()
+        child.close()
+        self._conn = parent
+        if not parent.poll(START_TIMEOUT_S):
+            self._process.kill()
+            raise ConfigError(f"the engine process did not start within {START_TIMEOUT_S:.0f} s")
+        try:
+            kind, payload = parent.recv()
+        except EOFError:
+            raise ConfigError(f"the engine process exited with code {self._process.exitcode} while starting") from None
+        if kind == "failed":
+            self._process.join(timeout=STOP_TIMEOUT_S)
+            raise ConfigError(payload)
+        self.info = payload
+        self._scheduler = make_scheduler(
+            self.spec.scheduler, kv_capacity_tokens=payload.kv_capacity_tokens, max_model_len=payload.max_model_len,
+            kv_bytes_per_token=payload.kv_bytes_per_token, swap_space_tokens=payload.swap_space_tokens,
+            options=self.spec.scheduler_options, cost_model=engine_cost_model(self.spec.cost_model),
+        )  # fmt: skip
+        self._reader = threading.Thread(target=self._read, name="sloserve-engine-reader", daemon=True)
+        self._reader.start()
+        return payload
 
     @property
     def num_queued(self) -> int:
@@ -196,6 +211,7 @@ class AsyncLLMEngine:
     def num_unfinished(self) -> int:
         return self._num_unfinished
 
+    # --- requests ------------------------------------------------------------------------------
     def submit(
         self,
         prompt_token_ids: Sequence[int],
@@ -209,32 +225,35 @@ class AsyncLLMEngine:
         ConfigError for a request that can never run (the message names why), QueueFullError,
         ShuttingDownError or EngineDeadError; nothing is queued then."""
         if self.error is not None:
-            raise EngineDeadError(f"the engine failed: {self.error!r}")
+            raise EngineDeadError(f"the engine failed: {self.error}")
         if self.draining:
             raise ShuttingDownError("the server is shutting down and accepts no new requests")
+        assert self.info is not None, "start() first"
         prompt = list(prompt_token_ids)
-        params = self.engine.check_request(prompt, params)
+        params = check_request(prompt, params, max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size,
+                               kv_capacity_tokens=self.info.kv_capacity_tokens)  # fmt: skip
         with self._lock:
             if self._num_queued >= self.max_queued_requests:
                 raise QueueFullError(
                     f"{self._num_queued} requests are waiting for their first token (max_queued_requests "
                     f"{self.max_queued_requests}); retry later"
                 )
-            request_id, self._next_id = self._next_id, self._next_id + 1
-            request = Request(request_id, self.clock(), len(prompt), params.max_tokens, params.max_tokens,
-                              request_class, slo)  # fmt: skip
+            request_id, arrival = self._next_id, self.clock()
             # NOTE: the engine cannot know the output length: max_tokens stands for it, and only an
             # oracle predictor would read it (``sloserve serve`` refuses those).
-            self.engine.scheduler.check_fits(request, len(prompt) + params.max_tokens - 1)
+            probe = Request(request_id, arrival, len(prompt), params.max_tokens, params.max_tokens, request_class, slo)
+            self._scheduler.check_fits(probe, len(prompt) + params.max_tokens - 1)
+            self._next_id += 1
+            served = ServedRequest(request_id, arrival, prompt, params, request_class, slo, asyncio.get_running_loop())
+            self._served[request_id] = served
             self._num_queued += 1
             self._num_unfinished += 1
-        served = ServedRequest(request, prompt, params, Detokenizer(self.tokenizer, stop), asyncio.get_running_loop())
-        self._command("add", served)
+        self._send(("add", AddRequest(request_id, prompt, params, request_class, slo, stop, arrival)))
         return served
 
     def abort(self, served: ServedRequest) -> None:
         """The client went away: end ``served`` ("abort") and free its KV (no-op once it has ended)."""
-        self._command("abort", served)
+        self._send(("abort", served.request_id))
 
     def begin_shutdown(self) -> None:
         """Admit nothing more (``submit`` raises ShuttingDownError); running work goes on."""
@@ -242,153 +261,95 @@ class AsyncLLMEngine:
 
     def drain(self, timeout_s: float) -> bool:
         """Block until every accepted request has ended, at most ``timeout_s``; then abort what is
-        left and stop the engine thread. True when everything finished by itself."""
+        left and stop the engine process. True when everything finished by itself."""
         self.begin_shutdown()
         with self._all_done:
             drained = self._all_done.wait_for(lambda: self._num_unfinished == 0, timeout_s)
-        self._command("abort_all", None)  # type: ignore[arg-type]
-        self.stop()
+        self._send(("abort_all",))
+        with self._all_done:
+            self._all_done.wait_for(lambda: self._num_unfinished == 0, STOP_TIMEOUT_S)
+        self._send(("stop",))
+        self._stopped.wait(STOP_TIMEOUT_S)
+        if self._process is not None:
+            self._process.join(timeout=STOP_TIMEOUT_S)
+            if self._process.is_alive():
+                self._process.kill()
         return drained
 
-    def stop(self) -> None:
-        """Stop the engine thread once nothing in it is unfinished (aborted requests end at once)."""
-        self._stop = True
-        self._wake.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join()
+    def _send(self, message: tuple) -> None:
+        if self._conn is None or self._stopped.is_set():
+            return
+        with self._send_lock:
+            try:
+                self._conn.send(message)
+            except (BrokenPipeError, OSError):  # the process is gone: the reader reports it
+                pass
 
-    def _command(self, kind: str, served: ServedRequest) -> None:
-        self._commands.put((kind, served))
-        self._wake.set()
-
-    # --- the engine thread ---------------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
+    # --- the reader thread ---------------------------------------------------------------------
+    def _read(self) -> None:
         try:
             while True:
-                self._wake.clear()  # NOTE: before reading the commands, so none is missed
-                self._apply_commands()
-                if not engine.has_unfinished():
-                    if self._stop:
-                        return
-                    self._wake.wait()
-                    continue
-                engine.replica.now = self.clock()
-                finished = engine.step()
-                self._publish(finished)
-        except BaseException as exc:  # noqa: BLE001 - every accepted request must still end
-            log.exception("engine thread failed")
-            self.error = exc
-            for served in list(self._live.values()):
-                self._end(served, "error", "")
-            self._live.clear()
-            self._fail_pending()
+                message = self._conn.recv()
+                if message[0] == "step":
+                    self._on_step(message[1], message[2])
+                elif message[0] == "failed":
+                    self._fail(message[1])
+                    return
+                else:  # stopped
+                    return
+        except (EOFError, OSError):
+            if not self.draining:
+                self._fail(f"the engine process exited (code {self._process.exitcode if self._process else None})")
+        finally:
+            self._stopped.set()
 
-    def _fail_pending(self) -> None:
-        while True:
-            try:
-                kind, served = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                self._end(served, "error", "")
-
-    def _apply_commands(self) -> None:
-        while True:
-            try:
-                kind, served = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                request = served.request
-                if self._stop:  # arrived after the shutdown's last call: it never runs
-                    self._end(served, "abort", "")
-                    continue
-                self.engine.add_request(served.prompt_token_ids, served.params, request.arrival_time, request=request)
-                self._live[request] = served
-            elif kind == "abort":
-                self._abort(served)
-            else:  # abort_all
-                for live in list(self._live.values()):
-                    self._abort(live)
-
-    def _abort(self, served: ServedRequest) -> None:
-        if served.finish_reason is None:
-            self._end(served, "abort", "")
-        self.engine.abort(served.request)
-
-    def _publish(self, finished: list[Request]) -> None:
-        """Send every live request the tokens and text this step gave it; release finished ones."""
-        engine = self.engine
-        ended = set(finished)
+    def _on_step(self, outputs: list[Output], stats: EngineStats) -> None:
         outbox: list[tuple[ServedRequest, StreamDelta]] = []
-        for request, served in self._live.items():
-            if served.finish_reason is not None:
-                continue  # ended for its client (stop string, abort): the engine drops it when scheduled
-            seq = engine.executor.sequences[request]
-            new_ids = seq.token_ids[seq.num_prompt_tokens + served.num_output_tokens :]
-            done = request in ended
-            if not new_ids and not done:
+        ended: list[ServedRequest] = []
+        for out in outputs:
+            served = self._served.get(out.request_id)
+            if served is None or served.finish_reason is not None:
                 continue
-            if served.num_output_tokens == 0 and new_ids:
-                served.first_token_time = request.first_token_time if request.num_output_tokens else self.clock()
+            if out.token_ids and served.num_output_tokens == 0:
+                served.first_token_time = out.first_token_time
                 with self._lock:
                     self._num_queued -= 1
-            served.num_output_tokens += len(new_ids)
-            text = served.detokenizer.push(new_ids, finished=done)
-            if served.detokenizer.stopped:
-                if not done:
-                    engine.abort(request)  # NOTE: the stop string ended it: nothing more is computed
-                self._end(served, "stop", text, new_ids, outbox)
-            elif done:
-                self._end(served, seq.finish_reason or "length", text, new_ids, outbox)
-            else:
-                outbox.append((served, StreamDelta(text, new_ids)))
+            served.num_output_tokens += len(out.token_ids)
+            served.last_token_time = out.last_token_time
+            if out.finish_reason is not None:
+                served.finish_reason, served.finish_time = out.finish_reason, out.finish_time
+                ended.append(served)
+            outbox.append((served, StreamDelta(out.text, out.token_ids, out.finish_reason)))
         _deliver(outbox)
-        for request in finished:
-            engine.release(request)
-            del self._live[request]
-        self._num_steps += 1
-        if self._num_steps % MAX_TIMELINE_STEPS == 0:
-            engine.replica.timeline = Timeline()
+        self.last_stats = stats
         if self.observer is not None:
-            self.observer.on_step(self.stats())
+            self.observer.on_step(stats)
+        for served in ended:
+            self._ended(served)
 
-    def _end(self, served: ServedRequest, reason: str, text: str, token_ids: list[int] | None = None,
-             outbox: list[tuple[ServedRequest, StreamDelta]] | None = None) -> None:  # fmt: skip
-        """The last delta of ``served`` (into ``outbox`` when given): exactly once per accepted request."""
-        assert served.finish_reason is None, served.request
-        served.finish_reason = reason
-        served.finish_time = self.clock()
-        delta = StreamDelta(text, token_ids or [], reason)
-        if outbox is None:
-            served._send(delta)
-        else:
-            outbox.append((served, delta))
+    def _ended(self, served: ServedRequest) -> None:
         if self.observer is not None:
             try:
                 self.observer.on_finish(served)
             except Exception:  # noqa: BLE001 - a metrics or log failure must not stop serving
                 log.exception("observer failed on request %d", served.request_id)
         with self._all_done:
+            del self._served[served.request_id]
             if served.num_output_tokens == 0:
                 self._num_queued -= 1
             self._num_unfinished -= 1
             self._all_done.notify_all()
 
-    def stats(self) -> EngineStats:
-        """Requests by state and KV use now (engine thread, or after it stopped)."""
-        counts = {RequestStatus.WAITING: 0, RequestStatus.RUNNING: 0, RequestStatus.SWAPPED: 0}
-        for request in self._live:
-            if request.status in counts:
-                counts[request.status] += 1
-        scheduler = self.engine.scheduler
-        return EngineStats(
-            num_waiting=counts[RequestStatus.WAITING],
-            num_running=counts[RequestStatus.RUNNING],
-            num_swapped=counts[RequestStatus.SWAPPED],
-            kv_used_tokens=scheduler.kv_used_tokens(),
-            kv_allocated_tokens=scheduler.kv.allocated_tokens,
-            kv_capacity_tokens=scheduler.kv.capacity_tokens,
-            num_preemptions=scheduler.num_preemptions,
-        )
+    def _fail(self, reason: str) -> None:
+        """The engine process failed: every request still open ends with "error"."""
+        log.error("engine failed: %s", reason)
+        self.error = reason
+        with self._lock:
+            open_requests = [s for s in self._served.values() if s.finish_reason is None]
+        now = self.clock()
+        for served in open_requests:
+            served.finish_reason, served.finish_time = "error", now
+        _deliver([(s, StreamDelta("", [], "error")) for s in open_requests])
+        for served in open_requests:
+            self._ended(served)
+

@@ -74,6 +74,38 @@ def engine_cost_model(cost_model: str | CostModel | None) -> CostModel:
     return LinearCostModel(get_preset(cost_model) if cost_model in PRESETS else load_preset(cost_model))
 
 
+def check_request(
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    max_model_len: int,
+    vocab_size: int,
+    kv_capacity_tokens: int,
+    where: str = "prompt",
+) -> SamplingParams:
+    """A ConfigError naming ``where`` for a request that cannot run; else its params with ``max_tokens``
+    cut to what the context leaves, as vLLM does."""
+    n = len(prompt_token_ids)
+    if n < 1:
+        raise ConfigError(f"{where}: empty prompt")
+    bad = [t for t in prompt_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab_size)]
+    if bad:
+        raise ConfigError(f"{where}: token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+    if n >= max_model_len:
+        raise ConfigError(
+            f"{where}: {n} prompt tokens leave no room to generate within the model's context of "
+            f"{max_model_len} tokens (max_model_len)"
+        )
+    params = dataclasses.replace(params, max_tokens=min(params.max_tokens, max_model_len - n))
+    peak = n + params.max_tokens - 1
+    if peak > kv_capacity_tokens:
+        raise ConfigError(
+            f"{where}: KV capacity {kv_capacity_tokens} tokens cannot hold one request of "
+            f"{n} prompt tokens + max_tokens {params.max_tokens} - 1 = {peak} tokens"
+        )
+    return params
+
+
 class LLMEngine:
     """A model, a scheduler over a KV cache of ``kv_capacity_tokens`` slots, and the step loop.
 
@@ -125,27 +157,10 @@ class LLMEngine:
 
     # --- requests ------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, where: str = "prompt") -> SamplingParams:
-        """Validate one request; returns its params with ``max_tokens`` cut to the context."""
-        n = len(prompt_token_ids)
-        if n < 1:
-            raise ConfigError(f"{where}: empty prompt")
-        vocab = self.loaded.config.vocab_size
-        bad = [t for t in prompt_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab)]
-        if bad:
-            raise ConfigError(f"{where}: token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        if n >= self.max_model_len:
-            raise ConfigError(
-                f"{where}: {n} prompt tokens leave no room to generate within the model's context of "
-                f"{self.max_model_len} tokens (max_model_len)"
-            )
-        params = dataclasses.replace(params, max_tokens=min(params.max_tokens, self.max_model_len - n))
-        peak = n + params.max_tokens - 1
-        if peak > self.scheduler.kv.capacity_tokens:
-            raise ConfigError(
-                f"{where}: KV capacity {self.scheduler.kv.capacity_tokens} tokens cannot hold one request of "
-                f"{n} prompt tokens + max_tokens {params.max_tokens} - 1 = {peak} tokens"
-            )
-        return params
+        """Validate one request (``check_request``); returns its params with ``max_tokens`` cut to the context."""
+        return check_request(prompt_token_ids, params, max_model_len=self.max_model_len,
+                             vocab_size=self.loaded.config.vocab_size,
+                             kv_capacity_tokens=self.scheduler.kv.capacity_tokens, where=where)  # fmt: skip
 
     def add_request(
         self,

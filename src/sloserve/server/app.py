@@ -122,13 +122,12 @@ class ResponseObjects:
 
 def build_app(engine: AsyncLLMEngine, config: ServerConfig, chat_template: ChatTemplate,
               metrics: ServerMetrics) -> FastAPI:  # fmt: skip
-    """The FastAPI app. Its lifespan starts the engine thread and, at shutdown, drains it."""
+    """The FastAPI app over a started ``engine``; its lifespan drains the engine at shutdown."""
     tokenizer = engine.tokenizer
-    max_model_len = engine.engine.max_model_len
+    max_model_len = engine.max_model_len
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
         yield
         await asyncio.to_thread(engine.drain, 0.0 if engine.error is not None else DRAIN_AT_EXIT_S)
         metrics.close()
@@ -226,7 +225,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, chat_template: ChatT
         if reason == "abort":
             return _error(503, "the request was aborted: the server shut down before it finished", "service_unavailable",
                           code="shutting_down")  # fmt: skip
-        return _error(500, f"the engine failed while serving this request: {engine.error!r}", "server_error",
+        return _error(500, f"the engine failed while serving this request: {engine.error}", "server_error",
                       code="engine_failed")  # fmt: skip
 
     async def stream(served: ServedRequest, objects: ResponseObjects, include_usage: bool) -> AsyncIterator[str]:
@@ -302,7 +301,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, chat_template: ChatT
     @app.get("/health")
     async def health() -> Response:
         if engine.error is not None:
-            return _error(503, f"the engine failed: {engine.error!r}", "service_unavailable", code="engine_failed")
+            return _error(503, f"the engine failed: {engine.error}", "service_unavailable", code="engine_failed")
         if engine.draining:
             return _error(503, "the server is shutting down", "service_unavailable", code="shutting_down")
         return JSONResponse({"status": "ok"})

@@ -1,5 +1,5 @@
-"""``/metrics`` (Prometheus) and the request log of a served engine: the engine thread reports each
-step and each finished request here (``EngineObserver``).
+"""``/metrics`` (Prometheus) and the request log of a served engine: the online engine reports each
+step and each finished request here (``EngineObserver``), from its reader thread.
 
 Latencies use the simulator's definitions (``metrics.summary``): TTFT = first token - arrival,
 TPOT = (last token - first token) / (output tokens - 1), end-to-end = finish - arrival; a request meets
@@ -29,14 +29,13 @@ def served_latencies(served: ServedRequest) -> tuple[float, float, float]:
     """(TTFT, TPOT, end-to-end) in seconds; TPOT is NaN for fewer than two output tokens."""
     ttft = served.first_token_time - served.arrival_time
     n = served.num_output_tokens
-    last = served.request.last_token_time if served.request.num_output_tokens else served.first_token_time
-    tpot = (min(last, served.finish_time) - served.first_token_time) / (n - 1) if n > 1 else math.nan
+    tpot = (served.last_token_time - served.first_token_time) / (n - 1) if n > 1 else math.nan
     return ttft, tpot, served.finish_time - served.arrival_time
 
 
 def slo_met(served: ServedRequest) -> bool:
     ttft, tpot, _ = served_latencies(served)
-    slo = served.request.slo
+    slo = served.slo
     ok = slo.ttft_s is None or ttft <= slo.ttft_s + SLO_TOLERANCE_S
     return ok and (slo.tpot_s is None or math.isnan(tpot) or tpot <= slo.tpot_s + SLO_TOLERANCE_S)
 
@@ -93,7 +92,7 @@ class ServerMetrics:
             self._num_preemptions = stats.num_preemptions
 
     def on_finish(self, served: ServedRequest) -> None:
-        cls = served.request.request_class.value
+        cls = served.request_class.value
         outcome = served.finish_reason or "error"
         self.requests.labels(cls, outcome).inc()
         self.prompt_tokens.inc(served.num_prompt_tokens)
@@ -104,7 +103,7 @@ class ServerMetrics:
             if not math.isnan(tpot):
                 self.tpot.labels(cls).observe(tpot)
             self.e2e.labels(cls).observe(e2e)
-            slo = served.request.slo
+            slo = served.slo
             if slo.ttft_s is not None or slo.tpot_s is not None:
                 met = slo_met(served)
                 self.slo.labels(cls, str(met).lower()).inc()
@@ -120,8 +119,6 @@ class ServerMetrics:
         ``--trace`` (prompt_tokens, output_tokens, arrival_s), so a served day can be simulated. A
         request that ended before its first token (aborted, refused at shutdown) has no output
         length to simulate: /metrics counts it."""
-        request = served.request
-
         def seconds(value: float) -> float | None:
             return None if math.isnan(value) else round(value, 6)
 
@@ -134,9 +131,9 @@ class ServerMetrics:
             "prompt_tokens": served.num_prompt_tokens,
             "output_tokens": served.num_output_tokens,
             "max_tokens": served.params.max_tokens,
-            "request_class": request.request_class.value,
-            "slo_ttft_s": request.slo.ttft_s,
-            "slo_tpot_s": request.slo.tpot_s,
+            "request_class": served.request_class.value,
+            "slo_ttft_s": served.slo.ttft_s,
+            "slo_tpot_s": served.slo.tpot_s,
             "finish_reason": served.finish_reason,
         }
         with self._log_lock:

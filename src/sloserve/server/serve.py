@@ -18,8 +18,7 @@ import uvicorn
 
 from sloserve.core.errors import ConfigError
 from sloserve.engine.async_engine import AsyncLLMEngine
-from sloserve.engine.llm_engine import LLMEngine
-from sloserve.engine.loader import LoadedModel
+from sloserve.engine.engine_core import EngineSpec
 from sloserve.sched.registry import build_config
 from sloserve.server.app import ServerConfig, build_app
 from sloserve.server.chat_template import ChatTemplate
@@ -55,18 +54,23 @@ class ServeOptions:
     log_level: str = "info"
 
 
-def make_app(loaded: LoadedModel, engine: LLMEngine, options: ServeOptions, model_dir: Path | None):
-    """The app serving ``engine``, with its metrics, chat template and online front."""
+def make_app(spec: EngineSpec, options: ServeOptions):
+    """Start the engine of ``spec`` in its process (a ConfigError if it cannot be built) and return
+    the app serving it, with its metrics and the model's chat template."""
     for name in ("rt_ttft_ms", "rt_tpot_ms"):
         value = getattr(options, name)
         if value is not None and not value > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
     if options.max_queued_requests < 1:
         raise ConfigError(f"--max-queued-requests must be >= 1, got {options.max_queued_requests}")
+    check_servable(spec.scheduler, spec.scheduler_options)
+    model_dir = Path(spec.model).expanduser()
+    template = ChatTemplate.for_model(model_dir if model_dir.is_dir() else None)
     metrics = ServerMetrics(options.served_model_name, options.request_log)
-    online = AsyncLLMEngine(engine, max_queued_requests=options.max_queued_requests, observer=metrics)
+    online = AsyncLLMEngine(spec, max_queued_requests=options.max_queued_requests, observer=metrics)
+    online.start()
     config = ServerConfig(options.served_model_name, options.rt_ttft_ms, options.rt_tpot_ms)
-    return build_app(online, config, ChatTemplate.for_model(model_dir), metrics)
+    return build_app(online, config, template, metrics)
 
 
 class DrainingServer(uvicorn.Server):

@@ -1,0 +1,268 @@
+"""The engine's side of the online engine: an ``LLMEngine`` stepping in its own process.
+
+``run_core`` is the process: it builds the engine from an ``EngineSpec``, then applies commands
+between steps, runs the steps on the wall clock and sends one message per step with every request's
+new text and tokens. ``AsyncLLMEngine`` (``async_engine.py``) is the other side, in the server.
+
+NOTE: a process, not a thread: the server's event loop and the engine's Python would otherwise share
+one GIL, and every microsecond the loop spends on a token would be taken from the engine's steps.
+
+Messages over the pipe (pickled tuples):
+
+    server -> core   ("add", AddRequest) | ("abort", request_id) | ("abort_all",) | ("stop",)
+    core -> server   ("ready", EngineInfo) | ("failed", message) | ("step", [Output], EngineStats)
+                     | ("stopped",)
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from sloserve.core.errors import SloserveError
+from sloserve.core.request import SLO, Request, RequestClass, RequestStatus
+from sloserve.engine.config import RANDOM_PREFIX
+from sloserve.engine.detokenizer import Detokenizer
+from sloserve.engine.sampler import SamplingParams
+from sloserve.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+# The replica's timeline (one row per step) is started afresh after this many steps: a server runs
+# for days, and nothing reads the rows of a served run.
+MAX_TIMELINE_STEPS = 100_000
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything needed to build the engine in another process (``LLMEngine``'s arguments)."""
+
+    model: str  # a local HF directory or random:NAME
+    scheduler: str = "vllm"
+    device: str = "cpu"
+    dtype: str = "auto"
+    seed: int = 0
+    attention_backend: str = "auto"
+    cuda_graphs: bool = False
+    kv_capacity_tokens: int | None = None
+    max_model_len: int | None = None
+    cost_model: str | None = None
+    scheduler_options: dict[str, Any] = field(default_factory=dict)
+
+    def build(self):
+        """The engine (loads the model: in the core process)."""
+        from sloserve.engine.llm_engine import LLMEngine
+        from sloserve.engine.loader import load_model
+
+        loaded = load_model(self.model, device=self.device, dtype=self.dtype, seed=self.seed,
+                            attention_backend=self.attention_backend, cuda_graphs=self.cuda_graphs)  # fmt: skip
+        return LLMEngine(loaded, self.scheduler, kv_capacity_tokens=self.kv_capacity_tokens,
+                         max_model_len=self.max_model_len, cost_model=self.cost_model, seed=self.seed,
+                         scheduler_options=self.scheduler_options)  # fmt: skip
+
+    def tokenizer(self) -> ByteTokenizer | HFTokenizer | None:
+        """The model's tokenizer, without loading the model (the server side encodes prompts)."""
+        if self.model.startswith(RANDOM_PREFIX):
+            return ByteTokenizer()
+        return load_tokenizer(Path(self.model).expanduser())
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server needs to validate requests as the engine would."""
+
+    max_model_len: int
+    vocab_size: int
+    kv_capacity_tokens: int
+    swap_space_tokens: int
+    kv_bytes_per_token: int
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams  # max_tokens already cut to the context
+    request_class: RequestClass
+    slo: SLO
+    stop: tuple[str, ...]
+    arrival_time: float  # on the engine clock
+
+
+class Output(NamedTuple):
+    """One request's news from one step; the last has ``finish_reason``."""
+
+    request_id: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    first_token_time: float  # NaN until the first token
+    last_token_time: float
+    finish_time: float  # NaN until finished
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine after a step (for metrics): requests by state and KV in tokens."""
+
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    kv_used_tokens: int  # tokens holding KV
+    kv_allocated_tokens: int  # slots allocated to requests
+    kv_capacity_tokens: int
+    num_preemptions: int  # since the start
+
+
+class _Live:
+    """A request in the engine: its detokenizer and what its client has been sent."""
+
+    __slots__ = ("request", "detokenizer", "num_sent", "ended")
+
+    def __init__(self, request: Request, detokenizer: Detokenizer) -> None:
+        self.request = request
+        self.detokenizer = detokenizer
+        self.num_sent = 0  # output tokens sent
+        self.ended = False  # its last Output went out (stop string, abort): the engine drops it when scheduled
+
+
+class EngineCore:
+    """Applies commands, steps the engine and reports each step (``send``): the core process's loop."""
+
+    def __init__(self, engine, tokenizer, clock_start: float, conn: Connection) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.clock_start = clock_start
+        self.conn = conn
+        self.live: dict[int, _Live] = {}
+        self.stopping = False
+        self.num_steps = 0
+        self._pending: list[Output] = []  # last outputs of aborted requests, sent with the next message
+
+    def clock(self) -> float:
+        """The server's engine clock (``time.perf_counter`` is system-wide on Linux)."""
+        return time.perf_counter() - self.clock_start
+
+    def run(self) -> None:
+        engine, conn = self.engine, self.conn
+        while True:
+            if not engine.has_unfinished():
+                if self.stopping:
+                    conn.send(("stopped",))
+                    return
+                self.apply(conn.recv())  # idle: wait for a command
+            while conn.poll():
+                self.apply(conn.recv())
+            if engine.has_unfinished():
+                engine.replica.now = self.clock()
+                self.publish(engine.step())
+
+    def apply(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            add: AddRequest = command[1]
+            request = Request(add.request_id, add.arrival_time, len(add.prompt_token_ids), add.params.max_tokens,
+                              add.params.max_tokens, add.request_class, add.slo)  # fmt: skip
+            self.engine.add_request(add.prompt_token_ids, add.params, add.arrival_time, request=request)
+            self.live[add.request_id] = _Live(request, Detokenizer(self.tokenizer, add.stop))
+        elif kind == "abort":
+            live = self.live.get(command[1])
+            if live is not None:
+                self.abort(live)
+        elif kind == "abort_all":
+            for live in list(self.live.values()):
+                self.abort(live)
+        elif kind == "stop":
+            self.stopping = True
+        if kind != "add":
+            self.publish([])  # the aborted requests' last outputs go now, not after a step
+
+    def abort(self, live: _Live) -> None:
+        self.engine.abort(live.request)
+        if not live.ended:
+            live.ended = True
+            self._pending.append(self._output(live, "", [], "abort"))
+
+    def _output(self, live: _Live, text: str, token_ids: list[int], finish_reason: str | None) -> Output:
+        r = live.request
+        return Output(r.request_id, text, token_ids, finish_reason, r.first_token_time, r.last_token_time,
+                      self.clock() if finish_reason else float("nan"))  # fmt: skip
+
+    def publish(self, finished: list[Request]) -> None:
+        """Send every live request the tokens and text this step gave it; release finished ones."""
+        engine = self.engine
+        outputs, self._pending = self._pending, []
+        ended = {r.request_id for r in finished}
+        for request_id, live in self.live.items():
+            if live.ended:
+                continue
+            request = live.request
+            seq = engine.executor.sequences[request]
+            new_ids = seq.token_ids[seq.num_prompt_tokens + live.num_sent :]
+            done = request_id in ended
+            if not new_ids and not done:
+                continue
+            live.num_sent += len(new_ids)
+            text = live.detokenizer.push(new_ids, finished=done)
+            reason = None
+            if live.detokenizer.stopped:
+                reason = "stop"
+                if not done:
+                    engine.abort(request)  # NOTE: the stop string ended it: nothing more is computed
+            elif done:
+                reason = seq.finish_reason or "length"
+            live.ended = reason is not None
+            outputs.append(self._output(live, text, new_ids, reason))
+        for request in finished:
+            engine.release(request)
+            del self.live[request.request_id]
+        if finished or outputs:
+            self.num_steps += 1
+            if self.num_steps % MAX_TIMELINE_STEPS == 0:
+                from sloserve.metrics.timeline import Timeline
+
+                engine.replica.timeline = Timeline()
+            self.conn.send(("step", outputs, self.stats()))
+
+    def stats(self) -> EngineStats:
+        counts = {RequestStatus.WAITING: 0, RequestStatus.RUNNING: 0, RequestStatus.SWAPPED: 0}
+        for live in self.live.values():
+            if live.request.status in counts:
+                counts[live.request.status] += 1
+        scheduler = self.engine.scheduler
+        return EngineStats(counts[RequestStatus.WAITING], counts[RequestStatus.RUNNING], counts[RequestStatus.SWAPPED],
+                           scheduler.kv_used_tokens(), scheduler.kv.allocated_tokens, scheduler.kv.capacity_tokens,
+                           scheduler.num_preemptions)  # fmt: skip
+
+
+def run_core(spec: EngineSpec, conn: Connection, clock_start: float) -> None:
+    """The core process: build the engine, say "ready" (or "failed" with the reason), serve commands."""
+    try:
+        engine = spec.build()
+    except SloserveError as e:
+        conn.send(("failed", str(e)))
+        return
+    except BaseException:  # noqa: BLE001 - the server must hear why, whatever it is
+        conn.send(("failed", traceback.format_exc()))
+        return
+    kv = engine.scheduler.kv
+    conn.send(("ready", EngineInfo(engine.max_model_len, engine.loaded.config.vocab_size, kv.capacity_tokens,
+                                   kv.cpu.num_blocks * kv.block_size, _bytes_per_token(engine))))  # fmt: skip
+    core = EngineCore(engine, engine.loaded.tokenizer, clock_start, conn)
+    try:
+        core.run()
+    except (EOFError, BrokenPipeError):  # the server went away
+        return
+    except BaseException:  # noqa: BLE001
+        try:
+            conn.send(("failed", traceback.format_exc()))
+        except (EOFError, BrokenPipeError, OSError):
+            pass
+
+
+def _bytes_per_token(engine) -> int:
+    from sloserve.engine.llm_engine import kv_bytes_per_token
+
+    return kv_bytes_per_token(engine.loaded)
