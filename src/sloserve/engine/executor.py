@@ -1,10 +1,11 @@
 """The real executor: runs a ``SchedulerOutput`` through the model, same interface as ``SimExecutor``.
 
 Per step: the swaps the scheduler decided (swap-outs first, then swap-ins: a step that preempts
-swaps nothing in; then BROS's slot copies, in order), one forward pass over the flat tokens of every chunk and cohort member, and a
-sample for every request whose known tokens are all computed. A request finishes on EOS (unless
-``ignore_eos``), at ``max_tokens``, or when it is scheduled after it was aborted (``Request.aborted``). A recompute-evicted request is refilled from its token list
-(prompt + generated), so nothing is lost.
+swaps nothing in; then BROS's slot copies, in order), one forward pass over the flat tokens of every
+chunk and cohort member, and a sample for every request whose known tokens are all computed. A
+request finishes on EOS (unless ``ignore_eos``), at ``max_tokens``, or when it is scheduled after it
+was aborted (``Request.aborted``: nothing of it is computed). A recompute-evicted request is refilled
+from its token list (prompt + generated), so nothing is lost.
 """
 
 from __future__ import annotations
