@@ -330,13 +330,24 @@ def test_bros_gives_rt_requests_a_lower_ttft_than_be_ones(model_dir):
         server.stop()
 
 
-def test_an_oracle_predictor_is_refused(tmp_path):
+def test_serve_refuses_bad_settings_with_one_line_and_exit_2():
     from click.testing import CliRunner
 
     from sloserve.cli import main
 
-    result = CliRunner().invoke(main, ["serve", "--model", "random:tiny-llama", "--scheduler", "econoserve"])
-    assert result.exit_code == 2 and "--set predictor=histogram" in result.output
+    def serve(*args: str) -> str:
+        result = CliRunner().invoke(main, ["serve", "--model", "random:tiny-llama", *args])
+        assert result.exit_code == 2, result.output
+        return result.output
+
+    assert "--set predictor=histogram" in serve("--scheduler", "econoserve")  # an oracle predictor
+    assert "--rt-ttft-ms must be > 0" in serve("--rt-ttft-ms", "-3")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert "Address already in use" in serve("--port", str(taken.getsockname()[1]))
+    result = CliRunner().invoke(main, ["serve", "--model", "random:no-such-shape"])
+    assert result.exit_code == 2 and "unknown random model shape" in result.output
 
 
 def test_bench_serve_replays_a_trace_against_the_server(server, tmp_path):
@@ -389,3 +400,37 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_bench_serve_sends_a_workloads_classes_and_closed_loop_batches(server, tmp_path):
+    """An RT stream with an SLO and BE batches each sent when the one before it completes: every
+    request completes, the BE ones as best-effort (service_tier flex) and the RT ones with their SLO."""
+    from click.testing import CliRunner
+
+    from sloserve.cli import main
+
+    spec = tmp_path / "mix.yaml"
+    spec.write_text("""name: mix
+streams:
+  - name: rt
+    class: rt
+    source: {uniform: {prompt: [8, 24], output: [4, 8]}}
+    arrival: {process: poisson, rate: 20}
+    num_requests: 10
+    slo: {ttft_s: 5.0, tpot_s: 1.0}
+  - name: be
+    class: be
+    source: {uniform: {prompt: [16, 32], output: [4, 8]}}
+    arrival: {process: closed-batches, batch_size: 4}
+    num_requests: 12
+""")
+    be_before = server.metric("sloserve_requests_total", request_class="be", outcome="length")
+    slo_before = server.metric("sloserve_slo_requests_total", request_class="rt", met="true")
+    result = CliRunner().invoke(main, ["bench-serve", "--base-url", server.url + "/v1", "--model", MODEL,
+                                       "--workload", str(spec), "--vocab-size", str(VOCAB), "--json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert summary["completed"] == 22 and summary["classes"]["be"]["completed"] == 12
+    assert summary["classes"]["rt"]["slo_attainment"] == 1.0
+    assert server.metric("sloserve_requests_total", request_class="be", outcome="length") == be_before + 12
+    assert server.metric("sloserve_slo_requests_total", request_class="rt", met="true") == slo_before + 10

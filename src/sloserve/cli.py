@@ -860,6 +860,7 @@ def serve(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, se
         raise ConfigError(f"--port must be in 1..65535, got {port}")
     if drain_timeout < 0:
         raise ConfigError(f"--drain-timeout must be >= 0, got {drain_timeout}")
+    serve_module.check_address(host, port)
     from sloserve.engine.engine_core import EngineSpec
 
     spec = EngineSpec(options["model"], scheduler, device=options["device"], dtype=options["dtype"], seed=seed,

@@ -8,6 +8,7 @@ second signal exits at once.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,22 @@ class ServeOptions:
     request_log: Path | None = None
     drain_timeout_s: float = 30.0
     log_level: str = "info"
+
+
+def check_address(host: str, port: int) -> None:
+    """A ConfigError when ``host:port`` cannot be bound (in use, or not this machine's), before the
+    model is loaded rather than after."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host!r}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
 def make_app(spec: EngineSpec, options: ServeOptions):
