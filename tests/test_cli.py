@@ -140,3 +140,50 @@ def test_fit_cost_makes_a_preset_that_simulate_uses(tmp_path: Path):
     assert a["jct_s"]["mean"] == pytest.approx(b["jct_s"]["mean"], rel=1e-6)
     bad = run("fit-cost", "--csv", str(tmp_path / "none.csv"), "--layers", "32", "--out", str(preset))
     assert bad.returncode == 2 and "none.csv" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["simulate", "--out", "{file}"], "exists and is not a directory"),
+        (["simulate", "--out", "{file}/sub"], "is a file, not a directory"),
+        (["compare", "--out", "{file}"], "exists and is not a directory"),
+        (["sweep", "--rates", "5", "--out", "{file}"], "exists and is not a directory"),
+        (["simulate", "--slo-ttft", "-1"], "--slo-ttft must be > 0 seconds"),
+        (["simulate", "--slo-jct", "0"], "--slo-jct must be > 0 seconds"),
+        (["simulate", "--num-requests", "100000000000"], "--num-requests must be in 1..10,000,000"),
+        (["simulate", "--num-requests", "0"], "--num-requests must be in 1..10,000,000"),
+        (["simulate", "--rt-rate", "3"], "--rt-rate sets a --workload's RT rate"),
+        (["sweep", "--rates", "5", "--metric", "nonsense", "--out", "{dir}/sweep"], "--metric 'nonsense' is not in"),
+    ],
+)
+def test_bad_options_get_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str):
+    """Each once gave a traceback or ran silently with something else than asked."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    args = [a.format(file=afile, dir=tmp_path) for a in args]
+    defaults = ["--trace", "sharegpt", "--num-requests", "10"] + ([] if "--rates" in args else ["--rate", "5"])
+    proc = run(*args[:1], *defaults, *args[1:])
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_columns_with_a_workload_is_refused_and_prompt_output_columns_are_recognised(tmp_path: Path):
+    proc = run("simulate", "--workload", "bros-sharegpt", "--columns", "prompt=a")
+    assert proc.returncode == 2 and "--columns maps a --trace file's columns" in proc.stderr
+    trace = tmp_path / "t.csv"
+    trace.write_text("prompt,output\n10,5\n20,6\n")
+    proc = run("simulate", "--trace", str(trace), "--offline", "--num-requests", "4", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["completed"] == 4, proc.stderr
+    trace.write_text("question,answer\n10,5\n")
+    proc = run("simulate", "--trace", str(trace), "--offline")
+    assert proc.returncode == 2 and "map one with --columns prompt=NAME" in proc.stderr
+
+
+def test_trace_arrivals_replays_the_trace_as_it_is_unless_asked_for_more(tmp_path: Path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("prompt_tokens,output_tokens,arrival_s\n10,5,0\n20,6,1.0\n30,7,2.5\n")
+    proc = run("simulate", "--trace", str(trace), "--trace-arrivals", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["num_requests"] == 3, proc.stderr
+    proc = run("simulate", "--trace", str(trace), "--trace-arrivals", "--num-requests", "10", "--json")
+    assert json.loads(proc.stdout)["num_requests"] == 10 and "repeats it back to back" in proc.stderr

@@ -217,6 +217,8 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
         LLM(str(tmp_path / "gpt2"))
     with pytest.raises(ConfigError, match="unknown random model shape 'nope'"):
         LLM("random:nope")
+    with pytest.raises(ConfigError, match="max_model_len 5000 is above the model's context of 1024"):
+        LLM("random:tiny-llama", max_model_len=5000)  # once capped silently
     llm = LLM("random:tiny-llama", max_model_len=32)
     with pytest.raises(ConfigError, match="prompt 1: 40 prompt tokens .* context of 32"):
         llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [1] * 40}])

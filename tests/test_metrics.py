@@ -358,3 +358,21 @@ def test_timeline_keeps_recording_order_across_reads():
     assert tl.column("kv_used_tokens").dtype == np.int64
     tl.append(t, 0.5, 3, 1, 2, 3, 7, 7, 0, 1e-6, 1)  # appending after a read goes on in order
     assert tl.column("start_s")[-1] == t and len(tl) == len(expected_starts) + 1
+
+
+def test_writing_outputs_removes_the_temporaries_of_killed_writers_only(tmp_path: Path):
+    """A writer killed mid-write (kill -9) leaves its hidden temporary folder; the next write in the
+    same place removes it, and leaves a live writer's alone."""
+    import os
+
+    from sloserve.metrics.outputs import TMP_PREFIX, write_run_outputs
+
+    dead = tmp_path / f"{TMP_PREFIX}999999999-abc"  # above any pid_max: no such process
+    live = tmp_path / f"{TMP_PREFIX}{os.getpid()}-xyz"
+    for folder in (dead, live):
+        folder.mkdir()
+        (folder / "summary.json").write_text("{}")
+    request = Request(0, 0.0, 10, 2, 2)
+    write_run_outputs(tmp_path / "run", {"completed": 0}, [request], Timeline(), plots=False)
+    assert not dead.exists() and live.exists() and (tmp_path / "run" / "summary.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "run"])

@@ -49,3 +49,12 @@ def test_greedy_rows_take_the_argmax_and_rows_do_not_depend_on_each_other():
     assert tokens[0] == int(logits[0].argmax()) and tokens[3] == int(logits[3].argmax())
     for i in range(6):  # each row alone, with a generator in the same state, samples the same token
         assert sample(logits[i : i + 1], [params[i]], [np.random.default_rng(i)]) == [tokens[i]]
+
+
+@pytest.mark.parametrize("temperature", [float("inf"), float("nan"), -0.5])
+def test_a_temperature_that_is_not_a_finite_number_at_least_0_is_refused(temperature):
+    """inf once sampled uniformly at random, silently."""
+    from sloserve.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="temperature must be a finite number >= 0"):
+        SamplingParams(temperature=temperature)

@@ -52,7 +52,8 @@ def _workload_options(fn: Callable) -> Callable:
         click.option("--burstiness", type=float, help="Gamma arrivals with this coefficient of variation."),
         click.option("--trace-arrivals", is_flag=True, help="Replay the trace's own timestamps."),
         click.option("--offline", is_flag=True, help="All requests arrive at t=0."),
-        click.option("--num-requests", type=int, default=None, help="Requests to sample [1000 with --trace]."),
+        click.option("--num-requests", type=int, default=None,
+                     help="Requests to sample [1000 with --trace; its rows, at most 1000, with --trace-arrivals]."),
         click.option("--max-tokens", type=int, help="Per-request max_tokens (default: context - prompt)."),
         click.option("--slo-ttft", type=float, help="TTFT SLO in seconds for --trace requests."),
         click.option("--slo-tpot", type=float, help="TPOT SLO in seconds for --trace requests."),
@@ -105,10 +106,35 @@ class Setup:
         return _make_workload(self.options, self.model.max_context_len, rate)
 
 
+# Most requests one run may ask for (a run keeps a few hundred bytes per request).
+MAX_NUM_REQUESTS = 10_000_000
+
+
+def _check_workload_options(o: dict[str, Any]) -> None:
+    """One ConfigError for options that are out of range or that the chosen source would ignore."""
+    n = o["num_requests"]
+    if n is not None and not 1 <= n <= MAX_NUM_REQUESTS:
+        raise ConfigError(f"--num-requests must be in 1..{MAX_NUM_REQUESTS:,}, got {n:,}")
+    for name in ("slo_ttft", "slo_tpot", "slo_jct"):
+        if o[name] is not None and not o[name] > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got {o[name]}")
+    if o["workload"]:
+        for name, what in (("columns", "--columns maps a --trace file's columns; a workload spec names its own "
+                                       "sources (columns: in the spec)"),
+                           ("slo_ttft", "--slo-ttft applies to --trace; a workload spec sets each stream's slo"),
+                           ("slo_tpot", "--slo-tpot applies to --trace; a workload spec sets each stream's slo"),
+                           ("slo_jct", "--slo-jct applies to --trace; a workload spec sets each stream's slo")):
+            if o[name] is not None:
+                raise ConfigError(what)
+    elif o["rt_rate"] is not None:
+        raise ConfigError("--rt-rate sets a --workload's RT rate; with --trace, use --rate")
+
+
 def _make_workload(o: dict[str, Any], context_len: int, rate: float | None = None):
     """The workload the --trace / --workload options describe, clipped to ``context_len``."""
-    from sloserve.workload import build_workload, load_workload_spec, with_rt_rate, workload_from_trace
+    from sloserve.workload import build_workload, load_workload_spec, load_trace, with_rt_rate, workload_from_trace
 
+    _check_workload_options(o)
     if o["workload"]:
         if o["trace"]:
             raise ConfigError("give --trace or --workload, not both")
@@ -122,9 +148,18 @@ def _make_workload(o: dict[str, Any], context_len: int, rate: float | None = Non
     if not o["trace"]:
         raise ConfigError("give --trace NAME|PATH or --workload SPEC")
     slo = {"ttft_s": o["slo_ttft"], "tpot_s": o["slo_tpot"], "jct_s": o["slo_jct"]}
+    num_requests = o["num_requests"]
+    if o["trace_arrivals"]:
+        # NOTE: a replay takes the trace's rows as they are; more than it has repeats it back to back.
+        rows = len(load_trace(o["trace"], _parse_columns(o["columns"])))
+        if num_requests is None:
+            num_requests = min(rows, 1000)
+        elif num_requests > rows:
+            click.echo(f"note: the trace has {rows:,} rows; --trace-arrivals repeats it back to back for "
+                       f"{num_requests:,} requests", err=True)  # fmt: skip
     return workload_from_trace(
         o["trace"],
-        num_requests=o["num_requests"] or 1000,
+        num_requests=num_requests or 1000,
         seed=o["seed"],
         context_len=context_len,
         rate=rate if rate is not None else o["rate"],
@@ -333,6 +368,29 @@ class _progress:
             self._bar.stop()
 
 
+def _has_metric(summary: dict, metric: str) -> bool:
+    """``metric`` (a key or dotted path, as ``metrics.metric_value`` reads it) names a number or stats."""
+    node: Any = summary
+    for part in metric.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return node is None or isinstance(node, (int, float)) or (isinstance(node, dict) and "mean" in node)
+
+
+def _check_out(out: Path | None) -> None:
+    """--out must be a directory or a path that can become one (checked before a run, not after)."""
+    if out is None:
+        return
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a directory")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"--out {out}: {parent} is a file, not a directory")
+            break
+
+
 def _public(summary: dict) -> dict:
     return {k: v for k, v in summary.items() if not k.startswith("_")}
 
@@ -378,6 +436,7 @@ def simulate(scheduler: str, set_pairs: tuple[str, ...], out: Path | None, as_js
     """Simulate one scheduler on a workload."""
     from sloserve.sched import parse_set_options
 
+    _check_out(out)
     set_options = parse_set_options(set_pairs)
     setup = _setup(options)
     workload = setup.make_workload()
@@ -404,6 +463,7 @@ def compare(schedulers: str, set_pairs: tuple[str, ...], out: Path | None, as_js
     from sloserve.metrics import compare_table, summary_to_json
     from sloserve.metrics.plots import plot_compare_bars
 
+    _check_out(out)
     names = _scheduler_list(schedulers)
     per_scheduler = _split_set_options(set_pairs, names)
     setup = _setup(options)
@@ -452,6 +512,7 @@ def sweep(rates: str, schedulers: str, set_pairs: tuple[str, ...], metric: str, 
     from sloserve.metrics import summary_to_json, sweep_table
     from sloserve.metrics.plots import plot_sweep
 
+    _check_out(out)
     try:
         rate_values = [float(r) for r in rates.split(",") if r.strip()]
     except ValueError:
@@ -466,6 +527,10 @@ def sweep(rates: str, schedulers: str, set_pairs: tuple[str, ...], metric: str, 
         workload = setup.make_workload(rate)
         for name in names:
             summary = _run_one(setup, name, per_scheduler[name], workload, progress=True)
+            if not _has_metric(summary, metric):
+                numeric = [k for k, v in summary.items() if not k.startswith("_") and
+                           (isinstance(v, (int, float)) or (isinstance(v, dict) and "mean" in v))]  # fmt: skip
+                raise ConfigError(f"--metric {metric!r} is not in the summary; e.g. {', '.join(numeric)}")
             results[name].append((rate, _public(summary)))
     out.mkdir(parents=True, exist_ok=True)
     plot_sweep(results, out / f"sweep_{metric}.png", metric=metric, logy=True)
@@ -622,6 +687,7 @@ def experiment(name: str, out: Path, quick: bool, trace: str | None) -> None:
     next to ours. Names: see `sloserve experiment list`."""
     from sloserve.experiments import EXPERIMENTS
 
+    _check_out(out)
     if name == "list":
         for key, fn in EXPERIMENTS.items():
             click.echo(f"{key}: {(fn.__doc__ or '').strip().splitlines()[0] if fn.__doc__ else ''}")
@@ -710,6 +776,7 @@ def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virt
     from sloserve.metrics import summarize
     from sloserve.sched import parse_set_options
 
+    _check_out(out)
     set_options = parse_set_options(set_pairs)
     loaded = _load_engine_model(options)
     from sloserve.engine.llm_engine import LLMEngine, run_requests, synthetic_prompt
@@ -894,6 +961,7 @@ def bench_serve(base_url: str, served_model: str, max_model_len: int | None, voc
     trace's lengths, max_tokens = its output lengths with ignore_eos) and measure TTFT, TPOT,
     inter-token and end-to-end latency as the client sees them."""
     bench = _import_server("bench")
+    _check_out(out)
     if vocab_size < 1:
         raise ConfigError(f"--vocab-size must be >= 1, got {vocab_size}")
     if not timeout_s > 0:

@@ -47,11 +47,18 @@ def kv_bytes_per_token(loaded: LoadedModel) -> int:
 
 
 def resolve_max_model_len(config: ModelConfig, max_model_len: int | None) -> int:
-    """The context the engine serves: ``max_model_len`` capped by the model's positions."""
-    resolved = min(config.max_position_embeddings, max_model_len or config.max_position_embeddings)
-    if resolved < 2:
+    """The context the engine serves: ``max_model_len``, or the model's positions when not given.
+    Beyond the model's positions is refused, as vLLM does (the rotary or learned positions end there)."""
+    if max_model_len is None:
+        return config.max_position_embeddings
+    if max_model_len < 2:
         raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
-    return resolved
+    if max_model_len > config.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len {max_model_len} is above the model's context of {config.max_position_embeddings} "
+            "tokens (max_position_embeddings in its config)"
+        )
+    return max_model_len
 
 
 def default_kv_capacity(loaded: LoadedModel, max_model_len: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,8 +29,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ConfigError(f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise ConfigError(f"SamplingParams.temperature must be >= 0, got {self.temperature!r}")
+        if not 0 <= self.temperature < math.inf:  # NOTE: inf would sample uniformly, NaN nothing sensible
+            raise ConfigError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
 

@@ -57,6 +57,25 @@ def write_columns_csv(path: Path, columns: dict[str, np.ndarray]) -> None:
         writer.writerows(zip(*cells))
 
 
+# Temporary folders of write_run_outputs: TMP_PREFIX, the writing process's id, "-", a random part.
+TMP_PREFIX = ".sloserve-"
+
+
+def remove_stale_temporaries(folder: Path) -> None:
+    """Remove the temporary folders that writers killed mid-write (kill -9) left in ``folder``: those
+    whose process is gone. A live writer's folder is kept."""
+    for path in folder.glob(f"{TMP_PREFIX}*-*"):
+        pid = path.name[len(TMP_PREFIX) :].split("-", 1)[0]
+        if not (path.is_dir() and pid.isdigit()):
+            continue
+        try:
+            os.kill(int(pid), 0)  # signal 0: only asks whether the process exists
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
 def write_run_outputs(
     out_dir: Path,
     summary: dict,
@@ -75,7 +94,8 @@ def write_run_outputs(
     """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".sloserve-"))
+    remove_stale_temporaries(out_dir.parent)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f"{TMP_PREFIX}{os.getpid()}-"))
     try:
         (tmp / "summary.json").write_text(summary_to_json(summary))
         table = request_table(requests)

@@ -37,9 +37,9 @@ from sloserve.core.errors import ConfigError, UnknownNameError
 
 ROLES = ("prompt", "output", "arrival")
 DEFAULT_COLUMNS: dict[str, tuple[str, ...]] = {
-    "prompt": ("num_prefill_tokens", "prompt_tokens", "input_length", "ContextTokens"),
-    "output": ("num_decode_tokens", "output_tokens", "output_length", "GeneratedTokens"),
-    "arrival": ("arrived_at", "arrival_s", "timestamp"),
+    "prompt": ("num_prefill_tokens", "prompt_tokens", "input_length", "ContextTokens", "prompt", "input"),
+    "output": ("num_decode_tokens", "output_tokens", "output_length", "GeneratedTokens", "output"),
+    "arrival": ("arrived_at", "arrival_s", "timestamp", "arrival"),
 }
 _SUFFIXES = ".csv, .csv.gz, .jsonl, .jsonl.gz"
 
@@ -304,7 +304,7 @@ def _resolve(
         elif role != "arrival":
             raise ConfigError(
                 f"{label}: no {role}-length column (tried {', '.join(DEFAULT_COLUMNS[role])}); "
-                f"columns present: {', '.join(header)}; map one with columns={{'{role}': NAME}}"
+                f"columns present: {', '.join(header)}; map one with --columns {role}=NAME"
             )
     return names
 
