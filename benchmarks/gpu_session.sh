@@ -7,6 +7,10 @@
 #                                             # graphs vs eager, the engine vs HF greedy tokens on CUDA
 #   bash benchmarks/gpu_session.sh speed      # engine_speed.py: decode MBU (eager and graphed), prefill MFU
 #   bash benchmarks/gpu_session.sh fidelity   # fidelity.py with CUDA graphs: profile, run, simulate
+#   bash benchmarks/gpu_session.sh serve      # serve_overhead.py and serve_fidelity.py (issue 27) on
+#                                             # random:llama-3-8b; needs the serve extra's packages
+#                                             # (fastapi, uvicorn, aiohttp, prometheus-client, jinja2),
+#                                             # which the device image may lack: carry their wheels
 #
 # Each stage's log goes to $OUT (the device tool's output folder) or ./gpu-logs.
 set -euo pipefail
@@ -30,8 +34,19 @@ case "${1:-}" in
     python3 benchmarks/fidelity.py --cuda-graphs --out /tmp/fidelity 2>&1 | tee "$out/fidelity.log"
     cp /tmp/fidelity/preset.json "$out/fidelity-preset.json"
     ;;
+  serve)
+    python3 -c "import fastapi, uvicorn, aiohttp, prometheus_client, jinja2" || {
+      echo "the serve stage needs the serve extra: pip install --no-deps the wheels of fastapi, uvicorn, aiohttp, prometheus-client, jinja2" >&2
+      exit 2
+    }
+    model=(--model random:llama-3-8b --device cuda --dtype bfloat16 --max-model-len 4096 --kv-capacity-tokens 131072)
+    python3 benchmarks/serve_overhead.py "${model[@]}" --no-pin --num-requests 1000 --rate 8 2>&1 | tee "$out/serve_overhead.log"
+    python3 benchmarks/serve_fidelity.py "${model[@]}" --no-pin --num-requests 1000 \
+      --prefill-chunks 32,64,128,256,512,1024,2048,4096 --context-lens 0,512,2048 \
+      --batch-sizes 1,2,4,8,16,32,64,128,256 --decode-kv-lens 128,512,2048 2>&1 | tee "$out/serve_fidelity.log"
+    ;;
   *)
-    echo "usage: $0 tests|speed|fidelity" >&2
+    echo "usage: $0 tests|speed|fidelity|serve" >&2
     exit 2
     ;;
 esac

@@ -23,6 +23,7 @@ and the API server has cores of its own).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import subprocess
@@ -156,12 +157,19 @@ def main() -> None:
     loaded = load_model(args.model, device=args.device, dtype=args.dtype, seed=args.seed)
     loads = {"offline": workload(args, True, args.num_requests), "light": workload(args, False, args.light_requests)}
     local = {name: in_process(args, loaded, reqs) for name, reqs in loads.items()}
+    vocab_size = loaded.config.vocab_size
+    del loaded  # NOTE: the server loads its own copy: on a GPU, free this one's memory first
+    gc.collect()
+    if args.device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
     port = free_port()
     proc = start_server(args, port)
     if args.pin:
         os.sched_setaffinity(0, {1})
     try:
-        remote = {name: served(args, f"http://127.0.0.1:{port}/v1", loaded.config.vocab_size, reqs)
+        remote = {name: served(args, f"http://127.0.0.1:{port}/v1", vocab_size, reqs)
                   for name, reqs in loads.items()}  # fmt: skip
     finally:
         proc.terminate()
