@@ -20,7 +20,7 @@ $(VENV)/.engine: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(BIN)/sloserve compare --trace sharegpt --schedulers vllm,sarathi,orca \
-		--model llama-2-7b --gpu a100 --rate 9 --num-requests 2000 --seed 0 --out demo-out
+		--model llama-2-7b --gpu a100 --rate 9 --num-requests 2000 --slo-ttft 1 --slo-tpot 0.1 --seed 0 --out demo-out
 
 test: $(VENV)/.engine
 	$(BIN)/python -m pytest

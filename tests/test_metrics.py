@@ -376,3 +376,18 @@ def test_writing_outputs_removes_the_temporaries_of_killed_writers_only(tmp_path
     write_run_outputs(tmp_path / "run", {"completed": 0}, [request], Timeline(), plots=False)
     assert not dead.exists() and live.exists() and (tmp_path / "run" / "summary.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "run"])
+
+
+def test_the_table_shows_no_slo_attainment_when_no_request_had_an_slo():
+    """Without SLOs the attainment counts only completions: the table shows "-", not 100."""
+    from sloserve.metrics import compare_table
+
+    def slo_cell(summary: dict) -> str:
+        table = compare_table({"x": summary}, "t")
+        column = next(c for c in table.columns if c.header == "SLO %")
+        return list(column.cells)[0]
+
+    without = run_summary(three_requests())
+    assert without["num_with_slo"] == 0 and without["slo_attainment"] == 1.0 and slo_cell(without) == "-"
+    with_slo = run_summary([make_request(0, 0.0, [1.0, 2.0], slo=SLO(ttft_s=0.5))])
+    assert with_slo["num_with_slo"] == 1 and slo_cell(with_slo) == "0"

@@ -188,6 +188,9 @@ def _request_metrics(table: dict[str, np.ndarray], mask: np.ndarray, duration_s:
     for metric in LATENCY_METRICS:
         out[metric] = latency_stats(table[metric][done])
     out["slo_attainment"] = met / num if num else None
+    # Requests with at least one SLO: with none, attainment only counts completions (tables show "-").
+    with_slo = ~(np.isnan(table["slo_ttft_s"]) & np.isnan(table["slo_tpot_s"]) & np.isnan(table["slo_jct_s"]))
+    out["num_with_slo"] = int((mask & with_slo).sum())
     out["goodput_rps"] = _ratio(met, duration_s)
     out["jct_breakdown_s"] = {
         part: _float(table[f"{part}_s"][done].mean()) if completed else None

@@ -46,12 +46,15 @@ def compare_table(summaries: dict[str, dict], title: str) -> Table:
         widest = max(len(line) for line in header.splitlines())
         table.add_column(header, justify="right", min_width=widest)
     for name, summary in summaries.items():
-        cells = [
-            format_number(metric_value(summary, metric, stat) * scale)
-            for _, metric, stat, scale in COMPARE_COLUMNS
-        ]
+        cells = [_cell(summary, metric, stat, scale) for _, metric, stat, scale in COMPARE_COLUMNS]
         table.add_row(name, *cells)
     return table
+
+
+def _cell(summary: dict, metric: str, stat: str, scale: float) -> str:
+    if metric == "slo_attainment" and summary.get("num_with_slo") == 0:
+        return "-"  # NOTE: no request had an SLO: the attainment would only count completions
+    return format_number(metric_value(summary, metric, stat) * scale)
 
 
 def sweep_table(
