@@ -129,7 +129,7 @@ class _Live:
 
 
 class EngineCore:
-    """Applies commands, steps the engine and reports each step (``send``): the core process's loop."""
+    """Applies commands, steps the engine and reports each step over its pipe: the core process's loop."""
 
     def __init__(self, engine, tokenizer, clock_start: float, conn: Connection) -> None:
         self.engine = engine
