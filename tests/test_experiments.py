@@ -25,6 +25,9 @@ def test_infermax_fig4_quick_reproduces_low_contention(tmp_path):
 def test_experiment_list_and_unknown_name():
     listed = run("experiment", "list")
     assert listed.returncode == 0 and "infermax-fig15" in listed.stdout
+    for line in listed.stdout.splitlines():  # every experiment says what it is, in full
+        name, _, description = line.partition(": ")
+        assert description.rstrip().endswith(".") and len(description) > 20, line
     bad = run("experiment", "nope")
     assert bad.returncode == 2 and "unknown experiment 'nope'; valid: bros-fig10, bros-fig13, bros-fig14, econoserve-fig13, econoserve-fig15, econoserve-fig9, infermax-fig10" in bad.stderr
 

@@ -578,11 +578,28 @@ def schedulers() -> None:
 @main.command()
 def hardware() -> None:
     """List the bundled model and GPU specs and the cost-model presets."""
+    from rich.table import Table
+
     from sloserve.cost import GPUS, MODELS, list_presets
 
-    click.echo("models: " + ", ".join(sorted(MODELS)))
-    click.echo("gpus: " + ", ".join(sorted(GPUS)))
-    click.echo("cost-model presets: " + ", ".join(list_presets()) + ", roofline")
+    models = Table(title="models (--model)")
+    for header in ("name", "params (B)", "layers", "hidden", "heads / KV heads", "context", "KV KiB/token"):
+        models.add_column(header, justify="left" if header == "name" else "right")
+    for name in sorted(MODELS):
+        m = MODELS[name]
+        models.add_row(name, f"{m.num_params / 1e9:.1f}", str(m.num_layers), f"{m.hidden_size:,}",
+                       f"{m.num_attention_heads} / {m.num_kv_heads}", f"{m.max_context_len:,}",
+                       f"{m.kv_bytes_per_token / 1024:g}")  # fmt: skip
+    gpus = Table(title="GPUs (--gpu)")
+    for header in ("name", "memory GB", "BF16 TFLOP/s", "HBM TB/s", "PCIe GB/s", "NVLink GB/s"):
+        gpus.add_column(header, justify="left" if header == "name" else "right")
+    for name in sorted(GPUS):
+        g = GPUS[name]
+        gpus.add_row(name, f"{g.memory_bytes / 1e9:g}", f"{g.peak_flops / 1e12:g}", f"{g.hbm_bandwidth / 1e12:g}",
+                     f"{g.pcie_bandwidth / 1e9:g}", f"{g.interconnect_bandwidth / 1e9:g}")  # fmt: skip
+    _print_table(models)
+    _print_table(gpus)
+    click.echo("cost-model presets (--cost-model): " + ", ".join(list_presets()) + ", roofline, or a JSON file")
 
 
 @main.command()
@@ -690,7 +707,8 @@ def experiment(name: str, out: Path, quick: bool, trace: str | None) -> None:
     _check_out(out)
     if name == "list":
         for key, fn in EXPERIMENTS.items():
-            click.echo(f"{key}: {(fn.__doc__ or '').strip().splitlines()[0] if fn.__doc__ else ''}")
+            summary = (fn.__doc__ or "").strip().split("\n\n")[0]  # the docstring's first paragraph
+            click.echo(f"{key}: {' '.join(summary.split())}")
         return
     if name not in EXPERIMENTS:
         raise UnknownNameError("experiment", name, list(EXPERIMENTS))
@@ -790,7 +808,7 @@ def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virt
     rng = np.random.default_rng(options["seed"])
     prompts = [synthetic_prompt(r.num_prompt_tokens, loaded.config.vocab_size, rng) for r in requests]
     params = [SamplingParams(max_tokens=r.true_output_tokens, temperature=0, ignore_eos=True) for r in requests]
-    with _progress(len(requests), f"{scheduler} (engine)", enabled=not as_json) as on_progress:
+    with _progress(len(requests), f"{scheduler} (engine)", enabled=True) as on_progress:  # stderr: --json is safe
         wall = run_requests(engine, requests, prompts, params, wall_clock=not virtual_clock, chains=chains,
                             on_progress=on_progress)  # fmt: skip
     kv = engine.scheduler.kv

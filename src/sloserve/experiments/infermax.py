@@ -323,9 +323,19 @@ def _plot_bars(rows: list[dict], path: Path, metric: str, title: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def fig4(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
+    """Figure 4: the Table 1 schedulers on fixed I/O grids with B = 32 requests (no evictions)."""
+    return fig4_5(out, quick, 32)
+
+
+def fig5(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
+    """Figures 5-6: the Table 1 schedulers on fixed I/O grids with B = 1024 requests (evictions)."""
+    return fig4_5(out, quick, 1024)
+
+
 EXPERIMENTS: dict[str, Callable[..., tuple[list[dict], list[str]]]] = {
-    "infermax-fig4": lambda out, quick: fig4_5(out, quick, 32),
-    "infermax-fig5": lambda out, quick: fig4_5(out, quick, 1024),
+    "infermax-fig4": fig4,
+    "infermax-fig5": fig5,
     "infermax-fig8": fig8,
     "infermax-fig9": fig9,
     "infermax-fig10": fig10_12,
