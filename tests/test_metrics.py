@@ -391,3 +391,20 @@ def test_the_table_shows_no_slo_attainment_when_no_request_had_an_slo():
     assert without["num_with_slo"] == 0 and without["slo_attainment"] == 1.0 and slo_cell(without) == "-"
     with_slo = run_summary([make_request(0, 0.0, [1.0, 2.0], slo=SLO(ttft_s=0.5))])
     assert with_slo["num_with_slo"] == 1 and slo_cell(with_slo) == "0"
+
+
+def test_the_compare_table_fits_an_80_column_terminal_by_turning_to_a_row_per_metric():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from sloserve.metrics import compare_table
+
+    summaries = {name: run_summary(three_requests()) for name in ("vllm", "sarathi", "econoserve-sdo")}
+    for width in (80, 160):
+        text = StringIO()
+        Console(file=text, width=width).print(compare_table(summaries, "t", width))
+        lines = text.getvalue().splitlines()
+        assert max(len(line) for line in lines) <= width and "…" not in text.getvalue()
+        rows = [line for line in lines if line.startswith("│")]
+        assert len(rows) == (13 if width == 80 else 3)  # a row per metric, or per scheduler

@@ -411,17 +411,25 @@ def _report(scheduler: str, summary: dict, workload, out: Path | None, as_json: 
     if as_json:
         click.echo(summary_to_json(_public(summary)))
         return
-    _print_table(compare_table({scheduler: summary}, title))
+    _print_table(compare_table({scheduler: summary}, title, _table_width()))
     if workload.num_clipped:
         click.echo(f"note: {workload.num_clipped} requests clipped to the model context: {workload.clipped_details}")
     if out is not None:
         click.echo(f"wrote {out}/summary.json, requests.csv, timeline.csv and plots")
 
 
+def _table_width() -> int:
+    """The terminal's width; 160 when stdout is a file or a pipe (nothing wraps lines there)."""
+    from rich.console import Console
+
+    console = Console()
+    return console.width if console.is_terminal else 160
+
+
 def _print_table(table) -> None:
     from rich.console import Console
 
-    Console(width=max(160, Console().width)).print(table)
+    Console(width=_table_width()).print(table)
 
 
 # --- commands ------------------------------------------------------------------------------------
@@ -477,7 +485,7 @@ def compare(schedulers: str, set_pairs: tuple[str, ...], out: Path | None, as_js
     if as_json:
         click.echo(summary_to_json({n: _public(s) for n, s in summaries.items()}))
     else:
-        _print_table(compare_table(summaries, f"{workload.name}, {len(workload)} requests"))
+        _print_table(compare_table(summaries, f"{workload.name}, {len(workload)} requests", _table_width()))
         if out is not None:
             click.echo(f"wrote {out}/<scheduler>/ and {out}/compare.png")
 
@@ -1009,7 +1017,7 @@ def bench_serve(base_url: str, served_model: str, max_model_len: int | None, voc
     from sloserve.metrics import compare_table
 
     _print_table(compare_table({served_model: summary}, f"bench-serve: {base_url}, {workload.name}, "
-                               f"{len(requests)} requests"))  # fmt: skip
+                               f"{len(requests)} requests", _table_width()))  # fmt: skip
     if out is not None:
         click.echo(f"wrote {out}/summary.json, requests.csv and latency_cdf.png")
 

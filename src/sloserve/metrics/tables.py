@@ -38,8 +38,16 @@ def format_number(value: float) -> str:
     return f"{value:.3g}"
 
 
-def compare_table(summaries: dict[str, dict], title: str) -> Table:
-    """One row per scheduler (``summaries`` maps its name to a ``summarize`` result)."""
+# Narrower than this, the compare table is printed transposed (a row per metric): its 14 columns
+# would otherwise be folded into unreadable cells.
+WIDE_TABLE_COLUMNS = 150
+
+
+def compare_table(summaries: dict[str, dict], title: str, width: int | None = None) -> Table:
+    """One row per scheduler (``summaries`` maps its name to a ``summarize`` result); for a ``width``
+    under ``WIDE_TABLE_COLUMNS`` characters, one row per metric and a column per scheduler."""
+    if width is not None and width < WIDE_TABLE_COLUMNS:
+        return _transposed_compare_table(summaries, title)
     table = Table(title=title)
     table.add_column("scheduler", style="bold", overflow="fold")
     for header, *_ in COMPARE_COLUMNS:
@@ -48,6 +56,17 @@ def compare_table(summaries: dict[str, dict], title: str) -> Table:
     for name, summary in summaries.items():
         cells = [_cell(summary, metric, stat, scale) for _, metric, stat, scale in COMPARE_COLUMNS]
         table.add_row(name, *cells)
+    return table
+
+
+def _transposed_compare_table(summaries: dict[str, dict], title: str) -> Table:
+    table = Table(title=title)
+    table.add_column("metric")
+    for name in summaries:
+        table.add_column(name, justify="right", overflow="fold")
+    for header, metric, stat, scale in COMPARE_COLUMNS:
+        table.add_row(" ".join(header.replace("-\n", "").split()),
+                      *(_cell(summary, metric, stat, scale) for summary in summaries.values()))  # fmt: skip
     return table
 
 
