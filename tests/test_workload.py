@@ -332,3 +332,15 @@ def test_with_rt_rate_sets_the_rate_even_to_the_current_one():
     assert next(s.arrival.rate for s in with_rt_rate(spec, 7.0).streams if s.request_class.value == "rt") == 7.0
     with pytest.raises(ConfigError, match="no Poisson or gamma RT stream"):
         with_rt_rate(load_workload_spec("azure-conv-trace"), 2.0)
+
+
+def test_closed_loop_batches_release_the_next_batch_when_the_last_of_one_is_done():
+    from sloserve.core.request import Request
+    from sloserve.workload.closed_loop import ClosedLoopBatches
+
+    r = [Request(i, 0.0, 4, 2, 2) for i in range(5)]
+    loop = ClosedLoopBatches([[[r[0], r[1]], [r[2], r[3]], [r[4]]]])
+    assert [loop.arrives_on_its_own(x) for x in r] == [True, True, False, False, False]
+    assert loop.done(r[1]) == () and list(loop.done(r[0])) == [r[2], r[3]]
+    assert loop.done(r[3]) == () and list(loop.done(r[2])) == [r[4]]
+    assert loop.done(r[4]) == ()  # the chain's last batch releases nothing

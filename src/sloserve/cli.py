@@ -119,13 +119,13 @@ def _check_workload_options(o: dict[str, Any]) -> None:
         if o[name] is not None and not o[name] > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got {o[name]}")
     if o["workload"]:
-        for name, what in (("columns", "--columns maps a --trace file's columns; a workload spec names its own "
-                                       "sources (columns: in the spec)"),
-                           ("slo_ttft", "--slo-ttft applies to --trace; a workload spec sets each stream's slo"),
-                           ("slo_tpot", "--slo-tpot applies to --trace; a workload spec sets each stream's slo"),
-                           ("slo_jct", "--slo-jct applies to --trace; a workload spec sets each stream's slo")):
+        if o["columns"] is not None:
+            raise ConfigError("--columns maps a --trace file's columns; a workload spec names its own sources "
+                              "(columns: in the spec)")
+        for name in ("slo_ttft", "slo_tpot", "slo_jct"):
             if o[name] is not None:
-                raise ConfigError(what)
+                raise ConfigError(f"--{name.replace('_', '-')} applies to --trace; a workload spec sets each "
+                                  "stream's slo")
     elif o["rt_rate"] is not None:
         raise ConfigError("--rt-rate sets a --workload's RT rate; with --trace, use --rate")
 

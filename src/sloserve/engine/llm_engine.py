@@ -30,6 +30,7 @@ from sloserve.engine.loader import LoadedModel
 from sloserve.engine.sampler import SamplingParams
 from sloserve.sched import make_scheduler
 from sloserve.sim.simulator import Replica
+from sloserve.workload.closed_loop import ClosedLoopBatches
 
 # Default KV cache on the CPU: this many bytes, at most 64 full contexts (vLLM's CPU backend takes a
 # fixed KV space too). On CUDA: this fraction of the memory free after loading the weights.
@@ -235,16 +236,9 @@ def run_requests(
     index = {id(r): i for i, r in enumerate(requests)}
     for i, r in enumerate(requests):  # validate every request before running any
         engine.check_request(prompts[i], params[i], where=f"request {r.request_id}")
-    chained = {id(r) for chain in chains for batch in chain[1:] for r in batch}
-    next_batch: dict[int, tuple[list[Request], list[Request]]] = {}  # id(request) -> (its batch, the next)
-    for chain in chains:
-        for batch, following in zip(chain, chain[1:]):
-            pair = (list(batch), list(following))
-            for r in batch:
-                next_batch[id(r)] = pair
-    pending = [(r.arrival_time, r.request_id, i) for i, r in enumerate(requests) if id(r) not in chained]
+    closed_loop = ClosedLoopBatches(chains)
+    pending = [(r.arrival_time, r.request_id, i) for i, r in enumerate(requests) if closed_loop.arrives_on_its_own(r)]
     heapq.heapify(pending)
-    released: set[int] = set()  # id() of batches already arrived
     replica, start, done = engine.replica, time.perf_counter(), 0
     replica.now = 0.0
     while pending or engine.has_unfinished():
@@ -265,12 +259,9 @@ def run_requests(
         done += len(finished)
         for r in finished:
             engine.release(r)
-            batch, following = next_batch.get(id(r), ((), ()))
-            if following and id(following) not in released and all(x.is_finished for x in batch):
-                released.add(id(following))
-                for x in following:  # the next batch arrives now
-                    x.arrival_time = r.finish_time
-                    heapq.heappush(pending, (x.arrival_time, x.request_id, index[id(x)]))
+            for x in closed_loop.done(r):  # the next batch arrives now
+                x.arrival_time = r.finish_time
+                heapq.heappush(pending, (x.arrival_time, x.request_id, index[id(x)]))
         if on_progress is not None:
             on_progress(done)
     return time.perf_counter() - start

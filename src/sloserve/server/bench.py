@@ -28,6 +28,7 @@ import numpy as np
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import Request, RequestClass, RequestStatus
+from sloserve.workload.closed_loop import ClosedLoopBatches
 
 
 @dataclass
@@ -118,16 +119,10 @@ async def _replay(client: _Client, requests: Sequence[Request], prompts: Sequenc
                   on_progress: Callable[[int], None] | None) -> dict[int, str]:  # fmt: skip
     """Send every request at its arrival time (closed-loop batches when their predecessor is done)."""
     index = {id(r): i for i, r in enumerate(requests)}
-    chained = {id(r) for chain in chains for batch in chain[1:] for r in batch}
-    following: dict[int, tuple[Sequence[Request], Sequence[Request]]] = {}
-    for chain in chains:
-        for batch, nxt in zip(chain, chain[1:]):
-            for r in batch:
-                following[id(r)] = (batch, nxt)
+    closed_loop = ClosedLoopBatches(chains)
     errors: dict[int, str] = {}
     done = 0
     tasks: set[asyncio.Task] = set()
-    released: set[int] = set()
 
     async def one(request: Request, delay: float) -> None:
         nonlocal done
@@ -139,11 +134,8 @@ async def _replay(client: _Client, requests: Sequence[Request], prompts: Sequenc
         done += 1
         if on_progress is not None:
             on_progress(done)
-        batch, nxt = following.get(id(request), ((), ()))
-        if nxt and id(nxt) not in released and all(r.request_id in errors or r.is_finished for r in batch):
-            released.add(id(nxt))
-            for r in nxt:
-                launch(r, 0.0)
+        for r in closed_loop.done(request):  # a failed request is done too: its batch goes on
+            launch(r, 0.0)
 
     def launch(request: Request, delay: float) -> None:
         task = asyncio.create_task(one(request, delay))
@@ -151,7 +143,7 @@ async def _replay(client: _Client, requests: Sequence[Request], prompts: Sequenc
         task.add_done_callback(tasks.discard)
 
     for r in requests:
-        if id(r) not in chained:
+        if closed_loop.arrives_on_its_own(r):
             launch(r, r.arrival_time - client.clock())
     while tasks:
         await asyncio.gather(*list(tasks))
