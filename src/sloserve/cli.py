@@ -938,13 +938,21 @@ def _import_server(what: str):
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True,
               help="Seconds running requests get to finish after SIGTERM.")
 @click.option("--log-level", default="info", show_default=True, help="uvicorn's log level.")
+@click.option("--data-dir", type=click.Path(path_type=Path),
+              help="Serve the Files and Batch API, keeping files and batches here (SQLite); a restart resumes them.")
+@click.option("--max-batch-file-mb", type=float, default=200, show_default=True, help="Largest upload to /v1/files.")
+@click.option("--max-batch-lines", type=int, default=50_000, show_default=True, help="Most requests in one batch.")
+@click.option("--max-batch-lines-in-engine", type=int, default=256, show_default=True,
+              help="Batch lines in the engine at once (best-effort requests; the rest wait in the data dir).")
 def serve(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, seed: int, host: str, port: int,
           served_model_name: str | None, max_queued_requests: int, rt_ttft_ms: float | None,
           rt_tpot_ms: float | None, request_log: Path | None, drain_timeout: float, log_level: str,
+          data_dir: Path | None, max_batch_file_mb: float, max_batch_lines: int, max_batch_lines_in_engine: int,
           **options: Any) -> None:  # fmt: skip
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics) with the chosen scheduler. Requests with service_tier "flex" are
-    best-effort; the others real-time."""
+    best-effort; the others real-time. With --data-dir, also the Files and Batch API (/v1/files,
+    /v1/batches), whose lines run best-effort beside online traffic."""
     from sloserve.sched import parse_set_options
 
     set_options = parse_set_options(set_pairs)
@@ -963,7 +971,10 @@ def serve(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, se
     serve_options = serve_module.ServeOptions(
         host=host, port=port, served_model_name=served_model_name or options["model"],
         max_queued_requests=max_queued_requests, rt_ttft_ms=rt_ttft_ms, rt_tpot_ms=rt_tpot_ms,
-        request_log=request_log, drain_timeout_s=drain_timeout, log_level=log_level,
+        request_log=request_log, drain_timeout_s=drain_timeout, log_level=log_level, data_dir=data_dir,
+        batch_limits=_import_server("batch_api").BatchLimits(
+            max_file_bytes=int(max_batch_file_mb * 1024 * 1024), max_file_lines=max_batch_lines,
+            max_lines_in_engine=max_batch_lines_in_engine),
     )  # fmt: skip
     app = serve_module.make_app(spec, serve_options)
     click.echo(f"serving {serve_options.served_model_name} with {scheduler} on http://{host}:{port}/v1", err=True)

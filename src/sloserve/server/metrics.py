@@ -70,6 +70,10 @@ class ServerMetrics:
                            ["request_class", "met"], registry=r)  # fmt: skip
         self.attainment = Gauge("sloserve_slo_attainment_ratio", "Share of completed requests with an SLO that "
                                 "met it", labels, registry=r)  # fmt: skip
+        self.batch_lines = Counter("sloserve_batch_lines", "Batch API lines answered, by outcome (completed, failed)",
+                                   ["outcome"], registry=r)  # fmt: skip
+        self.batch_lines_in_engine = Gauge("sloserve_batch_lines_in_engine", "Batch API lines in the engine now",
+                                           registry=r)  # fmt: skip
         self._slo_counts: dict[str, list[int]] = {}  # class -> [met, all]
         self._num_preemptions = 0
         self._log: IO[str] | None = None

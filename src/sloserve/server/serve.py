@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -21,7 +21,10 @@ from sloserve.core.errors import ConfigError
 from sloserve.engine.async_engine import AsyncLLMEngine
 from sloserve.engine.engine_core import EngineSpec
 from sloserve.sched.registry import build_config
-from sloserve.server.app import ServerConfig, build_app
+from sloserve.server.app import build_app
+from sloserve.server.batch_api import BatchLimits, BatchService
+from sloserve.server.batch_store import BatchStore
+from sloserve.server.serving import OpenAIServing, ServerConfig
 from sloserve.server.chat_template import ChatTemplate
 from sloserve.server.metrics import ServerMetrics
 
@@ -53,6 +56,8 @@ class ServeOptions:
     request_log: Path | None = None
     drain_timeout_s: float = 30.0
     log_level: str = "info"
+    data_dir: Path | None = None  # the Batch API's files and state; None: no Files or Batches routes
+    batch_limits: BatchLimits = field(default_factory=BatchLimits)
 
 
 def check_address(host: str, port: int) -> None:
@@ -81,22 +86,35 @@ def make_app(spec: EngineSpec, options: ServeOptions):
     if options.max_queued_requests < 1:
         raise ConfigError(f"--max-queued-requests must be >= 1, got {options.max_queued_requests}")
     check_servable(spec.scheduler, spec.scheduler_options)
-    model_dir = Path(spec.model).expanduser()
-    template = ChatTemplate.for_model(model_dir if model_dir.is_dir() else None)
-    metrics = ServerMetrics(options.served_model_name, options.request_log)
-    online = AsyncLLMEngine(spec, max_queued_requests=options.max_queued_requests, observer=metrics)
-    online.start()
+    store = None
+    if options.data_dir is not None:
+        options.batch_limits.check(options.max_queued_requests)
+        store = BatchStore(options.data_dir)  # NOTE: before the model loads: a taken --data-dir fails fast
+    try:
+        model_dir = Path(spec.model).expanduser()
+        template = ChatTemplate.for_model(model_dir if model_dir.is_dir() else None)
+        metrics = ServerMetrics(options.served_model_name, options.request_log)
+        online = AsyncLLMEngine(spec, max_queued_requests=options.max_queued_requests, observer=metrics)
+        online.start()
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
     config = ServerConfig(options.served_model_name, options.rt_ttft_ms, options.rt_tpot_ms)
-    return build_app(online, config, template, metrics)
+    serving = OpenAIServing(online, config, template)
+    batches = None if store is None else BatchService(store, serving, options.batch_limits, metrics)
+    return build_app(serving, metrics, batches)
 
 
 class DrainingServer(uvicorn.Server):
     """uvicorn that drains the engine on the first SIGTERM/SIGINT before it stops: 503 for new
     requests, ``drain_timeout_s`` for running ones."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, drain_timeout_s: float,
+                 batches: BatchService | None = None) -> None:  # fmt: skip
         super().__init__(config)
         self.engine = engine
+        self.batches = batches
         self.drain_timeout_s = drain_timeout_s
         self._draining: threading.Thread | None = None
 
@@ -106,6 +124,8 @@ class DrainingServer(uvicorn.Server):
             return
         log.info("shutting down: draining %d requests (at most %.0f s)", self.engine.num_unfinished, self.drain_timeout_s)
         self.engine.begin_shutdown()
+        if self.batches is not None:  # NOTE: batch lines in the engine go back to pending, not drained
+            self.batches.runner.stop_admitting_threadsafe()
 
         def drain() -> None:
             drained = self.engine.drain(self.drain_timeout_s)
@@ -121,5 +141,5 @@ def run_server(app, options: ServeOptions) -> None:
     """Serve ``app`` until a signal drains and stops it."""
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                             timeout_graceful_shutdown=5)  # fmt: skip
-    server = DrainingServer(config, app.state.engine, options.drain_timeout_s)
+    server = DrainingServer(config, app.state.engine, options.drain_timeout_s, app.state.batches)
     server.run()

@@ -1,0 +1,315 @@
+"""OpenAI's Files and Batch API on ``sloserve serve --data-dir DIR``.
+
+Routes: ``POST /v1/files`` (multipart: ``file``, ``purpose=batch``), ``GET /v1/files``,
+``GET /v1/files/{id}``, ``GET /v1/files/{id}/content``, ``DELETE /v1/files/{id}``,
+``POST /v1/batches``, ``GET /v1/batches`` (``after``, ``limit``), ``GET /v1/batches/{id}``,
+``POST /v1/batches/{id}/cancel``. Objects, statuses and output lines are OpenAI's.
+
+An upload is checked whole before it is stored: at most ``max_file_bytes`` (else 413) and
+``max_file_lines`` lines, each a JSON object with a unique ``custom_id``, ``method`` POST, a ``url``
+this server serves and a ``body`` object (else 400 naming the line). What a line's body asks for is
+checked when the line runs, as the same request sent online would be: a bad body or a prompt too
+long is that line's answer in the batch's error file, and the batch goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from sloserve.core.errors import ConfigError
+from sloserve.server.batch_runner import BODY_MODELS, BatchRunner
+from sloserve.server.batch_store import COMPLETION_WINDOW_S, BatchStore, new_id
+from sloserve.server.metrics import ServerMetrics
+from sloserve.server.serving import ApiError, OpenAIServing
+
+ENDPOINTS = tuple(BODY_MODELS)
+MAX_CUSTOM_ID_CHARS = 512
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's metadata limits
+# Bytes a multipart body may have beyond its file (boundaries, headers, the purpose field).
+MULTIPART_OVERHEAD = 64 * 1024
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """What one upload and the engine may hold (OpenAI's limits are 200 MB and 50,000 requests)."""
+
+    max_file_bytes: int = 200 * 1024 * 1024
+    max_file_lines: int = 50_000
+    max_lines_in_engine: int = 256  # batch lines admitted to the engine at once
+
+    def check(self, max_queued_requests: int) -> None:
+        """A ConfigError naming the ``sloserve serve`` option that is out of range."""
+        for option, value in (("--max-batch-file-mb", self.max_file_bytes / 2**20),
+                              ("--max-batch-lines", self.max_file_lines),
+                              ("--max-batch-lines-in-engine", self.max_lines_in_engine)):  # fmt: skip
+            if value <= 0:
+                raise ConfigError(f"{option} must be > 0, got {value:g}")
+        if self.max_lines_in_engine >= max_queued_requests:
+            raise ConfigError(f"--max-batch-lines-in-engine ({self.max_lines_in_engine}) must be below "
+                              f"--max-queued-requests ({max_queued_requests}): online requests need room in the queue")  # fmt: skip
+
+
+class CreateBatch(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, value: str) -> str:
+        if value not in ENDPOINTS:
+            raise ValueError(f"{value!r} is not supported; this server runs batches of {', '.join(ENDPOINTS)}")
+        return value
+
+    @field_validator("completion_window")
+    @classmethod
+    def _window(cls, value: str) -> str:
+        if value not in COMPLETION_WINDOW_S:
+            raise ValueError(f"{value!r} is not supported; the completion window is {', '.join(COMPLETION_WINDOW_S)}")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return value
+        if len(value) > MAX_METADATA_PAIRS:
+            raise ValueError(f"at most {MAX_METADATA_PAIRS} key-value pairs, got {len(value)}")
+        for key, item in value.items():
+            if len(key) > MAX_METADATA_KEY or len(item) > MAX_METADATA_VALUE:
+                raise ValueError(f"keys are at most {MAX_METADATA_KEY} characters and values {MAX_METADATA_VALUE}: "
+                                 f"{key[:80]!r}")  # fmt: skip
+        return value
+
+
+def file_object(row: dict[str, Any]) -> dict[str, Any]:
+    return {"id": row["id"], "object": "file", "bytes": row["bytes"], "created_at": row["created_at"],
+            "filename": row["filename"], "purpose": row["purpose"], "status": "processed", "expires_at": None,
+            "status_details": None}  # fmt: skip
+
+
+def batch_object(row: dict[str, Any]) -> dict[str, Any]:
+    stamps = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
+              "cancelling_at", "cancelled_at")  # fmt: skip
+    errors = json.loads(row["errors"]) if row["errors"] else None
+    return {
+        "id": row["id"], "object": "batch", "endpoint": row["endpoint"], "input_file_id": row["input_file_id"],
+        "completion_window": row["completion_window"], "status": row["status"],
+        "output_file_id": row["output_file_id"], "error_file_id": row["error_file_id"],
+        "errors": None if errors is None else {"object": "list", "data": errors},
+        **{name: row[name] for name in stamps},
+        "request_counts": {"total": row["total"], "completed": row["completed"], "failed": row["failed"]},
+        "metadata": json.loads(row["metadata"]) if row["metadata"] else None,
+        "usage": {"input_tokens": row["input_tokens"], "output_tokens": row["output_tokens"],
+                  "total_tokens": row["input_tokens"] + row["output_tokens"],
+                  "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}},
+    }  # fmt: skip
+
+
+def page(objects: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    """OpenAI's list object of the first ``limit`` of ``objects`` (one more was fetched to see if there are more)."""
+    data = objects[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(objects) > limit}  # fmt: skip
+
+
+def check_batch_lines(upload: IO[bytes], out: IO[bytes], limits: BatchLimits) -> tuple[int, dict[str, int]]:
+    """Copy ``upload`` to ``out``, checking it is a batch input file within ``limits``. Returns its
+    number of requests and ``{url: first line number}``; an ApiError names the first bad line."""
+    seen: dict[str, int] = {}
+    urls: dict[str, int] = {}
+    num_bytes = 0
+    for number, raw in enumerate(upload, start=1):
+        num_bytes += len(raw)
+        if num_bytes > limits.max_file_bytes:
+            raise ApiError(413, f"the file is over the limit of {limits.max_file_bytes} bytes", "file", "file_too_large")
+        out.write(raw)
+        if not raw.strip():
+            continue  # NOTE: blank lines are skipped; line numbers stay those of the file
+        if len(seen) >= limits.max_file_lines:
+            raise ApiError(400, f"line {number}: the file has more than {limits.max_file_lines} requests, the limit "
+                                "of one batch", "file", "too_many_lines")  # fmt: skip
+        custom_id, url = _check_line(number, raw, seen)
+        seen[custom_id] = number
+        urls.setdefault(url, number)
+    if not seen:
+        raise ApiError(400, "the file has no requests: a batch input file has one JSON request per line", "file")
+    return len(seen), urls
+
+
+def _check_line(number: int, raw: bytes, seen: dict[str, int]) -> tuple[str, str]:
+    def bad(message: str) -> ApiError:
+        return ApiError(400, f"line {number}: {message}", "file", "invalid_batch_line")
+
+    try:
+        request = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"not valid JSON ({e})") from None
+    if not isinstance(request, dict):
+        raise bad("a request is a JSON object with custom_id, method, url and body")
+    custom_id = request.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id or len(custom_id) > MAX_CUSTOM_ID_CHARS:
+        raise bad(f"custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters, got {custom_id!r:.80}")
+    if custom_id in seen:
+        raise bad(f"custom_id {custom_id!r} is also on line {seen[custom_id]}; custom_ids are unique within a file")
+    if request.get("method") != "POST":
+        raise bad(f"method must be 'POST', got {request.get('method')!r:.80}")
+    url = request.get("url")
+    if url not in ENDPOINTS:
+        raise bad(f"url {url!r:.80} is not supported; supported: {', '.join(ENDPOINTS)}")
+    if not isinstance(request.get("body"), dict):
+        raise bad("body must be a JSON object (the request's body)")
+    return custom_id, url
+
+
+def read_batch_lines(path) -> Iterator[tuple[int, str, str]]:
+    """(line number, custom_id, body JSON) of a checked batch input file."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if raw.strip():
+                request = json.loads(raw)
+                yield number, request["custom_id"], json.dumps(request["body"])
+
+
+class BatchService:
+    """The Files and Batches routes over ``store``, and the runner that serves the batches."""
+
+    def __init__(self, store: BatchStore, serving: OpenAIServing, limits: BatchLimits,
+                 metrics: ServerMetrics | None = None) -> None:  # fmt: skip
+        self.store = store
+        self.limits = limits
+        self.runner = BatchRunner(store, serving, limits.max_lines_in_engine, metrics)
+
+    def start(self) -> None:
+        self.runner.start()
+
+    async def stop(self) -> None:
+        await self.runner.stop()
+
+    def close(self) -> None:
+        self.store.close()
+
+    # --- files ---------------------------------------------------------------------------------
+    def _store_upload(self, upload: IO[bytes], filename: str) -> dict[str, Any]:
+        file_id = new_id("file-")
+        temp = self.store.temp_path(file_id)
+        try:
+            with open(temp, "wb") as out:
+                num_lines, urls = check_batch_lines(upload, out, self.limits)
+            return self.store.commit_file(file_id, filename, "batch", num_lines, urls)
+        finally:
+            temp.unlink(missing_ok=True)
+
+    def _file(self, file_id: str) -> dict[str, Any]:
+        row = self.store.get_file(file_id)
+        if row is None:
+            raise ApiError(404, f"No such File object: {file_id}", "id", "file_not_found")
+        return row
+
+    def _batch(self, batch_id: str) -> dict[str, Any]:
+        row = self.store.get_batch(batch_id)
+        if row is None:
+            raise ApiError(404, f"No such Batch object: {batch_id}", "id", "batch_not_found")
+        return row
+
+    def _create_batch(self, body: CreateBatch) -> dict[str, Any]:
+        input_file = self._file(body.input_file_id)
+        if input_file["purpose"] != "batch":
+            raise ApiError(400, f"file {body.input_file_id} has purpose {input_file['purpose']!r}; a batch's input "
+                                "file is uploaded with purpose 'batch'", "input_file_id")  # fmt: skip
+        for url, number in json.loads(input_file["urls"]).items():
+            if url != body.endpoint:
+                raise ApiError(400, f"line {number} of file {body.input_file_id} has url {url!r}, but the batch's "
+                                    f"endpoint is {body.endpoint!r}: every line must use the batch's endpoint",
+                               "input_file_id", "invalid_batch_line")  # fmt: skip
+        lines = read_batch_lines(self.store.file_path(input_file["id"]))
+        return self.store.create_batch(input_file, body.endpoint, body.completion_window, body.metadata, lines)
+
+    def _cancel(self, batch_id: str) -> dict[str, Any]:
+        batch = self._batch(batch_id)
+        if batch["status"] in ("validating", "in_progress"):
+            self.store.set_status(batch_id, "cancelling", only_from=("validating", "in_progress"))
+            self.runner.wake()
+        elif batch["status"] != "cancelling":
+            raise ApiError(400, f"batch {batch_id} is {batch['status']}: only a validating or in-progress batch can be "
+                                "cancelled", "id", "batch_not_cancellable")  # fmt: skip
+        return self._batch(batch_id)
+
+    def router(self) -> APIRouter:
+        router = APIRouter()
+        limits = self.limits
+
+        @router.post("/v1/files")
+        async def create_file(request: Request) -> dict[str, Any]:
+            declared = request.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > limits.max_file_bytes + MULTIPART_OVERHEAD:
+                raise ApiError(413, f"the upload has {declared} bytes, over the file limit of {limits.max_file_bytes}",
+                               "file", "file_too_large")  # fmt: skip
+            if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+                raise ApiError(400, "upload the file as multipart/form-data with the fields 'file' and 'purpose'", "file")
+            form = await request.form(max_files=1, max_fields=8)
+            try:
+                purpose, upload = form.get("purpose"), form.get("file")
+                if purpose != "batch":
+                    raise ApiError(400, f"purpose {purpose!r} is not supported: this server stores files for the Batch "
+                                        "API (purpose 'batch')", "purpose")  # fmt: skip
+                if upload is None or isinstance(upload, str):
+                    raise ApiError(400, "the form has no file: send it as the field 'file'", "file")
+                filename = upload.filename or "upload.jsonl"
+                return file_object(await asyncio.to_thread(self._store_upload, upload.file, filename))
+            finally:
+                await form.close()
+
+        @router.get("/v1/files")
+        async def list_files(purpose: str | None = None, after: str | None = None,
+                             limit: int = Query(default=10_000, ge=1, le=10_000)) -> dict[str, Any]:  # fmt: skip
+            if after is not None:
+                self._file(after)
+            return page([file_object(r) for r in self.store.list_files(purpose, after, limit + 1)], limit)
+
+        @router.get("/v1/files/{file_id}")
+        async def retrieve_file(file_id: str) -> dict[str, Any]:
+            return file_object(self._file(file_id))
+
+        @router.get("/v1/files/{file_id}/content")
+        async def file_content(file_id: str) -> FileResponse:
+            row = self._file(file_id)
+            return FileResponse(self.store.file_path(file_id), media_type="application/jsonl", filename=row["filename"])
+
+        @router.delete("/v1/files/{file_id}")
+        async def delete_file(file_id: str) -> dict[str, Any]:
+            if not self.store.delete_file(file_id):
+                raise ApiError(404, f"No such File object: {file_id}", "id", "file_not_found")
+            return {"id": file_id, "object": "file", "deleted": True}
+
+        @router.post("/v1/batches")
+        async def create_batch(body: CreateBatch) -> dict[str, Any]:
+            batch = await asyncio.to_thread(self._create_batch, body)
+            self.runner.wake()
+            return batch_object(batch)
+
+        @router.get("/v1/batches")
+        async def list_batches(after: str | None = None, limit: int = Query(default=20, ge=1, le=100)) -> dict[str, Any]:
+            if after is not None:
+                self._batch(after)
+            return page([batch_object(r) for r in self.store.list_batches(after, limit + 1)], limit)
+
+        @router.get("/v1/batches/{batch_id}")
+        async def retrieve_batch(batch_id: str) -> dict[str, Any]:
+            return batch_object(self._batch(batch_id))
+
+        @router.post("/v1/batches/{batch_id}/cancel")
+        async def cancel_batch(batch_id: str) -> dict[str, Any]:
+            return batch_object(self._cancel(batch_id))
+
+        return router

@@ -1,0 +1,353 @@
+"""The Files and Batch API for real: uvicorn on 127.0.0.1, the ``openai`` client, a real SQLite file
+under a temporary ``--data-dir``, and ``sloserve serve`` killed with SIGKILL and started again."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("multipart")
+
+from test_serve import CORPUS, MODEL, Server, _free_port, _generate, model_dir, reference_llm  # noqa: E402, F401
+
+from sloserve.server.batch_api import BatchLimits  # noqa: E402
+
+FINAL = ("completed", "failed", "expired", "cancelled")
+
+
+def jsonl(lines: list[dict]) -> bytes:
+    return "\n".join(json.dumps(line) for line in lines).encode() + b"\n"
+
+
+def completion_line(custom_id: str, prompt: str, max_tokens: int = 8, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+            "body": {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **body}}  # fmt: skip
+
+
+def upload(client, lines: list[dict] | bytes):
+    return client.files.create(file=("input.jsonl", io.BytesIO(lines if isinstance(lines, bytes) else jsonl(lines))),
+                               purpose="batch")  # fmt: skip
+
+
+def wait_final(client, batch_id: str, timeout_s: float = 120):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in FINAL:
+            return batch
+        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch.request_counts}"
+        time.sleep(0.05)
+
+
+def read_jsonl(client, file_id: str) -> list[dict]:
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    limits = BatchLimits(max_file_bytes=200_000, max_file_lines=400, max_lines_in_engine=32)
+    s = Server(model_dir, data_dir=tmp_path_factory.mktemp("data"), batch_limits=limits)
+    yield s
+    s.stop()
+
+
+def test_a_batch_answers_every_line_once_as_the_same_request_online(server, reference_llm):
+    """300 completion lines and 5 malformed ones: one output line per good custom_id, greedy text
+    equal to the engine's offline output; each malformed line in the error file with the error the
+    same body gets online; the batch goes on."""
+    client, tokenizer = server.client, reference_llm.tokenizer
+    words = " ".join(CORPUS[:3]).split()
+    prompts = {f"req-{i}": " ".join(words[i % 17: i % 17 + 1 + i % 9]) for i in range(300)}
+    lines = [completion_line(cid, prompt, max_tokens=4 + i % 5) for i, (cid, prompt) in enumerate(prompts.items())]
+    bad = {
+        "neg-max-tokens": completion_line("neg-max-tokens", "Hi", max_tokens=-1),
+        "other-model": {**completion_line("other-model", "Hi"), "body": {"model": "gpt-4o", "prompt": "Hi"}},
+        "too-long": completion_line("too-long", "Hello " * 300, max_tokens=4000),
+        "streamed": completion_line("streamed", "Hi", stream=True),
+        "two-choices": completion_line("two-choices", "Hi", n=2),
+    }
+    lines[7:7] = bad.values()
+    batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/completions",
+                                  completion_window="24h", metadata={"job": "nightly"})  # fmt: skip
+    assert batch.status == "validating" and batch.request_counts.total == 305 and batch.metadata == {"job": "nightly"}
+    batch = wait_final(client, batch.id)
+    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (300, 5)
+    assert batch.in_progress_at and batch.finalizing_at and batch.completed_at
+    outputs = read_jsonl(client, batch.output_file_id)
+    assert [o["custom_id"] for o in outputs] == list(prompts)  # each once, in file order
+    for i, out in enumerate(outputs):
+        body = out["response"]["body"]
+        assert out["response"]["status_code"] == 200 and out["error"] is None and body["object"] == "text_completion"
+        text, ids = _generate(reference_llm, tokenizer.encode(prompts[out["custom_id"]]), 4 + i % 5)
+        assert body["choices"][0]["text"] == text and body["usage"]["completion_tokens"] == len(ids)
+    assert batch.usage.output_tokens == sum(o["response"]["body"]["usage"]["completion_tokens"] for o in outputs)
+    errors = {e["custom_id"]: e["response"] for e in read_jsonl(client, batch.error_file_id)}
+    assert list(errors) == list(bad)
+    assert errors["streamed"]["body"]["error"]["param"] == "stream"  # online it would stream
+    for custom_id, response in errors.items():
+        if custom_id == "streamed":
+            continue
+        online = httpx.post(server.url + "/v1/completions", json=bad[custom_id]["body"])
+        assert response["status_code"] == online.status_code and response["body"] == online.json(), custom_id
+    assert {r["status_code"] for r in errors.values()} == {400, 404}
+    assert server.metric("sloserve_batch_lines_total", outcome="failed") == 5
+
+
+def test_a_chat_batch_answers_as_the_chat_endpoint(server):
+    client = server.client
+    questions = [f"Tell me about {w}" for w in ("latency", "throughput", "the fox", "serving")]
+    lines = [{"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODEL, "messages": [{"role": "user", "content": q}], "max_completion_tokens": 6,
+                       "temperature": 0}} for i, q in enumerate(questions)]  # fmt: skip
+    batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")  # fmt: skip
+    batch = wait_final(client, batch.id)
+    assert batch.status == "completed" and batch.error_file_id is None
+    for line, out in zip(lines, read_jsonl(client, batch.output_file_id), strict=True):
+        online = client.chat.completions.create(**line["body"])
+        assert out["response"]["body"]["choices"][0]["message"] == {"role": "assistant",
+                                                                    "content": online.choices[0].message.content}
+
+
+def test_uploads_and_batches_are_checked_with_openai_errors(server):
+    client, url = server.client, server.url
+    good = completion_line("a", "Hi")
+
+    def refused(content: bytes, purpose: str = "batch") -> httpx.Response:
+        response = httpx.post(url + "/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": purpose})
+        assert response.status_code in (400, 413), response.text
+        return response
+
+    def message(response: httpx.Response) -> str:
+        return response.json()["error"]["message"]
+
+    assert message(refused(jsonl([good]) + b"{not json\n")).startswith("line 2: not valid JSON")
+    assert "also on line 1" in message(refused(jsonl([good, good])))
+    assert "url '/v1/embeddings'" in message(refused(jsonl([{**good, "url": "/v1/embeddings"}])))
+    assert "method must be 'POST'" in message(refused(jsonl([{**good, "method": "GET"}])))
+    assert "body must be a JSON object" in message(refused(jsonl([{**good, "body": "x"}])))
+    assert "no requests" in message(refused(b"\n\n"))
+    assert "purpose 'fine-tune'" in message(refused(jsonl([good]), "fine-tune"))
+    over = refused(jsonl([completion_line(str(i), "Hi") for i in range(401)]))
+    assert over.status_code == 400 and message(over).startswith("line 401: the file has more than 400 requests")
+    big = refused(jsonl([completion_line(str(i), "x" * 1000) for i in range(250)]))
+    assert big.status_code == 413 and big.json()["error"]["code"] == "file_too_large"
+
+    file = upload(client, [good])
+    with pytest.raises(openai.BadRequestError, match="endpoint is '/v1/chat/completions'"):
+        client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="completion_window"):
+        client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="1h")
+    with pytest.raises(openai.NotFoundError, match="No such File object"):
+        client.batches.create(input_file_id="file-nope", endpoint="/v1/completions", completion_window="24h")
+    with pytest.raises(openai.NotFoundError, match="No such Batch object"):
+        client.batches.retrieve("batch_nope")
+    batch = wait_final(client, client.batches.create(input_file_id=file.id, endpoint="/v1/completions",
+                                                     completion_window="24h").id)  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="is completed"):
+        client.batches.cancel(batch.id)
+    assert httpx.get(url + "/v1/batches", params={"limit": 0}).json()["error"]["param"] == "limit"
+
+    # files: retrieve, content, list, delete
+    assert client.files.retrieve(file.id).bytes == len(jsonl([good]))
+    assert client.files.content(file.id).content == jsonl([good])
+    assert file.id in [f.id for f in client.files.list(purpose="batch")]
+    assert client.files.delete(file.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(file.id)
+    assert client.batches.retrieve(batch.id).status == "completed"  # a batch outlives its input file
+
+
+def test_batches_list_newest_first_with_after_and_limit(server):
+    client = server.client
+    file = upload(client, [completion_line("a", "Hi", max_tokens=1)])
+    made = [client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h").id
+            for _ in range(3)]  # fmt: skip
+    first = client.batches.list(limit=2)
+    assert [b.id for b in first.data] == made[::-1][:2] and first.has_more
+    rest = client.batches.list(limit=1, after=first.data[-1].id)
+    assert [b.id for b in rest.data] == [made[0]]
+    for batch_id in made:
+        wait_final(client, batch_id)
+
+
+def test_cancel_stops_a_running_batch_and_frees_its_kv(server):
+    client = server.client
+    lines = [completion_line(f"c{i}", f"Hello {i}", max_tokens=200, ignore_eos=True) for i in range(120)]
+    batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/completions",
+                                  completion_window="24h")  # fmt: skip
+    while client.batches.retrieve(batch.id).request_counts.completed < 3:
+        time.sleep(0.02)
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    batch = wait_final(client, batch.id)
+    assert batch.status == "cancelled" and batch.cancelled_at is not None
+    done = batch.request_counts.completed
+    assert 3 <= done < 120 and batch.request_counts.failed == 0
+    outputs = read_jsonl(client, batch.output_file_id)
+    assert len(outputs) == done and len({o["custom_id"] for o in outputs}) == done
+    assert all(o["response"]["body"]["usage"]["completion_tokens"] == 200 for o in outputs)
+    deadline = time.monotonic() + 30
+    while server.engine.num_unfinished or server.engine.last_stats.kv_used_tokens:
+        assert time.monotonic() < deadline, "the cancelled lines still hold the engine"
+        time.sleep(0.02)
+
+
+def test_an_expired_batch_answers_its_unfinished_lines_with_batch_expired(model_dir, tmp_path):
+    """The window is 24 h: the test stops the server, moves the batch's deadline into the past in
+    the SQLite file, and starts a server again on the same data dir."""
+    server = Server(model_dir, data_dir=tmp_path)
+    lines = [completion_line(f"e{i}", f"Hello {i}", max_tokens=200, ignore_eos=True) for i in range(40)]
+    batch = server.client.batches.create(input_file_id=upload(server.client, lines).id, endpoint="/v1/completions",
+                                         completion_window="24h")  # fmt: skip
+    while server.client.batches.retrieve(batch.id).status != "in_progress":
+        time.sleep(0.02)
+    server.stop()
+    with sqlite3.connect(tmp_path / "sloserve.db") as db:
+        assert db.execute("SELECT COUNT(*) FROM lines WHERE status = 'pending'").fetchone()[0] > 0
+        db.execute("UPDATE batches SET expires_at = 0")
+    server = Server(model_dir, data_dir=tmp_path)
+    try:
+        expired = wait_final(server.client, batch.id)
+        assert expired.status == "expired" and expired.expired_at is not None
+        counts = expired.request_counts
+        assert counts.completed + counts.failed == 40 and counts.failed > 0
+        errors = read_jsonl(server.client, expired.error_file_id)
+        assert len(errors) == counts.failed and all(e["error"]["code"] == "batch_expired" for e in errors)
+        done = read_jsonl(server.client, expired.output_file_id) if counts.completed else []
+        assert sorted(e["custom_id"] for e in errors + done) == sorted(line["custom_id"] for line in lines)
+    finally:
+        server.stop()
+
+
+def test_bros_keeps_online_rt_ttft_below_the_batch_lines(model_dir, tmp_path):
+    """A batch of long-prompt lines fills the KV (BE), then RT requests arrive online: under BROS they
+    go ahead of the queued batch lines."""
+    server = Server(model_dir, "bros", kv_capacity_tokens=400, data_dir=tmp_path)
+    try:
+        long_prompt = " ".join(CORPUS[:6])
+        lines = [completion_line(f"b{i}", long_prompt[i:], max_tokens=24, ignore_eos=True) for i in range(24)]
+        batch = server.client.batches.create(input_file_id=upload(server.client, lines).id,
+                                             endpoint="/v1/completions", completion_window="24h")  # fmt: skip
+        while server.engine.num_unfinished < 12:
+            time.sleep(0.005)
+
+        async def rt(i: int) -> None:
+            await server.async_client.completions.create(model=MODEL, prompt=f"Hello {i}", max_tokens=24, temperature=0,
+                                                         extra_body={"ignore_eos": True,
+                                                                     "slo": {"ttft_ms": 200, "tpot_ms": 100}})  # fmt: skip
+
+        async def main() -> None:
+            await asyncio.gather(*(rt(i) for i in range(12)))
+
+        asyncio.run(main())
+        assert wait_final(server.client, batch.id).request_counts.completed == 24
+
+        def mean_ttft(cls: str) -> float:
+            total = server.metric("sloserve_time_to_first_token_seconds_sum", request_class=cls)
+            return total / server.metric("sloserve_time_to_first_token_seconds_count", request_class=cls)
+
+        assert server.metric("sloserve_requests_total", request_class="be", outcome="length") == 24
+        # NOTE: measured 0.1 s for RT against 1.1 s for the batch lines.
+        assert mean_ttft("rt") < 0.5 * mean_ttft("be")
+    finally:
+        server.stop()
+
+
+def _start_serve(data_dir: Path, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "sloserve.cli", "serve", "--model", "random:tiny-llama", "--port",
+                             str(port), "--data-dir", str(data_dir), "--max-batch-lines-in-engine", "8",
+                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read().decode() if proc.poll() else ""
+        time.sleep(0.1)
+
+
+def test_a_server_killed_mid_batch_finishes_it_after_a_restart_each_line_once(tmp_path):
+    """SIGKILL while lines run, then SIGTERM, each followed by a server on the same data dir: every
+    custom_id exactly once in the output, no line answered before the kill runs again, the lines
+    running at the kill run again."""
+    port = _free_port()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    proc = _start_serve(tmp_path, port)
+    try:
+        lines = [completion_line(f"k{i}", f"Hello {i}", max_tokens=40, ignore_eos=True) for i in range(80)]
+        lines = [{**line, "body": {**line["body"], "model": "random:tiny-llama"}} for line in lines]
+        batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/completions",
+                                      completion_window="24h")  # fmt: skip
+        while client.batches.retrieve(batch.id).request_counts.completed < 20:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+
+        with sqlite3.connect(tmp_path / "sloserve.db") as db:
+            before = dict(db.execute("SELECT custom_id, status FROM lines WHERE batch_id = ?", (batch.id,)).fetchall())
+        answered = {cid for cid, status in before.items() if status == "done"}
+        running = {cid for cid, status in before.items() if status == "running"}
+        assert 20 <= len(answered) < 80 and running, "the kill did not land mid-batch"
+
+        # a graceful stop (SIGTERM) mid-batch returns its running lines to pending and exits 0 at once
+        proc = _start_serve(tmp_path, port)
+        while client.batches.retrieve(batch.id).request_counts.completed < 40:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        with sqlite3.connect(tmp_path / "sloserve.db") as db:
+            statuses = dict(db.execute("SELECT status, COUNT(*) FROM lines GROUP BY status").fetchall())
+        assert "running" not in statuses and statuses.get("pending", 0) > 0, statuses
+
+        proc = _start_serve(tmp_path, port)
+        batch = wait_final(client, batch.id)
+        assert batch.status == "completed" and batch.request_counts.completed == 80
+        outputs = read_jsonl(client, batch.output_file_id)
+        assert sorted(o["custom_id"] for o in outputs) == sorted(line["custom_id"] for line in lines)
+        assert all(o["response"]["body"]["usage"]["completion_tokens"] == 40 for o in outputs)
+        with sqlite3.connect(tmp_path / "sloserve.db") as db:
+            attempts = dict(db.execute("SELECT custom_id, attempts FROM lines WHERE batch_id = ?", (batch.id,)).fetchall())
+        assert all(attempts[cid] == 1 for cid in answered)  # answered before the kill: never run again
+        assert all(attempts[cid] >= 2 for cid in running)
+        assert not list((tmp_path / "files").glob(".tmp-*"))
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_serve_refuses_a_data_dir_in_use_and_bad_batch_limits(tmp_path):
+    from click.testing import CliRunner
+
+    from sloserve.cli import main
+    from sloserve.server.batch_store import BatchStore
+
+    def serve(*args: str) -> str:
+        result = CliRunner().invoke(main, ["serve", "--model", "random:tiny-llama", "--data-dir", str(tmp_path), *args])
+        assert result.exit_code == 2, result.output
+        return result.output
+
+    holder = BatchStore(tmp_path)
+    try:
+        assert "is in use by another sloserve server" in serve()
+    finally:
+        holder.close()
+    assert "--max-batch-lines-in-engine (2000) must be below --max-queued-requests (1024)" in serve(
+        "--max-batch-lines-in-engine", "2000")
+    assert "--max-batch-file-mb must be > 0, got 0" in serve("--max-batch-file-mb", "0")
