@@ -2,6 +2,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -21,3 +22,21 @@ except ImportError:
 else:
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# Fixtures of the server tests (test_serve.py, test_batch_api.py); they need torch and transformers,
+# imported when a test asks for them.
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory) -> Path:
+    """A tiny Llama saved as an HF directory with a trained BPE tokenizer and a chat template."""
+    from test_serve import make_chat_model
+
+    return make_chat_model(tmp_path_factory.mktemp("hf-chat"))
+
+
+@pytest.fixture(scope="session")
+def reference_llm(chat_model_dir):
+    """The engine offline on ``chat_model_dir``: the reference served outputs are compared with."""
+    from sloserve import LLM
+
+    return LLM(str(chat_model_dir), "vllm", kv_capacity_tokens=4096)

@@ -21,9 +21,9 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("multipart")
 
-from test_serve import CORPUS, MODEL, Server, _free_port, _generate, model_dir, reference_llm  # noqa: E402, F401
+from test_serve import CORPUS, MODEL, Server, _free_port, _generate
 
-from sloserve.server.batch_api import BatchLimits  # noqa: E402
+from sloserve.server.batch_api import BatchLimits
 
 FINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -57,9 +57,9 @@ def read_jsonl(client, file_id: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+def server(chat_model_dir, tmp_path_factory):
     limits = BatchLimits(max_file_bytes=200_000, max_file_lines=400, max_lines_in_engine=32)
-    s = Server(model_dir, data_dir=tmp_path_factory.mktemp("data"), batch_limits=limits)
+    s = Server(chat_model_dir, data_dir=tmp_path_factory.mktemp("data"), batch_limits=limits)
     yield s
     s.stop()
 
@@ -93,6 +93,10 @@ def test_a_batch_answers_every_line_once_as_the_same_request_online(server, refe
         assert out["response"]["status_code"] == 200 and out["error"] is None and body["object"] == "text_completion"
         text, ids = _generate(reference_llm, tokenizer.encode(prompts[out["custom_id"]]), 4 + i % 5)
         assert body["choices"][0]["text"] == text and body["usage"]["completion_tokens"] == len(ids)
+    bodies = {line["custom_id"]: line["body"] for line in lines}
+    for out in outputs[::15]:  # and as the same bodies sent online
+        online = client.completions.create(**bodies[out["custom_id"]])
+        assert out["response"]["body"]["choices"][0]["text"] == online.choices[0].text
     assert batch.usage.output_tokens == sum(o["response"]["body"]["usage"]["completion_tokens"] for o in outputs)
     errors = {e["custom_id"]: e["response"] for e in read_jsonl(client, batch.error_file_id)}
     assert list(errors) == list(bad)
@@ -206,10 +210,10 @@ def test_cancel_stops_a_running_batch_and_frees_its_kv(server):
         time.sleep(0.02)
 
 
-def test_an_expired_batch_answers_its_unfinished_lines_with_batch_expired(model_dir, tmp_path):
+def test_an_expired_batch_answers_its_unfinished_lines_with_batch_expired(chat_model_dir, tmp_path):
     """The window is 24 h: the test stops the server, moves the batch's deadline into the past in
     the SQLite file, and starts a server again on the same data dir."""
-    server = Server(model_dir, data_dir=tmp_path)
+    server = Server(chat_model_dir, data_dir=tmp_path)
     lines = [completion_line(f"e{i}", f"Hello {i}", max_tokens=200, ignore_eos=True) for i in range(40)]
     batch = server.client.batches.create(input_file_id=upload(server.client, lines).id, endpoint="/v1/completions",
                                          completion_window="24h")  # fmt: skip
@@ -219,7 +223,7 @@ def test_an_expired_batch_answers_its_unfinished_lines_with_batch_expired(model_
     with sqlite3.connect(tmp_path / "sloserve.db") as db:
         assert db.execute("SELECT COUNT(*) FROM lines WHERE status = 'pending'").fetchone()[0] > 0
         db.execute("UPDATE batches SET expires_at = 0")
-    server = Server(model_dir, data_dir=tmp_path)
+    server = Server(chat_model_dir, data_dir=tmp_path)
     try:
         expired = wait_final(server.client, batch.id)
         assert expired.status == "expired" and expired.expired_at is not None
@@ -233,10 +237,10 @@ def test_an_expired_batch_answers_its_unfinished_lines_with_batch_expired(model_
         server.stop()
 
 
-def test_bros_keeps_online_rt_ttft_below_the_batch_lines(model_dir, tmp_path):
+def test_bros_keeps_online_rt_ttft_below_the_batch_lines(chat_model_dir, tmp_path):
     """A batch of long-prompt lines fills the KV (BE), then RT requests arrive online: under BROS they
     go ahead of the queued batch lines."""
-    server = Server(model_dir, "bros", kv_capacity_tokens=400, data_dir=tmp_path)
+    server = Server(chat_model_dir, "bros", kv_capacity_tokens=400, data_dir=tmp_path)
     try:
         long_prompt = " ".join(CORPUS[:6])
         lines = [completion_line(f"b{i}", long_prompt[i:], max_tokens=24, ignore_eos=True) for i in range(24)]

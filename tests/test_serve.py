@@ -26,15 +26,15 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from test_engine import VOCAB, _hf_model  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_engine import VOCAB, _hf_model
 
-from sloserve import LLM, SamplingParams  # noqa: E402
-from sloserve.engine.engine_core import EngineSpec  # noqa: E402
-from sloserve.server.chat_template import ChatTemplate  # noqa: E402
-from sloserve.server.serve import ServeOptions, make_app  # noqa: E402
-from sloserve.workload.traces import load_trace  # noqa: E402
+from sloserve import LLM, SamplingParams
+from sloserve.engine.engine_core import EngineSpec
+from sloserve.server.chat_template import ChatTemplate
+from sloserve.server.serve import ServeOptions, make_app
+from sloserve.workload.traces import load_trace
 
 CHAT_TEMPLATE = """{{ bos_token }}
 {% for message in messages %}
@@ -52,12 +52,18 @@ CORPUS = ["Hello world, how are you today?", "The quick brown fox jumps over the
 MODEL = "tiny"
 
 
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory) -> Path:
-    """A tiny Llama with a byte-level BPE tokenizer (BOS added), tokenizer_config.json and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def make_chat_model(path: Path) -> Path:
+    """A tiny Llama with a byte-level BPE tokenizer (BOS added), tokenizer_config.json and a chat
+    template, saved in ``path`` (the ``chat_model_dir`` fixture of conftest.py)."""
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
-    path = tmp_path_factory.mktemp("hf-chat")
     _hf_model("llama").save_pretrained(path)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -118,15 +124,10 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    s = Server(model_dir, request_log=tmp_path_factory.mktemp("log") / "requests.jsonl")
+def server(chat_model_dir, tmp_path_factory):
+    s = Server(chat_model_dir, request_log=tmp_path_factory.mktemp("log") / "requests.jsonl")
     yield s
     s.stop()
-
-
-@pytest.fixture(scope="module")
-def reference_llm(model_dir):
-    return LLM(str(model_dir), "vllm", kv_capacity_tokens=4096)
 
 
 def _generate(llm: LLM, prompt_ids: list[int], max_tokens: int) -> tuple[str, list[int]]:
@@ -152,11 +153,11 @@ def test_completions_streamed_or_not_equal_llm_generate(server, reference_llm):
     assert by_ids.choices[0].text == _generate(reference_llm, ids, 8)[0]
 
 
-def test_chat_renders_the_model_template_as_transformers_does(server, reference_llm, model_dir):
+def test_chat_renders_the_model_template_as_transformers_does(server, reference_llm, chat_model_dir):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}]
-    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    hf = transformers.AutoTokenizer.from_pretrained(chat_model_dir)
     rendered = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert ChatTemplate.for_model(model_dir).render(messages) == rendered
+    assert ChatTemplate.for_model(chat_model_dir).render(messages) == rendered
     prompt_ids = reference_llm.tokenizer.encode(rendered, add_special_tokens=False)
     text, ids = _generate(reference_llm, prompt_ids, 12)
     response = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
@@ -263,9 +264,9 @@ def test_the_request_log_reads_as_a_trace(server):
     assert list(trace.prompt_tokens) == [line["prompt_tokens"] for line in by_arrival]
 
 
-def test_a_full_queue_answers_429_and_every_accepted_request_completes(model_dir):
+def test_a_full_queue_answers_429_and_every_accepted_request_completes(chat_model_dir):
     """ORCA reserves prompt + max_tokens, so the KV holds one request: one runs, two wait, the rest get 429."""
-    server = Server(model_dir, "orca", kv_capacity_tokens=160, max_queued_requests=2)
+    server = Server(chat_model_dir, "orca", kv_capacity_tokens=160, max_queued_requests=2)
     try:
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 120, "ignore_eos": True, "temperature": 0}
 
@@ -295,11 +296,11 @@ def test_a_full_queue_answers_429_and_every_accepted_request_completes(model_dir
         server.stop()
 
 
-def test_bros_gives_rt_requests_a_lower_ttft_than_be_ones(model_dir):
+def test_bros_gives_rt_requests_a_lower_ttft_than_be_ones(chat_model_dir):
     """BROS co-serving: BE requests (service_tier flex, long prompts) arrive first and fill the KV
     (room for about two), then RT ones (short, with a TTFT SLO): RT requests go ahead of the queued BE
     ones, taking BE blocks where they must."""
-    server = Server(model_dir, "bros", kv_capacity_tokens=400)
+    server = Server(chat_model_dir, "bros", kv_capacity_tokens=400)
     try:
         long_prompt = " ".join(CORPUS[:6])
 

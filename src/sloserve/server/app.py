@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI) over an ``AsyncLLMEngine``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as
-server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``,
+and with a data dir the Files and Batches routes (``batch_api``).
 Errors are OpenAI's error object (``{"error": {"message", "type", "param", "code"}}``): 400 for a bad
 body or parameter or a prompt that does not fit, 404 for an unknown model or route, 429 with
 Retry-After when the queue is full, 503 while shutting down.
@@ -49,6 +50,8 @@ from sloserve.server.serving import (
 
 # Seconds the lifespan's shutdown waits for running requests when no signal drained them first.
 DRAIN_AT_EXIT_S = 5.0
+# Seconds the shutdown waits for the Batch API's runner to put its lines back to pending.
+BATCH_STOP_TIMEOUT_S = 15.0
 
 
 def _json(error: ErrorResponse) -> JSONResponse:
@@ -70,7 +73,9 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, batches: BatchServ
             batches.start()
         yield
         if batches is not None:
-            await batches.stop()
+            with contextlib.suppress(TimeoutError):  # NOTE: a stuck runner must not keep the process up
+                async with asyncio.timeout(BATCH_STOP_TIMEOUT_S):
+                    await batches.stop()
         await asyncio.to_thread(engine.drain, 0.0 if engine.error is not None else DRAIN_AT_EXIT_S)
         metrics.close()
         if batches is not None:

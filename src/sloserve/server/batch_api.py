@@ -22,7 +22,7 @@ from typing import IO, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from sloserve.core.errors import ConfigError
 from sloserve.server.batch_runner import BODY_MODELS, BatchRunner

@@ -28,8 +28,19 @@ from sloserve.core.request import RequestClass
 from sloserve.engine.async_engine import ServedRequest
 from sloserve.server.batch_store import BatchStore, Line, new_id
 from sloserve.server.metrics import ServerMetrics
-from sloserve.server.protocol import ChatCompletionRequest, CompletionRequest, ParameterError, usage
-from sloserve.server.serving import OpenAIServing, ResponseObjects, collect, error_response, validation_error
+from sloserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ParameterError,
+    usage,
+)
+from sloserve.server.serving import (
+    OpenAIServing,
+    ResponseObjects,
+    collect,
+    error_response,
+    validation_error,
+)
 
 log = logging.getLogger("uvicorn.error")
 
@@ -123,7 +134,7 @@ class BatchRunner:
             self._wake.clear()
             try:
                 await self._advance()
-            except Exception:  # noqa: BLE001 - a bug must not stop the batches for good; log and retry
+            except Exception:  # a bug must not stop the batches for good: log it and go on
                 log.exception("batch runner failed; retrying")
             # NOTE: asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation
             with contextlib.suppress(TimeoutError):
@@ -189,7 +200,7 @@ class BatchRunner:
                                                   tokens.get("completion_tokens", 0))  # fmt: skip
                 if answered and self.metrics is not None:
                     self.metrics.batch_lines.labels("failed" if failed else "completed").inc()
-        except Exception:  # noqa: BLE001 - the line runs again after a restart; log the bug
+        except Exception:  # a bug: log it; the line runs again after a restart
             log.exception("batch %s line %d failed", line.batch_id, line.line_no)
             self.store.requeue_line(line)
         finally:

@@ -191,8 +191,8 @@ class BatchStore:
         insert = ("INSERT OR REPLACE INTO files (id, seq, filename, purpose, bytes, created_at, num_lines, urls) "
                   "VALUES (?, (SELECT COALESCE(MAX(seq), 0) + 1 FROM files), ?, ?, ?, ?, ?, ?)")  # fmt: skip
         if db is None:
-            with self.transaction() as db:
-                db.execute(insert, row)
+            with self.transaction() as own:
+                own.execute(insert, row)
         else:
             db.execute(insert, row)
         return self.get_file(file_id, db)

@@ -94,7 +94,7 @@ class _Client:
                         num_tokens = event["usage"]["completion_tokens"]
                     if event.get("choices"):  # a step's tokens (text may be held back), as vLLM's client counts
                         chunk_times.append(self.clock())
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             return f"{type(e).__name__}: {e}"
         end = self.clock()
         if num_tokens is None:
@@ -176,7 +176,7 @@ async def _check_server(client: _Client) -> None:
         async with client.http.get(client.models_url) as response:
             status = response.status
             body = await response.json(content_type=None) if status == 200 else None
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         raise ConfigError(f"--base-url: cannot read {client.models_url} ({type(e).__name__}: {e})") from None
     if status != 200:
         raise ConfigError(f"--base-url: GET {client.models_url} answered HTTP {status}")

@@ -24,9 +24,9 @@ from sloserve.sched.registry import build_config
 from sloserve.server.app import build_app
 from sloserve.server.batch_api import BatchLimits, BatchService
 from sloserve.server.batch_store import BatchStore
-from sloserve.server.serving import OpenAIServing, ServerConfig
 from sloserve.server.chat_template import ChatTemplate
 from sloserve.server.metrics import ServerMetrics
+from sloserve.server.serving import OpenAIServing, ServerConfig
 
 log = logging.getLogger("uvicorn.error")  # uvicorn configures it: our lines go with its own
 
