@@ -185,19 +185,23 @@ def _parse_columns(text: str | None) -> dict[str, str] | None:
 
 
 def _model_spec(name: str):
-    """A bundled spec by name, or the shape of an engine model: ``random:NAME`` or a local HF
-    directory (its config.json; no torch needed), so a preset profiled on it simulates it."""
+    """A bundled spec by name, or the shape of an engine model: ``random:NAME``, a local HF
+    directory (its config.json; no torch needed) or a GGUF file (its metadata), so a preset
+    profiled on it simulates it."""
     from sloserve.cost import get_model
-    from sloserve.engine.config import RANDOM_PREFIX, load_hf_config, random_config
+    from sloserve.engine.config import RANDOM_PREFIX, from_hf_config, load_hf_config, random_config
+    from sloserve.engine.gguf_loader import is_gguf, read_gguf
 
     if name.startswith(RANDOM_PREFIX):
         return random_config(name[len(RANDOM_PREFIX) :]).spec()
     if Path(name).expanduser().is_dir():
         return load_hf_config(Path(name).expanduser()).spec()
+    if is_gguf(name):
+        return from_hf_config(read_gguf(name).hf_config, name=Path(name).stem).spec()
     try:
         return get_model(name)
     except UnknownNameError as err:
-        err.args = (f"{err.args[0]}; or random:NAME, or a local HF model directory",)
+        err.args = (f"{err.args[0]}; or random:NAME, a local HF model directory or a .gguf file",)
         raise
 
 

@@ -1,5 +1,5 @@
-"""Build a model from a local HF directory or a named random shape (``random:NAME``). Nothing is
-ever downloaded: a missing directory or file is a ConfigError naming it."""
+"""Build a model from a local HF directory, a GGUF file or a named random shape (``random:NAME``).
+Nothing is ever downloaded: a missing directory or file is a ConfigError naming it."""
 
 from __future__ import annotations
 
@@ -12,8 +12,20 @@ from torch import nn
 
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import BACKENDS, triton_available
-from sloserve.engine.config import RANDOM_PREFIX, ModelConfig, load_hf_config, random_config
-from sloserve.engine.models import create_model, init_random_, load_weights
+from sloserve.engine.config import (
+    RANDOM_PREFIX,
+    ModelConfig,
+    from_hf_config,
+    load_hf_config,
+    random_config,
+)
+from sloserve.engine.gguf_loader import gguf_tensors, gguf_tokenizer, is_gguf, read_gguf
+from sloserve.engine.models import (
+    copy_weights,
+    create_model,
+    init_random_,
+    load_weights,
+)
 from sloserve.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -92,8 +104,8 @@ def load_model(
     attention_backend: str = "auto",
     cuda_graphs: bool = False,
 ) -> LoadedModel:
-    """``model`` is a local HF directory (config.json, *.safetensors, tokenizer.json) or
-    ``random:NAME`` (``RANDOM_SHAPES``: random weights from ``seed``, byte tokenizer).
+    """``model`` is a local HF directory (config.json, *.safetensors, tokenizer.json), a GGUF file
+    (``gguf_loader``: dequantized to float32) or ``random:NAME`` (``RANDOM_SHAPES``: random weights from ``seed``, byte tokenizer).
     ``attention_backend``: ``auto``, ``torch`` or ``triton`` (``resolve_attention_backend``).
     ``cuda_graphs``: engines on this model replay decode-only steps as CUDA graphs (``check_cuda_graphs``)."""
     dev = resolve_device(device)
@@ -108,6 +120,14 @@ def load_model(
         init_random_(net, seed)
         return LoadedModel(net, config, ByteTokenizer(), torch_dtype, dev, backend_name, cuda_graphs)
     path = Path(model).expanduser()
+    if is_gguf(model):
+        checkpoint = read_gguf(path)
+        config = from_hf_config(checkpoint.hf_config, name=path.stem)
+        torch_dtype = resolve_dtype(dtype, config, dev)
+        net = create_model(config, backend, torch_dtype, dev)
+        copy_weights(net, ((path, name, weight) for name, weight in gguf_tensors(checkpoint)), f"GGUF file {path}")
+        tokenizer = HFTokenizer.from_tokenizer(gguf_tokenizer(checkpoint))
+        return LoadedModel(net, config, tokenizer, torch_dtype, dev, backend_name, cuda_graphs)
     config = load_hf_config(path)
     torch_dtype = resolve_dtype(dtype, config, dev)
     net = create_model(config, backend, torch_dtype, dev)

@@ -29,7 +29,8 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A ``tokenizer.json`` loaded with the ``tokenizers`` library (special tokens as it defines them)."""
+    """A ``tokenizers`` tokenizer: a ``tokenizer.json`` (special tokens as it defines them), or one
+    built in memory (``from_tokenizer``: a GGUF file's)."""
 
     def __init__(self, path: Path) -> None:
         from tokenizers import Tokenizer as _Tokenizer
@@ -39,6 +40,12 @@ class HFTokenizer:
         except Exception as e:  # the library raises a bare Exception on a bad file
             raise ConfigError(f"{path}: cannot load tokenizer ({e})") from None
 
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> HFTokenizer:
+        self = cls.__new__(cls)
+        self._tok = tokenizer
+        return self
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -47,6 +54,11 @@ class HFTokenizer:
 
 
 def load_tokenizer(model_dir: Path) -> HFTokenizer | None:
-    """The directory's tokenizer, or None when it has no tokenizer.json (prompts must be token ids)."""
+    """The directory's tokenizer, or None when it has no tokenizer.json (prompts must be token ids);
+    for a ``.gguf`` file, the tokenizer in its metadata."""
+    from sloserve.engine.gguf_loader import gguf_tokenizer, is_gguf, read_gguf
+
+    if is_gguf(str(model_dir)):
+        return HFTokenizer.from_tokenizer(gguf_tokenizer(read_gguf(model_dir)))
     path = model_dir / "tokenizer.json"
     return HFTokenizer(path) if path.is_file() else None

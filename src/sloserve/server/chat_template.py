@@ -81,6 +81,17 @@ class ChatTemplate:
             return cls(FALLBACK_TEMPLATE, special_tokens=special)
         return cls(source, special_tokens=special, from_model=True)
 
+    @classmethod
+    def for_gguf(cls, path: Path) -> ChatTemplate:
+        """The template in a GGUF file's metadata (``tokenizer.chat_template``), else the fallback."""
+        from sloserve.engine.gguf_loader import read_gguf
+
+        checkpoint = read_gguf(path)
+        source = checkpoint.chat_template
+        if not isinstance(source, str) or not source:
+            return cls(FALLBACK_TEMPLATE, special_tokens=checkpoint.special_tokens())
+        return cls(source, special_tokens=checkpoint.special_tokens(), from_model=True)
+
     def render(self, messages: list[dict[str, Any]]) -> str:
         """The prompt for ``messages``, ending where the assistant's answer starts."""
         try:

@@ -20,6 +20,7 @@ import uvicorn
 from sloserve.core.errors import ConfigError
 from sloserve.engine.async_engine import AsyncLLMEngine
 from sloserve.engine.engine_core import EngineSpec
+from sloserve.engine.gguf_loader import is_gguf
 from sloserve.sched.registry import build_config
 from sloserve.server.app import build_app
 from sloserve.server.batch_api import BatchLimits, BatchService
@@ -91,8 +92,11 @@ def make_app(spec: EngineSpec, options: ServeOptions):
         options.batch_limits.check(options.max_queued_requests)
         store = BatchStore(options.data_dir)  # NOTE: before the model loads: a taken --data-dir fails fast
     try:
-        model_dir = Path(spec.model).expanduser()
-        template = ChatTemplate.for_model(model_dir if model_dir.is_dir() else None)
+        model_path = Path(spec.model).expanduser()
+        if is_gguf(spec.model):
+            template = ChatTemplate.for_gguf(model_path)
+        else:
+            template = ChatTemplate.for_model(model_path if model_path.is_dir() else None)
         metrics = ServerMetrics(options.served_model_name, options.request_log)
         online = AsyncLLMEngine(spec, max_queued_requests=options.max_queued_requests, observer=metrics)
         online.start()

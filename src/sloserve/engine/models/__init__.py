@@ -78,25 +78,35 @@ def load_weights(model: nn.Module, path: Path) -> None:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"model directory {path} has no *.safetensors weights")
+    device = next(model.parameters()).device
+
+    def tensors():
+        for file in files:
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
+                for key in f.keys():
+                    yield file, key, f.get_tensor(key)
+
+    copy_weights(model, tensors(), f"model directory {path}")
+
+
+@torch.no_grad()
+def copy_weights(model: nn.Module, tensors, source: str) -> None:
+    """Copy ``(origin, HF name, tensor or array)`` triples into ``model``; an unknown name, a wrong
+    shape or a parameter left without weights (other than a tied LM head) is a ConfigError."""
     params = checkpoint_tensors(model)
     loaded: set[str] = set()
-    device = next(model.parameters()).device
-    for file in files:
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
-            for key in f.keys():
-                if key.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if key not in params:
-                    raise ConfigError(f"{file}: unexpected tensor {key!r} for a {model.config.model_type} model")
-                tensor = f.get_tensor(key)
-                if tensor.shape != params[key].shape:
-                    raise ConfigError(
-                        f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, the config gives "
-                        f"{tuple(params[key].shape)}"
-                    )
-                params[key].copy_(tensor)
-                loaded.add(key)
+    for origin, key, tensor in tensors:
+        if key.endswith(_IGNORED_SUFFIXES):
+            continue
+        if key not in params:
+            raise ConfigError(f"{origin}: unexpected tensor {key!r} for a {model.config.model_type} model")
+        if tuple(tensor.shape) != tuple(params[key].shape):
+            raise ConfigError(
+                f"{origin}: tensor {key!r} has shape {tuple(tensor.shape)}, the config gives {tuple(params[key].shape)}"
+            )
+        params[key].copy_(torch.as_tensor(tensor))
+        loaded.add(key)
     missing = [k for k in params if k not in loaded and not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing:
-        raise ConfigError(f"model directory {path}: weights missing for {', '.join(missing[:5])}"
-                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        raise ConfigError(f"{source}: weights missing for {', '.join(missing[:5])}"
+                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))  # fmt: skip

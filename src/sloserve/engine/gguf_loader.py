@@ -1,0 +1,199 @@
+"""GGUF checkpoints (llama.cpp's single-file format): ``--model PATH.gguf``.
+
+The ``gguf`` package reads the file: its metadata gives the config, the tokenizer and the chat
+template; its tensors are dequantized to float32 (``gguf.quants.dequantize``: Q4_0, Q4_1, Q8_0,
+K-quants... as llama.cpp defines them) and copied into the model under their HF names, so the engine
+runs the same weights transformers does when it loads the file (``from_pretrained(gguf_file=...)``).
+
+Supported: the Llama architecture (``general.architecture = llama``: Llama, SmolLM, Mistral
+without sliding windows) with a byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``).
+
+NOTE: llama.cpp's converter permutes the rows of the Q and K projections (its RoPE rotates adjacent
+pairs, HF's rotates halves); ``_unpermute`` undoes it, as transformers' GGUF loader does.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sloserve.core.errors import ConfigError
+
+# GGUF tensor names of the Llama architecture -> HF names ({n}: the layer).
+LLAMA_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{n}.attn_norm.weight": "model.layers.{n}.input_layernorm.weight",
+    "blk.{n}.ffn_norm.weight": "model.layers.{n}.post_attention_layernorm.weight",
+    "blk.{n}.attn_q.weight": "model.layers.{n}.self_attn.q_proj.weight",
+    "blk.{n}.attn_k.weight": "model.layers.{n}.self_attn.k_proj.weight",
+    "blk.{n}.attn_v.weight": "model.layers.{n}.self_attn.v_proj.weight",
+    "blk.{n}.attn_output.weight": "model.layers.{n}.self_attn.o_proj.weight",
+    "blk.{n}.ffn_gate.weight": "model.layers.{n}.mlp.gate_proj.weight",
+    "blk.{n}.ffn_up.weight": "model.layers.{n}.mlp.up_proj.weight",
+    "blk.{n}.ffn_down.weight": "model.layers.{n}.mlp.down_proj.weight",
+}
+TOKEN_TYPE_CONTROL = 3  # llama.cpp's token types: 1 normal, 3 control (special), 4 user-defined
+
+
+def is_gguf(model: str) -> bool:
+    return model.lower().endswith(".gguf")
+
+
+def _reader(path: Path):
+    try:
+        import gguf
+    except ImportError:
+        raise ConfigError("GGUF checkpoints need the gguf package: pip install 'sloserve[engine]'") from None
+    if not path.is_file():
+        raise ConfigError(f"--model {path}: no such GGUF file")
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"--model {path}: not a readable GGUF file ({e})") from None
+
+
+def _metadata(reader) -> dict[str, Any]:
+    """The file's key-value metadata, as Python values (token lists included)."""
+    return {key: value.contents() for key, value in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+@dataclass
+class GGUFCheckpoint:
+    """What a GGUF file holds, in the forms the engine loads from an HF directory."""
+
+    path: Path
+    hf_config: dict[str, Any]  # as an HF config.json would give it
+    metadata: dict[str, Any]
+    reader: Any = field(repr=False, default=None)  # the gguf.GGUFReader (memory-maps the file)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.metadata.get("tokenizer.chat_template")
+
+    def special_tokens(self) -> dict[str, str]:
+        """``bos_token``... as text, for chat templates."""
+        tokens = self.metadata.get("tokenizer.ggml.tokens") or []
+        named = {}
+        for name in ("bos", "eos", "unknown", "padding"):
+            token_id = self.metadata.get(f"tokenizer.ggml.{name}_token_id")
+            if token_id is not None and token_id < len(tokens):
+                named[{"unknown": "unk_token", "padding": "pad_token"}.get(name, f"{name}_token")] = tokens[token_id]
+        return named
+
+
+def read_gguf(path: str | Path) -> GGUFCheckpoint:
+    """The config and metadata of a GGUF file (tensors are read by ``gguf_tensors``)."""
+    path = Path(path).expanduser()
+    stat = path.stat() if path.is_file() else None
+    return _read_gguf(path, None if stat is None else (stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=4)
+def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
+    """NOTE: cached by (path, mtime, size): the engine, its tokenizer and the chat template each need
+    the file, and parsing its metadata (~100k tokens and merges) takes seconds."""
+    reader = _reader(path)
+    meta = _metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ConfigError(f"{path}: GGUF architecture {arch!r} is not supported (llama)")
+
+    def need(key: str) -> Any:
+        if f"llama.{key}" not in meta:
+            raise ConfigError(f"{path}: GGUF metadata has no 'llama.{key}'")
+        return meta[f"llama.{key}"]
+
+    heads = need("attention.head_count")
+    hidden = need("embedding_length")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    config = {
+        "model_type": "llama",
+        "vocab_size": meta.get("llama.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []),
+        "hidden_size": hidden,
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": need("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.get("llama.attention.head_count_kv", heads),
+        "head_dim": meta.get("llama.attention.key_length") or hidden // heads,
+        "max_position_embeddings": need("context_length"),
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos,
+        "torch_dtype": "float32",  # dequantized weights are float32
+    }
+    if meta.get("llama.rope.scaling.type", "none") not in ("none", None):
+        raise ConfigError(f"{path}: GGUF rope scaling {meta['llama.rope.scaling.type']!r} is not supported")
+    config["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
+    return GGUFCheckpoint(path, config, meta, reader)
+
+
+def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's row permutation of a Q or K projection (out_features, in_features)."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def gguf_tensors(checkpoint: GGUFCheckpoint):
+    """(HF name, float32 array) for each tensor of the file, dequantized, Q and K unpermuted."""
+    import gguf
+
+    config = checkpoint.hf_config
+    patterns = {}
+    for gguf_name, hf_name in LLAMA_TENSORS.items():
+        if "{n}" in gguf_name:
+            for n in range(config["num_hidden_layers"]):
+                patterns[gguf_name.format(n=n)] = hf_name.format(n=n)
+        else:
+            patterns[gguf_name] = hf_name
+    for tensor in checkpoint.reader.tensors:
+        if tensor.name not in patterns:
+            if tensor.name == "rope_freqs.weight":
+                raise ConfigError(f"{checkpoint.path}: GGUF rope frequency factors (llama 3.1 scaling) are not supported")
+            raise ConfigError(f"{checkpoint.path}: unexpected GGUF tensor {tensor.name!r} for a llama model")
+        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        if not weight.flags.writeable:  # an F32 tensor is a view of the memory-mapped file
+            weight = weight.copy()
+        if tensor.name.endswith("attn_q.weight"):
+            weight = _unpermute(weight, config["num_attention_heads"])
+        elif tensor.name.endswith("attn_k.weight"):
+            weight = _unpermute(weight, config["num_key_value_heads"])
+        yield patterns[tensor.name], weight
+
+
+def gguf_tokenizer(checkpoint: GGUFCheckpoint):
+    """The file's byte-level BPE tokenizer as a ``tokenizers.Tokenizer``: the GPT-2 pre-tokenizer,
+    control tokens as special tokens, BOS added when the file says so (as transformers builds it)."""
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
+
+    meta = checkpoint.metadata
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ConfigError(f"{checkpoint.path}: GGUF tokenizer {kind!r} is not supported (gpt2: byte-level BPE)")
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type") or []
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, kind in zip(tokens, types, strict=False) if kind == TOKEN_TYPE_CONTROL])  # fmt: skip
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)])
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok

