@@ -408,3 +408,15 @@ def test_the_compare_table_fits_an_80_column_terminal_by_turning_to_a_row_per_me
         assert max(len(line) for line in lines) <= width and "…" not in text.getvalue()
         rows = [line for line in lines if line.startswith("│")]
         assert len(rows) == (13 if width == 80 else 3)  # a row per metric, or per scheduler
+
+
+def test_plots_name_what_they_show_and_go_log_scale_on_wide_spreads():
+    from sloserve.metrics.plots import caption, wide_spread
+
+    summary = {"scheduler": "vllm", "model": "llama-2-7b", "gpu": "a100-80gb", "workload": "sharegpt@rate=9"}
+    assert caption(summary) == "vllm · llama-2-7b on a100-80gb · sharegpt@rate=9"
+    assert caption(summary, with_scheduler=False, with_workload=False) == "llama-2-7b on a100-80gb"
+    assert caption({"workload": "w"}) == "w"
+    assert wide_spread(np.array([0.337, 0.508, 38.0 * 10]))
+    assert not wide_spread(np.array([0.337, 0.508, 30.0]))
+    assert not wide_spread(np.array([0.0, 5.0, np.nan]))  # one positive value: nothing to compare

@@ -473,7 +473,7 @@ def _scheduler_list(text: str) -> list[str]:
 def compare(schedulers: str, set_pairs: tuple[str, ...], out: Path | None, as_json: bool, **options: Any) -> None:
     """Run several schedulers on the same workload and print one table."""
     from sloserve.metrics import compare_table, summary_to_json
-    from sloserve.metrics.plots import plot_compare_bars
+    from sloserve.metrics.plots import caption, plot_compare_bars
 
     _check_out(out)
     names = _scheduler_list(schedulers)
@@ -485,7 +485,9 @@ def compare(schedulers: str, set_pairs: tuple[str, ...], out: Path | None, as_js
         for name, summary in summaries.items():
             _write(out / name, summary)
         (out / "compare.json").write_text(summary_to_json({n: _public(s) for n, s in summaries.items()}))
-        plot_compare_bars({n: _public(s) for n, s in summaries.items()}, out / "compare.png")
+        first = next(iter(summaries.values()))
+        plot_compare_bars({n: _public(s) for n, s in summaries.items()}, out / "compare.png",
+                          title=f"{caption(first, with_scheduler=False)}, {len(workload)} requests")  # fmt: skip
     if as_json:
         click.echo(summary_to_json({n: _public(s) for n, s in summaries.items()}))
     else:
@@ -522,7 +524,7 @@ def _split_set_options(pairs: tuple[str, ...], names: list[str]) -> dict[str, di
 def sweep(rates: str, schedulers: str, set_pairs: tuple[str, ...], metric: str, out: Path, **options: Any) -> None:
     """Rate sweep: the metric (default normalized latency) against request rate, per scheduler."""
     from sloserve.metrics import summary_to_json, sweep_table
-    from sloserve.metrics.plots import plot_sweep
+    from sloserve.metrics.plots import caption, plot_sweep
 
     _check_out(out)
     try:
@@ -545,7 +547,11 @@ def sweep(rates: str, schedulers: str, set_pairs: tuple[str, ...], metric: str, 
                 raise ConfigError(f"--metric {metric!r} is not in the summary; e.g. {', '.join(numeric)}")
             results[name].append((rate, _public(summary)))
     out.mkdir(parents=True, exist_ok=True)
-    plot_sweep(results, out / f"sweep_{metric}.png", metric=metric, logy=True)
+    first = results[names[0]][0][1]
+    what = " · ".join(x for x in (caption(first, with_scheduler=False, with_workload=False),
+                                  str(first.get("workload", "")).split("@")[0]) if x)  # fmt: skip
+    plot_sweep(results, out / f"sweep_{metric}.png", metric=metric, logy=True,
+               title=f"{metric} vs request rate{': ' + what if what else ''}")  # fmt: skip
     (out / "sweep.json").write_text(summary_to_json({n: [{"rate": r, **s} for r, s in v] for n, v in results.items()}))
     _print_table(sweep_table(results, metric))
     click.echo(f"wrote {out}/sweep_{metric}.png and {out}/sweep.json")

@@ -33,6 +33,19 @@ def _save(fig: Any, path: Path) -> Path:
     return Path(path)
 
 
+def caption(summary: dict, *, with_scheduler: bool = True, with_workload: bool = True) -> str:
+    """What a plot shows, from a run's summary: "vllm · llama-2-7b on a100-80gb · sharegpt@rate=9"
+    (parts the summary lacks are left out)."""
+    parts = []
+    if with_scheduler and summary.get("scheduler"):
+        parts.append(str(summary["scheduler"]))
+    if summary.get("model"):
+        parts.append(f"{summary['model']} on {summary['gpu']}" if summary.get("gpu") else str(summary["model"]))
+    if with_workload and summary.get("workload"):
+        parts.append(str(summary["workload"]))
+    return " · ".join(parts)
+
+
 def _thin(n: int) -> slice:
     return slice(None, None, max(1, -(-n // MAX_POINTS)))
 
@@ -43,18 +56,20 @@ def plot_run(
     timeline: Timeline,
     *,
     kv_capacity_tokens: int | None = None,
+    title: str = "",
 ) -> list[Path]:
     """Write ``latency_cdf.png`` (CDFs of TTFT, TPOT and normalized latency over completed requests,
     one line per class when both are present) and ``timeline.png`` (forward size, and KV used and
-    allocated per replica over time with the per-replica capacity line) into ``out_dir``."""
+    allocated per replica over time with the per-replica capacity line) into ``out_dir``; ``title``
+    (``caption``) names the run on both."""
     out_dir = Path(out_dir)
     return [
-        plot_latency_cdf(out_dir / "latency_cdf.png", requests_table),
-        plot_timeline(out_dir / "timeline.png", timeline, kv_capacity_tokens=kv_capacity_tokens),
+        plot_latency_cdf(out_dir / "latency_cdf.png", requests_table, title=title),
+        plot_timeline(out_dir / "timeline.png", timeline, kv_capacity_tokens=kv_capacity_tokens, title=title),
     ]
 
 
-def plot_latency_cdf(path: Path, requests_table: dict[str, np.ndarray]) -> Path:
+def plot_latency_cdf(path: Path, requests_table: dict[str, np.ndarray], *, title: str = "") -> Path:
     """Empirical CDFs of TTFT, TPOT and normalized latency (completed requests, NaN left out)."""
     t = requests_table
     done = t["finished"]
@@ -78,11 +93,11 @@ def plot_latency_cdf(path: Path, requests_table: dict[str, np.ndarray]) -> Path:
         ax.grid(alpha=0.3)
         if len(groups) > 1:
             ax.legend()
-    fig.suptitle(f"latency CDFs ({int(done.sum())} completed requests)")
+    fig.suptitle(f"{title + ': ' if title else ''}latency CDFs ({int(done.sum())} completed requests)")
     return _save(fig, Path(path))
 
 
-def plot_timeline(path: Path, timeline: Timeline, *, kv_capacity_tokens: int | None = None) -> Path:
+def plot_timeline(path: Path, timeline: Timeline, *, kv_capacity_tokens: int | None = None, title: str = "") -> Path:
     """Forward size (tokens per step) and KV tokens used / allocated after each step, over time."""
     cols = timeline.as_dict()
     fig = _figure((10, 6))
@@ -107,8 +122,12 @@ def plot_timeline(path: Path, timeline: Timeline, *, kv_capacity_tokens: int | N
     ax_kv.set_title("KV cache")
     for ax in (ax_fwd, ax_kv):
         ax.grid(alpha=0.3)
+    # NOTE: legends outside the axes, at the right: inside, they cover the series they name
+    for ax in (ax_fwd, ax_kv):
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8, loc="upper right")
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    if title:
+        fig.suptitle(title)
     return _save(fig, Path(path))
 
 
@@ -127,7 +146,7 @@ def plot_sweep(
     ``results`` maps a scheduler name to ``[(rate_rps, summary), ...]``; ``metric`` may be a dotted
     path such as ``"classes.rt.ttft_s"`` (see ``metric_value``). Missing values leave a gap.
     """
-    fig = _figure((6.4, 4.4))
+    fig = _figure((7.6, 4.4))
     ax = fig.subplots()
     for name, points in results.items():
         pts = sorted(points, key=lambda p: p[0])
@@ -139,9 +158,9 @@ def plot_sweep(
     ax.set_ylabel(ylabel)
     if logy:
         ax.set_yscale("log")
-    ax.set_title(title or f"{ylabel} vs request rate")
+    ax.set_title(title or f"{ylabel} vs request rate", fontsize=10)
     ax.grid(alpha=0.3, which="both")
-    ax.legend()
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     return _save(fig, Path(path))
 
 
@@ -158,15 +177,41 @@ def plot_compare_bars(
     summaries: dict[str, dict],
     path: Path,
     bars: tuple[tuple[str, str, str, float], ...] = COMPARE_BARS,
+    *,
+    title: str = "",
 ) -> Path:
-    """One panel per ``(metric, stat, label, scale)`` in ``bars``, one bar per scheduler."""
+    """One panel per ``(metric, stat, label, scale)`` in ``bars``, one bar per scheduler, each bar
+    labelled with its value. A panel whose values span more than 100x is on a log scale (a 0.4 s
+    bar beside a 168 s one would otherwise be invisible); a value the summary lacks is "n/a"."""
     names = list(summaries)
-    fig = _figure((3.6 * len(bars), 3.8))
+    fig = _figure((3.6 * len(bars), 4.0))
     axes = fig.subplots(1, len(bars), squeeze=False)
     for ax, (metric, stat, label, scale) in zip(axes[0], bars):
-        values = [metric_value(summaries[n], metric, stat) * scale for n in names]
-        ax.bar(range(len(names)), np.nan_to_num(values), color=[f"C{i}" for i in range(len(names))])
+        values = np.array([metric_value(summaries[n], metric, stat) * scale for n in names], dtype=np.float64)
+        log = wide_spread(values)
+        heights = np.where(np.isfinite(values), values, 0.0)
+        bars_drawn = ax.bar(range(len(names)), heights, color=[f"C{i}" for i in range(len(names))])
+        ax.bar_label(bars_drawn, labels=[_short(v) for v in values], fontsize=8, padding=2)
+        if log:
+            ax.set_yscale("log")
+            ax.set_title(f"{label}, log scale", fontsize=10)
+        else:
+            ax.set_title(label, fontsize=10)
+            ax.margins(y=0.12)  # room for the labels
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
-        ax.set_title(label, fontsize=10)
         ax.grid(alpha=0.3, axis="y")
+    if title:
+        fig.suptitle(title)
     return _save(fig, Path(path))
+
+
+def wide_spread(values: np.ndarray, ratio: float = 100.0) -> bool:
+    """Whether the positive finite ``values`` span more than ``ratio`` (plot them on a log scale)."""
+    positive = values[np.isfinite(values) & (values > 0)]
+    return positive.size > 1 and bool(positive.max() / positive.min() > ratio)
+
+
+def _short(value: float) -> str:
+    if not np.isfinite(value):
+        return "n/a"
+    return f"{value:.3g}"

@@ -10,8 +10,10 @@ from sloserve.optimal.model import BatchPlan, BoundProblem
 
 def plot_gantt(problem: BoundProblem, plan: list[BatchPlan], path: Path, title: str = "") -> Path:
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
-    fig = Figure(figsize=(10, 1.2 + 0.45 * len(problem.prompts)))
+    fig = Figure(figsize=(11.5, 1.6 + 0.45 * len(problem.prompts)))
     ax = fig.add_subplot()
     known = list(problem.prompts)  # prompt + generated tokens
     computed = [0] * len(problem.prompts)
@@ -34,9 +36,14 @@ def plot_gantt(problem: BoundProblem, plan: list[BatchPlan], path: Path, title: 
     kv.step([b.start_s for b in plan] + [plan[-1].end_s] if plan else [], [0] + [b.kv_tokens for b in plan] if plan else [],
             where="post", color="tab:blue")
     kv.axhline(problem.kv_capacity_tokens, color="tab:blue", linestyle=":", linewidth=1)
-    kv.set_ylabel("KV tokens (M dotted)", color="tab:blue")
+    kv.set_ylabel("KV tokens", color="tab:blue")
     kv.set_ylim(0, problem.kv_capacity_tokens * 1.1)
-    ax.set_title(title or "schedule: black = (p)refill, gray = decode, red = evict")
+    ax.set_title(title or "schedule")
+    legend = [Patch(facecolor="black", label="(p)refill"), Patch(facecolor="0.6", label="decode"),
+              Patch(facecolor="tab:red", label="evict"), Line2D([], [], color="tab:blue", label="KV tokens"),
+              Line2D([], [], color="tab:blue", linestyle=":", label="KV capacity M")]  # fmt: skip
+    # NOTE: outside the axes: inside, it covers boxes
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.08, 1.0), borderaxespad=0, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
