@@ -24,7 +24,7 @@ from sloserve.cost import (
     get_preset,
     kv_capacity_tokens,
 )
-from sloserve.experiments.infermax import plot_grid, write_csv
+from sloserve.experiments.outputs import plot_bars, plot_grid, write_csv
 from sloserve.metrics.plots import _figure, _save
 from sloserve.metrics.summary import SLO_TOLERANCE_S, request_table
 from sloserve.sched import make_scheduler
@@ -180,10 +180,9 @@ def fig13(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
     n = 400 if quick else 1000
     rows = [run_hybrid(name, 10.0, n, setting="opt-30b") for name in ("bros", "bros_nobicache")]
     write_csv(rows, out / "bros_fig13.csv")
-    for r in rows:
-        r["all"] = f"{LABELS['opt-30b']}, RT rate 10"
-    plot_grid(rows, out / "bros_fig13.png", ("ttft_attainment", "tpot_attainment", "rt_normalized_latency_s"),
-              column="all", x="rt_rate", title="BROS Figure 13: with / without bidirectional blocks")
+    plot_bars(rows, out / "bros_fig13.png", (("ttft_attainment", "TTFT attainment"), ("tpot_attainment", "TPOT attainment"),
+                                             ("rt_normalized_latency_s", "RT normalized latency (s/token)")),
+              f"BROS Figure 13: with / without bidirectional blocks, {LABELS['opt-30b']}, RT rate 10")  # fmt: skip
     with_bi, without = rows
     lines = [
         f"TTFT attainment with / without Bi-cache: {with_bi['ttft_attainment']:.0%} / {without['ttft_attainment']:.0%}, "

@@ -19,7 +19,7 @@ import numpy as np
 from sloserve.core.request import SLO
 from sloserve.cost import build_cost_model, get_gpu, get_model
 from sloserve.cost.derived import jct_slo_s
-from sloserve.experiments.infermax import plot_grid, write_csv
+from sloserve.experiments.outputs import plot_bars, plot_grid, write_csv
 from sloserve.metrics.summary import summarize
 from sloserve.sched import make_scheduler
 from sloserve.sim import simulate
@@ -173,6 +173,10 @@ def fig13(out: Path, quick: bool, trace: str = "sharegpt") -> tuple[list[dict], 
     n = 300 if quick else 1000
     rows = [run_rate(name, rate, n, trace) for name in VARIANTS]
     write_csv(rows, out / f"econoserve_fig13_{trace}.csv")
+    plot_bars(rows, out / f"econoserve_fig13_{trace}.png",
+              (("jct_s", "JCT (s)"), ("tbt_s", "TBT (s)"), ("ssr", "SLO satisfaction ratio"),
+               ("throughput_rps", "throughput (req/s)")),
+              f"EconoServe Figure 13: the variants ({trace}, OPT-13B, rate {rate:g})")  # fmt: skip
     full = rows[VARIANTS.index("econoserve")]
     lines = [f"{r['scheduler']}: JCT {r['jct_s']:.2f} s ({r['jct_s'] / full['jct_s'] - 1:+.0%} vs EconoServe), TBT "
              f"{r['tbt_s'] * 1e3:.1f} ms, SSR {r['ssr']:.0%}, {r['throughput_rps']:.2f} req/s" for r in rows]  # fmt: skip

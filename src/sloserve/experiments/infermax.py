@@ -9,7 +9,6 @@ by C and M (Algorithm 1 has no max_num_seqs); latency is the time to finish the 
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from sloserve.cost import LinearCostModel, get_preset
+from sloserve.experiments.outputs import plot_bars, plot_grid, write_csv
 from sloserve.metrics import request_table
 from sloserve.sched import make_scheduler
 from sloserve.sim import simulate
@@ -28,6 +28,7 @@ M_DEFAULT = 100_000
 TABLE1 = ("vllm", "vllm_hy", "sarathi", "sarathi_pc", "sarathi_nocp", "sarathi_nohy")
 # NOTE: Algorithm 1's CANALLOCATE checks only C, P and M: no cap on running requests (vLLM's
 # max_num_seqs), so it is lifted to C here.
+SETTING = "Llama-2-7B on A100, C = 4096"
 OPTIONS = {"block_size": 1, "watermark": 0.0, "max_num_batched_tokens": C, "max_num_seqs": C}
 
 
@@ -56,46 +57,6 @@ def run_fixed(name: str, prompt: int, output: int, num_requests: int, capacity: 
     }
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def plot_grid(rows: list[dict], path: Path, metrics: tuple[str, ...], column: str = "O", x: str = "I",
-              title: str = "") -> None:
-    """One column of panels per value of ``column``, one row per metric, a line per scheduler."""
-    from matplotlib.figure import Figure
-
-    columns = sorted({r[column] for r in rows})
-    schedulers = list(dict.fromkeys(r["scheduler"] for r in rows))
-    fig = Figure(figsize=(3.2 * len(columns), 2.4 * len(metrics)))
-    axes = fig.subplots(len(metrics), len(columns), squeeze=False)
-    for ci, value in enumerate(columns):
-        for mi, metric in enumerate(metrics):
-            ax = axes[mi][ci]
-            for name in schedulers:
-                pts = sorted((r[x], r[metric]) for r in rows if r[column] == value and r["scheduler"] == name)
-                if pts:
-                    ax.plot(*zip(*pts, strict=True), marker="o", markersize=3, label=name)
-            ax.set_xscale("log", base=2)
-            values = [r[metric] for r in rows if r[column] == value]
-            if metric in ("latency_s", "ttft_s", "tpot_s") and min(values, default=0) > 0:
-                ax.set_yscale("log")
-            if mi == 0:
-                ax.set_title(f"{column} = {value}")
-            if ci == 0:
-                ax.set_ylabel(metric)
-            if mi == len(metrics) - 1:
-                ax.set_xlabel(x)
-    axes[0][0].legend(fontsize=7)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
-
 def _grid(num_requests: int, inputs, outputs, schedulers, capacity=M_DEFAULT) -> list[dict]:
     return [
         run_fixed(name, i, o, num_requests, capacity)
@@ -113,7 +74,7 @@ def fig4_5(out: Path, quick: bool, num_requests: int) -> tuple[list[dict], list[
     rows = _grid(num_requests, inputs, outputs, TABLE1)
     write_csv(rows, out / f"infermax_B{num_requests}.csv")
     plot_grid(rows, out / f"infermax_B{num_requests}.png", ("latency_s", "tps", "ttft_s", "tpot_s", "evictions"),
-              title=f"B = {num_requests}, M = 100K")
+              title=f"InferMax Figures 4-6: B = {num_requests}, M = 100K ({SETTING})")
     lines = []
     if num_requests <= 32:
         no_evictions = all(r["evictions"] == 0 for r in rows)
@@ -159,7 +120,7 @@ def fig8(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
     names = ("vllm", "vllm_ef", "sarathi", "sarathi_ef", "sarathi_pc", "sarathi_pc_ef")
     rows = _grid(1024, inputs, (1024,), names)
     write_csv(rows, out / "infermax_fig8.csv")
-    plot_grid(rows, out / "infermax_fig8.png", ("latency_s", "tps", "ttft_s", "tpot_s", "evictions"), title="O = B = 1024")
+    plot_grid(rows, out / "infermax_fig8.png", ("latency_s", "tps", "ttft_s", "tpot_s", "evictions"), title=f"InferMax Figure 8: O = B = 1024, with and without evictions ({SETTING})")
     lines = []
     for base in ("vllm", "sarathi", "sarathi_pc"):
         tps = _ratio(rows, "tps", f"{base}_ef", base, lambda r: True)
@@ -177,7 +138,7 @@ def fig9(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
     rows = [r for m in capacities for r in _grid(1024, inputs, (32,), names, capacity=m)]
     write_csv(rows, out / "infermax_fig9.csv")
     plot_grid(rows, out / "infermax_fig9.png", ("latency_s", "tps", "ttft_s", "tpot_s", "evictions"), column="M",
-              title="O = 32, B = 1024")
+              title=f"InferMax Figure 9: O = 32, B = 1024 ({SETTING})")
     lines = []
     for m in capacities:
         for base in ("vllm", "sarathi"):
@@ -224,7 +185,7 @@ def fig10_12(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
     for r in rows:
         r["B_"] = r["B"]
     plot_grid(rows, out / "infermax_fig10_12.png", ("latency_s", "ttft_s", "tpot_s"), column="mix", x="B_",
-              title="rank schedulers on heterogeneous workloads")
+              title=f"InferMax Figures 10-12: rank schedulers on heterogeneous workloads ({SETTING})")
     lines = []
     for metric, paper in (("latency_s", "Rank_I up to 1.3x lower latency"),
                           ("ttft_s", "Rank_I up to 3.1x (vs Rank_O) and 2.3x (vs Rank_org) lower TTFT"),
@@ -302,25 +263,14 @@ def sec6(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
                      "mean_jct_s": sum(r.finish_time - r.arrival_time for r in requests) / len(requests),
                      "evictions": sum(r.num_preemptions for r in requests)})
     write_csv(rows, out / "infermax_sec6.csv")
-    _plot_bars(rows, out / "infermax_sec6.png", "latency_s", "latency (s): Azure conversation trace, Llama-3-70B 4xA100")
+    plot_bars(rows, out / "infermax_sec6.png", (("latency_s", "latency (s)"),),
+              "InferMax §6: Azure conversation trace, Llama-3-70B on 4x A100")  # fmt: skip
     deployable = min((r for r in rows if r["scheduler"] in ("vllm", "sarathi", "sarathi_pc")), key=lambda r: r["latency_s"])
     ours = min((r for r in rows if r["scheduler"].startswith("infermax")), key=lambda r: r["latency_s"])
     lines = [f"best deployable baseline {deployable['scheduler']}: {deployable['latency_s']:.0f} s; "
              f"keep-long/evict-short {ours['scheduler']}: {ours['latency_s']:.0f} s "
              f"({ours['latency_s'] / deployable['latency_s'] - 1:+.1%}); paper: 7K s -> 6K s (bound 5K s)"]
     return rows, lines
-
-
-def _plot_bars(rows: list[dict], path: Path, metric: str, title: str) -> None:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(8, 3.5))
-    ax = fig.add_subplot()
-    ax.bar([r["scheduler"] for r in rows], [r[metric] for r in rows], color="tab:blue")
-    ax.set_title(title)
-    ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
 
 
 def fig4(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
@@ -331,34 +281,3 @@ def fig4(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
 def fig5(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
     """Figures 5-6: the Table 1 schedulers on fixed I/O grids with B = 1024 requests (evictions)."""
     return fig4_5(out, quick, 1024)
-
-
-EXPERIMENTS: dict[str, Callable[..., tuple[list[dict], list[str]]]] = {
-    "infermax-fig4": fig4,
-    "infermax-fig5": fig5,
-    "infermax-fig8": fig8,
-    "infermax-fig9": fig9,
-    "infermax-fig10": fig10_12,
-    "infermax-fig15": fig15,
-    "infermax-sec6": sec6,
-}
-
-
-def _register_bros() -> None:
-    from sloserve.experiments import bros
-
-    EXPERIMENTS["bros-fig10"] = bros.fig10
-    EXPERIMENTS["bros-fig13"] = bros.fig13
-    EXPERIMENTS["bros-fig14"] = bros.fig14
-
-
-def _register_econoserve() -> None:
-    from sloserve.experiments import econoserve
-
-    EXPERIMENTS["econoserve-fig9"] = econoserve.fig9
-    EXPERIMENTS["econoserve-fig13"] = econoserve.fig13
-    EXPERIMENTS["econoserve-fig15"] = econoserve.fig15
-
-
-_register_bros()
-_register_econoserve()
