@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import types
+import functools
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import pydantic
 
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.cost.base import CostModel
@@ -222,35 +224,33 @@ def parse_set_options(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
     return options
 
 
+# pydantic's error types of a --set value -> what the message says was expected
+_EXPECTED = {"int_parsing": "an integer", "int_from_float": "an integer", "int_type": "an integer",
+             "float_parsing": "a number", "float_type": "a number", "bool_parsing": "true or false",
+             "bool_type": "true or false", "string_type": "a string"}  # fmt: skip
+
+
+@functools.cache
+def _adapter(annotation: Any) -> pydantic.TypeAdapter:
+    return pydantic.TypeAdapter(annotation)
+
+
 def _coerce(scheduler: str, key: str, value: Any, annotation: Any) -> Any:
-    """Convert a ``--set`` string to the config field's type, or raise a ConfigError naming it."""
-    if not isinstance(value, str):
-        return value
+    """Convert a ``--set`` string (or check a value) to the config field's type with pydantic (lax
+    mode: "8" is 8, "yes" is True), or raise a ConfigError naming the option and what it expects."""
     where = f"scheduler {scheduler}: option {key}={value!r}"
-    args = typing.get_args(annotation)
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        if value.lower() == "none" and type(None) in args:
-            return None
-        (annotation,) = [a for a in args if a is not type(None)]
-        return _coerce(scheduler, key, value, annotation)
-    if origin is typing.Literal:
-        if value not in args:
-            raise ConfigError(f"{where}: expected one of {', '.join(map(str, args))}")
-        return value
-    if annotation is bool:
-        lowered = value.lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{where}: expected true or false")
-    if annotation in (int, float):
-        try:
-            return annotation(value)
-        except ValueError:
-            raise ConfigError(f"{where}: expected {'an integer' if annotation is int else 'a number'}") from None
-    return value
+    if isinstance(value, str) and value.strip().lower() == "none" and type(None) in typing.get_args(annotation):
+        return None
+    try:
+        return _adapter(annotation).validate_python(value.strip() if isinstance(value, str) else value)
+    except pydantic.ValidationError as e:
+        error = e.errors()[0]
+        if error["type"] == "literal_error":
+            choices = [a for a in typing.get_args(annotation) if a is not type(None)]
+            choices = typing.get_args(choices[0]) if typing.get_origin(choices[0]) is typing.Literal else choices
+            raise ConfigError(f"{where}: expected one of {', '.join(map(str, choices))}") from None
+        expected = _EXPECTED.get(error["type"])
+        raise ConfigError(f"{where}: {'expected ' + expected if expected else error['msg']}") from None
 
 
 def build_config(name: str, options: Mapping[str, Any] | None = None) -> Any:
