@@ -1,5 +1,5 @@
 """Workload specs: streams of requests (a length source, an arrival process, a class and SLOs),
-read from YAML and validated field by field.
+read from YAML and validated field by field (pydantic models, errors in our words).
 
 A spec file looks like::
 
@@ -24,14 +24,14 @@ Building a workload from a spec lives in ``sloserve.workload.build``.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
+import typing
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.core.request import SLO, RequestClass
@@ -42,10 +42,6 @@ PROCESSES = ("poisson", "gamma", "trace", "offline", "closed-batches")
 # next one when every request of the previous batch has finished (BROS §7.1's best-effort jobs).
 _PROCESS_KEYS = {"poisson": ("rate",), "gamma": ("rate", "cv"), "trace": (), "offline": (),
                  "closed-batches": ("batch_size",)}
-_STREAM_KEYS = ("name", "class", "source", "arrival", "num_requests", "slo", "max_tokens",
-                "start_s")
-_SPEC_KEYS = ("name", "description", "streams")
-_SLO_KEYS = ("ttft_s", "tpot_s", "jct_s")
 
 
 @dataclass(frozen=True)
@@ -161,71 +157,143 @@ def parse_workload_spec(
 ) -> WorkloadSpec:
     """Validate a decoded spec (a dict as read from YAML) and return a ``WorkloadSpec``.
 
-    Every problem raises ``ConfigError`` naming ``origin``, the stream (index and name) and the
-    field, e.g. ``workload.yaml: streams[1] (batch): arrival.rate must be > 0, got -2``.
+    Fields are checked by the pydantic models below; every problem raises ``ConfigError`` naming
+    ``origin``, the stream (index and name) and the field, e.g.
+    ``workload.yaml: streams[1] (batch): arrival.rate must be > 0, got -2``.
     """
-    top = _Ctx(f"{origin}: ")
     if data is None:
         raise ConfigError(f"{origin}: empty workload spec")
-    top.keys(top.mapping(data, "workload spec"), _SPEC_KEYS, "")
-    name = data.get("name", default_name)
-    if not isinstance(name, str) or not name:
-        raise top.error("name", f"must be a non-empty string, got {_show(name)}")
-    description = data.get("description", "")
-    if not isinstance(description, str):
-        raise top.error("description", f"must be a string, got {_show(description)}")
-    streams_raw = data.get("streams")
-    if not isinstance(streams_raw, list) or not streams_raw:
-        raise top.error("streams", f"must be a non-empty list of streams, got {_show(streams_raw)}")
+    top = _validated(_SpecFields, data, f"{origin}: ")
     streams: list[StreamSpec] = []
-    for i, raw in enumerate(streams_raw):
+    for i, raw in enumerate(top.streams):
         stream = _parse_stream(raw, i, origin, base_dir)
         if any(s.name == stream.name for s in streams):
-            raise top.error(f"streams[{i}].name", f"{stream.name!r} is used by another stream")
+            raise ConfigError(f"{origin}: streams[{i}].name {stream.name!r} is used by another stream")
         streams.append(stream)
-    return WorkloadSpec(name, streams, description, origin)
+    return WorkloadSpec(top.name or default_name, streams, top.description, origin)
 
 
 # --------------------------------------------------------------------------------------------
-# validation
+# validation: pydantic models of the YAML (strict: 2.5 is not an integer, "8" not a number)
 # --------------------------------------------------------------------------------------------
-class _Ctx:
-    """Error-message prefix plus typed field readers."""
+class _Fields(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
 
-    def error(self, fld: str, msg: str) -> ConfigError:
-        return ConfigError(f"{self.prefix}{fld} {msg}" if fld else f"{self.prefix}{msg}")
+PositiveInt = Annotated[int, Field(ge=1)]
+PositiveNumber = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegativeNumber = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Range = Annotated[list[PositiveInt], Field(min_length=2, max_length=2)]
 
-    def mapping(self, value: Any, fld: str) -> dict[str, Any]:
-        if not isinstance(value, dict):
-            raise self.error(fld, f"must be a mapping, got {_show(value)}")
-        return value
 
-    def keys(self, data: Mapping[str, Any], allowed: tuple[str, ...], parent: str) -> None:
-        for key in data:
-            if key not in allowed:
-                where = f"{parent}.{key}" if parent else str(key)
-                raise self.error("", f"unknown key {where!r}; valid: {', '.join(allowed)}")
+class _SpecFields(_Fields):
+    name: Annotated[str, Field(min_length=1)] | None = None
+    description: str = ""
+    streams: Annotated[list[Any], Field(min_length=1)]
 
-    def integer(self, value: Any, fld: str, minimum: int) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.error(fld, f"must be an integer, got {_show(value)}")
-        if value < minimum:
-            raise self.error(fld, f"must be >= {minimum}, got {value}")
-        return value
 
-    def number(self, value: Any, fld: str, *, positive: bool) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.error(fld, f"must be a number, got {_show(value)}")
-        if not math.isfinite(value):
-            raise self.error(fld, f"must be finite, got {value}")
-        if positive and not value > 0:
-            raise self.error(fld, f"must be > 0, got {value}")
-        if not positive and value < 0:
-            raise self.error(fld, f"must be >= 0, got {value}")
-        return float(value)
+class _LengthsFields(_Fields):
+    prompt: PositiveInt
+    output: PositiveInt
+
+
+class _RangesFields(_Fields):
+    prompt: Range
+    output: Range
+
+
+class _SourceFields(_Fields):
+    trace: Annotated[str, Field(min_length=1)] | None = None
+    columns: dict[str, str] | None = None
+    fixed: _LengthsFields | None = None
+    uniform: _RangesFields | None = None
+
+
+class _ArrivalFields(_Fields):
+    process: Literal["poisson", "gamma", "trace", "offline", "closed-batches"]
+    rate: PositiveNumber | None = None
+    cv: PositiveNumber | None = None
+    batch_size: PositiveInt | None = None
+
+
+class _SLOFields(_Fields):
+    ttft_s: PositiveNumber | None = None
+    tpot_s: PositiveNumber | None = None
+    jct_s: PositiveNumber | None = None
+
+
+class _StreamFields(_Fields):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: Annotated[str, Field(min_length=1)] | None = None
+    request_class: Literal["rt", "be", "RT", "BE"] = Field(default="rt", alias="class")
+    source: _SourceFields
+    arrival: _ArrivalFields
+    num_requests: PositiveInt
+    slo: _SLOFields | None = None
+    max_tokens: PositiveInt | None = None
+    start_s: NonNegativeNumber = 0.0
+
+
+# Hints after "is required" for fields whose shape is not obvious.
+_REQUIRED_HINTS = {
+    "source": ": {trace: NAME_OR_PATH}, {fixed: ...} or {uniform: ...}",
+    "arrival": f": {{process: ...}} with process one of {', '.join(PROCESSES)}",
+}
+
+
+def _validated(model: type[_Fields], data: Any, prefix: str) -> Any:
+    """``data`` validated as ``model``, or a ConfigError for its first problem, in our words."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix}must be a mapping, got {_show(data)}" if prefix.endswith("]: ")
+                          else f"{prefix}workload spec must be a mapping, got {_show(data)}")  # fmt: skip
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        # NOTE: an unknown key first: a misspelt key also shows as a missing one
+        errors = sorted(e.errors(), key=lambda err: err["type"] != "extra_forbidden")
+        raise ConfigError(prefix + _message(model, errors[0])) from None
+
+
+def _message(model: type[_Fields], error: dict[str, Any]) -> str:
+    """One pydantic error as "field problem, got value"."""
+    loc = [x for x in error["loc"] if not str(x).startswith(("function-", "constrained-"))]
+    field_path = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
+    value, kind, ctx = error.get("input"), error["type"], error.get("ctx") or {}
+    if kind == "missing":
+        return f"{field_path} is required{_REQUIRED_HINTS.get(field_path, '')}"
+    if kind == "extra_forbidden":
+        parent = _model_at(model, loc[:-1])
+        valid = ", ".join(f.alias or name for name, f in parent.model_fields.items()) if parent else ""
+        return f"unknown key {field_path!r}; valid: {valid}"
+    if field_path == "streams":
+        return f"streams must be a non-empty list of streams, got {_show(value)}"
+    if kind == "literal_error" and field_path == "class":
+        return f"class must be 'rt' or 'be', got {_show(value)}"
+    if kind == "literal_error":
+        return f"{field_path} must be one of {', '.join(PROCESSES)}; got {_show(value)}"
+    bounds = {"greater_than": f"> {ctx.get('gt', 0):g}", "greater_than_equal": f">= {ctx.get('ge', 0):g}"}
+    if kind in bounds:
+        return f"{field_path} must be {bounds[kind]}, got {_show(value)}"
+    expected = {"int_type": "an integer", "int_from_float": "an integer", "float_type": "a number",
+                "finite_number": "finite", "string_type": "a string", "dict_type": "a mapping",
+                "model_type": "a mapping", "model_attributes_type": "a mapping", "list_type": "a list [lo, hi]",
+                "too_short": "a list [lo, hi]", "too_long": "a list [lo, hi]",
+                "string_too_short": "a non-empty string"}.get(kind)  # fmt: skip
+    if expected is not None:
+        return f"{field_path} must be {expected}, got {_show(value)}"
+    return f"{field_path}: {error['msg']}"
+
+
+def _model_at(model: type[_Fields], loc: list[Any]) -> type[_Fields] | None:
+    """The model class that the field path ``loc`` leads to (None past a plain field)."""
+    for name in loc:
+        fields = {f.alias or n: f for n, f in model.model_fields.items()}
+        annotation = fields[name].annotation if name in fields else None
+        inner = [a for a in (*typing.get_args(annotation), annotation) if isinstance(a, type) and issubclass(a, _Fields)]
+        if not inner:
+            return None
+        model = inner[0]
+    return model
 
 
 def _show(value: Any) -> str:
@@ -235,125 +303,76 @@ def _show(value: Any) -> str:
 
 
 def _parse_stream(raw: Any, i: int, origin: str, base_dir: Path | None) -> StreamSpec:
-    ctx = _Ctx(f"{origin}: streams[{i}]: ")
-    ctx.mapping(raw, "")
-    name = raw.get("name", f"stream{i}")
-    if not isinstance(name, str) or not name:
-        raise ctx.error("name", f"must be a non-empty string, got {_show(name)}")
-    ctx = _Ctx(f"{origin}: streams[{i}] ({name}): ")
-    ctx.keys(raw, _STREAM_KEYS, "")
+    name = raw.get("name", f"stream{i}") if isinstance(raw, dict) else None
+    label = f"{origin}: streams[{i}] ({name}): " if isinstance(name, str) and name else f"{origin}: streams[{i}]: "
+    fields = _validated(_StreamFields, raw, label)
+    name = fields.name or f"stream{i}"
 
-    cls_raw = raw.get("class", "rt")
-    if not isinstance(cls_raw, str) or cls_raw.lower() not in ("rt", "be"):
-        raise ctx.error("class", f"must be 'rt' or 'be', got {_show(cls_raw)}")
-    if "source" not in raw:
-        raise ctx.error("source", "is required: {trace: NAME_OR_PATH}, {fixed: ...} or "
-                                  "{uniform: ...}")
-    source = _parse_source(ctx, raw["source"], base_dir)
-    if "arrival" not in raw:
-        raise ctx.error("arrival", f"is required: {{process: ...}} with process one of "
-                                   f"{', '.join(PROCESSES)}")
-    arrival = _parse_arrival(ctx, raw["arrival"])
+    def error(fld: str, msg: str) -> ConfigError:
+        return ConfigError(f"{label}{fld} {msg}")
+
+    source = _parse_source(fields.source, label, base_dir, error)
+    arrival = _parse_arrival(fields.arrival, label)
     if arrival.process == "trace" and not isinstance(source, TraceSource):
-        raise ctx.error("arrival.process", "'trace' needs a trace source with arrival times")
-    if "num_requests" not in raw:
-        raise ctx.error("num_requests", "is required")
-    num_requests = ctx.integer(raw["num_requests"], "num_requests", 1)
-    slo = _parse_slo(ctx, raw.get("slo"))
-    max_tokens = raw.get("max_tokens")
-    if max_tokens is not None:
-        max_tokens = ctx.integer(max_tokens, "max_tokens", 1)
-    start_s = ctx.number(raw.get("start_s", 0.0), "start_s", positive=False)
-    return StreamSpec(name, RequestClass(cls_raw.lower()), source, arrival, num_requests, slo,
-                      max_tokens, start_s)
+        raise error("arrival.process", "'trace' needs a trace source with arrival times")
+    slo = SLO() if fields.slo is None else SLO(fields.slo.ttft_s, fields.slo.tpot_s, fields.slo.jct_s)
+    return StreamSpec(name, RequestClass(fields.request_class.lower()), source, arrival, fields.num_requests, slo,
+                      fields.max_tokens, float(fields.start_s))  # fmt: skip
 
 
-def _parse_source(ctx: _Ctx, raw: Any, base_dir: Path | None) -> Source:
-    ctx.mapping(raw, "source")
-    kinds = [k for k in ("trace", "fixed", "uniform") if k in raw]
-    if len(kinds) != 1:
-        raise ctx.error("source", f"must have exactly one of trace, fixed, uniform; got "
-                                  f"{', '.join(map(str, raw)) or 'none'}")
-    kind = kinds[0]
-    ctx.keys(raw, ("trace", "columns") if kind == "trace" else (kind,), "source")
-    if kind == "trace":
-        return _parse_trace_source(ctx, raw, base_dir)
-    body = ctx.mapping(raw[kind], f"source.{kind}")
-    ctx.keys(body, ("prompt", "output"), f"source.{kind}")
-    for role in ("prompt", "output"):
-        if role not in body:
-            raise ctx.error(f"source.{kind}.{role}", "is required")
-    if kind == "fixed":
-        return FixedSource(ctx.integer(body["prompt"], "source.fixed.prompt", 1),
-                           ctx.integer(body["output"], "source.fixed.output", 1))
-    ranges = []
-    for role in ("prompt", "output"):
-        fld, value = f"source.uniform.{role}", body[role]
-        if not isinstance(value, list) or len(value) != 2:
-            raise ctx.error(fld, f"must be a list [lo, hi], got {_show(value)}")
-        lo, hi = ctx.integer(value[0], fld + "[0]", 1), ctx.integer(value[1], fld + "[1]", 1)
-        if lo > hi:
-            raise ctx.error(fld, f"must have lo <= hi, got [{lo}, {hi}]")
-        ranges.append((lo, hi))
-    return UniformSource(ranges[0], ranges[1])
+def _parse_source(fields: _SourceFields, label: str, base_dir: Path | None, error) -> Source:
+    given = [k for k in ("trace", "fixed", "uniform") if getattr(fields, k) is not None]
+    if len(given) != 1:
+        raise error("source", f"must have exactly one of trace, fixed, uniform; got {', '.join(given) or 'none'}")
+    if fields.columns is not None and fields.trace is None:
+        raise error("source.columns", "applies only to a trace source")
+    if fields.fixed is not None:
+        return FixedSource(fields.fixed.prompt, fields.fixed.output)
+    if fields.uniform is not None:
+        ranges = []
+        for role in ("prompt", "output"):
+            lo, hi = getattr(fields.uniform, role)
+            if lo > hi:
+                raise error(f"source.uniform.{role}", f"must have lo <= hi, got [{lo}, {hi}]")
+            ranges.append((lo, hi))
+        return UniformSource(ranges[0], ranges[1])
+    return _trace_source(fields.trace, fields.columns, label, base_dir, error)
 
 
-def _parse_trace_source(ctx: _Ctx, raw: dict[str, Any], base_dir: Path | None) -> TraceSource:
-    trace = raw["trace"]
-    if not isinstance(trace, str) or not trace:
-        raise ctx.error("source.trace", f"must be a trace name or path, got {_show(trace)}")
-    columns = raw.get("columns")
+def _trace_source(trace: str, columns: dict[str, str] | None, label: str, base_dir: Path | None,
+                  error) -> TraceSource:  # fmt: skip
     if trace in TRACES:
         if columns is not None:
-            raise ctx.error("source.columns", f"applies only to trace files, not to the bundled "
-                                              f"trace {trace!r}")
+            raise error("source.columns", f"applies only to trace files, not to the bundled trace {trace!r}")
         return TraceSource(trace)
     path = Path(trace).expanduser()
     if base_dir is not None and not path.is_absolute() and (base_dir / path).is_file():
         path = base_dir / path
     if not path.is_file():
         if _looks_like_path(trace):
-            raise ctx.error("source.trace", f"file {trace!r} not found")
+            raise error("source.trace", f"file {trace!r} not found")
         err = UnknownNameError("trace", trace, list(TRACES))
-        err.args = (f"{ctx.prefix}source.trace: {err.args[0]}; or give the path of a trace file",)
+        err.args = (f"{label}source.trace: {err.args[0]}; or give the path of a trace file",)
         raise err
     if columns is not None:
-        ctx.mapping(columns, "source.columns")
-        ctx.keys(columns, ROLES + ("arrival_unit",), "source.columns")
-        for key, value in columns.items():
-            if not isinstance(value, str):
-                raise ctx.error(f"source.columns.{key}", f"must be a string, got {_show(value)}")
-        columns = dict(columns)
+        for key in columns:
+            if key not in ROLES + ("arrival_unit",):
+                raise ConfigError(f"{label}unknown key 'source.columns.{key}'; valid: "
+                                  f"{', '.join(ROLES + ('arrival_unit',))}")  # fmt: skip
     return TraceSource(str(path), columns)
 
 
-def _parse_arrival(ctx: _Ctx, raw: Any) -> ArrivalSpec:
-    ctx.mapping(raw, "arrival")
-    process = raw.get("process")
-    if process not in PROCESSES:
-        raise ctx.error("arrival.process", f"must be one of {', '.join(PROCESSES)}; got "
-                                           f"{_show(process)}")
-    ctx.keys(raw, ("process",) + _PROCESS_KEYS[process], "arrival")
-    values: dict[str, float] = {}
-    for key in _PROCESS_KEYS[process]:
-        if key not in raw:
-            raise ctx.error(f"arrival.{key}", f"is required for process {process!r}")
-        values[key] = ctx.number(raw[key], f"arrival.{key}", positive=True)
-    batch_size = values.get("batch_size")
-    if batch_size is not None and batch_size != int(batch_size):
-        raise ctx.error("arrival.batch_size", f"must be a whole number, got {_show(raw['batch_size'])}")
-    return ArrivalSpec(process, values.get("rate"), values.get("cv"),
-                       None if batch_size is None else int(batch_size))
-
-
-def _parse_slo(ctx: _Ctx, raw: Any) -> SLO:
-    if raw is None:
-        return SLO()
-    ctx.mapping(raw, "slo")
-    ctx.keys(raw, _SLO_KEYS, "slo")
-    values = {k: None if raw.get(k) is None else ctx.number(raw[k], f"slo.{k}", positive=True)
-              for k in _SLO_KEYS}
-    return SLO(**values)
+def _parse_arrival(fields: _ArrivalFields, label: str) -> ArrivalSpec:
+    """The keys each process takes (``_PROCESS_KEYS``): required, and no others."""
+    process = fields.process
+    wanted = _PROCESS_KEYS[process]
+    for key in ("rate", "cv", "batch_size"):
+        value = getattr(fields, key)
+        if value is None and key in wanted:
+            raise ConfigError(f"{label}arrival.{key} is required for process {process!r}")
+        if value is not None and key not in wanted:
+            raise ConfigError(f"{label}unknown key 'arrival.{key}'; valid: {', '.join(('process', *wanted))}")
+    return ArrivalSpec(process, fields.rate, fields.cv, fields.batch_size)
 
 
 def with_rt_rate(spec: WorkloadSpec, rate: float) -> WorkloadSpec:
