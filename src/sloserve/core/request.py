@@ -101,7 +101,7 @@ class Request:
     finish_time: float = math.nan
     max_token_gap: float = math.nan  # largest gap between consecutive output tokens
     num_preemptions: int = 0
-    # JCT decomposition (EconoServe §2.1), kept by the step loop (sim.simulator.Replica) from the
+    # JCT decomposition (EconoServe §2.1), kept by the step loop (replica.Replica) from the
     # outputs: waiting = first scheduled - arrival; preemption = time from each preemption until the
     # request runs again; GT queuing = time between sampling a token outside the decode cohort and
     # joining it (EconoServe's GT queue; zero for policies whose decodes join at once).

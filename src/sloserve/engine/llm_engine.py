@@ -1,6 +1,6 @@
 """The engine: a registered scheduler driving a real model through ``EngineExecutor``.
 
-The step loop is the simulator's (``sim.simulator.Replica``: schedule, execute, update) with the
+The step loop is the simulator's (``sloserve.replica.Replica``: schedule, execute, update) with the
 engine's executor in place of the cost model, so the same timeline and metrics come out.
 """
 
@@ -28,8 +28,8 @@ from sloserve.engine.executor import Sequence as SequenceState
 from sloserve.engine.kv_cache import KVCacheTensor
 from sloserve.engine.loader import LoadedModel
 from sloserve.engine.sampler import SamplingParams
+from sloserve.replica import Replica
 from sloserve.sched import make_scheduler
-from sloserve.sim.simulator import Replica
 from sloserve.workload.closed_loop import ClosedLoopBatches
 
 # Default KV cache on the CPU: this many bytes, at most 64 full contexts (vLLM's CPU backend takes a

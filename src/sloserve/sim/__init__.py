@@ -1,6 +1,8 @@
-"""The discrete-event simulator: replicas, a router and the cost-model executor."""
+"""The discrete-event simulator: replicas (the step loop of ``sloserve.replica``), a router and the
+cost-model executor."""
 
+from sloserve.replica import Replica, SimulationStuckError
 from sloserve.sim.executor import SimExecutor, batch_shape
-from sloserve.sim.simulator import ROUTERS, Replica, SimResult, SimulationStuckError, simulate
+from sloserve.sim.simulator import ROUTERS, SimResult, simulate
 
 __all__ = ["ROUTERS", "Replica", "SimExecutor", "SimResult", "SimulationStuckError", "batch_shape", "simulate"]
