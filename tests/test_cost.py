@@ -31,7 +31,7 @@ from sloserve.cost import (
     save_preset,
 )
 from sloserve.cost.base import advance_shape
-from sloserve.cost.fit import CSV_COLUMNS, _nnls
+from sloserve.cost.fit import CSV_COLUMNS
 from sloserve.cost.linear import COEFFICIENT_NAMES
 
 L7 = get_preset("llama-2-7b-a100")
@@ -282,14 +282,6 @@ def test_fit_decode_only_data_leaves_prefill_terms_unidentified() -> None:
     assert fitted.a_p == fitted.b_p == fitted.s_p == fitted.m_p == 0.0
     assert report.rank == 3  # with decodes only, b_d = b_o and s_d = a_o coincide
     assert report.max_rel_error < 1e-9
-
-
-def test_nnls_clips_negative_coefficient() -> None:
-    a = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
-    x = _nnls(a, np.array([1.0, -1.0, 0.0]))  # unconstrained optimum (1/3, -2/3)... clipped
-    np.testing.assert_allclose(x, [0.5, 0.0], atol=1e-12)
-    x = _nnls(a, np.array([1.0, 2.0, 3.0]))
-    np.testing.assert_allclose(x, [1.0, 2.0], atol=1e-12)
 
 
 def write_csv(path: Path, shapes: list[BatchShape], times: list[float]) -> Path:

@@ -4,8 +4,8 @@ The CSV has one row per measured step with the ``BatchShape`` fields and the mea
 ``num_decode, decode_kv_tokens, num_prefill, prefill_tokens, prefill_attention_work,
 prefill_context_tokens, time_s`` (other columns are ignored; steps must not include KV swaps).
 
-Fitting is non-negative least squares (Lawson-Hanson active set, numpy only) of the measured time
-on the nine features, minimizing the squared *relative* error (each row weighted by 1 / time_s).
+Fitting is non-negative least squares (``scipy.optimize.nnls``) of the measured time on the nine
+features, minimizing the squared *relative* error (each row weighted by 1 / time_s).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+import scipy.optimize
 
 from sloserve.core.errors import ConfigError
 
@@ -84,34 +85,6 @@ def feature_matrix(shapes: Sequence[BatchShape]) -> np.ndarray:
     return np.array(rows, dtype=np.float64).reshape(len(rows), len(FEATURE_ORDER))
 
 
-def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """min ||a x - b|| subject to x >= 0 (Lawson & Hanson 1974, active-set)."""
-    n = a.shape[1]
-    x = np.zeros(n)
-    passive = np.zeros(n, dtype=bool)
-    tol = 10 * np.finfo(float).eps * np.linalg.norm(a, 1) * max(a.shape)
-    for _ in range(3 * n + 10):
-        w = a.T @ (b - a @ x)
-        candidates = np.where(~passive, w, -np.inf)
-        if passive.all() or candidates.max() <= tol:
-            break
-        passive[int(np.argmax(candidates))] = True
-        while True:
-            z = np.zeros(n)
-            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
-            if (z[passive] > 0).all():
-                x = z
-                break
-            blocking = passive & (z <= 0)
-            alpha = np.min(x[blocking] / (x[blocking] - z[blocking]))
-            x = x + alpha * (z - x)
-            passive &= x > tol
-            x[~passive] = 0.0
-            if not passive.any():
-                break
-    return x
-
-
 def fit_linear_shapes(
     shapes: Sequence[BatchShape], times_s: Sequence[float], *, num_layers: int, name: str = "fitted"
 ) -> LinearFit:
@@ -133,7 +106,7 @@ def fit_linear_shapes(
     used = norms > 0
     coef = np.zeros(len(FEATURE_ORDER))
     scaled = weighted[:, used] / norms[used]
-    coef[used] = _nnls(scaled, np.ones(len(times))) / norms[used]
+    coef[used] = scipy.optimize.nnls(scaled, np.ones(len(times)))[0] / norms[used]  # min ||A c - 1||, c >= 0
     rank = int(np.linalg.matrix_rank(scaled)) if used.any() else 0
     # Whole-model seconds per unit -> per-layer milliseconds.
     per_layer_ms = {key: float(c) * 1000.0 / num_layers for key, c in zip(FEATURE_ORDER, coef)}
