@@ -28,14 +28,13 @@ import sys
 import tempfile
 import time
 
-import httpx
 import numpy as np
 import openai
 
 from sloserve.cli import _fresh
 from sloserve.core.request import SLO
 from sloserve.metrics.summary import request_table
-from sloserve.server.bench import run_benchmark, synthetic_prompts
+from sloserve.server.bench import run_benchmark, synthetic_prompts, wait_until_ready
 from sloserve.workload import workload_from_trace
 
 
@@ -52,17 +51,12 @@ def start_server(args, scheduler: str, port: int, data_dir: str) -> subprocess.P
                "--data-dir", data_dir, "--max-batch-lines-in-engine", str(args.batch_lines_in_engine),
                "--rt-ttft-ms", str(args.rt_ttft_ms), "--rt-tpot-ms", str(args.rt_tpot_ms)]  # fmt: skip
     proc = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            sys.exit(f"the server ({scheduler}) did not start")
-        time.sleep(0.2)
+    try:
+        wait_until_ready(f"http://127.0.0.1:{port}", process=proc, timeout_s=180)
+    except RuntimeError as e:
+        proc.kill()
+        sys.exit(f"the server ({scheduler}) did not start: {e}")
+    return proc
 
 
 def rt_stream(args) -> list:

@@ -28,16 +28,14 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
-import httpx
 import numpy as np
 
 from sloserve.engine.llm_engine import LLMEngine, run_requests
 from sloserve.engine.loader import load_model
 from sloserve.engine.sampler import SamplingParams
 from sloserve.metrics.summary import request_table
-from sloserve.server.bench import run_benchmark, synthetic_prompts
+from sloserve.server.bench import run_benchmark, synthetic_prompts, wait_until_ready
 from sloserve.workload import workload_from_trace
 
 
@@ -111,17 +109,11 @@ def start_server(args, port: int) -> subprocess.Popen:
                "--max-queued-requests", str(10 * args.num_requests)]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"OMP_NUM_THREADS": "1"} if args.pin else {})}
     proc = subprocess.Popen(command, env=env)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            sys.exit("the server did not start")
-        time.sleep(0.2)
+    try:
+        wait_until_ready(f"http://127.0.0.1:{port}", process=proc, timeout_s=120)
+    except RuntimeError as e:
+        proc.kill()
+        sys.exit(f"the server did not start: {e}")
     if args.pin:
         try:
             pin_server(proc.pid)

@@ -24,6 +24,7 @@ pytest.importorskip("multipart")
 from test_serve import CORPUS, MODEL, Server, _free_port, _generate
 
 from sloserve.server.batch_api import BatchLimits
+from sloserve.server.bench import wait_until_ready
 
 FINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -276,15 +277,11 @@ def _start_serve(data_dir: Path, port: int) -> subprocess.Popen:
                              str(port), "--data-dir", str(data_dir), "--max-batch-lines-in-engine", "8",
                              "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read().decode() if proc.poll() else ""
-        time.sleep(0.1)
+    try:
+        wait_until_ready(f"http://127.0.0.1:{port}", process=proc, timeout_s=60)
+    except RuntimeError as e:
+        raise AssertionError(f"{e}: {proc.stderr.read().decode() if proc.poll() is not None else ''}") from None
+    return proc
 
 
 def test_a_server_killed_mid_batch_finishes_it_after_a_restart_each_line_once(tmp_path):

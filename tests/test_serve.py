@@ -32,6 +32,7 @@ from test_engine import VOCAB, _hf_model
 
 from sloserve import LLM, SamplingParams
 from sloserve.engine.engine_core import EngineSpec
+from sloserve.server.bench import wait_until_ready
 from sloserve.server.chat_template import ChatTemplate
 from sloserve.server.serve import ServeOptions, make_app
 from sloserve.workload.traces import load_trace
@@ -378,15 +379,7 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):
                             env=env)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
-            time.sleep(0.1)
+        wait_until_ready(url, process=proc, timeout_s=60)
         body = {"model": "random:tiny-llama", "prompt": "Hi", "max_tokens": 300, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()

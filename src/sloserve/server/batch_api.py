@@ -18,7 +18,7 @@ import asyncio
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from sloserve.core.errors import ConfigError
 from sloserve.server.batch_runner import BODY_MODELS, BatchRunner
-from sloserve.server.batch_store import COMPLETION_WINDOW_S, BatchStore, new_id
+from sloserve.server.batch_store import BatchStore, new_id
 from sloserve.server.metrics import ServerMetrics
 from sloserve.server.serving import ApiError, OpenAIServing
 
@@ -60,23 +60,9 @@ class BatchLimits:
 class CreateBatch(BaseModel):
     model_config = ConfigDict(extra="ignore")
     input_file_id: str
-    endpoint: str
-    completion_window: str
+    endpoint: Literal["/v1/completions", "/v1/chat/completions"]  # ENDPOINTS
+    completion_window: Literal["24h"]  # COMPLETION_WINDOW_S
     metadata: dict[str, str] | None = None
-
-    @field_validator("endpoint")
-    @classmethod
-    def _endpoint(cls, value: str) -> str:
-        if value not in ENDPOINTS:
-            raise ValueError(f"{value!r} is not supported; this server runs batches of {', '.join(ENDPOINTS)}")
-        return value
-
-    @field_validator("completion_window")
-    @classmethod
-    def _window(cls, value: str) -> str:
-        if value not in COMPLETION_WINDOW_S:
-            raise ValueError(f"{value!r} is not supported; the completion window is {', '.join(COMPLETION_WINDOW_S)}")
-        return value
 
     @field_validator("metadata")
     @classmethod

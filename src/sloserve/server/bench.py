@@ -186,6 +186,24 @@ async def _check_server(client: _Client) -> None:
                           f"{', '.join(map(str, names))}")  # fmt: skip
 
 
+def wait_until_ready(server_url: str, *, process=None, timeout_s: float = 120.0) -> None:
+    """Poll ``server_url/health`` (the server's root, not ``/v1``) until it answers 200. A
+    RuntimeError when ``process`` (a ``subprocess.Popen`` of the server) exits first, or at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(server_url.rstrip("/") + "/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:  # refused while starting, or 503 (HTTPError) while loading
+            pass
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server exited with code {process.returncode} before it was ready")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{server_url} was not ready within {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
 def server_max_model_len(base_url: str, model: str) -> int:
     """The context the server reports for ``model`` in ``/v1/models`` (vLLM and sloserve do)."""
     url = base_url.rstrip("/") + "/models"
