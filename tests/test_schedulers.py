@@ -73,12 +73,16 @@ def test_preemption_when_memory_runs_out(name, mode):
         assert sched.recomputed > 0 and processed == expected + sched.recomputed
 
 
-def test_swap_falls_back_to_recompute_without_swap_space():
+def test_swap_needs_swap_space_and_counts_its_fallbacks_to_recompute():
+    with pytest.raises(ConfigError, match="preemption_mode=swap needs CPU swap space"):
+        scheduler("vllm", 1024, preemption_mode="swap", swap_space_tokens=0)
     reqs = make_requests([(100, 120)] * 8)
-    drv = Driver(scheduler("vllm", 1024, preemption_mode="swap", swap_space_tokens=0))
+    sched = scheduler("vllm", 1024, preemption_mode="swap", swap_space_tokens=256)  # room for one request
+    drv = Driver(sched)
     drv.run(reqs)
-    modes = {m for step in drv.log for _, m in step.preempted}
-    assert modes == {"recompute"}
+    modes = [m for step in drv.log for _, m in step.preempted]
+    assert "swap" in modes and "recompute" in modes
+    assert sched.policy_metrics() == {"num_swap_fallbacks": modes.count("recompute")}
     assert all(r.num_output_tokens == r.true_output_tokens for r in reqs)
 
 

@@ -51,6 +51,7 @@ class Scheduler(ABC):
         self.cohort = DecodeCohort(kv)
         self._joined: list[Request] = []  # cohort joins not yet reported in an output
         self.num_preemptions = 0
+        self.num_swap_fallbacks = 0  # swap preemptions that recomputed: the swap space was full
         # Disaggregated serving: requests whose prefill is done here and whose KV must move to a
         # decode replica (prefill role), and requests arrived with their KV (decode role).
         self.handoff: list[Request] = []
@@ -178,7 +179,8 @@ class Scheduler(ABC):
 
     def _preempt(self, request: Request, mode: PreemptionMode, output: SchedulerOutput) -> None:
         """Evict ``request`` from the GPU (recompute: drop its KV; swap: move it to CPU memory).
-        Falls back to recompute when swap space is short."""
+        When the swap space is full it recomputes instead, counted in ``num_swap_fallbacks`` (vLLM v0
+        aborts the run there; a simulation goes on and reports it)."""
         if request.cohort is not None:
             request.cohort.remove(request)
         del self.running[request]
@@ -196,6 +198,7 @@ class Scheduler(ABC):
                 output.add_preemption(request, mode)
                 return
             mode = PreemptionMode.RECOMPUTE
+            self.num_swap_fallbacks += 1
         self.kv.free(request)
         request.reset_computed()
         request.status = RequestStatus.WAITING

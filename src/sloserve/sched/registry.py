@@ -299,6 +299,12 @@ def make_scheduler(
         raise ConfigError(
             f"KV capacity {kv_capacity_tokens} tokens is below one block of {config.block_size} tokens"
         )
+    if getattr(config, "preemption_mode", "recompute") == "swap" and swap_space_tokens < config.block_size:
+        # NOTE: an error, not a silent recompute: a run asked to swap would otherwise measure recomputation
+        raise ConfigError(
+            f"scheduler {name}: preemption_mode=swap needs CPU swap space, and there is {swap_space_tokens} tokens' "
+            "worth: give --swap-space-gib > 0 (simulate, run) or swap_space_tokens, or --set preemption_mode=recompute"
+        )
     kv = KV_MANAGERS[config.kv_manager](
         kv_capacity_tokens // config.block_size,
         config.block_size,

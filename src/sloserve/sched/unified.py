@@ -15,7 +15,7 @@ and the group's memory need is the blocks its members must grow by this step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import PreemptionMode, ScheduledChunk, SchedulerOutput
@@ -314,6 +314,12 @@ class UnifiedScheduler(Scheduler):
     repeat = Scheduler._cohort_repeat
 
     # --- validation ----------------------------------------------------------------------------
+    def policy_metrics(self) -> dict[str, Any]:
+        """With swap preemption: how many preemptions found the swap space full and recomputed."""
+        if self._preemption_mode is PreemptionMode.SWAP:
+            return {"num_swap_fallbacks": self.num_swap_fallbacks}
+        return {}
+
     def check_fits(self, request: Request, max_kv_tokens: int) -> None:
         """Raise ConfigError when ``request`` could never finish alone in this KV cache."""
         kv = self.kv
