@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import yaml
@@ -344,3 +346,30 @@ def test_closed_loop_batches_release_the_next_batch_when_the_last_of_one_is_done
     assert loop.done(r[1]) == () and list(loop.done(r[0])) == [r[2], r[3]]
     assert loop.done(r[3]) == () and list(loop.done(r[2])) == [r[4]]
     assert loop.done(r[4]) == ()  # the chain's last batch releases nothing
+
+
+def test_a_lognormal_source_has_the_moments_it_is_given():
+    """bros-lmsys: LMSYS-Chat-1M's published statistics (BROS §7.1), prompt 90.5 +- 148.5 and output
+    237 +- 228, drawn log-normal: the sample moments land near them (rounding and the floor of 1 add
+    a little)."""
+    spec = load_workload_spec("bros-lmsys")
+    rt = next(s for s in spec.streams if s.name == "rt")
+    rt = dataclasses.replace(rt, num_requests=200_000, arrival=dataclasses.replace(rt.arrival, rate=1000.0))
+    requests = build_workload(dataclasses.replace(spec, streams=[rt]), seed=0, context_len=100_000).requests
+    prompts = np.array([r.num_prompt_tokens for r in requests])
+    outputs = np.array([r.true_output_tokens for r in requests])
+    assert abs(prompts.mean() / 90.5 - 1) < 0.03 and abs(prompts.std() / 148.5 - 1) < 0.15
+    assert abs(outputs.mean() / 237 - 1) < 0.03 and abs(outputs.std() / 228 - 1) < 0.1
+    assert prompts.min() >= 1 and np.median(prompts) < prompts.mean()  # right-skewed, as chat prompts are
+
+
+def test_lognormal_source_errors(tmp_path):
+    path = tmp_path / "w.yaml"
+    stream = {**GOOD, "source": {"lognormal": {"prompt": [90.5], "output": [237, 228]}}}
+    path.write_text(yaml.safe_dump({"streams": [stream]}))
+    with pytest.raises(ConfigError, match=r"source\.lognormal\.prompt must be a list \[mean, std\], got \[90\.5\]"):
+        load_workload_spec(str(path))
+    stream["source"] = {"lognormal": {"prompt": [90.5, -1], "output": [237, 228]}}
+    path.write_text(yaml.safe_dump({"streams": [stream]}))
+    with pytest.raises(ConfigError, match=r"source\.lognormal\.prompt\[1\] must be > 0, got -1"):
+        load_workload_spec(str(path))

@@ -3,8 +3,10 @@
 Settings (§7.1): OPT-13B with tensor parallelism over two A100-40GB GPUs and OPT-30B over four
 (roofline cost model: there is no measured preset for OPT), and Llama-3-70B with the measured linear
 preset of four A100-80GB (the paper serves it on eight). RT requests from the bundled ShareGPT trace
-(``bros-sharegpt``) or the Azure conversation trace (``bros-lmsys-like``) with Poisson arrivals and
-TTFT / TPOT SLOs of 0.4 s / 0.2 s, BE requests in closed-loop batches.
+(``bros-sharegpt``) or with LMSYS-Chat-1M's published length statistics (``bros-lmsys``: log-normal,
+the dataset cannot be shipped) with Poisson arrivals and TTFT / TPOT SLOs of 0.4 s / 0.2 s, BE
+requests in closed-loop batches. ``bros-azure-conv`` (the Azure conversation trace, much longer
+prompts) is the setting earlier versions called LMSYS-like.
 """
 
 from __future__ import annotations
@@ -142,8 +144,8 @@ def fig10(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
     """Figure 10: RT normalized latency, BE throughput, TTFT and TPOT attainment vs RT rate."""
     if quick:
         grid = [("bros-sharegpt", "opt-13b", (2.0, 6.0))]
-    else:  # (a)-(c) ShareGPT and (d)-(f) LMSYS-like RT requests, OPT-13B and Llama-3-70B
-        grid = [(w, setting, rates) for w in ("bros-sharegpt", "bros-lmsys-like")
+    else:  # (a)-(c) ShareGPT and (d)-(f) LMSYS RT requests, OPT-13B and Llama-3-70B
+        grid = [(w, setting, rates) for w in ("bros-sharegpt", "bros-lmsys")
                 for setting, rates in (("opt-13b", (2.0, 4.0, 6.0, 8.0, 10.0)), ("llama-3-70b", (1.0, 2.0, 3.0)))]  # fmt: skip
         # NOTE: Llama-3-70B runs on the measured 4x A100 preset, half the paper's eight GPUs: the
         # paper's 5-15 req/s overload it (TTFT attainment <= 20% for every scheduler at 5), so lower rates.

@@ -30,6 +30,7 @@ from sloserve.core.request import SLO, Request
 from sloserve.workload import arrivals
 from sloserve.workload.spec import (
     FixedSource,
+    LogNormalSource,
     StreamSpec,
     TraceSource,
     UniformSource,
@@ -37,6 +38,15 @@ from sloserve.workload.spec import (
     parse_workload_spec,
 )
 from sloserve.workload.traces import TRACES, load_trace
+
+
+def _lognormal(mean_std: tuple[float, float], n: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` lengths from the log-normal with this mean and standard deviation (moments matched:
+    sigma^2 = ln(1 + (std/mean)^2), mu = ln(mean) - sigma^2/2), rounded, at least 1."""
+    mean, std = mean_std
+    sigma2 = np.log1p((std / mean) ** 2)
+    draws = rng.lognormal(np.log(mean) - sigma2 / 2, np.sqrt(sigma2), size=n)
+    return np.maximum(np.rint(draws), 1).astype(np.int64)
 
 
 @dataclass
@@ -218,6 +228,8 @@ def _sample(
     elif isinstance(src, UniformSource):
         p = rng_len.integers(src.prompt[0], src.prompt[1] + 1, size=n, dtype=np.int64)
         o = rng_len.integers(src.output[0], src.output[1] + 1, size=n, dtype=np.int64)
+    elif isinstance(src, LogNormalSource):
+        p, o = _lognormal(src.prompt, n, rng_len), _lognormal(src.output, n, rng_len)
     else:  # pragma: no cover - spec parsing rules this out
         raise ConfigError(f"{prefix}unknown source {src!r}")
     if proc.process == "poisson":
