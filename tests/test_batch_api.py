@@ -24,9 +24,8 @@ pytest.importorskip("multipart")
 from test_serve import CORPUS, MODEL, Server, _free_port, _generate
 
 from sloserve.server.batch_api import BatchLimits
+from sloserve.server.batch_store import FINAL
 from sloserve.server.bench import wait_until_ready
-
-FINAL = ("completed", "failed", "expired", "cancelled")
 
 
 def jsonl(lines: list[dict]) -> bytes:

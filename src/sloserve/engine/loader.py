@@ -19,7 +19,7 @@ from sloserve.engine.config import (
     load_hf_config,
     random_config,
 )
-from sloserve.engine.gguf_loader import gguf_tensors, gguf_tokenizer, is_gguf, read_gguf
+from sloserve.engine.gguf_loader import gguf_tensors, is_gguf, read_gguf
 from sloserve.engine.models import (
     copy_weights,
     create_model,
@@ -126,8 +126,7 @@ def load_model(
         torch_dtype = resolve_dtype(dtype, config, dev)
         net = create_model(config, backend, torch_dtype, dev)
         copy_weights(net, ((path, name, weight) for name, weight in gguf_tensors(checkpoint)), f"GGUF file {path}")
-        tokenizer = HFTokenizer.from_tokenizer(gguf_tokenizer(checkpoint))
-        return LoadedModel(net, config, tokenizer, torch_dtype, dev, backend_name, cuda_graphs)
+        return LoadedModel(net, config, load_tokenizer(path), torch_dtype, dev, backend_name, cuda_graphs)
     config = load_hf_config(path)
     torch_dtype = resolve_dtype(dtype, config, dev)
     net = create_model(config, backend, torch_dtype, dev)

@@ -167,6 +167,10 @@ def read_batch_lines(path) -> Iterator[tuple[int, str, str]]:
                 yield number, request["custom_id"], json.dumps(request["body"])
 
 
+def _no_file(file_id: str) -> ApiError:
+    return ApiError(404, f"No such File object: {file_id}", "id", "file_not_found")
+
+
 class BatchService:
     """The Files and Batches routes over ``store``, and the runner that serves the batches."""
 
@@ -199,7 +203,7 @@ class BatchService:
     def _file(self, file_id: str) -> dict[str, Any]:
         row = self.store.get_file(file_id)
         if row is None:
-            raise ApiError(404, f"No such File object: {file_id}", "id", "file_not_found")
+            raise _no_file(file_id)
         return row
 
     def _batch(self, batch_id: str) -> dict[str, Any]:
@@ -275,7 +279,7 @@ class BatchService:
         @router.delete("/v1/files/{file_id}")
         async def delete_file(file_id: str) -> dict[str, Any]:
             if not self.store.delete_file(file_id):
-                raise ApiError(404, f"No such File object: {file_id}", "id", "file_not_found")
+                raise _no_file(file_id)
             return {"id": file_id, "object": "file", "deleted": True}
 
         @router.post("/v1/batches")

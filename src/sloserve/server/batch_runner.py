@@ -88,10 +88,6 @@ class BatchRunner:
         self._closed = False  # end the loop
         self._paused_until = 0.0
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._in_flight)
-
     def start(self) -> None:
         """Start on the running event loop (the server's)."""
         self._wake = asyncio.Event()

@@ -20,6 +20,7 @@ the batch is finished again from the same rows.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -78,8 +79,7 @@ CREATE TABLE IF NOT EXISTS lines (
 CREATE INDEX IF NOT EXISTS lines_by_status ON lines (batch_id, status, line_no);
 """
 
-# Batch statuses (OpenAI's): active ones still have work; the others are final.
-ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+# Batch statuses (OpenAI's) after which nothing changes.
 FINAL = ("completed", "failed", "expired", "cancelled")
 COMPLETION_WINDOW_S = {"24h": 24 * 3600}
 
@@ -143,20 +143,17 @@ class BatchStore:
                 self._connections.append(db)
         return db
 
-    class _Transaction:
-        def __init__(self, db: sqlite3.Connection) -> None:
-            self.db = db
-
-        def __enter__(self) -> sqlite3.Connection:
-            self.db.execute("BEGIN IMMEDIATE")
-            return self.db
-
-        def __exit__(self, kind, value, tb) -> None:
-            self.db.execute("COMMIT" if kind is None else "ROLLBACK")
-
-    def transaction(self) -> _Transaction:
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
         """``with store.transaction() as db:`` one write transaction, rolled back on an exception."""
-        return self._Transaction(self.db)
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
 
     def close(self) -> None:
         with self._connections_lock:
@@ -252,15 +249,10 @@ class BatchStore:
         marks = ",".join("?" * len(statuses))
         return [dict(r) for r in self.db.execute(f"SELECT * FROM batches WHERE status IN ({marks}) ORDER BY seq", statuses)]
 
-    def set_status(self, batch_id: str, status: str, *, only_from: tuple[str, ...], **fields: Any) -> bool:
+    def set_status(self, batch_id: str, status: str, *, only_from: tuple[str, ...]) -> bool:
         """Move a batch to ``status`` (stamping ``<status>_at``) if it is in one of ``only_from``."""
-        fields = {f"{status}_at": int(time.time()), **fields}
-        assignments = ", ".join(f"{name} = ?" for name in fields)
-        marks = ",".join("?" * len(only_from))
         with self.transaction() as db:
-            cursor = db.execute(f"UPDATE batches SET status = ?, {assignments} WHERE id = ? AND status IN ({marks})",
-                                (status, *fields.values(), batch_id, *only_from))  # fmt: skip
-        return cursor.rowcount == 1
+            return _move_batch(db, batch_id, status, only_from, {})
 
     # --- lines ---------------------------------------------------------------------------------
     def requeue_running(self) -> int:
@@ -317,7 +309,6 @@ class BatchStore:
                                     (batch_id, status)):  # fmt: skip
             yield result
 
-
     def finish_batch(self, batch_id: str, status: str, only_from: tuple[str, ...]) -> bool:
         """Write the output file (answered lines) and the error file (failed lines) of ``batch_id``,
         each only when it has lines, then move the batch to ``status`` (completed, cancelled or
@@ -338,10 +329,19 @@ class BatchStore:
             for column, (file_id, num_lines) in written.items():
                 kind = "output" if column == "output_file_id" else "error"
                 self.commit_file(file_id, f"{batch_id}_{kind}.jsonl", "batch_output", num_lines, {}, db)
-            fields = {f"{status}_at": int(time.time()), **{column: file_id for column, (file_id, _) in written.items()}}
-            assignments = ", ".join(f"{name} = ?" for name in fields)
-            db.execute(f"UPDATE batches SET status = ?, {assignments} WHERE id = ?", (status, *fields.values(), batch_id))
-        return True
+            return _move_batch(db, batch_id, status, only_from, {column: file_id for column, (file_id, _) in written.items()})
+
+
+def _move_batch(db: sqlite3.Connection, batch_id: str, status: str, only_from: tuple[str, ...],
+                fields: dict[str, Any]) -> bool:  # fmt: skip
+    """In ``db``'s transaction: ``batch_id`` to ``status``, stamping ``<status>_at`` and setting
+    ``fields``, if it is in one of ``only_from``."""
+    fields = {f"{status}_at": int(time.time()), **fields}
+    assignments = ", ".join(f"{name} = ?" for name in fields)
+    marks = ",".join("?" * len(only_from))
+    cursor = db.execute(f"UPDATE batches SET status = ?, {assignments} WHERE id = ? AND status IN ({marks})",
+                        (status, *fields.values(), batch_id, *only_from))  # fmt: skip
+    return cursor.rowcount == 1
 
 
 def _fsync_and_rename(temp: Path, final: Path) -> None:

@@ -174,7 +174,7 @@ def parse_workload_spec(
     """
     if data is None:
         raise ConfigError(f"{origin}: empty workload spec")
-    top = _validated(_SpecFields, data, f"{origin}: ")
+    top = _validated(_SpecFields, data, f"{origin}: ", "workload spec ")
     streams: list[StreamSpec] = []
     for i, raw in enumerate(top.streams):
         stream = _parse_stream(raw, i, origin, base_dir)
@@ -261,11 +261,11 @@ _REQUIRED_HINTS = {
 }
 
 
-def _validated(model: type[_Fields], data: Any, prefix: str) -> Any:
-    """``data`` validated as ``model``, or a ConfigError for its first problem, in our words."""
+def _validated(model: type[_Fields], data: Any, prefix: str, what: str = "") -> Any:
+    """``data`` (``what`` it is, for the message) validated as ``model``, or a ConfigError for its
+    first problem, in our words."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix}must be a mapping, got {_show(data)}" if prefix.endswith("]: ")
-                          else f"{prefix}workload spec must be a mapping, got {_show(data)}")  # fmt: skip
+        raise ConfigError(f"{prefix}{what}must be a mapping, got {_show(data)}")
     try:
         return model.model_validate(data)
     except ValidationError as e:
