@@ -256,6 +256,7 @@ def test_the_request_log_reads_as_a_trace(server, tmp_path):
     server.client.completions.create(model=MODEL, prompt="Hello world", max_tokens=5, temperature=0,
                                      extra_body={"ignore_eos": True})
     # NOTE: one snapshot of the log: a request of an earlier test may still end and append a line
+    # (the engine logs a request before its answer goes out, so ours is there)
     snapshot = tmp_path / "requests.jsonl"
     snapshot.write_text(Path(server.app.state.metrics._log.name).read_text())
     trace = load_trace(str(snapshot))

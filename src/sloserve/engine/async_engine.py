@@ -320,12 +320,14 @@ class AsyncLLMEngine:
                 served.finish_reason, served.finish_time = out.finish_reason, out.finish_time
                 ended.append(served)
             outbox.append((served, StreamDelta(out.text, out.token_ids, out.finish_reason)))
-        _deliver(outbox)
         self.last_stats = stats
         if self.observer is not None:
             self.observer.on_step(stats)
+        # NOTE: ended (metrics, request log) before the deltas go out: a client that has its answer
+        # finds its request counted and logged.
         for served in ended:
             self._ended(served)
+        _deliver(outbox)
 
     def _ended(self, served: ServedRequest) -> None:
         if self.observer is not None:
