@@ -31,7 +31,7 @@ import time
 import numpy as np
 import openai
 
-from sloserve.cli import _fresh
+from sloserve.runs import fresh_request
 from sloserve.core.request import SLO
 from sloserve.metrics.summary import request_table
 from sloserve.server.bench import run_benchmark, synthetic_prompts, wait_until_ready
@@ -79,7 +79,7 @@ def batch_file(args, vocab_size: int) -> bytes:
 
 
 def rt_figures(args, base_url: str, vocab_size: int, requests) -> dict[str, float]:
-    requests = [_fresh(r) for r in requests]
+    requests = [fresh_request(r) for r in requests]
     result = run_benchmark(base_url, args.model, requests, synthetic_prompts(requests, vocab_size, args.seed))
     if result.errors:
         sys.exit(f"{len(result.errors)} RT requests failed: {next(iter(result.errors.values()))}")

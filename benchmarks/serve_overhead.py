@@ -64,9 +64,9 @@ def figures(requests, wall_s: float) -> dict[str, float]:
 
 
 def in_process(args, loaded, requests) -> dict[str, float]:
-    from sloserve.cli import _fresh
+    from sloserve.runs import fresh_request
 
-    requests = [_fresh(r) for r in requests]
+    requests = [fresh_request(r) for r in requests]
     engine = LLMEngine(loaded, args.scheduler, kv_capacity_tokens=args.kv_capacity_tokens,
                        max_model_len=args.max_model_len, seed=args.seed)  # fmt: skip
     prompts = synthetic_prompts(requests, loaded.config.vocab_size, args.seed)
@@ -76,9 +76,9 @@ def in_process(args, loaded, requests) -> dict[str, float]:
 
 
 def served(args, base_url: str, vocab_size: int, requests) -> dict[str, float]:
-    from sloserve.cli import _fresh
+    from sloserve.runs import fresh_request
 
-    requests = [_fresh(r) for r in requests]
+    requests = [fresh_request(r) for r in requests]
     prompts = synthetic_prompts(requests, vocab_size, args.seed)
     result = run_benchmark(base_url, args.model, requests, prompts)
     if result.errors:

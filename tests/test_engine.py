@@ -316,8 +316,8 @@ def test_the_simulator_never_imports_torch():
     code = (
         "import sys, sloserve, sloserve.cli, sloserve.sim, sloserve.sched, sloserve.metrics, sloserve.optimal\n"
         "from sloserve.workload import synthetic_workload\n"
-        "from sloserve.cli import _model_spec\n"
-        "_model_spec('llama-2-7b'), _model_spec('random:tiny-llama')  # an engine model's shape too\n"
+        "from sloserve.runs import model_spec\n"
+        "model_spec('llama-2-7b'), model_spec('random:tiny-llama')  # an engine model's shape too\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -421,9 +421,9 @@ def test_a_profile_step_is_an_engine_step_and_leaves_nothing_behind():
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
 def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
     """`simulate --model DIR`: the spec read from config.json counts the parameters transformers has."""
-    from sloserve.cli import _model_spec
+    from sloserve.runs import model_spec
 
-    spec = _model_spec(hf_dirs[arch])
+    spec = model_spec(hf_dirs[arch])
     hf = _hf_cached(arch)
     assert spec.num_params == sum(p.numel() for p in hf.parameters())
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (2, hf.config.num_key_value_heads

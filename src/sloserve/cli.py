@@ -4,17 +4,24 @@ traces, schedulers and hardware."""
 from __future__ import annotations
 
 import dataclasses
-import functools
+import importlib.util
+import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import click
 
 from sloserve.core.errors import ConfigError, SloserveError, UnknownNameError
-from sloserve.core.request import SLO
+from sloserve.runs import (
+    Setup,
+    fresh_workload,
+    make_workload_from_options,
+    public,
+    run_simulation,
+    setup_from_options,
+)
 
 
 def _fail(message: str) -> None:
@@ -90,255 +97,10 @@ def _system_options(fn: Callable) -> Callable:
     return fn
 
 
-@dataclass
-class Setup:
-    """Everything a run needs besides the scheduler and the arrival rate."""
-
-    model: Any
-    gpu: Any
-    cost_model: Any
-    kv_capacity_tokens: int
-    swap_space_tokens: int
-    options: dict[str, Any]
-
-    def make_workload(self, rate: float | None = None):
-        """The workload, with ``rate`` overriding --rate (for sweeps)."""
-        return _make_workload(self.options, self.model.max_context_len, rate)
-
-
-# Most requests one run may ask for (a run keeps a few hundred bytes per request).
-MAX_NUM_REQUESTS = 10_000_000
-
-
-def _check_workload_options(o: dict[str, Any]) -> None:
-    """One ConfigError for options that are out of range or that the chosen source would ignore."""
-    n = o["num_requests"]
-    if n is not None and not 1 <= n <= MAX_NUM_REQUESTS:
-        raise ConfigError(f"--num-requests must be in 1..{MAX_NUM_REQUESTS:,}, got {n:,}")
-    for name in ("slo_ttft", "slo_tpot", "slo_jct"):
-        if o[name] is not None and not o[name] > 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got {o[name]}")
-    if o["workload"]:
-        if o["columns"] is not None:
-            raise ConfigError("--columns maps a --trace file's columns; a workload spec names its own sources "
-                              "(columns: in the spec)")
-        for name in ("slo_ttft", "slo_tpot", "slo_jct"):
-            if o[name] is not None:
-                raise ConfigError(f"--{name.replace('_', '-')} applies to --trace; a workload spec sets each "
-                                  "stream's slo")
-    elif o["rt_rate"] is not None:
-        raise ConfigError("--rt-rate sets a --workload's RT rate; with --trace, use --rate")
-
-
-def _make_workload(o: dict[str, Any], context_len: int, rate: float | None = None):
-    """The workload the --trace / --workload options describe, clipped to ``context_len``."""
-    from sloserve.workload import build_workload, load_workload_spec, load_trace, with_rt_rate, workload_from_trace
-
-    _check_workload_options(o)
-    if o["workload"]:
-        if o["trace"]:
-            raise ConfigError("give --trace or --workload, not both")
-        if o["rate"] is not None:
-            raise ConfigError("--rate applies to --trace; use --rt-rate to set a workload's RT rate")
-        spec = load_workload_spec(o["workload"])
-        rt_rate = rate if rate is not None else o["rt_rate"]  # a sweep's rates are RT rates
-        if rt_rate is not None:
-            spec = with_rt_rate(spec, rt_rate)
-        return build_workload(spec, seed=o["seed"], context_len=context_len, num_requests=o["num_requests"])
-    if not o["trace"]:
-        raise ConfigError("give --trace NAME|PATH or --workload SPEC")
-    slo = {"ttft_s": o["slo_ttft"], "tpot_s": o["slo_tpot"], "jct_s": o["slo_jct"]}
-    num_requests = o["num_requests"]
-    if o["trace_arrivals"]:
-        # NOTE: a replay takes the trace's rows as they are; more than it has repeats it back to back.
-        rows = len(load_trace(o["trace"], _parse_columns(o["columns"])))
-        if num_requests is None:
-            num_requests = min(rows, 1000)
-        elif num_requests > rows:
-            click.echo(f"note: the trace has {rows:,} rows; --trace-arrivals repeats it back to back for "
-                       f"{num_requests:,} requests", err=True)  # fmt: skip
-    return workload_from_trace(
-        o["trace"],
-        num_requests=num_requests or 1000,
-        seed=o["seed"],
-        context_len=context_len,
-        rate=rate if rate is not None else o["rate"],
-        burstiness_cv=o["burstiness"],
-        trace_arrivals=o["trace_arrivals"],
-        offline=o["offline"],
-        slo=SLO(**slo) if any(v is not None for v in slo.values()) else None,
-        max_tokens=o["max_tokens"],
-        columns=_parse_columns(o["columns"]),
-    )
-
-
-def _parse_columns(text: str | None) -> dict[str, str] | None:
-    if not text:
-        return None
-    columns = {}
-    for part in text.split(","):
-        key, sep, value = part.partition("=")
-        if not sep:
-            raise ConfigError(f"--columns expects key=column pairs, got {part!r}")
-        columns[key.strip()] = value.strip()
-    return columns
-
-
-def _model_spec(name: str):
-    """A bundled spec by name, or the shape of an engine model: ``random:NAME``, a local HF
-    directory (its config.json; no torch needed) or a GGUF file (its metadata), so a preset
-    profiled on it simulates it."""
-    from sloserve.cost import get_model
-    from sloserve.engine.config import RANDOM_PREFIX, from_hf_config, load_hf_config, random_config
-    from sloserve.engine.gguf_loader import is_gguf, read_gguf
-
-    if name.startswith(RANDOM_PREFIX):
-        return random_config(name[len(RANDOM_PREFIX) :]).spec()
-    if Path(name).expanduser().is_dir():
-        return load_hf_config(Path(name).expanduser()).spec()
-    if is_gguf(name):
-        return from_hf_config(read_gguf(name).hf_config, name=Path(name).stem).spec()
-    try:
-        return get_model(name)
-    except UnknownNameError as err:
-        err.args = (f"{err.args[0]}; or random:NAME, a local HF model directory or a .gguf file",)
-        raise
-
-
-def _setup(options: dict[str, Any]) -> Setup:
-    from sloserve.cost import build_cost_model, get_gpu, kv_capacity_tokens
-
-    model, gpu = _model_spec(options["model"]), get_gpu(options["gpu"])
-    if options["max_model_len"] is not None:
-        if options["max_model_len"] < 2:
-            raise ConfigError(f"--max-model-len must be >= 2, got {options['max_model_len']}")
-        model = dataclasses.replace(model, max_context_len=options["max_model_len"])
-    for name in ("num_gpus", "replicas"):
-        if options[name] < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {options[name]}")
-    if options["kv_capacity_tokens"] is not None:
-        capacity = options["kv_capacity_tokens"]
-        if capacity < 1:
-            raise ConfigError(f"--kv-capacity-tokens must be >= 1, got {capacity}")
-    else:
-        if not 0 < options["memory_utilization"] <= 1:
-            raise ConfigError(f"--memory-utilization must be in (0, 1], got {options['memory_utilization']}")
-        capacity = kv_capacity_tokens(
-            model, gpu, num_gpus=options["num_gpus"], memory_utilization=options["memory_utilization"]
-        )
-    if options["swap_space_gib"] < 0:
-        raise ConfigError(f"--swap-space-gib must be >= 0, got {options['swap_space_gib']}")
-    cost = build_cost_model(model, gpu, num_gpus=options["num_gpus"], cost_model=options["cost_model"])
-    swap_tokens = int(options["swap_space_gib"] * 2**30 // model.kv_bytes_per_token)
-    return Setup(model, gpu, cost, capacity, swap_tokens, options)
-
-
 def _run_one(setup: Setup, scheduler: str, set_options: dict[str, str], workload, *, progress: bool) -> dict:
-    """Simulate ``workload`` (fresh copies of its requests) with ``scheduler``; returns the summary
-    and keeps the result for writing."""
-    from sloserve.metrics import summarize
-    from sloserve.sched import make_scheduler
-    from sloserve.sim import simulate
-
-    o = setup.options
-    requests, chains = _fresh_workload(workload)
-    factory = functools.partial(
-        make_scheduler,
-        scheduler,
-        kv_capacity_tokens=setup.kv_capacity_tokens,
-        max_model_len=setup.model.max_context_len,
-        kv_bytes_per_token=setup.model.kv_bytes_per_token,
-        swap_space_tokens=setup.swap_space_tokens,
-        options=set_options,
-        cost_model=setup.cost_model,
-    )
-    num_prefill, num_decode = _disaggregation(o["disaggregate"], o["link_gbps"])
-    decode_factory = None
-    if num_decode:
-        factory = functools.partial(factory, options={**set_options, "role": "prefill"})
-        decode_factory = functools.partial(factory, options={**set_options, "role": "decode"})
-        decode_factory()
-    factory()  # validate the options before running
-    with _progress(len(requests), f"{scheduler}", enabled=progress) as on_progress:
-        result = simulate(
-            requests,
-            factory,
-            setup.cost_model,
-            num_replicas=num_prefill or o["replicas"],
-            router=o["router"],
-            fast_path=not o["no_fast_path"],
-            on_progress=on_progress,
-            make_decode_scheduler=decode_factory,
-            num_decode_replicas=num_decode,
-            link_bandwidth=o["link_gbps"] * 1e9 / 8,
-            chains=chains,
-        )
-    summary = summarize(
-        requests,
-        result.timeline,
-        kv_capacity_tokens=result.kv_capacity_tokens,
-        sim_wall_s=result.sim_wall_s,
-        num_allocation_failures=result.num_allocation_failures,
-        swapped_bytes=result.swapped_bytes,
-        num_replicas=result.num_replicas,
-        policy_metrics=result.policy_metrics,
-        extra={
-            "scheduler": scheduler,
-            "scheduler_options": set_options,
-            "model": setup.model.name,
-            "gpu": setup.gpu.name,
-            "num_gpus": o["num_gpus"],
-            "cost_model": setup.cost_model.name,
-            "workload": workload.name,
-            "num_clipped": workload.num_clipped,
-            "seed": o["seed"],
-            "sim_requests_per_wall_s": len(requests) / result.sim_wall_s if result.sim_wall_s else None,
-            "disaggregation": {"prefill_replicas": num_prefill, "decode_replicas": num_decode,
-                               "link_gbps": o["link_gbps"]} if num_decode else None,
-            **result.extra,
-        },
-    )
-    summary["_result"] = (requests, result.timeline)
-    return summary
-
-
-def _disaggregation(text: str | None, link_gbps: float) -> tuple[int, int]:
-    """``"P:D"`` -> (P, D); (0, 0) when not given."""
-    if not text:
-        return 0, 0
-    try:
-        num_prefill, num_decode = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise ConfigError(f"--disaggregate expects P:D (prefill:decode replicas), got {text!r}") from None
-    if num_prefill < 1 or num_decode < 1:
-        raise ConfigError(f"--disaggregate needs >= 1 prefill and >= 1 decode replica, got {text!r}")
-    if not link_gbps > 0:
-        raise ConfigError(f"--link-gbps must be > 0, got {link_gbps}")
-    return num_prefill, num_decode
-
-
-def _fresh(request):
-    """A copy of a workload request with no progress, so each scheduler starts from scratch."""
-    from sloserve.core.request import Request
-
-    return Request(
-        request_id=request.request_id,
-        arrival_time=request.arrival_time,
-        num_prompt_tokens=request.num_prompt_tokens,
-        true_output_tokens=request.true_output_tokens,
-        max_tokens=request.max_tokens,
-        request_class=request.request_class,
-        slo=request.slo,
-        predicted_output_tokens=request.predicted_output_tokens,
-    )
-
-
-def _fresh_workload(workload) -> tuple[list, list]:
-    """Fresh copies of the workload's requests, and its closed-loop chains over those copies."""
-    requests = [_fresh(r) for r in workload.requests]
-    by_id = {r.request_id: r for r in requests}
-    chains = [[[by_id[r.request_id] for r in batch] for batch in chain] for chain in workload.chains]
-    return requests, chains
+    """``run_simulation`` with a progress bar over the requests when ``progress``."""
+    with _progress(len(workload.requests), scheduler, enabled=progress) as on_progress:
+        return run_simulation(setup, scheduler, set_options, workload, on_progress=on_progress)
 
 
 class _progress:
@@ -395,15 +157,11 @@ def _check_out(out: Path | None) -> None:
             break
 
 
-def _public(summary: dict) -> dict:
-    return {k: v for k, v in summary.items() if not k.startswith("_")}
-
-
 def _write(out: Path, summary: dict) -> None:
     from sloserve.metrics import write_run_outputs
 
     requests, timeline = summary["_result"]
-    write_run_outputs(out, _public(summary), requests, timeline)
+    write_run_outputs(out, public(summary), requests, timeline)
 
 
 def _report(scheduler: str, summary: dict, workload, out: Path | None, as_json: bool, title: str) -> None:
@@ -413,7 +171,7 @@ def _report(scheduler: str, summary: dict, workload, out: Path | None, as_json: 
     if out is not None:
         _write(out, summary)
     if as_json:
-        click.echo(summary_to_json(_public(summary)))
+        click.echo(summary_to_json(public(summary)))
         return
     _print_table(compare_table({scheduler: summary}, title, _table_width()))
     if workload.num_clipped:
@@ -436,6 +194,40 @@ def _print_table(table) -> None:
     Console(width=_table_width()).print(table)
 
 
+def _parallel_options(fn: Callable) -> Callable:
+    fn = click.option("--ray-address", help="Run on the Ray cluster at this address (host:port, ray://host:port, "
+                      "auto); its nodes need the same sloserve installed.")(fn)  # fmt: skip
+    return click.option("--workers", type=int,
+                        help="Simulations at once: 1 runs them one by one here; N > 1 on a local Ray of N CPUs "
+                        "(pip install 'sloserve[ray]').")(fn)  # fmt: skip
+
+
+def _offset(on_progress: Callable[[int], None] | None, done_before: int) -> Callable[[int], None] | None:
+    """A progress callback that counts ``done_before`` runs as already done."""
+    return None if on_progress is None else lambda done: on_progress(done_before + done)
+
+
+class _executor:
+    """``make_executor`` as a context manager (Ray shuts down on the way out). ``default_workers``:
+    what no --workers means (None: every core on Ray when Ray is installed, else one by one)."""
+
+    def __init__(self, workers: int | None, address: str | None, default_workers: int | None) -> None:
+        if workers is None and not address:
+            workers = default_workers
+            if workers is None and importlib.util.find_spec("ray") is None:
+                click.echo("note: Ray is not installed (pip install 'sloserve[ray]'): running one by one", err=True)
+                workers = 1
+        from sloserve.parallel import make_executor
+
+        self._executor = make_executor(workers, address)
+
+    def __enter__(self):
+        return self._executor
+
+    def __exit__(self, *exc: object) -> None:
+        self._executor.close()
+
+
 # --- commands ------------------------------------------------------------------------------------
 @main.command()
 @click.option("--scheduler", default="vllm", show_default=True, help="Scheduler name (see `sloserve schedulers`).")
@@ -450,7 +242,7 @@ def simulate(scheduler: str, set_pairs: tuple[str, ...], out: Path | None, as_js
 
     _check_out(out)
     set_options = parse_set_options(set_pairs)
-    setup = _setup(options)
+    setup = setup_from_options(options)
     workload = setup.make_workload()
     summary = _run_one(setup, scheduler, set_options, workload, progress=not as_json)
     _report(scheduler, summary, workload, out, as_json, f"{workload.name}, {len(workload)} requests")
@@ -478,18 +270,18 @@ def compare(schedulers: str, set_pairs: tuple[str, ...], out: Path | None, as_js
     _check_out(out)
     names = _scheduler_list(schedulers)
     per_scheduler = _split_set_options(set_pairs, names)
-    setup = _setup(options)
+    setup = setup_from_options(options)
     workload = setup.make_workload()
     summaries = {name: _run_one(setup, name, per_scheduler[name], workload, progress=not as_json) for name in names}
     if out is not None:
         for name, summary in summaries.items():
             _write(out / name, summary)
-        (out / "compare.json").write_text(summary_to_json({n: _public(s) for n, s in summaries.items()}))
+        (out / "compare.json").write_text(summary_to_json({n: public(s) for n, s in summaries.items()}))
         first = next(iter(summaries.values()))
-        plot_compare_bars({n: _public(s) for n, s in summaries.items()}, out / "compare.png",
+        plot_compare_bars({n: public(s) for n, s in summaries.items()}, out / "compare.png",
                           title=f"{caption(first, with_scheduler=False)}, {len(workload)} requests")  # fmt: skip
     if as_json:
-        click.echo(summary_to_json({n: _public(s) for n, s in summaries.items()}))
+        click.echo(summary_to_json({n: public(s) for n, s in summaries.items()}))
     else:
         _print_table(compare_table(summaries, f"{workload.name}, {len(workload)} requests", _table_width()))
         if out is not None:
@@ -520,11 +312,15 @@ def _split_set_options(pairs: tuple[str, ...], names: list[str]) -> dict[str, di
 @_workload_options
 @_system_options
 @click.option("--metric", default="normalized_latency_s", show_default=True, help="Summary key to plot.")
+@_parallel_options
 @click.option("--out", type=click.Path(path_type=Path), default=Path("sweep-out"), show_default=True)
-def sweep(rates: str, schedulers: str, set_pairs: tuple[str, ...], metric: str, out: Path, **options: Any) -> None:
-    """Rate sweep: the metric (default normalized latency) against request rate, per scheduler."""
+def sweep(rates: str, schedulers: str, set_pairs: tuple[str, ...], metric: str, workers: int | None,
+          ray_address: str | None, out: Path, **options: Any) -> None:  # fmt: skip
+    """Rate sweep: the metric (default normalized latency) against request rate, per scheduler.
+    Runs one by one, or on Ray with --workers N / --ray-address (the same results)."""
     from sloserve.metrics import summary_to_json, sweep_table
     from sloserve.metrics.plots import caption, plot_sweep
+    from sloserve.runs import simulate_options
 
     _check_out(out)
     try:
@@ -535,19 +331,19 @@ def sweep(rates: str, schedulers: str, set_pairs: tuple[str, ...], metric: str, 
         raise ConfigError(f"--rates must be > 0, got {rates!r}")
     names = _scheduler_list(schedulers)
     per_scheduler = _split_set_options(set_pairs, names)
-    setup = _setup(options)
+    setup_from_options(options).make_workload(rate_values[0])  # bad options fail here, before any run
+    calls = [(options, name, per_scheduler[name], rate) for rate in rate_values for name in names]
+    first = simulate_options(*calls[0])  # in this process: a --metric the summary lacks fails fast
+    if not _has_metric(first, metric):
+        numeric = [k for k, v in first.items() if isinstance(v, (int, float)) or (isinstance(v, dict) and "mean" in v)]
+        raise ConfigError(f"--metric {metric!r} is not in the summary; e.g. {', '.join(numeric)}")
+    with _executor(workers, ray_address, default_workers=1) as executor:
+        with _progress(len(calls), f"sweep ({executor.workers} workers)", enabled=True) as on_progress:
+            rest = executor.map(simulate_options, calls[1:], on_done=_offset(on_progress, 1))
     results: dict[str, list[tuple[float, dict]]] = {name: [] for name in names}
-    for rate in rate_values:
-        workload = setup.make_workload(rate)
-        for name in names:
-            summary = _run_one(setup, name, per_scheduler[name], workload, progress=True)
-            if not _has_metric(summary, metric):
-                numeric = [k for k, v in summary.items() if not k.startswith("_") and
-                           (isinstance(v, (int, float)) or (isinstance(v, dict) and "mean" in v))]  # fmt: skip
-                raise ConfigError(f"--metric {metric!r} is not in the summary; e.g. {', '.join(numeric)}")
-            results[name].append((rate, _public(summary)))
+    for (_, name, _, rate), summary in zip(calls, [first, *rest], strict=True):
+        results[name].append((rate, summary))
     out.mkdir(parents=True, exist_ok=True)
-    first = results[names[0]][0][1]
     what = " · ".join(x for x in (caption(first, with_scheduler=False, with_workload=False),
                                   str(first.get("workload", "")).split("@")[0]) if x)  # fmt: skip
     plot_sweep(results, out / f"sweep_{metric}.png", metric=metric, logy=True,
@@ -555,6 +351,174 @@ def sweep(rates: str, schedulers: str, set_pairs: tuple[str, ...], metric: str, 
     (out / "sweep.json").write_text(summary_to_json({n: [{"rate": r, **s} for r, s in v] for n, v in results.items()}))
     _print_table(sweep_table(results, metric))
     click.echo(f"wrote {out}/sweep_{metric}.png and {out}/sweep.json")
+
+
+def _parse_set_grid(pairs: tuple[str, ...], names: list[str]) -> dict[str, dict[str, list[str]]]:
+    """``--set-grid KEY=V1,V2`` (every scheduler) or ``NAME.KEY=V1,V2`` (one): scheduler -> key -> values."""
+    grid: dict[str, dict[str, list[str]]] = {name: {} for name in names}
+    for pair in pairs:
+        key, sep, values = pair.partition("=")
+        choices = [v.strip() for v in values.split(",") if v.strip()]
+        if not sep or not key.strip() or not choices:
+            raise ConfigError(f"--set-grid expects KEY=V1,V2 or SCHEDULER.KEY=V1,V2, got {pair!r}")
+        scheduler, dot, option = key.strip().rpartition(".")
+        if dot and scheduler not in grid:
+            raise ConfigError(f"--set-grid {pair}: {scheduler!r} is not among --schedulers {','.join(names)}")
+        for name in [scheduler] if dot else names:
+            grid[name][option] = choices
+    return grid
+
+
+def _validate_grid(grid: dict[str, dict[str, list[str]]], max_model_len: int) -> None:
+    """Build each scheduler at every point of its grid once: a bad name or value fails before the search."""
+    import itertools
+
+    from sloserve.sched import make_scheduler
+
+    for name, knobs in grid.items():
+        for values in itertools.product(*knobs.values()):
+            make_scheduler(name, kv_capacity_tokens=10 * max_model_len, max_model_len=max_model_len,
+                           options=dict(zip(knobs, values, strict=True)))  # fmt: skip
+
+
+def _pd_ratios(text: str) -> list[tuple[int, int]]:
+    """``--pd-ratios 1:1,1:2``: the disaggregated layouts to try besides colocated (``none``: none)."""
+    layouts = [(0, 0)]
+    if text.strip().lower() in ("", "none"):
+        return layouts
+    for part in text.split(","):
+        p, sep, d = part.strip().partition(":")
+        if not (sep and p.isdigit() and d.isdigit() and int(p) >= 1 and int(d) >= 1):
+            raise ConfigError(f"--pd-ratios expects P:D pairs such as 1:1,1:2 (or none), got {part.strip()!r}")
+        layouts.append((int(p), int(d)))
+    return layouts
+
+
+@main.command()
+@click.option("--qps", type=float, required=True, help="The load to serve (Poisson requests/s; with --workload "
+              "its RT streams' rate).")  # fmt: skip
+@click.option("--attainment", type=float, default=0.9, show_default=True,
+              help="Share of requests that must meet their SLOs.")  # fmt: skip
+@click.option("--trace", help="Bundled trace name (see `sloserve traces`) or a CSV/JSONL path.")
+@click.option("--workload", help="Workload spec: a bundled name or a YAML path (instead of --trace).")
+@click.option("--columns", help="Column mapping for a user trace, e.g. prompt=in,output=out.")
+@click.option("--num-requests", type=int, default=1000, show_default=True,
+              help="Requests per simulated unit (a deployment of k units runs k times as many).")  # fmt: skip
+@click.option("--max-tokens", type=int, help="Per-request max_tokens (default: context - prompt).")
+@click.option("--burstiness", type=float, help="Gamma arrivals with this coefficient of variation.")
+@click.option("--slo-ttft", type=float, help="TTFT SLO in seconds (--trace).")
+@click.option("--slo-tpot", type=float, help="TPOT SLO in seconds (--trace).")
+@click.option("--slo-jct", type=float, help="JCT SLO in seconds (--trace).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--model", default="llama-2-7b", show_default=True, help="Model spec name (see `sloserve hardware`).")
+@click.option("--gpus", default="a100,h100,h200", show_default=True, help="GPU types to consider.")
+@click.option("--tp", "tensor_parallel", default="1,2,4,8", show_default=True,
+              help="Tensor-parallel degrees to consider (those that fit and divide the heads).")  # fmt: skip
+@click.option("--max-gpus", type=int, default=16, show_default=True, help="Most GPUs a deployment may use.")
+@click.option("--schedulers", default="vllm,sarathi", show_default=True, help="Schedulers to consider.")
+@click.option("--pd-ratios", default="1:1,1:2,2:1", show_default=True,
+              help="Disaggregated P:D layouts to consider besides colocated; 'none' for colocated only.")  # fmt: skip
+@click.option("--set-grid", "grid_pairs", multiple=True, metavar="[NAME.]KEY=V1,V2",
+              help="Scheduler options to search over; repeatable.")  # fmt: skip
+@click.option("--prices", help="USD per GPU-hour over the defaults, e.g. a100=1.2,a30=0.6.")
+@click.option("--cost-model", default="roofline", show_default=True,
+              help="One cost model for every candidate, so they compare on equal terms.")  # fmt: skip
+@click.option("--memory-utilization", type=float, default=0.9, show_default=True)
+@click.option("--swap-space-gib", type=float, default=4.0, show_default=True, help="CPU swap space per replica.")
+@click.option("--router", default="round-robin", show_default=True, help="round-robin or least-outstanding.")
+@click.option("--link-gbps", type=float, default=100.0, show_default=True, help="KV link per prefill replica, Gb/s.")
+@click.option("--tolerance", type=float, default=0.05, show_default=True,
+              help="Goodput bisection stops when its bracket is within this (relative).")  # fmt: skip
+@click.option("--alternatives", type=int, default=3, show_default=True, help="Runner-up deployments to verify.")
+@_parallel_options
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Write plan.json and the plots here.")
+@click.option("--json", "as_json", is_flag=True, help="Print plan.json on stdout instead of the table.")
+def plan(qps: float, attainment: float, gpus: str, tensor_parallel: str, max_gpus: int, schedulers: str,
+         pd_ratios: str, grid_pairs: tuple[str, ...], prices: str | None, tolerance: float, alternatives: int,
+         workers: int | None, ray_address: str | None, out: Path, as_json: bool, **options: Any) -> None:  # fmt: skip
+    """The cheapest deployment that serves --qps within the SLOs: searches GPU type, tensor parallelism,
+    replicas, colocated or disaggregated (P:D), scheduler and --set-grid options; each candidate's
+    goodput by bisection, the winners simulated whole. Parallel on Ray (see docs/planning.md)."""
+    from sloserve.plan import PlanQuery, enumerate_candidates, parse_prices
+    from sloserve.plan import plan as run_plan
+    from sloserve.plan.prices import price_per_gpu_hour
+    from sloserve.plan.report import plan_table, write_plan
+    from sloserve.runs import SYSTEM_DEFAULTS, WORKLOAD_DEFAULTS, make_workload_from_options, model_spec
+    from sloserve.sched import SCHEDULERS
+    from sloserve.sched.registry import describe_options
+
+    _check_out(out)
+    if not qps > 0 or qps == float("inf"):
+        raise ConfigError(f"--qps must be > 0, got {qps}")
+    if not 0 < attainment <= 1:
+        raise ConfigError(f"--attainment must be in (0, 1], got {attainment}")
+    if max_gpus < 1:
+        raise ConfigError(f"--max-gpus must be >= 1, got {max_gpus}")
+    if not 0 < tolerance < 1:
+        raise ConfigError(f"--tolerance must be in (0, 1), got {tolerance}")
+    if alternatives < 0:
+        raise ConfigError(f"--alternatives must be >= 0, got {alternatives}")
+    if options["trace"] and not any(options[k] is not None for k in ("slo_ttft", "slo_tpot", "slo_jct")):
+        raise ConfigError("plan needs an SLO to meet: give --slo-ttft, --slo-tpot and/or --slo-jct")
+    base = {**WORKLOAD_DEFAULTS, **SYSTEM_DEFAULTS, **options}
+    model = model_spec(options["model"])
+    workload = make_workload_from_options(base, model.max_context_len, rate=qps)  # bad workload options fail here
+    names = _scheduler_list(schedulers)
+    for name in names:
+        if name not in SCHEDULERS:
+            raise UnknownNameError("scheduler", name, sorted(SCHEDULERS))
+    grid = _parse_set_grid(grid_pairs, names)
+    _validate_grid(grid, model.max_context_len)
+    price_table = parse_prices(prices)
+    gpu_names = [g.strip() for g in gpus.split(",") if g.strip()]
+    if not gpu_names:
+        raise ConfigError("--gpus needs at least one GPU name")
+    degrees = _int_list(tensor_parallel, "--tp")
+    if 0 in degrees:
+        raise ConfigError(f"--tp degrees must be >= 1, got {tensor_parallel!r}")
+    role_schedulers = {n for n in names if "role" in describe_options(n)}
+    candidates, skipped = enumerate_candidates(model, gpu_names, list(degrees), names, _pd_ratios(pd_ratios), grid,
+                                               max_gpus, options["memory_utilization"], role_schedulers)  # fmt: skip
+    for gpu in sorted({c.gpu for c in candidates}):
+        price_per_gpu_hour(price_table, gpu)  # a GPU without a price fails here
+    query = PlanQuery(qps, attainment, max_gpus, base, tolerance, alternatives)
+    slo = {"ttft_s": options["slo_ttft"], "tpot_s": options["slo_tpot"], "jct_s": options["slo_jct"]}
+    describe = {"model": model.name, "workload": workload.name.split("@")[0], "slo": slo,
+                "num_requests_per_unit": options["num_requests"], "seed": options["seed"],
+                "cost_model": options["cost_model"], "router": options["router"]}  # fmt: skip
+    with _executor(workers, ray_address, default_workers=None) as executor:
+        with _progress(len(candidates), f"plan ({executor.workers} workers)", enabled=True) as on_progress:
+            def on_round(text: str, decided: int) -> None:
+                if on_progress is not None:
+                    on_progress(decided)
+
+            doc = run_plan(query, candidates, price_table, executor, skipped=skipped, describe=describe,
+                           on_round=on_round)  # fmt: skip
+    written = write_plan(doc, out)
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        _print_table(plan_table(doc, _table_width()))
+        for line in _plan_lines(doc):
+            click.echo(line)
+        click.echo(f"wrote {', '.join(str(p) for p in written)}")
+    if doc["answer"] is None:
+        _fail(doc["message"])
+
+
+def _plan_lines(doc: dict) -> list[str]:
+    """The answer and its alternatives in words."""
+    s = doc["search"]
+    lines = [f"searched {s['candidates']} configurations in {s['runs']} simulations ({s['rounds']} rounds, "
+             f"{s['workers']} workers, {s['wall_s']:.1f} s)"]  # fmt: skip
+    for title, c in [("answer", doc["answer"])] + [("alternative", a) for a in doc["alternatives"]]:
+        if c is None:
+            continue
+        v = c["verified"]
+        lines.append(f"{title}: {c['units']} x {c['label']} = {c['num_gpus']} GPUs, ${c['cost_per_hour']:.2f}/hour; "
+                     f"simulated whole at {doc['query']['qps']:g} req/s: {v['attainment']:.1%} attainment, "
+                     f"p99 TTFT {v['ttft_p99_s']:.3g} s, p99 TPOT {v['tpot_p99_s']:.3g} s")  # fmt: skip
+    return lines
 
 
 @main.command()
@@ -717,7 +681,9 @@ def bound(fixed, trace, num_requests, rate, seed, capacity, budget, prefill_budg
 @click.option("--quick", is_flag=True, help="A smaller grid (minutes instead of tens of minutes).")
 @click.option("--trace", help="Workload of the EconoServe experiments: sharegpt (default), alpaca-like, "
               "bookcorpus-like, or another bundled trace.")
-def experiment(name: str, out: Path, quick: bool, trace: str | None) -> None:
+@_parallel_options
+def experiment(name: str, out: Path, quick: bool, trace: str | None, workers: int | None,
+               ray_address: str | None) -> None:  # fmt: skip
     """Run one of the papers' experiments; writes its CSV and plot and prints the paper's directions
     next to ours. Names: see `sloserve experiment list`."""
     from sloserve.experiments import EXPERIMENTS
@@ -738,7 +704,8 @@ def experiment(name: str, out: Path, quick: bool, trace: str | None) -> None:
         if trace not in TRACES:
             raise UnknownNameError("trace", trace, ["alpaca-like", "bookcorpus-like", *TRACES])
     out.mkdir(parents=True, exist_ok=True)
-    rows, lines = EXPERIMENTS[name](out, quick, **({"trace": trace} if trace else {}))
+    with _executor(workers, ray_address, default_workers=1) as executor:
+        rows, lines = EXPERIMENTS[name](out, quick, executor=executor, **({"trace": trace} if trace else {}))
     for line in lines:
         click.echo(line)
     click.echo(f"{len(rows)} runs; wrote {out}/ ({', '.join(sorted(p.name for p in out.iterdir() if p.name.startswith(name.split('-')[0])))})")
@@ -821,8 +788,8 @@ def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virt
     engine = LLMEngine(loaded, scheduler, kv_capacity_tokens=options["kv_capacity_tokens"],
                        max_model_len=options["max_model_len"], cost_model=cost_model, seed=options["seed"],
                        scheduler_options=set_options)  # fmt: skip
-    workload = _make_workload(options, engine.max_model_len)
-    requests, chains = _fresh_workload(workload)
+    workload = make_workload_from_options(options, engine.max_model_len)
+    requests, chains = fresh_workload(workload)
     rng = np.random.default_rng(options["seed"])
     prompts = [synthetic_prompt(r.num_prompt_tokens, loaded.config.vocab_size, rng) for r in requests]
     params = [SamplingParams(max_tokens=r.true_output_tokens, temperature=0, ignore_eos=True) for r in requests]
@@ -1015,8 +982,8 @@ def bench_serve(base_url: str, served_model: str, max_model_len: int | None, voc
         raise ConfigError(f"--timeout must be > 0, got {timeout_s}")
     if max_model_len is None:
         max_model_len = bench.server_max_model_len(base_url, served_model)
-    workload = _make_workload(options, max_model_len)
-    requests, chains = _fresh_workload(workload)
+    workload = make_workload_from_options(options, max_model_len)
+    requests, chains = fresh_workload(workload)
     prompts = bench.synthetic_prompts(requests, vocab_size, options["seed"])
     with _progress(len(requests), f"bench-serve {served_model}", enabled=not as_json) as on_progress:
         result = bench.run_benchmark(base_url, served_model, requests, prompts, chains=chains, timeout_s=timeout_s,

@@ -5,7 +5,8 @@ from collections.abc import Callable
 
 from sloserve.experiments import bros, econoserve, infermax
 
-# name -> function(out_dir, quick, ...) returning (rows, lines that compare ours with the paper)
+# name -> function(out_dir, quick, executor=..., ...) returning (rows, lines that compare ours with the
+# paper); the executor (sloserve.parallel) runs its simulations one by one or on Ray.
 EXPERIMENTS: dict[str, Callable[..., tuple[list[dict], list[str]]]] = {
     "infermax-fig4": infermax.fig4,
     "infermax-fig5": infermax.fig5,

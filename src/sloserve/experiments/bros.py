@@ -29,6 +29,7 @@ from sloserve.cost import (
 from sloserve.experiments.outputs import plot_bars, plot_grid, write_csv
 from sloserve.metrics.plots import _figure, _save
 from sloserve.metrics.summary import SLO_TOLERANCE_S, request_table
+from sloserve.parallel import SERIAL, Executor
 from sloserve.sched import make_scheduler
 from sloserve.sim import simulate
 from sloserve.workload import build_workload, load_workload_spec, with_rt_rate
@@ -140,7 +141,7 @@ def run_hybrid(name: str, rate: float, num_rt_requests: int, workload: str = "br
     return row
 
 
-def fig10(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
+def fig10(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dict], list[str]]:
     """Figure 10: RT normalized latency, BE throughput, TTFT and TPOT attainment vs RT rate."""
     if quick:
         grid = [("bros-sharegpt", "opt-13b", (2.0, 6.0))]
@@ -150,8 +151,8 @@ def fig10(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
         # NOTE: Llama-3-70B runs on the measured 4x A100 preset, half the paper's eight GPUs: the
         # paper's 5-15 req/s overload it (TTFT attainment <= 20% for every scheduler at 5), so lower rates.
     n = 400 if quick else 2000  # RT requests per run (§7.1: 2,000)
-    rows = [run_hybrid(name, rate, n, workload, setting) for workload, setting, rates in grid
-            for rate in rates for name in SCHEDULERS]  # fmt: skip
+    rows = executor.map(run_hybrid, [(name, rate, n, workload, setting) for workload, setting, rates in grid
+                                     for rate in rates for name in SCHEDULERS])  # fmt: skip
     write_csv(rows, out / "bros_fig10.csv")
     for r in rows:
         r["panel"] = f"{LABELS[r['model']]}\n{r['workload']}"
@@ -180,10 +181,10 @@ def fig10(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
     return rows, lines
 
 
-def fig13(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
+def fig13(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dict], list[str]]:
     """Figure 13: with and without bidirectional KV blocks (recompute instead), OPT-30B, RT rate 10."""
     n = 400 if quick else 1000
-    rows = [run_hybrid(name, 10.0, n, setting="opt-30b") for name in ("bros", "bros_nobicache")]
+    rows = executor.map(run_hybrid, [(name, 10.0, n, "bros-sharegpt", "opt-30b") for name in ("bros", "bros_nobicache")])
     write_csv(rows, out / "bros_fig13.csv")
     plot_bars(rows, out / "bros_fig13.png", (("ttft_attainment", "TTFT attainment"), ("tpot_attainment", "TPOT attainment"),
                                              ("rt_normalized_latency_s", "RT normalized latency (s/token)")),
@@ -198,7 +199,7 @@ def fig13(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
     return rows, lines
 
 
-def fig14(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
+def fig14(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dict], list[str]]:
     """Figure 14: BROS's scheduling time per iteration by part (RT ordering, RT packing with its
     cost-model queries, BE packing, KV block allocation and checkpointing), OPT-13B and OPT-30B.
 
@@ -206,7 +207,8 @@ def fig14(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
     time for the batch), so the shares say how this scheduler would weigh against that GPU."""
     rates = (2.0, 6.0) if quick else (2.0, 4.0, 6.0, 8.0, 10.0)
     n = 400 if quick else 1000
-    rows = [run_hybrid("bros", rate, n, setting=setting) for setting in ("opt-13b", "opt-30b") for rate in rates]
+    rows = executor.map(run_hybrid, [("bros", rate, n, "bros-sharegpt", setting) for setting in ("opt-13b", "opt-30b")
+                                     for rate in rates])  # fmt: skip
     write_csv(rows, out / "bros_fig14.csv")
     for r in rows:
         r["panel"] = LABELS[r["model"]]

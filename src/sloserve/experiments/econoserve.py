@@ -21,6 +21,7 @@ from sloserve.cost import build_cost_model, get_gpu, get_model
 from sloserve.cost.derived import jct_slo_s
 from sloserve.experiments.outputs import plot_bars, plot_grid, write_csv
 from sloserve.metrics.summary import summarize
+from sloserve.parallel import SERIAL, Executor
 from sloserve.sched import make_scheduler
 from sloserve.sim import simulate
 from sloserve.workload import workload_from_trace
@@ -129,12 +130,12 @@ def _sustained(rows: list[dict], name: str) -> float:
     return max(ok, default=0.0)
 
 
-def fig9(out: Path, quick: bool, trace: str = "sharegpt") -> tuple[list[dict], list[str]]:
+def fig9(out: Path, quick: bool, trace: str = "sharegpt", executor: Executor = SERIAL) -> tuple[list[dict], list[str]]:
     """Figures 9-10: normalized latency and SSR vs rate, and the highest rate each scheduler sustains."""
     rates = {"alpaca-like": (32.0, 64.0, 128.0, 192.0, 256.0), "bookcorpus-like": (0.2, 0.4, 0.6, 0.8, 1.2)}.get(
         trace, (1.0, 2.0, 3.0, 4.0, 6.0))
     n = 300 if quick else 1000
-    rows = [run_rate(name, rate, n, trace) for rate in rates for name in BASELINES + VARIANTS]
+    rows = executor.map(run_rate, [(name, rate, n, trace) for rate in rates for name in BASELINES + VARIANTS])
     write_csv(rows, out / f"econoserve_fig9_{trace}.csv")
     plot_grid(rows, out / f"econoserve_fig9_{trace}.png", ("normalized_latency_s", "ssr", "kv_used", "forward_size"),
               column="trace", x="rate", title=f"EconoServe Figures 9-11 ({trace}, OPT-13B, 12 GB KV)")  # fmt: skip
@@ -167,11 +168,11 @@ def _jct_parts(row: dict) -> str:
     return f"{row['scheduler']} JCT {row['jct_s']:.2f} s = {parts}; allocation failures {row['alloc_failure_share']:.0%} of requests"
 
 
-def fig13(out: Path, quick: bool, trace: str = "sharegpt") -> tuple[list[dict], list[str]]:
+def fig13(out: Path, quick: bool, trace: str = "sharegpt", executor: Executor = SERIAL) -> tuple[list[dict], list[str]]:
     """Figure 13: JCT, TBT, SSR and throughput of each EconoServe variant."""
     rate = {"alpaca-like": 40.0, "bookcorpus-like": 0.6}.get(trace, 3.0)
     n = 300 if quick else 1000
-    rows = [run_rate(name, rate, n, trace) for name in VARIANTS]
+    rows = executor.map(run_rate, [(name, rate, n, trace) for name in VARIANTS])
     write_csv(rows, out / f"econoserve_fig13_{trace}.csv")
     plot_bars(rows, out / f"econoserve_fig13_{trace}.png",
               (("jct_s", "JCT (s)"), ("tbt_s", "TBT (s)"), ("ssr", "SLO satisfaction ratio"),
@@ -193,16 +194,14 @@ SENSITIVITY = {
 }
 
 
-def fig15(out: Path, quick: bool, trace: str = "sharegpt") -> tuple[list[dict], list[str]]:
+def fig15(out: Path, quick: bool, trace: str = "sharegpt", executor: Executor = SERIAL) -> tuple[list[dict], list[str]]:
     """Figure 15: JCT, throughput and SSR of EconoServe vs SLO scale, padding, reserve and buffer b."""
     rate = {"alpaca-like": 40.0, "bookcorpus-like": 0.6}.get(trace, 3.0)
     n = 200 if quick else 800
-    rows = []
-    for factor, values in SENSITIVITY.items():
-        for value in values:
-            row = run_rate("econoserve", rate, n, trace, {factor: value})
-            row.update(factor=factor, value=value)
-            rows.append(row)
+    points = [(factor, value) for factor, values in SENSITIVITY.items() for value in values]
+    rows = executor.map(run_rate, [("econoserve", rate, n, trace, {factor: value}) for factor, value in points])
+    for row, (factor, value) in zip(rows, points, strict=True):
+        row.update(factor=factor, value=value)
     write_csv(rows, out / f"econoserve_fig15_{trace}.csv")
     lines = []
     for factor in SENSITIVITY:

@@ -18,6 +18,7 @@ import numpy as np
 from sloserve.cost import LinearCostModel, get_preset
 from sloserve.experiments.outputs import plot_bars, plot_grid, write_csv
 from sloserve.metrics import request_table
+from sloserve.parallel import SERIAL, Executor
 from sloserve.sched import make_scheduler
 from sloserve.sim import simulate
 from sloserve.workload import synthetic_workload
@@ -57,21 +58,17 @@ def run_fixed(name: str, prompt: int, output: int, num_requests: int, capacity: 
     }
 
 
-def _grid(num_requests: int, inputs, outputs, schedulers, capacity=M_DEFAULT) -> list[dict]:
-    return [
-        run_fixed(name, i, o, num_requests, capacity)
-        for o in outputs
-        for i in inputs
-        for name in schedulers
-        if i + o - 1 <= capacity
-    ]
+def _grid(executor: Executor, num_requests: int, inputs, outputs, schedulers, capacity=M_DEFAULT) -> list[dict]:
+    calls = [(name, i, o, num_requests, capacity) for o in outputs for i in inputs for name in schedulers
+             if i + o - 1 <= capacity]  # fmt: skip
+    return executor.map(run_fixed, calls)
 
 
-def fig4_5(out: Path, quick: bool, num_requests: int) -> tuple[list[dict], list[str]]:
+def fig4_5(out: Path, quick: bool, num_requests: int, executor: Executor = SERIAL) -> tuple[list[dict], list[str]]:
     """Figures 4-6: fixed I/O grids for the Table 1 schedulers."""
     inputs = (1, 16, 256, 1024) if quick else (1, 4, 16, 64, 256, 1024)
     outputs = (1, 32, 1024) if not quick else (32, 1024)
-    rows = _grid(num_requests, inputs, outputs, TABLE1)
+    rows = _grid(executor, num_requests, inputs, outputs, TABLE1)
     write_csv(rows, out / f"infermax_B{num_requests}.csv")
     plot_grid(rows, out / f"infermax_B{num_requests}.png", ("latency_s", "tps", "ttft_s", "tpot_s", "evictions"),
               title=f"InferMax Figures 4-6: B = {num_requests}, M = 100K ({SETTING})")
@@ -114,11 +111,11 @@ def _ratio(rows, metric, num, den, where: Callable[[dict], bool]) -> float:
     return max(_ratios(rows, metric, num, den, where))
 
 
-def fig8(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
+def fig8(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dict], list[str]]:
     """Figure 8: eviction-free vs not at O = B = 1024."""
     inputs = (16, 256, 1024) if quick else (1, 16, 64, 256, 1024)
     names = ("vllm", "vllm_ef", "sarathi", "sarathi_ef", "sarathi_pc", "sarathi_pc_ef")
-    rows = _grid(1024, inputs, (1024,), names)
+    rows = _grid(executor, 1024, inputs, (1024,), names)
     write_csv(rows, out / "infermax_fig8.csv")
     plot_grid(rows, out / "infermax_fig8.png", ("latency_s", "tps", "ttft_s", "tpot_s", "evictions"), title=f"InferMax Figure 8: O = B = 1024, with and without evictions ({SETTING})")
     lines = []
@@ -130,12 +127,12 @@ def fig8(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
     return rows, lines
 
 
-def fig9(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
+def fig9(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dict], list[str]]:
     """Figure 9: O = 32, B = 1024, M from 100 to 1M."""
     inputs = (1, 16, 64) if quick else (1, 4, 16, 64, 256, 1024)
     capacities = (100, 1_000, 10_000, 100_000) if quick else (100, 1_000, 10_000, 100_000, 1_000_000)
     names = ("vllm", "vllm_ef", "sarathi", "sarathi_ef")
-    rows = [r for m in capacities for r in _grid(1024, inputs, (32,), names, capacity=m)]
+    rows = [r for m in capacities for r in _grid(executor, 1024, inputs, (32,), names, capacity=m)]
     write_csv(rows, out / "infermax_fig9.csv")
     plot_grid(rows, out / "infermax_fig9.png", ("latency_s", "tps", "ttft_s", "tpot_s", "evictions"), column="M",
               title=f"InferMax Figure 9: O = 32, B = 1024 ({SETTING})")
@@ -172,15 +169,13 @@ def _mix_requests(mix: str, num_requests: int, seed: int):
     return requests
 
 
-def fig10_12(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
+def fig10_12(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dict], list[str]]:
     """Figures 10-12: rank schedulers on heterogeneous mixes."""
     sizes = (16, 256, 1024) if quick else (16, 64, 256, 1024)
-    rows = []
-    for mix in MIXES:
-        for b in sizes:
-            for name in ("rank_org", "rank_i", "rank_o"):
-                row = run_fixed(name, 0, 0, b, requests=_mix_requests(mix, b, seed=b))
-                rows.append(dict(row, mix=mix, I=0, O=0))
+    points = [(mix, b, name) for mix in MIXES for b in sizes for name in ("rank_org", "rank_i", "rank_o")]
+    runs = executor.map(run_fixed, [(name, 0, 0, b, M_DEFAULT, None, _mix_requests(mix, b, seed=b))
+                                    for mix, b, name in points])  # fmt: skip
+    rows = [dict(row, mix=mix, I=0, O=0) for row, (mix, _, _) in zip(runs, points, strict=True)]
     write_csv(rows, out / "infermax_fig10_12.csv")
     for r in rows:
         r["B_"] = r["B"]
@@ -211,8 +206,11 @@ def fig10_12(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
     return rows, lines
 
 
-def fig15(out: Path, quick: bool, time_limit: float = 20.0) -> tuple[list[dict], list[str]]:
-    """Figure 15 / §5.1: the CSP at O = B = 4 (3 with --quick), M = max(2I, I+O-1)."""
+def fig15(out: Path, quick: bool, time_limit: float = 20.0, executor: Executor = SERIAL) -> tuple[list[dict], list[str]]:
+    """Figure 15 / §5.1: the CSP at O = B = 4 (3 with --quick), M = max(2I, I+O-1).
+
+    The solves run in this process whatever ``executor`` is: CP-SAT's time limit is wall time, so a
+    solve sharing the cores with others would prove less within it."""
     from sloserve.optimal import BoundProblem, run_heuristic, solve_bound
     from sloserve.optimal.gantt import plot_gantt
 
@@ -241,37 +239,40 @@ def fig15(out: Path, quick: bool, time_limit: float = 20.0) -> tuple[list[dict],
     return rows, lines
 
 
-def sec6(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
-    """§6: keep-long/evict-short vs deployable and EF baselines on the Azure conversation trace,
-    Llama-3-70B on 4xA100 (preset), C = 16384, M = 100K, and the bound: vLLM with unlimited memory."""
+BOUND = "bound (vllm, M unlimited)"
+
+
+def _sec6_run(name: str, num_requests: int) -> dict:
+    """One §6 run on the Azure conversation trace; ``BOUND``: vLLM with unlimited memory."""
     from sloserve.workload import workload_from_trace
 
     cost = LinearCostModel(get_preset("llama-3-70b-4xa100"))
+    requests = workload_from_trace("azure-conv", num_requests=num_requests, seed=0, context_len=16384,
+                                   trace_arrivals=True).requests  # fmt: skip
+    opts: dict[str, object] = {"max_num_batched_tokens": 16384, "max_num_seqs": 16384}
+    capacity, sched = 100_000, name
+    if name == "infermax_held":  # the other reading of §6: hold the estimated reservation
+        sched = "infermax"
+        opts.update(reservation="predicted", kv_manager="exact")
+    elif name == BOUND:
+        # §6's bound: vLLM with unlimited memory, through the same cost model. NOTE: "unlimited" is KV
+        # for every request's prompt and output at once, which no schedule can exceed.
+        sched, capacity = "vllm", sum(r.num_prompt_tokens + r.true_output_tokens for r in requests)
+    simulate(requests, lambda: make_scheduler(sched, kv_capacity_tokens=capacity, max_model_len=16384, options=opts), cost)
+    return {"scheduler": name, "latency_s": max(r.finish_time for r in requests) - min(r.arrival_time for r in requests),
+            "mean_jct_s": sum(r.finish_time - r.arrival_time for r in requests) / len(requests),
+            "evictions": sum(r.num_preemptions for r in requests)}  # fmt: skip
+
+
+def sec6(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dict], list[str]]:
+    """§6: keep-long/evict-short vs deployable and EF baselines on the Azure conversation trace,
+    Llama-3-70B on 4xA100 (preset), C = 16384, M = 100K, and the bound: vLLM with unlimited memory."""
+
     n = 4000 if quick else 19_366
-    rows = []
-    names = ("vllm", "sarathi", "sarathi_pc", "infermax", "infermax_held", "vllm_ef", "sarathi_ef", "sarathi_pc_ef")
-    for name in names:
-        workload = workload_from_trace("azure-conv", num_requests=n, seed=0, context_len=16384, trace_arrivals=True)
-        requests = workload.requests
-        sched = "infermax" if name == "infermax_held" else name
-        opts: dict[str, object] = {"max_num_batched_tokens": 16384, "max_num_seqs": 16384}
-        if name == "infermax_held":  # the other reading of §6: hold the estimated reservation
-            opts.update(reservation="predicted", kv_manager="exact")
-        simulate(requests, lambda s=sched, o=opts: make_scheduler(s, kv_capacity_tokens=100_000, max_model_len=16384, options=o), cost)
-        latency = max(r.finish_time for r in requests) - min(r.arrival_time for r in requests)
-        rows.append({"scheduler": name, "latency_s": latency,
-                     "mean_jct_s": sum(r.finish_time - r.arrival_time for r in requests) / len(requests),
-                     "evictions": sum(r.num_preemptions for r in requests)})
-    # §6's bound: vLLM with unlimited memory, through the same cost model. NOTE: "unlimited" is KV for
-    # every request's prompt and output at once, which no schedule can exceed.
-    requests = workload_from_trace("azure-conv", num_requests=n, seed=0, context_len=16384, trace_arrivals=True).requests
-    unlimited = sum(r.num_prompt_tokens + r.true_output_tokens for r in requests)
-    simulate(requests, lambda: make_scheduler("vllm", kv_capacity_tokens=unlimited, max_model_len=16384,
-                                              options={"max_num_batched_tokens": 16384, "max_num_seqs": 16384}), cost)  # fmt: skip
-    bound = max(r.finish_time for r in requests) - min(r.arrival_time for r in requests)
-    rows.append({"scheduler": "bound (vllm, M unlimited)", "latency_s": bound,
-                 "mean_jct_s": sum(r.finish_time - r.arrival_time for r in requests) / len(requests),
-                 "evictions": sum(r.num_preemptions for r in requests)})
+    names = ("vllm", "sarathi", "sarathi_pc", "infermax", "infermax_held", "vllm_ef", "sarathi_ef", "sarathi_pc_ef",
+             BOUND)  # fmt: skip
+    rows = executor.map(_sec6_run, [(name, n) for name in names])
+    bound = rows[-1]["latency_s"]
     write_csv(rows, out / "infermax_sec6.csv")
     plot_bars(rows, out / "infermax_sec6.png", (("latency_s", "latency (s)"),),
               "InferMax §6: Azure conversation trace, Llama-3-70B on 4x A100")  # fmt: skip
@@ -284,11 +285,11 @@ def sec6(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
     return rows, lines
 
 
-def fig4(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
+def fig4(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dict], list[str]]:
     """Figure 4: the Table 1 schedulers on fixed I/O grids with B = 32 requests (no evictions)."""
-    return fig4_5(out, quick, 32)
+    return fig4_5(out, quick, 32, executor)
 
 
-def fig5(out: Path, quick: bool) -> tuple[list[dict], list[str]]:
+def fig5(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dict], list[str]]:
     """Figures 5-6: the Table 1 schedulers on fixed I/O grids with B = 1024 requests (evictions)."""
-    return fig4_5(out, quick, 1024)
+    return fig4_5(out, quick, 1024, executor)

@@ -1,0 +1,298 @@
+"""One simulation from the options the commands share: the workload (``--trace`` or ``--workload``),
+the system (model, GPU, tensor parallelism, replicas, disaggregation) and a scheduler.
+
+``simulate``, ``compare``, ``sweep`` and ``plan`` build their runs here, and so do their parallel
+tasks (``sloserve.parallel``): a run on a Ray worker rebuilds the same workload from the same options
+and seed, so it is the run the command would have done itself. ``options`` is the dict of the CLI's
+workload and system options (``WORKLOAD_DEFAULTS`` and ``SYSTEM_DEFAULTS`` name every key)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sloserve.core.errors import ConfigError, UnknownNameError
+from sloserve.core.request import SLO
+
+# The options of ``--trace``/``--workload`` and of the system, with the CLI's defaults.
+WORKLOAD_DEFAULTS: dict[str, Any] = {
+    "trace": None, "workload": None, "columns": None, "rate": None, "burstiness": None, "trace_arrivals": False,
+    "offline": False, "num_requests": None, "max_tokens": None, "slo_ttft": None, "slo_tpot": None, "slo_jct": None,
+    "rt_rate": None, "seed": 0,
+}  # fmt: skip
+SYSTEM_DEFAULTS: dict[str, Any] = {
+    "model": "llama-2-7b", "gpu": "a100", "num_gpus": 1, "max_model_len": None, "cost_model": None,
+    "kv_capacity_tokens": None, "memory_utilization": 0.9, "swap_space_gib": 4.0, "replicas": 1,
+    "router": "round-robin", "disaggregate": None, "link_gbps": 100.0, "no_fast_path": False,
+}  # fmt: skip
+
+
+@dataclass
+class Setup:
+    """Everything a run needs besides the scheduler and the arrival rate."""
+
+    model: Any
+    gpu: Any
+    cost_model: Any
+    kv_capacity_tokens: int
+    swap_space_tokens: int
+    options: dict[str, Any]
+
+    def make_workload(self, rate: float | None = None):
+        """The workload, with ``rate`` overriding --rate (for sweeps)."""
+        return make_workload_from_options(self.options, self.model.max_context_len, rate)
+
+
+# Most requests one run may ask for (a run keeps a few hundred bytes per request).
+MAX_NUM_REQUESTS = 10_000_000
+
+
+def check_workload_options(o: dict[str, Any]) -> None:
+    """One ConfigError for options that are out of range or that the chosen source would ignore."""
+    n = o["num_requests"]
+    if n is not None and not 1 <= n <= MAX_NUM_REQUESTS:
+        raise ConfigError(f"--num-requests must be in 1..{MAX_NUM_REQUESTS:,}, got {n:,}")
+    for name in ("slo_ttft", "slo_tpot", "slo_jct"):
+        if o[name] is not None and not o[name] > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got {o[name]}")
+    if o["workload"]:
+        if o["columns"] is not None:
+            raise ConfigError("--columns maps a --trace file's columns; a workload spec names its own sources "
+                              "(columns: in the spec)")
+        for name in ("slo_ttft", "slo_tpot", "slo_jct"):
+            if o[name] is not None:
+                raise ConfigError(f"--{name.replace('_', '-')} applies to --trace; a workload spec sets each "
+                                  "stream's slo")
+    elif o["rt_rate"] is not None:
+        raise ConfigError("--rt-rate sets a --workload's RT rate; with --trace, use --rate")
+
+
+def make_workload_from_options(o: dict[str, Any], context_len: int, rate: float | None = None):
+    """The workload the --trace / --workload options describe, clipped to ``context_len``."""
+    from sloserve.workload import build_workload, load_workload_spec, load_trace, with_rt_rate, workload_from_trace
+
+    check_workload_options(o)
+    if o["workload"]:
+        if o["trace"]:
+            raise ConfigError("give --trace or --workload, not both")
+        if o["rate"] is not None:
+            raise ConfigError("--rate applies to --trace; use --rt-rate to set a workload's RT rate")
+        spec = load_workload_spec(o["workload"])
+        rt_rate = rate if rate is not None else o["rt_rate"]  # a sweep's rates are RT rates
+        if rt_rate is not None:
+            spec = with_rt_rate(spec, rt_rate)
+        return build_workload(spec, seed=o["seed"], context_len=context_len, num_requests=o["num_requests"])
+    if not o["trace"]:
+        raise ConfigError("give --trace NAME|PATH or --workload SPEC")
+    slo = {"ttft_s": o["slo_ttft"], "tpot_s": o["slo_tpot"], "jct_s": o["slo_jct"]}
+    num_requests = o["num_requests"]
+    if o["trace_arrivals"]:
+        # NOTE: a replay takes the trace's rows as they are; more than it has repeats it back to back.
+        rows = len(load_trace(o["trace"], parse_columns(o["columns"])))
+        if num_requests is None:
+            num_requests = min(rows, 1000)
+        elif num_requests > rows:
+            print(f"note: the trace has {rows:,} rows; --trace-arrivals repeats it back to back for "
+                  f"{num_requests:,} requests", file=sys.stderr)  # fmt: skip
+    return workload_from_trace(
+        o["trace"],
+        num_requests=num_requests or 1000,
+        seed=o["seed"],
+        context_len=context_len,
+        rate=rate if rate is not None else o["rate"],
+        burstiness_cv=o["burstiness"],
+        trace_arrivals=o["trace_arrivals"],
+        offline=o["offline"],
+        slo=SLO(**slo) if any(v is not None for v in slo.values()) else None,
+        max_tokens=o["max_tokens"],
+        columns=parse_columns(o["columns"]),
+    )
+
+
+def parse_columns(text: str | None) -> dict[str, str] | None:
+    if not text:
+        return None
+    columns = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ConfigError(f"--columns expects key=column pairs, got {part!r}")
+        columns[key.strip()] = value.strip()
+    return columns
+
+
+def model_spec(name: str):
+    """A bundled spec by name, or the shape of an engine model: ``random:NAME``, a local HF
+    directory (its config.json; no torch needed) or a GGUF file (its metadata), so a preset
+    profiled on it simulates it."""
+    from sloserve.cost import get_model
+    from sloserve.engine.config import RANDOM_PREFIX, from_hf_config, load_hf_config, random_config
+    from sloserve.engine.gguf_loader import is_gguf, read_gguf
+
+    if name.startswith(RANDOM_PREFIX):
+        return random_config(name[len(RANDOM_PREFIX) :]).spec()
+    if Path(name).expanduser().is_dir():
+        return load_hf_config(Path(name).expanduser()).spec()
+    if is_gguf(name):
+        return from_hf_config(read_gguf(name).hf_config, name=Path(name).stem).spec()
+    try:
+        return get_model(name)
+    except UnknownNameError as err:
+        err.args = (f"{err.args[0]}; or random:NAME, a local HF model directory or a .gguf file",)
+        raise
+
+
+def setup_from_options(options: dict[str, Any]) -> Setup:
+    from sloserve.cost import build_cost_model, get_gpu, kv_capacity_tokens
+
+    model, gpu = model_spec(options["model"]), get_gpu(options["gpu"])
+    if options["max_model_len"] is not None:
+        if options["max_model_len"] < 2:
+            raise ConfigError(f"--max-model-len must be >= 2, got {options['max_model_len']}")
+        model = dataclasses.replace(model, max_context_len=options["max_model_len"])
+    for name in ("num_gpus", "replicas"):
+        if options[name] < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {options[name]}")
+    if options["kv_capacity_tokens"] is not None:
+        capacity = options["kv_capacity_tokens"]
+        if capacity < 1:
+            raise ConfigError(f"--kv-capacity-tokens must be >= 1, got {capacity}")
+    else:
+        if not 0 < options["memory_utilization"] <= 1:
+            raise ConfigError(f"--memory-utilization must be in (0, 1], got {options['memory_utilization']}")
+        capacity = kv_capacity_tokens(
+            model, gpu, num_gpus=options["num_gpus"], memory_utilization=options["memory_utilization"]
+        )
+    if options["swap_space_gib"] < 0:
+        raise ConfigError(f"--swap-space-gib must be >= 0, got {options['swap_space_gib']}")
+    cost = build_cost_model(model, gpu, num_gpus=options["num_gpus"], cost_model=options["cost_model"])
+    swap_tokens = int(options["swap_space_gib"] * 2**30 // model.kv_bytes_per_token)
+    return Setup(model, gpu, cost, capacity, swap_tokens, options)
+
+
+def run_simulation(setup: Setup, scheduler: str, set_options: dict[str, str], workload, *,
+                   on_progress: Callable[[int], None] | None = None) -> dict:
+    """Simulate ``workload`` (fresh copies of its requests) with ``scheduler``; returns the summary,
+    with the requests and timeline under ``"_result"`` for writing (``public`` drops them)."""
+    from sloserve.metrics import summarize
+    from sloserve.sched import make_scheduler
+    from sloserve.sim import simulate
+
+    o = setup.options
+    requests, chains = fresh_workload(workload)
+    factory = functools.partial(
+        make_scheduler,
+        scheduler,
+        kv_capacity_tokens=setup.kv_capacity_tokens,
+        max_model_len=setup.model.max_context_len,
+        kv_bytes_per_token=setup.model.kv_bytes_per_token,
+        swap_space_tokens=setup.swap_space_tokens,
+        options=set_options,
+        cost_model=setup.cost_model,
+    )
+    num_prefill, num_decode = parse_disaggregation(o["disaggregate"], o["link_gbps"])
+    decode_factory = None
+    if num_decode:
+        factory = functools.partial(factory, options={**set_options, "role": "prefill"})
+        decode_factory = functools.partial(factory, options={**set_options, "role": "decode"})
+        decode_factory()
+    factory()  # validate the options before running
+    result = simulate(
+        requests,
+        factory,
+        setup.cost_model,
+        num_replicas=num_prefill or o["replicas"],
+        router=o["router"],
+        fast_path=not o["no_fast_path"],
+        on_progress=on_progress,
+        make_decode_scheduler=decode_factory,
+        num_decode_replicas=num_decode,
+        link_bandwidth=o["link_gbps"] * 1e9 / 8,
+        chains=chains,
+    )
+    summary = summarize(
+        requests,
+        result.timeline,
+        kv_capacity_tokens=result.kv_capacity_tokens,
+        sim_wall_s=result.sim_wall_s,
+        num_allocation_failures=result.num_allocation_failures,
+        swapped_bytes=result.swapped_bytes,
+        num_replicas=result.num_replicas,
+        policy_metrics=result.policy_metrics,
+        extra={
+            "scheduler": scheduler,
+            "scheduler_options": set_options,
+            "model": setup.model.name,
+            "gpu": setup.gpu.name,
+            "num_gpus": o["num_gpus"],
+            "cost_model": setup.cost_model.name,
+            "workload": workload.name,
+            "num_clipped": workload.num_clipped,
+            "seed": o["seed"],
+            "sim_requests_per_wall_s": len(requests) / result.sim_wall_s if result.sim_wall_s else None,
+            "disaggregation": {"prefill_replicas": num_prefill, "decode_replicas": num_decode,
+                               "link_gbps": o["link_gbps"]} if num_decode else None,
+            **result.extra,
+        },
+    )
+    summary["_result"] = (requests, result.timeline)
+    return summary
+
+
+def parse_disaggregation(text: str | None, link_gbps: float) -> tuple[int, int]:
+    """``"P:D"`` -> (P, D); (0, 0) when not given."""
+    if not text:
+        return 0, 0
+    try:
+        num_prefill, num_decode = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"--disaggregate expects P:D (prefill:decode replicas), got {text!r}") from None
+    if num_prefill < 1 or num_decode < 1:
+        raise ConfigError(f"--disaggregate needs >= 1 prefill and >= 1 decode replica, got {text!r}")
+    if not link_gbps > 0:
+        raise ConfigError(f"--link-gbps must be > 0, got {link_gbps}")
+    return num_prefill, num_decode
+
+
+def fresh_request(request):
+    """A copy of a workload request with no progress, so each scheduler starts from scratch."""
+    from sloserve.core.request import Request
+
+    return Request(
+        request_id=request.request_id,
+        arrival_time=request.arrival_time,
+        num_prompt_tokens=request.num_prompt_tokens,
+        true_output_tokens=request.true_output_tokens,
+        max_tokens=request.max_tokens,
+        request_class=request.request_class,
+        slo=request.slo,
+        predicted_output_tokens=request.predicted_output_tokens,
+    )
+
+
+def fresh_workload(workload) -> tuple[list, list]:
+    """Fresh copies of the workload's requests, and its closed-loop chains over those copies."""
+    requests = [fresh_request(r) for r in workload.requests]
+    by_id = {r.request_id: r for r in requests}
+    chains = [[[by_id[r.request_id] for r in batch] for batch in chain] for chain in workload.chains]
+    return requests, chains
+
+
+
+
+def public(summary: dict) -> dict:
+    """The summary without its private entries (``"_result"``): what JSON files and tasks carry."""
+    return {k: v for k, v in summary.items() if not k.startswith("_")}
+
+
+def simulate_options(options: dict[str, Any], scheduler: str, set_options: dict[str, str],
+                     rate: float | None = None) -> dict:
+    """Build the setup and workload from ``options`` (``rate`` overriding its rate) and simulate it
+    with ``scheduler``: the public summary. One task of a parallel sweep or plan; deterministic."""
+    setup = setup_from_options({**WORKLOAD_DEFAULTS, **SYSTEM_DEFAULTS, **options})
+    return public(run_simulation(setup, scheduler, set_options, setup.make_workload(rate)))
