@@ -13,7 +13,7 @@ import pytest
 SLOSERVE = [sys.executable, "-m", "sloserve.cli"]
 # A search small enough for CI: 2 GPUs x 2 TP degrees x 2 layouts x 2 schedulers.
 SMALL = ("--trace", "sharegpt", "--qps", "12", "--slo-ttft", "1", "--slo-tpot", "0.1", "--model", "llama-2-7b",
-         "--gpus", "a100,h100", "--tp", "1,2", "--schedulers", "vllm,sarathi", "--pd-ratios", "1:1",
+         "--gpus", "a100,h100", "--tp", "1,2", "--schedulers", "vllm,sarathi", "--layouts", "colocated,1:1",
          "--max-gpus", "4", "--num-requests", "200")  # fmt: skip
 
 
@@ -67,7 +67,7 @@ def test_plan_picks_disaggregation_when_only_it_meets_the_slo(tmp_path):
     keep decodes apart and meet it (colocated at the same 2 GPUs: about 93% < 97%)."""
     proc, doc = _plan(tmp_path, "--trace", "arxiv", "--qps", "3", "--slo-ttft", "2", "--slo-tpot", "0.03",
                       "--attainment", "0.97", "--gpus", "a100", "--tp", "1", "--max-gpus", "2", "--schedulers", "vllm",
-                      "--pd-ratios", "1:1", "--num-requests", "300", "--workers", "1")  # fmt: skip
+                      "--layouts", "colocated,1:1", "--num-requests", "300", "--workers", "1")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert doc["answer"]["layout"] == "1P:1D"
     colocated = next(c for c in doc["candidates"] if c["layout"] == "colocated")
@@ -77,7 +77,7 @@ def test_plan_picks_disaggregation_when_only_it_meets_the_slo(tmp_path):
 
 def test_an_impossible_slo_is_reported_with_the_best_reached(tmp_path):
     proc, doc = _plan(tmp_path, "--trace", "sharegpt", "--qps", "3", "--slo-ttft", "0.001", "--gpus", "a100",
-                      "--tp", "1", "--max-gpus", "2", "--schedulers", "vllm", "--pd-ratios", "none",
+                      "--tp", "1", "--max-gpus", "2", "--schedulers", "vllm", "--layouts", "colocated",
                       "--num-requests", "100", "--workers", "1")  # fmt: skip
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
@@ -94,7 +94,7 @@ def test_an_impossible_slo_is_reported_with_the_best_reached(tmp_path):
         (("--model", "gpt-5"), "unknown model 'gpt-5'"),
         (("--gpus", "a30", "--workers", "1"), "no price for GPU a30: give it with --prices a30="),
         (("--prices", "h100=free"), "--prices expects GPU=USD_PER_HOUR"),
-        (("--pd-ratios", "1-1"), "--pd-ratios expects P:D pairs"),
+        (("--layouts", "1-1"), "--layouts expects colocated and/or P:D pairs"),
         (("--set-grid", "block_size"), "--set-grid expects KEY=V1,V2"),
         (("--set-grid", "vllm.no_such_option=1,2"), "no_such_option"),
         (("--qps", "0"), "--qps must be > 0"),

@@ -369,29 +369,33 @@ def _parse_set_grid(pairs: tuple[str, ...], names: list[str]) -> dict[str, dict[
     return grid
 
 
-def _validate_grid(grid: dict[str, dict[str, list[str]]], max_model_len: int) -> None:
+def _validate_grid(grid: dict[str, dict[str, list[str]]], model, gpu: str, cost_model: str | None) -> None:
     """Build each scheduler at every point of its grid once: a bad name or value fails before the search."""
     import itertools
 
+    from sloserve.cost import build_cost_model, get_gpu
     from sloserve.sched import make_scheduler
 
+    cost = build_cost_model(model, get_gpu(gpu), cost_model=cost_model)
     for name, knobs in grid.items():
         for values in itertools.product(*knobs.values()):
-            make_scheduler(name, kv_capacity_tokens=10 * max_model_len, max_model_len=max_model_len,
+            make_scheduler(name, kv_capacity_tokens=10 * model.max_context_len, max_model_len=model.max_context_len,
+                           kv_bytes_per_token=model.kv_bytes_per_token, cost_model=cost,
                            options=dict(zip(knobs, values, strict=True)))  # fmt: skip
 
 
-def _pd_ratios(text: str) -> list[tuple[int, int]]:
-    """``--pd-ratios 1:1,1:2``: the disaggregated layouts to try besides colocated (``none``: none)."""
-    layouts = [(0, 0)]
-    if text.strip().lower() in ("", "none"):
-        return layouts
-    for part in text.split(","):
-        p, sep, d = part.strip().partition(":")
-        if not (sep and p.isdigit() and d.isdigit() and int(p) >= 1 and int(d) >= 1):
-            raise ConfigError(f"--pd-ratios expects P:D pairs such as 1:1,1:2 (or none), got {part.strip()!r}")
-        layouts.append((int(p), int(d)))
-    return layouts
+def _layouts(text: str) -> list[tuple[int, int]]:
+    """``--layouts colocated,1:1,1:2``: (0, 0) for colocated, (P, D) for P prefill and D decode replicas."""
+    layouts = []
+    for part in (p.strip().lower() for p in text.split(",")):
+        p, sep, d = part.partition(":")
+        if part == "colocated":
+            layouts.append((0, 0))
+        elif sep and p.isdigit() and d.isdigit() and int(p) >= 1 and int(d) >= 1:
+            layouts.append((int(p), int(d)))
+        else:
+            raise ConfigError(f"--layouts expects colocated and/or P:D pairs such as 1:1, got {part!r}")
+    return list(dict.fromkeys(layouts))
 
 
 @main.command()
@@ -416,8 +420,8 @@ def _pd_ratios(text: str) -> list[tuple[int, int]]:
               help="Tensor-parallel degrees to consider (those that fit and divide the heads).")  # fmt: skip
 @click.option("--max-gpus", type=int, default=16, show_default=True, help="Most GPUs a deployment may use.")
 @click.option("--schedulers", default="vllm,sarathi", show_default=True, help="Schedulers to consider.")
-@click.option("--pd-ratios", default="1:1,1:2,2:1", show_default=True,
-              help="Disaggregated P:D layouts to consider besides colocated; 'none' for colocated only.")  # fmt: skip
+@click.option("--layouts", default="colocated,1:1,1:2,2:1", show_default=True,
+              help="colocated and/or disaggregated P:D units (P prefill and D decode replicas).")  # fmt: skip
 @click.option("--set-grid", "grid_pairs", multiple=True, metavar="[NAME.]KEY=V1,V2",
               help="Scheduler options to search over; repeatable.")  # fmt: skip
 @click.option("--prices", help="USD per GPU-hour over the defaults, e.g. a100=1.2,a30=0.6.")
@@ -434,7 +438,7 @@ def _pd_ratios(text: str) -> list[tuple[int, int]]:
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Write plan.json and the plots here.")
 @click.option("--json", "as_json", is_flag=True, help="Print plan.json on stdout instead of the table.")
 def plan(qps: float, attainment: float, gpus: str, tensor_parallel: str, max_gpus: int, schedulers: str,
-         pd_ratios: str, grid_pairs: tuple[str, ...], prices: str | None, tolerance: float, alternatives: int,
+         layouts: str, grid_pairs: tuple[str, ...], prices: str | None, tolerance: float, alternatives: int,
          workers: int | None, ray_address: str | None, out: Path, as_json: bool, **options: Any) -> None:  # fmt: skip
     """The cheapest deployment that serves --qps within the SLOs: searches GPU type, tensor parallelism,
     replicas, colocated or disaggregated (P:D), scheduler and --set-grid options; each candidate's
@@ -467,17 +471,17 @@ def plan(qps: float, attainment: float, gpus: str, tensor_parallel: str, max_gpu
     for name in names:
         if name not in SCHEDULERS:
             raise UnknownNameError("scheduler", name, sorted(SCHEDULERS))
-    grid = _parse_set_grid(grid_pairs, names)
-    _validate_grid(grid, model.max_context_len)
-    price_table = parse_prices(prices)
     gpu_names = [g.strip() for g in gpus.split(",") if g.strip()]
     if not gpu_names:
         raise ConfigError("--gpus needs at least one GPU name")
+    grid = _parse_set_grid(grid_pairs, names)
+    _validate_grid(grid, model, gpu_names[0], options["cost_model"])
+    price_table = parse_prices(prices)
     degrees = _int_list(tensor_parallel, "--tp")
     if 0 in degrees:
         raise ConfigError(f"--tp degrees must be >= 1, got {tensor_parallel!r}")
     role_schedulers = {n for n in names if "role" in describe_options(n)}
-    candidates, skipped = enumerate_candidates(model, gpu_names, list(degrees), names, _pd_ratios(pd_ratios), grid,
+    candidates, skipped = enumerate_candidates(model, gpu_names, list(degrees), names, _layouts(layouts), grid,
                                                max_gpus, options["memory_utilization"], role_schedulers)  # fmt: skip
     for gpu in sorted({c.gpu for c in candidates}):
         price_per_gpu_hour(price_table, gpu)  # a GPU without a price fails here

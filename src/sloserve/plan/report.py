@@ -25,8 +25,8 @@ def plan_table(doc: dict, width: int, limit: int = 15) -> Any:
     from rich.table import Table
 
     q = doc["query"]
-    slo = ", ".join(f"{k} {v:g} s" for k, v in q["slo"].items() if v is not None) or "the workload's SLOs"
-    table = Table(title=f"{q['model']}: {q['qps']:g} req/s of {q['workload']} within {slo} for "
+    slo = ", ".join(f"{k.removesuffix('_s').upper()} {v:g} s" for k, v in q["slo"].items() if v is not None)
+    table = Table(title=f"{q['model']}: {q['qps']:g} req/s of {q['workload']} within {slo or 'its SLOs'} for "
                         f"{q['attainment']:.0%} of requests", width=width)  # fmt: skip
     for header in ("#", "configuration", "GPUs", "$/hour", "unit goodput req/s", "per GPU", "attainment at load",
                    "status"):  # fmt: skip

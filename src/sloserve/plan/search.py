@@ -146,17 +146,20 @@ class PlanQuery:
 
 
 def probe(options: dict[str, Any], scheduler: str, set_options: dict[str, str], rate: float) -> dict:
-    """One simulation at ``rate``: its SLO attainment and latencies (a task: module-level, picklable).
-    A configuration the simulator refuses comes back as ``{"error": message}``."""
+    """One simulation at ``rate``: its SLO attainment (of the real-time requests when the workload has
+    classes) and latencies; a task, so module-level and picklable. A configuration the simulator
+    refuses comes back as ``{"error": message}``."""
     try:
         s = simulate_options(options, scheduler, set_options, rate)
     except SloserveError as err:
         return {"error": str(err)}
+    # NOTE: with real-time and best-effort streams (--workload), the SLO is the real-time requests'.
+    rt = s["classes"].get("rt", s)
     return {
-        "attainment": s["slo_attainment"] or 0.0,
-        "ttft_p99_s": s["ttft_s"]["p99"],
-        "tpot_p99_s": s["tpot_s"]["p99"],
-        "throughput_rps": s["throughput_rps"],
+        "attainment": rt["slo_attainment"] or 0.0,
+        "ttft_p99_s": rt["ttft_s"]["p99"],
+        "tpot_p99_s": rt["tpot_s"]["p99"],
+        "throughput_rps": rt["throughput_rps"],
     }
 
 
