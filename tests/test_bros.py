@@ -214,3 +214,37 @@ def test_hybrid_workload_has_the_rt_requests_asked_and_enough_be_batches(tmp_pat
     rows = [dict(model="opt-13b", rt_rate=r, **{f"{p}_share": 0.01 for p in (*experiment.PHASES, "other")}) for r in (2, 6)]
     experiment._plot_breakdown(rows, tmp_path / "fig14.png")
     assert (tmp_path / "fig14.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_checkpoint_and_restore_traffic_is_charged_overlapped():
+    """§4.1: checkpoints and restores cost host-link time and overlap the forward pass. A step that
+    moves KV takes the longer of its compute and its copies, and BROS's estimate of a batch counts
+    the restores of the BE requests it packs. The link here is slow (100 MB/s) so that copies dominate."""
+    from sloserve.cost import LinearCostModel, get_preset
+    from sloserve.sched import make_scheduler
+    from sloserve.sim.executor import SimExecutor, batch_shape
+
+    bandwidth = 100e6
+    cost = LinearCostModel(get_preset("llama-2-7b-a100"), swap_bandwidth=bandwidth)
+    sched = make_scheduler("bros", kv_capacity_tokens=6_400, max_model_len=4096, kv_bytes_per_token=524288,
+                           options={"block_size": 16, "max_num_batched_tokens": 4096}, cost_model=cost)  # fmt: skip
+    steps = []
+
+    class Watch(Driver):
+        def step(self):
+            restored_before, start = sched.kv.restored_bytes, self.now
+            out = super().step()
+            steps.append((out, sched.kv.restored_bytes - restored_before, sched.last_estimate_s, self.now - start))
+            return out
+
+    reqs = mixed(num_rt=12, num_be=12, rt_gap=0.02)
+    Watch(sched, SimExecutor(cost)).run(reqs)
+    moving = [s for s in steps if s[0].swap_bytes]
+    assert moving and any(restored for _, restored, _, _ in moving)
+    for out, restored, estimate, duration in moving:
+        assert out.swap_overlapped
+        t = cost.batch_time(batch_shape(out))
+        compute = t.non_attention_s + t.decode_attention_s + t.prefill_attention_s
+        assert duration == pytest.approx(max(compute, out.swap_bytes / bandwidth), rel=1e-9)
+        assert estimate >= restored / bandwidth * (1 - 1e-9)  # the packer saw the restores coming
+    assert all(r.status is RequestStatus.FINISHED for r in reqs)

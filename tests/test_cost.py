@@ -171,12 +171,27 @@ def test_repeated_steps_match_batch_time(which, num_decode, kv, chunk, context, 
     kv=st.integers(0, 5_000_000),
     chunks=st.lists(st.tuples(st.integers(1, 4096), st.integers(0, 100_000)), max_size=4),
     swap_bytes=st.sampled_from([0, 1, 123_456_789]),
+    overlapped=st.booleans(),
 )
-def test_step_seconds_is_the_breakdown_total(which, num_decode, kv, chunks, swap_bytes) -> None:
-    """The simulator's clock (step_seconds) advances by exactly batch_time's total."""
+def test_step_seconds_is_the_breakdown_total(which, num_decode, kv, chunks, swap_bytes, overlapped) -> None:
+    """The simulator's clock (step_seconds) advances by exactly batch_time's total: the parts' sum,
+    or with overlapped copies the longer of compute and swap."""
     model = COST_MODELS[which]
-    shape = prefill_shape(chunks, num_decode, kv if num_decode else 0)._replace(swap_bytes=swap_bytes)
-    assert model.step_seconds(shape) == model.batch_time(shape).total_s
+    shape = prefill_shape(chunks, num_decode, kv if num_decode else 0)._replace(swap_bytes=swap_bytes,
+                                                                                swap_overlapped=overlapped)
+    t = model.batch_time(shape)
+    assert model.step_seconds(shape) == t.total_s
+    compute = t.non_attention_s + t.decode_attention_s + t.prefill_attention_s
+    assert t.total_s == pytest.approx(max(compute, t.swap_s) if overlapped else compute + t.swap_s, rel=1e-12)
+
+
+def test_swap_bandwidth_grows_with_tensor_parallelism() -> None:
+    """Each GPU of a tensor-parallel replica copies its shard of the KV over its own PCIe link."""
+    spec, gpu = get_model("llama-3-70b"), get_gpu("a100")
+    for cost_model in (None, "roofline"):
+        one = build_cost_model(get_model("llama-2-7b"), gpu, num_gpus=1, cost_model=cost_model)
+        four = build_cost_model(spec, gpu, num_gpus=4, cost_model=cost_model)
+        assert four.swap_bandwidth == pytest.approx(4 * one.swap_bandwidth)
 
 
 def test_advance_shape_refuses_what_does_not_repeat() -> None:
@@ -221,7 +236,7 @@ def test_roofline_tensor_parallel_and_swap() -> None:
     assert tp8.batch_time(shape).total_s < tp4.batch_time(shape).total_s
     no_comm = RooflineCostModel(spec, gpu, num_gpus=4, allreduce_latency_s=0.0)
     assert no_comm.batch_time(shape).total_s < tp4.batch_time(shape).total_s
-    assert tp4.batch_time(BatchShape(swap_bytes=int(25.6e9))).swap_s == pytest.approx(1.0)
+    assert tp4.batch_time(BatchShape(swap_bytes=int(4 * 25.6e9))).swap_s == pytest.approx(1.0)  # 4 links
     assert tp4.batch_time(BatchShape()).total_s == 0.0
     with pytest.raises(ConfigError, match="tensor parallel degree 3"):
         RooflineCostModel(spec, gpu, num_gpus=3)

@@ -70,8 +70,10 @@ class SchedulerOutput:
     swap_in: Sequence[BlockCopy] = ()
     # Single-token copies between GPU and CPU slots, to run in this order after the block swaps.
     slot_copies: Sequence[SlotCopy] = ()
-    # KV bytes moved by the swaps and copies above (for the cost model).
+    # KV bytes moved by the swaps and copies above (for the cost model), and whether those copies run
+    # on their own stream beside the forward pass (BROS's lazy checkpointing) or before it.
     swap_bytes: int = 0
+    swap_overlapped: bool = False
     # Consecutive steps this output stands for (the simulator's closed-form fast path): each one
     # decodes the cohort once and runs every chunk's num_tokens again, from where the previous left.
     # NOTE: counts above describe the first of them; the cohort's KV grows by cohort_size per step.

@@ -64,11 +64,12 @@ def build_cost_model(
     ``cost_model``: None picks the linear preset measured on this exact deployment if there is one
     (llama-2-7b on 1x a100-80gb, llama-3-70b on 4x a100-80gb), else the roofline model;
     ``"roofline"``; a preset name (``list_presets()``); or a path to a JSON preset file written by
-    ``save_preset``. Linear models swap KV at ``SWAP_EFFICIENCY`` x the GPU's PCIe bandwidth.
+    ``save_preset``. Linear models swap KV at ``SWAP_EFFICIENCY`` x the GPU's PCIe bandwidth x
+    ``num_gpus`` (each GPU copies its shard of the KV over its own link).
     Raises ``UnknownNameError`` for an unknown name and ``ConfigError`` when the linear model's
     layer count differs from the model's.
     """
-    swap_bandwidth = gpu.pcie_bandwidth * SWAP_EFFICIENCY
+    swap_bandwidth = gpu.pcie_bandwidth * SWAP_EFFICIENCY * num_gpus
     if cost_model is None:
         preset = find_preset(model.name, gpu.name, num_gpus)
         if preset is None:

@@ -22,6 +22,9 @@ class BatchShape(NamedTuple):
     prefill_attention_work: int = 0  # sum of c^2 + 2*m*c over prefill requests
     prefill_context_tokens: int = 0  # sum of m over prefill requests (KV read by chunks)
     swap_bytes: int = 0  # KV bytes moved between GPU and CPU memory this step
+    # The copies run on their own stream beside the forward pass (BROS §4.1): the step takes the
+    # longer of the two instead of their sum.
+    swap_overlapped: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -30,13 +33,20 @@ class BatchShape(NamedTuple):
 
 
 class CostBreakdown(NamedTuple):
-    """Seconds spent by one step, by part. ``total_s`` is what the simulator's clock advances by."""
+    """Seconds spent by one step, by part. ``total_s`` is what the simulator's clock advances by: the
+    sum of the parts, or with ``swap_overlapped`` the longer of the compute parts' sum and ``swap_s``."""
 
     total_s: float
     non_attention_s: float  # linear layers, MLP, norms, sampling, TP communication
     decode_attention_s: float
     prefill_attention_s: float
     swap_s: float
+
+
+def step_total(compute_s: float, swap_s: float, overlapped: bool) -> float:
+    """A step's seconds from its compute and swap parts: their sum, or the longer when the copies
+    overlap the forward pass."""
+    return max(compute_s, swap_s) if overlapped else compute_s + swap_s
 
 
 class CostModel(ABC):

@@ -7,7 +7,8 @@ B: decode requests, n_p: prefill/chunk requests, tokens = sum of c over the batc
     prefill attention = a_p * sum(c^2 + 2mc) + b_p + s_p * n_p + m_p * sum(m)    (only if n_p > 0)
     other             = a_o * tokens + b_o                                         (only if tokens > 0)
 
-A step takes the sum times ``num_layers``, plus ``swap_bytes / swap_bandwidth``. Left out as
+A step takes the sum times ``num_layers``, plus ``swap_bytes / swap_bandwidth`` (or the longer of the
+two when the copies overlap the forward pass, ``swap_overlapped``). Left out as
 calibration details (as in the reference coefficients' notes): Vidur's decode-attention overhead
 factor (1 + fraction when B > 1) and its rounding of KV lengths to a granularity.
 """
@@ -21,7 +22,7 @@ import numpy as np
 
 from sloserve.core.errors import ConfigError
 
-from .base import BatchShape, CostBreakdown, CostModel
+from .base import BatchShape, CostBreakdown, CostModel, step_total
 
 COEFFICIENT_NAMES = ("a_p", "b_p", "a_d", "b_d", "a_o", "b_o", "s_p", "s_d", "m_p")
 
@@ -101,15 +102,16 @@ class LinearCostModel(CostModel):
     def batch_time(self, shape: BatchShape) -> CostBreakdown:
         """Time of one step with this shape (see the module docstring for the formula)."""
         other_s, decode_s, prefill_s, swap_s = self._parts(shape)
-        return CostBreakdown(other_s + decode_s + prefill_s + swap_s, other_s, decode_s, prefill_s, swap_s)
+        total = step_total(other_s + decode_s + prefill_s, swap_s, shape.swap_overlapped)
+        return CostBreakdown(total, other_s, decode_s, prefill_s, swap_s)
 
     def step_seconds(self, shape: BatchShape) -> float:
         other_s, decode_s, prefill_s, swap_s = self._parts(shape)
-        return other_s + decode_s + prefill_s + swap_s
+        return step_total(other_s + decode_s + prefill_s, swap_s, shape.swap_overlapped)
 
     def _parts(self, shape: BatchShape) -> tuple[float, float, float, float]:
         """(non-attention, decode attention, prefill attention, swap) seconds of one step."""
-        num_decode, decode_kv_tokens, num_prefill, prefill_tokens, attention_work, context, swap_bytes = shape
+        num_decode, decode_kv_tokens, num_prefill, prefill_tokens, attention_work, context, swap_bytes, _ = shape
         scale = self._scale
         decode_s = 0.0
         if num_decode > 0:
@@ -141,7 +143,7 @@ class LinearCostModel(CostModel):
         chunk of c tokens reads c more context tokens and does 2c^2 more attention work, so a step
         takes a_d * B + a_p * 2c^2 + m_p * c (per layer) longer than the one before."""
         # NOTE: unpacked, as in _parts: a named tuple's fields by name are Python-level lookups.
-        num_decode, _, num_prefill, c, _, _, swap_bytes = shape
+        num_decode, _, num_prefill, c, _, _, swap_bytes, _ = shape
         if num_prefill > 1 or swap_bytes:
             return None
         return (self._a_d * num_decode + self._a_p * 2 * c * c + self._m_p * c) * self._scale

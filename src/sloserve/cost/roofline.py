@@ -25,7 +25,7 @@ import numpy as np
 
 from sloserve.core.errors import ConfigError
 
-from .base import BatchShape, CostBreakdown, CostModel
+from .base import BatchShape, CostBreakdown, CostModel, step_total
 from .specs import HardwareSpec, ModelSpec, check_tensor_parallel
 
 # Achieved fractions of peak (our choice, typical of vLLM-era kernels): large BF16 GEMMs and
@@ -57,7 +57,7 @@ class RooflineCostModel(CostModel):
     """Batch time from published peak numbers scaled by efficiency factors; seconds.
 
     Non-linear (each part is a max of a compute and a memory bound). ``swap_bandwidth`` defaults to
-    ``SWAP_EFFICIENCY`` times the GPU's per-direction PCIe bandwidth.
+    ``SWAP_EFFICIENCY`` times the GPU's per-direction PCIe bandwidth, times ``num_gpus``.
     """
 
     def __init__(
@@ -79,7 +79,9 @@ class RooflineCostModel(CostModel):
         self.step_overhead_s = _non_negative("step_overhead_s", step_overhead_s)
         self.allreduce_latency_s = _non_negative("allreduce_latency_s", allreduce_latency_s)
         if swap_bandwidth is None:
-            swap_bandwidth = gpu.pcie_bandwidth * SWAP_EFFICIENCY
+            # NOTE: with tensor parallelism each GPU holds 1/num_gpus of every token's KV and copies
+            # it over its own PCIe link, all at once.
+            swap_bandwidth = gpu.pcie_bandwidth * SWAP_EFFICIENCY * num_gpus
         if _non_negative("swap_bandwidth", swap_bandwidth) == 0:
             raise ConfigError("roofline cost model: swap_bandwidth must be positive")
         self.swap_bandwidth = float(swap_bandwidth)
@@ -148,7 +150,8 @@ class RooflineCostModel(CostModel):
                 kv_bytes / self._kv_bytes_rate + qo_bytes / self._bytes_rate,
             )
         swap_s = shape.swap_bytes / self.swap_bandwidth if shape.swap_bytes else 0.0
-        return CostBreakdown(other_s + decode_s + prefill_s + swap_s, other_s, decode_s, prefill_s, swap_s)
+        total = step_total(other_s + decode_s + prefill_s, swap_s, shape.swap_overlapped)
+        return CostBreakdown(total, other_s, decode_s, prefill_s, swap_s)
 
     def decode_times(self, num_decode: int, decode_kv_tokens: int, num_steps: int) -> np.ndarray:
         """Vectorized decode-only steps; same arithmetic, in the same order, as ``batch_time``."""

@@ -18,14 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from sloserve.core.request import RequestClass
-from sloserve.cost import (
-    LinearCostModel,
-    build_cost_model,
-    get_gpu,
-    get_model,
-    get_preset,
-    kv_capacity_tokens,
-)
+from sloserve.cost import build_cost_model, get_gpu, get_model, kv_capacity_tokens
 from sloserve.experiments.outputs import plot_bars, plot_grid, write_csv
 from sloserve.metrics.plots import _figure, _save
 from sloserve.metrics.summary import SLO_TOLERANCE_S, request_table
@@ -89,10 +82,12 @@ def run_hybrid(name: str, rate: float, num_rt_requests: int, workload: str = "br
     served (first RT arrival to last RT finish): BE is the filler, and its closed loop goes on."""
     model_name, gpu_name, num_gpus, preset = SETTINGS[setting]
     model, gpu = get_model(model_name), get_gpu(gpu_name)
-    cost = LinearCostModel(get_preset(preset)) if preset else build_cost_model(model, gpu, num_gpus=num_gpus)
+    cost = build_cost_model(model, gpu, num_gpus=num_gpus, cost_model=preset)  # preset None: roofline
     capacity = kv_capacity_tokens(model, gpu, num_gpus=num_gpus)
+    # NOTE: with the model's KV bytes per token, lazy checkpointing and restores cost host-link time
+    # (overlapped with the forward pass, §4.1); without them they would be free.
     factory = lambda: make_scheduler(name, kv_capacity_tokens=capacity, max_model_len=model.max_context_len,  # noqa: E731
-                                     cost_model=cost)
+                                     kv_bytes_per_token=model.kv_bytes_per_token, cost_model=cost)
     supply = BE_BATCHES_PER_RT_SECOND
     while True:
         built = hybrid_workload(workload, rate, num_rt_requests, model.max_context_len, supply)

@@ -142,9 +142,10 @@ def plot_winners_attainment(doc: dict, path: Path, num: int = 4) -> Path:
         ax.plot([p["rate"] for p in probes], [100 * p["attainment"] for p in probes], marker="o", color=f"C{i}",
                 label=c["label"])  # fmt: skip
     ax.axhline(100 * doc["query"]["attainment"], color="C3", ls="--", lw=0.8, label="target")
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
     ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))  # 1, 2, 5, 10, 20, 50, ...
     ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("request rate of one unit (req/s, log scale)")

@@ -195,35 +195,39 @@ class BrosScheduler(SubsetScheduler):
             waiting.sort(key=self.deadline)  # mixed TTFT SLOs: no free order to rely on
         return heapq.merge(pending, waiting, key=self.deadline)
 
-    @staticmethod
-    def _contribution(r: Request) -> tuple[int, int, int, int, int]:
-        """(decodes, decode KV, prefills, prefill tokens, prefill attention work) of one request."""
+    def _contribution(self, r: Request) -> tuple[int, int, int, int, int, int]:
+        """(decodes, decode KV, prefills, prefill tokens, prefill attention work, bytes to restore)
+        of one request: (3)-(5), the last from its checkpointed slots."""
+        restore = self.kv.num_checkpointed(r) * self.kv.kv_bytes_per_token if self._bicache else 0
         if r.status is RequestStatus.WAITING:
             c = r.num_tokens
-            return 0, 0, 1, c, c * c
-        return 1, r.num_computed_tokens, 0, 0, 0
+            return 0, 0, 1, c, c * c, restore
+        return 1, r.num_computed_tokens, 0, 0, 0, restore
 
     def _estimate(self, batch: list[Request], extra: Request | None = None) -> float:
-        """(2)-(5): the cost model's time for ``batch`` (plus ``extra``); the batch's sums are
+        """(2)-(5): the cost model's time for ``batch`` (plus ``extra``), its restores overlapping
+        the forward pass (§4.1: the iteration takes the longer of the two); the batch's sums are
         kept in ``self._sums`` as requests are added, so this is O(1)."""
         assert len(batch) == self._sums_len, "batch changed outside _add/_remove"
         sums = self._sums if extra is None else [a + b for a, b in zip(self._sums, self._contribution(extra))]
-        d, kv, p, tokens, work = sums
+        d, kv, p, tokens, work, restore = sums
         self.num_cost_model_queries += 1
-        return self.cost_model.batch_time(BatchShape(d, kv, p, tokens, work, 0)).total_s
+        return self.cost_model.batch_time(BatchShape(d, kv, p, tokens, work, 0, restore, True)).total_s
 
     def _add(self, batch: list[Request], request: Request) -> None:
+        contribution = self._contribution(request)  # before joining restores its checkpointed slots
         super()._add(batch, request)
-        self._sums = [a + b for a, b in zip(self._sums, self._contribution(request))]
+        self._added[request] = contribution
+        self._sums = [a + b for a, b in zip(self._sums, contribution)]
         self._sums_len = len(batch)
 
     def _remove(self, batch: list[Request], request: Request) -> None:
         super()._remove(batch, request)
-        self._sums = [a - b for a, b in zip(self._sums, self._contribution(request))]
+        self._sums = [a - b for a, b in zip(self._sums, self._added.pop(request))]
         self._sums_len = len(batch)
 
     def _start_batch(self) -> list[Request]:
-        self._sums, self._sums_len = [0] * 5, 0
+        self._sums, self._sums_len, self._added = [0] * 6, 0, {}
         return super()._start_batch()
 
     def _make_room(self, request: Request, batch: list[Request], out: SchedulerOutput) -> bool:
@@ -322,6 +326,7 @@ class BrosScheduler(SubsetScheduler):
             self._take(r, out)
         if self._bicache:
             out.swap_bytes = self.kv.checkpointed_bytes + self.kv.restored_bytes - moved_before
+            out.swap_overlapped = True  # §4.1: checkpoints and restores run asynchronously
             out.slot_copies = self.kv.take_copies()
         phase = self.phase_s
         phase["rt_ordering"] += t1 - t0

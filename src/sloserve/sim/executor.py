@@ -33,7 +33,9 @@ def batch_shape(output: SchedulerOutput) -> BatchShape:
             context += m
     # NOTE: tuple.__new__ builds the named tuple without the Python-level __new__ (a third of the cost).
     return tuple.__new__(
-        BatchShape, (num_decode, decode_kv, num_prefill, prefill_tokens, attention_work, context, output.swap_bytes)
+        BatchShape,
+        (num_decode, decode_kv, num_prefill, prefill_tokens, attention_work, context, output.swap_bytes,
+         output.swap_overlapped),  # fmt: skip
     )
 
 
