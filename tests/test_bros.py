@@ -248,3 +248,16 @@ def test_checkpoint_and_restore_traffic_is_charged_overlapped():
         assert duration == pytest.approx(max(compute, out.swap_bytes / bandwidth), rel=1e-9)
         assert estimate >= restored / bandwidth * (1 - 1e-9)  # the packer saw the restores coming
     assert all(r.status is RequestStatus.FINISHED for r in reqs)
+
+
+def test_rt_only_microbenchmark_row():
+    """Figure 12's runs: RT requests alone, BROS without BE packing and bidirectional blocks vs vLLM."""
+    from sloserve.experiments.bros import run_rt_only
+
+    bros = run_rt_only("bros_nobicache", 6.0, 150)
+    vllm = run_rt_only("vllm", 6.0, 150)
+    for row in (bros, vllm):
+        assert row["rt_rate"] == 6.0 and 0 < row["throughput_tps"] and 0 <= row["slo_attainment"] <= 1
+    # Deadline-ordered RT packing against FCFS: no worse normalized latency at the same throughput.
+    assert bros["normalized_latency_s"] <= vllm["normalized_latency_s"]
+    assert bros["throughput_tps"] == pytest.approx(vllm["throughput_tps"], rel=0.05)

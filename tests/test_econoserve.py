@@ -323,3 +323,32 @@ def test_summary_reports_gt_queuing_allocation_failures_and_group_sizes():
     fractions = [f for _, f in groups["cdf"]]
     assert fractions == sorted(fractions)
     assert summary["forward_size_to_target"] == summary["forward_size"]["mean"] / result.policy_metrics["target_forward_size"]
+
+
+def test_kv_bound_by_hand_and_above_every_schedulers_offline_throughput():
+    """The KV bound: with one kind of request (I = 100, O = 3) a running request holds 101 tokens on
+    average, so 1,010 tokens of KV run 10 decodes a step; and no scheduler's simulated throughput
+    (prefills included) goes past the bound of its own workload."""
+    from sloserve.cost import build_cost_model, get_gpu, get_model
+    from sloserve.cost.derived import kv_bound_throughput_rps
+    from sloserve.sched import make_scheduler
+    from sloserve.sim import simulate
+
+    cost = llama7b_cost()
+    step = cost.batch_time(BatchShape(num_decode=10, decode_kv_tokens=1010)).total_s
+    assert kv_bound_throughput_rps(cost, [100], [3], 1010) == pytest.approx(10 / step / 3)
+    with pytest.raises(ConfigError):
+        kv_bound_throughput_rps(cost, [], [], 1010)
+
+    model = get_model("opt-13b")
+    cost = build_cost_model(model, get_gpu("a100-80gb"))
+    capacity = 14_648  # 12 GB of OPT-13B KV, as in EconoServe §2.1
+    for name in ("vllm", "sarathi", "econoserve-d"):
+        requests = workload_from_trace("sharegpt", num_requests=300, seed=0, context_len=model.max_context_len,
+                                       offline=True).requests  # fmt: skip
+        bound = kv_bound_throughput_rps(cost, [r.num_prompt_tokens for r in requests],
+                                        [r.true_output_tokens for r in requests], capacity)  # fmt: skip
+        simulate(requests, lambda n=name: make_scheduler(n, kv_capacity_tokens=capacity, max_model_len=2048,
+                                                         cost_model=cost), cost)  # fmt: skip
+        throughput = len(requests) / max(r.finish_time for r in requests)
+        assert 0.3 * bound < throughput <= bound, name

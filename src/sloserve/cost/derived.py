@@ -57,3 +57,30 @@ def jct_slo_s(cost_model: CostModel, num_prompt_tokens: int, num_output_tokens: 
     t_p = prompt_latency_s(cost_model, num_prompt_tokens)
     t_g = token_latency_s(cost_model, num_prompt_tokens + num_output_tokens // 2)
     return scale * (t_p + t_g * num_output_tokens)
+
+
+def kv_bound_throughput_rps(cost_model: CostModel, prompts: list[int], outputs: list[int],
+                            kv_capacity_tokens: int) -> float:  # fmt: skip
+    """The KV bound: requests/s of a GPU whose KV cache is full of decoding requests at every step.
+
+    A request of I prompt and O output tokens holds I + t tokens of KV at its t-th decode step
+    (t = 0 .. O-1). Weighted by steps, a running request therefore holds
+    C = sum(O * (I + (O - 1) / 2)) / sum(O) tokens on average. A full cache of M tokens then runs
+    B = M / C decodes per step, each step reading M tokens, and a step takes tau = the cost model's time
+    for that decode batch. The output rate is B / tau tokens/s, and dividing by mean(O) gives requests/s.
+
+    NOTE: no schedule does better when step time grows at most linearly in the batch (B / tau(B)
+    then rises with B, and it is concave, so a cache full on average does no better than one full
+    every step). Prefills only add time, and empty slots only shrink B. Caps on the batch (token
+    budget, max_num_seqs) are a scheduler's choice and are not applied.
+    """
+    if not prompts or len(prompts) != len(outputs):
+        raise ConfigError("the KV bound needs one output length per prompt, and at least one request")
+    if kv_capacity_tokens < 1:
+        raise ConfigError(f"kv_capacity_tokens must be >= 1, got {kv_capacity_tokens}")
+    steps = sum(outputs)
+    held = sum(o * (i + (o - 1) / 2) for i, o in zip(prompts, outputs, strict=True)) / steps
+    batch = kv_capacity_tokens / held
+    shape = BatchShape(num_decode=max(1, round(batch)), decode_kv_tokens=kv_capacity_tokens)
+    tokens_per_s = batch / cost_model.batch_time(shape).total_s
+    return tokens_per_s / (steps / len(outputs))

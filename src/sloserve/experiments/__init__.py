@@ -16,6 +16,7 @@ EXPERIMENTS: dict[str, Callable[..., tuple[list[dict], list[str]]]] = {
     "infermax-fig15": infermax.fig15,
     "infermax-sec6": infermax.sec6,
     "bros-fig10": bros.fig10,
+    "bros-fig12": bros.fig12,
     "bros-fig13": bros.fig13,
     "bros-fig14": bros.fig14,
     "econoserve-fig9": econoserve.fig9,
