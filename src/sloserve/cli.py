@@ -111,7 +111,7 @@ class _progress:
         self.enabled = enabled and sys.stderr.isatty()
         self._bar = None
 
-    def __enter__(self) -> Callable[[int], None] | None:
+    def __enter__(self) -> Callable[..., None] | None:
         if not self.enabled:
             return None
         from rich.console import Console
@@ -127,7 +127,11 @@ class _progress:
         )
         self._bar.start()
         task = self._bar.add_task(self.label, total=self.total)
-        return lambda done: self._bar.update(task, completed=done)
+
+        def update(done: int, description: str | None = None) -> None:
+            self._bar.update(task, completed=done, **({"description": description} if description else {}))
+
+        return update
 
     def __exit__(self, *exc: object) -> None:
         if self._bar is not None:
@@ -493,8 +497,8 @@ def plan(qps: float, attainment: float, gpus: str, tensor_parallel: str, max_gpu
     with _executor(workers, ray_address, default_workers=None) as executor:
         with _progress(len(candidates), f"plan ({executor.workers} workers)", enabled=True) as on_progress:
             def on_round(text: str, decided: int) -> None:
-                if on_progress is not None:
-                    on_progress(decided)
+                if on_progress is not None:  # the bar counts decided candidates; its label, the round
+                    on_progress(decided, f"plan ({executor.workers} workers), {text}")
 
             doc = run_plan(query, candidates, price_table, executor, skipped=skipped, describe=describe,
                            on_round=on_round)  # fmt: skip
