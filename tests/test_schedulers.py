@@ -150,3 +150,31 @@ def test_unknown_scheduler_and_option_errors():
         scheduler("vllm", 8)
     with pytest.raises(ConfigError, match="chunked prefill needs hybrid"):
         scheduler("vllm", 1000, chunked_prefill="true")
+
+
+@pytest.mark.parametrize("where", ["front", "back"])
+def test_a_recomputed_request_waits_at_the_front_or_the_back(where):
+    """vLLM v0 puts a recomputed request back at the front of the queue; InferMax's Algorithm 1
+    appends it to R_w (``evicted_to=back``)."""
+    from sloserve.core.request import RequestStatus
+
+    reqs = make_requests([(16, 40)] * 12)
+    sched = scheduler("vllm", 256, block_size=16, evicted_to=where)
+    drv = Driver(sched)
+    seen = 0
+    original = drv.step
+
+    def step():
+        nonlocal seen
+        out = original()
+        evicted = [p.request for p in out.preempted if p.request.status is RequestStatus.WAITING]
+        if evicted:
+            seen += 1
+            waiting = list(sched.waiting)
+            k = len(evicted)
+            assert set(waiting[:k] if where == "front" else waiting[-k:]) == set(evicted)
+        return out
+
+    drv.step = step
+    drv.run(reqs)
+    assert seen > 0 and all(r.status is RequestStatus.FINISHED for r in reqs)

@@ -177,10 +177,12 @@ class Scheduler(ABC):
         if self.predictor is not None and not request.aborted:
             self.predictor.observe(request)
 
-    def _preempt(self, request: Request, mode: PreemptionMode, output: SchedulerOutput) -> None:
+    def _preempt(self, request: Request, mode: PreemptionMode, output: SchedulerOutput, *, front: bool = True) -> None:
         """Evict ``request`` from the GPU (recompute: drop its KV; swap: move it to CPU memory).
         When the swap space is full it recomputes instead, counted in ``num_swap_fallbacks`` (vLLM v0
-        aborts the run there; a simulation goes on and reports it)."""
+        aborts the run there; a simulation goes on and reports it). A recomputed request waits at
+        the front of the queue (vLLM v0), or with ``front=False`` at its back (InferMax Algorithm 1:
+        "appended to R_w")."""
         if request.cohort is not None:
             request.cohort.remove(request)
         del self.running[request]
@@ -202,7 +204,10 @@ class Scheduler(ABC):
         self.kv.free(request)
         request.reset_computed()
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
         output.add_preemption(request, mode)
 
     # --- metrics -------------------------------------------------------------------------------

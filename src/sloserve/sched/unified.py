@@ -50,6 +50,9 @@ class UnifiedConfig:
     # Whom to evict when the decode group's KV does not fit (4): the lowest-priority running request
     # (the latest admitted), or the one holding the least KV (InferMax §6: keep long, evict short).
     eviction_victim: Literal["lowest_priority", "shortest"] = "lowest_priority"
+    # Where a recomputed request waits: the queue's front (vLLM v0) or its back (InferMax Algorithm 1,
+    # "any evicted request is ... appended to R_w").
+    evicted_to: Literal["front", "back"] = "front"
     # Disaggregated serving (DistServe): a prefill replica hands each request off after its first
     # token; a decode replica admits requests that arrive with their KV.
     role: Literal["colocated", "prefill", "decode"] = "colocated"
@@ -101,6 +104,8 @@ class UnifiedConfig:
             raise ConfigError(f"role must be colocated, prefill or decode, got {self.role!r}")
         if self.eviction_victim not in ("lowest_priority", "shortest"):
             raise ConfigError(f"eviction_victim must be lowest_priority or shortest, got {self.eviction_victim!r}")
+        if self.evicted_to not in ("front", "back"):
+            raise ConfigError(f"evicted_to must be front or back, got {self.evicted_to!r}")
 
 
 class UnifiedScheduler(Scheduler):
@@ -160,7 +165,7 @@ class UnifiedScheduler(Scheduler):
         cohort = self.cohort
         # NOTE: reserve this tick's growth even for an empty cohort, before swapped-in requests join.
         while not cohort.try_grow(cohort.ticks + 1):
-            self._preempt(self._victim(), self._preemption_mode, out)
+            self._preempt(self._victim(), self._preemption_mode, out, front=self.config.evicted_to == "front")
         if not out.preempted:
             if self.swapped:
                 self._schedule_swap_in(out)
