@@ -100,6 +100,8 @@ def test_an_impossible_slo_is_reported_with_the_best_reached(tmp_path):
         (("--qps", "0"), "--qps must be > 0"),
         (("--tp", "0"), "--tp degrees must be >= 1"),
         (("--attainment", "1.5"), "--attainment must be in (0, 1]"),
+        (("--model", "llama-3-70b", "--gpus", "a100", "--tp", "1"), "no configuration to search (1 left out): "
+         "a100-80gb tp1: model llama-3-70b (141 GB of weights) does not fit"),
     ],
 )
 def test_bad_plan_input_is_one_line_and_exit_2(tmp_path, args, message):
@@ -136,3 +138,32 @@ def test_sweep_on_ray_equals_serial(tmp_path):
     b = json.loads((tmp_path / "ray" / "sweep.json").read_text())
     assert [r["rate"] for r in a["vllm"]] == [4.0, 8.0]
     assert _deterministic(a) == _deterministic(b)
+
+
+def test_plan_on_a_ray_cluster_started_by_ray_start(tmp_path):
+    """--ray-address joins a real cluster (`ray start --head`, token authentication as Ray makes it)
+    and returns the plan a local search returns."""
+    pytest.importorskip("ray")
+    import os
+    import re
+
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+    ray = [sys.executable, "-m", "ray.scripts.scripts"]
+    started = subprocess.run([*ray, "start", "--head", "--port", "0", "--num-cpus", "2", "--include-dashboard=false",
+                              "--disable-usage-stats"], capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    try:
+        assert started.returncode == 0, started.stderr
+        address = re.search(r"ray start --address='([^']+)'", started.stdout + started.stderr).group(1)
+        args = ("plan", *SMALL[:-2], "--num-requests", "100", "--out")
+        joined = subprocess.run([*SLOSERVE, *args, str(tmp_path / "cluster"), "--ray-address", address],
+                                capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+        assert joined.returncode == 0, joined.stderr
+    finally:
+        subprocess.run([*ray, "stop", "--force"], capture_output=True, env=env, timeout=120)
+    local = _cli(*args, str(tmp_path / "local"), "--workers", "1")
+    assert local.returncode == 0, local.stderr
+    a = json.loads((tmp_path / "cluster" / "plan.json").read_text())
+    b = json.loads((tmp_path / "local" / "plan.json").read_text())
+    assert a.pop("search")["workers"] == 2
+    b.pop("search")
+    assert a == b and a["answer"] is not None

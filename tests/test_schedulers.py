@@ -34,10 +34,10 @@ class CountingVLLM(UnifiedScheduler):
 
     recomputed = 0
 
-    def _preempt(self, request, mode, output):
+    def _preempt(self, request, mode, output, **kwargs):
         if mode.value == "recompute" and self.kv.swap_in_blocks_needed(request) == 0:
             self.recomputed += request.num_computed_tokens
-        super()._preempt(request, mode, output)
+        super()._preempt(request, mode, output, **kwargs)
 
 
 def _counting(name: str, capacity: int, **options) -> CountingVLLM:

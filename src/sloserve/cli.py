@@ -487,6 +487,9 @@ def plan(qps: float, attainment: float, gpus: str, tensor_parallel: str, max_gpu
     role_schedulers = {n for n in names if "role" in describe_options(n)}
     candidates, skipped = enumerate_candidates(model, gpu_names, list(degrees), names, _layouts(layouts), grid,
                                                max_gpus, options["memory_utilization"], role_schedulers)  # fmt: skip
+    if not candidates:
+        reasons = "; ".join(f"{x['label']}: {x['reason']}" for x in skipped[:3])
+        raise ConfigError(f"no configuration to search ({len(skipped)} left out): {reasons}")
     for gpu in sorted({c.gpu for c in candidates}):
         price_per_gpu_hour(price_table, gpu)  # a GPU without a price fails here
     query = PlanQuery(qps, attainment, max_gpus, base, tolerance, alternatives)

@@ -74,13 +74,16 @@ class RayExecutor:
                                   "log_to_driver": False}  # fmt: skip
         if address:
             kwargs["address"] = address
-        else:
-            kwargs["num_cpus"] = workers or os.cpu_count() or 1
+        else:  # NOTE: "local" starts a new instance even where `ray start` left one (ray.init() would join it)
+            kwargs.update(address="local", num_cpus=workers or os.cpu_count() or 1)
         try:
             context = ray.init(**kwargs)
         except Exception as err:  # noqa: BLE001 - Ray raises several kinds; each means "could not start"
-            where = f"the Ray cluster at {address}" if address else "a local Ray instance"
-            raise ConfigError(f"could not start {where}: {err}") from None
+            if not address:
+                raise ConfigError(f"could not start a local Ray instance: {err}") from None
+            hint = "" if os.environ.get("RAY_AUTH_MODE") else (
+                " (a cluster with token authentication needs RAY_AUTH_MODE=token and its token: docs/planning.md)")
+            raise ConfigError(f"could not join the Ray cluster at {address}: {err}{hint}") from None
         self._ray = ray
         self._task = ray.remote(num_cpus=1)(_call)
         self.workers = int(ray.cluster_resources().get("CPU", 1))
