@@ -261,31 +261,3 @@ def test_rt_only_microbenchmark_row():
     # Deadline-ordered RT packing against FCFS: no worse normalized latency at the same throughput.
     assert bros["normalized_latency_s"] <= vllm["normalized_latency_s"]
     assert bros["throughput_tps"] == pytest.approx(vllm["throughput_tps"], rel=0.05)
-
-
-def test_progressive_dropping_swaps_out_with_bidirectional_blocks_and_recomputes_without():
-    """§5 drops requests by swapping their KV out: with bidirectional blocks a dropped request keeps
-    its progress and every prompt token is computed once; bros_nobicache recomputes instead."""
-    computed: dict[str, int] = {}
-    modes: dict[str, set] = {}
-    for name in ("bros", "bros_nobicache"):
-        reqs = [Request(request_id=i, arrival_time=0.0, num_prompt_tokens=8, true_output_tokens=40, max_tokens=40,
-                        request_class=RequestClass.BE) for i in range(6)]  # fmt: skip
-        sched = scheduler(name, 96, block_size=8)
-        drv = Driver(sched)
-        steps = []
-        original = drv.step
-
-        def step(original=original, steps=steps):
-            out = original()
-            steps.append(out)
-            return out
-
-        drv.step = step
-        drv.run(reqs)
-        assert all(r.status is RequestStatus.FINISHED and r.num_output_tokens == 40 for r in reqs)
-        modes[name] = {p.mode.value for out in steps for p in out.preempted}
-        computed[name] = sum(c for out in steps for _, c in out.chunks)
-    assert modes == {"bros": {"swap"}, "bros_nobicache": {"recompute"}}
-    assert computed["bros"] == 6 * (8 + 40 - 1)  # each prompt token and each decode once
-    assert computed["bros_nobicache"] > computed["bros"]

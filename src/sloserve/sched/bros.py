@@ -112,7 +112,7 @@ class SubsetScheduler(Scheduler):
     def _add(self, batch: list[Request], request: Request) -> None:
         if self._bicache:
             t0 = time.perf_counter()
-            done = self.kv.restore(request, self._batch_set)  # checkpointed slots come back first
+            done = self.kv.restore(request)  # checkpointed BE slots come back first
             assert done
             done = self.kv.allocate_slots(request, self._tokens_needed(request), protect=self._batch_set)
             assert done
@@ -157,26 +157,7 @@ class SubsetScheduler(Scheduler):
         out.chunks.append(ScheduledChunk(request, request.num_tokens_to_process))
 
     def _evict(self, request: Request, out: SchedulerOutput) -> None:
-        """Progressive dropping (§5): with bidirectional blocks the request's KV is swapped out (it
-        stays running, holding no GPU slot, and is restored when it runs again); on paged KV
-        (``bros_nobicache``, "recompute instead") it is recomputed."""
-        if not self._bicache:
-            self._preempt(request, PreemptionMode.RECOMPUTE, out)
-            return
-        self.kv.drop_to_cpu(request)
-        request.num_preemptions += 1
-        request.num_allocation_failures += 1  # NOTE: dropping happens only when KV runs short
-        self.num_preemptions += 1
-        out.add_preemption(request, PreemptionMode.SWAP)
-
-    def _on_gpu(self, request: Request) -> bool:
-        """Whether ``request`` holds GPU slots (a dropped one holds none: dropping it again frees nothing)."""
-        return not self._bicache or self.kv.num_slots(request) > 0
-
-    def kv_used_tokens(self) -> int:
-        if self._bicache:  # checkpointed and dropped tokens are in CPU memory
-            return self.kv.allocated_tokens
-        return super().kv_used_tokens()
+        self._preempt(request, PreemptionMode.RECOMPUTE, out)
 
 
 class BrosScheduler(SubsetScheduler):
@@ -254,7 +235,7 @@ class BrosScheduler(SubsetScheduler):
         holding the most blocks first), else progressively drop RT requests outside the batch
         with the most remaining time."""
         while not self._fits(request):
-            outside = [r for r in self.running if r not in batch and r is not request and self._on_gpu(r)]
+            outside = [r for r in self.running if r not in batch and r is not request]
             be = [r for r in outside if r.request_class is RequestClass.BE]
             if be:
                 self._evict(max(be, key=self.kv.num_slots), out)
@@ -272,7 +253,7 @@ class BrosScheduler(SubsetScheduler):
         admitted running request fits; it runs alone."""
         head = next(iter(self.running))
         while not self._fits(head):
-            others = [r for r in self.running if r is not head and self._on_gpu(r)]
+            others = [r for r in self.running if r is not head]
             be = [r for r in others if r.request_class is RequestClass.BE]
             self._evict(be[-1] if be else max(others, key=self.deadline), out)
         self._add(batch, head)
