@@ -105,12 +105,17 @@ def test_an_impossible_slo_is_reported_with_the_best_reached(tmp_path):
     ],
 )
 def test_bad_plan_input_is_one_line_and_exit_2(tmp_path, args, message):
+    from click.testing import CliRunner
+
+    from sloserve.cli import main
+
     base = {"--trace": "sharegpt", "--qps": "3", "--slo-ttft": "1"}
     given = dict(zip(args[::2], args[1::2], strict=True))
-    proc = _cli("plan", *[x for k, v in {**base, **given}.items() for x in (k, v)], "--out", str(tmp_path / "p"))
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    flags = [x for k, v in {**base, **given}.items() for x in (k, v)]
+    result = CliRunner().invoke(main, ["plan", *flags, "--out", str(tmp_path / "p")])  # in process: 13 cases
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
 
 
 def test_a_plan_without_an_slo_is_refused(tmp_path):

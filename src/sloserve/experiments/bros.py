@@ -263,11 +263,12 @@ def fig14(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dic
     cost-model queries, BE packing, KV block allocation and checkpointing), OPT-13B and OPT-30B.
 
     The parts are wall time of our Python scheduler; the iteration is simulated (the cost model's
-    time for the batch), so the shares say how this scheduler would weigh against that GPU."""
+    time for the batch), so the shares say how this scheduler would weigh against that GPU. The runs go
+    one by one in this process whatever ``executor`` is: wall time shared with other runs would not be
+    the scheduler's own."""
     rates = (2.0, 6.0) if quick else (2.0, 4.0, 6.0, 8.0, 10.0)
     n = 400 if quick else 1000
-    rows = executor.map(run_hybrid, [("bros", rate, n, "bros-sharegpt", setting) for setting in ("opt-13b", "opt-30b")
-                                     for rate in rates])  # fmt: skip
+    rows = [run_hybrid("bros", rate, n, "bros-sharegpt", setting) for setting in ("opt-13b", "opt-30b") for rate in rates]
     write_csv(rows, out / "bros_fig14.csv")
     for r in rows:
         r["panel"] = LABELS[r["model"]]
