@@ -77,7 +77,7 @@ class RayExecutor:
         else:  # NOTE: "local" starts a new instance even where `ray start` left one (ray.init() would join it)
             kwargs.update(address="local", num_cpus=workers or os.cpu_count() or 1)
         try:
-            context = ray.init(**kwargs)
+            ray.init(**kwargs)
         except Exception as err:  # noqa: BLE001 - Ray raises several kinds; each means "could not start"
             if not address:
                 raise ConfigError(f"could not start a local Ray instance: {err}") from None
@@ -87,7 +87,6 @@ class RayExecutor:
         self._ray = ray
         self._task = ray.remote(num_cpus=1)(_call)
         self.workers = int(ray.cluster_resources().get("CPU", 1))
-        self.dashboard = getattr(context, "dashboard_url", None)
 
     def map(self, fn: Callable[..., Any], calls: Sequence[tuple], on_done: OnDone | None = None) -> list:
         ray = self._ray
