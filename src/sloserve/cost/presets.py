@@ -1,8 +1,8 @@
 """Bundled linear-cost-model presets and the JSON preset file format.
 
-Source of the coefficients: /work/shared/data/cost/infermax_linear_coefficients.md, i.e. the InferMax
-authors' Vidur fork (vidur/execution_time_predictor/sklearn_execution_time_predictor.py), fitted on
-A100 GPUs with vLLM v0.6-era kernels; per layer, in ms.
+Source of the coefficients: the InferMax authors' Vidur fork (repository ValerioL29/infermax,
+vidur/vidur/execution_time_predictor/sklearn_execution_time_predictor.py; credited in NOTICE), fitted
+on A100 GPUs with vLLM v0.6-era kernels; per layer, in ms.
 """
 
 from __future__ import annotations
