@@ -335,7 +335,6 @@ def sweep(rates: str, schedulers: str, set_pairs: tuple[str, ...], metric: str, 
         raise ConfigError(f"--rates must be > 0, got {rates!r}")
     names = _scheduler_list(schedulers)
     per_scheduler = _split_set_options(set_pairs, names)
-    setup_from_options(options).make_workload(rate_values[0])  # bad options fail here, before any run
     calls = [(options, name, per_scheduler[name], rate) for rate in rate_values for name in names]
     first = simulate_options(*calls[0])  # in this process: a --metric the summary lacks fails fast
     if not _has_metric(first, metric):

@@ -75,15 +75,20 @@ def be_tokens_by(requests, t: float) -> float:
     return total
 
 
+def _setting(setting: str):
+    """(model spec, cost model, KV capacity in tokens) of one of ``SETTINGS``."""
+    model_name, gpu_name, num_gpus, preset = SETTINGS[setting]
+    model, gpu = get_model(model_name), get_gpu(gpu_name)
+    cost = build_cost_model(model, gpu, num_gpus=num_gpus, cost_model=preset)  # preset None: roofline
+    return model, cost, kv_capacity_tokens(model, gpu, num_gpus=num_gpus)
+
+
 def run_hybrid(name: str, rate: float, num_rt_requests: int, workload: str = "bros-sharegpt",
                setting: str = "opt-13b") -> dict:  # fmt: skip
     """One run of ``name`` at RT rate ``rate``: the per-class metrics of Figure 10 and the
     per-iteration time breakdown of Figure 14. BE throughput is measured while RT requests are
     served (first RT arrival to last RT finish): BE is the filler, and its closed loop goes on."""
-    model_name, gpu_name, num_gpus, preset = SETTINGS[setting]
-    model, gpu = get_model(model_name), get_gpu(gpu_name)
-    cost = build_cost_model(model, gpu, num_gpus=num_gpus, cost_model=preset)  # preset None: roofline
-    capacity = kv_capacity_tokens(model, gpu, num_gpus=num_gpus)
+    model, cost, capacity = _setting(setting)
     # NOTE: with the model's KV bytes per token, lazy checkpointing and restores cost host-link time
     # (overlapped with the forward pass, §4.1); without them they would be free.
     built_schedulers = []
@@ -192,10 +197,7 @@ def run_rt_only(name: str, rate: float, num_requests: int, workload: str = "bros
                 setting: str = "opt-13b") -> dict:  # fmt: skip
     """One run of the RT streams of ``workload`` alone at ``rate`` (Figure 12's microbenchmark):
     normalized latency, throughput and SLO attainment."""
-    model_name, gpu_name, num_gpus, preset = SETTINGS[setting]
-    model, gpu = get_model(model_name), get_gpu(gpu_name)
-    cost = build_cost_model(model, gpu, num_gpus=num_gpus, cost_model=preset)
-    capacity = kv_capacity_tokens(model, gpu, num_gpus=num_gpus)
+    model, cost, capacity = _setting(setting)
     spec = with_rt_rate(load_workload_spec(workload), rate)
     rt_streams = [replace(st, num_requests=num_requests) for st in spec.streams if st.request_class is RequestClass.RT]
     requests = build_workload(replace(spec, streams=rt_streams), seed=0, context_len=model.max_context_len).requests

@@ -96,10 +96,6 @@ class CandidateSearch:
     checks: list[dict] = field(default_factory=list)  # whole deployments at qps: {units, attainment, ...}
     units: int | None = None  # verified: the fewest units that met the target at qps
 
-    @property
-    def goodput_rps(self) -> float:
-        return self.lo
-
     def units_bounds(self, qps: float) -> tuple[int, float]:
         """(least, most) units the linear model allows: most is inf while no rate has passed."""
         if self.units is not None:
