@@ -50,6 +50,34 @@ def test_rt_preempts_a_be_block_and_checkpoints_exactly_the_overwritten_slots():
     kv.check_integrity()
 
 
+def test_rt_takes_a_free_block_before_overwriting_the_be_tokens_facing_it():
+    """§5.2: RT requests preempt BE slots only "if no GPU blocks are available" (the default); the
+    earlier order (``rt_free_block_first=False``) overwrote the BE tokens facing it in its last block first."""
+    runs = {}
+    for free_block_first in (True, False):
+        kv = BidirectionalKVManager(num_blocks=3, block_size=8, kv_bytes_per_token=KVB, rt_free_block_first=free_block_first)
+        rt, be, be2 = req(0, RequestClass.RT), req(1, RequestClass.BE), req(2, RequestClass.BE)
+        assert kv.allocate_slots(be, 8)  # block 0 full of BE tokens
+        assert kv.allocate_slots(be2, 4)  # block 1: 4 BE tokens, 4 empty
+        assert kv.allocate_slots(rt, 8)  # block 2 (free), filled
+        # Its last block is full and faces no BE tokens, and no block is free: either order preempts
+        # the BE-only block with the most empty slots (block 1); the ninth token fills an empty slot.
+        assert kv.allocate_slots(rt, 9)
+        assert kv.blocks_of[rt] == [2, 1] and kv.checkpointed_bytes == 0
+        # Block 1's 3 other empty slots, then a BE token facing it: the only BE-only block left
+        # (block 0) has no empty slot either, so both orders overwrite the facing token.
+        assert kv.allocate_slots(rt, 13)
+        assert kv.checkpointed_bytes == KVB
+        kv.free(be)  # block 0 is free now
+        assert kv.allocate_slots(rt, 14)
+        kv.check_integrity()
+        runs[free_block_first] = kv, rt
+    paper, rt = runs[True]
+    assert paper.checkpointed_bytes == KVB and paper.blocks_of[rt] == [2, 1, 0]  # took the free block
+    facing, rt = runs[False]
+    assert facing.checkpointed_bytes == 2 * KVB and facing.blocks_of[rt] == [2, 1]  # overwrote be2 again
+
+
 def test_protected_requests_are_not_overwritten_and_be_never_overwrites_rt():
     kv = BidirectionalKVManager(num_blocks=1, block_size=8, kv_bytes_per_token=KVB)
     rt, be, be2 = req(0, RequestClass.RT), req(1, RequestClass.BE), req(2, RequestClass.BE)
@@ -72,9 +100,10 @@ OPS = st.lists(st.tuples(st.sampled_from(["grow", "free", "restore", "truncate"]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=OPS, block_size=st.sampled_from([4, 8]))
-def test_invariants_under_random_operations(ops, block_size):
-    kv = BidirectionalKVManager(num_blocks=5, block_size=block_size, kv_bytes_per_token=KVB)
+@given(ops=OPS, block_size=st.sampled_from([4, 8]), free_block_first=st.booleans())
+def test_invariants_under_random_operations(ops, block_size, free_block_first):
+    kv = BidirectionalKVManager(num_blocks=5, block_size=block_size, kv_bytes_per_token=KVB,
+                                rt_free_block_first=free_block_first)
     reqs = [req(i, RequestClass.RT if i % 2 == 0 else RequestClass.BE) for i in range(6)]
     for op, i, n in ops:
         r = reqs[i]

@@ -6,7 +6,13 @@ request's tokens from the right: RT token k of the block at slot ``block * S + k
 
     RT  its last block while it has empty slots; then the BE tokens facing it in that block, which
         are checkpointed to CPU memory (lazy checkpointing: only the overwritten slots); then a
-        free block; then a BE-only block with the most empty slots (block preemption)
+        free block; then a BE-only block with the most empty slots (block preemption).
+        ``rt_free_block_first=True`` takes a free block before the facing BE tokens (BE slots
+        preempted only "if no GPU blocks are available"). §5.2 reads both ways: its allocation
+        sentence suggests free blocks first, its lazy checkpointing paragraph and Fig. 9 (B8 over
+        a3) an RT request growing over its peer "when all empty slots are exhausted". Facing first
+        is the default because only it reproduces the paper's Figure 13 (Bi-cache better than none):
+        free block first leaves fewer BE-only blocks to preempt, and BE requests are evicted whole.
     BE  its last block while it has empty slots; then the block with the most empty slots among
         those without a BE owner (free blocks first); BE never overwrites RT
 
@@ -33,10 +39,12 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
     name = "bidirectional"
     periodic_growth = False
 
-    def __init__(self, num_blocks: int, block_size: int = 16, *, kv_bytes_per_token: int = 0, num_cpu_blocks: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, *, kv_bytes_per_token: int = 0, num_cpu_blocks: int = 0,
+                 rt_free_block_first: bool = False) -> None:
         if block_size < 4:
             raise ConfigError(f"bidirectional blocks need at least 2 slots per side: block_size {block_size} < 4")
         super().__init__(num_blocks, block_size, kv_bytes_per_token=kv_bytes_per_token, num_cpu_blocks=num_cpu_blocks)
+        self.rt_free_block_first = rt_free_block_first  # §5.2's order (see the module docstring)
         n = num_blocks
         self.rt_owner: list[Request | None] = [None] * n
         self.rt_fill = [0] * n  # RT tokens stored from the left
@@ -118,8 +126,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         rt = request.request_class is RequestClass.RT
         if last is not None and (self.rt_owner[last] if rt else self.be_owner[last]) is request:
             need -= self._empty(last)
-            be = self.be_owner[last]
-            if rt and be is not None and be not in protect:
+            if rt and self._may_overwrite_facing(last, protect):
                 need -= len(self.be_tokens[last])
         need -= S * self.gpu.num_free
         if need <= 0:
@@ -190,24 +197,36 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
     def _take_block(self, request: Request, block: int) -> None:
         self.blocks_of.setdefault(request, []).append(block)
 
+    def _may_overwrite_facing(self, block: int, protect: Collection[Request]) -> bool:
+        """Whether the RT owner of ``block`` (its last block, full) grows over the BE tokens facing it
+        now: they are there and unprotected, and (with ``rt_free_block_first``) no block is free.
+        NOTE: an RT request that leaves a block for a free one cannot come back to its facing tokens,
+        so ``has_room`` counts them under the same condition."""
+        be = self.be_owner[block]
+        if be is None or be in protect or not self.be_tokens[block]:
+            return False
+        return not self.rt_free_block_first or self.gpu.num_free == 0
+
+    def _preemptible_block(self, protect: Collection[Request]) -> int | None:
+        """Block preemption's pick: the unprotected BE-only block with the most empty slots."""
+        for bucket in reversed(self._be_only_by_empty):
+            candidates = [x for x in bucket if self._be_only[x] not in protect]
+            if candidates:
+                return min(candidates)
+        return None
+
     def _place_rt(self, request: Request, token: int, protect: Collection[Request]) -> int:
         S = self.block_size
         b = self._last(request)
-        if b is None or self.rt_owner[b] is not request or not (
-            self._empty(b) > 0 or (self.be_owner[b] is not None and self.be_owner[b] not in protect and self.be_tokens[b])
-        ):
-            fresh = self.gpu.allocate(1)
-            if fresh is not None:
-                b = fresh[0]
-            else:  # block preemption: the BE-only block with the most empty slots
-                b = next(
-                    min(candidates)
-                    for bucket in reversed(self._be_only_by_empty)
-                    if (candidates := [x for x in bucket if self._be_only[x] not in protect])
-                )
-            self.rt_owner[b] = request
-            self._take_block(request, b)
-            self._update(b)
+        own = b is not None and self.rt_owner[b] is request
+        if not own or self._empty(b) == 0:
+            if not (own and self._may_overwrite_facing(b, protect)):
+                fresh = self.gpu.allocate(1)
+                b = fresh[0] if fresh is not None else self._preemptible_block(protect)  # block preemption
+                assert b is not None, "has_room counted a block to preempt"
+                self.rt_owner[b] = request
+                self._take_block(request, b)
+                self._update(b)
         if self._empty(b) == 0:  # lazy checkpointing: the BE token facing us goes to CPU memory
             be = self.be_owner[b]
             assert be is not None

@@ -46,6 +46,11 @@ class BrosConfig:
     default_tpot_s: float = 0.2
     block_size: int = 16
     kv_manager: str = "paged"
+    # Where an RT request that filled its last block grows (bidirectional blocks): over the BE tokens
+    # facing it there ("facing_first", lazy checkpointing as in §5.2's Fig. 9), or into a free block
+    # first ("free_block_first", BE slots preempted only "if no GPU blocks are available"). §5.2
+    # reads both ways; see kv/bidirectional.py for why facing first is the default.
+    rt_growth: str = "facing_first"
     watermark: float = 0.0
 
     def resolve(self, max_model_len: int) -> None:
@@ -66,6 +71,8 @@ class BrosConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.kv_manager not in ("paged", "bidirectional"):
             raise ConfigError(f"BROS schedulers use kv_manager paged or bidirectional, got {self.kv_manager!r}")
+        if self.rt_growth not in ("free_block_first", "facing_first"):
+            raise ConfigError(f"rt_growth must be facing_first or free_block_first, got {self.rt_growth!r}")
 
 
 class SubsetScheduler(Scheduler):
@@ -82,6 +89,8 @@ class SubsetScheduler(Scheduler):
         # Bidirectional blocks (§5): slots are taken as requests join the batch, whose members are
         # protected from being overwritten; checkpoint and restore traffic is the step's swap.
         self._bicache = isinstance(kv, BidirectionalKVManager)
+        if self._bicache:
+            kv.rt_free_block_first = config.rt_growth == "free_block_first"
         self._batch_set: set[Request] = set()
 
     def on_token_emitted(self, request: Request) -> None:
