@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
     parser.add_argument("--decode-kv-lens", default="128,512,2048")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--form", default="knee", choices=("knee", "infermax"), help="cost model form to fit")
     parser.add_argument("--out", type=Path, help="Folder for the preset and the summaries [a temporary one]")
     args = parser.parse_args()
 
@@ -78,9 +79,12 @@ def main() -> None:
     if args.cuda_graphs:
         engine.append("--cuda-graphs")
     preset = out / "preset.json"
+    # One fit for every scheduler; the measurements stay in profile.csv (benchmarks/cost_forms.py --csv
+    # compares the cost model's forms on them).
     print(sloserve("profile", *engine, "--out", str(preset), "--prefill-chunks", args.prefill_chunks,
                    "--context-lens", args.context_lens, "--batch-sizes", args.batch_sizes,
-                   "--decode-kv-lens", args.decode_kv_lens, "--repeats", str(args.repeats)).strip())  # fmt: skip
+                   "--decode-kv-lens", args.decode_kv_lens, "--repeats", str(args.repeats),
+                   "--form", args.form, "--csv", str(out / "profile.csv")).strip())  # fmt: skip
     rows = []
     for scheduler in args.schedulers.split(","):
         load = ["--offline"]

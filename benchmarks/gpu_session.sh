@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu_session.sh tests      # Triton kernels vs the reference (fp32/fp16/bf16), CUDA
 #                                             # graphs vs eager, the engine vs HF greedy tokens on CUDA
 #   bash benchmarks/gpu_session.sh speed      # engine_speed.py: decode MBU (eager and graphed), prefill MFU
-#   bash benchmarks/gpu_session.sh fidelity   # fidelity.py with CUDA graphs: profile, run, simulate
+#   bash benchmarks/gpu_session.sh fidelity   # fidelity.py with CUDA graphs: profile, run, simulate;
+#                                             # cost_forms.py on the measured profile
 #   bash benchmarks/gpu_session.sh serve      # serve_overhead.py and serve_fidelity.py (issue 27) on
 #                                             # random:llama-3-8b; needs the serve extra's packages
 #                                             # (fastapi, uvicorn, aiohttp, prometheus-client, jinja2),
@@ -33,6 +34,9 @@ case "${1:-}" in
     # The summaries stay behind (the device tool returns at most 8 files); the fitted preset comes back.
     python3 benchmarks/fidelity.py --cuda-graphs --out /tmp/fidelity 2>&1 | tee "$out/fidelity.log"
     cp /tmp/fidelity/preset.json "$out/fidelity-preset.json"
+    cp /tmp/fidelity/profile.csv "$out/fidelity-profile.csv"
+    # InferMax's straight line against the line with a knee, on the batch times just measured.
+    python3 benchmarks/cost_forms.py --csv /tmp/fidelity/profile.csv --layers 32 2>&1 | tee "$out/cost_forms.log"
     ;;
   serve)
     python3 -c "import fastapi, uvicorn, aiohttp, prometheus_client, jinja2" || {

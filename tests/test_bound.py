@@ -95,6 +95,9 @@ def test_bad_bound_problems():
     big = BoundProblem((8,) * 50, (100,) * 50, (0.0,) * 50, 10_000, 4096, None, num_batches=200)
     with pytest.raises(ConfigError, match="exceeds the limit of 4000; use at most ~20 requests"):
         solve_bound(big, COST)
+    knee = LinearCostModel(dataclasses.replace(get_preset("llama-2-7b-a100"), knee_tokens=100.0))
+    with pytest.raises(ConfigError, match="encodes InferMax's linear form; .* has knee_tokens 100"):
+        solve_bound(BoundProblem((8,), (2,), (0.0,), 100, 4096, None), knee)
 
 
 def test_bound_command(tmp_path):

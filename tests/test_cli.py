@@ -140,6 +140,10 @@ def test_fit_cost_makes_a_preset_that_simulate_uses(tmp_path: Path):
     assert a["jct_s"]["mean"] == pytest.approx(b["jct_s"]["mean"], rel=1e-6)
     bad = run("fit-cost", "--csv", str(tmp_path / "none.csv"), "--layers", "32", "--out", str(preset))
     assert bad.returncode == 2 and "none.csv" in bad.stderr
+    bad = run("fit-cost", "--csv", str(profile), "--layers", "32", "--out", str(profile / "x.json"))
+    assert bad.returncode == 2 and f"--out {profile / 'x.json'}: {profile} is not an existing directory" in bad.stderr
+    straight = run("fit-cost", "--csv", str(profile), "--layers", "32", "--form", "infermax", "--out", str(preset))
+    assert straight.returncode == 0 and "(infermax form)" in straight.stdout
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ from sloserve.cost import (
 )
 from sloserve.cost.base import advance_shape
 from sloserve.cost.fit import CSV_COLUMNS
+from sloserve.cost.profile_grid import ProfileGrid, batch_shape
 from sloserve.cost.linear import COEFFICIENT_NAMES
 
 L7 = get_preset("llama-2-7b-a100")
@@ -103,18 +104,35 @@ def test_linear_empty_batch_and_swap() -> None:
     assert LinearCostModel(L7, swap_bandwidth=50e9).batch_time(BatchShape(swap_bytes=10**9)).swap_s == 0.02
 
 
+def test_knee_flattens_the_non_attention_part_below_it() -> None:
+    """other = a_o * max(tokens, knee) + b_o: a step of fewer tokens than the knee pays for the knee's."""
+    knee, straight = LinearCostModel(L7_KNEE), LinearCostModel(L7)
+    for tokens in (1, 64, 150):
+        assert knee.batch_time(BatchShape(tokens, 100 * tokens)).non_attention_s == pytest.approx(
+            (L7.a_o * 150 + L7.b_o) * 32 / 1000)
+    for tokens in (151, 1000):  # above the knee it is InferMax's line
+        shape = prefill_shape([(tokens, 0)])
+        assert knee.batch_time(shape).total_s == straight.batch_time(shape).total_s
+    assert knee.batch_time(BatchShape()).total_s == 0.0  # an empty step still costs nothing
+
+
 def test_linear_coefficients_validation() -> None:
     with pytest.raises(ConfigError, match="coefficient a_d"):
         LinearCoefficients(**{**L7.as_dict(), "a_d": -1.0})
     with pytest.raises(ConfigError, match="num_layers"):
         LinearCoefficients(**{**L7.as_dict(), "num_layers": 0})
+    with pytest.raises(ConfigError, match="knee_tokens must be a non-negative finite number, got -1"):
+        LinearCoefficients(**{**L7.as_dict(), "knee_tokens": -1})
     with pytest.raises(ConfigError, match="swap_bandwidth"):
         LinearCostModel(L7, swap_bandwidth=0)
 
 
+L7_KNEE = LinearCoefficients(**{**L7.as_dict(), "knee_tokens": 150.0, "name": "llama-2-7b-knee"})
+
 COST_MODELS = [
     LinearCostModel(L7),
     LinearCostModel(L70),
+    LinearCostModel(L7_KNEE),
     RooflineCostModel(get_model("llama-2-7b"), get_gpu("a100")),
     RooflineCostModel(get_model("llama-3-70b"), get_gpu("a100"), num_gpus=4),
     RooflineCostModel(get_model("qwen2.5-7b"), get_gpu("h100"), num_gpus=2),
@@ -272,9 +290,51 @@ def test_fit_recovers_coefficients_from_noiseless_data() -> None:
     fitted, report = fit_linear_shapes(shapes, times, num_layers=32, name="refit")
     for key in COEFFICIENT_NAMES:
         assert getattr(fitted, key) == pytest.approx(getattr(L7, key), rel=1e-6), key
+    assert fitted.knee_tokens == 0  # a straight line fits: the knee form adds no knee
     assert fitted.num_layers == 32 and fitted.name == "refit"
     assert report.n_rows == 120 and report.rank == 9 and report.unidentified == ()
     assert report.mean_rel_error < 1e-9 and report.max_rel_error < 1e-9
+
+
+def test_fit_finds_the_knee_of_noiseless_data() -> None:
+    shapes = random_shapes(np.random.default_rng(5), 200)
+    shapes += [BatchShape(b, 300 * b) for b in (1, 8, 32, 64, 100, 128, 200, 256)]  # decodes across the knee
+    times = [LinearCostModel(L7_KNEE).batch_time(s).total_s for s in shapes]
+    fitted, report = fit_linear_shapes(shapes, times, num_layers=32, form="knee")
+    assert fitted.knee_tokens == pytest.approx(150, rel=0.02)
+    assert report.max_rel_error < 0.01
+    straight, straight_report = fit_linear_shapes(shapes, times, num_layers=32, form="infermax")
+    assert straight.knee_tokens == 0 and straight_report.max_rel_error > 0.05
+    with pytest.raises(ConfigError, match="form must be one of knee, infermax, got 'curvy'"):
+        fit_linear_shapes(shapes, times, num_layers=32, form="curvy")
+
+
+def test_one_knee_fit_serves_vllm_and_sarathi() -> None:
+    """Issue 29: a fit over whole prompts, chunks and decodes, simulated under vLLM and under
+    Sarathi-Serve, stays within 5% of the model it was fitted to (a roofline, a GPU's shape:
+    memory-bound below a batch size, compute-bound above); InferMax's straight line does not."""
+    from sloserve.metrics.summary import request_table
+    from sloserve.sched import make_scheduler
+    from sloserve.sim import simulate
+    from sloserve.workload import workload_from_trace
+
+    model, gpu = get_model("llama-2-7b"), get_gpu("a100")
+    capacity = kv_capacity_tokens(model, gpu)
+    reference = RooflineCostModel(model, gpu)
+    shapes = [batch_shape(*batch) for batch in ProfileGrid().shapes(4096, capacity)]  # `profile`'s grid
+    times = [reference.batch_time(s).total_s for s in shapes]
+
+    def mean_latencies(cost, scheduler: str) -> np.ndarray:  # mean TTFT, TPOT, JCT
+        workload = workload_from_trace("sharegpt", num_requests=400, seed=0, context_len=4096, rate=6.0)
+        simulate(workload.requests, lambda: make_scheduler(scheduler, kv_capacity_tokens=capacity, max_model_len=4096), cost)
+        table = request_table(workload.requests)
+        return np.array([np.nanmean(table[k]) for k in ("ttft_s", "tpot_s", "jct_s")])
+
+    worst = {}
+    for form in ("knee", "infermax"):
+        fit = LinearCostModel(fit_linear_shapes(shapes, times, num_layers=32, form=form).coefficients)
+        worst[form] = max(np.abs(mean_latencies(fit, s) / mean_latencies(reference, s) - 1).max() for s in ("vllm", "sarathi"))
+    assert worst["knee"] < 0.05 < worst["infermax"], worst
 
 
 def test_fit_with_noise_reports_error_and_stays_non_negative() -> None:
@@ -367,6 +427,22 @@ def test_bad_preset_files(tmp_path: Path) -> None:
         load_preset(path)
     with pytest.raises(ConfigError, match="not found"):
         load_preset(tmp_path / "nope.json")
+    save_preset(L7, path)
+    doc = json.loads(path.read_text())
+    doc["knee_tokens"] = "wide"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match="field 'knee_tokens' must be a non-negative number, got 'wide'"):
+        load_preset(path)
+
+
+def test_presets_keep_their_knee_and_files_without_one_have_none(tmp_path: Path) -> None:
+    path = tmp_path / "knee.json"
+    save_preset(L7_KNEE, path)
+    assert load_preset(path) == L7_KNEE
+    doc = json.loads(path.read_text())
+    del doc["knee_tokens"]  # as written before the knee existed
+    path.write_text(json.dumps(doc))
+    assert load_preset(path).knee_tokens == 0.0
 
 
 # ---------------------------------------------------------------- build_cost_model, presets

@@ -367,11 +367,17 @@ def test_run_with_a_closed_loop_workload_on_the_wall_clock(tmp_path):
 
 
 def test_profile_fits_a_preset_that_simulate_can_use(tmp_path):
-    preset = tmp_path / "tiny.json"
+    preset, measured = tmp_path / "tiny.json", tmp_path / "tiny.csv"
     proc = _cli("profile", "--model", "random:tiny-llama", "--out", str(preset), "--prefill-chunks", "16,64,128,256",
-                "--context-lens", "0,128", "--batch-sizes", "1,4,8,16", "--decode-kv-lens", "32,128", "--repeats", "1")  # fmt: skip
+                "--context-lens", "0,128", "--batch-sizes", "1,4,8,16", "--decode-kv-lens", "32,128", "--repeats", "1",
+                "--csv", str(measured))  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "held out" in proc.stdout
+    # The measurements it wrote are what `fit-cost` reads; fitted on all of them, not 3 in 4.
+    refit = tmp_path / "refit.json"
+    proc = _cli("fit-cost", "--csv", str(measured), "--layers", "2", "--out", str(refit))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(refit.read_text())["info"]["fit"]["n_rows"] == len(measured.read_text().splitlines()) - 1
     doc = json.loads(preset.read_text())
     assert doc["num_layers"] == 2 and doc["info"]["held_out"]["points"] >= 3
     assert doc["info"]["attention_backend"] == "torch" and doc["info"]["cuda_graphs"] is False
@@ -395,7 +401,8 @@ def test_a_profile_step_is_an_engine_step_and_leaves_nothing_behind():
     """The profiler times ``EngineExecutor.execute`` (what the engine's clock counts) on requests it
     places in a paged KV manager, and frees them after; decode lengths spread around the grid's mean."""
     from sloserve.engine.loader import load_model
-    from sloserve.engine.profile import ProfileGrid, StepTimer, spread_decode_lens
+    from sloserve.cost.profile_grid import ProfileGrid, spread_decode_lens
+    from sloserve.engine.profile import StepTimer
 
     decodes = spread_decode_lens(9, 100, 150)
     assert decodes == sorted(decodes) and decodes[0] == 20 and max(decodes) == 150 and len(decodes) == 9

@@ -161,6 +161,16 @@ def _check_out(out: Path | None) -> None:
             break
 
 
+def _check_file_out(path: Path | None, option: str) -> None:
+    """A file to write must name a file in an existing directory (checked before the work)."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise ConfigError(f"{option} {path}: is a directory, not a file")
+    if not path.parent.is_dir():
+        raise ConfigError(f"{option} {path}: {path.parent} is not an existing directory")
+
+
 def _write(out: Path, summary: dict) -> None:
     from sloserve.metrics import write_run_outputs
 
@@ -727,21 +737,30 @@ def experiment(name: str, out: Path, quick: bool, trace: str | None, workers: in
               "prefill_attention_work, prefill_context_tokens, time_s.")
 @click.option("--layers", type=int, required=True, help="Model layers (coefficients are per layer).")
 @click.option("--name", help="Preset name [the CSV file's stem].")
+@click.option("--form", type=click.Choice(["knee", "infermax"]), default="knee", show_default=True,
+              help="knee: InferMax's linear model with a knee in tokens below which the non-attention part "
+              "is flat (memory-bound); infermax: the paper's straight line.")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="JSON preset to write.")
-def fit_cost(csv_path: Path, layers: int, name: str | None, out: Path) -> None:
-    """Fit InferMax's linear cost model to measured batch times; `--cost-model OUT` then uses it."""
+def fit_cost(csv_path: Path, layers: int, name: str | None, form: str, out: Path) -> None:
+    """Fit the linear cost model to measured batch times (a CSV such as `sloserve profile --csv`
+    writes); `--cost-model OUT` then uses it."""
     from sloserve.cost import fit_linear, save_preset
 
     if layers < 1:
         raise ConfigError(f"--layers must be >= 1, got {layers}")
-    coefficients, report = fit_linear(csv_path, num_layers=layers, name=name)
-    save_preset(coefficients, out, extra={"fit": report._asdict(), "source": str(csv_path)})
+    _check_file_out(out, "--out")
+    coefficients, report = fit_linear(csv_path, num_layers=layers, name=name, form=form)
+    save_preset(coefficients, out, extra={"fit": report._asdict(), "source": str(csv_path), "form": form})
     click.echo(
-        f"fitted {coefficients.name} on {report.n_rows} batches: mean relative error "
-        f"{report.mean_rel_error:.2%}, max {report.max_rel_error:.2%}; wrote {out}"
+        f"fitted {coefficients.name} ({form} form{_knee_note(coefficients)}) on {report.n_rows} batches: mean relative "
+        f"error {report.mean_rel_error:.2%}, max {report.max_rel_error:.2%}; wrote {out}"
     )
     if report.unidentified:
         click.echo(f"note: the data does not pin down {', '.join(report.unidentified)} (left at 0)")
+
+
+def _knee_note(coefficients) -> str:
+    return f", knee at {coefficients.knee_tokens:.0f} tokens" if coefficients.knee_tokens else ""
 
 
 def _engine_options(fn: Callable) -> Callable:
@@ -857,14 +876,20 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
 @click.option("--decode-kv-lens", default="128,512,2048", show_default=True, help="Tokens cached per decode.")
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per point (median).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--form", type=click.Choice(["knee", "infermax"]), default="knee", show_default=True,
+              help="Cost model form to fit (see `sloserve fit-cost --help`).")
+@click.option("--csv", "csv_path", type=click.Path(path_type=Path),
+              help="Also write the measured batch times (the CSV `sloserve fit-cost` reads).")
 def profile_cmd(out: Path, name: str | None, prefill_chunks: str, context_lens: str, batch_sizes: str,
-                decode_kv_lens: str, repeats: int, **options: Any) -> None:  # fmt: skip
+                decode_kv_lens: str, repeats: int, form: str, csv_path: Path | None, **options: Any) -> None:  # fmt: skip
     """Measure the engine's batch times over a grid and fit the linear cost model to them; the preset
     works with `simulate --cost-model OUT`. Reports the error on held-out points."""
-    from sloserve.cost import save_preset
+    from sloserve.cost import save_preset, write_profile_csv
 
     if repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {repeats}")
+    _check_file_out(out, "--out")
+    _check_file_out(csv_path, "--csv")
     grid_values = dict(
         prefill_chunks=_int_list(prefill_chunks, "--prefill-chunks"),
         context_lens=_int_list(context_lens, "--context-lens"),
@@ -873,26 +898,29 @@ def profile_cmd(out: Path, name: str | None, prefill_chunks: str, context_lens: 
     )
     loaded = _load_engine_model(options)
     from sloserve.engine.llm_engine import default_kv_capacity, resolve_max_model_len
-    from sloserve.engine.profile import ProfileGrid, profile
+    from sloserve.cost.profile_grid import ProfileGrid
+    from sloserve.engine.profile import profile
 
     max_len = resolve_max_model_len(loaded.config, options["max_model_len"])
     slots = options["kv_capacity_tokens"] or default_kv_capacity(loaded, max_len)
     with _progress(1, "profiling", enabled=True) as bar:
         result = profile(loaded, ProfileGrid(**grid_values), max_model_len=max_len, max_slots=slots,
-                         name=name or out.stem, repeats=repeats,
+                         name=name or out.stem, repeats=repeats, form=form,
                          on_point=(lambda i, n: bar(i / n)) if bar else None)  # fmt: skip
     report = result.fit.report
+    if csv_path is not None:
+        write_profile_csv(result.shapes, result.times_s, csv_path)
     save_preset(result.fit.coefficients, out, extra={
         "model": options["model"], "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
         "attention_backend": loaded.attention_backend, "cuda_graphs": loaded.cuda_graphs,
-        "fit": report._asdict(), "held_out": {"points": len(result.held_out),
+        "form": form, "fit": report._asdict(), "held_out": {"points": len(result.held_out),
                                               "mean_rel_error": result.held_out_mean_rel_error,
                                               "max_rel_error": result.held_out_max_rel_error},
         "grid": {k: list(v) for k, v in grid_values.items()},
     })  # fmt: skip
     click.echo(
-        f"profiled {len(result.shapes)} batches of {options['model']} on {loaded.device}; fitted on "
-        f"{report.n_rows}: mean relative error {report.mean_rel_error:.2%}, max {report.max_rel_error:.2%}; "
+        f"profiled {len(result.shapes)} batches of {options['model']} on {loaded.device}; fitted ({form} form"
+        f"{_knee_note(result.fit.coefficients)}) on {report.n_rows}: mean relative error {report.mean_rel_error:.2%}, max {report.max_rel_error:.2%}; "
         f"held out {len(result.held_out)}: mean {result.held_out_mean_rel_error:.2%}, "
         f"max {result.held_out_max_rel_error:.2%}; wrote {out}"
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 from sloserve.core.errors import ConfigError, UnknownNameError
 
 from .base import BatchShape, CostBreakdown, CostModel
-from .fit import FitReport, LinearFit, fit_linear, fit_linear_shapes, read_profile_csv
+from .fit import FitReport, LinearFit, fit_linear, fit_linear_shapes, read_profile_csv, write_profile_csv
 from .linear import DEFAULT_SWAP_BANDWIDTH, LinearCoefficients, LinearCostModel
 from .presets import PRESETS, find_preset, get_preset, list_presets, load_preset, save_preset
 from .roofline import SWAP_EFFICIENCY, RooflineCostModel
@@ -41,6 +41,7 @@ __all__ = [
     "build_cost_model",
     "fit_linear",
     "fit_linear_shapes",
+    "write_profile_csv",
     "get_gpu",
     "get_model",
     "get_preset",

@@ -5,7 +5,11 @@ The CSV has one row per measured step with the ``BatchShape`` fields and the mea
 prefill_context_tokens, time_s`` (other columns are ignored; steps must not include KV swaps).
 
 Fitting is non-negative least squares (``scipy.optimize.nnls``) of the measured time on the nine
-features, minimizing the squared *relative* error (each row weighted by 1 / time_s).
+features, minimizing the squared *relative* error (each row weighted by 1 / time_s). The ``knee`` form
+(the default) also fits ``knee_tokens`` (see ``linear.py``): for a given knee the model is linear, so
+each candidate knee on a geometric grid (and 0) gets its own least-squares fit, the grid is refined
+around the best, and the smallest knee within rounding of the best error wins (0 when a straight line
+fits as well). The ``infermax`` form keeps knee_tokens = 0.
 """
 
 from __future__ import annotations
@@ -33,6 +37,13 @@ CSV_COLUMNS = (
     "prefill_context_tokens",
     "time_s",
 )
+FORMS = ("knee", "infermax")
+# Candidate knees: a geometric grid from 1 token to the largest batch, then a finer one between the
+# best candidate's neighbours.
+KNEE_GRID_POINTS = 48
+KNEE_REFINE_POINTS = 24
+# Of knees whose fits are this close (in the root of the summed squared relative errors), the smallest.
+KNEE_TIE = 1e-9
 # Column order of the design matrix (one per coefficient).
 FEATURE_ORDER = ("a_d", "b_d", "s_d", "a_p", "b_p", "s_p", "m_p", "a_o", "b_o")
 assert sorted(FEATURE_ORDER) == sorted(COEFFICIENT_NAMES)
@@ -62,7 +73,7 @@ class LinearFit(NamedTuple):
     report: FitReport
 
 
-def feature_matrix(shapes: Sequence[BatchShape]) -> np.ndarray:
+def feature_matrix(shapes: Sequence[BatchShape], knee_tokens: float = 0.0) -> np.ndarray:
     """Design matrix, one row per shape, columns in ``FEATURE_ORDER`` (whole-model seconds units)."""
     rows = []
     for s in shapes:
@@ -78,17 +89,50 @@ def feature_matrix(shapes: Sequence[BatchShape]) -> np.ndarray:
                 has_prefill,  # b_p
                 float(s.num_prefill),  # s_p: n_p
                 has_prefill * s.prefill_context_tokens,  # m_p: sum m of prefills
-                float(tokens),  # a_o
+                float(max(tokens, knee_tokens)) if tokens > 0 else 0.0,  # a_o
                 1.0 if tokens > 0 else 0.0,  # b_o
             ]
         )
     return np.array(rows, dtype=np.float64).reshape(len(rows), len(FEATURE_ORDER))
 
 
+def _nnls(shapes: Sequence[BatchShape], times: np.ndarray, knee_tokens: float) -> tuple[np.ndarray, np.ndarray, int, float]:
+    """(coefficients in whole-model seconds, columns used, rank, residual) of the least-squares fit of
+    relative errors with the given knee."""
+    x = feature_matrix(shapes, knee_tokens)
+    weighted = x / times[:, None]  # relative errors: (x @ c - t) / t
+    norms = np.linalg.norm(weighted, axis=0)
+    used = norms > 0
+    coef = np.zeros(len(FEATURE_ORDER))
+    scaled = weighted[:, used] / norms[used]
+    solution, residual = scipy.optimize.nnls(scaled, np.ones(len(times)))  # min ||A c - 1||, c >= 0
+    coef[used] = solution / norms[used]
+    rank = int(np.linalg.matrix_rank(scaled)) if used.any() else 0
+    return coef, used, rank, float(residual)
+
+
+def _best_knee(shapes: Sequence[BatchShape], times: np.ndarray) -> float:
+    """The knee (tokens) whose fit has the least squared relative error (see the module docstring)."""
+    largest = max(s.num_decode + s.prefill_tokens for s in shapes)
+    grid = [0.0, *np.geomspace(1.0, max(largest, 2), KNEE_GRID_POINTS).tolist()]
+    residuals = {knee: _nnls(shapes, times, knee)[3] for knee in grid}
+    best = min(residuals, key=residuals.get)
+    i = grid.index(best)
+    lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    for knee in np.linspace(lo, hi, KNEE_REFINE_POINTS).tolist():
+        residuals.setdefault(knee, _nnls(shapes, times, knee)[3])
+    least = min(residuals.values())
+    return min(knee for knee, r in residuals.items() if r <= least + KNEE_TIE)
+
+
 def fit_linear_shapes(
-    shapes: Sequence[BatchShape], times_s: Sequence[float], *, num_layers: int, name: str = "fitted"
+    shapes: Sequence[BatchShape], times_s: Sequence[float], *, num_layers: int, name: str = "fitted",
+    form: str = "knee",
 ) -> LinearFit:
-    """Fit coefficients to measured step times (seconds) of the given shapes; no file needed."""
+    """Fit coefficients to measured step times (seconds) of the given shapes; no file needed.
+    ``form``: "knee" (also fits knee_tokens) or "infermax" (knee_tokens = 0)."""
+    if form not in FORMS:
+        raise ConfigError(f"fit: form must be one of {', '.join(FORMS)}, got {form!r}")
     if len(shapes) != len(times_s):
         raise ConfigError(f"fit: {len(shapes)} shapes but {len(times_s)} times")
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
@@ -100,17 +144,11 @@ def fit_linear_shapes(
     times = np.asarray(times_s, dtype=np.float64)
     if not np.all(np.isfinite(times)) or np.any(times <= 0):
         raise ConfigError("fit: every measured time must be a positive finite number of seconds")
-    x = feature_matrix(shapes)
-    weighted = x / times[:, None]  # relative errors: (x @ c - t) / t
-    norms = np.linalg.norm(weighted, axis=0)
-    used = norms > 0
-    coef = np.zeros(len(FEATURE_ORDER))
-    scaled = weighted[:, used] / norms[used]
-    coef[used] = scipy.optimize.nnls(scaled, np.ones(len(times)))[0] / norms[used]  # min ||A c - 1||, c >= 0
-    rank = int(np.linalg.matrix_rank(scaled)) if used.any() else 0
+    knee = _best_knee(shapes, times) if form == "knee" else 0.0
+    coef, used, rank, _ = _nnls(shapes, times, knee)
     # Whole-model seconds per unit -> per-layer milliseconds.
     per_layer_ms = {key: float(c) * 1000.0 / num_layers for key, c in zip(FEATURE_ORDER, coef)}
-    coefficients = LinearCoefficients(**per_layer_ms, num_layers=num_layers, name=name)
+    coefficients = LinearCoefficients(**per_layer_ms, num_layers=num_layers, name=name, knee_tokens=knee)
     model = LinearCostModel(coefficients)
     predicted = np.array([model.batch_time(s).total_s for s in shapes])
     rel = np.abs(predicted - times) / times
@@ -201,16 +239,26 @@ def read_profile_csv(csv_path: str | Path) -> tuple[list[BatchShape], list[float
     return shapes, times
 
 
+def write_profile_csv(shapes: Sequence[BatchShape], times_s: Sequence[float], path: str | Path) -> None:
+    """Write measured steps in the format ``read_profile_csv`` (and ``sloserve fit-cost``) reads."""
+    with Path(path).open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(CSV_COLUMNS)
+        for shape, t in zip(shapes, times_s, strict=True):
+            writer.writerow([getattr(shape, col) for col in CSV_COLUMNS[:-1]] + [repr(float(t))])
+
+
 def _number(value: float) -> int | float:
     """Counts come back as ints when integral (they usually are)."""
     return int(value) if value.is_integer() else value
 
 
-def fit_linear(csv_path: str | Path, *, num_layers: int, name: str | None = None) -> LinearFit:
-    """Fit InferMax's nine coefficients to a profile CSV (see the module docstring).
+def fit_linear(csv_path: str | Path, *, num_layers: int, name: str | None = None, form: str = "knee") -> LinearFit:
+    """Fit InferMax's nine coefficients (and, in the "knee" form, ``knee_tokens``) to a profile CSV
+    (see the module docstring).
 
     Returns ``LinearFit(coefficients, report)``; the coefficients are per layer in ms, named
     ``name`` (default: the file's stem). Save them with ``save_preset`` to use as ``--cost-model FILE``.
     """
     shapes, times = read_profile_csv(csv_path)
-    return fit_linear_shapes(shapes, times, num_layers=num_layers, name=name or Path(csv_path).stem)
+    return fit_linear_shapes(shapes, times, num_layers=num_layers, name=name or Path(csv_path).stem, form=form)

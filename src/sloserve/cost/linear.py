@@ -5,7 +5,15 @@ B: decode requests, n_p: prefill/chunk requests, tokens = sum of c over the batc
 
     decode attention  = a_d * sum(m over decodes) + b_d + s_d * B                 (only if B > 0)
     prefill attention = a_p * sum(c^2 + 2mc) + b_p + s_p * n_p + m_p * sum(m)    (only if n_p > 0)
-    other             = a_o * tokens + b_o                                         (only if tokens > 0)
+    other             = a_o * max(tokens, knee_tokens) + b_o                       (only if tokens > 0)
+
+``knee_tokens`` is ours, not InferMax's (whose form is knee_tokens = 0, the bundled presets). On a GPU
+the projections and MLP read every weight once per step whatever the batch, so below some number of
+tokens they are memory-bound and take the same time; above it they are compute-bound and grow with
+the tokens: a roofline's max of the two. One straight line through both regimes overstates small
+prefills and understates large ones (per prompt token, a 256-token prefill costs about twice what a
+4k one does), so a fit made on whole prompts (vLLM) and one made on chunks (Sarathi) disagree. With
+the knee one fit serves both (``benchmarks/cost_forms.py``).
 
 A step takes the sum times ``num_layers``, plus ``swap_bytes / swap_bandwidth`` (or the longer of the
 two when the copies overlap the forward pass, ``swap_overlapped``). Left out as
@@ -37,7 +45,8 @@ class LinearCoefficients:
     ``a_p``: per unit of sum(c^2 + 2mc) of prefills; ``b_p``: prefill-attention bias; ``s_p``: per
     prefill request; ``m_p``: per token of prefill context read (sum m of prefills); ``a_d``: per KV
     token read by decodes (sum m); ``b_d``: decode-attention bias; ``s_d``: per decode request;
-    ``a_o``: per batch token; ``b_o``: non-attention bias.
+    ``a_o``: per batch token; ``b_o``: non-attention bias. ``knee_tokens`` (tokens, not ms): a step
+    of fewer tokens costs as many as this in the non-attention part (0: InferMax's linear form).
     """
 
     a_p: float
@@ -51,6 +60,7 @@ class LinearCoefficients:
     m_p: float
     num_layers: int
     name: str = "linear"
+    knee_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         for key in COEFFICIENT_NAMES:
@@ -65,6 +75,9 @@ class LinearCoefficients:
                     f"cost model {self.name!r}: coefficient {key} must be a non-negative finite "
                     f"number, got {value!r}"
                 )
+        knee = self.knee_tokens
+        if isinstance(knee, bool) or not isinstance(knee, (int, float)) or not math.isfinite(knee) or knee < 0:
+            raise ConfigError(f"cost model {self.name!r}: knee_tokens must be a non-negative finite number, got {knee!r}")
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
             raise ConfigError(
                 f"cost model {self.name!r}: num_layers must be a positive integer, got {self.num_layers!r}"
@@ -95,6 +108,7 @@ class LinearCostModel(CostModel):
         self._a_d, self._b_d, self._s_d = float(c.a_d), float(c.b_d), float(c.s_d)
         self._a_p, self._b_p, self._s_p, self._m_p = float(c.a_p), float(c.b_p), float(c.s_p), float(c.m_p)
         self._a_o, self._b_o = float(c.a_o), float(c.b_o)
+        self._knee = float(c.knee_tokens)
 
     def __repr__(self) -> str:
         return f"LinearCostModel({self.coefficients!r}, swap_bandwidth={self.swap_bandwidth!r})"
@@ -122,7 +136,7 @@ class LinearCostModel(CostModel):
             # a_p * sum(c^2 + 2mc) + b_p + s_p * n_p + m_p * sum(m)
             prefill_s = (self._a_p * attention_work + self._b_p + self._s_p * num_prefill + self._m_p * context) * scale
         tokens = num_decode + prefill_tokens
-        other_s = (self._a_o * tokens + self._b_o) * scale if tokens > 0 else 0.0
+        other_s = (self._a_o * max(tokens, self._knee) + self._b_o) * scale if tokens > 0 else 0.0
         swap_s = swap_bytes / self.swap_bandwidth if swap_bytes else 0.0
         return other_s, decode_s, prefill_s, swap_s
 
@@ -135,7 +149,7 @@ class LinearCostModel(CostModel):
         scale = self._scale
         kv = decode_kv_tokens + num_decode * np.arange(num_steps, dtype=np.int64)
         decode_s = (self._a_d * kv + self._b_d + self._s_d * num_decode) * scale
-        other_s = (self._a_o * num_decode + self._b_o) * scale  # a scalar: no prefill tokens
+        other_s = (self._a_o * max(num_decode, self._knee) + self._b_o) * scale  # a scalar: no prefill tokens
         return other_s + decode_s + 0.0 + 0.0
 
     def step_increment(self, shape: BatchShape) -> float | None:

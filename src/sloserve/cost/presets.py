@@ -80,6 +80,7 @@ def save_preset(coefficients: LinearCoefficients, path: str | Path, *, extra: di
         "num_layers": coefficients.num_layers,
         "unit": "ms per layer",
         "coefficients": {key: getattr(coefficients, key) for key in COEFFICIENT_NAMES},
+        "knee_tokens": coefficients.knee_tokens,
     }
     if extra:
         doc["info"] = extra
@@ -122,7 +123,10 @@ def load_preset(path: str | Path) -> LinearCoefficients:
     num_layers = doc.get("num_layers")
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ConfigError(f"cost model file {path}: field 'num_layers' must be a positive integer, got {num_layers!r}")
+    knee = doc.get("knee_tokens", 0.0)  # absent from files written before the knee existed
+    if isinstance(knee, bool) or not isinstance(knee, (int, float)) or not math.isfinite(knee) or knee < 0:
+        raise ConfigError(f"cost model file {path}: field 'knee_tokens' must be a non-negative number, got {knee!r}")
     name = doc.get("name")
     if not isinstance(name, str) or not name:
         name = path.stem
-    return LinearCoefficients(**values, num_layers=num_layers, name=name)
+    return LinearCoefficients(**values, num_layers=num_layers, name=name, knee_tokens=float(knee))

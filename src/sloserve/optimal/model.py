@@ -129,6 +129,11 @@ def solve_bound(
     from ortools.sat.python import cp_model
 
     n, J = len(problem.prompts), problem.num_batches
+    if cost.coefficients.knee_tokens:
+        raise ConfigError(
+            f"bound: the constraint model encodes InferMax's linear form; cost model {cost.name!r} has "
+            f"knee_tokens {cost.coefficients.knee_tokens:g} (use a preset, or a fit with --form infermax)"
+        )
     if J < max(problem.outputs):
         raise ConfigError(f"bound: {J} batches cannot produce {max(problem.outputs)} tokens")
     if n * J > max_cells:

@@ -1,0 +1,79 @@
+"""The grid of batch shapes ``sloserve profile`` measures (no torch: the benchmarks and tests that
+price the same grid with another cost model use it too)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import BatchShape
+
+
+# A profiled batch: prefill chunks as (c, m) pairs (c tokens after m cached) and the cached tokens of
+# each decode.
+Batch = tuple[list[tuple[int, int]], list[int]]
+
+
+def spread_decode_lens(num_decode: int, mean_kv: int, max_kv: int) -> list[int]:
+    """``num_decode`` cached-token counts averaging ``mean_kv``, spread evenly over (0, 2 * mean_kv]
+    (capped at ``max_kv``) as a live batch's are: fresh requests decode beside long-running ones.
+
+    NOTE: a batch of equal lengths would hide what a backend pays for unequal ones (the reference
+    backend pads decodes within a group of similar lengths; a kernel's programs finish unevenly).
+    """
+    return [min(max_kv, round(2 * mean_kv * (i + 1) / (num_decode + 1))) for i in range(num_decode)]
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    """The shapes measured: prefill chunks x cached tokens, batches of several prompts (batch sizes x
+    chunk sizes, up to the largest chunk in all), decode batch sizes x mean cached tokens per decode
+    (``spread_decode_lens``), and mixed batches (each decode batch with the middle prefill chunk)."""
+
+    prefill_chunks: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+    context_lens: tuple[int, ...] = (0, 512, 2048)
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    decode_kv_lens: tuple[int, ...] = (128, 512, 2048)
+
+    def shapes(self, max_model_len: int, max_slots: int) -> list[Batch]:
+        """The grid's batches that fit the context and ``max_slots`` KV slots."""
+        points: list[Batch] = []
+        for c in self.prefill_chunks:
+            for m in self.context_lens:
+                if c + m <= max_model_len and c + m <= max_slots:
+                    points.append(([(c, m)], []))
+        # Batches of k prompts of c tokens each, as vLLM prefills every waiting prompt that fits at
+        # once: the cost per prefill (s_p) is identified only where the number of prefills varies.
+        for k in self.batch_sizes:
+            for c in self.prefill_chunks:
+                if k > 1 and k * c <= max(self.prefill_chunks) and c <= max_model_len and k * c <= max_slots:
+                    points.append(([(c, 0)] * k, []))
+
+        def decodes(b: int, m: int) -> list[int]:
+            return spread_decode_lens(b, m, max_model_len - 1)
+
+        for b in self.batch_sizes:
+            for m in self.decode_kv_lens:
+                lens = decodes(b, m)
+                if m + 1 <= max_model_len and sum(lens) + b <= max_slots:
+                    points.append(([], lens))
+        chunks = [c for c in self.prefill_chunks if c <= max_model_len]
+        if chunks:
+            c = chunks[len(chunks) // 2]
+            m = self.decode_kv_lens[len(self.decode_kv_lens) // 2]
+            for b in self.batch_sizes:
+                lens = decodes(b, m)
+                if m + 1 <= max_model_len and sum(lens) + b + c <= max_slots:
+                    points.append(([(c, 0)], lens))
+        return points
+
+
+def batch_shape(prefills: list[tuple[int, int]], decode_lens: list[int]) -> BatchShape:
+    """The cost model's view of a profiled batch."""
+    return BatchShape(
+        num_decode=len(decode_lens),
+        decode_kv_tokens=sum(decode_lens),
+        num_prefill=len(prefills),
+        prefill_tokens=sum(c for c, _ in prefills),
+        prefill_attention_work=sum(c * c + 2 * m * c for c, m in prefills),
+        prefill_context_tokens=sum(m for _, m in prefills),
+    )
