@@ -2,6 +2,7 @@
 
 from sloserve.optimal.heuristic import HeuristicRun, latency, problem_requests, replay, run_heuristic
 from sloserve.optimal.model import MAX_CELLS, BatchPlan, BoundProblem, BoundResult, solve_bound
+from sloserve.optimal.relaxation import relaxed_bound
 from sloserve.optimal.replay import ReplayScheduler, ScheduleViolation
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "ScheduleViolation",
     "latency",
     "problem_requests",
+    "relaxed_bound",
     "replay",
     "run_heuristic",
     "solve_bound",

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from sloserve.core.errors import ConfigError
 from sloserve.cost.base import BatchShape
 from sloserve.cost.linear import LinearCostModel
+from sloserve.optimal.relaxation import min_batches, offline_bound, request_work
 
 TIME_UNITS_PER_S = 10**12  # the objective's integer time unit: picoseconds
 # Largest model solved by default: requests x batches (each cell holds ~14 variables).
@@ -157,6 +158,7 @@ def solve_bound(
     isdec = [[None] * (J + 1) for _ in range(n)]
     ispre = [[None] * (J + 1) for _ in range(n)]
     terms: list[list] = [[] for _ in range(J + 1)]  # per batch: integer time expressions
+    request_terms: list[list] = [[] for _ in range(n)]  # the same, per request
     for i in range(n):
         top = I[i] + O[i] - 1
         S[i][0], m[i][0] = I[i], 0
@@ -206,7 +208,7 @@ def solve_bound(
             chunk_ctx = model.NewIntVar(0, top, f"kp{i}_{j}")
             model.Add(chunk_ctx == m[i][j - 1]).OnlyEnforceIf(ispre[i][j])
             model.Add(chunk_ctx == 0).OnlyEnforceIf(ispre[i][j].Not())
-            terms[j] += [
+            cell = [
                 k["a_o"] * c[i][j],
                 k["a_d"] * kv_read,
                 k["s_d"] * isdec[i][j],
@@ -214,9 +216,14 @@ def solve_bound(
                 k["s_p"] * ispre[i][j],
                 k["m_p"] * chunk_ctx,
             ]
+            terms[j] += cell
+            request_terms[i] += cell
         model.Add(sum(g[i][j] for j in range(1, J + 1)) == O[i])  # termination
-        # Redundant cut (tightens the relaxation): every KV a request ends with is processed once.
+        # Redundant cuts (they tighten the relaxation the solver bounds with): every KV a request ends
+        # with is processed once, and the request costs at least what relaxation.py says any schedule pays.
         model.Add(sum(c[i][j] for j in range(1, J + 1)) >= I[i] + O[i] - 1)
+        model.Add(sum(request_terms[i]) >= math.floor(request_work(k, I[i], O[i])))
+    _break_symmetry(model, problem, S)
 
     horizon = _horizon(problem, cost)
     batch_time = []
@@ -238,8 +245,10 @@ def solve_bound(
     # NOTE: empty batches go last (symmetry breaking; an empty batch costs nothing).
     for j in range(len(any_act) - 1):
         model.AddImplication(any_act[j + 1], any_act[j])
-    # Redundant cut: one token per request per batch, so at least max(O) batches run.
-    model.Add(sum(any_act) >= max(O))
+    # Redundant cuts: at least J_min batches run (one token per request per batch, C tokens per batch,
+    # M KV tokens held after each), and they take at least the relaxation's time.
+    model.Add(sum(any_act) >= min_batches(I, O, M, C, P))
+    model.Add(sum(batch_time) >= math.floor(offline_bound(k, I, O, M, C, P)))
 
     if problem.online:
         start = [model.NewIntVar(0, horizon, f"start{j}") for j in range(1, J + 1)]
@@ -257,7 +266,7 @@ def solve_bound(
         model.Minimize(sum(batch_time))
 
     if hint:
-        _add_hints(model, hint, problem, S, m, c, g, e)
+        _add_hints(model, _relabel_hint(hint, problem), problem, S, m, c, g, e)
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
@@ -276,6 +285,41 @@ def solve_bound(
     latency = plan[-1].end_s - min(T) if plan else 0.0
     gap = (objective - bound) / objective if objective > 0 else 0.0
     return BoundResult(name, latency, objective, bound, gap, plan, wall, num_vars)
+
+
+def _break_symmetry(model, problem: BoundProblem, S) -> None:
+    """Requests alike in I, O and arrival are interchangeable: of each such pair (i, i2), i2 > i, ask
+    that i finish no later than i2 (any schedule can be relabelled to meet this)."""
+    n, J = len(problem.prompts), problem.num_batches
+    groups: dict[tuple, list[int]] = {}
+    for i in range(n):
+        groups.setdefault((problem.prompts[i], problem.outputs[i], problem.arrivals[i]), []).append(i)
+    for members in groups.values():
+        for i, later in zip(members, members[1:]):
+            full = problem.prompts[i] + problem.outputs[i]
+            for j in range(1, J + 1):
+                # S is monotone, so "later done by batch j" implies "i done by batch j".
+                later_done = model.NewBoolVar(f"done{later}_{j}")
+                model.Add(S[later][j] == full).OnlyEnforceIf(later_done)
+                model.Add(S[later][j] <= full - 1).OnlyEnforceIf(later_done.Not())
+                model.Add(S[i][j] == full).OnlyEnforceIf(later_done)
+
+
+def _relabel_hint(hint: list[dict[int, tuple[int, bool]]], problem: BoundProblem) -> list[dict[int, tuple[int, bool]]]:
+    """The hint with interchangeable requests renumbered in the order they finish (as
+    ``_break_symmetry`` asks), so that the warm start stays a feasible schedule."""
+    last: dict[int, int] = {}
+    for j, batch in enumerate(hint):
+        for i in batch:
+            last[i] = j
+    groups: dict[tuple, list[int]] = {}
+    for i in range(len(problem.prompts)):
+        groups.setdefault((problem.prompts[i], problem.outputs[i], problem.arrivals[i]), []).append(i)
+    rename: dict[int, int] = {}
+    for members in groups.values():
+        by_finish = sorted(members, key=lambda i: (last.get(i, -1), i))
+        rename.update(zip(by_finish, members))
+    return [{rename[i]: value for i, value in batch.items()} for batch in hint]
 
 
 def _horizon(problem: BoundProblem, cost: LinearCostModel) -> int:

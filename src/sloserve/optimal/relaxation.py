@@ -1,0 +1,150 @@
+"""A lower bound on the latency of any schedule, for any number of requests: a relaxation of the
+constraint model (``model.py``) that keeps what every schedule must pay and drops the rest.
+
+Per request (I prompt tokens, O output tokens), terms of the linear cost model no schedule avoids:
+
+    tokens         every position 0 .. I+O-2 is processed at least once: a_o * (I + O - 1)
+    the prompt     positions 0 .. I-2 in prefill chunks: a_p * (I-1)^2 (a chunk of c tokens after m
+                   does c^2 + 2mc = sum of (2q + 1) over its positions q) and s_p for at least one
+                   chunk; position I-1 in the last chunk, a_p * (2I - 1), or alone as a decode reading
+                   I-1 tokens, a_d * (I-1) + s_d, whichever is less. (I = 1: one decode, s_d.)
+    generated      each of the O-1 generated tokens that get KV is a decode reading the q tokens before
+                   it (q = I .. I+O-2): a_d * q + s_d
+    evictions      an eviction when s tokens are known processes positions 0 .. s-2 again, in
+                   prefill (a_p * (s-1)^2 + a_o * (s-1) + s_p), and may process position s-1 in the
+                   chunk instead of as a decode (a_p * (2s - 1) in place of a_d * (s-1) + s_d). An
+                   eviction is counted only where that sum is negative (never with the bundled
+                   presets, where a_o > a_d): the evictions that memory forces are what is relaxed.
+
+Per batch: b_o for each of at least J_min batches, where J_min is the largest of max(O) (one token
+of a request per batch), sum(I + O - 1) / C (tokens per batch) and the KV footprint over M: the
+batch that samples the k-th token of a request holds I + k - 1 of its tokens after it, and every
+batch's holdings sum to at most M, so J_min >= sum over requests and k of (I + k - 1) / M. Of those,
+at least P_min hold a prefill chunk (b_p each): one if any prompt has 2 tokens or more, and the last
+prefill chunk of a prompt leaves at least I - 1 of its tokens held, so P_min >= sum(I - 1) / M (and
+sum(I - 1) / P with a prefill budget P). The request with the most output tokens samples in max(O)
+batches, each with a prefill or a decode, so max(O) - P_min more pay min(b_d, b_p). The terms left
+out (m_p, extra chunks, evictions forced by memory, batches beyond these counts) are what a schedule
+can lose against this bound.
+
+Online, the batches that serve requests arriving at or after t start at or after t, so the latency is
+at least max over arrival times t of (t - first arrival) + the bound of the requests arriving from t.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from sloserve.cost.linear import LinearCostModel
+
+
+def request_work(k: Mapping[str, float], prompt: int, output: int) -> float:
+    """The per-request terms above, in the units of the coefficients ``k`` (whole-model time per unit)."""
+    I, O = prompt, output
+    total = k["a_o"] * (I + O - 1)
+    if I == 1:
+        total += k["s_d"]  # the lone prompt token is a decode reading nothing
+    else:
+        total += k["a_p"] * (I - 1) ** 2 + k["s_p"] + min(k["a_p"] * (2 * I - 1), k["a_d"] * (I - 1) + k["s_d"])
+    # Decodes of positions q = I .. I+O-2.
+    num_decodes = O - 1
+    total += k["a_d"] * num_decodes * (2 * I + num_decodes - 1) / 2 + k["s_d"] * num_decodes
+    for s in range(I + 1, I + O):  # evictions that would pay for themselves (none with a_o >= a_d)
+        redo = k["a_p"] * (s - 1) ** 2 + k["a_o"] * (s - 1) + k["s_p"]  # positions 0 .. s-2 again
+        swap = k["a_p"] * (2 * s - 1) - k["a_d"] * (s - 1) - k["s_d"]  # position s-1: prefill, not decode
+        if redo + min(swap, 0.0) < 0:
+            total += redo + min(swap, 0.0)
+        elif redo + swap >= 0 and 2 * k["a_p"] * s + k["a_o"] - k["a_d"] >= 0:
+            break  # redo + swap is a convex quadratic below the extra, past its minimum: no more gains
+    return total
+
+
+class _Requests:
+    """Running sums of a set of requests for J_min (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.max_output = 0
+        self.tokens = 0  # sum of I + O - 1
+        self.prompt_positions = 0  # sum of I - 1
+        self.footprint = 0  # sum over requests and k = 1..O of I + k - 1
+        self.work = 0.0
+
+    def add(self, k: Mapping[str, float], prompt: int, output: int) -> None:
+        """Count one request (``k`` empty: its work is not needed)."""
+        self.max_output = max(self.max_output, output)
+        self.tokens += prompt + output - 1
+        self.prompt_positions += prompt - 1
+        self.footprint += output * (prompt - 1) + output * (output + 1) // 2
+        if k:
+            self.work += request_work(k, prompt, output)
+
+    def min_prefill_batches(self, kv_capacity_tokens: int, prefill_token_budget: int | None) -> int:
+        """P_min: the fewest batches with a prefill chunk (see the module docstring)."""
+        bounds = [1 if self.prompt_positions else 0, math.ceil(self.prompt_positions / kv_capacity_tokens)]
+        if prefill_token_budget is not None:
+            bounds.append(math.ceil(self.prompt_positions / prefill_token_budget))
+        return max(bounds)
+
+    def min_batches(self, kv_capacity_tokens: int, max_num_batched_tokens: int, prefill_token_budget: int | None) -> int:
+        """J_min: the fewest batches (see the module docstring)."""
+        return max(self.max_output, math.ceil(self.tokens / max_num_batched_tokens),
+                   math.ceil(self.footprint / kv_capacity_tokens),
+                   self.min_prefill_batches(kv_capacity_tokens, prefill_token_budget))  # fmt: skip
+
+    def bound(self, k: Mapping[str, float], kv_capacity_tokens: int, max_num_batched_tokens: int,
+              prefill_token_budget: int | None) -> float:  # fmt: skip
+        """The least total batch time of these requests, in the units of ``k``."""
+        batches = self.min_batches(kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget)
+        prefill_batches = self.min_prefill_batches(kv_capacity_tokens, prefill_token_budget)
+        fixed = (k["b_o"] * batches + k["b_p"] * prefill_batches
+                 + min(k["b_d"], k["b_p"]) * max(0, self.max_output - prefill_batches))  # fmt: skip
+        return fixed + self.work
+
+
+def min_batches(prompts: Sequence[int], outputs: Sequence[int], kv_capacity_tokens: int,
+                max_num_batched_tokens: int, prefill_token_budget: int | None) -> int:  # fmt: skip
+    """J_min: the fewest batches any schedule of these requests runs (see the module docstring)."""
+    requests = _Requests()
+    for prompt, output in zip(prompts, outputs, strict=True):
+        requests.add({}, prompt, output)
+    return requests.min_batches(kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget)
+
+
+def offline_bound(k: Mapping[str, float], prompts: Sequence[int], outputs: Sequence[int], kv_capacity_tokens: int,
+                  max_num_batched_tokens: int, prefill_token_budget: int | None) -> float:  # fmt: skip
+    """The least total batch time of the requests, in the units of ``k``."""
+    requests = _Requests()
+    for prompt, output in zip(prompts, outputs, strict=True):
+        requests.add(k, prompt, output)
+    return requests.bound(k, kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget)
+
+
+def whole_model_coefficients(cost: LinearCostModel) -> dict[str, float]:
+    """The preset's per-layer ms coefficients as whole-model seconds per unit."""
+    c = cost.coefficients
+    scale = c.num_layers / 1000.0
+    return {key: getattr(c, key) * scale for key in ("a_p", "b_p", "a_d", "b_d", "a_o", "b_o", "s_p", "s_d", "m_p")}
+
+
+def relaxed_bound(problem, cost: LinearCostModel) -> float:
+    """A lower bound (seconds) on the latency of any schedule of ``problem`` (a ``BoundProblem``):
+    offline, the least total batch time; online, the largest over arrival times t of the time to t
+    plus the bound of the requests arriving from t. O(n log n + sum of O) time."""
+    if cost.coefficients.knee_tokens:
+        raise ValueError("the relaxation prices tokens by InferMax's linear form (knee_tokens = 0)")
+    k = whole_model_coefficients(cost)
+    limits = (problem.kv_capacity_tokens, problem.max_num_batched_tokens, problem.prefill_token_budget)
+    if not problem.online:
+        return offline_bound(k, problem.prompts, problem.outputs, *limits)
+    order = sorted(range(len(problem.prompts)), key=lambda i: problem.arrivals[i])
+    first = problem.arrivals[order[0]]
+    best = 0.0
+    later = _Requests()  # the requests arriving at or after the current one
+    for pos in range(len(order) - 1, -1, -1):
+        i = order[pos]
+        later.add(k, problem.prompts[i], problem.outputs[i])
+        if pos and problem.arrivals[order[pos - 1]] == problem.arrivals[i]:
+            continue  # not the first request at this arrival time
+        best = max(best, problem.arrivals[i] - first + later.bound(k, *limits))
+    return best
