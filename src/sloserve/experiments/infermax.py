@@ -299,9 +299,10 @@ def sec6(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dict
              f"({ours['latency_s'] / deployable['latency_s'] - 1:+.1%}); bound (vLLM with unlimited M): {bound:.0f} s, "
              f"the best deployable is {deployable['latency_s'] / bound - 1:+.1%} above it; paper: 7K s -> 6K s (bound 5K s)"]
     relaxed = _sec6_relaxation(n)
-    lines.append(f"lower bound on any schedule (the relaxation of the constraint model): {relaxed:.0f} s; the best "
-                 f"deployable is {deployable['latency_s'] / relaxed - 1:+.1%} above it, {ours['scheduler']} "
-                 f"{ours['latency_s'] / relaxed - 1:+.1%}, the unlimited-memory vLLM {bound / relaxed - 1:+.1%}")  # fmt: skip
+    # NOTE: the unlimited-memory run is not bound by it: the relaxation counts batches that M forces.
+    lines.append(f"lower bound on any schedule within M = 100K (the relaxation of the constraint model): {relaxed:.0f} s; "
+                 f"the best deployable is {deployable['latency_s'] / relaxed - 1:+.1%} above it, {ours['scheduler']} "
+                 f"{ours['latency_s'] / relaxed - 1:+.1%}")  # fmt: skip
     return rows, lines
 
 
