@@ -420,3 +420,46 @@ def test_plots_name_what_they_show_and_go_log_scale_on_wide_spreads():
     assert wide_spread(np.array([0.337, 0.508, 38.0 * 10]))
     assert not wide_spread(np.array([0.337, 0.508, 30.0]))
     assert not wide_spread(np.array([0.0, 5.0, np.nan]))  # one positive value: nothing to compare
+
+
+def test_token_groups_worked_example():
+    """BROS's token groups (metrics/token_groups.py): the first token due TTFT after arrival, then each
+    group of g tokens due g x TPOT after the previous group came. A stall costs the one late group;
+    per-token deadlines (first token + (k - 1) x TPOT) count every token after it as late."""
+    from sloserve.metrics.token_groups import group_deadlines_met
+
+    times = [0.3, 0.5, 0.7, 1.4, 1.5, 1.6]
+    assert group_deadlines_met(0.0, times, ttft_s=0.4, tpot_s=0.2, group_size=2) == [True, True, False, True]
+    per_token_late = [t > times[0] + k * 0.2 + 1e-9 for k, t in enumerate(times)]
+    assert per_token_late == [False, False, False, True, True, True]
+    assert group_deadlines_met(0.0, [0.5], 0.4, 0.2) == [False]  # a one-token output: TTFT only
+    with pytest.raises(ValueError, match="group_size must be >= 1"):
+        group_deadlines_met(0.0, times, 0.4, 0.2, group_size=0)
+
+
+@pytest.mark.parametrize("scheduler", ["vllm", "sarathi", "bros", "econoserve"])
+def test_token_times_agree_with_the_summary_times(scheduler):
+    """Requests that keep ``token_times`` get every token's time, also from a decode cohort's
+    stretches: as many as tokens, in order, matching the first and last token times and the
+    largest gap the request keeps without them."""
+    from sloserve.cost import LinearCostModel, get_preset
+    from sloserve.metrics.token_groups import token_group_attainment
+    from sloserve.sched import make_scheduler
+    from sloserve.sim import simulate
+    from sloserve.workload import workload_from_trace
+
+    cost = LinearCostModel(get_preset("llama-2-7b-a100"))
+    requests = workload_from_trace("sharegpt", num_requests=150, seed=0, context_len=4096, rate=12).requests
+    for r in requests:
+        r.token_times = []
+    simulate(requests, lambda: make_scheduler(scheduler, kv_capacity_tokens=20_000, max_model_len=4096,
+                                              cost_model=cost), cost)  # fmt: skip
+    assert sum(r.num_preemptions for r in requests) > 0  # evictions happened on the way
+    for r in requests:
+        t = r.token_times
+        assert len(t) == r.num_output_tokens and t[0] == r.first_token_time and t[-1] == r.last_token_time
+        assert all(b >= a for a, b in zip(t, t[1:]))
+        if len(t) > 1:
+            assert max(b - a for a, b in zip(t, t[1:])) == pytest.approx(r.max_token_gap, abs=1e-12)
+    result = token_group_attainment(requests, 1.0, 0.1)
+    assert 0 <= result.requests <= 1 and 0 <= result.groups <= 1 and result.num_groups > len(requests)

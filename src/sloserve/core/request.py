@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -100,6 +101,9 @@ class Request:
     last_token_time: float = math.nan
     finish_time: float = math.nan
     max_token_gap: float = math.nan  # largest gap between consecutive output tokens
+    # Every output token's time, kept only when set to a list before the run (metrics that need each
+    # token, such as BROS's token groups; None: not kept, the default).
+    token_times: list[float] | None = None
     num_preemptions: int = 0
     # JCT decomposition (EconoServe §2.1), kept by the step loop (replica.Replica) from the
     # outputs: waiting = first scheduled - arrival; preemption = time from each preemption until the
@@ -185,6 +189,8 @@ class Request:
         self._computed_offset = 0
 
     def record_token_time(self, now: float) -> None:
+        if self.token_times is not None:
+            self.token_times.append(now)
         if math.isnan(self.first_token_time):
             self.first_token_time = now
         else:
@@ -193,10 +199,15 @@ class Request:
                 self.max_token_gap = gap
         self.last_token_time = now
 
-    def record_token_run(self, first: float, last: float, max_inner_gap: float) -> None:
+    def record_token_run(self, first: float, last: float, max_inner_gap: float,
+                         times: Sequence[float] | None = None) -> None:  # fmt: skip
         """Record a run of consecutive tokens (a cohort stretch) by its first and last time and the
-        largest gap inside it (NaN when the run is one token)."""
+        largest gap inside it (NaN when the run is one token); ``times``, every token's time, is
+        needed only when ``token_times`` is kept."""
         self.record_token_time(first)
+        if self.token_times is not None:
+            assert times is not None and times[0] == first and times[-1] == last, "a run's token times"
+            self.token_times.extend(times[1:])
         if not math.isnan(max_inner_gap) and (
             math.isnan(self.max_token_gap) or max_inner_gap > self.max_token_gap
         ):

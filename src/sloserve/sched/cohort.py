@@ -95,7 +95,8 @@ class DecodeCohort:
         joined, now = request.cohort_join_tick, self.ticks
         self.kv_tokens -= request._computed_offset + now  # its num_computed_tokens
         if now > joined:
-            request.record_token_run(*self._times.run(joined + 1))
+            times = self._times.ends(joined + 1) if request.token_times is not None else None
+            request.record_token_run(*self._times.run(joined + 1), times)
         request._computed_offset += now
         request._output_offset += now
         request.cohort = None
@@ -306,6 +307,10 @@ class TickTimes:
             peak_ticks.pop()
         peak_ticks.append(tick)
         peak_gaps.append(gap)
+
+    def ends(self, first_tick: int) -> list[float]:
+        """End times of ``first_tick`` .. the latest tick."""
+        return self._end[first_tick:]
 
     def run(self, first_tick: int) -> tuple[float, float, float]:
         """(end of ``first_tick``, end of the latest tick, largest gap between consecutive ticks of
