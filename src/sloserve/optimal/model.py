@@ -287,17 +287,21 @@ def solve_bound(
     return BoundResult(name, latency, objective, bound, gap, plan, wall, num_vars)
 
 
-def _break_symmetry(model, problem: BoundProblem, S) -> None:
-    """Requests alike in I, O and arrival are interchangeable: of each such pair (i, i2), i2 > i, ask
-    that i finish no later than i2 (any schedule can be relabelled to meet this)."""
-    n, J = len(problem.prompts), problem.num_batches
+def _interchangeable(problem: BoundProblem) -> list[list[int]]:
+    """Groups of requests alike in I, O and arrival (any two can swap places in a schedule)."""
     groups: dict[tuple, list[int]] = {}
-    for i in range(n):
+    for i in range(len(problem.prompts)):
         groups.setdefault((problem.prompts[i], problem.outputs[i], problem.arrivals[i]), []).append(i)
-    for members in groups.values():
+    return [members for members in groups.values() if len(members) > 1]
+
+
+def _break_symmetry(model, problem: BoundProblem, S) -> None:
+    """Of two interchangeable requests i < i2, ask that i finish no later than i2 (any schedule can
+    be relabelled to meet this)."""
+    for members in _interchangeable(problem):
         for i, later in zip(members, members[1:]):
             full = problem.prompts[i] + problem.outputs[i]
-            for j in range(1, J + 1):
+            for j in range(1, problem.num_batches + 1):
                 # S is monotone, so "later done by batch j" implies "i done by batch j".
                 later_done = model.NewBoolVar(f"done{later}_{j}")
                 model.Add(S[later][j] == full).OnlyEnforceIf(later_done)
@@ -308,16 +312,10 @@ def _break_symmetry(model, problem: BoundProblem, S) -> None:
 def _relabel_hint(hint: list[dict[int, tuple[int, bool]]], problem: BoundProblem) -> list[dict[int, tuple[int, bool]]]:
     """The hint with interchangeable requests renumbered in the order they finish (as
     ``_break_symmetry`` asks), so that the warm start stays a feasible schedule."""
-    last: dict[int, int] = {}
-    for j, batch in enumerate(hint):
-        for i in batch:
-            last[i] = j
-    groups: dict[tuple, list[int]] = {}
-    for i in range(len(problem.prompts)):
-        groups.setdefault((problem.prompts[i], problem.outputs[i], problem.arrivals[i]), []).append(i)
-    rename: dict[int, int] = {}
-    for members in groups.values():
-        by_finish = sorted(members, key=lambda i: (last.get(i, -1), i))
+    finish = {i: j for j, batch in enumerate(hint) for i, (tokens, _) in batch.items() if tokens > 0}  # the last wins
+    rename = {i: i for i in range(len(problem.prompts))}
+    for members in _interchangeable(problem):
+        by_finish = sorted(members, key=lambda i: (finish.get(i, -1), i))
         rename.update(zip(by_finish, members))
     return [{rename[i]: value for i, value in batch.items()} for batch in hint]
 

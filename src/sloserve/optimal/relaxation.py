@@ -70,14 +70,13 @@ class _Requests:
         self.footprint = 0  # sum over requests and k = 1..O of I + k - 1
         self.work = 0.0
 
-    def add(self, k: Mapping[str, float], prompt: int, output: int) -> None:
-        """Count one request (``k`` empty: its work is not needed)."""
+    def add(self, prompt: int, output: int, work: float = 0.0) -> None:
+        """Count one request, whose ``request_work`` is ``work``."""
         self.max_output = max(self.max_output, output)
         self.tokens += prompt + output - 1
         self.prompt_positions += prompt - 1
         self.footprint += output * (prompt - 1) + output * (output + 1) // 2
-        if k:
-            self.work += request_work(k, prompt, output)
+        self.work += work
 
     def min_prefill_batches(self, kv_capacity_tokens: int, prefill_token_budget: int | None) -> int:
         """P_min: the fewest batches with a prefill chunk (see the module docstring)."""
@@ -107,7 +106,7 @@ def min_batches(prompts: Sequence[int], outputs: Sequence[int], kv_capacity_toke
     """J_min: the fewest batches any schedule of these requests runs (see the module docstring)."""
     requests = _Requests()
     for prompt, output in zip(prompts, outputs, strict=True):
-        requests.add({}, prompt, output)
+        requests.add(prompt, output)
     return requests.min_batches(kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget)
 
 
@@ -116,7 +115,7 @@ def offline_bound(k: Mapping[str, float], prompts: Sequence[int], outputs: Seque
     """The least total batch time of the requests, in the units of ``k``."""
     requests = _Requests()
     for prompt, output in zip(prompts, outputs, strict=True):
-        requests.add(k, prompt, output)
+        requests.add(prompt, output, request_work(k, prompt, output))
     return requests.bound(k, kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget)
 
 
@@ -143,7 +142,7 @@ def relaxed_bound(problem, cost: LinearCostModel) -> float:
     later = _Requests()  # the requests arriving at or after the current one
     for pos in range(len(order) - 1, -1, -1):
         i = order[pos]
-        later.add(k, problem.prompts[i], problem.outputs[i])
+        later.add(problem.prompts[i], problem.outputs[i], request_work(k, problem.prompts[i], problem.outputs[i]))
         if pos and problem.arrivals[order[pos - 1]] == problem.arrivals[i]:
             continue  # not the first request at this arrival time
         best = max(best, problem.arrivals[i] - first + later.bound(k, *limits))
