@@ -27,7 +27,7 @@ from rich.table import Table
 
 from sloserve.cost import BatchShape, LinearCostModel, fit_linear_shapes, get_gpu, get_model, kv_capacity_tokens
 from sloserve.cost.fit import read_profile_csv
-from sloserve.cost.profile_grid import ProfileGrid, batch_shape
+from sloserve.cost.profile_grid import ProfileGrid
 from sloserve.cost.roofline import RooflineCostModel
 from sloserve.metrics.summary import request_table
 from sloserve.sched import make_scheduler
@@ -97,7 +97,7 @@ def main() -> None:
     model, gpu = get_model("llama-2-7b"), get_gpu("a100")
     capacity = kv_capacity_tokens(model, gpu)
     reference = RooflineCostModel(model, gpu)
-    shapes = [batch_shape(*batch) for batch in ProfileGrid().shapes(4096, capacity)]  # `profile`'s default grid
+    shapes = [BatchShape.of(*batch) for batch in ProfileGrid().shapes(4096, capacity)]  # `profile`'s default grid
     times = [reference.batch_time(s).total_s for s in shapes]
     fits = fit_table(shapes, times, model.num_layers, "Llama-2-7B, A100-80GB roofline: held-out error of each form's fit")
 

@@ -32,7 +32,7 @@ from sloserve.cost import (
 )
 from sloserve.cost.base import advance_shape
 from sloserve.cost.fit import CSV_COLUMNS
-from sloserve.cost.profile_grid import ProfileGrid, batch_shape
+from sloserve.cost.profile_grid import ProfileGrid
 from sloserve.cost.linear import COEFFICIENT_NAMES
 
 L7 = get_preset("llama-2-7b-a100")
@@ -321,7 +321,7 @@ def test_one_knee_fit_serves_vllm_and_sarathi() -> None:
     model, gpu = get_model("llama-2-7b"), get_gpu("a100")
     capacity = kv_capacity_tokens(model, gpu)
     reference = RooflineCostModel(model, gpu)
-    shapes = [batch_shape(*batch) for batch in ProfileGrid().shapes(4096, capacity)]  # `profile`'s grid
+    shapes = [BatchShape.of(*batch) for batch in ProfileGrid().shapes(4096, capacity)]  # `profile`'s grid
     times = [reference.batch_time(s).total_s for s in shapes]
 
     def mean_latencies(cost, scheduler: str) -> np.ndarray:  # mean TTFT, TPOT, JCT

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -30,6 +31,19 @@ class BatchShape(NamedTuple):
     def num_tokens(self) -> int:
         """Forward size: sum of c over the batch."""
         return self.num_decode + self.prefill_tokens
+
+    @classmethod
+    def of(cls, prefills: Sequence[tuple[int, int]], decode_lens: Sequence[int]) -> BatchShape:
+        """The shape of a batch of prefill chunks given as (c, m) (c tokens after m cached) and of
+        decodes given by their cached tokens m."""
+        return cls(
+            num_decode=len(decode_lens),
+            decode_kv_tokens=sum(decode_lens),
+            num_prefill=len(prefills),
+            prefill_tokens=sum(c for c, _ in prefills),
+            prefill_attention_work=sum(c * c + 2 * m * c for c, m in prefills),
+            prefill_context_tokens=sum(m for _, m in prefills),
+        )
 
 
 class CostBreakdown(NamedTuple):

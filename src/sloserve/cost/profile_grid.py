@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import BatchShape
-
 
 # A profiled batch: prefill chunks as (c, m) pairs (c tokens after m cached) and the cached tokens of
 # each decode.
@@ -65,15 +63,3 @@ class ProfileGrid:
                 if m + 1 <= max_model_len and sum(lens) + b + c <= max_slots:
                     points.append(([(c, 0)], lens))
         return points
-
-
-def batch_shape(prefills: list[tuple[int, int]], decode_lens: list[int]) -> BatchShape:
-    """The cost model's view of a profiled batch."""
-    return BatchShape(
-        num_decode=len(decode_lens),
-        decode_kv_tokens=sum(decode_lens),
-        num_prefill=len(prefills),
-        prefill_tokens=sum(c for c, _ in prefills),
-        prefill_attention_work=sum(c * c + 2 * m * c for c, m in prefills),
-        prefill_context_tokens=sum(m for _, m in prefills),
-    )

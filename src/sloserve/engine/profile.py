@@ -19,8 +19,8 @@ from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import ScheduledChunk, SchedulerOutput
 from sloserve.core.request import Request
 from sloserve.cost import BatchShape, LinearCostModel, LinearFit, fit_linear_shapes
-from sloserve.cost.profile_grid import ProfileGrid, batch_shape
 from sloserve.cost.fit import FEATURE_ORDER
+from sloserve.cost.profile_grid import ProfileGrid
 from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.executor import EngineExecutor
 from sloserve.engine.kv_cache import KVCacheTensor
@@ -121,7 +121,7 @@ def profile(
         )
     c = loaded.config
     timer = StepTimer(loaded, max(StepTimer.blocks_needed(*point) for point in points), max_context=max_model_len)
-    shapes = [batch_shape(prefills, decode_lens) for prefills, decode_lens in points]
+    shapes = [BatchShape.of(prefills, decode_lens) for prefills, decode_lens in points]
     # NOTE: each pass times every point once (the first pass warms up), and a point's time is its
     # median over the passes: a slow spell on a shared machine then lands on all points alike
     # instead of on a run of neighbours (one batch size, say), which would bend the fit.

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from sloserve.core.errors import ConfigError
 from sloserve.cost.base import BatchShape
 from sloserve.cost.linear import LinearCostModel
-from sloserve.optimal.relaxation import min_batches, offline_bound, request_work
+from sloserve.optimal.relaxation import min_batches, offline_bound, request_work, whole_model_coefficients
 
 TIME_UNITS_PER_S = 10**12  # the objective's integer time unit: picoseconds
 # Largest model solved by default: requests x batches (each cell holds ~14 variables).
@@ -96,23 +96,13 @@ class BoundResult:
 
 def _int_coefficients(cost: LinearCostModel) -> dict[str, int]:
     """The preset's per-layer ms coefficients as integer picoseconds for the whole model."""
-    c = cost.coefficients
-    scale = c.num_layers / 1000.0 * TIME_UNITS_PER_S
-    return {k: round(getattr(c, k) * scale) for k in ("a_p", "b_p", "a_d", "b_d", "a_o", "b_o", "s_p", "s_d", "m_p")}
+    return {key: round(value * TIME_UNITS_PER_S) for key, value in whole_model_coefficients(cost).items()}
 
 
 def batch_seconds(cost: LinearCostModel, prompts_done: list[tuple[int, int]], decodes: list[int]) -> float:
     """Float time of a batch: ``prompts_done`` = (c, m) of prefill requests, ``decodes`` = m of each
     decode request, evaluated by the same cost model the simulator uses."""
-    shape = BatchShape(
-        num_decode=len(decodes),
-        decode_kv_tokens=sum(decodes),
-        num_prefill=len(prompts_done),
-        prefill_tokens=sum(c for c, _ in prompts_done),
-        prefill_attention_work=sum(c * c + 2 * m * c for c, m in prompts_done),
-        prefill_context_tokens=sum(m for _, m in prompts_done),
-    )
-    return cost.batch_time(shape).total_s
+    return cost.batch_time(BatchShape.of(prompts_done, decodes)).total_s
 
 
 def solve_bound(
