@@ -107,6 +107,33 @@ def test_bros_bad_configuration():
     assert isinstance(scheduler("bros", 10_000), BrosScheduler) and llama7b_cost() is not None
 
 
+def test_token_group_deadlines():
+    """``deadlines=token_group``: the current group of g tokens is due g x TPOT after the previous
+    group came, its next token early enough for the rest to follow one per average iteration; per
+    token, token k is due at first token + (k - 1) x TPOT."""
+    by_group = scheduler("bros", 10_000, deadlines="token_group", token_group_size=2)
+    per_token = scheduler("bros", 10_000)
+    r = Request(request_id=0, arrival_time=0.0, num_prompt_tokens=4, true_output_tokens=10, max_tokens=10)
+    assert by_group.deadline(r) == per_token.deadline(r) == pytest.approx(0.4)  # the first token: TTFT
+    by_group.iteration_ema_s = 0.05
+
+    def emit(now: float) -> None:
+        r.add_output_token(now)
+        by_group.on_token_emitted(r)
+
+    emit(0.3)  # token 1, group 0: the next group (tokens 2-3) is due 0.3 + 2 x 0.2
+    assert by_group.deadline(r) == pytest.approx(0.7 - 0.05)  # token 2, with token 3 after it
+    emit(0.5)
+    assert by_group.deadline(r) == pytest.approx(0.7)  # token 3 closes the group
+    emit(0.6)  # token 3 came: group 2 (tokens 4-5) is due 0.6 + 0.4
+    assert by_group.deadline(r) == pytest.approx(1.0 - 0.05)
+    assert per_token.deadline(r) == pytest.approx(0.3 + 3 * 0.2)  # banked slack: due at 0.9 regardless
+    with pytest.raises(ConfigError, match="deadlines must be per_token or token_group, got 'soon'"):
+        scheduler("bros", 10_000, deadlines="soon")
+    with pytest.raises(ConfigError, match="token_group_size must be >= 1, got 0"):
+        scheduler("bros", 10_000, token_group_size=0)
+
+
 def test_vllm_priority_admits_rt_before_earlier_be():
     reqs = mixed(num_rt=6, num_be=30, rt_gap=0.0)
     for r in reqs:

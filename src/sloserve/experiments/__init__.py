@@ -19,6 +19,7 @@ EXPERIMENTS: dict[str, Callable[..., tuple[list[dict], list[str]]]] = {
     "bros-fig12": bros.fig12,
     "bros-fig13": bros.fig13,
     "bros-fig14": bros.fig14,
+    "bros-token-groups": bros.token_groups,
     "econoserve-fig9": econoserve.fig9,
     "econoserve-fig13": econoserve.fig13,
     "econoserve-fig15": econoserve.fig15,

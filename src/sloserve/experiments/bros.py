@@ -281,6 +281,40 @@ def fig13(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dic
     return rows, lines
 
 
+def token_groups(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dict], list[str]]:
+    """Token groups (§3, Table 1): BROS packing against per-token deadlines (ours, the default)
+    and against token-group deadlines ((6) with Table 1's inputs), in token-group, TTFT and TPOT
+    attainment and BE throughput (metrics/token_groups.py)."""
+    if quick:
+        grid = [("bros-sharegpt", "opt-13b", (6.0,)), ("bros-lmsys", "llama-3-70b", (1.0,))]
+    else:
+        grid = [("bros-sharegpt", "opt-13b", (2.0, 6.0, 10.0)), ("bros-sharegpt", "llama-3-70b", (1.0, 2.0, 3.0)),
+                ("bros-lmsys", "llama-3-70b", (1.0, 2.0, 3.0))]  # fmt: skip
+    n = 400 if quick else 1000
+    modes = (("per-token deadlines", None), ("token-group deadlines", {"deadlines": "token_group"}))
+    jobs = [(workload, setting, rate, label, options) for workload, setting, rates in grid for rate in rates
+            for label, options in modes]  # fmt: skip
+    rows = executor.map(run_hybrid, [("bros", rate, n, workload, setting, options)
+                                     for workload, setting, rate, _, options in jobs])  # fmt: skip
+    for (_, _, _, label, _), row in zip(jobs, rows, strict=True):
+        row["scheduler"] = f"bros, {label}"
+        row["panel"] = f"{LABELS[row['model']]}\n{row['workload']}"
+    write_csv(rows, out / "bros_token_groups.csv")
+    plot_grid(rows, out / "bros_token_groups.png",
+              ("token_group_attainment", "ttft_attainment", "tpot_attainment", "be_throughput_tps"),
+              column="panel", x="rt_rate", title="BROS: per-token vs token-group deadlines")  # fmt: skip
+    lines = []
+    for per_token, by_group in zip(rows[::2], rows[1::2], strict=True):
+        lines.append(
+            f"{per_token['model']} {per_token['workload']} RT rate {per_token['rt_rate']:g}: token-group attainment "
+            f"{per_token['token_group_attainment']:.0%} -> {by_group['token_group_attainment']:.0%} (groups on time "
+            f"{per_token['token_groups_on_time']:.0%} -> {by_group['token_groups_on_time']:.0%}), TTFT "
+            f"{per_token['ttft_attainment']:.0%} -> {by_group['ttft_attainment']:.0%}, TPOT {per_token['tpot_attainment']:.0%} "
+            f"-> {by_group['tpot_attainment']:.0%}, BE throughput {by_group['be_throughput_tps'] / per_token['be_throughput_tps'] - 1:+.0%}"
+        )
+    return rows, lines
+
+
 def fig14(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dict], list[str]]:
     """Figure 14: BROS's scheduling time per iteration by part (RT ordering, RT packing with its
     cost-model queries, BE packing, KV block allocation and checkpointing), OPT-13B and OPT-30B.

@@ -44,6 +44,13 @@ class BrosConfig:
     replace_slack_iterations: float = 2.0
     default_ttft_s: float = 0.4  # SLOs for RT requests without their own (BROS §7.1)
     default_tpot_s: float = 0.2
+    # When an RT request's next token is due. "per_token": token k at first token + (k - 1) x TPOT,
+    # so a request ahead of schedule banks the slack. "token_group": (6) as Table 1's inputs describe
+    # it: the current group of ``token_group_size`` tokens is due group x TPOT after the previous group
+    # came, and its next token early enough for the rest to follow one per (moving-average) iteration
+    # (metrics/token_groups.py measures the same groups).
+    deadlines: str = "per_token"
+    token_group_size: int = 5
     block_size: int = 16
     kv_manager: str = "paged"
     # Where an RT request that filled its last block grows (bidirectional blocks): over the BE tokens
@@ -71,7 +78,11 @@ class BrosConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.kv_manager not in ("paged", "bidirectional"):
             raise ConfigError(f"BROS schedulers use kv_manager paged or bidirectional, got {self.kv_manager!r}")
-        if self.rt_growth not in ("free_block_first", "facing_first"):
+        if self.deadlines not in ("per_token", "token_group"):
+            raise ConfigError(f"deadlines must be per_token or token_group, got {self.deadlines!r}")
+        if self.token_group_size < 1:
+            raise ConfigError(f"token_group_size must be >= 1, got {self.token_group_size}")
+        if self.rt_growth not in ("facing_first", "free_block_first"):
             raise ConfigError(f"rt_growth must be facing_first or free_block_first, got {self.rt_growth!r}")
 
 
@@ -88,22 +99,41 @@ class SubsetScheduler(Scheduler):
         self._batch_prompt_tokens = 0
         # Bidirectional blocks (§5): slots are taken as requests join the batch, whose members are
         # protected from being overwritten; checkpoint and restore traffic is the step's swap.
+        self._group_start: dict[Request, float] = {}  # token-group deadlines: when the current group began
         self._bicache = isinstance(kv, BidirectionalKVManager)
         if self._bicache:
             kv.rt_free_block_first = config.rt_growth == "free_block_first"
         self._batch_set: set[Request] = set()
 
+    # Moving average of the estimated iteration time ((6) with token groups), and its weight per step.
+    iteration_ema_s = 0.0
+    ITERATION_EMA_WEIGHT = 0.2  # our choice: the paper's window is not stated
+
     def on_token_emitted(self, request: Request) -> None:
-        """Decodes stay explicit: the policy picks who runs every step."""
+        """Decodes stay explicit: the policy picks who runs every step. With token-group deadlines,
+        a request whose token completed a group starts the next one now."""
+        if self.config.deadlines == "token_group" and (request.num_output_tokens - 1) % self.config.token_group_size == 0:
+            self._group_start[request] = request.last_token_time
+
+    def _finish(self, request: Request, now: float) -> None:
+        super()._finish(request, now)
+        self._group_start.pop(request, None)
 
     def deadline(self, request: Request) -> float:
-        """When the RT request's next token is due: arrival + TTFT for the first; after it, the
-        k-th further token at first token + k x TPOT, so that TPOT as measured (the average gap,
-        (last - first) / (output tokens - 1)) meets its SLO."""
+        """When the RT request's next token is due: arrival + TTFT for the first. After it, per token
+        (``deadlines=per_token``), the k-th further token at first token + k x TPOT, so that TPOT as
+        measured (the average gap, (last - first) / (output tokens - 1)) meets its SLO; or by token
+        groups (``token_group``, see ``BrosConfig.deadlines``)."""
         slo = request.slo
         if math.isnan(request.first_token_time):
             return request.arrival_time + (slo.ttft_s or self.config.default_ttft_s)
-        return request.first_token_time + request.num_output_tokens * (slo.tpot_s or self.config.default_tpot_s)
+        tpot = slo.tpot_s or self.config.default_tpot_s
+        if self.config.deadlines == "per_token":
+            return request.first_token_time + request.num_output_tokens * tpot
+        g = self.config.token_group_size
+        produced = (request.num_output_tokens - 1) % g  # tokens of the current group so far
+        group_start = self._group_start.get(request, request.last_token_time)
+        return group_start + g * tpot - (g - produced - 1) * self.iteration_ema_s
 
     def _tokens_needed(self, request: Request) -> int:
         return request.num_tokens if request.status is RequestStatus.WAITING else request.num_computed_tokens + 1
@@ -325,6 +355,8 @@ class BrosScheduler(SubsetScheduler):
             self._unblock(batch, out)
         self.last_estimate_s = self._estimate(batch) if batch else 0.0
         self.last_residual_s = residual
+        if batch:
+            self.iteration_ema_s += self.ITERATION_EMA_WEIGHT * (self.last_estimate_s - self.iteration_ema_s)
         # Adaptive batch size (TCP-like): reset on an estimated violation, grow otherwise.
         if violated:
             self.batch_size = cfg.initial_batch_size
