@@ -137,6 +137,8 @@ def test_bad_bound_problems():
     knee = LinearCostModel(dataclasses.replace(get_preset("llama-2-7b-a100"), knee_tokens=100.0))
     with pytest.raises(ConfigError, match="encodes InferMax's linear form; .* has knee_tokens 100"):
         solve_bound(BoundProblem((8,), (2,), (0.0,), 100, 4096, None), knee)
+    with pytest.raises(ConfigError, match="relaxation prices tokens by InferMax's linear form"):
+        relaxed_bound(BoundProblem((8,), (2,), (0.0,), 100, 4096, None), knee)
 
 
 def test_bound_command(tmp_path):

@@ -622,9 +622,9 @@ def hardware() -> None:
 def bound(fixed, trace, num_requests, rate, seed, capacity, budget, prefill_budget, cost_model, compare_with,
           time_limit, max_cells, out) -> None:
     """The optimal schedule (InferMax §5, OR-Tools CP-SAT) and each heuristic's gap to it."""
-    from sloserve.cost import LinearCostModel, get_preset, load_preset
     import numpy as np
 
+    from sloserve.cost import LinearCostModel, get_preset, load_preset
     from sloserve.optimal import MAX_CELLS, BoundProblem, relaxed_bound, run_heuristic, solve_bound
     from sloserve.optimal.gantt import plot_gantt
 

@@ -44,7 +44,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         if block_size < 4:
             raise ConfigError(f"bidirectional blocks need at least 2 slots per side: block_size {block_size} < 4")
         super().__init__(num_blocks, block_size, kv_bytes_per_token=kv_bytes_per_token, num_cpu_blocks=num_cpu_blocks)
-        self.rt_free_block_first = rt_free_block_first  # §5.2's order (see the module docstring)
+        self.rt_free_block_first = rt_free_block_first  # §5.2's other reading (see the module docstring)
         n = num_blocks
         self.rt_owner: list[Request | None] = [None] * n
         self.rt_fill = [0] * n  # RT tokens stored from the left

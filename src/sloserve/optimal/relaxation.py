@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from sloserve.core.errors import ConfigError
 from sloserve.cost.linear import LinearCostModel
 
 
@@ -131,7 +132,10 @@ def relaxed_bound(problem, cost: LinearCostModel) -> float:
     offline, the least total batch time; online, the largest over arrival times t of the time to t
     plus the bound of the requests arriving from t. O(n log n + sum of O) time."""
     if cost.coefficients.knee_tokens:
-        raise ValueError("the relaxation prices tokens by InferMax's linear form (knee_tokens = 0)")
+        raise ConfigError(
+            f"bound: the relaxation prices tokens by InferMax's linear form; cost model {cost.name!r} has "
+            f"knee_tokens {cost.coefficients.knee_tokens:g} (use a preset, or a fit with --form infermax)"
+        )
     k = whole_model_coefficients(cost)
     limits = (problem.kv_capacity_tokens, problem.max_num_batched_tokens, problem.prefill_token_budget)
     if not problem.online:

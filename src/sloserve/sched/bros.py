@@ -97,9 +97,9 @@ class SubsetScheduler(Scheduler):
         self._budget = config.max_num_batched_tokens or 0
         self._batch_blocks = 0  # new blocks the batch being built needs
         self._batch_prompt_tokens = 0
+        self._group_start: dict[Request, float] = {}  # token-group deadlines: when the current group began
         # Bidirectional blocks (§5): slots are taken as requests join the batch, whose members are
         # protected from being overwritten; checkpoint and restore traffic is the step's swap.
-        self._group_start: dict[Request, float] = {}  # token-group deadlines: when the current group began
         self._bicache = isinstance(kv, BidirectionalKVManager)
         if self._bicache:
             kv.rt_free_block_first = config.rt_growth == "free_block_first"
