@@ -35,9 +35,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from sloserve.core.errors import ConfigError
 from sloserve.cost.linear import LinearCostModel
+
+if TYPE_CHECKING:  # model.py imports this module
+    from sloserve.optimal.model import BoundProblem
 
 
 def request_work(k: Mapping[str, float], prompt: int, output: int) -> float:
@@ -127,8 +131,8 @@ def whole_model_coefficients(cost: LinearCostModel) -> dict[str, float]:
     return {key: getattr(c, key) * scale for key in ("a_p", "b_p", "a_d", "b_d", "a_o", "b_o", "s_p", "s_d", "m_p")}
 
 
-def relaxed_bound(problem, cost: LinearCostModel) -> float:
-    """A lower bound (seconds) on the latency of any schedule of ``problem`` (a ``BoundProblem``):
+def relaxed_bound(problem: BoundProblem, cost: LinearCostModel) -> float:
+    """A lower bound (seconds) on the latency of any schedule of ``problem``:
     offline, the least total batch time; online, the largest over arrival times t of the time to t
     plus the bound of the requests arriving from t. O(n log n + sum of O) time."""
     if cost.coefficients.knee_tokens:
