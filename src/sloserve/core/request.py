@@ -20,9 +20,9 @@ whole cohort instead of O(batch): ``num_computed_tokens = _computed_offset + coh
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:

@@ -25,6 +25,7 @@ from sloserve.metrics.summary import SLO_TOLERANCE_S, request_table
 from sloserve.metrics.token_groups import token_group_attainment
 from sloserve.parallel import SERIAL, Executor
 from sloserve.sched import make_scheduler
+from sloserve.sched.bros import BrosConfig
 from sloserve.sim import simulate
 from sloserve.workload import build_workload, load_workload_spec, with_rt_rate
 
@@ -116,12 +117,13 @@ def run_hybrid(name: str, rate: float, num_rt_requests: int, workload: str = "br
         supply *= 4
     table = request_table(rt)  # the metric definitions of DESIGN.md, in one place
     # RT requests without their own SLO get BROS's defaults (§7.1), as the scheduler assumes.
-    slo_ttft = np.where(np.isnan(table["slo_ttft_s"]), 0.4, table["slo_ttft_s"])
-    slo_tpot = np.where(np.isnan(table["slo_tpot_s"]), 0.2, table["slo_tpot_s"])
+    slo_ttft = np.where(np.isnan(table["slo_ttft_s"]), BrosConfig.default_ttft_s, table["slo_ttft_s"])
+    slo_tpot = np.where(np.isnan(table["slo_tpot_s"]), BrosConfig.default_tpot_s, table["slo_tpot_s"])
     ttft_ok = int((table["ttft_s"] <= slo_ttft + SLO_TOLERANCE_S).sum())
     # A one-token output has no TPOT and meets any TPOT SLO (as in the summary's slo_met).
     tpot_ok = int((np.isnan(table["tpot_s"]) | (table["tpot_s"] <= slo_tpot + SLO_TOLERANCE_S)).sum())
-    groups = token_group_attainment(rt, 0.4, 0.2, tolerance_s=SLO_TOLERANCE_S)
+    groups = token_group_attainment(rt, BrosConfig.default_ttft_s, BrosConfig.default_tpot_s,
+                                    BrosConfig.token_group_size, tolerance_s=SLO_TOLERANCE_S)  # fmt: skip
     steps = len(result.timeline)
     copied = sum(getattr(x.kv, "checkpointed_bytes", 0) + getattr(x.kv, "restored_bytes", 0) for x in built_schedulers)
     iteration_s = float(result.timeline.column("duration_s").sum())

@@ -245,15 +245,24 @@ def fig15(out: Path, quick: bool, time_limit: float = 20.0, executor: Executor =
 BOUND = "bound (vllm, M unlimited)"
 
 
-def _sec6_run(name: str, num_requests: int) -> dict:
-    """One §6 run on the Azure conversation trace; ``BOUND``: vLLM with unlimited memory."""
+# §6's setting: Llama-3-70B on the 4x A100 preset, C = 16384, M = 100K.
+SEC6_PRESET, SEC6_C, SEC6_M = "llama-3-70b-4xa100", 16384, 100_000
+
+
+def _sec6_requests(num_requests: int):
+    """§6's workload: the Azure conversation trace with its own arrival times."""
     from sloserve.workload import workload_from_trace
 
-    cost = LinearCostModel(get_preset("llama-3-70b-4xa100"))
-    requests = workload_from_trace("azure-conv", num_requests=num_requests, seed=0, context_len=16384,
-                                   trace_arrivals=True).requests  # fmt: skip
-    opts: dict[str, object] = {"max_num_batched_tokens": 16384, "max_num_seqs": 16384}
-    capacity, sched = 100_000, name
+    return workload_from_trace("azure-conv", num_requests=num_requests, seed=0, context_len=SEC6_C,
+                               trace_arrivals=True).requests  # fmt: skip
+
+
+def _sec6_run(name: str, num_requests: int) -> dict:
+    """One §6 run on the Azure conversation trace; ``BOUND``: vLLM with unlimited memory."""
+    cost = LinearCostModel(get_preset(SEC6_PRESET))
+    requests = _sec6_requests(num_requests)
+    opts: dict[str, object] = {"max_num_batched_tokens": SEC6_C, "max_num_seqs": SEC6_C}
+    capacity, sched = SEC6_M, name
     if name == "infermax_held":  # the other reading of §6: hold the estimated reservation
         sched = "infermax"
         opts.update(reservation="predicted", kv_manager="exact")
@@ -261,7 +270,7 @@ def _sec6_run(name: str, num_requests: int) -> dict:
         # §6's bound: vLLM with unlimited memory, through the same cost model. NOTE: "unlimited" is KV
         # for every request's prompt and output at once, which no schedule can exceed.
         sched, capacity = "vllm", sum(r.num_prompt_tokens + r.true_output_tokens for r in requests)
-    simulate(requests, lambda: make_scheduler(sched, kv_capacity_tokens=capacity, max_model_len=16384, options=opts), cost)
+    simulate(requests, lambda: make_scheduler(sched, kv_capacity_tokens=capacity, max_model_len=SEC6_C, options=opts), cost)
     return {"scheduler": name, "latency_s": max(r.finish_time for r in requests) - min(r.arrival_time for r in requests),
             "mean_jct_s": sum(r.finish_time - r.arrival_time for r in requests) / len(requests),
             "evictions": sum(r.num_preemptions for r in requests)}  # fmt: skip
@@ -271,13 +280,11 @@ def _sec6_relaxation(num_requests: int) -> float:
     """The relaxation's lower bound (optimal/relaxation.py) on any schedule of §6's workload."""
     from sloserve.optimal import BoundProblem
     from sloserve.optimal.relaxation import relaxed_bound
-    from sloserve.workload import workload_from_trace
 
-    requests = workload_from_trace("azure-conv", num_requests=num_requests, seed=0, context_len=16384,
-                                   trace_arrivals=True).requests  # fmt: skip
+    requests = _sec6_requests(num_requests)
     problem = BoundProblem(tuple(r.num_prompt_tokens for r in requests), tuple(r.true_output_tokens for r in requests),
-                           tuple(r.arrival_time for r in requests), 100_000, 16384, None)  # fmt: skip
-    return relaxed_bound(problem, LinearCostModel(get_preset("llama-3-70b-4xa100")))
+                           tuple(r.arrival_time for r in requests), SEC6_M, SEC6_C, None)  # fmt: skip
+    return relaxed_bound(problem, LinearCostModel(get_preset(SEC6_PRESET)))
 
 
 def sec6(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dict], list[str]]:

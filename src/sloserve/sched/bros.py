@@ -50,7 +50,7 @@ class BrosConfig:
     # came, and its next token early enough for the rest to follow one per (moving-average) iteration
     # (metrics/token_groups.py measures the same groups).
     deadlines: str = "per_token"
-    token_group_size: int = 5
+    token_group_size: int = 5  # as metrics/token_groups.py's default
     block_size: int = 16
     kv_manager: str = "paged"
     # Where an RT request that filled its last block grows (bidirectional blocks): over the BE tokens
