@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sloserve.sched.cohort import TickTimes
+from sloserve.core.cohort import TickTimes
 
 # Runs of step durations: up to 64 steps are handed over as a list (single steps, short stretches),
 # longer ones as an array (long stretches), as the executor does; each run's durations are drawn

@@ -5,12 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
+from sloserve.core.cohort import Cohort
 from sloserve.core.request import Request
-
-if TYPE_CHECKING:
-    from sloserve.sched.cohort import DecodeCohort
 
 
 class PreemptionMode(str, Enum):
@@ -55,7 +53,7 @@ class SchedulerOutput:
     # policies that do not use a cohort). Each chunk starts at the request's num_computed_tokens.
     chunks: list[ScheduledChunk] = field(default_factory=list)
     # Cohort whose every member processes exactly one decode token this step (None: no cohort step).
-    cohort: DecodeCohort | None = None
+    cohort: Cohort | None = None
     # Size of the cohort and the KV its members read (sum of their num_computed_tokens), this step.
     cohort_size: int = 0
     cohort_kv_tokens: int = 0

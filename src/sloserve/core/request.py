@@ -12,9 +12,9 @@ are the same thing with different counts:
 
 NOTE: the KV a request ever holds peaks at I + O - 1 tokens: the last output token is never processed.
 
-Decode requests that advance together every step live in a ``DecodeCohort`` (sched/cohort.py). For
-them the counters are derived lazily from the cohort's tick counter, so one step costs O(1) for the
-whole cohort instead of O(batch): ``num_computed_tokens = _computed_offset + cohort.ticks``.
+Decode requests that advance together every step live in a ``Cohort`` (core/cohort.py). For them the
+counters are derived lazily from the cohort's tick counter, so one step costs O(1) for the whole
+cohort instead of O(batch): ``num_computed_tokens = _computed_offset + cohort.ticks``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sloserve.sched.cohort import DecodeCohort
+    from sloserve.core.cohort import Cohort
 
 
 class RequestClass(str, Enum):
@@ -90,8 +90,7 @@ class Request:
     # Stored with the cohort's tick subtracted while in a cohort; read through the properties.
     _computed_offset: int = 0
     _output_offset: int = 0
-    cohort: DecodeCohort | None = None
-    cohort_join_tick: int = 0
+    cohort: Cohort | None = None
     # Sequence number of cohort joins; lets executors discard stale per-member bookkeeping.
     cohort_epoch: int = 0
     replica: int = 0

@@ -25,6 +25,7 @@ from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.kv_cache import KVCacheTensor, expand_block_ids
 from sloserve.engine.sampler import SamplingParams, sample
 from sloserve.kv.manager import KVCacheManager
+from sloserve.sched.cohort import DecodeCohort
 
 
 @dataclass
@@ -95,7 +96,7 @@ class EngineExecutor:
             seq = self.sequences[request]
             start = request.num_computed_tokens
             end = start + num_tokens
-            if request.cohort is not None:
+            if isinstance(request.cohort, DecodeCohort):
                 request.cohort.settle(request)  # paged cohort growth gets its block ids now
             if request.aborted:
                 # NOTE: its slots were allocated for this step and are left unwritten; the scheduler

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from sloserve.core.cohort import Cohort
 from sloserve.core.outputs import SchedulerOutput, StepResult
 from sloserve.core.request import Request
 from sloserve.cost.base import BatchShape, CostModel
-from sloserve.sched.cohort import DecodeCohort
 
 # Stretches of at most this many steps are timed by a loop when the cost model gives a series.
 SHORT_STRETCH_STEPS = 64
@@ -62,7 +62,7 @@ class SimExecutor:
             heapq.heappush(self._finish_heap, (finish_tick, self._seq, r, r.cohort_epoch))
             self._seq += 1
 
-    def _drop_stale(self, cohort: DecodeCohort) -> None:
+    def _drop_stale(self, cohort: Cohort) -> None:
         heap = self._finish_heap
         while heap and (heap[0][2].cohort is not cohort or heap[0][2].cohort_epoch != heap[0][3]):
             _, _, r, epoch = heapq.heappop(heap)
