@@ -198,3 +198,19 @@ def test_noisy_oracle_bad_parameters():
     # with 60% of them, no error brings the accuracy down to 70%.
     with pytest.raises(ConfigError, match="accuracy 0.7 is out of reach with 50-token buckets.*60.0% of them"):
         NoisyOraclePredictor.from_accuracy(0.7, 0.15, bucket_tokens=50, lengths=[30] * 6 + [400] * 4)
+
+
+def test_fig9_at_1k_sarathi_evictions_pay_only_with_the_70b_coefficients():
+    # docs/reproduction.md, Figure 9 at M = 1K: with the 7B preset Sarathi's evictions do not raise
+    # TPS over its eviction-free variant; with the 70B coefficients (the authors' simulator's
+    # default) they do, while vLLM's refills still cost more than they give.
+    from sloserve.experiments.infermax import PRESET, PRESET_70B, run_fixed
+
+    def tps(name: str, preset: str) -> float:
+        row = run_fixed(name, 1, 32, 1024, 1_000, preset)
+        assert row["preset"] == preset
+        return row["tps"]
+
+    assert tps("sarathi", PRESET) <= tps("sarathi_ef", PRESET) * 1.001
+    assert tps("sarathi", PRESET_70B) > 1.1 * tps("sarathi_ef", PRESET_70B)
+    assert tps("vllm", PRESET_70B) < tps("vllm_ef", PRESET_70B)
