@@ -95,8 +95,8 @@ def test_block_size_must_leave_two_slots_per_side():
         BidirectionalKVManager(num_blocks=4, block_size=3)
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["grow", "free", "restore", "truncate"]), st.integers(0, 5), st.integers(1, 12)),
-               max_size=60)
+OPS = st.lists(st.tuples(st.sampled_from(["grow", "free", "restore", "truncate", "drop"]), st.integers(0, 5),
+                         st.integers(1, 12)), max_size=60)  # fmt: skip
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -108,6 +108,8 @@ def test_invariants_under_random_operations(ops, block_size, free_block_first):
     for op, i, n in ops:
         r = reqs[i]
         if op == "grow":
+            if r.request_class is RequestClass.RT and kv.num_checkpointed(r) and not kv.restore(r):
+                continue  # a dropped RT request runs again only once restored (the scheduler's order)
             before = list(kv.token_slots.get(r, []))
             if not kv.allocate_slots(r, len(before) + n):
                 assert kv.token_slots.get(r, []) == before  # all or nothing
@@ -116,6 +118,11 @@ def test_invariants_under_random_operations(ops, block_size, free_block_first):
         elif op == "restore" and r in kv.token_slots:
             if kv.restore(r):
                 assert kv.num_checkpointed(r) == 0
+        elif op == "drop":
+            tokens, free_before = kv.num_tracked_tokens(r), kv.gpu.num_free
+            kv.drop_to_cpu(r)
+            assert kv.num_slots(r) == 0 and kv.num_checkpointed(r) == tokens  # every token kept, in CPU memory
+            assert kv.gpu.num_free >= free_before and not kv.blocks_of.get(r)
         elif op == "truncate" and r in kv.token_slots:
             kv.truncate(r, max(0, len(kv.token_slots[r]) - n))
         kv.check_integrity()
@@ -130,3 +137,25 @@ def test_invariants_under_random_operations(ops, block_size, free_block_first):
             if kv.num_checkpointed(r):  # the engine reads only contexts wholly on the GPU
                 with pytest.raises(IndexError, match="not all on the GPU"):
                     kv.block_id_tables([r], np.array([kv.num_tracked_tokens(r)]))
+
+
+def test_progressive_dropping_swaps_a_request_out_and_restore_brings_back_every_token():
+    """§5: a dropped request's tokens all go to CPU memory (one copy each) and its blocks are freed;
+    restoring it copies each back, RT tokens from the left again."""
+    kv = BidirectionalKVManager(num_blocks=4, block_size=8, kv_bytes_per_token=KVB)
+    rt, be = req(0, RequestClass.RT), req(1, RequestClass.BE)
+    assert kv.allocate_slots(rt, 10) and kv.allocate_slots(be, 5)
+    kv.take_copies()
+    assert kv.drop_to_cpu(rt) == 10
+    copies = kv.take_copies()
+    assert len(copies) == 10 and all(c.to_cpu for c in copies)
+    assert kv.num_slots(rt) == 0 and kv.num_checkpointed(rt) == 10 and kv.checkpointed_bytes == 10 * KVB
+    assert kv.allocated_tokens == 5
+    kv.check_integrity()
+    assert kv.restore(rt, protect={be})
+    back = kv.take_copies()
+    assert [c.to_cpu for c in back] == [False] * 10 and sorted(c.src_slot for c in back) == sorted(c.dst_slot for c in copies)
+    assert kv.num_checkpointed(rt) == 0 and kv.restored_bytes == 10 * KVB
+    S = kv.block_size
+    assert all(slot % S < kv.rt_fill[slot // S] for slot in kv.token_slots[rt])  # from the left
+    kv.check_integrity()

@@ -288,3 +288,53 @@ def test_rt_only_microbenchmark_row():
     # Deadline-ordered RT packing against FCFS: no worse normalized latency at the same throughput.
     assert bros["normalized_latency_s"] <= vllm["normalized_latency_s"]
     assert bros["throughput_tps"] == pytest.approx(vllm["throughput_tps"], rel=0.05)
+
+
+@pytest.mark.parametrize("dropping", ["recompute", "swap"])
+def test_progressive_dropping_swaps_out_or_recomputes(dropping):
+    """§5 drops requests by swapping their KV out (``dropping=swap``): a dropped request keeps its
+    progress and every prompt token is computed once; with ``dropping=recompute``, and in
+    bros_nobicache, it is recomputed. While a BE request is swapped out no new BE request starts
+    (the re-admission rule)."""
+    computed: dict[str, int] = {}
+    modes: dict[str, set] = {}
+    for name in ("bros", "bros_nobicache"):
+        reqs = [Request(request_id=i, arrival_time=0.0 if i < 6 else 0.01 * i, num_prompt_tokens=8,
+                        true_output_tokens=40, max_tokens=40, request_class=RequestClass.BE) for i in range(12)]  # fmt: skip
+        options = {"dropping": dropping} if name == "bros" else {}
+        sched = scheduler(name, 96, block_size=8, **options)
+        drv = Driver(sched)
+        steps = []
+        original = drv.step
+
+        def step(original=original, steps=steps, sched=sched):
+            waiting = set(sched.waiting)
+            out = original()
+            be_swapped_out = any(r.request_class is RequestClass.BE for r in sched._dropped)
+            assert not (be_swapped_out and any(r in waiting for r, _ in out.chunks)), "a new BE request started"
+            steps.append(out)
+            return out
+
+        drv.step = step
+        drv.run(reqs)
+        assert all(r.status is RequestStatus.FINISHED and r.num_output_tokens == 40 for r in reqs)
+        modes[name] = {p.mode.value for out in steps for p in out.preempted}
+        computed[name] = sum(c for out in steps for _, c in out.chunks)
+    assert modes == {"bros": {dropping}, "bros_nobicache": {"recompute"}}
+    if dropping == "swap":
+        assert computed["bros"] == 12 * (8 + 40 - 1)  # each prompt token and each decode once
+        assert computed["bros_nobicache"] > computed["bros"]
+    else:
+        assert computed["bros"] > 12 * (8 + 40 - 1)
+
+
+def test_a_swapped_out_rt_request_does_not_drop_the_rt_request_that_dropped_it():
+    """dropping=swap's re-admission rule: two RT requests whose KV cannot grow side by side. The
+    first to need room drops the other; the dropped one then waits for free room instead of
+    dropping it back (which would make the two trade places, and their KV, every step)."""
+    reqs = [Request(request_id=i, arrival_time=0.0, num_prompt_tokens=8, true_output_tokens=40, max_tokens=40,
+                    request_class=RequestClass.RT) for i in range(2)]  # fmt: skip
+    sched = scheduler("bros", 64, block_size=8)  # 8 blocks: one request's 47 tokens fit, two do not
+    Driver(sched).run(reqs)
+    assert all(r.status is RequestStatus.FINISHED and r.num_output_tokens == 40 for r in reqs)
+    assert sorted(r.num_preemptions for r in reqs) == [0, 1]

@@ -18,7 +18,9 @@ request's tokens from the right: RT token k of the block at slot ``block * S + k
 
 A BE request's checkpointed tokens get new slots when it runs again (``restore``). The preemption
 table records the blocks where an RT request overwrote BE slots and the two requests sharing them.
-Requests in ``protect`` (scheduled in the same step) are never overwritten.
+Requests in ``protect`` (scheduled in the same step) are never overwritten. Progressive dropping
+(§5: "swap out their cache blocks") moves every token of a request, RT or BE, to CPU memory
+(``drop_to_cpu``); ``restore`` brings them back when it runs again.
 
 NOTE: this manager keeps an explicit token -> slot list per request (-1: checkpointed), so it costs
 O(tokens); schedulers using it schedule requests explicitly (no decode cohort).
@@ -261,12 +263,13 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         self._update(b)
         return slot
 
-    def restore(self, request: Request) -> bool:
-        """Give a BE request's checkpointed tokens new GPU slots (swap-in); all or nothing."""
+    def restore(self, request: Request, protect: Collection[Request] = ()) -> bool:
+        """Give a request's checkpointed tokens new GPU slots (swap-in); all or nothing. A BE
+        request's are those RT requests overwrote; an RT request's, all of them (dropped)."""
         saved = self.cpu_slots.get(request)
         if not saved:
             return True
-        if not self.has_room(request, len(saved)):
+        if not self.has_room(request, len(saved), protect):
             self.num_allocation_failures += 1
             return False
         # NOTE: cpu_slots[request] is keyed by exactly the token indices whose slot is CHECKPOINTED.
@@ -274,12 +277,38 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         self._slots_rewritten(request)
         missing = sorted(saved)
         del self.cpu_slots[request]
+        rt = request.request_class is RequestClass.RT
         for i in missing:
-            slots[i] = self._place_be(request, i)
+            slots[i] = self._place_rt(request, i, protect) if rt else self._place_be(request, i)
             self.pending_copies.append(SlotCopy(saved[i], slots[i], to_cpu=False))
             self._cpu_free.append(saved[i])
         self.restored_bytes += len(missing) * self.kv_bytes_per_token
         return True
+
+    def drop_to_cpu(self, request: Request) -> int:
+        """Progressive dropping (§5): copy every GPU token of ``request`` to CPU memory and give up
+        its blocks' sides; ``restore`` brings them back. The number of tokens moved."""
+        slots = self.token_slots.get(request)
+        if not slots:
+            return 0
+        saved = self.cpu_slots.setdefault(request, {})
+        moved = 0
+        for i, slot in enumerate(slots):
+            if slot != CHECKPOINTED:
+                saved[i] = self._take_cpu_slot()
+                self.pending_copies.append(SlotCopy(slot, saved[i], to_cpu=True))
+                slots[i] = CHECKPOINTED
+                moved += 1
+        self._slots_rewritten(request)
+        for block in list(self.blocks_of.get(request, ())):
+            self._drop_side(request, block)
+        self.blocks_of.pop(request, None)
+        self._be_only_by_owner.pop(request, None)
+        for block, pair in list(self.preemption_table.items()):
+            if request in pair:
+                del self.preemption_table[block]
+        self.checkpointed_bytes += moved * self.kv_bytes_per_token
+        return moved
 
     def truncate(self, request: Request, num_tokens: int) -> None:
         """Give back the slots of ``request``'s tokens from ``num_tokens`` on (undo a growth)."""
@@ -369,7 +398,8 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
             rt = request.request_class is RequestClass.RT
             for token, slot in enumerate(slots):
                 if slot == CHECKPOINTED:
-                    assert not rt, "RT tokens are never checkpointed"
+                    # RT tokens are never overwritten: only a dropped RT request has them in CPU memory
+                    assert not rt or set(slots) == {CHECKPOINTED}, "an RT request is checkpointed in part"
                     continue
                 assert slot not in seen, f"slot {slot} owned by {seen[slot]} and {request}"
                 seen[slot] = request

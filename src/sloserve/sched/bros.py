@@ -58,6 +58,13 @@ class BrosConfig:
     # first ("free_block_first", BE slots preempted only "if no GPU blocks are available"). §5.2
     # reads both ways; see kv/bidirectional.py for why facing first is the default.
     rt_growth: str = "facing_first"
+    # Progressive dropping (§5, when an RT request finds neither free nor preemptible blocks): drop
+    # the victim's KV and recompute it later ("recompute", paged KV), or swap its cache blocks out
+    # to CPU memory as §5 says ("swap", bidirectional blocks only: the ``bros`` preset). §5 gives no
+    # rule for when a swapped-out request returns; ours (see _make_room and _may_admit): an RT one
+    # may drop BE requests to come back, never RT ones; a BE one takes free blocks, and no new BE
+    # request is admitted meanwhile.
+    dropping: str = "recompute"
     watermark: float = 0.0
 
     def resolve(self, max_model_len: int) -> None:
@@ -84,6 +91,10 @@ class BrosConfig:
             raise ConfigError(f"token_group_size must be >= 1, got {self.token_group_size}")
         if self.rt_growth not in ("facing_first", "free_block_first"):
             raise ConfigError(f"rt_growth must be facing_first or free_block_first, got {self.rt_growth!r}")
+        if self.dropping not in ("recompute", "swap"):
+            raise ConfigError(f"dropping must be recompute or swap, got {self.dropping!r}")
+        if self.dropping == "swap" and self.kv_manager != "bidirectional":
+            raise ConfigError("dropping=swap needs kv_manager=bidirectional (the swap-out is of its blocks)")
 
 
 class SubsetScheduler(Scheduler):
@@ -104,6 +115,9 @@ class SubsetScheduler(Scheduler):
         if self._bicache:
             kv.rt_free_block_first = config.rt_growth == "free_block_first"
         self._batch_set: set[Request] = set()
+        # dropping=swap: requests whose KV is swapped out, and how many of each class.
+        self._dropped: set[Request] = set()
+        self._swapped_out = {RequestClass.RT: 0, RequestClass.BE: 0}
 
     # Moving average of the estimated iteration time ((6) with token groups), and its weight per step.
     iteration_ema_s = 0.0
@@ -151,8 +165,11 @@ class SubsetScheduler(Scheduler):
     def _add(self, batch: list[Request], request: Request) -> None:
         if self._bicache:
             t0 = time.perf_counter()
-            done = self.kv.restore(request)  # checkpointed BE slots come back first
+            done = self.kv.restore(request, self._batch_set)  # checkpointed slots come back first
             assert done
+            if request in self._dropped:  # swapped back in
+                self._dropped.discard(request)
+                self._swapped_out[request.request_class] -= 1
             done = self.kv.allocate_slots(request, self._tokens_needed(request), protect=self._batch_set)
             assert done
             self.kv_time_s += time.perf_counter() - t0
@@ -196,7 +213,37 @@ class SubsetScheduler(Scheduler):
         out.chunks.append(ScheduledChunk(request, request.num_tokens_to_process))
 
     def _evict(self, request: Request, out: SchedulerOutput) -> None:
-        self._preempt(request, PreemptionMode.RECOMPUTE, out)
+        """Progressive dropping (§5): recompute the request later, or (``dropping=swap``) swap its KV
+        out: it stays running, holding no GPU slot, and is restored when it runs again."""
+        if self.config.dropping != "swap":
+            self._preempt(request, PreemptionMode.RECOMPUTE, out)
+            return
+        self.kv.drop_to_cpu(request)
+        self._swapped_out[request.request_class] += 1
+        self._dropped.add(request)
+        request.num_preemptions += 1
+        request.num_allocation_failures += 1  # NOTE: dropping happens only when KV runs short
+        self.num_preemptions += 1
+        out.add_preemption(request, PreemptionMode.SWAP)
+
+    def _on_gpu(self, request: Request) -> bool:
+        """Whether ``request`` holds GPU slots (a dropped one holds none: dropping it again frees nothing)."""
+        return request not in self._dropped
+
+    def _may_admit(self, request: Request) -> bool:
+        """The re-admission rule of ``dropping=swap`` for BE requests (vLLM's for swapped requests):
+        no new BE request while BE requests wait swapped out, so that the free blocks they need to
+        come back do not go to it. RT requests are admitted as ever (their TTFT comes first)."""
+        return (
+            request.request_class is RequestClass.RT
+            or request.status is not RequestStatus.WAITING
+            or not self._swapped_out[RequestClass.BE]
+        )
+
+    def kv_used_tokens(self) -> int:
+        if self._bicache:  # checkpointed and dropped tokens are in CPU memory
+            return self.kv.allocated_tokens
+        return super().kv_used_tokens()
 
 
 class BrosScheduler(SubsetScheduler):
@@ -274,11 +321,16 @@ class BrosScheduler(SubsetScheduler):
         holding the most blocks first), else progressively drop RT requests outside the batch
         with the most remaining time."""
         while not self._fits(request):
-            outside = [r for r in self.running if r not in batch and r is not request]
+            outside = [r for r in self.running if r not in batch and r is not request and self._on_gpu(r)]
             be = [r for r in outside if r.request_class is RequestClass.BE]
             if be:
                 self._evict(max(be, key=self.kv.num_slots), out)
                 continue
+            if request in self._dropped:
+                # dropping=swap's re-admission rule: a swapped-out RT request comes back by dropping
+                # BE requests only. NOTE: else it would drop the RT request that dropped it, which
+                # is then the most urgent: the two would trade places (and KV) every step.
+                return False
             rt = [r for r in outside if self.deadline(r) > self.deadline(request)]
             if not rt:
                 return False
@@ -292,7 +344,7 @@ class BrosScheduler(SubsetScheduler):
         admitted running request fits; it runs alone."""
         head = next(iter(self.running))
         while not self._fits(head):
-            others = [r for r in self.running if r is not head]
+            others = [r for r in self.running if r is not head and self._on_gpu(r)]
             be = [r for r in others if r.request_class is RequestClass.BE]
             self._evict(be[-1] if be else max(others, key=self.deadline), out)
         self._add(batch, head)
@@ -310,7 +362,7 @@ class BrosScheduler(SubsetScheduler):
         for r in rt_order:  # Algorithm 1, RT phase
             if len(batch) >= self.batch_size:  # (7)
                 break
-            if not self._prompt_fits(r):
+            if not self._prompt_fits(r) or not self._may_admit(r):
                 continue
             # (6) protects the most urgent RT request that can still meet its deadline; requests
             # already past theirs go first but cannot bound the batch.
@@ -333,7 +385,7 @@ class BrosScheduler(SubsetScheduler):
             be.sort(key=self.kv.num_checkpointed)  # least swap-in first (stable: arrival order)
         be += [r for r in self.waiting if r.request_class is RequestClass.BE]
         for r in be:
-            if not self._prompt_fits(r) or not self._fits(r):  # BE takes free blocks only
+            if not self._prompt_fits(r) or not self._may_admit(r) or not self._fits(r):  # BE: free blocks only
                 continue
             if len(batch) < self.batch_size:
                 if residual == math.inf or self._estimate(batch, r) <= residual:
@@ -409,7 +461,7 @@ class RoundRobinScheduler(SubsetScheduler):
                 break
             while not self._fits(r) and r.status is RequestStatus.RUNNING:
                 # vLLM-style: evict the latest-admitted request outside the batch (recompute).
-                victims = [x for x in self.running if x not in batch and x is not r]
+                victims = [x for x in self.running if x not in batch and x is not r and self._on_gpu(x)]
                 if not victims:
                     break
                 self._evict(victims[-1], out)

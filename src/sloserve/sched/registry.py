@@ -116,10 +116,11 @@ register(
     SchedulerSpec(
         "bros",
         "BROS: RT requests by residual time to their token deadline under a cost-model check, then BE "
-        "requests filling or replacing slack RT ones; adaptive batch size; bidirectional KV blocks",
+        "requests filling or replacing slack RT ones; adaptive batch size; bidirectional KV blocks; "
+        "progressive dropping by swap-out",
         BrosScheduler,
         BrosConfig,
-        dict(kv_manager="bidirectional"),
+        dict(kv_manager="bidirectional", dropping="swap"),
         needs_cost_model=True,
     )
 )
