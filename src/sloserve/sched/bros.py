@@ -3,8 +3,9 @@
 Each step picks a subset of the requests that hold KV ("pending") and of the waiting ones; the rest
 wait. Prompts are processed whole; decodes take one token. KV is paged; a request that must give
 up its blocks is evicted by recompute. With ``kv_manager=bidirectional`` (the ``bros`` preset) RT
-requests share blocks with BE requests and overwrite their slots with lazy checkpointing (§5);
-``bros_nobicache`` is the paper's "No Bi-cache" ablation (§7.3: recompute instead).
+requests share blocks with BE requests and overwrite their slots with lazy checkpointing, and a
+request dropped for room is swapped out (§5); ``bros_nobicache`` is the paper's "No Bi-cache"
+ablation (§7.3: recompute instead).
 
 BROS's formulas were lost in the text; they are rebuilt here from the prose of §4:
     (2)-(5) iteration time: the cost model on the batch's shape (prefill and decode parts summed)
@@ -362,7 +363,7 @@ class BrosScheduler(SubsetScheduler):
         for r in rt_order:  # Algorithm 1, RT phase
             if len(batch) >= self.batch_size:  # (7)
                 break
-            if not self._prompt_fits(r) or not self._may_admit(r):
+            if not self._prompt_fits(r):
                 continue
             # (6) protects the most urgent RT request that can still meet its deadline; requests
             # already past theirs go first but cannot bound the batch.
