@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from sloserve.core.errors import ConfigError
 from sloserve.cost import LinearCostModel, get_preset
 from sloserve.optimal import BoundProblem, latency, relaxed_bound, replay, run_heuristic, solve_bound
+from sloserve.optimal.relaxation import min_batches, packing_lower_bound
 
 COST = LinearCostModel(get_preset("llama-2-7b-a100"))
 HEURISTICS = ("vllm", "vllm_ef", "sarathi", "sarathi_ef", "infermax")
@@ -160,3 +161,44 @@ def test_bound_command(tmp_path):
     assert "over the relaxation" in too_big.stdout
     doc = json.loads((tmp_path / "big" / "schedule.json").read_text())
     assert doc["status"] == "NOT_SOLVED" and 0 < doc["relaxed_bound_s"] <= doc["heuristics"]["vllm"]["latency_s"]
+
+
+def _fewest_bins(sizes: list[int], capacity: int) -> int:
+    """Exact bin packing by search over subsets (a handful of items)."""
+    n = len(sizes)
+    full = (1 << n) - 1
+    weight = [sum(sizes[i] for i in range(n) if mask >> i & 1) for mask in range(full + 1)]
+    best = {0: 0}
+    for mask in range(1, full + 1):
+        low = mask & -mask  # the lowest item goes in some bin: try every fitting bin that holds it
+        sub, found = mask, n
+        while sub:
+            if sub & low and weight[sub] <= capacity:
+                found = min(found, best[mask ^ sub] + 1)
+            sub = (sub - 1) & mask
+        best[mask] = found
+    return best[full]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 3)), min_size=1, max_size=3),
+    extra=st.integers(0, 30),
+)
+def test_packing_bound_is_a_lower_bound_of_the_exact_packing(lengths, extra):
+    """relaxation.packing_lower_bound: the samplings (request i's k-th token, in a batch holding
+    I + k - 1 of its tokens) need at least that many batches of M tokens, and at least the footprint
+    over M."""
+    prompts = [p for p, _ in lengths]
+    outputs = [o for _, o in lengths]
+    capacity = max(p + o - 1 for p, o in lengths) + extra
+    sizes = [p + k - 1 for p, o in lengths for k in range(1, o + 1)]
+    bound = packing_lower_bound(prompts, outputs, capacity)
+    assert -(-sum(sizes) // capacity) <= bound <= _fewest_bins(sizes, capacity)
+
+
+def test_packing_bound_in_figure15s_memory():
+    # I = 64, O = B = 4, M = 2I: the 12 samplings of tokens 2-4 hold more than M/2 and the first
+    # tokens (64 each) fit only beside each other: 12 + 2 batches, where the footprint gives 9.
+    assert packing_lower_bound([64] * 4, [4] * 4, 128) == 14
+    assert min_batches([64] * 4, [4] * 4, 128, 4096, None) == 14

@@ -19,13 +19,18 @@ Per request (I prompt tokens, O output tokens), terms of the linear cost model n
 Per batch: b_o for each of at least J_min batches, where J_min is the largest of max(O) (one token
 of a request per batch), sum(I + O - 1) / C (tokens per batch) and the KV footprint over M: the
 batch that samples the k-th token of a request holds I + k - 1 of its tokens after it, and every
-batch's holdings sum to at most M, so J_min >= sum over requests and k of (I + k - 1) / M. Of those,
-at least P_min hold a prefill chunk (b_p each): one if any prompt has 2 tokens or more, and the last
-prefill chunk of a prompt leaves at least I - 1 of its tokens held, so P_min >= sum(I - 1) / M (and
-sum(I - 1) / P with a prefill budget P). The request with the most output tokens samples in max(O)
-batches, each with a prefill or a decode, so max(O) - P_min more pay min(b_d, b_p). The terms left
-out (m_p, extra chunks, evictions forced by memory, batches beyond these counts) are what a schedule
-can lose against this bound.
+batch's holdings sum to at most M. So the samplings, items of size I + k - 1, are packed into batches
+of capacity M, and J_min is at least a lower bound of that bin packing: Martello and Toth's L2
+(items above M/2 never share a batch; those above M - a not even with an item of a or more), which
+is at least the footprint over M. Of those, at least P_min hold a prefill chunk (b_p each): one if
+any prompt has 2 tokens or more, and the last prefill chunk of a prompt leaves at least I - 1 of its
+tokens held, so P_min >= sum(I - 1) / M (and sum(I - 1) / P with a prefill budget P). Every batch
+holds a prefill chunk or a decode, so the J_min - P_min others pay min(b_d, b_p) at least. The terms
+left out (m_p, extra chunks, evictions forced by memory, batches beyond these counts) are what a
+schedule can lose against this bound.
+
+The bin-packing term needs every sampling's size, so it is computed for the whole set of requests
+(offline, and online for the suffix from the first arrival), not for each later suffix.
 
 Online, the batches that serve requests arriving at or after t start at or after t, so the latency is
 at least max over arrival times t of (t - first arrival) + the bound of the requests arriving from t.
@@ -36,6 +41,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from sloserve.core.errors import ConfigError
 from sloserve.cost.linear import LinearCostModel
@@ -65,6 +72,33 @@ def request_work(k: Mapping[str, float], prompt: int, output: int) -> float:
     return total
 
 
+def packing_lower_bound(prompts: Sequence[int], outputs: Sequence[int], kv_capacity_tokens: int) -> int:
+    """Martello and Toth's L2 lower bound on the batches that hold every sampling: request i samples
+    its k-th token (k = 1 .. O) in a batch that holds I + k - 1 of its tokens after it, and a batch
+    holds at most M (``kv_capacity_tokens``). O(M + number of requests)."""
+    M = kv_capacity_tokens
+    if not prompts:
+        return 0
+    assert max(i + o - 1 for i, o in zip(prompts, outputs, strict=True)) <= M, "a request that never fits M"
+    # (M + 2,) items of each size 0 .. M (+1 spare), from a difference array over each request's range.
+    diff = np.zeros(M + 2, dtype=np.int64)
+    np.add.at(diff, np.asarray(prompts), 1)
+    np.add.at(diff, np.minimum(np.asarray(prompts) + np.asarray(outputs), M + 1), -1)
+    count = np.cumsum(diff)[: M + 1]  # (M + 1,) items of size s
+    assert not count[0], "a request holds at least one token when it samples"
+    num_le = np.cumsum(count)  # (M + 1,) items of size <= s
+    size_le = np.cumsum(count * np.arange(M + 1))  # (M + 1,) their total size
+    half = M // 2  # items of size <= half may share a batch
+    alpha = np.arange(half + 1)  # (half + 1,) the threshold a of L2
+    n_big = num_le[M] - num_le[M - alpha]  # J1: above M - a (no item of size >= a fits beside)
+    n_mid = num_le[M - alpha] - num_le[half]  # J2: above M/2, at most M - a
+    room = n_mid * M - (size_le[M - alpha] - size_le[half])  # what J2's batches leave free
+    below = np.where(alpha > 0, size_le[np.maximum(alpha - 1, 0)], 0)
+    small = size_le[half] - below  # J3: total size of the items from a to M/2
+    extra = np.maximum(0, -(-(small - room) // M))  # batches J3 needs beyond J2's free room
+    return int((n_big + n_mid + extra).max())
+
+
 class _Requests:
     """Running sums of a set of requests for J_min (see the module docstring)."""
 
@@ -90,19 +124,21 @@ class _Requests:
             bounds.append(math.ceil(self.prompt_positions / prefill_token_budget))
         return max(bounds)
 
-    def min_batches(self, kv_capacity_tokens: int, max_num_batched_tokens: int, prefill_token_budget: int | None) -> int:
-        """J_min: the fewest batches (see the module docstring)."""
+    def min_batches(self, kv_capacity_tokens: int, max_num_batched_tokens: int, prefill_token_budget: int | None,
+                    packing: int = 0) -> int:  # fmt: skip
+        """J_min: the fewest batches (see the module docstring); ``packing``, the bin-packing bound
+        where the caller computed it."""
         return max(self.max_output, math.ceil(self.tokens / max_num_batched_tokens),
-                   math.ceil(self.footprint / kv_capacity_tokens),
+                   math.ceil(self.footprint / kv_capacity_tokens), packing,
                    self.min_prefill_batches(kv_capacity_tokens, prefill_token_budget))  # fmt: skip
 
     def bound(self, k: Mapping[str, float], kv_capacity_tokens: int, max_num_batched_tokens: int,
-              prefill_token_budget: int | None) -> float:  # fmt: skip
+              prefill_token_budget: int | None, packing: int = 0) -> float:  # fmt: skip
         """The least total batch time of these requests, in the units of ``k``."""
-        batches = self.min_batches(kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget)
+        batches = self.min_batches(kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget, packing)
         prefill_batches = self.min_prefill_batches(kv_capacity_tokens, prefill_token_budget)
         fixed = (k["b_o"] * batches + k["b_p"] * prefill_batches
-                 + min(k["b_d"], k["b_p"]) * max(0, self.max_output - prefill_batches))  # fmt: skip
+                 + min(k["b_d"], k["b_p"]) * max(0, batches - prefill_batches))  # fmt: skip
         return fixed + self.work
 
 
@@ -112,7 +148,8 @@ def min_batches(prompts: Sequence[int], outputs: Sequence[int], kv_capacity_toke
     requests = _Requests()
     for prompt, output in zip(prompts, outputs, strict=True):
         requests.add(prompt, output)
-    return requests.min_batches(kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget)
+    packing = packing_lower_bound(prompts, outputs, kv_capacity_tokens)
+    return requests.min_batches(kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget, packing)
 
 
 def offline_bound(k: Mapping[str, float], prompts: Sequence[int], outputs: Sequence[int], kv_capacity_tokens: int,
@@ -121,7 +158,8 @@ def offline_bound(k: Mapping[str, float], prompts: Sequence[int], outputs: Seque
     requests = _Requests()
     for prompt, output in zip(prompts, outputs, strict=True):
         requests.add(prompt, output, request_work(k, prompt, output))
-    return requests.bound(k, kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget)
+    packing = packing_lower_bound(prompts, outputs, kv_capacity_tokens)
+    return requests.bound(k, kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget, packing)
 
 
 def whole_model_coefficients(cost: LinearCostModel) -> dict[str, float]:
@@ -134,7 +172,7 @@ def whole_model_coefficients(cost: LinearCostModel) -> dict[str, float]:
 def relaxed_bound(problem: BoundProblem, cost: LinearCostModel) -> float:
     """A lower bound (seconds) on the latency of any schedule of ``problem``:
     offline, the least total batch time; online, the largest over arrival times t of the time to t
-    plus the bound of the requests arriving from t. O(n log n + sum of O) time."""
+    plus the bound of the requests arriving from t. O(n log n + M) time."""
     if cost.coefficients.knee_tokens:
         raise ConfigError(
             f"bound: the relaxation prices tokens by InferMax's linear form; cost model {cost.name!r} has "
@@ -146,7 +184,7 @@ def relaxed_bound(problem: BoundProblem, cost: LinearCostModel) -> float:
         return offline_bound(k, problem.prompts, problem.outputs, *limits)
     order = sorted(range(len(problem.prompts)), key=lambda i: problem.arrivals[i])
     first = problem.arrivals[order[0]]
-    best = 0.0
+    best = offline_bound(k, problem.prompts, problem.outputs, *limits)  # the suffix from the first arrival
     later = _Requests()  # the requests arriving at or after the current one
     for pos in range(len(order) - 1, -1, -1):
         i = order[pos]
