@@ -98,6 +98,11 @@ def test_bros_bad_configuration():
         scheduler("bros", 10_000, initial_batch_size=64, max_batch_size=32)
     with pytest.raises(ConfigError, match="default_ttft_s must be > 0"):
         scheduler("bros", 10_000, default_ttft_s=0)
+    with pytest.raises(ConfigError, match="dropping=swap needs kv_manager=bidirectional"):
+        scheduler("bros_nobicache", 10_000, dropping="swap")
+    with pytest.raises(ConfigError, match="add --set dropping=recompute"):
+        scheduler("bros", 10_000, rt_growth="free_block_first")
+    assert scheduler("bros", 10_000, rt_growth="free_block_first", dropping="recompute").config.dropping == "recompute"
     with pytest.raises(ValueError, match="SLO ttft_s must be > 0"):
         SLO(ttft_s=-1)
     from sloserve.sched import make_scheduler

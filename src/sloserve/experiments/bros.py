@@ -260,8 +260,8 @@ def fig13(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dic
     facing it first, the default, or a free block first; §5.2 reads both ways), and with progressive
     dropping by recompute instead of swap-out (§5)."""
     n = 400 if quick else 1000
-    # NOTE: free block first drops by recompute, as when it was measured: with swap-out its BE
-    # requests are swapped out and restored over and over, and the run takes tens of minutes.
+    # NOTE: free block first drops by recompute: with swap-out its BE requests are swapped out and
+    # restored over and over (BrosConfig refuses that pair).
     runs = [("bros", None), ("bros", {"rt_growth": "free_block_first", "dropping": "recompute"}),
             ("bros_nobicache", None), ("bros", {"dropping": "recompute"})]
     rows = executor.map(run_hybrid, [(name, 10.0, n, "bros-sharegpt", "opt-30b", options) for name, options in runs])

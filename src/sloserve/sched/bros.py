@@ -96,6 +96,13 @@ class BrosConfig:
             raise ConfigError(f"dropping must be recompute or swap, got {self.dropping!r}")
         if self.dropping == "swap" and self.kv_manager != "bidirectional":
             raise ConfigError("dropping=swap needs kv_manager=bidirectional (the swap-out is of its blocks)")
+        if self.dropping == "swap" and self.rt_growth == "free_block_first":
+            # NOTE: measured (docs/reproduction.md): RT requests then drop BE requests that come
+            # straight back, about 17 swaps a step at OPT-30B, RT rate 10; a run takes hours.
+            raise ConfigError(
+                "rt_growth=free_block_first with dropping=swap swaps BE requests out and back every step; "
+                "add --set dropping=recompute"
+            )
 
 
 class SubsetScheduler(Scheduler):
