@@ -79,7 +79,12 @@ def packing_lower_bound(prompts: Sequence[int], outputs: Sequence[int], kv_capac
     M = kv_capacity_tokens
     if not prompts:
         return 0
-    assert max(i + o - 1 for i, o in zip(prompts, outputs, strict=True)) <= M, "a request that never fits M"
+    largest = max(i + o - 1 for i, o in zip(prompts, outputs, strict=True))
+    assert largest <= M, "a request that never fits M"
+    if 2 * largest <= M:
+        # NOTE: with no item above M/2, L2 is the footprint over M (the caller's other term); the
+        # arrays below are O(M), and M may be far larger than any request.
+        return 0
     # (M + 2,) items of each size 0 .. M (+1 spare), from a difference array over each request's range.
     diff = np.zeros(M + 2, dtype=np.int64)
     np.add.at(diff, np.asarray(prompts), 1)
