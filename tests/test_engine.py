@@ -265,6 +265,46 @@ def test_bros_checkpoints_and_restores_real_kv(hf_dirs):
         assert engine.output_token_ids(request) == hf_greedy("llama", tuple(prompts[request]), 10), request
 
 
+def test_bros_swaps_dropped_requests_out_and_back_in_real_kv(hf_dirs):
+    """Progressive dropping by swap-out (§5) on the engine: in a 40-slot cache RT requests drop
+    whole requests, whose every token is copied to CPU memory and back when they run again. Every
+    drop is a swap, and every request still gets HF's tokens."""
+    from sloserve.core.outputs import PreemptionMode
+    from sloserve.core.request import Request, RequestClass
+    from sloserve.engine.llm_engine import LLMEngine
+    from sloserve.engine.loader import load_model
+
+    engine = LLMEngine(load_model(hf_dirs["llama"]), "bros", kv_capacity_tokens=40, scheduler_options={"block_size": 8})
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts, requests, modes = {}, [], []
+
+    def add(i: int, cls: RequestClass, prompt: list[int]) -> None:
+        request = Request(i, engine.replica.now, len(prompt), 10, 10, request_class=cls)
+        requests.append(engine.add_request(prompt, params, engine.replica.now, request=request))
+        prompts[request] = prompt
+
+    for i in range(3):
+        add(i, RequestClass.BE, [(7 * i + j) % VOCAB for j in range(1, 15)])
+    for _ in range(4):
+        engine.step()
+    for i in range(3, 6):
+        add(i, RequestClass.RT, [(11 * i + j) % VOCAB for j in range(1, 13)])
+    schedule = engine.scheduler.schedule
+
+    def recording(now):
+        out = schedule(now)
+        modes.extend(p.mode for p in out.preempted)
+        return out
+
+    engine.scheduler.schedule = recording
+    while engine.has_unfinished():
+        engine.step()
+        engine.scheduler.check_integrity()
+    assert modes and set(modes) == {PreemptionMode.SWAP}
+    for request in requests:
+        assert engine.output_token_ids(request) == hf_greedy("llama", tuple(prompts[request]), 10), request
+
+
 @pytest.mark.parametrize(
     "variant,predictions,outputs,evictions",
     [
