@@ -233,15 +233,16 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
             LLM("random:tiny-llama", device="cuda")
 
 
-def test_bros_checkpoints_and_restores_real_kv(hf_dirs):
-    """BROS with bidirectional blocks in a 64-slot cache: BE requests fill it, RT requests arriving
-    later overwrite BE slots (lazy checkpointing copies exactly those slots to CPU memory), and the
-    BE requests restore them when they run again. Every request still gets HF's tokens."""
+def _bros_be_then_rt(hf_dirs, capacity: int, be_prompt_tokens: int, on_step=None):
+    """BROS on the engine, block size 8: three BE requests run 4 steps, then three RT requests arrive;
+    runs to the end (``on_step`` sees every scheduler output) and checks every request gets HF's
+    greedy tokens. Returns the engine."""
     from sloserve.core.request import Request, RequestClass
     from sloserve.engine.llm_engine import LLMEngine
     from sloserve.engine.loader import load_model
 
-    engine = LLMEngine(load_model(hf_dirs["llama"]), "bros", kv_capacity_tokens=64, scheduler_options={"block_size": 8})
+    engine = LLMEngine(load_model(hf_dirs["llama"]), "bros", kv_capacity_tokens=capacity,
+                       scheduler_options={"block_size": 8})  # fmt: skip
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prompts, requests = {}, []
 
@@ -251,18 +252,34 @@ def test_bros_checkpoints_and_restores_real_kv(hf_dirs):
         prompts[request] = prompt
 
     for i in range(3):
-        add(i, RequestClass.BE, [(7 * i + j) % VOCAB for j in range(1, 19)])
+        add(i, RequestClass.BE, [(7 * i + j) % VOCAB for j in range(1, be_prompt_tokens + 1)])
     for _ in range(4):
         engine.step()
     for i in range(3, 6):
         add(i, RequestClass.RT, [(11 * i + j) % VOCAB for j in range(1, 13)])
+    if on_step is not None:
+        schedule = engine.scheduler.schedule
+
+        def recording(now):
+            out = schedule(now)
+            on_step(out)
+            return out
+
+        engine.scheduler.schedule = recording
     while engine.has_unfinished():
         engine.step()
         engine.scheduler.check_integrity()
-    kv = engine.scheduler.kv
-    assert kv.checkpointed_bytes > 0 and kv.restored_bytes > 0
     for request in requests:
         assert engine.output_token_ids(request) == hf_greedy("llama", tuple(prompts[request]), 10), request
+    return engine
+
+
+def test_bros_checkpoints_and_restores_real_kv(hf_dirs):
+    """BROS with bidirectional blocks in a 64-slot cache: BE requests fill it, RT requests arriving
+    later overwrite BE slots (lazy checkpointing copies exactly those slots to CPU memory), and the
+    BE requests restore them when they run again. Every request still gets HF's tokens."""
+    kv = _bros_be_then_rt(hf_dirs, 64, 18).scheduler.kv
+    assert kv.checkpointed_bytes > 0 and kv.restored_bytes > 0
 
 
 def test_bros_swaps_dropped_requests_out_and_back_in_real_kv(hf_dirs):
@@ -270,39 +287,10 @@ def test_bros_swaps_dropped_requests_out_and_back_in_real_kv(hf_dirs):
     whole requests, whose every token is copied to CPU memory and back when they run again. Every
     drop is a swap, and every request still gets HF's tokens."""
     from sloserve.core.outputs import PreemptionMode
-    from sloserve.core.request import Request, RequestClass
-    from sloserve.engine.llm_engine import LLMEngine
-    from sloserve.engine.loader import load_model
 
-    engine = LLMEngine(load_model(hf_dirs["llama"]), "bros", kv_capacity_tokens=40, scheduler_options={"block_size": 8})
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    prompts, requests, modes = {}, [], []
-
-    def add(i: int, cls: RequestClass, prompt: list[int]) -> None:
-        request = Request(i, engine.replica.now, len(prompt), 10, 10, request_class=cls)
-        requests.append(engine.add_request(prompt, params, engine.replica.now, request=request))
-        prompts[request] = prompt
-
-    for i in range(3):
-        add(i, RequestClass.BE, [(7 * i + j) % VOCAB for j in range(1, 15)])
-    for _ in range(4):
-        engine.step()
-    for i in range(3, 6):
-        add(i, RequestClass.RT, [(11 * i + j) % VOCAB for j in range(1, 13)])
-    schedule = engine.scheduler.schedule
-
-    def recording(now):
-        out = schedule(now)
-        modes.extend(p.mode for p in out.preempted)
-        return out
-
-    engine.scheduler.schedule = recording
-    while engine.has_unfinished():
-        engine.step()
-        engine.scheduler.check_integrity()
+    modes = []
+    _bros_be_then_rt(hf_dirs, 40, 14, on_step=lambda out: modes.extend(p.mode for p in out.preempted))
     assert modes and set(modes) == {PreemptionMode.SWAP}
-    for request in requests:
-        assert engine.output_token_ids(request) == hf_greedy("llama", tuple(prompts[request]), 10), request
 
 
 @pytest.mark.parametrize(
