@@ -300,13 +300,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
                 slots[i] = CHECKPOINTED
                 moved += 1
         self._slots_rewritten(request)
-        for block in list(self.blocks_of.get(request, ())):
-            self._drop_side(request, block)
-        self.blocks_of.pop(request, None)
-        self._be_only_by_owner.pop(request, None)
-        for block, pair in list(self.preemption_table.items()):
-            if request in pair:
-                del self.preemption_table[block]
+        self._release_blocks(request)
         self.checkpointed_bytes += moved * self.kv_bytes_per_token
         return moved
 
@@ -353,19 +347,24 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
             self.preemption_table.pop(block, None)
 
     def free(self, request: Request) -> None:
+        self._release_blocks(request)
+        self.token_slots.pop(request, None)
+        self._slots_rewritten(request)
+        self._cpu_free.extend(self.cpu_slots.pop(request, {}).values())
+
+    def _release_blocks(self, request: Request) -> None:
+        """Give up ``request``'s side of every block it holds, and its preemption-table entries."""
         for block in list(self.blocks_of.get(request, ())):
             self._drop_side(request, block)
         self.blocks_of.pop(request, None)
-        self.token_slots.pop(request, None)
-        self._slots_rewritten(request)
         self._be_only_by_owner.pop(request, None)
-        self._cpu_free.extend(self.cpu_slots.pop(request, {}).values())
         for block, pair in list(self.preemption_table.items()):
             if request in pair:
                 del self.preemption_table[block]
 
     def swap_out(self, request: Request) -> list[BlockCopy] | None:
-        """Whole-request swapping is not how this layout moves KV (lazy checkpointing is)."""
+        """Not by block copies: this layout moves KV by single slots (lazy checkpointing, and
+        ``drop_to_cpu`` for a whole request)."""
         return None
 
     # --- invariants --------------------------------------------------------------------------------
