@@ -123,9 +123,8 @@ class SubsetScheduler(Scheduler):
         if self._bicache:
             kv.rt_free_block_first = config.rt_growth == "free_block_first"
         self._batch_set: set[Request] = set()
-        # dropping=swap: requests whose KV is swapped out, and how many of each class.
-        self._dropped: set[Request] = set()
-        self._swapped_out = {RequestClass.RT: 0, RequestClass.BE: 0}
+        # dropping=swap: the requests whose KV is swapped out, by class.
+        self._dropped: dict[RequestClass, set[Request]] = {RequestClass.RT: set(), RequestClass.BE: set()}
 
     # Moving average of the estimated iteration time ((6) with token groups), and its weight per step.
     iteration_ema_s = 0.0
@@ -175,9 +174,7 @@ class SubsetScheduler(Scheduler):
             t0 = time.perf_counter()
             done = self.kv.restore(request, self._batch_set)  # checkpointed slots come back first
             assert done
-            if request in self._dropped:  # swapped back in
-                self._dropped.discard(request)
-                self._swapped_out[request.request_class] -= 1
+            self._dropped[request.request_class].discard(request)  # swapped back in, if it was out
             done = self.kv.allocate_slots(request, self._tokens_needed(request), protect=self._batch_set)
             assert done
             self.kv_time_s += time.perf_counter() - t0
@@ -227,8 +224,7 @@ class SubsetScheduler(Scheduler):
             self._preempt(request, PreemptionMode.RECOMPUTE, out)
             return
         self.kv.drop_to_cpu(request)
-        self._swapped_out[request.request_class] += 1
-        self._dropped.add(request)
+        self._dropped[request.request_class].add(request)
         request.num_preemptions += 1
         request.num_allocation_failures += 1  # NOTE: dropping happens only when KV runs short
         self.num_preemptions += 1
@@ -236,7 +232,7 @@ class SubsetScheduler(Scheduler):
 
     def _on_gpu(self, request: Request) -> bool:
         """Whether ``request`` holds GPU slots (a dropped one holds none: dropping it again frees nothing)."""
-        return request not in self._dropped
+        return request not in self._dropped[request.request_class]
 
     def _may_admit(self, request: Request) -> bool:
         """The re-admission rule of ``dropping=swap`` for BE requests (vLLM's for swapped requests):
@@ -245,7 +241,7 @@ class SubsetScheduler(Scheduler):
         return (
             request.request_class is RequestClass.RT
             or request.status is not RequestStatus.WAITING
-            or not self._swapped_out[RequestClass.BE]
+            or not self._dropped[RequestClass.BE]
         )
 
     def kv_used_tokens(self) -> int:
@@ -334,7 +330,7 @@ class BrosScheduler(SubsetScheduler):
             if be:
                 self._evict(max(be, key=self.kv.num_slots), out)
                 continue
-            if request in self._dropped:
+            if not self._on_gpu(request):
                 # dropping=swap's re-admission rule: a swapped-out RT request comes back by dropping
                 # BE requests only. NOTE: else it would drop the RT request that dropped it, which
                 # is then the most urgent: the two would trade places (and KV) every step.
