@@ -53,7 +53,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--cuda-graphs", action="store_true", help="profile and run with decode steps on CUDA graphs")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="profile and run decode steps eagerly [CUDA graphs wherever the engine supports them]")
     parser.add_argument("--schedulers", default="vllm,sarathi")
     parser.add_argument("--trace", default="sharegpt")
     parser.add_argument("--num-requests", type=int, default=200)
@@ -76,8 +77,8 @@ def main() -> None:
               "--attention-backend", args.attention_backend]  # fmt: skip
     if args.max_model_len:
         engine += ["--max-model-len", str(args.max_model_len)]
-    if args.cuda_graphs:
-        engine.append("--cuda-graphs")
+    if args.no_cuda_graphs:
+        engine.append("--no-cuda-graphs")
     preset = out / "preset.json"
     # One fit for every scheduler; the measurements stay in profile.csv (benchmarks/cost_forms.py --csv
     # compares the cost model's forms on them).

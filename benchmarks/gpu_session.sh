@@ -12,11 +12,15 @@
 #                                             # random:llama-3-8b; needs the serve extra's packages
 #                                             # (fastapi, uvicorn, aiohttp, prometheus-client, jinja2),
 #                                             # which the device image may lack: carry their wheels
+#   bash benchmarks/gpu_session.sh all        # tests, speed and fidelity in one call, each under its own
+#                                             # time limit (seconds: TESTS_S, SPEED_S, FIDELITY_S)
 #
+# The device image lacks pydantic and gguf (and the serve extra): carry their wheels and put them on
+# PYTHONPATH before calling this script; src/ is put in front of whatever PYTHONPATH holds.
 # Each stage's log goes to $OUT (the device tool's output folder) or ./gpu-logs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
@@ -32,7 +36,7 @@ case "${1:-}" in
     ;;
   fidelity)
     # The summaries stay behind (the device tool returns at most 8 files); the fitted preset comes back.
-    python3 benchmarks/fidelity.py --cuda-graphs --out /tmp/fidelity 2>&1 | tee "$out/fidelity.log"
+    python3 benchmarks/fidelity.py --out /tmp/fidelity 2>&1 | tee "$out/fidelity.log"
     cp /tmp/fidelity/preset.json "$out/fidelity-preset.json"
     cp /tmp/fidelity/profile.csv "$out/fidelity-profile.csv"
     # InferMax's straight line against the line with a knee, on the batch times just measured.
@@ -49,8 +53,18 @@ case "${1:-}" in
       --prefill-chunks 32,64,128,256,512,1024,2048,4096 --context-lens 0,512,2048 \
       --batch-sizes 1,2,4,8,16,32,64,128,256 --decode-kv-lens 128,512,2048 2>&1 | tee "$out/serve_fidelity.log"
     ;;
+  all)
+    # One stage failing or running out of time does not stop the next one; the exit code is the worst.
+    status=0
+    for stage in tests:${TESTS_S:-150} speed:${SPEED_S:-120} fidelity:${FIDELITY_S:-240}; do
+      start=$SECONDS
+      timeout "${stage#*:}" bash "$0" "${stage%%:*}" || { rc=$?; status=$rc; echo "stage ${stage%%:*} exited $rc"; }
+      echo "stage ${stage%%:*}: $((SECONDS - start)) s" | tee -a "$out/stages.txt"
+    done
+    exit $status
+    ;;
   *)
-    echo "usage: $0 tests|speed|fidelity|serve" >&2
+    echo "usage: $0 tests|speed|fidelity|serve|all" >&2
     exit 2
     ;;
 esac

@@ -133,6 +133,16 @@ def test_cuda_graphs_need_cuda_and_triton():
         LLM("random:tiny-llama", cuda_graphs=True)
 
 
+def test_cuda_graphs_are_on_by_default_where_supported():
+    """Unless asked otherwise, decode steps replay graphs on CUDA with Triton, and run eagerly elsewhere."""
+    assert load_model("random:tiny-llama").cuda_graphs is False  # the CPU
+    assert load_model("random:tiny-llama", cuda_graphs=False).cuda_graphs is False
+    if CUDA:
+        assert load_model("random:tiny-llama", device="cuda", attention_backend="triton").cuda_graphs is True
+        assert load_model("random:tiny-llama", device="cuda", attention_backend="torch").cuda_graphs is False
+        assert load_model("random:tiny-llama", device="cuda", cuda_graphs=False).cuda_graphs is False
+
+
 @cuda_only
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_captured_graphs_replay_the_eager_step(dtype):
@@ -152,7 +162,7 @@ def test_captured_graphs_replay_the_eager_step(dtype):
 
 @cuda_only
 def test_engine_with_cuda_graphs_gives_the_eager_tokens():
-    expected = _generate(LLM("random:tiny-llama", "vllm", device="cuda", dtype="float32"))
+    expected = _generate(LLM("random:tiny-llama", "vllm", device="cuda", dtype="float32", cuda_graphs=False))
     llm = LLM("random:tiny-llama", "vllm", device="cuda", dtype="float32", cuda_graphs=True)
     assert llm.engine.executor.graphs is not None and llm.engine.executor.graphs.graphs
     assert _generate(llm) == expected

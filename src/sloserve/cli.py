@@ -785,8 +785,9 @@ def _engine_options(fn: Callable) -> Callable:
         click.option("--kv-capacity-tokens", type=int, help="KV cache slots (default: from free memory)."),
         click.option("--attention-backend", default="auto", show_default=True,
                      help="auto (Triton kernels on CUDA when triton is installed, else torch), torch or triton."),
-        click.option("--cuda-graphs", is_flag=True,
-                     help="Replay decode-only steps as CUDA graphs (needs cuda and the triton backend)."),
+        click.option("--cuda-graphs/--no-cuda-graphs", default=None,
+                     help="Replay decode-only steps as CUDA graphs (needs cuda and the triton backend) "
+                          "[on where supported]."),
     ]
     for option in reversed(options):
         fn = option(fn)

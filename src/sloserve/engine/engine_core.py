@@ -45,7 +45,7 @@ class EngineSpec:
     dtype: str = "auto"
     seed: int = 0
     attention_backend: str = "auto"
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None  # None: on wherever supported (load_model)
     kv_capacity_tokens: int | None = None
     max_model_len: int | None = None
     cost_model: str | None = None

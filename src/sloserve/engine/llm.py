@@ -46,7 +46,7 @@ class LLM:
         attention_backend: ``auto`` (Triton kernels on CUDA when triton is installed, else the
             PyTorch reference), ``torch`` or ``triton``.
         cuda_graphs: replay decode-only steps as CUDA graphs (``cuda_graphs``; needs cuda and the
-            triton backend). Off by default until measured on a GPU (vLLM captures by default).
+            triton backend). ``None`` (the default): on wherever supported, as vLLM captures by default.
     """
 
     def __init__(
@@ -62,7 +62,7 @@ class LLM:
         swap_space_tokens: int | None = None,
         cost_model: str | CostModel | None = None,
         attention_backend: str = "auto",
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | None = None,
         **scheduler_options: Any,
     ) -> None:
         self.loaded = load_model(model, device=device, dtype=dtype, seed=seed, attention_backend=attention_backend,

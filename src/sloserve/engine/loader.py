@@ -102,15 +102,20 @@ def load_model(
     dtype: str = "auto",
     seed: int = 0,
     attention_backend: str = "auto",
-    cuda_graphs: bool = False,
+    cuda_graphs: bool | None = None,
 ) -> LoadedModel:
     """``model`` is a local HF directory (config.json, *.safetensors, tokenizer.json), a GGUF file
     (``gguf_loader``: dequantized to float32) or ``random:NAME`` (``RANDOM_SHAPES``: random weights from ``seed``, byte tokenizer).
     ``attention_backend``: ``auto``, ``torch`` or ``triton`` (``resolve_attention_backend``).
-    ``cuda_graphs``: engines on this model replay decode-only steps as CUDA graphs (``check_cuda_graphs``)."""
+    ``cuda_graphs``: engines on this model replay decode-only steps as CUDA graphs (``check_cuda_graphs``);
+    ``None`` (the default): wherever they are supported, that is on CUDA with the Triton backend."""
     dev = resolve_device(device)
     backend_name = resolve_attention_backend(attention_backend, dev)
-    if cuda_graphs:
+    if cuda_graphs is None:
+        # NOTE: on by default since the H200 session of 2026-11-26: capture and replay gave the eager
+        # engine's tokens there, and decode steps ran 1.07-1.66x faster (benchmarks/RESULTS.md).
+        cuda_graphs = cuda_graphs_supported(dev, backend_name)
+    elif cuda_graphs:
         check_cuda_graphs(dev, backend_name)
     backend = BACKENDS[backend_name]()
     if model.startswith(RANDOM_PREFIX):
