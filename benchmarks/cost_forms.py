@@ -1,9 +1,12 @@
-"""One cost-model fit for every scheduler: InferMax's straight line against the same line with a knee.
+"""One cost-model fit for every scheduler: InferMax's straight line, the same line with a knee, and the
+line under two floors.
 
 A fit of InferMax's linear model over whole prompts (vLLM's batches), chunks (Sarathi's) and decodes
 has to draw one line through a part of the step that is flat below some batch size (the weights are
 read once per step: memory-bound) and linear above it (compute-bound). The "knee" form
-(``cost/linear.py``) adds that one number. This script shows, side by side in one run:
+(``cost/linear.py``) adds that one number; the "floor" form puts the whole step under a floor, one for
+steps with a prefill (eager: the host's kernel launches) and one for decode-only steps (on a GPU,
+replayed graphs). This script shows, side by side in one run:
 
 1. Fit error. Batch times of a profile grid (``sloserve profile``'s default grid) from a reference
    model: by default the roofline model of Llama-2-7B on an A100-80GB (a GPU's shape from its
@@ -12,20 +15,30 @@ read once per step: memory-bound) and linear above it (compute-bound). The "knee
 2. Per-scheduler fidelity (reference model only). vLLM and Sarathi-Serve simulated on ShareGPT with
    the reference model and with each fit: the error of each fit's mean TTFT, TPOT, JCT and
    throughput. The goal (issue 29): one fit within 5% for every scheduler.
+3. With ``--csv`` and ``--engine``: each fit (on the same 3 of 4 points) simulated with ``sloserve
+   simulate`` on the workloads the engine ran, against the engine's measured figures.
 
     python benchmarks/cost_forms.py
     python benchmarks/cost_forms.py --csv profile.csv --layers 30   # fit errors of a measured profile
+    python benchmarks/cost_forms.py --layers 32 \
+        --csv benchmarks/profiles/h200-random-llama-3-8b-bf16-graphs.csv \
+        --engine benchmarks/profiles/h200-random-llama-3-8b-bf16-graphs-engine.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from sloserve.cost import BatchShape, LinearCostModel, fit_linear_shapes, get_gpu, get_model, kv_capacity_tokens
+from sloserve.cost import BatchShape, LinearCostModel, fit_linear_shapes, get_gpu, get_model, kv_capacity_tokens, save_preset
 from sloserve.cost.fit import read_profile_csv
 from sloserve.cost.profile_grid import ProfileGrid
 from sloserve.cost.roofline import RooflineCostModel
@@ -34,8 +47,9 @@ from sloserve.sched import make_scheduler
 from sloserve.sim import simulate
 from sloserve.workload import workload_from_trace
 
-FORMS = ("infermax", "knee")
+FORMS = ("infermax", "knee", "floor")
 HOLD_OUT_EVERY = 4  # as `sloserve profile`
+CONSOLE = Console(width=120)
 
 
 def kind(s: BatchShape) -> str:
@@ -67,7 +81,7 @@ def fit_table(shapes: list[BatchShape], times: list[float], num_layers: int, tit
             err = np.array([abs(model.batch_time(shapes[i]).total_s / times[i] - 1) for i in rows])
             cells.append(f"{err.mean():.1%} / {err.max():.1%}")
         table.add_row(f"{k} ({len(rows)})", *cells)
-    Console().print(table)
+    CONSOLE.print(table)
     return models
 
 
@@ -80,10 +94,48 @@ def simulated(cost, scheduler: str, capacity: int, num_requests: int, rate: floa
             "JCT": float(np.nanmean(t["jct_s"])), "throughput": len(workload.requests) / makespan}  # fmt: skip
 
 
+ENGINE_FIGURES = (("throughput", "throughput_rps"), ("JCT", "jct_s"), ("TTFT", "ttft_s"), ("TPOT", "tpot_s"),
+                  ("norm. latency", "normalized_latency_s"))  # fmt: skip
+
+
+def against_engine(models: dict[str, LinearCostModel], engine_path: str) -> None:
+    """Each fit simulated (`sloserve simulate`, as a user would) on each workload the engine ran; the
+    error of each mean figure against the engine's."""
+    engine = json.loads(Path(engine_path).read_text())
+    table = Table(title=f"{engine_path}: simulated / engine - 1")
+    for column in ("scheduler", "load", "form", *(name for name, _ in ENGINE_FIGURES)):
+        table.add_column(column, justify="left" if column in ("scheduler", "form") else "right")
+    errors: dict[str, list[float]] = {form: [] for form in models}
+    with tempfile.TemporaryDirectory() as folder:
+        for run in engine["runs"]:
+            load = ["--offline"] if run["rate"] is None else ["--rate", str(run["rate"])]
+            for form, model in models.items():
+                preset = Path(folder) / f"{form}.json"
+                save_preset(model.coefficients, preset)
+                args = ["simulate", "--model", engine["model"], "--cost-model", str(preset), "--trace", engine["trace"],
+                        "--num-requests", str(engine["num_requests"]), "--seed", str(engine["seed"]),
+                        "--scheduler", run["scheduler"], *load, "--max-model-len", str(engine["max_model_len"]),
+                        "--kv-capacity-tokens", str(engine["kv_capacity_tokens"]), "--json"]  # fmt: skip
+                done = subprocess.run([sys.executable, "-m", "sloserve.cli", *args], capture_output=True, text=True, check=True)
+                sim = json.loads(done.stdout)
+                row = []
+                for _, key in ENGINE_FIGURES:
+                    got = sim[key] if key == "throughput_rps" else sim[key]["mean"]
+                    errors[form].append(abs(got / run[key] - 1))
+                    row.append(f"{got / run[key] - 1:+.1%}")
+                label = "offline" if run["rate"] is None else f"{run['rate']} req/s"
+                table.add_row(run["scheduler"], label, form, *row)
+    CONSOLE.print(table)
+    print("mean / max |error| over every figure: "
+          + ", ".join(f"{form} {np.mean(e):.1%} / {np.max(e):.1%}" for form, e in errors.items()) + " (goal: mean 5%)")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--csv", help="a profile measured by `sloserve profile --csv` (fit errors only)")
     parser.add_argument("--layers", type=int, help="the profiled model's layers (with --csv)")
+    parser.add_argument("--engine", help="with --csv: the engine's figures on workloads (JSON, as "
+                        "benchmarks/profiles/*-engine.json) to simulate each fit on")
     parser.add_argument("--num-requests", type=int, default=2000)
     parser.add_argument("--rates", default="3,6,9", help="ShareGPT request rates (req/s) to simulate")
     args = parser.parse_args()
@@ -91,7 +143,9 @@ def main() -> None:
         if not args.layers:
             parser.error("--csv needs --layers")
         shapes, times = read_profile_csv(args.csv)
-        fit_table(shapes, times, args.layers, f"{args.csv}: held-out error of each form's fit")
+        models = fit_table(shapes, times, args.layers, f"{args.csv}: held-out error of each form's fit")
+        if args.engine:
+            against_engine(models, args.engine)
         return
 
     model, gpu = get_model("llama-2-7b"), get_gpu("a100")
@@ -114,7 +168,7 @@ def main() -> None:
                 errors = [got[metric] / truth[metric] - 1 for metric in metrics]
                 worst[form] = max(worst[form], *(abs(e) for e in errors))
                 table.add_row(scheduler, f"{rate:g}", form, *(f"{e:+.1%}" for e in errors))
-    Console().print(table)
+    CONSOLE.print(table)
     print("largest |error| over schedulers, rates and metrics: "
           + ", ".join(f"{form} {worst[form]:.1%}" for form in FORMS) + " (goal: 5%)")  # fmt: skip
 

@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
     parser.add_argument("--decode-kv-lens", default="128,512,2048")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--form", default="knee", choices=("knee", "infermax"), help="cost model form to fit")
+    parser.add_argument("--form", default="knee", choices=("knee", "floor", "infermax"), help="cost model form to fit")
     parser.add_argument("--out", type=Path, help="Folder for the preset and the summaries [a temporary one]")
     args = parser.parse_args()
 

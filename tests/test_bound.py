@@ -140,6 +140,9 @@ def test_bad_bound_problems():
         solve_bound(BoundProblem((8,), (2,), (0.0,), 100, 4096, None), knee)
     with pytest.raises(ConfigError, match="relaxation prices tokens by InferMax's linear form"):
         relaxed_bound(BoundProblem((8,), (2,), (0.0,), 100, 4096, None), knee)
+    floored = LinearCostModel(dataclasses.replace(get_preset("llama-2-7b-a100"), floor_p=1.5))
+    with pytest.raises(ConfigError, match="linear form; .* has floor_p 1.5 \\(use a preset"):
+        relaxed_bound(BoundProblem((8,), (2,), (0.0,), 100, 4096, None), floored)
 
 
 def test_bound_command(tmp_path):

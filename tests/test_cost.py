@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -116,6 +117,25 @@ def test_knee_flattens_the_non_attention_part_below_it() -> None:
     assert knee.batch_time(BatchShape()).total_s == 0.0  # an empty step still costs nothing
 
 
+def test_floors_lift_short_steps_only() -> None:
+    """step = max(floor, work), the floor by kind of step: with a prefill floor_p, else floor_d; the
+    time below the floor counts as non-attention, so the parts still add up."""
+    floored, straight = LinearCostModel(L7_FLOOR), LinearCostModel(L7)
+    for shape, floor in ((BatchShape(1, 100), 0.3), (prefill_shape([(32, 0)]), 1.5), (prefill_shape([(512, 0)], 4, 400), 1.5)):
+        got = floored.batch_time(shape)
+        assert got.total_s == pytest.approx(floor * 32 / 1000)
+        assert got.decode_attention_s == straight.batch_time(shape).decode_attention_s
+        assert got.non_attention_s + got.decode_attention_s + got.prefill_attention_s == pytest.approx(got.total_s)
+    for shape in (BatchShape(256, 256_000), prefill_shape([(4096, 0)])):  # above their floors: InferMax's line
+        assert floored.batch_time(shape) == straight.batch_time(shape)
+    swap = floored.batch_time(BatchShape(1, 100, swap_bytes=25_000_000))  # the swap adds to the floored step
+    assert swap.total_s == pytest.approx(0.3 * 32 / 1000 + 0.001)
+    assert floored.batch_time(BatchShape()).total_s == 0.0  # an empty step still costs nothing
+    # A repeated step below its floor is no arithmetic series; above it, the straight line's.
+    assert floored.step_increment(BatchShape(1, 100)) is None
+    assert floored.step_increment(BatchShape(256, 256_000)) == straight.step_increment(BatchShape(256, 256_000))
+
+
 def test_linear_coefficients_validation() -> None:
     with pytest.raises(ConfigError, match="coefficient a_d"):
         LinearCoefficients(**{**L7.as_dict(), "a_d": -1.0})
@@ -123,16 +143,21 @@ def test_linear_coefficients_validation() -> None:
         LinearCoefficients(**{**L7.as_dict(), "num_layers": 0})
     with pytest.raises(ConfigError, match="knee_tokens must be a non-negative finite number, got -1"):
         LinearCoefficients(**{**L7.as_dict(), "knee_tokens": -1})
+    with pytest.raises(ConfigError, match="coefficient floor_p must be a non-negative finite number, got nan"):
+        LinearCoefficients(**{**L7.as_dict(), "floor_p": float("nan")})
     with pytest.raises(ConfigError, match="swap_bandwidth"):
         LinearCostModel(L7, swap_bandwidth=0)
 
 
 L7_KNEE = LinearCoefficients(**{**L7.as_dict(), "knee_tokens": 150.0, "name": "llama-2-7b-knee"})
+# Floors (ms per layer) under which a 1-token decode (0.09) and a 512-token prompt (1.18) fall.
+L7_FLOOR = LinearCoefficients(**{**L7.as_dict(), "floor_p": 1.5, "floor_d": 0.3, "name": "llama-2-7b-floor"})
 
 COST_MODELS = [
     LinearCostModel(L7),
     LinearCostModel(L70),
     LinearCostModel(L7_KNEE),
+    LinearCostModel(L7_FLOOR),
     RooflineCostModel(get_model("llama-2-7b"), get_gpu("a100")),
     RooflineCostModel(get_model("llama-3-70b"), get_gpu("a100"), num_gpus=4),
     RooflineCostModel(get_model("qwen2.5-7b"), get_gpu("h100"), num_gpus=2),
@@ -176,8 +201,10 @@ def test_repeated_steps_match_batch_time(which, num_decode, kv, chunk, context, 
     slow = np.array([model.batch_time(advance_shape(shape, k)).total_s for k in range(steps)])
     np.testing.assert_allclose(model.step_times(shape, steps), slow, rtol=1e-12, atol=0)
     increment = model.step_increment(shape)
-    if isinstance(model, LinearCostModel):
-        assert increment is not None
+    if isinstance(model, LinearCostModel):  # None only for a step on its floor
+        c = model.coefficients
+        floor_s = (c.floor_p if chunk else c.floor_d) * c.num_layers / 1000
+        assert increment is not None or slow[0] <= floor_s * (1 + 1e-12)
     if increment is not None:
         np.testing.assert_allclose(slow[0] + increment * np.arange(steps), slow, rtol=1e-12, atol=0)
 
@@ -305,8 +332,25 @@ def test_fit_finds_the_knee_of_noiseless_data() -> None:
     assert report.max_rel_error < 0.01
     straight, straight_report = fit_linear_shapes(shapes, times, num_layers=32, form="infermax")
     assert straight.knee_tokens == 0 and straight_report.max_rel_error > 0.05
-    with pytest.raises(ConfigError, match="form must be one of knee, infermax, got 'curvy'"):
+    with pytest.raises(ConfigError, match="form must be one of knee, floor, infermax, got 'curvy'"):
         fit_linear_shapes(shapes, times, num_layers=32, form="curvy")
+
+
+def test_fit_finds_the_floors_of_noiseless_data() -> None:
+    """The floor form recovers both floors and the line above them; the knee form cannot bend that way."""
+    shapes = random_shapes(np.random.default_rng(3), 200)
+    shapes += [BatchShape(b, 50 * b) for b in (1, 2, 4, 8)]  # decodes on the decode floor
+    shapes += [prefill_shape([(c, 0)]) for c in (16, 64, 256, 512)]  # prompts on the prefill floor
+    times = [LinearCostModel(L7_FLOOR).batch_time(s).total_s for s in shapes]
+    fitted, report = fit_linear_shapes(shapes, times, num_layers=32, form="floor")
+    assert fitted.floor_p == pytest.approx(1.5, rel=1e-3) and fitted.floor_d == pytest.approx(0.3, rel=1e-3)
+    assert report.max_rel_error < 1e-3  # (a knee among the floored steps changes nothing: it may be > 0)
+    _, knee_report = fit_linear_shapes(shapes, times, num_layers=32, form="knee")
+    assert knee_report.max_rel_error > 0.1
+    # Straight data: a floor no step sits on is 0, not some value below every step.
+    straight = [LinearCostModel(L7).batch_time(s).total_s for s in shapes]
+    refit, refit_report = fit_linear_shapes(shapes, straight, num_layers=32, form="floor")
+    assert refit.floor_p == refit.floor_d == 0.0 and refit_report.max_rel_error < 1e-6
 
 
 def test_one_knee_fit_serves_vllm_and_sarathi() -> None:
@@ -433,6 +477,10 @@ def test_bad_preset_files(tmp_path: Path) -> None:
     path.write_text(json.dumps(doc))
     with pytest.raises(ConfigError, match="field 'knee_tokens' must be a non-negative number, got 'wide'"):
         load_preset(path)
+    doc["knee_tokens"], doc["floor_d"] = 0, -2
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match="field 'floor_d' must be a non-negative number, got -2"):
+        load_preset(path)
 
 
 def test_presets_keep_their_knee_and_files_without_one_have_none(tmp_path: Path) -> None:
@@ -443,6 +491,12 @@ def test_presets_keep_their_knee_and_files_without_one_have_none(tmp_path: Path)
     del doc["knee_tokens"]  # as written before the knee existed
     path.write_text(json.dumps(doc))
     assert load_preset(path).knee_tokens == 0.0
+    save_preset(L7_FLOOR, path)
+    assert load_preset(path) == L7_FLOOR
+    doc = json.loads(path.read_text())
+    del doc["floor_p"], doc["floor_d"]  # as written before the floors existed
+    path.write_text(json.dumps(doc))
+    assert load_preset(path) == dataclasses.replace(L7, name="llama-2-7b-floor")
 
 
 # ---------------------------------------------------------------- build_cost_model, presets

@@ -750,9 +750,11 @@ def experiment(name: str, out: Path, quick: bool, trace: str | None, workers: in
               "prefill_attention_work, prefill_context_tokens, time_s.")
 @click.option("--layers", type=int, required=True, help="Model layers (coefficients are per layer).")
 @click.option("--name", help="Preset name [the CSV file's stem].")
-@click.option("--form", type=click.Choice(["knee", "infermax"]), default="knee", show_default=True,
+@click.option("--form", type=click.Choice(["knee", "floor", "infermax"]), default="knee", show_default=True,
               help="knee: InferMax's linear model with a knee in tokens below which the non-attention part "
-              "is flat (memory-bound); infermax: the paper's straight line.")
+              "is flat (memory-bound); floor: the knee form under a floor for steps with a prefill and one "
+              "for decode-only steps (the host's kernel launches, a graph's weight read); infermax: the "
+              "paper's straight line.")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="JSON preset to write.")
 def fit_cost(csv_path: Path, layers: int, name: str | None, form: str, out: Path) -> None:
     """Fit the linear cost model to measured batch times (a CSV such as `sloserve profile --csv`
@@ -890,7 +892,7 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
 @click.option("--decode-kv-lens", default="128,512,2048", show_default=True, help="Tokens cached per decode.")
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per point (median).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--form", type=click.Choice(["knee", "infermax"]), default="knee", show_default=True,
+@click.option("--form", type=click.Choice(["knee", "floor", "infermax"]), default="knee", show_default=True,
               help="Cost model form to fit (see `sloserve fit-cost --help`).")
 @click.option("--csv", "csv_path", type=click.Path(path_type=Path),
               help="Also write the measured batch times (the CSV `sloserve fit-cost` reads).")

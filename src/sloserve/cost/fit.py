@@ -10,6 +10,12 @@ features, minimizing the squared *relative* error (each row weighted by 1 / time
 each candidate knee on a geometric grid (and 0) gets its own least-squares fit, the grid is refined
 around the best, and the smallest knee within rounding of the best error wins (0 when a straight line
 fits as well). The ``infermax`` form keeps knee_tokens = 0.
+
+The ``floor`` form is the knee form under two floors, ``floor_p`` / ``floor_d`` (see ``linear.py``). A
+step is the larger of its floor and the knee form's sum, so for a given knee the fit is not linear:
+``scipy.optimize.least_squares`` (bounded at 0) minimizes the same relative errors from two starts,
+the straight fit with no floor and the straight fit with each floor at its kind's shortest measured
+step, and keeps the better; the knee is searched as above. A floor that no profiled step sits on is set to 0 (it changes no prediction).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import scipy.optimize
 from sloserve.core.errors import ConfigError
 
 from .base import BatchShape
-from .linear import COEFFICIENT_NAMES, LinearCoefficients, LinearCostModel
+from .linear import COEFFICIENT_NAMES, EXTRA_TERM_NAMES, LinearCoefficients, LinearCostModel
 
 CSV_COLUMNS = (
     "num_decode",
@@ -37,7 +43,7 @@ CSV_COLUMNS = (
     "prefill_context_tokens",
     "time_s",
 )
-FORMS = ("knee", "infermax")
+FORMS = ("knee", "floor", "infermax")
 # Candidate knees: a geometric grid from 1 token to the largest batch, then a finer one between the
 # best candidate's neighbours.
 KNEE_GRID_POINTS = 48
@@ -111,16 +117,61 @@ def _nnls(shapes: Sequence[BatchShape], times: np.ndarray, knee_tokens: float) -
     return coef, used, rank, float(residual)
 
 
-def _best_knee(shapes: Sequence[BatchShape], times: np.ndarray) -> float:
-    """The knee (tokens) whose fit has the least squared relative error (see the module docstring)."""
+def _fit_floor(shapes: Sequence[BatchShape], times: np.ndarray, knee_tokens: float) -> tuple[np.ndarray, np.ndarray, int, float]:
+    """(the nine coefficients in whole-model seconds per unit, in ``FEATURE_ORDER``; the floors
+    (floor_p, floor_d) in seconds; the rank of the linear features; the residual) of the floor form
+    with the given knee."""
+    x = feature_matrix(shapes, knee_tokens)
+    has_prefill = np.array([s.num_prefill > 0 for s in shapes])
+    weighted = x / times[:, None]
+    norms = np.linalg.norm(weighted, axis=0)
+    used = norms > 0
+    norms[~used] = 1.0  # a feature zero in every row: its coefficient stays 0
+    scaled = weighted / norms  # columns of unit norm: the solver's variables are all of order 1
+    unit = float(np.median(times))  # floors in units of a typical step
+
+    def unpack(theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.where(used, theta[:-2], 0.0), theta[-2:] * unit
+
+    def residuals(theta: np.ndarray) -> np.ndarray:
+        coef, (floor_p, floor_d) = unpack(theta)
+        floor = np.where(has_prefill, floor_p, floor_d) / times
+        return np.maximum(scaled @ coef, floor) - 1.0  # relative errors
+
+    straight, _ = scipy.optimize.nnls(scaled[:, used], np.ones(len(times)))
+    start = np.zeros(x.shape[1] + 2)
+    start[:-2][used] = straight
+    shortest = [times[has_prefill].min() if has_prefill.any() else 0.0,
+                times[~has_prefill].min() if (~has_prefill).any() else 0.0]  # fmt: skip
+    best = None
+    for floors in ([0.0, 0.0], shortest):
+        start[-2:] = np.asarray(floors) / unit
+        result = scipy.optimize.least_squares(residuals, start, bounds=(0.0, np.inf), method="trf")
+        if best is None or result.cost < best.cost:
+            best = result
+    coef, floors = unpack(best.x)
+    coef = coef / norms
+    # A floor under every step of its kind changes nothing: 0 says so.
+    work = x @ coef
+    for k, rows in enumerate((has_prefill, ~has_prefill)):
+        if not rows.any() or np.all(work[rows] >= floors[k]):
+            floors[k] = 0.0
+    rank = int(np.linalg.matrix_rank(scaled[:, used])) if used.any() else 0
+    return coef, floors, rank, math.sqrt(2 * best.cost)  # cost = half the summed squares
+
+
+def _best_knee(shapes: Sequence[BatchShape], times: np.ndarray, floors: bool = False) -> float:
+    """The knee (tokens) whose fit (under floors, with ``floors``) has the least squared relative
+    error (see the module docstring)."""
+    fit = _fit_floor if floors else _nnls
     largest = max(s.num_decode + s.prefill_tokens for s in shapes)
     grid = [0.0, *np.geomspace(1.0, max(largest, 2), KNEE_GRID_POINTS).tolist()]
-    residuals = {knee: _nnls(shapes, times, knee)[3] for knee in grid}
+    residuals = {knee: fit(shapes, times, knee)[3] for knee in grid}
     best = min(residuals, key=residuals.get)
     i = grid.index(best)
     lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
     for knee in np.linspace(lo, hi, KNEE_REFINE_POINTS).tolist():
-        residuals.setdefault(knee, _nnls(shapes, times, knee)[3])
+        residuals.setdefault(knee, fit(shapes, times, knee)[3])
     least = min(residuals.values())
     return min(knee for knee, r in residuals.items() if r <= least + KNEE_TIE)
 
@@ -130,7 +181,8 @@ def fit_linear_shapes(
     form: str = "knee",
 ) -> LinearFit:
     """Fit coefficients to measured step times (seconds) of the given shapes; no file needed.
-    ``form``: "knee" (also fits knee_tokens) or "infermax" (knee_tokens = 0)."""
+    ``form``: "floor" (also fits the floors), "knee" (also fits knee_tokens) or "infermax"
+    (InferMax's nine coefficients alone)."""
     if form not in FORMS:
         raise ConfigError(f"fit: form must be one of {', '.join(FORMS)}, got {form!r}")
     if len(shapes) != len(times_s):
@@ -144,10 +196,19 @@ def fit_linear_shapes(
     times = np.asarray(times_s, dtype=np.float64)
     if not np.all(np.isfinite(times)) or np.any(times <= 0):
         raise ConfigError("fit: every measured time must be a positive finite number of seconds")
-    knee = _best_knee(shapes, times) if form == "knee" else 0.0
-    coef, used, rank, _ = _nnls(shapes, times, knee)
+    knee = _best_knee(shapes, times, floors=form == "floor") if form in ("knee", "floor") else 0.0
+    if form == "floor":
+        coef, floors, rank, _ = _fit_floor(shapes, times, knee)
+        names = (*FEATURE_ORDER, *EXTRA_TERM_NAMES)
+        coef = np.concatenate([coef, floors])
+        present = [*(np.abs(feature_matrix(shapes, 0.0)).sum(axis=0) > 0),
+                   any(s.num_prefill > 0 for s in shapes), any(s.num_prefill == 0 for s in shapes)]  # fmt: skip
+        used = np.array(present)
+    else:
+        coef, used, rank, _ = _nnls(shapes, times, knee)
+        names = FEATURE_ORDER
     # Whole-model seconds per unit -> per-layer milliseconds.
-    per_layer_ms = {key: float(c) * 1000.0 / num_layers for key, c in zip(FEATURE_ORDER, coef)}
+    per_layer_ms = {key: float(c) * 1000.0 / num_layers for key, c in zip(names, coef)}
     coefficients = LinearCoefficients(**per_layer_ms, num_layers=num_layers, name=name, knee_tokens=knee)
     model = LinearCostModel(coefficients)
     predicted = np.array([model.batch_time(s).total_s for s in shapes])
@@ -157,7 +218,7 @@ def fit_linear_shapes(
         max_rel_error=float(rel.max()),
         n_rows=len(times),
         rank=rank,
-        unidentified=tuple(k for k, u in zip(FEATURE_ORDER, used) if not u),
+        unidentified=tuple(k for k, u in zip(names, used) if not u),
     )
     return LinearFit(coefficients, report)
 

@@ -6,6 +6,8 @@ B: decode requests, n_p: prefill/chunk requests, tokens = sum of c over the batc
     decode attention  = a_d * sum(m over decodes) + b_d + s_d * B                 (only if B > 0)
     prefill attention = a_p * sum(c^2 + 2mc) + b_p + s_p * n_p + m_p * sum(m)    (only if n_p > 0)
     other             = a_o * max(tokens, knee_tokens) + b_o                       (only if tokens > 0)
+    step              = max(floor, decode attention + prefill attention + other)
+                        floor = floor_p if n_p > 0 else floor_d
 
 ``knee_tokens`` is ours, not InferMax's (whose form is knee_tokens = 0, the bundled presets). On a GPU
 the projections and MLP read every weight once per step whatever the batch, so below some number of
@@ -14,6 +16,15 @@ the tokens: a roofline's max of the two. One straight line through both regimes 
 prefills and understates large ones (per prompt token, a 256-token prefill costs about twice what a
 4k one does), so a fit made on whole prompts (vLLM) and one made on chunks (Sarathi) disagree. With
 the knee one fit serves both (``benchmarks/cost_forms.py``).
+
+``floor_p`` and ``floor_d`` are ours too (0 in InferMax's form), from the first profile measured on a
+GPU (an H200, benchmarks/RESULTS.md). The host launches a step's kernels, and the GPU cannot finish
+before the last launch: an eager step (prefills run eagerly) takes at least the host's launch time,
+about 13 ms for a 32-layer model there, whatever its tokens; a decode-only step replayed as a CUDA
+graph takes at least the time to read the weights. So in the ``floor`` form a step takes the longer
+of its floor and its work. On that profile it fits held-out batches within 3.6% on average (the knee
+form 5.5%), but simulated runs come out no closer to the engine's (benchmarks/RESULTS.md), so the
+knee form stays the default fit.
 
 A step takes the sum times ``num_layers``, plus ``swap_bytes / swap_bandwidth`` (or the longer of the
 two when the copies overlap the forward pass, ``swap_overlapped``). Left out as
@@ -33,6 +44,8 @@ from sloserve.core.errors import ConfigError
 from .base import BatchShape, CostBreakdown, CostModel, step_total
 
 COEFFICIENT_NAMES = ("a_p", "b_p", "a_d", "b_d", "a_o", "b_o", "s_p", "s_d", "m_p")
+# Terms beyond InferMax's nine (ms per layer; see the module docstring), 0 unless fitted.
+EXTRA_TERM_NAMES = ("floor_p", "floor_d")
 
 # PCIe 4.0 x16: 32 GB/s per direction theoretical, ~25 GB/s achieved by pinned-memory copies.
 DEFAULT_SWAP_BANDWIDTH = 25e9
@@ -47,6 +60,8 @@ class LinearCoefficients:
     token read by decodes (sum m); ``b_d``: decode-attention bias; ``s_d``: per decode request;
     ``a_o``: per batch token; ``b_o``: non-attention bias. ``knee_tokens`` (tokens, not ms): a step
     of fewer tokens costs as many as this in the non-attention part (0: InferMax's linear form).
+    ``floor_p`` / ``floor_d``: the least a step with a prefill / a decode-only step takes (0: none, as
+    in InferMax's form).
     """
 
     a_p: float
@@ -61,9 +76,11 @@ class LinearCoefficients:
     num_layers: int
     name: str = "linear"
     knee_tokens: float = 0.0
+    floor_p: float = 0.0
+    floor_d: float = 0.0
 
     def __post_init__(self) -> None:
-        for key in COEFFICIENT_NAMES:
+        for key in (*COEFFICIENT_NAMES, *EXTRA_TERM_NAMES):
             value = getattr(self, key)
             if (
                 isinstance(value, bool)
@@ -87,6 +104,10 @@ class LinearCoefficients:
         """Plain dict of all fields (for JSON)."""
         return asdict(self)
 
+    def beyond_infermax(self) -> list[str]:
+        """The terms set that InferMax's linear form lacks (``knee_tokens`` and ``EXTRA_TERM_NAMES``)."""
+        return [f"{key} {getattr(self, key):g}" for key in ("knee_tokens", *EXTRA_TERM_NAMES) if getattr(self, key)]
+
 
 class LinearCostModel(CostModel):
     """InferMax's linear cost model; ``batch_time`` returns seconds.
@@ -109,6 +130,7 @@ class LinearCostModel(CostModel):
         self._a_p, self._b_p, self._s_p, self._m_p = float(c.a_p), float(c.b_p), float(c.s_p), float(c.m_p)
         self._a_o, self._b_o = float(c.a_o), float(c.b_o)
         self._knee = float(c.knee_tokens)
+        self._floor_p, self._floor_d = float(c.floor_p) * self._scale, float(c.floor_d) * self._scale
 
     def __repr__(self) -> str:
         return f"LinearCostModel({self.coefficients!r}, swap_bandwidth={self.swap_bandwidth!r})"
@@ -123,8 +145,10 @@ class LinearCostModel(CostModel):
         other_s, decode_s, prefill_s, swap_s = self._parts(shape)
         return step_total(other_s + decode_s + prefill_s, swap_s, shape.swap_overlapped)
 
-    def _parts(self, shape: BatchShape) -> tuple[float, float, float, float]:
-        """(non-attention, decode attention, prefill attention, swap) seconds of one step."""
+    def _parts(self, shape: BatchShape, floored: bool = True) -> tuple[float, float, float, float]:
+        """(non-attention, decode attention, prefill attention, swap) seconds of one step. The time a
+        step waits below its floor counts as non-attention, so the parts still sum to the compute
+        (``floored=False``: the work alone)."""
         num_decode, decode_kv_tokens, num_prefill, prefill_tokens, attention_work, context, swap_bytes, _ = shape
         scale = self._scale
         decode_s = 0.0
@@ -137,6 +161,9 @@ class LinearCostModel(CostModel):
             prefill_s = (self._a_p * attention_work + self._b_p + self._s_p * num_prefill + self._m_p * context) * scale
         tokens = num_decode + prefill_tokens
         other_s = (self._a_o * max(tokens, self._knee) + self._b_o) * scale if tokens > 0 else 0.0
+        floor = self._floor_p if num_prefill > 0 else self._floor_d
+        if floored and tokens > 0 and floor > other_s + decode_s + prefill_s:  # an empty step costs nothing
+            other_s = floor - decode_s - prefill_s
         swap_s = swap_bytes / self.swap_bandwidth if swap_bytes else 0.0
         return other_s, decode_s, prefill_s, swap_s
 
@@ -150,14 +177,24 @@ class LinearCostModel(CostModel):
         kv = decode_kv_tokens + num_decode * np.arange(num_steps, dtype=np.int64)
         decode_s = (self._a_d * kv + self._b_d + self._s_d * num_decode) * scale
         other_s = (self._a_o * max(num_decode, self._knee) + self._b_o) * scale  # a scalar: no prefill tokens
-        return other_s + decode_s + 0.0 + 0.0
+        # NOTE: below the floor, _parts raises other_s to floor - decode_s, whose sum with decode_s may
+        # differ from the floor in the last bit; the 1e-12 contract allows it.
+        return np.maximum(other_s + decode_s + 0.0 + 0.0, self._floor_d)
 
     def step_increment(self, shape: BatchShape) -> float | None:
         """Repeated steps form an arithmetic series: per step the decodes' summed KV grows by B and a
         chunk of c tokens reads c more context tokens and does 2c^2 more attention work, so a step
-        takes a_d * B + a_p * 2c^2 + m_p * c (per layer) longer than the one before."""
+        takes a_d * B + a_p * 2c^2 + m_p * c (per layer) longer than the one before. Not while the
+        step is below its floor (None then)."""
         # NOTE: unpacked, as in _parts: a named tuple's fields by name are Python-level lookups.
         num_decode, _, num_prefill, c, _, _, swap_bytes, _ = shape
         if num_prefill > 1 or swap_bytes:
             return None
+        if self._floor_p or self._floor_d:
+            # Every term grows step by step (coefficients are >= 0), so once above its floor a step
+            # stays above it; below, the series is not arithmetic.
+            other_s, decode_s, prefill_s, _ = self._parts(shape, floored=False)
+            floor = self._floor_p if num_prefill > 0 else self._floor_d
+            if other_s + decode_s + prefill_s <= floor:
+                return None
         return (self._a_d * num_decode + self._a_p * 2 * c * c + self._m_p * c) * self._scale

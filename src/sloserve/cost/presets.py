@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from sloserve.core.errors import ConfigError, UnknownNameError
 
-from .linear import COEFFICIENT_NAMES, LinearCoefficients
+from .linear import COEFFICIENT_NAMES, EXTRA_TERM_NAMES, LinearCoefficients
 
 PRESET_FORMAT = "sloserve-linear-cost-model"
 PRESET_VERSION = 1
@@ -81,6 +81,7 @@ def save_preset(coefficients: LinearCoefficients, path: str | Path, *, extra: di
         "unit": "ms per layer",
         "coefficients": {key: getattr(coefficients, key) for key in COEFFICIENT_NAMES},
         "knee_tokens": coefficients.knee_tokens,
+        **{key: getattr(coefficients, key) for key in EXTRA_TERM_NAMES},
     }
     if extra:
         doc["info"] = extra
@@ -126,7 +127,13 @@ def load_preset(path: str | Path) -> LinearCoefficients:
     knee = doc.get("knee_tokens", 0.0)  # absent from files written before the knee existed
     if isinstance(knee, bool) or not isinstance(knee, (int, float)) or not math.isfinite(knee) or knee < 0:
         raise ConfigError(f"cost model file {path}: field 'knee_tokens' must be a non-negative number, got {knee!r}")
+    extra: dict[str, float] = {}
+    for key in EXTRA_TERM_NAMES:  # absent from files written before the floor form existed
+        value = doc.get(key, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"cost model file {path}: field {key!r} must be a non-negative number, got {value!r}")
+        extra[key] = float(value)
     name = doc.get("name")
     if not isinstance(name, str) or not name:
         name = path.stem
-    return LinearCoefficients(**values, num_layers=num_layers, name=name, knee_tokens=float(knee))
+    return LinearCoefficients(**values, num_layers=num_layers, name=name, knee_tokens=float(knee), **extra)

@@ -120,10 +120,10 @@ def solve_bound(
     from ortools.sat.python import cp_model
 
     n, J = len(problem.prompts), problem.num_batches
-    if cost.coefficients.knee_tokens:
+    if beyond := cost.coefficients.beyond_infermax():
         raise ConfigError(
             f"bound: the constraint model encodes InferMax's linear form; cost model {cost.name!r} has "
-            f"knee_tokens {cost.coefficients.knee_tokens:g} (use a preset, or a fit with --form infermax)"
+            f"{', '.join(beyond)} (use a preset, or a fit with --form infermax)"
         )
     if J < max(problem.outputs):
         raise ConfigError(f"bound: {J} batches cannot produce {max(problem.outputs)} tokens")

@@ -178,10 +178,10 @@ def relaxed_bound(problem: BoundProblem, cost: LinearCostModel) -> float:
     """A lower bound (seconds) on the latency of any schedule of ``problem``:
     offline, the least total batch time; online, the largest over arrival times t of the time to t
     plus the bound of the requests arriving from t. O(n log n + M) time."""
-    if cost.coefficients.knee_tokens:
+    if beyond := cost.coefficients.beyond_infermax():
         raise ConfigError(
             f"bound: the relaxation prices tokens by InferMax's linear form; cost model {cost.name!r} has "
-            f"knee_tokens {cost.coefficients.knee_tokens:g} (use a preset, or a fit with --form infermax)"
+            f"{', '.join(beyond)} (use a preset, or a fit with --form infermax)"
         )
     k = whole_model_coefficients(cost)
     limits = (problem.kv_capacity_tokens, problem.max_num_batched_tokens, problem.prefill_token_budget)
