@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The engine's GPU checks (issue 6), one stage per call of the device tool, each well inside its
-# 10-minute limit. The device image already holds torch, triton, transformers, safetensors, tokenizers,
-# pytest, hypothesis and sloserve's other needs, so nothing is installed: sloserve runs from src/.
+# The engine's GPU checks (issue 6), a stage per call of the device tool or all in one, each well inside
+# its 10-minute limit. The device image holds torch, triton, transformers, safetensors, tokenizers,
+# pytest and hypothesis; sloserve runs from src/, and what else it needs travels as wheels (below).
 #
 #   bash benchmarks/gpu_session.sh tests      # Triton kernels vs the reference (fp32/fp16/bf16), CUDA
 #                                             # graphs vs eager, the engine vs HF greedy tokens on CUDA
@@ -9,14 +9,17 @@
 #   bash benchmarks/gpu_session.sh fidelity   # fidelity.py with CUDA graphs: profile, run, simulate;
 #                                             # cost_forms.py on the measured profile
 #   bash benchmarks/gpu_session.sh serve      # serve_overhead.py and serve_fidelity.py (issue 27) on
-#                                             # random:llama-3-8b; needs the serve extra's packages
-#                                             # (fastapi, uvicorn, aiohttp, prometheus-client, jinja2),
-#                                             # which the device image may lack: carry their wheels
+#                                             # random:llama-3-8b, 300 requests (about 3 minutes)
 #   bash benchmarks/gpu_session.sh all        # tests, speed and fidelity in one call, each under its own
-#                                             # time limit (seconds: TESTS_S, SPEED_S, FIDELITY_S)
+#                                             # time limit (seconds: TESTS_S, SPEED_S, FIDELITY_S), then
+#                                             # serve when SERVE_S is set
 #
-# The device image lacks pydantic and gguf (and the serve extra): carry their wheels and put them on
-# PYTHONPATH before calling this script; src/ is put in front of whatever PYTHONPATH holds.
+# The device image (2026-11-26) lacks pydantic (pydantic, pydantic-core, annotated-types,
+# typing-inspection, a typing-extensions >= 4.16), gguf, and of the serve extra fastapi (with
+# starlette, annotated-doc and opentelemetry-api), uvicorn, httptools and python-multipart: carry
+# their wheels, install them with --target, and put that folder on PYTHONPATH before calling this
+# script; src/ is put in front of whatever PYTHONPATH holds. The first run of the tests compiles the
+# Triton kernels (about 40 s more).
 # Each stage's log goes to $OUT (the device tool's output folder) or ./gpu-logs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,20 +46,20 @@ case "${1:-}" in
     python3 benchmarks/cost_forms.py --csv /tmp/fidelity/profile.csv --layers 32 2>&1 | tee "$out/cost_forms.log"
     ;;
   serve)
-    python3 -c "import fastapi, uvicorn, aiohttp, prometheus_client, jinja2" || {
-      echo "the serve stage needs the serve extra: pip install --no-deps the wheels of fastapi, uvicorn, aiohttp, prometheus-client, jinja2" >&2
+    python3 -c "import aiohttp, sloserve.server.app, sloserve.server.bench" || {
+      echo "the serve stage needs the serve extra's packages (see the top of this script)" >&2
       exit 2
     }
     model=(--model random:llama-3-8b --device cuda --dtype bfloat16 --max-model-len 4096 --kv-capacity-tokens 131072)
-    python3 benchmarks/serve_overhead.py "${model[@]}" --no-pin --num-requests 1000 --rate 8 2>&1 | tee "$out/serve_overhead.log"
-    python3 benchmarks/serve_fidelity.py "${model[@]}" --no-pin --num-requests 1000 \
+    python3 benchmarks/serve_overhead.py "${model[@]}" --no-pin --num-requests 300 --rate 8 2>&1 | tee "$out/serve_overhead.log"
+    python3 benchmarks/serve_fidelity.py "${model[@]}" --no-pin --num-requests 300 \
       --prefill-chunks 32,64,128,256,512,1024,2048,4096 --context-lens 0,512,2048 \
       --batch-sizes 1,2,4,8,16,32,64,128,256 --decode-kv-lens 128,512,2048 2>&1 | tee "$out/serve_fidelity.log"
     ;;
   all)
     # One stage failing or running out of time does not stop the next one; the exit code is the worst.
     status=0
-    for stage in tests:${TESTS_S:-150} speed:${SPEED_S:-120} fidelity:${FIDELITY_S:-240}; do
+    for stage in tests:${TESTS_S:-150} speed:${SPEED_S:-120} fidelity:${FIDELITY_S:-240} ${SERVE_S:+serve:$SERVE_S}; do
       start=$SECONDS
       timeout "${stage#*:}" bash "$0" "${stage%%:*}" || { rc=$?; status=$rc; echo "stage ${stage%%:*} exited $rc"; }
       echo "stage ${stage%%:*}: $((SECONDS - start)) s" | tee -a "$out/stages.txt"
