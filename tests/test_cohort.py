@@ -40,3 +40,30 @@ def test_tick_times_give_each_run_its_ends_and_largest_gap(runs, queries):
             assert start == ends[first - 1] and last == ends[-1]
             gaps = [b - a for a, b in zip(ends[first - 1 :], ends[first:])]
             assert (math.isnan(gap) and not gaps) or gap == max(gaps)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "advance", "remove"]), st.integers(1, 5000)), max_size=60))
+def test_cohort_knows_its_longest_member(ops):
+    """``max_kv_tokens`` is the longest member's num_computed_tokens after any joins, ticks and leaves
+    (the simulator prices decode attention by it)."""
+    from sloserve.core.cohort import Cohort
+    from sloserve.core.request import Request
+
+    cohort, now, made = Cohort(), 0.0, 0
+    for op, n in ops:
+        if op == "add":
+            request = Request(made, 0.0, n, 10**6, 10**6)
+            request.add_computed(n)
+            request.add_output_token(now)  # the prompt's token: from here on one token per tick
+            cohort.add(request)
+            made += 1
+        elif op == "advance":
+            ends = [now + 0.01 * (k + 1) for k in range(n % 7 + 1)]
+            cohort.advance(ends)
+            now = ends[-1]
+        elif cohort.members:
+            cohort.remove(list(cohort.members)[n % len(cohort.members)])
+        expected = max((r.num_computed_tokens for r in cohort.members), default=0)
+        assert cohort.max_kv_tokens == expected
+        cohort.check_integrity()

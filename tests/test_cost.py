@@ -40,8 +40,9 @@ L7 = get_preset("llama-2-7b-a100")
 L70 = get_preset("llama-3-70b-4xa100")
 
 
-def prefill_shape(chunks: list[tuple[int, int]], num_decode: int = 0, decode_kv: int = 0) -> BatchShape:
-    """Shape of a batch with prefill chunks given as (c, m) pairs plus some decodes."""
+def prefill_shape(chunks: list[tuple[int, int]], num_decode: int = 0, decode_kv: int = 0, longest: int = 0) -> BatchShape:
+    """Shape of a batch with prefill chunks given as (c, m) pairs plus some decodes (``longest``: the
+    longest decode's context)."""
     return BatchShape(
         num_decode=num_decode,
         decode_kv_tokens=decode_kv,
@@ -49,6 +50,7 @@ def prefill_shape(chunks: list[tuple[int, int]], num_decode: int = 0, decode_kv:
         prefill_tokens=sum(c for c, _ in chunks),
         prefill_attention_work=sum(c * c + 2 * m * c for c, m in chunks),
         prefill_context_tokens=sum(m for _, m in chunks),
+        decode_max_kv_tokens=longest,
     )
 
 
@@ -150,6 +152,8 @@ def test_linear_coefficients_validation() -> None:
 
 
 L7_KNEE = LinearCoefficients(**{**L7.as_dict(), "knee_tokens": 150.0, "name": "llama-2-7b-knee"})
+# A charge per token of the longest decode context (ms per layer), of the size fitted on an H200.
+L7_WALK = LinearCoefficients(**{**L7.as_dict(), "w_d": 1.5e-5, "name": "llama-2-7b-walk"})
 # Floors (ms per layer) under which a 1-token decode (0.09) and a 512-token prompt (1.18) fall.
 L7_FLOOR = LinearCoefficients(**{**L7.as_dict(), "floor_p": 1.5, "floor_d": 0.3, "name": "llama-2-7b-floor"})
 
@@ -158,6 +162,7 @@ COST_MODELS = [
     LinearCostModel(L70),
     LinearCostModel(L7_KNEE),
     LinearCostModel(L7_FLOOR),
+    LinearCostModel(L7_WALK),
     RooflineCostModel(get_model("llama-2-7b"), get_gpu("a100")),
     RooflineCostModel(get_model("llama-3-70b"), get_gpu("a100"), num_gpus=4),
     RooflineCostModel(get_model("qwen2.5-7b"), get_gpu("h100"), num_gpus=2),
@@ -169,16 +174,16 @@ COST_MODELS = [
     which=st.integers(0, len(COST_MODELS) - 1),
     num_decode=st.integers(0, 2048),
     kv=st.integers(0, 20_000_000),
+    longest=st.integers(0, 100_000),
     steps=st.integers(0, 400),
 )
-def test_decode_times_match_batch_time(which: int, num_decode: int, kv: int, steps: int) -> None:
+def test_decode_times_match_batch_time(which: int, num_decode: int, kv: int, longest: int, steps: int) -> None:
     model = COST_MODELS[which]
-    kv = kv if num_decode else 0
-    fast = model.decode_times(num_decode, kv, steps)
+    kv, longest = (kv, min(longest, kv)) if num_decode else (0, 0)
+    fast = model.decode_times(num_decode, kv, steps, longest)
     assert fast.shape == (steps,) and fast.dtype == np.float64
-    slow = np.array(
-        [model.batch_time(BatchShape(num_decode, kv + k * num_decode)).total_s for k in range(steps)]
-    )
+    shape = BatchShape(num_decode, kv, decode_max_kv_tokens=longest)
+    slow = np.array([model.batch_time(advance_shape(shape, k)).total_s for k in range(steps)])
     np.testing.assert_allclose(fast, slow, rtol=1e-12, atol=0)
 
 
@@ -190,14 +195,16 @@ def test_decode_times_match_batch_time(which: int, num_decode: int, kv: int, ste
     chunk=st.integers(0, 4096),
     context=st.integers(0, 100_000),
     steps=st.integers(1, 100),
+    longest=st.integers(0, 100_000),
 )
-def test_repeated_steps_match_batch_time(which, num_decode, kv, chunk, context, steps) -> None:
+def test_repeated_steps_match_batch_time(which, num_decode, kv, chunk, context, steps, longest) -> None:
     """step_times / step_increment of a step of decodes and one chunk equal batch_time of the shape
     advanced k steps (the simulator's chunk stretches rely on it)."""
     model = COST_MODELS[which]
-    kv = kv if num_decode else 0
+    kv, longest = (kv, min(longest, kv)) if num_decode else (0, 0)
     context = context if chunk else 0
-    shape = BatchShape(num_decode, kv, 1 if chunk else 0, chunk, chunk * chunk + 2 * context * chunk, context)
+    shape = BatchShape(num_decode, kv, 1 if chunk else 0, chunk, chunk * chunk + 2 * context * chunk, context,
+                       decode_max_kv_tokens=longest)  # fmt: skip
     slow = np.array([model.batch_time(advance_shape(shape, k)).total_s for k in range(steps)])
     np.testing.assert_allclose(model.step_times(shape, steps), slow, rtol=1e-12, atol=0)
     increment = model.step_increment(shape)
@@ -299,13 +306,15 @@ def random_shapes(rng: np.random.Generator, n: int) -> list[BatchShape]:
         kind = i % 3
         num_decode = 0 if kind == 1 else int(rng.integers(1, 256))
         decode_kv = num_decode * int(rng.integers(1, 3000)) if num_decode else 0
+        # The longest context: at least the mean, at most all of it.
+        longest = int(rng.integers(-(-decode_kv // num_decode), min(decode_kv, 4 * decode_kv // num_decode) + 1)) if num_decode else 0
         chunks = []
         if kind != 0:
             chunks = [
                 (int(rng.integers(1, 2048)), int(rng.integers(0, 4096)) * int(rng.integers(0, 2)))
                 for _ in range(int(rng.integers(1, 5)))
             ]
-        shapes.append(prefill_shape(chunks, num_decode, decode_kv) if chunks else BatchShape(num_decode, decode_kv))
+        shapes.append(prefill_shape(chunks, num_decode, decode_kv, longest))
     return shapes
 
 
@@ -319,7 +328,8 @@ def test_fit_recovers_coefficients_from_noiseless_data() -> None:
         assert getattr(fitted, key) == pytest.approx(getattr(L7, key), rel=1e-6), key
     assert fitted.knee_tokens == 0  # a straight line fits: the knee form adds no knee
     assert fitted.num_layers == 32 and fitted.name == "refit"
-    assert report.n_rows == 120 and report.rank == 9 and report.unidentified == ()
+    assert fitted.w_d == pytest.approx(0, abs=1e-15)  # nothing charged for the longest context
+    assert report.n_rows == 120 and report.rank == 10 and report.unidentified == ()
     assert report.mean_rel_error < 1e-9 and report.max_rel_error < 1e-9
 
 
@@ -334,6 +344,28 @@ def test_fit_finds_the_knee_of_noiseless_data() -> None:
     assert straight.knee_tokens == 0 and straight_report.max_rel_error > 0.05
     with pytest.raises(ConfigError, match="form must be one of knee, floor, infermax, got 'curvy'"):
         fit_linear_shapes(shapes, times, num_layers=32, form="curvy")
+
+
+def test_fit_finds_the_longest_context_charge() -> None:
+    """Where decode batches are lopsided (one long context among short ones), the knee form finds w_d;
+    InferMax's nine coefficients alone cannot tell such a batch from an even one."""
+    rng = np.random.default_rng(11)
+    shapes = random_shapes(rng, 150)
+    times = [LinearCostModel(L7_WALK).batch_time(s).total_s for s in shapes]
+    fitted, report = fit_linear_shapes(shapes, times, num_layers=32, form="knee")
+    assert fitted.w_d == pytest.approx(1.5e-5, rel=1e-4) and report.max_rel_error < 1e-6
+    straight, straight_report = fit_linear_shapes(shapes, times, num_layers=32, form="infermax")
+    assert straight.w_d == 0 and straight_report.max_rel_error > 1e-3
+
+
+def test_linear_model_charges_the_longest_decode_context() -> None:
+    """decode attention = a_d * sum m + w_d * max m + b_d + s_d * B, per layer."""
+    walk, straight = LinearCostModel(L7_WALK), LinearCostModel(L7)
+    lopsided = BatchShape.of([], [10, 10, 10, 4000])
+    assert lopsided.decode_max_kv_tokens == 4000 and lopsided.decode_kv_tokens == 4030
+    extra = walk.batch_time(lopsided).decode_attention_s - straight.batch_time(lopsided).decode_attention_s
+    assert extra == pytest.approx(1.5e-5 * 4000 * 32 / 1000)
+    assert walk.step_increment(lopsided) - straight.step_increment(lopsided) == pytest.approx(1.5e-5 * 32 / 1000)
 
 
 def test_fit_finds_the_floors_of_noiseless_data() -> None:
@@ -394,10 +426,11 @@ def test_fit_with_noise_reports_error_and_stays_non_negative() -> None:
 
 
 def test_fit_decode_only_data_leaves_prefill_terms_unidentified() -> None:
+    """... and w_d where the shapes do not give the longest context (profiles written before it)."""
     shapes = [BatchShape(b, b * 500 + k) for b in (1, 4, 16, 64, 128) for k in (0, 999, 5000)]
     times = [LinearCostModel(L7).batch_time(s).total_s for s in shapes]
     fitted, report = fit_linear_shapes(shapes, times, num_layers=32)
-    assert set(report.unidentified) == {"a_p", "b_p", "s_p", "m_p"}
+    assert set(report.unidentified) == {"a_p", "b_p", "s_p", "m_p", "w_d"}
     assert fitted.a_p == fitted.b_p == fitted.s_p == fitted.m_p == 0.0
     assert report.rank == 3  # with decodes only, b_d = b_o and s_d = a_o coincide
     assert report.max_rel_error < 1e-9

@@ -18,6 +18,7 @@ from operator import sub
 from typing import TYPE_CHECKING
 
 import numpy as np
+from sortedcontainers import SortedList
 
 if TYPE_CHECKING:
     from sloserve.core.request import Request
@@ -33,6 +34,9 @@ class Cohort:
         # Sum of members' num_computed_tokens: the KV decode attention reads next tick.
         # NOTE: kept up to date by add, remove and advance (an attribute: read every step).
         self.kv_tokens = 0
+        # Members' num_computed_tokens - ticks, sorted: every member gains one per tick, so their order
+        # holds while they stay, and the longest is the last plus ticks (max_kv_tokens).
+        self._computed_offsets = SortedList()
         self._times = TickTimes()
 
     def __len__(self) -> int:
@@ -49,6 +53,7 @@ class Cohort:
         # NOTE: from here until it leaves, the request's counters read offset + ticks.
         request._computed_offset -= t
         request._output_offset -= t
+        self._computed_offsets.add(request._computed_offset)
         request.cohort = self
         request.cohort_epoch += 1
         self.members[request] = t
@@ -58,6 +63,7 @@ class Cohort:
         assert request.cohort is self, request
         joined, now = self.members.pop(request), self.ticks
         self.kv_tokens -= request._computed_offset + now  # its num_computed_tokens
+        self._computed_offsets.remove(request._computed_offset)
         if now > joined:
             times = self._times.ends(joined + 1) if request.token_times is not None else None
             request.record_token_run(*self._times.run(joined + 1), times)
@@ -72,9 +78,16 @@ class Cohort:
         self.ticks += k
         self.kv_tokens += len(self.members) * k
 
+    @property
+    def max_kv_tokens(self) -> int:
+        """The longest member's num_computed_tokens (0 without members): the KV of the longest
+        context that decode attention walks next tick."""
+        return self._computed_offsets[-1] + self.ticks if self._computed_offsets else 0
+
     def check_integrity(self) -> None:
-        """The members' KV adds up to ``kv_tokens``."""
+        """The members' KV adds up to ``kv_tokens``; the longest is ``max_kv_tokens``."""
         assert self.kv_tokens == sum(r.num_computed_tokens for r in self.members), self.kv_tokens
+        assert self.max_kv_tokens == max((r.num_computed_tokens for r in self.members), default=0)
 
 
 class TickTimes:

@@ -54,9 +54,11 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     # Cohort whose every member processes exactly one decode token this step (None: no cohort step).
     cohort: Cohort | None = None
-    # Size of the cohort and the KV its members read (sum of their num_computed_tokens), this step.
+    # Size of the cohort, the KV its members read (sum of their num_computed_tokens) and the longest
+    # member's, this step.
     cohort_size: int = 0
     cohort_kv_tokens: int = 0
+    cohort_max_kv_tokens: int = 0
     # Members that joined the cohort since the previous output (executors start tracking them).
     # NOTE: the sequences below default to a shared empty tuple (most steps have none of them, and an
     # output is built every step); a policy that adds to one assigns a new list.

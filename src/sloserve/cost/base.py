@@ -26,6 +26,9 @@ class BatchShape(NamedTuple):
     # The copies run on their own stream beside the forward pass (BROS §4.1): the step takes the
     # longer of the two instead of their sum.
     swap_overlapped: bool = False
+    # The longest m among decode requests (0: unknown, or no decodes). Ours: a decode attention kernel
+    # walks each request's context in one program, so a small batch waits for its longest walk.
+    decode_max_kv_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -43,6 +46,7 @@ class BatchShape(NamedTuple):
             prefill_tokens=sum(c for c, _ in prefills),
             prefill_attention_work=sum(c * c + 2 * m * c for c, m in prefills),
             prefill_context_tokens=sum(m for _, m in prefills),
+            decode_max_kv_tokens=max(decode_lens, default=0),
         )
 
 
@@ -77,22 +81,20 @@ class CostModel(ABC):
         override it to skip building the breakdown (the simulator asks once per step)."""
         return self.batch_time(shape).total_s
 
-    def decode_times(self, num_decode: int, decode_kv_tokens: int, num_steps: int) -> np.ndarray:
+    def decode_times(
+        self, num_decode: int, decode_kv_tokens: int, num_steps: int, decode_max_kv_tokens: int = 0
+    ) -> np.ndarray:
         """Durations (seconds, float64, shape ``(num_steps,)``) of ``num_steps`` consecutive
         decode-only steps of ``num_decode`` requests whose summed KV starts at ``decode_kv_tokens``
-        and grows by ``num_decode`` per step.
+        and grows by ``num_decode`` per step (the longest, ``decode_max_kv_tokens``, by one).
 
-        NOTE: element k must equal ``batch_time(BatchShape(num_decode, decode_kv_tokens +
-        k * num_decode)).total_s`` to 1e-12 relative; the simulator's fast path relies on it.
-        This default loops; linear models override it with a vectorized arithmetic series.
+        NOTE: element k must equal ``batch_time(advance_shape(BatchShape(num_decode,
+        decode_kv_tokens, decode_max_kv_tokens=decode_max_kv_tokens), k)).total_s`` to 1e-12
+        relative; the simulator's fast path relies on it. This default loops; linear models
+        override it with a vectorized arithmetic series.
         """
-        return np.array(
-            [
-                self.batch_time(BatchShape(num_decode, decode_kv_tokens + k * num_decode)).total_s
-                for k in range(num_steps)
-            ],
-            dtype=np.float64,
-        )
+        shape = BatchShape(num_decode, decode_kv_tokens, decode_max_kv_tokens=decode_max_kv_tokens)
+        return np.array([self.batch_time(advance_shape(shape, k)).total_s for k in range(num_steps)], dtype=np.float64)
 
     def step_times(self, shape: BatchShape, num_steps: int) -> np.ndarray:
         """Durations (seconds, ``(num_steps,)``) of ``num_steps`` consecutive steps of ``shape`` in
@@ -101,7 +103,7 @@ class CostModel(ABC):
         NOTE: element k equals ``batch_time(advance_shape(shape, k)).total_s`` to 1e-12 relative.
         """
         if shape.num_prefill == 0 and not shape.swap_bytes:
-            return self.decode_times(shape.num_decode, shape.decode_kv_tokens, num_steps)
+            return self.decode_times(shape.num_decode, shape.decode_kv_tokens, num_steps, shape.decode_max_kv_tokens)
         return np.array(
             [self.batch_time(advance_shape(shape, k)).total_s for k in range(num_steps)], dtype=np.float64
         )
@@ -115,13 +117,15 @@ class CostModel(ABC):
 
 def advance_shape(shape: BatchShape, num_steps: int) -> BatchShape:
     """``shape`` ``num_steps`` steps later, every request having advanced by its tokens each step:
-    each decode reads one more KV token per step, and the prefill chunk (at most one) of c tokens
-    starts c tokens further, so its context grows by c and its attention work by 2c^2 per step."""
+    each decode reads one more KV token per step (the longest one too), and the prefill chunk (at
+    most one) of c tokens starts c tokens further, so its context grows by c and its attention work
+    by 2c^2 per step."""
     if shape.num_prefill > 1 or shape.swap_bytes:
         raise ValueError(f"only steps with at most one prefill chunk and no swap repeat, got {shape}")
     c = shape.prefill_tokens
     return shape._replace(
         decode_kv_tokens=shape.decode_kv_tokens + num_steps * shape.num_decode,
+        decode_max_kv_tokens=shape.decode_max_kv_tokens + num_steps if shape.num_decode else 0,
         prefill_attention_work=shape.prefill_attention_work + num_steps * 2 * c * c,
         prefill_context_tokens=shape.prefill_context_tokens + num_steps * c,
     )

@@ -2,20 +2,23 @@
 
 The CSV has one row per measured step with the ``BatchShape`` fields and the measured seconds:
 ``num_decode, decode_kv_tokens, num_prefill, prefill_tokens, prefill_attention_work,
-prefill_context_tokens, time_s`` (other columns are ignored; steps must not include KV swaps).
+prefill_context_tokens, time_s``, and where known ``decode_max_kv_tokens`` (other columns are ignored;
+steps must not include KV swaps).
 
 Fitting is non-negative least squares (``scipy.optimize.nnls``) of the measured time on the nine
 features, minimizing the squared *relative* error (each row weighted by 1 / time_s). The ``knee`` form
 (the default) also fits ``knee_tokens`` (see ``linear.py``): for a given knee the model is linear, so
 each candidate knee on a geometric grid (and 0) gets its own least-squares fit, the grid is refined
 around the best, and the smallest knee within rounding of the best error wins (0 when a straight line
-fits as well). The ``infermax`` form keeps knee_tokens = 0.
+fits as well). Where the shapes give the longest decode context, the knee form also fits ``w_d`` (one
+more linear feature). The ``infermax`` form keeps knee_tokens = 0 and fits the nine alone.
 
 The ``floor`` form is the knee form under two floors, ``floor_p`` / ``floor_d`` (see ``linear.py``). A
 step is the larger of its floor and the knee form's sum, so for a given knee the fit is not linear:
 ``scipy.optimize.least_squares`` (bounded at 0) minimizes the same relative errors from two starts,
 the straight fit with no floor and the straight fit with each floor at its kind's shortest measured
-step, and keeps the better; the knee is searched as above. A floor that no profiled step sits on is set to 0 (it changes no prediction).
+step, and keeps the better; the knee is searched as above. A floor that no profiled step sits on is
+set to 0 (it changes no prediction).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ CSV_COLUMNS = (
     "prefill_context_tokens",
     "time_s",
 )
+# Read when present (files written before it existed lack it; w_d is then not fitted).
+LONGEST_COLUMN = "decode_max_kv_tokens"
 FORMS = ("knee", "floor", "infermax")
 # Candidate knees: a geometric grid from 1 token to the largest batch, then a finer one between the
 # best candidate's neighbours.
@@ -58,9 +63,9 @@ assert sorted(FEATURE_ORDER) == sorted(COEFFICIENT_NAMES)
 class FitReport(NamedTuple):
     """How well the fitted model reproduces the rows it was fitted on.
 
-    ``rank``: rank of the design matrix (9 when every coefficient is identifiable); ``unidentified``:
-    coefficients whose feature is zero in every row (set to 0; e.g. prefill terms from decode-only
-    data). Collinear features (rank below the number of identified coefficients; e.g. when every
+    ``rank``: rank of the linear design matrix (9 when every coefficient is identifiable, 10 with
+    ``w_d``); ``unidentified``: coefficients whose feature is zero in every row (set to 0; e.g.
+    prefill terms from decode-only data, ``w_d`` from a profile without the longest contexts). Collinear features (rank below the number of identified coefficients; e.g. when every
     row has decodes b_d and b_o coincide, and with decodes only s_d and a_o too) still predict
     these rows but split the shared term between the coefficients arbitrarily.
     """
@@ -79,8 +84,9 @@ class LinearFit(NamedTuple):
     report: FitReport
 
 
-def feature_matrix(shapes: Sequence[BatchShape], knee_tokens: float = 0.0) -> np.ndarray:
-    """Design matrix, one row per shape, columns in ``FEATURE_ORDER`` (whole-model seconds units)."""
+def feature_matrix(shapes: Sequence[BatchShape], knee_tokens: float = 0.0, longest: bool = False) -> np.ndarray:
+    """Design matrix, one row per shape, columns in ``FEATURE_ORDER`` (whole-model seconds units), then
+    with ``longest`` one for ``w_d`` (the longest decode context)."""
     rows = []
     for s in shapes:
         has_decode = 1.0 if s.num_decode > 0 else 0.0
@@ -97,19 +103,21 @@ def feature_matrix(shapes: Sequence[BatchShape], knee_tokens: float = 0.0) -> np
                 has_prefill * s.prefill_context_tokens,  # m_p: sum m of prefills
                 float(max(tokens, knee_tokens)) if tokens > 0 else 0.0,  # a_o
                 1.0 if tokens > 0 else 0.0,  # b_o
+                *((has_decode * s.decode_max_kv_tokens,) if longest else ()),  # w_d: max m of decodes
             ]
         )
-    return np.array(rows, dtype=np.float64).reshape(len(rows), len(FEATURE_ORDER))
+    return np.array(rows, dtype=np.float64).reshape(len(rows), len(FEATURE_ORDER) + longest)
 
 
-def _nnls(shapes: Sequence[BatchShape], times: np.ndarray, knee_tokens: float) -> tuple[np.ndarray, np.ndarray, int, float]:
+def _nnls(shapes: Sequence[BatchShape], times: np.ndarray, knee_tokens: float, longest: bool = False,
+          ) -> tuple[np.ndarray, np.ndarray, int, float]:  # fmt: skip
     """(coefficients in whole-model seconds, columns used, rank, residual) of the least-squares fit of
-    relative errors with the given knee."""
-    x = feature_matrix(shapes, knee_tokens)
+    relative errors with the given knee (and ``w_d`` with ``longest``)."""
+    x = feature_matrix(shapes, knee_tokens, longest)
     weighted = x / times[:, None]  # relative errors: (x @ c - t) / t
     norms = np.linalg.norm(weighted, axis=0)
     used = norms > 0
-    coef = np.zeros(len(FEATURE_ORDER))
+    coef = np.zeros(x.shape[1])
     scaled = weighted[:, used] / norms[used]
     solution, residual = scipy.optimize.nnls(scaled, np.ones(len(times)))  # min ||A c - 1||, c >= 0
     coef[used] = solution / norms[used]
@@ -117,11 +125,12 @@ def _nnls(shapes: Sequence[BatchShape], times: np.ndarray, knee_tokens: float) -
     return coef, used, rank, float(residual)
 
 
-def _fit_floor(shapes: Sequence[BatchShape], times: np.ndarray, knee_tokens: float) -> tuple[np.ndarray, np.ndarray, int, float]:
-    """(the nine coefficients in whole-model seconds per unit, in ``FEATURE_ORDER``; the floors
-    (floor_p, floor_d) in seconds; the rank of the linear features; the residual) of the floor form
-    with the given knee."""
-    x = feature_matrix(shapes, knee_tokens)
+def _fit_floor(shapes: Sequence[BatchShape], times: np.ndarray, knee_tokens: float, longest: bool = False,
+               ) -> tuple[np.ndarray, np.ndarray, int, float]:  # fmt: skip
+    """(the coefficients in whole-model seconds per unit, in ``FEATURE_ORDER`` and then ``w_d`` with
+    ``longest``; the floors (floor_p, floor_d) in seconds; the rank of the linear features; the
+    residual) of the floor form with the given knee."""
+    x = feature_matrix(shapes, knee_tokens, longest)
     has_prefill = np.array([s.num_prefill > 0 for s in shapes])
     weighted = x / times[:, None]
     norms = np.linalg.norm(weighted, axis=0)
@@ -160,10 +169,13 @@ def _fit_floor(shapes: Sequence[BatchShape], times: np.ndarray, knee_tokens: flo
     return coef, floors, rank, math.sqrt(2 * best.cost)  # cost = half the summed squares
 
 
-def _best_knee(shapes: Sequence[BatchShape], times: np.ndarray, floors: bool = False) -> float:
-    """The knee (tokens) whose fit (under floors, with ``floors``) has the least squared relative
-    error (see the module docstring)."""
-    fit = _fit_floor if floors else _nnls
+def _best_knee(shapes: Sequence[BatchShape], times: np.ndarray, floors: bool = False, longest: bool = False) -> float:
+    """The knee (tokens) whose fit (under floors, with ``floors``; with ``w_d``, with ``longest``) has
+    the least squared relative error (see the module docstring)."""
+
+    def fit(shapes: Sequence[BatchShape], times: np.ndarray, knee: float) -> tuple:
+        return (_fit_floor if floors else _nnls)(shapes, times, knee, longest)
+
     largest = max(s.num_decode + s.prefill_tokens for s in shapes)
     grid = [0.0, *np.geomspace(1.0, max(largest, 2), KNEE_GRID_POINTS).tolist()]
     residuals = {knee: fit(shapes, times, knee)[3] for knee in grid}
@@ -181,8 +193,8 @@ def fit_linear_shapes(
     form: str = "knee",
 ) -> LinearFit:
     """Fit coefficients to measured step times (seconds) of the given shapes; no file needed.
-    ``form``: "floor" (also fits the floors), "knee" (also fits knee_tokens) or "infermax"
-    (InferMax's nine coefficients alone)."""
+    ``form``: "knee" (also fits knee_tokens, and w_d where the shapes have ``decode_max_kv_tokens``),
+    "floor" (the knee form and the floors) or "infermax" (InferMax's nine coefficients alone)."""
     if form not in FORMS:
         raise ConfigError(f"fit: form must be one of {', '.join(FORMS)}, got {form!r}")
     if len(shapes) != len(times_s):
@@ -196,17 +208,21 @@ def fit_linear_shapes(
     times = np.asarray(times_s, dtype=np.float64)
     if not np.all(np.isfinite(times)) or np.any(times <= 0):
         raise ConfigError("fit: every measured time must be a positive finite number of seconds")
-    knee = _best_knee(shapes, times, floors=form == "floor") if form in ("knee", "floor") else 0.0
+    # Our forms charge the longest decode context (w_d) where the data has it.
+    longest = form != "infermax" and any(s.num_decode > 0 and s.decode_max_kv_tokens > 0 for s in shapes)
+    knee = _best_knee(shapes, times, form == "floor", longest) if form in ("knee", "floor") else 0.0
+    names = (*FEATURE_ORDER, "w_d") if longest else FEATURE_ORDER
     if form == "floor":
-        coef, floors, rank, _ = _fit_floor(shapes, times, knee)
-        names = (*FEATURE_ORDER, *EXTRA_TERM_NAMES)
+        coef, floors, rank, _ = _fit_floor(shapes, times, knee, longest)
+        names = (*names, "floor_p", "floor_d")
         coef = np.concatenate([coef, floors])
-        present = [*(np.abs(feature_matrix(shapes, 0.0)).sum(axis=0) > 0),
+        present = [*(np.abs(feature_matrix(shapes, 0.0, longest)).sum(axis=0) > 0),
                    any(s.num_prefill > 0 for s in shapes), any(s.num_prefill == 0 for s in shapes)]  # fmt: skip
         used = np.array(present)
     else:
-        coef, used, rank, _ = _nnls(shapes, times, knee)
-        names = FEATURE_ORDER
+        coef, used, rank, _ = _nnls(shapes, times, knee, longest)
+    if form != "infermax" and not longest:  # the data does not say how long the decodes' contexts were
+        names, coef, used = (*names, "w_d"), np.append(coef, 0.0), np.append(used, False)
     # Whole-model seconds per unit -> per-layer milliseconds.
     per_layer_ms = {key: float(c) * 1000.0 / num_layers for key, c in zip(names, coef)}
     coefficients = LinearCoefficients(**per_layer_ms, num_layers=num_layers, name=name, knee_tokens=knee)
@@ -247,14 +263,15 @@ def read_profile_csv(csv_path: str | Path) -> tuple[list[BatchShape], list[float
                         f"profile {path}, line {line}: missing column(s) {', '.join(missing)}; "
                         f"present: {', '.join(header)}"
                     )
-                index = {col: header.index(col) for col in CSV_COLUMNS}
+                columns = (*CSV_COLUMNS, LONGEST_COLUMN) if LONGEST_COLUMN in header else CSV_COLUMNS
+                index = {col: header.index(col) for col in columns}
                 continue
             if len(row) != len(header):
                 raise ConfigError(
                     f"profile {path}, line {line}: {len(row)} fields, the header has {len(header)}"
                 )
             values: dict[str, float] = {}
-            for col in CSV_COLUMNS:
+            for col in columns:
                 raw = row[index[col]].strip()
                 try:
                     value = float(raw)
@@ -275,6 +292,11 @@ def read_profile_csv(csv_path: str | Path) -> tuple[list[BatchShape], list[float
                     f"profile {path}, line {line}, column decode_kv_tokens: "
                     f"{row[index['decode_kv_tokens']].strip()!r} with num_decode 0"
                 )
+            if values.get(LONGEST_COLUMN, 0) > values["decode_kv_tokens"]:
+                raise ConfigError(
+                    f"profile {path}, line {line}, column {LONGEST_COLUMN}: "
+                    f"{row[index[LONGEST_COLUMN]].strip()!r} is more than decode_kv_tokens, their sum"
+                )
             if values["num_prefill"] == 0:
                 for col in ("prefill_tokens", "prefill_attention_work", "prefill_context_tokens"):
                     if values[col] > 0:
@@ -286,9 +308,7 @@ def read_profile_csv(csv_path: str | Path) -> tuple[list[BatchShape], list[float
                 raise ConfigError(
                     f"profile {path}, line {line}: empty step (num_decode and prefill_tokens are 0)"
                 )
-            shapes.append(
-                BatchShape(**{col: _number(values[col]) for col in CSV_COLUMNS if col != "time_s"})
-            )
+            shapes.append(BatchShape(**{col: _number(values[col]) for col in columns if col != "time_s"}))
             times.append(values["time_s"])
     if header is None:
         raise ConfigError(f"profile {path}: empty file; expected a header with {', '.join(CSV_COLUMNS)}")
@@ -304,9 +324,9 @@ def write_profile_csv(shapes: Sequence[BatchShape], times_s: Sequence[float], pa
     """Write measured steps in the format ``read_profile_csv`` (and ``sloserve fit-cost``) reads."""
     with Path(path).open("w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(CSV_COLUMNS)
+        writer.writerow((*CSV_COLUMNS, LONGEST_COLUMN))
         for shape, t in zip(shapes, times_s, strict=True):
-            writer.writerow([getattr(shape, col) for col in CSV_COLUMNS[:-1]] + [repr(float(t))])
+            writer.writerow([getattr(shape, col) for col in CSV_COLUMNS[:-1]] + [repr(float(t)), shape.decode_max_kv_tokens])
 
 
 def _number(value: float) -> int | float:

@@ -3,7 +3,7 @@
 Per layer, in milliseconds (c: tokens a request processes this step, m: tokens already in its KV,
 B: decode requests, n_p: prefill/chunk requests, tokens = sum of c over the batch):
 
-    decode attention  = a_d * sum(m over decodes) + b_d + s_d * B                 (only if B > 0)
+    decode attention  = a_d * sum(m over decodes) + w_d * max(m) + b_d + s_d * B  (only if B > 0)
     prefill attention = a_p * sum(c^2 + 2mc) + b_p + s_p * n_p + m_p * sum(m)    (only if n_p > 0)
     other             = a_o * max(tokens, knee_tokens) + b_o                       (only if tokens > 0)
     step              = max(floor, decode attention + prefill attention + other)
@@ -17,14 +17,20 @@ prefills and understates large ones (per prompt token, a 256-token prefill costs
 4k one does), so a fit made on whole prompts (vLLM) and one made on chunks (Sarathi) disagree. With
 the knee one fit serves both (``benchmarks/cost_forms.py``).
 
+``w_d`` is ours too (0 in InferMax's form), from the same profile. The Triton decode kernel walks each
+request's context in one program per head, so a small batch waits for its longest walk, not for the
+bytes it reads: on the H200 one request with 2,048 cached tokens took 1.5 ms longer than one with 128,
+where the bytes take 0.06 ms. ``w_d`` charges per token of the longest decode context. With it the
+knee form simulated the engine's runs on that GPU within 3.3% on average, from 6.4% (docs/simulator.md).
+
 ``floor_p`` and ``floor_d`` are ours too (0 in InferMax's form), from the first profile measured on a
 GPU (an H200, benchmarks/RESULTS.md). The host launches a step's kernels, and the GPU cannot finish
 before the last launch: an eager step (prefills run eagerly) takes at least the host's launch time,
 about 13 ms for a 32-layer model there, whatever its tokens; a decode-only step replayed as a CUDA
 graph takes at least the time to read the weights. So in the ``floor`` form a step takes the longer
-of its floor and its work. On that profile it fits held-out batches within 3.6% on average (the knee
-form 5.5%), but simulated runs come out no closer to the engine's (benchmarks/RESULTS.md), so the
-knee form stays the default fit.
+of its floor and its work. On that profile it fits held-out batches within 2.1% on average (the knee
+form 4.5%), but the simulated runs no closer to the engine's (3.6% against 3.3%), so the knee form
+stays the default fit.
 
 A step takes the sum times ``num_layers``, plus ``swap_bytes / swap_bandwidth`` (or the longer of the
 two when the copies overlap the forward pass, ``swap_overlapped``). Left out as
@@ -45,7 +51,7 @@ from .base import BatchShape, CostBreakdown, CostModel, step_total
 
 COEFFICIENT_NAMES = ("a_p", "b_p", "a_d", "b_d", "a_o", "b_o", "s_p", "s_d", "m_p")
 # Terms beyond InferMax's nine (ms per layer; see the module docstring), 0 unless fitted.
-EXTRA_TERM_NAMES = ("floor_p", "floor_d")
+EXTRA_TERM_NAMES = ("w_d", "floor_p", "floor_d")
 
 # PCIe 4.0 x16: 32 GB/s per direction theoretical, ~25 GB/s achieved by pinned-memory copies.
 DEFAULT_SWAP_BANDWIDTH = 25e9
@@ -60,8 +66,9 @@ class LinearCoefficients:
     token read by decodes (sum m); ``b_d``: decode-attention bias; ``s_d``: per decode request;
     ``a_o``: per batch token; ``b_o``: non-attention bias. ``knee_tokens`` (tokens, not ms): a step
     of fewer tokens costs as many as this in the non-attention part (0: InferMax's linear form).
-    ``floor_p`` / ``floor_d``: the least a step with a prefill / a decode-only step takes (0: none, as
-    in InferMax's form).
+    ``w_d``: per token of the longest decode context (``decode_max_kv_tokens``); ``floor_p`` /
+    ``floor_d``: the least a step with a prefill / a decode-only step takes (0: none). All three are
+    0 in InferMax's form.
     """
 
     a_p: float
@@ -76,6 +83,7 @@ class LinearCoefficients:
     num_layers: int
     name: str = "linear"
     knee_tokens: float = 0.0
+    w_d: float = 0.0
     floor_p: float = 0.0
     floor_d: float = 0.0
 
@@ -130,6 +138,7 @@ class LinearCostModel(CostModel):
         self._a_p, self._b_p, self._s_p, self._m_p = float(c.a_p), float(c.b_p), float(c.s_p), float(c.m_p)
         self._a_o, self._b_o = float(c.a_o), float(c.b_o)
         self._knee = float(c.knee_tokens)
+        self._w_d = float(c.w_d)
         self._floor_p, self._floor_d = float(c.floor_p) * self._scale, float(c.floor_d) * self._scale
 
     def __repr__(self) -> str:
@@ -149,12 +158,14 @@ class LinearCostModel(CostModel):
         """(non-attention, decode attention, prefill attention, swap) seconds of one step. The time a
         step waits below its floor counts as non-attention, so the parts still sum to the compute
         (``floored=False``: the work alone)."""
-        num_decode, decode_kv_tokens, num_prefill, prefill_tokens, attention_work, context, swap_bytes, _ = shape
+        num_decode, decode_kv_tokens, num_prefill, prefill_tokens, attention_work, context, swap_bytes, _, longest = (
+            shape
+        )
         scale = self._scale
         decode_s = 0.0
         if num_decode > 0:
-            # a_d * B * avgKV + b_d + s_d * B
-            decode_s = (self._a_d * decode_kv_tokens + self._b_d + self._s_d * num_decode) * scale
+            # a_d * B * avgKV + w_d * maxKV + b_d + s_d * B
+            decode_s = (self._a_d * decode_kv_tokens + self._w_d * longest + self._b_d + self._s_d * num_decode) * scale
         prefill_s = 0.0
         if num_prefill > 0:
             # a_p * sum(c^2 + 2mc) + b_p + s_p * n_p + m_p * sum(m)
@@ -167,27 +178,31 @@ class LinearCostModel(CostModel):
         swap_s = swap_bytes / self.swap_bandwidth if swap_bytes else 0.0
         return other_s, decode_s, prefill_s, swap_s
 
-    def decode_times(self, num_decode: int, decode_kv_tokens: int, num_steps: int) -> np.ndarray:
+    def decode_times(
+        self, num_decode: int, decode_kv_tokens: int, num_steps: int, decode_max_kv_tokens: int = 0
+    ) -> np.ndarray:
         """Vectorized decode-only steps; same arithmetic, in the same order, as ``batch_time``."""
         if num_steps <= 0:
             return np.zeros(0, dtype=np.float64)
         if num_decode <= 0:
             return np.zeros(num_steps, dtype=np.float64)
         scale = self._scale
-        kv = decode_kv_tokens + num_decode * np.arange(num_steps, dtype=np.int64)
-        decode_s = (self._a_d * kv + self._b_d + self._s_d * num_decode) * scale
+        steps = np.arange(num_steps, dtype=np.int64)
+        kv = decode_kv_tokens + num_decode * steps
+        longest = decode_max_kv_tokens + steps
+        decode_s = (self._a_d * kv + self._w_d * longest + self._b_d + self._s_d * num_decode) * scale
         other_s = (self._a_o * max(num_decode, self._knee) + self._b_o) * scale  # a scalar: no prefill tokens
         # NOTE: below the floor, _parts raises other_s to floor - decode_s, whose sum with decode_s may
         # differ from the floor in the last bit; the 1e-12 contract allows it.
         return np.maximum(other_s + decode_s + 0.0 + 0.0, self._floor_d)
 
     def step_increment(self, shape: BatchShape) -> float | None:
-        """Repeated steps form an arithmetic series: per step the decodes' summed KV grows by B and a
-        chunk of c tokens reads c more context tokens and does 2c^2 more attention work, so a step
-        takes a_d * B + a_p * 2c^2 + m_p * c (per layer) longer than the one before. Not while the
-        step is below its floor (None then)."""
+        """Repeated steps form an arithmetic series: per step the decodes' summed KV grows by B (the
+        longest by 1) and a chunk of c tokens reads c more context tokens and does 2c^2 more attention
+        work, so a step takes a_d * B + w_d + a_p * 2c^2 + m_p * c (per layer) longer than the one
+        before. Not while the step is below its floor (None then)."""
         # NOTE: unpacked, as in _parts: a named tuple's fields by name are Python-level lookups.
-        num_decode, _, num_prefill, c, _, _, swap_bytes, _ = shape
+        num_decode, _, num_prefill, c, _, _, swap_bytes, _, _ = shape
         if num_prefill > 1 or swap_bytes:
             return None
         if self._floor_p or self._floor_d:
@@ -197,4 +212,5 @@ class LinearCostModel(CostModel):
             floor = self._floor_p if num_prefill > 0 else self._floor_d
             if other_s + decode_s + prefill_s <= floor:
                 return None
-        return (self._a_d * num_decode + self._a_p * 2 * c * c + self._m_p * c) * self._scale
+        walk = self._w_d if num_decode > 0 else 0.0
+        return (self._a_d * num_decode + walk + self._a_p * 2 * c * c + self._m_p * c) * self._scale

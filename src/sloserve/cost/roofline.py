@@ -153,8 +153,11 @@ class RooflineCostModel(CostModel):
         total = step_total(other_s + decode_s + prefill_s, swap_s, shape.swap_overlapped)
         return CostBreakdown(total, other_s, decode_s, prefill_s, swap_s)
 
-    def decode_times(self, num_decode: int, decode_kv_tokens: int, num_steps: int) -> np.ndarray:
-        """Vectorized decode-only steps; same arithmetic, in the same order, as ``batch_time``."""
+    def decode_times(
+        self, num_decode: int, decode_kv_tokens: int, num_steps: int, decode_max_kv_tokens: int = 0
+    ) -> np.ndarray:
+        """Vectorized decode-only steps; same arithmetic, in the same order, as ``batch_time`` (which
+        prices the bytes and FLOPs: the longest context does not enter)."""
         if num_steps <= 0:
             return np.zeros(0, dtype=np.float64)
         if num_decode <= 0:

@@ -242,6 +242,7 @@ class EconoServeScheduler(Scheduler):
             out.cohort = self.cohort
             out.cohort_size = len(self.cohort)
             out.cohort_kv_tokens = self.cohort.kv_tokens
+            out.cohort_max_kv_tokens = self.cohort.max_kv_tokens
         if isinstance(self.kv, PipelinedKVManager):
             out.slot_copies = self.kv.take_copies()
             out.swap_bytes += len(out.slot_copies) * self.kv.kv_bytes_per_token

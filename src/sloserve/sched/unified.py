@@ -175,6 +175,7 @@ class UnifiedScheduler(Scheduler):
             out.cohort = cohort
             out.cohort_size = len(cohort.members)
             out.cohort_kv_tokens = cohort.kv_tokens
+            out.cohort_max_kv_tokens = cohort.max_kv_tokens
 
     def _victim(self) -> Request:
         """The running request to evict (4)."""
