@@ -118,6 +118,17 @@ def main() -> None:
             print(f"{scheduler:>9} {label:>14} {name:>24} {a:>10.4g} {b:>10.4g} {error:>7.1%}")
     print(f"\nsimulator error over {len(errors)} figures: mean {sum(errors) / len(errors):.1%}, max {max(errors):.1%} "
           f"(goal: mean <= 5%)")  # fmt: skip
+    # The engine's figures as benchmarks/cost_forms.py --engine reads them (benchmarks/profiles/).
+    first = rows[0][2]
+    engine_figures = {
+        "about": f"`python benchmarks/fidelity.py` on {args.device}: `sloserve run --virtual-clock` of {args.model}",
+        "model": args.model, "trace": args.trace, "num_requests": args.num_requests, "seed": args.seed,
+        "max_model_len": first["max_model_len"], "kv_capacity_tokens": first["kv_capacity_tokens"],
+        "runs": [{"scheduler": scheduler, "rate": None if label == "offline" else float(label.split()[0]),
+                  **{key: figure(real, key, field) for _, key, field in METRICS}}
+                 for scheduler, label, real, _ in rows],
+    }  # fmt: skip
+    (out / "engine.json").write_text(json.dumps(engine_figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -20,30 +20,35 @@
 # their wheels, install them with --target, and put that folder on PYTHONPATH before calling this
 # script; src/ is put in front of whatever PYTHONPATH holds. The first run of the tests compiles the
 # Triton kernels (about 40 s more).
-# Each stage's log goes to $OUT (the device tool's output folder) or ./gpu-logs.
+# Every stage's output goes to $OUT/session.log ($OUT: the device tool's output folder; else ./gpu-logs),
+# beside the fidelity stage's profile, preset and engine figures: four files, within the tool's eight.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/device.txt"
+log="$out/session.log"
+echo "== ${1:-} $(date -u +%FT%TZ)" | tee -a "$log"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$log"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$log"
 
 case "${1:-}" in
   tests)
     python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_cuda_graphs.py \
-      tests/test_attention.py tests/test_engine.py 2>&1 | tee "$out/tests.log"
+      tests/test_attention.py tests/test_engine.py 2>&1 | tee -a "$log"
     ;;
   speed)
-    python3 benchmarks/engine_speed.py 2>&1 | tee "$out/engine_speed.log"
+    python3 benchmarks/engine_speed.py 2>&1 | tee -a "$log"
     ;;
   fidelity)
-    # The summaries stay behind (the device tool returns at most 8 files); the fitted preset comes back.
-    python3 benchmarks/fidelity.py --out /tmp/fidelity 2>&1 | tee "$out/fidelity.log"
+    # The summaries stay behind; the profile, the preset fitted to it and the engine's figures come
+    # back, so that cost_forms.py can compare the cost model's forms against the engine on any machine.
+    python3 benchmarks/fidelity.py --out /tmp/fidelity 2>&1 | tee -a "$log"
     cp /tmp/fidelity/preset.json "$out/fidelity-preset.json"
     cp /tmp/fidelity/profile.csv "$out/fidelity-profile.csv"
-    # InferMax's straight line against the line with a knee, on the batch times just measured.
-    python3 benchmarks/cost_forms.py --csv /tmp/fidelity/profile.csv --layers 32 2>&1 | tee "$out/cost_forms.log"
+    cp /tmp/fidelity/engine.json "$out/fidelity-engine.json"
+    python3 benchmarks/cost_forms.py --csv /tmp/fidelity/profile.csv --layers 32 --engine /tmp/fidelity/engine.json \
+      2>&1 | tee -a "$log"
     ;;
   serve)
     python3 -c "import aiohttp, sloserve.server.app, sloserve.server.bench" || {
@@ -51,10 +56,10 @@ case "${1:-}" in
       exit 2
     }
     model=(--model random:llama-3-8b --device cuda --dtype bfloat16 --max-model-len 4096 --kv-capacity-tokens 131072)
-    python3 benchmarks/serve_overhead.py "${model[@]}" --no-pin --num-requests 300 --rate 8 2>&1 | tee "$out/serve_overhead.log"
+    python3 benchmarks/serve_overhead.py "${model[@]}" --no-pin --num-requests 300 --rate 8 2>&1 | tee -a "$log"
     python3 benchmarks/serve_fidelity.py "${model[@]}" --no-pin --num-requests 300 \
       --prefill-chunks 32,64,128,256,512,1024,2048,4096 --context-lens 0,512,2048 \
-      --batch-sizes 1,2,4,8,16,32,64,128,256 --decode-kv-lens 128,512,2048 2>&1 | tee "$out/serve_fidelity.log"
+      --batch-sizes 1,2,4,8,16,32,64,128,256 --decode-kv-lens 128,512,2048 2>&1 | tee -a "$log"
     ;;
   all)
     # One stage failing or running out of time does not stop the next one; the exit code is the worst.
@@ -62,7 +67,7 @@ case "${1:-}" in
     for stage in tests:${TESTS_S:-150} speed:${SPEED_S:-120} fidelity:${FIDELITY_S:-240} ${SERVE_S:+serve:$SERVE_S}; do
       start=$SECONDS
       timeout "${stage#*:}" bash "$0" "${stage%%:*}" || { rc=$?; status=$rc; echo "stage ${stage%%:*} exited $rc"; }
-      echo "stage ${stage%%:*}: $((SECONDS - start)) s" | tee -a "$out/stages.txt"
+      echo "stage ${stage%%:*}: $((SECONDS - start)) s" | tee -a "$log"
     done
     exit $status
     ;;

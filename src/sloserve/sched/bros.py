@@ -302,6 +302,8 @@ class BrosScheduler(SubsetScheduler):
         sums = self._sums if extra is None else [a + b for a, b in zip(self._sums, self._contribution(extra))]
         d, kv, p, tokens, work, restore = sums
         self.num_cost_model_queries += 1
+        # NOTE: without the longest decode context (a running max cannot be taken back when a request
+        # leaves the batch): a preset's w_d is not in BROS's estimate. The bundled presets have none.
         return self.cost_model.batch_time(BatchShape(d, kv, p, tokens, work, 0, restore, True)).total_s
 
     def _add(self, batch: list[Request], request: Request) -> None:
