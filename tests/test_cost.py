@@ -485,6 +485,21 @@ def test_bad_csv_errors_name_the_problem(tmp_path: Path) -> None:
         fit("")
     with pytest.raises(ConfigError, match="cannot open"):
         fit_linear(tmp_path / "missing.csv", num_layers=32)
+    with pytest.raises(ConfigError, match=r"line 2, column decode_max_kv_tokens: '4001' is more than decode_kv_tokens"):
+        fit("\n".join([header + ",decode_max_kv_tokens", good_row + ",4001"]) + "\n")
+
+
+def test_profile_csv_keeps_the_longest_decode_context(tmp_path: Path) -> None:
+    """`sloserve profile` writes each batch's longest decode context; files without the column still read."""
+    from sloserve.cost.fit import read_profile_csv, write_profile_csv
+
+    shapes = random_shapes(np.random.default_rng(2), 30)
+    times = [LinearCostModel(L7_WALK).batch_time(s).total_s for s in shapes]
+    write_profile_csv(shapes, times, tmp_path / "p.csv")
+    assert read_profile_csv(tmp_path / "p.csv") == (shapes, times)
+    old = tmp_path / "old.csv"  # as written before the column existed
+    old.write_text("\n".join(line.rpartition(",")[0] for line in (tmp_path / "p.csv").read_text().splitlines()) + "\n")
+    assert read_profile_csv(old)[0] == [s._replace(decode_max_kv_tokens=0) for s in shapes]
 
 
 def test_bad_preset_files(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ import scipy.optimize
 from sloserve.core.errors import ConfigError
 
 from .base import BatchShape
-from .linear import COEFFICIENT_NAMES, EXTRA_TERM_NAMES, LinearCoefficients, LinearCostModel
+from .linear import COEFFICIENT_NAMES, LinearCoefficients, LinearCostModel
 
 CSV_COLUMNS = (
     "num_decode",
@@ -65,9 +65,10 @@ class FitReport(NamedTuple):
 
     ``rank``: rank of the linear design matrix (9 when every coefficient is identifiable, 10 with
     ``w_d``); ``unidentified``: coefficients whose feature is zero in every row (set to 0; e.g.
-    prefill terms from decode-only data, ``w_d`` from a profile without the longest contexts). Collinear features (rank below the number of identified coefficients; e.g. when every
-    row has decodes b_d and b_o coincide, and with decodes only s_d and a_o too) still predict
-    these rows but split the shared term between the coefficients arbitrarily.
+    prefill terms from decode-only data, ``w_d`` from a profile without the longest contexts).
+    Collinear features (rank below the number of identified coefficients; e.g. when every row has
+    decodes b_d and b_o coincide, and with decodes only s_d and a_o too) still predict these rows
+    but split the shared term between the coefficients arbitrarily.
     """
 
     mean_rel_error: float

@@ -29,8 +29,8 @@ before the last launch: an eager step (prefills run eagerly) takes at least the 
 about 13 ms for a 32-layer model there, whatever its tokens; a decode-only step replayed as a CUDA
 graph takes at least the time to read the weights. So in the ``floor`` form a step takes the longer
 of its floor and its work. On that profile it fits held-out batches within 2.1% on average (the knee
-form 4.5%), but the simulated runs no closer to the engine's (3.6% against 3.3%), so the knee form
-stays the default fit.
+form 4.5%), but it simulates the engine's runs no closer (3.6% against 3.3%), so the knee form stays
+the default fit.
 
 A step takes the sum times ``num_layers``, plus ``swap_bytes / swap_bandwidth`` (or the longer of the
 two when the copies overlap the forward pass, ``swap_overlapped``). Left out as
