@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from sloserve.core.errors import ConfigError
 from sloserve.cost import LinearCostModel, get_preset
 from sloserve.optimal import BoundProblem, latency, relaxed_bound, replay, run_heuristic, solve_bound
-from sloserve.optimal.relaxation import min_batches, packing_lower_bound
+from sloserve.optimal.relaxation import min_batches, packing_lower_bound, prefill_packing_lower_bound
 
 COST = LinearCostModel(get_preset("llama-2-7b-a100"))
 HEURISTICS = ("vllm", "vllm_ef", "sarathi", "sarathi_ef", "infermax")
@@ -207,3 +207,26 @@ def test_packing_bound_in_figure15s_memory():
     # tokens (64 each) fit only beside each other: 12 + 2 batches, where the footprint gives 9.
     assert packing_lower_bound([64] * 4, [4] * 4, 128) == 14
     assert min_batches([64] * 4, [4] * 4, 128, 4096, None) == 14
+    # Two prompts whose last prefill chunks share a batch then hold 63 tokens each until one of them
+    # finishes, with 4 tokens: 63 + 63 + 4 > 128. So every prompt gets its own prefill batch.
+    assert prefill_packing_lower_bound([64] * 4, [4] * 4, 128) == 4
+    assert prefill_packing_lower_bound([64] * 4, [1] * 4, 128) == 0  # one output: pairs fit (L2 leaves it to the footprint)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 4)), min_size=1, max_size=4),
+    extra=st.integers(0, 30),
+)
+def test_prefill_packing_bound_is_a_lower_bound_of_its_exact_packing(lengths, extra):
+    """relaxation.prefill_packing_lower_bound: prompts of 2 tokens or more, as items I - 1, need at
+    least that many bins of M - min(O); without items above half a bin it returns 0."""
+    prompts = [p for p, _ in lengths]
+    outputs = [o for _, o in lengths]
+    capacity = max(p + o - 1 for p, o in lengths) + extra
+    sizes = [p - 1 for p in prompts if p >= 2]
+    bound = prefill_packing_lower_bound(prompts, outputs, capacity)
+    bins = capacity - min(outputs)
+    assert bound <= (_fewest_bins(sizes, bins) if sizes else 0)
+    if not sizes or 2 * max(sizes) <= bins:
+        assert bound == 0

@@ -24,12 +24,18 @@ of capacity M, and J_min is at least a lower bound of that bin packing: Martello
 (items above M/2 never share a batch; those above M - a not even with an item of a or more), which
 is at least the footprint over M. Of those, at least P_min hold a prefill chunk (b_p each): one if
 any prompt has 2 tokens or more, and the last prefill chunk of a prompt leaves at least I - 1 of its
-tokens held, so P_min >= sum(I - 1) / M (and sum(I - 1) / P with a prefill budget P). Every batch
-holds a prefill chunk or a decode, so the J_min - P_min others pay min(b_d, b_p) at least. The terms
+tokens held, so P_min >= sum(I - 1) / M (and sum(I - 1) / P with a prefill budget P). And the
+requests whose last prefill chunk (never evicted after it) shares a batch hold at least I - 1 tokens
+each from then on, until each finishes; the first of them to finish holds I + O - 1 at its last
+sampling, so sum(I - 1) + min O <= M over the group, and sum(I - 1) <= M - O_min with O_min the
+least O of all. The groups are thus a bin packing of items I - 1 (prompts of 2 tokens or more) into
+bins of M - O_min, one batch with a prefill chunk each: P_min is at least that packing's L2 bound
+too. Every batch holds a prefill chunk or a decode, so the J_min - P_min others pay min(b_d, b_p) at
+least. The terms
 left out (m_p, extra chunks, evictions forced by memory, batches beyond these counts) are what a
 schedule can lose against this bound.
 
-The bin-packing term needs every sampling's size, so it is computed for the whole set of requests
+The bin-packing terms need every item's size, so they are computed for the whole set of requests
 (offline, and online for the suffix from the first arrival), not for each later suffix.
 
 Online, the batches that serve requests arriving at or after t start at or after t, so the latency is
@@ -91,6 +97,27 @@ def packing_lower_bound(prompts: Sequence[int], outputs: Sequence[int], kv_capac
     np.add.at(diff, np.minimum(np.asarray(prompts) + np.asarray(outputs), M + 1), -1)
     count = np.cumsum(diff)[: M + 1]  # (M + 1,) items of size s
     assert not count[0], "a request holds at least one token when it samples"
+    return _l2_bound(count, M)
+
+
+def prefill_packing_lower_bound(prompts: Sequence[int], outputs: Sequence[int], kv_capacity_tokens: int) -> int:
+    """L2 lower bound on the batches that hold a prefill chunk: the groups of requests whose last
+    prefill chunk shares a batch pack items I - 1 into bins of M - min(O) (see the module docstring).
+    O(M + number of requests)."""
+    items = [i - 1 for i in prompts if i >= 2]
+    if not items:
+        return 0
+    capacity = kv_capacity_tokens - min(outputs)
+    assert max(items) <= capacity, "a request that never fits M"
+    if 2 * max(items) <= capacity:
+        return 0  # NOTE: no item above half a bin: L2 is the footprint, the caller's sum(I - 1) / M
+    count = np.bincount(np.asarray(items), minlength=capacity + 1)  # (capacity + 1,) items of size s
+    return _l2_bound(count, capacity)
+
+
+def _l2_bound(count: np.ndarray, M: int) -> int:
+    """Martello and Toth's L2: the fewest bins of capacity M that ``count`` (shape (M + 1,): the
+    number of items of each size 0 .. M) needs, bounded below. O(M)."""
     num_le = np.cumsum(count)  # (M + 1,) items of size <= s
     size_le = np.cumsum(count * np.arange(M + 1))  # (M + 1,) their total size
     half = M // 2  # items of size <= half may share a batch
@@ -122,26 +149,30 @@ class _Requests:
         self.footprint += output * (prompt - 1) + output * (output + 1) // 2
         self.work += work
 
-    def min_prefill_batches(self, kv_capacity_tokens: int, prefill_token_budget: int | None) -> int:
-        """P_min: the fewest batches with a prefill chunk (see the module docstring)."""
-        bounds = [1 if self.prompt_positions else 0, math.ceil(self.prompt_positions / kv_capacity_tokens)]
+    def min_prefill_batches(self, kv_capacity_tokens: int, prefill_token_budget: int | None,
+                            prefill_packing: int = 0) -> int:  # fmt: skip
+        """P_min: the fewest batches with a prefill chunk (see the module docstring); ``prefill_packing``,
+        the bin-packing bound where the caller computed it."""
+        bounds = [1 if self.prompt_positions else 0, math.ceil(self.prompt_positions / kv_capacity_tokens),
+                  prefill_packing]  # fmt: skip
         if prefill_token_budget is not None:
             bounds.append(math.ceil(self.prompt_positions / prefill_token_budget))
         return max(bounds)
 
     def min_batches(self, kv_capacity_tokens: int, max_num_batched_tokens: int, prefill_token_budget: int | None,
-                    packing: int = 0) -> int:  # fmt: skip
-        """J_min: the fewest batches (see the module docstring); ``packing``, the bin-packing bound
-        where the caller computed it."""
+                    packing: int = 0, prefill_packing: int = 0) -> int:  # fmt: skip
+        """J_min: the fewest batches (see the module docstring); ``packing`` and ``prefill_packing``,
+        the bin-packing bounds where the caller computed them."""
         return max(self.max_output, math.ceil(self.tokens / max_num_batched_tokens),
                    math.ceil(self.footprint / kv_capacity_tokens), packing,
-                   self.min_prefill_batches(kv_capacity_tokens, prefill_token_budget))  # fmt: skip
+                   self.min_prefill_batches(kv_capacity_tokens, prefill_token_budget, prefill_packing))  # fmt: skip
 
     def bound(self, k: Mapping[str, float], kv_capacity_tokens: int, max_num_batched_tokens: int,
-              prefill_token_budget: int | None, packing: int = 0) -> float:  # fmt: skip
+              prefill_token_budget: int | None, packing: int = 0, prefill_packing: int = 0) -> float:  # fmt: skip
         """The least total batch time of these requests, in the units of ``k``."""
-        batches = self.min_batches(kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget, packing)
-        prefill_batches = self.min_prefill_batches(kv_capacity_tokens, prefill_token_budget)
+        limits = (kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget)
+        batches = self.min_batches(*limits, packing, prefill_packing)
+        prefill_batches = self.min_prefill_batches(kv_capacity_tokens, prefill_token_budget, prefill_packing)
         fixed = (k["b_o"] * batches + k["b_p"] * prefill_batches
                  + min(k["b_d"], k["b_p"]) * max(0, batches - prefill_batches))  # fmt: skip
         return fixed + self.work
@@ -154,7 +185,9 @@ def min_batches(prompts: Sequence[int], outputs: Sequence[int], kv_capacity_toke
     for prompt, output in zip(prompts, outputs, strict=True):
         requests.add(prompt, output)
     packing = packing_lower_bound(prompts, outputs, kv_capacity_tokens)
-    return requests.min_batches(kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget, packing)
+    prefill_packing = prefill_packing_lower_bound(prompts, outputs, kv_capacity_tokens)
+    return requests.min_batches(kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget, packing,
+                                prefill_packing)  # fmt: skip
 
 
 def offline_bound(k: Mapping[str, float], prompts: Sequence[int], outputs: Sequence[int], kv_capacity_tokens: int,
@@ -164,7 +197,9 @@ def offline_bound(k: Mapping[str, float], prompts: Sequence[int], outputs: Seque
     for prompt, output in zip(prompts, outputs, strict=True):
         requests.add(prompt, output, request_work(k, prompt, output))
     packing = packing_lower_bound(prompts, outputs, kv_capacity_tokens)
-    return requests.bound(k, kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget, packing)
+    prefill_packing = prefill_packing_lower_bound(prompts, outputs, kv_capacity_tokens)
+    return requests.bound(k, kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget, packing,
+                          prefill_packing)  # fmt: skip
 
 
 def whole_model_coefficients(cost: LinearCostModel) -> dict[str, float]:
