@@ -11,6 +11,7 @@ the scheduler's concern, is added by ``DecodeCohort`` (sched/cohort.py).
 
 from __future__ import annotations
 
+import heapq
 import math
 from bisect import bisect_left
 from collections.abc import Sequence
@@ -18,7 +19,6 @@ from operator import sub
 from typing import TYPE_CHECKING
 
 import numpy as np
-from sortedcontainers import SortedList
 
 if TYPE_CHECKING:
     from sloserve.core.request import Request
@@ -34,9 +34,11 @@ class Cohort:
         # Sum of members' num_computed_tokens: the KV decode attention reads next tick.
         # NOTE: kept up to date by add, remove and advance (an attribute: read every step).
         self.kv_tokens = 0
-        # Members' num_computed_tokens - ticks, sorted: every member gains one per tick, so their order
-        # holds while they stay, and the longest is the last plus ticks (max_kv_tokens).
-        self._computed_offsets = SortedList()
+        # A max-heap of (-(num_computed_tokens - ticks), id, member) as each joined: every member gains
+        # one per tick, so their order holds while they stay, and the longest is the top plus ticks
+        # (max_kv_tokens). NOTE: a leaving member's entry stays until it reaches the top (then
+        # dropped), or until the heap holds twice the members (then rebuilt).
+        self._longest: list[tuple[int, int, Request]] = []
         self._times = TickTimes()
 
     def __len__(self) -> int:
@@ -53,7 +55,7 @@ class Cohort:
         # NOTE: from here until it leaves, the request's counters read offset + ticks.
         request._computed_offset -= t
         request._output_offset -= t
-        self._computed_offsets.add(request._computed_offset)
+        heapq.heappush(self._longest, (-request._computed_offset, id(request), request))
         request.cohort = self
         request.cohort_epoch += 1
         self.members[request] = t
@@ -63,7 +65,9 @@ class Cohort:
         assert request.cohort is self, request
         joined, now = self.members.pop(request), self.ticks
         self.kv_tokens -= request._computed_offset + now  # its num_computed_tokens
-        self._computed_offsets.remove(request._computed_offset)
+        if len(self._longest) > 2 * len(self.members) + 32:
+            self._longest = [(-r._computed_offset, id(r), r) for r in self.members]
+            heapq.heapify(self._longest)
         if now > joined:
             times = self._times.ends(joined + 1) if request.token_times is not None else None
             request.record_token_run(*self._times.run(joined + 1), times)
@@ -82,7 +86,14 @@ class Cohort:
     def max_kv_tokens(self) -> int:
         """The longest member's num_computed_tokens (0 without members): the KV of the longest
         context that decode attention walks next tick."""
-        return self._computed_offsets[-1] + self.ticks if self._computed_offsets else 0
+        heap = self._longest
+        while heap:
+            negative_offset, _, request = heap[0]
+            # NOTE: a member that left, or left and joined again (at another offset), is stale.
+            if request.cohort is self and request._computed_offset == -negative_offset:
+                return self.ticks - negative_offset
+            heapq.heappop(heap)
+        return 0
 
     def check_integrity(self) -> None:
         """The members' KV adds up to ``kv_tokens``; the longest is ``max_kv_tokens``."""
