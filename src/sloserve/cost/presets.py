@@ -128,7 +128,7 @@ def load_preset(path: str | Path) -> LinearCoefficients:
     if isinstance(knee, bool) or not isinstance(knee, (int, float)) or not math.isfinite(knee) or knee < 0:
         raise ConfigError(f"cost model file {path}: field 'knee_tokens' must be a non-negative number, got {knee!r}")
     extra: dict[str, float] = {}
-    for key in EXTRA_TERM_NAMES:  # absent from files written before the floor form existed
+    for key in EXTRA_TERM_NAMES:  # absent from files written before these terms existed
         value = doc.get(key, 0.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ConfigError(f"cost model file {path}: field {key!r} must be a non-negative number, got {value!r}")
