@@ -14,7 +14,14 @@ from hypothesis import strategies as st
 from sloserve.core.errors import ConfigError
 from sloserve.cost import LinearCostModel, get_preset
 from sloserve.optimal import BoundProblem, latency, relaxed_bound, replay, run_heuristic, solve_bound
-from sloserve.optimal.relaxation import min_batches, packing_lower_bound, prefill_packing_lower_bound
+from sloserve.optimal.relaxation import (
+    eviction_cost,
+    min_batches,
+    packing_lower_bound,
+    prefill_packing_lower_bound,
+    sampling_clique,
+    whole_model_coefficients,
+)
 
 COST = LinearCostModel(get_preset("llama-2-7b-a100"))
 HEURISTICS = ("vllm", "vllm_ef", "sarathi", "sarathi_ef", "infermax")
@@ -211,6 +218,22 @@ def test_packing_bound_in_figure15s_memory():
     # finishes, with 4 tokens: 63 + 63 + 4 > 128. So every prompt gets its own prefill batch.
     assert prefill_packing_lower_bound([64] * 4, [4] * 4, 128) == 4
     assert prefill_packing_lower_bound([64] * 4, [1] * 4, 128) == 0  # one output: pairs fit (L2 leaves it to the footprint)
+
+
+def test_relaxation_proves_figure15s_long_prompts_optimal():
+    """I = 64, O = B = 4, M = 2I: the 12 samplings above M/2 and the 4 first samplings (64 held) pairwise
+    cannot share a batch unless a request is evicted afterwards, and an eviction (recomputing 64
+    tokens, 3.9 ms) costs more than a batch (b_o + b_d, 2.7 ms): 16 batches, where J_min counts 14. So
+    the relaxation equals vLLM-EF's schedule, which evicts nothing: it is optimal. With short prompts an
+    eviction is the cheaper (I = 16: 1.0 ms), and the relaxation charges that instead."""
+    k = whole_model_coefficients(COST)
+    size, cost = sampling_clique(k, [64] * 4, [4] * 4, 128)
+    assert size == 16 and cost == pytest.approx(eviction_cost(k, 64, 4))
+    assert cost > k["b_o"] + min(k["b_d"], k["b_p"]) > eviction_cost(k, 16, 4)
+    assert eviction_cost(k, 64, 1) == float("inf")  # finishes with its first token: never evicted
+    base = BoundProblem((64,) * 4, (4,) * 4, (0.0,) * 4, 128, 4096, None)
+    assert relaxed_bound(base, COST) == pytest.approx(run_heuristic("vllm_ef", base, COST).latency_s, rel=1e-9)
+    assert sampling_clique(k, [64] * 4, [4] * 4, 10_000)[0] == 1  # memory to spare: no two conflict
 
 
 @settings(max_examples=60, deadline=None)

@@ -31,7 +31,17 @@ sampling, so sum(I - 1) + min O <= M over the group, and sum(I - 1) <= M - O_min
 least O of all. The groups are thus a bin packing of items I - 1 (prompts of 2 tokens or more) into
 bins of M - O_min, one batch with a prefill chunk each: P_min is at least that packing's L2 bound
 too. Every batch holds a prefill chunk or a decode, so the J_min - P_min others pay min(b_d, b_p) at
-least. The terms
+least.
+
+Samplings that pairwise cannot share a batch need a batch each (a clique of the conflict graph):
+those holding more than M/2, and the first samplings (I tokens held) of requests that conflict with
+every one of those (I + the smallest > M) and with each other once neither is evicted again: after
+sharing a batch both hold their prompts until the first finishes, so I_a + I_b + min(O_a, O_b) - 1
+<= M. A batch holding k such first samplings has k - 1 of those requests evicted afterwards, so with
+E evictions there are at least |clique| - E batches, and each eviction costs at least its recompute
+(positions 0 .. s-2 again, s >= I + 1 tokens known; counted only where it costs something). The
+bound takes the cheaper of a batch beyond J_min (b_o + min(b_d, b_p)) and an eviction, for each of
+the |clique| - J_min samplings beyond J_min. The terms
 left out (m_p, extra chunks, evictions forced by memory, batches beyond these counts) are what a
 schedule can lose against this bound.
 
@@ -131,6 +141,38 @@ def _l2_bound(count: np.ndarray, M: int) -> int:
     return int((n_big + n_mid + extra).max())
 
 
+def eviction_cost(k: Mapping[str, float], prompt: int, output: int) -> float:
+    """The least extra cost of evicting a request once it has sampled its first token (s >= I + 1
+    tokens known, at most I + O - 1): positions 0 .. s-2 again in prefill, position s-1 in the chunk
+    where that is cheaper than its decode (see the module docstring). inf when it cannot be evicted
+    (O = 1: it finishes with its first token)."""
+    if output < 2:
+        return math.inf
+    s = np.arange(prompt + 1, prompt + output, dtype=np.float64)  # (O - 1,) tokens known
+    redo = k["a_p"] * (s - 1) ** 2 + k["a_o"] * (s - 1) + k["s_p"]
+    swap = k["a_p"] * (2 * s - 1) - k["a_d"] * (s - 1) - k["s_d"]
+    return float((redo + np.minimum(swap, 0.0)).min())
+
+
+def sampling_clique(k: Mapping[str, float], prompts: Sequence[int], outputs: Sequence[int],
+                    kv_capacity_tokens: int) -> tuple[int, float]:  # fmt: skip
+    """(the size of a clique of samplings that cannot share a batch unless a request is evicted, the
+    least cost of such an eviction) (see the module docstring). O(n log n + n x first samplings kept)."""
+    M = kv_capacity_tokens
+    # Samplings holding more than M/2: request i's k-th, I + k - 1 > M/2, for k = 1 .. O.
+    big = [(i, o) for i, o in zip(prompts, outputs, strict=True) if i + o - 1 > M / 2]
+    num_big = sum(i + o - 1 - max(i, M // 2 + 1) + 1 for i, o in big)
+    smallest_big = min((max(i, M // 2 + 1) for i, _ in big), default=None)
+    chosen: list[tuple[int, int]] = []  # first samplings (I, O) of the clique, longest first
+    for prompt, output in sorted(zip(prompts, outputs, strict=True), reverse=True):
+        if 2 * prompt > M or (smallest_big is not None and prompt + smallest_big <= M):
+            continue  # counted among the big ones, or fits beside one of them
+        if all(prompt + other + min(output, other_output) - 1 > M for other, other_output in chosen):
+            chosen.append((prompt, output))
+    cost = min((eviction_cost(k, i, o) for i, o in chosen), default=math.inf)
+    return num_big + len(chosen), cost
+
+
 class _Requests:
     """Running sums of a set of requests for J_min (see the module docstring)."""
 
@@ -168,14 +210,19 @@ class _Requests:
                    self.min_prefill_batches(kv_capacity_tokens, prefill_token_budget, prefill_packing))  # fmt: skip
 
     def bound(self, k: Mapping[str, float], kv_capacity_tokens: int, max_num_batched_tokens: int,
-              prefill_token_budget: int | None, packing: int = 0, prefill_packing: int = 0) -> float:  # fmt: skip
-        """The least total batch time of these requests, in the units of ``k``."""
+              prefill_token_budget: int | None, packing: int = 0, prefill_packing: int = 0,
+              clique: tuple[int, float] = (0, math.inf)) -> float:  # fmt: skip
+        """The least total batch time of these requests, in the units of ``k``; ``packing``,
+        ``prefill_packing`` and ``clique`` (``sampling_clique``) where the caller computed them."""
         limits = (kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget)
         batches = self.min_batches(*limits, packing, prefill_packing)
         prefill_batches = self.min_prefill_batches(kv_capacity_tokens, prefill_token_budget, prefill_packing)
+        per_batch = k["b_o"] + min(k["b_d"], k["b_p"])  # what a batch beyond J_min adds at least
         fixed = (k["b_o"] * batches + k["b_p"] * prefill_batches
                  + min(k["b_d"], k["b_p"]) * max(0, batches - prefill_batches))  # fmt: skip
-        return fixed + self.work
+        clique_size, eviction = clique
+        beyond = max(0, clique_size - batches) * max(0.0, min(per_batch, eviction))
+        return fixed + beyond + self.work
 
 
 def min_batches(prompts: Sequence[int], outputs: Sequence[int], kv_capacity_tokens: int,
@@ -198,8 +245,9 @@ def offline_bound(k: Mapping[str, float], prompts: Sequence[int], outputs: Seque
         requests.add(prompt, output, request_work(k, prompt, output))
     packing = packing_lower_bound(prompts, outputs, kv_capacity_tokens)
     prefill_packing = prefill_packing_lower_bound(prompts, outputs, kv_capacity_tokens)
+    clique = sampling_clique(k, prompts, outputs, kv_capacity_tokens)
     return requests.bound(k, kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget, packing,
-                          prefill_packing)  # fmt: skip
+                          prefill_packing, clique)  # fmt: skip
 
 
 def whole_model_coefficients(cost: LinearCostModel) -> dict[str, float]:
