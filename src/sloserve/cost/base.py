@@ -27,7 +27,7 @@ class BatchShape(NamedTuple):
     # longer of the two instead of their sum.
     swap_overlapped: bool = False
     # The longest m among decode requests (0: unknown, or no decodes). Ours: a decode attention kernel
-    # walks each request's context in one program, so a small batch waits for its longest walk.
+    # walks each request's context in one program per KV head, so a small batch waits for its longest walk.
     decode_max_kv_tokens: int = 0
 
     @property

@@ -18,8 +18,8 @@ prefills and understates large ones (per prompt token, a 256-token prefill costs
 the knee one fit serves both (``benchmarks/cost_forms.py``).
 
 ``w_d`` is ours too (0 in InferMax's form), from the same profile. The Triton decode kernel walks each
-request's context in one program per head, so a small batch waits for its longest walk, not for the
-bytes it reads: on the H200 one request with 2,048 cached tokens took 1.5 ms longer than one with 128,
+request's context in one program per KV head, so a small batch waits for its longest walk, not for
+the bytes it reads: on the H200 one request with 2,048 cached tokens took 1.5 ms longer than one with 128,
 where the bytes take 0.06 ms. ``w_d`` charges per token of the longest decode context. With it the
 knee form simulated the engine's runs on that GPU within 3.3% on average, from 6.4% (docs/simulator.md).
 
