@@ -25,7 +25,9 @@ def spread_decode_lens(num_decode: int, mean_kv: int, max_kv: int) -> list[int]:
 class ProfileGrid:
     """The shapes measured: prefill chunks x cached tokens, batches of several prompts (batch sizes x
     chunk sizes, up to the largest chunk in all), decode batch sizes x mean cached tokens per decode
-    (``spread_decode_lens``), and mixed batches (each decode batch with the middle prefill chunk)."""
+    (``spread_decode_lens``), lopsided decode batches (one long context among short ones: the longest
+    context and the summed KV part ways, so a fit tells ``w_d`` from ``a_d``), and mixed batches
+    (each decode batch with the middle prefill chunk)."""
 
     prefill_chunks: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
     context_lens: tuple[int, ...] = (0, 512, 2048)
@@ -54,6 +56,13 @@ class ProfileGrid:
                 lens = decodes(b, m)
                 if m + 1 <= max_model_len and sum(lens) + b <= max_slots:
                     points.append(([], lens))
+        # NOTE: live batches' longest context is 2-8x their mean (docs/simulator.md); the spread
+        # batches above reach only 2x.
+        longest = min(4 * max(self.decode_kv_lens), max_model_len - 1)
+        for b in self.batch_sizes:
+            lens = [min(self.decode_kv_lens)] * (b - 1) + [longest]
+            if b > 1 and sum(lens) + b <= max_slots:
+                points.append(([], lens))
         chunks = [c for c in self.prefill_chunks if c <= max_model_len]
         if chunks:
             c = chunks[len(chunks) // 2]
