@@ -624,3 +624,13 @@ def test_kv_capacity() -> None:
         kv_capacity_tokens(l7, get_gpu("a30"), memory_utilization=0.6)
     with pytest.raises(ConfigError, match="memory_utilization"):
         kv_capacity_tokens(l7, a100, memory_utilization=1.2)
+
+
+def test_profile_grid_has_lopsided_decode_batches() -> None:
+    """One long context among short ones, as live batches have (their longest context is 2-8x their
+    mean), so that a fit can tell w_d from a_d: the spread batches reach only twice the mean."""
+    decodes = [lens for prefills, lens in ProfileGrid().shapes(1024, 200_000) if lens and not prefills]
+    for b in (2, 4, 16, 256):
+        assert [128] * (b - 1) + [1023] in decodes  # the shortest grid context, and the longest the context allows
+    spread = [lens for lens in decodes if lens[-1] != 1023]
+    assert spread and all(max(lens) <= 2 * sum(lens) / len(lens) + 1 for lens in spread)
