@@ -41,9 +41,10 @@ sharing a batch both hold their prompts until the first finishes, so I_a + I_b +
 E evictions there are at least |clique| - E batches, and each eviction costs at least its recompute
 (positions 0 .. s-2 again, s >= I + 1 tokens known; counted only where it costs something). The
 bound takes the cheaper of a batch beyond J_min (b_o + min(b_d, b_p)) and an eviction, for each of
-the |clique| - J_min samplings beyond J_min. The terms
-left out (m_p, extra chunks, evictions forced by memory, batches beyond these counts) are what a
-schedule can lose against this bound.
+the |clique| - J_min samplings beyond J_min.
+
+The terms left out (m_p, extra chunks, the other evictions memory forces, batches beyond these
+counts) are what a schedule can lose against this bound.
 
 The bin-packing terms need every item's size, so they are computed for the whole set of requests
 (offline, and online for the suffix from the first arrival), not for each later suffix.
