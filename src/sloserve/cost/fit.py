@@ -128,9 +128,10 @@ def _nnls(shapes: Sequence[BatchShape], times: np.ndarray, knee_tokens: float, l
 
 def _fit_floor(shapes: Sequence[BatchShape], times: np.ndarray, knee_tokens: float, longest: bool = False,
                ) -> tuple[np.ndarray, np.ndarray, int, float]:  # fmt: skip
-    """(the coefficients in whole-model seconds per unit, in ``FEATURE_ORDER`` and then ``w_d`` with
-    ``longest``; the floors (floor_p, floor_d) in seconds; the rank of the linear features; the
-    residual) of the floor form with the given knee."""
+    """(the coefficients in whole-model seconds per unit, in ``FEATURE_ORDER``, then ``w_d`` with
+    ``longest``, then the floors (floor_p, floor_d) in seconds; which of them the data identifies;
+    the rank of the linear features; the residual) of the floor form with the given knee, as
+    ``_nnls`` gives them for the others."""
     x = feature_matrix(shapes, knee_tokens, longest)
     has_prefill = np.array([s.num_prefill > 0 for s in shapes])
     weighted = x / times[:, None]
@@ -167,7 +168,9 @@ def _fit_floor(shapes: Sequence[BatchShape], times: np.ndarray, knee_tokens: flo
         if not rows.any() or np.all(work[rows] >= floors[k]):
             floors[k] = 0.0
     rank = int(np.linalg.matrix_rank(scaled[:, used])) if used.any() else 0
-    return coef, floors, rank, math.sqrt(2 * best.cost)  # cost = half the summed squares
+    identified = np.append(used, [has_prefill.any(), (~has_prefill).any()])
+    # NOTE: least_squares's cost is half the summed squares; the residual is their root, as _nnls's.
+    return np.concatenate([coef, floors]), identified, rank, math.sqrt(2 * best.cost)
 
 
 def _best_knee(shapes: Sequence[BatchShape], times: np.ndarray, floors: bool = False, longest: bool = False) -> float:
@@ -214,12 +217,8 @@ def fit_linear_shapes(
     knee = _best_knee(shapes, times, form == "floor", longest) if form in ("knee", "floor") else 0.0
     names = (*FEATURE_ORDER, "w_d") if longest else FEATURE_ORDER
     if form == "floor":
-        coef, floors, rank, _ = _fit_floor(shapes, times, knee, longest)
+        coef, used, rank, _ = _fit_floor(shapes, times, knee, longest)
         names = (*names, "floor_p", "floor_d")
-        coef = np.concatenate([coef, floors])
-        present = [*(np.abs(feature_matrix(shapes, 0.0, longest)).sum(axis=0) > 0),
-                   any(s.num_prefill > 0 for s in shapes), any(s.num_prefill == 0 for s in shapes)]  # fmt: skip
-        used = np.array(present)
     else:
         coef, used, rank, _ = _nnls(shapes, times, knee, longest)
     if form != "infermax" and not longest:  # the data does not say how long the decodes' contexts were
