@@ -17,12 +17,17 @@ replayed graphs). This script shows, side by side in one run:
    throughput. The goal (issue 29): one fit within 5% for every scheduler.
 3. With ``--csv`` and ``--engine``: each fit (on the same 3 of 4 points) simulated with ``sloserve
    simulate`` on the workloads the engine ran, against the engine's measured figures.
+4. With ``--csv`` and ``--steps``: each fit on the steps an engine run took (``sloserve run --out``
+   writes them as steps.csv): by kind of step, the time the fit gives all of them against the time
+   they took. A run's TTFT is a sum of its prefill steps, its TPOT one of its decode steps: this says
+   which of them a fit misprices, where the figures of item 3 only say that it does.
 
     python benchmarks/cost_forms.py
     python benchmarks/cost_forms.py --csv profile.csv --layers 30   # fit errors of a measured profile
     python benchmarks/cost_forms.py --layers 32 \
         --csv benchmarks/profiles/h200-random-llama-3-8b-bf16-graphs.csv \
         --engine benchmarks/profiles/h200-random-llama-3-8b-bf16-graphs-engine.json
+    python benchmarks/cost_forms.py --csv profile.csv --layers 32 --steps run-vllm/steps.csv
 """
 
 from __future__ import annotations
@@ -130,12 +135,37 @@ def against_engine(models: dict[str, LinearCostModel], engine_path: str) -> None
           + ", ".join(f"{form} {np.mean(e):.1%} / {np.max(e):.1%}" for form, e in errors.items()) + " (goal: mean 5%)")  # fmt: skip
 
 
+def steps_table(models: dict[str, LinearCostModel], path: str) -> Table:
+    """Each fit against the steps a run took (a profile CSV of them), by kind of step: the fit's total
+    time for those steps over their measured total (the share of the run's time a fit misses), and the
+    mean |error| of one step."""
+    shapes, times = read_profile_csv(path)
+    lines = (path, "each fit's time for the run's own steps / measured - 1 (mean |error| of a step)")
+    table = Table(title="\n".join(lines), min_width=max(map(len, lines)))
+    table.add_column("steps")
+    table.add_column("measured s", justify="right")
+    for form in models:
+        table.add_column(form, justify="right")
+    kinds = sorted({kind(s) for s in shapes})
+    for k in [*kinds, "all"]:
+        rows = [i for i in range(len(shapes)) if k == "all" or kind(shapes[i]) == k]
+        measured = np.array([times[i] for i in rows])
+        cells = []
+        for model in models.values():
+            predicted = np.array([model.batch_time(shapes[i]).total_s for i in rows])
+            cells.append(f"{predicted.sum() / measured.sum() - 1:+.1%} ({np.mean(np.abs(predicted / measured - 1)):.1%})")
+        table.add_row(f"{k} ({len(rows)})", f"{measured.sum():.3f}", *cells)
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--csv", help="a profile measured by `sloserve profile --csv` (fit errors only)")
     parser.add_argument("--layers", type=int, help="the profiled model's layers (with --csv)")
     parser.add_argument("--engine", help="with --csv: the engine's figures on workloads (JSON, as "
                         "benchmarks/profiles/*-engine.json) to simulate each fit on")
+    parser.add_argument("--steps", nargs="+", default=(), help="with --csv: steps of engine runs (steps.csv of "
+                        "`sloserve run --out`) to price with each fit")
     parser.add_argument("--num-requests", type=int, default=2000)
     parser.add_argument("--rates", default="3,6,9", help="ShareGPT request rates (req/s) to simulate")
     args = parser.parse_args()
@@ -146,6 +176,8 @@ def main() -> None:
         models = fit_table(shapes, times, args.layers, f"{args.csv}: held-out error of each form's fit")
         if args.engine:
             against_engine(models, args.engine)
+        for path in args.steps:
+            CONSOLE.print(steps_table(models, path))
         return
 
     model, gpu = get_model("llama-2-7b"), get_gpu("a100")

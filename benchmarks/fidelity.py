@@ -13,6 +13,11 @@ scheduling overhead is left out of both) and `simulate --cost-model`, on the sam
 seed, request count, context length) and KV capacity. Two loads per scheduler: offline (every
 request at t=0), then Poisson arrivals at --load times the engine's offline throughput.
 Goal (issue 6): mean error <= 5% (InferMax reports 5.5% mean, 12% max against vLLM).
+
+Each engine run also writes the steps it took (steps.csv: shape and measured seconds), and the script
+prints the fitted preset's time for them against the measured time, by kind of step: where a figure
+is off, this says whether the cost model misprices the steps the run took (and which), or whether
+the simulated run took other steps.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from cost_forms import CONSOLE, steps_table
+
+from sloserve.cost import LinearCostModel, load_preset
 
 # (label, summary key, field): the figures compared.
 METRICS = [
@@ -94,7 +103,9 @@ def main() -> None:
             workload = ["--trace", args.trace, "--num-requests", str(args.num_requests), "--seed", str(args.seed),
                         "--scheduler", scheduler, *load]  # fmt: skip
             capacity = ["--kv-capacity-tokens", str(args.kv_capacity_tokens)] if args.kv_capacity_tokens else []
-            real = json.loads(sloserve("run", *engine, *workload, *capacity, "--virtual-clock", "--json"))
+            steps = out / f"engine-{scheduler}-{run}"  # its steps.csv, with the run's other outputs
+            real = json.loads(sloserve("run", *engine, *workload, *capacity, "--virtual-clock", "--json",
+                                       "--out", str(steps)))  # fmt: skip
             (out / f"engine-{scheduler}-{run}.json").write_text(json.dumps(real, indent=2))
             # The simulator gets the engine's context length and KV capacity, so both see one workload.
             sim = json.loads(sloserve("simulate", "--model", args.model, "--cost-model", str(preset), *workload,
@@ -118,6 +129,10 @@ def main() -> None:
             print(f"{scheduler:>9} {label:>14} {name:>24} {a:>10.4g} {b:>10.4g} {error:>7.1%}")
     print(f"\nsimulator error over {len(errors)} figures: mean {sum(errors) / len(errors):.1%}, max {max(errors):.1%} "
           f"(goal: mean <= 5%)")  # fmt: skip
+    cost = {args.form: LinearCostModel(load_preset(preset))}
+    for scheduler, label, _, _ in rows:
+        run = "offline" if label == "offline" else "poisson"
+        CONSOLE.print(steps_table(cost, str(out / f"engine-{scheduler}-{run}" / "steps.csv")))
     # The engine's figures as benchmarks/cost_forms.py --engine reads them (benchmarks/profiles/).
     first = rows[0][2]
     engine_figures = {

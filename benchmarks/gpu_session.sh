@@ -7,7 +7,7 @@
 #                                             # graphs vs eager, the engine vs HF greedy tokens on CUDA
 #   bash benchmarks/gpu_session.sh speed      # engine_speed.py: decode MBU (eager and graphed), prefill MFU
 #   bash benchmarks/gpu_session.sh fidelity   # fidelity.py with CUDA graphs: profile, run, simulate;
-#                                             # cost_forms.py on the measured profile
+#                                             # cost_forms.py on the measured profile and the runs' steps
 #   bash benchmarks/gpu_session.sh serve      # serve_overhead.py and serve_fidelity.py (issue 27) on
 #                                             # random:llama-3-8b, 300 requests (about 3 minutes)
 #   bash benchmarks/gpu_session.sh all        # tests, speed and fidelity in one call, each under its own
@@ -21,7 +21,8 @@
 # script; src/ is put in front of whatever PYTHONPATH holds. The first run of the tests compiles the
 # Triton kernels (about 40 s more).
 # Every stage's output goes to $OUT/session.log ($OUT: the device tool's output folder; else ./gpu-logs),
-# beside the fidelity stage's profile, preset and engine figures: four files, within the tool's eight.
+# beside the fidelity stage's profile, preset, engine figures and the engine runs' steps (a tar of
+# four steps.csv): five files, within the tool's eight.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -47,8 +48,11 @@ case "${1:-}" in
     cp /tmp/fidelity/preset.json "$out/fidelity-preset.json"
     cp /tmp/fidelity/profile.csv "$out/fidelity-profile.csv"
     cp /tmp/fidelity/engine.json "$out/fidelity-engine.json"
+    # Each engine run's steps (shape and measured seconds): one file, to leave room under the eight.
+    tar -czf "$out/fidelity-steps.tar.gz" -C /tmp/fidelity engine-vllm-offline/steps.csv engine-vllm-poisson/steps.csv \
+      engine-sarathi-offline/steps.csv engine-sarathi-poisson/steps.csv
     python3 benchmarks/cost_forms.py --csv /tmp/fidelity/profile.csv --layers 32 --engine /tmp/fidelity/engine.json \
-      2>&1 | tee -a "$log"
+      --steps /tmp/fidelity/engine-*/steps.csv 2>&1 | tee -a "$log"
     ;;
   serve)
     python3 -c "import aiohttp, sloserve.server.app, sloserve.server.bench" || {

@@ -359,8 +359,11 @@ def _cli(*args: str):
 
 
 def test_run_replays_a_workload_through_the_engine(tmp_path):
-    """`sloserve run` writes what `simulate` writes; every request gets exactly its trace's output length."""
+    """`sloserve run` writes what `simulate` writes, and its steps as a profile CSV; every request gets
+    exactly its trace's output length."""
     import csv
+
+    from sloserve.cost.fit import read_profile_csv
 
     out = tmp_path / "run"
     proc = _cli("run", "--model", "random:tiny-llama", "--trace", "sharegpt", "--num-requests", "12", "--rate", "50",
@@ -374,6 +377,18 @@ def test_run_replays_a_workload_through_the_engine(tmp_path):
     with open(out / "requests.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 12 and all(r["ttft_s"] for r in rows)
+    # steps.csv: each step's shape as the cost model sees it and its measured time, the timeline's steps.
+    shapes, times = read_profile_csv(out / "steps.csv")
+    with open(out / "timeline.csv") as f:
+        timeline = list(csv.DictReader(f))
+    assert len(shapes) == len(timeline) == summary["num_steps"]
+    assert times == [float(t["duration_s"]) for t in timeline]  # the virtual clock is the measured time
+    assert [s.prefill_tokens for s in shapes] == [int(t["num_prefill_tokens"]) for t in timeline]
+    assert [s.num_decode for s in shapes] == [int(t["num_decode"]) for t in timeline]
+    assert all(s.decode_max_kv_tokens * s.num_decode >= s.decode_kv_tokens > 0 for s in shapes if s.num_decode)
+    # Without preemptions, every token but each request's last is processed once.
+    assert sum(int(r["num_preemptions"]) for r in rows) == 0
+    assert sum(s.num_tokens for s in shapes) == sum(int(r["prompt_tokens"]) + int(r["output_tokens"]) - 1 for r in rows)
     # The same workload simulated: the engine produced exactly the trace's output lengths.
     sim = tmp_path / "sim"
     proc = _cli("simulate", "--trace", "sharegpt", "--num-requests", "12", "--rate", "50", "--max-model-len", "512",

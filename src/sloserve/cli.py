@@ -813,7 +813,9 @@ def _load_engine_model(options: dict[str, Any]):
 @click.option("--cost-model", help="Preset or JSON file for policies that estimate batch times (BROS).")
 @click.option("--virtual-clock", is_flag=True,
               help="Advance time by measured step times instead of waiting for arrivals on the wall clock.")
-@click.option("--out", type=click.Path(path_type=Path), help="Write summary.json, requests.csv, timeline.csv, plots.")
+@click.option("--out", type=click.Path(path_type=Path),
+              help="Write summary.json, requests.csv, timeline.csv, plots, and steps.csv: each step's shape "
+              "and measured time, a profile CSV (`sloserve fit-cost` reads it).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virtual_clock: bool, out: Path | None,
         as_json: bool, **options: Any) -> None:  # fmt: skip
@@ -838,6 +840,8 @@ def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virt
     rng = np.random.default_rng(options["seed"])
     prompts = [synthetic_prompt(r.num_prompt_tokens, loaded.config.vocab_size, rng) for r in requests]
     params = [SamplingParams(max_tokens=r.true_output_tokens, temperature=0, ignore_eos=True) for r in requests]
+    if out is not None:
+        engine.executor.step_log = []
     with _progress(len(requests), f"{scheduler} (engine)", enabled=True) as on_progress:  # stderr: --json is safe
         wall = run_requests(engine, requests, prompts, params, wall_clock=not virtual_clock, chains=chains,
                             on_progress=on_progress)  # fmt: skip
@@ -869,6 +873,13 @@ def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virt
     summary["_result"] = (requests, engine.replica.timeline)
     _report(scheduler, summary, workload, out, as_json,
             f"engine: {options['model']} on {loaded.device}, {workload.name}, {len(requests)} requests")  # fmt: skip
+    if out is not None:
+        from sloserve.cost.fit import write_profile_csv
+
+        shapes, times = zip(*engine.executor.step_log, strict=True) if engine.executor.step_log else ((), ())
+        write_profile_csv(shapes, times, out / "steps.csv")
+        if not as_json:
+            click.echo(f"wrote {out}/steps.csv ({len(times)} steps: shape and measured seconds, a profile CSV)")
 
 
 def _int_list(text: str, option: str) -> tuple[int, ...]:

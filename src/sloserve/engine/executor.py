@@ -20,12 +20,14 @@ from torch import nn
 
 from sloserve.core.outputs import SchedulerOutput, StepResult
 from sloserve.core.request import Request
+from sloserve.cost.base import BatchShape
 from sloserve.engine.attention import AttentionMetadata, PrefillSeq
 from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.kv_cache import KVCacheTensor, expand_block_ids
 from sloserve.engine.sampler import SamplingParams, sample
 from sloserve.kv.manager import KVCacheManager
 from sloserve.sched.cohort import DecodeCohort
+from sloserve.sim.executor import batch_shape
 
 
 @dataclass
@@ -45,7 +47,12 @@ class Sequence:
 
 class EngineExecutor:
     """Runs steps on a real model. ``kv`` is the scheduler's KV manager: it says where tokens live.
-    With ``graphs``, a decode-only step that fits them replays a CUDA graph (``cuda_graphs``)."""
+    With ``graphs``, a decode-only step that fits them replays a CUDA graph (``cuda_graphs``).
+
+    ``step_log``: None, or a list that gets (shape, measured seconds) of every step, the shape as the
+    simulator's cost model sees it: the run's own steps, to check a fitted cost model against
+    (``sloserve run --out`` writes them as ``steps.csv``, a profile CSV).
+    """
 
     def __init__(
         self,
@@ -63,6 +70,7 @@ class EngineExecutor:
         self.sequences: dict[Request, Sequence] = {}
         self._seed = seed
         self.num_forward_tokens = 0
+        self.step_log: list[tuple[BatchShape, float]] | None = None
 
     def add(self, request: Request, prompt_token_ids: list[int], params: SamplingParams) -> None:
         generator = None
@@ -80,6 +88,7 @@ class EngineExecutor:
         """Run ``output`` (one step) starting at ``now``; the step ends ``now`` + its measured time
         (``end_times``, the simulator's precomputed ones, are not used)."""
         assert output.num_steps == 1, "the engine runs steps one at a time (fast_path=False)"
+        shape = batch_shape(output) if self.step_log is not None else None  # before the step moves requests on
         t0 = time.perf_counter()
         self.cache.swap_out(output.swap_out)
         self.cache.swap_in(output.swap_in)
@@ -132,6 +141,8 @@ class EngineExecutor:
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
         self.num_forward_tokens += len(tokens)
+        if shape is not None:
+            self.step_log.append((shape, elapsed))
         for request in aborted:
             self.sequences[request].finish_reason = "abort"
         finished: list[Request] = aborted
