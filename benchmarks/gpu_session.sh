@@ -8,11 +8,14 @@
 #   bash benchmarks/gpu_session.sh speed      # engine_speed.py: decode MBU (eager and graphed), prefill MFU
 #   bash benchmarks/gpu_session.sh fidelity   # fidelity.py with CUDA graphs: profile, run, simulate;
 #                                             # cost_forms.py on the measured profile and the runs' steps
+#   bash benchmarks/gpu_session.sh infermax   # infermax_engine.py: Figure 9's schedulers at M = 1K and
+#                                             # 10K on the engine and in the simulator (InferMax Fig. 14);
+#                                             # after fidelity, whose fit the simulator then uses
 #   bash benchmarks/gpu_session.sh serve      # serve_overhead.py and serve_fidelity.py (issue 27) on
 #                                             # random:llama-3-8b, 300 requests (about 3 minutes)
 #   bash benchmarks/gpu_session.sh all        # tests, speed and fidelity in one call, each under its own
 #                                             # time limit (seconds: TESTS_S, SPEED_S, FIDELITY_S), then
-#                                             # serve when SERVE_S is set
+#                                             # infermax and serve when INFERMAX_S and SERVE_S are set
 #
 # The device image (2026-11-26) lacks pydantic (pydantic, pydantic-core, annotated-types,
 # typing-inspection, a typing-extensions >= 4.16), gguf, and of the serve extra fastapi (with
@@ -54,6 +57,13 @@ case "${1:-}" in
     python3 benchmarks/cost_forms.py --csv /tmp/fidelity/profile.csv --layers 32 --engine /tmp/fidelity/engine.json \
       --steps /tmp/fidelity/engine-*/steps.csv 2>&1 | tee -a "$log"
     ;;
+  infermax)
+    # The simulator prices the runs with the fidelity stage's fit of this engine where it ran first.
+    cost=()
+    [[ -f /tmp/fidelity/preset.json ]] && cost=(--cost-model /tmp/fidelity/preset.json)
+    # B = 256: the simulator's ratios at M = 1K are those of B = 1024 within 0.03 (2026-11-26).
+    python3 benchmarks/infermax_engine.py --num-requests 256 --capacities 1000,10000 "${cost[@]}" 2>&1 | tee -a "$log"
+    ;;
   serve)
     python3 -c "import aiohttp, sloserve.server.app, sloserve.server.bench" || {
       echo "the serve stage needs the serve extra's packages (see the top of this script)" >&2
@@ -68,7 +78,8 @@ case "${1:-}" in
   all)
     # One stage failing or running out of time does not stop the next one; the exit code is the worst.
     status=0
-    for stage in tests:${TESTS_S:-150} speed:${SPEED_S:-120} fidelity:${FIDELITY_S:-240} ${SERVE_S:+serve:$SERVE_S}; do
+    for stage in tests:${TESTS_S:-150} speed:${SPEED_S:-120} fidelity:${FIDELITY_S:-240} \
+        ${INFERMAX_S:+infermax:$INFERMAX_S} ${SERVE_S:+serve:$SERVE_S}; do
       start=$SECONDS
       timeout "${stage#*:}" bash "$0" "${stage%%:*}" || { rc=$?; status=$rc; echo "stage ${stage%%:*} exited $rc"; }
       echo "stage ${stage%%:*}: $((SECONDS - start)) s" | tee -a "$log"
@@ -76,7 +87,7 @@ case "${1:-}" in
     exit $status
     ;;
   *)
-    echo "usage: $0 tests|speed|fidelity|serve|all" >&2
+    echo "usage: $0 tests|speed|fidelity|infermax|serve|all" >&2
     exit 2
     ;;
 esac

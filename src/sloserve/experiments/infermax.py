@@ -41,6 +41,11 @@ def run_fixed(name: str, prompt: int, output: int, num_requests: int, capacity: 
     if requests is None:
         requests = synthetic_workload(prompt, output, num_requests, context_len=C).requests
     simulate(requests, lambda: make_scheduler(name, kv_capacity_tokens=capacity, max_model_len=C, options=OPTIONS), cost)
+    return fixed_metrics(name, prompt, output, capacity, requests, preset=preset)
+
+
+def fixed_metrics(name: str, prompt: int, output: int, capacity: int, requests, **extra) -> dict:
+    """InferMax's metrics of a finished offline run (latency: the whole workload's), as a row."""
     latency = max(r.finish_time for r in requests)
     tokens = sum(r.num_output_tokens for r in requests)
     table = request_table(requests)  # the metric definitions of DESIGN.md, in one place
@@ -51,7 +56,7 @@ def run_fixed(name: str, prompt: int, output: int, num_requests: int, capacity: 
         "O": output,
         "B": len(requests),
         "M": capacity,
-        "preset": preset,
+        **extra,
         "latency_s": latency,
         "tps": tokens / latency,
         "ttft_s": float(table["ttft_s"].mean()),
