@@ -7,6 +7,7 @@ import functools
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -397,6 +398,56 @@ def test_run_replays_a_workload_through_the_engine(tmp_path):
     with open(sim / "requests.csv") as f:
         simulated = {r["request_id"]: r["output_tokens"] for r in csv.DictReader(f)}
     assert {r["request_id"]: r["output_tokens"] for r in rows} == simulated
+
+
+@pytest.mark.parametrize(
+    "scheduler,capacity,options",
+    [
+        ("vllm", 100, "infermax"),  # InferMax's M = 100: evictions and refills
+        ("vllm_ef", 100, "infermax"),
+        ("sarathi", 100, "infermax"),
+        ("vllm", 1024, None),  # ShareGPT lengths in blocks of 16: preemptions
+        ("sarathi", 4096, None),
+    ],
+)
+def test_the_engine_takes_the_simulators_steps(scheduler, capacity, options):
+    """Offline, no decision depends on how long a step takes: the engine and the simulator take the same
+    steps (forward size, prefill tokens, decodes, preemptions). What fidelity compares is then only
+    the steps' times."""
+    from sloserve.cost import LinearCostModel, get_preset
+    from sloserve.engine.llm_engine import LLMEngine, run_requests, synthetic_prompt
+    from sloserve.engine.loader import load_model
+    from sloserve.experiments.infermax import OPTIONS
+    from sloserve.sched import make_scheduler
+    from sloserve.sim import simulate
+    from sloserve.workload import synthetic_workload, workload_from_trace
+
+    set_options = OPTIONS if options == "infermax" else None
+
+    def workload():
+        if options == "infermax":
+            return synthetic_workload(4, 24, 16, context_len=512).requests
+        return workload_from_trace("sharegpt", num_requests=24, seed=1, context_len=512, offline=True).requests
+
+    loaded = load_model("random:tiny-llama")
+    engine = LLMEngine(loaded, scheduler, kv_capacity_tokens=capacity, max_model_len=512, scheduler_options=set_options)
+    requests = workload()
+    rng = np.random.default_rng(0)
+    prompts = [synthetic_prompt(r.num_prompt_tokens, loaded.config.vocab_size, rng) for r in requests]
+    params = [SamplingParams(max_tokens=r.true_output_tokens, temperature=0, ignore_eos=True) for r in requests]
+    run_requests(engine, requests, prompts, params, wall_clock=False)
+    simulated = workload()
+    result = simulate(
+        simulated,
+        lambda: make_scheduler(scheduler, kv_capacity_tokens=capacity, max_model_len=512, options=set_options),
+        LinearCostModel(get_preset("llama-2-7b-a100")),
+    )
+    columns = ("num_tokens", "num_prefill_tokens", "num_decode", "num_requests", "num_preempted")
+    for column in columns:
+        assert engine.replica.timeline.column(column).tolist() == result.timeline.column(column).tolist(), column
+    preemptions = sum(r.num_preemptions for r in requests)
+    assert preemptions == sum(r.num_preemptions for r in simulated)
+    assert (preemptions > 0) == (scheduler != "vllm_ef")  # every case preempts but the eviction-free one
 
 
 def test_run_with_a_closed_loop_workload_on_the_wall_clock(tmp_path):
