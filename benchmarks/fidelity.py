@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--kv-capacity-tokens", type=int, default=None, help="[the engine's default]")
     parser.add_argument("--load", type=float, default=0.7, help="Poisson rate as a fraction of offline throughput")
     parser.add_argument("--seed", type=int, default=0)
-    # Up to vLLM's token budget at an 8K context: its offline prefill batches reach 6.9K tokens (2026-11-26).
+    # Up to vLLM's token budget at an 8K context: its offline prefill batches reach 8.2K tokens (2026-11-26).
     parser.add_argument("--prefill-chunks", default="32,64,128,256,512,1024,2048,4096,8192")
     parser.add_argument("--context-lens", default="0,512,2048")
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
