@@ -32,6 +32,7 @@ from pathlib import Path
 from cost_forms import CONSOLE, steps_table
 
 from sloserve.cost import LinearCostModel, load_preset
+from sloserve.cost.fit import DEFAULT_FORM, FORMS
 
 # (label, summary key, field): the figures compared.
 METRICS = [
@@ -77,7 +78,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
     parser.add_argument("--decode-kv-lens", default="128,512,2048")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--form", default="knee", choices=("knee", "floor", "infermax"), help="cost model form to fit")
+    parser.add_argument("--form", default=DEFAULT_FORM, choices=FORMS, help="cost model form to fit [%(default)s]")
     parser.add_argument("--out", type=Path, help="Folder for the preset and the summaries [a temporary one]")
     args = parser.parse_args()
 

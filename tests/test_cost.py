@@ -318,17 +318,20 @@ def random_shapes(rng: np.random.Generator, n: int) -> list[BatchShape]:
     return shapes
 
 
-def test_fit_recovers_coefficients_from_noiseless_data() -> None:
+@pytest.mark.parametrize("form", ["knee", "floor"])
+def test_fit_recovers_coefficients_from_noiseless_data(form) -> None:
     rng = np.random.default_rng(7)
     shapes = random_shapes(rng, 120)
     truth = LinearCostModel(L7)
     times = [truth.batch_time(s).total_s for s in shapes]
-    fitted, report = fit_linear_shapes(shapes, times, num_layers=32, name="refit")
+    fitted, report = fit_linear_shapes(shapes, times, num_layers=32, name="refit", form=form)
     for key in COEFFICIENT_NAMES:
         assert getattr(fitted, key) == pytest.approx(getattr(L7, key), rel=1e-6), key
     assert fitted.knee_tokens == 0  # a straight line fits: the knee form adds no knee
     assert fitted.num_layers == 32 and fitted.name == "refit"
-    assert fitted.w_d == pytest.approx(0, abs=1e-15)  # nothing charged for the longest context
+    # Nothing charged for the longest context (the floor form's solver leaves ~1e-15), and no floor.
+    assert fitted.w_d == pytest.approx(0, abs=1e-12)
+    assert fitted.floor_p == fitted.floor_d == 0.0
     assert report.n_rows == 120 and report.rank == 10 and report.unidentified == ()
     assert report.mean_rel_error < 1e-9 and report.max_rel_error < 1e-9
 
@@ -425,12 +428,15 @@ def test_fit_with_noise_reports_error_and_stays_non_negative() -> None:
     assert fitted.a_o == pytest.approx(L70.a_o, rel=0.1)  # the dominant term is still found
 
 
-def test_fit_decode_only_data_leaves_prefill_terms_unidentified() -> None:
-    """... and w_d where the shapes do not give the longest context (profiles written before it)."""
+@pytest.mark.parametrize("form", ["knee", "floor"])
+def test_fit_decode_only_data_leaves_prefill_terms_unidentified(form) -> None:
+    """... and w_d where the shapes do not give the longest context (profiles written before it), and
+    the floor of steps with a prefill."""
     shapes = [BatchShape(b, b * 500 + k) for b in (1, 4, 16, 64, 128) for k in (0, 999, 5000)]
     times = [LinearCostModel(L7).batch_time(s).total_s for s in shapes]
-    fitted, report = fit_linear_shapes(shapes, times, num_layers=32)
-    assert set(report.unidentified) == {"a_p", "b_p", "s_p", "m_p", "w_d"}
+    fitted, report = fit_linear_shapes(shapes, times, num_layers=32, form=form)
+    expected = {"a_p", "b_p", "s_p", "m_p", "w_d"} | ({"floor_p"} if form == "floor" else set())
+    assert set(report.unidentified) == expected
     assert fitted.a_p == fitted.b_p == fitted.s_p == fitted.m_p == 0.0
     assert report.rank == 3  # with decodes only, b_d = b_o and s_d = a_o coincide
     assert report.max_rel_error < 1e-9
@@ -634,3 +640,11 @@ def test_profile_grid_has_lopsided_decode_batches() -> None:
         assert [128] * (b - 1) + [1023] in decodes  # the shortest grid context, and the longest the context allows
     spread = [lens for lens in decodes if lens[-1] != 1023]
     assert spread and all(max(lens) <= 2 * sum(lens) / len(lens) + 1 for lens in spread)
+
+
+def test_the_cli_offers_the_fit_forms_and_default_of_cost_fit():
+    """The CLI spells out cost.fit's forms (importing it would load scipy for every command)."""
+    from sloserve import cli
+    from sloserve.cost.fit import DEFAULT_FORM, FORMS
+
+    assert cli.DEFAULT_FIT_FORM == DEFAULT_FORM and sorted(cli.FIT_FORMS) == sorted(FORMS)

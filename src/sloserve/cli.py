@@ -208,6 +208,12 @@ def _print_table(table) -> None:
     Console(width=_table_width()).print(table)
 
 
+# NOTE: cost.fit's FORMS and DEFAULT_FORM, spelt out: importing sloserve.cost here would load scipy
+# (a third of a second) for every command.
+FIT_FORMS = ("knee", "floor", "infermax")
+DEFAULT_FIT_FORM = "floor"
+
+
 def _parallel_options(fn: Callable) -> Callable:
     fn = click.option("--ray-address", help="Run on the Ray cluster at this address (host:port, ray://host:port, "
                       "auto); its nodes need the same sloserve installed.")(fn)  # fmt: skip
@@ -750,7 +756,7 @@ def experiment(name: str, out: Path, quick: bool, trace: str | None, workers: in
               "prefill_attention_work, prefill_context_tokens, time_s.")
 @click.option("--layers", type=int, required=True, help="Model layers (coefficients are per layer).")
 @click.option("--name", help="Preset name [the CSV file's stem].")
-@click.option("--form", type=click.Choice(["knee", "floor", "infermax"]), default="knee", show_default=True,
+@click.option("--form", type=click.Choice(FIT_FORMS), default=DEFAULT_FIT_FORM, show_default=True,
               help="knee: InferMax's linear model with a knee in tokens below which the non-attention part "
               "is flat (memory-bound); floor: the knee form under a floor for steps with a prefill and one "
               "for decode-only steps (the host's kernel launches, a graph's weight read); infermax: the "
@@ -903,7 +909,7 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
 @click.option("--decode-kv-lens", default="128,512,2048", show_default=True, help="Tokens cached per decode.")
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per point (median).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--form", type=click.Choice(["knee", "floor", "infermax"]), default="knee", show_default=True,
+@click.option("--form", type=click.Choice(FIT_FORMS), default=DEFAULT_FIT_FORM, show_default=True,
               help="Cost model form to fit (see `sloserve fit-cost --help`).")
 @click.option("--csv", "csv_path", type=click.Path(path_type=Path),
               help="Also write the measured batch times (the CSV `sloserve fit-cost` reads).")

@@ -19,7 +19,7 @@ from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import ScheduledChunk, SchedulerOutput
 from sloserve.core.request import Request
 from sloserve.cost import BatchShape, LinearCostModel, LinearFit, fit_linear_shapes
-from sloserve.cost.fit import FEATURE_ORDER
+from sloserve.cost.fit import DEFAULT_FORM, FEATURE_ORDER
 from sloserve.cost.profile_grid import ProfileGrid
 from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.executor import EngineExecutor
@@ -108,7 +108,7 @@ def profile(
     name: str,
     repeats: int = 3,
     on_point: Callable[[int, int], None] | None = None,
-    form: str = "knee",
+    form: str = DEFAULT_FORM,
 ) -> ProfileResult:
     """Measure every grid point that fits in ``max_slots`` KV slots and fit the linear model (of
     ``form``, see ``cost.fit``) on 3 of every 4 points; the 4th are held out for the reported error."""
