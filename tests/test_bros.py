@@ -254,7 +254,8 @@ def test_checkpoint_and_restore_traffic_is_charged_overlapped():
     the restores of the BE requests it packs. The link here is slow (100 MB/s) so that copies dominate."""
     from sloserve.cost import LinearCostModel, get_preset
     from sloserve.sched import make_scheduler
-    from sloserve.sim.executor import SimExecutor, batch_shape
+    from sloserve.cost.base import batch_shape
+    from sloserve.sim.executor import SimExecutor
 
     bandwidth = 100e6
     cost = LinearCostModel(get_preset("llama-2-7b-a100"), swap_bandwidth=bandwidth)

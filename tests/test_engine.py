@@ -384,8 +384,9 @@ def test_run_replays_a_workload_through_the_engine(tmp_path):
         timeline = list(csv.DictReader(f))
     assert len(shapes) == len(timeline) == summary["num_steps"]
     assert times == [float(t["duration_s"]) for t in timeline]  # the virtual clock is the measured time
-    assert [s.prefill_tokens for s in shapes] == [int(t["num_prefill_tokens"]) for t in timeline]
-    assert [s.num_decode for s in shapes] == [int(t["num_decode"]) for t in timeline]
+    # NOTE: a prompt's last chunk of one token is a decode to the cost model, a prefill to the timeline.
+    assert [s.num_tokens for s in shapes] == [int(t["num_tokens"]) for t in timeline]
+    assert [s.num_decode + s.num_prefill for s in shapes] == [int(t["num_requests"]) for t in timeline]
     assert all(s.decode_max_kv_tokens * s.num_decode >= s.decode_kv_tokens > 0 for s in shapes if s.num_decode)
     # Without preemptions, every token but each request's last is processed once.
     assert sum(int(r["num_preemptions"]) for r in rows) == 0

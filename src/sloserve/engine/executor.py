@@ -20,14 +20,13 @@ from torch import nn
 
 from sloserve.core.outputs import SchedulerOutput, StepResult
 from sloserve.core.request import Request
-from sloserve.cost.base import BatchShape
+from sloserve.cost.base import BatchShape, batch_shape
 from sloserve.engine.attention import AttentionMetadata, PrefillSeq
 from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.kv_cache import KVCacheTensor, expand_block_ids
 from sloserve.engine.sampler import SamplingParams, sample
 from sloserve.kv.manager import KVCacheManager
 from sloserve.sched.cohort import DecodeCohort
-from sloserve.sim.executor import batch_shape
 
 
 @dataclass

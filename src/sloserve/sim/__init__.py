@@ -1,8 +1,9 @@
 """The discrete-event simulator: replicas (the step loop of ``sloserve.replica``), a router and the
 cost-model executor."""
 
+from sloserve.cost.base import batch_shape
 from sloserve.replica import Replica, SimulationStuckError
-from sloserve.sim.executor import SimExecutor, batch_shape
+from sloserve.sim.executor import SimExecutor
 from sloserve.sim.simulator import ROUTERS, SimResult, simulate
 
 __all__ = ["ROUTERS", "Replica", "SimExecutor", "SimResult", "SimulationStuckError", "batch_shape", "simulate"]

@@ -11,34 +11,10 @@ import numpy as np
 from sloserve.core.cohort import Cohort
 from sloserve.core.outputs import SchedulerOutput, StepResult
 from sloserve.core.request import Request
-from sloserve.cost.base import BatchShape, CostModel
+from sloserve.cost.base import BatchShape, CostModel, batch_shape
 
 # Stretches of at most this many steps are timed by a loop when the cost model gives a series.
 SHORT_STRETCH_STEPS = 64
-
-
-def batch_shape(output: SchedulerOutput) -> BatchShape:
-    """The cost-model view of a step (its first step when ``num_steps`` > 1)."""
-    num_decode, decode_kv, longest = output.cohort_size, output.cohort_kv_tokens, output.cohort_max_kv_tokens
-    num_prefill = prefill_tokens = attention_work = context = 0
-    for request, c in output.chunks:
-        m = request.num_computed_tokens
-        if c == 1 and request.num_tokens_to_process == 1:  # a decode scheduled outside a cohort
-            num_decode += 1
-            decode_kv += m
-            if m > longest:
-                longest = m
-        else:
-            num_prefill += 1
-            prefill_tokens += c
-            attention_work += c * c + 2 * m * c
-            context += m
-    # NOTE: tuple.__new__ builds the named tuple without the Python-level __new__ (a third of the cost).
-    return tuple.__new__(
-        BatchShape,
-        (num_decode, decode_kv, num_prefill, prefill_tokens, attention_work, context, output.swap_bytes,
-         output.swap_overlapped, longest),  # fmt: skip
-    )
 
 
 class SimExecutor:
