@@ -78,7 +78,7 @@ case "${1:-}" in
   all)
     # One stage failing or running out of time does not stop the next one; the exit code is the worst.
     status=0
-    for stage in tests:${TESTS_S:-150} speed:${SPEED_S:-120} fidelity:${FIDELITY_S:-240} \
+    for stage in tests:${TESTS_S:-150} speed:${SPEED_S:-120} fidelity:${FIDELITY_S:-260} \
         ${INFERMAX_S:+infermax:$INFERMAX_S} ${SERVE_S:+serve:$SERVE_S}; do
       start=$SECONDS
       timeout "${stage#*:}" bash "$0" "${stage%%:*}" || { rc=$?; status=$rc; echo "stage ${stage%%:*} exited $rc"; }
