@@ -153,7 +153,8 @@ def steps_table(models: dict[str, LinearCostModel], path: str) -> Table:
         cells = []
         for model in models.values():
             predicted = np.array([model.batch_time(shapes[i]).total_s for i in rows])
-            cells.append(f"{predicted.sum() / measured.sum() - 1:+.1%} ({np.mean(np.abs(predicted / measured - 1)):.1%})")
+            step_error = np.mean(np.abs(predicted / measured - 1))
+            cells.append(f"{predicted.sum() / measured.sum() - 1:+.1%} ({step_error:.1%})")
         table.add_row(f"{k} ({len(rows)})", f"{measured.sum():.3f}", *cells)
     return table
 

@@ -1,5 +1,5 @@
-"""InferMax Figures 13 and 14 on our engine: Figure 9's schedulers (O = 32, B requests at t = 0, a sweep of the
-KV capacity M) run on a real model, beside the simulator on the same workloads.
+"""InferMax Figures 13 and 14 on our engine: Figure 9's schedulers (O = 32, B requests at t = 0, a
+sweep of the KV capacity M) run on a real model, beside the simulator on the same workloads.
 
 The paper ran Figure 9 on vLLM v0.6.3 ("vLLM-Sys", §4.7, Figure 14) and found that evictions raise TPS
 up to 2.3x at M = 100 and 1K. Our simulator finds that they lower it at M = 1K (docs/reproduction.md,
@@ -52,8 +52,8 @@ def engine_run(loaded, name: str, prompt: int, output: int, num_requests: int, c
 
 def simulated_run(cost, name: str, prompt: int, output: int, num_requests: int, capacity: int, context: int) -> dict:
     requests = synthetic_workload(prompt, output, num_requests, context_len=context).requests
-    simulate(requests, lambda: make_scheduler(name, kv_capacity_tokens=capacity, max_model_len=context, options=OPTIONS),
-             cost)  # fmt: skip
+    simulate(requests, lambda: make_scheduler(name, kv_capacity_tokens=capacity, max_model_len=context,
+                                              options=OPTIONS), cost)  # fmt: skip
     return fixed_metrics(name, prompt, output, capacity, requests, where="simulator")
 
 
@@ -100,7 +100,8 @@ def main() -> None:
                 ratios.append(f"{b['tps'] / e['tps']:.2f}x ({b['evictions']:,})")
             table.add_row(f"{capacity:,}", str(prompt), base, *ratios)
     Console(width=120).print(table)
-    print("paper (vLLM-Sys, Figure 14): evictions raise TPS up to 2.3x at M = 100 and 1K, lower it up to 1.5x at larger M")
+    print("paper (vLLM-Sys, Figure 14): evictions raise TPS up to 2.3x at M = 100 and 1K, "
+          "lower it up to 1.5x at larger M")
 
     # Figure 13's measure: the simulator's latency (the whole workload's) against the engine's.
     errors = Table(title="the simulator's latency against the engine's, each run")
