@@ -54,7 +54,7 @@ FORMS = ("knee", "floor", "infermax")
 # and 3.0% (Sarathi-Serve) on average, worst 11.0%; the knee form 5.6% and 1.0%, worst 17.9% (its
 # prefill line takes the launch floor as a per-step constant and prices big prompt batches short).
 # Issue 29 asks one fit within 5% for every scheduler. Where a profile shows no floor (a CPU's),
-# both forms fit the same line.
+# both forms fit nearly the same line (held-out errors within a point on this VM's CPU profiles).
 DEFAULT_FORM = "floor"
 # Candidate knees: a geometric grid from 1 token to the largest batch, then a finer one between the
 # best candidate's neighbours.
