@@ -31,9 +31,7 @@ from rich.table import Table
 from sloserve.engine.llm_engine import LLMEngine, engine_cost_model, run_requests, synthetic_prompt
 from sloserve.engine.loader import load_model
 from sloserve.engine.sampler import SamplingParams
-from sloserve.experiments.infermax import C, OPTIONS, fixed_metrics
-from sloserve.sched import make_scheduler
-from sloserve.sim import simulate
+from sloserve.experiments.infermax import C, OPTIONS, fixed_metrics, run_fixed
 from sloserve.workload import synthetic_workload
 
 PAIRS = (("vllm", "vllm_ef"), ("sarathi", "sarathi_ef"))
@@ -48,13 +46,6 @@ def engine_run(loaded, name: str, prompt: int, output: int, num_requests: int, c
     params = [SamplingParams(max_tokens=output, temperature=0, ignore_eos=True) for _ in requests]
     run_requests(engine, requests, prompts, params, wall_clock=False)
     return fixed_metrics(name, prompt, output, capacity, requests, where="engine")
-
-
-def simulated_run(cost, name: str, prompt: int, output: int, num_requests: int, capacity: int, context: int) -> dict:
-    requests = synthetic_workload(prompt, output, num_requests, context_len=context).requests
-    simulate(requests, lambda: make_scheduler(name, kv_capacity_tokens=capacity, max_model_len=context,
-                                              options=OPTIONS), cost)  # fmt: skip
-    return fixed_metrics(name, prompt, output, capacity, requests, where="simulator")
 
 
 def main() -> None:
@@ -80,8 +71,9 @@ def main() -> None:
             if prompt + args.output - 1 > capacity:
                 continue
             for name in (n for pair in PAIRS for n in pair):
-                work = (name, prompt, args.output, args.num_requests, capacity, context)
-                rows += [engine_run(loaded, *work), simulated_run(cost, *work)]
+                work = (name, prompt, args.output, args.num_requests, capacity)
+                simulated = {**run_fixed(*work, preset=cost), "where": "simulator"}  # at C, as Figure 9
+                rows += [engine_run(loaded, *work, context), simulated]
                 print(json.dumps(rows[-2]), json.dumps(rows[-1]), sep="\n", flush=True)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2) + "\n")

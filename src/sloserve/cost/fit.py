@@ -13,8 +13,9 @@ around the best, and the smallest knee within rounding of the best error wins (0
 fits as well). Where the shapes give the longest decode context, the knee form also fits ``w_d`` (one
 more linear feature). The ``infermax`` form keeps knee_tokens = 0 and fits the nine alone.
 
-The ``floor`` form (the default, ``DEFAULT_FORM``) is the knee form under two floors, ``floor_p`` / ``floor_d`` (see ``linear.py``). A
-step is the larger of its floor and the knee form's sum, so for a given knee the fit is not linear:
+The ``floor`` form (the default, ``DEFAULT_FORM``) is the knee form under two floors, ``floor_p`` /
+``floor_d`` (see ``linear.py``). A step is the larger of its floor and the knee form's sum, so for a
+given knee the fit is not linear:
 ``scipy.optimize.least_squares`` (bounded at 0) minimizes the same relative errors from two starts,
 the straight fit with no floor and the straight fit with each floor at its kind's shortest measured
 step, and keeps the better; the knee is searched as above. A floor that no profiled step sits on is

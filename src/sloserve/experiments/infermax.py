@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from sloserve.cost import LinearCostModel, get_preset
+from sloserve.cost.base import CostModel
 from sloserve.experiments.outputs import plot_bars, plot_grid, write_csv
 from sloserve.metrics import request_table
 from sloserve.parallel import SERIAL, Executor
@@ -35,13 +36,13 @@ OPTIONS = {"block_size": 1, "watermark": 0.0, "max_num_batched_tokens": C, "max_
 
 
 def run_fixed(name: str, prompt: int, output: int, num_requests: int, capacity: int = M_DEFAULT,
-              preset: str = PRESET, requests=None) -> dict:
-    """One offline run with a bundled cost preset's coefficients; InferMax's metrics."""
-    cost = LinearCostModel(get_preset(preset))
+              preset: str | CostModel = PRESET, requests=None) -> dict:
+    """One offline run with a bundled cost preset's coefficients (or a cost model); InferMax's metrics."""
+    cost = preset if isinstance(preset, CostModel) else LinearCostModel(get_preset(preset))
     if requests is None:
         requests = synthetic_workload(prompt, output, num_requests, context_len=C).requests
     simulate(requests, lambda: make_scheduler(name, kv_capacity_tokens=capacity, max_model_len=C, options=OPTIONS), cost)
-    return fixed_metrics(name, prompt, output, capacity, requests, preset=preset)
+    return fixed_metrics(name, prompt, output, capacity, requests, preset=cost.name)
 
 
 def fixed_metrics(name: str, prompt: int, output: int, capacity: int, requests, **extra) -> dict:
