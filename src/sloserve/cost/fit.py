@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-import scipy.optimize
 
 from sloserve.core.errors import ConfigError
 
@@ -122,6 +121,8 @@ def _nnls(shapes: Sequence[BatchShape], times: np.ndarray, knee_tokens: float, l
           ) -> tuple[np.ndarray, np.ndarray, int, float]:  # fmt: skip
     """(coefficients in whole-model seconds, columns used, rank, residual) of the least-squares fit of
     relative errors with the given knee (and ``w_d`` with ``longest``)."""
+    import scipy.optimize  # NOTE: here, not at the top: `sloserve.cost` must not load scipy for every run
+
     x = feature_matrix(shapes, knee_tokens, longest)
     weighted = x / times[:, None]  # relative errors: (x @ c - t) / t
     norms = np.linalg.norm(weighted, axis=0)
@@ -140,6 +141,8 @@ def _fit_floor(shapes: Sequence[BatchShape], times: np.ndarray, knee_tokens: flo
     ``longest``, then the floors (floor_p, floor_d) in seconds; which of them the data identifies;
     the rank of the linear features; the residual) of the floor form with the given knee, as
     ``_nnls`` gives them for the others."""
+    import scipy.optimize  # NOTE: as in _nnls
+
     x = feature_matrix(shapes, knee_tokens, longest)
     has_prefill = np.array([s.num_prefill > 0 for s in shapes])
     weighted = x / times[:, None]

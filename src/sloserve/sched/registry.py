@@ -9,8 +9,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import pydantic
-
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.cost.base import CostModel
 from sloserve.kv.manager import KV_MANAGERS
@@ -232,7 +230,11 @@ _EXPECTED = {"int_parsing": "an integer", "int_from_float": "an integer", "int_t
 
 
 @functools.cache
-def _adapter(annotation: Any) -> pydantic.TypeAdapter:
+def _adapter(annotation: Any) -> Any:
+    """pydantic's validator of a config field's type (a ``TypeAdapter``)."""
+    # NOTE: imported here: pydantic loads only when a run has --set options, not for every run.
+    import pydantic
+
     return pydantic.TypeAdapter(annotation)
 
 
@@ -242,9 +244,11 @@ def _coerce(scheduler: str, key: str, value: Any, annotation: Any) -> Any:
     where = f"scheduler {scheduler}: option {key}={value!r}"
     if isinstance(value, str) and value.strip().lower() == "none" and type(None) in typing.get_args(annotation):
         return None
+    from pydantic import ValidationError
+
     try:
         return _adapter(annotation).validate_python(value.strip() if isinstance(value, str) else value)
-    except pydantic.ValidationError as e:
+    except ValidationError as e:
         error = e.errors()[0]
         if error["type"] == "literal_error":
             choices = [a for a in typing.get_args(annotation) if a is not type(None)]

@@ -1,5 +1,5 @@
 """Workload specs: streams of requests (a length source, an arrival process, a class and SLOs),
-read from YAML and validated field by field (pydantic models, errors in our words).
+read from YAML and validated field by field (``spec_fields.py``: pydantic models, errors in our words).
 
 A spec file looks like::
 
@@ -25,18 +25,15 @@ Building a workload from a spec lives in ``sloserve.workload.build``.
 
 from __future__ import annotations
 
-import typing
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.core.request import SLO, RequestClass
-from sloserve.workload.traces import ROLES, TRACES, _looks_like_path
 
 PROCESSES = ("poisson", "gamma", "trace", "offline", "closed-batches")
 # closed-batches: the stream's requests in batches of batch_size; the first arrives at start_s, each
@@ -161,244 +158,20 @@ def load_workload_spec(name_or_path: str) -> WorkloadSpec:
     default = Path(origin).name.removesuffix(".yaml").removesuffix(".yml")
     return parse_workload_spec(data, origin=origin, base_dir=base_dir, default_name=default)
 
-
 def parse_workload_spec(
     data: Any, *, origin: str = "<workload>", base_dir: Path | None = None,
     default_name: str = "workload",
 ) -> WorkloadSpec:
     """Validate a decoded spec (a dict as read from YAML) and return a ``WorkloadSpec``.
 
-    Fields are checked by the pydantic models below; every problem raises ``ConfigError`` naming
-    ``origin``, the stream (index and name) and the field, e.g.
+    Fields are checked by pydantic models (``workload/spec_fields.py``); every problem raises
+    ``ConfigError`` naming ``origin``, the stream (index and name) and the field, e.g.
     ``workload.yaml: streams[1] (batch): arrival.rate must be > 0, got -2``.
     """
-    if data is None:
-        raise ConfigError(f"{origin}: empty workload spec")
-    top = _validated(_SpecFields, data, f"{origin}: ", "workload spec ")
-    streams: list[StreamSpec] = []
-    for i, raw in enumerate(top.streams):
-        stream = _parse_stream(raw, i, origin, base_dir)
-        if any(s.name == stream.name for s in streams):
-            raise ConfigError(f"{origin}: streams[{i}].name {stream.name!r} is used by another stream")
-        streams.append(stream)
-    return WorkloadSpec(top.name or default_name, streams, top.description, origin)
+    # NOTE: imported here: pydantic loads only when a YAML spec is read, not for every run of a trace.
+    from sloserve.workload.spec_fields import parse_spec
 
-
-# --------------------------------------------------------------------------------------------
-# validation: pydantic models of the YAML (strict: 2.5 is not an integer, "8" not a number)
-# --------------------------------------------------------------------------------------------
-class _Fields(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-PositiveInt = Annotated[int, Field(ge=1)]
-PositiveNumber = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-NonNegativeNumber = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-Range = Annotated[list[PositiveInt], Field(min_length=2, max_length=2)]
-
-
-class _SpecFields(_Fields):
-    name: Annotated[str, Field(min_length=1)] | None = None
-    description: str = ""
-    streams: Annotated[list[Any], Field(min_length=1)]
-
-
-class _LengthsFields(_Fields):
-    prompt: PositiveInt
-    output: PositiveInt
-
-
-class _RangesFields(_Fields):
-    prompt: Range
-    output: Range
-
-
-MeanStd = Annotated[list[PositiveNumber], Field(min_length=2, max_length=2)]
-
-
-class _MomentsFields(_Fields):
-    prompt: MeanStd
-    output: MeanStd
-
-
-class _SourceFields(_Fields):
-    trace: Annotated[str, Field(min_length=1)] | None = None
-    columns: dict[str, str] | None = None
-    fixed: _LengthsFields | None = None
-    uniform: _RangesFields | None = None
-    lognormal: _MomentsFields | None = None
-
-
-class _ArrivalFields(_Fields):
-    process: Literal["poisson", "gamma", "trace", "offline", "closed-batches"]
-    rate: PositiveNumber | None = None
-    cv: PositiveNumber | None = None
-    batch_size: PositiveInt | None = None
-
-
-class _SLOFields(_Fields):
-    ttft_s: PositiveNumber | None = None
-    tpot_s: PositiveNumber | None = None
-    jct_s: PositiveNumber | None = None
-
-
-class _StreamFields(_Fields):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
-    name: Annotated[str, Field(min_length=1)] | None = None
-    request_class: Literal["rt", "be", "RT", "BE"] = Field(default="rt", alias="class")
-    source: _SourceFields
-    arrival: _ArrivalFields
-    num_requests: PositiveInt
-    slo: _SLOFields | None = None
-    max_tokens: PositiveInt | None = None
-    start_s: NonNegativeNumber = 0.0
-
-
-# Hints after "is required" for fields whose shape is not obvious.
-_REQUIRED_HINTS = {
-    "source": ": {trace: NAME_OR_PATH}, {fixed: ...}, {uniform: ...} or {lognormal: ...}",
-    "arrival": f": {{process: ...}} with process one of {', '.join(PROCESSES)}",
-}
-
-
-def _validated(model: type[_Fields], data: Any, prefix: str, what: str = "") -> Any:
-    """``data`` (``what`` it is, for the message) validated as ``model``, or a ConfigError for its
-    first problem, in our words."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix}{what}must be a mapping, got {_show(data)}")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        # NOTE: an unknown key first: a misspelt key also shows as a missing one
-        errors = sorted(e.errors(), key=lambda err: err["type"] != "extra_forbidden")
-        raise ConfigError(prefix + _message(model, errors[0])) from None
-
-
-def _message(model: type[_Fields], error: dict[str, Any]) -> str:
-    """One pydantic error as "field problem, got value"."""
-    loc = [x for x in error["loc"] if not str(x).startswith(("function-", "constrained-"))]
-    field_path = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
-    value, kind, ctx = error.get("input"), error["type"], error.get("ctx") or {}
-    if kind == "missing":
-        return f"{field_path} is required{_REQUIRED_HINTS.get(field_path, '')}"
-    if kind == "extra_forbidden":
-        parent = _model_at(model, loc[:-1])
-        valid = ", ".join(f.alias or name for name, f in parent.model_fields.items()) if parent else ""
-        return f"unknown key {field_path!r}; valid: {valid}"
-    if field_path == "streams":
-        return f"streams must be a non-empty list of streams, got {_show(value)}"
-    if kind == "literal_error" and field_path == "class":
-        return f"class must be 'rt' or 'be', got {_show(value)}"
-    if kind == "literal_error":
-        return f"{field_path} must be one of {', '.join(PROCESSES)}; got {_show(value)}"
-    bounds = {"greater_than": f"> {ctx.get('gt', 0):g}", "greater_than_equal": f">= {ctx.get('ge', 0):g}"}
-    if kind in bounds:
-        return f"{field_path} must be {bounds[kind]}, got {_show(value)}"
-    expected = {"int_type": "an integer", "int_from_float": "an integer", "float_type": "a number",
-                "finite_number": "finite", "string_type": "a string", "dict_type": "a mapping",
-                "model_type": "a mapping", "model_attributes_type": "a mapping", "list_type": _pair(field_path),
-                "too_short": _pair(field_path), "too_long": _pair(field_path),
-                "string_too_short": "a non-empty string"}.get(kind)  # fmt: skip
-    if expected is not None:
-        return f"{field_path} must be {expected}, got {_show(value)}"
-    return f"{field_path}: {error['msg']}"
-
-
-def _pair(field_path: str) -> str:
-    return "a list [mean, std]" if field_path.startswith("source.lognormal") else "a list [lo, hi]"
-
-
-def _model_at(model: type[_Fields], loc: list[Any]) -> type[_Fields] | None:
-    """The model class that the field path ``loc`` leads to (None past a plain field)."""
-    for name in loc:
-        fields = {f.alias or n: f for n, f in model.model_fields.items()}
-        annotation = fields[name].annotation if name in fields else None
-        inner = [a for a in (*typing.get_args(annotation), annotation) if isinstance(a, type) and issubclass(a, _Fields)]
-        if not inner:
-            return None
-        model = inner[0]
-    return model
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    return repr(value)
-
-
-def _parse_stream(raw: Any, i: int, origin: str, base_dir: Path | None) -> StreamSpec:
-    name = raw.get("name", f"stream{i}") if isinstance(raw, dict) else None
-    label = f"{origin}: streams[{i}] ({name}): " if isinstance(name, str) and name else f"{origin}: streams[{i}]: "
-    fields = _validated(_StreamFields, raw, label)
-    name = fields.name or f"stream{i}"
-
-    def error(fld: str, msg: str) -> ConfigError:
-        return ConfigError(f"{label}{fld} {msg}")
-
-    source = _parse_source(fields.source, label, base_dir, error)
-    arrival = _parse_arrival(fields.arrival, label)
-    if arrival.process == "trace" and not isinstance(source, TraceSource):
-        raise error("arrival.process", "'trace' needs a trace source with arrival times")
-    slo = SLO() if fields.slo is None else SLO(fields.slo.ttft_s, fields.slo.tpot_s, fields.slo.jct_s)
-    return StreamSpec(name, RequestClass(fields.request_class.lower()), source, arrival, fields.num_requests, slo,
-                      fields.max_tokens, float(fields.start_s))  # fmt: skip
-
-
-def _parse_source(fields: _SourceFields, label: str, base_dir: Path | None, error) -> Source:
-    given = [k for k in ("trace", "fixed", "uniform", "lognormal") if getattr(fields, k) is not None]
-    if len(given) != 1:
-        raise error("source", f"must have exactly one of trace, fixed, uniform, lognormal; got {', '.join(given) or 'none'}")
-    if fields.columns is not None and fields.trace is None:
-        raise error("source.columns", "applies only to a trace source")
-    if fields.fixed is not None:
-        return FixedSource(fields.fixed.prompt, fields.fixed.output)
-    if fields.lognormal is not None:
-        return LogNormalSource(tuple(fields.lognormal.prompt), tuple(fields.lognormal.output))
-    if fields.uniform is not None:
-        ranges = []
-        for role in ("prompt", "output"):
-            lo, hi = getattr(fields.uniform, role)
-            if lo > hi:
-                raise error(f"source.uniform.{role}", f"must have lo <= hi, got [{lo}, {hi}]")
-            ranges.append((lo, hi))
-        return UniformSource(ranges[0], ranges[1])
-    return _trace_source(fields.trace, fields.columns, label, base_dir, error)
-
-
-def _trace_source(trace: str, columns: dict[str, str] | None, label: str, base_dir: Path | None,
-                  error) -> TraceSource:  # fmt: skip
-    if trace in TRACES:
-        if columns is not None:
-            raise error("source.columns", f"applies only to trace files, not to the bundled trace {trace!r}")
-        return TraceSource(trace)
-    path = Path(trace).expanduser()
-    if base_dir is not None and not path.is_absolute() and (base_dir / path).is_file():
-        path = base_dir / path
-    if not path.is_file():
-        if _looks_like_path(trace):
-            raise error("source.trace", f"file {trace!r} not found")
-        err = UnknownNameError("trace", trace, list(TRACES))
-        err.args = (f"{label}source.trace: {err.args[0]}; or give the path of a trace file",)
-        raise err
-    if columns is not None:
-        for key in columns:
-            if key not in ROLES + ("arrival_unit",):
-                raise ConfigError(f"{label}unknown key 'source.columns.{key}'; valid: "
-                                  f"{', '.join(ROLES + ('arrival_unit',))}")  # fmt: skip
-    return TraceSource(str(path), columns)
-
-
-def _parse_arrival(fields: _ArrivalFields, label: str) -> ArrivalSpec:
-    """The keys each process takes (``_PROCESS_KEYS``): required, and no others."""
-    process = fields.process
-    wanted = _PROCESS_KEYS[process]
-    for key in ("rate", "cv", "batch_size"):
-        value = getattr(fields, key)
-        if value is None and key in wanted:
-            raise ConfigError(f"{label}arrival.{key} is required for process {process!r}")
-        if value is not None and key not in wanted:
-            raise ConfigError(f"{label}unknown key 'arrival.{key}'; valid: {', '.join(('process', *wanted))}")
-    return ArrivalSpec(process, fields.rate, fields.cv, fields.batch_size)
+    return parse_spec(data, origin=origin, base_dir=base_dir, default_name=default_name)
 
 
 def with_rt_rate(spec: WorkloadSpec, rate: float) -> WorkloadSpec:
