@@ -53,7 +53,7 @@ class Driver:
         self.log.append(
             StepLog(
                 chunks=[(r.request_id, c) for r, c in out.chunks],
-                decodes=sorted(r.request_id for r in out.cohort.members) if out.cohort else [],
+                decodes=sorted(r.request_id for r in out.decode.cohort.members) if out.decode else [],
                 preempted=[(p.request.request_id, p.mode.value) for p in out.preempted],
                 swap_out=len(out.swap_out),
                 swap_in=len(out.swap_in),

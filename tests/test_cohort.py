@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sloserve.core.cohort import TickTimes
+from sloserve.sched.lockstep import TickTimes
 
 # Runs of step durations: up to 64 steps are handed over as a list (single steps, short stretches),
 # longer ones as an array (long stretches), as the executor does; each run's durations are drawn
@@ -47,7 +47,7 @@ def test_tick_times_give_each_run_its_ends_and_largest_gap(runs, queries):
 def test_cohort_knows_its_longest_member(ops):
     """``max_kv_tokens`` is the longest member's num_computed_tokens after any joins, ticks and leaves
     (the simulator prices decode attention by it)."""
-    from sloserve.core.cohort import Cohort
+    from sloserve.sched.lockstep import Cohort
     from sloserve.core.request import Request
 
     cohort, now, made = Cohort(), 0.0, 0

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
-from sloserve.core.cohort import Cohort
-from sloserve.core.request import Request
+from sloserve.core.request import Request, TickCounter
 
 
 class PreemptionMode(str, Enum):
@@ -44,25 +43,44 @@ class SlotCopy(NamedTuple):
     to_cpu: bool  # True: GPU slot -> CPU slot (checkpoint); False: CPU slot -> GPU slot (restore)
 
 
+class DecodeGroup(TickCounter, Protocol):
+    """What an executor sees of a decode cohort (sched/decode_cohort.py): its members, and the
+    block ids of the KV growth reserved for a member by count, given on demand."""
+
+    members: Mapping[Request, int]
+
+    def settle(self, request: Request) -> None:
+        """Give ``request`` the block ids of its reserved growth: every token it will process this
+        step then has a physical slot (what the engine writes KV to)."""
+        ...
+
+
+class CohortStep(NamedTuple):
+    """The decode cohort's part of a step: each of its members processes exactly one token."""
+
+    cohort: DecodeGroup
+    size: int  # members this step
+    kv_tokens: int  # the KV their decode attention reads: the sum of their num_computed_tokens
+    max_kv_tokens: int  # the longest member's num_computed_tokens
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     """One step's decisions. Built fresh by ``Scheduler.schedule``; not changed afterwards, except by
     ``repeated`` (the simulator's fast path) before it runs."""
 
+    # --- what runs -----------------------------------------------------------------------------
     # Requests processing an explicit number of tokens (prefills, chunks, refills, and decodes of
-    # policies that do not use a cohort). Each chunk starts at the request's num_computed_tokens.
+    # policies without a decode cohort). Each chunk starts at the request's num_computed_tokens.
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    # Cohort whose every member processes exactly one decode token this step (None: no cohort step).
-    cohort: Cohort | None = None
-    # Size of the cohort, the KV its members read (sum of their num_computed_tokens) and the longest
-    # member's, this step.
-    cohort_size: int = 0
-    cohort_kv_tokens: int = 0
-    cohort_max_kv_tokens: int = 0
-    # Members that joined the cohort since the previous output (executors start tracking them).
+    # The decode cohort's step, for a policy that has one (sched/cohort.py); None: no cohort step.
+    decode: CohortStep | None = None
+    # Requests that joined the decode cohort since the previous output (executors start tracking
+    # them), whether or not this step runs the cohort.
     # NOTE: the sequences below default to a shared empty tuple (most steps have none of them, and an
     # output is built every step); a policy that adds to one assigns a new list.
     cohort_joined: Sequence[Request] = ()
+    # --- preemptions and KV copies ----------------------------------------------------------------
     # Requests preempted while building this batch, with their mode; they are not in this batch.
     preempted: Sequence[Preemption] = ()
     # Block copies GPU -> CPU (swap out) and CPU -> GPU (swap in) done before the step's compute.
@@ -74,9 +92,10 @@ class SchedulerOutput:
     # on their own stream beside the forward pass (BROS's lazy checkpointing) or before it.
     swap_bytes: int = 0
     swap_overlapped: bool = False
-    # Consecutive steps this output stands for (the simulator's closed-form fast path): each one
-    # decodes the cohort once and runs every chunk's num_tokens again, from where the previous left.
-    # NOTE: counts above describe the first of them; the cohort's KV grows by cohort_size per step.
+    # --- the simulator's fast path (sim/stretch.py) -------------------------------------------------
+    # Consecutive steps this output stands for: each one decodes the cohort once and runs every
+    # chunk's num_tokens again, from where the previous left.
+    # NOTE: counts above describe the first of them; the cohort's KV grows by its size per step.
     num_steps: int = 1
     # Blocks allocated before each of the num_steps steps, first one excluded (for the timeline).
     new_blocks_per_step: Sequence[int] | None = None
@@ -97,29 +116,33 @@ class SchedulerOutput:
         return self
 
     @property
+    def num_cohort_decodes(self) -> int:
+        """Members of the decode cohort that run this step."""
+        return 0 if self.decode is None else self.decode.size
+
+    @property
     def num_prefill_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
     @property
     def num_batched_tokens(self) -> int:
         """Forward size: tokens processed this step."""
-        return self.num_prefill_tokens + self.cohort_size
+        return self.num_prefill_tokens + self.num_cohort_decodes
 
     @property
     def num_requests(self) -> int:
-        return len(self.chunks) + self.cohort_size
+        return len(self.chunks) + self.num_cohort_decodes
 
     @property
     def is_empty(self) -> bool:
-        return (
-            not self.chunks and self.cohort_size == 0 and not self.swap_in and not self.swap_out and not self.slot_copies
-        )
+        return not self.chunks and self.decode is None and not self.swap_in and not self.swap_out and not self.slot_copies
 
     @property
     def is_decode_only(self) -> bool:
+        """Only the decode cohort's step: what the simulator's decode stretches repeat."""
         return (
             not self.chunks
-            and self.cohort_size > 0
+            and self.decode is not None
             and not self.preempted
             and not self.swap_in
             and not self.swap_out

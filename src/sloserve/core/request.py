@@ -12,9 +12,11 @@ are the same thing with different counts:
 
 NOTE: the KV a request ever holds peaks at I + O - 1 tokens: the last output token is never processed.
 
-Decode requests that advance together every step live in a ``Cohort`` (core/cohort.py). For them the
-counters are derived lazily from the cohort's tick counter, so one step costs O(1) for the whole
-cohort instead of O(batch): ``num_computed_tokens = _computed_offset + cohort.ticks``.
+A policy may let decode requests that advance together every step share one tick counter (the
+decode cohort of sched/cohort.py, which policies opt into). While a request is in one, its counters
+are derived from that counter, so a step costs O(1) for the whole cohort instead of O(batch):
+``num_computed_tokens = _computed_offset + cohort.ticks``. The request sees the cohort only through
+``TickCounter``; ``enter_cohort`` and ``leave_cohort`` convert the counters.
 """
 
 from __future__ import annotations
@@ -23,10 +25,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from sloserve.core.cohort import Cohort
+
+class TickCounter(Protocol):
+    """What a request's counters read while it advances in lockstep with others: a tick count, each
+    tick one more processed token and one more output token for every member."""
+
+    ticks: int
 
 
 class RequestClass(str, Enum):
@@ -90,7 +96,7 @@ class Request:
     # Stored with the cohort's tick subtracted while in a cohort; read through the properties.
     _computed_offset: int = 0
     _output_offset: int = 0
-    cohort: Cohort | None = None
+    cohort: TickCounter | None = None
     # Sequence number of cohort joins; lets executors discard stale per-member bookkeeping.
     cohort_epoch: int = 0
     replica: int = 0
@@ -160,6 +166,12 @@ class Request:
         return self.num_prompt_tokens + self._output_offset - self._computed_offset > 1
 
     @property
+    def computed_tokens_at_tick_zero(self) -> int:
+        """num_computed_tokens - cohort.ticks in a cohort (constant while it stays in it), else
+        num_computed_tokens: the position a cohort orders and schedules its members' growth by."""
+        return self._computed_offset
+
+    @property
     def max_kv_tokens(self) -> int:
         """KV the request could ever need under its ``max_tokens`` cap: I + max_tokens - 1."""
         return self.num_prompt_tokens + self.max_tokens - 1
@@ -176,6 +188,23 @@ class Request:
         """Record one sampled output token at time ``now``."""
         self._output_offset += 1
         self.record_token_time(now)
+
+    def enter_cohort(self, cohort: TickCounter) -> None:
+        """From now on the counters advance with ``cohort.ticks``: one token per tick."""
+        assert self.cohort is None, self
+        t = cohort.ticks
+        # NOTE: from here until it leaves, the counters read offset + ticks.
+        self._computed_offset -= t
+        self._output_offset -= t
+        self.cohort = cohort
+        self.cohort_epoch += 1
+
+    def leave_cohort(self) -> None:
+        """The counters stop advancing with the cohort's ticks; they keep what those ticks gave."""
+        t = self.cohort.ticks
+        self._computed_offset += t
+        self._output_offset += t
+        self.cohort = None
 
     def set_output_tokens(self, num_tokens: int) -> None:
         """Set the output count measured outside a scheduler (a load client reading a server's usage)."""

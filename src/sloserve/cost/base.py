@@ -55,7 +55,11 @@ class BatchShape(NamedTuple):
 
 def batch_shape(output: SchedulerOutput) -> BatchShape:
     """The cost-model view of a step (its first step when ``num_steps`` > 1)."""
-    num_decode, decode_kv, longest = output.cohort_size, output.cohort_kv_tokens, output.cohort_max_kv_tokens
+    decode = output.decode
+    if decode is None:
+        num_decode = decode_kv = longest = 0
+    else:
+        num_decode, decode_kv, longest = decode.size, decode.kv_tokens, decode.max_kv_tokens
     num_prefill = prefill_tokens = attention_work = context = 0
     for request, c in output.chunks:
         m = request.num_computed_tokens

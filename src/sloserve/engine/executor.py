@@ -26,7 +26,6 @@ from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.kv_cache import KVCacheTensor, expand_block_ids
 from sloserve.engine.sampler import SamplingParams, sample
 from sloserve.kv.manager import KVCacheManager
-from sloserve.sched.cohort import DecodeCohort
 
 
 @dataclass
@@ -104,8 +103,6 @@ class EngineExecutor:
             seq = self.sequences[request]
             start = request.num_computed_tokens
             end = start + num_tokens
-            if isinstance(request.cohort, DecodeCohort):
-                request.cohort.settle(request)  # paged cohort growth gets its block ids now
             if request.aborted:
                 # NOTE: its slots were allocated for this step and are left unwritten; the scheduler
                 # frees them when it sees the request finished, as after an EOS.
@@ -125,8 +122,10 @@ class EngineExecutor:
 
         for request, num_tokens in output.chunks:
             add(request, num_tokens)
-        if output.cohort is not None:
-            for request in list(output.cohort.members):
+        if output.decode is not None:
+            cohort = output.decode.cohort
+            for request in list(cohort.members):
+                cohort.settle(request)  # the KV growth reserved for it by count gets its block ids now
                 add(request, 1)
         if tokens:
             hidden = self._forward(tokens, positions, prefills, prefill_slots, decodes)  # (T, H)

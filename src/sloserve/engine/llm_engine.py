@@ -160,7 +160,7 @@ class LLMEngine:
         if loaded.cuda_graphs:
             graphs = DecodeGraphs(loaded.model, self.cache, self.max_model_len, kv.table_block_size)
         self.executor = EngineExecutor(loaded.model, kv, self.cache, loaded.device, config.eos_token_ids, seed, graphs)
-        self.replica = Replica(0, self.scheduler, self.executor, fast_path=False)
+        self.replica = Replica(0, self.scheduler, self.executor)
         self._next_id = 0
 
     # --- requests ------------------------------------------------------------------------------

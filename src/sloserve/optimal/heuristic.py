@@ -50,8 +50,8 @@ def run_heuristic(name: str, problem: BoundProblem, cost: LinearCostModel) -> He
 
     def record(_replica: int, out: SchedulerOutput) -> None:
         batch = {r.request_id: (c, False) for r, c in out.chunks}
-        if out.cohort is not None:
-            batch.update({r.request_id: (1, False) for r in out.cohort.members})
+        if out.decode is not None:
+            batch.update({r.request_id: (1, False) for r in out.decode.cohort.members})
         for p in out.preempted:
             batch[p.request.request_id] = (0, True)
         hint.append(batch)

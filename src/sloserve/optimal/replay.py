@@ -31,9 +31,6 @@ class ReplayScheduler(Scheduler):
         super().add_request(request)
         self._by_id[request.request_id] = request
 
-    def on_token_emitted(self, request: Request) -> None:
-        """Decodes stay explicit chunks: the plan says who runs."""
-
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
         if not self._plan or any(i not in self._by_id for i in self._plan[0].tokens):

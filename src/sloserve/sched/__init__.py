@@ -1,7 +1,8 @@
 """Scheduling policies behind one ``Scheduler`` contract and a registry."""
 
 from sloserve.sched.base import Scheduler
-from sloserve.sched.cohort import DecodeCohort
+from sloserve.sched.cohort import CohortScheduler
+from sloserve.sched.decode_cohort import DecodeCohort
 from sloserve.sched.registry import (
     SCHEDULERS,
     SchedulerSpec,
@@ -15,6 +16,7 @@ from sloserve.sched.unified import UnifiedConfig, UnifiedScheduler
 
 __all__ = [
     "SCHEDULERS",
+    "CohortScheduler",
     "DecodeCohort",
     "Scheduler",
     "SchedulerSpec",

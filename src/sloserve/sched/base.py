@@ -3,13 +3,17 @@
 A policy implements ``schedule(now) -> SchedulerOutput``; ``update(output, result, now)`` applies what
 the executor did. Nothing else crosses between policy and execution. Schedulers never read the clock
 (``now`` is passed in) and never read ``Request.true_output_tokens``.
+
+Every running request here is scheduled by name each step (a chunk of one token for a decode). A
+policy that runs all its decodes every step derives from ``CohortScheduler`` (sched/cohort.py)
+instead, which advances them as one cohort in O(1) per step. How to write a policy:
+docs/schedulers.md.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Sequence
 from typing import Any
 
 from sloserve.core.errors import ConfigError
@@ -21,7 +25,6 @@ from sloserve.core.outputs import (
 from sloserve.core.request import Request, RequestStatus
 from sloserve.kv.manager import KVCacheManager
 from sloserve.predict import LengthPredictor
-from sloserve.sched.cohort import DecodeCohort
 
 
 def require_whole_prompts(field: str, budget: int, max_model_len: int) -> None:
@@ -32,7 +35,7 @@ def require_whole_prompts(field: str, budget: int, max_model_len: int) -> None:
 
 
 class Scheduler(ABC):
-    """Base policy: queues, a decode cohort, preemption and the post-step update.
+    """Base policy: the queues, admission, preemption and the post-step update.
 
     Queues: ``waiting`` (no KV; new or evicted by recompute), ``running`` (holds GPU KV; insertion
     order is priority order, the last entry is the first victim), ``swapped`` (KV in CPU memory).
@@ -46,10 +49,6 @@ class Scheduler(ABC):
         self.waiting: deque[Request] = deque()
         self.running: dict[Request, None] = {}
         self.swapped: deque[Request] = deque()
-        # Running requests outside the cohort (prefills in progress), in running order.
-        self.outside_cohort: dict[Request, None] = {}
-        self.cohort = DecodeCohort(kv)
-        self._joined: list[Request] = []  # cohort joins not yet reported in an output
         self.num_preemptions = 0
         self.num_swap_fallbacks = 0  # swap preemptions that recomputed: the swap space was full
         # Disaggregated serving: requests whose prefill is done here and whose KV must move to a
@@ -81,18 +80,27 @@ class Scheduler(ABC):
         handoff, self.handoff = self.handoff, []
         return handoff
 
-    def _hand_off(self, request: Request) -> None:
-        """Prefill role: the request sampled its first token; its KV leaves for a decode replica."""
-        self.running.pop(request, None)
-        self.outside_cohort.pop(request, None)
-        self.kv.free(request)
-        request.status = RequestStatus.TRANSFERRING
-        self.handoff.append(request)
-
     @abstractmethod
     def schedule(self, now: float) -> SchedulerOutput:
         """Decide the next step."""
 
+    def update(self, output: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
+        """Apply an executed step: progress counters, token times, finished requests. Returns the
+        requests that finished."""
+        emitted: list[Request] = []
+        for request, num_tokens in output.chunks:
+            request.add_computed(num_tokens * output.num_steps)
+            if request.num_tokens_to_process == 0:
+                request.add_output_token(now)
+                emitted.append(request)
+        for request in result.finished:
+            self._finish(request, now)
+        for request in emitted:
+            if request.status is RequestStatus.RUNNING:
+                self.on_token_emitted(request)
+        return result.finished
+
+    # --- the simulator's fast path (optional; sim/stretch.py) -----------------------------------
     def decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
         """Steps (>= 1, <= limit) for which repeating the decode-only ``output`` gives the same
         decision, assuming no arrival and no completion. Default: 1 (no fast path).
@@ -111,66 +119,30 @@ class Scheduler(ABC):
         allocates the KV the later steps need."""
         raise NotImplementedError(f"{self.name} has no fast path")
 
-    def _cohort_memory_horizon(self, output: SchedulerOutput, limit: int) -> int:
-        """Steps (>= 1, <= limit, for limit >= 1) from the scheduled ``output`` whose cohort growth fits
-        the free KV (the scheduled step's growth is reserved already): the ``decode_horizon`` of a
-        policy whose decode-only step changes only on a completion, an arrival or a memory event."""
-        cohort = self.cohort
-        return 1 + cohort.memory_horizon(cohort.ticks + 2, self.kv.num_free_blocks, limit - 1)
-
-    def _cohort_repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
-        """``repeat`` for a policy whose repeated steps only grow the cohort (and move a chunk on)."""
-        first = self.cohort.ticks + 1  # grown by schedule()
-        later = self.cohort.grow_through(first + num_steps - 1)  # num_steps - 1 of them
-        return output.repeated(num_steps, [0, *later])
-
-    def update(self, output: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
-        """Apply an executed step: progress counters, token times, finished requests. Returns the
-        requests that finished."""
-        if output.cohort is not None:
-            self.cohort.advance(result.step_end_times)
-        else:
-            self.cohort.skip_growth()
-        emitted: list[Request] = []
-        for request, num_tokens in output.chunks:
-            request.add_computed(num_tokens * output.num_steps)
-            if request.num_tokens_to_process == 0:
-                request.add_output_token(now)
-                emitted.append(request)
-        for request in result.finished:
-            self._finish(request, now)
-        for request in emitted:
-            if request.status is RequestStatus.RUNNING:
-                self.on_token_emitted(request)
-        return result.finished
-
     # --- hooks and shared mechanics -----------------------------------------------------------
     def on_token_emitted(self, request: Request) -> None:
-        """A request outside the cohort sampled a token and goes on: by default it joins the cohort."""
-        self._join_cohort(request)
+        """A running request scheduled by a chunk sampled a token and goes on. Default: nothing (it
+        stays running, and the policy schedules its next token by name)."""
 
     def _admit(self, request: Request) -> None:
-        """Move a request that now holds KV into ``running`` (outside the cohort)."""
+        """Move a request that now holds KV into ``running``."""
         request.status = RequestStatus.RUNNING
         self.running[request] = None
-        self.outside_cohort[request] = None
 
-    def _join_cohort(self, request: Request) -> None:
-        self.outside_cohort.pop(request, None)
-        self.cohort.add(request)
-        self._joined.append(request)
+    def _leave_running(self, request: Request, *, drop_kv: bool = False) -> None:
+        """``request`` stops running here (finish, preemption or hand-off). ``drop_kv``: its KV is
+        freed right after. A policy with more places a running request can be extends this."""
+        self.running.pop(request, None)
 
-    def _take_joined(self) -> Sequence[Request]:
-        if not self._joined:
-            return ()  # the common case: no new list per step
-        joined, self._joined = self._joined, []
-        return joined
+    def _hand_off(self, request: Request) -> None:
+        """Prefill role: the request sampled its first token; its KV leaves for a decode replica."""
+        self._leave_running(request, drop_kv=True)
+        self.kv.free(request)
+        request.status = RequestStatus.TRANSFERRING
+        self.handoff.append(request)
 
     def _finish(self, request: Request, now: float) -> None:
-        if request.cohort is not None:
-            request.cohort.remove(request, drop_kv=True)
-        self.running.pop(request, None)
-        self.outside_cohort.pop(request, None)
+        self._leave_running(request, drop_kv=True)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_time = now
@@ -183,10 +155,8 @@ class Scheduler(ABC):
         aborts the run there; a simulation goes on and reports it). A recomputed request waits at
         the front of the queue (vLLM v0), or with ``front=False`` at its back (InferMax Algorithm 1:
         "appended to R_w")."""
-        if request.cohort is not None:
-            request.cohort.remove(request)
-        del self.running[request]
-        self.outside_cohort.pop(request, None)
+        assert request in self.running, request
+        self._leave_running(request)
         request.num_preemptions += 1
         request.num_allocation_failures += 1  # NOTE: every policy preempts only when KV runs short
         self.num_preemptions += 1
@@ -219,26 +189,24 @@ class Scheduler(ABC):
 
     def kv_used_tokens(self) -> int:
         """Tokens holding KV on the GPU."""
-        used = self.cohort.kv_tokens
-        for request in self.outside_cohort:  # NOTE: a loop: read every step, and a generator costs more
+        used = 0
+        for request in self.running:  # NOTE: a loop: read every step, and a generator costs more
             used += request.num_computed_tokens
         return used
 
     def check_integrity(self) -> None:
-        """Invariants across queues, cohort and KV manager (for tests)."""
+        """Invariants across queues and the KV manager (for tests)."""
         self.kv.check_integrity()
         queues = [set(self.waiting), set(self.running), set(self.swapped), set(self.incoming)]
         for i, a in enumerate(queues):
             for b in queues[i + 1 :]:
                 assert not a & b, "a request is in two queues"
-        self.cohort.check_integrity()
         for r in self.running:
             assert r.status is RequestStatus.RUNNING, r
-            slots = self.cohort.granted_slots(r) if r.cohort is self.cohort else self.kv.num_tracked_tokens(r)
-            assert slots >= r.num_computed_tokens, f"{r} has KV beyond its slots"
-        for r in self.cohort.members:
-            assert r in self.running, f"cohort member {r} is not running"
-        assert set(self.outside_cohort) | set(self.cohort.members) == set(self.running)
-        assert not set(self.outside_cohort) & set(self.cohort.members)
+            assert self._granted_slots(r) >= r.num_computed_tokens, f"{r} has KV beyond its slots"
         for r in self.waiting:
             assert r.num_computed_tokens == 0 and self.kv.num_slots(r) == 0, r
+
+    def _granted_slots(self, request: Request) -> int:
+        """Slots ``request`` holds (with growth reserved for it but not yet given block ids)."""
+        return self.kv.num_tracked_tokens(request)

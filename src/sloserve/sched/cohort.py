@@ -1,204 +1,116 @@
-"""The decode cohort's KV growth: running decodes that process one token per tick need new slots.
+"""``CohortScheduler``: the base of policies that run every running decode in every decode step.
 
-A ``Cohort`` (core/cohort.py) advances its members' counters in O(1) per tick. ``DecodeCohort`` adds
-what the scheduler needs on top: reserving the KV its members grow into, also in O(1) per tick:
+vLLM, Sarathi-Serve, ORCA-style unified presets and EconoServe's GT batch put each running decode
+request into each decode step. Such a policy derives from ``CohortScheduler``: a request whose
+prompt is done (it sampled a token and goes on) joins the decode cohort (``on_token_emitted``), and
+the cohort's members then advance together in O(1) per step whatever their number
+(sched/lockstep.py), with their KV growth reserved in O(1) per step too (sched/decode_cohort.py).
 
-- paged managers (one block every block_size tokens): a member needs a new block every block_size
-  ticks, at ticks of one residue class modulo block_size, so the cohort keeps only how many members
-  are in each class and reserves blocks by count; a member's block ids are assigned when it leaves
-  or when its slots are read (``settle``).
-- other managers (reservations): a calendar of the tick at which each member outgrows its
-  reservation, grown through ``KVCacheManager.allocate_slots``.
-
-One step therefore costs O(1), not O(batch): this is what lets the simulator run thousands of
-requests per wall second.
+What a policy adds: call ``_schedule_cohort(out)`` when its step runs the decodes (after growing the
+cohort with ``self.cohort.try_grow``), and ``_take_joined()`` into ``out.cohort_joined``. Running
+requests outside the cohort (prompts in progress) are in ``outside_cohort``. The simulator's fast
+path comes with it: ``_cohort_memory_horizon`` is a ready ``decode_horizon`` for a policy whose
+decode-only step changes only on a completion, an arrival or a memory event, and ``_cohort_repeat``
+a ready ``repeat``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sloserve.core.cohort import Cohort
+from sloserve.core.outputs import CohortStep, SchedulerOutput, StepResult
 from sloserve.core.request import Request
 from sloserve.kv.manager import KVCacheManager
+from sloserve.predict import LengthPredictor
+from sloserve.sched.base import Scheduler
+from sloserve.sched.decode_cohort import DecodeCohort
 
 
-class DecodeCohort(Cohort):
-    """A cohort whose members' KV growth is reserved tick by tick from a ``KVCacheManager``."""
+class CohortScheduler(Scheduler):
+    """A ``Scheduler`` whose running decodes form one decode cohort."""
 
-    def __init__(self, kv: KVCacheManager) -> None:
-        super().__init__()
-        self.kv = kv
-        # member -> first tick at which it needs a new block
-        self._first_due: dict[Request, int] = {}
-        self._grown_through = 0  # last tick whose KV growth has been reserved
-        self._period = kv.growth_period
-        # Paged: members due at ticks t with t % period == r, per residue r.
-        self._due_count = [0] * (self._period or 1)
-        # Other managers: tick -> (member, epoch) pairs that outgrow their slots at that tick.
-        # NOTE: entries of members that left (epoch changed) are stale and skipped.
-        self._due: dict[int, list[tuple[Request, int]]] = {}
+    def __init__(self, kv: KVCacheManager, predictor: LengthPredictor | None = None) -> None:
+        super().__init__(kv, predictor)
+        self.cohort = DecodeCohort(kv)
+        # Running requests outside the cohort (prefills in progress), in running order.
+        self.outside_cohort: dict[Request, None] = {}
+        self._joined: list[Request] = []  # cohort joins not yet reported in an output
 
-    # --- membership ----------------------------------------------------------------------------
-    def add(self, request: Request) -> None:
-        """Join: from the next tick on, ``request`` processes one token per tick.
-
-        NOTE: a request added while a step is being scheduled must already hold a slot for its next
-        token (that tick's growth has been reserved).
-        """
-        super().add(request)
-        # At tick u a member processes the token at position offset + u - 1, so it needs
-        # num_slots >= offset + u: it is first due at the first tick where that fails.
-        first_due = self.kv.num_slots(request) - request._computed_offset + 1
-        # NOTE: residue counting needs the first due tick within one period after the growth mark.
-        assert 0 < first_due - self._grown_through <= (self._period or first_due), request
-        self._first_due[request] = first_due
-        if self._period is not None:
-            self._due_count[first_due % self._period] += 1
+    # --- the step -------------------------------------------------------------------------------
+    def update(self, output: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
+        if output.decode is not None:
+            self.cohort.advance(result.step_end_times)
         else:
-            self._due.setdefault(first_due, []).append((request, request.cohort_epoch))
+            self.cohort.skip_growth()
+        return super().update(output, result, now)
 
-    def remove(self, request: Request, *, drop_kv: bool = False) -> None:
-        """Leave (finish or preemption): record the tokens produced while a member, and take the
-        block ids of its reserved growth, or with ``drop_kv`` (its KV is about to be freed) give the
-        reserved growth back by count."""
-        assert request.cohort is self, request
-        if drop_kv and self._period is not None:
-            self.kv.release_owed_blocks(self._owed_slots(request) // self.kv.block_size)
-        else:
-            self.settle(request)
-        first_due = self._first_due.pop(request)
-        if self._period is not None:
-            self._due_count[first_due % self._period] -= 1
-        super().remove(request)
+    def on_token_emitted(self, request: Request) -> None:
+        """A request outside the cohort sampled a token and goes on: by default it joins the cohort."""
+        self._join_cohort(request)
 
-    def granted_slots(self, request: Request) -> int:
-        """Slots a member holds, counting growth reserved for it but not yet given block ids."""
-        return self.kv.num_slots(request) + self._owed_slots(request)
+    def _schedule_cohort(self, out: SchedulerOutput) -> None:
+        """Run the cohort's members this step, one token each, when it has any (its growth for this
+        tick must be reserved: ``self.cohort.try_grow``)."""
+        cohort = self.cohort
+        if cohort.members:  # NOTE: not `if cohort`: len() of a Python-level class costs a call
+            out.decode = CohortStep(cohort, len(cohort.members), cohort.kv_tokens, cohort.max_kv_tokens)
 
-    def _owed_slots(self, request: Request) -> int:
-        """Slots of the growth reserved for a member and not yet given block ids (paged; else 0)."""
-        first_due = self._first_due[request]
-        if self._period is None or self._grown_through < first_due:
-            return 0
-        entitled = (self._grown_through - first_due) // self._period + 1
-        granted = first_due - 1 + request._computed_offset + entitled * self._period
-        return granted - self.kv.num_slots(request)
+    # --- membership -----------------------------------------------------------------------------
+    def _admit(self, request: Request) -> None:
+        """Move a request that now holds KV into ``running`` (outside the cohort)."""
+        super()._admit(request)
+        self.outside_cohort[request] = None
 
-    def settle(self, request: Request) -> None:
-        """Give a member the block ids of the growth reserved for it so far (paged), so that every
-        token it has been granted has a physical slot."""
-        if self._period is not None:
-            self.kv.settle_blocks(request, self._owed_slots(request) // self.kv.block_size)
+    def _join_cohort(self, request: Request) -> None:
+        self.outside_cohort.pop(request, None)
+        self.cohort.add(request)
+        self._joined.append(request)
 
-    # --- KV growth -----------------------------------------------------------------------------
-    def blocks_due(self, tick: int) -> int:
-        """New blocks the members need to process their token at ``tick``."""
-        if self._period is not None:
-            return self._due_count[tick % self._period]
-        return sum(self.kv.blocks_needed(r, r._computed_offset + tick) for r in self._due_members(tick))
+    def _take_joined(self) -> Sequence[Request]:
+        """The cohort joins since the previous output, for ``SchedulerOutput.cohort_joined``."""
+        if not self._joined:
+            return ()  # the common case: no new list per step
+        joined, self._joined = self._joined, []
+        return joined
 
-    def due_members(self, tick: int) -> list[Request]:
-        """Members that outgrow their slots at ``tick`` (managers without periodic growth only)."""
-        assert self._period is None, "paged growth is counted, not listed"
-        return self._due_members(tick)
+    def _leave_running(self, request: Request, *, drop_kv: bool = False) -> None:
+        if request.cohort is not None:
+            request.cohort.remove(request, drop_kv=drop_kv)
+        super()._leave_running(request)
+        self.outside_cohort.pop(request, None)
 
-    def _due_members(self, tick: int) -> list[Request]:
-        return [r for r, epoch in self._due.get(tick, ()) if r.cohort is self and r.cohort_epoch == epoch]
+    # --- the simulator's fast path ----------------------------------------------------------------
+    def _cohort_memory_horizon(self, output: SchedulerOutput, limit: int) -> int:
+        """Steps (>= 1, <= limit, for limit >= 1) from the scheduled ``output`` whose cohort growth fits
+        the free KV (the scheduled step's growth is reserved already): the ``decode_horizon`` of a
+        policy whose decode-only step changes only on a completion, an arrival or a memory event."""
+        cohort = self.cohort
+        return 1 + cohort.memory_horizon(cohort.ticks + 2, self.kv.num_free_blocks, limit - 1)
 
-    def try_grow(self, tick: int) -> bool:
-        """Reserve the KV the members need at ``tick``, or change nothing and return False when the
-        free blocks are too few."""
-        if tick <= self._grown_through:
-            return True
-        if self._period is not None:
-            due = self._due_count[tick % self._period]
-            if due and not self.kv.reserve_blocks(due):  # most ticks need no new block
-                return False
-        else:
-            if self.blocks_due(tick) > self.kv.num_free_blocks:
-                return False
-            self._grow_calendar(tick)
-        self._grown_through = tick
-        return True
+    def _cohort_repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
+        """``repeat`` for a policy whose repeated steps only grow the cohort (and move a chunk on)."""
+        first = self.cohort.ticks + 1  # grown by schedule()
+        later = self.cohort.grow_through(first + num_steps - 1)  # num_steps - 1 of them
+        return output.repeated(num_steps, [0, *later])
 
-    def skip_growth(self) -> None:
-        """The scheduled step did not advance the cohort: drop the growth mark of its tick.
+    # --- metrics --------------------------------------------------------------------------------
+    def kv_used_tokens(self) -> int:
+        used = self.cohort.kv_tokens
+        for request in self.outside_cohort:  # NOTE: a loop: read every step, and a generator costs more
+            used += request.num_computed_tokens
+        return used
 
-        NOTE: only an empty cohort's (zero-block) reservation is dropped: a non-empty cohort that
-        reserved growth is always advanced.
-        """
-        if self._grown_through > self.ticks:
-            assert not self.members or self.blocks_due(self._grown_through) == 0
-            self._grown_through = self.ticks
-
-    def grow_through(self, last_tick: int) -> list[int]:
-        """Reserve the growth of every tick after the last grown one up to ``last_tick``; returns the
-        blocks reserved per tick (``last_tick - previous`` of them).
-
-        NOTE: the caller has proved the room exists (``memory_horizon``).
-        """
-        first = self._grown_through + 1
-        if self._period is not None:
-            counts, period = self._due_count, self._period
-            # Tick t needs counts[t % period]: the counts from first's residue on, cycled (list
-            # operations in C rather than a Python loop per tick).
-            start, num_ticks = first % period, last_tick + 1 - first
-            per_tick = ((counts[start:] + counts[:start]) * -(-num_ticks // period))[:num_ticks]
-            done = self.kv.reserve_blocks(sum(per_tick))
-            assert done, "no room to grow the cohort"
-        else:
-            per_tick = [self._grow_calendar(tick) for tick in range(first, last_tick + 1)]
-        self._grown_through = max(self._grown_through, last_tick)
-        return per_tick
-
-    def _grow_calendar(self, tick: int) -> int:
-        members = self._due_members(tick)
-        self._due.pop(tick, None)
-        before = self.kv.num_free_blocks
-        for r in members:
-            done = self.kv.allocate_slots(r, r._computed_offset + tick)
-            assert done, f"no room to grow {r}"
-            due = self.kv.num_slots(r) - r._computed_offset + 1
-            self._due.setdefault(due, []).append((r, r.cohort_epoch))
-        return before - self.kv.num_free_blocks
-
-    def memory_horizon(self, first_tick: int, free_blocks: int, limit: int) -> int:
-        """How many consecutive ticks from ``first_tick`` can grow within ``free_blocks`` (<= limit).
-
-        Paged growth is periodic: the need over k ticks follows from one period of residue counts.
-        Other managers stop before the first tick at which a member outgrows its reservation.
-        """
-        period = self._period
-        if period is None:
-            upcoming = [t for t in self._due if t >= first_tick]
-            return min(limit, min(upcoming) - first_tick) if upcoming else limit
-        # NOTE: every member is in exactly one residue class, so a period needs len(members) blocks.
-        per_period = len(self.members)
-        if per_period * -(-limit // period) <= free_blocks:
-            return limit  # the common case: room for whole periods covering the limit
-        counts = [self._due_count[(first_tick + i) % period] for i in range(period)]
-        full, remaining = divmod(free_blocks, per_period)
-        extra = 0
-        for count in counts:
-            if count > remaining:
-                break
-            remaining -= count
-            extra += 1
-        return min(limit, full * period + extra)
-
-    # --- time ------------------------------------------------------------------------------------
-    def advance(self, end_times: Sequence[float]) -> None:
-        assert self._grown_through >= self.ticks + len(end_times), "ticks advanced without reserving their growth"
-        super().advance(end_times)
+    def _granted_slots(self, request: Request) -> int:
+        if request.cohort is self.cohort:
+            return self.cohort.granted_slots(request)
+        return super()._granted_slots(request)
 
     def check_integrity(self) -> None:
-        """As ``Cohort``'s, and owed blocks equal the growth reserved for members and not yet given
-        block ids."""
+        """As ``Scheduler``'s, and the cohort's members and the requests outside it are the running
+        requests, each in one of the two."""
         super().check_integrity()
-        assert self._first_due.keys() == self.members.keys()
-        if self._period is None:
-            return
-        owed = sum(self._owed_slots(r) for r in self.members) // self.kv.block_size
-        assert owed == self.kv._owed_blocks, (owed, self.kv._owed_blocks)
-        assert sum(self._due_count) == len(self.members)
+        self.cohort.check_integrity()
+        for r in self.cohort.members:
+            assert r in self.running, f"cohort member {r} is not running"
+        assert set(self.outside_cohort) | set(self.cohort.members) == set(self.running)
+        assert not set(self.outside_cohort) & set(self.cohort.members)

@@ -38,7 +38,7 @@ from sloserve.cost.derived import jct_slo_s, saturating_forward_size
 from sloserve.kv.manager import ExactReservationKVManager, KVCacheManager
 from sloserve.kv.pipelined import PipelinedKVManager
 from sloserve.predict import LengthPredictor
-from sloserve.sched.base import Scheduler
+from sloserve.sched.cohort import CohortScheduler
 from sloserve.sched.ordering import TaskQueue
 
 
@@ -108,7 +108,7 @@ class EconoServeConfig:
             raise ConfigError("KV-cache pipelining needs decoupled PT and GT queues")
 
 
-class EconoServeScheduler(Scheduler):
+class EconoServeScheduler(CohortScheduler):
     """EconoServe with the mechanisms of ``EconoServeConfig`` switched on or off."""
 
     name = "econoserve"
@@ -238,11 +238,7 @@ class EconoServeScheduler(Scheduler):
             else:
                 self._admit_coupled_groups()
         self._fill_forward(out)  # ③
-        if self.cohort:
-            out.cohort = self.cohort
-            out.cohort_size = len(self.cohort)
-            out.cohort_kv_tokens = self.cohort.kv_tokens
-            out.cohort_max_kv_tokens = self.cohort.max_kv_tokens
+        self._schedule_cohort(out)
         if isinstance(self.kv, PipelinedKVManager):
             out.slot_copies = self.kv.take_copies()
             out.swap_bytes += len(out.slot_copies) * self.kv.kv_bytes_per_token
@@ -579,7 +575,7 @@ class EconoServeScheduler(Scheduler):
             return 1
         return self._cohort_memory_horizon(output, limit)
 
-    repeat = Scheduler._cohort_repeat  # NOTE: the base class's method itself: a call fewer per stretch
+    repeat = CohortScheduler._cohort_repeat  # NOTE: the base class's method itself: a call fewer per stretch
 
     def check_fits(self, request: Request, max_kv_tokens: int) -> None:
         kv = self.kv

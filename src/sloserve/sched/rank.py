@@ -63,9 +63,6 @@ class RankScheduler(Scheduler):
             key = 0
         return (key, request.arrival_time, request.request_id)
 
-    def on_token_emitted(self, request: Request) -> None:
-        """Decodes stay explicit chunks, reordered by rank every step."""
-
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
         kv, cfg = self.kv, self.config
@@ -111,5 +108,4 @@ class RankScheduler(Scheduler):
             out.chunks.append(ScheduledChunk(cand, num_tokens))
             in_batch.add(cand)
             used += num_tokens
-        out.cohort_joined = self._take_joined()
         return out

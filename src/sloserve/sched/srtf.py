@@ -92,9 +92,6 @@ class IterationScheduler(Scheduler):
         super().__init__(kv, predictor)
         self.config = config
 
-    def on_token_emitted(self, request: Request) -> None:
-        """Decodes stay explicit: the policy picks who runs every iteration."""
-
     def check_fits(self, request: Request, max_kv_tokens: int) -> None:
         check_fits_alone(self.kv, request, max_kv_tokens)
 

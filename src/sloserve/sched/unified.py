@@ -22,7 +22,7 @@ from sloserve.core.outputs import PreemptionMode, ScheduledChunk, SchedulerOutpu
 from sloserve.core.request import Request, RequestClass
 from sloserve.kv.manager import ExactReservationKVManager, KVCacheManager
 from sloserve.predict import LengthPredictor
-from sloserve.sched.base import Scheduler
+from sloserve.sched.cohort import CohortScheduler
 
 
 @dataclass
@@ -108,7 +108,7 @@ class UnifiedConfig:
             raise ConfigError(f"evicted_to must be front or back, got {self.evicted_to!r}")
 
 
-class UnifiedScheduler(Scheduler):
+class UnifiedScheduler(CohortScheduler):
     """Algorithm 1 with the knobs of ``UnifiedConfig``."""
 
     name = "unified"
@@ -151,7 +151,7 @@ class UnifiedScheduler(Scheduler):
 
     def _prefill_room(self, out: SchedulerOutput, reserved: int) -> int:
         """Tokens a prefill candidate may still take: min(C, P) minus what the batch holds (3)."""
-        used = out.cohort_size + self._chunk_tokens
+        used = self._chunk_tokens if out.decode is None else out.decode.size + self._chunk_tokens
         room_c, room_p = self._budget - reserved - used, self._prefill_budget - used
         return room_c if room_c < room_p else room_p  # min(), without the builtin's call: every step
 
@@ -171,11 +171,7 @@ class UnifiedScheduler(Scheduler):
                 self._schedule_swap_in(out)
             if self.incoming:
                 self._schedule_incoming(out)
-        if cohort.members:  # NOTE: not `if cohort`: len() of a Python-level class costs a call
-            out.cohort = cohort
-            out.cohort_size = len(cohort.members)
-            out.cohort_kv_tokens = cohort.kv_tokens
-            out.cohort_max_kv_tokens = cohort.max_kv_tokens
+        self._schedule_cohort(out)
 
     def _victim(self) -> Request:
         """The running request to evict (4)."""
@@ -286,7 +282,7 @@ class UnifiedScheduler(Scheduler):
     # admission that failed this step failed on C, P, max_num_seqs or memory, and none of those
     # loosens before a completion, an arrival or an eviction.
     # NOTE: the base class's methods themselves, not methods calling them: a call fewer per stretch.
-    decode_horizon = Scheduler._cohort_memory_horizon
+    decode_horizon = CohortScheduler._cohort_memory_horizon
 
     def chunk_horizon(self, output: SchedulerOutput, limit: int) -> int:
         """Sarathi (decode first, chunked prefill): a step of the cohort and one prompt chunk that
@@ -303,7 +299,7 @@ class UnifiedScheduler(Scheduler):
             or self._prefill_room(output, 0) > 0
             or cfg.priority != "decode_first"
             or not cfg.chunked_prefill
-            or output.cohort is None
+            or output.decode is None
             or output.preempted
             or output.swap_in
             or self.swapped
@@ -317,7 +313,7 @@ class UnifiedScheduler(Scheduler):
         limit = min(limit, -(-request.num_tokens_to_process // chunk) - 1)
         return self._cohort_memory_horizon(output, limit) if limit > 1 else 1
 
-    repeat = Scheduler._cohort_repeat
+    repeat = CohortScheduler._cohort_repeat
 
     # --- validation ----------------------------------------------------------------------------
     def policy_metrics(self) -> dict[str, Any]:

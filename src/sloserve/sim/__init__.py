@@ -5,5 +5,7 @@ from sloserve.cost.base import batch_shape
 from sloserve.replica import Replica, SimulationStuckError
 from sloserve.sim.executor import SimExecutor
 from sloserve.sim.simulator import ROUTERS, SimResult, simulate
+from sloserve.sim.stretch import StretchPlanner
 
-__all__ = ["ROUTERS", "Replica", "SimExecutor", "SimResult", "SimulationStuckError", "batch_shape", "simulate"]
+__all__ = ["ROUTERS", "Replica", "SimExecutor", "SimResult", "SimulationStuckError", "StretchPlanner", "batch_shape",
+           "simulate"]

@@ -8,8 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sloserve.core.cohort import Cohort
-from sloserve.core.outputs import SchedulerOutput, StepResult
+from sloserve.core.outputs import DecodeGroup, SchedulerOutput, StepResult
 from sloserve.core.request import Request
 from sloserve.cost.base import BatchShape, CostModel, batch_shape
 
@@ -40,7 +39,7 @@ class SimExecutor:
             heapq.heappush(self._finish_heap, (finish_tick, self._seq, r, r.cohort_epoch))
             self._seq += 1
 
-    def _drop_stale(self, cohort: Cohort) -> None:
+    def _drop_stale(self, cohort: DecodeGroup) -> None:
         heap = self._finish_heap
         while heap and (heap[0][2].cohort is not cohort or heap[0][2].cohort_epoch != heap[0][3]):
             _, _, r, epoch = heapq.heappop(heap)
@@ -51,9 +50,10 @@ class SimExecutor:
         """Cohort steps until (and including) the next one in which a member finishes."""
         if output.cohort_joined:
             self._track_joined(output)
-        cohort = output.cohort
-        if cohort is None:
+        decode = output.decode
+        if decode is None:
             return 1
+        cohort = decode.cohort
         self._drop_stale(cohort)
         return self._finish_heap[0][0] - cohort.ticks if self._finish_heap else 1 << 30
 
@@ -119,8 +119,9 @@ class SimExecutor:
         for r, c in output.chunks:
             if r.num_tokens_to_process == c * k and r.num_output_tokens + 1 >= r.true_output_tokens:
                 finished.append(r)
-        cohort = output.cohort
-        if cohort is not None:
+        decode = output.decode
+        if decode is not None:
+            cohort = decode.cohort
             last_tick = cohort.ticks + k
             heap = self._finish_heap
             while heap and heap[0][0] <= last_tick:

@@ -25,6 +25,7 @@ from sloserve.metrics.timeline import Timeline
 from sloserve.replica import Replica
 from sloserve.sched.base import Scheduler
 from sloserve.sim.executor import SimExecutor
+from sloserve.sim.stretch import StretchPlanner
 
 # on_progress is called about this often (in steps run).
 PROGRESS_EVERY_STEPS = 256
@@ -45,13 +46,35 @@ def _run_solo(
         # NOTE: arrivals due by the replica's clock are all added before it steps (ties: arrivals
         # first), and it has unfinished requests here: the one just added at least.
         if replica.now < next_arrival:
-            num_finished, num_steps = replica.run_until(next_arrival)
+            num_finished, num_steps = _run_until(replica, next_arrival)
             completed += num_finished
             steps += num_steps
             if on_progress is not None and steps >= next_progress:
                 on_progress(completed)
                 next_progress = steps + PROGRESS_EVERY_STEPS
     return completed, steps
+
+
+def _run_until(replica: Replica, next_event: float) -> tuple[int, int]:
+    """Step ``replica`` until ``next_event`` is due or nothing is left to run: (requests finished,
+    steps).
+
+    NOTE: only for a solo replica, whose steps nothing else reacts to in between.
+    """
+    has_unfinished = replica.scheduler.has_unfinished
+    step = replica.step
+    num_finished = num_steps = 0
+    while True:
+        finished = step(next_event)
+        num_steps += 1
+        # NOTE: a solo replica's requests leave only by finishing (no hand-off), so it can run
+        # dry only in a step that finished some: has_unfinished() is asked only then.
+        if finished:
+            num_finished += len(finished)
+            if not has_unfinished():
+                return num_finished, num_steps
+        if replica.now >= next_event:
+            return num_finished, num_steps
 
 
 def _latest_first(arrival: tuple[float, int, Request]) -> tuple[float, int]:
@@ -167,11 +190,14 @@ def simulate(
     if num_decode_replicas and (make_decode_scheduler is None or not link_bandwidth > 0):
         raise ValueError("disaggregated serving needs make_decode_scheduler and a link bandwidth > 0")
     wall0 = time.perf_counter()
-    replicas = [Replica(i, make_scheduler(), SimExecutor(cost_model), fast_path) for i in range(num_replicas)]
-    decoders = [
-        Replica(num_replicas + i, make_decode_scheduler(), SimExecutor(cost_model), fast_path)  # type: ignore[misc]
-        for i in range(num_decode_replicas)
-    ]
+    solo = num_replicas == 1 and not num_decode_replicas and not chains
+
+    def new_replica(index: int, scheduler: Scheduler) -> Replica:
+        executor = SimExecutor(cost_model)
+        return Replica(index, scheduler, executor, StretchPlanner(executor, solo) if fast_path else None)
+
+    replicas = [new_replica(i, make_scheduler()) for i in range(num_replicas)]
+    decoders = [new_replica(num_replicas + i, make_decode_scheduler()) for i in range(num_decode_replicas)]  # type: ignore[misc]
     everyone = replicas + decoders
     for rep in everyone:
         rep.on_step = on_step
@@ -198,8 +224,6 @@ def simulate(
     transferred_bytes = 0
     routed = routed_to_decode = completed = steps = 0
     next_progress = PROGRESS_EVERY_STEPS
-    solo = len(everyone) == 1 and not chains
-    everyone[0].solo = solo
     if solo:
         completed, steps = _run_solo(replicas[0], pending, on_progress)
     else:

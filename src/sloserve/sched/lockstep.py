@@ -2,11 +2,12 @@
 
 vLLM, Sarathi-Serve and ORCA put every running decode request into every decode step, so those
 requests advance as a whole. Instead of touching every member each step, a member's counters are
-stored relative to the cohort's ``ticks`` (see core/request.py): advancing the cohort by k ticks
+stored relative to the cohort's ``ticks`` (``Request.enter_cohort``): advancing the cohort by k ticks
 costs O(1), whatever its size, and a member's token times are the end times of the ticks it was in.
 
-This module holds only that counting, which ``Request`` reads. How the members' KV grows each tick,
-the scheduler's concern, is added by ``DecodeCohort`` (sched/cohort.py).
+This module holds only that counting. How the members' KV grows each tick is added by
+``DecodeCohort`` (sched/decode_cohort.py); the policies that use one derive from ``CohortScheduler``
+(sched/cohort.py).
 """
 
 from __future__ import annotations
@@ -50,30 +51,23 @@ class Cohort:
     def add(self, request: Request) -> None:
         """Join: from the next tick on, ``request`` processes one token per tick."""
         assert request.cohort is None and not request.is_prefill, request
-        t = self.ticks
-        self.kv_tokens += request._computed_offset  # its num_computed_tokens
-        # NOTE: from here until it leaves, the request's counters read offset + ticks.
-        request._computed_offset -= t
-        request._output_offset -= t
-        heapq.heappush(self._longest, (-request._computed_offset, id(request), request))
-        request.cohort = self
-        request.cohort_epoch += 1
-        self.members[request] = t
+        self.kv_tokens += request.num_computed_tokens
+        request.enter_cohort(self)
+        heapq.heappush(self._longest, (-request.computed_tokens_at_tick_zero, id(request), request))
+        self.members[request] = self.ticks
 
     def remove(self, request: Request) -> None:
         """Leave (finish or preemption): record the tokens produced while a member."""
         assert request.cohort is self, request
         joined, now = self.members.pop(request), self.ticks
-        self.kv_tokens -= request._computed_offset + now  # its num_computed_tokens
+        self.kv_tokens -= request.num_computed_tokens
         if len(self._longest) > 2 * len(self.members) + 32:
-            self._longest = [(-r._computed_offset, id(r), r) for r in self.members]
+            self._longest = [(-r.computed_tokens_at_tick_zero, id(r), r) for r in self.members]
             heapq.heapify(self._longest)
         if now > joined:
             times = self._times.ends(joined + 1) if request.token_times is not None else None
             request.record_token_run(*self._times.run(joined + 1), times)
-        request._computed_offset += now
-        request._output_offset += now
-        request.cohort = None
+        request.leave_cohort()
 
     def advance(self, end_times: Sequence[float]) -> None:
         """Advance ``len(end_times)`` ticks that ended at those times."""
@@ -90,7 +84,7 @@ class Cohort:
         while heap:
             negative_offset, _, request = heap[0]
             # NOTE: a member that left, or left and joined again (at another offset), is stale.
-            if request.cohort is self and request._computed_offset == -negative_offset:
+            if request.cohort is self and request.computed_tokens_at_tick_zero == -negative_offset:
                 return self.ticks - negative_offset
             heapq.heappop(heap)
         return 0
