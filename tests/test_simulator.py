@@ -7,6 +7,7 @@ import pytest
 
 from helpers import llama7b_cost, scheduler, timestamps
 from sloserve.core.request import RequestStatus
+from sloserve.sched.registry import scheduler_names
 from sloserve.sim import simulate
 from sloserve.workload.build import workload_from_trace
 
@@ -59,6 +60,31 @@ def test_fast_path_gives_the_same_timestamps(trace, name, kwargs):
     for col in ("num_tokens", "kv_used_tokens", "kv_allocated_tokens", "num_decode"):
         np.testing.assert_array_equal(fast.timeline.column(col), slow.timeline.column(col), err_msg=col)
     np.testing.assert_allclose(fast.timeline.column("start_s"), slow.timeline.column("start_s"), rtol=1e-9)
+
+
+def _every_scheduler_run(name: str, fast: bool):
+    from sloserve.core.request import RequestClass
+
+    workload = workload_from_trace("sharegpt", num_requests=120, seed=7, context_len=4096, rate=15.0)
+    for r in workload.requests[1::2]:
+        r.request_class = RequestClass.BE
+    result = simulate(
+        workload.requests,
+        lambda: scheduler(name, 12_000, swap_space_tokens=4_000),
+        llama7b_cost(),
+        fast_path=fast,
+    )
+    return workload.requests, result
+
+
+@pytest.mark.parametrize("name", scheduler_names())
+def test_every_scheduler_gives_the_same_timestamps_with_the_fast_path(name):
+    """Whatever a policy's horizons (the defaults: none), stretches change no timestamp."""
+    slow_reqs, slow = _every_scheduler_run(name, fast=False)
+    fast_reqs, fast = _every_scheduler_run(name, fast=True)
+    np.testing.assert_allclose(timestamps(fast_reqs), timestamps(slow_reqs), rtol=1e-9, atol=0, equal_nan=True)
+    assert [r.num_preemptions for r in slow_reqs] == [r.num_preemptions for r in fast_reqs]
+    assert len(fast.timeline) == len(slow.timeline)
 
 
 def test_fast_path_stretches_exist():

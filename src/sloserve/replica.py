@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 from sloserve.core.outputs import SchedulerOutput, StepResult
 from sloserve.core.request import Request
@@ -24,24 +24,15 @@ class SimulationStuckError(RuntimeError):
     """The scheduler has unfinished requests but schedules nothing (a policy bug)."""
 
 
-class Stretch(NamedTuple):
-    """How a planned output runs: its steps' end times (computed while planning it), and for a
-    stretch of several steps the KV in use and allocated before they run, for the timeline."""
-
-    end_times: Sequence[float]
-    kv_used_tokens: int = 0
-    kv_allocated_tokens: int = 0
-
-
 class StretchPlanner(Protocol):
     """Turns an output into a stretch of steps (sim/stretch.py); the engine has none."""
 
-    def plan(self, replica: Replica, output: SchedulerOutput, next_arrival: float) -> Stretch | None:
-        """``output`` repeated (``SchedulerOutput.repeated``) for as many steps as nothing changes,
-        with the end times of its steps; None to run it as one step."""
+    def plan(self, replica: Replica, output: SchedulerOutput, next_arrival: float) -> Sequence[float] | None:
+        """``output`` repeated (``SchedulerOutput.repeated``) for as many steps as nothing changes;
+        the end times of its steps, or None to run it as one step the executor times."""
         ...
 
-    def record(self, replica: Replica, output: SchedulerOutput, start: float, stretch: Stretch,
+    def record(self, replica: Replica, output: SchedulerOutput, start: float, end_times: Sequence[float],
                sched_time: float) -> None:  # fmt: skip
         """Append the timeline rows of an executed stretch of ``output.num_steps`` > 1 steps."""
         ...
@@ -79,14 +70,19 @@ class Replica:
         out = self.scheduler.schedule(start)
         if not out.chunks and out.decode is None and out.is_empty:  # NOTE: the fields first: no call
             return self._wait(out, next_arrival)
-        self._begin(out)
-        stretch = None if self.stretches is None else self.stretches.plan(self, out, next_arrival)
+        if out.chunks or out.cohort_joined or out.preempted:
+            _account_service(out, start)
+        if self.on_step is not None:
+            self.on_step(self.index, out)
+        end_times = None
+        if self.stretches is not None and out.decode is not None:  # NOTE: only cohort steps repeat
+            end_times = self.stretches.plan(self, out, next_arrival)
         sched_time = time.perf_counter() - t0
-        result = self.executor.execute(out, start, None if stretch is None else stretch.end_times)
+        result = self.executor.execute(out, start, end_times)
         self.now = float(result.step_end_times[-1])
         finished = self.scheduler.update(out, result, self.now)
         if out.num_steps > 1:
-            self.stretches.record(self, out, start, stretch, sched_time)
+            self.stretches.record(self, out, start, result.step_end_times, sched_time)
         else:
             self._record_step(out, start, sched_time)
         self.outstanding -= len(finished)
@@ -103,13 +99,6 @@ class Replica:
         self.scheduler.update(out, StepResult(step_end_times=(self.now,)), self.now)
         self.now = next_arrival
         return []
-
-    def _begin(self, out: SchedulerOutput) -> None:
-        """Before ``out`` runs: the JCT decomposition of the requests it touches, and ``on_step``."""
-        if out.chunks or out.cohort_joined or out.preempted:
-            _account_service(out, self.now)
-        if self.on_step is not None:
-            self.on_step(self.index, out)
 
     def _record_step(self, out: SchedulerOutput, start: float, sched_time: float) -> None:
         num_prefill = num_decode = 0

@@ -15,7 +15,7 @@ NOTE: the KV a request ever holds peaks at I + O - 1 tokens: the last output tok
 A policy may let decode requests that advance together every step share one tick counter (the
 decode cohort of sched/cohort.py, which policies opt into). While a request is in one, its counters
 are derived from that counter, so a step costs O(1) for the whole cohort instead of O(batch):
-``num_computed_tokens = _computed_offset + cohort.ticks``. The request sees the cohort only through
+``num_computed_tokens = computed_offset + cohort.ticks``. The request sees the cohort only through
 ``TickCounter``; ``enter_cohort`` and ``leave_cohort`` convert the counters.
 """
 
@@ -94,7 +94,10 @@ class Request:
     # --- progress (mutated only by the scheduler's update) -------------------------------------
     status: RequestStatus = RequestStatus.WAITING
     # Stored with the cohort's tick subtracted while in a cohort; read through the properties.
-    _computed_offset: int = 0
+    # computed_offset: num_computed_tokens - cohort.ticks in a cohort (constant while it stays in it),
+    # the position by which a cohort orders its members and schedules their KV growth; outside one,
+    # num_computed_tokens. NOTE: read-only outside this class (the methods below change it).
+    computed_offset: int = 0
     _output_offset: int = 0
     cohort: TickCounter | None = None
     # Sequence number of cohort joins; lets executors discard stale per-member bookkeeping.
@@ -139,7 +142,7 @@ class Request:
     def num_computed_tokens(self) -> int:
         """Tokens whose KV is in the cache (``m`` in InferMax)."""
         cohort = self.cohort
-        return self._computed_offset if cohort is None else self._computed_offset + cohort.ticks
+        return self.computed_offset if cohort is None else self.computed_offset + cohort.ticks
 
     @property
     def num_output_tokens(self) -> int:
@@ -158,18 +161,12 @@ class Request:
     @property
     def num_tokens_to_process(self) -> int:
         """Tokens to process before the next token can be sampled (``c`` at most)."""
-        return self.num_prompt_tokens + self._output_offset - self._computed_offset
+        return self.num_prompt_tokens + self._output_offset - self.computed_offset
 
     @property
     def is_prefill(self) -> bool:
         """True while more than one token must be processed (prefill, chunked prefill or refill)."""
-        return self.num_prompt_tokens + self._output_offset - self._computed_offset > 1
-
-    @property
-    def computed_tokens_at_tick_zero(self) -> int:
-        """num_computed_tokens - cohort.ticks in a cohort (constant while it stays in it), else
-        num_computed_tokens: the position a cohort orders and schedules its members' growth by."""
-        return self._computed_offset
+        return self.num_prompt_tokens + self._output_offset - self.computed_offset > 1
 
     @property
     def max_kv_tokens(self) -> int:
@@ -182,7 +179,7 @@ class Request:
 
     # --- mutation (scheduler side) -------------------------------------------------------------
     def add_computed(self, num_tokens: int) -> None:
-        self._computed_offset += num_tokens
+        self.computed_offset += num_tokens
 
     def add_output_token(self, now: float) -> None:
         """Record one sampled output token at time ``now``."""
@@ -194,7 +191,7 @@ class Request:
         assert self.cohort is None, self
         t = cohort.ticks
         # NOTE: from here until it leaves, the counters read offset + ticks.
-        self._computed_offset -= t
+        self.computed_offset -= t
         self._output_offset -= t
         self.cohort = cohort
         self.cohort_epoch += 1
@@ -202,7 +199,7 @@ class Request:
     def leave_cohort(self) -> None:
         """The counters stop advancing with the cohort's ticks; they keep what those ticks gave."""
         t = self.cohort.ticks
-        self._computed_offset += t
+        self.computed_offset += t
         self._output_offset += t
         self.cohort = None
 
@@ -214,7 +211,7 @@ class Request:
     def reset_computed(self) -> None:
         """Drop all KV (recompute eviction): generated tokens are kept and will be refilled."""
         assert self.cohort is None, "leave the cohort before dropping KV"
-        self._computed_offset = 0
+        self.computed_offset = 0
 
     def record_token_time(self, now: float) -> None:
         if self.token_times is not None:

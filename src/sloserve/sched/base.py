@@ -87,6 +87,8 @@ class Scheduler(ABC):
     def update(self, output: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
         """Apply an executed step: progress counters, token times, finished requests. Returns the
         requests that finished."""
+        if output.decode is not None:
+            output.decode.cohort.advance(result.step_end_times)
         emitted: list[Request] = []
         for request, num_tokens in output.chunks:
             request.add_computed(num_tokens * output.num_steps)

@@ -6,8 +6,9 @@ prompt is done (it sampled a token and goes on) joins the decode cohort (``on_to
 the cohort's members then advance together in O(1) per step whatever their number
 (sched/lockstep.py), with their KV growth reserved in O(1) per step too (sched/decode_cohort.py).
 
-What a policy adds: call ``_schedule_cohort(out)`` when its step runs the decodes (after growing the
-cohort with ``self.cohort.try_grow``), and ``_take_joined()`` into ``out.cohort_joined``. Running
+What a policy adds: each step that runs the decodes, reserve their growth with
+``self.cohort.try_grow`` and then call ``_schedule_cohort(out)``; and put ``_take_joined()`` into
+``out.cohort_joined``. Running
 requests outside the cohort (prompts in progress) are in ``outside_cohort``. The simulator's fast
 path comes with it: ``_cohort_memory_horizon`` is a ready ``decode_horizon`` for a policy whose
 decode-only step changes only on a completion, an arrival or a memory event, and ``_cohort_repeat``
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sloserve.core.outputs import CohortStep, SchedulerOutput, StepResult
+from sloserve.core.outputs import CohortStep, SchedulerOutput
 from sloserve.core.request import Request
 from sloserve.kv.manager import KVCacheManager
 from sloserve.predict import LengthPredictor
@@ -37,23 +38,19 @@ class CohortScheduler(Scheduler):
         self._joined: list[Request] = []  # cohort joins not yet reported in an output
 
     # --- the step -------------------------------------------------------------------------------
-    def update(self, output: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
-        if output.decode is not None:
-            self.cohort.advance(result.step_end_times)
-        else:
-            self.cohort.skip_growth()
-        return super().update(output, result, now)
-
     def on_token_emitted(self, request: Request) -> None:
         """A request outside the cohort sampled a token and goes on: by default it joins the cohort."""
         self._join_cohort(request)
 
     def _schedule_cohort(self, out: SchedulerOutput) -> None:
-        """Run the cohort's members this step, one token each, when it has any (its growth for this
-        tick must be reserved: ``self.cohort.try_grow``)."""
+        """Run the cohort's members this step, one token each, when it has any (their growth for this
+        tick reserved by ``self.cohort.try_grow``); ``update`` advances the cohort."""
         cohort = self.cohort
         if cohort.members:  # NOTE: not `if cohort`: len() of a Python-level class costs a call
-            out.decode = CohortStep(cohort, len(cohort.members), cohort.kv_tokens, cohort.max_kv_tokens)
+            # NOTE: tuple.__new__ builds the named tuple without its Python-level __new__: every step.
+            out.decode = tuple.__new__(CohortStep, (cohort, len(cohort.members), cohort.kv_tokens, cohort.max_kv_tokens))
+        else:
+            cohort.skip_growth()  # an empty cohort's tick is not run
 
     # --- membership -----------------------------------------------------------------------------
     def _admit(self, request: Request) -> None:

@@ -49,7 +49,7 @@ class DecodeCohort(Cohort):
         super().add(request)
         # At tick u a member processes the token at position offset + u - 1, so it needs
         # num_slots >= offset + u: it is first due at the first tick where that fails.
-        first_due = self.kv.num_slots(request) - request.computed_tokens_at_tick_zero + 1
+        first_due = self.kv.num_slots(request) - request.computed_offset + 1
         # NOTE: residue counting needs the first due tick within one period after the growth mark.
         assert 0 < first_due - self._grown_through <= (self._period or first_due), request
         self._first_due[request] = first_due
@@ -82,7 +82,7 @@ class DecodeCohort(Cohort):
         if self._period is None or self._grown_through < first_due:
             return 0
         entitled = (self._grown_through - first_due) // self._period + 1
-        granted = first_due - 1 + request.computed_tokens_at_tick_zero + entitled * self._period
+        granted = first_due - 1 + request.computed_offset + entitled * self._period
         return granted - self.kv.num_slots(request)
 
     def settle(self, request: Request) -> None:
@@ -96,7 +96,7 @@ class DecodeCohort(Cohort):
         """New blocks the members need to process their token at ``tick``."""
         if self._period is not None:
             return self._due_count[tick % self._period]
-        return sum(self.kv.blocks_needed(r, r.computed_tokens_at_tick_zero + tick) for r in self._due_members(tick))
+        return sum(self.kv.blocks_needed(r, r.computed_offset + tick) for r in self._due_members(tick))
 
     def due_members(self, tick: int) -> list[Request]:
         """Members that outgrow their slots at ``tick`` (managers without periodic growth only)."""
@@ -157,9 +157,9 @@ class DecodeCohort(Cohort):
         self._due.pop(tick, None)
         before = self.kv.num_free_blocks
         for r in members:
-            done = self.kv.allocate_slots(r, r.computed_tokens_at_tick_zero + tick)
+            done = self.kv.allocate_slots(r, r.computed_offset + tick)
             assert done, f"no room to grow {r}"
-            due = self.kv.num_slots(r) - r.computed_tokens_at_tick_zero + 1
+            due = self.kv.num_slots(r) - r.computed_offset + 1
             self._due.setdefault(due, []).append((r, r.cohort_epoch))
         return before - self.kv.num_free_blocks
 

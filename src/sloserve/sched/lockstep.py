@@ -35,11 +35,12 @@ class Cohort:
         # Sum of members' num_computed_tokens: the KV decode attention reads next tick.
         # NOTE: kept up to date by add, remove and advance (an attribute: read every step).
         self.kv_tokens = 0
-        # A max-heap of (-(num_computed_tokens - ticks), id, member) as each joined: every member gains
-        # one per tick, so their order holds while they stay, and the longest is the top plus ticks
-        # (max_kv_tokens). NOTE: a leaving member's entry stays until it reaches the top (then
-        # dropped), or until the heap holds twice the members (then rebuilt).
-        self._longest: list[tuple[int, int, Request]] = []
+        # A max-heap of (-(num_computed_tokens - ticks), id, member, its cohort_epoch) as each joined:
+        # every member gains one per tick, so their order holds while they stay, and the longest is
+        # the top plus ticks (max_kv_tokens). NOTE: a leaving member's entry stays until it reaches
+        # the top (then dropped: its epoch or cohort no longer match), or until the heap holds twice
+        # the members (then rebuilt).
+        self._longest: list[tuple[int, int, Request, int]] = []
         self._times = TickTimes()
 
     def __len__(self) -> int:
@@ -51,18 +52,19 @@ class Cohort:
     def add(self, request: Request) -> None:
         """Join: from the next tick on, ``request`` processes one token per tick."""
         assert request.cohort is None and not request.is_prefill, request
-        self.kv_tokens += request.num_computed_tokens
+        computed, t = request.computed_offset, self.ticks  # outside a cohort: its num_computed_tokens
+        self.kv_tokens += computed
         request.enter_cohort(self)
-        heapq.heappush(self._longest, (-request.computed_tokens_at_tick_zero, id(request), request))
-        self.members[request] = self.ticks
+        heapq.heappush(self._longest, (t - computed, id(request), request, request.cohort_epoch))
+        self.members[request] = t
 
     def remove(self, request: Request) -> None:
         """Leave (finish or preemption): record the tokens produced while a member."""
         assert request.cohort is self, request
         joined, now = self.members.pop(request), self.ticks
-        self.kv_tokens -= request.num_computed_tokens
+        self.kv_tokens -= request.computed_offset + now  # its num_computed_tokens
         if len(self._longest) > 2 * len(self.members) + 32:
-            self._longest = [(-r.computed_tokens_at_tick_zero, id(r), r) for r in self.members]
+            self._longest = [(-r.computed_offset, id(r), r, r.cohort_epoch) for r in self.members]
             heapq.heapify(self._longest)
         if now > joined:
             times = self._times.ends(joined + 1) if request.token_times is not None else None
@@ -82,9 +84,9 @@ class Cohort:
         context that decode attention walks next tick."""
         heap = self._longest
         while heap:
-            negative_offset, _, request = heap[0]
+            negative_offset, _, request, epoch = heap[0]
             # NOTE: a member that left, or left and joined again (at another offset), is stale.
-            if request.cohort is self and request.computed_tokens_at_tick_zero == -negative_offset:
+            if request.cohort is self and request.cohort_epoch == epoch:
                 return self.ticks - negative_offset
             heapq.heappop(heap)
         return 0

@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 
 from sloserve.core.outputs import SchedulerOutput
-from sloserve.replica import Replica, Stretch
+from sloserve.replica import Replica
 from sloserve.sim.executor import SimExecutor
 
 # Longest stretch advanced at once (bounds the arrays a stretch allocates).
@@ -43,18 +43,20 @@ class StretchPlanner:
     def __init__(self, executor: SimExecutor, solo: bool = False) -> None:
         self.executor = executor
         self.solo = solo
+        # KV in use and allocated before the planned stretch runs (for its timeline rows): a
+        # stretch's earlier steps end before its finished requests free theirs.
+        self._kv_used_before = self._kv_allocated_before = 0
 
-    def plan(self, replica: Replica, output: SchedulerOutput, next_arrival: float) -> Stretch | None:
-        """``output`` made a stretch where it repeats; None (or one end time) for a single step."""
+    def plan(self, replica: Replica, output: SchedulerOutput, next_arrival: float) -> Sequence[float] | None:
+        """``output``, a step of the decode cohort, made a stretch where it repeats, and its steps' end
+        times; None (or a single end time) for a single step."""
         if output.chunks:
-            if output.decode is not None:
-                return self._chunk_stretch(replica, output)
-            return None
+            return self._chunk_stretch(replica, output)
         if output.is_decode_only:
             return self._decode_stretch(replica, output, next_arrival)
         return None
 
-    def _decode_stretch(self, replica: Replica, out: SchedulerOutput, next_arrival: float) -> Stretch:
+    def _decode_stretch(self, replica: Replica, out: SchedulerOutput, next_arrival: float) -> Sequence[float]:
         """The decode-only ``out`` repeated for as many steps as nothing changes, with the end time of
         each step: through the first step that ends at or after ``next_arrival``, the next completion
         or the last step whose KV growth fits."""
@@ -63,7 +65,7 @@ class StretchPlanner:
         # less than setting up a stretch, and one cost-model call decides that.
         shape, first = executor.first_step(out)
         if now + MIN_STRETCH_STEPS * first >= next_arrival:
-            return Stretch((now + first,))
+            return (now + first,)
         limit = min(executor.steps_until_finish(out), MAX_STRETCH_STEPS)
         if next_arrival < math.inf:
             # Step times only grow along a stretch (KV grows), so the arrival is reached within
@@ -72,13 +74,13 @@ class StretchPlanner:
         if limit > 1:
             limit = replica.scheduler.decode_horizon(out, limit)
         if limit <= 1:
-            return Stretch((now + first,))
+            return (now + first,)
         ends = executor.end_times(out, now, limit, next_arrival, first, shape)
         if len(ends) == 1:
-            return Stretch((float(ends[0]),))  # NOTE: a single step's end times are a tuple of a float
+            return (float(ends[0]),)  # NOTE: a single step's end times are a tuple of a float
         return self._repeat(replica, out, ends)
 
-    def _chunk_stretch(self, replica: Replica, out: SchedulerOutput) -> Stretch | None:
+    def _chunk_stretch(self, replica: Replica, out: SchedulerOutput) -> Sequence[float] | None:
         """``out`` (decodes and a prompt chunk) repeated for as many steps as the scheduler's
         ``chunk_horizon`` allows, up to the step before the next completion (through it when
         ``solo``), with their end times; None for a single step. Such steps leave no room for
@@ -93,15 +95,14 @@ class StretchPlanner:
             return None
         return self._repeat(replica, out, self.executor.end_times(out, replica.now, limit))
 
-    @staticmethod
-    def _repeat(replica: Replica, out: SchedulerOutput, ends: Sequence[float]) -> Stretch:
-        """``out`` made to stand for ``len(ends)`` steps; the KV before they run, for the timeline
-        (a stretch's earlier steps end before its finished requests free theirs)."""
+    def _repeat(self, replica: Replica, out: SchedulerOutput, ends: Sequence[float]) -> Sequence[float]:
+        """``out`` made to stand for ``len(ends)`` steps, which end at ``ends``."""
         sched = replica.scheduler
         sched.repeat(out, len(ends))
-        return Stretch(ends, sched.kv_used_tokens(), sched.kv.allocated_tokens)
+        self._kv_used_before, self._kv_allocated_before = sched.kv_used_tokens(), sched.kv.allocated_tokens
+        return ends
 
-    def record(self, replica: Replica, out: SchedulerOutput, start: float, stretch: Stretch,
+    def record(self, replica: Replica, out: SchedulerOutput, start: float, end_times: Sequence[float],
                sched_time: float) -> None:  # fmt: skip
         """The timeline rows of an executed stretch."""
         kv = replica.scheduler.kv
@@ -110,13 +111,13 @@ class StretchPlanner:
             num_prefill += c
         replica.timeline.append_stretch(
             start,
-            stretch.end_times,
+            end_times,
             0 if out.decode is None else out.decode.size,
             num_prefill,
             len(out.chunks),
-            stretch.kv_used_tokens,
+            self._kv_used_before,
             replica.scheduler.kv_used_tokens(),
-            stretch.kv_allocated_tokens,
+            self._kv_allocated_before,
             kv.allocated_tokens,
             out.new_blocks_per_step,
             kv.block_size,
