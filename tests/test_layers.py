@@ -1,7 +1,9 @@
 """Which package may import which (docs/architecture.md): the core stands alone, the engine does not
-depend on the simulator, and nothing below the front ends imports them."""
+depend on the simulator, nothing below the front ends imports them, and no two modules import each
+other, directly or round a circle (a lazy import inside a function counts too)."""
 
 import ast
+import sys
 from pathlib import Path
 
 import sloserve
@@ -34,6 +36,73 @@ def _imports(path: Path) -> set[str]:
             names = [node.module]
         found |= {n.split(".")[1] for n in names if n.startswith("sloserve.") and n.count(".") >= 1}
     return found
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The sloserve modules ``path`` imports anywhere in it: ``from package import submodule`` names the
+    submodule, ``from module import name`` the module."""
+    package = _module(path) if path.name == "__init__.py" else _module(path).rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+    return (found & modules) - {_module(path)}
+
+
+def _import_circles() -> list[list[str]]:
+    """Groups of modules that import one another round a circle (strongly connected components)."""
+    paths = {_module(p): p for p in SRC.rglob("*.py")}
+    graph = {m: _module_imports(p, set(paths)) for m, p in paths.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = stack[stack.index(v) :]
+            del stack[stack.index(v) :]
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return circles
+
+
+def test_no_import_circles():
+    assert _import_circles() == []
+
+
+def test_the_circle_check_finds_a_circle(tmp_path, monkeypatch):
+    package = tmp_path / "sloserve"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("def f():\n    from sloserve.b import g\n")  # lazy: still a circle
+    (package / "b.py").write_text("from sloserve import a\n")
+    (package / "c.py").write_text("from sloserve.a import f\n")
+    monkeypatch.setattr(sys.modules[__name__], "SRC", package)
+    assert _import_circles() == [["sloserve.a", "sloserve.b"]]
 
 
 def _package(path: Path) -> str:

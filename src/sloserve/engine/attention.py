@@ -18,7 +18,6 @@ not batch x the longest context.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
@@ -26,7 +25,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from sloserve.core.errors import ConfigError
 
 
 @dataclass
@@ -205,25 +203,3 @@ class TorchAttention(AttentionBackend):
             out[batch.token_index] = attended.flatten(1, 2)
         return out
 
-
-def _triton() -> AttentionBackend:
-    try:
-        from sloserve.engine.triton_attention import TritonAttention
-    except ImportError as e:
-        raise ConfigError(
-            f"attention backend 'triton' needs the triton package ({e}); CUDA builds of torch bring it"
-        ) from e
-    return TritonAttention()
-
-
-def triton_available() -> bool:
-    """Whether the ``triton`` backend can be built here (the package imports)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-# name -> factory. The loader's "auto" picks triton on CUDA when it is installed, torch elsewhere.
-BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchAttention, "triton": _triton}

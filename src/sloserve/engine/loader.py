@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from sloserve.core.errors import ConfigError
-from sloserve.engine.attention import BACKENDS, triton_available
+from sloserve.engine.attention_selector import BACKENDS, triton_available
 from sloserve.engine.config import (
     RANDOM_PREFIX,
     ModelConfig,

@@ -2,12 +2,12 @@
 
 from sloserve.kv.block_pool import BlockPool
 from sloserve.kv.manager import (
-    KV_MANAGERS,
     ExactReservationKVManager,
     KVCacheManager,
     MaxAllocationKVManager,
     PagedKVManager,
 )
+from sloserve.kv.registry import KV_MANAGERS
 
 __all__ = [
     "KV_MANAGERS",

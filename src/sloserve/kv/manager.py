@@ -299,20 +299,3 @@ class ExactReservationKVManager(KVCacheManager):
         super().free(request)
         self._reservation.pop(request, None)
 
-
-KV_MANAGERS: dict[str, type[KVCacheManager]] = {
-    "paged": PagedKVManager,
-    "max": MaxAllocationKVManager,
-    "exact": ExactReservationKVManager,
-}
-
-
-def _register_token_slot_managers() -> None:
-    from sloserve.kv.bidirectional import BidirectionalKVManager
-    from sloserve.kv.pipelined import PipelinedKVManager
-
-    KV_MANAGERS["bidirectional"] = BidirectionalKVManager
-    KV_MANAGERS["pipelined"] = PipelinedKVManager
-
-
-_register_token_slot_managers()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sloserve.optimal.model import BatchPlan, BoundProblem
+from sloserve.optimal.problem import BatchPlan, BoundProblem
 
 
 def plot_gantt(problem: BoundProblem, plan: list[BatchPlan], path: Path, title: str = "") -> Path:

@@ -8,7 +8,7 @@ from sloserve.core.outputs import SchedulerOutput
 from sloserve.core.request import Request
 from sloserve.cost.linear import LinearCostModel
 from sloserve.kv.manager import PagedKVManager
-from sloserve.optimal.model import BatchPlan, BoundProblem
+from sloserve.optimal.problem import BatchPlan, BoundProblem
 from sloserve.optimal.replay import ReplayScheduler
 from sloserve.sched import make_scheduler
 from sloserve.sim import simulate

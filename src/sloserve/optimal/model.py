@@ -33,53 +33,12 @@ from dataclasses import dataclass, field
 from sloserve.core.errors import ConfigError
 from sloserve.cost.base import BatchShape
 from sloserve.cost.linear import LinearCostModel
+from sloserve.optimal.problem import BatchPlan, BoundProblem
 from sloserve.optimal.relaxation import min_batches, offline_bound, request_work, whole_model_coefficients
 
 TIME_UNITS_PER_S = 10**12  # the objective's integer time unit: picoseconds
 # Largest model solved by default: requests x batches (each cell holds ~14 variables).
 MAX_CELLS = 4000
-
-
-@dataclass(frozen=True)
-class BoundProblem:
-    """A workload and the limits of one replica."""
-
-    prompts: tuple[int, ...]  # I_i
-    outputs: tuple[int, ...]  # O_i
-    arrivals: tuple[float, ...]  # T_i, seconds (all 0: offline)
-    kv_capacity_tokens: int  # M
-    max_num_batched_tokens: int  # C
-    prefill_token_budget: int | None  # P (None: no prefill budget beyond C)
-    num_batches: int = 0  # J (set before solving, e.g. from heuristic schedules)
-
-    def __post_init__(self) -> None:
-        n = len(self.prompts)
-        if not n or len(self.outputs) != n or len(self.arrivals) != n:
-            raise ConfigError("bound: prompts, outputs and arrivals must be non-empty and of one length")
-        if self.prefill_token_budget is not None and self.prefill_token_budget > self.max_num_batched_tokens:
-            raise ConfigError(
-                f"prefill budget P={self.prefill_token_budget} exceeds C={self.max_num_batched_tokens}"
-            )
-        longest = max(i + o - 1 for i, o in zip(self.prompts, self.outputs, strict=True))
-        if self.kv_capacity_tokens < longest:
-            raise ConfigError(
-                f"KV capacity M={self.kv_capacity_tokens} is below the longest request's I + O - 1 = {longest}"
-            )
-
-    @property
-    def online(self) -> bool:
-        return any(t > 0 for t in self.arrivals)
-
-
-@dataclass
-class BatchPlan:
-    """One batch of a schedule."""
-
-    start_s: float
-    end_s: float
-    tokens: dict[int, int]  # request index -> tokens processed (c)
-    evicted: list[int]  # requests whose KV is dropped before they finished
-    kv_tokens: int  # sum of m after the batch
 
 
 @dataclass

@@ -65,7 +65,7 @@ from sloserve.core.errors import ConfigError
 from sloserve.cost.linear import LinearCostModel
 
 if TYPE_CHECKING:  # model.py imports this module
-    from sloserve.optimal.model import BoundProblem
+    from sloserve.optimal.problem import BoundProblem
 
 
 def request_work(k: Mapping[str, float], prompt: int, output: int) -> float:

@@ -7,7 +7,7 @@ from collections import deque
 from sloserve.core.outputs import PreemptionMode, ScheduledChunk, SchedulerOutput
 from sloserve.core.request import Request, RequestStatus
 from sloserve.kv.manager import KVCacheManager
-from sloserve.optimal.model import BatchPlan
+from sloserve.optimal.problem import BatchPlan
 from sloserve.sched.base import Scheduler
 
 

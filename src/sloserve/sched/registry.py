@@ -11,7 +11,7 @@ from typing import Any
 
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.cost.base import CostModel
-from sloserve.kv.manager import KV_MANAGERS
+from sloserve.kv.registry import KV_MANAGERS
 from sloserve.predict import LengthPredictor, NoisyOraclePredictor, make_predictor
 from sloserve.sched.base import Scheduler
 from sloserve.sched.bros import BrosConfig, BrosScheduler, RoundRobinScheduler

@@ -22,11 +22,20 @@ from sloserve.workload.spec import (
     UniformSource,
     WorkloadSpec,
     list_workloads,
-    load_workload_spec,
-    parse_workload_spec,
     with_rt_rate,
 )
 from sloserve.workload.traces import TRACES, TraceData, TraceInfo, load_trace, trace_summary
+
+
+def __getattr__(name: str):
+    """``load_workload_spec`` and ``parse_workload_spec``, imported when first asked for: they load
+    pydantic, which a run from a trace does not need."""
+    if name in ("load_workload_spec", "parse_workload_spec"):
+        from sloserve.workload import spec_yaml
+
+        return getattr(spec_yaml, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "TRACES",

@@ -35,7 +35,6 @@ from sloserve.workload.spec import (
     TraceSource,
     UniformSource,
     WorkloadSpec,
-    parse_workload_spec,
 )
 from sloserve.workload.traces import TRACES, load_trace
 
@@ -178,6 +177,8 @@ def workload_from_trace(
     if columns:
         source["columns"] = dict(columns)
     stream = _stream_dict(label, request_class, source, arrival, num_requests, slo, max_tokens)
+    from sloserve.workload.spec_yaml import parse_workload_spec  # NOTE: loads pydantic: not at import
+
     spec = parse_workload_spec({"name": f"{label}@{_arrival_label(arrival)}",
                                 "streams": [stream]}, origin=f"--trace {trace}")
     return build_workload(spec, seed=seed, context_len=context_len)
@@ -196,6 +197,8 @@ def synthetic_workload(
     source = {"fixed": {"prompt": prompt, "output": output}}
     label = f"fixed-{prompt}-{output}"
     stream = _stream_dict(label, request_class, source, arrival, num_requests, slo, max_tokens)
+    from sloserve.workload.spec_yaml import parse_workload_spec  # NOTE: loads pydantic: not at import
+
     spec = parse_workload_spec({"name": f"{label}@{_arrival_label(arrival)}",
                                 "streams": [stream]}, origin="synthetic workload")
     return build_workload(spec, seed=seed, context_len=context_len)

@@ -1,5 +1,5 @@
 """Workload specs: streams of requests (a length source, an arrival process, a class and SLOs),
-read from YAML and validated field by field (``spec_fields.py``: pydantic models, errors in our words).
+read from YAML and validated field by field by ``spec_yaml.py`` (pydantic models, errors in our words).
 
 A spec file looks like::
 
@@ -27,12 +27,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import yaml
 
-from sloserve.core.errors import ConfigError, UnknownNameError
+from sloserve.core.errors import ConfigError
 from sloserve.core.request import SLO, RequestClass
 
 PROCESSES = ("poisson", "gamma", "trace", "offline", "closed-batches")
@@ -130,48 +129,6 @@ def list_workloads() -> dict[str, str]:
             data = yaml.safe_load(entry.read_text(encoding="utf-8")) or {}
             out[name] = str(data.get("description", "")) if isinstance(data, dict) else ""
     return out
-
-
-def load_workload_spec(name_or_path: str) -> WorkloadSpec:
-    """Load a workload spec: a shipped name (see ``list_workloads``) or the path of a YAML file."""
-    name = str(name_or_path)
-    bundled = _workload_dir() / f"{name}.yaml"
-    if "/" not in name and not name.endswith((".yaml", ".yml")) and bundled.is_file():
-        text, origin, base_dir = bundled.read_text(encoding="utf-8"), f"{name}.yaml", None
-    else:
-        path = Path(name).expanduser()
-        if not path.is_file():
-            if "/" in name or "\\" in name or name.endswith((".yaml", ".yml")):
-                raise ConfigError(f"workload file {name} not found")
-            err = UnknownNameError("workload", name, list(list_workloads()))
-            err.args = (f"{err.args[0]}; or give the path of a .yaml file",)
-            raise err
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{name}: cannot read: {exc}") from exc
-        origin, base_dir = name, path.parent
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{origin}: invalid YAML: {exc}") from exc
-    default = Path(origin).name.removesuffix(".yaml").removesuffix(".yml")
-    return parse_workload_spec(data, origin=origin, base_dir=base_dir, default_name=default)
-
-def parse_workload_spec(
-    data: Any, *, origin: str = "<workload>", base_dir: Path | None = None,
-    default_name: str = "workload",
-) -> WorkloadSpec:
-    """Validate a decoded spec (a dict as read from YAML) and return a ``WorkloadSpec``.
-
-    Fields are checked by pydantic models (``workload/spec_fields.py``); every problem raises
-    ``ConfigError`` naming ``origin``, the stream (index and name) and the field, e.g.
-    ``workload.yaml: streams[1] (batch): arrival.rate must be > 0, got -2``.
-    """
-    # NOTE: imported here: pydantic loads only when a YAML spec is read, not for every run of a trace.
-    from sloserve.workload.spec_fields import parse_spec
-
-    return parse_spec(data, origin=origin, base_dir=base_dir, default_name=default_name)
 
 
 def with_rt_rate(spec: WorkloadSpec, rate: float) -> WorkloadSpec:

@@ -1,5 +1,10 @@
-"""The YAML of a workload spec validated field by field: pydantic models (strict: 2.5 is not an
-integer, "8" not a number) and their errors in our words. ``spec.parse_workload_spec`` calls it."""
+"""Reading a workload spec: a shipped name or a YAML file (``load_workload_spec``), validated field by
+field (``parse_workload_spec``) by pydantic models (strict: 2.5 is not an integer, "8" not a number)
+with their errors in our words. The spec's types are in spec.py.
+
+NOTE: the package imports this module only when it is used (``sloserve.workload.__getattr__``), so a
+run that reads no YAML spec does not load pydantic.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sloserve.core.errors import ConfigError, UnknownNameError
@@ -22,11 +28,39 @@ from sloserve.workload.spec import (
     TraceSource,
     UniformSource,
     WorkloadSpec,
+    _workload_dir,
+    list_workloads,
 )
 from sloserve.workload.traces import ROLES, TRACES, _looks_like_path
 
 
-def parse_spec(
+def load_workload_spec(name_or_path: str) -> WorkloadSpec:
+    """Load a workload spec: a shipped name (see ``list_workloads``) or the path of a YAML file."""
+    name = str(name_or_path)
+    bundled = _workload_dir() / f"{name}.yaml"
+    if "/" not in name and not name.endswith((".yaml", ".yml")) and bundled.is_file():
+        text, origin, base_dir = bundled.read_text(encoding="utf-8"), f"{name}.yaml", None
+    else:
+        path = Path(name).expanduser()
+        if not path.is_file():
+            if "/" in name or "\\" in name or name.endswith((".yaml", ".yml")):
+                raise ConfigError(f"workload file {name} not found")
+            err = UnknownNameError("workload", name, list(list_workloads()))
+            err.args = (f"{err.args[0]}; or give the path of a .yaml file",)
+            raise err
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{name}: cannot read: {exc}") from exc
+        origin, base_dir = name, path.parent
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{origin}: invalid YAML: {exc}") from exc
+    default = Path(origin).name.removesuffix(".yaml").removesuffix(".yml")
+    return parse_workload_spec(data, origin=origin, base_dir=base_dir, default_name=default)
+
+def parse_workload_spec(
     data: Any, *, origin: str = "<workload>", base_dir: Path | None = None,
     default_name: str = "workload",
 ) -> WorkloadSpec:
