@@ -16,7 +16,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "cost": {"core"},
     "metrics": {"core"},
     "workload": {"core"},
-    "predict": {"core"},
+    "predict": {"core", "workload"},
     "kv": {"core"},
     "sched": {"core", "cost", "kv", "predict", "workload"},
     "replica": {"core", "metrics", "sched"},

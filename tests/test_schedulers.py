@@ -152,6 +152,16 @@ def test_unknown_scheduler_and_option_errors():
         scheduler("vllm", 1000, chunked_prefill="true")
 
 
+def test_a_policy_gets_only_the_kv_managers_its_spec_names():
+    # RR shares BROS's config, whose kv_manager may be bidirectional; RR's spec does not name it.
+    with pytest.raises(ConfigError, match="rr: kv_manager bidirectional does not work with it; valid: paged, max, exact"):
+        scheduler("rr", 4096, kv_manager="bidirectional")
+    with pytest.raises(ConfigError, match="kv_manager='pipelined': expected one of paged, max, exact"):
+        scheduler("sarathi", 4096, kv_manager="pipelined")
+    assert scheduler("bros", 4096, kv_manager="bidirectional").kv.__class__.__name__ == "BidirectionalKVManager"
+    assert scheduler("econoserve", 4096, kv_manager="pipelined").kv.__class__.__name__ == "PipelinedKVManager"
+
+
 @pytest.mark.parametrize("where", ["front", "back"])
 def test_a_recomputed_request_waits_at_the_front_or_the_back(where):
     """vLLM v0 puts a recomputed request back at the front of the queue; InferMax's Algorithm 1

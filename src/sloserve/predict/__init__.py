@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
 from statistics import NormalDist
+from typing import Any
 
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.core.request import Request
@@ -235,6 +236,26 @@ PREDICTORS: dict[str, type[LengthPredictor]] = {
     "noisy-oracle": NoisyOraclePredictor,
     "histogram": OnlineHistogramPredictor,
 }
+
+
+def predictor_from_config(config: Any) -> LengthPredictor | None:
+    """The predictor a scheduler config names in its ``predictor`` field (None for "none", or for a
+    config without one), built with the options that go with it."""
+    name = getattr(config, "predictor", "none")
+    if name == "none":
+        return None
+    if name == "histogram":
+        return make_predictor(name, quantile=config.histogram_quantile)
+    if name == "noisy-oracle":
+        bucket = getattr(config, "predictor_bucket_tokens", 1)
+        # NOTE: a bucketed predictor's accuracy depends on the lengths; it is calibrated on ShareGPT's
+        # (the paper's accuracies are per trace; ShareGPT's is the default).
+        from sloserve.workload.traces import load_trace  # NOTE: only then: it reads a bundled trace
+
+        lengths = load_trace("sharegpt").output_tokens.tolist() if bucket > 1 else None
+        return NoisyOraclePredictor.from_accuracy(config.predictor_accuracy, config.predictor_padding,
+                                                  seed=config.predictor_seed, bucket_tokens=bucket, lengths=lengths)  # fmt: skip
+    return make_predictor(name)
 
 
 def make_predictor(name: str, **options: float | int) -> LengthPredictor:
