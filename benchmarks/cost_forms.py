@@ -43,7 +43,15 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from sloserve.cost import BatchShape, LinearCostModel, fit_linear_shapes, get_gpu, get_model, kv_capacity_tokens, save_preset
+from sloserve.cost import (
+    BatchShape,
+    LinearCostModel,
+    fit_linear_shapes,
+    get_gpu,
+    get_model,
+    kv_capacity_tokens,
+    save_preset,
+)
 from sloserve.cost.fit import read_profile_csv
 from sloserve.cost.profile_grid import ProfileGrid
 from sloserve.cost.roofline import RooflineCostModel

@@ -30,7 +30,6 @@ import tempfile
 from pathlib import Path
 
 from cost_forms import CONSOLE, steps_table
-
 from sloserve.cost import LinearCostModel, load_preset
 from sloserve.cost.fit import DEFAULT_FORM, FORMS
 

@@ -31,7 +31,7 @@ from rich.table import Table
 from sloserve.engine.llm_engine import LLMEngine, engine_cost_model, run_requests, synthetic_prompt
 from sloserve.engine.loader import load_model
 from sloserve.engine.sampler import SamplingParams
-from sloserve.experiments.infermax import C, OPTIONS, fixed_metrics, run_fixed
+from sloserve.experiments.infermax import OPTIONS, C, fixed_metrics, run_fixed
 from sloserve.workload import synthetic_workload
 
 PAIRS = (("vllm", "vllm_ef"), ("sarathi", "sarathi_ef"))

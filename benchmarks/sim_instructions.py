@@ -26,6 +26,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
 from sim_speed import GPU, MODEL, PRESET  # the same model, GPU and cost model as the timed benchmark
 
 # (trace, scheduler, rate): the rates sim_speed.py measures as 90% of saturation.
@@ -38,18 +39,18 @@ CELLS = [
 WORKLOAD_REQUESTS = 10_000
 BASE_REQUESTS = 1_000
 
-CHILD = """
+CHILD = f"""
 import sys
 from sloserve.cost import LinearCostModel, get_gpu, get_model, get_preset, kv_capacity_tokens
 from sloserve.sched import make_scheduler
 from sloserve.sim import simulate
 from sloserve.workload import workload_from_trace
 trace, scheduler, rate, n = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
-cap = kv_capacity_tokens(get_model({model!r}), get_gpu({gpu!r}))
-w = workload_from_trace(trace, num_requests={workload}, seed=0, context_len=4096, rate=rate)
+cap = kv_capacity_tokens(get_model({MODEL!r}), get_gpu({GPU!r}))
+w = workload_from_trace(trace, num_requests={WORKLOAD_REQUESTS}, seed=0, context_len=4096, rate=rate)
 simulate(w.requests[:n], lambda: make_scheduler(scheduler, kv_capacity_tokens=cap, max_model_len=4096),
-         LinearCostModel(get_preset({preset!r})))
-""".format(model=MODEL, gpu=GPU, preset=PRESET, workload=WORKLOAD_REQUESTS)
+         LinearCostModel(get_preset({PRESET!r})))
+"""
 
 
 def count(trace: str, scheduler: str, rate: float, n: int, profile: Path) -> int:

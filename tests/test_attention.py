@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 from attention_steps import make_step  # noqa: E402
-
 from sloserve.engine.attention import DECODE_PAD_LIMIT, AttentionMetadata, TorchAttention  # noqa: E402
 
 

@@ -21,11 +21,10 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("multipart")
 
-from test_serve import CORPUS, MODEL, Server, _free_port, _generate
-
 from sloserve.server.batch_api import BatchLimits
 from sloserve.server.batch_store import FINAL
 from sloserve.server.bench import wait_until_ready
+from test_serve import CORPUS, MODEL, Server, _free_port, _generate
 
 
 def jsonl(lines: list[dict]) -> bytes:

@@ -253,8 +253,8 @@ def test_checkpoint_and_restore_traffic_is_charged_overlapped():
     moves KV takes the longer of its compute and its copies, and BROS's estimate of a batch counts
     the restores of the BE requests it packs. The link here is slow (100 MB/s) so that copies dominate."""
     from sloserve.cost import LinearCostModel, get_preset
-    from sloserve.sched import make_scheduler
     from sloserve.cost.base import batch_shape
+    from sloserve.sched import make_scheduler
     from sloserve.sim.executor import SimExecutor
 
     bandwidth = 100e6

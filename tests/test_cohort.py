@@ -47,8 +47,8 @@ def test_tick_times_give_each_run_its_ends_and_largest_gap(runs, queries):
 def test_cohort_knows_its_longest_member(ops):
     """``max_kv_tokens`` is the longest member's num_computed_tokens after any joins, ticks and leaves
     (the simulator prices decode attention by it)."""
-    from sloserve.sched.lockstep import Cohort
     from sloserve.core.request import Request
+    from sloserve.sched.lockstep import Cohort
 
     cohort, now, made = Cohort(), 0.0, 0
     for op, n in ops:

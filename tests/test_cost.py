@@ -33,8 +33,8 @@ from sloserve.cost import (
 )
 from sloserve.cost.base import advance_shape
 from sloserve.cost.fit import CSV_COLUMNS
-from sloserve.cost.profile_grid import ProfileGrid
 from sloserve.cost.linear import COEFFICIENT_NAMES
+from sloserve.cost.profile_grid import ProfileGrid
 
 L7 = get_preset("llama-2-7b-a100")
 L70 = get_preset("llama-3-70b-4xa100")

@@ -4,10 +4,10 @@ with padding and reserve, offload-free preemption, KV-cache pipelining, ordering
 from __future__ import annotations
 
 import pytest
-from helpers import Driver, llama7b_cost, make_requests, scheduler
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import Driver, llama7b_cost, make_requests, scheduler
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.core.request import Request
 from sloserve.cost import BatchShape, CostBreakdown, CostModel

@@ -6,8 +6,8 @@ import math
 import random
 
 import pytest
-from helpers import Driver, make_requests, scheduler
 
+from helpers import Driver, make_requests, scheduler
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import Request, RequestStatus
 from sloserve.sched.fastserve import FastServeScheduler

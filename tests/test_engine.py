@@ -306,11 +306,10 @@ def test_econoserve_pipelining_hosts_in_real_kv(hf_dirs, variant, predictions, o
     KV into the second half of its host's region, the real cache slots. When it overruns, its written
     tokens are copied to CPU memory before the host overwrites them and copied back when it resumes.
     Both requests still get HF's tokens."""
-    from test_econoserve import FixedPredictor
-
     from sloserve.core.request import Request
     from sloserve.engine.llm_engine import LLMEngine
     from sloserve.engine.loader import load_model
+    from test_econoserve import FixedPredictor
 
     engine = LLMEngine(load_model(hf_dirs["llama"]), variant, kv_capacity_tokens=64,
                        scheduler_options={"buffer": 0.0, "padding": 0.0, "reserve": 0.25, "target_forward_size": 64})  # fmt: skip
@@ -495,8 +494,8 @@ def test_profile_fits_a_preset_that_simulate_can_use(tmp_path):
 def test_a_profile_step_is_an_engine_step_and_leaves_nothing_behind():
     """The profiler times ``EngineExecutor.execute`` (what the engine's clock counts) on requests it
     places in a paged KV manager, and frees them after; decode lengths spread around the grid's mean."""
-    from sloserve.engine.loader import load_model
     from sloserve.cost.profile_grid import ProfileGrid, spread_decode_lens
+    from sloserve.engine.loader import load_model
     from sloserve.engine.profile import StepTimer
 
     decodes = spread_decode_lens(9, 100, 150)

@@ -28,7 +28,6 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_engine import VOCAB, _hf_model
 
 from sloserve import LLM, SamplingParams
 from sloserve.engine.engine_core import EngineSpec
@@ -36,6 +35,7 @@ from sloserve.server.bench import wait_until_ready
 from sloserve.server.chat_template import ChatTemplate
 from sloserve.server.serve import ServeOptions, make_app
 from sloserve.workload.traces import load_trace
+from test_engine import VOCAB, _hf_model
 
 CHAT_TEMPLATE = """{{ bos_token }}
 {% for message in messages %}

@@ -18,7 +18,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from attention_steps import make_step  # noqa: E402
-
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.engine import triton_attention  # noqa: E402
 from sloserve.engine.attention import AttentionMetadata, PrefillSeq, TorchAttention  # noqa: E402

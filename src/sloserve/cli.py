@@ -930,8 +930,8 @@ def profile_cmd(out: Path, name: str | None, prefill_chunks: str, context_lens: 
         decode_kv_lens=_int_list(decode_kv_lens, "--decode-kv-lens"),
     )
     loaded = _load_engine_model(options)
-    from sloserve.engine.llm_engine import default_kv_capacity, resolve_max_model_len
     from sloserve.cost.profile_grid import ProfileGrid
+    from sloserve.engine.llm_engine import default_kv_capacity, resolve_max_model_len
     from sloserve.engine.profile import profile
 
     max_len = resolve_max_model_len(loaded.config, options["max_model_len"])

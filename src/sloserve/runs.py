@@ -74,7 +74,7 @@ def check_workload_options(o: dict[str, Any]) -> None:
 
 def make_workload_from_options(o: dict[str, Any], context_len: int, rate: float | None = None):
     """The workload the --trace / --workload options describe, clipped to ``context_len``."""
-    from sloserve.workload import build_workload, load_workload_spec, load_trace, with_rt_rate, workload_from_trace
+    from sloserve.workload import build_workload, load_trace, load_workload_spec, with_rt_rate, workload_from_trace
 
     check_workload_options(o)
     if o["workload"]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 # A profiled batch: prefill chunks as (c, m) pairs (c tokens after m cached) and the cached tokens of
 # each decode.
 Batch = tuple[list[tuple[int, int]], list[int]]

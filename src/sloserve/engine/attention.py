@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 @dataclass
 class PrefillSeq:
     """A sequence processing more than one token this step."""

@@ -368,7 +368,7 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         """Every slot holds at most one request's token; region and block bookkeeping agree."""
         owner_of: dict[int, Request] = {}
         for request, slots in self.token_slots.items():
-            for token, slot in enumerate(slots):
+            for slot in slots:
                 if slot == CHECKPOINTED:
                     continue
                 assert slot not in owner_of, f"slot {slot} holds tokens of {owner_of[slot]} and {request}"

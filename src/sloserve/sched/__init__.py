@@ -1,9 +1,9 @@
 """Scheduling policies behind one ``Scheduler`` contract and a registry."""
 
+from sloserve.sched import presets  # noqa: F401  (registers the bundled schedulers)
 from sloserve.sched.base import Scheduler
 from sloserve.sched.cohort import CohortScheduler
 from sloserve.sched.decode_cohort import DecodeCohort
-from sloserve.sched import presets  # noqa: F401  (registers the bundled schedulers)
 from sloserve.sched.registry import (
     SCHEDULERS,
     SchedulerSpec,

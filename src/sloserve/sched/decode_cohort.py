@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sloserve.sched.lockstep import Cohort
 from sloserve.core.request import Request
 from sloserve.kv.manager import KVCacheManager
+from sloserve.sched.lockstep import Cohort
 
 
 class DecodeCohort(Cohort):

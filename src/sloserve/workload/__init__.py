@@ -16,9 +16,9 @@ from sloserve.workload.build import (
 from sloserve.workload.spec import (
     ArrivalSpec,
     FixedSource,
+    LogNormalSource,
     StreamSpec,
     TraceSource,
-    LogNormalSource,
     UniformSource,
     WorkloadSpec,
     list_workloads,

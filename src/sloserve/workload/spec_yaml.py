@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.core.request import SLO, RequestClass
 from sloserve.workload.spec import (
-    PROCESSES,
     _PROCESS_KEYS,
+    PROCESSES,
     ArrivalSpec,
     FixedSource,
     LogNormalSource,
