@@ -154,8 +154,10 @@ def main() -> None:
     print(f"{args.model} on {args.device}, {args.trace}: RT {args.rt_requests} requests at {args.rt_rate} req/s "
           f"(SLO TTFT {args.rt_ttft_ms:g} ms, TPOT {args.rt_tpot_ms:g} ms), a batch of {args.batch_lines} lines "
           f"({args.batch_lines_in_engine} in the engine), KV {args.kv_capacity_tokens} tokens")  # fmt: skip
-    print("| scheduler | RT SLO % alone | RT SLO % with batch | RT TTFT p50 / p99 ms alone | with batch | "
-          "BE tok/s alone | BE tok/s with RT | BE kept |")
+    print(
+        "| scheduler | RT SLO % alone | RT SLO % with batch | RT TTFT p50 / p99 ms alone | with batch | "
+        "BE tok/s alone | BE tok/s with RT | BE kept |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         a, s, be = r["rt_alone"], r["rt_with_batch"], r["be"]

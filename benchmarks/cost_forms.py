@@ -100,7 +100,9 @@ def fit_table(shapes: list[BatchShape], times: list[float], num_layers: int, tit
 
 def simulated(cost, scheduler: str, capacity: int, num_requests: int, rate: float) -> dict[str, float]:
     workload = workload_from_trace("sharegpt", num_requests=num_requests, seed=0, context_len=4096, rate=rate)
-    simulate(workload.requests, lambda: make_scheduler(scheduler, kv_capacity_tokens=capacity, max_model_len=4096), cost)
+    simulate(
+        workload.requests, lambda: make_scheduler(scheduler, kv_capacity_tokens=capacity, max_model_len=4096), cost
+    )
     t = request_table(workload.requests)
     makespan = np.nanmax(t["finish_s"]) - np.nanmin(t["arrival_s"])
     return {"TTFT": float(np.nanmean(t["ttft_s"])), "TPOT": float(np.nanmean(t["tpot_s"])),
@@ -129,7 +131,9 @@ def against_engine(models: dict[str, LinearCostModel], engine_path: str) -> None
                         "--num-requests", str(engine["num_requests"]), "--seed", str(engine["seed"]),
                         "--scheduler", run["scheduler"], *load, "--max-model-len", str(engine["max_model_len"]),
                         "--kv-capacity-tokens", str(engine["kv_capacity_tokens"]), "--json"]  # fmt: skip
-                done = subprocess.run([sys.executable, "-m", "sloserve.cli", *args], capture_output=True, text=True, check=True)
+                done = subprocess.run(
+                    [sys.executable, "-m", "sloserve.cli", *args], capture_output=True, text=True, check=True
+                )
                 sim = json.loads(done.stdout)
                 row = []
                 for _, key in ENGINE_FIGURES:
@@ -171,10 +175,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--csv", help="a profile measured by `sloserve profile --csv` (fit errors only)")
     parser.add_argument("--layers", type=int, help="the profiled model's layers (with --csv)")
-    parser.add_argument("--engine", help="with --csv: the engine's figures on workloads (JSON, as "
-                        "benchmarks/profiles/*-engine.json) to simulate each fit on")
-    parser.add_argument("--steps", nargs="+", default=(), help="with --csv: steps of engine runs (steps.csv of "
-                        "`sloserve run --out`) to price with each fit")
+    parser.add_argument(
+        "--engine",
+        help="with --csv: the engine's figures on workloads (JSON, as "
+        "benchmarks/profiles/*-engine.json) to simulate each fit on",
+    )
+    parser.add_argument(
+        "--steps",
+        nargs="+",
+        default=(),
+        help="with --csv: steps of engine runs (steps.csv of `sloserve run --out`) to price with each fit",
+    )
     parser.add_argument("--num-requests", type=int, default=2000)
     parser.add_argument("--rates", default="3,6,9", help="ShareGPT request rates (req/s) to simulate")
     args = parser.parse_args()
@@ -194,7 +205,9 @@ def main() -> None:
     reference = RooflineCostModel(model, gpu)
     shapes = [BatchShape.of(*batch) for batch in ProfileGrid().shapes(4096, capacity)]  # `profile`'s default grid
     times = [reference.batch_time(s).total_s for s in shapes]
-    fits = fit_table(shapes, times, model.num_layers, "Llama-2-7B, A100-80GB roofline: held-out error of each form's fit")
+    fits = fit_table(
+        shapes, times, model.num_layers, "Llama-2-7B, A100-80GB roofline: held-out error of each form's fit"
+    )
 
     table = Table(title=f"ShareGPT, {args.num_requests} requests: each fit's error against the reference model")
     metrics = ("TTFT", "TPOT", "JCT", "throughput")

@@ -63,7 +63,9 @@ def main() -> None:
                       max_context=max([args.kv_len + 1, *prompts]))  # fmt: skip
     graphs = timer.executor.graphs
     per_token_kv = kv_bytes_per_token(loaded)
-    device_name = f"{loaded.device} ({torch.cuda.get_device_name(loaded.device)})" if loaded.device.type == "cuda" else "cpu"
+    device_name = (
+        f"{loaded.device} ({torch.cuda.get_device_name(loaded.device)})" if loaded.device.type == "cuda" else "cpu"
+    )
     print(f"{args.model}, {loaded.dtype}, {device_name}, {loaded.attention_backend} attention; "
           f"{params / 1e9:.2f} B parameters; peaks: "
           f"{f'{gpu.name} {gpu.hbm_bandwidth / 1e12:.2f} TB/s, {gpu.peak_flops / 1e12:.0f} TFLOP/s' if gpu else 'none'}")  # fmt: skip

@@ -62,8 +62,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--no-cuda-graphs", action="store_true",
-                        help="profile and run decode steps eagerly [CUDA graphs wherever the engine supports them]")
+    parser.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="profile and run decode steps eagerly [CUDA graphs wherever the engine supports them]",
+    )
     parser.add_argument("--schedulers", default="vllm,sarathi")
     parser.add_argument("--trace", default="sharegpt")
     parser.add_argument("--num-requests", type=int, default=200)

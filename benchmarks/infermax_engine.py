@@ -53,8 +53,11 @@ def main() -> None:
     parser.add_argument("--model", default="random:llama-3-8b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--cost-model", default=None,
-                        help="the simulator's: a preset name or a JSON file from `sloserve profile` [llama-2-7b-a100]")
+    parser.add_argument(
+        "--cost-model",
+        default=None,
+        help="the simulator's: a preset name or a JSON file from `sloserve profile` [llama-2-7b-a100]",
+    )
     parser.add_argument("--num-requests", type=int, default=1024, help="B [1024, as the paper]")
     parser.add_argument("--output", type=int, default=32, help="O [32]")
     parser.add_argument("--inputs", default="16,64", help="the prompt lengths I to run [16,64]")
@@ -78,8 +81,10 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2) + "\n")
 
-    lines = (f"{args.model} on {loaded.device} ({args.dtype}), O = {args.output}, B = {args.num_requests}",
-             f"TPS of each scheduler over its eviction-free variant's (its evictions); simulator: {cost.name}")
+    lines = (
+        f"{args.model} on {loaded.device} ({args.dtype}), O = {args.output}, B = {args.num_requests}",
+        f"TPS of each scheduler over its eviction-free variant's (its evictions); simulator: {cost.name}",
+    )
     table = Table(title="\n".join(lines), min_width=max(map(len, lines)))
     for column in ("M", "I", "scheduler", "engine", "simulator"):
         table.add_column(column, justify="left" if column == "scheduler" else "right")
@@ -92,8 +97,9 @@ def main() -> None:
                 ratios.append(f"{b['tps'] / e['tps']:.2f}x ({b['evictions']:,})")
             table.add_row(f"{capacity:,}", str(prompt), base, *ratios)
     Console(width=120).print(table)
-    print("paper (vLLM-Sys, Figure 14): evictions raise TPS up to 2.3x at M = 100 and 1K, "
-          "lower it up to 1.5x at larger M")
+    print(
+        "paper (vLLM-Sys, Figure 14): evictions raise TPS up to 2.3x at M = 100 and 1K, lower it up to 1.5x at larger M"
+    )
 
     # Figure 13's measure: the simulator's latency (the whole workload's) against the engine's.
     errors = Table(title="the simulator's latency against the engine's, each run")
@@ -106,8 +112,10 @@ def main() -> None:
         errors.add_row(f"{capacity:,}", str(prompt), name, f"{real['latency_s']:.3f}", f"{sim['latency_s']:.3f}",
                        f"{sim['latency_s'] / real['latency_s'] - 1:+.1%}")  # fmt: skip
     Console(width=120).print(errors)
-    print(f"mean / max |error| {np.mean(gaps):.1%} / {np.max(gaps):.1%} "
-          "(paper, Figure 13: 5.5% / 12% against vLLM-Sys's GPU time)")
+    print(
+        f"mean / max |error| {np.mean(gaps):.1%} / {np.max(gaps):.1%} "
+        "(paper, Figure 13: 5.5% / 12% against vLLM-Sys's GPU time)"
+    )
 
 
 if __name__ == "__main__":

@@ -43,21 +43,27 @@ def speed(tmp: Path, num_requests: int) -> None:
     serial, serial_wall = _plan(tmp / "serial", *args, "--workers", "1")
     ray, ray_wall = _plan(tmp / "ray", *args)  # every core
     s, r = serial.pop("search"), ray.pop("search")
-    print(f"\n## one search, serial vs Ray ({os.cpu_count()} cores; {s['candidates']} configurations, {s['runs']} "
-          f"simulations of {num_requests} requests per unit)\n")
+    print(
+        f"\n## one search, serial vs Ray ({os.cpu_count()} cores; {s['candidates']} configurations, {s['runs']} "
+        f"simulations of {num_requests} requests per unit)\n"
+    )
     print("| executor | workers | search s | process s |")
     print("|---|---|---|---|")
     print(f"| serial | 1 | {s['wall_s']:.1f} | {serial_wall:.1f} |")
     print(f"| Ray (local) | {r['workers']} | {r['wall_s']:.1f} | {ray_wall:.1f} |")
-    print(f"\nspeed-up: {s['wall_s'] / r['wall_s']:.2f}x search, {serial_wall / ray_wall:.2f}x process (goal >= 1.7x "
-          f"on 2 cores); identical plans: {serial == ray}")
+    print(
+        f"\nspeed-up: {s['wall_s'] / r['wall_s']:.2f}x search, {serial_wall / ray_wall:.2f}x process (goal >= 1.7x "
+        f"on 2 cores); identical plans: {serial == ray}"
+    )
     a = serial["answer"]
     print(f"answer: {a['units']} x {a['label']} = {a['num_gpus']} GPUs, ${a['cost_per_hour']:.2f}/hour")
 
 
 def distserve(tmp: Path, loads: list[float], num_requests: int) -> None:
-    print("\n## EconoServe §4 (Figure 12): fewest A100s that serve each load, OPT-13B, ShareGPT, "
-          "TTFT 2 s / TPOT 0.1 s at 90%\n")
+    print(
+        "\n## EconoServe §4 (Figure 12): fewest A100s that serve each load, OPT-13B, ShareGPT, "
+        "TTFT 2 s / TPOT 0.1 s at 90%\n"
+    )
     print("| load req/s | " + " | ".join(f"{name} GPUs" for name in DISTSERVE) + " | EconoServe vs DistServe |")
     print("|---|" + "---|" * (len(DISTSERVE) + 1))
     for load in loads:
@@ -70,8 +76,10 @@ def distserve(tmp: Path, loads: list[float], num_requests: int) -> None:
         e, d = gpus["econoserve"], gpus["distserve"]
         saving = f"{e / d - 1:+.0%} GPUs" if e and d else "n/a"
         print(f"| {load:g} | " + " | ".join(str(gpus[n] or "-") for n in DISTSERVE) + f" | {saving} |")
-    print("\npaper (§4, homogeneous, OPT-13B): EconoServe uses 73% fewer GPUs than DistServe for the same goodput "
-          "(its SLO: JCT within 2x the request's isolated time)")
+    print(
+        "\npaper (§4, homogeneous, OPT-13B): EconoServe uses 73% fewer GPUs than DistServe for the same goodput "
+        "(its SLO: JCT within 2x the request's isolated time)"
+    )
 
 
 def main() -> None:

@@ -85,7 +85,15 @@ def main() -> None:
     try:
         load = ["--offline"]
         for run in ("offline", "poisson"):
-            workload = ["--trace", args.trace, "--num-requests", str(args.num_requests), "--seed", str(args.seed), *load]
+            workload = [
+                "--trace",
+                args.trace,
+                "--num-requests",
+                str(args.num_requests),
+                "--seed",
+                str(args.seed),
+                *load,
+            ]
             served = json.loads(sloserve("bench-serve", "--base-url", f"http://127.0.0.1:{port}/v1", "--model",
                                          args.model, *workload, "--max-model-len", str(args.max_model_len), "--json"))  # fmt: skip
             (out / f"served-{run}.json").write_text(json.dumps(served, indent=2))

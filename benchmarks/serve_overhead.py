@@ -137,8 +137,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256, help="cap on the trace's output lengths")
     parser.add_argument("--kv-capacity-tokens", type=int, default=65536)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) <= 4,
-                        help="engine on core 0 with one torch thread on both sides, the client on core 1")
+    parser.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=(os.cpu_count() or 1) <= 4,
+        help="engine on core 0 with one torch thread on both sides, the client on core 1",
+    )
     args = parser.parse_args()
     if args.pin:
         import torch

@@ -43,15 +43,11 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 """
 
 
-def run(
-    trace: str, scheduler: str, capacity: int, *, n: int, rate: float | None, fast: bool = True, repeat: int = 1
-):
+def run(trace: str, scheduler: str, capacity: int, *, n: int, rate: float | None, fast: bool = True, repeat: int = 1):
     """(best wall time of ``repeat`` identical runs, steps, simulated throughput)."""
     walls = []
     for _ in range(repeat):
-        workload = workload_from_trace(
-            trace, num_requests=n, seed=0, context_len=4096, rate=rate, offline=rate is None
-        )
+        workload = workload_from_trace(trace, num_requests=n, seed=0, context_len=4096, rate=rate, offline=rate is None)
         t0 = time.perf_counter()
         result = simulate(
             workload.requests,
@@ -99,14 +95,28 @@ def main() -> None:
 
     t0 = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "sloserve.cli", "simulate", "--trace", "sharegpt", "--rate", "9",
-         "--num-requests", "1", "--json"],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "sloserve.cli",
+            "simulate",
+            "--trace",
+            "sharegpt",
+            "--rate",
+            "9",
+            "--num-requests",
+            "1",
+            "--json",
+        ],
+        check=True,
+        capture_output=True,
     )
     command_s = time.perf_counter() - t0
     rss = subprocess.run(
         [sys.executable, "-c", MEMORY_SNIPPET.format(cap=capacity, preset=PRESET)],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     peak_mib = float(rss.stdout.strip().splitlines()[-1])
     console.print(f"`sloserve simulate` of 1 request, start to exit: {command_s:.2f} s (goal: first batch < 2 s)")

@@ -30,7 +30,10 @@ def attention_by_definition(q, k, v, k_cache, v_cache, meta: AttentionMetadata) 
         n = context.numel()
         for i in range(c):
             for h in range(q.shape[1]):
-                keys, values = k_cache[context[: n - c + i + 1], h // group], v_cache[context[: n - c + i + 1], h // group]
+                keys, values = (
+                    k_cache[context[: n - c + i + 1], h // group],
+                    v_cache[context[: n - c + i + 1], h // group],
+                )
                 weights = torch.softmax(keys @ q[start + i, h] / math.sqrt(q.shape[2]), dim=0)
                 out[start + i, h] = weights @ values
     return out

@@ -69,7 +69,7 @@ def test_a_batch_answers_every_line_once_as_the_same_request_online(server, refe
     same body gets online; the batch goes on."""
     client, tokenizer = server.client, reference_llm.tokenizer
     words = " ".join(CORPUS[:3]).split()
-    prompts = {f"req-{i}": " ".join(words[i % 17: i % 17 + 1 + i % 9]) for i in range(300)}
+    prompts = {f"req-{i}": " ".join(words[i % 17 : i % 17 + 1 + i % 9]) for i in range(300)}
     lines = [completion_line(cid, prompt, max_tokens=4 + i % 5) for i, (cid, prompt) in enumerate(prompts.items())]
     bad = {
         "neg-max-tokens": completion_line("neg-max-tokens", "Hi", max_tokens=-1),
@@ -121,8 +121,10 @@ def test_a_chat_batch_answers_as_the_chat_endpoint(server):
     assert batch.status == "completed" and batch.error_file_id is None
     for line, out in zip(lines, read_jsonl(client, batch.output_file_id), strict=True):
         online = client.chat.completions.create(**line["body"])
-        assert out["response"]["body"]["choices"][0]["message"] == {"role": "assistant",
-                                                                    "content": online.choices[0].message.content}
+        assert out["response"]["body"]["choices"][0]["message"] == {
+            "role": "assistant",
+            "content": online.choices[0].message.content,
+        }
 
 
 def test_uploads_and_batches_are_checked_with_openai_errors(server):
@@ -322,7 +324,9 @@ def test_a_server_killed_mid_batch_finishes_it_after_a_restart_each_line_once(tm
         assert sorted(o["custom_id"] for o in outputs) == sorted(line["custom_id"] for line in lines)
         assert all(o["response"]["body"]["usage"]["completion_tokens"] == 40 for o in outputs)
         with sqlite3.connect(tmp_path / "sloserve.db") as db:
-            attempts = dict(db.execute("SELECT custom_id, attempts FROM lines WHERE batch_id = ?", (batch.id,)).fetchall())
+            attempts = dict(
+                db.execute("SELECT custom_id, attempts FROM lines WHERE batch_id = ?", (batch.id,)).fetchall()
+            )
         assert all(attempts[cid] == 1 for cid in answered)  # answered before the kill: never run again
         assert all(attempts[cid] >= 2 for cid in running)
         assert not list((tmp_path / "files").glob(".tmp-*"))
@@ -348,5 +352,6 @@ def test_serve_refuses_a_data_dir_in_use_and_bad_batch_limits(tmp_path):
     finally:
         holder.close()
     assert "--max-batch-lines-in-engine (2000) must be below --max-queued-requests (1024)" in serve(
-        "--max-batch-lines-in-engine", "2000")
+        "--max-batch-lines-in-engine", "2000"
+    )
     assert "--max-batch-file-mb must be > 0, got 0" in serve("--max-batch-file-mb", "0")

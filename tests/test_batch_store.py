@@ -99,7 +99,9 @@ def test_a_finished_batch_is_not_finished_again(tmp_path):
     assert store.get_batch(batch_id) == first
     errors = store.file_path(first["error_file_id"]).read_text().splitlines()
     assert len(errors) == first["failed"] == NUM_LINES // 3
-    assert sorted(p.name for p in store.files_dir.iterdir()) == sorted([first["output_file_id"], first["error_file_id"]])
+    assert sorted(p.name for p in store.files_dir.iterdir()) == sorted(
+        [first["output_file_id"], first["error_file_id"]]
+    )
     store.close()
 
 

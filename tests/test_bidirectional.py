@@ -15,8 +15,9 @@ KVB = 10  # bytes per token
 
 
 def req(i: int, cls: RequestClass) -> Request:
-    return Request(request_id=i, arrival_time=0.0, num_prompt_tokens=4, true_output_tokens=1, max_tokens=64,
-                   request_class=cls)
+    return Request(
+        request_id=i, arrival_time=0.0, num_prompt_tokens=4, true_output_tokens=1, max_tokens=64, request_class=cls
+    )
 
 
 def test_rt_from_the_left_be_from_the_right_never_share_a_slot():
@@ -55,7 +56,9 @@ def test_rt_takes_a_free_block_before_overwriting_the_be_tokens_facing_it():
     earlier order (``rt_free_block_first=False``) overwrote the BE tokens facing it in its last block first."""
     runs = {}
     for free_block_first in (True, False):
-        kv = BidirectionalKVManager(num_blocks=3, block_size=8, kv_bytes_per_token=KVB, rt_free_block_first=free_block_first)
+        kv = BidirectionalKVManager(
+            num_blocks=3, block_size=8, kv_bytes_per_token=KVB, rt_free_block_first=free_block_first
+        )
         rt, be, be2 = req(0, RequestClass.RT), req(1, RequestClass.BE), req(2, RequestClass.BE)
         assert kv.allocate_slots(be, 8)  # block 0 full of BE tokens
         assert kv.allocate_slots(be2, 4)  # block 1: 4 BE tokens, 4 empty
@@ -102,8 +105,9 @@ OPS = st.lists(st.tuples(st.sampled_from(["grow", "free", "restore", "truncate",
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, block_size=st.sampled_from([4, 8]), free_block_first=st.booleans())
 def test_invariants_under_random_operations(ops, block_size, free_block_first):
-    kv = BidirectionalKVManager(num_blocks=5, block_size=block_size, kv_bytes_per_token=KVB,
-                                rt_free_block_first=free_block_first)
+    kv = BidirectionalKVManager(
+        num_blocks=5, block_size=block_size, kv_bytes_per_token=KVB, rt_free_block_first=free_block_first
+    )
     reqs = [req(i, RequestClass.RT if i % 2 == 0 else RequestClass.BE) for i in range(6)]
     for op, i, n in ops:
         r = reqs[i]
@@ -154,7 +158,9 @@ def test_progressive_dropping_swaps_a_request_out_and_restore_brings_back_every_
     kv.check_integrity()
     assert kv.restore(rt, protect={be})
     back = kv.take_copies()
-    assert [c.to_cpu for c in back] == [False] * 10 and sorted(c.src_slot for c in back) == sorted(c.dst_slot for c in copies)
+    assert [c.to_cpu for c in back] == [False] * 10 and sorted(c.src_slot for c in back) == sorted(
+        c.dst_slot for c in copies
+    )
     assert kv.num_checkpointed(rt) == 0 and kv.restored_bytes == 10 * KVB
     S = kv.block_size
     assert all(slot % S < kv.rt_fill[slot // S] for slot in kv.token_slots[rt])  # from the left

@@ -35,8 +35,14 @@ def solve(problem: BoundProblem, names=HEURISTICS, time_limit=20.0):
 
 
 def test_schedule_replays_to_exactly_the_same_latency():
-    base = BoundProblem((8, 20, 5), (3, 2, 3), (0.0, 0.0, 0.0), kv_capacity_tokens=30, max_num_batched_tokens=4096,
-                        prefill_token_budget=None)
+    base = BoundProblem(
+        (8, 20, 5),
+        (3, 2, 3),
+        (0.0, 0.0, 0.0),
+        kv_capacity_tokens=30,
+        max_num_batched_tokens=4096,
+        prefill_token_budget=None,
+    )
     problem, runs, result = solve(base)
     assert result.status == "OPTIMAL" and result.gap == pytest.approx(0, abs=1e-9)
     requests = replay(problem, result.schedule, COST)
@@ -48,8 +54,14 @@ def test_schedule_replays_to_exactly_the_same_latency():
 
 
 def test_online_arrivals_are_respected():
-    base = BoundProblem((16, 16, 4), (2, 3, 2), (0.0, 0.004, 0.02), kv_capacity_tokens=40,
-                        max_num_batched_tokens=4096, prefill_token_budget=None)
+    base = BoundProblem(
+        (16, 16, 4),
+        (2, 3, 2),
+        (0.0, 0.004, 0.02),
+        kv_capacity_tokens=40,
+        max_num_batched_tokens=4096,
+        prefill_token_budget=None,
+    )
     problem, runs, result = solve(base, names=("vllm", "sarathi"))
     assert result.status == "OPTIMAL"
     for batch in result.schedule:
@@ -154,17 +166,46 @@ def test_bad_bound_problems():
 
 def test_bound_command(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "sloserve.cli", "bound", "--fixed", "8,3", "--num-requests", "3",
-         "--compare", "vllm,vllm_ef", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "sloserve.cli",
+            "bound",
+            "--fixed",
+            "8,3",
+            "--num-requests",
+            "3",
+            "--compare",
+            "vllm,vllm_ef",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "bound: OPTIMAL" in proc.stdout and "vllm_ef" in proc.stdout
     assert (tmp_path / "gantt.png").stat().st_size > 0 and (tmp_path / "schedule.json").exists()
     # Too large for the exact model: the heuristics are measured against the relaxation instead.
     too_big = subprocess.run(
-        [sys.executable, "-m", "sloserve.cli", "bound", "--fixed", "64,200", "--num-requests", "40",
-         "--compare", "vllm", "--out", str(tmp_path / "big")], capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "sloserve.cli",
+            "bound",
+            "--fixed",
+            "64,200",
+            "--num-requests",
+            "40",
+            "--compare",
+            "vllm",
+            "--out",
+            str(tmp_path / "big"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert too_big.returncode == 0, too_big.stderr
     assert "bound: not solved: 40 requests x" in too_big.stdout and "exceeds the limit" in too_big.stdout
@@ -217,7 +258,9 @@ def test_packing_bound_in_figure15s_memory():
     # Two prompts whose last prefill chunks share a batch then hold 63 tokens each until one of them
     # finishes, with 4 tokens: 63 + 63 + 4 > 128. So every prompt gets its own prefill batch.
     assert prefill_packing_lower_bound([64] * 4, [4] * 4, 128) == 4
-    assert prefill_packing_lower_bound([64] * 4, [1] * 4, 128) == 0  # one output: pairs fit (L2 leaves it to the footprint)
+    assert (
+        prefill_packing_lower_bound([64] * 4, [1] * 4, 128) == 0
+    )  # one output: pairs fit (L2 leaves it to the footprint)
 
 
 def test_relaxation_proves_figure15s_long_prompts_optimal():

@@ -15,12 +15,28 @@ from sloserve.sched.bros import BrosScheduler
 def mixed(num_rt: int, num_be: int, rt_gap: float = 0.05, ttft: float = 0.4, tpot: float = 0.2) -> list[Request]:
     reqs = []
     for i in range(num_be):
-        reqs.append(Request(request_id=i, arrival_time=0.0, num_prompt_tokens=600 + 20 * (i % 10),
-                            true_output_tokens=60 + i % 40, max_tokens=200, request_class=RequestClass.BE))
+        reqs.append(
+            Request(
+                request_id=i,
+                arrival_time=0.0,
+                num_prompt_tokens=600 + 20 * (i % 10),
+                true_output_tokens=60 + i % 40,
+                max_tokens=200,
+                request_class=RequestClass.BE,
+            )
+        )
     for j in range(num_rt):
-        reqs.append(Request(request_id=num_be + j, arrival_time=0.01 + rt_gap * j, num_prompt_tokens=100 + 37 * (j % 9),
-                            true_output_tokens=30 + 7 * (j % 11), max_tokens=200, request_class=RequestClass.RT,
-                            slo=SLO(ttft_s=ttft, tpot_s=tpot)))
+        reqs.append(
+            Request(
+                request_id=num_be + j,
+                arrival_time=0.01 + rt_gap * j,
+                num_prompt_tokens=100 + 37 * (j % 9),
+                true_output_tokens=30 + 7 * (j % 11),
+                max_tokens=200,
+                request_class=RequestClass.RT,
+                slo=SLO(ttft_s=ttft, tpot_s=tpot),
+            )
+        )
     return reqs
 
 
@@ -158,9 +174,26 @@ def test_rt_rate_flag_and_bros_workload(tmp_path):
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "sloserve.cli", "compare", "--workload", "bros-sharegpt", "--rt-rate", "3",
-         "--num-requests", "240", "--schedulers", "bros,rr,vllm_priority", "--model", "opt-13b", "--json"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "sloserve.cli",
+            "compare",
+            "--workload",
+            "bros-sharegpt",
+            "--rt-rate",
+            "3",
+            "--num-requests",
+            "240",
+            "--schedulers",
+            "bros,rr,vllm_priority",
+            "--model",
+            "opt-13b",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     summaries = json.loads(proc.stdout)
@@ -192,8 +225,14 @@ def test_be_requests_holding_every_block_do_not_stall(name):
     take another (BE takes free blocks only): BROS drops the latest admitted BE requests
     (progressive dropping, §5) so the earliest goes on, and every request still finishes."""
     reqs = [
-        Request(request_id=i, arrival_time=0.0, num_prompt_tokens=8, true_output_tokens=40, max_tokens=40,
-                request_class=RequestClass.BE)
+        Request(
+            request_id=i,
+            arrival_time=0.0,
+            num_prompt_tokens=8,
+            true_output_tokens=40,
+            max_tokens=40,
+            request_class=RequestClass.BE,
+        )
         for i in range(6)
     ]
     sched = scheduler(name, 96, block_size=8)
@@ -241,9 +280,13 @@ def test_hybrid_workload_has_the_rt_requests_asked_and_enough_be_batches(tmp_pat
     rt = [r for r in built.requests if r.request_class is RequestClass.RT]
     be = [r for r in built.requests if r.request_class is RequestClass.BE]
     assert len(rt) == 60 and len(built.chains) == 1
-    assert len(built.chains[0]) == max(experiment.MIN_BE_BATCHES, math.ceil(experiment.BE_BATCHES_PER_RT_SECOND * 60 / 4.0))
+    assert len(built.chains[0]) == max(
+        experiment.MIN_BE_BATCHES, math.ceil(experiment.BE_BATCHES_PER_RT_SECOND * 60 / 4.0)
+    )
     assert len(be) == 128 * len(built.chains[0])
-    rows = [dict(model="opt-13b", rt_rate=r, **{f"{p}_share": 0.01 for p in (*experiment.PHASES, "other")}) for r in (2, 6)]
+    rows = [
+        dict(model="opt-13b", rt_rate=r, **{f"{p}_share": 0.01 for p in (*experiment.PHASES, "other")}) for r in (2, 6)
+    ]
     experiment._plot_breakdown(rows, tmp_path / "fig14.png")
     assert (tmp_path / "fig14.png").read_bytes()[:4] == b"\x89PNG"
 

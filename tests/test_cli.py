@@ -21,12 +21,34 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 def test_simulate_writes_outputs_and_json(tmp_path: Path):
     out = tmp_path / "run"
-    proc = run("simulate", "--trace", "sharegpt", "--scheduler", "sarathi", "--rate", "6",
-               "--num-requests", "300", "--seed", "4", "--out", str(out), "--json")
+    proc = run(
+        "simulate",
+        "--trace",
+        "sharegpt",
+        "--scheduler",
+        "sarathi",
+        "--rate",
+        "6",
+        "--num-requests",
+        "300",
+        "--seed",
+        "4",
+        "--out",
+        str(out),
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
-    for key in ("completed", "throughput_rps", "throughput_tps", "slo_attainment", "goodput_rps",
-                "kv_utilization_mean", "preemptions", "sim_wall_s"):
+    for key in (
+        "completed",
+        "throughput_rps",
+        "throughput_tps",
+        "slo_attainment",
+        "goodput_rps",
+        "kv_utilization_mean",
+        "preemptions",
+        "sim_wall_s",
+    ):
         assert key in summary
     for key in ("ttft_s", "tpot_s", "normalized_latency_s", "jct_s"):
         assert set(summary[key]) == {"mean", "p50", "p90", "p99"}
@@ -42,8 +64,19 @@ def test_simulate_writes_outputs_and_json(tmp_path: Path):
 
 
 def test_compare_runs_every_scheduler_on_the_same_workload(tmp_path: Path):
-    proc = run("compare", "--trace", "azure-conv", "--trace-arrivals", "--schedulers", "vllm,sarathi,orca",
-               "--num-requests", "200", "--out", str(tmp_path), "--json")
+    proc = run(
+        "compare",
+        "--trace",
+        "azure-conv",
+        "--trace-arrivals",
+        "--schedulers",
+        "vllm,sarathi,orca",
+        "--num-requests",
+        "200",
+        "--out",
+        str(tmp_path),
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     summaries = json.loads(proc.stdout)
     assert list(summaries) == ["vllm", "sarathi", "orca"]
@@ -70,8 +103,19 @@ def test_traces_lists_every_bundled_trace():
 
 
 def test_sweep_writes_plot(tmp_path: Path):
-    proc = run("sweep", "--trace", "sharegpt", "--rates", "2,6", "--schedulers", "vllm,sarathi",
-               "--num-requests", "150", "--out", str(tmp_path))
+    proc = run(
+        "sweep",
+        "--trace",
+        "sharegpt",
+        "--rates",
+        "2,6",
+        "--schedulers",
+        "vllm,sarathi",
+        "--num-requests",
+        "150",
+        "--out",
+        str(tmp_path),
+    )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "sweep_normalized_latency_s.png").stat().st_size > 0
     sweep = json.loads((tmp_path / "sweep.json").read_text())
@@ -81,11 +125,16 @@ def test_sweep_writes_plot(tmp_path: Path):
 BAD = [
     (["--trace", "nope", "--rate", "1"], "unknown trace 'nope'; valid: arxiv"),
     (["--trace", "sharegpt", "--rate", "0"], "arrival.rate must be > 0, got 0"),
-    (["--trace", "sharegpt", "--rate", "1", "--scheduler", "fifo"], "unknown scheduler 'fifo'; valid: bros, bros_nobicache, econoserve, econoserve-d, econoserve-oracle, econoserve-sd, econoserve-sdo, fastserve, infermax, multires, orca, rank_i"),
+    (
+        ["--trace", "sharegpt", "--rate", "1", "--scheduler", "fifo"],
+        "unknown scheduler 'fifo'; valid: bros, bros_nobicache, econoserve, econoserve-d, econoserve-oracle, econoserve-sd, econoserve-sdo, fastserve, infermax, multires, orca, rank_i",
+    ),
     (["--trace", "sharegpt", "--rate", "1", "--gpu", "tpu"], "unknown GPU"),
     (["--trace", "sharegpt", "--rate", "1", "--kv-capacity-tokens", "8"], "below one block of 16 tokens"),
-    (["--trace", "sharegpt", "--rate", "1", "--scheduler", "orca", "--kv-capacity-tokens", "3000"],
-     "cannot hold request"),
+    (
+        ["--trace", "sharegpt", "--rate", "1", "--scheduler", "orca", "--kv-capacity-tokens", "3000"],
+        "cannot hold request",
+    ),
     (["--trace", "sharegpt"], "give exactly one of rate"),
     (["--trace", "sharegpt", "--rate", "1", "--set", "nosuch=1"], "has no option 'nosuch'"),
     (["--trace", "sharegpt", "--rate", "1", "--disaggregate", "2"], "--disaggregate expects P:D"),
@@ -116,7 +165,9 @@ def test_fit_cost_makes_a_preset_that_simulate_uses(tmp_path: Path):
     from sloserve.cost import BatchShape, LinearCostModel, get_preset
 
     truth = LinearCostModel(get_preset("llama-2-7b-a100"))
-    rows = ["num_decode,decode_kv_tokens,num_prefill,prefill_tokens,prefill_attention_work,prefill_context_tokens,time_s"]
+    rows = [
+        "num_decode,decode_kv_tokens,num_prefill,prefill_tokens,prefill_attention_work,prefill_context_tokens,time_s"
+    ]
     for b in (1, 8, 32, 128):
         for kv in (512, 4096, 32768):
             shape = BatchShape(b, b * kv // 8)
@@ -126,14 +177,18 @@ def test_fit_cost_makes_a_preset_that_simulate_uses(tmp_path: Path):
             shape = BatchShape(0, 0, n, n * c, n * (c * c + 2 * m * c), n * m)
             rows.append(f"0,0,{n},{n * c},{n * (c * c + 2 * m * c)},{n * m},{truth.batch_time(shape).total_s}")
             shape = BatchShape(16, 16 * 700, n, n * c, n * (c * c + 2 * m * c), n * m)
-            rows.append(f"16,{16 * 700},{n},{n * c},{n * (c * c + 2 * m * c)},{n * m},{truth.batch_time(shape).total_s}")
+            rows.append(
+                f"16,{16 * 700},{n},{n * c},{n * (c * c + 2 * m * c)},{n * m},{truth.batch_time(shape).total_s}"
+            )
     profile = tmp_path / "profile.csv"
     profile.write_text("\n".join(rows) + "\n")
     preset = tmp_path / "mine.json"
     proc = run("fit-cost", "--csv", str(profile), "--layers", "32", "--out", str(preset))
     assert proc.returncode == 0, proc.stderr
     assert "mean relative error 0.00%" in proc.stdout
-    ours = run("simulate", "--trace", "sharegpt", "--rate", "4", "--num-requests", "100", "--cost-model", str(preset), "--json")
+    ours = run(
+        "simulate", "--trace", "sharegpt", "--rate", "4", "--num-requests", "100", "--cost-model", str(preset), "--json"
+    )
     ref = run("simulate", "--trace", "sharegpt", "--rate", "4", "--num-requests", "100", "--json")
     assert ours.returncode == 0, ours.stderr
     a, b = json.loads(ours.stdout), json.loads(ref.stdout)

@@ -40,7 +40,9 @@ L7 = get_preset("llama-2-7b-a100")
 L70 = get_preset("llama-3-70b-4xa100")
 
 
-def prefill_shape(chunks: list[tuple[int, int]], num_decode: int = 0, decode_kv: int = 0, longest: int = 0) -> BatchShape:
+def prefill_shape(
+    chunks: list[tuple[int, int]], num_decode: int = 0, decode_kv: int = 0, longest: int = 0
+) -> BatchShape:
     """Shape of a batch with prefill chunks given as (c, m) pairs plus some decodes (``longest``: the
     longest decode's context)."""
     return BatchShape(
@@ -66,9 +68,7 @@ def test_linear_decode_batch_matches_hand_computation() -> None:
     assert t.prefill_attention_s == 0.0 and t.swap_s == 0.0
     assert t.total_s == pytest.approx(0.04689184, rel=1e-12)
     # 70B: (1.222e-6*1e5 + 0.081 + 3.92e-4*200) + (0.002*200 + 0.159) = 0.8406 ms x 80 layers
-    assert LinearCostModel(L70).batch_time(BatchShape(200, 100_000)).total_s == pytest.approx(
-        0.067248, rel=1e-12
-    )
+    assert LinearCostModel(L70).batch_time(BatchShape(200, 100_000)).total_s == pytest.approx(0.067248, rel=1e-12)
 
 
 def test_linear_prefill_batch_matches_hand_computation() -> None:
@@ -112,7 +112,8 @@ def test_knee_flattens_the_non_attention_part_below_it() -> None:
     knee, straight = LinearCostModel(L7_KNEE), LinearCostModel(L7)
     for tokens in (1, 64, 150):
         assert knee.batch_time(BatchShape(tokens, 100 * tokens)).non_attention_s == pytest.approx(
-            (L7.a_o * 150 + L7.b_o) * 32 / 1000)
+            (L7.a_o * 150 + L7.b_o) * 32 / 1000
+        )
     for tokens in (151, 1000):  # above the knee it is InferMax's line
         shape = prefill_shape([(tokens, 0)])
         assert knee.batch_time(shape).total_s == straight.batch_time(shape).total_s
@@ -123,7 +124,11 @@ def test_floors_lift_short_steps_only() -> None:
     """step = max(floor, work), the floor by kind of step: with a prefill floor_p, else floor_d; the
     time below the floor counts as non-attention, so the parts still add up."""
     floored, straight = LinearCostModel(L7_FLOOR), LinearCostModel(L7)
-    for shape, floor in ((BatchShape(1, 100), 0.3), (prefill_shape([(32, 0)]), 1.5), (prefill_shape([(512, 0)], 4, 400), 1.5)):
+    for shape, floor in (
+        (BatchShape(1, 100), 0.3),
+        (prefill_shape([(32, 0)]), 1.5),
+        (prefill_shape([(512, 0)], 4, 400), 1.5),
+    ):
         got = floored.batch_time(shape)
         assert got.total_s == pytest.approx(floor * 32 / 1000)
         assert got.decode_attention_s == straight.batch_time(shape).decode_attention_s
@@ -229,8 +234,9 @@ def test_step_seconds_is_the_breakdown_total(which, num_decode, kv, chunks, swap
     """The simulator's clock (step_seconds) advances by exactly batch_time's total: the parts' sum,
     or with overlapped copies the longer of compute and swap."""
     model = COST_MODELS[which]
-    shape = prefill_shape(chunks, num_decode, kv if num_decode else 0)._replace(swap_bytes=swap_bytes,
-                                                                                swap_overlapped=overlapped)
+    shape = prefill_shape(chunks, num_decode, kv if num_decode else 0)._replace(
+        swap_bytes=swap_bytes, swap_overlapped=overlapped
+    )
     t = model.batch_time(shape)
     assert model.step_seconds(shape) == t.total_s
     compute = t.non_attention_s + t.decode_attention_s + t.prefill_attention_s
@@ -307,7 +313,11 @@ def random_shapes(rng: np.random.Generator, n: int) -> list[BatchShape]:
         num_decode = 0 if kind == 1 else int(rng.integers(1, 256))
         decode_kv = num_decode * int(rng.integers(1, 3000)) if num_decode else 0
         # The longest context: at least the mean, at most all of it.
-        longest = int(rng.integers(-(-decode_kv // num_decode), min(decode_kv, 4 * decode_kv // num_decode) + 1)) if num_decode else 0
+        longest = (
+            int(rng.integers(-(-decode_kv // num_decode), min(decode_kv, 4 * decode_kv // num_decode) + 1))
+            if num_decode
+            else 0
+        )
         chunks = []
         if kind != 0:
             chunks = [
@@ -405,14 +415,18 @@ def test_one_knee_fit_serves_vllm_and_sarathi() -> None:
 
     def mean_latencies(cost, scheduler: str) -> np.ndarray:  # mean TTFT, TPOT, JCT
         workload = workload_from_trace("sharegpt", num_requests=400, seed=0, context_len=4096, rate=6.0)
-        simulate(workload.requests, lambda: make_scheduler(scheduler, kv_capacity_tokens=capacity, max_model_len=4096), cost)
+        simulate(
+            workload.requests, lambda: make_scheduler(scheduler, kv_capacity_tokens=capacity, max_model_len=4096), cost
+        )
         table = request_table(workload.requests)
         return np.array([np.nanmean(table[k]) for k in ("ttft_s", "tpot_s", "jct_s")])
 
     worst = {}
     for form in ("knee", "infermax"):
         fit = LinearCostModel(fit_linear_shapes(shapes, times, num_layers=32, form=form).coefficients)
-        worst[form] = max(np.abs(mean_latencies(fit, s) / mean_latencies(reference, s) - 1).max() for s in ("vllm", "sarathi"))
+        worst[form] = max(
+            np.abs(mean_latencies(fit, s) / mean_latencies(reference, s) - 1).max() for s in ("vllm", "sarathi")
+        )
     assert worst["knee"] < 0.05 < worst["infermax"], worst
 
 

@@ -322,7 +322,10 @@ def test_summary_reports_gt_queuing_allocation_failures_and_group_sizes():
     assert groups["cdf"][-1][1] == 1.0 and groups["max"] == groups["cdf"][-1][0]
     fractions = [f for _, f in groups["cdf"]]
     assert fractions == sorted(fractions)
-    assert summary["forward_size_to_target"] == summary["forward_size"]["mean"] / result.policy_metrics["target_forward_size"]
+    assert (
+        summary["forward_size_to_target"]
+        == summary["forward_size"]["mean"] / result.policy_metrics["target_forward_size"]
+    )
 
 
 def test_kv_bound_by_hand_and_above_every_schedulers_offline_throughput():

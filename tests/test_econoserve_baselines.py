@@ -20,8 +20,15 @@ def random_workload(seed: int, num_requests: int = 120) -> list[Request]:
     for i in range(num_requests):
         t += rng.expovariate(30.0)
         out = rng.randint(1, 150)
-        reqs.append(Request(request_id=i, arrival_time=t, num_prompt_tokens=rng.randint(1, 400),
-                            true_output_tokens=out, max_tokens=out + rng.randint(0, 50)))
+        reqs.append(
+            Request(
+                request_id=i,
+                arrival_time=t,
+                num_prompt_tokens=rng.randint(1, 400),
+                true_output_tokens=out,
+                max_tokens=out + rng.randint(0, 50),
+            )
+        )
     return reqs
 
 

@@ -131,7 +131,9 @@ def test_econoserve_offload_free_stops_keep_kv_in_place(hf_dirs):
 def test_forced_preemption_loses_nothing(hf_dirs, scheduler, preemption):
     """A KV cache of 64 slots cannot hold all six requests: some are evicted and come back (refilled
     from prompt + generated tokens, or swapped back in), and every token still equals HF's."""
-    tokens, llm = _generate(hf_dirs["llama"], scheduler, kv_capacity_tokens=64, block_size=4, preemption_mode=preemption)
+    tokens, llm = _generate(
+        hf_dirs["llama"], scheduler, kv_capacity_tokens=64, block_size=4, preemption_mode=preemption
+    )
     assert tokens == reference("llama")
     assert llm.engine.scheduler.num_preemptions > 0
     if preemption == "swap":
@@ -174,7 +176,9 @@ def test_eos_stops_a_request(hf_dirs, tmp_path):
     out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0]
     assert out.token_ids == ref[0][: ref[0].index(eos) + 1]
     assert out.finish_reason == "stop"
-    forced = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    forced = llm.generate(
+        [{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )
     assert forced[0].outputs[0].token_ids == ref[0] and forced[0].outputs[0].finish_reason == "length"
 
 
@@ -185,7 +189,9 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
     batch = llm.generate(["other", "sampling", "prompts here"], [SamplingParams(max_tokens=6, temperature=1.0), params,
                                                               SamplingParams(max_tokens=3, temperature=0)])  # fmt: skip
     assert batch[1].outputs[0].token_ids == alone
-    other_seed = llm.generate(["sampling"], SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=8, ignore_eos=True))
+    other_seed = llm.generate(
+        ["sampling"], SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=8, ignore_eos=True)
+    )
     assert other_seed[0].outputs[0].token_ids != alone
 
 
@@ -538,13 +544,33 @@ def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
         (("run", "--model", "/nonexistent/model", "--trace", "sharegpt"), "does not exist"),
         (("run", "--model", "random:tiny-llama", "--trace", "sharegpt", "--device", "cuda"), "CUDA is not available"),
         (("run", "--model", "random:huge", "--trace", "sharegpt"), "unknown random model shape"),
-        (("run", "--model", "random:tiny-llama", "--trace", "sharegpt", "--num-requests", "3", "--offline", "--kv-capacity-tokens", "64"),
-         "KV capacity 64 tokens cannot hold one request"),
-        (("profile", "--model", "random:tiny-llama", "--out", "x.json", "--batch-sizes", "a,b"), "--batch-sizes expects"),
-        (("run", "--model", "random:tiny-llama", "--trace", "sharegpt", "--attention-backend", "flash"),
-         "unknown attention backend 'flash'; valid: auto, torch, triton"),
-        (("run", "--model", "random:tiny-llama", "--trace", "sharegpt", "--cuda-graphs"),
-         "CUDA graphs need device cuda and the triton attention backend"),
+        (
+            (
+                "run",
+                "--model",
+                "random:tiny-llama",
+                "--trace",
+                "sharegpt",
+                "--num-requests",
+                "3",
+                "--offline",
+                "--kv-capacity-tokens",
+                "64",
+            ),
+            "KV capacity 64 tokens cannot hold one request",
+        ),
+        (
+            ("profile", "--model", "random:tiny-llama", "--out", "x.json", "--batch-sizes", "a,b"),
+            "--batch-sizes expects",
+        ),
+        (
+            ("run", "--model", "random:tiny-llama", "--trace", "sharegpt", "--attention-backend", "flash"),
+            "unknown attention backend 'flash'; valid: auto, torch, triton",
+        ),
+        (
+            ("run", "--model", "random:tiny-llama", "--trace", "sharegpt", "--cuda-graphs"),
+            "CUDA graphs need device cuda and the triton attention backend",
+        ),
     ],
 )
 def test_engine_commands_bad_input_exit_2(args, message):

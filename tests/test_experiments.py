@@ -29,7 +29,11 @@ def test_experiment_list_and_unknown_name():
         name, _, description = line.partition(": ")
         assert description.rstrip().endswith(".") and len(description) > 20, line
     bad = run("experiment", "nope")
-    assert bad.returncode == 2 and "unknown experiment 'nope'; valid: bros-fig10, bros-fig12, bros-fig13, bros-fig14, bros-token-groups, econoserve-fig13, econoserve-fig15, econoserve-fig9, infermax-fig10" in bad.stderr
+    assert (
+        bad.returncode == 2
+        and "unknown experiment 'nope'; valid: bros-fig10, bros-fig12, bros-fig13, bros-fig14, bros-token-groups, econoserve-fig13, econoserve-fig15, econoserve-fig9, infermax-fig10"
+        in bad.stderr
+    )
 
 
 def test_econoserve_ablation_runs_every_variant_on_a_table2_workload(tmp_path):

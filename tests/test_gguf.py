@@ -76,7 +76,9 @@ def test_greedy_tokens_equal_transformers_and_the_answer_is_sensible(llm, refere
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0))
     for prompt, out in zip(prompts, outputs, strict=True):
         with torch.no_grad():
-            hf = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+            hf = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[
+                0, len(prompt) :
+            ].tolist()
         ours = out.outputs[0].token_ids
         assert ours == hf[: len(ours)] and (len(ours) == 24 or ours[-1] == 2), (ours, hf)
     assert "Paris" in outputs[0].outputs[0].text

@@ -63,8 +63,14 @@ def test_sarathi_nocp_never_chunks_and_nohy_never_mixes():
 
 @pytest.mark.parametrize(
     "name,capacity",
-    [("vllm", 4096), ("vllm_hy", 4096), ("sarathi", 4096), ("sarathi_pc", 4096), ("sarathi_nocp", 4096),
-     ("sarathi_nohy", 1700)],  # nohy keeps batches small: a smaller cache makes it evict
+    [
+        ("vllm", 4096),
+        ("vllm_hy", 4096),
+        ("sarathi", 4096),
+        ("sarathi_pc", 4096),
+        ("sarathi_nocp", 4096),
+        ("sarathi_nohy", 1700),
+    ],  # nohy keeps batches small: a smaller cache makes it evict
 )
 def test_eviction_free_variants_never_evict(name, capacity):
     drv, _ = drive(name, capacity)
@@ -143,8 +149,10 @@ def test_noisy_oracle_matches_the_econoserve_accuracy(dataset):
 
     accuracy, padding = ECONOSERVE_PREDICTOR_ACCURACY[dataset]
     predictor = NoisyOraclePredictor.from_accuracy(accuracy, padding, seed=1)
-    reqs = [Request(request_id=i, arrival_time=0, num_prompt_tokens=10, true_output_tokens=50 + i % 400,
-                    max_tokens=4096) for i in range(20_000)]
+    reqs = [
+        Request(request_id=i, arrival_time=0, num_prompt_tokens=10, true_output_tokens=50 + i % 400, max_tokens=4096)
+        for i in range(20_000)
+    ]
     for r in reqs:
         r.predicted_output_tokens = predictor.predict(r)
     report = provisioning(reqs, padding)
@@ -166,8 +174,10 @@ def test_bucketed_noisy_oracle_answers_in_cells_at_the_calibrated_accuracy():
     unbucketed = NoisyOraclePredictor.from_accuracy(0.732, 0.15, seed=2)
     predictor = NoisyOraclePredictor.from_accuracy(0.732, 0.15, seed=2, bucket_tokens=50, lengths=lengths.tolist())
     assert predictor.sigma > unbucketed.sigma  # cells round up, so the same accuracy needs a wider error
-    reqs = [Request(request_id=i, arrival_time=0, num_prompt_tokens=10, true_output_tokens=int(o), max_tokens=100_000)
-            for i, o in enumerate(lengths)]
+    reqs = [
+        Request(request_id=i, arrival_time=0, num_prompt_tokens=10, true_output_tokens=int(o), max_tokens=100_000)
+        for i, o in enumerate(lengths)
+    ]
     for r in reqs:
         r.predicted_output_tokens = predictor.predict(r)
         assert r.predicted_output_tokens % 50 == 0 and r.predicted_output_tokens >= 50

@@ -14,7 +14,9 @@ from sloserve.kv import ExactReservationKVManager, MaxAllocationKVManager, Paged
 
 
 def req(i: int, prompt: int = 10, max_tokens: int = 20) -> Request:
-    return Request(request_id=i, arrival_time=0.0, num_prompt_tokens=prompt, true_output_tokens=1, max_tokens=max_tokens)
+    return Request(
+        request_id=i, arrival_time=0.0, num_prompt_tokens=prompt, true_output_tokens=1, max_tokens=max_tokens
+    )
 
 
 def test_paged_slots_are_block_offsets():
@@ -75,15 +77,21 @@ def test_capacity_below_one_block_is_an_error():
 
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["alloc", "free", "swap_out", "swap_in", "reserve", "settle"]),
-              st.integers(0, 5), st.integers(1, 40)),
+    st.tuples(
+        st.sampled_from(["alloc", "free", "swap_out", "swap_in", "reserve", "settle"]),
+        st.integers(0, 5),
+        st.integers(1, 40),
+    ),
     max_size=60,
 )
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=OPS, manager=st.sampled_from([PagedKVManager, MaxAllocationKVManager, ExactReservationKVManager]),
-       block_size=st.sampled_from([1, 4, 16]))
+@given(
+    ops=OPS,
+    manager=st.sampled_from([PagedKVManager, MaxAllocationKVManager, ExactReservationKVManager]),
+    block_size=st.sampled_from([1, 4, 16]),
+)
 def test_manager_invariants_under_random_operations(ops, manager, block_size):
     kv = manager(num_blocks=12, block_size=block_size, kv_bytes_per_token=2, num_cpu_blocks=6)
     requests = [req(i, prompt=5, max_tokens=10) for i in range(6)]
@@ -141,9 +149,13 @@ LENGTHS = st.lists(st.tuples(st.integers(1, 120), st.integers(1, 80)), min_size=
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(lengths=LENGTHS, name=st.sampled_from(["vllm", "sarathi"]),
-       mode=st.sampled_from(["recompute", "swap"]), block_size=st.sampled_from([1, 4, 16]),
-       gaps=st.lists(st.floats(0, 0.2), min_size=14, max_size=14))
+@given(
+    lengths=LENGTHS,
+    name=st.sampled_from(["vllm", "sarathi"]),
+    mode=st.sampled_from(["recompute", "swap"]),
+    block_size=st.sampled_from([1, 4, 16]),
+    gaps=st.lists(st.floats(0, 0.2), min_size=14, max_size=14),
+)
 def test_schedulers_keep_kv_invariants_under_pressure(lengths, name, mode, block_size, gaps):
     """Random workloads in a KV cache barely larger than the longest request: every step keeps the
     queue/KV invariants (Driver calls check_integrity) and every request finishes with its length."""
@@ -151,8 +163,15 @@ def test_schedulers_keep_kv_invariants_under_pressure(lengths, name, mode, block
     reqs = make_requests(lengths, arrivals)
     capacity = max(p + o for p, o in lengths) + 2 * block_size
     capacity = -(-capacity // block_size) * block_size
-    sched = scheduler(name, capacity, max_model_len=256, block_size=block_size, watermark=0,
-                      preemption_mode=mode, swap_space_tokens=capacity)
+    sched = scheduler(
+        name,
+        capacity,
+        max_model_len=256,
+        block_size=block_size,
+        watermark=0,
+        preemption_mode=mode,
+        swap_space_tokens=capacity,
+    )
     Driver(sched).run(reqs)
     for r in reqs:
         assert r.status is RequestStatus.FINISHED and r.num_output_tokens == r.true_output_tokens

@@ -305,9 +305,7 @@ def test_sweep_and_compare_plots(tmp_path: Path):
     p = plots_module.plot_sweep(results, tmp_path / "sweep.png", ylabel="norm. latency (s/token)",
                                 logy=True)  # fmt: skip
     assert p.read_bytes().startswith(PNG_MAGIC)
-    p = plots_module.plot_sweep(
-        results, tmp_path / "rt.png", metric="classes.rt.ttft_s", stat="p99"
-    )
+    p = plots_module.plot_sweep(results, tmp_path / "rt.png", metric="classes.rt.ttft_s", stat="p99")
     assert p.stat().st_size > 1000
     summaries = {name: pts[0][1] for name, pts in results.items()}
     p = plots_module.plot_compare_bars(summaries, tmp_path / "bars.png")

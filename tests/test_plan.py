@@ -100,8 +100,11 @@ def test_an_impossible_slo_is_reported_with_the_best_reached(tmp_path):
         (("--qps", "0"), "--qps must be > 0"),
         (("--tp", "0"), "--tp degrees must be >= 1"),
         (("--attainment", "1.5"), "--attainment must be in (0, 1]"),
-        (("--model", "llama-3-70b", "--gpus", "a100", "--tp", "1"), "no configuration to search (1 left out): "
-         "a100-80gb tp1: model llama-3-70b (141 GB of weights) does not fit"),
+        (
+            ("--model", "llama-3-70b", "--gpus", "a100", "--tp", "1"),
+            "no configuration to search (1 left out): "
+            "a100-80gb tp1: model llama-3-70b (141 GB of weights) does not fit",
+        ),
     ],
 )
 def test_bad_plan_input_is_one_line_and_exit_2(tmp_path, args, message):

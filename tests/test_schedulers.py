@@ -138,7 +138,10 @@ def test_orca_capacity_below_longest_request_is_an_error():
 
 
 def test_unknown_scheduler_and_option_errors():
-    with pytest.raises(UnknownNameError, match="valid: bros, bros_nobicache, .*fastserve, infermax, multires, orca, rank_i, rank_o, rank_org, rr, sarathi, .*srtf, .*vllm_hy_ef"):
+    with pytest.raises(
+        UnknownNameError,
+        match="valid: bros, bros_nobicache, .*fastserve, infermax, multires, orca, rank_i, rank_o, rank_org, rr, sarathi, .*srtf, .*vllm_hy_ef",
+    ):
         scheduler("fcfs", 1000)
     with pytest.raises(ConfigError, match="no option 'bogus'; valid: .*block_size"):
         scheduler("vllm", 1000, bogus="1")
@@ -154,7 +157,9 @@ def test_unknown_scheduler_and_option_errors():
 
 def test_a_policy_gets_only_the_kv_managers_its_spec_names():
     # RR shares BROS's config, whose kv_manager may be bidirectional; RR's spec does not name it.
-    with pytest.raises(ConfigError, match="rr: kv_manager bidirectional does not work with it; valid: paged, max, exact"):
+    with pytest.raises(
+        ConfigError, match="rr: kv_manager bidirectional does not work with it; valid: paged, max, exact"
+    ):
         scheduler("rr", 4096, kv_manager="bidirectional")
     with pytest.raises(ConfigError, match="kv_manager='pipelined': expected one of paged, max, exact"):
         scheduler("sarathi", 4096, kv_manager="pipelined")

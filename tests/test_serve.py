@@ -224,7 +224,9 @@ def test_errors_are_openai_error_objects_with_the_right_status(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
     assert e.value.body["param"] == "messages"
-    response = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    response = httpx.post(
+        server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
     assert httpx.get(server.url + "/v1/nothing").json()["error"]["message"] == "Not Found"
     assert client.models.list().data[0].id == MODEL
@@ -241,9 +243,11 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=st.fixed_dictionaries({"model": st.just(MODEL) | JSON_VALUES},
-                                  optional={f: JSON_VALUES for f in FIELDS[1:]}) | JSON_VALUES,  # fmt: skip
-       path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+@given(
+    body=st.fixed_dictionaries({"model": st.just(MODEL) | JSON_VALUES}, optional={f: JSON_VALUES for f in FIELDS[1:]})
+    | JSON_VALUES,  # fmt: skip
+    path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+)
 def test_fuzzed_bodies_never_get_a_5xx(server, body, path):
     response = httpx.post(server.url + path, json=body, timeout=60)
     assert response.status_code < 500, (body, response.text)
@@ -253,8 +257,9 @@ def test_fuzzed_bodies_never_get_a_5xx(server, body, path):
 
 
 def test_the_request_log_reads_as_a_trace(server, tmp_path):
-    server.client.completions.create(model=MODEL, prompt="Hello world", max_tokens=5, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    server.client.completions.create(
+        model=MODEL, prompt="Hello world", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     # NOTE: one snapshot of the log: a request of an earlier test may still end and append a line
     # (the engine logs a request before its answer goes out, so ours is there)
     snapshot = tmp_path / "requests.jsonl"

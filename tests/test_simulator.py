@@ -104,9 +104,7 @@ def test_chunk_stretches_exist():
     # Where each row's stretch began: the latest row at or before it that was scheduled.
     began = np.maximum.accumulate(np.where(sched_time > 0, np.arange(len(starts)), 0))
     arrivals = np.array([r.arrival_time for r in reqs])
-    passed = [
-        ((arrivals > starts[began[i]]) & (arrivals < starts[i])).any() for i in stretched
-    ]
+    passed = [((arrivals > starts[began[i]]) & (arrivals < starts[i])).any() for i in stretched]
     assert any(passed)
 
 
@@ -124,6 +122,7 @@ def test_chunk_stretch_runs_through_a_completion_on_one_replica():
 @pytest.mark.parametrize("router", ["round-robin", "least-outstanding"])
 def test_fast_path_same_timestamps_in_a_cluster(router):
     """Stretches that run past arrivals route every arrival as step-by-step does."""
+
     def run(fast):
         workload = workload_from_trace("arxiv", num_requests=150, seed=4, context_len=4096, rate=9.0)
         simulate(
@@ -246,15 +245,27 @@ def test_closed_loop_batches_arrive_when_the_previous_batch_completes():
     """BROS §7.1: best-effort jobs are resubmitted as a batch when the previous batch completes."""
     from sloserve.workload import build_workload, parse_workload_spec
 
-    spec = parse_workload_spec({
-        "name": "be-loop",
-        "streams": [
-            {"name": "rt", "class": "rt", "source": {"trace": "sharegpt"},
-             "arrival": {"process": "poisson", "rate": 4}, "num_requests": 120},
-            {"name": "be", "class": "be", "source": {"uniform": {"prompt": [512, 1024], "output": [32, 128]}},
-             "arrival": {"process": "closed-batches", "batch_size": 16}, "num_requests": 64},
-        ],
-    })
+    spec = parse_workload_spec(
+        {
+            "name": "be-loop",
+            "streams": [
+                {
+                    "name": "rt",
+                    "class": "rt",
+                    "source": {"trace": "sharegpt"},
+                    "arrival": {"process": "poisson", "rate": 4},
+                    "num_requests": 120,
+                },
+                {
+                    "name": "be",
+                    "class": "be",
+                    "source": {"uniform": {"prompt": [512, 1024], "output": [32, 128]}},
+                    "arrival": {"process": "closed-batches", "batch_size": 16},
+                    "num_requests": 64,
+                },
+            ],
+        }
+    )
     workload = build_workload(spec, seed=3, context_len=4096)
     (chain,) = workload.chains
     assert [len(b) for b in chain] == [16, 16, 16, 16]

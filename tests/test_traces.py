@@ -108,8 +108,10 @@ def test_user_files_default_columns_gzip_and_jsonl(tmp_path) -> None:
     assert trace.prompt_tokens.tolist() == [5, 7] and trace.arrival_s.tolist() == [0.0, 2.0]
 
     jl = tmp_path / "b.jsonl"
-    rows = [{"timestamp": 1000, "input_length": 9, "output_length": 2},
-            {"timestamp": 4500, "input_length": 8, "output_length": 1}]
+    rows = [
+        {"timestamp": 1000, "input_length": 9, "output_length": 2},
+        {"timestamp": 4500, "input_length": 8, "output_length": 1},
+    ]
     jl.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     trace = load_trace(str(jl))
     assert trace.arrival_s.tolist() == [0.0, 3.5]  # JSONL "timestamp" is in ms
@@ -118,8 +120,10 @@ def test_user_files_default_columns_gzip_and_jsonl(tmp_path) -> None:
 
 def test_user_csv_datetime_arrivals(tmp_path) -> None:
     path = tmp_path / "az.csv"
-    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                    "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.9951690,396,109")
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.9951690,396,109"
+    )
     assert load_trace(str(path)).arrival_s[1] == pytest.approx(4.314579)
 
 
@@ -127,21 +131,30 @@ def test_user_csv_datetime_arrivals(tmp_path) -> None:
     ("content", "columns", "expected"),
     [
         ("a,b\n1,2\n", None, r"bad\.csv: no prompt-length column .*columns present: a, b"),
-        ("p,o\n1,2\n", {"prompt": "p", "output": "x"},
-         r"bad\.csv: column 'x' \(mapped to output\) not found; columns present: p, o"),
-        ("prompt_tokens,output_tokens\n5,6\n7,abc\n", None,
-         r"bad\.csv: line 3: column 'output_tokens': output length 'abc' is not an integer"),
-        ("prompt_tokens,output_tokens\n5,6\n-3,4\n", None,
-         r"bad\.csv: line 3: column 'prompt_tokens': prompt length must be >= 1, got -3"),
-        ("prompt_tokens,output_tokens\n0,6\n", None,
-         r"line 2: .*prompt length must be >= 1, got 0"),
-        ("prompt_tokens,output_tokens\n5,0\n", None,
-         r"line 2: .*output length must be >= 1, got 0"),
-        ("prompt_tokens,output_tokens\n5,2.5\n", None,
-         r"line 2: .*output length 2\.5 is not an integer"),
+        (
+            "p,o\n1,2\n",
+            {"prompt": "p", "output": "x"},
+            r"bad\.csv: column 'x' \(mapped to output\) not found; columns present: p, o",
+        ),
+        (
+            "prompt_tokens,output_tokens\n5,6\n7,abc\n",
+            None,
+            r"bad\.csv: line 3: column 'output_tokens': output length 'abc' is not an integer",
+        ),
+        (
+            "prompt_tokens,output_tokens\n5,6\n-3,4\n",
+            None,
+            r"bad\.csv: line 3: column 'prompt_tokens': prompt length must be >= 1, got -3",
+        ),
+        ("prompt_tokens,output_tokens\n0,6\n", None, r"line 2: .*prompt length must be >= 1, got 0"),
+        ("prompt_tokens,output_tokens\n5,0\n", None, r"line 2: .*output length must be >= 1, got 0"),
+        ("prompt_tokens,output_tokens\n5,2.5\n", None, r"line 2: .*output length 2\.5 is not an integer"),
         ("prompt_tokens,output_tokens\n5\n", None, r"line 2: column 'output_tokens' is missing"),
-        ("prompt_tokens,output_tokens,arrival_s\n5,6,1\n5,6,soon\n", None,
-         r"line 3: column 'arrival_s': arrival 'soon' is neither a number"),
+        (
+            "prompt_tokens,output_tokens,arrival_s\n5,6,1\n5,6,soon\n",
+            None,
+            r"line 3: column 'arrival_s': arrival 'soon' is neither a number",
+        ),
         ("", None, r"bad\.csv: empty file"),
         ("prompt_tokens,output_tokens\n", None, r"bad\.csv: no data rows"),
         ("prompt_tokens,output_tokens\n5,6\n", {"promt": "x"}, r"unknown column role\(s\) 'promt'"),

@@ -24,8 +24,10 @@ from sloserve.workload import (
 
 
 def _key(wl) -> list[tuple]:
-    return [(r.request_id, r.arrival_time, r.num_prompt_tokens, r.true_output_tokens, r.max_tokens,
-             r.request_class, r.slo) for r in wl.requests]
+    return [
+        (r.request_id, r.arrival_time, r.num_prompt_tokens, r.true_output_tokens, r.max_tokens, r.request_class, r.slo)
+        for r in wl.requests
+    ]
 
 
 def _check_ordered(wl) -> None:
@@ -76,9 +78,9 @@ def test_azure_trace_arrivals_follow_the_trace() -> None:
     times = np.array([r.arrival_time for r in wl.requests])
     # 2000 consecutive trace rows, times rebased to the first of them.
     candidates = np.flatnonzero(trace.prompt_tokens[: len(trace) - 1999] == prompts[0])
-    starts = [s for s in candidates if trace.prompt_tokens[s:s + 2000].tolist() == prompts]
+    starts = [s for s in candidates if trace.prompt_tokens[s : s + 2000].tolist() == prompts]
     assert len(starts) == 1
-    window = trace.arrival_s[starts[0]:starts[0] + 2000]
+    window = trace.arrival_s[starts[0] : starts[0] + 2000]
     assert np.allclose(times, window - window[0])
 
 
@@ -90,20 +92,31 @@ def test_same_seed_same_workload_different_seed_differs() -> None:
     c = build_workload(spec, seed=12, context_len=4096)
     assert _key(a) == _key(b)
     assert _key(a) != _key(c)
-    t1 = workload_from_trace("mooncake-conv", num_requests=500, seed=4, context_len=200_000,
-                             trace_arrivals=True)
-    t2 = workload_from_trace("mooncake-conv", num_requests=500, seed=4, context_len=200_000,
-                             trace_arrivals=True)
+    t1 = workload_from_trace("mooncake-conv", num_requests=500, seed=4, context_len=200_000, trace_arrivals=True)
+    t2 = workload_from_trace("mooncake-conv", num_requests=500, seed=4, context_len=200_000, trace_arrivals=True)
     assert _key(t1) == _key(t2)
 
 
 def test_ties_broken_by_stream_then_sample_order() -> None:
-    spec = parse_workload_spec({"streams": [
-        {"name": "a", "source": {"fixed": {"prompt": 10, "output": 5}},
-         "arrival": {"process": "offline"}, "num_requests": 3},
-        {"name": "b", "class": "be", "source": {"fixed": {"prompt": 20, "output": 5}},
-         "arrival": {"process": "offline"}, "num_requests": 2},
-    ]})
+    spec = parse_workload_spec(
+        {
+            "streams": [
+                {
+                    "name": "a",
+                    "source": {"fixed": {"prompt": 10, "output": 5}},
+                    "arrival": {"process": "offline"},
+                    "num_requests": 3,
+                },
+                {
+                    "name": "b",
+                    "class": "be",
+                    "source": {"fixed": {"prompt": 20, "output": 5}},
+                    "arrival": {"process": "offline"},
+                    "num_requests": 2,
+                },
+            ]
+        }
+    )
     wl = build_workload(spec, seed=0, context_len=100)
     assert [r.num_prompt_tokens for r in wl.requests] == [10, 10, 10, 20, 20]
     assert wl.requests[3].request_class is RequestClass.BE
@@ -126,8 +139,7 @@ def test_rate_scale_compresses_time() -> None:
 # --- clipping and max_tokens ---------------------------------------------------------------------
 def test_clipping_counts() -> None:
     trace = load_trace("arxiv")
-    wl = workload_from_trace("arxiv", num_requests=len(trace), seed=0, context_len=2048,
-                             offline=True)
+    wl = workload_from_trace("arxiv", num_requests=len(trace), seed=0, context_len=2048, offline=True)
     # Sampling without replacement takes every row once, so counts are exact.
     p, o = trace.prompt_tokens, trace.output_tokens
     prompt_cut = int(np.sum(p > 2047))
@@ -144,8 +156,7 @@ def test_clipping_counts() -> None:
 
 
 def test_max_tokens_caps_output() -> None:
-    wl = workload_from_trace("sharegpt", num_requests=500, seed=2, context_len=4096, rate=4,
-                             max_tokens=128)
+    wl = workload_from_trace("sharegpt", num_requests=500, seed=2, context_len=4096, rate=4, max_tokens=128)
     assert all(r.max_tokens == min(128, 4096 - r.num_prompt_tokens) for r in wl.requests)
     assert all(r.true_output_tokens <= r.max_tokens for r in wl.requests)
     assert max(r.true_output_tokens for r in wl.requests) == 128
@@ -154,16 +165,17 @@ def test_max_tokens_caps_output() -> None:
 
 # --- convenience constructors --------------------------------------------------------------------
 def test_workload_from_trace_modes() -> None:
-    poisson = workload_from_trace("sharegpt", num_requests=300, seed=0, context_len=4096, rate=5,
-                                  slo={"ttft_s": 1.0})
+    poisson = workload_from_trace("sharegpt", num_requests=300, seed=0, context_len=4096, rate=5, slo={"ttft_s": 1.0})
     assert len(poisson) == 300 and poisson.requests[0].slo == SLO(ttft_s=1.0)
-    bursty = workload_from_trace("sharegpt", num_requests=300, seed=0, context_len=4096, rate=5,
-                                 burstiness_cv=3.0, request_class="be")
+    bursty = workload_from_trace(
+        "sharegpt", num_requests=300, seed=0, context_len=4096, rate=5, burstiness_cv=3.0, request_class="be"
+    )
     assert bursty.requests[0].request_class is RequestClass.BE
     offline = workload_from_trace("bwb", num_requests=50, seed=0, context_len=4096, offline=True)
     assert all(r.arrival_time == 0.0 for r in offline.requests)
-    replay = workload_from_trace("azure-code", num_requests=20000, seed=0, context_len=8192,
-                                 trace_arrivals=True)  # more than the 8819 rows: wraps around
+    replay = workload_from_trace(
+        "azure-code", num_requests=20000, seed=0, context_len=8192, trace_arrivals=True
+    )  # more than the 8819 rows: wraps around
     _check_ordered(replay)
     assert replay.duration_s > 2 * 3436
 
@@ -186,8 +198,7 @@ def test_workload_from_trace_flag_errors() -> None:
 
 def test_synthetic_workload() -> None:
     wl = synthetic_workload(1024, 128, 8, context_len=4096)
-    assert [(r.num_prompt_tokens, r.true_output_tokens, r.arrival_time) for r in wl.requests] == [
-        (1024, 128, 0.0)] * 8
+    assert [(r.num_prompt_tokens, r.true_output_tokens, r.arrival_time) for r in wl.requests] == [(1024, 128, 0.0)] * 8
     timed = synthetic_workload(100, 10, 50, context_len=4096, rate=10, seed=1)
     assert timed.duration_s > 0
 
@@ -208,9 +219,12 @@ def test_user_trace_in_spec_relative_to_yaml(tmp_path) -> None:
 
 
 # --- spec errors ---------------------------------------------------------------------------------
-GOOD = {"name": "chat", "source": {"trace": "sharegpt"}, "arrival": {"process": "poisson",
-                                                                       "rate": 2},
-        "num_requests": 10}
+GOOD = {
+    "name": "chat",
+    "source": {"trace": "sharegpt"},
+    "arrival": {"process": "poisson", "rate": 2},
+    "num_requests": 10,
+}
 
 
 def _with(**changes) -> dict:
@@ -221,30 +235,39 @@ def _with(**changes) -> dict:
 @pytest.mark.parametrize(
     ("stream", "expected"),
     [
-        (_with(arrival={"process": "poisson", "rate": -2}),
-         r"workload\.yaml: streams\[1\] \(chat\): arrival\.rate must be > 0, got -2"),
+        (
+            _with(arrival={"process": "poisson", "rate": -2}),
+            r"workload\.yaml: streams\[1\] \(chat\): arrival\.rate must be > 0, got -2",
+        ),
         (_with(arrival={"process": "gamma", "rate": 2}), r"arrival\.cv is required"),
-        (_with(arrival={"process": "gamma", "rate": 2, "cv": 0}),
-         r"arrival\.cv must be > 0, got 0"),
-        (_with(arrival={"process": "burst", "rate": 2}),
-         r"arrival\.process must be one of poisson, gamma, trace, offline, closed-batches; got 'burst'"),
+        (_with(arrival={"process": "gamma", "rate": 2, "cv": 0}), r"arrival\.cv must be > 0, got 0"),
+        (
+            _with(arrival={"process": "burst", "rate": 2}),
+            r"arrival\.process must be one of poisson, gamma, trace, offline, closed-batches; got 'burst'",
+        ),
         (_with(arrival={"process": "offline", "rate": 2}), r"unknown key 'arrival\.rate'"),
-        (_with(arrival={"process": "poisson", "rate": "fast"}),
-         r"arrival\.rate must be a number, got 'fast'"),
+        (_with(arrival={"process": "poisson", "rate": "fast"}), r"arrival\.rate must be a number, got 'fast'"),
         (_with(num_requests=-5), r"streams\[1\] \(chat\): num_requests must be >= 1, got -5"),
         (_with(num_requests=2.5), r"num_requests must be an integer, got 2\.5"),
         (_with(num_requests=None), r"num_requests is required"),
         (_with(source=None), r"streams\[1\] \(chat\): source is required"),
-        (_with(source={"trace": "nope"}),
-         r"streams\[1\] \(chat\): source\.trace: unknown trace 'nope'; valid: arxiv, "),
-        (_with(source={"fixed": {"prompt": 0, "output": 5}}),
-         r"source\.fixed\.prompt must be >= 1, got 0"),
-        (_with(source={"uniform": {"prompt": [9, 3], "output": [1, 2]}}),
-         r"source\.uniform\.prompt must have lo <= hi, got \[9, 3\]"),
-        (_with(source={"trace": "sharegpt", "fixed": {"prompt": 1, "output": 1}}),
-         r"source must have exactly one of trace, fixed, uniform"),
-        (_with(source={"fixed": {"prompt": 5, "output": 5}}, arrival={"process": "trace"}),
-         r"'trace' needs a trace source"),
+        (
+            _with(source={"trace": "nope"}),
+            r"streams\[1\] \(chat\): source\.trace: unknown trace 'nope'; valid: arxiv, ",
+        ),
+        (_with(source={"fixed": {"prompt": 0, "output": 5}}), r"source\.fixed\.prompt must be >= 1, got 0"),
+        (
+            _with(source={"uniform": {"prompt": [9, 3], "output": [1, 2]}}),
+            r"source\.uniform\.prompt must have lo <= hi, got \[9, 3\]",
+        ),
+        (
+            _with(source={"trace": "sharegpt", "fixed": {"prompt": 1, "output": 1}}),
+            r"source must have exactly one of trace, fixed, uniform",
+        ),
+        (
+            _with(source={"fixed": {"prompt": 5, "output": 5}}, arrival={"process": "trace"}),
+            r"'trace' needs a trace source",
+        ),
         (_with(slo={"ttft_s": 0}), r"slo\.ttft_s must be > 0, got 0"),
         (_with(slo={"tbt": 1}), r"unknown key 'slo\.tbt'"),
         (_with(priority=3), r"streams\[1\] \(chat\): unknown key 'priority'"),
@@ -303,14 +326,15 @@ def test_build_argument_errors() -> None:
     max_tokens=st.one_of(st.none(), st.integers(1, 500)),
     seed=st.integers(0, 2**32),
 )
-def test_clipping_invariants(context_len: int, lo: int, span: int, max_tokens: int | None,
-                             seed: int) -> None:
-    stream = {"source": {"uniform": {"prompt": [lo, lo + span], "output": [lo, lo + span]}},
-              "arrival": {"process": "gamma", "rate": 3, "cv": 2}, "num_requests": 20}
+def test_clipping_invariants(context_len: int, lo: int, span: int, max_tokens: int | None, seed: int) -> None:
+    stream = {
+        "source": {"uniform": {"prompt": [lo, lo + span], "output": [lo, lo + span]}},
+        "arrival": {"process": "gamma", "rate": 3, "cv": 2},
+        "num_requests": 20,
+    }
     if max_tokens is not None:
         stream["max_tokens"] = max_tokens
-    wl = build_workload(parse_workload_spec({"streams": [stream]}), seed=seed,
-                        context_len=context_len)
+    wl = build_workload(parse_workload_spec({"streams": [stream]}), seed=seed, context_len=context_len)
     _check_ordered(wl)
     clipped = 0
     for r in wl.requests:

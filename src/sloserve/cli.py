@@ -59,8 +59,12 @@ def _workload_options(fn: Callable) -> Callable:
         click.option("--burstiness", type=float, help="Gamma arrivals with this coefficient of variation."),
         click.option("--trace-arrivals", is_flag=True, help="Replay the trace's own timestamps."),
         click.option("--offline", is_flag=True, help="All requests arrive at t=0."),
-        click.option("--num-requests", type=int, default=None,
-                     help="Requests to sample [1000 with --trace; its rows, at most 1000, with --trace-arrivals]."),
+        click.option(
+            "--num-requests",
+            type=int,
+            default=None,
+            help="Requests to sample [1000 with --trace; its rows, at most 1000, with --trace-arrivals].",
+        ),
         click.option("--max-tokens", type=int, help="Per-request max_tokens (default: context - prompt)."),
         click.option("--slo-ttft", type=float, help="TTFT SLO in seconds for --trace requests."),
         click.option("--slo-tpot", type=float, help="TPOT SLO in seconds for --trace requests."),
@@ -75,21 +79,35 @@ def _workload_options(fn: Callable) -> Callable:
 
 def _system_options(fn: Callable) -> Callable:
     options = [
-        click.option("--model", default="llama-2-7b", show_default=True,
-                     help="Model spec name, or an engine model: random:NAME or a local HF directory."),
+        click.option(
+            "--model",
+            default="llama-2-7b",
+            show_default=True,
+            help="Model spec name, or an engine model: random:NAME or a local HF directory.",
+        ),
         click.option("--gpu", default="a100", show_default=True, help="GPU spec name."),
         click.option("--num-gpus", type=int, default=1, show_default=True, help="Tensor-parallel GPUs per replica."),
         click.option("--max-model-len", type=int, help="Context length (default: the model's own)."),
         click.option("--cost-model", help="Linear preset name, 'roofline', or a JSON preset file."),
         click.option("--kv-capacity-tokens", type=int, help="KV cache size per replica (default: from memory)."),
         click.option("--memory-utilization", type=float, default=0.9, show_default=True),
-        click.option("--swap-space-gib", type=float, default=4.0, show_default=True, help="CPU swap space per replica."),
+        click.option(
+            "--swap-space-gib", type=float, default=4.0, show_default=True, help="CPU swap space per replica."
+        ),
         click.option("--replicas", type=int, default=1, show_default=True),
         click.option("--router", default="round-robin", show_default=True, help="round-robin or least-outstanding."),
-        click.option("--disaggregate", metavar="P:D",
-                     help="DistServe-style: P prefill replicas hand requests to D decode replicas."),
-        click.option("--link-gbps", type=float, default=100.0, show_default=True,
-                     help="KV transfer link per prefill replica (with --disaggregate), Gb/s."),
+        click.option(
+            "--disaggregate",
+            metavar="P:D",
+            help="DistServe-style: P prefill replicas hand requests to D decode replicas.",
+        ),
+        click.option(
+            "--link-gbps",
+            type=float,
+            default=100.0,
+            show_default=True,
+            help="KV transfer link per prefill replica (with --disaggregate), Gb/s.",
+        ),
         click.option("--no-fast-path", is_flag=True, help="Run every step one by one (for checking)."),
     ]
     for option in reversed(options):
@@ -514,6 +532,7 @@ def plan(qps: float, attainment: float, gpus: str, tensor_parallel: str, max_gpu
                 "cost_model": options["cost_model"], "router": options["router"]}  # fmt: skip
     with _executor(workers, ray_address, default_workers=None) as executor:
         with _progress(len(candidates), f"plan ({executor.workers} workers)", enabled=True) as on_progress:
+
             def on_round(text: str, decided: int) -> None:
                 if on_progress is not None:  # the bar counts decided candidates; its label, the round
                     on_progress(decided, f"plan ({executor.workers} workers), {text}")
@@ -620,13 +639,31 @@ def hardware() -> None:
 @click.option("--max-num-batched-tokens", "budget", type=int, default=4096, show_default=True, help="C")
 @click.option("--prefill-token-budget", "prefill_budget", type=int, help="P (Sarathi's budget) [none]")
 @click.option("--cost-model", default="llama-2-7b-a100", show_default=True, help="A linear preset or JSON file.")
-@click.option("--compare", "compare_with", default="vllm,vllm_ef,sarathi,infermax", show_default=True,
-              help="Heuristic schedulers to run, warm-start from and compare with.")
+@click.option(
+    "--compare",
+    "compare_with",
+    default="vllm,vllm_ef,sarathi,infermax",
+    show_default=True,
+    help="Heuristic schedulers to run, warm-start from and compare with.",
+)
 @click.option("--time-limit", type=float, default=60.0, show_default=True, help="Solver time limit (s).")
 @click.option("--max-cells", type=int, default=None, help="Allow larger models (requests x batches).")
 @click.option("--out", type=click.Path(path_type=Path), help="Write schedule.json and gantt.png here.")
-def bound(fixed, trace, num_requests, rate, seed, capacity, budget, prefill_budget, cost_model, compare_with,
-          time_limit, max_cells, out) -> None:
+def bound(
+    fixed,
+    trace,
+    num_requests,
+    rate,
+    seed,
+    capacity,
+    budget,
+    prefill_budget,
+    cost_model,
+    compare_with,
+    time_limit,
+    max_cells,
+    out,
+) -> None:
     """The optimal schedule (InferMax §5, OR-Tools CP-SAT) and each heuristic's gap to it."""
     import numpy as np
 
@@ -655,8 +692,9 @@ def bound(fixed, trace, num_requests, rate, seed, capacity, budget, prefill_budg
     else:
         from sloserve.workload import workload_from_trace
 
-        workload = workload_from_trace(trace, num_requests=num_requests, seed=seed, context_len=10**9,
-                                       rate=rate, offline=rate is None)
+        workload = workload_from_trace(
+            trace, num_requests=num_requests, seed=seed, context_len=10**9, rate=rate, offline=rate is None
+        )
     reqs = workload.requests
     prompts = tuple(r.num_prompt_tokens for r in reqs)
     outputs = tuple(r.true_output_tokens for r in reqs)
@@ -671,8 +709,14 @@ def bound(fixed, trace, num_requests, rate, seed, capacity, budget, prefill_budg
     problem = dataclasses.replace(problem, num_batches=max(r.num_batches for r in runs))
     relaxed = relaxed_bound(problem, cost)
     cells, limit = len(reqs) * problem.num_batches, max_cells or MAX_CELLS
-    shown = f"I={list(prompts)}, O={list(outputs)}" if len(reqs) <= 8 else f"mean I={np.mean(prompts):.0f}, O={np.mean(outputs):.0f}"
-    click.echo(f"{len(reqs)} requests ({shown}), M={capacity}, C={budget}, P={prefill_budget}, {problem.num_batches} batches")
+    shown = (
+        f"I={list(prompts)}, O={list(outputs)}"
+        if len(reqs) <= 8
+        else f"mean I={np.mean(prompts):.0f}, O={np.mean(outputs):.0f}"
+    )
+    click.echo(
+        f"{len(reqs)} requests ({shown}), M={capacity}, C={budget}, P={prefill_budget}, {problem.num_batches} batches"
+    )
     click.echo(f"relaxation: any schedule takes at least {relaxed * 1e3:.3f} ms (optimal/relaxation.py)")
     solved = cells <= limit
     if solved:
@@ -690,8 +734,10 @@ def bound(fixed, trace, num_requests, rate, seed, capacity, budget, prefill_budg
         reference, against = relaxed, "the relaxation"
     for run in runs:
         over = run.latency_s / reference - 1 if reference > 0 else 0.0
-        click.echo(f"  {run.name:14s} latency {run.latency_s * 1e3:10.3f} ms  (+{over:.1%} over {against}), "
-                   f"{run.num_evictions} evictions")
+        click.echo(
+            f"  {run.name:14s} latency {run.latency_s * 1e3:10.3f} ms  (+{over:.1%} over {against}), "
+            f"{run.num_evictions} evictions"
+        )
     if out is not None:
         import json as _json
 
@@ -708,8 +754,12 @@ def bound(fixed, trace, num_requests, rate, seed, capacity, budget, prefill_budg
                        gap=result.gap, schedule=[{"start_s": b.start_s, "end_s": b.end_s, "tokens": b.tokens,
                                                   "evicted": b.evicted, "kv_tokens": b.kv_tokens}
                                                  for b in result.schedule])  # fmt: skip
-            plot_gantt(problem, result.schedule, out / "gantt.png", title=f"{result.status} schedule, latency "
-                       f"{result.latency_s * 1e3:.2f} ms")
+            plot_gantt(
+                problem,
+                result.schedule,
+                out / "gantt.png",
+                title=f"{result.status} schedule, latency {result.latency_s * 1e3:.2f} ms",
+            )
         (out / "schedule.json").write_text(_json.dumps(doc, indent=2))
         click.echo(f"wrote {out}/schedule.json" + (f" and {out}/gantt.png" if solved else ""))
 
@@ -718,8 +768,11 @@ def bound(fixed, trace, num_requests, rate, seed, capacity, budget, prefill_budg
 @click.argument("name")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("experiments-out"), show_default=True)
 @click.option("--quick", is_flag=True, help="A smaller grid (minutes instead of tens of minutes).")
-@click.option("--trace", help="Workload of the EconoServe experiments: sharegpt (default), alpaca-like, "
-              "bookcorpus-like, or another bundled trace.")
+@click.option(
+    "--trace",
+    help="Workload of the EconoServe experiments: sharegpt (default), alpaca-like, "
+    "bookcorpus-like, or another bundled trace.",
+)
 @_parallel_options
 def experiment(name: str, out: Path, quick: bool, trace: str | None, workers: int | None,
                ray_address: str | None) -> None:  # fmt: skip
@@ -747,20 +800,32 @@ def experiment(name: str, out: Path, quick: bool, trace: str | None, workers: in
         rows, lines = EXPERIMENTS[name](out, quick, executor=executor, **({"trace": trace} if trace else {}))
     for line in lines:
         click.echo(line)
-    click.echo(f"{len(rows)} runs; wrote {out}/ ({', '.join(sorted(p.name for p in out.iterdir() if p.name.startswith(name.split('-')[0])))})")
+    click.echo(
+        f"{len(rows)} runs; wrote {out}/ ({', '.join(sorted(p.name for p in out.iterdir() if p.name.startswith(name.split('-')[0])))})"
+    )
 
 
 @main.command(name="fit-cost")
-@click.option("--csv", "csv_path", required=True, type=click.Path(path_type=Path),
-              help="Measured batch times: num_decode, decode_kv_tokens, num_prefill, prefill_tokens, "
-              "prefill_attention_work, prefill_context_tokens, time_s.")
+@click.option(
+    "--csv",
+    "csv_path",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Measured batch times: num_decode, decode_kv_tokens, num_prefill, prefill_tokens, "
+    "prefill_attention_work, prefill_context_tokens, time_s.",
+)
 @click.option("--layers", type=int, required=True, help="Model layers (coefficients are per layer).")
 @click.option("--name", help="Preset name [the CSV file's stem].")
-@click.option("--form", type=click.Choice(FIT_FORMS), default=DEFAULT_FIT_FORM, show_default=True,
-              help="knee: InferMax's linear model with a knee in tokens below which the non-attention part "
-              "is flat (memory-bound); floor: the knee form under a floor for steps with a prefill and one "
-              "for decode-only steps (the host's kernel launches, a graph's weight read); infermax: the "
-              "paper's straight line.")
+@click.option(
+    "--form",
+    type=click.Choice(FIT_FORMS),
+    default=DEFAULT_FIT_FORM,
+    show_default=True,
+    help="knee: InferMax's linear model with a knee in tokens below which the non-attention part "
+    "is flat (memory-bound); floor: the knee form under a floor for steps with a prefill and one "
+    "for decode-only steps (the host's kernel launches, a graph's weight read); infermax: the "
+    "paper's straight line.",
+)
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="JSON preset to write.")
 def fit_cost(csv_path: Path, layers: int, name: str | None, form: str, out: Path) -> None:
     """Fit the linear cost model to measured batch times (a CSV such as `sloserve profile --csv`
@@ -786,16 +851,24 @@ def _knee_note(coefficients) -> str:
 
 def _engine_options(fn: Callable) -> Callable:
     options = [
-        click.option("--model", required=True, help="Local HF model directory or random:NAME (e.g. random:tiny-llama)."),
+        click.option(
+            "--model", required=True, help="Local HF model directory or random:NAME (e.g. random:tiny-llama)."
+        ),
         click.option("--device", default="cpu", show_default=True, help="cpu or cuda."),
         click.option("--dtype", default="auto", show_default=True, help="auto, float32, float16 or bfloat16."),
         click.option("--max-model-len", type=int, help="Context length (default: the model's own)."),
         click.option("--kv-capacity-tokens", type=int, help="KV cache slots (default: from free memory)."),
-        click.option("--attention-backend", default="auto", show_default=True,
-                     help="auto (Triton kernels on CUDA when triton is installed, else torch), torch or triton."),
-        click.option("--cuda-graphs/--no-cuda-graphs", default=None,
-                     help="Replay decode-only steps as CUDA graphs (needs cuda and the triton backend) "
-                          "[on where supported]."),
+        click.option(
+            "--attention-backend",
+            default="auto",
+            show_default=True,
+            help="auto (Triton kernels on CUDA when triton is installed, else torch), torch or triton.",
+        ),
+        click.option(
+            "--cuda-graphs/--no-cuda-graphs",
+            default=None,
+            help="Replay decode-only steps as CUDA graphs (needs cuda and the triton backend) [on where supported].",
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -817,11 +890,17 @@ def _load_engine_model(options: dict[str, Any]):
 @_workload_options
 @_engine_options
 @click.option("--cost-model", help="Preset or JSON file for policies that estimate batch times (BROS).")
-@click.option("--virtual-clock", is_flag=True,
-              help="Advance time by measured step times instead of waiting for arrivals on the wall clock.")
-@click.option("--out", type=click.Path(path_type=Path),
-              help="Write summary.json, requests.csv, timeline.csv, plots, and steps.csv: each step's shape "
-              "and measured time, a profile CSV (`sloserve fit-cost` reads it).")
+@click.option(
+    "--virtual-clock",
+    is_flag=True,
+    help="Advance time by measured step times instead of waiting for arrivals on the wall clock.",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    help="Write summary.json, requests.csv, timeline.csv, plots, and steps.csv: each step's shape "
+    "and measured time, a profile CSV (`sloserve fit-cost` reads it).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virtual_clock: bool, out: Path | None,
         as_json: bool, **options: Any) -> None:  # fmt: skip
@@ -902,17 +981,30 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
 @_engine_options
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="JSON preset to write.")
 @click.option("--name", help="Preset name [the output file's stem].")
-@click.option("--prefill-chunks", default="32,64,128,256,512,1024,2048,4096,8192,16384", show_default=True,
-              help="Prefill chunk sizes c.")
+@click.option(
+    "--prefill-chunks",
+    default="32,64,128,256,512,1024,2048,4096,8192,16384",
+    show_default=True,
+    help="Prefill chunk sizes c.",
+)
 @click.option("--context-lens", default="0,512,2048", show_default=True, help="Tokens cached before a chunk (m).")
 @click.option("--batch-sizes", default="1,2,4,8,16,32,64,128,256", show_default=True, help="Decode batch sizes.")
 @click.option("--decode-kv-lens", default="128,512,2048", show_default=True, help="Tokens cached per decode.")
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per point (median).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--form", type=click.Choice(FIT_FORMS), default=DEFAULT_FIT_FORM, show_default=True,
-              help="Cost model form to fit (see `sloserve fit-cost --help`).")
-@click.option("--csv", "csv_path", type=click.Path(path_type=Path),
-              help="Also write the measured batch times (the CSV `sloserve fit-cost` reads).")
+@click.option(
+    "--form",
+    type=click.Choice(FIT_FORMS),
+    default=DEFAULT_FIT_FORM,
+    show_default=True,
+    help="Cost model form to fit (see `sloserve fit-cost --help`).",
+)
+@click.option(
+    "--csv",
+    "csv_path",
+    type=click.Path(path_type=Path),
+    help="Also write the measured batch times (the CSV `sloserve fit-cost` reads).",
+)
 def profile_cmd(out: Path, name: str | None, prefill_chunks: str, context_lens: str, batch_sizes: str,
                 decode_kv_lens: str, repeats: int, form: str, csv_path: Path | None, **options: Any) -> None:  # fmt: skip
     """Measure the engine's batch times over a grid and fit the linear cost model to them; the preset
@@ -978,20 +1070,38 @@ def _import_server(what: str):
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--served-model-name", help="The name clients send as `model` [--model as given].")
-@click.option("--max-queued-requests", type=int, default=1024, show_default=True,
-              help="Requests waiting for their first token; beyond it, 429.")
+@click.option(
+    "--max-queued-requests",
+    type=int,
+    default=1024,
+    show_default=True,
+    help="Requests waiting for their first token; beyond it, 429.",
+)
 @click.option("--rt-ttft-ms", type=float, help="Default TTFT SLO of real-time requests (ms).")
 @click.option("--rt-tpot-ms", type=float, help="Default TPOT SLO of real-time requests (ms).")
 @click.option("--request-log", type=click.Path(path_type=Path), help="Append one JSONL line per request here.")
-@click.option("--drain-timeout", type=float, default=30.0, show_default=True,
-              help="Seconds running requests get to finish after SIGTERM.")
+@click.option(
+    "--drain-timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Seconds running requests get to finish after SIGTERM.",
+)
 @click.option("--log-level", default="info", show_default=True, help="uvicorn's log level.")
-@click.option("--data-dir", type=click.Path(path_type=Path),
-              help="Serve the Files and Batch API, keeping files and batches here (SQLite); a restart resumes them.")
+@click.option(
+    "--data-dir",
+    type=click.Path(path_type=Path),
+    help="Serve the Files and Batch API, keeping files and batches here (SQLite); a restart resumes them.",
+)
 @click.option("--max-batch-file-mb", type=float, default=200, show_default=True, help="Largest upload to /v1/files.")
 @click.option("--max-batch-lines", type=int, default=50_000, show_default=True, help="Most requests in one batch.")
-@click.option("--max-batch-lines-in-engine", type=int, default=256, show_default=True,
-              help="Batch lines in the engine at once (best-effort requests; the rest wait in the data dir).")
+@click.option(
+    "--max-batch-lines-in-engine",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Batch lines in the engine at once (best-effort requests; the rest wait in the data dir).",
+)
 def serve(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, seed: int, host: str, port: int,
           served_model_name: str | None, max_queued_requests: int, rt_ttft_ms: float | None,
           rt_tpot_ms: float | None, request_log: Path | None, drain_timeout: float, log_level: str,
@@ -1030,13 +1140,22 @@ def serve(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, se
 
 
 @main.command(name="bench-serve")
-@click.option("--base-url", default="http://127.0.0.1:8000/v1", show_default=True,
-              help="The server's OpenAI API root (ours or any OpenAI-compatible one, e.g. vLLM's).")
+@click.option(
+    "--base-url",
+    default="http://127.0.0.1:8000/v1",
+    show_default=True,
+    help="The server's OpenAI API root (ours or any OpenAI-compatible one, e.g. vLLM's).",
+)
 @click.option("--model", "served_model", required=True, help="The model name the server serves.")
 @_workload_options
 @click.option("--max-model-len", type=int, help="Clip requests to this context [the server's max_model_len].")
-@click.option("--vocab-size", type=int, default=256, show_default=True,
-              help="Prompt token ids are drawn from [0, this): ids every model has by default.")
+@click.option(
+    "--vocab-size",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Prompt token ids are drawn from [0, this): ids every model has by default.",
+)
 @click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="Per-request timeout (s).")
 @click.option("--out", type=click.Path(path_type=Path), help="Write summary.json, requests.csv and latency_cdf.png.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")

@@ -81,8 +81,13 @@ class RayExecutor:
         except Exception as err:  # noqa: BLE001 - Ray raises several kinds; each means "could not start"
             if not address:
                 raise ConfigError(f"could not start a local Ray instance: {err}") from None
-            hint = "" if os.environ.get("RAY_AUTH_MODE") else (
-                " (a cluster with token authentication needs RAY_AUTH_MODE=token and its token: docs/planning.md)")
+            hint = (
+                ""
+                if os.environ.get("RAY_AUTH_MODE")
+                else (
+                    " (a cluster with token authentication needs RAY_AUTH_MODE=token and its token: docs/planning.md)"
+                )
+            )
             raise ConfigError(f"could not join the Ray cluster at {address}: {err}{hint}") from None
         self._ray = ray
         self._task = ray.remote(num_cpus=1)(_call)

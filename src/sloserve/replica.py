@@ -45,7 +45,9 @@ class Replica:
     one step at a time: no ``stretches``).
     """
 
-    def __init__(self, index: int, scheduler: Scheduler, executor: Any, stretches: StretchPlanner | None = None) -> None:
+    def __init__(
+        self, index: int, scheduler: Scheduler, executor: Any, stretches: StretchPlanner | None = None
+    ) -> None:
         self.index = index
         self.scheduler = scheduler
         self.executor = executor

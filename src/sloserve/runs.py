@@ -62,12 +62,14 @@ def check_workload_options(o: dict[str, Any]) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got {o[name]}")
     if o["workload"]:
         if o["columns"] is not None:
-            raise ConfigError("--columns maps a --trace file's columns; a workload spec names its own sources "
-                              "(columns: in the spec)")
+            raise ConfigError(
+                "--columns maps a --trace file's columns; a workload spec names its own sources (columns: in the spec)"
+            )
         for name in ("slo_ttft", "slo_tpot", "slo_jct"):
             if o[name] is not None:
-                raise ConfigError(f"--{name.replace('_', '-')} applies to --trace; a workload spec sets each "
-                                  "stream's slo")
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} applies to --trace; a workload spec sets each stream's slo"
+                )
     elif o["rt_rate"] is not None:
         raise ConfigError("--rt-rate sets a --workload's RT rate; with --trace, use --rate")
 
@@ -175,8 +177,14 @@ def setup_from_options(options: dict[str, Any]) -> Setup:
     return Setup(model, gpu, cost, capacity, swap_tokens, options)
 
 
-def run_simulation(setup: Setup, scheduler: str, set_options: dict[str, str], workload, *,
-                   on_progress: Callable[[int], None] | None = None) -> dict:
+def run_simulation(
+    setup: Setup,
+    scheduler: str,
+    set_options: dict[str, str],
+    workload,
+    *,
+    on_progress: Callable[[int], None] | None = None,
+) -> dict:
     """Simulate ``workload`` (fresh copies of its requests) with ``scheduler``; returns the summary,
     with the requests and timeline under ``"_result"`` for writing (``public`` drops them)."""
     from sloserve.metrics import summarize
@@ -235,8 +243,13 @@ def run_simulation(setup: Setup, scheduler: str, set_options: dict[str, str], wo
             "num_clipped": workload.num_clipped,
             "seed": o["seed"],
             "sim_requests_per_wall_s": len(requests) / result.sim_wall_s if result.sim_wall_s else None,
-            "disaggregation": {"prefill_replicas": num_prefill, "decode_replicas": num_decode,
-                               "link_gbps": o["link_gbps"]} if num_decode else None,
+            "disaggregation": {
+                "prefill_replicas": num_prefill,
+                "decode_replicas": num_decode,
+                "link_gbps": o["link_gbps"],
+            }
+            if num_decode
+            else None,
             **result.extra,
         },
     )
@@ -283,15 +296,14 @@ def fresh_workload(workload) -> tuple[list, list]:
     return requests, chains
 
 
-
-
 def public(summary: dict) -> dict:
     """The summary without its private entries (``"_result"``): what JSON files and tasks carry."""
     return {k: v for k, v in summary.items() if not k.startswith("_")}
 
 
-def simulate_options(options: dict[str, Any], scheduler: str, set_options: dict[str, str],
-                     rate: float | None = None) -> dict:
+def simulate_options(
+    options: dict[str, Any], scheduler: str, set_options: dict[str, str], rate: float | None = None
+) -> dict:
     """Build the setup and workload from ``options`` (``rate`` overriding its rate) and simulate it
     with ``scheduler``: the public summary. One task of a parallel sweep or plan; deterministic."""
     setup = setup_from_options({**WORKLOAD_DEFAULTS, **SYSTEM_DEFAULTS, **options})

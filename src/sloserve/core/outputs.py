@@ -135,7 +135,9 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks and self.decode is None and not self.swap_in and not self.swap_out and not self.slot_copies
+        return (
+            not self.chunks and self.decode is None and not self.swap_in and not self.swap_out and not self.slot_copies
+        )
 
     @property
     def is_decode_only(self) -> bool:

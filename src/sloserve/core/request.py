@@ -133,8 +133,7 @@ class Request:
             raise ValueError(f"request {self.request_id}: output must have >= 1 token")
         if self.max_tokens < self.true_output_tokens:
             raise ValueError(
-                f"request {self.request_id}: max_tokens {self.max_tokens} < output length "
-                f"{self.true_output_tokens}"
+                f"request {self.request_id}: max_tokens {self.max_tokens} < output length {self.true_output_tokens}"
             )
 
     # --- counters ----------------------------------------------------------------------------
@@ -233,9 +232,7 @@ class Request:
         if self.token_times is not None:
             assert times is not None and times[0] == first and times[-1] == last, "a run's token times"
             self.token_times.extend(times[1:])
-        if not math.isnan(max_inner_gap) and (
-            math.isnan(self.max_token_gap) or max_inner_gap > self.max_token_gap
-        ):
+        if not math.isnan(max_inner_gap) and (math.isnan(self.max_token_gap) or max_inner_gap > self.max_token_gap):
             self.max_token_gap = max_inner_gap
         self.last_token_time = last
 

@@ -76,8 +76,17 @@ def batch_shape(output: SchedulerOutput) -> BatchShape:
     # NOTE: tuple.__new__ builds the named tuple without the Python-level __new__ (a third of the cost).
     return tuple.__new__(
         BatchShape,
-        (num_decode, decode_kv, num_prefill, prefill_tokens, attention_work, context, output.swap_bytes,
-         output.swap_overlapped, longest),  # fmt: skip
+        (
+            num_decode,
+            decode_kv,
+            num_prefill,
+            prefill_tokens,
+            attention_work,
+            context,
+            output.swap_bytes,
+            output.swap_overlapped,
+            longest,
+        ),  # fmt: skip
     )
 
 
@@ -135,9 +144,7 @@ class CostModel(ABC):
         """
         if shape.num_prefill == 0 and not shape.swap_bytes:
             return self.decode_times(shape.num_decode, shape.decode_kv_tokens, num_steps, shape.decode_max_kv_tokens)
-        return np.array(
-            [self.batch_time(advance_shape(shape, k)).total_s for k in range(num_steps)], dtype=np.float64
-        )
+        return np.array([self.batch_time(advance_shape(shape, k)).total_s for k in range(num_steps)], dtype=np.float64)
 
     def step_increment(self, shape: BatchShape) -> float | None:
         """The constant by which each of the ``step_times`` of ``shape`` exceeds the one before

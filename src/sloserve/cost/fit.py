@@ -204,7 +204,11 @@ def _best_knee(shapes: Sequence[BatchShape], times: np.ndarray, floors: bool = F
 
 
 def fit_linear_shapes(
-    shapes: Sequence[BatchShape], times_s: Sequence[float], *, num_layers: int, name: str = "fitted",
+    shapes: Sequence[BatchShape],
+    times_s: Sequence[float],
+    *,
+    num_layers: int,
+    name: str = "fitted",
     form: str = DEFAULT_FORM,
 ) -> LinearFit:
     """Fit coefficients to measured step times (seconds) of the given shapes; no file needed.
@@ -217,9 +221,7 @@ def fit_linear_shapes(
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ConfigError(f"fit: num_layers must be a positive integer, got {num_layers!r}")
     if len(shapes) < len(FEATURE_ORDER):
-        raise ConfigError(
-            f"fit: {len(shapes)} rows, need at least {len(FEATURE_ORDER)} (one per coefficient)"
-        )
+        raise ConfigError(f"fit: {len(shapes)} rows, need at least {len(FEATURE_ORDER)} (one per coefficient)")
     times = np.asarray(times_s, dtype=np.float64)
     if not np.all(np.isfinite(times)) or np.any(times <= 0):
         raise ConfigError("fit: every measured time must be a positive finite number of seconds")
@@ -278,22 +280,17 @@ def read_profile_csv(csv_path: str | Path) -> tuple[list[BatchShape], list[float
                 index = {col: header.index(col) for col in columns}
                 continue
             if len(row) != len(header):
-                raise ConfigError(
-                    f"profile {path}, line {line}: {len(row)} fields, the header has {len(header)}"
-                )
+                raise ConfigError(f"profile {path}, line {line}: {len(row)} fields, the header has {len(header)}")
             values: dict[str, float] = {}
             for col in columns:
                 raw = row[index[col]].strip()
                 try:
                     value = float(raw)
                 except ValueError:
-                    raise ConfigError(
-                        f"profile {path}, line {line}, column {col}: {raw!r} is not a number"
-                    ) from None
+                    raise ConfigError(f"profile {path}, line {line}, column {col}: {raw!r} is not a number") from None
                 if not math.isfinite(value) or value < 0:
                     raise ConfigError(
-                        f"profile {path}, line {line}, column {col}: {raw!r} must be a "
-                        f"non-negative finite number"
+                        f"profile {path}, line {line}, column {col}: {raw!r} must be a non-negative finite number"
                     )
                 values[col] = value
             if values["time_s"] <= 0:
@@ -312,21 +309,17 @@ def read_profile_csv(csv_path: str | Path) -> tuple[list[BatchShape], list[float
                 for col in ("prefill_tokens", "prefill_attention_work", "prefill_context_tokens"):
                     if values[col] > 0:
                         raise ConfigError(
-                            f"profile {path}, line {line}, column {col}: "
-                            f"{row[index[col]].strip()!r} with num_prefill 0"
+                            f"profile {path}, line {line}, column {col}: {row[index[col]].strip()!r} with num_prefill 0"
                         )
             if values["num_decode"] + values["prefill_tokens"] == 0:
-                raise ConfigError(
-                    f"profile {path}, line {line}: empty step (num_decode and prefill_tokens are 0)"
-                )
+                raise ConfigError(f"profile {path}, line {line}: empty step (num_decode and prefill_tokens are 0)")
             shapes.append(BatchShape(**{col: _number(values[col]) for col in columns if col != "time_s"}))
             times.append(values["time_s"])
     if header is None:
         raise ConfigError(f"profile {path}: empty file; expected a header with {', '.join(CSV_COLUMNS)}")
     if len(shapes) < len(FEATURE_ORDER):
         raise ConfigError(
-            f"profile {path}: {len(shapes)} data rows, need at least {len(FEATURE_ORDER)} "
-            f"(one per coefficient)"
+            f"profile {path}: {len(shapes)} data rows, need at least {len(FEATURE_ORDER)} (one per coefficient)"
         )
     return shapes, times
 
@@ -337,7 +330,9 @@ def write_profile_csv(shapes: Sequence[BatchShape], times_s: Sequence[float], pa
         writer = csv.writer(handle)
         writer.writerow((*CSV_COLUMNS, LONGEST_COLUMN))
         for shape, t in zip(shapes, times_s, strict=True):
-            writer.writerow([getattr(shape, col) for col in CSV_COLUMNS[:-1]] + [repr(float(t)), shape.decode_max_kv_tokens])
+            writer.writerow(
+                [getattr(shape, col) for col in CSV_COLUMNS[:-1]] + [repr(float(t)), shape.decode_max_kv_tokens]
+            )
 
 
 def _number(value: float) -> int | float:
@@ -345,7 +340,9 @@ def _number(value: float) -> int | float:
     return int(value) if value.is_integer() else value
 
 
-def fit_linear(csv_path: str | Path, *, num_layers: int, name: str | None = None, form: str = DEFAULT_FORM) -> LinearFit:
+def fit_linear(
+    csv_path: str | Path, *, num_layers: int, name: str | None = None, form: str = DEFAULT_FORM
+) -> LinearFit:
     """Fit InferMax's nine coefficients (and, in the "knee" form, ``knee_tokens``) to a profile CSV
     (see the module docstring).
 

@@ -90,19 +90,15 @@ class LinearCoefficients:
     def __post_init__(self) -> None:
         for key in (*COEFFICIENT_NAMES, *EXTRA_TERM_NAMES):
             value = getattr(self, key)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-                or value < 0
-            ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError(
-                    f"cost model {self.name!r}: coefficient {key} must be a non-negative finite "
-                    f"number, got {value!r}"
+                    f"cost model {self.name!r}: coefficient {key} must be a non-negative finite number, got {value!r}"
                 )
         knee = self.knee_tokens
         if isinstance(knee, bool) or not isinstance(knee, (int, float)) or not math.isfinite(knee) or knee < 0:
-            raise ConfigError(f"cost model {self.name!r}: knee_tokens must be a non-negative finite number, got {knee!r}")
+            raise ConfigError(
+                f"cost model {self.name!r}: knee_tokens must be a non-negative finite number, got {knee!r}"
+            )
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
             raise ConfigError(
                 f"cost model {self.name!r}: num_layers must be a positive integer, got {self.num_layers!r}"
@@ -123,9 +119,7 @@ class LinearCostModel(CostModel):
     ``swap_bandwidth``: host<->GPU bytes per second for KV swaps (default 25e9, PCIe 4 x16 achieved).
     """
 
-    def __init__(
-        self, coefficients: LinearCoefficients, *, swap_bandwidth: float = DEFAULT_SWAP_BANDWIDTH
-    ) -> None:
+    def __init__(self, coefficients: LinearCoefficients, *, swap_bandwidth: float = DEFAULT_SWAP_BANDWIDTH) -> None:
         if not (isinstance(swap_bandwidth, (int, float)) and math.isfinite(swap_bandwidth) and swap_bandwidth > 0):
             raise ConfigError(f"swap_bandwidth must be a positive number of B/s, got {swap_bandwidth!r}")
         self.coefficients = coefficients

@@ -32,18 +32,40 @@ class Preset(NamedTuple):
 PRESETS: dict[str, Preset] = {
     "llama-2-7b-a100": Preset(
         LinearCoefficients(
-            a_p=1.6773e-07, b_p=0.0926, a_d=8.513e-06, b_d=0.01921, a_o=0.00191, b_o=0.06486,
-            s_p=0.001534, s_d=0.00074, m_p=9.224e-06, num_layers=32, name="llama-2-7b-a100",
+            a_p=1.6773e-07,
+            b_p=0.0926,
+            a_d=8.513e-06,
+            b_d=0.01921,
+            a_o=0.00191,
+            b_o=0.06486,
+            s_p=0.001534,
+            s_d=0.00074,
+            m_p=9.224e-06,
+            num_layers=32,
+            name="llama-2-7b-a100",
         ),
-        model="llama-2-7b", gpu="a100-80gb", num_gpus=1,
+        model="llama-2-7b",
+        gpu="a100-80gb",
+        num_gpus=1,
     ),
     # InferMax §6: TP4, communication counted as zero there (so it is not in these numbers).
     "llama-3-70b-4xa100": Preset(
         LinearCoefficients(
-            a_p=4.309e-08, b_p=0.2112, a_d=1.222e-06, b_d=0.081, a_o=0.002, b_o=0.159,
-            s_p=9.03e-04, s_d=3.92e-04, m_p=3.805e-07, num_layers=80, name="llama-3-70b-4xa100",
+            a_p=4.309e-08,
+            b_p=0.2112,
+            a_d=1.222e-06,
+            b_d=0.081,
+            a_o=0.002,
+            b_o=0.159,
+            s_p=9.03e-04,
+            s_d=3.92e-04,
+            m_p=3.805e-07,
+            num_layers=80,
+            name="llama-3-70b-4xa100",
         ),
-        model="llama-3-70b", gpu="a100-80gb", num_gpus=4,
+        model="llama-3-70b",
+        gpu="a100-80gb",
+        num_gpus=4,
     ),
 }
 
@@ -110,8 +132,7 @@ def load_preset(path: str | Path) -> LinearCoefficients:
     missing = [key for key in COEFFICIENT_NAMES if key not in coeffs]
     if missing:
         raise ConfigError(
-            f"cost model file {path}: coefficients missing {', '.join(missing)}; "
-            f"present: {', '.join(coeffs) or 'none'}"
+            f"cost model file {path}: coefficients missing {', '.join(missing)}; present: {', '.join(coeffs) or 'none'}"
         )
     values: dict[str, float] = {}
     for key in COEFFICIENT_NAMES:

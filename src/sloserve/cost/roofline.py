@@ -102,9 +102,7 @@ class RooflineCostModel(CostModel):
             num_allreduces = 2 * m.num_layers
             ring = 2.0 * (num_gpus - 1) / num_gpus  # bytes each GPU sends per byte all-reduced
             self._allreduce_fixed_s = num_allreduces * self.allreduce_latency_s
-            self._allreduce_s_per_token = (
-                num_allreduces * ring * m.hidden_size * dtype / gpu.interconnect_bandwidth
-            )
+            self._allreduce_s_per_token = num_allreduces * ring * m.hidden_size * dtype / gpu.interconnect_bandwidth
         else:
             self._allreduce_fixed_s = 0.0
             self._allreduce_s_per_token = 0.0

@@ -16,12 +16,7 @@ def _check_positive_int(owner: str, field: str, value: object) -> None:
 
 
 def _check_positive_number(owner: str, field: str, value: object) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ConfigError(f"{owner}: {field} must be a positive finite number, got {value!r}")
 
 
@@ -65,13 +60,10 @@ class ModelSpec:
             _check_positive_int(owner, field, getattr(self, field))
         _check_positive_number(owner, "dtype_bytes", self.dtype_bytes)
         if self.mlp_kind not in MLP_KINDS:
-            raise ConfigError(
-                f"{owner}: mlp_kind must be one of {', '.join(MLP_KINDS)}, got {self.mlp_kind!r}"
-            )
+            raise ConfigError(f"{owner}: mlp_kind must be one of {', '.join(MLP_KINDS)}, got {self.mlp_kind!r}")
         if self.num_attention_heads % self.num_kv_heads:
             raise ConfigError(
-                f"{owner}: num_kv_heads {self.num_kv_heads} must divide "
-                f"num_attention_heads {self.num_attention_heads}"
+                f"{owner}: num_kv_heads {self.num_kv_heads} must divide num_attention_heads {self.num_attention_heads}"
             )
 
     @property
@@ -127,12 +119,14 @@ MODELS: dict[str, ModelSpec] = {
     for m in (
         # facebook/opt-13b config.json: 40 layers, hidden 5120, 40 heads, ffn_dim 20480,
         # vocab 50272, max_position_embeddings 2048, tied LM head, ReLU MLP.
-        ModelSpec("opt-13b", 40, 5120, 40, 40, 128, 20480, 50272, 12_853_473_280, 2048,
-                  mlp_kind="relu", tied_embeddings=True),
+        ModelSpec(
+            "opt-13b", 40, 5120, 40, 40, 128, 20480, 50272, 12_853_473_280, 2048, mlp_kind="relu", tied_embeddings=True
+        ),
         # facebook/opt-30b config.json: 48 layers, hidden 7168, 56 heads, ffn_dim 28672,
         # vocab 50272, max_position_embeddings 2048, tied LM head, ReLU MLP (BROS §7.4).
-        ModelSpec("opt-30b", 48, 7168, 56, 56, 128, 28672, 50272, 29_974_540_288, 2048,
-                  mlp_kind="relu", tied_embeddings=True),
+        ModelSpec(
+            "opt-30b", 48, 7168, 56, 56, 128, 28672, 50272, 29_974_540_288, 2048, mlp_kind="relu", tied_embeddings=True
+        ),
         # meta-llama/Llama-2-7b-hf config.json: 32 layers, hidden 4096, 32 heads (MHA),
         # intermediate 11008, vocab 32000, max_position_embeddings 4096.
         ModelSpec("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000, 6_738_415_616, 4096),
@@ -222,7 +216,7 @@ def default_activation_reserve(model: ModelSpec, num_gpus: int = 1) -> float:
     MLP output) plus the MLP's intermediate buffers (2 for gated, 1 for ReLU), the latter split by TP.
     """
     mlp_buffers = 2 if model.mlp_kind == "gated" else 1
-    per_token = (4 * model.hidden_size + mlp_buffers * model.intermediate_size / num_gpus)
+    per_token = 4 * model.hidden_size + mlp_buffers * model.intermediate_size / num_gpus
     activations = model.max_context_len * per_token * model.dtype_bytes
     return num_gpus * (FIXED_RESERVE_BYTES_PER_GPU + activations)
 
@@ -252,9 +246,7 @@ def kv_capacity_tokens(
     if activation_reserve_bytes is None:
         activation_reserve_bytes = default_activation_reserve(model, num_gpus)
     elif not math.isfinite(activation_reserve_bytes) or activation_reserve_bytes < 0:
-        raise ConfigError(
-            f"activation_reserve_bytes must be a non-negative number, got {activation_reserve_bytes!r}"
-        )
+        raise ConfigError(f"activation_reserve_bytes must be a non-negative number, got {activation_reserve_bytes!r}")
     usable = num_gpus * gpu.memory_bytes * memory_utilization
     where = f"{num_gpus}x {gpu.name} at memory utilization {memory_utilization:g} ({usable / 1e9:.0f} GB)"
     if model.weight_bytes >= usable:

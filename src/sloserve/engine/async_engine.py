@@ -354,4 +354,3 @@ class AsyncLLMEngine:
         _deliver([(s, StreamDelta("", [], "error")) for s in open_requests])
         for served in open_requests:
             self._ended(served)
-

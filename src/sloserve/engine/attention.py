@@ -201,4 +201,3 @@ class TorchAttention(AttentionBackend):
             attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=batch.mask)  # padding masked
             out[batch.token_index] = attended.flatten(1, 2)
         return out
-

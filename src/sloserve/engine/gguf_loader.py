@@ -155,7 +155,9 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
     for tensor in checkpoint.reader.tensors:
         if tensor.name not in patterns:
             if tensor.name == "rope_freqs.weight":
-                raise ConfigError(f"{checkpoint.path}: GGUF rope frequency factors (llama 3.1 scaling) are not supported")
+                raise ConfigError(
+                    f"{checkpoint.path}: GGUF rope frequency factors (llama 3.1 scaling) are not supported"
+                )
             raise ConfigError(f"{checkpoint.path}: unexpected GGUF tensor {tensor.name!r} for a llama model")
         weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         if not weight.flags.writeable:  # an F32 tensor is a view of the memory-mapped file
@@ -193,7 +195,9 @@ def gguf_tokenizer(checkpoint: GGUFCheckpoint):
                             for t, kind in zip(tokens, types, strict=False) if kind == TOKEN_TYPE_CONTROL])  # fmt: skip
     bos = meta.get("tokenizer.ggml.bos_token_id")
     if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
-        tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)]
+        )
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return tok

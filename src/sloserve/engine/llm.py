@@ -85,11 +85,15 @@ class LLM:
     def _token_ids(self, prompt: Prompt, index: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.loaded.tokenizer is None:
-                raise ConfigError(f"prompt {index}: the model has no tokenizer.json; pass {{'prompt_token_ids': [...]}}")
+                raise ConfigError(
+                    f"prompt {index}: the model has no tokenizer.json; pass {{'prompt_token_ids': [...]}}"
+                )
             return prompt, self.loaded.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return None, list(prompt["prompt_token_ids"])
-        raise ConfigError(f"prompt {index}: expected a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        raise ConfigError(
+            f"prompt {index}: expected a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+        )
 
     def generate(
         self,
@@ -101,11 +105,16 @@ class LLM:
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        params = (
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
         if len(params) != len(prompts):
             raise ConfigError(f"{len(params)} sampling params for {len(prompts)} prompts")
         encoded = [self._token_ids(p, i) for i, p in enumerate(prompts)]
-        params = [self.engine.check_request(ids, p, where=f"prompt {i}") for i, ((_, ids), p) in enumerate(zip(encoded, params))]
+        params = [
+            self.engine.check_request(ids, p, where=f"prompt {i}")
+            for i, ((_, ids), p) in enumerate(zip(encoded, params))
+        ]
         engine = self.engine
         requests = [engine.add_request(ids, p) for (_, ids), p in zip(encoded, params, strict=True)]
         while engine.has_unfinished():
@@ -116,6 +125,11 @@ class LLM:
             token_ids = seq.output_token_ids
             decoded = self.loaded.tokenizer.decode(token_ids) if self.loaded.tokenizer is not None else ""
             outputs.append(
-                RequestOutput(request.request_id, text, ids, [CompletionOutput(0, decoded, token_ids, seq.finish_reason or "length")])
+                RequestOutput(
+                    request.request_id,
+                    text,
+                    ids,
+                    [CompletionOutput(0, decoded, token_ids, seq.finish_reason or "length")],
+                )
             )
         return outputs

@@ -136,7 +136,9 @@ class LLMEngine:
         config = loaded.config
         self.loaded = loaded
         self.max_model_len = resolve_max_model_len(config, max_model_len)
-        capacity = kv_capacity_tokens if kv_capacity_tokens is not None else default_kv_capacity(loaded, self.max_model_len)
+        capacity = (
+            kv_capacity_tokens if kv_capacity_tokens is not None else default_kv_capacity(loaded, self.max_model_len)
+        )
         if capacity < 1:
             raise ConfigError(f"kv_capacity_tokens must be >= 1, got {capacity}")
         bytes_per_token = kv_bytes_per_token(loaded)
@@ -164,7 +166,9 @@ class LLMEngine:
         self._next_id = 0
 
     # --- requests ------------------------------------------------------------------------------
-    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, where: str = "prompt") -> SamplingParams:
+    def check_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, where: str = "prompt"
+    ) -> SamplingParams:
         """Validate one request (``check_request``); returns its params with ``max_tokens`` cut to the context."""
         return check_request(prompt_token_ids, params, max_model_len=self.max_model_len,
                              vocab_size=self.loaded.config.vocab_size,

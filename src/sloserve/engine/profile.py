@@ -49,7 +49,9 @@ class StepTimer:
         self.loaded = loaded
         self.kv = PagedKVManager(num_blocks, self.BLOCK_SIZE)
         cache = KVCacheTensor(loaded.config, self.kv.capacity_tokens, 0, self.BLOCK_SIZE, loaded.dtype, loaded.device)
-        graphs = DecodeGraphs(loaded.model, cache, max_context, self.kv.table_block_size) if loaded.cuda_graphs else None
+        graphs = (
+            DecodeGraphs(loaded.model, cache, max_context, self.kv.table_block_size) if loaded.cuda_graphs else None
+        )
         self.executor = EngineExecutor(loaded.model, self.kv, cache, loaded.device, graphs=graphs)
         self._rng = np.random.default_rng(seed)
         self._next_id = 0
@@ -73,7 +75,9 @@ class StepTimer:
         self.executor.add(request, tokens, SamplingParams(max_tokens=1 << 30, temperature=0.0, ignore_eos=True))
         return request
 
-    def time(self, prefills: list[tuple[int, int]], decode_lens: list[int], *, repeats: int = 3, warmup: int = 1) -> float:
+    def time(
+        self, prefills: list[tuple[int, int]], decode_lens: list[int], *, repeats: int = 3, warmup: int = 1
+    ) -> float:
         """Median seconds of one engine step running ``prefills`` ((c, m): c tokens after m cached)
         and one decode per entry of ``decode_lens`` (its cached tokens), over ``repeats`` runs after
         ``warmup`` untimed ones."""
@@ -141,4 +145,3 @@ def profile(
     model = LinearCostModel(fit.coefficients)
     rel = np.array([abs(model.batch_time(shapes[i]).total_s - times[i]) / times[i] for i in held_out])
     return ProfileResult(fit, shapes, times, held_out, float(rel.mean()), float(rel.max()))
-

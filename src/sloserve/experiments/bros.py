@@ -178,9 +178,20 @@ def fig10(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dic
     write_csv(rows, out / "bros_fig10.csv")
     for r in rows:
         r["panel"] = f"{LABELS[r['model']]}\n{r['workload']}"
-    plot_grid(rows, out / "bros_fig10.png",
-              ("rt_normalized_latency_s", "be_throughput_tps", "ttft_attainment", "tpot_attainment", "token_group_attainment"),
-              column="panel", x="rt_rate", title="BROS Figure 10")
+    plot_grid(
+        rows,
+        out / "bros_fig10.png",
+        (
+            "rt_normalized_latency_s",
+            "be_throughput_tps",
+            "ttft_attainment",
+            "tpot_attainment",
+            "token_group_attainment",
+        ),
+        column="panel",
+        x="rt_rate",
+        title="BROS Figure 10",
+    )
     lines = []
     for workload, setting, rates in grid:
         for rate in rates:
@@ -202,8 +213,10 @@ def fig10(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dic
                 f"{p['token_groups_on_time']:.0%} / {v['token_groups_on_time']:.0%}); "
                 f"scheduling {b['sched_time_share']:.1%} of iteration time"
             )
-    lines.append("paper: RT normalized latency -74% vs vLLM (-54% vs RR), BE throughput -11% (ShareGPT); "
-                 "-70% / -18% (LMSYS); scheduling 7.6-9.5% of the iteration")
+    lines.append(
+        "paper: RT normalized latency -74% vs vLLM (-54% vs RR), BE throughput -11% (ShareGPT); "
+        "-70% / -18% (LMSYS); scheduling 7.6-9.5% of the iteration"
+    )
     return rows, lines
 
 
@@ -262,8 +275,12 @@ def fig13(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dic
     n = 400 if quick else 1000
     # NOTE: free block first drops by recompute: with swap-out its BE requests are swapped out and
     # restored over and over (BrosConfig refuses that pair).
-    runs = [("bros", None), ("bros", {"rt_growth": "free_block_first", "dropping": "recompute"}),
-            ("bros_nobicache", None), ("bros", {"dropping": "recompute"})]
+    runs = [
+        ("bros", None),
+        ("bros", {"rt_growth": "free_block_first", "dropping": "recompute"}),
+        ("bros_nobicache", None),
+        ("bros", {"dropping": "recompute"}),
+    ]
     rows = executor.map(run_hybrid, [(name, 10.0, n, "bros-sharegpt", "opt-30b", options) for name, options in runs])
     write_csv(rows, out / "bros_fig13.csv")
     plot_bars(rows, out / "bros_fig13.png", (("ttft_attainment", "TTFT attainment"), ("tpot_attainment", "TPOT attainment"),
@@ -336,7 +353,9 @@ def fig14(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dic
     the scheduler's own."""
     rates = (2.0, 6.0) if quick else (2.0, 4.0, 6.0, 8.0, 10.0)
     n = 400 if quick else 1000
-    rows = [run_hybrid("bros", rate, n, "bros-sharegpt", setting) for setting in ("opt-13b", "opt-30b") for rate in rates]
+    rows = [
+        run_hybrid("bros", rate, n, "bros-sharegpt", setting) for setting in ("opt-13b", "opt-30b") for rate in rates
+    ]
     write_csv(rows, out / "bros_fig14.csv")
     for r in rows:
         r["panel"] = LABELS[r["model"]]
@@ -350,7 +369,9 @@ def fig14(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dic
             f"{r['cost_model_queries_per_iteration']:.0f} cost-model queries per iteration"
         )
     worst = max(r["sched_time_share"] for r in rows)
-    lines.append(f"highest scheduling share {worst:.1%} (goal <= 5%); paper: 9.12-9.52% (OPT-13B), 7.56-8.42% (OPT-30B)")
+    lines.append(
+        f"highest scheduling share {worst:.1%} (goal <= 5%); paper: 9.12-9.52% (OPT-13B), 7.56-8.42% (OPT-30B)"
+    )
     return rows, lines
 
 

@@ -50,7 +50,9 @@ def _workload(trace: str, num_requests: int, rate: float, context_len: int, seed
         i_scale = i_avg / np.mean([r.num_prompt_tokens for r in requests])
         o_scale = o_avg / np.mean([r.true_output_tokens for r in requests])
         for r in requests:
-            r.num_prompt_tokens = int(np.clip(round(r.num_prompt_tokens * i_scale), i_min, min(i_max, context_len - o_max)))
+            r.num_prompt_tokens = int(
+                np.clip(round(r.num_prompt_tokens * i_scale), i_min, min(i_max, context_len - o_max))
+            )
             r.true_output_tokens = int(np.clip(round(r.true_output_tokens * o_scale), o_min, o_max))
             r.max_tokens = max(r.max_tokens, r.true_output_tokens)
     return requests
@@ -199,8 +201,10 @@ def _fig9_lines(rows: list[dict], trace: str, kv: str, bound: float) -> list[str
              + ", ".join(f"{k} {v:g}" for k, v in sustained.items())]  # fmt: skip
     v, e = sustained["vllm"], sustained["econoserve"]
     ratio = f"{e / v:.2f}x" if v else "n/a (vLLM sustains none of the rates)"
-    lines.append(f"  EconoServe sustains {ratio} vLLM's rate (paper on OPT-13B: 1.28-2.33x; on ShareGPT: 2.5-4x) and "
-                 f"{'beats' if e > sustained['sarathi'] else 'does not beat'} Sarathi-Serve ({sustained['sarathi']:g})")
+    lines.append(
+        f"  EconoServe sustains {ratio} vLLM's rate (paper on OPT-13B: 1.28-2.33x; on ShareGPT: 2.5-4x) and "
+        f"{'beats' if e > sustained['sarathi'] else 'does not beat'} Sarathi-Serve ({sustained['sarathi']:g})"
+    )
     lines.append(f"  throughput at saturation (req/s, the most over rates up to {rates[-1]:g}): "
                  + ", ".join(f"{k} {v:.2f}" for k, v in saturation.items())
                  + f"; KV bound (every KV slot full every step) {bound:.2f}; EconoServe / vLLM "
@@ -274,8 +278,16 @@ def fig15(out: Path, quick: bool, trace: str = "sharegpt", executor: Executor = 
                           for r in sub)  # fmt: skip
         lines.append(f"{factor} (normalized by the best): {cells}")
     write_csv(rows, out / f"econoserve_fig15_{trace}.csv")
-    plot_grid(rows, out / f"econoserve_fig15_{trace}.png", ("JCT / best", "throughput / best", "SSR / best"),
-              column="factor", x="value", title=f"EconoServe Figure 15: sensitivity ({trace}, OPT-13B, rate {rate:g})")
-    lines.append("paper: best padding 10/15/20%, reserve 2/3/4%, buffer 15/15/10% (Alpaca/ShareGPT/BookCorpus); "
-                 "SLO scale changes SSR (+23% from 0.5 to 2.5) but hardly JCT or throughput")
+    plot_grid(
+        rows,
+        out / f"econoserve_fig15_{trace}.png",
+        ("JCT / best", "throughput / best", "SSR / best"),
+        column="factor",
+        x="value",
+        title=f"EconoServe Figure 15: sensitivity ({trace}, OPT-13B, rate {rate:g})",
+    )
+    lines.append(
+        "paper: best padding 10/15/20%, reserve 2/3/4%, buffer 15/15/10% (Alpaca/ShareGPT/BookCorpus); "
+        "SLO scale changes SSR (+23% from 0.5 to 2.5) but hardly JCT or throughput"
+    )
     return rows, lines

@@ -35,13 +35,22 @@ SETTING = "Llama-2-7B on A100, C = 4096"
 OPTIONS = {"block_size": 1, "watermark": 0.0, "max_num_batched_tokens": C, "max_num_seqs": C}
 
 
-def run_fixed(name: str, prompt: int, output: int, num_requests: int, capacity: int = M_DEFAULT,
-              preset: str | CostModel = PRESET, requests=None) -> dict:
+def run_fixed(
+    name: str,
+    prompt: int,
+    output: int,
+    num_requests: int,
+    capacity: int = M_DEFAULT,
+    preset: str | CostModel = PRESET,
+    requests=None,
+) -> dict:
     """One offline run with a bundled cost preset's coefficients (or a cost model); InferMax's metrics."""
     cost = preset if isinstance(preset, CostModel) else LinearCostModel(get_preset(preset))
     if requests is None:
         requests = synthetic_workload(prompt, output, num_requests, context_len=C).requests
-    simulate(requests, lambda: make_scheduler(name, kv_capacity_tokens=capacity, max_model_len=C, options=OPTIONS), cost)
+    simulate(
+        requests, lambda: make_scheduler(name, kv_capacity_tokens=capacity, max_model_len=C, options=OPTIONS), cost
+    )
     return fixed_metrics(name, prompt, output, capacity, requests, preset=cost.name)
 
 
@@ -79,8 +88,12 @@ def fig4_5(out: Path, quick: bool, num_requests: int, executor: Executor = SERIA
     outputs = (1, 32, 1024) if not quick else (32, 1024)
     rows = _grid(executor, num_requests, inputs, outputs, TABLE1)
     write_csv(rows, out / f"infermax_B{num_requests}.csv")
-    plot_grid(rows, out / f"infermax_B{num_requests}.png", ("latency_s", "tps", "ttft_s", "tpot_s", "evictions"),
-              title=f"InferMax Figures 4-6: B = {num_requests}, M = 100K ({SETTING})")
+    plot_grid(
+        rows,
+        out / f"infermax_B{num_requests}.png",
+        ("latency_s", "tps", "ttft_s", "tpot_s", "evictions"),
+        title=f"InferMax Figures 4-6: B = {num_requests}, M = 100K ({SETTING})",
+    )
     lines = []
     if num_requests <= 32:
         no_evictions = all(r["evictions"] == 0 for r in rows)
@@ -126,13 +139,20 @@ def fig8(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dict
     names = ("vllm", "vllm_ef", "sarathi", "sarathi_ef", "sarathi_pc", "sarathi_pc_ef")
     rows = _grid(executor, 1024, inputs, (1024,), names)
     write_csv(rows, out / "infermax_fig8.csv")
-    plot_grid(rows, out / "infermax_fig8.png", ("latency_s", "tps", "ttft_s", "tpot_s", "evictions"), title=f"InferMax Figure 8: O = B = 1024, with and without evictions ({SETTING})")
+    plot_grid(
+        rows,
+        out / "infermax_fig8.png",
+        ("latency_s", "tps", "ttft_s", "tpot_s", "evictions"),
+        title=f"InferMax Figure 8: O = B = 1024, with and without evictions ({SETTING})",
+    )
     lines = []
     for base in ("vllm", "sarathi", "sarathi_pc"):
         tps = _ratio(rows, "tps", f"{base}_ef", base, lambda r: True)
         ttft = _ratio(rows, "ttft_s", f"{base}_ef", base, lambda r: True)
-        lines.append(f"{base}: EF TPS up to {tps:.2f}x non-EF (paper: up to 1.17/1.10/1.14x), "
-                     f"EF TTFT up to {ttft:.1f}x (paper: up to 1000x / 1.7x)")
+        lines.append(
+            f"{base}: EF TPS up to {tps:.2f}x non-EF (paper: up to 1.17/1.10/1.14x), "
+            f"EF TTFT up to {ttft:.1f}x (paper: up to 1000x / 1.7x)"
+        )
     return rows, lines
 
 
@@ -143,14 +163,21 @@ def fig9(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dict
     names = ("vllm", "vllm_ef", "sarathi", "sarathi_ef")
     rows = [r for m in capacities for r in _grid(executor, 1024, inputs, (32,), names, capacity=m)]
     write_csv(rows, out / "infermax_fig9.csv")
-    plot_grid(rows, out / "infermax_fig9.png", ("latency_s", "tps", "ttft_s", "tpot_s", "evictions"), column="M",
-              title=f"InferMax Figure 9: O = 32, B = 1024 ({SETTING})")
+    plot_grid(
+        rows,
+        out / "infermax_fig9.png",
+        ("latency_s", "tps", "ttft_s", "tpot_s", "evictions"),
+        column="M",
+        title=f"InferMax Figure 9: O = 32, B = 1024 ({SETTING})",
+    )
     lines = []
     for m in capacities:
         for base in ("vllm", "sarathi"):
             ratios = _ratios([r for r in rows if r["M"] == m], "tps", base, f"{base}_ef")
-            lines.append(f"M={m:>9,}: {base} TPS / its EF variant's over I: {min(ratios):.2f}x .. {max(ratios):.2f}x "
-                         f"({'evictions help' if max(ratios) > 1.005 else 'evictions do not help'})")
+            lines.append(
+                f"M={m:>9,}: {base} TPS / its EF variant's over I: {min(ratios):.2f}x .. {max(ratios):.2f}x "
+                f"({'evictions help' if max(ratios) > 1.005 else 'evictions do not help'})"
+            )
     lines.append("paper: evictions raise TPS up to 1.9x/2x at M=100 and 1.3x/1.1x at M=1K, lower it at larger M")
     # The authors' public simulator (a Vidur fork) picks its coefficients by a hard-coded
     # model_size = "70B", whatever model it is told: M = 1K again with the 70B coefficients, a
@@ -159,13 +186,19 @@ def fig9(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dict
     write_csv(rows_70b, out / "infermax_fig9_M1K_70b_coefficients.csv")
     for base in ("vllm", "sarathi"):
         ratios = _ratios(rows_70b, "tps", base, f"{base}_ef")
-        lines.append(f"M=1,000 with the {PRESET_70B} coefficients: {base} TPS / its EF variant's over I: "
-                     f"{min(ratios):.2f}x .. {max(ratios):.2f}x")
+        lines.append(
+            f"M=1,000 with the {PRESET_70B} coefficients: {base} TPS / its EF variant's over I: "
+            f"{min(ratios):.2f}x .. {max(ratios):.2f}x"
+        )
     return rows, lines
 
 
-GROUPS = {"SISO": ((8, 16), (8, 16)), "SILO": ((8, 16), (512, 1024)),
-          "LISO": ((512, 1024), (8, 16)), "LILO": ((512, 1024), (512, 1024))}
+GROUPS = {
+    "SISO": ((8, 16), (8, 16)),
+    "SILO": ((8, 16), (512, 1024)),
+    "LISO": ((512, 1024), (8, 16)),
+    "LILO": ((512, 1024), (512, 1024)),
+}
 MIXES = ("SISO+SILO", "SISO+LISO", "SISO+LILO", "SILO+LISO", "SILO+LILO", "LISO+LILO")
 
 
@@ -183,7 +216,9 @@ def _mix_requests(mix: str, num_requests: int, seed: int):
     for i, g in enumerate(groups):
         prompts, outputs = GROUPS[g]
         p, o = int(rng.choice(prompts)), int(rng.choice(outputs))
-        requests.append(Request(request_id=i, arrival_time=0.0, num_prompt_tokens=p, true_output_tokens=o, max_tokens=o))
+        requests.append(
+            Request(request_id=i, arrival_time=0.0, num_prompt_tokens=p, true_output_tokens=o, max_tokens=o)
+        )
     return requests
 
 
@@ -197,12 +232,20 @@ def fig10_12(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[
     write_csv(rows, out / "infermax_fig10_12.csv")
     for r in rows:
         r["B_"] = r["B"]
-    plot_grid(rows, out / "infermax_fig10_12.png", ("latency_s", "ttft_s", "tpot_s"), column="mix", x="B_",
-              title=f"InferMax Figures 10-12: rank schedulers on heterogeneous workloads ({SETTING})")
+    plot_grid(
+        rows,
+        out / "infermax_fig10_12.png",
+        ("latency_s", "ttft_s", "tpot_s"),
+        column="mix",
+        x="B_",
+        title=f"InferMax Figures 10-12: rank schedulers on heterogeneous workloads ({SETTING})",
+    )
     lines = []
-    for metric, paper in (("latency_s", "Rank_I up to 1.3x lower latency"),
-                          ("ttft_s", "Rank_I up to 3.1x (vs Rank_O) and 2.3x (vs Rank_org) lower TTFT"),
-                          ("tpot_s", "Rank_I up to 1.4x smaller TPOT with LILO; Rank_O smaller without")):
+    for metric, paper in (
+        ("latency_s", "Rank_I up to 1.3x lower latency"),
+        ("ttft_s", "Rank_I up to 3.1x (vs Rank_O) and 2.3x (vs Rank_org) lower TTFT"),
+        ("tpot_s", "Rank_I up to 1.4x smaller TPOT with LILO; Rank_O smaller without"),
+    ):
         best: dict[str, int] = {}
         cells = sorted({(r["mix"], r["B"]) for r in rows})
         for mix, b in cells:
@@ -224,7 +267,9 @@ def fig10_12(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[
     return rows, lines
 
 
-def fig15(out: Path, quick: bool, time_limit: float = 20.0, executor: Executor = SERIAL) -> tuple[list[dict], list[str]]:
+def fig15(
+    out: Path, quick: bool, time_limit: float = 20.0, executor: Executor = SERIAL
+) -> tuple[list[dict], list[str]]:
     """Figure 15 / §5.1: the CSP at O = B = 4 (3 with --quick), M = max(2I, I+O-1).
 
     The solves run in this process whatever ``executor`` is: CP-SAT's time limit is wall time, so a
@@ -245,18 +290,33 @@ def fig15(out: Path, quick: bool, time_limit: float = 20.0, executor: Executor =
         problem = dataclasses.replace(base, num_batches=max(r.num_batches for r in runs.values()))
         result = solve_bound(problem, cost, time_limit_s=time_limit, hint=best.hint)
         evictions = sum(len(b.evicted) for b in result.schedule)
-        rows.append({"I": prompt, "M": capacity, "status": result.status, "latency_s": result.latency_s,
-                     "best_bound_s": result.best_bound_s, "relaxed_bound_s": relaxed_bound(base, cost), "evictions": evictions,
-                     **{f"{k}_latency_s": v.latency_s for k, v in runs.items()}})
+        rows.append(
+            {
+                "I": prompt,
+                "M": capacity,
+                "status": result.status,
+                "latency_s": result.latency_s,
+                "best_bound_s": result.best_bound_s,
+                "relaxed_bound_s": relaxed_bound(base, cost),
+                "evictions": evictions,
+                **{f"{k}_latency_s": v.latency_s for k, v in runs.items()},
+            }
+        )
         if prompt in (inputs[0], inputs[-1]) or prompt in (32, 64):
-            plot_gantt(problem, result.schedule, out / f"infermax_fig15_I{prompt}.png",
-                       title=f"I={prompt}: {result.status}, latency {result.latency_s * 1e3:.2f} ms, {evictions} evictions")
+            plot_gantt(
+                problem,
+                result.schedule,
+                out / f"infermax_fig15_I{prompt}.png",
+                title=f"I={prompt}: {result.status}, latency {result.latency_s * 1e3:.2f} ms, {evictions} evictions",
+            )
     write_csv(rows, out / "infermax_fig15.csv")
     evicting = [r["I"] for r in rows if r["evictions"]]
-    lines = [f"optimum evicts for I in {evicting or 'none'}; paper: evicts for I <= 32, not for I >= 64",
-             "statuses: " + ", ".join(f"I={r['I']}:{r['status']}" for r in rows),
-             "gap of the solver's schedule to its proven bound: " + ", ".join(
-                 f"I={r['I']}:{1 - r['best_bound_s'] / r['latency_s']:.0%}" for r in rows)]
+    lines = [
+        f"optimum evicts for I in {evicting or 'none'}; paper: evicts for I <= 32, not for I >= 64",
+        "statuses: " + ", ".join(f"I={r['I']}:{r['status']}" for r in rows),
+        "gap of the solver's schedule to its proven bound: "
+        + ", ".join(f"I={r['I']}:{1 - r['best_bound_s'] / r['latency_s']:.0%}" for r in rows),
+    ]
     return rows, lines
 
 
@@ -288,7 +348,9 @@ def _sec6_run(name: str, num_requests: int) -> dict:
         # §6's bound: vLLM with unlimited memory, through the same cost model. NOTE: "unlimited" is KV
         # for every request's prompt and output at once, which no schedule can exceed.
         sched, capacity = "vllm", sum(r.num_prompt_tokens + r.true_output_tokens for r in requests)
-    simulate(requests, lambda: make_scheduler(sched, kv_capacity_tokens=capacity, max_model_len=SEC6_C, options=opts), cost)
+    simulate(
+        requests, lambda: make_scheduler(sched, kv_capacity_tokens=capacity, max_model_len=SEC6_C, options=opts), cost
+    )
     return {"scheduler": name, "latency_s": max(r.finish_time for r in requests) - min(r.arrival_time for r in requests),
             "mean_jct_s": sum(r.finish_time - r.arrival_time for r in requests) / len(requests),
             "evictions": sum(r.num_preemptions for r in requests)}  # fmt: skip
@@ -317,12 +379,16 @@ def sec6(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dict
     write_csv(rows, out / "infermax_sec6.csv")
     plot_bars(rows, out / "infermax_sec6.png", (("latency_s", "latency (s)"),),
               "InferMax §6: Azure conversation trace, Llama-3-70B on 4x A100")  # fmt: skip
-    deployable = min((r for r in rows if r["scheduler"] in ("vllm", "sarathi", "sarathi_pc")), key=lambda r: r["latency_s"])
+    deployable = min(
+        (r for r in rows if r["scheduler"] in ("vllm", "sarathi", "sarathi_pc")), key=lambda r: r["latency_s"]
+    )
     ours = min((r for r in rows if r["scheduler"].startswith("infermax")), key=lambda r: r["latency_s"])
-    lines = [f"best deployable baseline {deployable['scheduler']}: {deployable['latency_s']:.0f} s; "
-             f"keep-long/evict-short {ours['scheduler']}: {ours['latency_s']:.0f} s "
-             f"({ours['latency_s'] / deployable['latency_s'] - 1:+.1%}); bound (vLLM with unlimited M): {bound:.0f} s, "
-             f"the best deployable is {deployable['latency_s'] / bound - 1:+.1%} above it; paper: 7K s -> 6K s (bound 5K s)"]
+    lines = [
+        f"best deployable baseline {deployable['scheduler']}: {deployable['latency_s']:.0f} s; "
+        f"keep-long/evict-short {ours['scheduler']}: {ours['latency_s']:.0f} s "
+        f"({ours['latency_s'] / deployable['latency_s'] - 1:+.1%}); bound (vLLM with unlimited M): {bound:.0f} s, "
+        f"the best deployable is {deployable['latency_s'] / bound - 1:+.1%} above it; paper: 7K s -> 6K s (bound 5K s)"
+    ]
     relaxed = _sec6_relaxation(n)
     # NOTE: the unlimited-memory run is not bound by it: the relaxation counts batches that M forces.
     lines.append(f"lower bound on any schedule within M = 100K (the relaxation of the constraint model): {relaxed:.0f} s; "

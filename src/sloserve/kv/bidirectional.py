@@ -41,8 +41,15 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
     name = "bidirectional"
     periodic_growth = False
 
-    def __init__(self, num_blocks: int, block_size: int = 16, *, kv_bytes_per_token: int = 0, num_cpu_blocks: int = 0,
-                 rt_free_block_first: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        kv_bytes_per_token: int = 0,
+        num_cpu_blocks: int = 0,
+        rt_free_block_first: bool = False,
+    ) -> None:
         if block_size < 4:
             raise ConfigError(f"bidirectional blocks need at least 2 slots per side: block_size {block_size} < 4")
         super().__init__(num_blocks, block_size, kv_bytes_per_token=kv_bytes_per_token, num_cpu_blocks=num_cpu_blocks)
@@ -110,8 +117,9 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         return next(min(bucket) for bucket in reversed(self._rt_only_by_empty) if bucket)
 
     # --- growth ------------------------------------------------------------------------------------
-    def can_allocate(self, request: Request, num_tokens: int, reserve_blocks: int = 0,
-                     protect: Collection[Request] = ()) -> bool:
+    def can_allocate(
+        self, request: Request, num_tokens: int, reserve_blocks: int = 0, protect: Collection[Request] = ()
+    ) -> bool:
         need = num_tokens - len(self.token_slots.get(request, ())) + reserve_blocks * self.block_size
         return self.has_room(request, need, protect)
 
@@ -375,10 +383,16 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
             assert self.rt_fill[b] + len(self.be_tokens[b]) <= S, f"block {b} over-full"
             assert self.rt_owner[b] is not None or self.rt_fill[b] == 0, f"block {b}: RT tokens without owner"
             assert self.be_owner[b] is not None or not self.be_tokens[b], f"block {b}: BE tokens without owner"
-        rt_only = {b: self._empty(b) for b in range(self.gpu.num_blocks)
-                   if self.rt_owner[b] is not None and self.be_owner[b] is None}
-        be_only = {b: self.be_owner[b] for b in range(self.gpu.num_blocks)
-                   if self.rt_owner[b] is None and self.be_owner[b] is not None}
+        rt_only = {
+            b: self._empty(b)
+            for b in range(self.gpu.num_blocks)
+            if self.rt_owner[b] is not None and self.be_owner[b] is None
+        }
+        be_only = {
+            b: self.be_owner[b]
+            for b in range(self.gpu.num_blocks)
+            if self.rt_owner[b] is None and self.be_owner[b] is not None
+        }
         assert self._rt_only == rt_only and self._rt_only_empty == sum(rt_only.values()), "RT-only aggregate"
         assert all(b in self._rt_only_by_empty[e] for b, e in rt_only.items())
         assert sum(len(x) for x in self._rt_only_by_empty) == len(rt_only)

@@ -298,4 +298,3 @@ class ExactReservationKVManager(KVCacheManager):
     def free(self, request: Request) -> None:
         super().free(request)
         self._reservation.pop(request, None)
-

@@ -107,7 +107,9 @@ def write_run_outputs(
             write_columns_csv(tmp / "timeline.csv", timeline.as_dict())
             if plots:
                 capacity = summary.get("kv_capacity_tokens")
-                plot_module.plot_run(tmp, table, timeline, kv_capacity_tokens=capacity, title=plot_module.caption(summary))
+                plot_module.plot_run(
+                    tmp, table, timeline, kv_capacity_tokens=capacity, title=plot_module.caption(summary)
+                )
         names = sorted(p.name for p in tmp.iterdir())
         out_dir.mkdir(exist_ok=True)
         for name in names:

@@ -102,16 +102,12 @@ def request_table(requests: Sequence[Request]) -> dict[str, np.ndarray]:
         "slo_tpot_s": [nan if r.slo is None else slo_value(r.slo.tpot_s) for r in reqs],
         "slo_jct_s": [nan if r.slo is None else slo_value(r.slo.jct_s) for r in reqs],
     }
-    t: dict[str, np.ndarray] = {
-        name: np.asarray(values, dtype=REQUEST_COLUMNS[name]) for name, values in cols.items()
-    }
+    t: dict[str, np.ndarray] = {name: np.asarray(values, dtype=REQUEST_COLUMNS[name]) for name, values in cols.items()}
 
     out = t["output_tokens"].astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         t["ttft_s"] = t["first_token_s"] - t["arrival_s"]
-        t["tpot_s"] = np.where(
-            out > 1, (t["last_token_s"] - t["first_token_s"]) / np.maximum(out - 1, 1), nan
-        )
+        t["tpot_s"] = np.where(out > 1, (t["last_token_s"] - t["first_token_s"]) / np.maximum(out - 1, 1), nan)
         t["jct_s"] = t["finish_s"] - t["arrival_s"]
         t["normalized_latency_s"] = np.where(out > 0, t["jct_s"] / np.maximum(out, 1), nan)
         t["execution_s"] = t["jct_s"] - t["waiting_s"] - t["preemption_s"] - t["gt_queuing_s"]

@@ -45,7 +45,7 @@ def group_deadlines_met(arrival: float, token_times: Sequence[float], ttft_s: fl
     met = [token_times[0] <= arrival + ttft_s + tolerance_s]
     returned = token_times[0]
     for start in range(1, len(token_times), group_size):
-        group = token_times[start:start + group_size]
+        group = token_times[start : start + group_size]
         met.append(group[-1] <= returned + len(group) * tpot_s + tolerance_s)
         returned = group[-1]
     return met

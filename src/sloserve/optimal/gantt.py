@@ -24,8 +24,13 @@ def plot_gantt(problem: BoundProblem, plan: list[BatchPlan], path: Path, title: 
             computed[i] = 0
         for i, c in batch.tokens.items():
             decode = known[i] - computed[i] == 1
-            ax.broken_barh([(batch.start_s, width)], (i - 0.4, 0.8),
-                           facecolors="0.6" if decode else "black", edgecolors="white", linewidth=0.5)
+            ax.broken_barh(
+                [(batch.start_s, width)],
+                (i - 0.4, 0.8),
+                facecolors="0.6" if decode else "black",
+                edgecolors="white",
+                linewidth=0.5,
+            )
             computed[i] += c
             if computed[i] == known[i]:
                 known[i] += 1
@@ -33,8 +38,12 @@ def plot_gantt(problem: BoundProblem, plan: list[BatchPlan], path: Path, title: 
     ax.invert_yaxis()
     ax.set_xlabel("time (s)")
     kv = ax.twinx()
-    kv.step([b.start_s for b in plan] + [plan[-1].end_s] if plan else [], [0] + [b.kv_tokens for b in plan] if plan else [],
-            where="post", color="tab:blue")
+    kv.step(
+        [b.start_s for b in plan] + [plan[-1].end_s] if plan else [],
+        [0] + [b.kv_tokens for b in plan] if plan else [],
+        where="post",
+        color="tab:blue",
+    )
     kv.axhline(problem.kv_capacity_tokens, color="tab:blue", linestyle=":", linewidth=1)
     kv.set_ylabel("KV tokens", color="tab:blue")
     kv.set_ylim(0, problem.kv_capacity_tokens * 1.1)

@@ -42,8 +42,12 @@ def run_heuristic(name: str, problem: BoundProblem, cost: LinearCostModel) -> He
     requests = problem_requests(problem)
     max_len = max(p + o for p, o in zip(problem.prompts, problem.outputs, strict=True))
     C = problem.max_num_batched_tokens
-    options: dict[str, object] = {"block_size": 1, "watermark": 0.0, "max_num_batched_tokens": C,
-                                  "max_num_seqs": min(256, C)}
+    options: dict[str, object] = {
+        "block_size": 1,
+        "watermark": 0.0,
+        "max_num_batched_tokens": C,
+        "max_num_seqs": min(256, C),
+    }
     if problem.prefill_token_budget is not None:
         options["prefill_token_budget"] = min(problem.prefill_token_budget, problem.max_num_batched_tokens)
     hint: list[dict[int, tuple[int, bool]]] = []

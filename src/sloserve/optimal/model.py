@@ -181,8 +181,11 @@ def solve_bound(
         model.Add(sum(c[i][j] for i in range(n)) <= C)  # (4)
         model.Add(sum(m[i][j] for i in range(n)) <= M)  # (4)
         flags = {}
-        for name, lits in (("act", [act[i][j] for i in range(n)]), ("dec", [isdec[i][j] for i in range(n)]),
-                           ("pre", [ispre[i][j] for i in range(n)])):
+        for name, lits in (
+            ("act", [act[i][j] for i in range(n)]),
+            ("dec", [isdec[i][j] for i in range(n)]),
+            ("pre", [ispre[i][j] for i in range(n)]),
+        ):
             flags[name] = model.NewBoolVar(f"any_{name}{j}")
             model.AddMaxEquality(flags[name], lits)
         if P is not None:

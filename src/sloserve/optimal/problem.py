@@ -26,9 +26,7 @@ class BoundProblem:
         if not n or len(self.outputs) != n or len(self.arrivals) != n:
             raise ConfigError("bound: prompts, outputs and arrivals must be non-empty and of one length")
         if self.prefill_token_budget is not None and self.prefill_token_budget > self.max_num_batched_tokens:
-            raise ConfigError(
-                f"prefill budget P={self.prefill_token_budget} exceeds C={self.max_num_batched_tokens}"
-            )
+            raise ConfigError(f"prefill budget P={self.prefill_token_budget} exceeds C={self.max_num_batched_tokens}")
         longest = max(i + o - 1 for i, o in zip(self.prompts, self.outputs, strict=True))
         if self.kv_capacity_tokens < longest:
             raise ConfigError(

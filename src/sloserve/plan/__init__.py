@@ -40,14 +40,24 @@ def plan(query: PlanQuery, candidates: list[Candidate], prices: dict[str, float]
         ranked.append(summary)
     verified = [c for c in ranked if c["status"] == "verified"]
     doc = {
-        "query": {"qps": query.qps, "attainment": query.attainment, "max_gpus": query.max_gpus,
-                  "tolerance": query.tolerance, **(describe or {})},  # fmt: skip
+        "query": {
+            "qps": query.qps,
+            "attainment": query.attainment,
+            "max_gpus": query.max_gpus,
+            "tolerance": query.tolerance,
+            **(describe or {}),
+        },  # fmt: skip
         "answer": verified[0] if verified else None,
         "alternatives": verified[1 : 1 + query.num_alternatives],
         "message": None if verified else no_answer_message(query, ranked),
         "prices_per_gpu_hour": prices,
-        "search": {"candidates": len(candidates), "runs": search.num_runs, "rounds": search.num_rounds,
-                   "workers": executor.workers, "wall_s": time.perf_counter() - wall0},  # fmt: skip
+        "search": {
+            "candidates": len(candidates),
+            "runs": search.num_runs,
+            "rounds": search.num_rounds,
+            "workers": executor.workers,
+            "wall_s": time.perf_counter() - wall0,
+        },  # fmt: skip
         "candidates": ranked,
         "skipped": list(skipped),
     }
@@ -57,11 +67,18 @@ def plan(query: PlanQuery, candidates: list[Candidate], prices: dict[str, float]
 def simulate_command(query: PlanQuery, candidate: Candidate, units: int) -> str:
     """The ``sloserve simulate`` command line that runs ``units`` units of ``candidate`` at the load,
     as the verification did: a user re-runs (or changes) the answer with it."""
-    o = {**query.base_options, **candidate.system_options(units), "num_requests": query.base_options["num_requests"] * units}
+    o = {
+        **query.base_options,
+        **candidate.system_options(units),
+        "num_requests": query.base_options["num_requests"] * units,
+    }
     args = ["sloserve", "simulate", "--scheduler", candidate.scheduler]
     args += [f"--set {k}={v}" for k, v in candidate.options]
-    args += ["--workload", o["workload"], "--rt-rate", f"{query.qps:g}"] if o["workload"] else \
-        ["--trace", o["trace"], "--rate", f"{query.qps:g}"]
+    args += (
+        ["--workload", o["workload"], "--rt-rate", f"{query.qps:g}"]
+        if o["workload"]
+        else ["--trace", o["trace"], "--rate", f"{query.qps:g}"]
+    )
     flags = ("columns", "num_requests", "max_tokens", "burstiness", "slo_ttft", "slo_tpot", "slo_jct", "seed", "model",
              "gpu", "num_gpus", "replicas", "disaggregate", "cost_model", "memory_utilization", "swap_space_gib",
              "router", "link_gbps")  # fmt: skip
@@ -78,12 +95,16 @@ def no_answer_message(query: PlanQuery, ranked: list[dict]) -> str:
     if serving:
         most = max(serving, key=lambda c: c["goodput_rps"] * (query.max_gpus // c["gpus_per_unit"]))
         units = query.max_gpus // most["gpus_per_unit"]
-        return (f"no configuration serves {query.qps:g} req/s at {target} within --max-gpus {query.max_gpus}: "
-                f"the most is about {most['goodput_rps'] * units:.3g} req/s ({units} x {most['label']})")
+        return (
+            f"no configuration serves {query.qps:g} req/s at {target} within --max-gpus {query.max_gpus}: "
+            f"the most is about {most['goodput_rps'] * units:.3g} req/s ({units} x {most['label']})"
+        )
     probes = [(p["attainment"], p["rate"], c["label"]) for c in ranked for p in c["probes"]]
     if not probes:
         return f"every configuration was refused by the simulator; the first: {ranked[0]['reason']}"
     attainment, rate, label = max(probes, key=lambda x: (x[0], -x[1]))
-    return (f"no configuration reaches {target} for {query.qps:g} req/s within --max-gpus {query.max_gpus}: the best "
-            f"reached {attainment:.1%} ({label} at {rate:.3g} req/s per unit, the least per unit that serves the load "
-            "with that many GPUs)")
+    return (
+        f"no configuration reaches {target} for {query.qps:g} req/s within --max-gpus {query.max_gpus}: the best "
+        f"reached {attainment:.1%} ({label} at {rate:.3g} req/s per unit, the least per unit that serves the load "
+        "with that many GPUs)"
+    )

@@ -108,7 +108,9 @@ def plot_cost_vs_goodput(doc: dict, path: Path) -> Path:
                            **({"facecolors": "none", "edgecolors": f"C{i}"} if capped else {"color": f"C{i}"}))  # fmt: skip
     # NOTE: the front is over measured goodputs only: a capped point's goodput is a lower bound.
     front, best = [], -1.0
-    for c in sorted((c for c in rows if not c["goodput_capped"]), key=lambda c: (c["unit_price_per_hour"], -c["goodput_rps"])):
+    for c in sorted(
+        (c for c in rows if not c["goodput_capped"]), key=lambda c: (c["unit_price_per_hour"], -c["goodput_rps"])
+    ):
         if c["goodput_rps"] > best:
             front.append(c)
             best = c["goodput_rps"]

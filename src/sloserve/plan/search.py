@@ -371,5 +371,10 @@ class PlanSearch:
         order = {"verified": 0, "estimated": 1, "unverifiable": 2, "pruned": 3, "infeasible": 4, "error": 5}
         units = s.units or s.units_bounds(q)[1]
         headroom = units * s.lo if s.lo > 0 else 0.0  # NOTE: units is inf while nothing passed
-        return (order.get(s.status, 6), units * s.unit_price, units * s.candidate.gpus_per_unit, -headroom,
-                s.candidate.label)
+        return (
+            order.get(s.status, 6),
+            units * s.unit_price,
+            units * s.candidate.gpus_per_unit,
+            -headroom,
+            s.candidate.label,
+        )

@@ -108,8 +108,13 @@ class BrosConfig:
 class SubsetScheduler(Scheduler):
     """Common mechanics of policies that run a chosen subset each step (no decode cohort)."""
 
-    def __init__(self, kv: KVCacheManager, config: BrosConfig, predictor: LengthPredictor | None = None,
-                 cost_model: CostModel | None = None) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        config: BrosConfig,
+        predictor: LengthPredictor | None = None,
+        cost_model: CostModel | None = None,
+    ) -> None:
         super().__init__(kv, predictor)
         self.config = config
         self.cost_model = cost_model
@@ -133,7 +138,10 @@ class SubsetScheduler(Scheduler):
     def on_token_emitted(self, request: Request) -> None:
         """Decodes stay explicit: the policy picks who runs every step. With token-group deadlines,
         a request whose token completed a group starts the next one now."""
-        if self.config.deadlines == "token_group" and (request.num_output_tokens - 1) % self.config.token_group_size == 0:
+        if (
+            self.config.deadlines == "token_group"
+            and (request.num_output_tokens - 1) % self.config.token_group_size == 0
+        ):
             self._group_start[request] = request.last_token_time
 
     def _finish(self, request: Request, now: float) -> None:
@@ -196,7 +204,10 @@ class SubsetScheduler(Scheduler):
             self._batch_prompt_tokens -= request.num_tokens
 
     def _prompt_fits(self, request: Request) -> bool:
-        return request.status is not RequestStatus.WAITING or self._batch_prompt_tokens + request.num_tokens <= self._budget
+        return (
+            request.status is not RequestStatus.WAITING
+            or self._batch_prompt_tokens + request.num_tokens <= self._budget
+        )
 
     # Wall time spent placing batch members' slots (bidirectional), for BROS's Figure 14.
     kv_time_s = 0.0

@@ -48,7 +48,9 @@ class CohortScheduler(Scheduler):
         cohort = self.cohort
         if cohort.members:  # NOTE: not `if cohort`: len() of a Python-level class costs a call
             # NOTE: tuple.__new__ builds the named tuple without its Python-level __new__: every step.
-            out.decode = tuple.__new__(CohortStep, (cohort, len(cohort.members), cohort.kv_tokens, cohort.max_kv_tokens))
+            out.decode = tuple.__new__(
+                CohortStep, (cohort, len(cohort.members), cohort.kv_tokens, cohort.max_kv_tokens)
+            )
         else:
             cohort.skip_growth()  # an empty cohort's tick is not run
 

@@ -398,7 +398,9 @@ class EconoServeScheduler(CohortScheduler):
             assert done
         self._admit_in_group(request, remaining, groups, admitted)
 
-    def _admit_in_group(self, request: Request, remaining: int, groups: dict[int, int], admitted: list[Request]) -> None:
+    def _admit_in_group(
+        self, request: Request, remaining: int, groups: dict[int, int], admitted: list[Request]
+    ) -> None:
         """Put ``request`` in the batch, in this admission round's group of its predicted RL."""
         self._admit(request)
         group = groups.get(remaining)
@@ -540,7 +542,9 @@ class EconoServeScheduler(CohortScheduler):
 
     def _gt_room_blocks(self) -> int:
         """Free blocks GT regions may take: all but what is left of the PTs' reserve."""
-        reserve_left = -(-max(0, self.reserve_blocks * self.kv.block_size - self._pt_held_tokens()) // self.kv.block_size)
+        reserve_left = -(
+            -max(0, self.reserve_blocks * self.kv.block_size - self._pt_held_tokens()) // self.kv.block_size
+        )
         return self.kv.num_free_blocks - reserve_left
 
     # --- finishing, metrics, fast path -------------------------------------------------------------------

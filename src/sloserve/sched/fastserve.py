@@ -60,8 +60,13 @@ class FastServeScheduler(PriorityBatchScheduler):
     name = "fastserve"
     config: FastServeConfig
 
-    def __init__(self, kv: KVCacheManager, config: FastServeConfig, predictor: LengthPredictor | None = None,
-                 cost_model: CostModel | None = None) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        config: FastServeConfig,
+        predictor: LengthPredictor | None = None,
+        cost_model: CostModel | None = None,
+    ) -> None:
         super().__init__(kv, config, predictor)
         if cost_model is None:
             raise ConfigError("the fastserve scheduler needs a cost model for its skip-join estimates")

@@ -28,10 +28,16 @@ _TABLE1 = [
     ("vllm_hy", "vLLM with hybrid batches (InferMax Table 1)", dict(_VLLM, hybrid_batching=True)),
     ("sarathi", "Sarathi-Serve: decode-first, hybrid batches, chunked prefill with budget P=512", _SARATHI),
     ("sarathi_pc", "Sarathi with P = C (InferMax Table 1: SARATHI_P=C)", dict(_SARATHI, prefill_token_budget=None)),
-    ("sarathi_nocp", "Sarathi without chunked prefill, P = C (InferMax Table 1)",
-     dict(_SARATHI, chunked_prefill=False, prefill_token_budget=None)),
-    ("sarathi_nohy", "Sarathi without hybrid batches or chunked prefill, P = C (InferMax Table 1)",
-     dict(_SARATHI, hybrid_batching=False, chunked_prefill=False, prefill_token_budget=None)),
+    (
+        "sarathi_nocp",
+        "Sarathi without chunked prefill, P = C (InferMax Table 1)",
+        dict(_SARATHI, chunked_prefill=False, prefill_token_budget=None),
+    ),
+    (
+        "sarathi_nohy",
+        "Sarathi without hybrid batches or chunked prefill, P = C (InferMax Table 1)",
+        dict(_SARATHI, hybrid_batching=False, chunked_prefill=False, prefill_token_budget=None),
+    ),
 ]
 for _name, _description, _knobs in _TABLE1:
     register(SchedulerSpec(_name, _description, UnifiedScheduler, UnifiedConfig, _knobs))
@@ -64,8 +70,11 @@ register(
         ),
     )
 )
-for _name, _by, _predictor in (("rank_org", "arrival", "none"), ("rank_i", "input", "none"),
-                               ("rank_o", "output", "oracle")):
+for _name, _by, _predictor in (
+    ("rank_org", "arrival", "none"),
+    ("rank_i", "input", "none"),
+    ("rank_o", "output", "oracle"),
+):
     register(
         SchedulerSpec(
             _name,
@@ -183,5 +192,14 @@ for _name, _description, _knobs in [
      "prompt + RL, groups admitted when a group completes; no PT joins between", dict(
          _ECONOSERVE_D, decoupled=False, time_synced=True)),
 ]:  # fmt: skip
-    register(SchedulerSpec(_name, _description, EconoServeScheduler, EconoServeConfig, _knobs, needs_cost_model=True,
-                           kv_managers=_ECONOSERVE_KV))
+    register(
+        SchedulerSpec(
+            _name,
+            _description,
+            EconoServeScheduler,
+            EconoServeConfig,
+            _knobs,
+            needs_cost_model=True,
+            kv_managers=_ECONOSERVE_KV,
+        )
+    )

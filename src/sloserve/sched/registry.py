@@ -133,9 +133,7 @@ def make_scheduler(
             f"scheduler {name}: kv_manager {config.kv_manager} does not work with it; valid: {', '.join(spec.kv_managers)}"
         )
     if kv_capacity_tokens < config.block_size:
-        raise ConfigError(
-            f"KV capacity {kv_capacity_tokens} tokens is below one block of {config.block_size} tokens"
-        )
+        raise ConfigError(f"KV capacity {kv_capacity_tokens} tokens is below one block of {config.block_size} tokens")
     if getattr(config, "preemption_mode", "recompute") == "swap" and swap_space_tokens < config.block_size:
         # NOTE: an error, not a silent recompute: a run asked to swap would otherwise measure recomputation
         raise ConfigError(

@@ -118,7 +118,9 @@ def check_batch_lines(upload: IO[bytes], out: IO[bytes], limits: BatchLimits) ->
     for number, raw in enumerate(upload, start=1):
         num_bytes += len(raw)
         if num_bytes > limits.max_file_bytes:
-            raise ApiError(413, f"the file is over the limit of {limits.max_file_bytes} bytes", "file", "file_too_large")
+            raise ApiError(
+                413, f"the file is over the limit of {limits.max_file_bytes} bytes", "file", "file_too_large"
+            )
         out.write(raw)
         if not raw.strip():
             continue  # NOTE: blank lines are skipped; line numbers stay those of the file
@@ -242,11 +244,17 @@ class BatchService:
         @router.post("/v1/files")
         async def create_file(request: Request) -> dict[str, Any]:
             declared = request.headers.get("content-length")
-            if declared is not None and declared.isdigit() and int(declared) > limits.max_file_bytes + MULTIPART_OVERHEAD:
+            if (
+                declared is not None
+                and declared.isdigit()
+                and int(declared) > limits.max_file_bytes + MULTIPART_OVERHEAD
+            ):
                 raise ApiError(413, f"the upload has {declared} bytes, over the file limit of {limits.max_file_bytes}",
                                "file", "file_too_large")  # fmt: skip
             if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-                raise ApiError(400, "upload the file as multipart/form-data with the fields 'file' and 'purpose'", "file")
+                raise ApiError(
+                    400, "upload the file as multipart/form-data with the fields 'file' and 'purpose'", "file"
+                )
             form = await request.form(max_files=1, max_fields=8)
             try:
                 purpose, upload = form.get("purpose"), form.get("file")
@@ -289,7 +297,9 @@ class BatchService:
             return batch_object(batch)
 
         @router.get("/v1/batches")
-        async def list_batches(after: str | None = None, limit: int = Query(default=20, ge=1, le=100)) -> dict[str, Any]:
+        async def list_batches(
+            after: str | None = None, limit: int = Query(default=20, ge=1, le=100)
+        ) -> dict[str, Any]:
             if after is not None:
                 self._batch(after)
             return page([batch_object(r) for r in self.store.list_batches(after, limit + 1)], limit)

@@ -232,4 +232,3 @@ class BatchRunner:
         objects = ResponseObjects(chat, self.serving.config.model_name)
         whole = objects.whole(text, reason, usage(served.num_prompt_tokens, served.num_output_tokens))
         return output_line(line.custom_id, 200, whole), False
-

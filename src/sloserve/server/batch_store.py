@@ -247,7 +247,9 @@ class BatchStore:
 
     def batches_in(self, *statuses: str) -> list[dict[str, Any]]:
         marks = ",".join("?" * len(statuses))
-        return [dict(r) for r in self.db.execute(f"SELECT * FROM batches WHERE status IN ({marks}) ORDER BY seq", statuses)]
+        return [
+            dict(r) for r in self.db.execute(f"SELECT * FROM batches WHERE status IN ({marks}) ORDER BY seq", statuses)
+        ]
 
     def set_status(self, batch_id: str, status: str, *, only_from: tuple[str, ...]) -> bool:
         """Move a batch to ``status`` (stamping ``<status>_at``) if it is in one of ``only_from``."""
@@ -329,7 +331,9 @@ class BatchStore:
             for column, (file_id, num_lines) in written.items():
                 kind = "output" if column == "output_file_id" else "error"
                 self.commit_file(file_id, f"{batch_id}_{kind}.jsonl", "batch_output", num_lines, {}, db)
-            return _move_batch(db, batch_id, status, only_from, {column: file_id for column, (file_id, _) in written.items()})
+            return _move_batch(
+                db, batch_id, status, only_from, {column: file_id for column, (file_id, _) in written.items()}
+            )
 
 
 def _move_batch(db: sqlite3.Connection, batch_id: str, status: str, only_from: tuple[str, ...],

@@ -217,7 +217,9 @@ def server_max_model_len(base_url: str, model: str) -> int:
             if isinstance(entry.get("max_model_len"), int):
                 return entry["max_model_len"]
             raise ConfigError(f"{url} does not say {model}'s context length: give --max-model-len")
-    raise ConfigError(f"--model {model!r} is not served at {url}; it serves: {', '.join(str(m.get('id')) for m in data)}")
+    raise ConfigError(
+        f"--model {model!r} is not served at {url}; it serves: {', '.join(str(m.get('id')) for m in data)}"
+    )
 
 
 def summarize_benchmark(result: BenchResult, extra: dict) -> dict:

@@ -50,7 +50,9 @@ class ChatTemplate:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+            x, indent=indent, ensure_ascii=ensure_ascii
+        )
         try:
             self._template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:

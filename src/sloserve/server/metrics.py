@@ -123,6 +123,7 @@ class ServerMetrics:
         ``--trace`` (prompt_tokens, output_tokens, arrival_s), so a served day can be simulated. A
         request that ended before its first token (aborted, refused at shutdown) has no output
         length to simulate: /metrics counts it."""
+
         def seconds(value: float) -> float | None:
             return None if math.isnan(value) else round(value, 6)
 

@@ -126,7 +126,9 @@ class DrainingServer(uvicorn.Server):
         if self._draining is not None:  # a second signal: stop now
             self.should_exit = self.force_exit = True
             return
-        log.info("shutting down: draining %d requests (at most %.0f s)", self.engine.num_unfinished, self.drain_timeout_s)
+        log.info(
+            "shutting down: draining %d requests (at most %.0f s)", self.engine.num_unfinished, self.drain_timeout_s
+        )
         self.engine.begin_shutdown()
         if self.batches is not None:  # NOTE: batch lines in the engine go back to pending, not drained
             self.batches.runner.stop_admitting_threadsafe()

@@ -164,7 +164,9 @@ class OpenAIServing:
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name:
-            raise ModelNotFoundError(f"The model {name!r} does not exist; this server serves {self.config.model_name!r}")
+            raise ModelNotFoundError(
+                f"The model {name!r} does not exist; this server serves {self.config.model_name!r}"
+            )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         tokenizer = self.engine.tokenizer
@@ -183,7 +185,9 @@ class OpenAIServing:
     def submit_chat(self, body: ChatCompletionRequest, request_class: RequestClass | None = None) -> ServedRequest:
         self.check_model(body.model)
         body.check_supported()
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
+        messages = [
+            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages
+        ]
         prompt = self.chat_template.render(messages)
         prompt_ids = self.encode(prompt, add_special_tokens=not self.chat_template.from_model)
         return self._submit(body, prompt_ids, body.output_cap, request_class)

@@ -7,5 +7,13 @@ from sloserve.sim.executor import SimExecutor
 from sloserve.sim.simulator import ROUTERS, SimResult, simulate
 from sloserve.sim.stretch import StretchPlanner
 
-__all__ = ["ROUTERS", "Replica", "SimExecutor", "SimResult", "SimulationStuckError", "StretchPlanner", "batch_shape",
-           "simulate"]
+__all__ = [
+    "ROUTERS",
+    "Replica",
+    "SimExecutor",
+    "SimResult",
+    "SimulationStuckError",
+    "StretchPlanner",
+    "batch_shape",
+    "simulate",
+]

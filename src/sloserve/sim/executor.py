@@ -100,9 +100,7 @@ class SimExecutor:
             ends_array = ends_array[: int(ends_array.searchsorted(until, side="left")) + 1]
         return ends_array
 
-    def execute(
-        self, output: SchedulerOutput, now: float, end_times: Sequence[float] | None = None
-    ) -> StepResult:
+    def execute(self, output: SchedulerOutput, now: float, end_times: Sequence[float] | None = None) -> StepResult:
         """Run ``output`` (all its ``num_steps`` steps) starting at ``now``; ``end_times`` may carry
         its steps' end times already computed (``end_times``)."""
         if output.cohort_joined:

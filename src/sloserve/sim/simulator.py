@@ -207,9 +207,7 @@ def simulate(
     # from its end costs O(1) (a heap's pops took 1-2% of a 30k-request run). Chained batches join
     # later, inserted in order.
     chained = {id(r) for chain in chains for batch in chain[1:] for r in batch}
-    pending = sorted(
-        ((r.arrival_time, r.request_id, r) for r in requests if id(r) not in chained), key=_latest_first
-    )
+    pending = sorted(((r.arrival_time, r.request_id, r) for r in requests if id(r) not in chained), key=_latest_first)
     batch_of: dict[int, tuple[int, int]] = {}  # id(request) -> (chain, index of the batch it is in)
     left_in_batch: dict[tuple[int, int], int] = {}
     for c, chain in enumerate(chains):

@@ -124,4 +124,3 @@ class StretchPlanner:
             sched_time,
             replica.index,
         )
-

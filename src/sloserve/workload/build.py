@@ -71,7 +71,11 @@ class Workload:
 
 
 def build_workload(
-    spec: WorkloadSpec, *, seed: int, context_len: int, num_requests: int | None = None,
+    spec: WorkloadSpec,
+    *,
+    seed: int,
+    context_len: int,
+    num_requests: int | None = None,
     rate_scale: float | None = None,
 ) -> Workload:
     """Sample the requests of ``spec``. Deterministic for a given ``seed``.
@@ -87,8 +91,10 @@ def build_workload(
     if num_requests is not None:
         _check_int("num_requests", num_requests, 1)
     if rate_scale is not None and (
-        isinstance(rate_scale, bool) or not isinstance(rate_scale, (int, float))
-        or not math.isfinite(rate_scale) or not rate_scale > 0
+        isinstance(rate_scale, bool)
+        or not isinstance(rate_scale, (int, float))
+        or not math.isfinite(rate_scale)
+        or not rate_scale > 0
     ):
         raise ConfigError(f"rate_scale must be > 0, got {rate_scale!r}")
     counts = _split(spec, num_requests)
@@ -99,8 +105,9 @@ def build_workload(
         len_seed, arr_seed = child.spawn(2)
         prefix = f"{spec.origin}: streams[{i}] ({stream.name}): "
         try:
-            t, p, o = _sample(stream, n, np.random.default_rng(len_seed),
-                              np.random.default_rng(arr_seed), rate_scale or 1.0, prefix)
+            t, p, o = _sample(
+                stream, n, np.random.default_rng(len_seed), np.random.default_rng(arr_seed), rate_scale or 1.0, prefix
+            )
         except ConfigError as exc:
             if str(exc).startswith(prefix):
                 raise
@@ -131,11 +138,20 @@ def build_workload(
     slos = [s.slo for s in spec.streams]
     classes = [s.request_class for s in spec.streams]
     requests = [
-        Request(request_id=rid, arrival_time=at, num_prompt_tokens=pi, true_output_tokens=oi,
-                max_tokens=mi, request_class=classes[si], slo=slos[si])
-        for rid, (at, pi, oi, mi, si) in enumerate(zip(
-            t[order].tolist(), p[order].tolist(), o[order].tolist(), max_tokens[order].tolist(),
-            sid[order].tolist()))
+        Request(
+            request_id=rid,
+            arrival_time=at,
+            num_prompt_tokens=pi,
+            true_output_tokens=oi,
+            max_tokens=mi,
+            request_class=classes[si],
+            slo=slos[si],
+        )
+        for rid, (at, pi, oi, mi, si) in enumerate(
+            zip(
+                t[order].tolist(), p[order].tolist(), o[order].tolist(), max_tokens[order].tolist(), sid[order].tolist()
+            )
+        )
     ]
     requests_by_row = [None] * len(requests)  # row k of the unsorted arrays -> its Request
     for rid, k in enumerate(order.tolist()):
@@ -153,16 +169,31 @@ def build_workload(
 
 
 def workload_from_trace(
-    trace: str, *, num_requests: int, seed: int, context_len: int, rate: float | None = None,
-    burstiness_cv: float | None = None, trace_arrivals: bool = False, offline: bool = False,
-    request_class: str = "rt", slo: SLO | Mapping[str, float | None] | None = None,
-    max_tokens: int | None = None, columns: Mapping[str, str] | None = None,
+    trace: str,
+    *,
+    num_requests: int,
+    seed: int,
+    context_len: int,
+    rate: float | None = None,
+    burstiness_cv: float | None = None,
+    trace_arrivals: bool = False,
+    offline: bool = False,
+    request_class: str = "rt",
+    slo: SLO | Mapping[str, float | None] | None = None,
+    max_tokens: int | None = None,
+    columns: Mapping[str, str] | None = None,
 ) -> Workload:
     """One stream from a trace, as the CLI's ``--trace NAME`` with exactly one of ``--rate R``
     (Poisson; gamma with ``burstiness_cv``), ``--trace-arrivals`` or ``--offline``."""
-    chosen = [flag for flag, on in (("rate (--rate)", rate is not None),
-                                    ("trace_arrivals (--trace-arrivals)", trace_arrivals),
-                                    ("offline (--offline)", offline)) if on]
+    chosen = [
+        flag
+        for flag, on in (
+            ("rate (--rate)", rate is not None),
+            ("trace_arrivals (--trace-arrivals)", trace_arrivals),
+            ("offline (--offline)", offline),
+        )
+        if on
+    ]
     if len(chosen) != 1:
         raise ConfigError(
             "give exactly one of rate (--rate), trace_arrivals (--trace-arrivals) or offline "
@@ -179,15 +210,24 @@ def workload_from_trace(
     stream = _stream_dict(label, request_class, source, arrival, num_requests, slo, max_tokens)
     from sloserve.workload.spec_yaml import parse_workload_spec  # NOTE: loads pydantic: not at import
 
-    spec = parse_workload_spec({"name": f"{label}@{_arrival_label(arrival)}",
-                                "streams": [stream]}, origin=f"--trace {trace}")
+    spec = parse_workload_spec(
+        {"name": f"{label}@{_arrival_label(arrival)}", "streams": [stream]}, origin=f"--trace {trace}"
+    )
     return build_workload(spec, seed=seed, context_len=context_len)
 
 
 def synthetic_workload(
-    prompt: int, output: int, num_requests: int, *, context_len: int, seed: int = 0,
-    rate: float | None = None, burstiness_cv: float | None = None, request_class: str = "rt",
-    slo: SLO | Mapping[str, float | None] | None = None, max_tokens: int | None = None,
+    prompt: int,
+    output: int,
+    num_requests: int,
+    *,
+    context_len: int,
+    seed: int = 0,
+    rate: float | None = None,
+    burstiness_cv: float | None = None,
+    request_class: str = "rt",
+    slo: SLO | Mapping[str, float | None] | None = None,
+    max_tokens: int | None = None,
 ) -> Workload:
     """``num_requests`` requests with fixed prompt and output lengths (InferMax §4). Offline (all
     at time 0) unless a ``rate`` is given (Poisson, or gamma with ``burstiness_cv``)."""
@@ -199,8 +239,9 @@ def synthetic_workload(
     stream = _stream_dict(label, request_class, source, arrival, num_requests, slo, max_tokens)
     from sloserve.workload.spec_yaml import parse_workload_spec  # NOTE: loads pydantic: not at import
 
-    spec = parse_workload_spec({"name": f"{label}@{_arrival_label(arrival)}",
-                                "streams": [stream]}, origin="synthetic workload")
+    spec = parse_workload_spec(
+        {"name": f"{label}@{_arrival_label(arrival)}", "streams": [stream]}, origin="synthetic workload"
+    )
     return build_workload(spec, seed=seed, context_len=context_len)
 
 
@@ -208,8 +249,12 @@ def synthetic_workload(
 # helpers
 # --------------------------------------------------------------------------------------------
 def _sample(
-    stream: StreamSpec, n: int, rng_len: np.random.Generator, rng_arr: np.random.Generator,
-    rate_scale: float, prefix: str,
+    stream: StreamSpec,
+    n: int,
+    rng_len: np.random.Generator,
+    rng_arr: np.random.Generator,
+    rate_scale: float,
+    prefix: str,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Arrival times, prompt and output lengths of one stream (unclipped)."""
     proc = stream.arrival
@@ -263,22 +308,29 @@ def _split(spec: WorkloadSpec, total: int | None) -> list[int]:
 
 
 def _details(
-    spec: WorkloadSpec, sid: np.ndarray, clipped: np.ndarray, prompt_clipped: np.ndarray,
-    output_clipped: np.ndarray, capped: np.ndarray, context_len: int,
+    spec: WorkloadSpec,
+    sid: np.ndarray,
+    clipped: np.ndarray,
+    prompt_clipped: np.ndarray,
+    output_clipped: np.ndarray,
+    capped: np.ndarray,
+    context_len: int,
 ) -> str:
     parts = []
     if clipped.any():
-        text = (f"{int(clipped.sum())} of {len(clipped)} requests clipped to context_len "
-                f"{context_len} ({int(prompt_clipped.sum())} prompts cut to {context_len - 1} "
-                f"tokens, {int(output_clipped.sum())} outputs cut to fit)")
+        text = (
+            f"{int(clipped.sum())} of {len(clipped)} requests clipped to context_len "
+            f"{context_len} ({int(prompt_clipped.sum())} prompts cut to {context_len - 1} "
+            f"tokens, {int(output_clipped.sum())} outputs cut to fit)"
+        )
         if len(spec.streams) > 1:
-            per = ", ".join(f"{s.name}: {int(clipped[sid == i].sum())}"
-                            for i, s in enumerate(spec.streams))
+            per = ", ".join(f"{s.name}: {int(clipped[sid == i].sum())}" for i, s in enumerate(spec.streams))
             text += f"; per stream: {per}"
         parts.append(text)
     if capped.any():
-        per = ", ".join(f"{s.name}: {int(capped[sid == i].sum())}"
-                        for i, s in enumerate(spec.streams) if s.max_tokens is not None)
+        per = ", ".join(
+            f"{s.name}: {int(capped[sid == i].sum())}" for i, s in enumerate(spec.streams) if s.max_tokens is not None
+        )
         parts.append(f"{int(capped.sum())} outputs truncated to the stream's max_tokens ({per})")
     return "; ".join(parts)
 
@@ -307,11 +359,21 @@ def _arrival_label(arrival: Mapping[str, Any]) -> str:
 
 
 def _stream_dict(
-    name: str, request_class: str, source: dict[str, Any], arrival: dict[str, Any],
-    num_requests: int, slo: SLO | Mapping[str, float | None] | None, max_tokens: int | None,
+    name: str,
+    request_class: str,
+    source: dict[str, Any],
+    arrival: dict[str, Any],
+    num_requests: int,
+    slo: SLO | Mapping[str, float | None] | None,
+    max_tokens: int | None,
 ) -> dict[str, Any]:
-    stream: dict[str, Any] = {"name": name, "class": request_class, "source": source,
-                              "arrival": arrival, "num_requests": num_requests}
+    stream: dict[str, Any] = {
+        "name": name,
+        "class": request_class,
+        "source": source,
+        "arrival": arrival,
+        "num_requests": num_requests,
+    }
     if slo is not None:
         stream["slo"] = asdict(slo) if isinstance(slo, SLO) else dict(slo)
     if max_tokens is not None:

@@ -37,8 +37,13 @@ from sloserve.core.request import SLO, RequestClass
 PROCESSES = ("poisson", "gamma", "trace", "offline", "closed-batches")
 # closed-batches: the stream's requests in batches of batch_size; the first arrives at start_s, each
 # next one when every request of the previous batch has finished (BROS §7.1's best-effort jobs).
-_PROCESS_KEYS = {"poisson": ("rate",), "gamma": ("rate", "cv"), "trace": (), "offline": (),
-                 "closed-batches": ("batch_size",)}
+_PROCESS_KEYS = {
+    "poisson": ("rate",),
+    "gamma": ("rate", "cv"),
+    "trace": (),
+    "offline": (),
+    "closed-batches": ("batch_size",),
+}
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,7 @@ def with_rt_rate(spec: WorkloadSpec, rate: float) -> WorkloadSpec:
     """``spec`` with every Poisson or gamma real-time stream at ``rate`` requests/s."""
     if not rate > 0:
         raise ConfigError(f"RT rate must be > 0, got {rate}")
+
     def settable(s: StreamSpec) -> bool:
         return s.request_class is RequestClass.RT and s.arrival.process in ("poisson", "gamma")
 

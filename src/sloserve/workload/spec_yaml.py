@@ -60,8 +60,12 @@ def load_workload_spec(name_or_path: str) -> WorkloadSpec:
     default = Path(origin).name.removesuffix(".yaml").removesuffix(".yml")
     return parse_workload_spec(data, origin=origin, base_dir=base_dir, default_name=default)
 
+
 def parse_workload_spec(
-    data: Any, *, origin: str = "<workload>", base_dir: Path | None = None,
+    data: Any,
+    *,
+    origin: str = "<workload>",
+    base_dir: Path | None = None,
     default_name: str = "workload",
 ) -> WorkloadSpec:
     """Validate a decoded spec (a dict as read from YAML) and return a ``WorkloadSpec``.
@@ -211,7 +215,9 @@ def _model_at(model: type[_Fields], loc: list[Any]) -> type[_Fields] | None:
     for name in loc:
         fields = {f.alias or n: f for n, f in model.model_fields.items()}
         annotation = fields[name].annotation if name in fields else None
-        inner = [a for a in (*typing.get_args(annotation), annotation) if isinstance(a, type) and issubclass(a, _Fields)]
+        inner = [
+            a for a in (*typing.get_args(annotation), annotation) if isinstance(a, type) and issubclass(a, _Fields)
+        ]
         if not inner:
             return None
         model = inner[0]
@@ -245,7 +251,9 @@ def _parse_stream(raw: Any, i: int, origin: str, base_dir: Path | None) -> Strea
 def _parse_source(fields: _SourceFields, label: str, base_dir: Path | None, error) -> Source:
     given = [k for k in ("trace", "fixed", "uniform", "lognormal") if getattr(fields, k) is not None]
     if len(given) != 1:
-        raise error("source", f"must have exactly one of trace, fixed, uniform, lognormal; got {', '.join(given) or 'none'}")
+        raise error(
+            "source", f"must have exactly one of trace, fixed, uniform, lognormal; got {', '.join(given) or 'none'}"
+        )
     if fields.columns is not None and fields.trace is None:
         raise error("source.columns", "applies only to a trace source")
     if fields.fixed is not None:

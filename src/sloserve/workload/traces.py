@@ -159,9 +159,7 @@ def load_trace(name_or_path: str, columns: Mapping[str, str] | None = None) -> T
     name = str(name_or_path)
     if name in TRACES:
         if columns:
-            raise ConfigError(
-                f"trace {name!r} is bundled; a column mapping applies only to trace files"
-            )
+            raise ConfigError(f"trace {name!r} is bundled; a column mapping applies only to trace files")
         return _load_bundled(name)
     path = Path(name).expanduser()
     if path.is_file():
@@ -206,8 +204,14 @@ def _load_bundled(name: str) -> TraceData:
     raw = resource.read_bytes()
     fmt = "jsonl" if ".jsonl" in info.file else "csv"
     return _parse(
-        raw, label=f"{name} ({info.file})", fmt=fmt, columns=info.columns, name=name,
-        source=info.source, license=info.license, quantum=info.arrival_quantum_s,
+        raw,
+        label=f"{name} ({info.file})",
+        fmt=fmt,
+        columns=info.columns,
+        name=name,
+        source=info.source,
+        license=info.license,
+        quantum=info.arrival_quantum_s,
     )
 
 
@@ -224,8 +228,14 @@ def _load_file(path: Path, columns: dict[str, str]) -> TraceData:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from exc
     return _parse(
-        raw, label=str(path), fmt=fmt, columns=columns, name=path.name,
-        source=str(path), license="user-supplied", quantum=0.0,
+        raw,
+        label=str(path),
+        fmt=fmt,
+        columns=columns,
+        name=path.name,
+        source=str(path),
+        license="user-supplied",
+        quantum=0.0,
     )
 
 
@@ -235,8 +245,15 @@ def _looks_like_path(name: str) -> bool:
 
 
 def _parse(
-    raw: bytes, *, label: str, fmt: str, columns: Mapping[str, str], name: str, source: str,
-    license: str, quantum: float,
+    raw: bytes,
+    *,
+    label: str,
+    fmt: str,
+    columns: Mapping[str, str],
+    name: str,
+    source: str,
+    license: str,
+    quantum: float,
 ) -> TraceData:
     if raw[:2] == b"\x1f\x8b":
         try:
@@ -281,9 +298,7 @@ def _parse(
     return TraceData(name, prompt, output, arrival, source, license, quantum)
 
 
-def _resolve(
-    header: Sequence[str], columns: Mapping[str, str], label: str
-) -> dict[str, str]:
+def _resolve(header: Sequence[str], columns: Mapping[str, str], label: str) -> dict[str, str]:
     """Map each role to a header name: the user's choice (exact) or the first default present."""
     present = {h.lower(): h for h in header}
     names: dict[str, str] = {}
@@ -292,13 +307,11 @@ def _resolve(
             chosen = columns[role]
             if chosen not in header:
                 raise ConfigError(
-                    f"{label}: column {chosen!r} (mapped to {role}) not found; columns present: "
-                    f"{', '.join(header)}"
+                    f"{label}: column {chosen!r} (mapped to {role}) not found; columns present: {', '.join(header)}"
                 )
             names[role] = chosen
             continue
-        found = next((present[c.lower()] for c in DEFAULT_COLUMNS[role] if c.lower() in present),
-                     None)
+        found = next((present[c.lower()] for c in DEFAULT_COLUMNS[role] if c.lower() in present), None)
         if found is not None:
             names[role] = found
         elif role != "arrival":
@@ -356,9 +369,7 @@ def _read_jsonl(
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{label}: line {lineno}: invalid JSON: {exc.msg}") from exc
         if not isinstance(obj, dict):
-            raise ConfigError(
-                f"{label}: line {lineno}: expected a JSON object, got {type(obj).__name__}"
-            )
+            raise ConfigError(f"{label}: line {lineno}: expected a JSON object, got {type(obj).__name__}")
         if names is None:
             names = _resolve(list(obj), columns, label)
             values = {role: [] for role in names}
@@ -367,8 +378,7 @@ def _read_jsonl(
                 values[role].append(obj[key])
             except KeyError:
                 raise ConfigError(
-                    f"{label}: line {lineno}: column {key!r} is missing; keys present: "
-                    f"{', '.join(obj)}"
+                    f"{label}: line {lineno}: column {key!r} is missing; keys present: {', '.join(obj)}"
                 ) from None
         lines.append(lineno)
     if names is None:
@@ -379,15 +389,12 @@ def _read_jsonl(
 # --------------------------------------------------------------------------------------------
 # value conversion: vectorised fast path, row-by-row scan only to name the first bad value
 # --------------------------------------------------------------------------------------------
-def _int_column(values: list[Any], lines: list[int], label: str, column: str,
-                role: str) -> np.ndarray:
+def _int_column(values: list[Any], lines: list[int], label: str, column: str, role: str) -> np.ndarray:
     try:
         arr = np.asarray(values, dtype=np.float64)
     except (ValueError, TypeError):
         arr = None
-    if arr is not None and np.all(arr >= 1) and np.all(arr == np.floor(arr)) and np.all(
-        arr < 2**62
-    ):
+    if arr is not None and np.all(arr >= 1) and np.all(arr == np.floor(arr)) and np.all(arr < 2**62):
         return arr.astype(np.int64)
     for value, line in zip(values, lines):
         number = _number(value)
@@ -399,8 +406,7 @@ def _int_column(values: list[Any], lines: list[int], label: str, column: str,
     raise ConfigError(f"{label}: column {column!r}: {role} length out of range")
 
 
-def _time_column(values: list[Any], lines: list[int], label: str, column: str,
-                 unit: str) -> np.ndarray:
+def _time_column(values: list[Any], lines: list[int], label: str, column: str, unit: str) -> np.ndarray:
     scale = 1e-3 if unit == "ms" else 1.0
     try:
         arr = np.asarray(values, dtype=np.float64)
@@ -410,8 +416,7 @@ def _time_column(values: list[Any], lines: list[int], label: str, column: str,
         if np.all(np.isfinite(arr)):
             return arr * scale
         line, value = next((ln, v) for ln, v, a in zip(lines, values, arr) if not math.isfinite(a))
-        raise ConfigError(f"{label}: line {line}: column {column!r}: arrival {_show(value)} "
-                          "is not a finite number")
+        raise ConfigError(f"{label}: line {line}: column {column!r}: arrival {_show(value)} is not a finite number")
     # Date-times (e.g. Azure's TIMESTAMP with 7 fractional digits): parse at ns resolution.
     if all(isinstance(v, str) for v in values):
         try:
@@ -428,10 +433,7 @@ def _time_column(values: list[Any], lines: list[int], label: str, column: str,
                 f"number ({unit}) nor an ISO-8601 date-time"
             )
     line, value = lines[0], values[0]
-    raise ConfigError(
-        f"{label}: column {column!r}: arrival times mix numbers and date-times "
-        f"(line {line}: {value!r})"
-    )
+    raise ConfigError(f"{label}: column {column!r}: arrival times mix numbers and date-times (line {line}: {value!r})")
 
 
 def _show(value: Any) -> str:
