@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench clean
+.PHONY: demo test lint bench clean
 
 # The virtual environment, reinstalled when pyproject.toml changes. The simulator needs no torch.
 $(VENV)/.installed: pyproject.toml
@@ -26,8 +26,13 @@ demo: $(VENV)/.installed
 	$(BIN)/sloserve compare --trace sharegpt --schedulers vllm,sarathi,orca \
 		--model llama-2-7b --gpu a100 --rate 9 --num-requests 2000 --slo-ttft 1 --slo-tpot 0.1 --seed 0 --out demo-out
 
-test: $(VENV)/.engine
+test: lint $(VENV)/.engine
 	$(BIN)/python -m pytest
+
+# ruff: lint rules and the format (120 columns) in pyproject.toml.
+lint: $(VENV)/.installed
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/sim_speed.py
