@@ -149,13 +149,16 @@ def test_sweep_on_ray_equals_serial(tmp_path):
 
 
 def test_plan_on_a_ray_cluster_started_by_ray_start(tmp_path):
-    """--ray-address joins a real cluster (`ray start --head`, token authentication as Ray makes it)
-    and returns the plan a local search returns."""
+    """--ray-address joins a real cluster (`ray start --head` with token authentication, the token
+    made before the cluster starts as Ray asks of `ray start`) and returns the plan a local search
+    returns."""
     pytest.importorskip("ray")
     import os
     import re
+    import secrets
 
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+    token = secrets.token_hex(32)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
     ray = [sys.executable, "-m", "ray.scripts.scripts"]
     started = subprocess.run([*ray, "start", "--head", "--port", "0", "--num-cpus", "2", "--include-dashboard=false",
                               "--disable-usage-stats"], capture_output=True, text=True, env=env, timeout=120)  # fmt: skip

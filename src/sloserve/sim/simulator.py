@@ -12,7 +12,6 @@ import gc
 import heapq
 import math
 import time
-from bisect import insort
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,10 +32,10 @@ PROGRESS_EVERY_STEPS = 256
 
 def _run_solo(
     replica: Replica, pending: list[tuple[float, int, Request]], on_progress: Callable[[int], None] | None
-) -> tuple[int, int]:
+) -> int:
     """Serve the ``pending`` arrivals (the next one last) on one replica with no chained batches:
     nothing but its own clock moves the next event, so after each arrival it steps on until the next
-    one is due (or it runs dry) without choosing again. Returns (requests finished, steps)."""
+    one is due (or it runs dry) without choosing again. Returns the requests finished."""
     completed = steps = 0
     next_progress = PROGRESS_EVERY_STEPS
     while pending:
@@ -52,7 +51,7 @@ def _run_solo(
             if on_progress is not None and steps >= next_progress:
                 on_progress(completed)
                 next_progress = steps + PROGRESS_EVERY_STEPS
-    return completed, steps
+    return completed
 
 
 def _run_until(replica: Replica, next_event: float) -> tuple[int, int]:
@@ -94,6 +93,111 @@ ROUTERS: dict[str, Callable[[Sequence[Replica], int], Replica]] = {
     "round-robin": _route_round_robin,
     "least-outstanding": _route_least_outstanding,
 }
+
+
+class _Cluster:
+    """Replicas behind a router (or one replica with closed-loop batches), run event by event, as
+    SimPy's ``Environment.step``: the events that come from outside the replicas, arrivals and KV
+    transfers, wait in one heap of (time, kind, request id, request); each turn the earliest of them is
+    handled or, when the replica furthest behind is earlier, that replica steps once.
+
+    NOTE: at one time a KV transfer lands before an arrival is routed, arrivals go by request id, and
+    both go before a replica steps (replicas by index): a run is deterministic.
+    """
+
+    TRANSFER, ARRIVAL = 0, 1  # event kinds, in the order they are handled at one time
+
+    def __init__(
+        self,
+        replicas: list[Replica],
+        decoders: list[Replica],
+        route: Callable[[Sequence[Replica], int], Replica],
+        chains: Sequence[Sequence[Sequence[Request]]],
+        link_bandwidth: float,
+    ) -> None:
+        self.replicas, self.decoders, self.everyone = replicas, decoders, replicas + decoders
+        self.route = route
+        self.events: list[tuple[float, int, int, Request]] = []
+        self.num_routed = self.num_routed_to_decode = self.num_finished = self.num_steps = 0
+        # Disaggregated serving: when each prefill replica's link is idle again, and the bytes sent.
+        self.link_bandwidth = link_bandwidth
+        self.link_free = [0.0] * len(replicas)
+        self.transferred_bytes = 0
+        # Closed-loop batches: id(request) -> (chain, index of its batch), and requests left per batch.
+        self.chains = chains
+        self.batch_of: dict[int, tuple[int, int]] = {}
+        self.left_in_batch: dict[tuple[int, int], int] = {}
+        for c, chain in enumerate(chains):
+            for b, batch in enumerate(chain):
+                self.left_in_batch[(c, b)] = len(batch)
+                for r in batch:
+                    self.batch_of[id(r)] = (c, b)
+
+    def arrive(self, request: Request, at: float) -> None:
+        """``request`` arrives at ``at``: it is routed then."""
+        heapq.heappush(self.events, (at, self.ARRIVAL, request.request_id, request))
+
+    def run(self, on_progress: Callable[[int], None] | None) -> None:
+        """Handle every event and step every replica until nothing is left."""
+        next_progress = PROGRESS_EVERY_STEPS
+        while True:
+            next_event = self.events[0][0] if self.events else math.inf
+            busy = [rep for rep in self.everyone if rep.scheduler.has_unfinished()]
+            replica = min(busy, key=lambda rep: (rep.now, rep.index)) if busy else None
+            if replica is None and next_event == math.inf:
+                return
+            if replica is None or next_event <= replica.now:
+                at, kind, _, request = heapq.heappop(self.events)
+                if kind == self.TRANSFER:
+                    self.deliver_kv(request, at)
+                else:
+                    self.route_arrival(request, at)
+                continue
+            self.step(replica, next_event)
+            if on_progress is not None and self.num_steps >= next_progress:
+                on_progress(self.num_finished)
+                next_progress = self.num_steps + PROGRESS_EVERY_STEPS
+
+    def route_arrival(self, request: Request, at: float) -> None:
+        self.route(self.replicas, self.num_routed).add(request, at)
+        self.num_routed += 1
+
+    def deliver_kv(self, request: Request, at: float) -> None:
+        """A prefilled request's KV has reached the decode side: a decode replica takes it."""
+        self.route(self.decoders, self.num_routed_to_decode).add(request, at)
+        self.num_routed_to_decode += 1
+
+    def step(self, replica: Replica, next_event: float) -> None:
+        """One step of ``replica``; then the next batch of a chain whose batch it finished arrives, and
+        the requests it prefilled for a decode replica start their KV transfer."""
+        finished = replica.step(next_event)
+        self.num_finished += len(finished)
+        self.num_steps += 1
+        for request in finished if self.chains else ():
+            self.release_next_batch(request)
+        for request in replica.scheduler.take_handoff() if replica.scheduler.handoff else ():
+            self.send_kv(replica, request)
+
+    def release_next_batch(self, request: Request) -> None:
+        """Closed loop: when the last request of a batch finishes, the chain's next batch arrives."""
+        key = self.batch_of.get(id(request))
+        if key is None:
+            return
+        self.left_in_batch[key] -= 1
+        c, b = key
+        if self.left_in_batch[key] == 0 and b + 1 < len(self.chains[c]):
+            for r in self.chains[c][b + 1]:
+                r.arrival_time = request.finish_time
+                self.arrive(r, r.arrival_time)
+
+    def send_kv(self, replica: Replica, request: Request) -> None:
+        """A prefill replica sends a request's KV over its link, one transfer at a time."""
+        replica.outstanding -= 1
+        num_bytes = request.num_computed_tokens * replica.scheduler.kv.kv_bytes_per_token
+        start = max(request.first_token_time, self.link_free[replica.index])
+        self.link_free[replica.index] = start + num_bytes / self.link_bandwidth
+        self.transferred_bytes += num_bytes
+        heapq.heappush(self.events, (self.link_free[replica.index], self.TRANSFER, request.request_id, request))
 
 
 @dataclass
@@ -203,70 +307,19 @@ def simulate(
         rep.on_step = on_step
     for r in requests:
         everyone[-1].scheduler.check_fits(r, r.num_prompt_tokens + r.true_output_tokens - 1)
-    # Arrivals not yet routed, (arrival time, request id, request), the next one last: a list popped
-    # from its end costs O(1) (a heap's pops took 1-2% of a 30k-request run). Chained batches join
-    # later, inserted in order.
     chained = {id(r) for chain in chains for batch in chain[1:] for r in batch}
-    pending = sorted(((r.arrival_time, r.request_id, r) for r in requests if id(r) not in chained), key=_latest_first)
-    batch_of: dict[int, tuple[int, int]] = {}  # id(request) -> (chain, index of the batch it is in)
-    left_in_batch: dict[tuple[int, int], int] = {}
-    for c, chain in enumerate(chains):
-        for b, batch in enumerate(chain):
-            left_in_batch[(c, b)] = len(batch)
-            for r in batch:
-                batch_of[id(r)] = (c, b)
-    route = ROUTERS[router]
-    # KV transfers in flight: (time the KV has arrived, sequence, request).
-    transfers: list[tuple[float, int, Request]] = []
-    link_free = [0.0] * num_replicas  # when each prefill replica's link is idle again
-    transferred_bytes = 0
-    routed = routed_to_decode = completed = steps = 0
-    next_progress = PROGRESS_EVERY_STEPS
+    arrivals = [r for r in requests if id(r) not in chained]
     if solo:
-        completed, steps = _run_solo(replicas[0], pending, on_progress)
+        # Arrivals, the next one last: a list popped from its end costs O(1) (a heap's pops took 1-2%
+        # of a 30k-request run).
+        pending = sorted(((r.arrival_time, r.request_id, r) for r in arrivals), key=_latest_first)
+        completed, transferred_bytes = _run_solo(replicas[0], pending, on_progress), 0
     else:
-        # A cluster, or chained batches: each turn the next event is routed or the replica furthest
-        # behind steps once.
-        while True:
-            next_arrival = pending[-1][0] if pending else math.inf
-            next_event = min(next_arrival, transfers[0][0]) if transfers else next_arrival
-            busy = [rep for rep in everyone if rep.scheduler.has_unfinished()]
-            replica = min(busy, key=lambda rep: (rep.now, rep.index)) if busy else None
-            if replica is None and next_event == math.inf:
-                break
-            if replica is None or next_event <= replica.now:
-                if transfers and transfers[0][0] <= next_arrival:
-                    done, _, request = heapq.heappop(transfers)
-                    route(decoders, routed_to_decode).add(request, done)
-                    routed_to_decode += 1
-                else:
-                    arrival, _, request = pending.pop()
-                    route(replicas, routed).add(request, arrival)
-                    routed += 1
-                continue
-            finished = replica.step(next_event)
-            completed += len(finished)
-            steps += 1
-            for request in finished if chains else ():
-                key = batch_of.get(id(request))
-                if key is None:
-                    continue
-                left_in_batch[key] -= 1
-                c, b = key
-                if left_in_batch[key] == 0 and b + 1 < len(chains[c]):
-                    for r in chains[c][b + 1]:  # the next batch arrives now
-                        r.arrival_time = request.finish_time
-                        insort(pending, (r.arrival_time, r.request_id, r), key=_latest_first)
-            for request in replica.scheduler.take_handoff() if replica.scheduler.handoff else ():
-                replica.outstanding -= 1
-                num_bytes = request.num_computed_tokens * replica.scheduler.kv.kv_bytes_per_token
-                start = max(request.first_token_time, link_free[replica.index])
-                link_free[replica.index] = start + num_bytes / link_bandwidth
-                transferred_bytes += num_bytes
-                heapq.heappush(transfers, (link_free[replica.index], request.request_id, request))
-            if on_progress is not None and steps >= next_progress:
-                on_progress(completed)
-                next_progress = steps + PROGRESS_EVERY_STEPS
+        cluster = _Cluster(replicas, decoders, ROUTERS[router], chains, link_bandwidth)
+        for r in arrivals:
+            cluster.arrive(r, r.arrival_time)
+        cluster.run(on_progress)
+        completed, transferred_bytes = cluster.num_finished, cluster.transferred_bytes
     if on_progress is not None:
         on_progress(completed)
     timeline = everyone[0].timeline if len(everyone) == 1 else Timeline.concat([r.timeline for r in everyone])
