@@ -1,0 +1,35 @@
+"""The ``sloserve`` command group: sloserve's own errors become one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from sloserve.core.errors import SloserveError
+
+
+def fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(2)
+
+
+class Command(click.Command):
+    """Turns sloserve's own errors into one line on stderr and exit code 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (SloserveError, FileNotFoundError) as exc:
+            fail(str(exc))
+
+
+class Group(click.Group):
+    command_class = Command
+
+
+@click.group(cls=Group)
+@click.version_option(package_name="sloserve")
+def main() -> None:
+    """SLO-aware LLM serving schedulers: simulate them on real traces."""

@@ -1,0 +1,237 @@
+"""``sloserve run``, ``profile`` and ``fit-cost``: the real engine offline, and the cost model fitted
+to it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from sloserve.cli.app import main
+from sloserve.cli.options import (
+    DEFAULT_FIT_FORM,
+    FIT_FORMS,
+    ProgressBar,
+    check_file_out,
+    check_out,
+    engine_options,
+    int_list,
+    report,
+    workload_options,
+)
+from sloserve.core.errors import ConfigError
+from sloserve.runs import (
+    fresh_workload,
+    make_workload_from_options,
+)
+
+
+@main.command(name="fit-cost")
+@click.option(
+    "--csv",
+    "csv_path",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Measured batch times: num_decode, decode_kv_tokens, num_prefill, prefill_tokens, "
+    "prefill_attention_work, prefill_context_tokens, time_s.",
+)
+@click.option("--layers", type=int, required=True, help="Model layers (coefficients are per layer).")
+@click.option("--name", help="Preset name [the CSV file's stem].")
+@click.option(
+    "--form",
+    type=click.Choice(FIT_FORMS),
+    default=DEFAULT_FIT_FORM,
+    show_default=True,
+    help="knee: InferMax's linear model with a knee in tokens below which the non-attention part "
+    "is flat (memory-bound); floor: the knee form under a floor for steps with a prefill and one "
+    "for decode-only steps (the host's kernel launches, a graph's weight read); infermax: the "
+    "paper's straight line.",
+)
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="JSON preset to write.")
+def fit_cost(csv_path: Path, layers: int, name: str | None, form: str, out: Path) -> None:
+    """Fit the linear cost model to measured batch times (a CSV such as `sloserve profile --csv`
+    writes); `--cost-model OUT` then uses it."""
+    from sloserve.cost import fit_linear, save_preset
+
+    if layers < 1:
+        raise ConfigError(f"--layers must be >= 1, got {layers}")
+    check_file_out(out, "--out")
+    coefficients, report = fit_linear(csv_path, num_layers=layers, name=name, form=form)
+    save_preset(coefficients, out, extra={"fit": report._asdict(), "source": str(csv_path), "form": form})
+    click.echo(
+        f"fitted {coefficients.name} ({form} form{_knee_note(coefficients)}) on {report.n_rows} batches: mean relative "
+        f"error {report.mean_rel_error:.2%}, max {report.max_rel_error:.2%}; wrote {out}"
+    )
+    if report.unidentified:
+        click.echo(f"note: the data does not pin down {', '.join(report.unidentified)} (left at 0)")
+
+
+def _knee_note(coefficients) -> str:
+    return f", knee at {coefficients.knee_tokens:.0f} tokens" if coefficients.knee_tokens else ""
+
+
+def _load_engine_model(options: dict[str, Any]):
+    try:
+        from sloserve.engine.loader import load_model
+    except ImportError as exc:  # torch, safetensors or tokenizers missing
+        raise ConfigError(f"the engine needs the engine extra: pip install 'sloserve[engine]' ({exc})") from None
+    return load_model(options["model"], device=options["device"], dtype=options["dtype"], seed=options["seed"],
+                      attention_backend=options["attention_backend"], cuda_graphs=options["cuda_graphs"])  # fmt: skip
+
+
+@main.command()
+@click.option("--scheduler", default="vllm", show_default=True, help="Scheduler name (see `sloserve schedulers`).")
+@click.option("--set", "set_pairs", multiple=True, metavar="KEY=VALUE", help="Scheduler option; repeatable.")
+@workload_options
+@engine_options
+@click.option("--cost-model", help="Preset or JSON file for policies that estimate batch times (BROS).")
+@click.option(
+    "--virtual-clock",
+    is_flag=True,
+    help="Advance time by measured step times instead of waiting for arrivals on the wall clock.",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    help="Write summary.json, requests.csv, timeline.csv, plots, and steps.csv: each step's shape "
+    "and measured time, a profile CSV (`sloserve fit-cost` reads it).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virtual_clock: bool, out: Path | None,
+        as_json: bool, **options: Any) -> None:  # fmt: skip
+    """Replay a workload through the real engine (random prompt tokens of the trace's lengths,
+    outputs forced to the trace's lengths with ignore_eos, greedy)."""
+    import numpy as np
+
+    from sloserve.metrics import summarize
+    from sloserve.sched import parse_set_options
+
+    check_out(out)
+    set_options = parse_set_options(set_pairs)
+    loaded = _load_engine_model(options)
+    from sloserve.engine.llm_engine import LLMEngine, run_requests, synthetic_prompt
+    from sloserve.engine.sampler import SamplingParams
+
+    engine = LLMEngine(loaded, scheduler, kv_capacity_tokens=options["kv_capacity_tokens"],
+                       max_model_len=options["max_model_len"], cost_model=cost_model, seed=options["seed"],
+                       scheduler_options=set_options)  # fmt: skip
+    workload = make_workload_from_options(options, engine.max_model_len)
+    requests, chains = fresh_workload(workload)
+    rng = np.random.default_rng(options["seed"])
+    prompts = [synthetic_prompt(r.num_prompt_tokens, loaded.config.vocab_size, rng) for r in requests]
+    params = [SamplingParams(max_tokens=r.true_output_tokens, temperature=0, ignore_eos=True) for r in requests]
+    if out is not None:
+        engine.executor.step_log = []
+    with ProgressBar(len(requests), f"{scheduler} (engine)", enabled=True) as on_progress:  # stderr: --json is safe
+        wall = run_requests(engine, requests, prompts, params, wall_clock=not virtual_clock, chains=chains,
+                            on_progress=on_progress)  # fmt: skip
+    kv = engine.scheduler.kv
+    summary = summarize(
+        requests,
+        engine.replica.timeline,
+        kv_capacity_tokens=kv.capacity_tokens,
+        sim_wall_s=wall,
+        num_allocation_failures=kv.num_allocation_failures,
+        swapped_bytes=kv.swapped_bytes,
+        policy_metrics=engine.scheduler.policy_metrics(),
+        extra={
+            "engine": True,
+            "scheduler": scheduler,
+            "scheduler_options": set_options,
+            "model": options["model"],
+            "device": str(loaded.device),
+            "dtype": str(loaded.dtype).removeprefix("torch."),
+            "attention_backend": loaded.attention_backend,
+            "cuda_graphs": loaded.cuda_graphs,
+            "clock": "virtual" if virtual_clock else "wall",
+            "max_model_len": engine.max_model_len,
+            "workload": workload.name,
+            "num_clipped": workload.num_clipped,
+            "seed": options["seed"],
+        },
+    )
+    summary["_result"] = (requests, engine.replica.timeline)
+    report(scheduler, summary, workload, out, as_json,
+            f"engine: {options['model']} on {loaded.device}, {workload.name}, {len(requests)} requests")  # fmt: skip
+    if out is not None:
+        from sloserve.cost.fit import write_profile_csv
+
+        shapes, times = zip(*engine.executor.step_log, strict=True) if engine.executor.step_log else ((), ())
+        write_profile_csv(shapes, times, out / "steps.csv")
+        if not as_json:
+            click.echo(f"wrote {out}/steps.csv ({len(times)} steps: shape and measured seconds, a profile CSV)")
+
+
+@main.command(name="profile")
+@engine_options
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="JSON preset to write.")
+@click.option("--name", help="Preset name [the output file's stem].")
+@click.option(
+    "--prefill-chunks",
+    default="32,64,128,256,512,1024,2048,4096,8192,16384",
+    show_default=True,
+    help="Prefill chunk sizes c.",
+)
+@click.option("--context-lens", default="0,512,2048", show_default=True, help="Tokens cached before a chunk (m).")
+@click.option("--batch-sizes", default="1,2,4,8,16,32,64,128,256", show_default=True, help="Decode batch sizes.")
+@click.option("--decode-kv-lens", default="128,512,2048", show_default=True, help="Tokens cached per decode.")
+@click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per point (median).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--form",
+    type=click.Choice(FIT_FORMS),
+    default=DEFAULT_FIT_FORM,
+    show_default=True,
+    help="Cost model form to fit (see `sloserve fit-cost --help`).",
+)
+@click.option(
+    "--csv",
+    "csv_path",
+    type=click.Path(path_type=Path),
+    help="Also write the measured batch times (the CSV `sloserve fit-cost` reads).",
+)
+def profile_cmd(out: Path, name: str | None, prefill_chunks: str, context_lens: str, batch_sizes: str,
+                decode_kv_lens: str, repeats: int, form: str, csv_path: Path | None, **options: Any) -> None:  # fmt: skip
+    """Measure the engine's batch times over a grid and fit the linear cost model to them; the preset
+    works with `simulate --cost-model OUT`. Reports the error on held-out points."""
+    from sloserve.cost import save_preset, write_profile_csv
+
+    if repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {repeats}")
+    check_file_out(out, "--out")
+    check_file_out(csv_path, "--csv")
+    grid_values = dict(
+        prefill_chunks=int_list(prefill_chunks, "--prefill-chunks"),
+        context_lens=int_list(context_lens, "--context-lens"),
+        batch_sizes=int_list(batch_sizes, "--batch-sizes"),
+        decode_kv_lens=int_list(decode_kv_lens, "--decode-kv-lens"),
+    )
+    loaded = _load_engine_model(options)
+    from sloserve.cost.profile_grid import ProfileGrid
+    from sloserve.engine.llm_engine import default_kv_capacity, resolve_max_model_len
+    from sloserve.engine.profile import profile
+
+    max_len = resolve_max_model_len(loaded.config, options["max_model_len"])
+    slots = options["kv_capacity_tokens"] or default_kv_capacity(loaded, max_len)
+    with ProgressBar(1, "profiling", enabled=True) as bar:
+        result = profile(loaded, ProfileGrid(**grid_values), max_model_len=max_len, max_slots=slots,
+                         name=name or out.stem, repeats=repeats, form=form,
+                         on_point=(lambda i, n: bar(i / n)) if bar else None)  # fmt: skip
+    report = result.fit.report
+    if csv_path is not None:
+        write_profile_csv(result.shapes, result.times_s, csv_path)
+    save_preset(result.fit.coefficients, out, extra={
+        "model": options["model"], "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
+        "attention_backend": loaded.attention_backend, "cuda_graphs": loaded.cuda_graphs,
+        "form": form, "fit": report._asdict(), "held_out": {"points": len(result.held_out),
+                                              "mean_rel_error": result.held_out_mean_rel_error,
+                                              "max_rel_error": result.held_out_max_rel_error},
+        "grid": {k: list(v) for k, v in grid_values.items()},
+    })  # fmt: skip
+    click.echo(
+        f"profiled {len(result.shapes)} batches of {options['model']} on {loaded.device}; fitted ({form} form"
+        f"{_knee_note(result.fit.coefficients)}) on {report.n_rows}: mean relative error {report.mean_rel_error:.2%}, max {report.max_rel_error:.2%}; "
+        f"held out {len(result.held_out)}: mean {result.held_out_mean_rel_error:.2%}, "
+        f"max {result.held_out_max_rel_error:.2%}; wrote {out}"
+    )

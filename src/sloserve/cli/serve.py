@@ -1,0 +1,173 @@
+"""``sloserve serve`` and ``bench-serve``: the OpenAI-compatible server, and the load client for any
+such server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from sloserve.cli.app import main
+from sloserve.cli.options import (
+    ProgressBar,
+    check_out,
+    engine_options,
+    print_table,
+    table_width,
+    workload_options,
+)
+from sloserve.core.errors import ConfigError
+from sloserve.runs import (
+    fresh_workload,
+    make_workload_from_options,
+)
+
+
+def _import_server(what: str):
+    """A server module, or a ConfigError naming the extra it needs."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"sloserve.server.{what}")
+    except ImportError as exc:
+        raise ConfigError(f"this command needs the serve extra: pip install 'sloserve[serve]' ({exc})") from None
+
+
+@main.command()
+@click.option("--scheduler", default="vllm", show_default=True, help="Scheduler name (see `sloserve schedulers`).")
+@click.option("--set", "set_pairs", multiple=True, metavar="KEY=VALUE", help="Scheduler option; repeatable.")
+@engine_options
+@click.option("--cost-model", help="Preset or JSON file for policies that estimate batch times (BROS).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--served-model-name", help="The name clients send as `model` [--model as given].")
+@click.option(
+    "--max-queued-requests",
+    type=int,
+    default=1024,
+    show_default=True,
+    help="Requests waiting for their first token; beyond it, 429.",
+)
+@click.option("--rt-ttft-ms", type=float, help="Default TTFT SLO of real-time requests (ms).")
+@click.option("--rt-tpot-ms", type=float, help="Default TPOT SLO of real-time requests (ms).")
+@click.option("--request-log", type=click.Path(path_type=Path), help="Append one JSONL line per request here.")
+@click.option(
+    "--drain-timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Seconds running requests get to finish after SIGTERM.",
+)
+@click.option("--log-level", default="info", show_default=True, help="uvicorn's log level.")
+@click.option(
+    "--data-dir",
+    type=click.Path(path_type=Path),
+    help="Serve the Files and Batch API, keeping files and batches here (SQLite); a restart resumes them.",
+)
+@click.option("--max-batch-file-mb", type=float, default=200, show_default=True, help="Largest upload to /v1/files.")
+@click.option("--max-batch-lines", type=int, default=50_000, show_default=True, help="Most requests in one batch.")
+@click.option(
+    "--max-batch-lines-in-engine",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Batch lines in the engine at once (best-effort requests; the rest wait in the data dir).",
+)
+def serve(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, seed: int, host: str, port: int,
+          served_model_name: str | None, max_queued_requests: int, rt_ttft_ms: float | None,
+          rt_tpot_ms: float | None, request_log: Path | None, drain_timeout: float, log_level: str,
+          data_dir: Path | None, max_batch_file_mb: float, max_batch_lines: int, max_batch_lines_in_engine: int,
+          **options: Any) -> None:  # fmt: skip
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
+    /v1/models, /health, /metrics) with the chosen scheduler. Requests with service_tier "flex" are
+    best-effort; the others real-time. With --data-dir, also the Files and Batch API (/v1/files,
+    /v1/batches), whose lines run best-effort beside online traffic."""
+    from sloserve.sched import parse_set_options
+
+    set_options = parse_set_options(set_pairs)
+    serve_module = _import_server("serve")
+    if not 0 < port < 65536:
+        raise ConfigError(f"--port must be in 1..65535, got {port}")
+    if drain_timeout < 0:
+        raise ConfigError(f"--drain-timeout must be >= 0, got {drain_timeout}")
+    serve_module.check_address(host, port)
+    from sloserve.engine.engine_core import EngineSpec
+
+    spec = EngineSpec(options["model"], scheduler, device=options["device"], dtype=options["dtype"], seed=seed,
+                      attention_backend=options["attention_backend"], cuda_graphs=options["cuda_graphs"],
+                      kv_capacity_tokens=options["kv_capacity_tokens"], max_model_len=options["max_model_len"],
+                      cost_model=cost_model, scheduler_options=set_options)  # fmt: skip
+    serve_options = serve_module.ServeOptions(
+        host=host, port=port, served_model_name=served_model_name or options["model"],
+        max_queued_requests=max_queued_requests, rt_ttft_ms=rt_ttft_ms, rt_tpot_ms=rt_tpot_ms,
+        request_log=request_log, drain_timeout_s=drain_timeout, log_level=log_level, data_dir=data_dir,
+        batch_limits=_import_server("batch_api").BatchLimits(
+            max_file_bytes=int(max_batch_file_mb * 1024 * 1024), max_file_lines=max_batch_lines,
+            max_lines_in_engine=max_batch_lines_in_engine),
+    )  # fmt: skip
+    app = serve_module.make_app(spec, serve_options)
+    click.echo(f"serving {serve_options.served_model_name} with {scheduler} on http://{host}:{port}/v1", err=True)
+    serve_module.run_server(app, serve_options)
+
+
+@main.command(name="bench-serve")
+@click.option(
+    "--base-url",
+    default="http://127.0.0.1:8000/v1",
+    show_default=True,
+    help="The server's OpenAI API root (ours or any OpenAI-compatible one, e.g. vLLM's).",
+)
+@click.option("--model", "served_model", required=True, help="The model name the server serves.")
+@workload_options
+@click.option("--max-model-len", type=int, help="Clip requests to this context [the server's max_model_len].")
+@click.option(
+    "--vocab-size",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Prompt token ids are drawn from [0, this): ids every model has by default.",
+)
+@click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="Per-request timeout (s).")
+@click.option("--out", type=click.Path(path_type=Path), help="Write summary.json, requests.csv and latency_cdf.png.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+def bench_serve(base_url: str, served_model: str, max_model_len: int | None, vocab_size: int, timeout_s: float,
+                out: Path | None, as_json: bool, **options: Any) -> None:  # fmt: skip
+    """Replay a trace or workload against a running server (streamed completions, prompts of the
+    trace's lengths, max_tokens = its output lengths with ignore_eos) and measure TTFT, TPOT,
+    inter-token and end-to-end latency as the client sees them."""
+    bench = _import_server("bench")
+    check_out(out)
+    if vocab_size < 1:
+        raise ConfigError(f"--vocab-size must be >= 1, got {vocab_size}")
+    if not timeout_s > 0:
+        raise ConfigError(f"--timeout must be > 0, got {timeout_s}")
+    if max_model_len is None:
+        max_model_len = bench.server_max_model_len(base_url, served_model)
+    workload = make_workload_from_options(options, max_model_len)
+    requests, chains = fresh_workload(workload)
+    prompts = bench.synthetic_prompts(requests, vocab_size, options["seed"])
+    with ProgressBar(len(requests), f"bench-serve {served_model}", enabled=not as_json) as on_progress:
+        result = bench.run_benchmark(base_url, served_model, requests, prompts, chains=chains, timeout_s=timeout_s,
+                                     on_progress=on_progress)  # fmt: skip
+    summary = bench.summarize_benchmark(result, extra={
+        "base_url": base_url, "model": served_model, "workload": workload.name, "num_clipped": workload.num_clipped,
+        "seed": options["seed"], "max_model_len": max_model_len,
+    })  # fmt: skip
+    if out is not None:
+        bench.write_outputs(out, summary, result)
+    if result.errors:
+        first = min(result.errors)
+        click.echo(f"note: {len(result.errors)} requests failed; request {first}: {result.errors[first]}", err=True)
+    if as_json:
+        from sloserve.metrics import summary_to_json
+
+        click.echo(summary_to_json(summary))
+        return
+    from sloserve.metrics import compare_table
+
+    print_table(compare_table({served_model: summary}, f"bench-serve: {base_url}, {workload.name}, "
+                               f"{len(requests)} requests", table_width()))  # fmt: skip
+    if out is not None:
+        click.echo(f"wrote {out}/summary.json, requests.csv and latency_cdf.png")
