@@ -31,10 +31,10 @@ import time
 import numpy as np
 import openai
 
+from sloserve.bench.client import run_benchmark, synthetic_prompts, wait_until_ready
 from sloserve.core.request import SLO
 from sloserve.metrics.summary import request_table
 from sloserve.runs import fresh_request
-from sloserve.server.bench import run_benchmark, synthetic_prompts, wait_until_ready
 from sloserve.workload import workload_from_trace
 
 

@@ -31,11 +31,11 @@ import sys
 
 import numpy as np
 
+from sloserve.bench.client import run_benchmark, synthetic_prompts, wait_until_ready
 from sloserve.engine.llm_engine import LLMEngine, run_requests
 from sloserve.engine.loader import load_model
 from sloserve.engine.sampler import SamplingParams
 from sloserve.metrics.summary import request_table
-from sloserve.server.bench import run_benchmark, synthetic_prompts, wait_until_ready
 from sloserve.workload import workload_from_trace
 
 

@@ -21,9 +21,9 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("multipart")
 
+from sloserve.bench.client import wait_until_ready
 from sloserve.server.batch_api import BatchLimits
 from sloserve.server.batch_store import FINAL
-from sloserve.server.bench import wait_until_ready
 from test_serve import CORPUS, MODEL, Server, _free_port, _generate
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import sloserve
 
 SRC = Path(sloserve.__file__).parent
-FRONT_ENDS = {"cli", "server", "experiments", "plan"}
+FRONT_ENDS = {"cli", "server", "bench", "experiments", "plan"}
 # package -> the other sloserve packages it may import (None: no rule beyond the front ends')
 ALLOWED: dict[str, set[str] | None] = {
     "core": set(),

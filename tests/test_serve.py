@@ -30,8 +30,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sloserve import LLM, SamplingParams
+from sloserve.bench.client import wait_until_ready
 from sloserve.engine.engine_core import EngineSpec
-from sloserve.server.bench import wait_until_ready
 from sloserve.server.chat_template import ChatTemplate
 from sloserve.server.serve import ServeOptions, make_app
 from sloserve.workload.traces import load_trace

@@ -24,12 +24,13 @@ from sloserve.runs import (
 )
 
 
-def _import_server(what: str):
-    """A server module, or a ConfigError naming the extra it needs."""
+def _import_serve_extra(module: str):
+    """A module that needs the serve extra (``sloserve.server.X``, ``sloserve.bench.client``), or a
+    ConfigError naming the extra."""
     import importlib
 
     try:
-        return importlib.import_module(f"sloserve.server.{what}")
+        return importlib.import_module(module)
     except ImportError as exc:
         raise ConfigError(f"this command needs the serve extra: pip install 'sloserve[serve]' ({exc})") from None
 
@@ -87,7 +88,7 @@ def serve(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, se
     from sloserve.sched import parse_set_options
 
     set_options = parse_set_options(set_pairs)
-    serve_module = _import_server("serve")
+    serve_module = _import_serve_extra("sloserve.server.serve")
     if not 0 < port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {port}")
     if drain_timeout < 0:
@@ -103,7 +104,7 @@ def serve(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, se
         host=host, port=port, served_model_name=served_model_name or options["model"],
         max_queued_requests=max_queued_requests, rt_ttft_ms=rt_ttft_ms, rt_tpot_ms=rt_tpot_ms,
         request_log=request_log, drain_timeout_s=drain_timeout, log_level=log_level, data_dir=data_dir,
-        batch_limits=_import_server("batch_api").BatchLimits(
+        batch_limits=_import_serve_extra("sloserve.server.batch_api").BatchLimits(
             max_file_bytes=int(max_batch_file_mb * 1024 * 1024), max_file_lines=max_batch_lines,
             max_lines_in_engine=max_batch_lines_in_engine),
     )  # fmt: skip
@@ -137,7 +138,7 @@ def bench_serve(base_url: str, served_model: str, max_model_len: int | None, voc
     """Replay a trace or workload against a running server (streamed completions, prompts of the
     trace's lengths, max_tokens = its output lengths with ignore_eos) and measure TTFT, TPOT,
     inter-token and end-to-end latency as the client sees them."""
-    bench = _import_server("bench")
+    bench = _import_serve_extra("sloserve.bench.client")
     check_out(out)
     if vocab_size < 1:
         raise ConfigError(f"--vocab-size must be >= 1, got {vocab_size}")

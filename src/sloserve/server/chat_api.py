@@ -1,0 +1,20 @@
+"""``POST /v1/chat/completions``: chat messages through the model's chat template, streamed or not."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from sloserve.server.protocol import ChatCompletionRequest
+from sloserve.server.responses import respond
+from sloserve.server.serving import OpenAIServing
+
+
+def chat_router(serving: OpenAIServing) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await respond(serving, raw, body, serving.submit_chat(body), "chat")
+
+    return router

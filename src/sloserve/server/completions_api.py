@@ -1,0 +1,20 @@
+"""``POST /v1/completions``: OpenAI's legacy completions, streamed or not."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from sloserve.server.protocol import CompletionRequest
+from sloserve.server.responses import respond
+from sloserve.server.serving import OpenAIServing
+
+
+def completions_router(serving: OpenAIServing) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await respond(serving, raw, body, serving.submit_completion(body), "completion")
+
+    return router
