@@ -2,9 +2,8 @@
 the system (model, GPU, tensor parallelism, replicas, disaggregation) and a scheduler.
 
 ``simulate``, ``compare``, ``sweep`` and ``plan`` build their runs here, and so do their parallel
-tasks (``sloserve.parallel``): a run on a Ray worker rebuilds the same workload from the same options
-and seed, so it is the run the command would have done itself. ``options`` is the dict of the CLI's
-workload and system options (``WORKLOAD_DEFAULTS`` and ``SYSTEM_DEFAULTS`` name every key)."""
+tasks (``sloserve.parallel``): a run on a Ray worker rebuilds the same workload from the same
+``SimOptions`` and seed, so it is the run the command would have done itself."""
 
 from __future__ import annotations
 
@@ -19,17 +18,52 @@ from typing import Any
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.core.request import SLO
 
-# The options of ``--trace``/``--workload`` and of the system, with the CLI's defaults.
-WORKLOAD_DEFAULTS: dict[str, Any] = {
-    "trace": None, "workload": None, "columns": None, "rate": None, "burstiness": None, "trace_arrivals": False,
-    "offline": False, "num_requests": None, "max_tokens": None, "slo_ttft": None, "slo_tpot": None, "slo_jct": None,
-    "rt_rate": None, "seed": 0,
-}  # fmt: skip
-SYSTEM_DEFAULTS: dict[str, Any] = {
-    "model": "llama-2-7b", "gpu": "a100", "num_gpus": 1, "max_model_len": None, "cost_model": None,
-    "kv_capacity_tokens": None, "memory_utilization": 0.9, "swap_space_gib": 4.0, "replicas": 1,
-    "router": "round-robin", "disaggregate": None, "link_gbps": 100.0, "no_fast_path": False,
-}  # fmt: skip
+
+@dataclass(frozen=True)
+class SimOptions:
+    """The workload and system options of the simulating commands, named as their flags (``--rate``:
+    ``rate``), with the CLI's defaults."""
+
+    # --- the workload: --trace (with one of --rate, --trace-arrivals, --offline) or --workload --------
+    trace: str | None = None
+    workload: str | None = None
+    columns: str | None = None  # a user trace's column mapping, "prompt=in,output=out"
+    rate: float | None = None  # Poisson requests/s
+    burstiness: float | None = None  # gamma arrivals' coefficient of variation
+    trace_arrivals: bool = False
+    offline: bool = False
+    num_requests: int | None = None
+    max_tokens: int | None = None
+    slo_ttft: float | None = None  # seconds
+    slo_tpot: float | None = None
+    slo_jct: float | None = None
+    rt_rate: float | None = None  # a --workload's real-time rate
+    seed: int = 0
+    # --- the system ------------------------------------------------------------------------------
+    model: str = "llama-2-7b"
+    gpu: str = "a100"
+    num_gpus: int = 1  # tensor parallelism
+    max_model_len: int | None = None
+    cost_model: str | None = None
+    kv_capacity_tokens: int | None = None  # default: from the GPU's memory
+    memory_utilization: float = 0.9
+    swap_space_gib: float = 4.0
+    replicas: int = 1
+    router: str = "round-robin"
+    disaggregate: str | None = None  # "P:D" prefill:decode replicas
+    link_gbps: float = 100.0
+    no_fast_path: bool = False
+
+    @classmethod
+    def of_workload(cls, flags: dict[str, Any]) -> SimOptions:
+        """The workload options among a command's flags, the system's left at their defaults (for
+        ``sloserve run``, whose system is the engine's)."""
+        return cls(**{name: flags[name] for name in WORKLOAD_FLAGS})
+
+
+# The fields of SimOptions that describe the workload (the rest describe the system).
+WORKLOAD_FLAGS = ("trace", "workload", "columns", "rate", "burstiness", "trace_arrivals", "offline", "num_requests",
+                  "max_tokens", "slo_ttft", "slo_tpot", "slo_jct", "rt_rate", "seed")  # fmt: skip
 
 
 @dataclass
@@ -41,7 +75,7 @@ class Setup:
     cost_model: Any
     kv_capacity_tokens: int
     swap_space_tokens: int
-    options: dict[str, Any]
+    options: SimOptions
 
     def make_workload(self, rate: float | None = None):
         """The workload, with ``rate`` overriding --rate (for sweeps)."""
@@ -52,67 +86,68 @@ class Setup:
 MAX_NUM_REQUESTS = 10_000_000
 
 
-def check_workload_options(o: dict[str, Any]) -> None:
+def check_workload_options(o: SimOptions) -> None:
     """One ConfigError for options that are out of range or that the chosen source would ignore."""
-    n = o["num_requests"]
+    n = o.num_requests
     if n is not None and not 1 <= n <= MAX_NUM_REQUESTS:
         raise ConfigError(f"--num-requests must be in 1..{MAX_NUM_REQUESTS:,}, got {n:,}")
     for name in ("slo_ttft", "slo_tpot", "slo_jct"):
-        if o[name] is not None and not o[name] > 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got {o[name]}")
-    if o["workload"]:
-        if o["columns"] is not None:
+        value = getattr(o, name)
+        if value is not None and not value > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got {value}")
+    if o.workload:
+        if o.columns is not None:
             raise ConfigError(
                 "--columns maps a --trace file's columns; a workload spec names its own sources (columns: in the spec)"
             )
         for name in ("slo_ttft", "slo_tpot", "slo_jct"):
-            if o[name] is not None:
+            if getattr(o, name) is not None:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} applies to --trace; a workload spec sets each stream's slo"
                 )
-    elif o["rt_rate"] is not None:
+    elif o.rt_rate is not None:
         raise ConfigError("--rt-rate sets a --workload's RT rate; with --trace, use --rate")
 
 
-def make_workload_from_options(o: dict[str, Any], context_len: int, rate: float | None = None):
+def make_workload_from_options(o: SimOptions, context_len: int, rate: float | None = None):
     """The workload the --trace / --workload options describe, clipped to ``context_len``."""
     from sloserve.workload import build_workload, load_trace, load_workload_spec, with_rt_rate, workload_from_trace
 
     check_workload_options(o)
-    if o["workload"]:
-        if o["trace"]:
+    if o.workload:
+        if o.trace:
             raise ConfigError("give --trace or --workload, not both")
-        if o["rate"] is not None:
+        if o.rate is not None:
             raise ConfigError("--rate applies to --trace; use --rt-rate to set a workload's RT rate")
-        spec = load_workload_spec(o["workload"])
-        rt_rate = rate if rate is not None else o["rt_rate"]  # a sweep's rates are RT rates
+        spec = load_workload_spec(o.workload)
+        rt_rate = rate if rate is not None else o.rt_rate  # a sweep's rates are RT rates
         if rt_rate is not None:
             spec = with_rt_rate(spec, rt_rate)
-        return build_workload(spec, seed=o["seed"], context_len=context_len, num_requests=o["num_requests"])
-    if not o["trace"]:
+        return build_workload(spec, seed=o.seed, context_len=context_len, num_requests=o.num_requests)
+    if not o.trace:
         raise ConfigError("give --trace NAME|PATH or --workload SPEC")
-    slo = {"ttft_s": o["slo_ttft"], "tpot_s": o["slo_tpot"], "jct_s": o["slo_jct"]}
-    num_requests = o["num_requests"]
-    if o["trace_arrivals"]:
+    slo = {"ttft_s": o.slo_ttft, "tpot_s": o.slo_tpot, "jct_s": o.slo_jct}
+    num_requests = o.num_requests
+    if o.trace_arrivals:
         # NOTE: a replay takes the trace's rows as they are; more than it has repeats it back to back.
-        rows = len(load_trace(o["trace"], parse_columns(o["columns"])))
+        rows = len(load_trace(o.trace, parse_columns(o.columns)))
         if num_requests is None:
             num_requests = min(rows, 1000)
         elif num_requests > rows:
             print(f"note: the trace has {rows:,} rows; --trace-arrivals repeats it back to back for "
                   f"{num_requests:,} requests", file=sys.stderr)  # fmt: skip
     return workload_from_trace(
-        o["trace"],
+        o.trace,
         num_requests=num_requests or 1000,
-        seed=o["seed"],
+        seed=o.seed,
         context_len=context_len,
-        rate=rate if rate is not None else o["rate"],
-        burstiness_cv=o["burstiness"],
-        trace_arrivals=o["trace_arrivals"],
-        offline=o["offline"],
+        rate=rate if rate is not None else o.rate,
+        burstiness_cv=o.burstiness,
+        trace_arrivals=o.trace_arrivals,
+        offline=o.offline,
         slo=SLO(**slo) if any(v is not None for v in slo.values()) else None,
-        max_tokens=o["max_tokens"],
-        columns=parse_columns(o["columns"]),
+        max_tokens=o.max_tokens,
+        columns=parse_columns(o.columns),
     )
 
 
@@ -149,31 +184,31 @@ def model_spec(name: str):
         raise
 
 
-def setup_from_options(options: dict[str, Any]) -> Setup:
+def setup_from_options(options: SimOptions) -> Setup:
     from sloserve.cost import build_cost_model, get_gpu, kv_capacity_tokens
 
-    model, gpu = model_spec(options["model"]), get_gpu(options["gpu"])
-    if options["max_model_len"] is not None:
-        if options["max_model_len"] < 2:
-            raise ConfigError(f"--max-model-len must be >= 2, got {options['max_model_len']}")
-        model = dataclasses.replace(model, max_context_len=options["max_model_len"])
+    model, gpu = model_spec(options.model), get_gpu(options.gpu)
+    if options.max_model_len is not None:
+        if options.max_model_len < 2:
+            raise ConfigError(f"--max-model-len must be >= 2, got {options.max_model_len}")
+        model = dataclasses.replace(model, max_context_len=options.max_model_len)
     for name in ("num_gpus", "replicas"):
-        if options[name] < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {options[name]}")
-    if options["kv_capacity_tokens"] is not None:
-        capacity = options["kv_capacity_tokens"]
+        if getattr(options, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}")
+    if options.kv_capacity_tokens is not None:
+        capacity = options.kv_capacity_tokens
         if capacity < 1:
             raise ConfigError(f"--kv-capacity-tokens must be >= 1, got {capacity}")
     else:
-        if not 0 < options["memory_utilization"] <= 1:
-            raise ConfigError(f"--memory-utilization must be in (0, 1], got {options['memory_utilization']}")
+        if not 0 < options.memory_utilization <= 1:
+            raise ConfigError(f"--memory-utilization must be in (0, 1], got {options.memory_utilization}")
         capacity = kv_capacity_tokens(
-            model, gpu, num_gpus=options["num_gpus"], memory_utilization=options["memory_utilization"]
+            model, gpu, num_gpus=options.num_gpus, memory_utilization=options.memory_utilization
         )
-    if options["swap_space_gib"] < 0:
-        raise ConfigError(f"--swap-space-gib must be >= 0, got {options['swap_space_gib']}")
-    cost = build_cost_model(model, gpu, num_gpus=options["num_gpus"], cost_model=options["cost_model"])
-    swap_tokens = int(options["swap_space_gib"] * 2**30 // model.kv_bytes_per_token)
+    if options.swap_space_gib < 0:
+        raise ConfigError(f"--swap-space-gib must be >= 0, got {options.swap_space_gib}")
+    cost = build_cost_model(model, gpu, num_gpus=options.num_gpus, cost_model=options.cost_model)
+    swap_tokens = int(options.swap_space_gib * 2**30 // model.kv_bytes_per_token)
     return Setup(model, gpu, cost, capacity, swap_tokens, options)
 
 
@@ -203,7 +238,7 @@ def run_simulation(
         options=set_options,
         cost_model=setup.cost_model,
     )
-    num_prefill, num_decode = parse_disaggregation(o["disaggregate"], o["link_gbps"])
+    num_prefill, num_decode = parse_disaggregation(o.disaggregate, o.link_gbps)
     decode_factory = None
     if num_decode:
         factory = functools.partial(factory, options={**set_options, "role": "prefill"})
@@ -214,13 +249,13 @@ def run_simulation(
         requests,
         factory,
         setup.cost_model,
-        num_replicas=num_prefill or o["replicas"],
-        router=o["router"],
-        fast_path=not o["no_fast_path"],
+        num_replicas=num_prefill or o.replicas,
+        router=o.router,
+        fast_path=not o.no_fast_path,
         on_progress=on_progress,
         make_decode_scheduler=decode_factory,
         num_decode_replicas=num_decode,
-        link_bandwidth=o["link_gbps"] * 1e9 / 8,
+        link_bandwidth=o.link_gbps * 1e9 / 8,
         chains=chains,
     )
     summary = summarize(
@@ -237,16 +272,16 @@ def run_simulation(
             "scheduler_options": set_options,
             "model": setup.model.name,
             "gpu": setup.gpu.name,
-            "num_gpus": o["num_gpus"],
+            "num_gpus": o.num_gpus,
             "cost_model": setup.cost_model.name,
             "workload": workload.name,
             "num_clipped": workload.num_clipped,
-            "seed": o["seed"],
+            "seed": o.seed,
             "sim_requests_per_wall_s": len(requests) / result.sim_wall_s if result.sim_wall_s else None,
             "disaggregation": {
                 "prefill_replicas": num_prefill,
                 "decode_replicas": num_decode,
-                "link_gbps": o["link_gbps"],
+                "link_gbps": o.link_gbps,
             }
             if num_decode
             else None,
@@ -302,9 +337,9 @@ def public(summary: dict) -> dict:
 
 
 def simulate_options(
-    options: dict[str, Any], scheduler: str, set_options: dict[str, str], rate: float | None = None
+    options: SimOptions, scheduler: str, set_options: dict[str, str], rate: float | None = None
 ) -> dict:
     """Build the setup and workload from ``options`` (``rate`` overriding its rate) and simulate it
     with ``scheduler``: the public summary. One task of a parallel sweep or plan; deterministic."""
-    setup = setup_from_options({**WORKLOAD_DEFAULTS, **SYSTEM_DEFAULTS, **options})
+    setup = setup_from_options(options)
     return public(run_simulation(setup, scheduler, set_options, setup.make_workload(rate)))

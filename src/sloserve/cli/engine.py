@@ -22,6 +22,7 @@ from sloserve.cli.options import (
 )
 from sloserve.core.errors import ConfigError
 from sloserve.runs import (
+    SimOptions,
     fresh_workload,
     make_workload_from_options,
 )
@@ -116,7 +117,7 @@ def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virt
     engine = LLMEngine(loaded, scheduler, kv_capacity_tokens=options["kv_capacity_tokens"],
                        max_model_len=options["max_model_len"], cost_model=cost_model, seed=options["seed"],
                        scheduler_options=set_options)  # fmt: skip
-    workload = make_workload_from_options(options, engine.max_model_len)
+    workload = make_workload_from_options(SimOptions.of_workload(options), engine.max_model_len)
     requests, chains = fresh_workload(workload)
     rng = np.random.default_rng(options["seed"])
     prompts = [synthetic_prompt(r.num_prompt_tokens, loaded.config.vocab_size, rng) for r in requests]

@@ -119,7 +119,7 @@ def plan(qps: float, attainment: float, gpus: str, tensor_parallel: str, max_gpu
     from sloserve.plan import plan as run_plan
     from sloserve.plan.prices import price_per_gpu_hour
     from sloserve.plan.report import plan_table, write_plan
-    from sloserve.runs import SYSTEM_DEFAULTS, WORKLOAD_DEFAULTS, model_spec
+    from sloserve.runs import SimOptions, model_spec
     from sloserve.sched import SCHEDULERS
     from sloserve.sched.registry import describe_options
 
@@ -134,10 +134,10 @@ def plan(qps: float, attainment: float, gpus: str, tensor_parallel: str, max_gpu
         raise ConfigError(f"--tolerance must be in (0, 1), got {tolerance}")
     if alternatives < 0:
         raise ConfigError(f"--alternatives must be >= 0, got {alternatives}")
-    if options["trace"] and not any(options[k] is not None for k in ("slo_ttft", "slo_tpot", "slo_jct")):
+    base = SimOptions(**options)
+    if base.trace and not any(getattr(base, k) is not None for k in ("slo_ttft", "slo_tpot", "slo_jct")):
         raise ConfigError("plan needs an SLO to meet: give --slo-ttft, --slo-tpot and/or --slo-jct")
-    base = {**WORKLOAD_DEFAULTS, **SYSTEM_DEFAULTS, **options}
-    model = model_spec(options["model"])
+    model = model_spec(base.model)
     workload = make_workload_from_options(base, model.max_context_len, rate=qps)  # bad workload options fail here
     names = scheduler_list(schedulers)
     for name in names:
@@ -147,24 +147,24 @@ def plan(qps: float, attainment: float, gpus: str, tensor_parallel: str, max_gpu
     if not gpu_names:
         raise ConfigError("--gpus needs at least one GPU name")
     grid = _parse_set_grid(grid_pairs, names)
-    _validate_grid(grid, model, gpu_names[0], options["cost_model"])
+    _validate_grid(grid, model, gpu_names[0], base.cost_model)
     price_table = parse_prices(prices)
     degrees = int_list(tensor_parallel, "--tp")
     if 0 in degrees:
         raise ConfigError(f"--tp degrees must be >= 1, got {tensor_parallel!r}")
     role_schedulers = {n for n in names if "role" in describe_options(n)}
     candidates, skipped = enumerate_candidates(model, gpu_names, list(degrees), names, _layouts(layouts), grid,
-                                               max_gpus, options["memory_utilization"], role_schedulers)  # fmt: skip
+                                               max_gpus, base.memory_utilization, role_schedulers)  # fmt: skip
     if not candidates:
         reasons = "; ".join(f"{x['label']}: {x['reason']}" for x in skipped[:3])
         raise ConfigError(f"no configuration to search ({len(skipped)} left out): {reasons}")
     for gpu in sorted({c.gpu for c in candidates}):
         price_per_gpu_hour(price_table, gpu)  # a GPU without a price fails here
     query = PlanQuery(qps, attainment, max_gpus, base, tolerance, alternatives)
-    slo = {"ttft_s": options["slo_ttft"], "tpot_s": options["slo_tpot"], "jct_s": options["slo_jct"]}
+    slo = {"ttft_s": base.slo_ttft, "tpot_s": base.slo_tpot, "jct_s": base.slo_jct}
     describe = {"model": model.name, "workload": workload.name.split("@")[0], "slo": slo,
-                "num_requests_per_unit": options["num_requests"], "seed": options["seed"],
-                "cost_model": options["cost_model"], "router": options["router"]}  # fmt: skip
+                "num_requests_per_unit": base.num_requests, "seed": base.seed,
+                "cost_model": base.cost_model, "router": base.router}  # fmt: skip
     with ParallelExecutor(workers, ray_address, default_workers=None) as executor:
         with ProgressBar(len(candidates), f"plan ({executor.workers} workers)", enabled=True) as on_progress:
 

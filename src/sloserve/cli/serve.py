@@ -19,6 +19,7 @@ from sloserve.cli.options import (
 )
 from sloserve.core.errors import ConfigError
 from sloserve.runs import (
+    SimOptions,
     fresh_workload,
     make_workload_from_options,
 )
@@ -146,7 +147,7 @@ def bench_serve(base_url: str, served_model: str, max_model_len: int | None, voc
         raise ConfigError(f"--timeout must be > 0, got {timeout_s}")
     if max_model_len is None:
         max_model_len = bench.server_max_model_len(base_url, served_model)
-    workload = make_workload_from_options(options, max_model_len)
+    workload = make_workload_from_options(SimOptions.of_workload(options), max_model_len)
     requests, chains = fresh_workload(workload)
     prompts = bench.synthetic_prompts(requests, vocab_size, options["seed"])
     with ProgressBar(len(requests), f"bench-serve {served_model}", enabled=not as_json) as on_progress:

@@ -27,6 +27,7 @@ from sloserve.cli.options import (
 )
 from sloserve.core.errors import ConfigError
 from sloserve.runs import (
+    SimOptions,
     public,
     setup_from_options,
 )
@@ -46,7 +47,7 @@ def simulate(scheduler: str, set_pairs: tuple[str, ...], out: Path | None, as_js
 
     check_out(out)
     set_options = parse_set_options(set_pairs)
-    setup = setup_from_options(options)
+    setup = setup_from_options(SimOptions(**options))
     workload = setup.make_workload()
     summary = run_one(setup, scheduler, set_options, workload, progress=not as_json)
     report(scheduler, summary, workload, out, as_json, f"{workload.name}, {len(workload)} requests")
@@ -67,7 +68,7 @@ def compare(schedulers: str, set_pairs: tuple[str, ...], out: Path | None, as_js
     check_out(out)
     names = scheduler_list(schedulers)
     per_scheduler = _split_set_options(set_pairs, names)
-    setup = setup_from_options(options)
+    setup = setup_from_options(SimOptions(**options))
     workload = setup.make_workload()
     summaries = {name: run_one(setup, name, per_scheduler[name], workload, progress=not as_json) for name in names}
     if out is not None:
@@ -128,7 +129,8 @@ def sweep(rates: str, schedulers: str, set_pairs: tuple[str, ...], metric: str, 
         raise ConfigError(f"--rates must be > 0, got {rates!r}")
     names = scheduler_list(schedulers)
     per_scheduler = _split_set_options(set_pairs, names)
-    calls = [(options, name, per_scheduler[name], rate) for rate in rate_values for name in names]
+    sim_options = SimOptions(**options)
+    calls = [(sim_options, name, per_scheduler[name], rate) for rate in rate_values for name in names]
     first = simulate_options(*calls[0])  # in this process: a --metric the summary lacks fails fast
     if not has_metric(first, metric):
         numeric = [k for k, v in first.items() if isinstance(v, (int, float)) or (isinstance(v, dict) and "mean" in v)]

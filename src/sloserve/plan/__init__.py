@@ -4,6 +4,7 @@ in ``search``, the price table in ``prices``, the table, JSON and plots in ``rep
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -67,11 +68,8 @@ def plan(query: PlanQuery, candidates: list[Candidate], prices: dict[str, float]
 def simulate_command(query: PlanQuery, candidate: Candidate, units: int) -> str:
     """The ``sloserve simulate`` command line that runs ``units`` units of ``candidate`` at the load,
     as the verification did: a user re-runs (or changes) the answer with it."""
-    o = {
-        **query.base_options,
-        **candidate.system_options(units),
-        "num_requests": query.base_options["num_requests"] * units,
-    }
+    o = dataclasses.asdict(query.base_options) | candidate.system_options(units)
+    o["num_requests"] = query.base_options.num_requests * units
     args = ["sloserve", "simulate", "--scheduler", candidate.scheduler]
     args += [f"--set {k}={v}" for k, v in candidate.options]
     args += (

@@ -27,6 +27,7 @@ a search on Ray returns exactly what the serial search does.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable
@@ -37,7 +38,7 @@ from sloserve.core.errors import ConfigError, SloserveError
 from sloserve.cost import get_gpu, kv_capacity_tokens
 from sloserve.cost.specs import ModelSpec, check_tensor_parallel
 from sloserve.parallel import Executor
-from sloserve.runs import simulate_options
+from sloserve.runs import SimOptions, simulate_options
 
 MAX_DOUBLINGS = 3  # a unit that serves qps is probed at up to 8 x qps for its goodput
 
@@ -136,7 +137,7 @@ class PlanQuery:
     qps: float
     attainment: float
     max_gpus: int
-    base_options: dict[str, Any]
+    base_options: SimOptions
     tolerance: float = 0.05
     num_alternatives: int = 3
 
@@ -347,8 +348,8 @@ class PlanSearch:
     # --- helpers ------------------------------------------------------------------------------------
     def _call(self, c: Candidate, units: int, rate: float) -> tuple:
         base = self.query.base_options
-        n = base.get("num_requests") or 1000
-        options = {**base, **c.system_options(units), "num_requests": n * units}
+        n = base.num_requests or 1000
+        options = dataclasses.replace(base, **c.system_options(units), num_requests=n * units)
         return (options, c.scheduler, dict(c.options), rate)
 
     def _map(self, calls: list[tuple], phase: str) -> list[dict]:
