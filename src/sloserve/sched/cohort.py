@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sloserve.core.outputs import CohortStep, SchedulerOutput
-from sloserve.core.request import Request
+from sloserve.core.request import Request, RequestStatus
 from sloserve.kv.manager import KVCacheManager
 from sloserve.predict import LengthPredictor
 from sloserve.sched.base import Scheduler
@@ -57,7 +57,9 @@ class CohortScheduler(Scheduler):
     # --- membership -----------------------------------------------------------------------------
     def _admit(self, request: Request) -> None:
         """Move a request that now holds KV into ``running`` (outside the cohort)."""
-        super()._admit(request)
+        # NOTE: the base's two lines repeated, not called: this runs for every admission.
+        request.status = RequestStatus.RUNNING
+        self.running[request] = None
         self.outside_cohort[request] = None
 
     def _join_cohort(self, request: Request) -> None:
@@ -73,9 +75,10 @@ class CohortScheduler(Scheduler):
         return joined
 
     def _leave_running(self, request: Request, *, drop_kv: bool = False) -> None:
+        # NOTE: the base's one line repeated, not called: this runs twice per request.
         if request.cohort is not None:
             request.cohort.remove(request, drop_kv=drop_kv)
-        super()._leave_running(request)
+        self.running.pop(request, None)
         self.outside_cohort.pop(request, None)
 
     # --- the simulator's fast path ----------------------------------------------------------------
