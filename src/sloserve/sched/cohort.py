@@ -8,11 +8,10 @@ the cohort's members then advance together in O(1) per step whatever their numbe
 
 What a policy adds: each step that runs the decodes, reserve their growth with
 ``self.cohort.try_grow`` and then call ``_schedule_cohort(out)``; and put ``_take_joined()`` into
-``out.cohort_joined``. Running
-requests outside the cohort (prompts in progress) are in ``outside_cohort``. The simulator's fast
-path comes with it: ``_cohort_memory_horizon`` is a ready ``decode_horizon`` for a policy whose
-decode-only step changes only on a completion, an arrival or a memory event, and ``_cohort_repeat``
-a ready ``repeat``.
+``out.cohort_joined``. Running requests outside the cohort (prompts in progress) are in
+``outside_cohort``. The simulator's fast path comes with it: ``_cohort_memory_horizon`` is a ready
+``decode_horizon`` for a policy whose decode-only step changes only on a completion, an arrival or a
+memory event, and ``_cohort_repeat`` a ready ``repeat``.
 """
 
 from __future__ import annotations
