@@ -25,11 +25,7 @@ from sloserve.sim.executor import SimExecutor
 # Longest stretch advanced at once (bounds the arrays a stretch allocates).
 MAX_STRETCH_STEPS = 4096
 # A stretch is set up only when the next arrival is at least this many first-step times away:
-# setting one up costs about as much as one or two single steps. Instructions executed for 10k
-# requests near saturation (valgrind cachegrind) with 1 / 2 / 3 / 5: ShareGPT vLLM 3581 / 3613 /
-# 3646 / 3943 M, Azure conv Sarathi 4700 / 4684 / 4737 M; 2 is within 1% of the best on both.
-# NOTE: counted before numpy's BLAS threads were pinned (OPENBLAS_NUM_THREADS=1), which makes the
-# count repeatable; unpinned, runs of one version differed by up to a few percent.
+# setting one up costs about as much as one or two single steps (measured: docs/performance.md).
 MIN_STRETCH_STEPS = 2
 
 
