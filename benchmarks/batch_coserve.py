@@ -60,21 +60,44 @@ def start_server(args, scheduler: str, port: int, data_dir: str) -> subprocess.P
 
 
 def rt_stream(args) -> list:
-    w = workload_from_trace(args.trace, num_requests=args.rt_requests, seed=args.seed, context_len=args.max_model_len,
-                            rate=args.rt_rate, max_tokens=args.max_tokens,
-                            slo=SLO(ttft_s=args.rt_ttft_ms / 1000, tpot_s=args.rt_tpot_ms / 1000))  # fmt: skip
+    w = workload_from_trace(
+        args.trace,
+        num_requests=args.rt_requests,
+        seed=args.seed,
+        context_len=args.max_model_len,
+        rate=args.rt_rate,
+        max_tokens=args.max_tokens,
+        slo=SLO(ttft_s=args.rt_ttft_ms / 1000, tpot_s=args.rt_tpot_ms / 1000),
+    )
     return w.requests
 
 
 def batch_file(args, vocab_size: int) -> bytes:
     """--batch-lines completion lines with the trace's lengths (random token ids, ignore_eos)."""
-    w = workload_from_trace(args.trace, num_requests=args.batch_lines, seed=args.seed + 1, context_len=args.max_model_len,
-                            offline=True, max_tokens=args.max_tokens)  # fmt: skip
+    w = workload_from_trace(
+        args.trace,
+        num_requests=args.batch_lines,
+        seed=args.seed + 1,
+        context_len=args.max_model_len,
+        offline=True,
+        max_tokens=args.max_tokens,
+    )
     prompts = synthetic_prompts(w.requests, vocab_size, args.seed + 1)
-    lines = [{"custom_id": f"be-{i}", "method": "POST", "url": "/v1/completions",
-              "body": {"model": args.model, "prompt": prompt, "max_tokens": r.true_output_tokens, "temperature": 0,
-                       "ignore_eos": True}}
-             for i, (r, prompt) in enumerate(zip(w.requests, prompts, strict=True))]  # fmt: skip
+    lines = [
+        {
+            "custom_id": f"be-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {
+                "model": args.model,
+                "prompt": prompt,
+                "max_tokens": r.true_output_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        }
+        for i, (r, prompt) in enumerate(zip(w.requests, prompts, strict=True))
+    ]
     return "\n".join(json.dumps(line) for line in lines).encode()
 
 
@@ -87,9 +110,13 @@ def rt_figures(args, base_url: str, vocab_size: int, requests) -> dict[str, floa
     done = table["finished"]
     ttft, tpot = table["ttft_s"][done], table["tpot_s"][done]
     met = (ttft <= args.rt_ttft_ms / 1000) & ((tpot <= args.rt_tpot_ms / 1000) | np.isnan(tpot))
-    return {"slo_attainment": float(met.mean()), "ttft_p50_ms": float(np.percentile(ttft, 50) * 1e3),
-            "ttft_p99_ms": float(np.percentile(ttft, 99) * 1e3), "tpot_mean_ms": float(np.nanmean(tpot) * 1e3),
-            "wall_s": result.wall_s}  # fmt: skip
+    return {
+        "slo_attainment": float(met.mean()),
+        "ttft_p50_ms": float(np.percentile(ttft, 50) * 1e3),
+        "ttft_p99_ms": float(np.percentile(ttft, 99) * 1e3),
+        "tpot_mean_ms": float(np.nanmean(tpot) * 1e3),
+        "wall_s": result.wall_s,
+    }
 
 
 def be_tokens(client: openai.OpenAI, batch_id: str) -> int:
@@ -115,8 +142,11 @@ def run_scheduler(args, scheduler: str, vocab_size: int, content: bytes) -> dict
             be_shared = (be_tokens(client, batch.id) - before) / (time.perf_counter() - start)
             status = client.batches.retrieve(batch.id)
             if status.status != "in_progress":
-                print(f"warning: {scheduler}: the batch was {status.status} before the RT stream ended; "
-                      "give more --batch-lines", file=sys.stderr)  # fmt: skip
+                print(
+                    f"warning: {scheduler}: the batch was {status.status} before the RT stream ended; "
+                    "give more --batch-lines",
+                    file=sys.stderr,
+                )
             else:
                 client.batches.cancel(batch.id)
         finally:
@@ -151,9 +181,11 @@ def main() -> None:
     content = batch_file(args, vocab_size)
     results = {s: run_scheduler(args, s, vocab_size, content) for s in args.schedulers.split(",")}
 
-    print(f"{args.model} on {args.device}, {args.trace}: RT {args.rt_requests} requests at {args.rt_rate} req/s "
-          f"(SLO TTFT {args.rt_ttft_ms:g} ms, TPOT {args.rt_tpot_ms:g} ms), a batch of {args.batch_lines} lines "
-          f"({args.batch_lines_in_engine} in the engine), KV {args.kv_capacity_tokens} tokens")  # fmt: skip
+    print(
+        f"{args.model} on {args.device}, {args.trace}: RT {args.rt_requests} requests at {args.rt_rate} req/s "
+        f"(SLO TTFT {args.rt_ttft_ms:g} ms, TPOT {args.rt_tpot_ms:g} ms), a batch of {args.batch_lines} lines "
+        f"({args.batch_lines_in_engine} in the engine), KV {args.kv_capacity_tokens} tokens"
+    )
     print(
         "| scheduler | RT SLO % alone | RT SLO % with batch | RT TTFT p50 / p99 ms alone | with batch | "
         "BE tok/s alone | BE tok/s with RT | BE kept |"
@@ -161,9 +193,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         a, s, be = r["rt_alone"], r["rt_with_batch"], r["be"]
-        print(f"| {name} | {a['slo_attainment'] * 100:.1f} | {s['slo_attainment'] * 100:.1f} | "
-              f"{a['ttft_p50_ms']:.0f} / {a['ttft_p99_ms']:.0f} | {s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} | "
-              f"{be['alone']:.0f} | {be['with_rt']:.0f} | {be['with_rt'] / be['alone']:.2f} |")  # fmt: skip
+        print(
+            f"| {name} | {a['slo_attainment'] * 100:.1f} | {s['slo_attainment'] * 100:.1f} | "
+            f"{a['ttft_p50_ms']:.0f} / {a['ttft_p99_ms']:.0f} | {s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} | "
+            f"{be['alone']:.0f} | {be['with_rt']:.0f} | {be['with_rt'] / be['alone']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -78,8 +78,9 @@ def fit_table(shapes: list[BatchShape], times: list[float], num_layers: int, tit
     held = [i for i in range(len(shapes)) if i % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1]
     models = {}
     for form in FORMS:
-        fit = fit_linear_shapes([shapes[i] for i in train], [times[i] for i in train], num_layers=num_layers,
-                                name=f"fit-{form}", form=form)  # fmt: skip
+        fit = fit_linear_shapes(
+            [shapes[i] for i in train], [times[i] for i in train], num_layers=num_layers, name=f"fit-{form}", form=form
+        )
         models[form] = LinearCostModel(fit.coefficients)
     kinds = sorted({kind(shapes[i]) for i in held})
     table = Table(title=title)
@@ -105,12 +106,21 @@ def simulated(cost, scheduler: str, capacity: int, num_requests: int, rate: floa
     )
     t = request_table(workload.requests)
     makespan = np.nanmax(t["finish_s"]) - np.nanmin(t["arrival_s"])
-    return {"TTFT": float(np.nanmean(t["ttft_s"])), "TPOT": float(np.nanmean(t["tpot_s"])),
-            "JCT": float(np.nanmean(t["jct_s"])), "throughput": len(workload.requests) / makespan}  # fmt: skip
+    return {
+        "TTFT": float(np.nanmean(t["ttft_s"])),
+        "TPOT": float(np.nanmean(t["tpot_s"])),
+        "JCT": float(np.nanmean(t["jct_s"])),
+        "throughput": len(workload.requests) / makespan,
+    }
 
 
-ENGINE_FIGURES = (("throughput", "throughput_rps"), ("JCT", "jct_s"), ("TTFT", "ttft_s"), ("TPOT", "tpot_s"),
-                  ("norm. latency", "normalized_latency_s"))  # fmt: skip
+ENGINE_FIGURES = (
+    ("throughput", "throughput_rps"),
+    ("JCT", "jct_s"),
+    ("TTFT", "ttft_s"),
+    ("TPOT", "tpot_s"),
+    ("norm. latency", "normalized_latency_s"),
+)
 
 
 def against_engine(models: dict[str, LinearCostModel], engine_path: str) -> None:
@@ -143,8 +153,11 @@ def against_engine(models: dict[str, LinearCostModel], engine_path: str) -> None
                 label = "offline" if run["rate"] is None else f"{run['rate']} req/s"
                 table.add_row(run["scheduler"], label, form, *row)
     CONSOLE.print(table)
-    print("mean / max |error| over every figure: "
-          + ", ".join(f"{form} {np.mean(e):.1%} / {np.max(e):.1%}" for form, e in errors.items()) + " (goal: mean 5%)")  # fmt: skip
+    print(
+        "mean / max |error| over every figure: "
+        + ", ".join(f"{form} {np.mean(e):.1%} / {np.max(e):.1%}" for form, e in errors.items())
+        + " (goal: mean 5%)"
+    )
 
 
 def steps_table(models: dict[str, LinearCostModel], path: str) -> Table:
@@ -223,8 +236,11 @@ def main() -> None:
                 worst[form] = max(worst[form], *(abs(e) for e in errors))
                 table.add_row(scheduler, f"{rate:g}", form, *(f"{e:+.1%}" for e in errors))
     CONSOLE.print(table)
-    print("largest |error| over schedulers, rates and metrics: "
-          + ", ".join(f"{form} {worst[form]:.1%}" for form in FORMS) + " (goal: 5%)")  # fmt: skip
+    print(
+        "largest |error| over schedulers, rates and metrics: "
+        + ", ".join(f"{form} {worst[form]:.1%}" for form in FORMS)
+        + " (goal: 5%)"
+    )
 
 
 if __name__ == "__main__":

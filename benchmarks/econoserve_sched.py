@@ -39,10 +39,16 @@ def measure(name: str, queued: int, steps: int) -> tuple[list[float], list[float
     model, gpu = get_model("opt-13b"), get_gpu("a100-80gb")
     cost = build_cost_model(model, gpu)
     capacity = int(12e9 // model.kv_bytes_per_token)
-    requests = workload_from_trace("sharegpt", num_requests=queued, seed=0, context_len=model.max_context_len,
-                                   offline=True).requests  # fmt: skip
-    s = make_scheduler(name, kv_capacity_tokens=capacity, max_model_len=model.max_context_len,
-                       kv_bytes_per_token=model.kv_bytes_per_token, cost_model=cost)  # fmt: skip
+    requests = workload_from_trace(
+        "sharegpt", num_requests=queued, seed=0, context_len=model.max_context_len, offline=True
+    ).requests
+    s = make_scheduler(
+        name,
+        kv_capacity_tokens=capacity,
+        max_model_len=model.max_context_len,
+        kv_bytes_per_token=model.kv_bytes_per_token,
+        cost_model=cost,
+    )
     for r in requests:
         s.add_request(r)
     executor, now = SimExecutor(cost), 0.0

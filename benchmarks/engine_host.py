@@ -80,9 +80,10 @@ def table_times(batch: int, kv_len: int, repeats: int) -> tuple[float, float, fl
         for request in requests:
             assert kv.allocate_slots(request, kv_len + 1)
     lengths = np.full(batch, kv_len + 1)
-    ids_ms, slots_ms, pipelined_ms = (median_ms(lambda read=read: read(requests, lengths), repeats)
-                                      for read in (paged.block_id_tables, paged.slot_tables,
-                                                   pipelined.block_id_tables))  # fmt: skip
+    ids_ms, slots_ms, pipelined_ms = (
+        median_ms(lambda read=read: read(requests, lengths), repeats)
+        for read in (paged.block_id_tables, paged.slot_tables, pipelined.block_id_tables)
+    )
     return ids_ms, slots_ms, pipelined_ms
 
 
@@ -99,21 +100,45 @@ def main() -> None:
     timer = StepTimer(loaded, StepTimer.blocks_needed([], [max(kv_lens)] * max(batches)), max_context=max(kv_lens) + 1)
     executor = timer.executor
     executor.model = NoForward(loaded.config.hidden_size, loaded.config.vocab_size)
-    executor.graphs = DecodeGraphs(executor.model, executor.cache, max(kv_lens) + 1, timer.kv.table_block_size,
-                                   max_batch_size=max(batches), capture=False)  # fmt: skip
+    executor.graphs = DecodeGraphs(
+        executor.model,
+        executor.cache,
+        max(kv_lens) + 1,
+        timer.kv.table_block_size,
+        max_batch_size=max(batches),
+        capture=False,
+    )
     model, gpu = get_model(REFERENCE_MODEL), get_gpu(REFERENCE_GPU)
 
     table = Table(title=f"Host time of a decode step (CPU) vs the {gpu.name} roofline of {model.name} bf16")
-    for column in ("batch", "KV/req", "block ids ms", "slot table ms", "ratio", "pipelined ms", "host step ms",
-                   f"{gpu.name} ms", "host share"):  # fmt: skip
+    for column in (
+        "batch",
+        "KV/req",
+        "block ids ms",
+        "slot table ms",
+        "ratio",
+        "pipelined ms",
+        "host step ms",
+        f"{gpu.name} ms",
+        "host share",
+    ):
         table.add_column(column, justify="right")
     for kv_len in kv_lens:
         for batch in batches:
             ids_ms, slots_ms, pipelined_ms = table_times(batch, kv_len, args.repeats)
             host_ms = timer.time([], [kv_len] * batch, repeats=args.repeats) * 1e3
             gpu_ms = (model.weight_bytes + batch * (kv_len + 1) * model.kv_bytes_per_token) / gpu.hbm_bandwidth * 1e3
-            table.add_row(str(batch), str(kv_len), f"{ids_ms:.3f}", f"{slots_ms:.3f}", f"{slots_ms / ids_ms:.1f}x",
-                          f"{pipelined_ms:.3f}", f"{host_ms:.2f}", f"{gpu_ms:.2f}", f"{host_ms / (host_ms + gpu_ms):.0%}")  # fmt: skip
+            table.add_row(
+                str(batch),
+                str(kv_len),
+                f"{ids_ms:.3f}",
+                f"{slots_ms:.3f}",
+                f"{slots_ms / ids_ms:.1f}x",
+                f"{pipelined_ms:.3f}",
+                f"{host_ms:.2f}",
+                f"{gpu_ms:.2f}",
+                f"{host_ms / (host_ms + gpu_ms):.0%}",
+            )
     Console(width=140).print(table)
 
 

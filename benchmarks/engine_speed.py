@@ -43,8 +43,13 @@ def main() -> None:
     device = resolve_device(args.device)
     backend = resolve_attention_backend(args.attention_backend, device)
     cuda_graphs = not args.no_cuda_graphs and cuda_graphs_supported(device, backend)
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-                        cuda_graphs=cuda_graphs)  # fmt: skip
+    loaded = load_model(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        cuda_graphs=cuda_graphs,
+    )
     gpu_name = args.gpu or ("h200" if loaded.device.type == "cuda" else None)
     gpu = get_gpu(gpu_name) if gpu_name else None
     c = loaded.config
@@ -58,19 +63,28 @@ def main() -> None:
     args.kv_len = min(args.kv_len, c.max_position_embeddings - 1)
     batches = [int(x) for x in args.batch_sizes.split(",")]
     prompts = [int(x) for x in args.prefill.split(",") if int(x) <= c.max_position_embeddings]
-    timer = StepTimer(loaded, max(StepTimer.blocks_needed([], [args.kv_len] * max(batches)),
-                                  StepTimer.blocks_needed([(max(prompts, default=1), 0)], [])),
-                      max_context=max([args.kv_len + 1, *prompts]))  # fmt: skip
+    timer = StepTimer(
+        loaded,
+        max(
+            StepTimer.blocks_needed([], [args.kv_len] * max(batches)),
+            StepTimer.blocks_needed([(max(prompts, default=1), 0)], []),
+        ),
+        max_context=max([args.kv_len + 1, *prompts]),
+    )
     graphs = timer.executor.graphs
     per_token_kv = kv_bytes_per_token(loaded)
     device_name = (
         f"{loaded.device} ({torch.cuda.get_device_name(loaded.device)})" if loaded.device.type == "cuda" else "cpu"
     )
-    print(f"{args.model}, {loaded.dtype}, {device_name}, {loaded.attention_backend} attention; "
-          f"{params / 1e9:.2f} B parameters; peaks: "
-          f"{f'{gpu.name} {gpu.hbm_bandwidth / 1e12:.2f} TB/s, {gpu.peak_flops / 1e12:.0f} TFLOP/s' if gpu else 'none'}")  # fmt: skip
-    print(f"\n{'decode batch':>12} {'KV/req':>7} {'eager ms':>9} {'graph ms':>9} {'speedup':>8} {'tok/s':>10} "
-          f"{'MBU eager':>10} {'MBU graph':>10}")  # fmt: skip
+    print(
+        f"{args.model}, {loaded.dtype}, {device_name}, {loaded.attention_backend} attention; "
+        f"{params / 1e9:.2f} B parameters; peaks: "
+        f"{f'{gpu.name} {gpu.hbm_bandwidth / 1e12:.2f} TB/s, {gpu.peak_flops / 1e12:.0f} TFLOP/s' if gpu else 'none'}"
+    )
+    print(
+        f"\n{'decode batch':>12} {'KV/req':>7} {'eager ms':>9} {'graph ms':>9} {'speedup':>8} {'tok/s':>10} "
+        f"{'MBU eager':>10} {'MBU graph':>10}"
+    )
 
     def mbu(bytes_read: int, t: float | None) -> str:
         return f"{bytes_read / t / gpu.hbm_bandwidth:.1%}" if gpu and t else "-"
@@ -82,9 +96,11 @@ def main() -> None:
         timer.executor.graphs = graphs
         graphed = timer.time([], [args.kv_len] * b, repeats=args.repeats) if graphs else None
         best = min(eager, graphed or eager)
-        print(f"{b:>12} {args.kv_len:>7} {eager * 1e3:>9.3f} {f'{graphed * 1e3:.3f}' if graphed else '-':>9} "
-              f"{f'{eager / graphed:.2f}x' if graphed else '-':>8} {b / best:>10.1f} {mbu(read, eager):>10} "
-              f"{mbu(read, graphed):>10}")  # fmt: skip
+        print(
+            f"{b:>12} {args.kv_len:>7} {eager * 1e3:>9.3f} {f'{graphed * 1e3:.3f}' if graphed else '-':>9} "
+            f"{f'{eager / graphed:.2f}x' if graphed else '-':>8} {b / best:>10.1f} {mbu(read, eager):>10} "
+            f"{mbu(read, graphed):>10}"
+        )
     print(f"\n{'prefill tokens':>14} {'step ms':>9} {'tok/s':>10} {'MFU':>7}")
     for n in prompts:
         t = timer.time([(n, 0)], [], repeats=args.repeats)

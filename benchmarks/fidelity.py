@@ -86,8 +86,16 @@ def main() -> None:
 
     out = args.out or Path(tempfile.mkdtemp(prefix="sloserve-fidelity-"))
     out.mkdir(parents=True, exist_ok=True)
-    engine = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
-              "--attention-backend", args.attention_backend]  # fmt: skip
+    engine = [
+        "--model",
+        args.model,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--attention-backend",
+        args.attention_backend,
+    ]
     if args.max_model_len:
         engine += ["--max-model-len", str(args.max_model_len)]
     if args.no_cuda_graphs:
@@ -95,33 +103,75 @@ def main() -> None:
     preset = out / "preset.json"
     # One fit for every scheduler; the measurements stay in profile.csv (benchmarks/cost_forms.py --csv
     # compares the cost model's forms on them).
-    print(sloserve("profile", *engine, "--out", str(preset), "--prefill-chunks", args.prefill_chunks,
-                   "--context-lens", args.context_lens, "--batch-sizes", args.batch_sizes,
-                   "--decode-kv-lens", args.decode_kv_lens, "--repeats", str(args.repeats),
-                   "--form", args.form, "--csv", str(out / "profile.csv")).strip())  # fmt: skip
+    print(
+        sloserve(
+            "profile",
+            *engine,
+            "--out",
+            str(preset),
+            "--prefill-chunks",
+            args.prefill_chunks,
+            "--context-lens",
+            args.context_lens,
+            "--batch-sizes",
+            args.batch_sizes,
+            "--decode-kv-lens",
+            args.decode_kv_lens,
+            "--repeats",
+            str(args.repeats),
+            "--form",
+            args.form,
+            "--csv",
+            str(out / "profile.csv"),
+        ).strip()
+    )
     rows = []
     for scheduler in args.schedulers.split(","):
         load = ["--offline"]
         for run in ("offline", "poisson"):
-            workload = ["--trace", args.trace, "--num-requests", str(args.num_requests), "--seed", str(args.seed),
-                        "--scheduler", scheduler, *load]  # fmt: skip
+            workload = [
+                "--trace",
+                args.trace,
+                "--num-requests",
+                str(args.num_requests),
+                "--seed",
+                str(args.seed),
+                "--scheduler",
+                scheduler,
+                *load,
+            ]
             capacity = ["--kv-capacity-tokens", str(args.kv_capacity_tokens)] if args.kv_capacity_tokens else []
             steps = out / f"engine-{scheduler}-{run}"  # its steps.csv, with the run's other outputs
-            real = json.loads(sloserve("run", *engine, *workload, *capacity, "--virtual-clock", "--json",
-                                       "--out", str(steps)))  # fmt: skip
+            real = json.loads(
+                sloserve("run", *engine, *workload, *capacity, "--virtual-clock", "--json", "--out", str(steps))
+            )
             (out / f"engine-{scheduler}-{run}.json").write_text(json.dumps(real, indent=2))
             # The simulator gets the engine's context length and KV capacity, so both see one workload.
-            sim = json.loads(sloserve("simulate", "--model", args.model, "--cost-model", str(preset), *workload,
-                                      "--max-model-len", str(real["max_model_len"]),
-                                      "--kv-capacity-tokens", str(real["kv_capacity_tokens"]), "--json"))  # fmt: skip
+            sim = json.loads(
+                sloserve(
+                    "simulate",
+                    "--model",
+                    args.model,
+                    "--cost-model",
+                    str(preset),
+                    *workload,
+                    "--max-model-len",
+                    str(real["max_model_len"]),
+                    "--kv-capacity-tokens",
+                    str(real["kv_capacity_tokens"]),
+                    "--json",
+                )
+            )
             (out / f"sim-{scheduler}-{run}.json").write_text(json.dumps(sim, indent=2))
             assert sim["completed"] == real["completed"], (sim["completed"], real["completed"])
             rows.append((scheduler, "offline" if run == "offline" else f"{load[1]} req/s", real, sim))
             # The Poisson run: arrivals at a fraction of what the engine sustained offline.
             load = ["--rate", f"{args.load * real['throughput_rps']:.3g}"]
 
-    print(f"\n{args.model} on {args.device} ({args.dtype}), {args.trace}, {args.num_requests} requests; "
-          f"preset and summaries in {out}")  # fmt: skip
+    print(
+        f"\n{args.model} on {args.device} ({args.dtype}), {args.trace}, {args.num_requests} requests; "
+        f"preset and summaries in {out}"
+    )
     print(f"{'scheduler':>9} {'load':>14} {'metric':>24} {'engine':>10} {'simulator':>10} {'error':>7}")
     errors = []
     for scheduler, label, real, sim in rows:
@@ -130,8 +180,10 @@ def main() -> None:
             error = abs(b - a) / a if a else float("nan")
             errors.append(error)
             print(f"{scheduler:>9} {label:>14} {name:>24} {a:>10.4g} {b:>10.4g} {error:>7.1%}")
-    print(f"\nsimulator error over {len(errors)} figures: mean {sum(errors) / len(errors):.1%}, max {max(errors):.1%} "
-          f"(goal: mean <= 5%)")  # fmt: skip
+    print(
+        f"\nsimulator error over {len(errors)} figures: mean {sum(errors) / len(errors):.1%}, max {max(errors):.1%} "
+        f"(goal: mean <= 5%)"
+    )
     cost = {args.form: LinearCostModel(load_preset(preset))}
     for scheduler, label, _, _ in rows:
         run = "offline" if label == "offline" else "poisson"

@@ -38,8 +38,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 case "${1:-}" in
   tests)
-    python3 -m pytest -p no:cacheprovider -rs tests/test_triton_attention.py tests/test_cuda_graphs.py \
-      tests/test_attention.py tests/test_engine.py 2>&1 | tee -a "$log"
+    python3 -m pytest -p no:cacheprovider -rs tests/engine/test_triton_attention.py tests/engine/test_cuda_graphs.py \
+      tests/engine/test_attention.py tests/engine/test_engine.py 2>&1 | tee -a "$log"
     ;;
   speed)
     python3 benchmarks/engine_speed.py 2>&1 | tee -a "$log"

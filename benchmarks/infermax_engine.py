@@ -109,8 +109,14 @@ def main() -> None:
     for capacity, prompt, name in sorted({(r["M"], r["I"], r["scheduler"]) for r in rows}):
         real, sim = cell["engine", capacity, prompt, name], cell["simulator", capacity, prompt, name]
         gaps.append(abs(sim["latency_s"] / real["latency_s"] - 1))
-        errors.add_row(f"{capacity:,}", str(prompt), name, f"{real['latency_s']:.3f}", f"{sim['latency_s']:.3f}",
-                       f"{sim['latency_s'] / real['latency_s'] - 1:+.1%}")  # fmt: skip
+        errors.add_row(
+            f"{capacity:,}",
+            str(prompt),
+            name,
+            f"{real['latency_s']:.3f}",
+            f"{sim['latency_s']:.3f}",
+            f"{sim['latency_s'] / real['latency_s'] - 1:+.1%}",
+        )
     Console(width=120).print(errors)
     print(
         f"mean / max |error| {np.mean(gaps):.1%} / {np.max(gaps):.1%} "

@@ -23,15 +23,34 @@ import tempfile
 import time
 from pathlib import Path
 
-SEARCH = ("--trace", "sharegpt", "--qps", "20", "--slo-ttft", "1", "--slo-tpot", "0.1", "--model", "llama-2-7b",
-          "--gpus", "a100,h100,h200", "--tp", "1,2", "--layouts", "colocated,1:1", "--schedulers", "vllm,sarathi")  # fmt: skip
+SEARCH = (
+    "--trace",
+    "sharegpt",
+    "--qps",
+    "20",
+    "--slo-ttft",
+    "1",
+    "--slo-tpot",
+    "0.1",
+    "--model",
+    "llama-2-7b",
+    "--gpus",
+    "a100,h100,h200",
+    "--tp",
+    "1,2",
+    "--layouts",
+    "colocated,1:1",
+    "--schedulers",
+    "vllm,sarathi",
+)
 DISTSERVE = {"econoserve": ("econoserve", "colocated"), "distserve": ("vllm", "1:1"), "vllm": ("vllm", "colocated")}
 
 
 def _plan(out: Path, *args: str) -> tuple[dict, float]:
     wall0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "sloserve.cli", "plan", *args, "--out", str(out)],
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "sloserve.cli", "plan", *args, "--out", str(out)], capture_output=True, text=True
+    )
     wall = time.perf_counter() - wall0
     if proc.returncode not in (0, 2):
         sys.exit(f"plan failed: {proc.stderr}")
@@ -69,9 +88,31 @@ def distserve(tmp: Path, loads: list[float], num_requests: int) -> None:
     for load in loads:
         gpus = {}
         for name, (scheduler, layout) in DISTSERVE.items():
-            doc, _ = _plan(tmp / f"{name}-{load:g}", "--trace", "sharegpt", "--qps", f"{load:g}", "--slo-ttft", "2",
-                           "--slo-tpot", "0.1", "--model", "opt-13b", "--gpus", "a100", "--tp", "1", "--max-gpus", "64",
-                           "--schedulers", scheduler, "--layouts", layout, "--num-requests", str(num_requests))  # fmt: skip
+            doc, _ = _plan(
+                tmp / f"{name}-{load:g}",
+                "--trace",
+                "sharegpt",
+                "--qps",
+                f"{load:g}",
+                "--slo-ttft",
+                "2",
+                "--slo-tpot",
+                "0.1",
+                "--model",
+                "opt-13b",
+                "--gpus",
+                "a100",
+                "--tp",
+                "1",
+                "--max-gpus",
+                "64",
+                "--schedulers",
+                scheduler,
+                "--layouts",
+                layout,
+                "--num-requests",
+                str(num_requests),
+            )
             gpus[name] = doc["answer"]["num_gpus"] if doc["answer"] else None
         e, d = gpus["econoserve"], gpus["distserve"]
         saving = f"{e / d - 1:+.0%} GPUs" if e and d else "n/a"

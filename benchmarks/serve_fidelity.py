@@ -42,8 +42,14 @@ def profile(args, engine: list[str], preset: Path) -> str:
                "--batch-sizes", args.batch_sizes, "--decode-kv-lens", args.decode_kv_lens,
                "--repeats", str(args.repeats)]  # fmt: skip
     env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if args.pin else {})}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False,
-                          preexec_fn=(lambda: os.sched_setaffinity(0, {0})) if args.pin else None)  # fmt: skip
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        preexec_fn=(lambda: os.sched_setaffinity(0, {0})) if args.pin else None,
+    )
     if done.returncode != 0:
         sys.exit(f"profile failed:\n{done.stderr}")
     return done.stdout.strip()
@@ -72,8 +78,18 @@ def main() -> None:
 
     out = args.out or Path(tempfile.mkdtemp(prefix="sloserve-serve-fidelity-"))
     out.mkdir(parents=True, exist_ok=True)
-    engine = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
-              "--max-model-len", str(args.max_model_len), "--kv-capacity-tokens", str(args.kv_capacity_tokens)]  # fmt: skip
+    engine = [
+        "--model",
+        args.model,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--max-model-len",
+        str(args.max_model_len),
+        "--kv-capacity-tokens",
+        str(args.kv_capacity_tokens),
+    ]
     preset = out / "preset.json"
     print(profile(args, engine, preset))
 
@@ -94,12 +110,37 @@ def main() -> None:
                 str(args.seed),
                 *load,
             ]
-            served = json.loads(sloserve("bench-serve", "--base-url", f"http://127.0.0.1:{port}/v1", "--model",
-                                         args.model, *workload, "--max-model-len", str(args.max_model_len), "--json"))  # fmt: skip
+            served = json.loads(
+                sloserve(
+                    "bench-serve",
+                    "--base-url",
+                    f"http://127.0.0.1:{port}/v1",
+                    "--model",
+                    args.model,
+                    *workload,
+                    "--max-model-len",
+                    str(args.max_model_len),
+                    "--json",
+                )
+            )
             (out / f"served-{run}.json").write_text(json.dumps(served, indent=2))
-            sim = json.loads(sloserve("simulate", "--model", args.model, "--cost-model", str(preset), "--scheduler",
-                                      args.scheduler, *workload, "--max-model-len", str(args.max_model_len),
-                                      "--kv-capacity-tokens", str(args.kv_capacity_tokens), "--json"))  # fmt: skip
+            sim = json.loads(
+                sloserve(
+                    "simulate",
+                    "--model",
+                    args.model,
+                    "--cost-model",
+                    str(preset),
+                    "--scheduler",
+                    args.scheduler,
+                    *workload,
+                    "--max-model-len",
+                    str(args.max_model_len),
+                    "--kv-capacity-tokens",
+                    str(args.kv_capacity_tokens),
+                    "--json",
+                )
+            )
             (out / f"sim-{run}.json").write_text(json.dumps(sim, indent=2))
             rows.append(("offline" if run == "offline" else f"{load[1]} req/s", served, sim))
             load = ["--rate", f"{args.load * served['throughput_rps']:.3g}"]
@@ -107,8 +148,10 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=60)
 
-    print(f"\n{args.model} on {args.device} ({args.dtype}), {args.scheduler}, {args.trace}, {args.num_requests} "
-          f"requests{', pinned' if args.pin else ''}; preset and summaries in {out}")  # fmt: skip
+    print(
+        f"\n{args.model} on {args.device} ({args.dtype}), {args.scheduler}, {args.trace}, {args.num_requests} "
+        f"requests{', pinned' if args.pin else ''}; preset and summaries in {out}"
+    )
     print("| load | figure | served | simulated | error |\n|---|---|---|---|---|")
     errors = []
     for label, served, sim in rows:
@@ -117,8 +160,10 @@ def main() -> None:
             error = abs(b - a) / a if a else float("nan")
             errors.append(error)
             print(f"| {label} | {name} | {a:.4g} | {b:.4g} | {error:.1%} |")
-    print(f"\nsimulator error over {len(errors)} figures: mean {sum(errors) / len(errors):.1%}, max {max(errors):.1%} "
-          f"(goal: mean <= 10% on the CPU, <= 5% on a GPU)")  # fmt: skip
+    print(
+        f"\nsimulator error over {len(errors)} figures: mean {sum(errors) / len(errors):.1%}, max {max(errors):.1%} "
+        f"(goal: mean <= 10% on the CPU, <= 5% on a GPU)"
+    )
 
 
 if __name__ == "__main__":

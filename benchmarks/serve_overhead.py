@@ -46,8 +46,15 @@ def free_port() -> int:
 
 
 def workload(args, offline: bool, num_requests: int):
-    w = workload_from_trace(args.trace, num_requests=num_requests, seed=args.seed, context_len=args.max_model_len,
-                            offline=offline, rate=None if offline else args.rate, max_tokens=args.max_tokens)  # fmt: skip
+    w = workload_from_trace(
+        args.trace,
+        num_requests=num_requests,
+        seed=args.seed,
+        context_len=args.max_model_len,
+        offline=offline,
+        rate=None if offline else args.rate,
+        max_tokens=args.max_tokens,
+    )
     return w.requests
 
 
@@ -67,8 +74,13 @@ def in_process(args, loaded, requests) -> dict[str, float]:
     from sloserve.runs import fresh_request
 
     requests = [fresh_request(r) for r in requests]
-    engine = LLMEngine(loaded, args.scheduler, kv_capacity_tokens=args.kv_capacity_tokens,
-                       max_model_len=args.max_model_len, seed=args.seed)  # fmt: skip
+    engine = LLMEngine(
+        loaded,
+        args.scheduler,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
     prompts = synthetic_prompts(requests, loaded.config.vocab_size, args.seed)
     params = [SamplingParams(max_tokens=r.true_output_tokens, temperature=0, ignore_eos=True) for r in requests]
     wall = run_requests(engine, requests, prompts, params, wall_clock=True)
@@ -165,14 +177,15 @@ def main() -> None:
     if args.pin:
         os.sched_setaffinity(0, {1})
     try:
-        remote = {name: served(args, f"http://127.0.0.1:{port}/v1", vocab_size, reqs)
-                  for name, reqs in loads.items()}  # fmt: skip
+        remote = {name: served(args, f"http://127.0.0.1:{port}/v1", vocab_size, reqs) for name, reqs in loads.items()}
     finally:
         proc.terminate()
         proc.wait(timeout=60)
 
-    print(f"{args.model} on {args.device}, {args.scheduler}, {args.trace}: offline {args.num_requests} requests, "
-          f"light {args.light_requests} at {args.rate} req/s{', pinned' if args.pin else ''}")  # fmt: skip
+    print(
+        f"{args.model} on {args.device}, {args.scheduler}, {args.trace}: offline {args.num_requests} requests, "
+        f"light {args.light_requests} at {args.rate} req/s{', pinned' if args.pin else ''}"
+    )
     print("| load | figure | in-process | served | served / in-process | served - in-process |")
     print("|---|---|---|---|---|---|")
     for name in loads:

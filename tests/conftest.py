@@ -24,12 +24,12 @@ else:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# Fixtures of the server tests (test_serve.py, test_batch_api.py); they need torch and transformers,
+# Fixtures of the server tests (server/test_serve.py, server/test_batch_api.py); they need torch and transformers,
 # imported when a test asks for them.
 @pytest.fixture(scope="session")
 def chat_model_dir(tmp_path_factory) -> Path:
     """A tiny Llama saved as an HF directory with a trained BPE tokenizer and a chat template."""
-    from test_serve import make_chat_model
+    from served_model import make_chat_model
 
     return make_chat_model(tmp_path_factory.mktemp("hf-chat"))
 

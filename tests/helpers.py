@@ -9,6 +9,7 @@ import numpy as np
 from sloserve.core.outputs import SchedulerOutput
 from sloserve.core.request import Request
 from sloserve.cost import LinearCostModel, get_preset
+from sloserve.predict import LengthPredictor
 from sloserve.sched import make_scheduler
 from sloserve.sched.base import Scheduler
 from sloserve.sim.executor import SimExecutor
@@ -98,8 +99,31 @@ def timestamps(requests: list[Request]) -> np.ndarray:
     """(N, 7): first token, last token, finish, max gap, first scheduled, preemption time and GT
     queuing time per request (by id)."""
     ordered = sorted(requests, key=lambda r: r.request_id)
-    return np.array([
-        [r.first_token_time, r.last_token_time, r.finish_time, r.max_token_gap, r.first_scheduled_time,
-         r.preempted_s, r.gt_queued_s]
-        for r in ordered
-    ])  # fmt: skip
+    return np.array(
+        [
+            [
+                r.first_token_time,
+                r.last_token_time,
+                r.finish_time,
+                r.max_token_gap,
+                r.first_scheduled_time,
+                r.preempted_s,
+                r.gt_queued_s,
+            ]
+            for r in ordered
+        ]
+    )
+
+
+class FixedPredictor(LengthPredictor):
+    """Predicts the lengths it is given per request id (the true length otherwise); re-predictions
+    are exact."""
+
+    def __init__(self, predictions: dict[int, int]) -> None:
+        self.predictions = predictions
+
+    def predict(self, request: Request) -> int:
+        return self.predictions.get(request.request_id, request.true_output_tokens)
+
+    def predict_remaining(self, request: Request) -> int:
+        return max(1, request.true_output_tokens - request.num_output_tokens)

@@ -70,8 +70,7 @@ class RayExecutor:
         if address:
             _check_reachable(address)
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reports from a planning run
-        kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.ERROR,
-                                  "log_to_driver": False}  # fmt: skip
+        kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.ERROR, "log_to_driver": False}
         if address:
             kwargs["address"] = address
         else:  # NOTE: "local" starts a new instance even where `ray start` left one (ray.init() would join it)

@@ -32,8 +32,9 @@ class StretchPlanner(Protocol):
         the end times of its steps, or None to run it as one step the executor times."""
         ...
 
-    def record(self, replica: Replica, output: SchedulerOutput, start: float, end_times: Sequence[float],
-               sched_time: float) -> None:  # fmt: skip
+    def record(
+        self, replica: Replica, output: SchedulerOutput, start: float, end_times: Sequence[float], sched_time: float
+    ) -> None:
         """Append the timeline rows of an executed stretch of ``output.num_steps`` > 1 steps."""
         ...
 

@@ -62,8 +62,22 @@ class SimOptions:
 
 
 # The fields of SimOptions that describe the workload (the rest describe the system).
-WORKLOAD_FLAGS = ("trace", "workload", "columns", "rate", "burstiness", "trace_arrivals", "offline", "num_requests",
-                  "max_tokens", "slo_ttft", "slo_tpot", "slo_jct", "rt_rate", "seed")  # fmt: skip
+WORKLOAD_FLAGS = (
+    "trace",
+    "workload",
+    "columns",
+    "rate",
+    "burstiness",
+    "trace_arrivals",
+    "offline",
+    "num_requests",
+    "max_tokens",
+    "slo_ttft",
+    "slo_tpot",
+    "slo_jct",
+    "rt_rate",
+    "seed",
+)
 
 
 @dataclass
@@ -134,8 +148,11 @@ def make_workload_from_options(o: SimOptions, context_len: int, rate: float | No
         if num_requests is None:
             num_requests = min(rows, 1000)
         elif num_requests > rows:
-            print(f"note: the trace has {rows:,} rows; --trace-arrivals repeats it back to back for "
-                  f"{num_requests:,} requests", file=sys.stderr)  # fmt: skip
+            print(
+                f"note: the trace has {rows:,} rows; --trace-arrivals repeats it back to back for "
+                f"{num_requests:,} requests",
+                file=sys.stderr,
+            )
     return workload_from_trace(
         o.trace,
         num_requests=num_requests or 1000,

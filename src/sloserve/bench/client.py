@@ -48,8 +48,15 @@ def synthetic_prompts(requests: Sequence[Request], vocab_size: int, seed: int) -
 
 
 def request_body(model: str, request: Request, prompt: list[int]) -> dict:
-    body: dict = {"model": model, "prompt": prompt, "max_tokens": request.true_output_tokens, "temperature": 0,
-                  "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body: dict = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": request.true_output_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if request.request_class is RequestClass.BE:
         body["service_tier"] = "flex"
     slo = request.slo
@@ -66,8 +73,9 @@ class _Client:
         self.url = base_url.rstrip("/") + "/completions"
         self.models_url = base_url.rstrip("/") + "/models"
         self.model = model
-        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                          connector=aiohttp.TCPConnector(limit=0))  # fmt: skip
+        self.http = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=timeout_s), connector=aiohttp.TCPConnector(limit=0)
+        )
         self.start = time.perf_counter()
         self.inter_token_s: list[float] = []
 
@@ -114,9 +122,13 @@ class _Client:
         await self.http.close()
 
 
-async def _replay(client: _Client, requests: Sequence[Request], prompts: Sequence[list[int]],
-                  chains: Sequence[Sequence[Sequence[Request]]],
-                  on_progress: Callable[[int], None] | None) -> dict[int, str]:  # fmt: skip
+async def _replay(
+    client: _Client,
+    requests: Sequence[Request],
+    prompts: Sequence[list[int]],
+    chains: Sequence[Sequence[Sequence[Request]]],
+    on_progress: Callable[[int], None] | None,
+) -> dict[int, str]:
     """Send every request at its arrival time (closed-loop batches when their predecessor is done)."""
     index = {id(r): i for i, r in enumerate(requests)}
     closed_loop = ClosedLoopBatches(chains)
@@ -150,9 +162,16 @@ async def _replay(client: _Client, requests: Sequence[Request], prompts: Sequenc
     return errors
 
 
-def run_benchmark(base_url: str, model: str, requests: Sequence[Request], prompts: Sequence[list[int]], *,
-                  chains: Sequence[Sequence[Sequence[Request]]] = (), timeout_s: float = 600.0,
-                  on_progress: Callable[[int], None] | None = None) -> BenchResult:  # fmt: skip
+def run_benchmark(
+    base_url: str,
+    model: str,
+    requests: Sequence[Request],
+    prompts: Sequence[list[int]],
+    *,
+    chains: Sequence[Sequence[Sequence[Request]]] = (),
+    timeout_s: float = 600.0,
+    on_progress: Callable[[int], None] | None = None,
+) -> BenchResult:
     """Replay ``requests`` (arrival times relative to the start) against ``base_url`` (``.../v1``)."""
     if len(prompts) != len(requests):
         raise ConfigError(f"{len(prompts)} prompts for {len(requests)} requests")
@@ -182,8 +201,9 @@ async def _check_server(client: _Client) -> None:
         raise ConfigError(f"--base-url: GET {client.models_url} answered HTTP {status}")
     names = [m.get("id") for m in body.get("data", [])]
     if client.model not in names:
-        raise ConfigError(f"--model {client.model!r} is not served at {client.models_url}; it serves: "
-                          f"{', '.join(map(str, names))}")  # fmt: skip
+        raise ConfigError(
+            f"--model {client.model!r} is not served at {client.models_url}; it serves: {', '.join(map(str, names))}"
+        )
 
 
 def wait_until_ready(server_url: str, *, process=None, timeout_s: float = 120.0) -> None:
@@ -229,11 +249,27 @@ def summarize_benchmark(result: BenchResult, extra: dict) -> dict:
     from sloserve.metrics.summary import latency_stats
     from sloserve.metrics.timeline import Timeline
 
-    summary = summarize(result.requests, Timeline(), kv_capacity_tokens=1, sim_wall_s=result.wall_s,
-                        extra={"client": "bench-serve", **extra})  # fmt: skip
-    for key in ("kv_capacity_tokens", "kv_utilization_mean", "kv_allocated_mean", "forward_size", "batch_size",
-                "num_steps", "preemptions", "allocation_failures", "swapped_bytes", "sched_time_per_step_s",
-                "sched_time_share", "sim_wall_s"):  # fmt: skip
+    summary = summarize(
+        result.requests,
+        Timeline(),
+        kv_capacity_tokens=1,
+        sim_wall_s=result.wall_s,
+        extra={"client": "bench-serve", **extra},
+    )
+    for key in (
+        "kv_capacity_tokens",
+        "kv_utilization_mean",
+        "kv_allocated_mean",
+        "forward_size",
+        "batch_size",
+        "num_steps",
+        "preemptions",
+        "allocation_failures",
+        "swapped_bytes",
+        "sched_time_per_step_s",
+        "sched_time_share",
+        "sim_wall_s",
+    ):
         summary.pop(key, None)  # the server's side: a client cannot see them
     summary["inter_token_latency_s"] = latency_stats(np.asarray(result.inter_token_s, dtype=np.float64))
     summary["num_failed"] = len(result.errors)

@@ -114,8 +114,10 @@ def bound(
         reference, against = result.latency_s, "the bound's schedule"
     else:
         # NOTE: the relaxation still bounds every heuristic; only the exact model is out of reach.
-        click.echo(f"bound: not solved: {len(reqs)} requests x {problem.num_batches} batches = {cells} cells exceeds "
-                   f"the limit of {limit} (--max-cells raises it; the model is NP-hard)")  # fmt: skip
+        click.echo(
+            f"bound: not solved: {len(reqs)} requests x {problem.num_batches} batches = {cells} cells exceeds "
+            f"the limit of {limit} (--max-cells raises it; the model is NP-hard)"
+        )
         reference, against = relaxed, "the relaxation"
     for run in runs:
         over = run.latency_s / reference - 1 if reference > 0 else 0.0
@@ -135,10 +137,22 @@ def bound(
             "heuristics": {r.name: {"latency_s": r.latency_s, "evictions": r.num_evictions} for r in runs},
         }  # fmt: skip
         if solved:
-            doc.update(latency_s=result.latency_s, objective_s=result.objective_s, best_bound_s=result.best_bound_s,
-                       gap=result.gap, schedule=[{"start_s": b.start_s, "end_s": b.end_s, "tokens": b.tokens,
-                                                  "evicted": b.evicted, "kv_tokens": b.kv_tokens}
-                                                 for b in result.schedule])  # fmt: skip
+            doc.update(
+                latency_s=result.latency_s,
+                objective_s=result.objective_s,
+                best_bound_s=result.best_bound_s,
+                gap=result.gap,
+                schedule=[
+                    {
+                        "start_s": b.start_s,
+                        "end_s": b.end_s,
+                        "tokens": b.tokens,
+                        "evicted": b.evicted,
+                        "kv_tokens": b.kv_tokens,
+                    }
+                    for b in result.schedule
+                ],
+            )
             plot_gantt(
                 problem,
                 result.schedule,

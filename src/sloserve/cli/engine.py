@@ -77,8 +77,14 @@ def _load_engine_model(options: dict[str, Any]):
         from sloserve.engine.loader import load_model
     except ImportError as exc:  # torch, safetensors or tokenizers missing
         raise ConfigError(f"the engine needs the engine extra: pip install 'sloserve[engine]' ({exc})") from None
-    return load_model(options["model"], device=options["device"], dtype=options["dtype"], seed=options["seed"],
-                      attention_backend=options["attention_backend"], cuda_graphs=options["cuda_graphs"])  # fmt: skip
+    return load_model(
+        options["model"],
+        device=options["device"],
+        dtype=options["dtype"],
+        seed=options["seed"],
+        attention_backend=options["attention_backend"],
+        cuda_graphs=options["cuda_graphs"],
+    )
 
 
 @main.command()
@@ -99,8 +105,15 @@ def _load_engine_model(options: dict[str, Any]):
     "and measured time, a profile CSV (`sloserve fit-cost` reads it).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virtual_clock: bool, out: Path | None,
-        as_json: bool, **options: Any) -> None:  # fmt: skip
+def run(
+    scheduler: str,
+    set_pairs: tuple[str, ...],
+    cost_model: str | None,
+    virtual_clock: bool,
+    out: Path | None,
+    as_json: bool,
+    **options: Any,
+) -> None:
     """Replay a workload through the real engine (random prompt tokens of the trace's lengths,
     outputs forced to the trace's lengths with ignore_eos, greedy)."""
     import numpy as np
@@ -114,9 +127,15 @@ def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virt
     from sloserve.engine.llm_engine import LLMEngine, run_requests, synthetic_prompt
     from sloserve.engine.sampler import SamplingParams
 
-    engine = LLMEngine(loaded, scheduler, kv_capacity_tokens=options["kv_capacity_tokens"],
-                       max_model_len=options["max_model_len"], cost_model=cost_model, seed=options["seed"],
-                       scheduler_options=set_options)  # fmt: skip
+    engine = LLMEngine(
+        loaded,
+        scheduler,
+        kv_capacity_tokens=options["kv_capacity_tokens"],
+        max_model_len=options["max_model_len"],
+        cost_model=cost_model,
+        seed=options["seed"],
+        scheduler_options=set_options,
+    )
     workload = make_workload_from_options(SimOptions.of_workload(options), engine.max_model_len)
     requests, chains = fresh_workload(workload)
     rng = np.random.default_rng(options["seed"])
@@ -125,8 +144,9 @@ def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virt
     if out is not None:
         engine.executor.step_log = []
     with ProgressBar(len(requests), f"{scheduler} (engine)", enabled=True) as on_progress:  # stderr: --json is safe
-        wall = run_requests(engine, requests, prompts, params, wall_clock=not virtual_clock, chains=chains,
-                            on_progress=on_progress)  # fmt: skip
+        wall = run_requests(
+            engine, requests, prompts, params, wall_clock=not virtual_clock, chains=chains, on_progress=on_progress
+        )
     kv = engine.scheduler.kv
     summary = summarize(
         requests,
@@ -153,8 +173,14 @@ def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virt
         },
     )
     summary["_result"] = (requests, engine.replica.timeline)
-    report(scheduler, summary, workload, out, as_json,
-            f"engine: {options['model']} on {loaded.device}, {workload.name}, {len(requests)} requests")  # fmt: skip
+    report(
+        scheduler,
+        summary,
+        workload,
+        out,
+        as_json,
+        f"engine: {options['model']} on {loaded.device}, {workload.name}, {len(requests)} requests",
+    )
     if out is not None:
         from sloserve.cost.fit import write_profile_csv
 
@@ -192,8 +218,18 @@ def run(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, virt
     type=click.Path(path_type=Path),
     help="Also write the measured batch times (the CSV `sloserve fit-cost` reads).",
 )
-def profile_cmd(out: Path, name: str | None, prefill_chunks: str, context_lens: str, batch_sizes: str,
-                decode_kv_lens: str, repeats: int, form: str, csv_path: Path | None, **options: Any) -> None:  # fmt: skip
+def profile_cmd(
+    out: Path,
+    name: str | None,
+    prefill_chunks: str,
+    context_lens: str,
+    batch_sizes: str,
+    decode_kv_lens: str,
+    repeats: int,
+    form: str,
+    csv_path: Path | None,
+    **options: Any,
+) -> None:
     """Measure the engine's batch times over a grid and fit the linear cost model to them; the preset
     works with `simulate --cost-model OUT`. Reports the error on held-out points."""
     from sloserve.cost import save_preset, write_profile_csv
@@ -216,20 +252,38 @@ def profile_cmd(out: Path, name: str | None, prefill_chunks: str, context_lens: 
     max_len = resolve_max_model_len(loaded.config, options["max_model_len"])
     slots = options["kv_capacity_tokens"] or default_kv_capacity(loaded, max_len)
     with ProgressBar(1, "profiling", enabled=True) as bar:
-        result = profile(loaded, ProfileGrid(**grid_values), max_model_len=max_len, max_slots=slots,
-                         name=name or out.stem, repeats=repeats, form=form,
-                         on_point=(lambda i, n: bar(i / n)) if bar else None)  # fmt: skip
+        result = profile(
+            loaded,
+            ProfileGrid(**grid_values),
+            max_model_len=max_len,
+            max_slots=slots,
+            name=name or out.stem,
+            repeats=repeats,
+            form=form,
+            on_point=(lambda i, n: bar(i / n)) if bar else None,
+        )
     report = result.fit.report
     if csv_path is not None:
         write_profile_csv(result.shapes, result.times_s, csv_path)
-    save_preset(result.fit.coefficients, out, extra={
-        "model": options["model"], "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
-        "attention_backend": loaded.attention_backend, "cuda_graphs": loaded.cuda_graphs,
-        "form": form, "fit": report._asdict(), "held_out": {"points": len(result.held_out),
-                                              "mean_rel_error": result.held_out_mean_rel_error,
-                                              "max_rel_error": result.held_out_max_rel_error},
-        "grid": {k: list(v) for k, v in grid_values.items()},
-    })  # fmt: skip
+    save_preset(
+        result.fit.coefficients,
+        out,
+        extra={
+            "model": options["model"],
+            "device": str(loaded.device),
+            "dtype": str(loaded.dtype).removeprefix("torch."),
+            "attention_backend": loaded.attention_backend,
+            "cuda_graphs": loaded.cuda_graphs,
+            "form": form,
+            "fit": report._asdict(),
+            "held_out": {
+                "points": len(result.held_out),
+                "mean_rel_error": result.held_out_mean_rel_error,
+                "max_rel_error": result.held_out_max_rel_error,
+            },
+            "grid": {k: list(v) for k, v in grid_values.items()},
+        },
+    )
     click.echo(
         f"profiled {len(result.shapes)} batches of {options['model']} on {loaded.device}; fitted ({form} form"
         f"{_knee_note(result.fit.coefficients)}) on {report.n_rows}: mean relative error {report.mean_rel_error:.2%}, max {report.max_rel_error:.2%}; "

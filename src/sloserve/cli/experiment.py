@@ -25,8 +25,9 @@ from sloserve.core.errors import ConfigError, UnknownNameError
     "bookcorpus-like, or another bundled trace.",
 )
 @parallel_options
-def experiment(name: str, out: Path, quick: bool, trace: str | None, workers: int | None,
-               ray_address: str | None) -> None:  # fmt: skip
+def experiment(
+    name: str, out: Path, quick: bool, trace: str | None, workers: int | None, ray_address: str | None
+) -> None:
     """Run one of the papers' experiments; writes its CSV and plot and prints the paper's directions
     next to ours. Names: see `sloserve experiment list`."""
     from sloserve.experiments import EXPERIMENTS

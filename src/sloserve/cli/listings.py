@@ -58,16 +58,28 @@ def hardware() -> None:
         models.add_column(header, justify="left" if header == "name" else "right")
     for name in sorted(MODELS):
         m = MODELS[name]
-        models.add_row(name, f"{m.num_params / 1e9:.1f}", str(m.num_layers), f"{m.hidden_size:,}",
-                       f"{m.num_attention_heads} / {m.num_kv_heads}", f"{m.max_context_len:,}",
-                       f"{m.kv_bytes_per_token / 1024:g}")  # fmt: skip
+        models.add_row(
+            name,
+            f"{m.num_params / 1e9:.1f}",
+            str(m.num_layers),
+            f"{m.hidden_size:,}",
+            f"{m.num_attention_heads} / {m.num_kv_heads}",
+            f"{m.max_context_len:,}",
+            f"{m.kv_bytes_per_token / 1024:g}",
+        )
     gpus = Table(title="GPUs (--gpu)")
     for header in ("name", "memory GB", "BF16 TFLOP/s", "HBM TB/s", "PCIe GB/s", "NVLink GB/s"):
         gpus.add_column(header, justify="left" if header == "name" else "right")
     for name in sorted(GPUS):
         g = GPUS[name]
-        gpus.add_row(name, f"{g.memory_bytes / 1e9:g}", f"{g.peak_flops / 1e12:g}", f"{g.hbm_bandwidth / 1e12:g}",
-                     f"{g.pcie_bandwidth / 1e9:g}", f"{g.interconnect_bandwidth / 1e9:g}")  # fmt: skip
+        gpus.add_row(
+            name,
+            f"{g.memory_bytes / 1e9:g}",
+            f"{g.peak_flops / 1e12:g}",
+            f"{g.hbm_bandwidth / 1e12:g}",
+            f"{g.pcie_bandwidth / 1e9:g}",
+            f"{g.interconnect_bandwidth / 1e9:g}",
+        )
     print_table(models)
     print_table(gpus)
     click.echo("cost-model presets (--cost-model): " + ", ".join(list_presets()) + ", roofline, or a JSON file")

@@ -205,11 +205,17 @@ DEFAULT_FIT_FORM = "floor"
 
 
 def parallel_options(fn: Callable) -> Callable:
-    fn = click.option("--ray-address", help="Run on the Ray cluster at this address (host:port, ray://host:port, "
-                      "auto); its nodes need the same sloserve installed.")(fn)  # fmt: skip
-    return click.option("--workers", type=int,
-                        help="Simulations at once: 1 runs them one by one here; N > 1 on a local Ray of N CPUs "
-                        "(pip install 'sloserve[ray]').")(fn)  # fmt: skip
+    fn = click.option(
+        "--ray-address",
+        help="Run on the Ray cluster at this address (host:port, ray://host:port, "
+        "auto); its nodes need the same sloserve installed.",
+    )(fn)
+    return click.option(
+        "--workers",
+        type=int,
+        help="Simulations at once: 1 runs them one by one here; N > 1 on a local Ray of N CPUs "
+        "(pip install 'sloserve[ray]').",
+    )(fn)
 
 
 def offset_progress(on_progress: Callable[[int], None] | None, done_before: int) -> Callable[[int], None] | None:

@@ -51,9 +51,14 @@ def _validate_grid(grid: dict[str, dict[str, list[str]]], model, gpu: str, cost_
     cost = build_cost_model(model, get_gpu(gpu), cost_model=cost_model)
     for name, knobs in grid.items():
         for values in itertools.product(*knobs.values()):
-            make_scheduler(name, kv_capacity_tokens=10 * model.max_context_len, max_model_len=model.max_context_len,
-                           kv_bytes_per_token=model.kv_bytes_per_token, cost_model=cost,
-                           options=dict(zip(knobs, values, strict=True)))  # fmt: skip
+            make_scheduler(
+                name,
+                kv_capacity_tokens=10 * model.max_context_len,
+                max_model_len=model.max_context_len,
+                kv_bytes_per_token=model.kv_bytes_per_token,
+                cost_model=cost,
+                options=dict(zip(knobs, values, strict=True)),
+            )
 
 
 def _layouts(text: str) -> list[tuple[int, int]]:
@@ -71,15 +76,25 @@ def _layouts(text: str) -> list[tuple[int, int]]:
 
 
 @main.command()
-@click.option("--qps", type=float, required=True, help="The load to serve (Poisson requests/s; with --workload "
-              "its RT streams' rate).")  # fmt: skip
-@click.option("--attainment", type=float, default=0.9, show_default=True,
-              help="Share of requests that must meet their SLOs.")  # fmt: skip
+@click.option(
+    "--qps",
+    type=float,
+    required=True,
+    help="The load to serve (Poisson requests/s; with --workload its RT streams' rate).",
+)
+@click.option(
+    "--attainment", type=float, default=0.9, show_default=True, help="Share of requests that must meet their SLOs."
+)
 @click.option("--trace", help="Bundled trace name (see `sloserve traces`) or a CSV/JSONL path.")
 @click.option("--workload", help="Workload spec: a bundled name or a YAML path (instead of --trace).")
 @click.option("--columns", help="Column mapping for a user trace, e.g. prompt=in,output=out.")
-@click.option("--num-requests", type=int, default=1000, show_default=True,
-              help="Requests per simulated unit (a deployment of k units runs k times as many).")  # fmt: skip
+@click.option(
+    "--num-requests",
+    type=int,
+    default=1000,
+    show_default=True,
+    help="Requests per simulated unit (a deployment of k units runs k times as many).",
+)
 @click.option("--max-tokens", type=int, help="Per-request max_tokens (default: context - prompt).")
 @click.option("--burstiness", type=float, help="Gamma arrivals with this coefficient of variation.")
 @click.option("--slo-ttft", type=float, help="TTFT SLO in seconds (--trace).")
@@ -88,30 +103,68 @@ def _layouts(text: str) -> list[tuple[int, int]]:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--model", default="llama-2-7b", show_default=True, help="Model spec name (see `sloserve hardware`).")
 @click.option("--gpus", default="a100,h100,h200", show_default=True, help="GPU types to consider.")
-@click.option("--tp", "tensor_parallel", default="1,2,4,8", show_default=True,
-              help="Tensor-parallel degrees to consider (those that fit and divide the heads).")  # fmt: skip
+@click.option(
+    "--tp",
+    "tensor_parallel",
+    default="1,2,4,8",
+    show_default=True,
+    help="Tensor-parallel degrees to consider (those that fit and divide the heads).",
+)
 @click.option("--max-gpus", type=int, default=16, show_default=True, help="Most GPUs a deployment may use.")
 @click.option("--schedulers", default="vllm,sarathi", show_default=True, help="Schedulers to consider.")
-@click.option("--layouts", default="colocated,1:1,1:2,2:1", show_default=True,
-              help="colocated and/or disaggregated P:D units (P prefill and D decode replicas).")  # fmt: skip
-@click.option("--set-grid", "grid_pairs", multiple=True, metavar="[NAME.]KEY=V1,V2",
-              help="Scheduler options to search over; repeatable.")  # fmt: skip
+@click.option(
+    "--layouts",
+    default="colocated,1:1,1:2,2:1",
+    show_default=True,
+    help="colocated and/or disaggregated P:D units (P prefill and D decode replicas).",
+)
+@click.option(
+    "--set-grid",
+    "grid_pairs",
+    multiple=True,
+    metavar="[NAME.]KEY=V1,V2",
+    help="Scheduler options to search over; repeatable.",
+)
 @click.option("--prices", help="USD per GPU-hour over the defaults, e.g. a100=1.2,a30=0.6.")
-@click.option("--cost-model", default="roofline", show_default=True,
-              help="One cost model for every candidate, so they compare on equal terms.")  # fmt: skip
+@click.option(
+    "--cost-model",
+    default="roofline",
+    show_default=True,
+    help="One cost model for every candidate, so they compare on equal terms.",
+)
 @click.option("--memory-utilization", type=float, default=0.9, show_default=True)
 @click.option("--swap-space-gib", type=float, default=4.0, show_default=True, help="CPU swap space per replica.")
 @click.option("--router", default="round-robin", show_default=True, help="round-robin or least-outstanding.")
 @click.option("--link-gbps", type=float, default=100.0, show_default=True, help="KV link per prefill replica, Gb/s.")
-@click.option("--tolerance", type=float, default=0.05, show_default=True,
-              help="Goodput bisection stops when its bracket is within this (relative).")  # fmt: skip
+@click.option(
+    "--tolerance",
+    type=float,
+    default=0.05,
+    show_default=True,
+    help="Goodput bisection stops when its bracket is within this (relative).",
+)
 @click.option("--alternatives", type=int, default=3, show_default=True, help="Runner-up deployments to verify.")
 @parallel_options
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Write plan.json and the plots here.")
 @click.option("--json", "as_json", is_flag=True, help="Print plan.json on stdout instead of the table.")
-def plan(qps: float, attainment: float, gpus: str, tensor_parallel: str, max_gpus: int, schedulers: str,
-         layouts: str, grid_pairs: tuple[str, ...], prices: str | None, tolerance: float, alternatives: int,
-         workers: int | None, ray_address: str | None, out: Path, as_json: bool, **options: Any) -> None:  # fmt: skip
+def plan(
+    qps: float,
+    attainment: float,
+    gpus: str,
+    tensor_parallel: str,
+    max_gpus: int,
+    schedulers: str,
+    layouts: str,
+    grid_pairs: tuple[str, ...],
+    prices: str | None,
+    tolerance: float,
+    alternatives: int,
+    workers: int | None,
+    ray_address: str | None,
+    out: Path,
+    as_json: bool,
+    **options: Any,
+) -> None:
     """The cheapest deployment that serves --qps within the SLOs: searches GPU type, tensor parallelism,
     replicas, colocated or disaggregated (P:D), scheduler and --set-grid options; each candidate's
     goodput by bisection, the winners simulated whole. Parallel on Ray (see docs/planning.md)."""
@@ -153,8 +206,17 @@ def plan(qps: float, attainment: float, gpus: str, tensor_parallel: str, max_gpu
     if 0 in degrees:
         raise ConfigError(f"--tp degrees must be >= 1, got {tensor_parallel!r}")
     role_schedulers = {n for n in names if "role" in describe_options(n)}
-    candidates, skipped = enumerate_candidates(model, gpu_names, list(degrees), names, _layouts(layouts), grid,
-                                               max_gpus, base.memory_utilization, role_schedulers)  # fmt: skip
+    candidates, skipped = enumerate_candidates(
+        model,
+        gpu_names,
+        list(degrees),
+        names,
+        _layouts(layouts),
+        grid,
+        max_gpus,
+        base.memory_utilization,
+        role_schedulers,
+    )
     if not candidates:
         reasons = "; ".join(f"{x['label']}: {x['reason']}" for x in skipped[:3])
         raise ConfigError(f"no configuration to search ({len(skipped)} left out): {reasons}")
@@ -172,8 +234,9 @@ def plan(qps: float, attainment: float, gpus: str, tensor_parallel: str, max_gpu
                 if on_progress is not None:  # the bar counts decided candidates; its label, the round
                     on_progress(decided, f"plan ({executor.workers} workers), {text}")
 
-            doc = run_plan(query, candidates, price_table, executor, skipped=skipped, describe=describe,
-                           on_round=on_round)  # fmt: skip
+            doc = run_plan(
+                query, candidates, price_table, executor, skipped=skipped, describe=describe, on_round=on_round
+            )
     written = write_plan(doc, out)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
@@ -189,13 +252,17 @@ def plan(qps: float, attainment: float, gpus: str, tensor_parallel: str, max_gpu
 def _plan_lines(doc: dict) -> list[str]:
     """The answer and its alternatives in words."""
     s = doc["search"]
-    lines = [f"searched {s['candidates']} configurations in {s['runs']} simulations ({s['rounds']} rounds, "
-             f"{s['workers']} workers, {s['wall_s']:.1f} s)"]  # fmt: skip
+    lines = [
+        f"searched {s['candidates']} configurations in {s['runs']} simulations ({s['rounds']} rounds, "
+        f"{s['workers']} workers, {s['wall_s']:.1f} s)"
+    ]
     for title, c in [("answer", doc["answer"])] + [("alternative", a) for a in doc["alternatives"]]:
         if c is None:
             continue
         v = c["verified"]
-        lines.append(f"{title}: {c['units']} x {c['label']} = {c['num_gpus']} GPUs, ${c['cost_per_hour']:.2f}/hour; "
-                     f"simulated whole at {doc['query']['qps']:g} req/s: {v['attainment']:.1%} attainment, "
-                     f"p99 TTFT {v['ttft_p99_s']:.3g} s, p99 TPOT {v['tpot_p99_s']:.3g} s")  # fmt: skip
+        lines.append(
+            f"{title}: {c['units']} x {c['label']} = {c['num_gpus']} GPUs, ${c['cost_per_hour']:.2f}/hour; "
+            f"simulated whole at {doc['query']['qps']:g} req/s: {v['attainment']:.1%} attainment, "
+            f"p99 TTFT {v['ttft_p99_s']:.3g} s, p99 TPOT {v['tpot_p99_s']:.3g} s"
+        )
     return lines

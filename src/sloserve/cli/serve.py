@@ -77,11 +77,26 @@ def _import_serve_extra(module: str):
     show_default=True,
     help="Batch lines in the engine at once (best-effort requests; the rest wait in the data dir).",
 )
-def serve(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, seed: int, host: str, port: int,
-          served_model_name: str | None, max_queued_requests: int, rt_ttft_ms: float | None,
-          rt_tpot_ms: float | None, request_log: Path | None, drain_timeout: float, log_level: str,
-          data_dir: Path | None, max_batch_file_mb: float, max_batch_lines: int, max_batch_lines_in_engine: int,
-          **options: Any) -> None:  # fmt: skip
+def serve(
+    scheduler: str,
+    set_pairs: tuple[str, ...],
+    cost_model: str | None,
+    seed: int,
+    host: str,
+    port: int,
+    served_model_name: str | None,
+    max_queued_requests: int,
+    rt_ttft_ms: float | None,
+    rt_tpot_ms: float | None,
+    request_log: Path | None,
+    drain_timeout: float,
+    log_level: str,
+    data_dir: Path | None,
+    max_batch_file_mb: float,
+    max_batch_lines: int,
+    max_batch_lines_in_engine: int,
+    **options: Any,
+) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics) with the chosen scheduler. Requests with service_tier "flex" are
     best-effort; the others real-time. With --data-dir, also the Files and Batch API (/v1/files,
@@ -97,18 +112,36 @@ def serve(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, se
     serve_module.check_address(host, port)
     from sloserve.engine.engine_core import EngineSpec
 
-    spec = EngineSpec(options["model"], scheduler, device=options["device"], dtype=options["dtype"], seed=seed,
-                      attention_backend=options["attention_backend"], cuda_graphs=options["cuda_graphs"],
-                      kv_capacity_tokens=options["kv_capacity_tokens"], max_model_len=options["max_model_len"],
-                      cost_model=cost_model, scheduler_options=set_options)  # fmt: skip
+    spec = EngineSpec(
+        options["model"],
+        scheduler,
+        device=options["device"],
+        dtype=options["dtype"],
+        seed=seed,
+        attention_backend=options["attention_backend"],
+        cuda_graphs=options["cuda_graphs"],
+        kv_capacity_tokens=options["kv_capacity_tokens"],
+        max_model_len=options["max_model_len"],
+        cost_model=cost_model,
+        scheduler_options=set_options,
+    )
     serve_options = serve_module.ServeOptions(
-        host=host, port=port, served_model_name=served_model_name or options["model"],
-        max_queued_requests=max_queued_requests, rt_ttft_ms=rt_ttft_ms, rt_tpot_ms=rt_tpot_ms,
-        request_log=request_log, drain_timeout_s=drain_timeout, log_level=log_level, data_dir=data_dir,
+        host=host,
+        port=port,
+        served_model_name=served_model_name or options["model"],
+        max_queued_requests=max_queued_requests,
+        rt_ttft_ms=rt_ttft_ms,
+        rt_tpot_ms=rt_tpot_ms,
+        request_log=request_log,
+        drain_timeout_s=drain_timeout,
+        log_level=log_level,
+        data_dir=data_dir,
         batch_limits=_import_serve_extra("sloserve.server.batch_api").BatchLimits(
-            max_file_bytes=int(max_batch_file_mb * 1024 * 1024), max_file_lines=max_batch_lines,
-            max_lines_in_engine=max_batch_lines_in_engine),
-    )  # fmt: skip
+            max_file_bytes=int(max_batch_file_mb * 1024 * 1024),
+            max_file_lines=max_batch_lines,
+            max_lines_in_engine=max_batch_lines_in_engine,
+        ),
+    )
     app = serve_module.make_app(spec, serve_options)
     click.echo(f"serving {serve_options.served_model_name} with {scheduler} on http://{host}:{port}/v1", err=True)
     serve_module.run_server(app, serve_options)
@@ -134,8 +167,16 @@ def serve(scheduler: str, set_pairs: tuple[str, ...], cost_model: str | None, se
 @click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="Per-request timeout (s).")
 @click.option("--out", type=click.Path(path_type=Path), help="Write summary.json, requests.csv and latency_cdf.png.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-def bench_serve(base_url: str, served_model: str, max_model_len: int | None, vocab_size: int, timeout_s: float,
-                out: Path | None, as_json: bool, **options: Any) -> None:  # fmt: skip
+def bench_serve(
+    base_url: str,
+    served_model: str,
+    max_model_len: int | None,
+    vocab_size: int,
+    timeout_s: float,
+    out: Path | None,
+    as_json: bool,
+    **options: Any,
+) -> None:
     """Replay a trace or workload against a running server (streamed completions, prompts of the
     trace's lengths, max_tokens = its output lengths with ignore_eos) and measure TTFT, TPOT,
     inter-token and end-to-end latency as the client sees them."""
@@ -151,12 +192,20 @@ def bench_serve(base_url: str, served_model: str, max_model_len: int | None, voc
     requests, chains = fresh_workload(workload)
     prompts = bench.synthetic_prompts(requests, vocab_size, options["seed"])
     with ProgressBar(len(requests), f"bench-serve {served_model}", enabled=not as_json) as on_progress:
-        result = bench.run_benchmark(base_url, served_model, requests, prompts, chains=chains, timeout_s=timeout_s,
-                                     on_progress=on_progress)  # fmt: skip
-    summary = bench.summarize_benchmark(result, extra={
-        "base_url": base_url, "model": served_model, "workload": workload.name, "num_clipped": workload.num_clipped,
-        "seed": options["seed"], "max_model_len": max_model_len,
-    })  # fmt: skip
+        result = bench.run_benchmark(
+            base_url, served_model, requests, prompts, chains=chains, timeout_s=timeout_s, on_progress=on_progress
+        )
+    summary = bench.summarize_benchmark(
+        result,
+        extra={
+            "base_url": base_url,
+            "model": served_model,
+            "workload": workload.name,
+            "num_clipped": workload.num_clipped,
+            "seed": options["seed"],
+            "max_model_len": max_model_len,
+        },
+    )
     if out is not None:
         bench.write_outputs(out, summary, result)
     if result.errors:
@@ -169,7 +218,12 @@ def bench_serve(base_url: str, served_model: str, max_model_len: int | None, voc
         return
     from sloserve.metrics import compare_table
 
-    print_table(compare_table({served_model: summary}, f"bench-serve: {base_url}, {workload.name}, "
-                               f"{len(requests)} requests", table_width()))  # fmt: skip
+    print_table(
+        compare_table(
+            {served_model: summary},
+            f"bench-serve: {base_url}, {workload.name}, {len(requests)} requests",
+            table_width(),
+        )
+    )
     if out is not None:
         click.echo(f"wrote {out}/summary.json, requests.csv and latency_cdf.png")

@@ -76,8 +76,11 @@ def compare(schedulers: str, set_pairs: tuple[str, ...], out: Path | None, as_js
             write_outputs(out / name, summary)
         (out / "compare.json").write_text(summary_to_json({n: public(s) for n, s in summaries.items()}))
         first = next(iter(summaries.values()))
-        plot_compare_bars({n: public(s) for n, s in summaries.items()}, out / "compare.png",
-                          title=f"{caption(first, with_scheduler=False)}, {len(workload)} requests")  # fmt: skip
+        plot_compare_bars(
+            {n: public(s) for n, s in summaries.items()},
+            out / "compare.png",
+            title=f"{caption(first, with_scheduler=False)}, {len(workload)} requests",
+        )
     if as_json:
         click.echo(summary_to_json({n: public(s) for n, s in summaries.items()}))
     else:
@@ -112,8 +115,16 @@ def _split_set_options(pairs: tuple[str, ...], names: list[str]) -> dict[str, di
 @click.option("--metric", default="normalized_latency_s", show_default=True, help="Summary key to plot.")
 @parallel_options
 @click.option("--out", type=click.Path(path_type=Path), default=Path("sweep-out"), show_default=True)
-def sweep(rates: str, schedulers: str, set_pairs: tuple[str, ...], metric: str, workers: int | None,
-          ray_address: str | None, out: Path, **options: Any) -> None:  # fmt: skip
+def sweep(
+    rates: str,
+    schedulers: str,
+    set_pairs: tuple[str, ...],
+    metric: str,
+    workers: int | None,
+    ray_address: str | None,
+    out: Path,
+    **options: Any,
+) -> None:
     """Rate sweep: the metric (default normalized latency) against request rate, per scheduler.
     Runs one by one, or on Ray with --workers N / --ray-address (the same results)."""
     from sloserve.metrics import summary_to_json, sweep_table
@@ -142,10 +153,21 @@ def sweep(rates: str, schedulers: str, set_pairs: tuple[str, ...], metric: str, 
     for (_, name, _, rate), summary in zip(calls, [first, *rest], strict=True):
         results[name].append((rate, summary))
     out.mkdir(parents=True, exist_ok=True)
-    what = " · ".join(x for x in (caption(first, with_scheduler=False, with_workload=False),
-                                  str(first.get("workload", "")).split("@")[0]) if x)  # fmt: skip
-    plot_sweep(results, out / f"sweep_{metric}.png", metric=metric, logy=True,
-               title=f"{metric} vs request rate{': ' + what if what else ''}")  # fmt: skip
+    what = " · ".join(
+        x
+        for x in (
+            caption(first, with_scheduler=False, with_workload=False),
+            str(first.get("workload", "")).split("@")[0],
+        )
+        if x
+    )
+    plot_sweep(
+        results,
+        out / f"sweep_{metric}.png",
+        metric=metric,
+        logy=True,
+        title=f"{metric} vs request rate{': ' + what if what else ''}",
+    )
     (out / "sweep.json").write_text(summary_to_json({n: [{"rate": r, **s} for r, s in v] for n, v in results.items()}))
     print_table(sweep_table(results, metric))
     click.echo(f"wrote {out}/sweep_{metric}.png and {out}/sweep.json")

@@ -223,8 +223,9 @@ class Request:
                 self.max_token_gap = gap
         self.last_token_time = now
 
-    def record_token_run(self, first: float, last: float, max_inner_gap: float,
-                         times: Sequence[float] | None = None) -> None:  # fmt: skip
+    def record_token_run(
+        self, first: float, last: float, max_inner_gap: float, times: Sequence[float] | None = None
+    ) -> None:
         """Record a run of consecutive tokens (a cohort stretch) by its first and last time and the
         largest gap inside it (NaN when the run is one token); ``times``, every token's time, is
         needed only when ``token_times`` is kept."""

@@ -86,7 +86,7 @@ def batch_shape(output: SchedulerOutput) -> BatchShape:
             output.swap_bytes,
             output.swap_overlapped,
             longest,
-        ),  # fmt: skip
+        ),
     )
 
 

@@ -11,12 +11,14 @@ def prefill_shape(num_tokens: int, prompt_tokens: int) -> BatchShape:
     """A prefill-only batch of ``num_tokens`` made of prompts of ``prompt_tokens`` (the last shorter)."""
     full, rest = divmod(num_tokens, prompt_tokens)
     chunks = [prompt_tokens] * full + ([rest] if rest else [])
-    return BatchShape(num_prefill=len(chunks), prefill_tokens=num_tokens,
-                      prefill_attention_work=sum(c * c for c in chunks))  # fmt: skip
+    return BatchShape(
+        num_prefill=len(chunks), prefill_tokens=num_tokens, prefill_attention_work=sum(c * c for c in chunks)
+    )
 
 
-def saturating_forward_size(cost_model: CostModel, max_tokens: int, *, fraction: float = 0.95,
-                            prompt_tokens: int = 128, step: int = 16) -> int:  # fmt: skip
+def saturating_forward_size(
+    cost_model: CostModel, max_tokens: int, *, fraction: float = 0.95, prompt_tokens: int = 128, step: int = 16
+) -> int:
     """EconoServe's target forward size (TFS, §2.1: "the forward size that saturates GPU
     utilization"): the smallest forward size (a multiple of ``step``, at most ``max_tokens``) whose
     throughput in tokens/s reaches ``fraction`` of the best over all sizes up to ``max_tokens``.
@@ -59,8 +61,9 @@ def jct_slo_s(cost_model: CostModel, num_prompt_tokens: int, num_output_tokens: 
     return scale * (t_p + t_g * num_output_tokens)
 
 
-def kv_bound_throughput_rps(cost_model: CostModel, prompts: list[int], outputs: list[int],
-                            kv_capacity_tokens: int) -> float:  # fmt: skip
+def kv_bound_throughput_rps(
+    cost_model: CostModel, prompts: list[int], outputs: list[int], kv_capacity_tokens: int
+) -> float:
     """The KV bound: requests/s of a GPU whose KV cache is full of decoding requests at every step.
 
     A request of I prompt and O output tokens holds I + t tokens of KV at its t-th decode step

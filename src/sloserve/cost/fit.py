@@ -117,8 +117,12 @@ def feature_matrix(shapes: Sequence[BatchShape], knee_tokens: float = 0.0, longe
     return np.array(rows, dtype=np.float64).reshape(len(rows), len(FEATURE_ORDER) + longest)
 
 
-def _nnls(shapes: Sequence[BatchShape], times: np.ndarray, knee_tokens: float, longest: bool = False,
-          ) -> tuple[np.ndarray, np.ndarray, int, float]:  # fmt: skip
+def _nnls(
+    shapes: Sequence[BatchShape],
+    times: np.ndarray,
+    knee_tokens: float,
+    longest: bool = False,
+) -> tuple[np.ndarray, np.ndarray, int, float]:
     """(coefficients in whole-model seconds, columns used, rank, residual) of the least-squares fit of
     relative errors with the given knee (and ``w_d`` with ``longest``)."""
     import scipy.optimize  # NOTE: here, not at the top: `sloserve.cost` must not load scipy for every run
@@ -135,8 +139,12 @@ def _nnls(shapes: Sequence[BatchShape], times: np.ndarray, knee_tokens: float, l
     return coef, used, rank, float(residual)
 
 
-def _fit_floor(shapes: Sequence[BatchShape], times: np.ndarray, knee_tokens: float, longest: bool = False,
-               ) -> tuple[np.ndarray, np.ndarray, int, float]:  # fmt: skip
+def _fit_floor(
+    shapes: Sequence[BatchShape],
+    times: np.ndarray,
+    knee_tokens: float,
+    longest: bool = False,
+) -> tuple[np.ndarray, np.ndarray, int, float]:
     """(the coefficients in whole-model seconds per unit, in ``FEATURE_ORDER``, then ``w_d`` with
     ``longest``, then the floors (floor_p, floor_d) in seconds; which of them the data identifies;
     the rank of the linear features; the residual) of the floor form with the given knee, as
@@ -163,8 +171,10 @@ def _fit_floor(shapes: Sequence[BatchShape], times: np.ndarray, knee_tokens: flo
     straight, _ = scipy.optimize.nnls(scaled[:, used], np.ones(len(times)))
     start = np.zeros(x.shape[1] + 2)
     start[:-2][used] = straight
-    shortest = [times[has_prefill].min() if has_prefill.any() else 0.0,
-                times[~has_prefill].min() if (~has_prefill).any() else 0.0]  # fmt: skip
+    shortest = [
+        times[has_prefill].min() if has_prefill.any() else 0.0,
+        times[~has_prefill].min() if (~has_prefill).any() else 0.0,
+    ]
     best = None
     for floors in ([0.0, 0.0], shortest):
         start[-2:] = np.asarray(floors) / unit

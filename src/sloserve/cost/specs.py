@@ -113,7 +113,7 @@ class HardwareSpec:
 
 
 # Models: values from each model's Hugging Face config.json; num_params is the exact count of the
-# released checkpoint (equal to the count derived from the config, checked in tests/test_cost.py).
+# released checkpoint (equal to the count derived from the config, checked in tests/cost/test_cost.py).
 MODELS: dict[str, ModelSpec] = {
     m.name: m
     for m in (

@@ -65,8 +65,16 @@ class ServedRequest:
     times are ends of engine steps), so TTFT and TPOT mean what they mean in the simulator.
     """
 
-    def __init__(self, request_id: int, arrival_time: float, prompt_token_ids: list[int], params: SamplingParams,
-                 request_class: RequestClass, slo: SLO, loop: asyncio.AbstractEventLoop) -> None:  # fmt: skip
+    def __init__(
+        self,
+        request_id: int,
+        arrival_time: float,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_class: RequestClass,
+        slo: SLO,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
         self.request_id = request_id
         self.arrival_time = arrival_time
         self.prompt_token_ids = prompt_token_ids
@@ -136,8 +144,9 @@ class AsyncLLMEngine:
     raises ``QueueFullError`` beyond it).
     """
 
-    def __init__(self, spec: EngineSpec, *, max_queued_requests: int = 1024,
-                 observer: EngineObserver | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, spec: EngineSpec, *, max_queued_requests: int = 1024, observer: EngineObserver | None = None
+    ) -> None:
         if max_queued_requests < 1:
             raise ConfigError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
         self.spec = spec
@@ -178,8 +187,9 @@ class AsyncLLMEngine:
         """Start the engine process and wait until its model is loaded."""
         context = multiprocessing.get_context("spawn")  # NOTE: no fork of a process with threads
         parent, child = context.Pipe()
-        self._process = context.Process(target=run_core, args=(self.spec, child, self._start), name="sloserve-engine",
-                                        daemon=True)  # fmt: skip
+        self._process = context.Process(
+            target=run_core, args=(self.spec, child, self._start), name="sloserve-engine", daemon=True
+        )
         self._process.start()
         child.close()
         self._conn = parent
@@ -195,10 +205,14 @@ class AsyncLLMEngine:
             raise ConfigError(payload)
         self.info = payload
         self._scheduler = make_scheduler(
-            self.spec.scheduler, kv_capacity_tokens=payload.kv_capacity_tokens, max_model_len=payload.max_model_len,
-            kv_bytes_per_token=payload.kv_bytes_per_token, swap_space_tokens=payload.swap_space_tokens,
-            options=self.spec.scheduler_options, cost_model=engine_cost_model(self.spec.cost_model),
-        )  # fmt: skip
+            self.spec.scheduler,
+            kv_capacity_tokens=payload.kv_capacity_tokens,
+            max_model_len=payload.max_model_len,
+            kv_bytes_per_token=payload.kv_bytes_per_token,
+            swap_space_tokens=payload.swap_space_tokens,
+            options=self.spec.scheduler_options,
+            cost_model=engine_cost_model(self.spec.cost_model),
+        )
         self._reader = threading.Thread(target=self._read, name="sloserve-engine-reader", daemon=True)
         self._reader.start()
         return payload
@@ -230,8 +244,13 @@ class AsyncLLMEngine:
             raise ShuttingDownError("the server is shutting down and accepts no new requests")
         assert self.info is not None, "start() first"
         prompt = list(prompt_token_ids)
-        params = check_request(prompt, params, max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size,
-                               kv_capacity_tokens=self.info.kv_capacity_tokens)  # fmt: skip
+        params = check_request(
+            prompt,
+            params,
+            max_model_len=self.info.max_model_len,
+            vocab_size=self.info.vocab_size,
+            kv_capacity_tokens=self.info.kv_capacity_tokens,
+        )
         with self._lock:
             if self._num_queued >= self.max_queued_requests:
                 raise QueueFullError(

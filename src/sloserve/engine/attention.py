@@ -95,8 +95,11 @@ class AttentionMetadata:
         for members, longest in groups:
             rows = torch.tensor(members, dtype=torch.int64, device=device)
             valid = torch.arange(longest, device=device) < self.decode_context_lens[rows].unsqueeze(1)  # (b, L)
-            out.append(DecodeGroup(rows, self.decode_token_index[rows], self.decode_slots[rows, :longest],
-                                   valid[:, None, None, :]))  # fmt: skip
+            out.append(
+                DecodeGroup(
+                    rows, self.decode_token_index[rows], self.decode_slots[rows, :longest], valid[:, None, None, :]
+                )
+            )
         return out
 
     @cached_property

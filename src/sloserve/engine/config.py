@@ -66,8 +66,16 @@ class ModelConfig:
                 f"model {self.name}: unsupported architecture {self.model_type!r}; "
                 f"supported: {', '.join(sorted(ARCHITECTURES))}"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):  # fmt: skip
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"model {self.name}: {name} must be a positive integer, got {value!r}")

@@ -104,8 +104,9 @@ class DecodeGraphs:
         )
 
     def _forward(self, size: int) -> torch.Tensor:  # (size, H)
-        return self.model(self.inputs[TOKEN_IDS, :size], self.inputs[POSITIONS, :size], self.cache.gpu,
-                          self._metadata(size))  # fmt: skip
+        return self.model(
+            self.inputs[TOKEN_IDS, :size], self.inputs[POSITIONS, :size], self.cache.gpu, self._metadata(size)
+        )
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

@@ -56,11 +56,23 @@ class EngineSpec:
         from sloserve.engine.llm_engine import LLMEngine
         from sloserve.engine.loader import load_model
 
-        loaded = load_model(self.model, device=self.device, dtype=self.dtype, seed=self.seed,
-                            attention_backend=self.attention_backend, cuda_graphs=self.cuda_graphs)  # fmt: skip
-        return LLMEngine(loaded, self.scheduler, kv_capacity_tokens=self.kv_capacity_tokens,
-                         max_model_len=self.max_model_len, cost_model=self.cost_model, seed=self.seed,
-                         scheduler_options=self.scheduler_options)  # fmt: skip
+        loaded = load_model(
+            self.model,
+            device=self.device,
+            dtype=self.dtype,
+            seed=self.seed,
+            attention_backend=self.attention_backend,
+            cuda_graphs=self.cuda_graphs,
+        )
+        return LLMEngine(
+            loaded,
+            self.scheduler,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            max_model_len=self.max_model_len,
+            cost_model=self.cost_model,
+            seed=self.seed,
+            scheduler_options=self.scheduler_options,
+        )
 
     def tokenizer(self) -> ByteTokenizer | HFTokenizer | None:
         """The model's tokenizer, without loading the model (the server side encodes prompts)."""
@@ -163,8 +175,15 @@ class EngineCore:
         kind = command[0]
         if kind == "add":
             add: AddRequest = command[1]
-            request = Request(add.request_id, add.arrival_time, len(add.prompt_token_ids), add.params.max_tokens,
-                              add.params.max_tokens, add.request_class, add.slo)  # fmt: skip
+            request = Request(
+                add.request_id,
+                add.arrival_time,
+                len(add.prompt_token_ids),
+                add.params.max_tokens,
+                add.params.max_tokens,
+                add.request_class,
+                add.slo,
+            )
             self.engine.add_request(add.prompt_token_ids, add.params, add.arrival_time, request=request)
             self.live[add.request_id] = _Live(request, Detokenizer(self.tokenizer, add.stop))
         elif kind == "abort":
@@ -187,8 +206,15 @@ class EngineCore:
 
     def _output(self, live: _Live, text: str, token_ids: list[int], finish_reason: str | None) -> Output:
         r = live.request
-        return Output(r.request_id, text, token_ids, finish_reason, r.first_token_time, r.last_token_time,
-                      self.clock() if finish_reason else float("nan"))  # fmt: skip
+        return Output(
+            r.request_id,
+            text,
+            token_ids,
+            finish_reason,
+            r.first_token_time,
+            r.last_token_time,
+            self.clock() if finish_reason else float("nan"),
+        )
 
     def publish(self, finished: list[Request]) -> None:
         """Send every live request the tokens and text this step gave it; release finished ones."""
@@ -232,9 +258,15 @@ class EngineCore:
             if live.request.status in counts:
                 counts[live.request.status] += 1
         scheduler = self.engine.scheduler
-        return EngineStats(counts[RequestStatus.WAITING], counts[RequestStatus.RUNNING], counts[RequestStatus.SWAPPED],
-                           scheduler.kv_used_tokens(), scheduler.kv.allocated_tokens, scheduler.kv.capacity_tokens,
-                           scheduler.num_preemptions)  # fmt: skip
+        return EngineStats(
+            counts[RequestStatus.WAITING],
+            counts[RequestStatus.RUNNING],
+            counts[RequestStatus.SWAPPED],
+            scheduler.kv_used_tokens(),
+            scheduler.kv.allocated_tokens,
+            scheduler.kv.capacity_tokens,
+            scheduler.num_preemptions,
+        )
 
 
 def run_core(spec: EngineSpec, conn: Connection, clock_start: float) -> None:
@@ -248,8 +280,18 @@ def run_core(spec: EngineSpec, conn: Connection, clock_start: float) -> None:
         conn.send(("failed", traceback.format_exc()))
         return
     kv = engine.scheduler.kv
-    conn.send(("ready", EngineInfo(engine.max_model_len, engine.loaded.config.vocab_size, kv.capacity_tokens,
-                                   kv.cpu.num_blocks * kv.block_size, _bytes_per_token(engine))))  # fmt: skip
+    conn.send(
+        (
+            "ready",
+            EngineInfo(
+                engine.max_model_len,
+                engine.loaded.config.vocab_size,
+                kv.capacity_tokens,
+                kv.cpu.num_blocks * kv.block_size,
+                _bytes_per_token(engine),
+            ),
+        )
+    )
     core = EngineCore(engine, engine.loaded.tokenizer, clock_start, conn)
     try:
         core.run()

@@ -191,8 +191,13 @@ def gguf_tokenizer(checkpoint: GGUFCheckpoint):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     types = meta.get("tokenizer.ggml.token_type") or []
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, kind in zip(tokens, types, strict=False) if kind == TOKEN_TYPE_CONTROL])  # fmt: skip
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(tokens, types, strict=False)
+            if kind == TOKEN_TYPE_CONTROL
+        ]
+    )
     bos = meta.get("tokenizer.ggml.bos_token_id")
     if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
         tok.post_processor = processors.TemplateProcessing(

@@ -65,8 +65,9 @@ class LLM:
         cuda_graphs: bool | None = None,
         **scheduler_options: Any,
     ) -> None:
-        self.loaded = load_model(model, device=device, dtype=dtype, seed=seed, attention_backend=attention_backend,
-                                 cuda_graphs=cuda_graphs)  # fmt: skip
+        self.loaded = load_model(
+            model, device=device, dtype=dtype, seed=seed, attention_backend=attention_backend, cuda_graphs=cuda_graphs
+        )
         self.engine = LLMEngine(
             self.loaded,
             scheduler,

@@ -155,9 +155,13 @@ class LLMEngine:
         )
         kv = self.scheduler.kv
         self.cache = KVCacheTensor(
-            config, kv.gpu.num_blocks * kv.block_size, kv.cpu.num_blocks * kv.block_size, kv.block_size,
-            loaded.dtype, loaded.device,
-        )  # fmt: skip
+            config,
+            kv.gpu.num_blocks * kv.block_size,
+            kv.cpu.num_blocks * kv.block_size,
+            kv.block_size,
+            loaded.dtype,
+            loaded.device,
+        )
         graphs = None
         if loaded.cuda_graphs:
             graphs = DecodeGraphs(loaded.model, self.cache, self.max_model_len, kv.table_block_size)
@@ -170,9 +174,14 @@ class LLMEngine:
         self, prompt_token_ids: Sequence[int], params: SamplingParams, where: str = "prompt"
     ) -> SamplingParams:
         """Validate one request (``check_request``); returns its params with ``max_tokens`` cut to the context."""
-        return check_request(prompt_token_ids, params, max_model_len=self.max_model_len,
-                             vocab_size=self.loaded.config.vocab_size,
-                             kv_capacity_tokens=self.scheduler.kv.capacity_tokens, where=where)  # fmt: skip
+        return check_request(
+            prompt_token_ids,
+            params,
+            max_model_len=self.max_model_len,
+            vocab_size=self.loaded.config.vocab_size,
+            kv_capacity_tokens=self.scheduler.kv.capacity_tokens,
+            where=where,
+        )
 
     def add_request(
         self,

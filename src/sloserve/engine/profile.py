@@ -140,8 +140,9 @@ def profile(
     times = [statistics.median(ts) for ts in samples]
     held_out = [i for i in range(len(points)) if i % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1]
     train = [i for i in range(len(points)) if i % HOLD_OUT_EVERY != HOLD_OUT_EVERY - 1]
-    fit = fit_linear_shapes([shapes[i] for i in train], [times[i] for i in train], num_layers=c.num_hidden_layers,
-                            name=name, form=form)  # fmt: skip
+    fit = fit_linear_shapes(
+        [shapes[i] for i in train], [times[i] for i in train], num_layers=c.num_hidden_layers, name=name, form=form
+    )
     model = LinearCostModel(fit.coefficients)
     rel = np.array([abs(model.batch_time(shapes[i]).total_s - times[i]) / times[i] for i in held_out])
     return ProfileResult(fit, shapes, times, held_out, float(rel.mean()), float(rel.max()))

@@ -130,9 +130,26 @@ def _decode_kernel(
         n_ok = n < context_len
         slots = tl.load(slot_table_ptr + seq * stride_table_row + n, mask=n_ok, other=0)  # (BLOCK_N,)
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, slots, n_ok, n_ok[None, :], kv_head, d, d_ok,
-            stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, qk_scale, INPUT_PRECISION, True,
-        )  # fmt: skip
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_cache_ptr,
+            v_cache_ptr,
+            slots,
+            n_ok,
+            n_ok[None, :],
+            kv_head,
+            d,
+            d_ok,
+            stride_k_slot,
+            stride_k_head,
+            stride_v_slot,
+            stride_v_head,
+            qk_scale,
+            INPUT_PRECISION,
+            True,
+        )
     # NOTE: every decode sees at least its own token, so l_i > 0 on the rows that are stored.
     out = acc / tl.where(g_ok, l_i, 1.0)[:, None]
     o_offsets = token * stride_o_token + heads[:, None] * stride_o_head + d[None, :]
@@ -197,18 +214,52 @@ def _prefill_kernel(
         n = start + tl.arange(0, BLOCK_N)
         slots = tl.load(slots_ptr + slot_start + n)  # (BLOCK_N,) all inside the context
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, slots, n, n, kv_head, d, d_ok,  # (masks unused)
-            stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, qk_scale, INPUT_PRECISION, False,
-        )  # fmt: skip
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_cache_ptr,
+            v_cache_ptr,
+            slots,
+            n,
+            n,
+            kv_head,
+            d,
+            d_ok,  # (masks unused)
+            stride_k_slot,
+            stride_k_head,
+            stride_v_slot,
+            stride_v_head,
+            qk_scale,
+            INPUT_PRECISION,
+            False,
+        )
     for start in range(full, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < context_len
         slots = tl.load(slots_ptr + slot_start + n, mask=n_ok, other=0)  # (BLOCK_N,)
         visible = (n[None, :] <= positions[:, None]) & n_ok[None, :]  # (BLOCK_M, BLOCK_N) causal
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, slots, n_ok, visible, kv_head, d, d_ok,
-            stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, qk_scale, INPUT_PRECISION, True,
-        )  # fmt: skip
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_cache_ptr,
+            v_cache_ptr,
+            slots,
+            n_ok,
+            visible,
+            kv_head,
+            d,
+            d_ok,
+            stride_k_slot,
+            stride_k_head,
+            stride_v_slot,
+            stride_v_head,
+            qk_scale,
+            INPUT_PRECISION,
+            True,
+        )
     out = acc / tl.where(rows_ok, l_i, 1.0)[:, None]
     o_offsets = (query_start + rows)[:, None] * stride_o_token + head * stride_o_head + d[None, :]
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & d_ok[None, :])
@@ -248,24 +299,57 @@ class TritonAttention(AttentionBackend):
             packed = meta.packed_prefills
             grid = (len(meta.prefills), triton.cdiv(packed.max_query_len, self.block_m), num_heads)
             _prefill_kernel[grid](
-                q, k_cache, v_cache, out,
-                packed.query_starts, packed.query_lens, packed.context_lens, packed.slot_starts, packed.slots,
-                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-                v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+                q,
+                k_cache,
+                v_cache,
+                out,
+                packed.query_starts,
+                packed.query_lens,
+                packed.context_lens,
+                packed.slot_starts,
+                packed.slots,
+                q.stride(0),
+                q.stride(1),
+                k_cache.stride(0),
+                k_cache.stride(1),
+                v_cache.stride(0),
+                v_cache.stride(1),
+                out.stride(0),
+                out.stride(1),
                 qk_scale,
-                GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-                BLOCK_M=self.block_m, BLOCK_N=self.block_n, INPUT_PRECISION=precision,
-            )  # fmt: skip
+                GROUP=group,
+                HEAD_DIM=head_dim,
+                HEAD_DIM_PAD=head_dim_pad,
+                BLOCK_M=self.block_m,
+                BLOCK_N=self.block_n,
+                INPUT_PRECISION=precision,
+            )
         num_decodes = meta.decode_token_index.numel()
         if num_decodes:
             table = meta.decode_slots
             _decode_kernel[(num_decodes, num_kv_heads)](
-                q, k_cache, v_cache, out,
-                meta.decode_token_index, table, meta.decode_context_lens,
-                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-                v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), table.stride(0),
+                q,
+                k_cache,
+                v_cache,
+                out,
+                meta.decode_token_index,
+                table,
+                meta.decode_context_lens,
+                q.stride(0),
+                q.stride(1),
+                k_cache.stride(0),
+                k_cache.stride(1),
+                v_cache.stride(0),
+                v_cache.stride(1),
+                out.stride(0),
+                out.stride(1),
+                table.stride(0),
                 qk_scale,
-                GROUP=group, GROUP_PAD=_pow2_at_least_16(group), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-                BLOCK_N=self.block_n, INPUT_PRECISION=precision,
-            )  # fmt: skip
+                GROUP=group,
+                GROUP_PAD=_pow2_at_least_16(group),
+                HEAD_DIM=head_dim,
+                HEAD_DIM_PAD=head_dim_pad,
+                BLOCK_N=self.block_n,
+                INPUT_PRECISION=precision,
+            )
         return out

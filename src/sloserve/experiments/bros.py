@@ -36,8 +36,11 @@ SETTINGS = {
     "opt-30b": ("opt-30b", "a100-40gb", 4, None),
     "llama-3-70b": ("llama-3-70b", "a100-80gb", 4, "llama-3-70b-4xa100"),
 }
-LABELS = {"opt-13b": "OPT-13B, 2x A100-40GB", "opt-30b": "OPT-30B, 4x A100-40GB",
-          "llama-3-70b": "Llama-3-70B, 4x A100-80GB"}  # fmt: skip
+LABELS = {
+    "opt-13b": "OPT-13B, 2x A100-40GB",
+    "opt-30b": "OPT-30B, 4x A100-40GB",
+    "llama-3-70b": "Llama-3-70B, 4x A100-80GB",
+}
 PHASES = ("rt_ordering", "rt_packing", "be_packing", "kv_blocks")
 
 
@@ -48,8 +51,13 @@ BE_BATCHES_PER_RT_SECOND = 0.25
 MIN_BE_BATCHES = 8
 
 
-def hybrid_workload(workload: str, rate: float, num_rt_requests: int, context_len: int,
-                    be_batches_per_rt_second: float = BE_BATCHES_PER_RT_SECOND):  # fmt: skip
+def hybrid_workload(
+    workload: str,
+    rate: float,
+    num_rt_requests: int,
+    context_len: int,
+    be_batches_per_rt_second: float = BE_BATCHES_PER_RT_SECOND,
+):
     """``workload`` with ``num_rt_requests`` RT requests at ``rate`` and closed-loop BE batches,
     ``be_batches_per_rt_second`` of them per second of the RT arrival span."""
     spec = with_rt_rate(load_workload_spec(workload), rate)
@@ -85,8 +93,14 @@ def _setting(setting: str):
     return model, cost, kv_capacity_tokens(model, gpu, num_gpus=num_gpus)
 
 
-def run_hybrid(name: str, rate: float, num_rt_requests: int, workload: str = "bros-sharegpt",
-               setting: str = "opt-13b", options: dict | None = None) -> dict:  # fmt: skip
+def run_hybrid(
+    name: str,
+    rate: float,
+    num_rt_requests: int,
+    workload: str = "bros-sharegpt",
+    setting: str = "opt-13b",
+    options: dict | None = None,
+) -> dict:
     """One run of ``name`` (with scheduler ``options``) at RT rate ``rate``: the per-class metrics
     of Figure 10 and the per-iteration time breakdown of Figure 14. BE throughput is measured while
     RT requests are served (first RT arrival to last RT finish): BE is the filler, and its closed
@@ -97,8 +111,14 @@ def run_hybrid(name: str, rate: float, num_rt_requests: int, workload: str = "br
     built_schedulers = []
 
     def factory():
-        sched = make_scheduler(name, kv_capacity_tokens=capacity, max_model_len=model.max_context_len,
-                               kv_bytes_per_token=model.kv_bytes_per_token, options=options, cost_model=cost)  # fmt: skip
+        sched = make_scheduler(
+            name,
+            kv_capacity_tokens=capacity,
+            max_model_len=model.max_context_len,
+            kv_bytes_per_token=model.kv_bytes_per_token,
+            options=options,
+            cost_model=cost,
+        )
         built_schedulers.append(sched)
         return sched
 
@@ -122,8 +142,13 @@ def run_hybrid(name: str, rate: float, num_rt_requests: int, workload: str = "br
     ttft_ok = int((table["ttft_s"] <= slo_ttft + SLO_TOLERANCE_S).sum())
     # A one-token output has no TPOT and meets any TPOT SLO (as in the summary's slo_met).
     tpot_ok = int((np.isnan(table["tpot_s"]) | (table["tpot_s"] <= slo_tpot + SLO_TOLERANCE_S)).sum())
-    groups = token_group_attainment(rt, BrosConfig.default_ttft_s, BrosConfig.default_tpot_s,
-                                    BrosConfig.token_group_size, tolerance_s=SLO_TOLERANCE_S)  # fmt: skip
+    groups = token_group_attainment(
+        rt,
+        BrosConfig.default_ttft_s,
+        BrosConfig.default_tpot_s,
+        BrosConfig.token_group_size,
+        tolerance_s=SLO_TOLERANCE_S,
+    )
     steps = len(result.timeline)
     copied = sum(getattr(x.kv, "checkpointed_bytes", 0) + getattr(x.kv, "restored_bytes", 0) for x in built_schedulers)
     iteration_s = float(result.timeline.column("duration_s").sum())
@@ -168,13 +193,23 @@ def fig10(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dic
     if quick:
         grid = [("bros-sharegpt", "opt-13b", (2.0, 6.0))]
     else:  # (a)-(c) ShareGPT and (d)-(f) LMSYS RT requests, OPT-13B and Llama-3-70B
-        grid = [(w, setting, rates) for w in ("bros-sharegpt", "bros-lmsys")
-                for setting, rates in (("opt-13b", (2.0, 4.0, 6.0, 8.0, 10.0)), ("llama-3-70b", (1.0, 2.0, 3.0)))]  # fmt: skip
+        grid = [
+            (w, setting, rates)
+            for w in ("bros-sharegpt", "bros-lmsys")
+            for setting, rates in (("opt-13b", (2.0, 4.0, 6.0, 8.0, 10.0)), ("llama-3-70b", (1.0, 2.0, 3.0)))
+        ]
         # NOTE: Llama-3-70B runs on the measured 4x A100 preset, half the paper's eight GPUs: the
         # paper's 5-15 req/s overload it (TTFT attainment <= 20% for every scheduler at 5), so lower rates.
     n = 400 if quick else 2000  # RT requests per run (§7.1: 2,000)
-    rows = executor.map(run_hybrid, [(name, rate, n, workload, setting) for workload, setting, rates in grid
-                                     for rate in rates for name in SCHEDULERS])  # fmt: skip
+    rows = executor.map(
+        run_hybrid,
+        [
+            (name, rate, n, workload, setting)
+            for workload, setting, rates in grid
+            for rate in rates
+            for name in SCHEDULERS
+        ],
+    )
     write_csv(rows, out / "bros_fig10.csv")
     for r in rows:
         r["panel"] = f"{LABELS[r['model']]}\n{r['workload']}"
@@ -195,8 +230,11 @@ def fig10(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dic
     lines = []
     for workload, setting, rates in grid:
         for rate in rates:
-            cell = {r["scheduler"]: r for r in rows
-                    if (r["workload"], r["model"], r["rt_rate"]) == (workload, setting, rate)}  # fmt: skip
+            cell = {
+                r["scheduler"]: r
+                for r in rows
+                if (r["workload"], r["model"], r["rt_rate"]) == (workload, setting, rate)
+            }
             b, v, p = cell["bros"], cell["vllm"], cell["vllm_priority"]
             lines.append(
                 f"{setting} {workload} RT rate {rate:g}: BROS RT normalized latency "
@@ -220,22 +258,37 @@ def fig10(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dic
     return rows, lines
 
 
-def run_rt_only(name: str, rate: float, num_requests: int, workload: str = "bros-sharegpt",
-                setting: str = "opt-13b") -> dict:  # fmt: skip
+def run_rt_only(
+    name: str, rate: float, num_requests: int, workload: str = "bros-sharegpt", setting: str = "opt-13b"
+) -> dict:
     """One run of the RT streams of ``workload`` alone at ``rate`` (Figure 12's microbenchmark):
     normalized latency, throughput and SLO attainment."""
     model, cost, capacity = _setting(setting)
     spec = with_rt_rate(load_workload_spec(workload), rate)
     rt_streams = [replace(st, num_requests=num_requests) for st in spec.streams if st.request_class is RequestClass.RT]
     requests = build_workload(replace(spec, streams=rt_streams), seed=0, context_len=model.max_context_len).requests
-    simulate(requests, lambda: make_scheduler(name, kv_capacity_tokens=capacity, max_model_len=model.max_context_len,
-                                              kv_bytes_per_token=model.kv_bytes_per_token, cost_model=cost), cost)  # fmt: skip
+    simulate(
+        requests,
+        lambda: make_scheduler(
+            name,
+            kv_capacity_tokens=capacity,
+            max_model_len=model.max_context_len,
+            kv_bytes_per_token=model.kv_bytes_per_token,
+            cost_model=cost,
+        ),
+        cost,
+    )
     table = request_table(requests)
     duration = float(np.nanmax(table["finish_s"]) - table["arrival_s"].min())
-    return {"scheduler": name, "model": setting, "workload": workload, "rt_rate": rate,
-            "normalized_latency_s": float(table["normalized_latency_s"].mean()),
-            "throughput_tps": float(table["output_tokens"].sum()) / duration,
-            "slo_attainment": float(table["slo_met"].mean())}  # fmt: skip
+    return {
+        "scheduler": name,
+        "model": setting,
+        "workload": workload,
+        "rt_rate": rate,
+        "normalized_latency_s": float(table["normalized_latency_s"].mean()),
+        "throughput_tps": float(table["output_tokens"].sum()) / duration,
+        "slo_attainment": float(table["slo_met"].mean()),
+    }
 
 
 # Figure 12: BROS without BE packing (nothing to pack) and without bidirectional blocks, against vLLM.
@@ -251,19 +304,32 @@ def fig12(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dic
     write_csv(rows, out / "bros_fig12.csv")
     for r in rows:
         r["panel"] = LABELS[r["model"]]
-    plot_grid(rows, out / "bros_fig12.png", ("normalized_latency_s", "throughput_tps", "slo_attainment"),
-              column="panel", x="rt_rate", title="BROS Figure 12: RT requests alone (ShareGPT)")  # fmt: skip
+    plot_grid(
+        rows,
+        out / "bros_fig12.png",
+        ("normalized_latency_s", "throughput_tps", "slo_attainment"),
+        column="panel",
+        x="rt_rate",
+        title="BROS Figure 12: RT requests alone (ShareGPT)",
+    )
     cells = {(r["scheduler"], r["rt_rate"]): r for r in rows}
-    latency = [cells["bros_nobicache", rate]["normalized_latency_s"] / cells["vllm", rate]["normalized_latency_s"] - 1
-               for rate in rates]  # fmt: skip
-    throughput = [cells["bros_nobicache", rate]["throughput_tps"] / cells["vllm", rate]["throughput_tps"]
-                  for rate in rates]  # fmt: skip
-    lines = [f"RT rate {rate:g}: BROS normalized latency {lat:+.0%} vs vLLM, throughput {tp:.2f}x, SLO attainment "
-             f"{cells['bros_nobicache', rate]['slo_attainment']:.0%} vs {cells['vllm', rate]['slo_attainment']:.0%}"
-             for rate, lat, tp in zip(rates, latency, throughput, strict=True)]  # fmt: skip
-    lines.append(f"mean over rates: normalized latency {np.mean(latency):+.1%}, throughput {np.mean(throughput):.2f}x; "
-                 "paper: -29.36% latency and 1.08x throughput vs vLLM (TGI, the paper's other baseline, is not "
-                 "implemented here)")  # fmt: skip
+    latency = [
+        cells["bros_nobicache", rate]["normalized_latency_s"] / cells["vllm", rate]["normalized_latency_s"] - 1
+        for rate in rates
+    ]
+    throughput = [
+        cells["bros_nobicache", rate]["throughput_tps"] / cells["vllm", rate]["throughput_tps"] for rate in rates
+    ]
+    lines = [
+        f"RT rate {rate:g}: BROS normalized latency {lat:+.0%} vs vLLM, throughput {tp:.2f}x, SLO attainment "
+        f"{cells['bros_nobicache', rate]['slo_attainment']:.0%} vs {cells['vllm', rate]['slo_attainment']:.0%}"
+        for rate, lat, tp in zip(rates, latency, throughput, strict=True)
+    ]
+    lines.append(
+        f"mean over rates: normalized latency {np.mean(latency):+.1%}, throughput {np.mean(throughput):.2f}x; "
+        "paper: -29.36% latency and 1.08x throughput vs vLLM (TGI, the paper's other baseline, is not "
+        "implemented here)"
+    )
     return rows, lines
 
 
@@ -283,10 +349,17 @@ def fig13(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dic
     ]
     rows = executor.map(run_hybrid, [(name, 10.0, n, "bros-sharegpt", "opt-30b", options) for name, options in runs])
     write_csv(rows, out / "bros_fig13.csv")
-    plot_bars(rows, out / "bros_fig13.png", (("ttft_attainment", "TTFT attainment"), ("tpot_attainment", "TPOT attainment"),
-                                             ("rt_normalized_latency_s", "RT normalized latency (s/token)"),
-                                             ("kv_copied_gb", "checkpoint + restore (GB)")),
-              f"BROS Figure 13: with / without bidirectional blocks, {LABELS['opt-30b']}, RT rate 10")  # fmt: skip
+    plot_bars(
+        rows,
+        out / "bros_fig13.png",
+        (
+            ("ttft_attainment", "TTFT attainment"),
+            ("tpot_attainment", "TPOT attainment"),
+            ("rt_normalized_latency_s", "RT normalized latency (s/token)"),
+            ("kv_copied_gb", "checkpoint + restore (GB)"),
+        ),
+        f"BROS Figure 13: with / without bidirectional blocks, {LABELS['opt-30b']}, RT rate 10",
+    )
     facing, free_first, without, recompute = rows
     lines = [
         f"TTFT attainment with Bi-cache (facing first / free block first, recompute dropping) / without: "
@@ -299,8 +372,10 @@ def fig13(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dic
         f"per token, BE throughput {facing['be_throughput_tps']:.0f} / {recompute['be_throughput_tps']:.0f} tokens/s",
     ]
     for label, row in (("facing first", facing), ("free block first", free_first), ("recompute dropping", recompute)):
-        lines.append(f"{label}: lazy checkpointing and restores moved {row['kv_copied_gb']:.2f} GB over the host link, "
-                     f"{row['kv_copy_time_share']:.1%} of the iteration time (overlapped with compute, §4.1)")  # fmt: skip
+        lines.append(
+            f"{label}: lazy checkpointing and restores moved {row['kv_copied_gb']:.2f} GB over the host link, "
+            f"{row['kv_copy_time_share']:.1%} of the iteration time (overlapped with compute, §4.1)"
+        )
     lines.append(
         f"RT normalized latency {facing['rt_normalized_latency_s']:.3f} / {free_first['rt_normalized_latency_s']:.3f} / "
         f"{without['rt_normalized_latency_s']:.3f} s per token; scheduling {facing['sched_time_share']:.1%} / "
@@ -316,21 +391,34 @@ def token_groups(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[l
     if quick:
         grid = [("bros-sharegpt", "opt-13b", (6.0,)), ("bros-lmsys", "llama-3-70b", (1.0,))]
     else:
-        grid = [("bros-sharegpt", "opt-13b", (2.0, 6.0, 10.0)), ("bros-sharegpt", "llama-3-70b", (1.0, 2.0, 3.0)),
-                ("bros-lmsys", "llama-3-70b", (1.0, 2.0, 3.0))]  # fmt: skip
+        grid = [
+            ("bros-sharegpt", "opt-13b", (2.0, 6.0, 10.0)),
+            ("bros-sharegpt", "llama-3-70b", (1.0, 2.0, 3.0)),
+            ("bros-lmsys", "llama-3-70b", (1.0, 2.0, 3.0)),
+        ]
     n = 400 if quick else 1000
     modes = (("per-token deadlines", None), ("token-group deadlines", {"deadlines": "token_group"}))
-    jobs = [(workload, setting, rate, label, options) for workload, setting, rates in grid for rate in rates
-            for label, options in modes]  # fmt: skip
-    rows = executor.map(run_hybrid, [("bros", rate, n, workload, setting, options)
-                                     for workload, setting, rate, _, options in jobs])  # fmt: skip
+    jobs = [
+        (workload, setting, rate, label, options)
+        for workload, setting, rates in grid
+        for rate in rates
+        for label, options in modes
+    ]
+    rows = executor.map(
+        run_hybrid, [("bros", rate, n, workload, setting, options) for workload, setting, rate, _, options in jobs]
+    )
     for (_, _, _, label, _), row in zip(jobs, rows, strict=True):
         row["scheduler"] = f"bros, {label}"
         row["panel"] = f"{LABELS[row['model']]}\n{row['workload']}"
     write_csv(rows, out / "bros_token_groups.csv")
-    plot_grid(rows, out / "bros_token_groups.png",
-              ("token_group_attainment", "ttft_attainment", "tpot_attainment", "be_throughput_tps"),
-              column="panel", x="rt_rate", title="BROS: per-token vs token-group deadlines")  # fmt: skip
+    plot_grid(
+        rows,
+        out / "bros_token_groups.png",
+        ("token_group_attainment", "ttft_attainment", "tpot_attainment", "be_throughput_tps"),
+        column="panel",
+        x="rt_rate",
+        title="BROS: per-token vs token-group deadlines",
+    )
     lines = []
     for per_token, by_group in zip(rows[::2], rows[1::2], strict=True):
         lines.append(

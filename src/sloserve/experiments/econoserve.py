@@ -43,8 +43,9 @@ TABLE2 = {
 
 def _workload(trace: str, num_requests: int, rate: float, context_len: int, seed: int = 0):
     source = "sharegpt" if trace in TABLE2 else trace
-    requests = workload_from_trace(source, num_requests=num_requests, seed=seed, context_len=context_len,
-                                   rate=rate).requests  # fmt: skip
+    requests = workload_from_trace(
+        source, num_requests=num_requests, seed=seed, context_len=context_len, rate=rate
+    ).requests
     if trace in TABLE2:
         (i_avg, i_min, i_max), (o_avg, o_min, o_max) = TABLE2[trace]
         i_scale = i_avg / np.mean([r.num_prompt_tokens for r in requests])
@@ -67,8 +68,14 @@ def kv_capacity(kv_setting: str = "12gb") -> int:
     return kv_capacity_tokens(model, get_gpu("a100-80gb"))
 
 
-def run_rate(name: str, rate: float, num_requests: int, trace: str = "sharegpt", options: dict | None = None,
-             kv_setting: str = "12gb") -> dict:  # fmt: skip
+def run_rate(
+    name: str,
+    rate: float,
+    num_requests: int,
+    trace: str = "sharegpt",
+    options: dict | None = None,
+    kv_setting: str = "12gb",
+) -> dict:
     """One run of ``name`` at ``rate`` req/s; EconoServe's metrics (Figures 9-11, 13)."""
     model, gpu = get_model("opt-13b"), get_gpu("a100-80gb")
     cost = build_cost_model(model, gpu)
@@ -84,8 +91,14 @@ def run_rate(name: str, rate: float, num_requests: int, trace: str = "sharegpt",
         opts = {"block_size": BLOCK_SIZE, **(options or {})}
         if role:
             opts["role"] = role
-        s = make_scheduler(policy, kv_capacity_tokens=capacity, max_model_len=model.max_context_len,
-                           kv_bytes_per_token=model.kv_bytes_per_token, options=opts, cost_model=cost)  # fmt: skip
+        s = make_scheduler(
+            policy,
+            kv_capacity_tokens=capacity,
+            max_model_len=model.max_context_len,
+            kv_bytes_per_token=model.kv_bytes_per_token,
+            options=opts,
+            cost_model=cost,
+        )
         schedulers.append(s)
         return s
 
@@ -160,9 +173,12 @@ def kv_bound_rps(trace: str, num_requests: int, kv_setting: str) -> float:
     """``cost.derived.kv_bound_throughput_rps`` for the workload of ``trace`` in ``kv_setting``."""
     model = get_model("opt-13b")
     requests = _workload(trace, num_requests, 1.0, model.max_context_len)
-    return kv_bound_throughput_rps(build_cost_model(model, get_gpu("a100-80gb")),
-                                   [r.num_prompt_tokens for r in requests], [r.true_output_tokens for r in requests],
-                                   kv_capacity(kv_setting))  # fmt: skip
+    return kv_bound_throughput_rps(
+        build_cost_model(model, get_gpu("a100-80gb")),
+        [r.num_prompt_tokens for r in requests],
+        [r.true_output_tokens for r in requests],
+        kv_capacity(kv_setting),
+    )
 
 
 def fig9(out: Path, quick: bool, trace: str = "sharegpt", executor: Executor = SERIAL) -> tuple[list[dict], list[str]]:
@@ -172,20 +188,32 @@ def fig9(out: Path, quick: bool, trace: str = "sharegpt", executor: Executor = S
     settings = ("12gb",) if quick else ("12gb", "a100")
     n = 300 if quick else 1000
     names = BASELINES + VARIANTS
-    calls = [(name, rate, n, trace, None, kv) for kv in settings
-             for rate in FIG9_RATES.get((trace, kv), FIG9_RATES["sharegpt", kv]) for name in names]  # fmt: skip
+    calls = [
+        (name, rate, n, trace, None, kv)
+        for kv in settings
+        for rate in FIG9_RATES.get((trace, kv), FIG9_RATES["sharegpt", kv])
+        for name in names
+    ]
     rows = executor.map(run_rate, calls)
     write_csv(rows, out / f"econoserve_fig9_{trace}.csv")
     for r in rows:
         r["panel"] = f"{trace}, {KV_LABELS[r['kv_setting']]}"
-    plot_grid(rows, out / f"econoserve_fig9_{trace}.png", ("normalized_latency_s", "ssr", "throughput_rps", "kv_used"),
-              column="panel", x="rate", title=f"EconoServe Figures 9-11 ({trace}, OPT-13B on A100-80GB)")  # fmt: skip
+    plot_grid(
+        rows,
+        out / f"econoserve_fig9_{trace}.png",
+        ("normalized_latency_s", "ssr", "throughput_rps", "kv_used"),
+        column="panel",
+        x="rate",
+        title=f"EconoServe Figures 9-11 ({trace}, OPT-13B on A100-80GB)",
+    )
     lines = []
     for kv in settings:
         mine = [r for r in rows if r["kv_setting"] == kv]
         lines += _fig9_lines(mine, trace, kv, kv_bound_rps(trace, n, kv))
-    lines.append("paper: EconoServe sustains 2.5-4x vLLM's rate on ShareGPT across models, but 1.28-2.33x for OPT-13B "
-                 "across datasets (§4); our setting (OPT-13B, ShareGPT) is the second")  # fmt: skip
+    lines.append(
+        "paper: EconoServe sustains 2.5-4x vLLM's rate on ShareGPT across models, but 1.28-2.33x for OPT-13B "
+        "across datasets (§4); our setting (OPT-13B, ShareGPT) is the second"
+    )
     return rows, lines
 
 
@@ -197,18 +225,22 @@ def _fig9_lines(rows: list[dict], trace: str, kv: str, bound: float) -> list[str
     rates = sorted({r["rate"] for r in rows})
     sustained = {name: _sustained(rows, name) for name in names}
     saturation = {name: max(r["throughput_rps"] for r in rows if r["scheduler"] == name) for name in names}
-    lines = [f"[{trace}, {KV_LABELS[kv]}] highest rate with normalized latency <= {LATENCY_THRESHOLD_S} s/token: "
-             + ", ".join(f"{k} {v:g}" for k, v in sustained.items())]  # fmt: skip
+    lines = [
+        f"[{trace}, {KV_LABELS[kv]}] highest rate with normalized latency <= {LATENCY_THRESHOLD_S} s/token: "
+        + ", ".join(f"{k} {v:g}" for k, v in sustained.items())
+    ]
     v, e = sustained["vllm"], sustained["econoserve"]
     ratio = f"{e / v:.2f}x" if v else "n/a (vLLM sustains none of the rates)"
     lines.append(
         f"  EconoServe sustains {ratio} vLLM's rate (paper on OPT-13B: 1.28-2.33x; on ShareGPT: 2.5-4x) and "
         f"{'beats' if e > sustained['sarathi'] else 'does not beat'} Sarathi-Serve ({sustained['sarathi']:g})"
     )
-    lines.append(f"  throughput at saturation (req/s, the most over rates up to {rates[-1]:g}): "
-                 + ", ".join(f"{k} {v:.2f}" for k, v in saturation.items())
-                 + f"; KV bound (every KV slot full every step) {bound:.2f}; EconoServe / vLLM "
-                 f"{saturation['econoserve'] / saturation['vllm']:.2f}x")  # fmt: skip
+    lines.append(
+        f"  throughput at saturation (req/s, the most over rates up to {rates[-1]:g}): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in saturation.items())
+        + f"; KV bound (every KV slot full every step) {bound:.2f}; EconoServe / vLLM "
+        f"{saturation['econoserve'] / saturation['vllm']:.2f}x"
+    )
     for rate in rates:
         cell = {r["scheduler"]: r for r in rows if r["rate"] == rate}
         es, vl = cell["econoserve"], cell["vllm"]
@@ -226,8 +258,10 @@ def _fig9_lines(rows: list[dict], trace: str, kv: str, bound: float) -> list[str
 
 def _jct_parts(row: dict) -> str:
     """Figure 1e/1d: the JCT decomposition as shares of the mean JCT, and the allocation failures."""
-    parts = ", ".join(f"{part.replace('_', ' ')} {row[f'{part}_s'] / row['jct_s']:.0%}"
-                      for part in ("waiting", "execution", "preemption", "gt_queuing"))  # fmt: skip
+    parts = ", ".join(
+        f"{part.replace('_', ' ')} {row[f'{part}_s'] / row['jct_s']:.0%}"
+        for part in ("waiting", "execution", "preemption", "gt_queuing")
+    )
     return f"{row['scheduler']} JCT {row['jct_s']:.2f} s = {parts}; allocation failures {row['alloc_failure_share']:.0%} of requests"
 
 
@@ -237,15 +271,27 @@ def fig13(out: Path, quick: bool, trace: str = "sharegpt", executor: Executor = 
     n = 300 if quick else 1000
     rows = executor.map(run_rate, [(name, rate, n, trace) for name in VARIANTS])
     write_csv(rows, out / f"econoserve_fig13_{trace}.csv")
-    plot_bars(rows, out / f"econoserve_fig13_{trace}.png",
-              (("jct_s", "JCT (s)"), ("tbt_s", "TBT (s)"), ("ssr", "SLO satisfaction ratio"),
-               ("throughput_rps", "throughput (req/s)")),
-              f"EconoServe Figure 13: the variants ({trace}, OPT-13B, rate {rate:g})")  # fmt: skip
+    plot_bars(
+        rows,
+        out / f"econoserve_fig13_{trace}.png",
+        (
+            ("jct_s", "JCT (s)"),
+            ("tbt_s", "TBT (s)"),
+            ("ssr", "SLO satisfaction ratio"),
+            ("throughput_rps", "throughput (req/s)"),
+        ),
+        f"EconoServe Figure 13: the variants ({trace}, OPT-13B, rate {rate:g})",
+    )
     full = rows[VARIANTS.index("econoserve")]
-    lines = [f"{r['scheduler']}: JCT {r['jct_s']:.2f} s ({r['jct_s'] / full['jct_s'] - 1:+.0%} vs EconoServe), TBT "
-             f"{r['tbt_s'] * 1e3:.1f} ms, SSR {r['ssr']:.0%}, {r['throughput_rps']:.2f} req/s" for r in rows]  # fmt: skip
-    lines.append("paper (average over traces and models): D, SD, SDO have 19%, 7%, 29% higher JCT than EconoServe; "
-                 "EconoServe's TBT 0.141 s")  # fmt: skip
+    lines = [
+        f"{r['scheduler']}: JCT {r['jct_s']:.2f} s ({r['jct_s'] / full['jct_s'] - 1:+.0%} vs EconoServe), TBT "
+        f"{r['tbt_s'] * 1e3:.1f} ms, SSR {r['ssr']:.0%}, {r['throughput_rps']:.2f} req/s"
+        for r in rows
+    ]
+    lines.append(
+        "paper (average over traces and models): D, SD, SDO have 19%, 7%, 29% higher JCT than EconoServe; "
+        "EconoServe's TBT 0.141 s"
+    )
     return rows, lines
 
 
@@ -274,8 +320,10 @@ def fig15(out: Path, quick: bool, trace: str = "sharegpt", executor: Executor = 
             r["JCT / best"] = r["jct_s"] / best["jct_s"]
             r["throughput / best"] = r["throughput_rps"] / best["throughput_rps"]
             r["SSR / best"] = r["ssr"] / best["ssr"] if best["ssr"] else math.nan
-        cells = ", ".join(f"{r['value']:g}: JCT {r['JCT / best']:.2f} TP {r['throughput / best']:.2f} SSR {r['SSR / best']:.2f}"
-                          for r in sub)  # fmt: skip
+        cells = ", ".join(
+            f"{r['value']:g}: JCT {r['JCT / best']:.2f} TP {r['throughput / best']:.2f} SSR {r['SSR / best']:.2f}"
+            for r in sub
+        )
         lines.append(f"{factor} (normalized by the best): {cells}")
     write_csv(rows, out / f"econoserve_fig15_{trace}.csv")
     plot_grid(

@@ -75,10 +75,16 @@ def fixed_metrics(name: str, prompt: int, output: int, capacity: int, requests, 
     }
 
 
-def _grid(executor: Executor, num_requests: int, inputs, outputs, schedulers, capacity=M_DEFAULT,
-          preset: str = PRESET) -> list[dict]:  # fmt: skip
-    calls = [(name, i, o, num_requests, capacity, preset) for o in outputs for i in inputs for name in schedulers
-             if i + o - 1 <= capacity]  # fmt: skip
+def _grid(
+    executor: Executor, num_requests: int, inputs, outputs, schedulers, capacity=M_DEFAULT, preset: str = PRESET
+) -> list[dict]:
+    calls = [
+        (name, i, o, num_requests, capacity, preset)
+        for o in outputs
+        for i in inputs
+        for name in schedulers
+        if i + o - 1 <= capacity
+    ]
     return executor.map(run_fixed, calls)
 
 
@@ -226,8 +232,9 @@ def fig10_12(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[
     """Figures 10-12: rank schedulers on heterogeneous mixes."""
     sizes = (16, 256, 1024) if quick else (16, 64, 256, 1024)
     points = [(mix, b, name) for mix in MIXES for b in sizes for name in ("rank_org", "rank_i", "rank_o")]
-    runs = executor.map(run_fixed, [(name, 0, 0, b, M_DEFAULT, PRESET, _mix_requests(mix, b, seed=b))
-                                    for mix, b, name in points])  # fmt: skip
+    runs = executor.map(
+        run_fixed, [(name, 0, 0, b, M_DEFAULT, PRESET, _mix_requests(mix, b, seed=b)) for mix, b, name in points]
+    )
     rows = [dict(row, mix=mix, I=0, O=0) for row, (mix, _, _) in zip(runs, points, strict=True)]
     write_csv(rows, out / "infermax_fig10_12.csv")
     for r in rows:
@@ -331,8 +338,9 @@ def _sec6_requests(num_requests: int):
     """§6's workload: the Azure conversation trace with its own arrival times."""
     from sloserve.workload import workload_from_trace
 
-    return workload_from_trace("azure-conv", num_requests=num_requests, seed=0, context_len=SEC6_C,
-                               trace_arrivals=True).requests  # fmt: skip
+    return workload_from_trace(
+        "azure-conv", num_requests=num_requests, seed=0, context_len=SEC6_C, trace_arrivals=True
+    ).requests
 
 
 def _sec6_run(name: str, num_requests: int) -> dict:
@@ -351,9 +359,12 @@ def _sec6_run(name: str, num_requests: int) -> dict:
     simulate(
         requests, lambda: make_scheduler(sched, kv_capacity_tokens=capacity, max_model_len=SEC6_C, options=opts), cost
     )
-    return {"scheduler": name, "latency_s": max(r.finish_time for r in requests) - min(r.arrival_time for r in requests),
-            "mean_jct_s": sum(r.finish_time - r.arrival_time for r in requests) / len(requests),
-            "evictions": sum(r.num_preemptions for r in requests)}  # fmt: skip
+    return {
+        "scheduler": name,
+        "latency_s": max(r.finish_time for r in requests) - min(r.arrival_time for r in requests),
+        "mean_jct_s": sum(r.finish_time - r.arrival_time for r in requests) / len(requests),
+        "evictions": sum(r.num_preemptions for r in requests),
+    }
 
 
 def _sec6_relaxation(num_requests: int) -> float:
@@ -362,8 +373,14 @@ def _sec6_relaxation(num_requests: int) -> float:
     from sloserve.optimal.relaxation import relaxed_bound
 
     requests = _sec6_requests(num_requests)
-    problem = BoundProblem(tuple(r.num_prompt_tokens for r in requests), tuple(r.true_output_tokens for r in requests),
-                           tuple(r.arrival_time for r in requests), SEC6_M, SEC6_C, None)  # fmt: skip
+    problem = BoundProblem(
+        tuple(r.num_prompt_tokens for r in requests),
+        tuple(r.true_output_tokens for r in requests),
+        tuple(r.arrival_time for r in requests),
+        SEC6_M,
+        SEC6_C,
+        None,
+    )
     return relaxed_bound(problem, LinearCostModel(get_preset(SEC6_PRESET)))
 
 
@@ -372,13 +389,26 @@ def sec6(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dict
     Llama-3-70B on 4xA100 (preset), C = 16384, M = 100K, and the bound: vLLM with unlimited memory."""
 
     n = 4000 if quick else 19_366
-    names = ("vllm", "sarathi", "sarathi_pc", "infermax", "infermax_held", "vllm_ef", "sarathi_ef", "sarathi_pc_ef",
-             BOUND)  # fmt: skip
+    names = (
+        "vllm",
+        "sarathi",
+        "sarathi_pc",
+        "infermax",
+        "infermax_held",
+        "vllm_ef",
+        "sarathi_ef",
+        "sarathi_pc_ef",
+        BOUND,
+    )
     rows = executor.map(_sec6_run, [(name, n) for name in names])
     bound = rows[-1]["latency_s"]
     write_csv(rows, out / "infermax_sec6.csv")
-    plot_bars(rows, out / "infermax_sec6.png", (("latency_s", "latency (s)"),),
-              "InferMax §6: Azure conversation trace, Llama-3-70B on 4x A100")  # fmt: skip
+    plot_bars(
+        rows,
+        out / "infermax_sec6.png",
+        (("latency_s", "latency (s)"),),
+        "InferMax §6: Azure conversation trace, Llama-3-70B on 4x A100",
+    )
     deployable = min(
         (r for r in rows if r["scheduler"] in ("vllm", "sarathi", "sarathi_pc")), key=lambda r: r["latency_s"]
     )
@@ -391,9 +421,11 @@ def sec6(out: Path, quick: bool, executor: Executor = SERIAL) -> tuple[list[dict
     ]
     relaxed = _sec6_relaxation(n)
     # NOTE: the unlimited-memory run is not bound by it: the relaxation counts batches that M forces.
-    lines.append(f"lower bound on any schedule within M = 100K (the relaxation of the constraint model): {relaxed:.0f} s; "
-                 f"the best deployable is {deployable['latency_s'] / relaxed - 1:+.1%} above it, {ours['scheduler']} "
-                 f"{ours['latency_s'] / relaxed - 1:+.1%}")  # fmt: skip
+    lines.append(
+        f"lower bound on any schedule within M = 100K (the relaxation of the constraint model): {relaxed:.0f} s; "
+        f"the best deployable is {deployable['latency_s'] / relaxed - 1:+.1%} above it, {ours['scheduler']} "
+        f"{ours['latency_s'] / relaxed - 1:+.1%}"
+    )
     return rows, lines
 
 

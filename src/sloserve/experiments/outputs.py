@@ -19,12 +19,16 @@ def write_csv(rows: list[dict], path: Path) -> None:
 def _powers_of_two(values: list) -> bool:
     """A grid of powers of two spanning more than 4x (InferMax's I, O, M): plotted on a log2 axis."""
     numbers = [v for v in values if isinstance(v, (int, float)) and v > 0]
-    return (len(numbers) == len(values) > 1 and max(numbers) / min(numbers) > 4
-            and all(float(np.log2(v)).is_integer() for v in numbers))  # fmt: skip
+    return (
+        len(numbers) == len(values) > 1
+        and max(numbers) / min(numbers) > 4
+        and all(float(np.log2(v)).is_integer() for v in numbers)
+    )
 
 
-def plot_grid(rows: list[dict], path: Path, metrics: tuple[str, ...], column: str = "O", x: str = "I",
-              title: str = "") -> None:  # fmt: skip
+def plot_grid(
+    rows: list[dict], path: Path, metrics: tuple[str, ...], column: str = "O", x: str = "I", title: str = ""
+) -> None:
     """One column of panels per value of ``column``, one row per metric, a line per scheduler. The x
     axis is log2 for a grid of powers of two, linear otherwise (request rates)."""
     from matplotlib.figure import Figure

@@ -67,8 +67,15 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
     name = "pipelined"
     periodic_growth = False
 
-    def __init__(self, num_blocks: int, block_size: int = 16, *, kv_bytes_per_token: int = 0,
-                 num_cpu_blocks: int = 0, buffer_tokens: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        kv_bytes_per_token: int = 0,
+        num_cpu_blocks: int = 0,
+        buffer_tokens: int = 0,
+    ) -> None:
         super().__init__(num_blocks, block_size, kv_bytes_per_token=kv_bytes_per_token, num_cpu_blocks=num_cpu_blocks)
         if buffer_tokens < 0:
             raise ConfigError(f"pipelining buffer b must be >= 0 tokens, got {buffer_tokens}")

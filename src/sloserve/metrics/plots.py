@@ -77,8 +77,11 @@ def plot_latency_cdf(path: Path, requests_table: dict[str, np.ndarray], *, title
     classes = [c for c in ("rt", "be") if (done & (t["request_class"] == c)).any()]
     if len(classes) > 1:
         groups.update({c: done & (t["request_class"] == c) for c in classes})
-    panels = (("ttft_s", "TTFT (s)"), ("tpot_s", "TPOT (s/token)"),
-              ("normalized_latency_s", "normalized latency (s/token)"))  # fmt: skip
+    panels = (
+        ("ttft_s", "TTFT (s)"),
+        ("tpot_s", "TPOT (s/token)"),
+        ("normalized_latency_s", "normalized latency (s/token)"),
+    )
     fig = _figure((13, 3.8))
     axes = fig.subplots(1, 3)
     for ax, (col, label) in zip(axes, panels):
@@ -109,10 +112,17 @@ def plot_timeline(path: Path, timeline: Timeline, *, kv_capacity_tokens: int | N
         t, color = cols["start_s"][rows], f"C{i}"
         suffix = f" (replica {rep})" if replicas.size > 1 else ""
         ax_fwd.plot(t, cols["num_tokens"][rows], ".", ms=2, color=color, label=f"step{suffix}")
-        ax_kv.step(t, cols["kv_used_tokens"][rows], where="post", lw=0.8, color=color,
-                   label=f"used{suffix}")  # fmt: skip
-        ax_kv.step(t, cols["kv_allocated_tokens"][rows], where="post", lw=0.8, ls="--",
-                   color=color, alpha=0.7, label=f"allocated{suffix}")  # fmt: skip
+        ax_kv.step(t, cols["kv_used_tokens"][rows], where="post", lw=0.8, color=color, label=f"used{suffix}")
+        ax_kv.step(
+            t,
+            cols["kv_allocated_tokens"][rows],
+            where="post",
+            lw=0.8,
+            ls="--",
+            color=color,
+            alpha=0.7,
+            label=f"allocated{suffix}",
+        )
     if kv_capacity_tokens:
         ax_kv.axhline(kv_capacity_tokens, color="k", lw=1, ls=":", label="capacity per replica")
     ax_fwd.set_ylabel("tokens per step")

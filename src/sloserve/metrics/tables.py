@@ -65,8 +65,10 @@ def _transposed_compare_table(summaries: dict[str, dict], title: str) -> Table:
     for name in summaries:
         table.add_column(name, justify="right", overflow="fold")
     for header, metric, stat, scale in COMPARE_COLUMNS:
-        table.add_row(" ".join(header.replace("-\n", "").split()),
-                      *(_cell(summary, metric, stat, scale) for summary in summaries.values()))  # fmt: skip
+        table.add_row(
+            " ".join(header.replace("-\n", "").split()),
+            *(_cell(summary, metric, stat, scale) for summary in summaries.values()),
+        )
     return table
 
 

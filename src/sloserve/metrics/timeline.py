@@ -73,9 +73,18 @@ class Timeline:
         replica: int = 0,
     ) -> None:
         self._buffer += _ROW_STRUCT.pack(
-            start_s, duration_s, num_tokens, num_prefill_tokens, num_decode, num_requests, kv_used_tokens,
-            kv_allocated_tokens, num_preempted, sched_time_s, replica,
-        )  # fmt: skip
+            start_s,
+            duration_s,
+            num_tokens,
+            num_prefill_tokens,
+            num_decode,
+            num_requests,
+            kv_used_tokens,
+            kv_allocated_tokens,
+            num_preempted,
+            sched_time_s,
+            replica,
+        )
 
     def append_stretch(
         self,

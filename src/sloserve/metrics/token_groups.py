@@ -37,8 +37,14 @@ class TokenGroupAttainment(NamedTuple):
     num_groups: int
 
 
-def group_deadlines_met(arrival: float, token_times: Sequence[float], ttft_s: float, tpot_s: float,
-                        group_size: int = DEFAULT_GROUP_SIZE, tolerance_s: float = 0.0) -> list[bool]:  # fmt: skip
+def group_deadlines_met(
+    arrival: float,
+    token_times: Sequence[float],
+    ttft_s: float,
+    tpot_s: float,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    tolerance_s: float = 0.0,
+) -> list[bool]:
     """For each token group of one request (see the module docstring): was it returned by its due time?"""
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -51,8 +57,13 @@ def group_deadlines_met(arrival: float, token_times: Sequence[float], ttft_s: fl
     return met
 
 
-def token_group_attainment(requests: Sequence[Request], default_ttft_s: float, default_tpot_s: float,
-                           group_size: int = DEFAULT_GROUP_SIZE, tolerance_s: float = 0.0) -> TokenGroupAttainment:  # fmt: skip
+def token_group_attainment(
+    requests: Sequence[Request],
+    default_ttft_s: float,
+    default_tpot_s: float,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    tolerance_s: float = 0.0,
+) -> TokenGroupAttainment:
     """Token-group attainment of finished ``requests`` that kept ``token_times``; a request's own SLO
     overrides the defaults. An unfinished request misses."""
     met_requests, met_groups, num_groups = 0, 0, 0
@@ -69,5 +80,6 @@ def token_group_attainment(requests: Sequence[Request], default_ttft_s: float, d
         met_groups += sum(met)
         num_groups += len(met)
     n = len(requests)
-    return TokenGroupAttainment(met_requests / n if n else math.nan, met_groups / num_groups if num_groups else math.nan,
-                                num_groups)  # fmt: skip
+    return TokenGroupAttainment(
+        met_requests / n if n else math.nan, met_groups / num_groups if num_groups else math.nan, num_groups
+    )

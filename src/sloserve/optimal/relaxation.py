@@ -155,8 +155,9 @@ def eviction_cost(k: Mapping[str, float], prompt: int, output: int) -> float:
     return float((redo + np.minimum(swap, 0.0)).min())
 
 
-def sampling_clique(k: Mapping[str, float], prompts: Sequence[int], outputs: Sequence[int],
-                    kv_capacity_tokens: int) -> tuple[int, float]:  # fmt: skip
+def sampling_clique(
+    k: Mapping[str, float], prompts: Sequence[int], outputs: Sequence[int], kv_capacity_tokens: int
+) -> tuple[int, float]:
     """(the size of a clique of samplings that cannot share a batch unless a request is evicted, the
     least cost of such an eviction) (see the module docstring). O(n log n + n x first samplings kept)."""
     M = kv_capacity_tokens
@@ -192,54 +193,90 @@ class _Requests:
         self.footprint += output * (prompt - 1) + output * (output + 1) // 2
         self.work += work
 
-    def min_prefill_batches(self, kv_capacity_tokens: int, prefill_token_budget: int | None,
-                            prefill_packing: int = 0) -> int:  # fmt: skip
+    def min_prefill_batches(
+        self, kv_capacity_tokens: int, prefill_token_budget: int | None, prefill_packing: int = 0
+    ) -> int:
         """P_min: the fewest batches with a prefill chunk (see the module docstring); ``prefill_packing``,
         the bin-packing bound where the caller computed it."""
-        bounds = [1 if self.prompt_positions else 0, math.ceil(self.prompt_positions / kv_capacity_tokens),
-                  prefill_packing]  # fmt: skip
+        bounds = [
+            1 if self.prompt_positions else 0,
+            math.ceil(self.prompt_positions / kv_capacity_tokens),
+            prefill_packing,
+        ]
         if prefill_token_budget is not None:
             bounds.append(math.ceil(self.prompt_positions / prefill_token_budget))
         return max(bounds)
 
-    def min_batches(self, kv_capacity_tokens: int, max_num_batched_tokens: int, prefill_token_budget: int | None,
-                    packing: int = 0, prefill_packing: int = 0) -> int:  # fmt: skip
+    def min_batches(
+        self,
+        kv_capacity_tokens: int,
+        max_num_batched_tokens: int,
+        prefill_token_budget: int | None,
+        packing: int = 0,
+        prefill_packing: int = 0,
+    ) -> int:
         """J_min: the fewest batches (see the module docstring); ``packing`` and ``prefill_packing``,
         the bin-packing bounds where the caller computed them."""
-        return max(self.max_output, math.ceil(self.tokens / max_num_batched_tokens),
-                   math.ceil(self.footprint / kv_capacity_tokens), packing,
-                   self.min_prefill_batches(kv_capacity_tokens, prefill_token_budget, prefill_packing))  # fmt: skip
+        return max(
+            self.max_output,
+            math.ceil(self.tokens / max_num_batched_tokens),
+            math.ceil(self.footprint / kv_capacity_tokens),
+            packing,
+            self.min_prefill_batches(kv_capacity_tokens, prefill_token_budget, prefill_packing),
+        )
 
-    def bound(self, k: Mapping[str, float], kv_capacity_tokens: int, max_num_batched_tokens: int,
-              prefill_token_budget: int | None, packing: int = 0, prefill_packing: int = 0,
-              clique: tuple[int, float] = (0, math.inf)) -> float:  # fmt: skip
+    def bound(
+        self,
+        k: Mapping[str, float],
+        kv_capacity_tokens: int,
+        max_num_batched_tokens: int,
+        prefill_token_budget: int | None,
+        packing: int = 0,
+        prefill_packing: int = 0,
+        clique: tuple[int, float] = (0, math.inf),
+    ) -> float:
         """The least total batch time of these requests, in the units of ``k``; ``packing``,
         ``prefill_packing`` and ``clique`` (``sampling_clique``) where the caller computed them."""
         limits = (kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget)
         batches = self.min_batches(*limits, packing, prefill_packing)
         prefill_batches = self.min_prefill_batches(kv_capacity_tokens, prefill_token_budget, prefill_packing)
         per_batch = k["b_o"] + min(k["b_d"], k["b_p"])  # what a batch beyond J_min adds at least
-        fixed = (k["b_o"] * batches + k["b_p"] * prefill_batches
-                 + min(k["b_d"], k["b_p"]) * max(0, batches - prefill_batches))  # fmt: skip
+        fixed = (
+            k["b_o"] * batches
+            + k["b_p"] * prefill_batches
+            + min(k["b_d"], k["b_p"]) * max(0, batches - prefill_batches)
+        )
         clique_size, eviction = clique
         beyond = max(0, clique_size - batches) * max(0.0, min(per_batch, eviction))
         return fixed + beyond + self.work
 
 
-def min_batches(prompts: Sequence[int], outputs: Sequence[int], kv_capacity_tokens: int,
-                max_num_batched_tokens: int, prefill_token_budget: int | None) -> int:  # fmt: skip
+def min_batches(
+    prompts: Sequence[int],
+    outputs: Sequence[int],
+    kv_capacity_tokens: int,
+    max_num_batched_tokens: int,
+    prefill_token_budget: int | None,
+) -> int:
     """J_min: the fewest batches any schedule of these requests runs (see the module docstring)."""
     requests = _Requests()
     for prompt, output in zip(prompts, outputs, strict=True):
         requests.add(prompt, output)
     packing = packing_lower_bound(prompts, outputs, kv_capacity_tokens)
     prefill_packing = prefill_packing_lower_bound(prompts, outputs, kv_capacity_tokens)
-    return requests.min_batches(kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget, packing,
-                                prefill_packing)  # fmt: skip
+    return requests.min_batches(
+        kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget, packing, prefill_packing
+    )
 
 
-def offline_bound(k: Mapping[str, float], prompts: Sequence[int], outputs: Sequence[int], kv_capacity_tokens: int,
-                  max_num_batched_tokens: int, prefill_token_budget: int | None) -> float:  # fmt: skip
+def offline_bound(
+    k: Mapping[str, float],
+    prompts: Sequence[int],
+    outputs: Sequence[int],
+    kv_capacity_tokens: int,
+    max_num_batched_tokens: int,
+    prefill_token_budget: int | None,
+) -> float:
     """The least total batch time of the requests, in the units of ``k``."""
     requests = _Requests()
     for prompt, output in zip(prompts, outputs, strict=True):
@@ -247,8 +284,9 @@ def offline_bound(k: Mapping[str, float], prompts: Sequence[int], outputs: Seque
     packing = packing_lower_bound(prompts, outputs, kv_capacity_tokens)
     prefill_packing = prefill_packing_lower_bound(prompts, outputs, kv_capacity_tokens)
     clique = sampling_clique(k, prompts, outputs, kv_capacity_tokens)
-    return requests.bound(k, kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget, packing,
-                          prefill_packing, clique)  # fmt: skip
+    return requests.bound(
+        k, kv_capacity_tokens, max_num_batched_tokens, prefill_token_budget, packing, prefill_packing, clique
+    )
 
 
 def whole_model_coefficients(cost: LinearCostModel) -> dict[str, float]:

@@ -24,9 +24,16 @@ __all__ = [
 ]
 
 
-def plan(query: PlanQuery, candidates: list[Candidate], prices: dict[str, float], executor: Executor, *,
-         skipped: list[dict] = (), describe: dict | None = None,
-         on_round: Callable[[str, int], None] | None = None) -> dict:  # fmt: skip
+def plan(
+    query: PlanQuery,
+    candidates: list[Candidate],
+    prices: dict[str, float],
+    executor: Executor,
+    *,
+    skipped: list[dict] = (),
+    describe: dict | None = None,
+    on_round: Callable[[str, int], None] | None = None,
+) -> dict:
     """Search ``candidates`` and return the plan as a JSON-serializable dict: ``answer`` (the cheapest
     verified deployment, or None), ``alternatives`` (the next verified ones), ``candidates`` (all, ranked),
     ``skipped``, ``message`` (why there is no answer), ``search`` (runs, rounds, workers, wall time).
@@ -47,7 +54,7 @@ def plan(query: PlanQuery, candidates: list[Candidate], prices: dict[str, float]
             "max_gpus": query.max_gpus,
             "tolerance": query.tolerance,
             **(describe or {}),
-        },  # fmt: skip
+        },
         "answer": verified[0] if verified else None,
         "alternatives": verified[1 : 1 + query.num_alternatives],
         "message": None if verified else no_answer_message(query, ranked),
@@ -58,7 +65,7 @@ def plan(query: PlanQuery, candidates: list[Candidate], prices: dict[str, float]
             "rounds": search.num_rounds,
             "workers": executor.workers,
             "wall_s": time.perf_counter() - wall0,
-        },  # fmt: skip
+        },
         "candidates": ranked,
         "skipped": list(skipped),
     }

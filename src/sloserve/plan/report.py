@@ -26,12 +26,22 @@ def plan_table(doc: dict, width: int, limit: int = 15) -> Any:
 
     q = doc["query"]
     slo = ", ".join(f"{k.removesuffix('_s').upper()} {v:g} s" for k, v in q["slo"].items() if v is not None)
-    table = Table(title=f"{q['model']}: {q['qps']:g} req/s of {q['workload']} within {slo or 'its SLOs'} for "
-                        f"{q['attainment']:.0%} of requests", width=width)  # fmt: skip
-    for header in ("#", "configuration", "GPUs", "$/hour", "unit goodput req/s", "per GPU", "attainment at load",
-                   "status"):  # fmt: skip
-        table.add_column(header, justify="left" if header in ("configuration", "status") else "right",
-                         overflow="fold")  # fmt: skip
+    table = Table(
+        title=f"{q['model']}: {q['qps']:g} req/s of {q['workload']} within {slo or 'its SLOs'} for "
+        f"{q['attainment']:.0%} of requests",
+        width=width,
+    )
+    for header in (
+        "#",
+        "configuration",
+        "GPUs",
+        "$/hour",
+        "unit goodput req/s",
+        "per GPU",
+        "attainment at load",
+        "status",
+    ):
+        table.add_column(header, justify="left" if header in ("configuration", "status") else "right", overflow="fold")
     for rank, c in enumerate(doc["candidates"][:limit], 1):
         verified = c["verified"]
         goodput = f"{'>=' if c['goodput_capped'] else ''}{c['goodput_rps']:.3g}" if c["goodput_rps"] else "-"
@@ -52,9 +62,12 @@ def write_plan(doc: dict, out: Path) -> list[Path]:
     """``plan.json`` and the plots under ``out``; the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(doc, indent=2))
-    return [out / "plan.json", plot_goodput_per_gpu(doc, out / "goodput_per_gpu.png"),
-            plot_cost_vs_goodput(doc, out / "cost_vs_goodput.png"),
-            plot_winners_attainment(doc, out / "attainment_vs_rate.png")]  # fmt: skip
+    return [
+        out / "plan.json",
+        plot_goodput_per_gpu(doc, out / "goodput_per_gpu.png"),
+        plot_cost_vs_goodput(doc, out / "cost_vs_goodput.png"),
+        plot_winners_attainment(doc, out / "attainment_vs_rate.png"),
+    ]
 
 
 def _searched(doc: dict) -> list[dict]:
@@ -74,10 +87,15 @@ def plot_goodput_per_gpu(doc: dict, path: Path, limit: int = 30) -> Path:
     ax = fig.subplots()
     colors = {"verified": "C2", "unverifiable": "C3", "infeasible": "C7"}
     ys = range(len(rows))
-    bars = ax.barh(list(ys), [c["goodput_per_gpu_rps"] for c in rows],
-                   color=[colors.get(c["status"], "C0") for c in rows])  # fmt: skip
-    ax.bar_label(bars, labels=[f"{c['goodput_per_gpu_rps']:.3g}{'+' if c['goodput_capped'] else ''}" for c in rows],
-                 fontsize=7, padding=2)  # fmt: skip
+    bars = ax.barh(
+        list(ys), [c["goodput_per_gpu_rps"] for c in rows], color=[colors.get(c["status"], "C0") for c in rows]
+    )
+    ax.bar_label(
+        bars,
+        labels=[f"{c['goodput_per_gpu_rps']:.3g}{'+' if c['goodput_capped'] else ''}" for c in rows],
+        fontsize=7,
+        padding=2,
+    )
     ax.set_yticks(list(ys), [c["label"] for c in rows], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("goodput per GPU (req/s meeting the SLO target, one unit)")
@@ -85,9 +103,18 @@ def plot_goodput_per_gpu(doc: dict, path: Path, limit: int = 30) -> Path:
     ax.grid(alpha=0.3, axis="x")
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color="C2", label="verified at the load"), Patch(color="C0", label="estimated / pruned"),
-                       Patch(color="C3", label="missed when simulated whole"), Patch(color="C7", label="infeasible")],
-              fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # fmt: skip
+    ax.legend(
+        handles=[
+            Patch(color="C2", label="verified at the load"),
+            Patch(color="C0", label="estimated / pruned"),
+            Patch(color="C3", label="missed when simulated whole"),
+            Patch(color="C7", label="infeasible"),
+        ],
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        borderaxespad=0,
+    )
     ax.set_title(_title(doc, "goodput per GPU"), fontsize=9)
     return _save(fig, path)
 
@@ -103,9 +130,13 @@ def plot_cost_vs_goodput(doc: dict, path: Path) -> Path:
         for capped in (False, True):
             mine = [c for c in rows if c["gpu"] == gpu and c["goodput_capped"] == capped]
             if mine:
-                ax.scatter([c["unit_price_per_hour"] for c in mine], [c["goodput_rps"] for c in mine], s=22,
-                           label=f"{gpu}{' (at least: not searched further)' if capped else ''}",
-                           **({"facecolors": "none", "edgecolors": f"C{i}"} if capped else {"color": f"C{i}"}))  # fmt: skip
+                ax.scatter(
+                    [c["unit_price_per_hour"] for c in mine],
+                    [c["goodput_rps"] for c in mine],
+                    s=22,
+                    label=f"{gpu}{' (at least: not searched further)' if capped else ''}",
+                    **({"facecolors": "none", "edgecolors": f"C{i}"} if capped else {"color": f"C{i}"}),
+                )
     # NOTE: the front is over measured goodputs only: a capped point's goodput is a lower bound.
     front, best = [], -1.0
     for c in sorted(
@@ -115,15 +146,33 @@ def plot_cost_vs_goodput(doc: dict, path: Path) -> Path:
             front.append(c)
             best = c["goodput_rps"]
     if front:
-        ax.plot([c["unit_price_per_hour"] for c in front], [c["goodput_rps"] for c in front], color="k", lw=1,
-                label="Pareto front")  # fmt: skip
+        ax.plot(
+            [c["unit_price_per_hour"] for c in front],
+            [c["goodput_rps"] for c in front],
+            color="k",
+            lw=1,
+            label="Pareto front",
+        )
         for c in front:
-            ax.annotate(c["label"], (c["unit_price_per_hour"], c["goodput_rps"]), fontsize=6,
-                        xytext=(4, -8), textcoords="offset points")  # fmt: skip
+            ax.annotate(
+                c["label"],
+                (c["unit_price_per_hour"], c["goodput_rps"]),
+                fontsize=6,
+                xytext=(4, -8),
+                textcoords="offset points",
+            )
     answer = doc.get("answer")
     if answer:
-        ax.scatter([answer["unit_price_per_hour"]], [answer["goodput_rps"]], marker="*", s=160, color="gold",
-                   edgecolor="k", zorder=5, label=f"answer: {answer['units']} x {answer['label']}")  # fmt: skip
+        ax.scatter(
+            [answer["unit_price_per_hour"]],
+            [answer["goodput_rps"]],
+            marker="*",
+            s=160,
+            color="gold",
+            edgecolor="k",
+            zorder=5,
+            label=f"answer: {answer['units']} x {answer['label']}",
+        )
     ax.axhline(doc["query"]["qps"], color="C3", ls="--", lw=0.8, label=f"target load {doc['query']['qps']:g} req/s")
     ax.set_xlabel("cost of one unit ($/hour)")
     ax.set_ylabel("goodput of one unit (req/s)")
@@ -141,8 +190,13 @@ def plot_winners_attainment(doc: dict, path: Path, num: int = 4) -> Path:
     ax = fig.subplots()
     for i, c in enumerate(winners):
         probes = sorted(c["probes"], key=lambda p: p["rate"])
-        ax.plot([p["rate"] for p in probes], [100 * p["attainment"] for p in probes], marker="o", color=f"C{i}",
-                label=c["label"])  # fmt: skip
+        ax.plot(
+            [p["rate"] for p in probes],
+            [100 * p["attainment"] for p in probes],
+            marker="o",
+            color=f"C{i}",
+            label=c["label"],
+        )
     ax.axhline(100 * doc["query"]["attainment"], color="C3", ls="--", lw=0.8, label="target")
     from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 

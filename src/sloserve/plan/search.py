@@ -116,17 +116,28 @@ class CandidateSearch:
         c = self.candidate
         best_check = next((x for x in self.checks if x["units"] == self.units), None)
         return {
-            "label": c.label, "gpu": c.gpu, "tensor_parallel": c.tensor_parallel, "layout": c.layout,
-            "scheduler": c.scheduler, "options": dict(c.options), "gpus_per_unit": c.gpus_per_unit,
-            "unit_price_per_hour": self.unit_price, "status": self.status, "reason": self.reason,
-            "goodput_rps": self.lo, "goodput_upper_rps": self.hi,
+            "label": c.label,
+            "gpu": c.gpu,
+            "tensor_parallel": c.tensor_parallel,
+            "layout": c.layout,
+            "scheduler": c.scheduler,
+            "options": dict(c.options),
+            "gpus_per_unit": c.gpus_per_unit,
+            "unit_price_per_hour": self.unit_price,
+            "status": self.status,
+            "reason": self.reason,
+            "goodput_rps": self.lo,
+            "goodput_upper_rps": self.hi,
             "goodput_per_gpu_rps": self.lo / c.gpus_per_unit,
             "goodput_capped": self.hi is None and self.lo > 0,
-            "units": self.units, "num_gpus": self.units * c.gpus_per_unit if self.units else None,
+            "units": self.units,
+            "num_gpus": self.units * c.gpus_per_unit if self.units else None,
             "cost_per_hour": self.units * self.unit_price if self.units else None,
             "estimated_units": [least, most if most != math.inf else None],
-            "verified": best_check, "probes": self.probes, "checks": self.checks,
-        }  # fmt: skip
+            "verified": best_check,
+            "probes": self.probes,
+            "checks": self.checks,
+        }
 
 
 @dataclass(frozen=True)
@@ -161,10 +172,16 @@ def probe(options: dict[str, Any], scheduler: str, set_options: dict[str, str], 
 
 
 def enumerate_candidates(
-    model: ModelSpec, gpus: list[str], tensor_parallel: list[int] | None, schedulers: list[str],
-    layouts: list[tuple[int, int]], grid: dict[str, dict[str, list[str]]], max_gpus: int,
-    memory_utilization: float, role_schedulers: set[str],
-) -> tuple[list[Candidate], list[dict]]:  # fmt: skip
+    model: ModelSpec,
+    gpus: list[str],
+    tensor_parallel: list[int] | None,
+    schedulers: list[str],
+    layouts: list[tuple[int, int]],
+    grid: dict[str, dict[str, list[str]]],
+    max_gpus: int,
+    memory_utilization: float,
+    role_schedulers: set[str],
+) -> tuple[list[Candidate], list[dict]]:
     """Every candidate of the search space, and those left out with the reason (weights do not fit,
     more GPUs than ``max_gpus``, a degree that does not divide the heads, a scheduler with no
     disaggregated roles). ``tensor_parallel`` None: 1, 2, 4, 8. ``grid``: scheduler -> option -> values."""
@@ -180,15 +197,23 @@ def enumerate_candidates(
                 continue
             for (p, d), scheduler in itertools.product(layouts, schedulers):
                 if d and scheduler not in role_schedulers:
-                    skipped.append({"label": f"{gpu} tp{tp} {p}P:{d}D {scheduler}",
-                                    "reason": f"{scheduler} has no prefill/decode roles (disaggregation)"})  # fmt: skip
+                    skipped.append(
+                        {
+                            "label": f"{gpu} tp{tp} {p}P:{d}D {scheduler}",
+                            "reason": f"{scheduler} has no prefill/decode roles (disaggregation)",
+                        }
+                    )
                     continue
                 knobs = grid.get(scheduler, {})
                 for values in itertools.product(*knobs.values()):
                     c = Candidate(gpu, tp, scheduler, tuple(zip(knobs, values, strict=True)), p, d)
                     if c.gpus_per_unit > max_gpus:
-                        skipped.append({"label": c.label, "reason": f"a unit has {c.gpus_per_unit} GPUs, "
-                                        f"over --max-gpus {max_gpus}"})  # fmt: skip
+                        skipped.append(
+                            {
+                                "label": c.label,
+                                "reason": f"a unit has {c.gpus_per_unit} GPUs, over --max-gpus {max_gpus}",
+                            }
+                        )
                         continue
                     candidates.append(c)
     return candidates, skipped
@@ -198,8 +223,14 @@ class PlanSearch:
     """The search over ``candidates`` for ``query``, run by ``executor`` (see the module docstring).
     ``on_round(description, num_decided)`` reports progress."""
 
-    def __init__(self, query: PlanQuery, candidates: list[Candidate], prices: dict[str, float],
-                 executor: Executor, on_round: Callable[[str, int], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        query: PlanQuery,
+        candidates: list[Candidate],
+        prices: dict[str, float],
+        executor: Executor,
+        on_round: Callable[[str, int], None] | None = None,
+    ) -> None:
         from sloserve.plan.prices import price_per_gpu_hour
 
         self.query, self.executor, self.on_round = query, executor, on_round
@@ -254,8 +285,10 @@ class PlanSearch:
             if s.lo == 0 and s.hi is not None and s.hi <= r_min * (1 + 1e-9):
                 s.status = "infeasible"
                 best = max(p["attainment"] for p in s.probes)
-                s.reason = (f"below {self.query.attainment:.0%} attainment at {r_min:.3g} req/s per unit, the least "
-                            f"that serves {q:g} req/s with {s.max_units} units ({best:.0%} reached)")  # fmt: skip
+                s.reason = (
+                    f"below {self.query.attainment:.0%} attainment at {r_min:.3g} req/s per unit, the least "
+                    f"that serves {q:g} req/s with {s.max_units} units ({best:.0%} reached)"
+                )
             elif self._converged(s):
                 s.status = "estimated"
         self._prune()

@@ -82,8 +82,14 @@ class NoisyOraclePredictor(LengthPredictor):
         self.bucket_tokens = bucket_tokens
 
     @classmethod
-    def from_accuracy(cls, accuracy: float, padding: float, seed: int = 0, bucket_tokens: int = 1,
-                      lengths: Sequence[int] | None = None) -> NoisyOraclePredictor:  # fmt: skip
+    def from_accuracy(
+        cls,
+        accuracy: float,
+        padding: float,
+        seed: int = 0,
+        bucket_tokens: int = 1,
+        lengths: Sequence[int] | None = None,
+    ) -> NoisyOraclePredictor:
         """The predictor whose padded predictions cover ``accuracy`` of the outputs; with buckets,
         on average over ``lengths`` (output lengths of the workload it will predict)."""
         if not 0.5 < accuracy < 1:
@@ -253,8 +259,13 @@ def predictor_from_config(config: Any) -> LengthPredictor | None:
         from sloserve.workload.traces import load_trace  # NOTE: only then: it reads a bundled trace
 
         lengths = load_trace("sharegpt").output_tokens.tolist() if bucket > 1 else None
-        return NoisyOraclePredictor.from_accuracy(config.predictor_accuracy, config.predictor_padding,
-                                                  seed=config.predictor_seed, bucket_tokens=bucket, lengths=lengths)  # fmt: skip
+        return NoisyOraclePredictor.from_accuracy(
+            config.predictor_accuracy,
+            config.predictor_padding,
+            seed=config.predictor_seed,
+            bucket_tokens=bucket,
+            lengths=lengths,
+        )
     return make_predictor(name)
 
 

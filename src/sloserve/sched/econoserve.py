@@ -113,8 +113,13 @@ class EconoServeScheduler(CohortScheduler):
 
     name = "econoserve"
 
-    def __init__(self, kv: KVCacheManager, config: EconoServeConfig, predictor: LengthPredictor | None = None,
-                 cost_model: CostModel | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        config: EconoServeConfig,
+        predictor: LengthPredictor | None = None,
+        cost_model: CostModel | None = None,
+    ) -> None:
         super().__init__(kv, predictor)
         assert predictor is not None and cost_model is not None, "EconoServe needs a predictor and a cost model"
         assert isinstance(kv, PipelinedKVManager if config.pipelining else ExactReservationKVManager), kv
@@ -372,8 +377,14 @@ class EconoServeScheduler(CohortScheduler):
         out.add_preemption(request, PreemptionMode.RECOMPUTE)
         self._queue_pt(request)
 
-    def _start_gt(self, request: Request, remaining: int, groups: dict[int, int], admitted: list[Request],
-                  host: Request | None = None) -> None:  # fmt: skip
+    def _start_gt(
+        self,
+        request: Request,
+        remaining: int,
+        groups: dict[int, int],
+        admitted: list[Request],
+        host: Request | None = None,
+    ) -> None:
         """Allocate the GT's region (exact allocation) and put it in the batch with its group."""
         kv = self.kv
         region = self._region_tokens(request, remaining)

@@ -66,8 +66,13 @@ class TaskQueue:
     saves keeping the index it needs).
     """
 
-    def __init__(self, order: QueueOrder = "ordered", deadline_ranges_s: tuple[float, ...] = (0.5, 2.0),
-                 kv_range_tokens: int = 128, lookup_by_length: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        order: QueueOrder = "ordered",
+        deadline_ranges_s: tuple[float, ...] = (0.5, 2.0),
+        kv_range_tokens: int = 128,
+        lookup_by_length: bool = True,
+    ) -> None:
         self.order = order
         self.deadline_ranges_s = deadline_ranges_s if order == "ordered" else ()
         self.kv_range_tokens = kv_range_tokens

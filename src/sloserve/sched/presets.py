@@ -178,20 +178,40 @@ register(
 _ECONOSERVE_D = dict(time_synced=False, ordering=False, pipelining=False, kv_manager="exact")
 _ECONOSERVE = dict(time_synced=True, ordering=True, pipelining=True, kv_manager="pipelined")
 for _name, _description, _knobs in [
-    ("econoserve-d", "EconoServe-D (UnsyncDecoupled): PT and GT queues, PTs fill the TFS and GTs the KV "
-     "every iteration, FCFS, exact allocation of predicted RL + padding", _ECONOSERVE_D),
-    ("econoserve-sd", "EconoServe-SD (SyncDecoupled): + time-synced GT groups by predicted RL, admitted "
-     "when a group completes", dict(_ECONOSERVE_D, time_synced=True)),
-    ("econoserve-sdo", "EconoServe-SDO: + ordering by deadline, occupied KV and length with binary search",
-     dict(_ECONOSERVE_D, time_synced=True, ordering=True)),
-    ("econoserve", "EconoServe: SDO + KV-cache pipelining (GTs hosted in the unused half of others' "
-     "regions); noisy RL predictions at the paper's ShareGPT accuracy", _ECONOSERVE),
-    ("econoserve-oracle", "EconoServe with the true response lengths (no padding needed)",
-     dict(_ECONOSERVE, predictor="oracle", padding=0.0)),
-    ("synccoupled", "SyncCoupled (EconoServe §2.2): requests grouped by predicted RL, each allocated "
-     "prompt + RL, groups admitted when a group completes; no PT joins between", dict(
-         _ECONOSERVE_D, decoupled=False, time_synced=True)),
-]:  # fmt: skip
+    (
+        "econoserve-d",
+        "EconoServe-D (UnsyncDecoupled): PT and GT queues, PTs fill the TFS and GTs the KV "
+        "every iteration, FCFS, exact allocation of predicted RL + padding",
+        _ECONOSERVE_D,
+    ),
+    (
+        "econoserve-sd",
+        "EconoServe-SD (SyncDecoupled): + time-synced GT groups by predicted RL, admitted when a group completes",
+        dict(_ECONOSERVE_D, time_synced=True),
+    ),
+    (
+        "econoserve-sdo",
+        "EconoServe-SDO: + ordering by deadline, occupied KV and length with binary search",
+        dict(_ECONOSERVE_D, time_synced=True, ordering=True),
+    ),
+    (
+        "econoserve",
+        "EconoServe: SDO + KV-cache pipelining (GTs hosted in the unused half of others' "
+        "regions); noisy RL predictions at the paper's ShareGPT accuracy",
+        _ECONOSERVE,
+    ),
+    (
+        "econoserve-oracle",
+        "EconoServe with the true response lengths (no padding needed)",
+        dict(_ECONOSERVE, predictor="oracle", padding=0.0),
+    ),
+    (
+        "synccoupled",
+        "SyncCoupled (EconoServe §2.2): requests grouped by predicted RL, each allocated "
+        "prompt + RL, groups admitted when a group completes; no PT joins between",
+        dict(_ECONOSERVE_D, decoupled=False, time_synced=True),
+    ),
+]:
     register(
         SchedulerSpec(
             _name,

@@ -86,8 +86,9 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))  # fmt: skip
+        return JSONResponse(
+            error_body(str(exc.detail), type_), status_code=exc.status_code, headers=getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(SloserveError)
     async def _refused(request: Request, exc: SloserveError) -> JSONResponse:

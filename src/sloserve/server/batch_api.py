@@ -47,14 +47,18 @@ class BatchLimits:
 
     def check(self, max_queued_requests: int) -> None:
         """A ConfigError naming the ``sloserve serve`` option that is out of range."""
-        for option, value in (("--max-batch-file-mb", self.max_file_bytes / 2**20),
-                              ("--max-batch-lines", self.max_file_lines),
-                              ("--max-batch-lines-in-engine", self.max_lines_in_engine)):  # fmt: skip
+        for option, value in (
+            ("--max-batch-file-mb", self.max_file_bytes / 2**20),
+            ("--max-batch-lines", self.max_file_lines),
+            ("--max-batch-lines-in-engine", self.max_lines_in_engine),
+        ):
             if value <= 0:
                 raise ConfigError(f"{option} must be > 0, got {value:g}")
         if self.max_lines_in_engine >= max_queued_requests:
-            raise ConfigError(f"--max-batch-lines-in-engine ({self.max_lines_in_engine}) must be below "
-                              f"--max-queued-requests ({max_queued_requests}): online requests need room in the queue")  # fmt: skip
+            raise ConfigError(
+                f"--max-batch-lines-in-engine ({self.max_lines_in_engine}) must be below "
+                f"--max-queued-requests ({max_queued_requests}): online requests need room in the queue"
+            )
 
 
 class CreateBatch(BaseModel):
@@ -73,40 +77,72 @@ class CreateBatch(BaseModel):
             raise ValueError(f"at most {MAX_METADATA_PAIRS} key-value pairs, got {len(value)}")
         for key, item in value.items():
             if len(key) > MAX_METADATA_KEY or len(item) > MAX_METADATA_VALUE:
-                raise ValueError(f"keys are at most {MAX_METADATA_KEY} characters and values {MAX_METADATA_VALUE}: "
-                                 f"{key[:80]!r}")  # fmt: skip
+                raise ValueError(
+                    f"keys are at most {MAX_METADATA_KEY} characters and values {MAX_METADATA_VALUE}: {key[:80]!r}"
+                )
         return value
 
 
 def file_object(row: dict[str, Any]) -> dict[str, Any]:
-    return {"id": row["id"], "object": "file", "bytes": row["bytes"], "created_at": row["created_at"],
-            "filename": row["filename"], "purpose": row["purpose"], "status": "processed", "expires_at": None,
-            "status_details": None}  # fmt: skip
+    return {
+        "id": row["id"],
+        "object": "file",
+        "bytes": row["bytes"],
+        "created_at": row["created_at"],
+        "filename": row["filename"],
+        "purpose": row["purpose"],
+        "status": "processed",
+        "expires_at": None,
+        "status_details": None,
+    }
 
 
 def batch_object(row: dict[str, Any]) -> dict[str, Any]:
-    stamps = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
-              "cancelling_at", "cancelled_at")  # fmt: skip
+    stamps = (
+        "created_at",
+        "in_progress_at",
+        "expires_at",
+        "finalizing_at",
+        "completed_at",
+        "failed_at",
+        "expired_at",
+        "cancelling_at",
+        "cancelled_at",
+    )
     errors = json.loads(row["errors"]) if row["errors"] else None
     return {
-        "id": row["id"], "object": "batch", "endpoint": row["endpoint"], "input_file_id": row["input_file_id"],
-        "completion_window": row["completion_window"], "status": row["status"],
-        "output_file_id": row["output_file_id"], "error_file_id": row["error_file_id"],
+        "id": row["id"],
+        "object": "batch",
+        "endpoint": row["endpoint"],
+        "input_file_id": row["input_file_id"],
+        "completion_window": row["completion_window"],
+        "status": row["status"],
+        "output_file_id": row["output_file_id"],
+        "error_file_id": row["error_file_id"],
         "errors": None if errors is None else {"object": "list", "data": errors},
         **{name: row[name] for name in stamps},
         "request_counts": {"total": row["total"], "completed": row["completed"], "failed": row["failed"]},
         "metadata": json.loads(row["metadata"]) if row["metadata"] else None,
-        "usage": {"input_tokens": row["input_tokens"], "output_tokens": row["output_tokens"],
-                  "total_tokens": row["input_tokens"] + row["output_tokens"],
-                  "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}},
-    }  # fmt: skip
+        "usage": {
+            "input_tokens": row["input_tokens"],
+            "output_tokens": row["output_tokens"],
+            "total_tokens": row["input_tokens"] + row["output_tokens"],
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0},
+        },
+    }
 
 
 def page(objects: list[dict[str, Any]], limit: int) -> dict[str, Any]:
     """OpenAI's list object of the first ``limit`` of ``objects`` (one more was fetched to see if there are more)."""
     data = objects[:limit]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": len(objects) > limit}  # fmt: skip
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": len(objects) > limit,
+    }
 
 
 def check_batch_lines(upload: IO[bytes], out: IO[bytes], limits: BatchLimits) -> tuple[int, dict[str, int]]:
@@ -125,8 +161,12 @@ def check_batch_lines(upload: IO[bytes], out: IO[bytes], limits: BatchLimits) ->
         if not raw.strip():
             continue  # NOTE: blank lines are skipped; line numbers stay those of the file
         if len(seen) >= limits.max_file_lines:
-            raise ApiError(400, f"line {number}: the file has more than {limits.max_file_lines} requests, the limit "
-                                "of one batch", "file", "too_many_lines")  # fmt: skip
+            raise ApiError(
+                400,
+                f"line {number}: the file has more than {limits.max_file_lines} requests, the limit of one batch",
+                "file",
+                "too_many_lines",
+            )
         custom_id, url = _check_line(number, raw, seen)
         seen[custom_id] = number
         urls.setdefault(url, number)
@@ -176,8 +216,9 @@ def _no_file(file_id: str) -> ApiError:
 class BatchService:
     """The Files and Batches routes over ``store``, and the runner that serves the batches."""
 
-    def __init__(self, store: BatchStore, serving: OpenAIServing, limits: BatchLimits,
-                 metrics: ServerMetrics | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, store: BatchStore, serving: OpenAIServing, limits: BatchLimits, metrics: ServerMetrics | None = None
+    ) -> None:
         self.store = store
         self.limits = limits
         self.runner = BatchRunner(store, serving, limits.max_lines_in_engine, metrics)
@@ -217,13 +258,21 @@ class BatchService:
     def _create_batch(self, body: CreateBatch) -> dict[str, Any]:
         input_file = self._file(body.input_file_id)
         if input_file["purpose"] != "batch":
-            raise ApiError(400, f"file {body.input_file_id} has purpose {input_file['purpose']!r}; a batch's input "
-                                "file is uploaded with purpose 'batch'", "input_file_id")  # fmt: skip
+            raise ApiError(
+                400,
+                f"file {body.input_file_id} has purpose {input_file['purpose']!r}; a batch's input "
+                "file is uploaded with purpose 'batch'",
+                "input_file_id",
+            )
         for url, number in json.loads(input_file["urls"]).items():
             if url != body.endpoint:
-                raise ApiError(400, f"line {number} of file {body.input_file_id} has url {url!r}, but the batch's "
-                                    f"endpoint is {body.endpoint!r}: every line must use the batch's endpoint",
-                               "input_file_id", "invalid_batch_line")  # fmt: skip
+                raise ApiError(
+                    400,
+                    f"line {number} of file {body.input_file_id} has url {url!r}, but the batch's "
+                    f"endpoint is {body.endpoint!r}: every line must use the batch's endpoint",
+                    "input_file_id",
+                    "invalid_batch_line",
+                )
         lines = read_batch_lines(self.store.file_path(input_file["id"]))
         return self.store.create_batch(input_file, body.endpoint, body.completion_window, body.metadata, lines)
 
@@ -233,8 +282,12 @@ class BatchService:
             self.store.set_status(batch_id, "cancelling", only_from=("validating", "in_progress"))
             self.runner.wake()
         elif batch["status"] != "cancelling":
-            raise ApiError(400, f"batch {batch_id} is {batch['status']}: only a validating or in-progress batch can be "
-                                "cancelled", "id", "batch_not_cancellable")  # fmt: skip
+            raise ApiError(
+                400,
+                f"batch {batch_id} is {batch['status']}: only a validating or in-progress batch can be cancelled",
+                "id",
+                "batch_not_cancellable",
+            )
         return self._batch(batch_id)
 
     def router(self) -> APIRouter:
@@ -249,8 +302,12 @@ class BatchService:
                 and declared.isdigit()
                 and int(declared) > limits.max_file_bytes + MULTIPART_OVERHEAD
             ):
-                raise ApiError(413, f"the upload has {declared} bytes, over the file limit of {limits.max_file_bytes}",
-                               "file", "file_too_large")  # fmt: skip
+                raise ApiError(
+                    413,
+                    f"the upload has {declared} bytes, over the file limit of {limits.max_file_bytes}",
+                    "file",
+                    "file_too_large",
+                )
             if not request.headers.get("content-type", "").startswith("multipart/form-data"):
                 raise ApiError(
                     400, "upload the file as multipart/form-data with the fields 'file' and 'purpose'", "file"
@@ -259,8 +316,12 @@ class BatchService:
             try:
                 purpose, upload = form.get("purpose"), form.get("file")
                 if purpose != "batch":
-                    raise ApiError(400, f"purpose {purpose!r} is not supported: this server stores files for the Batch "
-                                        "API (purpose 'batch')", "purpose")  # fmt: skip
+                    raise ApiError(
+                        400,
+                        f"purpose {purpose!r} is not supported: this server stores files for the Batch "
+                        "API (purpose 'batch')",
+                        "purpose",
+                    )
                 if upload is None or isinstance(upload, str):
                     raise ApiError(400, "the form has no file: send it as the field 'file'", "file")
                 filename = upload.filename or "upload.jsonl"
@@ -269,8 +330,9 @@ class BatchService:
                 await form.close()
 
         @router.get("/v1/files")
-        async def list_files(purpose: str | None = None, after: str | None = None,
-                             limit: int = Query(default=10_000, ge=1, le=10_000)) -> dict[str, Any]:  # fmt: skip
+        async def list_files(
+            purpose: str | None = None, after: str | None = None, limit: int = Query(default=10_000, ge=1, le=10_000)
+        ) -> dict[str, Any]:
             if after is not None:
                 self._file(after)
             return page([file_object(r) for r in self.store.list_files(purpose, after, limit + 1)], limit)

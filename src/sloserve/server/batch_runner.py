@@ -62,20 +62,29 @@ class InFlight:
 def output_line(custom_id: str, status_code: int, body: dict[str, Any]) -> dict[str, Any]:
     """One line of a batch's output or error file, as OpenAI writes it."""
     request_id = body.get("id") or new_id("req_")
-    return {"id": new_id("batch_req_"), "custom_id": custom_id,
-            "response": {"status_code": status_code, "request_id": request_id, "body": body}, "error": None}  # fmt: skip
+    return {
+        "id": new_id("batch_req_"),
+        "custom_id": custom_id,
+        "response": {"status_code": status_code, "request_id": request_id, "body": body},
+        "error": None,
+    }
 
 
 def expired_line(custom_id: str) -> dict[str, Any]:
-    return {"id": new_id("batch_req_"), "custom_id": custom_id, "response": None,
-            "error": {"code": "batch_expired", "message": EXPIRED_MESSAGE}}  # fmt: skip
+    return {
+        "id": new_id("batch_req_"),
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": "batch_expired", "message": EXPIRED_MESSAGE},
+    }
 
 
 class BatchRunner:
     """The asyncio task that moves batches through their statuses and feeds their lines to the engine."""
 
-    def __init__(self, store: BatchStore, serving: OpenAIServing, max_lines_in_engine: int,
-                 metrics: ServerMetrics | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, store: BatchStore, serving: OpenAIServing, max_lines_in_engine: int, metrics: ServerMetrics | None = None
+    ) -> None:
         self.store = store
         self.serving = serving
         self.metrics = metrics
@@ -192,8 +201,9 @@ class BatchRunner:
                 self.store.requeue_line(line)
             else:
                 tokens = (result["response"]["body"].get("usage") or {}) if result["response"] else {}
-                answered = self.store.finish_line(line, result, failed, tokens.get("prompt_tokens", 0),
-                                                  tokens.get("completion_tokens", 0))  # fmt: skip
+                answered = self.store.finish_line(
+                    line, result, failed, tokens.get("prompt_tokens", 0), tokens.get("completion_tokens", 0)
+                )
                 if answered and self.metrics is not None:
                     self.metrics.batch_lines.labels("failed" if failed else "completed").inc()
         except Exception:  # a bug: log it; the line runs again after a restart

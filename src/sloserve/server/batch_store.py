@@ -115,8 +115,9 @@ class BatchStore:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._lock_file.close()
-            raise DataDirInUseError(f"--data-dir {self.data_dir} is in use by another sloserve server; give each "
-                                    "server its own") from None  # fmt: skip
+            raise DataDirInUseError(
+                f"--data-dir {self.data_dir} is in use by another sloserve server; give each server its own"
+            ) from None
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._connections_lock = threading.Lock()
@@ -131,8 +132,9 @@ class BatchStore:
     def db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
         if db is None:
-            db = sqlite3.connect(self.data_dir / "sloserve.db", timeout=30, isolation_level=None,
-                                 check_same_thread=False)  # fmt: skip
+            db = sqlite3.connect(
+                self.data_dir / "sloserve.db", timeout=30, isolation_level=None, check_same_thread=False
+            )
             db.row_factory = sqlite3.Row
             db.execute("PRAGMA journal_mode=WAL")
             # NOTE: NORMAL in WAL mode: a commit survives the process being killed (the WAL is in the
@@ -178,15 +180,24 @@ class BatchStore:
     def file_path(self, file_id: str) -> Path:
         return self.files_dir / file_id
 
-    def commit_file(self, file_id: str, filename: str, purpose: str, num_lines: int, urls: dict[str, int],
-                    db: sqlite3.Connection | None = None) -> dict[str, Any]:  # fmt: skip
+    def commit_file(
+        self,
+        file_id: str,
+        filename: str,
+        purpose: str,
+        num_lines: int,
+        urls: dict[str, int],
+        db: sqlite3.Connection | None = None,
+    ) -> dict[str, Any]:
         """Make the written temporary file ``file_id`` durable and record it (in ``db``'s open
         transaction when given). Returns the file object."""
         path = self.file_path(file_id)
         _fsync_and_rename(self.temp_path(file_id), path)
         row = (file_id, filename, purpose, path.stat().st_size, int(time.time()), num_lines, json.dumps(urls))
-        insert = ("INSERT OR REPLACE INTO files (id, seq, filename, purpose, bytes, created_at, num_lines, urls) "
-                  "VALUES (?, (SELECT COALESCE(MAX(seq), 0) + 1 FROM files), ?, ?, ?, ?, ?, ?)")  # fmt: skip
+        insert = (
+            "INSERT OR REPLACE INTO files (id, seq, filename, purpose, bytes, created_at, num_lines, urls) "
+            "VALUES (?, (SELECT COALESCE(MAX(seq), 0) + 1 FROM files), ?, ?, ?, ?, ?, ?)"
+        )
         if db is None:
             with self.transaction() as own:
                 own.execute(insert, row)
@@ -215,21 +226,37 @@ class BatchStore:
         return deleted
 
     # --- batches -------------------------------------------------------------------------------
-    def create_batch(self, input_file: dict[str, Any], endpoint: str, completion_window: str,
-                     metadata: dict[str, str] | None, lines: Iterable[tuple[int, str, str]]) -> dict[str, Any]:  # fmt: skip
+    def create_batch(
+        self,
+        input_file: dict[str, Any],
+        endpoint: str,
+        completion_window: str,
+        metadata: dict[str, str] | None,
+        lines: Iterable[tuple[int, str, str]],
+    ) -> dict[str, Any]:
         """A batch in ``validating`` with its ``lines`` ((line number, custom_id, body JSON)), in one
         transaction: a batch never exists without all its lines."""
         batch_id, now = new_id("batch_"), int(time.time())
         with self.transaction() as db:
-            db.executemany("INSERT INTO lines (batch_id, line_no, custom_id, body, status) VALUES (?, ?, ?, ?, 'pending')",
-                           ((batch_id, n, custom_id, body) for n, custom_id, body in lines))  # fmt: skip
+            db.executemany(
+                "INSERT INTO lines (batch_id, line_no, custom_id, body, status) VALUES (?, ?, ?, ?, 'pending')",
+                ((batch_id, n, custom_id, body) for n, custom_id, body in lines),
+            )
             total = db.execute("SELECT COUNT(*) FROM lines WHERE batch_id = ?", (batch_id,)).fetchone()[0]
             db.execute(
                 "INSERT INTO batches (id, seq, endpoint, input_file_id, completion_window, status, created_at, expires_at, "
                 "metadata, total) VALUES (?, (SELECT COALESCE(MAX(seq), 0) + 1 FROM batches), ?, ?, ?, 'validating', ?, ?, ?, ?)",
-                (batch_id, endpoint, input_file["id"], completion_window, now, now + COMPLETION_WINDOW_S[completion_window],
-                 json.dumps(metadata) if metadata is not None else None, total),
-            )  # fmt: skip
+                (
+                    batch_id,
+                    endpoint,
+                    input_file["id"],
+                    completion_window,
+                    now,
+                    now + COMPLETION_WINDOW_S[completion_window],
+                    json.dumps(metadata) if metadata is not None else None,
+                    total,
+                ),
+            )
         return self.get_batch(batch_id)
 
     def get_batch(self, batch_id: str, db: sqlite3.Connection | None = None) -> dict[str, Any] | None:
@@ -241,8 +268,10 @@ class BatchStore:
         if after is None:
             rows = self.db.execute("SELECT * FROM batches ORDER BY seq DESC LIMIT ?", (limit,))
         else:
-            rows = self.db.execute("SELECT * FROM batches WHERE seq < (SELECT seq FROM batches WHERE id = ?) "
-                                   "ORDER BY seq DESC LIMIT ?", (after, limit))  # fmt: skip
+            rows = self.db.execute(
+                "SELECT * FROM batches WHERE seq < (SELECT seq FROM batches WHERE id = ?) ORDER BY seq DESC LIMIT ?",
+                (after, limit),
+            )
         return [dict(r) for r in rows]
 
     def batches_in(self, *statuses: str) -> list[dict[str, Any]]:
@@ -265,50 +294,68 @@ class BatchStore:
     def start_lines(self, batch_id: str, limit: int) -> list[Line]:
         """Up to ``limit`` pending lines of ``batch_id``, in order, marked running."""
         with self.transaction() as db:
-            rows = db.execute("SELECT line_no, custom_id, body FROM lines WHERE batch_id = ? AND status = 'pending' "
-                              "ORDER BY line_no LIMIT ?", (batch_id, limit)).fetchall()  # fmt: skip
-            db.executemany("UPDATE lines SET status = 'running', attempts = attempts + 1 WHERE batch_id = ? AND line_no = ?",
-                           ((batch_id, r["line_no"]) for r in rows))  # fmt: skip
+            rows = db.execute(
+                "SELECT line_no, custom_id, body FROM lines WHERE batch_id = ? AND status = 'pending' "
+                "ORDER BY line_no LIMIT ?",
+                (batch_id, limit),
+            ).fetchall()
+            db.executemany(
+                "UPDATE lines SET status = 'running', attempts = attempts + 1 WHERE batch_id = ? AND line_no = ?",
+                ((batch_id, r["line_no"]) for r in rows),
+            )
         return [Line(batch_id, r["line_no"], r["custom_id"], r["body"]) for r in rows]
 
-    def finish_line(self, line: Line, result: dict[str, Any], failed: bool, input_tokens: int = 0,
-                    output_tokens: int = 0) -> bool:  # fmt: skip
+    def finish_line(
+        self, line: Line, result: dict[str, Any], failed: bool, input_tokens: int = 0, output_tokens: int = 0
+    ) -> bool:
         """Store ``line``'s output line (once: False if it was not running) and count it and its tokens."""
         with self.transaction() as db:
-            cursor = db.execute("UPDATE lines SET status = ?, result = ? WHERE batch_id = ? AND line_no = ? AND status = 'running'",
-                                ("failed" if failed else "done", json.dumps(result), line.batch_id, line.line_no))  # fmt: skip
+            cursor = db.execute(
+                "UPDATE lines SET status = ?, result = ? WHERE batch_id = ? AND line_no = ? AND status = 'running'",
+                ("failed" if failed else "done", json.dumps(result), line.batch_id, line.line_no),
+            )
             if cursor.rowcount != 1:
                 return False
             column = "failed" if failed else "completed"
-            db.execute(f"UPDATE batches SET {column} = {column} + 1, input_tokens = input_tokens + ?, "
-                       "output_tokens = output_tokens + ? WHERE id = ?", (input_tokens, output_tokens, line.batch_id))  # fmt: skip
+            db.execute(
+                f"UPDATE batches SET {column} = {column} + 1, input_tokens = input_tokens + ?, "
+                "output_tokens = output_tokens + ? WHERE id = ?",
+                (input_tokens, output_tokens, line.batch_id),
+            )
         return True
 
     def requeue_line(self, line: Line) -> None:
         """``line`` did not finish (the server is stopping, its batch was cancelled): not answered."""
         with self.transaction() as db:
-            db.execute("UPDATE lines SET status = 'pending' WHERE batch_id = ? AND line_no = ? AND status = 'running'",
-                       (line.batch_id, line.line_no))  # fmt: skip
+            db.execute(
+                "UPDATE lines SET status = 'pending' WHERE batch_id = ? AND line_no = ? AND status = 'running'",
+                (line.batch_id, line.line_no),
+            )
 
     def count_lines(self, batch_id: str, *statuses: str) -> int:
         marks = ",".join("?" * len(statuses))
-        return self.db.execute(f"SELECT COUNT(*) FROM lines WHERE batch_id = ? AND status IN ({marks})",
-                               (batch_id, *statuses)).fetchone()[0]  # fmt: skip
+        return self.db.execute(
+            f"SELECT COUNT(*) FROM lines WHERE batch_id = ? AND status IN ({marks})", (batch_id, *statuses)
+        ).fetchone()[0]
 
     def fail_unanswered(self, batch_id: str, make_result) -> None:
         """Every pending line of ``batch_id`` gets ``make_result(custom_id)`` as its error (an expired batch)."""
         with self.transaction() as db:
-            rows = db.execute("SELECT line_no, custom_id FROM lines WHERE batch_id = ? AND status = 'pending'",
-                              (batch_id,)).fetchall()  # fmt: skip
-            db.executemany("UPDATE lines SET status = 'failed', result = ? WHERE batch_id = ? AND line_no = ?",
-                           ((json.dumps(make_result(r["custom_id"])), batch_id, r["line_no"]) for r in rows))  # fmt: skip
+            rows = db.execute(
+                "SELECT line_no, custom_id FROM lines WHERE batch_id = ? AND status = 'pending'", (batch_id,)
+            ).fetchall()
+            db.executemany(
+                "UPDATE lines SET status = 'failed', result = ? WHERE batch_id = ? AND line_no = ?",
+                ((json.dumps(make_result(r["custom_id"])), batch_id, r["line_no"]) for r in rows),
+            )
             db.execute("UPDATE batches SET failed = failed + ? WHERE id = ?", (len(rows), batch_id))
 
     def results(self, batch_id: str, status: str) -> Iterator[str]:
         """The stored output lines of ``batch_id``'s lines in ``status`` (done or failed), in line order."""
         db = self.db
-        for (result,) in db.execute("SELECT result FROM lines WHERE batch_id = ? AND status = ? ORDER BY line_no",
-                                    (batch_id, status)):  # fmt: skip
+        for (result,) in db.execute(
+            "SELECT result FROM lines WHERE batch_id = ? AND status = ? ORDER BY line_no", (batch_id, status)
+        ):
             yield result
 
     def finish_batch(self, batch_id: str, status: str, only_from: tuple[str, ...]) -> bool:
@@ -336,15 +383,18 @@ class BatchStore:
             )
 
 
-def _move_batch(db: sqlite3.Connection, batch_id: str, status: str, only_from: tuple[str, ...],
-                fields: dict[str, Any]) -> bool:  # fmt: skip
+def _move_batch(
+    db: sqlite3.Connection, batch_id: str, status: str, only_from: tuple[str, ...], fields: dict[str, Any]
+) -> bool:
     """In ``db``'s transaction: ``batch_id`` to ``status``, stamping ``<status>_at`` and setting
     ``fields``, if it is in one of ``only_from``."""
     fields = {f"{status}_at": int(time.time()), **fields}
     assignments = ", ".join(f"{name} = ?" for name in fields)
     marks = ",".join("?" * len(only_from))
-    cursor = db.execute(f"UPDATE batches SET status = ?, {assignments} WHERE id = ? AND status IN ({marks})",
-                        (status, *fields.values(), batch_id, *only_from))  # fmt: skip
+    cursor = db.execute(
+        f"UPDATE batches SET status = ?, {assignments} WHERE id = ? AND status IN ({marks})",
+        (status, *fields.values(), batch_id, *only_from),
+    )
     return cursor.rowcount == 1
 
 

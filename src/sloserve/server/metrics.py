@@ -46,10 +46,18 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, request_log: Path | None = None) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("sloserve_requests", "Requests ended, by class and finish reason "
-                                "(stop, length, abort, error)", ["request_class", "outcome"], registry=r)  # fmt: skip
-        self.rejected = Counter("sloserve_requests_rejected", "Requests refused before they were accepted, by "
-                                "reason (invalid, queue_full, shutting_down)", ["reason"], registry=r)  # fmt: skip
+        self.requests = Counter(
+            "sloserve_requests",
+            "Requests ended, by class and finish reason (stop, length, abort, error)",
+            ["request_class", "outcome"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "sloserve_requests_rejected",
+            "Requests refused before they were accepted, by reason (invalid, queue_full, shutting_down)",
+            ["reason"],
+            registry=r,
+        )
         self.waiting = Gauge("sloserve_num_requests_waiting", "Requests holding no KV, waiting to run", registry=r)
         self.running = Gauge("sloserve_num_requests_running", "Requests holding KV on the device", registry=r)
         self.swapped = Gauge("sloserve_num_requests_swapped", "Requests whose KV is in CPU swap space", registry=r)
@@ -60,20 +68,30 @@ class ServerMetrics:
         self.prompt_tokens = Counter("sloserve_prompt_tokens", "Prompt tokens of ended requests", registry=r)
         self.generation_tokens = Counter("sloserve_generation_tokens", "Output tokens sent", registry=r)
         labels = ["request_class"]
-        self.ttft = Histogram("sloserve_time_to_first_token_seconds", "TTFT", labels, buckets=LATENCY_BUCKETS_S,
-                              registry=r)  # fmt: skip
-        self.tpot = Histogram("sloserve_time_per_output_token_seconds", "TPOT", labels, buckets=TOKEN_BUCKETS_S,
-                              registry=r)  # fmt: skip
-        self.e2e = Histogram("sloserve_e2e_request_latency_seconds", "End-to-end latency", labels,
-                             buckets=LATENCY_BUCKETS_S, registry=r)  # fmt: skip
-        self.slo = Counter("sloserve_slo_requests", "Completed requests with an SLO, by whether they met it",
-                           ["request_class", "met"], registry=r)  # fmt: skip
-        self.attainment = Gauge("sloserve_slo_attainment_ratio", "Share of completed requests with an SLO that "
-                                "met it", labels, registry=r)  # fmt: skip
-        self.batch_lines = Counter("sloserve_batch_lines", "Batch API lines answered, by outcome (completed, failed)",
-                                   ["outcome"], registry=r)  # fmt: skip
-        self.batch_lines_in_engine = Gauge("sloserve_batch_lines_in_engine", "Batch API lines in the engine now",
-                                           registry=r)  # fmt: skip
+        self.ttft = Histogram(
+            "sloserve_time_to_first_token_seconds", "TTFT", labels, buckets=LATENCY_BUCKETS_S, registry=r
+        )
+        self.tpot = Histogram(
+            "sloserve_time_per_output_token_seconds", "TPOT", labels, buckets=TOKEN_BUCKETS_S, registry=r
+        )
+        self.e2e = Histogram(
+            "sloserve_e2e_request_latency_seconds", "End-to-end latency", labels, buckets=LATENCY_BUCKETS_S, registry=r
+        )
+        self.slo = Counter(
+            "sloserve_slo_requests",
+            "Completed requests with an SLO, by whether they met it",
+            ["request_class", "met"],
+            registry=r,
+        )
+        self.attainment = Gauge(
+            "sloserve_slo_attainment_ratio", "Share of completed requests with an SLO that met it", labels, registry=r
+        )
+        self.batch_lines = Counter(
+            "sloserve_batch_lines", "Batch API lines answered, by outcome (completed, failed)", ["outcome"], registry=r
+        )
+        self.batch_lines_in_engine = Gauge(
+            "sloserve_batch_lines_in_engine", "Batch API lines in the engine now", registry=r
+        )
         self._slo_counts: dict[str, list[int]] = {}  # class -> [met, all]
         self._num_preemptions = 0
         self._log: IO[str] | None = None

@@ -20,11 +20,17 @@ def metrics_router(engine: AsyncLLMEngine, metrics: ServerMetrics) -> APIRouter:
     @router.get("/health")
     async def health() -> Response:
         if engine.error is not None:
-            return json_error(ErrorResponse(503, error_body(f"the engine failed: {engine.error}", "service_unavailable",
-                                                            code="engine_failed")))  # fmt: skip
+            return json_error(
+                ErrorResponse(
+                    503, error_body(f"the engine failed: {engine.error}", "service_unavailable", code="engine_failed")
+                )
+            )
         if engine.draining:
-            return json_error(ErrorResponse(503, error_body("the server is shutting down", "service_unavailable",
-                                                            code="shutting_down")))  # fmt: skip
+            return json_error(
+                ErrorResponse(
+                    503, error_body("the server is shutting down", "service_unavailable", code="shutting_down")
+                )
+            )
         return JSONResponse({"status": "ok"})
 
     @router.get("/metrics")

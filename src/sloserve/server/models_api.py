@@ -15,8 +15,13 @@ def models_router(serving: OpenAIServing) -> APIRouter:
 
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
-        model = {"id": serving.config.model_name, "object": "model", "created": now_unix(), "owned_by": "sloserve",
-                 "max_model_len": serving.engine.max_model_len}  # fmt: skip
+        model = {
+            "id": serving.config.model_name,
+            "object": "model",
+            "created": now_unix(),
+            "owned_by": "sloserve",
+            "max_model_len": serving.engine.max_model_len,
+        }
         return {"object": "list", "data": [model]}
 
     return router

@@ -26,8 +26,9 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def respond(serving: OpenAIServing, raw: Request, body: SamplingRequest, served: ServedRequest,
-                  kind: str) -> Response:  # fmt: skip
+async def respond(
+    serving: OpenAIServing, raw: Request, body: SamplingRequest, served: ServedRequest, kind: str
+) -> Response:
     """Stream the request's deltas as SSE, or wait for all of them; abort it if the client leaves."""
     engine = serving.engine
     objects = ResponseObjects(kind == "chat", serving.config.model_name)

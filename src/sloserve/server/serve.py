@@ -114,8 +114,13 @@ class DrainingServer(uvicorn.Server):
     """uvicorn that drains the engine on the first SIGTERM/SIGINT before it stops: 503 for new
     requests, ``drain_timeout_s`` for running ones."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, drain_timeout_s: float,
-                 batches: BatchService | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        engine: AsyncLLMEngine,
+        drain_timeout_s: float,
+        batches: BatchService | None = None,
+    ) -> None:
         super().__init__(config)
         self.engine = engine
         self.batches = batches
@@ -145,7 +150,8 @@ class DrainingServer(uvicorn.Server):
 
 def run_server(app, options: ServeOptions) -> None:
     """Serve ``app`` until a signal drains and stops it."""
-    config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
-                            timeout_graceful_shutdown=5)  # fmt: skip
+    config = uvicorn.Config(
+        app, host=options.host, port=options.port, log_level=options.log_level, timeout_graceful_shutdown=5
+    )
     server = DrainingServer(config, app.state.engine, options.drain_timeout_s, app.state.batches)
     server.run()

@@ -73,18 +73,24 @@ def error_response(exc: Exception) -> ErrorResponse | None:
         type_ = "invalid_request_error" if exc.status < 500 else "server_error"
         return ErrorResponse(exc.status, error_body(str(exc), type_, exc.param, exc.code), rejected="invalid")
     if isinstance(exc, ModelNotFoundError):
-        return ErrorResponse(404, error_body(str(exc), "invalid_request_error", "model", "model_not_found"),
-                             rejected="invalid")  # fmt: skip
+        return ErrorResponse(
+            404, error_body(str(exc), "invalid_request_error", "model", "model_not_found"), rejected="invalid"
+        )
     if isinstance(exc, ConfigError):
         param = exc.param if isinstance(exc, ParameterError) else None
         code = "context_length_exceeded" if param == "max_tokens" else None
         return ErrorResponse(400, error_body(str(exc), "invalid_request_error", param, code), rejected="invalid")
     if isinstance(exc, QueueFullError):
-        return ErrorResponse(429, error_body(str(exc), "rate_limit_error", code="queue_full"),
-                             {"Retry-After": str(RETRY_AFTER_S)}, "queue_full")  # fmt: skip
+        return ErrorResponse(
+            429,
+            error_body(str(exc), "rate_limit_error", code="queue_full"),
+            {"Retry-After": str(RETRY_AFTER_S)},
+            "queue_full",
+        )
     if isinstance(exc, ShuttingDownError):
-        return ErrorResponse(503, error_body(str(exc), "service_unavailable", code="shutting_down"),
-                             rejected="shutting_down")  # fmt: skip
+        return ErrorResponse(
+            503, error_body(str(exc), "service_unavailable", code="shutting_down"), rejected="shutting_down"
+        )
     if isinstance(exc, EngineDeadError):
         return ErrorResponse(500, error_body(str(exc), "server_error", code="engine_failed"))
     return None
@@ -103,10 +109,20 @@ def validation_error(errors: list[dict[str, Any]]) -> dict[str, Any]:
 def ended_early(reason: str, engine_error: str | None) -> ErrorResponse:
     """The answer of a request the engine ended without finishing it ("abort" or "error")."""
     if reason == "abort":
-        return ErrorResponse(503, error_body("the request was aborted: the server shut down before it finished",
-                                             "service_unavailable", code="shutting_down"))  # fmt: skip
-    return ErrorResponse(500, error_body(f"the engine failed while serving this request: {engine_error}", "server_error",
-                                         code="engine_failed"))  # fmt: skip
+        return ErrorResponse(
+            503,
+            error_body(
+                "the request was aborted: the server shut down before it finished",
+                "service_unavailable",
+                code="shutting_down",
+            ),
+        )
+    return ErrorResponse(
+        500,
+        error_body(
+            f"the engine failed while serving this request: {engine_error}", "server_error", code="engine_failed"
+        ),
+    )
 
 
 class ResponseObjects:
@@ -145,8 +161,12 @@ class ResponseObjects:
     def whole(self, text: str, finish_reason: str, counts: dict[str, int]) -> dict[str, Any]:
         """The non-streamed response."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}  # fmt: skip
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         obj = "chat.completion" if self.chat else "text_completion"
@@ -192,8 +212,9 @@ class OpenAIServing:
         prompt_ids = self.encode(prompt, add_special_tokens=not self.chat_template.from_model)
         return self._submit(body, prompt_ids, body.output_cap, request_class)
 
-    def _submit(self, body: SamplingRequest, prompt_ids: list[int], max_tokens: int | None,
-                request_class: RequestClass | None) -> ServedRequest:  # fmt: skip
+    def _submit(
+        self, body: SamplingRequest, prompt_ids: list[int], max_tokens: int | None, request_class: RequestClass | None
+    ) -> ServedRequest:
         max_model_len = self.engine.max_model_len
         if not prompt_ids:
             raise ParameterError("prompt", "the prompt is empty")
@@ -206,10 +227,18 @@ class OpenAIServing:
                 "completion). Please reduce the prompt or the completion length.",
             )
         if room < 1:
-            raise ParameterError("prompt", f"the prompt has {len(prompt_ids)} tokens: the model's context is "
-                                           f"{max_model_len} tokens, which leaves none to generate")  # fmt: skip
-        params = SamplingParams(max_tokens=max_tokens or room, temperature=body.temperature, top_p=body.top_p,
-                                seed=body.seed, ignore_eos=body.ignore_eos)  # fmt: skip
+            raise ParameterError(
+                "prompt",
+                f"the prompt has {len(prompt_ids)} tokens: the model's context is "
+                f"{max_model_len} tokens, which leaves none to generate",
+            )
+        params = SamplingParams(
+            max_tokens=max_tokens or room,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            ignore_eos=body.ignore_eos,
+        )
         cls = request_class or body.request_class()
         slo = body.slo_for(cls, self.config.rt_ttft_ms, self.config.rt_tpot_ms)
         return self.engine.submit(prompt_ids, params, request_class=cls, stop=body.stop_strings(), slo=slo)

@@ -98,8 +98,9 @@ class StretchPlanner:
         self._kv_used_before, self._kv_allocated_before = sched.kv_used_tokens(), sched.kv.allocated_tokens
         return ends
 
-    def record(self, replica: Replica, out: SchedulerOutput, start: float, end_times: Sequence[float],
-               sched_time: float) -> None:  # fmt: skip
+    def record(
+        self, replica: Replica, out: SchedulerOutput, start: float, end_times: Sequence[float], sched_time: float
+    ) -> None:
         """The timeline rows of an executed stretch."""
         kv = replica.scheduler.kv
         num_prefill = 0

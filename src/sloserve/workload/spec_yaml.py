@@ -196,11 +196,20 @@ def _message(model: type[_Fields], error: dict[str, Any]) -> str:
     bounds = {"greater_than": f"> {ctx.get('gt', 0):g}", "greater_than_equal": f">= {ctx.get('ge', 0):g}"}
     if kind in bounds:
         return f"{field_path} must be {bounds[kind]}, got {_show(value)}"
-    expected = {"int_type": "an integer", "int_from_float": "an integer", "float_type": "a number",
-                "finite_number": "finite", "string_type": "a string", "dict_type": "a mapping",
-                "model_type": "a mapping", "model_attributes_type": "a mapping", "list_type": _pair(field_path),
-                "too_short": _pair(field_path), "too_long": _pair(field_path),
-                "string_too_short": "a non-empty string"}.get(kind)  # fmt: skip
+    expected = {
+        "int_type": "an integer",
+        "int_from_float": "an integer",
+        "float_type": "a number",
+        "finite_number": "finite",
+        "string_type": "a string",
+        "dict_type": "a mapping",
+        "model_type": "a mapping",
+        "model_attributes_type": "a mapping",
+        "list_type": _pair(field_path),
+        "too_short": _pair(field_path),
+        "too_long": _pair(field_path),
+        "string_too_short": "a non-empty string",
+    }.get(kind)
     if expected is not None:
         return f"{field_path} must be {expected}, got {_show(value)}"
     return f"{field_path}: {error['msg']}"
@@ -244,8 +253,16 @@ def _parse_stream(raw: Any, i: int, origin: str, base_dir: Path | None) -> Strea
     if arrival.process == "trace" and not isinstance(source, TraceSource):
         raise error("arrival.process", "'trace' needs a trace source with arrival times")
     slo = SLO() if fields.slo is None else SLO(fields.slo.ttft_s, fields.slo.tpot_s, fields.slo.jct_s)
-    return StreamSpec(name, RequestClass(fields.request_class.lower()), source, arrival, fields.num_requests, slo,
-                      fields.max_tokens, float(fields.start_s))  # fmt: skip
+    return StreamSpec(
+        name,
+        RequestClass(fields.request_class.lower()),
+        source,
+        arrival,
+        fields.num_requests,
+        slo,
+        fields.max_tokens,
+        float(fields.start_s),
+    )
 
 
 def _parse_source(fields: _SourceFields, label: str, base_dir: Path | None, error) -> Source:
@@ -271,8 +288,7 @@ def _parse_source(fields: _SourceFields, label: str, base_dir: Path | None, erro
     return _trace_source(fields.trace, fields.columns, label, base_dir, error)
 
 
-def _trace_source(trace: str, columns: dict[str, str] | None, label: str, base_dir: Path | None,
-                  error) -> TraceSource:  # fmt: skip
+def _trace_source(trace: str, columns: dict[str, str] | None, label: str, base_dir: Path | None, error) -> TraceSource:
     if trace in TRACES:
         if columns is not None:
             raise error("source.columns", f"applies only to trace files, not to the bundled trace {trace!r}")
@@ -289,8 +305,9 @@ def _trace_source(trace: str, columns: dict[str, str] | None, label: str, base_d
     if columns is not None:
         for key in columns:
             if key not in ROLES + ("arrival_unit",):
-                raise ConfigError(f"{label}unknown key 'source.columns.{key}'; valid: "
-                                  f"{', '.join(ROLES + ('arrival_unit',))}")  # fmt: skip
+                raise ConfigError(
+                    f"{label}unknown key 'source.columns.{key}'; valid: {', '.join(ROLES + ('arrival_unit',))}"
+                )
     return TraceSource(str(path), columns)
 
 

@@ -110,5 +110,7 @@ def copy_weights(model: nn.Module, tensors, source: str) -> None:
         k for k in params if k not in loaded and not (k == "lm_head.weight" and model.config.tie_word_embeddings)
     ]
     if missing:
-        raise ConfigError(f"{source}: weights missing for {', '.join(missing[:5])}"
-                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))  # fmt: skip
+        raise ConfigError(
+            f"{source}: weights missing for {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )

@@ -98,8 +98,10 @@ def test_block_size_must_leave_two_slots_per_side():
         BidirectionalKVManager(num_blocks=4, block_size=3)
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["grow", "free", "restore", "truncate", "drop"]), st.integers(0, 5),
-                         st.integers(1, 12)), max_size=60)  # fmt: skip
+OPS = st.lists(
+    st.tuples(st.sampled_from(["grow", "free", "restore", "truncate", "drop"]), st.integers(0, 5), st.integers(1, 12)),
+    max_size=60,
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

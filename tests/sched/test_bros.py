@@ -263,8 +263,12 @@ def test_bros_reports_its_scheduling_time_by_part():
     from sloserve.sim import simulate
 
     reqs = mixed(num_rt=20, num_be=20, rt_gap=0.02)
-    result = simulate(reqs, lambda: scheduler("bros", 6_400, block_size=16, max_num_batched_tokens=4096),
-                      llama7b_cost(), fast_path=False)  # fmt: skip
+    result = simulate(
+        reqs,
+        lambda: scheduler("bros", 6_400, block_size=16, max_num_batched_tokens=4096),
+        llama7b_cost(),
+        fast_path=False,
+    )
     policy = result.policy_metrics
     parts = [policy[f"sched_{p}_s"] for p in ("rt_ordering", "rt_packing", "be_packing", "kv_blocks")]
     assert all(p > 0 for p in parts)
@@ -302,8 +306,14 @@ def test_checkpoint_and_restore_traffic_is_charged_overlapped():
 
     bandwidth = 100e6
     cost = LinearCostModel(get_preset("llama-2-7b-a100"), swap_bandwidth=bandwidth)
-    sched = make_scheduler("bros", kv_capacity_tokens=6_400, max_model_len=4096, kv_bytes_per_token=524288,
-                           options={"block_size": 16, "max_num_batched_tokens": 4096}, cost_model=cost)  # fmt: skip
+    sched = make_scheduler(
+        "bros",
+        kv_capacity_tokens=6_400,
+        max_model_len=4096,
+        kv_bytes_per_token=524288,
+        options={"block_size": 16, "max_num_batched_tokens": 4096},
+        cost_model=cost,
+    )
     steps = []
 
     class Watch(Driver):
@@ -348,8 +358,17 @@ def test_progressive_dropping_swaps_out_or_recomputes(dropping):
     computed: dict[str, int] = {}
     modes: dict[str, set] = {}
     for name in ("bros", "bros_nobicache"):
-        reqs = [Request(request_id=i, arrival_time=0.0 if i < 6 else 0.01 * i, num_prompt_tokens=8,
-                        true_output_tokens=40, max_tokens=40, request_class=RequestClass.BE) for i in range(12)]  # fmt: skip
+        reqs = [
+            Request(
+                request_id=i,
+                arrival_time=0.0 if i < 6 else 0.01 * i,
+                num_prompt_tokens=8,
+                true_output_tokens=40,
+                max_tokens=40,
+                request_class=RequestClass.BE,
+            )
+            for i in range(12)
+        ]
         options = {"dropping": dropping} if name == "bros" else {}
         sched = scheduler(name, 96, block_size=8, **options)
         drv = Driver(sched)
@@ -381,8 +400,17 @@ def test_a_swapped_out_rt_request_does_not_drop_the_rt_request_that_dropped_it()
     """dropping=swap's re-admission rule: two RT requests whose KV cannot grow side by side. The
     first to need room drops the other; the dropped one then waits for free room instead of
     dropping it back (which would make the two trade places, and their KV, every step)."""
-    reqs = [Request(request_id=i, arrival_time=0.0, num_prompt_tokens=8, true_output_tokens=40, max_tokens=40,
-                    request_class=RequestClass.RT) for i in range(2)]  # fmt: skip
+    reqs = [
+        Request(
+            request_id=i,
+            arrival_time=0.0,
+            num_prompt_tokens=8,
+            true_output_tokens=40,
+            max_tokens=40,
+            request_class=RequestClass.RT,
+        )
+        for i in range(2)
+    ]
     sched = scheduler("bros", 64, block_size=8)  # 8 blocks: one request's 47 tokens fit, two do not
     Driver(sched).run(reqs)
     assert all(r.status is RequestStatus.FINISHED and r.num_output_tokens == 40 for r in reqs)

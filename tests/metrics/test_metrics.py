@@ -302,8 +302,7 @@ def sweep_results() -> dict[str, list[tuple[float, dict]]]:
 
 def test_sweep_and_compare_plots(tmp_path: Path):
     results = sweep_results()
-    p = plots_module.plot_sweep(results, tmp_path / "sweep.png", ylabel="norm. latency (s/token)",
-                                logy=True)  # fmt: skip
+    p = plots_module.plot_sweep(results, tmp_path / "sweep.png", ylabel="norm. latency (s/token)", logy=True)
     assert p.read_bytes().startswith(PNG_MAGIC)
     p = plots_module.plot_sweep(results, tmp_path / "rt.png", metric="classes.rt.ttft_s", stat="p99")
     assert p.stat().st_size > 1000
@@ -450,8 +449,11 @@ def test_token_times_agree_with_the_summary_times(scheduler):
     requests = workload_from_trace("sharegpt", num_requests=150, seed=0, context_len=4096, rate=12).requests
     for r in requests:
         r.token_times = []
-    simulate(requests, lambda: make_scheduler(scheduler, kv_capacity_tokens=20_000, max_model_len=4096,
-                                              cost_model=cost), cost)  # fmt: skip
+    simulate(
+        requests,
+        lambda: make_scheduler(scheduler, kv_capacity_tokens=20_000, max_model_len=4096, cost_model=cost),
+        cost,
+    )
     assert sum(r.num_preemptions for r in requests) > 0  # evictions happened on the way
     for r in requests:
         t = r.token_times

@@ -335,10 +335,12 @@ def test_jct_decomposition_parts_are_consistent(name, options):
 def test_policy_metrics_merge_over_replicas():
     from sloserve.sim.simulator import merge_policy_metrics
 
-    merged = merge_policy_metrics([
-        {"num_stops": 2, "sched_part_s": 0.5, "sizes": [1, 2], "target": 144, "mode": "a"},
-        {"num_stops": 3, "sched_part_s": 0.25, "sizes": [4], "target": 144, "mode": "b"},
-    ])  # fmt: skip
+    merged = merge_policy_metrics(
+        [
+            {"num_stops": 2, "sched_part_s": 0.5, "sizes": [1, 2], "target": 144, "mode": "a"},
+            {"num_stops": 3, "sched_part_s": 0.25, "sizes": [4], "target": 144, "mode": "b"},
+        ]
+    )
     assert merged == {"num_stops": 5, "sched_part_s": 0.75, "sizes": [1, 2, 4], "target": 144}
 
 

@@ -7,32 +7,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import Driver, llama7b_cost, make_requests, scheduler
+from helpers import Driver, FixedPredictor, llama7b_cost, make_requests, scheduler
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.core.request import Request
 from sloserve.cost import BatchShape, CostBreakdown, CostModel
 from sloserve.cost.derived import jct_slo_s, saturating_forward_size
 from sloserve.kv.pipelined import PipelinedKVManager
-from sloserve.predict import LengthPredictor
 from sloserve.sched.econoserve import EconoServeScheduler
 from sloserve.sched.ordering import TaskQueue
 from sloserve.workload import workload_from_trace
 
 VARIANTS = ("econoserve-d", "econoserve-sd", "econoserve-sdo", "econoserve", "econoserve-oracle", "synccoupled")
-
-
-class FixedPredictor(LengthPredictor):
-    """Predicts the lengths it is given per request id (the true length otherwise); re-predictions
-    are exact."""
-
-    def __init__(self, predictions: dict[int, int]) -> None:
-        self.predictions = predictions
-
-    def predict(self, request: Request) -> int:
-        return self.predictions.get(request.request_id, request.true_output_tokens)
-
-    def predict_remaining(self, request: Request) -> int:
-        return max(1, request.true_output_tokens - request.num_output_tokens)
 
 
 def econo(name: str, capacity: int, predictions: dict[int, int] | None = None, **options) -> EconoServeScheduler:
@@ -155,8 +140,13 @@ def test_ordering_puts_tighter_deadlines_first_then_larger_occupied_kv():
 
 
 @settings(max_examples=30, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["add", "add", "remove", "advance", "fit"]), st.integers(0, 10**6)),
-                    min_size=1, max_size=400))  # fmt: skip
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["add", "add", "remove", "advance", "fit"]), st.integers(0, 10**6)),
+        min_size=1,
+        max_size=400,
+    )
+)
 def test_ordered_queue_matches_a_sorted_reference(ops):
     """Moves between deadline ranges leave stale entries behind (dropped lazily, or by a rebuild):
     the queue's order, first() and first_fit() still equal a full sort by (deadline range, occupied
@@ -288,8 +278,10 @@ def test_bucketed_predictions_group_gts_of_the_same_cell():
     """--set predictor_bucket_tokens=50: RLs predicted in 50-token cells (as [23]'s predictor), so
     GTs of one cell admitted together form one time-synced group."""
     s = scheduler("econoserve-sd", 64 * 16, predictor_bucket_tokens="50", reserve="0.25", target_forward_size="512")
-    reqs = [Request(request_id=i, arrival_time=0.0, num_prompt_tokens=8, true_output_tokens=20 + i % 3,
-                    max_tokens=4096) for i in range(6)]  # fmt: skip
+    reqs = [
+        Request(request_id=i, arrival_time=0.0, num_prompt_tokens=8, true_output_tokens=20 + i % 3, max_tokens=4096)
+        for i in range(6)
+    ]
     Driver(s).run(reqs)
     assert all(r.predicted_output_tokens % 50 == 0 for r in reqs)
     assert all(r.num_output_tokens == r.true_output_tokens for r in reqs)
@@ -309,8 +301,13 @@ def test_summary_reports_gt_queuing_allocation_failures_and_group_sizes():
 
     reqs = workload_from_trace("sharegpt", num_requests=200, seed=0, context_len=4096, rate=40.0).requests
     result = simulate(reqs, lambda: scheduler("econoserve", 6000), llama7b_cost())
-    summary = summarize(reqs, result.timeline, kv_capacity_tokens=6000, sim_wall_s=result.sim_wall_s,
-                        policy_metrics=result.policy_metrics)  # fmt: skip
+    summary = summarize(
+        reqs,
+        result.timeline,
+        kv_capacity_tokens=6000,
+        sim_wall_s=result.sim_wall_s,
+        policy_metrics=result.policy_metrics,
+    )
     assert any(r.gt_queued_s > 0 for r in reqs)
     failed = [r for r in reqs if r.num_allocation_failures]
     assert failed and summary["allocation_failure_share"] == len(failed) / len(reqs)
@@ -347,11 +344,16 @@ def test_kv_bound_by_hand_and_above_every_schedulers_offline_throughput():
     cost = build_cost_model(model, get_gpu("a100-80gb"))
     capacity = 14_648  # 12 GB of OPT-13B KV, as in EconoServe §2.1
     for name in ("vllm", "sarathi", "econoserve-d"):
-        requests = workload_from_trace("sharegpt", num_requests=300, seed=0, context_len=model.max_context_len,
-                                       offline=True).requests  # fmt: skip
-        bound = kv_bound_throughput_rps(cost, [r.num_prompt_tokens for r in requests],
-                                        [r.true_output_tokens for r in requests], capacity)  # fmt: skip
-        simulate(requests, lambda n=name: make_scheduler(n, kv_capacity_tokens=capacity, max_model_len=2048,
-                                                         cost_model=cost), cost)  # fmt: skip
+        requests = workload_from_trace(
+            "sharegpt", num_requests=300, seed=0, context_len=model.max_context_len, offline=True
+        ).requests
+        bound = kv_bound_throughput_rps(
+            cost, [r.num_prompt_tokens for r in requests], [r.true_output_tokens for r in requests], capacity
+        )
+        simulate(
+            requests,
+            lambda n=name: make_scheduler(n, kv_capacity_tokens=capacity, max_model_len=2048, cost_model=cost),
+            cost,
+        )
         throughput = len(requests) / max(r.finish_time for r in requests)
         assert 0.3 * bound < throughput <= bound, name

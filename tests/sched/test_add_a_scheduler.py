@@ -18,7 +18,7 @@ from sloserve.sched.registry import SCHEDULERS
 from sloserve.sim import simulate
 from sloserve.workload import workload_from_trace
 
-GUIDE = Path(__file__).parents[1] / "docs" / "schedulers.md"
+GUIDE = Path(__file__).parents[2] / "docs" / "schedulers.md"
 
 
 def _guide_code() -> str:
@@ -71,8 +71,9 @@ def test_the_guides_policy_keeps_the_invariants_step_by_step(spf):
 
 
 def test_the_guides_option_is_a_set_option(spf):
-    scheduler = make_scheduler("spf", kv_capacity_tokens=8192, max_model_len=1024,
-                               options={"max_num_batched_tokens": "2048"})  # fmt: skip
+    scheduler = make_scheduler(
+        "spf", kv_capacity_tokens=8192, max_model_len=1024, options={"max_num_batched_tokens": "2048"}
+    )
     assert scheduler.config.max_num_batched_tokens == 2048
     with pytest.raises(ConfigError, match="cannot hold a prompt"):
         make_scheduler("spf", kv_capacity_tokens=8192, max_model_len=4096, options={"max_num_batched_tokens": "512"})

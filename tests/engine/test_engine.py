@@ -13,37 +13,20 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from hf_models import VOCAB, hf_model  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.sched import scheduler_names  # noqa: E402
 
-VOCAB = 300
-PROMPTS = [[5, 17, 33, 2, 99, 120, 7], [250, 3, 3], [i * 7 % VOCAB for i in range(1, 31)], [42] * 12,
-           [11, 22, 33, 44, 55], list(range(100, 117))]  # fmt: skip
+PROMPTS = [
+    [5, 17, 33, 2, 99, 120, 7],
+    [250, 3, 3],
+    [i * 7 % VOCAB for i in range(1, 31)],
+    [42] * 12,
+    [11, 22, 33, 44, 55],
+    list(range(100, 117)),
+]
 MAX_TOKENS = [12, 5, 20, 8, 16, 10]
-
-
-def _hf_model(arch: str):
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=256)  # fmt: skip
-    if arch == "llama":
-        config = transformers.LlamaConfig(**common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2)
-        cls = transformers.LlamaForCausalLM
-    elif arch == "qwen2":
-        config = transformers.Qwen2Config(**common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2)
-        cls = transformers.Qwen2ForCausalLM
-    else:
-        config = transformers.OPTConfig(**common, ffn_dim=128, word_embed_proj_dim=64, init_std=0.2)
-        cls = transformers.OPTForCausalLM
-    torch.manual_seed({"llama": 0, "qwen2": 1, "opt": 2}[arch])
-    model = cls(config).eval()
-    with torch.no_grad():  # biases and norm weights are 0 / 1 at init: make them count
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.2)
-            elif p.ndim == 1:
-                p.mul_(1 + 0.1 * torch.randn_like(p))
-    return model
 
 
 @pytest.fixture(scope="session")
@@ -52,14 +35,14 @@ def hf_dirs(tmp_path_factory) -> dict[str, str]:
     dirs = {}
     for arch in ("llama", "qwen2", "opt"):
         path = tmp_path_factory.mktemp(f"hf-{arch}")
-        _hf_model(arch).save_pretrained(path)
+        hf_model(arch).save_pretrained(path)
         dirs[arch] = str(path)
     return dirs
 
 
 @functools.cache
 def _hf_cached(arch: str):
-    return _hf_model(arch)
+    return hf_model(arch)
 
 
 @functools.cache
@@ -115,10 +98,18 @@ def test_chunked_prefill_in_small_chunks(hf_dirs):
 def test_econoserve_offload_free_stops_keep_kv_in_place(hf_dirs):
     """Under-predicted GTs (predicted 2-5 tokens) outgrow their regions and the reserve: they stop
     with their KV where it is and resume in extended regions; every token still equals HF's."""
-    from test_econoserve import FixedPredictor
+    from helpers import FixedPredictor
 
-    llm = LLM(hf_dirs["llama"], "econoserve", kv_capacity_tokens=128, block_size=4, buffer=0.0, padding=0.0,
-              reserve=0.25, target_forward_size=16)  # fmt: skip
+    llm = LLM(
+        hf_dirs["llama"],
+        "econoserve",
+        kv_capacity_tokens=128,
+        block_size=4,
+        buffer=0.0,
+        padding=0.0,
+        reserve=0.25,
+        target_forward_size=16,
+    )
     llm.engine.scheduler.predictor = FixedPredictor({0: 5, 1: 2, 3: 3, 5: 4})
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
@@ -186,8 +177,10 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
     llm = LLM("random:tiny-llama")
     params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
     alone = llm.generate(["sampling"], params)[0].outputs[0].token_ids
-    batch = llm.generate(["other", "sampling", "prompts here"], [SamplingParams(max_tokens=6, temperature=1.0), params,
-                                                              SamplingParams(max_tokens=3, temperature=0)])  # fmt: skip
+    batch = llm.generate(
+        ["other", "sampling", "prompts here"],
+        [SamplingParams(max_tokens=6, temperature=1.0), params, SamplingParams(max_tokens=3, temperature=0)],
+    )
     assert batch[1].outputs[0].token_ids == alone
     other_seed = llm.generate(
         ["sampling"], SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=8, ignore_eos=True)
@@ -248,8 +241,9 @@ def _bros_be_then_rt(hf_dirs, capacity: int, be_prompt_tokens: int, on_step=None
     from sloserve.engine.llm_engine import LLMEngine
     from sloserve.engine.loader import load_model
 
-    engine = LLMEngine(load_model(hf_dirs["llama"]), "bros", kv_capacity_tokens=capacity,
-                       scheduler_options={"block_size": 8})  # fmt: skip
+    engine = LLMEngine(
+        load_model(hf_dirs["llama"]), "bros", kv_capacity_tokens=capacity, scheduler_options={"block_size": 8}
+    )
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prompts, requests = {}, []
 
@@ -312,13 +306,17 @@ def test_econoserve_pipelining_hosts_in_real_kv(hf_dirs, variant, predictions, o
     KV into the second half of its host's region, the real cache slots. When it overruns, its written
     tokens are copied to CPU memory before the host overwrites them and copied back when it resumes.
     Both requests still get HF's tokens."""
+    from helpers import FixedPredictor
     from sloserve.core.request import Request
     from sloserve.engine.llm_engine import LLMEngine
     from sloserve.engine.loader import load_model
-    from test_econoserve import FixedPredictor
 
-    engine = LLMEngine(load_model(hf_dirs["llama"]), variant, kv_capacity_tokens=64,
-                       scheduler_options={"buffer": 0.0, "padding": 0.0, "reserve": 0.25, "target_forward_size": 64})  # fmt: skip
+    engine = LLMEngine(
+        load_model(hf_dirs["llama"]),
+        variant,
+        kv_capacity_tokens=64,
+        scheduler_options={"buffer": 0.0, "padding": 0.0, "reserve": 0.25, "target_forward_size": 64},
+    )
     scheduler = engine.scheduler
     if predictions is not None:
         scheduler.predictor = FixedPredictor(predictions)
@@ -372,8 +370,25 @@ def test_run_replays_a_workload_through_the_engine(tmp_path):
     from sloserve.cost.fit import read_profile_csv
 
     out = tmp_path / "run"
-    proc = _cli("run", "--model", "random:tiny-llama", "--trace", "sharegpt", "--num-requests", "12", "--rate", "50",
-                "--max-model-len", "512", "--scheduler", "sarathi", "--virtual-clock", "--out", str(out), "--json")  # fmt: skip
+    proc = _cli(
+        "run",
+        "--model",
+        "random:tiny-llama",
+        "--trace",
+        "sharegpt",
+        "--num-requests",
+        "12",
+        "--rate",
+        "50",
+        "--max-model-len",
+        "512",
+        "--scheduler",
+        "sarathi",
+        "--virtual-clock",
+        "--out",
+        str(out),
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["completed"] == 12 and summary["engine"] is True and summary["clock"] == "virtual"
@@ -398,8 +413,19 @@ def test_run_replays_a_workload_through_the_engine(tmp_path):
     assert sum(s.num_tokens for s in shapes) == sum(int(r["prompt_tokens"]) + int(r["output_tokens"]) - 1 for r in rows)
     # The same workload simulated: the engine produced exactly the trace's output lengths.
     sim = tmp_path / "sim"
-    proc = _cli("simulate", "--trace", "sharegpt", "--num-requests", "12", "--rate", "50", "--max-model-len", "512",
-                "--out", str(sim))  # fmt: skip
+    proc = _cli(
+        "simulate",
+        "--trace",
+        "sharegpt",
+        "--num-requests",
+        "12",
+        "--rate",
+        "50",
+        "--max-model-len",
+        "512",
+        "--out",
+        str(sim),
+    )
     assert proc.returncode == 0, proc.stderr
     with open(sim / "requests.csv") as f:
         simulated = {r["request_id"]: r["output_tokens"] for r in csv.DictReader(f)}
@@ -458,8 +484,22 @@ def test_the_engine_takes_the_simulators_steps(scheduler, capacity, options):
 
 def test_run_with_a_closed_loop_workload_on_the_wall_clock(tmp_path):
     """BROS on its own workload (RT Poisson + BE batches resubmitted when done), arrivals in real time."""
-    proc = _cli("run", "--model", "random:tiny-opt", "--workload", "bros-sharegpt", "--num-requests", "10",
-                "--rt-rate", "20", "--max-model-len", "1024", "--scheduler", "bros", "--json")  # fmt: skip
+    proc = _cli(
+        "run",
+        "--model",
+        "random:tiny-opt",
+        "--workload",
+        "bros-sharegpt",
+        "--num-requests",
+        "10",
+        "--rt-rate",
+        "20",
+        "--max-model-len",
+        "1024",
+        "--scheduler",
+        "bros",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["clock"] == "wall" and summary["completed"] == summary["num_requests"]
@@ -468,9 +508,25 @@ def test_run_with_a_closed_loop_workload_on_the_wall_clock(tmp_path):
 
 def test_profile_fits_a_preset_that_simulate_can_use(tmp_path):
     preset, measured = tmp_path / "tiny.json", tmp_path / "tiny.csv"
-    proc = _cli("profile", "--model", "random:tiny-llama", "--out", str(preset), "--prefill-chunks", "16,64,128,256",
-                "--context-lens", "0,128", "--batch-sizes", "1,4,8,16", "--decode-kv-lens", "32,128", "--repeats", "1",
-                "--csv", str(measured))  # fmt: skip
+    proc = _cli(
+        "profile",
+        "--model",
+        "random:tiny-llama",
+        "--out",
+        str(preset),
+        "--prefill-chunks",
+        "16,64,128,256",
+        "--context-lens",
+        "0,128",
+        "--batch-sizes",
+        "1,4,8,16",
+        "--decode-kv-lens",
+        "32,128",
+        "--repeats",
+        "1",
+        "--csv",
+        str(measured),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "held out" in proc.stdout
     # The measurements it wrote are what `fit-cost` reads; fitted on all of them, not 3 in 4.
@@ -491,8 +547,22 @@ def test_profile_fits_a_preset_that_simulate_can_use(tmp_path):
     prompt = BatchShape(num_prefill=1, prefill_tokens=256, prefill_attention_work=256 * 256)
     assert 0 < model.batch_time(BatchShape(1, 32)).total_s < model.batch_time(prompt).total_s
     # The profiled model itself is simulated with its preset (its shape read without torch).
-    proc = _cli("simulate", "--model", "random:tiny-llama", "--cost-model", str(preset), "--trace", "sharegpt",
-                "--rate", "5", "--num-requests", "20", "--kv-capacity-tokens", "4096", "--json")  # fmt: skip
+    proc = _cli(
+        "simulate",
+        "--model",
+        "random:tiny-llama",
+        "--cost-model",
+        str(preset),
+        "--trace",
+        "sharegpt",
+        "--rate",
+        "5",
+        "--num-requests",
+        "20",
+        "--kv-capacity-tokens",
+        "4096",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["completed"] == 20
 
@@ -533,8 +603,11 @@ def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
     spec = model_spec(hf_dirs[arch])
     hf = _hf_cached(arch)
     assert spec.num_params == sum(p.numel() for p in hf.parameters())
-    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (2, hf.config.num_key_value_heads
-                                                                    if arch != "opt" else 4, 16)  # fmt: skip
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (
+        2,
+        hf.config.num_key_value_heads if arch != "opt" else 4,
+        16,
+    )
     assert spec.dtype_bytes == 4  # saved in float32
 
 

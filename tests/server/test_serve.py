@@ -9,12 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,99 +27,11 @@ uvicorn = pytest.importorskip("uvicorn")
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sloserve import LLM, SamplingParams
+from hf_models import VOCAB
+from served_model import CORPUS, MODEL, Server, free_port, generate
 from sloserve.bench.client import wait_until_ready
-from sloserve.engine.engine_core import EngineSpec
 from sloserve.server.chat_template import ChatTemplate
-from sloserve.server.serve import ServeOptions, make_app
 from sloserve.workload.traces import load_trace
-from test_engine import VOCAB, _hf_model
-
-CHAT_TEMPLATE = """{{ bos_token }}
-{% for message in messages %}
-    {% if message['role'] == 'system' and not loop.first %}
-        {{ raise_exception('the system message must come first') }}
-    {% endif %}
-<|{{ message['role'] }}|>
-{{ message['content'] }}{{ eos_token }}
-{% endfor %}
-{% if add_generation_prompt %}
-<|assistant|>
-{% endif %}"""
-CORPUS = ["Hello world, how are you today?", "The quick brown fox jumps over the lazy dog.",
-          "Serving language models is about latency and throughput."] * 20  # fmt: skip
-MODEL = "tiny"
-
-
-def make_chat_model(path: Path) -> Path:
-    """A tiny Llama with a byte-level BPE tokenizer (BOS added), tokenizer_config.json and a chat
-    template, saved in ``path`` (the ``chat_model_dir`` fixture of conftest.py)."""
-    from tokenizers import (
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
-
-    _hf_model("llama").save_pretrained(path)
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "chat_template": CHAT_TEMPLATE,
-    }))  # fmt: skip
-    return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``make_app`` under a real uvicorn in a thread, on a free loopback port."""
-
-    def __init__(self, model_dir: Path, scheduler: str = "vllm", kv_capacity_tokens: int | None = 4096,
-                 **options) -> None:  # fmt: skip
-        spec = EngineSpec(str(model_dir), scheduler, kv_capacity_tokens=kv_capacity_tokens)
-        self.port = _free_port()
-        self.app = make_app(spec, ServeOptions(port=self.port, served_model_name=MODEL, **options))
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
-        self.async_client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
-
-    @property
-    def engine(self):
-        return self.app.state.engine
-
-    def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(self.url + "/metrics").text
-        wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-        for line in text.splitlines():
-            m = re.fullmatch(rf"{name}(?:{{(.*)}})? (\S+)", line)
-            if m and ",".join(sorted((m.group(1) or "").split(","))) == wanted:
-                return float(m.group(2))
-        return 0.0
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -131,27 +41,30 @@ def server(chat_model_dir, tmp_path_factory):
     s.stop()
 
 
-def _generate(llm: LLM, prompt_ids: list[int], max_tokens: int) -> tuple[str, list[int]]:
-    out = llm.generate({"prompt_token_ids": prompt_ids}, SamplingParams(max_tokens=max_tokens, temperature=0))[0]
-    return out.outputs[0].text, out.outputs[0].token_ids
-
-
 def test_completions_streamed_or_not_equal_llm_generate(server, reference_llm):
     tokenizer = reference_llm.tokenizer
     for prompt in ("Hello world", "The quick brown fox", "latency and"):
-        text, ids = _generate(reference_llm, tokenizer.encode(prompt), 16)
+        text, ids = generate(reference_llm, tokenizer.encode(prompt), 16)
         response = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
         assert response.choices[0].text == text
         assert response.usage.prompt_tokens == len(tokenizer.encode(prompt))
         assert response.usage.completion_tokens == len(ids)
         assert response.choices[0].finish_reason == ("stop" if len(ids) < 16 else "length")
-        chunks = list(server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
-                                                       stream=True, stream_options={"include_usage": True}))  # fmt: skip
+        chunks = list(
+            server.client.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == text
         assert chunks[-1].usage.completion_tokens == len(ids) and not chunks[-1].choices
     ids = tokenizer.encode("Hello")
     by_ids = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
-    assert by_ids.choices[0].text == _generate(reference_llm, ids, 8)[0]
+    assert by_ids.choices[0].text == generate(reference_llm, ids, 8)[0]
 
 
 def test_chat_renders_the_model_template_as_transformers_does(server, reference_llm, chat_model_dir):
@@ -160,12 +73,13 @@ def test_chat_renders_the_model_template_as_transformers_does(server, reference_
     rendered = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert ChatTemplate.for_model(chat_model_dir).render(messages) == rendered
     prompt_ids = reference_llm.tokenizer.encode(rendered, add_special_tokens=False)
-    text, ids = _generate(reference_llm, prompt_ids, 12)
+    text, ids = generate(reference_llm, prompt_ids, 12)
     response = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
     assert response.choices[0].message.content == text and response.choices[0].message.role == "assistant"
     assert response.usage.prompt_tokens == len(prompt_ids) and response.usage.completion_tokens == len(ids)
-    stream = server.client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=12,
-                                                   temperature=0, stream=True)  # fmt: skip
+    stream = server.client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=12, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream) == text
     with pytest.raises(openai.BadRequestError, match="system message must come first"):
         server.client.chat.completions.create(model=MODEL, messages=messages[::-1] + messages[:1], max_tokens=4)
@@ -174,11 +88,12 @@ def test_chat_renders_the_model_template_as_transformers_does(server, reference_
 def test_32_concurrent_streams_are_all_correct(server, reference_llm):
     tokenizer = reference_llm.tokenizer
     prompts = [f"{CORPUS[i % 3][: 8 + i]} {i}" for i in range(32)]
-    want = [_generate(reference_llm, tokenizer.encode(p), 6 + i % 11)[0] for i, p in enumerate(prompts)]
+    want = [generate(reference_llm, tokenizer.encode(p), 6 + i % 11)[0] for i, p in enumerate(prompts)]
 
     async def one(i: int, prompt: str) -> str:
-        stream = await server.async_client.completions.create(model=MODEL, prompt=prompt, max_tokens=6 + i % 11,
-                                                              temperature=0, stream=True)  # fmt: skip
+        stream = await server.async_client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=6 + i % 11, temperature=0, stream=True
+        )
         return "".join([c.choices[0].text async for c in stream])
 
     async def main() -> list[str]:
@@ -233,19 +148,41 @@ def test_errors_are_openai_error_objects_with_the_right_status(server):
 
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-3, 40) | st.sampled_from([0, -1, 2**31, 10**12]) | st.floats(-3, 3)
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 40)
+    | st.sampled_from([0, -1, 2**31, 10**12])
+    | st.floats(-3, 3)
     | st.text(max_size=12),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
     max_leaves=8,
-)  # fmt: skip
-FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
-          "stream", "stream_options", "n", "service_tier", "slo", "logprobs", "echo", "ignore_eos", "best_of"]  # fmt: skip
+)
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "n",
+    "service_tier",
+    "slo",
+    "logprobs",
+    "echo",
+    "ignore_eos",
+    "best_of",
+]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     body=st.fixed_dictionaries({"model": st.just(MODEL) | JSON_VALUES}, optional={f: JSON_VALUES for f in FIELDS[1:]})
-    | JSON_VALUES,  # fmt: skip
+    | JSON_VALUES,
     path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
 )
 def test_fuzzed_bodies_never_get_a_5xx(server, body, path):
@@ -287,8 +224,9 @@ def test_a_full_queue_answers_429_and_every_accepted_request_completes(chat_mode
                     async for line in lines:
                         if line.startswith("data: "):
                             break  # running: it holds the KV
-                    others = await asyncio.gather(*(http.post("/v1/completions", json={**body, "seed": i})
-                                                    for i in range(6)))  # fmt: skip
+                    others = await asyncio.gather(
+                        *(http.post("/v1/completions", json={**body, "seed": i}) for i in range(6))
+                    )
                     async for _ in lines:
                         pass
                 return others
@@ -319,8 +257,13 @@ def test_bros_gives_rt_requests_a_lower_ttft_than_be_ones(chat_model_dir):
             # NOTE: the SDK's completions.create has no service_tier argument (chat's has): send it as JSON.
             extra = {"slo": {"ttft_ms": 200, "tpot_ms": 100}} if tier is None else {"service_tier": tier}
             stream = await server.async_client.completions.create(
-                model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True,
-                extra_body={"ignore_eos": True, **extra})  # fmt: skip
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=24,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True, **extra},
+            )
             ttft = None
             async for _ in stream:
                 ttft = ttft if ttft is not None else time.perf_counter() - start
@@ -367,25 +310,60 @@ def test_bench_serve_replays_a_trace_against_the_server(server, tmp_path):
     from sloserve.cli import main
 
     out = tmp_path / "bench"
-    result = CliRunner().invoke(main, ["bench-serve", "--base-url", server.url + "/v1", "--model", MODEL, "--trace",
-                                       "sharegpt", "--rate", "20", "--num-requests", "12", "--max-tokens", "6",
-                                       "--vocab-size", str(VOCAB), "--out", str(out), "--json"])  # fmt: skip
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench-serve",
+            "--base-url",
+            server.url + "/v1",
+            "--model",
+            MODEL,
+            "--trace",
+            "sharegpt",
+            "--rate",
+            "20",
+            "--num-requests",
+            "12",
+            "--max-tokens",
+            "6",
+            "--vocab-size",
+            str(VOCAB),
+            "--out",
+            str(out),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "summary.json").read_text())
     assert summary["completed"] == 12 and summary["num_failed"] == 0
     assert summary["ttft_s"]["mean"] > 0 and summary["inter_token_latency_s"]["mean"] > 0
     assert (out / "latency_cdf.png").is_file() and len((out / "requests.csv").read_text().splitlines()) == 13
-    bad = CliRunner().invoke(main, ["bench-serve", "--base-url", server.url + "/v1", "--model", "nope", "--trace",
-                                    "sharegpt", "--rate", "1"])  # fmt: skip
+    bad = CliRunner().invoke(
+        main, ["bench-serve", "--base-url", server.url + "/v1", "--model", "nope", "--trace", "sharegpt", "--rate", "1"]
+    )
     assert bad.exit_code == 2 and "not served" in bad.output
 
 
 def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "sloserve.cli", "serve", "--model", "random:tiny-llama", "--port",
-                             str(port), "--drain-timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sloserve.cli",
+            "serve",
+            "--model",
+            "random:tiny-llama",
+            "--port",
+            str(port),
+            "--drain-timeout",
+            "60",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_ready(url, process=proc, timeout_s=60)
@@ -429,8 +407,21 @@ streams:
 """)
     be_before = server.metric("sloserve_requests_total", request_class="be", outcome="length")
     slo_before = server.metric("sloserve_slo_requests_total", request_class="rt", met="true")
-    result = CliRunner().invoke(main, ["bench-serve", "--base-url", server.url + "/v1", "--model", MODEL,
-                                       "--workload", str(spec), "--vocab-size", str(VOCAB), "--json"])  # fmt: skip
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench-serve",
+            "--base-url",
+            server.url + "/v1",
+            "--model",
+            MODEL,
+            "--workload",
+            str(spec),
+            "--vocab-size",
+            str(VOCAB),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output)
     assert summary["completed"] == 22 and summary["classes"]["be"]["completed"] == 12

@@ -21,10 +21,10 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("multipart")
 
+from served_model import CORPUS, MODEL, Server, free_port, generate
 from sloserve.bench.client import wait_until_ready
 from sloserve.server.batch_api import BatchLimits
 from sloserve.server.batch_store import FINAL
-from test_serve import CORPUS, MODEL, Server, _free_port, _generate
 
 
 def jsonl(lines: list[dict]) -> bytes:
@@ -32,13 +32,18 @@ def jsonl(lines: list[dict]) -> bytes:
 
 
 def completion_line(custom_id: str, prompt: str, max_tokens: int = 8, **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
-            "body": {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **body}}  # fmt: skip
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **body},
+    }
 
 
 def upload(client, lines: list[dict] | bytes):
-    return client.files.create(file=("input.jsonl", io.BytesIO(lines if isinstance(lines, bytes) else jsonl(lines))),
-                               purpose="batch")  # fmt: skip
+    return client.files.create(
+        file=("input.jsonl", io.BytesIO(lines if isinstance(lines, bytes) else jsonl(lines))), purpose="batch"
+    )
 
 
 def wait_final(client, batch_id: str, timeout_s: float = 120):
@@ -79,8 +84,12 @@ def test_a_batch_answers_every_line_once_as_the_same_request_online(server, refe
         "two-choices": completion_line("two-choices", "Hi", n=2),
     }
     lines[7:7] = bad.values()
-    batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/completions",
-                                  completion_window="24h", metadata={"job": "nightly"})  # fmt: skip
+    batch = client.batches.create(
+        input_file_id=upload(client, lines).id,
+        endpoint="/v1/completions",
+        completion_window="24h",
+        metadata={"job": "nightly"},
+    )
     assert batch.status == "validating" and batch.request_counts.total == 305 and batch.metadata == {"job": "nightly"}
     batch = wait_final(client, batch.id)
     assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (300, 5)
@@ -90,7 +99,7 @@ def test_a_batch_answers_every_line_once_as_the_same_request_online(server, refe
     for i, out in enumerate(outputs):
         body = out["response"]["body"]
         assert out["response"]["status_code"] == 200 and out["error"] is None and body["object"] == "text_completion"
-        text, ids = _generate(reference_llm, tokenizer.encode(prompts[out["custom_id"]]), 4 + i % 5)
+        text, ids = generate(reference_llm, tokenizer.encode(prompts[out["custom_id"]]), 4 + i % 5)
         assert body["choices"][0]["text"] == text and body["usage"]["completion_tokens"] == len(ids)
     bodies = {line["custom_id"]: line["body"] for line in lines}
     for out in outputs[::15]:  # and as the same bodies sent online
@@ -112,11 +121,23 @@ def test_a_batch_answers_every_line_once_as_the_same_request_online(server, refe
 def test_a_chat_batch_answers_as_the_chat_endpoint(server):
     client = server.client
     questions = [f"Tell me about {w}" for w in ("latency", "throughput", "the fox", "serving")]
-    lines = [{"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"model": MODEL, "messages": [{"role": "user", "content": q}], "max_completion_tokens": 6,
-                       "temperature": 0}} for i, q in enumerate(questions)]  # fmt: skip
-    batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
-                                  completion_window="24h")  # fmt: skip
+    lines = [
+        {
+            "custom_id": f"chat-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": q}],
+                "max_completion_tokens": 6,
+                "temperature": 0,
+            },
+        }
+        for i, q in enumerate(questions)
+    ]
+    batch = client.batches.create(
+        input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     batch = wait_final(client, batch.id)
     assert batch.status == "completed" and batch.error_file_id is None
     for line, out in zip(lines, read_jsonl(client, batch.output_file_id), strict=True):
@@ -160,8 +181,9 @@ def test_uploads_and_batches_are_checked_with_openai_errors(server):
         client.batches.create(input_file_id="file-nope", endpoint="/v1/completions", completion_window="24h")
     with pytest.raises(openai.NotFoundError, match="No such Batch object"):
         client.batches.retrieve("batch_nope")
-    batch = wait_final(client, client.batches.create(input_file_id=file.id, endpoint="/v1/completions",
-                                                     completion_window="24h").id)  # fmt: skip
+    batch = wait_final(
+        client, client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h").id
+    )
     with pytest.raises(openai.BadRequestError, match="is completed"):
         client.batches.cancel(batch.id)
     assert httpx.get(url + "/v1/batches", params={"limit": 0}).json()["error"]["param"] == "limit"
@@ -179,8 +201,10 @@ def test_uploads_and_batches_are_checked_with_openai_errors(server):
 def test_batches_list_newest_first_with_after_and_limit(server):
     client = server.client
     file = upload(client, [completion_line("a", "Hi", max_tokens=1)])
-    made = [client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h").id
-            for _ in range(3)]  # fmt: skip
+    made = [
+        client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h").id
+        for _ in range(3)
+    ]
     first = client.batches.list(limit=2)
     assert [b.id for b in first.data] == made[::-1][:2] and first.has_more
     rest = client.batches.list(limit=1, after=first.data[-1].id)
@@ -192,8 +216,9 @@ def test_batches_list_newest_first_with_after_and_limit(server):
 def test_cancel_stops_a_running_batch_and_frees_its_kv(server):
     client = server.client
     lines = [completion_line(f"c{i}", f"Hello {i}", max_tokens=200, ignore_eos=True) for i in range(120)]
-    batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/completions",
-                                  completion_window="24h")  # fmt: skip
+    batch = client.batches.create(
+        input_file_id=upload(client, lines).id, endpoint="/v1/completions", completion_window="24h"
+    )
     while client.batches.retrieve(batch.id).request_counts.completed < 3:
         time.sleep(0.02)
     cancelling = client.batches.cancel(batch.id)
@@ -216,8 +241,9 @@ def test_an_expired_batch_answers_its_unfinished_lines_with_batch_expired(chat_m
     the SQLite file, and starts a server again on the same data dir."""
     server = Server(chat_model_dir, data_dir=tmp_path)
     lines = [completion_line(f"e{i}", f"Hello {i}", max_tokens=200, ignore_eos=True) for i in range(40)]
-    batch = server.client.batches.create(input_file_id=upload(server.client, lines).id, endpoint="/v1/completions",
-                                         completion_window="24h")  # fmt: skip
+    batch = server.client.batches.create(
+        input_file_id=upload(server.client, lines).id, endpoint="/v1/completions", completion_window="24h"
+    )
     while server.client.batches.retrieve(batch.id).status != "in_progress":
         time.sleep(0.02)
     server.stop()
@@ -245,15 +271,20 @@ def test_bros_keeps_online_rt_ttft_below_the_batch_lines(chat_model_dir, tmp_pat
     try:
         long_prompt = " ".join(CORPUS[:6])
         lines = [completion_line(f"b{i}", long_prompt[i:], max_tokens=24, ignore_eos=True) for i in range(24)]
-        batch = server.client.batches.create(input_file_id=upload(server.client, lines).id,
-                                             endpoint="/v1/completions", completion_window="24h")  # fmt: skip
+        batch = server.client.batches.create(
+            input_file_id=upload(server.client, lines).id, endpoint="/v1/completions", completion_window="24h"
+        )
         while server.engine.num_unfinished < 12:
             time.sleep(0.005)
 
         async def rt(i: int) -> None:
-            await server.async_client.completions.create(model=MODEL, prompt=f"Hello {i}", max_tokens=24, temperature=0,
-                                                         extra_body={"ignore_eos": True,
-                                                                     "slo": {"ttft_ms": 200, "tpot_ms": 100}})  # fmt: skip
+            await server.async_client.completions.create(
+                model=MODEL,
+                prompt=f"Hello {i}",
+                max_tokens=24,
+                temperature=0,
+                extra_body={"ignore_eos": True, "slo": {"ttft_ms": 200, "tpot_ms": 100}},
+            )
 
         async def main() -> None:
             await asyncio.gather(*(rt(i) for i in range(12)))
@@ -273,10 +304,27 @@ def test_bros_keeps_online_rt_ttft_below_the_batch_lines(chat_model_dir, tmp_pat
 
 
 def _start_serve(data_dir: Path, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "sloserve.cli", "serve", "--model", "random:tiny-llama", "--port",
-                             str(port), "--data-dir", str(data_dir), "--max-batch-lines-in-engine", "8",
-                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sloserve.cli",
+            "serve",
+            "--model",
+            "random:tiny-llama",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+            "--max-batch-lines-in-engine",
+            "8",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         wait_until_ready(f"http://127.0.0.1:{port}", process=proc, timeout_s=60)
     except RuntimeError as e:
@@ -288,14 +336,15 @@ def test_a_server_killed_mid_batch_finishes_it_after_a_restart_each_line_once(tm
     """SIGKILL while lines run, then SIGTERM, each followed by a server on the same data dir: every
     custom_id exactly once in the output, no line answered before the kill runs again, the lines
     running at the kill run again."""
-    port = _free_port()
+    port = free_port()
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
     proc = _start_serve(tmp_path, port)
     try:
         lines = [completion_line(f"k{i}", f"Hello {i}", max_tokens=40, ignore_eos=True) for i in range(80)]
         lines = [{**line, "body": {**line["body"], "model": "random:tiny-llama"}} for line in lines]
-        batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/completions",
-                                      completion_window="24h")  # fmt: skip
+        batch = client.batches.create(
+            input_file_id=upload(client, lines).id, endpoint="/v1/completions", completion_window="24h"
+        )
         while client.batches.retrieve(batch.id).request_counts.completed < 20:
             time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)

@@ -36,10 +36,15 @@ def _crash(store: BatchStore, data_dir: Path) -> BatchStore:
     return reopened
 
 
-operations = st.lists(st.one_of(st.tuples(st.just("start"), st.integers(1, 5)),
-                                st.tuples(st.just("answer"), st.integers(0, 20)),
-                                st.tuples(st.just("requeue"), st.integers(0, 20)),
-                                st.tuples(st.just("crash"), st.just(0))), max_size=40)  # fmt: skip
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("start"), st.integers(1, 5)),
+        st.tuples(st.just("answer"), st.integers(0, 20)),
+        st.tuples(st.just("requeue"), st.integers(0, 20)),
+        st.tuples(st.just("crash"), st.just(0)),
+    ),
+    max_size=40,
+)
 
 
 @settings(max_examples=60, deadline=None)

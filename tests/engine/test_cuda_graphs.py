@@ -115,8 +115,14 @@ def test_engine_on_padded_graph_buffers_gives_the_eager_tokens(backend, schedule
     expected = _generate(eager)
     llm = LLM("random:tiny-llama", scheduler, attention_backend=backend, **options)
     engine = llm.engine
-    graphs = DecodeGraphs(llm.loaded.model, engine.cache, engine.max_model_len, engine.scheduler.kv.table_block_size,
-                          max_batch_size=6, capture=False)  # fmt: skip
+    graphs = DecodeGraphs(
+        llm.loaded.model,
+        engine.cache,
+        engine.max_model_len,
+        engine.scheduler.kv.table_block_size,
+        max_batch_size=6,
+        capture=False,
+    )
     sizes: list[int] = []
     real_forward = graphs.forward
     graphs.forward = lambda tokens, *rest: sizes.append(len(tokens)) or real_forward(tokens, *rest)
@@ -128,8 +134,10 @@ def test_engine_on_padded_graph_buffers_gives_the_eager_tokens(backend, schedule
 
 
 def test_cuda_graphs_need_cuda_and_triton():
-    with pytest.raises(ConfigError, match="CUDA graphs need device cuda and the triton attention backend, got "
-                                          "device cpu and the torch backend"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match="CUDA graphs need device cuda and the triton attention backend, got device cpu and the torch backend",
+    ):
         LLM("random:tiny-llama", cuda_graphs=True)
 
 

@@ -41,8 +41,13 @@ def test_econoserve_ablation_runs_every_variant_on_a_table2_workload(tmp_path):
     assert proc.returncode == 0, proc.stderr
     with open(tmp_path / "econoserve_fig13_alpaca-like.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [r["scheduler"] for r in rows] == ["econoserve-d", "econoserve-sd", "econoserve-sdo", "econoserve",
-                                              "econoserve-oracle"]  # fmt: skip
+    assert [r["scheduler"] for r in rows] == [
+        "econoserve-d",
+        "econoserve-sd",
+        "econoserve-sdo",
+        "econoserve",
+        "econoserve-oracle",
+    ]
     assert all(0 <= float(r["ssr"]) <= 1 and float(r["jct_s"]) > 0 for r in rows)
     assert "higher JCT than EconoServe" in proc.stdout
     bad = run("experiment", "econoserve-fig13", "--trace", "nope")

@@ -48,31 +48,45 @@ def reference():
 
 def test_the_config_comes_from_the_file_metadata():
     config = read_gguf(GGUF_PATH).hf_config
-    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
-            config["num_key_value_heads"], config["vocab_size"]) == (30, 576, 9, 3, 49152)  # fmt: skip
+    assert (
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["vocab_size"],
+    ) == (30, 576, 9, 3, 49152)
     assert config["tie_word_embeddings"] and config["rope_theta"] == 100000.0
 
 
 def test_tokens_and_chat_prompts_equal_transformers(llm, reference):
     _, hf_tokenizer = reference
-    texts = ["Hello world", "The quick brown fox, 1234 times!", "naïve café — ünïcödé ✓",
-             "<|im_start|>user\nHi<|im_end|>\n", "  leading spaces\n\ttabs"]  # fmt: skip
+    texts = [
+        "Hello world",
+        "The quick brown fox, 1234 times!",
+        "naïve café — ünïcödé ✓",
+        "<|im_start|>user\nHi<|im_end|>\n",
+        "  leading spaces\n\ttabs",
+    ]
     for text in texts:
         assert llm.tokenizer.encode(text) == hf_tokenizer(text)["input_ids"], text
         assert llm.tokenizer.decode(hf_tokenizer(text)["input_ids"]) == hf_tokenizer.decode(
-            hf_tokenizer(text)["input_ids"], skip_special_tokens=True)  # fmt: skip
+            hf_tokenizer(text)["input_ids"], skip_special_tokens=True
+        )
     template = ChatTemplate.for_gguf(GGUF_PATH)
     for question in QUESTIONS:
         messages = [{"role": "user", "content": question}]
-        assert template.render(messages) == hf_tokenizer.apply_chat_template(messages, tokenize=False,
-                                                                             add_generation_prompt=True)  # fmt: skip
+        assert template.render(messages) == hf_tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
 
 
 def test_greedy_tokens_equal_transformers_and_the_answer_is_sensible(llm, reference):
     hf_model, _ = reference
     template = ChatTemplate.for_gguf(GGUF_PATH)
-    prompts = [llm.tokenizer.encode(template.render([{"role": "user", "content": q}]), add_special_tokens=False)
-               for q in QUESTIONS]  # fmt: skip
+    prompts = [
+        llm.tokenizer.encode(template.render([{"role": "user", "content": q}]), add_special_tokens=False)
+        for q in QUESTIONS
+    ]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0))
     for prompt, out in zip(prompts, outputs, strict=True):
         with torch.no_grad():
@@ -86,8 +100,25 @@ def test_greedy_tokens_equal_transformers_and_the_answer_is_sensible(llm, refere
 
 
 def test_sloserve_run_takes_a_gguf_model():
-    result = CliRunner().invoke(main, ["run", "--model", str(GGUF_PATH), "--trace", "sharegpt", "--offline",
-                                       "--num-requests", "3", "--max-tokens", "4", "--max-model-len", "128",
-                                       "--kv-capacity-tokens", "1024", "--json"])  # fmt: skip
+    result = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--model",
+            str(GGUF_PATH),
+            "--trace",
+            "sharegpt",
+            "--offline",
+            "--num-requests",
+            "3",
+            "--max-tokens",
+            "4",
+            "--max-model-len",
+            "128",
+            "--kv-capacity-tokens",
+            "1024",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["completed"] == 3

@@ -208,8 +208,15 @@ def test_repeated_steps_match_batch_time(which, num_decode, kv, chunk, context, 
     model = COST_MODELS[which]
     kv, longest = (kv, min(longest, kv)) if num_decode else (0, 0)
     context = context if chunk else 0
-    shape = BatchShape(num_decode, kv, 1 if chunk else 0, chunk, chunk * chunk + 2 * context * chunk, context,
-                       decode_max_kv_tokens=longest)  # fmt: skip
+    shape = BatchShape(
+        num_decode,
+        kv,
+        1 if chunk else 0,
+        chunk,
+        chunk * chunk + 2 * context * chunk,
+        context,
+        decode_max_kv_tokens=longest,
+    )
     slow = np.array([model.batch_time(advance_shape(shape, k)).total_s for k in range(steps)])
     np.testing.assert_allclose(model.step_times(shape, steps), slow, rtol=1e-12, atol=0)
     increment = model.step_increment(shape)

@@ -65,9 +65,33 @@ def test_plan_on_ray_equals_serial_and_its_answer_meets_the_slo_alone(tmp_path):
 def test_plan_picks_disaggregation_when_only_it_meets_the_slo(tmp_path):
     """Long arXiv prompts stall colocated decodes past a 30 ms TPOT; one prefill and one decode replica
     keep decodes apart and meet it (colocated at the same 2 GPUs: about 93% < 97%)."""
-    proc, doc = _plan(tmp_path, "--trace", "arxiv", "--qps", "3", "--slo-ttft", "2", "--slo-tpot", "0.03",
-                      "--attainment", "0.97", "--gpus", "a100", "--tp", "1", "--max-gpus", "2", "--schedulers", "vllm",
-                      "--layouts", "colocated,1:1", "--num-requests", "300", "--workers", "1")  # fmt: skip
+    proc, doc = _plan(
+        tmp_path,
+        "--trace",
+        "arxiv",
+        "--qps",
+        "3",
+        "--slo-ttft",
+        "2",
+        "--slo-tpot",
+        "0.03",
+        "--attainment",
+        "0.97",
+        "--gpus",
+        "a100",
+        "--tp",
+        "1",
+        "--max-gpus",
+        "2",
+        "--schedulers",
+        "vllm",
+        "--layouts",
+        "colocated,1:1",
+        "--num-requests",
+        "300",
+        "--workers",
+        "1",
+    )
     assert proc.returncode == 0, proc.stderr
     assert doc["answer"]["layout"] == "1P:1D"
     colocated = next(c for c in doc["candidates"] if c["layout"] == "colocated")
@@ -76,9 +100,29 @@ def test_plan_picks_disaggregation_when_only_it_meets_the_slo(tmp_path):
 
 
 def test_an_impossible_slo_is_reported_with_the_best_reached(tmp_path):
-    proc, doc = _plan(tmp_path, "--trace", "sharegpt", "--qps", "3", "--slo-ttft", "0.001", "--gpus", "a100",
-                      "--tp", "1", "--max-gpus", "2", "--schedulers", "vllm", "--layouts", "colocated",
-                      "--num-requests", "100", "--workers", "1")  # fmt: skip
+    proc, doc = _plan(
+        tmp_path,
+        "--trace",
+        "sharegpt",
+        "--qps",
+        "3",
+        "--slo-ttft",
+        "0.001",
+        "--gpus",
+        "a100",
+        "--tp",
+        "1",
+        "--max-gpus",
+        "2",
+        "--schedulers",
+        "vllm",
+        "--layouts",
+        "colocated",
+        "--num-requests",
+        "100",
+        "--workers",
+        "1",
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     error = proc.stderr.strip().splitlines()[-1]
@@ -160,14 +204,34 @@ def test_plan_on_a_ray_cluster_started_by_ray_start(tmp_path):
     token = secrets.token_hex(32)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
     ray = [sys.executable, "-m", "ray.scripts.scripts"]
-    started = subprocess.run([*ray, "start", "--head", "--port", "0", "--num-cpus", "2", "--include-dashboard=false",
-                              "--disable-usage-stats"], capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    started = subprocess.run(
+        [
+            *ray,
+            "start",
+            "--head",
+            "--port",
+            "0",
+            "--num-cpus",
+            "2",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     try:
         assert started.returncode == 0, started.stderr
         address = re.search(r"ray start --address='([^']+)'", started.stdout + started.stderr).group(1)
         args = ("plan", *SMALL[:-2], "--num-requests", "100", "--out")
-        joined = subprocess.run([*SLOSERVE, *args, str(tmp_path / "cluster"), "--ray-address", address],
-                                capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+        joined = subprocess.run(
+            [*SLOSERVE, *args, str(tmp_path / "cluster"), "--ray-address", address],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
         assert joined.returncode == 0, joined.stderr
     finally:
         subprocess.run([*ray, "stop", "--force"], capture_output=True, env=env, timeout=120)

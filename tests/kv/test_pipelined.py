@@ -141,9 +141,20 @@ def test_a_host_that_finishes_first_keeps_its_region_until_hosted_gts_finish():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["reserve", "lend", "lend", "lend", "grow", "grow", "grow", "free", "evict",
-                                           "restore", "trim"]),
-                          st.integers(0, 5), st.integers(0, 5), st.integers(1, 40)), min_size=20, max_size=80))  # fmt: skip
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(
+                ["reserve", "lend", "lend", "lend", "grow", "grow", "grow", "free", "evict", "restore", "trim"]
+            ),
+            st.integers(0, 5),
+            st.integers(0, 5),
+            st.integers(1, 40),
+        ),
+        min_size=20,
+        max_size=80,
+    )
+)
 def test_random_operations_keep_every_slot_owned_once(ops):
     kv = PipelinedKVManager(num_blocks=12, block_size=8, buffer_tokens=1)
     reqs = [_req(i, prompt=3) for i in range(6)]

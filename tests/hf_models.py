@@ -1,0 +1,32 @@
+"""Tiny random HuggingFace models (transformers) the engine's and the server's tests compare with."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 300
+
+
+def hf_model(arch: str):
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256
+    )
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2)
+        cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        config = transformers.OPTConfig(**common, ffn_dim=128, word_embed_proj_dim=64, init_std=0.2)
+        cls = transformers.OPTForCausalLM
+    torch.manual_seed({"llama": 0, "qwen2": 1, "opt": 2}[arch])
+    model = cls(config).eval()
+    with torch.no_grad():  # biases and norm weights are 0 / 1 at init: make them count
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+            elif p.ndim == 1:
+                p.mul_(1 + 0.1 * torch.randn_like(p))
+    return model
