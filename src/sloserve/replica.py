@@ -1,10 +1,10 @@
-"""The step loop of one model replica, shared by the simulator (``sim``: a cost-model executor) and
-the real engine (``engine``: a PyTorch executor): ``schedule -> execute -> update -> record``.
+"""The step loop of one model replica, shared by the simulator (``sim``: a cost-model executor) and the
+real engine (``engine``: a PyTorch executor): ``schedule -> execute -> update -> record``.
 
-The simulator may pass a ``StretchPlanner`` (sim/stretch.py): it turns a step that would repeat
-with every request one step further into one stretch of k steps, timed by the cost model's
-arithmetic series. Without one (the engine, or ``fast_path=False``), every step runs one by one; tests
-check both give the same per-request timestamps and the same timeline.
+The simulator may pass a stretch planner (``Stretches``; sim/stretch.py's ``StretchPlanner``): it
+turns a step that would repeat with every request one step further into one stretch of k steps,
+timed by the cost model's arithmetic series. Without one (the engine, or ``fast_path=False``), every
+step runs one by one; tests check both give the same per-request timestamps and the same timeline.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class SimulationStuckError(RuntimeError):
     """The scheduler has unfinished requests but schedules nothing (a policy bug)."""
 
 
-class StretchPlanner(Protocol):
+class Stretches(Protocol):
     """Turns an output into a stretch of steps (sim/stretch.py); the engine has none."""
 
     def plan(self, replica: Replica, output: SchedulerOutput, next_arrival: float) -> Sequence[float] | None:
@@ -46,9 +46,7 @@ class Replica:
     one step at a time: no ``stretches``).
     """
 
-    def __init__(
-        self, index: int, scheduler: Scheduler, executor: Any, stretches: StretchPlanner | None = None
-    ) -> None:
+    def __init__(self, index: int, scheduler: Scheduler, executor: Any, stretches: Stretches | None = None) -> None:
         self.index = index
         self.scheduler = scheduler
         self.executor = executor
