@@ -37,13 +37,6 @@ from sloserve.core.request import SLO, RequestClass
 PROCESSES = ("poisson", "gamma", "trace", "offline", "closed-batches")
 # closed-batches: the stream's requests in batches of batch_size; the first arrives at start_s, each
 # next one when every request of the previous batch has finished (BROS §7.1's best-effort jobs).
-_PROCESS_KEYS = {
-    "poisson": ("rate",),
-    "gamma": ("rate", "cv"),
-    "trace": (),
-    "offline": (),
-    "closed-batches": ("batch_size",),
-}
 
 
 @dataclass(frozen=True)
@@ -121,14 +114,15 @@ class WorkloadSpec:
 # --------------------------------------------------------------------------------------------
 # loading
 # --------------------------------------------------------------------------------------------
-def _workload_dir() -> Any:
+def bundled_workloads_dir() -> Any:
+    """The folder of the workload specs shipped with sloserve (``sloserve workloads``)."""
     return resources.files("sloserve") / "data" / "workloads"
 
 
 def list_workloads() -> dict[str, str]:
     """Named workload specs shipped with sloserve: name -> one-line description."""
     out: dict[str, str] = {}
-    for entry in sorted(_workload_dir().iterdir(), key=lambda e: e.name):
+    for entry in sorted(bundled_workloads_dir().iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".yaml"):
             name = entry.name.removesuffix(".yaml")
             data = yaml.safe_load(entry.read_text(encoding="utf-8")) or {}

@@ -18,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.core.request import SLO, RequestClass
 from sloserve.workload.spec import (
-    _PROCESS_KEYS,
     PROCESSES,
     ArrivalSpec,
     FixedSource,
@@ -28,16 +27,25 @@ from sloserve.workload.spec import (
     TraceSource,
     UniformSource,
     WorkloadSpec,
-    _workload_dir,
+    bundled_workloads_dir,
     list_workloads,
 )
 from sloserve.workload.traces import ROLES, TRACES, _looks_like_path
+
+# The keys of each arrival process (spec.ArrivalSpec): required, and no others.
+_PROCESS_KEYS = {
+    "poisson": ("rate",),
+    "gamma": ("rate", "cv"),
+    "trace": (),
+    "offline": (),
+    "closed-batches": ("batch_size",),
+}
 
 
 def load_workload_spec(name_or_path: str) -> WorkloadSpec:
     """Load a workload spec: a shipped name (see ``list_workloads``) or the path of a YAML file."""
     name = str(name_or_path)
-    bundled = _workload_dir() / f"{name}.yaml"
+    bundled = bundled_workloads_dir() / f"{name}.yaml"
     if "/" not in name and not name.endswith((".yaml", ".yml")) and bundled.is_file():
         text, origin, base_dir = bundled.read_text(encoding="utf-8"), f"{name}.yaml", None
     else:
