@@ -18,10 +18,11 @@ ALLOWED: dict[str, set[str] | None] = {
     "workload": {"core"},
     "predict": {"core", "workload"},
     "kv": {"core"},
+    "checkpoint": {"core", "cost"},
     "sched": {"core", "cost", "kv", "predict", "workload"},
     "replica": {"core", "metrics", "sched"},
     "sim": {"core", "cost", "metrics", "replica", "sched", "kv", "predict", "workload"},
-    "engine": {"core", "cost", "kv", "metrics", "replica", "sched", "workload", "predict"},
+    "engine": {"checkpoint", "core", "cost", "kv", "metrics", "replica", "sched", "workload", "predict"},
 }
 
 

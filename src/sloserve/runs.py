@@ -12,10 +12,10 @@ import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from sloserve.core.errors import ConfigError, UnknownNameError
+from sloserve.checkpoint import model_spec
+from sloserve.core.errors import ConfigError
 from sloserve.core.request import SLO
 
 
@@ -125,10 +125,12 @@ def check_workload_options(o: SimOptions) -> None:
 
 def make_workload_from_options(o: SimOptions, context_len: int, rate: float | None = None):
     """The workload the --trace / --workload options describe, clipped to ``context_len``."""
-    from sloserve.workload import build_workload, load_trace, load_workload_spec, with_rt_rate, workload_from_trace
+    from sloserve.workload import build_workload, load_trace, with_rt_rate, workload_from_trace
 
     check_workload_options(o)
     if o.workload:
+        from sloserve.workload.spec_yaml import load_workload_spec  # NOTE: loads pydantic: a spec run only
+
         if o.trace:
             raise ConfigError("give --trace or --workload, not both")
         if o.rate is not None:
@@ -178,27 +180,6 @@ def parse_columns(text: str | None) -> dict[str, str] | None:
             raise ConfigError(f"--columns expects key=column pairs, got {part!r}")
         columns[key.strip()] = value.strip()
     return columns
-
-
-def model_spec(name: str):
-    """A bundled spec by name, or the shape of an engine model: ``random:NAME``, a local HF
-    directory (its config.json; no torch needed) or a GGUF file (its metadata), so a preset
-    profiled on it simulates it."""
-    from sloserve.cost import get_model
-    from sloserve.engine.config import RANDOM_PREFIX, from_hf_config, load_hf_config, random_config
-    from sloserve.engine.gguf_loader import is_gguf, read_gguf
-
-    if name.startswith(RANDOM_PREFIX):
-        return random_config(name[len(RANDOM_PREFIX) :]).spec()
-    if Path(name).expanduser().is_dir():
-        return load_hf_config(Path(name).expanduser()).spec()
-    if is_gguf(name):
-        return from_hf_config(read_gguf(name).hf_config, name=Path(name).stem).spec()
-    try:
-        return get_model(name)
-    except UnknownNameError as err:
-        err.args = (f"{err.args[0]}; or random:NAME, a local HF model directory or a .gguf file",)
-        raise
 
 
 def setup_from_options(options: SimOptions) -> Setup:

@@ -348,7 +348,7 @@ def test_the_simulator_never_imports_torch():
     code = (
         "import sys, sloserve, sloserve.cli, sloserve.sim, sloserve.sched, sloserve.metrics, sloserve.optimal\n"
         "from sloserve.workload import synthetic_workload\n"
-        "from sloserve.runs import model_spec\n"
+        "from sloserve.checkpoint import model_spec\n"
         "model_spec('llama-2-7b'), model_spec('random:tiny-llama')  # an engine model's shape too\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
@@ -598,7 +598,7 @@ def test_a_profile_step_is_an_engine_step_and_leaves_nothing_behind():
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
 def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
     """`simulate --model DIR`: the spec read from config.json counts the parameters transformers has."""
-    from sloserve.runs import model_spec
+    from sloserve.checkpoint import model_spec
 
     spec = model_spec(hf_dirs[arch])
     hf = _hf_cached(arch)

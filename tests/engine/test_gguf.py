@@ -25,8 +25,8 @@ GGUF_PATH = Path(_spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q
 from click.testing import CliRunner
 
 from sloserve import LLM, SamplingParams
+from sloserve.checkpoint.gguf import read_gguf
 from sloserve.cli import main
-from sloserve.engine.gguf_loader import read_gguf
 from sloserve.server.chat_template import ChatTemplate
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?"]

@@ -397,3 +397,19 @@ def test_lognormal_source_errors(tmp_path):
     path.write_text(yaml.safe_dump({"streams": [stream]}))
     with pytest.raises(ConfigError, match=r"source\.lognormal\.prompt\[1\] must be > 0, got -1"):
         load_workload_spec(str(path))
+
+
+def test_a_trace_run_loads_no_pydantic():
+    """``--trace`` runs build their one stream without the YAML validator: pydantic costs a third of
+    a second and 10 MB at start-up (issue 39's regression)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from sloserve.workload import synthetic_workload, workload_from_trace\n"
+        "workload_from_trace('sharegpt', num_requests=5, seed=0, context_len=4096, rate=2.0)\n"
+        "synthetic_workload(8, 4, 3, context_len=64)\n"
+        "assert 'pydantic' not in sys.modules, 'pydantic imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

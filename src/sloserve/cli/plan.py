@@ -168,11 +168,12 @@ def plan(
     """The cheapest deployment that serves --qps within the SLOs: searches GPU type, tensor parallelism,
     replicas, colocated or disaggregated (P:D), scheduler and --set-grid options; each candidate's
     goodput by bisection, the winners simulated whole. Parallel on Ray (see docs/planning.md)."""
+    from sloserve.checkpoint import model_spec
     from sloserve.plan import PlanQuery, enumerate_candidates, parse_prices
     from sloserve.plan import plan as run_plan
     from sloserve.plan.prices import price_per_gpu_hour
     from sloserve.plan.report import plan_table, write_plan
-    from sloserve.runs import SimOptions, model_spec
+    from sloserve.runs import SimOptions
     from sloserve.sched import SCHEDULERS
     from sloserve.sched.registry import describe_options
 

@@ -1,8 +1,8 @@
 """The real engine (PyTorch): models, slot-addressed KV cache, attention backends, sampler, executor.
 
 Needs the ``engine`` extra (``pip install 'sloserve[engine]'``); the simulator never imports it.
-``sloserve.engine.config`` (model shapes from ``config.json``) needs no torch: the simulator reads
-an engine model's shape through it.
+What a model file says (its shape, its GGUF tensors and tokenizer) is read by ``sloserve.checkpoint``,
+which needs no torch: the simulator reads an engine model's shape through it.
 """
 
 from __future__ import annotations

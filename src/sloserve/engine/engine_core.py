@@ -23,9 +23,9 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from sloserve.checkpoint.config import RANDOM_PREFIX
 from sloserve.core.errors import SloserveError
 from sloserve.core.request import SLO, Request, RequestClass, RequestStatus
-from sloserve.engine.config import RANDOM_PREFIX
 from sloserve.engine.detokenizer import Detokenizer
 from sloserve.engine.sampler import SamplingParams
 from sloserve.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer

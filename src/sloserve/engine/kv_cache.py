@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.outputs import BlockCopy, SlotCopy
-from sloserve.engine.config import ModelConfig
 
 
 class KVCacheTensor:

@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import Request
 from sloserve.cost import LinearCostModel, get_preset, load_preset
 from sloserve.cost.base import CostModel
 from sloserve.cost.presets import PRESETS
-from sloserve.engine.config import ModelConfig
 from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.executor import EngineExecutor
 from sloserve.engine.executor import Sequence as SequenceState

@@ -10,16 +10,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sloserve.core.errors import ConfigError
-from sloserve.engine.attention_selector import BACKENDS, triton_available
-from sloserve.engine.config import (
+from sloserve.checkpoint.config import (
     RANDOM_PREFIX,
     ModelConfig,
     from_hf_config,
     load_hf_config,
     random_config,
 )
-from sloserve.engine.gguf_loader import gguf_tensors, is_gguf, read_gguf
+from sloserve.checkpoint.gguf import gguf_tensors, is_gguf, read_gguf
+from sloserve.core.errors import ConfigError
+from sloserve.engine.attention_selector import BACKENDS, triton_available
 from sloserve.engine.models import (
     copy_weights,
     create_model,
@@ -105,7 +105,7 @@ def load_model(
     cuda_graphs: bool | None = None,
 ) -> LoadedModel:
     """``model`` is a local HF directory (config.json, *.safetensors, tokenizer.json), a GGUF file
-    (``gguf_loader``: dequantized to float32) or ``random:NAME`` (``RANDOM_SHAPES``: random weights from ``seed``, byte tokenizer).
+    (``checkpoint/gguf.py``: dequantized to float32) or ``random:NAME`` (``RANDOM_SHAPES``: random weights from ``seed``, byte tokenizer).
     ``attention_backend``: ``auto``, ``torch`` or ``triton`` (``resolve_attention_backend``).
     ``cuda_graphs``: engines on this model replay decode-only steps as CUDA graphs (``check_cuda_graphs``);
     ``None`` (the default): wherever they are supported, that is on CUDA with the Triton backend."""

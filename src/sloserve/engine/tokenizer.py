@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+from sloserve.checkpoint.config import BYTE_BOS_ID, BYTE_EOS_ID
 from sloserve.core.errors import ConfigError
-from sloserve.engine.config import BYTE_BOS_ID, BYTE_EOS_ID
 
 
 class Tokenizer(Protocol):
@@ -56,7 +56,7 @@ class HFTokenizer:
 def load_tokenizer(model_dir: Path) -> HFTokenizer | None:
     """The directory's tokenizer, or None when it has no tokenizer.json (prompts must be token ids);
     for a ``.gguf`` file, the tokenizer in its metadata."""
-    from sloserve.engine.gguf_loader import gguf_tokenizer, is_gguf, read_gguf
+    from sloserve.checkpoint.gguf import gguf_tokenizer, is_gguf, read_gguf
 
     if is_gguf(str(model_dir)):
         return HFTokenizer.from_tokenizer(gguf_tokenizer(read_gguf(model_dir)))

@@ -86,7 +86,7 @@ class ChatTemplate:
     @classmethod
     def for_gguf(cls, path: Path) -> ChatTemplate:
         """The template in a GGUF file's metadata (``tokenizer.chat_template``), else the fallback."""
-        from sloserve.engine.gguf_loader import read_gguf
+        from sloserve.checkpoint.gguf import read_gguf
 
         checkpoint = read_gguf(path)
         source = checkpoint.chat_template

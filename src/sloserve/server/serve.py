@@ -17,10 +17,10 @@ from typing import Any
 
 import uvicorn
 
+from sloserve.checkpoint.gguf import is_gguf
 from sloserve.core.errors import ConfigError
 from sloserve.engine.async_engine import AsyncLLMEngine
 from sloserve.engine.engine_core import EngineSpec
-from sloserve.engine.gguf_loader import is_gguf
 from sloserve.sched.registry import build_config
 from sloserve.server.app import build_app
 from sloserve.server.batch_api import BatchLimits, BatchService

@@ -19,22 +19,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from sloserve.core.errors import ConfigError
-from sloserve.core.request import SLO, Request
+from sloserve.core.request import SLO, Request, RequestClass
 from sloserve.workload import arrivals
 from sloserve.workload.spec import (
+    ArrivalSpec,
     FixedSource,
     LogNormalSource,
+    Source,
     StreamSpec,
     TraceSource,
     UniformSource,
     WorkloadSpec,
+    trace_source,
 )
 from sloserve.workload.traces import TRACES, load_trace
 
@@ -204,15 +207,10 @@ def workload_from_trace(
     load_trace(trace, columns)  # unknown name or bad file: the loader's own message
     arrival = _arrival(rate, burstiness_cv, offline)
     label = trace if trace in TRACES else Path(trace).name
-    source: dict[str, Any] = {"trace": trace}
-    if columns:
-        source["columns"] = dict(columns)
-    stream = _stream_dict(label, request_class, source, arrival, num_requests, slo, max_tokens)
-    from sloserve.workload.spec_yaml import parse_workload_spec  # NOTE: loads pydantic: not at import
-
-    spec = parse_workload_spec(
-        {"name": f"{label}@{_arrival_label(arrival)}", "streams": [stream]}, origin=f"--trace {trace}"
-    )
+    origin = f"--trace {trace}"
+    source = trace_source(trace, dict(columns) if columns else None, f"{origin}: streams[0] ({label}): ")
+    stream = _one_stream(label, request_class, source, arrival, num_requests, slo, max_tokens, origin)
+    spec = WorkloadSpec(f"{label}@{_arrival_label(arrival)}", [stream], origin=origin)
     return build_workload(spec, seed=seed, context_len=context_len)
 
 
@@ -234,14 +232,12 @@ def synthetic_workload(
     if burstiness_cv is not None and rate is None:
         raise ConfigError("burstiness_cv (--burstiness) needs a rate (--rate)")
     arrival = _arrival(rate, burstiness_cv, rate is None)
-    source = {"fixed": {"prompt": prompt, "output": output}}
-    label = f"fixed-{prompt}-{output}"
-    stream = _stream_dict(label, request_class, source, arrival, num_requests, slo, max_tokens)
-    from sloserve.workload.spec_yaml import parse_workload_spec  # NOTE: loads pydantic: not at import
-
-    spec = parse_workload_spec(
-        {"name": f"{label}@{_arrival_label(arrival)}", "streams": [stream]}, origin="synthetic workload"
-    )
+    label, origin = f"fixed-{prompt}-{output}", "synthetic workload"
+    for role, value in (("prompt", prompt), ("output", output)):
+        _check_field(origin, label, f"source.fixed.{role}", value, integer=True)
+    source = FixedSource(prompt, output)
+    stream = _one_stream(label, request_class, source, arrival, num_requests, slo, max_tokens, origin)
+    spec = WorkloadSpec(f"{label}@{_arrival_label(arrival)}", [stream], origin=origin)
     return build_workload(spec, seed=seed, context_len=context_len)
 
 
@@ -340,42 +336,64 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def _arrival(rate: float | None, cv: float | None, offline: bool) -> dict[str, Any]:
+def _arrival(rate: float | None, cv: float | None, offline: bool) -> ArrivalSpec:
     if offline:
-        return {"process": "offline"}
+        return ArrivalSpec("offline")
     if rate is None:
-        return {"process": "trace"}
-    if cv is None:
-        return {"process": "poisson", "rate": rate}
-    return {"process": "gamma", "rate": rate, "cv": cv}
+        return ArrivalSpec("trace")
+    return ArrivalSpec("poisson", rate) if cv is None else ArrivalSpec("gamma", rate, cv)
 
 
-def _arrival_label(arrival: Mapping[str, Any]) -> str:
-    if arrival["process"] == "poisson":
-        return f"rate={arrival['rate']:g}"
-    if arrival["process"] == "gamma":
-        return f"rate={arrival['rate']:g},cv={arrival['cv']:g}"
-    return str(arrival["process"])
+def _arrival_label(arrival: ArrivalSpec) -> str:
+    if arrival.process == "poisson":
+        return f"rate={arrival.rate:g}"
+    if arrival.process == "gamma":
+        return f"rate={arrival.rate:g},cv={arrival.cv:g}"
+    return arrival.process
 
 
-def _stream_dict(
+def _one_stream(
     name: str,
     request_class: str,
-    source: dict[str, Any],
-    arrival: dict[str, Any],
+    source: Source,
+    arrival: ArrivalSpec,
     num_requests: int,
     slo: SLO | Mapping[str, float | None] | None,
     max_tokens: int | None,
-) -> dict[str, Any]:
-    stream: dict[str, Any] = {
-        "name": name,
-        "class": request_class,
-        "source": source,
-        "arrival": arrival,
-        "num_requests": num_requests,
-    }
-    if slo is not None:
-        stream["slo"] = asdict(slo) if isinstance(slo, SLO) else dict(slo)
+    origin: str,
+) -> StreamSpec:
+    """The one stream of ``workload_from_trace`` / ``synthetic_workload``, its fields checked with the
+    messages a YAML spec gets (``spec_yaml.py``) but without loading pydantic for a plain trace run."""
+    if request_class not in ("rt", "be", "RT", "BE"):
+        raise ConfigError(f"{origin}: streams[0] ({name}): class must be 'rt' or 'be', got {request_class!r}")
+    _check_field(origin, name, "num_requests", num_requests, integer=True)
     if max_tokens is not None:
-        stream["max_tokens"] = max_tokens
-    return stream
+        _check_field(origin, name, "max_tokens", max_tokens, integer=True)
+    for key in ("rate", "cv"):
+        if getattr(arrival, key) is not None:
+            _check_field(origin, name, f"arrival.{key}", getattr(arrival, key), integer=False)
+    if isinstance(slo, Mapping):
+        for key, value in slo.items():
+            if key not in ("ttft_s", "tpot_s", "jct_s"):
+                raise ConfigError(
+                    f"{origin}: streams[0] ({name}): unknown key 'slo.{key}'; valid: ttft_s, tpot_s, jct_s"
+                )
+            if value is not None:
+                _check_field(origin, name, f"slo.{key}", value, integer=False)
+        slo = SLO(**slo)
+    return StreamSpec(
+        name, RequestClass(request_class.lower()), source, arrival, num_requests, slo or SLO(), max_tokens
+    )
+
+
+def _check_field(origin: str, stream: str, field_path: str, value: Any, *, integer: bool) -> None:
+    """A positive integer (``integer``) or a positive finite number, else a spec_yaml-style error."""
+    prefix = f"{origin}: streams[0] ({stream}): {field_path} must be"
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer) if integer else (int, float, np.number)):
+        raise ConfigError(f"{prefix} {'an integer' if integer else 'a number'}, got {value!r}")
+    if integer and value < 1:
+        raise ConfigError(f"{prefix} >= 1, got {value}")
+    if not integer and not math.isfinite(value):
+        raise ConfigError(f"{prefix} finite, got {value}")
+    if not integer and not value > 0:
+        raise ConfigError(f"{prefix} > 0, got {value}")

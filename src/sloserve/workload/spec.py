@@ -27,12 +27,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import yaml
 
-from sloserve.core.errors import ConfigError
+from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.core.request import SLO, RequestClass
+from sloserve.workload.traces import ROLES, TRACES, looks_like_path
 
 PROCESSES = ("poisson", "gamma", "trace", "offline", "closed-batches")
 # closed-batches: the stream's requests in batches of batch_size; the first arrives at start_s, each
@@ -142,3 +144,28 @@ def with_rt_rate(spec: WorkloadSpec, rate: float) -> WorkloadSpec:
         raise ConfigError(f"workload {spec.name!r} has no Poisson or gamma RT stream to set the rate of")
     streams = [replace(s, arrival=replace(s.arrival, rate=rate)) if settable(s) else s for s in spec.streams]
     return replace(spec, streams=streams)
+
+
+def trace_source(trace: str, columns: dict[str, str] | None, label: str, base_dir: Path | None = None) -> TraceSource:
+    """A stream's ``{trace: NAME_OR_PATH, columns: ...}`` source: a bundled name, or a file looked up
+    next to the spec (``base_dir``) first, then in the working directory. ``label`` prefixes errors
+    (``"wl.yaml: streams[0] (chat): "``)."""
+    if trace in TRACES:
+        if columns is not None:
+            raise ConfigError(f"{label}source.columns applies only to trace files, not to the bundled trace {trace!r}")
+        return TraceSource(trace)
+    path = Path(trace).expanduser()
+    if base_dir is not None and not path.is_absolute() and (base_dir / path).is_file():
+        path = base_dir / path
+    if not path.is_file():
+        if looks_like_path(trace):
+            raise ConfigError(f"{label}source.trace file {trace!r} not found")
+        err = UnknownNameError("trace", trace, list(TRACES))
+        err.args = (f"{label}source.trace: {err.args[0]}; or give the path of a trace file",)
+        raise err
+    for key in columns or {}:
+        if key not in ROLES + ("arrival_unit",):
+            raise ConfigError(
+                f"{label}unknown key 'source.columns.{key}'; valid: {', '.join(ROLES + ('arrival_unit',))}"
+            )
+    return TraceSource(str(path), columns)

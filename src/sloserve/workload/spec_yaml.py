@@ -29,8 +29,8 @@ from sloserve.workload.spec import (
     WorkloadSpec,
     bundled_workloads_dir,
     list_workloads,
+    trace_source,
 )
-from sloserve.workload.traces import ROLES, TRACES, _looks_like_path
 
 # The keys of each arrival process (spec.ArrivalSpec): required, and no others.
 _PROCESS_KEYS = {
@@ -293,30 +293,7 @@ def _parse_source(fields: _SourceFields, label: str, base_dir: Path | None, erro
                 raise error(f"source.uniform.{role}", f"must have lo <= hi, got [{lo}, {hi}]")
             ranges.append((lo, hi))
         return UniformSource(ranges[0], ranges[1])
-    return _trace_source(fields.trace, fields.columns, label, base_dir, error)
-
-
-def _trace_source(trace: str, columns: dict[str, str] | None, label: str, base_dir: Path | None, error) -> TraceSource:
-    if trace in TRACES:
-        if columns is not None:
-            raise error("source.columns", f"applies only to trace files, not to the bundled trace {trace!r}")
-        return TraceSource(trace)
-    path = Path(trace).expanduser()
-    if base_dir is not None and not path.is_absolute() and (base_dir / path).is_file():
-        path = base_dir / path
-    if not path.is_file():
-        if _looks_like_path(trace):
-            raise error("source.trace", f"file {trace!r} not found")
-        err = UnknownNameError("trace", trace, list(TRACES))
-        err.args = (f"{label}source.trace: {err.args[0]}; or give the path of a trace file",)
-        raise err
-    if columns is not None:
-        for key in columns:
-            if key not in ROLES + ("arrival_unit",):
-                raise ConfigError(
-                    f"{label}unknown key 'source.columns.{key}'; valid: {', '.join(ROLES + ('arrival_unit',))}"
-                )
-    return TraceSource(str(path), columns)
+    return trace_source(fields.trace, fields.columns, label, base_dir)
 
 
 def _parse_arrival(fields: _ArrivalFields, label: str) -> ArrivalSpec:

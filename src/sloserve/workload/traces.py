@@ -166,7 +166,7 @@ def load_trace(name_or_path: str, columns: Mapping[str, str] | None = None) -> T
         return _load_file(path, dict(columns) if columns else {})
     if path.exists():
         raise ConfigError(f"trace {name}: not a file")
-    if _looks_like_path(name):
+    if looks_like_path(name):
         raise ConfigError(f"trace file {name} not found")
     err = UnknownNameError("trace", name, list(TRACES))
     err.args = (f"{err.args[0]}; or give the path of a {_SUFFIXES} file",)
@@ -239,7 +239,8 @@ def _load_file(path: Path, columns: dict[str, str]) -> TraceData:
     )
 
 
-def _looks_like_path(name: str) -> bool:
+def looks_like_path(name: str) -> bool:
+    """Whether a trace name the user gave is meant as a file (a folder in it, or a trace file's suffix)."""
     lower = name.lower()
     return "/" in name or "\\" in name or lower.endswith((".csv", ".jsonl", ".gz", ".ndjson"))
 

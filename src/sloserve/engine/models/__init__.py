@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend
-from sloserve.engine.config import ModelConfig
 from sloserve.engine.models.llama import LlamaForCausalLM, MergedLinear
 from sloserve.engine.models.opt import OPTForCausalLM
 

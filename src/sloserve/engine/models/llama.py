@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
-from sloserve.engine.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

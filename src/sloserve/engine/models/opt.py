@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sloserve.checkpoint.config import OPT_POSITION_OFFSET as POSITION_OFFSET
+from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
-from sloserve.engine.config import OPT_POSITION_OFFSET as POSITION_OFFSET
-from sloserve.engine.config import ModelConfig
 
 
 class OPTAttention(nn.Module):
