@@ -52,6 +52,8 @@ class SimOptions:
     router: str = "round-robin"
     disaggregate: str | None = None  # "P:D" prefill:decode replicas
     link_gbps: float = 100.0
+    # None: on when the workload's prompts carry prefix structure and the scheduler supports it.
+    enable_prefix_caching: bool | None = None
     no_fast_path: bool = False
 
     @classmethod
@@ -221,11 +223,14 @@ def run_simulation(
     """Simulate ``workload`` (fresh copies of its requests) with ``scheduler``; returns the summary,
     with the requests and timeline under ``"_result"`` for writing (``public`` drops them)."""
     from sloserve.metrics import summarize
-    from sloserve.sched import make_scheduler
+    from sloserve.sched import make_scheduler, supports_prefix_caching
     from sloserve.sim import simulate
 
     o = setup.options
     requests, chains = fresh_workload(workload)
+    caching = o.enable_prefix_caching
+    if caching is None:
+        caching = any(r.prompt_blocks is not None for r in requests) and supports_prefix_caching(scheduler, set_options)
     factory = functools.partial(
         make_scheduler,
         scheduler,
@@ -235,6 +240,7 @@ def run_simulation(
         swap_space_tokens=setup.swap_space_tokens,
         options=set_options,
         cost_model=setup.cost_model,
+        enable_prefix_caching=caching,
     )
     num_prefill, num_decode = parse_disaggregation(o.disaggregate, o.link_gbps)
     decode_factory = None
@@ -272,6 +278,7 @@ def run_simulation(
             "gpu": setup.gpu.name,
             "num_gpus": o.num_gpus,
             "cost_model": setup.cost_model.name,
+            "enable_prefix_caching": caching,
             "workload": workload.name,
             "num_clipped": workload.num_clipped,
             "seed": o.seed,
@@ -318,6 +325,8 @@ def fresh_request(request):
         request_class=request.request_class,
         slo=request.slo,
         predicted_output_tokens=request.predicted_output_tokens,
+        prompt_blocks=request.prompt_blocks,
+        think_time_s=request.think_time_s,
     )
 
 

@@ -255,3 +255,26 @@ def test_hardware_prints_the_specs():
     assert "80" in h100 and "989" in h100 and "3.35" in h100  # memory GB, BF16 TFLOP/s, HBM TB/s
     llama = next(line for line in proc.stdout.splitlines() if "llama-3-8b" in line)
     assert "32 / 8" in llama and "8,192" in llama and "128" in llama  # heads / KV heads, context, KV KiB
+
+
+def test_prefix_caching_is_on_for_a_trace_with_prefix_structure_and_can_be_switched_off():
+    base = ("simulate", "--trace", "mooncake-conv", "--trace-arrivals", "--num-requests", "80")
+    base += ("--model", "llama-3-8b", "--scheduler", "vllm", "--json")
+    runs = {}
+    for flag in ((), ("--no-enable-prefix-caching",), ("--enable-prefix-caching",)):
+        proc = run(*base, *flag)
+        assert proc.returncode == 0, proc.stderr
+        runs[flag] = json.loads(proc.stdout)
+    default, off, on = runs.values()
+    assert default["enable_prefix_caching"] is True and default["prefix_cache_hit_rate"] > 0
+    assert default["policy"]["num_prefix_cache_hits"] > 0
+    assert off["enable_prefix_caching"] is False and off["prefix_cache_hit_rate"] == 0
+    assert on["prefix_cache_hit_rate"] == default["prefix_cache_hit_rate"]
+    assert default["classes"]["rt"]["cached_tokens"] == default["cached_tokens"] > 0
+    # a trace without prefix structure: off by default
+    plain = json.loads(run("simulate", "--trace", "sharegpt", "--rate", "5", "--num-requests", "30", "--json").stdout)
+    assert plain["enable_prefix_caching"] is False
+    # a policy that does not look the cache up: one message, exit 2
+    proc = run(*base[:-3], "--scheduler", "bros", "--enable-prefix-caching")
+    assert proc.returncode == 2
+    assert "scheduler bros does not support prefix caching yet" in proc.stderr

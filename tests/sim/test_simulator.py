@@ -418,3 +418,27 @@ def test_simulation_leaves_no_cyclic_garbage(name):
     )
     assert gc.isenabled()
     assert gc.collect() == 0, "a simulation left objects in reference cycles"
+
+
+@pytest.mark.parametrize("name", ["vllm", "sarathi", "infermax"])
+def test_fast_path_gives_the_same_timestamps_with_prefix_caching(name):
+    """Mooncake's shared prefixes in a KV cache that evicts: stretches (sarathi's chunk stretches
+    register the blocks their later steps fill) change no timestamp and no cache hit."""
+    from sloserve.sched import make_scheduler
+
+    runs = []
+    for fast in (False, True):
+        workload = workload_from_trace("mooncake-conv", num_requests=150, seed=2, context_len=4096, trace_arrivals=True)
+        result = simulate(
+            workload.requests,
+            lambda: make_scheduler(name, kv_capacity_tokens=40_000, max_model_len=4096, enable_prefix_caching=True),
+            llama7b_cost(),
+            fast_path=fast,
+        )
+        runs.append((workload.requests, result))
+    (slow_reqs, slow), (fast_reqs, fast) = runs
+    np.testing.assert_allclose(timestamps(fast_reqs), timestamps(slow_reqs), rtol=1e-9, atol=0, equal_nan=True)
+    assert [r.num_cached_tokens for r in fast_reqs] == [r.num_cached_tokens for r in slow_reqs]
+    assert sum(r.num_cached_tokens for r in fast_reqs) > 0
+    assert slow.policy_metrics["num_prefix_cache_evicted_blocks"] > 0  # the cache was full
+    assert len(fast.timeline) == len(slow.timeline)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import time
 
 import numpy as np
 import pytest
 
 from sloserve.core.errors import ConfigError, UnknownNameError
-from sloserve.workload import arrivals
+from sloserve.workload import arrivals, workload_from_trace
 from sloserve.workload.traces import TRACES, _load_bundled, load_trace, trace_summary
 
 ROWS = {
@@ -239,3 +240,34 @@ def test_trace_replay_wraps_around() -> None:
     idx = np.arange(start, start + 7)
     expected = base[idx % 3] + (idx // 3) * 4.5
     assert np.allclose(times, expected - expected[0])
+
+
+@pytest.mark.parametrize(
+    ("hash_ids", "message"),
+    [
+        ('"abc"', r"line 2: column 'hash_ids': expected a list of integers >= 0, got 'abc'"),
+        ("[1, -2]", r"line 2: column 'hash_ids': expected a list of integers >= 0"),
+        ("[1]", r"line 2: column 'hash_ids': 1 ids for a prompt of 600 tokens; expected ceil\(600 / 512\) = 2"),
+    ],
+)
+def test_a_bad_hash_ids_line_is_one_error_naming_file_and_line(tmp_path, hash_ids, message):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"input_length": 10, "output_length": 3, "hash_ids": [7]}\n'
+        f'{{"input_length": 600, "output_length": 3, "hash_ids": {hash_ids}}}\n'
+    )
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(trace))}: {message}"):
+        load_trace(str(trace))
+
+
+def test_mooncake_hash_ids_become_the_prompts_prefix_structure():
+    trace = load_trace("mooncake-conv")
+    assert trace.hash_ids is not None and len(trace.hash_ids) == len(trace)
+    assert all(len(ids) == -(-n // 512) for ids, n in zip(trace.hash_ids, trace.prompt_tokens.tolist()))
+    workload = workload_from_trace("mooncake-conv", num_requests=50, seed=0, context_len=4096, trace_arrivals=True)
+    for r in workload.requests:  # clipped prompts keep their first segments' ids
+        assert r.prompt_blocks is not None and r.prompt_blocks.num_tokens == r.num_prompt_tokens <= 4095
+    assert (
+        workload_from_trace("sharegpt", num_requests=5, seed=0, context_len=4096, rate=1.0).requests[0].prompt_blocks
+        is None
+    )

@@ -147,7 +147,7 @@ async def _replay(
         if on_progress is not None:
             on_progress(done)
         for r in closed_loop.done(request):  # a failed request is done too: its batch goes on
-            launch(r, 0.0)
+            launch(r, r.think_time_s)
 
     def launch(request: Request, delay: float) -> None:
         task = asyncio.create_task(one(request, delay))

@@ -18,8 +18,16 @@ from sloserve.runs import (
     run_simulation,
 )
 
-
 # --- shared options ------------------------------------------------------------------------------
+prefix_caching_option = click.option(
+    "--enable-prefix-caching/--no-enable-prefix-caching",
+    default=None,
+    help="Share computed KV blocks between requests with the same prompt prefix (vLLM's option) "
+    "[default: on when the workload's prompts carry prefix structure (Mooncake's hash_ids) and the "
+    "scheduler supports it].",
+)
+
+
 def workload_options(fn: Callable) -> Callable:
     options = [
         click.option("--trace", help="Bundled trace name (see `sloserve traces`) or a CSV/JSONL path."),
@@ -78,6 +86,7 @@ def system_options(fn: Callable) -> Callable:
             show_default=True,
             help="KV transfer link per prefill replica (with --disaggregate), Gb/s.",
         ),
+        prefix_caching_option,
         click.option("--no-fast-path", is_flag=True, help="Run every step one by one (for checking)."),
     ]
     for option in reversed(options):

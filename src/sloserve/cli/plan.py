@@ -15,6 +15,7 @@ from sloserve.cli.options import (
     check_out,
     int_list,
     parallel_options,
+    prefix_caching_option,
     print_table,
     scheduler_list,
     table_width,
@@ -144,6 +145,7 @@ def _layouts(text: str) -> list[tuple[int, int]]:
     help="Goodput bisection stops when its bracket is within this (relative).",
 )
 @click.option("--alternatives", type=int, default=3, show_default=True, help="Runner-up deployments to verify.")
+@prefix_caching_option
 @parallel_options
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Write plan.json and the plots here.")
 @click.option("--json", "as_json", is_flag=True, help="Print plan.json on stdout instead of the table.")

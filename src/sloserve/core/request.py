@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
+from sloserve.core.prefix import PromptBlocks
+
 
 class TickCounter(Protocol):
     """What a request's counters read while it advances in lockstep with others: a tick count, each
@@ -87,6 +89,11 @@ class Request:
     slo: SLO = field(default_factory=SLO)
     # Predicted response length, set at arrival by a LengthPredictor (None when no predictor runs).
     predicted_output_tokens: int | None = None
+    # What the prompt's KV blocks hold (prefix caching): None when unknown (no block is ever shared).
+    prompt_blocks: PromptBlocks | None = None
+    # A closed-loop turn (a conversation's next message): seconds between the end of the request it
+    # follows and its arrival; 0 for a request that arrives on its own or at once.
+    think_time_s: float = 0.0
     # The client went away (a served request): the executor finishes it the next time it is scheduled,
     # without computing it, and predictors do not learn from its cut-short length.
     aborted: bool = False
@@ -113,6 +120,8 @@ class Request:
     # token, such as BROS's token groups; None: not kept, the default).
     token_times: list[float] | None = None
     num_preemptions: int = 0
+    # Prompt tokens found in the prefix cache when first admitted (vLLM's num_cached_tokens).
+    num_cached_tokens: int = 0
     # JCT decomposition (EconoServe §2.1), kept by the step loop (replica.Replica) from the
     # outputs: waiting = first scheduled - arrival; preemption = time from each preemption until the
     # request runs again; GT queuing = time between sampling a token outside the decode cohort and

@@ -22,7 +22,8 @@ def spread_decode_lens(num_decode: int, mean_kv: int, max_kv: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ProfileGrid:
-    """The shapes measured: prefill chunks x cached tokens, batches of several prompts (batch sizes x
+    """The shapes measured: prefill chunks x cached tokens (and short chunks after the longest cached
+    context, as prefix caching runs them), batches of several prompts (batch sizes x
     chunk sizes, up to the largest chunk in all), decode batch sizes x mean cached tokens per decode
     (``spread_decode_lens``), lopsided decode batches (one long context among short ones: the longest
     context and the summed KV part ways, so a fit tells ``w_d`` from ``a_d``), and mixed batches
@@ -40,6 +41,12 @@ class ProfileGrid:
             for m in self.context_lens:
                 if c + m <= max_model_len and c + m <= max_slots:
                     points.append(([(c, m)], []))
+        # A short new message after the longest cached history (prefix caching: a conversation's next
+        # turn computes its message while attention reads the whole context).
+        for c in self.prefill_chunks:
+            m = max_model_len - c
+            if c <= 512 and m > max(self.context_lens) and max_model_len <= max_slots:
+                points.append(([(c, m)], []))
         # Batches of k prompts of c tokens each, as vLLM prefills every waiting prompt that fits at
         # once: the cost per prefill (s_p) is identified only where the number of prefills varies.
         for k in self.batch_sizes:

@@ -272,8 +272,8 @@ def run_requests(
         done += len(finished)
         for r in finished:
             engine.release(r)
-            for x in closed_loop.done(r):  # the next batch arrives now
-                x.arrival_time = r.finish_time
+            for x in closed_loop.done(r):  # the next batch arrives now (a turn after its think time)
+                x.arrival_time = r.finish_time + x.think_time_s
                 heapq.heappush(pending, (x.arrival_time, x.request_id, index[id(x)]))
         if on_progress is not None:
             on_progress(done)

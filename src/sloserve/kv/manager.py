@@ -8,6 +8,13 @@ The managers differ only in how many slots they hold for a request once it asks 
     PagedKVManager           ceil(n / block_size) blocks (vLLM)
     MaxAllocationKVManager   prompt + max_tokens, taken at the first allocation (ORCA)
     ExactReservationKVManager  a reservation set by the policy, e.g. I + O - 1 or predicted + padding
+
+With prefix caching (``enable_prefix_caching``, kv/prefix_cache.py) the GPU blocks are shared: a
+request admitted with the blocks ``find_cached_prefix`` found holds them in its table beside its own,
+and ``blocks_needed``, ``can_allocate`` and ``allocate_slots`` take them as ``cached``. The rule every
+manager here follows: a block goes back to the pool (or to the evictable cache) only when the last
+table holding it lets go; a swap-out copies a request's blocks, shared ones too, and lets go of them
+(another user keeps a shared block on the GPU); a swap-in takes fresh blocks.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from sloserve.core.outputs import BlockCopy
 from sloserve.core.request import Request
 from sloserve.kv.array_mirror import ArrayMirror
 from sloserve.kv.block_pool import BlockPool
+from sloserve.kv.prefix_cache import EvictionQueue, PrefixCache
 
 
 class KVCacheManager:
@@ -29,6 +37,7 @@ class KVCacheManager:
         block_size: token slots per block.
         kv_bytes_per_token: bytes of K and V per token over all layers (for swap traffic).
         num_cpu_blocks: blocks of CPU swap space (0: swapping is unavailable).
+        enable_prefix_caching: share computed full blocks between requests (kv/prefix_cache.py).
     """
 
     name = "paged"
@@ -42,6 +51,7 @@ class KVCacheManager:
         *,
         kv_bytes_per_token: int = 0,
         num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = False,
     ) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
@@ -54,6 +64,15 @@ class KVCacheManager:
         # NOTE: the GPU pool's free list itself (the pool changes it in place): its len() is read
         # every step, and through the pool's property it cost two calls.
         self._gpu_free = self.gpu.free_list
+        # Where blocks come from and go back to: the pool, or the prefix cache in front of it.
+        self.prefix_cache = PrefixCache(self.gpu) if enable_prefix_caching else None
+        if self.prefix_cache is None:
+            self._allocate, self._release = self.gpu.allocate, self.gpu.release
+            self._evictable = EvictionQueue(0)  # never filled: no block is ever cached
+        else:
+            self._allocate, self._release = self.prefix_cache.allocate, self.prefix_cache.release
+            self._evictable = self.prefix_cache.evictable  # cached blocks nobody uses: free too
+            self._num_registered: dict[Request, int] = {}  # leading table blocks registered
         self.cpu = BlockPool(num_cpu_blocks, block_size)
         self.kv_bytes_per_token = kv_bytes_per_token
         self.block_tables: dict[Request, list[int]] = {}  # GPU blocks per request, in token order
@@ -80,19 +99,22 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._gpu_free) - self._owed_blocks
+        """Blocks an allocation can take (cached blocks nobody uses included), owed ones excluded."""
+        # NOTE: .count, not len(): an attribute read costs less than a call, and this runs every step
+        return len(self._gpu_free) + self._evictable.count - self._owed_blocks
 
     @property
     def allocated_tokens(self) -> int:
-        """Token slots held by requests (whole blocks, owed ones included)."""
-        return (self.gpu.num_blocks - len(self._gpu_free) + self._owed_blocks) * self.block_size
+        """Token slots held by requests (whole blocks, owed ones included; a shared block once)."""
+        used = self.gpu.num_blocks - len(self._gpu_free) - self._evictable.count + self._owed_blocks
+        return used * self.block_size
 
     def _take(self, num_blocks: int) -> list[int] | None:
         """Blocks from the free pool, leaving the owed ones alone; None (counted) if too few."""
         if num_blocks > self.num_free_blocks:
             self.num_allocation_failures += 1
             return None
-        return self.gpu.allocate(num_blocks)
+        return self._allocate(num_blocks)
 
     def num_slots(self, request: Request) -> int:
         """Token slots ``request`` holds on the GPU."""
@@ -107,32 +129,93 @@ class KVCacheManager:
         """Slots the manager holds for ``request`` once it needs ``num_tokens`` (policy hook)."""
         return num_tokens
 
-    def blocks_needed(self, request: Request, num_tokens: int) -> int:
-        """New blocks ``allocate_slots(request, num_tokens)`` would take."""
+    def blocks_needed(self, request: Request, num_tokens: int, cached: list[int] | tuple = ()) -> int:
+        """Free blocks ``allocate_slots(request, num_tokens, cached)`` would take: new ones, and the
+        ``cached`` ones nobody used (they count as free until taken)."""
         target = self.target_slots(request, num_tokens)
         have = len(self.block_tables.get(request, ()))
+        if cached:
+            have = len(cached) - self.prefix_cache.num_evictable(cached)
         need = -(-target // self.block_size) - have
         return need if need > 0 else 0
 
-    def can_allocate(self, request: Request, num_tokens: int, reserve_blocks: int = 0) -> bool:
-        return self.blocks_needed(request, num_tokens) + reserve_blocks <= self.num_free_blocks
+    def can_allocate(
+        self, request: Request, num_tokens: int, reserve_blocks: int = 0, cached: list[int] | tuple = ()
+    ) -> bool:
+        return self.blocks_needed(request, num_tokens, cached) + reserve_blocks <= self.num_free_blocks
 
     # --- allocation ----------------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_tokens: int) -> bool:
-        """Make ``request`` hold slots for its first ``num_tokens`` tokens. All or nothing: on failure
-        nothing changes and the failure is counted."""
+    def allocate_slots(self, request: Request, num_tokens: int, cached: list[int] | tuple = ()) -> bool:
+        """Make ``request`` hold slots for its first ``num_tokens`` tokens; a request that holds none
+        yet may start its table with the ``cached`` blocks ``find_cached_prefix`` found. All or
+        nothing: on failure nothing changes and the failure is counted."""
+        table = self.block_tables.get(request)
+        if table is None and self.prefix_cache is not None:
+            return self._allocate_with_prefix(request, num_tokens, cached)
         need = self.blocks_needed(request, num_tokens)
         if need == 0:
             return True
         blocks = self._take(need)
         if blocks is None:
             return False
-        table = self.block_tables.get(request)
         if table is None:
             self.block_tables[request] = blocks
         else:
             table.extend(blocks)
         return True
+
+    # --- prefix caching ------------------------------------------------------------------------
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """The cached blocks that hold the start of ``request``'s prompt ([] without prefix caching,
+        for a request that holds blocks, or one whose prompt content is unknown). At least one token
+        is left to compute: the step that samples a token needs one in the batch (vLLM does the same)."""
+        prompt = request.prompt_blocks
+        if self.prefix_cache is None or prompt is None or request in self.block_tables:
+            return []
+        limit = (request.num_tokens - 1) // self.block_size
+        return self.prefix_cache.match(prompt.block_keys(self.block_size), limit)
+
+    def _allocate_with_prefix(self, request: Request, num_tokens: int, cached: list[int] | tuple) -> bool:
+        cache = self.prefix_cache
+        need = self.blocks_needed(request, num_tokens, cached)
+        if need > self.num_free_blocks:
+            self.num_allocation_failures += 1
+            return False
+        fresh = -(-self.target_slots(request, num_tokens) // self.block_size) - len(cached)
+        if fresh <= 0 and not cached:
+            return True
+        cache.share(cached)  # NOTE: first, so that the allocation below cannot evict them
+        blocks = self._allocate(fresh) if fresh > 0 else []
+        assert blocks is not None
+        self.block_tables[request] = [*cached, *blocks]
+        self._num_registered[request] = len(cached)
+        if request.prompt_blocks is not None:
+            cache.num_queried_tokens += request.num_tokens
+            cache.num_hit_tokens += len(cached) * self.block_size
+        return True
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register ``request``'s full prompt blocks among its first ``num_tokens`` tokens, so later
+        requests find them. The policy calls it when it schedules the chunk that computes them (as vLLM
+        v1 does): a request admitted later in the same step may share them, since a step writes every
+        token's KV before its attention reads any (layer by layer)."""
+        prompt = request.prompt_blocks
+        if prompt is None:
+            return
+        keys, table = prompt.block_keys(self.block_size), self.block_tables[request]
+        done = self._num_registered.get(request, 0)
+        # NOTE: a decode cohort member's table may lag its tokens (blocks reserved by count, settled later)
+        upto = min(num_tokens // self.block_size, len(keys), len(table))
+        if upto > done:
+            self.prefix_cache.register(table[done:upto], keys[done:upto])
+            self._num_registered[request] = upto
+
+    def _let_go_cached(self, request: Request) -> None:
+        """Before ``request``'s table goes (finish, preemption, swap-out): register the full blocks it
+        computed past its scheduled chunks, whose content is known (a conversation turn's answer, which
+        the next turn resends)."""
+        self.cache_blocks(request, request.num_computed_tokens)
+        self._num_registered.pop(request, None)
 
     def reserve_blocks(self, num_blocks: int) -> bool:
         """Reserve ``num_blocks`` blocks by count, their ids assigned later by ``settle_blocks`` (the
@@ -147,7 +230,7 @@ class KVCacheManager:
         """Assign ``num_blocks`` of the reserved blocks to ``request`` (appended to its table)."""
         self.release_owed_blocks(num_blocks)
         if num_blocks:
-            blocks = self.gpu.allocate(num_blocks)
+            blocks = self._allocate(num_blocks)
             assert blocks is not None
             self.block_tables[request].extend(blocks)
 
@@ -159,10 +242,12 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release everything ``request`` holds, on the GPU and in swap space."""
+        if self.prefix_cache is not None and request in self.block_tables:
+            self._let_go_cached(request)
         table = self.block_tables.pop(request, None)
         self._block_arrays.drop(request)
         if table:
-            self.gpu.release(table)
+            self._release(table)
         cpu = self.cpu_tables.pop(request, None)
         if cpu:
             self.cpu.release(cpu)
@@ -210,9 +295,11 @@ class KVCacheManager:
         cpu_blocks = self.cpu.allocate(len(table))
         if cpu_blocks is None:
             return None
+        if self.prefix_cache is not None:
+            self._let_go_cached(request)
         del self.block_tables[request]
         self._block_arrays.drop(request)
-        self.gpu.release(table)
+        self._release(table)
         self.cpu_tables[request] = cpu_blocks
         self.swapped_bytes += len(table) * self.block_size * self.kv_bytes_per_token
         return [BlockCopy(g, c) for g, c in zip(table, cpu_blocks, strict=True)]
@@ -237,18 +324,26 @@ class KVCacheManager:
 
     # --- invariants ----------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Raise AssertionError unless every block is owned once and free + used = capacity."""
+        """Raise AssertionError unless every block is owned once (or, with prefix caching, counted once
+        per table holding it) and free + used = capacity."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.check(list(self.block_tables.values()))
+            assert len(self._gpu_free) + self._evictable.count >= self._owed_blocks >= 0, "owed blocks exceed free ones"
+            assert all(n <= len(self.block_tables[r]) for r, n in self._num_registered.items()), "registered > held"
         for pool, tables, where in (
             (self.gpu, self.block_tables, "GPU"),
             (self.cpu, self.cpu_tables, "CPU"),
         ):
             owned = [b for table in tables.values() for b in table]
+            if pool is self.gpu and self.prefix_cache is not None:
+                owned = list(set(owned) | set(self._evictable.blocks()))  # shared once; cached ones are held
             free = pool.free_ids()
             assert len(set(owned)) == len(owned), f"{where}: a block is owned by two requests"
             assert len(set(free)) == len(free), f"{where}: a block is free twice"
             assert not set(owned) & set(free), f"{where}: a block is both free and owned"
             assert len(owned) + len(free) == pool.num_blocks, f"{where}: free + used != capacity"
-            assert pool is self.cpu or len(free) >= self._owed_blocks >= 0, "owed blocks exceed free ones"
+            if self.prefix_cache is None:
+                assert pool is self.cpu or len(free) >= self._owed_blocks >= 0, "owed blocks exceed free ones"
             assert all(0 <= b < pool.num_blocks for b in owned + free), f"{where}: block id out of range"
         assert not set(self.block_tables) & set(self.cpu_tables), "a request is on GPU and CPU at once"
         self._block_arrays.check(self.block_tables)

@@ -36,6 +36,7 @@ REQUEST_COLUMNS: dict[str, Any] = {
     "request_class": object,  # "rt" / "be"
     "arrival_s": np.float64,
     "prompt_tokens": np.int64,
+    "cached_tokens": np.int64,  # prompt tokens found in the prefix cache at admission
     "output_tokens": np.int64,  # sampled so far
     "finished": np.bool_,
     "first_token_s": np.float64,
@@ -87,6 +88,7 @@ def request_table(requests: Sequence[Request]) -> dict[str, np.ndarray]:
         "request_class": [RequestClass(r.request_class).value for r in reqs],
         "arrival_s": [r.arrival_time for r in reqs],
         "prompt_tokens": [r.num_prompt_tokens for r in reqs],
+        "cached_tokens": [r.num_cached_tokens for r in reqs],
         "output_tokens": [r.num_output_tokens for r in reqs],
         "finished": [r.is_finished for r in reqs],
         "first_token_s": [r.first_token_time for r in reqs],
@@ -184,6 +186,10 @@ def _request_metrics(table: dict[str, np.ndarray], mask: np.ndarray, duration_s:
     for metric in LATENCY_METRICS:
         out[metric] = latency_stats(table[metric][done])
     out["slo_attainment"] = met / num if num else None
+    # Prefix caching: prompt tokens found cached over the prompt tokens of the completed requests.
+    cached, prompt = int(table["cached_tokens"][done].sum()), int(table["prompt_tokens"][done].sum())
+    out["cached_tokens"] = cached
+    out["prefix_cache_hit_rate"] = _ratio(cached, prompt)
     # Requests with at least one SLO: with none, attainment only counts completions (tables show "-").
     with_slo = ~(np.isnan(table["slo_ttft_s"]) & np.isnan(table["slo_tpot_s"]) & np.isnan(table["slo_jct_s"]))
     out["num_with_slo"] = int((mask & with_slo).sum())

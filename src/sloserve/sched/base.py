@@ -42,6 +42,10 @@ class Scheduler(ABC):
     """
 
     name: str = "scheduler"
+    # The policy may run over a KV manager with prefix caching on: it looks the cache up when it admits
+    # a waiting request (``_skip_cached_prefix``) and registers the blocks each chunk it schedules
+    # will fill (``kv.cache_blocks``).
+    supports_prefix_caching: bool = False
 
     def __init__(self, kv: KVCacheManager, predictor: LengthPredictor | None = None) -> None:
         self.kv = kv
@@ -125,6 +129,15 @@ class Scheduler(ABC):
     def on_token_emitted(self, request: Request) -> None:
         """A running request scheduled by a chunk sampled a token and goes on. Default: nothing (it
         stays running, and the policy schedules its next token by name)."""
+
+    def _skip_cached_prefix(self, request: Request, cached: list[int]) -> None:
+        """``request`` was just allocated its slots with the ``cached`` blocks ``kv.find_cached_prefix``
+        found: its computation starts past them (the first admission's count is kept, as vLLM's
+        ``num_cached_tokens``)."""
+        num_tokens = len(cached) * self.kv.block_size
+        request.add_computed(num_tokens)
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_tokens
 
     def _admit(self, request: Request) -> None:
         """Move a request that now holds KV into ``running``."""

@@ -60,10 +60,12 @@ class DecodeCohort(Cohort):
 
     def remove(self, request: Request, *, drop_kv: bool = False) -> None:
         """Leave (finish or preemption): record the tokens produced while a member, and take the
-        block ids of its reserved growth, or with ``drop_kv`` (its KV is about to be freed) give the
-        reserved growth back by count."""
+        block ids of its reserved growth, or with ``drop_kv`` (its KV is about to be freed, and no
+        prefix cache keeps it) give the reserved growth back by count."""
         assert request.cohort is self, request
-        if drop_kv and self._period is not None:
+        # NOTE: with prefix caching the growth gets its block ids even when freed next: the blocks of
+        # its answer are cached (a conversation's next turn resends them).
+        if drop_kv and self._period is not None and self.kv.prefix_cache is None:
             self.kv.release_owed_blocks(self._owed_slots(request) // self.kv.block_size)
         else:
             self.settle(request)

@@ -119,8 +119,10 @@ def make_scheduler(
     swap_space_tokens: int = 0,
     options: Mapping[str, Any] | None = None,
     cost_model: CostModel | None = None,
+    enable_prefix_caching: bool = False,
 ) -> Scheduler:
-    """Build a registered scheduler over a fresh KV cache of ``kv_capacity_tokens`` token slots."""
+    """Build a registered scheduler over a fresh KV cache of ``kv_capacity_tokens`` token slots, its
+    full blocks shared between requests with ``enable_prefix_caching``."""
     spec = get_spec(name)
     config = build_config(name, options)
     config.resolve(max_model_len)
@@ -140,16 +142,31 @@ def make_scheduler(
             f"scheduler {name}: preemption_mode=swap needs CPU swap space, and there is {swap_space_tokens} tokens' "
             "worth: give --swap-space-gib > 0 (simulate, run) or swap_space_tokens, or --set preemption_mode=recompute"
         )
+    if enable_prefix_caching and not supports_prefix_caching(name, options):
+        raise ConfigError(
+            f"scheduler {name} does not support prefix caching yet; give --no-enable-prefix-caching, or one of "
+            f"{', '.join(n for n in scheduler_names() if supports_prefix_caching(n))}"
+        )
+    caching = {"enable_prefix_caching": True} if enable_prefix_caching else {}
     kv = KV_MANAGERS[config.kv_manager](
         kv_capacity_tokens // config.block_size,
         config.block_size,
         kv_bytes_per_token=kv_bytes_per_token,
         num_cpu_blocks=swap_space_tokens // config.block_size,
+        **caching,
     )
     extra = {"cost_model": cost_model} if spec.needs_cost_model else {}
     scheduler = spec.scheduler_cls(kv, config, predictor_from_config(config), **extra)
     scheduler.name = name
     return scheduler
+
+
+def supports_prefix_caching(name: str, options: Mapping[str, Any] | None = None) -> bool:
+    """Whether the scheduler ``name`` (with ``options``) runs with prefix caching: its policy looks the
+    cache up, and its KV manager is one that shares blocks (kv/manager.py)."""
+    policy = get_spec(name).scheduler_cls
+    kv_manager = build_config(name, options).kv_manager
+    return bool(getattr(policy, "supports_prefix_caching", False)) and kv_manager in GENERIC_KV_MANAGERS
 
 
 def describe_options(name: str) -> dict[str, Any]:

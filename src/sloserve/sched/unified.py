@@ -59,6 +59,11 @@ class UnifiedConfig:
     # Real-time requests before best-effort ones: admitted first, evicted last (BROS's "vLLM with
     # priority" baseline).
     class_priority: bool = False
+    # The waiting queue's order: first come, first served, or longest prefix match first (SGLang's
+    # "lpm": the request whose prompt has the most blocks in the prefix cache; ties by arrival). Like
+    # SGLang, lpm falls back to FCFS while more than LPM_MAX_WAITING requests wait (matching them all
+    # every step costs more than it gains). Without prefix caching the two are the same.
+    waiting_order: Literal["fcfs", "lpm"] = "fcfs"
 
     def resolve(self, max_model_len: int) -> None:
         """Fill defaults that depend on the model and check every knob."""
@@ -106,12 +111,19 @@ class UnifiedConfig:
             raise ConfigError(f"eviction_victim must be lowest_priority or shortest, got {self.eviction_victim!r}")
         if self.evicted_to not in ("front", "back"):
             raise ConfigError(f"evicted_to must be front or back, got {self.evicted_to!r}")
+        if self.waiting_order not in ("fcfs", "lpm"):
+            raise ConfigError(f"waiting_order must be fcfs or lpm, got {self.waiting_order!r}")
+
+
+# SGLang's lpm policy sorts the waiting queue only while at most this many requests wait.
+LPM_MAX_WAITING = 128
 
 
 class UnifiedScheduler(CohortScheduler):
     """Algorithm 1 with the knobs of ``UnifiedConfig``."""
 
     name = "unified"
+    supports_prefix_caching = True
 
     def __init__(self, kv: KVCacheManager, config: UnifiedConfig, predictor: LengthPredictor | None = None) -> None:
         super().__init__(kv, predictor)
@@ -121,6 +133,7 @@ class UnifiedScheduler(CohortScheduler):
         self._watermark_blocks = int(config.watermark * kv.gpu.num_blocks)
         self._preemption_mode = PreemptionMode(config.preemption_mode)
         self._chunk_tokens = 0  # tokens of the chunks of the output being built
+        self._caching = kv.prefix_cache is not None
 
     # --- Algorithm 1, GETNEXTBATCH ----------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
@@ -158,6 +171,8 @@ class UnifiedScheduler(CohortScheduler):
     def _add_chunk(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
         out.chunks.append(tuple.__new__(ScheduledChunk, (request, num_tokens)))  # no Python-level __new__
         self._chunk_tokens += num_tokens
+        if self._caching:
+            self.kv.cache_blocks(request, request.num_computed_tokens + num_tokens)
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
         """Group R_r^d: every running decode takes one token; evict from the lowest priority until
@@ -253,29 +268,44 @@ class UnifiedScheduler(CohortScheduler):
     def _schedule_waiting(self, out: SchedulerOutput, reserved: int) -> None:
         """Group R_w, FCFS: admit while C, P, M and max_num_seqs allow; stop at the first that does
         not fit (a memory failure here skips the group, as vLLM and Sarathi do)."""
-        kv, cfg = self.kv, self.config
+        kv, cfg, caching = self.kv, self.config, self._caching
         room = self._prefill_room(out, reserved)
+        if caching and cfg.waiting_order == "lpm" and 1 < len(self.waiting) <= LPM_MAX_WAITING:
+            self._order_by_prefix_match()
         while self.waiting and len(self.running) < cfg.max_num_seqs:
             request = self.waiting[0]
             if cfg.class_priority and request.request_class is not RequestClass.RT:
                 request = next((r for r in self.waiting if r.request_class is RequestClass.RT), request)
-            tokens = request.num_tokens_to_process
+            tokens, cached = request.num_tokens_to_process, ()
+            if caching:  # the blocks of its prompt already cached: their tokens are not computed
+                cached = kv.find_cached_prefix(request)
+                tokens -= len(cached) * kv.block_size
             num_tokens = min(tokens, room) if cfg.chunked_prefill else tokens
             if num_tokens <= 0 or num_tokens > room:
                 break
             # m_reserve: the whole prompt (or prompt + generated tokens for a refill), or more.
             must_fit, hold = self._reserve_target(request)
-            if not kv.can_allocate(request, must_fit, self._watermark_blocks):
+            if not kv.can_allocate(request, must_fit, self._watermark_blocks, cached):
                 break
-            done = kv.allocate_slots(request, hold)
+            done = kv.allocate_slots(request, hold, cached)
             assert done
             if request is self.waiting[0]:
                 self.waiting.popleft()
             else:
                 self.waiting.remove(request)
+            if caching:
+                self._skip_cached_prefix(request, cached)
             self._admit(request)
             self._add_chunk(out, request, num_tokens)
             room -= num_tokens
+
+    def _order_by_prefix_match(self) -> None:
+        """SGLang's lpm: the waiting requests by the cached blocks their prompts start with, most
+        first; a stable sort, so ties keep their queue order."""
+        found = {r: len(self.kv.find_cached_prefix(r)) for r in self.waiting}
+        ordered = sorted(self.waiting, key=found.__getitem__, reverse=True)
+        self.waiting.clear()
+        self.waiting.extend(ordered)
 
     # --- simulator fast path -----------------------------------------------------------------
     # A decode-only step repeats unchanged until the cohort's growth outruns free memory: every
@@ -313,14 +343,27 @@ class UnifiedScheduler(CohortScheduler):
         limit = min(limit, -(-request.num_tokens_to_process // chunk) - 1)
         return self._cohort_memory_horizon(output, limit) if limit > 1 else 1
 
-    repeat = CohortScheduler._cohort_repeat
+    def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
+        """``output`` for ``num_steps`` steps; with prefix caching, the chunk's later steps register the
+        blocks they fill, as ``_add_chunk`` did its first."""
+        if self._caching:
+            for request, num_tokens in output.chunks:
+                self.kv.cache_blocks(request, request.num_computed_tokens + num_tokens * num_steps)
+        return self._cohort_repeat(output, num_steps)
 
     # --- validation ----------------------------------------------------------------------------
     def policy_metrics(self) -> dict[str, Any]:
-        """With swap preemption: how many preemptions found the swap space full and recomputed."""
+        """With swap preemption: how many preemptions found the swap space full and recomputed. With
+        prefix caching: the tokens looked up and found, and the cached blocks evicted."""
+        metrics: dict[str, Any] = {}
         if self._preemption_mode is PreemptionMode.SWAP:
-            return {"num_swap_fallbacks": self.num_swap_fallbacks}
-        return {}
+            metrics["num_swap_fallbacks"] = self.num_swap_fallbacks
+        cache = self.kv.prefix_cache
+        if cache is not None:  # vLLM's prefix_cache_queries and prefix_cache_hits (tokens)
+            metrics["num_prefix_cache_queries"] = cache.num_queried_tokens
+            metrics["num_prefix_cache_hits"] = cache.num_hit_tokens
+            metrics["num_prefix_cache_evicted_blocks"] = cache.num_evicted_blocks
+        return metrics
 
     def check_fits(self, request: Request, max_kv_tokens: int) -> None:
         """Raise ConfigError when ``request`` could never finish alone in this KV cache."""

@@ -187,7 +187,7 @@ class _Cluster:
         c, b = key
         if self.left_in_batch[key] == 0 and b + 1 < len(self.chains[c]):
             for r in self.chains[c][b + 1]:
-                r.arrival_time = request.finish_time
+                r.arrival_time = request.finish_time + r.think_time_s
                 self.arrive(r, r.arrival_time)
 
     def send_kv(self, replica: Replica, request: Request) -> None:
@@ -285,7 +285,8 @@ def simulate(
     gives it to one of the ``num_decode_replicas`` built by ``make_decode_scheduler``.
 
     Closed-loop batches: each chain is a list of batches of ``requests``; a batch after the first
-    arrives (its ``arrival_time`` is set) when every request of the batch before it has finished.
+    arrives (its ``arrival_time`` is set) when every request of the batch before it has finished,
+    each request ``think_time_s`` later (a conversation's turns).
     """
     if router not in ROUTERS:
         raise UnknownNameError("router", router, list(ROUTERS))

@@ -17,19 +17,23 @@ prompt; an output longer than the cap is truncated to it (a real server stops th
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping
+import zlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from sloserve.core.errors import ConfigError
+from sloserve.core.prefix import SegmentedPrompt
 from sloserve.core.request import SLO, Request, RequestClass
 from sloserve.workload import arrivals
 from sloserve.workload.spec import (
     ArrivalSpec,
+    ConversationSource,
     FixedSource,
     LogNormalSource,
     Source,
@@ -103,22 +107,28 @@ def build_workload(
     counts = _split(spec, num_requests)
     children = np.random.SeedSequence(seed).spawn(len(spec.streams))
 
-    times, prompts, outputs, stream_ids, caps = [], [], [], [], []
+    times, prompts, outputs, stream_ids, caps, thinks, sessions = [], [], [], [], [], [], []
+    contents: list[Callable[[int, int], SegmentedPrompt] | None] = []  # per row: its prompt's content
     for i, (stream, n, child) in enumerate(zip(spec.streams, counts, children)):
         len_seed, arr_seed = child.spawn(2)
         prefix = f"{spec.origin}: streams[{i}] ({stream.name}): "
+        rngs = np.random.default_rng(len_seed), np.random.default_rng(arr_seed)
         try:
-            t, p, o = _sample(
-                stream, n, np.random.default_rng(len_seed), np.random.default_rng(arr_seed), rate_scale or 1.0, prefix
-            )
+            if isinstance(stream.source, ConversationSource):
+                sampled = _sample_conversations(stream, n, *rngs, rate_scale or 1.0, context_len, i)
+            else:
+                sampled = _sample(stream, n, *rngs, rate_scale or 1.0, prefix)
         except ConfigError as exc:
             if str(exc).startswith(prefix):
                 raise
             exc.args = (prefix + str(exc),)
             raise
-        times.append(t + stream.start_s)
-        prompts.append(p)
-        outputs.append(o)
+        contents.extend(sampled.contents)
+        times.append(sampled.t + stream.start_s)
+        prompts.append(sampled.p)
+        outputs.append(sampled.o)
+        thinks.append(sampled.think)
+        sessions.append(sampled.session)
         stream_ids.append(np.full(n, i, dtype=np.int64))
         caps.append(np.full(n, stream.max_tokens or context_len, dtype=np.int64))
 
@@ -126,6 +136,8 @@ def build_workload(
     p = np.concatenate(prompts).astype(np.int64)
     o = np.concatenate(outputs).astype(np.int64)
     sid = np.concatenate(stream_ids)
+    think = np.concatenate(thinks)
+    session = np.concatenate(sessions)
     sample = np.concatenate([np.arange(n, dtype=np.int64) for n in counts])
 
     prompt_clipped = p > context_len - 1
@@ -149,10 +161,18 @@ def build_workload(
             max_tokens=mi,
             request_class=classes[si],
             slo=slos[si],
+            prompt_blocks=None if contents[k] is None else contents[k](pi, oi),
+            think_time_s=th,
         )
-        for rid, (at, pi, oi, mi, si) in enumerate(
+        for rid, (k, at, pi, oi, mi, si, th) in enumerate(
             zip(
-                t[order].tolist(), p[order].tolist(), o[order].tolist(), max_tokens[order].tolist(), sid[order].tolist()
+                order.tolist(),
+                t[order].tolist(),
+                p[order].tolist(),
+                o[order].tolist(),
+                max_tokens[order].tolist(),
+                sid[order].tolist(),
+                think[order].tolist(),
             )
         )
     ]
@@ -162,6 +182,12 @@ def build_workload(
     details = _details(spec, sid, clipped, prompt_clipped, output_clipped, capped, context_len)
     chains = []
     for i, stream in enumerate(spec.streams):
+        if isinstance(stream.source, ConversationSource):  # a session's turns, one at a time
+            turns: dict[int, list[Request]] = {}
+            for k in np.flatnonzero(sid == i).tolist():  # rows in turn order within a session
+                turns.setdefault(int(session[k]), []).append(requests_by_row[k])
+            chains.extend([[r] for r in turns[s]] for s in sorted(turns))
+            continue
         if stream.arrival.process != "closed-batches":
             continue
         members = sorted((sample[k], requests_by_row[k]) for k in range(len(requests_by_row)) if sid[k] == i)
@@ -244,6 +270,19 @@ def synthetic_workload(
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
+class _Sample(NamedTuple):
+    """One stream's rows: arrival times (inf: released by the turn before), prompt and output lengths,
+    each prompt's content (a function of its clipped lengths; None: unknown), think times and
+    conversation sessions (-1: none)."""
+
+    t: np.ndarray
+    p: np.ndarray
+    o: np.ndarray
+    contents: list[Callable[[int, int], SegmentedPrompt] | None]
+    think: np.ndarray
+    session: np.ndarray
+
+
 def _sample(
     stream: StreamSpec,
     n: int,
@@ -251,10 +290,11 @@ def _sample(
     rng_arr: np.random.Generator,
     rate_scale: float,
     prefix: str,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Arrival times, prompt and output lengths of one stream (unclipped)."""
+) -> _Sample:
+    """The rows of a stream of independent requests (lengths unclipped)."""
     proc = stream.arrival
     src = stream.source
+    rows = None
     if isinstance(src, TraceSource):
         trace = load_trace(src.trace, src.columns)
         if proc.process == "trace":
@@ -264,7 +304,7 @@ def _sample(
                     f"{src.trace!r} has none; use poisson, gamma or offline"
                 )
             t, rows = arrivals.trace_replay(trace.arrival_s, n, rng_arr, trace.arrival_quantum_s)
-            return t / rate_scale, trace.prompt_tokens[rows], trace.output_tokens[rows]
+            return _independent(stream, t / rate_scale, trace.prompt_tokens[rows], trace.output_tokens[rows], rows)
         rows = rng_len.choice(len(trace), size=n, replace=n > len(trace))
         p, o = trace.prompt_tokens[rows], trace.output_tokens[rows]
     elif isinstance(src, FixedSource):
@@ -276,18 +316,108 @@ def _sample(
         p, o = _lognormal(src.prompt, n, rng_len), _lognormal(src.output, n, rng_len)
     else:  # pragma: no cover - spec parsing rules this out
         raise ConfigError(f"{prefix}unknown source {src!r}")
-    if proc.process == "poisson":
-        t = arrivals.poisson(n, proc.rate * rate_scale, rng_arr)
-    elif proc.process == "gamma":
-        t = arrivals.gamma(n, proc.rate * rate_scale, proc.cv, rng_arr)
-    elif proc.process == "offline":
-        t = arrivals.offline(n)
-    elif proc.process == "closed-batches":
-        # The first batch at the start; later ones are released by the simulator.
-        t = np.where(np.arange(n) < (proc.batch_size or n), 0.0, math.inf)
-    else:
+    t = _arrivals(proc, n, rng_arr, rate_scale)
+    if t is None:
         raise ConfigError(f"{prefix}arrival.process {proc.process!r} needs a trace source")
-    return t, p, o
+    return _independent(stream, t, p, o, rows)
+
+
+def _arrivals(proc: ArrivalSpec, n: int, rng_arr: np.random.Generator, rate_scale: float) -> np.ndarray | None:
+    """``n`` arrival times of a process that needs no trace (None for ``trace``)."""
+    if proc.process == "poisson":
+        return arrivals.poisson(n, proc.rate * rate_scale, rng_arr)
+    if proc.process == "gamma":
+        return arrivals.gamma(n, proc.rate * rate_scale, proc.cv, rng_arr)
+    if proc.process == "offline":
+        return arrivals.offline(n)
+    if proc.process == "closed-batches":
+        # The first batch at the start; later ones are released by the simulator.
+        return np.where(np.arange(n) < (proc.batch_size or n), 0.0, math.inf)
+    return None
+
+
+def _independent(stream: StreamSpec, t: np.ndarray, p: np.ndarray, o: np.ndarray, rows: np.ndarray | None) -> _Sample:
+    n = len(p)
+    return _Sample(t, p, o, _prompt_contents(stream, rows, n), np.zeros(n), np.full(n, -1, dtype=np.int64))
+
+
+def _prompt_contents(
+    stream: StreamSpec, rows: np.ndarray | None, n: int
+) -> list[Callable[[int, int], SegmentedPrompt] | None]:
+    """Per request of ``stream``, its prompt's content from the trace's hash ids (in the trace's own
+    namespace: ids of two traces never match), or None when the trace has no prefix structure."""
+    source = stream.source
+    if rows is None or not isinstance(source, TraceSource):
+        return [None] * n
+    trace = load_trace(source.trace, source.columns)
+    if trace.hash_ids is None:
+        return [None] * n
+    namespace, size = zlib.crc32(trace.source.encode()), trace.hash_block_tokens
+    return [functools.partial(_hashed_prompt, trace.hash_ids[k], size, namespace) for k in rows.tolist()]
+
+
+def _hashed_prompt(ids: tuple[int, ...], size: int, namespace: int, prompt: int, _output: int) -> SegmentedPrompt:
+    return SegmentedPrompt.uniform(ids, size, prompt, namespace)
+
+
+def _sample_conversations(
+    stream: StreamSpec,
+    n: int,
+    rng_len: np.random.Generator,
+    rng_arr: np.random.Generator,
+    rate_scale: float,
+    context_len: int,
+    stream_index: int,
+) -> _Sample:
+    """``n`` turns of sessions (``ConversationSource``), session by session: a turn's message and answer
+    lengths are a trace row's prompt and output (the answer capped at the stream's max_tokens); turn k's
+    prompt is the system prompt, the k - 1 turns before with their answers, and its message. Content
+    ids: 0 for the system prompt, then one per message and per answer, in the stream's namespace."""
+    source = stream.source
+    trace = load_trace(source.trace, source.columns)
+    cap = stream.max_tokens or context_len
+    system = source.system_prompt_tokens
+    if system >= context_len - 1:
+        raise ConfigError(
+            f"source.conversations.system_prompt_tokens {system} leaves no room in the model's context of {context_len}"
+        )
+    p, o, think, session, contents = [], [], [], [], []
+    next_id, num_sessions = 1, 0
+    while len(p) < n:
+        ids, ends = ([0], [system]) if system else ([], [])
+        history = system
+        for turn in range(int(rng_len.integers(source.turns[0], source.turns[1] + 1))):
+            row = int(rng_len.integers(len(trace)))
+            message, answer = int(trace.prompt_tokens[row]), min(int(trace.output_tokens[row]), cap)
+            prompt = history + message
+            if turn and prompt + answer > context_len:
+                break  # the session ends here; a first turn too long is clipped like any request
+            ids += [next_id, next_id + 1]
+            ends += [prompt, prompt + answer]
+            next_id += 2
+            p.append(prompt)
+            o.append(answer)
+            think.append(source.think_time_s if turn else 0.0)
+            session.append(num_sessions)
+            contents.append(functools.partial(_conversation_prompt, tuple(ids), tuple(ends), stream_index))
+            history = prompt + answer
+            if len(p) == n:
+                break
+        num_sessions += 1
+    session_arr = np.asarray(session, dtype=np.int64)
+    first_turn = np.r_[True, session_arr[1:] != session_arr[:-1]]
+    starts = _arrivals(stream.arrival, num_sessions, rng_arr, rate_scale)
+    t = np.where(first_turn, starts[session_arr], math.inf)  # later turns: released by the turn before
+    return _Sample(t, np.asarray(p), np.asarray(o), contents, np.asarray(think), session_arr)
+
+
+def _conversation_prompt(
+    ids: tuple[int, ...], ends: tuple[int, ...], namespace: int, prompt: int, output: int
+) -> SegmentedPrompt:
+    """A turn's content: its prompt and the answer it gets, so the next turn finds the answer's blocks
+    (a first turn clipped to the context keeps its ids over its clipped lengths)."""
+    ends = (*ends[:-2], prompt, prompt + output) if len(ends) >= 2 else ends
+    return SegmentedPrompt(ids, ends, prompt + output, namespace)
 
 
 def _split(spec: WorkloadSpec, total: int | None) -> list[int]:

@@ -12,6 +12,8 @@ A spec file looks like::
                                        # or {fixed: {prompt: 1024, output: 128}}
                                        # or {uniform: {prompt: [512, 1024], output: [32, 128]}}
                                        # or {lognormal: {prompt: [MEAN, STD], output: [MEAN, STD]}}
+                                       # or {conversations: {trace: sharegpt, turns: [2, 6],
+                                       #     think_time_s: 5, system_prompt_tokens: 600}}
         arrival: {process: poisson, rate: 8}   # | {process: gamma, rate: 8, cv: 2}
                                                # | {process: trace} | {process: offline}
         num_requests: 1000
@@ -34,7 +36,7 @@ import yaml
 
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.core.request import SLO, RequestClass
-from sloserve.workload.traces import ROLES, TRACES, looks_like_path
+from sloserve.workload.traces import MAPPING_KEYS, ROLES, TRACES, looks_like_path
 
 PROCESSES = ("poisson", "gamma", "trace", "offline", "closed-batches")
 # closed-batches: the stream's requests in batches of batch_size; the first arrives at start_s, each
@@ -75,7 +77,23 @@ class LogNormalSource:
     output: tuple[float, float]
 
 
-Source = TraceSource | FixedSource | UniformSource | LogNormalSource
+@dataclass(frozen=True)
+class ConversationSource:
+    """Multi-turn sessions: each has ``turns`` (inclusive range) turns, and turn k's prompt resends
+    the system prompt (``system_prompt_tokens``, one shared by every session of the stream), turns
+    1..k-1 and their answers, then the new message. Message and answer lengths are a trace's prompt
+    and output lengths. Turn 1 arrives by the stream's arrival process (sessions per second); turn
+    k + 1 ``think_time_s`` after turn k's answer ends (closed loop per session). A session ends early at
+    the first turn whose prompt and answer exceed the model's context. ``num_requests`` counts turns."""
+
+    trace: str
+    columns: dict[str, str] | None
+    turns: tuple[int, int]
+    think_time_s: float = 0.0
+    system_prompt_tokens: int = 0
+
+
+Source = TraceSource | FixedSource | UniformSource | LogNormalSource | ConversationSource
 
 
 @dataclass(frozen=True)
@@ -164,8 +182,6 @@ def trace_source(trace: str, columns: dict[str, str] | None, label: str, base_di
         err.args = (f"{label}source.trace: {err.args[0]}; or give the path of a trace file",)
         raise err
     for key in columns or {}:
-        if key not in ROLES + ("arrival_unit",):
-            raise ConfigError(
-                f"{label}unknown key 'source.columns.{key}'; valid: {', '.join(ROLES + ('arrival_unit',))}"
-            )
+        if key not in ROLES + MAPPING_KEYS:
+            raise ConfigError(f"{label}unknown key 'source.columns.{key}'; valid: {', '.join(ROLES + MAPPING_KEYS)}")
     return TraceSource(str(path), columns)

@@ -20,6 +20,7 @@ from sloserve.core.request import SLO, RequestClass
 from sloserve.workload.spec import (
     PROCESSES,
     ArrivalSpec,
+    ConversationSource,
     FixedSource,
     LogNormalSource,
     Source,
@@ -131,12 +132,21 @@ class _MomentsFields(_Fields):
     output: MeanStd
 
 
+class _ConversationFields(_Fields):
+    trace: Annotated[str, Field(min_length=1)]
+    columns: dict[str, str] | None = None
+    turns: Range
+    think_time_s: NonNegativeNumber = 0.0
+    system_prompt_tokens: Annotated[int, Field(ge=0)] = 0
+
+
 class _SourceFields(_Fields):
     trace: Annotated[str, Field(min_length=1)] | None = None
     columns: dict[str, str] | None = None
     fixed: _LengthsFields | None = None
     uniform: _RangesFields | None = None
     lognormal: _MomentsFields | None = None
+    conversations: _ConversationFields | None = None
 
 
 class _ArrivalFields(_Fields):
@@ -166,7 +176,7 @@ class _StreamFields(_Fields):
 
 # Hints after "is required" for fields whose shape is not obvious.
 _REQUIRED_HINTS = {
-    "source": ": {trace: NAME_OR_PATH}, {fixed: ...}, {uniform: ...} or {lognormal: ...}",
+    "source": ": {trace: NAME_OR_PATH}, {fixed: ...}, {uniform: ...}, {lognormal: ...} or {conversations: ...}",
     "arrival": f": {{process: ...}} with process one of {', '.join(PROCESSES)}",
 }
 
@@ -260,6 +270,8 @@ def _parse_stream(raw: Any, i: int, origin: str, base_dir: Path | None) -> Strea
     arrival = _parse_arrival(fields.arrival, label)
     if arrival.process == "trace" and not isinstance(source, TraceSource):
         raise error("arrival.process", "'trace' needs a trace source with arrival times")
+    if isinstance(source, ConversationSource) and arrival.process == "closed-batches":
+        raise error("arrival.process", "'closed-batches' does not apply to conversations (their turns are closed-loop)")
     slo = SLO() if fields.slo is None else SLO(fields.slo.ttft_s, fields.slo.tpot_s, fields.slo.jct_s)
     return StreamSpec(
         name,
@@ -274,15 +286,23 @@ def _parse_stream(raw: Any, i: int, origin: str, base_dir: Path | None) -> Strea
 
 
 def _parse_source(fields: _SourceFields, label: str, base_dir: Path | None, error) -> Source:
-    given = [k for k in ("trace", "fixed", "uniform", "lognormal") if getattr(fields, k) is not None]
+    kinds = ("trace", "fixed", "uniform", "lognormal", "conversations")
+    given = [k for k in kinds if getattr(fields, k) is not None]
     if len(given) != 1:
-        raise error(
-            "source", f"must have exactly one of trace, fixed, uniform, lognormal; got {', '.join(given) or 'none'}"
-        )
+        raise error("source", f"must have exactly one of {', '.join(kinds)}; got {', '.join(given) or 'none'}")
     if fields.columns is not None and fields.trace is None:
         raise error("source.columns", "applies only to a trace source")
     if fields.fixed is not None:
         return FixedSource(fields.fixed.prompt, fields.fixed.output)
+    if fields.conversations is not None:
+        chat = fields.conversations
+        lo, hi = chat.turns
+        if lo > hi:
+            raise error("source.conversations.turns", f"must have lo <= hi, got [{lo}, {hi}]")
+        lengths = trace_source(chat.trace, chat.columns, label, base_dir)
+        return ConversationSource(
+            lengths.trace, lengths.columns, (lo, hi), chat.think_time_s, chat.system_prompt_tokens
+        )
     if fields.lognormal is not None:
         return LogNormalSource(tuple(fields.lognormal.prompt), tuple(fields.lognormal.output))
     if fields.uniform is not None:

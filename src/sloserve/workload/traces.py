@@ -15,6 +15,10 @@ User files (``.csv``, ``.csv.gz``, ``.jsonl``, ``.jsonl.gz``; gzip is detected b
   ``2023-11-16 18:17:03.9799600``). Numbers are seconds, except a JSONL key named ``timestamp``,
   which is milliseconds as in the Mooncake traces. Times are rebased so that the first request
   arrives at 0; rows that are not in time order are sorted by arrival (stably).
+* A JSONL key ``hash_ids`` (Mooncake's; map another with ``columns: {hash_ids: KEY}``) gives each
+  prompt's prefix structure: one content id per segment of ``hash_block_tokens`` tokens (a mapping
+  key, default 512 as Mooncake's), the last one possibly partial; equal ids mean equal tokens there
+  and before. A prompt of n tokens has exactly ceil(n / hash_block_tokens) ids.
 """
 
 from __future__ import annotations
@@ -35,12 +39,16 @@ import numpy as np
 
 from sloserve.core.errors import ConfigError, UnknownNameError
 
-ROLES = ("prompt", "output", "arrival")
+ROLES = ("prompt", "output", "arrival", "hash_ids")
+OPTIONAL_ROLES = ("arrival", "hash_ids")
 DEFAULT_COLUMNS: dict[str, tuple[str, ...]] = {
     "prompt": ("num_prefill_tokens", "prompt_tokens", "input_length", "ContextTokens", "prompt", "input"),
     "output": ("num_decode_tokens", "output_tokens", "output_length", "GeneratedTokens", "output"),
     "arrival": ("arrived_at", "arrival_s", "timestamp", "arrival"),
+    "hash_ids": ("hash_ids",),
 }
+MAPPING_KEYS = ("arrival_unit", "hash_block_tokens")  # column-mapping keys that are settings, not roles
+MOONCAKE_BLOCK_TOKENS = 512
 _SUFFIXES = ".csv, .csv.gz, .jsonl, .jsonl.gz"
 
 
@@ -60,6 +68,9 @@ class TraceData:
     source: str
     license: str
     arrival_quantum_s: float = 0.0
+    # Per row, its prompt's segment content ids (prefix caching), or None when the trace has none.
+    hash_ids: tuple[tuple[int, ...], ...] | None = None
+    hash_block_tokens: int = 512
 
     def __len__(self) -> int:
         return len(self.prompt_tokens)
@@ -129,19 +140,19 @@ TRACES: dict[str, TraceInfo] = {
         {"prompt": "ContextTokens", "output": "GeneratedTokens", "arrival": "TIMESTAMP"},
     ),
     "mooncake-conv": TraceInfo(
-        "Mooncake (Kimi) conversation trace: real arrivals in 3 s buckets, very long prompts",
-        "conversation_trace.no_hash_ids.jsonl.gz",
-        _MOONCAKE + "conversation_trace.jsonl (hash_ids dropped)",
+        "Mooncake (Kimi) conversation trace: real arrivals in 3 s buckets, very long prompts, shared prefixes",
+        "conversation_trace.jsonl.gz",
+        _MOONCAKE + "conversation_trace.jsonl",
         "Apache-2.0",
-        {"prompt": "input_length", "output": "output_length", "arrival": "timestamp"},
+        {"prompt": "input_length", "output": "output_length", "arrival": "timestamp", "hash_ids": "hash_ids"},
         arrival_quantum_s=3.0,
     ),
     "mooncake-synthetic": TraceInfo(
-        "Mooncake synthetic trace: Poisson arrivals, 3.9 req/s, very long prompts",
-        "synthetic_trace.no_hash_ids.jsonl.gz",
-        _MOONCAKE + "synthetic_trace.jsonl (hash_ids dropped)",
+        "Mooncake synthetic trace: Poisson arrivals, 3.9 req/s, very long prompts, shared prefixes",
+        "synthetic_trace.jsonl.gz",
+        _MOONCAKE + "synthetic_trace.jsonl",
         "Apache-2.0",
-        {"prompt": "input_length", "output": "output_length", "arrival": "timestamp"},
+        {"prompt": "input_length", "output": "output_length", "arrival": "timestamp", "hash_ids": "hash_ids"},
     ),
 }
 
@@ -268,14 +279,21 @@ def _parse(
 
     columns = dict(columns)
     unit = columns.pop("arrival_unit", None)
+    block_tokens = columns.pop("hash_block_tokens", MOONCAKE_BLOCK_TOKENS)
     unknown = sorted(set(columns) - set(ROLES))
     if unknown:
         raise ConfigError(
             f"{label}: unknown column role(s) {', '.join(map(repr, unknown))} in the column "
-            f"mapping; valid: {', '.join(ROLES)}, arrival_unit"
+            f"mapping; valid: {', '.join(ROLES + MAPPING_KEYS)}"
         )
     if unit not in (None, "s", "ms"):
         raise ConfigError(f"{label}: arrival_unit must be 's' or 'ms', got {unit!r}")
+    try:
+        block_tokens = int(block_tokens)
+    except ValueError:
+        block_tokens = 0
+    if block_tokens < 1:
+        raise ConfigError(f"{label}: hash_block_tokens must be an integer >= 1, got {block_tokens!r}")
 
     reader = _read_csv if fmt == "csv" else _read_jsonl
     values, lines, names = reader(text, label, columns)
@@ -284,6 +302,9 @@ def _parse(
 
     prompt = _int_column(values["prompt"], lines, label, names["prompt"], "prompt")
     output = _int_column(values["output"], lines, label, names["output"], "output")
+    hash_ids = None
+    if "hash_ids" in values:
+        hash_ids = _hash_ids_column(values["hash_ids"], prompt, lines, label, names["hash_ids"], block_tokens)
     arrival = None
     if "arrival" in values:
         if unit is None:
@@ -292,11 +313,13 @@ def _parse(
         if np.any(arrival[1:] < arrival[:-1]):
             order = np.argsort(arrival, kind="stable")
             arrival, prompt, output = arrival[order], prompt[order], output[order]
+            if hash_ids is not None:
+                hash_ids = tuple(hash_ids[k] for k in order.tolist())
         arrival = arrival - arrival[0]
         arrival.flags.writeable = False
     prompt.flags.writeable = False
     output.flags.writeable = False
-    return TraceData(name, prompt, output, arrival, source, license, quantum)
+    return TraceData(name, prompt, output, arrival, source, license, quantum, hash_ids, block_tokens)
 
 
 def _resolve(header: Sequence[str], columns: Mapping[str, str], label: str) -> dict[str, str]:
@@ -315,7 +338,7 @@ def _resolve(header: Sequence[str], columns: Mapping[str, str], label: str) -> d
         found = next((present[c.lower()] for c in DEFAULT_COLUMNS[role] if c.lower() in present), None)
         if found is not None:
             names[role] = found
-        elif role != "arrival":
+        elif role not in OPTIONAL_ROLES:
             raise ConfigError(
                 f"{label}: no {role}-length column (tried {', '.join(DEFAULT_COLUMNS[role])}); "
                 f"columns present: {', '.join(header)}; map one with --columns {role}=NAME"
@@ -405,6 +428,25 @@ def _int_column(values: list[Any], lines: list[int], label: str, column: str, ro
         if number < 1:
             raise ConfigError(f"{where}: {role} length must be >= 1, got {_show(value)}")
     raise ConfigError(f"{label}: column {column!r}: {role} length out of range")
+
+
+def _hash_ids_column(
+    values: list[Any], prompt: np.ndarray, lines: list[int], label: str, column: str, block_tokens: int
+) -> tuple[tuple[int, ...], ...]:
+    """Each row's segment content ids: a list of integers >= 0, ceil(prompt / block_tokens) of them."""
+    rows = []
+    for value, n, line in zip(values, prompt.tolist(), lines, strict=True):
+        if not isinstance(value, list) or not all(type(x) is int and x >= 0 for x in value):
+            raise ConfigError(
+                f"{label}: line {line}: column {column!r}: expected a list of integers >= 0, got {_show(value)[:80]}"
+            )
+        if len(value) != -(-n // block_tokens):
+            raise ConfigError(
+                f"{label}: line {line}: column {column!r}: {len(value)} ids for a prompt of {n} tokens; "
+                f"expected ceil({n} / {block_tokens}) = {-(-n // block_tokens)} (one per {block_tokens}-token block)"
+            )
+        rows.append(tuple(value))
+    return tuple(rows)
 
 
 def _time_column(values: list[Any], lines: list[int], label: str, column: str, unit: str) -> np.ndarray:

@@ -1,0 +1,281 @@
+"""Prefix caching: chained block keys, shared reference-counted blocks, LRU eviction of cached blocks,
+and the schedulers that find cached prompts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from helpers import Driver, llama7b_cost
+from sloserve.core.errors import ConfigError
+from sloserve.core.prefix import SegmentedPrompt, TokenPrompt
+from sloserve.core.request import Request
+from sloserve.kv.manager import ExactReservationKVManager, PagedKVManager
+from sloserve.sim import simulate
+from sloserve.sim.executor import SimExecutor
+
+
+def _request(rid: int, prompt: TokenPrompt | SegmentedPrompt, output: int = 4) -> Request:
+    return Request(rid, 0.0, prompt.num_tokens, output, output, prompt_blocks=prompt)
+
+
+# --- keys ----------------------------------------------------------------------------------------
+def test_same_tokens_after_different_parents_have_different_keys():
+    a = TokenPrompt([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    b = TokenPrompt([9, 9, 9, 9, 5, 6, 7, 8])
+    c = TokenPrompt([1, 2, 3, 4, 5, 6, 7, 8, 0, 0])
+    assert len(a.block_keys(4)) == 2 and len(b.block_keys(4)) == 2  # the partial last block has none
+    assert a.block_keys(4)[1] != b.block_keys(4)[1]  # tokens 5..8 equal, parents differ
+    assert a.block_keys(4) == c.block_keys(4)[:2]  # same tokens and parents: same keys
+    assert a.block_keys(3) != a.block_keys(4)[:2]
+
+
+def test_segment_keys_match_a_chain_over_every_token_before():
+    """A block's key is shared exactly when the segments up to its end and its offset agree: the
+    reference is the tuple of everything before, not a hash."""
+    rng = np.random.default_rng(0)
+    prompts = []
+    for _ in range(40):
+        n_segments = int(rng.integers(1, 5))
+        ids = tuple(int(x) for x in rng.integers(0, 3, n_segments))
+        num_tokens = int(rng.integers(1, n_segments * 8 + 1))
+        prompts.append(SegmentedPrompt.uniform(ids, 8, max(num_tokens, (n_segments - 1) * 8 + 1)))
+    for block_size in (2, 3, 8, 12):
+        reference = {}
+        for p in prompts:
+            for j, key in enumerate(p.block_keys(block_size)):
+                end = (j + 1) * block_size
+                content = (p.segment_ids[: -(-end // 8)], j * block_size)
+                assert reference.setdefault(content, key) == key
+        assert len(set(reference.values())) == len(reference)  # different content: different keys
+
+
+def test_namespaces_keep_two_traces_apart():
+    a, b = SegmentedPrompt.uniform((1, 2), 512, 1000), SegmentedPrompt.uniform((1, 2), 512, 1000, namespace=7)
+    assert not set(a.block_keys(16)) & set(b.block_keys(16))
+
+
+# --- the manager ----------------------------------------------------------------------------------
+def _admit(kv: PagedKVManager, request: Request) -> int:
+    """Admit ``request`` with what the cache holds; its prompt computed and registered. Tokens found."""
+    cached = kv.find_cached_prefix(request)
+    assert kv.allocate_slots(request, request.num_prompt_tokens, cached)
+    kv.cache_blocks(request, request.num_prompt_tokens)
+    return len(cached) * kv.block_size
+
+
+def test_a_second_request_finds_the_first_ones_full_blocks():
+    kv = PagedKVManager(20, 4, enable_prefix_caching=True)
+    first = _request(0, TokenPrompt(list(range(10))))
+    second = _request(1, TokenPrompt(list(range(8)) + [50, 51, 52]))
+    assert _admit(kv, first) == 0
+    free = kv.num_free_blocks
+    assert _admit(kv, second) == 8  # two full blocks shared; the third differs
+    assert kv.block_tables[second][:2] == kv.block_tables[first][:2]
+    assert kv.num_free_blocks == free - 1  # only its own third block is new
+    assert kv.prefix_cache.num_hit_tokens == 8 and kv.prefix_cache.num_queried_tokens == 21
+    kv.free(first)  # its two shared blocks stay with the second
+    assert all(kv.prefix_cache.ref_counts[b] == 1 for b in kv.block_tables[second][:2])
+    kv.check_integrity()
+
+
+def test_a_prompt_entirely_cached_still_computes_its_last_token():
+    kv = PagedKVManager(20, 4, enable_prefix_caching=True)
+    _admit(kv, _request(0, TokenPrompt(list(range(8)))))
+    assert _admit(kv, _request(1, TokenPrompt(list(range(8))))) == 4  # the last block is computed again
+
+
+def test_cached_blocks_count_as_free_and_go_least_recently_released_first_tail_first():
+    kv = PagedKVManager(6, 2, enable_prefix_caching=True)
+    a, b = _request(0, TokenPrompt([1, 2, 3, 4, 5, 6])), _request(1, TokenPrompt([7, 8, 9, 10]))
+    _admit(kv, a)
+    _admit(kv, b)
+    kv.free(a)
+    kv.free(b)
+    assert kv.num_free_blocks == 6 and kv.allocated_tokens == 0
+    order = kv.prefix_cache.evictable.blocks()
+    assert order == kv_blocks_released(a_blocks=[0, 1, 2], b_blocks=[3, 4])
+    c = _request(2, TokenPrompt(list(range(20, 30))))  # 5 blocks: the never-used one, a's 3, b's tail
+    _admit(kv, c)
+    assert kv.prefix_cache.evictable.blocks() == [3]  # b's head survives
+    kv.free(c)
+    assert _admit(kv, _request(3, TokenPrompt([7, 8, 0, 0, 0]))) == 2
+    kv.check_integrity()
+
+
+def kv_blocks_released(a_blocks: list[int], b_blocks: list[int]) -> list[int]:
+    """Eviction order of two requests released one after the other: each one's table tail first."""
+    return a_blocks[::-1] + b_blocks[::-1]
+
+
+def test_swap_out_leaves_a_shared_block_with_its_other_user():
+    kv = PagedKVManager(20, 4, kv_bytes_per_token=2, num_cpu_blocks=10, enable_prefix_caching=True)
+    a, b = _request(0, TokenPrompt(list(range(9)))), _request(1, TokenPrompt(list(range(9))))
+    _admit(kv, a)
+    _admit(kv, b)
+    shared = kv.block_tables[a][:2]
+    copies = kv.swap_out(b)
+    assert copies is not None and len(copies) == 3  # its whole table is copied, shared blocks too
+    assert kv.block_tables[a][:2] == shared and all(kv.prefix_cache.ref_counts[s] == 1 for s in shared)
+    assert kv.swap_in(b) is not None
+    assert not set(kv.block_tables[b]) & set(kv.block_tables[a])  # back in fresh blocks
+    kv.check_integrity()
+
+
+_OPS = st.lists(
+    st.tuples(st.sampled_from(["admit", "grow", "free", "swap_out", "swap_in", "reset"]), st.integers(0, 7)),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=_OPS,
+    manager=st.sampled_from([PagedKVManager, ExactReservationKVManager]),
+    block_size=st.sampled_from([1, 2, 4]),
+)
+def test_shared_blocks_are_never_freed_under_a_live_user(ops, manager, block_size):
+    """Random arrivals, growth, finishes, swaps and cache resets over prompts that share prefixes: the
+    reference counts always equal the tables holding each block (never negative), no block a table
+    holds is free or evictable, and free + used + evictable = capacity (``check_integrity``)."""
+    kv = manager(24, block_size, kv_bytes_per_token=1, num_cpu_blocks=16, enable_prefix_caching=True)
+    requests = [_request(i, TokenPrompt([0, 1, 2, 3] + [i % 3] * (2 + i))) for i in range(8)]
+    swapped: set[Request] = set()
+    for op, i in ops:
+        r = requests[i]
+        held = r in kv.block_tables
+        if op == "admit" and not held and r not in swapped:
+            cached = kv.find_cached_prefix(r)
+            if kv.can_allocate(r, r.num_prompt_tokens, 0, cached):
+                assert kv.allocate_slots(r, r.num_prompt_tokens, cached)
+                kv.cache_blocks(r, r.num_prompt_tokens)
+        elif op == "grow" and held:
+            kv.allocate_slots(r, len(kv.block_tables[r]) * block_size + 1)
+        elif op == "free":
+            kv.free(r)
+            swapped.discard(r)
+        elif op == "swap_out" and held and kv.swap_out(r) is not None:
+            swapped.add(r)
+        elif op == "swap_in" and r in swapped and kv.swap_in(r) is not None:
+            swapped.discard(r)
+        elif op == "reset":
+            kv.prefix_cache.reset()
+        kv.check_integrity()
+        live = {b for table in kv.block_tables.values() for b in table}
+        assert not live & set(kv.gpu.free_ids()) and not live & set(kv.prefix_cache.evictable.blocks())
+        assert (kv.prefix_cache.ref_counts >= 0).all()
+
+
+# --- schedulers -------------------------------------------------------------------------------
+def _shared_prefix_requests(n: int = 30) -> list[Request]:
+    """A system prompt of three 512-token segments shared by all, a fourth segment shared by a third
+    of them, then each its own."""
+    requests = []
+    for i in range(n):
+        prompt = 1600 + 37 * (i % 7)
+        blocks = SegmentedPrompt.uniform((0, 1, 2, 100 + i % 3, 200 + i), 512, prompt)
+        requests.append(Request(i, 0.02 * i, prompt, 20 + i % 5, 40, prompt_blocks=blocks))
+    return requests
+
+
+def _scheduler(name: str, capacity: int, enable_prefix_caching: bool):
+    from sloserve.sched import make_scheduler
+
+    return make_scheduler(
+        name,
+        kv_capacity_tokens=capacity,
+        max_model_len=4096,
+        kv_bytes_per_token=524288,
+        cost_model=llama7b_cost(),
+        enable_prefix_caching=enable_prefix_caching,
+    )
+
+
+@pytest.mark.parametrize("name", ["vllm", "sarathi", "infermax", "vllm_ef"])
+def test_schedulers_skip_cached_prompts_and_keep_their_invariants(name):
+    """Under memory pressure (preemptions), with and without caching: every request finishes, the
+    KV invariants hold every step (the driver checks), and caching computes fewer prompt tokens."""
+    computed = {}
+    for caching in (False, True):
+        requests = _shared_prefix_requests()
+        driver = Driver(_scheduler(name, 6000, caching), executor=SimExecutor(llama7b_cost()))
+        driver.run(requests)
+        assert all(r.is_finished for r in requests)
+        computed[caching] = sum(c for step in driver.log for _, c in step.chunks)
+        found = sum(r.num_cached_tokens for r in requests)
+        assert (found > 0) == caching
+    assert computed[True] < computed[False]
+
+
+def test_hit_rate_with_an_unlimited_cache_is_the_traces_own_bound():
+    """Mooncake's conversation trace: with a cache that never evicts, the tokens found equal what the
+    hash_ids alone allow: every full 16-token block whose segments up to its end appeared, at the
+    same offset, in an earlier prompt (at least one token of each prompt left to compute)."""
+    from sloserve.workload import workload_from_trace
+
+    workload = workload_from_trace("mooncake-conv", num_requests=400, seed=1, context_len=8192, trace_arrivals=True)
+    requests = workload.requests
+    seen: set[tuple[tuple[int, ...], int]] = set()
+    bound = 0
+    for r in requests:  # arrival order
+        ids, n = r.prompt_blocks.segment_ids, r.num_prompt_tokens
+        contents = [(ids[: -(-(start + 16) // 512)], start) for start in range(0, n - 15, 16)]
+        hits = 0
+        for content in contents[: (n - 1) // 16]:
+            if content not in seen:
+                break
+            hits += 1
+        bound += hits * 16
+        seen.update(contents)
+    prompt_tokens = sum(r.num_prompt_tokens for r in requests)
+    assert bound / prompt_tokens > 0.1  # the trace does share (15% of these clipped prompts)
+
+    def factory():
+        from sloserve.sched import make_scheduler
+
+        return make_scheduler(
+            "vllm",
+            kv_capacity_tokens=2**24,
+            max_model_len=8192,
+            enable_prefix_caching=True,
+            options={"max_num_seqs": 4096},
+        )
+
+    result = simulate(requests, factory, llama7b_cost())
+    assert all(r.is_finished for r in result.requests)
+    assert sum(r.num_cached_tokens for r in result.requests) == bound
+
+
+def test_prefix_caching_needs_a_policy_that_looks_the_cache_up():
+    with pytest.raises(ConfigError, match="scheduler bros does not support prefix caching"):
+        _scheduler("bros", 6000, True)
+
+
+def test_longest_prefix_match_admits_the_request_that_finds_most_first():
+    """SGLang's lpm: of two waiting requests of which one fits, the later one whose prompt is cached
+    goes first; FCFS admits the earlier one."""
+    from sloserve.sched import make_scheduler
+
+    admitted = {}
+    for order in ("fcfs", "lpm"):
+        sched = make_scheduler(
+            "vllm",
+            kv_capacity_tokens=80,  # 20 blocks of 4: the first request holds 11 after its first step
+            max_model_len=64,
+            enable_prefix_caching=True,
+            options={"block_size": 4, "waiting_order": order, "watermark": 0, "max_num_seqs": 8},
+        )
+        shared = list(range(40))
+        first = Request(0, 0.0, 40, 30, 30, prompt_blocks=TokenPrompt(shared))
+        sched.add_request(first)
+        driver = Driver(sched, executor=SimExecutor(llama7b_cost()))
+        driver.step()  # the first request computes the shared prompt and keeps decoding
+        other = Request(1, 0.0, 48, 2, 2, prompt_blocks=TokenPrompt(list(range(100, 148))))
+        hitting = Request(2, 0.0, 48, 2, 2, prompt_blocks=TokenPrompt([*shared, 7, 7, 7, 7, 7, 7, 7, 7]))
+        sched.add_request(other)
+        sched.add_request(hitting)
+        out = driver.step()
+        admitted[order] = [r.request_id for r, _ in out.chunks]
+    assert admitted == {"fcfs": [], "lpm": [2]}
