@@ -12,7 +12,7 @@ order; SGLang's radix tree evicts leaves first too).
 NOTE: ``block_of`` (key -> block) is cleaned lazily: an entry counts only while its block is cached
 under that key (``is_cached`` and ``key_of`` agree), so evicting a block, or registering a key again
 under a newer block (two requests computed the same content side by side), is an array store, not a
-dict deletion per block; the dict is rebuilt from the cached blocks when it outgrows them fourfold.
+dict deletion per block; the dict is rebuilt from the cached blocks when it outgrows the pool twice over.
 
 NOTE: a block is registered when the step that computes its KV is scheduled (``KVCacheManager.
 cache_blocks``, as vLLM v1), not when it is allocated: a prompt allocated whole and computed in chunks
@@ -192,7 +192,7 @@ class PrefixCache:
         self.block_of.update(zip(keys, blocks))
         self.key_of[blocks] = keys
         self.is_cached[blocks] = True
-        if len(self.block_of) > 4 * self.pool.num_blocks + 1024:
+        if len(self.block_of) > 2 * self.pool.num_blocks + 1024:
             cached = np.flatnonzero(self.is_cached)
             self.block_of = dict(zip(self.key_of[cached].tolist(), cached.tolist()))
 
