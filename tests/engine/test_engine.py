@@ -442,10 +442,14 @@ def test_run_replays_a_workload_through_the_engine(tmp_path):
         ("sarathi", 4096, None),
     ],
 )
-def test_the_engine_takes_the_simulators_steps(scheduler, capacity, options):
+@pytest.mark.parametrize("caching", [False, True])
+def test_the_engine_takes_the_simulators_steps(scheduler, capacity, options, caching):
     """Offline, no decision depends on how long a step takes: the engine and the simulator take the same
-    steps (forward size, prefill tokens, decodes, preemptions). What fidelity compares is then only
-    the steps' times."""
+    steps (forward size, prefill tokens, decodes, preemptions), with prefix caching too (a request
+    recomputed after a preemption finds the blocks of its prompt and of what it generated; the
+    simulated requests are given the engine's tokens). What fidelity compares is then only the steps'
+    times."""
+    from sloserve.core.prefix import TokenPrompt
     from sloserve.cost import LinearCostModel, get_preset
     from sloserve.engine.llm_engine import LLMEngine, run_requests, synthetic_prompt
     from sloserve.engine.loader import load_model
@@ -462,16 +466,31 @@ def test_the_engine_takes_the_simulators_steps(scheduler, capacity, options):
         return workload_from_trace("sharegpt", num_requests=24, seed=1, context_len=512, offline=True).requests
 
     loaded = load_model("random:tiny-llama")
-    engine = LLMEngine(loaded, scheduler, kv_capacity_tokens=capacity, max_model_len=512, scheduler_options=set_options)
+    engine = LLMEngine(
+        loaded,
+        scheduler,
+        kv_capacity_tokens=capacity,
+        max_model_len=512,
+        scheduler_options=set_options,
+        enable_prefix_caching=caching,
+    )
     requests = workload()
     rng = np.random.default_rng(0)
     prompts = [synthetic_prompt(r.num_prompt_tokens, loaded.config.vocab_size, rng) for r in requests]
     params = [SamplingParams(max_tokens=r.true_output_tokens, temperature=0, ignore_eos=True) for r in requests]
     run_requests(engine, requests, prompts, params, wall_clock=False)
     simulated = workload()
+    for r, served in zip(simulated, requests, strict=True):  # the tokens: prompt and greedy output
+        r.prompt_blocks = TokenPrompt(list(served.prompt_blocks.token_ids))
     result = simulate(
         simulated,
-        lambda: make_scheduler(scheduler, kv_capacity_tokens=capacity, max_model_len=512, options=set_options),
+        lambda: make_scheduler(
+            scheduler,
+            kv_capacity_tokens=capacity,
+            max_model_len=512,
+            options=set_options,
+            enable_prefix_caching=caching,
+        ),
         LinearCostModel(get_preset("llama-2-7b-a100")),
     )
     columns = ("num_tokens", "num_prefill_tokens", "num_decode", "num_requests", "num_preempted")
@@ -480,6 +499,7 @@ def test_the_engine_takes_the_simulators_steps(scheduler, capacity, options):
     preemptions = sum(r.num_preemptions for r in requests)
     assert preemptions == sum(r.num_preemptions for r in simulated)
     assert (preemptions > 0) == (scheduler != "vllm_ef")  # every case preempts but the eviction-free one
+    assert [r.num_cached_tokens for r in requests] == [r.num_cached_tokens for r in simulated]
 
 
 def test_run_with_a_closed_loop_workload_on_the_wall_clock(tmp_path):
@@ -652,3 +672,25 @@ def test_engine_commands_bad_input_exit_2(args, message):
     proc = _cli(*args)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_the_engine_finds_the_cached_prefixes_the_simulator_finds(tmp_path):
+    """Mooncake's prefix structure replayed: the engine caches by real tokens (the same tokens for the
+    same hash ids), the simulator by the ids; request for request, they find the same cached tokens,
+    and switching caching off finds none."""
+    import csv
+
+    common = ("--trace", "mooncake-conv", "--trace-arrivals", "--num-requests", "30", "--max-model-len", "1024")
+    model = ("--model", "random:tiny-llama")
+    cached = {}
+    for name, args in {
+        "engine": ("run", *model, *common, "--virtual-clock"),
+        "sim": ("simulate", *model, *common),
+        "off": ("run", *model, *common, "--virtual-clock", "--no-enable-prefix-caching"),
+    }.items():
+        proc = _cli(*args, "--out", str(tmp_path / name))
+        assert proc.returncode == 0, proc.stderr
+        with open(tmp_path / name / "requests.csv") as f:
+            cached[name] = [int(row["cached_tokens"]) for row in csv.DictReader(f)]
+    assert cached["engine"] == cached["sim"] and sum(cached["sim"]) > 0
+    assert not any(cached["off"])

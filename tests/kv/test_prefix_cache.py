@@ -279,3 +279,20 @@ def test_longest_prefix_match_admits_the_request_that_finds_most_first():
         out = driver.step()
         admitted[order] = [r.request_id for r, _ in out.chunks]
     assert admitted == {"fcfs": [], "lpm": [2]}
+
+
+def test_segment_ids_become_the_same_tokens_wherever_they_appear():
+    """A trace's prefix structure as token ids (an engine or a server replaying it): prompts share
+    exactly the full blocks their ids say, so caching by tokens finds what caching by ids finds."""
+    a = SegmentedPrompt.uniform((5, 6, 7), 32, 80)
+    b = SegmentedPrompt.uniform((5, 6, 9), 32, 90)
+    c = SegmentedPrompt.uniform((5, 6), 32, 50, namespace=3)
+    ta, tb, tc = a.token_ids(1000), b.token_ids(1000), c.token_ids(1000)
+    assert len(ta) == 80 and len(tb) == 90 and ta[:64] == tb[:64] and ta[64:] != tb[64:80]
+    assert tc[:32] != ta[:32]  # another trace's ids
+    for block_size in (4, 16):
+        by_tokens = [TokenPrompt(t).block_keys(block_size) for t in (ta, tb)]
+        by_ids = [p.block_keys(block_size) for p in (a, b)]
+        shared_tokens = sum(x == y for x, y in zip(*by_tokens))
+        shared_ids = sum(x == y for x, y in zip(*by_ids))
+        assert shared_tokens == shared_ids == 64 // block_size

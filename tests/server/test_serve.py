@@ -428,3 +428,32 @@ streams:
     assert summary["classes"]["rt"]["slo_attainment"] == 1.0
     assert server.metric("sloserve_requests_total", request_class="be", outcome="length") == be_before + 12
     assert server.metric("sloserve_slo_requests_total", request_class="rt", met="true") == slo_before + 10
+
+
+def test_a_resent_conversation_reports_its_cached_tokens(server):
+    """Prefix caching is on by default (vLLM v1): the second time a long prompt comes, its full blocks
+    are found; the OpenAI SDK reads them in usage.prompt_tokens_details.cached_tokens, and /metrics
+    counts the tokens looked up and found."""
+    before = server.metric("sloserve_prefix_cache_hits_total")
+    history = "User: tell me about latency and throughput. " * 6
+    first = server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": history}], max_tokens=4, temperature=0
+    )
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = server.client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "user", "content": history},
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "And why?"},
+        ],
+        max_tokens=4,
+        temperature=0,
+    )
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens and cached % 16 == 0
+    for _ in range(2):  # a completion prompt sent again (not a prefix of the chat's: the template wraps it)
+        completion = server.client.completions.create(model=MODEL, prompt=history, max_tokens=2, temperature=0)
+    assert completion.usage.prompt_tokens_details.cached_tokens > 0
+    assert server.metric("sloserve_prefix_cache_hits_total") - before >= cached
+    assert server.metric("sloserve_prefix_cache_queries_total") > server.metric("sloserve_prefix_cache_hits_total")

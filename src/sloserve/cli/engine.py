@@ -16,6 +16,7 @@ from sloserve.cli.options import (
     check_file_out,
     check_out,
     engine_options,
+    engine_prefix_caching_option,
     int_list,
     report,
     workload_options,
@@ -92,6 +93,7 @@ def _load_engine_model(options: dict[str, Any]):
 @click.option("--set", "set_pairs", multiple=True, metavar="KEY=VALUE", help="Scheduler option; repeatable.")
 @workload_options
 @engine_options
+@engine_prefix_caching_option
 @click.option("--cost-model", help="Preset or JSON file for policies that estimate batch times (BROS).")
 @click.option(
     "--virtual-clock",
@@ -114,8 +116,8 @@ def run(
     as_json: bool,
     **options: Any,
 ) -> None:
-    """Replay a workload through the real engine (random prompt tokens of the trace's lengths,
-    outputs forced to the trace's lengths with ignore_eos, greedy)."""
+    """Replay a workload through the real engine (random prompt tokens of the trace's lengths, the
+    same tokens for the same hash ids; outputs forced to the trace's lengths with ignore_eos, greedy)."""
     import numpy as np
 
     from sloserve.metrics import summarize
@@ -135,11 +137,19 @@ def run(
         cost_model=cost_model,
         seed=options["seed"],
         scheduler_options=set_options,
+        enable_prefix_caching=options["enable_prefix_caching"],
     )
     workload = make_workload_from_options(SimOptions.of_workload(options), engine.max_model_len)
     requests, chains = fresh_workload(workload)
     rng = np.random.default_rng(options["seed"])
-    prompts = [synthetic_prompt(r.num_prompt_tokens, loaded.config.vocab_size, rng) for r in requests]
+    vocab = loaded.config.vocab_size
+    # A prompt with prefix structure (a trace's hash_ids) gets the same tokens for the same content.
+    prompts = [
+        r.prompt_blocks.token_ids(vocab)
+        if r.prompt_blocks is not None
+        else synthetic_prompt(r.num_prompt_tokens, vocab, rng)
+        for r in requests
+    ]
     params = [SamplingParams(max_tokens=r.true_output_tokens, temperature=0, ignore_eos=True) for r in requests]
     if out is not None:
         engine.executor.step_log = []
@@ -166,6 +176,7 @@ def run(
             "attention_backend": loaded.attention_backend,
             "cuda_graphs": loaded.cuda_graphs,
             "clock": "virtual" if virtual_clock else "wall",
+            "enable_prefix_caching": engine.scheduler.kv.prefix_cache is not None,
             "max_model_len": engine.max_model_len,
             "workload": workload.name,
             "num_clipped": workload.num_clipped,

@@ -18,14 +18,23 @@ from sloserve.runs import (
     run_simulation,
 )
 
+
 # --- shared options ------------------------------------------------------------------------------
-prefix_caching_option = click.option(
-    "--enable-prefix-caching/--no-enable-prefix-caching",
-    default=None,
-    help="Share computed KV blocks between requests with the same prompt prefix (vLLM's option) "
-    "[default: on when the workload's prompts carry prefix structure (Mooncake's hash_ids) and the "
-    "scheduler supports it].",
+def prefix_caching_flag(default: str) -> Callable:
+    """``--enable-prefix-caching/--no-enable-prefix-caching`` (vLLM's name), None when not given."""
+    return click.option(
+        "--enable-prefix-caching/--no-enable-prefix-caching",
+        default=None,
+        help=f"Share computed KV blocks between requests whose prompts start alike (vLLM's option) [{default}].",
+    )
+
+
+# The simulator's default (runs.run_simulation) and the engine's (LLMEngine).
+prefix_caching_option = prefix_caching_flag(
+    "on when the workload's prompts carry prefix structure (Mooncake's hash_ids, conversations) and the "
+    "scheduler supports it"
 )
+engine_prefix_caching_option = prefix_caching_flag("on where the scheduler supports it, as vLLM v1")
 
 
 def workload_options(fn: Callable) -> Callable:

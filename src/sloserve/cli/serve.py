@@ -13,6 +13,7 @@ from sloserve.cli.options import (
     ProgressBar,
     check_out,
     engine_options,
+    engine_prefix_caching_option,
     print_table,
     table_width,
     workload_options,
@@ -40,6 +41,7 @@ def _import_serve_extra(module: str):
 @click.option("--scheduler", default="vllm", show_default=True, help="Scheduler name (see `sloserve schedulers`).")
 @click.option("--set", "set_pairs", multiple=True, metavar="KEY=VALUE", help="Scheduler option; repeatable.")
 @engine_options
+@engine_prefix_caching_option
 @click.option("--cost-model", help="Preset or JSON file for policies that estimate batch times (BROS).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -124,6 +126,7 @@ def serve(
         max_model_len=options["max_model_len"],
         cost_model=cost_model,
         scheduler_options=set_options,
+        enable_prefix_caching=options["enable_prefix_caching"],
     )
     serve_options = serve_module.ServeOptions(
         host=host,

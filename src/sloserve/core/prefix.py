@@ -76,10 +76,26 @@ class SegmentedPrompt:
             keys = self._keys[block_size] = mixed.tolist()
         return keys
 
+    def token_ids(self, vocab_size: int) -> list[int]:
+        """Token ids for the ``num_tokens`` tokens: each segment's drawn from a generator seeded by its
+        chained key, so equal content (the same ids up to a segment) is the same tokens wherever it
+        appears, and a real engine caching by tokens finds the blocks a simulation finds by ids."""
+        tokens: list[int] = []
+        start = 0
+        for key, end in zip(chain_keys(self.segment_ids, self.namespace), self.segment_ends, strict=True):
+            if start >= self.num_tokens:
+                break
+            rng = np.random.default_rng(key % (1 << 64))
+            tokens += rng.integers(0, vocab_size, size=end - start).tolist()[: self.num_tokens - start]
+            start = end
+        return tokens
+
 
 @dataclass(eq=False)
 class TokenPrompt:
-    """A prompt known by its token ids."""
+    """A request's tokens, by their ids. ``token_ids`` may grow (the engine appends each token it
+    samples to the same list): the keys of the full blocks it gains follow, so an answer's blocks are
+    cached for the next turn that resends it."""
 
     token_ids: Sequence[int]
     _keys: dict[int, list[int]] = field(default_factory=dict, repr=False)
@@ -89,14 +105,13 @@ class TokenPrompt:
         return len(self.token_ids)
 
     def block_keys(self, block_size: int) -> list[int]:
-        """The keys of the prompt's full blocks of ``block_size`` tokens (a partial last block has none)."""
-        keys = self._keys.get(block_size)
-        if keys is None:
+        """The keys of the full blocks of ``block_size`` tokens so far (a partial last block has none)."""
+        keys = self._keys.setdefault(block_size, [])
+        full = len(self.token_ids) // block_size
+        if len(keys) < full:  # NOTE: a full block's tokens never change: only new blocks are keyed
             ids = self.token_ids
-            full = len(ids) - len(ids) % block_size
-            keys = self._keys[block_size] = chain_keys(
-                tuple(ids[i : i + block_size]) for i in range(0, full, block_size)
-            )
+            new = (tuple(ids[j * block_size : (j + 1) * block_size]) for j in range(len(keys), full))
+            keys += chain_keys(new, keys[-1] if keys else ROOT_KEY)
         return keys
 
 

@@ -83,6 +83,7 @@ class ServedRequest:
         self.slo = slo
         self.submitted_unix_s = time.time()
         self.num_output_tokens = 0  # tokens sent to the client
+        self.num_cached_tokens = 0  # prompt tokens the engine found in its prefix cache
         self.first_token_time = math.nan
         self.last_token_time = math.nan
         self.finish_time = math.nan
@@ -334,6 +335,7 @@ class AsyncLLMEngine:
                 with self._lock:
                     self._num_queued -= 1
             served.num_output_tokens += len(out.token_ids)
+            served.num_cached_tokens = out.num_cached_tokens
             served.last_token_time = out.last_token_time
             if out.finish_reason is not None:
                 served.finish_reason, served.finish_time = out.finish_reason, out.finish_time

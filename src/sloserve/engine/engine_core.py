@@ -50,6 +50,7 @@ class EngineSpec:
     max_model_len: int | None = None
     cost_model: str | None = None
     scheduler_options: dict[str, Any] = field(default_factory=dict)
+    enable_prefix_caching: bool | None = None  # None: wherever the scheduler supports it (LLMEngine)
 
     def build(self):
         """The engine (loads the model: in the core process)."""
@@ -72,6 +73,7 @@ class EngineSpec:
             cost_model=self.cost_model,
             seed=self.seed,
             scheduler_options=self.scheduler_options,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
 
     def tokenizer(self) -> ByteTokenizer | HFTokenizer | None:
@@ -113,6 +115,7 @@ class Output(NamedTuple):
     first_token_time: float  # NaN until the first token
     last_token_time: float
     finish_time: float  # NaN until finished
+    num_cached_tokens: int  # prompt tokens found in the prefix cache when first admitted
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,10 @@ class EngineStats:
     kv_allocated_tokens: int  # slots allocated to requests
     kv_capacity_tokens: int
     num_preemptions: int  # since the start
+    # Prefix caching, since the start (vLLM's prefix_cache_queries and prefix_cache_hits): prompt
+    # tokens looked up at admission, and of them found cached.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class _Live:
@@ -214,6 +221,7 @@ class EngineCore:
             r.first_token_time,
             r.last_token_time,
             self.clock() if finish_reason else float("nan"),
+            r.num_cached_tokens,
         )
 
     def publish(self, finished: list[Request]) -> None:
@@ -258,6 +266,7 @@ class EngineCore:
             if live.request.status in counts:
                 counts[live.request.status] += 1
         scheduler = self.engine.scheduler
+        cache = scheduler.kv.prefix_cache
         return EngineStats(
             counts[RequestStatus.WAITING],
             counts[RequestStatus.RUNNING],
@@ -266,6 +275,8 @@ class EngineCore:
             scheduler.kv.allocated_tokens,
             scheduler.kv.capacity_tokens,
             scheduler.num_preemptions,
+            cache.num_queried_tokens if cache is not None else 0,
+            cache.num_hit_tokens if cache is not None else 0,
         )
 
 

@@ -31,6 +31,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's field)
 
 
 class LLM:
@@ -47,6 +48,9 @@ class LLM:
             PyTorch reference), ``torch`` or ``triton``.
         cuda_graphs: replay decode-only steps as CUDA graphs (``cuda_graphs``; needs cuda and the
             triton backend). ``None`` (the default): on wherever supported, as vLLM captures by default.
+        enable_prefix_caching: share the KV blocks of prompts' common prefixes (and of answers a
+            conversation resends). ``None`` (the default): on wherever the scheduler supports it, as
+            vLLM v1; ``True`` with one that does not is an error.
     """
 
     def __init__(
@@ -63,6 +67,7 @@ class LLM:
         cost_model: str | CostModel | None = None,
         attention_backend: str = "auto",
         cuda_graphs: bool | None = None,
+        enable_prefix_caching: bool | None = None,
         **scheduler_options: Any,
     ) -> None:
         self.loaded = load_model(
@@ -77,6 +82,7 @@ class LLM:
             cost_model=cost_model,
             seed=seed,
             scheduler_options=scheduler_options,
+            enable_prefix_caching=enable_prefix_caching,
         )
 
     @property
@@ -131,6 +137,7 @@ class LLM:
                     text,
                     ids,
                     [CompletionOutput(0, decoded, token_ids, seq.finish_reason or "length")],
+                    request.num_cached_tokens,
                 )
             )
         return outputs

@@ -18,6 +18,7 @@ import torch
 
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.errors import ConfigError
+from sloserve.core.prefix import TokenPrompt
 from sloserve.core.request import Request
 from sloserve.cost import LinearCostModel, get_preset, load_preset
 from sloserve.cost.base import CostModel
@@ -29,7 +30,7 @@ from sloserve.engine.kv_cache import KVCacheTensor
 from sloserve.engine.loader import LoadedModel
 from sloserve.engine.sampler import SamplingParams
 from sloserve.replica import Replica
-from sloserve.sched import make_scheduler
+from sloserve.sched import make_scheduler, supports_prefix_caching
 from sloserve.workload.closed_loop import ClosedLoopBatches
 
 # Default KV cache on the CPU: this many bytes, at most 64 full contexts (vLLM's CPU backend takes a
@@ -118,7 +119,8 @@ class LLMEngine:
     """A model, a scheduler over a KV cache of ``kv_capacity_tokens`` slots, and the step loop.
 
     ``max_model_len`` caps the context (default: the model's); ``max_tokens`` of a request is cut to
-    what the context leaves, as vLLM does.
+    what the context leaves, as vLLM does. ``enable_prefix_caching``: share the KV blocks of common
+    prefixes (``None``, the default: wherever the scheduler supports it, as vLLM v1).
     """
 
     def __init__(
@@ -132,6 +134,7 @@ class LLMEngine:
         cost_model: str | CostModel | None = None,
         seed: int = 0,
         scheduler_options: dict[str, Any] | None = None,
+        enable_prefix_caching: bool | None = None,
     ) -> None:
         config = loaded.config
         self.loaded = loaded
@@ -152,6 +155,10 @@ class LLMEngine:
             swap_space_tokens=swap_space_tokens,
             options=scheduler_options,
             cost_model=engine_cost_model(cost_model),
+            # None: on wherever the scheduler supports it, as vLLM v1 turns it on by default
+            enable_prefix_caching=supports_prefix_caching(scheduler, scheduler_options)
+            if enable_prefix_caching is None
+            else enable_prefix_caching,
         )
         kv = self.scheduler.kv
         self.cache = KVCacheTensor(
@@ -199,6 +206,9 @@ class LLMEngine:
         self._next_id = max(self._next_id, request.request_id) + 1
         self.scheduler.check_fits(request, len(prompt_token_ids) + params.max_tokens - 1)
         self.executor.add(request, list(prompt_token_ids), params)
+        # Prefix caching keys the blocks by the tokens themselves (prompt, then what it generates),
+        # whatever content a workload's request described.
+        request.prompt_blocks = TokenPrompt(self.executor.sequences[request].token_ids)
         self.replica.add(request, arrival_time)
         return request
 

@@ -70,7 +70,7 @@ class KVCacheManager:
             self._allocate, self._release = self.gpu.allocate, self.gpu.release
             self._evictable = EvictionQueue(0)  # never filled: no block is ever cached
         else:
-            self._allocate, self._release = self.prefix_cache.allocate, self.prefix_cache.release
+            self._allocate, self._release = self._allocate_cached, self.prefix_cache.release
             self._evictable = self.prefix_cache.evictable  # cached blocks nobody uses: free too
             self._num_registered: dict[Request, int] = {}  # leading table blocks registered
         self.cpu = BlockPool(num_cpu_blocks, block_size)
@@ -224,7 +224,16 @@ class KVCacheManager:
             self.num_allocation_failures += 1
             return False
         self._owed_blocks += num_blocks
+        if self.prefix_cache is not None and self._owed_blocks > len(self._gpu_free):
+            # NOTE: evicted now, as an engine that takes the blocks now would: a later request must
+            # not find in the cache what a reservation has already claimed.
+            self.prefix_cache.evict_to_pool(self._owed_blocks - len(self._gpu_free))
         return True
+
+    def _allocate_cached(self, num_blocks: int) -> list[int] | None:
+        """With prefix caching: blocks never used first, except those owed to reservations, then
+        evicted ones."""
+        return self.prefix_cache.allocate(num_blocks, keep_free=self._owed_blocks)
 
     def settle_blocks(self, request: Request, num_blocks: int) -> None:
         """Assign ``num_blocks`` of the reserved blocks to ``request`` (appended to its table)."""
@@ -328,7 +337,8 @@ class KVCacheManager:
         per table holding it) and free + used = capacity."""
         if self.prefix_cache is not None:
             self.prefix_cache.check(list(self.block_tables.values()))
-            assert len(self._gpu_free) + self._evictable.count >= self._owed_blocks >= 0, "owed blocks exceed free ones"
+            # NOTE: blocks owed to reservations are in the pool, none of them still cached (reserve_blocks)
+            assert len(self._gpu_free) >= self._owed_blocks >= 0, "owed blocks are not all in the pool"
             assert all(n <= len(self.block_tables[r]) for r, n in self._num_registered.items()), "registered > held"
         for pool, tables, where in (
             (self.gpu, self.block_tables, "GPU"),

@@ -155,13 +155,13 @@ class PrefixCache:
         self.evictable.remove(idx[self.ref_counts[idx] == 0])
         self.ref_counts[idx] += 1  # NOTE: no block twice in one table, so no index repeats
 
-    def allocate(self, num_blocks: int) -> list[int] | None:
-        """``num_blocks`` blocks for one request, never-used first, then evicting cached ones; None
-        (nothing taken) when fewer are free."""
+    def allocate(self, num_blocks: int, keep_free: int = 0) -> list[int] | None:
+        """``num_blocks`` blocks for one request, never-used first (leaving ``keep_free`` of them in the
+        pool), then evicting cached ones; None (nothing taken) when fewer are free."""
         pool, evictable = self.pool, self.evictable
-        if num_blocks > pool.num_free + len(evictable):
+        if num_blocks + keep_free > pool.num_free + len(evictable):
             return None
-        fresh = min(num_blocks, pool.num_free)
+        fresh = min(num_blocks, max(pool.num_free - keep_free, 0))
         blocks = pool.allocate(fresh) if fresh else []
         assert blocks is not None
         if num_blocks > fresh:
@@ -174,6 +174,14 @@ class PrefixCache:
         else:
             self.ref_counts[blocks] = 1
         return blocks
+
+    def evict_to_pool(self, num_blocks: int) -> None:
+        """Evict the ``num_blocks`` least recently released cached blocks into the pool: blocks
+        reserved by count must be in the pool, as they would be gone from the cache once taken."""
+        evicted = self.evictable.pop(num_blocks)
+        self.is_cached[evicted] = False
+        self.num_evicted_blocks += len(evicted)
+        self.pool.release(evicted.tolist())
 
     def release(self, blocks: Sequence[int]) -> None:
         """A request lets go of its table ``blocks``: each block whose last user this was goes back to

@@ -240,5 +240,7 @@ class BatchRunner:
         if reason not in ("stop", "length"):
             return None, False
         objects = ResponseObjects(chat, self.serving.config.model_name)
-        whole = objects.whole(text, reason, usage(served.num_prompt_tokens, served.num_output_tokens))
+        whole = objects.whole(
+            text, reason, usage(served.num_prompt_tokens, served.num_output_tokens, served.num_cached_tokens)
+        )
         return output_line(line.custom_id, 200, whole), False

@@ -67,6 +67,13 @@ class ServerMetrics:
         self.preemptions = Counter("sloserve_preemptions", "Requests preempted (recompute or swap)", registry=r)
         self.prompt_tokens = Counter("sloserve_prompt_tokens", "Prompt tokens of ended requests", registry=r)
         self.generation_tokens = Counter("sloserve_generation_tokens", "Output tokens sent", registry=r)
+        # vLLM's prefix_cache_queries / prefix_cache_hits: prompt tokens looked up at admission, and found
+        self.prefix_cache_queries = Counter(
+            "sloserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "sloserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r
+        )
         labels = ["request_class"]
         self.ttft = Histogram(
             "sloserve_time_to_first_token_seconds", "TTFT", labels, buckets=LATENCY_BUCKETS_S, registry=r
@@ -94,6 +101,7 @@ class ServerMetrics:
         )
         self._slo_counts: dict[str, list[int]] = {}  # class -> [met, all]
         self._num_preemptions = 0
+        self._prefix_cache_queries = self._prefix_cache_hits = 0
         self._log: IO[str] | None = None
         self._log_lock = threading.Lock()
         if request_log is not None:
@@ -112,6 +120,10 @@ class ServerMetrics:
         if stats.num_preemptions > self._num_preemptions:
             self.preemptions.inc(stats.num_preemptions - self._num_preemptions)
             self._num_preemptions = stats.num_preemptions
+        # NOTE: the engine reports totals; a counter takes what they grew by
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries - self._prefix_cache_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits - self._prefix_cache_hits)
+        self._prefix_cache_queries, self._prefix_cache_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
 
     def on_finish(self, served: ServedRequest) -> None:
         cls = served.request_class.value

@@ -40,7 +40,9 @@ async def respond(
     text, reason = result
     if reason in ("abort", "error"):
         return json_error(ended_early(reason, engine.error))
-    return JSONResponse(objects.whole(text, reason, usage(served.num_prompt_tokens, served.num_output_tokens)))
+    return JSONResponse(
+        objects.whole(text, reason, usage(served.num_prompt_tokens, served.num_output_tokens, served.num_cached_tokens))
+    )
 
 
 async def stream(
@@ -61,7 +63,9 @@ async def stream(
             else:
                 yield sse(objects.chunk(delta.text, delta.finish_reason))
         if include_usage:
-            yield sse(objects.usage_chunk(usage(served.num_prompt_tokens, served.num_output_tokens)))
+            yield sse(
+                objects.usage_chunk(usage(served.num_prompt_tokens, served.num_output_tokens, served.num_cached_tokens))
+            )
         yield sse("[DONE]")
     finally:  # NOTE: also when the client disconnects (the response task is cancelled)
         if served.finish_reason is None:
