@@ -112,6 +112,7 @@ class Replica:
             self.now - start,
             num_prefill + num_cohort,
             num_prefill,
+            out.num_cached_tokens,
             num_cohort + num_decode,
             len(out.chunks) + num_cohort,
             self.scheduler.kv_used_tokens(),

@@ -63,7 +63,7 @@ def make_timeline(rows: list[tuple[float, float, int, int, int, int, int]]) -> T
     """Rows of (start, duration, num_tokens, num_requests, kv_used, kv_allocated, num_preempted)."""
     tl = Timeline()
     for start, dur, tokens, reqs, used, alloc, preempted in rows:
-        tl.append(start, dur, tokens, 0, reqs, reqs, used, alloc, preempted, 0.001 * tokens)
+        tl.append(start, dur, tokens, 0, 0, reqs, reqs, used, alloc, preempted, 0.001 * tokens)
     return tl
 
 
@@ -339,13 +339,13 @@ def test_timeline_keeps_recording_order_across_reads():
     for i in range(8199):
         if i == 4100:  # a read in the middle moves what is buffered
             np.testing.assert_array_equal(tl.column("start_s"), expected_starts)
-        tl.append(t, 0.5, 3, 1, 2, 3, 2**40 + i, 2**41, 0, 1e-6, 1)
+        tl.append(t, 0.5, 3, 1, 0, 2, 3, 2**40 + i, 2**41, 0, 1e-6, 1)
         expected_starts.append(t)
         expected_used.append(2**40 + i)
         t += 0.5
         if i % 1000 == 999:  # a stretch of 3 decode steps of 2 requests
             ends = [t + 0.25, t + 0.5, t + 0.75]
-            tl.append_stretch(t, ends, 2, 0, 0, 100, 106, 160, 160, [0, 0, 0], 16, 1e-6, 1)
+            tl.append_stretch(t, ends, 2, 0, 0, 0, 100, 106, 160, 160, [0, 0, 0], 16, 1e-6, 1)
             expected_starts += [t, t + 0.25, t + 0.5]
             expected_used += [102, 104, 106]
             t = ends[-1]
@@ -353,7 +353,7 @@ def test_timeline_keeps_recording_order_across_reads():
     np.testing.assert_array_equal(tl.column("start_s"), expected_starts)
     np.testing.assert_array_equal(tl.column("kv_used_tokens"), expected_used)
     assert tl.column("kv_used_tokens").dtype == np.int64
-    tl.append(t, 0.5, 3, 1, 2, 3, 7, 7, 0, 1e-6, 1)  # appending after a read goes on in order
+    tl.append(t, 0.5, 3, 1, 0, 2, 3, 7, 7, 0, 1e-6, 1)  # appending after a read goes on in order
     assert tl.column("start_s")[-1] == t and len(tl) == len(expected_starts) + 1
 
 

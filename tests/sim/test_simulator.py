@@ -442,3 +442,8 @@ def test_fast_path_gives_the_same_timestamps_with_prefix_caching(name):
     assert sum(r.num_cached_tokens for r in fast_reqs) > 0
     assert slow.policy_metrics["num_prefix_cache_evicted_blocks"] > 0  # the cache was full
     assert len(fast.timeline) == len(slow.timeline)
+    # the timeline's steps: what admitted requests found cached (every admission; a request's own count
+    # is its first), fast path or not
+    for result, reqs in ((slow, slow_reqs), (fast, fast_reqs)):
+        assert result.timeline.column("num_cached_tokens").sum() >= sum(r.num_cached_tokens for r in reqs) > 0
+    np.testing.assert_array_equal(fast.timeline.column("num_cached_tokens"), slow.timeline.column("num_cached_tokens"))

@@ -80,6 +80,8 @@ class SchedulerOutput:
     # NOTE: the sequences below default to a shared empty tuple (most steps have none of them, and an
     # output is built every step); a policy that adds to one assigns a new list.
     cohort_joined: Sequence[Request] = ()
+    # Prompt tokens the requests admitted in this step found in the prefix cache (not computed).
+    num_cached_tokens: int = 0
     # --- preemptions and KV copies ----------------------------------------------------------------
     # Requests preempted while building this batch, with their mode; they are not in this batch.
     preempted: Sequence[Preemption] = ()

@@ -116,6 +116,12 @@ class KVCacheManager:
             return None
         return self._allocate(num_blocks)
 
+    @property
+    def num_shared_tokens(self) -> int:
+        """Tokens the requests' tables hold more than once (prefix caching: a shared block's KV is
+        in memory once however many tables hold it); 0 without prefix caching."""
+        return 0 if self.prefix_cache is None else self.prefix_cache.num_extra_refs * self.block_size
+
     def num_slots(self, request: Request) -> int:
         """Token slots ``request`` holds on the GPU."""
         table = self.block_tables.get(request)

@@ -121,6 +121,9 @@ class PrefixCache:
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         self.num_evicted_blocks = 0
+        # Table entries beyond a block's first holder: sum of (ref count - 1) over used blocks. A
+        # shared block holds its tokens' KV once, so the tokens in use are the requests' minus these.
+        self.num_extra_refs = 0
 
     @property
     def num_free(self) -> int:
@@ -152,7 +155,9 @@ class PrefixCache:
         if not blocks:
             return
         idx = np.asarray(blocks)
-        self.evictable.remove(idx[self.ref_counts[idx] == 0])
+        held = self.ref_counts[idx] > 0
+        self.evictable.remove(idx[~held])
+        self.num_extra_refs += int(np.count_nonzero(held))
         self.ref_counts[idx] += 1  # NOTE: no block twice in one table, so no index repeats
 
     def allocate(self, num_blocks: int, keep_free: int = 0) -> list[int] | None:
@@ -188,7 +193,9 @@ class PrefixCache:
         the pool, or, when cached, to the end of ``evictable`` (the table's tail first)."""
         idx = np.asarray(blocks[::-1])
         self.ref_counts[idx] -= 1
-        unused = idx[self.ref_counts[idx] == 0]
+        still_held = self.ref_counts[idx] > 0
+        self.num_extra_refs -= int(np.count_nonzero(still_held))
+        unused = idx[~still_held]
         cached = self.is_cached[unused]
         self.evictable.push(unused[cached])
         self.pool.release(unused[~cached].tolist())
@@ -217,6 +224,7 @@ class PrefixCache:
             assert len(set(table)) == len(table), "a table holds a block twice"
             counts[list(table)] += 1
         assert np.array_equal(counts, self.ref_counts), "reference counts differ from the block tables"
+        assert self.num_extra_refs == int(np.maximum(counts - 1, 0).sum()), "shared references miscounted"
         free = set(self.pool.free_ids())
         cached = set(np.flatnonzero(self.is_cached).tolist())
         evictable = self.evictable.blocks()

@@ -101,7 +101,8 @@ def plot_latency_cdf(path: Path, requests_table: dict[str, np.ndarray], *, title
 
 
 def plot_timeline(path: Path, timeline: Timeline, *, kv_capacity_tokens: int | None = None, title: str = "") -> Path:
-    """Forward size (tokens per step) and KV tokens used / allocated after each step, over time."""
+    """Forward size (tokens per step; with prefix caching, prefill tokens computed and found cached)
+    and KV tokens used / allocated after each step, over time."""
     cols = timeline.as_dict()
     fig = _figure((10, 6))
     ax_fwd, ax_kv = fig.subplots(2, 1, sharex=True)
@@ -112,6 +113,11 @@ def plot_timeline(path: Path, timeline: Timeline, *, kv_capacity_tokens: int | N
         t, color = cols["start_s"][rows], f"C{i}"
         suffix = f" (replica {rep})" if replicas.size > 1 else ""
         ax_fwd.plot(t, cols["num_tokens"][rows], ".", ms=2, color=color, label=f"step{suffix}")
+        if cols["num_cached_tokens"].any():  # prefix caching: prefill computed vs found cached
+            prefill = cols["num_prefill_tokens"][rows]
+            ax_fwd.plot(t, prefill, "+", ms=3, color=color, alpha=0.6, label=f"prefill computed{suffix}")
+            cached = cols["num_cached_tokens"][rows]
+            ax_fwd.plot(t[cached > 0], cached[cached > 0], "x", ms=3, color="C3", label=f"prefill found cached{suffix}")
         ax_kv.step(t, cols["kv_used_tokens"][rows], where="post", lw=0.8, color=color, label=f"used{suffix}")
         ax_kv.step(
             t,

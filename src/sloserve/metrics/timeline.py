@@ -14,6 +14,7 @@ TIMELINE_COLUMNS: dict[str, type] = {
     "duration_s": np.float64,  # step execution time (cost model or measured)
     "num_tokens": np.int64,  # forward size: tokens processed
     "num_prefill_tokens": np.int64,  # of which prefill / chunk / refill tokens
+    "num_cached_tokens": np.int64,  # prompt tokens found in the prefix cache by requests admitted
     "num_decode": np.int64,  # decode requests (one token each)
     "num_requests": np.int64,  # batch size
     "kv_used_tokens": np.int64,  # tokens holding KV after the step
@@ -64,6 +65,7 @@ class Timeline:
         duration_s: float,
         num_tokens: int,
         num_prefill_tokens: int,
+        num_cached_tokens: int,
         num_decode: int,
         num_requests: int,
         kv_used_tokens: int,
@@ -77,6 +79,7 @@ class Timeline:
             duration_s,
             num_tokens,
             num_prefill_tokens,
+            num_cached_tokens,
             num_decode,
             num_requests,
             kv_used_tokens,
@@ -92,6 +95,7 @@ class Timeline:
         end_times: Sequence[float],
         num_decode: int,
         num_prefill_tokens: int,
+        num_cached_tokens: int,
         num_chunks: int,
         kv_used_before: int,
         kv_used_after: int,
@@ -103,7 +107,8 @@ class Timeline:
         replica: int = 0,
     ) -> None:
         """Record k = len(end_times) repeated steps, each of ``num_decode`` decodes and
-        ``num_chunks`` prompt chunks of ``num_prefill_tokens`` tokens in all.
+        ``num_chunks`` prompt chunks of ``num_prefill_tokens`` tokens in all; the first step admitted
+        requests that found ``num_cached_tokens`` in the prefix cache.
 
         Step i (0-based) ends at ``end_times[i]``; KV used after it is ``kv_used_before +
         (num_decode + num_prefill_tokens) * (i + 1)`` except after the last step (``kv_used_after``,
@@ -119,6 +124,7 @@ class Timeline:
                 end_times,
                 num_decode,
                 num_prefill_tokens,
+                num_cached_tokens,
                 num_chunks,
                 kv_used_before,
                 kv_used_after,
@@ -134,9 +140,23 @@ class Timeline:
 
     def _stretch_columns(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Rows of all pending stretches: (their row positions, their columns)."""
-        (positions, starts, ends, n, prefill, chunks, used0, used1, alloc0, alloc1, new_blocks, bs, sched, replica) = (
-            zip(*self._stretches, strict=True)
-        )
+        (
+            positions,
+            starts,
+            ends,
+            n,
+            prefill,
+            cached,
+            chunks,
+            used0,
+            used1,
+            alloc0,
+            alloc1,
+            new_blocks,
+            bs,
+            sched,
+            replica,
+        ) = zip(*self._stretches, strict=True)
         lengths = np.array([len(e) for e in ends], dtype=np.int64)
         total = int(lengths.sum())
         first = np.zeros(len(lengths), dtype=np.int64)  # index of each stretch's first row
@@ -163,12 +183,15 @@ class Timeline:
         kv_allocated[last] = alloc1
         sched_time = np.zeros(total)
         sched_time[first] = sched
+        num_cached = np.zeros(total, dtype=np.int64)
+        num_cached[first] = cached
         row_positions = np.repeat(np.array(positions, dtype=np.int64), lengths) + local
         columns = {
             "start_s": start_s,
             "duration_s": end_s - start_s,
             "num_tokens": num_tokens,
             "num_prefill_tokens": num_prefill,
+            "num_cached_tokens": num_cached,
             "num_decode": num_decode,
             "num_requests": num_decode + np.repeat(np.array(chunks, dtype=np.int64), lengths),
             "kv_used_tokens": kv_used,

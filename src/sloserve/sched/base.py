@@ -203,11 +203,11 @@ class Scheduler(ABC):
         return {}
 
     def kv_used_tokens(self) -> int:
-        """Tokens holding KV on the GPU."""
+        """Tokens holding KV on the GPU (a block that several requests share counted once)."""
         used = 0
         for request in self.running:  # NOTE: a loop: read every step, and a generator costs more
             used += request.num_computed_tokens
-        return used
+        return used - self.kv.num_shared_tokens if self.kv.prefix_cache is not None else used
 
     def check_integrity(self) -> None:
         """Invariants across queues and the KV manager (for tests)."""

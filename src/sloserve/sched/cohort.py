@@ -99,7 +99,7 @@ class CohortScheduler(Scheduler):
         used = self.cohort.kv_tokens
         for request in self.outside_cohort:  # NOTE: a loop: read every step, and a generator costs more
             used += request.num_computed_tokens
-        return used
+        return used - self.kv.num_shared_tokens if self.kv.prefix_cache is not None else used
 
     def _granted_slots(self, request: Request) -> int:
         if request.cohort is self.cohort:

@@ -111,6 +111,7 @@ class StretchPlanner:
             end_times,
             0 if out.decode is None else out.decode.size,
             num_prefill,
+            out.num_cached_tokens,
             len(out.chunks),
             self._kv_used_before,
             replica.scheduler.kv_used_tokens(),
