@@ -27,6 +27,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import llama7b_cost
 from hf_models import VOCAB
 from served_model import CORPUS, MODEL, Server, free_port, generate
 from sloserve.bench.client import wait_until_ready
@@ -209,6 +210,36 @@ def test_the_request_log_reads_as_a_trace(server, tmp_path):
     by_arrival = sorted(lines, key=lambda line: line["arrival_s"])  # the log is in finishing order
     assert list(trace.output_tokens) == [line["output_tokens"] for line in by_arrival]
     assert list(trace.prompt_tokens) == [line["prompt_tokens"] for line in by_arrival]
+    # the prompts' prefix structure: a replay of the log shares what the served requests shared
+    assert list(trace.hash_ids) == [tuple(line["hash_ids"]) for line in by_arrival]
+
+
+def test_the_request_log_keeps_the_prompts_sharing(tmp_path):
+    """Two requests whose prompts share their first 512 tokens log the same first hash id; replayed
+    as a trace with caching, the second finds the first's blocks as the server did."""
+    from sloserve.sched import make_scheduler
+    from sloserve.sim import simulate
+    from sloserve.workload import workload_from_trace
+
+    log = tmp_path / "requests.jsonl"
+    server = Server("random:tiny-llama", request_log=log)  # a context of 1024: room for 512-token segments
+    try:
+        shared = [7, 8, 9, 10] * 150  # 600 tokens
+        for tail in ([1, 2, 3], [4, 5, 6, 11, 12]):
+            server.client.completions.create(model=MODEL, prompt=shared + tail, max_tokens=2, temperature=0)
+    finally:
+        server.stop()
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert lines[0]["hash_ids"][0] == lines[1]["hash_ids"][0] and lines[0]["hash_ids"] != lines[1]["hash_ids"]
+    assert lines[1]["cached_tokens"] == 592  # the server found the shared 600 tokens' full blocks
+    workload = workload_from_trace(str(log), num_requests=2, seed=0, context_len=1024, trace_arrivals=True)
+    simulate(
+        workload.requests,
+        lambda: make_scheduler("vllm", kv_capacity_tokens=10_000, max_model_len=1024, enable_prefix_caching=True),
+        llama7b_cost(),
+    )
+    # the log's granularity is Mooncake's 512-token segment: the replay finds the first one
+    assert [r.num_cached_tokens for r in workload.requests] == [0, 512]
 
 
 def test_a_full_queue_answers_429_and_every_accepted_request_completes(chat_model_dir):
@@ -457,3 +488,22 @@ def test_a_resent_conversation_reports_its_cached_tokens(server):
     assert completion.usage.prompt_tokens_details.cached_tokens > 0
     assert server.metric("sloserve_prefix_cache_hits_total") - before >= cached
     assert server.metric("sloserve_prefix_cache_queries_total") > server.metric("sloserve_prefix_cache_hits_total")
+
+
+def test_bench_serve_sends_the_same_tokens_for_the_same_hash_ids():
+    """bench-serve's prompts for a trace with prefix structure: a server caching by tokens finds what
+    the simulation finds by ids (the engine's ``run`` uses the same tokens)."""
+    from sloserve.bench.client import synthetic_prompts
+    from sloserve.workload import workload_from_trace
+
+    requests = workload_from_trace(
+        "mooncake-conv", num_requests=20, seed=0, context_len=4096, trace_arrivals=True
+    ).requests
+    prompts = synthetic_prompts(requests, 32000, seed=0)
+    for r, prompt in zip(requests, prompts, strict=True):
+        assert prompt == r.prompt_blocks.token_ids(32000) and len(prompt) == r.num_prompt_tokens
+    from sloserve.core.prefix import TokenPrompt
+
+    first, second = (TokenPrompt(p).block_keys(16) for p in prompts[:2])
+    shared_ids = sum(x == y for x, y in zip(*(r.prompt_blocks.block_keys(16) for r in requests[:2])))
+    assert sum(x == y for x, y in zip(first, second)) == shared_ids

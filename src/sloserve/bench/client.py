@@ -42,9 +42,16 @@ class BenchResult:
 
 
 def synthetic_prompts(requests: Sequence[Request], vocab_size: int, seed: int) -> list[list[int]]:
-    """Random token ids of each request's prompt length (as the engine's ``run`` uses)."""
+    """Token ids of each request's prompt length (as the engine's ``run`` uses): random, except that a
+    prompt with prefix structure (a trace's ``hash_ids``) gets the same tokens for the same ids, so a
+    server with prefix caching finds exactly the blocks a simulation finds."""
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab_size, size=r.num_prompt_tokens).tolist() for r in requests]
+    return [
+        r.prompt_blocks.token_ids(vocab_size)
+        if r.prompt_blocks is not None
+        else rng.integers(0, vocab_size, size=r.num_prompt_tokens).tolist()
+        for r in requests
+    ]
 
 
 def request_body(model: str, request: Request, prompt: list[int]) -> dict:

@@ -116,3 +116,12 @@ class TokenPrompt:
 
 
 PromptBlocks = SegmentedPrompt | TokenPrompt
+
+
+def segment_hash_ids(token_ids: Sequence[int], segment_tokens: int = 512) -> list[int]:
+    """A prompt's prefix structure in Mooncake's trace format: one id per segment of
+    ``segment_tokens`` tokens (the last may be partial), chained so that equal ids mean equal tokens
+    there and before; non-negative (a trace's ``hash_ids``). A served request's log line carries them,
+    so a served day replays with its real sharing."""
+    segments = (tuple(token_ids[i : i + segment_tokens]) for i in range(0, len(token_ids), segment_tokens))
+    return [key & ((1 << 63) - 1) for key in chain_keys(segments)]

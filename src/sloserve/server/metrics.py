@@ -18,6 +18,7 @@ from typing import IO
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from sloserve.core.errors import ConfigError
+from sloserve.core.prefix import segment_hash_ids
 from sloserve.engine.async_engine import EngineStats, ServedRequest
 from sloserve.metrics.summary import SLO_TOLERANCE_S
 
@@ -150,7 +151,8 @@ class ServerMetrics:
 
     def _write_log(self, served: ServedRequest) -> None:
         """One JSONL line per request that got at least one token, in the order they end: readable by
-        ``--trace`` (prompt_tokens, output_tokens, arrival_s), so a served day can be simulated. A
+        ``--trace`` (prompt_tokens, output_tokens, arrival_s, and hash_ids: its prompt's prefix
+        structure), so a served day can be simulated with its real sharing. A
         request that ended before its first token (aborted, refused at shutdown) has no output
         length to simulate: /metrics counts it."""
 
@@ -165,6 +167,8 @@ class ServerMetrics:
             "finish_s": seconds(served.finish_time),
             "prompt_tokens": served.num_prompt_tokens,
             "output_tokens": served.num_output_tokens,
+            "cached_tokens": served.num_cached_tokens,
+            "hash_ids": segment_hash_ids(served.prompt_token_ids),  # Mooncake's format: 512-token segments
             "max_tokens": served.params.max_tokens,
             "request_class": served.request_class.value,
             "slo_ttft_s": served.slo.ttft_s,
