@@ -43,7 +43,7 @@ from sloserve.workload.spec import (
     WorkloadSpec,
     trace_source,
 )
-from sloserve.workload.traces import TRACES, load_trace
+from sloserve.workload.traces import TRACES, TraceData, load_trace
 
 
 def _lognormal(mean_std: tuple[float, float], n: int, rng: np.random.Generator) -> np.ndarray:
@@ -294,7 +294,7 @@ def _sample(
     """The rows of a stream of independent requests (lengths unclipped)."""
     proc = stream.arrival
     src = stream.source
-    rows = None
+    trace, rows = None, None
     if isinstance(src, TraceSource):
         trace = load_trace(src.trace, src.columns)
         if proc.process == "trace":
@@ -304,7 +304,7 @@ def _sample(
                     f"{src.trace!r} has none; use poisson, gamma or offline"
                 )
             t, rows = arrivals.trace_replay(trace.arrival_s, n, rng_arr, trace.arrival_quantum_s)
-            return _independent(stream, t / rate_scale, trace.prompt_tokens[rows], trace.output_tokens[rows], rows)
+            return _independent(t / rate_scale, trace.prompt_tokens[rows], trace.output_tokens[rows], trace, rows)
         rows = rng_len.choice(len(trace), size=n, replace=n > len(trace))
         p, o = trace.prompt_tokens[rows], trace.output_tokens[rows]
     elif isinstance(src, FixedSource):
@@ -319,7 +319,7 @@ def _sample(
     t = _arrivals(proc, n, rng_arr, rate_scale)
     if t is None:
         raise ConfigError(f"{prefix}arrival.process {proc.process!r} needs a trace source")
-    return _independent(stream, t, p, o, rows)
+    return _independent(t, p, o, trace, rows)
 
 
 def _arrivals(proc: ArrivalSpec, n: int, rng_arr: np.random.Generator, rate_scale: float) -> np.ndarray | None:
@@ -336,21 +336,20 @@ def _arrivals(proc: ArrivalSpec, n: int, rng_arr: np.random.Generator, rate_scal
     return None
 
 
-def _independent(stream: StreamSpec, t: np.ndarray, p: np.ndarray, o: np.ndarray, rows: np.ndarray | None) -> _Sample:
+def _independent(
+    t: np.ndarray, p: np.ndarray, o: np.ndarray, trace: TraceData | None, rows: np.ndarray | None
+) -> _Sample:
+    """The rows of independent requests, ``rows`` of ``trace`` (None: a synthetic source)."""
     n = len(p)
-    return _Sample(t, p, o, _prompt_contents(stream, rows, n), np.zeros(n), np.full(n, -1, dtype=np.int64))
+    return _Sample(t, p, o, _prompt_contents(trace, rows, n), np.zeros(n), np.full(n, -1, dtype=np.int64))
 
 
 def _prompt_contents(
-    stream: StreamSpec, rows: np.ndarray | None, n: int
+    trace: TraceData | None, rows: np.ndarray | None, n: int
 ) -> list[Callable[[int, int], SegmentedPrompt] | None]:
-    """Per request of ``stream``, its prompt's content from the trace's hash ids (in the trace's own
-    namespace: ids of two traces never match), or None when the trace has no prefix structure."""
-    source = stream.source
-    if rows is None or not isinstance(source, TraceSource):
-        return [None] * n
-    trace = load_trace(source.trace, source.columns)
-    if trace.hash_ids is None:
+    """Per request, its prompt's content from the trace's hash ids (in the trace's own namespace: ids
+    of two traces never match), or None when the trace has no prefix structure."""
+    if trace is None or rows is None or trace.hash_ids is None:
         return [None] * n
     namespace, size = zlib.crc32(trace.source.encode()), trace.hash_block_tokens
     return [functools.partial(_hashed_prompt, trace.hash_ids[k], size, namespace) for k in rows.tolist()]
