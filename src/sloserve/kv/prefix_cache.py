@@ -74,7 +74,7 @@ class EvictionQueue:
         taken = []
         while num_blocks > 0:
             stamp, blocks = self.runs[0]
-            live = blocks[self.stamp_of[blocks] == stamp]
+            live = self._live(stamp, blocks)
             if len(live) <= num_blocks:
                 self.runs.popleft()
                 self._num_entries -= len(blocks)
@@ -91,10 +91,14 @@ class EvictionQueue:
 
     def blocks(self) -> list[int]:
         """The queued blocks, least recently released first."""
-        return [b for stamp, run in self.runs for b in run[self.stamp_of[run] == stamp].tolist()]
+        return [b for stamp, run in self.runs for b in self._live(stamp, run).tolist()]
+
+    def _live(self, stamp: int, run: np.ndarray) -> np.ndarray:
+        """The blocks of a run still queued in it (not used again, nor released again since)."""
+        return run[self.stamp_of[run] == stamp]
 
     def _compact(self) -> None:
-        runs = [(stamp, run[self.stamp_of[run] == stamp]) for stamp, run in self.runs]
+        runs = [(stamp, self._live(stamp, run)) for stamp, run in self.runs]
         self.runs = deque((stamp, run) for stamp, run in runs if len(run))
         self._num_entries = sum(len(run) for _, run in self.runs)
 
@@ -170,10 +174,7 @@ class PrefixCache:
         blocks = pool.allocate(fresh) if fresh else []
         assert blocks is not None
         if num_blocks > fresh:
-            evicted = evictable.pop(num_blocks - fresh)  # the least recently released
-            self.is_cached[evicted] = False  # NOTE: their block_of entries are now stale
-            self.num_evicted_blocks += len(evicted)
-            blocks += evicted.tolist()
+            blocks += self._evict(num_blocks - fresh).tolist()
         if len(blocks) == 1:
             self.ref_counts[blocks[0]] = 1  # NOTE: a decode's growth: a scalar store, not an array op
         else:
@@ -183,10 +184,14 @@ class PrefixCache:
     def evict_to_pool(self, num_blocks: int) -> None:
         """Evict the ``num_blocks`` least recently released cached blocks into the pool: blocks
         reserved by count must be in the pool, as they would be gone from the cache once taken."""
+        self.pool.release(self._evict(num_blocks).tolist())
+
+    def _evict(self, num_blocks: int) -> np.ndarray:
+        """The ``num_blocks`` least recently released cached blocks, no longer cached."""
         evicted = self.evictable.pop(num_blocks)
-        self.is_cached[evicted] = False
+        self.is_cached[evicted] = False  # NOTE: their block_of entries are now stale
         self.num_evicted_blocks += len(evicted)
-        self.pool.release(evicted.tolist())
+        return evicted
 
     def release(self, blocks: Sequence[int]) -> None:
         """A request lets go of its table ``blocks``: each block whose last user this was goes back to
@@ -210,12 +215,6 @@ class PrefixCache:
         if len(self.block_of) > 2 * self.pool.num_blocks + 1024:
             cached = np.flatnonzero(self.is_cached)
             self.block_of = dict(zip(self.key_of[cached].tolist(), cached.tolist()))
-
-    def reset(self) -> None:
-        """Forget every cached block that nobody uses (vLLM's ``reset_prefix_cache``)."""
-        unused = self.evictable.pop(len(self.evictable))
-        self.is_cached[unused] = False
-        self.pool.release(unused.tolist())
 
     def check(self, tables: Sequence[Sequence[int]]) -> None:
         """Raise AssertionError unless the counts match ``tables`` (every block table on this pool)."""
