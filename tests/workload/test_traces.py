@@ -176,6 +176,12 @@ def test_bad_user_jsonl(tmp_path) -> None:
     path.write_text('{"input_length": 5, "output_length": 6}\nnot json\n')
     with pytest.raises(ConfigError, match=r"line 2: invalid JSON"):
         load_trace(str(path))
+    path.write_text('{"input_length": 5, "output_length": 6}\n1, 2\n')  # two values on one line
+    with pytest.raises(ConfigError, match=r"line 2: invalid JSON: Extra data"):
+        load_trace(str(path))
+    path.write_text('{"input_length": 5, "output_length": 6}\n\n[1, 2]\n')
+    with pytest.raises(ConfigError, match=r"line 3: expected a JSON object, got list"):
+        load_trace(str(path))
     other = tmp_path / "t.txt"
     other.write_text("x")
     with pytest.raises(ConfigError, match=r"unsupported trace file type"):
