@@ -233,10 +233,11 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
             LLM("random:tiny-llama", device="cuda")
 
 
-def _bros_be_then_rt(hf_dirs, capacity: int, be_prompt_tokens: int, on_step=None):
-    """BROS on the engine, block size 8: three BE requests run 4 steps, then three RT requests arrive;
-    runs to the end (``on_step`` sees every scheduler output) and checks every request gets HF's
-    greedy tokens. Returns the engine."""
+def _bros_be_then_rt(hf_dirs, capacity: int, be_prompt_tokens: int, on_step=None, rt_share_tokens: int = 0):
+    """BROS on the engine, block size 8: three BE requests run 4 steps, then three RT requests arrive,
+    each starting with the first ``rt_share_tokens`` tokens of a BE prompt; runs to the end
+    (``on_step(output, kv)`` sees every scheduler output) and checks every request gets HF's greedy tokens.
+    Returns the engine."""
     from sloserve.core.request import Request, RequestClass
     from sloserve.engine.llm_engine import LLMEngine
     from sloserve.engine.loader import load_model
@@ -257,13 +258,14 @@ def _bros_be_then_rt(hf_dirs, capacity: int, be_prompt_tokens: int, on_step=None
     for _ in range(4):
         engine.step()
     for i in range(3, 6):
-        add(i, RequestClass.RT, [(11 * i + j) % VOCAB for j in range(1, 13)])
+        shared = list(prompts.values())[i - 3][:rt_share_tokens]
+        add(i, RequestClass.RT, shared + [(11 * i + j) % VOCAB for j in range(1, 13)])
     if on_step is not None:
         schedule = engine.scheduler.schedule
 
         def recording(now):
             out = schedule(now)
-            on_step(out)
+            on_step(out, engine.scheduler.kv)
             return out
 
         engine.scheduler.schedule = recording
@@ -283,6 +285,24 @@ def test_bros_checkpoints_and_restores_real_kv(hf_dirs):
     assert kv.checkpointed_bytes > 0 and kv.restored_bytes > 0
 
 
+def test_bros_rt_requests_read_the_cached_prompt_blocks_of_be_requests(hf_dirs):
+    """Prefix caching under bidirectional blocks: RT requests whose prompts start with a BE prompt's two
+    full blocks find them cached (written right to left by the BE request) and compute only the
+    rest, while RT growth still checkpoints BE slots. Every request still gets HF's tokens."""
+    from sloserve.core.request import RequestClass
+
+    found = []  # per RT admission that found blocks: whether they were written right to left
+
+    def on_step(out, kv):
+        for request, _ in out.chunks:
+            if request.request_class is RequestClass.RT and request.num_cached_tokens and request not in found:
+                found.append(request)
+                assert kv._right_to_left[kv.prefix_blocks[request][:2]].all()  # a BE request's blocks
+
+    kv = _bros_be_then_rt(hf_dirs, 64, 18, on_step, rt_share_tokens=16).scheduler.kv
+    assert found and kv.checkpointed_bytes > 0
+
+
 def test_bros_swaps_dropped_requests_out_and_back_in_real_kv(hf_dirs):
     """Progressive dropping by swap-out (§5) on the engine: in a 40-slot cache RT requests drop
     whole requests, whose every token is copied to CPU memory and back when they run again. Every
@@ -290,7 +310,7 @@ def test_bros_swaps_dropped_requests_out_and_back_in_real_kv(hf_dirs):
     from sloserve.core.outputs import PreemptionMode
 
     modes = []
-    _bros_be_then_rt(hf_dirs, 40, 14, on_step=lambda out: modes.extend(p.mode for p in out.preempted))
+    _bros_be_then_rt(hf_dirs, 40, 14, on_step=lambda out, kv: modes.extend(p.mode for p in out.preempted))
     assert modes and set(modes) == {PreemptionMode.SWAP}
 
 

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sloserve.core.errors import ConfigError
+from sloserve.core.prefix import TokenPrompt
 from sloserve.core.request import Request, RequestClass
 from sloserve.kv.bidirectional import CHECKPOINTED, BidirectionalKVManager
 
@@ -99,38 +100,66 @@ def test_block_size_must_leave_two_slots_per_side():
 
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["grow", "free", "restore", "truncate", "drop"]), st.integers(0, 5), st.integers(1, 12)),
+    st.tuples(
+        st.sampled_from(["admit", "grow", "free", "restore", "truncate", "drop"]), st.integers(0, 5), st.integers(1, 12)
+    ),
     max_size=60,
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=OPS, block_size=st.sampled_from([4, 8]), free_block_first=st.booleans())
-def test_invariants_under_random_operations(ops, block_size, free_block_first):
+def _prompted(i: int) -> Request:
+    """Request i of the random operations: prompts that share 0, 8 or 16 leading tokens."""
+    tokens = list(range(4 * (i % 3) + 8)) + [100 + i] * 3
+    cls = RequestClass.RT if i % 2 == 0 else RequestClass.BE
+    return Request(i, 0.0, len(tokens), 1, 64, cls, prompt_blocks=TokenPrompt(tokens))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, block_size=st.sampled_from([4, 8]), free_block_first=st.booleans(), caching=st.booleans())
+def test_invariants_under_random_operations(ops, block_size, free_block_first, caching):
+    """With prefix caching too: a shared block is never a side, never freed or overwritten under a
+    user (check_integrity: reference counts equal the tables, shared slots keep their layout)."""
     kv = BidirectionalKVManager(
-        num_blocks=5, block_size=block_size, kv_bytes_per_token=KVB, rt_free_block_first=free_block_first
+        num_blocks=5,
+        block_size=block_size,
+        kv_bytes_per_token=KVB,
+        rt_free_block_first=free_block_first,
+        enable_prefix_caching=caching,
     )
-    reqs = [req(i, RequestClass.RT if i % 2 == 0 else RequestClass.BE) for i in range(6)]
+    reqs = [_prompted(i) for i in range(6)]
+    grown_from: dict[Request, int] = {}  # tokens before a request's last growth (what truncate undoes)
     for op, i, n in ops:
         r = reqs[i]
-        if op == "grow":
+        if op == "admit" and r not in kv.token_slots:  # as a scheduler admits a prompt: shared blocks first
+            cached = kv.find_cached_prefix(r)
+            if kv.allocate_slots(r, r.num_prompt_tokens, cached=cached):
+                assert kv.token_slots[r][: len(cached) * block_size] == kv._shared_slots(cached)
+                kv.cache_blocks(r, r.num_prompt_tokens)
+                grown_from[r] = 0
+        elif op == "grow":
             if r.request_class is RequestClass.RT and kv.num_checkpointed(r) and not kv.restore(r):
                 continue  # a dropped RT request runs again only once restored (the scheduler's order)
             before = list(kv.token_slots.get(r, []))
-            if not kv.allocate_slots(r, len(before) + n):
+            if kv.allocate_slots(r, len(before) + n):
+                grown_from[r] = len(before)
+            else:
                 assert kv.token_slots.get(r, []) == before  # all or nothing
         elif op == "free":
             kv.free(r)
+            grown_from.pop(r, None)
         elif op == "restore" and r in kv.token_slots:
+            grown_from.pop(r, None)
             if kv.restore(r):
                 assert kv.num_checkpointed(r) == 0
         elif op == "drop":
-            tokens, free_before = kv.num_tracked_tokens(r), kv.gpu.num_free
+            grown_from.pop(r, None)
+            tokens, free_before = kv.num_tracked_tokens(r), kv.num_free_blocks
             kv.drop_to_cpu(r)
             assert kv.num_slots(r) == 0 and kv.num_checkpointed(r) == tokens  # every token kept, in CPU memory
-            assert kv.gpu.num_free >= free_before and not kv.blocks_of.get(r)
-        elif op == "truncate" and r in kv.token_slots:
-            kv.truncate(r, max(0, len(kv.token_slots[r]) - n))
+            assert kv.num_free_blocks >= free_before and not kv.blocks_of.get(r) and r not in kv.prefix_blocks
+        elif op == "truncate" and r in grown_from:  # undo the last growth, as BROS's _remove does
+            kv.truncate(r, grown_from.pop(r))
+            assert r not in kv.prefix_blocks or len(kv.token_slots[r]) >= len(kv.prefix_blocks[r]) * block_size
         kv.check_integrity()
         for b in range(kv.gpu.num_blocks):
             assert kv.rt_fill[b] + len(kv.be_tokens[b]) <= block_size

@@ -22,13 +22,27 @@ Requests in ``protect`` (scheduled in the same step) are never overwritten. Prog
 (§5: "swap out their cache blocks") moves every token of a request, RT or BE, to CPU memory
 (``drop_to_cpu``); ``restore`` brings them back when it runs again.
 
+Prefix caching (``enable_prefix_caching``, ours: §5 predates it). A block that one request filled
+whole with a block-aligned run of its own tokens (all S slots, RT or BE side) leaves both sides when it
+is registered: it becomes a shared block of the prefix cache (kv/prefix_cache.py), reference-counted,
+found by later requests whose prompts start with the same blocks, RT or BE alike (a BE request's
+block keeps its right-to-left layout: token k at slot ``block * S + S - 1 - k``, whoever reads it).
+A request's table is its shared blocks first (``prefix_blocks``, in token order), then its sides. The
+rule: a shared block is never a side, so growth, lazy checkpointing and block preemption never
+overwrite it; a request that must give up its KV (dropped, or evicted by recompute) copies or drops
+its own tokens and lets go of the shared blocks, which stay for their other users, or stay cached
+(free, evictable) when it was the last. An RT request that needs room takes the free and cached
+blocks, then preempts BE-only sides; it evicts a BE request whose blocks are shared only as a whole.
+
 NOTE: this manager keeps an explicit token -> slot list per request (-1: checkpointed), so it costs
 O(tokens); schedulers using it schedule requests explicitly (no decode cohort).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+
+import numpy as np
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import BlockCopy, SlotCopy
@@ -49,10 +63,17 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         kv_bytes_per_token: int = 0,
         num_cpu_blocks: int = 0,
         rt_free_block_first: bool = False,
+        enable_prefix_caching: bool = False,
     ) -> None:
         if block_size < 4:
             raise ConfigError(f"bidirectional blocks need at least 2 slots per side: block_size {block_size} < 4")
-        super().__init__(num_blocks, block_size, kv_bytes_per_token=kv_bytes_per_token, num_cpu_blocks=num_cpu_blocks)
+        super().__init__(
+            num_blocks,
+            block_size,
+            kv_bytes_per_token=kv_bytes_per_token,
+            num_cpu_blocks=num_cpu_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        )
         self.rt_free_block_first = rt_free_block_first  # §5.2's other reading (see the module docstring)
         n = num_blocks
         self.rt_owner: list[Request | None] = [None] * n
@@ -74,7 +95,12 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         self._be_only_by_owner: dict[Request, int] = {}
         self._be_only_by_empty: list[set[int]] = [set() for _ in range(block_size + 1)]
         self._be_only_empty: dict[int, int] = {}  # block -> its bucket in _be_only_by_empty
-        self._used_slots = 0
+        self._used_slots = 0  # slots held on the sides
+        # Prefix caching: the shared blocks each request's tokens start with, whether a block was
+        # written right to left (by a BE request), and how many shared blocks some request holds.
+        self.prefix_blocks: dict[Request, list[int]] = {}
+        self._right_to_left = np.zeros(n, dtype=bool)
+        self._num_shared_blocks_used = 0
 
     # --- aggregates --------------------------------------------------------------------------------
     def _update(self, block: int) -> None:
@@ -106,7 +132,12 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
 
     @property
     def allocated_tokens(self) -> int:
-        return self._used_slots
+        """Slots held on the sides and in shared blocks (each shared block once)."""
+        return self._used_slots + self._num_shared_blocks_used * self.block_size
+
+    @property
+    def num_shared_tokens(self) -> int:
+        return 0  # NOTE: allocated_tokens already counts a shared block once
 
     def _last(self, request: Request) -> int | None:
         blocks = self.blocks_of.get(request)
@@ -123,8 +154,14 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         need = num_tokens - len(self.token_slots.get(request, ())) + reserve_blocks * self.block_size
         return self.has_room(request, need, protect)
 
-    def slots_needed(self, request: Request, num_tokens: int) -> int:
-        """New GPU slots for ``request`` to hold ``num_tokens`` tokens, restoring checkpointed ones."""
+    def slots_needed(self, request: Request, num_tokens: int, cached: Sequence[int] = ()) -> int:
+        """New GPU slots for ``request`` to hold ``num_tokens`` tokens, restoring checkpointed ones; for
+        a request holding nothing yet that starts with the ``cached`` blocks (``find_cached_prefix``),
+        the slots past them, and a whole block for each cached one nobody uses (taking it lowers the
+        free count)."""
+        if cached and request not in self.token_slots:
+            taken = self.prefix_cache.num_evictable(cached)
+            return max(0, num_tokens - len(cached) * self.block_size) + taken * self.block_size
         return max(0, num_tokens - len(self.token_slots.get(request, ()))) + self.num_checkpointed(request)
 
     def has_room(self, request: Request, need: int, protect: Collection[Request] = ()) -> bool:
@@ -138,7 +175,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
             need -= self._empty(last)
             if rt and self._may_overwrite_facing(last, protect):
                 need -= len(self.be_tokens[last])
-        need -= S * self.gpu.num_free
+        need -= S * self.num_free_blocks
         if need <= 0:
             return True
         if rt:  # block preemption: every slot of an unprotected BE-only block can be taken over
@@ -148,8 +185,16 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
             need -= self._rt_only_empty
         return need <= 0
 
-    def allocate_slots(self, request: Request, num_tokens: int, protect: Collection[Request] = ()) -> bool:
-        """Grow ``request`` to ``num_tokens`` tokens with slots; all or nothing."""
+    def allocate_slots(
+        self, request: Request, num_tokens: int, protect: Collection[Request] = (), cached: Sequence[int] = ()
+    ) -> bool:
+        """Grow ``request`` to ``num_tokens`` tokens with slots; all or nothing. A request holding
+        nothing yet starts with the ``cached`` blocks ``find_cached_prefix`` found."""
+        if cached and request not in self.token_slots:
+            if not self.has_room(request, self.slots_needed(request, num_tokens, cached), protect):
+                self.num_allocation_failures += 1
+                return False
+            self._share_prefix(request, cached)
         slots = self.token_slots.setdefault(request, [])
         need = num_tokens - len(slots)
         if need <= 0:
@@ -215,7 +260,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         be = self.be_owner[block]
         if be is None or be in protect or not self.be_tokens[block]:
             return False
-        return not self.rt_free_block_first or self.gpu.num_free == 0
+        return not self.rt_free_block_first or self.num_free_blocks == 0
 
     def _preemptible_block(self, protect: Collection[Request]) -> int | None:
         """Block preemption's pick: the unprotected BE-only block with the most empty slots."""
@@ -231,7 +276,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         own = b is not None and self.rt_owner[b] is request
         if not own or self._empty(b) == 0:
             if not (own and self._may_overwrite_facing(b, protect)):
-                fresh = self.gpu.allocate(1)
+                fresh = self._allocate(1)  # (prefix caching: a cached block nobody uses, evicted)
                 b = fresh[0] if fresh is not None else self._preemptible_block(protect)  # block preemption
                 assert b is not None, "has_room counted a block to preempt"
                 self.rt_owner[b] = request
@@ -261,7 +306,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         S = self.block_size
         b = self._last(request)
         if b is None or self.be_owner[b] is not request or self._empty(b) == 0:
-            fresh = self.gpu.allocate(1)
+            fresh = self._allocate(1)
             b = fresh[0] if fresh is not None else self._be_candidate()
             self.be_owner[b] = request
             self._take_block(request, b)
@@ -299,6 +344,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         slots = self.token_slots.get(request)
         if not slots:
             return 0
+        self.cache_blocks(request, request.num_computed_tokens)  # its full blocks stay cached
         saved = self.cpu_slots.setdefault(request, {})
         moved = 0
         for i, slot in enumerate(slots):
@@ -313,12 +359,14 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         return moved
 
     def truncate(self, request: Request, num_tokens: int) -> None:
-        """Give back the slots of ``request``'s tokens from ``num_tokens`` on (undo a growth)."""
+        """Give back the slots of ``request``'s tokens from ``num_tokens`` on: undo its last growth
+        (each token given back is the newest in its block; tokens restored since break that)."""
         S = self.block_size
         slots = self.token_slots.get(request, [])
         if len(slots) > num_tokens:
             self._slots_rewritten(request)
-        while len(slots) > num_tokens:
+        num_shared = len(self.prefix_blocks.get(request, ()))
+        while len(slots) > max(num_tokens, num_shared * S):
             slot = slots.pop()
             if slot == CHECKPOINTED:
                 self._cpu_free.append(self.cpu_slots[request].pop(len(slots)))
@@ -330,12 +378,17 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
                 self.rt_fill[b] -= 1
                 emptied = self.rt_fill[b] == 0
             else:
+                assert self.be_tokens[b][-1] == len(slots), "only the newest BE slot of a block can be given back"
                 self.be_tokens[b].pop()
                 emptied = not self.be_tokens[b]
             if emptied:
                 self._drop_side(request, b)
             else:
                 self._update(b)
+        if len(slots) > num_tokens:  # into its shared blocks (a request that was to start with them)
+            assert num_tokens % S == 0, "a shared block is given back whole"
+            del slots[num_tokens:]
+            self._release_shared(request, num_tokens // S)
         if not slots:
             self.token_slots.pop(request, None)
 
@@ -351,10 +404,12 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         self.blocks_of[request].remove(block)
         self._update(block)
         if self.rt_owner[block] is None and self.be_owner[block] is None:
-            self.gpu.release([block])
+            self._release([block])
             self.preemption_table.pop(block, None)
 
     def free(self, request: Request) -> None:
+        if self.prefix_cache is not None and request in self.token_slots:
+            self.cache_blocks(request, request.num_computed_tokens)  # a turn's answer, resent next turn
         self._release_blocks(request)
         self.token_slots.pop(request, None)
         self._slots_rewritten(request)
@@ -364,11 +419,86 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         """Give up ``request``'s side of every block it holds, and its preemption-table entries."""
         for block in list(self.blocks_of.get(request, ())):
             self._drop_side(request, block)
+        self._release_shared(request, 0)
         self.blocks_of.pop(request, None)
         self._be_only_by_owner.pop(request, None)
         for block, pair in list(self.preemption_table.items()):
             if request in pair:
                 del self.preemption_table[block]
+
+    # --- prefix caching ----------------------------------------------------------------------------
+    def _shared_slots(self, blocks: Sequence[int]) -> list[int]:
+        """The slots of the tokens the shared ``blocks`` hold, in token order."""
+        S = self.block_size
+        ids = np.asarray(blocks, dtype=np.int64)
+        offsets = np.where(self._right_to_left[ids][:, None], np.arange(S - 1, -1, -1), np.arange(S))  # (n, S)
+        return (ids[:, None] * S + offsets).ravel().tolist()
+
+    def _share_prefix(self, request: Request, cached: Sequence[int]) -> None:
+        """``request``, holding nothing, starts with the shared ``cached`` blocks."""
+        self._num_shared_blocks_used += self.prefix_cache.num_evictable(cached)
+        self.prefix_cache.share(cached)
+        self.prefix_blocks[request] = list(cached)
+        self.token_slots[request] = self._shared_slots(cached)
+
+    def _release_shared(self, request: Request, keep: int) -> None:
+        """``request`` lets go of its shared blocks past its first ``keep``."""
+        blocks = self.prefix_blocks.get(request)
+        if blocks is None:
+            return
+        gone = blocks[keep:]
+        del blocks[keep:]
+        if not blocks:
+            del self.prefix_blocks[request]
+        if gone:
+            self.prefix_cache.release(gone)
+            self._num_shared_blocks_used -= self.prefix_cache.num_evictable(gone)
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register ``request``'s full prompt blocks among its first ``num_tokens`` tokens, in order,
+        while each is a block it filled whole, block-aligned (see the module docstring): the block
+        leaves its side and becomes shared. A block that is not (its tokens span two blocks, or some
+        are checkpointed) ends the run: a later one could never be found."""
+        prompt = request.prompt_blocks
+        if self.prefix_cache is None or prompt is None:
+            return
+        S = self.block_size
+        keys, slots = prompt.block_keys(S), self.token_slots.get(request, ())
+        shared = self.prefix_blocks.get(request, [])
+        for j in range(len(shared), min(num_tokens // S, len(keys), len(slots) // S)):
+            block = self._whole_block(request, j)
+            if block is None:
+                break
+            self._make_shared(request, block, keys[j])
+
+    def _whole_block(self, request: Request, j: int) -> int | None:
+        """The block that holds ``request``'s tokens j*S .. j*S+S-1 and nothing else, on its side."""
+        S = self.block_size
+        slots = self.token_slots[request][j * S : j * S + S]
+        if slots[0] == CHECKPOINTED:
+            return None
+        block = slots[0] // S
+        if request.request_class is RequestClass.RT:
+            whole = self.rt_owner[block] is request and slots == list(range(block * S, block * S + S))
+        else:
+            whole = self.be_owner[block] is request and self.be_tokens[block] == list(range(j * S, j * S + S))
+        return block if whole else None
+
+    def _make_shared(self, request: Request, block: int, key: int) -> None:
+        """``block`` (whole, ``request``'s) leaves its side to be a shared block cached under ``key``."""
+        rt = self.rt_owner[block] is request
+        if rt:
+            self.rt_owner[block], self.rt_fill[block] = None, 0
+        else:
+            self.be_owner[block], self.be_tokens[block] = None, []
+        self._used_slots -= self.block_size
+        self.blocks_of[request].remove(block)
+        self._update(block)
+        self.preemption_table.pop(block, None)
+        self._right_to_left[block] = not rt
+        self.prefix_cache.register([block], [key])  # NOTE: its reference count (1: a side's) carries over
+        self.prefix_blocks.setdefault(request, []).append(block)
+        self._num_shared_blocks_used += 1
 
     def swap_out(self, request: Request) -> list[BlockCopy] | None:
         """Not by block copies: this layout moves KV by single slots (lazy checkpointing, and
@@ -403,13 +533,29 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         assert self._be_only_empty.keys() == be_only.keys()
         assert self._used_slots == sum(self.rt_fill) + sum(len(t) for t in self.be_tokens), "used slots"
         self._check_token_slots()
+        shared = {b for blocks in self.prefix_blocks.values() for b in blocks}
+        assert self._num_shared_blocks_used == len(shared), "shared blocks in use miscounted"
+        cached = set()
+        if self.prefix_cache is not None:
+            # a block with a side held: one reference, whoever holds its sides
+            sides = [[b] for b, (rt, be) in enumerate(zip(self.rt_owner, self.be_owner)) if rt or be]
+            self.prefix_cache.check([*self.prefix_blocks.values(), *sides])
+            cached = shared | set(self.prefix_cache.evictable.blocks())
+            assert all(self.prefix_cache.is_cached[list(shared)]), "a shared block is not cached"
         assert all(self._be_only_by_owner.get(o, 0) == list(be_only.values()).count(o) for o in set(be_only.values()))
         free = set(self.gpu.free_ids())
+        assert not free & cached, "a shared or cached block is free"
         for b in range(self.gpu.num_blocks):
-            assert (b in free) == (self.rt_owner[b] is None and self.be_owner[b] is None), f"block {b} free state"
+            no_side = self.rt_owner[b] is None and self.be_owner[b] is None
+            assert (b in free or b in cached) == no_side, f"block {b} free state"
         for request, slots in self.token_slots.items():
             rt = request.request_class is RequestClass.RT
+            num_shared = len(self.prefix_blocks.get(request, ())) * S
+            if num_shared and slots[0] != CHECKPOINTED:
+                assert slots[:num_shared] == self._shared_slots(self.prefix_blocks[request]), "shared slots"
             for token, slot in enumerate(slots):
+                if token < num_shared:
+                    continue
                 if slot == CHECKPOINTED:
                     # RT tokens are never overwritten: only a dropped RT request has them in CPU memory
                     assert not rt or set(slots) == {CHECKPOINTED}, "an RT request is checkpointed in part"

@@ -43,6 +43,8 @@ class KVCacheManager:
     name = "paged"
     # True when a decoding request needs one new block every block_size tokens (paged growth).
     periodic_growth = True
+    # Whether the manager shares full blocks between requests with ``enable_prefix_caching``.
+    supports_prefix_caching = True
 
     def __init__(
         self,
@@ -176,7 +178,7 @@ class KVCacheManager:
         for a request that holds blocks, or one whose prompt content is unknown). At least one token
         is left to compute: the step that samples a token needs one in the batch (vLLM does the same)."""
         prompt = request.prompt_blocks
-        if self.prefix_cache is None or prompt is None or request in self.block_tables:
+        if self.prefix_cache is None or prompt is None or self.num_tracked_tokens(request):
             return []
         limit = (request.num_tokens - 1) // self.block_size
         return self.prefix_cache.match(prompt.block_keys(self.block_size), limit)
@@ -195,9 +197,6 @@ class KVCacheManager:
         assert blocks is not None
         self.block_tables[request] = [*cached, *blocks]
         self._num_registered[request] = len(cached)
-        if request.prompt_blocks is not None:
-            cache.num_queried_tokens += request.num_tokens
-            cache.num_hit_tokens += len(cached) * self.block_size
         return True
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:

@@ -66,6 +66,7 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
 
     name = "pipelined"
     periodic_growth = False
+    supports_prefix_caching = False  # its regions are one request's each (not yet shared)
 
     def __init__(
         self,

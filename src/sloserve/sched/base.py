@@ -133,11 +133,15 @@ class Scheduler(ABC):
     def _skip_cached_prefix(self, request: Request, cached: list[int]) -> None:
         """``request`` was just allocated its slots with the ``cached`` blocks ``kv.find_cached_prefix``
         found: its computation starts past them (the first admission's count is kept, as vLLM's
-        ``num_cached_tokens``)."""
+        ``num_cached_tokens``). Counted as one lookup of its prompt (vLLM's prefix cache queries and hits)."""
         num_tokens = len(cached) * self.kv.block_size
         request.add_computed(num_tokens)
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_tokens
+        if request.prompt_blocks is not None:
+            cache = self.kv.prefix_cache
+            cache.num_queried_tokens += request.num_tokens
+            cache.num_hit_tokens += num_tokens
 
     def _admit(self, request: Request) -> None:
         """Move a request that now holds KV into ``running``."""
@@ -199,8 +203,17 @@ class Scheduler(ABC):
     def policy_metrics(self) -> dict[str, Any]:
         """What this policy's paper reports beyond the common metrics, JSON-ready: ``num_*`` counters
         and ``*_s`` accumulated seconds (summed over replicas), lists of samples (concatenated;
-        summarized as distributions) and settings (kept when every replica agrees). Default: none."""
-        return {}
+        summarized as distributions) and settings (kept when every replica agrees). Default: with
+        prefix caching, the prompt tokens looked up and found (vLLM's prefix_cache_queries and
+        prefix_cache_hits) and the cached blocks evicted; else none."""
+        cache = self.kv.prefix_cache
+        if cache is None:
+            return {}
+        return {
+            "num_prefix_cache_queries": cache.num_queried_tokens,
+            "num_prefix_cache_hits": cache.num_hit_tokens,
+            "num_prefix_cache_evicted_blocks": cache.num_evicted_blocks,
+        }
 
     def kv_used_tokens(self) -> int:
         """Tokens holding KV on the GPU (a block that several requests share counted once)."""

@@ -12,6 +12,13 @@ BROS's formulas were lost in the text; they are rebuilt here from the prose of ย
     (6)     the estimate may not exceed the residual time of the most urgent RT request
     (7)     at most B requests per batch, B from the adaptive batch size
     (8)     enough free (or preemptible) blocks for every scheduled request
+
+With prefix caching (ours; BROS predates it) a waiting request's prompt blocks found in the cache are
+neither computed nor charged: (3)-(5) count its uncached tokens (attention still reads the cached
+ones), (8) its blocks not found and the found ones that nobody uses (they leave the free count), and
+the prompt budget its uncached tokens. So an RT request that finds a BE request's prompt cached
+shares those blocks and pays for none of them. See kv/bidirectional.py for how shared blocks live
+beside the bidirectional ones.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +116,8 @@ class BrosConfig:
 class SubsetScheduler(Scheduler):
     """Common mechanics of policies that run a chosen subset each step (no decode cohort)."""
 
+    supports_prefix_caching = True
+
     def __init__(
         self,
         kv: KVCacheManager,
@@ -128,6 +138,15 @@ class SubsetScheduler(Scheduler):
         if self._bicache:
             kv.rt_free_block_first = config.rt_growth == "free_block_first"
         self._batch_set: set[Request] = set()
+        # What each member of the batch being built was charged: (new blocks, prompt tokens to compute).
+        self._charged: dict[Request, tuple[int, int]] = {}
+        # Prefix caching: the cached blocks of waiting requests' prompts, looked up once a step (again
+        # after the cache evicts), and those a waiting member of the batch holds (bidirectional
+        # blocks: allocated as it joins).
+        self._caching = kv.prefix_cache is not None
+        self._found: dict[Request, Sequence[int]] = {}
+        self._found_at_eviction = 0
+        self._batch_cached: dict[Request, Sequence[int]] = {}
         # dropping=swap: the requests whose KV is swapped out, by class.
         self._dropped: dict[RequestClass, set[Request]] = {RequestClass.RT: set(), RequestClass.BE: set()}
 
@@ -167,47 +186,72 @@ class SubsetScheduler(Scheduler):
     def _tokens_needed(self, request: Request) -> int:
         return request.num_tokens if request.status is RequestStatus.WAITING else request.num_computed_tokens + 1
 
+    def _cached_prefix(self, request: Request) -> Sequence[int]:
+        """The cached blocks a waiting request's prompt starts with (none for a running request, or
+        without prefix caching)."""
+        if not self._caching or request.status is not RequestStatus.WAITING:
+            return ()
+        cached = self._batch_cached.get(request)
+        if cached is not None:
+            return cached
+        evicted = self.kv.prefix_cache.num_evicted_blocks
+        if evicted != self._found_at_eviction:  # NOTE: blocks found before may be gone
+            self._found.clear()
+            self._found_at_eviction = evicted
+        cached = self._found.get(request)
+        if cached is None:
+            cached = self._found[request] = self.kv.find_cached_prefix(request)
+        return cached
+
+    def _prompt_tokens(self, request: Request) -> int:
+        """Tokens of a waiting request's prompt to compute (those not cached); 0 for a running one."""
+        if request.status is not RequestStatus.WAITING:
+            return 0
+        return request.num_tokens - len(self._cached_prefix(request)) * self.kv.block_size
+
     def _blocks(self, request: Request) -> int:
-        return self.kv.blocks_needed(request, self._tokens_needed(request))
+        return self.kv.blocks_needed(request, self._tokens_needed(request), self._cached_prefix(request))
 
     def _fits(self, request: Request) -> bool:
         """(8): the request's new blocks fit beside those of the batch being built."""
         if self._bicache:
-            needed = self.kv.slots_needed(request, self._tokens_needed(request))
+            needed = self.kv.slots_needed(request, self._tokens_needed(request), self._cached_prefix(request))
             return self.kv.has_room(request, needed, self._batch_set)
         return self._blocks(request) + self._batch_blocks <= self.kv.num_free_blocks
 
     def _add(self, batch: list[Request], request: Request) -> None:
+        blocks, prompt_tokens = 0, self._prompt_tokens(request)
         if self._bicache:
             t0 = time.perf_counter()
             done = self.kv.restore(request, self._batch_set)  # checkpointed slots come back first
             assert done
             self._dropped[request.request_class].discard(request)  # swapped back in, if it was out
-            done = self.kv.allocate_slots(request, self._tokens_needed(request), protect=self._batch_set)
+            cached = self._cached_prefix(request)
+            done = self.kv.allocate_slots(request, self._tokens_needed(request), self._batch_set, cached)
             assert done
+            if cached:
+                self._batch_cached[request] = cached
             self.kv_time_s += time.perf_counter() - t0
         else:
-            self._batch_blocks += self._blocks(request)
+            blocks = self._blocks(request)
+        self._charged[request] = (blocks, prompt_tokens)
+        self._batch_blocks += blocks
+        self._batch_prompt_tokens += prompt_tokens
         batch.append(request)
         self._batch_set.add(request)
-        if request.status is RequestStatus.WAITING:
-            self._batch_prompt_tokens += request.num_tokens
 
     def _remove(self, batch: list[Request], request: Request) -> None:
         batch.remove(request)
         self._batch_set.discard(request)
         if self._bicache:  # undo its growth (an RT request: never restored)
             self.kv.truncate(request, request.num_computed_tokens)
-        else:
-            self._batch_blocks -= self._blocks(request)
-        if request.status is RequestStatus.WAITING:
-            self._batch_prompt_tokens -= request.num_tokens
+            self._batch_cached.pop(request, None)
+        blocks, prompt_tokens = self._charged.pop(request)
+        self._batch_blocks -= blocks
+        self._batch_prompt_tokens -= prompt_tokens
 
     def _prompt_fits(self, request: Request) -> bool:
-        return (
-            request.status is not RequestStatus.WAITING
-            or self._batch_prompt_tokens + request.num_tokens <= self._budget
-        )
+        return self._batch_prompt_tokens + self._prompt_tokens(request) <= self._budget
 
     # Wall time spent placing batch members' slots (bidirectional), for BROS's Figure 14.
     kv_time_s = 0.0
@@ -216,17 +260,33 @@ class SubsetScheduler(Scheduler):
         self._batch_blocks = 0
         self._batch_prompt_tokens = 0
         self._batch_set = set()
+        self._charged = {}
+        self._batch_cached = {}
+        self._found.clear()  # NOTE: the cache changed since the last step
         return []
 
     def _take(self, request: Request, out: SchedulerOutput) -> None:
-        """Put ``request`` in the batch: allocate its slots, admit it if waiting, add its chunk."""
-        if not self._bicache:  # (bidirectional: allocated when it joined the batch)
-            done = self.kv.allocate_slots(request, self._tokens_needed(request))
+        """Put ``request`` in the batch: allocate its slots, admit it if waiting, add its chunk; with
+        prefix caching, skip the cached blocks of its prompt and register those its chunk computes."""
+        waiting = request.status is RequestStatus.WAITING
+        if self._bicache:  # allocated when it joined the batch
+            cached = self._batch_cached.get(request, ())
+        else:
+            # NOTE: looked up again: a member taken before may have evicted blocks found while
+            # packing (this finds no more to allocate than the packing counted), or registered more.
+            cached = self.kv.find_cached_prefix(request) if self._caching and waiting else ()
+            done = self.kv.allocate_slots(request, self._tokens_needed(request), cached=cached)
             assert done
-        if request.status is RequestStatus.WAITING:
+        if waiting:
             self.waiting.remove(request)
             self._admit(request)
-        out.chunks.append(ScheduledChunk(request, request.num_tokens_to_process))
+            if self._caching:
+                self._skip_cached_prefix(request, cached)
+                out.num_cached_tokens += len(cached) * self.kv.block_size
+        chunk = request.num_tokens_to_process
+        out.chunks.append(ScheduledChunk(request, chunk))
+        if self._caching and waiting:  # (a decode's blocks are registered when the request ends)
+            self.kv.cache_blocks(request, request.num_computed_tokens + chunk)
 
     def _evict(self, request: Request, out: SchedulerOutput) -> None:
         """Progressive dropping (ยง5): recompute the request later, or (``dropping=swap``) swap its KV
@@ -281,6 +341,7 @@ class BrosScheduler(SubsetScheduler):
     def policy_metrics(self) -> dict[str, Any]:
         """Scheduling time by part (Figure 14) and the cost-model queries behind it."""
         return {
+            **super().policy_metrics(),
             **{f"sched_{part}_s": seconds for part, seconds in self.phase_s.items()},
             "num_cost_model_queries": self.num_cost_model_queries,
             "num_schedule_calls": self.num_schedule_calls,
@@ -296,14 +357,16 @@ class BrosScheduler(SubsetScheduler):
             waiting.sort(key=self.deadline)  # mixed TTFT SLOs: no free order to rely on
         return heapq.merge(pending, waiting, key=self.deadline)
 
-    def _contribution(self, r: Request) -> tuple[int, int, int, int, int, int]:
-        """(decodes, decode KV, prefills, prefill tokens, prefill attention work, bytes to restore)
-        of one request: (3)-(5), the last from its checkpointed slots."""
+    def _contribution(self, r: Request) -> tuple[int, int, int, int, int, int, int]:
+        """(decodes, decode KV, prefills, prefill tokens, prefill attention work, prefill context,
+        bytes to restore) of one request: (3)-(5), the last from its checkpointed slots. A prompt's
+        cached tokens are context its computed ones attend to."""
         restore = self.kv.num_checkpointed(r) * self.kv.kv_bytes_per_token if self._bicache else 0
         if r.status is RequestStatus.WAITING:
-            c = r.num_tokens
-            return 0, 0, 1, c, c * c, restore
-        return 1, r.num_computed_tokens, 0, 0, 0, restore
+            c = self._prompt_tokens(r)
+            m = r.num_tokens - c
+            return 0, 0, 1, c, c * c + 2 * m * c, m, restore
+        return 1, r.num_computed_tokens, 0, 0, 0, 0, restore
 
     def _estimate(self, batch: list[Request], extra: Request | None = None) -> float:
         """(2)-(5): the cost model's time for ``batch`` (plus ``extra``), its restores overlapping
@@ -311,11 +374,10 @@ class BrosScheduler(SubsetScheduler):
         kept in ``self._sums`` as requests are added, so this is O(1)."""
         assert len(batch) == self._sums_len, "batch changed outside _add/_remove"
         sums = self._sums if extra is None else [a + b for a, b in zip(self._sums, self._contribution(extra))]
-        d, kv, p, tokens, work, restore = sums
         self.num_cost_model_queries += 1
         # NOTE: without the longest decode context (a running max cannot be taken back when a request
         # leaves the batch): a preset's w_d is not in BROS's estimate. The bundled presets have none.
-        return self.cost_model.batch_time(BatchShape(d, kv, p, tokens, work, 0, restore, True)).total_s
+        return self.cost_model.batch_time(BatchShape(*sums, True)).total_s
 
     def _add(self, batch: list[Request], request: Request) -> None:
         contribution = self._contribution(request)  # before joining restores its checkpointed slots
@@ -330,7 +392,7 @@ class BrosScheduler(SubsetScheduler):
         self._sums_len = len(batch)
 
     def _start_batch(self) -> list[Request]:
-        self._sums, self._sums_len, self._added = [0] * 6, 0, {}
+        self._sums, self._sums_len, self._added = [0] * 7, 0, {}
         return super()._start_batch()
 
     def _make_room(self, request: Request, batch: list[Request], out: SchedulerOutput) -> bool:

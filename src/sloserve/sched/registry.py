@@ -165,8 +165,8 @@ def supports_prefix_caching(name: str, options: Mapping[str, Any] | None = None)
     """Whether the scheduler ``name`` (with ``options``) runs with prefix caching: its policy looks the
     cache up, and its KV manager is one that shares blocks (kv/manager.py)."""
     policy = get_spec(name).scheduler_cls
-    kv_manager = build_config(name, options).kv_manager
-    return bool(getattr(policy, "supports_prefix_caching", False)) and kv_manager in GENERIC_KV_MANAGERS
+    kv_manager = KV_MANAGERS.get(build_config(name, options).kv_manager)
+    return policy.supports_prefix_caching and kv_manager is not None and kv_manager.supports_prefix_caching
 
 
 def describe_options(name: str) -> dict[str, Any]:

@@ -354,16 +354,11 @@ class UnifiedScheduler(CohortScheduler):
 
     # --- validation ----------------------------------------------------------------------------
     def policy_metrics(self) -> dict[str, Any]:
-        """With swap preemption: how many preemptions found the swap space full and recomputed. With
-        prefix caching: the tokens looked up and found, and the cached blocks evicted."""
-        metrics: dict[str, Any] = {}
+        """With swap preemption: how many preemptions found the swap space full and recomputed; the
+        prefix cache's counters (``Scheduler.policy_metrics``)."""
+        metrics = super().policy_metrics()
         if self._preemption_mode is PreemptionMode.SWAP:
             metrics["num_swap_fallbacks"] = self.num_swap_fallbacks
-        cache = self.kv.prefix_cache
-        if cache is not None:  # vLLM's prefix_cache_queries and prefix_cache_hits (tokens)
-            metrics["num_prefix_cache_queries"] = cache.num_queried_tokens
-            metrics["num_prefix_cache_hits"] = cache.num_hit_tokens
-            metrics["num_prefix_cache_evicted_blocks"] = cache.num_evicted_blocks
         return metrics
 
     def check_fits(self, request: Request, max_kv_tokens: int) -> None:
