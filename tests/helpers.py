@@ -82,7 +82,9 @@ class Driver:
         raise AssertionError("did not finish")
 
 
-def scheduler(name: str, capacity: int, max_model_len: int = 4096, **options) -> Scheduler:
+def scheduler(
+    name: str, capacity: int, max_model_len: int = 4096, enable_prefix_caching: bool = False, **options
+) -> Scheduler:
     swap = options.pop("swap_space_tokens", 0)
     return make_scheduler(
         name,
@@ -92,6 +94,7 @@ def scheduler(name: str, capacity: int, max_model_len: int = 4096, **options) ->
         swap_space_tokens=swap,
         options=options,
         cost_model=llama7b_cost(),
+        enable_prefix_caching=enable_prefix_caching,
     )
 
 

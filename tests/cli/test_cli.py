@@ -275,6 +275,6 @@ def test_prefix_caching_is_on_for_a_trace_with_prefix_structure_and_can_be_switc
     plain = json.loads(run("simulate", "--trace", "sharegpt", "--rate", "5", "--num-requests", "30", "--json").stdout)
     assert plain["enable_prefix_caching"] is False
     # a policy that does not look the cache up: one message, exit 2
-    proc = run(*base[:-3], "--scheduler", "bros", "--enable-prefix-caching")
+    proc = run(*base[:-3], "--scheduler", "srtf", "--enable-prefix-caching")
     assert proc.returncode == 2
-    assert "scheduler bros does not support prefix caching yet" in proc.stderr
+    assert "scheduler srtf does not support prefix caching yet" in proc.stderr

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sloserve.core.prefix import TokenPrompt
 from sloserve.core.request import Request
 from sloserve.kv.pipelined import CHECKPOINTED, PipelinedKVManager
 
@@ -140,7 +141,7 @@ def test_a_host_that_finishes_first_keeps_its_region_until_hosted_gts_finish():
     kv.check_integrity()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     st.lists(
         st.tuples(
@@ -153,22 +154,34 @@ def test_a_host_that_finishes_first_keeps_its_region_until_hosted_gts_finish():
         ),
         min_size=20,
         max_size=80,
-    )
+    ),
+    st.booleans(),
 )
-def test_random_operations_keep_every_slot_owned_once(ops):
-    kv = PipelinedKVManager(num_blocks=12, block_size=8, buffer_tokens=1)
-    reqs = [_req(i, prompt=3) for i in range(6)]
+def test_random_operations_keep_every_slot_owned_once(ops, caching):
+    """With prefix caching too: prompts of 19 tokens, every other one starting with the same 16 (two
+    blocks), so hosted regions, evictions and restores run beside shared prompt blocks."""
+    kv = PipelinedKVManager(num_blocks=16, block_size=8, buffer_tokens=1, enable_prefix_caching=caching)
+    reqs = [_req(i, prompt=19) for i in range(6)]
+    for i, r in enumerate(reqs):
+        r.prompt_blocks = TokenPrompt([*range(16 * (i % 2) + 1, 16 * (i % 2) + 17), 100 + i, 100 + i, 100 + i])
     live = set()
+
+    def admit(r: Request) -> None:  # its prompt, starting with the cached blocks of it
+        cached = kv.find_cached_prefix(r)
+        if kv.allocate_slots(r, 19, cached):
+            kv.cache_blocks(r, 19)
+            live.add(r)
+
     for op, a, b, n in ops:
         ra, rb = reqs[a], reqs[b]
         if op == "reserve" and ra not in kv.regions and ra not in kv.cpu_slots:
-            if ra not in live and kv.allocate_slots(ra, 3):
-                live.add(ra)
+            if ra not in live:
+                admit(ra)
             if ra in live:
                 kv.reserve_region(ra, n)
         elif op == "lend" and ra in kv.regions and rb not in kv.regions and ra is not rb:
-            if rb not in live and kv.allocate_slots(rb, 3):
-                live.add(rb)
+            if rb not in live:
+                admit(rb)
             if rb in live:
                 kv.lend(ra, rb, 1 + n % max(1, kv.lend_limit(ra)))
         elif op == "grow" and ra in live and not kv.cpu_slots.get(ra):

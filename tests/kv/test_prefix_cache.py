@@ -193,7 +193,21 @@ def _scheduler(name: str, capacity: int, enable_prefix_caching: bool):
     )
 
 
-@pytest.mark.parametrize("name", ["vllm", "sarathi", "infermax", "vllm_ef", "bros", "bros_nobicache", "rr"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "vllm",
+        "sarathi",
+        "infermax",
+        "vllm_ef",
+        "bros",
+        "bros_nobicache",
+        "rr",
+        "econoserve",
+        "econoserve-d",
+        "synccoupled",
+    ],
+)
 def test_schedulers_skip_cached_prompts_and_keep_their_invariants(name):
     """Under memory pressure (preemptions), with and without caching: every request finishes, the
     KV invariants hold every step (the driver checks), and caching computes fewer prompt tokens."""
@@ -249,8 +263,8 @@ def test_hit_rate_with_an_unlimited_cache_is_the_traces_own_bound():
 
 
 def test_prefix_caching_needs_a_policy_that_looks_the_cache_up():
-    with pytest.raises(ConfigError, match="scheduler econoserve does not support prefix caching"):
-        _scheduler("econoserve", 6000, True)
+    with pytest.raises(ConfigError, match="scheduler srtf does not support prefix caching"):
+        _scheduler("srtf", 6000, True)
 
 
 def test_longest_prefix_match_admits_the_request_that_finds_most_first():

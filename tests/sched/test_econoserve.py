@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from helpers import Driver, FixedPredictor, llama7b_cost, make_requests, scheduler
 from sloserve.core.errors import ConfigError, UnknownNameError
+from sloserve.core.prefix import SegmentedPrompt
 from sloserve.core.request import Request
 from sloserve.cost import BatchShape, CostBreakdown, CostModel
 from sloserve.cost.derived import jct_slo_s, saturating_forward_size
@@ -214,11 +215,17 @@ def test_the_oracle_variant_has_no_allocation_failures_and_every_variant_finishe
     gaps=st.lists(st.floats(0, 0.2), min_size=25, max_size=25),
     capacity_blocks=st.integers(40, 120),
     reserve=st.sampled_from([0.0, 0.05, 0.2]),
+    caching=st.booleans(),
 )
-def test_random_workloads_keep_invariants_and_finish(name, lengths, gaps, capacity_blocks, reserve):
+def test_random_workloads_keep_invariants_and_finish(name, lengths, gaps, capacity_blocks, reserve, caching):
+    """With prefix caching too: prompts start with 0-2 shared 32-token segments, so hosted GTs, stops
+    and drops run beside shared prompt blocks (check_integrity: none is freed or written under a user)."""
     arrivals = [sum(gaps[: i + 1]) for i in range(len(lengths))]
     reqs = make_requests(lengths, arrivals)
-    s = scheduler(name, capacity_blocks * 16, target_forward_size=64, reserve=reserve)
+    for i, r in enumerate(reqs):
+        segments = (7, 8 + i % 2, 100 + i)[: 1 + i % 3] + tuple(range(1000 + 20 * i, 1020 + 20 * i))
+        r.prompt_blocks = SegmentedPrompt.uniform(segments, 32, r.num_prompt_tokens)
+    s = scheduler(name, capacity_blocks * 16, enable_prefix_caching=caching, target_forward_size=64, reserve=reserve)
     Driver(s).run(reqs)  # check_integrity after every step
     assert all(r.num_output_tokens == r.true_output_tokens for r in reqs)
     assert s.kv.num_free_blocks == s.kv.gpu.num_blocks

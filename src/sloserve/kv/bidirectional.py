@@ -22,17 +22,14 @@ Requests in ``protect`` (scheduled in the same step) are never overwritten. Prog
 (§5: "swap out their cache blocks") moves every token of a request, RT or BE, to CPU memory
 (``drop_to_cpu``); ``restore`` brings them back when it runs again.
 
-Prefix caching (``enable_prefix_caching``, ours: §5 predates it). A block that one request filled
-whole with a block-aligned run of its own tokens (all S slots, RT or BE side) leaves both sides when it
-is registered: it becomes a shared block of the prefix cache (kv/prefix_cache.py), reference-counted,
-found by later requests whose prompts start with the same blocks, RT or BE alike (a BE request's
-block keeps its right-to-left layout: token k at slot ``block * S + S - 1 - k``, whoever reads it).
-A request's table is its shared blocks first (``prefix_blocks``, in token order), then its sides. The
-rule: a shared block is never a side, so growth, lazy checkpointing and block preemption never
-overwrite it; a request that must give up its KV (dropped, or evicted by recompute) copies or drops
-its own tokens and lets go of the shared blocks, which stay for their other users, or stay cached
-(free, evictable) when it was the last. An RT request that needs room takes the free and cached
-blocks, then preempts BE-only sides; it evicts a BE request whose blocks are shared only as a whole.
+Prefix caching (``enable_prefix_caching``, ours: §5 predates it; kv/shared_prefix.py): a block one
+request filled whole on its side (all S slots, block-aligned tokens, RT or BE) leaves both sides when
+registered and becomes shared, found by later prompts RT or BE alike (a BE request's block keeps its
+right-to-left layout, whoever reads it). The rule: a shared block is never a side, so growth, lazy
+checkpointing and block preemption never overwrite it; a request dropped to CPU memory copies its
+tokens there, shared ones too, and lets go of its shared blocks. An RT request that needs room takes
+free and cached blocks, then preempts BE-only sides; it evicts a BE request holding shared blocks
+only as a whole.
 
 NOTE: this manager keeps an explicit token -> slot list per request (-1: checkpointed), so it costs
 O(tokens); schedulers using it schedule requests explicitly (no decode cohort).
@@ -42,16 +39,15 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-import numpy as np
-
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import BlockCopy, SlotCopy
 from sloserve.core.request import Request, RequestClass
 from sloserve.kv.manager import KVCacheManager
+from sloserve.kv.shared_prefix import SharedPrefixBlocks
 from sloserve.kv.token_slots import CHECKPOINTED, TokenSlotTable
 
 
-class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
+class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager):
     name = "bidirectional"
     periodic_growth = False
 
@@ -96,11 +92,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         self._be_only_by_empty: list[set[int]] = [set() for _ in range(block_size + 1)]
         self._be_only_empty: dict[int, int] = {}  # block -> its bucket in _be_only_by_empty
         self._used_slots = 0  # slots held on the sides
-        # Prefix caching: the shared blocks each request's tokens start with, whether a block was
-        # written right to left (by a BE request), and how many shared blocks some request holds.
-        self.prefix_blocks: dict[Request, list[int]] = {}
-        self._right_to_left = np.zeros(n, dtype=bool)
-        self._num_shared_blocks_used = 0
+        self._init_shared_prefix(n)
 
     # --- aggregates --------------------------------------------------------------------------------
     def _update(self, block: int) -> None:
@@ -133,7 +125,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
     @property
     def allocated_tokens(self) -> int:
         """Slots held on the sides and in shared blocks (each shared block once)."""
-        return self._used_slots + self._num_shared_blocks_used * self.block_size
+        return self._used_slots + self.num_shared_blocks_used * self.block_size
 
     @property
     def num_shared_tokens(self) -> int:
@@ -426,57 +418,10 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
             if request in pair:
                 del self.preemption_table[block]
 
-    # --- prefix caching ----------------------------------------------------------------------------
-    def _shared_slots(self, blocks: Sequence[int]) -> list[int]:
-        """The slots of the tokens the shared ``blocks`` hold, in token order."""
-        S = self.block_size
-        ids = np.asarray(blocks, dtype=np.int64)
-        offsets = np.where(self._right_to_left[ids][:, None], np.arange(S - 1, -1, -1), np.arange(S))  # (n, S)
-        return (ids[:, None] * S + offsets).ravel().tolist()
-
-    def _share_prefix(self, request: Request, cached: Sequence[int]) -> None:
-        """``request``, holding nothing, starts with the shared ``cached`` blocks."""
-        self._num_shared_blocks_used += self.prefix_cache.num_evictable(cached)
-        self.prefix_cache.share(cached)
-        self.prefix_blocks[request] = list(cached)
-        self.token_slots[request] = self._shared_slots(cached)
-
-    def _release_shared(self, request: Request, keep: int) -> None:
-        """``request`` lets go of its shared blocks past its first ``keep``."""
-        blocks = self.prefix_blocks.get(request)
-        if blocks is None:
-            return
-        gone = blocks[keep:]
-        del blocks[keep:]
-        if not blocks:
-            del self.prefix_blocks[request]
-        if gone:
-            self.prefix_cache.release(gone)
-            self._num_shared_blocks_used -= self.prefix_cache.num_evictable(gone)
-
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Register ``request``'s full prompt blocks among its first ``num_tokens`` tokens, in order,
-        while each is a block it filled whole, block-aligned (see the module docstring): the block
-        leaves its side and becomes shared. A block that is not (its tokens span two blocks, or some
-        are checkpointed) ends the run: a later one could never be found."""
-        prompt = request.prompt_blocks
-        if self.prefix_cache is None or prompt is None:
-            return
-        S = self.block_size
-        keys, slots = prompt.block_keys(S), self.token_slots.get(request, ())
-        shared = self.prefix_blocks.get(request, [])
-        for j in range(len(shared), min(num_tokens // S, len(keys), len(slots) // S)):
-            block = self._whole_block(request, j)
-            if block is None:
-                break
-            self._make_shared(request, block, keys[j])
-
+    # --- prefix caching (kv/shared_prefix.py) -------------------------------------------------------
     def _whole_block(self, request: Request, j: int) -> int | None:
-        """The block that holds ``request``'s tokens j*S .. j*S+S-1 and nothing else, on its side."""
         S = self.block_size
         slots = self.token_slots[request][j * S : j * S + S]
-        if slots[0] == CHECKPOINTED:
-            return None
         block = slots[0] // S
         if request.request_class is RequestClass.RT:
             whole = self.rt_owner[block] is request and slots == list(range(block * S, block * S + S))
@@ -484,8 +429,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
             whole = self.be_owner[block] is request and self.be_tokens[block] == list(range(j * S, j * S + S))
         return block if whole else None
 
-    def _make_shared(self, request: Request, block: int, key: int) -> None:
-        """``block`` (whole, ``request``'s) leaves its side to be a shared block cached under ``key``."""
+    def _give_up_block(self, request: Request, block: int) -> bool:
         rt = self.rt_owner[block] is request
         if rt:
             self.rt_owner[block], self.rt_fill[block] = None, 0
@@ -495,10 +439,7 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         self.blocks_of[request].remove(block)
         self._update(block)
         self.preemption_table.pop(block, None)
-        self._right_to_left[block] = not rt
-        self.prefix_cache.register([block], [key])  # NOTE: its reference count (1: a side's) carries over
-        self.prefix_blocks.setdefault(request, []).append(block)
-        self._num_shared_blocks_used += 1
+        return not rt  # a BE request's tokens run right to left
 
     def swap_out(self, request: Request) -> list[BlockCopy] | None:
         """Not by block copies: this layout moves KV by single slots (lazy checkpointing, and
@@ -533,15 +474,10 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         assert self._be_only_empty.keys() == be_only.keys()
         assert self._used_slots == sum(self.rt_fill) + sum(len(t) for t in self.be_tokens), "used slots"
         self._check_token_slots()
-        shared = {b for blocks in self.prefix_blocks.values() for b in blocks}
-        assert self._num_shared_blocks_used == len(shared), "shared blocks in use miscounted"
-        cached = set()
-        if self.prefix_cache is not None:
-            # a block with a side held: one reference, whoever holds its sides
-            sides = [[b] for b, (rt, be) in enumerate(zip(self.rt_owner, self.be_owner)) if rt or be]
-            self.prefix_cache.check([*self.prefix_blocks.values(), *sides])
-            cached = shared | set(self.prefix_cache.evictable.blocks())
-            assert all(self.prefix_cache.is_cached[list(shared)]), "a shared block is not cached"
+        # a block with a side held counts one reference, whoever holds its sides
+        cached = self._check_shared_prefix(
+            [b for b, (rt, be) in enumerate(zip(self.rt_owner, self.be_owner)) if rt or be]
+        )
         assert all(self._be_only_by_owner.get(o, 0) == list(be_only.values()).count(o) for o in set(be_only.values()))
         free = set(self.gpu.free_ids())
         assert not free & cached, "a shared or cached block is free"
@@ -551,8 +487,6 @@ class BidirectionalKVManager(TokenSlotTable, KVCacheManager):
         for request, slots in self.token_slots.items():
             rt = request.request_class is RequestClass.RT
             num_shared = len(self.prefix_blocks.get(request, ())) * S
-            if num_shared and slots[0] != CHECKPOINTED:
-                assert slots[:num_shared] == self._shared_slots(self.prefix_blocks[request]), "shared slots"
             for token, slot in enumerate(slots):
                 if token < num_shared:
                     continue

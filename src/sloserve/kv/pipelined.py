@@ -23,10 +23,16 @@ grows in O(1) per step between those points.
 
 Prompt tokens (a prompt task's KV, allocated at its prompt length) and tokens past a region's end
 live in the request's own paged blocks.
+
+Prefix caching (``enable_prefix_caching``; kv/shared_prefix.py): a prompt's own blocks, full and
+block-aligned, become shared blocks when registered, and a later prompt that starts alike takes them
+instead of own blocks. Regions are never shared: a generated token is written in its region, and a
+hosted GT's eviction copies only the tokens in its lent region, never a shared block.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -34,6 +40,7 @@ from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import SlotCopy
 from sloserve.core.request import Request
 from sloserve.kv.manager import KVCacheManager
+from sloserve.kv.shared_prefix import SharedPrefixBlocks
 from sloserve.kv.token_slots import CHECKPOINTED, TokenSlotTable
 
 
@@ -57,7 +64,7 @@ class Region:
         return None
 
 
-class PipelinedKVManager(TokenSlotTable, KVCacheManager):
+class PipelinedKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager):
     """EconoServe's KV manager: exact regions for GTs, nested by KV-cache pipelining.
 
     ``buffer_tokens`` is the paper's b: a hosted GT's RL is at most half of what its host keeps,
@@ -66,7 +73,6 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
 
     name = "pipelined"
     periodic_growth = False
-    supports_prefix_caching = False  # its regions are one request's each (not yet shared)
 
     def __init__(
         self,
@@ -76,12 +82,20 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         kv_bytes_per_token: int = 0,
         num_cpu_blocks: int = 0,
         buffer_tokens: int = 0,
+        enable_prefix_caching: bool = False,
     ) -> None:
-        super().__init__(num_blocks, block_size, kv_bytes_per_token=kv_bytes_per_token, num_cpu_blocks=num_cpu_blocks)
+        super().__init__(
+            num_blocks,
+            block_size,
+            kv_bytes_per_token=kv_bytes_per_token,
+            num_cpu_blocks=num_cpu_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        )
         if buffer_tokens < 0:
             raise ConfigError(f"pipelining buffer b must be >= 0 tokens, got {buffer_tokens}")
         self.buffer_tokens = buffer_tokens
         self._init_token_slots()
+        self._init_shared_prefix(num_blocks)
         bs = block_size
         self._slots_of_block = [range(b * bs, b * bs + bs) for b in range(num_blocks)]  # block -> its slots
         self.regions: dict[Request, Region] = {}
@@ -200,10 +214,14 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
             return len(region.slots)
         return min((c.start for c in region.children if c.start >= region.used), default=len(region.slots))
 
-    def blocks_needed(self, request: Request, num_tokens: int) -> int:
+    def blocks_needed(self, request: Request, num_tokens: int, cached: Sequence[int] = ()) -> int:
         """New pool blocks growing ``request`` to ``num_tokens`` takes (region slots are held). A GT
         whose next region slot a hosted GT still holds cannot grow from free blocks: more than the
-        pool (evict the hosted GT first)."""
+        pool (evict the hosted GT first). A prompt holding nothing yet that starts with the ``cached``
+        blocks takes own blocks for the rest, and the cached ones nobody uses (they count as free)."""
+        if cached and request not in self.token_slots:
+            taken = self.prefix_cache.num_evictable(cached)
+            return self.own_blocks_needed(request, num_tokens - len(cached) * self.block_size) + taken
         new = num_tokens - len(self.token_slots.get(request, ()))
         if new <= 0:
             return 0
@@ -217,12 +235,18 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
             new -= barrier - region.used
         return self.own_blocks_needed(request, new) if new > 0 else 0
 
-    def allocate_slots(self, request: Request, num_tokens: int) -> bool:
+    def allocate_slots(self, request: Request, num_tokens: int, cached: Sequence[int] = ()) -> bool:
         """Give ``request`` slots up to at least ``num_tokens`` tokens: a GT is granted its region's
         offsets up to the first one a hosted GT holds (or the region's end) at once, so that it asks
-        again only there; tokens past its region, and prompts, take their own paged blocks. All or
+        again only there; tokens past its region, and prompts, take their own paged blocks (a prompt
+        holding nothing yet starts with the ``cached`` blocks ``find_cached_prefix`` found). All or
         nothing: False when blocks are short or a hosted GT holds the next region slot (evict it with
         ``evict``, then retry)."""
+        if cached and request not in self.token_slots:
+            if self.blocks_needed(request, num_tokens, cached) > self.num_free_blocks:
+                self.num_allocation_failures += 1
+                return False
+            self._share_prefix(request, cached)
         slots = self.token_slots.setdefault(request, [])
         new = num_tokens - len(slots)
         if new <= 0:
@@ -353,14 +377,17 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         NOTE: hosted regions are never left owner-less: ``_leave_region`` detaches them at once.
         """
         if region.parent is None and region.owner is None and not region.children:
-            self.gpu.release(region.blocks)
+            self._release(region.blocks)
             region.blocks = []
 
     def free(self, request: Request) -> None:
+        if self.prefix_cache is not None and request in self.token_slots:
+            self.cache_blocks(request, request.num_computed_tokens)
         self._leave_region(request)
+        self._release_shared(request)
         blocks = self.own_blocks.pop(request, None)
         if blocks:
-            self.gpu.release(blocks)
+            self._release(blocks)
         self._own_used.pop(request, None)
         self.token_slots.pop(request, None)
         self._slots_rewritten(request)
@@ -371,12 +398,26 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         """Whole-request swapping is not how this layout moves KV (eviction of hosted GTs is)."""
         return None
 
+    # --- prefix caching (kv/shared_prefix.py) -------------------------------------------------------
+    def _whole_block(self, request: Request, j: int) -> int | None:
+        own = self.own_blocks.get(request)
+        if not own:
+            return None
+        S, block = self.block_size, own[0]  # NOTE: the shared blocks were the first own ones
+        return block if self.token_slots[request][j * S : j * S + S] == list(range(block * S, block * S + S)) else None
+
+    def _give_up_block(self, request: Request, block: int) -> bool:
+        assert self.own_blocks[request][0] == block
+        del self.own_blocks[request][0]
+        self._own_used[request] -= self.block_size
+        return False
+
     # --- invariants ----------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Every slot holds at most one request's token; region and block bookkeeping agree."""
         owner_of: dict[int, Request] = {}
         for request, slots in self.token_slots.items():
-            for slot in slots:
+            for slot in slots[len(self.prefix_blocks.get(request, ())) * self.block_size :]:
                 if slot == CHECKPOINTED:
                     continue
                 assert slot not in owner_of, f"slot {slot} holds tokens of {owner_of[slot]} and {request}"
@@ -385,7 +426,9 @@ class PipelinedKVManager(TokenSlotTable, KVCacheManager):
         top = {id(r): r for r in self._all_regions() if r.parent is None}
         pool_blocks = [b for r in top.values() for b in r.blocks] + [b for bl in self.own_blocks.values() for b in bl]
         assert len(set(pool_blocks)) == len(pool_blocks), "a block is used twice"
-        assert len(pool_blocks) + self.gpu.num_free == self.gpu.num_blocks, "blocks lost"
+        cached = self._check_shared_prefix(pool_blocks)
+        assert not cached & set(pool_blocks), "a shared block is someone's own"
+        assert len(pool_blocks) + len(cached) + self.gpu.num_free == self.gpu.num_blocks, "blocks lost"
         for region in self._all_regions():
             for child in region.children:
                 assert child.parent is region

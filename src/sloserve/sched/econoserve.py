@@ -18,6 +18,12 @@ batching, §3.3.2): their slots are granted ahead, so a step costs O(1) between 
 
 NOTE: GTs in the GT queue hold KV on the GPU (their prompt, and what they generated before an
 offload-free stop): their status is RUNNING although they are not in the batch (``running``).
+
+With prefix caching (ours; EconoServe predates it) a PT's prompt blocks found in the cache are not
+computed, and neither the free KV nor the PTs' reserve is charged for them (a found block that nobody
+used counts as taken from the free KV); a PT registers its prompt's full blocks chunk by chunk. The
+reserve counts the KV that prompts in progress and queued GTs hold per holder, shared blocks included:
+it may admit fewer PTs than an exact count would, never more.
 """
 
 from __future__ import annotations
@@ -112,6 +118,7 @@ class EconoServeScheduler(CohortScheduler):
     """EconoServe with the mechanisms of ``EconoServeConfig`` switched on or off."""
 
     name = "econoserve"
+    supports_prefix_caching = True
 
     def __init__(
         self,
@@ -241,7 +248,7 @@ class EconoServeScheduler(CohortScheduler):
             if self.config.decoupled:
                 self._admit_gt_groups(out)  # ① and ②
             else:
-                self._admit_coupled_groups()
+                self._admit_coupled_groups(out)
         self._fill_forward(out)  # ③
         self._schedule_cohort(out)
         if isinstance(self.kv, PipelinedKVManager):
@@ -466,7 +473,7 @@ class EconoServeScheduler(CohortScheduler):
                 self._refill = True  # §3.3.2: a group completed
 
     # --- SyncCoupled (§2.2) ------------------------------------------------------------------------------
-    def _admit_coupled_groups(self) -> None:
+    def _admit_coupled_groups(self, out: SchedulerOutput) -> None:
         """Requests grouped by predicted RL, each allocated prompt + padded RL, fill the KV up to the
         reserve; their prompts run, then they decode together. No PT joins between completions.
 
@@ -495,14 +502,17 @@ class EconoServeScheduler(CohortScheduler):
             assert request is not None
             remaining = request.predicted_output_tokens or 1
             target = request.num_tokens + self._region_tokens(request, remaining) - 1
-            if -(-target // kv.block_size) > room:
+            cached = kv.find_cached_prefix(request)
+            blocks = kv.blocks_needed(request, target, cached)
+            if blocks > room:
                 break
             queue.remove(request)
-            room -= -(-target // kv.block_size)
+            room -= blocks
             kv.set_reservation(request, target)
-            done = kv.allocate_slots(request, request.num_tokens)
+            done = kv.allocate_slots(request, request.num_tokens, cached)
             assert done
             self._admit_in_group(request, remaining, groups, admitted)
+            self._skip_cached(request, cached, out)
 
     # --- 3: PTs up to the TFS --------------------------------------------------------------------------
     def _fill_forward(self, out: SchedulerOutput) -> None:
@@ -514,7 +524,7 @@ class EconoServeScheduler(CohortScheduler):
             if room <= 0:
                 return
             num_tokens = min(request.num_tokens_to_process, room)
-            out.chunks.append(ScheduledChunk(request, num_tokens))
+            self._add_prompt_chunk(out, request, num_tokens)
             room -= num_tokens
         if not self.config.decoupled:
             return
@@ -525,31 +535,48 @@ class EconoServeScheduler(CohortScheduler):
             if self.config.ordering and queue.length(request) > room:
                 request = queue.first_fit(room) or request  # a prompt that fills the rest, else chunk
             tokens = request.num_tokens
-            if kv.blocks_needed(request, tokens) > kv.num_free_blocks or not self._pt_fits_reserve(request):
+            cached = kv.find_cached_prefix(request)  # (none without prefix caching)
+            new_tokens = tokens - len(cached) * kv.block_size
+            if kv.blocks_needed(request, tokens, cached) > kv.num_free_blocks or not self._pt_fits_reserve(new_tokens):
                 break
             queue.remove(request)
-            done = kv.allocate_slots(request, tokens)
+            done = kv.allocate_slots(request, tokens, cached)
             assert done
             self._admit(request)
-            num_tokens = min(tokens, room)
-            out.chunks.append(ScheduledChunk(request, num_tokens))
+            self._skip_cached(request, cached, out)
+            num_tokens = min(new_tokens, room)
+            self._add_prompt_chunk(out, request, num_tokens)
             room -= num_tokens
+
+    def _skip_cached(self, request: Request, cached: list[int], out: SchedulerOutput) -> None:
+        """With prefix caching: the PT just admitted starts past the ``cached`` blocks of its prompt."""
+        if self.kv.prefix_cache is not None:
+            self._skip_cached_prefix(request, cached)
+            out.num_cached_tokens += len(cached) * self.kv.block_size
+
+    def _add_prompt_chunk(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
+        """Schedule ``num_tokens`` of the PT's prompt; with prefix caching, register the full blocks
+        they complete (as the unified scheduler does)."""
+        out.chunks.append(ScheduledChunk(request, num_tokens))
+        if self.kv.prefix_cache is not None:
+            self.kv.cache_blocks(request, request.num_computed_tokens + num_tokens)
 
     def _pt_held_tokens(self) -> int:
         """KV held by tasks without a region: prompts in progress and GTs in the GT queue."""
         return self._queued_kv_tokens + sum(r.num_tokens for r in self.outside_cohort)
 
-    def _pt_fits_reserve(self, request: Request) -> bool:
-        """The reserve is the PTs' share of the KV (§3.3.1, Figure 8b): a PT joins while the KV held
-        by prompts in progress and GTs waiting for a region stays within it (a prompt larger than
-        the whole reserve joins when nothing else holds any).
+    def _pt_fits_reserve(self, new_tokens: int) -> bool:
+        """The reserve is the PTs' share of the KV (§3.3.1, Figure 8b): a PT whose prompt adds
+        ``new_tokens`` of KV (those not cached) joins while the KV held by prompts in progress and GTs
+        waiting for a region stays within it (a prompt larger than the whole reserve joins when
+        nothing else holds any).
 
         NOTE: the paper keeps the reserve "for adding PTs at each iteration"; we read it as the KV
         prompts may hold until their GT gets a region. Without such a bound prompts outpace
         generation and their KV fills the cache until no GT region fits.
         """
         held = self._pt_held_tokens()
-        return held == 0 or held + request.num_tokens <= self.reserve_blocks * self.kv.block_size
+        return held == 0 or held + new_tokens <= self.reserve_blocks * self.kv.block_size
 
     def _gt_room_blocks(self) -> int:
         """Free blocks GT regions may take: all but what is left of the PTs' reserve."""
@@ -561,8 +588,9 @@ class EconoServeScheduler(CohortScheduler):
     # --- finishing, metrics, fast path -------------------------------------------------------------------
     def policy_metrics(self) -> dict[str, Any]:
         """Figure 2's GT group sizes, the TFS, how often each misprediction remedy ran, and what
-        pipelining had to work with (queued GTs after ①, lend limits)."""
+        pipelining had to work with (queued GTs after ①, lend limits); the prefix cache's counters."""
         return {
+            **super().policy_metrics(),
             "target_forward_size": self.target_forward_size,
             "gt_group_sizes": list(self.group_sizes),
             "num_offload_free_stops": self.num_offload_free_stops,
