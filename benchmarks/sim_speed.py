@@ -26,6 +26,7 @@ from sloserve.cost import LinearCostModel, get_gpu, get_model, get_preset, kv_ca
 from sloserve.sched import make_scheduler
 from sloserve.sim import simulate
 from sloserve.workload import workload_from_trace
+from sloserve.workload.traces import _load_bundled, load_trace
 
 GOAL_RPS = 10_000
 MODEL, GPU, PRESET = "llama-2-7b", "a100", "llama-2-7b-a100"
@@ -119,6 +120,13 @@ def main() -> None:
         text=True,
     )
     peak_mib = float(rss.stdout.strip().splitlines()[-1])
+    loads = []
+    for name in ("bwb", "mooncake-conv", "azure-conv"):  # the biggest bundled traces
+        _load_bundled.cache_clear()
+        t0 = time.perf_counter()
+        load_trace(name)
+        loads.append(f"{name} {time.perf_counter() - t0:.2f} s")
+    console.print(f"loading the biggest bundled traces: {', '.join(loads)} (goal < 0.3 s each)")
     console.print(f"`sloserve simulate` of 1 request, start to exit: {command_s:.2f} s (goal: first batch < 2 s)")
     console.print(f"peak memory of a 100k-request vllm run: {peak_mib:.0f} MiB (goal < 1024 MiB)")
     console.print("fast/slow: wall time step by step / with the closed-form fast path, same requests.")

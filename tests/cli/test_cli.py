@@ -278,3 +278,13 @@ def test_prefix_caching_is_on_for_a_trace_with_prefix_structure_and_can_be_switc
     proc = run(*base[:-3], "--scheduler", "srtf", "--enable-prefix-caching")
     assert proc.returncode == 2
     assert "scheduler srtf does not support prefix caching yet" in proc.stderr
+
+
+def test_a_trace_too_short_for_the_requests_asked_and_an_unwritable_out_are_said_plainly(tmp_path):
+    one_row = tmp_path / "one.csv"
+    one_row.write_text("prompt,output\n100,20\n")
+    proc = run("simulate", "--trace", str(one_row), "--num-requests", "10", "--rate", "5", "--json")
+    assert proc.returncode == 0
+    assert f"warning: trace {one_row} has 1 row and 10 requests were asked for" in proc.stderr
+    proc = run("simulate", "--trace", "sharegpt", "--num-requests", "10", "--rate", "5", "--out", "/proc/sloserve-out")
+    assert proc.returncode == 2 and "--out /proc/sloserve-out: cannot write in /proc" in proc.stderr

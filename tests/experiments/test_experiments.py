@@ -52,3 +52,48 @@ def test_econoserve_ablation_runs_every_variant_on_a_table2_workload(tmp_path):
     assert "higher JCT than EconoServe" in proc.stdout
     bad = run("experiment", "econoserve-fig13", "--trace", "nope")
     assert bad.returncode == 2 and "unknown trace 'nope'; valid: alpaca-like, arxiv" in bad.stderr
+
+
+def test_simulate_and_the_bros_experiments_charge_the_same_copies():
+    """One physics: BROS (bidirectional blocks, swap-out dropping) in a squeezed KV cache, run as
+    `sloserve simulate` runs it (runs.run_simulation) and as its experiments do (their setting and
+    factory): the same steps and the same host-link bytes, which the summary reports. A policy that
+    copies KV cannot be built without the model's KV bytes per token (its copies would be free)."""
+    import pytest
+
+    from sloserve.core.errors import ConfigError
+    from sloserve.core.request import RequestClass
+    from sloserve.experiments.bros import _setting
+    from sloserve.runs import SimOptions, fresh_workload, run_simulation, setup_from_options
+    from sloserve.sched import make_scheduler
+    from sloserve.sim import simulate
+    from sloserve.workload import workload_from_trace
+
+    model, cost, _ = _setting("opt-13b")
+    capacity = 1200
+    workload = workload_from_trace("sharegpt", num_requests=30, seed=0, context_len=1024, rate=6.0)
+    for r in workload.requests[1::2]:
+        r.request_class = RequestClass.BE
+    built = []
+
+    def experiment_factory():
+        built.append(
+            make_scheduler(
+                "bros",
+                kv_capacity_tokens=capacity,
+                max_model_len=model.max_context_len,
+                kv_bytes_per_token=model.kv_bytes_per_token,
+                cost_model=cost,
+            )
+        )
+        return built[-1]
+
+    requests, chains = fresh_workload(workload)
+    result = simulate(requests, experiment_factory, cost, chains=chains)
+    setup = setup_from_options(SimOptions(model="opt-13b", gpu="a100-40gb", num_gpus=2, kv_capacity_tokens=capacity))
+    summary = run_simulation(setup, "bros", {}, workload)
+    copied = sum(s.kv.swapped_bytes for s in built)
+    assert copied == sum(s.kv.checkpointed_bytes + s.kv.restored_bytes for s in built) > 0
+    assert summary["swapped_bytes"] == copied and summary["num_steps"] == len(result.timeline)
+    with pytest.raises(ConfigError, match="kv_manager bidirectional copies KV between GPU and CPU memory"):
+        make_scheduler("bros", kv_capacity_tokens=capacity, max_model_len=2048, cost_model=cost)

@@ -451,7 +451,9 @@ def test_token_times_agree_with_the_summary_times(scheduler):
         r.token_times = []
     simulate(
         requests,
-        lambda: make_scheduler(scheduler, kv_capacity_tokens=20_000, max_model_len=4096, cost_model=cost),
+        lambda: make_scheduler(
+            scheduler, kv_capacity_tokens=20_000, max_model_len=4096, kv_bytes_per_token=524288, cost_model=cost
+        ),
         cost,
     )
     assert sum(r.num_preemptions for r in requests) > 0  # evictions happened on the way

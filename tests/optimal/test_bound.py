@@ -212,6 +212,14 @@ def test_bound_command(tmp_path):
     assert "over the relaxation" in too_big.stdout
     doc = json.loads((tmp_path / "big" / "schedule.json").read_text())
     assert doc["status"] == "NOT_SOLVED" and 0 < doc["relaxed_bound_s"] <= doc["heuristics"]["vllm"]["latency_s"]
+    # Far too large to run step by step: refused at once, with what to do instead.
+    refused = subprocess.run(
+        [sys.executable, "-m", "sloserve.cli", "bound", "--fixed", "64,200", "--num-requests", "100000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2 and "--num-requests 100000 is above bound's limit of 10,000" in refused.stderr
 
 
 def _fewest_bins(sizes: list[int], capacity: int) -> int:

@@ -359,7 +359,13 @@ def test_kv_bound_by_hand_and_above_every_schedulers_offline_throughput():
         )
         simulate(
             requests,
-            lambda n=name: make_scheduler(n, kv_capacity_tokens=capacity, max_model_len=2048, cost_model=cost),
+            lambda n=name: make_scheduler(
+                n,
+                kv_capacity_tokens=capacity,
+                max_model_len=2048,
+                kv_bytes_per_token=model.kv_bytes_per_token,
+                cost_model=cost,
+            ),
             cost,
         )
         throughput = len(requests) / max(r.finish_time for r in requests)

@@ -413,7 +413,9 @@ def test_simulation_leaves_no_cyclic_garbage(name):
     assert gc.isenabled()
     simulate(
         workload.requests,
-        lambda: make_scheduler(name, kv_capacity_tokens=CAPACITY, max_model_len=4096, cost_model=cost),
+        lambda: make_scheduler(
+            name, kv_capacity_tokens=CAPACITY, max_model_len=4096, kv_bytes_per_token=524288, cost_model=cost
+        ),
         cost,
     )
     assert gc.isenabled()

@@ -5,14 +5,13 @@ from __future__ import annotations
 import gzip
 import json
 import re
-import time
 
 import numpy as np
 import pytest
 
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.workload import arrivals, workload_from_trace
-from sloserve.workload.traces import TRACES, _load_bundled, load_trace, trace_summary
+from sloserve.workload.traces import TRACES, load_trace, trace_summary
 
 ROWS = {
     "sharegpt": 10000,
@@ -69,14 +68,6 @@ def test_azure_timestamps_parse_to_seconds() -> None:
     # First rows of the conv file: 18:15:46.6805900 then 18:15:50.9951690.
     trace = load_trace("azure-conv")
     assert trace.arrival_s[1] == pytest.approx(4.314579, abs=1e-6)
-
-
-def test_biggest_trace_loads_fast() -> None:
-    for name in ("bwb", "mooncake-conv", "azure-conv"):
-        _load_bundled.cache_clear()
-        start = time.perf_counter()
-        load_trace(name)
-        assert time.perf_counter() - start < 0.3, name
 
 
 def test_unknown_trace_lists_names() -> None:

@@ -173,9 +173,10 @@ def test_workload_from_trace_modes() -> None:
     assert bursty.requests[0].request_class is RequestClass.BE
     offline = workload_from_trace("bwb", num_requests=50, seed=0, context_len=4096, offline=True)
     assert all(r.arrival_time == 0.0 for r in offline.requests)
-    replay = workload_from_trace(
-        "azure-code", num_requests=20000, seed=0, context_len=8192, trace_arrivals=True
-    )  # more than the 8819 rows: wraps around
+    with pytest.warns(UserWarning, match="trace azure-code has 8819 rows and 20000 requests were asked for"):
+        replay = workload_from_trace(
+            "azure-code", num_requests=20000, seed=0, context_len=8192, trace_arrivals=True
+        )  # more than the 8819 rows: wraps around
     _check_ordered(replay)
     assert replay.duration_s > 2 * 3436
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any
 
 import click
@@ -15,10 +16,17 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line on stderr ("warning: ..."), not Python's file:line form."""
+    click.echo(f"warning: {message}", err=True)
+
+
 class Command(click.Command):
-    """Turns sloserve's own errors into one line on stderr and exit code 2."""
+    """Turns sloserve's own errors into one line on stderr and exit code 2, and warnings into one
+    line on stderr each."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        warnings.showwarning = _show_warning
         try:
             return super().invoke(ctx)
         except (SloserveError, FileNotFoundError) as exc:

@@ -160,11 +160,17 @@ def check_out(out: Path | None) -> None:
         return
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a directory")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ConfigError(f"--out {out}: {parent} is a file, not a directory")
-            break
+    existing = out if out.exists() else next(parent for parent in out.parents if parent.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"--out {out}: {existing} is a file, not a directory")
+    import tempfile
+
+    try:  # NOTE: as the outputs will be written (a folder made there), not by permission bits: root passes those
+        tempfile.TemporaryDirectory(dir=existing, prefix=".sloserve-check-").cleanup()
+    except OSError as e:
+        raise ConfigError(
+            f"--out {out}: cannot write in {existing} ({e.strerror.lower()}); give a folder you can write to"
+        ) from None
 
 
 def check_file_out(path: Path | None, option: str) -> None:

@@ -150,7 +150,7 @@ def run_hybrid(
         tolerance_s=SLO_TOLERANCE_S,
     )
     steps = len(result.timeline)
-    copied = sum(getattr(x.kv, "checkpointed_bytes", 0) + getattr(x.kv, "restored_bytes", 0) for x in built_schedulers)
+    copied = sum(x.kv.swapped_bytes for x in built_schedulers)  # as `sloserve simulate` reports it
     iteration_s = float(result.timeline.column("duration_s").sum())
     sched_s = float(result.timeline.column("sched_time_s").sum())
     policy = result.policy_metrics

@@ -50,6 +50,7 @@ from sloserve.kv.token_slots import CHECKPOINTED, TokenSlotTable
 class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager):
     name = "bidirectional"
     periodic_growth = False
+    copies_kv_to_cpu = True
 
     def __init__(
         self,
@@ -79,8 +80,10 @@ class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager)
         self._init_token_slots()
         self.blocks_of: dict[Request, list[int]] = {}  # blocks a request owns a side of, in order
         self.preemption_table: dict[int, tuple[Request, Request]] = {}  # block -> (RT, BE)
-        self.checkpointed_bytes = 0  # GPU -> CPU copies made by lazy checkpointing
-        self.restored_bytes = 0  # CPU -> GPU copies made by restore
+        # GPU -> CPU copies made by lazy checkpointing and dropping, CPU -> GPU copies made by restore
+        # (their sum is ``swapped_bytes``, every manager's count of host-link traffic)
+        self.checkpointed_bytes = 0
+        self.restored_bytes = 0
         # Running aggregates so room checks need no scan (kept by _update after every change):
         # RT-only blocks and their empty slots (where BE requests may start), BE-only blocks per
         # owner (what RT requests may preempt).
@@ -285,6 +288,7 @@ class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager)
             self._slots_rewritten(be)
             self._used_slots -= 1
             self.checkpointed_bytes += self.kv_bytes_per_token
+            self.swapped_bytes += self.kv_bytes_per_token
             self.preemption_table[b] = (request, be)
             if not self.be_tokens[b]:
                 self._drop_side(be, b)
@@ -328,6 +332,7 @@ class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager)
             self.pending_copies.append(SlotCopy(saved[i], slots[i], to_cpu=False))
             self._cpu_free.append(saved[i])
         self.restored_bytes += len(missing) * self.kv_bytes_per_token
+        self.swapped_bytes += len(missing) * self.kv_bytes_per_token
         return True
 
     def drop_to_cpu(self, request: Request) -> int:
@@ -348,6 +353,7 @@ class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager)
         self._slots_rewritten(request)
         self._release_blocks(request)
         self.checkpointed_bytes += moved * self.kv_bytes_per_token
+        self.swapped_bytes += moved * self.kv_bytes_per_token
         return moved
 
     def truncate(self, request: Request, num_tokens: int) -> None:

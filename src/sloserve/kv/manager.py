@@ -45,6 +45,8 @@ class KVCacheManager:
     periodic_growth = True
     # Whether the manager shares full blocks between requests with ``enable_prefix_caching``.
     supports_prefix_caching = True
+    # Whether the manager itself copies KV to CPU memory and back (not only on a policy's swap).
+    copies_kv_to_cpu = False
 
     def __init__(
         self,

@@ -73,6 +73,7 @@ class PipelinedKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager):
 
     name = "pipelined"
     periodic_growth = False
+    copies_kv_to_cpu = True
 
     def __init__(
         self,

@@ -34,6 +34,25 @@ def require_whole_prompts(field: str, budget: int, max_model_len: int) -> None:
         raise ConfigError(f"{field}={budget} is below the model length {max_model_len}: prompts are processed whole")
 
 
+def check_fits_alone(kv: KVCacheManager, request: Request, max_kv_tokens: int, keep_free_blocks: int = 0) -> None:
+    """Raise ConfigError when ``request``, needing ``max_kv_tokens`` of KV at its peak (its max
+    allocation under ``max``), would not fit in the whole KV cache with ``keep_free_blocks`` left free
+    (a policy's watermark): a policy's ``check_fits``, so that a run refuses it up front instead of
+    stalling on it."""
+    target = kv.target_slots(request, max_kv_tokens)
+    if -(-target // kv.block_size) + keep_free_blocks > kv.gpu.num_blocks:
+        what = (
+            f"prompt {request.num_prompt_tokens} + max_tokens {request.max_tokens} (max allocation)"
+            if target > max_kv_tokens
+            else f"prompt {request.num_prompt_tokens} + output {max_kv_tokens - request.num_prompt_tokens + 1} - 1"
+        )
+        kept = f", {keep_free_blocks} kept free" if keep_free_blocks else ""
+        raise ConfigError(
+            f"KV capacity {kv.capacity_tokens} tokens ({kv.gpu.num_blocks} blocks of {kv.block_size}{kept}) "
+            f"cannot hold request {request.request_id}: {what} = {target} tokens"
+        )
+
+
 class Scheduler(ABC):
     """Base policy: the queues, admission, preemption and the post-step update.
 

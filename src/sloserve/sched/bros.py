@@ -37,7 +37,7 @@ from sloserve.cost.base import BatchShape, CostModel
 from sloserve.kv.bidirectional import BidirectionalKVManager
 from sloserve.kv.manager import KVCacheManager
 from sloserve.predict import LengthPredictor
-from sloserve.sched.base import Scheduler, require_whole_prompts
+from sloserve.sched.base import Scheduler, check_fits_alone, require_whole_prompts
 
 
 @dataclass
@@ -75,6 +75,12 @@ class BrosConfig:
     # request is admitted meanwhile.
     dropping: str = "recompute"
     watermark: float = 0.0
+    # The anti-thrash rule (ours; §5 leaves re-admission open): a request dropped before comes back
+    # only when what it needs is free beyond the RT requests' growth over this many steps (each RT
+    # request on the GPU grows a token a step), and a dropped RT request drops no other RT request
+    # to come back. 0: dropped requests come back as soon as they fit (the rule off). Why and what
+    # it changes: docs/reproduction.md.
+    readmit_horizon_steps: int = 16
 
     def resolve(self, max_model_len: int) -> None:
         if self.max_num_batched_tokens is None:
@@ -96,6 +102,8 @@ class BrosConfig:
             raise ConfigError(f"BROS schedulers use kv_manager paged or bidirectional, got {self.kv_manager!r}")
         if self.deadlines not in ("per_token", "token_group"):
             raise ConfigError(f"deadlines must be per_token or token_group, got {self.deadlines!r}")
+        if self.readmit_horizon_steps < 0:
+            raise ConfigError(f"readmit_horizon_steps must be >= 0, got {self.readmit_horizon_steps}")
         if self.token_group_size < 1:
             raise ConfigError(f"token_group_size must be >= 1, got {self.token_group_size}")
         if self.rt_growth not in ("facing_first", "free_block_first"):
@@ -149,6 +157,11 @@ class SubsetScheduler(Scheduler):
         self._batch_cached: dict[Request, Sequence[int]] = {}
         # dropping=swap: the requests whose KV is swapped out, by class.
         self._dropped: dict[RequestClass, set[Request]] = {RequestClass.RT: set(), RequestClass.BE: set()}
+
+    def check_fits(self, request: Request, max_kv_tokens: int) -> None:
+        """Raise ConfigError when ``request`` could never run alone in this KV cache (progressive
+        dropping would otherwise run out of requests to drop)."""
+        check_fits_alone(self.kv, request, max_kv_tokens)
 
     # Moving average of the estimated iteration time ((6) with token groups), and its weight per step.
     iteration_ema_s = 0.0
@@ -305,6 +318,37 @@ class SubsetScheduler(Scheduler):
         """Whether ``request`` holds GPU slots (a dropped one holds none: dropping it again frees nothing)."""
         return request not in self._dropped[request.request_class]
 
+    def _was_dropped(self, request: Request) -> bool:
+        """Whether ``request`` holds no GPU KV because it was dropped for room: swapped out
+        (``dropping=swap``), or waiting to be recomputed."""
+        if request.status is RequestStatus.WAITING:
+            return request.num_preemptions > 0
+        return not self._on_gpu(request)
+
+    def _needs_new_kv(self, request: Request) -> bool:
+        """Whether running ``request`` takes GPU KV it does not hold (a waiting or dropped request)."""
+        return request.status is RequestStatus.WAITING or not self._on_gpu(request)
+
+    def _be_may_take_room(self, request: Request, num_rt_on_gpu: int, rt_short_of_room: bool) -> bool:
+        """The anti-thrash rule (``readmit_horizon_steps``) for a BE request that needs new GPU KV (a
+        new one, or one dropped before): none while an RT request is short of room this step (the
+        free KV is its); a dropped one only with room left for the ``num_rt_on_gpu`` RT requests'
+        growth over the horizon. NOTE: without it, the step that brings a dropped BE request back
+        into the last free blocks is followed by one that drops it again (docs/reproduction.md)."""
+        horizon = self.config.readmit_horizon_steps
+        if not horizon or not self._needs_new_kv(request):
+            return True  # the rule off, or a BE request running on the GPU (it grows by a slot)
+        if rt_short_of_room:
+            return False
+        if not self._was_dropped(request):
+            return True
+        growth_tokens = num_rt_on_gpu * horizon
+        if self._bicache:
+            needed = self.kv.slots_needed(request, self._tokens_needed(request), self._cached_prefix(request))
+            return self.kv.has_room(request, needed + growth_tokens, self._batch_set)
+        growth_blocks = num_rt_on_gpu * -(-horizon // self.kv.block_size)  # at most this many new blocks each
+        return self._blocks(request) + self._batch_blocks + growth_blocks <= self.kv.num_free_blocks
+
     def _may_admit(self, request: Request) -> bool:
         """The re-admission rule of ``dropping=swap`` for BE requests (vLLM's for swapped requests):
         no new BE request while BE requests wait swapped out, so that the free blocks they need to
@@ -398,23 +442,39 @@ class BrosScheduler(SubsetScheduler):
     def _make_room(self, request: Request, batch: list[Request], out: SchedulerOutput) -> bool:
         """(8) for an RT request: free blocks, else evict BE requests outside the batch (the one
         holding the most blocks first), else progressively drop RT requests outside the batch
-        with the most remaining time."""
+        with the most remaining time. Nothing is evicted unless evicting all it may makes room."""
+        if self._fits(request):
+            return True
+        outside = [r for r in self.running if r not in batch and r is not request and self._on_gpu(r)]
+        be = [r for r in outside if r.request_class is RequestClass.BE]
+        rt = [r for r in outside if r.request_class is RequestClass.RT and self.deadline(r) > self.deadline(request)]
+        if self._was_dropped(request) and self.config.readmit_horizon_steps:
+            # The re-admission rule: a dropped RT request comes back by dropping BE requests only.
+            # NOTE: else it would drop the RT request that dropped it, which is then the most
+            # urgent: the two would trade places (and KV) every step.
+            rt = []
+        if self.config.readmit_horizon_steps and not self._fits_after_evicting(request, be + rt):
+            return False  # NOTE: dropping requests that leave it short anyway frees room for nothing
         while not self._fits(request):
-            outside = [r for r in self.running if r not in batch and r is not request and self._on_gpu(r)]
-            be = [r for r in outside if r.request_class is RequestClass.BE]
             if be:
-                self._evict(max(be, key=self.kv.num_slots), out)
-                continue
-            if not self._on_gpu(request):
-                # dropping=swap's re-admission rule: a swapped-out RT request comes back by dropping
-                # BE requests only. NOTE: else it would drop the RT request that dropped it, which
-                # is then the most urgent: the two would trade places (and KV) every step.
+                victim = max(be, key=self.kv.num_slots)
+                be.remove(victim)
+            elif rt:
+                victim = max(rt, key=self.deadline)
+                rt.remove(victim)
+            else:
                 return False
-            rt = [r for r in outside if self.deadline(r) > self.deadline(request)]
-            if not rt:
-                return False
-            self._evict(max(rt, key=self.deadline), out)
+            self._evict(victim, out)
         return True
+
+    def _fits_after_evicting(self, request: Request, victims: list[Request]) -> bool:
+        """Whether ``request`` would fit (8) once ``victims`` gave up their GPU slots (a slot they
+        share with others counted as freed too)."""
+        freed = sum(self.kv.num_slots(v) for v in victims)
+        if self._bicache:
+            needed = self.kv.slots_needed(request, self._tokens_needed(request), self._cached_prefix(request))
+            return self.kv.has_room(request, needed - freed, self._batch_set)
+        return self._blocks(request) + self._batch_blocks - freed // self.kv.block_size <= self.kv.num_free_blocks
 
     def _unblock(self, batch: list[Request], out: SchedulerOutput) -> None:
         """Liveness: running requests hold every block and none of them can grow (BE takes free
@@ -435,25 +495,33 @@ class BrosScheduler(SubsetScheduler):
         batch = self._start_batch()
         moved_before = self.kv.checkpointed_bytes + self.kv.restored_bytes if self._bicache else 0
         violated = False
+        rt_short_of_room = False  # an RT request found no room (8): the anti-thrash rule holds BE back
         residual = math.inf
         rt_order = self._rt_in_priority_order()
         t1, kv1 = time.perf_counter(), self.kv_time_s
         for r in rt_order:  # Algorithm 1, RT phase
             if len(batch) >= self.batch_size:  # (7)
                 break
-            if not self._prompt_fits(r):
+            if not self._prompt_fits(r) or (rt_short_of_room and self._needs_new_kv(r)):
                 continue
-            # (6) protects the most urgent RT request that can still meet its deadline; requests
-            # already past theirs go first but cannot bound the batch.
             own = self.deadline(r) - now
             estimate = self._estimate(batch, r)
-            if residual == math.inf and own >= estimate:
-                residual = own
             if batch and estimate > residual:
                 violated = True
                 break
             if not self._make_room(r, batch, out):  # (8)
+                rt_short_of_room = True
+                if cfg.readmit_horizon_steps:
+                    # The anti-thrash rule: the RT requests holding KV still run (they need no new
+                    # room); those needing it wait. NOTE: stopping here leaves the batch empty when
+                    # the most urgent is a dropped request, and the liveness rule (_unblock) then
+                    # trades it for another every step.
+                    continue
                 break
+            # (6) protects the most urgent RT request that can still meet its deadline; requests
+            # already past theirs go first but cannot bound the batch.
+            if residual == math.inf and own >= estimate:
+                residual = own
             self._add(batch, r)
         if batch and self._estimate(batch) > residual:
             violated = True  # even the most urgent request alone misses its deadline
@@ -463,8 +531,14 @@ class BrosScheduler(SubsetScheduler):
         if self._bicache:
             be.sort(key=self.kv.num_checkpointed)  # least swap-in first (stable: arrival order)
         be += [r for r in self.waiting if r.request_class is RequestClass.BE]
+        num_rt_on_gpu = sum(1 for r in self.running if r.request_class is RequestClass.RT and self._on_gpu(r))
         for r in be:
-            if not self._prompt_fits(r) or not self._may_admit(r) or not self._fits(r):  # BE: free blocks only
+            if (
+                not self._prompt_fits(r)
+                or not self._may_admit(r)
+                or not self._fits(r)  # BE: free blocks only
+                or not self._be_may_take_room(r, num_rt_on_gpu, rt_short_of_room)
+            ):
                 continue
             if len(batch) < self.batch_size:
                 if residual == math.inf or self._estimate(batch, r) <= residual:

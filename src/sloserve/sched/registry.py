@@ -122,7 +122,9 @@ def make_scheduler(
     enable_prefix_caching: bool = False,
 ) -> Scheduler:
     """Build a registered scheduler over a fresh KV cache of ``kv_capacity_tokens`` token slots, its
-    full blocks shared between requests with ``enable_prefix_caching``."""
+    full blocks shared between requests with ``enable_prefix_caching``. ``kv_bytes_per_token`` (the
+    model's) prices the copies of a policy that moves KV to CPU memory; it may be 0 only for one
+    that never does."""
     spec = get_spec(name)
     config = build_config(name, options)
     config.resolve(max_model_len)
@@ -141,6 +143,14 @@ def make_scheduler(
         raise ConfigError(
             f"scheduler {name}: preemption_mode=swap needs CPU swap space, and there is {swap_space_tokens} tokens' "
             "worth: give --swap-space-gib > 0 (simulate, run) or swap_space_tokens, or --set preemption_mode=recompute"
+        )
+    swaps = getattr(config, "preemption_mode", "recompute") == "swap"
+    if kv_bytes_per_token <= 0 and (swaps or KV_MANAGERS[config.kv_manager].copies_kv_to_cpu):
+        # NOTE: one physics: every run that moves KV over the host link is charged for it
+        what = "preemption_mode=swap" if swaps else f"kv_manager {config.kv_manager}"
+        raise ConfigError(
+            f"scheduler {name}: {what} copies KV between GPU and CPU memory, and its copies take time only "
+            "with the model's KV bytes per token: give kv_bytes_per_token > 0"
         )
     if enable_prefix_caching and not supports_prefix_caching(name, options):
         raise ConfigError(

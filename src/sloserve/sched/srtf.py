@@ -26,7 +26,7 @@ from sloserve.core.outputs import ScheduledChunk, SchedulerOutput
 from sloserve.core.request import Request, RequestStatus
 from sloserve.kv.manager import KVCacheManager
 from sloserve.predict import LengthPredictor
-from sloserve.sched.base import Scheduler, require_whole_prompts
+from sloserve.sched.base import Scheduler, check_fits_alone, require_whole_prompts
 
 
 @dataclass
@@ -66,22 +66,6 @@ class SrtfConfig(PriorityConfig):
         super().resolve(max_model_len)
         if self.predictor not in ("oracle", "histogram"):
             raise ConfigError(f"srtf needs a predictor, oracle or histogram, got {self.predictor!r}")
-
-
-def check_fits_alone(kv: KVCacheManager, request: Request, max_kv_tokens: int) -> None:
-    """Raise ConfigError when ``request``, needing ``max_kv_tokens`` of KV at its peak (its max
-    allocation under ``max``), would not fit in the whole KV cache."""
-    target = kv.target_slots(request, max_kv_tokens)
-    if -(-target // kv.block_size) > kv.gpu.num_blocks:
-        what = (
-            f"prompt {request.num_prompt_tokens} + max_tokens {request.max_tokens} (max allocation)"
-            if target > max_kv_tokens
-            else f"prompt {request.num_prompt_tokens} + output {max_kv_tokens - request.num_prompt_tokens + 1} - 1"
-        )
-        raise ConfigError(
-            f"KV capacity {kv.capacity_tokens} tokens ({kv.gpu.num_blocks} blocks of {kv.block_size}) "
-            f"cannot hold request {request.request_id}: {what} = {target} tokens"
-        )
 
 
 class IterationScheduler(Scheduler):

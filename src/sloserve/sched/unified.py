@@ -22,6 +22,7 @@ from sloserve.core.outputs import PreemptionMode, ScheduledChunk, SchedulerOutpu
 from sloserve.core.request import Request, RequestClass
 from sloserve.kv.manager import ExactReservationKVManager, KVCacheManager
 from sloserve.predict import LengthPredictor
+from sloserve.sched.base import check_fits_alone
 from sloserve.sched.cohort import CohortScheduler
 
 
@@ -363,17 +364,4 @@ class UnifiedScheduler(CohortScheduler):
 
     def check_fits(self, request: Request, max_kv_tokens: int) -> None:
         """Raise ConfigError when ``request`` could never finish alone in this KV cache."""
-        kv = self.kv
-        target = kv.target_slots(request, max_kv_tokens)
-        blocks = -(-target // kv.block_size) + self._watermark_blocks
-        if blocks > kv.gpu.num_blocks:
-            what = (
-                f"prompt {request.num_prompt_tokens} + max_tokens {request.max_tokens} (max allocation)"
-                if target > max_kv_tokens
-                else f"prompt {request.num_prompt_tokens} + output {max_kv_tokens - request.num_prompt_tokens + 1} - 1"
-            )
-            raise ConfigError(
-                f"KV capacity {kv.capacity_tokens} tokens ({kv.gpu.num_blocks} blocks of {kv.block_size}"
-                f"{f', {self._watermark_blocks} kept free' if self._watermark_blocks else ''}) cannot hold "
-                f"request {request.request_id}: {what} = {target} tokens"
-            )
+        check_fits_alone(self.kv, request, max_kv_tokens, self._watermark_blocks)

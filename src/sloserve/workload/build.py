@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -303,8 +304,12 @@ def _sample(
                     f"{prefix}arrival.process 'trace' needs arrival times, but trace "
                     f"{src.trace!r} has none; use poisson, gamma or offline"
                 )
+            if n > len(trace):
+                _warn_repeats(src.trace, n, len(trace), "its rows replayed back to back")
             t, rows = arrivals.trace_replay(trace.arrival_s, n, rng_arr, trace.arrival_quantum_s)
             return _independent(t / rate_scale, trace.prompt_tokens[rows], trace.output_tokens[rows], trace, rows)
+        if n > len(trace):
+            _warn_repeats(src.trace, n, len(trace), "rows drawn with replacement")
         rows = rng_len.choice(len(trace), size=n, replace=n > len(trace))
         p, o = trace.prompt_tokens[rows], trace.output_tokens[rows]
     elif isinstance(src, FixedSource):
@@ -320,6 +325,16 @@ def _sample(
     if t is None:
         raise ConfigError(f"{prefix}arrival.process {proc.process!r} needs a trace source")
     return _independent(t, p, o, trace, rows)
+
+
+def _warn_repeats(trace: str, n: int, num_rows: int, how: str) -> None:
+    """Say (on stderr, from the CLI) that ``n`` requests repeat a trace of ``num_rows`` rows."""
+    warnings.warn(
+        f"trace {trace} has {num_rows} row{'s' if num_rows != 1 else ''} and {n} requests were asked for: "
+        f"requests repeat its rows ({how})",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _arrivals(proc: ArrivalSpec, n: int, rng_arr: np.random.Generator, rate_scale: float) -> np.ndarray | None:
