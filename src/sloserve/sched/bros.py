@@ -78,8 +78,8 @@ class BrosConfig:
     # The anti-thrash rule (ours; §5 leaves re-admission open): a request dropped before comes back
     # only when what it needs is free beyond the RT requests' growth over this many steps (each RT
     # request on the GPU grows a token a step), and a dropped RT request drops no other RT request
-    # to come back. 0: dropped requests come back as soon as they fit (the rule off). Why and what
-    # it changes: docs/reproduction.md.
+    # to come back. 0: no re-admission rule at all (dropped requests come back as soon as they fit,
+    # a dropped RT request drops RT ones too). Why and what it changes: docs/reproduction.md.
     readmit_horizon_steps: int = 16
 
     def resolve(self, max_model_len: int) -> None:
