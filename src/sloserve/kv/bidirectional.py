@@ -57,20 +57,13 @@ class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager)
         num_blocks: int,
         block_size: int = 16,
         *,
-        kv_bytes_per_token: int = 0,
-        num_cpu_blocks: int = 0,
         rt_free_block_first: bool = False,
-        enable_prefix_caching: bool = False,
+        **options,
     ) -> None:
+        """``options``: ``KVCacheManager``'s (bytes per token, CPU blocks, prefix caching)."""
         if block_size < 4:
             raise ConfigError(f"bidirectional blocks need at least 2 slots per side: block_size {block_size} < 4")
-        super().__init__(
-            num_blocks,
-            block_size,
-            kv_bytes_per_token=kv_bytes_per_token,
-            num_cpu_blocks=num_cpu_blocks,
-            enable_prefix_caching=enable_prefix_caching,
-        )
+        super().__init__(num_blocks, block_size, **options)
         self.rt_free_block_first = rt_free_block_first  # §5.2's other reading (see the module docstring)
         n = num_blocks
         self.rt_owner: list[Request | None] = [None] * n
@@ -406,8 +399,7 @@ class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager)
             self.preemption_table.pop(block, None)
 
     def free(self, request: Request) -> None:
-        if self.prefix_cache is not None and request in self.token_slots:
-            self.cache_blocks(request, request.num_computed_tokens)  # a turn's answer, resent next turn
+        self.cache_blocks(request, request.num_computed_tokens)  # a turn's answer, resent next turn
         self._release_blocks(request)
         self.token_slots.pop(request, None)
         self._slots_rewritten(request)

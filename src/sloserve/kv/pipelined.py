@@ -80,18 +80,11 @@ class PipelinedKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager):
         num_blocks: int,
         block_size: int = 16,
         *,
-        kv_bytes_per_token: int = 0,
-        num_cpu_blocks: int = 0,
         buffer_tokens: int = 0,
-        enable_prefix_caching: bool = False,
+        **options,
     ) -> None:
-        super().__init__(
-            num_blocks,
-            block_size,
-            kv_bytes_per_token=kv_bytes_per_token,
-            num_cpu_blocks=num_cpu_blocks,
-            enable_prefix_caching=enable_prefix_caching,
-        )
+        """``options``: ``KVCacheManager``'s (bytes per token, CPU blocks, prefix caching)."""
+        super().__init__(num_blocks, block_size, **options)
         if buffer_tokens < 0:
             raise ConfigError(f"pipelining buffer b must be >= 0 tokens, got {buffer_tokens}")
         self.buffer_tokens = buffer_tokens
@@ -382,8 +375,7 @@ class PipelinedKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager):
             region.blocks = []
 
     def free(self, request: Request) -> None:
-        if self.prefix_cache is not None and request in self.token_slots:
-            self.cache_blocks(request, request.num_computed_tokens)
+        self.cache_blocks(request, request.num_computed_tokens)  # its prompt's blocks stay cached
         self._leave_region(request)
         self._release_shared(request)
         blocks = self.own_blocks.pop(request, None)

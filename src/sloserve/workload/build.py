@@ -298,18 +298,17 @@ def _sample(
     trace, rows = None, None
     if isinstance(src, TraceSource):
         trace = load_trace(src.trace, src.columns)
+        if proc.process == "trace" and trace.arrival_s is None:
+            raise ConfigError(
+                f"{prefix}arrival.process 'trace' needs arrival times, but trace "
+                f"{src.trace!r} has none; use poisson, gamma or offline"
+            )
+        if n > len(trace):
+            how = "its rows replayed back to back" if proc.process == "trace" else "rows drawn with replacement"
+            _warn_repeats(src.trace, n, len(trace), how)
         if proc.process == "trace":
-            if trace.arrival_s is None:
-                raise ConfigError(
-                    f"{prefix}arrival.process 'trace' needs arrival times, but trace "
-                    f"{src.trace!r} has none; use poisson, gamma or offline"
-                )
-            if n > len(trace):
-                _warn_repeats(src.trace, n, len(trace), "its rows replayed back to back")
             t, rows = arrivals.trace_replay(trace.arrival_s, n, rng_arr, trace.arrival_quantum_s)
             return _independent(t / rate_scale, trace.prompt_tokens[rows], trace.output_tokens[rows], trace, rows)
-        if n > len(trace):
-            _warn_repeats(src.trace, n, len(trace), "rows drawn with replacement")
         rows = rng_len.choice(len(trace), size=n, replace=n > len(trace))
         p, o = trace.prompt_tokens[rows], trace.output_tokens[rows]
     elif isinstance(src, FixedSource):
