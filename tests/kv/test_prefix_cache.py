@@ -3,6 +3,8 @@ and the schedulers that find cached prompts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -206,6 +208,10 @@ def _scheduler(name: str, capacity: int, enable_prefix_caching: bool):
         "econoserve",
         "econoserve-d",
         "synccoupled",
+        "srtf",
+        "fastserve",
+        "multires",
+        "rank_i",
     ],
 )
 def test_schedulers_skip_cached_prompts_and_keep_their_invariants(name):
@@ -262,9 +268,21 @@ def test_hit_rate_with_an_unlimited_cache_is_the_traces_own_bound():
     assert sum(r.num_cached_tokens for r in result.requests) == bound
 
 
-def test_prefix_caching_needs_a_policy_that_looks_the_cache_up():
-    with pytest.raises(ConfigError, match="scheduler srtf does not support prefix caching"):
-        _scheduler("srtf", 6000, True)
+def test_prefix_caching_needs_a_policy_that_looks_the_cache_up(monkeypatch):
+    """Every bundled policy looks the cache up; one registered without it is refused with caching."""
+    from sloserve.sched import registry, scheduler_names, supports_prefix_caching
+    from sloserve.sched.srtf import SrtfScheduler
+
+    assert all(supports_prefix_caching(name) for name in scheduler_names())
+
+    class Blind(SrtfScheduler):
+        supports_prefix_caching = False
+
+    spec = registry.get_spec("srtf")
+    monkeypatch.setitem(registry.SCHEDULERS, "blind", dataclasses.replace(spec, name="blind", scheduler_cls=Blind))
+    assert _scheduler("blind", 6000, False).name == "blind"
+    with pytest.raises(ConfigError, match="scheduler blind does not support prefix caching"):
+        _scheduler("blind", 6000, True)
 
 
 def test_longest_prefix_match_admits_the_request_that_finds_most_first():

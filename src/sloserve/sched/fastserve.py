@@ -11,6 +11,9 @@ skip-join multi-level feedback queue with 5 levels, batches of 8 and max allocat
     batching    the highest-priority requests that fit (batch size, prompt budget, free KV for a
                 newcomer's max allocation); FCFS within a level (``PriorityBatchScheduler``)
 
+With prefix caching (``IterationScheduler``), a request skip-joins by the time of what it does not
+find cached on arrival.
+
 NOTE: FastServe's proactive KV swapping is left out: with max allocation a paused request keeps its
 KV on the GPU (preempted in place), as in the EconoServe setup.
 """
@@ -81,10 +84,12 @@ class FastServeScheduler(PriorityBatchScheduler):
         self._step_start = 0.0
 
     def first_iteration_s(self, request: Request) -> float:
-        """The cost model's time of the request's prompt alone (FastServe profiles this)."""
+        """The cost model's time of the request's prompt alone (FastServe profiles this). With prefix
+        caching, of the part of it not cached when it arrives (attention still reads the cached part):
+        the cache may change before it runs, and FastServe decides the level on arrival."""
         n = request.num_prompt_tokens
-        shape = BatchShape(num_prefill=1, prefill_tokens=n, prefill_attention_work=n * n)
-        return self.cost_model.batch_time(shape).total_s
+        cached = len(self.kv.find_cached_prefix(request)) * self.kv.block_size if self._caching else 0
+        return self.cost_model.batch_time(BatchShape.of([(n - cached, cached)], [])).total_s
 
     def skip_join_level(self, request: Request) -> int:
         """The highest-priority level whose quantum covers the first iteration (else the last)."""

@@ -10,7 +10,9 @@ Resources are fractions of the GPU's two capacities (TFS: target forward size, t
     demand     (tokens the request adds this iteration / TFS, KV it must allocate / KV capacity)
 
 KV is exact allocation: a request reserves prompt + predicted output - 1 tokens (the ``oracle``
-predictor by default, as in the paper's first measurement) when admitted.
+predictor by default, as in the paper's first measurement) when admitted. With prefix caching a
+request's demand counts only the prompt tokens it does not find cached and the blocks it does not
+find (``IterationScheduler``).
 """
 
 from __future__ import annotations
@@ -78,9 +80,23 @@ class MultiResScheduler(IterationScheduler):
         target = request.num_tokens + max(predicted - request.num_output_tokens, 1) - 1
         return min(target, self.kv.capacity_tokens)
 
-    def demand_blocks(self, request: Request) -> int:
-        """KV blocks a waiting request must allocate to be admitted."""
-        return -(-self.reservation(request) // self.kv.block_size)
+    def demand_blocks(self, request: Request, cached: list[int] | tuple = ()) -> int:
+        """KV blocks a waiting request must allocate to be admitted, starting with the ``cached``
+        blocks of its prompt (with prefix caching: those nobody uses count, as they leave the free KV)."""
+        need = -(-self.reservation(request) // self.kv.block_size)
+        if cached:
+            need -= len(cached) - self.kv.prefix_cache.num_evictable(cached)
+        return need
+
+    def _demands(self, candidates: list[Request]) -> dict[Request, tuple[int, int, list[int]]]:
+        """Per waiting candidate: (tokens it adds to the iteration, KV blocks it takes, the cached
+        blocks of its prompt it starts with; [] without prefix caching)."""
+        demands = {}
+        for request in candidates:
+            cached = self.kv.find_cached_prefix(request) if self._caching else []
+            tokens = request.num_tokens_to_process - len(cached) * self.kv.block_size
+            demands[request] = (tokens, self.demand_blocks(request, cached), cached)
+        return demands
 
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -101,12 +117,13 @@ class MultiResScheduler(IterationScheduler):
             forward += self._run(request, out)
         evicted = {p.request for p in out.preempted}  # they wait for a later iteration
         candidates = [r for r in self.waiting if r not in evicted]
+        demands = self._demands(candidates)
         tfs, num_blocks = self.config.target_forward_size or 0, self.kv.gpu.num_blocks
         while candidates and len(self.running) < self.config.max_num_seqs:
             room_tokens, room_blocks = tfs - forward, self.kv.num_free_blocks
             best, best_distance = None, math.inf
             for request in candidates:  # O(n) per pick
-                tokens, blocks = request.num_tokens_to_process, self.demand_blocks(request)
+                tokens, blocks, _ = demands[request]
                 if tokens > room_tokens or blocks > room_blocks:
                     continue
                 distance = math.hypot((room_tokens - tokens) / tfs, (room_blocks - blocks) / num_blocks)
@@ -115,8 +132,17 @@ class MultiResScheduler(IterationScheduler):
             if best is None:
                 break  # nothing left fits either resource
             candidates.remove(best)
+            cached = demands.pop(best)[2]
+            evicted_before = self._num_evicted_blocks()
             self.kv.set_reservation(best, self.reservation(best))
-            done = self._try_admit(best, best.num_tokens)
+            done = self._try_admit(best, best.num_tokens, out, cached)
             assert done
             forward += self._run(best, out)
+            if cached or self._num_evicted_blocks() != evicted_before:
+                # NOTE: the pick shared cached blocks (now used: no longer free to take) or evicted
+                # some (perhaps found by others): look the rest up again
+                demands = self._demands(candidates)
         return out
+
+    def _num_evicted_blocks(self) -> int:
+        return self.kv.prefix_cache.num_evicted_blocks if self._caching else 0

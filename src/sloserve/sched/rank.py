@@ -10,6 +10,10 @@ requests after it, and a running candidate with none left evicts itself (4). The
 P for these schedulers; the default here is P = C (like SARATHI_P=C), a knob like every other.
 
 Every running request is scheduled explicitly (no decode cohort): ranks reorder decodes too.
+
+With prefix caching a waiting candidate is looked up when its turn comes: C, P and M count only the
+tokens it does not find and the blocks it does not find (a found block nobody used counts as taken
+from the free KV), and each chunk registers the full blocks it fills.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class RankConfig(UnifiedConfig):
 
 class RankScheduler(Scheduler):
     name = "rank"
+    supports_prefix_caching = True
 
     def __init__(self, kv: KVCacheManager, config: RankConfig, predictor: LengthPredictor | None = None) -> None:
         super().__init__(kv, predictor)
@@ -52,6 +57,7 @@ class RankScheduler(Scheduler):
         self._prefill_budget = config.prefill_token_budget or 0  # P
         self._watermark_blocks = int(config.watermark * kv.gpu.num_blocks)
         self._mode = PreemptionMode(config.preemption_mode)
+        self._caching = kv.prefix_cache is not None
 
     def _rank(self, request: Request) -> tuple:
         by = self.config.rank_by
@@ -77,7 +83,10 @@ class RankScheduler(Scheduler):
             running = cand.status is RequestStatus.RUNNING
             if not running and len(self.running) >= cfg.max_num_seqs:
                 continue
-            todo = cand.num_tokens_to_process
+            todo, cached = cand.num_tokens_to_process, ()
+            if self._caching and not running:
+                cached = kv.find_cached_prefix(cand)
+                todo -= len(cached) * kv.block_size
             is_prefill = todo > 1
             room = self._budget - used
             if is_prefill:
@@ -88,24 +97,29 @@ class RankScheduler(Scheduler):
             # (3) M: a running request grows by its chunk; a new one reserves its whole prompt.
             target = cand.num_computed_tokens + num_tokens if running else cand.num_tokens
             reserve = 0 if running else self._watermark_blocks
-            while not kv.can_allocate(cand, target, reserve):
+            while not kv.can_allocate(cand, target, reserve, cached):
                 victims = [r for r in self.running if r not in in_batch and position[r] > position[cand]]
                 if not victims:  # (4) no lower-ranked request left
                     break
                 victim = max(victims, key=position.__getitem__)
                 self._preempt(victim, self._mode, out)
                 evicted.add(victim)
-            if not kv.can_allocate(cand, target, reserve):
+            if not kv.can_allocate(cand, target, reserve, cached):
                 if running:
                     self._preempt(cand, self._mode, out)  # (4) self-eviction
                     evicted.add(cand)
                 continue
-            done = kv.allocate_slots(cand, target)
+            done = kv.allocate_slots(cand, target, cached)
             assert done
             if not running:
                 self.waiting.remove(cand)
+                if self._caching:
+                    self._skip_cached_prefix(cand, cached)
+                    out.num_cached_tokens += len(cached) * kv.block_size
                 self._admit(cand)
             out.chunks.append(ScheduledChunk(cand, num_tokens))
+            if self._caching:
+                kv.cache_blocks(cand, cand.num_computed_tokens + num_tokens)
             in_batch.add(cand)
             used += num_tokens
         return out

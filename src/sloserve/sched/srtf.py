@@ -70,11 +70,18 @@ class SrtfConfig(PriorityConfig):
 
 class IterationScheduler(Scheduler):
     """A policy that names every request it runs each iteration: no decode cohort, a prompt (or a
-    refill) is one whole chunk, a decode is a one-token chunk."""
+    refill) is one whole chunk, a decode is a one-token chunk.
+
+    With prefix caching, a waiting request is admitted with the blocks of its prompt found cached
+    (``_try_admit``): its prompt chunk is only what it does not find, and each chunk registers the
+    full blocks it fills (``_run``)."""
+
+    supports_prefix_caching = True
 
     def __init__(self, kv: KVCacheManager, config, predictor: LengthPredictor | None = None) -> None:
         super().__init__(kv, predictor)
         self.config = config
+        self._caching = kv.prefix_cache is not None
 
     def check_fits(self, request: Request, max_kv_tokens: int) -> None:
         check_fits_alone(self.kv, request, max_kv_tokens)
@@ -83,18 +90,34 @@ class IterationScheduler(Scheduler):
         """Put a request holding its KV in the batch; returns the tokens it adds to the forward."""
         num_tokens = request.num_tokens_to_process
         out.chunks.append(ScheduledChunk(request, num_tokens))
+        if self._caching:
+            self.kv.cache_blocks(request, request.num_computed_tokens + num_tokens)
         return num_tokens
 
-    def _try_admit(self, request: Request, hold_tokens: int) -> bool:
+    def _try_admit(
+        self, request: Request, hold_tokens: int, out: SchedulerOutput, cached: list[int] | tuple = ()
+    ) -> bool:
         """Admit a waiting request if slots for ``hold_tokens`` tokens (stretched by the manager's
-        target, e.g. max allocation) fit in the free KV; all or nothing."""
-        if not self.kv.can_allocate(request, hold_tokens):
+        target, e.g. max allocation) fit in the free KV, starting with the ``cached`` blocks
+        ``kv.find_cached_prefix`` found; all or nothing."""
+        if not self.kv.can_allocate(request, hold_tokens, cached=cached):
             return False
-        done = self.kv.allocate_slots(request, hold_tokens)
+        done = self.kv.allocate_slots(request, hold_tokens, cached)
         assert done
         self.waiting.remove(request)
+        if self._caching:
+            self._skip_cached_prefix(request, cached)
+            out.num_cached_tokens += len(cached) * self.kv.block_size
         self._admit(request)
         return True
+
+    def _uncached_need(self, request: Request, num_tokens: int) -> tuple[int, int, list[int]]:
+        """With prefix caching: (prompt tokens left to compute, free blocks its admission with
+        ``num_tokens`` slots takes, the cached blocks it starts with) for a waiting ``request``, with
+        what the cache holds now."""
+        cached = self.kv.find_cached_prefix(request)
+        tokens = request.num_tokens_to_process - len(cached) * self.kv.block_size
+        return tokens, self.kv.blocks_needed(request, num_tokens, cached), cached
 
 
 class PriorityBatchScheduler(IterationScheduler):
@@ -109,7 +132,9 @@ class PriorityBatchScheduler(IterationScheduler):
     NOTE: waiting requests live in ``_queue`` sorted by their key, which does not change while they
     wait (nothing is generated); a policy that changes one calls ``_reorder_queue``. An iteration
     skips the queue once the free KV is below the smallest max allocation in it, so a saturated KV
-    cache does not cost a scan of the whole queue every iteration.
+    cache does not cost a scan of the whole queue every iteration. With prefix caching the queue
+    keeps the least an admission can take (its max allocation less every prompt block but the last
+    found cached), and a request's real need is looked up when the scan reaches it.
     """
 
     config: PriorityConfig
@@ -129,6 +154,8 @@ class PriorityBatchScheduler(IterationScheduler):
         super().add_request(request)
         if request.status is RequestStatus.WAITING:
             need = self.kv.blocks_needed(request, request.num_tokens)
+            if self._caching:  # at least: every block of its prompt but the last may be found cached
+                need = max(need - (request.num_tokens - 1) // self.kv.block_size, 0)
             bisect.insort(self._queue, (self.priority(request), next(self._arrivals), need, request))
             if self._min_need is not None:
                 self._min_need = min(self._min_need, need)
@@ -150,25 +177,30 @@ class PriorityBatchScheduler(IterationScheduler):
         admitted: set[Request] = set()
         free, room = self.kv.num_free_blocks, self.config.max_num_batched_tokens or 0
         i = 0  # next running request
-        for key, _, need, request in self._queue:
+        for key, _, least_need, request in self._queue:
             if len(batch) >= cap or free < self._smallest_need():
                 break
             while i < len(running) and running[i][0] < key and len(batch) < cap:
                 batch.append(running[i][1])
                 i += 1
-            if len(batch) < cap and need <= free and request.num_tokens <= room:
+            if len(batch) >= cap or least_need > free:
+                continue
+            tokens, need, cached = request.num_tokens, least_need, ()
+            if self._caching:
+                tokens, need, cached = self._uncached_need(request, request.num_tokens)
+            if need <= free and tokens <= room:
+                # NOTE: admitted (KV allocated) at once, so that a later candidate's lookup sees what
+                # this allocation evicted from the cache
+                done = self._try_admit(request, request.num_tokens, out, cached)
+                assert done
                 batch.append(request)
                 admitted.add(request)
-                free -= need
-                room -= request.num_tokens
+                free, room = self.kv.num_free_blocks, room - tokens
         batch.extend(r for _, r in running[i : i + cap - len(batch)])
         if admitted:
             self._queue = [entry for entry in self._queue if entry[3] not in admitted]
             self._min_need = None
         for request in batch:
-            if request in admitted:
-                done = self._try_admit(request, request.num_tokens)
-                assert done
             self._run(request, out)
         return out
 
