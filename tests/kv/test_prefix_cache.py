@@ -54,6 +54,28 @@ def test_segment_keys_match_a_chain_over_every_token_before():
         assert len(set(reference.values())) == len(reference)  # different content: different keys
 
 
+def test_a_group_holds_its_blocks_at_the_same_places_in_every_prompt():
+    """The cache finds a segment's blocks through its group: a group key names the same blocks, at the
+    same offsets, in every prompt holding it (segments of any lengths, prompts clipped anywhere), and
+    a clipped prompt's blocks fit in the group's full extent."""
+    rng = np.random.default_rng(1)
+    lengths = {i: int(rng.integers(1, 20)) for i in range(4)}  # a segment id's tokens
+    for block_size in (2, 3, 8):
+        seen = {}
+        for _ in range(60):
+            ids = tuple(int(x) for x in rng.integers(0, 4, int(rng.integers(1, 6))))
+            ends = tuple(np.cumsum([lengths[i] for i in ids]).tolist())
+            prompt = SegmentedPrompt(ids, ends, int(rng.integers(ends[-1] - lengths[ids[-1]] + 1, ends[-1] + 1)))
+            index = prompt.block_index(block_size)
+            assert index.keys.tolist() == prompt.block_keys(block_size)
+            for j in range(len(index.keys)):
+                g = int(index.group_of_block[j])
+                assert int(index.group_starts[g]) + int(index.offsets[j]) == j
+                assert 0 <= index.offsets[j] < index.group_sizes[g]
+                extent = (int(index.group_starts[g]), index.group_sizes[g])
+                assert seen.setdefault(index.group_keys[g], extent) == extent
+
+
 def test_namespaces_keep_two_traces_apart():
     a, b = SegmentedPrompt.uniform((1, 2), 512, 1000), SegmentedPrompt.uniform((1, 2), 512, 1000, namespace=7)
     assert not set(a.block_keys(16)) & set(b.block_keys(16))
@@ -103,6 +125,26 @@ def test_cached_blocks_count_as_free_and_go_least_recently_released_first_tail_f
     assert kv.prefix_cache.evictable.blocks() == [3]  # b's head survives
     kv.free(c)
     assert _admit(kv, _request(3, TokenPrompt([7, 8, 0, 0, 0]))) == 2
+    kv.check_integrity()
+
+
+def test_the_index_rebuilt_from_the_cached_blocks_finds_what_it_found_before():
+    """The index's places outgrow the pool (a group per new content) and are rebuilt from the cached
+    blocks alone: a prompt still cached is found whole, one evicted is not, and a trace's segments
+    (groups of several blocks) come back at their places."""
+    kv = PagedKVManager(8, 4, enable_prefix_caching=True)
+    cache = kv.prefix_cache
+    kept = SegmentedPrompt.uniform((1, 2), 8, 16)  # 2 segments of 2 blocks of 4
+    request = _request(0, kept)
+    _admit(kv, request)
+    for rid in range(1, 2200):  # 2 new one-block groups each: > 4 x 8 + 4096 places
+        other = _request(rid, TokenPrompt([rid, rid, rid, rid, 0, 0, 0, 0, 9]))
+        _admit(kv, other)
+        kv.free(other)
+    assert cache.num_places < 1000  # rebuilt once (2 x 2199 places otherwise), then grew again
+    assert _admit(kv, _request(5000, SegmentedPrompt.uniform((1, 2, 7), 8, 17))) == 16
+    assert _admit(kv, _request(5001, TokenPrompt([2199] * 4 + [0] * 4 + [5]))) == 8
+    assert kv.find_cached_prefix(_request(5002, TokenPrompt([5] * 4 + [0] * 4 + [5]))) == []  # long evicted
     kv.check_integrity()
 
 

@@ -30,6 +30,29 @@ def chain_keys(contents: Iterable[Hashable], parent: int = ROOT_KEY) -> list[int
     return keys
 
 
+@dataclass(frozen=True, eq=False)
+class BlockIndex:
+    """A prompt's full blocks as the prefix cache indexes them: each block's key, and the groups of
+    consecutive blocks the cache finds through one entry of its table (a trace segment's blocks; each
+    block alone when the content is known by its tokens).
+
+    NOTE: a group's key names its content and everything before it, as a block's key does, so the
+    blocks of a group sit at the same places (``offsets``) in every prompt that holds the group.
+    """
+
+    keys: np.ndarray  # (num_blocks,) int64: block j's key
+    group_keys: list[int]  # (num_groups,) the key of each group, in order
+    group_starts: np.ndarray  # (num_groups,) int64: its first block in the prompt
+    group_sizes: list[int]  # (num_groups,) blocks in its full extent (a clipped prompt may hold fewer)
+    group_of_block: np.ndarray  # (num_blocks,) int64: the group block j is in
+    offsets: np.ndarray  # (num_blocks,) int64: block j's place in its group
+
+    @classmethod
+    def one_block_per_group(cls, keys: list[int]) -> BlockIndex:
+        blocks = np.arange(len(keys), dtype=np.int64)
+        return cls(np.array(keys, dtype=np.int64), keys, blocks, [1] * len(keys), blocks, np.zeros_like(blocks))
+
+
 @dataclass(eq=False)
 class SegmentedPrompt:
     """A prompt of ``num_tokens`` tokens known by the content ids of consecutive segments: segment k
@@ -41,7 +64,7 @@ class SegmentedPrompt:
     segment_ends: tuple[int, ...]
     num_tokens: int
     namespace: int = ROOT_KEY  # the first segment's parent key: ids of two traces never match
-    _keys: dict[int, list[int]] = field(default_factory=dict, repr=False)
+    _index: dict[int, BlockIndex] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         ends = self.segment_ends
@@ -59,22 +82,42 @@ class SegmentedPrompt:
         return cls(tuple(segment_ids), ends, num_tokens, namespace)
 
     def block_keys(self, block_size: int) -> list[int]:
-        """The keys of the prompt's full blocks of ``block_size`` tokens (a partial last block has none).
+        """The keys of the prompt's full blocks of ``block_size`` tokens (a partial last block has none)."""
+        return self.block_index(block_size).keys.tolist()
 
-        NOTE: chained by segment, not by block: block j's key mixes the chained key of the segments up
-        to the last one it overlaps with the block's start, ``segment_key * MIX + start`` in 64-bit
+    def block_index(self, block_size: int) -> BlockIndex:
+        """The prompt's full blocks of ``block_size`` tokens, grouped by the segment that holds each
+        block's last token.
+
+        NOTE: keys are chained by segment, not by block: block j's key mixes the chained key of the
+        segment holding its last token with its start, ``segment_key * MIX + start`` in 64-bit
         arithmetic (MIX odd: for two different segment keys, a collision has probability 2^-64). Two
         blocks share it exactly when their tokens and all before them do, as with a per-block chain,
-        for one array operation per prompt (a 12k-token prompt has 750 blocks of 16)."""
-        keys = self._keys.get(block_size)
-        if keys is None:
+        for one array operation per prompt (a 12k-token prompt has 750 blocks of 16); a group's key is
+        that segment's chained key, so the cache finds a 512-token segment's 32 blocks by one entry."""
+        index = self._index.get(block_size)
+        if index is None:
             starts = np.arange(0, self.num_tokens - block_size + 1, block_size, dtype=np.int64)
             segment_keys = np.array(chain_keys(self.segment_ids, self.namespace), dtype=np.int64)
-            last_segment = np.searchsorted(self.segment_ends, starts + block_size - 1, side="right")
+            ends = np.array(self.segment_ends, dtype=np.int64)
+            last_segment = np.searchsorted(ends, starts + block_size - 1, side="right")  # (num_blocks,)
             with np.errstate(over="ignore"):
-                mixed = segment_keys[last_segment] * _MIX + starts  # wraps around 2^64
-            keys = self._keys[block_size] = mixed.tolist()
-        return keys
+                keys = segment_keys[last_segment] * _MIX + starts  # wraps around 2^64
+            is_first = np.ones(len(starts), dtype=bool)  # a block whose last token opens a segment's group
+            is_first[1:] = last_segment[1:] != last_segment[:-1]
+            group_starts = np.flatnonzero(is_first)
+            group_segments = last_segment[group_starts]
+            group_of_block = np.cumsum(is_first) - 1
+            index = self._index[block_size] = BlockIndex(
+                keys,
+                segment_keys[group_segments].tolist(),
+                group_starts,
+                # the group's blocks end with the last one whose last token is in its segment
+                (ends[group_segments] // block_size - group_starts).tolist(),
+                group_of_block,
+                np.arange(len(starts), dtype=np.int64) - group_starts[group_of_block],
+            )
+        return index
 
     def token_ids(self, vocab_size: int) -> list[int]:
         """Token ids for the ``num_tokens`` tokens: each segment's drawn from a generator seeded by its
@@ -99,6 +142,7 @@ class TokenPrompt:
 
     token_ids: Sequence[int]
     _keys: dict[int, list[int]] = field(default_factory=dict, repr=False)
+    _index: dict[int, BlockIndex] = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -113,6 +157,14 @@ class TokenPrompt:
             new = (tuple(ids[j * block_size : (j + 1) * block_size]) for j in range(len(keys), full))
             keys += chain_keys(new, keys[-1] if keys else ROOT_KEY)
         return keys
+
+    def block_index(self, block_size: int) -> BlockIndex:
+        """The full blocks so far, each its own group (the engine knows every block by its tokens)."""
+        keys = self.block_keys(block_size)
+        index = self._index.get(block_size)
+        if index is None or len(index.keys) != len(keys):
+            index = self._index[block_size] = BlockIndex.one_block_per_group(list(keys))
+        return index
 
 
 PromptBlocks = SegmentedPrompt | TokenPrompt

@@ -183,7 +183,7 @@ class KVCacheManager:
         if self.prefix_cache is None or prompt is None or self.num_tracked_tokens(request):
             return []
         limit = (request.num_tokens - 1) // self.block_size
-        return self.prefix_cache.match(prompt.block_keys(self.block_size), limit)
+        return self.prefix_cache.match(prompt.block_index(self.block_size), limit)
 
     def _allocate_with_prefix(self, request: Request, num_tokens: int, cached: list[int] | tuple) -> bool:
         cache = self.prefix_cache
@@ -209,12 +209,12 @@ class KVCacheManager:
         prompt = request.prompt_blocks
         if prompt is None:
             return
-        keys, table = prompt.block_keys(self.block_size), self.block_tables[request]
+        index, table = prompt.block_index(self.block_size), self.block_tables[request]
         done = self._num_registered.get(request, 0)
         # NOTE: a decode cohort member's table may lag its tokens (blocks reserved by count, settled later)
-        upto = min(num_tokens // self.block_size, len(keys), len(table))
+        upto = min(num_tokens // self.block_size, len(index.keys), len(table))
         if upto > done:
-            self.prefix_cache.register(table[done:upto], keys[done:upto])
+            self.prefix_cache.register(table[done:upto], index, done)
             self._num_registered[request] = upto
 
     def _let_go_cached(self, request: Request) -> None:

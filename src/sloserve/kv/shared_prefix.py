@@ -83,14 +83,14 @@ class SharedPrefixBlocks:
         if self.prefix_cache is None or prompt is None:
             return
         S = self.block_size
-        keys, slots = prompt.block_keys(S), self.token_slots.get(request, ())
+        index, slots = prompt.block_index(S), self.token_slots.get(request, ())
         shared = self.prefix_blocks.setdefault(request, [])
-        for j in range(len(shared), min(num_tokens // S, len(keys), len(slots) // S)):
+        for j in range(len(shared), min(num_tokens // S, len(index.keys), len(slots) // S)):
             block = self._whole_block(request, j) if slots[j * S] != CHECKPOINTED else None
             if block is None:
                 break
             self._right_to_left[block] = self._give_up_block(request, block)
-            self.prefix_cache.register([block], [keys[j]])  # NOTE: its one reference carries over
+            self.prefix_cache.register([block], index, j)  # NOTE: its one reference carries over
             shared.append(block)
             self.num_shared_blocks_used += 1
         if not shared:
