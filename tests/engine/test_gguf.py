@@ -6,6 +6,7 @@ answer. Skipped where the package is not installed (``make test`` installs it)."
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 from pathlib import Path
@@ -162,3 +163,30 @@ def test_prefix_caching_gives_the_same_greedy_tokens(scheduler, preemption_mode)
     assert sum(o.num_cached_tokens for o in first[1:]) > 0  # the system prompt, computed once
     for before, after in zip(first, second, strict=True):
         assert after.num_cached_tokens >= len(before.prompt_token_ids) // 16 * 16 - 16
+
+
+def test_bench_serve_text_prompts_tokenize_to_their_lengths_and_share_as_their_hash_ids():
+    """bench-serve --tokenizer: each prompt is text that SmolLM2's tokenizer encodes to exactly the
+    trace's prompt length, and two prompts share exactly the full blocks their hash ids say, so a server
+    caching by tokens (vLLM's, ours) finds what the simulation finds."""
+    from sloserve.bench.client import WordPrompts
+    from sloserve.core.prefix import TokenPrompt
+    from sloserve.engine.tokenizer import load_tokenizer_file
+    from sloserve.workload import workload_from_trace
+
+    tokenizer = load_tokenizer_file(GGUF_PATH)
+    requests = workload_from_trace(
+        "mooncake-conv", num_requests=12, seed=0, context_len=2048, trace_arrivals=True
+    ).requests
+    texts = WordPrompts(tokenizer).texts(requests, seed=0)  # (checks every length itself)
+    tokens = [tokenizer.encode(text) for text in texts]
+    assert [len(t) for t in tokens] == [r.num_prompt_tokens for r in requests]
+    shared = 0
+    for a, b in zip(range(len(requests)), range(1, len(requests))):
+        by_ids = zip(*(requests[i].prompt_blocks.block_keys(16) for i in (a, b)))
+        by_tokens = zip(*(TokenPrompt(tokens[i]).block_keys(16) for i in (a, b)))
+        shared_ids = sum(1 for _ in itertools.takewhile(lambda k: k[0] == k[1], by_ids))
+        assert sum(1 for _ in itertools.takewhile(lambda k: k[0] == k[1], by_tokens)) == shared_ids
+        shared += shared_ids
+    assert shared > 0  # the conversation's turns resend their history
+    assert texts[0].startswith(" ") and texts[0][1:].split(" ")[0].isalpha()

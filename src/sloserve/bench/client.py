@@ -1,8 +1,11 @@
 """``sloserve bench-serve``: replay a workload against any OpenAI-compatible server and measure it.
 
 As vLLM's benchmark_serving does with a length trace: each request sends a prompt of the trace's
-prompt length (random token ids, so the length is exact whatever the tokenizer) to
-``/v1/completions`` with ``max_tokens`` = the trace's output length and ``ignore_eos``, greedy, streamed.
+prompt length to ``/v1/completions`` with ``max_tokens`` = the trace's output length and ``ignore_eos``,
+greedy, streamed. The prompt is random token ids (the length is exact whatever the tokenizer), or,
+given the server's tokenizer, text of as many words, each one token of it (``WordPrompts``). Either
+way equal ids of a trace's segments (``hash_ids``) give equal tokens, so a server caching prefixes
+finds exactly the blocks a simulation finds; the cached tokens it reports are recorded.
 Requests leave at their arrival times (Poisson, gamma, the trace's own, or all at once); a workload's
 closed-loop batches are sent when the batch before them has completed. BE requests carry
 ``service_tier: "flex"``, and requests with an SLO carry it as ``slo`` (sloserve's extension).
@@ -54,7 +57,52 @@ def synthetic_prompts(requests: Sequence[Request], vocab_size: int, seed: int) -
     ]
 
 
-def request_body(model: str, request: Request, prompt: list[int]) -> dict:
+class WordPrompts:
+    """Prompts as text that one tokenizer encodes to exactly each request's prompt length.
+
+    The words are the tokenizer's own single tokens that are a space and ASCII letters (" the") and
+    encode back to themselves: a pre-tokenizer that splits at spaces (byte-level BPE: GPT-2, Llama 3,
+    Qwen, SmolLM) never merges two of them, so a text of n such words is n tokens, and a text that
+    starts like another tokenizes like it up to there. A prompt's words are ``synthetic_prompts``'s
+    token ids read as indices into the words, so equal segment ids are equal text; the special tokens
+    the tokenizer adds in front (a BOS) take the place of the first words.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.words = []
+        for token_id in range(tokenizer.vocab_size):
+            word = tokenizer.decode([token_id])
+            if (
+                len(word) >= 3
+                and word[0] == " "
+                and word[1:].isascii()
+                and word[1:].isalpha()
+                and tokenizer.encode(word, add_special_tokens=False) == [token_id]
+            ):
+                self.words.append(word)
+        if len(self.words) < 16:
+            raise ConfigError(
+                f"the tokenizer has {len(self.words)} single-token words (' the'); text prompts need 16 "
+                "(a SentencePiece tokenizer has none of this form): leave out --tokenizer to send token ids"
+            )
+        self.num_special = len(tokenizer.encode(self.words[0])) - 1  # added in front of every prompt
+
+    def texts(self, requests: Sequence[Request], seed: int) -> list[str]:
+        """One text per request, checked to encode to its prompt length."""
+        indices = synthetic_prompts(requests, len(self.words), seed)
+        texts = ["".join(self.words[i] for i in ids[self.num_special :]) for ids in indices]
+        for r, text in zip(requests, texts):  # NOTE: every one: a tokenizer may break the rule
+            num_tokens = len(self.tokenizer.encode(text))
+            if num_tokens != r.num_prompt_tokens:
+                raise ConfigError(
+                    f"request {r.request_id}: its {r.num_prompt_tokens}-token prompt as text encodes to {num_tokens} "
+                    "tokens with this tokenizer (it merges words): leave out --tokenizer to send token ids"
+                )
+        return texts
+
+
+def request_body(model: str, request: Request, prompt: list[int] | str) -> dict:
     body: dict = {
         "model": model,
         "prompt": prompt,
@@ -89,7 +137,7 @@ class _Client:
     def clock(self) -> float:
         return time.perf_counter() - self.start
 
-    async def send(self, request: Request, prompt: list[int]) -> str | None:
+    async def send(self, request: Request, prompt: list[int] | str) -> str | None:
         """Send one request at once and record its times on it; returns an error message or None."""
         request.arrival_time = self.clock()
         chunk_times: list[float] = []
@@ -106,7 +154,9 @@ class _Client:
                     if "error" in event:
                         return f"error event: {event['error'].get('message')}"
                     if event.get("usage"):
-                        num_tokens = event["usage"]["completion_tokens"]
+                        usage = event["usage"]
+                        num_tokens = usage["completion_tokens"]
+                        request.num_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                     if event.get("choices"):  # a step's tokens (text may be held back), as vLLM's client counts
                         chunk_times.append(self.clock())
         except (TimeoutError, aiohttp.ClientError) as e:
@@ -132,7 +182,7 @@ class _Client:
 async def _replay(
     client: _Client,
     requests: Sequence[Request],
-    prompts: Sequence[list[int]],
+    prompts: Sequence[list[int] | str],
     chains: Sequence[Sequence[Sequence[Request]]],
     on_progress: Callable[[int], None] | None,
 ) -> dict[int, str]:
@@ -173,7 +223,7 @@ def run_benchmark(
     base_url: str,
     model: str,
     requests: Sequence[Request],
-    prompts: Sequence[list[int]],
+    prompts: Sequence[list[int] | str],
     *,
     chains: Sequence[Sequence[Sequence[Request]]] = (),
     timeout_s: float = 600.0,

@@ -167,6 +167,13 @@ def serve(
     show_default=True,
     help="Prompt token ids are drawn from [0, this): ids every model has by default.",
 )
+@click.option(
+    "--tokenizer",
+    "tokenizer_path",
+    type=click.Path(path_type=Path),
+    help="The server's tokenizer (a tokenizer.json, a model directory or a .gguf file): send text prompts that "
+    "it encodes to exactly the trace's lengths, one word per token, instead of token ids.",
+)
 @click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="Per-request timeout (s).")
 @click.option("--out", type=click.Path(path_type=Path), help="Write summary.json, requests.csv and latency_cdf.png.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
@@ -175,6 +182,7 @@ def bench_serve(
     served_model: str,
     max_model_len: int | None,
     vocab_size: int,
+    tokenizer_path: Path | None,
     timeout_s: float,
     out: Path | None,
     as_json: bool,
@@ -182,7 +190,9 @@ def bench_serve(
 ) -> None:
     """Replay a trace or workload against a running server (streamed completions, prompts of the
     trace's lengths, max_tokens = its output lengths with ignore_eos) and measure TTFT, TPOT,
-    inter-token and end-to-end latency as the client sees them."""
+    inter-token and end-to-end latency as the client sees them. Prompts of a trace with prefix
+    structure repeat the same tokens for the same segment ids, so the server's prefix cache is tried
+    as in a simulation; the cached tokens the server reports go in the summary."""
     bench = _import_serve_extra("sloserve.bench.client")
     check_out(out)
     if vocab_size < 1:
@@ -193,7 +203,16 @@ def bench_serve(
         max_model_len = bench.server_max_model_len(base_url, served_model)
     workload = make_workload_from_options(SimOptions.of_workload(options), max_model_len)
     requests, chains = fresh_workload(workload)
-    prompts = bench.synthetic_prompts(requests, vocab_size, options["seed"])
+    if tokenizer_path is None:
+        prompts = bench.synthetic_prompts(requests, vocab_size, options["seed"])
+    else:
+        from sloserve.engine.tokenizer import load_tokenizer_file
+
+        try:
+            tokenizer = load_tokenizer_file(tokenizer_path)
+        except ImportError as exc:  # tokenizers, gguf
+            raise ConfigError(f"--tokenizer needs the engine extra: pip install 'sloserve[engine]' ({exc})") from None
+        prompts = bench.WordPrompts(tokenizer).texts(requests, options["seed"])
     with ProgressBar(len(requests), f"bench-serve {served_model}", enabled=not as_json) as on_progress:
         result = bench.run_benchmark(
             base_url, served_model, requests, prompts, chains=chains, timeout_s=timeout_s, on_progress=on_progress

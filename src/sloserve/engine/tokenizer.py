@@ -46,11 +46,27 @@ class HFTokenizer:
         self._tok = tokenizer
         return self
 
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
+
+
+def load_tokenizer_file(path: Path) -> HFTokenizer:
+    """A tokenizer from a ``tokenizer.json``, a model directory holding one, or a ``.gguf`` file."""
+    if path.is_file() and path.suffix == ".json":
+        return HFTokenizer(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such file or directory (a tokenizer.json, a model directory or a .gguf file)")
+    tokenizer = load_tokenizer(path)
+    if tokenizer is None:
+        raise ConfigError(f"{path}: no tokenizer.json in this directory")
+    return tokenizer
 
 
 def load_tokenizer(model_dir: Path) -> HFTokenizer | None:
