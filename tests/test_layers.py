@@ -21,7 +21,8 @@ ALLOWED: dict[str, set[str] | None] = {
     "checkpoint": {"core", "cost"},
     "sched": {"core", "cost", "kv", "predict", "workload"},
     "replica": {"core", "metrics", "sched"},
-    "sim": {"core", "cost", "metrics", "replica", "sched", "kv", "predict", "workload"},
+    "router": {"core", "cost"},
+    "sim": {"core", "cost", "metrics", "replica", "router", "sched", "kv", "predict", "workload"},
     "engine": {"checkpoint", "core", "cost", "kv", "metrics", "replica", "sched", "workload", "predict"},
 }
 

@@ -89,6 +89,27 @@ class Replica:
         self.outstanding -= len(finished)
         return finished
 
+    # --- what it reports to a router (router.py's ReplicaLoad) -----------------------------------
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens its scheduler has yet to compute: its waiting requests' and its prefills'."""
+        sched = self.scheduler
+        queued = sum(r.num_tokens_to_process for r in sched.waiting)
+        return queued + sum(r.num_tokens_to_process for r in sched.running if r.is_prefill)
+
+    def kv_free_tokens(self) -> int:
+        kv = self.scheduler.kv
+        return kv.num_free_blocks * kv.block_size
+
+    def kv_empty_tokens(self) -> int:
+        kv = self.scheduler.kv
+        return kv.gpu.num_free * kv.block_size
+
+    def cached_prefix_tokens(self, request: Request) -> int | None:
+        kv = self.scheduler.kv
+        if kv.prefix_cache is None:
+            return None
+        return len(kv.find_cached_prefix(request)) * kv.block_size
+
     def _wait(self, out: SchedulerOutput, next_arrival: float) -> list[Request]:
         """Nothing to run until the next arrival (a policy may wait): idle until then."""
         if next_arrival == math.inf:

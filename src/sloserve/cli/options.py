@@ -82,7 +82,12 @@ def system_options(fn: Callable) -> Callable:
             "--swap-space-gib", type=float, default=4.0, show_default=True, help="CPU swap space per replica."
         ),
         click.option("--replicas", type=int, default=1, show_default=True),
-        click.option("--router", default="round-robin", show_default=True, help="round-robin or least-outstanding."),
+        click.option(
+            "--router",
+            default="round-robin",
+            show_default=True,
+            help="round-robin, least-outstanding, prefix-affinity or slo (docs/simulator.md).",
+        ),
         click.option(
             "--disaggregate",
             metavar="P:D",

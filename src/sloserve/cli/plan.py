@@ -135,7 +135,12 @@ def _layouts(text: str) -> list[tuple[int, int]]:
 )
 @click.option("--memory-utilization", type=float, default=0.9, show_default=True)
 @click.option("--swap-space-gib", type=float, default=4.0, show_default=True, help="CPU swap space per replica.")
-@click.option("--router", default="round-robin", show_default=True, help="round-robin or least-outstanding.")
+@click.option(
+    "--router",
+    default="round-robin",
+    show_default=True,
+    help="round-robin, least-outstanding, prefix-affinity or slo (docs/simulator.md).",
+)
 @click.option("--link-gbps", type=float, default=100.0, show_default=True, help="KV link per prefill replica, Gb/s.")
 @click.option(
     "--tolerance",

@@ -3,8 +3,9 @@ cost-model executor."""
 
 from sloserve.cost.base import batch_shape
 from sloserve.replica import Replica, SimulationStuckError
+from sloserve.router import ROUTERS
 from sloserve.sim.executor import SimExecutor
-from sloserve.sim.simulator import ROUTERS, SimResult, simulate
+from sloserve.sim.simulator import SimResult, simulate
 from sloserve.sim.stretch import StretchPlanner
 
 __all__ = [

@@ -16,12 +16,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sloserve.core.errors import UnknownNameError
 from sloserve.core.outputs import SchedulerOutput
 from sloserve.core.request import Request
 from sloserve.cost.base import CostModel
 from sloserve.metrics.timeline import Timeline
 from sloserve.replica import Replica
+from sloserve.router import Router, make_router
 from sloserve.sched.base import Scheduler
 from sloserve.sim.executor import SimExecutor
 from sloserve.sim.stretch import StretchPlanner
@@ -81,20 +81,6 @@ def _latest_first(arrival: tuple[float, int, Request]) -> tuple[float, int]:
     return -arrival[0], -arrival[1]
 
 
-def _route_round_robin(replicas: Sequence[Replica], seq: int) -> Replica:
-    return replicas[seq % len(replicas)]
-
-
-def _route_least_outstanding(replicas: Sequence[Replica], seq: int) -> Replica:
-    return min(replicas, key=lambda r: (r.outstanding, r.index))
-
-
-ROUTERS: dict[str, Callable[[Sequence[Replica], int], Replica]] = {
-    "round-robin": _route_round_robin,
-    "least-outstanding": _route_least_outstanding,
-}
-
-
 class _Cluster:
     """Replicas behind a router (or one replica with closed-loop batches), run event by event, as
     SimPy's ``Environment.step``: the events that come from outside the replicas, arrivals and KV
@@ -111,14 +97,15 @@ class _Cluster:
         self,
         replicas: list[Replica],
         decoders: list[Replica],
-        route: Callable[[Sequence[Replica], int], Replica],
+        router: Router,
+        decode_router: Router,
         chains: Sequence[Sequence[Sequence[Request]]],
         link_bandwidth: float,
     ) -> None:
         self.replicas, self.decoders, self.everyone = replicas, decoders, replicas + decoders
-        self.route = route
+        self.router, self.decode_router = router, decode_router
         self.events: list[tuple[float, int, int, Request]] = []
-        self.num_routed = self.num_routed_to_decode = self.num_finished = self.num_steps = 0
+        self.num_finished = self.num_steps = 0
         # Disaggregated serving: when each prefill replica's link is idle again, and the bytes sent.
         self.link_bandwidth = link_bandwidth
         self.link_free = [0.0] * len(replicas)
@@ -159,13 +146,11 @@ class _Cluster:
                 next_progress = self.num_steps + PROGRESS_EVERY_STEPS
 
     def route_arrival(self, request: Request, at: float) -> None:
-        self.route(self.replicas, self.num_routed).add(request, at)
-        self.num_routed += 1
+        self.router.route(request, self.replicas).add(request, at)
 
     def deliver_kv(self, request: Request, at: float) -> None:
         """A prefilled request's KV has reached the decode side: a decode replica takes it."""
-        self.route(self.decoders, self.num_routed_to_decode).add(request, at)
-        self.num_routed_to_decode += 1
+        self.decode_router.route(request, self.decoders).add(request, at)
 
     def step(self, replica: Replica, next_event: float) -> None:
         """One step of ``replica``; then the next batch of a chain whose batch it finished arrives, and
@@ -288,8 +273,7 @@ def simulate(
     arrives (its ``arrival_time`` is set) when every request of the batch before it has finished,
     each request ``think_time_s`` later (a conversation's turns).
     """
-    if router not in ROUTERS:
-        raise UnknownNameError("router", router, list(ROUTERS))
+    routers = (make_router(router, cost_model), make_router(router, cost_model))  # arrivals, KV hand-offs
     if num_replicas < 1 or num_decode_replicas < 0:
         raise ValueError(f"need >= 1 replica and >= 0 decode replicas, got {num_replicas}, {num_decode_replicas}")
     if num_decode_replicas and (make_decode_scheduler is None or not link_bandwidth > 0):
@@ -316,7 +300,7 @@ def simulate(
         pending = sorted(((r.arrival_time, r.request_id, r) for r in arrivals), key=_latest_first)
         completed, transferred_bytes = _run_solo(replicas[0], pending, on_progress), 0
     else:
-        cluster = _Cluster(replicas, decoders, ROUTERS[router], chains, link_bandwidth)
+        cluster = _Cluster(replicas, decoders, *routers, chains, link_bandwidth)
         for r in arrivals:
             cluster.arrive(r, r.arrival_time)
         cluster.run(on_progress)
