@@ -33,6 +33,9 @@ TABLE1 = ("vllm", "vllm_hy", "sarathi", "sarathi_pc", "sarathi_nocp", "sarathi_n
 # max_num_seqs), so it is lifted to C here.
 SETTING = "Llama-2-7B on A100, C = 4096"
 OPTIONS = {"block_size": 1, "watermark": 0.0, "max_num_batched_tokens": C, "max_num_seqs": C}
+# The rank schedulers as §4.6 runs them: their evictions are the point of Figures 10-12 (short prompts
+# go first "despite evictions and refills"), so without our anti-thrash rule (sched/rank.py).
+PAPER_RULES = {name: {"readmit_horizon_steps": 0} for name in ("rank_org", "rank_i", "rank_o")}
 
 
 def run_fixed(
@@ -49,7 +52,11 @@ def run_fixed(
     if requests is None:
         requests = synthetic_workload(prompt, output, num_requests, context_len=C).requests
     simulate(
-        requests, lambda: make_scheduler(name, kv_capacity_tokens=capacity, max_model_len=C, options=OPTIONS), cost
+        requests,
+        lambda: make_scheduler(
+            name, kv_capacity_tokens=capacity, max_model_len=C, options={**OPTIONS, **PAPER_RULES.get(name, {})}
+        ),
+        cost,
     )
     return fixed_metrics(name, prompt, output, capacity, requests, preset=cost.name)
 

@@ -26,7 +26,7 @@ from sloserve.core.outputs import BlockCopy
 from sloserve.core.request import Request
 from sloserve.kv.array_mirror import ArrayMirror
 from sloserve.kv.block_pool import BlockPool
-from sloserve.kv.prefix_cache import EvictionQueue, PrefixCache
+from sloserve.kv.prefix_cache import EvictionQueue, PrefixCache, block_ids
 
 
 class KVCacheManager:
@@ -125,6 +125,14 @@ class KVCacheManager:
         """Tokens the requests' tables hold more than once (prefix caching: a shared block's KV is
         in memory once however many tables hold it); 0 without prefix caching."""
         return 0 if self.prefix_cache is None else self.prefix_cache.num_extra_refs * self.block_size
+
+    def num_blocks_released(self, request: Request) -> int:
+        """GPU blocks that freeing ``request`` would make free: its table's, less those another
+        request also holds (prefix caching)."""
+        table = self.block_tables.get(request, ())
+        if self.prefix_cache is None or not table:
+            return len(table)
+        return int(np.count_nonzero(self.prefix_cache.ref_counts[block_ids(table)] == 1))
 
     def num_slots(self, request: Request) -> int:
         """Token slots ``request`` holds on the GPU."""

@@ -9,6 +9,16 @@ CANALLOCATE checks C, P and M (3); on a memory failure a candidate evicts the lo
 requests after it, and a running candidate with none left evicts itself (4). The paper does not state
 P for these schedulers; the default here is P = C (like SARATHI_P=C), a knob like every other.
 
+The anti-thrash rule (ours, ``readmit_horizon_steps``; 0 gives the paper's rule). When KV is scarce,
+(4) makes every eviction a cascade: the evicted request, waiting, still outranks the requests admitted
+after it and evicts them to come back, they evict the next, and so on, and a candidate that cannot
+fit even alone evicts lower-ranked requests for nothing (on `benchmarks/overload.py`'s mixed RT/BE
+case with 3,000 KV tokens, rank_org made 97 evictions per request). So: a candidate evicts only
+when evicting every lower-ranked request outside the batch would make room, and a request evicted
+before comes back into free KV only, with room left for the running requests' growth over the
+horizon (one block per ``block_size`` steps each), evicting nobody. A new request still evicts
+lower-ranked ones as §4.6 says: Rank_I's short prompts still go first.
+
 Every running request is scheduled explicitly (no decode cohort): ranks reorder decodes too.
 
 With prefix caching a waiting candidate is looked up when its turn comes: C, P and M count only the
@@ -37,6 +47,11 @@ class RankConfig(UnifiedConfig):
     hybrid_batching: bool = True
     chunked_prefill: bool = True
     rank_by: Literal["arrival", "input", "output"] = "arrival"
+    # The anti-thrash rule (ours, as BROS's; the paper's Algorithm 1 has none): a request evicted
+    # before comes back into free KV only, with room left for the running requests' growth over this
+    # many steps, and evicts nobody to come back. 0: the paper's rule (it evicts lower-ranked
+    # requests like any candidate). Why: the module docstring.
+    readmit_horizon_steps: int = 64
 
     def resolve(self, max_model_len: int) -> None:
         super().resolve(max_model_len)
@@ -44,6 +59,8 @@ class RankConfig(UnifiedConfig):
             raise ConfigError(f"rank_by must be arrival, input or output, got {self.rank_by!r}")
         if self.rank_by == "output" and self.predictor == "none":
             raise ConfigError("rank_by=output needs a predictor (oracle or histogram)")
+        if self.readmit_horizon_steps < 0:
+            raise ConfigError(f"readmit_horizon_steps must be >= 0, got {self.readmit_horizon_steps}")
 
 
 class RankScheduler(Scheduler):
@@ -97,13 +114,22 @@ class RankScheduler(Scheduler):
             # (3) M: a running request grows by its chunk; a new one reserves its whole prompt.
             target = cand.num_computed_tokens + num_tokens if running else cand.num_tokens
             reserve = 0 if running else self._watermark_blocks
-            while not kv.can_allocate(cand, target, reserve, cached):
-                victims = [r for r in self.running if r not in in_batch and position[r] > position[cand]]
-                if not victims:  # (4) no lower-ranked request left
-                    break
-                victim = max(victims, key=position.__getitem__)
-                self._preempt(victim, self._mode, out)
-                evicted.add(victim)
+            if not running and cand.num_preemptions and cfg.readmit_horizon_steps:
+                # The anti-thrash rule: back into free KV only, beside the running requests' growth.
+                reserve += len(self.running) * -(-cfg.readmit_horizon_steps // kv.block_size)
+                if not kv.can_allocate(cand, target, reserve, cached):
+                    continue
+            if not kv.can_allocate(cand, target, reserve, cached):
+                victims = sorted(
+                    (r for r in self.running if r not in in_batch and position[r] > position[cand]),
+                    key=position.__getitem__,
+                )
+                if cfg.readmit_horizon_steps and not self._fits_after_evicting(cand, target, reserve, cached, victims):
+                    victims = []  # NOTE: the anti-thrash rule: evicting them all would not make room
+                while victims and not kv.can_allocate(cand, target, reserve, cached):
+                    victim = victims.pop()  # (4) the lowest-ranked first
+                    self._preempt(victim, self._mode, out)
+                    evicted.add(victim)
             if not kv.can_allocate(cand, target, reserve, cached):
                 if running:
                     self._preempt(cand, self._mode, out)  # (4) self-eviction
@@ -123,3 +149,10 @@ class RankScheduler(Scheduler):
             in_batch.add(cand)
             used += num_tokens
         return out
+
+    def _fits_after_evicting(
+        self, cand: Request, target: int, reserve: int, cached: list[int] | tuple, victims: list[Request]
+    ) -> bool:
+        """Whether ``cand``'s allocation (3) would fit once every one of ``victims`` gave up its KV."""
+        freed = sum(self.kv.num_blocks_released(v) for v in victims)
+        return self.kv.blocks_needed(cand, target, cached) + reserve <= self.kv.num_free_blocks + freed
