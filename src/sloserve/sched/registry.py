@@ -154,8 +154,8 @@ def make_scheduler(
         )
     if enable_prefix_caching and not supports_prefix_caching(name, options):
         raise ConfigError(
-            f"scheduler {name} does not support prefix caching yet; give --no-enable-prefix-caching, or one of "
-            f"{', '.join(n for n in scheduler_names() if supports_prefix_caching(n))}"
+            f"scheduler {name} does not support prefix caching (its policy does not look the cache up, or its "
+            "KV manager does not share blocks): give --no-enable-prefix-caching"
         )
     caching = {"enable_prefix_caching": True} if enable_prefix_caching else {}
     kv = KV_MANAGERS[config.kv_manager](
