@@ -465,3 +465,21 @@ def test_token_times_agree_with_the_summary_times(scheduler):
             assert max(b - a for a, b in zip(t, t[1:])) == pytest.approx(r.max_token_gap, abs=1e-12)
     result = token_group_attainment(requests, 1.0, 0.1)
     assert 0 <= result.requests <= 1 and 0 <= result.groups <= 1 and result.num_groups > len(requests)
+
+
+def test_columns_are_written_a_chunk_of_rows_at_a_time_as_one_file(tmp_path):
+    """write_columns_csv streams rows in chunks: the file is the same whatever the chunk size, NaN an
+    empty field, floats round-tripping."""
+    from sloserve.metrics.outputs import write_columns_csv
+
+    rng = np.random.default_rng(0)
+    floats = rng.random(23)
+    floats[[0, 7, 22]] = np.nan
+    columns = {"i": np.arange(23), "x": floats}
+    write_columns_csv(tmp_path / "whole.csv", columns)
+    write_columns_csv(tmp_path / "chunked.csv", columns, chunk_rows=5)
+    assert (tmp_path / "whole.csv").read_text() == (tmp_path / "chunked.csv").read_text()
+    rows = list(csv.DictReader((tmp_path / "chunked.csv").read_text().splitlines()))
+    assert [int(r["i"]) for r in rows] == list(range(23))
+    back = np.array([float(r["x"]) if r["x"] else np.nan for r in rows])
+    np.testing.assert_array_equal(back, floats)
