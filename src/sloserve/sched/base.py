@@ -149,11 +149,13 @@ class Scheduler(ABC):
         """A running request scheduled by a chunk sampled a token and goes on. Default: nothing (it
         stays running, and the policy schedules its next token by name)."""
 
-    def _skip_cached_prefix(self, request: Request, cached: list[int]) -> None:
+    def _skip_cached_prefix(self, request: Request, cached: list[int], out: SchedulerOutput) -> None:
         """``request`` was just allocated its slots with the ``cached`` blocks ``kv.find_cached_prefix``
         found: its computation starts past them (the first admission's count is kept, as vLLM's
-        ``num_cached_tokens``). Counted as one lookup of its prompt (vLLM's prefix cache queries and hits)."""
+        ``num_cached_tokens``), and they count among the step's cached tokens (``out``, the timeline).
+        Counted as one lookup of its prompt (vLLM's prefix cache queries and hits)."""
         num_tokens = len(cached) * self.kv.block_size
+        out.num_cached_tokens += num_tokens
         request.add_computed(num_tokens)
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_tokens

@@ -294,8 +294,7 @@ class SubsetScheduler(Scheduler):
             self.waiting.remove(request)
             self._admit(request)
             if self._caching:
-                self._skip_cached_prefix(request, cached)
-                out.num_cached_tokens += len(cached) * self.kv.block_size
+                self._skip_cached_prefix(request, cached, out)
         chunk = request.num_tokens_to_process
         out.chunks.append(ScheduledChunk(request, chunk))
         if self._caching and waiting:  # (a decode's blocks are registered when the request ends)

@@ -551,8 +551,7 @@ class EconoServeScheduler(CohortScheduler):
     def _skip_cached(self, request: Request, cached: list[int], out: SchedulerOutput) -> None:
         """With prefix caching: the PT just admitted starts past the ``cached`` blocks of its prompt."""
         if self.kv.prefix_cache is not None:
-            self._skip_cached_prefix(request, cached)
-            out.num_cached_tokens += len(cached) * self.kv.block_size
+            self._skip_cached_prefix(request, cached, out)
 
     def _add_prompt_chunk(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
         """Schedule ``num_tokens`` of the PT's prompt; with prefix caching, register the full blocks

@@ -140,8 +140,7 @@ class RankScheduler(Scheduler):
             if not running:
                 self.waiting.remove(cand)
                 if self._caching:
-                    self._skip_cached_prefix(cand, cached)
-                    out.num_cached_tokens += len(cached) * kv.block_size
+                    self._skip_cached_prefix(cand, cached, out)
                 self._admit(cand)
             out.chunks.append(ScheduledChunk(cand, num_tokens))
             if self._caching:

@@ -106,8 +106,7 @@ class IterationScheduler(Scheduler):
         assert done
         self.waiting.remove(request)
         if self._caching:
-            self._skip_cached_prefix(request, cached)
-            out.num_cached_tokens += len(cached) * self.kv.block_size
+            self._skip_cached_prefix(request, cached, out)
         self._admit(request)
         return True
 

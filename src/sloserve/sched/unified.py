@@ -295,8 +295,7 @@ class UnifiedScheduler(CohortScheduler):
             else:
                 self.waiting.remove(request)
             if caching:
-                self._skip_cached_prefix(request, cached)
-                out.num_cached_tokens += len(cached) * kv.block_size
+                self._skip_cached_prefix(request, cached, out)
             self._admit(request)
             self._add_chunk(out, request, num_tokens)
             room -= num_tokens
