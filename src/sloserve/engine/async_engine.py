@@ -88,6 +88,7 @@ class ServedRequest:
         self.last_token_time = math.nan
         self.finish_time = math.nan
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it ended with "error", when its engine still runs (a fleet's replica died)
         self._loop = loop
         self._queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
 
@@ -132,7 +133,7 @@ def _put_all(items: list[tuple[ServedRequest, StreamDelta]]) -> None:
 class EngineObserver(Protocol):
     """Told what happens in the engine (the server's metrics and request log), on the reader thread."""
 
-    def on_step(self, stats: EngineStats) -> None: ...
+    def on_step(self, stats: EngineStats, replica: str = "0") -> None: ...
 
     def on_finish(self, served: ServedRequest) -> None: ...
 
@@ -204,19 +205,23 @@ class AsyncLLMEngine:
         if kind == "failed":
             self._process.join(timeout=STOP_TIMEOUT_S)
             raise ConfigError(payload)
-        self.info = payload
-        self._scheduler = make_scheduler(
-            self.spec.scheduler,
-            kv_capacity_tokens=payload.kv_capacity_tokens,
-            max_model_len=payload.max_model_len,
-            kv_bytes_per_token=payload.kv_bytes_per_token,
-            swap_space_tokens=payload.swap_space_tokens,
-            options=self.spec.scheduler_options,
-            cost_model=engine_cost_model(self.spec.cost_model),
-        )
+        self._started(payload)
         self._reader = threading.Thread(target=self._read, name="sloserve-engine-reader", daemon=True)
         self._reader.start()
         return payload
+
+    def _started(self, info: EngineInfo) -> None:
+        """The engine is up: requests are checked against ``info`` from now on."""
+        self.info = info
+        self._scheduler = make_scheduler(
+            self.spec.scheduler,
+            kv_capacity_tokens=info.kv_capacity_tokens,
+            max_model_len=info.max_model_len,
+            kv_bytes_per_token=info.kv_bytes_per_token,
+            swap_space_tokens=info.swap_space_tokens,
+            options=self.spec.scheduler_options,
+            cost_model=engine_cost_model(self.spec.cost_model),
+        )
 
     @property
     def num_queued(self) -> int:
@@ -323,7 +328,8 @@ class AsyncLLMEngine:
         finally:
             self._stopped.set()
 
-    def _on_step(self, outputs: list[Output], stats: EngineStats) -> None:
+    def _on_step(self, outputs: list[Output], stats: EngineStats | None, replica: str = "0") -> None:
+        """Hand each request its news; ``stats`` (None: none new) are ``replica``'s engine after the step."""
         outbox: list[tuple[ServedRequest, StreamDelta]] = []
         ended: list[ServedRequest] = []
         for out in outputs:
@@ -341,9 +347,10 @@ class AsyncLLMEngine:
                 served.finish_reason, served.finish_time = out.finish_reason, out.finish_time
                 ended.append(served)
             outbox.append((served, StreamDelta(out.text, out.token_ids, out.finish_reason)))
-        self.last_stats = stats
-        if self.observer is not None:
-            self.observer.on_step(stats)
+        if stats is not None:
+            self.last_stats = stats
+            if self.observer is not None:
+                self.observer.on_step(stats, replica)
         # NOTE: ended (metrics, request log) before the deltas go out: a client that has its answer
         # finds its request counted and logged.
         for served in ended:

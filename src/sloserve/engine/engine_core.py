@@ -16,6 +16,7 @@ Messages over the pipe (pickled tuples):
 
 from __future__ import annotations
 
+import math
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from sloserve.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 # The replica's timeline (one row per step) is started afresh after this many steps: a server runs
 # for days, and nothing reads the rows of a served run.
 MAX_TIMELINE_STEPS = 100_000
+# Seconds between two reports of the prefix cache's keys (a fleet's router reads them).
+CACHE_KEYS_PERIOD_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,8 @@ class EngineInfo:
     kv_capacity_tokens: int
     swap_space_tokens: int
     kv_bytes_per_token: int
+    block_size: int = 16
+    prefix_caching: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,13 @@ class EngineStats:
     # tokens looked up at admission, and of them found cached.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # What a fleet's router reads (``router.ReplicaLoad``, as the simulator's replicas report it)
+    queued_prompt_tokens: int = 0  # prompt tokens still to compute
+    kv_free_tokens: int = 0  # an allocation could take them now, cached blocks nobody uses included
+    kv_empty_tokens: int = 0  # holding nothing, not even a cached prefix
+    # The keys of the blocks the prefix cache holds (None: no prefix cache); sent at most every
+    # CACHE_KEYS_PERIOD_S, else the last ones sent stand
+    cached_block_keys: list[int] | None = None
 
 
 class _Live:
@@ -159,6 +171,7 @@ class EngineCore:
         self.stopping = False
         self.num_steps = 0
         self._pending: list[Output] = []  # last outputs of aborted requests, sent with the next message
+        self._keys_sent_at = -math.inf
 
     def clock(self) -> float:
         """The server's engine clock (``time.perf_counter`` is system-wide on Linux)."""
@@ -265,8 +278,11 @@ class EngineCore:
         for live in self.live.values():
             if live.request.status in counts:
                 counts[live.request.status] += 1
-        scheduler = self.engine.scheduler
+        scheduler, replica = self.engine.scheduler, self.engine.replica
         cache = scheduler.kv.prefix_cache
+        keys = None
+        if cache is not None and self.clock() - self._keys_sent_at >= CACHE_KEYS_PERIOD_S:
+            keys, self._keys_sent_at = cache.cached_keys(), self.clock()
         return EngineStats(
             counts[RequestStatus.WAITING],
             counts[RequestStatus.RUNNING],
@@ -277,6 +293,10 @@ class EngineCore:
             scheduler.num_preemptions,
             cache.num_queried_tokens if cache is not None else 0,
             cache.num_hit_tokens if cache is not None else 0,
+            replica.queued_prompt_tokens(),
+            replica.kv_free_tokens(),
+            replica.kv_empty_tokens(),
+            keys,
         )
 
 
@@ -300,6 +320,8 @@ def run_core(spec: EngineSpec, conn: Connection, clock_start: float) -> None:
                 kv.capacity_tokens,
                 kv.cpu.num_blocks * kv.block_size,
                 _bytes_per_token(engine),
+                kv.block_size,
+                kv.prefix_cache is not None,
             ),
         )
     )

@@ -176,6 +176,10 @@ class PrefixCache:
         found = limit if live.all() else int(np.argmin(live))
         return blocks[:found].tolist()
 
+    def cached_keys(self) -> list[int]:
+        """The keys of the blocks cached now (what a fleet's router matches prompts against)."""
+        return self.key_of[self.is_cached].tolist()
+
     def num_evictable(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` nobody uses (taking them lowers the free count)."""
         return int(np.count_nonzero(self.ref_counts[block_ids(blocks)] == 0))

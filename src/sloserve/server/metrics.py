@@ -59,21 +59,41 @@ class ServerMetrics:
             ["reason"],
             registry=r,
         )
-        self.waiting = Gauge("sloserve_num_requests_waiting", "Requests holding no KV, waiting to run", registry=r)
-        self.running = Gauge("sloserve_num_requests_running", "Requests holding KV on the device", registry=r)
-        self.swapped = Gauge("sloserve_num_requests_swapped", "Requests whose KV is in CPU swap space", registry=r)
-        self.kv_usage = Gauge("sloserve_kv_cache_usage_ratio", "Tokens holding KV / KV capacity", registry=r)
-        self.kv_allocated = Gauge("sloserve_kv_cache_allocated_ratio", "KV slots allocated / KV capacity", registry=r)
-        self.kv_used_tokens = Gauge("sloserve_kv_cache_used_tokens", "Tokens holding KV", registry=r)
-        self.preemptions = Counter("sloserve_preemptions", "Requests preempted (recompute or swap)", registry=r)
+        # What an engine reports after each step, by replica ("0" for one engine; vLLM's engine label)
+        per_replica = ["replica"]
+        self.waiting = Gauge(
+            "sloserve_num_requests_waiting", "Requests holding no KV, waiting to run", per_replica, registry=r
+        )
+        self.running = Gauge(
+            "sloserve_num_requests_running", "Requests holding KV on the device", per_replica, registry=r
+        )
+        self.swapped = Gauge(
+            "sloserve_num_requests_swapped", "Requests whose KV is in CPU swap space", per_replica, registry=r
+        )
+        self.kv_usage = Gauge(
+            "sloserve_kv_cache_usage_ratio", "Tokens holding KV / KV capacity", per_replica, registry=r
+        )
+        self.kv_allocated = Gauge(
+            "sloserve_kv_cache_allocated_ratio", "KV slots allocated / KV capacity", per_replica, registry=r
+        )
+        self.kv_used_tokens = Gauge("sloserve_kv_cache_used_tokens", "Tokens holding KV", per_replica, registry=r)
+        self.preemptions = Counter(
+            "sloserve_preemptions", "Requests preempted (recompute or swap)", per_replica, registry=r
+        )
         self.prompt_tokens = Counter("sloserve_prompt_tokens", "Prompt tokens of ended requests", registry=r)
         self.generation_tokens = Counter("sloserve_generation_tokens", "Output tokens sent", registry=r)
         # vLLM's prefix_cache_queries / prefix_cache_hits: prompt tokens looked up at admission, and found
         self.prefix_cache_queries = Counter(
-            "sloserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+            "sloserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", per_replica, registry=r
         )
         self.prefix_cache_hits = Counter(
-            "sloserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r
+            "sloserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", per_replica, registry=r
+        )
+        self.replica_failures = Counter(
+            "sloserve_replica_failures",
+            "Requests whose replica failed under them, by what became of them (retried, error)",
+            ["outcome"],
+            registry=r,
         )
         labels = ["request_class"]
         self.ttft = Histogram(
@@ -101,8 +121,7 @@ class ServerMetrics:
             "sloserve_batch_lines_in_engine", "Batch API lines in the engine now", registry=r
         )
         self._slo_counts: dict[str, list[int]] = {}  # class -> [met, all]
-        self._num_preemptions = 0
-        self._prefix_cache_queries = self._prefix_cache_hits = 0
+        self._last_totals: dict[str, EngineStats] = {}  # replica -> its last stats (counters take what grew)
         self._log: IO[str] | None = None
         self._log_lock = threading.Lock()
         if request_log is not None:
@@ -111,20 +130,28 @@ class ServerMetrics:
             except OSError as e:
                 raise ConfigError(f"--request-log {request_log}: cannot open for appending ({e.strerror})") from None
 
-    def on_step(self, stats: EngineStats) -> None:
-        self.waiting.set(stats.num_waiting)
-        self.running.set(stats.num_running)
-        self.swapped.set(stats.num_swapped)
-        self.kv_usage.set(stats.kv_used_tokens / stats.kv_capacity_tokens)
-        self.kv_allocated.set(stats.kv_allocated_tokens / stats.kv_capacity_tokens)
-        self.kv_used_tokens.set(stats.kv_used_tokens)
-        if stats.num_preemptions > self._num_preemptions:
-            self.preemptions.inc(stats.num_preemptions - self._num_preemptions)
-            self._num_preemptions = stats.num_preemptions
-        # NOTE: the engine reports totals; a counter takes what they grew by
-        self.prefix_cache_queries.inc(stats.prefix_cache_queries - self._prefix_cache_queries)
-        self.prefix_cache_hits.inc(stats.prefix_cache_hits - self._prefix_cache_hits)
-        self._prefix_cache_queries, self._prefix_cache_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+    def on_step(self, stats: EngineStats, replica: str = "0") -> None:
+        self.waiting.labels(replica).set(stats.num_waiting)
+        self.running.labels(replica).set(stats.num_running)
+        self.swapped.labels(replica).set(stats.num_swapped)
+        self.kv_usage.labels(replica).set(stats.kv_used_tokens / stats.kv_capacity_tokens)
+        self.kv_allocated.labels(replica).set(stats.kv_allocated_tokens / stats.kv_capacity_tokens)
+        self.kv_used_tokens.labels(replica).set(stats.kv_used_tokens)
+        # NOTE: the engine reports totals since it started; a counter takes what they grew by, and a
+        # replica restarted by Ray Serve starts again from 0
+        last = self._last_totals.get(replica)
+        for counter, name in (
+            (self.preemptions, "num_preemptions"),
+            (self.prefix_cache_queries, "prefix_cache_queries"),
+            (self.prefix_cache_hits, "prefix_cache_hits"),
+        ):
+            now, before = getattr(stats, name), getattr(last, name, 0)
+            counter.labels(replica).inc(now - before if now >= before else now)
+        self._last_totals[replica] = stats
+
+    def on_replica_failure(self, outcome: str) -> None:
+        """A fleet's replica failed under a request, which was sent again ("retried") or ended ("error")."""
+        self.replica_failures.labels(outcome).inc()
 
     def on_finish(self, served: ServedRequest) -> None:
         cls = served.request_class.value

@@ -39,7 +39,7 @@ async def respond(
         return Response(status_code=499)
     text, reason = result
     if reason in ("abort", "error"):
-        return json_error(ended_early(reason, engine.error))
+        return json_error(ended_early(reason, served.error or engine.error))
     return JSONResponse(
         objects.whole(text, reason, usage(served.num_prompt_tokens, served.num_output_tokens, served.num_cached_tokens))
     )
@@ -54,7 +54,7 @@ async def stream(
             yield sse(objects.chunk("", None, role=True))
         async for delta in served:
             if delta.finish_reason in ("abort", "error"):
-                yield sse(ended_early(delta.finish_reason, engine.error).body)
+                yield sse(ended_early(delta.finish_reason, served.error or engine.error).body)
                 break
             # NOTE: a chunk per delta that has tokens, even when their text is held back (an
             # incomplete character, a possible stop string): clients time tokens by chunks.

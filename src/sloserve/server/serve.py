@@ -21,6 +21,7 @@ from sloserve.checkpoint.gguf import is_gguf
 from sloserve.core.errors import ConfigError
 from sloserve.engine.async_engine import AsyncLLMEngine
 from sloserve.engine.engine_core import EngineSpec
+from sloserve.fleet.engine import FleetEngine, FleetOptions
 from sloserve.sched.registry import build_config
 from sloserve.server.app import build_app
 from sloserve.server.batch_api import BatchLimits, BatchService
@@ -59,6 +60,7 @@ class ServeOptions:
     log_level: str = "info"
     data_dir: Path | None = None  # the Batch API's files and state; None: no Files or Batches routes
     batch_limits: BatchLimits = field(default_factory=BatchLimits)
+    fleet: FleetOptions | None = None  # replicas on Ray Serve; None: one engine process
 
 
 def check_address(host: str, port: int) -> None:
@@ -98,7 +100,10 @@ def make_app(spec: EngineSpec, options: ServeOptions):
         else:
             template = ChatTemplate.for_model(model_path if model_path.is_dir() else None)
         metrics = ServerMetrics(options.served_model_name, options.request_log)
-        online = AsyncLLMEngine(spec, max_queued_requests=options.max_queued_requests, observer=metrics)
+        if options.fleet is None:
+            online = AsyncLLMEngine(spec, max_queued_requests=options.max_queued_requests, observer=metrics)
+        else:
+            online = FleetEngine(spec, options.fleet, max_queued_requests=options.max_queued_requests, observer=metrics)
         online.start()
     except BaseException:
         if store is not None:

@@ -1,0 +1,266 @@
+"""``FleetEngine``: ``serve --replicas N``'s engine. The OpenAI app, its metrics and its Batch API run
+in the server process as with one engine; each accepted request goes through a Ray Serve
+``DeploymentHandle`` to one of N ``EngineReplica``s, picked by ``FleetRequestRouter`` with the
+routing policy of ``--router``, and its tokens come back on that replica's output stream (one per
+replica, replica.py says why).
+
+It is an ``AsyncLLMEngine`` whose pipe to one engine process is replaced by Ray Serve calls: the
+checks at ``submit`` (context, queue limit, KV fit), the request's deltas and its end, the
+observer's metrics and the request log are the single engine's. What differs:
+
+- Timestamps are taken here when a delta arrives (the latency a client sees), not at the end of
+  the replica's step.
+- A request whose replica died before it gave a token is sent again (at most ``MAX_RETRIES`` times;
+  Ray Serve routes it to a live replica and replaces the dead one); one that had streamed tokens
+  ends with "error" and says why.
+- Nothing of the cluster is ours: Ray Serve places replicas (``num_gpus=1`` each on CUDA, cores of
+  their own on the CPU), health-checks them (``EngineReplica.check_health``) and restarts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+from sloserve.core.errors import ConfigError
+from sloserve.engine.async_engine import AsyncLLMEngine, EngineObserver
+from sloserve.engine.engine_core import AddRequest, EngineInfo, EngineSpec, Output
+from sloserve.router import ROUTERS
+
+log = logging.getLogger("sloserve.fleet")
+
+APP_NAME = "sloserve"
+# Times a request whose replica died before its first token is sent again.
+MAX_RETRIES = 3
+# Seconds between Ray Serve's health checks of a replica (its default is 10).
+HEALTH_CHECK_PERIOD_S = 2.0
+
+
+@dataclass(frozen=True)
+class FleetOptions:
+    """Where and how the replicas run."""
+
+    num_replicas: int = 2
+    router: str = "least-outstanding"
+    ray_address: str | None = None  # None: a local Ray started for the run
+    cpus_per_replica: int | None = None  # CPU only; None: the machine's cores split evenly
+
+    def check(self) -> None:
+        if self.num_replicas < 1:
+            raise ConfigError(f"--replicas must be >= 1, got {self.num_replicas}")
+        if self.router not in ROUTERS:
+            raise ConfigError(f"--router {self.router!r} is not a routing policy; choose one of {', '.join(ROUTERS)}")
+        if self.cpus_per_replica is not None and self.cpus_per_replica < 1:
+            raise ConfigError(f"--cpus-per-replica must be >= 1, got {self.cpus_per_replica}")
+
+
+class FleetEngine(AsyncLLMEngine):
+    """N replicas of the engine of ``spec`` on Ray Serve, used as one ``AsyncLLMEngine``."""
+
+    def __init__(
+        self,
+        spec: EngineSpec,
+        fleet: FleetOptions,
+        *,
+        max_queued_requests: int = 1024,
+        observer: EngineObserver | None = None,
+    ) -> None:
+        fleet.check()
+        super().__init__(spec, max_queued_requests=max_queued_requests, observer=observer)
+        self.fleet = fleet
+        self.num_retries = 0  # requests sent again after their replica died
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._calls = None  # the replicas' DeploymentHandle
+        # By request id, from submit to its end: what to send again, the replica holding it (by key),
+        # the times it was sent again, and those aborted
+        self._adds: dict[int, AddRequest] = {}
+        self._replica_of: dict[int, str] = {}
+        self._num_tries: dict[int, int] = {}
+        self._aborted: set[int] = set()
+        self._channels: dict[str, asyncio.Task] = {}  # replica key -> the task listening to its outputs
+        self._started_ray = False
+
+    def start(self) -> EngineInfo:
+        """Start (or join) Ray, deploy the replicas and wait until each has loaded its model."""
+        try:
+            import ray
+            from ray import serve
+            from ray.serve.config import RequestRouterConfig
+        except ImportError as exc:
+            raise ConfigError(f"--replicas needs the fleet extra: pip install 'sloserve[fleet]' ({exc})") from None
+        from sloserve.fleet.replica import EngineReplica
+        from sloserve.fleet.routing import STATS_PERIOD_S, FleetRequestRouter
+
+        if not ray.is_initialized():
+            ray.init(address=self.fleet.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+            self._started_ray = True
+        serve.start(proxy_location="Disabled")  # NOTE: HTTP is this process's: the same app as one engine
+        on_gpu = self.spec.device.startswith("cuda")
+        cpus = self.fleet.cpus_per_replica or max(1, (os.cpu_count() or 1) // self.fleet.num_replicas)
+        deployment = serve.deployment(
+            EngineReplica,
+            name="engine",
+            num_replicas=self.fleet.num_replicas,
+            ray_actor_options={"num_gpus": 1} if on_gpu else {"num_cpus": cpus},
+            # NOTE: the engine queues and refuses (429) itself; Ray Serve must never hold a request back
+            max_ongoing_requests=100_000,
+            health_check_period_s=HEALTH_CHECK_PERIOD_S,
+            logging_config={"log_level": "WARNING", "enable_access_log": False},
+            request_router_config=RequestRouterConfig(
+                request_router_class=FleetRequestRouter,
+                request_router_kwargs={"policy": self.fleet.router, "cost_model": self.spec.cost_model},
+                request_routing_stats_period_s=STATS_PERIOD_S,
+            ),
+        )
+        try:
+            handle = serve.run(
+                deployment.bind(self.spec, self.max_queued_requests, None if on_gpu else cpus),
+                name=APP_NAME,
+                route_prefix=None,
+            )
+            info = EngineInfo(**handle.engine_info.remote().result())
+        except Exception as exc:  # noqa: BLE001 - a replica that cannot start: say why, leave nothing running
+            self._shutdown()
+            raise ConfigError(f"the fleet's replicas did not start: {exc}") from None
+        self._calls = handle
+        self._started(info)
+        return info
+
+    # --- the "pipe": Ray Serve calls ------------------------------------------------------------
+    def _send(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "add":
+            self._loop = loop = asyncio.get_running_loop()  # NOTE: submit runs on the server's loop
+            add: AddRequest = message[1]
+            self._adds[add.request_id] = add
+            loop.create_task(self._admit(add))
+        elif kind in ("abort", "abort_all") and self._loop is not None:
+            ids = list(self._adds) if kind == "abort_all" else [message[1]]
+            try:
+                self._loop.call_soon_threadsafe(self._abort, ids)
+            except RuntimeError:  # the loop is closed: its requests are gone
+                pass
+        elif kind == "stop":
+            self._shutdown()
+
+    async def _admit(self, add: AddRequest) -> None:
+        """Route ``add`` to a replica (Ray Serve calls the routing policy) and listen to that replica."""
+        from sloserve.fleet.routing import RoutedRequest
+
+        routed = RoutedRequest(add.prompt_token_ids, add.params, add.request_class, add.slo, add.stop)
+        try:
+            key = await self._calls.admit.remote(routed, add.request_id)
+        except Exception as exc:  # noqa: BLE001 - the replica died while admitting it: Ray's errors vary
+            self._lost([add.request_id], f"{exc}")
+            return
+        self._replica_of[add.request_id] = key
+        if key not in self._channels:
+            self._channels[key] = asyncio.get_running_loop().create_task(self._listen(key))
+        if add.request_id in self._aborted:  # aborted while it was being admitted
+            self._abort([add.request_id])
+
+    async def _listen(self, key: str) -> None:
+        """Hand on the deltas of replica ``key`` until it goes away; then its requests are lost."""
+        from sloserve.fleet.routing import ReplicaTarget
+
+        reason = "its replica stopped"
+        try:
+            async for news in self._calls.outputs.options(stream=True).remote(ReplicaTarget(key)):
+                now, outputs = self.clock(), []
+                for delta in news.deltas:
+                    served = self._served.get(delta.ingress_id)
+                    if served is None:
+                        continue
+                    last = now if delta.token_ids else served.last_token_time
+                    finish = now if delta.finish_reason else math.nan
+                    outputs.append(
+                        Output(
+                            delta.ingress_id,
+                            delta.text,
+                            delta.token_ids,
+                            delta.finish_reason,
+                            now,
+                            last,
+                            finish,
+                            delta.num_cached_tokens,
+                        )  # fmt: skip
+                    )
+                    if delta.finish_reason is not None:
+                        self._forget(delta.ingress_id)
+                self._on_step(outputs, news.stats, str(news.rank))
+        except Exception as exc:  # noqa: BLE001 - the replica died: Ray's errors vary
+            reason = f"its replica failed: {exc}"
+        finally:
+            del self._channels[key]
+            self._lost([i for i, k in self._replica_of.items() if k == key], reason)
+
+    def _lost(self, request_ids: list[int], reason: str) -> None:
+        """Requests whose replica went away: sent again if they had no token yet, else ended ("error")."""
+        for request_id in request_ids:
+            served, add = self._served.get(request_id), self._adds.get(request_id)
+            self._replica_of.pop(request_id, None)
+            if served is None or add is None or served.finish_reason is not None:
+                continue
+            retry = not served.num_output_tokens and request_id not in self._aborted and not self.draining
+            if retry and self._num_tries.get(request_id, 0) < MAX_RETRIES:
+                self._num_tries[request_id] = self._num_tries.get(request_id, 0) + 1
+                self._replica_failed("retried")
+                log.warning("request %d: its replica went away before its first token; sending it again", request_id)
+                asyncio.get_running_loop().create_task(self._admit(add))
+            else:
+                self._replica_failed("error")
+                self._end(request_id, "error", reason)
+
+    def _abort(self, request_ids: list[int]) -> None:
+        from sloserve.fleet.routing import ReplicaTarget
+
+        by_replica: dict[str, list[int]] = {}
+        for request_id in request_ids:
+            if request_id not in self._adds:
+                continue  # ended
+            self._aborted.add(request_id)
+            key = self._replica_of.get(request_id)
+            if key is not None:  # else: not admitted yet; _admit aborts it once it is
+                by_replica.setdefault(key, []).append(request_id)
+        for key, ids in by_replica.items():
+            self._calls.abort.remote(ReplicaTarget(key), ids)
+
+    def _forget(self, request_id: int) -> None:
+        for table in (self._adds, self._replica_of, self._num_tries):
+            table.pop(request_id, None)
+        self._aborted.discard(request_id)
+
+    def _replica_failed(self, outcome: str) -> None:
+        if outcome == "retried":
+            self.num_retries += 1
+        report = getattr(self.observer, "on_replica_failure", None)  # the server's metrics have it
+        if report is not None:
+            report(outcome)
+
+    def _end(self, request_id: int, reason: str, error: str | None) -> None:
+        served = self._served.get(request_id)
+        self._forget(request_id)
+        if served is None or served.finish_reason is not None:
+            return
+        served.error = error
+        now = self.clock()
+        out = Output(request_id, "", [], reason, now, served.last_token_time, now, served.num_cached_tokens)
+        self._on_step([out], None)
+
+    def _shutdown(self) -> None:
+        """Take the replicas down: with the local Ray this engine started, all of it; on a cluster
+        it joined, its application (without waiting: a cluster that is going away must not hold
+        the server up)."""
+        try:
+            import ray
+            from ray import serve
+
+            if self._started_ray:
+                ray.shutdown()  # NOTE: the replicas' engine processes end when their pipes close
+            elif ray.is_initialized():
+                serve.delete(APP_NAME, _blocking=False)
+        finally:
+            self._stopped.set()

@@ -1,0 +1,174 @@
+"""One engine replica of a fleet: the body of the Ray Serve deployment that ``FleetEngine`` deploys.
+
+A replica is the single server's engine (``AsyncLLMEngine``: the engine in its own process, the
+scheduler of ``serve --scheduler``) inside a Ray Serve replica actor. Ray Serve places it (one GPU
+each on CUDA, ``num_cpus`` cores on the CPU), checks its health (``check_health``: a failed engine
+makes Ray Serve replace the replica) and routes to it (``FleetRequestRouter``, from what
+``record_routing_stats`` reports).
+
+Calls, through Ray Serve (``FleetEngine`` makes them):
+
+    admit(request, ingress_id)  a routed request: submit it to the engine; returns this replica's key
+    outputs(target)             one stream per replica (``target`` names it): the deltas of all its
+                                requests, those of one step or more in one item
+    abort(target, ingress_ids)  end these requests ("abort")
+
+NOTE: one stream per replica, not one per request: a Ray Serve stream carries ~1,700 items a second
+on a 2-core machine, fewer than the tokens one small engine makes; a replica's stream sends whatever
+piled up since its last item, so its items never outnumber the engine's steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+
+from ray import serve
+
+from sloserve.engine.async_engine import AsyncLLMEngine, EngineInfo, EngineStats, ServedRequest
+from sloserve.engine.engine_core import EngineSpec
+from sloserve.fleet.routing import ReplicaTarget, RoutedRequest
+
+
+@dataclass(frozen=True)
+class ReplicaDelta:
+    """One request's news: its new text and tokens, and on the last one the finish reason; the prompt
+    tokens its replica's prefix cache held."""
+
+    ingress_id: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class ReplicaNews:
+    """An item of a replica's ``outputs`` stream: the deltas since the last item, and the replica's
+    engine after its last step (the ingress's per-replica metrics)."""
+
+    rank: int
+    deltas: list[ReplicaDelta]
+    stats: EngineStats | None
+
+
+class _Stats:
+    """The engine's last step (``EngineObserver``), for routing reports and metrics."""
+
+    def __init__(self) -> None:
+        self.last: EngineStats | None = None  # without the cache's keys (they go to the router only)
+        self.cached_keys: list[int] | None = None  # as of the engine's last report of them
+
+    def on_step(self, stats: EngineStats, replica: str = "0") -> None:
+        if stats.cached_block_keys is not None:
+            self.cached_keys = stats.cached_block_keys
+            stats = dataclasses.replace(stats, cached_block_keys=None)
+        self.last = stats
+
+    def on_finish(self, served: ServedRequest) -> None:
+        pass
+
+
+class EngineReplica:
+    """A Ray Serve deployment class: an ``AsyncLLMEngine`` of ``spec`` per replica."""
+
+    def __init__(self, spec: EngineSpec, max_queued_requests: int, cores_per_replica: int | None = None) -> None:
+        context = serve.get_replica_context()
+        self.rank = context.rank.rank
+        self.key = context.replica_id.unique_id
+        if cores_per_replica:  # on the CPU: cores of its own, which its engine process inherits
+            cores = sorted(os.sched_getaffinity(0))
+            first = context.rank.local_rank * cores_per_replica
+            os.sched_setaffinity(0, {cores[(first + i) % len(cores)] for i in range(cores_per_replica)})
+        self.stats = _Stats()
+        self.engine = AsyncLLMEngine(spec, max_queued_requests=max_queued_requests, observer=self.stats)
+        self.info: EngineInfo = self.engine.start()
+        self.stats.cached_keys = [] if self.info.prefix_caching else None
+        self.num_reports = 0
+        self.served: dict[int, ServedRequest] = {}  # by the ingress's request id
+        self.outbox: list[ReplicaDelta] = []
+        self._news: asyncio.Event | None = None  # NOTE: made on the replica's event loop, at the first call
+
+    def engine_info(self) -> dict:
+        return asdict(self.info)
+
+    async def admit(self, routed: RoutedRequest, ingress_id: int) -> str:
+        """Submit ``routed`` to the engine; its deltas go out on ``outputs``. Returns this replica's key."""
+        served = self.engine.submit(
+            routed.prompt_token_ids,
+            routed.params,
+            request_class=routed.request_class,
+            slo=routed.slo,
+            stop=routed.stop,
+        )
+        self.served[ingress_id] = served
+        asyncio.get_running_loop().create_task(self._forward(ingress_id, served))
+        return self.key
+
+    async def _forward(self, ingress_id: int, served: ServedRequest) -> None:
+        news = self._event()
+        try:
+            async for delta in served:
+                self.outbox.append(
+                    ReplicaDelta(ingress_id, delta.text, delta.token_ids, delta.finish_reason, served.num_cached_tokens)
+                )
+                news.set()
+        finally:
+            del self.served[ingress_id]
+
+    async def outputs(self, target: ReplicaTarget) -> AsyncIterator[ReplicaNews]:
+        """This replica's deltas, as they come (nothing when ``target`` names another replica: the
+        one it named is gone)."""
+        if target.key != self.key:
+            return
+        news = self._event()
+        while True:
+            await news.wait()
+            news.clear()
+            deltas, self.outbox = self.outbox, []
+            yield ReplicaNews(self.rank, deltas, self.stats.last)
+
+    def abort(self, target: ReplicaTarget, ingress_ids: list[int]) -> None:
+        for ingress_id in ingress_ids:
+            served = self.served.get(ingress_id)
+            if served is not None and target.key == self.key:
+                self.engine.abort(served)
+
+    def _event(self) -> asyncio.Event:
+        if self._news is None:
+            self._news = asyncio.Event()
+        return self._news
+
+    def record_routing_stats(self) -> dict:
+        """What the router reads (``routing.ReplicaReport``), as of the engine's last step."""
+        self.num_reports += 1
+        report = {
+            "rank": self.rank,
+            "report_id": self.num_reports,
+            "outstanding": self.engine.num_unfinished,
+            "block_size": self.info.block_size,
+            "cached_keys": self.stats.cached_keys,
+        }
+        stats = self.stats.last
+        if stats is None:  # no step yet: all of it is free
+            capacity = self.info.kv_capacity_tokens
+            return {**report, "queued_prompt_tokens": 0, "kv_free_tokens": capacity, "kv_empty_tokens": capacity}
+        return {
+            **report,
+            "queued_prompt_tokens": stats.queued_prompt_tokens,
+            "kv_free_tokens": stats.kv_free_tokens,
+            "kv_empty_tokens": stats.kv_empty_tokens,
+        }
+
+    def check_health(self) -> None:
+        """Raises once the engine failed: Ray Serve then replaces this replica."""
+        if self.engine.error is not None:
+            raise RuntimeError(f"the engine failed: {self.engine.error}")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None and engine.error is None:
+            engine.drain(0.0)
