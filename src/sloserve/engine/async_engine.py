@@ -355,6 +355,10 @@ class AsyncLLMEngine:
         # finds its request counted and logged.
         for served in ended:
             self._ended(served)
+        self._hand_over(outbox)
+
+    def _hand_over(self, outbox: list[tuple[ServedRequest, StreamDelta]]) -> None:
+        """Give each request its delta (from the reader thread): to its ``async for``."""
         _deliver(outbox)
 
     def _ended(self, served: ServedRequest) -> None:
@@ -379,6 +383,6 @@ class AsyncLLMEngine:
         now = self.clock()
         for served in open_requests:
             served.finish_reason, served.finish_time = "error", now
-        _deliver([(s, StreamDelta("", [], "error")) for s in open_requests])
+        self._hand_over([(s, StreamDelta("", [], "error")) for s in open_requests])
         for served in open_requests:
             self._ended(served)

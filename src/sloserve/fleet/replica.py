@@ -28,9 +28,14 @@ from dataclasses import asdict, dataclass
 
 from ray import serve
 
-from sloserve.engine.async_engine import AsyncLLMEngine, EngineInfo, EngineStats, ServedRequest
+from sloserve.engine.async_engine import AsyncLLMEngine, EngineInfo, EngineStats, ServedRequest, StreamDelta
 from sloserve.engine.engine_core import EngineSpec
 from sloserve.fleet.routing import ReplicaTarget, RoutedRequest
+
+# Seconds between two items of a replica's output stream at least: a Ray Serve stream item costs
+# ~0.6 ms of CPU, and an engine of a small model steps every 1-2 ms (a GPU step of an 8B model takes
+# 10-50 ms: there it changes nothing).
+MIN_ITEM_INTERVAL_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -72,63 +77,92 @@ class _Stats:
         pass
 
 
+class _ReplicaEngine(AsyncLLMEngine):
+    """The engine of a replica: a step's deltas go to the replica's outbox, with one wake-up of its
+    event loop per step (not to each request's queue: the replica streams them all on one call)."""
+
+    def __init__(self, spec: EngineSpec, max_queued_requests: int, stats: _Stats) -> None:
+        super().__init__(spec, max_queued_requests=max_queued_requests, observer=stats)
+        self.ingress_id: dict[int, int] = {}  # engine request id -> the ingress's
+        self.outbox: list[ReplicaDelta] = []
+        self.news: asyncio.Event | None = None  # set when the outbox has deltas; made on the replica's loop
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def _hand_over(self, outbox: list[tuple[ServedRequest, StreamDelta]]) -> None:
+        if outbox and self.loop is not None:
+            self.loop.call_soon_threadsafe(self._post, outbox)
+
+    def _post(self, outbox: list[tuple[ServedRequest, StreamDelta]]) -> None:
+        """On the replica's loop, where ``admit`` has mapped each request to its ingress id."""
+        for served, delta in outbox:
+            ingress_id = self.ingress_id[served.request_id]
+            if delta.finish_reason is not None:
+                del self.ingress_id[served.request_id]
+            self.outbox.append(
+                ReplicaDelta(ingress_id, delta.text, delta.token_ids, delta.finish_reason, served.num_cached_tokens)
+            )
+        self.news.set()
+
+
 class EngineReplica:
-    """A Ray Serve deployment class: an ``AsyncLLMEngine`` of ``spec`` per replica."""
+    """A Ray Serve deployment class: an engine of ``spec`` per replica."""
 
     def __init__(self, spec: EngineSpec, max_queued_requests: int, cores_per_replica: int | None = None) -> None:
         context = serve.get_replica_context()
         self.rank = context.rank.rank
         self.key = context.replica_id.unique_id
-        if cores_per_replica:  # on the CPU: cores of its own, which its engine process inherits
-            cores = sorted(os.sched_getaffinity(0))
+        self.stats = _Stats()
+        self.engine = _ReplicaEngine(spec, max_queued_requests, self.stats)
+        every_core = os.sched_getaffinity(0)
+        if cores_per_replica:  # on the CPU: cores of its own for its engine process, which inherits them
+            cores = sorted(every_core)
             first = context.rank.local_rank * cores_per_replica
             os.sched_setaffinity(0, {cores[(first + i) % len(cores)] for i in range(cores_per_replica)})
-        self.stats = _Stats()
-        self.engine = AsyncLLMEngine(spec, max_queued_requests=max_queued_requests, observer=self.stats)
-        self.info: EngineInfo = self.engine.start()
+        try:
+            self.info: EngineInfo = self.engine.start()
+        finally:  # NOTE: this process (Ray's threads, the stream) shares the cores the engines leave
+            os.sched_setaffinity(0, every_core)
         self.stats.cached_keys = [] if self.info.prefix_caching else None
         self.num_reports = 0
-        self.served: dict[int, ServedRequest] = {}  # by the ingress's request id
-        self.outbox: list[ReplicaDelta] = []
-        self._news: asyncio.Event | None = None  # NOTE: made on the replica's event loop, at the first call
+        self.served: dict[int, ServedRequest] = {}  # by the ingress's request id, until they end
+        self.last_sent = 0.0  # when ``outputs`` sent its last item (the event loop's clock)
 
     def engine_info(self) -> dict:
         return asdict(self.info)
 
     async def admit(self, routed: RoutedRequest, ingress_id: int) -> str:
         """Submit ``routed`` to the engine; its deltas go out on ``outputs``. Returns this replica's key."""
-        served = self.engine.submit(
+        engine = self.engine
+        self._event()
+        served = engine.submit(
             routed.prompt_token_ids,
             routed.params,
             request_class=routed.request_class,
             slo=routed.slo,
             stop=routed.stop,
         )
+        engine.ingress_id[served.request_id] = ingress_id
         self.served[ingress_id] = served
-        asyncio.get_running_loop().create_task(self._forward(ingress_id, served))
         return self.key
-
-    async def _forward(self, ingress_id: int, served: ServedRequest) -> None:
-        news = self._event()
-        try:
-            async for delta in served:
-                self.outbox.append(
-                    ReplicaDelta(ingress_id, delta.text, delta.token_ids, delta.finish_reason, served.num_cached_tokens)
-                )
-                news.set()
-        finally:
-            del self.served[ingress_id]
 
     async def outputs(self, target: ReplicaTarget) -> AsyncIterator[ReplicaNews]:
         """This replica's deltas, as they come (nothing when ``target`` names another replica: the
         one it named is gone)."""
         if target.key != self.key:
             return
-        news = self._event()
+        engine, news = self.engine, self._event()
+        loop = asyncio.get_running_loop()
         while True:
             await news.wait()
+            wait = self.last_sent + MIN_ITEM_INTERVAL_S - loop.time()
+            if wait > 0:  # NOTE: what comes meanwhile goes in the same item
+                await asyncio.sleep(wait)
             news.clear()
-            deltas, self.outbox = self.outbox, []
+            self.last_sent = loop.time()
+            deltas, engine.outbox = engine.outbox, []
+            for delta in deltas:
+                if delta.finish_reason is not None:
+                    self.served.pop(delta.ingress_id, None)
             yield ReplicaNews(self.rank, deltas, self.stats.last)
 
     def abort(self, target: ReplicaTarget, ingress_ids: list[int]) -> None:
@@ -138,9 +172,10 @@ class EngineReplica:
                 self.engine.abort(served)
 
     def _event(self) -> asyncio.Event:
-        if self._news is None:
-            self._news = asyncio.Event()
-        return self._news
+        engine = self.engine
+        if engine.news is None:
+            engine.loop, engine.news = asyncio.get_running_loop(), asyncio.Event()
+        return engine.news
 
     def record_routing_stats(self) -> dict:
         """What the router reads (``routing.ReplicaReport``), as of the engine's last step."""
