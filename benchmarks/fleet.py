@@ -2,7 +2,7 @@
 `sloserve serve` with one engine, the same workload through the same client, side by side.
 
     python benchmarks/fleet.py                 # random:tiny-llama on the CPU, one core per replica
-    python benchmarks/fleet.py --routers       # also: the routing policies served, beside the simulator
+    python benchmarks/fleet.py --router slo    # the fleet routed by another policy
 
 Figures (issue 42's goals):
 - offline: every request at t=0; output-token throughput of 2 replicas / 1 replica (goal >= 1.7);

@@ -24,6 +24,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "router": {"core", "cost"},
     "sim": {"core", "cost", "metrics", "replica", "router", "sched", "kv", "predict", "workload"},
     "engine": {"checkpoint", "core", "cost", "kv", "metrics", "replica", "sched", "workload", "predict"},
+    "fleet": {"core", "engine", "router"},
 }
 
 

@@ -61,6 +61,22 @@ def test_plan_on_ray_equals_serial_and_its_answer_meets_the_slo_alone(tmp_path):
     for name in ("goodput_per_gpu.png", "cost_vs_goodput.png", "attainment_vs_rate.png"):
         assert (tmp_path / "serial" / name).stat().st_size > 10_000
 
+    # deploy.yaml: the answer as `sloserve serve --config` reads it
+    from sloserve.plan.deploy import load_deployment
+
+    deployment = load_deployment(tmp_path / "serial" / "deploy.yaml")
+    assert (deployment.gpu, deployment.tensor_parallel, deployment.scheduler) == (
+        answer["gpu"],
+        answer["tensor_parallel"],
+        answer["scheduler"],
+    )
+    assert deployment.scheduler_options == answer["options"]
+    if answer["layout"] == "colocated":
+        assert (deployment.replicas, deployment.disaggregate) == (answer["units"], None)
+    assert (deployment.slo.ttft_s, deployment.slo.tpot_s) == (1.0, 0.1)
+    assert "sloserve serve --config" in (tmp_path / "serial" / "deploy.yaml").read_text()
+    assert deployment.router == "round-robin"  # plan's --router default, as simulated
+
 
 def test_plan_picks_disaggregation_when_only_it_meets_the_slo(tmp_path):
     """Long arXiv prompts stall colocated decodes past a 30 ms TPOT; one prefill and one decode replica

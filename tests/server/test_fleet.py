@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import time
 
@@ -14,6 +15,7 @@ torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 pytest.importorskip("ray.serve", reason="the fleet extra (ray[serve]) is not installed")
 
+from hf_models import VOCAB
 from served_model import MODEL, Server, generate
 from sloserve.core.errors import ConfigError
 from sloserve.fleet.engine import FleetOptions
@@ -25,7 +27,7 @@ def fleet(chat_model_dir, tmp_path_factory):
         s = Server(
             chat_model_dir,
             request_log=tmp_path_factory.mktemp("log") / "requests.jsonl",
-            fleet=FleetOptions(num_replicas=2, router="least-outstanding", cpus_per_replica=1),
+            fleet=FleetOptions(num_replicas=2, router="prefix-affinity", cpus_per_replica=1),
         )
     except ConfigError as exc:
         pytest.skip(f"Ray Serve could not start two replicas here: {exc}")
@@ -70,7 +72,8 @@ def test_fleet_answers_as_one_engine_does(fleet, reference_llm):
 
 
 def test_concurrent_requests_spread_over_both_replicas(fleet):
-    """least-outstanding sends a burst to both replicas; /metrics has each replica's engine and the totals."""
+    """A burst of prompts no cache holds goes to both replicas (prefix-affinity: to the emptier KV until
+    the replicas' loads differ by 8); /metrics has each replica's engine and the totals."""
 
     async def burst() -> list:
         client = async_client(fleet)
@@ -88,6 +91,27 @@ def test_concurrent_requests_spread_over_both_replicas(fleet):
     assert fleet.metric("sloserve_requests_total", request_class="rt", outcome="length") - before == 16
     for replica in ("0", "1"):  # each replica's engine reported its steps
         assert fleet.metric("sloserve_prefix_cache_queries_total", replica=replica) > 0
+
+
+def test_prefix_affinity_sends_a_conversation_to_the_replica_that_caches_it(fleet):
+    """Each conversation's first turn goes to the replica with the emptier KV, and its next turn, which
+    resends it, to the replica whose prefix cache holds it (as reported): every next turn finds its
+    prefix cached, and both replicas hold conversations."""
+    rng = random.Random(0)
+    hits_before = [fleet.metric("sloserve_prefix_cache_hits_total", replica=r) for r in ("0", "1")]
+    for _ in range(4):
+        history = [rng.randrange(3, VOCAB) for _ in range(200)]
+        first = fleet.client.completions.create(
+            model=MODEL, prompt=history, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        time.sleep(0.5)  # NOTE: the replicas report their caches every 100 ms
+        turn = fleet.client.completions.create(
+            model=MODEL, prompt=history + [7] * 20, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert turn.usage.prompt_tokens_details.cached_tokens == 192  # the history's 12 full blocks
+    hits = [fleet.metric("sloserve_prefix_cache_hits_total", replica=r) - hits_before[i] for i, r in enumerate("01")]
+    assert min(hits) > 0, hits
 
 
 def test_a_killed_replica_is_replaced_and_no_request_is_lost(fleet):

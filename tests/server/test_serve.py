@@ -512,3 +512,52 @@ def test_bench_serve_sends_the_same_tokens_for_the_same_hash_ids():
     first, second = (TokenPrompt(p).block_keys(16) for p in prompts[:2])
     shared_ids = sum(x == y for x, y in zip(*(r.prompt_blocks.block_keys(16) for r in requests[:2])))
     assert sum(x == y for x, y in zip(first, second)) == shared_ids
+
+
+def test_serve_config_serves_the_planned_deployment(tmp_path):
+    """`serve --config deploy.yaml` (as `sloserve plan` writes it): its scheduler, options and SLO, flags given
+    on the command line winning; what only the simulator has (tensor parallelism, P:D) refused in one line."""
+    from click.testing import CliRunner
+
+    from sloserve.cli import main
+    from sloserve.plan.deploy import Deployment, PlannedSlo, write_deployment
+
+    planned = Deployment(
+        model="llama-2-7b",
+        gpu="h100",
+        scheduler="sarathi",
+        scheduler_options={"prefill_token_budget": 64},
+        router="least-outstanding",
+        slo=PlannedSlo(ttft_s=0.5, tpot_s=0.05),
+    )
+    config = write_deployment(planned, tmp_path / "deploy.yaml", "a test")
+    log = tmp_path / "requests.jsonl"
+    port = free_port()
+    command = [sys.executable, "-m", "sloserve.cli", "serve", "--config", str(config), "--model", "random:tiny-llama",
+               "--port", str(port), "--request-log", str(log), "--rt-tpot-ms", "80"]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until_ready(f"http://127.0.0.1:{port}", process=proc, timeout_s=60)
+        body = {"model": "random:tiny-llama", "prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True}
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30).status_code == 200
+    finally:
+        proc.terminate()
+        output = proc.communicate(timeout=60)[0]
+    assert "with sarathi" in output
+    line = json.loads(log.read_text().splitlines()[0])
+    assert (line["slo_ttft_s"], line["slo_tpot_s"]) == (0.5, 0.08)  # the plan's TTFT; --rt-tpot-ms given here
+
+    def refused(deployment: Deployment | str) -> str:
+        path = tmp_path / "bad.yaml"
+        if isinstance(deployment, str):
+            path.write_text(deployment)
+        else:
+            write_deployment(deployment, path, "bad")
+        result = CliRunner().invoke(main, ["serve", "--config", str(path), "--model", "random:tiny-llama"])
+        assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+        return result.output
+
+    assert "tensor_parallel 2" in refused(Deployment(tensor_parallel=2))
+    assert "disaggregate 1:2" in refused(Deployment(disaggregate="1:2"))
+    assert "replicas: Input should be greater than or equal to 1" in refused("replicas: 0\n")
+    assert "gpus: Extra inputs are not permitted" in refused("gpus: h100\n")

@@ -178,6 +178,7 @@ def plan(
     from sloserve.checkpoint import model_spec
     from sloserve.plan import PlanQuery, enumerate_candidates, parse_prices
     from sloserve.plan import plan as run_plan
+    from sloserve.plan.deploy import deployment_of, write_deployment
     from sloserve.plan.prices import price_per_gpu_hour
     from sloserve.plan.report import plan_table, write_plan
     from sloserve.runs import SimOptions
@@ -234,7 +235,8 @@ def plan(
     slo = {"ttft_s": base.slo_ttft, "tpot_s": base.slo_tpot, "jct_s": base.slo_jct}
     describe = {"model": model.name, "workload": workload.name.split("@")[0], "slo": slo,
                 "num_requests_per_unit": base.num_requests, "seed": base.seed,
-                "cost_model": base.cost_model, "router": base.router}  # fmt: skip
+                "cost_model": base.cost_model, "router": base.router,
+                "enable_prefix_caching": base.enable_prefix_caching}  # fmt: skip
     with ParallelExecutor(workers, ray_address, default_workers=None) as executor:
         with ProgressBar(len(candidates), f"plan ({executor.workers} workers)", enabled=True) as on_progress:
 
@@ -246,12 +248,22 @@ def plan(
                 query, candidates, price_table, executor, skipped=skipped, describe=describe, on_round=on_round
             )
     written = write_plan(doc, out)
+    deployment = deployment_of(doc)
+    if deployment is not None:
+        header = (
+            f"written by sloserve plan: the cheapest deployment serving {qps:g} req/s of {describe['workload']} "
+            f"at {attainment:.0%} SLO attainment\nserve it with: sloserve serve --config {out / 'deploy.yaml'} "
+            "--model MODEL_DIR --device cuda"
+        )
+        written.append(write_deployment(deployment, out / "deploy.yaml", header))
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
         print_table(plan_table(doc, table_width()))
         for line in _plan_lines(doc):
             click.echo(line)
+        if deployment is not None and deployment.simulated_only():
+            click.echo(f"note: the answer uses {deployment.simulated_only()}: sloserve serve cannot deploy it")
         click.echo(f"wrote {', '.join(str(p) for p in written)}")
     if doc["answer"] is None:
         fail(doc["message"])

@@ -95,6 +95,12 @@ def _import_serve_extra(module: str):
 )
 @click.option("--ray-address", help="An existing Ray cluster to deploy the replicas on [a local Ray for the run].")
 @click.option("--cpus-per-replica", type=int, help="On the CPU, cores of each replica [the cores split evenly].")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    help="A deploy.yaml from `sloserve plan`: its scheduler, options, replicas, router and SLO (flags given here win).",
+)
 def serve(
     scheduler: str,
     set_pairs: tuple[str, ...],
@@ -117,6 +123,7 @@ def serve(
     router: str,
     ray_address: str | None,
     cpus_per_replica: int | None,
+    config_path: Path | None,
     **options: Any,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
@@ -127,6 +134,19 @@ def serve(
     from sloserve.sched import parse_set_options
 
     set_options = parse_set_options(set_pairs)
+    if config_path is not None:
+        planned = _planned(config_path)
+        given = _given_on_command_line()
+        scheduler = scheduler if "scheduler" in given else planned.scheduler
+        set_options = {**planned.scheduler_options, **set_options}
+        replicas = replicas if "replicas" in given else planned.replicas
+        router = router if "router" in given else planned.router
+        if "rt_ttft_ms" not in given and planned.slo.ttft_s is not None:
+            rt_ttft_ms = planned.slo.ttft_s * 1000
+        if "rt_tpot_ms" not in given and planned.slo.tpot_s is not None:
+            rt_tpot_ms = planned.slo.tpot_s * 1000
+        if "enable_prefix_caching" not in given and planned.enable_prefix_caching is not None:
+            options["enable_prefix_caching"] = planned.enable_prefix_caching
     serve_module = _import_serve_extra("sloserve.server.serve")
     if not 0 < port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {port}")
@@ -173,6 +193,30 @@ def serve(
         f"serving {serve_options.served_model_name} with {scheduler}{fleet} on http://{host}:{port}/v1", err=True
     )
     serve_module.run_server(app, serve_options)
+
+
+def _planned(path: Path):
+    """The deployment of ``serve --config`` (a ConfigError for one that cannot be served)."""
+    from sloserve.plan.deploy import load_deployment
+
+    planned = load_deployment(path)
+    what = planned.simulated_only()
+    if what is not None:
+        raise ConfigError(
+            f"--config {path}: {what}: serve a plan without it (sloserve plan --tp 1 --layouts colocated)"
+        )
+    return planned
+
+
+def _given_on_command_line() -> set[str]:
+    """The parameters of the running command that its command line set (not defaults)."""
+    ctx = click.get_current_context()
+    return {
+        name
+        for name in ctx.params
+        if ctx.get_parameter_source(name)
+        in (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
+    }
 
 
 def _fleet_options(replicas: int, router: str, ray_address: str | None, cpus_per_replica: int | None):
