@@ -17,34 +17,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 
+from serve_overhead import free_port, workload  # NOTE: its loads, so that the two benchmarks compare
 from sloserve.bench.client import run_benchmark, synthetic_prompts, wait_until_ready
 from sloserve.metrics.summary import request_table
 from sloserve.runs import fresh_request
-from sloserve.workload import workload_from_trace
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def load(args, offline: bool, num_requests: int):
-    return workload_from_trace(
-        args.trace,
-        num_requests=num_requests,
-        seed=args.seed,
-        context_len=args.max_model_len,
-        offline=offline,
-        rate=None if offline else args.rate,
-        max_tokens=args.max_tokens,
-    ).requests
 
 
 def start_server(args, port: int, replicas: int) -> subprocess.Popen:
@@ -111,7 +92,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    loads = {"offline": load(args, True, args.num_requests), "light": load(args, False, args.light_requests)}
+    loads = {"offline": workload(args, True, args.num_requests), "light": workload(args, False, args.light_requests)}
     one = run(args, 1, loads)
     two = run(args, 2, loads)
     print(

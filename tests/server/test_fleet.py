@@ -21,6 +21,22 @@ from sloserve.core.errors import ConfigError
 from sloserve.fleet.engine import FleetOptions
 
 
+def test_a_fleet_this_machine_cannot_hold_is_refused_before_ray_starts(chat_model_dir):
+    """NOTE: first in this module: with Ray already up in this process (the fixture's), there is no check."""
+    import ray
+
+    from sloserve.engine.engine_core import EngineSpec
+    from sloserve.fleet.engine import FleetEngine
+
+    assert not ray.is_initialized(), "a Ray left running by another test: the fleet would join it unchecked"
+    cores = os.cpu_count() or 1
+    engine = FleetEngine(EngineSpec(str(chat_model_dir)), FleetOptions(num_replicas=cores + 1, cpus_per_replica=1))
+    with pytest.raises(
+        ConfigError, match=rf"--replicas {cores + 1} need {cores + 1} CPUs \(1 each\); this machine has {cores}"
+    ):
+        engine.start()
+
+
 @pytest.fixture(scope="module")
 def fleet(chat_model_dir, tmp_path_factory):
     try:

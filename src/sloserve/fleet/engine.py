@@ -94,12 +94,14 @@ class FleetEngine(AsyncLLMEngine):
         from sloserve.fleet.replica import EngineReplica
         from sloserve.fleet.routing import STATS_PERIOD_S, FleetRequestRouter
 
+        on_gpu = self.spec.device.startswith("cuda")
+        cpus = self.fleet.cpus_per_replica or max(1, (os.cpu_count() or 1) // self.fleet.num_replicas)
         if not ray.is_initialized():
+            if self.fleet.ray_address is None:  # NOTE: on a cluster an autoscaler may add nodes; here none comes
+                self._check_room(on_gpu, cpus)
             ray.init(address=self.fleet.ray_address, include_dashboard=False, logging_level=logging.WARNING)
             self._started_ray = True
         serve.start(proxy_location="Disabled")  # NOTE: HTTP is this process's: the same app as one engine
-        on_gpu = self.spec.device.startswith("cuda")
-        cpus = self.fleet.cpus_per_replica or max(1, (os.cpu_count() or 1) // self.fleet.num_replicas)
         deployment = serve.deployment(
             EngineReplica,
             name="engine",
@@ -133,6 +135,20 @@ class FleetEngine(AsyncLLMEngine):
         self._calls = handle.options(_by_reference=False)  # NOTE: calls over gRPC, not Ray actor calls
         self._started(info)
         return info
+
+    def _check_room(self, on_gpu: bool, cpus: int) -> None:
+        """A ConfigError when this machine cannot hold the replicas (a local Ray has its GPUs and cores)."""
+        if on_gpu:
+            import torch
+
+            resource, each, have = "GPU", 1, torch.cuda.device_count()
+        else:
+            resource, each, have = "CPU", cpus, os.cpu_count() or 1
+        need = self.fleet.num_replicas * each
+        if need > have:
+            raise ConfigError(
+                f"--replicas {self.fleet.num_replicas} need {need} {resource}s ({each} each); this machine has {have}"
+            )
 
     # --- the "pipe": Ray Serve calls ------------------------------------------------------------
     def _send(self, message: tuple) -> None:
