@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -54,6 +54,9 @@ class EngineSpec:
     cost_model: str | None = None
     scheduler_options: dict[str, Any] = field(default_factory=dict)
     enable_prefix_caching: bool | None = None  # None: wherever the scheduler supports it (LLMEngine)
+    # Report what a fleet's router reads (EngineStats' queue, free KV and cache keys) after each step:
+    # a fleet's replica does; one engine has no router to tell
+    report_routing_stats: bool = False
 
     def build(self):
         """The engine (loads the model: in the core process)."""
@@ -138,7 +141,8 @@ class EngineStats:
     # tokens looked up at admission, and of them found cached.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    # What a fleet's router reads (``router.ReplicaLoad``, as the simulator's replicas report it)
+    # What a fleet's router reads (``router.ReplicaLoad``, as the simulator's replicas report it), where
+    # EngineSpec.report_routing_stats asks for it
     queued_prompt_tokens: int = 0  # prompt tokens still to compute
     kv_free_tokens: int = 0  # an allocation could take them now, cached blocks nobody uses included
     kv_empty_tokens: int = 0  # holding nothing, not even a cached prefix
@@ -162,8 +166,11 @@ class _Live:
 class EngineCore:
     """Applies commands, steps the engine and reports each step over its pipe: the core process's loop."""
 
-    def __init__(self, engine, tokenizer, clock_start: float, conn: Connection) -> None:
+    def __init__(
+        self, engine, tokenizer, clock_start: float, conn: Connection, report_routing_stats: bool = False
+    ) -> None:
         self.engine = engine
+        self.report_routing_stats = report_routing_stats
         self.tokenizer = tokenizer
         self.clock_start = clock_start
         self.conn = conn
@@ -280,10 +287,7 @@ class EngineCore:
                 counts[live.request.status] += 1
         scheduler, replica = self.engine.scheduler, self.engine.replica
         cache = scheduler.kv.prefix_cache
-        keys = None
-        if cache is not None and self.clock() - self._keys_sent_at >= CACHE_KEYS_PERIOD_S:
-            keys, self._keys_sent_at = cache.cached_keys(), self.clock()
-        return EngineStats(
+        stats = EngineStats(
             counts[RequestStatus.WAITING],
             counts[RequestStatus.RUNNING],
             counts[RequestStatus.SWAPPED],
@@ -293,10 +297,18 @@ class EngineCore:
             scheduler.num_preemptions,
             cache.num_queried_tokens if cache is not None else 0,
             cache.num_hit_tokens if cache is not None else 0,
-            replica.queued_prompt_tokens(),
-            replica.kv_free_tokens(),
-            replica.kv_empty_tokens(),
-            keys,
+        )
+        if not self.report_routing_stats:
+            return stats
+        keys = None
+        if cache is not None and self.clock() - self._keys_sent_at >= CACHE_KEYS_PERIOD_S:
+            keys, self._keys_sent_at = cache.cached_keys(), self.clock()
+        return replace(
+            stats,
+            queued_prompt_tokens=replica.queued_prompt_tokens(),
+            kv_free_tokens=replica.kv_free_tokens(),
+            kv_empty_tokens=replica.kv_empty_tokens(),
+            cached_block_keys=keys,
         )
 
 
@@ -325,7 +337,7 @@ def run_core(spec: EngineSpec, conn: Connection, clock_start: float) -> None:
             ),
         )
     )
-    core = EngineCore(engine, engine.loaded.tokenizer, clock_start, conn)
+    core = EngineCore(engine, engine.loaded.tokenizer, clock_start, conn, spec.report_routing_stats)
     try:
         core.run()
     except (EOFError, BrokenPipeError):  # the server went away

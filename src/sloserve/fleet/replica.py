@@ -82,6 +82,7 @@ class _ReplicaEngine(AsyncLLMEngine):
     event loop per step (not to each request's queue: the replica streams them all on one call)."""
 
     def __init__(self, spec: EngineSpec, max_queued_requests: int, stats: _Stats) -> None:
+        spec = dataclasses.replace(spec, report_routing_stats=True)
         super().__init__(spec, max_queued_requests=max_queued_requests, observer=stats)
         self.ingress_id: dict[int, int] = {}  # engine request id -> the ingress's
         self.outbox: list[ReplicaDelta] = []
