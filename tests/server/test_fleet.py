@@ -37,6 +37,22 @@ def test_a_fleet_this_machine_cannot_hold_is_refused_before_ray_starts(chat_mode
         engine.start()
 
 
+def test_a_replica_that_cannot_start_is_reported_with_its_engine_error():
+    """Replicas whose engine cannot be built: one try each, the engine's own error in one line, nothing left
+    running (first in this module, as the test above: on a Ray of its own)."""
+    import ray
+
+    from sloserve.engine.engine_core import EngineSpec
+    from sloserve.fleet.engine import FleetEngine
+
+    broken = FleetEngine(
+        EngineSpec("random:tiny-llama", kv_capacity_tokens=3), FleetOptions(num_replicas=1, cpus_per_replica=1)
+    )
+    with pytest.raises(ConfigError, match="did not start: KV capacity 3 tokens is below one block of 16 tokens"):
+        broken.start()
+    assert not ray.is_initialized()
+
+
 @pytest.fixture(scope="module")
 def fleet(chat_model_dir, tmp_path_factory):
     try:
@@ -65,7 +81,7 @@ def replica_pids() -> list[int]:
                 cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
             except OSError:
                 continue
-            if cmdline.startswith(b"ray::ServeReplica:sloserve:engine"):
+            if cmdline.startswith(b"ray::ServeReplica:sloserve-") and b":engine" in cmdline:
                 pids.append(int(pid))
     return pids
 

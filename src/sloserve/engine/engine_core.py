@@ -301,7 +301,9 @@ class EngineCore:
         if not self.report_routing_stats:
             return stats
         keys = None
-        if cache is not None and self.clock() - self._keys_sent_at >= CACHE_KEYS_PERIOD_S:
+        # NOTE: also when the engine goes idle: no step follows to report what its last ones cached
+        due = self.clock() - self._keys_sent_at >= CACHE_KEYS_PERIOD_S or not self.engine.has_unfinished()
+        if cache is not None and due:
             keys, self._keys_sent_at = cache.cached_keys(), self.clock()
         return replace(
             stats,

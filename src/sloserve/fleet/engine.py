@@ -23,6 +23,7 @@ import asyncio
 import logging
 import math
 import os
+import uuid
 from dataclasses import dataclass
 
 from sloserve.core.errors import ConfigError
@@ -32,7 +33,6 @@ from sloserve.router import ROUTERS
 
 log = logging.getLogger("sloserve.fleet")
 
-APP_NAME = "sloserve"
 # Times a request whose replica died before its first token is sent again.
 MAX_RETRIES = 3
 # Seconds between Ray Serve's health checks of a replica (its default is 10).
@@ -82,6 +82,8 @@ class FleetEngine(AsyncLLMEngine):
         self._aborted: set[int] = set()
         self._channels: dict[str, asyncio.Task] = {}  # replica key -> the task listening to its outputs
         self._started_ray = False
+        # NOTE: a name of its own: two servers deploying on one cluster must not replace each other's replicas
+        self.app_name = f"sloserve-{uuid.uuid4().hex[:8]}"
 
     def start(self) -> EngineInfo:
         """Start (or join) Ray, deploy the replicas and wait until each has loaded its model."""
@@ -115,6 +117,7 @@ class FleetEngine(AsyncLLMEngine):
             # NOTE: the engine queues and refuses (429) itself; Ray Serve must never hold a request back
             max_ongoing_requests=100_000,
             health_check_period_s=HEALTH_CHECK_PERIOD_S,
+            max_constructor_retry_count=1,  # NOTE: an engine that cannot be built fails alike every time
             logging_config={"log_level": "WARNING", "enable_access_log": False},
             request_router_config=RequestRouterConfig(
                 request_router_class=FleetRequestRouter,
@@ -125,13 +128,14 @@ class FleetEngine(AsyncLLMEngine):
         try:
             handle = serve.run(
                 deployment.bind(self.spec, self.max_queued_requests, None if on_gpu else cpus),
-                name=APP_NAME,
+                name=self.app_name,
                 route_prefix=None,
             )
             info = EngineInfo(**handle.engine_info.remote().result())
         except Exception as exc:  # noqa: BLE001 - a replica that cannot start: say why, leave nothing running
+            reason = _replica_failure(serve, self.app_name) or str(exc)
             self._shutdown()
-            raise ConfigError(f"the fleet's replicas did not start: {exc}") from None
+            raise ConfigError(f"the fleet's replicas did not start: {reason}") from None
         self._calls = handle.options(_by_reference=False)  # NOTE: calls over gRPC, not Ray actor calls
         self._started(info)
         return info
@@ -282,6 +286,18 @@ class FleetEngine(AsyncLLMEngine):
             if self._started_ray:
                 ray.shutdown()  # NOTE: the replicas' engine processes end when their pipes close
             elif ray.is_initialized():
-                serve.delete(APP_NAME, _blocking=False)
+                serve.delete(self.app_name, _blocking=False)
         finally:
             self._stopped.set()
+
+
+def _replica_failure(serve, app_name: str) -> str | None:
+    """The last line of the error a replica's constructor raised (Ray Serve keeps it in the deployment's
+    status), e.g. the engine's ConfigError; None when there is none."""
+    try:
+        application = serve.status().applications.get(app_name)
+        message = application.deployments["engine"].message if application is not None else ""
+    except Exception:  # noqa: BLE001 - only to say more: the failure is reported anyway
+        return None
+    lines = [line.strip() for line in message.splitlines() if "Error: " in line]
+    return lines[-1].split("Error: ", 1)[1] if lines else None
