@@ -97,7 +97,7 @@ def main() -> None:
                     args.model,
                     *workload,
                     "--json",
-                )  # fmt: skip
+                )
             )
         finally:
             proc.terminate()
@@ -119,7 +119,7 @@ def main() -> None:
                 "--router",
                 router,
                 "--json",
-            )  # fmt: skip
+            )
         )
         (out / f"served-{router}.json").write_text(json.dumps(served, indent=2))
         (out / f"sim-{router}.json").write_text(json.dumps(sim, indent=2))

@@ -211,7 +211,7 @@ class FleetEngine(AsyncLLMEngine):
                             last,
                             finish,
                             delta.num_cached_tokens,
-                        )  # fmt: skip
+                        )
                     )
                     if delta.finish_reason is not None:
                         self._forget(delta.ingress_id)
