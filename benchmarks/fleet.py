@@ -29,8 +29,9 @@ from sloserve.runs import fresh_request
 
 
 def start_server(args, port: int, replicas: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "sloserve.cli", "serve", "--model", args.model, "--scheduler", args.scheduler,
-               "--port", str(port), "--log-level", "warning", "--kv-capacity-tokens", str(args.kv_capacity_tokens),
+    command = [sys.executable, "-m", "sloserve.cli", "serve", "--model", args.model, "--dtype", args.dtype,
+               "--scheduler", args.scheduler, "--port", str(port), "--log-level", "warning",
+               "--kv-capacity-tokens", str(args.kv_capacity_tokens),
                "--max-model-len", str(args.max_model_len), "--max-queued-requests", str(10 * args.num_requests)]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if replicas > 1:
@@ -80,6 +81,7 @@ def run(args, replicas: int, loads: dict) -> dict[str, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="random:tiny-llama")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--scheduler", default="vllm")
     parser.add_argument("--router", default="least-outstanding")
     parser.add_argument("--trace", default="sharegpt")

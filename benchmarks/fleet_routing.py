@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from fidelity import figure, sloserve
+from fleet import start_server
 from serve_fidelity import profile
 from serve_overhead import free_port
-from sloserve.bench.client import wait_until_ready
 from sloserve.router import ROUTERS
 
 FIGURES = [
@@ -31,21 +28,6 @@ FIGURES = [
     ("mean TTFT s", "ttft_s", "mean"),
     ("mean TPOT s", "tpot_s", "mean"),
 ]
-
-
-def start_fleet(args, port: int, router: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "sloserve.cli", "serve", "--model", args.model, "--dtype", args.dtype,
-               "--scheduler", args.scheduler, "--port", str(port), "--log-level", "warning",
-               "--kv-capacity-tokens", str(args.kv_capacity_tokens), "--max-model-len", str(args.max_model_len),
-               "--replicas", "2", "--cpus-per-replica", "1", "--router", router,
-               "--max-queued-requests", str(10 * args.num_requests)]  # fmt: skip
-    proc = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        wait_until_ready(f"http://127.0.0.1:{port}", process=proc, timeout_s=300)
-    except RuntimeError as e:
-        proc.kill()
-        sys.exit(f"the fleet did not start: {e}")
-    return proc
 
 
 def main() -> None:
@@ -86,7 +68,8 @@ def main() -> None:
     rows = {}
     for router in args.routers.split(","):
         port = free_port()
-        proc = start_fleet(args, port, router)
+        args.router = router  # NOTE: start_server reads it
+        proc = start_server(args, port, 2)
         try:
             served = json.loads(
                 sloserve(

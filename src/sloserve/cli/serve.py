@@ -220,14 +220,13 @@ def _given_on_command_line() -> set[str]:
 
 
 def _fleet_options(replicas: int, router: str, ray_address: str | None, cpus_per_replica: int | None):
-    """The fleet of ``serve --replicas N`` (None: one engine in this server, no Ray), checked."""
+    """The fleet of ``serve --replicas N`` (None: one engine in this server, no Ray); ``FleetEngine``
+    checks it."""
     if replicas == 1 and ray_address is None:
         return None
     from sloserve.fleet.engine import FleetOptions
 
-    fleet = FleetOptions(replicas, router, ray_address, cpus_per_replica)
-    fleet.check()
-    return fleet
+    return FleetOptions(replicas, router, ray_address, cpus_per_replica)
 
 
 @main.command(name="bench-serve")

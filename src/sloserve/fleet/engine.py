@@ -71,7 +71,6 @@ class FleetEngine(AsyncLLMEngine):
         fleet.check()
         super().__init__(spec, max_queued_requests=max_queued_requests, observer=observer)
         self.fleet = fleet
-        self.num_retries = 0  # requests sent again after their replica died
         self._loop: asyncio.AbstractEventLoop | None = None
         self._calls = None  # the replicas' DeploymentHandle
         # By request id, from submit to its end: what to send again, the replica holding it (by key),
@@ -259,8 +258,6 @@ class FleetEngine(AsyncLLMEngine):
         self._aborted.discard(request_id)
 
     def _replica_failed(self, outcome: str) -> None:
-        if outcome == "retried":
-            self.num_retries += 1
         report = getattr(self.observer, "on_replica_failure", None)  # the server's metrics have it
         if report is not None:
             report(outcome)

@@ -84,7 +84,9 @@ class _ReplicaEngine(AsyncLLMEngine):
     def __init__(self, spec: EngineSpec, max_queued_requests: int, stats: _Stats) -> None:
         spec = dataclasses.replace(spec, report_routing_stats=True)
         super().__init__(spec, max_queued_requests=max_queued_requests, observer=stats)
+        # Each request from admit to its last delta: the ingress's id of it, and it by that id
         self.ingress_id: dict[int, int] = {}  # engine request id -> the ingress's
+        self.by_ingress_id: dict[int, ServedRequest] = {}
         self.outbox: list[ReplicaDelta] = []
         self.news: asyncio.Event | None = None  # set when the outbox has deltas; made on the replica's loop
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -98,7 +100,7 @@ class _ReplicaEngine(AsyncLLMEngine):
         for served, delta in outbox:
             ingress_id = self.ingress_id[served.request_id]
             if delta.finish_reason is not None:
-                del self.ingress_id[served.request_id]
+                del self.ingress_id[served.request_id], self.by_ingress_id[ingress_id]
             self.outbox.append(
                 ReplicaDelta(ingress_id, delta.text, delta.token_ids, delta.finish_reason, served.num_cached_tokens)
             )
@@ -125,7 +127,6 @@ class EngineReplica:
             os.sched_setaffinity(0, every_core)
         self.stats.cached_keys = [] if self.info.prefix_caching else None
         self.num_reports = 0
-        self.served: dict[int, ServedRequest] = {}  # by the ingress's request id, until they end
         self.last_sent = 0.0  # when ``outputs`` sent its last item (the event loop's clock)
 
     def engine_info(self) -> dict:
@@ -143,7 +144,7 @@ class EngineReplica:
             stop=routed.stop,
         )
         engine.ingress_id[served.request_id] = ingress_id
-        self.served[ingress_id] = served
+        engine.by_ingress_id[ingress_id] = served
         return self.key
 
     async def outputs(self, target: ReplicaTarget) -> AsyncIterator[ReplicaNews]:
@@ -161,14 +162,11 @@ class EngineReplica:
             news.clear()
             self.last_sent = loop.time()
             deltas, engine.outbox = engine.outbox, []
-            for delta in deltas:
-                if delta.finish_reason is not None:
-                    self.served.pop(delta.ingress_id, None)
             yield ReplicaNews(self.rank, deltas, self.stats.last)
 
     def abort(self, target: ReplicaTarget, ingress_ids: list[int]) -> None:
         for ingress_id in ingress_ids:
-            served = self.served.get(ingress_id)
+            served = self.engine.by_ingress_id.get(ingress_id)
             if served is not None and target.key == self.key:
                 self.engine.abort(served)
 
