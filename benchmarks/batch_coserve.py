@@ -45,7 +45,8 @@ def free_port() -> int:
 
 
 def start_server(args, scheduler: str, port: int, data_dir: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "sloserve.cli", "serve", "--model", args.model, "--device", args.device,
+    command = [sys.executable, "-m", "sloserve.cli", "serve", "--model", args.model, "--served-model-name", args.model,
+               "--device", args.device,
                "--dtype", args.dtype, "--scheduler", scheduler, "--port", str(port), "--log-level", "warning",
                "--kv-capacity-tokens", str(args.kv_capacity_tokens), "--max-model-len", str(args.max_model_len),
                "--data-dir", data_dir, "--max-batch-lines-in-engine", str(args.batch_lines_in_engine),

@@ -29,8 +29,8 @@ from sloserve.runs import fresh_request
 
 
 def start_server(args, port: int, replicas: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "sloserve.cli", "serve", "--model", args.model, "--dtype", args.dtype,
-               "--scheduler", args.scheduler, "--port", str(port), "--log-level", "warning",
+    command = [sys.executable, "-m", "sloserve.cli", "serve", "--model", args.model, "--served-model-name", args.model,
+               "--dtype", args.dtype, "--scheduler", args.scheduler, "--port", str(port), "--log-level", "warning",
                "--kv-capacity-tokens", str(args.kv_capacity_tokens),
                "--max-model-len", str(args.max_model_len), "--max-queued-requests", str(10 * args.num_requests)]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -115,7 +115,8 @@ def pin_server(pid: int) -> None:
 
 
 def start_server(args, port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "sloserve.cli", "serve", "--model", args.model, "--device", args.device,
+    command = [sys.executable, "-m", "sloserve.cli", "serve", "--model", args.model, "--served-model-name", args.model,
+               "--device", args.device,
                "--dtype", args.dtype, "--scheduler", args.scheduler, "--port", str(port), "--log-level", "warning",
                "--kv-capacity-tokens", str(args.kv_capacity_tokens), "--max-model-len", str(args.max_model_len),
                "--max-queued-requests", str(10 * args.num_requests)]  # fmt: skip

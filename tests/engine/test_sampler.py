@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -58,3 +60,42 @@ def test_a_temperature_that_is_not_a_finite_number_at_least_0_is_refused(tempera
 
     with pytest.raises(ConfigError, match="temperature must be a finite number >= 0"):
         SamplingParams(temperature=temperature)
+
+
+def test_score_controls_equal_a_hand_computation():
+    """Row 0: logit_bias, repetition (prompt and output tokens), frequency and presence penalties, in
+    vLLM's order; row 1: min_tokens masks EOS and the stop token ids; row 2: no control, untouched."""
+    from sloserve.engine.sampler import apply_controls
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -0.5]] * 3)
+    params = [
+        SamplingParams(logit_bias={4: 2.0}, repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.3),
+        SamplingParams(min_tokens=3, stop_token_ids=(0,)),
+        SamplingParams(),
+    ]
+    history = [0, 2, 3, 3, 1]  # prompt [0, 2], output [3, 3, 1]
+    apply_controls(logits, params, [history, [0, 2, 3], history], [2, 2, 2], frozenset({4}))
+    # token 0: in the prompt, 2 / 1.5; token 1: -1 * 1.5 - 0.4 x 1 - 0.3; token 2: 0.5 / 1.5;
+    # token 3: 3 / 1.5 - 0.4 x 2 - 0.3; token 4: -0.5 + 2 (not seen: no repetition penalty)
+    expected = [2 / 1.5, -1.5 - 0.4 - 0.3, 0.5 / 1.5, 2.0 - 0.8 - 0.3, 1.5]
+    np.testing.assert_allclose(logits[0].numpy(), expected, rtol=1e-6)
+    assert sample(logits[:1], [SamplingParams(temperature=0)], [None]) == [4]  # greedy moved off token 3
+    assert logits[1, 0] == logits[1, 4] == -math.inf and logits[1, 3] == 3.0
+    assert logits[2].tolist() == [2.0, -1.0, 0.5, 3.0, -0.5]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("presence_penalty", 2.5, r"presence_penalty must be in \[-2, 2\]"),
+        ("repetition_penalty", 0.0, r"repetition_penalty must be in \(0, 2.0\]"),
+        ("logit_bias", {3: 101.0}, r"logit_bias\[3\] must be in \[-100, 100\]"),
+        ("min_tokens", 17, r"min_tokens must be in \[0, max_tokens=16\]"),
+        ("stop_token_ids", (-1,), "stop_token_ids must be integers >= 0"),
+    ],
+)
+def test_controls_out_of_range_are_refused(field, value, message):
+    from sloserve.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        SamplingParams(**{field: value})

@@ -81,7 +81,7 @@ def test_a_batch_answers_every_line_once_as_the_same_request_online(server, refe
         "other-model": {**completion_line("other-model", "Hi"), "body": {"model": "gpt-4o", "prompt": "Hi"}},
         "too-long": completion_line("too-long", "Hello " * 300, max_tokens=4000),
         "streamed": completion_line("streamed", "Hi", stream=True),
-        "two-choices": completion_line("two-choices", "Hi", n=2),
+        "no-completion": completion_line("no-completion", "Hi", max_tokens=0),  # only with echo
     }
     lines[7:7] = bad.values()
     batch = client.batches.create(
@@ -131,6 +131,7 @@ def test_a_chat_batch_answers_as_the_chat_endpoint(server):
                 "messages": [{"role": "user", "content": q}],
                 "max_completion_tokens": 6,
                 "temperature": 0,
+                "n": 1 + i % 2,
             },
         }
         for i, q in enumerate(questions)
@@ -142,10 +143,11 @@ def test_a_chat_batch_answers_as_the_chat_endpoint(server):
     assert batch.status == "completed" and batch.error_file_id is None
     for line, out in zip(lines, read_jsonl(client, batch.output_file_id), strict=True):
         online = client.chat.completions.create(**line["body"])
-        assert out["response"]["body"]["choices"][0]["message"] == {
-            "role": "assistant",
-            "content": online.choices[0].message.content,
-        }
+        choices = out["response"]["body"]["choices"]
+        assert [c["message"] for c in choices] == [
+            {"role": "assistant", "content": c.message.content} for c in online.choices
+        ]
+        assert len(choices) == line["body"]["n"]
 
 
 def test_uploads_and_batches_are_checked_with_openai_errors(server):

@@ -132,8 +132,8 @@ def test_errors_are_openai_error_objects_with_the_right_status(server):
         client.completions.create(model="nope", prompt="hi", max_tokens=2)
     assert e.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=2)
-    assert e.value.body["param"] == "n"
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, suffix="!")
+    assert e.value.body["param"] == "suffix"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=10**6)
     assert e.value.body["code"] == "context_length_exceeded" and "maximum context length is 256" in e.value.message
@@ -180,6 +180,7 @@ FIELDS = [
     "echo",
     "ignore_eos",
     "best_of",
+    "top_logprobs",
 ]
 
 

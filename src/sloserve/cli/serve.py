@@ -46,7 +46,17 @@ def _import_serve_extra(module: str):
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--served-model-name", help="The name clients send as `model` [--model as given].")
+@click.option(
+    "--served-model-name", help="The name clients send as `model` [the model's directory name or GGUF file stem]."
+)
+@click.option(
+    "--api-key",
+    "api_keys",
+    multiple=True,
+    help="Clients must send `Authorization: Bearer KEY`; repeatable (also $SLOSERVE_API_KEY). Files and "
+    "batches belong to the key that made them.",
+)
+@click.option("--api-key-file", type=click.Path(path_type=Path), help="API keys, one per line.")
 @click.option(
     "--max-queued-requests",
     type=int,
@@ -109,6 +119,8 @@ def serve(
     host: str,
     port: int,
     served_model_name: str | None,
+    api_keys: tuple[str, ...],
+    api_key_file: Path | None,
     max_queued_requests: int,
     rt_ttft_ms: float | None,
     rt_tpot_ms: float | None,
@@ -153,6 +165,13 @@ def serve(
     if drain_timeout < 0:
         raise ConfigError(f"--drain-timeout must be >= 0, got {drain_timeout}")
     serve_module.check_address(host, port)
+    keys = _import_serve_extra("sloserve.server.auth").load_api_keys(api_keys, api_key_file)
+    if not keys and not serve_module.is_loopback(host):
+        click.echo(
+            f"warning: --host {host} without --api-key: anyone who can reach port {port} can use this server "
+            "(and, with --data-dir, read every file and batch)",
+            err=True,
+        )
     from sloserve.engine.engine_core import EngineSpec
 
     spec = EngineSpec(
@@ -172,7 +191,7 @@ def serve(
     serve_options = serve_module.ServeOptions(
         host=host,
         port=port,
-        served_model_name=served_model_name or options["model"],
+        served_model_name=served_model_name or model_name(options["model"]),
         max_queued_requests=max_queued_requests,
         rt_ttft_ms=rt_ttft_ms,
         rt_tpot_ms=rt_tpot_ms,
@@ -180,6 +199,7 @@ def serve(
         drain_timeout_s=drain_timeout,
         log_level=log_level,
         data_dir=data_dir,
+        api_keys=keys,
         fleet=_fleet_options(replicas, router, ray_address, cpus_per_replica),
         batch_limits=_import_serve_extra("sloserve.server.batch_api").BatchLimits(
             max_file_bytes=int(max_batch_file_mb * 1024 * 1024),
@@ -193,6 +213,15 @@ def serve(
         f"serving {serve_options.served_model_name} with {scheduler}{fleet} on http://{host}:{port}/v1", err=True
     )
     serve_module.run_server(app, serve_options)
+
+
+def model_name(model: str) -> str:
+    """The name a model is served under by default: its directory's name or its GGUF file's stem
+    (``random:NAME`` as given), not its whole path."""
+    if model.startswith("random:"):
+        return model
+    path = Path(model).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.resolve().name or model
 
 
 def _planned(path: Path):

@@ -27,7 +27,7 @@ from sloserve.core.errors import ConfigError, SloserveError
 from sloserve.core.request import SLO, Request, RequestClass
 from sloserve.engine.engine_core import AddRequest, EngineInfo, EngineSpec, EngineStats, Output, run_core
 from sloserve.engine.llm_engine import check_request, engine_cost_model
-from sloserve.engine.sampler import SamplingParams
+from sloserve.engine.sampler import Logprobs, SamplingParams
 from sloserve.sched import make_scheduler
 
 log = logging.getLogger("sloserve.engine")
@@ -51,11 +51,18 @@ class EngineDeadError(SloserveError):
 
 @dataclass(frozen=True)
 class StreamDelta:
-    """What one step gave one request: its new text and tokens; the last delta has ``finish_reason``."""
+    """What one step gave one request: its new text and tokens (with their log-probabilities where its
+    params ask for them); the last delta has ``finish_reason``."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[Logprobs] | None = None
+
+    def then(self, later: StreamDelta) -> StreamDelta:
+        """This delta and the ``later`` one as one."""
+        logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
+        return StreamDelta(self.text + later.text, self.token_ids + later.token_ids, later.finish_reason, logprobs)
 
 
 class ServedRequest:
@@ -84,6 +91,7 @@ class ServedRequest:
         self.submitted_unix_s = time.time()
         self.num_output_tokens = 0  # tokens sent to the client
         self.num_cached_tokens = 0  # prompt tokens the engine found in its prefix cache
+        self.prompt_logprobs: list[Logprobs] | None = None  # with params.prompt_logprobs, once it has a token
         self.first_token_time = math.nan
         self.last_token_time = math.nan
         self.finish_time = math.nan
@@ -104,7 +112,7 @@ class ServedRequest:
             delta = await queue.get()
             while delta.finish_reason is None and not queue.empty():
                 later = queue.get_nowait()
-                delta = StreamDelta(delta.text + later.text, delta.token_ids + later.token_ids, later.finish_reason)
+                delta = delta.then(later)
             yield delta
             if delta.finish_reason is not None:
                 return
@@ -258,11 +266,7 @@ class AsyncLLMEngine:
             kv_capacity_tokens=self.info.kv_capacity_tokens,
         )
         with self._lock:
-            if self._num_queued >= self.max_queued_requests:
-                raise QueueFullError(
-                    f"{self._num_queued} requests are waiting for their first token (max_queued_requests "
-                    f"{self.max_queued_requests}); retry later"
-                )
+            self.check_room(1)
             request_id, arrival = self._next_id, self.clock()
             # NOTE: the engine cannot know the output length: max_tokens stands for it, and only an
             # oracle predictor would read it (``sloserve serve`` refuses those).
@@ -275,6 +279,15 @@ class AsyncLLMEngine:
             self._num_unfinished += 1
         self._send(("add", AddRequest(request_id, prompt, params, request_class, slo, stop, arrival)))
         return served
+
+    def check_room(self, num_requests: int) -> None:
+        """Raise QueueFullError unless ``num_requests`` more requests can wait for their first token now
+        (a request of several choices checks them all before submitting any)."""
+        if self._num_queued + num_requests > self.max_queued_requests:
+            raise QueueFullError(
+                f"{self._num_queued} requests are waiting for their first token (max_queued_requests "
+                f"{self.max_queued_requests}); retry later"
+            )
 
     def abort(self, served: ServedRequest) -> None:
         """The client went away: end ``served`` ("abort") and free its KV (no-op once it has ended)."""
@@ -343,10 +356,12 @@ class AsyncLLMEngine:
             served.num_output_tokens += len(out.token_ids)
             served.num_cached_tokens = out.num_cached_tokens
             served.last_token_time = out.last_token_time
+            if out.prompt_logprobs is not None:
+                served.prompt_logprobs = out.prompt_logprobs
             if out.finish_reason is not None:
                 served.finish_reason, served.finish_time = out.finish_reason, out.finish_time
                 ended.append(served)
-            outbox.append((served, StreamDelta(out.text, out.token_ids, out.finish_reason)))
+            outbox.append((served, StreamDelta(out.text, out.token_ids, out.finish_reason, out.logprobs)))
         if stats is not None:
             self.last_stats = stats
             if self.observer is not None:

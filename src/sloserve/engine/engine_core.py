@@ -28,7 +28,7 @@ from sloserve.checkpoint.config import RANDOM_PREFIX
 from sloserve.core.errors import SloserveError
 from sloserve.core.request import SLO, Request, RequestClass, RequestStatus
 from sloserve.engine.detokenizer import Detokenizer
-from sloserve.engine.sampler import SamplingParams
+from sloserve.engine.sampler import Logprobs, SamplingParams
 from sloserve.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 # The replica's timeline (one row per step) is started afresh after this many steps: a server runs
@@ -124,6 +124,10 @@ class Output(NamedTuple):
     last_token_time: float
     finish_time: float  # NaN until finished
     num_cached_tokens: int  # prompt tokens found in the prefix cache when first admitted
+    # Where the request's params ask for them: its new tokens' log-probabilities; and with its first
+    # token, its prompt's (from the second prompt token on)
+    logprobs: list[Logprobs] | None = None
+    prompt_logprobs: list[Logprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -231,7 +235,15 @@ class EngineCore:
             live.ended = True
             self._pending.append(self._output(live, "", [], "abort"))
 
-    def _output(self, live: _Live, text: str, token_ids: list[int], finish_reason: str | None) -> Output:
+    def _output(
+        self,
+        live: _Live,
+        text: str,
+        token_ids: list[int],
+        finish_reason: str | None,
+        logprobs: list[Logprobs] | None = None,
+        prompt_logprobs: list[Logprobs] | None = None,
+    ) -> Output:
         r = live.request
         return Output(
             r.request_id,
@@ -242,6 +254,8 @@ class EngineCore:
             r.last_token_time,
             self.clock() if finish_reason else float("nan"),
             r.num_cached_tokens,
+            logprobs,
+            prompt_logprobs,
         )
 
     def publish(self, finished: list[Request]) -> None:
@@ -258,6 +272,10 @@ class EngineCore:
             done = request_id in ended
             if not new_ids and not done:
                 continue
+            logprobs = None if seq.logprobs is None else seq.logprobs[live.num_sent : live.num_sent + len(new_ids)]
+            # NOTE: the prompt is scored whole once its first output token is sampled
+            first = live.num_sent == 0 and new_ids
+            prompt_logprobs = seq.prompt_logprobs if first else None
             live.num_sent += len(new_ids)
             text = live.detokenizer.push(new_ids, finished=done)
             reason = None
@@ -268,7 +286,7 @@ class EngineCore:
             elif done:
                 reason = seq.finish_reason or "length"
             live.ended = reason is not None
-            outputs.append(self._output(live, text, new_ids, reason))
+            outputs.append(self._output(live, text, new_ids, reason, logprobs, prompt_logprobs))
         for request in finished:
             engine.release(request)
             del self.live[request.request_id]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections.abc
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +25,15 @@ from sloserve.cost.base import BatchShape, batch_shape
 from sloserve.engine.attention import AttentionMetadata, PrefillSeq
 from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.kv_cache import KVCacheTensor, expand_block_ids
-from sloserve.engine.sampler import SamplingParams, sample
+from sloserve.engine.sampler import (
+    PROMPT_LOGITS_ROWS,
+    Logprobs,
+    SamplingParams,
+    apply_controls,
+    sample,
+    token_logprobs,
+)
+from sloserve.engine.structured_output import GrammarMatchers, accept
 from sloserve.kv.manager import KVCacheManager
 
 
@@ -37,10 +46,21 @@ class Sequence:
     params: SamplingParams
     generator: np.random.Generator | None  # the request's own draws (host side: see sampler.sample)
     finish_reason: str | None = None  # "stop" (EOS), "length" (max_tokens), as in OpenAI's API, or "abort"
+    # Where params ask for them: each output token's log-probabilities, and each prompt token's after
+    # the first (prompt position p at index p - 1), as far as computed
+    logprobs: list[Logprobs] | None = None
+    prompt_logprobs: list[Logprobs] | None = None
+    matcher: Any = None  # the grammar's matcher (structured_output.py), with params.grammar
 
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """The sampled tokens' log-probability (vLLM's ``cumulative_logprob``; needs ``logprobs``)."""
+        assert self.logprobs is not None, "the request did not ask for logprobs"
+        return sum(lp.logprob for lp in self.logprobs)
 
 
 class EngineExecutor:
@@ -69,6 +89,8 @@ class EngineExecutor:
         self._seed = seed
         self.num_forward_tokens = 0
         self.step_log: list[tuple[BatchShape, float]] | None = None
+        # The grammars' matchers, over the model's tokenizer (set by the engine for the first request with one)
+        self.grammar_matchers: GrammarMatchers | None = None
 
     def add(self, request: Request, prompt_token_ids: list[int], params: SamplingParams) -> None:
         generator = None
@@ -77,7 +99,15 @@ class EngineExecutor:
             # so a run is deterministic and independent of batching.
             seed = params.seed if params.seed is not None else self._seed * 1_000_003 + request.request_id
             generator = np.random.default_rng(seed)
-        self.sequences[request] = Sequence(list(prompt_token_ids), len(prompt_token_ids), params, generator)
+        self.sequences[request] = Sequence(
+            list(prompt_token_ids),
+            len(prompt_token_ids),
+            params,
+            generator,
+            logprobs=None if params.logprobs is None else [],
+            prompt_logprobs=None if params.prompt_logprobs is None else [],
+            matcher=None if params.grammar is None else self.grammar_matchers.matcher(params.grammar),
+        )
 
     @torch.inference_mode()
     def execute(
@@ -97,6 +127,7 @@ class EngineExecutor:
         prefill_slots: list[tuple[int, np.ndarray]] = []  # (flat index, slots its tokens are written to)
         decodes: list[tuple[int, Request]] = []  # (flat index, request) of sequences processing one token
         samplers: list[tuple[Request, int]] = []  # (request, flat index of its last token)
+        scored: list[tuple[Sequence, int, int]] = []  # (sequence, flat index, prompt position it predicts)
         aborted: list[Request] = []  # scheduled, but their client went away: finished, not computed
 
         def add(request: Request, num_tokens: int) -> None:
@@ -119,6 +150,12 @@ class EngineExecutor:
                 prefill_slots.append((flat, context[start:]))
             if end == request.num_tokens:
                 samplers.append((request, flat + num_tokens - 1))
+            if seq.prompt_logprobs is not None:
+                # NOTE: position q's hidden state predicts token q + 1; positions scored before (a
+                # refill after a recompute preemption) are not scored again.
+                first = max(start + 1, len(seq.prompt_logprobs) + 1)
+                for position in range(first, min(end, seq.num_prompt_tokens - 1) + 1):
+                    scored.append((seq, flat + position - 1 - start, position))
 
         for request, num_tokens in output.chunks:
             add(request, num_tokens)
@@ -132,7 +169,10 @@ class EngineExecutor:
             rows = torch.tensor([i for _, i in samplers], dtype=torch.int64, device=self.device)
             logits = self.model.compute_logits(hidden[rows]).float()  # (N, vocab)
             seqs = [self.sequences[r] for r, _ in samplers]
-            sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            sampled = sample(self._controlled(logits, seqs), [s.params for s in seqs], [s.generator for s in seqs])
+            self._record_logprobs(logits, seqs, sampled)
+            if scored:
+                self._record_prompt_logprobs(hidden, scored)
         else:
             sampled, seqs = [], []
         if self.device.type == "cuda":
@@ -148,13 +188,64 @@ class EngineExecutor:
         for (request, _), seq, token in zip(samplers, seqs, sampled, strict=True):
             seq.token_ids.append(token)
             sampled_ids[request.request_id] = token
-            if token in self.eos_token_ids and not seq.params.ignore_eos:
+            if (token in self.eos_token_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
                 seq.finish_reason = "stop"
+            elif seq.matcher is not None and accept(seq.matcher, token):
+                seq.finish_reason = "stop"  # the grammar is complete
             elif len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_tokens:
                 seq.finish_reason = "length"
             if seq.finish_reason is not None:
                 finished.append(request)
         return StepResult(step_end_times=(now + elapsed,), finished=finished, sampled_token_ids=sampled_ids)
+
+    def _controlled(
+        self,
+        logits: torch.Tensor,  # (N, vocab) the raw scores of the rows that sample
+        seqs: list[Sequence],
+    ) -> torch.Tensor:  # (N, vocab)
+        """The scores each row samples from: its params' controls applied (to a copy: logprobs report
+        the raw scores)."""
+        params = [s.params for s in seqs]
+        guided = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if not guided and not any(p.controls_scores for p in params):
+            return logits
+        scores = logits.clone()
+        apply_controls(
+            scores, params, [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs], self.eos_token_ids
+        )
+        if guided:  # NOTE: last, so that no other control can bring back a token the grammar forbids
+            self.grammar_matchers.mask(scores, guided, [seqs[i].matcher for i in guided])
+        return scores
+
+    @staticmethod
+    def _record_logprobs(
+        logits: torch.Tensor,  # (N, vocab) of the rows just sampled
+        seqs: list[Sequence],
+        sampled: list[int],
+    ) -> None:
+        """Append each sampled token's ``Logprobs`` to the sequences that ask for them."""
+        rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+        if not rows:
+            return
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        found = token_logprobs(logits[index], [sampled[i] for i in rows], [seqs[i].params.logprobs for i in rows])
+        for i, lp in zip(rows, found, strict=True):
+            seqs[i].logprobs.append(lp)
+
+    def _record_prompt_logprobs(
+        self,
+        hidden: torch.Tensor,  # (T, H) the step's final hidden states
+        scored: list[tuple[Sequence, int, int]],  # (sequence, flat index, prompt position it predicts)
+    ) -> None:
+        """Score the prompt positions ``scored`` names, ``PROMPT_LOGITS_ROWS`` at a time."""
+        for at in range(0, len(scored), PROMPT_LOGITS_ROWS):
+            part = scored[at : at + PROMPT_LOGITS_ROWS]
+            rows = torch.tensor([flat for _, flat, _ in part], dtype=torch.int64, device=self.device)
+            logits = self.model.compute_logits(hidden[rows]).float()  # (R, vocab)
+            targets = [seq.token_ids[position] for seq, _, position in part]
+            found = token_logprobs(logits, targets, [seq.params.prompt_logprobs for seq, _, _ in part])
+            for (seq, _, _), lp in zip(part, found, strict=True):
+                seq.prompt_logprobs.append(lp)
 
     def _forward(
         self,

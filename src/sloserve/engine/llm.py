@@ -10,7 +10,7 @@ from sloserve.core.errors import ConfigError
 from sloserve.cost.base import CostModel
 from sloserve.engine.llm_engine import LLMEngine
 from sloserve.engine.loader import load_model
-from sloserve.engine.sampler import SamplingParams
+from sloserve.engine.sampler import Logprobs, SamplingParams
 
 Prompt = str | dict[str, Any]
 
@@ -21,6 +21,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS) or "length" (max_tokens)
+    # With SamplingParams.logprobs: each token's log-probabilities, and their sum
+    logprobs: list[Logprobs] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -32,6 +35,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's field)
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then each one's
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 class LLM:
@@ -131,13 +136,12 @@ class LLM:
             seq = engine.release(request)
             token_ids = seq.output_token_ids
             decoded = self.loaded.tokenizer.decode(token_ids) if self.loaded.tokenizer is not None else ""
+            cumulative = None if seq.logprobs is None else seq.cumulative_logprob
+            completion = CompletionOutput(
+                0, decoded, token_ids, seq.finish_reason or "length", seq.logprobs, cumulative
+            )
+            prompt_logprobs = None if seq.prompt_logprobs is None else [None, *seq.prompt_logprobs]
             outputs.append(
-                RequestOutput(
-                    request.request_id,
-                    text,
-                    ids,
-                    [CompletionOutput(0, decoded, token_ids, seq.finish_reason or "length")],
-                    request.num_cached_tokens,
-                )
+                RequestOutput(request.request_id, text, ids, [completion], request.num_cached_tokens, prompt_logprobs)
             )
         return outputs

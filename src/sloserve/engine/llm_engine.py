@@ -29,6 +29,8 @@ from sloserve.engine.executor import Sequence as SequenceState
 from sloserve.engine.kv_cache import KVCacheTensor
 from sloserve.engine.loader import LoadedModel
 from sloserve.engine.sampler import SamplingParams
+from sloserve.engine.structured_output import GrammarMatchers
+from sloserve.engine.tokenizer import HFTokenizer
 from sloserve.replica import Replica
 from sloserve.sched import make_scheduler, supports_prefix_caching
 from sloserve.workload.closed_loop import ClosedLoopBatches
@@ -105,7 +107,16 @@ def check_request(
             f"{where}: {n} prompt tokens leave no room to generate within the model's context of "
             f"{max_model_len} tokens (max_model_len)"
         )
-    params = dataclasses.replace(params, max_tokens=min(params.max_tokens, max_model_len - n))
+    named = [t for t in params.token_ids_named() if t >= vocab_size]
+    if named:
+        raise ConfigError(
+            f"{where}: token id {named[0]} (logit_bias or stop_token_ids) is outside the vocabulary [0, {vocab_size})"
+        )
+    params = dataclasses.replace(
+        params,
+        max_tokens=min(params.max_tokens, max_model_len - n),
+        min_tokens=min(params.min_tokens, max_model_len - n),
+    )
     peak = n + params.max_tokens - 1
     if peak > kv_capacity_tokens:
         raise ConfigError(
@@ -205,12 +216,26 @@ class LLMEngine:
             request = Request(self._next_id, arrival_time, len(prompt_token_ids), params.max_tokens, params.max_tokens)
         self._next_id = max(self._next_id, request.request_id) + 1
         self.scheduler.check_fits(request, len(prompt_token_ids) + params.max_tokens - 1)
+        if params.grammar is not None and self.executor.grammar_matchers is None:
+            self.executor.grammar_matchers = self._grammar_matchers()
         self.executor.add(request, list(prompt_token_ids), params)
         # Prefix caching keys the blocks by the tokens themselves (prompt, then what it generates),
-        # whatever content a workload's request described.
-        request.prompt_blocks = TokenPrompt(self.executor.sequences[request].token_ids)
+        # whatever content a workload's request described. NOTE: a request that asks for its prompt's
+        # logprobs computes every prompt token, so it neither finds nor leaves blocks in the cache
+        # (vLLM v1 skips the cache for them too).
+        scores_prompt = params.prompt_logprobs is not None
+        request.prompt_blocks = None if scores_prompt else TokenPrompt(self.executor.sequences[request].token_ids)
         self.replica.add(request, arrival_time)
         return request
+
+    def _grammar_matchers(self) -> GrammarMatchers:
+        tokenizer = self.loaded.tokenizer
+        if not isinstance(tokenizer, HFTokenizer):
+            raise ConfigError(
+                "structured output needs the model's tokenizer (a tokenizer.json or a GGUF file's); this model has none"
+            )
+        config = self.loaded.config
+        return GrammarMatchers(tokenizer.to_json(), config.vocab_size, config.eos_token_ids)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -1,14 +1,24 @@
-"""Sampling parameters (as in vLLM's ``SamplingParams``) and the sampler."""
+"""Sampling parameters (as in vLLM's ``SamplingParams``), the sampler and log-probabilities."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from sloserve.core.errors import ConfigError
+
+# The most top log-probabilities a request may ask for per token (vLLM's default max_logprobs; OpenAI's
+# top_logprobs allows 20 too).
+MAX_LOGPROBS = 20
+# Prompt positions whose vocabulary scores are computed at once (prompt logprobs): 512 x a 150k
+# vocabulary in float32 is 300 MB.
+PROMPT_LOGITS_ROWS = 512
+# vLLM accepts repetition penalties in (0, 2]
+MAX_REPETITION_PENALTY = 2.0
 
 
 @dataclass(frozen=True)
@@ -18,6 +28,20 @@ class SamplingParams:
     ``temperature`` 0 is greedy (vLLM's default is 1.0, and so is ours). ``seed`` makes a sampled
     request reproducible on its own, whatever it is batched with. ``ignore_eos`` keeps generating
     until ``max_tokens`` (benchmarks force output lengths this way, as the papers do).
+
+    ``logprobs``: report each sampled token's log-probability and the ``logprobs`` likeliest tokens'
+    (None: none; 0: the sampled token's alone). ``prompt_logprobs``: the same for every prompt token
+    after the first. Both are the model's own distribution: the log-softmax of its raw scores, before
+    any control below and before temperature and top-p (vLLM v1's default,
+    ``logprobs_mode="raw_logprobs"``).
+
+    Controls of the scores, applied in this order before temperature and top-p (vLLM's order and
+    formulas): ``min_tokens`` (EOS and ``stop_token_ids`` cannot be sampled before that many output
+    tokens), ``logit_bias`` (added to the named tokens' scores), ``repetition_penalty`` (a score of a
+    token in the prompt or the output is divided by it when positive, multiplied when negative),
+    ``frequency_penalty`` (times each token's count in the output, subtracted) and
+    ``presence_penalty`` (subtracted once from each token the output holds). ``stop_token_ids`` end
+    the request ("stop") when sampled, as EOS does.
     """
 
     max_tokens: int = 16
@@ -25,6 +49,16 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    # Structured output: an llguidance grammar every sampled token must follow (structured_output.py)
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -33,10 +67,102 @@ class SamplingParams:
             raise ConfigError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS):
+                raise ConfigError(f"SamplingParams.{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        if isinstance(self.min_tokens, bool) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ConfigError(
+                f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ConfigError(
+                f"SamplingParams.repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty!r}"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ConfigError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise ConfigError(f"SamplingParams.logit_bias: token id {token_id!r} is not an integer >= 0")
+            if not -100 <= bias <= 100:
+                raise ConfigError(f"SamplingParams.logit_bias[{token_id}] must be in [-100, 100], got {bias!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ConfigError(f"SamplingParams.stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}")
+
+    def token_ids_named(self) -> list[int]:
+        """The token ids these params name (logit_bias, stop_token_ids): each must be in the vocabulary."""
+        return [*(self.logit_bias or {}), *self.stop_token_ids]
+
+    @property
+    def controls_scores(self) -> bool:
+        """Whether any control changes the scores (``apply_controls`` has work for it)."""
+        return bool(
+            self.min_tokens
+            or self.logit_bias
+            or self.repetition_penalty != 1
+            or self.frequency_penalty
+            or self.presence_penalty
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def apply_controls(
+    logits: torch.Tensor,  # (N, vocab) float32, one row per request that samples this step; changed in place
+    params: list[SamplingParams],
+    token_ids: list[list[int]],  # (N,) each row's prompt and output tokens so far
+    num_prompt_tokens: list[int],  # (N,)
+    eos_token_ids: frozenset[int],
+) -> None:
+    """Apply each row's score controls (``SamplingParams``), batched over the rows that have them.
+
+    NOTE: the penalties count each row's tokens afresh every step (a scatter of its history), where
+    vLLM v1 keeps the counts on the device: O(context) host work a step, for the rows with penalties
+    only."""
+    device, vocab = logits.device, logits.shape[1]
+    rows = [i for i, p in enumerate(params) if p.controls_scores]
+    if not rows:
+        return
+    # min_tokens, then logit_bias: a handful of scores per row, set or added at once
+    masked = [(i, t) for i in rows if len(token_ids[i]) - num_prompt_tokens[i] < params[i].min_tokens
+              for t in (*eos_token_ids, *params[i].stop_token_ids)]  # fmt: skip
+    if masked:
+        logits[tuple(torch.tensor(masked, device=device).T)] = -math.inf
+    biased = [(i, t, b) for i in rows for t, b in (params[i].logit_bias or {}).items()]
+    if biased:
+        index = torch.tensor([(i, t) for i, t, _ in biased], device=device).T
+        logits.index_put_(tuple(index), torch.tensor([b for _, _, b in biased], device=device), accumulate=True)
+    penalized = [
+        i
+        for i in rows
+        if params[i].repetition_penalty != 1 or params[i].frequency_penalty or params[i].presence_penalty
+    ]
+    if not penalized:
+        return
+    index = torch.tensor(penalized, device=device)
+    counts = _counts([token_ids[i][num_prompt_tokens[i] :] for i in penalized], vocab, device)  # (R, vocab)
+    in_prompt = _counts([token_ids[i][: num_prompt_tokens[i]] for i in penalized], vocab, device) > 0
+    scores = logits[index]  # (R, vocab)
+    repetition = torch.tensor([params[i].repetition_penalty for i in penalized], device=device)[:, None]
+    seen = in_prompt | (counts > 0)
+    scores = torch.where(seen, torch.where(scores > 0, scores / repetition, scores * repetition), scores)
+    frequency = torch.tensor([params[i].frequency_penalty for i in penalized], device=device)[:, None]
+    presence = torch.tensor([params[i].presence_penalty for i in penalized], device=device)[:, None]
+    logits[index] = scores - frequency * counts - presence * (counts > 0)
+
+
+def _counts(sequences: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:  # (R, vocab)
+    """How many times each token occurs in each sequence."""
+    longest = max((len(s) for s in sequences), default=0)
+    padded = torch.full((len(sequences), longest), vocab, dtype=torch.int64)  # vocab: the padding column
+    for row, s in enumerate(sequences):
+        padded[row, : len(s)] = torch.tensor(s, dtype=torch.int64)
+    counts = torch.zeros(len(sequences), vocab + 1, device=device)
+    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
+    return counts[:, :vocab]
 
 
 def sample(
@@ -84,3 +210,32 @@ def _draw(
     target = torch.minimum(uniform * mass, torch.nextafter(mass, torch.zeros_like(mass)))  # (R, 1)
     pick = torch.searchsorted(cdf, target, right=True)  # (R, 1)
     return (order.gather(1, pick) if top_p else pick)[:, 0]
+
+
+class Logprobs(NamedTuple):
+    """Log-probabilities at one position: of the token there, and of the likeliest tokens, best first."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # (N, vocab) float32
+    token_ids: list[int],  # (N,) the token at each row's position
+    num_top: list[int],  # (N,) the likeliest tokens to report for each row
+) -> list[Logprobs]:
+    """Each row's ``Logprobs``: the log-softmax of its raw scores at ``token_ids`` and its ``num_top``
+    best tokens (ties in the order of ``torch.topk``)."""
+    logprobs = torch.log_softmax(logits, dim=-1)  # (N, vocab)
+    index = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)[:, None]  # (N, 1)
+    chosen = logprobs.gather(1, index)[:, 0].tolist()
+    k = max(num_top, default=0)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])  # (N, k) each
+    return [
+        Logprobs(t, lp, tuple(ids[:n]), tuple(values[:n]))
+        for t, lp, n, ids, values in zip(
+            token_ids, chosen, num_top, top_ids.int().tolist(), top_values.tolist(), strict=True
+        )
+    ]

@@ -13,7 +13,7 @@ from sloserve.core.errors import ConfigError
 class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, token_ids: list[int]) -> str: ...
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class ByteTokenizer:
@@ -24,7 +24,8 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [BYTE_BOS_ID, *text.encode("utf-8")] if add_special_tokens else list(text.encode("utf-8"))
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """BOS and EOS have no text, special or not."""
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
 
 
@@ -53,8 +54,12 @@ class HFTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def to_json(self) -> str:
+        """The tokenizer as a ``tokenizer.json`` text (what a grammar library reads)."""
+        return self._tok.to_str()
 
 
 def load_tokenizer_file(path: Path) -> HFTokenizer:

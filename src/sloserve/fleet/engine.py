@@ -210,6 +210,8 @@ class FleetEngine(AsyncLLMEngine):
                             last,
                             finish,
                             delta.num_cached_tokens,
+                            delta.logprobs,
+                            delta.prompt_logprobs,
                         )
                     )
                     if delta.finish_reason is not None:

@@ -30,6 +30,7 @@ from ray import serve
 
 from sloserve.engine.async_engine import AsyncLLMEngine, EngineInfo, EngineStats, ServedRequest, StreamDelta
 from sloserve.engine.engine_core import EngineSpec
+from sloserve.engine.sampler import Logprobs
 from sloserve.fleet.routing import ReplicaTarget, RoutedRequest
 
 # Seconds between two items of a replica's output stream at least: a Ray Serve stream item costs
@@ -41,13 +42,15 @@ MIN_ITEM_INTERVAL_S = 0.005
 @dataclass(frozen=True)
 class ReplicaDelta:
     """One request's news: its new text and tokens, and on the last one the finish reason; the prompt
-    tokens its replica's prefix cache held."""
+    tokens its replica's prefix cache held; log-probabilities as in ``engine_core.Output``."""
 
     ingress_id: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
     num_cached_tokens: int
+    logprobs: list[Logprobs] | None = None
+    prompt_logprobs: list[Logprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -101,8 +104,18 @@ class _ReplicaEngine(AsyncLLMEngine):
             ingress_id = self.ingress_id[served.request_id]
             if delta.finish_reason is not None:
                 del self.ingress_id[served.request_id], self.by_ingress_id[ingress_id]
+            # NOTE: the prompt's logprobs go once, with the first delta after they came
+            prompt_logprobs, served.prompt_logprobs = served.prompt_logprobs, None
             self.outbox.append(
-                ReplicaDelta(ingress_id, delta.text, delta.token_ids, delta.finish_reason, served.num_cached_tokens)
+                ReplicaDelta(
+                    ingress_id,
+                    delta.text,
+                    delta.token_ids,
+                    delta.finish_reason,
+                    served.num_cached_tokens,
+                    delta.logprobs,
+                    prompt_logprobs,
+                )
             )
         self.news.set()
 

@@ -4,7 +4,8 @@ Routes, a router each: ``POST /v1/completions`` (completions_api.py), ``POST /v1
 (chat_api.py), both with ``stream: true`` as server-sent events ending in ``data: [DONE]``
 (responses.py); ``GET /v1/models`` (models_api.py); ``GET /health`` and ``GET /metrics``
 (metrics_api.py); and with a data dir the Files and Batches routes (batch_api.py).
-Errors are OpenAI's error object (``{"error": {"message", "type", "param", "code"}}``): 400 for a bad
+With ``--api-key``, every route but /health and /metrics needs the key (401 without it), and files and
+batches are their key's own (auth.py). Errors are OpenAI's error object (``{"error": {"message", "type", "param", "code"}}``): 400 for a bad
 body or parameter or a prompt that does not fit, 404 for an unknown model or route, 429 with
 Retry-After when the queue is full, 503 while shutting down.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,6 +26,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sloserve.core.errors import SloserveError
+from sloserve.server.auth import ApiKeyAuth
 from sloserve.server.batch_api import BatchService
 from sloserve.server.chat_api import chat_router
 from sloserve.server.completions_api import completions_router
@@ -41,10 +43,16 @@ DRAIN_AT_EXIT_S = 5.0
 BATCH_STOP_TIMEOUT_S = 15.0
 
 
-def build_app(serving: OpenAIServing, metrics: ServerMetrics, batches: BatchService | None = None) -> FastAPI:
+def build_app(
+    serving: OpenAIServing,
+    metrics: ServerMetrics,
+    batches: BatchService | None = None,
+    api_keys: Sequence[str] = (),
+) -> FastAPI:
     """The FastAPI app over ``serving``'s started engine: a router per endpoint family, errors as
     OpenAI's error object; its lifespan drains the engine at shutdown. ``batches`` adds the Files and
-    Batches routes and runs their batches while the app runs."""
+    Batches routes and runs their batches while the app runs. With ``api_keys``, every route but
+    /health and /metrics needs one of them (``auth.py``)."""
     engine = serving.engine
 
     @contextlib.asynccontextmanager
@@ -72,6 +80,8 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics, batches: BatchServ
     app.include_router(metrics_router(engine, metrics))
     if batches is not None:
         app.include_router(batches.router())
+    if api_keys:
+        app.add_middleware(ApiKeyAuth, keys=api_keys, on_refused=metrics.rejected.labels("unauthorized").inc)
     return app
 
 

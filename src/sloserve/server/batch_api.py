@@ -25,6 +25,7 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from sloserve.core.errors import ConfigError
+from sloserve.server.auth import NO_OWNER
 from sloserve.server.batch_runner import BODY_MODELS, BatchRunner
 from sloserve.server.batch_store import BatchStore, new_id
 from sloserve.server.metrics import ServerMetrics
@@ -209,6 +210,12 @@ def read_batch_lines(path) -> Iterator[tuple[int, str, str]]:
                 yield number, request["custom_id"], json.dumps(request["body"])
 
 
+def _owner(request: Request) -> str:
+    """The owner id of the request's API key (``auth.ApiKeyAuth``); the same for every request
+    when the server has no keys."""
+    return getattr(request.state, "owner", NO_OWNER)
+
+
 def _no_file(file_id: str) -> ApiError:
     return ApiError(404, f"No such File object: {file_id}", "id", "file_not_found")
 
@@ -233,30 +240,31 @@ class BatchService:
         self.store.close()
 
     # --- files ---------------------------------------------------------------------------------
-    def _store_upload(self, upload: IO[bytes], filename: str) -> dict[str, Any]:
+    def _store_upload(self, upload: IO[bytes], filename: str, owner: str) -> dict[str, Any]:
         file_id = new_id("file-")
         temp = self.store.temp_path(file_id)
         try:
             with open(temp, "wb") as out:
                 num_lines, urls = check_batch_lines(upload, out, self.limits)
-            return self.store.commit_file(file_id, filename, "batch", num_lines, urls)
+            return self.store.commit_file(file_id, filename, "batch", num_lines, urls, owner=owner)
         finally:
             temp.unlink(missing_ok=True)
 
-    def _file(self, file_id: str) -> dict[str, Any]:
-        row = self.store.get_file(file_id)
+    def _file(self, file_id: str, owner: str) -> dict[str, Any]:
+        """``owner``'s file ``file_id``: another owner's is as unknown as one that does not exist."""
+        row = self.store.get_file(file_id, owner=owner)
         if row is None:
             raise _no_file(file_id)
         return row
 
-    def _batch(self, batch_id: str) -> dict[str, Any]:
-        row = self.store.get_batch(batch_id)
+    def _batch(self, batch_id: str, owner: str) -> dict[str, Any]:
+        row = self.store.get_batch(batch_id, owner=owner)
         if row is None:
             raise ApiError(404, f"No such Batch object: {batch_id}", "id", "batch_not_found")
         return row
 
-    def _create_batch(self, body: CreateBatch) -> dict[str, Any]:
-        input_file = self._file(body.input_file_id)
+    def _create_batch(self, body: CreateBatch, owner: str) -> dict[str, Any]:
+        input_file = self._file(body.input_file_id, owner)
         if input_file["purpose"] != "batch":
             raise ApiError(
                 400,
@@ -274,10 +282,10 @@ class BatchService:
                     "invalid_batch_line",
                 )
         lines = read_batch_lines(self.store.file_path(input_file["id"]))
-        return self.store.create_batch(input_file, body.endpoint, body.completion_window, body.metadata, lines)
+        return self.store.create_batch(input_file, body.endpoint, body.completion_window, body.metadata, lines, owner)
 
-    def _cancel(self, batch_id: str) -> dict[str, Any]:
-        batch = self._batch(batch_id)
+    def _cancel(self, batch_id: str, owner: str) -> dict[str, Any]:
+        batch = self._batch(batch_id, owner)
         if batch["status"] in ("validating", "in_progress"):
             self.store.set_status(batch_id, "cancelling", only_from=("validating", "in_progress"))
             self.runner.wake()
@@ -288,7 +296,7 @@ class BatchService:
                 "id",
                 "batch_not_cancellable",
             )
-        return self._batch(batch_id)
+        return self._batch(batch_id, owner)
 
     def router(self) -> APIRouter:
         router = APIRouter()
@@ -325,53 +333,59 @@ class BatchService:
                 if upload is None or isinstance(upload, str):
                     raise ApiError(400, "the form has no file: send it as the field 'file'", "file")
                 filename = upload.filename or "upload.jsonl"
-                return file_object(await asyncio.to_thread(self._store_upload, upload.file, filename))
+                stored = await asyncio.to_thread(self._store_upload, upload.file, filename, _owner(request))
+                return file_object(stored)
             finally:
                 await form.close()
 
         @router.get("/v1/files")
         async def list_files(
-            purpose: str | None = None, after: str | None = None, limit: int = Query(default=10_000, ge=1, le=10_000)
+            request: Request,
+            purpose: str | None = None,
+            after: str | None = None,
+            limit: int = Query(default=10_000, ge=1, le=10_000),
         ) -> dict[str, Any]:
+            owner = _owner(request)
             if after is not None:
-                self._file(after)
-            return page([file_object(r) for r in self.store.list_files(purpose, after, limit + 1)], limit)
+                self._file(after, owner)
+            return page([file_object(r) for r in self.store.list_files(purpose, after, limit + 1, owner)], limit)
 
         @router.get("/v1/files/{file_id}")
-        async def retrieve_file(file_id: str) -> dict[str, Any]:
-            return file_object(self._file(file_id))
+        async def retrieve_file(file_id: str, request: Request) -> dict[str, Any]:
+            return file_object(self._file(file_id, _owner(request)))
 
         @router.get("/v1/files/{file_id}/content")
-        async def file_content(file_id: str) -> FileResponse:
-            row = self._file(file_id)
+        async def file_content(file_id: str, request: Request) -> FileResponse:
+            row = self._file(file_id, _owner(request))
             return FileResponse(self.store.file_path(file_id), media_type="application/jsonl", filename=row["filename"])
 
         @router.delete("/v1/files/{file_id}")
-        async def delete_file(file_id: str) -> dict[str, Any]:
-            if not self.store.delete_file(file_id):
+        async def delete_file(file_id: str, request: Request) -> dict[str, Any]:
+            if not self.store.delete_file(file_id, _owner(request)):
                 raise _no_file(file_id)
             return {"id": file_id, "object": "file", "deleted": True}
 
         @router.post("/v1/batches")
-        async def create_batch(body: CreateBatch) -> dict[str, Any]:
-            batch = await asyncio.to_thread(self._create_batch, body)
+        async def create_batch(body: CreateBatch, request: Request) -> dict[str, Any]:
+            batch = await asyncio.to_thread(self._create_batch, body, _owner(request))
             self.runner.wake()
             return batch_object(batch)
 
         @router.get("/v1/batches")
         async def list_batches(
-            after: str | None = None, limit: int = Query(default=20, ge=1, le=100)
+            request: Request, after: str | None = None, limit: int = Query(default=20, ge=1, le=100)
         ) -> dict[str, Any]:
+            owner = _owner(request)
             if after is not None:
-                self._batch(after)
-            return page([batch_object(r) for r in self.store.list_batches(after, limit + 1)], limit)
+                self._batch(after, owner)
+            return page([batch_object(r) for r in self.store.list_batches(after, limit + 1, owner)], limit)
 
         @router.get("/v1/batches/{batch_id}")
-        async def retrieve_batch(batch_id: str) -> dict[str, Any]:
-            return batch_object(self._batch(batch_id))
+        async def retrieve_batch(batch_id: str, request: Request) -> dict[str, Any]:
+            return batch_object(self._batch(batch_id, _owner(request)))
 
         @router.post("/v1/batches/{batch_id}/cancel")
-        async def cancel_batch(batch_id: str) -> dict[str, Any]:
-            return batch_object(self._cancel(batch_id))
+        async def cancel_batch(batch_id: str, request: Request) -> dict[str, Any]:
+            return batch_object(self._cancel(batch_id, _owner(request)))
 
         return router

@@ -25,18 +25,17 @@ from pydantic import ValidationError
 
 from sloserve.core.errors import SloserveError
 from sloserve.core.request import RequestClass
-from sloserve.engine.async_engine import ServedRequest
 from sloserve.server.batch_store import BatchStore, Line, new_id
 from sloserve.server.metrics import ServerMetrics
 from sloserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ParameterError,
-    usage,
 )
 from sloserve.server.serving import (
     OpenAIServing,
     ResponseObjects,
+    Submission,
     collect,
     error_response,
     validation_error,
@@ -56,7 +55,7 @@ EXPIRED_MESSAGE = "This request could not be executed before the completion wind
 class InFlight:
     line: Line
     task: asyncio.Task
-    served: ServedRequest | None = None
+    submission: Submission | None = None  # its engine requests, once submitted
 
 
 def output_line(custom_id: str, status_code: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -112,8 +111,8 @@ class BatchRunner:
         pending and run after a restart), so they do not hold the shutdown's drain."""
         self._stopping = True
         for flight in list(self._in_flight.values()):
-            if flight.served is not None:
-                self.serving.engine.abort(flight.served)
+            if flight.submission is not None:
+                flight.submission.abort(self.serving.engine)
         self._wake.set()
 
     def stop_admitting_threadsafe(self) -> None:
@@ -188,8 +187,8 @@ class BatchRunner:
         """Abort ``batch_id``'s lines in the engine; the number still in flight."""
         flights = [f for f in self._in_flight.values() if f.line.batch_id == batch_id]
         for flight in flights:
-            if flight.served is not None:
-                self.serving.engine.abort(flight.served)
+            if flight.submission is not None:
+                flight.submission.abort(self.serving.engine)
         return len(flights)
 
     # --- one line ------------------------------------------------------------------------------
@@ -222,7 +221,7 @@ class BatchRunner:
             if body.stream:
                 raise ParameterError("stream", "stream is not supported in a batch: each line gets one response")
             submit = self.serving.submit_chat if chat else self.serving.submit_completion
-            flight.served = served = submit(body, RequestClass.BE)
+            flight.submission = submission = submit(body, RequestClass.BE)
         except ValidationError as e:
             return output_line(line.custom_id, 400, validation_error(e.errors())), True
         except SloserveError as e:
@@ -235,12 +234,10 @@ class BatchRunner:
                 return None, False
             return output_line(line.custom_id, error.status, error.body), True
         if self._stopping:  # the server began stopping while this line was submitted
-            self.serving.engine.abort(served)
-        text, reason = await collect(served)
-        if reason not in ("stop", "length"):
+            submission.abort(self.serving.engine)
+        results = await asyncio.gather(*(collect(s) for s in submission.served))
+        if any(r.finish_reason not in ("stop", "length") for r in results):
+            submission.abort(self.serving.engine)
             return None, False
-        objects = ResponseObjects(chat, self.serving.config.model_name)
-        whole = objects.whole(
-            text, reason, usage(served.num_prompt_tokens, served.num_output_tokens, served.num_cached_tokens)
-        )
-        return output_line(line.custom_id, 200, whole), False
+        objects = ResponseObjects(chat, self.serving.config.model_name, submission.service_tier)
+        return output_line(line.custom_id, 200, objects.whole(submission.choices(results), submission.usage())), False

@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS files (
     bytes INTEGER NOT NULL,
     created_at INTEGER NOT NULL,
     num_lines INTEGER NOT NULL,
-    urls TEXT NOT NULL                  -- JSON {url: first line number}, for a batch input file
+    urls TEXT NOT NULL,                 -- JSON {url: first line number}, for a batch input file
+    owner TEXT NOT NULL DEFAULT ''      -- the API key's owner id that created it (auth.owner_of); '' without keys
 );
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY,
@@ -64,7 +65,8 @@ CREATE TABLE IF NOT EXISTS batches (
     completed INTEGER NOT NULL DEFAULT 0,
     failed INTEGER NOT NULL DEFAULT 0,
     input_tokens INTEGER NOT NULL DEFAULT 0,   -- usage of the answered lines
-    output_tokens INTEGER NOT NULL DEFAULT 0
+    output_tokens INTEGER NOT NULL DEFAULT 0,
+    owner TEXT NOT NULL DEFAULT ''      -- as files.owner; its output and error files have it too
 );
 CREATE TABLE IF NOT EXISTS lines (
     batch_id TEXT NOT NULL,
@@ -79,6 +81,11 @@ CREATE TABLE IF NOT EXISTS lines (
 CREATE INDEX IF NOT EXISTS lines_by_status ON lines (batch_id, status, line_no);
 """
 
+# Columns added since the first schema: (table, column, definition), added to an older database.
+ADDED_COLUMNS = [
+    ("files", "owner", "TEXT NOT NULL DEFAULT ''"),
+    ("batches", "owner", "TEXT NOT NULL DEFAULT ''"),
+]
 # Batch statuses (OpenAI's) after which nothing changes.
 FINAL = ("completed", "failed", "expired", "cancelled")
 COMPLETION_WINDOW_S = {"24h": 24 * 3600}
@@ -122,6 +129,9 @@ class BatchStore:
         self._connections: list[sqlite3.Connection] = []
         self._connections_lock = threading.Lock()
         self.db.executescript(SCHEMA)  # NOTE: executescript commits by itself: not in a transaction()
+        for table, column, definition in ADDED_COLUMNS:  # a data dir of an older version
+            if column not in {row["name"] for row in self.db.execute(f"PRAGMA table_info({table})")}:
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
         self._remove_stale_files()
 
     @property
@@ -188,15 +198,16 @@ class BatchStore:
         num_lines: int,
         urls: dict[str, int],
         db: sqlite3.Connection | None = None,
+        owner: str = "",
     ) -> dict[str, Any]:
-        """Make the written temporary file ``file_id`` durable and record it (in ``db``'s open
-        transaction when given). Returns the file object."""
+        """Make the written temporary file ``file_id`` durable and record it as ``owner``'s (in ``db``'s
+        open transaction when given). Returns the file object."""
         path = self.file_path(file_id)
         _fsync_and_rename(self.temp_path(file_id), path)
-        row = (file_id, filename, purpose, path.stat().st_size, int(time.time()), num_lines, json.dumps(urls))
+        row = (file_id, filename, purpose, path.stat().st_size, int(time.time()), num_lines, json.dumps(urls), owner)
         insert = (
-            "INSERT OR REPLACE INTO files (id, seq, filename, purpose, bytes, created_at, num_lines, urls) "
-            "VALUES (?, (SELECT COALESCE(MAX(seq), 0) + 1 FROM files), ?, ?, ?, ?, ?, ?)"
+            "INSERT OR REPLACE INTO files (id, seq, filename, purpose, bytes, created_at, num_lines, urls, owner) "
+            "VALUES (?, (SELECT COALESCE(MAX(seq), 0) + 1 FROM files), ?, ?, ?, ?, ?, ?, ?)"
         )
         if db is None:
             with self.transaction() as own:
@@ -205,22 +216,26 @@ class BatchStore:
             db.execute(insert, row)
         return self.get_file(file_id, db)
 
-    def get_file(self, file_id: str, db: sqlite3.Connection | None = None) -> dict[str, Any] | None:
+    def get_file(
+        self, file_id: str, db: sqlite3.Connection | None = None, owner: str | None = None
+    ) -> dict[str, Any] | None:
+        """The file ``file_id``; None when there is none, or it is not ``owner``'s (None: anyone's)."""
         row = (db or self.db).execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
-        return None if row is None else dict(row)
+        return None if row is None or owner not in (None, row["owner"]) else dict(row)
 
-    def list_files(self, purpose: str | None, after: str | None, limit: int) -> list[dict[str, Any]]:
-        """Newest first, after the file ``after`` (a cursor), at most ``limit``."""
-        query, args = "SELECT * FROM files WHERE 1 = 1", []
+    def list_files(self, purpose: str | None, after: str | None, limit: int, owner: str) -> list[dict[str, Any]]:
+        """``owner``'s files, newest first, after the file ``after`` (a cursor), at most ``limit``."""
+        query, args = "SELECT * FROM files WHERE owner = ?", [owner]
         if purpose is not None:
             query, args = query + " AND purpose = ?", [*args, purpose]
         if after is not None:
             query, args = query + " AND seq < (SELECT seq FROM files WHERE id = ?)", [*args, after]
         return [dict(r) for r in self.db.execute(query + " ORDER BY seq DESC LIMIT ?", (*args, limit))]
 
-    def delete_file(self, file_id: str) -> bool:
+    def delete_file(self, file_id: str, owner: str) -> bool:
+        """Delete ``owner``'s file ``file_id``; False when it has none of that id."""
         with self.transaction() as db:
-            deleted = db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount == 1
+            deleted = db.execute("DELETE FROM files WHERE id = ? AND owner = ?", (file_id, owner)).rowcount == 1
         if deleted:
             self.file_path(file_id).unlink(missing_ok=True)
         return deleted
@@ -233,9 +248,10 @@ class BatchStore:
         completion_window: str,
         metadata: dict[str, str] | None,
         lines: Iterable[tuple[int, str, str]],
+        owner: str = "",
     ) -> dict[str, Any]:
-        """A batch in ``validating`` with its ``lines`` ((line number, custom_id, body JSON)), in one
-        transaction: a batch never exists without all its lines."""
+        """``owner``'s batch in ``validating`` with its ``lines`` ((line number, custom_id, body JSON)), in
+        one transaction: a batch never exists without all its lines."""
         batch_id, now = new_id("batch_"), int(time.time())
         with self.transaction() as db:
             db.executemany(
@@ -245,7 +261,8 @@ class BatchStore:
             total = db.execute("SELECT COUNT(*) FROM lines WHERE batch_id = ?", (batch_id,)).fetchone()[0]
             db.execute(
                 "INSERT INTO batches (id, seq, endpoint, input_file_id, completion_window, status, created_at, expires_at, "
-                "metadata, total) VALUES (?, (SELECT COALESCE(MAX(seq), 0) + 1 FROM batches), ?, ?, ?, 'validating', ?, ?, ?, ?)",
+                "metadata, total, owner) "
+                "VALUES (?, (SELECT COALESCE(MAX(seq), 0) + 1 FROM batches), ?, ?, ?, 'validating', ?, ?, ?, ?, ?)",
                 (
                     batch_id,
                     endpoint,
@@ -255,24 +272,24 @@ class BatchStore:
                     now + COMPLETION_WINDOW_S[completion_window],
                     json.dumps(metadata) if metadata is not None else None,
                     total,
+                    owner,
                 ),
             )
         return self.get_batch(batch_id)
 
-    def get_batch(self, batch_id: str, db: sqlite3.Connection | None = None) -> dict[str, Any] | None:
+    def get_batch(
+        self, batch_id: str, db: sqlite3.Connection | None = None, owner: str | None = None
+    ) -> dict[str, Any] | None:
+        """The batch ``batch_id``; None when there is none, or it is not ``owner``'s (None: anyone's)."""
         row = (db or self.db).execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
-        return None if row is None else dict(row)
+        return None if row is None or owner not in (None, row["owner"]) else dict(row)
 
-    def list_batches(self, after: str | None, limit: int) -> list[dict[str, Any]]:
-        """Newest first, after the batch ``after`` (a cursor), at most ``limit``."""
-        if after is None:
-            rows = self.db.execute("SELECT * FROM batches ORDER BY seq DESC LIMIT ?", (limit,))
-        else:
-            rows = self.db.execute(
-                "SELECT * FROM batches WHERE seq < (SELECT seq FROM batches WHERE id = ?) ORDER BY seq DESC LIMIT ?",
-                (after, limit),
-            )
-        return [dict(r) for r in rows]
+    def list_batches(self, after: str | None, limit: int, owner: str) -> list[dict[str, Any]]:
+        """``owner``'s batches, newest first, after the batch ``after`` (a cursor), at most ``limit``."""
+        query, args = "SELECT * FROM batches WHERE owner = ?", [owner]
+        if after is not None:
+            query, args = query + " AND seq < (SELECT seq FROM batches WHERE id = ?)", [*args, after]
+        return [dict(r) for r in self.db.execute(query + " ORDER BY seq DESC LIMIT ?", (*args, limit))]
 
     def batches_in(self, *statuses: str) -> list[dict[str, Any]]:
         marks = ",".join("?" * len(statuses))
@@ -371,13 +388,14 @@ class BatchStore:
                 num_lines = write_lines(out, self.results(batch_id, line_status))
             written[column] = (file_id, num_lines)
         with self.transaction() as db:
-            if db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()[0] not in only_from:
+            status_now, owner = db.execute("SELECT status, owner FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            if status_now not in only_from:
                 for file_id, _ in written.values():
                     self.temp_path(file_id).unlink(missing_ok=True)
                 return False
             for column, (file_id, num_lines) in written.items():
                 kind = "output" if column == "output_file_id" else "error"
-                self.commit_file(file_id, f"{batch_id}_{kind}.jsonl", "batch_output", num_lines, {}, db)
+                self.commit_file(file_id, f"{batch_id}_{kind}.jsonl", "batch_output", num_lines, {}, db, owner)
             return _move_batch(
                 db, batch_id, status, only_from, {column: file_id for column, (file_id, _) in written.items()}
             )

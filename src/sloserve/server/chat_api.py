@@ -15,6 +15,6 @@ def chat_router(serving: OpenAIServing) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await respond(serving, raw, body, serving.submit_chat(body), "chat")
+        return await respond(serving, raw, serving.submit_chat(body), "chat")
 
     return router

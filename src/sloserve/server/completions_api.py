@@ -15,6 +15,6 @@ def completions_router(serving: OpenAIServing) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await respond(serving, raw, body, serving.submit_completion(body), "completion")
+        return await respond(serving, raw, serving.submit_completion(body), "completion")
 
     return router

@@ -55,7 +55,7 @@ class ServerMetrics:
         )
         self.rejected = Counter(
             "sloserve_requests_rejected",
-            "Requests refused before they were accepted, by reason (invalid, queue_full, shutting_down)",
+            "Requests refused before they were accepted, by reason (invalid, queue_full, shutting_down, unauthorized)",
             ["reason"],
             registry=r,
         )

@@ -1,8 +1,8 @@
 """Request and response bodies of the OpenAI API as ``sloserve serve`` implements it (pydantic).
 
-Fields a client may send that we do not implement with a different meaning (``logprobs``, ``echo``,
-``suffix``, ``n`` > 1, ``best_of`` > 1, tools) are refused with a 400 naming them; fields that change
-nothing here (``user``, ``metadata``, penalties at 0) are accepted and ignored, as vLLM does.
+Fields a client may send that we do not implement with a different meaning (``suffix``, tools) are
+refused with a 400 naming them; fields that change nothing here (``user``, ``metadata``) are accepted
+and ignored, as vLLM does.
 """
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import SLO, RequestClass
+from sloserve.engine.sampler import MAX_LOGPROBS, MAX_REPETITION_PENALTY
 
 # OpenAI's service tiers: "flex" is the cheaper, slower tier: our best-effort (BE) class.
 BE_TIERS = frozenset({"flex"})
 MAX_STOP_STRINGS = 16
+# The most choices one request may ask for (``n``, ``best_of``): OpenAI's limit on ``n``.
+MAX_CHOICES = 128
 
 
 class StreamOptions(BaseModel):
@@ -32,6 +35,20 @@ class SLOField(BaseModel):
     tpot_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON that validates against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingRequest(BaseModel):
     """The fields completions and chat share."""
 
@@ -44,14 +61,18 @@ class SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     ignore_eos: bool = False  # extension (vLLM's)
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     slo: SLOField | None = None  # extension
-    # Accepted only with the values that mean "off":
-    logprobs: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions
+    repetition_penalty: float = Field(default=1.0, gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
 
     @field_validator("stop")
@@ -63,13 +84,19 @@ class SamplingRequest(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse, naming the field, what this server would otherwise silently do differently."""
-        if self.n != 1:
-            raise ParameterError("n", f"n={self.n} is not supported: this server returns one choice per request")
-        if self.logprobs not in (None, False):
-            raise ParameterError("logprobs", "logprobs are not supported")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise ParameterError(name, f"{name} is not supported (only 0)")
+        for token, bias in (self.logit_bias or {}).items():
+            if not token.isdigit():
+                raise ParameterError("logit_bias", f"logit_bias keys are token ids, got {token!r}")
+            if not -100 <= bias <= 100:
+                raise ParameterError("logit_bias", f"logit_bias[{token}] must be in [-100, 100], got {bias}")
+        if any(t < 0 for t in self.stop_token_ids or ()):
+            raise ParameterError("stop_token_ids", "stop_token_ids must be token ids >= 0")
+        response_format = self.response_format
+        if response_format is not None and response_format.type == "json_schema":
+            if response_format.json_schema is None or response_format.json_schema.json_schema is None:
+                raise ParameterError(
+                    "response_format", "response_format of type json_schema needs json_schema.schema: the schema"
+                )
         if self.stream_options is not None and not self.stream:
             raise ParameterError("stream_options", "stream_options is only allowed with stream: true")
 
@@ -95,35 +122,61 @@ class SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """The likeliest tokens to show beside each sampled token's logprob (None: no logprobs)."""
+        raise NotImplementedError
+
+    @property
+    def num_choices(self) -> int:
+        """Sequences sampled per prompt: ``n``, or ``best_of`` to rank."""
+        return self.n
+
 
 class CompletionRequest(SamplingRequest):
-    """``POST /v1/completions``: one prompt, as text or token ids."""
+    """``POST /v1/completions``: one prompt or a list of them, as text or token ids.
+
+    ``echo`` puts the prompt before each choice's text (and, with ``logprobs``, its tokens' logprobs
+    before the choice's, the first token's None); with ``max_tokens`` 0 the choice is the prompt alone
+    (how lm-eval scores a text). ``best_of`` samples that many sequences per prompt and returns the ``n``
+    with the highest cumulative logprob.
+    """
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default for completions
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise ParameterError("echo", "echo is not supported")
         if self.suffix:
             raise ParameterError("suffix", "suffix is not supported")
-        if self.best_of not in (None, 1):
-            raise ParameterError("best_of", "best_of > 1 is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ParameterError("max_tokens", "max_tokens 0 asks for no completion: only with echo (the prompt alone)")
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise ParameterError("best_of", f"best_of ({self.best_of}) must be at least n ({self.n})")
+            if self.stream and self.best_of > self.n:
+                raise ParameterError("best_of", "best_of > n cannot be streamed: the best are known at the end")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt (a list of one prompt counts as it)."""
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts: one, or each of a list."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ParameterError("prompt", f"{len(prompt)} prompts in one request; send one per request")
-            prompt = prompt[0]
-        if len(prompt) == 0:
-            raise ParameterError("prompt", "the prompt is empty")
-        return prompt  # type: ignore[return-value]
+        prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        for i, one in enumerate(prompts):
+            if len(one) == 0:
+                raise ParameterError("prompt", "the prompt is empty" if len(prompts) == 1 else f"prompt {i} is empty")
+        return prompts  # type: ignore[return-value]
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def num_choices(self) -> int:
+        return self.best_of or self.n
 
 
 class TextPart(BaseModel):
@@ -152,14 +205,19 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(default=None, ge=1)  # deprecated by OpenAI, still sent by many clients
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[Any] | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.tools:
             raise ParameterError("tools", "tools are not supported")
-        if self.top_logprobs is not None:
-            raise ParameterError("top_logprobs", "logprobs are not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParameterError("top_logprobs", "top_logprobs needs logprobs: true")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def output_cap(self) -> int | None:

@@ -11,9 +11,16 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from sloserve.engine.async_engine import AsyncLLMEngine, ServedRequest
-from sloserve.server.protocol import SamplingRequest, usage
-from sloserve.server.serving import ErrorResponse, OpenAIServing, ResponseObjects, collect, ended_early
+from sloserve.engine.async_engine import AsyncLLMEngine, ServedRequest, StreamDelta
+from sloserve.server.serving import (
+    ErrorResponse,
+    Generated,
+    OpenAIServing,
+    ResponseObjects,
+    Submission,
+    collect,
+    ended_early,
+)
 
 
 def json_error(error: ErrorResponse) -> JSONResponse:
@@ -26,61 +33,91 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def respond(
-    serving: OpenAIServing, raw: Request, body: SamplingRequest, served: ServedRequest, kind: str
-) -> Response:
-    """Stream the request's deltas as SSE, or wait for all of them; abort it if the client leaves."""
+async def respond(serving: OpenAIServing, raw: Request, submission: Submission, kind: str) -> Response:
+    """Stream the choices' deltas as SSE, or wait for all of them; abort them if the client leaves."""
     engine = serving.engine
-    objects = ResponseObjects(kind == "chat", serving.config.model_name)
+    objects = ResponseObjects(kind == "chat", serving.config.model_name, submission.service_tier)
+    body = submission.body
     if body.stream:
-        return StreamingResponse(stream(engine, served, objects, body.include_usage), media_type="text/event-stream")
-    result = await until_done_or_gone(engine, raw, served)
-    if result is None:  # the client left: nobody reads this
+        return StreamingResponse(stream(engine, submission, objects), media_type="text/event-stream")
+    results = await until_done_or_gone(engine, raw, submission)
+    if results is None:  # the client left: nobody reads this
         return Response(status_code=499)
-    text, reason = result
-    if reason in ("abort", "error"):
-        return json_error(ended_early(reason, served.error or engine.error))
-    return JSONResponse(
-        objects.whole(text, reason, usage(served.num_prompt_tokens, served.num_output_tokens, served.num_cached_tokens))
-    )
+    for served, result in zip(submission.served, results, strict=True):
+        if result.finish_reason in ("abort", "error"):
+            return json_error(ended_early(result.finish_reason, served.error or engine.error))
+    return JSONResponse(objects.whole(submission.choices(results), submission.usage()))
 
 
-async def stream(
-    engine: AsyncLLMEngine, served: ServedRequest, objects: ResponseObjects, include_usage: bool
-) -> AsyncIterator[str]:
-    """The request's deltas as SSE chunks, then usage (when asked) and ``[DONE]``."""
+async def stream(engine: AsyncLLMEngine, submission: Submission, objects: ResponseObjects) -> AsyncIterator[str]:
+    """The choices' deltas as SSE chunks (each with its choice's index), then usage (when asked) and
+    ``[DONE]``."""
+    served = submission.served
+    plain = len(served) == 1 and submission.body.num_logprobs is None and not submission.echo
+    offsets = [0] * len(served)  # each choice's text_offset: the characters of the token strings sent
+    started = [False] * len(served)
     try:
         if objects.chat:
-            yield sse(objects.chunk("", None, role=True))
-        async for delta in served:
+            for i in range(len(served)):
+                yield sse(objects.chunk("", None, role=True, index=i))
+        async for i, delta in _merged(served):
             if delta.finish_reason in ("abort", "error"):
-                yield sse(ended_early(delta.finish_reason, served.error or engine.error).body)
+                yield sse(ended_early(delta.finish_reason, served[i].error or engine.error).body)
                 break
             # NOTE: a chunk per delta that has tokens, even when their text is held back (an
             # incomplete character, a possible stop string): clients time tokens by chunks.
-            if delta.finish_reason is None:
+            if plain and delta.finish_reason is None:
                 yield objects.text_event(delta.text)
-            else:
-                yield sse(objects.chunk(delta.text, delta.finish_reason))
-        if include_usage:
-            yield sse(
-                objects.usage_chunk(usage(served.num_prompt_tokens, served.num_output_tokens, served.num_cached_tokens))
+                continue
+            text, logprobs = submission.shown(
+                i, delta.text, delta.token_ids, delta.logprobs, offsets[i], first=not started[i]
             )
+            started[i] = True
+            if logprobs is not None and "tokens" in logprobs:
+                offsets[i] += sum(len(t) for t in logprobs["tokens"])
+            yield sse(objects.chunk(text, delta.finish_reason, index=i, logprobs=logprobs))
+        if submission.body.include_usage:
+            yield sse(objects.usage_chunk(submission.usage()))
         yield sse("[DONE]")
     finally:  # NOTE: also when the client disconnects (the response task is cancelled)
-        if served.finish_reason is None:
-            engine.abort(served)
+        submission.abort(engine)
 
 
-async def until_done_or_gone(engine: AsyncLLMEngine, raw: Request, served: ServedRequest) -> tuple[str, str] | None:
-    """(text, finish reason) when the request ends; None if the client disconnects first (then the
-    request is aborted)."""
+async def _merged(served: list[ServedRequest]) -> AsyncIterator[tuple[int, StreamDelta]]:
+    """(choice, delta) of every choice as they come, until each has its last delta."""
+    if len(served) == 1:
+        async for delta in served[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, StreamDelta]] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        async for delta in served[i]:
+            queue.put_nowait((i, delta))
+
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(served))]
+    try:
+        for _ in range(len(served)):
+            while True:
+                i, delta = await queue.get()
+                yield i, delta
+                if delta.finish_reason is not None:
+                    break
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def until_done_or_gone(engine: AsyncLLMEngine, raw: Request, submission: Submission) -> list[Generated] | None:
+    """What each choice gave, once all have ended; None if the client disconnects first (then they
+    are aborted)."""
 
     async def disconnected() -> None:
         while (await raw.receive())["type"] != "http.disconnect":
             pass
 
-    work, watch = asyncio.ensure_future(collect(served)), asyncio.ensure_future(disconnected())
+    work = asyncio.ensure_future(asyncio.gather(*(collect(s) for s in submission.served)))
+    watch = asyncio.ensure_future(disconnected())
     try:
         done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -88,5 +125,5 @@ async def until_done_or_gone(engine: AsyncLLMEngine, raw: Request, served: Serve
     if work in done:
         return work.result()
     work.cancel()
-    engine.abort(served)
+    submission.abort(engine)
     return None

@@ -7,6 +7,7 @@ second signal exits at once.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import threading
@@ -61,6 +62,7 @@ class ServeOptions:
     data_dir: Path | None = None  # the Batch API's files and state; None: no Files or Batches routes
     batch_limits: BatchLimits = field(default_factory=BatchLimits)
     fleet: FleetOptions | None = None  # replicas on Ray Serve; None: one engine process
+    api_keys: list[str] = field(default_factory=list)  # none: anyone who reaches the port may use it
 
 
 def check_address(host: str, port: int) -> None:
@@ -77,6 +79,16 @@ def check_address(host: str, port: int) -> None:
             probe.bind(address)
         except OSError as e:
             raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
 
 
 def make_app(spec: EngineSpec, options: ServeOptions):
@@ -112,7 +124,7 @@ def make_app(spec: EngineSpec, options: ServeOptions):
     config = ServerConfig(options.served_model_name, options.rt_ttft_ms, options.rt_tpot_ms)
     serving = OpenAIServing(online, config, template)
     batches = None if store is None else BatchService(store, serving, options.batch_limits, metrics)
-    return build_app(serving, metrics, batches)
+    return build_app(serving, metrics, batches, options.api_keys)
 
 
 class DrainingServer(uvicorn.Server):

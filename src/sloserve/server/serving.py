@@ -7,6 +7,7 @@ body sent online, and fails with the same error object (``error_response``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass
@@ -21,8 +22,11 @@ from sloserve.engine.async_engine import (
     ServedRequest,
     ShuttingDownError,
 )
-from sloserve.engine.sampler import SamplingParams
+from sloserve.engine.sampler import Logprobs, SamplingParams
+from sloserve.engine.structured_output import json_grammar
+from sloserve.engine.tokenizer import HFTokenizer
 from sloserve.server.chat_template import ChatTemplate
+from sloserve.server.logprobs import LogprobsFormat
 from sloserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,6 +34,7 @@ from sloserve.server.protocol import (
     SamplingRequest,
     error_body,
     now_unix,
+    usage,
 )
 
 # Seconds a client is told to wait after a 429 (Retry-After).
@@ -128,11 +133,11 @@ def ended_early(reason: str, engine_error: str | None) -> ErrorResponse:
 class ResponseObjects:
     """The OpenAI objects of one response: its id, the streamed chunks, the usage chunk, the whole body."""
 
-    def __init__(self, chat: bool, model: str) -> None:
+    def __init__(self, chat: bool, model: str, service_tier: str = "default") -> None:
         self.chat = chat
         self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                      "object": "chat.completion.chunk" if chat else "text_completion", "created": now_unix(),
-                     "model": model}  # fmt: skip
+                     "model": model, "service_tier": service_tier}  # fmt: skip
         # NOTE: a token chunk differs from the next only in its text, so it is formatted around the
         # JSON of the text rather than serialized whole (that was a fifth of the event loop's time).
         empty = json.dumps(self.chunk("", None))
@@ -140,37 +145,161 @@ class ResponseObjects:
         before, after = empty.split(marker)
         self._text_event = (f"data: {before}{marker[:-2]}", f"{after}\n\n")
 
-    def chunk(self, text: str, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None,
+        role: bool = False,
+        index: int = 0,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text or finish_reason is None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self.head, "choices": [choice]}
 
     def text_event(self, text: str) -> str:
-        """The SSE event of a chunk of ``text`` that does not finish the response."""
+        """The SSE event of a chunk of ``text`` that does not finish choice 0 (no logprobs)."""
         before, after = self._text_event
         return f"{before}{json.dumps(text)}{after}"
 
     def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
         return {**self.head, "choices": [], "usage": counts}
 
-    def whole(self, text: str, finish_reason: str, counts: dict[str, int]) -> dict[str, Any]:
+    def whole(self, choices: list[Choice], counts: dict[str, int]) -> dict[str, Any]:
         """The non-streamed response."""
         if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
+            items = [
+                {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
+                 "finish_reason": c.finish_reason} for c in choices
+            ]  # fmt: skip
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            items = [
+                {"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+                for c in choices
+            ]
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self.head, "object": obj, "choices": [choice], "usage": counts}
+        return {**self.head, "object": obj, "choices": items, "usage": counts}
+
+
+@dataclass
+class Choice:
+    """One choice of a response as the client sees it."""
+
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: dict[str, Any] | None
+
+
+@dataclass
+class Generated:
+    """What one engine request gave, whole: its text, tokens, their logprobs and how it ended."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[Logprobs] | None
+    finish_reason: str
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(e.logprob for e in self.logprobs or ())
+
+
+@dataclass
+class Submission:
+    """The engine requests of one completions or chat request: ``num_choices`` per prompt (``n``, or
+    ``best_of`` to rank), prompt i's at ``served[i * num_choices : (i + 1) * num_choices]``."""
+
+    body: SamplingRequest
+    prompt_texts: list[str]  # what ``echo`` shows of each prompt ("" without echo)
+    served: list[ServedRequest]
+    logprobs_format: LogprobsFormat
+
+    @property
+    def num_choices(self) -> int:
+        return self.body.num_choices
+
+    @property
+    def echo(self) -> bool:
+        return isinstance(self.body, CompletionRequest) and self.body.echo
+
+    @property
+    def echo_only(self) -> bool:
+        """``max_tokens`` 0: each choice is its prompt alone (the one token sampled is not shown)."""
+        return isinstance(self.body, CompletionRequest) and self.body.max_tokens == 0
+
+    @property
+    def service_tier(self) -> str:
+        """The tier it is served in, as OpenAI's responses report it: "flex" for best-effort requests
+        (batch lines too), "priority" when asked, else "default"."""
+        if self.served[0].request_class is RequestClass.BE:
+            return "flex"
+        return "priority" if self.body.service_tier == "priority" else "default"
+
+    def abort(self, engine: AsyncLLMEngine) -> None:
+        """End every request of it that has not ended."""
+        for served in self.served:
+            if served.finish_reason is None:
+                engine.abort(served)
+
+    def usage(self) -> dict[str, Any]:
+        """Prompt tokens once per prompt, every sampled token (ranked out by best_of too: each was
+        computed), cached tokens as the first choice of each prompt found them."""
+        firsts = self.served[:: self.num_choices]
+        completion = 0 if self.echo_only else sum(s.num_output_tokens for s in self.served)
+        return usage(sum(s.num_prompt_tokens for s in firsts), completion, sum(s.num_cached_tokens for s in firsts))
+
+    def prompt_part(self, position: int) -> tuple[str, list[int], list[Logprobs | None]]:
+        """What ``echo`` puts before ``served[position]``'s output: the prompt's text, tokens and
+        logprobs (the first token's None)."""
+        served = self.served[position]
+        if not self.echo:
+            return "", [], []
+        logprobs = [None, *(served.prompt_logprobs or [])]
+        return self.prompt_texts[position // self.num_choices], served.prompt_token_ids, logprobs
+
+    def shown(
+        self,
+        position: int,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[Logprobs] | None,
+        offset: int,
+        first: bool,
+    ) -> tuple[str, dict[str, Any] | None]:
+        """(text, logprobs object) a client sees of ``served[position]``'s new ``text`` and tokens:
+        after the echoed prompt when ``first``; ``offset``: the completions ``text_offset`` of its first
+        token (the characters of the token strings before it)."""
+        if self.echo_only:
+            text, token_ids, logprobs = "", [], []
+        if first:
+            prompt_text, prompt_ids, prompt_logprobs = self.prompt_part(position)
+            text, token_ids = prompt_text + text, prompt_ids + token_ids
+            logprobs = None if logprobs is None else prompt_logprobs + logprobs
+        if self.body.num_logprobs is None or logprobs is None:
+            return text, None
+        if isinstance(self.body, ChatCompletionRequest):
+            return text, self.logprobs_format.chat(logprobs)
+        return text, self.logprobs_format.completion(token_ids, logprobs, offset)
+
+    def choices(self, results: list[Generated]) -> list[Choice]:
+        """The non-streamed choices: each prompt's ``n`` best by cumulative logprob (``best_of``)."""
+        n, k = self.body.n, self.num_choices
+        choices = []
+        for p in range(0, len(results), k):
+            group = range(p, p + k)
+            if k > n:
+                group = sorted(group, key=lambda i: results[i].cumulative_logprob, reverse=True)[:n]
+            for rank, i in enumerate(group):
+                r = results[i]
+                text, logprobs = self.shown(i, r.text, r.token_ids, r.logprobs, 0, first=True)
+                choices.append(Choice(p // k * n + rank, text, r.finish_reason, logprobs))
+        return choices
 
 
 class OpenAIServing:
@@ -181,6 +310,7 @@ class OpenAIServing:
         self.engine = engine
         self.config = config
         self.chat_template = chat_template
+        self.logprobs_format = LogprobsFormat(engine.tokenizer)
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name:
@@ -194,15 +324,21 @@ class OpenAIServing:
             raise ParameterError("prompt", "this model has no tokenizer: send the prompt as a list of token ids")
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def submit_completion(self, body: CompletionRequest, request_class: RequestClass | None = None) -> ServedRequest:
+    def submit_completion(self, body: CompletionRequest, request_class: RequestClass | None = None) -> Submission:
         """``request_class`` overrides the body's (``service_tier``): batch lines are best-effort."""
         self.check_model(body.model)
         body.check_supported()
-        prompt = body.single_prompt()
-        prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return self._submit(body, prompt_ids, body.max_tokens, request_class)
+        prompts = body.prompt_list()
+        prompt_ids = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        texts = [""] * len(prompts)
+        if body.echo:
+            tokenizer = self.engine.tokenizer
+            texts = [p if isinstance(p, str) else tokenizer.decode(p) if tokenizer else "" for p in prompts]
+        # NOTE: max_tokens 0 (echo alone) samples one token, which nobody sees (as vLLM does)
+        max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
+        return self._submit(body, prompt_ids, max_tokens, request_class, texts)
 
-    def submit_chat(self, body: ChatCompletionRequest, request_class: RequestClass | None = None) -> ServedRequest:
+    def submit_chat(self, body: ChatCompletionRequest, request_class: RequestClass | None = None) -> Submission:
         self.check_model(body.model)
         body.check_supported()
         messages = [
@@ -210,44 +346,127 @@ class OpenAIServing:
         ]
         prompt = self.chat_template.render(messages)
         prompt_ids = self.encode(prompt, add_special_tokens=not self.chat_template.from_model)
-        return self._submit(body, prompt_ids, body.output_cap, request_class)
+        return self._submit(body, [prompt_ids], body.output_cap, request_class, [""])
 
     def _submit(
-        self, body: SamplingRequest, prompt_ids: list[int], max_tokens: int | None, request_class: RequestClass | None
-    ) -> ServedRequest:
+        self,
+        body: SamplingRequest,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        request_class: RequestClass | None,
+        prompt_texts: list[str],
+    ) -> Submission:
+        """Check every prompt, then submit ``num_choices`` engine requests for each (all or none)."""
+        total = len(prompts) * body.num_choices
+        if total > self.engine.max_queued_requests:
+            raise ParameterError(
+                "n",
+                f"{len(prompts)} prompt(s) x {body.num_choices} choices = {total} sequences, more than this "
+                f"server queues ({self.engine.max_queued_requests}, --max-queued-requests)",
+            )
+        grammar = self._grammar(body)
+        params = [
+            self._params(body, ids, max_tokens, grammar, i if len(prompts) > 1 else None)
+            for i, ids in enumerate(prompts)
+        ]
+        self.engine.check_room(total)
+        cls = request_class or body.request_class()
+        slo = body.slo_for(cls, self.config.rt_ttft_ms, self.config.rt_tpot_ms)
+        served: list[ServedRequest] = []
+        try:
+            for ids, p in zip(prompts, params, strict=True):
+                for j in range(body.num_choices):
+                    # NOTE: choice j of a seeded request draws from seed + j (vLLM's rule): each
+                    # choice is reproducible and differs from the others
+                    seeded = p if p.seed is None or j == 0 else dataclasses.replace(p, seed=p.seed + j)
+                    served.append(self.engine.submit(ids, seeded, request_class=cls, stop=body.stop_strings(), slo=slo))
+        except BaseException:
+            for s in served:
+                self.engine.abort(s)
+            raise
+        return Submission(body, prompt_texts, served, self.logprobs_format)
+
+    def _grammar(self, body: SamplingRequest) -> str | None:
+        """The grammar of ``body.response_format`` (None: plain text); a 400 for a schema llguidance
+        cannot compile, or a model without the tokenizer it needs."""
+        response_format = body.response_format
+        if response_format is None or response_format.type == "text":
+            return None
+        if not isinstance(self.engine.tokenizer, HFTokenizer):
+            raise ParameterError(
+                "response_format", "structured output needs the model's tokenizer (tokenizer.json); this model has none"
+            )
+        schema = response_format.json_schema.json_schema if response_format.type == "json_schema" else None
+        try:
+            return json_grammar(schema)
+        except ConfigError as e:
+            raise ParameterError("response_format", str(e)) from None
+
+    def _params(
+        self,
+        body: SamplingRequest,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        grammar: str | None,
+        index: int | None,
+    ) -> SamplingParams:
+        """One prompt's sampling params; a ParameterError when it cannot run (``index``: its place in a list)."""
+        where = "the prompt" if index is None else f"prompt {index}"
         max_model_len = self.engine.max_model_len
         if not prompt_ids:
-            raise ParameterError("prompt", "the prompt is empty")
+            raise ParameterError("prompt", f"{where} is empty")
         room = max_model_len - len(prompt_ids)
         if max_tokens is not None and max_tokens > room:
             raise ParameterError(
                 "max_tokens",
                 f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} in the "
+                f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in {where}, {max_tokens} in the "
                 "completion). Please reduce the prompt or the completion length.",
             )
         if room < 1:
             raise ParameterError(
                 "prompt",
-                f"the prompt has {len(prompt_ids)} tokens: the model's context is "
+                f"{where} has {len(prompt_ids)} tokens: the model's context is "
                 f"{max_model_len} tokens, which leaves none to generate",
             )
-        params = SamplingParams(
-            max_tokens=max_tokens or room,
+        vocab_size = self.engine.info.vocab_size
+        logit_bias = {int(token): bias for token, bias in (body.logit_bias or {}).items()}
+        for name, ids in (("logit_bias", logit_bias), ("stop_token_ids", body.stop_token_ids or ())):
+            outside = [t for t in ids if t >= vocab_size]
+            if outside:
+                raise ParameterError(name, f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
+        max_tokens = max_tokens or room
+        if body.min_tokens > max_tokens:
+            raise ParameterError("min_tokens", f"min_tokens ({body.min_tokens}) is above max_tokens ({max_tokens})")
+        num_logprobs = body.num_logprobs
+        ranked = body.num_choices > body.n  # best_of ranks by the sampled tokens' logprobs
+        echo = isinstance(body, CompletionRequest) and body.echo
+        return SamplingParams(
+            max_tokens=max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
             seed=body.seed,
             ignore_eos=body.ignore_eos,
+            logprobs=num_logprobs if num_logprobs is not None else 0 if ranked else None,
+            prompt_logprobs=num_logprobs if echo else None,
+            min_tokens=body.min_tokens,
+            logit_bias=logit_bias or None,
+            repetition_penalty=body.repetition_penalty,
+            frequency_penalty=body.frequency_penalty,
+            presence_penalty=body.presence_penalty,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            grammar=grammar,
         )
-        cls = request_class or body.request_class()
-        slo = body.slo_for(cls, self.config.rt_ttft_ms, self.config.rt_tpot_ms)
-        return self.engine.submit(prompt_ids, params, request_class=cls, stop=body.stop_strings(), slo=slo)
 
 
-async def collect(served: ServedRequest) -> tuple[str, str]:
-    """(the whole text, the finish reason) once ``served`` ends."""
-    parts, reason = [], "error"
+async def collect(served: ServedRequest) -> Generated:
+    """What ``served`` gave, once it ends."""
+    parts, token_ids, reason = [], [], "error"
+    logprobs: list[Logprobs] | None = [] if served.params.logprobs is not None else None
     async for delta in served:
         parts.append(delta.text)
+        token_ids += delta.token_ids
+        if logprobs is not None and delta.logprobs:
+            logprobs += delta.logprobs
         reason = delta.finish_reason or reason
-    return "".join(parts), reason
+    return Generated("".join(parts), token_ids, logprobs, reason)

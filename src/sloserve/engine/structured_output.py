@@ -1,0 +1,90 @@
+"""Structured output: a grammar (a JSON schema, any JSON object) constrains every token a request
+samples, through llguidance (the grammar library vLLM offers as its ``guidance`` backend).
+
+Each request with a grammar has a matcher. Before a step samples, each such row's matcher fills a
+bitmask of the tokens that keep the output a prefix of a sentence of the grammar; the scores of the
+others become -inf (after the other score controls, before temperature and top-p). The sampled token
+then advances the matcher. Once the grammar is complete the matcher allows EOS alone, and the request
+ends ("stop") when it is sampled.
+
+NOTE: llguidance needs the model's tokenizer as a HuggingFace ``tokenizer.json`` (a model directory
+or a GGUF file has one); ``random:`` models, with their byte tokenizer, have none.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from sloserve.core.errors import ConfigError
+
+# How the JSON is laid out: the separators of Python's json.dumps and no other whitespace. NOTE:
+# llguidance's default lets whitespace run freely between tokens, and a weak model (or a random one)
+# can fill max_tokens with it before the object closes (vLLM's "any whitespace" problem, which it
+# answers with --disable-any-whitespace); fixed separators cannot.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def json_grammar(schema: dict[str, Any] | None) -> str:
+    """The grammar of JSON texts that validate against ``schema`` (None: any JSON object); a
+    ConfigError with llguidance's message for a schema it cannot compile."""
+    from llguidance import LLMatcher
+
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(
+            schema if schema is not None else {"type": "object"}, defaults=JSON_LAYOUT
+        )
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"the JSON schema cannot be compiled: {e}") from None
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise ConfigError(f"the JSON schema cannot be compiled: {messages[0]}")
+    return grammar
+
+
+class GrammarMatchers:
+    """The matchers of one engine's requests that have a grammar, over its tokenizer's vocabulary."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        from llguidance import LLTokenizer
+
+        # NOTE: the model's vocabulary (its score rows) may be wider than the tokenizer's: the extra
+        # ids are never allowed
+        self.tokenizer = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+        self.vocab_size = vocab_size
+
+    def matcher(self, grammar: str):
+        """A fresh matcher of ``grammar`` (compiled by ``json_grammar``)."""
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ConfigError(f"the grammar cannot be used: {matcher.get_error()}")
+        return matcher
+
+    def mask(
+        self,
+        scores: torch.Tensor,  # (N, vocab) float32; changed in place
+        rows: list[int],  # (R,) the rows that have a matcher
+        matchers: list,  # (R,) their matchers
+    ) -> None:
+        """Set to -inf the scores of the tokens each row's matcher does not allow next."""
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+        bitmask = allocate_token_bitmask(len(rows), self.vocab_size)  # (R, ceil(vocab / 32)) int32
+        for i, matcher in enumerate(matchers):
+            fill_next_token_bitmask(matcher, bitmask, i)
+        words = torch.from_numpy(bitmask).to(scores.device)
+        shifts = torch.arange(32, dtype=torch.int32, device=scores.device)
+        allowed = ((words[:, :, None] >> shifts) & 1).bool().reshape(len(rows), -1)[:, : scores.shape[1]]  # (R, vocab)
+        index = torch.tensor(rows, dtype=torch.int64, device=scores.device)
+        scores[index] = scores[index].masked_fill(~allowed, -math.inf)
+
+
+def accept(matcher, token_id: int) -> bool:
+    """Advance ``matcher`` by the sampled ``token_id``; True once its grammar is complete (what
+    follows can only be EOS)."""
+    matcher.consume_token(token_id)
+    return matcher.is_stopped()

@@ -1,0 +1,320 @@
+"""The OpenAI surface that evaluation, RL, agent and chat clients use, through the ``openai`` SDK against a
+real server on loopback: logprobs against transformers' log-softmax, echo with ``max_tokens`` 0 over a
+list of prompts (lm-eval's loglikelihood request), ``n`` and ``best_of``, penalties against a hand
+computation, structured output validated with jsonschema."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+
+from served_model import MODEL, Server  # noqa: E402
+
+PROMPTS = ["Hello world", "The quick brown fox jumps over"]
+
+
+@pytest.fixture(scope="module")
+def server(chat_model_dir):
+    s = Server(chat_model_dir, max_queued_requests=16)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def hf(chat_model_dir):
+    model = transformers.AutoModelForCausalLM.from_pretrained(chat_model_dir, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(chat_model_dir)
+    return model, tokenizer
+
+
+def hf_greedy(hf, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens after ``prompt_ids`` (EOS ignored) and the log-softmax at every
+    position of prompt + output: row p is the distribution of token p + 1."""
+    model, _ = hf
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False
+        )
+        ids = out[0].tolist()
+        logprobs = torch.log_softmax(model(out).logits[0].float(), dim=-1)
+    return ids[len(prompt_ids) :], logprobs
+
+
+def token_text(hf, token_id: int) -> str:
+    return hf[1].decode([token_id])
+
+
+def test_completion_logprobs_equal_transformers_streamed_or_not(server, hf):
+    prompt_ids = hf[1].encode(PROMPTS[1])
+    output_ids, expected = hf_greedy(hf, prompt_ids, 8)
+    kwargs = dict(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
+    whole = server.client.completions.create(**kwargs).choices[0].logprobs
+    chunks = list(server.client.completions.create(**kwargs, stream=True))
+    streamed = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in chunks:
+        for key in streamed:
+            streamed[key] += getattr(chunk.choices[0].logprobs, key)
+    assert whole.tokens == streamed["tokens"] == [token_text(hf, t) for t in output_ids]
+    assert whole.text_offset == streamed["text_offset"]
+    assert whole.text_offset == [sum(len(t) for t in whole.tokens[:i]) for i in range(len(whole.tokens))]
+    for i, token in enumerate(output_ids):
+        row = expected[len(prompt_ids) - 1 + i]
+        assert whole.token_logprobs[i] == pytest.approx(float(row[token]), abs=1e-4)
+        assert streamed["token_logprobs"][i] == pytest.approx(whole.token_logprobs[i], abs=1e-4)
+        values, ids = row.topk(3)
+        top = whole.top_logprobs[i]
+        # the 3 likeliest, and the sampled token (greedy: one of them)
+        assert top == pytest.approx({token_text(hf, t): v for t, v in zip(ids.tolist(), values.tolist())}, abs=1e-4)
+
+
+def test_chat_logprobs_in_openai_shape(server, hf):
+    messages = [{"role": "user", "content": "Hello world"}]
+    response = server.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    rendered = hf[1].apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = hf[1].encode(rendered, add_special_tokens=False)
+    content = response.choices[0].logprobs.content
+    output_ids, expected = hf_greedy(hf, prompt_ids, len(content))
+    for i, (item, token) in enumerate(zip(content, output_ids, strict=True)):
+        assert item.token == token_text(hf, token) and item.bytes == list(item.token.encode())
+        row = expected[len(prompt_ids) - 1 + i]
+        assert item.logprob == pytest.approx(float(row[token]), abs=1e-4)
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx(row.topk(2).values.tolist(), abs=1e-4)
+    plain = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == response.choices[0].message.content
+
+
+def test_echo_with_max_tokens_0_scores_each_prompt_as_lm_eval_asks(server, hf):
+    """lm-eval's loglikelihood request: a list of prompts, echo, logprobs, max_tokens 0."""
+    response = server.client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=0, echo=True, logprobs=1)
+    assert [c.index for c in response.choices] == [0, 1]
+    for choice, prompt in zip(response.choices, PROMPTS, strict=True):
+        ids = hf[1].encode(prompt)
+        _, expected = hf_greedy(hf, ids, 1)
+        assert choice.text == prompt and choice.finish_reason == "length"
+        logprobs = choice.logprobs
+        assert logprobs.tokens == [token_text(hf, t) for t in ids]
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        for p in range(1, len(ids)):
+            assert logprobs.token_logprobs[p] == pytest.approx(float(expected[p - 1, ids[p]]), abs=1e-4)
+            assert len(logprobs.top_logprobs[p]) in (1, 2)  # the likeliest token, and the prompt's own
+    assert response.usage.completion_tokens == 0
+    assert response.usage.prompt_tokens == sum(len(hf[1].encode(p)) for p in PROMPTS)
+    # echo with a completion: the prompt, then the completion, in the text and in the logprobs
+    full = server.client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=4, echo=True, logprobs=0, temperature=0
+    ).choices[0]
+    alone = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0).choices[0]
+    assert full.text == PROMPTS[0] + alone.text
+    assert len(full.logprobs.tokens) == len(hf[1].encode(PROMPTS[0])) + 4 or full.finish_reason == "stop"
+    streamed = server.client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=4, echo=True, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == full.text
+
+
+def test_n_choices_are_sequences_of_their_own(server):
+    greedy = server.client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0, n=3, logprobs=0
+    )
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert len({c.text for c in greedy.choices}) == 1
+    prompt_tokens = greedy.usage.prompt_tokens
+    assert greedy.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in greedy.choices)  # each choice counts
+    kwargs = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=1.0, seed=7, n=3)
+    first = server.client.completions.create(**kwargs)
+    again = server.client.completions.create(**kwargs)
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in first.choices}) > 1  # each choice draws from its own seed
+    assert first.usage.prompt_tokens == prompt_tokens  # counted once per prompt
+    # two prompts x two choices, streamed: each chunk names its choice; the texts are the unstreamed ones
+    kwargs = dict(model=MODEL, prompt=PROMPTS, max_tokens=6, temperature=1.0, seed=3, n=2)
+    whole = server.client.completions.create(**kwargs)
+    texts = ["", "", "", ""]
+    for chunk in server.client.completions.create(**kwargs, stream=True):
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == [c.text for c in whole.choices]
+    chat = server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0, n=2
+    )
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == chat.choices[
+        1
+    ].message.content
+
+
+def test_choices_of_one_prompt_share_its_cached_blocks(server):
+    hits = server.metric("sloserve_prefix_cache_hits_total", replica="0")
+    long_prompt = " ".join(["serving language models"] * 12)
+    server.client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2, temperature=0, n=4)
+    # the last three choices find the first one's full blocks (16 tokens each) in the cache
+    assert server.metric("sloserve_prefix_cache_hits_total", replica="0") - hits >= 3 * 16
+
+
+def test_best_of_returns_the_choices_with_the_highest_cumulative_logprob(server):
+    common = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=1.0, seed=11, logprobs=0)
+    candidates = server.client.completions.create(**common, n=4).choices
+    best = server.client.completions.create(**common, n=2, best_of=4)
+    ranked = sorted(candidates, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1]
+    assert best.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in candidates)  # all 4 were computed
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("completions", {"prompt": "hi", "n": 2, "best_of": 1}, "best_of"),
+        ("completions", {"prompt": "hi", "best_of": 3, "stream": True}, "best_of"),
+        ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ("completions", {"prompt": ["a", "b", "c"], "n": 8}, "n"),  # 24 sequences; the server queues 16
+        ("completions", {"prompt": ["a", ""]}, "prompt"),
+        ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+        ("chat", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+        ("chat", {"messages": [{"role": "user", "content": "hi"}], "n": 129}, "n"),
+        ("completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+        ("completions", {"prompt": "hi", "logit_bias": {"100000": 1}}, "logit_bias"),
+        ("completions", {"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+        ("completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        ("completions", {"prompt": "hi", "stop_token_ids": [300]}, "stop_token_ids"),
+    ],
+)
+def test_choices_and_logprobs_out_of_range_are_400s_naming_the_field(server, route, body, param):
+    client = server.client.chat.completions if route == "chat" else server.client.completions
+    standard = {"prompt", "messages", "n", "best_of", "stream", "max_tokens", "logprobs", "top_logprobs",
+                "logit_bias", "presence_penalty"}  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as e:
+        client.create(
+            model=MODEL,
+            **{k: v for k, v in body.items() if k in standard},
+            extra_body={k: v for k, v in body.items() if k not in standard},
+        )
+    assert e.value.body["param"] == param, e.value.body
+    assert server.engine.num_unfinished == 0
+
+
+def test_penalties_and_logit_bias_change_tokens_as_computed_by_hand(server, hf):
+    """Greedy under frequency, presence and repetition penalties and a logit bias, against the same
+    formulas applied by hand to transformers' scores at each step (vLLM's definitions)."""
+    model, tokenizer = hf
+    prompt_ids = tokenizer.encode(PROMPTS[1])
+    frequency, presence, repetition, bias = 0.8, 0.5, 1.3, {5: 3.0, 7: -100.0}
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(10):
+            scores = model(torch.tensor([ids])).logits[0, -1].float()
+            for token, b in bias.items():
+                scores[token] += b
+            output = ids[len(prompt_ids) :]
+            for token in set(ids):
+                scores[token] = scores[token] / repetition if scores[token] > 0 else scores[token] * repetition
+            for token in set(output):
+                scores[token] -= frequency * output.count(token) + presence
+            ids.append(int(scores.argmax()))
+    by_hand = ids[len(prompt_ids) :]
+    response = server.client.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=10, temperature=0, logprobs=0, frequency_penalty=frequency,
+        presence_penalty=presence, logit_bias={str(t): b for t, b in bias.items()},
+        extra_body={"repetition_penalty": repetition, "ignore_eos": True},
+    )  # fmt: skip
+    assert response.choices[0].logprobs.tokens == [token_text(hf, t) for t in by_hand]
+    plain, _ = hf_greedy(hf, prompt_ids, 10)
+    assert plain != by_hand  # the controls did change the tokens
+
+
+def test_min_tokens_and_stop_token_ids(server, hf):
+    """``stop_token_ids`` ends a request on that token; ``min_tokens`` keeps it (and EOS) from being
+    sampled before, as computed by hand on transformers' scores."""
+    model, tokenizer = hf
+    prompt_ids = tokenizer.encode(PROMPTS[0])
+    plain, _ = hf_greedy(hf, prompt_ids, 8)
+    stop = plain[2]
+    common = dict(model=MODEL, prompt=prompt_ids, max_tokens=8, temperature=0, logprobs=0)
+    stopped = server.client.completions.create(**common, extra_body={"stop_token_ids": [stop]}).choices[0]
+    assert stopped.finish_reason == "stop" and len(stopped.logprobs.tokens) == plain.index(stop) + 1
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        while len(ids) - len(prompt_ids) < 8 and (len(ids) == len(prompt_ids) or ids[-1] != stop):
+            scores = model(torch.tensor([ids])).logits[0, -1].float()
+            if len(ids) - len(prompt_ids) < 6:
+                scores[[stop, tokenizer.eos_token_id]] = -torch.inf
+            ids.append(int(scores.argmax()))
+    held = server.client.completions.create(**common, extra_body={"stop_token_ids": [stop], "min_tokens": 6}).choices[0]
+    assert held.logprobs.tokens == [token_text(hf, t) for t in ids[len(prompt_ids) :]]
+    assert len(held.logprobs.tokens) >= 6
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "ok"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_outputs_always_validate(server):
+    """50 random prompts, sampled at temperature 1 (a random model: no text it would write by itself is
+    JSON): every output parses and validates against the schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    words = " ".join(PROMPTS).split()
+    rng = random.Random(0)
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+
+    async def one(i: int):
+        prompt = " ".join(rng.choice(words) for _ in range(rng.randint(1, 8)))
+        return await server.async_client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=96, temperature=1.0, seed=i,
+            response_format=response_format,
+        )  # fmt: skip
+
+    async def all_of_them():
+        # NOTE: 8 at a time: the server queues 16 requests
+        limit = asyncio.Semaphore(8)
+
+        async def limited(i: int):
+            async with limit:
+                return await one(i)
+
+        return await asyncio.gather(*(limited(i) for i in range(50)))
+
+    for response in asyncio.run(all_of_them()):
+        choice = response.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    # any JSON object: those that close within max_tokens parse as objects
+    closed = 0
+    for seed in range(6):
+        choice = server.client.completions.create(
+            model=MODEL, prompt="Hello", max_tokens=48, temperature=1.0, seed=seed,
+            extra_body={"response_format": {"type": "json_object"}},
+        ).choices[0]  # fmt: skip
+        if choice.finish_reason == "stop":
+            closed += 1
+            assert isinstance(json.loads(choice.text), dict)
+        else:
+            assert choice.text.startswith("{")
+    assert closed > 0
+
+
+def test_a_schema_the_grammar_library_refuses_is_a_400_naming_it(server):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strange"}}},
+        )  # fmt: skip
+    assert e.value.body["param"] == "response_format" and "strange" in e.value.message
+    assert server.engine.num_unfinished == 0
