@@ -15,18 +15,30 @@ def hf_model(arch: str):
     if arch == "llama":
         config = transformers.LlamaConfig(**common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2)
         cls = transformers.LlamaForCausalLM
+    elif arch == "qwen3":
+        config = transformers.Qwen3Config(
+            **common, intermediate_size=128, num_key_value_heads=2, head_dim=32, initializer_range=0.2
+        )
+        cls = transformers.Qwen3ForCausalLM
+    elif arch == "gemma3":
+        # a sliding layer (window 8: shorter than most test contexts) and a global one
+        config = transformers.Gemma3TextConfig(
+            **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"], initializer_range=0.2,
+        )  # fmt: skip
+        cls = transformers.Gemma3ForCausalLM
     elif arch == "qwen2":
         config = transformers.Qwen2Config(**common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2)
         cls = transformers.Qwen2ForCausalLM
     else:
         config = transformers.OPTConfig(**common, ffn_dim=128, word_embed_proj_dim=64, init_std=0.2)
         cls = transformers.OPTForCausalLM
-    torch.manual_seed({"llama": 0, "qwen2": 1, "opt": 2}[arch])
+    torch.manual_seed({"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5}[arch])
     model = cls(config).eval()
     with torch.no_grad():  # biases and norm weights are 0 / 1 at init: make them count
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0.0, 0.2)
-            elif p.ndim == 1:
-                p.mul_(1 + 0.1 * torch.randn_like(p))
+            elif p.ndim == 1:  # Gemma's norms scale by 1 + weight, 0 at init
+                p.add_(0.1 * torch.randn_like(p)) if arch == "gemma3" else p.mul_(1 + 0.1 * torch.randn_like(p))
     return model

@@ -1,5 +1,6 @@
 """The real engine against HuggingFace transformers: the same greedy tokens whatever the policy, the
-KV layout or the preemptions, on tiny random Llama (GQA), Qwen2 (QKV biases) and OPT models in float32."""
+KV layout or the preemptions, on tiny random Llama (GQA), Qwen2 (QKV biases), Qwen3 (query and key
+norms) and OPT models in float32."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ MAX_TOKENS = [12, 5, 20, 8, 16, 10]
 def hf_dirs(tmp_path_factory) -> dict[str, str]:
     """Each architecture saved as a local HF directory (config.json + model.safetensors)."""
     dirs = {}
-    for arch in ("llama", "qwen2", "opt"):
+    for arch in ("llama", "qwen2", "qwen3", "gemma3", "opt"):
         path = tmp_path_factory.mktemp(f"hf-{arch}")
         hf_model(arch).save_pretrained(path)
         dirs[arch] = str(path)
@@ -72,9 +73,9 @@ def test_every_scheduler_gives_hf_greedy_tokens(hf_dirs, scheduler):
     assert tokens == reference("llama")
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "opt"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3", "opt"])
 @pytest.mark.parametrize("scheduler", ["vllm", "sarathi", "orca", "bros"])
-def test_qwen2_and_opt_give_hf_greedy_tokens(hf_dirs, arch, scheduler):
+def test_other_architectures_give_hf_greedy_tokens(hf_dirs, arch, scheduler):
     tokens, _ = _generate(hf_dirs[arch], scheduler)
     assert tokens == reference(arch)
 
@@ -136,6 +137,7 @@ def test_forced_preemption_loses_nothing(hf_dirs, scheduler, preemption):
     [
         ("llama", "sarathi", dict(prefill_token_budget=8, block_size=4)),  # chunks attend to earlier chunks
         ("qwen2", "vllm", dict(kv_capacity_tokens=64, block_size=4, preemption_mode="recompute")),
+        ("qwen3", "sarathi", dict(prefill_token_budget=8, block_size=4)),
         ("opt", "sarathi", dict(kv_capacity_tokens=64, block_size=4, preemption_mode="swap")),
         ("llama", "bros", {}),  # bidirectional KV blocks
     ],
@@ -213,7 +215,9 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
         LLM(str(no_weights))
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ConfigError, match="unsupported architecture 'gpt2'.*supported: llama, mistral, opt, qwen2"):
+    with pytest.raises(
+        ConfigError, match="unsupported architecture 'gpt2'.*supported: gemma3_text, llama, mistral, opt, qwen2, qwen3"
+    ):
         LLM(str(tmp_path / "gpt2"))
     with pytest.raises(ConfigError, match="unknown random model shape 'nope'"):
         LLM("random:nope")
@@ -635,7 +639,7 @@ def test_a_profile_step_is_an_engine_step_and_leaves_nothing_behind():
         assert all(c + m <= 1024 for c, m in prefills) and all(m + 1 <= 1024 for m in decode_lens)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "opt"])
 def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
     """`simulate --model DIR`: the spec read from config.json counts the parameters transformers has."""
     from sloserve.checkpoint import model_spec
@@ -646,7 +650,7 @@ def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (
         2,
         hf.config.num_key_value_heads if arch != "opt" else 4,
-        16,
+        32 if arch == "qwen3" else 16,  # Qwen3's head_dim is its own (64 / 4 heads elsewhere)
     )
     assert spec.dtype_bytes == 4  # saved in float32
 
@@ -683,6 +687,10 @@ def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
         (
             ("run", "--model", "random:tiny-llama", "--trace", "sharegpt", "--cuda-graphs"),
             "CUDA graphs need device cuda and the triton attention backend",
+        ),
+        (
+            ("run", "--model", "random:tiny-gemma3", "--trace", "sharegpt", "--attention-backend", "triton"),
+            "has sliding-window layers, which the triton attention backend does not run yet",
         ),
     ],
 )

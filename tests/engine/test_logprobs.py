@@ -93,3 +93,22 @@ def test_a_prompt_that_is_scored_is_computed_whole_even_when_cached(llama):
 def test_logprobs_outside_0_to_20_are_refused(value):
     with pytest.raises(ConfigError, match=r"logprobs must be an integer in \[0, 20\]"):
         SamplingParams(logprobs=value)
+
+
+@pytest.mark.parametrize(("scheduler", "options"), [("vllm", {}), ("sarathi", {"prefill_token_budget": 8})])
+def test_gemma3_sliding_layers_equal_transformers_past_their_window(tmp_path, scheduler, options):
+    """Gemma 3's sliding layer sees 8 positions: prompt logprobs (prefilled whole or in chunks of 8)
+    and decode logprobs over contexts of 30-42 tokens equal transformers' (reading the whole context
+    in that layer moves them by up to ~2 nats)."""
+    model = hf_model("gemma3")
+    model.save_pretrained(tmp_path)
+    prompt = PROMPTS[1][:30]
+    llm = LLM(str(tmp_path), scheduler, block_size=4, **options)
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=2, prompt_logprobs=2, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": prompt}, params)[0]
+    completion = out.outputs[0]
+    expected = hf_logprobs(model, prompt + completion.token_ids)
+    for position in range(1, len(prompt)):
+        check(out.prompt_logprobs[position], expected[position - 1], prompt[position], 2)
+    for i, (entry, token) in enumerate(zip(completion.logprobs, completion.token_ids, strict=True)):
+        check(entry, expected[len(prompt) - 1 + i], token, 2)

@@ -339,6 +339,19 @@ def test_serve_refuses_bad_settings_with_one_line_and_exit_2():
     assert result.exit_code == 2 and "unknown random model shape" in result.output
 
 
+def test_serve_refuses_an_unsupported_architecture_in_one_line(tmp_path):
+    import json as json_module
+
+    (tmp_path / "config.json").write_text(json_module.dumps({"model_type": "gpt_neox", "hidden_size": 64}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "sloserve.cli", "serve", "--model", str(tmp_path), "--port", str(free_port())],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "unsupported architecture 'gpt_neox'" in proc.stderr
+    assert "supported: gemma3_text, llama, mistral, opt, qwen2, qwen3" in proc.stderr
+
+
 def test_bench_serve_replays_a_trace_against_the_server(server, tmp_path):
     from click.testing import CliRunner
 

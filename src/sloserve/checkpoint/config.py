@@ -1,7 +1,9 @@
 """Model configuration for the engine: read from a HuggingFace ``config.json`` or a named random shape.
 
 Supported architectures (``ARCHITECTURES``): the Llama family (Llama-2/3, Mistral-style GQA), Qwen2 /
-Qwen2.5 (QKV biases) and OPT (learned positions, LayerNorm, ReLU).
+Qwen2.5 (QKV biases), Qwen3 (per-head RMSNorm of queries and keys, no QKV biases), Gemma 3 text
+models (``gemma3_text``: sliding-window layers beside global ones) and OPT (learned positions,
+LayerNorm, ReLU).
 """
 
 from __future__ import annotations
@@ -16,7 +18,16 @@ from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.cost.specs import MODELS, ModelSpec
 
 # HF ``model_type`` -> our architecture (the module that implements it).
-ARCHITECTURES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "opt": "opt"}
+ARCHITECTURES: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "qwen3": "llama",
+    "gemma3_text": "gemma3",
+    "opt": "opt",
+}
+# A layer type of ModelConfig.layer_types that sees only the last sliding_window positions
+SLIDING = "sliding_attention"
 # Byte-level tokenizer of random models: ids 0..255 are bytes, then BOS and EOS.
 BYTE_BOS_ID, BYTE_EOS_ID = 256, 257
 RANDOM_PREFIX = "random:"
@@ -47,9 +58,18 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     attention_bias: bool = False  # q/k/v biases (Qwen2: True)
+    qk_norm: bool = False  # an RMSNorm of each query and key head before the rotary embedding (Qwen3)
     mlp_bias: bool = False
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
+    # Gemma 3: scores scaled by query_pre_attn_scalar ** -0.5 (None: head_dim's); each layer's type
+    # (SLIDING: it sees the last sliding_window positions, its rope base rope_local_theta; else all, at
+    # rope_theta with rope_scaling); the final scores capped by tanh (None: not)
+    query_pre_attn_scalar: float | None = None
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    final_logit_softcapping: float | None = None
     # OPT only
     word_embed_proj_dim: int | None = None
     do_layer_norm_before: bool = True
@@ -90,6 +110,14 @@ class ModelConfig:
         return ARCHITECTURES[self.model_type]
 
     @property
+    def has_sliding_window(self) -> bool:
+        return SLIDING in self.layer_types
+
+    def layer_window(self, layer: int) -> int | None:
+        """The positions layer ``layer`` sees (None: all of them)."""
+        return self.sliding_window if self.layer_types and self.layer_types[layer] == SLIDING else None
+
+    @property
     def num_params(self) -> int:
         """Parameters of the engine's model of this shape (a tied LM head counted once)."""
         h, i, v, layers = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
@@ -107,8 +135,10 @@ class ModelConfig:
         attention = h * q_width + 2 * h * kv_width + q_width * h
         if self.attention_bias:
             attention += q_width + 2 * kv_width
+        if self.qk_norm:
+            attention += 2 * self.head_dim
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)  # gate, up, down
-        layer = attention + mlp + 2 * h  # two RMSNorms
+        layer = attention + mlp + (4 if self.architecture == "gemma3" else 2) * h  # RMSNorms
         return v * h + layers * layer + h + (0 if self.tie_word_embeddings else v * h)
 
     def spec(self) -> ModelSpec:
@@ -176,16 +206,16 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
             enable_bias=bool(raw.get("enable_bias", True)),
             extra={"remove_final_layer_norm": bool(raw.get("_remove_final_layer_norm", False))},
         )
+    if model_type == "gemma3_text":
+        return _gemma3_config(raw, common, name, need)
     # transformers >= 5 keeps rope settings in rope_parameters; older configs at the top level.
     rope = dict(raw.get("rope_parameters") or {})
     rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind not in ("default", "linear", "llama3"):
-            raise ConfigError(f"{name}: rope scaling {kind!r} is not supported (default, linear, llama3)")
-        if kind == "default":
-            scaling = None
+    scaling = _rope_scaling(
+        raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None), name
+    )
+    if raw.get("use_sliding_window"):
+        raise ConfigError(f"{name}: sliding-window attention (use_sliding_window) is not supported for {model_type}")
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{name}: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
     return ModelConfig(
@@ -199,6 +229,54 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         # NOTE: Qwen2's config has no attention_bias key; its q/k/v projections always have biases.
         attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
         mlp_bias=bool(raw.get("mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+    )
+
+
+def _rope_scaling(scaling: dict[str, Any] | None, name: str) -> dict[str, Any] | None:
+    """An HF rope scaling dict if it is one the engine applies (None: plain rope)."""
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("default", "linear", "llama3"):
+        raise ConfigError(f"{name}: rope scaling {kind!r} is not supported (default, linear, llama3)")
+    return None if kind == "default" else scaling
+
+
+def _gemma3_config(raw: dict[str, Any], common: dict[str, Any], name: str, need) -> ModelConfig:
+    """A Gemma 3 text model's config (transformers 5's ``rope_parameters`` per layer type, or the
+    older ``rope_theta``, ``rope_local_base_freq``, ``rope_scaling`` and ``sliding_window_pattern``)."""
+    activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ConfigError(f"{name}: hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)")
+    if raw.get("attn_logit_softcapping") is not None or raw.get("use_bidirectional_attention"):
+        raise ConfigError(f"{name}: attention logit soft-capping and bidirectional attention are not supported")
+    layers = need("num_hidden_layers")
+    layer_types = raw.get("layer_types")
+    if layer_types is None:  # every pattern-th layer is global
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        layer_types = [SLIDING if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    rope = raw.get("rope_parameters") or {}
+    full = dict(rope.get("full_attention") or {})
+    local = dict(rope.get(SLIDING) or {})
+    return ModelConfig(
+        **{**common, "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True))},
+        intermediate_size=need("intermediate_size"),
+        num_key_value_heads=raw.get("num_key_value_heads") or common["num_attention_heads"],
+        head_dim=raw.get("head_dim") or 256,
+        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(full.get("rope_theta", raw.get("rope_theta", 1_000_000.0))),
+        rope_scaling=_rope_scaling(
+            full if full.get("rope_type", "default") != "default" else raw.get("rope_scaling"), name
+        ),
+        rope_local_theta=float(local.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0))),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        hidden_act=activation,
+        qk_norm=True,
+        query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+        layer_types=tuple(layer_types),
+        sliding_window=int(raw.get("sliding_window") or 4096),
+        final_logit_softcapping=raw.get("final_logit_softcapping"),
     )
 
 
@@ -270,6 +348,20 @@ RANDOM_SHAPES: dict[str, ModelConfig] = {
     "tiny-opt": _tiny("opt", hidden_act="relu", word_embed_proj_dim=64, tie_word_embeddings=True),
     "llama-2-7b": _from_spec("llama-2-7b", "llama"),
     "llama-3-8b": _from_spec("llama-3-8b", "llama", rope_theta=500000.0),
+    "tiny-qwen3": _tiny("qwen3", qk_norm=True, norm_eps=1e-6, rope_theta=1e6),
+    "tiny-gemma3": _tiny(
+        "gemma3_text",
+        qk_norm=True,
+        hidden_act="gelu_pytorch_tanh",
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        rope_local_theta=1e4,
+        query_pre_attn_scalar=16.0,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window=64,
+        tie_word_embeddings=True,
+        name="tiny-gemma3",
+    ),
     "qwen2.5-7b": _from_spec("qwen2.5-7b", "qwen2", attention_bias=True, norm_eps=1e-6, rope_theta=1e6),
     "opt-13b": _from_spec("opt-13b", "opt", hidden_act="relu", word_embed_proj_dim=5120),
 }

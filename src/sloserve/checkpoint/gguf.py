@@ -6,10 +6,12 @@ K-quants... as llama.cpp defines them) and copied into the model under their HF 
 runs the same weights transformers does when it loads the file (``from_pretrained(gguf_file=...)``).
 
 Supported: the Llama architecture (``general.architecture = llama``: Llama, SmolLM, Mistral
-without sliding windows) with a byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``).
+without sliding windows), Qwen2 and Qwen3, with a byte-level BPE tokenizer (``tokenizer.ggml.model =
+gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``).
 
-NOTE: llama.cpp's converter permutes the rows of the Q and K projections (its RoPE rotates adjacent
-pairs, HF's rotates halves); ``_unpermute`` undoes it, as transformers' GGUF loader does.
+NOTE: llama.cpp's converter permutes the rows of a Llama model's Q and K projections (its RoPE rotates
+adjacent pairs, HF's rotates halves); ``_unpermute`` undoes it, as transformers' GGUF loader does.
+Qwen models are converted unpermuted (llama.cpp runs them with NEOX-style RoPE, HF's).
 """
 
 from __future__ import annotations
@@ -38,6 +40,22 @@ LLAMA_TENSORS = {
     "blk.{n}.ffn_up.weight": "model.layers.{n}.mlp.up_proj.weight",
     "blk.{n}.ffn_down.weight": "model.layers.{n}.mlp.down_proj.weight",
 }
+# More tensors of the other architectures
+ARCH_TENSORS = {
+    "llama": {},
+    "qwen2": {f"blk.{{n}}.attn_{x}.bias": f"model.layers.{{n}}.self_attn.{x}_proj.bias" for x in ("q", "k", "v")},
+    "qwen3": {
+        "blk.{n}.attn_q_norm.weight": "model.layers.{n}.self_attn.q_norm.weight",
+        "blk.{n}.attn_k_norm.weight": "model.layers.{n}.self_attn.k_norm.weight",
+    },
+}
+# The split pattern of a byte-level BPE pre-tokenizer, by tokenizer.ggml.pre (default: GPT-2's, the
+# ByteLevel pre-tokenizer's own): Qwen's, as transformers' Qwen2 converter sets it.
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_SPLITS = {"qwen2": QWEN_SPLIT}
 TOKEN_TYPE_CONTROL = 3  # llama.cpp's token types: 1 normal, 3 control (special), 4 user-defined
 
 
@@ -101,35 +119,35 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
     reader = _reader(path)
     meta = _metadata(reader)
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ConfigError(f"{path}: GGUF architecture {arch!r} is not supported (llama)")
+    if arch not in ARCH_TENSORS:
+        raise ConfigError(f"{path}: GGUF architecture {arch!r} is not supported ({', '.join(ARCH_TENSORS)})")
 
     def need(key: str) -> Any:
-        if f"llama.{key}" not in meta:
-            raise ConfigError(f"{path}: GGUF metadata has no 'llama.{key}'")
-        return meta[f"llama.{key}"]
+        if f"{arch}.{key}" not in meta:
+            raise ConfigError(f"{path}: GGUF metadata has no '{arch}.{key}'")
+        return meta[f"{arch}.{key}"]
 
     heads = need("attention.head_count")
     hidden = need("embedding_length")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     config = {
-        "model_type": "llama",
-        "vocab_size": meta.get("llama.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []),
+        "model_type": arch,
+        "vocab_size": meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []),
         "hidden_size": hidden,
         "intermediate_size": need("feed_forward_length"),
         "num_hidden_layers": need("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": meta.get("llama.attention.head_count_kv", heads),
-        "head_dim": meta.get("llama.attention.key_length") or hidden // heads,
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": meta.get(f"{arch}.attention.key_length") or hidden // heads,
         "max_position_embeddings": need("context_length"),
         "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos,
         "torch_dtype": "float32",  # dequantized weights are float32
     }
-    if meta.get("llama.rope.scaling.type", "none") not in ("none", None):
-        raise ConfigError(f"{path}: GGUF rope scaling {meta['llama.rope.scaling.type']!r} is not supported")
+    if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", None):
+        raise ConfigError(f"{path}: GGUF rope scaling {meta[f'{arch}.rope.scaling.type']!r} is not supported")
     config["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
     return GGUFCheckpoint(path, config, meta, reader)
 
@@ -145,8 +163,9 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
     import gguf
 
     config = checkpoint.hf_config
+    arch = config["model_type"]
     patterns = {}
-    for gguf_name, hf_name in LLAMA_TENSORS.items():
+    for gguf_name, hf_name in {**LLAMA_TENSORS, **ARCH_TENSORS[arch]}.items():
         if "{n}" in gguf_name:
             for n in range(config["num_hidden_layers"]):
                 patterns[gguf_name.format(n=n)] = hf_name.format(n=n)
@@ -158,13 +177,13 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
                 raise ConfigError(
                     f"{checkpoint.path}: GGUF rope frequency factors (llama 3.1 scaling) are not supported"
                 )
-            raise ConfigError(f"{checkpoint.path}: unexpected GGUF tensor {tensor.name!r} for a llama model")
+            raise ConfigError(f"{checkpoint.path}: unexpected GGUF tensor {tensor.name!r} for a {arch} model")
         weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         if not weight.flags.writeable:  # an F32 tensor is a view of the memory-mapped file
             weight = weight.copy()
-        if tensor.name.endswith("attn_q.weight"):
+        if arch == "llama" and tensor.name.endswith("attn_q.weight"):
             weight = _unpermute(weight, config["num_attention_heads"])
-        elif tensor.name.endswith("attn_k.weight"):
+        elif arch == "llama" and tensor.name.endswith("attn_k.weight"):
             weight = _unpermute(weight, config["num_key_value_heads"])
         yield patterns[tensor.name], weight
 
@@ -174,6 +193,7 @@ def gguf_tokenizer(checkpoint: GGUFCheckpoint):
     control tokens as special tokens, BOS added when the file says so (as transformers builds it)."""
     from tokenizers import (
         AddedToken,
+        Regex,
         Tokenizer,
         decoders,
         models,
@@ -188,7 +208,16 @@ def gguf_tokenizer(checkpoint: GGUFCheckpoint):
     tokens = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    split = PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre"))
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tok.decoder = decoders.ByteLevel()
     types = meta.get("tokenizer.ggml.token_type") or []
     tok.add_special_tokens(

@@ -12,13 +12,19 @@ grouped by context length (``AttentionMetadata.decode_groups``) so that padding 
 of the work: the cost follows the sum of the context lengths, as the cost model's decode term does,
 not batch x the longest context.
 
-``TritonAttention`` (``triton_attention``) runs the same function as two Triton kernels on CUDA.
+A layer may scale scores other than by 1/sqrt(head_dim) (``scale``: Gemma's query_pre_attn_scalar)
+and see only the last ``window`` positions (a sliding-window layer: the query at position p reads keys
+p - window + 1 .. p, as transformers' sliding-window mask). NOTE: the reference gathers only those
+keys: the KV outside a layer's window is never read.
+
+``TritonAttention`` (``triton_attention``) runs the same function as two Triton kernels on CUDA
+(without sliding windows).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
@@ -70,6 +76,7 @@ class AttentionMetadata:
     decode_token_index: torch.Tensor  # (num_decodes,) position of each decode token in the flat step
     decode_slots: torch.Tensor  # (num_decodes, >= max_context) slot table; entries past a context: any slot
     decode_context_lens: torch.Tensor  # (num_decodes,) context tokens (cached + the new one)
+    _windowed: dict[int, list[DecodeGroup]] = field(default_factory=dict, repr=False)
 
     @cached_property
     def decode_groups(self) -> list[DecodeGroup]:
@@ -101,6 +108,23 @@ class AttentionMetadata:
                 )
             )
         return out
+
+    def windowed_decode_groups(self, window: int) -> list[DecodeGroup]:
+        """``decode_groups`` that read each decode's last ``window`` context tokens only (a sliding-window
+        layer's), built once per step and window."""
+        groups = self._windowed.get(window)
+        if groups is None:
+            groups = []
+            for batch in self.decode_groups:
+                lengths = self.decode_context_lens[batch.rows]  # (b,)
+                longest = batch.slots.shape[1]
+                offsets = torch.arange(min(window, longest), device=lengths.device)  # (W,)
+                index = (lengths - window).clamp(min=0)[:, None] + offsets  # (b, W) context positions read
+                valid = index < lengths[:, None]
+                slots = batch.slots.gather(1, index.clamp(max=longest - 1))
+                groups.append(DecodeGroup(batch.rows, batch.token_index, slots, valid[:, None, None, :]))
+            self._windowed[window] = groups
+        return groups
 
     @cached_property
     def packed_prefills(self) -> PackedPrefills:
@@ -140,8 +164,11 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim) this layer's K
         v_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim) this layer's V
         meta: AttentionMetadata,
+        scale: float | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
-        ...
+        """``scale``: of the scores (None: 1/sqrt(head_dim)); ``window``: the positions a query sees,
+        its own included (None: every earlier one)."""
 
 
 def write_kv(
@@ -173,34 +200,43 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale=None, window=None):
         write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
         for seq in meta.prefills:
             s, c = seq.query_start, seq.query_len
             n = seq.context_slots.numel()  # context length; the first n - c tokens were cached
+            # A window: the keys before the first query's window are not read
+            first = 0 if window is None else max(0, n - c - window + 1)
+            slots = seq.context_slots[first:]
             # NOTE: 4-D inputs (a batch of one): on the CPU, SDPA takes its flash kernel for 4-D inputs
             # but the math path for 3-D ones, which builds the whole c x n score matrix (9x slower at
             # 1024 tokens, and slower still once the scores outgrow the cache).
-            keys = _expand_kv(gather_kv(k_cache, seq.context_slots), group).transpose(0, 1)[None]  # (1, nh, n, hd)
-            values = _expand_kv(gather_kv(v_cache, seq.context_slots), group).transpose(0, 1)[None]  # (1, nh, n, hd)
+            keys = _expand_kv(gather_kv(k_cache, slots), group).transpose(0, 1)[None]  # (1, nh, n - first, hd)
+            values = _expand_kv(gather_kv(v_cache, slots), group).transpose(0, 1)[None]  # (1, nh, n - first, hd)
             query = q[s : s + c].transpose(0, 1)[None]  # (1, nh, c, hd)
-            if n == c:  # nothing cached: bottom-right and top-left alignment agree, and SDPA skips masked tiles
-                attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True)
+            if n == c and window is None:  # nothing cached: both alignments agree, and SDPA skips masked tiles
+                attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
             else:
-                # Query i sits at position n - c + i and sees keys 0..n - c + i (bottom-right causal).
-                rows = torch.arange(c, device=q.device).unsqueeze(1) + (n - c)
-                mask = torch.arange(n, device=q.device).unsqueeze(0) <= rows  # (c, n)
-                attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
+                # Query i sits at position n - c + i and sees keys 0..n - c + i (bottom-right causal),
+                # within a window the last `window` of them.
+                rows = torch.arange(c, device=q.device).unsqueeze(1) + (n - c)  # (c, 1)
+                positions = torch.arange(first, n, device=q.device).unsqueeze(0)  # (1, n - first)
+                mask = positions <= rows
+                if window is not None:
+                    mask &= positions > rows - window
+                attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
             out[s : s + c] = attended[0].transpose(0, 1)
         nkv = k.shape[1]
-        for batch in meta.decode_groups:
+        for batch in meta.decode_groups if window is None else meta.windowed_decode_groups(window):
             keys = gather_kv(k_cache, batch.slots).permute(0, 2, 1, 3)  # (b, nkv, L, hd)
             values = gather_kv(v_cache, batch.slots).permute(0, 2, 1, 3)  # (b, nkv, L, hd)
             # GQA without copying K/V per query head: a group's `group` query heads are the "query
             # tokens" of one SDPA row against their KV head (head h reads KV head h // group).
             query = q[batch.token_index].view(-1, nkv, group, q.shape[2])  # (b, nkv, group, hd)
-            attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=batch.mask)  # padding masked
+            attended = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=batch.mask, scale=scale
+            )  # padding masked
             out[batch.token_index] = attended.flatten(1, 2)
         return out

@@ -65,13 +65,20 @@ def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torc
     return DTYPES[dtype]
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """``auto``: ``triton`` on CUDA when triton is installed, else ``torch`` (the reference).
+def resolve_attention_backend(name: str, device: torch.device, config: ModelConfig | None = None) -> str:
+    """``auto``: ``triton`` on CUDA when triton is installed, else ``torch`` (the reference), which
+    a model with sliding-window layers (Gemma 3) always gets: the Triton kernels have no window.
     ``triton`` on the CPU runs only under Triton's interpreter (``TRITON_INTERPRET=1``, for tests)."""
+    windowed = config is not None and config.has_sliding_window
     if name == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        return "triton" if device.type == "cuda" and triton_available() and not windowed else "torch"
     if name not in BACKENDS:
         raise ConfigError(f"unknown attention backend {name!r}; valid: auto, {', '.join(BACKENDS)}")
+    if name == "triton" and windowed:
+        raise ConfigError(
+            f"model {config.name} has sliding-window layers, which the triton attention backend does not "
+            "run yet; use --attention-backend torch (or auto)"
+        )
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError(
             f"attention backend 'triton' runs on CUDA, not on {device.type} (on the CPU only under "
@@ -110,30 +117,31 @@ def load_model(
     ``cuda_graphs``: engines on this model replay decode-only steps as CUDA graphs (``check_cuda_graphs``);
     ``None`` (the default): wherever they are supported, that is on CUDA with the Triton backend."""
     dev = resolve_device(device)
-    backend_name = resolve_attention_backend(attention_backend, dev)
+    path = Path(model).expanduser()
+    checkpoint = None
+    if model.startswith(RANDOM_PREFIX):
+        config = random_config(model[len(RANDOM_PREFIX) :])
+    elif is_gguf(model):
+        checkpoint = read_gguf(path)
+        config = from_hf_config(checkpoint.hf_config, name=path.stem)
+    else:
+        config = load_hf_config(path)
+    backend_name = resolve_attention_backend(attention_backend, dev, config)
     if cuda_graphs is None:
         # NOTE: on by default since the H200 session of 2026-11-26: capture and replay gave the eager
         # engine's tokens there, and decode steps ran 1.07-1.66x faster (benchmarks/RESULTS.md).
         cuda_graphs = cuda_graphs_supported(dev, backend_name)
     elif cuda_graphs:
         check_cuda_graphs(dev, backend_name)
-    backend = BACKENDS[backend_name]()
-    if model.startswith(RANDOM_PREFIX):
-        config = random_config(model[len(RANDOM_PREFIX) :])
-        torch_dtype = resolve_dtype(dtype, config, dev)
-        net = create_model(config, backend, torch_dtype, dev)
-        init_random_(net, seed)
-        return LoadedModel(net, config, ByteTokenizer(), torch_dtype, dev, backend_name, cuda_graphs)
-    path = Path(model).expanduser()
-    if is_gguf(model):
-        checkpoint = read_gguf(path)
-        config = from_hf_config(checkpoint.hf_config, name=path.stem)
-        torch_dtype = resolve_dtype(dtype, config, dev)
-        net = create_model(config, backend, torch_dtype, dev)
-        copy_weights(net, ((path, name, weight) for name, weight in gguf_tensors(checkpoint)), f"GGUF file {path}")
-        return LoadedModel(net, config, load_tokenizer(path), torch_dtype, dev, backend_name, cuda_graphs)
-    config = load_hf_config(path)
     torch_dtype = resolve_dtype(dtype, config, dev)
-    net = create_model(config, backend, torch_dtype, dev)
-    load_weights(net, path)
-    return LoadedModel(net, config, load_tokenizer(path), torch_dtype, dev, backend_name, cuda_graphs)
+    net = create_model(config, BACKENDS[backend_name](), torch_dtype, dev)
+    if model.startswith(RANDOM_PREFIX):
+        init_random_(net, seed)
+        tokenizer = ByteTokenizer()
+    elif checkpoint is not None:
+        copy_weights(net, ((path, name, weight) for name, weight in gguf_tensors(checkpoint)), f"GGUF file {path}")
+        tokenizer = load_tokenizer(path)
+    else:
+        load_weights(net, path)
+        tokenizer = load_tokenizer(path)
+    return LoadedModel(net, config, tokenizer, torch_dtype, dev, backend_name, cuda_graphs)

@@ -285,7 +285,9 @@ class TritonAttention(AttentionBackend):
         self.block_m = block_m
         self.block_n = block_n
 
-    def forward(self, q, k, v, k_cache, v_cache, meta):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale=None, window=None):
+        # NOTE: the loader gives models with sliding-window layers the PyTorch reference
+        assert window is None, "the Triton kernels have no sliding window"
         write_kv(k, v, k_cache, v_cache, meta)
         q = _last_dim_contiguous(q)
         out = torch.empty_like(q)
@@ -293,7 +295,7 @@ class TritonAttention(AttentionBackend):
         num_kv_heads = k_cache.shape[1]
         group = num_heads // num_kv_heads
         head_dim_pad = _pow2_at_least_16(head_dim)
-        qk_scale = LOG2E / math.sqrt(head_dim)
+        qk_scale = LOG2E * (scale if scale is not None else 1 / math.sqrt(head_dim))
         precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 only matters for float32
         if meta.prefills:
             packed = meta.packed_prefills

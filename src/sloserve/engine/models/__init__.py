@@ -10,10 +10,15 @@ from torch import nn
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend
+from sloserve.engine.models.gemma3 import Gemma3ForCausalLM
 from sloserve.engine.models.llama import LlamaForCausalLM, MergedLinear
 from sloserve.engine.models.opt import OPTForCausalLM
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {"llama": LlamaForCausalLM, "opt": OPTForCausalLM}
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+    "opt": OPTForCausalLM,
+}
 # Checkpoint tensors that are buffers in other implementations, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -24,7 +29,7 @@ def create_model(config: ModelConfig, backend: AttentionBackend, dtype: torch.dt
         model = MODEL_CLASSES[config.architecture](config, backend)
     model = model.to_empty(device=device).to(dtype)
     if config.tie_word_embeddings:  # to_empty re-creates parameters: tie again
-        embed = model.model.embed_tokens if config.architecture == "llama" else model.model.decoder.embed_tokens
+        embed = model.model.decoder.embed_tokens if config.architecture == "opt" else model.model.embed_tokens
         model.lm_head.weight = embed.weight
     return model.eval()
 

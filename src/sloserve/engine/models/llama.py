@@ -1,4 +1,5 @@
-"""The Llama family (Llama-2/3, Mistral-style grouped-query attention) and Qwen2/2.5 (QKV biases).
+"""The Llama family (Llama-2/3, Mistral-style grouped-query attention), Qwen2/2.5 (QKV biases) and
+Qwen3 (an RMSNorm of each query and key head, ``q_norm`` and ``k_norm``, before the rotary embedding).
 
 Token-major: inputs are flat ``[num_tokens]`` ids with their positions; there is no batch dimension.
 Parameter names follow the HF checkpoints (``model.layers.N.self_attn.q_proj.weight``...), so a
@@ -116,12 +117,19 @@ class LlamaAttention(nn.Module):
         parts = {"q_proj": nh * hd, "k_proj": nkv * hd, "v_proj": nkv * hd}
         self.qkv_proj = MergedLinear(config.hidden_size, parts, bias=config.attention_bias)
         self.o_proj = nn.Linear(nh * hd, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.norm_eps)
+            self.k_norm = RMSNorm(hd, config.norm_eps)
+        self.qk_norm = config.qk_norm
         self.backend = backend
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, nh + 2 * nkv, self.head_dim)  # (T, nh + 2 nkv, hd)
-        qk = apply_rotary(qkv[:, : nh + nkv], cos, sin)  # (T, nh + nkv, hd): Q and K rotated together
+        qk = qkv[:, : nh + nkv]  # (T, nh + nkv, hd)
+        if self.qk_norm:
+            qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
+        qk = apply_rotary(qk, cos, sin)  # Q and K rotated together
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]  # (T, nh, hd), (T, nkv, hd), (T, nkv, hd)
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta)  # (T, nh, hd)
         return self.o_proj(out.reshape(t, -1))

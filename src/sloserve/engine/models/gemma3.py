@@ -1,0 +1,148 @@
+"""Gemma 3 text models (``gemma3_text``): the Llama layout with Gemma's differences.
+
+- The embeddings are scaled by sqrt(hidden_size) (in the weights' dtype, as transformers does).
+- RMSNorms scale by (1 + weight), computed in float32 and rounded once (``GemmaRMSNorm``).
+- Each layer has four norms: before and after attention, before and after the MLP, each output
+  normalized before it joins the residual stream.
+- Queries and keys are normalized per head (``q_norm``, ``k_norm``) before the rotary embedding;
+  scores are scaled by ``query_pre_attn_scalar ** -0.5``.
+- The MLP is GeGLU: down(gelu_tanh(gate) * up).
+- Sliding-window layers (``ModelConfig.layer_types``) see the last ``sliding_window`` positions, with
+  their own rope base (``rope_local_theta``); the others see everything, with ``rope_theta`` and its
+  scaling.
+
+NOTE: the KV cache keeps every layer's K/V for the whole context: the KV manager has one block
+table for all layers, and the global layers need all of it. A sliding layer's attention reads only
+its window (attention.py), so the memory its older positions hold is what a per-layer manager would
+free; the schedulers size requests as for full attention (an upper bound on what Gemma 3 needs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sloserve.checkpoint.config import ModelConfig
+from sloserve.engine.attention import AttentionBackend, AttentionMetadata
+from sloserve.engine.models.llama import MergedLinear, Rotary, apply_rotary
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), in float32, rounded to x's dtype once."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., size)
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
+        super().__init__()
+        hd, nh, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
+        parts = {"q_proj": nh * hd, "k_proj": nkv * hd, "v_proj": nkv * hd}
+        self.qkv_proj = MergedLinear(config.hidden_size, parts, bias=config.attention_bias)
+        self.o_proj = nn.Linear(nh * hd, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = GemmaRMSNorm(hd, config.norm_eps)
+        self.k_norm = GemmaRMSNorm(hd, config.norm_eps)
+        self.scale = config.query_pre_attn_scalar**-0.5
+        self.window = config.layer_window(layer)
+        self.backend = backend
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, nh + 2 * nkv, self.head_dim)  # (T, nh + 2 nkv, hd)
+        qk = torch.cat((self.q_norm(qkv[:, :nh]), self.k_norm(qkv[:, nh : nh + nkv])), dim=1)  # (T, nh + nkv, hd)
+        qk = apply_rotary(qk, cos, sin)
+        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, scale=self.scale, window=self.window)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.intermediate_size = i
+        self.gate_up_proj = MergedLinear(h, {"gate_proj": i, "up_proj": i}, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # (T, 2 I)
+        i = self.intermediate_size
+        return self.down_proj(F.gelu(gate_up[:, :i], approximate="tanh") * gate_up[:, i:])
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.norm_eps
+        self.self_attn = Gemma3Attention(config, backend, layer)
+        self.mlp = Gemma3MLP(config)
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta):
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
+        x = x + self.post_attention_layernorm(attended)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, backend, layer) for layer in range(config.num_hidden_layers)
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.norm_eps)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """``forward`` returns the final hidden states ``(T, H)``; ``compute_logits`` the vocabulary scores."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma3Model(config, backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(config)  # the global layers'
+        self.local_rotary = Rotary(dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None))
+        self.embed_scale = math.sqrt(config.hidden_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        kv_cache: torch.Tensor,  # (2, layers, num_slots, nkv, hd)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, H)
+        x = self.model.embed_tokens(input_ids)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # NOTE: the scale rounded to the dtype first, as HF
+        tables = {
+            None: self.rotary.for_positions(positions, x.dtype),  # (T, 1, hd) each, shared by the layers
+            "local": self.local_rotary.for_positions(positions, x.dtype),
+        }
+        for i, layer in enumerate(self.model.layers):
+            cos, sin = tables["local" if layer.self_attn.window is not None else None]
+            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab)
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
