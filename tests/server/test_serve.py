@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -575,3 +576,23 @@ def test_serve_config_serves_the_planned_deployment(tmp_path):
     assert "disaggregate 1:2" in refused(Deployment(disaggregate="1:2"))
     assert "replicas: Input should be greater than or equal to 1" in refused("replicas: 0\n")
     assert "gpus: Extra inputs are not permitted" in refused("gpus: h100\n")
+
+
+def test_metrics_answer_under_vllms_names_too(server):
+    """vLLM's dashboard reads vllm:* families with a model_name label; each is ours, renamed; the
+    request phases (queue, prefill, decode) and lengths are histograms under both names."""
+    server.client.completions.create(model=MODEL, prompt="Hello world", max_tokens=5, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:request_queue_time_seconds_count",
+                 "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
+                 "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_sum"):  # fmt: skip
+        assert re.search(rf'^{re.escape(name)}{{[^}}]*model_name="{MODEL}"', text, re.MULTILINE), name
+    for ours, theirs in (("sloserve_prompt_tokens_total", "vllm:prompt_tokens_total"),
+                         ("sloserve_generation_tokens_total", "vllm:generation_tokens_total")):  # fmt: skip
+        assert server.metric(theirs, model_name=MODEL) == server.metric(ours) > 0
+    assert server.metric("vllm:request_success_total", model_name=MODEL, finished_reason="length",
+                         request_class="rt") == server.metric("sloserve_requests_total", outcome="length",
+                                                              request_class="rt")  # fmt: skip
+    count = server.metric("sloserve_request_queue_time_seconds_count", request_class="rt")
+    assert count == server.metric("sloserve_time_to_first_token_seconds_count", request_class="rt") > 0

@@ -92,6 +92,7 @@ class ServedRequest:
         self.num_output_tokens = 0  # tokens sent to the client
         self.num_cached_tokens = 0  # prompt tokens the engine found in its prefix cache
         self.prompt_logprobs: list[Logprobs] | None = None  # with params.prompt_logprobs, once it has a token
+        self.first_scheduled_time = math.nan  # when the engine first ran it (NaN until then)
         self.first_token_time = math.nan
         self.last_token_time = math.nan
         self.finish_time = math.nan
@@ -358,6 +359,8 @@ class AsyncLLMEngine:
             served.last_token_time = out.last_token_time
             if out.prompt_logprobs is not None:
                 served.prompt_logprobs = out.prompt_logprobs
+            if not math.isnan(out.first_scheduled_time):
+                served.first_scheduled_time = out.first_scheduled_time
             if out.finish_reason is not None:
                 served.finish_reason, served.finish_time = out.finish_reason, out.finish_time
                 ended.append(served)

@@ -128,6 +128,7 @@ class Output(NamedTuple):
     # token, its prompt's (from the second prompt token on)
     logprobs: list[Logprobs] | None = None
     prompt_logprobs: list[Logprobs] | None = None
+    first_scheduled_time: float = float("nan")  # when it first ran (NaN until then)
 
 
 @dataclass(frozen=True)
@@ -256,6 +257,7 @@ class EngineCore:
             r.num_cached_tokens,
             logprobs,
             prompt_logprobs,
+            r.first_scheduled_time,
         )
 
     def publish(self, finished: list[Request]) -> None:

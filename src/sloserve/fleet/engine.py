@@ -212,6 +212,7 @@ class FleetEngine(AsyncLLMEngine):
                             delta.num_cached_tokens,
                             delta.logprobs,
                             delta.prompt_logprobs,
+                            served.arrival_time + delta.queued_s,
                         )
                     )
                     if delta.finish_reason is not None:

@@ -51,6 +51,7 @@ class ReplicaDelta:
     num_cached_tokens: int
     logprobs: list[Logprobs] | None = None
     prompt_logprobs: list[Logprobs] | None = None
+    queued_s: float = float("nan")  # first scheduled - arrival, on the replica's engine (NaN: not yet)
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class _ReplicaEngine(AsyncLLMEngine):
                     served.num_cached_tokens,
                     delta.logprobs,
                     prompt_logprobs,
+                    served.first_scheduled_time - served.arrival_time,
                 )
             )
         self.news.set()

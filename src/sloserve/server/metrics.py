@@ -15,14 +15,17 @@ import threading
 from pathlib import Path
 from typing import IO
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.prefix import segment_hash_ids
 from sloserve.engine.async_engine import EngineStats, ServedRequest
 from sloserve.metrics.summary import SLO_TOLERANCE_S
+from sloserve.server.vllm_metrics import VllmNames
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0)
+# Request lengths in tokens (vLLM's 1-2-5 series)
+LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000, 20_000, 50_000, 100_000)
 TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
@@ -105,6 +108,32 @@ class ServerMetrics:
         self.e2e = Histogram(
             "sloserve_e2e_request_latency_seconds", "End-to-end latency", labels, buckets=LATENCY_BUCKETS_S, registry=r
         )
+        # Where a completed request's time went (vLLM's request phases): waiting for its first
+        # schedule, from then to its first token, from its first token to its last, and both
+        self.queue_time = Histogram(
+            "sloserve_request_queue_time_seconds", "Arrival to first scheduled", labels,
+            buckets=LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.prefill_time = Histogram(
+            "sloserve_request_prefill_time_seconds", "First scheduled to first token", labels,
+            buckets=LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.decode_time = Histogram(
+            "sloserve_request_decode_time_seconds", "First token to last token", labels,
+            buckets=LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.inference_time = Histogram(
+            "sloserve_request_inference_time_seconds", "First scheduled to last token", labels,
+            buckets=LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.prompt_lengths = Histogram(
+            "sloserve_request_prompt_tokens", "Prompt tokens of completed requests", labels,
+            buckets=LENGTH_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.generation_lengths = Histogram(
+            "sloserve_request_generation_tokens", "Output tokens of completed requests", labels,
+            buckets=LENGTH_BUCKETS, registry=r,
+        )  # fmt: skip
         self.slo = Counter(
             "sloserve_slo_requests",
             "Completed requests with an SLO, by whether they met it",
@@ -120,6 +149,9 @@ class ServerMetrics:
         self.batch_lines_in_engine = Gauge(
             "sloserve_batch_lines_in_engine", "Batch API lines in the engine now", registry=r
         )
+        # The same families under vLLM's names (vllm_metrics.py), for vLLM's dashboards
+        self.vllm_registry = CollectorRegistry()
+        self.vllm_registry.register(VllmNames(r, model_name))
         self._slo_counts: dict[str, list[int]] = {}  # class -> [met, all]
         self._last_totals: dict[str, EngineStats] = {}  # replica -> its last stats (counters take what grew)
         self._log: IO[str] | None = None
@@ -129,6 +161,10 @@ class ServerMetrics:
                 self._log = open(request_log, "a", encoding="utf-8")  # noqa: SIM115 - open for the server's life
             except OSError as e:
                 raise ConfigError(f"--request-log {request_log}: cannot open for appending ({e.strerror})") from None
+
+    def exposition(self) -> bytes:
+        """The text ``/metrics`` answers: our families, then vLLM's names for those it has."""
+        return generate_latest(self.registry) + generate_latest(self.vllm_registry)
 
     def on_step(self, stats: EngineStats, replica: str = "0") -> None:
         self.waiting.labels(replica).set(stats.num_waiting)
@@ -165,6 +201,14 @@ class ServerMetrics:
             if not math.isnan(tpot):
                 self.tpot.labels(cls).observe(tpot)
             self.e2e.labels(cls).observe(e2e)
+            self.prompt_lengths.labels(cls).observe(served.num_prompt_tokens)
+            self.generation_lengths.labels(cls).observe(served.num_output_tokens)
+            scheduled = served.first_scheduled_time
+            if not math.isnan(scheduled):
+                self.queue_time.labels(cls).observe(scheduled - served.arrival_time)
+                self.prefill_time.labels(cls).observe(served.first_token_time - scheduled)
+                self.inference_time.labels(cls).observe(served.last_token_time - scheduled)
+            self.decode_time.labels(cls).observe(served.last_token_time - served.first_token_time)
             slo = served.slo
             if slo.ttft_s is not None or slo.tpot_s is not None:
                 met = slo_met(served)

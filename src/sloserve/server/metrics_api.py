@@ -1,11 +1,11 @@
 """``GET /health`` (503 with an error object once the engine failed or while the server drains) and
-``GET /metrics`` (Prometheus)."""
+``GET /metrics`` (Prometheus: sloserve's families, and vLLM's names for them, vllm_metrics.py)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from sloserve.engine.async_engine import AsyncLLMEngine
 from sloserve.server.metrics import ServerMetrics
@@ -35,6 +35,6 @@ def metrics_router(engine: AsyncLLMEngine, metrics: ServerMetrics) -> APIRouter:
 
     @router.get("/metrics")
     async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return router
