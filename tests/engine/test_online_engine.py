@@ -213,3 +213,23 @@ def test_a_request_that_can_never_run_is_refused_at_submission():
         await asyncio.to_thread(online.drain, 1.0)
 
     asyncio.run(main())
+
+
+def test_a_request_only_the_engine_can_refuse_ends_alone_and_the_engine_goes_on():
+    """A grammar on a model without a tokenizer.json (the server refuses it first, with a 400): the
+    engine process ends that request with "error" and the reason, and serves the next one."""
+    from sloserve.engine.structured_output import json_grammar
+
+    async def main():
+        online = _online()
+        try:
+            refused = online.submit([1, 2, 3], SamplingParams(max_tokens=4, grammar=json_grammar(None)))
+            _, _, reason = await _collect(refused)
+            after = await _collect(online.submit([1, 2, 3], SamplingParams(max_tokens=4, temperature=0)))
+            return reason, refused.error, after, online
+        finally:
+            await asyncio.to_thread(online.drain, 5.0)
+
+    reason, error, after, online = asyncio.run(main())
+    assert reason == "error" and "structured output needs the model's tokenizer" in error
+    assert after[2] == "length" and len(after[1]) == 4 and online.error is None

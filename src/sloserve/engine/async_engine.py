@@ -97,7 +97,9 @@ class ServedRequest:
         self.last_token_time = math.nan
         self.finish_time = math.nan
         self.finish_reason: str | None = None
-        self.error: str | None = None  # why it ended with "error", when its engine still runs (a fleet's replica died)
+        # Why it ended with "error" while its engine runs on (a fleet's replica died, or the engine
+        # could not take it)
+        self.error: str | None = None
         self._loop = loop
         self._queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
 
@@ -363,6 +365,7 @@ class AsyncLLMEngine:
                 served.first_scheduled_time = out.first_scheduled_time
             if out.finish_reason is not None:
                 served.finish_reason, served.finish_time = out.finish_reason, out.finish_time
+                served.error = out.error
                 ended.append(served)
             outbox.append((served, StreamDelta(out.text, out.token_ids, out.finish_reason, out.logprobs)))
         if stats is not None:

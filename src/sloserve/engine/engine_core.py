@@ -129,6 +129,7 @@ class Output(NamedTuple):
     logprobs: list[Logprobs] | None = None
     prompt_logprobs: list[Logprobs] | None = None
     first_scheduled_time: float = float("nan")  # when it first ran (NaN until then)
+    error: str | None = None  # why it ended with "error" while the engine goes on (it could not be added)
 
 
 @dataclass(frozen=True)
@@ -216,8 +217,17 @@ class EngineCore:
                 add.request_class,
                 add.slo,
             )
-            self.engine.add_request(add.prompt_token_ids, add.params, add.arrival_time, request=request)
-            self.live[add.request_id] = _Live(request, Detokenizer(self.tokenizer, add.stop))
+            live = _Live(request, Detokenizer(self.tokenizer, add.stop))
+            try:
+                self.engine.add_request(add.prompt_token_ids, add.params, add.arrival_time, request=request)
+            except SloserveError as e:  # NOTE: the server checked it as the engine does; this is for
+                # what only the engine can find (its grammar library refusing this model's tokenizer):
+                # this request ends with the reason, the engine goes on
+                live.ended = True
+                self._pending.append(self._output(live, "", [], "error")._replace(error=str(e)))
+                self.publish([])
+                return
+            self.live[add.request_id] = live
         elif kind == "abort":
             live = self.live.get(command[1])
             if live is not None:

@@ -213,6 +213,7 @@ class FleetEngine(AsyncLLMEngine):
                             delta.logprobs,
                             delta.prompt_logprobs,
                             served.arrival_time + delta.queued_s,
+                            delta.error,
                         )
                     )
                     if delta.finish_reason is not None:

@@ -52,6 +52,7 @@ class ReplicaDelta:
     logprobs: list[Logprobs] | None = None
     prompt_logprobs: list[Logprobs] | None = None
     queued_s: float = float("nan")  # first scheduled - arrival, on the replica's engine (NaN: not yet)
+    error: str | None = None  # why it ended with "error" (the engine could not take it)
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ class _ReplicaEngine(AsyncLLMEngine):
                     delta.logprobs,
                     prompt_logprobs,
                     served.first_scheduled_time - served.arrival_time,
+                    served.error,
                 )
             )
         self.news.set()
