@@ -1,4 +1,5 @@
-"""From an OpenAI request body to an engine request, and from its deltas to OpenAI's response objects.
+"""From an OpenAI request body to engine requests (a ``Submission``: one per choice of each prompt), and
+from their deltas to OpenAI's response objects (choices, logprobs, echo, usage).
 
 The HTTP routes (``app``) and the Batch API's runner (``batch_runner``) both go through
 ``OpenAIServing``, so a batch line is validated, tokenized, submitted and answered exactly as the same
@@ -360,7 +361,7 @@ class OpenAIServing:
         total = len(prompts) * body.num_choices
         if total > self.engine.max_queued_requests:
             raise ParameterError(
-                "n",
+                "n" if body.num_choices > 1 else "prompt",
                 f"{len(prompts)} prompt(s) x {body.num_choices} choices = {total} sequences, more than this "
                 f"server queues ({self.engine.max_queued_requests}, --max-queued-requests)",
             )
