@@ -138,6 +138,7 @@ def test_forced_preemption_loses_nothing(hf_dirs, scheduler, preemption):
         ("llama", "sarathi", dict(prefill_token_budget=8, block_size=4)),  # chunks attend to earlier chunks
         ("qwen2", "vllm", dict(kv_capacity_tokens=64, block_size=4, preemption_mode="recompute")),
         ("qwen3", "sarathi", dict(prefill_token_budget=8, block_size=4)),
+        ("gemma3", "sarathi", dict(prefill_token_budget=8, block_size=4)),  # a sliding window of 8
         ("opt", "sarathi", dict(kv_capacity_tokens=64, block_size=4, preemption_mode="swap")),
         ("llama", "bros", {}),  # bidirectional KV blocks
     ],
@@ -687,10 +688,6 @@ def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
         (
             ("run", "--model", "random:tiny-llama", "--trace", "sharegpt", "--cuda-graphs"),
             "CUDA graphs need device cuda and the triton attention backend",
-        ),
-        (
-            ("run", "--model", "random:tiny-gemma3", "--trace", "sharegpt", "--attention-backend", "triton"),
-            "has sliding-window layers, which the triton attention backend does not run yet",
         ),
     ],
 )

@@ -95,15 +95,19 @@ def test_logprobs_outside_0_to_20_are_refused(value):
         SamplingParams(logprobs=value)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize(("scheduler", "options"), [("vllm", {}), ("sarathi", {"prefill_token_budget": 8})])
-def test_gemma3_sliding_layers_equal_transformers_past_their_window(tmp_path, scheduler, options):
+def test_gemma3_sliding_layers_equal_transformers_past_their_window(tmp_path, scheduler, options, backend):
     """Gemma 3's sliding layer sees 8 positions: prompt logprobs (prefilled whole or in chunks of 8)
     and decode logprobs over contexts of 30-42 tokens equal transformers' (reading the whole context
-    in that layer moves them by up to ~2 nats)."""
+    in that layer moves them by up to ~2 nats), with the PyTorch reference and the Triton kernels (in
+    Triton's interpreter without CUDA)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
     model = hf_model("gemma3")
     model.save_pretrained(tmp_path)
     prompt = PROMPTS[1][:30]
-    llm = LLM(str(tmp_path), scheduler, block_size=4, **options)
+    llm = LLM(str(tmp_path), scheduler, block_size=4, attention_backend=backend, **options)
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=2, prompt_logprobs=2, ignore_eos=True)
     out = llm.generate({"prompt_token_ids": prompt}, params)[0]
     completion = out.outputs[0]

@@ -42,18 +42,27 @@ def _to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     )
 
 
-def check_against_reference(monkeypatch, step, dtype: torch.dtype, block: int = 64) -> float:
+def check_against_reference(
+    monkeypatch, step, dtype: torch.dtype, block: int = 64, scale: float | None = None, window: int | None = None
+) -> float:
     """Run the Triton backend on ``step`` cast to ``dtype``; assert its cache writes are the
     reference's and return its relative error against the float64 reference."""
     q, k, v, k_cache, v_cache, meta = step
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
-    ref = TorchAttention().forward(q, k, v, ref_k_cache, ref_v_cache, meta)
+    ref = TorchAttention().forward(q, k, v, ref_k_cache, ref_v_cache, meta, scale=scale, window=window)
     k_dev, v_dev = k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype)
     # Poison the output: a row no kernel writes stays NaN and fails the comparison.
     real_empty_like = torch.empty_like
     monkeypatch.setattr(triton_attention.torch, "empty_like", lambda x: real_empty_like(x).fill_(math.nan))
     out = triton_attention.TritonAttention(block_m=block, block_n=block).forward(
-        q.to(DEVICE, dtype), k.to(DEVICE, dtype), v.to(DEVICE, dtype), k_dev, v_dev, _to(meta, DEVICE)
+        q.to(DEVICE, dtype),
+        k.to(DEVICE, dtype),
+        v.to(DEVICE, dtype),
+        k_dev,
+        v_dev,
+        _to(meta, DEVICE),
+        scale=scale,
+        window=window,
     )
     monkeypatch.undo()
     assert torch.equal(k_dev.cpu(), ref_k_cache.to(dtype)) and torch.equal(v_dev.cpu(), ref_v_cache.to(dtype))
@@ -73,6 +82,17 @@ def test_prefills_with_context_and_decodes_in_one_step(monkeypatch, heads, dtype
     assert check_against_reference(monkeypatch, step, dtype, block=32) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("window", [1, 3, 16, 40, 500])
+def test_sliding_windows_and_a_score_scale(monkeypatch, window):
+    """Gemma 3's local layers: each query sees its last ``window`` positions. Windows shorter than a
+    tile, as long as one, across several and past every context; rows of a 32-query tile whose
+    windows start in different tiles."""
+    gen = torch.Generator().manual_seed(window)
+    step = make_step(gen, 4, 2, 32, [(0, 37), (50, 70), (5, 2)], [0, 3, 130, 64], num_slots=600)
+    error = check_against_reference(monkeypatch, step, torch.float32, block=16, scale=0.3, window=window)
+    assert error < TOLERANCE[torch.float32]
+
+
 @pytest.mark.parametrize("head_dim", [16, 24, 64, 128])
 def test_head_dims_padded_to_a_power_of_two(monkeypatch, head_dim):
     gen = torch.Generator().manual_seed(head_dim)
@@ -87,14 +107,16 @@ def test_head_dims_padded_to_a_power_of_two(monkeypatch, head_dim):
     prefills=st.lists(st.tuples(st.integers(0, 64), st.integers(1, 48)), max_size=3),
     decodes=st.lists(st.integers(0, 100), max_size=4),
     block=st.sampled_from([16, 32]),
+    window=st.one_of(st.none(), st.integers(1, 80)),
     seed=st.integers(0, 2**16),
 )
-def test_any_step_matches_the_reference(heads, head_dim, prefills, decodes, block, seed):
+def test_any_step_matches_the_reference(heads, head_dim, prefills, decodes, block, window, seed):
     if not prefills and not decodes:
         return
     with pytest.MonkeyPatch.context() as monkeypatch:
         step = make_step(torch.Generator().manual_seed(seed), *heads, head_dim, prefills, decodes, num_slots=800)
-        assert check_against_reference(monkeypatch, step, torch.float32, block) < TOLERANCE[torch.float32]
+        error = check_against_reference(monkeypatch, step, torch.float32, block, window=window)
+        assert error < TOLERANCE[torch.float32]
 
 
 def test_backend_choice_and_bad_choices(monkeypatch):

@@ -109,10 +109,6 @@ class ModelConfig:
     def architecture(self) -> str:
         return ARCHITECTURES[self.model_type]
 
-    @property
-    def has_sliding_window(self) -> bool:
-        return SLIDING in self.layer_types
-
     def layer_window(self, layer: int) -> int | None:
         """The positions layer ``layer`` sees (None: all of them)."""
         return self.sliding_window if self.layer_types and self.layer_types[layer] == SLIDING else None

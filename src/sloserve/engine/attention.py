@@ -17,8 +17,7 @@ and see only the last ``window`` positions (a sliding-window layer: the query at
 p - window + 1 .. p, as transformers' sliding-window mask). NOTE: the reference gathers only those
 keys: the KV outside a layer's window is never read.
 
-``TritonAttention`` (``triton_attention``) runs the same function as two Triton kernels on CUDA
-(without sliding windows).
+``TritonAttention`` (``triton_attention``) runs the same function as two Triton kernels on CUDA.
 """
 
 from __future__ import annotations

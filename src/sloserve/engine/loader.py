@@ -65,20 +65,13 @@ def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torc
     return DTYPES[dtype]
 
 
-def resolve_attention_backend(name: str, device: torch.device, config: ModelConfig | None = None) -> str:
-    """``auto``: ``triton`` on CUDA when triton is installed, else ``torch`` (the reference), which
-    a model with sliding-window layers (Gemma 3) always gets: the Triton kernels have no window.
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """``auto``: ``triton`` on CUDA when triton is installed, else ``torch`` (the reference).
     ``triton`` on the CPU runs only under Triton's interpreter (``TRITON_INTERPRET=1``, for tests)."""
-    windowed = config is not None and config.has_sliding_window
     if name == "auto":
-        return "triton" if device.type == "cuda" and triton_available() and not windowed else "torch"
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
     if name not in BACKENDS:
         raise ConfigError(f"unknown attention backend {name!r}; valid: auto, {', '.join(BACKENDS)}")
-    if name == "triton" and windowed:
-        raise ConfigError(
-            f"model {config.name} has sliding-window layers, which the triton attention backend does not "
-            "run yet; use --attention-backend torch (or auto)"
-        )
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError(
             f"attention backend 'triton' runs on CUDA, not on {device.type} (on the CPU only under "
@@ -126,7 +119,7 @@ def load_model(
         config = from_hf_config(checkpoint.hf_config, name=path.stem)
     else:
         config = load_hf_config(path)
-    backend_name = resolve_attention_backend(attention_backend, dev, config)
+    backend_name = resolve_attention_backend(attention_backend, dev)
     if cuda_graphs is None:
         # NOTE: on by default since the H200 session of 2026-11-26: capture and replay gave the eager
         # engine's tokens there, and decode steps ran 1.07-1.66x faster (benchmarks/RESULTS.md).

@@ -13,6 +13,10 @@ bidirectional) works unchanged, as with the PyTorch reference (``attention.Torch
   past the tile's last position are not read, and tiles before its first position (every key
   visible to every row) skip the mask, so only the tiles on the diagonal pay for it.
 
+A sliding-window layer (``window``: Gemma 3's local layers) reads from the first tile that holds a key
+inside the window: the decode kernel from ``context_len - window``, the prefill kernel from its
+tile's first row's window, with every tile masked.
+
 Both accumulate in float32 and take float32 dots in IEEE precision (Triton's default for float32
 is tf32, about 3e-4 relative error, which would make the engine's float32 tests inexact).
 
@@ -72,11 +76,16 @@ def _attend_tile(
     s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # (M, BLOCK_N)
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
-    # NOTE: every row sees at least one key in the first tile (a decode its own token; a chunk's
-    # query, and a padding row past the chunk, key 0), so m_new is finite: no -inf - -inf.
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    if MASKED:
+        # NOTE: a row may see no key of a tile yet (within a sliding window, the first tiles of a
+        # row whose window starts later): its max stays -inf, and exp2(-inf - -inf) would be NaN.
+        # Shifting by 0 instead gives it p = 0 and alpha = 0 (its sums are still 0).
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_shift = m_new
+    p = tl.exp2(s - m_shift[:, None])
+    alpha = tl.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(
         v_cache_ptr + slots[:, None] * stride_v_slot + kv_head * stride_v_head + d[None, :], mask=kv_mask, other=0.0
@@ -104,6 +113,7 @@ def _decode_kernel(
     stride_o_head,
     stride_table_row,
     qk_scale,  # softmax scale * log2(e)
+    window,  # positions a query sees, its own included (0: all)
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16
     HEAD_DIM: tl.constexpr,
@@ -125,9 +135,11 @@ def _decode_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    for start in range(0, context_len, BLOCK_N):
+    # A sliding window: the keys before context_len - window are not read
+    lo = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)
+    for start in range(lo // BLOCK_N * BLOCK_N, context_len, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < context_len
+        n_ok = (n < context_len) & (n >= lo)
         slots = tl.load(slot_table_ptr + seq * stride_table_row + n, mask=n_ok, other=0)  # (BLOCK_N,)
         acc, m_i, l_i = _attend_tile(
             q,
@@ -176,6 +188,7 @@ def _prefill_kernel(
     stride_o_token,
     stride_o_head,
     qk_scale,  # softmax scale * log2(e)
+    window,  # positions a query sees, its own included (0: all)
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,  # power of two >= 16
@@ -207,10 +220,15 @@ def _prefill_kernel(
     # need the causal mask). NOTE: full is a multiple of BLOCK_N and at most the context length (the
     # first row's position is inside the context), so the unmasked loads stay inside the slot list.
     full = tl.minimum((context_len - query_len + tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, end)
+    # A sliding window: keys before the first row's window are not read, and every tile is masked
+    # (a key visible to the tile's last row may be out of its first row's window)
+    first = tl.where(window > 0, tl.maximum(context_len - query_len + tile * BLOCK_M - window + 1, 0), 0)
+    first = first // BLOCK_N * BLOCK_N
+    full = tl.where(window > 0, first, full)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for start in range(0, full, BLOCK_N):
+    for start in range(first, full, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         slots = tl.load(slots_ptr + slot_start + n)  # (BLOCK_N,) all inside the context
         acc, m_i, l_i = _attend_tile(
@@ -239,6 +257,7 @@ def _prefill_kernel(
         n_ok = n < context_len
         slots = tl.load(slots_ptr + slot_start + n, mask=n_ok, other=0)  # (BLOCK_N,)
         visible = (n[None, :] <= positions[:, None]) & n_ok[None, :]  # (BLOCK_M, BLOCK_N) causal
+        visible &= (window == 0) | (n[None, :] > positions[:, None] - window)
         acc, m_i, l_i = _attend_tile(
             q,
             acc,
@@ -286,8 +305,6 @@ class TritonAttention(AttentionBackend):
         self.block_n = block_n
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale=None, window=None):
-        # NOTE: the loader gives models with sliding-window layers the PyTorch reference
-        assert window is None, "the Triton kernels have no sliding window"
         write_kv(k, v, k_cache, v_cache, meta)
         q = _last_dim_contiguous(q)
         out = torch.empty_like(q)
@@ -319,6 +336,7 @@ class TritonAttention(AttentionBackend):
                 out.stride(0),
                 out.stride(1),
                 qk_scale,
+                window or 0,
                 GROUP=group,
                 HEAD_DIM=head_dim,
                 HEAD_DIM_PAD=head_dim_pad,
@@ -347,6 +365,7 @@ class TritonAttention(AttentionBackend):
                 out.stride(1),
                 table.stride(0),
                 qk_scale,
+                window or 0,
                 GROUP=group,
                 GROUP_PAD=_pow2_at_least_16(group),
                 HEAD_DIM=head_dim,
