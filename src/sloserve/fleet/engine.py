@@ -271,9 +271,10 @@ class FleetEngine(AsyncLLMEngine):
         self._forget(request_id)
         if served is None or served.finish_reason is not None:
             return
-        served.error = error
         now = self.clock()
-        out = Output(request_id, "", [], reason, now, served.last_token_time, now, served.num_cached_tokens)
+        out = Output(
+            request_id, "", [], reason, now, served.last_token_time, now, served.num_cached_tokens, error=error
+        )
         self._on_step([out], None)
 
     def _shutdown(self) -> None:

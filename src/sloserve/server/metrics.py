@@ -99,41 +99,33 @@ class ServerMetrics:
             registry=r,
         )
         labels = ["request_class"]
-        self.ttft = Histogram(
-            "sloserve_time_to_first_token_seconds", "TTFT", labels, buckets=LATENCY_BUCKETS_S, registry=r
-        )
-        self.tpot = Histogram(
-            "sloserve_time_per_output_token_seconds", "TPOT", labels, buckets=TOKEN_BUCKETS_S, registry=r
-        )
-        self.e2e = Histogram(
-            "sloserve_e2e_request_latency_seconds", "End-to-end latency", labels, buckets=LATENCY_BUCKETS_S, registry=r
-        )
+
+        def per_class(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, documentation, labels, buckets=buckets, registry=r)
+
+        self.ttft = per_class("sloserve_time_to_first_token_seconds", "TTFT", LATENCY_BUCKETS_S)
+        self.tpot = per_class("sloserve_time_per_output_token_seconds", "TPOT", TOKEN_BUCKETS_S)
+        self.e2e = per_class("sloserve_e2e_request_latency_seconds", "End-to-end latency", LATENCY_BUCKETS_S)
         # Where a completed request's time went (vLLM's request phases): waiting for its first
         # schedule, from then to its first token, from its first token to its last, and both
-        self.queue_time = Histogram(
-            "sloserve_request_queue_time_seconds", "Arrival to first scheduled", labels,
-            buckets=LATENCY_BUCKETS_S, registry=r,
-        )  # fmt: skip
-        self.prefill_time = Histogram(
-            "sloserve_request_prefill_time_seconds", "First scheduled to first token", labels,
-            buckets=LATENCY_BUCKETS_S, registry=r,
-        )  # fmt: skip
-        self.decode_time = Histogram(
-            "sloserve_request_decode_time_seconds", "First token to last token", labels,
-            buckets=LATENCY_BUCKETS_S, registry=r,
-        )  # fmt: skip
-        self.inference_time = Histogram(
-            "sloserve_request_inference_time_seconds", "First scheduled to last token", labels,
-            buckets=LATENCY_BUCKETS_S, registry=r,
-        )  # fmt: skip
-        self.prompt_lengths = Histogram(
-            "sloserve_request_prompt_tokens", "Prompt tokens of completed requests", labels,
-            buckets=LENGTH_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.generation_lengths = Histogram(
-            "sloserve_request_generation_tokens", "Output tokens of completed requests", labels,
-            buckets=LENGTH_BUCKETS, registry=r,
-        )  # fmt: skip
+        self.queue_time = per_class(
+            "sloserve_request_queue_time_seconds", "Arrival to first scheduled", LATENCY_BUCKETS_S
+        )
+        self.prefill_time = per_class(
+            "sloserve_request_prefill_time_seconds", "First scheduled to first token", LATENCY_BUCKETS_S
+        )
+        self.decode_time = per_class(
+            "sloserve_request_decode_time_seconds", "First token to last token", LATENCY_BUCKETS_S
+        )
+        self.inference_time = per_class(
+            "sloserve_request_inference_time_seconds", "First scheduled to last token", LATENCY_BUCKETS_S
+        )
+        self.prompt_lengths = per_class(
+            "sloserve_request_prompt_tokens", "Prompt tokens of completed requests", LENGTH_BUCKETS
+        )
+        self.generation_lengths = per_class(
+            "sloserve_request_generation_tokens", "Output tokens of completed requests", LENGTH_BUCKETS
+        )
         self.slo = Counter(
             "sloserve_slo_requests",
             "Completed requests with an SLO, by whether they met it",

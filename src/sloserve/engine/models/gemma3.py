@@ -28,7 +28,7 @@ from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
-from sloserve.engine.models.llama import MergedLinear, Rotary, apply_rotary
+from sloserve.engine.models.llama import LlamaForCausalLM, MergedLinear, Rotary, apply_rotary
 
 
 class GemmaRMSNorm(nn.Module):
@@ -110,17 +110,14 @@ class Gemma3Model(nn.Module):
         self.norm = GemmaRMSNorm(config.hidden_size, config.norm_eps)
 
 
-class Gemma3ForCausalLM(nn.Module):
-    """``forward`` returns the final hidden states ``(T, H)``; ``compute_logits`` the vocabulary scores."""
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """``forward`` returns the final hidden states ``(T, H)``; ``compute_logits`` the vocabulary scores
+    (capped by tanh where the config says so)."""
+
+    model_class = Gemma3Model
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
-        super().__init__()
-        self.config = config
-        self.model = Gemma3Model(config, backend)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = Rotary(config)  # the global layers'
+        super().__init__(config, backend)  # NOTE: its rotary embedding is the global layers'
         self.local_rotary = Rotary(dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None))
         self.embed_scale = math.sqrt(config.hidden_size)
 

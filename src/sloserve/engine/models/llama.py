@@ -171,12 +171,15 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """``forward`` returns the final hidden states ``(T, H)``; ``compute_logits`` the vocabulary scores."""
+    """``forward`` returns the final hidden states ``(T, H)``; ``compute_logits`` the vocabulary scores.
+    A model of the same outline with other layers (Gemma 3) subclasses it with its own ``model_class``."""
+
+    model_class: type[nn.Module] = LlamaModel
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend)
+        self.model = self.model_class(config, backend)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
