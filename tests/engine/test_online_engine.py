@@ -204,25 +204,18 @@ def test_shutdown_refuses_new_requests_and_aborts_what_outlives_the_grace_period
     assert not drained and reason == "abort" and online.num_unfinished == 0 and _all_freed(online)
 
 
-def test_a_request_that_can_never_run_is_refused_at_submission():
-    async def main():
-        online = _online(kv=64)
-        with pytest.raises(ConfigError, match="KV capacity 64"):
-            online.submit(PROMPTS[7], SamplingParams(max_tokens=100))
-        assert online.num_queued == 0
-        await asyncio.to_thread(online.drain, 1.0)
-
-    asyncio.run(main())
-
-
-def test_a_request_only_the_engine_can_refuse_ends_alone_and_the_engine_goes_on():
-    """A grammar on a model without a tokenizer.json (the server refuses it first, with a 400): the
-    engine process ends that request with "error" and the reason, and serves the next one."""
+def test_a_request_that_can_never_run_is_refused_and_one_only_the_engine_can_refuse_ends_alone():
+    """One that cannot fit the KV cache is refused at submission; a grammar on a model without a
+    tokenizer.json (the server refuses it first, with a 400) reaches the engine process, which ends
+    that request with "error" and the reason and serves the next one."""
     from sloserve.engine.structured_output import json_grammar
 
     async def main():
-        online = _online()
+        online = _online(kv=64)
         try:
+            with pytest.raises(ConfigError, match="KV capacity 64"):
+                online.submit(PROMPTS[7], SamplingParams(max_tokens=100))
+            assert online.num_queued == 0
             refused = online.submit([1, 2, 3], SamplingParams(max_tokens=4, grammar=json_grammar(None)))
             _, _, reason = await _collect(refused)
             after = await _collect(online.submit([1, 2, 3], SamplingParams(max_tokens=4, temperature=0)))

@@ -341,16 +341,16 @@ def test_serve_refuses_bad_settings_with_one_line_and_exit_2():
 
 
 def test_serve_refuses_an_unsupported_architecture_in_one_line(tmp_path):
-    import json as json_module
+    """Before the engine starts: config.json is read first."""
+    from click.testing import CliRunner
 
-    (tmp_path / "config.json").write_text(json_module.dumps({"model_type": "gpt_neox", "hidden_size": 64}))
-    proc = subprocess.run(
-        [sys.executable, "-m", "sloserve.cli", "serve", "--model", str(tmp_path), "--port", str(free_port())],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "unsupported architecture 'gpt_neox'" in proc.stderr
-    assert "supported: gemma3_text, llama, mistral, opt, qwen2, qwen3" in proc.stderr
+    from sloserve.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 64}))
+    result = CliRunner().invoke(main, ["serve", "--model", str(tmp_path), "--port", str(free_port())])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert "unsupported architecture 'gpt_neox'" in result.output
+    assert "supported: gemma3_text, llama, mistral, opt, qwen2, qwen3" in result.output
 
 
 def test_bench_serve_replays_a_trace_against_the_server(server, tmp_path):

@@ -165,6 +165,7 @@ def serve(
     if drain_timeout < 0:
         raise ConfigError(f"--drain-timeout must be >= 0, got {drain_timeout}")
     serve_module.check_address(host, port)
+    _check_model(options["model"])
     keys = _import_serve_extra("sloserve.server.auth").load_api_keys(api_keys, api_key_file)
     if not keys and not serve_module.is_loopback(host):
         click.echo(
@@ -213,6 +214,17 @@ def serve(
         f"serving {serve_options.served_model_name} with {scheduler}{fleet} on http://{host}:{port}/v1", err=True
     )
     serve_module.run_server(app, serve_options)
+
+
+def _check_model(model: str) -> None:
+    """Read a local model's config before anything starts: an unsupported architecture or a broken
+    config.json is refused at once, not after the engine process has started (a path that does not
+    exist is left to the engine, which names it)."""
+    from sloserve.checkpoint import model_spec
+    from sloserve.checkpoint.gguf import is_gguf
+
+    if model.startswith("random:") or Path(model).expanduser().is_dir() or is_gguf(model):
+        model_spec(model)
 
 
 def model_name(model: str) -> str:
