@@ -56,12 +56,6 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
-    @property
-    def cumulative_logprob(self) -> float:
-        """The sampled tokens' log-probability (vLLM's ``cumulative_logprob``; needs ``logprobs``)."""
-        assert self.logprobs is not None, "the request did not ask for logprobs"
-        return sum(lp.logprob for lp in self.logprobs)
-
 
 class EngineExecutor:
     """Runs steps on a real model. ``kv`` is the scheduler's KV manager: it says where tokens live.

@@ -10,7 +10,7 @@ from sloserve.core.errors import ConfigError
 from sloserve.cost.base import CostModel
 from sloserve.engine.llm_engine import LLMEngine
 from sloserve.engine.loader import load_model
-from sloserve.engine.sampler import Logprobs, SamplingParams
+from sloserve.engine.sampler import Logprobs, SamplingParams, cumulative_logprob
 
 Prompt = str | dict[str, Any]
 
@@ -136,7 +136,7 @@ class LLM:
             seq = engine.release(request)
             token_ids = seq.output_token_ids
             decoded = self.loaded.tokenizer.decode(token_ids) if self.loaded.tokenizer is not None else ""
-            cumulative = None if seq.logprobs is None else seq.cumulative_logprob
+            cumulative = None if seq.logprobs is None else cumulative_logprob(seq.logprobs)
             completion = CompletionOutput(
                 0, decoded, token_ids, seq.finish_reason or "length", seq.logprobs, cumulative
             )

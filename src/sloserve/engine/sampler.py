@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -95,15 +96,14 @@ class SamplingParams:
         return [*(self.logit_bias or {}), *self.stop_token_ids]
 
     @property
+    def penalizes(self) -> bool:
+        """Whether a repetition, frequency or presence penalty is set."""
+        return self.repetition_penalty != 1 or bool(self.frequency_penalty or self.presence_penalty)
+
+    @property
     def controls_scores(self) -> bool:
         """Whether any control changes the scores (``apply_controls`` has work for it)."""
-        return bool(
-            self.min_tokens
-            or self.logit_bias
-            or self.repetition_penalty != 1
-            or self.frequency_penalty
-            or self.presence_penalty
-        )
+        return bool(self.min_tokens or self.logit_bias) or self.penalizes
 
     @property
     def greedy(self) -> bool:
@@ -135,11 +135,7 @@ def apply_controls(
     if biased:
         index = torch.tensor([(i, t) for i, t, _ in biased], device=device).T
         logits.index_put_(tuple(index), torch.tensor([b for _, _, b in biased], device=device), accumulate=True)
-    penalized = [
-        i
-        for i in rows
-        if params[i].repetition_penalty != 1 or params[i].frequency_penalty or params[i].presence_penalty
-    ]
+    penalized = [i for i in rows if params[i].penalizes]
     if not penalized:
         return
     index = torch.tensor(penalized, device=device)
@@ -219,6 +215,11 @@ class Logprobs(NamedTuple):
     logprob: float
     top_token_ids: tuple[int, ...]
     top_logprobs: tuple[float, ...]
+
+
+def cumulative_logprob(entries: Iterable[Logprobs]) -> float:
+    """A sequence's log-probability: the sum of its tokens' (vLLM's ``cumulative_logprob``)."""
+    return sum(entry.logprob for entry in entries)
 
 
 def token_logprobs(

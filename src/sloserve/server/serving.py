@@ -23,7 +23,7 @@ from sloserve.engine.async_engine import (
     ServedRequest,
     ShuttingDownError,
 )
-from sloserve.engine.sampler import Logprobs, SamplingParams
+from sloserve.engine.sampler import Logprobs, SamplingParams, cumulative_logprob
 from sloserve.engine.structured_output import json_grammar
 from sloserve.engine.tokenizer import HFTokenizer
 from sloserve.server.chat_template import ChatTemplate
@@ -208,7 +208,7 @@ class Generated:
 
     @property
     def cumulative_logprob(self) -> float:
-        return sum(e.logprob for e in self.logprobs or ())
+        return cumulative_logprob(self.logprobs or ())
 
 
 @dataclass
