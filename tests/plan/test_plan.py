@@ -27,6 +27,7 @@ def _plan(out, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
     return proc, json.loads(path.read_text()) if path.exists() else None
 
 
+@pytest.mark.ray
 def test_plan_on_ray_equals_serial_and_its_answer_meets_the_slo_alone(tmp_path):
     pytest.importorskip("ray")
     serial, a = _plan(tmp_path / "serial", *SMALL, "--workers", "1")
@@ -195,6 +196,7 @@ def _deterministic(value):
     return value
 
 
+@pytest.mark.ray
 def test_sweep_on_ray_equals_serial(tmp_path):
     pytest.importorskip("ray")
     args = ("sweep", "--trace", "sharegpt", "--rates", "4,8", "--schedulers", "vllm,sarathi", "--num-requests", "100")
@@ -208,6 +210,7 @@ def test_sweep_on_ray_equals_serial(tmp_path):
     assert _deterministic(a) == _deterministic(b)
 
 
+@pytest.mark.ray
 def test_plan_on_a_ray_cluster_started_by_ray_start(tmp_path):
     """--ray-address joins a real cluster (`ray start --head` with token authentication, the token
     made before the cluster starts as Ray asks of `ray start`) and returns the plan a local search

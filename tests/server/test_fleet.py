@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 pytest.importorskip("ray.serve", reason="the fleet extra (ray[serve]) is not installed")
+pytestmark = pytest.mark.ray
 
 from hf_models import VOCAB
 from served_model import MODEL, Server, generate
