@@ -24,9 +24,10 @@ beside the bidirectional ones.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,6 +158,30 @@ class SubsetScheduler(Scheduler):
         self._batch_cached: dict[Request, Sequence[int]] = {}
         # dropping=swap: the requests whose KV is swapped out, by class.
         self._dropped: dict[RequestClass, set[Request]] = {RequestClass.RT: set(), RequestClass.BE: set()}
+        self._sorted_dropped_rt: list[Request] | None = None  # BROS's order of _dropped[RT], while it holds
+        # The waiting requests of each class in queue order, rebuilt when the queue changes (an arrival, an
+        # admission, a recompute preemption), not every step: an overloaded queue holds hundreds.
+        self._waiting_of: dict[RequestClass, list[Request]] | None = None
+
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        self._waiting_of = None
+
+    def _admit(self, request: Request) -> None:
+        super()._admit(request)
+        self._waiting_of = None
+
+    def _preempt(self, request: Request, mode: PreemptionMode, output: SchedulerOutput, **kwargs) -> None:
+        super()._preempt(request, mode, output, **kwargs)
+        self._waiting_of = None
+
+    def _waiting(self, request_class: RequestClass) -> list[Request]:
+        """The waiting requests of ``request_class``, in queue order."""
+        if self._waiting_of is None:
+            self._waiting_of = {RequestClass.RT: [], RequestClass.BE: []}
+            for r in self.waiting:
+                self._waiting_of[r.request_class].append(r)
+        return self._waiting_of[request_class]
 
     def check_fits(self, request: Request, max_kv_tokens: int) -> None:
         """Raise ConfigError when ``request`` could never run alone in this KV cache (progressive
@@ -238,7 +263,9 @@ class SubsetScheduler(Scheduler):
             t0 = time.perf_counter()
             done = self.kv.restore(request, self._batch_set)  # checkpointed slots come back first
             assert done
-            self._dropped[request.request_class].discard(request)  # swapped back in, if it was out
+            if request in self._dropped[request.request_class]:  # swapped back in
+                self._dropped[request.request_class].remove(request)
+                self._sorted_dropped_rt = None
             cached = self._cached_prefix(request)
             done = self.kv.allocate_slots(request, self._tokens_needed(request), self._batch_set, cached)
             assert done
@@ -308,6 +335,7 @@ class SubsetScheduler(Scheduler):
             return
         self.kv.drop_to_cpu(request)
         self._dropped[request.request_class].add(request)
+        self._sorted_dropped_rt = None
         request.num_preemptions += 1
         request.num_allocation_failures += 1  # NOTE: dropping happens only when KV runs short
         self.num_preemptions += 1
@@ -358,6 +386,17 @@ class SubsetScheduler(Scheduler):
             or not self._dropped[RequestClass.BE]
         )
 
+    def check_integrity(self) -> None:
+        """Also: the per-class waiting lists and the sorted dropped RT requests hold what they stand for."""
+        super().check_integrity()
+        if self._waiting_of is not None:
+            for request_class, listed in self._waiting_of.items():
+                assert set(listed) == {r for r in self.waiting if r.request_class is request_class}, request_class
+        for dropped in self._dropped.values():
+            assert dropped <= self.running.keys(), "a dropped request is not running"
+        if self._sorted_dropped_rt is not None:
+            assert set(self._sorted_dropped_rt) == self._dropped[RequestClass.RT]
+
     def kv_used_tokens(self) -> int:
         if self._bicache:  # checkpointed and dropped tokens are in CPU memory
             return self.kv.allocated_tokens
@@ -374,6 +413,7 @@ class BrosScheduler(SubsetScheduler):
         if self.cost_model is None:
             raise ConfigError("the bros scheduler needs a cost model for its iteration-time estimate")
         self.batch_size = self.config.initial_batch_size  # B
+        self._sorted_waiting_rt: list[Request] | None = None  # the waiting RT list last sorted by deadline
         self.last_estimate_s = 0.0  # for tests and metrics
         self.last_residual_s = math.inf
         # Figure 14: wall time of schedule() by part, and the cost-model queries it made.
@@ -390,15 +430,36 @@ class BrosScheduler(SubsetScheduler):
             "num_schedule_calls": self.num_schedule_calls,
         }
 
-    def _rt_in_priority_order(self):
-        """RT requests by ascending residual time. Waiting ones are in arrival order, which is
-        deadline order when they share a TTFT SLO, so only the pending ones are sorted and the two
-        are merged (§4.2, request pulling optimization)."""
-        pending = sorted((r for r in self.running if r.request_class is RequestClass.RT), key=self.deadline)
-        waiting = [r for r in self.waiting if r.request_class is RequestClass.RT]
-        if any(self.deadline(a) > self.deadline(b) for a, b in zip(waiting, waiting[1:])):
-            waiting.sort(key=self.deadline)  # mixed TTFT SLOs: no free order to rely on
-        return heapq.merge(pending, waiting, key=self.deadline)
+    def _rt_in_priority_order(self, stop_new_kv: Callable[[], bool]) -> Iterator[Request]:
+        """RT requests by ascending residual time, as sorted lists merged (§4.2, request pulling
+        optimization): those on the GPU, and those that need new KV (swapped out or waiting) until
+        ``stop_new_kv()`` (none of them can run this step)."""
+        dropped = self._dropped[RequestClass.RT]
+        on_gpu = [r for r in self.running if r.request_class is RequestClass.RT and r not in dropped]
+        needing_kv = heapq.merge(self._dropped_rt_by_deadline(), self._waiting_rt_by_deadline(), key=self.deadline)
+        stopped = itertools.takewhile(lambda _: not stop_new_kv(), needing_kv)
+        return heapq.merge(sorted(on_gpu, key=self.deadline), stopped, key=self.deadline)
+
+    def _dropped_rt_by_deadline(self) -> list[Request]:
+        """The RT requests swapped out (``dropping=swap``) by deadline. NOTE: a swapped-out request
+        emits no token, so its per-token deadline is fixed: sorted again only when one is dropped or
+        comes back (``_sorted_dropped_rt`` is reset), or every step for token-group deadlines."""
+        if self._sorted_dropped_rt is None or self.config.deadlines == "token_group":
+            dropped = self._dropped[RequestClass.RT]
+            self._sorted_dropped_rt = sorted((r for r in self.running if r in dropped), key=self.deadline)
+        return self._sorted_dropped_rt
+
+    def _waiting_rt_by_deadline(self) -> list[Request]:
+        """The waiting RT requests by deadline. Their arrival order is deadline order when they share a
+        TTFT SLO; mixed SLOs sort them. NOTE: a waiting request's per-token deadline is fixed, so the
+        list, once sorted, stays sorted until the queue changes (``_waiting`` makes a new list); a
+        token-group deadline moves with the iteration-time average: checked every step."""
+        waiting = self._waiting(RequestClass.RT)
+        if waiting is not self._sorted_waiting_rt or self.config.deadlines == "token_group":
+            if any(self.deadline(a) > self.deadline(b) for a, b in zip(waiting, waiting[1:])):
+                waiting.sort(key=self.deadline)
+            self._sorted_waiting_rt = waiting
+        return waiting
 
     def _contribution(self, r: Request) -> tuple[int, int, int, int, int, int, int]:
         """(decodes, decode KV, prefills, prefill tokens, prefill attention work, prefill context,
@@ -438,13 +499,25 @@ class BrosScheduler(SubsetScheduler):
         self._sums, self._sums_len, self._added = [0] * 7, 0, {}
         return super()._start_batch()
 
+    def _be_in_order(self, rt_short_of_room: bool) -> Iterator[Request]:
+        """The BE phase's candidates: the pending ones, fewest checkpointed slots first (least swap-in;
+        without bidirectional blocks, none), then the waiting ones in queue order, unless none of these
+        may take new KV (``_may_admit``, ``_be_may_take_room``; checked once the pending ones are placed)."""
+        pending = [r for r in self.running if r.request_class is RequestClass.BE]
+        if self._bicache:
+            pending.sort(key=self.kv.num_checkpointed)  # (stable: arrival order)
+        yield from pending
+        waiting = self._waiting(RequestClass.BE)
+        if waiting and self._may_admit(waiting[0]) and not (rt_short_of_room and self.config.readmit_horizon_steps):
+            yield from waiting
+
     def _make_room(self, request: Request, batch: list[Request], out: SchedulerOutput) -> bool:
         """(8) for an RT request: free blocks, else evict BE requests outside the batch (the one
         holding the most blocks first), else progressively drop RT requests outside the batch
         with the most remaining time. Nothing is evicted unless evicting all it may makes room."""
         if self._fits(request):
             return True
-        outside = [r for r in self.running if r not in batch and r is not request and self._on_gpu(r)]
+        outside = [r for r in self.running if r not in self._batch_set and r is not request and self._on_gpu(r)]
         be = [r for r in outside if r.request_class is RequestClass.BE]
         rt = [r for r in outside if r.request_class is RequestClass.RT and self.deadline(r) > self.deadline(request)]
         if self._was_dropped(request) and self.config.readmit_horizon_steps:
@@ -496,7 +569,9 @@ class BrosScheduler(SubsetScheduler):
         violated = False
         rt_short_of_room = False  # an RT request found no room (8): the anti-thrash rule holds BE back
         residual = math.inf
-        rt_order = self._rt_in_priority_order()
+        # NOTE: once an RT request is short of room, no waiting one runs this step (nothing needing new KV
+        # does): they are not even looked at, so a long queue costs nothing then.
+        rt_order = self._rt_in_priority_order(lambda: rt_short_of_room)
         t1, kv1 = time.perf_counter(), self.kv_time_s
         for r in rt_order:  # Algorithm 1, RT phase
             if len(batch) >= self.batch_size:  # (7)
@@ -525,19 +600,22 @@ class BrosScheduler(SubsetScheduler):
         if batch and self._estimate(batch) > residual:
             violated = True  # even the most urgent request alone misses its deadline
         t2, kv2 = time.perf_counter(), self.kv_time_s
-        # BE phase: fewest checkpointed slots first (none here: pending ones first), then arrival.
-        be = [r for r in self.running if r.request_class is RequestClass.BE]
-        if self._bicache:
-            be.sort(key=self.kv.num_checkpointed)  # least swap-in first (stable: arrival order)
-        be += [r for r in self.waiting if r.request_class is RequestClass.BE]
-        num_rt_on_gpu = sum(1 for r in self.running if r.request_class is RequestClass.RT and self._on_gpu(r))
+        be = self._be_in_order(rt_short_of_room)
+        num_rt_on_gpu = sum(1 for r in self.running if r.request_class is RequestClass.RT) - len(
+            self._dropped[RequestClass.RT]
+        )
+        # The shortest waiting prompt that found no room (8) or prompt budget: a longer one finds none either
+        # while requests join the batch (without prefix caching, a waiting request's need grows with its length).
+        no_room_tokens = math.inf
         for r in be:
-            if (
-                not self._prompt_fits(r)
-                or not self._may_admit(r)
-                or not self._fits(r)  # BE: free blocks only
-                or not self._be_may_take_room(r, num_rt_on_gpu, rt_short_of_room)
-            ):
+            waiting = r.status is RequestStatus.WAITING
+            if waiting and r.num_tokens >= no_room_tokens:
+                continue
+            if not self._prompt_fits(r) or not self._fits(r):  # BE: free blocks only
+                if waiting and not self._caching:
+                    no_room_tokens = min(no_room_tokens, r.num_tokens)
+                continue
+            if not self._may_admit(r) or not self._be_may_take_room(r, num_rt_on_gpu, rt_short_of_room):
                 continue
             if len(batch) < self.batch_size:
                 if residual == math.inf or self._estimate(batch, r) <= residual:
@@ -551,6 +629,7 @@ class BrosScheduler(SubsetScheduler):
             if self.deadline(least) - now <= cfg.replace_slack_iterations * self._estimate(batch):
                 break
             self._remove(batch, least)
+            no_room_tokens = math.inf  # (its KV and prompt tokens are free again)
             if self._fits(r) and (residual == math.inf or self._estimate(batch, r) <= residual):  # (8), (6)
                 self._add(batch, r)
             else:

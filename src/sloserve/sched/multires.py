@@ -71,6 +71,12 @@ class MultiResScheduler(IterationScheduler):
     config: MultiResConfig
     kv: ExactReservationKVManager
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Without prefix caching a waiting request's demand is fixed until it is admitted: kept, not
+        # recomputed every iteration for each request of an overloaded queue.
+        self._demand_of: dict[Request, tuple[int, int, list[int]]] = {}
+
     def reservation(self, request: Request) -> int:
         """KV tokens to reserve at admission: I + predicted O - 1; on a refill the generated tokens are
         known and at least one more is to come.
@@ -93,9 +99,14 @@ class MultiResScheduler(IterationScheduler):
         blocks of its prompt it starts with; [] without prefix caching)."""
         demands = {}
         for request in candidates:
-            cached = self.kv.find_cached_prefix(request) if self._caching else []
-            tokens = request.num_tokens_to_process - len(cached) * self.kv.block_size
-            demands[request] = (tokens, self.demand_blocks(request, cached), cached)
+            demand = self._demand_of.get(request)
+            if demand is None:
+                cached = self.kv.find_cached_prefix(request) if self._caching else []
+                tokens = request.num_tokens_to_process - len(cached) * self.kv.block_size
+                demand = (tokens, self.demand_blocks(request, cached), cached)
+                if not self._caching:
+                    self._demand_of[request] = demand
+            demands[request] = demand
         return demands
 
     def schedule(self, now: float) -> SchedulerOutput:
@@ -133,6 +144,7 @@ class MultiResScheduler(IterationScheduler):
                 break  # nothing left fits either resource
             candidates.remove(best)
             cached = demands.pop(best)[2]
+            self._demand_of.pop(best, None)  # (admitted: it may come back with another demand)
             evicted_before = self._num_evicted_blocks()
             self.kv.set_reservation(best, self.reservation(best))
             done = self._try_admit(best, best.num_tokens, out, cached)

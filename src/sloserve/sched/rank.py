@@ -28,6 +28,7 @@ from the free KV), and each chunk registers the full blocks it fills.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -91,6 +92,10 @@ class RankScheduler(Scheduler):
         kv, cfg = self.kv, self.config
         group = sorted([*self.running, *self.waiting], key=self._rank)  # (1)
         position = {r: i for i, r in enumerate(group)}
+        lowest_running = max((position[r] for r in self.running), default=-1)  # past it, no victims (4)
+        # Past it, the shortest waiting request that found no KV: a longer one finds none either (the free
+        # KV only shrinks then; without prefix caching a waiting request's need grows with its length).
+        no_room_tokens = math.inf
         in_batch: set[Request] = set()
         evicted: set[Request] = set()
         used = 0
@@ -98,7 +103,7 @@ class RankScheduler(Scheduler):
             if cand in evicted:
                 continue
             running = cand.status is RequestStatus.RUNNING
-            if not running and len(self.running) >= cfg.max_num_seqs:
+            if not running and (len(self.running) >= cfg.max_num_seqs or cand.num_tokens >= no_room_tokens):
                 continue
             todo, cached = cand.num_tokens_to_process, ()
             if self._caching and not running:
@@ -119,7 +124,7 @@ class RankScheduler(Scheduler):
                 reserve += len(self.running) * -(-cfg.readmit_horizon_steps // kv.block_size)
                 if not kv.can_allocate(cand, target, reserve, cached):
                     continue
-            if not kv.can_allocate(cand, target, reserve, cached):
+            if position[cand] < lowest_running and not kv.can_allocate(cand, target, reserve, cached):
                 victims = sorted(
                     (r for r in self.running if r not in in_batch and position[r] > position[cand]),
                     key=position.__getitem__,
@@ -134,6 +139,8 @@ class RankScheduler(Scheduler):
                 if running:
                     self._preempt(cand, self._mode, out)  # (4) self-eviction
                     evicted.add(cand)
+                elif position[cand] > lowest_running and not self._caching:
+                    no_room_tokens = min(no_room_tokens, cand.num_tokens)
                 continue
             done = kv.allocate_slots(cand, target, cached)
             assert done
