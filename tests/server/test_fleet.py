@@ -56,6 +56,34 @@ def test_a_replica_that_cannot_start_is_reported_with_its_engine_error():
     assert not ray.is_initialized()
 
 
+def test_a_fleet_the_cluster_cannot_place_fails_at_its_deadline_saying_what_is_missing():
+    """A Ray of one core (as a cluster short of resources: no machine check, it is not ours) cannot place two
+    one-core replicas: the start gives up at --replica-start-timeout, saying what each replica asks and what the
+    cluster has free, and leaves no application behind (first in this module, as the two tests above)."""
+    import ray
+    from ray import serve
+
+    from sloserve.engine.engine_core import EngineSpec
+    from sloserve.fleet.engine import FleetEngine
+
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        engine = FleetEngine(
+            EngineSpec("random:tiny-llama"), FleetOptions(num_replicas=2, cpus_per_replica=1, start_timeout_s=3)
+        )
+        with pytest.raises(
+            ConfigError,
+            match=r"did not start: [01] of 2 replicas running after 3 s \(--replica-start-timeout\): each asks for "
+            r"1 CPU, the cluster has 0 free",
+        ):
+            engine.start()
+        assert engine.app_name not in serve.status().applications or serve.status().applications[
+            engine.app_name
+        ].status in ("DELETING", "NOT_STARTED")
+    finally:
+        ray.shutdown()
+
+
 @pytest.fixture(scope="module")
 def fleet(chat_model_dir, tmp_path_factory):
     try:
@@ -225,3 +253,5 @@ def test_fleet_options_are_checked():
         FleetOptions(2, "fastest").check()
     with pytest.raises(ConfigError, match="--replicas must be >= 1"):
         FleetOptions(0).check()
+    with pytest.raises(ConfigError, match="--replica-start-timeout must be > 0 seconds, got 0"):
+        FleetOptions(2, start_timeout_s=0).check()

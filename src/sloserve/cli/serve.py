@@ -106,6 +106,13 @@ def _import_serve_extra(module: str):
 @click.option("--ray-address", help="An existing Ray cluster to deploy the replicas on [a local Ray for the run].")
 @click.option("--cpus-per-replica", type=int, help="On the CPU, cores of each replica [the cores split evenly].")
 @click.option(
+    "--replica-start-timeout",
+    type=float,
+    default=600.0,
+    show_default=True,
+    help="Seconds to wait for the replicas to be placed and loaded (a cluster may be adding nodes) before giving up.",
+)
+@click.option(
     "--config",
     "config_path",
     type=click.Path(path_type=Path),
@@ -135,6 +142,7 @@ def serve(
     router: str,
     ray_address: str | None,
     cpus_per_replica: int | None,
+    replica_start_timeout: float,
     config_path: Path | None,
     **options: Any,
 ) -> None:
@@ -201,7 +209,7 @@ def serve(
         log_level=log_level,
         data_dir=data_dir,
         api_keys=keys,
-        fleet=_fleet_options(replicas, router, ray_address, cpus_per_replica),
+        fleet=_fleet_options(replicas, router, ray_address, cpus_per_replica, replica_start_timeout),
         batch_limits=_import_serve_extra("sloserve.server.batch_api").BatchLimits(
             max_file_bytes=int(max_batch_file_mb * 1024 * 1024),
             max_file_lines=max_batch_lines,
@@ -260,14 +268,16 @@ def _given_on_command_line() -> set[str]:
     }
 
 
-def _fleet_options(replicas: int, router: str, ray_address: str | None, cpus_per_replica: int | None):
+def _fleet_options(
+    replicas: int, router: str, ray_address: str | None, cpus_per_replica: int | None, start_timeout_s: float
+):
     """The fleet of ``serve --replicas N`` (None: one engine in this server, no Ray); ``FleetEngine``
     checks it."""
     if replicas == 1 and ray_address is None:
         return None
     from sloserve.fleet.engine import FleetOptions
 
-    return FleetOptions(replicas, router, ray_address, cpus_per_replica)
+    return FleetOptions(replicas, router, ray_address, cpus_per_replica, start_timeout_s)
 
 
 @main.command(name="bench-serve")

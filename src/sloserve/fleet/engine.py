@@ -23,6 +23,7 @@ import asyncio
 import logging
 import math
 import os
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -47,6 +48,9 @@ class FleetOptions:
     router: str = "least-outstanding"
     ray_address: str | None = None  # None: a local Ray started for the run
     cpus_per_replica: int | None = None  # CPU only; None: the machine's cores split evenly
+    # Seconds to wait for every replica to be placed and load its model: a cluster short of the resources
+    # may get them meanwhile (an autoscaler adding nodes); then the start fails, saying what is missing.
+    start_timeout_s: float = 600.0
 
     def check(self) -> None:
         if self.num_replicas < 1:
@@ -55,6 +59,8 @@ class FleetOptions:
             raise ConfigError(f"--router {self.router!r} is not a routing policy; choose one of {', '.join(ROUTERS)}")
         if self.cpus_per_replica is not None and self.cpus_per_replica < 1:
             raise ConfigError(f"--cpus-per-replica must be >= 1, got {self.cpus_per_replica}")
+        if not self.start_timeout_s > 0:
+            raise ConfigError(f"--replica-start-timeout must be > 0 seconds, got {self.start_timeout_s}")
 
 
 class FleetEngine(AsyncLLMEngine):
@@ -97,9 +103,10 @@ class FleetEngine(AsyncLLMEngine):
 
         on_gpu = self.spec.device.startswith("cuda")
         cpus = self.fleet.cpus_per_replica or max(1, (os.cpu_count() or 1) // self.fleet.num_replicas)
+        resource, each = ("GPU", 1) if on_gpu else ("CPU", cpus)  # what one replica asks Ray for
         if not ray.is_initialized():
             if self.fleet.ray_address is None:  # NOTE: on a cluster an autoscaler may add nodes; here none comes
-                self._check_room(on_gpu, cpus)
+                self._check_room(resource, each)
             ray.init(address=self.fleet.ray_address, include_dashboard=False, logging_level=logging.WARNING)
             self._started_ray = True
         serve.start(proxy_location="Disabled")  # NOTE: HTTP is this process's: the same app as one engine
@@ -108,7 +115,7 @@ class FleetEngine(AsyncLLMEngine):
             name="engine",
             num_replicas=self.fleet.num_replicas,
             ray_actor_options={
-                **({"num_gpus": 1} if on_gpu else {"num_cpus": cpus}),
+                **({"num_gpus": each} if on_gpu else {"num_cpus": each}),
                 # NOTE: a replica's calls run on its event loop, not handed to a thread of their own (Ray
                 # Serve's throughput-optimized setting): a call costs 3.2-3.6 ms instead of 7.1-8.1
                 "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}},
@@ -125,11 +132,13 @@ class FleetEngine(AsyncLLMEngine):
             ),
         )
         try:
-            handle = serve.run(
+            handle = serve._run(  # NOTE: not serve.run, which waits for the replicas without a deadline
                 deployment.bind(self.spec, self.max_queued_requests, None if on_gpu else cpus),
                 name=self.app_name,
                 route_prefix=None,
+                _blocking=False,
             )
+            self._wait_until_running(serve, resource, each)
             info = EngineInfo(**handle.engine_info.remote().result())
         except Exception as exc:  # noqa: BLE001 - a replica that cannot start: say why, leave nothing running
             reason = _replica_failure(serve, self.app_name) or str(exc)
@@ -139,14 +148,38 @@ class FleetEngine(AsyncLLMEngine):
         self._started(info)
         return info
 
-    def _check_room(self, on_gpu: bool, cpus: int) -> None:
+    def _wait_until_running(self, serve, resource: str, each: int) -> None:
+        """Return once Ray Serve runs every replica. Raises when the deployment fails (the caller reports
+        the replica's error), or when the replicas are not all running within ``start_timeout_s``: then
+        the error says how many run, what each asks for and what the cluster has free."""
+        import ray
+
+        deadline = time.monotonic() + self.fleet.start_timeout_s
+        while True:
+            application = serve.status().applications.get(self.app_name)
+            status = application.status if application is not None else "NOT_STARTED"
+            if status == "RUNNING":
+                return
+            if status in ("DEPLOY_FAILED", "UNHEALTHY"):
+                raise RuntimeError(application.message or status)
+            if time.monotonic() > deadline:
+                replicas = application.deployments["engine"].replica_states if application is not None else {}
+                free = ray.available_resources().get(resource, 0)
+                raise TimeoutError(
+                    f"{replicas.get('RUNNING', 0)} of {self.fleet.num_replicas} replicas running after "
+                    f"{self.fleet.start_timeout_s:g} s (--replica-start-timeout): each asks for {each} {resource}, "
+                    f"the cluster has {free:g} free"
+                )
+            time.sleep(0.2)
+
+    def _check_room(self, resource: str, each: int) -> None:
         """A ConfigError when this machine cannot hold the replicas (a local Ray has its GPUs and cores)."""
-        if on_gpu:
+        if resource == "GPU":
             import torch
 
-            resource, each, have = "GPU", 1, torch.cuda.device_count()
+            have = torch.cuda.device_count()
         else:
-            resource, each, have = "CPU", cpus, os.cpu_count() or 1
+            have = os.cpu_count() or 1
         need = self.fleet.num_replicas * each
         if need > have:
             raise ConfigError(
