@@ -37,6 +37,7 @@ O(tokens); schedulers using it schedule requests explicitly (no decode cohort).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Sequence
 
 from sloserve.core.errors import ConfigError
@@ -476,7 +477,8 @@ class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager)
         cached = self._check_shared_prefix(
             [b for b, (rt, be) in enumerate(zip(self.rt_owner, self.be_owner)) if rt or be]
         )
-        assert all(self._be_only_by_owner.get(o, 0) == list(be_only.values()).count(o) for o in set(be_only.values()))
+        by_owner = Counter(be_only.values())
+        assert all(self._be_only_by_owner.get(o, 0) == n for o, n in by_owner.items()), "BE-only blocks by owner"
         free = set(self.gpu.free_ids())
         assert not free & cached, "a shared or cached block is free"
         for b in range(self.gpu.num_blocks):
@@ -485,12 +487,10 @@ class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager)
         for request, slots in self.token_slots.items():
             rt = request.request_class is RequestClass.RT
             num_shared = len(self.prefix_blocks.get(request, ())) * S
+            # RT tokens are never overwritten: only a dropped RT request has them in CPU memory
+            assert not rt or CHECKPOINTED not in slots or set(slots) == {CHECKPOINTED}, "RT checkpointed in part"
             for token, slot in enumerate(slots):
-                if token < num_shared:
-                    continue
-                if slot == CHECKPOINTED:
-                    # RT tokens are never overwritten: only a dropped RT request has them in CPU memory
-                    assert not rt or set(slots) == {CHECKPOINTED}, "an RT request is checkpointed in part"
+                if token < num_shared or slot == CHECKPOINTED:
                     continue
                 assert slot not in seen, f"slot {slot} owned by {seen[slot]} and {request}"
                 seen[slot] = request
