@@ -135,7 +135,7 @@ def test_a_fleet_replica_report_matches_the_replica_own_cache():
         free_tokens=replica.kv_free_tokens(),
         empty_tokens=replica.kv_empty_tokens(),
         block_size=kv.block_size,
-        cached_keys=frozenset(kv.prefix_cache.cached_keys()),
+        cached_keys=kv.prefix_cache.cached_keys(),
     )
     found = []
     for tokens in (history + [7, 7, 7], history, history[:100], [5] + history, history[:15]):

@@ -24,6 +24,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from sloserve.checkpoint.config import RANDOM_PREFIX
 from sloserve.core.errors import SloserveError
 from sloserve.core.request import SLO, Request, RequestClass, RequestStatus
@@ -154,7 +156,7 @@ class EngineStats:
     kv_empty_tokens: int = 0  # holding nothing, not even a cached prefix
     # The keys of the blocks the prefix cache holds (None: no prefix cache); sent at most every
     # CACHE_KEYS_PERIOD_S, else the last ones sent stand
-    cached_block_keys: list[int] | None = None
+    cached_block_keys: np.ndarray | None = None  # sorted (PrefixCache.cached_keys)
 
 
 class _Live:

@@ -26,6 +26,7 @@ import os
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 
+import numpy as np
 from ray import serve
 
 from sloserve.engine.async_engine import AsyncLLMEngine, EngineInfo, EngineStats, ServedRequest, StreamDelta
@@ -70,7 +71,7 @@ class _Stats:
 
     def __init__(self) -> None:
         self.last: EngineStats | None = None  # without the cache's keys (they go to the router only)
-        self.cached_keys: list[int] | None = None  # as of the engine's last report of them
+        self.cached_keys: np.ndarray | None = None  # sorted, as of the engine's last report of them
 
     def on_step(self, stats: EngineStats, replica: str = "0") -> None:
         if stats.cached_block_keys is not None:
@@ -142,7 +143,7 @@ class EngineReplica:
             self.info: EngineInfo = self.engine.start()
         finally:  # NOTE: this process (Ray's threads, the stream) shares the cores the engines leave
             os.sched_setaffinity(0, every_core)
-        self.stats.cached_keys = [] if self.info.prefix_caching else None
+        self.stats.cached_keys = np.empty(0, np.int64) if self.info.prefix_caching else None
         self.num_reports = 0
         self.last_sent = 0.0  # when ``outputs`` sent its last item (the event loop's clock)
 

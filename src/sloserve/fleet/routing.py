@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from sloserve.core.prefix import TokenPrompt
@@ -66,7 +67,7 @@ class ReplicaReport:
     free_tokens: int = 0
     empty_tokens: int = 0
     block_size: int = 16
-    cached_keys: frozenset[int] | None = None  # None: no prefix cache
+    cached_keys: np.ndarray | None = None  # sorted (PrefixCache.cached_keys); None: no prefix cache
     report_id: int = -1  # the replica's count of reports: a new one replaces what the router added
 
     def queued_prompt_tokens(self) -> int:
@@ -83,12 +84,12 @@ class ReplicaReport:
             return None
         # NOTE: as the replica's own lookup (``find_cached_prefix``): one token is always left to compute
         limit = (request.num_prompt_tokens - 1) // self.block_size
-        found = 0
-        for key in request.prompt_blocks.block_keys(self.block_size)[:limit]:
-            if key not in self.cached_keys:
-                break
-            found += 1
-        return found * self.block_size
+        keys = request.prompt_blocks.block_index(self.block_size).keys[:limit]
+        if not len(keys) or not len(self.cached_keys):
+            return 0
+        at = np.searchsorted(self.cached_keys, keys).clip(max=len(self.cached_keys) - 1)
+        cached = self.cached_keys[at] == keys
+        return (len(keys) if cached.all() else int(cached.argmin())) * self.block_size  # up to the first miss
 
 
 class FleetRequestRouter(RequestRouter):
@@ -113,7 +114,7 @@ class FleetRequestRouter(RequestRouter):
                 free_tokens=stats.get("kv_free_tokens", 0),
                 empty_tokens=stats.get("kv_empty_tokens", 0),
                 block_size=stats.get("block_size", 16),
-                cached_keys=None if keys is None else frozenset(keys),
+                cached_keys=keys,
                 report_id=stats.get("report_id", -1),
             )
             self.reports[replica.replica_id] = known
