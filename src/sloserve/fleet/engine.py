@@ -163,10 +163,11 @@ class FleetEngine(AsyncLLMEngine):
             if status in ("DEPLOY_FAILED", "UNHEALTHY"):
                 raise RuntimeError(application.message or status)
             if time.monotonic() > deadline:
-                replicas = application.deployments["engine"].replica_states if application is not None else {}
+                deployment = application.deployments.get("engine") if application is not None else None
+                running = deployment.replica_states.get("RUNNING", 0) if deployment is not None else 0
                 free = ray.available_resources().get(resource, 0)
                 raise TimeoutError(
-                    f"{replicas.get('RUNNING', 0)} of {self.fleet.num_replicas} replicas running after "
+                    f"{running} of {self.fleet.num_replicas} replicas running after "
                     f"{self.fleet.start_timeout_s:g} s (--replica-start-timeout): each asks for {each} {resource}, "
                     f"the cluster has {free:g} free"
                 )

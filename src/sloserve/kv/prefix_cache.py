@@ -178,8 +178,8 @@ class PrefixCache:
 
     def cached_keys(self) -> np.ndarray:
         """The keys of the blocks cached now, sorted (int64): what a fleet's router matches prompts against,
-        by binary search. NOTE: an array, not a list or set: a GPU's cache holds ~30k blocks, reported every
-        100 ms (as a list, 4.6 ms to build and pickle here and 12 ms to rebuild as a set in the router)."""
+        by binary search. NOTE: an array, not a list or a set: a GPU's cache holds ~30k blocks, reported every
+        100 ms (what each costs: benchmarks/RESULTS.md)."""
         return np.sort(self.key_of[self.is_cached])
 
     def num_evictable(self, blocks: Sequence[int]) -> int:
