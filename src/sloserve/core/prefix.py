@@ -97,25 +97,33 @@ class SegmentedPrompt:
         that segment's chained key, so the cache finds a 512-token segment's 32 blocks by one entry."""
         index = self._index.get(block_size)
         if index is None:
-            starts = np.arange(0, self.num_tokens - block_size + 1, block_size, dtype=np.int64)
-            segment_keys = np.array(chain_keys(self.segment_ids, self.namespace), dtype=np.int64)
-            ends = np.array(self.segment_ends, dtype=np.int64)
-            last_segment = np.searchsorted(ends, starts + block_size - 1, side="right")  # (num_blocks,)
-            with np.errstate(over="ignore"):
-                keys = segment_keys[last_segment] * _MIX + starts  # wraps around 2^64
-            is_first = np.ones(len(starts), dtype=bool)  # a block whose last token opens a segment's group
-            is_first[1:] = last_segment[1:] != last_segment[:-1]
-            group_starts = np.flatnonzero(is_first)
-            group_segments = last_segment[group_starts]
-            group_of_block = np.cumsum(is_first) - 1
+            num_blocks = self.num_tokens // block_size
+            # Segment k's group: the blocks whose last token is in it, [lo // block_size, hi // block_size)
+            # for its tokens [lo, hi) (none when it ends inside the block it starts in).
+            group_keys, group_starts, group_sizes, num_held = [], [], [], []
+            lo, key = 0, self.namespace
+            for segment_id, hi in zip(self.segment_ids, self.segment_ends):
+                key = hash((key, segment_id))  # chained as ``chain_keys``
+                first, end = lo // block_size, hi // block_size
+                if first >= num_blocks:
+                    break
+                if end > first:
+                    group_keys.append(key)
+                    group_starts.append(first)
+                    group_sizes.append(end - first)
+                    num_held.append(min(end, num_blocks) - first)  # (a clipped prompt holds fewer)
+                lo = hi
+            starts = np.array(group_starts, dtype=np.int64)
+            group_of_block = np.repeat(np.arange(len(starts), dtype=np.int64), num_held)  # (num_blocks,)
+            block_starts = np.arange(num_blocks, dtype=np.int64) * block_size  # first token of each block
+            keys = np.array(group_keys, dtype=np.int64)[group_of_block] * _MIX + block_starts  # wraps around 2^64
             index = self._index[block_size] = BlockIndex(
                 keys,
-                segment_keys[group_segments].tolist(),
-                group_starts,
-                # the group's blocks end with the last one whose last token is in its segment
-                (ends[group_segments] // block_size - group_starts).tolist(),
+                group_keys,
+                starts,
+                group_sizes,
                 group_of_block,
-                np.arange(len(starts), dtype=np.int64) - group_starts[group_of_block],
+                np.arange(num_blocks, dtype=np.int64) - starts[group_of_block],
             )
         return index
 

@@ -31,7 +31,7 @@ class ArrayMirror:
         n = len(source)
         held = self._held.get(key)
         if held is None or held[0] is not source or held[2] > n:
-            data = np.array(source, dtype=np.int64)
+            data = np.fromiter(source, dtype=np.int64, count=n)
         else:
             _, data, size = held
             if size == n:

@@ -26,7 +26,7 @@ from sloserve.core.outputs import BlockCopy
 from sloserve.core.request import Request
 from sloserve.kv.array_mirror import ArrayMirror
 from sloserve.kv.block_pool import BlockPool
-from sloserve.kv.prefix_cache import EvictionQueue, PrefixCache, block_ids
+from sloserve.kv.prefix_cache import EvictionQueue, PrefixCache
 
 
 class KVCacheManager:
@@ -132,7 +132,12 @@ class KVCacheManager:
         table = self.block_tables.get(request, ())
         if self.prefix_cache is None or not table:
             return len(table)
-        return int(np.count_nonzero(self.prefix_cache.ref_counts[block_ids(table)] == 1))
+        return int(np.count_nonzero(self.prefix_cache.ref_counts[self._table_ids(request)] == 1))
+
+    def _table_ids(self, request: Request) -> np.ndarray:
+        """``request``'s block table as an int64 array (a view, valid until the table changes): with
+        prefix caching, what the cache's array operations take, converted once per table, not per call."""
+        return self._block_arrays.array(request, self.block_tables[request])
 
     def num_slots(self, request: Request) -> int:
         """Token slots ``request`` holds on the GPU."""
@@ -222,7 +227,7 @@ class KVCacheManager:
         # NOTE: a decode cohort member's table may lag its tokens (blocks reserved by count, settled later)
         upto = min(num_tokens // self.block_size, len(index.keys), len(table))
         if upto > done:
-            self.prefix_cache.register(table[done:upto], index, done)
+            self.prefix_cache.register(self._table_ids(request)[done:upto], index, done)
             self._num_registered[request] = upto
 
     def _let_go_cached(self, request: Request) -> None:
@@ -268,10 +273,13 @@ class KVCacheManager:
         """Release everything ``request`` holds, on the GPU and in swap space."""
         if self.prefix_cache is not None and request in self.block_tables:
             self._let_go_cached(request)
-        table = self.block_tables.pop(request, None)
-        self._block_arrays.drop(request)
-        if table:
+        table = self.block_tables.get(request)
+        if table and self.prefix_cache is not None:
+            self.prefix_cache.release(self._table_ids(request))
+        elif table:
             self._release(table)
+        self.block_tables.pop(request, None)
+        self._block_arrays.drop(request)
         cpu = self.cpu_tables.pop(request, None)
         if cpu:
             self.cpu.release(cpu)
@@ -321,9 +329,11 @@ class KVCacheManager:
             return None
         if self.prefix_cache is not None:
             self._let_go_cached(request)
+            self.prefix_cache.release(self._table_ids(request))
+        else:
+            self._release(table)
         del self.block_tables[request]
         self._block_arrays.drop(request)
-        self._release(table)
         self.cpu_tables[request] = cpu_blocks
         self.swapped_bytes += len(table) * self.block_size * self.kv_bytes_per_token
         return [BlockCopy(g, c) for g, c in zip(table, cpu_blocks, strict=True)]

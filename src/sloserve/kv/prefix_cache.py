@@ -87,6 +87,14 @@ class EvictionQueue:
         taken = []
         while num_blocks > 0:
             stamp, blocks = self.runs[0]
+            head = blocks[:num_blocks]
+            if len(head) == num_blocks and np.count_nonzero(self.stamp_of[head] == stamp) == num_blocks:
+                # NOTE: the common case (a decode's one block): the run's head is live, and the rest of
+                # the run is not filtered now (its stale entries are skipped when reached)
+                self.runs[0] = (stamp, blocks[num_blocks:])
+                self._num_entries -= num_blocks
+                taken.append(head)
+                break
             live = self._live(stamp, blocks)
             if len(live) <= num_blocks:
                 self.runs.popleft()
@@ -97,7 +105,7 @@ class EvictionQueue:
                 live = live[:num_blocks]
             taken.append(live)
             num_blocks -= len(live)
-        out = np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
+        out = taken[0] if len(taken) == 1 else np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
         self.stamp_of[out] = -1
         self.count -= len(out)
         return out
@@ -142,6 +150,7 @@ class PrefixCache:
         self.num_places = 0
         self._placed: tuple[list[int], list[int], list[int]] = ([], [], [])
         self.evictable = EvictionQueue(pool.num_blocks)
+        self._last_match: tuple[list[int], np.ndarray] = ([], np.zeros(0, dtype=np.int64))  # see ``_ids``
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         self.num_evicted_blocks = 0
@@ -173,8 +182,18 @@ class PrefixCache:
         blocks = self.slots[np.array(bases)[index.group_of_block[:limit]] + index.offsets[:limit]]
         # NOTE: a place no block was put in holds -1, which indexes the last block: the first test masks it
         live = (blocks >= 0) & self.is_cached[blocks] & (self.key_of[blocks] == index.keys[:limit])
-        found = limit if live.all() else int(np.argmin(live))
-        return blocks[:found].tolist()
+        found = limit if np.count_nonzero(live) == limit else int(live.argmin())
+        self._last_match = (blocks[:found].tolist(), blocks[:found])
+        return self._last_match[0]
+
+    def _ids(self, blocks: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``block_ids(blocks)``; for the list the last ``match`` returned, its array, kept from the match:
+        a hit is checked (``num_evictable``) and shared with no conversion. NOTE: right while that list is
+        unchanged; callers copy it before changing it (a table starts as ``[*cached, *new]``)."""
+        last_list, last_array = self._last_match
+        if blocks is last_list and len(blocks) == len(last_array):
+            return last_array
+        return block_ids(blocks)
 
     def cached_keys(self) -> np.ndarray:
         """The keys of the blocks cached now, sorted (int64): what a fleet's router matches prompts against,
@@ -184,13 +203,13 @@ class PrefixCache:
 
     def num_evictable(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` nobody uses (taking them lowers the free count)."""
-        return int(np.count_nonzero(self.ref_counts[block_ids(blocks)] == 0))
+        return int(np.count_nonzero(self.ref_counts[self._ids(blocks)] == 0))
 
     def share(self, blocks: Sequence[int]) -> None:
         """One more request uses ``blocks`` (found by ``match``)."""
         if not blocks:
             return
-        idx = block_ids(blocks)
+        idx = self._ids(blocks)
         held = self.ref_counts[idx] > 0
         self.evictable.remove(idx[~held])
         self.num_extra_refs += int(np.count_nonzero(held))
@@ -230,11 +249,12 @@ class PrefixCache:
     def release(self, blocks: Sequence[int]) -> None:
         """A request lets go of its table ``blocks``: each block whose last user this was goes back to
         the pool, or, when cached, to the end of ``evictable`` (the table's tail first)."""
-        idx = block_ids(blocks[::-1])
-        self.ref_counts[idx] -= 1
-        still_held = self.ref_counts[idx] > 0
-        self.num_extra_refs -= int(np.count_nonzero(still_held))
-        unused = idx[~still_held]
+        idx = block_ids(blocks)[::-1]
+        counts = self.ref_counts[idx] - 1
+        self.ref_counts[idx] = counts
+        num_held = int(np.count_nonzero(counts))  # still held by another request
+        self.num_extra_refs -= num_held
+        unused = idx[counts == 0] if num_held else idx
         cached = self.is_cached[unused]
         self.evictable.push(unused[cached])
         self.pool.release(unused[~cached].tolist())
