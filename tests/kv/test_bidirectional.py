@@ -114,6 +114,32 @@ def _prompted(i: int) -> Request:
     return Request(i, 0.0, len(tokens), 1, 64, cls, prompt_blocks=TokenPrompt(tokens))
 
 
+def test_slots_released_count_a_shared_block_once_and_only_when_no_one_else_holds_it():
+    """What BROS's anti-thrash rule counts on freeing when it drops requests (prefix caching)."""
+    kv = BidirectionalKVManager(num_blocks=12, block_size=4, kv_bytes_per_token=KVB, enable_prefix_caching=True)
+    a, b, c = (_prompted(i) for i in (0, 3, 6))  # the same first 8 tokens: two blocks to share
+    for r in (a, b, c):
+        assert kv.allocate_slots(r, r.num_prompt_tokens, cached=kv.find_cached_prefix(r))
+        kv.cache_blocks(r, r.num_prompt_tokens)
+    shared = kv.prefix_blocks[a][:2]
+    assert kv.prefix_blocks[b][:2] == shared == kv.prefix_blocks[c][:2]
+
+    def own(r: Request) -> int:
+        return kv.num_slots(r) - 4 * len(kv.prefix_blocks[r])
+
+    assert kv.num_slots_released([b]) == own(b)  # a and c still read the shared blocks
+    assert kv.num_slots_released([b, c]) == own(b) + own(c)
+    a_alone = 4 * (len(kv.prefix_blocks[a]) - 2)  # a's blocks past the shared two are its alone
+    assert kv.num_slots_released([a, b, c]) == own(a) + own(b) + own(c) + 8 + a_alone
+    kv.free(b)
+    kv.free(c)
+    assert kv.num_slots_released([a]) == own(a) + 8 + a_alone  # now a alone holds them
+    free = kv.num_free_blocks
+    kv.free(a)
+    assert kv.num_free_blocks >= free + 2  # the shared two stay cached, nobody's: free
+    kv.check_integrity()
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, block_size=st.sampled_from([4, 8]), free_block_first=st.booleans(), caching=st.booleans())
 def test_invariants_under_random_operations(ops, block_size, free_block_first, caching):

@@ -168,7 +168,9 @@ def test_swap_out_leaves_a_shared_block_with_its_other_user():
 
 
 _OPS = st.lists(
-    st.tuples(st.sampled_from(["admit", "grow", "free", "swap_out", "swap_in", "evict_all"]), st.integers(0, 7)),
+    st.tuples(
+        st.sampled_from(["admit", "grow", "free", "swap_out", "swap_in", "evict_all", "free_some"]), st.integers(0, 7)
+    ),
     max_size=60,
 )
 
@@ -182,7 +184,9 @@ _OPS = st.lists(
 def test_shared_blocks_are_never_freed_under_a_live_user(ops, manager, block_size):
     """Random arrivals, growth, finishes, swaps and evictions of the whole cache over prompts that share prefixes: the
     reference counts always equal the tables holding each block (never negative), no block a table
-    holds is free or evictable, and free + used + evictable = capacity (``check_integrity``)."""
+    holds is free or evictable, and free + used + evictable = capacity (``check_integrity``). Freeing
+    several requests frees what ``num_blocks_released`` said (a block they share once, one another
+    request holds not at all)."""
     kv = manager(24, block_size, kv_bytes_per_token=1, num_cpu_blocks=16, enable_prefix_caching=True)
     requests = [_request(i, TokenPrompt([0, 1, 2, 3] + [i % 3] * (2 + i))) for i in range(8)]
     swapped: set[Request] = set()
@@ -203,6 +207,12 @@ def test_shared_blocks_are_never_freed_under_a_live_user(ops, manager, block_siz
             swapped.add(r)
         elif op == "swap_in" and r in swapped and kv.swap_in(r) is not None:
             swapped.discard(r)
+        elif op == "free_some":  # what a policy that evicts several requests counts on freeing, exactly
+            victims = [q for j, q in enumerate(requests) if (i >> (j % 3)) & 1 and q in kv.block_tables]
+            released, free = kv.num_blocks_released(victims), kv.num_free_blocks
+            for victim in victims:
+                kv.free(victim)
+            assert kv.num_free_blocks == free + released
         elif op == "evict_all":
             kv.prefix_cache.evict_to_pool(len(kv.prefix_cache.evictable))  # every cached block nobody uses
         kv.check_integrity()

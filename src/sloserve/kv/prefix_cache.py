@@ -205,6 +205,17 @@ class PrefixCache:
         """How many of ``blocks`` nobody uses (taking them lowers the free count)."""
         return int(np.count_nonzero(self.ref_counts[self._ids(blocks)] == 0))
 
+    def num_released(self, tables: Sequence[Sequence[int] | np.ndarray]) -> int:
+        """How many blocks would be free (or cached with no user) once every one of ``tables`` let go:
+        those no other table holds. A block several of them share counts once."""
+        tables = [t for t in tables if len(t)]
+        if not tables:
+            return 0
+        if len(tables) == 1:
+            return int(np.count_nonzero(self.ref_counts[self._ids(tables[0])] == 1))
+        blocks, holders = np.unique(np.concatenate([self._ids(t) for t in tables]), return_counts=True)
+        return int(np.count_nonzero(self.ref_counts[blocks] == holders))
+
     def share(self, blocks: Sequence[int]) -> None:
         """One more request uses ``blocks`` (found by ``match``)."""
         if not blocks:

@@ -17,7 +17,7 @@ it was the last.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -29,10 +29,11 @@ from sloserve.kv.token_slots import CHECKPOINTED
 class SharedPrefixBlocks:
     """Mixin for a ``TokenSlotTable`` manager with a ``prefix_cache`` (None: caching off).
 
-    The manager provides ``_whole_block(request, j)`` (the block that holds the request's tokens
-    j*S .. j*S+S-1 and nothing else, as its own; else None) and ``_give_up_block(request, block)``
-    (the request no longer holds that block as its own, which becomes shared; returns whether the
-    block holds its tokens right to left).
+    The manager provides ``num_slots(request)`` (its GPU slots, shared ones included),
+    ``_whole_block(request, j)`` (the block that holds the request's tokens j*S .. j*S+S-1 and nothing
+    else, as its own; else None) and ``_give_up_block(request, block)`` (the request no longer holds
+    that block as its own, which becomes shared; returns whether the block holds its tokens right to
+    left).
     """
 
     prefix_cache: PrefixCache | None
@@ -73,6 +74,16 @@ class SharedPrefixBlocks:
         if gone:
             self.prefix_cache.release(gone)
             self.num_shared_blocks_used -= self.prefix_cache.num_evictable(gone)
+
+    def num_slots_released(self, requests: Collection[Request]) -> int:
+        """GPU slots that giving up every one of ``requests``' KV would free: their own slots, and the
+        slots of the shared blocks no other request holds (a block they share counted once)."""
+        S = self.block_size
+        own = sum(self.num_slots(r) - S * len(self.prefix_blocks.get(r, ())) for r in requests)
+        if self.prefix_cache is None:
+            return own
+        shared = [self.prefix_blocks[r] for r in requests if r in self.prefix_blocks]
+        return own + S * self.prefix_cache.num_released(shared)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register ``request``'s full prompt blocks among its first ``num_tokens`` tokens, in order,

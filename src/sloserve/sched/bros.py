@@ -540,13 +540,13 @@ class BrosScheduler(SubsetScheduler):
         return True
 
     def _fits_after_evicting(self, request: Request, victims: list[Request]) -> bool:
-        """Whether ``request`` would fit (8) once ``victims`` gave up their GPU slots (a slot they
-        share with others counted as freed too)."""
-        freed = sum(self.kv.num_slots(v) for v in victims)
+        """Whether ``request`` would fit (8) once ``victims`` gave up their GPU slots (prefix caching: a
+        block some other request shares is not freed)."""
         if self._bicache:
             needed = self.kv.slots_needed(request, self._tokens_needed(request), self._cached_prefix(request))
-            return self.kv.has_room(request, needed - freed, self._batch_set)
-        return self._blocks(request) + self._batch_blocks - freed // self.kv.block_size <= self.kv.num_free_blocks
+            return self.kv.has_room(request, needed - self.kv.num_slots_released(victims), self._batch_set)
+        freed = self.kv.num_blocks_released(victims)
+        return self._blocks(request) + self._batch_blocks - freed <= self.kv.num_free_blocks
 
     def _unblock(self, batch: list[Request], out: SchedulerOutput) -> None:
         """Liveness: running requests hold every block and none of them can grow (BE takes free

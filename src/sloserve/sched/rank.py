@@ -160,5 +160,5 @@ class RankScheduler(Scheduler):
         self, cand: Request, target: int, reserve: int, cached: list[int] | tuple, victims: list[Request]
     ) -> bool:
         """Whether ``cand``'s allocation (3) would fit once every one of ``victims`` gave up its KV."""
-        freed = sum(self.kv.num_blocks_released(v) for v in victims)
+        freed = self.kv.num_blocks_released(victims)
         return self.kv.blocks_needed(cand, target, cached) + reserve <= self.kv.num_free_blocks + freed
