@@ -104,6 +104,22 @@ def test_a_second_request_finds_the_first_ones_full_blocks():
     kv.check_integrity()
 
 
+def test_a_lookup_repeated_sees_what_was_registered_or_evicted_since():
+    """``match`` remembers its answers only until the cached content changes."""
+    kv = PagedKVManager(20, 4, enable_prefix_caching=True)
+    waiting = _request(9, TokenPrompt(list(range(13))))
+    assert kv.find_cached_prefix(waiting) == []
+    first = _request(0, TokenPrompt(list(range(9))))
+    _admit(kv, first)  # registers two blocks waiting's prompt starts with
+    assert kv.find_cached_prefix(waiting) == kv.block_tables[first][:2]
+    assert kv.find_cached_prefix(waiting) == kv.block_tables[first][:2]  # (remembered)
+    kv.free(first)
+    kv.prefix_cache.evict_to_pool(1)  # the tail first: its second block
+    assert kv.find_cached_prefix(waiting) == kv.prefix_cache.evictable.blocks()
+    assert len(kv.find_cached_prefix(waiting)) == 1
+    kv.check_integrity()
+
+
 def test_a_prompt_entirely_cached_still_computes_its_last_token():
     kv = PagedKVManager(20, 4, enable_prefix_caching=True)
     _admit(kv, _request(0, TokenPrompt(list(range(8)))))

@@ -35,6 +35,9 @@ import numpy as np
 from sloserve.core.prefix import BlockIndex
 from sloserve.kv.block_pool import BlockPool
 
+_NO_BLOCKS = np.zeros(0, dtype=np.int64)  # a miss's blocks, shared by every miss
+_NO_BLOCKS.flags.writeable = False
+
 
 def block_ids(blocks: Sequence[int] | np.ndarray) -> np.ndarray:
     """``blocks`` as an int64 array. NOTE: from a list, ``np.fromiter`` takes half of ``np.asarray``'s
@@ -150,7 +153,11 @@ class PrefixCache:
         self.num_places = 0
         self._placed: tuple[list[int], list[int], list[int]] = ([], [], [])
         self.evictable = EvictionQueue(pool.num_blocks)
-        self._last_match: tuple[list[int], np.ndarray] = ([], np.zeros(0, dtype=np.int64))  # see ``_ids``
+        self._last_match: tuple[list[int], np.ndarray] = ([], _NO_BLOCKS)  # see ``_ids``
+        # What ``match`` found for each prompt since the cached content last changed (a block registered
+        # or evicted): a policy that looks its whole queue up every step looks each prompt up once
+        # while nothing is registered or evicted (FastServe's and SRTF's steps between admissions).
+        self._matches: dict[BlockIndex, tuple[int, tuple[list[int], np.ndarray]]] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         self.num_evicted_blocks = 0
@@ -168,6 +175,14 @@ class PrefixCache:
         limit = min(limit, len(index.keys))
         if limit <= 0:
             return []
+        known = self._matches.get(index)
+        if known is None or known[0] != limit:
+            known = self._matches[index] = (limit, self._find(index, limit))
+        self._last_match = known[1]
+        return known[1][0]
+
+    def _find(self, index: BlockIndex, limit: int) -> tuple[list[int], np.ndarray]:
+        """``match``'s blocks, as a list and as an array."""
         get, group_keys = self.group_base.get, index.group_keys
         bases = []
         for g in range(int(index.group_of_block[limit - 1]) + 1):
@@ -176,15 +191,14 @@ class PrefixCache:
                 break
             bases.append(base)
         if not bases:
-            return []  # the common miss, after one lookup
+            return [], _NO_BLOCKS  # the common miss, after one lookup
         if len(bases) < len(group_keys):
             limit = min(limit, int(index.group_starts[len(bases)]))
         blocks = self.slots[np.array(bases)[index.group_of_block[:limit]] + index.offsets[:limit]]
         # NOTE: a place no block was put in holds -1, which indexes the last block: the first test masks it
         live = (blocks >= 0) & self.is_cached[blocks] & (self.key_of[blocks] == index.keys[:limit])
         found = limit if np.count_nonzero(live) == limit else int(live.argmin())
-        self._last_match = (blocks[:found].tolist(), blocks[:found])
-        return self._last_match[0]
+        return blocks[:found].tolist(), blocks[:found]
 
     def _ids(self, blocks: Sequence[int] | np.ndarray) -> np.ndarray:
         """``block_ids(blocks)``; for the list the last ``match`` returned, its array, kept from the match:
@@ -254,6 +268,8 @@ class PrefixCache:
         """The ``num_blocks`` least recently released cached blocks, no longer cached."""
         evicted = self.evictable.pop(num_blocks)
         self.is_cached[evicted] = False  # NOTE: their places in the index are now stale
+        if len(evicted):
+            self._matches.clear()
         self.num_evicted_blocks += len(evicted)
         return evicted
 
@@ -277,6 +293,7 @@ class PrefixCache:
         end = start + len(blocks)
         if end == start:
             return
+        self._matches.clear()
         if self.num_places > 4 * self.pool.num_blocks + 4096:
             self._rebuild_index()
         first, last = int(index.group_of_block[start]), int(index.group_of_block[end - 1]) + 1
