@@ -164,6 +164,30 @@ def test_the_index_rebuilt_from_the_cached_blocks_finds_what_it_found_before():
     kv.check_integrity()
 
 
+def test_a_rebuilt_index_finds_the_newest_block_of_a_key_computed_twice():
+    """Two requests computed the same prompt side by side: the key names the later one's blocks, before
+    and after the index is rebuilt (the earlier ones stay cached, found by no one)."""
+    kv = PagedKVManager(9, 4, enable_prefix_caching=True)
+    later, earlier = _request(0, TokenPrompt(list(range(9)))), _request(1, TokenPrompt(list(range(9))))
+    for r in (later, earlier):  # both allocated before either registers: neither finds the other's
+        assert kv.allocate_slots(r, r.num_prompt_tokens)
+    for r in (earlier, later):  # NOTE: the later-registered blocks have the lower ids
+        kv.cache_blocks(r, r.num_prompt_tokens)
+    probe = _request(2, TokenPrompt(list(range(13))))
+    assert kv.find_cached_prefix(probe) == kv.block_tables[later][:2]
+    for rid in range(3, 2200):  # new one-block groups until the index is rebuilt
+        other = _request(rid, TokenPrompt([rid] * 4 + [0] * 4 + [9]))
+        _admit(kv, other)
+        kv.free(other)
+    assert kv.prefix_cache.num_places < 1000  # (rebuilt)
+    shared = kv.block_tables[later][:2]
+    assert kv.find_cached_prefix(probe) == shared
+    kv.free(later)
+    kv.free(earlier)  # its blocks stay cached too, but are never found again
+    assert kv.find_cached_prefix(probe) == shared
+    kv.check_integrity()
+
+
 def kv_blocks_released(a_blocks: list[int], b_blocks: list[int]) -> list[int]:
     """Eviction order of two requests released one after the other: each one's table tail first."""
     return a_blocks[::-1] + b_blocks[::-1]

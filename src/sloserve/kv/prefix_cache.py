@@ -323,9 +323,13 @@ class PrefixCache:
             self.slots = grown
 
     def _rebuild_index(self) -> None:
-        """The index of the cached blocks alone: groups none of whose blocks is cached drop out."""
+        """The index of the blocks it finds now alone: groups none of whose blocks is found drop out. A
+        block cached under a key registered again since (``register``) stays out, found by no one."""
         cached = np.flatnonzero(self.is_cached)
         places = self.place_of[cached]
+        found = (places >= 0) & (self.slots[places] == cached)
+        self.place_of[cached[~found]] = -1  # NOTE: out of the index for good (until registered again)
+        cached, places = cached[found], places[found]
         keys, bases, sizes = (np.array(column, dtype=np.int64) for column in self._placed)
         group = np.searchsorted(bases, places, side="right") - 1  # of each cached block
         kept = np.unique(group)
@@ -353,6 +357,7 @@ class PrefixCache:
         assert not free & set(evictable), "a block is both free and cached-evictable"
         assert all(counts[b] == 0 and b in cached for b in evictable), "an evictable block is used or unkeyed"
         assert not free & cached, "a free block is still cached"
+        # (-1: a duplicate of a key registered again since, found by no one)
         assert (self.place_of[sorted(cached)] < self.num_places).all(), "a cached block has no place"
         assert list(self.group_base.values()) == self._placed[1], "the index's groups miscounted"
         used = int(np.count_nonzero(counts))

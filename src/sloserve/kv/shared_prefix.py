@@ -96,14 +96,16 @@ class SharedPrefixBlocks:
         S = self.block_size
         index, slots = prompt.block_index(S), self.token_slots.get(request, ())
         shared = self.prefix_blocks.setdefault(request, [])
-        for j in range(len(shared), min(num_tokens // S, len(index.keys), len(slots) // S)):
+        first = len(shared)
+        for j in range(first, min(num_tokens // S, len(index.keys), len(slots) // S)):
             block = self._whole_block(request, j) if slots[j * S] != CHECKPOINTED else None
             if block is None:
                 break
             self._right_to_left[block] = self._give_up_block(request, block)
-            self.prefix_cache.register([block], index, j)  # NOTE: its one reference carries over
             shared.append(block)
-            self.num_shared_blocks_used += 1
+        if len(shared) > first:  # NOTE: each block's one reference carries over
+            self.prefix_cache.register(shared[first:], index, first)
+            self.num_shared_blocks_used += len(shared) - first
         if not shared:
             del self.prefix_blocks[request]
 
