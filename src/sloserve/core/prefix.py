@@ -101,9 +101,8 @@ class SegmentedPrompt:
             # Segment k's group: the blocks whose last token is in it, [lo // block_size, hi // block_size)
             # for its tokens [lo, hi) (none when it ends inside the block it starts in).
             group_keys, group_starts, group_sizes, num_held = [], [], [], []
-            lo, key = 0, self.namespace
-            for segment_id, hi in zip(self.segment_ids, self.segment_ends):
-                key = hash((key, segment_id))  # chained as ``chain_keys``
+            lo = 0
+            for key, hi in zip(chain_keys(self.segment_ids, self.namespace), self.segment_ends):
                 first, end = lo // block_size, hi // block_size
                 if first >= num_blocks:
                     break

@@ -276,15 +276,21 @@ class KVCacheManager:
         if self.prefix_cache is not None and request in self.block_tables:
             self._let_go_cached(request)
         table = self.block_tables.get(request)
-        if table and self.prefix_cache is not None:
-            self.prefix_cache.release(self._table_ids(request))
-        elif table:
-            self._release(table)
+        if table:
+            self._release_table(request)
         self.block_tables.pop(request, None)
         self._block_arrays.drop(request)
         cpu = self.cpu_tables.pop(request, None)
         if cpu:
             self.cpu.release(cpu)
+
+    def _release_table(self, request: Request) -> None:
+        """Give back the blocks of ``request``'s table (before the table goes); with prefix caching, as
+        the table's array (``_table_ids``), which registering it already made."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(self._table_ids(request))
+        else:
+            self._release(self.block_tables[request])
 
     def slot_ids(self, request: Request, start: int, end: int) -> list[int]:
         """Physical slot ids of tokens ``start..end-1`` of ``request`` (the engine writes KV there)."""
@@ -331,9 +337,7 @@ class KVCacheManager:
             return None
         if self.prefix_cache is not None:
             self._let_go_cached(request)
-            self.prefix_cache.release(self._table_ids(request))
-        else:
-            self._release(table)
+        self._release_table(request)
         del self.block_tables[request]
         self._block_arrays.drop(request)
         self.cpu_tables[request] = cpu_blocks
