@@ -1,29 +1,93 @@
-"""Engine speed: decode throughput and model bandwidth utilization (MBU) at batch 1-256, prefill model
-FLOPs utilization (MFU) at 1k-16k tokens, for a random model of a real shape.
+"""Engine speed (issue 43's table): decode MBU at batch 1-256, decode over long contexts, prefill MFU
+at 1k-16k tokens, a mixed step against the roofline of its parts, and where a step's GPU time goes,
+for a random model of a real shape.
 
     python benchmarks/engine_speed.py                       # random:llama-3-8b, bf16, cuda, H200 peaks
-    python benchmarks/engine_speed.py --device cpu --model random:tiny-llama --dtype float32
+    python benchmarks/engine_speed.py --device cpu --model random:tiny-llama --dtype float32 \\
+        --long-context 2048 --mixed 64:128:8
 
 A step is timed as the engine's clock counts it (``StepTimer``: slot tables, attention metadata,
 forward pass, logits and sampling), so the figures are what a served request sees. On CUDA with the
-Triton backend, each decode batch is timed both eagerly and replaying CUDA graphs (``--cuda-graphs``
-of the engine), side by side.
-MBU = (weight bytes + KV bytes read) per decode step / step time / HBM bandwidth.
+Triton backend each decode batch is timed eagerly and replaying CUDA graphs, the graphs captured
+three times, side by side: as before issue 43 (one program per decode and KV head walking the whole
+context; PyTorch's elementwise kernels), with flash decoding's splits of the context
+(``triton_attention.decode_splits``), and with the fused rotary and SiLU kernels too (``fused_ops``).
+
+MBU = (weight bytes + KV bytes read) per decode step / step time / HBM bandwidth (the datasheet's,
+and the device-to-device copy bandwidth measured here, in brackets).
 MFU = (2 x matmul parameters x tokens + causal attention FLOPs) / step time / peak dense FLOP/s.
-Goals on the H200 (issue 6): MBU >= 70% at batch >= 64, MFU >= 50% at >= 4k prompt tokens.
+The mixed step (a Sarathi chunk beside decodes) is set against the sum of its parts' rooflines: each
+part alone at max(FLOPs / peak, bytes / bandwidth).
+The kernel table (``--profile-kernels``, torch.profiler) sums each kernel's GPU time over an eager
+decode step: what fusing or replacing a kernel can gain.
 On the CPU there are no published peaks: the ratios are printed only with --gpu.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
+import gc
 
 import torch
 
 from sloserve.cost import get_gpu
+from sloserve.engine import fused_ops
+from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.llm_engine import kv_bytes_per_token
-from sloserve.engine.loader import cuda_graphs_supported, load_model, resolve_attention_backend, resolve_device
+from sloserve.engine.loader import LoadedModel, cuda_graphs_supported, load_model, resolve_device
 from sloserve.engine.profile import StepTimer
+from sloserve.engine.triton_attention import TritonAttention, decode_splits
+
+
+def _median_ms(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def measure_ceilings(device: torch.device) -> tuple[float, float]:
+    """(copy bandwidth B/s, bf16 matmul FLOP/s) measured on ``device``: a 2 GiB device-to-device copy
+    (bytes read + written) and an 8192^3 product on random data, medians of CUDA-event timings."""
+    src = torch.randn(1 << 30, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = _median_ms(lambda: dst.copy_(src))
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn_like(a)
+    mm_ms = _median_ms(lambda: a @ b)
+    return 2 * (2 << 30) / (copy_ms / 1e3), 2 * 8192**3 / (mm_ms / 1e3)
+
+
+def extend_positions(loaded: LoadedModel, positions: int) -> None:
+    """Let a random model's rotary table cover ``positions`` (a Llama-3.1-length context for the
+    long-context row; the weights are random, so no checkpoint's limit applies)."""
+    if positions <= loaded.config.max_position_embeddings:
+        return
+    loaded.config = dataclasses.replace(loaded.config, max_position_embeddings=positions)
+    rotary = loaded.model.rotary
+    rotary.config, rotary._tables = loaded.config, None
+
+
+def kernel_table(timer: StepTimer, decode_lens: list[int], steps: int = 5, top: int = 8) -> list[str]:
+    """Lines: the ``top`` kernels by GPU time in an eager step of ``decode_lens``, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    timer.time([], decode_lens, repeats=1)  # warm
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timer.time([], decode_lens, repeats=steps, warmup=0)
+    per_kernel: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = per_kernel[event.name]
+            entry[0] += event.time_range.elapsed_us() / steps
+            entry[1] += 1 / steps
+    total = sum(t for t, _ in per_kernel.values())
+    count = sum(n for _, n in per_kernel.values())
+    lines = [f"  eager decode step, batch {len(decode_lens)}: {count:.0f} kernels, {total / 1e3:.3f} ms of GPU time"]
+    for name, (t, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {t / 1e3:>8.3f} ms {t / total:>6.1%} x{n:>5.0f}  {name[:90]}")
+    return lines
 
 
 def main() -> None:
@@ -35,23 +99,30 @@ def main() -> None:
     parser.add_argument("--gpu", default=None, help="GPU spec for the peaks [h200 on cuda, none on cpu]")
     parser.add_argument("--batch-sizes", default="1,8,32,64,128,256")
     parser.add_argument("--kv-len", type=int, default=1024, help="tokens cached per decoding request")
+    parser.add_argument("--long-context", type=int, default=32768, help="the long-context row's cached tokens")
+    parser.add_argument("--long-batch", type=int, default=8, help="the long-context row's decodes (0: no row)")
+    parser.add_argument("--mixed", default="512:1024:128", help="CHUNK:CACHED:DECODES of the mixed step ('': none)")
     parser.add_argument("--prefill", default="1024,4096,8192,16384")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-cuda-graphs", action="store_true", help="time decode steps eagerly only")
+    parser.add_argument("--no-ceilings", action="store_true", help="skip measuring copy bandwidth and matmul rate")
+    parser.add_argument("--profile-kernels", default="1,64", help="decode batches whose kernels are listed ('': none)")
     args = parser.parse_args()
 
     device = resolve_device(args.device)
-    backend = resolve_attention_backend(args.attention_backend, device)
-    cuda_graphs = not args.no_cuda_graphs and cuda_graphs_supported(device, backend)
+    # Graphs are captured here, for the benchmark's batch sizes only (the engine captures 35 sizes).
     loaded = load_model(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        attention_backend=args.attention_backend,
-        cuda_graphs=cuda_graphs,
+        args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend, cuda_graphs=False
     )
+    graphs_ok = not args.no_cuda_graphs and cuda_graphs_supported(device, loaded.attention_backend)
+    backend = next(m.backend for m in loaded.model.modules() if hasattr(m, "backend"))
+    splitting = isinstance(backend, TritonAttention)
     gpu_name = args.gpu or ("h200" if loaded.device.type == "cuda" else None)
     gpu = get_gpu(gpu_name) if gpu_name else None
+    copy_bw = matmul_rate = None
+    if loaded.device.type == "cuda" and not args.no_ceilings:
+        copy_bw, matmul_rate = measure_ceilings(loaded.device)
+        torch.cuda.empty_cache()
     c = loaded.config
     params = sum(p.numel() for p in loaded.model.parameters())
     embed = c.vocab_size * (c.word_embed_proj_dim or c.hidden_size)
@@ -60,19 +131,11 @@ def main() -> None:
     # sequence by the LM head.
     weight_bytes = (params - (0 if c.tie_word_embeddings else embed)) * loaded.dtype.itemsize
     layer_params = params - embed * (1 if c.tie_word_embeddings else 2)
+    per_token_kv = kv_bytes_per_token(loaded)
     args.kv_len = min(args.kv_len, c.max_position_embeddings - 1)
     batches = [int(x) for x in args.batch_sizes.split(",")]
     prompts = [int(x) for x in args.prefill.split(",") if int(x) <= c.max_position_embeddings]
-    timer = StepTimer(
-        loaded,
-        max(
-            StepTimer.blocks_needed([], [args.kv_len] * max(batches)),
-            StepTimer.blocks_needed([(max(prompts, default=1), 0)], []),
-        ),
-        max_context=max([args.kv_len + 1, *prompts]),
-    )
-    graphs = timer.executor.graphs
-    per_token_kv = kv_bytes_per_token(loaded)
+    mixed = [int(x) for x in args.mixed.split(":")] if args.mixed else None
     device_name = (
         f"{loaded.device} ({torch.cuda.get_device_name(loaded.device)})" if loaded.device.type == "cuda" else "cpu"
     )
@@ -81,26 +144,80 @@ def main() -> None:
         f"{params / 1e9:.2f} B parameters; peaks: "
         f"{f'{gpu.name} {gpu.hbm_bandwidth / 1e12:.2f} TB/s, {gpu.peak_flops / 1e12:.0f} TFLOP/s' if gpu else 'none'}"
     )
-    print(
-        f"\n{'decode batch':>12} {'KV/req':>7} {'eager ms':>9} {'graph ms':>9} {'speedup':>8} {'tok/s':>10} "
-        f"{'MBU eager':>10} {'MBU graph':>10}"
-    )
+    if copy_bw:
+        print(f"measured here: copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul 8192^3 {matmul_rate / 1e12:.0f} TFLOP/s")
 
-    def mbu(bytes_read: int, t: float | None) -> str:
-        return f"{bytes_read / t / gpu.hbm_bandwidth:.1%}" if gpu and t else "-"
+    def mbu(bytes_read: float, t: float | None) -> str:
+        if not (gpu and t):
+            return "-"
+        measured = f" ({bytes_read / t / copy_bw:.0%})" if copy_bw else ""
+        return f"{bytes_read / t / gpu.hbm_bandwidth:.1%}{measured}"
 
-    for b in batches:
-        read = weight_bytes + b * (args.kv_len + 1) * per_token_kv
-        timer.executor.graphs = None
-        eager = timer.time([], [args.kv_len] * b, repeats=args.repeats)
-        timer.executor.graphs = graphs
-        graphed = timer.time([], [args.kv_len] * b, repeats=args.repeats) if graphs else None
-        best = min(eager, graphed or eager)
-        print(
-            f"{b:>12} {args.kv_len:>7} {eager * 1e3:>9.3f} {f'{graphed * 1e3:.3f}' if graphed else '-':>9} "
-            f"{f'{eager / graphed:.2f}x' if graphed else '-':>8} {b / best:>10.1f} {mbu(read, eager):>10} "
-            f"{mbu(read, graphed):>10}"
+    def roofline(flops: float, bytes_moved: float) -> float:
+        return max(flops / gpu.peak_flops, bytes_moved / gpu.hbm_bandwidth)
+
+    def capture(timer: StepTimer, sizes: list[int], splits: int | None, fused: bool) -> DecodeGraphs:
+        """Graphs of ``sizes`` with ``splits`` decode splits (None: the backend's choice) and the
+        fused elementwise kernels on or off: each graph keeps the kernels it was captured with."""
+        if splitting:
+            backend.num_decode_splits = splits
+        fused_ops.ENABLED = fused
+        graphs = DecodeGraphs(
+            loaded.model, timer.executor.cache, timer.max_context, timer.kv.table_block_size, batch_sizes=sizes
         )
+        backend.num_decode_splits, fused_ops.ENABLED = None, True
+        return graphs
+
+    def decode_rows(timer: StepTimer, sizes: list[int], kv_len: int) -> None:
+        """One row a batch: eager, and graphed three ways: as before issue 43 (one split, unfused), with
+        flash decoding's splits, and with the fused elementwise kernels too (the engine's default)."""
+        variants = {}
+        if graphs_ok:
+            variants = {
+                "before": capture(timer, sizes, 1, False),
+                "split": capture(timer, sizes, None, False),
+                "fused": capture(timer, sizes, None, True),
+            }
+        for b in sizes:
+            read = weight_bytes + b * (kv_len + 1) * per_token_kv
+            timer.executor.graphs = None
+            eager = timer.time([], [kv_len] * b, repeats=args.repeats)
+            times = {}
+            for name, graphs in variants.items():
+                timer.executor.graphs = graphs
+                times[name] = timer.time([], [kv_len] * b, repeats=args.repeats)
+            timer.executor.graphs = None
+            best = min([eager, *times.values()])
+            n_splits = decode_splits(b, c.num_key_value_heads, timer.max_context, _sms()) if splitting else 1
+            graphed = {
+                name: f"{times[name] * 1e3:.3f}" if name in times else "-" for name in ("before", "split", "fused")
+            }
+            gain = f"{times['before'] / times['fused']:.2f}x" if times else "-"
+            print(
+                f"{b:>6} {kv_len:>7} {n_splits:>6} {eager * 1e3:>9.3f} {graphed['before']:>10} {graphed['split']:>10} "
+                f"{graphed['fused']:>10} {gain:>7} {b / best:>10.1f} {mbu(read, eager):>15} {mbu(read, times.get('fused')):>15}"
+            )
+
+    def _sms() -> int:
+        return torch.cuda.get_device_properties(loaded.device).multi_processor_count if device.type == "cuda" else 16
+
+    # Graphed ms: "before" (one split, unfused), "+split" (flash decoding), "+fused" (and the fused
+    # elementwise kernels: the engine's default); gain = before / +fused.
+    header = (
+        f"\n{'batch':>6} {'KV/req':>7} {'splits':>6} {'eager ms':>9} {'before ms':>10} {'+split ms':>10} "
+        f"{'+fused ms':>10} {'gain':>7} {'tok/s':>10} {'MBU eager':>15} {'MBU +fused':>15}"
+    )
+    print(header)
+    max_prompt = max(prompts, default=1)
+    blocks = max(
+        StepTimer.blocks_needed([], [args.kv_len] * max(batches)),
+        StepTimer.blocks_needed([(max_prompt, 0)], []),
+        StepTimer.blocks_needed([(mixed[0], mixed[1])], [args.kv_len] * mixed[2]) if mixed else 0,
+    )
+    max_context = max([args.kv_len + 1, *prompts, sum(mixed[:2]) if mixed else 0])
+    timer = StepTimer(loaded, blocks, max_context=max_context)
+    decode_rows(timer, batches, args.kv_len)
+
     print(f"\n{'prefill tokens':>14} {'step ms':>9} {'tok/s':>10} {'MFU':>7}")
     for n in prompts:
         t = timer.time([(n, 0)], [], repeats=args.repeats)
@@ -109,6 +226,54 @@ def main() -> None:
         flops = 2 * layer_params * n + 2 * embed + attention
         mfu = f"{flops / t / gpu.peak_flops:.1%}" if gpu else "-"
         print(f"{n:>14} {t * 1e3:>9.3f} {n / t:>10.1f} {mfu:>7}")
+
+    if mixed:
+        chunk, cached, num_decodes = mixed
+        t_mixed = timer.time([(chunk, cached)], [args.kv_len] * num_decodes, repeats=args.repeats)
+        t_prefill = timer.time([(chunk, cached)], [], repeats=args.repeats)
+        t_decode = timer.time([], [args.kv_len] * num_decodes, repeats=args.repeats)
+        print(
+            f"\nmixed step: a {chunk}-token chunk after {cached} cached + {num_decodes} decodes of {args.kv_len}: "
+            f"{t_mixed * 1e3:.3f} ms; alone: chunk {t_prefill * 1e3:.3f} ms, decodes {t_decode * 1e3:.3f} ms (eager)"
+        )
+        if gpu:
+            # The chunk attends to cached + its own causal half; each decode reads its context once.
+            chunk_attention = (
+                2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * chunk * (cached + chunk / 2)
+            )
+            prefill_roof = roofline(
+                2 * layer_params * chunk + chunk_attention, weight_bytes + (cached + chunk) * per_token_kv
+            )
+            decode_roof = roofline(
+                2 * layer_params * num_decodes, weight_bytes + num_decodes * (args.kv_len + 1) * per_token_kv
+            )
+            print(
+                f"  rooflines of the parts: {prefill_roof * 1e3:.3f} + {decode_roof * 1e3:.3f} ms; "
+                f"mixed / their sum: {t_mixed / (prefill_roof + decode_roof):.2f}x (goal <= 1.25x)"
+            )
+
+    if args.profile_kernels and loaded.device.type == "cuda":
+        print("\nWhere an eager decode step's GPU time goes (torch.profiler; kernels of one step):")
+        for b in (int(x) for x in args.profile_kernels.split(",")):
+            try:
+                print("\n".join(kernel_table(timer, [args.kv_len] * b)))
+            except Exception as e:  # the profiler is a diagnosis: the long-context row still runs
+                print(f"  batch {b}: the profiler failed: {e!r}")
+
+    if args.long_batch:
+        del timer
+        gc.collect()
+        if loaded.device.type == "cuda":
+            torch.cuda.empty_cache()
+        n = args.long_context
+        extend_positions(loaded, n + 1)
+        long_timer = StepTimer(loaded, StepTimer.blocks_needed([], [n] * args.long_batch), max_context=n + 1)
+        print(
+            f"\nlong contexts ({args.long_batch} decodes of {n} cached tokens; KV read per step "
+            f"{args.long_batch * (n + 1) * per_token_kv / 1e9:.2f} GB):"
+        )
+        print(header)
+        decode_rows(long_timer, [args.long_batch], n)
 
 
 if __name__ == "__main__":

@@ -1,28 +1,41 @@
 #!/usr/bin/env bash
-# The engine's GPU checks (issue 6), a stage per call of the device tool or all in one, each well inside
-# its 10-minute limit. The device image holds torch, triton, transformers, safetensors, tokenizers,
-# pytest and hypothesis; sloserve runs from src/, and what else it needs travels as wheels (below).
+# The engine's GPU checks (issues 6 and 43), a stage per call of the device tool or all in one, each
+# well inside its 10-minute limit. The device image holds torch, triton, transformers, safetensors,
+# tokenizers, pytest and hypothesis; sloserve runs from src/, and what else it needs travels as wheels
+# (below).
 #
-#   bash benchmarks/gpu_session.sh tests      # Triton kernels vs the reference (fp32/fp16/bf16), CUDA
+#   bash benchmarks/gpu_session.sh tests      # Triton kernels vs the reference (fp32/fp16/bf16): attention
+#                                             # (split decodes too) and the fused elementwise kernels; CUDA
 #                                             # graphs vs eager, the engine vs HF greedy tokens on CUDA
-#   bash benchmarks/gpu_session.sh speed      # engine_speed.py: decode MBU (eager and graphed), prefill MFU
+#   bash benchmarks/gpu_session.sh speed      # engine_speed.py (issue 43's table): decode MBU eager and
+#                                             # graphed (before / +split decodes / +fused kernels), 8 x 32K
+#                                             # contexts, prefill MFU, a mixed step against its parts'
+#                                             # rooflines, the kernels of a decode step (torch.profiler)
 #   bash benchmarks/gpu_session.sh fidelity   # fidelity.py with CUDA graphs: profile, run, simulate;
 #                                             # cost_forms.py on the measured profile and the runs' steps
 #   bash benchmarks/gpu_session.sh infermax   # infermax_engine.py: Figure 9's schedulers at M = 1K and
 #                                             # 10K on the engine and in the simulator (InferMax Fig. 14);
 #                                             # after fidelity, whose fit the simulator then uses
-#   bash benchmarks/gpu_session.sh serve      # serve_overhead.py and serve_fidelity.py (issue 27) on
-#                                             # random:llama-3-8b, 300 requests (about 3 minutes)
-#   bash benchmarks/gpu_session.sh all        # tests, speed and fidelity in one call, each under its own
-#                                             # time limit (seconds: TESTS_S, SPEED_S, FIDELITY_S), then
-#                                             # infermax and serve when INFERMAX_S and SERVE_S are set
+#   bash benchmarks/gpu_session.sh serve      # serve_overhead.py on random:llama-3-8b, 300 requests: served /
+#                                             # in-process throughput and TPOT; py-spy samples the server's
+#                                             # processes under the offline load when py-spy is on PATH
+#                                             # ($OUT/serve-py-spy.txt, collapsed stacks)
+#   bash benchmarks/gpu_session.sh serve-fidelity  # serve_fidelity.py (issue 27): the simulator against the
+#                                             # server, on the same model options
+#   bash benchmarks/gpu_session.sh all        # tests, speed and serve in one call (issue 43's table but the
+#                                             # served fidelity), each under its own time limit (seconds:
+#                                             # TESTS_S, SPEED_S, SERVE_S), then fidelity, infermax and
+#                                             # serve-fidelity when FIDELITY_S, INFERMAX_S, SERVE_FIDELITY_S are set
 #
 # The device image (2026-11-26) lacks pydantic (pydantic, pydantic-core, annotated-types,
 # typing-inspection, a typing-extensions >= 4.16), gguf, and of the serve extra fastapi (with
-# starlette, annotated-doc and opentelemetry-api), uvicorn, httptools and python-multipart: carry
-# their wheels, install them with --target, and put that folder on PYTHONPATH before calling this
-# script; src/ is put in front of whatever PYTHONPATH holds. The first run of the tests compiles the
-# Triton kernels (about 40 s more).
+# starlette and opentelemetry-api), uvicorn, httptools and python-multipart, and py-spy: carry
+# their wheels, install them with --target, and put that folder on PYTHONPATH (its bin/ on PATH)
+# before calling this script; src/ is put in front of whatever PYTHONPATH holds. The first run of
+# the tests compiles the Triton kernels (about 40 s more). The call of 2026-11-27:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+#     .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH || exit
+#   TESTS_S=150 SPEED_S=210 SERVE_S=200 bash benchmarks/gpu_session.sh all
 # Every stage's output goes to $OUT/session.log ($OUT: the device tool's output folder; else ./gpu-logs),
 # beside the fidelity stage's profile, preset, engine figures and the engine runs' steps (a tar of
 # four steps.csv): five files, within the tool's eight.
@@ -35,11 +48,12 @@ log="$out/session.log"
 echo "== ${1:-} $(date -u +%FT%TZ)" | tee -a "$log"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$log"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$log"
+model=(--model random:llama-3-8b --device cuda --dtype bfloat16 --max-model-len 4096 --kv-capacity-tokens 131072)
 
 case "${1:-}" in
   tests)
-    python3 -m pytest -p no:cacheprovider -rs tests/engine/test_triton_attention.py tests/engine/test_cuda_graphs.py \
-      tests/engine/test_attention.py tests/engine/test_engine.py 2>&1 | tee -a "$log"
+    python3 -m pytest -p no:cacheprovider -rs tests/engine/test_triton_attention.py tests/engine/test_fused_ops.py \
+      tests/engine/test_cuda_graphs.py tests/engine/test_attention.py tests/engine/test_engine.py 2>&1 | tee -a "$log"
     ;;
   speed)
     python3 benchmarks/engine_speed.py 2>&1 | tee -a "$log"
@@ -69,8 +83,11 @@ case "${1:-}" in
       echo "the serve stage needs the serve extra's packages (see the top of this script)" >&2
       exit 2
     }
-    model=(--model random:llama-3-8b --device cuda --dtype bfloat16 --max-model-len 4096 --kv-capacity-tokens 131072)
-    python3 benchmarks/serve_overhead.py "${model[@]}" --no-pin --num-requests 300 --rate 8 2>&1 | tee -a "$log"
+    spy=()
+    command -v py-spy >/dev/null && spy=(--py-spy "$out/serve-py-spy.txt" --py-spy-seconds 20)
+    python3 benchmarks/serve_overhead.py "${model[@]}" --no-pin --num-requests 300 --rate 8 "${spy[@]}" 2>&1 | tee -a "$log"
+    ;;
+  serve-fidelity)
     python3 benchmarks/serve_fidelity.py "${model[@]}" --no-pin --num-requests 300 \
       --prefill-chunks 32,64,128,256,512,1024,2048,4096 --context-lens 0,512,2048 \
       --batch-sizes 1,2,4,8,16,32,64,128,256 --decode-kv-lens 128,512,2048 2>&1 | tee -a "$log"
@@ -78,8 +95,8 @@ case "${1:-}" in
   all)
     # One stage failing or running out of time does not stop the next one; the exit code is the worst.
     status=0
-    for stage in tests:${TESTS_S:-150} speed:${SPEED_S:-120} fidelity:${FIDELITY_S:-260} \
-        ${INFERMAX_S:+infermax:$INFERMAX_S} ${SERVE_S:+serve:$SERVE_S}; do
+    for stage in tests:${TESTS_S:-150} speed:${SPEED_S:-210} serve:${SERVE_S:-200} ${FIDELITY_S:+fidelity:$FIDELITY_S} \
+        ${INFERMAX_S:+infermax:$INFERMAX_S} ${SERVE_FIDELITY_S:+serve-fidelity:$SERVE_FIDELITY_S}; do
       start=$SECONDS
       timeout "${stage#*:}" bash "$0" "${stage%%:*}" || { rc=$?; status=$rc; echo "stage ${stage%%:*} exited $rc"; }
       echo "stage ${stage%%:*}: $((SECONDS - start)) s" | tee -a "$log"
@@ -87,7 +104,7 @@ case "${1:-}" in
     exit $status
     ;;
   *)
-    echo "usage: $0 tests|speed|fidelity|infermax|serve|all" >&2
+    echo "usage: $0 tests|speed|fidelity|infermax|serve|serve-fidelity|all" >&2
     exit 2
     ;;
 esac

@@ -87,12 +87,36 @@ def in_process(args, loaded, requests) -> dict[str, float]:
     return figures(requests, wall)
 
 
-def served(args, base_url: str, vocab_size: int, requests) -> dict[str, float]:
+def served(args, base_url: str, vocab_size: int, requests, profile_pid: int | None = None) -> dict[str, float]:
+    """The load against the server; with ``profile_pid``, py-spy samples that process and its children
+    (the engine) for ``--py-spy-seconds`` from the start, into ``--py-spy`` (collapsed stacks)."""
     from sloserve.runs import fresh_request
 
     requests = [fresh_request(r) for r in requests]
     prompts = synthetic_prompts(requests, vocab_size, args.seed)
+    spy = None
+    if profile_pid is not None:
+        spy = subprocess.Popen(
+            [
+                "py-spy",
+                "record",
+                "--pid",
+                str(profile_pid),
+                "--subprocesses",
+                "--nonblocking",
+                "--rate",
+                "250",
+                "--duration",
+                str(args.py_spy_seconds),
+                "--format",
+                "raw",
+                "--output",
+                args.py_spy,
+            ]  # fmt: skip
+        )
     result = run_benchmark(base_url, args.model, requests, prompts)
+    if spy is not None:
+        spy.wait(timeout=args.py_spy_seconds + 60)
     if result.errors:
         sys.exit(f"{len(result.errors)} requests failed: {next(iter(result.errors.values()))}")
     return figures(requests, result.wall_s)
@@ -156,6 +180,8 @@ def main() -> None:
         default=(os.cpu_count() or 1) <= 4,
         help="engine on core 0 with one torch thread on both sides, the client on core 1",
     )
+    parser.add_argument("--py-spy", metavar="FILE", help="sample the server's processes during the offline load")
+    parser.add_argument("--py-spy-seconds", type=int, default=15)
     args = parser.parse_args()
     if args.pin:
         import torch
@@ -178,7 +204,16 @@ def main() -> None:
     if args.pin:
         os.sched_setaffinity(0, {1})
     try:
-        remote = {name: served(args, f"http://127.0.0.1:{port}/v1", vocab_size, reqs) for name, reqs in loads.items()}
+        remote = {
+            name: served(
+                args,
+                f"http://127.0.0.1:{port}/v1",
+                vocab_size,
+                reqs,
+                proc.pid if args.py_spy and name == "offline" else None,
+            )
+            for name, reqs in loads.items()
+        }
     finally:
         proc.terminate()
         proc.wait(timeout=60)

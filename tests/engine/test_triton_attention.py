@@ -43,7 +43,13 @@ def _to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
 
 
 def check_against_reference(
-    monkeypatch, step, dtype: torch.dtype, block: int = 64, scale: float | None = None, window: int | None = None
+    monkeypatch,
+    step,
+    dtype: torch.dtype,
+    block: int = 64,
+    scale: float | None = None,
+    window: int | None = None,
+    splits: int | None = None,
 ) -> float:
     """Run the Triton backend on ``step`` cast to ``dtype``; assert its cache writes are the
     reference's and return its relative error against the float64 reference."""
@@ -54,7 +60,7 @@ def check_against_reference(
     # Poison the output: a row no kernel writes stays NaN and fails the comparison.
     real_empty_like = torch.empty_like
     monkeypatch.setattr(triton_attention.torch, "empty_like", lambda x: real_empty_like(x).fill_(math.nan))
-    out = triton_attention.TritonAttention(block_m=block, block_n=block).forward(
+    out = triton_attention.TritonAttention(block_m=block, block_n=block, num_decode_splits=splits).forward(
         q.to(DEVICE, dtype),
         k.to(DEVICE, dtype),
         v.to(DEVICE, dtype),
@@ -93,6 +99,39 @@ def test_sliding_windows_and_a_score_scale(monkeypatch, window):
     assert error < TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", HEADS, ids=str)
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_decodes_split_over_their_context(monkeypatch, splits, heads, dtype):
+    """Flash decoding: each context cut into ``splits`` runs of whole 32-token tiles, merged by the
+    combine kernel. Contexts of 1 token (every split but the first reads nothing), one tile, a tile
+    and one, and long ones; a prefill in the same step keeps its own kernel."""
+    gen = torch.Generator().manual_seed(splits + sum(heads))
+    step = make_step(gen, *heads, 32, [(20, 30)], [0, 31, 32, 200, 700], num_slots=1200)
+    assert check_against_reference(monkeypatch, step, dtype, block=32, splits=splits) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("window", [1, 40, 300])
+def test_split_decodes_in_a_sliding_window(monkeypatch, window):
+    """Splits start at the window's first tile: none reads a key outside it."""
+    gen = torch.Generator().manual_seed(window)
+    step = make_step(gen, 4, 2, 32, [], [3, 130, 700], num_slots=1000)
+    error = check_against_reference(monkeypatch, step, torch.float32, block=16, window=window, splits=4)
+    assert error < TOLERANCE[torch.float32]
+
+
+def test_how_many_splits_a_decode_batch_gets():
+    """Enough (decode, KV head, split) programs to fill an H200's 132 multiprocessors twice, no split
+    under MIN_SPLIT_TOKENS context tokens, none once the batch fills the GPU by itself."""
+    splits = triton_attention.decode_splits
+    assert splits(1, 8, 1025, 132) == 4  # 1K contexts: 4 splits of 256 tokens
+    assert splits(1, 8, 8192, 132) == 32  # 33 would fill the GPU twice; at most 8192 / 256
+    assert splits(8, 8, 32769, 132) == 5  # 64 programs -> 320
+    assert splits(64, 8, 1025, 132) == 1  # 512 programs already
+    assert splits(1, 8, 255, 132) == 1  # too short to split
+    assert splits(1, 1, 1 << 20, 132) == triton_attention.MAX_SPLITS
+
+
 @pytest.mark.parametrize("head_dim", [16, 24, 64, 128])
 def test_head_dims_padded_to_a_power_of_two(monkeypatch, head_dim):
     gen = torch.Generator().manual_seed(head_dim)
@@ -108,14 +147,15 @@ def test_head_dims_padded_to_a_power_of_two(monkeypatch, head_dim):
     decodes=st.lists(st.integers(0, 100), max_size=4),
     block=st.sampled_from([16, 32]),
     window=st.one_of(st.none(), st.integers(1, 80)),
+    splits=st.sampled_from([None, 1, 2, 5]),
     seed=st.integers(0, 2**16),
 )
-def test_any_step_matches_the_reference(heads, head_dim, prefills, decodes, block, window, seed):
+def test_any_step_matches_the_reference(heads, head_dim, prefills, decodes, block, window, splits, seed):
     if not prefills and not decodes:
         return
     with pytest.MonkeyPatch.context() as monkeypatch:
         step = make_step(torch.Generator().manual_seed(seed), *heads, head_dim, prefills, decodes, num_slots=800)
-        error = check_against_reference(monkeypatch, step, torch.float32, block, window=window)
+        error = check_against_reference(monkeypatch, step, torch.float32, block, window=window, splits=splits)
         assert error < TOLERANCE[torch.float32]
 
 

@@ -67,13 +67,15 @@ class DecodeGraphs:
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         *,
         capture: bool = True,
+        batch_sizes: list[int] | None = None,
     ) -> None:
-        """``table_block_size``: tokens per block id of the KV manager's ``block_id_tables``."""
+        """``table_block_size``: tokens per block id of the KV manager's ``block_id_tables``;
+        ``batch_sizes``: the sizes captured (a benchmark's few), by default ``capture_sizes(max_batch_size)``."""
         self.model, self.cache, self.max_context = model, cache, max_context
         self.table_block_size = g = table_block_size
         assert cache.pad_slot % g == 0 and g <= cache.block_size, "the pad block is a whole table block"
         self.pad_block = cache.pad_slot // g  # expands to pad_slot, pad_slot + 1, ... (the cache's pad block)
-        self.batch_sizes = capture_sizes(max_batch_size)
+        self.batch_sizes = sorted(batch_sizes) if batch_sizes else capture_sizes(max_batch_size)
         self.capture = capture
         device = cache.gpu.device
         n = self.batch_sizes[-1]

@@ -47,6 +47,7 @@ class StepTimer:
         """``num_blocks`` KV blocks of ``BLOCK_SIZE`` tokens; ``max_context``: the longest context a
         batch will hold (the width of the CUDA graphs' slot table, when ``loaded.cuda_graphs``)."""
         self.loaded = loaded
+        self.max_context = max_context
         self.kv = PagedKVManager(num_blocks, self.BLOCK_SIZE)
         cache = KVCacheTensor(loaded.config, self.kv.capacity_tokens, 0, self.BLOCK_SIZE, loaded.dtype, loaded.device)
         graphs = (

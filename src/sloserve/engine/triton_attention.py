@@ -3,10 +3,14 @@
 Two kernels read K/V through the token -> slot table, so every KV layout (paged, exact, pipelined,
 bidirectional) works unchanged, as with the PyTorch reference (``attention.TorchAttention``):
 
-- ``_decode_kernel``: one program per (decode sequence, KV head). It loads the query rows of every
-  head that shares that KV head (grouped-query attention: the K/V tile is read once for the group)
-  and walks the context in tiles of ``BLOCK_N`` slots with an online softmax (running max ``m``,
-  running sum ``l``, rescaled accumulator), as FlashAttention does.
+- ``_decode_kernel``: one program per (decode sequence, KV head, split of its context). It loads the
+  query rows of every head that shares that KV head (grouped-query attention: the K/V tile is read
+  once for the group) and walks its share of the context in tiles of ``BLOCK_N`` slots with an online
+  softmax (running max ``m``, running sum ``l``, rescaled accumulator), as FlashAttention does.
+  With one split it writes the output; with several (flash decoding: a few long contexts would
+  otherwise leave most of the GPU idle, one program per KV head walking thousands of tokens) each
+  split writes its unnormalized sums, and ``_combine_splits_kernel`` merges them, rescaling each
+  split's sums by ``exp2(m_split - m_max)`` (``decode_splits`` picks how many).
 - ``_prefill_kernel``: one program per (prefill sequence, tile of ``BLOCK_M`` query tokens, head).
   A chunk of ``c`` tokens after ``n - c`` cached ones sits at positions ``n - c .. n - 1`` and query
   ``i`` sees keys ``0 .. n - c + i`` (the bottom-right causal mask of chunked prefill); key tiles
@@ -27,6 +31,7 @@ machines without a GPU. The engine picks this backend for CUDA devices (``attent
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -39,6 +44,15 @@ from sloserve.engine.attention import AttentionBackend, write_kv
 LOG2E = 1.4426950408889634
 # tl.dot needs every dimension >= 16.
 MIN_DOT_DIM = 16
+# Flash decoding (``decode_splits``): split the contexts until the decode programs fill every
+# multiprocessor this many times over, with at least MIN_SPLIT_TOKENS context tokens a split (below
+# that the partial sums' writes and the combine cost more than the parallelism gains), and at most
+# MAX_SPLITS splits. NOTE: chosen by reasoning, not tuned: vLLM's paged attention v2 splits at 512
+# tokens; the split count here follows the GPU's size instead, so one long context at batch 1 also
+# spreads over the GPU. benchmarks/engine_speed.py times them against one split.
+WAVES = 2
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
 
 
 @triton.jit
@@ -99,7 +113,10 @@ def _decode_kernel(
     q_ptr,  # (T, nh, hd)
     k_cache_ptr,  # (num_slots, nkv, hd)
     v_cache_ptr,  # (num_slots, nkv, hd)
-    out_ptr,  # (T, nh, hd)
+    out_ptr,  # (T, nh, hd): written when NUM_SPLITS == 1
+    split_acc_ptr,  # (B, nh, NUM_SPLITS, hd) float32: each split's unnormalized sum (NUM_SPLITS > 1)
+    split_max_ptr,  # (B, nh, NUM_SPLITS) float32: its running max m (log2 units)
+    split_sum_ptr,  # (B, nh, NUM_SPLITS) float32: its sum l of exp2(score - m)
     token_index_ptr,  # (B,) flat token of each decode
     slot_table_ptr,  # (B, max_context) slot of each context token, padded
     context_lens_ptr,  # (B,)
@@ -119,10 +136,12 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,  # power of two >= 16
     BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # partitions of each context, one program each
     INPUT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     token = tl.load(token_index_ptr + seq)
     context_len = tl.load(context_lens_ptr + seq)
     g = tl.arange(0, GROUP_PAD)
@@ -137,7 +156,14 @@ def _decode_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     # A sliding window: the keys before context_len - window are not read
     lo = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)
-    for start in range(lo // BLOCK_N * BLOCK_N, context_len, BLOCK_N):
+    # This split's tiles: the context from lo's tile on, cut into NUM_SPLITS runs of whole tiles.
+    # NOTE: split 0 always holds the first tile, so every decode's combined sum l is > 0; a split past
+    # a short context reads nothing and leaves m = -inf, l = 0 (a weight of 0 when combined).
+    first = lo // BLOCK_N * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(context_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start_at = first + split * split_len
+    end_at = tl.minimum(start_at + split_len, context_len)
+    for start in range(start_at, end_at, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = (n < context_len) & (n >= lo)
         slots = tl.load(slot_table_ptr + seq * stride_table_row + n, mask=n_ok, other=0)  # (BLOCK_N,)
@@ -162,10 +188,50 @@ def _decode_kernel(
             INPUT_PRECISION,
             True,
         )
-    # NOTE: every decode sees at least its own token, so l_i > 0 on the rows that are stored.
-    out = acc / tl.where(g_ok, l_i, 1.0)[:, None]
-    o_offsets = token * stride_o_token + heads[:, None] * stride_o_head + d[None, :]
-    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    store_ok = g_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        # NOTE: every decode sees at least its own token, so l_i > 0 on the rows that are stored.
+        out = acc / tl.where(g_ok, l_i, 1.0)[:, None]
+        o_offsets = token * stride_o_token + heads[:, None] * stride_o_head + d[None, :]
+        tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=store_ok)
+    else:
+        row = (seq * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split  # (GROUP_PAD,) in (B, nh, S)
+        tl.store(split_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=store_ok)
+        tl.store(split_max_ptr + row, m_i, mask=g_ok)
+        tl.store(split_sum_ptr + row, l_i, mask=g_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr,  # (T, nh, hd)
+    split_acc_ptr,  # (B, nh, NUM_SPLITS, hd) float32
+    split_max_ptr,  # (B, nh, NUM_SPLITS) float32
+    split_sum_ptr,  # (B, nh, NUM_SPLITS) float32
+    token_index_ptr,  # (B,)
+    stride_o_token,
+    stride_o_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # NUM_SPLITS rounded up to a power of two
+):
+    """One program per (decode, query head): the splits' softmax sums merged as one online-softmax
+    step, out = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp2(m_s - max_s m_s)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    token = tl.load(token_index_ptr + seq)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    s_ok = s < NUM_SPLITS
+    d_ok = d < HEAD_DIM
+    row = (seq * tl.num_programs(1) + head) * NUM_SPLITS + s  # (SPLITS_PAD,)
+    m = tl.load(split_max_ptr + row, mask=s_ok, other=float("-inf"))  # (SPLITS_PAD,)
+    l = tl.load(split_sum_ptr + row, mask=s_ok, other=0.0)
+    acc = tl.load(split_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    m_max = tl.max(m, 0)  # finite: split 0 read at least the decode's own token
+    w = tl.exp2(m - m_max)  # (SPLITS_PAD,) 0 for the splits that read nothing
+    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)  # (HEAD_DIM_PAD,)
+    tl.store(out_ptr + token * stride_o_token + head * stride_o_head + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit
@@ -292,17 +358,39 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; on the CPU (Triton's interpreter), a small GPU's."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
+
+
+def decode_splits(num_decodes: int, num_kv_heads: int, max_context: int, multiprocessors: int) -> int:
+    """How many splits of each context the decode kernel runs (flash decoding): 1 when the
+    (decode, KV head) programs already fill the GPU ``WAVES`` times over; else enough splits to do so,
+    at most one per ``MIN_SPLIT_TOKENS`` of ``max_context`` and at most ``MAX_SPLITS``.
+
+    NOTE: ``max_context`` is the slot table's width, not the step's longest context, so a CUDA graph
+    captured for one batch size keeps one split count whatever contexts it replays; a split that
+    falls past a short context reads nothing."""
+    programs = num_decodes * num_kv_heads
+    wanted = -(-WAVES * multiprocessors // programs)
+    return max(1, min(wanted, max_context // MIN_SPLIT_TOKENS, MAX_SPLITS))
+
+
 class TritonAttention(AttentionBackend):
     """Triton kernels for CUDA: decode and prefill-with-context over the token -> slot table, GQA,
     online softmax. Same outputs as ``TorchAttention`` to rounding."""
 
     name = "triton"
 
-    def __init__(self, block_m: int = 64, block_n: int = 64) -> None:
+    def __init__(self, block_m: int = 64, block_n: int = 64, num_decode_splits: int | None = None) -> None:
         # Tile sizes: query tokens per prefill program, context tokens per step of either kernel.
         # NOTE: FlashAttention-2's Triton defaults for head_dim 64-128; tune them on the GPU.
         self.block_m = block_m
         self.block_n = block_n
+        # Splits of each decode's context: None picks them (``decode_splits``); 1 turns flash decoding
+        # off. Read at each call, so a CUDA graph keeps the count it was captured with.
+        self.num_decode_splits = num_decode_splits
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale=None, window=None):
         write_kv(k, v, k_cache, v_cache, meta)
@@ -347,11 +435,24 @@ class TritonAttention(AttentionBackend):
         num_decodes = meta.decode_token_index.numel()
         if num_decodes:
             table = meta.decode_slots
-            _decode_kernel[(num_decodes, num_kv_heads)](
+            splits = self.num_decode_splits or decode_splits(
+                num_decodes, num_kv_heads, table.shape[1], _multiprocessors(q.device)
+            )
+            split_acc = split_max = split_sum = out  # unused with one split
+            if splits > 1:
+                split_acc = torch.empty(
+                    (num_decodes, num_heads, splits, head_dim), dtype=torch.float32, device=q.device
+                )
+                split_max = torch.empty((num_decodes, num_heads, splits), dtype=torch.float32, device=q.device)
+                split_sum = torch.empty_like(split_max)
+            _decode_kernel[(num_decodes, num_kv_heads, splits)](
                 q,
                 k_cache,
                 v_cache,
                 out,
+                split_acc,
+                split_max,
+                split_sum,
                 meta.decode_token_index,
                 table,
                 meta.decode_context_lens,
@@ -371,6 +472,21 @@ class TritonAttention(AttentionBackend):
                 HEAD_DIM=head_dim,
                 HEAD_DIM_PAD=head_dim_pad,
                 BLOCK_N=self.block_n,
+                NUM_SPLITS=splits,
                 INPUT_PRECISION=precision,
             )
+            if splits > 1:
+                _combine_splits_kernel[(num_decodes, num_heads)](
+                    out,
+                    split_acc,
+                    split_max,
+                    split_sum,
+                    meta.decode_token_index,
+                    out.stride(0),
+                    out.stride(1),
+                    HEAD_DIM=head_dim,
+                    HEAD_DIM_PAD=head_dim_pad,
+                    NUM_SPLITS=splits,
+                    SPLITS_PAD=triton.next_power_of_2(splits),
+                )
         return out

@@ -1,0 +1,150 @@
+"""Fused elementwise kernels for the Llama family's decode path on CUDA: the rotary embedding (five
+kernels in PyTorch: two products, a negation, a concatenation and a sum) and SiLU-and-multiply (two)
+each become one Triton kernel, which reads its input once and writes its output once.
+
+Why: a decode step's elementwise work is tiny, but each kernel costs a launch slot and a few
+microseconds of ramp even inside a CUDA graph, and a 32-layer model runs these 7 kernels 224 times
+a step (benchmarks/engine_speed.py lists where a step's GPU time goes).
+
+NOTE: each kernel rounds where PyTorch's kernels round (every product and sum to the tensor's dtype),
+so on bf16/fp16 the outputs equal the unfused ones bit for bit and greedy tokens do not move. On
+float32 the GPU may contract a product and a sum into one fused multiply-add (one rounding less).
+
+``rotary`` and ``silu_and_mul`` dispatch: the Triton kernel for a CUDA tensor (while ``ENABLED``, which
+the benchmark turns off to time the unfused path), PyTorch elsewhere. Tests run the kernels on the
+CPU in Triton's interpreter (``rotary_triton``, ``silu_and_mul_triton``) against the PyTorch forms.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU engine never needs them
+    triton = None
+
+ENABLED = True  # the CUDA path uses the fused kernels
+
+
+def rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, heads, hd); cos, sin: (T, 1, hd) (rotate-half layout)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2 I) -> (T, I): silu(gate) * up."""
+    i = gate_up.shape[-1] // 2
+    return F.silu(gate_up[:, :i]) * gate_up[:, i:]
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return ENABLED and x.is_cuda and triton is not None
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return rotary_triton(x, cos, sin) if _use_triton(x) else rotary_torch(x, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul_triton(gate_up) if _use_triton(gate_up) else silu_and_mul_torch(gate_up)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rotary_kernel(
+        x_ptr,  # (T, heads, hd), last dim contiguous
+        cos_ptr,  # (T, 1, hd)
+        sin_ptr,  # (T, 1, hd)
+        out_ptr,  # (T, heads, hd) contiguous
+        num_heads,
+        stride_x_token,
+        stride_x_head,
+        stride_cos_token,
+        stride_sin_token,
+        HALF: tl.constexpr,
+        HALF_PAD: tl.constexpr,  # power of two
+        BLOCK_H: tl.constexpr,  # heads per program
+    ):
+        token = tl.program_id(0)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # (BLOCK_H,)
+        d = tl.arange(0, HALF_PAD)  # (HALF_PAD,)
+        ok = (h < num_heads)[:, None] & (d < HALF)[None, :]
+        x_row = x_ptr + token * stride_x_token + h[:, None] * stride_x_head + d[None, :]
+        x1 = tl.load(x_row, mask=ok, other=0.0)  # (BLOCK_H, HALF_PAD) first half
+        x2 = tl.load(x_row + HALF, mask=ok, other=0.0)  # second half
+        d_ok = d < HALF
+        cos1 = tl.load(cos_ptr + token * stride_cos_token + d, mask=d_ok, other=0.0)[None, :]
+        cos2 = tl.load(cos_ptr + token * stride_cos_token + HALF + d, mask=d_ok, other=0.0)[None, :]
+        sin1 = tl.load(sin_ptr + token * stride_sin_token + d, mask=d_ok, other=0.0)[None, :]
+        sin2 = tl.load(sin_ptr + token * stride_sin_token + HALF + d, mask=d_ok, other=0.0)[None, :]
+        dtype = out_ptr.dtype.element_ty
+        # out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); rounded as PyTorch rounds.
+        # The products are rounded to the dtype before the sum (as PyTorch's three kernels), so a
+        # 16-bit result is bit-equal to theirs.
+        out1 = (x1 * cos1).to(dtype).to(tl.float32) + ((-x2) * sin1).to(dtype).to(tl.float32)
+        out2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
+        out_row = out_ptr + (token * num_heads + h[:, None]) * (2 * HALF) + d[None, :]
+        tl.store(out_row, out1.to(dtype), mask=ok)
+        tl.store(out_row + HALF, out2.to(dtype), mask=ok)
+
+    @triton.jit
+    def _silu_and_mul_kernel(
+        gate_up_ptr,  # (T, 2 I), last dim contiguous
+        out_ptr,  # (T, I) contiguous
+        size,  # I
+        stride_token,
+        BLOCK: tl.constexpr,
+    ):
+        token = tl.program_id(0)
+        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < size
+        gate = tl.load(gate_up_ptr + token * stride_token + i, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(gate_up_ptr + token * stride_token + size + i, mask=ok, other=0.0).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
+        # silu rounded to the dtype first, as F.silu's output is, then the product.
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        tl.store(out_ptr + token * size + i, (act * up).to(dtype), mask=ok)
+
+
+def rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``rotary_torch`` as one kernel: x (T, heads, hd) with a contiguous last dim -> a new contiguous
+    (T, heads, hd)."""
+    t, heads, hd = x.shape
+    assert hd % 2 == 0 and x.stride(2) == 1 and cos.stride(2) == 1 and sin.stride(2) == 1
+    out = torch.empty((t, heads, hd), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    block_h = min(16, triton.next_power_of_2(heads))
+    _rotary_kernel[(t, triton.cdiv(heads, block_h))](
+        x,
+        cos,
+        sin,
+        out,
+        heads,
+        x.stride(0),
+        x.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        HALF=hd // 2,
+        HALF_PAD=triton.next_power_of_2(hd // 2),
+        BLOCK_H=block_h,
+    )
+    return out
+
+
+def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu_and_mul_torch`` as one kernel: (T, 2 I) with a contiguous last dim -> a new (T, I)."""
+    t, two_i = gate_up.shape
+    assert two_i % 2 == 0 and gate_up.stride(1) == 1
+    size = two_i // 2
+    out = torch.empty((t, size), dtype=gate_up.dtype, device=gate_up.device)
+    if t == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(size))
+    _silu_and_mul_kernel[(t, triton.cdiv(size, block))](gate_up, out, size, gate_up.stride(0), BLOCK=block)
+    return out

@@ -1,0 +1,71 @@
+"""The fused rotary and SiLU-and-multiply kernels against their PyTorch forms, on random inputs.
+
+On a machine without CUDA they run in Triton's interpreter (conftest sets TRITON_INTERPRET=1); on a
+GPU the same tests check the compiled kernels. They round where PyTorch rounds, so the rotary output
+is bit-equal in every dtype; SiLU's exponential may differ in its last place.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from sloserve.checkpoint.config import random_config  # noqa: E402
+from sloserve.engine import fused_ops  # noqa: E402
+from sloserve.engine.models.llama import Rotary  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    tokens=st.integers(1, 9),
+    heads=st.tuples(st.integers(1, 20), st.integers(1, 4)),
+    head_dim=st.sampled_from([16, 24, 64, 128]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_rotary_equals_the_pytorch_form(tokens, heads, head_dim, dtype, seed):
+    """Q and K heads rotated together from the fused QKV projection's output (a strided view), at
+    random positions of a real rotary table."""
+    gen = torch.Generator().manual_seed(seed)
+    nh, nkv = heads
+    qkv = torch.randn(tokens, nh + 2 * nkv, head_dim, generator=gen).to(DEVICE, dtype)
+    qk = qkv[:, : nh + nkv]  # (T, nh + nkv, hd), not contiguous
+    config = random_config("tiny-llama")
+    rotary = Rotary(config)
+    rotary.config = type(config)(**{**config.__dict__, "head_dim": head_dim})
+    positions = torch.randint(0, config.max_position_embeddings, (tokens,), generator=gen).to(DEVICE)
+    cos, sin = rotary.for_positions(positions, dtype)
+    out = fused_ops.rotary_triton(qk, cos, sin)
+    assert out.shape == qk.shape and out.is_contiguous()
+    assert torch.equal(out, fused_ops.rotary_torch(qk, cos, sin))
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    tokens=st.integers(1, 9),
+    size=st.sampled_from([1, 7, 64, 1000, 1408]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_silu_and_mul_matches_the_pytorch_form(tokens, size, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = (3 * torch.randn(tokens, 2 * size, generator=gen)).to(DEVICE, dtype)
+    out = fused_ops.silu_and_mul_triton(gate_up)
+    ref = fused_ops.silu_and_mul_torch(gate_up)
+    assert out.shape == ref.shape
+    # The exponential may differ in its last places: a few roundings of the dtype at most.
+    torch.testing.assert_close(out, ref, rtol=4 * torch.finfo(dtype).eps, atol=torch.finfo(dtype).eps)
+
+
+def test_the_model_uses_pytorch_off_cuda():
+    """A CPU tensor never goes to the Triton kernels (the CPU engine has no Triton)."""
+    x = torch.randn(3, 4, 16)
+    cos, sin = torch.randn(3, 1, 16), torch.randn(3, 1, 16)
+    assert torch.equal(fused_ops.rotary(x, cos, sin), fused_ops.rotary_torch(x, cos, sin))
