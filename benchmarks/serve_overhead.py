@@ -138,8 +138,9 @@ def pin_server(pid: int) -> None:
     pin(pid, {1})
 
 
-def start_server(args, port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "sloserve.cli", "serve", "--model", args.model, "--served-model-name", args.model,
+def start_server(args, port: int, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """``sloserve serve`` on 127.0.0.1:``port`` with the model options in ``args`` (and ``extra``)."""
+    command = [sys.executable, "-m", "sloserve.cli", "serve", *extra, "--model", args.model, "--served-model-name", args.model,
                "--device", args.device,
                "--dtype", args.dtype, "--scheduler", args.scheduler, "--port", str(port), "--log-level", "warning",
                "--kv-capacity-tokens", str(args.kv_capacity_tokens), "--max-model-len", str(args.max_model_len),
