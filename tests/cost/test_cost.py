@@ -143,6 +143,25 @@ def test_floors_lift_short_steps_only() -> None:
     assert floored.step_increment(BatchShape(256, 256_000)) == straight.step_increment(BatchShape(256, 256_000))
 
 
+def test_the_host_share_adds_to_every_step_after_the_floor() -> None:
+    """h_s per step and h_r per scheduled request (decodes and prompts), on top of the floored work,
+    counted as non-attention; an empty step still costs nothing, and a repeated step's increment is
+    unchanged (the host's share is the same each step of a stretch)."""
+    hosted, floored = LinearCostModel(L7_HOST), LinearCostModel(L7_FLOOR)
+    for shape, requests in (
+        (BatchShape(1, 100), 1),
+        (BatchShape(256, 256_000), 256),
+        (prefill_shape([(32, 0)], 4, 400), 5),
+    ):
+        host_s = (0.4 + 0.02 * requests) / 1000
+        got, base = hosted.batch_time(shape), floored.batch_time(shape)
+        assert got.total_s == pytest.approx(base.total_s + host_s, rel=1e-12)
+        assert got.non_attention_s == pytest.approx(base.non_attention_s + host_s, rel=1e-12)
+        assert got.decode_attention_s == base.decode_attention_s
+        assert hosted.step_increment(shape) == floored.step_increment(shape)
+    assert hosted.batch_time(BatchShape()).total_s == 0.0
+
+
 def test_linear_coefficients_validation() -> None:
     with pytest.raises(ConfigError, match="coefficient a_d"):
         LinearCoefficients(**{**L7.as_dict(), "a_d": -1.0})
@@ -161,6 +180,8 @@ L7_KNEE = LinearCoefficients(**{**L7.as_dict(), "knee_tokens": 150.0, "name": "l
 L7_WALK = LinearCoefficients(**{**L7.as_dict(), "w_d": 1.5e-5, "name": "llama-2-7b-walk"})
 # Floors (ms per layer) under which a 1-token decode (0.09) and a 512-token prompt (1.18) fall.
 L7_FLOOR = LinearCoefficients(**{**L7.as_dict(), "floor_p": 1.5, "floor_d": 0.3, "name": "llama-2-7b-floor"})
+# Floors and the host's share (ms per layer): 0.4 ms a step + 0.02 ms a request over 32 layers.
+L7_HOST = LinearCoefficients(**{**L7_FLOOR.as_dict(), "h_s": 0.4 / 32, "h_r": 0.02 / 32, "name": "llama-2-7b-host"})
 
 COST_MODELS = [
     LinearCostModel(L7),
@@ -168,6 +189,7 @@ COST_MODELS = [
     LinearCostModel(L7_KNEE),
     LinearCostModel(L7_FLOOR),
     LinearCostModel(L7_WALK),
+    LinearCostModel(L7_HOST),
     RooflineCostModel(get_model("llama-2-7b"), get_gpu("a100")),
     RooflineCostModel(get_model("llama-3-70b"), get_gpu("a100"), num_gpus=4),
     RooflineCostModel(get_model("qwen2.5-7b"), get_gpu("h100"), num_gpus=2),
@@ -223,6 +245,7 @@ def test_repeated_steps_match_batch_time(which, num_decode, kv, chunk, context, 
     if isinstance(model, LinearCostModel):  # None only for a step on its floor
         c = model.coefficients
         floor_s = (c.floor_p if chunk else c.floor_d) * c.num_layers / 1000
+        floor_s += (c.h_s + c.h_r * (num_decode + (1 if chunk else 0))) * c.num_layers / 1000  # on top of it
         assert increment is not None or slow[0] <= floor_s * (1 + 1e-12)
     if increment is not None:
         np.testing.assert_allclose(slow[0] + increment * np.arange(steps), slow, rtol=1e-12, atol=0)
@@ -572,6 +595,12 @@ def test_presets_keep_their_knee_and_files_without_one_have_none(tmp_path: Path)
     del doc["floor_p"], doc["floor_d"]  # as written before the floors existed
     path.write_text(json.dumps(doc))
     assert load_preset(path) == dataclasses.replace(L7, name="llama-2-7b-floor")
+    save_preset(L7_HOST, path)
+    assert load_preset(path) == L7_HOST
+    doc = json.loads(path.read_text())
+    del doc["h_s"], doc["h_r"]  # as written before the host's share was priced
+    path.write_text(json.dumps(doc))
+    assert load_preset(path) == dataclasses.replace(L7_FLOOR, name="llama-2-7b-host")
 
 
 # ---------------------------------------------------------------- build_cost_model, presets

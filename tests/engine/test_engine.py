@@ -573,7 +573,7 @@ def test_profile_fits_a_preset_that_simulate_can_use(tmp_path):
         str(measured),
     )
     assert proc.returncode == 0, proc.stderr
-    assert "held out" in proc.stdout
+    assert "held out" in proc.stdout and "host share" in proc.stdout
     # The measurements it wrote are what `fit-cost` reads; fitted on all of them, not 3 in 4.
     refit = tmp_path / "refit.json"
     proc = _cli("fit-cost", "--csv", str(measured), "--layers", "2", "--out", str(refit))
@@ -582,6 +582,10 @@ def test_profile_fits_a_preset_that_simulate_can_use(tmp_path):
     doc = json.loads(preset.read_text())
     assert doc["num_layers"] == 2 and doc["info"]["held_out"]["points"] >= 3
     assert doc["info"]["attention_backend"] == "torch" and doc["info"]["cuda_graphs"] is False
+    # The engine loop's host share, measured over served steps and priced per layer (2 layers)
+    host = doc["info"]["host"]
+    assert host["num_steps"] >= 32
+    assert doc["h_s"] == pytest.approx(host["per_step_s"] * 1000 / 2) and host["per_step_s"] > 0
     assert doc["info"]["fit"]["n_rows"] >= 9
     from sloserve.cost import LinearCostModel, load_preset
     from sloserve.cost.base import BatchShape

@@ -229,6 +229,13 @@ def run(
     type=click.Path(path_type=Path),
     help="Also write the measured batch times (the CSV `sloserve fit-cost` reads).",
 )
+@click.option(
+    "--host-share/--no-host-share",
+    default=True,
+    show_default=True,
+    help="Also measure the engine loop's host work per step (scheduling, update, publishing tokens) and "
+    "price it in the preset (h_s, h_r): for predicting served and wall-clock runs; off for `run --virtual-clock`.",
+)
 def profile_cmd(
     out: Path,
     name: str | None,
@@ -239,6 +246,7 @@ def profile_cmd(
     repeats: int,
     form: str,
     csv_path: Path | None,
+    host_share: bool,
     **options: Any,
 ) -> None:
     """Measure the engine's batch times over a grid and fit the linear cost model to them; the preset
@@ -272,6 +280,7 @@ def profile_cmd(
             repeats=repeats,
             form=form,
             on_point=(lambda i, n: bar(i / n)) if bar else None,
+            host_share=host_share,
         )
     report = result.fit.report
     if csv_path is not None:
@@ -293,11 +302,19 @@ def profile_cmd(
                 "max_rel_error": result.held_out_max_rel_error,
             },
             "grid": {k: list(v) for k, v in grid_values.items()},
+            **({"host": result.host.__dict__} if result.host else {}),
         },
     )
     click.echo(
         f"profiled {len(result.shapes)} batches of {options['model']} on {loaded.device}; fitted ({form} form"
         f"{_knee_note(result.fit.coefficients)}) on {report.n_rows}: mean relative error {report.mean_rel_error:.2%}, max {report.max_rel_error:.2%}; "
         f"held out {len(result.held_out)}: mean {result.held_out_mean_rel_error:.2%}, "
-        f"max {result.held_out_max_rel_error:.2%}; wrote {out}"
+        f"max {result.held_out_max_rel_error:.2%}"
+        + (
+            f"; host share {result.host.per_step_s * 1e3:.3f} ms a step + {result.host.per_request_s * 1e3:.4f} ms a "
+            f"request (over {result.host.num_steps} served steps, mean error {result.host.mean_rel_error:.1%})"
+            if result.host
+            else ""
+        )
+        + f"; wrote {out}"
     )

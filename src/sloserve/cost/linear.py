@@ -6,8 +6,9 @@ B: decode requests, n_p: prefill/chunk requests, tokens = sum of c over the batc
     decode attention  = a_d * sum(m over decodes) + w_d * max(m) + b_d + s_d * B  (only if B > 0)
     prefill attention = a_p * sum(c^2 + 2mc) + b_p + s_p * n_p + m_p * sum(m)    (only if n_p > 0)
     other             = a_o * max(tokens, knee_tokens) + b_o                       (only if tokens > 0)
-    step              = max(floor, decode attention + prefill attention + other)
+    step              = max(floor, decode attention + prefill attention + other) + host
                         floor = floor_p if n_p > 0 else floor_d
+    host              = h_s + h_r * (B + n_p)                                        (only if tokens > 0)
 
 ``knee_tokens`` is ours, not InferMax's (whose form is knee_tokens = 0, the bundled presets). On a GPU
 the projections and MLP read every weight once per step whatever the batch, so below some number of
@@ -29,8 +30,15 @@ before the last launch: an eager step (prefills run eagerly) takes at least the 
 about 13 ms for a 32-layer model there, whatever its tokens; a decode-only step replayed as a CUDA
 graph takes at least the time to read the weights. So in the ``floor`` form a step takes the longer
 of its floor and its work. On that profile it fits held-out batches within 2.1% on average (the knee
-form 4.5%), but it simulates the engine's runs no closer (3.6% against 3.3%), so the knee form stays
-the default fit.
+form 4.5%) and simulates the engine's runs within 3.6% (3.3%), and fits both schedulers within 5%: the
+default fit since 2026-11-26.
+
+``h_s`` and ``h_r`` are ours too (0 unless ``sloserve profile`` measured them): the engine loop's host
+work beside the forward pass, per step and per scheduled request: scheduling, the update after the
+step, and publishing each request's tokens (``engine.profile.measure_host``). The engine does not
+overlap it with the GPU, so it adds to the step, after the floor. A run on the engine's virtual clock
+(``run --virtual-clock``: the sum of the measured forward passes) has none of it (``profile
+--no-host-share``). Stored per layer like the rest, although nothing in them scales with the layers.
 
 A step takes the sum times ``num_layers``, plus ``swap_bytes / swap_bandwidth`` (or the longer of the
 two when the copies overlap the forward pass, ``swap_overlapped``). Left out as
@@ -51,7 +59,7 @@ from .base import BatchShape, CostBreakdown, CostModel, step_total
 
 COEFFICIENT_NAMES = ("a_p", "b_p", "a_d", "b_d", "a_o", "b_o", "s_p", "s_d", "m_p")
 # Terms beyond InferMax's nine (ms per layer; see the module docstring), 0 unless fitted.
-EXTRA_TERM_NAMES = ("w_d", "floor_p", "floor_d")
+EXTRA_TERM_NAMES = ("w_d", "floor_p", "floor_d", "h_s", "h_r")
 
 # PCIe 4.0 x16: 32 GB/s per direction theoretical, ~25 GB/s achieved by pinned-memory copies.
 DEFAULT_SWAP_BANDWIDTH = 25e9
@@ -67,8 +75,9 @@ class LinearCoefficients:
     ``a_o``: per batch token; ``b_o``: non-attention bias. ``knee_tokens`` (tokens, not ms): a step
     of fewer tokens costs as many as this in the non-attention part (0: InferMax's linear form).
     ``w_d``: per token of the longest decode context (``decode_max_kv_tokens``); ``floor_p`` /
-    ``floor_d``: the least a step with a prefill / a decode-only step takes (0: none). All three are
-    0 in InferMax's form.
+    ``floor_d``: the least a step with a prefill / a decode-only step takes (0: none); ``h_s`` /
+    ``h_r``: the engine loop's host work per step / per scheduled request (0: none). All five are 0
+    in InferMax's form.
     """
 
     a_p: float
@@ -86,6 +95,8 @@ class LinearCoefficients:
     w_d: float = 0.0
     floor_p: float = 0.0
     floor_d: float = 0.0
+    h_s: float = 0.0
+    h_r: float = 0.0
 
     def __post_init__(self) -> None:
         for key in (*COEFFICIENT_NAMES, *EXTRA_TERM_NAMES):
@@ -134,6 +145,7 @@ class LinearCostModel(CostModel):
         self._knee = float(c.knee_tokens)
         self._w_d = float(c.w_d)
         self._floor_p, self._floor_d = float(c.floor_p) * self._scale, float(c.floor_d) * self._scale
+        self._h_s, self._h_r = float(c.h_s) * self._scale, float(c.h_r) * self._scale
 
     def __repr__(self) -> str:
         return f"LinearCostModel({self.coefficients!r}, swap_bandwidth={self.swap_bandwidth!r})"
@@ -151,7 +163,7 @@ class LinearCostModel(CostModel):
     def _parts(self, shape: BatchShape, floored: bool = True) -> tuple[float, float, float, float]:
         """(non-attention, decode attention, prefill attention, swap) seconds of one step. The time a
         step waits below its floor counts as non-attention, so the parts still sum to the compute
-        (``floored=False``: the work alone)."""
+        (``floored=False``: the work alone, without the floor and the host's share)."""
         num_decode, decode_kv_tokens, num_prefill, prefill_tokens, attention_work, context, swap_bytes, _, longest = (
             shape
         )
@@ -167,8 +179,11 @@ class LinearCostModel(CostModel):
         tokens = num_decode + prefill_tokens
         other_s = (self._a_o * max(tokens, self._knee) + self._b_o) * scale if tokens > 0 else 0.0
         floor = self._floor_p if num_prefill > 0 else self._floor_d
-        if floored and tokens > 0 and floor > other_s + decode_s + prefill_s:  # an empty step costs nothing
-            other_s = floor - decode_s - prefill_s
+        if floored and tokens > 0:  # an empty step costs nothing
+            if floor > other_s + decode_s + prefill_s:
+                other_s = floor - decode_s - prefill_s
+            # NOTE: the host's share counts as non-attention, after the floor (the GPU waits for it)
+            other_s += self._h_s + self._h_r * (num_decode + num_prefill)
         swap_s = swap_bytes / self.swap_bandwidth if swap_bytes else 0.0
         return other_s, decode_s, prefill_s, swap_s
 
@@ -188,7 +203,7 @@ class LinearCostModel(CostModel):
         other_s = (self._a_o * max(num_decode, self._knee) + self._b_o) * scale  # a scalar: no prefill tokens
         # NOTE: below the floor, _parts raises other_s to floor - decode_s, whose sum with decode_s may
         # differ from the floor in the last bit; the 1e-12 contract allows it.
-        return np.maximum(other_s + decode_s + 0.0 + 0.0, self._floor_d)
+        return np.maximum(other_s + decode_s + 0.0 + 0.0, self._floor_d) + (self._h_s + self._h_r * num_decode)
 
     def step_increment(self, shape: BatchShape) -> float | None:
         """Repeated steps form an arithmetic series: per step the decodes' summed KV grows by B (the

@@ -4,11 +4,12 @@ each become one Triton kernel, which reads its input once and writes its output 
 
 Why: a decode step's elementwise work is tiny, but each kernel costs a launch slot and a few
 microseconds of ramp even inside a CUDA graph, and a 32-layer model runs these 7 kernels 224 times
-a step (benchmarks/engine_speed.py lists where a step's GPU time goes).
+a step, 64 once fused (benchmarks/engine_speed.py lists where a step's GPU time goes).
 
 NOTE: each kernel rounds where PyTorch's kernels round (every product and sum to the tensor's dtype),
-so on bf16/fp16 the outputs equal the unfused ones bit for bit and greedy tokens do not move. On
-float32 the GPU may contract a product and a sum into one fused multiply-add (one rounding less).
+so on bf16/fp16 the rotary output equals the unfused one bit for bit; SiLU's exponential may differ
+from PyTorch's in a last place. On float32 the GPU may contract a product and a sum into one fused
+multiply-add (one rounding less).
 
 ``rotary`` and ``silu_and_mul`` dispatch: the Triton kernel for a CUDA tensor (while ``ENABLED``, which
 the benchmark turns off to time the unfused path), PyTorch elsewhere. Tests run the kernels on the

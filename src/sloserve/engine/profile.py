@@ -9,15 +9,20 @@ reports the error a simulation with the fitted preset makes on shapes it was not
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
+import sys
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
 
 import numpy as np
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import ScheduledChunk, SchedulerOutput
-from sloserve.core.request import Request
+from sloserve.core.request import SLO, Request, RequestClass
 from sloserve.cost import BatchShape, LinearCostModel, LinearFit, fit_linear_shapes
 from sloserve.cost.fit import DEFAULT_FORM, FEATURE_ORDER
 from sloserve.cost.profile_grid import ProfileGrid
@@ -29,6 +34,11 @@ from sloserve.engine.sampler import SamplingParams
 from sloserve.kv.manager import PagedKVManager
 
 HOLD_OUT_EVERY = 4
+# The host calibration (``measure_host``): this many requests run together, whose batch shrinks to one
+# as they finish (their outputs differ), so the fit sees every batch size up to it.
+HOST_REQUESTS = 32
+# Reads the calibration's messages and drops them, as the server's side of the pipe would read them.
+_DRAIN = "import shutil, sys; shutil.copyfileobj(sys.stdin.buffer, open(__import__('os').devnull, 'wb'))"
 
 
 class StepTimer:
@@ -94,6 +104,60 @@ class StepTimer:
         return statistics.median(times[warmup:])
 
 
+@dataclass(frozen=True)
+class HostShare:
+    """The engine loop's host work beside the forward pass (``measure_host``)."""
+
+    per_step_s: float
+    per_request_s: float  # per request scheduled in the step
+    num_steps: int  # steps it was fitted on
+    mean_rel_error: float  # of the fit, over those steps
+
+
+def measure_host(loaded: LoadedModel, *, max_model_len: int, max_slots: int, seed: int = 0) -> HostShare:
+    """What a served step costs the host beside the executor: the served loop's step (``EngineCore.run_step``:
+    vLLM's schedule, the executor, the update, then each request's tokens detokenized, packed and sent
+    over a pipe to a process that reads them), minus the executor's own measured time, fitted as
+    ``per_step_s + per_request_s * requests`` over the steps of ``HOST_REQUESTS`` requests run together.
+
+    NOTE: it is vLLM's policy's scheduling cost; a policy that scans more per step costs more."""
+    from sloserve.engine.engine_core import AddRequest, EngineCore
+    from sloserve.engine.llm_engine import LLMEngine
+
+    rng = np.random.default_rng(seed)
+    prompt_len = max(1, min(128, max_model_len // 4))
+    longest_output = max(2, min(128, max_model_len - prompt_len))
+    engine = LLMEngine(loaded, "vllm", kv_capacity_tokens=max_slots, max_model_len=max_model_len, seed=seed)
+    engine.executor.step_log = []
+    reader = subprocess.Popen([sys.executable, "-c", _DRAIN], stdin=subprocess.PIPE)
+    conn = Connection(os.dup(reader.stdin.fileno()), readable=False)
+    reader.stdin.close()
+    try:
+        core = EngineCore(engine, loaded.tokenizer, time.perf_counter(), conn)
+        for i, output_len in enumerate(np.linspace(2, longest_output, HOST_REQUESTS).astype(int)):
+            prompt = rng.integers(0, loaded.config.vocab_size, size=prompt_len).tolist()
+            params = SamplingParams(max_tokens=int(output_len), temperature=0.0, ignore_eos=True)
+            core.apply(("add", AddRequest(i, prompt, params, RequestClass.BE, SLO(), (), core.clock())))
+        sizes, host = [], []
+        while engine.has_unfinished():
+            start = time.perf_counter()
+            core.run_step()
+            elapsed = time.perf_counter() - start
+            shape, executed = engine.executor.step_log[-1]
+            sizes.append(shape.num_decode + shape.num_prefill)
+            host.append(elapsed - executed)
+    finally:
+        conn.close()
+        reader.wait(timeout=60)
+    design = np.column_stack([np.ones(len(sizes)), sizes])
+    (per_step, per_request), *_ = np.linalg.lstsq(design, np.array(host), rcond=None)
+    # NOTE: host work never takes negative time; a noisy fit's negative term is clipped to 0
+    per_step, per_request = max(float(per_step), 0.0), max(float(per_request), 0.0)
+    predicted = per_step + per_request * np.array(sizes)
+    error = float(np.mean(np.abs(predicted - host) / np.array(host)))
+    return HostShare(per_step, per_request, len(sizes), error)
+
+
 @dataclass
 class ProfileResult:
     fit: LinearFit
@@ -102,6 +166,7 @@ class ProfileResult:
     held_out: list[int]  # indices of the points not used for fitting
     held_out_mean_rel_error: float
     held_out_max_rel_error: float
+    host: HostShare | None = None  # the engine loop's host work, priced in the fit's h_s and h_r
 
 
 def profile(
@@ -114,9 +179,13 @@ def profile(
     repeats: int = 3,
     on_point: Callable[[int, int], None] | None = None,
     form: str = DEFAULT_FORM,
+    host_share: bool = True,
 ) -> ProfileResult:
     """Measure every grid point that fits in ``max_slots`` KV slots and fit the linear model (of
-    ``form``, see ``cost.fit``) on 3 of every 4 points; the 4th are held out for the reported error."""
+    ``form``, see ``cost.fit``) on 3 of every 4 points; the 4th are held out for the reported error
+    (of the batch times: the forward pass, as ``StepTimer`` times it). With ``host_share``, the
+    engine loop's host work is measured too (``measure_host``) and priced in the fit's ``h_s`` and
+    ``h_r``, so that the preset predicts served and wall-clock runs."""
     points = grid.shapes(max_model_len, max_slots)
     if len(points) < 2 * len(FEATURE_ORDER):
         raise ConfigError(
@@ -146,4 +215,17 @@ def profile(
     )
     model = LinearCostModel(fit.coefficients)
     rel = np.array([abs(model.batch_time(shapes[i]).total_s - times[i]) / times[i] for i in held_out])
-    return ProfileResult(fit, shapes, times, held_out, float(rel.mean()), float(rel.max()))
+    host = None
+    if host_share:
+        del timer  # its KV cache: the calibration's engine takes its own
+        if loaded.device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+        host = measure_host(loaded, max_model_len=max_model_len, max_slots=max_slots)
+        per_layer_ms = 1000 / c.num_hidden_layers  # the preset's unit
+        coefficients = replace(
+            fit.coefficients, h_s=host.per_step_s * per_layer_ms, h_r=host.per_request_s * per_layer_ms
+        )
+        fit = fit._replace(coefficients=coefficients)
+    return ProfileResult(fit, shapes, times, held_out, float(rel.mean()), float(rel.max()), host)
