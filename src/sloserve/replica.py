@@ -76,7 +76,8 @@ class Replica:
         if self.on_step is not None:
             self.on_step(self.index, out)
         end_times = None
-        if self.stretches is not None and out.decode is not None:  # NOTE: only cohort steps repeat
+        # NOTE: only cohort steps repeat, and named decodes of a policy that says they may
+        if self.stretches is not None and (out.decode is not None or self.scheduler.named_decode_stretches):
             end_times = self.stretches.plan(self, out, next_arrival)
         sched_time = time.perf_counter() - t0
         result = self.executor.execute(out, start, end_times)
@@ -125,13 +126,15 @@ class Replica:
     def _record_step(self, out: SchedulerOutput, start: float, sched_time: float) -> None:
         num_prefill = num_decode = 0
         for request, c in out.chunks:
-            num_prefill += c
-            num_decode += c == 1 and not request.is_prefill
+            if c == 1 and not request.is_prefill:  # (after the step) a decode named as a chunk
+                num_decode += 1
+            else:
+                num_prefill += c
         num_cohort = 0 if out.decode is None else out.decode.size
         self.timeline.append(
             start,
             self.now - start,
-            num_prefill + num_cohort,
+            num_prefill + num_decode + num_cohort,
             num_prefill,
             out.num_cached_tokens,
             num_cohort + num_decode,

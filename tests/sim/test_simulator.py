@@ -45,6 +45,13 @@ CASES = [
     ("azure-conv", "sarathi", dict(trace_arrivals=True)),
     ("bwb", "vllm", dict()),  # offline: long decode stretches
     ("arxiv", "sarathi", dict(rate=4.0)),
+    # decodes named as chunks (no cohort), repeated until an arrival or a completion
+    ("sharegpt", "srtf", dict(rate=12.0)),
+    ("bwb", "srtf", dict()),
+    ("azure-conv", "srtf", dict(trace_arrivals=True, predictor="histogram")),
+    ("sharegpt", "multires", dict(rate=12.0)),
+    ("bwb", "multires", dict()),  # offline: requests outlive their reservations' blocks
+    ("azure-conv", "multires", dict(rate=6.0, predictor="histogram")),
 ]
 
 
@@ -57,7 +64,14 @@ def test_fast_path_gives_the_same_timestamps(trace, name, kwargs):
     np.testing.assert_allclose(b, a, rtol=1e-9, atol=0, equal_nan=True)
     assert [r.num_preemptions for r in slow_reqs] == [r.num_preemptions for r in fast_reqs]
     assert len(fast.timeline) == len(slow.timeline), "a stretch stands for exactly its steps"
-    for col in ("num_tokens", "kv_used_tokens", "kv_allocated_tokens", "num_decode"):
+    for col in (
+        "num_tokens",
+        "num_prefill_tokens",
+        "num_decode",
+        "num_requests",
+        "kv_used_tokens",
+        "kv_allocated_tokens",
+    ):
         np.testing.assert_array_equal(fast.timeline.column(col), slow.timeline.column(col), err_msg=col)
     np.testing.assert_allclose(fast.timeline.column("start_s"), slow.timeline.column("start_s"), rtol=1e-9)
 
@@ -92,6 +106,18 @@ def test_fast_path_stretches_exist():
     _, result = _run("bwb", "vllm", fast=True, n=100)
     sched_times = result.timeline.column("sched_time_s")
     assert (sched_times == 0).sum() > len(sched_times) / 2  # most steps were advanced in stretches
+
+
+@pytest.mark.parametrize("name", ["srtf", "multires"])
+def test_named_decode_stretches_exist(name):
+    """SRTF and MultiRes name their decodes; their decode-only steps still run as stretches (and
+    count as decodes)."""
+    _, result = _run("sharegpt", name, fast=True, n=200, rate=12.0)
+    timeline = result.timeline
+    stretched = timeline.column("sched_time_s") == 0
+    assert stretched.sum() > len(stretched) / 2
+    assert (timeline.column("num_prefill_tokens")[stretched] == 0).all()
+    assert (timeline.column("num_decode")[stretched] == timeline.column("num_tokens")[stretched]).all()
 
 
 def test_chunk_stretches_exist():

@@ -96,7 +96,8 @@ class SchedulerOutput:
     swap_overlapped: bool = False
     # --- the simulator's fast path (sim/stretch.py) -------------------------------------------------
     # Consecutive steps this output stands for: each one decodes the cohort once and runs every
-    # chunk's num_tokens again, from where the previous left.
+    # chunk's num_tokens again, from where the previous left (a one-token decode chunk samples a
+    # token in each of them).
     # NOTE: counts above describe the first of them; the cohort's KV grows by its size per step.
     num_steps: int = 1
     # Blocks allocated before each of the num_steps steps, first one excluded (for the timeline).
@@ -140,6 +141,19 @@ class SchedulerOutput:
         return (
             not self.chunks and self.decode is None and not self.swap_in and not self.swap_out and not self.slot_copies
         )
+
+    @property
+    def is_named_decode_only(self) -> bool:
+        """Only one-token decodes scheduled by name (no cohort, no prompt chunk, no preemption or copy):
+        what the simulator's decode stretches repeat for a policy with ``named_decode_stretches``."""
+        if self.decode is not None or not self.chunks or self.preempted:
+            return False
+        if self.swap_in or self.swap_out or self.slot_copies:
+            return False
+        for request, num_tokens in self.chunks:  # NOTE: a loop: read once per step of such policies
+            if num_tokens != 1 or request.num_tokens_to_process != 1:
+                return False
+        return True
 
     @property
     def is_decode_only(self) -> bool:

@@ -65,6 +65,9 @@ class Scheduler(ABC):
     # a waiting request (``_skip_cached_prefix``) and registers the blocks each chunk it schedules
     # will fill (``kv.cache_blocks``).
     supports_prefix_caching: bool = False
+    # The simulator may repeat a step of one-token decodes named as chunks (no cohort) for as many
+    # steps as ``decode_horizon`` allows (sim/stretch.py); else only cohort steps repeat.
+    named_decode_stretches: bool = False
 
     def __init__(self, kv: KVCacheManager, predictor: LengthPredictor | None = None) -> None:
         self.kv = kv
@@ -113,8 +116,16 @@ class Scheduler(ABC):
         if output.decode is not None:
             output.decode.cohort.advance(result.step_end_times)
         emitted: list[Request] = []
+        num_steps = output.num_steps
         for request, num_tokens in output.chunks:
-            request.add_computed(num_tokens * output.num_steps)
+            if num_steps > 1 and num_tokens == 1 and request.num_tokens_to_process == 1:
+                # A named decode repeated (``named_decode_stretches``): a token at each step's end
+                for end in result.step_end_times:
+                    request.add_computed(1)
+                    request.add_output_token(end)
+                    emitted.append(request)
+                continue
+            request.add_computed(num_tokens * num_steps)
             if request.num_tokens_to_process == 0:
                 request.add_output_token(now)
                 emitted.append(request)
@@ -130,7 +141,10 @@ class Scheduler(ABC):
         """Steps (>= 1, <= limit) for which repeating the decode-only ``output`` gives the same
         decision, assuming no arrival and no completion. Default: 1 (no fast path).
 
-        NOTE: the caller checks that ``output`` is decode-only (``SchedulerOutput.is_decode_only``)."""
+        NOTE: the caller checks that ``output`` is decode-only: the cohort's step
+        (``SchedulerOutput.is_decode_only``) or, for a policy with ``named_decode_stretches``, one of
+        decodes named as chunks (``is_named_decode_only``; ``on_token_emitted`` then runs once per
+        token of the stretch, after all of them are recorded)."""
         return 1
 
     def chunk_horizon(self, output: SchedulerOutput, limit: int) -> int:

@@ -70,6 +70,7 @@ class MultiResScheduler(IterationScheduler):
     name = "multires"
     config: MultiResConfig
     kv: ExactReservationKVManager
+    named_decode_stretches = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -155,6 +156,23 @@ class MultiResScheduler(IterationScheduler):
                 # some (perhaps found by others): look the rest up again
                 demands = self._demands(candidates)
         return out
+
+    def decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
+        """A step of decodes only (nothing admitted: no waiting request fit the room left) repeats
+        while every running request decodes into slots its reservation holds already: the free KV
+        and the forward's room stay as they are, so no waiting request fits in later steps either
+        (the simulator stops at an arrival or a completion). With prefix caching each step registers
+        the blocks it fills, which a waiting request's lookup may then find: one step at a time."""
+        if self._caching:
+            return 1
+        for request, _ in output.chunks:
+            # NOTE: step j of the stretch (from 1) writes the request's token at position computed + j - 1
+            limit = min(limit, self.kv.num_slots(request) - request.num_computed_tokens)
+        return max(limit, 1)
+
+    def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
+        """``output`` (named decodes) for ``num_steps`` steps: their slots are allocated already."""
+        return output.repeated(num_steps, (0,) * num_steps)
 
     def _num_evicted_blocks(self) -> int:
         return self.kv.prefix_cache.num_evicted_blocks if self._caching else 0

@@ -213,6 +213,19 @@ class SrtfScheduler(PriorityBatchScheduler):
     """
 
     name = "srtf"
+    named_decode_stretches = True
+
+    def decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
+        """A step of decodes only repeats until an arrival or a completion (the simulator stops there):
+        each batch member's remaining time only shrinks, every other request's key stays, and under
+        max allocation the free KV (and so which waiting request fits) does not move, so each step
+        picks the same batch. With prefix caching each step registers the blocks it fills, which a
+        waiting request's lookup may then find: one step at a time."""
+        return 1 if self._caching else limit
+
+    def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
+        """``output`` (named decodes) for ``num_steps`` steps: max allocation holds their KV already."""
+        return output.repeated(num_steps, (0,) * num_steps)
 
     def remaining_tokens(self, request: Request) -> int:
         predicted = request.predicted_output_tokens or 1

@@ -52,7 +52,10 @@ class SimExecutor:
             self._track_joined(output)
         decode = output.decode
         if decode is None:
-            return 1
+            if not output.is_named_decode_only:
+                return 1
+            # Decodes named as chunks: the first to sample its last token
+            return min(r.true_output_tokens - r.num_output_tokens for r, _ in output.chunks)
         cohort = decode.cohort
         self._drop_stale(cohort)
         return self._finish_heap[0][0] - cohort.ticks if self._finish_heap else 1 << 30
@@ -117,6 +120,8 @@ class SimExecutor:
         for r, c in output.chunks:
             if r.num_tokens_to_process == c * k and r.num_output_tokens + 1 >= r.true_output_tokens:
                 finished.append(r)
+            elif k > 1 and c == 1 and r.num_tokens_to_process == 1 and r.num_output_tokens + k >= r.true_output_tokens:
+                finished.append(r)  # a named decode repeated k steps: a token each (at the last, its last)
         decode = output.decode
         if decode is not None:
             cohort = decode.cohort

@@ -2,7 +2,9 @@
 one stretch of k steps whose times come from the cost model's arithmetic series
 (``CostModel.step_increment``, or ``step_times``):
 
-- a decode-only step, until an arrival, a completion or a memory event (``Scheduler.decode_horizon``);
+- a decode-only step, until an arrival, a completion or a memory event (``Scheduler.decode_horizon``):
+  the cohort's step, or one of one-token decodes named as chunks by a policy that opts in
+  (``Scheduler.named_decode_stretches``: SRTF);
 - a step of decodes and a prompt chunk that leaves no room for anyone else (Sarathi's middle
   chunks of a long prompt), until the prompt's last chunk, a completion or a memory event
   (``Scheduler.chunk_horizon``): arrivals cannot join such steps. It stops before a completion,
@@ -46,6 +48,8 @@ class StretchPlanner:
     def plan(self, replica: Replica, output: SchedulerOutput, next_arrival: float) -> Sequence[float] | None:
         """``output``, a step of the decode cohort, made a stretch where it repeats, and its steps' end
         times; None (or a single end time) for a single step."""
+        if output.decode is None:  # the policy names its decodes (named_decode_stretches)
+            return self._decode_stretch(replica, output, next_arrival) if output.is_named_decode_only else None
         if output.chunks:
             return self._chunk_stretch(replica, output)
         if output.is_decode_only:
@@ -103,16 +107,19 @@ class StretchPlanner:
     ) -> None:
         """The timeline rows of an executed stretch."""
         kv = replica.scheduler.kv
-        num_prefill = 0
-        for _, c in out.chunks:  # NOTE: a loop: a generator costs more for the one chunk at most
-            num_prefill += c
+        num_prefill = num_named = 0
+        for request, c in out.chunks:  # NOTE: a loop: a generator costs more for the one chunk at most
+            if c == 1 and not request.is_prefill:  # a decode named as a chunk (as Replica._record_step)
+                num_named += 1
+            else:
+                num_prefill += c
         replica.timeline.append_stretch(
             start,
             end_times,
-            0 if out.decode is None else out.decode.size,
+            num_named + (0 if out.decode is None else out.decode.size),
             num_prefill,
             out.num_cached_tokens,
-            len(out.chunks),
+            len(out.chunks) - num_named,
             self._kv_used_before,
             replica.scheduler.kv_used_tokens(),
             self._kv_allocated_before,
