@@ -136,6 +136,14 @@ def test_rank_schedulers_prioritize_by_rank(name, key):
     assert ttft[ranked[-1]] > ttft[ranked[0]]
 
 
+def test_rank_schedulers_refuse_swap_preemption():
+    """Algorithm 1 evicts to the waiting queue; a swapped-out request would never be swapped back in."""
+    from sloserve.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="preemption_mode must be recompute for the rank schedulers"):
+        scheduler("rank_i", 1600, max_model_len=1024, preemption_mode="swap", swap_space_tokens=4_000)
+
+
 def test_rank_org_keeps_arrival_order_and_finishes_everything():
     reqs = make_requests(LENGTHS, ARRIVALS)
     drv = Driver(scheduler("rank_org", 4096))

@@ -52,6 +52,9 @@ CASES = [
     ("sharegpt", "multires", dict(rate=12.0)),
     ("bwb", "multires", dict()),  # offline: requests outlive their reservations' blocks
     ("azure-conv", "multires", dict(rate=6.0, predictor="histogram")),
+    ("sharegpt", "rank_i", dict(rate=12.0)),
+    ("bwb", "rank_org", dict()),
+    ("azure-conv", "rank_o", dict(rate=6.0, predictor="histogram")),
 ]
 
 
@@ -108,9 +111,9 @@ def test_fast_path_stretches_exist():
     assert (sched_times == 0).sum() > len(sched_times) / 2  # most steps were advanced in stretches
 
 
-@pytest.mark.parametrize("name", ["srtf", "multires"])
+@pytest.mark.parametrize("name", ["srtf", "multires", "rank_i"])
 def test_named_decode_stretches_exist(name):
-    """SRTF and MultiRes name their decodes; their decode-only steps still run as stretches (and
+    """SRTF, MultiRes and rank name their decodes; their decode-only steps still run as stretches (and
     count as decodes)."""
     _, result = _run("sharegpt", name, fast=True, n=200, rate=12.0)
     timeline = result.timeline

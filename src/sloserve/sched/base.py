@@ -16,6 +16,8 @@ from abc import ABC, abstractmethod
 from collections import deque
 from typing import Any
 
+import numpy as np
+
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import (
     PreemptionMode,
@@ -146,6 +148,43 @@ class Scheduler(ABC):
         decodes named as chunks (``is_named_decode_only``; ``on_token_emitted`` then runs once per
         token of the stretch, after all of them are recorded)."""
         return 1
+
+    def _named_decode_memory_horizon(self, output: SchedulerOutput, limit: int) -> int:
+        """Steps (>= 1, <= limit) from the scheduled ``output``, one-token decodes named as chunks whose
+        first step's slots are allocated, through which their growth fits the free KV: the
+        ``decode_horizon`` of a policy whose step of decodes changes only on a completion, an arrival or
+        a memory event (a decode that finds no block). Step j (from 1) writes each decode's token at
+        position ``num_computed_tokens + j - 1``."""
+        kv, bs = self.kv, self.kv.block_size
+        held = np.fromiter((kv.num_slots(r) for r, _ in output.chunks), np.int64, len(output.chunks))
+        computed = np.fromiter((r.num_computed_tokens for r, _ in output.chunks), np.int64, len(output.chunks))
+        free = kv.num_free_blocks
+
+        def blocks_through(step: int) -> int:
+            return int(np.maximum(-((held - computed - step) // bs), 0).sum())
+
+        if blocks_through(limit) <= free:
+            return limit
+        lo, hi = 1, limit  # blocks_through(lo) <= free (0: the first step's slots are held), > at hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if blocks_through(mid) <= free else (lo, mid)
+        return lo
+
+    def _named_decode_repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
+        """``repeat`` for named decodes within their ``_named_decode_memory_horizon``: each one's slots
+        for the later steps allocated at once (no prefix cache: which blocks it gets matters to no
+        one), and the blocks taken before each step for the timeline."""
+        kv, bs = self.kv, self.kv.block_size
+        new_blocks = np.zeros(num_steps + 1, dtype=np.int64)  # by the step they are taken before
+        for request, _ in output.chunks:
+            held, computed = kv.num_slots(request), request.num_computed_tokens
+            first = held - computed + 1  # the first step that needs a slot past those held
+            if first <= num_steps:
+                np.add.at(new_blocks, np.arange(first, num_steps + 1, bs), 1)
+                done = kv.allocate_slots(request, computed + num_steps)
+                assert done, request
+        return output.repeated(num_steps, new_blocks[1:].tolist())
 
     def chunk_horizon(self, output: SchedulerOutput, limit: int) -> int:
         """Steps (>= 1, <= limit) for which ``output``, the cohort's decodes and one prompt chunk,

@@ -159,20 +159,15 @@ class MultiResScheduler(IterationScheduler):
 
     def decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
         """A step of decodes only (nothing admitted: no waiting request fit the room left) repeats
-        while every running request decodes into slots its reservation holds already: the free KV
-        and the forward's room stay as they are, so no waiting request fits in later steps either
-        (the simulator stops at an arrival or a completion). With prefix caching each step registers
-        the blocks it fills, which a waiting request's lookup may then find: one step at a time."""
-        if self._caching:
-            return 1
-        for request, _ in output.chunks:
-            # NOTE: step j of the stretch (from 1) writes the request's token at position computed + j - 1
-            limit = min(limit, self.kv.num_slots(request) - request.num_computed_tokens)
-        return max(limit, 1)
+        while every running request's growth fits the free KV (within its reservation it takes no
+        block): the forward's room stays and the free KV only shrinks, so no waiting request fits in
+        later steps either, and no decode must evict (the simulator stops at an arrival or a
+        completion). With prefix caching each step registers the blocks it fills, which a waiting
+        request's lookup may then find: one step at a time."""
+        return 1 if self._caching else self._named_decode_memory_horizon(output, limit)
 
     def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
-        """``output`` (named decodes) for ``num_steps`` steps: their slots are allocated already."""
-        return output.repeated(num_steps, (0,) * num_steps)
+        return self._named_decode_repeat(output, num_steps)
 
     def _num_evicted_blocks(self) -> int:
         return self.kv.prefix_cache.num_evicted_blocks if self._caching else 0

@@ -62,11 +62,19 @@ class RankConfig(UnifiedConfig):
             raise ConfigError("rank_by=output needs a predictor (oracle or histogram)")
         if self.readmit_horizon_steps < 0:
             raise ConfigError(f"readmit_horizon_steps must be >= 0, got {self.readmit_horizon_steps}")
+        if self.preemption_mode != "recompute":
+            # NOTE: Algorithm 1 evicts to R_w; a swapped-out request would wait for a swap-in that the
+            # rank's one group never schedules (a run stalled with only swapped requests left)
+            raise ConfigError(
+                f"preemption_mode must be recompute for the rank schedulers (InferMax Algorithm 1 evicts "
+                f"to the waiting queue), got {self.preemption_mode!r}"
+            )
 
 
 class RankScheduler(Scheduler):
     name = "rank"
     supports_prefix_caching = True
+    named_decode_stretches = True
 
     def __init__(self, kv: KVCacheManager, config: RankConfig, predictor: LengthPredictor | None = None) -> None:
         super().__init__(kv, predictor)
@@ -155,6 +163,17 @@ class RankScheduler(Scheduler):
             in_batch.add(cand)
             used += num_tokens
         return out
+
+    def decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
+        """A step of decodes only repeats while the running requests' growth fits the free KV: ranks
+        do not change, the batch's budget holds the same decodes, and with the free KV only shrinking
+        no waiting request that found no room (or would have evicted nobody) finds it later (the
+        simulator stops at an arrival or a completion). With prefix caching each step registers the
+        blocks it fills, which a waiting request's lookup may then find: one step at a time."""
+        return 1 if self._caching else self._named_decode_memory_horizon(output, limit)
+
+    def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
+        return self._named_decode_repeat(output, num_steps)
 
     def _fits_after_evicting(
         self, cand: Request, target: int, reserve: int, cached: list[int] | tuple, victims: list[Request]

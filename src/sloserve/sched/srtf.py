@@ -221,11 +221,10 @@ class SrtfScheduler(PriorityBatchScheduler):
         max allocation the free KV (and so which waiting request fits) does not move, so each step
         picks the same batch. With prefix caching each step registers the blocks it fills, which a
         waiting request's lookup may then find: one step at a time."""
-        return 1 if self._caching else limit
+        return 1 if self._caching else self._named_decode_memory_horizon(output, limit)
 
     def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
-        """``output`` (named decodes) for ``num_steps`` steps: max allocation holds their KV already."""
-        return output.repeated(num_steps, (0,) * num_steps)
+        return self._named_decode_repeat(output, num_steps)
 
     def remaining_tokens(self, request: Request) -> int:
         predicted = request.predicted_output_tokens or 1

@@ -49,22 +49,25 @@ class StretchPlanner:
         """``output``, a step of the decode cohort, made a stretch where it repeats, and its steps' end
         times; None (or a single end time) for a single step."""
         if output.decode is None:  # the policy names its decodes (named_decode_stretches)
-            return self._decode_stretch(replica, output, next_arrival) if output.is_named_decode_only else None
+            return self._decode_stretch(replica, output, next_arrival, named=True)
         if output.chunks:
             return self._chunk_stretch(replica, output)
         if output.is_decode_only:
             return self._decode_stretch(replica, output, next_arrival)
         return None
 
-    def _decode_stretch(self, replica: Replica, out: SchedulerOutput, next_arrival: float) -> Sequence[float]:
+    def _decode_stretch(
+        self, replica: Replica, out: SchedulerOutput, next_arrival: float, named: bool = False
+    ) -> Sequence[float]:
         """The decode-only ``out`` repeated for as many steps as nothing changes, with the end time of
         each step: through the first step that ends at or after ``next_arrival``, the next completion
-        or the last step whose KV growth fits."""
+        or the last step whose KV growth fits. ``named``: ``out`` has no cohort, and repeats only if
+        it is all one-token decodes named as chunks (else it runs as one step)."""
         executor, now = self.executor, replica.now
         # At load the arrival is often a step or two away: then a single step (always exact) costs
         # less than setting up a stretch, and one cost-model call decides that.
         shape, first = executor.first_step(out)
-        if now + MIN_STRETCH_STEPS * first >= next_arrival:
+        if now + MIN_STRETCH_STEPS * first >= next_arrival or (named and not out.is_named_decode_only):
             return (now + first,)
         limit = min(executor.steps_until_finish(out), MAX_STRETCH_STEPS)
         if next_arrival < math.inf:
