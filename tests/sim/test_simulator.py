@@ -55,6 +55,9 @@ CASES = [
     ("sharegpt", "rank_i", dict(rate=12.0)),
     ("bwb", "rank_org", dict()),
     ("azure-conv", "rank_o", dict(rate=6.0, predictor="histogram")),
+    ("sharegpt", "fastserve", dict(rate=12.0)),
+    ("bwb", "fastserve", dict()),  # offline: requests sink through every level
+    ("azure-conv", "fastserve", dict(trace_arrivals=True, base_quantum_s=0.05, quantum_ratio=1.5)),
 ]
 
 
@@ -111,10 +114,10 @@ def test_fast_path_stretches_exist():
     assert (sched_times == 0).sum() > len(sched_times) / 2  # most steps were advanced in stretches
 
 
-@pytest.mark.parametrize("name", ["srtf", "multires", "rank_i"])
+@pytest.mark.parametrize("name", ["srtf", "multires", "rank_i", "fastserve"])
 def test_named_decode_stretches_exist(name):
-    """SRTF, MultiRes and rank name their decodes; their decode-only steps still run as stretches (and
-    count as decodes)."""
+    """SRTF, MultiRes, rank and FastServe name their decodes; their decode-only steps still run as
+    stretches (and count as decodes)."""
     _, result = _run("sharegpt", name, fast=True, n=200, rate=12.0)
     timeline = result.timeline
     stretched = timeline.column("sched_time_s") == 0

@@ -21,12 +21,13 @@ KV on the GPU (preempted in place), as in the EconoServe setup.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import SchedulerOutput, StepResult
 from sloserve.core.request import Request, RequestStatus
-from sloserve.cost.base import BatchShape, CostModel
+from sloserve.cost.base import BatchShape, CostModel, advance_shape, batch_shape
 from sloserve.kv.manager import KVCacheManager
 from sloserve.predict import LengthPredictor
 from sloserve.sched.srtf import PriorityBatchScheduler, PriorityConfig
@@ -124,17 +125,48 @@ class FastServeScheduler(PriorityBatchScheduler):
                 self._reorder_queue()
         return super().schedule(now)
 
+    named_decode_stretches = True
+
+    def decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
+        """A step of decodes only repeats until the first member could use up its level's quantum (its
+        demotion changes the order), an arrival or a completion: levels and positions stay, and under
+        max allocation the free KV does not move. Steps only get longer along a stretch, so none is
+        longer than the last one's cost-model time, and the quantum left over that time bounds the
+        steps run before a demotion: the step that demotes may end the stretch, as a single step would.
+        NOTE: ``cost_model`` is the simulator's (``runs`` gives both the same one). One step at a time
+        with the starvation limit (a waiting request's promotion depends on the clock) or prefix
+        caching (a repeated step's new blocks could be found by a waiting prompt)."""
+        if self._caching or self.config.starvation_limit_s is not None:
+            return 1
+        last = len(self.quanta) - 1
+        left = min(
+            (self.quanta[self.level[r]] - self.attained_s[r] for r, _ in output.chunks if self.level[r] < last),
+            default=math.inf,
+        )
+        if left == math.inf:
+            return limit
+        longest_s = self.cost_model.step_seconds(advance_shape(batch_shape(output), limit - 1))
+        # (k - 1) steps of at most longest_s each stay under the quantum left; a margin for rounding
+        return max(1, min(limit, math.ceil(left * (1 - 1e-9) / longest_s)))
+
+    def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
+        return self._named_decode_repeat(output, num_steps)
+
     def update(self, output: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
         """Apply the step, then charge its duration to every request in it that goes on."""
         finished = super().update(output, result, now)
         # NOTE: the iteration's measured time (simulated or wall) counts in full for every request in
         # it, as a job's execution time does in FastServe; schedule() and update() get its start and end.
-        elapsed = now - self._step_start
+        # A stretch's steps are charged one by one (the same sums as step by step).
+        ends = result.step_end_times
         for request, _ in output.chunks:
             if request.status is not RequestStatus.RUNNING:
                 continue
             self._last_run[request] = now
-            self.attained_s[request] += elapsed
+            start = self._step_start
+            for end in ends:
+                self.attained_s[request] += end - start
+                start = end
             level = self.level[request]
             if self.attained_s[request] >= self.quanta[level] and level + 1 < len(self.quanta):
                 self._enter(request, level + 1)
