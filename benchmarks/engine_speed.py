@@ -12,6 +12,8 @@ Triton backend each decode batch is timed eagerly and replaying CUDA graphs, the
 three times, side by side: as before issue 43 (one program per decode and KV head walking the whole
 context; PyTorch's elementwise kernels), with flash decoding's splits of the context
 (``triton_attention.decode_splits``), and with the fused rotary and SiLU kernels too (``fused_ops``).
+Eager steps, the prefill, mixed and profiled steps run as the environment sets the engine
+(``SLOSERVE_DECODE_SPLITS``, ``SLOSERVE_FUSED_KERNELS``: off unless set; ``gpu_session.sh`` sets them on).
 
 MBU = (weight bytes + KV bytes read) per decode step / step time / HBM bandwidth (the datasheet's,
 and the device-to-device copy bandwidth measured here, in brackets).
@@ -159,13 +161,16 @@ def main() -> None:
     def capture(timer: StepTimer, sizes: list[int], splits: int | None, fused: bool) -> DecodeGraphs:
         """Graphs of ``sizes`` with ``splits`` decode splits (None: the backend's choice) and the
         fused elementwise kernels on or off: each graph keeps the kernels it was captured with."""
+        saved = getattr(backend, "num_decode_splits", None), fused_ops.ENABLED
         if splitting:
             backend.num_decode_splits = splits
         fused_ops.ENABLED = fused
         graphs = DecodeGraphs(
             loaded.model, timer.executor.cache, timer.max_context, timer.kv.table_block_size, batch_sizes=sizes
         )
-        backend.num_decode_splits, fused_ops.ENABLED = None, True
+        if splitting:
+            backend.num_decode_splits = saved[0]
+        fused_ops.ENABLED = saved[1]
         return graphs
 
     def decode_rows(timer: StepTimer, sizes: list[int], kv_len: int) -> None:

@@ -42,6 +42,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# Issue 43's kernels (flash decoding's splits, the fused elementwise kernels) are off by default until a
+# GPU session has checked and timed them: every stage here runs with them on.
+export SLOSERVE_DECODE_SPLITS=${SLOSERVE_DECODE_SPLITS:-auto} SLOSERVE_FUSED_KERNELS=${SLOSERVE_FUSED_KERNELS:-1}
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 log="$out/session.log"

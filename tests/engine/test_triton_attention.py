@@ -120,6 +120,18 @@ def test_split_decodes_in_a_sliding_window(monkeypatch, window):
     assert error < TOLERANCE[torch.float32]
 
 
+def test_the_split_setting_comes_from_the_environment(monkeypatch):
+    """Flash decoding is off (one split) unless SLOSERVE_DECODE_SPLITS says auto or a count; a bad
+    value is one clear error."""
+    assert triton_attention.TritonAttention().num_decode_splits == 1
+    for setting, splits in (("auto", None), ("4", 4)):
+        monkeypatch.setattr(triton_attention, "_SPLITS_SETTING", setting)
+        assert triton_attention.TritonAttention().num_decode_splits == splits
+    monkeypatch.setattr(triton_attention, "_SPLITS_SETTING", "0")
+    with pytest.raises(ConfigError, match="SLOSERVE_DECODE_SPLITS must be auto or a positive integer, got '0'"):
+        triton_attention.TritonAttention()
+
+
 def test_how_many_splits_a_decode_batch_gets():
     """Enough (decode, KV head, split) programs to fill an H200's 132 multiprocessors twice, no split
     under MIN_SPLIT_TOKENS context tokens, none once the batch fills the GPU by itself."""

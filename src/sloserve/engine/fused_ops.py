@@ -11,12 +11,18 @@ so on bf16/fp16 the rotary output equals the unfused one bit for bit; SiLU's exp
 from PyTorch's in a last place. On float32 the GPU may contract a product and a sum into one fused
 multiply-add (one rounding less).
 
-``rotary`` and ``silu_and_mul`` dispatch: the Triton kernel for a CUDA tensor (while ``ENABLED``, which
-the benchmark turns off to time the unfused path), PyTorch elsewhere. Tests run the kernels on the
-CPU in Triton's interpreter (``rotary_triton``, ``silu_and_mul_triton``) against the PyTorch forms.
+``rotary`` and ``silu_and_mul`` dispatch: the Triton kernel for a CUDA tensor while ``ENABLED``,
+PyTorch elsewhere. Tests run the kernels on the CPU in Triton's interpreter (``rotary_triton``,
+``silu_and_mul_triton``) against the PyTorch forms.
+
+NOTE: off unless ``SLOSERVE_FUSED_KERNELS=1`` is in the environment: written without a GPU
+(2026-11-27), they are checked in Triton's interpreter only; they become the default once a GPU session
+has run them against the references and timed them (``benchmarks/gpu_session.sh``, which turns them on).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +33,7 @@ try:
 except ImportError:  # the CPU engine never needs them
     triton = None
 
-ENABLED = True  # the CUDA path uses the fused kernels
+ENABLED = os.environ.get("SLOSERVE_FUSED_KERNELS") == "1"  # the CUDA path uses the fused kernels
 
 
 def rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -33,11 +33,14 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+from typing import Literal
 
 import torch
 import triton
 import triton.language as tl
 
+from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend, write_kv
 
 # log2(e): the kernels use exp2, so scores are scaled by softmax_scale * LOG2E.
@@ -53,6 +56,11 @@ MIN_DOT_DIM = 16
 WAVES = 2
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
+# The engine's default: one split (flash decoding off) unless SLOSERVE_DECODE_SPLITS says "auto" (split
+# by ``decode_splits``) or a number. NOTE: written without a GPU (2026-11-27) and checked in Triton's
+# interpreter only; "auto" becomes the default once a GPU session has run the split kernels against the
+# reference and timed them (``benchmarks/gpu_session.sh``, which sets "auto").
+_SPLITS_SETTING = os.environ.get("SLOSERVE_DECODE_SPLITS", "1")
 
 
 @triton.jit
@@ -383,13 +391,21 @@ class TritonAttention(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, block_m: int = 64, block_n: int = 64, num_decode_splits: int | None = None) -> None:
+    def __init__(
+        self, block_m: int = 64, block_n: int = 64, num_decode_splits: int | None | Literal["env"] = "env"
+    ) -> None:
         # Tile sizes: query tokens per prefill program, context tokens per step of either kernel.
         # NOTE: FlashAttention-2's Triton defaults for head_dim 64-128; tune them on the GPU.
         self.block_m = block_m
         self.block_n = block_n
         # Splits of each decode's context: None picks them (``decode_splits``); 1 turns flash decoding
-        # off. Read at each call, so a CUDA graph keeps the count it was captured with.
+        # off; "env": SLOSERVE_DECODE_SPLITS ("auto" or a number; 1 when unset). Read at each call, so a
+        # CUDA graph keeps the count it was captured with.
+        if num_decode_splits == "env":
+            setting = _SPLITS_SETTING
+            if setting != "auto" and not (setting.isdigit() and int(setting) >= 1):
+                raise ConfigError(f"SLOSERVE_DECODE_SPLITS must be auto or a positive integer, got {setting!r}")
+            num_decode_splits = None if setting == "auto" else int(setting)
         self.num_decode_splits = num_decode_splits
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale=None, window=None):
