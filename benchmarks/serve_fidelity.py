@@ -66,14 +66,12 @@ def engine_summary(lines: list[str]) -> dict:
     }
 
 
-def profile(args, engine: list[str], preset: Path) -> str:
-    command = [sys.executable, "-m", "sloserve.cli", "profile", *engine, "--out", str(preset),
-               "--prefill-chunks", args.prefill_chunks, "--context-lens", args.context_lens,
-               "--batch-sizes", args.batch_sizes, "--decode-kv-lens", args.decode_kv_lens,
-               "--repeats", str(args.repeats)]  # fmt: skip
+def pinned_sloserve(args, *cli_args: str) -> str:
+    """Run one `sloserve` command as the server's engine runs: with --pin, on core 0 with one torch
+    thread. Its stdout; a failure stops the script."""
     env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if args.pin else {})}
     done = subprocess.run(
-        command,
+        [sys.executable, "-m", "sloserve.cli", *cli_args],
         capture_output=True,
         text=True,
         env=env,
@@ -81,27 +79,23 @@ def profile(args, engine: list[str], preset: Path) -> str:
         preexec_fn=(lambda: os.sched_setaffinity(0, {0})) if args.pin else None,
     )
     if done.returncode != 0:
-        sys.exit(f"profile failed:\n{done.stderr}")
-    return done.stdout.strip()
+        sys.exit(f"sloserve {cli_args[0]} failed:\n{done.stderr}")
+    return done.stdout
+
+
+def profile(args, engine: list[str], preset: Path) -> str:
+    return pinned_sloserve(
+        args, "profile", *engine, "--out", str(preset), "--prefill-chunks", args.prefill_chunks,
+        "--context-lens", args.context_lens, "--batch-sizes", args.batch_sizes,
+        "--decode-kv-lens", args.decode_kv_lens, "--repeats", str(args.repeats),
+    ).strip()  # fmt: skip
 
 
 def in_process(args, engine: list[str], replay: list[str], out: Path) -> dict:
     """The received requests through the engine in this machine's process (``sloserve run`` on the wall
-    clock), with the server's engine's pinning: core 0 and one torch thread."""
-    command = [sys.executable, "-m", "sloserve.cli", "run", *engine, "--scheduler", args.scheduler, *replay,
-               "--out", str(out), "--json"]  # fmt: skip
-    env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if args.pin else {})}
-    done = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-        preexec_fn=(lambda: os.sched_setaffinity(0, {0})) if args.pin else None,
-    )
-    if done.returncode != 0:
-        sys.exit(f"run failed:\n{done.stderr}")
-    return json.loads(done.stdout)
+    clock), pinned as the server's engine is."""
+    run = pinned_sloserve(args, "run", *engine, "--scheduler", args.scheduler, *replay, "--out", str(out), "--json")
+    return json.loads(run)
 
 
 def main() -> None:
