@@ -63,6 +63,7 @@ class FastServeScheduler(PriorityBatchScheduler):
 
     name = "fastserve"
     config: FastServeConfig
+    named_decode_stretches = True
 
     def __init__(
         self,
@@ -124,8 +125,6 @@ class FastServeScheduler(PriorityBatchScheduler):
             if promoted:
                 self._reorder_queue()
         return super().schedule(now)
-
-    named_decode_stretches = True
 
     def decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
         """A step of decodes only repeats until the first member could use up its level's quantum (its

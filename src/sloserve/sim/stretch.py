@@ -4,7 +4,7 @@ one stretch of k steps whose times come from the cost model's arithmetic series
 
 - a decode-only step, until an arrival, a completion or a memory event (``Scheduler.decode_horizon``):
   the cohort's step, or one of one-token decodes named as chunks by a policy that opts in
-  (``Scheduler.named_decode_stretches``: SRTF);
+  (``Scheduler.named_decode_stretches``: SRTF, FastServe, MultiRes, the rank policies);
 - a step of decodes and a prompt chunk that leaves no room for anyone else (Sarathi's middle
   chunks of a long prompt), until the prompt's last chunk, a completion or a memory event
   (``Scheduler.chunk_horizon``): arrivals cannot join such steps. It stops before a completion,
