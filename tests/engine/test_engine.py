@@ -157,6 +157,23 @@ def test_triton_backend_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options
         assert llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_split_decodes_give_hf_greedy_tokens(hf_dirs, arch, monkeypatch):
+    """Flash decoding (each decode's context in 3 splits, forced) through the whole engine, a sliding
+    window too: HF's greedy tokens."""
+    pytest.importorskip("triton")
+    from sloserve.engine import triton_attention
+
+    monkeypatch.setattr(triton_attention, "_SPLITS_SETTING", "3")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokens, llm = _generate(
+        hf_dirs[arch], "sarathi", attention_backend="triton", device=device, prefill_token_budget=8, block_size=4
+    )
+    backend = next(m.backend for m in llm.loaded.model.modules() if hasattr(m, "backend"))
+    assert backend.num_decode_splits == 3
+    assert tokens == reference(arch)
+
+
 def test_eos_stops_a_request(hf_dirs, tmp_path):
     """With EOS = the 4th greedy token of prompt 0, that request stops there ('stop'); others run on."""
     ref = reference("llama")
