@@ -283,13 +283,14 @@ def test_a_full_queue_answers_429_and_every_accepted_request_completes(chat_mode
 def test_bros_gives_rt_requests_a_lower_ttft_than_be_ones(chat_model_dir):
     """BROS co-serving: BE requests (service_tier flex, long prompts) arrive first and fill the KV
     (room for about two), then RT ones (short, with a TTFT SLO): RT requests go ahead of the queued BE
-    ones, taking BE blocks where they must."""
+    ones, taking BE blocks where they must. Checked by order (the RT requests' first tokens come before
+    most BE ones'), not by a ratio of seconds that a loaded machine moves."""
     server = Server(chat_model_dir, "bros", kv_capacity_tokens=400)
     try:
         long_prompt = " ".join(CORPUS[:6])
 
         async def one(prompt: str, tier: str | None) -> float:
-            start = time.perf_counter()
+            """When the request's first token came (seconds on the test's clock)."""
             # NOTE: the SDK's completions.create has no service_tier argument (chat's has): send it as JSON.
             extra = {"slo": {"ttft_ms": 200, "tpot_ms": 100}} if tier is None else {"service_tier": tier}
             stream = await server.async_client.completions.create(
@@ -300,10 +301,10 @@ def test_bros_gives_rt_requests_a_lower_ttft_than_be_ones(chat_model_dir):
                 stream=True,
                 extra_body={"ignore_eos": True, **extra},
             )
-            ttft = None
+            first = None
             async for _ in stream:
-                ttft = ttft if ttft is not None else time.perf_counter() - start
-            return ttft
+                first = first if first is not None else time.perf_counter()
+            return first
 
         async def main():
             be = [asyncio.ensure_future(one(long_prompt[i:], "flex")) for i in range(12)]
@@ -313,8 +314,9 @@ def test_bros_gives_rt_requests_a_lower_ttft_than_be_ones(chat_model_dir):
             return await asyncio.gather(*be), rt
 
         be, rt = asyncio.run(main())
-        # NOTE: measured 0.09-0.11 s against 0.75-0.79 s; FCFS vLLM on the same load: 0.71 s against 0.44 s.
-        assert sum(rt) / len(rt) < 0.5 * sum(be) / len(be)
+        # NOTE: of the 10 BE requests queued behind the two that fit, most got their first token after
+        # the last RT request got its (10 of 12 in three runs); FCFS vLLM, on the same load: 0.
+        assert sum(first > max(rt) for first in be) >= 6
         assert server.metric("sloserve_requests_total", request_class="be", outcome="length") == 12
     finally:
         server.stop()
