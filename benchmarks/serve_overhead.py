@@ -116,7 +116,10 @@ def served(args, base_url: str, vocab_size: int, requests, profile_pid: int | No
         )
     result = run_benchmark(base_url, args.model, requests, prompts)
     if spy is not None:
-        spy.wait(timeout=args.py_spy_seconds + 60)
+        try:
+            spy.wait(timeout=args.py_spy_seconds + 60)
+        except subprocess.TimeoutExpired:  # a diagnosis: the figures still come
+            spy.kill()
     if result.errors:
         sys.exit(f"{len(result.errors)} requests failed: {next(iter(result.errors.values()))}")
     return figures(requests, result.wall_s)
