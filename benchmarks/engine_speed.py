@@ -40,7 +40,7 @@ from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.llm_engine import kv_bytes_per_token
 from sloserve.engine.loader import LoadedModel, cuda_graphs_supported, load_model, resolve_device
 from sloserve.engine.profile import StepTimer
-from sloserve.engine.triton_attention import TritonAttention, decode_splits
+from sloserve.engine.triton_attention import TritonAttention, decode_splits, multiprocessors
 
 
 def _median_ms(fn) -> float:
@@ -193,7 +193,11 @@ def main() -> None:
                 times[name] = timer.time([], [kv_len] * b, repeats=args.repeats)
             timer.executor.graphs = None
             best = min([eager, *times.values()])
-            n_splits = decode_splits(b, c.num_key_value_heads, timer.max_context, _sms()) if splitting else 1
+            n_splits = (
+                decode_splits(b, c.num_key_value_heads, timer.max_context, multiprocessors(loaded.device))
+                if splitting
+                else 1
+            )
             graphed = {
                 name: f"{times[name] * 1e3:.3f}" if name in times else "-" for name in ("before", "split", "fused")
             }
@@ -202,9 +206,6 @@ def main() -> None:
                 f"{b:>6} {kv_len:>7} {n_splits:>6} {eager * 1e3:>9.3f} {graphed['before']:>10} {graphed['split']:>10} "
                 f"{graphed['fused']:>10} {gain:>7} {b / best:>10.1f} {mbu(read, eager):>15} {mbu(read, times.get('fused')):>15}"
             )
-
-    def _sms() -> int:
-        return torch.cuda.get_device_properties(loaded.device).multi_processor_count if device.type == "cuda" else 16
 
     # Graphed ms: "before" (one split, unfused), "+split" (flash decoding), "+fused" (and the fused
     # elementwise kernels: the engine's default); gain = before / +fused.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -43,12 +44,25 @@ METRICS = [
 ]
 
 
-def sloserve(*args: str) -> str:
-    """Run one `sloserve` command in this interpreter; its stdout (a failure stops the script)."""
-    done = subprocess.run([sys.executable, "-m", "sloserve.cli", *args], capture_output=True, text=True, check=False)
+def sloserve(*args: str, pin: bool = False) -> str:
+    """Run one `sloserve` command in this interpreter; its stdout (a failure stops the script). ``pin``:
+    on core 0 with one torch thread, as a pinned server's engine runs (serve_overhead.py)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "sloserve.cli", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"} if pin else None,
+        preexec_fn=(lambda: os.sched_setaffinity(0, {0})) if pin else None,
+    )
     if done.returncode != 0:
         sys.exit(f"sloserve {' '.join(args)} failed ({done.returncode}):\n{done.stderr.strip()}")
     return done.stdout
+
+
+def simulate(model: str, preset: Path, *options: str) -> dict:
+    """`sloserve simulate` of ``model`` with the fitted ``preset`` and ``options``: its JSON summary."""
+    return json.loads(sloserve("simulate", "--model", model, "--cost-model", str(preset), *options, "--json"))
 
 
 def figure(summary: dict, key: str, field: str | None) -> float:
@@ -148,20 +162,14 @@ def main() -> None:
             )
             (out / f"engine-{scheduler}-{run}.json").write_text(json.dumps(real, indent=2))
             # The simulator gets the engine's context length and KV capacity, so both see one workload.
-            sim = json.loads(
-                sloserve(
-                    "simulate",
-                    "--model",
-                    args.model,
-                    "--cost-model",
-                    str(preset),
-                    *workload,
-                    "--max-model-len",
-                    str(real["max_model_len"]),
-                    "--kv-capacity-tokens",
-                    str(real["kv_capacity_tokens"]),
-                    "--json",
-                )
+            sim = simulate(
+                args.model,
+                preset,
+                *workload,
+                "--max-model-len",
+                str(real["max_model_len"]),
+                "--kv-capacity-tokens",
+                str(real["kv_capacity_tokens"]),
             )
             (out / f"sim-{scheduler}-{run}.json").write_text(json.dumps(sim, indent=2))
             assert sim["completed"] == real["completed"], (sim["completed"], real["completed"])

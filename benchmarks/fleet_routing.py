@@ -17,7 +17,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from fidelity import figure, sloserve
+from fidelity import figure, simulate, sloserve
 from fleet import start_server
 from serve_fidelity import profile
 from serve_overhead import free_port
@@ -85,24 +85,18 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(timeout=120)
-        sim = json.loads(
-            sloserve(
-                "simulate",
-                "--model",
-                args.model,
-                "--cost-model",
-                str(preset),
-                "--scheduler",
-                args.scheduler,
-                *workload,
-                "--kv-capacity-tokens",
-                str(args.kv_capacity_tokens),
-                "--replicas",
-                "2",
-                "--router",
-                router,
-                "--json",
-            )
+        sim = simulate(
+            args.model,
+            preset,
+            "--scheduler",
+            args.scheduler,
+            *workload,
+            "--kv-capacity-tokens",
+            str(args.kv_capacity_tokens),
+            "--replicas",
+            "2",
+            "--router",
+            router,
         )
         (out / f"served-{router}.json").write_text(json.dumps(served, indent=2))
         (out / f"sim-{router}.json").write_text(json.dumps(sim, indent=2))

@@ -31,14 +31,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from fidelity import figure, sloserve
+from fidelity import figure, simulate, sloserve
 from serve_overhead import free_port, start_server
 
 METRICS = [
@@ -66,35 +64,18 @@ def engine_summary(lines: list[str]) -> dict:
     }
 
 
-def pinned_sloserve(args, *cli_args: str) -> str:
-    """Run one `sloserve` command as the server's engine runs: with --pin, on core 0 with one torch
-    thread. Its stdout; a failure stops the script."""
-    env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if args.pin else {})}
-    done = subprocess.run(
-        [sys.executable, "-m", "sloserve.cli", *cli_args],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-        preexec_fn=(lambda: os.sched_setaffinity(0, {0})) if args.pin else None,
-    )
-    if done.returncode != 0:
-        sys.exit(f"sloserve {cli_args[0]} failed:\n{done.stderr}")
-    return done.stdout
-
-
 def profile(args, engine: list[str], preset: Path) -> str:
-    return pinned_sloserve(
-        args, "profile", *engine, "--out", str(preset), "--prefill-chunks", args.prefill_chunks,
+    return sloserve(
+        "profile", *engine, "--out", str(preset), "--prefill-chunks", args.prefill_chunks,
         "--context-lens", args.context_lens, "--batch-sizes", args.batch_sizes,
-        "--decode-kv-lens", args.decode_kv_lens, "--repeats", str(args.repeats),
+        "--decode-kv-lens", args.decode_kv_lens, "--repeats", str(args.repeats), pin=args.pin,
     ).strip()  # fmt: skip
 
 
 def in_process(args, engine: list[str], replay: list[str], out: Path) -> dict:
     """The received requests through the engine in this machine's process (``sloserve run`` on the wall
     clock), pinned as the server's engine is."""
-    run = pinned_sloserve(args, "run", *engine, "--scheduler", args.scheduler, *replay, "--out", str(out), "--json")
+    run = sloserve("run", *engine, "--scheduler", args.scheduler, *replay, "--out", str(out), "--json", pin=args.pin)
     return json.loads(run)
 
 
@@ -177,22 +158,16 @@ def main() -> None:
             replay = ["--trace", str(received), "--num-requests", str(len(lines)), "--trace-arrivals"]
             sims = []
             for sim_workload, name in ((workload, "sent"), (replay, "received")):
-                sim = json.loads(
-                    sloserve(
-                        "simulate",
-                        "--model",
-                        args.model,
-                        "--cost-model",
-                        str(preset),
-                        "--scheduler",
-                        args.scheduler,
-                        *sim_workload,
-                        "--max-model-len",
-                        str(args.max_model_len),
-                        "--kv-capacity-tokens",
-                        str(args.kv_capacity_tokens),
-                        "--json",
-                    )
+                sim = simulate(
+                    args.model,
+                    preset,
+                    "--scheduler",
+                    args.scheduler,
+                    *sim_workload,
+                    "--max-model-len",
+                    str(args.max_model_len),
+                    "--kv-capacity-tokens",
+                    str(args.kv_capacity_tokens),
                 )
                 (out / f"sim-{run}-{name}.json").write_text(json.dumps(sim, indent=2))
                 sims.append(sim)

@@ -367,7 +367,7 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _multiprocessors(device: torch.device) -> int:
+def multiprocessors(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; on the CPU (Triton's interpreter), a small GPU's."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
 
@@ -452,7 +452,7 @@ class TritonAttention(AttentionBackend):
         if num_decodes:
             table = meta.decode_slots
             splits = self.num_decode_splits or decode_splits(
-                num_decodes, num_kv_heads, table.shape[1], _multiprocessors(q.device)
+                num_decodes, num_kv_heads, table.shape[1], multiprocessors(q.device)
             )
             split_acc = split_max = split_sum = out  # unused with one split
             if splits > 1:
