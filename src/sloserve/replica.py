@@ -124,12 +124,7 @@ class Replica:
         return []
 
     def _record_step(self, out: SchedulerOutput, start: float, sched_time: float) -> None:
-        num_prefill = num_decode = 0
-        for request, c in out.chunks:
-            if c == 1 and not request.is_prefill:  # (after the step) a decode named as a chunk
-                num_decode += 1
-            else:
-                num_prefill += c
+        num_prefill, num_decode = chunk_counts(out)
         num_cohort = 0 if out.decode is None else out.decode.size
         self.timeline.append(
             start,
@@ -145,6 +140,18 @@ class Replica:
             sched_time,
             self.index,
         )
+
+
+def chunk_counts(out: SchedulerOutput) -> tuple[int, int]:
+    """(prompt tokens, decodes named as chunks) of an executed step's chunks, for the timeline.
+    NOTE: read after the step: a chunk of one token whose request is then not in prefill decoded."""
+    num_prefill = num_decode = 0
+    for request, c in out.chunks:  # NOTE: a loop: a generator costs more for the one chunk at most
+        if c == 1 and not request.is_prefill:
+            num_decode += 1
+        else:
+            num_prefill += c
+    return num_prefill, num_decode
 
 
 def _account_service(out: SchedulerOutput, now: float) -> None:

@@ -52,9 +52,8 @@ class SimExecutor:
             self._track_joined(output)
         decode = output.decode
         if decode is None:
-            if not output.is_named_decode_only:
-                return 1
-            # Decodes named as chunks: the first to sample its last token
+            # Decodes named as chunks (the planner checked ``is_named_decode_only``): the first to sample
+            # its last token
             return min(r.true_output_tokens - r.num_output_tokens for r, _ in output.chunks)
         cohort = decode.cohort
         self._drop_stale(cohort)

@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 
 from sloserve.core.outputs import SchedulerOutput
-from sloserve.replica import Replica
+from sloserve.replica import Replica, chunk_counts
 from sloserve.sim.executor import SimExecutor
 
 # Longest stretch advanced at once (bounds the arrays a stretch allocates).
@@ -110,12 +110,7 @@ class StretchPlanner:
     ) -> None:
         """The timeline rows of an executed stretch."""
         kv = replica.scheduler.kv
-        num_prefill = num_named = 0
-        for request, c in out.chunks:  # NOTE: a loop: a generator costs more for the one chunk at most
-            if c == 1 and not request.is_prefill:  # a decode named as a chunk (as Replica._record_step)
-                num_named += 1
-            else:
-                num_prefill += c
+        num_prefill, num_named = chunk_counts(out)
         replica.timeline.append_stretch(
             start,
             end_times,
