@@ -68,11 +68,11 @@ def test_a_group_holds_its_blocks_at_the_same_places_in_every_prompt():
             prompt = SegmentedPrompt(ids, ends, int(rng.integers(ends[-1] - lengths[ids[-1]] + 1, ends[-1] + 1)))
             index = prompt.block_index(block_size)
             assert index.keys.tolist() == prompt.block_keys(block_size)
-            for j in range(len(index.keys)):
-                g = int(index.group_of_block[j])
-                assert int(index.group_starts[g]) + int(index.offsets[j]) == j
-                assert 0 <= index.offsets[j] < index.group_sizes[g]
-                extent = (int(index.group_starts[g]), index.group_sizes[g])
+            assert index.num_blocks == prompt.num_tokens // block_size
+            for j in range(index.num_blocks):
+                g = index.group_of(j)
+                assert 0 <= j - index.group_starts[g] < index.group_sizes[g]
+                extent = (index.group_starts[g], index.group_sizes[g])
                 assert seen.setdefault(index.group_keys[g], extent) == extent
 
 
@@ -153,7 +153,7 @@ def test_the_index_rebuilt_from_the_cached_blocks_finds_what_it_found_before():
     kept = SegmentedPrompt.uniform((1, 2), 8, 16)  # 2 segments of 2 blocks of 4
     request = _request(0, kept)
     _admit(kv, request)
-    for rid in range(1, 2200):  # 2 new one-block groups each: > 4 x 8 + 4096 places
+    for rid in range(1, 2200):  # 2 new one-block groups each: > 2 x 8 + 4096 groups
         other = _request(rid, TokenPrompt([rid, rid, rid, rid, 0, 0, 0, 0, 9]))
         _admit(kv, other)
         kv.free(other)

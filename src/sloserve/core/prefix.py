@@ -10,8 +10,10 @@ turns and answers).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -30,27 +32,47 @@ def chain_keys(contents: Iterable[Hashable], parent: int = ROOT_KEY) -> list[int
     return keys
 
 
+def mix_block_keys(group_keys: np.ndarray, blocks: np.ndarray, block_size: int) -> np.ndarray:
+    """The keys of blocks from their groups' keys and their places in the prompt: ``group_key * MIX +
+    block * block_size`` in 64-bit arithmetic (wrapping; MIX odd: two different group keys collide with
+    probability 2^-64)."""
+    return group_keys * _MIX + blocks * block_size
+
+
 @dataclass(frozen=True, eq=False)
 class BlockIndex:
-    """A prompt's full blocks as the prefix cache indexes them: each block's key, and the groups of
-    consecutive blocks the cache finds through one entry of its table (a trace segment's blocks; each
-    block alone when the content is known by its tokens).
+    """A prompt's full blocks as the prefix cache indexes them: groups of consecutive blocks the cache
+    finds through one entry of its table (a trace segment's blocks; each block alone when the content
+    is known by its tokens).
 
-    NOTE: a group's key names its content and everything before it, as a block's key does, so the
-    blocks of a group sit at the same places (``offsets``) in every prompt that holds the group.
+    A block's key is its group's key mixed with its place (``mix_block_keys``): two blocks share it
+    exactly when their tokens and all before them do. NOTE: a group's key names its content and
+    everything before it, so a group starts at the same block, and holds the same blocks, in every
+    prompt that holds it. The index is kept per group, not per block (a 12k-token prompt has 750
+    blocks of 16 but 24 segments): the cache turns the range of blocks it needs into places with a few
+    array operations, and ``keys`` are computed only when asked for (a fleet's router).
     """
 
-    keys: np.ndarray  # (num_blocks,) int64: block j's key
+    block_size: int
+    num_blocks: int  # full blocks of the prompt
     group_keys: list[int]  # (num_groups,) the key of each group, in order
-    group_starts: np.ndarray  # (num_groups,) int64: its first block in the prompt
-    group_sizes: list[int]  # (num_groups,) blocks in its full extent (a clipped prompt may hold fewer)
-    group_of_block: np.ndarray  # (num_blocks,) int64: the group block j is in
-    offsets: np.ndarray  # (num_blocks,) int64: block j's place in its group
+    group_starts: list[int]  # (num_groups,) its first block in the prompt
+    group_sizes: list[int]  # (num_groups,) blocks in its full extent (a clipped prompt's last holds fewer)
 
     @classmethod
-    def one_block_per_group(cls, keys: list[int]) -> BlockIndex:
-        blocks = np.arange(len(keys), dtype=np.int64)
-        return cls(np.array(keys, dtype=np.int64), keys, blocks, [1] * len(keys), blocks, np.zeros_like(blocks))
+    def one_block_per_group(cls, keys: list[int], block_size: int) -> BlockIndex:
+        return cls(block_size, len(keys), keys, list(range(len(keys))), [1] * len(keys))
+
+    def group_of(self, block: int) -> int:
+        """The group that holds block ``block`` (0 <= block < num_blocks)."""
+        return bisect_right(self.group_starts, block) - 1
+
+    @cached_property
+    def keys(self) -> np.ndarray:
+        """(num_blocks,) int64: block j's key."""
+        held = [*self.group_sizes[:-1], self.num_blocks - self.group_starts[-1]] if self.num_blocks else []
+        group_keys = np.array(self.group_keys, dtype=np.int64).repeat(held)
+        return mix_block_keys(group_keys, np.arange(self.num_blocks, dtype=np.int64), self.block_size)
 
 
 @dataclass(eq=False)
@@ -64,6 +86,7 @@ class SegmentedPrompt:
     segment_ends: tuple[int, ...]
     num_tokens: int
     namespace: int = ROOT_KEY  # the first segment's parent key: ids of two traces never match
+    segment_tokens: int = 0  # every segment's tokens, where they are all alike (``uniform``); else 0
     _index: dict[int, BlockIndex] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -79,7 +102,7 @@ class SegmentedPrompt:
     ) -> SegmentedPrompt:
         """Segments of ``segment_tokens`` tokens each (a trace's ``hash_ids``: Mooncake's are 512)."""
         ends = tuple(range(segment_tokens, (len(segment_ids) + 1) * segment_tokens, segment_tokens))
-        return cls(tuple(segment_ids), ends, num_tokens, namespace)
+        return cls(tuple(segment_ids), ends, num_tokens, namespace, segment_tokens)
 
     def block_keys(self, block_size: int) -> list[int]:
         """The keys of the prompt's full blocks of ``block_size`` tokens (a partial last block has none)."""
@@ -87,44 +110,37 @@ class SegmentedPrompt:
 
     def block_index(self, block_size: int) -> BlockIndex:
         """The prompt's full blocks of ``block_size`` tokens, grouped by the segment that holds each
-        block's last token.
-
-        NOTE: keys are chained by segment, not by block: block j's key mixes the chained key of the
-        segment holding its last token with its start, ``segment_key * MIX + start`` in 64-bit
-        arithmetic (MIX odd: for two different segment keys, a collision has probability 2^-64). Two
-        blocks share it exactly when their tokens and all before them do, as with a per-block chain,
-        for one array operation per prompt (a 12k-token prompt has 750 blocks of 16); a group's key is
-        that segment's chained key, so the cache finds a 512-token segment's 32 blocks by one entry."""
+        block's last token. NOTE: keys are chained by segment, not by block (``BlockIndex``): one hash
+        per segment, and a 512-token segment's 32 blocks are found through one entry of the cache."""
         index = self._index.get(block_size)
         if index is None:
-            num_blocks = self.num_tokens // block_size
-            # Segment k's group: the blocks whose last token is in it, [lo // block_size, hi // block_size)
-            # for its tokens [lo, hi) (none when it ends inside the block it starts in).
-            group_keys, group_starts, group_sizes, num_held = [], [], [], []
-            lo = 0
-            for key, hi in zip(chain_keys(self.segment_ids, self.namespace), self.segment_ends):
-                first, end = lo // block_size, hi // block_size
-                if first >= num_blocks:
-                    break
-                if end > first:
-                    group_keys.append(key)
-                    group_starts.append(first)
-                    group_sizes.append(end - first)
-                    num_held.append(min(end, num_blocks) - first)  # (a clipped prompt holds fewer)
-                lo = hi
-            starts = np.array(group_starts, dtype=np.int64)
-            group_of_block = np.repeat(np.arange(len(starts), dtype=np.int64), num_held)  # (num_blocks,)
-            block_starts = np.arange(num_blocks, dtype=np.int64) * block_size  # first token of each block
-            keys = np.array(group_keys, dtype=np.int64)[group_of_block] * _MIX + block_starts  # wraps around 2^64
-            index = self._index[block_size] = BlockIndex(
-                keys,
-                group_keys,
-                starts,
-                group_sizes,
-                group_of_block,
-                np.arange(num_blocks, dtype=np.int64) - starts[group_of_block],
-            )
+            index = self._index[block_size] = self._build_index(block_size)
         return index
+
+    def _build_index(self, block_size: int) -> BlockIndex:
+        num_blocks = self.num_tokens // block_size
+        per_segment = self.segment_tokens // block_size
+        if per_segment and self.segment_tokens % block_size == 0:
+            # Uniform segments of whole blocks (a trace's hash_ids): segment k is group k, whole
+            num_groups = -(-num_blocks // per_segment)
+            starts = list(range(0, num_groups * per_segment, per_segment))
+            keys = chain_keys(self.segment_ids[:num_groups], self.namespace)
+            return BlockIndex(block_size, num_blocks, keys, starts, [per_segment] * num_groups)
+        # Segment k's group: the blocks whose last token is in it, [lo // block_size, hi // block_size)
+        # for its tokens [lo, hi) (none when it ends inside the block it starts in).
+        group_keys, group_starts, group_sizes = [], [], []
+        lo, key = 0, self.namespace
+        for segment_id, hi in zip(self.segment_ids, self.segment_ends):
+            first, end = lo // block_size, hi // block_size
+            if first >= num_blocks:
+                break  # (the segments past the clipped prompt are not hashed)
+            key = hash((key, segment_id))  # chain_keys, a segment at a time
+            if end > first:
+                group_keys.append(key)
+                group_starts.append(first)
+                group_sizes.append(end - first)
+            lo = hi
+        return BlockIndex(block_size, num_blocks, group_keys, group_starts, group_sizes)
 
     def token_ids(self, vocab_size: int) -> list[int]:
         """Token ids for the ``num_tokens`` tokens: each segment's drawn from a generator seeded by its
@@ -169,8 +185,8 @@ class TokenPrompt:
         """The full blocks so far, each its own group (the engine knows every block by its tokens)."""
         keys = self.block_keys(block_size)
         index = self._index.get(block_size)
-        if index is None or len(index.keys) != len(keys):
-            index = self._index[block_size] = BlockIndex.one_block_per_group(list(keys))
+        if index is None or index.num_blocks != len(keys):
+            index = self._index[block_size] = BlockIndex.one_block_per_group(list(keys), block_size)
         return index
 
 

@@ -44,6 +44,10 @@ class ArrayMirror:
         self._held[key] = (source, data, n)
         return data[:n]
 
+    def adopt(self, key: Hashable, source: list[int], data: np.ndarray) -> None:
+        """Mirror ``source`` by ``data``, an array equal to it that nobody changes (its owner's copy)."""
+        self._held[key] = (source, data, len(source))
+
     def drop(self, key: Hashable) -> None:
         """Forget ``key``'s mirror (its list changed other than by appending, or is gone)."""
         self._held.pop(key, None)

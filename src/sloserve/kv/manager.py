@@ -210,9 +210,12 @@ class KVCacheManager:
         if fresh <= 0 and not cached:
             return True
         cache.share(cached)  # NOTE: first, so that the allocation below cannot evict them
-        blocks = self._allocate(fresh) if fresh > 0 else []
-        assert blocks is not None
-        self.block_tables[request] = [*cached, *blocks]
+        ids = cache.allocate_ids(fresh, keep_free=self._owed_blocks) if fresh > 0 else None
+        assert ids is not None or fresh <= 0
+        if cached:
+            ids = cache.ids(cached) if ids is None else np.concatenate((cache.ids(cached), ids))
+        table = self.block_tables[request] = ids.tolist()
+        self._block_arrays.adopt(request, table, ids)  # (registering and releasing take the array)
         self._num_registered[request] = len(cached)
         return True
 
@@ -227,17 +230,10 @@ class KVCacheManager:
         index, table = prompt.block_index(self.block_size), self.block_tables[request]
         done = self._num_registered.get(request, 0)
         # NOTE: a decode cohort member's table may lag its tokens (blocks reserved by count, settled later)
-        upto = min(num_tokens // self.block_size, len(index.keys), len(table))
+        upto = min(num_tokens // self.block_size, index.num_blocks, len(table))
         if upto > done:
             self.prefix_cache.register(self._table_ids(request)[done:upto], index, done)
             self._num_registered[request] = upto
-
-    def _let_go_cached(self, request: Request) -> None:
-        """Before ``request``'s table goes (finish, preemption, swap-out): register the full blocks it
-        computed past its scheduled chunks, whose content is known (a conversation turn's answer, which
-        the next turn resends)."""
-        self.cache_blocks(request, request.num_computed_tokens)
-        self._num_registered.pop(request, None)
 
     def reserve_blocks(self, num_blocks: int) -> bool:
         """Reserve ``num_blocks`` blocks by count, their ids assigned later by ``settle_blocks`` (the
@@ -273,10 +269,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release everything ``request`` holds, on the GPU and in swap space."""
-        if self.prefix_cache is not None and request in self.block_tables:
-            self._let_go_cached(request)
-        table = self.block_tables.get(request)
-        if table:
+        if request in self.block_tables:
             self._release_table(request)
         self.block_tables.pop(request, None)
         self._block_arrays.drop(request)
@@ -285,12 +278,17 @@ class KVCacheManager:
             self.cpu.release(cpu)
 
     def _release_table(self, request: Request) -> None:
-        """Give back the blocks of ``request``'s table (before the table goes); with prefix caching, as
-        the table's array (``_table_ids``), which registering it already made."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.release(self._table_ids(request))
-        else:
+        """Give back the blocks of ``request``'s table (before the table goes: finish, preemption,
+        swap-out). With prefix caching, the full blocks it computed past its scheduled chunks are
+        registered first, their content known (a conversation turn's answer, which the next turn
+        resends), and the table goes as its array (``_table_ids``), its registered blocks counted."""
+        if self.prefix_cache is None:
             self._release(self.block_tables[request])
+            return
+        self.cache_blocks(request, request.num_computed_tokens)
+        # NOTE: a table's registered blocks lead it, and no other block of it is cached: the rest were
+        # taken uncached (fresh or evicted) and only this request could have registered them
+        self.prefix_cache.release(self._table_ids(request), num_cached=self._num_registered.pop(request, 0))
 
     def slot_ids(self, request: Request, start: int, end: int) -> list[int]:
         """Physical slot ids of tokens ``start..end-1`` of ``request`` (the engine writes KV there)."""
@@ -335,8 +333,6 @@ class KVCacheManager:
         cpu_blocks = self.cpu.allocate(len(table))
         if cpu_blocks is None:
             return None
-        if self.prefix_cache is not None:
-            self._let_go_cached(request)
         self._release_table(request)
         del self.block_tables[request]
         self._block_arrays.drop(request)

@@ -14,10 +14,10 @@ blocks, or each block alone when the content is known by tokens): ``group_base``
 its first place in ``slots``, an array of the blocks cached there, in the group's order. A 512-token
 segment's 32 blocks are found, and registered, through one dict entry and a few array operations.
 
-NOTE: the index is cleaned lazily: a place counts only while the block there is cached under the key
-the prompt expects (``is_cached`` and ``key_of`` agree), so evicting a block, or registering a key again
-under a newer block (two requests computed the same content side by side), is an array store, not a
-deletion; the index is rebuilt from the cached blocks when its places outgrow the pool four times over.
+NOTE: the index is cleaned lazily: a place counts only while the block there is cached at that place
+(``place_of``), so evicting a block, or registering a group's content again under newer blocks (two
+requests computed it side by side), is an array store, not a deletion; the index is rebuilt from the
+cached blocks when its places outgrow the pool eight times over (or its groups twice).
 
 NOTE: a block is registered when the step that computes its KV is scheduled (``KVCacheManager.
 cache_blocks``, as vLLM v1), not when it is allocated: a prompt allocated whole and computed in chunks
@@ -32,9 +32,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sloserve.core.prefix import BlockIndex
+from sloserve.core.prefix import BlockIndex, mix_block_keys
 from sloserve.kv.block_pool import BlockPool
 
+# ``PrefixCache.place_of`` of a block not cached, and of one cached but in no place of the index.
+NOT_CACHED, UNINDEXED = -1, -2
+# The index is rebuilt when its places outgrow eight times the pool's blocks, or its groups twice, by this.
+INDEX_SLACK = 4096
 _NO_BLOCKS = np.zeros(0, dtype=np.int64)  # a miss's blocks, shared by every miss
 _NO_BLOCKS.flags.writeable = False
 
@@ -60,7 +64,7 @@ class EvictionQueue:
 
     def __init__(self, num_blocks: int) -> None:
         self.runs: deque[tuple[int, np.ndarray]] = deque()  # (stamp, blocks), oldest first
-        self.stamp_of = np.full(num_blocks, -1, dtype=np.int64)  # the run a queued block is in; -1: none
+        self.stamp_of = np.full(num_blocks, -1, dtype=np.int64)  # the run a block was last queued in; -1: none
         self._next_stamp = 0
         self._num_entries = 0  # entries in the runs, stale ones included
         self.count = 0  # blocks in the queue
@@ -109,7 +113,8 @@ class EvictionQueue:
             taken.append(live)
             num_blocks -= len(live)
         out = taken[0] if len(taken) == 1 else np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
-        self.stamp_of[out] = -1
+        # NOTE: their stamps stay: no run holds them now (taken off the oldest runs, which hold no stale
+        # entry of a block queued later), and a block comes back only by ``push``, with a new stamp
         self.count -= len(out)
         return out
 
@@ -142,18 +147,17 @@ class PrefixCache:
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
         self.ref_counts = np.zeros(pool.num_blocks, dtype=np.int32)  # tables holding each block
-        self.is_cached = np.zeros(pool.num_blocks, dtype=bool)  # registered under a key
-        self.key_of = np.zeros(pool.num_blocks, dtype=np.int64)  # its key, where is_cached
         # The index (see the module docstring): group key -> first place in slots; per place, the block
-        # cached there (-1: none; lazily cleaned); per cached block, its place. The groups in the order
-        # of their places (what rebuilding the index needs): their keys, first places and sizes.
+        # cached there (-1: none; lazily cleaned); per block, its place (NOT_CACHED, or UNINDEXED: cached
+        # but found by no one). The groups in the order of their places (what rebuilding the index and
+        # ``cached_keys`` need): their keys, first places, sizes and first blocks in a prompt.
         self.group_base: dict[int, int] = {}
         self.slots = np.full(1024, -1, dtype=np.int64)
-        self.place_of = np.zeros(pool.num_blocks, dtype=np.int64)
+        self.place_of = np.full(pool.num_blocks, NOT_CACHED, dtype=np.int64)
         self.num_places = 0
-        self._placed: tuple[list[int], list[int], list[int]] = ([], [], [])
+        self._placed: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
         self.evictable = EvictionQueue(pool.num_blocks)
-        self._last_match: tuple[list[int], np.ndarray] = ([], _NO_BLOCKS)  # see ``_ids``
+        self._last_match: tuple[list[int], np.ndarray] = ([], _NO_BLOCKS)  # see ``ids``
         # What ``match`` found for each prompt since the cached content last changed (a block registered
         # or evicted): a policy that looks its whole queue up every step looks each prompt up once
         # while nothing is registered or evicted (FastServe's and SRTF's steps between admissions).
@@ -172,7 +176,7 @@ class PrefixCache:
 
     def match(self, index: BlockIndex, limit: int) -> list[int]:
         """The cached blocks of the longest prefix of the prompt ``index`` describes, at most ``limit``."""
-        limit = min(limit, len(index.keys))
+        limit = min(limit, index.num_blocks)
         if limit <= 0:
             return []
         known = self._matches.get(index)
@@ -185,7 +189,7 @@ class PrefixCache:
         """``match``'s blocks, as a list and as an array."""
         get, group_keys = self.group_base.get, index.group_keys
         bases = []
-        for g in range(int(index.group_of_block[limit - 1]) + 1):
+        for g in range(index.group_of(limit - 1) + 1):
             base = get(group_keys[g])
             if base is None:
                 break
@@ -193,14 +197,32 @@ class PrefixCache:
         if not bases:
             return [], _NO_BLOCKS  # the common miss, after one lookup
         if len(bases) < len(group_keys):
-            limit = min(limit, int(index.group_starts[len(bases)]))
-        blocks = self.slots[np.array(bases)[index.group_of_block[:limit]] + index.offsets[:limit]]
-        # NOTE: a place no block was put in holds -1, which indexes the last block: the first test masks it
-        live = (blocks >= 0) & self.is_cached[blocks] & (self.key_of[blocks] == index.keys[:limit])
+            limit = min(limit, index.group_starts[len(bases)])
+        places = self._places(index, bases, 0, 0, limit)
+        blocks = self.slots[places]
+        # NOTE: a place no block was put in holds -1, which indexes the last block, whose place is not this
+        # one (a block's place is set with the slot, and a slot never goes back to -1 but in a rebuild)
+        live = self.place_of[blocks] == places
         found = limit if np.count_nonzero(live) == limit else int(live.argmin())
         return blocks[:found].tolist(), blocks[:found]
 
-    def _ids(self, blocks: Sequence[int] | np.ndarray) -> np.ndarray:
+    @staticmethod
+    def _places(index: BlockIndex, bases: list[int], first: int, start: int, end: int) -> np.ndarray:
+        """(end - start,) int64: the places of the prompt's blocks ``start`` to ``end - 1``, held by its
+        groups ``first``, ``first + 1``, ... whose first places are ``bases``."""
+        last = first + len(bases)
+        starts = index.group_starts[first:last]
+        shifts = [base - group_start for base, group_start in zip(bases, starts)]  # place - block, per group
+        if shifts.count(shifts[0]) == len(shifts):
+            # NOTE: the common case: groups placed together (a prompt's new groups, or those it finds, placed
+            # by one earlier prompt) sit side by side, as they do in the prompt (its groups tile its blocks)
+            return np.arange(start + shifts[0], end + shifts[0], dtype=np.int64)
+        counts = index.group_sizes[first:last]
+        counts[0] -= start - starts[0]  # (the range may begin and end inside a group)
+        counts[-1] = end - max(start, starts[-1])
+        return np.array(shifts, dtype=np.int64).repeat(counts) + np.arange(start, end, dtype=np.int64)
+
+    def ids(self, blocks: Sequence[int] | np.ndarray) -> np.ndarray:
         """``block_ids(blocks)``; for the list the last ``match`` returned, its array, kept from the match:
         a hit is checked (``num_evictable``) and shared with no conversion. NOTE: right while that list is
         unchanged; callers copy it before changing it (a table starts as ``[*cached, *new]``)."""
@@ -213,11 +235,16 @@ class PrefixCache:
         """The keys of the blocks cached now, sorted (int64): what a fleet's router matches prompts against,
         by binary search. NOTE: an array, not a list or a set: a GPU's cache holds ~30k blocks, reported every
         100 ms (what each costs: benchmarks/RESULTS.md)."""
-        return np.sort(self.key_of[self.is_cached])
+        cached = np.flatnonzero(self.place_of >= 0)
+        places = self.place_of[cached]
+        places = places[self.slots[places] == cached]  # (not a content registered again under newer blocks)
+        keys, bases, starts = (np.array(self._placed[i], dtype=np.int64) for i in (0, 1, 3))
+        group = np.searchsorted(bases, places, side="right") - 1
+        return np.sort(mix_block_keys(keys[group], starts[group] + places - bases[group], self.pool.block_size))
 
     def num_evictable(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` nobody uses (taking them lowers the free count)."""
-        return int(np.count_nonzero(self.ref_counts[self._ids(blocks)] == 0))
+        return int(np.count_nonzero(self.ref_counts[self.ids(blocks)] == 0))
 
     def num_released(self, tables: Sequence[Sequence[int] | np.ndarray]) -> int:
         """How many blocks would be free (or cached with no user) once every one of ``tables`` let go:
@@ -226,15 +253,15 @@ class PrefixCache:
         if not tables:
             return 0
         if len(tables) == 1:
-            return int(np.count_nonzero(self.ref_counts[self._ids(tables[0])] == 1))
-        blocks, holders = np.unique(np.concatenate([self._ids(t) for t in tables]), return_counts=True)
+            return int(np.count_nonzero(self.ref_counts[self.ids(tables[0])] == 1))
+        blocks, holders = np.unique(np.concatenate([self.ids(t) for t in tables]), return_counts=True)
         return int(np.count_nonzero(self.ref_counts[blocks] == holders))
 
     def share(self, blocks: Sequence[int]) -> None:
         """One more request uses ``blocks`` (found by ``match``)."""
         if not blocks:
             return
-        idx = self._ids(blocks)
+        idx = self.ids(blocks)
         held = self.ref_counts[idx] > 0
         self.evictable.remove(idx[~held])
         self.num_extra_refs += int(np.count_nonzero(held))
@@ -243,11 +270,10 @@ class PrefixCache:
     def allocate(self, num_blocks: int, keep_free: int = 0) -> list[int] | None:
         """``num_blocks`` blocks for one request, never-used first (leaving ``keep_free`` of them in the
         pool), then evicting cached ones; None (nothing taken) when fewer are free."""
-        pool, evictable = self.pool, self.evictable
-        if num_blocks + keep_free > pool.num_free + len(evictable):
+        fresh = self._num_fresh(num_blocks, keep_free)
+        if fresh is None:
             return None
-        fresh = min(num_blocks, max(pool.num_free - keep_free, 0))
-        blocks = pool.allocate(fresh) if fresh else []
+        blocks = self.pool.allocate(fresh) if fresh else []
         assert blocks is not None
         if fresh == 1:
             self.ref_counts[blocks[0]] = 1  # NOTE: a decode's growth: a scalar store, not an array op
@@ -259,6 +285,26 @@ class PrefixCache:
             blocks += evicted.tolist()
         return blocks
 
+    def allocate_ids(self, num_blocks: int, keep_free: int = 0) -> np.ndarray | None:
+        """``allocate``'s blocks as an int64 array (a new table's: no list converted back and forth)."""
+        fresh = self._num_fresh(num_blocks, keep_free)
+        if fresh is None:
+            return None
+        ids = block_ids(self.pool.allocate(fresh)) if fresh else _NO_BLOCKS
+        if num_blocks > fresh:
+            evicted = self._evict(num_blocks - fresh)
+            ids = np.concatenate((ids, evicted)) if fresh else evicted
+        self.ref_counts[ids] = 1
+        return ids
+
+    def _num_fresh(self, num_blocks: int, keep_free: int) -> int | None:
+        """How many of ``num_blocks`` blocks come from the pool (never used), the rest evicted; None when
+        fewer than ``num_blocks`` are free beyond ``keep_free`` never-used ones."""
+        num_free = self.pool.num_free
+        if num_blocks + keep_free > num_free + len(self.evictable):
+            return None
+        return min(num_blocks, max(num_free - keep_free, 0))
+
     def evict_to_pool(self, num_blocks: int) -> None:
         """Evict the ``num_blocks`` least recently released cached blocks into the pool: blocks
         reserved by count must be in the pool, as they would be gone from the cache once taken."""
@@ -267,22 +313,28 @@ class PrefixCache:
     def _evict(self, num_blocks: int) -> np.ndarray:
         """The ``num_blocks`` least recently released cached blocks, no longer cached."""
         evicted = self.evictable.pop(num_blocks)
-        self.is_cached[evicted] = False  # NOTE: their places in the index are now stale
+        self.place_of[evicted] = NOT_CACHED  # NOTE: their places in the index are now stale
         if len(evicted):
             self._matches.clear()
         self.num_evicted_blocks += len(evicted)
         return evicted
 
-    def release(self, blocks: Sequence[int]) -> None:
+    def release(self, blocks: Sequence[int], num_cached: int | None = None) -> None:
         """A request lets go of its table ``blocks``: each block whose last user this was goes back to
-        the pool, or, when cached, to the end of ``evictable`` (the table's tail first)."""
-        idx = block_ids(blocks)[::-1]
+        the pool, or, when cached, to the end of ``evictable`` (the table's tail first). ``num_cached``,
+        where the caller knows it: the table's first ``num_cached`` blocks are cached, the rest not."""
+        ids = block_ids(blocks)
+        idx = ids[::-1]
         counts = self.ref_counts[idx] - 1
         self.ref_counts[idx] = counts
         num_held = int(np.count_nonzero(counts))  # still held by another request
         self.num_extra_refs -= num_held
+        if num_cached is not None and not num_held:  # (no block shared: no lookup of which are cached)
+            self.evictable.push(ids[:num_cached][::-1])
+            self.pool.release(ids[num_cached:][::-1].tolist())
+            return
         unused = idx[counts == 0] if num_held else idx
-        cached = self.is_cached[unused]
+        cached = self.place_of[unused] != NOT_CACHED
         self.evictable.push(unused[cached])
         self.pool.release(unused[~cached].tolist())
 
@@ -294,29 +346,34 @@ class PrefixCache:
         if end == start:
             return
         self._matches.clear()
-        if self.num_places > 4 * self.pool.num_blocks + 4096:
+        pool = self.pool.num_blocks
+        if self.num_places > 8 * pool + INDEX_SLACK or len(self.group_base) > 2 * pool + INDEX_SLACK:
+            # NOTE: a place costs 8 bytes, a group a dict entry and four list items (~100x): a trace's
+            # groups of 32 blocks wait for the first bound, an engine's one-block groups for the second
             self._rebuild_index()
-        first, last = int(index.group_of_block[start]), int(index.group_of_block[end - 1]) + 1
+        assert index.block_size == self.pool.block_size, (index.block_size, self.pool.block_size)
+        first, last = index.group_of(start), index.group_of(end - 1) + 1
         bases = list(map(self.group_base.get, index.group_keys[first:last]))
         if None in bases:
-            self._place_groups(index.group_keys[first:last], index.group_sizes[first:last], bases)
+            self._place_groups(index, first, bases)
         idx = block_ids(blocks)
-        places = np.array(bases)[index.group_of_block[start:end] - first] + index.offsets[start:end]
+        places = self._places(index, bases, first, start, end)
         self.slots[places] = idx
         self.place_of[idx] = places
-        self.key_of[idx] = index.keys[start:end]
-        self.is_cached[idx] = True
 
-    def _place_groups(self, keys: list[int], sizes: list[int], bases: list[int | None]) -> None:
-        """New places for the groups of ``keys`` that have none (None in ``bases``, set here)."""
-        placed_keys, placed_bases, placed_sizes = self._placed
+    def _place_groups(self, index: BlockIndex, first: int, bases: list[int | None]) -> None:
+        """New places for the groups ``first``, ``first + 1``, ... of ``index`` that have none (None in
+        ``bases``, set here)."""
+        placed_keys, placed_bases, placed_sizes, placed_starts = self._placed
         for i, base in enumerate(bases):
             if base is None:
-                bases[i] = self.group_base[keys[i]] = self.num_places
-                placed_keys.append(keys[i])
+                key, size = index.group_keys[first + i], index.group_sizes[first + i]
+                bases[i] = self.group_base[key] = self.num_places
+                placed_keys.append(key)
                 placed_bases.append(self.num_places)
-                placed_sizes.append(sizes[i])
-                self.num_places += sizes[i]
+                placed_sizes.append(size)
+                placed_starts.append(index.group_starts[first + i])
+                self.num_places += size
         if self.num_places > len(self.slots):
             grown = np.full(max(2 * len(self.slots), self.num_places), -1, dtype=np.int64)
             grown[: len(self.slots)] = self.slots
@@ -325,21 +382,23 @@ class PrefixCache:
     def _rebuild_index(self) -> None:
         """The index of the blocks it finds now alone: groups none of whose blocks is found drop out. A
         block cached under a key registered again since (``register``) stays out, found by no one."""
-        cached = np.flatnonzero(self.is_cached)
+        cached = np.flatnonzero(self.place_of >= 0)
         places = self.place_of[cached]
-        found = (places >= 0) & (self.slots[places] == cached)
-        self.place_of[cached[~found]] = -1  # NOTE: out of the index for good (until registered again)
+        found = self.slots[places] == cached
+        self.place_of[cached[~found]] = UNINDEXED  # NOTE: out of the index for good (until registered again)
         cached, places = cached[found], places[found]
-        keys, bases, sizes = (np.array(column, dtype=np.int64) for column in self._placed)
-        group = np.searchsorted(bases, places, side="right") - 1  # of each cached block
-        kept = np.unique(group)
+        keys, bases, sizes, starts = (np.array(column, dtype=np.int64) for column in self._placed)
+        group = np.arange(len(bases)).repeat(sizes)[places]  # of each cached block (groups tile the places)
+        is_kept = np.zeros(len(bases), dtype=bool)
+        is_kept[group] = True
+        kept = np.flatnonzero(is_kept)  # the groups some block is found in (np.unique's, without a sort)
         new_bases = np.cumsum(sizes[kept]) - sizes[kept]
-        new_places = new_bases[np.searchsorted(kept, group)] + places - bases[group]
+        new_places = new_bases[(np.cumsum(is_kept) - 1)[group]] + places - bases[group]
         self.num_places = int(sizes[kept].sum())
-        self.slots = np.full(max(2 * self.num_places, 1024), -1, dtype=np.int64)
+        self.slots.fill(-1)  # NOTE: not shrunk: it would only grow again, a copy each doubling
         self.slots[new_places] = cached
         self.place_of[cached] = new_places
-        self._placed = (keys[kept].tolist(), new_bases.tolist(), sizes[kept].tolist())
+        self._placed = (keys[kept].tolist(), new_bases.tolist(), sizes[kept].tolist(), starts[kept].tolist())
         self.group_base = dict(zip(self._placed[0], self._placed[1]))
 
     def check(self, tables: Sequence[Sequence[int]]) -> None:
@@ -351,14 +410,14 @@ class PrefixCache:
         assert np.array_equal(counts, self.ref_counts), "reference counts differ from the block tables"
         assert self.num_extra_refs == int(np.maximum(counts - 1, 0).sum()), "shared references miscounted"
         free = set(self.pool.free_ids())
-        cached = set(np.flatnonzero(self.is_cached).tolist())
+        cached = set(np.flatnonzero(self.place_of != NOT_CACHED).tolist())
         evictable = self.evictable.blocks()
         assert len(evictable) == len(set(evictable)) == len(self.evictable), "the eviction queue miscounts"
         assert not free & set(evictable), "a block is both free and cached-evictable"
         assert all(counts[b] == 0 and b in cached for b in evictable), "an evictable block is used or unkeyed"
         assert not free & cached, "a free block is still cached"
-        # (-1: a duplicate of a key registered again since, found by no one)
-        assert (self.place_of[sorted(cached)] < self.num_places).all(), "a cached block has no place"
+        places = self.place_of[sorted(cached)]  # (UNINDEXED: registered again since, found by no one)
+        assert ((places == UNINDEXED) | ((places >= 0) & (places < self.num_places))).all(), "a cached block's place"
         assert list(self.group_base.values()) == self._placed[1], "the index's groups miscounted"
         used = int(np.count_nonzero(counts))
         assert used + len(free) + len(self.evictable) == self.pool.num_blocks, "used + free + evictable != capacity"

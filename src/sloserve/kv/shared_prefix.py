@@ -22,7 +22,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 
 from sloserve.core.request import Request
-from sloserve.kv.prefix_cache import PrefixCache
+from sloserve.kv.prefix_cache import NOT_CACHED, PrefixCache
 from sloserve.kv.token_slots import CHECKPOINTED
 
 
@@ -97,7 +97,7 @@ class SharedPrefixBlocks:
         index, slots = prompt.block_index(S), self.token_slots.get(request, ())
         shared = self.prefix_blocks.setdefault(request, [])
         first = len(shared)
-        for j in range(first, min(num_tokens // S, len(index.keys), len(slots) // S)):
+        for j in range(first, min(num_tokens // S, index.num_blocks, len(slots) // S)):
             block = self._whole_block(request, j) if slots[j * S] != CHECKPOINTED else None
             if block is None:
                 break
@@ -125,7 +125,7 @@ class SharedPrefixBlocks:
             assert not shared, "shared blocks without prefix caching"
             return set()
         self.prefix_cache.check([*self.prefix_blocks.values(), *([b] for b in own_blocks)])
-        assert self.prefix_cache.is_cached[list(shared)].all(), "a shared block is not cached"
+        assert (self.prefix_cache.place_of[list(shared)] != NOT_CACHED).all(), "a shared block is not cached"
         for request, blocks in self.prefix_blocks.items():
             slots = self.token_slots[request]
             n = len(blocks) * self.block_size
