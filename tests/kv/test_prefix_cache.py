@@ -76,6 +76,29 @@ def test_a_group_holds_its_blocks_at_the_same_places_in_every_prompt():
                 assert seen.setdefault(index.group_keys[g], extent) == extent
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+    segment_tokens=st.sampled_from([4, 6, 8, 16]),
+    clip=st.integers(0, 15),
+    block_size=st.sampled_from([1, 2, 3, 4, 8]),
+)
+def test_uniform_segments_are_indexed_as_any_segments_are(ids, segment_tokens, clip, block_size):
+    """A trace's prompt (``SegmentedPrompt.uniform``, indexed without a loop over its segments where they
+    hold whole blocks) has the index of the same segments given one by one."""
+    num_tokens = len(ids) * segment_tokens - clip % segment_tokens
+    uniform = SegmentedPrompt.uniform(tuple(ids), segment_tokens, num_tokens)
+    general = SegmentedPrompt(uniform.segment_ids, uniform.segment_ends, num_tokens)
+    a, b = uniform.block_index(block_size), general.block_index(block_size)
+    assert (a.num_blocks, a.group_keys, a.group_starts, a.group_sizes) == (
+        b.num_blocks,
+        b.group_keys,
+        b.group_starts,
+        b.group_sizes,
+    )
+    assert a.keys.tolist() == b.keys.tolist() == uniform.block_keys(block_size)
+
+
 def test_namespaces_keep_two_traces_apart():
     a, b = SegmentedPrompt.uniform((1, 2), 512, 1000), SegmentedPrompt.uniform((1, 2), 512, 1000, namespace=7)
     assert not set(a.block_keys(16)) & set(b.block_keys(16))
@@ -259,6 +282,89 @@ def test_shared_blocks_are_never_freed_under_a_live_user(ops, manager, block_siz
         live = {b for table in kv.block_tables.values() for b in table}
         assert not live & set(kv.gpu.free_ids()) and not live & set(kv.prefix_cache.evictable.blocks())
         assert (kv.prefix_cache.ref_counts >= 0).all()
+
+
+def _segmented_prompts(uniform: bool) -> list[SegmentedPrompt]:
+    """Ten prompts that share prefixes: segments of 4 tokens, or of 1 to 9 (some hold no block's last
+    token), some clipped inside their last segment."""
+    shapes = [
+        (0, 1, 2),
+        (0, 1, 3),
+        (0, 1, 2, 4),
+        (0, 5),
+        (0, 1, 2, 4, 6),
+        (7,),
+        (0, 1, 3, 8),
+        (9, 1, 2),
+        (0, 1, 2, 4, 6, 10),
+    ]
+    shapes.append((0,))
+    prompts = []
+    for i, ids in enumerate(shapes):
+        if uniform:
+            prompts.append(SegmentedPrompt.uniform(ids, 4, len(ids) * 4 - i % 3))
+        else:
+            ends = tuple(np.cumsum([1 + (5 * x) % 9 for x in ids]).tolist())
+            prompts.append(SegmentedPrompt(ids, ends, max(ends[-1] - i % 2, 1)))
+    return prompts
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["admit", "admit", "free", "evict_all"]), st.integers(0, 9), st.integers(1, 40)),
+        max_size=50,
+    ),
+    uniform=st.booleans(),
+    rebuild_often=st.booleans(),
+)
+def test_a_lookup_finds_the_newest_cached_block_of_each_key_up_to_the_first_miss(ops, uniform, rebuild_often):
+    """The index (groups, places, lazy cleaning, rebuilds) against a dict of the newest cached block of
+    each block key: prompts of segments registered in two chunks, finished and evicted in random order.
+    Every prompt finds exactly the dict's blocks up to its first key not there, and ``cached_keys`` (what
+    a fleet's router sees) are the dict's keys."""
+    from sloserve.kv import prefix_cache
+
+    slack = prefix_cache.INDEX_SLACK
+    prefix_cache.INDEX_SLACK = -120 if rebuild_often else slack  # (-120: a rebuild at most admissions)
+    try:
+        kv = PagedKVManager(16, 2, enable_prefix_caching=True)
+        cache = kv.prefix_cache
+        prompts = _segmented_prompts(uniform)
+        requests = [_request(i, p) for i, p in enumerate(prompts)]
+        newest: dict[int, int] = {}  # block key -> the block registered last under it
+        key_of: dict[int, int] = {}  # block -> the key it was registered under last
+        for op, i, chunk in ops:
+            r, index = requests[i], prompts[i].block_index(2)
+            if op == "admit" and r not in kv.block_tables:
+                cached = kv.find_cached_prefix(r)
+                if not kv.allocate_slots(r, r.num_prompt_tokens, cached):
+                    continue
+                kv.cache_blocks(r, min(chunk, r.num_prompt_tokens))  # (a chunk may end inside a group)
+                kv.cache_blocks(r, r.num_prompt_tokens)
+                table, keys = kv.block_tables[r], index.keys.tolist()
+                for j in range(len(cached), min(r.num_prompt_tokens // 2, index.num_blocks)):
+                    newest[keys[j]], key_of[table[j]] = table[j], keys[j]
+            elif op == "free":
+                kv.free(r)
+            elif op == "evict_all":
+                cache.evict_to_pool(len(cache.evictable))
+            newest = {
+                k: b for k, b in newest.items() if key_of[b] == k and cache.place_of[b] != prefix_cache.NOT_CACHED
+            }
+            kv.check_integrity()
+            for prompt in prompts:
+                index = prompt.block_index(2)
+                keys = index.keys.tolist()
+                expected = []
+                for key in keys:
+                    if key not in newest:
+                        break
+                    expected.append(newest[key])
+                assert cache.match(index, index.num_blocks) == expected
+            assert cache.cached_keys().tolist() == sorted(newest)
+    finally:
+        prefix_cache.INDEX_SLACK = slack
 
 
 # --- schedulers -------------------------------------------------------------------------------
