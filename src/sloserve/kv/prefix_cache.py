@@ -56,7 +56,8 @@ class EvictionQueue:
 
     Each release appends one run of blocks (its table's, tail first); ``pop`` takes blocks from the
     oldest runs. A block that leaves the queue otherwise (used again: ``remove``) stays in its run as a
-    stale entry, told apart by its stamp, and is skipped when reached.
+    stale entry, told apart by its stamp, and is skipped when reached; only the runs it left are
+    filtered (most runs are taken whole or in slices, with no look at their stamps).
 
     NOTE: runs, not one entry per block: the simulator frees a long prompt's 750 blocks with a few
     array operations. Stale entries are dropped when the runs hold more than twice the pool's blocks.
@@ -67,6 +68,7 @@ class EvictionQueue:
         self.stamp_of = np.full(num_blocks, -1, dtype=np.int64)  # the run a block was last queued in; -1: none
         self._next_stamp = 0
         self._num_entries = 0  # entries in the runs, stale ones included
+        self._dirty: set[int] = set()  # the stamps of runs that may hold stale entries
         self.count = 0  # blocks in the queue
 
     def __len__(self) -> int:
@@ -86,6 +88,7 @@ class EvictionQueue:
 
     def remove(self, blocks: np.ndarray) -> None:
         """``blocks`` (all queued) leave the queue: a request uses them again."""
+        self._dirty.update(self.stamp_of[blocks].tolist())
         self.stamp_of[blocks] = -1
         self.count -= len(blocks)
 
@@ -93,22 +96,17 @@ class EvictionQueue:
         """The ``num_blocks`` least recently released blocks, out of the queue (``num_blocks`` <= len)."""
         taken = []
         while num_blocks > 0:
-            stamp, blocks = self.runs[0]
-            head = blocks[:num_blocks]
-            if len(head) == num_blocks and np.count_nonzero(self.stamp_of[head] == stamp) == num_blocks:
-                # NOTE: the common case (a decode's one block): the run's head is live, and the rest of
-                # the run is not filtered now (its stale entries are skipped when reached)
-                self.runs[0] = (stamp, blocks[num_blocks:])
-                self._num_entries -= num_blocks
-                taken.append(head)
-                break
-            live = self._live(stamp, blocks)
+            stamp, run = self.runs[0]
+            live = run
+            if stamp in self._dirty:  # filtered once: what is left of it is live
+                live = self._live(stamp, run)
+                self._dirty.discard(stamp)
             if len(live) <= num_blocks:
                 self.runs.popleft()
-                self._num_entries -= len(blocks)
+                self._num_entries -= len(run)
             else:
                 self.runs[0] = (stamp, live[num_blocks:])
-                self._num_entries -= len(blocks) - len(live) + num_blocks
+                self._num_entries -= len(run) - len(live) + num_blocks
                 live = live[:num_blocks]
             taken.append(live)
             num_blocks -= len(live)
@@ -128,6 +126,7 @@ class EvictionQueue:
 
     def _compact(self) -> None:
         runs = [(stamp, self._live(stamp, run)) for stamp, run in self.runs]
+        self._dirty.clear()
         self.runs = deque((stamp, run) for stamp, run in runs if len(run))
         self._num_entries = sum(len(run) for _, run in self.runs)
 
@@ -329,8 +328,11 @@ class PrefixCache:
         self.ref_counts[idx] = counts
         num_held = int(np.count_nonzero(counts))  # still held by another request
         self.num_extra_refs -= num_held
-        if num_cached is not None and not num_held:  # (no block shared: no lookup of which are cached)
-            self.evictable.push(ids[:num_cached][::-1])
+        if num_cached is not None:  # (no lookup of which are cached)
+            cached = ids[:num_cached][::-1]
+            if num_held:  # NOTE: only cached blocks are shared (found by a lookup): the rest have one user
+                cached = cached[self.ref_counts[cached] == 0]
+            self.evictable.push(cached)
             self.pool.release(ids[num_cached:][::-1].tolist())
             return
         unused = idx[counts == 0] if num_held else idx
