@@ -12,7 +12,8 @@ order; SGLang's radix tree evicts leaves first too).
 The index finds blocks a group at a time (``core/prefix.py``'s ``BlockIndex``: a trace segment's
 blocks, or each block alone when the content is known by tokens): ``group_base`` maps a group's key to
 its first place in ``slots``, an array of the blocks cached there, in the group's order. A 512-token
-segment's 32 blocks are found, and registered, through one dict entry and a few array operations.
+segment's 32 blocks are found, and registered, through one dict entry and a few array operations;
+the places of groups that sit side by side (placed together) are one range.
 
 NOTE: the index is cleaned lazily: a place counts only while the block there is cached at that place
 (``place_of``), so evicting a block, or registering a group's content again under newer blocks (two
@@ -132,7 +133,7 @@ class EvictionQueue:
 
 
 class PrefixCache:
-    """Reference counts and content keys of one pool's blocks, and the cached blocks nobody uses.
+    """Reference counts and index places of one pool's blocks, and the cached blocks nobody uses.
 
     Attributes:
         evictable: cached blocks with no user, least recently released first (``EvictionQueue``).
