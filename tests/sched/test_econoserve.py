@@ -3,6 +3,8 @@ with padding and reserve, offload-free preemption, KV-cache pipelining, ordering
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -151,7 +153,8 @@ def test_ordering_puts_tighter_deadlines_first_then_larger_occupied_kv():
 def test_ordered_queue_matches_a_sorted_reference(ops):
     """Moves between deadline ranges leave stale entries behind (dropped lazily, or by a rebuild):
     the queue's order, first() and first_fit() still equal a full sort by (deadline range, occupied
-    KV range descending, length descending, arrival)."""
+    KV range descending, length descending, arrival); and no task changes range before
+    ``next_move_time`` (what lets the simulator repeat EconoServe's decode steps up to it)."""
     q = TaskQueue("ordered", (0.5, 2.0), kv_range_tokens=128)
     reqs = make_requests([(8, 8)] * 200)
     tasks: dict = {}  # request -> (deadline, kv, length, seq)
@@ -162,11 +165,18 @@ def test_ordered_queue_matches_a_sorted_reference(ops):
         q.add(r, *tasks[r][:3])
         seq += 1
 
+    def key_range(r, at: float) -> int:
+        left = tasks[r][0] - at
+        return 0 if left < 0.5 else 1 if left < 2.0 else 2
+
+    def first_move(r, at: float) -> float:
+        """When ``r`` passes the bound of its range at ``at``."""
+        return {0: math.inf, 1: tasks[r][0] - 0.5, 2: tasks[r][0] - 2.0}[key_range(r, at)]
+
     def ref_order():
         def key(r):
             deadline, kv, length, n = tasks[r]
-            left = deadline - now
-            return (0 if left < 0.5 else 1 if left < 2.0 else 2, -(kv // 128), -length, n)
+            return (key_range(r, now), -(kv // 128), -length, n)
 
         return sorted(tasks, key=key)
 
@@ -181,7 +191,12 @@ def test_ordered_queue_matches_a_sorted_reference(ops):
             del tasks[r]
             q.remove(r)
         elif op == "advance":
+            # next_move_time: no task changes range before it (it may be earlier than the first move)
+            soonest, ranges = q.next_move_time(), {r: key_range(r, now) for r in tasks}
+            assert soonest <= min((first_move(r, now) for r in tasks), default=math.inf)
             now += (x % 3000) / 1000
+            if now < soonest:
+                assert ranges == {r: key_range(r, now) for r in tasks}
             q.advance(now)
         elif op == "fit":
             room = x % 320

@@ -12,6 +12,7 @@ docs/schedulers.md.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections import deque
 from typing import Any
@@ -148,6 +149,12 @@ class Scheduler(ABC):
         decodes named as chunks (``is_named_decode_only``; ``on_token_emitted`` then runs once per
         token of the stretch, after all of them are recorded)."""
         return 1
+
+    def stretch_deadline(self) -> float:
+        """The earliest time at which this policy's step may decide differently of itself, with no
+        arrival, completion or memory event (its queues' order moving with the clock): every step of a
+        decode stretch starts before it. Default: never. (A ``chunk_horizon`` accounts for it itself.)"""
+        return math.inf
 
     def _named_decode_memory_horizon(self, output: SchedulerOutput, limit: int) -> int:
         """Steps (>= 1, <= limit) from the scheduled ``output``, one-token decodes named as chunks whose

@@ -610,12 +610,17 @@ class EconoServeScheduler(CohortScheduler):
         return super().kv_used_tokens() + self._queued_kv_tokens
 
     def decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
-        """Decode-only steps repeat until a KV event (a GT outgrowing its granted slots), a completion
-        or an arrival; with ordering, queued tasks change deadline range with time, so only when both
-        queues are empty."""
-        if self.config.ordering and (self.pt_queue or self.gt_queue):
-            return 1
+        """Decode-only steps repeat until a KV event (a GT outgrowing its granted slots), a completion,
+        an arrival or, with ordering, a queued task moving to a more urgent deadline range
+        (``stretch_deadline``): a step that admitted nothing admits nothing again while the queues keep
+        their order, the cohort its size and the free KV only shrinks."""
         return self._cohort_memory_horizon(output, limit)
+
+    def stretch_deadline(self) -> float:
+        """With ordering, the queues' order moves with the clock (§3.4's deadline ranges)."""
+        if not self.config.ordering:
+            return math.inf
+        return min(self.pt_queue.next_move_time(), self.gt_queue.next_move_time())
 
     repeat = CohortScheduler._cohort_repeat  # NOTE: the base class's method itself: a call fewer per stretch
 

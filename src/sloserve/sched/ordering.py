@@ -288,6 +288,18 @@ class TaskQueue:
             if count > 64 and 8 * count > 7 * (len(self._buckets[b]) + len(self._pending[b])):
                 self._rebuild(b)
 
+    def next_move_time(self) -> float:
+        """The earliest step start at which ``advance`` may move a task to a more urgent range (inf: no
+        task will move): before it the queue's order changes only by adds and removes. Each wheel's
+        first slot holds its earliest deadline (stale items of removed tasks only make this earlier)."""
+        soonest = math.inf
+        for bound, wheel, slots in zip(self.deadline_ranges_s, self._wheel, self._wheel_slots, strict=True):
+            if slots:
+                deadline = min(item[0] for item in wheel[slots[0]])
+                # NOTE: a task moves once deadline - now < bound; the margin covers that test's rounding
+                soonest = min(soonest, deadline - bound - 8 * math.ulp(deadline))
+        return soonest
+
     # --- selection -------------------------------------------------------------------------------
     def first(self) -> Request | None:
         where = self._range

@@ -2,7 +2,8 @@
 one stretch of k steps whose times come from the cost model's arithmetic series
 (``CostModel.step_increment``, or ``step_times``):
 
-- a decode-only step, until an arrival, a completion or a memory event (``Scheduler.decode_horizon``):
+- a decode-only step, until an arrival, a completion, a memory event (``Scheduler.decode_horizon``) or
+  the time the policy's own decision moves (``Scheduler.stretch_deadline``: EconoServe's ordered queues):
   the cohort's step, or one of one-token decodes named as chunks by a policy that opts in
   (``Scheduler.named_decode_stretches``: SRTF, FastServe, MultiRes, the rank policies);
 - a step of decodes and a prompt chunk that leaves no room for anyone else (Sarathi's middle
@@ -64,6 +65,8 @@ class StretchPlanner:
         or the last step whose KV growth fits. ``named``: ``out`` has no cohort, and repeats only if
         it is all one-token decodes named as chunks (else it runs as one step)."""
         executor, now = self.executor, replica.now
+        # NOTE: a time at which the policy decides differently by itself is an arrival to a stretch
+        next_arrival = min(next_arrival, replica.scheduler.stretch_deadline())
         # At load the arrival is often a step or two away: then a single step (always exact) costs
         # less than setting up a stretch, and one cost-model call decides that.
         shape, first = executor.first_step(out)
