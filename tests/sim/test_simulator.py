@@ -58,6 +58,9 @@ CASES = [
     ("sharegpt", "fastserve", dict(rate=12.0)),
     ("bwb", "fastserve", dict()),  # offline: requests sink through every level
     ("azure-conv", "fastserve", dict(trace_arrivals=True, base_quantum_s=0.05, quantum_ratio=1.5)),
+    # RR with one class: FCFS decodes repeated until an arrival, a completion or a decode finding no block
+    ("sharegpt", "rr", dict(rate=12.0)),
+    ("bwb", "rr", dict()),
     # EconoServe's ordered queues, full under overload: decode steps repeat until a task changes range
     ("sharegpt", "econoserve", dict(rate=20.0)),
     ("azure-conv", "econoserve", dict(trace_arrivals=True)),

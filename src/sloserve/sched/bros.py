@@ -666,10 +666,26 @@ class RoundRobinScheduler(SubsetScheduler):
     """BROS's RR baseline (§2.2): RT and BE FCFS queues served in turn, one class per iteration."""
 
     name = "rr"
+    named_decode_stretches = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._serve_rt = True
+
+    def decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
+        """With one class only (none of the other running or waiting) every step serves it, FCFS: a step
+        of decodes only repeats while their growth fits the free KV (no eviction; a waiting request that
+        found no room finds none later, as the free KV only shrinks; an arrival or a completion ends the
+        stretch). With both classes they take turns: one step at a time; and with prefix caching
+        (registrations) or bidirectional blocks (slots placed per batch)."""
+        if self._caching or self._bicache or (self._waiting(RequestClass.RT) and self._waiting(RequestClass.BE)):
+            return 1
+        classes = {r.request_class for r in self.running}
+        classes.update(c for c in (RequestClass.RT, RequestClass.BE) if self._waiting(c))
+        return 1 if len(classes) > 1 else self._named_decode_memory_horizon(output, limit)
+
+    def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
+        return self._named_decode_repeat(output, num_steps)
 
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -685,18 +701,19 @@ class RoundRobinScheduler(SubsetScheduler):
 
     def _fcfs_batch(self, cls: RequestClass, out: SchedulerOutput) -> list[Request]:
         batch = self._start_batch()
-        candidates = [r for r in self.running if r.request_class is cls]
-        candidates += [r for r in self.waiting if r.request_class is cls]
-        for r in candidates:
+        running = [r for r in self.running if r.request_class is cls]
+        for r in itertools.chain(running, self._waiting(cls)):  # (the loop leaves _waiting's list unchanged)
             if len(batch) >= self.config.max_batch_size or not self._prompt_fits(r):
                 break
-            while not self._fits(r) and r.status is RequestStatus.RUNNING:
+            fits = self._fits(r)
+            while not fits and r.status is RequestStatus.RUNNING:
                 # vLLM-style: evict the latest-admitted request outside the batch (recompute).
                 victims = [x for x in self.running if x not in batch and x is not r and self._on_gpu(x)]
                 if not victims:
                     break
                 self._evict(victims[-1], out)
-            if not self._fits(r):
+                fits = self._fits(r)
+            if not fits:
                 break
             self._add(batch, r)
         return batch
