@@ -3,7 +3,8 @@ the engine steps in its own process (``engine_core.run_core``). ``sloserve serve
 
 Threads of the server process: the caller's event loop submits and aborts (``submit`` validates the
 request as the engine would, then sends it over the pipe); a reader thread receives one message per
-engine step and hands each request's new text to its asyncio queue, one wake-up of the loop per step.
+engine step, detokenizes each request's new tokens (its stop strings end it here, and the engine is
+told to drop it) and hands the text to its asyncio queue, one wake-up of the loop per step.
 
 Every accepted request ends with exactly one last delta (``finish_reason`` set): "stop" (EOS or a
 stop string), "length" (max_tokens), "abort" (aborted, or still unfinished when a shutdown's grace
@@ -25,6 +26,7 @@ from typing import Protocol
 
 from sloserve.core.errors import ConfigError, SloserveError
 from sloserve.core.request import SLO, Request, RequestClass
+from sloserve.engine.detokenizer import Detokenizer
 from sloserve.engine.engine_core import AddRequest, EngineInfo, EngineSpec, EngineStats, Output, run_core
 from sloserve.engine.llm_engine import check_request, engine_cost_model
 from sloserve.engine.sampler import Logprobs, SamplingParams
@@ -102,6 +104,7 @@ class ServedRequest:
         self.error: str | None = None
         self._loop = loop
         self._queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
+        self.detokenizer: Detokenizer | None = None  # its text from its tokens, and its stop strings
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -277,6 +280,7 @@ class AsyncLLMEngine:
             self._scheduler.check_fits(probe, len(prompt) + params.max_tokens - 1)
             self._next_id += 1
             served = ServedRequest(request_id, arrival, prompt, params, request_class, slo, asyncio.get_running_loop())
+            served.detokenizer = Detokenizer(self.tokenizer, stop)
             self._served[request_id] = served
             self._num_queued += 1
             self._num_unfinished += 1
@@ -352,6 +356,8 @@ class AsyncLLMEngine:
             served = self._served.get(out.request_id)
             if served is None or served.finish_reason is not None:
                 continue
+            if out.text is None:  # tokens from the engine process: their text, and its stop strings, here
+                out = self._detokenize(served, out)
             if out.token_ids and served.num_output_tokens == 0:
                 served.first_token_time = out.first_token_time
                 with self._lock:
@@ -377,6 +383,20 @@ class AsyncLLMEngine:
         for served in ended:
             self._ended(served)
         self._hand_over(outbox)
+
+    def _detokenize(self, served: ServedRequest, out: Output) -> Output:
+        """``out`` with its text. A stop string ends the request here ("stop"; the text ends before it)
+        and the engine is told to drop it: the tokens of at most the step under way are computed for
+        nothing (vLLM v1 does the same), against detokenizing every request in the step's loop."""
+        detokenizer = served.detokenizer
+        assert detokenizer is not None
+        text = detokenizer.push(out.token_ids, finished=out.finish_reason is not None)
+        if not detokenizer.stopped:
+            return out._replace(text=text)
+        if out.finish_reason is None:
+            self._send(("abort", out.request_id))
+            return out._replace(text=text, finish_reason="stop", finish_time=self.clock())
+        return out._replace(text=text, finish_reason="stop")
 
     def _hand_over(self, outbox: list[tuple[ServedRequest, StreamDelta]]) -> None:
         """Give each request its delta (from the reader thread): to its ``async for``."""

@@ -2,7 +2,8 @@
 
 ``run_core`` is the process: it builds the engine from an ``EngineSpec``, then applies commands
 between steps, runs the steps on the wall clock and sends one message per step with every request's
-new text and tokens. ``AsyncLLMEngine`` (``async_engine.py``) is the other side, in the server.
+new tokens. ``AsyncLLMEngine`` (``async_engine.py``) is the other side, in the server: it turns them
+into text and finds stop strings there, off the steps' path (as vLLM v1's output processor).
 
 NOTE: a process, not a thread: the server's event loop and the engine's Python would otherwise share
 one GIL, and every microsecond the loop spends on a token would be taken from the engine's steps.
@@ -29,7 +30,6 @@ import numpy as np
 from sloserve.checkpoint.config import RANDOM_PREFIX
 from sloserve.core.errors import SloserveError
 from sloserve.core.request import SLO, Request, RequestClass, RequestStatus
-from sloserve.engine.detokenizer import Detokenizer
 from sloserve.engine.sampler import Logprobs, SamplingParams
 from sloserve.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -111,7 +111,7 @@ class AddRequest:
     params: SamplingParams  # max_tokens already cut to the context
     request_class: RequestClass
     slo: SLO
-    stop: tuple[str, ...]
+    stop: tuple[str, ...]  # (the engine process sends tokens only; a fleet's ingress forwards these to its replica)
     arrival_time: float  # on the engine clock
 
 
@@ -119,7 +119,9 @@ class Output(NamedTuple):
     """One request's news from one step; the last has ``finish_reason``."""
 
     request_id: int
-    text: str
+    # NOTE: None from the engine process, which sends tokens only: the server's process detokenizes them
+    # and looks for stop strings (``AsyncLLMEngine``, as vLLM v1's output processor), off the step's path
+    text: str | None
     token_ids: list[int]
     finish_reason: str | None
     first_token_time: float  # NaN until the first token
@@ -160,26 +162,22 @@ class EngineStats:
 
 
 class _Live:
-    """A request in the engine: its detokenizer and what its client has been sent."""
+    """A request in the engine: what its client has been sent."""
 
-    __slots__ = ("request", "detokenizer", "num_sent", "ended")
+    __slots__ = ("request", "num_sent", "ended")
 
-    def __init__(self, request: Request, detokenizer: Detokenizer) -> None:
+    def __init__(self, request: Request) -> None:
         self.request = request
-        self.detokenizer = detokenizer
         self.num_sent = 0  # output tokens sent
-        self.ended = False  # its last Output went out (stop string, abort): the engine drops it when scheduled
+        self.ended = False  # its last Output went out (abort): the engine drops it when scheduled
 
 
 class EngineCore:
     """Applies commands, steps the engine and reports each step over its pipe: the core process's loop."""
 
-    def __init__(
-        self, engine, tokenizer, clock_start: float, conn: Connection, report_routing_stats: bool = False
-    ) -> None:
+    def __init__(self, engine, clock_start: float, conn: Connection, report_routing_stats: bool = False) -> None:
         self.engine = engine
         self.report_routing_stats = report_routing_stats
-        self.tokenizer = tokenizer
         self.clock_start = clock_start
         self.conn = conn
         self.live: dict[int, _Live] = {}
@@ -224,14 +222,14 @@ class EngineCore:
                 add.request_class,
                 add.slo,
             )
-            live = _Live(request, Detokenizer(self.tokenizer, add.stop))
+            live = _Live(request)
             try:
                 self.engine.add_request(add.prompt_token_ids, add.params, add.arrival_time, request=request)
             except SloserveError as e:  # NOTE: the server checked it as the engine does; this is for
                 # what only the engine can find (its grammar library refusing this model's tokenizer):
                 # this request ends with the reason, the engine goes on
                 live.ended = True
-                self._pending.append(self._output(live, "", [], "error")._replace(error=str(e)))
+                self._pending.append(self._output(live, [], "error")._replace(error=str(e)))
                 self.publish([])
                 return
             self.live[add.request_id] = live
@@ -251,12 +249,11 @@ class EngineCore:
         self.engine.abort(live.request)
         if not live.ended:
             live.ended = True
-            self._pending.append(self._output(live, "", [], "abort"))
+            self._pending.append(self._output(live, [], "abort"))
 
     def _output(
         self,
         live: _Live,
-        text: str,
         token_ids: list[int],
         finish_reason: str | None,
         logprobs: list[Logprobs] | None = None,
@@ -265,7 +262,7 @@ class EngineCore:
         r = live.request
         return Output(
             r.request_id,
-            text,
+            None,
             token_ids,
             finish_reason,
             r.first_token_time,
@@ -278,7 +275,7 @@ class EngineCore:
         )
 
     def publish(self, finished: list[Request]) -> None:
-        """Send every live request the tokens and text this step gave it; release finished ones."""
+        """Send every live request the tokens this step gave it; release finished ones."""
         engine = self.engine
         outputs, self._pending = self._pending, []
         ended = {r.request_id for r in finished}
@@ -296,16 +293,8 @@ class EngineCore:
             first = live.num_sent == 0 and new_ids
             prompt_logprobs = seq.prompt_logprobs if first else None
             live.num_sent += len(new_ids)
-            text = live.detokenizer.push(new_ids, finished=done)
-            reason = None
-            if live.detokenizer.stopped:
-                reason = "stop"
-                if not done:
-                    engine.abort(request)  # NOTE: the stop string ended it: nothing more is computed
-            elif done:
-                reason = seq.finish_reason or "length"
-            live.ended = reason is not None
-            outputs.append(self._output(live, text, new_ids, reason, logprobs, prompt_logprobs))
+            reason = (seq.finish_reason or "length") if done else None
+            outputs.append(self._output(live, new_ids, reason, logprobs, prompt_logprobs))
         for request in finished:
             engine.release(request)
             del self.live[request.request_id]
@@ -376,7 +365,7 @@ def run_core(spec: EngineSpec, conn: Connection, clock_start: float) -> None:
             ),
         )
     )
-    core = EngineCore(engine, engine.loaded.tokenizer, clock_start, conn, spec.report_routing_stats)
+    core = EngineCore(engine, clock_start, conn, spec.report_routing_stats)
     try:
         core.run()
     except (EOFError, BrokenPipeError):  # the server went away

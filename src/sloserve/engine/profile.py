@@ -116,8 +116,8 @@ class HostShare:
 
 def measure_host(loaded: LoadedModel, *, max_model_len: int, max_slots: int, seed: int = 0) -> HostShare:
     """What a served step costs the host beside the executor: the served loop's step (``EngineCore.run_step``:
-    vLLM's schedule, the executor, the update, then each request's tokens detokenized, packed and sent
-    over a pipe to a process that reads them), minus the executor's own measured time, fitted as
+    vLLM's schedule, the executor, the update, then each request's tokens packed and sent over a pipe
+    to a process that reads them; the server's process detokenizes them), minus the executor's own measured time, fitted as
     ``per_step_s + per_request_s * requests`` over the steps of ``HOST_REQUESTS`` requests run together.
 
     NOTE: it is vLLM's policy's scheduling cost; a policy that scans more per step costs more."""
@@ -133,7 +133,7 @@ def measure_host(loaded: LoadedModel, *, max_model_len: int, max_slots: int, see
     conn = Connection(os.dup(reader.stdin.fileno()), readable=False)
     reader.stdin.close()
     try:
-        core = EngineCore(engine, loaded.tokenizer, time.perf_counter(), conn)
+        core = EngineCore(engine, time.perf_counter(), conn)
         for i, output_len in enumerate(np.linspace(2, longest_output, HOST_REQUESTS).astype(int)):
             prompt = rng.integers(0, loaded.config.vocab_size, size=prompt_len).tolist()
             params = SamplingParams(max_tokens=int(output_len), temperature=0.0, ignore_eos=True)
