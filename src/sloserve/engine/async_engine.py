@@ -27,7 +27,15 @@ from typing import Protocol
 from sloserve.core.errors import ConfigError, SloserveError
 from sloserve.core.request import SLO, Request, RequestClass
 from sloserve.engine.detokenizer import Detokenizer
-from sloserve.engine.engine_core import AddRequest, EngineInfo, EngineSpec, EngineStats, Output, run_core
+from sloserve.engine.engine_core import (
+    AddRequest,
+    EngineInfo,
+    EngineSpec,
+    EngineStats,
+    Output,
+    outputs_of,
+    run_core,
+)
 from sloserve.engine.llm_engine import check_request, engine_cost_model
 from sloserve.engine.sampler import Logprobs, SamplingParams
 from sloserve.sched import make_scheduler
@@ -336,7 +344,7 @@ class AsyncLLMEngine:
             while True:
                 message = self._conn.recv()
                 if message[0] == "step":
-                    self._on_step(message[1], message[2])
+                    self._on_step(outputs_of(message[1]), message[2])
                 elif message[0] == "failed":
                     self._fail(message[1])
                     return

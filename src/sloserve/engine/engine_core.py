@@ -11,7 +11,7 @@ one GIL, and every microsecond the loop spends on a token would be taken from th
 Messages over the pipe (pickled tuples):
 
     server -> core   ("add", AddRequest) | ("abort", request_id) | ("abort_all",) | ("stop",)
-    core -> server   ("ready", EngineInfo) | ("failed", message) | ("step", [Output], EngineStats)
+    core -> server   ("ready", EngineInfo) | ("failed", message) | ("step", Output columns, EngineStats)
                      | ("stopped",)
 """
 
@@ -161,6 +161,17 @@ class EngineStats:
     cached_block_keys: np.ndarray | None = None  # sorted (PrefixCache.cached_keys)
 
 
+def output_columns(outputs: list[Output]) -> tuple[list, ...]:
+    """``outputs`` as one list per field, for the pipe: pickling a step's hundreds of named tuples cost
+    the engine process 4x what their fields as lists do (216 against 52 us for 200 requests)."""
+    return tuple(map(list, zip(*outputs)))
+
+
+def outputs_of(columns: tuple[list, ...]) -> list[Output]:
+    """``output_columns``'s ``outputs`` back (in the server's process)."""
+    return [Output(*fields) for fields in zip(*columns)]
+
+
 class _Live:
     """A request in the engine: what its client has been sent."""
 
@@ -304,7 +315,7 @@ class EngineCore:
                 from sloserve.metrics.timeline import Timeline
 
                 engine.replica.timeline = Timeline()
-            self.conn.send(("step", outputs, self.stats()))
+            self.conn.send(("step", output_columns(outputs), self.stats()))
 
     def stats(self) -> EngineStats:
         counts = {RequestStatus.WAITING: 0, RequestStatus.RUNNING: 0, RequestStatus.SWAPPED: 0}
