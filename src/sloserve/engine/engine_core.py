@@ -162,8 +162,8 @@ class EngineStats:
 
 
 def output_columns(outputs: list[Output]) -> tuple[list, ...]:
-    """``outputs`` as one list per field, for the pipe: pickling a step's hundreds of named tuples cost
-    the engine process 4x what their fields as lists do (216 against 52 us for 200 requests)."""
+    """``outputs`` as one list per field, for the pipe: pickling a step's hundreds of named tuples costs
+    the engine process 4x what their fields as lists do (benchmarks/RESULTS.md, issue 43)."""
     return tuple(map(list, zip(*outputs)))
 
 

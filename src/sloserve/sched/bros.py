@@ -678,7 +678,7 @@ class RoundRobinScheduler(SubsetScheduler):
         found no room finds none later, as the free KV only shrinks; an arrival or a completion ends the
         stretch). With both classes they take turns: one step at a time; and with prefix caching
         (registrations) or bidirectional blocks (slots placed per batch)."""
-        if self._caching or self._bicache or (self._waiting(RequestClass.RT) and self._waiting(RequestClass.BE)):
+        if self._caching or self._bicache:
             return 1
         classes = {r.request_class for r in self.running}
         classes.update(c for c in (RequestClass.RT, RequestClass.BE) if self._waiting(c))
