@@ -69,7 +69,8 @@ class Scheduler(ABC):
     # will fill (``kv.cache_blocks``).
     supports_prefix_caching: bool = False
     # The simulator may repeat a step of one-token decodes named as chunks (no cohort) for as many
-    # steps as ``decode_horizon`` allows (sim/stretch.py); else only cohort steps repeat.
+    # steps as ``decode_horizon`` allows (sim/stretch.py; ``repeat`` is then ``_named_decode_repeat``,
+    # and never with prefix caching); else only cohort steps repeat.
     named_decode_stretches: bool = False
 
     def __init__(self, kv: KVCacheManager, predictor: LengthPredictor | None = None) -> None:
@@ -201,7 +202,9 @@ class Scheduler(ABC):
 
     def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
         """``output`` standing for ``num_steps`` steps (``num_steps`` <= its decode or chunk horizon):
-        allocates the KV the later steps need."""
+        allocates the KV the later steps need. Default: named decodes' (``named_decode_stretches``)."""
+        if self.named_decode_stretches:
+            return self._named_decode_repeat(output, num_steps)
         raise NotImplementedError(f"{self.name} has no fast path")
 
     # --- hooks and shared mechanics -----------------------------------------------------------

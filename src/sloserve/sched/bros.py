@@ -676,16 +676,13 @@ class RoundRobinScheduler(SubsetScheduler):
         """With one class only (none of the other running or waiting) every step serves it, FCFS: a step
         of decodes only repeats while their growth fits the free KV (no eviction; a waiting request that
         found no room finds none later, as the free KV only shrinks; an arrival or a completion ends the
-        stretch). With both classes they take turns: one step at a time; and with prefix caching
-        (registrations) or bidirectional blocks (slots placed per batch)."""
-        if self._caching or self._bicache:
+        stretch). With both classes they take turns: one step at a time; and with bidirectional blocks
+        (slots placed per batch)."""
+        if self._bicache:
             return 1
         classes = {r.request_class for r in self.running}
         classes.update(c for c in (RequestClass.RT, RequestClass.BE) if self._waiting(c))
         return 1 if len(classes) > 1 else self._named_decode_memory_horizon(output, limit)
-
-    def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
-        return self._named_decode_repeat(output, num_steps)
 
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -133,9 +133,8 @@ class FastServeScheduler(PriorityBatchScheduler):
         longer than the last one's cost-model time, and the quantum left over that time bounds the
         steps run before a demotion: the step that demotes may end the stretch, as a single step would.
         NOTE: ``cost_model`` is the simulator's (``runs`` gives both the same one). One step at a time
-        with the starvation limit (a waiting request's promotion depends on the clock) or prefix
-        caching (a repeated step's new blocks could be found by a waiting prompt)."""
-        if self._caching or self.config.starvation_limit_s is not None:
+        with the starvation limit (a waiting request's promotion depends on the clock)."""
+        if self.config.starvation_limit_s is not None:
             return 1
         last = len(self.quanta) - 1
         left = min(
@@ -147,9 +146,6 @@ class FastServeScheduler(PriorityBatchScheduler):
         longest_s = self.cost_model.step_seconds(advance_shape(batch_shape(output), limit - 1))
         # (k - 1) steps of at most longest_s each stay under the quantum left; a margin for rounding
         return max(1, min(limit, math.ceil(left * (1 - 1e-9) / longest_s)))
-
-    def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
-        return self._named_decode_repeat(output, num_steps)
 
     def update(self, output: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
         """Apply the step, then charge its duration to every request in it that goes on."""

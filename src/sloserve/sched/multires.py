@@ -162,12 +162,8 @@ class MultiResScheduler(IterationScheduler):
         while every running request's growth fits the free KV (within its reservation it takes no
         block): the forward's room stays and the free KV only shrinks, so no waiting request fits in
         later steps either, and no decode must evict (the simulator stops at an arrival or a
-        completion). With prefix caching each step registers the blocks it fills, which a waiting
-        request's lookup may then find: one step at a time."""
-        return 1 if self._caching else self._named_decode_memory_horizon(output, limit)
-
-    def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
-        return self._named_decode_repeat(output, num_steps)
+        completion)."""
+        return self._named_decode_memory_horizon(output, limit)
 
     def _num_evicted_blocks(self) -> int:
         return self.kv.prefix_cache.num_evicted_blocks if self._caching else 0

@@ -168,12 +168,8 @@ class RankScheduler(Scheduler):
         """A step of decodes only repeats while the running requests' growth fits the free KV: ranks
         do not change, the batch's budget holds the same decodes, and with the free KV only shrinking
         no waiting request that found no room (or would have evicted nobody) finds it later (the
-        simulator stops at an arrival or a completion). With prefix caching each step registers the
-        blocks it fills, which a waiting request's lookup may then find: one step at a time."""
-        return 1 if self._caching else self._named_decode_memory_horizon(output, limit)
-
-    def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
-        return self._named_decode_repeat(output, num_steps)
+        simulator stops at an arrival or a completion)."""
+        return self._named_decode_memory_horizon(output, limit)
 
     def _fits_after_evicting(
         self, cand: Request, target: int, reserve: int, cached: list[int] | tuple, victims: list[Request]

@@ -219,12 +219,8 @@ class SrtfScheduler(PriorityBatchScheduler):
         """A step of decodes only repeats until an arrival or a completion (the simulator stops there):
         each batch member's remaining time only shrinks, every other request's key stays, and under
         max allocation the free KV (and so which waiting request fits) does not move, so each step
-        picks the same batch. With prefix caching each step registers the blocks it fills, which a
-        waiting request's lookup may then find: one step at a time."""
-        return 1 if self._caching else self._named_decode_memory_horizon(output, limit)
-
-    def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
-        return self._named_decode_repeat(output, num_steps)
+        picks the same batch."""
+        return self._named_decode_memory_horizon(output, limit)
 
     def remaining_tokens(self, request: Request) -> int:
         predicted = request.predicted_output_tokens or 1

@@ -70,7 +70,11 @@ class StretchPlanner:
         # At load the arrival is often a step or two away: then a single step (always exact) costs
         # less than setting up a stretch, and one cost-model call decides that.
         shape, first = executor.first_step(out)
-        if now + MIN_STRETCH_STEPS * first >= next_arrival or (named and not out.is_named_decode_only):
+        # NOTE: named decodes repeat only without prefix caching: each step registers the blocks it
+        # fills, which a waiting request's lookup may then find, and their slots are taken at once
+        if now + MIN_STRETCH_STEPS * first >= next_arrival or (
+            named and (not out.is_named_decode_only or replica.scheduler.kv.prefix_cache is not None)
+        ):
             return (now + first,)
         limit = min(executor.steps_until_finish(out), MAX_STRETCH_STEPS)
         if next_arrival < math.inf:
