@@ -235,12 +235,19 @@ class PrefixCache:
         """The keys of the blocks cached now, sorted (int64): what a fleet's router matches prompts against,
         by binary search. NOTE: an array, not a list or a set: a GPU's cache holds ~30k blocks, reported every
         100 ms (what each costs: benchmarks/RESULTS.md)."""
+        _, places, group = self._indexed()
+        keys, bases, starts = (np.array(self._placed[i], dtype=np.int64) for i in (0, 1, 3))
+        return np.sort(mix_block_keys(keys[group], starts[group] + places - bases[group], self.pool.block_size))
+
+    def _indexed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The cached blocks the index finds, their places, and the group (in ``_placed``'s order) each
+        place is in. Not among them: a block whose place a newer block of its content took since."""
         cached = np.flatnonzero(self.place_of >= 0)
         places = self.place_of[cached]
-        places = places[self.slots[places] == cached]  # (not a content registered again under newer blocks)
-        keys, bases, starts = (np.array(self._placed[i], dtype=np.int64) for i in (0, 1, 3))
-        group = np.searchsorted(bases, places, side="right") - 1
-        return np.sort(mix_block_keys(keys[group], starts[group] + places - bases[group], self.pool.block_size))
+        found = self.slots[places] == cached
+        cached, places = cached[found], places[found]
+        sizes = self._placed[2]
+        return cached, places, np.arange(len(sizes)).repeat(sizes)[places]  # (groups tile the places)
 
     def num_evictable(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` nobody uses (taking them lowers the free count)."""
@@ -385,13 +392,11 @@ class PrefixCache:
     def _rebuild_index(self) -> None:
         """The index of the blocks it finds now alone: groups none of whose blocks is found drop out. A
         block cached under a key registered again since (``register``) stays out, found by no one."""
-        cached = np.flatnonzero(self.place_of >= 0)
-        places = self.place_of[cached]
-        found = self.slots[places] == cached
-        self.place_of[cached[~found]] = UNINDEXED  # NOTE: out of the index for good (until registered again)
-        cached, places = cached[found], places[found]
+        cached, places, group = self._indexed()
+        # NOTE: the blocks not found are out of the index for good (until registered again); the found
+        # ones get their new places below
+        self.place_of[self.place_of >= 0] = UNINDEXED
         keys, bases, sizes, starts = (np.array(column, dtype=np.int64) for column in self._placed)
-        group = np.arange(len(bases)).repeat(sizes)[places]  # of each cached block (groups tile the places)
         is_kept = np.zeros(len(bases), dtype=bool)
         is_kept[group] = True
         kept = np.flatnonzero(is_kept)  # the groups some block is found in (np.unique's, without a sort)
