@@ -345,7 +345,7 @@ def test_timeline_keeps_recording_order_across_reads():
         t += 0.5
         if i % 1000 == 999:  # a stretch of 3 decode steps of 2 requests
             ends = [t + 0.25, t + 0.5, t + 0.75]
-            tl.append_stretch(t, ends, 2, 0, 0, 0, 100, 106, 160, 160, [0, 0, 0], 16, 1e-6, 1)
+            tl.append_stretch(t, ends, 2, 0, 0, 0, 100, 106, 160, 160, [0, 0, 0], 1e-6, 1)
             expected_starts += [t, t + 0.25, t + 0.5]
             expected_used += [102, 104, 106]
             t = ends[-1]

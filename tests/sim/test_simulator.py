@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from helpers import llama7b_cost, scheduler, timestamps
-from sloserve.core.request import RequestStatus
+from sloserve.core.request import SLO, Request, RequestClass, RequestStatus
 from sloserve.sched.registry import scheduler_names
 from sloserve.sim import simulate
 from sloserve.workload.build import workload_from_trace
@@ -64,6 +66,11 @@ CASES = [
     # EconoServe's ordered queues, full under overload: decode steps repeat until a task changes range
     ("sharegpt", "econoserve", dict(rate=20.0)),
     ("azure-conv", "econoserve", dict(trace_arrivals=True)),
+    # BROS: decode steps repeat while its order, (6), (7) and (8) leave them the same (RT/BE mixes
+    # in scarce KV: test_bros_stretches_under_overload)
+    ("sharegpt", "bros", dict(rate=12.0, default_tpot_s=0.03)),  # TPOT near the step time: (6) binds
+    ("azure-conv", "bros_nobicache", dict(rate=6.0, default_tpot_s=0.04, default_ttft_s=0.2)),
+    ("azure-conv", "bros", dict(n=100, trace_arrivals=True, deadlines="token_group")),  # (token groups: no stretch)
 ]
 
 
@@ -86,6 +93,89 @@ def test_fast_path_gives_the_same_timestamps(trace, name, kwargs):
     ):
         np.testing.assert_array_equal(fast.timeline.column(col), slow.timeline.column(col), err_msg=col)
     np.testing.assert_allclose(fast.timeline.column("start_s"), slow.timeline.column("start_s"), rtol=1e-9)
+
+
+def _overload_run(name: str, case: str, fast: bool):
+    from sloserve.cost import get_gpu, get_model, kv_capacity_tokens
+    from sloserve.runs import SimOptions, run_simulation, setup_from_options
+
+    opt13b = dict(model="opt-13b", gpu="a100-40gb", num_gpus=2, num_requests=150, no_fast_path=not fast)
+    if case == "bros-azure-conv/4":
+        quarter = kv_capacity_tokens(get_model("opt-13b"), get_gpu("a100-40gb"), num_gpus=2) // 4
+        options = SimOptions(workload="bros-azure-conv", rt_rate=2.0, kv_capacity_tokens=quarter, **opt13b)
+    else:
+        options = SimOptions(workload="mixed-rt-be", kv_capacity_tokens=3000, **opt13b)
+    setup = setup_from_options(options)
+    summary = run_simulation(setup, name, {}, setup.make_workload())
+    return summary, *summary["_result"]
+
+
+@pytest.mark.parametrize("name", ["bros", "bros_nobicache"])
+@pytest.mark.parametrize("case", ["bros-azure-conv/4", "mixed-rt-be/3k"])
+def test_bros_stretches_under_overload(name, case):
+    """benchmarks/overload.py's KV-starved RT/BE cases, small: BROS drops, swaps and checkpoints between
+    its stretches; every timestamp, preemption, copied byte and timeline row is the same both ways,
+    and most steps ran in stretches."""
+    slow, slow_reqs, slow_timeline = _overload_run(name, case, fast=False)
+    fast, fast_reqs, fast_timeline = _overload_run(name, case, fast=True)
+    np.testing.assert_allclose(timestamps(fast_reqs), timestamps(slow_reqs), rtol=1e-9, atol=0, equal_nan=True)
+    assert [r.num_preemptions for r in slow_reqs] == [r.num_preemptions for r in fast_reqs]
+    assert slow["preemptions"] + slow["swapped_bytes"] > 0, "the case drops or checkpoints KV"
+    assert (fast["preemptions"], fast["swapped_bytes"]) == (slow["preemptions"], slow["swapped_bytes"])
+    assert len(fast_timeline) == len(slow_timeline)
+    for col in ("num_tokens", "num_decode", "num_requests", "kv_used_tokens", "kv_allocated_tokens", "num_preempted"):
+        np.testing.assert_array_equal(fast_timeline.column(col), slow_timeline.column(col), err_msg=col)
+    np.testing.assert_allclose(fast_timeline.column("start_s"), slow_timeline.column("start_s"), rtol=1e-9)
+    stretched = fast_timeline.column("sched_time_s") == 0
+    assert stretched.sum() > len(stretched) / 2
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=st.sampled_from(["bros", "bros_nobicache"]),
+    # (prompt, output, arrival, BE?, TPOT SLO) of each request
+    specs=st.lists(
+        st.tuples(
+            st.integers(8, 300),
+            st.integers(2, 150),
+            st.floats(0, 2),
+            st.booleans(),
+            st.sampled_from([0.015, 0.03, 0.1]),
+        ),
+        min_size=2,
+        max_size=30,
+    ),
+    capacity=st.sampled_from([512, 1024, 4096]),
+)
+def test_bros_stretches_on_random_workloads(name, specs, capacity):
+    """Small random RT/BE mixes in scarce KV with mixed SLOs (orders that change, (6) that binds,
+    requests refused room by a little): the same run both ways."""
+
+    def run(fast: bool):
+        requests = [
+            Request(
+                request_id=i,
+                arrival_time=arrival,
+                num_prompt_tokens=prompt,
+                true_output_tokens=output,
+                max_tokens=output,
+                request_class=RequestClass.BE if be else RequestClass.RT,
+                slo=SLO(ttft_s=0.1, tpot_s=tpot),
+            )
+            for i, (prompt, output, arrival, be, tpot) in enumerate(specs)
+        ]
+        result = simulate(
+            requests, lambda: scheduler(name, capacity, swap_space_tokens=20_000), llama7b_cost(), fast_path=fast
+        )
+        return requests, result
+
+    slow_reqs, slow = run(False)
+    fast_reqs, fast = run(True)
+    np.testing.assert_allclose(timestamps(fast_reqs), timestamps(slow_reqs), rtol=1e-9, atol=0, equal_nan=True)
+    assert [r.num_preemptions for r in slow_reqs] == [r.num_preemptions for r in fast_reqs]
+    assert fast.swapped_bytes == slow.swapped_bytes
+    for col in ("num_tokens", "num_requests", "kv_used_tokens", "kv_allocated_tokens", "num_preempted"):
+        np.testing.assert_array_equal(fast.timeline.column(col), slow.timeline.column(col), err_msg=col)
 
 
 def _every_scheduler_run(name: str, fast: bool):

@@ -100,14 +100,15 @@ class SchedulerOutput:
     # token in each of them).
     # NOTE: counts above describe the first of them; the cohort's KV grows by its size per step.
     num_steps: int = 1
-    # Blocks allocated before each of the num_steps steps, first one excluded (for the timeline).
-    new_blocks_per_step: Sequence[int] | None = None
+    # KV slots allocated before each of the num_steps steps, the first one's counted as 0 (it was
+    # allocated when the output was built), for the timeline.
+    new_slots_per_step: Sequence[int] | None = None
 
     def add_preemption(self, request: Request, mode: PreemptionMode) -> None:
         """Record that ``request`` left the GPU (``mode``) while this batch was built."""
         self.preempted = [*self.preempted, Preemption(request, mode)]
 
-    def repeated(self, num_steps: int, new_blocks_per_step: Sequence[int]) -> SchedulerOutput:
+    def repeated(self, num_steps: int, new_slots_per_step: Sequence[int]) -> SchedulerOutput:
         """This output (no preemption, swap or copy) made to stand for ``num_steps`` steps; returns it.
 
         NOTE: the one change an output may take after ``schedule`` built it: the simulator's fast
@@ -115,7 +116,7 @@ class SchedulerOutput:
         than the stretch's other bookkeeping)."""
         assert not (self.preempted or self.swap_in or self.swap_out or self.slot_copies), self
         self.num_steps = num_steps
-        self.new_blocks_per_step = new_blocks_per_step
+        self.new_slots_per_step = new_slots_per_step
         return self
 
     @property

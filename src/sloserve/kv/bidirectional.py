@@ -154,25 +154,74 @@ class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager)
         return max(0, num_tokens - len(self.token_slots.get(request, ()))) + self.num_checkpointed(request)
 
     def has_room(self, request: Request, need: int, protect: Collection[Request] = ()) -> bool:
-        """Whether ``request`` could get ``need`` new slots now (O(protected requests))."""
+        """Whether ``request`` could get ``need`` new slots now (O(protected requests)): ``need <=
+        room(request, protect)``, the other requests' blocks looked at only when its own and the free
+        ones fall short."""
         if need <= 0:
             return True
-        S = self.block_size
+        need -= self._room_in_place(request, protect)
+        return need <= 0 or need <= self._room_elsewhere(request, protect)
+
+    def room(self, request: Request, protect: Collection[Request] = ()) -> int:
+        """The new slots ``request`` could get now (see ``has_room``)."""
+        return self._room_in_place(request, protect) + self._room_elsewhere(request, protect)
+
+    def _room_in_place(self, request: Request, protect: Collection[Request]) -> int:
+        """Slots of the free blocks and of the request's own last block: its empty ones and, for an RT
+        request, the BE tokens facing it that it may overwrite."""
+        room = self.block_size * self.num_free_blocks
         last = self._last(request)
         rt = request.request_class is RequestClass.RT
         if last is not None and (self.rt_owner[last] if rt else self.be_owner[last]) is request:
-            need -= self._empty(last)
+            room += self._empty(last)
             if rt and self._may_overwrite_facing(last, protect):
-                need -= len(self.be_tokens[last])
-        need -= S * self.num_free_blocks
-        if need <= 0:
-            return True
-        if rt:  # block preemption: every slot of an unprotected BE-only block can be taken over
+                room += len(self.be_tokens[last])
+        return room
+
+    def _room_elsewhere(self, request: Request, protect: Collection[Request]) -> int:
+        """Slots in other requests' blocks: for an RT request every slot of the unprotected BE-only
+        blocks (block preemption), for a BE request the empty slots of RT-only blocks."""
+        if request.request_class is RequestClass.RT:
             preemptible = len(self._be_only) - sum(self._be_only_by_owner.get(p, 0) for p in protect)
-            need -= S * preemptible
-        else:
-            need -= self._rt_only_empty
-        return need <= 0
+            return self.block_size * preemptible
+        return self._rt_only_empty
+
+    def decode_growth_steps(self, requests: Sequence[Request], limit: int) -> int:
+        """Steps (0 to ``limit``) through which each of ``requests``, in this order, can take one more
+        slot per step touching nobody else's tokens: in its own last block while it has empty slots
+        (requests facing each other in a block share them, in this order), then in a free block; not
+        over the BE tokens facing an RT request (lazy checkpointing, whoever is protected: BE requests
+        join a BROS batch after the RT ones), nor by block preemption or in an RT-only block. A dry
+        run: nothing changes. NOTE: with these rules the tokens facing an RT request stay as they are
+        through the steps counted (only an overwrite takes them, a BE request starts only in a free
+        block), so each is looked up once."""
+        S = self.block_size
+        empty: dict[int, int] = {}  # block -> its empty slots as the steps take them
+        grows_in: list[int | None] = []  # each request's block to grow in (None: it needs a new one)
+        blocked: list[bool] = []  # an RT request whose block, once full, has BE tokens facing it
+        for r in requests:
+            b = self._last(r)
+            rt = r.request_class is RequestClass.RT
+            if b is not None and (self.rt_owner[b] if rt else self.be_owner[b]) is r:
+                empty.setdefault(b, self._empty(b))
+                grows_in.append(b)
+                blocked.append(rt and self.be_owner[b] is not None and bool(self.be_tokens[b]))
+            else:
+                grows_in.append(None)
+                blocked.append(False)
+        free = self.num_free_blocks
+        new_block = -1  # blocks taken in the dry run, by made-up ids
+        for step in range(limit):
+            for i, b in enumerate(grows_in):
+                if b is not None and empty[b] > 0:
+                    empty[b] -= 1
+                    continue
+                if free == 0 or (blocked[i] and not self.rt_free_block_first):
+                    return step
+                free -= 1
+                grows_in[i], empty[new_block], blocked[i] = new_block, S - 1, False
+                new_block -= 1
+        return limit
 
     def allocate_slots(
         self, request: Request, num_tokens: int, protect: Collection[Request] = (), cached: Sequence[int] = ()

@@ -101,8 +101,7 @@ class Timeline:
         kv_used_after: int,
         kv_allocated_before: int,
         kv_allocated_after: int,
-        new_blocks_per_step: Sequence[int],
-        block_size: int,
+        new_slots_per_step: Sequence[int],
         sched_time_s: float,
         replica: int = 0,
     ) -> None:
@@ -112,7 +111,7 @@ class Timeline:
 
         Step i (0-based) ends at ``end_times[i]``; KV used after it is ``kv_used_before +
         (num_decode + num_prefill_tokens) * (i + 1)`` except after the last step (``kv_used_after``,
-        when finished requests have been freed); allocated KV grows by ``new_blocks_per_step`` blocks
+        when finished requests have been freed); allocated KV grows by ``new_slots_per_step`` slots
         (step 0's growth is already in ``kv_allocated_before``) and is ``kv_allocated_after`` after
         the last step.
         """
@@ -130,8 +129,7 @@ class Timeline:
                 kv_used_after,
                 kv_allocated_before,
                 kv_allocated_after,
-                new_blocks_per_step,
-                block_size,
+                new_slots_per_step,
                 sched_time_s,
                 replica,
             )
@@ -152,8 +150,7 @@ class Timeline:
             used1,
             alloc0,
             alloc1,
-            new_blocks,
-            bs,
+            new_slots,
             sched,
             replica,
         ) = zip(*self._stretches, strict=True)
@@ -173,13 +170,13 @@ class Timeline:
         num_tokens = num_decode + num_prefill
         kv_used = np.repeat(np.array(used0, dtype=np.int64), lengths) + num_tokens * (local + 1)
         kv_used[last] = used1
-        grown = np.cumsum(np.concatenate(new_blocks).astype(np.int64))  # blocks allocated so far
+        grown = np.cumsum(np.concatenate(new_slots).astype(np.int64))  # slots allocated so far
         grown_at_first = np.repeat(grown[first], lengths)
         grown_at_last = np.repeat(grown[last], lengths)
         # Allocated before a stretch's later steps = before-allocation minus what those steps add.
         kv_allocated = np.repeat(np.array(alloc0, dtype=np.int64), lengths) - (
             (grown_at_last - grown_at_first) - (grown - grown_at_first)
-        ) * np.repeat(np.array(bs, dtype=np.int64), lengths)
+        )
         kv_allocated[last] = alloc1
         sched_time = np.zeros(total)
         sched_time[first] = sched

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -157,6 +158,14 @@ class Scheduler(ABC):
         decode stretch starts before it. Default: never. (A ``chunk_horizon`` accounts for it itself.)"""
         return math.inf
 
+    def clock_horizon(self, output: SchedulerOutput, end_times: Sequence[float]) -> int:
+        """Steps (>= 1, <= len(end_times)) of a planned decode stretch of ``output``, whose steps end
+        at ``end_times`` (each later one starts when the one before ends), through which this policy
+        decides the same at each step's start: for a policy whose decision moves with the clock step
+        by step (BROS's deadlines against its iteration estimate). Called after ``decode_horizon``
+        and before ``repeat``. Default: all of them."""
+        return len(end_times)
+
     def _named_decode_memory_horizon(self, output: SchedulerOutput, limit: int) -> int:
         """Steps (>= 1, <= limit) from the scheduled ``output``, one-token decodes named as chunks whose
         first step's slots are allocated, through which their growth fits the free KV: the
@@ -192,7 +201,7 @@ class Scheduler(ABC):
                 np.add.at(new_blocks, np.arange(first, num_steps + 1, bs), 1)
                 done = kv.allocate_slots(request, computed + num_steps)
                 assert done, request
-        return output.repeated(num_steps, new_blocks[1:].tolist())
+        return output.repeated(num_steps, (new_blocks[1:] * bs).tolist())
 
     def chunk_horizon(self, output: SchedulerOutput, limit: int) -> int:
         """Steps (>= 1, <= limit) for which ``output``, the cohort's decodes and one prompt chunk,

@@ -39,6 +39,7 @@ from sloserve.kv.bidirectional import BidirectionalKVManager
 from sloserve.kv.manager import KVCacheManager
 from sloserve.predict import LengthPredictor
 from sloserve.sched.base import Scheduler, check_fits_alone, require_whole_prompts
+from sloserve.sched.bros_stretch import BrosStretches
 
 
 @dataclass
@@ -403,8 +404,9 @@ class SubsetScheduler(Scheduler):
         return super().kv_used_tokens()
 
 
-class BrosScheduler(SubsetScheduler):
-    """Priority packing (BROS §4.2, Algorithm 1) with the adaptive batch size."""
+class BrosScheduler(BrosStretches, SubsetScheduler):
+    """Priority packing (BROS §4.2, Algorithm 1) with the adaptive batch size. The simulator repeats
+    its steps of decodes while they stay the same (sched/bros_stretch.py)."""
 
     name = "bros"
 
@@ -569,12 +571,17 @@ class BrosScheduler(SubsetScheduler):
         violated = False
         rt_short_of_room = False  # an RT request found no room (8): the anti-thrash rule holds BE back
         residual = math.inf
+        # For the simulator's fast path (_note_step): the first RT request that found no room, and
+        # whether a request was left out by (6), (7), the replacement rule or the liveness rule.
+        refused: Request | None = None
+        held_back = False
         # NOTE: once an RT request is short of room, no waiting one runs this step (nothing needing new KV
         # does): they are not even looked at, so a long queue costs nothing then.
         rt_order = self._rt_in_priority_order(lambda: rt_short_of_room)
         t1, kv1 = time.perf_counter(), self.kv_time_s
         for r in rt_order:  # Algorithm 1, RT phase
             if len(batch) >= self.batch_size:  # (7)
+                held_back = True
                 break
             if not self._prompt_fits(r) or (rt_short_of_room and self._needs_new_kv(r)):
                 continue
@@ -585,6 +592,8 @@ class BrosScheduler(SubsetScheduler):
                 break
             if not self._make_room(r, batch, out):  # (8)
                 rt_short_of_room = True
+                refused = r if refused is None else refused
+                held_back = held_back or not self._needs_new_kv(r)  # a running one: it waits a step
                 if cfg.readmit_horizon_steps:
                     # The anti-thrash rule: the RT requests holding KV still run (they need no new
                     # room); those needing it wait. NOTE: stopping here leaves the batch empty when
@@ -620,8 +629,11 @@ class BrosScheduler(SubsetScheduler):
             if len(batch) < self.batch_size:
                 if residual == math.inf or self._estimate(batch, r) <= residual:
                     self._add(batch, r)
+                else:
+                    held_back = True
                 continue
             # Replace the least urgent RT request in the batch if it can afford to wait a step.
+            held_back = True
             rts = [x for x in batch if x.request_class is RequestClass.RT]
             if len(rts) < 2:
                 break
@@ -636,6 +648,8 @@ class BrosScheduler(SubsetScheduler):
                 break  # ``least`` had slack to wait a step (the replacement rule); stop replacing
         if not batch and self.running:
             self._unblock(batch, out)
+            held_back = True
+        self._note_step(refused, violated or held_back)
         self.last_estimate_s = self._estimate(batch) if batch else 0.0
         self.last_residual_s = residual
         if batch:

@@ -91,8 +91,9 @@ class CohortScheduler(Scheduler):
     def _cohort_repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
         """``repeat`` for a policy whose repeated steps only grow the cohort (and move a chunk on)."""
         first = self.cohort.ticks + 1  # grown by schedule()
-        later = self.cohort.grow_through(first + num_steps - 1)  # num_steps - 1 of them
-        return output.repeated(num_steps, [0, *later])
+        later = self.cohort.grow_through(first + num_steps - 1)  # blocks: num_steps - 1 of them
+        bs = self.kv.block_size
+        return output.repeated(num_steps, [0, *(n * bs for n in later)])
 
     # --- metrics --------------------------------------------------------------------------------
     def kv_used_tokens(self) -> int:

@@ -3,7 +3,8 @@ one stretch of k steps whose times come from the cost model's arithmetic series
 (``CostModel.step_increment``, or ``step_times``):
 
 - a decode-only step, until an arrival, a completion, a memory event (``Scheduler.decode_horizon``) or
-  the time the policy's own decision moves (``Scheduler.stretch_deadline``: EconoServe's ordered queues):
+  the time the policy's own decision moves (``Scheduler.stretch_deadline``: EconoServe's ordered queues;
+  ``Scheduler.clock_horizon`` when it moves step by step with the clock: BROS's deadlines):
   the cohort's step, or one of one-token decodes named as chunks by a policy that opts in
   (``Scheduler.named_decode_stretches``: SRTF, FastServe, MultiRes, the rank policies, RR with one class);
 - a step of decodes and a prompt chunk that leaves no room for anyone else (Sarathi's middle
@@ -86,6 +87,8 @@ class StretchPlanner:
         if limit <= 1:
             return (now + first,)
         ends = executor.end_times(out, now, limit, next_arrival, first, shape)
+        if named and len(ends) > 1:
+            ends = ends[: replica.scheduler.clock_horizon(out, ends)]
         if len(ends) == 1:
             return (float(ends[0]),)  # NOTE: a single step's end times are a tuple of a float
         return self._repeat(replica, out, ends)
@@ -129,8 +132,7 @@ class StretchPlanner:
             replica.scheduler.kv_used_tokens(),
             self._kv_allocated_before,
             kv.allocated_tokens,
-            out.new_blocks_per_step,
-            kv.block_size,
+            out.new_slots_per_step,
             sched_time,
             replica.index,
         )

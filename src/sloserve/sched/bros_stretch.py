@@ -1,0 +1,194 @@
+"""The simulator's fast path for BROS (sim/stretch.py): when its step of decodes repeats as it is.
+
+BROS names every request it runs each step, by deadline, under its iteration estimate (6), its batch
+size (7) and the KV each needs (8); nothing in its step is a cohort. A step of decodes only (nothing
+admitted, dropped or copied; nothing left out by (6) or (7)) is the same step again while:
+
+- its order holds: the RT members' deadlines move by their TPOT per token and stay sorted (ties in
+  running order), each on the same side of the RT request that found no room, if any (a waiting or
+  dropped request's deadline does not move);
+- what left the others out still does: the RT request that found no room (``_refused``; the RT phase
+  then skips every later one that needs KV) finds none, as its shortfall after evicting all it may
+  (as ``_make_room`` counts it) exceeds what the members' growth can give back (bidirectional blocks:
+  a slot per member per step, that evicting it would free; paged KV: none, a victim's new block was a
+  free one); a BE request that found no room finds less (the members take free slots and nobody
+  frees any); a prompt over the budget is still over it (the batch holds no prompt);
+- the members' growth fits where it touches nobody: their own blocks, then free ones
+  (``BidirectionalKVManager.decode_growth_steps``; the free KV with paged blocks);
+- (6) binds nobody: at each step's start every RT member is past its deadline or has at least the
+  whole batch's estimate left (with the refused request's part: it is estimated before it is refused),
+  so no check of (6) fails, the batch size (7) grows from a step it did not bound, and the first RT
+  member not past its deadline is the one whose residual bounds the batch.
+
+Then only the clock and the members' lengths change, and the steps run as one stretch, with what BROS
+keeps from step to step (B, the iteration average, the last estimate and residual) advanced as its
+schedule would have. Each condition is checked, none assumed: a step that cannot be shown the same
+runs alone. tests/sim/test_simulator.py runs BROS both ways and compares every timestamp.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from sloserve.core.outputs import SchedulerOutput, StepResult
+from sloserve.core.request import Request, RequestClass
+from sloserve.cost.base import BatchShape
+
+
+class BrosStretches:
+    """``decode_horizon``, ``clock_horizon`` and ``repeat`` of ``BrosScheduler`` (a mixin over
+    ``SubsetScheduler``'s state); its ``schedule`` calls ``_note_step`` once a batch is packed."""
+
+    named_decode_stretches = True
+
+    _repeatable = False  # the last step may repeat, as far as the step itself could tell
+    _refused: Request | None = None  # the RT request that found no room (8) in the last step
+    _clock_plan: tuple[list[float], list[float]] = ([], [])  # estimates and residuals of a stretch's later steps
+    _slots_ahead = 0  # bidirectional blocks: slots a planned stretch allocated for tokens to come
+
+    def _note_step(self, refused: Request | None, held_back: bool) -> None:
+        """Record whether the step just packed may repeat: nothing in it was held back by (6), (7), the
+        replacement rule or the liveness rule (``held_back``; then B grows from here, so (7) holds
+        nobody back later either), its deadlines are per token, and the anti-thrash rule is on (a
+        request that finds no room is refused, not given victims). ``refused``: the first RT request
+        that found no room (one needing new KV: a running one refused room is held back)."""
+        cfg = self.config
+        self._refused = refused
+        self._repeatable = (
+            not held_back and cfg.deadlines == "per_token" and cfg.readmit_horizon_steps > 0 and not self._caching
+        )
+
+    # --- the hooks --------------------------------------------------------------------------------
+    def decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
+        if not self._repeatable:
+            return 1
+        members = [r for r, _ in output.chunks]
+        limit = self._order_horizon(members, limit)
+        if limit > 1 and self._refused is not None:
+            limit = min(limit, self._refused_horizon(len(members), limit))
+        if limit > 1:
+            if self._bicache:
+                limit = 1 + self.kv.decode_growth_steps(members, limit - 1)
+            else:
+                limit = self._named_decode_memory_horizon(output, limit)
+        return limit
+
+    def clock_horizon(self, output: SchedulerOutput, end_times: Sequence[float]) -> int:
+        """The steps through which (6) binds nobody (see the module docstring), from the first; keeps
+        their estimates and residuals for ``repeat``."""
+        members = [r for r, _ in output.chunks]
+        num_later = len(end_times) - 1  # steps after the scheduled one: j = 1..num_later
+        n = len(members)
+        decode_kv = 0
+        for r in members:
+            decode_kv += r.num_computed_tokens
+        refused = self._contribution(self._refused) if self._refused is not None else None
+        estimates, bounds = [], []  # the batch's estimate at each later step, and with the refused request
+        for j in range(1, num_later + 1):
+            sums = (n, decode_kv + j * n, 0, 0, 0, 0, 0)  # as _estimate sums the batch at step j
+            estimates.append(self.cost_model.batch_time(BatchShape(*sums, True)).total_s)
+            if refused is not None:
+                with_refused = BatchShape(*(a + b for a, b in zip(sums, refused, strict=True)), True)
+                bounds.append(self.cost_model.batch_time(with_refused).total_s)
+        if refused is None:
+            bounds = estimates
+        self.num_cost_model_queries += len(estimates) + len(bounds) * (refused is not None)
+        rt = [r for r in members if r.request_class is RequestClass.RT]
+        residuals = [math.inf] * num_later
+        valid = num_later
+        if rt:
+            own = self._deadlines(rt, 1, num_later + 1) - np.asarray(end_times[:-1], dtype=np.float64)  # (rt, later)
+            met = own >= 0
+            bad = np.flatnonzero((met & (own < np.asarray(bounds))).any(axis=0))
+            valid = int(bad[0]) if len(bad) else num_later
+            first_met = met.argmax(axis=0)
+            residuals = [float(own[i, j]) if met[i, j] else math.inf for j, i in enumerate(first_met)]
+        self._clock_plan = (estimates, residuals)
+        return 1 + valid
+
+    def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
+        """``output`` standing for ``num_steps`` steps (within both horizons): the members' slots for
+        the later steps allocated in the order the steps would take them, and B, the iteration average,
+        the last estimate and residual as the later steps' ``schedule`` would leave them."""
+        cfg = self.config
+        estimates, residuals = self._clock_plan
+        for estimate in estimates[: num_steps - 1]:
+            self.iteration_ema_s += self.ITERATION_EMA_WEIGHT * (estimate - self.iteration_ema_s)
+        self.last_estimate_s, self.last_residual_s = estimates[num_steps - 2], residuals[num_steps - 2]
+        self.batch_size = min(self.batch_size + (num_steps - 1) * cfg.batch_size_step, cfg.max_batch_size)
+        if not self._bicache:
+            return self._named_decode_repeat(output, num_steps)
+        members = [r for r, _ in output.chunks]
+        for step in range(1, num_steps):  # NOTE: step by step: members of one block share its empty slots
+            for r in members:
+                done = self.kv.allocate_slots(r, r.num_computed_tokens + 1 + step)
+                assert done, r
+        self._slots_ahead = len(members) * num_steps
+        return output.repeated(num_steps, [0, *[len(members)] * (num_steps - 1)])
+
+    def update(self, output: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
+        self._slots_ahead = 0
+        return super().update(output, result, now)
+
+    def kv_used_tokens(self) -> int:
+        """Bidirectional blocks count slots: those a stretch took for its later tokens are not used yet."""
+        return super().kv_used_tokens() - self._slots_ahead
+
+    # --- the conditions -----------------------------------------------------------------------------
+    def _deadlines(self, rt: list[Request], first: int, stop: int) -> np.ndarray:
+        """Per-token deadlines (as ``deadline``) of the running ``rt`` requests at steps ``first`` to
+        ``stop - 1`` from now, one token a step: shape (len(rt), stop - first)."""
+        num = len(rt)
+        first_token = np.fromiter((r.first_token_time for r in rt), np.float64, num)
+        produced = np.fromiter((r.num_output_tokens for r in rt), np.int64, num)
+        default = self.config.default_tpot_s
+        tpot = np.fromiter((r.slo.tpot_s or default for r in rt), np.float64, num)
+        return first_token[:, None] + (produced[:, None] + np.arange(first, stop)) * tpot[:, None]
+
+    def _order_horizon(self, members: list[Request], limit: int) -> int:
+        """Steps (>= 1, <= limit) through which the RT members (the batch's first ones) stay in
+        deadline order, ties in running order as the sort keeps them, each on the same side of the
+        refused request (a member whose deadline equals it goes first, as ``heapq.merge`` takes it)."""
+        rt = [r for r in members if r.request_class is RequestClass.RT]
+        if not rt:
+            return limit
+        deadlines = self._deadlines(rt, 0, limit)  # (rt, limit)
+        ok = np.ones(limit, dtype=bool)
+        if len(rt) > 1:
+            position = {r: i for i, r in enumerate(self.running)}
+            rank = np.fromiter((position[r] for r in rt), np.int64, len(rt))
+            a, b = deadlines[:-1], deadlines[1:]
+            ok &= ((a < b) | ((a == b) & (rank[:-1] < rank[1:])[:, None])).all(axis=0)
+        if self._refused is not None:
+            first = deadlines <= self.deadline(self._refused)
+            ok &= (first == first[:, :1]).all(axis=0)
+        bad = np.flatnonzero(~ok)
+        return int(bad[0]) if len(bad) else limit
+
+    def _refused_horizon(self, num_members: int, limit: int) -> int:
+        """Steps (>= 1, <= limit) through which the refused RT request still finds no room, as ``_make_room``
+        counts it: its victims are the running BE requests on the GPU and, unless it was dropped, the
+        RT ones after it (the order holds: ``_order_horizon``). With bidirectional blocks each member's
+        step can lower its shortfall by one slot (one a victim holds more, in a block already counted
+        or taken from the free ones), members before it in the order once more than those after."""
+        refused = self._refused
+        dropped = self._was_dropped(refused)
+        deadline = self.deadline(refused)
+        victims = [
+            r
+            for r in self.running
+            if r is not refused
+            and self._on_gpu(r)
+            and (r.request_class is RequestClass.BE or (not dropped and self.deadline(r) > deadline))
+        ]
+        kv = self.kv
+        if self._bicache:
+            needed = kv.slots_needed(refused, self._tokens_needed(refused))
+            shortfall = needed - kv.num_slots_released(victims) - kv.room(refused)
+            # at step j from now the members grew j times at most: short still while j * members < shortfall
+            return max(1, -(-shortfall // num_members))
+        shortfall = self._blocks(refused) - kv.num_blocks_released(victims) - kv.num_free_blocks
+        return limit if shortfall > 0 else 1
