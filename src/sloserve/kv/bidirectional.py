@@ -223,6 +223,31 @@ class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager)
                 new_block -= 1
         return limit
 
+    def allocate_decode_steps(self, requests: Sequence[Request], num_steps: int) -> None:
+        """Give each of ``requests`` ``num_steps`` more slots, as ``num_steps`` steps taking one each,
+        request by request, would: the same slots and the same free blocks in the same order. NOTE:
+        the caller proved each goes to its own last block or a free one (``decode_growth_steps``)."""
+        held = [len(self.token_slots[r]) for r in requests]
+        if len({self._last(r) for r in requests}) < len(requests):
+            # Two of them grow in one block, facing each other: they take its empty slots turn by turn.
+            for step in range(1, num_steps + 1):
+                for r, n in zip(requests, held, strict=True):
+                    done = self.allocate_slots(r, n + step)
+                    assert done, r
+            return
+        # Each fills its own block, then takes a free block every S steps: those takes, in step order,
+        # are all that depends on the others.
+        S = self.block_size
+        takes = sorted(
+            (step, i) for i, r in enumerate(requests) for step in range(self._own_empty_slots(r) + 1, num_steps + 1, S)
+        )
+        for step, i in takes:
+            done = self.allocate_slots(requests[i], held[i] + step)
+            assert done, requests[i]
+        for r, n in zip(requests, held, strict=True):
+            done = self.allocate_slots(r, n + num_steps)
+            assert done, r
+
     def allocate_slots(
         self, request: Request, num_tokens: int, protect: Collection[Request] = (), cached: Sequence[int] = ()
     ) -> bool:

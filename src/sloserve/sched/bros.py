@@ -483,7 +483,7 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
         self.num_cost_model_queries += 1
         # NOTE: without the longest decode context (a running max cannot be taken back when a request
         # leaves the batch): a preset's w_d is not in BROS's estimate. The bundled presets have none.
-        return self.cost_model.batch_time(BatchShape(*sums, True)).total_s
+        return self.cost_model.step_seconds(BatchShape(*sums, True))
 
     def _add(self, batch: list[Request], request: Request) -> None:
         contribution = self._contribution(request)  # before joining restores its checkpointed slots

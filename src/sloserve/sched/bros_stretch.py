@@ -89,10 +89,10 @@ class BrosStretches:
         estimates, bounds = [], []  # the batch's estimate at each later step, and with the refused request
         for j in range(1, num_later + 1):
             sums = (n, decode_kv + j * n, 0, 0, 0, 0, 0)  # as _estimate sums the batch at step j
-            estimates.append(self.cost_model.batch_time(BatchShape(*sums, True)).total_s)
+            estimates.append(self.cost_model.step_seconds(BatchShape(*sums, True)))
             if refused is not None:
                 with_refused = BatchShape(*(a + b for a, b in zip(sums, refused, strict=True)), True)
-                bounds.append(self.cost_model.batch_time(with_refused).total_s)
+                bounds.append(self.cost_model.step_seconds(with_refused))
         if refused is None:
             bounds = estimates
         self.num_cost_model_queries += len(estimates) + len(bounds) * (refused is not None)
@@ -122,10 +122,7 @@ class BrosStretches:
         if not self._bicache:
             return self._named_decode_repeat(output, num_steps)
         members = [r for r, _ in output.chunks]
-        for step in range(1, num_steps):  # NOTE: step by step: members of one block share its empty slots
-            for r in members:
-                done = self.kv.allocate_slots(r, r.num_computed_tokens + 1 + step)
-                assert done, r
+        self.kv.allocate_decode_steps(members, num_steps - 1)
         self._slots_ahead = len(members) * num_steps
         return output.repeated(num_steps, [0, *[len(members)] * (num_steps - 1)])
 
