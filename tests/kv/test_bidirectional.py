@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sloserve.core.errors import ConfigError
+from sloserve.core.outputs import SlotCopy
 from sloserve.core.prefix import TokenPrompt
 from sloserve.core.request import Request, RequestClass
 from sloserve.kv.bidirectional import CHECKPOINTED, BidirectionalKVManager
@@ -101,7 +104,9 @@ def test_block_size_must_leave_two_slots_per_side():
 
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["admit", "grow", "free", "restore", "truncate", "drop"]), st.integers(0, 5), st.integers(1, 12)
+        st.sampled_from(["admit", "grow", "free", "restore", "truncate", "drop", "steps"]),
+        st.integers(0, 5),
+        st.integers(1, 12),
     ),
     max_size=60,
 )
@@ -140,6 +145,59 @@ def test_slots_released_count_a_shared_block_once_and_only_when_no_one_else_hold
     kv.check_integrity()
 
 
+def _state(kv: BidirectionalKVManager, reqs: list[Request]) -> tuple:
+    """Everything placement decides, with requests by their index (to compare a copy of the manager)."""
+    index = {r: i for i, r in enumerate(reqs)}
+    return (
+        {index[r]: list(slots) for r, slots in kv.token_slots.items()},
+        {index[r]: dict(saved) for r, saved in kv.cpu_slots.items()},
+        list(kv.pending_copies),
+        list(kv._cpu_free),
+        list(kv.rt_fill),
+        [list(tokens) for tokens in kv.be_tokens],
+        [index.get(r) for r in kv.rt_owner],
+        [index.get(r) for r in kv.be_owner],
+        sorted(kv.gpu.free_ids()),
+        kv.checkpointed_bytes,
+        kv.restored_bytes,
+    )
+
+
+def _restore_token_by_token(kv: BidirectionalKVManager, r: Request) -> bool:
+    """The reference ``restore``: each checkpointed token placed as a new one would be, its copy and
+    its CPU slot's release right after it."""
+    saved = kv.cpu_slots.get(r)
+    if not saved:
+        return True
+    if not kv.has_room(r, len(saved)):
+        kv.num_allocation_failures += 1
+        return False
+    slots = kv.token_slots[r]
+    kv._slots_rewritten(r)
+    del kv.cpu_slots[r]
+    for i in sorted(saved):
+        slots[i] = kv._place_rt(r, i, ()) if r.request_class is RequestClass.RT else kv._place_be(r, i)
+        kv.pending_copies.append(SlotCopy(saved[i], slots[i], to_cpu=False))
+        kv._cpu_free.append(saved[i])
+    kv.restored_bytes += len(saved) * kv.kv_bytes_per_token
+    kv.swapped_bytes += len(saved) * kv.kv_bytes_per_token
+    return True
+
+
+def _decode_steps_one_by_one(kv: BidirectionalKVManager, members: list[Request], num_steps: int) -> None:
+    """The reference for ``allocate_decode_steps``: step by step, a slot per member in order; checks
+    that none overwrites a BE token or takes a block that was not free (``decode_growth_steps``)."""
+    held = {r: len(kv.token_slots[r]) for r in members}
+    checkpointed = kv.checkpointed_bytes
+    for step in range(1, num_steps + 1):
+        for r in members:
+            free = set(kv.gpu.free_ids())
+            blocks = set(kv.blocks_of.get(r, ()))
+            assert kv.allocate_slots(r, held[r] + step)
+            assert set(kv.blocks_of[r]) - blocks <= free, "a block taken from someone"
+    assert kv.checkpointed_bytes == checkpointed, "a BE token overwritten"
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, block_size=st.sampled_from([4, 8]), free_block_first=st.booleans(), caching=st.booleans())
 def test_invariants_under_random_operations(ops, block_size, free_block_first, caching):
@@ -175,8 +233,21 @@ def test_invariants_under_random_operations(ops, block_size, free_block_first, c
             grown_from.pop(r, None)
         elif op == "restore" and r in kv.token_slots:
             grown_from.pop(r, None)
-            if kv.restore(r):
+            reference, reference_reqs = copy.deepcopy((kv, reqs))
+            restored = kv.restore(r)
+            assert restored == _restore_token_by_token(reference, reference_reqs[i])
+            assert _state(kv, reqs) == _state(reference, reference_reqs), "restore places runs as token by token"
+            if restored:
                 assert kv.num_checkpointed(r) == 0
+        elif op == "steps":  # as BROS repeats a step of decodes: those on the GPU, RT first, n steps at most
+            grown_from.clear()
+            members = [x for x in reqs if kv.token_slots.get(x) and not kv.num_checkpointed(x)]
+            members.sort(key=lambda x: x.request_class is RequestClass.BE)
+            num_steps = kv.decode_growth_steps(members, n)
+            reference, reference_reqs = copy.deepcopy((kv, reqs))
+            _decode_steps_one_by_one(reference, [reference_reqs[reqs.index(x)] for x in members], num_steps)
+            kv.allocate_decode_steps(members, num_steps)
+            assert _state(kv, reqs) == _state(reference, reference_reqs)
         elif op == "drop":
             grown_from.pop(r, None)
             tokens, free_before = kv.num_tracked_tokens(r), kv.num_free_blocks
@@ -221,4 +292,45 @@ def test_progressive_dropping_swaps_a_request_out_and_restore_brings_back_every_
     assert kv.num_checkpointed(rt) == 0 and kv.restored_bytes == 10 * KVB
     S = kv.block_size
     assert all(slot % S < kv.rt_fill[slot // S] for slot in kv.token_slots[rt])  # from the left
+    kv.check_integrity()
+
+
+def _facing_pair(free_block_first: bool) -> tuple[BidirectionalKVManager, Request, Request]:
+    """An RT request (4 tokens) and a BE one (2 tokens) facing each other in block 0, 2 slots empty
+    between them, and 3 free blocks (a third request filled them and left)."""
+    kv = BidirectionalKVManager(
+        num_blocks=4, block_size=8, kv_bytes_per_token=KVB, rt_free_block_first=free_block_first
+    )
+    rt, other, be = req(0, RequestClass.RT), req(1, RequestClass.RT), req(2, RequestClass.BE)
+    assert kv.allocate_slots(rt, 4) and kv.allocate_slots(other, 24)
+    assert kv.allocate_slots(be, 2)  # no free block: the BE request starts in the RT-only block 0
+    assert kv.blocks_of[be] == [0] == kv.blocks_of[rt]
+    kv.free(other)
+    return kv, rt, be
+
+
+@pytest.mark.parametrize("free_block_first", [False, True])
+def test_decode_growth_stops_where_an_rt_request_would_overwrite_the_be_tokens_facing_it(free_block_first):
+    """BROS repeats a step of decodes only while no KV is copied: the RT request whose block is full
+    grows over the facing BE tokens first (facing_first), even with free blocks; with
+    ``rt_free_block_first`` it takes a free block."""
+    kv, rt, be = _facing_pair(free_block_first)
+    assert kv.allocate_slots(rt, 6)  # block 0 full: 6 RT tokens facing 2 BE tokens
+    assert kv.decode_growth_steps([rt], 5) == (5 if free_block_first else 0)
+    assert kv.decode_growth_steps([be], 5) == 5  # a BE request takes a free block
+
+
+def test_decode_steps_at_once_equal_step_by_step_when_two_share_a_block():
+    """Two requests growing in one block take its empty slots turn by turn, then a free block each in
+    their order: ``allocate_decode_steps`` leaves what a step-by-step allocation leaves."""
+    kv, rt, be = _facing_pair(free_block_first=True)
+    reqs = [rt, be]
+    assert kv.decode_growth_steps(reqs, 5) == 5
+    reference, reference_reqs = copy.deepcopy((kv, reqs))
+    _decode_steps_one_by_one(reference, reference_reqs, 5)
+    kv.allocate_decode_steps(reqs, 5)
+    assert _state(kv, reqs) == _state(reference, reference_reqs)
+    # step 1: the two empty slots of block 0, RT from the left, BE from the right; step 2: a free block each
+    assert kv.token_slots[rt][4] == 4 and kv.token_slots[be][2] == 5
+    assert len({0, kv.token_slots[rt][5] // 8, kv.token_slots[be][3] // 8}) == 3
     kv.check_integrity()

@@ -292,25 +292,30 @@ class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager)
         return self._empty(b) if owner is request else 0
 
     def _fill_last_block(self, request: Request, slots: list[int], count: int) -> int:
-        """Place ``count`` (<= ``_own_empty_slots``) tokens in the request's last block, as ``count``
+        """Place ``count`` (<= ``_own_empty_slots``) new tokens in the request's last block, as ``count``
         calls of ``_place_*`` would, with one ``_update`` of the aggregates."""
         if count <= 0:
             return 0
+        slots.extend(self._fill_own_block(request, range(len(slots), len(slots) + count)))
+        return count
+
+    def _fill_own_block(self, request: Request, tokens: Sequence[int]) -> range:
+        """Place the request's ``tokens`` (indices, at most ``_own_empty_slots`` of them) in its last
+        block, in order, as a call of ``_place_*`` each would; returns their slots."""
         b = self.blocks_of[request][-1]
-        S = self.block_size
+        S, count = self.block_size, len(tokens)
         if request.request_class is RequestClass.RT:
             fill = self.rt_fill[b]
-            slots.extend(range(b * S + fill, b * S + fill + count))
+            placed = range(b * S + fill, b * S + fill + count)
             self.rt_fill[b] = fill + count
         else:
             be_tokens = self.be_tokens[b]
             top = b * S + S - 1 - len(be_tokens)  # BE token k of a block at base + S - 1 - k
-            token = len(slots)
-            slots.extend(range(top, top - count, -1))
-            be_tokens.extend(range(token, token + count))
+            placed = range(top, top - count, -1)
+            be_tokens.extend(tokens)
         self._used_slots += count
         self._update(b)
-        return count
+        return placed
 
     def _take_block(self, request: Request, block: int) -> None:
         self.blocks_of.setdefault(request, []).append(block)
@@ -395,10 +400,22 @@ class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager)
         missing = sorted(saved)
         del self.cpu_slots[request]
         rt = request.request_class is RequestClass.RT
-        for i in missing:
-            slots[i] = self._place_rt(request, i, protect) if rt else self._place_be(request, i)
-            self.pending_copies.append(SlotCopy(saved[i], slots[i], to_cpu=False))
-            self._cpu_free.append(saved[i])
+        done = 0
+        while done < len(missing):
+            # A run into its own block's empty slots at once; a token that needs a new block (or
+            # overwrites, checkpointing a BE token) on its own, its copies in between as they happen.
+            run = min(self._own_empty_slots(request), len(missing) - done)
+            if run:
+                tokens = missing[done : done + run]
+                placed = self._fill_own_block(request, tokens)
+            else:
+                tokens = missing[done : done + 1]
+                placed = [self._place_rt(request, tokens[0], protect) if rt else self._place_be(request, tokens[0])]
+            for i, slot in zip(tokens, placed, strict=True):
+                slots[i] = slot
+                self.pending_copies.append(SlotCopy(saved[i], slot, to_cpu=False))
+                self._cpu_free.append(saved[i])
+            done += len(tokens)
         self.restored_bytes += len(missing) * self.kv_bytes_per_token
         self.swapped_bytes += len(missing) * self.kv_bytes_per_token
         return True
