@@ -28,6 +28,7 @@ from the free KV), and each chunk registers the full blocks it fills.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -84,6 +85,34 @@ class RankScheduler(Scheduler):
         self._watermark_blocks = int(config.watermark * kv.gpu.num_blocks)
         self._mode = PreemptionMode(config.preemption_mode)
         self._caching = kv.prefix_cache is not None
+        # (1)'s one group, running and waiting requests by rank, and their positions: kept from step to
+        # step (ranks do not change; admissions and evictions move a request between the two queues,
+        # not out of the group), changed by arrivals and completions.
+        self._group: list[Request] = []
+        self._position: dict[Request, int] | None = None
+
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        bisect.insort(self._group, request, key=self._rank)
+        self._position = None
+
+    def _finish(self, request: Request, now: float) -> None:
+        super()._finish(request, now)
+        self._group.remove(request)
+        self._position = None
+
+    def check_integrity(self) -> None:
+        """Also: the group kept between steps is the running and waiting requests by rank."""
+        super().check_integrity()
+        assert self._group == sorted([*self.running, *self.waiting], key=self._rank), "the kept group"
+
+    def _ranked(self) -> tuple[list[Request], dict[Request, int]]:
+        """(1): the running and waiting requests by rank, and each one's position."""
+        if self._position is None or len(self._group) != len(self.running) + len(self.waiting):
+            if len(self._group) != len(self.running) + len(self.waiting):  # a request came or left otherwise
+                self._group = sorted([*self.running, *self.waiting], key=self._rank)
+            self._position = {r: i for i, r in enumerate(self._group)}
+        return self._group, self._position
 
     def _rank(self, request: Request) -> tuple:
         by = self.config.rank_by
@@ -98,12 +127,12 @@ class RankScheduler(Scheduler):
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
         kv, cfg = self.kv, self.config
-        group = sorted([*self.running, *self.waiting], key=self._rank)  # (1)
-        position = {r: i for i, r in enumerate(group)}
+        group, position = self._ranked()  # (1)
         lowest_running = max((position[r] for r in self.running), default=-1)  # past it, no victims (4)
         # Past it, the shortest waiting request that found no KV: a longer one finds none either (the free
         # KV only shrinks then; without prefix caching a waiting request's need grows with its length).
         no_room_tokens = math.inf
+        no_readmit_tokens = math.inf  # the same for the requests evicted before (their rule reserves more)
         in_batch: set[Request] = set()
         evicted: set[Request] = set()
         used = 0
@@ -129,8 +158,12 @@ class RankScheduler(Scheduler):
             reserve = 0 if running else self._watermark_blocks
             if not running and cand.num_preemptions and cfg.readmit_horizon_steps:
                 # The anti-thrash rule: back into free KV only, beside the running requests' growth.
+                if cand.num_tokens >= no_readmit_tokens:
+                    continue
                 reserve += len(self.running) * -(-cfg.readmit_horizon_steps // kv.block_size)
                 if not kv.can_allocate(cand, target, reserve, cached):
+                    if not self._caching:
+                        no_readmit_tokens = cand.num_tokens
                     continue
             if position[cand] < lowest_running and not kv.can_allocate(cand, target, reserve, cached):
                 victims = sorted(
@@ -143,10 +176,12 @@ class RankScheduler(Scheduler):
                     victim = victims.pop()  # (4) the lowest-ranked first
                     self._preempt(victim, self._mode, out)
                     evicted.add(victim)
+                    no_readmit_tokens = math.inf  # (its KV is free again, and fewer run)
             if not kv.can_allocate(cand, target, reserve, cached):
                 if running:
                     self._preempt(cand, self._mode, out)  # (4) self-eviction
                     evicted.add(cand)
+                    no_readmit_tokens = math.inf
                 elif position[cand] > lowest_running and not self._caching:
                     no_room_tokens = min(no_room_tokens, cand.num_tokens)
                 continue
