@@ -108,9 +108,9 @@ class RankScheduler(Scheduler):
 
     def _ranked(self) -> tuple[list[Request], dict[Request, int]]:
         """(1): the running and waiting requests by rank, and each one's position."""
-        if self._position is None or len(self._group) != len(self.running) + len(self.waiting):
-            if len(self._group) != len(self.running) + len(self.waiting):  # a request came or left otherwise
-                self._group = sorted([*self.running, *self.waiting], key=self._rank)
+        if len(self._group) != len(self.running) + len(self.waiting):  # a request came or left otherwise
+            self._group, self._position = sorted([*self.running, *self.waiting], key=self._rank), None
+        if self._position is None:
             self._position = {r: i for i, r in enumerate(self._group)}
         return self._group, self._position
 

@@ -6,7 +6,8 @@ one stretch of k steps whose times come from the cost model's arithmetic series
   the time the policy's own decision moves (``Scheduler.stretch_deadline``: EconoServe's ordered queues;
   ``Scheduler.clock_horizon`` when it moves step by step with the clock: BROS's deadlines):
   the cohort's step, or one of one-token decodes named as chunks by a policy that opts in
-  (``Scheduler.named_decode_stretches``: SRTF, FastServe, MultiRes, the rank policies, RR with one class);
+  (``Scheduler.named_decode_stretches``: SRTF, FastServe, MultiRes, the rank policies, RR with one class,
+  BROS);
 - a step of decodes and a prompt chunk that leaves no room for anyone else (Sarathi's middle
   chunks of a long prompt), until the prompt's last chunk, a completion or a memory event
   (``Scheduler.chunk_horizon``): arrivals cannot join such steps. It stops before a completion,
