@@ -186,6 +186,6 @@ class BrosStretches:
             needed = kv.slots_needed(refused, self._tokens_needed(refused))
             shortfall = needed - kv.num_slots_released(victims) - kv.room(refused)
             # at step j from now the members grew j times at most: short still while j * members < shortfall
-            return max(1, -(-shortfall // num_members))
+            return min(limit, max(1, -(-shortfall // num_members)))
         shortfall = self._blocks(refused) - kv.num_blocks_released(victims) - kv.num_free_blocks
         return limit if shortfall > 0 else 1
