@@ -27,7 +27,7 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -480,9 +480,14 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
         kept in ``self._sums`` as requests are added, so this is O(1)."""
         assert len(batch) == self._sums_len, "batch changed outside _add/_remove"
         sums = self._sums if extra is None else [a + b for a, b in zip(self._sums, self._contribution(extra))]
+        return self._batch_time(sums)
+
+    def _batch_time(self, sums: Sequence[int]) -> float:
+        """The cost model's time of a batch whose ``_contribution``s sum to ``sums``, restores beside
+        the forward pass. NOTE: without the longest decode context (a running max cannot be taken back
+        when a request leaves the batch): a preset's w_d is not in BROS's estimate. The bundled presets
+        have none."""
         self.num_cost_model_queries += 1
-        # NOTE: without the longest decode context (a running max cannot be taken back when a request
-        # leaves the batch): a preset's w_d is not in BROS's estimate. The bundled presets have none.
         return self.cost_model.step_seconds(BatchShape(*sums, True))
 
     def _add(self, batch: list[Request], request: Request) -> None:
@@ -519,14 +524,7 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
         with the most remaining time. Nothing is evicted unless evicting all it may makes room."""
         if self._fits(request):
             return True
-        outside = [r for r in self.running if r not in self._batch_set and r is not request and self._on_gpu(r)]
-        be = [r for r in outside if r.request_class is RequestClass.BE]
-        rt = [r for r in outside if r.request_class is RequestClass.RT and self.deadline(r) > self.deadline(request)]
-        if self._was_dropped(request) and self.config.readmit_horizon_steps:
-            # The re-admission rule: a dropped RT request comes back by dropping BE requests only.
-            # NOTE: else it would drop the RT request that dropped it, which is then the most
-            # urgent: the two would trade places (and KV) every step.
-            rt = []
+        be, rt = self._eviction_candidates(request, self._batch_set)
         if self.config.readmit_horizon_steps and not self._fits_after_evicting(request, be + rt):
             return False  # NOTE: dropping requests that leave it short anyway frees room for nothing
         while not self._fits(request):
@@ -541,14 +539,35 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
             self._evict(victim, out)
         return True
 
+    def _eviction_candidates(self, request: Request, batch: Collection[Request]) -> tuple[list[Request], list[Request]]:
+        """Whom (8) may evict for the RT ``request``: the BE requests on the GPU outside ``batch``, and the
+        RT ones there with later deadlines, in running order."""
+        outside = [r for r in self.running if r not in batch and r is not request and self._on_gpu(r)]
+        be = [r for r in outside if r.request_class is RequestClass.BE]
+        if self._was_dropped(request) and self.config.readmit_horizon_steps:
+            # The re-admission rule: a dropped RT request comes back by dropping BE requests only.
+            # NOTE: else it would drop the RT request that dropped it, which is then the most
+            # urgent: the two would trade places (and KV) every step.
+            return be, []
+        deadline = self.deadline(request)
+        return be, [r for r in outside if r.request_class is RequestClass.RT and self.deadline(r) > deadline]
+
     def _fits_after_evicting(self, request: Request, victims: list[Request]) -> bool:
-        """Whether ``request`` would fit (8) once ``victims`` gave up their GPU slots (prefix caching: a
-        block some other request shares is not freed)."""
+        """Whether ``request`` would fit (8) beside the batch being built once ``victims`` gave up their
+        GPU slots (prefix caching: a block some other request shares is not freed)."""
+        return self._shortfall_after_evicting(request, victims, self._batch_set, self._batch_blocks) <= 0
+
+    def _shortfall_after_evicting(
+        self, request: Request, victims: list[Request], protect: Collection[Request], batch_blocks: int
+    ) -> int:
+        """What ``request`` would lack (8) once ``victims`` gave up their GPU slots, beside a batch that
+        ``protect`` (bidirectional blocks) and that takes ``batch_blocks`` new blocks (paged): slots or
+        blocks, <= 0 when it fits."""
+        kv = self.kv
         if self._bicache:
-            needed = self.kv.slots_needed(request, self._tokens_needed(request), self._cached_prefix(request))
-            return self.kv.has_room(request, needed - self.kv.num_slots_released(victims), self._batch_set)
-        freed = self.kv.num_blocks_released(victims)
-        return self._blocks(request) + self._batch_blocks - freed <= self.kv.num_free_blocks
+            needed = kv.slots_needed(request, self._tokens_needed(request), self._cached_prefix(request))
+            return needed - kv.num_slots_released(victims) - kv.room(request, protect)
+        return self._blocks(request) + batch_blocks - kv.num_blocks_released(victims) - kv.num_free_blocks
 
     def _unblock(self, batch: list[Request], out: SchedulerOutput) -> None:
         """Liveness: running requests hold every block and none of them can grow (BE takes free

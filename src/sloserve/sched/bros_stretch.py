@@ -35,7 +35,6 @@ import numpy as np
 
 from sloserve.core.outputs import SchedulerOutput, StepResult
 from sloserve.core.request import Request, RequestClass
-from sloserve.cost.base import BatchShape
 
 
 class BrosStretches:
@@ -54,12 +53,11 @@ class BrosStretches:
         replacement rule or the liveness rule (``held_back``; then B grows from here, so (7) holds
         nobody back later either), its deadlines are per token, and the anti-thrash rule is on (a
         request that finds no room is refused, not given victims). ``refused``: the first RT request
-        that found no room (one needing new KV: a running one refused room is held back)."""
+        that found no room (one needing new KV: a running one refused room is held back). (With prefix
+        caching the simulator runs named decodes one step at a time: sim/stretch.py.)"""
         cfg = self.config
         self._refused = refused
-        self._repeatable = (
-            not held_back and cfg.deadlines == "per_token" and cfg.readmit_horizon_steps > 0 and not self._caching
-        )
+        self._repeatable = not held_back and cfg.deadlines == "per_token" and cfg.readmit_horizon_steps > 0
 
     # --- the hooks --------------------------------------------------------------------------------
     def decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
@@ -88,14 +86,12 @@ class BrosStretches:
         refused = self._contribution(self._refused) if self._refused is not None else None
         estimates, bounds = [], []  # the batch's estimate at each later step, and with the refused request
         for j in range(1, num_later + 1):
-            sums = (n, decode_kv + j * n, 0, 0, 0, 0, 0)  # as _estimate sums the batch at step j
-            estimates.append(self.cost_model.step_seconds(BatchShape(*sums, True)))
+            sums = (n, decode_kv + j * n, 0, 0, 0, 0, 0)  # the batch's at step j, as _add sums them
+            estimates.append(self._batch_time(sums))
             if refused is not None:
-                with_refused = BatchShape(*(a + b for a, b in zip(sums, refused, strict=True)), True)
-                bounds.append(self.cost_model.step_seconds(with_refused))
+                bounds.append(self._batch_time([a + b for a, b in zip(sums, refused, strict=True)]))
         if refused is None:
             bounds = estimates
-        self.num_cost_model_queries += len(estimates) + len(bounds) * (refused is not None)
         rt = [r for r in members if r.request_class is RequestClass.RT]
         residuals = [math.inf] * num_later
         valid = num_later
@@ -171,21 +167,11 @@ class BrosStretches:
         RT ones after it (the order holds: ``_order_horizon``). With bidirectional blocks each member's
         step can lower its shortfall by one slot (one a victim holds more, in a block already counted
         or taken from the free ones), members before it in the order once more than those after."""
-        refused = self._refused
-        dropped = self._was_dropped(refused)
-        deadline = self.deadline(refused)
-        victims = [
-            r
-            for r in self.running
-            if r is not refused
-            and self._on_gpu(r)
-            and (r.request_class is RequestClass.BE or (not dropped and self.deadline(r) > deadline))
-        ]
-        kv = self.kv
+        # At its turn the batch holds the RT members before it: none is a victim, none protects a block,
+        # and with paged KV the new blocks they take only add to its shortfall.
+        be, rt = self._eviction_candidates(self._refused, ())
+        shortfall = self._shortfall_after_evicting(self._refused, be + rt, (), 0)
         if self._bicache:
-            needed = kv.slots_needed(refused, self._tokens_needed(refused))
-            shortfall = needed - kv.num_slots_released(victims) - kv.room(refused)
             # at step j from now the members grew j times at most: short still while j * members < shortfall
             return min(limit, max(1, -(-shortfall // num_members)))
-        shortfall = self._blocks(refused) - kv.num_blocks_released(victims) - kv.num_free_blocks
         return limit if shortfall > 0 else 1
