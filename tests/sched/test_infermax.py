@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from helpers import Driver, llama7b_cost, make_requests, scheduler
+from helpers import Driver, llama7b_cost, make_requests, scheduler, timestamps
 from sloserve.core.request import Request, RequestStatus
 from sloserve.predict import OnlineHistogramPredictor
 from sloserve.sim import simulate
@@ -254,3 +257,35 @@ def test_the_rank_schedulers_anti_thrash_rule_stops_eviction_cascades(name):
         assert all(r.is_finished for r in requests)
         per_request[horizon] = sum(r.num_preemptions for r in requests) / len(requests)
     assert per_request[64] <= 2 < 10 < per_request[0]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(2, 680), st.integers(1, 100)), min_size=4, max_size=40),
+    gaps=st.lists(st.integers(0, 20), min_size=40, max_size=40),
+    capacity=st.sampled_from([800, 1200, 2000]),
+    name=st.sampled_from(["rank_org", "rank_i", "rank_o"]),
+    horizon=st.sampled_from([0, 64]),
+)
+def test_the_rank_schedulers_skips_change_nothing(lengths, gaps, capacity, name, horizon):
+    """The rank loop skips a waiting request no shorter than one that found no room even by evicting all
+    it may (and, with the anti-thrash rule, than an evicted one that could not come back): a shortcut.
+    Turned off, every timestamp and eviction is the same."""
+    from sloserve.sched.rank import RankScheduler
+
+    arrivals = np.cumsum([g / 1000 for g in gaps[: len(lengths)]]).tolist()
+    runs = {}
+    for skip in (True, False):
+        requests = make_requests(lengths, arrivals)
+
+        def make(skip=skip):
+            sched = scheduler(name, capacity, max_model_len=1024, readmit_horizon_steps=horizon)
+            assert isinstance(sched, RankScheduler)
+            sched.skip_longer_than_refused = skip
+            return sched
+
+        simulate(requests, make, llama7b_cost())
+        assert all(r.is_finished for r in requests)
+        runs[skip] = (timestamps(requests), [r.num_preemptions for r in requests])
+    np.testing.assert_array_equal(runs[True][0], runs[False][0])
+    assert runs[True][1] == runs[False][1]

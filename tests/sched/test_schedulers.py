@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import Driver, make_requests, scheduler
+from helpers import Driver, llama7b_cost, make_requests, scheduler
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.core.request import RequestStatus
-from sloserve.sched import UnifiedScheduler
+from sloserve.sched import UnifiedScheduler, scheduler_names
+from sloserve.sim import simulate
 
 
 def test_infermax_figure1_eviction_and_refill():
@@ -135,6 +136,14 @@ def test_orca_capacity_below_longest_request_is_an_error():
     sched = scheduler("orca", 2048, max_model_len=4096)
     with pytest.raises(ConfigError, match="cannot hold request 0: prompt 20 \\+ max_tokens 4000"):
         sched.check_fits(reqs[0], 29)
+
+
+@pytest.mark.parametrize("name", scheduler_names())
+def test_every_policy_refuses_a_request_it_could_never_hold(name):
+    """A run refuses up front a request whose KV would not fit even alone (instead of stalling on it)."""
+    requests = make_requests([(700, 200), (10, 10)])
+    with pytest.raises(ConfigError, match="cannot hold request 0: prompt 700"):
+        simulate(requests, lambda: scheduler(name, 800, max_model_len=1024), llama7b_cost())
 
 
 def test_unknown_scheduler_and_option_errors():

@@ -38,7 +38,7 @@ from sloserve.core.outputs import PreemptionMode, ScheduledChunk, SchedulerOutpu
 from sloserve.core.request import Request, RequestStatus
 from sloserve.kv.manager import KVCacheManager
 from sloserve.predict import LengthPredictor
-from sloserve.sched.base import Scheduler
+from sloserve.sched.base import Scheduler, check_fits_alone
 from sloserve.sched.unified import UnifiedConfig
 
 
@@ -91,6 +91,14 @@ class RankScheduler(Scheduler):
         self._group: list[Request] = []
         self._position: dict[Request, int] | None = None
 
+    # The loop skips a waiting request no shorter than one that found no room (``no_room_tokens``,
+    # ``no_readmit_tokens``): a shortcut that changes nothing (tests turn it off and compare).
+    skip_longer_than_refused = True
+
+    def check_fits(self, request: Request, max_kv_tokens: int) -> None:
+        """Raise ConfigError when ``request`` could never run alone in this KV cache (its watermark kept)."""
+        check_fits_alone(self.kv, request, max_kv_tokens, self._watermark_blocks)
+
     def add_request(self, request: Request) -> None:
         super().add_request(request)
         bisect.insort(self._group, request, key=self._rank)
@@ -129,10 +137,14 @@ class RankScheduler(Scheduler):
         kv, cfg = self.kv, self.config
         group, position = self._ranked()  # (1)
         lowest_running = max((position[r] for r in self.running), default=-1)  # past it, no victims (4)
-        # Past it, the shortest waiting request that found no KV: a longer one finds none either (the free
-        # KV only shrinks then; without prefix caching a waiting request's need grows with its length).
+        # The shortest waiting request that found no KV, even by evicting all it may: a longer one finds none
+        # either (without prefix caching a waiting request's need grows with its length). NOTE: the free KV
+        # plus the KV of the victims a candidate may have (running ones after it, outside the batch) only
+        # shrinks along the loop: an allocation takes from the first, an eviction moves KV from the second
+        # to the first, and a later candidate has fewer victims.
         no_room_tokens = math.inf
         no_readmit_tokens = math.inf  # the same for the requests evicted before (their rule reserves more)
+        skip = self.skip_longer_than_refused
         in_batch: set[Request] = set()
         evicted: set[Request] = set()
         used = 0
@@ -140,7 +152,7 @@ class RankScheduler(Scheduler):
             if cand in evicted:
                 continue
             running = cand.status is RequestStatus.RUNNING
-            if not running and (len(self.running) >= cfg.max_num_seqs or cand.num_tokens >= no_room_tokens):
+            if not running and (len(self.running) >= cfg.max_num_seqs or (skip and cand.num_tokens >= no_room_tokens)):
                 continue
             todo, cached = cand.num_tokens_to_process, ()
             if self._caching and not running:
@@ -158,7 +170,7 @@ class RankScheduler(Scheduler):
             reserve = 0 if running else self._watermark_blocks
             if not running and cand.num_preemptions and cfg.readmit_horizon_steps:
                 # The anti-thrash rule: back into free KV only, beside the running requests' growth.
-                if cand.num_tokens >= no_readmit_tokens:
+                if skip and cand.num_tokens >= no_readmit_tokens:
                     continue
                 reserve += len(self.running) * -(-cfg.readmit_horizon_steps // kv.block_size)
                 if not kv.can_allocate(cand, target, reserve, cached):
@@ -182,7 +194,7 @@ class RankScheduler(Scheduler):
                     self._preempt(cand, self._mode, out)  # (4) self-eviction
                     evicted.add(cand)
                     no_readmit_tokens = math.inf
-                elif position[cand] > lowest_running and not self._caching:
+                elif not self._caching:  # (it found none even by evicting all it may)
                     no_room_tokens = min(no_room_tokens, cand.num_tokens)
                 continue
             done = kv.allocate_slots(cand, target, cached)
