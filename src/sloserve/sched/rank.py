@@ -152,8 +152,11 @@ class RankScheduler(Scheduler):
             if cand in evicted:
                 continue
             running = cand.status is RequestStatus.RUNNING
-            if not running and (len(self.running) >= cfg.max_num_seqs or (skip and cand.num_tokens >= no_room_tokens)):
-                continue
+            readmit = not running and cand.num_preemptions and cfg.readmit_horizon_steps  # (the anti-thrash rule's)
+            if not running:
+                refused_tokens = min(no_room_tokens, no_readmit_tokens) if readmit else no_room_tokens
+                if len(self.running) >= cfg.max_num_seqs or (skip and cand.num_tokens >= refused_tokens):
+                    continue
             todo, cached = cand.num_tokens_to_process, ()
             if self._caching and not running:
                 cached = kv.find_cached_prefix(cand)
@@ -168,10 +171,8 @@ class RankScheduler(Scheduler):
             # (3) M: a running request grows by its chunk; a new one reserves its whole prompt.
             target = cand.num_computed_tokens + num_tokens if running else cand.num_tokens
             reserve = 0 if running else self._watermark_blocks
-            if not running and cand.num_preemptions and cfg.readmit_horizon_steps:
+            if readmit:
                 # The anti-thrash rule: back into free KV only, beside the running requests' growth.
-                if skip and cand.num_tokens >= no_readmit_tokens:
-                    continue
                 reserve += len(self.running) * -(-cfg.readmit_horizon_steps // kv.block_size)
                 if not kv.can_allocate(cand, target, reserve, cached):
                     if not self._caching:
