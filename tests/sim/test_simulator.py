@@ -67,7 +67,7 @@ CASES = [
     ("sharegpt", "econoserve", dict(rate=20.0)),
     ("azure-conv", "econoserve", dict(trace_arrivals=True)),
     # BROS: decode steps repeat while its order, (6), (7) and (8) leave them the same (RT/BE mixes
-    # in scarce KV: test_bros_stretches_under_overload)
+    # in scarce KV: test_rt_be_stretches_under_overload)
     ("sharegpt", "bros", dict(rate=12.0, default_tpot_s=0.03)),  # TPOT near the step time: (6) binds
     ("azure-conv", "bros_nobicache", dict(rate=6.0, default_tpot_s=0.04, default_ttft_s=0.2)),
     ("azure-conv", "bros", dict(n=100, trace_arrivals=True, deadlines="token_group")),  # (token groups: no stretch)
@@ -110,12 +110,13 @@ def _overload_run(name: str, case: str, fast: bool):
     return summary, *summary["_result"]
 
 
-@pytest.mark.parametrize("name", ["bros", "bros_nobicache"])
+@pytest.mark.parametrize("name", ["bros", "bros_nobicache", "rr"])
 @pytest.mark.parametrize("case", ["bros-azure-conv/4", "mixed-rt-be/3k"])
-def test_bros_stretches_under_overload(name, case):
+def test_rt_be_stretches_under_overload(name, case):
     """benchmarks/overload.py's KV-starved RT/BE cases, small: BROS drops, swaps and checkpoints between
-    its stretches; every timestamp, preemption, copied byte and timeline row is the same both ways,
-    and most steps ran in stretches."""
+    its stretches (RR evicts, and serves one class while the other's first request finds no room);
+    every timestamp, preemption, copied byte and timeline row is the same both ways, and most steps
+    ran in stretches."""
     slow, slow_reqs, slow_timeline = _overload_run(name, case, fast=False)
     fast, fast_reqs, fast_timeline = _overload_run(name, case, fast=True)
     np.testing.assert_allclose(timestamps(fast_reqs), timestamps(slow_reqs), rtol=1e-9, atol=0, equal_nan=True)
@@ -132,7 +133,7 @@ def test_bros_stretches_under_overload(name, case):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    name=st.sampled_from(["bros", "bros_nobicache"]),
+    name=st.sampled_from(["bros", "bros_nobicache", "rr"]),
     # (prompt, output, arrival, BE?, TPOT SLO) of each request
     specs=st.lists(
         st.tuples(

@@ -706,16 +706,21 @@ class RoundRobinScheduler(SubsetScheduler):
         self._serve_rt = True
 
     def decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
-        """With one class only (none of the other running or waiting) every step serves it, FCFS: a step
-        of decodes only repeats while their growth fits the free KV (no eviction; a waiting request that
-        found no room finds none later, as the free KV only shrinks; an arrival or a completion ends the
-        stretch). With both classes they take turns: one step at a time; and with bidirectional blocks
-        (slots placed per batch)."""
+        """While the other class has nothing to run (none of it running, and no room for its first waiting
+        request), every step serves this one, FCFS: a step of decodes only repeats while their growth
+        fits the free KV (no eviction; a waiting request that found no room finds none later, as the
+        free KV only shrinks; an arrival or a completion ends the stretch). Else the classes take turns:
+        one step at a time; and with bidirectional blocks (slots placed per batch)."""
         if self._bicache:
             return 1
-        classes = {r.request_class for r in self.running}
-        classes.update(c for c in (RequestClass.RT, RequestClass.BE) if self._waiting(c))
-        return 1 if len(classes) > 1 else self._named_decode_memory_horizon(output, limit)
+        served = output.chunks[0][0].request_class  # (one class a step)
+        other = RequestClass.BE if served is RequestClass.RT else RequestClass.RT
+        if any(r.request_class is other for r in self.running):
+            return 1
+        waiting = self._waiting(other)
+        if waiting and self._blocks(waiting[0]) <= self.kv.num_free_blocks:
+            return 1  # it would start the other class's batch (NOTE: a lone prompt is within the budget)
+        return self._named_decode_memory_horizon(output, limit)
 
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
