@@ -184,14 +184,35 @@ def _restore_token_by_token(kv: BidirectionalKVManager, r: Request) -> bool:
     return True
 
 
+def _grow_token_by_token(kv: BidirectionalKVManager, r: Request, num_tokens: int) -> bool:
+    """The reference ``allocate_slots`` (no cached prefix): all or nothing, then each new token placed on
+    its own (its last block's empty slot, a BE token facing it checkpointed, or a new block)."""
+    slots = kv.token_slots.setdefault(r, [])
+    need = num_tokens - len(slots)
+    if need > 0 and not kv.has_room(r, need):
+        kv.num_allocation_failures += 1
+        if not slots:
+            del kv.token_slots[r]
+            kv._slots_rewritten(r)
+        return False
+    for _ in range(need):
+        slots.append(
+            kv._place_rt(r, len(slots), ()) if r.request_class is RequestClass.RT else kv._place_be(r, len(slots))
+        )
+    return True
+
+
 def _decode_steps_one_by_one(kv: BidirectionalKVManager, members: list[Request], num_steps: int) -> None:
     """The reference for ``allocate_decode_steps``: step by step, a slot per member in order; checks
-    that none overwrites a BE token or takes a block that was not free (``decode_growth_steps``)."""
+    that none overwrites a BE token or takes a block that was not free or cached unused
+    (``decode_growth_steps``)."""
     held = {r: len(kv.token_slots[r]) for r in members}
     checkpointed = kv.checkpointed_bytes
     for step in range(1, num_steps + 1):
         for r in members:
             free = set(kv.gpu.free_ids())
+            if kv.prefix_cache is not None:  # a cached block nobody uses is free (taking it evicts it)
+                free |= set(kv.prefix_cache.evictable.blocks())
             blocks = set(kv.blocks_of.get(r, ()))
             assert kv.allocate_slots(r, held[r] + step)
             assert set(kv.blocks_of[r]) - blocks <= free, "a block taken from someone"
@@ -224,7 +245,11 @@ def test_invariants_under_random_operations(ops, block_size, free_block_first, c
             if r.request_class is RequestClass.RT and kv.num_checkpointed(r) and not kv.restore(r):
                 continue  # a dropped RT request runs again only once restored (the scheduler's order)
             before = list(kv.token_slots.get(r, []))
-            if kv.allocate_slots(r, len(before) + n):
+            reference, reference_reqs = copy.deepcopy((kv, reqs))
+            grown = kv.allocate_slots(r, len(before) + n)
+            assert grown == _grow_token_by_token(reference, reference_reqs[i], len(before) + n)
+            assert _state(kv, reqs) == _state(reference, reference_reqs), "growth places runs as token by token"
+            if grown:
                 grown_from[r] = len(before)
             else:
                 assert kv.token_slots.get(r, []) == before  # all or nothing

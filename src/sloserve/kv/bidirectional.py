@@ -271,13 +271,20 @@ class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager)
                 del self.token_slots[request]
                 self._slots_rewritten(request)
             return False
-        place = self._place_rt if request.request_class is RequestClass.RT else self._place_be
+        rt = request.request_class is RequestClass.RT
         while need > 0:
-            # Runs of tokens into empty slots of the request's own last block go in at once; a new
-            # block, or an RT token over a BE slot (lazy checkpointing), one at a time.
+            # Runs of tokens go in at once: into empty slots of the request's own last block, or (RT) over
+            # the BE tokens facing it there (lazy checkpointing); a token that needs a new block on its own.
             filled = self._fill_last_block(request, slots, min(need, self._own_empty_slots(request)))
+            if not filled and rt:
+                overwrite = min(need, self._facing_tokens(request, protect))
+                if overwrite:
+                    slots.extend(self._checkpoint_facing(request, overwrite))
+                    filled = overwrite
             if not filled:
-                slots.append(place(request, len(slots), protect))
+                slots.append(
+                    self._place_rt(request, len(slots), protect) if rt else self._place_be(request, len(slots))
+                )
                 filled = 1
             need -= filled
         return True
@@ -333,6 +340,11 @@ class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager)
     def _preemptible_block(self, protect: Collection[Request]) -> int | None:
         """Block preemption's pick: the unprotected BE-only block with the most empty slots."""
         for bucket in reversed(self._be_only_by_empty):
+            if not bucket:
+                continue
+            first = min(bucket)
+            if self._be_only[first] not in protect:  # (the common case: no scan of the bucket)
+                return first
             candidates = [x for x in bucket if self._be_only[x] not in protect]
             if candidates:
                 return min(candidates)
@@ -351,25 +363,45 @@ class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager)
                 self._take_block(request, b)
                 self._update(b)
         if self._empty(b) == 0:  # lazy checkpointing: the BE token facing us goes to CPU memory
-            be = self.be_owner[b]
-            assert be is not None
-            overwritten = self.be_tokens[b].pop()
-            cpu_slot = self._take_cpu_slot()
-            self.cpu_slots.setdefault(be, {})[overwritten] = cpu_slot
-            self.pending_copies.append(SlotCopy(self.token_slots[be][overwritten], cpu_slot, to_cpu=True))
-            self.token_slots[be][overwritten] = CHECKPOINTED
-            self._slots_rewritten(be)
-            self._used_slots -= 1
-            self.checkpointed_bytes += self.kv_bytes_per_token
-            self.swapped_bytes += self.kv_bytes_per_token
-            self.preemption_table[b] = (request, be)
-            if not self.be_tokens[b]:
-                self._drop_side(be, b)
+            return self._checkpoint_facing(request, 1)[0]
         slot = b * S + self.rt_fill[b]
         self.rt_fill[b] += 1
         self._used_slots += 1
         self._update(b)
         return slot
+
+    def _facing_tokens(self, request: Request, protect: Collection[Request]) -> int:
+        """The BE tokens the RT ``request`` may overwrite in its last block now (lazy checkpointing):
+        all of those facing it once the block is full, when ``_may_overwrite_facing``; else 0."""
+        b = self._last(request)
+        if b is None or self.rt_owner[b] is not request or self._empty(b) or not self._may_overwrite_facing(b, protect):
+            return 0
+        return len(self.be_tokens[b])
+
+    def _checkpoint_facing(self, request: Request, count: int) -> range:
+        """Lazy checkpointing (§5.2): the last ``count`` BE tokens facing the RT ``request`` in its full
+        last block go to CPU memory (a copy each, in order), and ``count`` RT tokens take their slots, as
+        ``count`` calls of ``_place_rt`` would; returns those slots."""
+        S, b = self.block_size, self.blocks_of[request][-1]
+        be = self.be_owner[b]
+        assert be is not None and count <= len(self.be_tokens[b])
+        facing, be_slots, saved = self.be_tokens[b], self.token_slots[be], self.cpu_slots.setdefault(be, {})
+        for _ in range(count):
+            overwritten = facing.pop()
+            saved[overwritten] = cpu_slot = self._take_cpu_slot()
+            self.pending_copies.append(SlotCopy(be_slots[overwritten], cpu_slot, to_cpu=True))
+            be_slots[overwritten] = CHECKPOINTED
+        self._slots_rewritten(be)
+        moved = count * self.kv_bytes_per_token
+        self.checkpointed_bytes += moved
+        self.swapped_bytes += moved
+        self.preemption_table[b] = (request, be)
+        fill = self.rt_fill[b]
+        self.rt_fill[b] = fill + count  # NOTE: the slots held do not change: a BE token's became RT's
+        if not facing:
+            self._drop_side(be, b)
+        self._update(b)
+        return range(b * S + fill, b * S + fill + count)
 
     def _place_be(self, request: Request, token: int, protect: Collection[Request] = ()) -> int:
         S = self.block_size
