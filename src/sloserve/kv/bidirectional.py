@@ -272,6 +272,7 @@ class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager)
                 self._slots_rewritten(request)
             return False
         rt = request.request_class is RequestClass.RT
+        place = self._place_rt if rt else self._place_be
         while need > 0:
             # Runs of tokens go in at once: into empty slots of the request's own last block, or (RT) over
             # the BE tokens facing it there (lazy checkpointing); a token that needs a new block on its own.
@@ -282,9 +283,7 @@ class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager)
                     slots.extend(self._checkpoint_facing(request, overwrite))
                     filled = overwrite
             if not filled:
-                slots.append(
-                    self._place_rt(request, len(slots), protect) if rt else self._place_be(request, len(slots))
-                )
+                slots.append(place(request, len(slots), protect))
                 filled = 1
             need -= filled
         return True

@@ -152,7 +152,8 @@ class RankScheduler(Scheduler):
             if cand in evicted:
                 continue
             running = cand.status is RequestStatus.RUNNING
-            readmit = not running and cand.num_preemptions and cfg.readmit_horizon_steps  # (the anti-thrash rule's)
+            # an evicted request coming back: the anti-thrash rule holds it to free KV
+            readmit = not running and cand.num_preemptions and cfg.readmit_horizon_steps
             if not running:
                 refused_tokens = min(no_room_tokens, no_readmit_tokens) if readmit else no_room_tokens
                 if len(self.running) >= cfg.max_num_seqs or (skip and cand.num_tokens >= refused_tokens):
