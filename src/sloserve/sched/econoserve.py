@@ -631,7 +631,7 @@ class EconoServeScheduler(CohortScheduler):
             raise ConfigError(
                 f"KV capacity {kv.capacity_tokens} tokens ({self.reserve_blocks} blocks of {kv.block_size} "
                 f"reserved) cannot hold request {request.request_id}: prompt {request.num_prompt_tokens} + "
-                f"output - 1 = {max_kv_tokens} tokens"
+                f"output {max_kv_tokens - request.num_prompt_tokens + 1} - 1 = {max_kv_tokens} tokens"
             )
 
     def check_integrity(self) -> None:
