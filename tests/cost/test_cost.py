@@ -217,6 +217,33 @@ def test_decode_times_match_batch_time(which: int, num_decode: int, kv: int, lon
 @settings(max_examples=150, deadline=None)
 @given(
     which=st.integers(0, len(COST_MODELS) - 1),
+    decodes=st.lists(st.tuples(st.integers(0, 1024), st.integers(0, 5_000_000)), max_size=20),
+    chunks=st.lists(st.tuples(st.integers(1, 4096), st.integers(0, 100_000)), max_size=3),
+    swap_bytes=st.sampled_from([0, 1, 123_456_789]),
+    overlapped=st.booleans(),
+    longest=st.integers(0, 100_000),
+)
+def test_step_seconds_with_decodes_is_step_seconds_bit_for_bit(which, decodes, chunks, swap_bytes, overlapped, longest):
+    """BROS prices a batch's prefixes at once (sched/bros.py): each element must be what
+    ``step_seconds`` says, to the last bit (a decision at a tie must not depend on which was asked)."""
+    model = COST_MODELS[which]
+    base = BatchShape.of(chunks, [])._replace(
+        swap_bytes=swap_bytes, swap_overlapped=overlapped, decode_max_kv_tokens=longest
+    )
+    num_decode = np.array([n for n, _ in decodes], dtype=np.int64)
+    kv = np.array([k if n else 0 for n, k in decodes], dtype=np.int64)
+    fast = model.step_seconds_with_decodes(base, num_decode, kv)
+    slow = [
+        model.step_seconds(base._replace(num_decode=int(n), decode_kv_tokens=int(k))) for n, k in zip(num_decode, kv)
+    ]
+    assert fast.dtype == np.float64 and fast.tolist() == slow
+    default = super(type(model), model).step_seconds_with_decodes(base, num_decode, kv)  # the loop
+    assert default.tolist() == slow
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    which=st.integers(0, len(COST_MODELS) - 1),
     num_decode=st.integers(0, 1024),
     kv=st.integers(0, 5_000_000),
     chunk=st.integers(0, 4096),

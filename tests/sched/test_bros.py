@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from helpers import Driver, llama7b_cost, scheduler
+from helpers import Driver, llama7b_cost, scheduler, timestamps
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import SLO, Request, RequestClass, RequestStatus
 from sloserve.sched.bros import BrosScheduler
@@ -450,3 +453,62 @@ def test_a_request_larger_than_the_kv_cache_is_refused_up_front():
         ConfigError, match="KV capacity 1200 tokens .* cannot hold request 7: prompt 1000 \\+ output 300"
     ):
         s.check_fits(Request(7, 0.0, 1000, 300, 300), 1299)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    # (prompt, output, arrival, BE?, TTFT and TPOT SLOs) of each request; TPOTs near the step times
+    # (3-6 ms here), so that (6) binds inside runs of decodes
+    specs=st.lists(
+        st.tuples(
+            st.integers(8, 300),
+            st.integers(2, 150),
+            st.floats(0, 2),
+            st.booleans(),
+            st.sampled_from([0.02, 0.1]),
+            st.floats(0.003, 0.01),
+        ),
+        min_size=2,
+        max_size=30,
+    ),
+    capacity=st.sampled_from([512, 1024, 4096]),
+    horizon=st.sampled_from([0, 16]),
+)
+def test_packing_a_run_of_decodes_at_once_changes_nothing(specs, capacity, horizon):
+    """BROS's RT phase checks a run of RT decodes on the GPU at once (paged KV: ``_pack_rt_decodes``),
+    up to the first that (6), (7) or (8) would stop. Request by request instead, with SLOs that make
+    (6) bind, KV that makes (8) evict and the anti-thrash rule on and off: every timestamp, eviction,
+    cost-model query and batch is the same."""
+    from sloserve.sim import simulate
+
+    runs = {}
+    for at_once in (True, False):
+        requests = [
+            Request(
+                request_id=i,
+                arrival_time=arrival,
+                num_prompt_tokens=prompt,
+                true_output_tokens=output,
+                max_tokens=output,
+                request_class=RequestClass.BE if be else RequestClass.RT,
+                slo=SLO(ttft_s=ttft, tpot_s=tpot),
+            )
+            for i, (prompt, output, arrival, be, ttft, tpot) in enumerate(specs)
+        ]
+
+        def make(at_once=at_once):
+            sched = scheduler("bros_nobicache", capacity, readmit_horizon_steps=horizon)
+            sched.pack_decode_runs, sched.MIN_DECODE_RUN = at_once, 1
+            return sched
+
+        result = simulate(requests, make, llama7b_cost(), fast_path=False)  # (every step packed)
+        assert all(r.is_finished for r in requests)
+        runs[at_once] = (
+            timestamps(requests),
+            [r.num_preemptions for r in requests],
+            result.policy_metrics["num_cost_model_queries"],
+            result.timeline.column("num_requests"),
+        )
+    np.testing.assert_array_equal(runs[True][0], runs[False][0])
+    assert runs[True][1:3] == runs[False][1:3]
+    np.testing.assert_array_equal(runs[True][3], runs[False][3])

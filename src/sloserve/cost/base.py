@@ -121,6 +121,27 @@ class CostModel(ABC):
         override it to skip building the breakdown (the simulator asks once per step)."""
         return self.batch_time(shape).total_s
 
+    def step_seconds_with_decodes(
+        self, shape: BatchShape, num_decode: np.ndarray, decode_kv_tokens: np.ndarray
+    ) -> np.ndarray:
+        """``step_seconds`` of ``shape`` with its ``num_decode`` and ``decode_kv_tokens`` replaced by
+        each pair of the two int64 arrays (same length n): shape ``(n,)``, float64. A policy that adds
+        decodes to a batch one by one (BROS's packing) prices all the prefixes at once.
+
+        NOTE: element i equals ``step_seconds(shape._replace(num_decode=num_decode[i],
+        decode_kv_tokens=decode_kv_tokens[i]))`` exactly, bit for bit: a policy's decisions must not
+        depend on which of the two it asked. This default loops; models override it with the same
+        arithmetic, in the same order, on arrays.
+        """
+        return np.fromiter(
+            (
+                self.step_seconds(shape._replace(num_decode=int(n), decode_kv_tokens=int(kv)))
+                for n, kv in zip(num_decode, decode_kv_tokens, strict=True)
+            ),
+            np.float64,
+            len(num_decode),
+        )
+
     def decode_times(
         self, num_decode: int, decode_kv_tokens: int, num_steps: int, decode_max_kv_tokens: int = 0
     ) -> np.ndarray:

@@ -23,6 +23,7 @@ beside the bidirectional ones.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -30,6 +31,8 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import PreemptionMode, ScheduledChunk, SchedulerOutput
@@ -281,6 +284,15 @@ class SubsetScheduler(Scheduler):
         batch.append(request)
         self._batch_set.add(request)
 
+    def _add_decodes(
+        self, batch: list[Request], requests: list[Request], new_blocks: list[int], computed: list[int]
+    ) -> None:
+        """``_add`` of running ``requests`` on the GPU (paged KV), at once: each takes ``new_blocks``."""
+        self._charged.update(zip(requests, zip(new_blocks, itertools.repeat(0))))
+        self._batch_blocks += sum(new_blocks)
+        batch.extend(requests)
+        self._batch_set.update(requests)
+
     def _remove(self, batch: list[Request], request: Request) -> None:
         batch.remove(request)
         self._batch_set.discard(request)
@@ -432,15 +444,28 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
             "num_schedule_calls": self.num_schedule_calls,
         }
 
-    def _rt_in_priority_order(self, stop_new_kv: Callable[[], bool]) -> Iterator[Request]:
+    def _rt_in_priority_order(self, stop_new_kv: Callable[[], bool]) -> Iterator[tuple[list[Request], list[float]]]:
         """RT requests by ascending residual time, as sorted lists merged (§4.2, request pulling
-        optimization): those on the GPU, and those that need new KV (swapped out or waiting) until
-        ``stop_new_kv()`` (none of them can run this step)."""
+        optimization), with their deadlines: those on the GPU, and those that need new KV (swapped out
+        or waiting) until ``stop_new_kv()`` (none of them can run this step). Yielded in runs: the
+        requests on the GPU between two needing KV, then one of those (a tie goes to the one on the GPU)."""
         dropped = self._dropped[RequestClass.RT]
         on_gpu = [r for r in self.running if r.request_class is RequestClass.RT and r not in dropped]
+        keys = [self.deadline(r) for r in on_gpu]
+        order = sorted(range(len(on_gpu)), key=keys.__getitem__)  # (stable: running order on ties)
+        on_gpu, deadlines = [on_gpu[i] for i in order], [keys[i] for i in order]
         needing_kv = heapq.merge(self._dropped_rt_by_deadline(), self._waiting_rt_by_deadline(), key=self.deadline)
-        stopped = itertools.takewhile(lambda _: not stop_new_kv(), needing_kv)
-        return heapq.merge(sorted(on_gpu, key=self.deadline), stopped, key=self.deadline)
+        start = 0
+        # NOTE: the next one needing KV is taken (and ``stop_new_kv`` asked) once the one before is packed
+        for r in itertools.takewhile(lambda _: not stop_new_kv(), needing_kv):
+            deadline = self.deadline(r)
+            end = bisect.bisect_right(deadlines, deadline, start)
+            if end > start:
+                yield on_gpu[start:end], deadlines[start:end]
+            start = end
+            yield [r], [deadline]
+        if start < len(on_gpu):
+            yield on_gpu[start:], deadlines[start:]
 
     def _dropped_rt_by_deadline(self) -> list[Request]:
         """The RT requests swapped out (``dropping=swap``) by deadline. NOTE: a swapped-out request
@@ -495,6 +520,14 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
         super()._add(batch, request)
         self._added[request] = contribution
         self._sums = [a + b for a, b in zip(self._sums, contribution)]
+        self._sums_len = len(batch)
+
+    def _add_decodes(
+        self, batch: list[Request], requests: list[Request], new_blocks: list[int], computed: list[int]
+    ) -> None:
+        super()._add_decodes(batch, requests, new_blocks, computed)
+        self._added.update(zip(requests, ((1, m, 0, 0, 0, 0, 0) for m in computed)))  # as _contribution
+        self._sums = [self._sums[0] + len(requests), self._sums[1] + sum(computed), *self._sums[2:]]
         self._sums_len = len(batch)
 
     def _remove(self, batch: list[Request], request: Request) -> None:
@@ -581,54 +614,29 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
             self._evict(be[-1] if be else max(others, key=self.deadline), out)
         self._add(batch, head)
 
+    # Runs of at least this many RT requests on the GPU are checked at once (``_pack_rt_decodes``; paged
+    # KV). Below it, the arrays cost more than the checks they save. False: request by request (tests).
+    MIN_DECODE_RUN = 8
+    pack_decode_runs = True
+
     def schedule(self, now: float) -> SchedulerOutput:
         t0 = time.perf_counter()
         out = SchedulerOutput()
         cfg = self.config
         batch = self._start_batch()
         moved_before = self.kv.checkpointed_bytes + self.kv.restored_bytes if self._bicache else 0
-        violated = False
-        rt_short_of_room = False  # an RT request found no room (8): the anti-thrash rule holds BE back
-        residual = math.inf
-        # For the simulator's fast path (_note_step): the first RT request that found no room, and
-        # whether a request was left out by (6), (7), the replacement rule or the liveness rule.
-        refused: Request | None = None
-        held_back = False
+        p = _Packing(now)
         # NOTE: once an RT request is short of room, no waiting one runs this step (nothing needing new KV
         # does): they are not even looked at, so a long queue costs nothing then.
-        rt_order = self._rt_in_priority_order(lambda: rt_short_of_room)
+        rt_order = self._rt_in_priority_order(lambda: p.rt_short_of_room)
         t1, kv1 = time.perf_counter(), self.kv_time_s
-        for r in rt_order:  # Algorithm 1, RT phase
-            if len(batch) >= self.batch_size:  # (7)
-                held_back = True
+        for requests, deadlines in rt_order:  # Algorithm 1, RT phase
+            if not self._pack_rt(requests, deadlines, batch, out, p):
                 break
-            if not self._prompt_fits(r) or (rt_short_of_room and self._needs_new_kv(r)):
-                continue
-            own = self.deadline(r) - now
-            estimate = self._estimate(batch, r)
-            if batch and estimate > residual:
-                violated = True
-                break
-            if not self._make_room(r, batch, out):  # (8)
-                rt_short_of_room = True
-                refused = r if refused is None else refused
-                held_back = held_back or not self._needs_new_kv(r)  # a running one: it waits a step
-                if cfg.readmit_horizon_steps:
-                    # The anti-thrash rule: the RT requests holding KV still run (they need no new
-                    # room); those needing it wait. NOTE: stopping here leaves the batch empty when
-                    # the most urgent is a dropped request, and the liveness rule (_unblock) then
-                    # trades it for another every step.
-                    continue
-                break
-            # (6) protects the most urgent RT request that can still meet its deadline; requests
-            # already past theirs go first but cannot bound the batch.
-            if residual == math.inf and own >= estimate:
-                residual = own
-            self._add(batch, r)
-        if batch and self._estimate(batch) > residual:
-            violated = True  # even the most urgent request alone misses its deadline
+        if batch and self._estimate(batch) > p.residual:
+            p.violated = True  # even the most urgent request alone misses its deadline
         t2, kv2 = time.perf_counter(), self.kv_time_s
-        be = self._be_in_order(rt_short_of_room)
+        be = self._be_in_order(p.rt_short_of_room)
         num_rt_on_gpu = sum(1 for r in self.running if r.request_class is RequestClass.RT) - len(
             self._dropped[RequestClass.RT]
         )
@@ -643,16 +651,16 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
                 if waiting and not self._caching:
                     no_room_tokens = min(no_room_tokens, r.num_tokens)
                 continue
-            if not self._may_admit(r) or not self._be_may_take_room(r, num_rt_on_gpu, rt_short_of_room):
+            if not self._may_admit(r) or not self._be_may_take_room(r, num_rt_on_gpu, p.rt_short_of_room):
                 continue
             if len(batch) < self.batch_size:
-                if residual == math.inf or self._estimate(batch, r) <= residual:
+                if p.residual == math.inf or self._estimate(batch, r) <= p.residual:
                     self._add(batch, r)
                 else:
-                    held_back = True
+                    p.held_back = True
                 continue
             # Replace the least urgent RT request in the batch if it can afford to wait a step.
-            held_back = True
+            p.held_back = True
             rts = [x for x in batch if x.request_class is RequestClass.RT]
             if len(rts) < 2:
                 break
@@ -661,20 +669,20 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
                 break
             self._remove(batch, least)
             no_room_tokens = math.inf  # (its KV and prompt tokens are free again)
-            if self._fits(r) and (residual == math.inf or self._estimate(batch, r) <= residual):  # (8), (6)
+            if self._fits(r) and (p.residual == math.inf or self._estimate(batch, r) <= p.residual):  # (8), (6)
                 self._add(batch, r)
             else:
                 break  # ``least`` had slack to wait a step (the replacement rule); stop replacing
         if not batch and self.running:
             self._unblock(batch, out)
-            held_back = True
-        self._note_step(refused, violated or held_back)
+            p.held_back = True
+        self._note_step(p.refused, p.violated or p.held_back)
         self.last_estimate_s = self._estimate(batch) if batch else 0.0
-        self.last_residual_s = residual
+        self.last_residual_s = p.residual
         if batch:
             self.iteration_ema_s += self.ITERATION_EMA_WEIGHT * (self.last_estimate_s - self.iteration_ema_s)
         # Adaptive batch size (TCP-like): reset on an estimated violation, grow otherwise.
-        if violated:
+        if p.violated:
             self.batch_size = cfg.initial_batch_size
         else:
             self.batch_size = min(self.batch_size + cfg.batch_size_step, cfg.max_batch_size)
@@ -693,6 +701,98 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
         phase["kv_blocks"] += time.perf_counter() - t3 + (kv3 - kv1)
         self.num_schedule_calls += 1
         return out
+
+    def _pack_rt(
+        self, requests: list[Request], deadlines: list[float], batch: list[Request], out: SchedulerOutput, p: _Packing
+    ) -> bool:
+        """Algorithm 1's RT phase over ``requests`` (next in priority order, with their deadlines): each
+        joins the batch if (6), (7) and (8) let it. False when the phase ends there ((6) or (7), or a
+        request short of room without the anti-thrash rule)."""
+        i = 0
+        while i < len(requests):
+            if len(requests) - i >= self.MIN_DECODE_RUN and self.pack_decode_runs and not self._bicache:
+                if not self._needs_new_kv(requests[i]):  # a run of RT requests on the GPU
+                    i += self._pack_rt_decodes(requests[i:], deadlines[i:], batch, p)
+                    if i == len(requests):
+                        break
+            r, own = requests[i], deadlines[i] - p.now
+            i += 1
+            if len(batch) >= self.batch_size:  # (7)
+                p.held_back = True
+                return False
+            if not self._prompt_fits(r) or (p.rt_short_of_room and self._needs_new_kv(r)):
+                continue
+            estimate = self._estimate(batch, r)
+            if batch and estimate > p.residual:
+                p.violated = True
+                return False
+            if not self._make_room(r, batch, out):  # (8)
+                p.rt_short_of_room = True
+                p.refused = r if p.refused is None else p.refused
+                p.held_back = p.held_back or not self._needs_new_kv(r)  # a running one: it waits a step
+                if self.config.readmit_horizon_steps:
+                    # The anti-thrash rule: the RT requests holding KV still run (they need no new
+                    # room); those needing it wait. NOTE: stopping here leaves the batch empty when
+                    # the most urgent is a dropped request, and the liveness rule (_unblock) then
+                    # trades it for another every step.
+                    continue
+                return False
+            # (6) protects the most urgent RT request that can still meet its deadline; requests
+            # already past theirs go first but cannot bound the batch.
+            if p.residual == math.inf and own >= estimate:
+                p.residual = own
+            self._add(batch, r)
+        return True
+
+    def _pack_rt_decodes(self, run: list[Request], deadlines: list[float], batch: list[Request], p: _Packing) -> int:
+        """``_pack_rt`` over ``run`` (RT requests on the GPU, in priority order; paged KV) at once, as far
+        as each joins the batch with free blocks: how many joined. The first that does not is left to
+        ``_pack_rt``, which then ends the phase, evicts for it or refuses it, as it would have."""
+        k = min(len(run), self.batch_size - len(batch))  # (7)
+        # (up to one evicted for room earlier in this step: it waits now, and it is _pack_rt's)
+        k = next((i for i, r in enumerate(run[:k]) if r.status is not RequestStatus.RUNNING), k)
+        if k <= 0:
+            return 0
+        run = run[:k]
+        kv = self.kv
+        computed = np.fromiter((r.num_computed_tokens for r in run), np.int64, k)  # (k,)
+        held = np.fromiter((len(kv.block_tables[r]) for r in run), np.int64, k)  # (k,) blocks each holds
+        new_blocks = np.maximum(-(-(computed + 1) // kv.block_size) - held, 0)  # (k,) _blocks: for one more token
+        # (8) with free blocks only (evicting is _make_room's)
+        fits = self._batch_blocks + np.cumsum(new_blocks) <= kv.num_free_blocks
+        # (6): the batch's estimate as each joins, and the residual in force when each is checked (set by
+        # the first with its estimate left, when none did before)
+        sums = self._sums
+        estimates = self.cost_model.step_seconds_with_decodes(
+            BatchShape(*sums, True), sums[0] + np.arange(1, k + 1), sums[1] + np.cumsum(computed)
+        )
+        own = np.asarray(deadlines[:k]) - p.now
+        residual = np.full(k, p.residual)
+        first_met = np.flatnonzero(own >= estimates)[:1] if p.residual == math.inf else ()
+        if len(first_met):
+            residual[first_met[0] + 1 :] = own[first_met[0]]
+        # NOTE: while the batch is empty the residual is unset, so (6) passes its first request as _pack_rt's
+        passed = np.flatnonzero((estimates > residual) | ~fits)
+        n = int(passed[0]) if len(passed) else k
+        if len(first_met) and first_met[0] < n:
+            p.residual = float(own[first_met[0]])
+        self.num_cost_model_queries += n
+        self._add_decodes(batch, run[:n], new_blocks[:n].tolist(), computed[:n].tolist())
+        return n
+
+
+@dataclass
+class _Packing:
+    """What BROS's packing of one step has found so far."""
+
+    now: float
+    residual: float = math.inf  # (6): the residual time of the most urgent RT request that can meet it
+    violated: bool = False  # (6) bound the batch: the adaptive batch size resets
+    rt_short_of_room: bool = False  # an RT request found no room (8): the anti-thrash rule holds BE back
+    # For the simulator's fast path (_note_step): the first RT request that found no room, and whether a
+    # request was left out by (6), (7), the replacement rule or the liveness rule.
+    refused: Request | None = None
+    held_back: bool = False
 
 
 class RoundRobinScheduler(SubsetScheduler):
