@@ -328,8 +328,9 @@ class SubsetScheduler(Scheduler):
             # NOTE: looked up again: a member taken before may have evicted blocks found while
             # packing (this finds no more to allocate than the packing counted), or registered more.
             cached = self.kv.find_cached_prefix(request) if self._caching and waiting else ()
-            done = self.kv.allocate_slots(request, self._tokens_needed(request), cached=cached)
-            assert done
+            if waiting or self._charged[request][0]:  # (a decode with room in its last block takes none)
+                done = self.kv.allocate_slots(request, self._tokens_needed(request), cached=cached)
+                assert done
         if waiting:
             self.waiting.remove(request)
             self._admit(request)
@@ -514,6 +515,11 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
         have none."""
         self.num_cost_model_queries += 1
         return self.cost_model.step_seconds(BatchShape(*sums, True))
+
+    def _batch_times(self, sums: Sequence[int], num_decode: np.ndarray, decode_kv_tokens: np.ndarray) -> np.ndarray:
+        """``_batch_time`` of ``sums`` with its decodes and their KV replaced by each pair of the arrays."""
+        self.num_cost_model_queries += len(num_decode)
+        return self.cost_model.step_seconds_with_decodes(BatchShape(*sums, True), num_decode, decode_kv_tokens)
 
     def _add(self, batch: list[Request], request: Request) -> None:
         contribution = self._contribution(request)  # before joining restores its checkpointed slots
@@ -763,9 +769,7 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
         # (6): the batch's estimate as each joins, and the residual in force when each is checked (set by
         # the first with its estimate left, when none did before)
         sums = self._sums
-        estimates = self.cost_model.step_seconds_with_decodes(
-            BatchShape(*sums, True), sums[0] + np.arange(1, k + 1), sums[1] + np.cumsum(computed)
-        )
+        estimates = self._batch_times(sums, sums[0] + np.arange(1, k + 1), sums[1] + np.cumsum(computed))
         own = np.asarray(deadlines[:k]) - p.now
         residual = np.full(k, p.residual)
         first_met = np.flatnonzero(own >= estimates)[:1] if p.residual == math.inf else ()
@@ -776,7 +780,7 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
         n = int(passed[0]) if len(passed) else k
         if len(first_met) and first_met[0] < n:
             p.residual = float(own[first_met[0]])
-        self.num_cost_model_queries += n
+        self.num_cost_model_queries -= k - n  # (those not packed are estimated again by _pack_rt)
         self._add_decodes(batch, run[:n], new_blocks[:n].tolist(), computed[:n].tolist())
         return n
 

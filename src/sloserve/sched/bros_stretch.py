@@ -83,15 +83,15 @@ class BrosStretches:
         decode_kv = 0
         for r in members:
             decode_kv += r.num_computed_tokens
-        refused = self._contribution(self._refused) if self._refused is not None else None
-        estimates, bounds = [], []  # the batch's estimate at each later step, and with the refused request
-        for j in range(1, num_later + 1):
-            sums = (n, decode_kv + j * n, 0, 0, 0, 0, 0)  # the batch's at step j, as _add sums them
-            estimates.append(self._batch_time(sums))
-            if refused is not None:
-                bounds.append(self._batch_time([a + b for a, b in zip(sums, refused, strict=True)]))
-        if refused is None:
-            bounds = estimates
+        # The batch's estimate at each later step j (its sums as _add makes them: n decodes reading
+        # decode_kv + j * n tokens), and with the refused request's part (it is estimated before it is refused).
+        num_decode = np.full(num_later, n, dtype=np.int64)
+        later_kv = decode_kv + n * np.arange(1, num_later + 1, dtype=np.int64)
+        estimates = self._batch_times((0,) * 7, num_decode, later_kv)
+        bounds = estimates
+        if self._refused is not None:
+            refused = self._contribution(self._refused)
+            bounds = self._batch_times(refused, num_decode + refused[0], later_kv + refused[1])
         rt = [r for r in members if r.request_class is RequestClass.RT]
         residuals = [math.inf] * num_later
         valid = num_later
@@ -102,7 +102,7 @@ class BrosStretches:
             valid = int(bad[0]) if len(bad) else num_later
             first_met = met.argmax(axis=0)
             residuals = [float(own[i, j]) if met[i, j] else math.inf for j, i in enumerate(first_met)]
-        self._clock_plan = (estimates, residuals)
+        self._clock_plan = (estimates.tolist(), residuals)
         return 1 + valid
 
     def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
