@@ -455,30 +455,9 @@ def test_a_request_larger_than_the_kv_cache_is_refused_up_front():
         s.check_fits(Request(7, 0.0, 1000, 300, 300), 1299)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    # (prompt, output, arrival, BE?, TTFT and TPOT SLOs) of each request; TPOTs near the step times
-    # (3-6 ms here), so that (6) binds inside runs of decodes
-    specs=st.lists(
-        st.tuples(
-            st.integers(8, 300),
-            st.integers(2, 150),
-            st.floats(0, 2),
-            st.booleans(),
-            st.sampled_from([0.02, 0.1]),
-            st.floats(0.003, 0.01),
-        ),
-        min_size=2,
-        max_size=30,
-    ),
-    capacity=st.sampled_from([512, 1024, 4096]),
-    horizon=st.sampled_from([0, 16]),
-)
-def test_packing_a_run_of_decodes_at_once_changes_nothing(specs, capacity, horizon):
-    """BROS's RT phase checks a run of RT decodes on the GPU at once (paged KV: ``_pack_rt_decodes``),
-    up to the first that (6), (7) or (8) would stop. Request by request instead, with SLOs that make
-    (6) bind, KV that makes (8) evict and the anti-thrash rule on and off: every timestamp, eviction,
-    cost-model query and batch is the same."""
+def _packed_both_ways(specs, capacity: int, name: str, **options) -> None:
+    """Run ``specs`` ((prompt, output, arrival, BE?, TTFT SLO, TPOT SLO) each) with BROS's runs of
+    decodes packed at once (from one request on) and request by request: the same run both ways."""
     from sloserve.sim import simulate
 
     runs = {}
@@ -497,7 +476,7 @@ def test_packing_a_run_of_decodes_at_once_changes_nothing(specs, capacity, horiz
         ]
 
         def make(at_once=at_once):
-            sched = scheduler("bros_nobicache", capacity, readmit_horizon_steps=horizon)
+            sched = scheduler(name, capacity, swap_space_tokens=20_000, **options)
             sched.pack_decode_runs, sched.MIN_DECODE_RUN = at_once, 1
             return sched
 
@@ -507,8 +486,58 @@ def test_packing_a_run_of_decodes_at_once_changes_nothing(specs, capacity, horiz
             timestamps(requests),
             [r.num_preemptions for r in requests],
             result.policy_metrics["num_cost_model_queries"],
+            result.swapped_bytes,
             result.timeline.column("num_requests"),
         )
     np.testing.assert_array_equal(runs[True][0], runs[False][0])
-    assert runs[True][1:3] == runs[False][1:3]
-    np.testing.assert_array_equal(runs[True][3], runs[False][3])
+    assert runs[True][1:4] == runs[False][1:4]
+    np.testing.assert_array_equal(runs[True][4], runs[False][4])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    # (prompt, output, arrival, BE?, TTFT and TPOT SLOs) of each request; TPOTs near the step times
+    # (3-6 ms here), so that (6) binds inside runs of decodes
+    specs=st.lists(
+        st.tuples(
+            st.integers(8, 300),
+            st.integers(2, 150),
+            st.floats(0, 2),
+            st.booleans(),
+            st.sampled_from([0.02, 0.1]),
+            st.floats(0.003, 0.01),
+        ),
+        min_size=2,
+        max_size=30,
+    ),
+    capacity=st.sampled_from([512, 1024, 4096]),
+    horizon=st.sampled_from([0, 16]),
+    name=st.sampled_from(["bros", "bros_nobicache"]),
+)
+def test_packing_a_run_of_decodes_at_once_changes_nothing(specs, capacity, horizon, name):
+    """BROS's RT phase checks a run of RT decodes on the GPU at once (``_pack_rt_decodes``), up to the
+    first that (6), (7) or (8) would stop or (bidirectional blocks) whose slot may go over another
+    request's tokens. Request by request instead, with SLOs that make (6) bind, KV that makes (8) evict
+    or drop, RT requests growing over BE tokens and the anti-thrash rule on and off: every timestamp,
+    eviction, copied byte, cost-model query and batch is the same."""
+    _packed_both_ways(specs, capacity, name, readmit_horizon_steps=horizon)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("name", ["bros", "bros_nobicache"])
+def test_packing_a_run_of_decodes_at_once_when_free_blocks_run_out(name, seed):
+    """RT requests only, arriving together into 512 KV tokens: members of a run take the last free
+    blocks, and the next finds none (its room is found by dropping or evicting, request by request)."""
+    rng = np.random.default_rng(seed)
+    specs = [
+        (
+            int(rng.integers(8, 200)),
+            int(rng.integers(20, 150)),
+            float(rng.uniform(0, 0.5)),
+            False,
+            0.1,
+            float(rng.uniform(0.003, 0.01)),
+        )
+        for _ in range(int(rng.integers(10, 30)))
+    ]
+    _packed_both_ways(specs, 512, name)

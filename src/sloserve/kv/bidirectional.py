@@ -288,6 +288,22 @@ class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager)
             need -= filled
         return True
 
+    def free_blocks_to_grow(self, request: Request, num_tokens: int) -> int | None:
+        """Free blocks that growing the RT ``request`` to ``num_tokens`` tokens takes when it touches no
+        other request's tokens and nothing of it is checkpointed: 0 (the empty slots of its own last
+        block) or 1 (one more token, its last block full with no BE token facing it, or not its own).
+        None otherwise (a restore, an overwrite, several blocks: ``allocate_slots`` decides). NOTE:
+        ``allocate_slots`` then takes a free block as ``_place_rt`` does, if one is left."""
+        need = num_tokens - len(self.token_slots.get(request, ()))
+        if self.cpu_slots.get(request):
+            return None
+        if need <= self._own_empty_slots(request):
+            return 0
+        b = self._last(request)
+        if need == 1 and (b is None or self.rt_owner[b] is not request or not self.be_tokens[b]):
+            return 1
+        return None
+
     def _own_empty_slots(self, request: Request) -> int:
         """Empty slots of the block ``request`` grows in (its last one), when it owns its side."""
         blocks = self.blocks_of.get(request)

@@ -287,7 +287,14 @@ class SubsetScheduler(Scheduler):
     def _add_decodes(
         self, batch: list[Request], requests: list[Request], new_blocks: list[int], computed: list[int]
     ) -> None:
-        """``_add`` of running ``requests`` on the GPU (paged KV), at once: each takes ``new_blocks``."""
+        """``_add`` of running ``requests`` on the GPU, at once: each takes ``new_blocks`` (paged KV) or its
+        next slot where it touches nobody (bidirectional blocks: ``free_blocks_to_grow``)."""
+        if self._bicache:
+            t0 = time.perf_counter()
+            for r, m in zip(requests, computed, strict=True):
+                done = self.kv.allocate_slots(r, m + 1)  # (nobody else's slot: nobody to protect)
+                assert done
+            self.kv_time_s += time.perf_counter() - t0
         self._charged.update(zip(requests, zip(new_blocks, itertools.repeat(0))))
         self._batch_blocks += sum(new_blocks)
         batch.extend(requests)
@@ -716,7 +723,7 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
         request short of room without the anti-thrash rule)."""
         i = 0
         while i < len(requests):
-            if len(requests) - i >= self.MIN_DECODE_RUN and self.pack_decode_runs and not self._bicache:
+            if len(requests) - i >= self.MIN_DECODE_RUN and self.pack_decode_runs:
                 if not self._needs_new_kv(requests[i]):  # a run of RT requests on the GPU
                     i += self._pack_rt_decodes(requests[i:], deadlines[i:], batch, p)
                     if i == len(requests):
@@ -751,21 +758,35 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
         return True
 
     def _pack_rt_decodes(self, run: list[Request], deadlines: list[float], batch: list[Request], p: _Packing) -> int:
-        """``_pack_rt`` over ``run`` (RT requests on the GPU, in priority order; paged KV) at once, as far
-        as each joins the batch with free blocks: how many joined. The first that does not is left to
-        ``_pack_rt``, which then ends the phase, evicts for it or refuses it, as it would have."""
+        """``_pack_rt`` over ``run`` (RT requests on the GPU, in priority order) at once, as far as each
+        joins the batch with free blocks (paged KV; bidirectional blocks: growing where it touches
+        nobody, nothing to restore): how many joined. The first that does not is left to ``_pack_rt``,
+        which then ends the phase, finds it room (evicting, overwriting) or refuses it, as it would have."""
         k = min(len(run), self.batch_size - len(batch))  # (7)
-        # (up to one evicted for room earlier in this step: it waits now, and it is _pack_rt's)
-        k = next((i for i, r in enumerate(run[:k]) if r.status is not RequestStatus.RUNNING), k)
+        kv = self.kv
+        # Up to one evicted for room earlier in this step (it waits now or is dropped) or, with bidirectional
+        # blocks, one whose slot may go over another request's tokens: those are _pack_rt's.
+        if self._bicache:
+            grow_blocks = []  # free blocks each takes
+            for r in run[:k]:
+                blocks = kv.free_blocks_to_grow(r, r.num_computed_tokens + 1)
+                if blocks is None or r.status is not RequestStatus.RUNNING:
+                    break
+                grow_blocks.append(blocks)
+            k = len(grow_blocks)
+        else:
+            k = next((i for i, r in enumerate(run[:k]) if r.status is not RequestStatus.RUNNING), k)
         if k <= 0:
             return 0
         run = run[:k]
-        kv = self.kv
         computed = np.fromiter((r.num_computed_tokens for r in run), np.int64, k)  # (k,)
-        held = np.fromiter((len(kv.block_tables[r]) for r in run), np.int64, k)  # (k,) blocks each holds
-        new_blocks = np.maximum(-(-(computed + 1) // kv.block_size) - held, 0)  # (k,) _blocks: for one more token
-        # (8) with free blocks only (evicting is _make_room's)
-        fits = self._batch_blocks + np.cumsum(new_blocks) <= kv.num_free_blocks
+        if self._bicache:
+            fits = np.cumsum(grow_blocks) <= kv.num_free_blocks  # (a free block each, while one is left)
+            charged = np.zeros(k, dtype=np.int64)  # (slots are placed as each joins, not counted)
+        else:
+            held = np.fromiter((len(kv.block_tables[r]) for r in run), np.int64, k)  # (k,) blocks each holds
+            new_blocks = charged = np.maximum(-(-(computed + 1) // kv.block_size) - held, 0)  # (k,) one more token
+            fits = self._batch_blocks + np.cumsum(new_blocks) <= kv.num_free_blocks  # (8) with free blocks only
         # (6): the batch's estimate as each joins, and the residual in force when each is checked (set by
         # the first with its estimate left, when none did before)
         sums = self._sums
@@ -781,7 +802,7 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
         if len(first_met) and first_met[0] < n:
             p.residual = float(own[first_met[0]])
         self.num_cost_model_queries -= k - n  # (those not packed are estimated again by _pack_rt)
-        self._add_decodes(batch, run[:n], new_blocks[:n].tolist(), computed[:n].tolist())
+        self._add_decodes(batch, run[:n], charged[:n].tolist(), computed[:n].tolist())
         return n
 
 
