@@ -193,21 +193,21 @@ class LinearCostModel(CostModel):
         """``_parts`` and ``step_total`` on arrays: the same arithmetic, in the same order."""
         _, _, num_prefill, prefill_tokens, attention_work, context, swap_bytes, overlapped, longest = shape
         scale = self._scale
-        decode_s = np.where(
-            num_decode > 0,
-            (self._a_d * decode_kv_tokens + self._w_d * longest + self._b_d + self._s_d * num_decode) * scale,
-            0.0,
-        )
+        decode_s = (self._a_d * decode_kv_tokens + self._w_d * longest + self._b_d + self._s_d * num_decode) * scale
+        if not (num_decode > 0).all():
+            decode_s = np.where(num_decode > 0, decode_s, 0.0)
         prefill_s = 0.0
         if num_prefill > 0:
             prefill_s = (self._a_p * attention_work + self._b_p + self._s_p * num_prefill + self._m_p * context) * scale
         tokens = num_decode + prefill_tokens
-        stepped = tokens > 0  # an empty step costs nothing
-        other_s = np.where(stepped, (self._a_o * np.maximum(tokens, self._knee) + self._b_o) * scale, 0.0)
+        other_s = (self._a_o * np.maximum(tokens, self._knee) + self._b_o) * scale
         floor = self._floor_p if num_prefill > 0 else self._floor_d
-        other_s = np.where(stepped & (floor > other_s + decode_s + prefill_s), floor - decode_s - prefill_s, other_s)
-        other_s = np.where(stepped, other_s + (self._h_s + self._h_r * (num_decode + num_prefill)), other_s)
+        if floor:  # (NOTE: every part is >= 0, so none is under a zero floor)
+            other_s = np.where(floor > other_s + decode_s + prefill_s, floor - decode_s - prefill_s, other_s)
+        other_s = other_s + (self._h_s + self._h_r * (num_decode + num_prefill))
         compute_s = other_s + decode_s + prefill_s
+        if not (tokens > 0).all():  # an empty step costs nothing (no floor, no host's share)
+            compute_s = np.where(tokens > 0, compute_s, 0.0 + 0.0 + prefill_s)
         swap_s = swap_bytes / self.swap_bandwidth if swap_bytes else 0.0
         return np.maximum(compute_s, swap_s) if overlapped else compute_s + swap_s
 
