@@ -159,18 +159,15 @@ class RooflineCostModel(CostModel):
         tokens = num_decode + prefill_tokens
         flops = self._flops_per_token * tokens + self._flops_per_sequence * (num_decode + num_prefill)
         compute_s = np.maximum(flops / self._flops_rate, self._weight_read_bytes / self._bytes_rate)
-        comm_s = self._allreduce_fixed_s + self._allreduce_s_per_token * tokens
-        other_s = np.where(tokens > 0, compute_s + comm_s + self.step_overhead_s, 0.0)
+        other_s = compute_s + (self._allreduce_fixed_s + self._allreduce_s_per_token * tokens) + self.step_overhead_s
         keys = decode_kv_tokens + num_decode
-        decode_s = np.where(
-            num_decode > 0,
-            np.maximum(
-                self._attn_flops_per_key * keys / self._flops_rate,
-                self._kv_bytes_per_token * keys / self._kv_bytes_rate,
-            ),
-            0.0,
+        decode_s = np.maximum(
+            self._attn_flops_per_key * keys / self._flops_rate, self._kv_bytes_per_token * keys / self._kv_bytes_rate
         )
-        prefill_s = self.batch_time(shape._replace(num_decode=0, decode_kv_tokens=0)).prefill_attention_s
+        if not (num_decode > 0).all():  # (a part with nothing to do costs nothing)
+            other_s = np.where(tokens > 0, other_s, 0.0)
+            decode_s = np.where(num_decode > 0, decode_s, 0.0)
+        prefill_s = self.batch_time(shape._replace(num_decode=0)).prefill_attention_s if num_prefill else 0.0
         swap_s = shape.swap_bytes / self.swap_bandwidth if shape.swap_bytes else 0.0
         total = other_s + decode_s + prefill_s
         return np.maximum(total, swap_s) if shape.swap_overlapped else total + swap_s
