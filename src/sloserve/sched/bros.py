@@ -166,6 +166,9 @@ class SubsetScheduler(Scheduler):
         # The waiting requests of each class in queue order, rebuilt when the queue changes (an arrival, an
         # admission, a recompute preemption), not every step: an overloaded queue holds hundreds.
         self._waiting_of: dict[RequestClass, list[Request]] | None = None
+        # The running requests of each class (dropped ones too) in running order, rebuilt when one starts
+        # or stops running: the packing, the BE phase and RR read them every step.
+        self._running_of: dict[RequestClass, list[Request]] | None = None
 
     def add_request(self, request: Request) -> None:
         super().add_request(request)
@@ -173,11 +176,24 @@ class SubsetScheduler(Scheduler):
 
     def _admit(self, request: Request) -> None:
         super()._admit(request)
-        self._waiting_of = None
+        self._waiting_of = self._running_of = None
+
+    def _leave_running(self, request: Request, *, drop_kv: bool = False) -> None:
+        super()._leave_running(request, drop_kv=drop_kv)
+        self._running_of = None
 
     def _preempt(self, request: Request, mode: PreemptionMode, output: SchedulerOutput, **kwargs) -> None:
         super()._preempt(request, mode, output, **kwargs)
         self._waiting_of = None
+
+    def _running(self, request_class: RequestClass) -> list[Request]:
+        """The running requests of ``request_class`` (dropped ones too), in running order. NOTE: the list
+        is kept until a request starts or stops running: callers must not change it."""
+        if self._running_of is None:
+            self._running_of = {RequestClass.RT: [], RequestClass.BE: []}
+            for r in self.running:
+                self._running_of[r.request_class].append(r)
+        return self._running_of[request_class]
 
     def _waiting(self, request_class: RequestClass) -> list[Request]:
         """The waiting requests of ``request_class``, in queue order."""
@@ -413,6 +429,9 @@ class SubsetScheduler(Scheduler):
         if self._waiting_of is not None:
             for request_class, listed in self._waiting_of.items():
                 assert set(listed) == {r for r in self.waiting if r.request_class is request_class}, request_class
+        if self._running_of is not None:
+            for request_class, listed in self._running_of.items():
+                assert listed == [r for r in self.running if r.request_class is request_class], request_class
         for dropped in self._dropped.values():
             assert dropped <= self.running.keys(), "a dropped request is not running"
         if self._sorted_dropped_rt is not None:
@@ -458,7 +477,7 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
         or waiting) until ``stop_new_kv()`` (none of them can run this step). Yielded in runs: the
         requests on the GPU between two needing KV, then one of those (a tie goes to the one on the GPU)."""
         dropped = self._dropped[RequestClass.RT]
-        on_gpu = [r for r in self.running if r.request_class is RequestClass.RT and r not in dropped]
+        on_gpu = [r for r in self._running(RequestClass.RT) if r not in dropped]
         keys = [self.deadline(r) for r in on_gpu]
         order = sorted(range(len(on_gpu)), key=keys.__getitem__)  # (stable: running order on ties)
         on_gpu, deadlines = [on_gpu[i] for i in order], [keys[i] for i in order]
@@ -556,9 +575,9 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
         """The BE phase's candidates: the pending ones, fewest checkpointed slots first (least swap-in;
         without bidirectional blocks, none), then the waiting ones in queue order, unless none of these
         may take new KV (``_may_admit``, ``_be_may_take_room``; checked once the pending ones are placed)."""
-        pending = [r for r in self.running if r.request_class is RequestClass.BE]
+        pending = self._running(RequestClass.BE)
         if self._bicache:
-            pending.sort(key=self.kv.num_checkpointed)  # (stable: arrival order)
+            pending = sorted(pending, key=self.kv.num_checkpointed)  # (stable: arrival order)
         yield from pending
         waiting = self._waiting(RequestClass.BE)
         if waiting and self._may_admit(waiting[0]) and not (rt_short_of_room and self.config.readmit_horizon_steps):
@@ -650,9 +669,7 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
             p.violated = True  # even the most urgent request alone misses its deadline
         t2, kv2 = time.perf_counter(), self.kv_time_s
         be = self._be_in_order(p.rt_short_of_room)
-        num_rt_on_gpu = sum(1 for r in self.running if r.request_class is RequestClass.RT) - len(
-            self._dropped[RequestClass.RT]
-        )
+        num_rt_on_gpu = len(self._running(RequestClass.RT)) - len(self._dropped[RequestClass.RT])
         # The shortest waiting prompt that found no room (8) or prompt budget: a longer one finds none either
         # while requests join the batch (without prefix caching, a waiting request's need grows with its length).
         no_room_tokens = math.inf
@@ -840,7 +857,7 @@ class RoundRobinScheduler(SubsetScheduler):
             return 1
         served = output.chunks[0][0].request_class  # (one class a step)
         other = RequestClass.BE if served is RequestClass.RT else RequestClass.RT
-        if any(r.request_class is other for r in self.running):
+        if self._running(other):
             return 1
         waiting = self._waiting(other)
         if waiting and self._blocks(waiting[0]) <= self.kv.num_free_blocks:
@@ -861,7 +878,7 @@ class RoundRobinScheduler(SubsetScheduler):
 
     def _fcfs_batch(self, cls: RequestClass, out: SchedulerOutput) -> list[Request]:
         batch = self._start_batch()
-        running = [r for r in self.running if r.request_class is cls]
+        running = self._running(cls)
         for r in itertools.chain(running, self._waiting(cls)):  # (the loop leaves _waiting's list unchanged)
             if len(batch) >= self.config.max_batch_size or not self._prompt_fits(r):
                 break

@@ -151,7 +151,7 @@ class BrosStretches:
         deadlines = self._deadlines(rt, 0, limit)  # (rt, limit)
         ok = np.ones(limit, dtype=bool)
         if len(rt) > 1:
-            position = {r: i for i, r in enumerate(self.running)}
+            position = {r: i for i, r in enumerate(self._running(RequestClass.RT))}  # (running order)
             rank = np.fromiter((position[r] for r in rt), np.int64, len(rt))
             a, b = deadlines[:-1], deadlines[1:]
             ok &= ((a < b) | ((a == b) & (rank[:-1] < rank[1:])[:, None])).all(axis=0)
