@@ -5,14 +5,15 @@ size (7) and the KV each needs (8); nothing in its step is a cohort. A step of d
 admitted, dropped or copied; nothing left out by (6) or (7)) is the same step again while:
 
 - its order holds: the RT members' deadlines move by their TPOT per token and stay sorted (ties in
-  running order), each on the same side of the RT request that found no room, if any (a waiting or
-  dropped request's deadline does not move);
+  running order);
 - what left the others out still does: the RT request that found no room (``_refused``; the RT phase
   then skips every later one that needs KV) finds none, as its shortfall after evicting all it may
   (as ``_make_room`` counts it) exceeds what the members' growth can give back (bidirectional blocks:
   a slot per member per step, that evicting it would free; paged KV: none, a victim's new block was a
-  free one); a BE request that found no room finds less (the members take free slots and nobody
-  frees any); a prompt over the budget is still over it (the batch holds no prompt);
+  free one), with the RT members whose deadlines pass its own (a waiting or dropped request's does
+  not move) among its victims from then on; a BE request that found no room finds less (the members
+  take free slots and nobody frees any); a prompt over the budget is still over it (the batch holds
+  no prompt);
 - the members' growth fits where it touches nobody: their own blocks, then free ones
   (``BidirectionalKVManager.decode_growth_steps``; the free KV with paged blocks);
 - (6) binds nobody: at each step's start every RT member is past its deadline or has at least the
@@ -66,7 +67,7 @@ class BrosStretches:
         members = [r for r, _ in output.chunks]
         limit = self._order_horizon(members, limit)
         if limit > 1 and self._refused is not None:
-            limit = min(limit, self._refused_horizon(len(members), limit))
+            limit = min(limit, self._refused_horizon(members, limit))
         if limit > 1:
             if self._bicache:
                 limit = 1 + self.kv.decode_growth_steps(members, limit - 1)
@@ -143,8 +144,8 @@ class BrosStretches:
 
     def _order_horizon(self, members: list[Request], limit: int) -> int:
         """Steps (>= 1, <= limit) through which the RT members (the batch's first ones) stay in
-        deadline order, ties in running order as the sort keeps them, each on the same side of the
-        refused request (a member whose deadline equals it goes first, as ``heapq.merge`` takes it)."""
+        deadline order, ties in running order as the sort keeps them. (Where they stand against the
+        refused request is ``_refused_horizon``'s.)"""
         rt = [r for r in members if r.request_class is RequestClass.RT]
         if not rt:
             return limit
@@ -155,23 +156,42 @@ class BrosStretches:
             rank = np.fromiter((position[r] for r in rt), np.int64, len(rt))
             a, b = deadlines[:-1], deadlines[1:]
             ok &= ((a < b) | ((a == b) & (rank[:-1] < rank[1:])[:, None])).all(axis=0)
-        if self._refused is not None:
-            first = deadlines <= self.deadline(self._refused)
-            ok &= (first == first[:, :1]).all(axis=0)
         bad = np.flatnonzero(~ok)
         return int(bad[0]) if len(bad) else limit
 
-    def _refused_horizon(self, num_members: int, limit: int) -> int:
+    def _refused_horizon(self, members: list[Request], limit: int) -> int:
         """Steps (>= 1, <= limit) through which the refused RT request still finds no room, as ``_make_room``
         counts it: its victims are the running BE requests on the GPU and, unless it was dropped, the
-        RT ones after it (the order holds: ``_order_horizon``). With bidirectional blocks each member's
-        step can lower its shortfall by one slot (one a victim holds more, in a block already counted
-        or taken from the free ones), members before it in the order once more than those after."""
+        RT ones after it in the order, which an RT member joins at the step its deadline passes the
+        refused one's (a waiting or dropped request's deadline does not move). Where the members stand
+        against it changes nothing else: it never joins the batch, sets no residual, and (6) on its
+        estimate is ``clock_horizon``'s. Its shortfall is counted with the victims' KV of now: with paged
+        KV a victim's new block came from the free ones, and with bidirectional blocks each member's step
+        can lower the shortfall by one slot (one a victim holds more, in a block already counted or taken
+        from the free ones)."""
         # At its turn the batch holds the RT members before it: none is a victim, none protects a block,
         # and with paged KV the new blocks they take only add to its shortfall.
-        be, rt = self._eviction_candidates(self._refused, ())
-        shortfall = self._shortfall_after_evicting(self._refused, be + rt, (), 0)
-        if self._bicache:
-            # at step j from now the members grew j times at most: short still while j * members < shortfall
-            return min(limit, max(1, -(-shortfall // num_members)))
-        return limit if shortfall > 0 else 1
+        refused = self._refused
+        be, rt = self._eviction_candidates(refused, ())
+        joins: list[tuple[int, Request]] = []  # (the step from which it is a victim, an RT member before it)
+        if not (self._was_dropped(refused) and self.config.readmit_horizon_steps):  # (else it drops BE only)
+            after = set(rt)
+            before = [r for r in members if r.request_class is RequestClass.RT and r not in after]
+            if before:
+                passed = self._deadlines(before, 0, limit) > self.deadline(refused)  # (before, limit)
+                joins = [(int(row.argmax()), r) for row, r in zip(passed, before, strict=True) if row.any()]
+                joins.sort(key=lambda join: join[0])
+        victims, start = be + rt, 1
+        for end, joining in [*joins, (limit, None)]:  # steps start..end-1 have these victims
+            if end > start:
+                shortfall = self._shortfall_after_evicting(refused, victims, (), 0)
+                if self._bicache:
+                    # at step j from now the members grew j times at most: short still while j * members < shortfall
+                    first_fit = max(start, -(-shortfall // len(members)))
+                    if first_fit < end:
+                        return first_fit
+                elif shortfall <= 0:
+                    return start
+                start = end
+            victims.append(joining)
+        return limit
