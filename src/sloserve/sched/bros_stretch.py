@@ -166,9 +166,10 @@ class BrosStretches:
         refused one's (a waiting or dropped request's deadline does not move). Where the members stand
         against it changes nothing else: it never joins the batch, sets no residual, and (6) on its
         estimate is ``clock_horizon``'s. Its shortfall is counted with the victims' KV of now: with paged
-        KV a victim's new block came from the free ones, and with bidirectional blocks each member's step
-        can lower the shortfall by one slot (one a victim holds more, in a block already counted or taken
-        from the free ones)."""
+        KV a victim's new block came from the free ones; with bidirectional blocks each step of a member
+        among its victims can lower the shortfall by one slot (one the victim holds more, in a block
+        already counted or taken from the free ones), and no other member's can (its slot is a free one,
+        its own block's, or over a victim's BE tokens)."""
         # At its turn the batch holds the RT members before it: none is a victim, none protects a block,
         # and with paged KV the new blocks they take only add to its shortfall.
         refused = self._refused
@@ -182,16 +183,17 @@ class BrosStretches:
                 joins = [(int(row.argmax()), r) for row, r in zip(passed, before, strict=True) if row.any()]
                 joins.sort(key=lambda join: join[0])
         victims, start = be + rt, 1
+        in_batch = set(members)
+        growing = sum(1 for r in victims if r in in_batch)  # victims that grow a slot a step
         for end, joining in [*joins, (limit, None)]:  # steps start..end-1 have these victims
             if end > start:
                 shortfall = self._shortfall_after_evicting(refused, victims, (), 0)
-                if self._bicache:
-                    # at step j from now the members grew j times at most: short still while j * members < shortfall
-                    first_fit = max(start, -(-shortfall // len(members)))
-                    if first_fit < end:
-                        return first_fit
-                elif shortfall <= 0:
+                if shortfall <= 0:
                     return start
+                # bidirectional blocks: at step j from now each growing victim holds j slots more at most
+                if self._bicache and growing and -(-shortfall // growing) < end:
+                    return max(start, -(-shortfall // growing))
                 start = end
             victims.append(joining)
+            growing += 1
         return limit
