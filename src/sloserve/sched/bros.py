@@ -510,7 +510,8 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
         token-group deadline moves with the iteration-time average: checked every step."""
         waiting = self._waiting(RequestClass.RT)
         if waiting is not self._sorted_waiting_rt or self.config.deadlines == "token_group":
-            if any(self.deadline(a) > self.deadline(b) for a, b in zip(waiting, waiting[1:])):
+            deadlines = [self.deadline(r) for r in waiting]
+            if deadlines != sorted(deadlines):
                 waiting.sort(key=self.deadline)
             self._sorted_waiting_rt = waiting
         return waiting

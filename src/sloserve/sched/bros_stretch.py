@@ -46,7 +46,9 @@ class BrosStretches:
 
     _repeatable = False  # the last step may repeat, as far as the step itself could tell
     _refused: Request | None = None  # the RT request that found no room (8) in the last step
-    _clock_plan: tuple[list[float], list[float]] = ([], [])  # estimates and residuals of a stretch's later steps
+    # A planned stretch's later steps: the batch's estimate at each, and each RT member's time left then
+    # (its deadline less the step's start; None without RT members)
+    _clock_plan: tuple[list[float], np.ndarray | None] = ([], None)
     _slots_ahead = 0  # bidirectional blocks: slots a planned stretch allocated for tokens to come
 
     def _note_step(self, refused: Request | None, held_back: bool) -> None:
@@ -77,7 +79,7 @@ class BrosStretches:
 
     def clock_horizon(self, output: SchedulerOutput, end_times: Sequence[float]) -> int:
         """The steps through which (6) binds nobody (see the module docstring), from the first; keeps
-        their estimates and residuals for ``repeat``."""
+        their estimates and the RT members' times left for ``repeat``."""
         members = [r for r, _ in output.chunks]
         num_later = len(end_times) - 1  # steps after the scheduled one: j = 1..num_later
         n = len(members)
@@ -94,16 +96,13 @@ class BrosStretches:
             refused = self._contribution(self._refused)
             bounds = self._batch_times(refused, num_decode + refused[0], later_kv + refused[1])
         rt = [r for r in members if r.request_class is RequestClass.RT]
-        residuals = [math.inf] * num_later
-        valid = num_later
+        own, valid = None, num_later
         if rt:
             own = self._deadlines(rt, 1, num_later + 1) - np.asarray(end_times[:-1], dtype=np.float64)  # (rt, later)
             met = own >= 0
             bad = np.flatnonzero((met & (own < np.asarray(bounds))).any(axis=0))
             valid = int(bad[0]) if len(bad) else num_later
-            first_met = met.argmax(axis=0)
-            residuals = [float(own[i, j]) if met[i, j] else math.inf for j, i in enumerate(first_met)]
-        self._clock_plan = (estimates.tolist(), residuals)
+        self._clock_plan = (estimates.tolist(), own)
         return 1 + valid
 
     def repeat(self, output: SchedulerOutput, num_steps: int) -> SchedulerOutput:
@@ -111,10 +110,14 @@ class BrosStretches:
         the later steps allocated in the order the steps would take them, and B, the iteration average,
         the last estimate and residual as the later steps' ``schedule`` would leave them."""
         cfg = self.config
-        estimates, residuals = self._clock_plan
+        estimates, own = self._clock_plan
         for estimate in estimates[: num_steps - 1]:
             self.iteration_ema_s += self.ITERATION_EMA_WEIGHT * (estimate - self.iteration_ema_s)
-        self.last_estimate_s, self.last_residual_s = estimates[num_steps - 2], residuals[num_steps - 2]
+        last = num_steps - 2
+        self.last_estimate_s, self.last_residual_s = estimates[last], math.inf
+        met = np.flatnonzero(own[:, last] >= 0) if own is not None else ()
+        if len(met):  # the residual of the last step: the first RT member, in order, not past its deadline
+            self.last_residual_s = float(own[met[0], last])
         self.batch_size = min(self.batch_size + (num_steps - 1) * cfg.batch_size_step, cfg.max_batch_size)
         if not self._bicache:
             return self._named_decode_repeat(output, num_steps)
