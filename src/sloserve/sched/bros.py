@@ -647,8 +647,8 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
             self._evict(be[-1] if be else max(others, key=self.deadline), out)
         self._add(batch, head)
 
-    # Runs of at least this many RT requests on the GPU are checked at once (``_pack_rt_decodes``; paged
-    # KV). Below it, the arrays cost more than the checks they save. False: request by request (tests).
+    # Runs of at least this many RT requests on the GPU are checked at once (``_pack_rt_decodes``). Below
+    # it, the arrays cost more than the checks they save. ``pack_decode_runs`` False: request by request.
     MIN_DECODE_RUN = 8
     pack_decode_runs = True
 
@@ -787,8 +787,10 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
         if self._bicache:
             grow_blocks = []  # free blocks each takes
             for r in run[:k]:
-                blocks = kv.free_blocks_to_grow(r, r.num_computed_tokens + 1)
-                if blocks is None or r.status is not RequestStatus.RUNNING:
+                blocks = (
+                    kv.free_blocks_to_grow(r, r.num_computed_tokens + 1) if r.status is RequestStatus.RUNNING else None
+                )
+                if blocks is None:
                     break
                 grow_blocks.append(blocks)
             k = len(grow_blocks)

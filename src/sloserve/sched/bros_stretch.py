@@ -9,8 +9,8 @@ admitted, dropped or copied; nothing left out by (6) or (7)) is the same step ag
 - what left the others out still does: the RT request that found no room (``_refused``; the RT phase
   then skips every later one that needs KV) finds none, as its shortfall after evicting all it may
   (as ``_make_room`` counts it) exceeds what the members' growth can give back (bidirectional blocks:
-  a slot per member per step, that evicting it would free; paged KV: none, a victim's new block was a
-  free one), with the RT members whose deadlines pass its own (a waiting or dropped request's does
+  a slot per member among its victims per step, that evicting it would free; paged KV: none, a
+  victim's new block was a free one), with the RT members whose deadlines pass its own (a waiting or dropped request's does
   not move) among its victims from then on; a BE request that found no room finds less (the members
   take free slots and nobody frees any); a prompt over the budget is still over it (the batch holds
   no prompt);
@@ -197,6 +197,7 @@ class BrosStretches:
                 if self._bicache and growing and -(-shortfall // growing) < end:
                     return max(start, -(-shortfall // growing))
                 start = end
-            victims.append(joining)
-            growing += 1
+            if joining is not None:
+                victims.append(joining)
+                growing += 1
         return limit
