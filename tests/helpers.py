@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from hypothesis import strategies as st
 
 from sloserve.core.outputs import SchedulerOutput
-from sloserve.core.request import Request
+from sloserve.core.request import SLO, Request, RequestClass
 from sloserve.cost import LinearCostModel, get_preset
 from sloserve.predict import LengthPredictor
 from sloserve.sched import make_scheduler
@@ -25,6 +26,29 @@ def make_requests(lengths: list[tuple[int, int]], arrivals: list[float] | None =
     return [
         Request(request_id=i, arrival_time=t, num_prompt_tokens=p, true_output_tokens=o, max_tokens=o)
         for i, ((p, o), t) in enumerate(zip(lengths, arrivals, strict=True))
+    ]
+
+
+def rt_be_specs(ttft_s: st.SearchStrategy, tpot_s: st.SearchStrategy) -> st.SearchStrategy:
+    """Small random RT/BE mixes for ``rt_be_requests``: 2-30 requests of 8-300 prompt and 2-150 output
+    tokens arriving within 2 s, each RT or BE, with SLOs drawn from ``ttft_s`` and ``tpot_s``."""
+    request = st.tuples(st.integers(8, 300), st.integers(2, 150), st.floats(0, 2), st.booleans(), ttft_s, tpot_s)
+    return st.lists(request, min_size=2, max_size=30)
+
+
+def rt_be_requests(specs: list[tuple[int, int, float, bool, float, float]]) -> list[Request]:
+    """Requests from (prompt, output, arrival, BE?, TTFT SLO, TPOT SLO) each; max_tokens = output."""
+    return [
+        Request(
+            request_id=i,
+            arrival_time=arrival,
+            num_prompt_tokens=prompt,
+            true_output_tokens=output,
+            max_tokens=output,
+            request_class=RequestClass.BE if be else RequestClass.RT,
+            slo=SLO(ttft_s=ttft, tpot_s=tpot),
+        )
+        for i, (prompt, output, arrival, be, ttft, tpot) in enumerate(specs)
     ]
 
 

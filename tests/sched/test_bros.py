@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import Driver, llama7b_cost, scheduler, timestamps
+from helpers import Driver, llama7b_cost, rt_be_requests, rt_be_specs, scheduler, timestamps
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import SLO, Request, RequestClass, RequestStatus
 from sloserve.sched.bros import BrosScheduler
@@ -462,18 +462,7 @@ def _packed_both_ways(specs, capacity: int, name: str, **options) -> None:
 
     runs = {}
     for at_once in (True, False):
-        requests = [
-            Request(
-                request_id=i,
-                arrival_time=arrival,
-                num_prompt_tokens=prompt,
-                true_output_tokens=output,
-                max_tokens=output,
-                request_class=RequestClass.BE if be else RequestClass.RT,
-                slo=SLO(ttft_s=ttft, tpot_s=tpot),
-            )
-            for i, (prompt, output, arrival, be, ttft, tpot) in enumerate(specs)
-        ]
+        requests = rt_be_requests(specs)
 
         def make(at_once=at_once):
             sched = scheduler(name, capacity, swap_space_tokens=20_000, **options)
@@ -496,20 +485,8 @@ def _packed_both_ways(specs, capacity: int, name: str, **options) -> None:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    # (prompt, output, arrival, BE?, TTFT and TPOT SLOs) of each request; TPOTs near the step times
-    # (3-6 ms here), so that (6) binds inside runs of decodes
-    specs=st.lists(
-        st.tuples(
-            st.integers(8, 300),
-            st.integers(2, 150),
-            st.floats(0, 2),
-            st.booleans(),
-            st.sampled_from([0.02, 0.1]),
-            st.floats(0.003, 0.01),
-        ),
-        min_size=2,
-        max_size=30,
-    ),
+    # TPOTs near the step times (3-6 ms here), so that (6) binds inside runs of decodes
+    specs=rt_be_specs(st.sampled_from([0.02, 0.1]), st.floats(0.003, 0.01)),
     capacity=st.sampled_from([512, 1024, 4096]),
     horizon=st.sampled_from([0, 16]),
     name=st.sampled_from(["bros", "bros_nobicache"]),

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import llama7b_cost, scheduler, timestamps
-from sloserve.core.request import SLO, Request, RequestClass, RequestStatus
+from helpers import llama7b_cost, rt_be_requests, rt_be_specs, scheduler, timestamps
+from sloserve.core.request import RequestClass, RequestStatus
 from sloserve.sched.registry import scheduler_names
 from sloserve.sim import simulate
 from sloserve.workload.build import workload_from_trace
@@ -134,18 +134,7 @@ def test_rt_be_stretches_under_overload(name, case):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     name=st.sampled_from(["bros", "bros_nobicache", "rr"]),
-    # (prompt, output, arrival, BE?, TPOT SLO) of each request
-    specs=st.lists(
-        st.tuples(
-            st.integers(8, 300),
-            st.integers(2, 150),
-            st.floats(0, 2),
-            st.booleans(),
-            st.sampled_from([0.015, 0.03, 0.1]),
-        ),
-        min_size=2,
-        max_size=30,
-    ),
+    specs=rt_be_specs(st.just(0.1), st.sampled_from([0.015, 0.03, 0.1])),
     capacity=st.sampled_from([512, 1024, 4096]),
 )
 def test_bros_stretches_on_random_workloads(name, specs, capacity):
@@ -153,18 +142,7 @@ def test_bros_stretches_on_random_workloads(name, specs, capacity):
     requests refused room by a little): the same run both ways."""
 
     def run(fast: bool):
-        requests = [
-            Request(
-                request_id=i,
-                arrival_time=arrival,
-                num_prompt_tokens=prompt,
-                true_output_tokens=output,
-                max_tokens=output,
-                request_class=RequestClass.BE if be else RequestClass.RT,
-                slo=SLO(ttft_s=0.1, tpot_s=tpot),
-            )
-            for i, (prompt, output, arrival, be, tpot) in enumerate(specs)
-        ]
+        requests = rt_be_requests(specs)
         result = simulate(
             requests, lambda: scheduler(name, capacity, swap_space_tokens=20_000), llama7b_cost(), fast_path=fast
         )
@@ -180,7 +158,6 @@ def test_bros_stretches_on_random_workloads(name, specs, capacity):
 
 
 def _every_scheduler_run(name: str, fast: bool):
-    from sloserve.core.request import RequestClass
 
     workload = workload_from_trace("sharegpt", num_requests=120, seed=7, context_len=4096, rate=15.0)
     for r in workload.requests[1::2]:
@@ -531,7 +508,6 @@ def test_simulation_leaves_no_cyclic_garbage(name):
     that is safe only while a run creates no reference cycles, and the collector's state comes back."""
     import gc
 
-    from sloserve.core.request import RequestClass
     from sloserve.sched import make_scheduler
 
     workload = workload_from_trace("sharegpt", num_requests=200, seed=5, context_len=4096, rate=20.0)
