@@ -194,6 +194,13 @@ class Request:
         self._output_offset += 1
         self.record_token_time(now)
 
+    def add_output_run(self, times: Sequence[float], max_inner_gap: float) -> None:
+        """Record ``len(times)`` sampled output tokens, one at each of ``times`` (a named decode repeated
+        through a stretch; ``max_inner_gap``: the largest gap between consecutive times, NaN for one),
+        as that many ``add_output_token`` calls would."""
+        self._output_offset += len(times)
+        self.record_token_run(times[0], times[-1], max_inner_gap, times)
+
     def enter_cohort(self, cohort: TickCounter) -> None:
         """From now on the counters advance with ``cohort.ticks``: one token per tick."""
         assert self.cohort is None, self

@@ -12,6 +12,7 @@ docs/schedulers.md.
 
 from __future__ import annotations
 
+import itertools
 import math
 from abc import ABC, abstractmethod
 from collections import deque
@@ -122,13 +123,16 @@ class Scheduler(ABC):
             output.decode.cohort.advance(result.step_end_times)
         emitted: list[Request] = []
         num_steps = output.num_steps
+        run_gap = None  # a stretch's largest gap between consecutive step ends (worked out once)
         for request, num_tokens in output.chunks:
             if num_steps > 1 and num_tokens == 1 and request.num_tokens_to_process == 1:
                 # A named decode repeated (``named_decode_stretches``): a token at each step's end
-                for end in result.step_end_times:
-                    request.add_computed(1)
-                    request.add_output_token(end)
-                    emitted.append(request)
+                ends = result.step_end_times
+                if run_gap is None:
+                    run_gap = float(np.diff(np.asarray(ends, dtype=np.float64)).max())
+                request.add_computed(num_steps)
+                request.add_output_run(ends, run_gap)
+                emitted.extend(itertools.repeat(request, num_steps))
                 continue
             request.add_computed(num_tokens * num_steps)
             if request.num_tokens_to_process == 0:
