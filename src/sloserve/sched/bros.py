@@ -511,8 +511,9 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
         waiting = self._waiting(RequestClass.RT)
         if waiting is not self._sorted_waiting_rt or self.config.deadlines == "token_group":
             deadlines = [self.deadline(r) for r in waiting]
-            if deadlines != sorted(deadlines):
-                waiting.sort(key=self.deadline)
+            if any(a > b for a, b in zip(deadlines, deadlines[1:])):
+                order = sorted(range(len(waiting)), key=deadlines.__getitem__)  # (stable)
+                waiting[:] = [waiting[i] for i in order]
             self._sorted_waiting_rt = waiting
         return waiting
 
