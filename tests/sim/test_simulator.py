@@ -140,6 +140,32 @@ def test_rt_be_stretches_under_overload(name, case):
 def test_bros_stretches_on_random_workloads(name, specs, capacity):
     """Small random RT/BE mixes in scarce KV with mixed SLOs (orders that change, (6) that binds,
     requests refused room by a little): the same run both ways."""
+    _same_both_ways(name, specs, capacity)
+
+
+@pytest.mark.parametrize("seed", [0, 4])
+@pytest.mark.parametrize("name", ["bros", "bros_nobicache"])
+def test_bros_stretches_while_members_pass_the_refused_request(name, seed):
+    """15-30 RT/BE requests in 512 KV tokens: during stretches RT members' deadlines pass that of the
+    request refused room, which may then evict them (from that step they are among its victims). The
+    same run both ways; without those members among its victims, or with them a step late, not."""
+    rng = np.random.default_rng(seed)
+    specs = [
+        (
+            int(rng.integers(8, 300)),
+            int(rng.integers(2, 150)),
+            float(rng.uniform(0, 2)),
+            bool(rng.random() < 0.5),
+            0.1,
+            float(rng.choice([0.015, 0.03, 0.1])),
+        )
+        for _ in range(int(rng.integers(15, 30)))
+    ]
+    _same_both_ways(name, specs, 512)
+
+
+def _same_both_ways(name: str, specs, capacity: int) -> None:
+    """``rt_be_requests(specs)`` run by ``name`` with and without the fast path: the same run."""
 
     def run(fast: bool):
         requests = rt_be_requests(specs)
