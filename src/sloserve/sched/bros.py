@@ -477,10 +477,7 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
         or waiting) until ``stop_new_kv()`` (none of them can run this step). Yielded in runs: the
         requests on the GPU between two needing KV, then one of those (a tie goes to the one on the GPU)."""
         dropped = self._dropped[RequestClass.RT]
-        on_gpu = [r for r in self._running(RequestClass.RT) if r not in dropped]
-        keys = [self.deadline(r) for r in on_gpu]
-        order = sorted(range(len(on_gpu)), key=keys.__getitem__)  # (stable: running order on ties)
-        on_gpu, deadlines = [on_gpu[i] for i in order], [keys[i] for i in order]
+        on_gpu, deadlines = self._by_deadline([r for r in self._running(RequestClass.RT) if r not in dropped])
         needing_kv = heapq.merge(self._dropped_rt_by_deadline(), self._waiting_rt_by_deadline(), key=self.deadline)
         start = 0
         # NOTE: the next one needing KV is taken (and ``stop_new_kv`` asked) once the one before is packed
@@ -493,6 +490,13 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
             yield [r], [deadline]
         if start < len(on_gpu):
             yield on_gpu[start:], deadlines[start:]
+
+    def _by_deadline(self, requests: list[Request]) -> tuple[list[Request], list[float]]:
+        """``requests`` by deadline, stable (ties keep their order), and their deadlines: each one's
+        worked out once."""
+        keys = [self.deadline(r) for r in requests]
+        order = sorted(range(len(requests)), key=keys.__getitem__)
+        return [requests[i] for i in order], [keys[i] for i in order]
 
     def _dropped_rt_by_deadline(self) -> list[Request]:
         """The RT requests swapped out (``dropping=swap``) by deadline. NOTE: a swapped-out request
@@ -507,13 +511,10 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
         """The waiting RT requests by deadline. Their arrival order is deadline order when they share a
         TTFT SLO; mixed SLOs sort them. NOTE: a waiting request's per-token deadline is fixed, so the
         list, once sorted, stays sorted until the queue changes (``_waiting`` makes a new list); a
-        token-group deadline moves with the iteration-time average: checked every step."""
+        token-group deadline moves with the iteration-time average: sorted again every step."""
         waiting = self._waiting(RequestClass.RT)
         if waiting is not self._sorted_waiting_rt or self.config.deadlines == "token_group":
-            deadlines = [self.deadline(r) for r in waiting]
-            if any(a > b for a, b in zip(deadlines, deadlines[1:])):
-                order = sorted(range(len(waiting)), key=deadlines.__getitem__)  # (stable)
-                waiting[:] = [waiting[i] for i in order]
+            waiting[:] = self._by_deadline(waiting)[0]  # (in place: it is _waiting's list)
             self._sorted_waiting_rt = waiting
         return waiting
 

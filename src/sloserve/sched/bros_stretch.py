@@ -10,10 +10,10 @@ admitted, dropped or copied; nothing left out by (6) or (7)) is the same step ag
   then skips every later one that needs KV) finds none, as its shortfall after evicting all it may
   (as ``_make_room`` counts it) exceeds what the members' growth can give back (bidirectional blocks:
   a slot per member among its victims per step, that evicting it would free; paged KV: none, a
-  victim's new block was a free one), with the RT members whose deadlines pass its own (a waiting or dropped request's does
-  not move) among its victims from then on; a BE request that found no room finds less (the members
-  take free slots and nobody frees any); a prompt over the budget is still over it (the batch holds
-  no prompt);
+  victim's new block was a free one), with the RT members whose deadlines pass its own (a waiting or
+  dropped request's does not move) among its victims from then on; a BE request that found no room
+  finds less (the members take free slots and nobody frees any); a prompt over the budget is still
+  over it (the batch holds no prompt);
 - the members' growth fits where it touches nobody: their own blocks, then free ones
   (``BidirectionalKVManager.decode_growth_steps``; the free KV with paged blocks);
 - (6) binds nobody: at each step's start every RT member is past its deadline or has at least the
@@ -67,9 +67,11 @@ class BrosStretches:
         if not self._repeatable:
             return 1
         members = [r for r, _ in output.chunks]
-        limit = self._order_horizon(members, limit)
+        rt = [r for r in members if r.request_class is RequestClass.RT]  # (the batch's first ones)
+        deadlines = self._deadlines(rt, 0, limit)  # (rt, limit): each one's at each step from now
+        limit = self._order_horizon(rt, deadlines)
         if limit > 1 and self._refused is not None:
-            limit = min(limit, self._refused_horizon(members, limit))
+            limit = min(limit, self._refused_horizon(members, rt, deadlines[:, :limit]))
         if limit > 1:
             if self._bicache:
                 limit = 1 + self.kv.decode_growth_steps(members, limit - 1)
@@ -145,25 +147,23 @@ class BrosStretches:
         tpot = np.fromiter((r.slo.tpot_s or default for r in rt), np.float64, num)
         return first_token[:, None] + (produced[:, None] + np.arange(first, stop)) * tpot[:, None]
 
-    def _order_horizon(self, members: list[Request], limit: int) -> int:
-        """Steps (>= 1, <= limit) through which the RT members (the batch's first ones) stay in
-        deadline order, ties in running order as the sort keeps them. (Where they stand against the
-        refused request is ``_refused_horizon``'s.)"""
-        rt = [r for r in members if r.request_class is RequestClass.RT]
-        if not rt:
+    def _order_horizon(self, rt: list[Request], deadlines: np.ndarray) -> int:
+        """Steps (>= 1, <= the columns of ``deadlines``, the ``rt`` members' at each step) through which
+        the RT members stay in deadline order, ties in running order as the sort keeps them. (Where they
+        stand against the refused request is ``_refused_horizon``'s.)"""
+        limit = deadlines.shape[1]
+        if len(rt) < 2:
             return limit
-        deadlines = self._deadlines(rt, 0, limit)  # (rt, limit)
-        ok = np.ones(limit, dtype=bool)
-        if len(rt) > 1:
-            position = {r: i for i, r in enumerate(self._running(RequestClass.RT))}  # (running order)
-            rank = np.fromiter((position[r] for r in rt), np.int64, len(rt))
-            a, b = deadlines[:-1], deadlines[1:]
-            ok &= ((a < b) | ((a == b) & (rank[:-1] < rank[1:])[:, None])).all(axis=0)
+        position = {r: i for i, r in enumerate(self._running(RequestClass.RT))}  # (running order)
+        rank = np.fromiter((position[r] for r in rt), np.int64, len(rt))
+        a, b = deadlines[:-1], deadlines[1:]
+        ok = ((a < b) | ((a == b) & (rank[:-1] < rank[1:])[:, None])).all(axis=0)
         bad = np.flatnonzero(~ok)
         return int(bad[0]) if len(bad) else limit
 
-    def _refused_horizon(self, members: list[Request], limit: int) -> int:
-        """Steps (>= 1, <= limit) through which the refused RT request still finds no room, as ``_make_room``
+    def _refused_horizon(self, members: list[Request], rt: list[Request], deadlines: np.ndarray) -> int:
+        """Steps (>= 1, <= the columns of ``deadlines``, the ``rt`` members' at each step) through which
+        the refused RT request still finds no room, as ``_make_room``
         counts it: its victims are the running BE requests on the GPU and, unless it was dropped, the
         RT ones after it in the order, which an RT member joins at the step its deadline passes the
         refused one's (a waiting or dropped request's deadline does not move). Where the members stand
@@ -175,17 +175,15 @@ class BrosStretches:
         its own block's, or over a victim's BE tokens)."""
         # At its turn the batch holds the RT members before it: none is a victim, none protects a block,
         # and with paged KV the new blocks they take only add to its shortfall.
-        refused = self._refused
-        be, rt = self._eviction_candidates(refused, ())
+        refused, limit = self._refused, deadlines.shape[1]
+        be, after = self._eviction_candidates(refused, ())
         joins: list[tuple[int, Request]] = []  # (the step from which it is a victim, an RT member before it)
         if not (self._was_dropped(refused) and self.config.readmit_horizon_steps):  # (else it drops BE only)
-            after = set(rt)
-            before = [r for r in members if r.request_class is RequestClass.RT and r not in after]
-            if before:
-                passed = self._deadlines(before, 0, limit) > self.deadline(refused)  # (before, limit)
-                joins = [(int(row.argmax()), r) for row, r in zip(passed, before, strict=True) if row.any()]
-                joins.sort(key=lambda join: join[0])
-        victims, start = be + rt, 1
+            passed = deadlines > self.deadline(refused)  # (rt, limit)
+            victim = set(after)
+            joins = [(int(row.argmax()), r) for row, r in zip(passed, rt, strict=True) if r not in victim and row.any()]
+            joins.sort(key=lambda join: join[0])
+        victims, start = be + after, 1
         in_batch = set(members)
         growing = sum(1 for r in victims if r in in_batch)  # victims that grow a slot a step
         for end, joining in [*joins, (limit, None)]:  # steps start..end-1 have these victims
