@@ -342,6 +342,19 @@ RANDOM_SHAPES: dict[str, ModelConfig] = {
     "tiny-llama": _tiny("llama"),
     "tiny-qwen2": _tiny("qwen2", attention_bias=True, norm_eps=1e-6, rope_theta=1e6),
     "tiny-opt": _tiny("opt", hidden_act="relu", word_embed_proj_dim=64, tie_word_embeddings=True),
+    # Steps of 3-20 ms on one CPU core (batch 1-32), as a 7-8B model's on a GPU: where a served request's
+    # host work (HTTP, a fleet's calls) is as small a share of a step as it is there
+    "small-llama": _tiny(
+        "llama",
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        name="small-llama",
+    ),
     "llama-2-7b": _from_spec("llama-2-7b", "llama"),
     "llama-3-8b": _from_spec("llama-3-8b", "llama", rope_theta=500000.0),
     "tiny-qwen3": _tiny("qwen3", qk_norm=True, norm_eps=1e-6, rope_theta=1e6),
