@@ -19,6 +19,7 @@ import argparse
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -28,12 +29,15 @@ from sloserve.metrics.summary import request_table
 from sloserve.runs import fresh_request
 
 
-def start_server(args, port: int, replicas: int) -> subprocess.Popen:
+def start_server(args, port: int, replicas: int, extra: Sequence[str] = ()) -> subprocess.Popen:
+    """`sloserve serve` of the model of ``args`` on ``port``: one engine, or ``replicas`` of one core each;
+    ``extra`` flags added."""
     command = [sys.executable, "-m", "sloserve.cli", "serve", "--model", args.model, "--served-model-name", args.model,
                "--dtype", args.dtype, "--scheduler", args.scheduler, "--port", str(port), "--log-level", "warning",
                "--kv-capacity-tokens", str(args.kv_capacity_tokens),
                "--max-model-len", str(args.max_model_len), "--max-queued-requests", str(10 * args.num_requests)]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    command += extra
     if replicas > 1:
         command += ["--replicas", str(replicas), "--cpus-per-replica", "1", "--router", args.router]
     else:

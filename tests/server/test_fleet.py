@@ -22,6 +22,7 @@ from hf_models import VOCAB
 from served_model import MODEL, Server, generate
 from sloserve.core.errors import ConfigError
 from sloserve.fleet.engine import FleetOptions
+from sloserve.fleet.replica import local_replica_pids
 
 
 def test_a_fleet_this_machine_cannot_hold_is_refused_before_ray_starts(chat_model_dir):
@@ -104,20 +105,6 @@ def async_client(server: Server) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
 
-def replica_pids() -> list[int]:
-    """The replicas' actor processes (Ray names them after the deployment)."""
-    pids = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
-            except OSError:
-                continue
-            if cmdline.startswith(b"ray::ServeReplica:sloserve-") and b":engine" in cmdline:
-                pids.append(int(pid))
-    return pids
-
-
 def test_fleet_answers_as_one_engine_does(fleet, reference_llm):
     """Completions (streamed or not) and chat through the fleet give the single engine's greedy tokens."""
     tokenizer = reference_llm.tokenizer
@@ -183,7 +170,7 @@ def test_a_killed_replica_is_replaced_and_no_request_is_lost(fleet):
     error event, the others complete; requests sent right after the kill (some routed to the dead replica
     before Ray Serve knows) are sent again and complete; the batch lines it held run again, and the batch
     answers each line once, completed. None hangs; Ray Serve brings a replica back within 60 s."""
-    pids = replica_pids()
+    pids = local_replica_pids()
     assert len(pids) == 2
     lines = [completion_line(f"line-{i}", f"batch line {i}", max_tokens=200, ignore_eos=True) for i in range(12)]
     batch = fleet.client.batches.create(
@@ -239,7 +226,7 @@ def test_a_killed_replica_is_replaced_and_no_request_is_lost(fleet):
     assert all(a["response"]["status_code"] == 200 for a in answers)
     assert all(a["response"]["body"]["usage"]["completion_tokens"] == 200 for a in answers)
     deadline = time.monotonic() + 60
-    while len(replica_pids()) < 2 or pids[0] in replica_pids():
+    while len(local_replica_pids()) < 2 or pids[0] in local_replica_pids():
         assert time.monotonic() < deadline, "no replica replaced the killed one within 60 s"
         time.sleep(0.5)
     response = fleet.client.completions.create(

@@ -40,6 +40,23 @@ from sloserve.fleet.routing import ReplicaTarget, RoutedRequest
 MIN_ITEM_INTERVAL_S = 0.005
 
 
+def local_replica_pids() -> list[int]:
+    """The processes of the replicas of every sloserve fleet on this machine: Ray names a replica's actor
+    process after its application and deployment (``ray::ServeReplica:sloserve-<id>:engine``). Tests and
+    benchmarks/fleet_fault.py kill them; Linux only (it reads /proc)."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:  # gone meanwhile
+                continue
+            if cmdline.startswith(b"ray::ServeReplica:sloserve-") and b":engine" in cmdline:
+                pids.append(int(pid))
+    return pids
+
+
 @dataclass(frozen=True)
 class ReplicaDelta:
     """One request's news: its new text and tokens, and on the last one the finish reason; the prompt
