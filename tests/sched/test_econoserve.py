@@ -256,6 +256,18 @@ def test_synccoupled_resumes_a_gt_stopped_past_its_region():
     assert all(r.num_output_tokens == r.true_output_tokens for r in reqs)
 
 
+def test_synccoupled_admits_a_long_prompt_whose_padded_region_would_not_fit():
+    """A request that fits the cache alone (prompt 667 + 117 outputs - 1 = 783 of 800 - 16 reserved
+    tokens), predicted exactly: its padded region (117 x 1.15 = 135) must be cut to what the cache
+    leaves past its prompt, else nothing ever runs it (a fast/slow sweep found this, stuck with the
+    request queued and nothing running). It is admitted at once and completes."""
+    reqs = make_requests([(667, 117)])
+    s = econo("synccoupled", 800, {0: 117})
+    Driver(s).run(reqs)
+    assert reqs[0].num_output_tokens == 117
+    assert s.kv.num_free_blocks == s.kv.gpu.num_blocks
+
+
 class LinearOnly(CostModel):
     def batch_time(self, shape: BatchShape) -> CostBreakdown:
         t = 0.01 + 1e-5 * shape.num_tokens

@@ -221,11 +221,13 @@ class EconoServeScheduler(CohortScheduler):
         return self._remaining.pop(request)
 
     # --- allocation sizes ----------------------------------------------------------------------------
-    def _region_tokens(self, request: Request, remaining: int) -> int:
-        """Exact allocation: the predicted RL plus padding, capped so that the GT fits the cache alone
-        (the cap is only reached by predictions longer than the cache)."""
+    def _region_tokens(self, request: Request, remaining: int, held: int | None = None) -> int:
+        """Exact allocation: the predicted RL plus padding, capped so that the request fits the cache alone
+        beside the ``held`` tokens its region follows (default: those computed, a GT's; a SyncCoupled
+        PT's region follows its prompt). The cap is only reached by predictions longer than the cache."""
+        held = request.num_computed_tokens if held is None else held
         padded = math.ceil(remaining * (1 + self.config.padding))
-        room = self.kv.capacity_tokens - self.reserve_blocks * self.kv.block_size - request.num_computed_tokens
+        room = self.kv.capacity_tokens - self.reserve_blocks * self.kv.block_size - held
         return max(1, min(padded, room))
 
     def _gt_blocks(self, request: Request, remaining: int | None = None) -> int:
@@ -479,8 +481,8 @@ class EconoServeScheduler(CohortScheduler):
 
         GTs stopped past their region (O4) come first: they hold KV, and go on decoding in a region
         of their new predicted RL. NOTE: one fits once nothing runs (``_region_tokens`` caps the
-        region to what the cache holds beside its tokens, and queued PTs hold no KV), so the queue
-        always moves.
+        region to what the cache holds beside its tokens, or a PT's prompt, and queued PTs hold no KV),
+        so the queue always moves.
         """
         queue, kv = self.pt_queue, self.kv
         assert isinstance(kv, ExactReservationKVManager)
@@ -501,7 +503,8 @@ class EconoServeScheduler(CohortScheduler):
             request = queue.first()
             assert request is not None
             remaining = request.predicted_output_tokens or 1
-            target = request.num_tokens + self._region_tokens(request, remaining) - 1
+            held = request.num_tokens - 1  # (RL outputs take RL - 1 slots past the prompt: the last is not computed)
+            target = held + self._region_tokens(request, remaining, held)
             cached = kv.find_cached_prefix(request)
             blocks = kv.blocks_needed(request, target, cached)
             if blocks > room:
