@@ -84,6 +84,9 @@ class Driver:
                 swap_in=len(out.swap_in),
             )
         )
+        preempted = {p.request for p in out.preempted}
+        running = [r for r, _ in out.chunks] + (list(out.decode.cohort.members) if out.decode else [])
+        assert not preempted.intersection(running), "a request runs in the step that preempted it"
         result = self.executor.execute(out, self.now)
         self.now = float(result.step_end_times[-1])
         self.scheduler.update(out, result, self.now)

@@ -46,6 +46,19 @@ def test_vllm_hy_mixes_prefills_into_decode_steps():
 LENGTHS_BY_ID = [(i, p) for i, (p, _) in enumerate(LENGTHS)]
 
 
+def test_vllm_hy_never_evicts_a_prompt_it_just_put_in_the_batch():
+    """Three blocks: A decodes in its full block while B's 32-token prompt arrives. Prefill first, B is
+    admitted into the two free blocks; then A's next token needs a block. Algorithm 1 evicts among the
+    running requests not in the batch (A itself, its own candidate), not B: evicting B left its chunk in
+    the step, computed for a waiting request with no KV, and it then waited forever (a sweep with
+    prefix caching found it; the Driver now checks that no request runs in a step that preempted it)."""
+    a, b = make_requests([(16, 6), (32, 3)], [0.0, 0.001])
+    drv = Driver(scheduler("vllm_hy", 48))
+    drv.run([a, b])
+    assert [p for s in drv.log for p in s.preempted] == [(a.request_id, "recompute")]
+    assert a.num_output_tokens == 6 and b.num_output_tokens == 3
+
+
 @pytest.mark.parametrize("name,budget", [("sarathi", 512), ("sarathi_pc", 4096)])
 def test_sarathi_never_exceeds_p_prefill_tokens(name, budget):
     drv, _ = drive(name, capacity=100_000)
@@ -94,9 +107,10 @@ def test_infermax_evicts_the_shortest_running_request():
     held_before: list[dict[int, int]] = []
     original = sched._victim
 
-    def spy():
-        held_before.append({r.request_id: r.num_computed_tokens for r in sched.running})
-        return original()
+    def spy(out):
+        in_batch = {r for r, _ in out.chunks}  # (not candidates: _victim's docstring)
+        held_before.append({r.request_id: r.num_computed_tokens for r in sched.running if r not in in_batch})
+        return original(out)
 
     sched._victim = spy
     drv.run(reqs)

@@ -181,7 +181,7 @@ class UnifiedScheduler(CohortScheduler):
         cohort = self.cohort
         # NOTE: reserve this tick's growth even for an empty cohort, before swapped-in requests join.
         while not cohort.try_grow(cohort.ticks + 1):
-            self._preempt(self._victim(), self._preemption_mode, out, front=self.config.evicted_to == "front")
+            self._preempt(self._victim(out), self._preemption_mode, out, front=self.config.evicted_to == "front")
         if not out.preempted:
             if self.swapped:
                 self._schedule_swap_in(out)
@@ -189,16 +189,22 @@ class UnifiedScheduler(CohortScheduler):
                 self._schedule_incoming(out)
         self._schedule_cohort(out)
 
-    def _victim(self) -> Request:
-        """The running request to evict (4)."""
+    def _victim(self, out: SchedulerOutput) -> Request:
+        """The running request to evict (4), among those not in the batch yet: Algorithm 1 takes a request
+        out of R_w and R_r as it joins the batch, and evicts only running requests (a prefill-first hybrid
+        batch holds its prefills before the decodes grow; evicting one would leave its chunk in the step)."""
+        running = self.running
+        if out.chunks:
+            in_batch = {request for request, _ in out.chunks}
+            running = [r for r in running if r not in in_batch]
         if self.config.class_priority:
-            best_effort = [r for r in self.running if r.request_class is RequestClass.BE]
+            best_effort = [r for r in running if r.request_class is RequestClass.BE]
             if best_effort:
                 return best_effort[-1]
         if self.config.eviction_victim == "shortest":
             # Least KV held; among equals the latest admitted. O(running), and evictions are rare.
-            return min(reversed(self.running), key=lambda r: r.num_computed_tokens)
-        return next(reversed(self.running))
+            return min(reversed(running), key=lambda r: r.num_computed_tokens)
+        return next(reversed(running))
 
     def _reserve_target(self, request: Request) -> tuple[int, int]:
         """(tokens of KV that must fit to admit ``request`` (m_reserve), tokens to hold)."""
