@@ -272,6 +272,49 @@ def test_fast_path_same_timestamps_in_a_cluster(router):
     np.testing.assert_allclose(timestamps(fast), timestamps(slow), rtol=1e-9, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("num_decode", [1, 2])
+def test_fast_path_same_timestamps_with_disaggregation(num_decode):
+    """A decode replica's stretch stops where a prefill replica may hand it a request: that hand-off is
+    no event yet when the stretch is planned (the prefill replica has not finished its step). A
+    decode replica of 4,096 tokens: it preempts and refills."""
+
+    def run(fast):
+        workload = workload_from_trace("sharegpt", num_requests=60, seed=0, context_len=4096, rate=10.0)
+        simulate(
+            workload.requests,
+            lambda: scheduler("sarathi", 4096, role="prefill"),
+            llama7b_cost(),
+            make_decode_scheduler=lambda: scheduler("sarathi", 4096, role="decode"),
+            num_decode_replicas=num_decode,
+            fast_path=fast,
+        )
+        return workload.requests
+
+    slow, fast = run(False), run(True)
+    assert [r.replica for r in slow] == [r.replica for r in fast]
+    np.testing.assert_allclose(timestamps(fast), timestamps(slow), rtol=1e-9, atol=0, equal_nan=True)
+
+
+def test_fast_path_same_timestamps_with_conversations_on_two_replicas():
+    """A replica's stretch stops where another replica may finish a turn: the conversation's next turn
+    (routed to either replica) is no event until then."""
+
+    def run(fast):
+        workload = workload_from_trace("sharegpt", num_requests=60, seed=6, context_len=4096, rate=20.0)
+        requests = workload.requests
+        chains = [[[r] for r in requests[i : i + 3]] for i in range(0, len(requests), 3)]  # 3 turns each
+        for r in requests:
+            r.think_time_s = 0.05
+        simulate(
+            requests, lambda: scheduler("vllm", CAPACITY), llama7b_cost(), num_replicas=2, fast_path=fast, chains=chains
+        )
+        return requests
+
+    slow, fast = run(False), run(True)
+    assert [r.replica for r in slow] == [r.replica for r in fast]
+    np.testing.assert_allclose(timestamps(fast), timestamps(slow), rtol=1e-9, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("name", ["vllm", "sarathi", "orca"])
 def test_conservation_every_request_completes_with_its_length(name):
     reqs, result = _run("sharegpt", name, fast=True, n=400, rate=20.0, seed=3)

@@ -326,10 +326,13 @@ class UnifiedScheduler(CohortScheduler):
         takes all the room C and P leave repeats, the chunk moving on by its size, while the prompt
         has more than a chunk to go. Arrivals change nothing (the waiting queue gets no room), the
         prompt's KV was allocated at admission, and the cohort grows as in ``decode_horizon``. The
-        chunk that ends the prompt (it samples a token, and leaves room) runs on its own."""
+        chunk that ends the prompt (it samples a token, and leaves room) runs on its own. Not on a decode
+        replica (disaggregated): its chunks are refills, and its arrivals, KV handed off by a prefill
+        replica, join the cohort at the next step whatever room the chunk leaves."""
         cfg = self.config
         if (
             limit <= 1
+            or cfg.role == "decode"
             or len(output.chunks) != 1
             # NOTE: _chunk_tokens is the chunk of the output just scheduled: no room is left. The
             # common way out (the chunk ends its prompt), so tested early.

@@ -140,10 +140,24 @@ class _Cluster:
                 else:
                     self.route_arrival(request, at)
                 continue
-            self.step(replica, next_event)
+            self.step(replica, min(next_event, self.earliest_news(replica)))
             if on_progress is not None and self.num_steps >= next_progress:
                 on_progress(self.num_finished)
                 next_progress = self.num_steps + PROGRESS_EVERY_STEPS
+
+    def earliest_news(self, replica: Replica) -> float:
+        """The earliest time another replica's step may send ``replica`` a request that is not among the
+        events yet: a prefill replica's KV hand-off for a decode replica, a finished request's next
+        batch in its chain for any replica. Such a request comes at the end of the sender's next step at
+        the soonest, so the sender's clock bounds what ``replica`` may run as one stretch (the fast path
+        stops there, as the step by step run would see the request at its next step)."""
+        if self.chains:
+            senders = self.everyone
+        elif replica in self.decoders:
+            senders = self.replicas
+        else:
+            return math.inf  # only arrivals reach it: they are all among the events
+        return min((r.now for r in senders if r is not replica and r.scheduler.has_unfinished()), default=math.inf)
 
     def route_arrival(self, request: Request, at: float) -> None:
         self.router.route(request, self.replicas).add(request, at)

@@ -2,15 +2,17 @@
 one stretch of k steps whose times come from the cost model's arithmetic series
 (``CostModel.step_increment``, or ``step_times``):
 
-- a decode-only step, until an arrival, a completion, a memory event (``Scheduler.decode_horizon``) or
-  the time the policy's own decision moves (``Scheduler.stretch_deadline``: EconoServe's ordered queues;
+- a decode-only step, until an arrival (or the time another replica may send one: a prefill replica's
+  hand-off, a conversation's next turn; ``_Cluster.earliest_news``), a completion, a memory event
+  (``Scheduler.decode_horizon``) or the time the policy's own decision moves (``Scheduler.stretch_deadline``: EconoServe's ordered queues;
   ``Scheduler.clock_horizon`` when it moves step by step with the clock: BROS's deadlines):
   the cohort's step, or one of one-token decodes named as chunks by a policy that opts in
   (``Scheduler.named_decode_stretches``: SRTF, FastServe, MultiRes, the rank policies, RR with one class,
   BROS);
 - a step of decodes and a prompt chunk that leaves no room for anyone else (Sarathi's middle
   chunks of a long prompt), until the prompt's last chunk, a completion or a memory event
-  (``Scheduler.chunk_horizon``): arrivals cannot join such steps. It stops before a completion,
+  (``Scheduler.chunk_horizon``): arrivals cannot join such steps (not on a decode replica, whose
+  arrivals join the cohort: none there). It stops before a completion,
   except in a run of one replica (nothing routes arrivals by what has finished).
 
 A policy opts in by its horizons (``CohortScheduler`` gives ready ones); with the defaults every step
