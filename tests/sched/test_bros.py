@@ -518,3 +518,42 @@ def test_packing_a_run_of_decodes_at_once_when_free_blocks_run_out(name, seed):
         for _ in range(int(rng.integers(10, 30)))
     ]
     _packed_both_ways(specs, 512, name)
+
+
+def _prefix_request(
+    i: int, arrival: float, prompt: int, ids: tuple[int, ...], cls: RequestClass, ttft: float
+) -> Request:
+    from sloserve.core.prefix import SegmentedPrompt
+
+    blocks = SegmentedPrompt.uniform(ids, 16, prompt)
+    return Request(i, arrival, prompt, 40, 40, cls, SLO(ttft, 1.0), prompt_blocks=blocks)
+
+
+def test_a_victims_blocks_a_member_found_cached_are_not_room_for_another():
+    """Prefix caching, paged KV (bros_nobicache), 10 blocks: BE request X runs with a 64-token prompt; RT
+    request W, X's prompt, finds three of its blocks cached (in X's use: W is charged one new block); RT
+    request R, later deadline, needs 7 blocks. Evicting X frees 5, but W takes 3 of them: R cannot fit,
+    so X is not evicted (the anti-thrash rule evicts only where it makes room). Counted free for R, X
+    was evicted, W took them and R's allocation failed (a prefix-caching sweep found this)."""
+    x = _prefix_request(0, 0.0, 64, (1, 2, 3, 4), RequestClass.BE, 10.0)
+    w = _prefix_request(1, 0.05, 64, (1, 2, 3, 4), RequestClass.RT, 5.0)
+    r = _prefix_request(2, 0.05, 100, (7, 8, 9, 10, 11, 12, 13), RequestClass.RT, 50.0)
+    drv = Driver(scheduler("bros_nobicache", 160, enable_prefix_caching=True))
+    drv.run([x, w, r])
+    assert all(q.num_output_tokens == 40 for q in (x, w, r))
+    assert x.num_preemptions == 0 and w.num_cached_tokens == 48
+
+
+def test_an_eviction_while_packing_recharges_members_that_found_the_victims_blocks():
+    """As above, but R needs 2 blocks (it fits), Q 4 (evicting X makes room for it beside W's 3), then Z 3:
+    once X is evicted W is charged the 3 cached blocks it takes, and Z does not fit. With W's charge of
+    before, Z fitted and its allocation failed."""
+    x = _prefix_request(0, 0.0, 64, (1, 2, 3, 4), RequestClass.BE, 10.0)
+    w = _prefix_request(1, 0.05, 64, (1, 2, 3, 4), RequestClass.RT, 5.0)
+    r = _prefix_request(2, 0.05, 30, (7, 8), RequestClass.RT, 50.0)
+    q = _prefix_request(3, 0.05, 60, (9, 10, 11, 12), RequestClass.RT, 60.0)
+    z = _prefix_request(4, 0.05, 40, (13, 14, 15), RequestClass.RT, 70.0)
+    drv = Driver(scheduler("bros_nobicache", 160, enable_prefix_caching=True))
+    drv.run([x, w, r, q, z])
+    assert all(req.num_output_tokens == 40 for req in (x, w, r, q, z))
+    assert x.num_preemptions >= 1 and w.num_cached_tokens == 48

@@ -19,7 +19,7 @@ table holding it lets go; a swap-out copies a request's blocks, shared ones too,
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -128,13 +128,14 @@ class KVCacheManager:
         in memory once however many tables hold it); 0 without prefix caching."""
         return 0 if self.prefix_cache is None else self.prefix_cache.num_extra_refs * self.block_size
 
-    def num_blocks_released(self, requests: Collection[Request]) -> int:
+    def num_blocks_released(self, requests: Collection[Request], taken: Sequence[int] = ()) -> int:
         """GPU blocks that freeing every one of ``requests`` would make free: their tables', less
-        those a request not among them also holds (prefix caching), a block they share counted once."""
+        those a request not among them also holds (prefix caching), a block they share counted once,
+        and less those in ``taken`` (cached blocks found for requests about to take them)."""
         held = [r for r in requests if r in self.block_tables]
         if self.prefix_cache is None:
             return sum(len(self.block_tables[r]) for r in held)
-        return self.prefix_cache.num_released([self._table_ids(r) for r in held])
+        return self.prefix_cache.num_released([self._table_ids(r) for r in held], taken)
 
     def _table_ids(self, request: Request) -> np.ndarray:
         """``request``'s block table as an int64 array (a view, valid until the table changes): with

@@ -253,16 +253,20 @@ class PrefixCache:
         """How many of ``blocks`` nobody uses (taking them lowers the free count)."""
         return int(np.count_nonzero(self.ref_counts[self.ids(blocks)] == 0))
 
-    def num_released(self, tables: Sequence[Sequence[int] | np.ndarray]) -> int:
+    def num_released(self, tables: Sequence[Sequence[int] | np.ndarray], taken: Sequence[int] = ()) -> int:
         """How many blocks would be free (or cached with no user) once every one of ``tables`` let go:
-        those no other table holds. A block several of them share counts once."""
+        those no other table holds, but those in ``taken`` (blocks found for requests about to take them).
+        A block several of them share counts once."""
         tables = [t for t in tables if len(t)]
         if not tables:
             return 0
-        if len(tables) == 1:
+        if len(tables) == 1 and not len(taken):
             return int(np.count_nonzero(self.ref_counts[self.ids(tables[0])] == 1))
         blocks, holders = np.unique(np.concatenate([self.ids(t) for t in tables]), return_counts=True)
-        return int(np.count_nonzero(self.ref_counts[blocks] == holders))
+        released = blocks[self.ref_counts[blocks] == holders]
+        if len(taken):
+            released = np.setdiff1d(released, block_ids(taken))
+        return len(released)
 
     def share(self, blocks: Sequence[int]) -> None:
         """One more request uses ``blocks`` (found by ``match``)."""

@@ -364,11 +364,24 @@ class SubsetScheduler(Scheduler):
         if self._caching and waiting:  # (a decode's blocks are registered when the request ends)
             self.kv.cache_blocks(request, request.num_computed_tokens + chunk)
 
+    def _recharge_waiting_members(self) -> None:
+        """Prefix caching, paged KV: a waiting member is charged the cached blocks it found that nobody
+        uses (taking them lowers the free count). An eviction while the batch is built can leave blocks a
+        member found in nobody's use: its charge is worked out again, or (8) would count those blocks
+        free for a later member too (and the member's allocation would then fail)."""
+        for r, (blocks, prompt_tokens) in self._charged.items():
+            if r.status is RequestStatus.WAITING:
+                now = self._blocks(r)
+                self._batch_blocks += now - blocks
+                self._charged[r] = (now, prompt_tokens)
+
     def _evict(self, request: Request, out: SchedulerOutput) -> None:
         """Progressive dropping (§5): recompute the request later, or (``dropping=swap``) swap its KV
         out: it stays running, holding no GPU slot, and is restored when it runs again."""
         if self.config.dropping != "swap":
             self._preempt(request, PreemptionMode.RECOMPUTE, out)
+            if self._caching and not self._bicache:
+                self._recharge_waiting_members()
             return
         self.kv.drop_to_cpu(request)
         self._dropped[request.request_class].add(request)
@@ -628,14 +641,23 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
     def _shortfall_after_evicting(
         self, request: Request, victims: list[Request], protect: Collection[Request], batch_blocks: int
     ) -> int:
-        """What ``request`` would lack (8) once ``victims`` gave up their GPU slots, beside a batch that
-        ``protect`` (bidirectional blocks) and that takes ``batch_blocks`` new blocks (paged): slots or
-        blocks, <= 0 when it fits."""
+        """What ``request`` would lack (8) once ``victims`` gave up their GPU slots, beside the batch
+        ``protect`` that takes ``batch_blocks`` new blocks (paged): slots or blocks, <= 0 when it fits.
+        Bidirectional blocks: the batch's slots are protected. Paged with prefix caching: a victim's block
+        that ``request`` or a waiting member found cached is taken by it, not freed
+        (``_recharge_waiting_members``)."""
         kv = self.kv
         if self._bicache:
             needed = kv.slots_needed(request, self._tokens_needed(request), self._cached_prefix(request))
             return needed - kv.num_slots_released(victims) - kv.room(request, protect)
-        return self._blocks(request) + batch_blocks - kv.num_blocks_released(victims) - kv.num_free_blocks
+        taken: list[int] = []
+        if self._caching:
+            taken.extend(self._cached_prefix(request))
+            for m in protect:
+                if m.status is RequestStatus.WAITING:
+                    taken.extend(self._cached_prefix(m))
+        released = kv.num_blocks_released(victims, taken)
+        return self._blocks(request) + batch_blocks - released - kv.num_free_blocks
 
     def _unblock(self, batch: list[Request], out: SchedulerOutput) -> None:
         """Liveness: running requests hold every block and none of them can grow (BE takes free

@@ -223,6 +223,7 @@ class RankScheduler(Scheduler):
     def _fits_after_evicting(
         self, cand: Request, target: int, reserve: int, cached: list[int] | tuple, victims: list[Request]
     ) -> bool:
-        """Whether ``cand``'s allocation (3) would fit once every one of ``victims`` gave up its KV."""
-        freed = self.kv.num_blocks_released(victims)
+        """Whether ``cand``'s allocation (3) would fit once every one of ``victims`` gave up its KV (the
+        ``cached`` blocks it found are its, not free, once their holders let go)."""
+        freed = self.kv.num_blocks_released(victims, cached)
         return self.kv.blocks_needed(cand, target, cached) + reserve <= self.kv.num_free_blocks + freed
