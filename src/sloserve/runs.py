@@ -223,10 +223,12 @@ def run_simulation(
     """Simulate ``workload`` (fresh copies of its requests) with ``scheduler``; returns the summary,
     with the requests and timeline under ``"_result"`` for writing (``public`` drops them)."""
     from sloserve.metrics import summarize
-    from sloserve.sched import make_scheduler, supports_prefix_caching
+    from sloserve.sched import make_scheduler, scheduler_names, supports_disaggregation, supports_prefix_caching
     from sloserve.sim import simulate
 
     o = setup.options
+    if "role" in set_options:  # NOTE: a prefill replica alone hands its requests to nobody
+        raise ConfigError("--set role: a replica's role comes from --disaggregate P:D, not from --set")
     requests, chains = fresh_workload(workload)
     caching = o.enable_prefix_caching
     if caching is None:
@@ -245,6 +247,12 @@ def run_simulation(
     num_prefill, num_decode = parse_disaggregation(o.disaggregate, o.link_gbps)
     decode_factory = None
     if num_decode:
+        if not supports_disaggregation(scheduler):
+            roles = [n for n in scheduler_names() if supports_disaggregation(n)]
+            raise ConfigError(
+                f"--disaggregate: scheduler {scheduler} cannot prefill for another replica; those that can: "
+                f"{', '.join(roles)}"
+            )
         factory = functools.partial(factory, options={**set_options, "role": "prefill"})
         decode_factory = functools.partial(factory, options={**set_options, "role": "decode"})
         decode_factory()

@@ -139,6 +139,11 @@ BAD = [
     (["--trace", "sharegpt", "--rate", "1", "--set", "nosuch=1"], "has no option 'nosuch'"),
     (["--trace", "sharegpt", "--rate", "1", "--disaggregate", "2"], "--disaggregate expects P:D"),
     (["--trace", "sharegpt", "--rate", "1", "--disaggregate", "1:1", "--link-gbps", "0"], "--link-gbps must be > 0"),
+    (
+        ["--trace", "sharegpt", "--rate", "1", "--scheduler", "rank_i", "--disaggregate", "1:1"],
+        "--disaggregate: scheduler rank_i cannot prefill for another replica; those that can: infermax",
+    ),
+    (["--trace", "sharegpt", "--rate", "1", "--set", "role=prefill"], "--set role: a replica's role comes from"),
 ]
 
 

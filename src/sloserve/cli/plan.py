@@ -183,7 +183,7 @@ def plan(
     from sloserve.plan.report import plan_table, write_plan
     from sloserve.runs import SimOptions
     from sloserve.sched import SCHEDULERS
-    from sloserve.sched.registry import describe_options
+    from sloserve.sched.registry import supports_disaggregation
 
     check_out(out)
     if not qps > 0 or qps == float("inf"):
@@ -214,7 +214,7 @@ def plan(
     degrees = int_list(tensor_parallel, "--tp")
     if 0 in degrees:
         raise ConfigError(f"--tp degrees must be >= 1, got {tensor_parallel!r}")
-    role_schedulers = {n for n in names if "role" in describe_options(n)}
+    role_schedulers = {n for n in names if supports_disaggregation(n)}
     candidates, skipped = enumerate_candidates(
         model,
         gpu_names,

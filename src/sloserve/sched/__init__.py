@@ -12,6 +12,7 @@ from sloserve.sched.registry import (
     parse_set_options,
     register,
     scheduler_names,
+    supports_disaggregation,
     supports_prefix_caching,
 )
 from sloserve.sched.unified import UnifiedConfig, UnifiedScheduler
@@ -29,5 +30,6 @@ __all__ = [
     "parse_set_options",
     "register",
     "scheduler_names",
+    "supports_disaggregation",
     "supports_prefix_caching",
 ]

@@ -70,6 +70,9 @@ class Scheduler(ABC):
     # a waiting request (``_skip_cached_prefix``) and registers the blocks each chunk it schedules
     # will fill (``kv.cache_blocks``).
     supports_prefix_caching: bool = False
+    # The policy runs disaggregated (``simulate --disaggregate``, DistServe): with its ``role`` option it
+    # hands each request off after its first token (prefill) or takes requests with their KV (decode).
+    supports_disaggregation: bool = False
     # The simulator may repeat a step of one-token decodes named as chunks (no cohort) for as many
     # steps as ``decode_horizon`` allows (sim/stretch.py; ``repeat`` is then ``_named_decode_repeat``,
     # and never with prefix caching); else only cohort steps repeat.

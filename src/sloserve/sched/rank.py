@@ -63,6 +63,10 @@ class RankConfig(UnifiedConfig):
             raise ConfigError("rank_by=output needs a predictor (oracle or histogram)")
         if self.readmit_horizon_steps < 0:
             raise ConfigError(f"readmit_horizon_steps must be >= 0, got {self.readmit_horizon_steps}")
+        if self.role != "colocated":
+            raise ConfigError(
+                f"the rank schedulers run colocated only (no prefill/decode hand-off), got role={self.role!r}"
+            )
         if self.preemption_mode != "recompute":
             # NOTE: Algorithm 1 evicts to R_w; a swapped-out request would wait for a swap-in that the
             # rank's one group never schedules (a run stalled with only swapped requests left)

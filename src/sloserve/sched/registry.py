@@ -179,6 +179,11 @@ def supports_prefix_caching(name: str, options: Mapping[str, Any] | None = None)
     return policy.supports_prefix_caching and kv_manager is not None and kv_manager.supports_prefix_caching
 
 
+def supports_disaggregation(name: str) -> bool:
+    """Whether the scheduler ``name`` runs disaggregated (``--disaggregate``: prefill and decode roles)."""
+    return get_spec(name).scheduler_cls.supports_disaggregation
+
+
 def describe_options(name: str) -> dict[str, Any]:
     """The preset's full option values (for ``sloserve schedulers`` and summaries)."""
     return dataclasses.asdict(build_config(name))

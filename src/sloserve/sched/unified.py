@@ -125,6 +125,7 @@ class UnifiedScheduler(CohortScheduler):
 
     name = "unified"
     supports_prefix_caching = True
+    supports_disaggregation = True
 
     def __init__(self, kv: KVCacheManager, config: UnifiedConfig, predictor: LengthPredictor | None = None) -> None:
         super().__init__(kv, predictor)
