@@ -152,6 +152,17 @@ def test_n_choices_are_sequences_of_their_own(server):
     ].message.content
 
 
+def test_any_int64_seed_is_served_and_the_engine_goes_on(server):
+    """OpenAI's seeds are int64: a negative one samples a stream of its own, the same each time (it
+    stopped the engine process: numpy takes non-negative seeds), and one outside int64 is a 400."""
+    kwargs = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=1.0)
+    texts = {seed: server.client.completions.create(**kwargs, seed=seed).choices[0].text for seed in (-1, -(2**63))}
+    assert texts[-1] == server.client.completions.create(**kwargs, seed=-1).choices[0].text
+    with pytest.raises(openai.BadRequestError, match="seed"):
+        server.client.completions.create(**kwargs, seed=2**63)
+    assert server.client.completions.create(**kwargs, seed=7).usage.completion_tokens == 8
+
+
 def test_choices_of_one_prompt_share_its_cached_blocks(server):
     hits = server.metric("sloserve_prefix_cache_hits_total", replica="0")
     long_prompt = " ".join(["serving language models"] * 12)

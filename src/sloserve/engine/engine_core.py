@@ -236,11 +236,16 @@ class EngineCore:
             live = _Live(request)
             try:
                 self.engine.add_request(add.prompt_token_ids, add.params, add.arrival_time, request=request)
-            except SloserveError as e:  # NOTE: the server checked it as the engine does; this is for
-                # what only the engine can find (its grammar library refusing this model's tokenizer):
-                # this request ends with the reason, the engine goes on
+            except Exception as e:  # noqa: BLE001 - one request the engine cannot take must not stop it
+                # NOTE: the server checked it as the engine does; this is for what only the engine can
+                # find (its grammar library refusing this model's tokenizer), or a bug (its traceback goes
+                # to the log): this request ends with the reason, the engine and its requests go on
+                if not isinstance(e, SloserveError):
+                    traceback.print_exc()
+                self.engine.executor.sequences.pop(request, None)
                 live.ended = True
-                self._pending.append(self._output(live, [], "error")._replace(error=str(e)))
+                reason = str(e) if isinstance(e, SloserveError) else f"{type(e).__name__}: {e}"
+                self._pending.append(self._output(live, [], "error")._replace(error=reason))
                 self.publish([])
                 return
             self.live[add.request_id] = live

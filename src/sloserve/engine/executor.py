@@ -92,7 +92,9 @@ class EngineExecutor:
             # NOTE: without a seed, each request still gets its own stream (engine seed + request id),
             # so a run is deterministic and independent of batching.
             seed = params.seed if params.seed is not None else self._seed * 1_000_003 + request.request_id
-            generator = np.random.default_rng(seed)
+            # NOTE: OpenAI's seeds are int64, numpy's non-negative: a negative one wraps to its unsigned
+            # 64-bit twin (every int64 seed stays a stream of its own)
+            generator = np.random.default_rng(seed % 2**64 if seed < 0 else seed)
         self.sequences[request] = Sequence(
             list(prompt_token_ids),
             len(prompt_token_ids),

@@ -57,7 +57,7 @@ class SamplingRequest(BaseModel):
     model: str
     temperature: float = Field(default=1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # OpenAI's range (int64)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
