@@ -84,9 +84,9 @@ class Driver:
                 swap_in=len(out.swap_in),
             )
         )
-        preempted = {p.request for p in out.preempted}
-        running = [r for r, _ in out.chunks] + (list(out.decode.cohort.members) if out.decode else [])
-        assert not preempted.intersection(running), "a request runs in the step that preempted it"
+        kv = self.scheduler.kv
+        for r, c in out.chunks:  # (a chunk left in the step of a request preempted after it had none)
+            assert kv.num_tracked_tokens(r) >= r.num_computed_tokens + c, f"{r} runs {c} tokens without their KV"
         result = self.executor.execute(out, self.now)
         self.now = float(result.step_end_times[-1])
         self.scheduler.update(out, result, self.now)

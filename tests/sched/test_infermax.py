@@ -51,7 +51,7 @@ def test_vllm_hy_never_evicts_a_prompt_it_just_put_in_the_batch():
     admitted into the two free blocks; then A's next token needs a block. Algorithm 1 evicts among the
     running requests not in the batch (A itself, its own candidate), not B: evicting B left its chunk in
     the step, computed for a waiting request with no KV, and it then waited forever (a sweep with
-    prefix caching found it; the Driver now checks that no request runs in a step that preempted it)."""
+    prefix caching found it; the Driver now checks that every chunk's tokens have their KV)."""
     a, b = make_requests([(16, 6), (32, 3)], [0.0, 0.001])
     drv = Driver(scheduler("vllm_hy", 48))
     drv.run([a, b])

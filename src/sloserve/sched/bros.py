@@ -341,6 +341,27 @@ class SubsetScheduler(Scheduler):
         self._found.clear()  # NOTE: the cache changed since the last step
         return []
 
+    def _take_batch(self, batch: list[Request], out: SchedulerOutput) -> None:
+        """``_take`` each member, in order. Prefix caching, paged KV: first the cached blocks the waiting
+        members found that nobody uses are held for them, each until it is taken (as vLLM v1 touches a
+        request's cached blocks when it schedules it): an earlier member's new blocks could evict one, and
+        with it every block its finder found after it (a prompt's blocks are found as a chain), leaving it
+        more to allocate than (8) counted."""
+        held: dict[Request, list[int]] = {}
+        if self._caching and not self._bicache:
+            cache = self.kv.prefix_cache
+            for r in batch:
+                if r.status is RequestStatus.WAITING:
+                    found = self._cached_prefix(r)
+                    unused = [b for b, refs in zip(found, cache.ref_counts[cache.ids(found)].tolist()) if not refs]
+                    if unused:
+                        cache.share(unused)
+                        held[r] = unused
+        for r in batch:
+            if r in held:
+                self.kv.prefix_cache.release(held.pop(r))  # (its lookup finds them, its allocation takes them)
+            self._take(r, out)
+
     def _take(self, request: Request, out: SchedulerOutput) -> None:
         """Put ``request`` in the batch: allocate its slots, admit it if waiting, add its chunk; with
         prefix caching, skip the cached blocks of its prompt and register those its chunk computes."""
@@ -348,8 +369,8 @@ class SubsetScheduler(Scheduler):
         if self._bicache:  # allocated when it joined the batch
             cached = self._batch_cached.get(request, ())
         else:
-            # NOTE: looked up again: a member taken before may have evicted blocks found while
-            # packing (this finds no more to allocate than the packing counted), or registered more.
+            # NOTE: looked up again: a member taken before may have registered more; the blocks found
+            # while packing are all there (``_take_batch`` held them), so it allocates no more than counted.
             cached = self.kv.find_cached_prefix(request) if self._caching and waiting else ()
             if waiting or self._charged[request][0]:  # (a decode with room in its last block takes none)
                 done = self.kv.allocate_slots(request, self._tokens_needed(request), cached=cached)
@@ -742,8 +763,7 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
         else:
             self.batch_size = min(self.batch_size + cfg.batch_size_step, cfg.max_batch_size)
         t3, kv3 = time.perf_counter(), self.kv_time_s
-        for r in batch:
-            self._take(r, out)
+        self._take_batch(batch, out)
         if self._bicache:
             out.swap_bytes = self.kv.checkpointed_bytes + self.kv.restored_bytes - moved_before
             out.swap_overlapped = True  # §4.1: checkpoints and restores run asynchronously
@@ -898,8 +918,7 @@ class RoundRobinScheduler(SubsetScheduler):
             batch = self._fcfs_batch(cls, out)
             if batch:
                 self._serve_rt = cls is RequestClass.BE
-                for r in batch:
-                    self._take(r, out)
+                self._take_batch(batch, out)
                 break
         return out
 
