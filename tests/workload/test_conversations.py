@@ -10,6 +10,7 @@ from sloserve.core.errors import ConfigError
 from sloserve.sched import make_scheduler
 from sloserve.sim import simulate
 from sloserve.workload import build_workload, load_workload_spec, parse_workload_spec
+from sloserve.workload.build import synthetic_prompts
 
 
 def _spec(**conversations):
@@ -65,6 +66,20 @@ def test_the_next_turn_arrives_a_think_time_after_the_answer_and_finds_its_histo
             assert turn.num_cached_tokens >= computed // 16 * 16
     hit = sum(r.num_cached_tokens for r in result.requests) / sum(r.num_prompt_tokens for r in result.requests)
     assert hit > 0.5
+
+
+def test_a_turns_prompt_tokens_are_its_prompt_and_resend_the_turn_before():
+    """The tokens the engine's ``run`` and ``bench-serve`` send: a turn's content reaches over the answer
+    it gets (the next turn finds those blocks), but its prompt is the prompt alone (all of the content was
+    sent: an engine got each answer as part of its prompt, and a context-long turn was refused)."""
+    built = build_workload(_spec(), seed=3, context_len=4096)
+    prompts = synthetic_prompts(built.requests, 512, seed=0)
+    for r, tokens in zip(built.requests, prompts, strict=True):
+        assert len(tokens) == r.num_prompt_tokens
+    by_id = {r.request_id: tokens for r, tokens in zip(built.requests, prompts, strict=True)}
+    for chain in built.chains:
+        for (before,), (turn,) in zip(chain, chain[1:]):
+            assert by_id[turn.request_id][: before.num_prompt_tokens] == by_id[before.request_id]
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ import numpy as np
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import Request, RequestClass, RequestStatus
+from sloserve.workload.build import synthetic_prompts  # noqa: F401 (its clients import it from here too)
 from sloserve.workload.closed_loop import ClosedLoopBatches
 
 
@@ -42,19 +43,6 @@ class BenchResult:
     wall_s: float
     errors: dict[int, str] = field(default_factory=dict)  # request id -> what went wrong
     inter_token_s: list[float] = field(default_factory=list)  # gaps between consecutive chunks, all requests
-
-
-def synthetic_prompts(requests: Sequence[Request], vocab_size: int, seed: int) -> list[list[int]]:
-    """Token ids of each request's prompt length (as the engine's ``run`` uses): random, except that a
-    prompt with prefix structure (a trace's ``hash_ids``) gets the same tokens for the same ids, so a
-    server with prefix caching finds exactly the blocks a simulation finds."""
-    rng = np.random.default_rng(seed)
-    return [
-        r.prompt_blocks.token_ids(vocab_size)
-        if r.prompt_blocks is not None
-        else rng.integers(0, vocab_size, size=r.num_prompt_tokens).tolist()
-        for r in requests
-    ]
 
 
 class WordPrompts:

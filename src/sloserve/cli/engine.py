@@ -118,7 +118,6 @@ def run(
 ) -> None:
     """Replay a workload through the real engine (random prompt tokens of the trace's lengths, the
     same tokens for the same hash ids; outputs forced to the trace's lengths with ignore_eos, greedy)."""
-    import numpy as np
 
     from sloserve.metrics import summarize
     from sloserve.sched import parse_set_options
@@ -126,8 +125,9 @@ def run(
     check_out(out)
     set_options = parse_set_options(set_pairs)
     loaded = _load_engine_model(options)
-    from sloserve.engine.llm_engine import LLMEngine, run_requests, synthetic_prompt
+    from sloserve.engine.llm_engine import LLMEngine, run_requests
     from sloserve.engine.sampler import SamplingParams
+    from sloserve.workload.build import synthetic_prompts
 
     engine = LLMEngine(
         loaded,
@@ -141,15 +141,8 @@ def run(
     )
     workload = make_workload_from_options(SimOptions.of_workload(options), engine.max_model_len)
     requests, chains = fresh_workload(workload)
-    rng = np.random.default_rng(options["seed"])
-    vocab = loaded.config.vocab_size
     # A prompt with prefix structure (a trace's hash_ids) gets the same tokens for the same content.
-    prompts = [
-        r.prompt_blocks.token_ids(vocab)
-        if r.prompt_blocks is not None
-        else synthetic_prompt(r.num_prompt_tokens, vocab, rng)
-        for r in requests
-    ]
+    prompts = synthetic_prompts(requests, loaded.config.vocab_size, options["seed"])
     params = [SamplingParams(max_tokens=r.true_output_tokens, temperature=0, ignore_eos=True) for r in requests]
     if out is not None:
         engine.executor.step_log = []

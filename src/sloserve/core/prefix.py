@@ -142,17 +142,20 @@ class SegmentedPrompt:
             lo = hi
         return BlockIndex(block_size, num_blocks, group_keys, group_starts, group_sizes)
 
-    def token_ids(self, vocab_size: int) -> list[int]:
-        """Token ids for the ``num_tokens`` tokens: each segment's drawn from a generator seeded by its
-        chained key, so equal content (the same ids up to a segment) is the same tokens wherever it
-        appears, and a real engine caching by tokens finds the blocks a simulation finds by ids."""
+    def token_ids(self, vocab_size: int, num_tokens: int | None = None) -> list[int]:
+        """Token ids for the first ``num_tokens`` tokens (default: all ``self.num_tokens``; a conversation
+        turn's content reaches past its prompt, over the answer it gets): each segment's drawn from a
+        generator seeded by its chained key, so equal content (the same ids up to a segment) is the same
+        tokens wherever it appears, and a real engine caching by tokens finds the blocks a simulation
+        finds by ids."""
+        num_tokens = self.num_tokens if num_tokens is None else min(num_tokens, self.num_tokens)
         tokens: list[int] = []
         start = 0
         for key, end in zip(chain_keys(self.segment_ids, self.namespace), self.segment_ends, strict=True):
-            if start >= self.num_tokens:
+            if start >= num_tokens:
                 break
             rng = np.random.default_rng(key % (1 << 64))
-            tokens += rng.integers(0, vocab_size, size=end - start).tolist()[: self.num_tokens - start]
+            tokens += rng.integers(0, vocab_size, size=end - start).tolist()[: num_tokens - start]
             start = end
         return tokens
 

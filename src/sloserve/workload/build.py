@@ -21,7 +21,7 @@ import functools
 import math
 import warnings
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -540,3 +540,16 @@ def _check_field(origin: str, stream: str, field_path: str, value: Any, *, integ
         raise ConfigError(f"{prefix} finite, got {value}")
     if not integer and not value > 0:
         raise ConfigError(f"{prefix} > 0, got {value}")
+
+
+def synthetic_prompts(requests: Sequence[Request], vocab_size: int, seed: int) -> list[list[int]]:
+    """Token ids of each request's prompt length (as the engine's ``run`` uses): random, except that a
+    prompt with prefix structure (a trace's ``hash_ids``) gets the same tokens for the same ids, so a
+    server with prefix caching finds exactly the blocks a simulation finds."""
+    rng = np.random.default_rng(seed)
+    return [
+        r.prompt_blocks.token_ids(vocab_size, r.num_prompt_tokens)
+        if r.prompt_blocks is not None
+        else rng.integers(0, vocab_size, size=r.num_prompt_tokens).tolist()
+        for r in requests
+    ]
