@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import numpy as np
 from hypothesis import strategies as st
 
 from sloserve.core.outputs import SchedulerOutput
+from sloserve.core.prefix import SegmentedPrompt
 from sloserve.core.request import SLO, Request, RequestClass
 from sloserve.cost import LinearCostModel, get_preset
 from sloserve.predict import LengthPredictor
@@ -157,3 +159,33 @@ class FixedPredictor(LengthPredictor):
 
     def predict_remaining(self, request: Request) -> int:
         return max(1, request.true_output_tokens - request.num_output_tokens)
+
+
+def shared_prefix_workload(seed: int) -> tuple[int, list[Request]]:
+    """A random RT/BE mix whose prompts share their first segments (ids 0-2) or not, in a small cache:
+    (KV capacity, requests). The generator of a sweep over every scheduler with prefix caching, fast
+    path and step by step: the seeds it failed on are tests."""
+    rng = random.Random(seed)
+    n, capacity, segment = rng.randint(5, 40), rng.choice([800, 1600, 4000]), rng.choice([16, 64, 128])
+    requests = []
+    for i in range(n):
+        prompt = rng.randint(1, min(700, capacity - 120))
+        ids = tuple(
+            rng.choice([0, 1, 2, 1000 + i]) if k < 3 else 2000 + i * 10 + k for k in range(-(-prompt // segment))
+        )
+        output, arrival, be = rng.randint(1, 150), rng.uniform(0, 1.5), rng.random() < 0.4
+        slo = SLO(rng.choice([0.05, 0.1, 0.5]), rng.uniform(0.003, 0.05))
+        cls = RequestClass.BE if be else RequestClass.RT
+        requests.append(
+            Request(
+                i,
+                arrival,
+                prompt,
+                output,
+                output,
+                cls,
+                slo,
+                prompt_blocks=SegmentedPrompt.uniform(ids, segment, prompt),
+            )
+        )
+    return capacity, requests

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import Driver, llama7b_cost, rt_be_requests, rt_be_specs, scheduler, timestamps
+from helpers import Driver, llama7b_cost, rt_be_requests, rt_be_specs, scheduler, shared_prefix_workload, timestamps
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import SLO, Request, RequestClass, RequestStatus
 from sloserve.sched.bros import BrosScheduler
@@ -559,45 +559,12 @@ def test_an_eviction_while_packing_recharges_members_that_found_the_victims_bloc
     assert x.num_preemptions >= 1 and w.num_cached_tokens == 48
 
 
-def _shared_prefix_workload(seed: int) -> tuple[int, list[Request]]:
-    """A random RT/BE mix whose prompts share their first segments (ids 0-2) or not, in a small cache:
-    (KV capacity, requests). The generator of the sweep that found the cases below."""
-    import random
-
-    from sloserve.core.prefix import SegmentedPrompt
-
-    rng = random.Random(seed)
-    n, capacity, segment = rng.randint(5, 40), rng.choice([800, 1600, 4000]), rng.choice([16, 64, 128])
-    requests = []
-    for i in range(n):
-        prompt = rng.randint(1, min(700, capacity - 120))
-        ids = tuple(
-            rng.choice([0, 1, 2, 1000 + i]) if k < 3 else 2000 + i * 10 + k for k in range(-(-prompt // segment))
-        )
-        output, arrival, be = rng.randint(1, 150), rng.uniform(0, 1.5), rng.random() < 0.4
-        slo = SLO(rng.choice([0.05, 0.1, 0.5]), rng.uniform(0.003, 0.05))
-        cls = RequestClass.BE if be else RequestClass.RT
-        requests.append(
-            Request(
-                i,
-                arrival,
-                prompt,
-                output,
-                output,
-                cls,
-                slo,
-                prompt_blocks=SegmentedPrompt.uniform(ids, segment, prompt),
-            )
-        )
-    return capacity, requests
-
-
 @pytest.mark.parametrize("seed", [1085, 1086, 1092, 3026])
 def test_bros_nobicache_with_prefix_caching_allocates_what_it_packed(seed):
     """Workloads where a member's allocation failed after packing (an assertion): 1085, 1086 and 1092 by
     an eviction that left blocks a member found in nobody's use (``_recharge_waiting_members``), 3026 by
     an earlier member's new blocks evicting a block a later one found, and the found blocks after it
     (``_take_batch``). Every request completes, the KV invariants hold every step (the Driver checks)."""
-    capacity, requests = _shared_prefix_workload(seed)
+    capacity, requests = shared_prefix_workload(seed)
     Driver(scheduler("bros_nobicache", capacity, max_model_len=1024, enable_prefix_caching=True)).run(requests)
     assert all(r.num_output_tokens == r.true_output_tokens for r in requests)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import Driver, FixedPredictor, llama7b_cost, make_requests, scheduler
+from helpers import Driver, FixedPredictor, llama7b_cost, make_requests, scheduler, shared_prefix_workload
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.core.prefix import SegmentedPrompt
 from sloserve.core.request import Request
@@ -266,6 +266,18 @@ def test_synccoupled_admits_a_long_prompt_whose_padded_region_would_not_fit():
     Driver(s).run(reqs)
     assert reqs[0].num_output_tokens == 117
     assert s.kv.num_free_blocks == s.kv.gpu.num_blocks
+
+
+def test_synccoupled_frees_queued_gts_when_they_hold_what_the_head_needs():
+    """Two GTs stopped past their regions (O4) keep their KV in the GT queue and hold all of it while
+    nothing runs: the head could not grow, and nothing ever would. As the decoupled variants do, queued
+    GTs from the back drop their KV (recompute) until the head fits (a prefix-caching sweep found it:
+    seed 6071, stuck with the queues full and nothing running)."""
+    capacity, requests = shared_prefix_workload(6071)
+    s = scheduler("synccoupled", capacity, max_model_len=1024, enable_prefix_caching=True)
+    Driver(s).run(requests)
+    assert all(r.num_output_tokens == r.true_output_tokens for r in requests)
+    assert s.num_dropped > 0
 
 
 class LinearOnly(CostModel):
