@@ -480,8 +480,8 @@ class EconoServeScheduler(CohortScheduler):
         reserve; their prompts run, then they decode together. No PT joins between completions.
 
         GTs stopped past their region (O4) come first: they hold KV, and go on decoding in a region
-        of their new predicted RL; when nothing runs and the head does not fit, queued GTs drop their
-        KV until it does (``_unblock_gt_queue``, as the decoupled variants). NOTE: a request alone fits
+        of their new predicted RL; when nothing runs then (no PT fits either) and the head does not fit,
+        queued GTs drop their KV until it does (``_unblock_gt_queue``, as the decoupled variants). NOTE: a request alone fits
         (``_region_tokens`` caps the region to what the cache holds beside its tokens, or a PT's prompt,
         and queued PTs hold no KV), so the queues always move.
         """
@@ -500,12 +500,6 @@ class EconoServeScheduler(CohortScheduler):
             room -= blocks
             self._start_gt(request, self._unqueue_gt(request), resumed_groups, [])
             self._join_cohort(request)
-        if self.gt_queue and not self.running:  # liveness: queued GTs hold the KV the head needs
-            resumed: list[Request] = []
-            self._unblock_gt_queue(out, resumed_groups, resumed)
-            for request in resumed:
-                self._join_cohort(request)
-            return  # (PTs join once a group completes)
         while queue and len(self.running) < self.config.max_num_seqs:
             request = queue.first()
             assert request is not None
@@ -523,6 +517,11 @@ class EconoServeScheduler(CohortScheduler):
             assert done
             self._admit_in_group(request, remaining, groups, admitted)
             self._skip_cached(request, cached, out)
+        if self.gt_queue and not self.running:  # liveness: queued GTs hold the KV the head needs
+            resumed: list[Request] = []
+            self._unblock_gt_queue(out, resumed_groups, resumed)
+            for request in resumed:
+                self._join_cohort(request)
 
     # --- 3: PTs up to the TFS --------------------------------------------------------------------------
     def _fill_forward(self, out: SchedulerOutput) -> None:
