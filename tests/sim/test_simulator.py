@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import llama7b_cost, rt_be_requests, rt_be_specs, scheduler, timestamps
+from helpers import llama7b_cost, rt_be_requests, rt_be_specs, scheduler, shared_prefix_workload, timestamps
 from sloserve.core.request import RequestClass, RequestStatus
 from sloserve.sched.registry import scheduler_names
 from sloserve.sim import simulate
@@ -594,6 +596,24 @@ def test_simulation_leaves_no_cyclic_garbage(name):
     )
     assert gc.isenabled()
     assert gc.collect() == 0, "a simulation left objects in reference cycles"
+
+
+@pytest.mark.parametrize("seed", [1085, 1086, 1092, 3026, 6071])
+def test_every_scheduler_completes_shared_prefixes_in_a_small_cache_both_ways(seed):
+    """The workloads on which a sweep (every scheduler with prefix caching, fast path and step by step)
+    found an allocation that failed after packing (bros_nobicache) or queues that stopped moving
+    (synccoupled): every scheduler completes them, with the same timestamps both ways."""
+    for name in scheduler_names():
+        runs = []
+        for fast in (True, False):
+            capacity, requests = shared_prefix_workload(seed)
+            make = functools.partial(
+                scheduler, name, capacity, max_model_len=1024, swap_space_tokens=20_000, enable_prefix_caching=True
+            )
+            simulate(requests, make, llama7b_cost(), fast_path=fast)
+            assert all(r.num_output_tokens == r.true_output_tokens for r in requests), name
+            runs.append(timestamps(requests))
+        np.testing.assert_allclose(runs[0], runs[1], rtol=1e-9, atol=0, equal_nan=True, err_msg=name)
 
 
 @pytest.mark.parametrize("name", ["vllm", "sarathi", "infermax"])
