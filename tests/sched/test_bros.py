@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -13,6 +14,7 @@ from helpers import Driver, llama7b_cost, rt_be_requests, rt_be_specs, scheduler
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import SLO, Request, RequestClass, RequestStatus
 from sloserve.sched.bros import BrosScheduler
+from sloserve.sim import simulate
 
 
 def mixed(num_rt: int, num_be: int, rt_gap: float = 0.05, ttft: float = 0.4, tpot: float = 0.2) -> list[Request]:
@@ -263,8 +265,6 @@ def test_be_tokens_by_counts_finished_and_spreads_running_requests():
 def test_bros_reports_its_scheduling_time_by_part():
     """Figure 14's parts are measured inside schedule(): they add up to no more than the step loop's
     scheduling time, and every step queried the cost model."""
-    from sloserve.sim import simulate
-
     reqs = mixed(num_rt=20, num_be=20, rt_gap=0.02)
     result = simulate(
         reqs,
@@ -424,7 +424,6 @@ def _squeezed(name: str, **options):
     """ShareGPT at 6 req/s, every other request best-effort, in 1,200 tokens of KV (a KV-starved GPU):
     the requests, the scheduler's preemptions per request, once every request finished."""
     from sloserve.core.request import RequestClass
-    from sloserve.sim import simulate
     from sloserve.workload import workload_from_trace
 
     requests = workload_from_trace("sharegpt", num_requests=30, seed=0, context_len=1024, rate=6.0).requests
@@ -458,8 +457,6 @@ def test_a_request_larger_than_the_kv_cache_is_refused_up_front():
 def _packed_both_ways(specs, capacity: int, name: str, **options) -> None:
     """Run ``specs`` ((prompt, output, arrival, BE?, TTFT SLO, TPOT SLO) each) with BROS's runs of
     decodes packed at once (from one request on) and request by request: the same run both ways."""
-    from sloserve.sim import simulate
-
     runs = {}
     for at_once in (True, False):
         requests = rt_be_requests(specs)
@@ -567,4 +564,16 @@ def test_bros_nobicache_with_prefix_caching_allocates_what_it_packed(seed):
     (``_take_batch``). Every request completes, the KV invariants hold every step (the Driver checks)."""
     capacity, requests = shared_prefix_workload(seed)
     Driver(scheduler("bros_nobicache", capacity, max_model_len=1024, enable_prefix_caching=True)).run(requests)
+    assert all(r.num_output_tokens == r.true_output_tokens for r in requests)
+
+
+@pytest.mark.parametrize("seed", [578, 1379])
+def test_a_request_alone_that_cannot_grow_in_its_scattered_blocks_is_packed_again(seed):
+    """Bidirectional blocks, two replicas: a replica's last request (BE, its prompt and output filling
+    the cache to the slot) holds its tokens over blocks with empty slots it cannot take (a side grows in
+    its last block only), and there is nobody left to drop. It is dropped itself and restored packed
+    into the free blocks; before, the liveness rule looked for another request to drop and failed."""
+    capacity, requests = shared_prefix_workload(seed)
+    make = functools.partial(scheduler, "bros", capacity, max_model_len=1024, swap_space_tokens=20_000)
+    simulate(requests, make, llama7b_cost(), fast_path=False, num_replicas=2, router="least-outstanding")
     assert all(r.num_output_tokens == r.true_output_tokens for r in requests)

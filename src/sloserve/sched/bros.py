@@ -684,10 +684,16 @@ class BrosScheduler(BrosStretches, SubsetScheduler):
         """Liveness: running requests hold every block and none of them can grow (BE takes free
         blocks only), so nothing was scheduled. Progressive dropping (§5): drop BE requests, the
         latest admitted first, then RT requests with the most remaining time, until the earliest
-        admitted running request fits; it runs alone."""
+        admitted running request fits; it runs alone. Bidirectional blocks: a request alone may still not
+        grow, its tokens spread over blocks with empty slots it cannot take (a side grows in its last
+        block only): it is dropped itself and comes back packed into free blocks (a swap out and in)."""
         head = next(iter(self.running))
         while not self._fits(head):
             others = [r for r in self.running if r is not head and self._on_gpu(r)]
+            if not others:
+                assert self._on_gpu(head), "a request alone fits the cache (check_fits)"
+                self._evict(head, out)  # (its KV back from CPU memory, or recomputed, in empty blocks)
+                continue
             be = [r for r in others if r.request_class is RequestClass.BE]
             self._evict(be[-1] if be else max(others, key=self.deadline), out)
         self._add(batch, head)
