@@ -65,8 +65,10 @@ class Replica:
         self.scheduler.add_request(request)
         self.outstanding += 1
 
-    def step(self, next_arrival: float) -> list[Request]:
-        """Run one step (or one stretch of steps); returns the requests that finished."""
+    def step(self, next_arrival: float, stretch_until: float = math.inf) -> list[Request]:
+        """Run one step (or one stretch of steps); returns the requests that finished. A stretch stops at
+        ``next_arrival`` and at ``stretch_until`` (when another replica may send this one a request: a
+        cluster's ``earliest_news``); a replica with nothing to run idles until ``next_arrival``."""
         start, t0 = self.now, time.perf_counter()
         out = self.scheduler.schedule(start)
         if not out.chunks and out.decode is None and out.is_empty:  # NOTE: the fields first: no call
@@ -78,7 +80,7 @@ class Replica:
         end_times = None
         # NOTE: only cohort steps repeat, and named decodes of a policy that says they may
         if self.stretches is not None and (out.decode is not None or self.scheduler.named_decode_stretches):
-            end_times = self.stretches.plan(self, out, next_arrival)
+            end_times = self.stretches.plan(self, out, min(next_arrival, stretch_until))
         sched_time = time.perf_counter() - t0
         result = self.executor.execute(out, start, end_times)
         self.now = float(result.step_end_times[-1])

@@ -140,7 +140,7 @@ class _Cluster:
                 else:
                     self.route_arrival(request, at)
                 continue
-            self.step(replica, min(next_event, self.earliest_news(replica)))
+            self.step(replica, next_event)
             if on_progress is not None and self.num_steps >= next_progress:
                 on_progress(self.num_finished)
                 next_progress = self.num_steps + PROGRESS_EVERY_STEPS
@@ -169,7 +169,7 @@ class _Cluster:
     def step(self, replica: Replica, next_event: float) -> None:
         """One step of ``replica``; then the next batch of a chain whose batch it finished arrives, and
         the requests it prefilled for a decode replica start their KV transfer."""
-        finished = replica.step(next_event)
+        finished = replica.step(next_event, self.earliest_news(replica))
         self.num_finished += len(finished)
         self.num_steps += 1
         for request in finished if self.chains else ():
