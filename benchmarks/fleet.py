@@ -82,20 +82,25 @@ def run(args, replicas: int, loads: dict) -> dict[str, dict[str, float]]:
         proc.wait(timeout=120)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    """The served model, its fleet and the trace (``start_server`` and ``workload`` read them)."""
     parser.add_argument("--model", default="random:tiny-llama")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--scheduler", default="vllm")
     parser.add_argument("--router", default="least-outstanding")
     parser.add_argument("--trace", default="sharegpt")
-    parser.add_argument("--num-requests", type=int, default=200, help="requests of the offline load")
-    parser.add_argument("--light-requests", type=int, default=60, help="requests of the light load")
-    parser.add_argument("--rate", type=float, default=2.0, help="Poisson rate of the light load (req/s)")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-tokens", type=int, default=256, help="cap on the trace's output lengths")
     parser.add_argument("--kv-capacity-tokens", type=int, default=65536)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    fleet_arguments(parser)
+    parser.add_argument("--num-requests", type=int, default=200, help="requests of the offline load")
+    parser.add_argument("--light-requests", type=int, default=60, help="requests of the light load")
+    parser.add_argument("--rate", type=float, default=2.0, help="Poisson rate of the light load (req/s)")
     args = parser.parse_args()
 
     loads = {"offline": workload(args, True, args.num_requests), "light": workload(args, False, args.light_requests)}

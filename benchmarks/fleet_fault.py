@@ -27,7 +27,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleet import start_server
+from fleet import fleet_arguments, start_server
 from serve_overhead import free_port, workload
 from sloserve.bench.client import run_benchmark, synthetic_prompts
 from sloserve.fleet.replica import local_replica_pids
@@ -72,19 +72,11 @@ def server_counts(port: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="random:tiny-llama")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--scheduler", default="vllm")
-    parser.add_argument("--router", default="least-outstanding")
-    parser.add_argument("--trace", default="sharegpt")
+    fleet_arguments(parser)
     parser.add_argument("--num-requests", type=int, default=300)
     parser.add_argument("--rate", type=float, default=20.0, help="Poisson rate (req/s)")
     parser.add_argument("--kill-after", type=float, default=5.0, help="seconds into the run")
     parser.add_argument("--timeout", type=float, default=300.0, help="a request not ended by then hung")
-    parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--max-tokens", type=int, default=256, help="cap on the trace's output lengths")
-    parser.add_argument("--kv-capacity-tokens", type=int, default=65536)
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
     requests = [fresh_request(r) for r in workload(args, False, args.num_requests)]

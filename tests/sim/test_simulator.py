@@ -254,6 +254,14 @@ def test_chunk_stretch_runs_through_a_completion_on_one_replica():
     assert np.isclose(finishes[:, None], ends[None, :], rtol=1e-12, atol=0).any()
 
 
+def assert_same_both_ways(run) -> None:
+    """``run(fast)`` simulates and returns its requests: with the fast path they go to the same replicas
+    at the same timestamps as step by step."""
+    slow, fast = run(False), run(True)
+    assert [r.replica for r in slow] == [r.replica for r in fast]
+    np.testing.assert_allclose(timestamps(fast), timestamps(slow), rtol=1e-9, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("router", ["round-robin", "least-outstanding"])
 def test_fast_path_same_timestamps_in_a_cluster(router):
     """Stretches that run past arrivals route every arrival as step-by-step does."""
@@ -270,9 +278,7 @@ def test_fast_path_same_timestamps_in_a_cluster(router):
         )
         return workload.requests
 
-    slow, fast = run(False), run(True)
-    assert [r.replica for r in slow] == [r.replica for r in fast]
-    np.testing.assert_allclose(timestamps(fast), timestamps(slow), rtol=1e-9, atol=0, equal_nan=True)
+    assert_same_both_ways(run)
 
 
 @pytest.mark.parametrize("num_decode", [1, 2])
@@ -293,9 +299,7 @@ def test_fast_path_same_timestamps_with_disaggregation(num_decode):
         )
         return workload.requests
 
-    slow, fast = run(False), run(True)
-    assert [r.replica for r in slow] == [r.replica for r in fast]
-    np.testing.assert_allclose(timestamps(fast), timestamps(slow), rtol=1e-9, atol=0, equal_nan=True)
+    assert_same_both_ways(run)
 
 
 def test_fast_path_same_timestamps_with_conversations_on_two_replicas():
@@ -313,9 +317,7 @@ def test_fast_path_same_timestamps_with_conversations_on_two_replicas():
         )
         return requests
 
-    slow, fast = run(False), run(True)
-    assert [r.replica for r in slow] == [r.replica for r in fast]
-    np.testing.assert_allclose(timestamps(fast), timestamps(slow), rtol=1e-9, atol=0, equal_nan=True)
+    assert_same_both_ways(run)
 
 
 @pytest.mark.parametrize("name", ["vllm", "sarathi", "orca"])
