@@ -70,6 +70,10 @@ def server_counts(port: int) -> dict[str, float]:
     return counts
 
 
+def _by_outcome(counts: dict[str, float], family: str) -> str:
+    return ", ".join(f"{key.split()[1]} {n:g}" for key, n in counts.items() if key.split()[0] == family)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     fleet_arguments(parser)
@@ -113,11 +117,11 @@ def main() -> None:
         ("completed", completed),
         ("ended with an error object", error_objects),
         ("hung (no end within --timeout)", len(hung)),
-        ("server: ended by outcome (/metrics)", ", ".join(f"{k.split()[1]} {v:g}" for k, v in counts.items() if k.startswith("sloserve_requests "))),
-        ("server: replica failures (/metrics)", ", ".join(f"{k.split()[1]} {v:g}" for k, v in counts.items() if k.startswith("sloserve_replica_failures "))),
+        ("server: ended by outcome (/metrics)", _by_outcome(counts, "sloserve_requests")),
+        ("server: replica failures (/metrics)", _by_outcome(counts, "sloserve_replica_failures")),
         ("request log: lines (completed / other)", f"{len(logged)} ({logged_done} / {len(logged) - logged_done})"),
         ("replica back after", "not within 120 s" if back is None else f"{back:.1f} s"),
-    ]  # fmt: skip
+    ]
     for name, value in rows:
         print(f"| {name} | {value} |")
     server_ended = sum(v for k, v in counts.items() if k.startswith("sloserve_requests "))

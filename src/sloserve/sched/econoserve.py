@@ -481,9 +481,9 @@ class EconoServeScheduler(CohortScheduler):
 
         GTs stopped past their region (O4) come first: they hold KV, and go on decoding in a region
         of their new predicted RL; when nothing runs then (no PT fits either) and the head does not fit,
-        queued GTs drop their KV until it does (``_unblock_gt_queue``, as the decoupled variants). NOTE: a request alone fits
-        (``_region_tokens`` caps the region to what the cache holds beside its tokens, or a PT's prompt,
-        and queued PTs hold no KV), so the queues always move.
+        queued GTs drop their KV until it does (``_unblock_gt_queue``, as the decoupled variants).
+        NOTE: a request alone fits (``_region_tokens`` caps the region to what the cache holds beside its
+        tokens, or a PT's prompt, and queued PTs hold no KV), so the queues always move.
         """
         queue, kv = self.pt_queue, self.kv
         assert isinstance(kv, ExactReservationKVManager)

@@ -4,8 +4,9 @@ one stretch of k steps whose times come from the cost model's arithmetic series
 
 - a decode-only step, until an arrival (or the time another replica may send one: a prefill replica's
   hand-off, a conversation's next turn; ``_Cluster.earliest_news``), a completion, a memory event
-  (``Scheduler.decode_horizon``) or the time the policy's own decision moves (``Scheduler.stretch_deadline``: EconoServe's ordered queues;
-  ``Scheduler.clock_horizon`` when it moves step by step with the clock: BROS's deadlines):
+  (``Scheduler.decode_horizon``) or the time the policy's own decision moves
+  (``Scheduler.stretch_deadline``: EconoServe's ordered queues; ``Scheduler.clock_horizon`` when it
+  moves step by step with the clock: BROS's deadlines):
   the cohort's step, or one of one-token decodes named as chunks by a policy that opts in
   (``Scheduler.named_decode_stretches``: SRTF, FastServe, MultiRes, the rank policies, RR with one class,
   BROS);
