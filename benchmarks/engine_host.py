@@ -14,7 +14,12 @@ with the model replaced by ``NoForward`` (zeros of the right shapes), on the CUD
   pipelined manager, whose slots move one token at a time, so its tables are per token;
 - the whole host step, and the H200 roofline time of the same step for Llama-3-8B in bf16 (weights
   + KV read at HBM bandwidth), with the host's share of the sum: the MBU an engine that does not
-  overlap the host with the GPU loses to it (goal, issue 6: >= 70% MBU at batch >= 64).
+  overlap the host with the GPU loses to it (goal, issue 6: >= 70% MBU at batch >= 64);
+- then a whole engine step (``LLMEngine.step`` with ``NoForward``, the eager path) split between the
+  scheduler (``schedule``, ``update``) and the executor's host work, per scheduler: what scheduling
+  step t+1 while the GPU runs step t (vLLM v1's async scheduling, issue 43 item 1) could hide. The
+  scheduler's share is hidden by that alone; the executor's only if the next step's inputs are
+  prepared during the GPU's step too.
 
 NOTE: on the CPU, ``expand_block_ids`` (device work on a GPU) runs on the host, so the host step
 here is an upper bound.
@@ -37,12 +42,17 @@ from torch import nn
 from sloserve.core.request import Request
 from sloserve.cost import get_gpu, get_model
 from sloserve.engine.cuda_graphs import DecodeGraphs
+from sloserve.engine.llm_engine import LLMEngine
 from sloserve.engine.loader import load_model
 from sloserve.engine.profile import StepTimer
+from sloserve.engine.sampler import SamplingParams
 from sloserve.kv import PagedKVManager
 from sloserve.kv.pipelined import PipelinedKVManager
 
 REFERENCE_MODEL, REFERENCE_GPU = "llama-3-8b", "h200"
+# The whole step's split: prompts of this many tokens, so that 256 of them fit in tiny-llama's 1,024
+# positions with room to decode through a chunking policy's prefills and the timed steps.
+SPLIT_PROMPT_TOKENS = 512
 
 
 class NoForward(nn.Module):
@@ -87,11 +97,55 @@ def table_times(batch: int, kv_len: int, repeats: int) -> tuple[float, float, fl
     return ids_ms, slots_ms, pipelined_ms
 
 
+def step_split(loaded, scheduler: str, batch: int, kv_len: int, steps: int) -> dict[str, float]:
+    """ms per decode step of ``batch`` requests with ``kv_len`` prompt tokens, by part of
+    ``LLMEngine.step``: the scheduler's ``schedule`` and ``update``, the executor's ``execute`` (host
+    only: ``NoForward``), and the whole step. Timed once every request decodes."""
+    max_model_len = loaded.config.max_position_embeddings
+    engine = LLMEngine(loaded, scheduler, kv_capacity_tokens=(batch + 1) * max_model_len, max_model_len=max_model_len)
+    engine.executor.model = NoForward(loaded.config.hidden_size, loaded.config.vocab_size)
+    rng = np.random.default_rng(0)
+    # NOTE: as long as the context allows: a policy that chunks prompts (Sarathi's 512-token budget)
+    # decodes the first requests while it prefills the last
+    params = SamplingParams(max_tokens=max_model_len - kv_len, temperature=0.0, ignore_eos=True)
+    requests = [
+        engine.add_request(rng.integers(0, loaded.config.vocab_size, kv_len).tolist(), params) for _ in range(batch)
+    ]
+    while min(r.num_output_tokens for r in requests) < 2:
+        engine.step()  # until every request has decoded once (EconoServe's join their cohort)
+    left = min(r.max_tokens - r.num_output_tokens for r in requests)
+    if left < steps:
+        raise SystemExit(f"{scheduler}: {left} decode steps left before a request ends, need {steps}")
+    spent = {"schedule": 0.0, "update": 0.0, "execute": 0.0}
+
+    def timed(name: str, call):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t0
+
+        return wrapper
+
+    # NOTE: instance attributes over the bound methods: the replica's loop calls these
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    engine.scheduler.update = timed("update", engine.scheduler.update)
+    engine.executor.execute = timed("execute", engine.executor.execute)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    spent["step"] = time.perf_counter() - t0
+    return {name: seconds / steps * 1e3 for name, seconds in spent.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="1,64,128,256")
     parser.add_argument("--kv-lens", default="1024,4096", help="tokens cached per decoding request")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--schedulers", default="vllm,sarathi,bros", help="for the whole step's split")
+    parser.add_argument("--steps", type=int, default=100, help="decode steps timed per scheduler and batch")
     args = parser.parse_args()
     batches = [int(x) for x in args.batch_sizes.split(",")]
     kv_lens = [int(x) for x in args.kv_lens.split(",")]
@@ -140,6 +194,28 @@ def main() -> None:
                 f"{host_ms / (host_ms + gpu_ms):.0%}",
             )
     Console(width=140).print(table)
+
+    kv_len = SPLIT_PROMPT_TOKENS
+    split = Table(title=f"A whole engine step's host time (CPU, eager, {kv_len}+ KV tokens a request), by part")
+    for column in ("scheduler", "batch", "schedule ms", "update ms", "execute ms", "step ms", f"{gpu.name} ms",
+                   "scheduler share", "host share"):  # fmt: skip
+        split.add_column(column, justify="right")
+    for name in args.schedulers.split(","):
+        for batch in batches:
+            ms = step_split(loaded, name, batch, kv_len, args.steps)
+            gpu_ms = (model.weight_bytes + batch * (kv_len + 1) * model.kv_bytes_per_token) / gpu.hbm_bandwidth * 1e3
+            split.add_row(
+                name,
+                str(batch),
+                f"{ms['schedule']:.3f}",
+                f"{ms['update']:.3f}",
+                f"{ms['execute']:.3f}",
+                f"{ms['step']:.3f}",
+                f"{gpu_ms:.2f}",
+                f"{(ms['schedule'] + ms['update']) / (ms['step'] + gpu_ms):.1%}",
+                f"{ms['step'] / (ms['step'] + gpu_ms):.1%}",
+            )
+    Console(width=140).print(split)
 
 
 if __name__ == "__main__":
