@@ -11,7 +11,7 @@ forward pass, logits and sampling), so the figures are what a served request see
 Triton backend each decode batch is timed eagerly and replaying CUDA graphs, the graphs captured
 three times, side by side: as before issue 43 (one program per decode and KV head walking the whole
 context; PyTorch's elementwise kernels), with flash decoding's splits of the context
-(``triton_attention.decode_splits``), and with the fused rotary and SiLU kernels too (``fused_ops``).
+(``triton_attention.decode_splits``), and with the fused rotary, SiLU and add-and-RMSNorm kernels too (``fused_ops``).
 Eager steps, the prefill, mixed and profiled steps run as the environment sets the engine
 (``SLOSERVE_DECODE_SPLITS``, ``SLOSERVE_FUSED_KERNELS``: off unless set; ``gpu_session.sh`` sets them on).
 

@@ -1,8 +1,10 @@
-"""The fused rotary and SiLU-and-multiply kernels against their PyTorch forms, on random inputs.
+"""The fused rotary, SiLU-and-multiply and add-and-RMSNorm kernels against their PyTorch forms, on
+random inputs.
 
 On a machine without CUDA they run in Triton's interpreter (conftest sets TRITON_INTERPRET=1); on a
 GPU the same tests check the compiled kernels. They round where PyTorch rounds, so the rotary output
-is bit-equal in every dtype; SiLU's exponential may differ in its last place.
+and the residual sum are bit-equal in every dtype; SiLU's exponential may differ in its last place,
+and so may the norm (its sum of squares is added in another order).
 """
 
 from __future__ import annotations
@@ -64,8 +66,35 @@ def test_silu_and_mul_matches_the_pytorch_form(tokens, size, dtype, seed):
     torch.testing.assert_close(out, ref, rtol=4 * torch.finfo(dtype).eps, atol=torch.finfo(dtype).eps)
 
 
+@settings(max_examples=15, deadline=None)
+@given(
+    tokens=st.integers(1, 9),
+    size=st.sampled_from([1, 7, 64, 576, 1000]),
+    dtype=st.sampled_from(DTYPES),
+    strided=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_add_rms_norm_matches_the_pytorch_form(tokens, size, dtype, strided, seed):
+    """The residual stream's sum bit for bit; its norm within a few roundings. ``strided``: the layer's
+    output is a view into a wider tensor (its rows further apart than its width)."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = (3 * torch.randn(tokens, 2 * size, generator=gen)).to(DEVICE, dtype)
+    x = wide[:, :size] if strided else wide[:, :size].contiguous()
+    residual = (3 * torch.randn(tokens, size, generator=gen)).to(DEVICE, dtype)
+    weight = torch.randn(size, generator=gen).to(DEVICE, dtype)
+    out, summed = fused_ops.add_rms_norm_triton(x, residual, weight, 1e-6)
+    ref_out, ref_summed = fused_ops.add_rms_norm_torch(x, residual, weight, 1e-6)
+    assert out.shape == summed.shape == (tokens, size)
+    assert torch.equal(summed, ref_summed)
+    torch.testing.assert_close(out, ref_out, rtol=4 * torch.finfo(dtype).eps, atol=4 * torch.finfo(dtype).eps)
+
+
 def test_the_model_uses_pytorch_off_cuda():
     """A CPU tensor never goes to the Triton kernels (the CPU engine has no Triton)."""
     x = torch.randn(3, 4, 16)
     cos, sin = torch.randn(3, 1, 16), torch.randn(3, 1, 16)
     assert torch.equal(fused_ops.rotary(x, cos, sin), fused_ops.rotary_torch(x, cos, sin))
+    residual, weight = torch.randn(3, 16), torch.randn(16)
+    fused = fused_ops.add_rms_norm(x[:, 0], residual, weight, 1e-6)
+    for got, want in zip(fused, fused_ops.add_rms_norm_torch(x[:, 0], residual, weight, 1e-6), strict=True):
+        assert torch.equal(got, want)

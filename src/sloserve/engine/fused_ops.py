@@ -1,19 +1,21 @@
 """Fused elementwise kernels for the Llama family's decode path on CUDA: the rotary embedding (five
-kernels in PyTorch: two products, a negation, a concatenation and a sum) and SiLU-and-multiply (two)
-each become one Triton kernel, which reads its input once and writes its output once.
+kernels in PyTorch: two products, a negation, a concatenation and a sum), SiLU-and-multiply (two) and
+the residual stream's add with the RMSNorm after it (two: vLLM's ``fused_add_rms_norm``) each become
+one Triton kernel, which reads its inputs once and writes its outputs once.
 
 Why: a decode step's elementwise work is tiny, but each kernel costs a launch slot and a few
-microseconds of ramp even inside a CUDA graph, and a 32-layer model runs these 7 kernels 224 times
-a step, 64 once fused (benchmarks/engine_speed.py lists where a step's GPU time goes).
+microseconds of ramp even inside a CUDA graph, and a layer runs these 11 kernels, 4 once fused: 224
+fewer a 32-layer step (benchmarks/engine_speed.py lists where a step's GPU time goes).
 
 NOTE: each kernel rounds where PyTorch's kernels round (every product and sum to the tensor's dtype),
-so on bf16/fp16 the rotary output equals the unfused one bit for bit; SiLU's exponential may differ
-from PyTorch's in a last place. On float32 the GPU may contract a product and a sum into one fused
+so on bf16/fp16 the rotary output and the residual sum equal the unfused ones bit for bit; SiLU's
+exponential may differ from PyTorch's in a last place, and the norm's sum of squares is added in
+another order. On float32 the GPU may contract a product and a sum into one fused
 multiply-add (one rounding less).
 
-``rotary`` and ``silu_and_mul`` dispatch: the Triton kernel for a CUDA tensor while ``ENABLED``,
-PyTorch elsewhere. Tests run the kernels on the CPU in Triton's interpreter (``rotary_triton``,
-``silu_and_mul_triton``) against the PyTorch forms.
+``rotary``, ``silu_and_mul`` and ``add_rms_norm`` dispatch: the Triton kernel for a CUDA tensor while
+``ENABLED``, PyTorch elsewhere. Tests run the kernels on the CPU in Triton's interpreter
+(``rotary_triton``, ``silu_and_mul_triton``, ``add_rms_norm_triton``) against the PyTorch forms.
 
 NOTE: off unless ``SLOSERVE_FUSED_KERNELS=1`` is in the environment: written without a GPU
 (2026-11-27), they are checked in Triton's interpreter only; they become the default once a GPU session
@@ -48,6 +50,17 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_up[:, :i]) * gate_up[:, i:]
 
 
+def add_rms_norm_torch(
+    x: torch.Tensor,  # (T, H) a layer's output, to join the residual stream
+    residual: torch.Tensor,  # (T, H) the stream before it
+    weight: torch.Tensor,  # (H,)
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (T, H) each
+    """(RMSNorm of the sum, the sum): the residual stream after ``x`` joins it and its normalized form."""
+    summed = x + residual
+    return F.rms_norm(summed, weight.shape, weight, eps), summed
+
+
 def _use_triton(x: torch.Tensor) -> bool:
     return ENABLED and x.is_cuda and triton is not None
 
@@ -58,6 +71,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_triton(gate_up) if _use_triton(gate_up) else silu_and_mul_torch(gate_up)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _use_triton(x):
+        return add_rms_norm_triton(x, residual, weight, eps)
+    return add_rms_norm_torch(x, residual, weight, eps)
 
 
 if triton is not None:
@@ -117,6 +138,34 @@ if triton is not None:
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         tl.store(out_ptr + token * size + i, (act * up).to(dtype), mask=ok)
 
+    @triton.jit
+    def _add_rms_norm_kernel(
+        x_ptr,  # (T, H), last dim contiguous
+        residual_ptr,  # (T, H), last dim contiguous
+        weight_ptr,  # (H,)
+        out_ptr,  # (T, H) contiguous: the normalized sum
+        sum_ptr,  # (T, H) contiguous: the sum
+        size,  # H
+        stride_x,
+        stride_residual,
+        eps,
+        BLOCK: tl.constexpr,  # power of two >= H: one program holds its token's row
+    ):
+        token = tl.program_id(0)
+        i = tl.arange(0, BLOCK)
+        ok = i < size
+        x = tl.load(x_ptr + token * stride_x + i, mask=ok, other=0.0).to(tl.float32)
+        residual = tl.load(residual_ptr + token * stride_residual + i, mask=ok, other=0.0).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
+        # The sum rounded to the dtype, as PyTorch's add stores it, and normalized from there.
+        summed = (x + residual).to(dtype)
+        tl.store(sum_ptr + token * size + i, summed, mask=ok)
+        summed = summed.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(summed * summed, axis=0) / size + eps)
+        weight = tl.load(weight_ptr + i, mask=ok, other=0.0).to(tl.float32)
+        # One rounding, after the weight, as F.rms_norm's fused kernel rounds.
+        tl.store(out_ptr + token * size + i, (summed * rstd * weight).to(dtype), mask=ok)
+
 
 def rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``rotary_torch`` as one kernel: x (T, heads, hd) with a contiguous last dim -> a new contiguous
@@ -155,3 +204,21 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(size))
     _silu_and_mul_kernel[(t, triton.cdiv(size, block))](gate_up, out, size, gate_up.stride(0), BLOCK=block)
     return out
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm_torch`` as one kernel: x and residual (T, H), each with a contiguous last dim ->
+    (normalized sum, sum), each a new contiguous (T, H)."""
+    t, size = x.shape
+    assert residual.shape == x.shape and x.stride(1) == 1 and residual.stride(1) == 1 and weight.is_contiguous()
+    out = torch.empty((t, size), dtype=x.dtype, device=x.device)
+    summed = torch.empty((t, size), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out, summed
+    _add_rms_norm_kernel[(t,)](
+        x, residual, weight, out, summed, size, x.stride(0), residual.stride(0), eps,
+        BLOCK=triton.next_power_of_2(size),
+    )  # fmt: skip
+    return out, summed

@@ -34,6 +34,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of ``x + residual``, ``x + residual``), each (T, H): a layer's output joins the
+        residual stream and the next part's input is normalized from it, one kernel on CUDA
+        (``fused_ops.add_rms_norm``)."""
+        return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
+
 
 class MergedLinear(nn.Linear):
     """Several projections of one input as one matmul (vLLM merges Q/K/V and gate/up this way):
@@ -151,9 +157,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, k_cache, v_cache, meta):
+        """``x``: the layer before's MLP output, not yet in the residual stream ``residual`` (None for the
+        first layer: ``x`` is the embeddings). Returns this layer's MLP output and the stream before it.
+
+        NOTE: vLLM's layout: each output joins the stream in the norm after it (``add_and_norm``), so
+        the sums are HF's ``x + attn(norm(x))`` and ``x + mlp(norm(x))``, bit for bit on the PyTorch path."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        attended = self.self_attn(h, cos, sin, k_cache, v_cache, meta)
+        h, residual = self.post_attention_layernorm.add_and_norm(attended, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -186,11 +202,11 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # (2, layers, num_slots, nkv, hd)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # (T, H)
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         cos, sin = self.rotary.for_positions(positions, x.dtype)  # (T, 1, hd) each, shared by the layers
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
+        return self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab)
         return self.lm_head(hidden)
