@@ -25,6 +25,7 @@ NOTE: on the CPU, ``expand_block_ids`` (device work on a GPU) runs on the host, 
 here is an upper bound.
 
     python benchmarks/engine_host.py [--batch-sizes 1,64,128,256] [--kv-lens 1024,4096] [--repeats 30]
+        [--schedulers vllm,sarathi,bros] [--steps 100]
 """
 
 from __future__ import annotations
