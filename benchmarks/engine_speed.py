@@ -12,8 +12,10 @@ Triton backend each decode batch is timed eagerly and replaying CUDA graphs, the
 three times, side by side: as before issue 43 (one program per decode and KV head walking the whole
 context; PyTorch's elementwise kernels), with flash decoding's splits of the context
 (``triton_attention.decode_splits``), and with the fused rotary, SiLU and add-and-RMSNorm kernels too (``fused_ops``).
-Eager steps, the prefill, mixed and profiled steps run as the environment sets the engine
-(``SLOSERVE_DECODE_SPLITS``, ``SLOSERVE_FUSED_KERNELS``: off unless set; ``gpu_session.sh`` sets them on).
+A prompt's prefill runs with the prefill kernel and dense (one SDPA call a prompt,
+``TritonAttention.dense_prefill_min_tokens``), side by side. Eager steps, the prefills' other kernels, mixed
+and profiled steps run as the environment sets the engine (``SLOSERVE_DECODE_SPLITS``,
+``SLOSERVE_FUSED_KERNELS``, ``SLOSERVE_DENSE_PREFILL``: off unless set; ``gpu_session.sh`` sets them on).
 
 MBU = (weight bytes + KV bytes read) per decode step / step time / HBM bandwidth (the datasheet's,
 and the device-to-device copy bandwidth measured here, in brackets).
@@ -224,14 +226,28 @@ def main() -> None:
     timer = StepTimer(loaded, blocks, max_context=max_context)
     decode_rows(timer, batches, args.kv_len)
 
-    print(f"\n{'prefill tokens':>14} {'step ms':>9} {'tok/s':>10} {'MFU':>7}")
+    # A prompt's step with its attention by the prefill kernel ("step ms"; the reference's on the torch
+    # backend) and, on the Triton backend, dense (one SDPA call: ``dense_prefill_min_tokens``) whatever the
+    # environment says; tok/s and MFU of the faster.
+    print(f"\n{'prefill tokens':>14} {'step ms':>9} {'dense ms':>9} {'tok/s':>10} {'MFU':>7}")
     for n in prompts:
-        t = timer.time([(n, 0)], [], repeats=args.repeats)
+        t_dense = None
+        if splitting:
+            saved = backend.dense_prefill_min_tokens
+            backend.dense_prefill_min_tokens = None
+            t = timer.time([(n, 0)], [], repeats=args.repeats)
+            backend.dense_prefill_min_tokens = 1
+            t_dense = timer.time([(n, 0)], [], repeats=args.repeats)
+            backend.dense_prefill_min_tokens = saved
+        else:
+            t = timer.time([(n, 0)], [], repeats=args.repeats)
+        best = min(t, t_dense or t)
         # Causal attention: QK^T and PV, 2 FLOPs per multiply-add, half the n x n scores.
         attention = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * n * n / 2
         flops = 2 * layer_params * n + 2 * embed + attention
-        mfu = f"{flops / t / gpu.peak_flops:.1%}" if gpu else "-"
-        print(f"{n:>14} {t * 1e3:>9.3f} {n / t:>10.1f} {mfu:>7}")
+        mfu = f"{flops / best / gpu.peak_flops:.1%}" if gpu else "-"
+        dense_ms = f"{t_dense * 1e3:.3f}" if t_dense is not None else "-"
+        print(f"{n:>14} {t * 1e3:>9.3f} {dense_ms:>9} {n / best:>10.1f} {mfu:>7}")
 
     if mixed:
         chunk, cached, num_decodes = mixed

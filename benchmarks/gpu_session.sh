@@ -9,8 +9,8 @@
 #                                             # graphs vs eager, the engine vs HF greedy tokens on CUDA
 #   bash benchmarks/gpu_session.sh speed      # engine_speed.py (issue 43's table): decode MBU eager and
 #                                             # graphed (before / +split decodes / +fused kernels), 8 x 32K
-#                                             # contexts, prefill MFU, a mixed step against its parts'
-#                                             # rooflines, the kernels of a decode step (torch.profiler)
+#                                             # contexts, prefill MFU (kernel / dense), a mixed step against
+#                                             # its parts' rooflines, a decode step's kernels (torch.profiler)
 #   bash benchmarks/gpu_session.sh fidelity   # fidelity.py with CUDA graphs: profile, run, simulate;
 #                                             # cost_forms.py on the measured profile and the runs' steps
 #   bash benchmarks/gpu_session.sh infermax   # infermax_engine.py: Figure 9's schedulers at M = 1K and
@@ -42,9 +42,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-# Issue 43's kernels (flash decoding's splits, the fused elementwise kernels) are off by default until a
-# GPU session has checked and timed them: every stage here runs with them on.
+# Issue 43's kernels (flash decoding's splits, the fused elementwise kernels, long fresh prompts' dense
+# attention) are off by default until a GPU session has checked and timed them: every stage here runs
+# with them on.
 export SLOSERVE_DECODE_SPLITS=${SLOSERVE_DECODE_SPLITS:-auto} SLOSERVE_FUSED_KERNELS=${SLOSERVE_FUSED_KERNELS:-1}
+export SLOSERVE_DENSE_PREFILL=${SLOSERVE_DENSE_PREFILL:-1}
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 log="$out/session.log"

@@ -174,6 +174,24 @@ def test_split_decodes_give_hf_greedy_tokens(hf_dirs, arch, monkeypatch):
     assert tokens == reference(arch)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_dense_prefills_give_hf_greedy_tokens(hf_dirs, arch, monkeypatch):
+    """Prompts with nothing cached attend densely (SDPA, ``SLOSERVE_DENSE_PREFILL=1``, the threshold
+    lowered to reach the test's prompts) through the whole engine; a sliding-window layer keeps the
+    kernel: HF's greedy tokens."""
+    pytest.importorskip("triton")
+    from sloserve.engine import triton_attention
+
+    monkeypatch.setattr(triton_attention, "_DENSE_PREFILL_SETTING", "1")
+    monkeypatch.setattr(triton_attention, "DENSE_PREFILL_MIN_TOKENS", 2)
+    dense_calls = []
+    real_dense = triton_attention._dense_causal
+    monkeypatch.setattr(triton_attention, "_dense_causal", lambda *args: dense_calls.append(1) or real_dense(*args))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokens, _ = _generate(hf_dirs[arch], "vllm", attention_backend="triton", device=device, block_size=4)
+    assert dense_calls and tokens == reference(arch)
+
+
 def test_eos_stops_a_request(hf_dirs, tmp_path):
     """With EOS = the 4th greedy token of prompt 0, that request stops there ('stop'); others run on."""
     ref = reference("llama")

@@ -51,6 +51,7 @@ def check_against_reference(
     scale: float | None = None,
     window: int | None = None,
     splits: int | None = None,
+    dense_from: int | None = None,
 ) -> float:
     """Run the Triton backend on ``step`` cast to ``dtype``; assert its cache writes are the
     reference's and return its relative error against the float64 reference."""
@@ -61,7 +62,10 @@ def check_against_reference(
     # Poison the output: a row no kernel writes stays NaN and fails the comparison.
     real_empty_like = torch.empty_like
     monkeypatch.setattr(triton_attention.torch, "empty_like", lambda x: real_empty_like(x).fill_(math.nan))
-    out = triton_attention.TritonAttention(block_m=block, block_n=block, num_decode_splits=splits).forward(
+    backend = triton_attention.TritonAttention(
+        block_m=block, block_n=block, num_decode_splits=splits, dense_prefill_min_tokens=dense_from
+    )
+    out = backend.forward(
         q.to(DEVICE, dtype),
         k.to(DEVICE, dtype),
         v.to(DEVICE, dtype),
@@ -119,6 +123,45 @@ def test_split_decodes_in_a_sliding_window(monkeypatch, window):
     step = make_step(gen, 4, 2, 32, [], [3, 130, 700], num_slots=1000)
     error = check_against_reference(monkeypatch, step, torch.float32, block=16, window=window, splits=4)
     assert error < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", HEADS, ids=str)
+def test_fresh_prompts_attend_densely_beside_the_kernels(monkeypatch, heads, dtype):
+    """Prompts of at least ``dense_from`` tokens with nothing cached run as one causal SDPA call each;
+    a shorter fresh prompt, a chunk after cached tokens (as long as the fresh ones) and decodes keep the
+    kernels, in the same step."""
+    gen = torch.Generator().manual_seed(1 + sum(heads))
+    step = make_step(gen, *heads, 32, [(0, 40), (0, 90), (0, 7), (30, 40)], [0, 3, 130], num_slots=800)
+    dense_calls = []
+    real_dense = triton_attention._dense_causal
+
+    def counted(q, *args):
+        dense_calls.append(q.shape[0])
+        return real_dense(q, *args)
+
+    monkeypatch.setattr(triton_attention, "_dense_causal", counted)
+    error = check_against_reference(monkeypatch, step, dtype, block=32, dense_from=40)
+    assert sorted(dense_calls) == [40, 90] and error < TOLERANCE[dtype]
+
+
+def test_a_sliding_window_layer_keeps_the_kernel_for_fresh_prompts(monkeypatch):
+    """SDPA's causal mask has no window: a local layer's prompts go to the prefill kernel."""
+    gen = torch.Generator().manual_seed(5)
+    step = make_step(gen, 4, 2, 32, [(0, 60)], [], num_slots=200)
+    monkeypatch.setattr(triton_attention, "_dense_causal", None)  # (a call would fail)
+    error = check_against_reference(monkeypatch, step, torch.float32, block=16, window=20, dense_from=16)
+    assert error < TOLERANCE[torch.float32]
+
+
+def test_the_dense_prefill_setting_comes_from_the_environment(monkeypatch):
+    """Off unless SLOSERVE_DENSE_PREFILL=1; a bad value is one clear error."""
+    for setting, threshold in (("0", None), ("1", triton_attention.DENSE_PREFILL_MIN_TOKENS)):
+        monkeypatch.setattr(triton_attention, "_DENSE_PREFILL_SETTING", setting)
+        assert triton_attention.TritonAttention().dense_prefill_min_tokens == threshold
+    monkeypatch.setattr(triton_attention, "_DENSE_PREFILL_SETTING", "yes")
+    with pytest.raises(ConfigError, match="SLOSERVE_DENSE_PREFILL must be 0 or 1, got 'yes'"):
+        triton_attention.TritonAttention()
 
 
 def test_the_split_setting_comes_from_the_environment(monkeypatch):

@@ -17,7 +17,8 @@ and see only the last ``window`` positions (a sliding-window layer: the query at
 p - window + 1 .. p, as transformers' sliding-window mask). NOTE: the reference gathers only those
 keys: the KV outside a layer's window is never read.
 
-``TritonAttention`` (``triton_attention``) runs the same function as two Triton kernels on CUDA.
+``TritonAttention`` (``triton_attention``) runs the same function as Triton kernels on CUDA (and long
+prompts with nothing cached as one dense causal call each, where its setting says so).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class AttentionMetadata:
     decode_slots: torch.Tensor  # (num_decodes, >= max_context) slot table; entries past a context: any slot
     decode_context_lens: torch.Tensor  # (num_decodes,) context tokens (cached + the new one)
     _windowed: dict[int, list[DecodeGroup]] = field(default_factory=dict, repr=False)
+    _fresh: dict[int, tuple[list[PrefillSeq], PackedPrefills | None]] = field(default_factory=dict, repr=False)
 
     @cached_property
     def decode_groups(self) -> list[DecodeGroup]:
@@ -128,25 +130,42 @@ class AttentionMetadata:
     @cached_property
     def packed_prefills(self) -> PackedPrefills:
         """``prefills`` packed (built by the first layer that asks, shared by the others)."""
-        device = self.slot_mapping.device
-        context_lens = [seq.context_slots.numel() for seq in self.prefills]
-        slot_starts = [0]
-        for n in context_lens[:-1]:
-            slot_starts.append(slot_starts[-1] + n)
-        starts = [seq.query_start for seq in self.prefills]
-        lens = [seq.query_len for seq in self.prefills]
+        return pack_prefills(self.prefills, self.slot_mapping.device)
 
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+    def fresh_prefills(self, min_tokens: int) -> tuple[list[PrefillSeq], PackedPrefills | None]:
+        """The prefills of at least ``min_tokens`` tokens with nothing cached before them (their
+        context is this step's own tokens: a dense causal attention each), and the others packed (None
+        when there are none). Built once per step and threshold, shared by the layers."""
+        split = self._fresh.get(min_tokens)
+        if split is None:
+            fresh, others = [], []
+            for seq in self.prefills:
+                nothing_cached = seq.context_slots.numel() == seq.query_len
+                (fresh if nothing_cached and seq.query_len >= min_tokens else others).append(seq)
+            packed = pack_prefills(others, self.slot_mapping.device) if others else None
+            split = self._fresh[min_tokens] = (fresh, packed)
+        return split
 
-        return PackedPrefills(
-            query_starts=tensor(starts),
-            query_lens=tensor(lens),
-            context_lens=tensor(context_lens),
-            slot_starts=tensor(slot_starts),
-            slots=torch.cat([seq.context_slots.to(torch.int64) for seq in self.prefills]),
-            max_query_len=max(lens),
-        )
+
+def pack_prefills(prefills: list[PrefillSeq], device: torch.device) -> PackedPrefills:
+    """``prefills`` (at least one) as flat tensors."""
+    context_lens = [seq.context_slots.numel() for seq in prefills]
+    slot_starts = [0]
+    for n in context_lens[:-1]:
+        slot_starts.append(slot_starts[-1] + n)
+    lens = [seq.query_len for seq in prefills]
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return PackedPrefills(
+        query_starts=tensor([seq.query_start for seq in prefills]),
+        query_lens=tensor(lens),
+        context_lens=tensor(context_lens),
+        slot_starts=tensor(slot_starts),
+        slots=torch.cat([seq.context_slots.to(torch.int64) for seq in prefills]),
+        max_query_len=max(lens),
+    )
 
 
 class AttentionBackend(ABC):

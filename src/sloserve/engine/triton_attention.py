@@ -37,6 +37,7 @@ import os
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -61,6 +62,13 @@ MAX_SPLITS = 64
 # interpreter only; "auto" becomes the default once a GPU session has run the split kernels against the
 # reference and timed them (``benchmarks/gpu_session.sh``, which sets "auto").
 _SPLITS_SETTING = os.environ.get("SLOSERVE_DECODE_SPLITS", "1")
+# A prompt of at least this many tokens with nothing cached before it attends to this step's own K/V
+# only: with SLOSERVE_DENSE_PREFILL=1 it runs as one causal ``scaled_dot_product_attention`` call
+# (FlashAttention on CUDA: contiguous K/V, no slot gather, tiles tuned for the GPU) instead of the prefill
+# kernel. NOTE: written without a GPU (2026-11-28) for issue 43's prefill MFU goal: off until a GPU
+# session has timed it against the kernel (``benchmarks/engine_speed.py``'s prefill rows, both ways).
+DENSE_PREFILL_MIN_TOKENS = 512
+_DENSE_PREFILL_SETTING = os.environ.get("SLOSERVE_DENSE_PREFILL", "0")
 
 
 @triton.jit
@@ -385,6 +393,24 @@ def decode_splits(num_decodes: int, num_kv_heads: int, max_context: int, multipr
     return max(1, min(wanted, max_context // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
+def _dense_causal(
+    q: torch.Tensor,  # (T, nh, hd) a prompt's queries, nothing cached before them
+    k: torch.Tensor,  # (T, nkv, hd)
+    v: torch.Tensor,  # (T, nkv, hd)
+    scale: float,
+) -> torch.Tensor:  # (T, nh, hd)
+    """Causal attention of a prompt over its own keys, as one SDPA call (query head h reads KV head
+    h // group, as the kernels do). NOTE: SDPA's top-left causal mask is the right one here: the query
+    and the context are the same T tokens."""
+    group = q.shape[1] // k.shape[1]
+    # NOTE: KV heads repeated rather than SDPA's enable_gqa, which not every SDPA backend takes (one
+    # that does not would fall back to the math kernel: T x T scores in memory)
+    if group > 1:  # query head h reads KV head h // group
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (T, nh, hd)
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, nh, T, hd)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[0].transpose(0, 1)
+
+
 class TritonAttention(AttentionBackend):
     """Triton kernels for CUDA: decode and prefill-with-context over the token -> slot table, GQA,
     online softmax. Same outputs as ``TorchAttention`` to rounding."""
@@ -392,7 +418,11 @@ class TritonAttention(AttentionBackend):
     name = "triton"
 
     def __init__(
-        self, block_m: int = 64, block_n: int = 64, num_decode_splits: int | None | Literal["env"] = "env"
+        self,
+        block_m: int = 64,
+        block_n: int = 64,
+        num_decode_splits: int | None | Literal["env"] = "env",
+        dense_prefill_min_tokens: int | None | Literal["env"] = "env",
     ) -> None:
         # Tile sizes: query tokens per prefill program, context tokens per step of either kernel.
         # NOTE: FlashAttention-2's Triton defaults for head_dim 64-128; tune them on the GPU.
@@ -407,6 +437,13 @@ class TritonAttention(AttentionBackend):
                 raise ConfigError(f"SLOSERVE_DECODE_SPLITS must be auto or a positive integer, got {setting!r}")
             num_decode_splits = None if setting == "auto" else int(setting)
         self.num_decode_splits = num_decode_splits
+        # Prompts of at least this many tokens with nothing cached run dense (``_dense_causal``); None: none
+        # do. "env": DENSE_PREFILL_MIN_TOKENS when SLOSERVE_DENSE_PREFILL is 1, else None.
+        if dense_prefill_min_tokens == "env":
+            if _DENSE_PREFILL_SETTING not in ("0", "1"):
+                raise ConfigError(f"SLOSERVE_DENSE_PREFILL must be 0 or 1, got {_DENSE_PREFILL_SETTING!r}")
+            dense_prefill_min_tokens = DENSE_PREFILL_MIN_TOKENS if _DENSE_PREFILL_SETTING == "1" else None
+        self.dense_prefill_min_tokens = dense_prefill_min_tokens
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale=None, window=None):
         write_kv(k, v, k_cache, v_cache, meta)
@@ -416,11 +453,19 @@ class TritonAttention(AttentionBackend):
         num_kv_heads = k_cache.shape[1]
         group = num_heads // num_kv_heads
         head_dim_pad = _pow2_at_least_16(head_dim)
-        qk_scale = LOG2E * (scale if scale is not None else 1 / math.sqrt(head_dim))
+        softmax_scale = scale if scale is not None else 1 / math.sqrt(head_dim)
+        qk_scale = LOG2E * softmax_scale
         precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 only matters for float32
-        if meta.prefills:
+        packed = None
+        if meta.prefills and self.dense_prefill_min_tokens is not None and window is None:
+            fresh, packed = meta.fresh_prefills(self.dense_prefill_min_tokens)
+            for seq in fresh:
+                rows = slice(seq.query_start, seq.query_start + seq.query_len)
+                out[rows] = _dense_causal(q[rows], k[rows], v[rows], softmax_scale)
+        elif meta.prefills:
             packed = meta.packed_prefills
-            grid = (len(meta.prefills), triton.cdiv(packed.max_query_len, self.block_m), num_heads)
+        if packed is not None:
+            grid = (packed.query_lens.numel(), triton.cdiv(packed.max_query_len, self.block_m), num_heads)
             _prefill_kernel[grid](
                 q,
                 k_cache,
