@@ -25,6 +25,7 @@ from sloserve.cost.base import BatchShape, batch_shape
 from sloserve.engine.attention import AttentionMetadata, PrefillSeq
 from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.kv_cache import KVCacheTensor, expand_block_ids
+from sloserve.engine.piecewise_graphs import PiecewiseGraphs
 from sloserve.engine.sampler import (
     PROMPT_LOGITS_ROWS,
     Logprobs,
@@ -59,7 +60,9 @@ class Sequence:
 
 class EngineExecutor:
     """Runs steps on a real model. ``kv`` is the scheduler's KV manager: it says where tokens live.
-    With ``graphs``, a decode-only step that fits them replays a CUDA graph (``cuda_graphs``).
+    With ``graphs``, a decode-only step that fits them replays a CUDA graph (``cuda_graphs``); with
+    ``piecewise``, another step that fits them replays its pieces around eager attention
+    (``piecewise_graphs``).
 
     ``step_log``: None, or a list that gets (shape, measured seconds) of every step, the shape as the
     simulator's cost model sees it: the run's own steps, to check a fitted cost model against
@@ -75,9 +78,10 @@ class EngineExecutor:
         eos_token_ids: tuple[int, ...] = (),
         seed: int = 0,
         graphs: DecodeGraphs | None = None,
+        piecewise: PiecewiseGraphs | None = None,
     ) -> None:
         self.model, self.kv, self.cache, self.device = model, kv, cache, device
-        self.graphs = graphs
+        self.graphs, self.piecewise = graphs, piecewise
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sequences: dict[Request, Sequence] = {}
         self._seed = seed
@@ -252,7 +256,8 @@ class EngineExecutor:
         decodes: list[tuple[int, Request]],
     ) -> torch.Tensor:  # (T, H)
         """The model's forward pass over the step's flat tokens: a graph replay for a decode-only step
-        that fits the captured graphs, else eager."""
+        that fits the captured graphs, else the piecewise graphs' replays for a step that fits them,
+        else eager."""
         # NOTE: the decodes' context tables are built at once, as block ids (a batch of hundreds of
         # long contexts is a block size smaller that way); the device expands them to slots.
         g = self.kv.table_block_size
@@ -266,6 +271,11 @@ class EngineExecutor:
         if not prefills and self.graphs is not None and self.graphs.fits(len(decodes), int(lengths.max(initial=0))):
             # NOTE: with no prefill, decode i is flat token i (each decode adds one token, in order).
             return self.graphs.forward(tokens, positions, lengths, written, block_ids)
+        if self.piecewise is not None and self.piecewise.fits(len(tokens)):
+            # NOTE: the metadata covers the padding rows, whose K/V go to the pad slot
+            size = self.piecewise.size_for(len(tokens))
+            meta = self._metadata(size, prefills, prefill_slots, decodes, lengths, written, block_ids)
+            return self.piecewise.forward(tokens, positions, meta)
         meta = self._metadata(len(tokens), prefills, prefill_slots, decodes, lengths, written, block_ids)
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)  # (T,)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # (T,)
@@ -282,7 +292,7 @@ class EngineExecutor:
         block_ids: np.ndarray,  # (B, >= max context / g) their block_id_tables
     ) -> AttentionMetadata:
         device = self.device
-        slot_mapping = np.empty(num_tokens, dtype=np.int64)  # (T,)
+        slot_mapping = np.full(num_tokens, self.cache.pad_slot, dtype=np.int64)  # (T,) padding rows: the pad slot
         for flat, slots in prefill_slots:
             slot_mapping[flat : flat + len(slots)] = slots
         flat_index = np.array([i for i, _ in decodes], dtype=np.int64)  # (B,)

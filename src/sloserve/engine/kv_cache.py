@@ -17,7 +17,8 @@ class KVCacheTensor:
     same shape with the swap space's slots, in host memory (pinned when the device is CUDA).
 
     The last device block, from ``pad_slot`` = ``num_slots`` on, belongs to no request: the padding
-    rows of a CUDA-graph batch (``cuda_graphs.DecodeGraphs``) write and read their K/V at ``pad_slot``,
+    rows of a CUDA-graph batch (``cuda_graphs.DecodeGraphs``, ``piecewise_graphs.PiecewiseGraphs``)
+    write and read their K/V at ``pad_slot``,
     and their block-id row names this block, so every slot it expands to exists. NOTE: ``gpu`` is
     allocated once and only ever written in place, because a captured graph holds its address.
     """

@@ -28,6 +28,7 @@ from sloserve.engine.executor import EngineExecutor
 from sloserve.engine.executor import Sequence as SequenceState
 from sloserve.engine.kv_cache import KVCacheTensor
 from sloserve.engine.loader import LoadedModel
+from sloserve.engine.piecewise_graphs import piecewise_graphs_for
 from sloserve.engine.sampler import SamplingParams
 from sloserve.engine.structured_output import GrammarMatchers
 from sloserve.engine.tokenizer import HFTokenizer
@@ -183,7 +184,10 @@ class LLMEngine:
         graphs = None
         if loaded.cuda_graphs:
             graphs = DecodeGraphs(loaded.model, self.cache, self.max_model_len, kv.table_block_size)
-        self.executor = EngineExecutor(loaded.model, kv, self.cache, loaded.device, config.eos_token_ids, seed, graphs)
+        piecewise = piecewise_graphs_for(loaded.model, self.cache, loaded.cuda_graphs)
+        self.executor = EngineExecutor(
+            loaded.model, kv, self.cache, loaded.device, config.eos_token_ids, seed, graphs, piecewise
+        )
         self.replica = Replica(0, self.scheduler, self.executor)
         self._next_id = 0
 

@@ -30,6 +30,7 @@ from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.executor import EngineExecutor
 from sloserve.engine.kv_cache import KVCacheTensor
 from sloserve.engine.loader import LoadedModel
+from sloserve.engine.piecewise_graphs import piecewise_graphs_for
 from sloserve.engine.sampler import SamplingParams
 from sloserve.kv.manager import PagedKVManager
 
@@ -63,7 +64,8 @@ class StepTimer:
         graphs = (
             DecodeGraphs(loaded.model, cache, max_context, self.kv.table_block_size) if loaded.cuda_graphs else None
         )
-        self.executor = EngineExecutor(loaded.model, self.kv, cache, loaded.device, graphs=graphs)
+        piecewise = piecewise_graphs_for(loaded.model, cache, loaded.cuda_graphs)
+        self.executor = EngineExecutor(loaded.model, self.kv, cache, loaded.device, graphs=graphs, piecewise=piecewise)
         self._rng = np.random.default_rng(seed)
         self._next_id = 0
 

@@ -115,6 +115,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     (capped by tanh where the config says so)."""
 
     model_class = Gemma3Model
+    supports_piecewise_graphs = False  # (its own forward: four norms a layer, two rotary tables)
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__(config, backend)  # NOTE: its rotary embedding is the global layers'

@@ -112,6 +112,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class LlamaAttention(nn.Module):
+    """The attention's projections (``project``, ``o_proj``) and its backend; the decoder layer calls
+    them in turn (``before_attention``, ``after_attention``)."""
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         hd, nh, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
@@ -125,16 +128,15 @@ class LlamaAttention(nn.Module):
         self.qk_norm = config.qk_norm
         self.backend = backend
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The attention's inputs: (q, k, v), (T, nh, hd), (T, nkv, hd), (T, nkv, hd), rotated."""
         t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, nh + 2 * nkv, self.head_dim)  # (T, nh + 2 nkv, hd)
         qk = qkv[:, : nh + nkv]  # (T, nh + nkv, hd)
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
         qk = apply_rotary(qk, cos, sin)  # Q and K rotated together
-        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]  # (T, nh, hd), (T, nkv, hd), (T, nkv, hd)
-        out = self.backend.forward(q, k, v, k_cache, v_cache, meta)  # (T, nh, hd)
-        return self.o_proj(out.reshape(t, -1))
+        return qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
 
 
 class LlamaMLP(nn.Module):
@@ -163,11 +165,22 @@ class LlamaDecoderLayer(nn.Module):
 
         NOTE: vLLM's layout: each output joins the stream in the norm after it (``add_and_norm``), so
         the sums are HF's ``x + attn(norm(x))`` and ``x + mlp(norm(x))``, bit for bit on the PyTorch path."""
+        q, k, v, residual = self.before_attention(x, residual, cos, sin)
+        attended = self.self_attn.backend.forward(q, k, v, k_cache, v_cache, meta)  # (T, nh, hd)
+        return self.after_attention(attended, residual)
+
+    # The layer's two halves around the attention call (piecewise CUDA graphs capture them apart).
+    def before_attention(self, x, residual, cos, sin):
+        """(q, k, v, the residual stream with ``x`` in it)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
-        attended = self.self_attn(h, cos, sin, k_cache, v_cache, meta)
+        return (*self.self_attn.project(h, cos, sin), residual)
+
+    def after_attention(self, attended: torch.Tensor, residual: torch.Tensor):
+        """(this layer's MLP output, the residual stream before it) from the attention's output (T, nh, hd)."""
+        attended = self.self_attn.o_proj(attended.reshape(attended.shape[0], -1))
         h, residual = self.post_attention_layernorm.add_and_norm(attended, residual)
         return self.mlp(h), residual
 
@@ -185,6 +198,9 @@ class LlamaForCausalLM(nn.Module):
     A model of the same outline with other layers (Gemma 3) subclasses it with its own ``model_class``."""
 
     model_class: type[nn.Module] = LlamaModel
+    # Its forward pass is ``embed``, then each layer's ``before_attention``, attention and
+    # ``after_attention``, then the final norm: the pieces ``PiecewiseGraphs`` captures.
+    supports_piecewise_graphs = True
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -202,11 +218,16 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # (2, layers, num_slots, nkv, hd)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # (T, H)
-        x, residual = self.model.embed_tokens(input_ids), None
-        cos, sin = self.rotary.for_positions(positions, x.dtype)  # (T, 1, hd) each, shared by the layers
+        x, cos, sin = self.embed(input_ids, positions)
+        residual = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
         return self.model.norm.add_and_norm(x, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """(the tokens' embeddings (T, H), the rotary cos and sin (T, 1, hd) each, shared by the layers)."""
+        x = self.model.embed_tokens(input_ids)
+        return (x, *self.rotary.for_positions(positions, x.dtype))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab)
         return self.lm_head(hidden)

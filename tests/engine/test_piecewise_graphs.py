@@ -1,0 +1,125 @@
+"""Steps with a prefill on piecewise CUDA graphs (``engine.piecewise_graphs``): the padded pieces around
+eager attention give the eager path's tokens and touch no request's KV.
+
+On the CPU the pieces are not captured (``capture=False`` runs them on the same padded buffers
+eagerly): these tests check the cut of the forward pass, the padding, the buffer copies and the
+executor's dispatch, everything but the capture. The test marked ``cuda`` captures real graphs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sloserve import LLM, SamplingParams  # noqa: E402
+from sloserve.engine import piecewise_graphs  # noqa: E402
+from sloserve.engine.piecewise_graphs import PiecewiseGraphs, piecewise_graphs_for, token_sizes  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+cuda_only = pytest.mark.skipif(not CUDA, reason="captures CUDA graphs: needs a GPU")
+
+PROMPT_LENS = [7, 3, 30, 12, 5, 17, 9, 21, 4]
+MAX_TOKENS = [12, 5, 20, 8, 16, 10, 3, 14, 9]
+
+
+def test_token_sizes():
+    assert token_sizes(512) == [8, 16, *range(32, 513, 32)]
+    assert token_sizes(100) == [8, 16, 32, 64, 96, 100]
+    assert token_sizes(8) == [8]
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(0, 256, size=n).tolist()} for n in PROMPT_LENS]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def _on_pieces(llm: LLM, sizes: list[int]) -> list[int]:
+    """Give ``llm``'s executor uncaptured piecewise graphs of ``sizes``; returns the list of each step's
+    token count that runs on them, filled as it runs."""
+    graphs = PiecewiseGraphs(llm.loaded.model, llm.engine.cache, capture=False, sizes=sizes)
+    counts: list[int] = []
+    real_forward = graphs.forward
+    graphs.forward = lambda tokens, *rest: counts.append(len(tokens)) or real_forward(tokens, *rest)
+    llm.engine.executor.piecewise = graphs
+    return counts
+
+
+@pytest.mark.parametrize(
+    "model,backend,scheduler,options",
+    [
+        ("tiny-llama", "torch", "vllm", {}),
+        ("tiny-llama", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # mixed chunks
+        ("tiny-qwen3", "torch", "vllm", dict(kv_capacity_tokens=96, block_size=4, preemption_mode="recompute")),
+        ("tiny-qwen2", "torch", "sarathi", dict(kv_capacity_tokens=96, block_size=4, preemption_mode="swap")),
+        ("tiny-llama", "torch", "bros", {}),  # bidirectional KV blocks
+        ("tiny-llama", "triton", "sarathi", dict(prefill_token_budget=16, block_size=4)),
+    ],
+)
+def test_engine_on_padded_pieces_gives_the_eager_tokens(model, backend, scheduler, options):
+    """Every step of at most 40 tokens that the decode graphs do not take (the CPU has none: all of
+    them) runs on the pieces of the smallest size that holds it, padded: every request's tokens equal
+    the eager engine's."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        options = {**options, "device": "cuda" if CUDA else "cpu", "dtype": "float32"}  # compiled on a GPU
+    expected = _generate(LLM(f"random:{model}", scheduler, attention_backend=backend, **options))
+    llm = LLM(f"random:{model}", scheduler, attention_backend=backend, **options)
+    counts = _on_pieces(llm, [8, 16, 40])
+    assert _generate(llm) == expected
+    padded = {llm.engine.executor.piecewise.size_for(n) for n in counts}
+    assert len(padded) > 1 and any(n not in padded for n in counts)  # several sizes, padding rows
+    if "preemption_mode" in options:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_a_padded_step_writes_only_its_slots_and_the_pad_slot():
+    """One step of 3 prompts (24 tokens, padded to 32): the KV cache afterwards equals the eager
+    engine's at every request's slot, and the padding rows changed only the pad slot's block."""
+    prompts = [list(range(1, 9)), list(range(20, 31)), list(range(40, 45))]
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    caches = []
+    for pieces in (False, True):
+        llm = LLM("random:tiny-llama", "vllm", block_size=4)
+        if pieces:
+            counts = _on_pieces(llm, [32])
+        before = llm.engine.cache.gpu.clone()
+        for ids in prompts:
+            llm.engine.add_request(ids, params)
+        llm.engine.step()
+        caches.append((before, llm.engine.cache.gpu.clone(), llm.engine.cache.pad_slot))
+    assert counts == [24]
+    (_, eager, pad), (before, padded, _) = caches
+    torch.testing.assert_close(padded[:, :, :pad], eager[:, :, :pad], rtol=1e-5, atol=1e-5)
+    changed = (padded != before).flatten(0, 1).any(0).flatten(1).any(1)  # (slots,)
+    assert changed[pad] and not changed[pad + 1 :].any(), "padding rows write the pad slot only"
+
+
+def test_only_models_with_pieces_get_them(monkeypatch):
+    """With CUDA graphs and the setting on: the Llama family; Gemma 3 (its own forward) and OPT run
+    their prefills eagerly, as does every model with the setting off or without CUDA graphs."""
+    monkeypatch.setattr(piecewise_graphs, "ENABLED", True)
+    monkeypatch.setattr(piecewise_graphs, "PiecewiseGraphs", lambda model, cache: "graphs")
+    for model, has_pieces in (("tiny-llama", True), ("tiny-qwen3", True), ("tiny-gemma3", False), ("tiny-opt", False)):
+        llm = LLM(f"random:{model}")
+        cache = llm.engine.cache
+        assert piecewise_graphs_for(llm.loaded.model, cache, cuda_graphs=True) == ("graphs" if has_pieces else None)
+        assert piecewise_graphs_for(llm.loaded.model, cache, cuda_graphs=False) is None
+    monkeypatch.setattr(piecewise_graphs, "ENABLED", False)
+    assert piecewise_graphs_for(llm.loaded.model, cache, cuda_graphs=True) is None
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_captured_pieces_replay_the_uncaptured_ones(dtype, monkeypatch):
+    """On a GPU: the engine with captured pieces gives the uncaptured pieces' tokens."""
+    monkeypatch.setattr(piecewise_graphs, "ENABLED", True)
+    options = dict(device="cuda", dtype=dtype, scheduler="sarathi", prefill_token_budget=16, block_size=4)
+    uncaptured = LLM("random:tiny-llama", **options)
+    _on_pieces(uncaptured, piecewise_graphs.token_sizes(piecewise_graphs.DEFAULT_MAX_NUM_TOKENS))
+    llm = LLM("random:tiny-llama", **options)
+    assert llm.engine.executor.piecewise is not None and llm.engine.executor.piecewise.graphs
+    assert _generate(llm) == _generate(uncaptured)
