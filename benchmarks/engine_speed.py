@@ -21,7 +21,8 @@ MBU = (weight bytes + KV bytes read) per decode step / step time / HBM bandwidth
 and the device-to-device copy bandwidth measured here, in brackets).
 MFU = (2 x matmul parameters x tokens + causal attention FLOPs) / step time / peak dense FLOP/s.
 The mixed step (a Sarathi chunk beside decodes) is set against the sum of its parts' rooflines: each
-part alone at max(FLOPs / peak, bytes / bandwidth).
+part alone at max(FLOPs / peak, bytes / bandwidth). It and small prompts' steps (``--small-prompts``) are
+timed eagerly and on piecewise CUDA graphs (``piecewise_graphs``), side by side.
 The kernel table (``--profile-kernels``, torch.profiler) sums each kernel's GPU time over an eager
 decode step: what fusing or replacing a kernel can gain.
 On the CPU there are no published peaks: the ratios are printed only with --gpu.
@@ -41,6 +42,7 @@ from sloserve.engine import fused_ops
 from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.llm_engine import kv_bytes_per_token
 from sloserve.engine.loader import LoadedModel, cuda_graphs_supported, load_model, resolve_device
+from sloserve.engine.piecewise_graphs import PiecewiseGraphs
 from sloserve.engine.profile import StepTimer
 from sloserve.engine.triton_attention import TritonAttention, decode_splits, multiprocessors
 
@@ -107,6 +109,7 @@ def main() -> None:
     parser.add_argument("--long-batch", type=int, default=8, help="the long-context row's decodes (0: no row)")
     parser.add_argument("--mixed", default="512:1024:128", help="CHUNK:CACHED:DECODES of the mixed step ('': none)")
     parser.add_argument("--prefill", default="1024,4096,8192,16384")
+    parser.add_argument("--small-prompts", default="64,256", help="prompts timed eagerly and on piecewise graphs")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-cuda-graphs", action="store_true", help="time decode steps eagerly only")
     parser.add_argument("--no-ceilings", action="store_true", help="skip measuring copy bandwidth and matmul rate")
@@ -140,6 +143,7 @@ def main() -> None:
     batches = [int(x) for x in args.batch_sizes.split(",")]
     prompts = [int(x) for x in args.prefill.split(",") if int(x) <= c.max_position_embeddings]
     mixed = [int(x) for x in args.mixed.split(":")] if args.mixed else None
+    small_prompts = [int(x) for x in args.small_prompts.split(",") if x]
     device_name = (
         f"{loaded.device} ({torch.cuda.get_device_name(loaded.device)})" if loaded.device.type == "cuda" else "cpu"
     )
@@ -216,14 +220,15 @@ def main() -> None:
         f"{'+fused ms':>10} {'gain':>7} {'tok/s':>10} {'MBU eager':>15} {'MBU +fused':>15}"
     )
     print(header)
-    max_prompt = max(prompts, default=1)
+    max_prompt = max([*prompts, *small_prompts], default=1)
     blocks = max(
         StepTimer.blocks_needed([], [args.kv_len] * max(batches)),
         StepTimer.blocks_needed([(max_prompt, 0)], []),
         StepTimer.blocks_needed([(mixed[0], mixed[1])], [args.kv_len] * mixed[2]) if mixed else 0,
     )
-    max_context = max([args.kv_len + 1, *prompts, sum(mixed[:2]) if mixed else 0])
+    max_context = max([args.kv_len + 1, max_prompt, sum(mixed[:2]) if mixed else 0])
     timer = StepTimer(loaded, blocks, max_context=max_context)
+    timer.executor.piecewise = None  # (each table below picks its path itself)
     decode_rows(timer, batches, args.kv_len)
 
     # A prompt's step with its attention by the prefill kernel ("step ms"; the reference's on the torch
@@ -249,14 +254,41 @@ def main() -> None:
         dense_ms = f"{t_dense * 1e3:.3f}" if t_dense is not None else "-"
         print(f"{n:>14} {t * 1e3:>9.3f} {dense_ms:>9} {n / best:>10.1f} {mfu:>7}")
 
+    # Steps with a prefill eagerly and on piecewise graphs (captured here for the sizes below, whatever
+    # SLOSERVE_PIECEWISE_GRAPHS says): small prompts, where an eager step is the host's launch time.
+    pieces = None
+    if graphs_ok and getattr(loaded.model, "supports_piecewise_graphs", False):
+        sizes = {*small_prompts, *([mixed[0] + mixed[2]] if mixed else [])}
+        pieces = PiecewiseGraphs(loaded.model, timer.executor.cache, sizes=sorted(sizes))
+
+    def eager_and_piecewise(prefills: list[tuple[int, int]], decode_lens: list[int]) -> tuple[float, float | None]:
+        saved = timer.executor.piecewise
+        timer.executor.piecewise = None
+        eager = timer.time(prefills, decode_lens, repeats=args.repeats)
+        timer.executor.piecewise = pieces
+        piecewise = timer.time(prefills, decode_lens, repeats=args.repeats) if pieces else None
+        timer.executor.piecewise = saved
+        return eager, piecewise
+
+    def ms(t: float | None) -> str:
+        return "-" if t is None else f"{t * 1e3:.3f}"
+
+    if small_prompts:
+        print(f"\n{'prompt tokens':>14} {'eager ms':>9} {'piecewise ms':>13}")
+        for n in small_prompts:
+            eager, piecewise = eager_and_piecewise([(n, 0)], [])
+            print(f"{n:>14} {ms(eager):>9} {ms(piecewise):>13}")
+
     if mixed:
         chunk, cached, num_decodes = mixed
-        t_mixed = timer.time([(chunk, cached)], [args.kv_len] * num_decodes, repeats=args.repeats)
+        t_eager, t_pieces = eager_and_piecewise([(chunk, cached)], [args.kv_len] * num_decodes)
+        t_mixed = min(t_eager, t_pieces or t_eager)
         t_prefill = timer.time([(chunk, cached)], [], repeats=args.repeats)
         t_decode = timer.time([], [args.kv_len] * num_decodes, repeats=args.repeats)
         print(
             f"\nmixed step: a {chunk}-token chunk after {cached} cached + {num_decodes} decodes of {args.kv_len}: "
-            f"{t_mixed * 1e3:.3f} ms; alone: chunk {t_prefill * 1e3:.3f} ms, decodes {t_decode * 1e3:.3f} ms (eager)"
+            f"{ms(t_eager)} ms eager, {ms(t_pieces)} ms on piecewise graphs; alone: chunk {ms(t_prefill)} ms, "
+            f"decodes {ms(t_decode)} ms (as the environment sets the engine)"
         )
         if gpu:
             # The chunk attends to cached + its own causal half; each decode reads its context once.
@@ -284,12 +316,14 @@ def main() -> None:
 
     if args.long_batch:
         del timer
+        pieces = None  # (their graphs' memory pool, for the long contexts' KV)
         gc.collect()
         if loaded.device.type == "cuda":
             torch.cuda.empty_cache()
         n = args.long_context
         extend_positions(loaded, n + 1)
         long_timer = StepTimer(loaded, StepTimer.blocks_needed([], [n] * args.long_batch), max_context=n + 1)
+        long_timer.executor.piecewise = None
         print(
             f"\nlong contexts ({args.long_batch} decodes of {n} cached tokens; KV read per step "
             f"{args.long_batch * (n + 1) * per_token_kv / 1e9:.2f} GB):"

@@ -6,11 +6,13 @@
 #
 #   bash benchmarks/gpu_session.sh tests      # Triton kernels vs the reference (fp32/fp16/bf16): attention
 #                                             # (split decodes too) and the fused elementwise kernels; CUDA
-#                                             # graphs vs eager, the engine vs HF greedy tokens on CUDA
+#                                             # graphs (decode, piecewise) vs eager, the engine vs HF greedy
+#                                             # tokens on CUDA
 #   bash benchmarks/gpu_session.sh speed      # engine_speed.py (issue 43's table): decode MBU eager and
 #                                             # graphed (before / +split decodes / +fused kernels), 8 x 32K
-#                                             # contexts, prefill MFU (kernel / dense), a mixed step against
-#                                             # its parts' rooflines, a decode step's kernels (torch.profiler)
+#                                             # contexts, prefill MFU (kernel / dense), small prompts and a
+#                                             # mixed step eager / piecewise (the mixed one against its parts'
+#                                             # rooflines), a decode step's kernels (torch.profiler)
 #   bash benchmarks/gpu_session.sh fidelity   # fidelity.py with CUDA graphs: profile, run, simulate;
 #                                             # cost_forms.py on the measured profile and the runs' steps
 #   bash benchmarks/gpu_session.sh infermax   # infermax_engine.py: Figure 9's schedulers at M = 1K and
@@ -42,11 +44,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-# Issue 43's kernels (flash decoding's splits, the fused elementwise kernels, long fresh prompts' dense
-# attention) are off by default until a GPU session has checked and timed them: every stage here runs
-# with them on.
+# Issue 43's kernels and graphs (flash decoding's splits, the fused elementwise kernels, long fresh
+# prompts' dense attention, piecewise CUDA graphs for steps with a prefill) are off by default until a
+# GPU session has checked and timed them: every stage here runs with them on.
 export SLOSERVE_DECODE_SPLITS=${SLOSERVE_DECODE_SPLITS:-auto} SLOSERVE_FUSED_KERNELS=${SLOSERVE_FUSED_KERNELS:-1}
-export SLOSERVE_DENSE_PREFILL=${SLOSERVE_DENSE_PREFILL:-1}
+export SLOSERVE_DENSE_PREFILL=${SLOSERVE_DENSE_PREFILL:-1} SLOSERVE_PIECEWISE_GRAPHS=${SLOSERVE_PIECEWISE_GRAPHS:-1}
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 log="$out/session.log"
@@ -57,11 +59,14 @@ model=(--model random:llama-3-8b --device cuda --dtype bfloat16 --max-model-len 
 
 case "${1:-}" in
   tests)
-    python3 -m pytest -p no:cacheprovider -rs tests/engine/test_triton_attention.py tests/engine/test_fused_ops.py \
-      tests/engine/test_cuda_graphs.py tests/engine/test_attention.py tests/engine/test_engine.py 2>&1 | tee -a "$log"
+    # (piecewise graphs off but in their own test: every engine the tests make would capture them)
+    SLOSERVE_PIECEWISE_GRAPHS=0 python3 -m pytest -p no:cacheprovider -rs tests/engine/test_triton_attention.py tests/engine/test_fused_ops.py \
+      tests/engine/test_cuda_graphs.py tests/engine/test_piecewise_graphs.py tests/engine/test_attention.py \
+      tests/engine/test_engine.py 2>&1 | tee -a "$log"
     ;;
   speed)
-    python3 benchmarks/engine_speed.py 2>&1 | tee -a "$log"
+    # (engine_speed.py captures the piecewise graphs it compares itself)
+    SLOSERVE_PIECEWISE_GRAPHS=0 python3 benchmarks/engine_speed.py 2>&1 | tee -a "$log"
     ;;
   fidelity)
     # The summaries stay behind; the profile, the preset fitted to it and the engine's figures come

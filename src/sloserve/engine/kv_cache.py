@@ -18,9 +18,9 @@ class KVCacheTensor:
 
     The last device block, from ``pad_slot`` = ``num_slots`` on, belongs to no request: the padding
     rows of a CUDA-graph batch (``cuda_graphs.DecodeGraphs``, ``piecewise_graphs.PiecewiseGraphs``)
-    write and read their K/V at ``pad_slot``,
-    and their block-id row names this block, so every slot it expands to exists. NOTE: ``gpu`` is
-    allocated once and only ever written in place, because a captured graph holds its address.
+    write and read their K/V at ``pad_slot``, and a decode graph's padding block-id row names this
+    block, so every slot it expands to exists. NOTE: ``gpu`` is allocated once and only ever written in
+    place, because a captured graph holds its address.
     """
 
     def __init__(
