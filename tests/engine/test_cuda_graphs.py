@@ -13,7 +13,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sloserve import LLM, SamplingParams  # noqa: E402
+from greedy_runs import generate_greedy  # noqa: E402
+
+from sloserve import LLM  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.core.request import Request  # noqa: E402
 from sloserve.engine.attention import AttentionMetadata  # noqa: E402
@@ -24,9 +26,6 @@ from sloserve.kv.manager import PagedKVManager  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not CUDA, reason="captures CUDA graphs: needs a GPU")
-
-PROMPT_LENS = [7, 3, 30, 12, 5, 17, 9, 21, 4]
-MAX_TOKENS = [12, 5, 20, 8, 16, 10, 3, 14, 9]
 
 
 def test_capture_sizes_are_vllms():
@@ -88,13 +87,6 @@ def test_padded_decode_equals_eager_and_writes_only_its_slots(batch_size):
     torch.testing.assert_close(cache.gpu[:, :, real], eager_cache[:, :, real], rtol=1e-5, atol=1e-5)
 
 
-def _generate(llm: LLM) -> list[list[int]]:
-    rng = np.random.default_rng(0)
-    prompts = [{"prompt_token_ids": rng.integers(0, 256, size=n).tolist()} for n in PROMPT_LENS]
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-
-
 @pytest.mark.parametrize(
     "backend,scheduler,options",
     [
@@ -112,7 +104,7 @@ def test_engine_on_padded_graph_buffers_gives_the_eager_tokens(backend, schedule
         pytest.importorskip("triton")
         options = {**options, "device": "cuda" if CUDA else "cpu", "dtype": "float32"}  # compiled on a GPU
     eager = LLM("random:tiny-llama", scheduler, attention_backend=backend, **options)
-    expected = _generate(eager)
+    expected = generate_greedy(eager)
     llm = LLM("random:tiny-llama", scheduler, attention_backend=backend, **options)
     engine = llm.engine
     graphs = DecodeGraphs(
@@ -127,7 +119,7 @@ def test_engine_on_padded_graph_buffers_gives_the_eager_tokens(backend, schedule
     real_forward = graphs.forward
     graphs.forward = lambda tokens, *rest: sizes.append(len(tokens)) or real_forward(tokens, *rest)
     engine.executor.graphs = graphs
-    assert _generate(llm) == expected
+    assert generate_greedy(llm) == expected
     assert sizes and max(sizes) <= 6 and len(set(sizes)) > 1
     if "preemption_mode" in options:
         assert engine.scheduler.num_preemptions > 0
@@ -170,7 +162,7 @@ def test_captured_graphs_replay_the_eager_step(dtype):
 
 @cuda_only
 def test_engine_with_cuda_graphs_gives_the_eager_tokens():
-    expected = _generate(LLM("random:tiny-llama", "vllm", device="cuda", dtype="float32", cuda_graphs=False))
+    expected = generate_greedy(LLM("random:tiny-llama", "vllm", device="cuda", dtype="float32", cuda_graphs=False))
     llm = LLM("random:tiny-llama", "vllm", device="cuda", dtype="float32", cuda_graphs=True)
     assert llm.engine.executor.graphs is not None and llm.engine.executor.graphs.graphs
-    assert _generate(llm) == expected
+    assert generate_greedy(llm) == expected

@@ -8,10 +8,11 @@ executor's dispatch, everything but the capture. The test marked ``cuda`` captur
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from greedy_runs import generate_greedy  # noqa: E402
 
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.engine import piecewise_graphs  # noqa: E402
@@ -20,21 +21,11 @@ from sloserve.engine.piecewise_graphs import PiecewiseGraphs, piecewise_graphs_f
 CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not CUDA, reason="captures CUDA graphs: needs a GPU")
 
-PROMPT_LENS = [7, 3, 30, 12, 5, 17, 9, 21, 4]
-MAX_TOKENS = [12, 5, 20, 8, 16, 10, 3, 14, 9]
-
 
 def test_token_sizes():
     assert token_sizes(512) == [8, 16, *range(32, 513, 32)]
     assert token_sizes(100) == [8, 16, 32, 64, 96, 100]
     assert token_sizes(8) == [8]
-
-
-def _generate(llm: LLM) -> list[list[int]]:
-    rng = np.random.default_rng(0)
-    prompts = [{"prompt_token_ids": rng.integers(0, 256, size=n).tolist()} for n in PROMPT_LENS]
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
 def _on_pieces(llm: LLM, sizes: list[int]) -> list[int]:
@@ -66,10 +57,10 @@ def test_engine_on_padded_pieces_gives_the_eager_tokens(model, backend, schedule
     if backend == "triton":
         pytest.importorskip("triton")
         options = {**options, "device": "cuda" if CUDA else "cpu", "dtype": "float32"}  # compiled on a GPU
-    expected = _generate(LLM(f"random:{model}", scheduler, attention_backend=backend, **options))
+    expected = generate_greedy(LLM(f"random:{model}", scheduler, attention_backend=backend, **options))
     llm = LLM(f"random:{model}", scheduler, attention_backend=backend, **options)
     counts = _on_pieces(llm, [8, 16, 40])
-    assert _generate(llm) == expected
+    assert generate_greedy(llm) == expected
     padded = {llm.engine.executor.piecewise.size_for(n) for n in counts}
     assert len(padded) > 1 and any(n not in padded for n in counts)  # several sizes, padding rows
     if "preemption_mode" in options:
@@ -122,4 +113,4 @@ def test_captured_pieces_replay_the_uncaptured_ones(dtype, monkeypatch):
     _on_pieces(uncaptured, piecewise_graphs.token_sizes(piecewise_graphs.DEFAULT_MAX_NUM_TOKENS))
     llm = LLM("random:tiny-llama", **options)
     assert llm.engine.executor.piecewise is not None and llm.engine.executor.piecewise.graphs
-    assert _generate(llm) == _generate(uncaptured)
+    assert generate_greedy(llm) == generate_greedy(uncaptured)
