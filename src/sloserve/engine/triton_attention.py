@@ -405,7 +405,7 @@ def _dense_causal(
     group = q.shape[1] // k.shape[1]
     # NOTE: KV heads repeated rather than SDPA's enable_gqa, which not every SDPA backend takes (one
     # that does not would fall back to the math kernel: T x T scores in memory)
-    if group > 1:  # query head h reads KV head h // group
+    if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (T, nh, hd)
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, nh, T, hd)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[0].transpose(0, 1)
