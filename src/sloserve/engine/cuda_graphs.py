@@ -31,6 +31,9 @@ tests check the padding, which is everything here that does not need a GPU.
 from __future__ import annotations
 
 import bisect
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,11 +51,27 @@ WARMUP_RUNS = 2  # eager runs before each capture: Triton compiles, cuBLAS picks
 TOKEN_IDS, POSITIONS, SLOT_WRITTEN, CONTEXT_LEN = range(4)
 
 
+def padded_sizes(first: tuple[int, ...], step: int, largest: int) -> list[int]:
+    """Sizes that get graphs: ``first`` (those below ``largest``), every multiple of ``step``, and
+    ``largest`` itself."""
+    return [*(n for n in first if n < largest), *range(step, largest, step), largest]
+
+
 def capture_sizes(max_batch_size: int) -> list[int]:
     """Batch sizes that get a graph: 1, 2, 4, 8, 16, 24, ... and ``max_batch_size`` itself."""
-    sizes = [b for b in (1, 2, 4) if b < max_batch_size]
-    sizes += range(CAPTURE_SIZE_STEP, max_batch_size, CAPTURE_SIZE_STEP)
-    return [*sizes, max_batch_size]
+    return padded_sizes((1, 2, 4), CAPTURE_SIZE_STEP, max_batch_size)
+
+
+def capture_graph(run: Callable[[], Any], pool: Any, device: torch.device) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``run`` captured in a CUDA graph sharing ``pool``, after ``WARMUP_RUNS`` eager runs; (the graph,
+    what the captured run returned: the tensors a replay writes)."""
+    for _ in range(WARMUP_RUNS):
+        run()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = run()
+    return graph, output
 
 
 class DecodeGraphs:
@@ -116,13 +135,8 @@ class DecodeGraphs:
         # the pad slot. Largest size first: the smaller graphs then fit in the memory pool it made.
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.batch_sizes):
-            for _ in range(WARMUP_RUNS):
-                self._forward(size)
-            torch.cuda.synchronize(self.cache.gpu.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
-            self.graphs[size] = graph
+            run = functools.partial(self._forward, size)
+            self.graphs[size], self.outputs[size] = capture_graph(run, pool, self.cache.gpu.device)
         torch.cuda.synchronize(self.cache.gpu.device)
 
     def fits(self, num_decodes: int, longest_context: int) -> bool:

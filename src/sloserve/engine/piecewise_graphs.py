@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from sloserve.engine.attention import AttentionMetadata
+from sloserve.engine.cuda_graphs import capture_graph, padded_sizes
 from sloserve.engine.kv_cache import KVCacheTensor
 
 ENABLED = os.environ.get("SLOSERVE_PIECEWISE_GRAPHS") == "1"
@@ -45,14 +46,11 @@ ENABLED = os.environ.get("SLOSERVE_PIECEWISE_GRAPHS") == "1"
 # size is 512 too).
 DEFAULT_MAX_NUM_TOKENS = 512
 TOKEN_SIZE_STEP = 32
-WARMUP_RUNS = 2  # eager runs of each piece before its capture: Triton compiles, cuBLAS picks its kernels
 
 
 def token_sizes(max_num_tokens: int) -> list[int]:
     """Token counts that get graphs: 8, 16, then every multiple of 32, and ``max_num_tokens`` itself."""
-    sizes = [n for n in (8, 16) if n < max_num_tokens]
-    sizes += range(TOKEN_SIZE_STEP, max_num_tokens, TOKEN_SIZE_STEP)
-    return [*sizes, max_num_tokens]
+    return padded_sizes((8, 16), TOKEN_SIZE_STEP, max_num_tokens)
 
 
 class PiecewiseGraphs:
@@ -133,14 +131,7 @@ class PiecewiseGraphs:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             for piece in range(len(self.layers) + 1):
-                run = self._piece(size, piece)
-                for _ in range(WARMUP_RUNS):
-                    run()
-                torch.cuda.synchronize(self.cache.gpu.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    run()
-                self.graphs[size, piece] = graph
+                self.graphs[size, piece], _ = capture_graph(self._piece(size, piece), pool, self.cache.gpu.device)
         torch.cuda.synchronize(self.cache.gpu.device)
 
     # --- a step ------------------------------------------------------------------------------------------
