@@ -41,6 +41,12 @@
 # Every stage's output goes to $OUT/session.log ($OUT: the device tool's output folder; else ./gpu-logs),
 # beside the fidelity stage's profile, preset, engine figures and the engine runs' steps (a tar of
 # four steps.csv): five files, within the tool's eight.
+#
+# SMOKE=1 runs the same stages on the CPU with a tiny random model and a few requests each: a check of
+# this script and of the commands it runs (arguments, imports, files) before device time is spent on
+# them; its figures mean nothing. From the repository root, after `make .venv/.engine`:
+#   PATH=.venv/bin:$PATH SMOKE=1 TESTS_S=400 SPEED_S=120 SERVE_S=200 FIDELITY_S=300 INFERMAX_S=120 \
+#     SERVE_FIDELITY_S=300 OUT=/tmp/gpu-smoke bash benchmarks/gpu_session.sh all
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -53,9 +59,28 @@ out=${OUT:-gpu-logs}
 mkdir -p "$out"
 log="$out/session.log"
 echo "== ${1:-} $(date -u +%FT%TZ)" | tee -a "$log"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$log"
+if [[ ${SMOKE:-0} != 1 ]]; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$log"
+fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$log"
-model=(--model random:llama-3-8b --device cuda --dtype bfloat16 --max-model-len 4096 --kv-capacity-tokens 131072)
+# Each stage's model and sizes: issue 43's (Llama-3-8B's shape in bf16 on the GPU), or SMOKE's.
+engine=(--model random:llama-3-8b --device cuda --dtype bfloat16)
+model=("${engine[@]}" --max-model-len 4096 --kv-capacity-tokens 131072)
+grid=(--prefill-chunks 32,64,128,256,512,1024,2048,4096 --context-lens 0,512,2048
+  --batch-sizes 1,2,4,8,16,32,64,128,256 --decode-kv-lens 128,512,2048)
+speed=() fidelity=() layers=32 requests=300
+# B = 256: the simulator's ratios at M = 1K are those of B = 1024 within 0.03 (2026-11-26).
+infermax=(--num-requests 256 --capacities 1000,10000)
+if [[ ${SMOKE:-0} == 1 ]]; then
+  engine=(--model random:tiny-llama --device cpu --dtype float32)
+  model=("${engine[@]}" --max-model-len 1024 --kv-capacity-tokens 65536)
+  grid=(--prefill-chunks 16,64,256 --context-lens 0,256 --batch-sizes 1,4,16 --decode-kv-lens 64,256 --repeats 2)
+  speed=(--batch-sizes 1,8 --kv-len 64 --long-context 512 --long-batch 2 --mixed 64:128:8 --prefill 256
+    --small-prompts 64 --repeats 2 --profile-kernels '')
+  fidelity=(--max-model-len 1024 --kv-capacity-tokens 65536 --num-requests 20 "${grid[@]}")
+  layers=2 requests=20
+  infermax=(--num-requests 24 --inputs 4,16 --capacities 200)
+fi
 
 case "${1:-}" in
   tests)
@@ -66,41 +91,39 @@ case "${1:-}" in
     ;;
   speed)
     # (engine_speed.py captures the piecewise graphs it compares itself)
-    SLOSERVE_PIECEWISE_GRAPHS=0 python3 benchmarks/engine_speed.py 2>&1 | tee -a "$log"
+    SLOSERVE_PIECEWISE_GRAPHS=0 python3 benchmarks/engine_speed.py "${engine[@]}" "${speed[@]}" 2>&1 | tee -a "$log"
     ;;
   fidelity)
     # The summaries stay behind; the profile, the preset fitted to it and the engine's figures come
     # back, so that cost_forms.py can compare the cost model's forms against the engine on any machine.
-    python3 benchmarks/fidelity.py --out /tmp/fidelity 2>&1 | tee -a "$log"
+    python3 benchmarks/fidelity.py "${engine[@]}" "${fidelity[@]}" --out /tmp/fidelity 2>&1 | tee -a "$log"
     cp /tmp/fidelity/preset.json "$out/fidelity-preset.json"
     cp /tmp/fidelity/profile.csv "$out/fidelity-profile.csv"
     cp /tmp/fidelity/engine.json "$out/fidelity-engine.json"
     # Each engine run's steps (shape and measured seconds): one file, to leave room under the eight.
     tar -czf "$out/fidelity-steps.tar.gz" -C /tmp/fidelity engine-vllm-offline/steps.csv engine-vllm-poisson/steps.csv \
       engine-sarathi-offline/steps.csv engine-sarathi-poisson/steps.csv
-    python3 benchmarks/cost_forms.py --csv /tmp/fidelity/profile.csv --layers 32 --engine /tmp/fidelity/engine.json \
+    python3 benchmarks/cost_forms.py --csv /tmp/fidelity/profile.csv --layers "$layers" --engine /tmp/fidelity/engine.json \
       --steps /tmp/fidelity/engine-*/steps.csv 2>&1 | tee -a "$log"
     ;;
   infermax)
     # The simulator prices the runs with the fidelity stage's fit of this engine where it ran first.
     cost=()
     [[ -f /tmp/fidelity/preset.json ]] && cost=(--cost-model /tmp/fidelity/preset.json)
-    # B = 256: the simulator's ratios at M = 1K are those of B = 1024 within 0.03 (2026-11-26).
-    python3 benchmarks/infermax_engine.py --num-requests 256 --capacities 1000,10000 "${cost[@]}" 2>&1 | tee -a "$log"
+    python3 benchmarks/infermax_engine.py "${engine[@]}" "${infermax[@]}" "${cost[@]}" 2>&1 | tee -a "$log"
     ;;
   serve)
-    python3 -c "import aiohttp, sloserve.server.app, sloserve.server.bench" || {
+    python3 -c "import aiohttp, sloserve.server.app, sloserve.bench.client" || {
       echo "the serve stage needs the serve extra's packages (see the top of this script)" >&2
       exit 2
     }
     spy=()
     command -v py-spy >/dev/null && spy=(--py-spy "$out/serve-py-spy.txt" --py-spy-seconds 20)
-    python3 benchmarks/serve_overhead.py "${model[@]}" --no-pin --num-requests 300 --rate 8 "${spy[@]}" 2>&1 | tee -a "$log"
+    python3 benchmarks/serve_overhead.py "${model[@]}" --no-pin --num-requests "$requests" --rate 8 "${spy[@]}" 2>&1 | tee -a "$log"
     ;;
   serve-fidelity)
-    python3 benchmarks/serve_fidelity.py "${model[@]}" --no-pin --num-requests 300 \
-      --prefill-chunks 32,64,128,256,512,1024,2048,4096 --context-lens 0,512,2048 \
-      --batch-sizes 1,2,4,8,16,32,64,128,256 --decode-kv-lens 128,512,2048 2>&1 | tee -a "$log"
+    python3 benchmarks/serve_fidelity.py "${model[@]}" --no-pin --num-requests "$requests" "${grid[@]}" 2>&1 \
+      | tee -a "$log"
     ;;
   all)
     # One stage failing or running out of time does not stop the next one; the exit code is the worst.
