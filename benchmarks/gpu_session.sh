@@ -77,7 +77,7 @@ if [[ ${SMOKE:-0} == 1 ]]; then
   model=("${engine[@]}" --max-model-len 1024 --kv-capacity-tokens 65536)
   grid=(--prefill-chunks 16,64,256 --context-lens 0,256 --batch-sizes 1,4,16 --decode-kv-lens 64,256 --repeats 2)
   speed=(--batch-sizes 1,8 --kv-len 64 --long-context 512 --long-batch 2 --mixed 64:128:8 --prefill 256
-    --small-prompts 64 --repeats 2 --profile-kernels '')
+    --small-prompts 64 --repeats 2)
   fidelity=(--max-model-len 1024 --kv-capacity-tokens 65536 --num-requests 20 "${grid[@]}")
   layers=2 requests=20
   infermax=(--num-requests 24 --inputs 4,16 --capacities 200)
