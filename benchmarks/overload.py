@@ -10,10 +10,12 @@ Cases (issue 41), each run as `sloserve simulate` runs it (``runs.run_simulation
   mixed-rt-be/3k      real-time ShareGPT mixed with best-effort batch jobs, OPT-13B in 3,000 KV tokens
 
 Per scheduler and case: requests completed, preemptions per request, output throughput and RT
-normalized latency (mean seconds per output token) as ratios to vllm's, and simulated requests per
-wall second. Goals (issue 41): every request completes; <= 2 preemptions per request; >= 1,000
-simulated req/s; BROS >= 0.8x vllm's throughput with RT normalized latency <= 0.5x vllm's where BE
-requests share the GPU. A cell that misses a goal is marked.
+normalized latency (mean seconds per output token) as ratios to vllm's, simulated requests per wall
+second, and what that speed is made of: the steps the policy scheduled (a stretch of repeated steps,
+sim/stretch.py, is scheduled once) and the wall time per scheduled step. Goals (issue 41): every
+request completes; <= 2 preemptions per request; >= 1,000 simulated req/s; BROS >= 0.8x vllm's
+throughput with RT normalized latency <= 0.5x vllm's where BE requests share the GPU. A cell that
+misses a goal is marked.
 """
 
 from __future__ import annotations
@@ -33,6 +35,18 @@ GOAL_PREEMPTIONS = 2.0
 GOAL_SIM_RPS = 1_000
 GOAL_BROS_THROUGHPUT = 0.8
 GOAL_BROS_RT_LATENCY = 0.5
+# "scheduled": the steps the policy scheduled; "ms/scheduled": wall time per scheduled step
+COLUMNS = (
+    "scheduler",
+    "completed",
+    "preempt/req",
+    "tput x vllm",
+    "RT lat x vllm",
+    "sim req/s",
+    "scheduled",
+    "ms/scheduled",
+    "misses",
+)
 
 
 def cases(num_requests: int) -> dict[str, SimOptions]:
@@ -58,6 +72,13 @@ def rt_latency(summary: dict) -> float:
     return rt["normalized_latency_s"]["mean"]
 
 
+def scheduled_steps(result: dict) -> int:
+    """The steps a run's policy scheduled: the timeline's rows with scheduling time (a stretch's later
+    steps have none)."""
+    _, timeline = result["_result"]
+    return int((timeline.column("sched_time_s") > 0).sum())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=400)
@@ -70,15 +91,16 @@ def main() -> None:
         setup = setup_from_options(options)
         workload = setup.make_workload()
         table = Table(title=f"{case}: {len(workload.requests)} requests, KV {setup.kv_capacity_tokens:,} tokens")
-        for col in ("scheduler", "completed", "preempt/req", "tput x vllm", "RT lat x vllm", "sim req/s", "misses"):
+        for col in COLUMNS:
             table.add_column(col, justify="right")
         base = None
         for name in names:
             try:
-                s = public(run_simulation(setup, name, {}, workload))
+                result = run_simulation(setup, name, {}, workload)
             except ConfigError as e:  # a policy that cannot run this case (its message says why)
-                table.add_row(name, "", "", "", "", "", f"n/a: {str(e)[:60]}")
+                table.add_row(name, *[""] * (len(COLUMNS) - 2), f"n/a: {str(e)[:60]}")
                 continue
+            s, scheduled = public(result), scheduled_steps(result)
             base = base or s
             preempt = s["preemptions"] / s["num_requests"]
             tput = s["throughput_tps"] / base["throughput_tps"]
@@ -100,6 +122,8 @@ def main() -> None:
                 f"{tput:.2f}",
                 f"{lat:.2f}",
                 f"{s['sim_requests_per_wall_s']:,.0f}",
+                f"{scheduled:,}",
+                f"{s['sim_wall_s'] / scheduled * 1e3:.2f}",
                 ", ".join(misses),
             )
         console.print(table)
