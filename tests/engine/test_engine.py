@@ -182,7 +182,7 @@ def test_dense_prefills_give_hf_greedy_tokens(hf_dirs, arch, monkeypatch):
     pytest.importorskip("triton")
     from sloserve.engine import triton_attention
 
-    monkeypatch.setattr(triton_attention, "_DENSE_PREFILL_SETTING", "1")
+    monkeypatch.setenv("SLOSERVE_DENSE_PREFILL", "1")
     monkeypatch.setattr(triton_attention, "DENSE_PREFILL_MIN_TOKENS", 2)
     dense_calls = []
     real_dense = triton_attention._dense_causal

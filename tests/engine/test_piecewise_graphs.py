@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 from greedy_runs import generate_greedy  # noqa: E402
 
 from sloserve import LLM, SamplingParams  # noqa: E402
+from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.engine import piecewise_graphs  # noqa: E402
 from sloserve.engine.piecewise_graphs import PiecewiseGraphs, piecewise_graphs_for, token_sizes  # noqa: E402
 
@@ -92,22 +93,25 @@ def test_a_padded_step_writes_only_its_slots_and_the_pad_slot():
 def test_only_models_with_pieces_get_them(monkeypatch):
     """With CUDA graphs and the setting on: the Llama family; Gemma 3 (its own forward) and OPT run
     their prefills eagerly, as does every model with the setting off or without CUDA graphs."""
-    monkeypatch.setattr(piecewise_graphs, "ENABLED", True)
+    monkeypatch.setenv("SLOSERVE_PIECEWISE_GRAPHS", "1")
     monkeypatch.setattr(piecewise_graphs, "PiecewiseGraphs", lambda model, cache: "graphs")
     for model, has_pieces in (("tiny-llama", True), ("tiny-qwen3", True), ("tiny-gemma3", False), ("tiny-opt", False)):
         llm = LLM(f"random:{model}")
         cache = llm.engine.cache
         assert piecewise_graphs_for(llm.loaded.model, cache, cuda_graphs=True) == ("graphs" if has_pieces else None)
         assert piecewise_graphs_for(llm.loaded.model, cache, cuda_graphs=False) is None
-    monkeypatch.setattr(piecewise_graphs, "ENABLED", False)
+    monkeypatch.setenv("SLOSERVE_PIECEWISE_GRAPHS", "0")
     assert piecewise_graphs_for(llm.loaded.model, cache, cuda_graphs=True) is None
+    monkeypatch.setenv("SLOSERVE_PIECEWISE_GRAPHS", "yes")  # a bad value: one clear error, GPU or not
+    with pytest.raises(ConfigError, match="SLOSERVE_PIECEWISE_GRAPHS must be 0 or 1, got 'yes'"):
+        piecewise_graphs_for(llm.loaded.model, cache, cuda_graphs=False)
 
 
 @cuda_only
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_captured_pieces_replay_the_uncaptured_ones(dtype, monkeypatch):
     """On a GPU: the engine with captured pieces gives the uncaptured pieces' tokens."""
-    monkeypatch.setattr(piecewise_graphs, "ENABLED", True)
+    monkeypatch.setenv("SLOSERVE_PIECEWISE_GRAPHS", "1")
     options = dict(device="cuda", dtype=dtype, scheduler="sarathi", prefill_token_budget=16, block_size=4)
     uncaptured = LLM("random:tiny-llama", **options)
     _on_pieces(uncaptured, piecewise_graphs.token_sizes(piecewise_graphs.DEFAULT_MAX_NUM_TOKENS))

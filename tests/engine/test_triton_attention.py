@@ -156,10 +156,12 @@ def test_a_sliding_window_layer_keeps_the_kernel_for_fresh_prompts(monkeypatch):
 
 def test_the_dense_prefill_setting_comes_from_the_environment(monkeypatch):
     """Off unless SLOSERVE_DENSE_PREFILL=1; a bad value is one clear error."""
+    monkeypatch.delenv("SLOSERVE_DENSE_PREFILL", raising=False)
+    assert triton_attention.TritonAttention().dense_prefill_min_tokens is None
     for setting, threshold in (("0", None), ("1", triton_attention.DENSE_PREFILL_MIN_TOKENS)):
-        monkeypatch.setattr(triton_attention, "_DENSE_PREFILL_SETTING", setting)
+        monkeypatch.setenv("SLOSERVE_DENSE_PREFILL", setting)
         assert triton_attention.TritonAttention().dense_prefill_min_tokens == threshold
-    monkeypatch.setattr(triton_attention, "_DENSE_PREFILL_SETTING", "yes")
+    monkeypatch.setenv("SLOSERVE_DENSE_PREFILL", "yes")
     with pytest.raises(ConfigError, match="SLOSERVE_DENSE_PREFILL must be 0 or 1, got 'yes'"):
         triton_attention.TritonAttention()
 

@@ -31,7 +31,6 @@ environment (written without a GPU, 2026-11-28: ``benchmarks/gpu_session.sh`` tu
 from __future__ import annotations
 
 import bisect
-import os
 from collections.abc import Callable
 
 import torch
@@ -40,8 +39,8 @@ from torch import nn
 from sloserve.engine.attention import AttentionMetadata
 from sloserve.engine.cuda_graphs import capture_graph, padded_sizes
 from sloserve.engine.kv_cache import KVCacheTensor
+from sloserve.engine.switches import switch
 
-ENABLED = os.environ.get("SLOSERVE_PIECEWISE_GRAPHS") == "1"
 # Steps of more tokens run eagerly: their matmuls outlast the host's launches (vLLM's largest capture
 # size is 512 too).
 DEFAULT_MAX_NUM_TOKENS = 512
@@ -170,6 +169,6 @@ class PiecewiseGraphs:
 def piecewise_graphs_for(model: nn.Module, cache: KVCacheTensor, cuda_graphs: bool) -> PiecewiseGraphs | None:
     """The engine's piecewise graphs: with CUDA graphs on, ``SLOSERVE_PIECEWISE_GRAPHS=1`` and a model
     that has the pieces; else None (steps with a prefill run eagerly)."""
-    if not (cuda_graphs and ENABLED and getattr(model, "supports_piecewise_graphs", False)):
+    if not (switch("SLOSERVE_PIECEWISE_GRAPHS") and cuda_graphs and getattr(model, "supports_piecewise_graphs", False)):
         return None
     return PiecewiseGraphs(model, cache)

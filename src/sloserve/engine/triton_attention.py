@@ -43,6 +43,7 @@ import triton.language as tl
 
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend, write_kv
+from sloserve.engine.switches import switch
 
 # log2(e): the kernels use exp2, so scores are scaled by softmax_scale * LOG2E.
 LOG2E = 1.4426950408889634
@@ -68,7 +69,6 @@ _SPLITS_SETTING = os.environ.get("SLOSERVE_DECODE_SPLITS", "1")
 # kernel. NOTE: written without a GPU (2026-11-28) for issue 43's prefill MFU goal: off until a GPU
 # session has timed it against the kernel (``benchmarks/engine_speed.py``'s prefill rows, both ways).
 DENSE_PREFILL_MIN_TOKENS = 512
-_DENSE_PREFILL_SETTING = os.environ.get("SLOSERVE_DENSE_PREFILL", "0")
 
 
 @triton.jit
@@ -440,9 +440,7 @@ class TritonAttention(AttentionBackend):
         # Prompts of at least this many tokens with nothing cached run dense (``_dense_causal``); None: none
         # do. "env": DENSE_PREFILL_MIN_TOKENS when SLOSERVE_DENSE_PREFILL is 1, else None.
         if dense_prefill_min_tokens == "env":
-            if _DENSE_PREFILL_SETTING not in ("0", "1"):
-                raise ConfigError(f"SLOSERVE_DENSE_PREFILL must be 0 or 1, got {_DENSE_PREFILL_SETTING!r}")
-            dense_prefill_min_tokens = DENSE_PREFILL_MIN_TOKENS if _DENSE_PREFILL_SETTING == "1" else None
+            dense_prefill_min_tokens = DENSE_PREFILL_MIN_TOKENS if switch("SLOSERVE_DENSE_PREFILL") else None
         self.dense_prefill_min_tokens = dense_prefill_min_tokens
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale=None, window=None):
