@@ -25,7 +25,8 @@ from sloserve.cost.base import BatchShape, batch_shape
 from sloserve.engine.attention import AttentionMetadata, PrefillSeq
 from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.kv_cache import KVCacheTensor, expand_block_ids
-from sloserve.engine.piecewise_graphs import PiecewiseGraphs
+from sloserve.engine.loader import LoadedModel
+from sloserve.engine.piecewise_graphs import PiecewiseGraphs, piecewise_graphs_for
 from sloserve.engine.sampler import (
     PROMPT_LOGITS_ROWS,
     Logprobs,
@@ -89,6 +90,25 @@ class EngineExecutor:
         self.step_log: list[tuple[BatchShape, float]] | None = None
         # The grammars' matchers, over the model's tokenizer (set by the engine for the first request with one)
         self.grammar_matchers: GrammarMatchers | None = None
+
+    @classmethod
+    def for_model(
+        cls,
+        loaded: LoadedModel,
+        kv: KVCacheManager,
+        cache: KVCacheTensor,
+        max_context: int,
+        eos_token_ids: tuple[int, ...] = (),
+        seed: int = 0,
+    ) -> EngineExecutor:
+        """An executor of ``loaded``'s model with the CUDA graphs it was loaded for (``cuda_graphs``): the
+        decode graphs, their slot tables ``max_context`` wide, and the piecewise graphs where they are
+        switched on."""
+        graphs = None
+        if loaded.cuda_graphs:
+            graphs = DecodeGraphs(loaded.model, cache, max_context, kv.table_block_size)
+        piecewise = piecewise_graphs_for(loaded.model, cache, loaded.cuda_graphs)
+        return cls(loaded.model, kv, cache, loaded.device, eos_token_ids, seed, graphs, piecewise)
 
     def add(self, request: Request, prompt_token_ids: list[int], params: SamplingParams) -> None:
         generator = None

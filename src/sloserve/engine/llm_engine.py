@@ -23,12 +23,10 @@ from sloserve.core.request import Request
 from sloserve.cost import LinearCostModel, get_preset, load_preset
 from sloserve.cost.base import CostModel
 from sloserve.cost.presets import PRESETS
-from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.executor import EngineExecutor
 from sloserve.engine.executor import Sequence as SequenceState
 from sloserve.engine.kv_cache import KVCacheTensor
 from sloserve.engine.loader import LoadedModel
-from sloserve.engine.piecewise_graphs import piecewise_graphs_for
 from sloserve.engine.sampler import SamplingParams
 from sloserve.engine.structured_output import GrammarMatchers
 from sloserve.engine.tokenizer import HFTokenizer
@@ -181,13 +179,7 @@ class LLMEngine:
             loaded.dtype,
             loaded.device,
         )
-        graphs = None
-        if loaded.cuda_graphs:
-            graphs = DecodeGraphs(loaded.model, self.cache, self.max_model_len, kv.table_block_size)
-        piecewise = piecewise_graphs_for(loaded.model, self.cache, loaded.cuda_graphs)
-        self.executor = EngineExecutor(
-            loaded.model, kv, self.cache, loaded.device, config.eos_token_ids, seed, graphs, piecewise
-        )
+        self.executor = EngineExecutor.for_model(loaded, kv, self.cache, self.max_model_len, config.eos_token_ids, seed)
         self.replica = Replica(0, self.scheduler, self.executor)
         self._next_id = 0
 

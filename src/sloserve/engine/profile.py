@@ -26,11 +26,9 @@ from sloserve.core.request import SLO, Request, RequestClass
 from sloserve.cost import BatchShape, LinearCostModel, LinearFit, fit_linear_shapes
 from sloserve.cost.fit import DEFAULT_FORM, FEATURE_ORDER
 from sloserve.cost.profile_grid import ProfileGrid
-from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.executor import EngineExecutor
 from sloserve.engine.kv_cache import KVCacheTensor
 from sloserve.engine.loader import LoadedModel
-from sloserve.engine.piecewise_graphs import piecewise_graphs_for
 from sloserve.engine.sampler import SamplingParams
 from sloserve.kv.manager import PagedKVManager
 
@@ -61,11 +59,7 @@ class StepTimer:
         self.max_context = max_context
         self.kv = PagedKVManager(num_blocks, self.BLOCK_SIZE)
         cache = KVCacheTensor(loaded.config, self.kv.capacity_tokens, 0, self.BLOCK_SIZE, loaded.dtype, loaded.device)
-        graphs = (
-            DecodeGraphs(loaded.model, cache, max_context, self.kv.table_block_size) if loaded.cuda_graphs else None
-        )
-        piecewise = piecewise_graphs_for(loaded.model, cache, loaded.cuda_graphs)
-        self.executor = EngineExecutor(loaded.model, self.kv, cache, loaded.device, graphs=graphs, piecewise=piecewise)
+        self.executor = EngineExecutor.for_model(loaded, self.kv, cache, max_context)
         self._rng = np.random.default_rng(seed)
         self._next_id = 0
 
