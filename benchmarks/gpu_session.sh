@@ -52,10 +52,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # Issue 43's kernels and graphs (flash decoding's splits, the fused elementwise kernels, long fresh
-# prompts' dense attention, piecewise CUDA graphs for steps with a prefill) are off by default until a
-# GPU session has checked and timed them: every stage here runs with them on.
+# prompts' dense attention, piecewise CUDA graphs for steps with a prefill) and the served engine's
+# publishing during the next forward pass are off by default until a GPU session has checked and
+# timed them: every stage here runs with them on.
 export SLOSERVE_DECODE_SPLITS=${SLOSERVE_DECODE_SPLITS:-auto} SLOSERVE_FUSED_KERNELS=${SLOSERVE_FUSED_KERNELS:-1}
 export SLOSERVE_DENSE_PREFILL=${SLOSERVE_DENSE_PREFILL:-1} SLOSERVE_PIECEWISE_GRAPHS=${SLOSERVE_PIECEWISE_GRAPHS:-1}
+export SLOSERVE_OVERLAP_PUBLISH=${SLOSERVE_OVERLAP_PUBLISH:-1}
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 log="$out/session.log"

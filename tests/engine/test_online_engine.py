@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import multiprocessing
+import time
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from sloserve.core.errors import ConfigError  # noqa: E402
+from sloserve.core.request import SLO, RequestClass  # noqa: E402
 from sloserve.engine.async_engine import AsyncLLMEngine, QueueFullError, ShuttingDownError  # noqa: E402
 from sloserve.engine.detokenizer import Detokenizer  # noqa: E402
-from sloserve.engine.engine_core import EngineSpec  # noqa: E402
+from sloserve.engine.engine_core import AddRequest, EngineCore, EngineSpec, outputs_of  # noqa: E402
 from sloserve.engine.llm_engine import LLMEngine  # noqa: E402
 from sloserve.engine.loader import load_model  # noqa: E402
 from sloserve.engine.sampler import SamplingParams  # noqa: E402
@@ -97,9 +100,11 @@ async def _collect(served):
     return "".join(parts), ids, reason
 
 
-def _online(scheduler: str = "vllm", kv: int = 2048, **kwargs) -> AsyncLLMEngine:
-    """An online engine of random:tiny-llama (the same weights as ``tiny()``: one seed), started."""
-    online = AsyncLLMEngine(EngineSpec("random:tiny-llama", scheduler, kv_capacity_tokens=kv), **kwargs)
+def _online(scheduler: str = "vllm", kv: int = 2048, overlap_publish: bool | None = None, **kwargs) -> AsyncLLMEngine:
+    """An online engine of random:tiny-llama (the same weights as ``tiny()``: one seed), started.
+    ``overlap_publish``: as on a GPU, each step's tokens go out during the next step's forward pass."""
+    spec = EngineSpec("random:tiny-llama", scheduler, kv_capacity_tokens=kv, overlap_publish=overlap_publish)
+    online = AsyncLLMEngine(spec, **kwargs)
     online.start()
     return online
 
@@ -109,7 +114,8 @@ def _all_freed(online: AsyncLLMEngine) -> bool:
     return stats.kv_used_tokens == 0 and stats.kv_allocated_tokens == 0 and stats.num_running == 0
 
 
-def test_streams_carry_every_token_once_and_match_offline_generation():
+@pytest.mark.parametrize("overlap_publish", [False, True])
+def test_streams_carry_every_token_once_and_match_offline_generation(overlap_publish):
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
     offline = LLMEngine(tiny(), "vllm", kv_capacity_tokens=2048)
     reference = [offline.add_request(p, s) for p, s in zip(PROMPTS, params, strict=True)]
@@ -118,7 +124,7 @@ def test_streams_carry_every_token_once_and_match_offline_generation():
     want = [offline.output_token_ids(r) for r in reference]
 
     async def main():
-        online = _online()
+        online = _online(overlap_publish=overlap_publish)
         try:
             streams = [online.submit(p, s) for p, s in zip(PROMPTS, params, strict=True)]
             return await asyncio.gather(*(_collect(s) for s in streams)), online
@@ -132,12 +138,13 @@ def test_streams_carry_every_token_once_and_match_offline_generation():
     assert online.num_unfinished == 0 and _all_freed(online)
 
 
-def test_a_stop_string_ends_the_request_and_is_not_returned():
+@pytest.mark.parametrize("overlap_publish", [False, True])
+def test_a_stop_string_ends_the_request_and_is_not_returned(overlap_publish):
     """Greedy output of a prompt, then the same prompt with a stop string taken from that output."""
     prompt, params = PROMPTS[2], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
     async def main():
-        online = _online()
+        online = _online(overlap_publish=overlap_publish)
         try:
             full, ids, _ = await _collect(online.submit(prompt, params))
             printable = [i for i in range(len(full) - 2) if full[i : i + 2].isprintable() and full[i] != "\ufffd"]
@@ -184,11 +191,12 @@ def test_the_queue_bound_refuses_beyond_it_and_every_accepted_request_completes(
     assert all(len(ids) == 60 and reason == "length" for _, ids, reason in rest)
 
 
-def test_shutdown_refuses_new_requests_and_aborts_what_outlives_the_grace_period():
+@pytest.mark.parametrize("overlap_publish", [False, True])
+def test_shutdown_refuses_new_requests_and_aborts_what_outlives_the_grace_period(overlap_publish):
     params = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
 
     async def main():
-        online = _online()
+        online = _online(overlap_publish=overlap_publish)
         served = online.submit(PROMPTS[0], params)
         stream = served.__aiter__()
         await stream.__anext__()
@@ -226,3 +234,64 @@ def test_a_request_that_can_never_run_is_refused_and_one_only_the_engine_can_ref
     reason, error, after, online = asyncio.run(main())
     assert reason == "error" and "structured output needs the model's tokenizer" in error
     assert after[2] == "length" and len(after[1]) == 4 and online.error is None
+
+
+def test_overlapped_publishing_sends_each_step_during_the_next_and_the_last_before_an_abort(monkeypatch):
+    """With ``overlap_publish`` a step's tokens are kept until the next step's forward pass has been
+    launched, and sent before its logits are computed; an abort first sends what the step before gave
+    (here a finish), and every token reaches the pipe once, in order, as the engine generated it."""
+    engine = LLMEngine(tiny(), "vllm", kv_capacity_tokens=2048)
+    server, pipe = multiprocessing.Pipe()
+    core = EngineCore(engine, time.perf_counter(), pipe, overlap_publish=True)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 40)]
+    for i, (prompt, p) in enumerate(zip(PROMPTS[:2], params, strict=True)):
+        core.apply(("add", AddRequest(i, prompt, p, RequestClass.BE, SLO(), (), core.clock())))
+    sent_before_logits: list[bool] = []
+    compute_logits = engine.executor.model.compute_logits
+
+    def watched(hidden):
+        sent_before_logits.append(server.poll())
+        return compute_logits(hidden)
+
+    monkeypatch.setattr(engine.executor.model, "compute_logits", watched)
+    got: dict[int, list[int]] = {0: [], 1: []}
+    reasons: dict[int, str] = {}
+
+    def read() -> None:
+        while server.poll():
+            _, columns, _ = server.recv()
+            for out in outputs_of(columns):
+                assert out.request_id not in reasons, "news after a request's last output"
+                got[out.request_id] += out.token_ids
+                if out.finish_reason is not None:
+                    reasons[out.request_id] = out.finish_reason
+
+    core.run_step()  # the prompts: each samples its first token
+    assert not server.poll(), "published before the next step"
+    core.run_step()
+    assert sent_before_logits == [False, True]
+    read()
+    assert [len(got[0]), len(got[1])] == [1, 1], "the second step's tokens went out with the first's"
+    core.run_step()  # request 0 samples its third and last token
+    read()
+    assert [len(got[0]), len(got[1])] == [2, 2] and not reasons
+    core.apply(("abort", 1))
+    read()
+    assert reasons == {0: "length", 1: "abort"} and [len(got[0]), len(got[1])] == [3, 3]
+    while engine.has_unfinished():
+        core.run_step()
+    core.flush()
+    read()  # the step that drops the aborted request: stats, no news for it
+    reference = LLMEngine(tiny(), "vllm", kv_capacity_tokens=2048)
+    want = [reference.add_request(p, s) for p, s in zip(PROMPTS[:2], params, strict=True)]
+    while reference.has_unfinished():
+        reference.step()
+    assert got[0] == reference.output_token_ids(want[0])
+    assert got[1] == reference.output_token_ids(want[1])[:3]
+
+
+def test_a_bad_value_of_the_overlap_switch_stops_the_engine_at_start_naming_it(monkeypatch):
+    monkeypatch.setenv("SLOSERVE_OVERLAP_PUBLISH", "yes")
+    online = AsyncLLMEngine(EngineSpec("random:tiny-llama", kv_capacity_tokens=256))
+    with pytest.raises(ConfigError, match="SLOSERVE_OVERLAP_PUBLISH must be 0 or 1, got 'yes'"):
+        online.start()

@@ -31,6 +31,7 @@ from sloserve.checkpoint.config import RANDOM_PREFIX
 from sloserve.core.errors import SloserveError
 from sloserve.core.request import SLO, Request, RequestClass, RequestStatus
 from sloserve.engine.sampler import Logprobs, SamplingParams
+from sloserve.engine.switches import switch
 from sloserve.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 # The replica's timeline (one row per step) is started afresh after this many steps: a server runs
@@ -59,6 +60,9 @@ class EngineSpec:
     # Report what a fleet's router reads (EngineStats' queue, free KV and cache keys) after each step:
     # a fleet's replica does; one engine has no router to tell
     report_routing_stats: bool = False
+    # Publish each step's tokens during the next step's forward pass (EngineCore); None: on CUDA where
+    # SLOSERVE_OVERLAP_PUBLISH=1 (engine/switches.py: off until a GPU session has timed it)
+    overlap_publish: bool | None = None
 
     def build(self):
         """The engine (loads the model: in the core process)."""
@@ -186,7 +190,14 @@ class _Live:
 class EngineCore:
     """Applies commands, steps the engine and reports each step over its pipe: the core process's loop."""
 
-    def __init__(self, engine, clock_start: float, conn: Connection, report_routing_stats: bool = False) -> None:
+    def __init__(
+        self,
+        engine,
+        clock_start: float,
+        conn: Connection,
+        report_routing_stats: bool = False,
+        overlap_publish: bool | None = None,
+    ) -> None:
         self.engine = engine
         self.report_routing_stats = report_routing_stats
         self.clock_start = clock_start
@@ -196,6 +207,16 @@ class EngineCore:
         self.num_steps = 0
         self._pending: list[Output] = []  # last outputs of aborted requests, sent with the next message
         self._keys_sent_at = -math.inf
+        # With overlap_publish, a step's news goes out during the next step's forward pass, where the
+        # host's work hides behind the GPU's (vLLM v1 takes its outputs off the step's path too). On
+        # the CPU the forward pass is the host's own work: waiting for it would only add a step to
+        # every token's latency, so None (the default) overlaps on CUDA only, where switched on.
+        if overlap_publish is None:
+            overlap_publish = switch("SLOSERVE_OVERLAP_PUBLISH") and engine.loaded.device.type == "cuda"
+        self.overlap_publish = overlap_publish
+        self._unpublished: list[Request] | None = None  # the finished requests of a step not yet published
+        if overlap_publish:
+            engine.executor.during_forward = self.flush
 
     def clock(self) -> float:
         """The server's engine clock (``time.perf_counter`` is system-wide on Linux)."""
@@ -205,6 +226,7 @@ class EngineCore:
         engine, conn = self.engine, self.conn
         while True:
             if not engine.has_unfinished():
+                self.flush()  # no forward pass follows to publish the last step during
                 if self.stopping:
                     conn.send(("stopped",))
                     return
@@ -215,13 +237,29 @@ class EngineCore:
                 self.run_step()
 
     def run_step(self) -> None:
-        """One served step: the engine's step from the wall clock's now, then its news published
+        """One served step: the engine's step from the wall clock's now, then its news published, or
+        with ``overlap_publish`` kept for the next step's forward pass (``flush``)
         (``engine.profile.measure_host`` times this)."""
         self.engine.replica.now = self.clock()
-        self.publish(self.engine.step())
+        finished = self.engine.step()
+        self.flush()  # the step before, where this one ran no forward pass to publish it during
+        if self.overlap_publish:
+            self._unpublished = finished
+        else:
+            self.publish(finished)
+
+    def flush(self) -> None:
+        """Publish the last step's news if it is still kept (``overlap_publish``)."""
+        if self._unpublished is not None:
+            finished, self._unpublished = self._unpublished, None
+            self.publish(finished)
 
     def apply(self, command: tuple) -> None:
         kind = command[0]
+        if kind != "add":
+            # NOTE: the last step's news first: an abort must not end a request before the tokens (or
+            # the finish) that step gave it
+            self.flush()
         if kind == "add":
             add: AddRequest = command[1]
             request = Request(
@@ -243,6 +281,7 @@ class EngineCore:
                 if not isinstance(e, SloserveError):
                     traceback.print_exc()
                 self.engine.executor.sequences.pop(request, None)
+                self.flush()
                 live.ended = True
                 reason = str(e) if isinstance(e, SloserveError) else f"{type(e).__name__}: {e}"
                 self._pending.append(self._output(live, [], "error")._replace(error=reason))
@@ -283,12 +322,17 @@ class EngineCore:
             finish_reason,
             r.first_token_time,
             r.last_token_time,
-            self.clock() if finish_reason else float("nan"),
+            self._finish_time(r) if finish_reason else float("nan"),
             r.num_cached_tokens,
             logprobs,
             prompt_logprobs,
             r.first_scheduled_time,
         )
+
+    def _finish_time(self, request: Request) -> float:
+        """The end of the step ``request`` finished in (its news may go out during the next one), or
+        now for a request the engine ends between steps (aborted, or one it could not add)."""
+        return request.finish_time if request.is_finished and not math.isnan(request.finish_time) else self.clock()
 
     def publish(self, finished: list[Request]) -> None:
         """Send every live request the tokens this step gave it; release finished ones."""
@@ -360,6 +404,7 @@ def run_core(spec: EngineSpec, conn: Connection, clock_start: float) -> None:
     """The core process: build the engine, say "ready" (or "failed" with the reason), serve commands."""
     try:
         engine = spec.build()
+        core = EngineCore(engine, clock_start, conn, spec.report_routing_stats, spec.overlap_publish)
     except SloserveError as e:
         conn.send(("failed", str(e)))
         return
@@ -381,7 +426,6 @@ def run_core(spec: EngineSpec, conn: Connection, clock_start: float) -> None:
             ),
         )
     )
-    core = EngineCore(engine, clock_start, conn, spec.report_routing_stats)
     try:
         core.run()
     except (EOFError, BrokenPipeError):  # the server went away

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections.abc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,12 @@ class EngineExecutor:
     ``step_log``: None, or a list that gets (shape, measured seconds) of every step, the shape as the
     simulator's cost model sees it: the run's own steps, to check a fitted cost model against
     (``sloserve run --out`` writes them as ``steps.csv``, a profile CSV).
+
+    ``during_forward``: None, or host work to overlap with the device's forward pass (the served
+    engine publishes the previous step's tokens there): called once in every step that runs one,
+    after it is launched and before anything waits for it. ``during_forward_exposed_s`` is how much
+    of its time that step waited for: all of it on the CPU (where the forward pass has run by then),
+    none on a GPU that was still computing when it ended.
     """
 
     def __init__(
@@ -88,6 +95,8 @@ class EngineExecutor:
         self._seed = seed
         self.num_forward_tokens = 0
         self.step_log: list[tuple[BatchShape, float]] | None = None
+        self.during_forward: Callable[[], None] | None = None
+        self.during_forward_exposed_s = 0.0
         # The grammars' matchers, over the model's tokenizer (set by the engine for the first request with one)
         self.grammar_matchers: GrammarMatchers | None = None
 
@@ -184,9 +193,13 @@ class EngineExecutor:
             for request in list(cohort.members):
                 cohort.settle(request)  # the KV growth reserved for it by count gets its block ids now
                 add(request, 1)
+        self.during_forward_exposed_s = 0.0
         if tokens:
+            # NOTE: built before the forward pass: a copy to the device after its launch waits for it
+            rows = torch.tensor([i for _, i in samplers], dtype=torch.int64, device=self.device)  # (N,)
             hidden = self._forward(tokens, positions, prefills, prefill_slots, decodes)  # (T, H)
-            rows = torch.tensor([i for _, i in samplers], dtype=torch.int64, device=self.device)
+            if self.during_forward is not None:
+                self._overlap(self.during_forward)
             logits = self.model.compute_logits(hidden[rows]).float()  # (N, vocab)
             seqs = [self.sequences[r] for r, _ in samplers]
             sampled = sample(self._controlled(logits, seqs), [s.params for s in seqs], [s.generator for s in seqs])
@@ -217,6 +230,20 @@ class EngineExecutor:
             if seq.finish_reason is not None:
                 finished.append(request)
         return StepResult(step_end_times=(now + elapsed,), finished=finished, sampled_token_ids=sampled_ids)
+
+    def _overlap(self, host_work: Callable[[], None]) -> None:
+        """Run ``host_work`` while the forward pass just launched computes; keep the part of its time
+        the step waits for (``during_forward_exposed_s``)."""
+        launched = None
+        if self.device.type == "cuda":
+            launched = torch.cuda.Event()
+            launched.record()
+        start = time.perf_counter()
+        host_work()
+        # NOTE: a forward pass still computing when the work ends hid all of it; one that was done
+        # may have hidden part of it, counted as none (the host's share is not underestimated)
+        hidden = launched is not None and not launched.query()
+        self.during_forward_exposed_s = 0.0 if hidden else time.perf_counter() - start
 
     def _controlled(
         self,

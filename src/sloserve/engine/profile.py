@@ -113,7 +113,8 @@ class HostShare:
 def measure_host(loaded: LoadedModel, *, max_model_len: int, max_slots: int, seed: int = 0) -> HostShare:
     """What a served step costs the host beside the executor: the served loop's step (``EngineCore.run_step``:
     vLLM's schedule, the executor, the update, then each request's tokens packed and sent over a pipe
-    to a process that reads them; the server's process detokenizes them), minus the executor's own measured time, fitted as
+    to a process that reads them, on a GPU during the next step's forward pass; the server's process
+    detokenizes them), minus the executor's own measured time, fitted as
     ``per_step_s + per_request_s * requests`` over the steps of ``HOST_REQUESTS`` requests run together.
 
     NOTE: it is vLLM's policy's scheduling cost; a policy that scans more per step costs more."""
@@ -141,7 +142,9 @@ def measure_host(loaded: LoadedModel, *, max_model_len: int, max_slots: int, see
             elapsed = time.perf_counter() - start
             shape, executed = engine.executor.step_log[-1]
             sizes.append(shape.num_decode + shape.num_prefill)
-            host.append(elapsed - executed)
+            # NOTE: on a GPU the step before is published during this one's forward pass; the part of
+            # that the forward pass did not hide is in its measured time, and is the host's
+            host.append(elapsed - executed + engine.executor.during_forward_exposed_s)
     finally:
         conn.close()
         reader.wait(timeout=60)
