@@ -67,3 +67,42 @@ def test_cohort_knows_its_longest_member(ops):
         expected = max((r.num_computed_tokens for r in cohort.members), default=0)
         assert cohort.max_kv_tokens == expected
         cohort.check_integrity()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 11), st.integers(0, 2), st.booleans(), st.booleans()),
+        max_size=40,
+    )
+)
+def test_settle_all_leaves_no_member_owing_a_block(steps):
+    """The engine's ``settle_all`` settles only the residue classes grown since its last call; after any
+    mix of joins, single ticks, stretches (growth reserved ahead) and leaves, no member owes a block."""
+    from sloserve.core.request import Request
+    from sloserve.kv import PagedKVManager
+    from sloserve.sched.decode_cohort import DecodeCohort
+
+    kv = PagedKVManager(4096, 4)
+    cohort, now, made = DecodeCohort(kv), 0.0, 0
+    for joins, ticks, leaves, drop_kv, settle in steps:
+        assert cohort.try_grow(cohort.ticks + 1)  # a step's growth, then its joins (as the scheduler does)
+        for _ in range(joins):
+            n = 1 + (made * 7) % 13
+            request = Request(made, 0.0, n, 10**6, 10**6)
+            request.add_computed(n)
+            request.add_output_token(now)
+            assert kv.allocate_slots(request, n + 1)
+            cohort.add(request)
+            made += 1
+        cohort.grow_through(cohort.ticks + ticks)
+        ends = [now + 0.01 * (k + 1) for k in range(ticks)]
+        cohort.advance(ends)
+        now = ends[-1]
+        for request in list(cohort.members)[:leaves]:
+            cohort.remove(request, drop_kv=drop_kv)
+            kv.free(request)
+        if settle:
+            cohort.settle_all()
+            assert all(cohort.granted_slots(r) == kv.num_slots(r) for r in cohort.members)
+        cohort.check_integrity()

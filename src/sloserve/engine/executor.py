@@ -190,8 +190,8 @@ class EngineExecutor:
             add(request, num_tokens)
         if output.decode is not None:
             cohort = output.decode.cohort
-            for request in list(cohort.members):
-                cohort.settle(request)  # the KV growth reserved for it by count gets its block ids now
+            cohort.settle_all()  # the KV growth reserved for the members by count gets its block ids now
+            for request in cohort.members:
                 add(request, 1)
         self.during_forward_exposed_s = 0.0
         if tokens:

@@ -6,7 +6,8 @@ what the scheduler needs on top: reserving the KV its members grow into, also in
 - paged managers (one block every block_size tokens): a member needs a new block every block_size
   ticks, at ticks of one residue class modulo block_size, so the cohort keeps only how many members
   are in each class and reserves blocks by count; a member's block ids are assigned when it leaves
-  or when its slots are read (``settle``).
+  (``settle``) or when the engine reads the members' slots (``settle_all``: only the classes whose
+  ticks were grown since it last did, about one member in block_size a step).
 - other managers (reservations): a calendar of the tick at which each member outgrows its
   reservation, grown through ``KVCacheManager.allocate_slots``.
 
@@ -33,8 +34,12 @@ class DecodeCohort(Cohort):
         self._first_due: dict[Request, int] = {}
         self._grown_through = 0  # last tick whose KV growth has been reserved
         self._period = kv.growth_period
-        # Paged: members due at ticks t with t % period == r, per residue r.
+        # Paged: members due at ticks t with t % period == r, per residue r: how many, and which
         self._due_count = [0] * (self._period or 1)
+        self._due_class: list[dict[Request, None]] = [{} for _ in range(self._period or 1)]
+        # Paged: every member has the block ids of its growth through this tick (settle_all)
+        # NOTE: <= _grown_through; a member owes blocks only for ticks of its class after it.
+        self._settled_through = 0
         # Other managers: tick -> (member, epoch) pairs that outgrow their slots at that tick.
         # NOTE: entries of members that left (epoch changed) are stale and skipped.
         self._due: dict[int, list[tuple[Request, int]]] = {}
@@ -55,6 +60,7 @@ class DecodeCohort(Cohort):
         self._first_due[request] = first_due
         if self._period is not None:
             self._due_count[first_due % self._period] += 1
+            self._due_class[first_due % self._period][request] = None
         else:
             self._due.setdefault(first_due, []).append((request, request.cohort_epoch))
 
@@ -72,6 +78,7 @@ class DecodeCohort(Cohort):
         first_due = self._first_due.pop(request)
         if self._period is not None:
             self._due_count[first_due % self._period] -= 1
+            del self._due_class[first_due % self._period][request]
         super().remove(request)
 
     def granted_slots(self, request: Request) -> int:
@@ -92,6 +99,18 @@ class DecodeCohort(Cohort):
         token it has been granted has a physical slot."""
         if self._period is not None:
             self.kv.settle_blocks(request, self._owed_slots(request) // self.kv.block_size)
+
+    def settle_all(self) -> None:
+        """``settle`` every member that owes blocks: those of the residue classes of the ticks grown
+        since the last call (all of them after a period or more)."""
+        period, grown = self._period, self._grown_through
+        if period is None or grown <= self._settled_through:
+            return
+        ticks = range(self._settled_through + 1, grown + 1)
+        for residue in range(period) if len(ticks) >= period else (t % period for t in ticks):
+            for member in self._due_class[residue]:
+                self.settle(member)
+        self._settled_through = grown
 
     # --- KV growth -----------------------------------------------------------------------------
     def blocks_due(self, tick: int) -> int:
@@ -133,6 +152,7 @@ class DecodeCohort(Cohort):
         if self._grown_through > self.ticks:
             assert not self.members or self.blocks_due(self._grown_through) == 0
             self._grown_through = self.ticks
+            self._settled_through = min(self._settled_through, self.ticks)
 
     def grow_through(self, last_tick: int) -> list[int]:
         """Reserve the growth of every tick after the last grown one up to ``last_tick``; returns the
@@ -204,3 +224,11 @@ class DecodeCohort(Cohort):
         owed = sum(self._owed_slots(r) for r in self.members) // self.kv.block_size
         assert owed == self.kv._owed_blocks, (owed, self.kv._owed_blocks)
         assert sum(self._due_count) == len(self.members)
+        assert self._due_count == [len(c) for c in self._due_class]
+        assert all(r in self._due_class[due % self._period] for r, due in self._first_due.items())
+        assert self._settled_through <= self._grown_through
+        # a member owes blocks only for ticks of its class grown after the last settle_all
+        for r, due in self._first_due.items():
+            if self._owed_slots(r) >= self.kv.block_size:
+                last_due = due + (self._grown_through - due) // self._period * self._period
+                assert last_due > self._settled_through, (r, due, self._settled_through)
