@@ -98,3 +98,12 @@ def test_the_model_uses_pytorch_off_cuda():
     fused = fused_ops.add_rms_norm(x[:, 0], residual, weight, 1e-6)
     for got, want in zip(fused, fused_ops.add_rms_norm_torch(x[:, 0], residual, weight, 1e-6), strict=True):
         assert torch.equal(got, want)
+
+
+def test_a_bad_value_of_the_fused_kernels_switch_is_refused_when_a_model_loads(monkeypatch):
+    from sloserve.core.errors import ConfigError
+    from sloserve.engine.loader import load_model
+
+    monkeypatch.setenv("SLOSERVE_FUSED_KERNELS", "yes")
+    with pytest.raises(ConfigError, match="SLOSERVE_FUSED_KERNELS must be 0 or 1, got 'yes'"):
+        load_model("random:tiny-llama")

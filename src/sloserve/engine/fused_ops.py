@@ -17,9 +17,10 @@ multiply-add (one rounding less).
 ``ENABLED``, PyTorch elsewhere. Tests run the kernels on the CPU in Triton's interpreter
 (``rotary_triton``, ``silu_and_mul_triton``, ``add_rms_norm_triton``) against the PyTorch forms.
 
-NOTE: off unless ``SLOSERVE_FUSED_KERNELS=1`` is in the environment: written without a GPU
-(2026-11-27), they are checked in Triton's interpreter only; they become the default once a GPU session
-has run them against the references and timed them (``benchmarks/gpu_session.sh``, which turns them on).
+NOTE: off unless ``SLOSERVE_FUSED_KERNELS=1`` is in the environment (``load_model`` refuses a value
+other than 0 or 1): written without a GPU (2026-11-27), they are checked in Triton's interpreter only;
+they become the default once a GPU session has run them against the references and timed them
+(``benchmarks/gpu_session.sh``, which turns them on).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from sloserve.engine.models import (
     init_random_,
     load_weights,
 )
+from sloserve.engine.switches import switch
 from sloserve.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -110,6 +111,9 @@ def load_model(
     ``cuda_graphs``: engines on this model replay decode-only steps as CUDA graphs (``check_cuda_graphs``);
     ``None`` (the default): wherever they are supported, that is on CUDA with the Triton backend."""
     dev = resolve_device(device)
+    # NOTE: fused_ops reads this switch at import (every kernel call checks ENABLED): a bad value is
+    # refused here, when a model is loaded, as the other switches are when their part is built
+    switch("SLOSERVE_FUSED_KERNELS")
     path = Path(model).expanduser()
     checkpoint = None
     if model.startswith(RANDOM_PREFIX):
