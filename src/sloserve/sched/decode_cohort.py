@@ -4,8 +4,8 @@ A ``Cohort`` (sched/lockstep.py) advances its members' counters in O(1) per tick
 what the scheduler needs on top: reserving the KV its members grow into, also in O(1) per tick:
 
 - paged managers (one block every block_size tokens): a member needs a new block every block_size
-  ticks, at ticks of one residue class modulo block_size, so the cohort keeps only how many members
-  are in each class and reserves blocks by count; a member's block ids are assigned when it leaves
+  ticks, at ticks of one residue class modulo block_size, so the cohort keeps the members of each
+  class and reserves blocks by their count; a member's block ids are assigned when it leaves
   (``settle``) or when the engine reads the members' slots (``settle_all``: only the classes whose
   ticks were grown since it last did, about one member in block_size a step).
 - other managers (reservations): a calendar of the tick at which each member outgrows its
@@ -34,8 +34,7 @@ class DecodeCohort(Cohort):
         self._first_due: dict[Request, int] = {}
         self._grown_through = 0  # last tick whose KV growth has been reserved
         self._period = kv.growth_period
-        # Paged: members due at ticks t with t % period == r, per residue r: how many, and which
-        self._due_count = [0] * (self._period or 1)
+        # Paged: the members due at ticks t with t % period == r, per residue r
         self._due_class: list[dict[Request, None]] = [{} for _ in range(self._period or 1)]
         # Paged: every member has the block ids of its growth through this tick (settle_all)
         # NOTE: <= _grown_through; a member owes blocks only for ticks of its class after it.
@@ -59,7 +58,6 @@ class DecodeCohort(Cohort):
         assert 0 < first_due - self._grown_through <= (self._period or first_due), request
         self._first_due[request] = first_due
         if self._period is not None:
-            self._due_count[first_due % self._period] += 1
             self._due_class[first_due % self._period][request] = None
         else:
             self._due.setdefault(first_due, []).append((request, request.cohort_epoch))
@@ -77,7 +75,6 @@ class DecodeCohort(Cohort):
             self.settle(request)
         first_due = self._first_due.pop(request)
         if self._period is not None:
-            self._due_count[first_due % self._period] -= 1
             del self._due_class[first_due % self._period][request]
         super().remove(request)
 
@@ -116,7 +113,7 @@ class DecodeCohort(Cohort):
     def blocks_due(self, tick: int) -> int:
         """New blocks the members need to process their token at ``tick``."""
         if self._period is not None:
-            return self._due_count[tick % self._period]
+            return len(self._due_class[tick % self._period])
         return sum(self.kv.blocks_needed(r, r.computed_offset + tick) for r in self._due_members(tick))
 
     def due_members(self, tick: int) -> list[Request]:
@@ -133,7 +130,7 @@ class DecodeCohort(Cohort):
         if tick <= self._grown_through:
             return True
         if self._period is not None:
-            due = self._due_count[tick % self._period]
+            due = len(self._due_class[tick % self._period])
             if due and not self.kv.reserve_blocks(due):  # most ticks need no new block
                 return False
         else:
@@ -162,7 +159,7 @@ class DecodeCohort(Cohort):
         """
         first = self._grown_through + 1
         if self._period is not None:
-            counts, period = self._due_count, self._period
+            counts, period = [len(c) for c in self._due_class], self._period
             # Tick t needs counts[t % period]: the counts from first's residue on, cycled (list
             # operations in C rather than a Python loop per tick).
             start, num_ticks = first % period, last_tick + 1 - first
@@ -199,7 +196,7 @@ class DecodeCohort(Cohort):
         per_period = len(self.members)
         if per_period * -(-limit // period) <= free_blocks:
             return limit  # the common case: room for whole periods covering the limit
-        counts = [self._due_count[(first_tick + i) % period] for i in range(period)]
+        counts = [len(self._due_class[(first_tick + i) % period]) for i in range(period)]
         full, remaining = divmod(free_blocks, per_period)
         extra = 0
         for count in counts:
@@ -223,8 +220,7 @@ class DecodeCohort(Cohort):
             return
         owed = sum(self._owed_slots(r) for r in self.members) // self.kv.block_size
         assert owed == self.kv._owed_blocks, (owed, self.kv._owed_blocks)
-        assert sum(self._due_count) == len(self.members)
-        assert self._due_count == [len(c) for c in self._due_class]
+        assert sum(len(c) for c in self._due_class) == len(self.members)
         assert all(r in self._due_class[due % self._period] for r, due in self._first_due.items())
         assert self._settled_through <= self._grown_through
         # a member owes blocks only for ticks of its class grown after the last settle_all
