@@ -332,7 +332,7 @@ class EngineCore:
     def _finish_time(self, request: Request) -> float:
         """The end of the step ``request`` finished in (its news may go out during the next one), or
         now for a request the engine ends between steps (aborted, or one it could not add)."""
-        return request.finish_time if request.is_finished and not math.isnan(request.finish_time) else self.clock()
+        return request.finish_time if request.is_finished else self.clock()
 
     def publish(self, finished: list[Request]) -> None:
         """Send every live request the tokens this step gave it; release finished ones."""
