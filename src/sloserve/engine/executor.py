@@ -191,8 +191,7 @@ class EngineExecutor:
         if output.decode is not None:
             cohort = output.decode.cohort
             cohort.settle_all()  # the KV growth reserved for the members by count gets its block ids now
-            for request in cohort.members:
-                add(request, 1)
+            self._add_cohort(cohort.members, tokens, positions, decodes, samplers, aborted)
         self.during_forward_exposed_s = 0.0
         if tokens:
             # NOTE: built before the forward pass: a copy to the device after its launch waits for it
@@ -230,6 +229,30 @@ class EngineExecutor:
             if seq.finish_reason is not None:
                 finished.append(request)
         return StepResult(step_end_times=(now + elapsed,), finished=finished, sampled_token_ids=sampled_ids)
+
+    def _add_cohort(
+        self,
+        members: collections.abc.Collection[Request],
+        tokens: list[int],
+        positions: list[int],
+        decodes: list[tuple[int, Request]],
+        samplers: list[tuple[Request, int]],
+        aborted: list[Request],
+    ) -> None:
+        """``execute``'s ``add(request, 1)`` for every member of the decode cohort, a list at a time.
+
+        NOTE: a member processes one token, its last known one (num_tokens_to_process is 1), and
+        samples; its prompt is done, so it has no prompt position to score."""
+        running = [r for r in members if not r.aborted]
+        if len(running) < len(members):
+            aborted.extend(r for r in members if r.aborted)
+        sequences = self.sequences
+        starts = [r.num_computed_tokens for r in running]
+        flat = range(len(tokens), len(tokens) + len(running))
+        tokens.extend([sequences[r].token_ids[start] for r, start in zip(running, starts)])
+        positions.extend(starts)
+        decodes.extend(zip(flat, running))
+        samplers.extend(zip(running, flat))
 
     def _overlap(self, host_work: Callable[[], None]) -> None:
         """Run ``host_work`` while the forward pass just launched computes; keep the part of its time
@@ -308,7 +331,7 @@ class EngineExecutor:
         # NOTE: the decodes' context tables are built at once, as block ids (a batch of hundreds of
         # long contexts is a block size smaller that way); the device expands them to slots.
         g = self.kv.table_block_size
-        lengths = np.array([r.num_computed_tokens + 1 for _, r in decodes], dtype=np.int64)  # (B,)
+        lengths = np.array([positions[i] + 1 for i, _ in decodes], dtype=np.int64)  # (B,) each decode's context
         if decodes:
             block_ids = self.kv.block_id_tables([r for _, r in decodes], lengths)  # (B, >= max context / g)
             last = lengths - 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -95,17 +96,19 @@ class SamplingParams:
         """The token ids these params name (logit_bias, stop_token_ids): each must be in the vocabulary."""
         return [*(self.logit_bias or {}), *self.stop_token_ids]
 
-    @property
+    # NOTE: cached (in the instance's __dict__, which the frozen dataclass leaves to them): the executor
+    # reads these for every row of every step
+    @cached_property
     def penalizes(self) -> bool:
         """Whether a repetition, frequency or presence penalty is set."""
         return self.repetition_penalty != 1 or bool(self.frequency_penalty or self.presence_penalty)
 
-    @property
+    @cached_property
     def controls_scores(self) -> bool:
         """Whether any control changes the scores (``apply_controls`` has work for it)."""
         return bool(self.min_tokens or self.logit_bias) or self.penalizes
 
-    @property
+    @cached_property
     def greedy(self) -> bool:
         return self.temperature == 0
 
