@@ -22,7 +22,6 @@ import argparse
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,17 +30,11 @@ import time
 import numpy as np
 import openai
 
-from sloserve.bench.client import run_benchmark, synthetic_prompts, wait_until_ready
+from sloserve.bench.client import free_loopback_port, run_benchmark, synthetic_prompts, wait_until_ready
 from sloserve.core.request import SLO
 from sloserve.metrics.summary import request_table
 from sloserve.runs import fresh_request
 from sloserve.workload import workload_from_trace
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(args, scheduler: str, port: int, data_dir: str) -> subprocess.Popen:
@@ -125,7 +118,7 @@ def be_tokens(client: openai.OpenAI, batch_id: str) -> int:
 
 
 def run_scheduler(args, scheduler: str, vocab_size: int, content: bytes) -> dict[str, dict[str, float]]:
-    port = free_port()
+    port = free_loopback_port()
     base_url = f"http://127.0.0.1:{port}/v1"
     with tempfile.TemporaryDirectory(prefix="sloserve-batch-bench-") as data_dir:
         proc = start_server(args, scheduler, port, data_dir)

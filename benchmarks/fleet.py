@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from serve_overhead import free_port, workload  # NOTE: its loads, so that the two benchmarks compare
-from sloserve.bench.client import run_benchmark, synthetic_prompts, wait_until_ready
+from serve_overhead import workload  # NOTE: its loads, so that the two benchmarks compare
+from sloserve.bench.client import free_loopback_port, run_benchmark, synthetic_prompts, wait_until_ready
 from sloserve.metrics.summary import request_table
 from sloserve.runs import fresh_request
 
@@ -73,7 +73,7 @@ def served(args, port: int, requests) -> dict[str, float]:
 
 
 def run(args, replicas: int, loads: dict) -> dict[str, dict[str, float]]:
-    port = free_port()
+    port = free_loopback_port()
     proc = start_server(args, port, replicas)
     try:
         return {name: served(args, port, requests) for name, requests in loads.items()}

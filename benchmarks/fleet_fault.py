@@ -28,8 +28,8 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleet import fleet_arguments, start_server
-from serve_overhead import free_port, workload
-from sloserve.bench.client import run_benchmark, synthetic_prompts
+from serve_overhead import workload
+from sloserve.bench.client import free_loopback_port, run_benchmark, synthetic_prompts
 from sloserve.fleet.replica import local_replica_pids
 from sloserve.runs import fresh_request
 
@@ -86,7 +86,7 @@ def main() -> None:
     requests = [fresh_request(r) for r in workload(args, False, args.num_requests)]
     prompts = synthetic_prompts(requests, 256, args.seed)
     log = Path(tempfile.mkdtemp(prefix="sloserve-fleet-fault-")) / "requests.jsonl"
-    port = free_port()
+    port = free_loopback_port()
     proc = start_server(args, port, 2, ["--request-log", str(log)])
     try:
         report: dict = {}

@@ -20,7 +20,7 @@ from pathlib import Path
 from fidelity import figure, simulate, sloserve
 from fleet import start_server
 from serve_fidelity import profile
-from serve_overhead import free_port
+from sloserve.bench.client import free_loopback_port
 from sloserve.router import ROUTERS
 
 FIGURES = [
@@ -67,7 +67,7 @@ def main() -> None:
                 "--slo-tpot", str(args.slo_tpot), "--max-model-len", str(args.max_model_len)]  # fmt: skip
     rows = {}
     for router in args.routers.split(","):
-        port = free_port()
+        port = free_loopback_port()
         args.router = router  # NOTE: start_server reads it
         proc = start_server(args, port, 2)
         try:

@@ -37,7 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from fidelity import figure, simulate, sloserve
-from serve_overhead import free_port, start_server
+from serve_overhead import start_server
+from sloserve.bench.client import free_loopback_port
 
 METRICS = [
     ("throughput req/s", "throughput_rps", None),
@@ -117,7 +118,7 @@ def main() -> None:
     preset = out / "preset.json"
     print(profile(args, engine, preset))
 
-    port = free_port()
+    port = free_loopback_port()
     request_log = out / "request-log.jsonl"
     request_log.unlink(missing_ok=True)
     proc = start_server(args, port, ("--request-log", str(request_log)))

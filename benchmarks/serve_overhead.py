@@ -25,24 +25,17 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 
-from sloserve.bench.client import run_benchmark, synthetic_prompts, wait_until_ready
+from sloserve.bench.client import free_loopback_port, run_benchmark, synthetic_prompts, wait_until_ready
 from sloserve.engine.llm_engine import LLMEngine, run_requests
 from sloserve.engine.loader import load_model
 from sloserve.engine.sampler import SamplingParams
 from sloserve.metrics.summary import request_table
 from sloserve.workload import workload_from_trace
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def workload(args, offline: bool, num_requests: int):
@@ -203,7 +196,7 @@ def main() -> None:
         import torch
 
         torch.cuda.empty_cache()
-    port = free_port()
+    port = free_loopback_port()
     proc = start_server(args, port)
     if args.pin:
         os.sched_setaffinity(0, {1})

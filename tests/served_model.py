@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import threading
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ import uvicorn
 
 from hf_models import VOCAB, hf_model
 from sloserve import LLM, SamplingParams
+from sloserve.bench.client import free_loopback_port
 from sloserve.engine.engine_core import EngineSpec
 from sloserve.server.serve import ServeOptions, make_app
 
@@ -75,12 +75,6 @@ def make_chat_model(path: Path) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """``make_app`` under a real uvicorn in a thread, on a free loopback port."""
 
@@ -88,7 +82,7 @@ class Server:
         self, model_dir: Path, scheduler: str = "vllm", kv_capacity_tokens: int | None = 4096, **options
     ) -> None:
         spec = EngineSpec(str(model_dir), scheduler, kv_capacity_tokens=kv_capacity_tokens)
-        self.port = free_port()
+        self.port = free_loopback_port()
         self.app = make_app(spec, ServeOptions(port=self.port, served_model_name=MODEL, **options))
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -111,13 +111,13 @@ def test_a_data_dir_of_an_older_version_gets_owners(tmp_path):
 
 
 def test_serve_warns_when_open_beyond_this_machine_and_names_models_by_their_directory(chat_model_dir):
-    from served_model import free_port
+    from sloserve.bench.client import free_loopback_port
 
     """The warning comes before anything else (here a bad --rt-ttft-ms ends the start); the default
     model name is the directory's name, not its path."""
     proc = subprocess.run(
         [sys.executable, "-m", "sloserve.cli", "serve", "--model", str(chat_model_dir), "--host", "0.0.0.0",
-         "--port", str(free_port()), "--rt-ttft-ms", "-1"],
+         "--port", str(free_loopback_port()), "--rt-ttft-ms", "-1"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2

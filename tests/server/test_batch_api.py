@@ -21,8 +21,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("multipart")
 
-from served_model import CORPUS, MODEL, Server, free_port, generate
-from sloserve.bench.client import wait_until_ready
+from served_model import CORPUS, MODEL, Server, generate
+from sloserve.bench.client import free_loopback_port, wait_until_ready
 from sloserve.server.batch_api import BatchLimits
 from sloserve.server.batch_store import FINAL
 
@@ -338,7 +338,7 @@ def test_a_server_killed_mid_batch_finishes_it_after_a_restart_each_line_once(tm
     """SIGKILL while lines run, then SIGTERM, each followed by a server on the same data dir: every
     custom_id exactly once in the output, no line answered before the kill runs again, the lines
     running at the kill run again."""
-    port = free_port()
+    port = free_loopback_port()
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
     proc = _start_serve(tmp_path, port)
     try:

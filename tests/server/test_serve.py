@@ -30,8 +30,8 @@ from hypothesis import strategies as st
 
 from helpers import llama7b_cost
 from hf_models import VOCAB
-from served_model import CORPUS, MODEL, Server, free_port, generate
-from sloserve.bench.client import wait_until_ready
+from served_model import CORPUS, MODEL, Server, generate
+from sloserve.bench.client import free_loopback_port, wait_until_ready
 from sloserve.server.chat_template import ChatTemplate
 from sloserve.workload.traces import load_trace
 
@@ -354,10 +354,25 @@ def test_serve_refuses_an_unsupported_architecture_in_one_line(tmp_path):
     from sloserve.cli import main
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 64}))
-    result = CliRunner().invoke(main, ["serve", "--model", str(tmp_path), "--port", str(free_port())])
+    result = CliRunner().invoke(main, ["serve", "--model", str(tmp_path), "--port", str(free_loopback_port())])
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
     assert "unsupported architecture 'gpt_neox'" in result.output
     assert "supported: gemma3_text, llama, mistral, opt, qwen2, qwen3" in result.output
+
+
+def test_a_port_for_a_server_is_one_no_connection_takes_meanwhile():
+    """The tests' servers bind their port seconds after it is picked (a fleet's after its replicas start):
+    one from the ephemeral range could meanwhile be the source port of one of Ray's connections (seen:
+    "address already in use"), one among Ray's worker ports a worker's."""
+    from sloserve.bench.client import EPHEMERAL_PORTS_FILE, RAY_WORKER_PORTS
+
+    with open(EPHEMERAL_PORTS_FILE) as f:
+        first_ephemeral = int(f.read().split()[0])
+    ports = {free_loopback_port() for _ in range(20)}
+    assert all(RAY_WORKER_PORTS.stop <= p < first_ephemeral for p in ports), sorted(ports)
+    assert len(ports) > 1  # picked at random: two test processes do not pick the same one
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))
 
 
 def test_bench_serve_replays_a_trace_against_the_server(server, tmp_path):
@@ -401,7 +416,7 @@ def test_bench_serve_replays_a_trace_against_the_server(server, tmp_path):
 
 
 def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):
-    port = free_port()
+    port = free_loopback_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [
@@ -554,7 +569,7 @@ def test_serve_config_serves_the_planned_deployment(tmp_path):
     )
     config = write_deployment(planned, tmp_path / "deploy.yaml", "a test")
     log = tmp_path / "requests.jsonl"
-    port = free_port()
+    port = free_loopback_port()
     command = [sys.executable, "-m", "sloserve.cli", "serve", "--config", str(config), "--model", "random:tiny-llama",
                "--port", str(port), "--request-log", str(log), "--rt-tpot-ms", "80"]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
