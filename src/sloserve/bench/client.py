@@ -271,26 +271,27 @@ def wait_until_ready(server_url: str, *, process=None, timeout_s: float = 120.0)
         time.sleep(0.1)
 
 
-# Linux's ephemeral ports, where a bind to port 0 and the source port of every outgoing connection are
-# taken from (/proc/sys/net/ipv4/ip_local_port_range; its default), and Ray's worker ports (min_worker_port
-# to max_worker_port): a server's port picked from either may be taken before the server binds it.
+# Where Linux lists its ephemeral ports, which a bind to port 0 and the source port of every outgoing
+# connection come from (32768-60999 by default), and Ray's worker ports (its min_worker_port to
+# max_worker_port): a server's port picked from either may be taken before the server binds it.
 EPHEMERAL_PORTS_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 RAY_WORKER_PORTS = range(10002, 20000)
 
 
 def free_loopback_port() -> int:
-    """A port free on 127.0.0.1 now that nothing else will take before a server started on it binds it
-    (seconds later: a fleet's server binds once its replicas are up). A port from the OS (a bind to port
-    0) would come from the ephemeral range, from which the system gives the source port of every
+    """A port free on 127.0.0.1 now, and one that nothing else takes before a server started on it binds
+    it (seconds later: a fleet's server binds once its replicas are up). A port from the OS (a bind to
+    port 0) would come from the ephemeral range, from which the system gives the source port of every
     connection opened meanwhile, and Ray's processes open hundreds on loopback. So: one between Ray's
-    worker ports and the ephemeral range."""
+    worker ports and the ephemeral range, drawn from the system's entropy (test processes that seed
+    ``random`` alike still draw different ports)."""
     try:
         with open(EPHEMERAL_PORTS_FILE) as f:
             first_ephemeral = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):  # not Linux
+    except (OSError, ValueError, IndexError):  # not Linux: its default
         first_ephemeral = 32768
     candidates = range(RAY_WORKER_PORTS.stop, first_ephemeral)
-    for port in random.sample(candidates, min(len(candidates), 200)):
+    for port in random.SystemRandom().sample(candidates, min(len(candidates), 200)):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
