@@ -149,9 +149,9 @@ def measure_host(loaded: LoadedModel, *, max_model_len: int, max_slots: int, see
     finally:
         conn.close()
         reader.wait(timeout=60)
-    per_step, per_request = fit_host_share(np.array(sizes, dtype=np.float64), np.array(host))
-    predicted = per_step + per_request * np.array(sizes)
-    error = float(np.mean(np.abs(predicted - host) / np.array(host)))
+    sizes, host = np.array(sizes, dtype=np.float64), np.array(host)  # (S,) each
+    per_step, per_request = fit_host_share(sizes, host)
+    error = float(np.mean(np.abs(per_step + per_request * sizes - host) / host))
     return HostShare(per_step, per_request, len(sizes), error)
 
 
