@@ -16,7 +16,12 @@ torch = pytest.importorskip("torch")
 
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.core.request import SLO, RequestClass  # noqa: E402
-from sloserve.engine.async_engine import AsyncLLMEngine, QueueFullError, ShuttingDownError  # noqa: E402
+from sloserve.engine.async_engine import (  # noqa: E402
+    AsyncLLMEngine,
+    EngineDeadError,
+    QueueFullError,
+    ShuttingDownError,
+)
 from sloserve.engine.detokenizer import Detokenizer  # noqa: E402
 from sloserve.engine.engine_core import AddRequest, EngineCore, EngineSpec, outputs_of  # noqa: E402
 from sloserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -295,3 +300,28 @@ def test_a_bad_value_of_the_overlap_switch_stops_the_engine_at_start_naming_it(m
     online = AsyncLLMEngine(EngineSpec("random:tiny-llama", kv_capacity_tokens=256))
     with pytest.raises(ConfigError, match="SLOSERVE_OVERLAP_PUBLISH must be 0 or 1, got 'yes'"):
         online.start()
+
+
+def test_a_killed_engine_process_ends_every_open_request_saying_how_and_refuses_new_ones():
+    """SIGKILL (what the kernel's OOM killer sends) while three requests are open: each ends with "error",
+    the engine names the signal, and a new request is refused with that reason."""
+    params = SamplingParams(max_tokens=900, temperature=0, ignore_eos=True)
+
+    async def main():
+        online = _online(kv=2048, max_queued_requests=8)
+        try:
+            served = [online.submit(prompt, params) for prompt in PROMPTS[:3]]
+            stream = served[0].__aiter__()
+            await stream.__anext__()  # the engine runs
+            online._process.kill()
+            ended = [await _collect(s) for s in served]
+            with pytest.raises(EngineDeadError) as refused:
+                online.submit(PROMPTS[3], params)
+            return ended, [s.finish_reason for s in served], str(refused.value), online
+        finally:
+            await asyncio.to_thread(online.drain, 5.0)
+
+    ended, reasons, refused, online = asyncio.run(main())
+    assert [reason for _, _, reason in ended] == ["error"] * 3 and reasons == ["error"] * 3
+    assert online.error == "the engine process was killed by SIGKILL" and online.error in refused
+    assert online.num_unfinished == 0

@@ -331,6 +331,28 @@ def test_bros_gives_rt_requests_a_lower_ttft_than_be_ones(chat_model_dir):
         server.stop()
 
 
+def test_a_killed_engine_process_is_an_error_to_its_requests_and_health_says_why(chat_model_dir):
+    """The engine process SIGKILLed (the OOM killer) mid-stream: the stream gets an error event naming the
+    signal, ``/health`` answers 503 with it (a supervisor's probe restarts the server), a new request 500."""
+    server = Server(chat_model_dir)
+    try:
+        # NOTE: the model's whole context (256 tokens), so that it is still running when killed
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 250, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            server.engine._process.kill()
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        health = httpx.get(server.url + "/health")
+        after = httpx.post(server.url + "/v1/completions", json={**body, "stream": False})
+    finally:
+        server.stop()
+    reason = "the engine process was killed by SIGKILL"
+    assert events[-1]["error"]["code"] == "engine_failed" and reason in events[-1]["error"]["message"]
+    assert health.status_code == 503 and health.json()["error"]["message"] == f"the engine failed: {reason}"
+    assert after.status_code == 500 and after.json()["error"]["code"] == "engine_failed"
+
+
 def test_serve_refuses_bad_settings_with_one_line_and_exit_2():
     from click.testing import CliRunner
 

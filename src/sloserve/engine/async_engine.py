@@ -18,6 +18,7 @@ import asyncio
 import logging
 import math
 import multiprocessing
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -45,6 +46,8 @@ log = logging.getLogger("sloserve.engine")
 # Seconds the engine process gets to start (load the model) and to stop.
 START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
+# How long a dead engine process is waited for, to say how it ended.
+EXIT_CODE_WAIT_S = 5.0
 
 
 class QueueFullError(SloserveError):
@@ -223,7 +226,7 @@ class AsyncLLMEngine:
         try:
             kind, payload = parent.recv()
         except EOFError:
-            raise ConfigError(f"the engine process exited with code {self._process.exitcode} while starting") from None
+            raise ConfigError(f"{self._exit_reason()} while starting") from None
         if kind == "failed":
             self._process.join(timeout=STOP_TIMEOUT_S)
             raise ConfigError(payload)
@@ -352,9 +355,26 @@ class AsyncLLMEngine:
                     return
         except (EOFError, OSError):
             if not self.draining:
-                self._fail(f"the engine process exited (code {self._process.exitcode if self._process else None})")
+                self._fail(self._exit_reason())
         finally:
             self._stopped.set()
+
+    def _exit_reason(self) -> str:
+        """Why the engine process's pipe closed: its exit code, or the signal that killed it (SIGKILL:
+        the kernel's OOM killer, most often)."""
+        # NOTE: the pipe closes as the process dies, a moment before it can be reaped: until then it
+        # has no exit code
+        self._process.join(timeout=EXIT_CODE_WAIT_S)
+        code = self._process.exitcode
+        if code is None:
+            return "the engine process closed its pipe and is still running"
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:  # a real-time signal: no name of its own
+                name = f"signal {-code}"
+            return f"the engine process was killed by {name}"
+        return f"the engine process exited with code {code}"
 
     def _on_step(self, outputs: list[Output], stats: EngineStats | None, replica: str = "0") -> None:
         """Hand each request its news; ``stats`` (None: none new) are ``replica``'s engine after the step."""
