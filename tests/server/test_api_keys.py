@@ -18,6 +18,7 @@ pytest.importorskip("multipart")
 from test_batch_api import completion_line, read_jsonl, upload, wait_final  # noqa: E402
 
 from served_model import MODEL, Server  # noqa: E402
+from sloserve.bench.client import free_loopback_port  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.server.auth import load_api_keys  # noqa: E402
 from sloserve.server.batch_store import SCHEMA, BatchStore  # noqa: E402
@@ -111,8 +112,6 @@ def test_a_data_dir_of_an_older_version_gets_owners(tmp_path):
 
 
 def test_serve_warns_when_open_beyond_this_machine_and_names_models_by_their_directory(chat_model_dir):
-    from sloserve.bench.client import free_loopback_port
-
     """The warning comes before anything else (here a bad --rt-ttft-ms ends the start); the default
     model name is the directory's name, not its path."""
     proc = subprocess.run(

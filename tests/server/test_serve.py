@@ -390,12 +390,10 @@ def test_a_port_for_a_server_is_one_no_connection_takes_meanwhile():
     """The tests' servers bind their port seconds after it is picked (a fleet's after its replicas start):
     one from the ephemeral range could meanwhile be the source port of one of Ray's connections (seen:
     "address already in use"), one among Ray's worker ports a worker's."""
-    from sloserve.bench.client import EPHEMERAL_PORTS_FILE, RAY_WORKER_PORTS
+    from sloserve.bench.client import RAY_WORKER_PORTS, first_ephemeral_port
 
-    with open(EPHEMERAL_PORTS_FILE) as f:
-        first_ephemeral = int(f.read().split()[0])
     ports = {free_loopback_port() for _ in range(20)}
-    assert all(RAY_WORKER_PORTS.stop <= p < first_ephemeral for p in ports), sorted(ports)
+    assert all(RAY_WORKER_PORTS.stop <= p < first_ephemeral_port() for p in ports), sorted(ports)
     assert len(ports) > 1  # picked at random: two test processes do not pick the same one
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports.pop()))

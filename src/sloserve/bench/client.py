@@ -278,6 +278,15 @@ EPHEMERAL_PORTS_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 RAY_WORKER_PORTS = range(10002, 20000)
 
 
+def first_ephemeral_port() -> int:
+    """The first port of the system's ephemeral range (Linux's setting; elsewhere its default)."""
+    try:
+        with open(EPHEMERAL_PORTS_FILE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux
+        return 32768
+
+
 def free_loopback_port() -> int:
     """A port free on 127.0.0.1 now, and one that nothing else takes before a server started on it binds
     it (seconds later: a fleet's server binds once its replicas are up). A port from the OS (a bind to
@@ -285,12 +294,7 @@ def free_loopback_port() -> int:
     connection opened meanwhile, and Ray's processes open hundreds on loopback. So: one between Ray's
     worker ports and the ephemeral range, drawn from the system's entropy (test processes that seed
     ``random`` alike still draw different ports)."""
-    try:
-        with open(EPHEMERAL_PORTS_FILE) as f:
-            first_ephemeral = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):  # not Linux: its default
-        first_ephemeral = 32768
-    candidates = range(RAY_WORKER_PORTS.stop, first_ephemeral)
+    candidates = range(RAY_WORKER_PORTS.stop, first_ephemeral_port())
     for port in random.SystemRandom().sample(candidates, min(len(candidates), 200)):
         with socket.socket() as s:
             try:
