@@ -595,7 +595,7 @@ def test_profile_fits_a_preset_that_simulate_can_use(tmp_path):
         "--out",
         str(preset),
         "--prefill-chunks",
-        "16,64,128,256",
+        "16,64,128,256,5000",
         "--context-lens",
         "0,128",
         "--batch-sizes",
@@ -608,12 +608,21 @@ def test_profile_fits_a_preset_that_simulate_can_use(tmp_path):
         str(measured),
     )
     assert proc.returncode == 0, proc.stderr
-    assert "held out" in proc.stdout and "host share" in proc.stdout
+    assert "held out" in proc.stdout and "host share" in proc.stdout and "pin down" not in proc.stdout
+    # A length the context cannot hold is named, not dropped without a word
+    assert proc.stderr.strip() == "note: --prefill-chunks 5000 not measured: longer than the context of 1024 tokens"
     # The measurements it wrote are what `fit-cost` reads; fitted on all of them, not 3 in 4.
     refit = tmp_path / "refit.json"
     proc = _cli("fit-cost", "--csv", str(measured), "--layers", "2", "--out", str(refit))
     assert proc.returncode == 0, proc.stderr
     assert json.loads(refit.read_text())["info"]["fit"]["n_rows"] == len(measured.read_text().splitlines()) - 1
+    # Decode batches alone say nothing of prefills: the fit says so
+    header, *rows = measured.read_text().splitlines()
+    decodes_only = tmp_path / "decodes.csv"
+    decodes_only.write_text("\n".join([header, *(row for row in rows if row.split(",")[2] == "0")]) + "\n")
+    proc = _cli("fit-cost", "--csv", str(decodes_only), "--layers", "2", "--out", str(tmp_path / "decodes.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert "note: the data does not pin down a_p, b_p, s_p, m_p, floor_p (left at 0)" in proc.stdout
     doc = json.loads(preset.read_text())
     assert doc["num_layers"] == 2 and doc["info"]["held_out"]["points"] >= 3
     assert doc["info"]["attention_backend"] == "torch" and doc["info"]["cuda_graphs"] is False
@@ -739,6 +748,10 @@ def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
         (
             ("profile", "--model", "random:tiny-llama", "--out", "x.json", "--batch-sizes", "a,b"),
             "--batch-sizes expects",
+        ),
+        (
+            ("profile", "--model", "random:tiny-llama", "--out", "x.json", "--batch-sizes", "0,2"),
+            "--batch-sizes expects integers >= 1, got '0,2'",
         ),
         (
             ("run", "--model", "random:tiny-llama", "--trace", "sharegpt", "--attention-backend", "flash"),

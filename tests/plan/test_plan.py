@@ -159,7 +159,7 @@ def test_an_impossible_slo_is_reported_with_the_best_reached(tmp_path):
         (("--set-grid", "block_size"), "--set-grid expects KEY=V1,V2"),
         (("--set-grid", "vllm.no_such_option=1,2"), "no_such_option"),
         (("--qps", "0"), "--qps must be > 0"),
-        (("--tp", "0"), "--tp degrees must be >= 1"),
+        (("--tp", "0"), "--tp expects integers >= 1, got '0'"),
         (("--attainment", "1.5"), "--attainment must be in (0, 1]"),
         (
             ("--model", "llama-3-70b", "--gpus", "a100", "--tp", "1"),

@@ -65,8 +65,32 @@ def fit_cost(csv_path: Path, layers: int, name: str | None, form: str, out: Path
         f"fitted {coefficients.name} ({form} form{_knee_note(coefficients)}) on {report.n_rows} batches: mean relative "
         f"error {report.mean_rel_error:.2%}, max {report.max_rel_error:.2%}; wrote {out}"
     )
+    _note_unidentified(report)
+
+
+def _note_unidentified(report) -> None:
     if report.unidentified:
         click.echo(f"note: the data does not pin down {', '.join(report.unidentified)} (left at 0)")
+
+
+def _note_beyond_context(grid_values: dict[str, tuple[int, ...]], max_model_len: int) -> None:
+    """Name the lengths given on the command line that no profiled batch within the context can have
+    (the defaults' longest are left out for a short context without a word)."""
+    context = click.get_current_context()
+    shortest_chunk = min(grid_values["prefill_chunks"])
+    limits = {  # the longest each can be, and why
+        "prefill_chunks": (max_model_len, f"longer than the context of {max_model_len} tokens"),
+        "context_lens": (
+            max_model_len - shortest_chunk,
+            f"no room left for the shortest chunk ({shortest_chunk} tokens) in the context of {max_model_len}",
+        ),
+        "decode_kv_lens": (max_model_len - 1, f"no room left for the decoded token in the context of {max_model_len}"),
+    }
+    for key, (limit, why) in limits.items():
+        beyond = [v for v in grid_values[key] if v > limit]
+        if beyond and context.get_parameter_source(key) is not click.core.ParameterSource.DEFAULT:
+            option = "--" + key.replace("_", "-")
+            click.echo(f"note: {option} {','.join(map(str, beyond))} not measured: {why}", err=True)
 
 
 def _knee_note(coefficients) -> str:
@@ -251,10 +275,10 @@ def profile_cmd(
     check_file_out(out, "--out")
     check_file_out(csv_path, "--csv")
     grid_values = dict(
-        prefill_chunks=int_list(prefill_chunks, "--prefill-chunks"),
+        prefill_chunks=int_list(prefill_chunks, "--prefill-chunks", minimum=1),
         context_lens=int_list(context_lens, "--context-lens"),
-        batch_sizes=int_list(batch_sizes, "--batch-sizes"),
-        decode_kv_lens=int_list(decode_kv_lens, "--decode-kv-lens"),
+        batch_sizes=int_list(batch_sizes, "--batch-sizes", minimum=1),
+        decode_kv_lens=int_list(decode_kv_lens, "--decode-kv-lens", minimum=1),
     )
     loaded = _load_engine_model(options)
     from sloserve.cost.profile_grid import ProfileGrid
@@ -263,6 +287,7 @@ def profile_cmd(
 
     max_len = resolve_max_model_len(loaded.config, options["max_model_len"])
     slots = options["kv_capacity_tokens"] or default_kv_capacity(loaded, max_len)
+    _note_beyond_context(grid_values, max_len)
     with ProgressBar(1, "profiling", enabled=True) as bar:
         result = profile(
             loaded,
@@ -311,3 +336,4 @@ def profile_cmd(
         )
         + f"; wrote {out}"
     )
+    _note_unidentified(report)

@@ -280,13 +280,14 @@ def scheduler_list(text: str) -> list[str]:
     return names
 
 
-def int_list(text: str, option: str) -> tuple[int, ...]:
+def int_list(text: str, option: str, minimum: int = 0) -> tuple[int, ...]:
+    """Comma-separated integers, each at least ``minimum``."""
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise ConfigError(f"{option} expects comma-separated integers, got {text!r}") from None
-    if not values or any(v < 0 for v in values):
-        raise ConfigError(f"{option} expects non-negative integers, got {text!r}")
+    if not values or any(v < minimum for v in values):
+        raise ConfigError(f"{option} expects integers >= {minimum}, got {text!r}")
     return values
 
 

@@ -211,9 +211,7 @@ def plan(
     grid = _parse_set_grid(grid_pairs, names)
     _validate_grid(grid, model, gpu_names[0], base.cost_model)
     price_table = parse_prices(prices)
-    degrees = int_list(tensor_parallel, "--tp")
-    if 0 in degrees:
-        raise ConfigError(f"--tp degrees must be >= 1, got {tensor_parallel!r}")
+    degrees = int_list(tensor_parallel, "--tp", minimum=1)
     role_schedulers = {n for n in names if supports_disaggregation(n)}
     candidates, skipped = enumerate_candidates(
         model,
