@@ -622,6 +622,8 @@ def test_serve_config_serves_the_planned_deployment(tmp_path):
     assert "disaggregate 1:2" in refused(Deployment(disaggregate="1:2"))
     assert "replicas: Input should be greater than or equal to 1" in refused("replicas: 0\n")
     assert "gpus: Extra inputs are not permitted" in refused("gpus: h100\n")
+    assert "not YAML: line 2, column 1: while parsing a flow node" in refused("model: [\n")
+    assert "prefill_token_budget must be >= 1, got -5" in refused("scheduler_options: {prefill_token_budget: -5}\n")
 
 
 def test_metrics_answer_under_vllms_names_too(server):

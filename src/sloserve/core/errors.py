@@ -18,3 +18,15 @@ class UnknownNameError(ConfigError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
+
+
+def yaml_error_message(exc: Exception) -> str:
+    """A PyYAML parse error on one line, "line L, column C: what it found" (PyYAML's own text spans
+    several lines, with an excerpt of the document)."""
+    problem = getattr(exc, "problem", None)
+    if not problem:
+        return " ".join(str(exc).split())
+    mark = getattr(exc, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    context = getattr(exc, "context", None)
+    return f"{where}{context + ': ' if context else ''}{problem}"

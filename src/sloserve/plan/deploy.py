@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from sloserve.core.errors import ConfigError
+from sloserve.core.errors import ConfigError, yaml_error_message
 
 
 class PlannedSlo(BaseModel):
@@ -101,7 +101,7 @@ def load_deployment(path: Path) -> Deployment:
     except OSError as e:
         raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"--config {path}: not YAML ({e})") from None
+        raise ConfigError(f"--config {path}: not YAML: {yaml_error_message(e)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: expected a mapping of fields (deploy.yaml from sloserve plan)")
     try:

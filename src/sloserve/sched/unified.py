@@ -77,8 +77,10 @@ class UnifiedConfig:
             raise ConfigError(f"priority must be prefill_first or decode_first, got {self.priority!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ConfigError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
-        if c < 1 or p < 1:
-            raise ConfigError(f"token budgets must be >= 1, got C={c}, P={p}")
+        if c < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {c}")
+        if p < 1:
+            raise ConfigError(f"prefill_token_budget must be >= 1, got {p}")
         if p > c:
             raise ConfigError(f"prefill_token_budget P={p} exceeds max_num_batched_tokens C={c}")
         if self.max_num_seqs < 1:

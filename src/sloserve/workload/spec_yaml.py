@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from sloserve.core.errors import ConfigError, UnknownNameError
+from sloserve.core.errors import ConfigError, UnknownNameError, yaml_error_message
 from sloserve.core.request import SLO, RequestClass
 from sloserve.workload.spec import (
     PROCESSES,
@@ -65,7 +65,7 @@ def load_workload_spec(name_or_path: str) -> WorkloadSpec:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{origin}: invalid YAML: {exc}") from exc
+        raise ConfigError(f"{origin}: invalid YAML: {yaml_error_message(exc)}") from exc
     default = Path(origin).name.removesuffix(".yaml").removesuffix(".yml")
     return parse_workload_spec(data, origin=origin, base_dir=base_dir, default_name=default)
 
