@@ -232,6 +232,23 @@ def test_bad_options_get_one_line_and_exit_2(tmp_path: Path, args: list[str], me
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
+def test_an_error_whose_text_spans_lines_is_still_one_line():
+    """A library's message inside ours (a parser's excerpt, a remote traceback) keeps the CLI's one line."""
+    import click
+    from click.testing import CliRunner
+
+    from sloserve.cli.app import Command
+    from sloserve.core.errors import ConfigError
+
+    @click.command(cls=Command)
+    def broken() -> None:
+        raise ConfigError("plan.yaml: not YAML (while parsing\n  in line 2\n\n    ^)")
+
+    result = CliRunner().invoke(broken, [])
+    assert result.exit_code == 2
+    assert result.output == "error: plan.yaml: not YAML (while parsing in line 2 ^)\n"
+
+
 def test_columns_with_a_workload_is_refused_and_prompt_output_columns_are_recognised(tmp_path: Path):
     proc = run("simulate", "--workload", "bros-sharegpt", "--columns", "prompt=a")
     assert proc.returncode == 2 and "--columns maps a --trace file's columns" in proc.stderr

@@ -12,7 +12,9 @@ from sloserve.core.errors import SloserveError
 
 
 def fail(message: str) -> None:
-    click.echo(f"error: {message}", err=True)
+    """``message`` as one line on stderr (a library's text in it may span several), then exit code 2."""
+    one_line = " ".join(part.strip() for part in message.splitlines() if part.strip())
+    click.echo(f"error: {one_line}", err=True)
     sys.exit(2)
 
 
