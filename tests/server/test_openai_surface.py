@@ -213,6 +213,26 @@ def test_choices_and_logprobs_out_of_range_are_400s_naming_the_field(server, rou
     assert server.engine.num_unfinished == 0
 
 
+def test_chat_content_as_text_parts_is_the_same_text_and_other_parts_are_400s_naming_them(server):
+    def chat(content):
+        return server.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=4, temperature=0
+        )
+
+    parts = [{"type": "text", "text": "Hello "}, {"type": "text", "text": "world"}]
+    assert chat(parts).choices[0].message.content == chat("Hello world").choices[0].message.content
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    for content, message in (
+        ([parts[0], image], "content part 1 is of type 'image_url': this server takes text parts only"),
+        (["Hello"], 'content part 0 must be an object {"type": "text", "text": "..."}'),
+        ([{"type": "text"}], 'content part 0 needs its "text" as a string'),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(content)
+        assert e.value.body["param"] == "messages.0.content", e.value.body
+        assert e.value.body["message"] == f"messages.0.content: {message}"
+
+
 def test_penalties_and_logit_bias_change_tokens_as_computed_by_hand(server, hf):
     """Greedy under frequency, presence and repetition penalties and a logit bias, against the same
     formulas applied by hand to transformers' scores at each step (vLLM's definitions)."""

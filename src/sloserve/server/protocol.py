@@ -190,6 +190,24 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # NOTE: before the union's own check, whose first complaint would be about its first member
+        # ("messages.0.content.str: Input should be a valid string" for a list with an image part)
+        if content is None or isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            raise ValueError("content must be a string or a list of text parts")
+        for i, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise ValueError(f'content part {i} must be an object {{"type": "text", "text": "..."}}')
+            if part.get("type") != "text":
+                raise ValueError(f"content part {i} is of type {part.get('type')!r}: this server takes text parts only")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f'content part {i} needs its "text" as a string')
+        return content
+
     def text(self) -> str:
         if self.content is None:
             return ""

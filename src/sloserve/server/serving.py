@@ -109,7 +109,8 @@ def validation_error(errors: list[dict[str, Any]]) -> dict[str, Any]:
     if first.get("type") == "json_invalid":
         return error_body(f"the request body is not valid JSON: {first.get('msg')}", "invalid_request_error")
     param = ".".join(str(x) for x in first.get("loc", ()) if x not in ("body", "query", "path")) or None
-    return error_body(f"{param + ': ' if param else ''}{first.get('msg')}", "invalid_request_error", param)
+    message = str(first.get("msg")).removeprefix("Value error, ")  # pydantic's prefix to a validator's words
+    return error_body(f"{param + ': ' if param else ''}{message}", "invalid_request_error", param)
 
 
 def ended_early(reason: str, engine_error: str | None) -> ErrorResponse:
