@@ -197,6 +197,10 @@ def test_best_of_returns_the_choices_with_the_highest_cumulative_logprob(server)
         ("completions", {"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
         ("completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
         ("completions", {"prompt": "hi", "stop_token_ids": [300]}, "stop_token_ids"),
+        # a union's refusal names the field, not its first member ("prompt.str: Input should be a valid string")
+        ("completions", {"prompt": [1.5]}, "prompt"),
+        ("completions", {"prompt": [[1, 2], [-1]]}, "prompt"),
+        ("completions", {"prompt": "hi", "stop": [1]}, "stop"),
     ],
 )
 def test_choices_and_logprobs_out_of_range_are_400s_naming_the_field(server, route, body, param):

@@ -75,6 +75,16 @@ class SamplingRequest(BaseModel):
     response_format: ResponseFormat | None = None
     user: str | None = None
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_forms(cls, value: Any) -> Any:
+        # NOTE: before the union's own check, whose complaint would name its first member ("stop.str: ...")
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise ValueError("must be a string or a list of strings")
+        return value
+
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
@@ -149,6 +159,19 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_forms(cls, prompt: Any) -> Any:
+        # NOTE: as ``stop``'s: the union's own complaint would be "prompt.str: Input should be a valid string"
+        def token_ids(value: Any) -> bool:
+            return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+        if isinstance(prompt, str) or token_ids(prompt):
+            return prompt
+        if isinstance(prompt, list) and (all(isinstance(p, str) for p in prompt) or all(map(token_ids, prompt))):
+            return prompt
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of such lists")
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.suffix:
@@ -198,7 +221,7 @@ class ChatMessage(BaseModel):
         if content is None or isinstance(content, str):
             return content
         if not isinstance(content, list):
-            raise ValueError("content must be a string or a list of text parts")
+            raise ValueError("must be a string or a list of text parts")
         for i, part in enumerate(content):
             if not isinstance(part, dict):
                 raise ValueError(f'content part {i} must be an object {{"type": "text", "text": "..."}}')

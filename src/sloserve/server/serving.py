@@ -417,6 +417,12 @@ class OpenAIServing:
         max_model_len = self.engine.max_model_len
         if not prompt_ids:
             raise ParameterError("prompt", f"{where} is empty")
+        vocab_size = self.engine.info.vocab_size
+        outside = [t for t in prompt_ids if not 0 <= t < vocab_size]
+        if outside:
+            raise ParameterError(
+                "prompt", f"{where} has token id {outside[0]}, outside the vocabulary [0, {vocab_size})"
+            )
         room = max_model_len - len(prompt_ids)
         if max_tokens is not None and max_tokens > room:
             raise ParameterError(
@@ -431,7 +437,6 @@ class OpenAIServing:
                 f"{where} has {len(prompt_ids)} tokens: the model's context is "
                 f"{max_model_len} tokens, which leaves none to generate",
             )
-        vocab_size = self.engine.info.vocab_size
         logit_bias = {int(token): bias for token, bias in (body.logit_bias or {}).items()}
         for name, ids in (("logit_bias", logit_bias), ("stop_token_ids", body.stop_token_ids or ())):
             outside = [t for t in ids if t >= vocab_size]
