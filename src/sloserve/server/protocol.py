@@ -77,18 +77,13 @@ class SamplingRequest(BaseModel):
 
     @field_validator("stop", mode="before")
     @classmethod
-    def _stop_forms(cls, value: Any) -> Any:
+    def _stop_list(cls, value: Any) -> Any:
         # NOTE: before the union's own check, whose complaint would name its first member ("stop.str: ...")
         if value is None or isinstance(value, str):
             return value
         if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
             raise ValueError("must be a string or a list of strings")
-        return value
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+        if len(value) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
         return value
 
