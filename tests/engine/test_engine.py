@@ -249,6 +249,12 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     shutil.copy(f"{hf_dirs['llama']}/config.json", no_weights)
     with pytest.raises(ConfigError, match=r"no \*.safetensors"):
         LLM(str(no_weights))
+    cut_off = tmp_path / "cut-off"  # a download that stopped half-way
+    shutil.copytree(hf_dirs["llama"], cut_off)
+    weights = cut_off / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ConfigError, match="model.safetensors: not a readable safetensors file .*not fully covered"):
+        LLM(str(cut_off))
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(

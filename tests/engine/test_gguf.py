@@ -125,6 +125,27 @@ def test_sloserve_run_takes_a_gguf_model():
     assert json.loads(result.stdout)["completed"] == 3
 
 
+@pytest.mark.parametrize("length", [4, 1000, 5000, 2_000_000])
+def test_a_cut_off_file_is_named_truncated_in_one_line(tmp_path, length):
+    """A download that stopped part-way: the gguf reader fails with numpy's errors (an IndexError at
+    some lengths), which must become exit 2 and one line naming the file."""
+    cut = tmp_path / "cut.gguf"
+    with GGUF_PATH.open("rb") as f:
+        cut.write_bytes(f.read(length))
+    result = CliRunner().invoke(main, ["run", "--model", str(cut), "--num-requests", "1"])
+    assert result.exit_code == 2, result.output
+    assert result.output.count("\n") == 1
+    assert f"--model {cut}: not a readable GGUF file (truncated or corrupt: {length:,} bytes;" in result.output
+
+
+def test_a_file_that_is_not_gguf_is_named_so(tmp_path):
+    other = tmp_path / "notes.gguf"
+    other.write_text("not a model\n")
+    result = CliRunner().invoke(main, ["run", "--model", str(other), "--num-requests", "1"])
+    assert result.exit_code == 2, result.output
+    assert "not a readable GGUF file (not a GGUF file;" in result.output
+
+
 @pytest.mark.parametrize(
     "scheduler,preemption_mode",
     [("vllm", "recompute"), ("vllm", "swap"), ("bros", None), ("econoserve", None)],

@@ -72,8 +72,13 @@ def _reader(path: Path):
         raise ConfigError(f"--model {path}: no such GGUF file")
     try:
         return gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"--model {path}: not a readable GGUF file ({e})") from None
+    except (ValueError, OSError, IndexError) as e:
+        # NOTE: the reader fails on a cut-off file with numpy's errors (IndexError, reshape), which
+        # say nothing of the file; a file that starts as GGUF but does not parse is named as such.
+        with path.open("rb") as f:
+            starts_as_gguf = f.read(4) == b"GGUF"
+        what = f"truncated or corrupt: {path.stat().st_size:,} bytes" if starts_as_gguf else "not a GGUF file"
+        raise ConfigError(f"--model {path}: not a readable GGUF file ({what}; the reader says: {e})") from None
 
 
 def _metadata(reader) -> dict[str, Any]:

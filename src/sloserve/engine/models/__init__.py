@@ -78,7 +78,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
 
     A parameter missing from the files (other than a tied LM head) is a ConfigError naming it.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -87,7 +87,11 @@ def load_weights(model: nn.Module, path: Path) -> None:
 
     def tensors():
         for file in files:
-            with safe_open(str(file), framework="pt", device=str(device)) as f:
+            try:
+                opened = safe_open(str(file), framework="pt", device=str(device))
+            except SafetensorError as e:  # a cut-off download fails here ("file not fully covered")
+                raise ConfigError(f"{file}: not a readable safetensors file ({e})") from None
+            with opened as f:
                 for key in f.keys():
                     yield file, key, f.get_tensor(key)
 
