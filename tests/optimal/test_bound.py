@@ -8,9 +8,11 @@ import subprocess
 import sys
 
 import pytest
+from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sloserve.cli import main
 from sloserve.core.errors import ConfigError
 from sloserve.cost import LinearCostModel, get_preset
 from sloserve.optimal import BoundProblem, latency, relaxed_bound, replay, run_heuristic, solve_bound
@@ -220,6 +222,20 @@ def test_bound_command(tmp_path):
         timeout=120,
     )
     assert refused.returncode == 2 and "--num-requests 100000 is above bound's limit of 10,000" in refused.stderr
+
+
+def test_bound_without_a_schedule_in_the_time_limit_compares_with_the_relaxation(tmp_path):
+    """CP-SAT stopped before any schedule (UNKNOWN): the heuristics are measured against the
+    relaxation, not against a NaN latency (which printed "+0.0%"), and schedule.json stays JSON."""
+    args = ["bound", "--fixed", "8,3", "--num-requests", "2", "--compare", "vllm,vllm_ef", "--out", str(tmp_path)]
+    result = CliRunner().invoke(main, [*args, "--time-limit", "1e-6"])
+    assert result.exit_code == 0, result.output
+    assert "bound: UNKNOWN in" in result.output and "no schedule within --time-limit 1e-06 s" in result.output
+    assert "+10.8% over the relaxation" in result.output  # vllm_ef: 22.264 ms against 20.086 ms
+    doc = json.loads((tmp_path / "schedule.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert doc["status"] == "UNKNOWN" and "latency_s" not in doc and not (tmp_path / "gantt.png").exists()
+    refused = CliRunner().invoke(main, [*args, "--time-limit", "0"])
+    assert refused.exit_code == 2 and "--time-limit must be > 0 seconds, got 0.0" in refused.output
 
 
 def _fewest_bins(sizes: list[int], capacity: int) -> int:

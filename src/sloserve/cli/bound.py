@@ -68,6 +68,8 @@ def bound(
         raise ConfigError("give --fixed I,O or --trace NAME")
     if num_requests < 1:
         raise ConfigError(f"--num-requests must be >= 1, got {num_requests}")
+    if not time_limit > 0:
+        raise ConfigError(f"--time-limit must be > 0 seconds, got {time_limit}")
     if num_requests > MAX_BOUND_REQUESTS:
         raise ConfigError(
             f"--num-requests {num_requests} is above bound's limit of {MAX_BOUND_REQUESTS:,} (the exact model is "
@@ -119,12 +121,20 @@ def bound(
     solved = cells <= limit
     if solved:
         result = solve_bound(problem, cost, time_limit_s=time_limit, hint=best.hint, max_cells=limit)
+        solved = bool(result.schedule)  # NOTE: UNKNOWN (time limit hit before a schedule) has none
+    if solved:
         click.echo(
             f"bound: {result.status} in {result.wall_s:.1f}s ({result.num_variables} variables): latency "
             f"{result.latency_s * 1e3:.3f} ms, best bound {result.best_bound_s * 1e3:.3f} ms, gap {result.gap:.1%}, "
             f"evictions {sum(len(b.evicted) for b in result.schedule)}"
         )
         reference, against = result.latency_s, "the bound's schedule"
+    elif cells <= limit:
+        click.echo(
+            f"bound: {result.status} in {result.wall_s:.1f}s ({result.num_variables} variables): no schedule "
+            f"within --time-limit {time_limit:g} s (a longer limit may find one)"
+        )
+        reference, against = relaxed, "the relaxation"
     else:
         # NOTE: the relaxation still bounds every heuristic; only the exact model is out of reach.
         click.echo(
@@ -143,7 +153,7 @@ def bound(
 
         out.mkdir(parents=True, exist_ok=True)
         doc = {
-            "status": result.status if solved else "NOT_SOLVED", "relaxed_bound_s": relaxed,
+            "status": result.status if cells <= limit else "NOT_SOLVED", "relaxed_bound_s": relaxed,
             "problem": {"prompts": prompts, "outputs": outputs, "arrivals": problem.arrivals,
                         "kv_capacity_tokens": capacity, "max_num_batched_tokens": budget,
                         "prefill_token_budget": prefill_budget, "num_batches": problem.num_batches},
