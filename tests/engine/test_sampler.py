@@ -1,4 +1,5 @@
-"""The sampler: greedy rows, the distribution of sampled rows (temperature, top-p), rows independent."""
+"""The sampler: greedy rows, the distribution of sampled rows (temperature, min-p, top-k, top-p), rows
+independent."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -39,6 +42,67 @@ def test_top_p_keeps_the_smallest_prefix_that_reaches_it():
     np.testing.assert_allclose(freq[:2], [0.5 / 0.8, 0.3 / 0.8], atol=0.014)
     # A top_p below the largest probability keeps that token alone.
     assert _frequencies(SamplingParams(temperature=1.0, top_p=0.2), logits)[0] == 1
+
+
+def test_top_k_keeps_the_k_likeliest_and_ties_with_the_kth():
+    logits = torch.tensor(np.log(PROBS), dtype=torch.float32)
+    freq = _frequencies(SamplingParams(temperature=1.0, top_k=2), logits)
+    assert freq[2] == freq[3] == 0
+    np.testing.assert_allclose(freq[:2], [0.5 / 0.8, 0.3 / 0.8], atol=0.014)
+    assert _frequencies(SamplingParams(temperature=1.0, top_k=1), logits)[0] == 1
+    for everything in (0, -1, 4, 1000):  # 0 and -1 (vLLM's "all"), and k >= the vocabulary
+        np.testing.assert_allclose(_frequencies(SamplingParams(top_k=everything), logits), PROBS, atol=0.014)
+    tied = torch.tensor(np.log([0.4, 0.2, 0.2, 0.2]), dtype=torch.float32)
+    np.testing.assert_allclose(_frequencies(SamplingParams(top_k=2), tied), [0.4, 0.2, 0.2, 0.2], atol=0.014)
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_likeliest():
+    logits = torch.tensor(np.log(PROBS), dtype=torch.float32)
+    # 0.5 x 0.3 = 0.15: the third token (0.15) stays, the fourth (0.05) goes
+    freq = _frequencies(SamplingParams(temperature=1.0, min_p=0.3), logits)
+    assert freq[3] == 0
+    np.testing.assert_allclose(freq[:3], PROBS[:3] / 0.95, atol=0.014)
+    assert _frequencies(SamplingParams(temperature=1.0, min_p=1.0), logits)[0] == 1
+    # at temperature 2 the probabilities are flatter: the same min_p keeps all four
+    hot = PROBS**0.5 / (PROBS**0.5).sum()
+    np.testing.assert_allclose(_frequencies(SamplingParams(temperature=2.0, min_p=0.3), logits), hot, atol=0.014)
+
+
+def test_filters_apply_in_vllms_order_min_p_top_k_then_top_p_of_what_is_left():
+    probs = np.array([0.4, 0.25, 0.2, 0.1, 0.05])
+    logits = torch.tensor(np.log(probs), dtype=torch.float32)
+    # min_p 0.2 drops 0.05 (< 0.08); top_k 3 drops 0.1; top_p 0.7 of the 0.85 left is 0.595 <=
+    # 0.4 + 0.25, so two tokens stay (0.7 of the whole vocabulary's mass would keep three).
+    freq = _frequencies(SamplingParams(temperature=1.0, min_p=0.2, top_k=3, top_p=0.7), logits)
+    assert freq[2] == freq[3] == freq[4] == 0
+    np.testing.assert_allclose(freq[:2], [0.4 / 0.65, 0.25 / 0.65], atol=0.014)
+
+
+@given(
+    st.lists(st.floats(-8, 8), min_size=2, max_size=40),
+    st.floats(0.1, 3),
+    st.integers(-1, 45),
+    st.floats(0, 1),
+    st.floats(0.01, 1),
+    st.integers(0, 2**32 - 1),
+)
+@settings(max_examples=200, deadline=None)
+def test_a_filtered_token_is_one_the_filters_keep(scores, temperature, top_k, min_p, top_p, seed):
+    """Against a plain numpy reading of the rule: the token drawn is never one a filter removes."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, min_p=min_p, top_p=top_p)
+    logits = torch.tensor([scores], dtype=torch.float32)
+    token = sample(logits, [params], [np.random.default_rng(seed)])[0]
+    p = torch.softmax(logits[0] / temperature, dim=-1).double().numpy()
+    order = np.argsort(-p, kind="stable")
+    rank = int(np.nonzero(order == token)[0][0])
+    slack = 1e-5  # float32 against float64 at the boundaries
+    assert p[token] >= min_p * p.max() - slack
+    if top_k > 0:
+        assert p[token] >= np.sort(p)[::-1][min(top_k, len(p)) - 1] - slack
+    kept = p[order] * (p[order] >= min_p * p.max() - slack)
+    if top_k > 0:
+        kept = kept * (p[order] >= p[order][min(top_k, len(p)) - 1] - slack)
+    assert kept[:rank].sum() < top_p * kept.sum() + slack
 
 
 def test_greedy_rows_take_the_argmax_and_rows_do_not_depend_on_each_other():
@@ -92,6 +156,10 @@ def test_score_controls_equal_a_hand_computation():
         ("logit_bias", {3: 101.0}, r"logit_bias\[3\] must be in \[-100, 100\]"),
         ("min_tokens", 17, r"min_tokens must be in \[0, max_tokens=16\]"),
         ("stop_token_ids", (-1,), "stop_token_ids must be integers >= 0"),
+        ("top_k", -2, r"top_k must be an integer >= -1 \(0 or -1: all tokens\), got -2"),
+        ("top_k", 2.5, r"top_k must be an integer >= -1"),
+        ("min_p", 1.5, r"min_p must be in \[0, 1\], got 1.5"),
+        ("min_p", float("nan"), r"min_p must be in \[0, 1\], got nan"),
     ],
 )
 def test_controls_out_of_range_are_refused(field, value, message):

@@ -201,6 +201,8 @@ def test_best_of_returns_the_choices_with_the_highest_cumulative_logprob(server)
         ("completions", {"prompt": [1.5]}, "prompt"),
         ("completions", {"prompt": [[1, 2], [-1]]}, "prompt"),
         ("completions", {"prompt": "hi", "stop": [1]}, "stop"),
+        ("completions", {"prompt": "hi", "top_k": -2}, "top_k"),
+        ("chat", {"messages": [{"role": "user", "content": "hi"}], "min_p": 1.5}, "min_p"),
     ],
 )
 def test_choices_and_logprobs_out_of_range_are_400s_naming_the_field(server, route, body, param):
@@ -264,6 +266,26 @@ def test_penalties_and_logit_bias_change_tokens_as_computed_by_hand(server, hf):
     assert response.choices[0].logprobs.tokens == [token_text(hf, t) for t in by_hand]
     plain, _ = hf_greedy(hf, prompt_ids, 10)
     assert plain != by_hand  # the controls did change the tokens
+
+
+def test_top_k_and_min_p_sample_only_the_tokens_they_keep(server):
+    """vLLM's ``top_k`` and ``min_p`` (sent as ``extra_body``, as vLLM's clients do): every sampled
+    token is among the ``top_k`` likeliest at its position (the raw logprobs rank them: temperature
+    keeps the order), where the same seeds without ``top_k`` draw others; ``top_k`` 1 or ``min_p`` 1
+    is greedy at any temperature."""
+    common = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=8, temperature=1.5,
+                  seed=5, n=4, logprobs=True, top_logprobs=3)  # fmt: skip
+
+    def outside_top3(extra: dict) -> int:
+        """Sampled tokens less likely than the third likeliest."""
+        choices = server.client.chat.completions.create(**common, extra_body=extra).choices
+        return sum(t.logprob < t.top_logprobs[2].logprob for c in choices for t in c.logprobs.content)
+
+    assert outside_top3({}) > 0 and outside_top3({"top_k": 3}) == 0
+    greedy = server.client.chat.completions.create(**{**common, "temperature": 0, "n": 1}).choices[0]
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        sampled = server.client.chat.completions.create(**common, extra_body=extra).choices
+        assert [c.message.content for c in sampled] == [greedy.message.content] * 4, extra
 
 
 def test_min_tokens_and_stop_token_ids(server, hf):

@@ -27,8 +27,12 @@ MAX_REPETITION_PENALTY = 2.0
 class SamplingParams:
     """How to sample one request's output.
 
-    ``temperature`` 0 is greedy (vLLM's default is 1.0, and so is ours). ``seed`` makes a sampled
-    request reproducible on its own, whatever it is batched with. ``ignore_eos`` keeps generating
+    ``temperature`` 0 is greedy (vLLM's default is 1.0, and so is ours). A sampled token is drawn
+    from the softmax at ``temperature``, filtered as vLLM v1 filters it: ``min_p`` drops the tokens
+    less likely than ``min_p`` times the likeliest one, ``top_k`` keeps the ``top_k`` likeliest (0
+    or -1: all; ties with the k-th stay), then ``top_p`` keeps the smallest prefix of what is left,
+    renormalised, whose mass reaches ``top_p``. ``seed`` makes a sampled request reproducible on its
+    own, whatever it is batched with. ``ignore_eos`` keeps generating
     until ``max_tokens`` (benchmarks force output lengths this way, as the papers do).
 
     ``logprobs``: report each sampled token's log-probability and the ``logprobs`` likeliest tokens'
@@ -49,6 +53,8 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
@@ -69,6 +75,12 @@ class SamplingParams:
             raise ConfigError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ConfigError(
+                f"SamplingParams.top_k must be an integer >= -1 (0 or -1: all tokens), got {self.top_k!r}"
+            )
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS):
@@ -111,6 +123,11 @@ class SamplingParams:
     @cached_property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @cached_property
+    def filters(self) -> bool:
+        """Whether a sampled token is drawn from part of the vocabulary (min_p, top_k or top_p set)."""
+        return self.min_p > 0 or self.top_k > 0 or self.top_p < 1
 
 
 def apply_controls(
@@ -169,21 +186,22 @@ def sample(
     params: list[SamplingParams],
     generators: list[np.random.Generator | None],
 ) -> list[int]:
-    """One token per row: argmax for greedy rows; the others at temperature, then top-p (nucleus),
-    drawn by inverse CDF with one uniform number per row from the row's own host generator.
+    """One token per row: argmax for greedy rows; the others at temperature, filtered (min-p, top-k,
+    top-p: ``SamplingParams``), drawn by inverse CDF with one uniform number per row from the row's
+    own host generator.
 
-    NOTE: rows are sampled in two batches (without and with top-p), whatever their number: a loop
+    NOTE: rows are sampled in two batches (without and with filters), whatever their number: a loop
     over rows would launch about ten kernels a row, thousands a step at batch 256, longer than the
     forward pass. A row's token depends only on its logits, its params and its generator, so a
     seeded request samples the same tokens in any batch.
     """
     tokens = logits.argmax(dim=-1)  # (N,)
-    plain = [i for i, p in enumerate(params) if not p.greedy and p.top_p == 1]
-    nucleus = [i for i, p in enumerate(params) if not p.greedy and p.top_p < 1]
-    for rows, top_p in ((plain, False), (nucleus, True)):
+    plain = [i for i, p in enumerate(params) if not p.greedy and not p.filters]
+    filtered = [i for i, p in enumerate(params) if not p.greedy and p.filters]
+    for rows, filters in ((plain, False), (filtered, True)):
         if rows:
             index = torch.tensor(rows, device=logits.device)  # (R,)
-            tokens[index] = _draw(logits[index], [params[i] for i in rows], [generators[i] for i in rows], top_p)
+            tokens[index] = _draw(logits[index], [params[i] for i in rows], [generators[i] for i in rows], filters)
     return tokens.tolist()
 
 
@@ -191,24 +209,43 @@ def _draw(
     logits: torch.Tensor,  # (R, vocab)
     params: list[SamplingParams],
     generators: list[np.random.Generator | None],
-    top_p: bool,
+    filters: bool,
 ) -> torch.Tensor:  # (R,) token ids
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]  # (R, 1)
     uniform = torch.tensor([g.random() for g in generators], device=device)[:, None]  # (R, 1) in [0, 1)
     probs = torch.softmax(logits / temperature, dim=-1)  # (R, vocab)
-    if top_p:
+    if filters:
         probs, order = probs.sort(dim=-1, descending=True)  # (R, vocab)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        mass_before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(mass_before >= torch.tensor([p.top_p for p in params], device=device)[:, None], 0)
+        probs = _filter_sorted(probs, params)
     cdf = probs.cumsum(dim=-1)  # (R, vocab)
     # The first token whose CDF passes u x mass. Held below the mass (u can round to 1.0 in
     # float32), the target is always passed where the CDF rises: at a token of probability > 0.
     mass = cdf[:, -1:]
     target = torch.minimum(uniform * mass, torch.nextafter(mass, torch.zeros_like(mass)))  # (R, 1)
     pick = torch.searchsorted(cdf, target, right=True)  # (R, 1)
-    return (order.gather(1, pick) if top_p else pick)[:, 0]
+    return (order.gather(1, pick) if filters else pick)[:, 0]
+
+
+def _filter_sorted(
+    probs: torch.Tensor,  # (R, vocab) each row's probabilities at its temperature, in descending order
+    params: list[SamplingParams],
+) -> torch.Tensor:  # (R, vocab) the same with the filtered-out tokens at 0 (not renormalised)
+    """min-p, then top-k, then top-p over what is left (vLLM v1's order); a filter no row sets is
+    skipped (a top-p row alone costs no more kernels than before the others). The likeliest token
+    always stays: it passes min-p (min_p <= 1), is the first of any top-k and starts every top-p prefix."""
+    device, vocab = probs.device, probs.shape[1]
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]  # (R, 1)
+        probs = probs.masked_fill(probs < min_p * probs[:, :1], 0)
+    if any(p.top_k > 0 for p in params):  # by threshold: a token as likely as the k-th stays too (vLLM's rule)
+        kth = torch.tensor([min(p.top_k, vocab) - 1 if p.top_k > 0 else vocab - 1 for p in params], device=device)
+        probs = probs.masked_fill(probs < probs.gather(1, kth[:, None]), 0)
+    if any(p.top_p < 1 for p in params):  # the smallest prefix whose mass reaches top_p of the mass left
+        top_p = torch.tensor([p.top_p if p.top_p < 1 else math.inf for p in params], device=device)[:, None]
+        mass_before = probs.cumsum(dim=-1) - probs
+        probs = probs.masked_fill(mass_before >= top_p * probs.sum(dim=-1, keepdim=True), 0)
+    return probs
 
 
 class Logprobs(NamedTuple):

@@ -69,6 +69,8 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     # vLLM's extensions
+    top_k: int | None = Field(default=None, ge=-1)  # None, 0 or -1: every token
+    min_p: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
     repetition_penalty: float = Field(default=1.0, gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None

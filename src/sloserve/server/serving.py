@@ -452,6 +452,8 @@ class OpenAIServing:
             max_tokens=max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
+            top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0,
             seed=body.seed,
             ignore_eos=body.ignore_eos,
             logprobs=num_logprobs if num_logprobs is not None else 0 if ranked else None,
