@@ -4,6 +4,7 @@ norms) and OPT models in float32."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import shutil
@@ -209,6 +210,41 @@ def test_eos_stops_a_request(hf_dirs, tmp_path):
         [{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     )
     assert forced[0].outputs[0].token_ids == ref[0] and forced[0].outputs[0].finish_reason == "length"
+
+
+def test_stop_strings_end_a_sequence_in_the_step_that_completes_one(reference_llm):
+    """``SamplingParams.stop`` offline, as the server's ``stop``: the text ends before the first stop
+    string, the tokens end with the one that completed it, and the engine drops the sequence there."""
+    llm, prompt = reference_llm, "The quick brown fox"
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    full = llm.generate(prompt, greedy)[0].outputs[0]
+    middle = len(full.text) // 2
+    stop = full.text[middle : middle + 3]
+    assert stop.strip() and full.text.index(stop) > 0, full.text
+    out = llm.generate(prompt, dataclasses.replace(greedy, stop=["never in the text", stop], n=2))[0].outputs
+    assert [o.index for o in out] == [0, 1] and out[0].token_ids == out[1].token_ids
+    assert out[0].finish_reason == "stop" and out[0].text == full.text[: full.text.index(stop)]
+    cut = out[0].token_ids
+    assert cut == full.token_ids[: len(cut)] and len(cut) < len(full.token_ids)
+    decode = llm.tokenizer.decode
+    assert stop in decode(cut) and stop not in decode(cut[:-1])
+    assert not llm.engine.has_unfinished()
+    never = llm.generate(prompt, dataclasses.replace(greedy, stop="never in the text"))[0].outputs[0]
+    assert (never.text, never.token_ids, never.finish_reason) == (full.text, full.token_ids, "length")
+
+
+def test_n_sequences_are_the_requests_of_seeds_seed_plus_j(reference_llm):
+    """``SamplingParams.n``: each prompt's sequence j is what the prompt alone gives with seed + j
+    (vLLM's rule, as the server's ``n``)."""
+    prompts = ["Hello world", "Hi"]
+    sampled = dict(max_tokens=8, temperature=1.0, ignore_eos=True)
+    outputs = reference_llm.generate(prompts, SamplingParams(**sampled, seed=11, n=3))
+    assert [[c.index for c in o.outputs] for o in outputs] == [[0, 1, 2], [0, 1, 2]]
+    for prompt, output in zip(prompts, outputs, strict=True):
+        for j, sequence in enumerate(output.outputs):
+            alone = reference_llm.generate(prompt, SamplingParams(**sampled, seed=11 + j))[0].outputs[0]
+            assert sequence.token_ids == alone.token_ids and sequence.text == alone.text
+    assert len({tuple(c.token_ids) for c in outputs[0].outputs}) == 3
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch():

@@ -6,6 +6,7 @@ ends every accepted request."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import multiprocessing
 import time
@@ -157,7 +158,7 @@ def test_a_stop_string_ends_the_request_and_is_not_returned(overlap_publish):
                 pytest.skip("no printable pair in this random model's output")
             cut = printable[len(printable) // 2]
             stop = full[cut : cut + 2]
-            text, stopped_ids, reason = await _collect(online.submit(prompt, params, stop=(stop,)))
+            text, stopped_ids, reason = await _collect(online.submit(prompt, dataclasses.replace(params, stop=(stop,))))
             return full, stop, text, stopped_ids, ids, reason
         finally:
             await asyncio.to_thread(online.drain, 5.0)
@@ -250,7 +251,7 @@ def test_overlapped_publishing_sends_each_step_during_the_next_and_the_last_befo
     core = EngineCore(engine, time.perf_counter(), pipe, overlap_publish=True)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 40)]
     for i, (prompt, p) in enumerate(zip(PROMPTS[:2], params, strict=True)):
-        core.apply(("add", AddRequest(i, prompt, p, RequestClass.BE, SLO(), (), core.clock())))
+        core.apply(("add", AddRequest(i, prompt, p, RequestClass.BE, SLO(), core.clock())))
     sent_before_logits: list[bool] = []
     compute_logits = engine.executor.model.compute_logits
 

@@ -160,6 +160,8 @@ def test_score_controls_equal_a_hand_computation():
         ("top_k", 2.5, r"top_k must be an integer >= -1"),
         ("min_p", 1.5, r"min_p must be in \[0, 1\], got 1.5"),
         ("min_p", float("nan"), r"min_p must be in \[0, 1\], got nan"),
+        ("n", 0, "n must be an integer >= 1, got 0"),
+        ("stop", [1], r"stop must be a string or a list of strings, got \[1\]"),
     ],
 )
 def test_controls_out_of_range_are_refused(field, value, message):

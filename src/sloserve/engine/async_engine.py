@@ -264,7 +264,6 @@ class AsyncLLMEngine:
         *,
         request_class: RequestClass = RequestClass.RT,
         slo: SLO = SLO(),
-        stop: tuple[str, ...] = (),
     ) -> ServedRequest:
         """Accept a request (call from a running event loop: its deltas go to that loop). Raises
         ConfigError for a request that can never run (the message names why), QueueFullError,
@@ -291,11 +290,11 @@ class AsyncLLMEngine:
             self._scheduler.check_fits(probe, len(prompt) + params.max_tokens - 1)
             self._next_id += 1
             served = ServedRequest(request_id, arrival, prompt, params, request_class, slo, asyncio.get_running_loop())
-            served.detokenizer = Detokenizer(self.tokenizer, stop)
+            served.detokenizer = Detokenizer(self.tokenizer, params.stop)
             self._served[request_id] = served
             self._num_queued += 1
             self._num_unfinished += 1
-        self._send(("add", AddRequest(request_id, prompt, params, request_class, slo, stop, arrival)))
+        self._send(("add", AddRequest(request_id, prompt, params, request_class, slo, arrival)))
         return served
 
     def check_room(self, num_requests: int) -> None:

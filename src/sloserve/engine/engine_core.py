@@ -115,7 +115,6 @@ class AddRequest:
     params: SamplingParams  # max_tokens already cut to the context
     request_class: RequestClass
     slo: SLO
-    stop: tuple[str, ...]  # (the engine process sends tokens only; a fleet's ingress forwards these to its replica)
     arrival_time: float  # on the engine clock
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from sloserve.core.errors import ConfigError
 from sloserve.cost.base import CostModel
+from sloserve.engine.detokenizer import Detokenizer
 from sloserve.engine.llm_engine import LLMEngine
 from sloserve.engine.loader import load_model
 from sloserve.engine.sampler import Logprobs, SamplingParams, cumulative_logprob
@@ -18,9 +19,9 @@ Prompt = str | dict[str, Any]
 @dataclass
 class CompletionOutput:
     index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" (EOS) or "length" (max_tokens)
+    text: str  # with a stop string: the text before it
+    token_ids: list[int]  # with a stop string: up to the token that completed it (vLLM's)
+    finish_reason: str  # "stop" (EOS, a stop token or string) or "length" (max_tokens)
     # With SamplingParams.logprobs: each token's log-probabilities, and their sum
     logprobs: list[Logprobs] | None = None
     cumulative_logprob: float | None = None
@@ -28,9 +29,10 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """One prompt's result (vLLM's shape: ``outputs[0].token_ids`` / ``.text``)."""
+    """One prompt's result (vLLM's shape: ``outputs[0].token_ids`` / ``.text``; ``SamplingParams.n``
+    sequences in ``outputs``)."""
 
-    request_id: int
+    request_id: int  # the engine request of its first sequence
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
@@ -112,7 +114,11 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; results in input order. Every prompt is checked before any runs."""
+        """Generate for every prompt; results in input order. Every prompt is checked before any runs.
+
+        Each of a prompt's ``n`` sequences is an engine request of its own (the scheduler sees each;
+        they share the prompt's KV blocks through the prefix cache). A stop string ends its sequence
+        in the step that completes it (the engine drops it there), as the server does."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
@@ -123,25 +129,52 @@ class LLM:
         if len(params) != len(prompts):
             raise ConfigError(f"{len(params)} sampling params for {len(prompts)} prompts")
         encoded = [self._token_ids(p, i) for i, p in enumerate(prompts)]
+        tokenizer = self.loaded.tokenizer
         params = [
             self.engine.check_request(ids, p, where=f"prompt {i}")
             for i, ((_, ids), p) in enumerate(zip(encoded, params))
         ]
+        if tokenizer is None and any(p.stop for p in params):
+            raise ConfigError("stop strings need the model's tokenizer (tokenizer.json); this model has none")
         engine = self.engine
-        requests = [engine.add_request(ids, p) for (_, ids), p in zip(encoded, params, strict=True)]
+        sequences = [
+            [engine.add_request(ids, p.for_choice(j)) for j in range(p.n)]
+            for (_, ids), p in zip(encoded, params, strict=True)
+        ]
+        stops = {r: Detokenizer(tokenizer, p.stop) for rs, p in zip(sequences, params) if p.stop for r in rs}
+        watched = dict(stops)  # the sequences whose text may still hold a stop string
         while engine.has_unfinished():
             engine.step()
+            for request, detokenizer in list(watched.items()):
+                new = engine.output_token_ids(request)[len(detokenizer.token_ids) :]
+                if new:
+                    detokenizer.push(new, finished=request.is_finished)
+                if detokenizer.stopped and not request.is_finished:
+                    engine.abort(request)
+                if detokenizer.stopped or request.is_finished:
+                    del watched[request]
         outputs = []
-        for request, (text, ids) in zip(requests, encoded, strict=True):
-            seq = engine.release(request)
-            token_ids = seq.output_token_ids
-            decoded = self.loaded.tokenizer.decode(token_ids) if self.loaded.tokenizer is not None else ""
-            cumulative = None if seq.logprobs is None else cumulative_logprob(seq.logprobs)
-            completion = CompletionOutput(
-                0, decoded, token_ids, seq.finish_reason or "length", seq.logprobs, cumulative
-            )
-            prompt_logprobs = None if seq.prompt_logprobs is None else [None, *seq.prompt_logprobs]
+        for requests, (text, ids) in zip(sequences, encoded, strict=True):
+            completions = [self._completion(j, r, stops.get(r)) for j, r in enumerate(requests)]
+            prompt_logprobs = completions[0][1]
+            first = requests[0]
             outputs.append(
-                RequestOutput(request.request_id, text, ids, [completion], request.num_cached_tokens, prompt_logprobs)
+                RequestOutput(
+                    first.request_id, text, ids, [c for c, _ in completions], first.num_cached_tokens, prompt_logprobs
+                )
             )
         return outputs
+
+    def _completion(
+        self, index: int, request, detokenizer: Detokenizer | None
+    ) -> tuple[CompletionOutput, list[Logprobs | None] | None]:
+        """A finished sequence's output (its engine state released), and its prompt logprobs."""
+        seq = self.engine.release(request)
+        if detokenizer is not None and detokenizer.stopped:
+            text, reason = detokenizer.text, "stop"
+        else:
+            decoded = self.loaded.tokenizer.decode(seq.output_token_ids) if self.loaded.tokenizer is not None else ""
+            text, reason = decoded, seq.finish_reason or "length"
+        cumulative = None if seq.logprobs is None else cumulative_logprob(seq.logprobs)
+        completion = CompletionOutput(index, text, seq.output_token_ids, reason, seq.logprobs, cumulative)
+        return completion, None if seq.prompt_logprobs is None else [None, *seq.prompt_logprobs]

@@ -135,7 +135,7 @@ def measure_host(loaded: LoadedModel, *, max_model_len: int, max_slots: int, see
         for i, output_len in enumerate(np.linspace(2, longest_output, HOST_REQUESTS).astype(int)):
             prompt = rng.integers(0, loaded.config.vocab_size, size=prompt_len).tolist()
             params = SamplingParams(max_tokens=int(output_len), temperature=0.0, ignore_eos=True)
-            core.apply(("add", AddRequest(i, prompt, params, RequestClass.BE, SLO(), (), core.clock())))
+            core.apply(("add", AddRequest(i, prompt, params, RequestClass.BE, SLO(), core.clock())))
         sizes, host = [], []
         while engine.has_unfinished():
             start = time.perf_counter()

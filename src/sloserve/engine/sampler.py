@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,7 +34,10 @@ class SamplingParams:
     or -1: all; ties with the k-th stay), then ``top_p`` keeps the smallest prefix of what is left,
     renormalised, whose mass reaches ``top_p``. ``seed`` makes a sampled request reproducible on its
     own, whatever it is batched with. ``ignore_eos`` keeps generating
-    until ``max_tokens`` (benchmarks force output lengths this way, as the papers do).
+    until ``max_tokens`` (benchmarks force output lengths this way, as the papers do). ``stop``: strings
+    that end the request ("stop") when its text holds one; the text ends before it (OpenAI's rule).
+    ``n``: sequences to sample from the prompt (``LLM.generate``: each its own engine request; with a
+    ``seed``, sequence ``j`` draws from ``seed + j``, vLLM's rule).
 
     ``logprobs``: report each sampled token's log-probability and the ``logprobs`` likeliest tokens'
     (None: none; 0: the sampled token's alone). ``prompt_logprobs``: the same for every prompt token
@@ -65,10 +69,18 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # a str or a list is taken too
+    n: int = 1
     # Structured output: an llguidance grammar every sampled token must follow (structured_output.py)
     grammar: str | None = None
 
     def __post_init__(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop  # vLLM takes a str or a list
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ConfigError(f"SamplingParams.stop must be a string or a list of strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))  # NOTE: frozen (and hashable) from here
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ConfigError(f"SamplingParams.n must be an integer >= 1, got {self.n!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ConfigError(f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not 0 <= self.temperature < math.inf:  # NOTE: inf would sample uniformly, NaN nothing sensible
@@ -103,6 +115,11 @@ class SamplingParams:
                 raise ConfigError(f"SamplingParams.logit_bias[{token_id}] must be in [-100, 100], got {bias!r}")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ConfigError(f"SamplingParams.stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}")
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The params of sequence ``index`` of the ``n``: with a ``seed``, sequence j draws from
+        ``seed + j`` (vLLM's rule), so each is reproducible and differs from its siblings."""
+        return self if self.seed is None or index == 0 else dataclasses.replace(self, seed=self.seed + index)
 
     def token_ids_named(self) -> list[int]:
         """The token ids these params name (logit_bias, stop_token_ids): each must be in the vocabulary."""

@@ -176,7 +176,6 @@ class EngineReplica:
             routed.params,
             request_class=routed.request_class,
             slo=routed.slo,
-            stop=routed.stop,
         )
         engine.ingress_id[served.request_id] = ingress_id
         engine.by_ingress_id[ingress_id] = served

@@ -46,7 +46,6 @@ class RoutedRequest:
     params: SamplingParams
     request_class: RequestClass = RequestClass.RT
     slo: SLO = field(default_factory=SLO)
-    stop: tuple[str, ...] = ()
 
     def as_request(self) -> Request:
         """The request as a policy sees it: its prompt by its tokens, ``max_tokens`` for its length."""

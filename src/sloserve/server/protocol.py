@@ -107,11 +107,6 @@ class SamplingRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ParameterError("stream_options", "stream_options is only allowed with stream: true")
 
-    def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-
     def request_class(self) -> RequestClass:
         return RequestClass.BE if self.service_tier in BE_TIERS else RequestClass.RT
 

@@ -8,7 +8,6 @@ body sent online, and fails with the same error object (``error_response``).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import uuid
 from dataclasses import dataclass
@@ -378,10 +377,7 @@ class OpenAIServing:
         try:
             for ids, p in zip(prompts, params, strict=True):
                 for j in range(body.num_choices):
-                    # NOTE: choice j of a seeded request draws from seed + j (vLLM's rule): each
-                    # choice is reproducible and differs from the others
-                    seeded = p if p.seed is None or j == 0 else dataclasses.replace(p, seed=p.seed + j)
-                    served.append(self.engine.submit(ids, seeded, request_class=cls, stop=body.stop_strings(), slo=slo))
+                    served.append(self.engine.submit(ids, p.for_choice(j), request_class=cls, slo=slo))
         except BaseException:
             for s in served:
                 self.engine.abort(s)
@@ -464,6 +460,7 @@ class OpenAIServing:
             frequency_penalty=body.frequency_penalty,
             presence_penalty=body.presence_penalty,
             stop_token_ids=tuple(body.stop_token_ids or ()),
+            stop=body.stop or (),
             grammar=grammar,
         )
 
