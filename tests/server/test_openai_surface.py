@@ -203,6 +203,25 @@ def test_best_of_returns_the_choices_with_the_highest_cumulative_logprob(server)
         ("completions", {"prompt": "hi", "stop": [1]}, "stop"),
         ("completions", {"prompt": "hi", "top_k": -2}, "top_k"),
         ("chat", {"messages": [{"role": "user", "content": "hi"}], "min_p": 1.5}, "min_p"),
+        (
+            "chat",
+            {"messages": [{"role": "assistant", "content": "hi"}], "continue_final_message": True},
+            "continue_final_message",
+        ),  # add_generation_prompt is true by default
+        (
+            "chat",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "continue_final_message": True,
+                "add_generation_prompt": False,
+            },
+            "continue_final_message",
+        ),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}},
+            "chat_template_kwargs",
+        ),
     ],
 )
 def test_choices_and_logprobs_out_of_range_are_400s_naming_the_field(server, route, body, param):

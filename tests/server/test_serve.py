@@ -87,6 +87,38 @@ def test_chat_renders_the_model_template_as_transformers_does(server, reference_
         server.client.chat.completions.create(model=MODEL, messages=messages[::-1] + messages[:1], max_tokens=4)
 
 
+def test_vllms_chat_template_fields_render_as_transformers_does(server, reference_llm, chat_model_dir):
+    """``continue_final_message`` (the model goes on with an assistant answer the client began),
+    ``add_generation_prompt`` false and ``chat_template_kwargs`` (variables for the template), each
+    rendered as transformers' ``apply_chat_template`` renders it and served from those tokens."""
+    hf = transformers.AutoTokenizer.from_pretrained(chat_model_dir)
+    template = ChatTemplate.for_model(chat_model_dir)
+    begun = [{"role": "user", "content": "Hello world"}, {"role": "assistant", "content": "Hello to you"}]
+    rendered = hf.apply_chat_template(begun, continue_final_message=True, tokenize=False)
+    assert rendered.endswith("Hello to you")
+    assert template.render(begun, add_generation_prompt=False, continue_final_message=True) == rendered
+    prompt_ids = reference_llm.tokenizer.encode(rendered, add_special_tokens=False)
+    text, _ = generate(reference_llm, prompt_ids, 8)
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    response = server.client.chat.completions.create(
+        model=MODEL, messages=begun, max_tokens=8, temperature=0, extra_body=extra
+    )
+    assert response.choices[0].message.content == text and response.usage.prompt_tokens == len(prompt_ids)
+    # chat_template_kwargs reach the template, and may rename a special token, as in transformers
+    variables = {"eos_token": "<|end|>"}
+    rendered = hf.apply_chat_template(begun[:1], add_generation_prompt=False, tokenize=False, **variables)
+    assert "<|end|>" in rendered
+    assert template.render(begun[:1], add_generation_prompt=False, variables=variables) == rendered
+    response = server.client.chat.completions.create(
+        model=MODEL, messages=begun[:1], max_tokens=2, extra_body={"add_generation_prompt": False,
+                                                                    "chat_template_kwargs": variables}
+    )  # fmt: skip
+    assert response.usage.prompt_tokens == len(reference_llm.tokenizer.encode(rendered, add_special_tokens=False))
+    thinking = ChatTemplate("{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}x")
+    assert thinking.render(begun, variables={"enable_thinking": False}) == "<no-think>x"
+    assert thinking.render(begun) == "x"
+
+
 def test_32_concurrent_streams_are_all_correct(server, reference_llm):
     tokenizer = reference_llm.tokenizer
     prompts = [f"{CORPUS[i % 3][: 8 + i]} {i}" for i in range(32)]

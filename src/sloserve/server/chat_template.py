@@ -94,11 +94,35 @@ class ChatTemplate:
             return cls(FALLBACK_TEMPLATE, special_tokens=checkpoint.special_tokens())
         return cls(source, special_tokens=checkpoint.special_tokens(), from_model=True)
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt for ``messages``, ending where the assistant's answer starts."""
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        variables: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt for ``messages``, ending where the assistant's answer starts (transformers'
+        ``apply_chat_template``). ``continue_final_message``: the prompt ends with the last message's
+        content instead, for the model to go on with it (an assistant's answer begun by the client).
+        ``variables``: more for the template to read (vLLM's ``chat_template_kwargs``, e.g. Qwen3's
+        ``enable_thinking``)."""
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+            # as transformers: the request's variables may override the special tokens' names
+            text = self._template.render(
+                {**self.special_tokens, **(variables or {})},
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+            )
         except TemplateError:
             raise
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template failed on these messages: {e}") from None
+        if continue_final_message:  # cut after the last message's content, as transformers does
+            final = messages[-1]["content"]
+            if final not in text:
+                final = final.strip()
+                if final not in text:
+                    raise TemplateError("continue_final_message: the final message is not in the rendered chat")
+            text = text[: text.rindex(final) + len(final)]
+        return text

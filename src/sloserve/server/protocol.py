@@ -240,6 +240,10 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Any] | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's extensions: how the chat template renders the messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -247,6 +251,24 @@ class ChatCompletionRequest(SamplingRequest):
             raise ParameterError("tools", "tools are not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ParameterError("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ParameterError(
+                    "continue_final_message",
+                    "continue_final_message and add_generation_prompt cannot both be true (add_generation_prompt is "
+                    "true by default)",
+                )
+            if self.messages[-1].role != "assistant":
+                raise ParameterError(
+                    "continue_final_message",
+                    f"continue_final_message continues an assistant message; the last message is {self.messages[-1].role!r}",
+                )
+        taken = sorted(set(self.chat_template_kwargs or {}) & {"messages", "add_generation_prompt"})
+        if taken:
+            raise ParameterError(
+                "chat_template_kwargs",
+                f"chat_template_kwargs cannot set {', '.join(taken)}: the request's own fields do",
+            )
 
     @property
     def num_logprobs(self) -> int | None:

@@ -345,7 +345,12 @@ class OpenAIServing:
         messages = [
             {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages
         ]
-        prompt = self.chat_template.render(messages)
+        prompt = self.chat_template.render(
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            variables=body.chat_template_kwargs,
+        )
         prompt_ids = self.encode(prompt, add_special_tokens=not self.chat_template.from_model)
         return self._submit(body, [prompt_ids], body.output_cap, request_class, [""])
 
