@@ -92,6 +92,8 @@ def test_detokenizer_holds_back_a_possible_stop_string_and_cuts_it():
     assert d.push(list(b"abcE")) == "ab"  # "cE" could be the start of "END": held back
     assert d.push(list(b"N")) == "c"
     assert d.push(list(b"Dxyz")) == "" and d.stopped and d.text == "abc"
+    d = Detokenizer(tok, stop=("xyz", "END", "EN"), include_stop_str_in_output=True)  # vLLM's option
+    assert d.push(list(b"abcENDxyz")) == "abcEN" and d.stopped  # the first in the text; "EN" is done first
     d = Detokenizer(tok)
     euro = list("€".encode())  # three bytes: nothing is final until the last one
     assert d.push(euro[:1]) == "" and d.push(euro[1:2]) == "" and d.push(euro[2:]) == "€"

@@ -18,6 +18,7 @@ openai = pytest.importorskip("openai")
 from served_model import MODEL, Server  # noqa: E402
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over"]
+HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
@@ -202,28 +203,18 @@ def test_best_of_returns_the_choices_with_the_highest_cumulative_logprob(server)
         ("completions", {"prompt": [[1, 2], [-1]]}, "prompt"),
         ("completions", {"prompt": "hi", "stop": [1]}, "stop"),
         ("completions", {"prompt": "hi", "top_k": -2}, "top_k"),
-        ("chat", {"messages": [{"role": "user", "content": "hi"}], "min_p": 1.5}, "min_p"),
-        (
-            "chat",
-            {"messages": [{"role": "assistant", "content": "hi"}], "continue_final_message": True},
-            "continue_final_message",
-        ),  # add_generation_prompt is true by default
-        (
-            "chat",
-            {
-                "messages": [{"role": "user", "content": "hi"}],
-                "continue_final_message": True,
-                "add_generation_prompt": False,
-            },
-            "continue_final_message",
-        ),
-        (
-            "chat",
-            {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}},
-            "chat_template_kwargs",
-        ),
+        ("chat", {"messages": HI, "min_p": 1.5}, "min_p"),
+        # add_generation_prompt is true by default
+        ("chat", {"messages": [{"role": "assistant", "content": "hi"}], "continue_final_message": True},
+         "continue_final_message"),
+        ("chat", {"messages": HI, "continue_final_message": True, "add_generation_prompt": False},
+         "continue_final_message"),
+        ("chat", {"messages": HI, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        ("completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+        ("chat", {"messages": HI, "guided_json": {"type": "object"}}, "guided_json"),
+        ("chat", {"messages": HI, "priority": 5}, "priority"),
     ],
-)
+)  # fmt: skip
 def test_choices_and_logprobs_out_of_range_are_400s_naming_the_field(server, route, body, param):
     client = server.client.chat.completions if route == "chat" else server.client.completions
     standard = {"prompt", "messages", "n", "best_of", "stream", "max_tokens", "logprobs", "top_logprobs",
@@ -327,6 +318,34 @@ def test_min_tokens_and_stop_token_ids(server, hf):
     held = server.client.completions.create(**common, extra_body={"stop_token_ids": [stop], "min_tokens": 6}).choices[0]
     assert held.logprobs.tokens == [token_text(hf, t) for t in ids[len(prompt_ids) :]]
     assert len(held.logprobs.tokens) >= 6
+
+
+def test_vllms_unserved_fields_at_their_unused_values_are_served(server):
+    """A client that sends vLLM's extensions at their defaults (some always do) is served; another
+    value is a 400 naming the field (above)."""
+    unused = {"use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "guided_json": None, "priority": 0,
+              "spaces_between_special_tokens": True, "some_field_of_another_server": 3}  # fmt: skip
+    response = server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body=unused)
+    assert response.usage.completion_tokens == 2
+
+
+def test_vllms_stop_string_and_special_token_options(server, hf):
+    """``include_stop_str_in_output`` keeps the stop string at the end of the text; ``skip_special_tokens``
+    false shows special tokens in it (here EOS, forced by a logit bias past ``ignore_eos``)."""
+    common = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0)
+    full = server.client.completions.create(**common, extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert stop.strip(), full
+    for stream in (False, True):
+        extra = {"ignore_eos": True, "include_stop_str_in_output": True}
+        response = server.client.completions.create(**common, stop=[stop], stream=stream, extra_body=extra)
+        text = "".join(c.choices[0].text for c in response) if stream else response.choices[0].text
+        assert text == full[: full.index(stop) + len(stop)], stream
+    eos = hf[1].eos_token_id
+    forced = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0, logit_bias={str(eos): 100})
+    shown = server.client.completions.create(**forced, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert shown.choices[0].text == hf[1].eos_token * 3
+    assert server.client.completions.create(**forced, extra_body={"ignore_eos": True}).choices[0].text == ""
 
 
 PERSON = {

@@ -290,7 +290,7 @@ class AsyncLLMEngine:
             self._scheduler.check_fits(probe, len(prompt) + params.max_tokens - 1)
             self._next_id += 1
             served = ServedRequest(request_id, arrival, prompt, params, request_class, slo, asyncio.get_running_loop())
-            served.detokenizer = Detokenizer(self.tokenizer, params.stop)
+            served.detokenizer = Detokenizer.for_params(self.tokenizer, params)
             self._served[request_id] = served
             self._num_queued += 1
             self._num_unfinished += 1

@@ -7,6 +7,7 @@ render a token differently after another, e.g. SentencePiece's leading space).
 
 from __future__ import annotations
 
+from sloserve.engine.sampler import SamplingParams
 from sloserve.engine.tokenizer import Tokenizer
 
 
@@ -16,12 +17,23 @@ class Detokenizer:
     ``push(token_ids)`` appends tokens and returns the text that is now final: text that could still
     turn out to be the start of a stop string, or an incomplete UTF-8 character, is held back until
     the next token decides it. ``stopped`` is set when a stop string appeared; the text then ends
-    before it (OpenAI's rule: the stop string is not returned).
+    before it (OpenAI's rule: the stop string is not returned), or after it with
+    ``include_stop_str_in_output`` (vLLM's). ``skip_special_tokens`` (vLLM's default) leaves special
+    tokens out of the text.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        stop: tuple[str, ...] = (),
+        *,
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.text = ""  # all final text so far (stop string excluded)
         self.num_sent_chars = 0  # chars of text already returned by push
@@ -36,8 +48,9 @@ class Detokenizer:
             return ""
         self.token_ids.extend(token_ids)
         window = self.token_ids[self._prefix_offset :]
-        prefix_text = self.tokenizer.decode(self.token_ids[self._prefix_offset : self._read_offset])
-        window_text = self.tokenizer.decode(window)
+        skip = self.skip_special_tokens
+        prefix_text = self.tokenizer.decode(self.token_ids[self._prefix_offset : self._read_offset], skip)
+        window_text = self.tokenizer.decode(window, skip)
         if len(window_text) > len(prefix_text) and not window_text.endswith("\ufffd"):
             searched_from = max(0, len(self.text) - self._max_stop_chars + 1)
             self.text += window_text[len(prefix_text) :]
@@ -54,7 +67,17 @@ class Detokenizer:
         return new
 
     def _find_stop(self, searched_from: int) -> None:
-        hits = [i for i in (self.text.find(s, searched_from) for s in self.stop) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((self.text.find(s, searched_from), s) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            start, length = min(hits)  # the first in the text; of two that start there, the shorter (done first)
+            self.text = self.text[: start + length if self.include_stop_str_in_output else start]
             self.stopped = True
+
+    @classmethod
+    def for_params(cls, tokenizer: Tokenizer | None, params: SamplingParams) -> Detokenizer:
+        return cls(
+            tokenizer,
+            params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+        )

@@ -141,7 +141,7 @@ class LLM:
             [engine.add_request(ids, p.for_choice(j)) for j in range(p.n)]
             for (_, ids), p in zip(encoded, params, strict=True)
         ]
-        stops = {r: Detokenizer(tokenizer, p.stop) for rs, p in zip(sequences, params) if p.stop for r in rs}
+        stops = {r: Detokenizer.for_params(tokenizer, p) for rs, p in zip(sequences, params) if p.stop for r in rs}
         watched = dict(stops)  # the sequences whose text may still hold a stop string
         while engine.has_unfinished():
             engine.step()
@@ -173,7 +173,8 @@ class LLM:
         if detokenizer is not None and detokenizer.stopped:
             text, reason = detokenizer.text, "stop"
         else:
-            decoded = self.loaded.tokenizer.decode(seq.output_token_ids) if self.loaded.tokenizer is not None else ""
+            tokenizer, skip = self.loaded.tokenizer, seq.params.skip_special_tokens
+            decoded = tokenizer.decode(seq.output_token_ids, skip) if tokenizer is not None else ""
             text, reason = decoded, seq.finish_reason or "length"
         cumulative = None if seq.logprobs is None else cumulative_logprob(seq.logprobs)
         completion = CompletionOutput(index, text, seq.output_token_ids, reason, seq.logprobs, cumulative)

@@ -35,7 +35,9 @@ class SamplingParams:
     renormalised, whose mass reaches ``top_p``. ``seed`` makes a sampled request reproducible on its
     own, whatever it is batched with. ``ignore_eos`` keeps generating
     until ``max_tokens`` (benchmarks force output lengths this way, as the papers do). ``stop``: strings
-    that end the request ("stop") when its text holds one; the text ends before it (OpenAI's rule).
+    that end the request ("stop") when its text holds one; the text ends before it (OpenAI's rule),
+    or after it with ``include_stop_str_in_output``. ``skip_special_tokens``: leave special tokens out
+    of the text (vLLM's default).
     ``n``: sequences to sample from the prompt (``LLM.generate``: each its own engine request; with a
     ``seed``, sequence ``j`` draws from ``seed + j``, vLLM's rule).
 
@@ -70,6 +72,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # a str or a list is taken too
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     n: int = 1
     # Structured output: an llguidance grammar every sampled token must follow (structured_output.py)
     grammar: str | None = None

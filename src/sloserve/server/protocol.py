@@ -1,8 +1,8 @@
 """Request and response bodies of the OpenAI API as ``sloserve serve`` implements it (pydantic).
 
-Fields a client may send that we do not implement with a different meaning (``suffix``, tools) are
-refused with a 400 naming them; fields that change nothing here (``user``, ``metadata``) are accepted
-and ignored, as vLLM does.
+Fields a client may send that we do not implement with a different meaning (``suffix``, tools, the
+vLLM extensions of ``VLLM_FIELDS_NOT_SERVED``) are refused with a 400 naming them; fields that change
+nothing here (``user``, ``metadata``) are accepted and ignored, as vLLM does.
 """
 
 from __future__ import annotations
@@ -21,6 +21,29 @@ BE_TIERS = frozenset({"flex"})
 MAX_STOP_STRINGS = 16
 # The most choices one request may ask for (``n``, ``best_of``): OpenAI's limit on ``n``.
 MAX_CHOICES = 128
+# vLLM's request fields this server does not implement, with the values that mean "unused" (null
+# always does), and what to use instead: a request that sets another value is refused, not served
+# as if the field were absent.
+VLLM_FIELDS_NOT_SERVED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False,), ""),
+    "length_penalty": ((1, 1.0), ""),
+    "bad_words": (([],), "logit_bias -100 bans single tokens"),
+    "allowed_token_ids": ((), "logit_bias"),
+    "logits_processors": (([],), ""),
+    "truncate_prompt_tokens": ((), ""),
+    "prompt_logprobs": ((), "completions: echo with logprobs"),
+    "return_tokens_as_token_ids": ((False,), ""),
+    "spaces_between_special_tokens": ((True,), ""),
+    "guided_json": ((), "response_format json_schema"),
+    "guided_regex": ((), ""),
+    "guided_choice": ((), ""),
+    "guided_grammar": ((), ""),
+    "structured_outputs": ((), "response_format"),
+    "echo": ((False,), "completions' echo"),  # chat's (completions declare their own)
+    "chat_template": ((), ""),
+    "documents": ((), ""),
+    "priority": ((0,), "service_tier: flex for best-effort, or the slo field"),
+}
 
 
 class StreamOptions(BaseModel):
@@ -52,7 +75,7 @@ class ResponseFormat(BaseModel):
 class SamplingRequest(BaseModel):
     """The fields completions and chat share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # NOTE: kept to check against VLLM_FIELDS_NOT_SERVED, else unused
 
     model: str
     temperature: float = Field(default=1.0, ge=0, le=2, allow_inf_nan=False)
@@ -74,6 +97,8 @@ class SamplingRequest(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     user: str | None = None
 
@@ -91,6 +116,12 @@ class SamplingRequest(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse, naming the field, what this server would otherwise silently do differently."""
+        for name, value in (self.model_extra or {}).items():
+            unused, instead = VLLM_FIELDS_NOT_SERVED.get(name, (None, ""))
+            if unused is not None and value is not None and value not in unused:
+                raise ParameterError(
+                    name, f"{name} (vLLM's extension) is not supported" + (f"; use {instead}" if instead else "")
+                )
         for token, bias in (self.logit_bias or {}).items():
             if not token.isdigit():
                 raise ParameterError("logit_bias", f"logit_bias keys are token ids, got {token!r}")

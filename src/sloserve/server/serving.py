@@ -466,6 +466,8 @@ class OpenAIServing:
             presence_penalty=body.presence_penalty,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             stop=body.stop or (),
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
             grammar=grammar,
         )
 
