@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 
 import pytest
 
@@ -403,6 +404,52 @@ def test_json_schema_outputs_always_validate(server):
         else:
             assert choice.text.startswith("{")
     assert closed > 0
+
+
+def test_vllms_structured_outputs_choice_regex_grammar_and_json(server):
+    """vLLM's ``structured_outputs`` (and its older ``guided_*`` fields): every sampled output, at
+    temperature 1 from a random model, is one of the choices, matches the regex whole, is a sentence
+    of the Lark grammar, or validates against the schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    choices = ["positive", "negative", 'a "quoted"\nanswer', "ünïcode"]
+    common = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=1.0, seed=3, n=6)
+
+    def outputs(extra: dict) -> list[str]:
+        answer = server.client.completions.create(**common, extra_body=extra).choices
+        assert all(c.finish_reason == "stop" for c in answer), [c.text for c in answer]
+        return [c.text for c in answer]
+
+    for extra in ({"structured_outputs": {"choice": choices}}, {"guided_choice": choices}):
+        assert set(outputs(extra)) <= set(choices)
+    regex = r"[0-9]{2,4}-[a-z]{1,3}"
+    for extra in ({"structured_outputs": {"regex": regex}}, {"guided_regex": regex}):
+        assert all(re.fullmatch(regex, text) for text in outputs(extra))
+    grammar = 'start: item ("," item)*\nitem: "x" | "yy"'
+    assert all(re.fullmatch(r"(x|yy)(,(x|yy))*", text) for text in outputs({"guided_grammar": grammar}))
+    for extra in ({"structured_outputs": {"json": PERSON}}, {"guided_json": json.dumps(PERSON)}):
+        common["max_tokens"] = 96
+        for text in outputs(extra):
+            jsonschema.validate(json.loads(text), PERSON)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "message"),
+    [
+        ({"guided_regex": "("}, "guided_regex", "the regular expression cannot be compiled: .*unclosed group"),
+        ({"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs", 'unknown name: "foo"'),
+        ({"guided_choice": []}, "guided_choice", "at least one string"),
+        ({"guided_json": "{not json"}, "guided_json", "the JSON schema is not valid JSON"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex",
+         "one structured output per request: response_format and guided_regex"),
+        ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs", "one structured output"),
+        ({"structured_outputs": {"choices": ["a"]}}, "structured_outputs.choices", "Extra inputs are not permitted"),
+    ],
+)  # fmt: skip
+def test_structured_outputs_that_cannot_be_served_are_400s_naming_the_field(server, extra, param, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body=extra)
+    assert e.value.body["param"] == param and re.search(message, e.value.message), e.value.body
+    assert "\n" not in e.value.message
 
 
 def test_a_schema_the_grammar_library_refuses_is_a_400_naming_it(server):

@@ -1,5 +1,6 @@
-"""Structured output: a grammar (a JSON schema, any JSON object) constrains every token a request
-samples, through llguidance (the grammar library vLLM offers as its ``guidance`` backend).
+"""Structured output: a grammar (a JSON schema, any JSON object, a regular expression, a choice of
+strings, a Lark grammar) constrains every token a request samples, through llguidance (the grammar
+library vLLM offers as its ``guidance`` backend).
 
 Each request with a grammar has a matcher. Before a step samples, each such row's matcher fills a
 bitmask of the tokens that keep the output a prefix of a sentence of the grammar; the scores of the
@@ -13,6 +14,7 @@ or a GGUF file has one); ``random:`` models, with their byte tokenizer, have non
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -38,9 +40,40 @@ def json_grammar(schema: dict[str, Any] | None) -> str:
         )
     except (ValueError, TypeError) as e:
         raise ConfigError(f"the JSON schema cannot be compiled: {e}") from None
+    return _validated(grammar, "the JSON schema")
+
+
+def regex_grammar(regex: str) -> str:
+    """The grammar of the texts that match ``regex`` whole (Rust regex syntax, as llguidance's)."""
+    from llguidance import LLMatcher
+
+    return _validated(LLMatcher.grammar_from_regex(regex), "the regular expression")
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """The grammar of exactly one of ``choices`` (vLLM's guided choice)."""
+    from llguidance import LLMatcher
+
+    if not choices:
+        raise ConfigError("the choice needs at least one string")
+    # NOTE: JSON string literals are Lark's: quotes, backslashes and newlines arrive escaped
+    alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+    return _validated(LLMatcher.grammar_from_lark(f"start: {alternatives}"), "the choice")
+
+
+def lark_grammar(source: str) -> str:
+    """A grammar in llguidance's Lark syntax (vLLM's ``grammar`` with its guidance backend)."""
+    from llguidance import LLMatcher
+
+    return _validated(LLMatcher.grammar_from_lark(source), "the grammar")
+
+
+def _validated(grammar: str, what: str) -> str:
+    from llguidance import LLMatcher
+
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
-        raise ConfigError(f"the JSON schema cannot be compiled: {messages[0]}")
+        raise ConfigError(f"{what} cannot be compiled: {' '.join(messages[0].split())}")  # one line
     return grammar
 
 

@@ -7,6 +7,7 @@ nothing here (``user``, ``metadata``) are accepted and ignored, as vLLM does.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -34,11 +35,7 @@ VLLM_FIELDS_NOT_SERVED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prompt_logprobs": ((), "completions: echo with logprobs"),
     "return_tokens_as_token_ids": ((False,), ""),
     "spaces_between_special_tokens": ((True,), ""),
-    "guided_json": ((), "response_format json_schema"),
-    "guided_regex": ((), ""),
-    "guided_choice": ((), ""),
-    "guided_grammar": ((), ""),
-    "structured_outputs": ((), "response_format"),
+    "guided_whitespace_pattern": ((), ""),
     "echo": ((False,), "completions' echo"),  # chat's (completions declare their own)
     "chat_template": ((), ""),
     "documents": ((), ""),
@@ -72,6 +69,22 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one constraint on the output (its older request fields
+    ``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar`` say the same)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")  # a schema, or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark, as vLLM's guidance backend reads it
+    json_object: bool | None = None
+
+
+# The structured output a request asks for: (the field that asked, the kind, its value)
+Constraint = tuple[str, Literal["json", "regex", "choice", "grammar"], Any]
+
+
 class SamplingRequest(BaseModel):
     """The fields completions and chat share."""
 
@@ -100,6 +113,11 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None
 
     @field_validator("stop", mode="before")
@@ -137,6 +155,41 @@ class SamplingRequest(BaseModel):
                 )
         if self.stream_options is not None and not self.stream:
             raise ParameterError("stream_options", "stream_options is only allowed with stream: true")
+
+    def constraint(self) -> Constraint | None:
+        """The one structured output the request asks for (None: plain text); a 400 naming the
+        second field when it asks for two."""
+        found: list[Constraint] = []
+        response_format = self.response_format
+        if response_format is not None and response_format.type != "text":
+            schema = response_format.json_schema.json_schema if response_format.type == "json_schema" else None
+            found.append(("response_format", "json", schema))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                found.append((f"guided_{kind}", kind, value))
+        outputs = self.structured_outputs
+        if outputs is not None:
+            given = [("json", outputs.json_schema), ("regex", outputs.regex), ("choice", outputs.choice),
+                     ("grammar", outputs.grammar)]  # fmt: skip
+            found += [("structured_outputs", kind, value) for kind, value in given if value is not None]
+            if outputs.json_object:
+                found.append(("structured_outputs", "json", None))
+        if len(found) > 1:
+            raise ParameterError(
+                found[1][0], f"one structured output per request: {found[0][0]} and {found[1][0]} both ask for one"
+            )
+        if not found:
+            return None
+        field, kind, value = found[0]
+        if kind == "json" and isinstance(value, str):  # vLLM takes the schema as JSON text too
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ParameterError(field, f"the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(value, dict):
+                raise ParameterError(field, "the JSON schema must be a JSON object")
+        return field, kind, value
 
     def request_class(self) -> RequestClass:
         return RequestClass.BE if self.service_tier in BE_TIERS else RequestClass.RT

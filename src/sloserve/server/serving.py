@@ -23,7 +23,7 @@ from sloserve.engine.async_engine import (
     ShuttingDownError,
 )
 from sloserve.engine.sampler import Logprobs, SamplingParams, cumulative_logprob
-from sloserve.engine.structured_output import json_grammar
+from sloserve.engine.structured_output import choice_grammar, json_grammar, lark_grammar, regex_grammar
 from sloserve.engine.tokenizer import HFTokenizer
 from sloserve.server.chat_template import ChatTemplate
 from sloserve.server.logprobs import LogprobsFormat
@@ -390,20 +390,22 @@ class OpenAIServing:
         return Submission(body, prompt_texts, served, self.logprobs_format)
 
     def _grammar(self, body: SamplingRequest) -> str | None:
-        """The grammar of ``body.response_format`` (None: plain text); a 400 for a schema llguidance
-        cannot compile, or a model without the tokenizer it needs."""
-        response_format = body.response_format
-        if response_format is None or response_format.type == "text":
+        """The grammar of the request's structured output (None: plain text); a 400 naming the field for
+        one llguidance cannot compile, or a model without the tokenizer it needs."""
+        constraint = body.constraint()
+        if constraint is None:
             return None
+        field, kind, value = constraint
         if not isinstance(self.engine.tokenizer, HFTokenizer):
             raise ParameterError(
-                "response_format", "structured output needs the model's tokenizer (tokenizer.json); this model has none"
+                field, "structured output needs the model's tokenizer (tokenizer.json); this model has none"
             )
-        schema = response_format.json_schema.json_schema if response_format.type == "json_schema" else None
+        compile_grammar = {"json": json_grammar, "regex": regex_grammar, "choice": choice_grammar,
+                           "grammar": lark_grammar}[kind]  # fmt: skip
         try:
-            return json_grammar(schema)
+            return compile_grammar(value)
         except ConfigError as e:
-            raise ParameterError("response_format", str(e)) from None
+            raise ParameterError(field, str(e)) from None
 
     def _params(
         self,
