@@ -194,6 +194,9 @@ def test_a_killed_replica_is_replaced_and_no_request_is_lost(fleet):
                     if num_started[0] == 16:
                         started.set()
                 text.append(chunk.choices[0].text if chunk.choices else "")
+            # NOTE: on a loaded machine a replica may finish its streams before the other starts its
+            # last one: the first stream to end triggers the kill too, while the others still run
+            started.set()
             return "".join(text)
         except openai.APIError as exc:  # an error object: the request was not lost
             return exc

@@ -212,7 +212,7 @@ def test_best_of_returns_the_choices_with_the_highest_cumulative_logprob(server)
          "continue_final_message"),
         ("chat", {"messages": HI, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
         ("completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
-        ("chat", {"messages": HI, "guided_json": {"type": "object"}}, "guided_json"),
+        ("chat", {"messages": HI, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         ("chat", {"messages": HI, "priority": 5}, "priority"),
     ],
 )  # fmt: skip

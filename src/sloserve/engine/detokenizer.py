@@ -35,7 +35,7 @@ class Detokenizer:
         self.include_stop_str_in_output = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
-        self.text = ""  # all final text so far (stop string excluded)
+        self.text = ""  # all final text so far (the stop string excluded, unless include_stop_str_in_output)
         self.num_sent_chars = 0  # chars of text already returned by push
         self.stopped = False
         self._prefix_offset = 0  # first token of the decode window

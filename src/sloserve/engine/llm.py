@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sloserve.core.errors import ConfigError
+from sloserve.core.request import Request
 from sloserve.cost.base import CostModel
 from sloserve.engine.detokenizer import Detokenizer
 from sloserve.engine.llm_engine import LLMEngine
@@ -166,7 +167,7 @@ class LLM:
         return outputs
 
     def _completion(
-        self, index: int, request, detokenizer: Detokenizer | None
+        self, index: int, request: Request, detokenizer: Detokenizer | None
     ) -> tuple[CompletionOutput, list[Logprobs | None] | None]:
         """A finished sequence's output (its engine state released), and its prompt logprobs."""
         seq = self.engine.release(request)
