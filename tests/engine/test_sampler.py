@@ -148,6 +148,22 @@ def test_score_controls_equal_a_hand_computation():
     assert logits[2].tolist() == [2.0, -1.0, 0.5, 3.0, -0.5]
 
 
+def test_allowed_token_ids_bar_every_other_token_before_the_other_controls():
+    """vLLM's whitelist: the other tokens' scores (EOS's too) are -inf, and the controls that follow
+    (here a logit bias) act on what is left; a row without one is untouched."""
+    from sloserve.engine.sampler import apply_controls
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -0.5]] * 3)
+    params = [SamplingParams(allowed_token_ids=[1, 2]), SamplingParams(allowed_token_ids=(1, 2), logit_bias={1: 2.0}),
+              SamplingParams()]  # fmt: skip
+    apply_controls(logits, params, [[0, 3]] * 3, [2] * 3, frozenset({4}))
+    inf = math.inf
+    assert logits.tolist() == [[-inf, -1.0, 0.5, -inf, -inf], [-inf, 1.0, 0.5, -inf, -inf], [2.0, -1.0, 0.5, 3.0, -0.5]]
+    assert sample(logits, [SamplingParams(temperature=0)] * 3, [None] * 3) == [2, 1, 3]
+    freq = _frequencies(SamplingParams(temperature=1.0), logits[0])  # sampled: the two allowed, by their softmax
+    np.testing.assert_allclose(freq, [0, 1 / (1 + math.exp(1.5)), 1 / (1 + math.exp(-1.5)), 0, 0], atol=0.014)
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
@@ -156,6 +172,8 @@ def test_score_controls_equal_a_hand_computation():
         ("logit_bias", {3: 101.0}, r"logit_bias\[3\] must be in \[-100, 100\]"),
         ("min_tokens", 17, r"min_tokens must be in \[0, max_tokens=16\]"),
         ("stop_token_ids", (-1,), "stop_token_ids must be integers >= 0"),
+        ("allowed_token_ids", [], r"allowed_token_ids must be a non-empty list of integers >= 0, got \[\]"),
+        ("allowed_token_ids", [3, -1], "allowed_token_ids must be a non-empty list of integers >= 0"),
         ("top_k", -2, r"top_k must be an integer >= -1 \(0 or -1: all tokens\), got -2"),
         ("top_k", 2.5, r"top_k must be an integer >= -1"),
         ("min_p", 1.5, r"min_p must be in \[0, 1\], got 1.5"),

@@ -212,6 +212,8 @@ def test_best_of_returns_the_choices_with_the_highest_cumulative_logprob(server)
          "continue_final_message"),
         ("chat", {"messages": HI, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
         ("completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+        ("completions", {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
+        ("completions", {"prompt": "hi", "allowed_token_ids": [3, 300]}, "allowed_token_ids"),
         ("chat", {"messages": HI, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         ("chat", {"messages": HI, "priority": 5}, "priority"),
     ],
@@ -277,6 +279,28 @@ def test_penalties_and_logit_bias_change_tokens_as_computed_by_hand(server, hf):
     assert response.choices[0].logprobs.tokens == [token_text(hf, t) for t in by_hand]
     plain, _ = hf_greedy(hf, prompt_ids, 10)
     assert plain != by_hand  # the controls did change the tokens
+
+
+def test_allowed_token_ids_restrict_greedy_and_sampled_tokens(server, hf):
+    """vLLM's ``allowed_token_ids``: greedy takes the likeliest allowed token at each step (by hand on
+    transformers' scores), and sampled choices draw allowed tokens only."""
+    model, tokenizer = hf
+    prompt_ids = tokenizer.encode(PROMPTS[1])
+    plain, _ = hf_greedy(hf, prompt_ids, 1)
+    allowed = [t for t in (40, 41, 42, 60, 61, plain[0] + 1) if t != plain[0]]
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(6):
+            scores = model(torch.tensor([ids])).logits[0, -1].float()
+            ids.append(allowed[int(scores[allowed].argmax())])
+    common = dict(model=MODEL, prompt=prompt_ids, max_tokens=6, logprobs=0)
+    greedy = server.client.completions.create(**common, temperature=0, extra_body={"allowed_token_ids": allowed})
+    assert greedy.choices[0].logprobs.tokens == [token_text(hf, t) for t in ids[len(prompt_ids) :]]
+    sampled = server.client.completions.create(
+        **common, temperature=1.5, n=4, seed=1, extra_body={"allowed_token_ids": allowed}
+    )
+    texts = {token_text(hf, t) for t in allowed}
+    assert all(set(c.logprobs.tokens) <= texts for c in sampled.choices)
 
 
 def test_top_k_and_min_p_sample_only_the_tokens_they_keep(server):

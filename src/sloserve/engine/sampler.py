@@ -48,7 +48,7 @@ class SamplingParams:
     ``logprobs_mode="raw_logprobs"``).
 
     Controls of the scores, applied in this order before temperature and top-p (vLLM's order and
-    formulas): ``min_tokens`` (EOS and ``stop_token_ids`` cannot be sampled before that many output
+    formulas): ``allowed_token_ids`` (every other token's score is -inf, EOS's too), ``min_tokens`` (EOS and ``stop_token_ids`` cannot be sampled before that many output
     tokens), ``logit_bias`` (added to the named tokens' scores), ``repetition_penalty`` (a score of a
     token in the prompt or the output is divided by it when positive, multiplied when negative),
     ``frequency_penalty`` (times each token's count in the output, subtracted) and
@@ -71,6 +71,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None  # a list is taken too
     stop: tuple[str, ...] = ()  # a str or a list is taken too
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -119,6 +120,17 @@ class SamplingParams:
                 raise ConfigError(f"SamplingParams.logit_bias[{token_id}] must be in [-100, 100], got {bias!r}")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ConfigError(f"SamplingParams.stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}")
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if (
+                not isinstance(allowed, (list, tuple))
+                or not allowed
+                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in allowed)
+            ):
+                raise ConfigError(
+                    f"SamplingParams.allowed_token_ids must be a non-empty list of integers >= 0, got {allowed!r}"
+                )
+            object.__setattr__(self, "allowed_token_ids", tuple(allowed))
 
     def for_choice(self, index: int) -> SamplingParams:
         """The params of sequence ``index`` of the ``n``: with a ``seed``, sequence j draws from
@@ -126,8 +138,9 @@ class SamplingParams:
         return self if self.seed is None or index == 0 else dataclasses.replace(self, seed=self.seed + index)
 
     def token_ids_named(self) -> list[int]:
-        """The token ids these params name (logit_bias, stop_token_ids): each must be in the vocabulary."""
-        return [*(self.logit_bias or {}), *self.stop_token_ids]
+        """The token ids these params name (logit_bias, stop_token_ids, allowed_token_ids): each must be
+        in the vocabulary."""
+        return [*(self.logit_bias or {}), *self.stop_token_ids, *(self.allowed_token_ids or ())]
 
     # NOTE: cached (in the instance's __dict__, which the frozen dataclass leaves to them): the executor
     # reads these for every row of every step
@@ -139,7 +152,7 @@ class SamplingParams:
     @cached_property
     def controls_scores(self) -> bool:
         """Whether any control changes the scores (``apply_controls`` has work for it)."""
-        return bool(self.min_tokens or self.logit_bias) or self.penalizes
+        return bool(self.min_tokens or self.logit_bias or self.allowed_token_ids) or self.penalizes
 
     @cached_property
     def greedy(self) -> bool:
@@ -167,6 +180,13 @@ def apply_controls(
     rows = [i for i, p in enumerate(params) if p.controls_scores]
     if not rows:
         return
+    allowing = [i for i in rows if params[i].allowed_token_ids]
+    if allowing:  # every score but the allowed tokens' to -inf
+        barred = torch.ones(len(allowing), vocab, dtype=torch.bool, device=device)  # (A, vocab)
+        allowed = [(a, t) for a, i in enumerate(allowing) for t in params[i].allowed_token_ids]
+        barred[tuple(torch.tensor(allowed, device=device).T)] = False
+        index = torch.tensor(allowing, device=device)
+        logits[index] = logits[index].masked_fill(barred, -math.inf)
     # min_tokens, then logit_bias: a handful of scores per row, set or added at once
     masked = [(i, t) for i in rows if len(token_ids[i]) - num_prompt_tokens[i] < params[i].min_tokens
               for t in (*eos_token_ids, *params[i].stop_token_ids)]  # fmt: skip

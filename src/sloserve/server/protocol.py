@@ -29,7 +29,6 @@ VLLM_FIELDS_NOT_SERVED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), ""),
     "length_penalty": ((1, 1.0), ""),
     "bad_words": (([],), "logit_bias -100 bans single tokens"),
-    "allowed_token_ids": ((), "logit_bias"),
     "logits_processors": (([],), ""),
     "truncate_prompt_tokens": ((), ""),
     "prompt_logprobs": ((), "completions: echo with logprobs"),
@@ -110,6 +109,7 @@ class SamplingRequest(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
@@ -147,6 +147,8 @@ class SamplingRequest(BaseModel):
                 raise ParameterError("logit_bias", f"logit_bias[{token}] must be in [-100, 100], got {bias}")
         if any(t < 0 for t in self.stop_token_ids or ()):
             raise ParameterError("stop_token_ids", "stop_token_ids must be token ids >= 0")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
+            raise ParameterError("allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids >= 0")
         response_format = self.response_format
         if response_format is not None and response_format.type == "json_schema":
             if response_format.json_schema is None or response_format.json_schema.json_schema is None:

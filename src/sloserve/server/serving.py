@@ -441,7 +441,9 @@ class OpenAIServing:
                 f"{max_model_len} tokens, which leaves none to generate",
             )
         logit_bias = {int(token): bias for token, bias in (body.logit_bias or {}).items()}
-        for name, ids in (("logit_bias", logit_bias), ("stop_token_ids", body.stop_token_ids or ())):
+        named = (("logit_bias", logit_bias), ("stop_token_ids", body.stop_token_ids or ()),
+                 ("allowed_token_ids", body.allowed_token_ids or ()))  # fmt: skip
+        for name, ids in named:
             outside = [t for t in ids if t >= vocab_size]
             if outside:
                 raise ParameterError(name, f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
@@ -467,6 +469,7 @@ class OpenAIServing:
             frequency_penalty=body.frequency_penalty,
             presence_penalty=body.presence_penalty,
             stop_token_ids=tuple(body.stop_token_ids or ()),
+            allowed_token_ids=body.allowed_token_ids,
             stop=body.stop or (),
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
