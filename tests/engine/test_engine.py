@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import shutil
 
 import numpy as np
@@ -245,6 +246,25 @@ def test_n_sequences_are_the_requests_of_seeds_seed_plus_j(reference_llm):
             alone = reference_llm.generate(prompt, SamplingParams(**sampled, seed=11 + j))[0].outputs[0]
             assert sequence.token_ids == alone.token_ids and sequence.text == alone.text
     assert len({tuple(c.token_ids) for c in outputs[0].outputs}) == 3
+
+
+def test_structured_outputs_offline_as_vllms_params(reference_llm):
+    """``SamplingParams(structured_outputs=StructuredOutputsParams(...))``, vLLM's offline form: every
+    sampled sequence is one of the choices or matches the regex whole; a bad constraint is one error."""
+    from sloserve import StructuredOutputsParams
+
+    sampled = dict(max_tokens=16, temperature=1.0, seed=0, n=6)
+    choices = ["yes", "no", "maybe not"]
+    params = SamplingParams(**sampled, structured_outputs=StructuredOutputsParams(choice=choices))
+    assert {c.text for c in reference_llm.generate("Hello", params)[0].outputs} <= set(choices)
+    regex = r"[a-c]{2,5}-[0-9]{2}"
+    params = SamplingParams(**sampled, structured_outputs=StructuredOutputsParams(regex=regex))
+    for c in reference_llm.generate("Hello", params)[0].outputs:
+        assert c.finish_reason == "stop" and re.fullmatch(regex, c.text), c.text
+    with pytest.raises(ConfigError, match="the regular expression cannot be compiled"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="("))
+    with pytest.raises(ConfigError, match="takes one of json, regex, choice, grammar or json_object; got 2"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=["a"]))
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch():

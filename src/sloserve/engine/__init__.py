@@ -7,7 +7,7 @@ which needs no torch: the simulator reads an engine model's shape through it.
 
 from __future__ import annotations
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str):
@@ -24,4 +24,4 @@ def __getattr__(name: str):
         ) from e
     from sloserve.engine import llm, sampler
 
-    return getattr(sampler if name == "SamplingParams" else llm, name)
+    return getattr(sampler if name in ("SamplingParams", "StructuredOutputsParams") else llm, name)

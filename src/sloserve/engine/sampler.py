@@ -7,7 +7,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -22,6 +22,33 @@ MAX_LOGPROBS = 20
 PROMPT_LOGITS_ROWS = 512
 # vLLM accepts repetition penalties in (0, 2]
 MAX_REPETITION_PENALTY = 2.0
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's ``StructuredOutputsParams``: one constraint on a request's output (structured_output.py).
+
+    ``json``: a JSON schema (or its JSON text) the output validates against; ``json_object``: any JSON
+    object; ``regex``: a regular expression the whole output matches; ``choice``: one of these
+    strings; ``grammar``: a Lark grammar (as vLLM's guidance backend reads it)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def constraint(self) -> tuple[str, Any]:
+        """(kind, value) of the one constraint set; a ConfigError unless exactly one is."""
+        given = [(kind, value) for kind, value in (("json", self.json), ("regex", self.regex),
+                 ("choice", self.choice), ("grammar", self.grammar)) if value is not None]  # fmt: skip
+        if self.json_object:
+            given.append(("json", None))
+        if len(given) != 1:
+            raise ConfigError(
+                f"StructuredOutputsParams takes one of json, regex, choice, grammar or json_object; got {len(given)}"
+            )
+        return given[0]
 
 
 @dataclass(frozen=True)
@@ -76,10 +103,16 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
-    # Structured output: an llguidance grammar every sampled token must follow (structured_output.py)
+    structured_outputs: StructuredOutputsParams | None = None
+    # The llguidance grammar every sampled token must follow (structured_output.py): compiled from
+    # ``structured_outputs`` when it is None
     grammar: str | None = None
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None and self.grammar is None:
+            from sloserve.engine.structured_output import compile_grammar
+
+            object.__setattr__(self, "grammar", compile_grammar(*self.structured_outputs.constraint()))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop  # vLLM takes a str or a list
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
             raise ConfigError(f"SamplingParams.stop must be a string or a list of strings, got {self.stop!r}")

@@ -68,6 +68,20 @@ def lark_grammar(source: str) -> str:
     return _validated(LLMatcher.grammar_from_lark(source), "the grammar")
 
 
+def compile_grammar(kind: str, value: Any) -> str:
+    """The grammar of one structured output: ``kind`` "json" (a schema, its JSON text, or None: any
+    object), "regex", "choice" or "grammar" (Lark); a ConfigError saying why it cannot be compiled."""
+    if kind == "json" and isinstance(value, str):  # vLLM takes the schema as JSON text too
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError("the JSON schema must be a JSON object")
+    compile_kind = {"json": json_grammar, "regex": regex_grammar, "choice": choice_grammar, "grammar": lark_grammar}
+    return compile_kind[kind](value)
+
+
 def _validated(grammar: str, what: str) -> str:
     from llguidance import LLMatcher
 

@@ -7,7 +7,6 @@ nothing here (``user``, ``metadata``) are accepted and ignored, as vLLM does.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Literal
 
@@ -181,17 +180,7 @@ class SamplingRequest(BaseModel):
             raise ParameterError(
                 found[1][0], f"one structured output per request: {found[0][0]} and {found[1][0]} both ask for one"
             )
-        if not found:
-            return None
-        field, kind, value = found[0]
-        if kind == "json" and isinstance(value, str):  # vLLM takes the schema as JSON text too
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ParameterError(field, f"the JSON schema is not valid JSON: {e}") from None
-            if not isinstance(value, dict):
-                raise ParameterError(field, "the JSON schema must be a JSON object")
-        return field, kind, value
+        return found[0] if found else None
 
     def request_class(self) -> RequestClass:
         return RequestClass.BE if self.service_tier in BE_TIERS else RequestClass.RT

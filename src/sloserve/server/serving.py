@@ -23,7 +23,7 @@ from sloserve.engine.async_engine import (
     ShuttingDownError,
 )
 from sloserve.engine.sampler import Logprobs, SamplingParams, cumulative_logprob
-from sloserve.engine.structured_output import choice_grammar, json_grammar, lark_grammar, regex_grammar
+from sloserve.engine.structured_output import compile_grammar
 from sloserve.engine.tokenizer import HFTokenizer
 from sloserve.server.chat_template import ChatTemplate
 from sloserve.server.logprobs import LogprobsFormat
@@ -400,10 +400,8 @@ class OpenAIServing:
             raise ParameterError(
                 field, "structured output needs the model's tokenizer (tokenizer.json); this model has none"
             )
-        compile_grammar = {"json": json_grammar, "regex": regex_grammar, "choice": choice_grammar,
-                           "grammar": lark_grammar}[kind]  # fmt: skip
         try:
-            return compile_grammar(value)
+            return compile_grammar(kind, value)
         except ConfigError as e:
             raise ParameterError(field, str(e)) from None
 
