@@ -111,15 +111,20 @@ def check_workload_options(o: SimOptions) -> None:
         value = getattr(o, name)
         if value is not None and not value > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got {value}")
+    if o.burstiness is not None and not o.burstiness > 0:
+        raise ConfigError(f"--burstiness (the arrivals' coefficient of variation) must be > 0, got {o.burstiness}")
     if o.workload:
         if o.columns is not None:
             raise ConfigError(
                 "--columns maps a --trace file's columns; a workload spec names its own sources (columns: in the spec)"
             )
-        for name in ("slo_ttft", "slo_tpot", "slo_jct"):
-            if getattr(o, name) is not None:
+        # NOTE: each of these was once ignored with --workload, silently
+        spec_sets = {"slo_ttft": "slo", "slo_tpot": "slo", "slo_jct": "slo", "burstiness": "arrival (cv)",
+                     "max_tokens": "max_tokens", "offline": "arrival", "trace_arrivals": "arrival"}  # fmt: skip
+        for name, field in spec_sets.items():
+            if getattr(o, name) not in (None, False):
                 raise ConfigError(
-                    f"--{name.replace('_', '-')} applies to --trace; a workload spec sets each stream's slo"
+                    f"--{name.replace('_', '-')} applies to --trace; a workload spec sets each stream's {field}"
                 )
     elif o.rt_rate is not None:
         raise ConfigError("--rt-rate sets a --workload's RT rate; with --trace, use --rate")
@@ -191,6 +196,12 @@ def setup_from_options(options: SimOptions) -> Setup:
     if options.max_model_len is not None:
         if options.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be >= 2, got {options.max_model_len}")
+        if options.max_model_len > model.max_context_len:  # the engine refuses it; a simulation may ask "what if"
+            print(
+                f"note: --max-model-len {options.max_model_len:,} is above {model.name}'s context of "
+                f"{model.max_context_len:,} tokens; simulated as given",
+                file=sys.stderr,
+            )
         model = dataclasses.replace(model, max_context_len=options.max_model_len)
     for name in ("num_gpus", "replicas"):
         if getattr(options, name) < 1:
@@ -245,6 +256,11 @@ def run_simulation(
         enable_prefix_caching=caching,
     )
     num_prefill, num_decode = parse_disaggregation(o.disaggregate, o.link_gbps)
+    if num_decode and o.replicas != 1:  # NOTE: --replicas was once ignored here, silently
+        raise ConfigError(
+            f"--replicas {o.replicas} and --disaggregate {o.disaggregate} both set the replicas: --disaggregate P:D "
+            "alone runs P prefill and D decode replicas"
+        )
     decode_factory = None
     if num_decode:
         if not supports_disaggregation(scheduler):

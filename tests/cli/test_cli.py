@@ -218,6 +218,8 @@ def test_fit_cost_makes_a_preset_that_simulate_uses(tmp_path: Path):
         (["simulate", "--num-requests", "100000000000"], "--num-requests must be in 1..10,000,000"),
         (["simulate", "--num-requests", "0"], "--num-requests must be in 1..10,000,000"),
         (["simulate", "--rt-rate", "3"], "--rt-rate sets a --workload's RT rate"),
+        (["simulate", "--burstiness", "0"], "--burstiness (the arrivals' coefficient of variation) must be > 0, got 0"),
+        (["simulate", "--disaggregate", "1:1", "--replicas", "3"], "--replicas 3 and --disaggregate 1:1 both set"),
         (["sweep", "--rates", "5", "--metric", "nonsense", "--out", "{dir}/sweep"], "--metric 'nonsense' is not in"),
     ],
 )
@@ -259,6 +261,27 @@ def test_columns_with_a_workload_is_refused_and_prompt_output_columns_are_recogn
     trace.write_text("question,answer\n10,5\n")
     proc = run("simulate", "--trace", str(trace), "--offline")
     assert proc.returncode == 2 and "map one with --columns prompt=NAME" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "option,field",
+    [(["--burstiness", "2"], "arrival (cv)"), (["--max-tokens", "5"], "max_tokens"), (["--offline"], "arrival"),
+     (["--trace-arrivals"], "arrival"), (["--slo-ttft", "1"], "slo")],
+)  # fmt: skip
+def test_trace_options_with_a_workload_are_refused(option: list[str], field: str):
+    """Each ran with the spec's own setting instead, silently."""
+    proc = run("simulate", "--workload", "bros-sharegpt", "--scheduler", "bros", *option)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{option[0]} applies to --trace; a workload spec sets each stream's {field}" in proc.stderr
+
+
+def test_a_context_beyond_the_models_is_simulated_with_a_note():
+    """The engine refuses it; a simulation may ask "what if", and is told."""
+    proc = run("simulate", "--trace", "sharegpt", "--rate", "5", "--num-requests", "20", "--max-model-len", "100000")
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "note: --max-model-len 100,000 is above llama-2-7b's context of 4,096 tokens; simulated as given" in proc.stderr
+    )
 
 
 def test_trace_arrivals_replays_the_trace_as_it_is_unless_asked_for_more(tmp_path: Path):
