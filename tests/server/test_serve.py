@@ -214,6 +214,22 @@ FIELDS = [
     "ignore_eos",
     "best_of",
     "top_logprobs",
+    # vLLM's extensions
+    "top_k",
+    "min_p",
+    "allowed_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "use_beam_search",
+    "priority",
 ]
 
 

@@ -47,6 +47,9 @@ def regex_grammar(regex: str) -> str:
     """The grammar of the texts that match ``regex`` whole (Rust regex syntax, as llguidance's)."""
     from llguidance import LLMatcher
 
+    # NOTE: llguidance (1.9) drops a trailing lone backslash, serving "a\\" as "a": refused here instead
+    if (len(regex) - len(regex.rstrip("\\"))) % 2:
+        raise ConfigError("the regular expression cannot be compiled: it ends with a backslash that escapes nothing")
     return _validated(LLMatcher.grammar_from_regex(regex), "the regular expression")
 
 

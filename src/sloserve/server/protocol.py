@@ -173,9 +173,14 @@ class SamplingRequest(BaseModel):
         if outputs is not None:
             given = [("json", outputs.json_schema), ("regex", outputs.regex), ("choice", outputs.choice),
                      ("grammar", outputs.grammar)]  # fmt: skip
-            found += [("structured_outputs", kind, value) for kind, value in given if value is not None]
+            asked = [("structured_outputs", kind, value) for kind, value in given if value is not None]
             if outputs.json_object:
-                found.append(("structured_outputs", "json", None))
+                asked.append(("structured_outputs", "json", None))
+            if not asked:
+                raise ParameterError(
+                    "structured_outputs", "structured_outputs needs one of json, regex, choice, grammar or json_object"
+                )
+            found += asked
         if len(found) > 1:
             raise ParameterError(
                 found[1][0], f"one structured output per request: {found[0][0]} and {found[1][0]} both ask for one"
