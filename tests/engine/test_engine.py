@@ -234,6 +234,21 @@ def test_stop_strings_end_a_sequence_in_the_step_that_completes_one(reference_ll
     assert (never.text, never.token_ids, never.finish_reason) == (full.text, full.token_ids, "length")
 
 
+def test_bad_words_offline_are_tokenized_with_the_models_tokenizer(reference_llm):
+    """A word of one token, pushed by a logit bias: greedy takes it, and never with it barred."""
+    encode = reference_llm.tokenizer.encode
+    word = next(w for w in ("how", "world", "the", "you") if len(encode(w, add_special_tokens=False)) == 1)
+    (token,) = encode(word, add_special_tokens=False)
+    pushed = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logit_bias={token: 30.0})
+    assert reference_llm.generate("The quick brown fox", pushed)[0].outputs[0].token_ids[0] == token
+    barred = reference_llm.generate("The quick brown fox", dataclasses.replace(pushed, bad_words=[word]))[0]
+    assert token not in barred.outputs[0].token_ids
+    no_tokenizer = LLM("random:tiny-llama")
+    no_tokenizer.loaded.tokenizer = None
+    with pytest.raises(ConfigError, match="prompt 0: bad_words need the model's tokenizer"):
+        no_tokenizer.generate({"prompt_token_ids": [1, 2]}, SamplingParams(bad_words=["x"]))
+
+
 def test_n_sequences_are_the_requests_of_seeds_seed_plus_j(reference_llm):
     """``SamplingParams.n``: each prompt's sequence j is what the prompt alone gives with seed + j
     (vLLM's rule, as the server's ``n``)."""

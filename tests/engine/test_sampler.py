@@ -164,6 +164,29 @@ def test_allowed_token_ids_bar_every_other_token_before_the_other_controls():
     np.testing.assert_allclose(freq, [0, 1 / (1 + math.exp(1.5)), 1 / (1 + math.exp(-1.5)), 0, 0], atol=0.014)
 
 
+def test_bad_words_bar_a_words_last_token_after_its_others_in_the_output():
+    """vLLM's rule: a one-token word is always barred; a longer one's last token only where the
+    output (not the prompt) ends with the tokens before it."""
+    from sloserve.engine.sampler import apply_controls
+
+    words = ((4,), (1, 2, 3))
+    params = [SamplingParams(bad_words=["x"], bad_words_token_ids=words)] * 3
+    histories = [[1, 2, 0, 1, 2], [1, 2, 0, 1], [1, 2, 0]]  # prompt [1, 2]; outputs [0, 1, 2], [0, 1], [0]
+    logits = torch.zeros(3, 5)
+    apply_controls(logits, params, histories, [2, 2, 2], frozenset({0}))
+    inf = math.inf
+    assert logits.tolist() == [[0, 0, 0, -inf, -inf], [0, 0, 0, 0, -inf], [0, 0, 0, 0, -inf]]
+
+
+def test_bad_words_are_tokenized_at_the_start_and_after_a_space_as_vllm_does():
+    from sloserve.engine.tokenizer import ByteTokenizer
+
+    params = SamplingParams(bad_words=[" ab", "c"]).tokenize_bad_words(ByteTokenizer())
+    # bytes: " ab" -> "ab" (97, 98); after a space (32, 97, 98) has another length: not added
+    assert params.bad_words_token_ids == ((97, 98), (99,))
+    assert params.tokenize_bad_words(ByteTokenizer()) is params  # once
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
@@ -173,6 +196,7 @@ def test_allowed_token_ids_bar_every_other_token_before_the_other_controls():
         ("min_tokens", 17, r"min_tokens must be in \[0, max_tokens=16\]"),
         ("stop_token_ids", (-1,), "stop_token_ids must be integers >= 0"),
         ("allowed_token_ids", [], r"allowed_token_ids must be a non-empty list of integers >= 0, got \[\]"),
+        ("bad_words", "word", r"bad_words must be a list of strings, got 'word'"),
         ("allowed_token_ids", [3, -1], "allowed_token_ids must be a non-empty list of integers >= 0"),
         ("top_k", -2, r"top_k must be an integer >= -1 \(0 or -1: all tokens\), got -2"),
         ("top_k", 2.5, r"top_k must be an integer >= -1"),

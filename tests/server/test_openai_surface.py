@@ -303,6 +303,36 @@ def test_allowed_token_ids_restrict_greedy_and_sampled_tokens(server, hf):
     assert all(set(c.logprobs.tokens) <= texts for c in sampled.choices)
 
 
+def test_bad_words_as_computed_by_hand(server, hf):
+    """vLLM's ``bad_words``: greedy where each word's last token is barred after its other tokens
+    (the words tokenized alone and after a space), by hand on transformers' scores."""
+    model, tokenizer = hf
+    prompt_ids = tokenizer.encode(PROMPTS[1])
+    plain, _ = hf_greedy(hf, prompt_ids, 10)
+    words = [tokenizer.decode(plain[:2]).strip(), tokenizer.decode(plain[4:5]).strip()]
+    sequences = []
+    for word in words:
+        alone = tokenizer.encode(word, add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word, add_special_tokens=False)
+        sequences += [alone] + ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [])
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(10):
+            scores = model(torch.tensor([ids])).logits[0, -1].float()
+            output = ids[len(prompt_ids) :]
+            for seq in sequences:
+                if len(seq) == 1 or output[len(output) - len(seq) + 1 :] == seq[:-1]:
+                    scores[seq[-1]] = -torch.inf
+            ids.append(int(scores.argmax()))
+    by_hand = ids[len(prompt_ids) :]
+    assert by_hand != plain
+    response = server.client.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=10, temperature=0, logprobs=0,
+        extra_body={"bad_words": words, "ignore_eos": True},
+    )  # fmt: skip
+    assert response.choices[0].logprobs.tokens == [token_text(hf, t) for t in by_hand]
+
+
 def test_top_k_and_min_p_sample_only_the_tokens_they_keep(server):
     """vLLM's ``top_k`` and ``min_p`` (sent as ``extra_body``, as vLLM's clients do): every sampled
     token is among the ``top_k`` likeliest at its position (the raw logprobs rank them: temperature

@@ -98,6 +98,8 @@ def check_request(
     n = len(prompt_token_ids)
     if n < 1:
         raise ConfigError(f"{where}: empty prompt")
+    if params.bad_words and params.bad_words_token_ids is None:  # NOTE: a caller's slip, not a user's
+        raise ConfigError(f"{where}: bad_words are not tokenized (SamplingParams.tokenize_bad_words)")
     bad = [t for t in prompt_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab_size)]
     if bad:
         raise ConfigError(f"{where}: token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
@@ -187,7 +189,14 @@ class LLMEngine:
     def check_request(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, where: str = "prompt"
     ) -> SamplingParams:
-        """Validate one request (``check_request``); returns its params with ``max_tokens`` cut to the context."""
+        """Validate one request (``check_request``); returns its params with ``max_tokens`` cut to the
+        context and its ``bad_words`` tokenized."""
+        if params.bad_words:
+            if self.loaded.tokenizer is None:
+                raise ConfigError(
+                    f"{where}: bad_words need the model's tokenizer (tokenizer.json); this model has none"
+                )
+            params = params.tokenize_bad_words(self.loaded.tokenizer)
         return check_request(
             prompt_token_ids,
             params,

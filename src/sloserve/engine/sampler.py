@@ -75,7 +75,8 @@ class SamplingParams:
     ``logprobs_mode="raw_logprobs"``).
 
     Controls of the scores, applied in this order before temperature and top-p (vLLM's order and
-    formulas): ``allowed_token_ids`` (every other token's score is -inf, EOS's too), ``min_tokens`` (EOS and ``stop_token_ids`` cannot be sampled before that many output
+    formulas): ``allowed_token_ids`` (every other token's score is -inf, EOS's too), ``bad_words``
+    (the last token of a word's tokens cannot follow the others: ``tokenize_bad_words``), ``min_tokens`` (EOS and ``stop_token_ids`` cannot be sampled before that many output
     tokens), ``logit_bias`` (added to the named tokens' scores), ``repetition_penalty`` (a score of a
     token in the prompt or the output is divided by it when positive, multiplied when negative),
     ``frequency_penalty`` (times each token's count in the output, subtracted) and
@@ -99,6 +100,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None  # a list is taken too
+    bad_words: tuple[str, ...] = ()  # a list is taken too
+    # The tokens of each bad word, as it starts a text and after a space (``tokenize_bad_words``)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
     stop: tuple[str, ...] = ()  # a str or a list is taken too
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -117,6 +121,9 @@ class SamplingParams:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
             raise ConfigError(f"SamplingParams.stop must be a string or a list of strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stop))  # NOTE: frozen (and hashable) from here
+        if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) for w in self.bad_words):
+            raise ConfigError(f"SamplingParams.bad_words must be a list of strings, got {self.bad_words!r}")
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise ConfigError(f"SamplingParams.n must be an integer >= 1, got {self.n!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -170,6 +177,21 @@ class SamplingParams:
         ``seed + j`` (vLLM's rule), so each is reproducible and differs from its siblings."""
         return self if self.seed is None or index == 0 else dataclasses.replace(self, seed=self.seed + index)
 
+    def tokenize_bad_words(self, tokenizer) -> SamplingParams:
+        """These params with ``bad_words_token_ids`` (vLLM's rule): each word's tokens as the text's
+        start, and after a space where that makes a word token of its own (as many tokens, another
+        first one); a word of no tokens is dropped."""
+        if self.bad_words_token_ids is not None or not self.bad_words:
+            return self
+        sequences: list[tuple[int, ...]] = []
+        for word in self.bad_words:
+            alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            sequences += [ids for ids in (alone,) if ids]
+            if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+        return dataclasses.replace(self, bad_words_token_ids=tuple(sequences))
+
     def token_ids_named(self) -> list[int]:
         """The token ids these params name (logit_bias, stop_token_ids, allowed_token_ids): each must be
         in the vocabulary."""
@@ -185,7 +207,9 @@ class SamplingParams:
     @cached_property
     def controls_scores(self) -> bool:
         """Whether any control changes the scores (``apply_controls`` has work for it)."""
-        return bool(self.min_tokens or self.logit_bias or self.allowed_token_ids) or self.penalizes
+        return bool(self.min_tokens or self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids) or (
+            self.penalizes
+        )
 
     @cached_property
     def greedy(self) -> bool:
@@ -220,6 +244,11 @@ def apply_controls(
         barred[tuple(torch.tensor(allowed, device=device).T)] = False
         index = torch.tensor(allowing, device=device)
         logits[index] = logits[index].masked_fill(barred, -math.inf)
+    # bad words: a word's last token is barred where the output ends with the tokens before it
+    banned = [(i, ids[-1]) for i in rows for ids in params[i].bad_words_token_ids or ()
+              if _output_ends_with(token_ids[i], num_prompt_tokens[i], ids[:-1])]  # fmt: skip
+    if banned:
+        logits[tuple(torch.tensor(banned, device=device).T)] = -math.inf
     # min_tokens, then logit_bias: a handful of scores per row, set or added at once
     masked = [(i, t) for i in rows if len(token_ids[i]) - num_prompt_tokens[i] < params[i].min_tokens
               for t in (*eos_token_ids, *params[i].stop_token_ids)]  # fmt: skip
@@ -242,6 +271,12 @@ def apply_controls(
     frequency = torch.tensor([params[i].frequency_penalty for i in penalized], device=device)[:, None]
     presence = torch.tensor([params[i].presence_penalty for i in penalized], device=device)[:, None]
     logits[index] = scores - frequency * counts - presence * (counts > 0)
+
+
+def _output_ends_with(token_ids: list[int], num_prompt_tokens: int, tail: tuple[int, ...]) -> bool:
+    """Whether the output (``token_ids`` after the prompt) ends with ``tail`` (always, when empty)."""
+    output_len = len(token_ids) - num_prompt_tokens
+    return len(tail) <= output_len and tuple(token_ids[len(token_ids) - len(tail) :]) == tail
 
 
 def _counts(sequences: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:  # (R, vocab)

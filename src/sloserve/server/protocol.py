@@ -27,7 +27,6 @@ MAX_CHOICES = 128
 VLLM_FIELDS_NOT_SERVED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), ""),
     "length_penalty": ((1, 1.0), ""),
-    "bad_words": (([],), "logit_bias -100 bans single tokens"),
     "logits_processors": (([],), ""),
     "truncate_prompt_tokens": ((), ""),
     "prompt_logprobs": ((), "completions: echo with logprobs"),
@@ -109,6 +108,7 @@ class SamplingRequest(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None

@@ -451,7 +451,7 @@ class OpenAIServing:
         num_logprobs = body.num_logprobs
         ranked = body.num_choices > body.n  # best_of ranks by the sampled tokens' logprobs
         echo = isinstance(body, CompletionRequest) and body.echo
-        return SamplingParams(
+        params = SamplingParams(
             max_tokens=max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
@@ -468,11 +468,19 @@ class OpenAIServing:
             presence_penalty=body.presence_penalty,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words or (),
             stop=body.stop or (),
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
             grammar=grammar,
         )
+        if not params.bad_words:
+            return params
+        if self.engine.tokenizer is None:
+            raise ParameterError(
+                "bad_words", "bad_words need the model's tokenizer (tokenizer.json); this model has none"
+            )
+        return params.tokenize_bad_words(self.engine.tokenizer)
 
 
 async def collect(served: ServedRequest) -> Generated:
