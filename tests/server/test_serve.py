@@ -218,6 +218,7 @@ FIELDS = [
     "top_k",
     "min_p",
     "allowed_token_ids",
+    "bad_words",
     "include_stop_str_in_output",
     "skip_special_tokens",
     "structured_outputs",
