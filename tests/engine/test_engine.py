@@ -278,7 +278,7 @@ def test_structured_outputs_offline_as_vllms_params(reference_llm):
         assert c.finish_reason == "stop" and re.fullmatch(regex, c.text), c.text
     with pytest.raises(ConfigError, match="the regular expression cannot be compiled"):
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="("))
-    with pytest.raises(ConfigError, match="takes one of json, regex, choice, grammar or json_object; got 2"):
+    with pytest.raises(ConfigError, match="take one of json, regex, choice, grammar or json_object; got 2"):
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=["a"]))
 
 

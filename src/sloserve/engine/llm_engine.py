@@ -111,7 +111,8 @@ def check_request(
     named = [t for t in params.token_ids_named() if t >= vocab_size]
     if named:
         raise ConfigError(
-            f"{where}: token id {named[0]} (logit_bias, stop_token_ids or allowed_token_ids) is outside the vocabulary [0, {vocab_size})"
+            f"{where}: token id {named[0]} (logit_bias, stop_token_ids or allowed_token_ids) is outside the "
+            f"vocabulary [0, {vocab_size})"
         )
     params = dataclasses.replace(
         params,

@@ -46,7 +46,7 @@ class StructuredOutputsParams:
             given.append(("json", None))
         if len(given) != 1:
             raise ConfigError(
-                f"StructuredOutputsParams takes one of json, regex, choice, grammar or json_object; got {len(given)}"
+                f"structured outputs take one of json, regex, choice, grammar or json_object; got {len(given)}"
             )
         return given[0]
 
@@ -76,8 +76,9 @@ class SamplingParams:
 
     Controls of the scores, applied in this order before temperature and top-p (vLLM's order and
     formulas): ``allowed_token_ids`` (every other token's score is -inf, EOS's too), ``bad_words``
-    (the last token of a word's tokens cannot follow the others: ``tokenize_bad_words``), ``min_tokens`` (EOS and ``stop_token_ids`` cannot be sampled before that many output
-    tokens), ``logit_bias`` (added to the named tokens' scores), ``repetition_penalty`` (a score of a
+    (the last token of a word's tokens cannot follow the others: ``tokenize_bad_words``),
+    ``min_tokens`` (EOS and ``stop_token_ids`` cannot be sampled before that many output tokens),
+    ``logit_bias`` (added to the named tokens' scores), ``repetition_penalty`` (a score of a
     token in the prompt or the output is divided by it when positive, multiplied when negative),
     ``frequency_penalty`` (times each token's count in the output, subtracted) and
     ``presence_penalty`` (subtracted once from each token the output holds). ``stop_token_ids`` end

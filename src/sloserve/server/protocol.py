@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import SLO, RequestClass
-from sloserve.engine.sampler import MAX_LOGPROBS, MAX_REPETITION_PENALTY
+from sloserve.engine.sampler import MAX_LOGPROBS, MAX_REPETITION_PENALTY, StructuredOutputsParams
 
 # OpenAI's service tiers: "flex" is the cheaper, slower tier: our best-effort (BE) class.
 BE_TIERS = frozenset({"flex"})
@@ -169,18 +169,13 @@ class SamplingRequest(BaseModel):
             value = getattr(self, f"guided_{kind}")
             if value is not None:
                 found.append((f"guided_{kind}", kind, value))
-        outputs = self.structured_outputs
-        if outputs is not None:
-            given = [("json", outputs.json_schema), ("regex", outputs.regex), ("choice", outputs.choice),
-                     ("grammar", outputs.grammar)]  # fmt: skip
-            asked = [("structured_outputs", kind, value) for kind, value in given if value is not None]
-            if outputs.json_object:
-                asked.append(("structured_outputs", "json", None))
-            if not asked:
-                raise ParameterError(
-                    "structured_outputs", "structured_outputs needs one of json, regex, choice, grammar or json_object"
-                )
-            found += asked
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(by_alias=True)
+            try:
+                kind, value = StructuredOutputsParams(**fields).constraint()
+            except ConfigError as e:
+                raise ParameterError("structured_outputs", str(e)) from None
+            found.append(("structured_outputs", kind, value))
         if len(found) > 1:
             raise ParameterError(
                 found[1][0], f"one structured output per request: {found[0][0]} and {found[1][0]} both ask for one"
@@ -341,7 +336,8 @@ class ChatCompletionRequest(SamplingRequest):
             if self.messages[-1].role != "assistant":
                 raise ParameterError(
                     "continue_final_message",
-                    f"continue_final_message continues an assistant message; the last message is {self.messages[-1].role!r}",
+                    "continue_final_message continues an assistant message; the last message is "
+                    f"{self.messages[-1].role!r}",
                 )
         taken = sorted(set(self.chat_template_kwargs or {}) & {"messages", "add_generation_prompt"})
         if taken:
