@@ -34,37 +34,35 @@ def test_sampled_rows_follow_the_softmax_at_their_temperature():
     np.testing.assert_allclose(_frequencies(SamplingParams(temperature=2.0), logits), hot, atol=0.014)
 
 
-def test_top_p_keeps_the_smallest_prefix_that_reaches_it():
-    logits = torch.tensor(np.log(PROBS), dtype=torch.float32)
-    # 0.5 < 0.7, so the second token stays; 0.5 + 0.3 >= 0.7, so the others go.
-    freq = _frequencies(SamplingParams(temperature=1.0, top_p=0.7), logits)
-    assert freq[2] == freq[3] == 0
-    np.testing.assert_allclose(freq[:2], [0.5 / 0.8, 0.3 / 0.8], atol=0.014)
-    # A top_p below the largest probability keeps that token alone.
-    assert _frequencies(SamplingParams(temperature=1.0, top_p=0.2), logits)[0] == 1
+@pytest.mark.parametrize(
+    "kept,params",
+    [
+        (2, SamplingParams(top_p=0.7)),  # 0.5 < 0.7 <= 0.5 + 0.3: the smallest prefix that reaches it
+        (2, SamplingParams(top_k=2)),
+        (2, SamplingParams(min_p=0.5)),  # 0.3 >= 0.5 x 0.5 > 0.15
+        (3, SamplingParams(min_p=0.3)),  # 0.15 >= 0.5 x 0.3 > 0.05
+        (1, SamplingParams(top_p=0.2)),  # below the largest probability: that token alone
+        (1, SamplingParams(top_k=1)),
+        (1, SamplingParams(min_p=1.0)),
+        (4, SamplingParams(top_k=0)),  # 0 and -1 are vLLM's "all"; k >= the vocabulary keeps all too
+        (4, SamplingParams(top_k=-1)),
+        (4, SamplingParams(top_k=1000)),
+    ],
+    ids=["top_p=0.7", "top_k=2", "min_p=0.5", "min_p=0.3", "top_p=0.2", "top_k=1", "min_p=1", "top_k=0", "top_k=-1",
+         "top_k=1000"],  # fmt: skip
+)
+def test_a_filter_keeps_the_likeliest_tokens_renormalised(kept, params):
+    freq = _frequencies(params, torch.tensor(np.log(PROBS), dtype=torch.float32))
+    assert not freq[kept:].any()
+    np.testing.assert_allclose(freq[:kept], PROBS[:kept] / PROBS[:kept].sum(), atol=0.014)
 
 
-def test_top_k_keeps_the_k_likeliest_and_ties_with_the_kth():
-    logits = torch.tensor(np.log(PROBS), dtype=torch.float32)
-    freq = _frequencies(SamplingParams(temperature=1.0, top_k=2), logits)
-    assert freq[2] == freq[3] == 0
-    np.testing.assert_allclose(freq[:2], [0.5 / 0.8, 0.3 / 0.8], atol=0.014)
-    assert _frequencies(SamplingParams(temperature=1.0, top_k=1), logits)[0] == 1
-    for everything in (0, -1, 4, 1000):  # 0 and -1 (vLLM's "all"), and k >= the vocabulary
-        np.testing.assert_allclose(_frequencies(SamplingParams(top_k=everything), logits), PROBS, atol=0.014)
+def test_top_k_keeps_the_tokens_tied_with_the_kth_and_min_p_is_of_the_tempered_probabilities():
     tied = torch.tensor(np.log([0.4, 0.2, 0.2, 0.2]), dtype=torch.float32)
     np.testing.assert_allclose(_frequencies(SamplingParams(top_k=2), tied), [0.4, 0.2, 0.2, 0.2], atol=0.014)
-
-
-def test_min_p_drops_tokens_below_its_share_of_the_likeliest():
-    logits = torch.tensor(np.log(PROBS), dtype=torch.float32)
-    # 0.5 x 0.3 = 0.15: the third token (0.15) stays, the fourth (0.05) goes
-    freq = _frequencies(SamplingParams(temperature=1.0, min_p=0.3), logits)
-    assert freq[3] == 0
-    np.testing.assert_allclose(freq[:3], PROBS[:3] / 0.95, atol=0.014)
-    assert _frequencies(SamplingParams(temperature=1.0, min_p=1.0), logits)[0] == 1
-    # at temperature 2 the probabilities are flatter: the same min_p keeps all four
+    # at temperature 2 the probabilities are flatter: min_p 0.3 keeps all four
     hot = PROBS**0.5 / (PROBS**0.5).sum()
+    logits = torch.tensor(np.log(PROBS), dtype=torch.float32)
     np.testing.assert_allclose(_frequencies(SamplingParams(temperature=2.0, min_p=0.3), logits), hot, atol=0.014)
 
 
