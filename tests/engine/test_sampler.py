@@ -34,23 +34,21 @@ def test_sampled_rows_follow_the_softmax_at_their_temperature():
     np.testing.assert_allclose(_frequencies(SamplingParams(temperature=2.0), logits), hot, atol=0.014)
 
 
-@pytest.mark.parametrize(
-    "kept,params",
-    [
-        (2, SamplingParams(top_p=0.7)),  # 0.5 < 0.7 <= 0.5 + 0.3: the smallest prefix that reaches it
-        (2, SamplingParams(top_k=2)),
-        (2, SamplingParams(min_p=0.5)),  # 0.3 >= 0.5 x 0.5 > 0.15
-        (3, SamplingParams(min_p=0.3)),  # 0.15 >= 0.5 x 0.3 > 0.05
-        (1, SamplingParams(top_p=0.2)),  # below the largest probability: that token alone
-        (1, SamplingParams(top_k=1)),
-        (1, SamplingParams(min_p=1.0)),
-        (4, SamplingParams(top_k=0)),  # 0 and -1 are vLLM's "all"; k >= the vocabulary keeps all too
-        (4, SamplingParams(top_k=-1)),
-        (4, SamplingParams(top_k=1000)),
-    ],
-    ids=["top_p=0.7", "top_k=2", "min_p=0.5", "min_p=0.3", "top_p=0.2", "top_k=1", "min_p=1", "top_k=0", "top_k=-1",
-         "top_k=1000"],  # fmt: skip
-)
+FILTERS = {  # name -> (how many of PROBS's tokens it keeps, the params)
+    "top_p=0.7": (2, SamplingParams(top_p=0.7)),  # 0.5 < 0.7 <= 0.5 + 0.3: the smallest prefix that reaches it
+    "top_k=2": (2, SamplingParams(top_k=2)),
+    "min_p=0.5": (2, SamplingParams(min_p=0.5)),  # 0.3 >= 0.5 x 0.5 > 0.15
+    "min_p=0.3": (3, SamplingParams(min_p=0.3)),  # 0.15 >= 0.5 x 0.3 > 0.05
+    "top_p=0.2": (1, SamplingParams(top_p=0.2)),  # below the largest probability: that token alone
+    "top_k=1": (1, SamplingParams(top_k=1)),
+    "min_p=1": (1, SamplingParams(min_p=1.0)),
+    "top_k=0": (4, SamplingParams(top_k=0)),  # 0 and -1 are vLLM's "all"; k >= the vocabulary keeps all too
+    "top_k=-1": (4, SamplingParams(top_k=-1)),
+    "top_k=1000": (4, SamplingParams(top_k=1000)),
+}
+
+
+@pytest.mark.parametrize("kept,params", FILTERS.values(), ids=FILTERS.keys())
 def test_a_filter_keeps_the_likeliest_tokens_renormalised(kept, params):
     freq = _frequencies(params, torch.tensor(np.log(PROBS), dtype=torch.float32))
     assert not freq[kept:].any()

@@ -42,7 +42,12 @@ def client(server, key: str | None):
 def test_every_route_but_health_and_metrics_needs_a_key(server):
     for header in (None, f"Bearer {KEYS[0]}x", f"Basic {KEYS[0]}", "Bearer"):
         headers = {"Authorization": header} if header is not None else {}
-        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/v1/files")):
+        for method, path in (
+            ("GET", "/v1/models"),
+            ("POST", "/v1/completions"),
+            ("GET", "/v1/files"),
+            ("POST", "/tokenize"),
+        ):
             response = httpx.request(method, server.url + path, headers=headers, json={})
             assert response.status_code == 401, (header, path)
             assert response.json()["error"]["code"] == "invalid_api_key"

@@ -13,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
 pytest.importorskip("ray.serve", reason="the fleet extra (ray[serve]) is not installed")
 pytestmark = pytest.mark.ray
 
@@ -120,6 +121,8 @@ def test_fleet_answers_as_one_engine_does(fleet, reference_llm):
         model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=0
     )
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
+    tokenized = httpx.post(fleet.url + "/tokenize", json={"prompt": "Hello world"}).json()  # the ingress's tokenizer
+    assert tokenized["tokens"] == tokenizer.encode("Hello world")
 
 
 def test_concurrent_requests_spread_over_both_replicas(fleet):

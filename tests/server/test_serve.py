@@ -119,6 +119,37 @@ def test_vllms_chat_template_fields_render_as_transformers_does(server, referenc
     assert thinking.render(begun) == "x"
 
 
+def test_tokenize_and_detokenize_as_vllm_serves_them(server, chat_model_dir):
+    """vLLM's ``/tokenize`` (a prompt, or chat messages as a chat request reads them) and ``/detokenize``."""
+    hf = transformers.AutoTokenizer.from_pretrained(chat_model_dir)
+    url = server.url
+    answer = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
+    assert answer == {"count": len(hf.encode("Hello world")), "max_model_len": 256, "tokens": hf.encode("Hello world"),
+                      "token_strs": None}  # fmt: skip
+    bare = httpx.post(url + "/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}).json()
+    assert bare["tokens"] == hf.encode("Hello world", add_special_tokens=False)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}]
+    chat = httpx.post(url + "/tokenize", json={"messages": messages, "return_token_strs": True}).json()
+    rendered = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat["tokens"] == hf.encode(rendered, add_special_tokens=False)  # the template wrote BOS
+    assert chat["token_strs"] == [hf.decode([t]) for t in chat["tokens"]]
+    served = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert served.usage.prompt_tokens == chat["count"]
+    text = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": answer["tokens"]}).json()
+    assert text == {"prompt": "Hello world"}
+    refused = [
+        ("/tokenize", {"prompt": "a", "messages": messages}, 400, "prompt"),
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}, 400,
+         "continue_final_message"),
+        ("/tokenize", {"model": "other", "prompt": "a"}, 404, "model"),
+        ("/detokenize", {"tokens": [1, VOCAB]}, 400, "tokens"),
+    ]  # fmt: skip
+    for path, body, status, param in refused:
+        response = httpx.post(url + path, json=body)
+        assert response.status_code == status and response.json()["error"]["param"] == param, (body, response.text)
+
+
 def test_32_concurrent_streams_are_all_correct(server, reference_llm):
     tokenizer = reference_llm.tokenizer
     prompts = [f"{CORPUS[i % 3][: 8 + i]} {i}" for i in range(32)]

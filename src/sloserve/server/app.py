@@ -2,8 +2,9 @@
 
 Routes, a router each: ``POST /v1/completions`` (completions_api.py), ``POST /v1/chat/completions``
 (chat_api.py), both with ``stream: true`` as server-sent events ending in ``data: [DONE]``
-(responses.py); ``GET /v1/models`` (models_api.py); ``GET /health`` and ``GET /metrics``
-(metrics_api.py); and with a data dir the Files and Batches routes (batch_api.py).
+(responses.py); ``GET /v1/models`` (models_api.py); vLLM's ``POST /tokenize`` and ``/detokenize``
+(tokenize_api.py); ``GET /health`` and ``GET /metrics`` (metrics_api.py); and with a data dir the
+Files and Batches routes (batch_api.py).
 With ``--api-key``, every route but /health and /metrics needs the key (401 without it), and files and
 batches are their key's own (auth.py). Errors are OpenAI's error object (``{"error": {"message", "type", "param", "code"}}``): 400 for a bad
 body or parameter or a prompt that does not fit, 404 for an unknown model or route, 429 with
@@ -36,6 +37,7 @@ from sloserve.server.models_api import models_router
 from sloserve.server.protocol import error_body
 from sloserve.server.responses import json_error
 from sloserve.server.serving import OpenAIServing, error_response, validation_error
+from sloserve.server.tokenize_api import tokenize_router
 
 # Seconds the lifespan's shutdown waits for running requests when no signal drained them first.
 DRAIN_AT_EXIT_S = 5.0
@@ -77,6 +79,7 @@ def build_app(
     app.include_router(completions_router(serving))
     app.include_router(chat_router(serving))
     app.include_router(models_router(serving))
+    app.include_router(tokenize_router(serving))
     app.include_router(metrics_router(engine, metrics))
     if batches is not None:
         app.include_router(batches.router())

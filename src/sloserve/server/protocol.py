@@ -306,26 +306,15 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions``."""
+class ChatTemplateFields(BaseModel):
+    """vLLM's request fields for how the chat template renders the messages (chat completions and
+    ``/tokenize``)."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)  # deprecated by OpenAI, still sent by many clients
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[Any] | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # vLLM's extensions: how the chat template renders the messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.tools:
-            raise ParameterError("tools", "tools are not supported")
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ParameterError("top_logprobs", "top_logprobs needs logprobs: true")
+    def check_template_fields(self, messages: list[ChatMessage]) -> None:
         if self.continue_final_message:
             if self.add_generation_prompt:
                 raise ParameterError(
@@ -333,11 +322,10 @@ class ChatCompletionRequest(SamplingRequest):
                     "continue_final_message and add_generation_prompt cannot both be true (add_generation_prompt is "
                     "true by default)",
                 )
-            if self.messages[-1].role != "assistant":
+            if messages[-1].role != "assistant":
                 raise ParameterError(
                     "continue_final_message",
-                    "continue_final_message continues an assistant message; the last message is "
-                    f"{self.messages[-1].role!r}",
+                    f"continue_final_message continues an assistant message; the last message is {messages[-1].role!r}",
                 )
         taken = sorted(set(self.chat_template_kwargs or {}) & {"messages", "add_generation_prompt"})
         if taken:
@@ -346,6 +334,25 @@ class ChatCompletionRequest(SamplingRequest):
                 f"chat_template_kwargs cannot set {', '.join(taken)}: the request's own fields do",
             )
 
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)  # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Any] | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise ParameterError("tools", "tools are not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParameterError("top_logprobs", "top_logprobs needs logprobs: true")
+        self.check_template_fields(self.messages)
+
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -353,6 +360,32 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def output_cap(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(ChatTemplateFields):
+    """vLLM's ``POST /tokenize``: a ``prompt``, or ``messages`` rendered by the chat template as a chat
+    request's are (the tokens the model would read)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # None: as a completion's prompt, or a chat's, is tokenized
+    return_token_strs: bool = False
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ParameterError("prompt", "give a prompt or messages (one of them)")
+        if self.messages is not None:
+            self.check_template_fields(self.messages)
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
 
 
 class ParameterError(ConfigError):

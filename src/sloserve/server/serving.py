@@ -29,9 +29,13 @@ from sloserve.server.chat_template import ChatTemplate
 from sloserve.server.logprobs import LogprobsFormat
 from sloserve.server.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
+    ChatTemplateFields,
     CompletionRequest,
+    DetokenizeRequest,
     ParameterError,
     SamplingRequest,
+    TokenizeRequest,
     error_body,
     now_unix,
     usage,
@@ -342,17 +346,50 @@ class OpenAIServing:
     def submit_chat(self, body: ChatCompletionRequest, request_class: RequestClass | None = None) -> Submission:
         self.check_model(body.model)
         body.check_supported()
-        messages = [
-            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages
-        ]
-        prompt = self.chat_template.render(
-            messages,
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            variables=body.chat_template_kwargs,
-        )
-        prompt_ids = self.encode(prompt, add_special_tokens=not self.chat_template.from_model)
+        prompt_ids = self.chat_prompt_ids(body.messages, body)
         return self._submit(body, [prompt_ids], body.output_cap, request_class, [""])
+
+    def chat_prompt_ids(
+        self, messages: list[ChatMessage], fields: ChatTemplateFields, add_special_tokens: bool | None = None
+    ) -> list[int]:
+        """The tokens the model reads for ``messages``: the chat template's text, tokenized without
+        adding special tokens again when the model's own template wrote them (None: that rule)."""
+        prompt = self.chat_template.render(
+            [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages],
+            add_generation_prompt=fields.add_generation_prompt,
+            continue_final_message=fields.continue_final_message,
+            variables=fields.chat_template_kwargs,
+        )
+        if add_special_tokens is None:
+            add_special_tokens = not self.chat_template.from_model
+        return self.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's ``/tokenize``: the tokens of a prompt, or of chat messages as a chat request reads them."""
+        if body.model is not None:
+            self.check_model(body.model)
+        body.check_supported()
+        if body.messages is not None:
+            tokens = self.chat_prompt_ids(body.messages, body, body.add_special_tokens)
+        else:
+            tokens = self.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        strings = None
+        if body.return_token_strs:
+            strings = [self.engine.tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
+        return {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens,
+                "token_strs": strings}  # fmt: skip
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's ``/detokenize``: the text of token ids."""
+        if body.model is not None:
+            self.check_model(body.model)
+        tokenizer, vocab_size = self.engine.tokenizer, self.engine.info.vocab_size
+        outside = [t for t in body.tokens if not 0 <= t < vocab_size]
+        if outside:
+            raise ParameterError("tokens", f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
+        if tokenizer is None:
+            raise ParameterError("tokens", "this model has no tokenizer to turn tokens into text")
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     def _submit(
         self,
