@@ -492,7 +492,8 @@ def test_vllms_structured_outputs_choice_regex_grammar_and_json(server):
         ({"guided_regex": "("}, "guided_regex", "the regular expression cannot be compiled: .*unclosed group"),
         ({"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs", 'unknown name: "foo"'),
         ({"guided_regex": "a\\"}, "guided_regex", "ends with a backslash that escapes nothing"),  # llguidance: "a"
-        ({"structured_outputs": {}}, "structured_outputs", "take one of json, regex, choice, grammar or json_object; got 0"),
+        ({"structured_outputs": {}}, "structured_outputs",
+         "take one of json, regex, choice, grammar or json_object; got 0"),
         ({"structured_outputs": {"json_object": False}}, "structured_outputs", "take one of .*; got 0"),
         ({"guided_choice": []}, "guided_choice", "at least one string"),
         ({"guided_json": "{not json"}, "guided_json", "the JSON schema is not valid JSON"),

@@ -136,7 +136,9 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(server, chat_model_dir):
     served = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
     assert served.usage.prompt_tokens == chat["count"]
     text = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": answer["tokens"]}).json()
-    assert text == {"prompt": "Hello world"}
+    assert text == {"prompt": hf.decode(answer["tokens"])} and text["prompt"].endswith("Hello world")
+    text = httpx.post(url + "/detokenize", json={"tokens": chat["tokens"]}).json()
+    assert text == {"prompt": rendered}  # special tokens included: what /tokenize read
     refused = [
         ("/tokenize", {"prompt": "a", "messages": messages}, 400, "prompt"),
         ("/tokenize", {}, 400, "prompt"),

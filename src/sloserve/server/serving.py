@@ -380,7 +380,8 @@ class OpenAIServing:
                 "token_strs": strings}  # fmt: skip
 
     def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
-        """vLLM's ``/detokenize``: the text of token ids."""
+        """vLLM's ``/detokenize``: the text of token ids, special tokens included (as vLLM's, so that it
+        gives back what ``/tokenize`` read)."""
         if body.model is not None:
             self.check_model(body.model)
         tokenizer, vocab_size = self.engine.tokenizer, self.engine.info.vocab_size
@@ -389,7 +390,7 @@ class OpenAIServing:
             raise ParameterError("tokens", f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
         if tokenizer is None:
             raise ParameterError("tokens", "this model has no tokenizer to turn tokens into text")
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     def _submit(
         self,
