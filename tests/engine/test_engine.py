@@ -249,6 +249,30 @@ def test_bad_words_offline_are_tokenized_with_the_models_tokenizer(reference_llm
         no_tokenizer.generate({"prompt_token_ids": [1, 2]}, SamplingParams(bad_words=["x"]))
 
 
+def test_chat_renders_as_transformers_and_generates_as_generate(reference_llm, chat_model_dir):
+    """vLLM's ``LLM.chat``: the model's template rendered as transformers' ``apply_chat_template``, the
+    same tokens as ``generate`` on that text; a list of conversations; its options as the server's."""
+    hf = transformers.AutoTokenizer.from_pretrained(chat_model_dir)
+    conversations = [[{"role": "user", "content": "Hello world"}],
+                     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello to"}]]  # fmt: skip
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    out = reference_llm.chat(conversations[0], greedy)
+    rendered = hf.apply_chat_template(conversations[0], add_generation_prompt=True, tokenize=False)
+    ids = hf.encode(rendered, add_special_tokens=False)  # the template wrote BOS
+    assert out[0].prompt == rendered and out[0].prompt_token_ids == ids
+    assert (
+        out[0].outputs[0].token_ids == reference_llm.generate({"prompt_token_ids": ids}, greedy)[0].outputs[0].token_ids
+    )
+    begun = [conversations[1], [*conversations[0], {"role": "assistant", "content": "Hi"}]]
+    both = reference_llm.chat(begun, greedy, add_generation_prompt=False, continue_final_message=True)
+    assert [o.prompt for o in both] == [hf.apply_chat_template(c, continue_final_message=True, tokenize=False)
+                                        for c in begun]  # fmt: skip
+    with pytest.raises(ConfigError, match="continue_final_message continues an assistant message; the last .* 'user'"):
+        reference_llm.chat(conversations[0], greedy, add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(ConfigError, match="cannot both be true"):
+        reference_llm.chat(conversations[1], greedy, continue_final_message=True)
+
+
 def test_n_sequences_are_the_requests_of_seeds_seed_plus_j(reference_llm):
     """``SamplingParams.n``: each prompt's sequence j is what the prompt alone gives with seed + j
     (vLLM's rule, as the server's ``n``)."""

@@ -28,7 +28,7 @@ from click.testing import CliRunner
 from sloserve import LLM, SamplingParams
 from sloserve.checkpoint.gguf import read_gguf
 from sloserve.cli import main
-from sloserve.server.chat_template import ChatTemplate
+from sloserve.engine.chat_template import ChatTemplate
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?"]
 

@@ -32,7 +32,7 @@ from helpers import llama7b_cost
 from hf_models import VOCAB
 from served_model import CORPUS, MODEL, Server, generate
 from sloserve.bench.client import free_loopback_port, wait_until_ready
-from sloserve.server.chat_template import ChatTemplate
+from sloserve.engine.chat_template import ChatTemplate
 from sloserve.workload.traces import load_trace
 
 

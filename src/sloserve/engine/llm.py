@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import Request
 from sloserve.cost.base import CostModel
+from sloserve.engine.chat_template import ChatTemplate
 from sloserve.engine.detokenizer import Detokenizer
 from sloserve.engine.llm_engine import LLMEngine
 from sloserve.engine.loader import load_model
@@ -78,9 +80,11 @@ class LLM:
         enable_prefix_caching: bool | None = None,
         **scheduler_options: Any,
     ) -> None:
+        self.model = model
         self.loaded = load_model(
             model, device=device, dtype=dtype, seed=seed, attention_backend=attention_backend, cuda_graphs=cuda_graphs
         )
+        self._chat_template: ChatTemplate | None = None  # read on the first chat
         self.engine = LLMEngine(
             self.loaded,
             scheduler,
@@ -164,6 +168,40 @@ class LLM:
                     first.request_id, text, ids, [c for c, _ in completions], first.num_cached_tokens, prompt_logprobs
                 )
             )
+        return outputs
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: a conversation (``[{"role", "content"}, ...]``), or a list of them, rendered
+        by the model's chat template as the server's chat completions render it, then generated
+        (``generate``); each output's ``prompt`` is the rendered text."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if self.loaded.tokenizer is None:
+            raise ConfigError("chat needs the model's tokenizer (tokenizer.json); this model has none")
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate.for_checkpoint(self.model)
+        template = self._chat_template
+        texts = [
+            template.render(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                variables=chat_template_kwargs,
+            )
+            for conversation in conversations
+        ]
+        # NOTE: the model's own template writes its special tokens (BOS): not added again, as vLLM
+        encode = functools.partial(self.loaded.tokenizer.encode, add_special_tokens=not template.from_model)
+        outputs = self.generate([{"prompt_token_ids": encode(text)} for text in texts], sampling_params)
+        for output, text in zip(outputs, texts, strict=True):
+            output.prompt = text
         return outputs
 
     def _completion(

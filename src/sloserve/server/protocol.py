@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import SLO, RequestClass
+from sloserve.engine.chat_template import ChatOptionError, check_render_options
 from sloserve.engine.sampler import MAX_LOGPROBS, MAX_REPETITION_PENALTY, StructuredOutputsParams
 
 # OpenAI's service tiers: "flex" is the cheaper, slower tier: our best-effort (BE) class.
@@ -315,24 +316,15 @@ class ChatTemplateFields(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check_template_fields(self, messages: list[ChatMessage]) -> None:
-        if self.continue_final_message:
-            if self.add_generation_prompt:
-                raise ParameterError(
-                    "continue_final_message",
-                    "continue_final_message and add_generation_prompt cannot both be true (add_generation_prompt is "
-                    "true by default)",
-                )
-            if messages[-1].role != "assistant":
-                raise ParameterError(
-                    "continue_final_message",
-                    f"continue_final_message continues an assistant message; the last message is {messages[-1].role!r}",
-                )
-        taken = sorted(set(self.chat_template_kwargs or {}) & {"messages", "add_generation_prompt"})
-        if taken:
-            raise ParameterError(
-                "chat_template_kwargs",
-                f"chat_template_kwargs cannot set {', '.join(taken)}: the request's own fields do",
+        try:
+            check_render_options(
+                messages[-1].role,
+                add_generation_prompt=self.add_generation_prompt,
+                continue_final_message=self.continue_final_message,
+                variables=self.chat_template_kwargs,
             )
+        except ChatOptionError as e:
+            raise ParameterError(e.option, str(e)) from None
 
 
 class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):

@@ -18,16 +18,15 @@ from typing import Any
 
 import uvicorn
 
-from sloserve.checkpoint.gguf import is_gguf
 from sloserve.core.errors import ConfigError
 from sloserve.engine.async_engine import AsyncLLMEngine
+from sloserve.engine.chat_template import ChatTemplate
 from sloserve.engine.engine_core import EngineSpec
 from sloserve.fleet.engine import FleetEngine, FleetOptions
 from sloserve.sched.registry import build_config
 from sloserve.server.app import build_app
 from sloserve.server.batch_api import BatchLimits, BatchService
 from sloserve.server.batch_store import BatchStore
-from sloserve.server.chat_template import ChatTemplate
 from sloserve.server.metrics import ServerMetrics
 from sloserve.server.serving import OpenAIServing, ServerConfig
 
@@ -106,11 +105,7 @@ def make_app(spec: EngineSpec, options: ServeOptions):
         options.batch_limits.check(options.max_queued_requests)
         store = BatchStore(options.data_dir)  # NOTE: before the model loads: a taken --data-dir fails fast
     try:
-        model_path = Path(spec.model).expanduser()
-        if is_gguf(spec.model):
-            template = ChatTemplate.for_gguf(model_path)
-        else:
-            template = ChatTemplate.for_model(model_path if model_path.is_dir() else None)
+        template = ChatTemplate.for_checkpoint(spec.model)
         metrics = ServerMetrics(options.served_model_name, options.request_log)
         if options.fleet is None:
             online = AsyncLLMEngine(spec, max_queued_requests=options.max_queued_requests, observer=metrics)

@@ -22,10 +22,10 @@ from sloserve.engine.async_engine import (
     ServedRequest,
     ShuttingDownError,
 )
+from sloserve.engine.chat_template import ChatTemplate
 from sloserve.engine.sampler import Logprobs, SamplingParams, cumulative_logprob
 from sloserve.engine.structured_output import compile_grammar
 from sloserve.engine.tokenizer import HFTokenizer
-from sloserve.server.chat_template import ChatTemplate
 from sloserve.server.logprobs import LogprobsFormat
 from sloserve.server.protocol import (
     ChatCompletionRequest,

@@ -28,6 +28,38 @@ class TemplateError(ConfigError):
     """The template refused the messages (e.g. roles that do not alternate); the message says why."""
 
 
+class ChatOptionError(ConfigError):
+    """An option of ``ChatTemplate.render`` that cannot apply to the messages; ``option`` names it."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+def check_render_options(
+    last_role: str, *, add_generation_prompt: bool, continue_final_message: bool, variables: dict[str, Any] | None
+) -> None:
+    """A ChatOptionError for options that contradict each other or the messages (``last_role``: the
+    last message's role), as vLLM refuses them."""
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ChatOptionError(
+                "continue_final_message",
+                "continue_final_message and add_generation_prompt cannot both be true (add_generation_prompt is "
+                "true by default)",
+            )
+        if last_role != "assistant":
+            raise ChatOptionError(
+                "continue_final_message",
+                f"continue_final_message continues an assistant message; the last message is {last_role!r}",
+            )
+    taken = sorted(set(variables or {}) & {"messages", "add_generation_prompt"})
+    if taken:
+        raise ChatOptionError(
+            "chat_template_kwargs", f"chat_template_kwargs cannot set {', '.join(taken)}: the request's own fields do"
+        )
+
+
 def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
@@ -59,6 +91,17 @@ class ChatTemplate:
             raise ConfigError(f"chat template: {e.message} (line {e.lineno})") from None
         self.special_tokens = special_tokens or {}
         self.from_model = from_model
+
+    @classmethod
+    def for_checkpoint(cls, model: str) -> ChatTemplate:
+        """The template of what ``--model`` names: a GGUF file's, an HF directory's, else (``random:``
+        models) the fallback."""
+        from sloserve.checkpoint.gguf import is_gguf
+
+        path = Path(model).expanduser()
+        if is_gguf(model):
+            return cls.for_gguf(path)
+        return cls.for_model(path if path.is_dir() else None)
 
     @classmethod
     def for_model(cls, model_dir: Path | None) -> ChatTemplate:
@@ -106,7 +149,13 @@ class ChatTemplate:
         ``apply_chat_template``). ``continue_final_message``: the prompt ends with the last message's
         content instead, for the model to go on with it (an assistant's answer begun by the client).
         ``variables``: more for the template to read (vLLM's ``chat_template_kwargs``, e.g. Qwen3's
-        ``enable_thinking``)."""
+        ``enable_thinking``). Options that contradict each other are a ChatOptionError."""
+        check_render_options(
+            messages[-1]["role"] if messages else "",
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            variables=variables,
+        )
         try:
             # as transformers: the request's variables may override the special tokens' names
             text = self._template.render(
