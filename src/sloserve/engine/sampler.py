@@ -60,13 +60,12 @@ class SamplingParams:
     less likely than ``min_p`` times the likeliest one, ``top_k`` keeps the ``top_k`` likeliest (0
     or -1: all; ties with the k-th stay), then ``top_p`` keeps the smallest prefix of what is left,
     renormalised, whose mass reaches ``top_p``. ``seed`` makes a sampled request reproducible on its
-    own, whatever it is batched with. ``ignore_eos`` keeps generating
-    until ``max_tokens`` (benchmarks force output lengths this way, as the papers do). ``stop``: strings
-    that end the request ("stop") when its text holds one; the text ends before it (OpenAI's rule),
-    or after it with ``include_stop_str_in_output``. ``skip_special_tokens``: leave special tokens out
-    of the text (vLLM's default).
-    ``n``: sequences to sample from the prompt (``LLM.generate``: each its own engine request; with a
-    ``seed``, sequence ``j`` draws from ``seed + j``, vLLM's rule).
+    own, whatever it is batched with. ``ignore_eos`` keeps generating until ``max_tokens``
+    (benchmarks force output lengths this way, as the papers do). ``stop``: strings that end the
+    request ("stop") when its text holds one; the text ends before it (OpenAI's rule), or after it
+    with ``include_stop_str_in_output``. ``skip_special_tokens``: leave special tokens out of the
+    text (vLLM's default). ``n``: sequences to sample from the prompt (``LLM.generate``: each its own
+    engine request; with a ``seed``, sequence ``j`` draws from ``seed + j``, vLLM's rule).
 
     ``logprobs``: report each sampled token's log-probability and the ``logprobs`` likeliest tokens'
     (None: none; 0: the sampled token's alone). ``prompt_logprobs``: the same for every prompt token
