@@ -306,6 +306,17 @@ def test_structured_outputs_offline_as_vllms_params(reference_llm):
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=["a"]))
 
 
+def test_use_tqdm_shows_the_finished_sequences_and_changes_nothing(capsys):
+    """vLLM's ``use_tqdm`` (code copied from vLLM passes it): a bar of every sequence, ``n`` included."""
+    llm = LLM("random:tiny-llama")
+    params = SamplingParams(max_tokens=6, temperature=0, n=2, ignore_eos=True)
+    quiet = llm.generate(["hi", "hello there", "a"], params)
+    assert capsys.readouterr().err == ""
+    shown = llm.generate(["hi", "hello there", "a"], params, use_tqdm=True)
+    assert "6/6" in capsys.readouterr().err
+    assert [[c.token_ids for c in o.outputs] for o in shown] == [[c.token_ids for c in o.outputs] for o in quiet]
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch():
     llm = LLM("random:tiny-llama")
     params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,12 +119,15 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results in input order. Every prompt is checked before any runs.
 
         Each of a prompt's ``n`` sequences is an engine request of its own (the scheduler sees each;
         they share the prompt's KV blocks through the prefix cache). A stop string ends its sequence
-        in the step that completes it (the engine drops it there), as the server does."""
+        in the step that completes it (the engine drops it there), as the server does. ``use_tqdm``:
+        a progress bar of the finished sequences on stderr (vLLM's name; off by default here)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
@@ -148,16 +152,10 @@ class LLM:
         ]
         stops = {r: Detokenizer.for_params(tokenizer, p) for rs, p in zip(sequences, params) if p.stop for r in rs}
         watched = dict(stops)  # the sequences whose text may still hold a stop string
-        while engine.has_unfinished():
-            engine.step()
-            for request, detokenizer in list(watched.items()):
-                new = engine.output_token_ids(request)[len(detokenizer.token_ids) :]
-                if new:
-                    detokenizer.push(new, finished=request.is_finished)
-                if detokenizer.stopped and not request.is_finished:
-                    engine.abort(request)
-                if detokenizer.stopped or request.is_finished:
-                    del watched[request]
+        with _progress_bar(sum(len(rs) for rs in sequences), enabled=use_tqdm) as advance:
+            while engine.has_unfinished():
+                advance(len(engine.step()))
+                self._end_stopped(watched)
         outputs = []
         for requests, (text, ids) in zip(sequences, encoded, strict=True):
             completions = [self._completion(j, r, stops.get(r)) for j, r in enumerate(requests)]
@@ -170,6 +168,18 @@ class LLM:
             )
         return outputs
 
+    def _end_stopped(self, watched: dict[Request, Detokenizer]) -> None:
+        """After a step: the watched sequences whose text now holds a stop string are dropped by the
+        engine (their next step frees them); a sequence leaves ``watched`` once stopped or finished."""
+        for request, detokenizer in list(watched.items()):
+            new = self.engine.output_token_ids(request)[len(detokenizer.token_ids) :]
+            if new:
+                detokenizer.push(new, finished=request.is_finished)
+            if detokenizer.stopped and not request.is_finished:
+                self.engine.abort(request)
+            if detokenizer.stopped or request.is_finished:
+                del watched[request]
+
     def chat(
         self,
         messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
@@ -178,6 +188,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: a conversation (``[{"role", "content"}, ...]``), or a list of them, rendered
         by the model's chat template as the server's chat completions render it, then generated
@@ -199,7 +210,9 @@ class LLM:
         ]
         # NOTE: the model's own template writes its special tokens (BOS): not added again, as vLLM
         encode = functools.partial(self.loaded.tokenizer.encode, add_special_tokens=not template.from_model)
-        outputs = self.generate([{"prompt_token_ids": encode(text)} for text in texts], sampling_params)
+        outputs = self.generate(
+            [{"prompt_token_ids": encode(text)} for text in texts], sampling_params, use_tqdm=use_tqdm
+        )
         for output, text in zip(outputs, texts, strict=True):
             output.prompt = text
         return outputs
@@ -218,3 +231,19 @@ class LLM:
         cumulative = None if seq.logprobs is None else cumulative_logprob(seq.logprobs)
         completion = CompletionOutput(index, text, seq.output_token_ids, reason, seq.logprobs, cumulative)
         return completion, None if seq.prompt_logprobs is None else [None, *seq.prompt_logprobs]
+
+
+@contextlib.contextmanager
+def _progress_bar(total: int, enabled: bool) -> Iterator[Callable[[int], None]]:
+    """``advance(n)`` moves a bar of ``total`` sequences on stderr by ``n`` (nothing when not enabled)."""
+    if not enabled:
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    with Progress(
+        "generating", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=Console(stderr=True)
+    ) as bar:
+        task = bar.add_task("generating", total=total)
+        yield lambda n: bar.advance(task, n)
