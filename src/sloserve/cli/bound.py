@@ -118,10 +118,9 @@ def bound(
         f"{len(reqs)} requests ({shown}), M={capacity}, C={budget}, P={prefill_budget}, {problem.num_batches} batches"
     )
     click.echo(f"relaxation: any schedule takes at least {relaxed * 1e3:.3f} ms (optimal/relaxation.py)")
-    solved = cells <= limit
-    if solved:
-        result = solve_bound(problem, cost, time_limit_s=time_limit, hint=best.hint, max_cells=limit)
-        solved = bool(result.schedule)  # NOTE: UNKNOWN (time limit hit before a schedule) has none
+    in_reach = cells <= limit
+    result = solve_bound(problem, cost, time_limit_s=time_limit, hint=best.hint, max_cells=limit) if in_reach else None
+    solved = result is not None and bool(result.schedule)  # NOTE: UNKNOWN (time limit hit first) has none
     if solved:
         click.echo(
             f"bound: {result.status} in {result.wall_s:.1f}s ({result.num_variables} variables): latency "
@@ -129,7 +128,7 @@ def bound(
             f"evictions {sum(len(b.evicted) for b in result.schedule)}"
         )
         reference, against = result.latency_s, "the bound's schedule"
-    elif cells <= limit:
+    elif in_reach:
         click.echo(
             f"bound: {result.status} in {result.wall_s:.1f}s ({result.num_variables} variables): no schedule "
             f"within --time-limit {time_limit:g} s (a longer limit may find one)"
@@ -153,7 +152,7 @@ def bound(
 
         out.mkdir(parents=True, exist_ok=True)
         doc = {
-            "status": result.status if cells <= limit else "NOT_SOLVED", "relaxed_bound_s": relaxed,
+            "status": result.status if in_reach else "NOT_SOLVED", "relaxed_bound_s": relaxed,
             "problem": {"prompts": prompts, "outputs": outputs, "arrivals": problem.arrivals,
                         "kv_capacity_tokens": capacity, "max_num_batched_tokens": budget,
                         "prefill_token_budget": prefill_budget, "num_batches": problem.num_batches},

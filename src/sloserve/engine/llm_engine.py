@@ -192,12 +192,10 @@ class LLMEngine:
     ) -> SamplingParams:
         """Validate one request (``check_request``); returns its params with ``max_tokens`` cut to the
         context and its ``bad_words`` tokenized."""
-        if params.bad_words:
-            if self.loaded.tokenizer is None:
-                raise ConfigError(
-                    f"{where}: bad_words need the model's tokenizer (tokenizer.json); this model has none"
-                )
+        try:
             params = params.tokenize_bad_words(self.loaded.tokenizer)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
         return check_request(
             prompt_token_ids,
             params,

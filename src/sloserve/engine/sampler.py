@@ -180,9 +180,11 @@ class SamplingParams:
     def tokenize_bad_words(self, tokenizer) -> SamplingParams:
         """These params with ``bad_words_token_ids`` (vLLM's rule): each word's tokens as the text's
         start, and after a space where that makes a word token of its own (as many tokens, another
-        first one); a word of no tokens is dropped."""
+        first one); a word of no tokens is dropped. A ConfigError without a tokenizer (None)."""
         if self.bad_words_token_ids is not None or not self.bad_words:
             return self
+        if tokenizer is None:
+            raise ConfigError("bad_words need the model's tokenizer (tokenizer.json); this model has none")
         sequences: list[tuple[int, ...]] = []
         for word in self.bad_words:
             alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))

@@ -384,13 +384,18 @@ class OpenAIServing:
         gives back what ``/tokenize`` read)."""
         if body.model is not None:
             self.check_model(body.model)
-        tokenizer, vocab_size = self.engine.tokenizer, self.engine.info.vocab_size
-        outside = [t for t in body.tokens if not 0 <= t < vocab_size]
-        if outside:
-            raise ParameterError("tokens", f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
+        self._check_in_vocabulary("tokens", body.tokens)
+        tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ParameterError("tokens", "this model has no tokenizer to turn tokens into text")
         return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    def _check_in_vocabulary(self, param: str, token_ids) -> None:
+        """A 400 naming ``param`` for a token id outside the model's vocabulary."""
+        vocab_size = self.engine.info.vocab_size
+        outside = [t for t in token_ids if not 0 <= t < vocab_size]
+        if outside:
+            raise ParameterError(param, f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
 
     def _submit(
         self,
@@ -480,9 +485,7 @@ class OpenAIServing:
         named = (("logit_bias", logit_bias), ("stop_token_ids", body.stop_token_ids or ()),
                  ("allowed_token_ids", body.allowed_token_ids or ()))  # fmt: skip
         for name, ids in named:
-            outside = [t for t in ids if t >= vocab_size]
-            if outside:
-                raise ParameterError(name, f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
+            self._check_in_vocabulary(name, ids)
         max_tokens = max_tokens or room
         if body.min_tokens > max_tokens:
             raise ParameterError("min_tokens", f"min_tokens ({body.min_tokens}) is above max_tokens ({max_tokens})")
@@ -512,13 +515,10 @@ class OpenAIServing:
             skip_special_tokens=body.skip_special_tokens,
             grammar=grammar,
         )
-        if not params.bad_words:
-            return params
-        if self.engine.tokenizer is None:
-            raise ParameterError(
-                "bad_words", "bad_words need the model's tokenizer (tokenizer.json); this model has none"
-            )
-        return params.tokenize_bad_words(self.engine.tokenizer)
+        try:
+            return params.tokenize_bad_words(self.engine.tokenizer)
+        except ConfigError as e:
+            raise ParameterError("bad_words", str(e)) from None
 
 
 async def collect(served: ServedRequest) -> Generated:
