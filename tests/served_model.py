@@ -21,12 +21,18 @@ from sloserve.engine.engine_core import EngineSpec
 from sloserve.server.serve import ServeOptions, make_app
 
 CHAT_TEMPLATE = """{{ bos_token }}
+{% if tools %}
+<|tools|>
+{{ tools | map(attribute='function') | map(attribute='name') | list | tojson(separators=(',', ':')) }}{{ eos_token }}
+{% endif %}
 {% for message in messages %}
     {% if message['role'] == 'system' and not loop.first %}
         {{ raise_exception('the system message must come first') }}
     {% endif %}
 <|{{ message['role'] }}|>
-{{ message['content'] }}{{ eos_token }}
+{{ message['content'] }}
+{%- for call in message.tool_calls or [] %}<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}
+{%- if message.tool_call_id %} ({{ message.tool_call_id }}){% endif %}{{ eos_token }}
 {% endfor %}
 {% if add_generation_prompt %}
 <|assistant|>

@@ -118,6 +118,13 @@ def test_a_batch_answers_every_line_once_as_the_same_request_online(server, refe
     assert server.metric("sloserve_batch_lines_total", outcome="failed") == 5
 
 
+TOOL_CHOICE = {
+    "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"word": {"enum": ["fox", "dog"]}}, "required": ["word"]}}}],
+    "tool_choice": {"type": "function", "function": {"name": "lookup"}},
+}  # fmt: skip
+
+
 def test_a_chat_batch_answers_as_the_chat_endpoint(server):
     client = server.client
     questions = [f"Tell me about {w}" for w in ("latency", "throughput", "the fox", "serving")]
@@ -132,6 +139,7 @@ def test_a_chat_batch_answers_as_the_chat_endpoint(server):
                 "max_completion_tokens": 6,
                 "temperature": 0,
                 "n": 1 + i % 2,
+                **(TOOL_CHOICE if i == 3 else {}),
             },
         }
         for i, q in enumerate(questions)
@@ -144,10 +152,15 @@ def test_a_chat_batch_answers_as_the_chat_endpoint(server):
     for line, out in zip(lines, read_jsonl(client, batch.output_file_id), strict=True):
         online = client.chat.completions.create(**line["body"])
         choices = out["response"]["body"]["choices"]
-        assert [c["message"] for c in choices] == [
-            {"role": "assistant", "content": c.message.content} for c in online.choices
+
+        def calls(message: dict) -> list[tuple[str, str]]:  # each call's id is its own
+            return [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or ()]
+
+        assert [(c["message"]["content"], calls(c["message"])) for c in choices] == [
+            (c.message.content, calls(c.message.model_dump())) for c in online.choices
         ]
         assert len(choices) == line["body"]["n"]
+    assert calls(choices[0]["message"])[0][0] == "lookup"  # the tool line's calls, answered as online
 
 
 def test_uploads_and_batches_are_checked_with_openai_errors(server):

@@ -16,6 +16,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
+import httpx  # noqa: E402
+
 from served_model import MODEL, Server  # noqa: E402
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over"]
@@ -216,6 +218,7 @@ def test_best_of_returns_the_choices_with_the_highest_cumulative_logprob(server)
         ("completions", {"prompt": "hi", "allowed_token_ids": [3, 300]}, "allowed_token_ids"),
         ("chat", {"messages": HI, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         ("chat", {"messages": HI, "priority": 5}, "priority"),
+        ("chat", {"messages": HI, "functions": [{"name": "f"}]}, "functions"),  # OpenAI's former tools
     ],
 )  # fmt: skip
 def test_choices_and_logprobs_out_of_range_are_400s_naming_the_field(server, route, body, param):
@@ -517,4 +520,155 @@ def test_a_schema_the_grammar_library_refuses_is_a_400_naming_it(server):
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strange"}}},
         )  # fmt: skip
     assert e.value.body["param"] == "response_format" and "strange" in e.value.message
+    assert server.engine.num_unfinished == 0
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"type": "string", "enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ZONE = {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+        "required": ["zone"], "additionalProperties": False}  # fmt: skip
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": ZONE}},
+    {"type": "function", "function": {"name": "ping"}},  # no parameters: {}
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": ZONE, "ping": {"type": "object", "maxProperties": 0}}  # no arguments
+
+
+def streamed_message(server, **request) -> tuple[str | None, list[tuple[str, str]], str]:
+    """A streamed chat answer put together as a client does: content, (name, arguments) of each call,
+    finish reason; every call's first chunk has its id, type and name."""
+    content, calls, reason = [], {}, None
+    for chunk in server.client.chat.completions.create(**request, stream=True):
+        delta = chunk.choices[0].delta
+        content.append(delta.content or "")
+        for entry in delta.tool_calls or ():
+            if entry.index not in calls:
+                assert entry.id.startswith("call_") and entry.type == "function" and entry.function.name
+                calls[entry.index] = [entry.function.name, ""]
+            calls[entry.index][1] += entry.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    return "".join(content) or None, [tuple(calls[i]) for i in sorted(calls)], reason
+
+
+def message_calls(message) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
+
+
+def test_named_and_required_tool_calls_always_validate_streamed_or_not(server):
+    """tool_choice naming a function, or "required": at temperature 1 from a random model, every call
+    is one of the tools with arguments that validate against its parameters (vLLM's guided schemas);
+    ``parallel_tool_calls: false`` makes one. Greedy, the streamed message is the whole one."""
+    jsonschema = pytest.importorskip("jsonschema")
+    common = dict(model=MODEL, messages=HI, tools=TOOLS, max_tokens=160)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    answer = server.client.chat.completions.create(**common, tool_choice=named, temperature=1.0, seed=1, n=6)
+    for choice in answer.choices:
+        assert choice.finish_reason == "stop" and choice.message.content is None  # called as asked: "stop"
+        [(name, arguments)] = message_calls(choice.message)
+        assert name == "get_time"
+        jsonschema.validate(json.loads(arguments), ZONE)
+    names, most = set(), 0
+    for parallel, seed in ((None, 2), (False, 3)):
+        answer = server.client.chat.completions.create(
+            **common, tool_choice="required", temperature=1.0, seed=seed, n=6,
+            **({} if parallel is None else {"parallel_tool_calls": parallel}),
+        )  # fmt: skip
+        for choice in answer.choices:
+            calls = message_calls(choice.message)
+            assert len(calls) >= 1 and (parallel is None or len(calls) == 1)
+            assert len({c.id for c in choice.message.tool_calls}) == len(calls)
+            if choice.finish_reason == "length":  # the array did not close: its closed calls, and the text
+                assert parallel is None and choice.message.content.startswith('[{"name": ')
+            else:
+                assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            for name, arguments in calls:
+                names.add(name)
+                jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+            most = max(most, len(calls))
+    assert len(names) > 1 and most > 1  # the model's choice, not always the first tool; parallel calls
+    for choice in (named, "required"):
+        whole = server.client.chat.completions.create(**common, tool_choice=choice, temperature=0).choices[0]
+        streamed = streamed_message(server, **common, tool_choice=choice, temperature=0)
+        assert streamed == (whole.message.content, message_calls(whole.message), whole.finish_reason)
+
+
+def test_tools_and_earlier_calls_reach_the_chat_template_as_transformers_renders_them(server, hf):
+    """The tools, an assistant's calls (arguments sent as JSON text, given to the template as an object,
+    as vLLM does) and a tool's answer: the tokens /tokenize reads and a chat request's prompt_tokens
+    are transformers' ``apply_chat_template`` of the same conversation; tool_choice "none" answers text."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [*HI, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]  # fmt: skip
+    as_transformers = [*HI, {"role": "assistant", "content": "", "tool_calls": [
+        {**call, "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}, messages[2]]  # fmt: skip
+    expected = hf[1].apply_chat_template(as_transformers, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert '"arguments": {"city": "Oslo"}' in expected and '["get_weather","get_time","ping"]' in expected
+    expected_ids = hf[1].encode(expected, add_special_tokens=False)
+    tokens = httpx.post(server.url + "/tokenize", json={"messages": messages, "tools": TOOLS}).json()["tokens"]
+    assert tokens == expected_ids
+    answer = server.client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=4, temperature=0
+    )
+    assert answer.usage.prompt_tokens == len(expected_ids)
+    assert answer.choices[0].message.tool_calls is None and isinstance(answer.choices[0].message.content, str)
+
+
+def test_auto_tool_choice_parses_hermes_blocks_streamed_or_not(chat_model_dir):
+    """With --tool-call-parser hermes, tool_choice "auto" finds the <tool_call> blocks the model writes
+    (forced here by a regex: a random model writes none): the text before them is the content, the
+    finish reason "tool_calls"; streamed or not alike. Without a block, or with tool_choice "none",
+    the answer is the text."""
+    server = Server(chat_model_dir, tool_call_parser="hermes")
+    try:
+        block = (
+            r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,6}", "unit": "c"\}\}\n</tool_call>'
+        )
+        common = dict(model=MODEL, messages=HI, tools=TOOLS, max_tokens=160, temperature=0)
+        regex = {"structured_outputs": {"regex": r"Checking\.\n" + block}}
+        whole = server.client.chat.completions.create(**common, extra_body=regex).choices[0]
+        assert whole.finish_reason == "tool_calls" and whole.message.content == "Checking."
+        [(name, arguments)] = message_calls(whole.message)
+        assert name == "get_weather" and json.loads(arguments)["unit"] == "c"
+        assert streamed_message(server, **common, extra_body=regex) == ("Checking.", [(name, arguments)], "tool_calls")
+        plain = {"structured_outputs": {"regex": r"No call: <tool"}}  # what may begin a tag comes at the end
+        for extra in (plain, {"tool_choice": "none", **regex}):
+            choice = server.client.chat.completions.create(**common, extra_body=extra).choices[0]
+            assert choice.finish_reason == "stop" and choice.message.tool_calls is None
+            text = choice.message.content
+            assert text == "No call: <tool" if extra is plain else text.startswith("Checking.\n<tool_call>")
+            assert streamed_message(server, **common, extra_body=extra) == (text, [], "stop")
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "message"),
+    [
+        ({"tools": TOOLS}, "tool_choice", 'tool_choice "auto" .* needs the server started with --enable-auto-tool-choice'),
+        ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+         "'nope', which is not one of the tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", 'must be "none", "auto", "required" or'),
+        ({"tools": [*TOOLS, TOOLS[0]], "tool_choice": "required"}, "tools", "'get_weather' is repeated"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+         "one structured output per request: response_format and tool_choice"),
+        ({"tools": [{"type": "retrieval"}], "tool_choice": "none"}, "tools.0.type", "'function'"),
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}], "tool_choice": "none"},
+         "tools.0.function.name", "should match pattern"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strange"}}}],
+          "tool_choice": "required"}, "tools", "cannot be compiled: .*strange"),
+        ({"messages": [*HI, {"role": "assistant", "tool_calls": [{"id": "c"}]}], "tool_choice": "none"},
+         "messages.1.tool_calls.0.function", "Field required"),
+    ],
+)  # fmt: skip
+def test_tool_requests_that_cannot_be_served_are_400s_naming_the_field(server, extra, param, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.chat.completions.create(**{"model": MODEL, "messages": HI, "max_tokens": 4, **extra})
+    assert e.value.body["param"] == param and re.search(message, e.value.message), e.value.body
+    assert "\n" not in e.value.message
     assert server.engine.num_unfinished == 0

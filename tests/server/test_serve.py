@@ -264,6 +264,10 @@ FIELDS = [
     "continue_final_message",
     "use_beam_search",
     "priority",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
 ]
 
 
@@ -447,6 +451,9 @@ def test_serve_refuses_bad_settings_with_one_line_and_exit_2():
 
     assert "--set predictor=histogram" in serve("--scheduler", "econoserve")  # an oracle predictor
     assert "--rt-ttft-ms must be > 0" in serve("--rt-ttft-ms", "-3")
+    for flag in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]):
+        assert "--enable-auto-tool-choice and --tool-call-parser go together" in serve(*flag)
+    assert "'--tool-call-parser': 'mistral' is not 'hermes'" in serve("--tool-call-parser", "mistral")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

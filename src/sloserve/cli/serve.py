@@ -113,6 +113,16 @@ def _import_serve_extra(module: str):
     help="Seconds to wait for the replicas to be placed and loaded (a cluster may be adding nodes) before giving up.",
 )
 @click.option(
+    "--enable-auto-tool-choice",
+    is_flag=True,
+    help='Serve tool_choice "auto" (the default with tools): the model decides, --tool-call-parser finds its calls.',
+)
+@click.option(
+    "--tool-call-parser",
+    type=click.Choice(["hermes"]),
+    help="The format of the model's tool calls (hermes: <tool_call> blocks, as Hermes and Qwen write them).",
+)
+@click.option(
     "--config",
     "config_path",
     type=click.Path(path_type=Path),
@@ -143,6 +153,8 @@ def serve(
     ray_address: str | None,
     cpus_per_replica: int | None,
     replica_start_timeout: float,
+    enable_auto_tool_choice: bool,
+    tool_call_parser: str | None,
     config_path: Path | None,
     **options: Any,
 ) -> None:
@@ -172,6 +184,8 @@ def serve(
         raise ConfigError(f"--port must be in 1..65535, got {port}")
     if drain_timeout < 0:
         raise ConfigError(f"--drain-timeout must be >= 0, got {drain_timeout}")
+    if enable_auto_tool_choice != (tool_call_parser is not None):
+        raise ConfigError("--enable-auto-tool-choice and --tool-call-parser go together: give both, or neither")
     serve_module.check_address(host, port)
     _check_model(options["model"])
     keys = _import_serve_extra("sloserve.server.auth").load_api_keys(api_keys, api_key_file)
@@ -209,6 +223,7 @@ def serve(
         log_level=log_level,
         data_dir=data_dir,
         api_keys=keys,
+        tool_call_parser=tool_call_parser,
         fleet=_fleet_options(replicas, router, ray_address, cpus_per_replica, replica_start_timeout),
         batch_limits=_import_serve_extra("sloserve.server.batch_api").BatchLimits(
             max_file_bytes=int(max_batch_file_mb * 1024 * 1024),

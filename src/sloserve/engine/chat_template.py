@@ -60,8 +60,34 @@ def check_render_options(
         )
 
 
+def _tojson(x: Any, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    """transformers' ``tojson`` filter (Jinja's own escapes HTML characters), with its options."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _raise_exception(message: str) -> None:
     raise TemplateError(message)
+
+
+def _with_call_arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with its tool calls' ``arguments`` JSON text read into an object, as vLLM passes
+    them: the templates of Qwen and Hermes write ``arguments | tojson``."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    read = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except json.JSONDecodeError:
+                parsed = None
+            if isinstance(parsed, dict):
+                call = {**call, "function": {**function, "arguments": parsed}}
+        read.append(call)
+    return {**message, "tool_calls": read}
 
 
 def _token_text(value: Any) -> str:
@@ -82,9 +108,7 @@ class ChatTemplate:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-            x, indent=indent, ensure_ascii=ensure_ascii
-        )
+        env.filters["tojson"] = _tojson
         try:
             self._template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
@@ -144,12 +168,15 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         variables: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The prompt for ``messages``, ending where the assistant's answer starts (transformers'
         ``apply_chat_template``). ``continue_final_message``: the prompt ends with the last message's
         content instead, for the model to go on with it (an assistant's answer begun by the client).
         ``variables``: more for the template to read (vLLM's ``chat_template_kwargs``, e.g. Qwen3's
-        ``enable_thinking``). Options that contradict each other are a ChatOptionError."""
+        ``enable_thinking``). ``tools``: the functions the model may call (OpenAI's
+        ``{"type": "function", "function": {...}}``), for templates that show them. Options that
+        contradict each other are a ChatOptionError."""
         check_render_options(
             messages[-1]["role"] if messages else "",
             add_generation_prompt=add_generation_prompt,
@@ -160,7 +187,8 @@ class ChatTemplate:
             # as transformers: the request's variables may override the special tokens' names
             text = self._template.render(
                 {**self.special_tokens, **(variables or {})},
-                messages=messages,
+                messages=[_with_call_arguments_as_objects(m) for m in messages],
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
             )
         except TemplateError:

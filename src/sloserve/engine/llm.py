@@ -188,11 +188,13 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: a conversation (``[{"role", "content"}, ...]``), or a list of them, rendered
         by the model's chat template as the server's chat completions render it, then generated
-        (``generate``); each output's ``prompt`` is the rendered text."""
+        (``generate``); each output's ``prompt`` is the rendered text. ``tools``: OpenAI's function
+        definitions, for templates that show them (the output is not parsed for calls, as in vLLM)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if self.loaded.tokenizer is None:
             raise ConfigError("chat needs the model's tokenizer (tokenizer.json); this model has none")
@@ -205,6 +207,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 variables=chat_template_kwargs,
+                tools=tools,
             )
             for conversation in conversations
         ]

@@ -1,7 +1,7 @@
 """Request and response bodies of the OpenAI API as ``sloserve serve`` implements it (pydantic).
 
-Fields a client may send that we do not implement with a different meaning (``suffix``, tools, the
-vLLM extensions of ``VLLM_FIELDS_NOT_SERVED``) are refused with a 400 naming them; fields that change
+Fields a client may send that we do not implement with a different meaning (``suffix``, those of
+``FIELDS_NOT_SERVED``) are refused with a 400 naming them; fields that change
 nothing here (``user``, ``metadata``) are accepted and ignored, as vLLM does.
 """
 
@@ -16,16 +16,26 @@ from sloserve.core.errors import ConfigError
 from sloserve.core.request import SLO, RequestClass
 from sloserve.engine.chat_template import ChatOptionError, check_render_options
 from sloserve.engine.sampler import MAX_LOGPROBS, MAX_REPETITION_PENALTY, StructuredOutputsParams
+from sloserve.server.tool_calls import (
+    NO_PARAMETERS,
+    NamedToolChoice,
+    ToolCallParam,
+    ToolDefinition,
+    ToolUse,
+    required_schema,
+)
 
 # OpenAI's service tiers: "flex" is the cheaper, slower tier: our best-effort (BE) class.
 BE_TIERS = frozenset({"flex"})
 MAX_STOP_STRINGS = 16
 # The most choices one request may ask for (``n``, ``best_of``): OpenAI's limit on ``n``.
 MAX_CHOICES = 128
-# vLLM's request fields this server does not implement, with the values that mean "unused" (null
-# always does), and what to use instead: a request that sets another value is refused, not served
-# as if the field were absent.
-VLLM_FIELDS_NOT_SERVED: dict[str, tuple[tuple[Any, ...], str]] = {
+# vLLM's request fields this server does not implement (and OpenAI's deprecated function calling), with
+# the values that mean "unused" (null always does), and what to use instead: a request that sets
+# another value is refused, not served as if the field were absent.
+FIELDS_NOT_SERVED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "functions": (([],), "tools"),
+    "function_call": (("none",), "tool_choice"),
     "use_beam_search": ((False,), ""),
     "length_penalty": ((1, 1.0), ""),
     "logits_processors": (([],), ""),
@@ -86,7 +96,7 @@ Constraint = tuple[str, Literal["json", "regex", "choice", "grammar"], Any]
 class SamplingRequest(BaseModel):
     """The fields completions and chat share."""
 
-    model_config = ConfigDict(extra="allow")  # NOTE: kept to check against VLLM_FIELDS_NOT_SERVED, else unused
+    model_config = ConfigDict(extra="allow")  # NOTE: kept to check against FIELDS_NOT_SERVED, else unused
 
     model: str
     temperature: float = Field(default=1.0, ge=0, le=2, allow_inf_nan=False)
@@ -135,11 +145,9 @@ class SamplingRequest(BaseModel):
     def check_supported(self) -> None:
         """Refuse, naming the field, what this server would otherwise silently do differently."""
         for name, value in (self.model_extra or {}).items():
-            unused, instead = VLLM_FIELDS_NOT_SERVED.get(name, (None, ""))
+            unused, instead = FIELDS_NOT_SERVED.get(name, (None, ""))
             if unused is not None and value is not None and value not in unused:
-                raise ParameterError(
-                    name, f"{name} (vLLM's extension) is not supported" + (f"; use {instead}" if instead else "")
-                )
+                raise ParameterError(name, f"{name} is not supported" + (f"; use {instead}" if instead else ""))
         for token, bias in (self.logit_bias or {}).items():
             if not token.isdigit():
                 raise ParameterError("logit_bias", f"logit_bias keys are token ids, got {token!r}")
@@ -280,6 +288,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
     @field_validator("content", mode="before")
     @classmethod
@@ -306,6 +316,17 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' and vLLM's keys)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
 
 class ChatTemplateFields(BaseModel):
     """vLLM's request fields for how the chat template renders the messages (chat completions and
@@ -314,6 +335,11 @@ class ChatTemplateFields(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None  # for the template to show the model
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the client sent them, for the chat template (transformers' ``tools``)."""
+        return None if not self.tools else [tool.model_dump(exclude_unset=True) for tool in self.tools]
 
     def check_template_fields(self, messages: list[ChatMessage]) -> None:
         try:
@@ -333,17 +359,85 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)  # deprecated by OpenAI, still sent by many clients
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool | None = None  # False: "required" makes one call
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_forms(cls, value: Any) -> Any:
+        # NOTE: as ``stop``'s: the union's own complaint would name its members
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        function = value.get("function") if isinstance(value, dict) else None
+        if not (
+            isinstance(function, dict) and value.get("type") == "function" and isinstance(function.get("name"), str)
+        ):
+            raise ValueError(
+                f'must be "none", "auto", "required" or {{"type": "function", "function": {{"name": ...}}}}, got {value!r}'
+            )
+        return value
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise ParameterError("tools", "tools are not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ParameterError("top_logprobs", "top_logprobs needs logprobs: true")
         self.check_template_fields(self.messages)
+        names = [tool.function.name for tool in self.tools or ()]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ParameterError("tools", f"each tool needs a name of its own; {repeated[0]!r} is repeated")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise ParameterError("tool_choice", "tool_choice needs tools to choose from")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ParameterError(
+                "tool_choice", f"tool_choice names {choice.function.name!r}, which is not one of the tools"
+            )
+
+    def tool_use(self, parser_name: str | None) -> ToolUse | None:
+        """What ``tool_choice`` makes of the output (None: text); ``parser_name``: the server's
+        ``--tool-call-parser``, which "auto" needs."""
+        choice = self.tool_choice
+        if not self.tools or choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            return ToolUse("named", function=choice.function.name)
+        if choice == "required":
+            return ToolUse("required")
+        if parser_name is None:
+            raise ParameterError(
+                "tool_choice",
+                'tool_choice "auto" (the default with tools) needs the server started with --enable-auto-tool-choice '
+                '--tool-call-parser hermes; or send tool_choice "required", "none" or a named function',
+            )
+        return ToolUse("auto", parser_name=parser_name)
+
+    def constraint(self) -> Constraint | None:
+        """As ``SamplingRequest.constraint``, with a named or required tool choice's schema (a 400 naming
+        ``tool_choice`` beside another structured output)."""
+        found = super().constraint()
+        schema = self.tool_schema()
+        if schema is None:
+            return found
+        if found is not None:
+            raise ParameterError(
+                "tool_choice", f"one structured output per request: {found[0]} and tool_choice both ask for one"
+            )
+        return ("tools", "json", schema)
+
+    def tool_schema(self) -> dict[str, Any] | None:
+        """The JSON a named or "required" tool choice constrains the output to (None: not constrained)."""
+        choice = self.tool_choice
+        if not self.tools:
+            return None
+        if isinstance(choice, NamedToolChoice):
+            tool = next(t for t in self.tools if t.function.name == choice.function.name)
+            return tool.function.parameters or NO_PARAMETERS
+        if choice == "required":
+            return required_schema(self.tools, parallel=self.parallel_tool_calls is not False)
+        return None
 
     @property
     def num_logprobs(self) -> int | None:

@@ -53,7 +53,9 @@ async def stream(engine: AsyncLLMEngine, submission: Submission, objects: Respon
     """The choices' deltas as SSE chunks (each with its choice's index), then usage (when asked) and
     ``[DONE]``."""
     served = submission.served
-    plain = len(served) == 1 and submission.body.num_logprobs is None and not submission.echo
+    tool_use = submission.tool_use
+    parsers = None if tool_use is None else [tool_use.parser() for _ in served]
+    plain = len(served) == 1 and submission.body.num_logprobs is None and not submission.echo and parsers is None
     offsets = [0] * len(served)  # each choice's text_offset: the characters of the token strings sent
     started = [False] * len(served)
     try:
@@ -75,7 +77,14 @@ async def stream(engine: AsyncLLMEngine, submission: Submission, objects: Respon
             started[i] = True
             if logprobs is not None and "tokens" in logprobs:
                 offsets[i] += sum(len(t) for t in logprobs["tokens"])
-            yield sse(objects.chunk(text, delta.finish_reason, index=i, logprobs=logprobs))
+            if parsers is None:
+                yield sse(objects.chunk(text, delta.finish_reason, index=i, logprobs=logprobs))
+                continue
+            found, reason = parsers[i].feed(text), delta.finish_reason
+            if reason is not None:
+                found = found.then(parsers[i].finish())
+                reason = tool_use.finish_reason(parsers[i], reason)
+            yield sse(objects.chunk(found.content, reason, index=i, logprobs=logprobs, tool_calls=found.calls))
         if submission.body.include_usage:
             yield sse(objects.usage_chunk(submission.usage()))
         yield sse("[DONE]")

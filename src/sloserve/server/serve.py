@@ -29,6 +29,7 @@ from sloserve.server.batch_api import BatchLimits, BatchService
 from sloserve.server.batch_store import BatchStore
 from sloserve.server.metrics import ServerMetrics
 from sloserve.server.serving import OpenAIServing, ServerConfig
+from sloserve.server.tool_calls import TOOL_CALL_PARSERS
 
 log = logging.getLogger("uvicorn.error")  # uvicorn configures it: our lines go with its own
 
@@ -62,6 +63,7 @@ class ServeOptions:
     batch_limits: BatchLimits = field(default_factory=BatchLimits)
     fleet: FleetOptions | None = None  # replicas on Ray Serve; None: one engine process
     api_keys: list[str] = field(default_factory=list)  # none: anyone who reaches the port may use it
+    tool_call_parser: str | None = None  # --tool-call-parser: serve tool_choice "auto" (None: refuse it)
 
 
 def check_address(host: str, port: int) -> None:
@@ -116,7 +118,9 @@ def make_app(spec: EngineSpec, options: ServeOptions):
         if store is not None:
             store.close()
         raise
-    config = ServerConfig(options.served_model_name, options.rt_ttft_ms, options.rt_tpot_ms)
+    if options.tool_call_parser is not None and options.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+    config = ServerConfig(options.served_model_name, options.rt_ttft_ms, options.rt_tpot_ms, options.tool_call_parser)
     serving = OpenAIServing(online, config, template)
     batches = None if store is None else BatchService(store, serving, options.batch_limits, metrics)
     return build_app(serving, metrics, batches, options.api_keys)

@@ -40,6 +40,7 @@ from sloserve.server.protocol import (
     now_unix,
     usage,
 )
+from sloserve.server.tool_calls import ToolUse, merge
 
 # Seconds a client is told to wait after a 429 (Retry-After).
 RETRY_AFTER_S = 1
@@ -52,6 +53,7 @@ class ServerConfig:
     model_name: str  # the name clients must send as ``model``
     rt_ttft_ms: float | None = None  # default SLOs of RT requests
     rt_tpot_ms: float | None = None
+    tool_call_parser: str | None = None  # finds the calls of tool_choice "auto" (None: "auto" is refused)
 
 
 class ModelNotFoundError(ConfigError):
@@ -157,11 +159,14 @@ class ResponseObjects:
         role: bool = False,
         index: int = 0,
         logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if text or finish_reason is None:
+            if text or finish_reason is None and not tool_calls:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -179,9 +184,9 @@ class ResponseObjects:
         """The non-streamed response."""
         if self.chat:
             items = [
-                {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
-                 "finish_reason": c.finish_reason} for c in choices
-            ]  # fmt: skip
+                {"index": c.index, "message": c.message(), "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+                for c in choices
+            ]
         else:
             items = [
                 {"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
@@ -196,9 +201,17 @@ class Choice:
     """One choice of a response as the client sees it."""
 
     index: int
-    text: str
+    text: str | None  # chat: None when the message is tool calls alone
     finish_reason: str
     logprobs: dict[str, Any] | None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    def message(self) -> dict[str, Any]:
+        """The chat message of this choice."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        return message
 
 
 @dataclass
@@ -224,6 +237,7 @@ class Submission:
     prompt_texts: list[str]  # what ``echo`` shows of each prompt ("" without echo)
     served: list[ServedRequest]
     logprobs_format: LogprobsFormat
+    tool_use: ToolUse | None = None  # chat: what tool_choice makes of each choice's output
 
     @property
     def num_choices(self) -> int:
@@ -303,7 +317,12 @@ class Submission:
             for rank, i in enumerate(group):
                 r = results[i]
                 text, logprobs = self.shown(i, r.text, r.token_ids, r.logprobs, 0, first=True)
-                choices.append(Choice(p // k * n + rank, text, r.finish_reason, logprobs))
+                choice = Choice(p // k * n + rank, text, r.finish_reason, logprobs)
+                if self.tool_use is not None:
+                    parser = self.tool_use.parser()
+                    choice.text, choice.tool_calls = merge([parser.feed(text), parser.finish()])
+                    choice.finish_reason = self.tool_use.finish_reason(parser, r.finish_reason)
+                choices.append(choice)
         return choices
 
 
@@ -346,8 +365,11 @@ class OpenAIServing:
     def submit_chat(self, body: ChatCompletionRequest, request_class: RequestClass | None = None) -> Submission:
         self.check_model(body.model)
         body.check_supported()
+        tool_use = body.tool_use(self.config.tool_call_parser)
         prompt_ids = self.chat_prompt_ids(body.messages, body)
-        return self._submit(body, [prompt_ids], body.output_cap, request_class, [""])
+        submission = self._submit(body, [prompt_ids], body.output_cap, request_class, [""])
+        submission.tool_use = tool_use
+        return submission
 
     def chat_prompt_ids(
         self, messages: list[ChatMessage], fields: ChatTemplateFields, add_special_tokens: bool | None = None
@@ -355,10 +377,11 @@ class OpenAIServing:
         """The tokens the model reads for ``messages``: the chat template's text, tokenized without
         adding special tokens again when the model's own template wrote them (None: that rule)."""
         prompt = self.chat_template.render(
-            [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages],
+            [m.for_template() for m in messages],
             add_generation_prompt=fields.add_generation_prompt,
             continue_final_message=fields.continue_final_message,
             variables=fields.chat_template_kwargs,
+            tools=fields.template_tools(),
         )
         if add_special_tokens is None:
             add_special_tokens = not self.chat_template.from_model

@@ -1,0 +1,300 @@
+"""Tool calls (OpenAI's function calling) in chat completions, served as vLLM serves them.
+
+The request's ``tools`` go to the chat template, for the model to read; ``tool_choice`` says what
+becomes of the output:
+
+- "none": it is text.
+- a named function (``{"type": "function", "function": {"name": ...}}``): it is constrained to JSON that
+  validates against that function's ``parameters``, and returned as the one call's ``arguments``.
+- "required": it is constrained to a JSON array of one or more ``{"name", "parameters"}`` objects, each
+  a function of ``tools`` with its parameters (vLLM's schema); each becomes a call.
+  ``parallel_tool_calls: false`` allows one.
+- "auto" (the default when there are tools): the model decides, and the server's tool-call parser
+  (``--tool-call-parser hermes``: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks,
+  the format of the Hermes, Qwen2.5 and Qwen3 templates) finds its calls. A server without one answers
+  "auto" with a 400, as vLLM does.
+
+Each parser is incremental (``feed`` the text as it comes, then ``finish``): a streamed response sends
+what it gives as it comes, and a whole response is the same deltas merged (``merge``), so the two
+always agree.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# vLLM's name for the parser of <tool_call> blocks
+TOOL_CALL_PARSERS = ("hermes",)
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+# The arguments of a function without ``parameters``: none. NOTE: vLLM's schema allows any object, which a
+# weak model fills with made-up keys until max_tokens.
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")  # OpenAI's names (and the dots some clients use)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallParam(BaseModel):
+    """A call in an earlier assistant message of the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolDelta:
+    """What the parser gives of a stretch of output: text for ``content``, and OpenAI's streamed
+    ``tool_calls`` entries (the first of a call has its ``id``, ``type`` and name; later ones add to
+    its ``arguments``)."""
+
+    content: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def then(self, later: ToolDelta) -> ToolDelta:
+        return ToolDelta(self.content + later.content, self.calls + later.calls)
+
+
+def call_head(index: int, name: str, arguments: str) -> dict[str, Any]:
+    return {"index": index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def merge(deltas: list[ToolDelta]) -> tuple[str | None, list[dict[str, Any]]]:
+    """The whole message of ``deltas``: its content (None when there is none) and its calls."""
+    content = "".join(d.content for d in deltas)
+    calls: dict[int, dict[str, Any]] = {}
+    for delta in deltas:
+        for entry in delta.calls:
+            index = entry["index"]
+            if index not in calls:
+                calls[index] = {"id": entry["id"], "type": "function", "function": dict(entry["function"])}
+            else:
+                calls[index]["function"]["arguments"] += entry["function"]["arguments"]
+    return (content or None), [calls[i] for i in sorted(calls)]
+
+
+class ToolCallParser:
+    """Finds the calls in one choice's output as it comes."""
+
+    num_calls = 0
+
+    def feed(self, text: str) -> ToolDelta:
+        raise NotImplementedError
+
+    def finish(self) -> ToolDelta:
+        """What is left once the output has ended."""
+        return ToolDelta()
+
+
+class NamedCallParser(ToolCallParser):
+    """The whole output is the arguments of the named function's one call."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def feed(self, text: str) -> ToolDelta:
+        if self.num_calls == 0:
+            self.num_calls = 1
+            return ToolDelta(calls=[call_head(0, self.name, text)])
+        if not text:
+            return ToolDelta()
+        return ToolDelta(calls=[{"index": 0, "function": {"arguments": text}}])
+
+    def finish(self) -> ToolDelta:
+        return self.feed("") if self.num_calls == 0 else ToolDelta()
+
+
+class RequiredCallsParser(ToolCallParser):
+    """The output is a JSON array of ``{"name", "parameters"}`` objects: each is a call, sent once its
+    object has closed. Cut short (``max_tokens``), the calls that closed stay and the whole output is
+    also the content, for the client to see what was written."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.position = 0  # where the next element may start
+        self.closed = False
+        self._decoder = json.JSONDecoder()
+
+    def feed(self, text: str) -> ToolDelta:
+        self.text += text
+        calls = []
+        while not self.closed:
+            rest = self.text[self.position :]
+            skipped = len(rest) - len(rest.lstrip(" \t\r\n[,"))
+            start = self.position + skipped
+            if self.text[start : start + 1] == "]":
+                self.closed = True
+                break
+            try:
+                element, end = self._decoder.raw_decode(self.text, start)
+            except json.JSONDecodeError:
+                break  # not closed yet
+            self.position = end
+            if not isinstance(element, dict):  # NOTE: the schema allows objects only
+                continue
+            arguments = json.dumps(element.get("parameters", {}), ensure_ascii=False)
+            calls.append(call_head(self.num_calls, str(element.get("name", "")), arguments))
+            self.num_calls += 1
+        return ToolDelta(calls=calls)
+
+    def finish(self) -> ToolDelta:
+        return ToolDelta() if self.closed else ToolDelta(content=self.text)
+
+
+class HermesParser(ToolCallParser):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (vLLM's ``hermes`` parser).
+
+    Text outside the blocks is the content; whitespace next to a call is dropped. A block is sent as
+    a call once it closes (or the output ends), when its body is a JSON object with a string
+    ``name``; else it is content as written, tags and all. NOTE: text that may be the start of a tag is held
+    back until the next text shows whether it is one.
+    """
+
+    def __init__(self) -> None:
+        self.pending = ""  # outside a block: held back text; inside: the block's body so far
+        self.inside = False
+        self.gap = ""  # the whitespace before the open block: content again if the block is not a call
+        self.after_block = False  # drop the whitespace that follows a call
+
+    def feed(self, text: str) -> ToolDelta:
+        self.pending += text
+        out = ToolDelta()
+        while True:
+            if self.inside:
+                end = self.pending.find(HERMES_CLOSE)
+                if end < 0:
+                    return out
+                self.after_block = self._block(self.pending[:end], HERMES_CLOSE, out)
+                self.pending = self.pending[end + len(HERMES_CLOSE) :]
+                self.inside = False
+                continue
+            if self.after_block:
+                self.pending = self.pending.lstrip()
+                if not self.pending:
+                    return out
+                self.after_block = False
+            start = self.pending.find(HERMES_OPEN)
+            if start >= 0:
+                before = self.pending[:start]
+                out.content += before.rstrip()
+                self.gap = before[len(before.rstrip()) :]
+                self.pending = self.pending[start + len(HERMES_OPEN) :]
+                self.inside = True
+                continue
+            # send all but what may begin a tag, and trailing whitespace (it may precede one)
+            keep = _tag_prefix_length(self.pending, HERMES_OPEN)
+            body = self.pending[: len(self.pending) - keep]
+            sent = body.rstrip()
+            out.content += sent
+            self.pending = self.pending[len(sent) :]
+            return out
+
+    def finish(self) -> ToolDelta:
+        out = ToolDelta()
+        if self.inside:
+            self._block(self.pending, "", out)
+        else:  # NOTE: after a block, what is left is whitespace, or nothing
+            out.content = self.pending.rstrip()
+        self.pending = ""
+        return out
+
+    def _block(self, body: str, close: str, out: ToolDelta) -> bool:
+        """Send a block as a call (True) or, when it is not one, as content."""
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            call = None
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            arguments = call.get("arguments", {})
+            text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+            out.calls.append(call_head(self.num_calls, call["name"], text))
+            self.num_calls += 1
+            return True
+        out.content += self.gap + HERMES_OPEN + body + close
+        return False
+
+
+def _tag_prefix_length(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag`` (held back: the tag may follow)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What a chat request's ``tool_choice`` makes of its output."""
+
+    kind: Literal["named", "required", "auto"]
+    function: str | None = None  # the named function
+    parser_name: str | None = None  # auto: the server's --tool-call-parser
+
+    def parser(self) -> ToolCallParser:
+        if self.kind == "named":
+            return NamedCallParser(self.function or "")
+        if self.kind == "required":
+            return RequiredCallsParser()
+        return HermesParser()
+
+    def finish_reason(self, parser: ToolCallParser, reason: str) -> str:
+        """OpenAI's: "tool_calls" when the model chose to call (auto, required) and the output ended by
+        itself; a named function is called because the request said so: "stop"."""
+        if reason == "stop" and parser.num_calls and self.kind != "named":
+            return "tool_calls"
+        return reason
+
+
+def required_schema(tools: list[ToolDefinition], parallel: bool) -> dict[str, Any]:
+    """vLLM's schema of "required": an array of ``{"name", "parameters"}``, each one of the tools
+    (``parallel`` False: one call). NOTE: unlike vLLM's, no other properties are allowed: a weak model
+    could otherwise write them until max_tokens."""
+    branches = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [tool.function.name]},
+                "parameters": tool.function.parameters or NO_PARAMETERS,
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
