@@ -251,7 +251,7 @@ def test_bad_words_offline_are_tokenized_with_the_models_tokenizer(reference_llm
 
 def test_chat_renders_as_transformers_and_generates_as_generate(reference_llm, chat_model_dir):
     """vLLM's ``LLM.chat``: the model's template rendered as transformers' ``apply_chat_template``, the
-    same tokens as ``generate`` on that text; a list of conversations; its options as the server's."""
+    same tokens as ``generate`` on that text; a list of conversations; its options (tools too) as the server's."""
     hf = transformers.AutoTokenizer.from_pretrained(chat_model_dir)
     conversations = [[{"role": "user", "content": "Hello world"}],
                      [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello to"}]]  # fmt: skip
@@ -267,6 +267,12 @@ def test_chat_renders_as_transformers_and_generates_as_generate(reference_llm, c
     both = reference_llm.chat(begun, greedy, add_generation_prompt=False, continue_final_message=True)
     assert [o.prompt for o in both] == [hf.apply_chat_template(c, continue_final_message=True, tokenize=False)
                                         for c in begun]  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    with_tools = reference_llm.chat(conversations[0], greedy, tools=tools)[0].prompt
+    assert with_tools == hf.apply_chat_template(
+        conversations[0], tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    assert '["lookup"]' in with_tools
     with pytest.raises(ConfigError, match="continue_final_message continues an assistant message; the last .* 'user'"):
         reference_llm.chat(conversations[0], greedy, add_generation_prompt=False, continue_final_message=True)
     with pytest.raises(ConfigError, match="cannot both be true"):
