@@ -225,6 +225,7 @@ def test_stop_strings_end_a_sequence_in_the_step_that_completes_one(reference_ll
     out = llm.generate(prompt, dataclasses.replace(greedy, stop=["never in the text", stop], n=2))[0].outputs
     assert [o.index for o in out] == [0, 1] and out[0].token_ids == out[1].token_ids
     assert out[0].finish_reason == "stop" and out[0].text == full.text[: full.text.index(stop)]
+    assert out[0].stop_reason == stop  # vLLM's: what it stopped on
     cut = out[0].token_ids
     assert cut == full.token_ids[: len(cut)] and len(cut) < len(full.token_ids)
     decode = llm.tokenizer.decode
@@ -232,6 +233,10 @@ def test_stop_strings_end_a_sequence_in_the_step_that_completes_one(reference_ll
     assert not llm.engine.has_unfinished()
     never = llm.generate(prompt, dataclasses.replace(greedy, stop="never in the text"))[0].outputs[0]
     assert (never.text, never.token_ids, never.finish_reason) == (full.text, full.token_ids, "length")
+    assert never.stop_reason is None
+    token = full.token_ids[3]
+    on_token = llm.generate(prompt, dataclasses.replace(greedy, stop_token_ids=(token,)))[0].outputs[0]
+    assert on_token.token_ids == full.token_ids[: full.token_ids.index(token) + 1] and on_token.stop_reason == token
 
 
 def test_bad_words_offline_are_tokenized_with_the_models_tokenizer(reference_llm):

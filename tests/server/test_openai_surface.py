@@ -366,6 +366,15 @@ def test_min_tokens_and_stop_token_ids(server, hf):
     common = dict(model=MODEL, prompt=prompt_ids, max_tokens=8, temperature=0, logprobs=0)
     stopped = server.client.completions.create(**common, extra_body={"stop_token_ids": [stop]}).choices[0]
     assert stopped.finish_reason == "stop" and len(stopped.logprobs.tokens) == plain.index(stop) + 1
+    assert stopped.stop_reason == stop  # vLLM's: the token it stopped on
+    last = list(server.client.completions.create(**common, stream=True, extra_body={"stop_token_ids": [stop]}))[-1]
+    assert (last.choices[0].finish_reason, last.choices[0].stop_reason) == ("stop", stop)
+    eos = tokenizer.eos_token_id
+    forced = server.client.completions.create(
+        **common, logit_bias={str(eos): 100}, extra_body={"stop_token_ids": [eos]}
+    )
+    assert forced.choices[0].finish_reason == "stop" and forced.choices[0].stop_reason is None  # EOS is no stop token
+    assert server.client.completions.create(**common).choices[0].stop_reason is None
     ids = list(prompt_ids)
     with torch.no_grad():
         while len(ids) - len(prompt_ids) < 8 and (len(ids) == len(prompt_ids) or ids[-1] != stop):
@@ -396,9 +405,22 @@ def test_vllms_stop_string_and_special_token_options(server, hf):
     assert stop.strip(), full
     for stream in (False, True):
         extra = {"ignore_eos": True, "include_stop_str_in_output": True}
-        response = server.client.completions.create(**common, stop=[stop], stream=stream, extra_body=extra)
-        text = "".join(c.choices[0].text for c in response) if stream else response.choices[0].text
+        response = server.client.completions.create(**common, stop=["never", stop], stream=stream, extra_body=extra)
+        chunks = list(response) if stream else [response]
+        text = "".join(c.choices[0].text for c in chunks)
         assert text == full[: full.index(stop) + len(stop)], stream
+        assert chunks[-1].choices[0].stop_reason == stop  # vLLM's: the stop string it stopped on
+        chat = server.client.chat.completions.create(
+            model=MODEL,
+            messages=HI,
+            max_tokens=16,
+            temperature=0,
+            stop=[stop],
+            stream=stream,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = list(chat) if stream else [chat]
+        assert chunks[-1].choices[0].stop_reason == (stop if chunks[-1].choices[0].finish_reason == "stop" else None)
     eos = hf[1].eos_token_id
     forced = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0, logit_bias={str(eos): 100})
     shown = server.client.completions.create(**forced, extra_body={"ignore_eos": True, "skip_special_tokens": False})

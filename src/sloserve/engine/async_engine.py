@@ -71,11 +71,14 @@ class StreamDelta:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[Logprobs] | None = None
+    stop_reason: int | str | None = None  # the last delta's: the stop token id or string it ended on (vLLM's)
 
     def then(self, later: StreamDelta) -> StreamDelta:
         """This delta and the ``later`` one as one."""
         logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
-        return StreamDelta(self.text + later.text, self.token_ids + later.token_ids, later.finish_reason, logprobs)
+        return StreamDelta(
+            self.text + later.text, self.token_ids + later.token_ids, later.finish_reason, logprobs, later.stop_reason
+        )
 
 
 class ServedRequest:
@@ -400,7 +403,9 @@ class AsyncLLMEngine:
                 served.finish_reason, served.finish_time = out.finish_reason, out.finish_time
                 served.error = out.error
                 ended.append(served)
-            outbox.append((served, StreamDelta(out.text, out.token_ids, out.finish_reason, out.logprobs)))
+            outbox.append(
+                (served, StreamDelta(out.text, out.token_ids, out.finish_reason, out.logprobs, out.stop_reason))
+            )
         if stats is not None:
             self.last_stats = stats
             if self.observer is not None:
@@ -420,10 +425,11 @@ class AsyncLLMEngine:
         text = detokenizer.push(out.token_ids, finished=out.finish_reason is not None)
         if not detokenizer.stopped:
             return out._replace(text=text)
+        stop_reason = detokenizer.stop_reason
         if out.finish_reason is None:
             self._send(("abort", out.request_id))
-            return out._replace(text=text, finish_reason="stop", finish_time=self.clock())
-        return out._replace(text=text, finish_reason="stop")
+            return out._replace(text=text, finish_reason="stop", finish_time=self.clock(), stop_reason=stop_reason)
+        return out._replace(text=text, finish_reason="stop", stop_reason=stop_reason)
 
     def _hand_over(self, outbox: list[tuple[ServedRequest, StreamDelta]]) -> None:
         """Give each request its delta (from the reader thread): to its ``async for``."""

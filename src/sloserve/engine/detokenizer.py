@@ -38,6 +38,7 @@ class Detokenizer:
         self.text = ""  # all final text so far (the stop string excluded, unless include_stop_str_in_output)
         self.num_sent_chars = 0  # chars of text already returned by push
         self.stopped = False
+        self.stop_reason: str | None = None  # the stop string found
         self._prefix_offset = 0  # first token of the decode window
         self._read_offset = 0  # tokens before this are in self.text
         self._max_stop_chars = max((len(s) for s in self.stop), default=0)
@@ -67,11 +68,11 @@ class Detokenizer:
         return new
 
     def _find_stop(self, searched_from: int) -> None:
-        hits = [(i, len(s)) for i, s in ((self.text.find(s, searched_from), s) for s in self.stop) if i >= 0]
+        hits = [(i, len(s), s) for i, s in ((self.text.find(s, searched_from), s) for s in self.stop) if i >= 0]
         if hits:
-            start, length = min(hits)  # the first in the text; of two that start there, the shorter (done first)
+            start, length, stop = min(hits)  # the first in the text; of two that start there, the shorter (done first)
             self.text = self.text[: start + length if self.include_stop_str_in_output else start]
-            self.stopped = True
+            self.stopped, self.stop_reason = True, stop
 
     @classmethod
     def for_params(cls, tokenizer: Tokenizer | None, params: SamplingParams) -> Detokenizer:

@@ -137,6 +137,7 @@ class Output(NamedTuple):
     prompt_logprobs: list[Logprobs] | None = None
     first_scheduled_time: float = float("nan")  # when it first ran (NaN until then)
     error: str | None = None  # why it ended with "error" while the engine goes on (it could not be added)
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string it ended on
 
 
 @dataclass(frozen=True)
@@ -312,6 +313,7 @@ class EngineCore:
         finish_reason: str | None,
         logprobs: list[Logprobs] | None = None,
         prompt_logprobs: list[Logprobs] | None = None,
+        stop_reason: int | None = None,
     ) -> Output:
         r = live.request
         return Output(
@@ -326,6 +328,7 @@ class EngineCore:
             logprobs,
             prompt_logprobs,
             r.first_scheduled_time,
+            stop_reason=stop_reason,
         )
 
     def _finish_time(self, request: Request) -> float:
@@ -353,7 +356,8 @@ class EngineCore:
             prompt_logprobs = seq.prompt_logprobs if first else None
             live.num_sent += len(new_ids)
             reason = (seq.finish_reason or "length") if done else None
-            outputs.append(self._output(live, new_ids, reason, logprobs, prompt_logprobs))
+            stop_reason = seq.stop_reason if done else None
+            outputs.append(self._output(live, new_ids, reason, logprobs, prompt_logprobs, stop_reason))
         for request in finished:
             engine.release(request)
             del self.live[request.request_id]

@@ -49,6 +49,7 @@ class Sequence:
     params: SamplingParams
     generator: np.random.Generator | None  # the request's own draws (host side: see sampler.sample)
     finish_reason: str | None = None  # "stop" (EOS), "length" (max_tokens), as in OpenAI's API, or "abort"
+    stop_reason: int | None = None  # the stop_token_ids entry it ended on (vLLM's; EOS: None)
     # Where params ask for them: each output token's log-probabilities, and each prompt token's after
     # the first (prompt position p at index p - 1), as far as computed
     logprobs: list[Logprobs] | None = None
@@ -220,8 +221,10 @@ class EngineExecutor:
         for (request, _), seq, token in zip(samplers, seqs, sampled, strict=True):
             seq.token_ids.append(token)
             sampled_ids[request.request_id] = token
-            if (token in self.eos_token_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
+            if token in self.eos_token_ids and not seq.params.ignore_eos:
                 seq.finish_reason = "stop"
+            elif token in seq.params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
             elif seq.matcher is not None and accept(seq.matcher, token):
                 seq.finish_reason = "stop"  # the grammar is complete
             elif len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_tokens:

@@ -29,6 +29,7 @@ class CompletionOutput:
     # With SamplingParams.logprobs: each token's log-probabilities, and their sum
     logprobs: list[Logprobs] | None = None
     cumulative_logprob: float | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string it ended on (EOS, length: None)
 
 
 @dataclass
@@ -226,13 +227,13 @@ class LLM:
         """A finished sequence's output (its engine state released), and its prompt logprobs."""
         seq = self.engine.release(request)
         if detokenizer is not None and detokenizer.stopped:
-            text, reason = detokenizer.text, "stop"
+            text, reason, stop_reason = detokenizer.text, "stop", detokenizer.stop_reason
         else:
             tokenizer, skip = self.loaded.tokenizer, seq.params.skip_special_tokens
             decoded = tokenizer.decode(seq.output_token_ids, skip) if tokenizer is not None else ""
-            text, reason = decoded, seq.finish_reason or "length"
+            text, reason, stop_reason = decoded, seq.finish_reason or "length", seq.stop_reason
         cumulative = None if seq.logprobs is None else cumulative_logprob(seq.logprobs)
-        completion = CompletionOutput(index, text, seq.output_token_ids, reason, seq.logprobs, cumulative)
+        completion = CompletionOutput(index, text, seq.output_token_ids, reason, seq.logprobs, cumulative, stop_reason)
         return completion, None if seq.prompt_logprobs is None else [None, *seq.prompt_logprobs]
 
 

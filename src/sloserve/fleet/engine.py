@@ -248,6 +248,7 @@ class FleetEngine(AsyncLLMEngine):
                             delta.prompt_logprobs,
                             served.arrival_time + delta.queued_s,
                             delta.error,
+                            delta.stop_reason,
                         )
                     )
                     if delta.finish_reason is not None:

@@ -71,6 +71,7 @@ class ReplicaDelta:
     prompt_logprobs: list[Logprobs] | None = None
     queued_s: float = float("nan")  # first scheduled - arrival, on the replica's engine (NaN: not yet)
     error: str | None = None  # why it ended with "error" (the engine could not take it)
+    stop_reason: int | str | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ class _ReplicaEngine(AsyncLLMEngine):
                     prompt_logprobs,
                     served.first_scheduled_time - served.arrival_time,
                     served.error,
+                    delta.stop_reason,
                 )
             )
         self.news.set()

@@ -78,13 +78,15 @@ async def stream(engine: AsyncLLMEngine, submission: Submission, objects: Respon
             if logprobs is not None and "tokens" in logprobs:
                 offsets[i] += sum(len(t) for t in logprobs["tokens"])
             if parsers is None:
-                yield sse(objects.chunk(text, delta.finish_reason, index=i, logprobs=logprobs))
+                yield sse(objects.chunk(text, delta.finish_reason, index=i, logprobs=logprobs,
+                                        stop_reason=delta.stop_reason))  # fmt: skip
                 continue
             found, reason = parsers[i].feed(text), delta.finish_reason
             if reason is not None:
                 found = found.then(parsers[i].finish())
                 reason = tool_use.finish_reason(parsers[i], reason)
-            yield sse(objects.chunk(found.content, reason, index=i, logprobs=logprobs, tool_calls=found.calls))
+            yield sse(objects.chunk(found.content, reason, index=i, logprobs=logprobs, tool_calls=found.calls,
+                                    stop_reason=delta.stop_reason))  # fmt: skip
         if submission.body.include_usage:
             yield sse(objects.usage_chunk(submission.usage()))
         yield sse("[DONE]")

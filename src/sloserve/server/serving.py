@@ -160,7 +160,9 @@ class ResponseObjects:
         index: int = 0,
         logprobs: dict[str, Any] | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
+        stop_reason: int | str | None = None,
     ) -> dict[str, Any]:
+        """A streamed chunk of choice ``index``; the last one (``finish_reason``) has vLLM's ``stop_reason``."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text or finish_reason is None and not tool_calls:
@@ -170,6 +172,8 @@ class ResponseObjects:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
         return {**self.head, "choices": [choice]}
 
     def text_event(self, text: str) -> str:
@@ -184,14 +188,14 @@ class ResponseObjects:
         """The non-streamed response."""
         if self.chat:
             items = [
-                {"index": c.index, "message": c.message(), "logprobs": c.logprobs, "finish_reason": c.finish_reason}
-                for c in choices
-            ]
+                {"index": c.index, "message": c.message(), "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+                 "stop_reason": c.stop_reason} for c in choices
+            ]  # fmt: skip
         else:
             items = [
-                {"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
-                for c in choices
-            ]
+                {"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+                 "stop_reason": c.stop_reason} for c in choices
+            ]  # fmt: skip
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self.head, "object": obj, "choices": items, "usage": counts}
 
@@ -205,6 +209,7 @@ class Choice:
     finish_reason: str
     logprobs: dict[str, Any] | None
     tool_calls: list[dict[str, Any]] | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string it ended on
 
     def message(self) -> dict[str, Any]:
         """The chat message of this choice."""
@@ -222,6 +227,7 @@ class Generated:
     token_ids: list[int]
     logprobs: list[Logprobs] | None
     finish_reason: str
+    stop_reason: int | str | None = None
 
     @property
     def cumulative_logprob(self) -> float:
@@ -317,7 +323,7 @@ class Submission:
             for rank, i in enumerate(group):
                 r = results[i]
                 text, logprobs = self.shown(i, r.text, r.token_ids, r.logprobs, 0, first=True)
-                choice = Choice(p // k * n + rank, text, r.finish_reason, logprobs)
+                choice = Choice(p // k * n + rank, text, r.finish_reason, logprobs, stop_reason=r.stop_reason)
                 if self.tool_use is not None:
                     parser = self.tool_use.parser()
                     choice.text, choice.tool_calls = merge([parser.feed(text), parser.finish()])
@@ -546,12 +552,12 @@ class OpenAIServing:
 
 async def collect(served: ServedRequest) -> Generated:
     """What ``served`` gave, once it ends."""
-    parts, token_ids, reason = [], [], "error"
+    parts, token_ids, reason, stop_reason = [], [], "error", None
     logprobs: list[Logprobs] | None = [] if served.params.logprobs is not None else None
     async for delta in served:
         parts.append(delta.text)
         token_ids += delta.token_ids
         if logprobs is not None and delta.logprobs:
             logprobs += delta.logprobs
-        reason = delta.finish_reason or reason
-    return Generated("".join(parts), token_ids, logprobs, reason)
+        reason, stop_reason = delta.finish_reason or reason, delta.stop_reason
+    return Generated("".join(parts), token_ids, logprobs, reason, stop_reason)
