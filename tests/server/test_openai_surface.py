@@ -127,6 +127,40 @@ def test_echo_with_max_tokens_0_scores_each_prompt_as_lm_eval_asks(server, hf):
     assert "".join(c.choices[0].text for c in streamed) == full.text
 
 
+def test_vllms_prompt_logprobs_equal_transformers_with_their_ranks(server, hf):
+    """vLLM's ``prompt_logprobs: k``: for each prompt token after the first, by token id, its logprob and
+    rank in transformers' log-softmax and the k likeliest tokens' (completions: each choice; chat: the
+    response); asked with echo's logprobs, each shows as many as it asked for. Not streamed (a 400)."""
+    ids = hf[1].encode(PROMPTS[1])
+    _, expected = hf_greedy(hf, ids, 1)
+    response = server.client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, echo=True, logprobs=1, extra_body={"prompt_logprobs": 3}
+    )
+    choice = response.model_dump()["choices"][0]
+    shown = choice["prompt_logprobs"]
+    assert len(shown) == len(ids) and shown[0] is None
+    for p in range(1, len(ids)):
+        row = expected[p - 1]
+        rank = int((row > row[ids[p]]).sum()) + 1
+        assert shown[p][str(ids[p])]["rank"] == rank
+        assert shown[p][str(ids[p])]["logprob"] == pytest.approx(float(row[ids[p]]), abs=1e-4)
+        assert shown[p][str(ids[p])]["decoded_token"] == token_text(hf, ids[p])
+        best = row.topk(3)
+        top = {t: v for t, v in shown[p].items() if v["rank"] <= 3}
+        assert sorted(int(t) for t in top) == sorted(best.indices.tolist())
+        assert len(shown[p]) == 3 + (rank > 3)  # the prompt's own token, where it is not among them
+        assert len(choice["logprobs"]["top_logprobs"][p]) in (1, 2)  # echo's logprobs: 1 asked
+    chat = server.client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    ).model_dump()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs cannot be streamed"):
+        server.client.completions.create(
+            model=MODEL, prompt="hi", max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1}
+        )
+
+
 def test_n_choices_are_sequences_of_their_own(server):
     greedy = server.client.completions.create(
         model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0, n=3, logprobs=0

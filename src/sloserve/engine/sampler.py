@@ -366,6 +366,11 @@ class Logprobs(NamedTuple):
     logprob: float
     top_token_ids: tuple[int, ...]
     top_logprobs: tuple[float, ...]
+    rank: int  # the token's among the vocabulary: 1 + the tokens likelier than it (vLLM's)
+
+    def with_top(self, num_top: int) -> Logprobs:
+        """These log-probabilities with the ``num_top`` likeliest tokens only."""
+        return self._replace(top_token_ids=self.top_token_ids[:num_top], top_logprobs=self.top_logprobs[:num_top])
 
 
 def cumulative_logprob(entries: Iterable[Logprobs]) -> float:
@@ -378,16 +383,23 @@ def token_logprobs(
     token_ids: list[int],  # (N,) the token at each row's position
     num_top: list[int],  # (N,) the likeliest tokens to report for each row
 ) -> list[Logprobs]:
-    """Each row's ``Logprobs``: the log-softmax of its raw scores at ``token_ids`` and its ``num_top``
-    best tokens (ties in the order of ``torch.topk``)."""
+    """Each row's ``Logprobs``: the log-softmax of its raw scores at ``token_ids``, its rank, and its
+    ``num_top`` best tokens (ties in the order of ``torch.topk``)."""
     logprobs = torch.log_softmax(logits, dim=-1)  # (N, vocab)
     index = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)[:, None]  # (N, 1)
-    chosen = logprobs.gather(1, index)[:, 0].tolist()
+    chosen = logprobs.gather(1, index)  # (N, 1)
+    ranks = (logprobs > chosen).sum(dim=-1) + 1  # (N,)
     k = max(num_top, default=0)
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])  # (N, k) each
     return [
-        Logprobs(t, lp, tuple(ids[:n]), tuple(values[:n]))
-        for t, lp, n, ids, values in zip(
-            token_ids, chosen, num_top, top_ids.int().tolist(), top_values.tolist(), strict=True
+        Logprobs(t, lp, tuple(ids[:n]), tuple(values[:n]), rank)
+        for t, lp, rank, n, ids, values in zip(
+            token_ids,
+            chosen[:, 0].tolist(),
+            ranks.tolist(),
+            num_top,
+            top_ids.int().tolist(),
+            top_values.tolist(),
+            strict=True,
         )
     ]

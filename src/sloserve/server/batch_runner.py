@@ -240,4 +240,4 @@ class BatchRunner:
             submission.abort(self.serving.engine)
             return None, False
         objects = ResponseObjects(chat, self.serving.config.model_name, submission.service_tier)
-        return output_line(line.custom_id, 200, objects.whole(submission.choices(results), submission.usage())), False
+        return output_line(line.custom_id, 200, submission.whole(objects, results)), False

@@ -60,6 +60,24 @@ class LogprobsFormat:
         top.setdefault(self.token(entry.token_id), _value(entry.logprob))
         return top
 
+    def prompt(self, entries: Sequence[Logprobs | None]) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's ``prompt_logprobs``: for each prompt token (the first: None), by token id, its logprob,
+        rank and text, then the likeliest tokens'."""
+        shown: list[dict[str, dict[str, Any]] | None] = []
+        for e in entries:
+            if e is None:
+                shown.append(None)
+                continue
+            ranked = [(e.token_id, e.logprob, e.rank)]
+            ranked += [(t, lp, r) for r, (t, lp) in enumerate(zip(e.top_token_ids, e.top_logprobs, strict=True), 1)]
+            shown.append(
+                {
+                    str(t): {"logprob": _value(lp), "rank": rank, "decoded_token": self.token(t)}
+                    for t, lp, rank in ranked
+                }
+            )
+        return shown
+
     def chat(self, entries: Sequence[Logprobs]) -> dict[str, Any]:
         """The chat ``logprobs`` object: ``{"content": [...]}``, one item per token."""
         return {

@@ -40,7 +40,6 @@ FIELDS_NOT_SERVED: dict[str, tuple[tuple[Any, ...], str]] = {
     "length_penalty": ((1, 1.0), ""),
     "logits_processors": (([],), ""),
     "truncate_prompt_tokens": ((), ""),
-    "prompt_logprobs": ((), "completions: echo with logprobs"),
     "return_tokens_as_token_ids": ((False,), ""),
     "spaces_between_special_tokens": ((True,), ""),
     "guided_whitespace_pattern": ((), ""),
@@ -113,6 +112,7 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     # vLLM's extensions
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, and the k best
     top_k: int | None = Field(default=None, ge=-1)  # None, 0 or -1: every token
     min_p: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
     repetition_penalty: float = Field(default=1.0, gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)
@@ -165,6 +165,8 @@ class SamplingRequest(BaseModel):
                 )
         if self.stream_options is not None and not self.stream:
             raise ParameterError("stream_options", "stream_options is only allowed with stream: true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ParameterError("prompt_logprobs", "prompt_logprobs cannot be streamed (as in vLLM)")
 
     def constraint(self) -> Constraint | None:
         """The one structured output the request asks for (None: plain text); a 400 naming the

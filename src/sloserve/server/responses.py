@@ -46,7 +46,7 @@ async def respond(serving: OpenAIServing, raw: Request, submission: Submission, 
     for served, result in zip(submission.served, results, strict=True):
         if result.finish_reason in ("abort", "error"):
             return json_error(ended_early(result.finish_reason, served.error or engine.error))
-    return JSONResponse(objects.whole(submission.choices(results), submission.usage()))
+    return JSONResponse(submission.whole(objects, results))
 
 
 async def stream(engine: AsyncLLMEngine, submission: Submission, objects: ResponseObjects) -> AsyncIterator[str]:

@@ -184,8 +184,10 @@ class ResponseObjects:
     def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
         return {**self.head, "choices": [], "usage": counts}
 
-    def whole(self, choices: list[Choice], counts: dict[str, int]) -> dict[str, Any]:
-        """The non-streamed response."""
+    def whole(
+        self, choices: list[Choice], counts: dict[str, int], prompt_logprobs: list[dict[str, Any] | None] | None = None
+    ) -> dict[str, Any]:
+        """The non-streamed response; ``prompt_logprobs``: chat's (vLLM's, where asked)."""
         if self.chat:
             items = [
                 {"index": c.index, "message": c.message(), "logprobs": c.logprobs, "finish_reason": c.finish_reason,
@@ -194,10 +196,14 @@ class ResponseObjects:
         else:
             items = [
                 {"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-                 "stop_reason": c.stop_reason} for c in choices
+                 "stop_reason": c.stop_reason, **({} if c.prompt_logprobs is None else
+                                                   {"prompt_logprobs": c.prompt_logprobs})} for c in choices
             ]  # fmt: skip
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self.head, "object": obj, "choices": items, "usage": counts}
+        whole = {**self.head, "object": obj, "choices": items, "usage": counts}
+        if prompt_logprobs is not None:
+            whole["prompt_logprobs"] = prompt_logprobs
+        return whole
 
 
 @dataclass
@@ -210,6 +216,7 @@ class Choice:
     logprobs: dict[str, Any] | None
     tool_calls: list[dict[str, Any]] | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or string it ended on
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # completions: vLLM's, where asked
 
     def message(self) -> dict[str, Any]:
         """The chat message of this choice."""
@@ -285,8 +292,24 @@ class Submission:
         served = self.served[position]
         if not self.echo:
             return "", [], []
-        logprobs = [None, *(served.prompt_logprobs or [])]
+        k = self.body.num_logprobs or 0  # NOTE: prompt_logprobs may have asked for more of them
+        logprobs = [None, *(e.with_top(k) for e in served.prompt_logprobs or [])]
         return self.prompt_texts[position // self.num_choices], served.prompt_token_ids, logprobs
+
+    @property
+    def chat(self) -> bool:
+        return isinstance(self.body, ChatCompletionRequest)
+
+    def whole(self, objects: ResponseObjects, results: list[Generated]) -> dict[str, Any]:
+        """The non-streamed response of ``results`` (each engine request's, in order)."""
+        prompt_logprobs = self.prompt_logprobs(0) if self.chat else None
+        return objects.whole(self.choices(results), self.usage(), prompt_logprobs)
+
+    def prompt_logprobs(self, position: int) -> list[dict[str, Any] | None] | None:
+        """vLLM's ``prompt_logprobs`` of ``served[position]``'s prompt (None: not asked for)."""
+        if self.body.prompt_logprobs is None:
+            return None
+        return self.logprobs_format.prompt([None, *(self.served[position].prompt_logprobs or [])])
 
     def shown(
         self,
@@ -308,7 +331,7 @@ class Submission:
             logprobs = None if logprobs is None else prompt_logprobs + logprobs
         if self.body.num_logprobs is None or logprobs is None:
             return text, None
-        if isinstance(self.body, ChatCompletionRequest):
+        if self.chat:
             return text, self.logprobs_format.chat(logprobs)
         return text, self.logprobs_format.completion(token_ids, logprobs, offset)
 
@@ -324,6 +347,8 @@ class Submission:
                 r = results[i]
                 text, logprobs = self.shown(i, r.text, r.token_ids, r.logprobs, 0, first=True)
                 choice = Choice(p // k * n + rank, text, r.finish_reason, logprobs, stop_reason=r.stop_reason)
+                if not self.chat:  # NOTE: chat's are the response's
+                    choice.prompt_logprobs = self.prompt_logprobs(i)
                 if self.tool_use is not None:
                     parser = self.tool_use.parser()
                     choice.text, choice.tool_calls = merge([parser.feed(text), parser.finish()])
@@ -521,6 +546,8 @@ class OpenAIServing:
         num_logprobs = body.num_logprobs
         ranked = body.num_choices > body.n  # best_of ranks by the sampled tokens' logprobs
         echo = isinstance(body, CompletionRequest) and body.echo
+        prompt_logprobs = max((k for k in (num_logprobs if echo else None, body.prompt_logprobs) if k is not None),
+                              default=None)  # fmt: skip
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=body.temperature,
@@ -530,7 +557,7 @@ class OpenAIServing:
             seed=body.seed,
             ignore_eos=body.ignore_eos,
             logprobs=num_logprobs if num_logprobs is not None else 0 if ranked else None,
-            prompt_logprobs=num_logprobs if echo else None,
+            prompt_logprobs=prompt_logprobs,
             min_tokens=body.min_tokens,
             logit_bias=logit_bias or None,
             repetition_penalty=body.repetition_penalty,
