@@ -161,6 +161,35 @@ def test_vllms_prompt_logprobs_equal_transformers_with_their_ranks(server, hf):
         )
 
 
+def test_vllms_truncate_prompt_tokens_and_tokens_as_token_ids(server, hf):
+    """``truncate_prompt_tokens: k`` reads the prompt's last k tokens (echo shows their text), as if
+    sent alone; ``return_tokens_as_token_ids`` names logprobs' tokens ``token_id:N``."""
+    ids = hf[1].encode(PROMPTS[1])
+    common = dict(model=MODEL, max_tokens=4, temperature=0, logprobs=1)
+    cut = server.client.completions.create(
+        **common, prompt=PROMPTS[1], echo=True, extra_body={"truncate_prompt_tokens": 3}
+    ).choices[0]
+    alone = server.client.completions.create(**common, prompt=ids[-3:]).choices[0]
+    assert cut.text == hf[1].decode(ids[-3:]) + alone.text
+    assert cut.logprobs.tokens[3:] == alone.logprobs.tokens
+    chat = server.client.chat.completions.create(model=MODEL, messages=HI, max_tokens=1,
+                                                 extra_body={"truncate_prompt_tokens": 2})  # fmt: skip
+    assert chat.usage.prompt_tokens == 2
+    as_ids = server.client.completions.create(
+        **common, prompt=ids, extra_body={"return_tokens_as_token_ids": True, "prompt_logprobs": 1, "ignore_eos": True}
+    ).model_dump()["choices"][0]
+    assert as_ids["logprobs"]["tokens"] == [f"token_id:{t}" for t in hf_greedy(hf, ids, 4)[0]]
+    assert all(set(top) <= {f"token_id:{t}" for t in range(300)} for top in as_ids["logprobs"]["top_logprobs"])
+    assert as_ids["prompt_logprobs"][1][str(ids[1])]["decoded_token"] == f"token_id:{ids[1]}"
+    chat = server.client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, logprobs=True,
+                                                 extra_body={"return_tokens_as_token_ids": True})  # fmt: skip
+    assert all(c.token.startswith("token_id:") for c in chat.choices[0].logprobs.content)
+    for bad, message in ((0, "must be >= 1, or -1"), (300, r"\(300\) is above the model's context \(256 tokens\)")):
+        with pytest.raises(openai.BadRequestError, match=message) as e:
+            server.client.completions.create(**common, prompt=ids, extra_body={"truncate_prompt_tokens": bad})
+        assert e.value.body["param"] == "truncate_prompt_tokens"
+
+
 def test_n_choices_are_sequences_of_their_own(server):
     greedy = server.client.completions.create(
         model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0, n=3, logprobs=0

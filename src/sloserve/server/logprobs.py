@@ -4,7 +4,7 @@
 
 A token's string is its text decoded alone, special tokens included, as vLLM shows it (a byte-level
 token that is part of a character decodes to U+FFFD); ``token_id:N`` when the model has no tokenizer
-(vLLM's ``return_tokens_as_token_ids`` form).
+or the request asks for vLLM's ``return_tokens_as_token_ids``.
 """
 
 from __future__ import annotations

@@ -39,8 +39,6 @@ FIELDS_NOT_SERVED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), ""),
     "length_penalty": ((1, 1.0), ""),
     "logits_processors": (([],), ""),
-    "truncate_prompt_tokens": ((), ""),
-    "return_tokens_as_token_ids": ((False,), ""),
     "spaces_between_special_tokens": ((True,), ""),
     "guided_whitespace_pattern": ((), ""),
     "echo": ((False,), "completions' echo"),  # chat's (completions declare their own)
@@ -113,6 +111,8 @@ class SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     # vLLM's extensions
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, and the k best
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N"
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the prompt's last k (-1: the context)
     top_k: int | None = Field(default=None, ge=-1)  # None, 0 or -1: every token
     min_p: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
     repetition_penalty: float = Field(default=1.0, gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)
@@ -167,6 +167,20 @@ class SamplingRequest(BaseModel):
             raise ParameterError("stream_options", "stream_options is only allowed with stream: true")
         if self.prompt_logprobs is not None and self.stream:
             raise ParameterError("prompt_logprobs", "prompt_logprobs cannot be streamed (as in vLLM)")
+        if self.truncate_prompt_tokens == 0:
+            raise ParameterError("truncate_prompt_tokens", "truncate_prompt_tokens must be >= 1, or -1 (the context)")
+
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (-1: as many as the context holds)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt_ids
+        if k > max_model_len:
+            raise ParameterError(
+                "truncate_prompt_tokens",
+                f"truncate_prompt_tokens ({k}) is above the model's context ({max_model_len} tokens)",
+            )
+        return prompt_ids[-(max_model_len if k == -1 else k) :]
 
     def constraint(self) -> Constraint | None:
         """The one structured output the request asks for (None: plain text); a 400 naming the

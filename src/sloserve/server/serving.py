@@ -384,11 +384,15 @@ class OpenAIServing:
         self.check_model(body.model)
         body.check_supported()
         prompts = body.prompt_list()
-        prompt_ids = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        whole_ids = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        prompt_ids = [body.truncated(ids, self.engine.max_model_len) for ids in whole_ids]
         texts = [""] * len(prompts)
-        if body.echo:
+        if body.echo:  # the prompt as sent, or the text of the tokens read
             tokenizer = self.engine.tokenizer
-            texts = [p if isinstance(p, str) else tokenizer.decode(p) if tokenizer else "" for p in prompts]
+            texts = [
+                p if isinstance(p, str) and len(ids) == len(whole) else tokenizer.decode(ids) if tokenizer else ""
+                for p, ids, whole in zip(prompts, prompt_ids, whole_ids, strict=True)
+            ]
         # NOTE: max_tokens 0 (echo alone) samples one token, which nobody sees (as vLLM does)
         max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
         return self._submit(body, prompt_ids, max_tokens, request_class, texts)
@@ -397,7 +401,7 @@ class OpenAIServing:
         self.check_model(body.model)
         body.check_supported()
         tool_use = body.tool_use(self.config.tool_call_parser)
-        prompt_ids = self.chat_prompt_ids(body.messages, body)
+        prompt_ids = body.truncated(self.chat_prompt_ids(body.messages, body), self.engine.max_model_len)
         submission = self._submit(body, [prompt_ids], body.output_cap, request_class, [""])
         submission.tool_use = tool_use
         return submission
@@ -484,7 +488,8 @@ class OpenAIServing:
             for s in served:
                 self.engine.abort(s)
             raise
-        return Submission(body, prompt_texts, served, self.logprobs_format)
+        logprobs_format = LogprobsFormat(None) if body.return_tokens_as_token_ids else self.logprobs_format
+        return Submission(body, prompt_texts, served, logprobs_format)
 
     def _grammar(self, body: SamplingRequest) -> str | None:
         """The grammar of the request's structured output (None: plain text); a 400 naming the field for
