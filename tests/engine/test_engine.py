@@ -278,6 +278,10 @@ def test_chat_renders_as_transformers_and_generates_as_generate(reference_llm, c
         conversations[0], tools=tools, add_generation_prompt=True, tokenize=False
     )
     assert '["lookup"]' in with_tools
+    own = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}{% endfor %}"
+    assert reference_llm.chat(conversations[1], greedy, chat_template=own)[0].prompt == hf.apply_chat_template(
+        conversations[1], chat_template=own, tokenize=False
+    )
     with pytest.raises(ConfigError, match="continue_final_message continues an assistant message; the last .* 'user'"):
         reference_llm.chat(conversations[0], greedy, add_generation_prompt=False, continue_final_message=True)
     with pytest.raises(ConfigError, match="cannot both be true"):

@@ -703,13 +703,25 @@ def test_tools_and_earlier_calls_reach_the_chat_template_as_transformers_renders
     assert answer.choices[0].message.tool_calls is None and isinstance(answer.choices[0].message.content, str)
 
 
-def test_auto_tool_choice_parses_hermes_blocks_streamed_or_not(chat_model_dir):
+TOOL_TEMPLATE = """{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}
+{% if tools %}<|tools|>{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}
+{% if add_generation_prompt %}<|assistant|>{% endif %}"""
+
+
+def test_auto_tool_choice_parses_hermes_blocks_streamed_or_not(chat_model_dir, hf, tmp_path):
     """With --tool-call-parser hermes, tool_choice "auto" finds the <tool_call> blocks the model writes
     (forced here by a regex: a random model writes none): the text before them is the content, the
     finish reason "tool_calls"; streamed or not alike. Without a block, or with tool_choice "none",
-    the answer is the text."""
-    server = Server(chat_model_dir, tool_call_parser="hermes")
+    the answer is the text. The server's --chat-template (a file) renders the chat, as transformers
+    renders that template."""
+    (tmp_path / "tools.jinja").write_text(TOOL_TEMPLATE)
+    server = Server(chat_model_dir, tool_call_parser="hermes", chat_template=str(tmp_path / "tools.jinja"))
     try:
+        rendered = hf[1].apply_chat_template(HI, tools=TOOLS, chat_template=TOOL_TEMPLATE, tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+        assert rendered.endswith("<|tools|>get_weather;get_time;ping;<|assistant|>")
+        tokens = httpx.post(server.url + "/tokenize", json={"messages": HI, "tools": TOOLS}).json()["tokens"]
+        assert tokens == hf[1].encode(rendered, add_special_tokens=False)
         block = (
             r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,6}", "unit": "c"\}\}\n</tool_call>'
         )

@@ -454,6 +454,8 @@ def test_serve_refuses_bad_settings_with_one_line_and_exit_2():
     for flag in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]):
         assert "--enable-auto-tool-choice and --tool-call-parser go together" in serve(*flag)
     assert "'--tool-call-parser': 'mistral' is not 'hermes'" in serve("--tool-call-parser", "mistral")
+    assert "--chat-template 'no/such.jinja': no such file" in serve("--chat-template", "no/such.jinja")
+    assert "chat template: " in serve("--chat-template", "{% if %}")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

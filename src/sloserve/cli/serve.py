@@ -113,6 +113,10 @@ def _import_serve_extra(module: str):
     help="Seconds to wait for the replicas to be placed and loaded (a cluster may be adding nodes) before giving up.",
 )
 @click.option(
+    "--chat-template",
+    help="The chat template to render chat requests with: a Jinja file, or the template itself [the model's].",
+)
+@click.option(
     "--enable-auto-tool-choice",
     is_flag=True,
     help='Serve tool_choice "auto" (the default with tools): the model decides, --tool-call-parser finds its calls.',
@@ -153,6 +157,7 @@ def serve(
     ray_address: str | None,
     cpus_per_replica: int | None,
     replica_start_timeout: float,
+    chat_template: str | None,
     enable_auto_tool_choice: bool,
     tool_call_parser: str | None,
     config_path: Path | None,
@@ -224,6 +229,7 @@ def serve(
         data_dir=data_dir,
         api_keys=keys,
         tool_call_parser=tool_call_parser,
+        chat_template=chat_template,
         fleet=_fleet_options(replicas, router, ray_address, cpus_per_replica, replica_start_timeout),
         batch_limits=_import_serve_extra("sloserve.server.batch_api").BatchLimits(
             max_file_bytes=int(max_batch_file_mb * 1024 * 1024),

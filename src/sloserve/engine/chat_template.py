@@ -97,11 +97,25 @@ def _token_text(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+def read_template_option(value: str) -> str:
+    """vLLM's ``--chat-template``: a file's text, or the template itself; a ConfigError for neither."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--chat-template {value}: cannot read ({e})") from None
+    if "{" in value:  # Jinja's {{ }} or {% %}: the template's own text
+        return value
+    raise ConfigError(f"--chat-template {value!r}: no such file (and not a template: it has no Jinja tags)")
+
+
 class ChatTemplate:
     """Renders a list of ``{"role", "content"}`` messages into one prompt string.
 
-    ``from_model`` is True for the model's own template: its text carries the special tokens (BOS),
-    so it is tokenized without adding them again (as vLLM does).
+    ``from_model`` is True for the model's own template and one given by the user (``--chat-template``):
+    its text carries the special tokens (BOS), so it is tokenized without adding them again (as vLLM
+    does).
     """
 
     def __init__(self, source: str, *, special_tokens: dict[str, str] | None = None, from_model: bool = False) -> None:
@@ -117,15 +131,19 @@ class ChatTemplate:
         self.from_model = from_model
 
     @classmethod
-    def for_checkpoint(cls, model: str) -> ChatTemplate:
+    def for_checkpoint(cls, model: str, chat_template: str | None = None) -> ChatTemplate:
         """The template of what ``--model`` names: a GGUF file's, an HF directory's, else (``random:``
-        models) the fallback."""
+        models) the fallback; ``chat_template`` (``--chat-template``: a file or the text) instead, with
+        the model's special tokens."""
         from sloserve.checkpoint.gguf import is_gguf
 
         path = Path(model).expanduser()
-        if is_gguf(model):
-            return cls.for_gguf(path)
-        return cls.for_model(path if path.is_dir() else None)
+        found = cls.for_gguf(path) if is_gguf(model) else cls.for_model(path if path.is_dir() else None)
+        return found if chat_template is None else found.replaced_by(chat_template)
+
+    def replaced_by(self, chat_template: str) -> ChatTemplate:
+        """The template ``chat_template`` names (a file or the text), with this one's special tokens."""
+        return ChatTemplate(read_template_option(chat_template), special_tokens=self.special_tokens, from_model=True)
 
     @classmethod
     def for_model(cls, model_dir: Path | None) -> ChatTemplate:

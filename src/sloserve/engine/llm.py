@@ -190,18 +190,22 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: a conversation (``[{"role", "content"}, ...]``), or a list of them, rendered
         by the model's chat template as the server's chat completions render it, then generated
         (``generate``); each output's ``prompt`` is the rendered text. ``tools``: OpenAI's function
-        definitions, for templates that show them (the output is not parsed for calls, as in vLLM)."""
+        definitions, for templates that show them (the output is not parsed for calls, as in vLLM).
+        ``chat_template``: a template (its text, or a file) to use instead of the model's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if self.loaded.tokenizer is None:
             raise ConfigError("chat needs the model's tokenizer (tokenizer.json); this model has none")
         if self._chat_template is None:
             self._chat_template = ChatTemplate.for_checkpoint(self.model)
         template = self._chat_template
+        if chat_template is not None:
+            template = template.replaced_by(chat_template)
         texts = [
             template.render(
                 conversation,

@@ -64,6 +64,7 @@ class ServeOptions:
     fleet: FleetOptions | None = None  # replicas on Ray Serve; None: one engine process
     api_keys: list[str] = field(default_factory=list)  # none: anyone who reaches the port may use it
     tool_call_parser: str | None = None  # --tool-call-parser: serve tool_choice "auto" (None: refuse it)
+    chat_template: str | None = None  # --chat-template: a file or the template (None: the model's)
 
 
 def check_address(host: str, port: int) -> None:
@@ -107,7 +108,7 @@ def make_app(spec: EngineSpec, options: ServeOptions):
         options.batch_limits.check(options.max_queued_requests)
         store = BatchStore(options.data_dir)  # NOTE: before the model loads: a taken --data-dir fails fast
     try:
-        template = ChatTemplate.for_checkpoint(spec.model)
+        template = ChatTemplate.for_checkpoint(spec.model, options.chat_template)
         metrics = ServerMetrics(options.served_model_name, options.request_log)
         if options.fleet is None:
             online = AsyncLLMEngine(spec, max_queued_requests=options.max_queued_requests, observer=metrics)
