@@ -715,7 +715,8 @@ def test_auto_tool_choice_parses_hermes_blocks_streamed_or_not(chat_model_dir, h
     the answer is the text. The server's --chat-template (a file) renders the chat, as transformers
     renders that template."""
     (tmp_path / "tools.jinja").write_text(TOOL_TEMPLATE)
-    server = Server(chat_model_dir, tool_call_parser="hermes", chat_template=str(tmp_path / "tools.jinja"))
+    server = Server(chat_model_dir, tool_call_parser="hermes", chat_template=str(tmp_path / "tools.jinja"),
+                    reasoning_parser="qwen3")  # fmt: skip
     try:
         rendered = hf[1].apply_chat_template(HI, tools=TOOLS, chat_template=TOOL_TEMPLATE, tokenize=False,
                                              add_generation_prompt=True)  # fmt: skip
@@ -739,6 +740,19 @@ def test_auto_tool_choice_parses_hermes_blocks_streamed_or_not(chat_model_dir, h
             text = choice.message.content
             assert text == "No call: <tool" if extra is plain else text.startswith("Checking.\n<tool_call>")
             assert streamed_message(server, **common, extra_body=extra) == (text, [], "stop")
+        # --reasoning-parser qwen3: the <think> section is reasoning_content, tool calls come after it
+        thinking = {"structured_outputs": {"regex": r"<think>\nWeather[.]\n</think>\n\nOk\.\n" + block}}
+        whole = server.client.chat.completions.create(**common, extra_body=thinking).choices[0]
+        assert whole.message.reasoning_content == "\nWeather.\n" and whole.message.content == "\n\nOk."
+        [(called, _)] = message_calls(whole.message)
+        assert called == "get_weather" and whole.finish_reason == "tool_calls"
+        streamed = [
+            c.choices[0].delta
+            for c in server.client.chat.completions.create(**common, extra_body=thinking, stream=True)
+            if c.choices
+        ]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in streamed) == "\nWeather.\n"
+        assert "".join(d.content or "" for d in streamed) == "\n\nOk."
     finally:
         server.stop()
 

@@ -456,6 +456,7 @@ def test_serve_refuses_bad_settings_with_one_line_and_exit_2():
     assert "'--tool-call-parser': 'mistral' is not 'hermes'" in serve("--tool-call-parser", "mistral")
     assert "--chat-template 'no/such.jinja': no such file" in serve("--chat-template", "no/such.jinja")
     assert "chat template: " in serve("--chat-template", "{% if %}")
+    assert "'--reasoning-parser': 'o1' is not one of 'deepseek_r1', 'qwen3'" in serve("--reasoning-parser", "o1")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -127,6 +127,11 @@ def _import_serve_extra(module: str):
     help="The format of the model's tool calls (hermes: <tool_call> blocks, as Hermes and Qwen write them).",
 )
 @click.option(
+    "--reasoning-parser",
+    type=click.Choice(["deepseek_r1", "qwen3"]),
+    help="Split chat answers of reasoning models into reasoning_content (<think>...</think>) and content.",
+)
+@click.option(
     "--config",
     "config_path",
     type=click.Path(path_type=Path),
@@ -160,6 +165,7 @@ def serve(
     chat_template: str | None,
     enable_auto_tool_choice: bool,
     tool_call_parser: str | None,
+    reasoning_parser: str | None,
     config_path: Path | None,
     **options: Any,
 ) -> None:
@@ -230,6 +236,7 @@ def serve(
         api_keys=keys,
         tool_call_parser=tool_call_parser,
         chat_template=chat_template,
+        reasoning_parser=reasoning_parser,
         fleet=_fleet_options(replicas, router, ray_address, cpus_per_replica, replica_start_timeout),
         batch_limits=_import_serve_extra("sloserve.server.batch_api").BatchLimits(
             max_file_bytes=int(max_batch_file_mb * 1024 * 1024),

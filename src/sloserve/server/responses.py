@@ -53,8 +53,7 @@ async def stream(engine: AsyncLLMEngine, submission: Submission, objects: Respon
     """The choices' deltas as SSE chunks (each with its choice's index), then usage (when asked) and
     ``[DONE]``."""
     served = submission.served
-    tool_use = submission.tool_use
-    parsers = None if tool_use is None else [tool_use.parser() for _ in served]
+    parsers = None if submission.output_parser() is None else [submission.output_parser() for _ in served]
     plain = len(served) == 1 and submission.body.num_logprobs is None and not submission.echo and parsers is None
     offsets = [0] * len(served)  # each choice's text_offset: the characters of the token strings sent
     started = [False] * len(served)
@@ -81,12 +80,12 @@ async def stream(engine: AsyncLLMEngine, submission: Submission, objects: Respon
                 yield sse(objects.chunk(text, delta.finish_reason, index=i, logprobs=logprobs,
                                         stop_reason=delta.stop_reason))  # fmt: skip
                 continue
-            found, reason = parsers[i].feed(text), delta.finish_reason
+            reason = delta.finish_reason
+            found = parsers[i].feed(text, finished=reason is not None)
             if reason is not None:
-                found = found.then(parsers[i].finish())
-                reason = tool_use.finish_reason(parsers[i], reason)
+                reason = parsers[i].finish_reason(reason)
             yield sse(objects.chunk(found.content, reason, index=i, logprobs=logprobs, tool_calls=found.calls,
-                                    stop_reason=delta.stop_reason))  # fmt: skip
+                                    stop_reason=delta.stop_reason, reasoning=found.reasoning))  # fmt: skip
         if submission.body.include_usage:
             yield sse(objects.usage_chunk(submission.usage()))
         yield sse("[DONE]")

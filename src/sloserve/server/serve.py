@@ -28,6 +28,7 @@ from sloserve.server.app import build_app
 from sloserve.server.batch_api import BatchLimits, BatchService
 from sloserve.server.batch_store import BatchStore
 from sloserve.server.metrics import ServerMetrics
+from sloserve.server.reasoning import REASONING_PARSERS
 from sloserve.server.serving import OpenAIServing, ServerConfig
 from sloserve.server.tool_calls import TOOL_CALL_PARSERS
 
@@ -65,6 +66,7 @@ class ServeOptions:
     api_keys: list[str] = field(default_factory=list)  # none: anyone who reaches the port may use it
     tool_call_parser: str | None = None  # --tool-call-parser: serve tool_choice "auto" (None: refuse it)
     chat_template: str | None = None  # --chat-template: a file or the template (None: the model's)
+    reasoning_parser: str | None = None  # --reasoning-parser: chat's reasoning_content (None: all content)
 
 
 def check_address(host: str, port: int) -> None:
@@ -121,7 +123,15 @@ def make_app(spec: EngineSpec, options: ServeOptions):
         raise
     if options.tool_call_parser is not None and options.tool_call_parser not in TOOL_CALL_PARSERS:
         raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
-    config = ServerConfig(options.served_model_name, options.rt_ttft_ms, options.rt_tpot_ms, options.tool_call_parser)
+    if options.reasoning_parser is not None and options.reasoning_parser not in REASONING_PARSERS:
+        raise ConfigError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
+    config = ServerConfig(
+        options.served_model_name,
+        options.rt_ttft_ms,
+        options.rt_tpot_ms,
+        options.tool_call_parser,
+        options.reasoning_parser,
+    )
     serving = OpenAIServing(online, config, template)
     batches = None if store is None else BatchService(store, serving, options.batch_limits, metrics)
     return build_app(serving, metrics, batches, options.api_keys)

@@ -26,6 +26,7 @@ from sloserve.engine.chat_template import ChatTemplate
 from sloserve.engine.sampler import Logprobs, SamplingParams, cumulative_logprob
 from sloserve.engine.structured_output import compile_grammar
 from sloserve.engine.tokenizer import HFTokenizer
+from sloserve.server.chat_output import ChatOutputParser
 from sloserve.server.logprobs import LogprobsFormat
 from sloserve.server.protocol import (
     ChatCompletionRequest,
@@ -40,7 +41,7 @@ from sloserve.server.protocol import (
     now_unix,
     usage,
 )
-from sloserve.server.tool_calls import ToolUse, merge
+from sloserve.server.tool_calls import ToolUse
 
 # Seconds a client is told to wait after a 429 (Retry-After).
 RETRY_AFTER_S = 1
@@ -54,6 +55,7 @@ class ServerConfig:
     rt_ttft_ms: float | None = None  # default SLOs of RT requests
     rt_tpot_ms: float | None = None
     tool_call_parser: str | None = None  # finds the calls of tool_choice "auto" (None: "auto" is refused)
+    reasoning_parser: str | None = None  # splits chat outputs into reasoning_content and content
 
 
 class ModelNotFoundError(ConfigError):
@@ -161,11 +163,14 @@ class ResponseObjects:
         logprobs: dict[str, Any] | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
         stop_reason: int | str | None = None,
+        reasoning: str = "",
     ) -> dict[str, Any]:
         """A streamed chunk of choice ``index``; the last one (``finish_reason``) has vLLM's ``stop_reason``."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if text or finish_reason is None and not tool_calls:
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if text or finish_reason is None and not tool_calls and not reasoning:
                 delta["content"] = text
             if tool_calls:
                 delta["tool_calls"] = tool_calls
@@ -217,10 +222,13 @@ class Choice:
     tool_calls: list[dict[str, Any]] | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or string it ended on
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # completions: vLLM's, where asked
+    reasoning_content: str | None = None  # chat, with --reasoning-parser: the model's thinking
 
     def message(self) -> dict[str, Any]:
         """The chat message of this choice."""
         message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             message["tool_calls"] = self.tool_calls
         return message
@@ -251,6 +259,8 @@ class Submission:
     served: list[ServedRequest]
     logprobs_format: LogprobsFormat
     tool_use: ToolUse | None = None  # chat: what tool_choice makes of each choice's output
+    reasoning_parser: str | None = None  # chat: the server's
+    constrained: bool = False  # the request has a structured output (a grammar from the first token)
 
     @property
     def num_choices(self) -> int:
@@ -299,6 +309,12 @@ class Submission:
     @property
     def chat(self) -> bool:
         return isinstance(self.body, ChatCompletionRequest)
+
+    def output_parser(self) -> ChatOutputParser | None:
+        """A parser of one choice's output into its message (None: the output is the content)."""
+        if self.tool_use is None and self.reasoning_parser is None:
+            return None
+        return ChatOutputParser(self.reasoning_parser, self.tool_use, self.constrained)
 
     def whole(self, objects: ResponseObjects, results: list[Generated]) -> dict[str, Any]:
         """The non-streamed response of ``results`` (each engine request's, in order)."""
@@ -349,10 +365,10 @@ class Submission:
                 choice = Choice(p // k * n + rank, text, r.finish_reason, logprobs, stop_reason=r.stop_reason)
                 if not self.chat:  # NOTE: chat's are the response's
                     choice.prompt_logprobs = self.prompt_logprobs(i)
-                if self.tool_use is not None:
-                    parser = self.tool_use.parser()
-                    choice.text, choice.tool_calls = merge([parser.feed(text), parser.finish()])
-                    choice.finish_reason = self.tool_use.finish_reason(parser, r.finish_reason)
+                parser = self.output_parser()
+                if parser is not None:
+                    choice.reasoning_content, choice.text, choice.tool_calls = parser.message(text)
+                    choice.finish_reason = parser.finish_reason(r.finish_reason)
                 choices.append(choice)
         return choices
 
@@ -404,6 +420,8 @@ class OpenAIServing:
         prompt_ids = body.truncated(self.chat_prompt_ids(body.messages, body), self.engine.max_model_len)
         submission = self._submit(body, [prompt_ids], body.output_cap, request_class, [""])
         submission.tool_use = tool_use
+        submission.reasoning_parser = self.config.reasoning_parser
+        submission.constrained = body.constraint() is not None
         return submission
 
     def chat_prompt_ids(

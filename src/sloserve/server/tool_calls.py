@@ -215,7 +215,7 @@ class HermesParser(ToolCallParser):
                 self.inside = True
                 continue
             # send all but what may begin a tag, and trailing whitespace (it may precede one)
-            keep = _tag_prefix_length(self.pending, HERMES_OPEN)
+            keep = held_back_length(self.pending, HERMES_OPEN)
             body = self.pending[: len(self.pending) - keep]
             sent = body.rstrip()
             out.content += sent
@@ -247,7 +247,7 @@ class HermesParser(ToolCallParser):
         return False
 
 
-def _tag_prefix_length(text: str, tag: str) -> int:
+def held_back_length(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that begins ``tag`` (held back: the tag may follow)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

@@ -1,6 +1,6 @@
-"""The tool-call parsers of chat completions: the hermes blocks, vLLM's "required" array and a named
-call read as the examples say, and a streamed output split anywhere gives the same message as the whole
-output (hypothesis), so streamed and whole responses agree."""
+"""The parsers of a chat choice's output: the hermes blocks, vLLM's "required" array, a named call and
+the <think> section of reasoning models read as the examples say, and a streamed output split anywhere
+gives the same message as the whole output (hypothesis), so streamed and whole responses agree."""
 
 from __future__ import annotations
 
@@ -10,7 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sloserve.server.tool_calls import HermesParser, NamedCallParser, RequiredCallsParser, merge
+from sloserve.server.chat_output import ChatOutputParser
+from sloserve.server.reasoning import ReasoningParser
+from sloserve.server.tool_calls import (
+    HermesParser,
+    NamedCallParser,
+    RequiredCallsParser,
+    ToolDelta,
+    ToolUse,
+    merge,
+)
 
 CALL_F = '{"name": "f", "arguments": {"a": 1}}'
 
@@ -92,3 +101,67 @@ def test_required_streamed_anywhere_equals_whole(fragments, cuts):
     assert read(RequiredCallsParser(), list(text)) == whole
     for _, arguments in whole[1]:
         json.loads(arguments)
+
+
+def split_reasoning(name: str, pieces: list[str]) -> tuple[str, str]:
+    parser = ReasoningParser(name)
+    parts = [parser.feed(piece) for piece in pieces] + [parser.finish()]
+    return "".join(r for r, _ in parts), "".join(c for _, c in parts)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "reasoning", "content"),
+    [
+        ("deepseek_r1", "Let me see.</think>\n\nIt is 4.", "Let me see.", "\n\nIt is 4."),
+        ("deepseek_r1", "<think>\nhm</think>4", "\nhm", "4"),  # the model opened it itself
+        ("deepseek_r1", "still thinking", "still thinking", ""),  # never closed: all reasoning (vLLM's)
+        ("qwen3", "<think>\nhm\n</think>\n\n4", "\nhm\n", "\n\n4"),
+        ("qwen3", "  <think>unclosed", "unclosed", ""),
+        ("qwen3", "4, no thinking", "", "4, no thinking"),  # enable_thinking off
+        ("qwen3", "<thinking> is a word", "", "<thinking> is a word"),
+        ("qwen3", "<thi", "", "<thi"),
+        ("qwen3", "a </think> b", "", "a </think> b"),  # not opened: content
+    ],
+)
+def test_reasoning_sections(name, text, reasoning, content):
+    assert split_reasoning(name, [text]) == (reasoning, content)
+
+
+def test_a_constrained_output_thinks_only_where_it_opens_with_think():
+    """A grammar from the first token: JSON is the answer for deepseek_r1 too."""
+    parser = ReasoningParser("deepseek_r1", constrained=True)
+    assert parser.feed('{"a": 1}') == ("", '{"a": 1}') and parser.finish() == ("", "")
+    parser = ReasoningParser("deepseek_r1", constrained=True)
+    assert parser.feed("<think>x</think>y") == ("x", "y")
+
+
+THINKING = ["<think>", "</think>", "<", "think", ">", "/", " ", "\n", "x", "é", "<tool_call>", "</tool_call>", CALL_F]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(["deepseek_r1", "qwen3"]),
+    st.lists(st.sampled_from(THINKING), max_size=12),
+    st.lists(st.integers(0, 10_000), max_size=8),
+)
+def test_reasoning_then_tool_calls_streamed_anywhere_equal_whole(name, fragments, cuts):
+    """The reasoning parser alone, and with hermes tool calls after it (as --reasoning-parser and
+    --tool-call-parser run together): any split gives the whole output's message."""
+    text = "".join(fragments)
+    whole = split_reasoning(name, [text])
+    assert split_reasoning(name, split(text, cuts)) == split_reasoning(name, list(text)) == whole
+    opened = text.lstrip().removeprefix("<think>")
+    kept = {text, opened, text.replace("</think>", "", 1), opened.replace("</think>", "", 1)}
+    assert "".join(whole) in kept  # nothing lost but the tags (and the blanks before an opening one)
+
+    def message(pieces: list[str]) -> tuple:
+        parser = ChatOutputParser(name, ToolUse("auto", parser_name="hermes"))
+        deltas = [parser.feed(p) for p in pieces] + [parser.feed("", finished=True)]
+        content, calls = merge([ToolDelta(d.content, d.calls) for d in deltas])
+        return (
+            "".join(d.reasoning for d in deltas),
+            content,
+            [(c["function"]["name"], c["function"]["arguments"]) for c in calls],
+        )
+
+    assert message(split(text, cuts)) == message([text])

@@ -1,0 +1,68 @@
+"""Reasoning models' thinking, apart from their answer: ``--reasoning-parser`` splits a chat choice's
+output into ``reasoning_content`` (the text between ``<think>`` and ``</think>``) and ``content``, as
+vLLM's reasoning parsers do.
+
+- ``deepseek_r1``: the output starts thinking (DeepSeek-R1's template opens ``<think>`` in the prompt;
+  one the model writes itself is dropped) and answers after the first ``</think>``; an output that
+  never closes it is all reasoning (vLLM's rule).
+- ``qwen3``: the output thinks only if it opens with ``<think>`` (Qwen3 with ``enable_thinking``; with
+  it off, the template closes an empty one in the prompt and the output is all answer). NOTE: an
+  unclosed ``<think>`` is reasoning here, streamed or not; vLLM's whole response calls it content,
+  its streamed one reasoning.
+
+The parser is incremental, as the tool-call parsers (``tool_calls.py``): a streamed response sends
+what it gives as it comes, a whole one the same put together. Tool calls are looked for in the content
+only. NOTE: a request with a structured output (a JSON schema, a named or required tool choice) has
+its grammar from the first token: its output thinks only where the grammar lets it open with
+``<think>`` (for ``deepseek_r1`` too), else it is all answer.
+"""
+
+from __future__ import annotations
+
+from sloserve.server.tool_calls import held_back_length
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+class ReasoningParser:
+    """Splits one choice's output into (reasoning, content) as it comes."""
+
+    def __init__(self, name: str, constrained: bool = False) -> None:
+        self.starts_thinking = name == "deepseek_r1" and not constrained
+        self.state = "start"  # "start": before the first text that decides; "thinking"; "answering"
+        self.pending = ""  # held back: text that may be the start of a tag
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """The (reasoning, content) of ``text``, past what is held back."""
+        self.pending += text
+        reasoning = content = ""
+        while True:
+            if self.state == "start":
+                stripped = self.pending.lstrip()
+                if stripped.startswith(THINK_OPEN):
+                    self.pending, self.state = stripped[len(THINK_OPEN) :], "thinking"
+                elif len(stripped) < len(THINK_OPEN) and THINK_OPEN.startswith(stripped):
+                    return reasoning, content  # it may yet open with <think>
+                else:
+                    self.state = "thinking" if self.starts_thinking else "answering"
+            if self.state == "answering":
+                content += self.pending
+                self.pending = ""
+                return reasoning, content
+            end = self.pending.find(THINK_CLOSE)
+            if end >= 0:
+                reasoning += self.pending[:end]
+                self.pending, self.state = self.pending[end + len(THINK_CLOSE) :], "answering"
+                continue
+            keep = held_back_length(self.pending, THINK_CLOSE)
+            reasoning += self.pending[: len(self.pending) - keep]
+            self.pending = self.pending[len(self.pending) - keep :]
+            return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """What is held back, once the output has ended."""
+        rest, self.pending = self.pending, ""
+        if self.state == "thinking" or self.state == "start" and self.starts_thinking:
+            return rest, ""
+        return "", rest
