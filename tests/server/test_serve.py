@@ -28,6 +28,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import sloserve
 from helpers import llama7b_cost
 from hf_models import VOCAB
 from served_model import CORPUS, MODEL, Server, generate
@@ -64,6 +65,14 @@ def test_completions_streamed_or_not_equal_llm_generate(server, reference_llm):
         )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == text
         assert chunks[-1].usage.completion_tokens == len(ids) and not chunks[-1].choices
+    # vLLM's continuous_usage_stats: every chunk counts its choice's tokens so far
+    chunks = list(server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True},
+    ))  # fmt: skip
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts[0] == 0 and counts[-2:] == [6, 6] and counts == sorted(counts)  # NOTE: deltas may merge
+    assert len(set(counts)) == len(counts) - 1 and len({c.usage.prompt_tokens for c in chunks}) == 1
     ids = tokenizer.encode("Hello")
     by_ids = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
     assert by_ids.choices[0].text == generate(reference_llm, ids, 8)[0]
@@ -215,6 +224,11 @@ def test_errors_are_openai_error_objects_with_the_right_status(server):
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
     assert httpx.get(server.url + "/v1/nothing").json()["error"]["message"] == "Not Found"
     assert client.models.list().data[0].id == MODEL
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found" and "'gpt-4o' does not exist" in e.value.message
+    assert httpx.get(server.url + "/version").json() == {"version": sloserve.__version__}
 
 
 JSON_VALUES = st.recursive(

@@ -50,6 +50,7 @@ FIELDS_NOT_SERVED: dict[str, tuple[tuple[Any, ...], str]] = {
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk, its choice's tokens so far
 
 
 class SLOField(BaseModel):
@@ -223,6 +224,10 @@ class SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     @property
     def num_logprobs(self) -> int | None:

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sloserve.engine.async_engine import AsyncLLMEngine, ServedRequest, StreamDelta
+from sloserve.server.protocol import usage
 from sloserve.server.serving import (
     ErrorResponse,
     Generated,
@@ -54,13 +55,22 @@ async def stream(engine: AsyncLLMEngine, submission: Submission, objects: Respon
     ``[DONE]``."""
     served = submission.served
     parsers = None if submission.output_parser() is None else [submission.output_parser() for _ in served]
-    plain = len(served) == 1 and submission.body.num_logprobs is None and not submission.echo and parsers is None
+    body = submission.body
+    plain = (len(served) == 1 and body.num_logprobs is None and not submission.echo and parsers is None
+             and not body.continuous_usage)  # fmt: skip
     offsets = [0] * len(served)  # each choice's text_offset: the characters of the token strings sent
     started = [False] * len(served)
+    num_sent = [0] * len(served)  # each choice's tokens sent
+
+    def event(i: int, chunk: dict[str, Any]) -> str:
+        if body.continuous_usage:  # vLLM's: the choice's prompt and its tokens so far
+            chunk["usage"] = usage(served[i].num_prompt_tokens, num_sent[i])
+        return sse(chunk)
+
     try:
         if objects.chat:
             for i in range(len(served)):
-                yield sse(objects.chunk("", None, role=True, index=i))
+                yield event(i, objects.chunk("", None, role=True, index=i))
         async for i, delta in _merged(served):
             if delta.finish_reason in ("abort", "error"):
                 yield sse(ended_early(delta.finish_reason, served[i].error or engine.error).body)
@@ -74,19 +84,20 @@ async def stream(engine: AsyncLLMEngine, submission: Submission, objects: Respon
                 i, delta.text, delta.token_ids, delta.logprobs, offsets[i], first=not started[i]
             )
             started[i] = True
+            num_sent[i] += len(delta.token_ids)
             if logprobs is not None and "tokens" in logprobs:
                 offsets[i] += sum(len(t) for t in logprobs["tokens"])
             if parsers is None:
-                yield sse(objects.chunk(text, delta.finish_reason, index=i, logprobs=logprobs,
-                                        stop_reason=delta.stop_reason))  # fmt: skip
+                yield event(i, objects.chunk(text, delta.finish_reason, index=i, logprobs=logprobs,
+                                             stop_reason=delta.stop_reason))  # fmt: skip
                 continue
             reason = delta.finish_reason
             found = parsers[i].feed(text, finished=reason is not None)
             if reason is not None:
                 reason = parsers[i].finish_reason(reason)
-            yield sse(objects.chunk(found.content, reason, index=i, logprobs=logprobs, tool_calls=found.calls,
-                                    stop_reason=delta.stop_reason, reasoning=found.reasoning))  # fmt: skip
-        if submission.body.include_usage:
+            yield event(i, objects.chunk(found.content, reason, index=i, logprobs=logprobs, tool_calls=found.calls,
+                                         stop_reason=delta.stop_reason, reasoning=found.reasoning))  # fmt: skip
+        if body.include_usage:
             yield sse(objects.usage_chunk(submission.usage()))
         yield sse("[DONE]")
     finally:  # NOTE: also when the client disconnects (the response task is cancelled)
