@@ -5,7 +5,8 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     """``sloserve.LLM`` and ``sloserve.SamplingParams`` load the engine (and torch) on first use."""
-    if name in ("LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"):
+    if name in ("LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput",
+                "CompletionOutput"):  # fmt: skip
         from sloserve import engine
 
         return getattr(engine, name)

@@ -288,6 +288,54 @@ def test_chat_renders_as_transformers_and_generates_as_generate(reference_llm, c
         reference_llm.chat(conversations[1], greedy, continue_final_message=True)
 
 
+def test_beam_search_keeps_the_best_beams_as_computed_on_transformers_scores(reference_llm, chat_model_dir):
+    """vLLM's ``LLM.beam_search``: the beams equal a beam search written out here on transformers'
+    log-softmax (each step: every beam by each of its 2 * width likeliest tokens, the width best kept;
+    EOS ends a beam; vLLM's length-penalised score), and width 1 is greedy decoding."""
+    from sloserve.engine.beam_search import BeamSearchParams
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(chat_model_dir, dtype=torch.float32).eval()
+    tokenizer = reference_llm.tokenizer
+    eos = transformers.AutoTokenizer.from_pretrained(chat_model_dir).eos_token_id
+    assert reference_llm.engine.executor.eos_token_ids == {eos}
+    prompts = ["The quick brown fox", "Hello world"]
+    width, steps, penalty = 3, 4, 0.5
+
+    def score(tokens: list[int], total: float) -> float:
+        return total / (len(tokens) - (tokens[-1] == eos)) ** penalty
+
+    def by_hand(prompt_ids: list[int]) -> list[tuple[list[int], float]]:
+        live, done = [(prompt_ids, 0.0)], []
+        for _ in range(steps):
+            children = []
+            with torch.no_grad():
+                for tokens, total in live:
+                    row = torch.log_softmax(model(torch.tensor([tokens])).logits[0, -1].float(), dim=-1)
+                    values, ids = row.topk(2 * width)
+                    for v, t in zip(values.tolist(), ids.tolist(), strict=True):
+                        (done if t == eos else children).append((tokens + [t], total + v))
+            live = sorted(children, key=lambda b: score(*b), reverse=True)[:width]
+        return sorted(done + live, key=lambda b: score(*b), reverse=True)[:width]
+
+    outputs = reference_llm.beam_search(prompts, BeamSearchParams(width, steps, length_penalty=penalty))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected = by_hand(tokenizer.encode(prompt))
+        assert [s.tokens for s in output.sequences] == [tokens for tokens, _ in expected]
+        assert [s.cum_logprob for s in output.sequences] == pytest.approx([t for _, t in expected], abs=1e-4)
+        best = output.sequences[0]
+        assert best.text == tokenizer.decode(best.tokens) and len(best.logprobs) == len(best.tokens) - len(
+            tokenizer.encode(prompt)
+        )
+        assert sum(e.logprob for e in best.logprobs) == pytest.approx(best.cum_logprob)
+    greedy = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
+    one = reference_llm.beam_search(prompts[0], BeamSearchParams(1, steps, ignore_eos=True))[0].sequences
+    assert (
+        len(one) == 1 and one[0].tokens[-steps:] == reference_llm.generate(prompts[0], greedy)[0].outputs[0].token_ids
+    )
+    with pytest.raises(ConfigError, match="beam_width must be in 1..10, got 11"):
+        BeamSearchParams(11, 4)
+
+
 def test_n_sequences_are_the_requests_of_seeds_seed_plus_j(reference_llm):
     """``SamplingParams.n``: each prompt's sequence j is what the prompt alone gives with seed + j
     (vLLM's rule, as the server's ``n``)."""

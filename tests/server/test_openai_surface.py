@@ -276,7 +276,7 @@ def test_best_of_returns_the_choices_with_the_highest_cumulative_logprob(server)
         ("chat", {"messages": HI, "continue_final_message": True, "add_generation_prompt": False},
          "continue_final_message"),
         ("chat", {"messages": HI, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
-        ("completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+        ("completions", {"prompt": "hi", "use_beam_search": True, "stream": True}, "stream"),
         ("completions", {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
         ("completions", {"prompt": "hi", "allowed_token_ids": [3, 300]}, "allowed_token_ids"),
         ("chat", {"messages": HI, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
@@ -782,4 +782,41 @@ def test_tool_requests_that_cannot_be_served_are_400s_naming_the_field(server, e
         server.client.chat.completions.create(**{"model": MODEL, "messages": HI, "max_tokens": 4, **extra})
     assert e.value.body["param"] == param and re.search(message, e.value.message), e.value.body
     assert "\n" not in e.value.message
+    assert server.engine.num_unfinished == 0
+
+
+def test_vllms_beam_search_returns_the_beams_of_llm_beam_search(server, reference_llm, hf):
+    """``use_beam_search`` with ``n`` beams and ``length_penalty``: the choices are the beams
+    ``LLM.beam_search`` finds on the same model, best first (completions over a list of prompts, and
+    chat); what beam search would not honour is a 400 naming it."""
+    from sloserve import BeamSearchParams
+
+    beams = dict(n=3, max_tokens=5, extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    response = server.client.completions.create(model=MODEL, prompt=PROMPTS, logprobs=2, temperature=0, **beams)
+    expected = reference_llm.beam_search(PROMPTS, BeamSearchParams(3, 5, length_penalty=0.5))
+    assert [c.index for c in response.choices] == list(range(6))
+    for choice, sequence in zip(response.choices, [s for out in expected for s in out.sequences], strict=True):
+        output = sequence.tokens[len(sequence.tokens) - len(sequence.logprobs) :]
+        assert choice.text == hf[1].decode(output, skip_special_tokens=True)
+        assert choice.finish_reason == sequence.finish_reason
+        assert sum(choice.logprobs.token_logprobs) == pytest.approx(sequence.cum_logprob, abs=1e-4)
+        assert all(len(top) <= 3 for top in choice.logprobs.top_logprobs)  # 2 asked, and the token's own
+    assert response.usage.completion_tokens == sum(len(s.logprobs) for out in expected for s in out.sequences)
+    chat = server.client.chat.completions.create(model=MODEL, messages=HI, **beams)
+    rendered = hf[1].apply_chat_template(HI, add_generation_prompt=True, tokenize=False)
+    [best] = reference_llm.beam_search({"prompt_token_ids": hf[1].encode(rendered, add_special_tokens=False)},
+                                       BeamSearchParams(3, 5, length_penalty=0.5))  # fmt: skip
+    assert [c.message.content for c in chat.choices] == [
+        hf[1].decode(s.tokens[len(s.tokens) - len(s.logprobs) :], skip_special_tokens=True) for s in best.sequences
+    ]
+    refused = [({"stream": True}, "stream"), ({"stop": ["x"]}, "stop"), ({"n": 11}, "n"),
+               ({"logit_bias": {"3": 1}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "use_beam_search")]  # fmt: skip
+    for extra, param in refused:
+        with pytest.raises(openai.BadRequestError) as e:
+            server.client.chat.completions.create(
+                model=MODEL, messages=HI, max_tokens=2, extra_body={"use_beam_search": True, **extra}
+            )
+        assert e.value.body["param"] == param, e.value.body
+    with pytest.raises(openai.BadRequestError, match="length_penalty applies to beam search"):
+        server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"length_penalty": 2})
     assert server.engine.num_unfinished == 0

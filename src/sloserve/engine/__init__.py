@@ -7,7 +7,7 @@ which needs no torch: the simulator reads an engine model's shape through it.
 
 from __future__ import annotations
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str):
@@ -22,6 +22,8 @@ def __getattr__(name: str):
         raise ConfigError(
             "the engine needs PyTorch: pip install 'sloserve[engine]' (torch, safetensors, tokenizers)"
         ) from e
-    from sloserve.engine import llm, sampler
+    from sloserve.engine import beam_search, llm, sampler
 
+    if name == "BeamSearchParams":
+        return beam_search.BeamSearchParams
     return getattr(sampler if name in ("SamplingParams", "StructuredOutputsParams") else llm, name)

@@ -106,6 +106,7 @@ class EngineInfo:
     kv_bytes_per_token: int
     block_size: int = 16
     prefix_caching: bool = False
+    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -426,6 +427,7 @@ def run_core(spec: EngineSpec, conn: Connection, clock_start: float) -> None:
                 _bytes_per_token(engine),
                 kv.block_size,
                 kv.prefix_cache is not None,
+                tuple(engine.loaded.config.eos_token_ids),
             ),
         )
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -11,6 +12,8 @@ from typing import Any
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import Request
 from sloserve.cost.base import CostModel
+from sloserve.engine import beam_search
+from sloserve.engine.beam_search import BeamSearchParams
 from sloserve.engine.chat_template import ChatTemplate
 from sloserve.engine.detokenizer import Detokenizer
 from sloserve.engine.llm_engine import LLMEngine
@@ -44,6 +47,24 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's field)
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then each one's
     prompt_logprobs: list[Logprobs | None] | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """One of the best beams (vLLM's shape): ``tokens`` and ``text`` hold the prompt too."""
+
+    tokens: list[int]
+    logprobs: list[Logprobs]  # each output token's, with the 2 * beam_width likeliest
+    cum_logprob: float
+    text: str
+    finish_reason: str  # "stop" (EOS) or "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's best beams, best first."""
+
+    sequences: list[BeamSearchSequence]
 
 
 class LLM:
@@ -168,6 +189,58 @@ class LLM:
                 )
             )
         return outputs
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search`` (``engine/beam_search.py``): each prompt's best
+        ``params.beam_width`` beams; the prompts' searches run side by side, each step one batch of
+        every live beam's next token."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        encoded = [self._token_ids(p, i)[1] for i, p in enumerate(prompts)]
+        step = SamplingParams(max_tokens=1, temperature=0, logprobs=2 * params.beam_width)
+        # NOTE: as vLLM, max_tokens is cut to what each prompt's context leaves
+        fits = [
+            self.engine.check_request(ids, dataclasses.replace(step, max_tokens=params.max_tokens), f"prompt {i}")
+            for i, ids in enumerate(encoded)
+        ]
+        eos = self.engine.executor.eos_token_ids
+        searches = [
+            beam_search.search(ids, dataclasses.replace(params, max_tokens=fit.max_tokens), eos)
+            for ids, fit in zip(encoded, fits, strict=True)
+        ]
+        batches = {i: next(s) for i, s in enumerate(searches)}
+        found: dict[int, list[beam_search.Beam]] = {}
+        while batches:
+            order = [(i, ids) for i, batch in batches.items() for ids in batch]
+            outs = self.generate([{"prompt_token_ids": ids} for _, ids in order], step, use_tqdm=use_tqdm)
+            nexts: dict[int, list[Logprobs]] = {i: [] for i in batches}
+            for (i, _), out in zip(order, outs, strict=True):
+                nexts[i].append(out.outputs[0].logprobs[0])
+            for i, logprobs in nexts.items():
+                try:
+                    batches[i] = searches[i].send(logprobs)
+                except StopIteration as done:
+                    found[i] = done.value
+                    del batches[i]
+        tokenizer = self.loaded.tokenizer
+        decode = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: "")
+        return [
+            BeamSearchOutput(
+                [
+                    BeamSearchSequence(
+                        b.token_ids,
+                        b.logprobs,
+                        b.cumulative_logprob,
+                        decode(b.token_ids),
+                        "stop" if b.finished else "length",
+                    )  # fmt: skip
+                    for b in found[i]
+                ]
+            )
+            for i in range(len(encoded))
+        ]
 
     def _end_stopped(self, watched: dict[Request, Detokenizer]) -> None:
         """After a step: the watched sequences whose text now holds a stop string are dropped by the

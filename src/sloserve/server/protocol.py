@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import SLO, RequestClass
+from sloserve.engine.beam_search import MAX_BEAM_WIDTH
 from sloserve.engine.chat_template import ChatOptionError, check_render_options
 from sloserve.engine.sampler import MAX_LOGPROBS, MAX_REPETITION_PENALTY, StructuredOutputsParams
 from sloserve.server.tool_calls import (
@@ -25,6 +26,11 @@ from sloserve.server.tool_calls import (
     required_schema,
 )
 
+# The fields beam search does not honour (refused unless at their defaults); temperature, top_p and seed
+# change nothing in it and are accepted, as vLLM does.
+BEAM_SEARCH_IGNORES = ("stream", "stop", "stop_token_ids", "logit_bias", "presence_penalty", "frequency_penalty",
+                       "repetition_penalty", "min_tokens", "allowed_token_ids", "bad_words", "top_k", "min_p",
+                       "best_of", "echo", "prompt_logprobs", "tool_choice")  # fmt: skip
 # OpenAI's service tiers: "flex" is the cheaper, slower tier: our best-effort (BE) class.
 BE_TIERS = frozenset({"flex"})
 MAX_STOP_STRINGS = 16
@@ -36,8 +42,6 @@ MAX_CHOICES = 128
 FIELDS_NOT_SERVED: dict[str, tuple[tuple[Any, ...], str]] = {
     "functions": (([],), "tools"),
     "function_call": (("none",), "tool_choice"),
-    "use_beam_search": ((False,), ""),
-    "length_penalty": ((1, 1.0), ""),
     "logits_processors": (([],), ""),
     "spaces_between_special_tokens": ((True,), ""),
     "guided_whitespace_pattern": ((), ""),
@@ -114,6 +118,8 @@ class SamplingRequest(BaseModel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, and the k best
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N"
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the prompt's last k (-1: the context)
+    use_beam_search: bool = False  # n beams (beam_search.py), not sampled
+    length_penalty: float = Field(default=1.0, allow_inf_nan=False)  # beam search's score: logprob / length**it
     top_k: int | None = Field(default=None, ge=-1)  # None, 0 or -1: every token
     min_p: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
     repetition_penalty: float = Field(default=1.0, gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)
@@ -170,6 +176,20 @@ class SamplingRequest(BaseModel):
             raise ParameterError("prompt_logprobs", "prompt_logprobs cannot be streamed (as in vLLM)")
         if self.truncate_prompt_tokens == 0:
             raise ParameterError("truncate_prompt_tokens", "truncate_prompt_tokens must be >= 1, or -1 (the context)")
+        if not self.use_beam_search and self.length_penalty != 1.0:
+            raise ParameterError("length_penalty", "length_penalty applies to beam search: use_beam_search: true")
+
+    def check_beam_search(self) -> None:
+        """A 400 naming what beam search would not honour: it ranks by the raw log-probabilities, with
+        no sampling controls, stop strings or grammar, and answers whole."""
+        if not 1 <= self.n <= MAX_BEAM_WIDTH:
+            raise ParameterError("n", f"with use_beam_search, n is the beam width: 1..{MAX_BEAM_WIDTH}, got {self.n}")
+        fields = type(self).model_fields
+        for name in BEAM_SEARCH_IGNORES:
+            if name in fields and getattr(self, name) not in (fields[name].default, None, [], "none"):
+                raise ParameterError(name, f"{name} does not apply to beam search (use_beam_search: true)")
+        if self.constraint() is not None:
+            raise ParameterError("use_beam_search", "beam search cannot follow a structured output")
 
     def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
         """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (-1: as many as the context holds)."""

@@ -399,6 +399,14 @@ class OpenAIServing:
         """``request_class`` overrides the body's (``service_tier``): batch lines are best-effort."""
         self.check_model(body.model)
         body.check_supported()
+        _refuse_beam_search(body)
+        prompt_ids, texts = self.completion_prompts(body)
+        # NOTE: max_tokens 0 (echo alone) samples one token, which nobody sees (as vLLM does)
+        max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
+        return self._submit(body, prompt_ids, max_tokens, request_class, texts)
+
+    def completion_prompts(self, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+        """Each prompt's tokens (truncated as asked), and what ``echo`` shows of it ("" without echo)."""
         prompts = body.prompt_list()
         whole_ids = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         prompt_ids = [body.truncated(ids, self.engine.max_model_len) for ids in whole_ids]
@@ -409,15 +417,18 @@ class OpenAIServing:
                 p if isinstance(p, str) and len(ids) == len(whole) else tokenizer.decode(ids) if tokenizer else ""
                 for p, ids, whole in zip(prompts, prompt_ids, whole_ids, strict=True)
             ]
-        # NOTE: max_tokens 0 (echo alone) samples one token, which nobody sees (as vLLM does)
-        max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
-        return self._submit(body, prompt_ids, max_tokens, request_class, texts)
+        return prompt_ids, texts
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The tokens a chat request's model reads (truncated as asked)."""
+        return body.truncated(self.chat_prompt_ids(body.messages, body), self.engine.max_model_len)
 
     def submit_chat(self, body: ChatCompletionRequest, request_class: RequestClass | None = None) -> Submission:
         self.check_model(body.model)
         body.check_supported()
+        _refuse_beam_search(body)
         tool_use = body.tool_use(self.config.tool_call_parser)
-        prompt_ids = body.truncated(self.chat_prompt_ids(body.messages, body), self.engine.max_model_len)
+        prompt_ids = self.chat_prompt(body)
         submission = self._submit(body, [prompt_ids], body.output_cap, request_class, [""])
         submission.tool_use = tool_use
         submission.reasoning_parser = self.config.reasoning_parser
@@ -491,7 +502,7 @@ class OpenAIServing:
             )
         grammar = self._grammar(body)
         params = [
-            self._params(body, ids, max_tokens, grammar, i if len(prompts) > 1 else None)
+            self.sampling_params(body, ids, max_tokens, grammar, i if len(prompts) > 1 else None)
             for i, ids in enumerate(prompts)
         ]
         self.engine.check_room(total)
@@ -525,7 +536,7 @@ class OpenAIServing:
         except ConfigError as e:
             raise ParameterError(field, str(e)) from None
 
-    def _params(
+    def sampling_params(
         self,
         body: SamplingRequest,
         prompt_ids: list[int],
@@ -598,6 +609,12 @@ class OpenAIServing:
             return params.tokenize_bad_words(self.engine.tokenizer)
         except ConfigError as e:
             raise ParameterError("bad_words", str(e)) from None
+
+
+def _refuse_beam_search(body: SamplingRequest) -> None:
+    # NOTE: the routes answer beam search themselves (beam_search_api.py); a batch line cannot ask for it
+    if body.use_beam_search:
+        raise ParameterError("use_beam_search", "beam search is served online (not streamed), not in batches")
 
 
 async def collect(served: ServedRequest) -> Generated:
