@@ -211,3 +211,39 @@ def test_bench_serve_text_prompts_tokenize_to_their_lengths_and_share_as_their_h
         shared += shared_ids
     assert shared > 0  # the conversation's turns resend their history
     assert texts[0].startswith(" ") and texts[0][1:].split(" ")[0].isalpha()
+
+
+def test_the_openai_sdks_tool_and_structured_output_helpers_on_the_real_model():
+    """The ``openai`` SDK's helpers against ``sloserve serve`` on SmolLM2: ``chat.completions.parse``
+    with a pydantic function tool (tool_choice "required") and with a pydantic ``response_format``,
+    and ``chat.completions.stream`` with a named tool, each parsed into the pydantic object, with a
+    sensible answer."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    from served_model import Server
+
+    class Weather(BaseModel):
+        city: str
+        unit: Literal["c", "f"]
+
+    server = Server(GGUF_PATH, kv_capacity_tokens=4096)
+    try:
+        common = dict(model="tiny", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                      max_tokens=48, temperature=0)  # fmt: skip
+        tool = openai.pydantic_function_tool(Weather)
+        called = server.client.chat.completions.parse(**common, tools=[tool], tool_choice="required").choices[0]
+        assert called.finish_reason == "tool_calls"
+        [call] = called.message.tool_calls
+        assert call.function.name == "Weather" and call.function.parsed_arguments.city == "Paris"
+        formatted = server.client.chat.completions.parse(**common, response_format=Weather).choices[0]
+        assert formatted.message.parsed.city == "Paris"
+        named = {"type": "function", "function": {"name": "Weather"}}
+        with server.client.chat.completions.stream(**common, tools=[tool], tool_choice=named) as stream:
+            final = stream.get_final_completion().choices[0]
+        assert final.message.tool_calls[0].function.parsed_arguments.city == "Paris"
+    finally:
+        server.stop()
