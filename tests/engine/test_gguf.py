@@ -217,7 +217,7 @@ def test_the_openai_sdks_tool_and_structured_output_helpers_on_the_real_model():
     """The ``openai`` SDK's helpers against ``sloserve serve`` on SmolLM2: ``chat.completions.parse``
     with a pydantic function tool (tool_choice "required") and with a pydantic ``response_format``,
     and ``chat.completions.stream`` with a named tool, each parsed into the pydantic object, with a
-    sensible answer."""
+    sensible answer; and the Responses API's ``create`` and ``parse``."""
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
     from typing import Literal
@@ -245,5 +245,12 @@ def test_the_openai_sdks_tool_and_structured_output_helpers_on_the_real_model():
         with server.client.chat.completions.stream(**common, tools=[tool], tool_choice=named) as stream:
             final = stream.get_final_completion().choices[0]
         assert final.message.tool_calls[0].function.parsed_arguments.city == "Paris"
+        # the Responses API: text, and a pydantic text format
+        question = "What is the capital of France?"
+        answer = server.client.responses.create(model="tiny", input=question, max_output_tokens=24, temperature=0)
+        assert answer.status == "completed" and "Paris" in answer.output_text
+        parsed = server.client.responses.parse(model="tiny", input=common["messages"], text_format=Weather,
+                                               max_output_tokens=48, temperature=0)  # fmt: skip
+        assert parsed.output_parsed.city == "Paris"
     finally:
         server.stop()

@@ -47,6 +47,8 @@ def test_every_route_but_health_and_metrics_needs_a_key(server):
             ("POST", "/v1/completions"),
             ("GET", "/v1/files"),
             ("POST", "/tokenize"),
+            ("POST", "/v1/responses"),
+            ("GET", "/version"),
         ):
             response = httpx.request(method, server.url + path, headers=headers, json={})
             assert response.status_code == 401, (header, path)

@@ -165,3 +165,50 @@ def test_reasoning_then_tool_calls_streamed_anywhere_equal_whole(name, fragments
         )
 
     assert message(split(text, cuts)) == message([text])
+
+
+def response_items(pieces: list[str]) -> tuple[list[tuple], list[str]]:
+    """The Responses API items of an output fed in ``pieces`` (qwen3 reasoning, hermes calls): each
+    item's (type, text or name + arguments, status), and the event types."""
+    from sloserve.server.responses_api import ResponseBuilder, ResponsesRequest
+
+    parser = ChatOutputParser("qwen3", ToolUse("auto", parser_name="hermes"))
+    builder = ResponseBuilder(ResponsesRequest(model="m", input="x"), "m", "default")
+    events = builder.start()
+    for piece in pieces:
+        for delta in parser.feed_in_order(piece):
+            events += builder.feed(delta)
+    events += builder.feed(parser.feed("", finished=True))
+    events += builder.finish(parser.finish_reason("stop"), {"prompt_tokens": 1, "completion_tokens": 2,
+                                                            "total_tokens": 3, "prompt_tokens_details": {}})  # fmt: skip
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]["response"]
+    added = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert added == [d["id"] for d in done] == [item["id"] for item in final["output"]]  # each opened, closed
+    items = []
+    for item in final["output"]:
+        if item["type"] == "function_call":
+            items.append((item["type"], item["name"], item["arguments"], item["status"]))
+        else:
+            items.append((item["type"], item["content"][0]["text"], item.get("status")))
+    return items, [e["type"] for e in events]
+
+
+def test_a_responses_stream_has_the_items_of_the_whole_output():
+    text = f"<think>hm</think>Let me look.<tool_call>{CALL_F}</tool_call> Done."
+    items, kinds = response_items([text])
+    assert items == [("reasoning", "hm", None), ("message", "Let me look.", "completed"),
+                     ("function_call", "f", '{"a": 1}', "completed"), ("message", "Done.", "completed")]  # fmt: skip
+    assert response_items(list(text))[0] == items
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from([*THINKING, f"<tool_call>{CALL_F}</tool_call>"]), max_size=12),
+    st.lists(st.integers(0, 10_000), max_size=8),
+)
+def test_responses_items_streamed_anywhere_equal_whole(fragments, cuts):
+    text = "".join(fragments)
+    assert response_items(split(text, cuts))[0] == response_items([text])[0]

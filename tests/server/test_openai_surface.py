@@ -820,3 +820,77 @@ def test_vllms_beam_search_returns_the_beams_of_llm_beam_search(server, referenc
     with pytest.raises(openai.BadRequestError, match="length_penalty applies to beam search"):
         server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"length_penalty": 2})
     assert server.engine.num_unfinished == 0
+
+
+def test_the_responses_api_answers_as_the_chat_completion_it_maps_to(server):
+    """``POST /v1/responses`` (the ``openai`` SDK's ``responses.create``, ``responses.stream``): text,
+    instructions and a length cut answer as the same chat completion does; streamed, the SDK's
+    accumulator builds the same response from our events."""
+    chat = server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "Be brief."}, *HI], max_tokens=6, temperature=0,
+        extra_body={"ignore_eos": True},
+    ).choices[0]  # fmt: skip
+    common = dict(model=MODEL, instructions="Be brief.", input="hi", max_output_tokens=6, temperature=0)
+    response = server.client.responses.create(**common, extra_body={"ignore_eos": True})
+    assert response.output_text == chat.message.content and response.usage.output_tokens == 6
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    [message] = response.output
+    assert message.type == "message" and message.status == "incomplete"
+    with server.client.responses.stream(**common) as stream:
+        events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    whole = server.client.responses.create(**common)
+    final = events[-1].response  # NOTE: the SDK's get_final_response() wants response.completed
+    assert final.output_text == whole.output_text and final.status == whole.status
+
+
+def test_responses_api_function_calls_round_trip(server):
+    """Function tools (flat, the Responses shape): a required call's item validates against its
+    parameters, streamed or not; sent back with its output (``function_call`` and
+    ``function_call_output`` items) the conversation is the chat one with the call and the tool's answer."""
+    jsonschema = pytest.importorskip("jsonschema")
+    tools = [{"type": "function", "name": "get_time", "parameters": ZONE, "strict": True}]
+    common = dict(model=MODEL, input="hi", tools=tools, tool_choice="required", max_output_tokens=64, temperature=0,
+                  parallel_tool_calls=False)  # fmt: skip
+    response = server.client.responses.create(**common)
+    calls = response.output
+    assert response.status == "completed" and len(calls) == 1
+    assert all(c.type == "function_call" and c.name == "get_time" and c.status == "completed" for c in calls)
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), ZONE)
+    with server.client.responses.stream(**common) as stream:
+        final = stream.get_final_response()
+    assert [(o.name, o.arguments) for o in final.output] == [(c.name, c.arguments) for c in calls]
+    call = calls[0]
+    answered = server.client.responses.create(
+        model=MODEL, tools=tools, tool_choice="none", max_output_tokens=4, temperature=0,
+        input=[{"role": "user", "content": "hi"}, call.model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": call.call_id, "output": "noon"}],
+    )  # fmt: skip
+    as_chat = server.client.chat.completions.create(
+        model=MODEL, max_tokens=4, temperature=0, tool_choice="none",
+        tools=[{"type": "function", "function": {"name": "get_time", "parameters": ZONE, "strict": True}}],
+        messages=[*HI, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": "get_time", "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "noon"}],
+    )  # fmt: skip
+    assert answered.output_text == as_chat.choices[0].message.content
+    assert answered.usage.input_tokens == as_chat.usage.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "message"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses; send the conversation"),
+        ({"background": True}, "background", "background is not supported"),
+        ({"tools": [{"type": "web_search"}]}, "tools", "tool 0 is of type 'web_search': this server runs function"),
+        ({"input": []}, "input", "input is empty"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input", "input holds no message"),
+        ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
+    ],
+)
+def test_responses_api_requests_that_cannot_be_served_are_400s_naming_the_field(server, extra, param, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.responses.create(**{"model": MODEL, "input": "hi", "max_output_tokens": 4, **extra})
+    assert e.value.body["param"] == param and re.search(message, e.value.message), e.value.body

@@ -2,7 +2,8 @@
 
 Routes, a router each: ``POST /v1/completions`` (completions_api.py), ``POST /v1/chat/completions``
 (chat_api.py), both with ``stream: true`` as server-sent events ending in ``data: [DONE]``
-(responses.py); ``GET /v1/models`` (models_api.py); vLLM's ``POST /tokenize`` and ``/detokenize``
+(responses.py); OpenAI's Responses API, ``POST /v1/responses``, through the chat path
+(responses_api.py); ``GET /v1/models`` and ``/version`` (models_api.py); vLLM's ``POST /tokenize`` and ``/detokenize``
 (tokenize_api.py); ``GET /health`` and ``GET /metrics`` (metrics_api.py); and with a data dir the
 Files and Batches routes (batch_api.py).
 With ``--api-key``, every route but /health and /metrics needs the key (401 without it), and files and
@@ -36,6 +37,7 @@ from sloserve.server.metrics_api import metrics_router
 from sloserve.server.models_api import models_router
 from sloserve.server.protocol import error_body
 from sloserve.server.responses import json_error
+from sloserve.server.responses_api import responses_router
 from sloserve.server.serving import OpenAIServing, error_response, validation_error
 from sloserve.server.tokenize_api import tokenize_router
 
@@ -78,6 +80,7 @@ def build_app(
     _add_error_handlers(app, metrics)
     app.include_router(completions_router(serving))
     app.include_router(chat_router(serving))
+    app.include_router(responses_router(serving))
     app.include_router(models_router(serving))
     app.include_router(tokenize_router(serving))
     app.include_router(metrics_router(engine, metrics))

@@ -32,16 +32,22 @@ class ChatOutputParser:
 
     def feed(self, text: str, finished: bool = False) -> MessageDelta:
         """The message's part of ``text``; ``finished``: the output ends with it."""
+        parts = self.feed_in_order(text, finished)
+        return MessageDelta(parts[0].reasoning, "".join(p.content for p in parts), [c for p in parts for c in p.calls])
+
+    def feed_in_order(self, text: str, finished: bool = False) -> list[MessageDelta]:
+        """``feed``'s delta cut so that none holds text that follows one of its calls (the reasoning
+        comes first): the Responses API's items keep the order the model wrote them in."""
         reasoning, content = ("", text) if self.reasoning is None else self.reasoning.feed(text)
         if finished and self.reasoning is not None:
             more_reasoning, more_content = self.reasoning.finish()
             reasoning, content = reasoning + more_reasoning, content + more_content
         if self.tools is None:
-            return MessageDelta(reasoning, content)
-        found = self.tools.feed(content)
+            return [MessageDelta(reasoning, content)]
+        found = self.tools.feed_in_order(content)
         if finished:
-            found = found.then(self.tools.finish())
-        return MessageDelta(reasoning, found.content, found.calls)
+            found.append(self.tools.finish())
+        return [MessageDelta(reasoning if i == 0 else "", part.content, part.calls) for i, part in enumerate(found)]
 
     def finish_reason(self, reason: str) -> str:
         return reason if self.tool_use is None else self.tool_use.finish_reason(self.tools, reason)

@@ -84,9 +84,6 @@ class ToolDelta:
     content: str = ""
     calls: list[dict[str, Any]] = field(default_factory=list)
 
-    def then(self, later: ToolDelta) -> ToolDelta:
-        return ToolDelta(self.content + later.content, self.calls + later.calls)
-
 
 def call_head(index: int, name: str, arguments: str) -> dict[str, Any]:
     return {"index": index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
@@ -113,6 +110,10 @@ class ToolCallParser:
 
     def feed(self, text: str) -> ToolDelta:
         raise NotImplementedError
+
+    def feed_in_order(self, text: str) -> list[ToolDelta]:
+        """``feed``'s delta cut so that none holds content that follows one of its calls."""
+        return [self.feed(text)]
 
     def finish(self) -> ToolDelta:
         """What is left once the output has ended."""
@@ -190,21 +191,28 @@ class HermesParser(ToolCallParser):
         self.after_block = False  # drop the whitespace that follows a call
 
     def feed(self, text: str) -> ToolDelta:
+        parts = self.feed_in_order(text)
+        return ToolDelta("".join(p.content for p in parts), [c for p in parts for c in p.calls])
+
+    def feed_in_order(self, text: str) -> list[ToolDelta]:
         self.pending += text
-        out = ToolDelta()
+        parts = [ToolDelta()]
         while True:
+            out = parts[-1]
             if self.inside:
                 end = self.pending.find(HERMES_CLOSE)
                 if end < 0:
-                    return out
+                    return parts
                 self.after_block = self._block(self.pending[:end], HERMES_CLOSE, out)
+                if self.after_block:  # what follows the call goes in a part of its own
+                    parts.append(ToolDelta())
                 self.pending = self.pending[end + len(HERMES_CLOSE) :]
                 self.inside = False
                 continue
             if self.after_block:
                 self.pending = self.pending.lstrip()
                 if not self.pending:
-                    return out
+                    return parts
                 self.after_block = False
             start = self.pending.find(HERMES_OPEN)
             if start >= 0:
@@ -220,7 +228,7 @@ class HermesParser(ToolCallParser):
             sent = body.rstrip()
             out.content += sent
             self.pending = self.pending[len(sent) :]
-            return out
+            return parts
 
     def finish(self) -> ToolDelta:
         out = ToolDelta()

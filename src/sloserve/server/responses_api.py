@@ -1,0 +1,397 @@
+"""``POST /v1/responses``: OpenAI's Responses API, served through the chat path.
+
+A request's ``instructions`` and ``input`` (a string, or items: messages, earlier ``function_call``\\ s
+and their ``function_call_output``\\ s) become chat messages, its ``tools``, ``tool_choice`` and
+``text.format`` the chat request's, so it is scheduled, templated, constrained and parsed as a chat
+completion is (``--reasoning-parser`` and ``--tool-call-parser`` too). The answer is a response
+object whose ``output`` holds a ``reasoning`` item, a ``message`` item and ``function_call`` items, in
+the order the model wrote them; streamed, as OpenAI's events (``response.created``, then each item's
+``output_item.added``, its deltas and ``output_item.done``, then ``response.completed``, or
+``response.incomplete`` when ``max_output_tokens`` cut it). A whole response is the same events' last
+snapshot, so the two agree.
+
+NOTE: nothing is stored (``store`` is accepted and answered false): ``previous_response_id``,
+``conversation`` and ``background`` are refused (send the conversation in ``input``), as are tools
+other than functions.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, field_validator
+
+from sloserve.server.chat_output import ChatOutputParser, MessageDelta
+from sloserve.server.protocol import ChatCompletionRequest, ParameterError, now_unix
+from sloserve.server.responses import json_error, until_done_or_gone
+from sloserve.server.serving import OpenAIServing, Submission, ended_early
+from sloserve.server.tool_calls import FunctionDefinition
+
+# Fields of OpenAI's request this server refuses unless at these values (null always passes)
+NOT_SERVED: dict[str, tuple[Any, ...]] = {
+    "previous_response_id": (),
+    "conversation": (),
+    "background": (False,),
+    "prompt": (),
+    "truncation": ("disabled",),
+    "top_logprobs": (0,),
+    "max_tool_calls": (),
+}
+
+
+class TextPart(BaseModel):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class InputMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+class ReasoningItem(BaseModel):
+    """An earlier answer's reasoning: not given to the model again (chat templates drop it too)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["reasoning"]
+
+
+InputItem = Annotated[InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem, Discriminator("type")]
+
+
+class FunctionTool(FunctionDefinition):
+    """A Responses function tool: a chat function's fields, flat."""
+
+    type: Literal["function"]
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """The fields of OpenAI's ``POST /v1/responses`` this server serves (``NOT_SERVED``: refused)."""
+
+    model_config = ConfigDict(extra="allow")  # NOTE: kept to check against NOT_SERVED, else unused
+    model: str
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
+    stream: bool = False
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _messages_without_type(cls, value: Any) -> Any:
+        # NOTE: OpenAI's "easy" messages ({"role", "content"}) carry no type
+        if isinstance(value, list):
+            return [{"type": "message", **v} if isinstance(v, dict) and "type" not in v else v for v in value]
+        return value
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools_only(cls, value: Any) -> Any:
+        for i, tool in enumerate(value or ()):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise ValueError(f"tool {i} is of type {kind!r}: this server runs function tools only")
+        return value
+
+    def check_supported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in NOT_SERVED and value is not None and value not in NOT_SERVED[name]:
+                raise ParameterError(name, f"{name} is not supported: this server stores no responses; send the "
+                                     "conversation in input" if name in ("previous_response_id", "conversation")
+                                     else f"{name} is not supported")  # fmt: skip
+        if isinstance(self.input, list) and not self.input:
+            raise ParameterError("input", "input is empty")
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The same request as a chat completion."""
+        self.check_supported()
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        for item in items:
+            if isinstance(item, InputMessage):
+                messages.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
+                if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                    messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant message
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif isinstance(item, FunctionCallOutputItem):
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        if not messages:
+            raise ParameterError("input", "input holds no message")
+        chat: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "max_completion_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stream": self.stream,
+            "service_tier": self.service_tier,
+            "parallel_tool_calls": self.parallel_tool_calls,
+        }
+        if self.tools:
+            chat["tools"] = [
+                {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in self.tools
+            ]
+        if isinstance(self.tool_choice, NamedFunction):
+            chat["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            chat["tool_choice"] = self.tool_choice
+        text_format = self.text.format if self.text is not None else None
+        if text_format is not None and text_format.type == "json_schema":
+            chat["response_format"] = {"type": "json_schema", "json_schema": {"name": text_format.name,
+                                       "schema": text_format.schema_, "strict": text_format.strict}}  # fmt: skip
+        elif text_format is not None:
+            chat["response_format"] = {"type": text_format.type}
+        return ChatCompletionRequest.model_validate(chat)
+
+    def echoed(self) -> dict[str, Any]:
+        """The request's settings, as a response repeats them."""
+        return {
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "tools": [t.model_dump(exclude_none=True) for t in self.tools or ()],
+            "tool_choice": (
+                self.tool_choice.model_dump()
+                if isinstance(self.tool_choice, NamedFunction)
+                else self.tool_choice or "auto"
+            ),  # fmt: skip
+            "parallel_tool_calls": self.parallel_tool_calls is not False,
+            "text": {"format": self.text.format.model_dump(by_alias=True, exclude_none=True)}
+            if self.text is not None and self.text.format is not None
+            else {"format": {"type": "text"}},
+            "metadata": self.metadata or {},
+            "user": self.user,
+            "store": False,
+            "truncation": "disabled",
+            "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None},
+            "error": None,
+        }
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseBuilder:
+    """A response's events from its message's deltas (``chat_output.MessageDelta``): each kind of
+    output (reasoning, text, a call) opens an item, which closes when another kind comes or the
+    output ends."""
+
+    def __init__(self, request: ResponsesRequest, model: str, service_tier: str) -> None:
+        self.request = request
+        self.head = {"id": _id("resp"), "object": "response", "created_at": now_unix(), "model": model,
+                     "service_tier": service_tier}  # fmt: skip
+        self.output: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the item being written
+        self.sequence = 0
+
+    def response(self, status: str, usage: dict[str, Any] | None = None, reason: str | None = None) -> dict:
+        return {**self.head, "status": status, "output": self.output,
+                "incomplete_details": {"reason": reason} if reason else None, "usage": usage,
+                **self.request.echoed()}  # fmt: skip
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return json.loads(json.dumps(event))  # NOTE: a snapshot: the items go on changing
+
+    def start(self) -> list[dict[str, Any]]:
+        return [self.event(kind, response=self.response("in_progress"))
+                for kind in ("response.created", "response.in_progress")]  # fmt: skip
+
+    def feed(self, delta: MessageDelta) -> list[dict[str, Any]]:
+        events = self._text("reasoning", delta.reasoning) + self._text("message", delta.content)
+        for entry in delta.calls:
+            if "id" in entry:  # a new call
+                events += self._close("completed")
+                item = {"id": _id("fc"), "type": "function_call", "call_id": entry["id"],
+                        "name": entry["function"]["name"], "arguments": "", "status": "in_progress"}  # fmt: skip
+                events += self._open(item)
+            events += self._arguments(entry["function"]["arguments"])
+        return events
+
+    def finish(self, finish_reason: str, usage: dict[str, Any]) -> list[dict[str, Any]]:
+        """The last events: the open item closed, then the whole response."""
+        cut = finish_reason == "length"
+        events = self._close("incomplete" if cut else "completed")
+        counts = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+                  "total_tokens": usage["total_tokens"], "input_tokens_details": usage["prompt_tokens_details"],
+                  "output_tokens_details": {"reasoning_tokens": 0}}  # fmt: skip
+        if cut:
+            whole = self.response("incomplete", counts, "max_output_tokens")
+            return [*events, self.event("response.incomplete", response=whole)]
+        return [*events, self.event("response.completed", response=self.response("completed", counts))]
+
+    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        events: list[dict[str, Any]] = []
+        if self.open is None or self.open["type"] != kind:
+            events += self._close("completed")
+            if kind == "reasoning":
+                item = {"id": _id("rs"), "type": "reasoning", "summary": [], "content": []}
+            else:
+                item = {"id": _id("msg"), "type": "message", "status": "in_progress", "role": "assistant",
+                        "content": []}  # fmt: skip
+            events += self._open(item)
+            part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else {
+                "type": "output_text", "text": "", "annotations": [], "logprobs": []}  # fmt: skip
+            item["content"].append(part)
+            if kind == "message":
+                events.append(self._item_event("response.content_part.added", content_index=0, part=part))
+        item = self.open
+        item["content"][0]["text"] += text
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        return [*events, self._item_event(name, content_index=0, delta=text, **extra)]
+
+    def _arguments(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        self.open["arguments"] += text
+        return [self._item_event("response.function_call_arguments.delta", delta=text)]
+
+    def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        self.output.append(item)
+        self.open = item
+        added = {**item, "content": []} if "content" in item else item
+        return [self.event("response.output_item.added", output_index=len(self.output) - 1, item=added)]
+
+    def _close(self, status: str) -> list[dict[str, Any]]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        if item["type"] != "reasoning":
+            item["status"] = status
+        events = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            events.append(self._item_event("response.output_text.done", content_index=0, text=part["text"],
+                                           logprobs=[], item=item))  # fmt: skip
+            events.append(self._item_event("response.content_part.done", content_index=0, part=part, item=item))
+        elif item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            events.append(self._item_event("response.reasoning_text.done", content_index=0, text=text, item=item))
+        else:
+            events.append(self._item_event("response.function_call_arguments.done", arguments=item["arguments"],
+                                           name=item["name"], item=item))  # fmt: skip
+        events.append(self.event("response.output_item.done", output_index=self.output.index(item), item=item))
+        return events
+
+    def _item_event(self, kind: str, item: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
+        item = item if item is not None else self.open
+        return self.event(kind, item_id=item["id"], output_index=self.output.index(item), **fields)
+
+
+def responses_router(serving: OpenAIServing) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        submission = serving.submit_chat(body.chat_request())
+        builder = ResponseBuilder(body, serving.config.model_name, submission.service_tier)
+        parser = submission.output_parser() or ChatOutputParser(None, None)
+        if body.stream:
+            return StreamingResponse(_events(serving, submission, builder, parser), media_type="text/event-stream")
+        results = await until_done_or_gone(serving.engine, raw, submission)
+        if results is None:  # the client left
+            return Response(status_code=499)
+        [result] = results
+        if result.finish_reason in ("abort", "error"):
+            return json_error(ended_early(result.finish_reason, submission.served[0].error or serving.engine.error))
+        builder.start()
+        # NOTE: the text, then the end, as a stream's last two deltas: the items come in the same order
+        for delta in [*parser.feed_in_order(result.text), parser.feed("", finished=True)]:
+            builder.feed(delta)
+        [*_, last] = builder.finish(parser.finish_reason(result.finish_reason), submission.usage())
+        return JSONResponse(last["response"])
+
+    return router
+
+
+async def _events(
+    serving: OpenAIServing, submission: Submission, builder: ResponseBuilder, parser: ChatOutputParser
+) -> AsyncIterator[str]:
+    """The response's events as server-sent events (OpenAI's: an ``event:`` line, then ``data:``)."""
+
+    def sse(event: dict[str, Any]) -> str:
+        return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+    [served] = submission.served
+    try:
+        for event in builder.start():
+            yield sse(event)
+        async for delta in served:
+            if delta.finish_reason in ("abort", "error"):
+                error = ended_early(delta.finish_reason, served.error or serving.engine.error).body["error"]
+                yield sse(builder.event("error", code=error["code"], message=error["message"], param=None))
+                return
+            for found in parser.feed_in_order(delta.text, finished=delta.finish_reason is not None):
+                for event in builder.feed(found):
+                    yield sse(event)
+            if delta.finish_reason is not None:
+                for event in builder.finish(parser.finish_reason(delta.finish_reason), submission.usage()):
+                    yield sse(event)
+    finally:  # NOTE: also when the client disconnects
+        submission.abort(serving.engine)
