@@ -888,6 +888,7 @@ def test_responses_api_function_calls_round_trip(server):
         ({"input": []}, "input", "input is empty"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input", "input holds no message"),
         ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
+        ({"max_output_tokens": 300}, "max_output_tokens", "maximum context length is 256"),
     ],
 )
 def test_responses_api_requests_that_cannot_be_served_are_400s_naming_the_field(server, extra, param, message):

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, ValidationError, field_validator
 
 from sloserve.server.chat_output import ChatOutputParser, MessageDelta
 from sloserve.server.protocol import ChatCompletionRequest, ParameterError, now_unix
@@ -32,6 +32,8 @@ from sloserve.server.responses import json_error, until_done_or_gone
 from sloserve.server.serving import OpenAIServing, Submission, ended_early
 from sloserve.server.tool_calls import FunctionDefinition
 
+# The chat request's fields a refusal may name, by their names here
+CHAT_FIELDS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
 # Fields of OpenAI's request this server refuses unless at these values (null always passes)
 NOT_SERVED: dict[str, tuple[Any, ...]] = {
     "previous_response_id": (),
@@ -200,7 +202,10 @@ class ResponsesRequest(BaseModel):
                                        "schema": text_format.schema_, "strict": text_format.strict}}  # fmt: skip
         elif text_format is not None:
             chat["response_format"] = {"type": text_format.type}
-        return ChatCompletionRequest.model_validate(chat)
+        try:
+            return ChatCompletionRequest.model_validate(chat)
+        except ValidationError as e:  # NOTE: the fields above are checked as the chat's are: not expected
+            raise ParameterError("input", f"cannot be served as a chat request: {e.errors()[0]['msg']}") from None
 
     def echoed(self) -> dict[str, Any]:
         """The request's settings, as a response repeats them."""
@@ -349,7 +354,11 @@ def responses_router(serving: OpenAIServing) -> APIRouter:
 
     @router.post("/v1/responses")
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
-        submission = serving.submit_chat(body.chat_request())
+        try:
+            submission = serving.submit_chat(body.chat_request())
+        except ParameterError as e:
+            e.param = CHAT_FIELDS.get(e.param, e.param)
+            raise
         builder = ResponseBuilder(body, serving.config.model_name, submission.service_tier)
         parser = submission.output_parser() or ChatOutputParser(None, None)
         if body.stream:
