@@ -810,7 +810,8 @@ def test_vllms_beam_search_returns_the_beams_of_llm_beam_search(server, referenc
         hf[1].decode(s.tokens[len(s.tokens) - len(s.logprobs) :], skip_special_tokens=True) for s in best.sequences
     ]
     refused = [({"stream": True}, "stream"), ({"stop": ["x"]}, "stop"), ({"n": 11}, "n"),
-               ({"logit_bias": {"3": 1}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "use_beam_search")]  # fmt: skip
+               ({"logit_bias": {"3": 1}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "use_beam_search"),
+               ({"tools": TOOLS}, "tool_choice"), ({"stop": "none"}, "stop")]  # fmt: skip
     for extra, param in refused:
         with pytest.raises(openai.BadRequestError) as e:
             server.client.chat.completions.create(

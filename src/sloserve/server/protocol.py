@@ -30,7 +30,7 @@ from sloserve.server.tool_calls import (
 # change nothing in it and are accepted, as vLLM does.
 BEAM_SEARCH_IGNORES = ("stream", "stop", "stop_token_ids", "logit_bias", "presence_penalty", "frequency_penalty",
                        "repetition_penalty", "min_tokens", "allowed_token_ids", "bad_words", "top_k", "min_p",
-                       "best_of", "echo", "prompt_logprobs", "tool_choice")  # fmt: skip
+                       "best_of", "echo", "prompt_logprobs")  # fmt: skip
 # OpenAI's service tiers: "flex" is the cheaper, slower tier: our best-effort (BE) class.
 BE_TIERS = frozenset({"flex"})
 MAX_STOP_STRINGS = 16
@@ -186,8 +186,10 @@ class SamplingRequest(BaseModel):
             raise ParameterError("n", f"with use_beam_search, n is the beam width: 1..{MAX_BEAM_WIDTH}, got {self.n}")
         fields = type(self).model_fields
         for name in BEAM_SEARCH_IGNORES:
-            if name in fields and getattr(self, name) not in (fields[name].default, None, [], "none"):
+            if name in fields and getattr(self, name) not in (fields[name].default, None, []):
                 raise ParameterError(name, f"{name} does not apply to beam search (use_beam_search: true)")
+        if getattr(self, "tools", None) and getattr(self, "tool_choice", None) != "none":
+            raise ParameterError("tool_choice", 'beam search answers text: with tools, send tool_choice "none"')
         if self.constraint() is not None:
             raise ParameterError("use_beam_search", "beam search cannot follow a structured output")
 
