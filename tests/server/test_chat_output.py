@@ -14,6 +14,7 @@ from sloserve.server.chat_output import ChatOutputParser
 from sloserve.server.reasoning import ReasoningParser
 from sloserve.server.tool_calls import (
     HermesParser,
+    Llama3JsonParser,
     NamedCallParser,
     RequiredCallsParser,
     ToolDelta,
@@ -58,6 +59,38 @@ def read(parser, pieces: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
 )
 def test_hermes_blocks(text, content, calls):
     assert read(HermesParser(), [text]) == (content, calls)
+
+
+LLAMA_CALL = '{"name": "f", "parameters": {"a": 1}}'
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        (LLAMA_CALL, None, [("f", '{"a": 1}')]),
+        (f' {LLAMA_CALL}; {{"name": "g", "arguments": {{"x": "é"}}}}', None, [("f", '{"a": 1}'), ("g", '{"x": "é"}')]),
+        (f"<|python_tag|>{LLAMA_CALL}", None, [("f", '{"a": 1}')]),
+        (f"{LLAMA_CALL}; Hope this helps.", "Hope this helps.", [("f", '{"a": 1}')]),
+        ('{"name": "f", "parameters": {"a": ', '{"name": "f", "parameters": {"a":', []),  # cut: content
+        ('{"a": 1} is JSON', '{"a": 1} is JSON', []),  # not a call
+        (f"The answer is 4. {LLAMA_CALL}", f"The answer is 4. {LLAMA_CALL}", []),  # calls open the answer only
+        ("<|python", "<|python", []),
+        ("  ", "  ", []),
+    ],
+)
+def test_llama3_json_calls(text, content, calls):
+    assert read(Llama3JsonParser(), [text]) == (content, calls)
+
+
+LLAMA = [LLAMA_CALL, "; ", " ", "\n", "x", "{", "}", '"name"', "<|python_tag|>", "<|", "python", "é", '{"a": 1}']
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(LLAMA), max_size=10), st.lists(st.integers(0, 10_000), max_size=8))
+def test_llama3_json_streamed_anywhere_equals_whole(fragments, cuts):
+    text = "".join(fragments)
+    whole = read(Llama3JsonParser(), [text])
+    assert read(Llama3JsonParser(), split(text, cuts)) == read(Llama3JsonParser(), list(text)) == whole
 
 
 def test_required_array_and_a_cut_one():

@@ -467,7 +467,9 @@ def test_serve_refuses_bad_settings_with_one_line_and_exit_2():
     assert "--rt-ttft-ms must be > 0" in serve("--rt-ttft-ms", "-3")
     for flag in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]):
         assert "--enable-auto-tool-choice and --tool-call-parser go together" in serve(*flag)
-    assert "'--tool-call-parser': 'mistral' is not 'hermes'" in serve("--tool-call-parser", "mistral")
+    assert "'--tool-call-parser': 'mistral' is not one of 'hermes', 'llama3_json'" in serve(
+        "--tool-call-parser", "mistral"
+    )
     assert "--chat-template 'no/such.jinja': no such file" in serve("--chat-template", "no/such.jinja")
     assert "chat template: " in serve("--chat-template", "{% if %}")
     assert "'--reasoning-parser': 'o1' is not one of 'deepseek_r1', 'qwen3'" in serve("--reasoning-parser", "o1")

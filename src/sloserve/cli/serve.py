@@ -123,8 +123,9 @@ def _import_serve_extra(module: str):
 )
 @click.option(
     "--tool-call-parser",
-    type=click.Choice(["hermes"]),
-    help="The format of the model's tool calls (hermes: <tool_call> blocks, as Hermes and Qwen write them).",
+    type=click.Choice(["hermes", "llama3_json"]),
+    help="The format of the model's tool calls (hermes: <tool_call> blocks, as Hermes and Qwen write them; "
+    "llama3_json: Llama 3's JSON calls).",
 )
 @click.option(
     "--reasoning-parser",

@@ -9,10 +9,12 @@ becomes of the output:
 - "required": it is constrained to a JSON array of one or more ``{"name", "parameters"}`` objects, each
   a function of ``tools`` with its parameters (vLLM's schema); each becomes a call.
   ``parallel_tool_calls: false`` allows one.
-- "auto" (the default when there are tools): the model decides, and the server's tool-call parser
-  (``--tool-call-parser hermes``: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks,
-  the format of the Hermes, Qwen2.5 and Qwen3 templates) finds its calls. A server without one answers
-  "auto" with a 400, as vLLM does.
+- "auto" (the default when there are tools): the model decides, and the server's tool-call parser finds
+  its calls: ``--tool-call-parser hermes`` (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
+  blocks, the format of the Hermes, Qwen2.5 and Qwen3 templates) or ``llama3_json`` (an answer that
+  opens with ``{`` or ``<|python_tag|>`` is ``{"name": ..., "parameters": ...}`` calls separated by
+  ``;``, Llama 3.1-3.3's JSON tool calling). A server without one answers "auto" with a 400, as vLLM
+  does.
 
 Each parser is incremental (``feed`` the text as it comes, then ``finish``): a streamed response sends
 what it gives as it comes, and a whole response is the same deltas merged (``merge``), so the two
@@ -28,9 +30,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# vLLM's name for the parser of <tool_call> blocks
-TOOL_CALL_PARSERS = ("hermes",)
+# vLLM's names of the parsers of "auto" tool choice: <tool_call> blocks; Llama 3's JSON calls
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3's token before a call, where its template asks for one
 # The arguments of a function without ``parameters``: none. NOTE: vLLM's schema allows any object, which a
 # weak model fills with made-up keys until max_tokens.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -255,6 +258,55 @@ class HermesParser(ToolCallParser):
         return False
 
 
+class Llama3JsonParser(ToolCallParser):
+    """Llama 3's JSON tool calls (vLLM's ``llama3_json``): an output that opens (after blanks) with
+    ``{`` or ``<|python_tag|>`` is calls, ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``)
+    separated by ``;``, each sent once its object closes; any other output is content. What follows the
+    calls and is not one (or a call cut by ``max_tokens``) is content at the end."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.mode = "start"  # "start": undecided; "calls"; "content"
+        self.position = 0  # calls: where the next one may start
+        self._decoder = json.JSONDecoder()
+
+    def feed(self, text: str) -> ToolDelta:
+        self.text += text
+        if self.mode == "start":
+            opening = self.text.lstrip()
+            if opening.startswith("{") or opening.startswith(PYTHON_TAG):
+                self.mode = "calls"
+                self.position = len(self.text) - len(opening) + (len(PYTHON_TAG) if opening[0] == "<" else 0)
+            elif not opening or PYTHON_TAG.startswith(opening):
+                return ToolDelta()  # blanks, or the start of the tag: not decided yet
+            else:
+                self.mode = "content"
+                return ToolDelta(content=self.text)
+        if self.mode == "content":
+            return ToolDelta(content=text)
+        calls = []
+        while True:
+            rest = self.text[self.position :]
+            start = self.position + len(rest) - len(rest.lstrip(" \t\r\n;"))
+            try:
+                call, end = self._decoder.raw_decode(self.text, start)
+            except json.JSONDecodeError:
+                return ToolDelta(calls=calls)  # not closed yet, or not JSON (content, at the end)
+            if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+                return ToolDelta(calls=calls)  # not a call: the rest is content, at the end
+            arguments = call.get("parameters", call.get("arguments", {}))
+            text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+            calls.append(call_head(self.num_calls, call["name"], text))
+            self.num_calls += 1
+            self.position = end
+
+    def finish(self) -> ToolDelta:
+        if self.mode == "calls":
+            rest = self.text[self.position :].strip(" \t\r\n;")
+            return ToolDelta(content=rest)
+        return ToolDelta(content=self.text if self.mode == "start" else "")
+
+
 def held_back_length(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that begins ``tag`` (held back: the tag may follow)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -276,7 +328,7 @@ class ToolUse:
             return NamedCallParser(self.function or "")
         if self.kind == "required":
             return RequiredCallsParser()
-        return HermesParser()
+        return Llama3JsonParser() if self.parser_name == "llama3_json" else HermesParser()
 
     def finish_reason(self, parser: ToolCallParser, reason: str) -> str:
         """OpenAI's: "tool_calls" when the model chose to call (auto, required) and the output ended by
