@@ -151,9 +151,9 @@ class ResponsesRequest(BaseModel):
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():
             if name in NOT_SERVED and value is not None and value not in NOT_SERVED[name]:
-                raise ParameterError(name, f"{name} is not supported: this server stores no responses; send the "
-                                     "conversation in input" if name in ("previous_response_id", "conversation")
-                                     else f"{name} is not supported")  # fmt: skip
+                stored = name in ("previous_response_id", "conversation")
+                why = ": this server stores no responses; send the conversation in input" if stored else ""
+                raise ParameterError(name, f"{name} is not supported{why}")
         if isinstance(self.input, list) and not self.input:
             raise ParameterError("input", "input is empty")
 
