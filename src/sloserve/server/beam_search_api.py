@@ -23,6 +23,7 @@ from sloserve.server.serving import (
     ResponseObjects,
     collect,
     ended_early,
+    service_tier,
 )
 
 
@@ -45,11 +46,16 @@ async def beam_search_response(serving: OpenAIServing, body: CompletionRequest |
         _search(serving, body, ids, BeamSearchParams(width, fit, body.ignore_eos, body.length_penalty), eos)
         for ids, fit in zip(prompts, fits, strict=True)
     ]
-    results = await asyncio.gather(*searches)
+    try:  # NOTE: a search that fails stops the others (their step's one-token requests still end)
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(s) for s in searches]
+    except ExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    results = [task.result() for task in tasks]
     choices = [
         _choice(serving, body, p * width + j, beam) for p, beams in enumerate(results) for j, beam in enumerate(beams)
     ]
-    objects = ResponseObjects(chat, serving.config.model_name)
+    objects = ResponseObjects(chat, serving.config.model_name, service_tier(body.request_class(), body.service_tier))
     num_output = sum(len(b.output_token_ids) for beams in results for b in beams)
     return objects.whole(choices, usage(sum(len(ids) for ids in prompts), num_output))
 

@@ -277,11 +277,7 @@ class Submission:
 
     @property
     def service_tier(self) -> str:
-        """The tier it is served in, as OpenAI's responses report it: "flex" for best-effort requests
-        (batch lines too), "priority" when asked, else "default"."""
-        if self.served[0].request_class is RequestClass.BE:
-            return "flex"
-        return "priority" if self.body.service_tier == "priority" else "default"
+        return service_tier(self.served[0].request_class, self.body.service_tier)
 
     def abort(self, engine: AsyncLLMEngine) -> None:
         """End every request of it that has not ended."""
@@ -609,6 +605,14 @@ class OpenAIServing:
             return params.tokenize_bad_words(self.engine.tokenizer)
         except ConfigError as e:
             raise ParameterError("bad_words", str(e)) from None
+
+
+def service_tier(request_class: RequestClass, asked: str | None) -> str:
+    """The tier a request is served in, as OpenAI's responses report it: "flex" for best-effort
+    requests (batch lines too), "priority" when asked, else "default"."""
+    if request_class is RequestClass.BE:
+        return "flex"
+    return "priority" if asked == "priority" else "default"
 
 
 def _refuse_beam_search(body: SamplingRequest) -> None:
