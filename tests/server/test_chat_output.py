@@ -16,6 +16,7 @@ from sloserve.server.tool_calls import (
     HermesParser,
     Llama3JsonParser,
     NamedCallParser,
+    PythonicParser,
     RequiredCallsParser,
     ToolDelta,
     ToolUse,
@@ -91,6 +92,29 @@ def test_llama3_json_streamed_anywhere_equals_whole(fragments, cuts):
     text = "".join(fragments)
     whole = read(Llama3JsonParser(), [text])
     assert read(Llama3JsonParser(), split(text, cuts)) == read(Llama3JsonParser(), list(text)) == whole
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        (
+            '[get_weather(city="Paris", days=2), now()]',
+            None,
+            [("get_weather", '{"city": "Paris", "days": 2}'), ("now", "{}")],
+        ),  # fmt: skip
+        ("\n[f(a={'x': [1, None, True]}, b=-1.5)]", None, [("f", '{"a": {"x": [1, null, true]}, "b": -1.5}')]),
+        ("[f(x=1)] and some text", "[f(x=1)] and some text", []),  # not a list, whole
+        ("[f(x=y)]", "[f(x=y)]", []),  # not a literal
+        ("[f(1)]", "[f(1)]", []),  # a positional argument
+        ("[f(x={1, 2})]", "[f(x={1, 2})]", []),  # no JSON for a set
+        ("[]", "[]", []),
+        ('[f(city="Par', '[f(city="Par', []),  # cut
+        ("It is 4.", "It is 4.", []),
+    ],
+)
+def test_pythonic_calls(text, content, calls):
+    assert read(PythonicParser(), [text]) == (content, calls)
+    assert read(PythonicParser(), list(text)) == (content, calls)
 
 
 def test_required_array_and_a_cut_one():

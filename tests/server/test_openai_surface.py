@@ -757,14 +757,20 @@ def test_auto_tool_choice_parses_hermes_blocks_streamed_or_not(chat_model_dir, h
         server.stop()
 
 
-def test_auto_tool_choice_parses_llama3_json_calls(chat_model_dir):
-    """``--tool-call-parser llama3_json``: an answer that opens with JSON calls (forced by a regex) is
-    calls, streamed or not; one that opens with text is text."""
-    server = Server(chat_model_dir, tool_call_parser="llama3_json")
+@pytest.mark.parametrize(
+    ("parser", "call", "two_calls"),
+    [
+        ("llama3_json", r'\{"name": "get_time", "parameters": \{"zone": [0-9]\}\}', "{call}; {call}"),
+        ("pythonic", r"get_time\(zone=[0-9]\)", r"\[{call}, {call}\]"),
+    ],
+)
+def test_auto_tool_choice_parses_llama3_json_and_pythonic_calls(chat_model_dir, parser, call, two_calls):
+    """``--tool-call-parser llama3_json`` and ``pythonic``: an answer of two calls (forced by a regex) is
+    the calls, streamed or not; one that opens with text is text."""
+    server = Server(chat_model_dir, tool_call_parser=parser)
     try:
-        call = r'\{"name": "get_time", "parameters": \{"zone": [0-9]\}\}'
         common = dict(model=MODEL, messages=HI, tools=TOOLS, max_tokens=120, temperature=0)
-        two = {"structured_outputs": {"regex": call + "; " + call}}
+        two = {"structured_outputs": {"regex": two_calls.format(call=call)}}
         whole = server.client.chat.completions.create(**common, extra_body=two).choices[0]
         calls = message_calls(whole.message)
         assert whole.finish_reason == "tool_calls" and whole.message.content is None and len(calls) == 2
@@ -772,7 +778,8 @@ def test_auto_tool_choice_parses_llama3_json_calls(chat_model_dir):
         assert streamed_message(server, **common, extra_body=two) == (None, calls, "tool_calls")
         text = {"structured_outputs": {"regex": "It is " + call}}
         choice = server.client.chat.completions.create(**common, extra_body=text).choices[0]
-        assert choice.finish_reason == "stop" and choice.message.content.startswith("It is {")
+        assert choice.finish_reason == "stop" and choice.message.content.startswith("It is ")
+        assert choice.message.tool_calls is None
     finally:
         server.stop()
 

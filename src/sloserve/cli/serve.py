@@ -123,9 +123,9 @@ def _import_serve_extra(module: str):
 )
 @click.option(
     "--tool-call-parser",
-    type=click.Choice(["hermes", "llama3_json"]),
+    type=click.Choice(["hermes", "llama3_json", "pythonic"]),
     help="The format of the model's tool calls (hermes: <tool_call> blocks, as Hermes and Qwen write them; "
-    "llama3_json: Llama 3's JSON calls).",
+    "llama3_json: Llama 3's JSON calls; pythonic: a Python list of calls, as Llama 3.2 and 4 write them).",
 )
 @click.option(
     "--reasoning-parser",

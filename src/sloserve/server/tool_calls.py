@@ -13,8 +13,9 @@ becomes of the output:
   its calls: ``--tool-call-parser hermes`` (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
   blocks, the format of the Hermes, Qwen2.5 and Qwen3 templates) or ``llama3_json`` (an answer that
   opens with ``{`` or ``<|python_tag|>`` is ``{"name": ..., "parameters": ...}`` calls separated by
-  ``;``, Llama 3.1-3.3's JSON tool calling). A server without one answers "auto" with a 400, as vLLM
-  does.
+  ``;``, Llama 3.1-3.3's JSON tool calling) or ``pythonic`` (an answer that is a Python list of calls,
+  ``[get_weather(city="Paris"), ...]``, as Llama 3.2 and 4 write them). A server without one answers
+  "auto" with a 400, as vLLM does.
 
 Each parser is incremental (``feed`` the text as it comes, then ``finish``): a streamed response sends
 what it gives as it comes, and a whole response is the same deltas merged (``merge``), so the two
@@ -23,6 +24,7 @@ always agree.
 
 from __future__ import annotations
 
+import ast
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -30,8 +32,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# vLLM's names of the parsers of "auto" tool choice: <tool_call> blocks; Llama 3's JSON calls
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+# vLLM's names of the parsers of "auto" tool choice: <tool_call> blocks; Llama 3's JSON calls; Python calls
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3's token before a call, where its template asks for one
 # The arguments of a function without ``parameters``: none. NOTE: vLLM's schema allows any object, which a
@@ -307,6 +309,65 @@ class Llama3JsonParser(ToolCallParser):
         return ToolDelta(content=self.text if self.mode == "start" else "")
 
 
+class PythonicParser(ToolCallParser):
+    """Python calls (vLLM's ``pythonic``): an answer that is, whole, a list of calls with literal keyword
+    arguments, ``[get_weather(city="Paris", days=2), now()]``; anything else is content. An answer that
+    opens with ``[`` is held back to its end (only then is it known to be such a list); others stream."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.mode = "start"  # "start": undecided (blanks so far); "calls"; "content"
+
+    def feed(self, text: str) -> ToolDelta:
+        self.text += text
+        if self.mode == "start":
+            opening = self.text.lstrip()
+            if not opening:
+                return ToolDelta()
+            self.mode = "calls" if opening.startswith("[") else "content"
+            return ToolDelta(content=self.text) if self.mode == "content" else ToolDelta()
+        return ToolDelta(content=text) if self.mode == "content" else ToolDelta()
+
+    def finish(self) -> ToolDelta:
+        if self.mode == "content":
+            return ToolDelta()
+        calls = python_calls(self.text)
+        if calls is None:
+            return ToolDelta(content=self.text)
+        heads = [
+            call_head(i, name, json.dumps(arguments, ensure_ascii=False)) for i, (name, arguments) in enumerate(calls)
+        ]
+        self.num_calls = len(heads)
+        return ToolDelta(calls=heads)
+
+
+def python_calls(text: str) -> list[tuple[str, dict[str, Any]]] | None:
+    """The (name, keyword arguments) of ``text`` when it is a Python list of one or more calls of plain
+    names with literal keyword arguments that JSON can hold (None: it is not)."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError:
+        return None
+    if not isinstance(tree.body, ast.List):
+        return None
+    calls = []
+    for node in tree.body.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args):
+            return None
+        try:
+            arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
+        except ValueError:  # not a literal
+            return None
+        if len(arguments) != len(node.keywords):  # a **mapping
+            return None
+        try:
+            json.dumps(arguments, allow_nan=False)
+        except (TypeError, ValueError):  # a set, bytes, a complex number, nan: no JSON
+            return None
+        calls.append((node.func.id, arguments))
+    return calls or None
+
+
 def held_back_length(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that begins ``tag`` (held back: the tag may follow)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -328,7 +389,8 @@ class ToolUse:
             return NamedCallParser(self.function or "")
         if self.kind == "required":
             return RequiredCallsParser()
-        return Llama3JsonParser() if self.parser_name == "llama3_json" else HermesParser()
+        parsers = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "pythonic": PythonicParser}
+        return parsers[self.parser_name or "hermes"]()
 
     def finish_reason(self, parser: ToolCallParser, reason: str) -> str:
         """OpenAI's: "tool_calls" when the model chose to call (auto, required) and the output ended by
