@@ -237,6 +237,9 @@ def test_stop_strings_end_a_sequence_in_the_step_that_completes_one(reference_ll
     token = full.token_ids[3]
     on_token = llm.generate(prompt, dataclasses.replace(greedy, stop_token_ids=(token,)))[0].outputs[0]
     assert on_token.token_ids == full.token_ids[: full.token_ids.index(token) + 1] and on_token.stop_reason == token
+    assert on_token.text == decode(on_token.token_ids[:-1])  # the stop token's text left out, as vLLM
+    kept = llm.generate(prompt, dataclasses.replace(greedy, stop_token_ids=(token,), include_stop_str_in_output=True))
+    assert kept[0].outputs[0].text == decode(on_token.token_ids)
 
 
 def test_bad_words_offline_are_tokenized_with_the_models_tokenizer(reference_llm):

@@ -430,6 +430,11 @@ def test_min_tokens_and_stop_token_ids(server, hf):
     stopped = server.client.completions.create(**common, extra_body={"stop_token_ids": [stop]}).choices[0]
     assert stopped.finish_reason == "stop" and len(stopped.logprobs.tokens) == plain.index(stop) + 1
     assert stopped.stop_reason == stop  # vLLM's: the token it stopped on
+    assert stopped.text == "".join(stopped.logprobs.tokens[:-1])  # its text left out (vLLM's rule)
+    kept = server.client.completions.create(
+        **common, extra_body={"stop_token_ids": [stop], "include_stop_str_in_output": True}
+    ).choices[0]
+    assert kept.text == "".join(kept.logprobs.tokens) and kept.text.endswith(token_text(hf, stop))
     last = list(server.client.completions.create(**common, stream=True, extra_body={"stop_token_ids": [stop]}))[-1]
     assert (last.choices[0].finish_reason, last.choices[0].stop_reason) == ("stop", stop)
     eos = tokenizer.eos_token_id
@@ -489,6 +494,17 @@ def test_vllms_stop_string_and_special_token_options(server, hf):
     shown = server.client.completions.create(**forced, extra_body={"ignore_eos": True, "skip_special_tokens": False})
     assert shown.choices[0].text == hf[1].eos_token * 3
     assert server.client.completions.create(**forced, extra_body={"ignore_eos": True}).choices[0].text == ""
+    # the token that stops a request (EOS, a stop token) is in its tokens, not in its text (vLLM's rule),
+    # unless include_stop_str_in_output; skip_special_tokens false shows no EOS that ended it
+    ended = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=0, logit_bias={str(eos): 100})
+    for stream in (False, True):
+        for keep in (False, True):
+            extra = {"min_tokens": 2, "skip_special_tokens": False, "include_stop_str_in_output": keep}
+            response = server.client.completions.create(**ended, stream=stream, extra_body=extra)
+            chunks = list(response) if stream else [response]
+            tokens = [t for c in chunks for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])]
+            assert len(tokens) == 3 and tokens[-1] == hf[1].eos_token and chunks[-1].choices[0].finish_reason == "stop"
+            assert "".join(c.choices[0].text for c in chunks) == "".join(tokens[: 3 if keep else 2])
 
 
 PERSON = {

@@ -241,6 +241,7 @@ class AsyncLLMEngine:
     def _started(self, info: EngineInfo) -> None:
         """The engine is up: requests are checked against ``info`` from now on."""
         self.info = info
+        self._eos_token_ids = frozenset(info.eos_token_ids)
         self._scheduler = make_scheduler(
             self.spec.scheduler,
             kv_capacity_tokens=info.kv_capacity_tokens,
@@ -422,7 +423,12 @@ class AsyncLLMEngine:
         nothing (vLLM v1 does the same), against detokenizing every request in the step's loop."""
         detokenizer = served.detokenizer
         assert detokenizer is not None
-        text = detokenizer.push(out.token_ids, finished=out.finish_reason is not None)
+        stop_token = (
+            out.finish_reason == "stop"
+            and bool(out.token_ids)
+            and served.params.ends_on(out.token_ids[-1], self._eos_token_ids)
+        )
+        text = detokenizer.push(out.token_ids, finished=out.finish_reason is not None, stop_token=stop_token)
         if not detokenizer.stopped:
             return out._replace(text=text)
         stop_reason = detokenizer.stop_reason

@@ -43,10 +43,14 @@ class Detokenizer:
         self._read_offset = 0  # tokens before this are in self.text
         self._max_stop_chars = max((len(s) for s in self.stop), default=0)
 
-    def push(self, token_ids: list[int], finished: bool = False) -> str:
-        """Add tokens; return the new text that can be sent (all of it when ``finished``)."""
+    def push(self, token_ids: list[int], finished: bool = False, stop_token: bool = False) -> str:
+        """Add tokens; return the new text that can be sent (all of it when ``finished``). ``stop_token``:
+        the last one ended the request (EOS, a stop token): its text is left out, as vLLM leaves it,
+        unless ``include_stop_str_in_output``."""
         if self.stopped or self.tokenizer is None:
             return ""
+        if stop_token and not self.include_stop_str_in_output:
+            token_ids = token_ids[:-1]
         self.token_ids.extend(token_ids)
         window = self.token_ids[self._prefix_offset :]
         skip = self.skip_special_tokens

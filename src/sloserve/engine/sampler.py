@@ -172,6 +172,12 @@ class SamplingParams:
                 )
             object.__setattr__(self, "allowed_token_ids", tuple(allowed))
 
+    def ends_on(self, token_id: int, eos_token_ids: frozenset[int]) -> bool:
+        """Whether sampling ``token_id`` ends the request ("stop"): a stop token, or EOS unless ignored.
+        NOTE: the executor's rule; as vLLM, such a token is in the output's tokens, not in its text
+        (unless ``include_stop_str_in_output``)."""
+        return token_id in self.stop_token_ids or (token_id in eos_token_ids and not self.ignore_eos)
+
     def for_choice(self, index: int) -> SamplingParams:
         """The params of sequence ``index`` of the ``n``: with a ``seed``, sequence j draws from
         ``seed + j`` (vLLM's rule), so each is reproducible and differs from its siblings."""
