@@ -756,6 +756,12 @@ def test_auto_tool_choice_parses_hermes_blocks_streamed_or_not(chat_model_dir, h
             text = choice.message.content
             assert text == "No call: <tool" if extra is plain else text.startswith("Checking.\n<tool_call>")
             assert streamed_message(server, **common, extra_body=extra) == (text, [], "stop")
+        # "auto" with hermes keeps special tokens in the text, where some vocabularies have the tags (vLLM's)
+        bos = hf[1].bos_token_id
+        forced = dict(model=MODEL, messages=HI, tools=TOOLS, max_tokens=2, logit_bias={str(bos): 100},
+                      extra_body={"ignore_eos": True})  # fmt: skip
+        assert server.client.chat.completions.create(**forced).choices[0].message.content == hf[1].bos_token * 2
+        assert not server.client.chat.completions.create(**forced, tool_choice="none").choices[0].message.content
         # --reasoning-parser qwen3: the <think> section is reasoning_content, tool calls come after it
         thinking = {"structured_outputs": {"regex": r"<think>\nWeather[.]\n</think>\n\nOk\.\n" + block}}
         whole = server.client.chat.completions.create(**common, extra_body=thinking).choices[0]

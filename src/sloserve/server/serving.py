@@ -424,6 +424,8 @@ class OpenAIServing:
         body.check_supported()
         _refuse_beam_search(body)
         tool_use = body.tool_use(self.config.tool_call_parser)
+        if tool_use is not None and tool_use.shows_special_tokens:
+            body = body.model_copy(update={"skip_special_tokens": False})
         prompt_ids = self.chat_prompt(body)
         submission = self._submit(body, [prompt_ids], body.output_cap, request_class, [""])
         submission.tool_use = tool_use

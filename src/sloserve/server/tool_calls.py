@@ -392,6 +392,13 @@ class ToolUse:
         parsers = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "pythonic": PythonicParser}
         return parsers[self.parser_name or "hermes"]()
 
+    @property
+    def shows_special_tokens(self) -> bool:
+        """Whether the output's special tokens stay in its text: the <tool_call> tags are special tokens
+        in some vocabularies (Hermes 2 Pro's), and the parser must see them (vLLM's hermes parser
+        turns ``skip_special_tokens`` off too)."""
+        return self.kind == "auto" and self.parser_name == "hermes"
+
     def finish_reason(self, parser: ToolCallParser, reason: str) -> str:
         """OpenAI's: "tool_calls" when the model chose to call (auto, required) and the output ended by
         itself; a named function is called because the request said so: "stop"."""
