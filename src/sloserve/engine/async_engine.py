@@ -423,11 +423,7 @@ class AsyncLLMEngine:
         nothing (vLLM v1 does the same), against detokenizing every request in the step's loop."""
         detokenizer = served.detokenizer
         assert detokenizer is not None
-        stop_token = (
-            out.finish_reason == "stop"
-            and bool(out.token_ids)
-            and served.params.ends_on(out.token_ids[-1], self._eos_token_ids)
-        )
+        stop_token = served.params.ended_on_stop_token(out.finish_reason, out.token_ids, self._eos_token_ids)
         text = detokenizer.push(out.token_ids, finished=out.finish_reason is not None, stop_token=stop_token)
         if not detokenizer.stopped:
             return out._replace(text=text)

@@ -221,10 +221,9 @@ class EngineExecutor:
         for (request, _), seq, token in zip(samplers, seqs, sampled, strict=True):
             seq.token_ids.append(token)
             sampled_ids[request.request_id] = token
-            if token in self.eos_token_ids and not seq.params.ignore_eos:
-                seq.finish_reason = "stop"
-            elif token in seq.params.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", token
+            if seq.params.ends_on(token, self.eos_token_ids):
+                eos = token in self.eos_token_ids and not seq.params.ignore_eos  # vLLM's stop_reason: None for EOS
+                seq.finish_reason, seq.stop_reason = "stop", None if eos else token
             elif seq.matcher is not None and accept(seq.matcher, token):
                 seq.finish_reason = "stop"  # the grammar is complete
             elif len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_tokens:

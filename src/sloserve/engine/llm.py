@@ -305,13 +305,10 @@ class LLM:
         seq = self.engine.release(request)
         if detokenizer is not None and detokenizer.stopped:
             text, reason, stop_reason = detokenizer.text, "stop", detokenizer.stop_reason
-        else:
-            tokenizer, params, shown = self.loaded.tokenizer, seq.params, seq.output_token_ids
-            eos = self.engine.executor.eos_token_ids
-            stop_token = seq.finish_reason == "stop" and shown and params.ends_on(shown[-1], eos)
-            if stop_token and not params.include_stop_str_in_output:  # NOTE: its text left out, as the server's
-                shown = shown[:-1]
-            decoded = tokenizer.decode(shown, params.skip_special_tokens) if tokenizer is not None else ""
+        else:  # NOTE: the text as the server's detokenizer gives it
+            ids, eos = seq.output_token_ids, self.engine.executor.eos_token_ids
+            stop_token = seq.params.ended_on_stop_token(seq.finish_reason, ids, eos)
+            decoded = Detokenizer.for_params(self.loaded.tokenizer, seq.params).push(ids, True, stop_token)
             text, reason, stop_reason = decoded, seq.finish_reason or "length", seq.stop_reason
         cumulative = None if seq.logprobs is None else cumulative_logprob(seq.logprobs)
         completion = CompletionOutput(index, text, seq.output_token_ids, reason, seq.logprobs, cumulative, stop_reason)

@@ -174,9 +174,14 @@ class SamplingParams:
 
     def ends_on(self, token_id: int, eos_token_ids: frozenset[int]) -> bool:
         """Whether sampling ``token_id`` ends the request ("stop"): a stop token, or EOS unless ignored.
-        NOTE: the executor's rule; as vLLM, such a token is in the output's tokens, not in its text
-        (unless ``include_stop_str_in_output``)."""
+        NOTE: as vLLM, such a token is in the output's tokens, not in its text (unless
+        ``include_stop_str_in_output``)."""
         return token_id in self.stop_token_ids or (token_id in eos_token_ids and not self.ignore_eos)
+
+    def ended_on_stop_token(self, finish_reason: str | None, token_ids: list[int], eos: frozenset[int]) -> bool:
+        """Whether an output that ended with ``token_ids`` (its last ones) ended on its last token,
+        rather than on a stop string, a grammar's end or ``max_tokens``."""
+        return finish_reason == "stop" and bool(token_ids) and self.ends_on(token_ids[-1], eos)
 
     def for_choice(self, index: int) -> SamplingParams:
         """The params of sequence ``index`` of the ``n``: with a ``seed``, sequence j draws from
