@@ -54,7 +54,7 @@ async def stream(engine: AsyncLLMEngine, submission: Submission, objects: Respon
     """The choices' deltas as SSE chunks (each with its choice's index), then usage (when asked) and
     ``[DONE]``."""
     served = submission.served
-    parsers = None if submission.output_parser() is None else [submission.output_parser() for _ in served]
+    parsers = [submission.output_parser() for _ in served] if submission.parses_output else None
     body = submission.body
     plain = (len(served) == 1 and body.num_logprobs is None and not submission.echo and parsers is None
              and not body.continuous_usage)  # fmt: skip

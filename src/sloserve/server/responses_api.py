@@ -360,7 +360,7 @@ def responses_router(serving: OpenAIServing) -> APIRouter:
             e.param = CHAT_FIELDS.get(e.param, e.param)
             raise
         builder = ResponseBuilder(body, serving.config.model_name, submission.service_tier)
-        parser = submission.output_parser() or ChatOutputParser(None, None)
+        parser = submission.output_parser()
         if body.stream:
             return StreamingResponse(_events(serving, submission, builder, parser), media_type="text/event-stream")
         results = await until_done_or_gone(serving.engine, raw, submission)

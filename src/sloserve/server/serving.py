@@ -306,10 +306,13 @@ class Submission:
     def chat(self) -> bool:
         return isinstance(self.body, ChatCompletionRequest)
 
-    def output_parser(self) -> ChatOutputParser | None:
-        """A parser of one choice's output into its message (None: the output is the content)."""
-        if self.tool_use is None and self.reasoning_parser is None:
-            return None
+    @property
+    def parses_output(self) -> bool:
+        """Whether a choice's message is parsed from its output (reasoning, tool calls), not the output."""
+        return self.tool_use is not None or self.reasoning_parser is not None
+
+    def output_parser(self) -> ChatOutputParser:
+        """A parser of one choice's output into its message (``parses_output``)."""
         return ChatOutputParser(self.reasoning_parser, self.tool_use, self.constrained)
 
     def whole(self, objects: ResponseObjects, results: list[Generated]) -> dict[str, Any]:
@@ -361,8 +364,8 @@ class Submission:
                 choice = Choice(p // k * n + rank, text, r.finish_reason, logprobs, stop_reason=r.stop_reason)
                 if not self.chat:  # NOTE: chat's are the response's
                     choice.prompt_logprobs = self.prompt_logprobs(i)
-                parser = self.output_parser()
-                if parser is not None:
+                if self.parses_output:
+                    parser = self.output_parser()
                     choice.reasoning_content, choice.text, choice.tool_calls = parser.message(text)
                     choice.finish_reason = parser.finish_reason(r.finish_reason)
                 choices.append(choice)
@@ -426,12 +429,7 @@ class OpenAIServing:
         tool_use = body.tool_use(self.config.tool_call_parser)
         if tool_use is not None and tool_use.shows_special_tokens:
             body = body.model_copy(update={"skip_special_tokens": False})
-        prompt_ids = self.chat_prompt(body)
-        submission = self._submit(body, [prompt_ids], body.output_cap, request_class, [""])
-        submission.tool_use = tool_use
-        submission.reasoning_parser = self.config.reasoning_parser
-        submission.constrained = body.constraint() is not None
-        return submission
+        return self._submit(body, [self.chat_prompt(body)], body.output_cap, request_class, [""], tool_use)
 
     def chat_prompt_ids(
         self, messages: list[ChatMessage], fields: ChatTemplateFields, add_special_tokens: bool | None = None
@@ -489,8 +487,10 @@ class OpenAIServing:
         max_tokens: int | None,
         request_class: RequestClass | None,
         prompt_texts: list[str],
+        tool_use: ToolUse | None = None,
     ) -> Submission:
-        """Check every prompt, then submit ``num_choices`` engine requests for each (all or none)."""
+        """Check every prompt, then submit ``num_choices`` engine requests for each (all or none);
+        ``tool_use``: what a chat request's tool_choice makes of its output."""
         total = len(prompts) * body.num_choices
         if total > self.engine.max_queued_requests:
             raise ParameterError(
@@ -516,7 +516,8 @@ class OpenAIServing:
                 self.engine.abort(s)
             raise
         logprobs_format = LogprobsFormat(None) if body.return_tokens_as_token_ids else self.logprobs_format
-        return Submission(body, prompt_texts, served, logprobs_format)
+        reasoning_parser = self.config.reasoning_parser if isinstance(body, ChatCompletionRequest) else None
+        return Submission(body, prompt_texts, served, logprobs_format, tool_use, reasoning_parser, grammar is not None)
 
     def _grammar(self, body: SamplingRequest) -> str | None:
         """The grammar of the request's structured output (None: plain text); a 400 naming the field for
