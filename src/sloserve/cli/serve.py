@@ -24,6 +24,8 @@ from sloserve.runs import (
     fresh_workload,
     make_workload_from_options,
 )
+from sloserve.server.reasoning import REASONING_PARSERS  # NOTE: pydantic only, no serve extra
+from sloserve.server.tool_calls import TOOL_CALL_PARSERS
 
 
 def _import_serve_extra(module: str):
@@ -123,13 +125,13 @@ def _import_serve_extra(module: str):
 )
 @click.option(
     "--tool-call-parser",
-    type=click.Choice(["hermes", "llama3_json", "pythonic"]),
+    type=click.Choice(TOOL_CALL_PARSERS),
     help="The format of the model's tool calls (hermes: <tool_call> blocks, as Hermes and Qwen write them; "
     "llama3_json: Llama 3's JSON calls; pythonic: a Python list of calls, as Llama 3.2 and 4 write them).",
 )
 @click.option(
     "--reasoning-parser",
-    type=click.Choice(["deepseek_r1", "qwen3"]),
+    type=click.Choice(REASONING_PARSERS),
     help="Split chat answers of reasoning models into reasoning_content (<think>...</think>) and content.",
 )
 @click.option(
