@@ -14,7 +14,6 @@ from typing import Any
 
 from sloserve.engine.beam_search import Beam, BeamSearchParams, search
 from sloserve.engine.sampler import SamplingParams
-from sloserve.server.logprobs import LogprobsFormat
 from sloserve.server.protocol import ChatCompletionRequest, CompletionRequest, usage
 from sloserve.server.serving import (
     ApiError,
@@ -92,6 +91,6 @@ def _choice(serving: OpenAIServing, body, index: int, beam: Beam) -> Choice:
     logprobs: dict[str, Any] | None = None
     if k is not None:
         entries = [e.with_top(k) for e in beam.logprobs]
-        fmt = LogprobsFormat(None) if body.return_tokens_as_token_ids else serving.logprobs_format
+        fmt = serving.logprobs_format_for(body)
         logprobs = fmt.chat(entries) if isinstance(body, ChatCompletionRequest) else fmt.completion(output, entries, 0)
     return Choice(index, text, "stop" if beam.finished else "length", logprobs)

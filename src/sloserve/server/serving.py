@@ -515,9 +515,13 @@ class OpenAIServing:
             for s in served:
                 self.engine.abort(s)
             raise
-        logprobs_format = LogprobsFormat(None) if body.return_tokens_as_token_ids else self.logprobs_format
+        logprobs_format = self.logprobs_format_for(body)
         reasoning_parser = self.config.reasoning_parser if isinstance(body, ChatCompletionRequest) else None
         return Submission(body, prompt_texts, served, logprobs_format, tool_use, reasoning_parser, grammar is not None)
+
+    def logprobs_format_for(self, body: SamplingRequest) -> LogprobsFormat:
+        """How ``body``'s logprobs name tokens: by their text, or ``token_id:N`` where it asks for it."""
+        return LogprobsFormat(None) if body.return_tokens_as_token_ids else self.logprobs_format
 
     def _grammar(self, body: SamplingRequest) -> str | None:
         """The grammar of the request's structured output (None: plain text); a 400 naming the field for
