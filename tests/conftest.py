@@ -52,6 +52,14 @@ def chat_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def thinking_model_dir(tmp_path_factory) -> Path:
+    """``chat_model_dir`` with ``<think>`` and ``</think>`` as tokens of its vocabulary (not special ones)."""
+    from served_model import make_chat_model
+
+    return make_chat_model(tmp_path_factory.mktemp("hf-thinking"), think_tokens=True)
+
+
+@pytest.fixture(scope="session")
 def reference_llm(chat_model_dir):
     """The engine offline on ``chat_model_dir``: the reference served outputs are compared with."""
     from sloserve import LLM

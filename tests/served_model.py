@@ -43,11 +43,14 @@ CORPUS = [
     "Serving language models is about latency and throughput.",
 ] * 20
 MODEL = "tiny"
+THINK_TOKENS = ("<think>", "</think>")
 
 
-def make_chat_model(path: Path) -> Path:
+def make_chat_model(path: Path, think_tokens: bool = False) -> Path:
     """A tiny Llama with a byte-level BPE tokenizer (BOS added), tokenizer_config.json and a chat
-    template, saved in ``path`` (the ``chat_model_dir`` fixture of conftest.py)."""
+    template, saved in ``path`` (the ``chat_model_dir`` fixture of conftest.py). ``think_tokens``: the
+    vocabulary has ``<think>`` and ``</think>`` as added tokens that are not special (as Qwen3's and
+    DeepSeek-R1's)."""
     from tokenizers import (
         Tokenizer,
         decoders,
@@ -61,12 +64,16 @@ def make_chat_model(path: Path) -> Path:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    added = ["<unk>", "<s>", "</s>", *(THINK_TOKENS if think_tokens else ())]
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=VOCAB, special_tokens=added, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(CORPUS, trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tok.save(str(path / "tokenizer.json"))
+    saved = json.loads(tok.to_str())
+    for token in saved["added_tokens"]:
+        token["special"] = token["content"] not in THINK_TOKENS
+    (path / "tokenizer.json").write_text(json.dumps(saved))
     (path / "tokenizer_config.json").write_text(
         json.dumps(
             {

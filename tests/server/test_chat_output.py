@@ -184,14 +184,6 @@ def test_reasoning_sections(name, text, reasoning, content):
     assert split_reasoning(name, [text]) == (reasoning, content)
 
 
-def test_a_constrained_output_thinks_only_where_it_opens_with_think():
-    """A grammar from the first token: JSON is the answer for deepseek_r1 too."""
-    parser = ReasoningParser("deepseek_r1", constrained=True)
-    assert parser.feed('{"a": 1}') == ("", '{"a": 1}') and parser.finish() == ("", "")
-    parser = ReasoningParser("deepseek_r1", constrained=True)
-    assert parser.feed("<think>x</think>y") == ("x", "y")
-
-
 THINKING = ["<think>", "</think>", "<", "think", ">", "/", " ", "\n", "x", "é", "<tool_call>", "</tool_call>", CALL_F]
 
 

@@ -19,6 +19,7 @@ openai = pytest.importorskip("openai")
 import httpx  # noqa: E402
 
 from served_model import MODEL, Server  # noqa: E402
+from sloserve.engine.tokenizer import HFTokenizer  # noqa: E402
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over"]
 HI = [{"role": "user", "content": "hi"}]
@@ -719,6 +720,9 @@ def test_tools_and_earlier_calls_reach_the_chat_template_as_transformers_renders
     assert answer.choices[0].message.tool_calls is None and isinstance(answer.choices[0].message.content, str)
 
 
+HERMES_BLOCK = (
+    r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,6}", "unit": "c"\}\}\n</tool_call>'
+)
 TOOL_TEMPLATE = """{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}
 {% if tools %}<|tools|>{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}
 {% if add_generation_prompt %}<|assistant|>{% endif %}"""
@@ -731,17 +735,14 @@ def test_auto_tool_choice_parses_hermes_blocks_streamed_or_not(chat_model_dir, h
     the answer is the text. The server's --chat-template (a file) renders the chat, as transformers
     renders that template."""
     (tmp_path / "tools.jinja").write_text(TOOL_TEMPLATE)
-    server = Server(chat_model_dir, tool_call_parser="hermes", chat_template=str(tmp_path / "tools.jinja"),
-                    reasoning_parser="qwen3")  # fmt: skip
+    server = Server(chat_model_dir, tool_call_parser="hermes", chat_template=str(tmp_path / "tools.jinja"))
     try:
         rendered = hf[1].apply_chat_template(HI, tools=TOOLS, chat_template=TOOL_TEMPLATE, tokenize=False,
                                              add_generation_prompt=True)  # fmt: skip
         assert rendered.endswith("<|tools|>get_weather;get_time;ping;<|assistant|>")
         tokens = httpx.post(server.url + "/tokenize", json={"messages": HI, "tools": TOOLS}).json()["tokens"]
         assert tokens == hf[1].encode(rendered, add_special_tokens=False)
-        block = (
-            r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,6}", "unit": "c"\}\}\n</tool_call>'
-        )
+        block = HERMES_BLOCK
         common = dict(model=MODEL, messages=HI, tools=TOOLS, max_tokens=160, temperature=0)
         regex = {"structured_outputs": {"regex": r"Checking\.\n" + block}}
         whole = server.client.chat.completions.create(**common, extra_body=regex).choices[0]
@@ -762,19 +763,53 @@ def test_auto_tool_choice_parses_hermes_blocks_streamed_or_not(chat_model_dir, h
                       extra_body={"ignore_eos": True})  # fmt: skip
         assert server.client.chat.completions.create(**forced).choices[0].message.content == hf[1].bos_token * 2
         assert not server.client.chat.completions.create(**forced, tool_choice="none").choices[0].message.content
-        # --reasoning-parser qwen3: the <think> section is reasoning_content, tool calls come after it
-        thinking = {"structured_outputs": {"regex": r"<think>\nWeather[.]\n</think>\n\nOk\.\n" + block}}
-        whole = server.client.chat.completions.create(**common, extra_body=thinking).choices[0]
-        assert whole.message.reasoning_content == "\nWeather.\n" and whole.message.content == "\n\nOk."
-        [(called, _)] = message_calls(whole.message)
-        assert called == "get_weather" and whole.finish_reason == "tool_calls"
-        streamed = [
-            c.choices[0].delta
-            for c in server.client.chat.completions.create(**common, extra_body=thinking, stream=True)
-            if c.choices
-        ]
-        assert "".join(getattr(d, "reasoning_content", None) or "" for d in streamed) == "\nWeather.\n"
-        assert "".join(d.content or "" for d in streamed) == "\n\nOk."
+    finally:
+        server.stop()
+
+
+SCORE = {"type": "object", "properties": {"score": {"type": "integer", "minimum": 0, "maximum": 99}},
+         "required": ["score"], "additionalProperties": False}  # fmt: skip
+
+
+@pytest.mark.parametrize(("parser", "thought"), [("deepseek_r1", ["Ser", "The"]), ("qwen3", ["<think>", "Ser"])])
+def test_a_reasoning_models_structured_output_holds_from_the_token_after_its_thinking(
+    thinking_model_dir, parser, thought
+):
+    """Under --reasoning-parser, a JSON schema holds from the token after ``</think>`` (vLLM's rule): the
+    thinking before it is free. Forced here by logit_bias and repetition_penalty (the biased tokens in
+    turn, then ``</think>``, a token of this vocabulary as of DeepSeek-R1's and Qwen3's); the answer
+    is whatever the random model writes within the schema. Streamed or not alike; the same request
+    to /v1/completions (no reasoning) is JSON from its first token, which none of those tokens is. Tool
+    calls (``--tool-call-parser hermes``) are looked for in the answer."""
+    jsonschema = pytest.importorskip("jsonschema")
+    tokenizer = HFTokenizer(thinking_model_dir / "tokenizer.json")
+    [close] = tokenizer.encode("</think>", add_special_tokens=False)
+    forced = [*(tokenizer.encode(t, add_special_tokens=False) for t in thought), [close]]
+    assert all(len(ids) == 1 for ids in forced)
+    # 100, 95, 90: each sampled token is divided by 1.5 (to at most 67) and the next biased one wins
+    bias = {str(ids[0]): 100 - 5 * i for i, ids in enumerate(forced)}
+    common = dict(model=MODEL, max_tokens=40, temperature=0, logit_bias=bias,
+                  extra_body={"repetition_penalty": 1.5, "structured_outputs": {"json": SCORE}})  # fmt: skip
+    server = Server(thinking_model_dir, reasoning_parser=parser, tool_call_parser="hermes")
+    try:
+        whole = server.client.chat.completions.create(messages=HI, **common).choices[0]
+        reasoning = "".join(t for t in thought if t != "<think>")
+        assert whole.finish_reason == "stop" and whole.message.reasoning_content == reasoning
+        jsonschema.validate(json.loads(whole.message.content), SCORE)
+        deltas = [c.choices[0].delta for c in server.client.chat.completions.create(messages=HI, stream=True, **common)
+                  if c.choices]  # fmt: skip
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == reasoning
+        assert "".join(d.content or "" for d in deltas) == whole.message.content
+        plain = server.client.completions.create(prompt="hi", **common).choices[0]
+        assert plain.finish_reason == "stop" and plain.text.startswith("{")
+        jsonschema.validate(json.loads(plain.text), SCORE)
+        # tool_choice "auto": the calls are looked for in the answer (a regex forces one here)
+        regex = {"structured_outputs": {"regex": r"Ok\.\n" + HERMES_BLOCK}}
+        calling = {**common, "max_tokens": 120, "extra_body": {**common["extra_body"], **regex}}
+        choice = server.client.chat.completions.create(messages=HI, tools=TOOLS, **calling).choices[0]
+        assert choice.message.reasoning_content == reasoning and choice.message.content == "Ok."
+        [(called, _)] = message_calls(choice.message)
+        assert called == "get_weather" and choice.finish_reason == "tool_calls"
     finally:
         server.stop()
 

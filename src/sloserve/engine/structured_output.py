@@ -6,7 +6,7 @@ Each request with a grammar has a matcher. Before a step samples, each such row'
 bitmask of the tokens that keep the output a prefix of a sentence of the grammar; the scores of the
 others become -inf (after the other score controls, before temperature and top-p). The sampled token
 then advances the matcher. Once the grammar is complete the matcher allows EOS alone, and the request
-ends ("stop") when it is sampled.
+ends ("stop") when it is sampled. A reasoning model's grammar lets it think first (``thinking_first``).
 
 NOTE: llguidance needs the model's tokenizer as a HuggingFace ``tokenizer.json`` (a model directory
 or a GGUF file has one); ``random:`` models, with their byte tokenizer, have none.
@@ -83,6 +83,34 @@ def compile_grammar(kind: str, value: Any) -> str:
             raise ConfigError("the JSON schema must be a JSON object")
     compile_kind = {"json": json_grammar, "regex": regex_grammar, "choice": choice_grammar, "grammar": lark_grammar}
     return compile_kind[kind](value)
+
+
+def thinking_first(grammar: str, opener: str | int, close: str | int, starts_thinking: bool) -> str:
+    """The grammar of an output that thinks before it answers (vLLM's structured outputs under a
+    ``--reasoning-parser``): any text up to the first ``close`` (``</think>``), then a sentence of
+    ``grammar`` from the token after it. ``starts_thinking``: the output thinks from its first token
+    (its prompt opened the section; an ``opener`` it writes itself is thought too); else it thinks
+    only if it opens with ``opener`` (``<think>``), and answers from its first token otherwise.
+
+    A tag is a token id where the vocabulary has it as one added token (which llguidance reads as a
+    special token: DeepSeek-R1's and Qwen3's ``<think>`` and ``</think>``), else its text. NOTE: vLLM
+    leaves the thinking unmasked; here it is text that cannot end the output (EOS and special tokens,
+    the tags' among them, are barred until the answer is complete)."""
+
+    def term(tag: str | int) -> str:
+        return f"<[{tag}]>" if isinstance(tag, int) else json.dumps(tag, ensure_ascii=False)  # a Lark literal
+
+    if isinstance(close, int):
+        thinking = f"thinking: /(?s:.*)/ {term(close)}"
+    else:  # NOTE: a suffix makes the text lazy: the thinking ends at the first close
+        thinking = f"thinking[suffix={term(close)}]: /(?s:.*)/"
+    start = (
+        f"start: {term(opener)}? thinking @answer" if starts_thinking else f"start: ({term(opener)} thinking)? @answer"
+    )
+    top = json.loads(grammar)
+    answer, *others = top["grammars"]
+    wrapped = {**top, "grammars": [{"lark_grammar": f"{start}\n{thinking}\n"}, {**answer, "name": "answer"}, *others]}
+    return _validated(json.dumps(wrapped), "the structured output after thinking")
 
 
 def _validated(grammar: str, what: str) -> str:

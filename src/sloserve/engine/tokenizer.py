@@ -57,6 +57,11 @@ class HFTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def added_token_id(self, text: str) -> int | None:
+        """The id of the token added to the vocabulary as ``text`` whole (a special token, or one such
+        as ``</think>``); None where ``text`` has none."""
+        return next((i for i, t in self._tok.get_added_tokens_decoder().items() if t.content == text), None)
+
     def to_json(self) -> str:
         """The tokenizer as a ``tokenizer.json`` text (what a grammar library reads)."""
         return self._tok.to_str()

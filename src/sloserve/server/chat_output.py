@@ -24,9 +24,8 @@ class ChatOutputParser:
     """One choice's output split as the server's ``--reasoning-parser`` and the request's
     ``tool_choice`` say (reasoning first; tool calls are looked for in what is left)."""
 
-    def __init__(self, reasoning_parser: str | None, tool_use: ToolUse | None, constrained: bool = False) -> None:
-        """``constrained``: the request has a structured output (``ReasoningParser``)."""
-        self.reasoning = None if reasoning_parser is None else ReasoningParser(reasoning_parser, constrained)
+    def __init__(self, reasoning_parser: str | None, tool_use: ToolUse | None) -> None:
+        self.reasoning = None if reasoning_parser is None else ReasoningParser(reasoning_parser)
         self.tool_use = tool_use
         self.tools: ToolCallParser | None = None if tool_use is None else tool_use.parser()
 

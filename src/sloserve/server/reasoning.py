@@ -12,9 +12,9 @@ vLLM's reasoning parsers do.
 
 The parser is incremental, as the tool-call parsers (``tool_calls.py``): a streamed response sends
 what it gives as it comes, a whole one the same put together. Tool calls are looked for in the content
-only. NOTE: a request with a structured output (a JSON schema, a named or required tool choice) has
-its grammar from the first token: its output thinks only where the grammar lets it open with
-``<think>`` (for ``deepseek_r1`` too), else it is all answer.
+only. A request with a structured output (a JSON schema, a named or required tool choice) thinks
+first, as vLLM's: its grammar holds from the token after ``</think>`` (``thinking_first`` of
+structured_output.py).
 """
 
 from __future__ import annotations
@@ -25,11 +25,16 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
+def starts_thinking(name: str) -> bool:
+    """Whether the outputs of reasoning parser ``name`` start thinking (else only one opened by ``<think>`` does)."""
+    return name == "deepseek_r1"
+
+
 class ReasoningParser:
     """Splits one choice's output into (reasoning, content) as it comes."""
 
-    def __init__(self, name: str, constrained: bool = False) -> None:
-        self.starts_thinking = name == "deepseek_r1" and not constrained
+    def __init__(self, name: str) -> None:
+        self.starts_thinking = starts_thinking(name)
         self.state = "start"  # "start": before the first text that decides; "thinking"; "answering"
         self.pending = ""  # held back: text that may be the start of a tag
 

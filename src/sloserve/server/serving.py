@@ -24,7 +24,7 @@ from sloserve.engine.async_engine import (
 )
 from sloserve.engine.chat_template import ChatTemplate
 from sloserve.engine.sampler import Logprobs, SamplingParams, cumulative_logprob
-from sloserve.engine.structured_output import compile_grammar
+from sloserve.engine.structured_output import compile_grammar, thinking_first
 from sloserve.engine.tokenizer import HFTokenizer
 from sloserve.server.chat_output import ChatOutputParser
 from sloserve.server.logprobs import LogprobsFormat
@@ -41,6 +41,7 @@ from sloserve.server.protocol import (
     now_unix,
     usage,
 )
+from sloserve.server.reasoning import THINK_CLOSE, THINK_OPEN, starts_thinking
 from sloserve.server.tool_calls import ToolUse
 
 # Seconds a client is told to wait after a 429 (Retry-After).
@@ -260,7 +261,6 @@ class Submission:
     logprobs_format: LogprobsFormat
     tool_use: ToolUse | None = None  # chat: what tool_choice makes of each choice's output
     reasoning_parser: str | None = None  # chat: the server's
-    constrained: bool = False  # the request has a structured output (a grammar from the first token)
 
     @property
     def num_choices(self) -> int:
@@ -313,7 +313,7 @@ class Submission:
 
     def output_parser(self) -> ChatOutputParser:
         """A parser of one choice's output into its message (``parses_output``)."""
-        return ChatOutputParser(self.reasoning_parser, self.tool_use, self.constrained)
+        return ChatOutputParser(self.reasoning_parser, self.tool_use)
 
     def whole(self, objects: ResponseObjects, results: list[Generated]) -> dict[str, Any]:
         """The non-streamed response of ``results`` (each engine request's, in order)."""
@@ -498,7 +498,8 @@ class OpenAIServing:
                 f"{len(prompts)} prompt(s) x {body.num_choices} choices = {total} sequences, more than this "
                 f"server queues ({self.engine.max_queued_requests}, --max-queued-requests)",
             )
-        grammar = self._grammar(body)
+        reasoning_parser = self.config.reasoning_parser if isinstance(body, ChatCompletionRequest) else None
+        grammar = self._grammar(body, reasoning_parser)
         params = [
             self.sampling_params(body, ids, max_tokens, grammar, i if len(prompts) > 1 else None)
             for i, ids in enumerate(prompts)
@@ -515,17 +516,16 @@ class OpenAIServing:
             for s in served:
                 self.engine.abort(s)
             raise
-        logprobs_format = self.logprobs_format_for(body)
-        reasoning_parser = self.config.reasoning_parser if isinstance(body, ChatCompletionRequest) else None
-        return Submission(body, prompt_texts, served, logprobs_format, tool_use, reasoning_parser, grammar is not None)
+        return Submission(body, prompt_texts, served, self.logprobs_format_for(body), tool_use, reasoning_parser)
 
     def logprobs_format_for(self, body: SamplingRequest) -> LogprobsFormat:
         """How ``body``'s logprobs name tokens: by their text, or ``token_id:N`` where it asks for it."""
         return LogprobsFormat(None) if body.return_tokens_as_token_ids else self.logprobs_format
 
-    def _grammar(self, body: SamplingRequest) -> str | None:
-        """The grammar of the request's structured output (None: plain text); a 400 naming the field for
-        one llguidance cannot compile, or a model without the tokenizer it needs."""
+    def _grammar(self, body: SamplingRequest, reasoning_parser: str | None) -> str | None:
+        """The grammar of the request's structured output (None: plain text), after the model's thinking
+        where ``reasoning_parser`` reads some (as vLLM's); a 400 naming the field for one llguidance
+        cannot compile, or a model without the tokenizer it needs."""
         constraint = body.constraint()
         if constraint is None:
             return None
@@ -535,7 +535,16 @@ class OpenAIServing:
                 field, "structured output needs the model's tokenizer (tokenizer.json); this model has none"
             )
         try:
-            return compile_grammar(kind, value)
+            grammar = compile_grammar(kind, value)
+            if reasoning_parser is None:
+                return grammar
+            tokenizer = self.engine.tokenizer
+
+            def tag(text: str) -> str | int:  # its token, where the vocabulary has one
+                token_id = tokenizer.added_token_id(text)
+                return text if token_id is None else token_id
+
+            return thinking_first(grammar, tag(THINK_OPEN), tag(THINK_CLOSE), starts_thinking(reasoning_parser))
         except ConfigError as e:
             raise ParameterError(field, str(e)) from None
 
