@@ -9,6 +9,8 @@ import asyncio
 import json
 import random
 import re
+import socket
+import time
 
 import pytest
 
@@ -905,6 +907,34 @@ def test_vllms_beam_search_returns_the_beams_of_llm_beam_search(server, referenc
     with pytest.raises(openai.BadRequestError, match="length_penalty applies to beam search"):
         server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"length_penalty": 2})
     assert server.engine.num_unfinished == 0
+
+
+def test_a_beam_search_whose_client_leaves_ends_there(server):
+    """A client that closes its connection mid-search (non-streamed: the answer comes whole at the end)
+    ends the search: no step after it, nothing left running or holding KV."""
+
+    def steps_done() -> float:  # one-token requests, each ended by its length
+        return server.metric("sloserve_requests_total", request_class="rt", outcome="length")
+
+    before = steps_done()
+    body = json.dumps({"model": MODEL, "prompt": "Hello", "n": 10, "max_tokens": 240, "ignore_eos": True,
+                       "use_beam_search": True}).encode()  # fmt: skip
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port)) as connection:
+        connection.sendall(head.encode() + body)
+        deadline = time.monotonic() + 20
+        while server.engine.num_unfinished == 0:  # the search has begun (240 steps of 10 requests)
+            assert time.monotonic() < deadline, "the search did not start"
+            time.sleep(0.01)
+    # NOTE: between two steps nothing runs: the search is over once no step has ended for a second
+    # (a step takes milliseconds)
+    last, still_since = steps_done(), time.monotonic()
+    while time.monotonic() - still_since < 1.0 or server.engine.num_unfinished > 0:
+        time.sleep(0.1)
+        if steps_done() != last:
+            last, still_since = steps_done(), time.monotonic()
+    assert server.metric("sloserve_kv_cache_used_tokens", replica="0") == 0
+    assert last - before < 240 * 10 / 2  # the whole search: 2400 (1.7 s here, the client left at once)
 
 
 def test_the_responses_api_answers_as_the_chat_completion_it_maps_to(server):

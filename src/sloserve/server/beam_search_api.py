@@ -1,20 +1,23 @@
 """vLLM's ``use_beam_search`` on the completions and chat routes: the ``n`` best beams of each prompt
 (``engine/beam_search.py``), each step one engine request of one token per live beam, answered whole
 (not streamed). ``length_penalty`` weighs the score; the sampling controls, stop strings and
-structured outputs do not apply and are refused (``SamplingRequest.check_beam_search``).
-
-NOTE: a client that leaves does not stop its search: each step's requests are one token each, and the
-search ends within ``max_tokens`` steps.
+structured outputs do not apply and are refused (``SamplingRequest.check_beam_search``). A client that
+leaves ends its search (the step's requests are aborted).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
 from sloserve.engine.beam_search import Beam, BeamSearchParams, search
 from sloserve.engine.sampler import SamplingParams
 from sloserve.server.protocol import ChatCompletionRequest, CompletionRequest, usage
+from sloserve.server.responses import unless_gone
 from sloserve.server.serving import (
     ApiError,
     Choice,
@@ -26,8 +29,11 @@ from sloserve.server.serving import (
 )
 
 
-async def beam_search_response(serving: OpenAIServing, body: CompletionRequest | ChatCompletionRequest) -> dict:
-    """The response to ``body`` (``use_beam_search``): ``n`` choices per prompt, best first."""
+async def beam_search_response(
+    serving: OpenAIServing, body: CompletionRequest | ChatCompletionRequest, raw: Request
+) -> Response:
+    """The response to ``body`` (``use_beam_search``): ``n`` choices per prompt, best first; the
+    searches end if the client leaves first."""
     serving.check_model(body.model)
     body.check_supported()
     body.check_beam_search()
@@ -45,18 +51,25 @@ async def beam_search_response(serving: OpenAIServing, body: CompletionRequest |
         _search(serving, body, ids, BeamSearchParams(width, fit, body.ignore_eos, body.length_penalty), eos)
         for ids, fit in zip(prompts, fits, strict=True)
     ]
-    try:  # NOTE: a search that fails stops the others (their step's one-token requests still end)
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(s) for s in searches]
-    except ExceptionGroup as failed:
-        raise failed.exceptions[0] from None
-    results = [task.result() for task in tasks]
+    results = await unless_gone(raw, _all(searches))
+    if results is None:  # the client left: nobody reads this
+        return Response(status_code=499)
     choices = [
         _choice(serving, body, p * width + j, beam) for p, beams in enumerate(results) for j, beam in enumerate(beams)
     ]
     objects = ResponseObjects(chat, serving.config.model_name, service_tier(body.request_class(), body.service_tier))
     num_output = sum(len(b.output_token_ids) for beams in results for b in beams)
-    return objects.whole(choices, usage(sum(len(ids) for ids in prompts), num_output))
+    return JSONResponse(objects.whole(choices, usage(sum(len(ids) for ids in prompts), num_output)))
+
+
+async def _all(searches: list[Coroutine[Any, Any, list[Beam]]]) -> list[list[Beam]]:
+    """Each search's beams; one that fails (or a cancellation) ends the others."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(s) for s in searches]
+    except ExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return [task.result() for task in tasks]
 
 
 async def _search(
@@ -71,7 +84,12 @@ async def _search(
     batch = next(searching)
     while True:
         served = [engine.submit(ids, step, request_class=request_class, slo=slo) for ids in batch]
-        generated = await asyncio.gather(*(collect(s) for s in served))
+        try:
+            generated = await asyncio.gather(*(collect(s) for s in served))
+        except asyncio.CancelledError:  # the client left, or another search failed
+            for s in served:
+                engine.abort(s)
+            raise
         for s, g in zip(served, generated, strict=True):
             if g.finish_reason in ("abort", "error"):
                 error = ended_early(g.finish_reason, s.error or engine.error)

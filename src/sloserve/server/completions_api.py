@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from sloserve.server.beam_search_api import beam_search_response
 from sloserve.server.protocol import CompletionRequest
@@ -17,7 +17,7 @@ def completions_router(serving: OpenAIServing) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         if body.use_beam_search:
-            return JSONResponse(await beam_search_response(serving, body))
+            return await beam_search_response(serving, body, raw)
         return await respond(serving, raw, serving.submit_completion(body), "completion")
 
     return router

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -22,6 +22,8 @@ from sloserve.server.serving import (
     collect,
     ended_early,
 )
+
+T = TypeVar("T")
 
 
 def json_error(error: ErrorResponse) -> JSONResponse:
@@ -132,19 +134,26 @@ async def _merged(served: list[ServedRequest]) -> AsyncIterator[tuple[int, Strea
 async def until_done_or_gone(engine: AsyncLLMEngine, raw: Request, submission: Submission) -> list[Generated] | None:
     """What each choice gave, once all have ended; None if the client disconnects first (then they
     are aborted)."""
+    results = await unless_gone(raw, asyncio.gather(*(collect(s) for s in submission.served)))
+    if results is None:
+        submission.abort(engine)
+    return results
+
+
+async def unless_gone(raw: Request, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None if the client disconnects first (then ``work`` is cancelled)."""
 
     async def disconnected() -> None:
         while (await raw.receive())["type"] != "http.disconnect":
             pass
 
-    work = asyncio.ensure_future(asyncio.gather(*(collect(s) for s in submission.served)))
+    task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(disconnected())
     try:
-        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-    if work in done:
-        return work.result()
-    work.cancel()
-    submission.abort(engine)
+    if task in done:
+        return task.result()
+    task.cancel()
     return None
