@@ -85,6 +85,20 @@ def test_files_and_batches_belong_to_the_key_that_made_them(server):
     assert alice.files.delete(file.id).deleted
 
 
+def test_stored_responses_belong_to_the_key_that_made_them_and_live_in_the_data_dir(server):
+    alice, bob = client(server, KEYS[0]), client(server, KEYS[1])
+    response = alice.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    assert alice.responses.retrieve(response.id).id == response.id
+    for call in (bob.responses.retrieve, bob.responses.delete, bob.responses.input_items.list):
+        with pytest.raises(openai.NotFoundError):
+            call(response.id)
+    with pytest.raises(openai.BadRequestError, match="Previous response with id"):
+        bob.responses.create(model=MODEL, input="more", max_output_tokens=2, previous_response_id=response.id)
+    assert alice.responses.create(model=MODEL, input="more", max_output_tokens=2, previous_response_id=response.id)
+    with sqlite3.connect(server.app.state.batches.store.data_dir / "responses.db") as db:
+        assert db.execute("SELECT COUNT(*) FROM responses WHERE id = ?", (response.id,)).fetchone() == (1,)
+
+
 def test_keys_are_never_written_down(server):
     client(server, KEYS[1]).completions.create(model=MODEL, prompt="Hello", max_tokens=2)
     stored = server.log_path.read_text() + b"".join(

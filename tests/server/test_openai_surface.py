@@ -994,10 +994,60 @@ def test_responses_api_function_calls_round_trip(server):
     assert answered.usage.input_tokens == as_chat.usage.prompt_tokens
 
 
+def test_previous_response_id_continues_a_stored_conversation_as_the_chat_that_holds_it(server):
+    """An agent's loop: a response with a required call, then its output sent with only
+    ``previous_response_id`` (``function_call_output``), then a text turn: each answers as the chat
+    completion of the whole conversation (earlier instructions do not carry over). Streamed responses
+    are stored too; ``input_items`` lists a response's own input; ``store: false`` and deleted
+    responses are not found, and a chain that needs one is a 400 naming it."""
+    tools = [{"type": "function", "name": "get_time", "parameters": ZONE, "strict": True}]
+    chat_tools = [{"type": "function", "function": {"name": "get_time", "parameters": ZONE, "strict": True}}]
+    first = server.client.responses.create(model=MODEL, input="hi", instructions="Be brief.", tools=tools,
+                                           tool_choice="required", parallel_tool_calls=False, max_output_tokens=64,
+                                           temperature=0)  # fmt: skip
+    [call] = first.output
+    assert first.store and server.client.responses.retrieve(first.id) == first
+    answered = server.client.responses.create(
+        model=MODEL, previous_response_id=first.id, tools=tools, tool_choice="none", max_output_tokens=4,
+        temperature=0, input=[{"type": "function_call_output", "call_id": call.call_id, "output": "noon"}],
+    )  # fmt: skip
+    messages = [*HI, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": "get_time", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "noon"}]  # fmt: skip
+    as_chat = server.client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, tool_choice="none",
+                                                    tools=chat_tools, messages=messages)  # fmt: skip
+    assert answered.output_text == as_chat.choices[0].message.content
+    assert answered.usage.input_tokens == as_chat.usage.prompt_tokens and answered.previous_response_id == first.id
+    with server.client.responses.stream(model=MODEL, previous_response_id=answered.id, input="and now?",
+                                        max_output_tokens=4, temperature=0) as stream:  # fmt: skip
+        third = list(stream)[-1].response  # completed, or incomplete (cut by max_output_tokens)
+    messages += [{"role": "assistant", "content": answered.output_text}, {"role": "user", "content": "and now?"}]
+    as_chat = server.client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=messages)
+    assert third.output_text == as_chat.choices[0].message.content
+    assert third.usage.input_tokens == as_chat.usage.prompt_tokens
+    assert server.client.responses.retrieve(third.id).output_text == third.output_text
+    [item] = server.client.responses.input_items.list(third.id).data
+    assert item.type == "message" and item.role == "user" and item.content[0].text == "and now?"
+    items = server.client.responses.input_items.list(first.id, order="asc").data
+    assert [(i.type, i.role, i.content[0].text) for i in items] == [("message", "user", "hi")]
+    # not stored, deleted: not found; a chain that needs them: a 400 naming the missing one
+    unstored = server.client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
+    assert not unstored.store
+    server.client.responses.delete(first.id)
+    for gone in (unstored.id, first.id):
+        with pytest.raises(openai.NotFoundError):
+            server.client.responses.retrieve(gone)
+    for previous, missing in ((unstored.id, unstored.id), (third.id, first.id)):
+        with pytest.raises(openai.BadRequestError) as e:
+            server.client.responses.create(model=MODEL, input="x", max_output_tokens=2, previous_response_id=previous)
+        assert e.value.body["code"] == "previous_response_not_found" and missing in e.value.message
+    assert server.client.responses.retrieve(third.id).id == third.id  # the rest of the chain is kept
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "message"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses; send the conversation"),
+        ({"conversation": "conv_1"}, "conversation", "send the conversation in input, or continue a response with"),
         ({"background": True}, "background", "background is not supported"),
         ({"tools": [{"type": "web_search"}]}, "tools", "tool 0 is of type 'web_search': this server runs function"),
         ({"input": []}, "input", "input is empty"),

@@ -80,7 +80,8 @@ def _import_serve_extra(module: str):
 @click.option(
     "--data-dir",
     type=click.Path(path_type=Path),
-    help="Serve the Files and Batch API, keeping files and batches here (SQLite); a restart resumes them.",
+    help="Serve the Files and Batch API, keeping files and batches here (SQLite; a restart resumes them), "
+    "and keep the Responses API's stored responses here (else the newest 1000 in memory).",
 )
 @click.option("--max-batch-file-mb", type=float, default=200, show_default=True, help="Largest upload to /v1/files.")
 @click.option("--max-batch-lines", type=int, default=50_000, show_default=True, help="Most requests in one batch.")

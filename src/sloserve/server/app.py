@@ -2,8 +2,8 @@
 
 Routes, a router each: ``POST /v1/completions`` (completions_api.py), ``POST /v1/chat/completions``
 (chat_api.py), both with ``stream: true`` as server-sent events ending in ``data: [DONE]``
-(responses.py); OpenAI's Responses API, ``POST /v1/responses``, through the chat path
-(responses_api.py); ``GET /v1/models`` and ``/version`` (models_api.py); vLLM's ``POST /tokenize`` and ``/detokenize``
+(responses.py); OpenAI's Responses API, ``POST /v1/responses``, through the chat path, and its
+stored responses (responses_api.py); ``GET /v1/models`` and ``/version`` (models_api.py); vLLM's ``POST /tokenize`` and ``/detokenize``
 (tokenize_api.py); ``GET /health`` and ``GET /metrics`` (metrics_api.py); and with a data dir the
 Files and Batches routes (batch_api.py).
 With ``--api-key``, every route but /health and /metrics needs the key (401 without it), and files and
@@ -36,6 +36,7 @@ from sloserve.server.metrics import ServerMetrics
 from sloserve.server.metrics_api import metrics_router
 from sloserve.server.models_api import models_router
 from sloserve.server.protocol import error_body
+from sloserve.server.response_store import ResponseStore
 from sloserve.server.responses import json_error
 from sloserve.server.responses_api import responses_router
 from sloserve.server.serving import OpenAIServing, error_response, validation_error
@@ -52,12 +53,15 @@ def build_app(
     metrics: ServerMetrics,
     batches: BatchService | None = None,
     api_keys: Sequence[str] = (),
+    stored_responses: ResponseStore | None = None,
 ) -> FastAPI:
     """The FastAPI app over ``serving``'s started engine: a router per endpoint family, errors as
     OpenAI's error object; its lifespan drains the engine at shutdown. ``batches`` adds the Files and
     Batches routes and runs their batches while the app runs. With ``api_keys``, every route but
-    /health and /metrics needs one of them (``auth.py``)."""
+    /health and /metrics needs one of them (``auth.py``). ``stored_responses``: where the Responses
+    API keeps its responses (None: in memory)."""
     engine = serving.engine
+    stored_responses = stored_responses if stored_responses is not None else ResponseStore()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -70,6 +74,7 @@ def build_app(
                     await batches.stop()
         await asyncio.to_thread(engine.drain, 0.0 if engine.error is not None else DRAIN_AT_EXIT_S)
         metrics.close()
+        stored_responses.close()
         if batches is not None:
             batches.close()
 
@@ -80,7 +85,7 @@ def build_app(
     _add_error_handlers(app, metrics)
     app.include_router(completions_router(serving))
     app.include_router(chat_router(serving))
-    app.include_router(responses_router(serving))
+    app.include_router(responses_router(serving, stored_responses))
     app.include_router(models_router(serving))
     app.include_router(tokenize_router(serving))
     app.include_router(metrics_router(engine, metrics))

@@ -1,8 +1,9 @@
 """API keys (``serve --api-key``): every route but ``/health`` and ``/metrics`` needs
 ``Authorization: Bearer KEY`` with one of the server's keys, else a 401 OpenAI error object.
 
-Each key has an owner id, a hash of the key: the Batch API's files and batches belong to the owner
-that created them (another key gets 404 on them and does not see them listed). The key itself is
+Each key has an owner id, a hash of the key: the Batch API's files and batches and the stored
+responses belong to the owner that created them (another key gets 404 on them and does not see them
+listed). The key itself is
 never stored, logged or written to the request log.
 
 NOTE: a pure ASGI middleware, not Starlette's ``BaseHTTPMiddleware``: that one runs the route in
@@ -35,6 +36,12 @@ NO_OWNER = ""
 def owner_of(key: str) -> str:
     """The owner id of ``key``: a hash that names it without revealing it."""
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:24]
+
+
+def request_owner(request) -> str:
+    """The owner id of the key a request (a Starlette ``Request``) came with; ``NO_OWNER`` for every
+    request when the server has no keys."""
+    return getattr(request.state, "owner", NO_OWNER)
 
 
 def load_api_keys(keys: Iterable[str], key_file: Path | None) -> list[str]:

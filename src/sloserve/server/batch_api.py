@@ -25,7 +25,7 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from sloserve.core.errors import ConfigError
-from sloserve.server.auth import NO_OWNER
+from sloserve.server.auth import request_owner
 from sloserve.server.batch_runner import BODY_MODELS, BatchRunner
 from sloserve.server.batch_store import BatchStore, new_id
 from sloserve.server.metrics import ServerMetrics
@@ -210,12 +210,6 @@ def read_batch_lines(path) -> Iterator[tuple[int, str, str]]:
                 yield number, request["custom_id"], json.dumps(request["body"])
 
 
-def _owner(request: Request) -> str:
-    """The owner id of the request's API key (``auth.ApiKeyAuth``); the same for every request
-    when the server has no keys."""
-    return getattr(request.state, "owner", NO_OWNER)
-
-
 def _no_file(file_id: str) -> ApiError:
     return ApiError(404, f"No such File object: {file_id}", "id", "file_not_found")
 
@@ -333,7 +327,7 @@ class BatchService:
                 if upload is None or isinstance(upload, str):
                     raise ApiError(400, "the form has no file: send it as the field 'file'", "file")
                 filename = upload.filename or "upload.jsonl"
-                stored = await asyncio.to_thread(self._store_upload, upload.file, filename, _owner(request))
+                stored = await asyncio.to_thread(self._store_upload, upload.file, filename, request_owner(request))
                 return file_object(stored)
             finally:
                 await form.close()
@@ -345,29 +339,29 @@ class BatchService:
             after: str | None = None,
             limit: int = Query(default=10_000, ge=1, le=10_000),
         ) -> dict[str, Any]:
-            owner = _owner(request)
+            owner = request_owner(request)
             if after is not None:
                 self._file(after, owner)
             return page([file_object(r) for r in self.store.list_files(purpose, after, limit + 1, owner)], limit)
 
         @router.get("/v1/files/{file_id}")
         async def retrieve_file(file_id: str, request: Request) -> dict[str, Any]:
-            return file_object(self._file(file_id, _owner(request)))
+            return file_object(self._file(file_id, request_owner(request)))
 
         @router.get("/v1/files/{file_id}/content")
         async def file_content(file_id: str, request: Request) -> FileResponse:
-            row = self._file(file_id, _owner(request))
+            row = self._file(file_id, request_owner(request))
             return FileResponse(self.store.file_path(file_id), media_type="application/jsonl", filename=row["filename"])
 
         @router.delete("/v1/files/{file_id}")
         async def delete_file(file_id: str, request: Request) -> dict[str, Any]:
-            if not self.store.delete_file(file_id, _owner(request)):
+            if not self.store.delete_file(file_id, request_owner(request)):
                 raise _no_file(file_id)
             return {"id": file_id, "object": "file", "deleted": True}
 
         @router.post("/v1/batches")
         async def create_batch(body: CreateBatch, request: Request) -> dict[str, Any]:
-            batch = await asyncio.to_thread(self._create_batch, body, _owner(request))
+            batch = await asyncio.to_thread(self._create_batch, body, request_owner(request))
             self.runner.wake()
             return batch_object(batch)
 
@@ -375,17 +369,17 @@ class BatchService:
         async def list_batches(
             request: Request, after: str | None = None, limit: int = Query(default=20, ge=1, le=100)
         ) -> dict[str, Any]:
-            owner = _owner(request)
+            owner = request_owner(request)
             if after is not None:
                 self._batch(after, owner)
             return page([batch_object(r) for r in self.store.list_batches(after, limit + 1, owner)], limit)
 
         @router.get("/v1/batches/{batch_id}")
         async def retrieve_batch(batch_id: str, request: Request) -> dict[str, Any]:
-            return batch_object(self._batch(batch_id, _owner(request)))
+            return batch_object(self._batch(batch_id, request_owner(request)))
 
         @router.post("/v1/batches/{batch_id}/cancel")
         async def cancel_batch(batch_id: str, request: Request) -> dict[str, Any]:
-            return batch_object(self._cancel(batch_id, _owner(request)))
+            return batch_object(self._cancel(batch_id, request_owner(request)))
 
         return router

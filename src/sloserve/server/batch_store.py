@@ -6,6 +6,7 @@ Layout::
     DATA_DIR/sloserve.db        files, batches, lines (the tables below)
     DATA_DIR/files/FILE_ID      each file's bytes (uploads and the output/error files of batches)
     DATA_DIR/lock               held (flock) by the one server using this directory
+    DATA_DIR/responses.db       the Responses API's stored responses (response_store.py)
 
 A line goes ``pending`` -> ``running`` (sent to the engine; ``attempts`` + 1) -> ``done`` or
 ``failed`` (its output line stored in ``result``). A line that was running when the server stopped

@@ -10,33 +10,37 @@ the order the model wrote them; streamed, as OpenAI's events (``response.created
 ``response.incomplete`` when ``max_output_tokens`` cut it). A whole response is the same events' last
 snapshot, so the two agree.
 
-NOTE: nothing is stored (``store`` is accepted and answered false): ``previous_response_id``,
-``conversation`` and ``background`` are refused (send the conversation in ``input``), as are tools
-other than functions.
+A finished response is stored unless ``store`` is false (``response_store.py``): ``GET`` and ``DELETE
+/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``, and ``previous_response_id``, which
+continues it: its conversation (each earlier turn's input and output items) comes before the new
+input; its ``instructions`` do not carry over (OpenAI's rule). ``conversation`` and ``background``
+are refused, as are tools other than functions.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, TypeAdapter, ValidationError, field_validator
 
+from sloserve.server.auth import request_owner
 from sloserve.server.chat_output import ChatOutputParser, MessageDelta
 from sloserve.server.protocol import ChatCompletionRequest, ParameterError, now_unix
+from sloserve.server.response_store import PreviousResponseNotFound, ResponseStore
 from sloserve.server.responses import json_error, until_done_or_gone
-from sloserve.server.serving import OpenAIServing, Submission, ended_early
+from sloserve.server.serving import ApiError, OpenAIServing, Submission, ended_early
 from sloserve.server.tool_calls import FunctionDefinition
 
 # The chat request's fields a refusal may name, by their names here
 CHAT_FIELDS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
 # Fields of OpenAI's request this server refuses unless at these values (null always passes)
 NOT_SERVED: dict[str, tuple[Any, ...]] = {
-    "previous_response_id": (),
     "conversation": (),
     "background": (False,),
     "prompt": (),
@@ -84,6 +88,8 @@ class ReasoningItem(BaseModel):
 
 
 InputItem = Annotated[InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem, Discriminator("type")]
+# A stored conversation's items (earlier inputs, and outputs: messages, calls, reasoning) read back as input
+INPUT_ITEMS = TypeAdapter(list[InputItem])
 
 
 class FunctionTool(FunctionDefinition):
@@ -127,7 +133,8 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
-    store: bool | None = None
+    store: bool | None = None  # None: true, as OpenAI's default
+    previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
 
@@ -151,20 +158,40 @@ class ResponsesRequest(BaseModel):
     def check_supported(self) -> None:
         for name, value in (self.model_extra or {}).items():
             if name in NOT_SERVED and value is not None and value not in NOT_SERVED[name]:
-                stored = name in ("previous_response_id", "conversation")
-                why = ": this server stores no responses; send the conversation in input" if stored else ""
-                raise ParameterError(name, f"{name} is not supported{why}")
+                why = ": send the conversation in input, or continue a response with previous_response_id"
+                raise ParameterError(name, f"{name} is not supported{why if name == 'conversation' else ''}")
         if isinstance(self.input, list) and not self.input:
             raise ParameterError("input", "input is empty")
 
-    def chat_request(self) -> ChatCompletionRequest:
-        """The same request as a chat completion."""
+    @property
+    def keeps(self) -> bool:
+        """Whether the response is stored (``store``: OpenAI's default is true)."""
+        return self.store is not False
+
+    def input_items(self) -> list[InputItem]:
+        return [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+
+    def stored_input(self) -> list[dict[str, Any]]:
+        """The request's input items as they are stored and listed (OpenAI's shapes, each with an id);
+        reasoning items are left out (they never reach the model)."""
+        stored: list[dict[str, Any]] = []
+        for item in self.input_items():
+            if isinstance(item, InputMessage):
+                part = "output_text" if item.role == "assistant" else "input_text"
+                stored.append({"id": _id("msg"), "type": "message", "role": item.role,
+                               "content": [{"type": part, "text": item.text()}]})  # fmt: skip
+            elif not isinstance(item, ReasoningItem):
+                stored.append({"id": _id("fc" if isinstance(item, FunctionCallItem) else "fco"), **item.model_dump()})
+        return stored
+
+    def chat_request(self, earlier: list[dict[str, Any]] = ()) -> ChatCompletionRequest:
+        """The same request as a chat completion; ``earlier``: the stored conversation it continues
+        (``previous_response_id``), put before its input."""
         self.check_supported()
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
-        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
-        for item in items:
+        for item in INPUT_ITEMS.validate_python(list(earlier)) + self.input_items():
             if isinstance(item, InputMessage):
                 messages.append({"role": item.role, "content": item.text()})
             elif isinstance(item, FunctionCallItem):
@@ -226,9 +253,9 @@ class ResponsesRequest(BaseModel):
             else {"format": {"type": "text"}},
             "metadata": self.metadata or {},
             "user": self.user,
-            "store": False,
+            "store": self.keeps,
             "truncation": "disabled",
-            "previous_response_id": None,
+            "previous_response_id": self.previous_response_id,
             "reasoning": {"effort": None, "summary": None},
             "error": None,
         }
@@ -349,20 +376,34 @@ class ResponseBuilder:
         return self.event(kind, item_id=item["id"], output_index=self.output.index(item), **fields)
 
 
-def responses_router(serving: OpenAIServing) -> APIRouter:
+def responses_router(serving: OpenAIServing, store: ResponseStore) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/responses")
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        owner = request_owner(raw)
+        earlier: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            try:
+                earlier = await asyncio.to_thread(store.conversation, body.previous_response_id, owner)
+            except PreviousResponseNotFound as e:
+                raise ApiError(400, f"Previous response with id '{e.response_id}' not found.",
+                               "previous_response_id", "previous_response_not_found") from None  # fmt: skip
         try:
-            submission = serving.submit_chat(body.chat_request())
+            submission = serving.submit_chat(body.chat_request(earlier))
         except ParameterError as e:
             e.param = CHAT_FIELDS.get(e.param, e.param)
             raise
         builder = ResponseBuilder(body, serving.config.model_name, submission.service_tier)
         parser = submission.output_parser()
+
+        async def keep(response: dict[str, Any]) -> None:
+            if body.keeps:
+                await asyncio.to_thread(store.put, response, body.stored_input(), body.previous_response_id, owner)
+
         if body.stream:
-            return StreamingResponse(_events(serving, submission, builder, parser), media_type="text/event-stream")
+            events = _events(serving, submission, builder, parser, keep)
+            return StreamingResponse(events, media_type="text/event-stream")
         results = await until_done_or_gone(serving.engine, raw, submission)
         if results is None:  # the client left
             return Response(status_code=499)
@@ -374,15 +415,62 @@ def responses_router(serving: OpenAIServing) -> APIRouter:
         for delta in [*parser.feed_in_order(result.text), parser.feed("", finished=True)]:
             builder.feed(delta)
         [*_, last] = builder.finish(parser.finish_reason(result.finish_reason), submission.usage())
+        await keep(last["response"])
         return JSONResponse(last["response"])
+
+    @router.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str, raw: Request) -> dict[str, Any]:
+        response = await asyncio.to_thread(store.get, response_id, request_owner(raw))
+        if response is None:
+            raise _not_found(response_id)
+        return response
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str, raw: Request) -> dict[str, Any]:
+        if not await asyncio.to_thread(store.delete, response_id, request_owner(raw)):
+            raise _not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @router.get("/v1/responses/{response_id}/input_items")
+    async def input_items(
+        response_id: str,
+        raw: Request,
+        after: str | None = None,
+        limit: int = Query(default=20, ge=1, le=100),
+        order: Literal["asc", "desc"] = "desc",
+    ) -> dict[str, Any]:
+        """The input items of the response's own request (OpenAI's list, newest first by default)."""
+        items = await asyncio.to_thread(store.input_items, response_id, request_owner(raw))
+        if items is None:
+            raise _not_found(response_id)
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise ApiError(400, f"after: no input item {after!r} in response {response_id}", "after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}  # fmt: skip
 
     return router
 
 
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"Response with id '{response_id}' not found.", "response_id", "response_not_found")
+
+
 async def _events(
-    serving: OpenAIServing, submission: Submission, builder: ResponseBuilder, parser: ChatOutputParser
+    serving: OpenAIServing,
+    submission: Submission,
+    builder: ResponseBuilder,
+    parser: ChatOutputParser,
+    keep: Callable[[dict[str, Any]], Awaitable[None]],
 ) -> AsyncIterator[str]:
-    """The response's events as server-sent events (OpenAI's: an ``event:`` line, then ``data:``)."""
+    """The response's events as server-sent events (OpenAI's: an ``event:`` line, then ``data:``);
+    the finished response is kept (``keep``) before its last event is sent, so that a client may
+    continue it as soon as it has read it."""
 
     def sse(event: dict[str, Any]) -> str:
         return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
@@ -400,7 +488,9 @@ async def _events(
                 for event in builder.feed(found):
                     yield sse(event)
             if delta.finish_reason is not None:
-                for event in builder.finish(parser.finish_reason(delta.finish_reason), submission.usage()):
+                events = builder.finish(parser.finish_reason(delta.finish_reason), submission.usage())
+                await keep(events[-1]["response"])
+                for event in events:
                     yield sse(event)
     finally:  # NOTE: also when the client disconnects
         submission.abort(serving.engine)

@@ -29,6 +29,7 @@ from sloserve.server.batch_api import BatchLimits, BatchService
 from sloserve.server.batch_store import BatchStore
 from sloserve.server.metrics import ServerMetrics
 from sloserve.server.reasoning import REASONING_PARSERS
+from sloserve.server.response_store import ResponseStore
 from sloserve.server.serving import OpenAIServing, ServerConfig
 from sloserve.server.tool_calls import TOOL_CALL_PARSERS
 
@@ -134,7 +135,8 @@ def make_app(spec: EngineSpec, options: ServeOptions):
     )
     serving = OpenAIServing(online, config, template)
     batches = None if store is None else BatchService(store, serving, options.batch_limits, metrics)
-    return build_app(serving, metrics, batches, options.api_keys)
+    stored_responses = ResponseStore(options.data_dir) if options.data_dir is not None else None
+    return build_app(serving, metrics, batches, options.api_keys, stored_responses)
 
 
 class DrainingServer(uvicorn.Server):
