@@ -15,12 +15,14 @@ from sloserve.server.reasoning import ReasoningParser
 from sloserve.server.tool_calls import (
     HermesParser,
     Llama3JsonParser,
+    MistralParser,
     NamedCallParser,
     PythonicParser,
     RequiredCallsParser,
     ToolDelta,
     ToolUse,
     merge,
+    mistral_call_id,
 )
 
 CALL_F = '{"name": "f", "arguments": {"a": 1}}'
@@ -32,7 +34,11 @@ def read(parser, pieces: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
     deltas = [parser.feed(piece) for piece in pieces] + [parser.finish()]
     heads = [entry for d in deltas for entry in d.calls if "id" in entry]
     assert [h["index"] for h in heads] == list(range(len(heads))) == list(range(parser.num_calls))
-    assert len({h["id"] for h in heads}) == len(heads) and all(h["id"].startswith("call_") for h in heads)
+    assert len({h["id"] for h in heads}) == len(heads)
+    if parser.new_id is mistral_call_id:  # what Mistral's templates accept
+        assert all(len(h["id"]) == 9 and h["id"].isalnum() for h in heads)
+    else:
+        assert all(h["id"].startswith("call_") for h in heads)
     content, calls = merge(deltas)
     return content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
 
@@ -115,6 +121,43 @@ def test_llama3_json_streamed_anywhere_equals_whole(fragments, cuts):
 def test_pythonic_calls(text, content, calls):
     assert read(PythonicParser(), [text]) == (content, calls)
     assert read(PythonicParser(), list(text)) == (content, calls)
+
+
+MISTRAL_ARRAY = '[{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {"x": "é"}}]'
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        (f"[TOOL_CALLS] {MISTRAL_ARRAY}", None, [("f", '{"a": 1}'), ("g", '{"x": "é"}')]),  # Mistral 7B v0.3
+        ('[TOOL_CALLS]f{"a": 1}[TOOL_CALLS]g[ARGS]{"x": "é"}', None, [("f", '{"a": 1}'), ("g", '{"x": "é"}')]),
+        ('Let me check. [TOOL_CALLS]get.time{"zone": 2}', "Let me check.", [("get.time", '{"zone": 2}')]),
+        ('[TOOL_CALLS]{"name": "f", "arguments": {}}', None, [("f", "{}")]),  # one object, no array
+        ('[TOOL_CALLS]f{"a": 1} Hope this helps.', "Hope this helps.", [("f", '{"a": 1}')]),
+        ('[TOOL_CALLS]f{"a": 1}[TOOL_CALLS]g{"b": ', 'g{"b":', [("f", '{"a": 1}')]),  # the second one cut
+        ("no calls at all [TOOL", "no calls at all [TOOL", []),
+        ("[TOOL_CALLS] not a call", "[TOOL_CALLS] not a call", []),  # as written
+        ('x [TOOL_CALLS][{"name": 3}]', 'x [TOOL_CALLS][{"name": 3}]', []),
+        ("[TOOL_CALLS]f[1, 2]", "[TOOL_CALLS]f[1, 2]", []),
+    ],
+)
+def test_mistral_calls(text, content, calls):
+    parser = ToolUse("auto", parser_name="mistral", call_ids="mistral").parser()
+    assert isinstance(parser, MistralParser) and read(parser, [text]) == (content, calls)
+
+
+MISTRAL = ["[TOOL_CALLS]", "[ARGS]", "[", "TOOL", "_CALLS]", "f", "g", '{"a": [1, "]"]}', "{", "}", ", ", " ", "\n",
+           MISTRAL_ARRAY, "x", "é"]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(MISTRAL), max_size=12), st.lists(st.integers(0, 10_000), max_size=8))
+def test_mistral_streamed_anywhere_equals_whole(fragments, cuts):
+    text = "".join(fragments)
+    whole = read(MistralParser(), [text])
+    assert read(MistralParser(), split(text, cuts)) == read(MistralParser(), list(text)) == whole
+    if "[TOOL_CALLS]" not in text:
+        assert whole == (text.rstrip() or None, [])
 
 
 def test_required_array_and_a_cut_one():

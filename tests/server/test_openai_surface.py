@@ -652,7 +652,8 @@ def streamed_message(server, **request) -> tuple[str | None, list[tuple[str, str
         content.append(delta.content or "")
         for entry in delta.tool_calls or ():
             if entry.index not in calls:
-                assert entry.id.startswith("call_") and entry.type == "function" and entry.function.name
+                mistral = len(entry.id) == 9 and entry.id.isalnum()  # under --tool-call-parser mistral
+                assert (entry.id.startswith("call_") or mistral) and entry.type == "function" and entry.function.name
                 calls[entry.index] = [entry.function.name, ""]
             calls[entry.index][1] += entry.function.arguments or ""
         reason = chunk.choices[0].finish_reason or reason
@@ -821,11 +822,12 @@ def test_a_reasoning_models_structured_output_holds_from_the_token_after_its_thi
     [
         ("llama3_json", r'\{"name": "get_time", "parameters": \{"zone": [0-9]\}\}', "{call}; {call}"),
         ("pythonic", r"get_time\(zone=[0-9]\)", r"\[{call}, {call}\]"),
+        ("mistral", r'get_time\{"zone": [0-9]\}', r"\[TOOL_CALLS\]{call}\[TOOL_CALLS\]{call}"),
     ],
 )
-def test_auto_tool_choice_parses_llama3_json_and_pythonic_calls(chat_model_dir, parser, call, two_calls):
-    """``--tool-call-parser llama3_json`` and ``pythonic``: an answer of two calls (forced by a regex) is
-    the calls, streamed or not; one that opens with text is text."""
+def test_auto_tool_choice_parses_llama3_json_pythonic_and_mistral_calls(chat_model_dir, parser, call, two_calls):
+    """``--tool-call-parser llama3_json``, ``pythonic`` and ``mistral``: an answer of two calls (forced by a
+    regex) is the calls, streamed or not; one that opens with text is text."""
     server = Server(chat_model_dir, tool_call_parser=parser)
     try:
         common = dict(model=MODEL, messages=HI, tools=TOOLS, max_tokens=120, temperature=0)
@@ -839,6 +841,38 @@ def test_auto_tool_choice_parses_llama3_json_and_pythonic_calls(chat_model_dir, 
         choice = server.client.chat.completions.create(**common, extra_body=text).choices[0]
         assert choice.finish_reason == "stop" and choice.message.content.startswith("It is ")
         assert choice.message.tool_calls is None
+    finally:
+        server.stop()
+
+
+# As Mistral's templates do: an earlier call's id must be 9 letters and digits
+MISTRAL_IDS_TEMPLATE = """{% for m in messages %}{% for c in m.tool_calls or [] %}{% if not (c.id|length == 9 and
+c.id.isalnum()) %}{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}
+[TOOL_CALLS]{{ c.function.name }}{% endfor %}{{ m.content }}{% endfor %}"""
+
+
+def test_mistral_call_ids_are_the_ones_its_templates_take_back(chat_model_dir, tmp_path):
+    """Under ``--tool-call-parser mistral`` every call's id (auto, required, named) is 9 letters and
+    digits, so a conversation that sends the calls back renders through a template that checks them."""
+    (tmp_path / "mistral.jinja").write_text(MISTRAL_IDS_TEMPLATE)
+    server = Server(chat_model_dir, tool_call_parser="mistral", chat_template=str(tmp_path / "mistral.jinja"))
+    try:
+        common = dict(model=MODEL, messages=HI, tools=TOOLS, max_tokens=64, temperature=0)
+        forced = {"structured_outputs": {"regex": r'\[TOOL_CALLS\]get_time\{"zone": [0-9]\}'}}
+        named = {"type": "function", "function": {"name": "get_time"}}
+        answers = [server.client.chat.completions.create(**common, extra_body=forced),
+                   server.client.chat.completions.create(**common, tool_choice="required", parallel_tool_calls=False),
+                   server.client.chat.completions.create(**common, tool_choice=named)]  # fmt: skip
+        for answer in answers:
+            [call] = answer.choices[0].message.tool_calls
+            assert len(call.id) == 9 and call.id.isalnum() and call.function.name == "get_time"
+            back = [*HI, answer.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": "noon"}]  # fmt: skip
+            assert server.client.chat.completions.create(model=MODEL, messages=back, max_tokens=2).choices
+        with pytest.raises(openai.BadRequestError, match="alphanumeric strings with length 9"):
+            bad = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+            server.client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+                *HI, {"role": "assistant", "tool_calls": [bad]}, {"role": "tool", "tool_call_id": "call_1", "content": "x"}])  # fmt: skip
     finally:
         server.stop()
 

@@ -467,8 +467,8 @@ def test_serve_refuses_bad_settings_with_one_line_and_exit_2():
     assert "--rt-ttft-ms must be > 0" in serve("--rt-ttft-ms", "-3")
     for flag in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]):
         assert "--enable-auto-tool-choice and --tool-call-parser go together" in serve(*flag)
-    assert "'--tool-call-parser': 'mistral' is not one of 'hermes', 'llama3_json', 'pythonic'" in serve(
-        "--tool-call-parser", "mistral"
+    assert "'--tool-call-parser': 'granite' is not one of 'hermes', 'llama3_json', 'pythonic', 'mistral'" in serve(
+        "--tool-call-parser", "granite"
     )
     assert "--chat-template 'no/such.jinja': no such file" in serve("--chat-template", "no/such.jinja")
     assert "chat template: " in serve("--chat-template", "{% if %}")

@@ -445,17 +445,18 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
         choice = self.tool_choice
         if not self.tools or choice == "none":
             return None
+        call_ids = "mistral" if parser_name == "mistral" else "openai"
         if isinstance(choice, NamedToolChoice):
-            return ToolUse("named", function=choice.function.name)
+            return ToolUse("named", function=choice.function.name, call_ids=call_ids)
         if choice == "required":
-            return ToolUse("required")
+            return ToolUse("required", call_ids=call_ids)
         if parser_name is None:
             raise ParameterError(
                 "tool_choice",
                 'tool_choice "auto" (the default with tools) needs the server started with --enable-auto-tool-choice '
                 '--tool-call-parser hermes; or send tool_choice "required", "none" or a named function',
             )
-        return ToolUse("auto", parser_name=parser_name)
+        return ToolUse("auto", parser_name=parser_name, call_ids=call_ids)
 
     def constraint(self) -> Constraint | None:
         """As ``SamplingRequest.constraint``, with a named or required tool choice's schema (a 400 naming

@@ -14,8 +14,11 @@ becomes of the output:
   blocks, the format of the Hermes, Qwen2.5 and Qwen3 templates) or ``llama3_json`` (an answer that
   opens with ``{`` or ``<|python_tag|>`` is ``{"name": ..., "parameters": ...}`` calls separated by
   ``;``, Llama 3.1-3.3's JSON tool calling) or ``pythonic`` (an answer that is a Python list of calls,
-  ``[get_weather(city="Paris"), ...]``, as Llama 3.2 and 4 write them). A server without one answers
-  "auto" with a 400, as vLLM does.
+  ``[get_weather(city="Paris"), ...]``, as Llama 3.2 and 4 write them) or ``mistral`` (what follows
+  ``[TOOL_CALLS]``: a JSON array of ``{"name", "arguments"}``, Mistral 7B v0.3's, or ``name{...}`` and
+  ``name[ARGS]{...}`` calls, each after a ``[TOOL_CALLS]`` of its own, newer Mistral models'). A server
+  without one answers "auto" with a 400, as vLLM does. With ``mistral``, call ids are 9 letters and
+  digits, which Mistral's chat templates require of the ids sent back.
 
 Each parser is incremental (``feed`` the text as it comes, then ``finish``): a streamed response sends
 what it gives as it comes, and a whole response is the same deltas merged (``merge``), so the two
@@ -26,16 +29,22 @@ from __future__ import annotations
 
 import ast
 import json
+import random
+import re
+import string
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 # vLLM's names of the parsers of "auto" tool choice: <tool_call> blocks; Llama 3's JSON calls; Python calls
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3's token before a call, where its template asks for one
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"  # Mistral's tokens before calls, and before arguments
+MISTRAL_NAME = re.compile(r"[a-zA-Z0-9_.-]+")
 # The arguments of a function without ``parameters``: none. NOTE: vLLM's schema allows any object, which a
 # weak model fills with made-up keys until max_tokens.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -80,6 +89,11 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def mistral_call_id() -> str:
+    """Nine letters and digits: the ids Mistral's chat templates (and mistral-common) accept."""
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
 @dataclass
 class ToolDelta:
     """What the parser gives of a stretch of output: text for ``content``, and OpenAI's streamed
@@ -90,8 +104,8 @@ class ToolDelta:
     calls: list[dict[str, Any]] = field(default_factory=list)
 
 
-def call_head(index: int, name: str, arguments: str) -> dict[str, Any]:
-    return {"index": index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+def call_head(index: int, name: str, arguments: str, new_id: Callable[[], str] = call_id) -> dict[str, Any]:
+    return {"index": index, "id": new_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def merge(deltas: list[ToolDelta]) -> tuple[str | None, list[dict[str, Any]]]:
@@ -112,6 +126,12 @@ class ToolCallParser:
     """Finds the calls in one choice's output as it comes."""
 
     num_calls = 0
+    new_id: Callable[[], str] = staticmethod(call_id)  # the ids of its calls (ToolUse sets Mistral's)
+
+    def head(self, name: str, arguments: str) -> dict[str, Any]:
+        """The first entry of the next call."""
+        self.num_calls += 1
+        return call_head(self.num_calls - 1, name, arguments, self.new_id)
 
     def feed(self, text: str) -> ToolDelta:
         raise NotImplementedError
@@ -133,8 +153,7 @@ class NamedCallParser(ToolCallParser):
 
     def feed(self, text: str) -> ToolDelta:
         if self.num_calls == 0:
-            self.num_calls = 1
-            return ToolDelta(calls=[call_head(0, self.name, text)])
+            return ToolDelta(calls=[self.head(self.name, text)])
         if not text:
             return ToolDelta()
         return ToolDelta(calls=[{"index": 0, "function": {"arguments": text}}])
@@ -172,8 +191,7 @@ class RequiredCallsParser(ToolCallParser):
             if not isinstance(element, dict):  # NOTE: the schema allows objects only
                 continue
             arguments = json.dumps(element.get("parameters", {}), ensure_ascii=False)
-            calls.append(call_head(self.num_calls, str(element.get("name", "")), arguments))
-            self.num_calls += 1
+            calls.append(self.head(str(element.get("name", "")), arguments))
         return ToolDelta(calls=calls)
 
     def finish(self) -> ToolDelta:
@@ -253,8 +271,7 @@ class HermesParser(ToolCallParser):
         if isinstance(call, dict) and isinstance(call.get("name"), str):
             arguments = call.get("arguments", {})
             text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-            out.calls.append(call_head(self.num_calls, call["name"], text))
-            self.num_calls += 1
+            out.calls.append(self.head(call["name"], text))
             return True
         out.content += self.gap + HERMES_OPEN + body + close
         return False
@@ -298,8 +315,7 @@ class Llama3JsonParser(ToolCallParser):
                 return ToolDelta(calls=calls)  # not a call: the rest is content, at the end
             arguments = call.get("parameters", call.get("arguments", {}))
             text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-            calls.append(call_head(self.num_calls, call["name"], text))
-            self.num_calls += 1
+            calls.append(self.head(call["name"], text))
             self.position = end
 
     def finish(self) -> ToolDelta:
@@ -334,11 +350,108 @@ class PythonicParser(ToolCallParser):
         calls = python_calls(self.text)
         if calls is None:
             return ToolDelta(content=self.text)
-        heads = [
-            call_head(i, name, json.dumps(arguments, ensure_ascii=False)) for i, (name, arguments) in enumerate(calls)
-        ]
-        self.num_calls = len(heads)
-        return ToolDelta(calls=heads)
+        return ToolDelta(
+            calls=[self.head(name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in calls]
+        )
+
+
+class MistralParser(ToolCallParser):
+    """Mistral's calls (vLLM's ``mistral``): the text before the first ``[TOOL_CALLS]`` is the content;
+    after it, calls as Mistral 7B v0.3 writes them (a JSON array of ``{"name", "arguments"}``) or as
+    newer models do (``name{...}`` or ``name[ARGS]{...}``, another ``[TOOL_CALLS]`` before each next
+    one). Each is sent once its JSON closes. What follows that is not a call (a call cut by
+    ``max_tokens`` too) is content at the end; with no call at all, tag and all. Whitespace next to
+    the tag is dropped; text that may begin it is held back."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.sent = 0  # before the tag: the characters sent as content
+        self.tag = -1  # where the first tag starts (-1: not seen)
+        self.position = 0  # after it: where the next call may start
+        self.in_array = False
+        self.stopped = False  # what follows is not a call: content at the end
+        self._decoder = json.JSONDecoder()
+
+    def feed(self, text: str) -> ToolDelta:
+        self.text += text
+        if self.tag >= 0:
+            return ToolDelta(calls=self._calls())
+        start = self.text.find(MISTRAL_CALLS, self.sent)
+        if start < 0:  # send all but what may begin the tag, and trailing whitespace (it may precede one)
+            sent = self.text[self.sent : len(self.text) - held_back_length(self.text, MISTRAL_CALLS)].rstrip()
+            self.sent += len(sent)
+            return ToolDelta(content=sent)
+        content = self.text[self.sent : start].rstrip()
+        self.sent += len(content)  # NOTE: the whitespace before the tag is content again if no call follows
+        self.tag, self.position = start, start + len(MISTRAL_CALLS)
+        return ToolDelta(content=content, calls=self._calls())
+
+    def finish(self) -> ToolDelta:
+        if self.tag < 0 or self.num_calls == 0:  # no tag, or it led to no call: as written
+            return ToolDelta(content=self.text[self.sent :].rstrip())
+        return ToolDelta(content=self.text[self.position :].strip())
+
+    def _calls(self) -> list[dict[str, Any]]:
+        calls = []
+        while not self.stopped:
+            rest = self.text[self.position :]
+            at = self.position + len(rest) - len(rest.lstrip())
+            head = self.text[at:]
+            if not head:
+                return calls
+            if self.in_array and head[0] in ",]":
+                self.position, self.in_array = at + 1, head[0] == ","
+                continue
+            if not self.in_array and head.startswith(MISTRAL_CALLS):  # the next call
+                self.position = at + len(MISTRAL_CALLS)
+                continue
+            if not self.in_array and MISTRAL_CALLS.startswith(head):
+                return calls  # it may be the tag
+            if not self.in_array and head[0] == "[":  # Mistral 7B v0.3's array
+                self.position, self.in_array = at + 1, True
+                continue
+            if self.in_array or head[0] == "{":  # {"name", "arguments"}, in the array or alone
+                name, arguments, end = self._object_call(at)
+            else:  # name{...} or name[ARGS]{...}
+                name, arguments, end = self._named_call(at)
+            if end < 0:
+                return calls
+            calls.append(self.head(name, _arguments_text(arguments)))
+            self.position = end
+        return calls
+
+    def _object_call(self, at: int) -> tuple[str, Any, int]:
+        call, end = self._json(at)
+        if end >= 0 and not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+            self.stopped, end = True, -1
+        return (call["name"], call.get("arguments", {}), end) if end >= 0 else ("", None, -1)
+
+    def _named_call(self, at: int) -> tuple[str, Any, int]:
+        name = MISTRAL_NAME.match(self.text, at)
+        if name is None:
+            self.stopped = True
+            return "", None, -1
+        after = name.end()
+        if self.text.startswith(MISTRAL_ARGS, after):
+            after += len(MISTRAL_ARGS)
+        elif after == len(self.text) or MISTRAL_ARGS.startswith(self.text[after:]):
+            return "", None, -1  # the name or the tag may go on
+        arguments, end = self._json(after)
+        if end >= 0 and not isinstance(arguments, dict):
+            self.stopped, end = True, -1
+        return name.group(), arguments, end
+
+    def _json(self, at: int) -> tuple[Any, int]:
+        """The JSON value at ``at`` and where it ends; -1 while it has not closed (or never will: then
+        the rest is content at the end)."""
+        try:
+            return self._decoder.raw_decode(self.text, at)
+        except json.JSONDecodeError:
+            return None, -1
+
+
+def _arguments_text(arguments: Any) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
 def python_calls(text: str) -> list[tuple[str, dict[str, Any]]] | None:
@@ -383,21 +496,28 @@ class ToolUse:
     kind: Literal["named", "required", "auto"]
     function: str | None = None  # the named function
     parser_name: str | None = None  # auto: the server's --tool-call-parser
+    call_ids: Literal["openai", "mistral"] = "openai"  # "mistral": under --tool-call-parser mistral, every kind
 
     def parser(self) -> ToolCallParser:
         if self.kind == "named":
-            return NamedCallParser(self.function or "")
-        if self.kind == "required":
-            return RequiredCallsParser()
-        parsers = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "pythonic": PythonicParser}
-        return parsers[self.parser_name or "hermes"]()
+            parser: ToolCallParser = NamedCallParser(self.function or "")
+        elif self.kind == "required":
+            parser = RequiredCallsParser()
+        else:
+            parsers = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "pythonic": PythonicParser,
+                       "mistral": MistralParser}  # fmt: skip
+            parser = parsers[self.parser_name or "hermes"]()
+        if self.call_ids == "mistral":
+            parser.new_id = mistral_call_id
+        return parser
 
     @property
     def shows_special_tokens(self) -> bool:
-        """Whether the output's special tokens stay in its text: the <tool_call> tags are special tokens
-        in some vocabularies (Hermes 2 Pro's), and the parser must see them (vLLM's hermes parser
-        turns ``skip_special_tokens`` off too)."""
-        return self.kind == "auto" and self.parser_name == "hermes"
+        """Whether the output's special tokens stay in its text: the tags are special tokens in some
+        vocabularies (``<tool_call>`` in Hermes 2 Pro's, ``[TOOL_CALLS]`` and ``[ARGS]`` in Mistral's),
+        and the parser must see them (vLLM's hermes and mistral parsers turn ``skip_special_tokens``
+        off too)."""
+        return self.kind == "auto" and self.parser_name in ("hermes", "mistral")
 
     def finish_reason(self, parser: ToolCallParser, reason: str) -> str:
         """OpenAI's: "tool_calls" when the model chose to call (auto, required) and the output ended by
