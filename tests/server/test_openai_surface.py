@@ -726,6 +726,60 @@ def test_tools_and_earlier_calls_reach_the_chat_template_as_transformers_renders
 HERMES_BLOCK = (
     r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,6}", "unit": "c"\}\}\n</tool_call>'
 )
+
+
+def test_chat_echo_puts_the_last_message_before_the_answer_when_it_is_in_the_answers_role(server):
+    """vLLM's chat ``echo``: an assistant message the model goes on with (``continue_final_message``)
+    comes back before what it wrote, streamed or not; a user's last message is not echoed."""
+    begun = [*HI, {"role": "assistant", "content": "Well,"}]
+    going_on = {"add_generation_prompt": False, "continue_final_message": True}
+    common = dict(model=MODEL, messages=begun, max_tokens=4, temperature=0, n=2)
+    plain = server.client.chat.completions.create(**common, extra_body=going_on)
+    echoed = server.client.chat.completions.create(**common, extra_body={**going_on, "echo": True})
+    assert [c.message.content for c in echoed.choices] == ["Well," + c.message.content for c in plain.choices]
+    assert (echoed.usage.prompt_tokens, echoed.usage.completion_tokens) == (plain.usage.prompt_tokens,
+                                                                            plain.usage.completion_tokens)  # fmt: skip
+    streamed = ["", ""]
+    for chunk in server.client.chat.completions.create(**common, stream=True, extra_body={**going_on, "echo": True}):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == [c.message.content for c in echoed.choices]
+    asked = dict(model=MODEL, messages=HI, max_tokens=4, temperature=0)
+    assert (server.client.chat.completions.create(**asked, extra_body={"echo": True}).choices[0].message.content
+            == server.client.chat.completions.create(**asked).choices[0].message.content)  # fmt: skip
+
+
+DOCUMENTS_TEMPLATE = """{% for d in documents or [] %}[{{ d.title }}] {{ d.text }}
+{% endfor %}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}
+{% if add_generation_prompt %}<|assistant|>{% endif %}"""
+
+
+def test_documents_and_a_requests_own_chat_template_render_as_transformers_renders_them(server, chat_model_dir, hf):
+    """``documents`` reach the template (transformers' ``documents``); a request's ``chat_template`` is a
+    400 unless the server trusts its clients with one (``--trust-request-chat-template``, vLLM's rule),
+    and then renders the chat: /tokenize and a chat request's prompt_tokens read transformers' tokens."""
+    documents = [{"title": "Oslo", "text": "-3 C"}, {"title": "Rome", "text": "18 C"}]
+    body = {"messages": HI, "documents": documents, "chat_template": DOCUMENTS_TEMPLATE}
+    refused = httpx.post(server.url + "/tokenize", json=body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+    assert "--trust-request-chat-template" in refused.json()["error"]["message"]
+    trusting = Server(chat_model_dir, trust_request_chat_template=True)
+    try:
+        expected = hf[1].apply_chat_template(HI, documents=documents, chat_template=DOCUMENTS_TEMPLATE,
+                                             add_generation_prompt=True, tokenize=False)  # fmt: skip
+        assert expected.startswith("[Oslo] -3 C\n[Rome] 18 C\n<|user|>hi")
+        expected_ids = hf[1].encode(expected, add_special_tokens=False)
+        assert httpx.post(trusting.url + "/tokenize", json=body).json()["tokens"] == expected_ids
+        answer = trusting.client.chat.completions.create(
+            model=MODEL, messages=HI, max_tokens=2, extra_body={"documents": documents, "chat_template": DOCUMENTS_TEMPLATE}
+        )  # fmt: skip
+        assert answer.usage.prompt_tokens == len(expected_ids)
+        broken = httpx.post(trusting.url + "/tokenize", json={**body, "chat_template": "{% if %}"})
+        assert broken.status_code == 400 and broken.json()["error"]["param"] == "chat_template"
+    finally:
+        trusting.stop()
+
+
 TOOL_TEMPLATE = """{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}
 {% if tools %}<|tools|>{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}
 {% if add_generation_prompt %}<|assistant|>{% endif %}"""

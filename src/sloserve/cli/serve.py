@@ -120,6 +120,11 @@ def _import_serve_extra(module: str):
     help="The chat template to render chat requests with: a Jinja file, or the template itself [the model's].",
 )
 @click.option(
+    "--trust-request-chat-template",
+    is_flag=True,
+    help="Render a chat request with the chat_template it sends (else a 400): only for clients you trust.",
+)
+@click.option(
     "--enable-auto-tool-choice",
     is_flag=True,
     help='Serve tool_choice "auto" (the default with tools): the model decides, --tool-call-parser finds its calls.',
@@ -128,7 +133,8 @@ def _import_serve_extra(module: str):
     "--tool-call-parser",
     type=click.Choice(TOOL_CALL_PARSERS),
     help="The format of the model's tool calls (hermes: <tool_call> blocks, as Hermes and Qwen write them; "
-    "llama3_json: Llama 3's JSON calls; pythonic: a Python list of calls, as Llama 3.2 and 4 write them).",
+    "llama3_json: Llama 3's JSON calls; pythonic: a Python list of calls, as Llama 3.2 and 4 write them; "
+    "mistral: the calls after [TOOL_CALLS], as Mistral's models write them).",
 )
 @click.option(
     "--reasoning-parser",
@@ -167,6 +173,7 @@ def serve(
     cpus_per_replica: int | None,
     replica_start_timeout: float,
     chat_template: str | None,
+    trust_request_chat_template: bool,
     enable_auto_tool_choice: bool,
     tool_call_parser: str | None,
     reasoning_parser: str | None,
@@ -240,6 +247,7 @@ def serve(
         api_keys=keys,
         tool_call_parser=tool_call_parser,
         chat_template=chat_template,
+        trust_request_chat_template=trust_request_chat_template,
         reasoning_parser=reasoning_parser,
         fleet=_fleet_options(replicas, router, ray_address, cpus_per_replica, replica_start_timeout),
         batch_limits=_import_serve_extra("sloserve.server.batch_api").BatchLimits(

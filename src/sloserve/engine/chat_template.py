@@ -143,7 +143,11 @@ class ChatTemplate:
 
     def replaced_by(self, chat_template: str) -> ChatTemplate:
         """The template ``chat_template`` names (a file or the text), with this one's special tokens."""
-        return ChatTemplate(read_template_option(chat_template), special_tokens=self.special_tokens, from_model=True)
+        return self.with_source(read_template_option(chat_template))
+
+    def with_source(self, source: str) -> ChatTemplate:
+        """The template ``source`` (its text), with this one's special tokens."""
+        return ChatTemplate(source, special_tokens=self.special_tokens, from_model=True)
 
     @classmethod
     def for_model(cls, model_dir: Path | None) -> ChatTemplate:
@@ -187,14 +191,16 @@ class ChatTemplate:
         continue_final_message: bool = False,
         variables: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
     ) -> str:
         """The prompt for ``messages``, ending where the assistant's answer starts (transformers'
         ``apply_chat_template``). ``continue_final_message``: the prompt ends with the last message's
         content instead, for the model to go on with it (an assistant's answer begun by the client).
         ``variables``: more for the template to read (vLLM's ``chat_template_kwargs``, e.g. Qwen3's
         ``enable_thinking``). ``tools``: the functions the model may call (OpenAI's
-        ``{"type": "function", "function": {...}}``), for templates that show them. Options that
-        contradict each other are a ChatOptionError."""
+        ``{"type": "function", "function": {...}}``), for templates that show them. ``documents``: for
+        retrieval-augmented templates to show (transformers' ``documents``). Options that contradict
+        each other are a ChatOptionError."""
         check_render_options(
             messages[-1]["role"] if messages else "",
             add_generation_prompt=add_generation_prompt,
@@ -207,6 +213,7 @@ class ChatTemplate:
                 {**self.special_tokens, **(variables or {})},
                 messages=[_with_call_arguments_as_objects(m) for m in messages],
                 tools=tools,
+                documents=documents,
                 add_generation_prompt=add_generation_prompt,
             )
         except TemplateError:

@@ -45,9 +45,6 @@ FIELDS_NOT_SERVED: dict[str, tuple[tuple[Any, ...], str]] = {
     "logits_processors": (([],), ""),
     "spaces_between_special_tokens": ((True,), ""),
     "guided_whitespace_pattern": ((), ""),
-    "echo": ((False,), "completions' echo"),  # chat's (completions declare their own)
-    "chat_template": ((), ""),
-    "documents": ((), ""),
     "priority": ((0,), "service_tier: flex for best-effort, or the slo field"),
 }
 
@@ -379,6 +376,8 @@ class ChatTemplateFields(BaseModel):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDefinition] | None = None  # for the template to show the model
+    documents: list[dict[str, Any]] | None = None  # for a retrieval-augmented template to show
+    chat_template: str | None = None  # the request's own (--trust-request-chat-template)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as the client sent them, for the chat template (transformers' ``tools``)."""
@@ -406,6 +405,15 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     parallel_tool_calls: bool | None = None  # False: "required" makes one call
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # vLLM's: the answer begins with the last message, when it is in the answer's role
+
+    @property
+    def echoed_text(self) -> str:
+        """What ``echo`` puts before each choice's content: the last message's, when its role is the
+        answer's (the assistant's; with ``add_generation_prompt`` false, the last message's own), as vLLM's."""
+        last = self.messages[-1]
+        answers_as = "assistant" if self.add_generation_prompt else last.role
+        return last.text() if self.echo and last.role == answers_as else ""
 
     @field_validator("tool_choice", mode="before")
     @classmethod

@@ -73,6 +73,8 @@ async def stream(engine: AsyncLLMEngine, submission: Submission, objects: Respon
         if objects.chat:
             for i in range(len(served)):
                 yield event(i, objects.chunk("", None, role=True, index=i))
+                if submission.chat_echo:
+                    yield event(i, objects.chunk(submission.chat_echo, None, index=i))
         async for i, delta in _merged(served):
             if delta.finish_reason in ("abort", "error"):
                 yield sse(ended_early(delta.finish_reason, served[i].error or engine.error).body)

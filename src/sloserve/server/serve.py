@@ -67,6 +67,7 @@ class ServeOptions:
     api_keys: list[str] = field(default_factory=list)  # none: anyone who reaches the port may use it
     tool_call_parser: str | None = None  # --tool-call-parser: serve tool_choice "auto" (None: refuse it)
     chat_template: str | None = None  # --chat-template: a file or the template (None: the model's)
+    trust_request_chat_template: bool = False  # render requests with a chat_template of their own
     reasoning_parser: str | None = None  # --reasoning-parser: chat's reasoning_content (None: all content)
 
 
@@ -132,6 +133,7 @@ def make_app(spec: EngineSpec, options: ServeOptions):
         options.rt_tpot_ms,
         options.tool_call_parser,
         options.reasoning_parser,
+        options.trust_request_chat_template,
     )
     serving = OpenAIServing(online, config, template)
     batches = None if store is None else BatchService(store, serving, options.batch_limits, metrics)

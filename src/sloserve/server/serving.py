@@ -8,6 +8,7 @@ body sent online, and fails with the same error object (``error_response``).
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ from sloserve.server.protocol import (
 from sloserve.server.reasoning import THINK_CLOSE, THINK_OPEN, starts_thinking
 from sloserve.server.tool_calls import ToolUse
 
+# Requests' own chat templates kept compiled (--trust-request-chat-template).
+REQUEST_TEMPLATES_CACHED = 16
 # Seconds a client is told to wait after a 429 (Retry-After).
 RETRY_AFTER_S = 1
 
@@ -57,6 +60,7 @@ class ServerConfig:
     rt_tpot_ms: float | None = None
     tool_call_parser: str | None = None  # finds the calls of tool_choice "auto" (None: "auto" is refused)
     reasoning_parser: str | None = None  # splits chat outputs into reasoning_content and content
+    trust_request_chat_template: bool = False  # a request may bring its own chat_template
 
 
 class ModelNotFoundError(ConfigError):
@@ -271,6 +275,11 @@ class Submission:
         return isinstance(self.body, CompletionRequest) and self.body.echo
 
     @property
+    def chat_echo(self) -> str:
+        """vLLM's chat ``echo``: the text before each choice's content."""
+        return self.body.echoed_text if isinstance(self.body, ChatCompletionRequest) else ""
+
+    @property
     def echo_only(self) -> bool:
         """``max_tokens`` 0: each choice is its prompt alone (the one token sampled is not shown)."""
         return isinstance(self.body, CompletionRequest) and self.body.max_tokens == 0
@@ -368,6 +377,8 @@ class Submission:
                     parser = self.output_parser()
                     choice.reasoning_content, choice.text, choice.tool_calls = parser.message(text)
                     choice.finish_reason = parser.finish_reason(r.finish_reason)
+                if self.chat_echo:  # NOTE: not the model's: not parsed
+                    choice.text = self.chat_echo + (choice.text or "")
                 choices.append(choice)
         return choices
 
@@ -436,16 +447,39 @@ class OpenAIServing:
     ) -> list[int]:
         """The tokens the model reads for ``messages``: the chat template's text, tokenized without
         adding special tokens again when the model's own template wrote them (None: that rule)."""
-        prompt = self.chat_template.render(
+        template = self._template_for(fields)
+        prompt = template.render(
             [m.for_template() for m in messages],
             add_generation_prompt=fields.add_generation_prompt,
             continue_final_message=fields.continue_final_message,
             variables=fields.chat_template_kwargs,
             tools=fields.template_tools(),
+            documents=fields.documents,
         )
         if add_special_tokens is None:
-            add_special_tokens = not self.chat_template.from_model
+            add_special_tokens = not template.from_model
         return self.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def _template_for(self, fields: ChatTemplateFields) -> ChatTemplate:
+        """The server's chat template, or the request's own ``chat_template`` where the server trusts
+        its clients with one (``--trust-request-chat-template``, vLLM's rule; else a 400)."""
+        if fields.chat_template is None:
+            return self.chat_template
+        if not self.config.trust_request_chat_template:
+            raise ParameterError(
+                "chat_template",
+                "this server renders chats with its own template; a request's chat_template needs the server "
+                "started with --trust-request-chat-template",
+            )
+        try:
+            return self._request_template(fields.chat_template)
+        except ConfigError as e:
+            raise ParameterError("chat_template", str(e)) from None
+
+    @functools.lru_cache(maxsize=REQUEST_TEMPLATES_CACHED)  # noqa: B019 - one serving object per server
+    def _request_template(self, source: str) -> ChatTemplate:
+        """A request's template, compiled once (clients send the same few again and again)."""
+        return self.chat_template.with_source(source)
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """vLLM's ``/tokenize``: the tokens of a prompt, or of chat messages as a chat request reads them."""
