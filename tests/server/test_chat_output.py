@@ -134,7 +134,8 @@ MISTRAL_ARRAY = '[{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments
         ('Let me check. [TOOL_CALLS]get.time{"zone": 2}', "Let me check.", [("get.time", '{"zone": 2}')]),
         ('[TOOL_CALLS]{"name": "f", "arguments": {}}', None, [("f", "{}")]),  # one object, no array
         ('[TOOL_CALLS]f{"a": 1} Hope this helps.', "Hope this helps.", [("f", '{"a": 1}')]),
-        ('[TOOL_CALLS]f{"a": 1}[TOOL_CALLS]g{"b": ', 'g{"b":', [("f", '{"a": 1}')]),  # the second one cut
+        ('[TOOL_CALLS]f{"a": 1}[TOOL_CALLS]g{"b": ', '[TOOL_CALLS]g{"b":', [("f", '{"a": 1}')]),  # the second cut
+        (f"[TOOL_CALLS]{MISTRAL_ARRAY} [oops", "[oops", [("f", '{"a": 1}'), ("g", '{"x": "é"}')]),
         ("no calls at all [TOOL", "no calls at all [TOOL", []),
         ("[TOOL_CALLS] not a call", "[TOOL_CALLS] not a call", []),  # as written
         ('x [TOOL_CALLS][{"name": 3}]', 'x [TOOL_CALLS][{"name": 3}]', []),

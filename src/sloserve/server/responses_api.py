@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -184,7 +184,7 @@ class ResponsesRequest(BaseModel):
                 stored.append({"id": _id("fc" if isinstance(item, FunctionCallItem) else "fco"), **item.model_dump()})
         return stored
 
-    def chat_request(self, earlier: list[dict[str, Any]] = ()) -> ChatCompletionRequest:
+    def chat_request(self, earlier: Sequence[dict[str, Any]] = ()) -> ChatCompletionRequest:
         """The same request as a chat completion; ``earlier``: the stored conversation it continues
         (``previous_response_id``), put before its input."""
         self.check_supported()

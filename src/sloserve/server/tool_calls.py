@@ -368,6 +368,7 @@ class MistralParser(ToolCallParser):
         self.sent = 0  # before the tag: the characters sent as content
         self.tag = -1  # where the first tag starts (-1: not seen)
         self.position = 0  # after it: where the next call may start
+        self.resume = 0  # after the last call (or array) that closed: what is content if nothing more is a call
         self.in_array = False
         self.stopped = False  # what follows is not a call: content at the end
         self._decoder = json.JSONDecoder()
@@ -389,7 +390,7 @@ class MistralParser(ToolCallParser):
     def finish(self) -> ToolDelta:
         if self.tag < 0 or self.num_calls == 0:  # no tag, or it led to no call: as written
             return ToolDelta(content=self.text[self.sent :].rstrip())
-        return ToolDelta(content=self.text[self.position :].strip())
+        return ToolDelta(content=self.text[self.resume :].strip())
 
     def _calls(self) -> list[dict[str, Any]]:
         calls = []
@@ -401,6 +402,8 @@ class MistralParser(ToolCallParser):
                 return calls
             if self.in_array and head[0] in ",]":
                 self.position, self.in_array = at + 1, head[0] == ","
+                if head[0] == "]":
+                    self.resume = self.position
                 continue
             if not self.in_array and head.startswith(MISTRAL_CALLS):  # the next call
                 self.position = at + len(MISTRAL_CALLS)
@@ -417,7 +420,7 @@ class MistralParser(ToolCallParser):
             if end < 0:
                 return calls
             calls.append(self.head(name, _arguments_text(arguments)))
-            self.position = end
+            self.position = self.resume = end
         return calls
 
     def _object_call(self, at: int) -> tuple[str, Any, int]:
