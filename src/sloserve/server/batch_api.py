@@ -65,7 +65,7 @@ class BatchLimits:
 class CreateBatch(BaseModel):
     model_config = ConfigDict(extra="ignore")
     input_file_id: str
-    endpoint: Literal["/v1/completions", "/v1/chat/completions"]  # ENDPOINTS
+    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/v1/responses"]  # ENDPOINTS
     completion_window: Literal["24h"]  # COMPLETION_WINDOW_S
     metadata: dict[str, str] | None = None
 

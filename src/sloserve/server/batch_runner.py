@@ -32,6 +32,7 @@ from sloserve.server.protocol import (
     CompletionRequest,
     ParameterError,
 )
+from sloserve.server.responses_api import ResponsesRequest, submit_response, whole_response
 from sloserve.server.serving import (
     OpenAIServing,
     ResponseObjects,
@@ -43,7 +44,8 @@ from sloserve.server.serving import (
 
 log = logging.getLogger("uvicorn.error")
 
-BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+               "/v1/responses": ResponsesRequest}  # fmt: skip
 # Seconds between checks for expired batches when nothing else wakes the runner.
 POLL_S = 1.0
 # Seconds admission pauses after the engine's queue refused a line (429): online traffic first.
@@ -220,8 +222,16 @@ class BatchRunner:
             body = BODY_MODELS[endpoint].model_validate_json(line.body)
             if body.stream:
                 raise ParameterError("stream", "stream is not supported in a batch: each line gets one response")
-            submit = self.serving.submit_chat if chat else self.serving.submit_completion
-            flight.submission = submission = submit(body, RequestClass.BE)
+            if isinstance(body, ResponsesRequest):
+                if body.previous_response_id is not None:
+                    raise ParameterError("previous_response_id", "a batch line cannot continue a stored response: "
+                                         "send the conversation in input")  # fmt: skip
+                body = body.model_copy(update={"store": False})  # NOTE: a batch's responses are its output file
+                submission = submit_response(self.serving, body, request_class=RequestClass.BE)
+            else:
+                submit = self.serving.submit_chat if chat else self.serving.submit_completion
+                submission = submit(body, RequestClass.BE)
+            flight.submission = submission
         except ValidationError as e:
             return output_line(line.custom_id, 400, validation_error(e.errors())), True
         except SloserveError as e:
@@ -239,5 +249,7 @@ class BatchRunner:
         if any(r.finish_reason not in ("stop", "length") for r in results):
             submission.abort(self.serving.engine)
             return None, False
+        if isinstance(body, ResponsesRequest):
+            return output_line(line.custom_id, 200, whole_response(self.serving, body, submission, results[0])), False
         objects = ResponseObjects(chat, self.serving.config.model_name, submission.service_tier)
         return output_line(line.custom_id, 200, submission.whole(objects, results)), False

@@ -29,12 +29,13 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, TypeAdapter, ValidationError, field_validator
 
+from sloserve.core.request import RequestClass
 from sloserve.server.auth import request_owner
 from sloserve.server.chat_output import ChatOutputParser, MessageDelta
 from sloserve.server.protocol import ChatCompletionRequest, ParameterError, now_unix
 from sloserve.server.response_store import PreviousResponseNotFound, ResponseStore
 from sloserve.server.responses import json_error, until_done_or_gone
-from sloserve.server.serving import ApiError, OpenAIServing, Submission, ended_early
+from sloserve.server.serving import ApiError, Generated, OpenAIServing, Submission, ended_early
 from sloserve.server.tool_calls import FunctionDefinition
 
 # The chat request's fields a refusal may name, by their names here
@@ -389,20 +390,15 @@ def responses_router(serving: OpenAIServing, store: ResponseStore) -> APIRouter:
             except PreviousResponseNotFound as e:
                 raise ApiError(400, f"Previous response with id '{e.response_id}' not found.",
                                "previous_response_id", "previous_response_not_found") from None  # fmt: skip
-        try:
-            submission = serving.submit_chat(body.chat_request(earlier))
-        except ParameterError as e:
-            e.param = CHAT_FIELDS.get(e.param, e.param)
-            raise
-        builder = ResponseBuilder(body, serving.config.model_name, submission.service_tier)
-        parser = submission.output_parser()
+        submission = submit_response(serving, body, earlier)
 
         async def keep(response: dict[str, Any]) -> None:
             if body.keeps:
                 await asyncio.to_thread(store.put, response, body.stored_input(), body.previous_response_id, owner)
 
         if body.stream:
-            events = _events(serving, submission, builder, parser, keep)
+            builder = ResponseBuilder(body, serving.config.model_name, submission.service_tier)
+            events = _events(serving, submission, builder, submission.output_parser(), keep)
             return StreamingResponse(events, media_type="text/event-stream")
         results = await until_done_or_gone(serving.engine, raw, submission)
         if results is None:  # the client left
@@ -410,13 +406,9 @@ def responses_router(serving: OpenAIServing, store: ResponseStore) -> APIRouter:
         [result] = results
         if result.finish_reason in ("abort", "error"):
             return json_error(ended_early(result.finish_reason, submission.served[0].error or serving.engine.error))
-        builder.start()
-        # NOTE: the text, then the end, as a stream's last two deltas: the items come in the same order
-        for delta in [*parser.feed_in_order(result.text), parser.feed("", finished=True)]:
-            builder.feed(delta)
-        [*_, last] = builder.finish(parser.finish_reason(result.finish_reason), submission.usage())
-        await keep(last["response"])
-        return JSONResponse(last["response"])
+        response = whole_response(serving, body, submission, result)
+        await keep(response)
+        return JSONResponse(response)
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str, raw: Request) -> dict[str, Any]:
@@ -455,6 +447,34 @@ def responses_router(serving: OpenAIServing, store: ResponseStore) -> APIRouter:
                 "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}  # fmt: skip
 
     return router
+
+
+def submit_response(
+    serving: OpenAIServing,
+    body: ResponsesRequest,
+    earlier: Sequence[dict[str, Any]] = (),
+    request_class: RequestClass | None = None,
+) -> Submission:
+    """``body`` submitted as the chat completion it maps to (after the stored conversation
+    ``earlier``); a refusal names the field by its name here."""
+    try:
+        return serving.submit_chat(body.chat_request(earlier), request_class)
+    except ParameterError as e:
+        e.param = CHAT_FIELDS.get(e.param, e.param)
+        raise
+
+
+def whole_response(serving: OpenAIServing, body: ResponsesRequest, submission: Submission, result: Generated) -> dict:
+    """The response object of the finished ``result``: the last snapshot of the events a stream of it
+    would send."""
+    builder = ResponseBuilder(body, serving.config.model_name, submission.service_tier)
+    parser = submission.output_parser()
+    builder.start()
+    # NOTE: the text, then the end, as a stream's last two deltas: the items come in the same order
+    for delta in [*parser.feed_in_order(result.text), parser.feed("", finished=True)]:
+        builder.feed(delta)
+    [*_, last] = builder.finish(parser.finish_reason(result.finish_reason), submission.usage())
+    return last["response"]
 
 
 def _not_found(response_id: str) -> ApiError:
