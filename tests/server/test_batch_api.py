@@ -287,6 +287,41 @@ def test_cancel_stops_a_running_batch_and_frees_its_kv(server):
         time.sleep(0.02)
 
 
+def test_beam_search_lines_answer_as_online_and_a_cancel_ends_their_search(server):
+    """``use_beam_search`` lines (completions and chat) get the beams the same body gets online; a
+    batch cancelled during a long search ends it there (no step after the cancel, the engine idle)."""
+    client = server.client
+    beams = {"n": 3, "use_beam_search": True, "length_penalty": 0.5}
+    lines = [completion_line("b-0", "Hello world", max_tokens=5, **beams),
+             {"custom_id": "b-1", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **beams}}]  # fmt: skip
+    for line in lines:
+        batch = client.batches.create(input_file_id=upload(client, [line]).id, endpoint=line["url"],
+                                      completion_window="24h")  # fmt: skip
+        batch = wait_final(client, batch.id)
+        assert batch.status == "completed" and batch.request_counts.completed == 1
+        [out] = read_jsonl(client, batch.output_file_id)
+        body = dict(line["body"])
+        extra = {k: body.pop(k) for k in ("use_beam_search", "length_penalty")}
+        create = client.completions.create if line["url"] == "/v1/completions" else client.chat.completions.create
+        online = create(**body, extra_body=extra)
+        texts = [c.get("text", (c.get("message") or {}).get("content")) for c in out["response"]["body"]["choices"]]
+        assert texts == [getattr(c, "text", None) or c.message.content for c in online.choices]
+        assert out["response"]["body"]["service_tier"] == "flex"  # a batch line is best-effort
+    long = completion_line("long", "Hello", max_tokens=240, n=10, ignore_eos=True, use_beam_search=True)
+    batch = client.batches.create(input_file_id=upload(client, [long]).id, endpoint="/v1/completions",
+                                  completion_window="24h")  # fmt: skip
+    while server.engine.num_unfinished == 0:  # the search has begun (240 steps of 10 requests: seconds)
+        time.sleep(0.01)
+    client.batches.cancel(batch.id)
+    batch = wait_final(client, batch.id)
+    assert batch.status == "cancelled" and batch.request_counts.completed == 0
+    deadline = time.monotonic() + 30
+    while server.engine.num_unfinished or server.engine.last_stats.kv_used_tokens:
+        assert time.monotonic() < deadline, "the cancelled search still holds the engine"
+        time.sleep(0.02)
+
+
 def test_an_expired_batch_answers_its_unfinished_lines_with_batch_expired(chat_model_dir, tmp_path):
     """The window is 24 h: the test stops the server, moves the batch's deadline into the past in
     the SQLite file, and starts a server again on the same data dir."""

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from sloserve.core.errors import SloserveError
 from sloserve.core.request import RequestClass
 from sloserve.server.batch_store import BatchStore, Line, new_id
+from sloserve.server.beam_search_api import beam_search
 from sloserve.server.metrics import ServerMetrics
 from sloserve.server.protocol import (
     ChatCompletionRequest,
@@ -58,6 +59,14 @@ class InFlight:
     line: Line
     task: asyncio.Task
     submission: Submission | None = None  # its engine requests, once submitted
+    search: asyncio.Task | None = None  # a beam search line's search, once begun
+
+    def abort(self, engine) -> None:
+        """End its engine requests (a search's step too); it goes back to pending."""
+        if self.submission is not None:
+            self.submission.abort(engine)
+        if self.search is not None:
+            self.search.cancel()
 
 
 def output_line(custom_id: str, status_code: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -113,8 +122,7 @@ class BatchRunner:
         pending and run after a restart), so they do not hold the shutdown's drain."""
         self._stopping = True
         for flight in list(self._in_flight.values()):
-            if flight.submission is not None:
-                flight.submission.abort(self.serving.engine)
+            flight.abort(self.serving.engine)
         self._wake.set()
 
     def stop_admitting_threadsafe(self) -> None:
@@ -189,8 +197,7 @@ class BatchRunner:
         """Abort ``batch_id``'s lines in the engine; the number still in flight."""
         flights = [f for f in self._in_flight.values() if f.line.batch_id == batch_id]
         for flight in flights:
-            if flight.submission is not None:
-                flight.submission.abort(self.serving.engine)
+            flight.abort(self.serving.engine)
         return len(flights)
 
     # --- one line ------------------------------------------------------------------------------
@@ -222,6 +229,8 @@ class BatchRunner:
             body = BODY_MODELS[endpoint].model_validate_json(line.body)
             if body.stream:
                 raise ParameterError("stream", "stream is not supported in a batch: each line gets one response")
+            if getattr(body, "use_beam_search", False):
+                return await self._beam_search(line, body, flight)
             if isinstance(body, ResponsesRequest):
                 if body.previous_response_id is not None:
                     raise ParameterError("previous_response_id", "a batch line cannot continue a stored response: "
@@ -253,3 +262,17 @@ class BatchRunner:
             return output_line(line.custom_id, 200, whole_response(self.serving, body, submission, results[0])), False
         objects = ResponseObjects(chat, self.serving.config.model_name, submission.service_tier)
         return output_line(line.custom_id, 200, submission.whole(objects, results)), False
+
+    async def _beam_search(self, line: Line, body, flight: InFlight) -> tuple[dict[str, Any] | None, bool]:
+        """A line with ``use_beam_search``, searched as online (``beam_search_api``) in BE requests;
+        its refusals and failures raise as a submission's do. (None, _) when it was aborted."""
+        flight.search = search = asyncio.ensure_future(beam_search(self.serving, body, RequestClass.BE))
+        if self._stopping:  # the server began stopping while this line was admitted
+            search.cancel()
+        try:
+            response = await search
+        except asyncio.CancelledError:
+            if not search.cancelled() or asyncio.current_task().cancelling():
+                raise  # the runner itself is cancelled
+            return None, False
+        return output_line(line.custom_id, 200, response), False

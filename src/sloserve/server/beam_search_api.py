@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from sloserve.core.request import RequestClass
 from sloserve.engine.beam_search import Beam, BeamSearchParams, search
 from sloserve.engine.sampler import SamplingParams
 from sloserve.server.protocol import ChatCompletionRequest, CompletionRequest, usage
@@ -32,8 +33,19 @@ from sloserve.server.serving import (
 async def beam_search_response(
     serving: OpenAIServing, body: CompletionRequest | ChatCompletionRequest, raw: Request
 ) -> Response:
-    """The response to ``body`` (``use_beam_search``): ``n`` choices per prompt, best first; the
-    searches end if the client leaves first."""
+    """The response to ``body`` (``use_beam_search``); the searches end if the client leaves first."""
+    response = await unless_gone(raw, beam_search(serving, body))
+    if response is None:  # the client left: nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(response)
+
+
+async def beam_search(
+    serving: OpenAIServing, body: CompletionRequest | ChatCompletionRequest, request_class: RequestClass | None = None
+) -> dict[str, Any]:
+    """The response body of ``body`` (``use_beam_search``): ``n`` choices per prompt, best first. A
+    refusal is raised before the first step; ``request_class``: the class of its engine requests
+    (None: the body's)."""
     serving.check_model(body.model)
     body.check_supported()
     body.check_beam_search()
@@ -47,19 +59,19 @@ async def beam_search_response(
     width = body.n
     serving.engine.check_room(width * len(prompts))
     eos = frozenset(serving.engine.info.eos_token_ids)
+    request_class = request_class or body.request_class()
     searches = [
-        _search(serving, body, ids, BeamSearchParams(width, fit, body.ignore_eos, body.length_penalty), eos)
+        _search(serving, body, request_class, ids, BeamSearchParams(width, fit, body.ignore_eos, body.length_penalty),
+                eos)
         for ids, fit in zip(prompts, fits, strict=True)
-    ]
-    results = await unless_gone(raw, _all(searches))
-    if results is None:  # the client left: nobody reads this
-        return Response(status_code=499)
+    ]  # fmt: skip
+    results = await _all(searches)
     choices = [
         _choice(serving, body, p * width + j, beam) for p, beams in enumerate(results) for j, beam in enumerate(beams)
     ]
-    objects = ResponseObjects(chat, serving.config.model_name, service_tier(body.request_class(), body.service_tier))
+    objects = ResponseObjects(chat, serving.config.model_name, service_tier(request_class, body.service_tier))
     num_output = sum(len(b.output_token_ids) for beams in results for b in beams)
-    return JSONResponse(objects.whole(choices, usage(sum(len(ids) for ids in prompts), num_output)))
+    return objects.whole(choices, usage(sum(len(ids) for ids in prompts), num_output))
 
 
 async def _all(searches: list[Coroutine[Any, Any, list[Beam]]]) -> list[list[Beam]]:
@@ -73,12 +85,16 @@ async def _all(searches: list[Coroutine[Any, Any, list[Beam]]]) -> list[list[Bea
 
 
 async def _search(
-    serving: OpenAIServing, body, prompt_ids: list[int], params: BeamSearchParams, eos: frozenset[int]
+    serving: OpenAIServing,
+    body,
+    request_class: RequestClass,
+    prompt_ids: list[int],
+    params: BeamSearchParams,
+    eos: frozenset[int],
 ) -> list[Beam]:
     """One prompt's beams: each step, every live beam's next token from the engine."""
     engine = serving.engine
     step = SamplingParams(max_tokens=1, temperature=0, logprobs=2 * params.beam_width)
-    request_class = body.request_class()
     slo = body.slo_for(request_class, serving.config.rt_ttft_ms, serving.config.rt_tpot_ms)
     searching = search(prompt_ids, params, eos)
     batch = next(searching)

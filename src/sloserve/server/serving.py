@@ -666,9 +666,9 @@ def service_tier(request_class: RequestClass, asked: str | None) -> str:
 
 
 def _refuse_beam_search(body: SamplingRequest) -> None:
-    # NOTE: the routes answer beam search themselves (beam_search_api.py); a batch line cannot ask for it
+    # NOTE: the routes and the batch runner send beam search to beam_search_api.py before they get here
     if body.use_beam_search:
-        raise ParameterError("use_beam_search", "beam search is served online (not streamed), not in batches")
+        raise ParameterError("use_beam_search", "beam search is answered by beam_search_api, not submitted")
 
 
 async def collect(served: ServedRequest) -> Generated:
