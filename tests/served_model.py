@@ -92,9 +92,16 @@ class Server:
     """``make_app`` under a real uvicorn in a thread, on a free loopback port."""
 
     def __init__(
-        self, model_dir: Path, scheduler: str = "vllm", kv_capacity_tokens: int | None = 4096, **options
+        self,
+        model_dir: Path,
+        scheduler: str = "vllm",
+        kv_capacity_tokens: int | None = 4096,
+        scheduler_options: dict | None = None,
+        **options,
     ) -> None:
-        spec = EngineSpec(str(model_dir), scheduler, kv_capacity_tokens=kv_capacity_tokens)
+        spec = EngineSpec(
+            str(model_dir), scheduler, kv_capacity_tokens=kv_capacity_tokens, scheduler_options=scheduler_options or {}
+        )
         self.port = free_loopback_port()
         self.app = make_app(spec, ServeOptions(port=self.port, served_model_name=MODEL, **options))
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))

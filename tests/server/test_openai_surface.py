@@ -728,6 +728,43 @@ HERMES_BLOCK = (
 )
 
 
+def test_vllms_priority_needs_a_scheduler_that_orders_by_it_and_then_goes_first(server, chat_model_dir):
+    """``priority`` other than 0 is a 400 naming it on an FCFS server (vLLM's rule); under
+    ``--set waiting_order=priority`` (one request at a time here) the requests that queue behind a
+    running one start by priority, the lower first, then arrival."""
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"priority": 1})
+    assert e.value.body["param"] == "priority" and "waiting_order=priority" in e.value.message
+    ordered = Server(chat_model_dir, scheduler_options={"waiting_order": "priority", "max_num_seqs": 1})
+    try:
+
+        async def main() -> list[str]:
+            finished: list[str] = []
+
+            async def one(name: str, priority: int, max_tokens: int = 4) -> None:
+                await ordered.async_client.completions.create(model=MODEL, prompt=name, max_tokens=max_tokens,
+                                                              extra_body={"priority": priority, "ignore_eos": True})  # fmt: skip
+                finished.append(name)
+
+            running = await ordered.async_client.completions.create(
+                model=MODEL, prompt="first", max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+            )
+            await anext(aiter(running))  # it runs: the next ones queue behind it
+            queued = [one("low-a", 5), one("low-b", 5), one("high", -1), one("mid", 2)]
+            tasks = [asyncio.ensure_future(q) for q in queued]
+            while ordered.engine.num_queued < 4:  # all four accepted...
+                await asyncio.sleep(0.005)
+            assert ordered.engine.num_unfinished == 5  # ...while "first" runs (it has ~200 steps to go)
+            async for _ in running:
+                pass
+            await asyncio.gather(*tasks)
+            return finished
+
+        assert asyncio.run(main()) == ["high", "mid", "low-a", "low-b"]
+    finally:
+        ordered.stop()
+
+
 def test_chat_echo_puts_the_last_message_before_the_answer_when_it_is_in_the_answers_role(server):
     """vLLM's chat ``echo``: an assistant message the model goes on with (``continue_final_message``)
     comes back before what it wrote, streamed or not; a user's last message is not echoed."""

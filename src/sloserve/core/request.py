@@ -97,6 +97,8 @@ class Request:
     # The client went away (a served request): the executor finishes it the next time it is scheduled,
     # without computing it, and predictors do not learn from its cut-short length.
     aborted: bool = False
+    # vLLM's request priority: the lower, the sooner (schedulers with waiting_order=priority read it)
+    priority: int = 0
 
     # --- progress (mutated only by the scheduler's update) -------------------------------------
     status: RequestStatus = RequestStatus.WAITING

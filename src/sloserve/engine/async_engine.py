@@ -268,8 +268,10 @@ class AsyncLLMEngine:
         *,
         request_class: RequestClass = RequestClass.RT,
         slo: SLO = SLO(),
+        priority: int = 0,
     ) -> ServedRequest:
-        """Accept a request (call from a running event loop: its deltas go to that loop). Raises
+        """Accept a request (call from a running event loop: its deltas go to that loop); ``priority``:
+        vLLM's, for a scheduler that orders by it (the lower, the sooner). Raises
         ConfigError for a request that can never run (the message names why), QueueFullError,
         ShuttingDownError or EngineDeadError; nothing is queued then."""
         if self.error is not None:
@@ -298,7 +300,7 @@ class AsyncLLMEngine:
             self._served[request_id] = served
             self._num_queued += 1
             self._num_unfinished += 1
-        self._send(("add", AddRequest(request_id, prompt, params, request_class, slo, arrival)))
+        self._send(("add", AddRequest(request_id, prompt, params, request_class, slo, arrival, priority)))
         return served
 
     def check_room(self, num_requests: int) -> None:

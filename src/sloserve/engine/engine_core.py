@@ -117,6 +117,7 @@ class AddRequest:
     request_class: RequestClass
     slo: SLO
     arrival_time: float  # on the engine clock
+    priority: int = 0  # vLLM's: the lower, the sooner (schedulers with waiting_order=priority)
 
 
 class Output(NamedTuple):
@@ -271,6 +272,7 @@ class EngineCore:
                 add.params.max_tokens,
                 add.request_class,
                 add.slo,
+                priority=add.priority,
             )
             live = _Live(request)
             try:

@@ -63,8 +63,10 @@ class UnifiedConfig:
     # The waiting queue's order: first come, first served, or longest prefix match first (SGLang's
     # "lpm": the request whose prompt has the most blocks in the prefix cache; ties by arrival). Like
     # SGLang, lpm falls back to FCFS while more than LPM_MAX_WAITING requests wait (matching them all
-    # every step costs more than it gains). Without prefix caching the two are the same.
-    waiting_order: Literal["fcfs", "lpm"] = "fcfs"
+    # every step costs more than it gains). Without prefix caching the two are the same. "priority":
+    # vLLM's --scheduling-policy priority: by (priority, arrival), and the lowest-priority victim is
+    # the running request with the largest (priority, arrival).
+    waiting_order: Literal["fcfs", "lpm", "priority"] = "fcfs"
 
     def resolve(self, max_model_len: int) -> None:
         """Fill defaults that depend on the model and check every knob."""
@@ -114,12 +116,17 @@ class UnifiedConfig:
             raise ConfigError(f"eviction_victim must be lowest_priority or shortest, got {self.eviction_victim!r}")
         if self.evicted_to not in ("front", "back"):
             raise ConfigError(f"evicted_to must be front or back, got {self.evicted_to!r}")
-        if self.waiting_order not in ("fcfs", "lpm"):
-            raise ConfigError(f"waiting_order must be fcfs or lpm, got {self.waiting_order!r}")
+        if self.waiting_order not in ("fcfs", "lpm", "priority"):
+            raise ConfigError(f"waiting_order must be fcfs, lpm or priority, got {self.waiting_order!r}")
 
 
 # SGLang's lpm policy sorts the waiting queue only while at most this many requests wait.
 LPM_MAX_WAITING = 128
+
+
+def _priority_order(request: Request) -> tuple[int, float]:
+    """vLLM's priority order: the lower ``priority``, then the earlier arrival, first."""
+    return request.priority, request.arrival_time
 
 
 class UnifiedScheduler(CohortScheduler):
@@ -204,6 +211,8 @@ class UnifiedScheduler(CohortScheduler):
             best_effort = [r for r in running if r.request_class is RequestClass.BE]
             if best_effort:
                 return best_effort[-1]
+        if self.config.waiting_order == "priority" and self.config.eviction_victim == "lowest_priority":
+            return max(reversed(running), key=_priority_order)  # among equals the latest admitted
         if self.config.eviction_victim == "shortest":
             # Least KV held; among equals the latest admitted. O(running), and evictions are rare.
             return min(reversed(running), key=lambda r: r.num_computed_tokens)
@@ -282,6 +291,10 @@ class UnifiedScheduler(CohortScheduler):
         room = self._prefill_room(out, reserved)
         if caching and cfg.waiting_order == "lpm" and 1 < len(self.waiting) <= LPM_MAX_WAITING:
             self._order_by_prefix_match()
+        elif cfg.waiting_order == "priority" and len(self.waiting) > 1:
+            ordered = sorted(self.waiting, key=_priority_order)  # NOTE: nearly sorted after the first step
+            self.waiting.clear()
+            self.waiting.extend(ordered)
         while self.waiting and len(self.running) < cfg.max_num_seqs:
             request = self.waiting[0]
             if cfg.class_priority and request.request_class is not RequestClass.RT:

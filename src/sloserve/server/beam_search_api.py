@@ -57,6 +57,7 @@ async def beam_search(
         for i, ids in enumerate(prompts)
     ]
     width = body.n
+    serving.check_priority(body.priority)
     serving.engine.check_room(width * len(prompts))
     eos = frozenset(serving.engine.info.eos_token_ids)
     request_class = request_class or body.request_class()
@@ -99,7 +100,9 @@ async def _search(
     searching = search(prompt_ids, params, eos)
     batch = next(searching)
     while True:
-        served = [engine.submit(ids, step, request_class=request_class, slo=slo) for ids in batch]
+        served = [
+            engine.submit(ids, step, request_class=request_class, slo=slo, priority=body.priority) for ids in batch
+        ]
         try:
             generated = await asyncio.gather(*(collect(s) for s in served))
         except asyncio.CancelledError:  # the client left, or another search failed

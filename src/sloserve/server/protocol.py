@@ -45,7 +45,6 @@ FIELDS_NOT_SERVED: dict[str, tuple[tuple[Any, ...], str]] = {
     "logits_processors": (([],), ""),
     "spaces_between_special_tokens": ((True,), ""),
     "guided_whitespace_pattern": ((), ""),
-    "priority": ((0,), "service_tier: flex for best-effort, or the slo field"),
 }
 
 
@@ -112,6 +111,7 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     # vLLM's extensions
+    priority: int = 0  # the lower, the sooner: under a scheduler with waiting_order=priority only
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, and the k best
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N"
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the prompt's last k (-1: the context)

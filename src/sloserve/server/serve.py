@@ -134,6 +134,7 @@ def make_app(spec: EngineSpec, options: ServeOptions):
         options.tool_call_parser,
         options.reasoning_parser,
         options.trust_request_chat_template,
+        getattr(build_config(spec.scheduler, spec.scheduler_options), "waiting_order", "fcfs") == "priority",
     )
     serving = OpenAIServing(online, config, template)
     batches = None if store is None else BatchService(store, serving, options.batch_limits, metrics)

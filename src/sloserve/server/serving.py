@@ -61,6 +61,7 @@ class ServerConfig:
     tool_call_parser: str | None = None  # finds the calls of tool_choice "auto" (None: "auto" is refused)
     reasoning_parser: str | None = None  # splits chat outputs into reasoning_content and content
     trust_request_chat_template: bool = False  # a request may bring its own chat_template
+    priority_scheduling: bool = False  # the scheduler orders by vLLM's request priority (waiting_order=priority)
 
 
 class ModelNotFoundError(ConfigError):
@@ -533,6 +534,7 @@ class OpenAIServing:
                 f"server queues ({self.engine.max_queued_requests}, --max-queued-requests)",
             )
         reasoning_parser = self.config.reasoning_parser if isinstance(body, ChatCompletionRequest) else None
+        self.check_priority(body.priority)
         grammar = self._grammar(body, reasoning_parser)
         params = [
             self.sampling_params(body, ids, max_tokens, grammar, i if len(prompts) > 1 else None)
@@ -545,12 +547,24 @@ class OpenAIServing:
         try:
             for ids, p in zip(prompts, params, strict=True):
                 for j in range(body.num_choices):
-                    served.append(self.engine.submit(ids, p.for_choice(j), request_class=cls, slo=slo))
+                    served.append(
+                        self.engine.submit(ids, p.for_choice(j), request_class=cls, slo=slo, priority=body.priority)
+                    )
         except BaseException:
             for s in served:
                 self.engine.abort(s)
             raise
         return Submission(body, prompt_texts, served, self.logprobs_format_for(body), tool_use, reasoning_parser)
+
+    def check_priority(self, priority: int) -> None:
+        """vLLM's rule: a request priority other than 0 needs a scheduler that orders by it."""
+        if priority != 0 and not self.config.priority_scheduling:
+            raise ParameterError(
+                "priority",
+                f"got priority {priority}, but this server's scheduler does not order by priority: serve with "
+                "--set waiting_order=priority (the vllm and sarathi presets), or send service_tier: flex for "
+                "best-effort",
+            )
 
     def logprobs_format_for(self, body: SamplingRequest) -> LogprobsFormat:
         """How ``body``'s logprobs name tokens: by their text, or ``token_id:N`` where it asks for it."""

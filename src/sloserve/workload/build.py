@@ -153,6 +153,7 @@ def build_workload(
     order = np.lexsort((sample, sid, t))
     slos = [s.slo for s in spec.streams]
     classes = [s.request_class for s in spec.streams]
+    priorities = [s.priority for s in spec.streams]
     requests = [
         Request(
             request_id=rid,
@@ -164,6 +165,7 @@ def build_workload(
             slo=slos[si],
             prompt_blocks=None if contents[k] is None else contents[k](pi, oi),
             think_time_s=th,
+            priority=priorities[si],
         )
         for rid, (k, at, pi, oi, mi, si, th) in enumerate(
             zip(

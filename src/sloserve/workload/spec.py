@@ -119,6 +119,7 @@ class StreamSpec:
     slo: SLO = field(default_factory=SLO)
     max_tokens: int | None = None
     start_s: float = 0.0
+    priority: int = 0  # vLLM's request priority (the lower, the sooner; waiting_order=priority)
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,7 @@ class _StreamFields(_Fields):
     slo: _SLOFields | None = None
     max_tokens: PositiveInt | None = None
     start_s: NonNegativeNumber = 0.0
+    priority: int = 0
 
 
 # Hints after "is required" for fields whose shape is not obvious.
@@ -282,6 +283,7 @@ def _parse_stream(raw: Any, i: int, origin: str, base_dir: Path | None) -> Strea
         slo,
         fields.max_tokens,
         float(fields.start_s),
+        fields.priority,
     )
 
 

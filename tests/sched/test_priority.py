@@ -1,0 +1,76 @@
+"""vLLM's priority scheduling (``--set waiting_order=priority`` on the unified presets): waiting
+requests admitted by (priority, arrival), the running request with the largest of those evicted
+first; a workload stream's ``priority`` reaches its requests."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import Driver, llama7b_cost, scheduler
+from sloserve.core.errors import ConfigError
+from sloserve.core.request import Request
+from sloserve.sim import simulate
+from sloserve.workload import build_workload, parse_workload_spec
+
+
+def request(request_id: int, priority: int, arrival: float = 0.0, prompt: int = 200, output: int = 40) -> Request:
+    return Request(request_id=request_id, arrival_time=arrival, num_prompt_tokens=prompt, true_output_tokens=output,
+                   max_tokens=400, priority=priority)  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(-3, 3), min_size=2, max_size=12))
+def test_requests_are_admitted_by_priority_then_arrival(priorities):
+    """One request at a time (max_num_seqs 1): the admission order is the (priority, arrival) order,
+    whatever order they arrived in; FCFS ignores the priorities."""
+    requests = [request(i, p, arrival=0.001 * i) for i, p in enumerate(priorities)]
+    drv = Driver(scheduler("vllm", 20_000, max_num_seqs=1, waiting_order="priority"))
+    # NOTE: the first request is admitted on its own, before the others arrive
+    drv.run(requests)
+    admitted = [rid for step in drv.log for rid, _ in step.chunks]
+    rest = sorted(requests[1:], key=lambda r: (r.priority, r.arrival_time))
+    assert admitted == [0, *(r.request_id for r in rest)]
+    fcfs = Driver(scheduler("vllm", 20_000, max_num_seqs=1))
+    fcfs.run([request(i, p, arrival=0.001 * i) for i, p in enumerate(priorities)])
+    assert [rid for step in fcfs.log for rid, _ in step.chunks] == list(range(len(priorities)))
+
+
+def test_the_lowest_priority_running_request_is_evicted_first():
+    """KV for three prompts but two requests' growth: the running request with the largest priority
+    is evicted (the first admitted here), where FCFS evicts the latest admitted; all complete."""
+    evicted = {}
+    for order in ("priority", "fcfs"):
+        requests = [request(0, 5, arrival=0.0, prompt=512, output=400), request(1, 0, arrival=0.01, prompt=512,
+                    output=400), request(2, 1, arrival=0.02, prompt=512, output=400)]  # fmt: skip
+        drv = Driver(scheduler("vllm", 2_000, waiting_order=order))
+        drv.run(requests)
+        evicted[order] = [rid for step in drv.log for rid, _ in step.preempted]
+        assert all(r.num_output_tokens == r.true_output_tokens for r in requests)
+    assert evicted == {"priority": [0], "fcfs": [2]}
+
+
+def test_a_streams_priority_reaches_its_requests_and_shortens_their_wait():
+    """Two streams of the same requests under overload: the one with the lower priority value waits
+    less under waiting_order=priority; under FCFS the two wait alike."""
+    stream = {"source": {"fixed": {"prompt": 300, "output": 60}}, "arrival": {"process": "poisson", "rate": 40},
+              "num_requests": 150}  # fmt: skip
+    spec = parse_workload_spec({"name": "two", "streams": [{**stream, "name": "low", "priority": 3},
+                                                          {**stream, "name": "high", "priority": -1}]}, origin="two.yaml")  # fmt: skip
+    assert [s.priority for s in spec.streams] == [3, -1]
+    waits = {}
+    for order in ("priority", "fcfs"):
+        built = build_workload(spec, seed=0, context_len=4096)
+        result = simulate(built.requests, lambda o=order: scheduler("vllm", 6_000, max_num_seqs=16, waiting_order=o),
+                          llama7b_cost())  # fmt: skip
+        assert all(r.is_finished for r in result.requests) and {r.priority for r in result.requests} == {3, -1}
+        waits[order] = {p: sum(r.first_scheduled_time - r.arrival_time for r in result.requests if r.priority == p)
+                        for p in (3, -1)}  # fmt: skip
+    assert waits["priority"][-1] < 0.5 * waits["priority"][3]
+    assert waits["fcfs"][-1] == pytest.approx(waits["fcfs"][3], rel=0.5)
+
+
+def test_an_unknown_waiting_order_is_refused():
+    with pytest.raises(ConfigError, match="waiting_order='lifo': expected one of fcfs, lpm, priority"):
+        scheduler("vllm", 10_000, waiting_order="lifo")
