@@ -351,6 +351,7 @@ def fresh_request(request):
         predicted_output_tokens=request.predicted_output_tokens,
         prompt_blocks=request.prompt_blocks,
         think_time_s=request.think_time_s,
+        priority=request.priority,
     )
 
 

@@ -4,6 +4,11 @@ first; a workload stream's ``priority`` reaches its requests."""
 
 from __future__ import annotations
 
+import csv
+import json
+import subprocess
+import sys
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -69,6 +74,29 @@ def test_a_streams_priority_reaches_its_requests_and_shortens_their_wait():
                         for p in (3, -1)}  # fmt: skip
     assert waits["priority"][-1] < 0.5 * waits["priority"][3]
     assert waits["fcfs"][-1] == pytest.approx(waits["fcfs"][3], rel=0.5)
+
+
+def test_simulate_reports_each_priority_level_of_a_workload(tmp_path):
+    """``sloserve simulate --workload`` with streams of two priorities: ``summary.json`` gains
+    ``priorities``, each level's metrics, and its requests.csv their priority."""
+    spec = tmp_path / "two.yaml"
+    stream = (
+        "source: {fixed: {prompt: 300, output: 60}}\n    arrival: {process: poisson, rate: 40}\n    num_requests: 100"
+    )
+    spec.write_text(f"name: two\nstreams:\n  - name: low\n    priority: 3\n    {stream}\n"
+                    f"  - name: high\n    priority: -1\n    {stream}\n")  # fmt: skip
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sloserve.cli", "simulate", "--workload", str(spec), "--scheduler", "vllm",
+         "--set", "waiting_order=priority", "--set", "max_num_seqs=16", "--kv-capacity-tokens", "6000", "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    levels = json.loads((out / "summary.json").read_text())["priorities"]
+    assert sorted(levels) == ["-1", "3"] and levels["-1"]["num_requests"] == levels["3"]["num_requests"] == 100
+    assert levels["-1"]["ttft_s"]["mean"] < 0.5 * levels["3"]["ttft_s"]["mean"]
+    with open(out / "requests.csv") as f:
+        assert sorted({row["priority"] for row in csv.DictReader(f)}) == ["-1", "3"]
 
 
 def test_an_unknown_waiting_order_is_refused():

@@ -21,6 +21,8 @@ openai = pytest.importorskip("openai")
 import httpx  # noqa: E402
 
 from served_model import MODEL, Server  # noqa: E402
+from sloserve.bench.client import request_body  # noqa: E402
+from sloserve.core.request import Request  # noqa: E402
 from sloserve.engine.tokenizer import HFTokenizer  # noqa: E402
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over"]
@@ -731,7 +733,7 @@ HERMES_BLOCK = (
 def test_vllms_priority_needs_a_scheduler_that_orders_by_it_and_then_goes_first(server, chat_model_dir):
     """``priority`` other than 0 is a 400 naming it on an FCFS server (vLLM's rule); under
     ``--set waiting_order=priority`` (one request at a time here) the requests that queue behind a
-    running one start by priority, the lower first, then arrival."""
+    running one start by priority, the lower first, then arrival; bench-serve sends a workload's."""
     with pytest.raises(openai.BadRequestError) as e:
         server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"priority": 1})
     assert e.value.body["param"] == "priority" and "waiting_order=priority" in e.value.message
@@ -763,6 +765,9 @@ def test_vllms_priority_needs_a_scheduler_that_orders_by_it_and_then_goes_first(
         assert asyncio.run(main()) == ["high", "mid", "low-a", "low-b"]
     finally:
         ordered.stop()
+    # bench-serve sends a workload request's priority (vLLM's field), none at 0
+    assert request_body(MODEL, Request(0, 0.0, 4, 2, 2, priority=-1), "hi")["priority"] == -1
+    assert "priority" not in request_body(MODEL, Request(0, 0.0, 4, 2, 2), "hi")
 
 
 def test_chat_echo_puts_the_last_message_before_the_answer_when_it_is_in_the_answers_role(server):

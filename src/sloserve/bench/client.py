@@ -8,7 +8,8 @@ way equal ids of a trace's segments (``hash_ids``) give equal tokens, so a serve
 finds exactly the blocks a simulation finds; the cached tokens it reports are recorded.
 Requests leave at their arrival times (Poisson, gamma, the trace's own, or all at once); a workload's
 closed-loop batches are sent when the batch before them has completed. BE requests carry
-``service_tier: "flex"``, and requests with an SLO carry it as ``slo`` (sloserve's extension).
+``service_tier: "flex"``, requests with an SLO carry it as ``slo`` (sloserve's extension), and those
+with a priority other than 0 carry it as ``priority`` (vLLM's).
 
 From the stream, per request: TTFT (arrival to the first chunk with a choice), TPOT ((last chunk - first
 chunk) / (output tokens - 1), with the output tokens from the final usage), the largest gap between
@@ -107,6 +108,8 @@ def request_body(model: str, request: Request, prompt: list[int] | str) -> dict:
     slo = request.slo
     if slo.ttft_s is not None or slo.tpot_s is not None:
         body["slo"] = {k: v * 1000 for k, v in (("ttft_ms", slo.ttft_s), ("tpot_ms", slo.tpot_s)) if v is not None}
+    if request.priority:
+        body["priority"] = request.priority
     return body
 
 

@@ -34,6 +34,7 @@ REQUEST_COLUMNS: dict[str, Any] = {
     "request_id": np.int64,
     "replica": np.int64,
     "request_class": object,  # "rt" / "be"
+    "priority": np.int64,  # vLLM's request priority (0 unless a workload stream sets one)
     "arrival_s": np.float64,
     "prompt_tokens": np.int64,
     "cached_tokens": np.int64,  # prompt tokens found in the prefix cache at admission
@@ -86,6 +87,7 @@ def request_table(requests: Sequence[Request]) -> dict[str, np.ndarray]:
         "request_id": [r.request_id for r in reqs],
         "replica": [r.replica for r in reqs],
         "request_class": [RequestClass(r.request_class).value for r in reqs],
+        "priority": [r.priority for r in reqs],
         "arrival_s": [r.arrival_time for r in reqs],
         "prompt_tokens": [r.num_prompt_tokens for r in reqs],
         "cached_tokens": [r.num_cached_tokens for r in reqs],
@@ -294,6 +296,9 @@ def summarize(
         if mask.any():
             classes[cls.value] = _request_metrics(table, mask, duration)
     summary["classes"] = classes
+    levels = np.unique(table["priority"])
+    if levels.size > 1:  # a workload with priorities (waiting_order=priority): each level's metrics
+        summary["priorities"] = {str(p): _request_metrics(table, table["priority"] == p, duration) for p in levels}
 
     key_order = [
         "num_requests", "completed", "duration_s", "throughput_rps", "throughput_tps",
