@@ -99,6 +99,8 @@ def test_simulate_reports_each_priority_level_of_a_workload(tmp_path):
         assert sorted({row["priority"] for row in csv.DictReader(f)}) == ["-1", "3"]
 
 
-def test_an_unknown_waiting_order_is_refused():
+def test_an_unknown_waiting_order_or_one_a_scheduler_would_ignore_is_refused():
     with pytest.raises(ConfigError, match="waiting_order='lifo': expected one of fcfs, lpm, priority"):
         scheduler("vllm", 10_000, waiting_order="lifo")
+    with pytest.raises(ConfigError, match="waiting_order=priority does not apply to the rank schedulers"):
+        scheduler("rank_i", 10_000, waiting_order="priority")

@@ -63,6 +63,11 @@ class RankConfig(UnifiedConfig):
             raise ConfigError("rank_by=output needs a predictor (oracle or histogram)")
         if self.readmit_horizon_steps < 0:
             raise ConfigError(f"readmit_horizon_steps must be >= 0, got {self.readmit_horizon_steps}")
+        if self.waiting_order != "fcfs":
+            raise ConfigError(
+                f"waiting_order={self.waiting_order} does not apply to the rank schedulers: their rank orders "
+                "the waiting requests"
+            )
         if self.role != "colocated":
             raise ConfigError(
                 f"the rank schedulers run colocated only (no prefill/decode hand-off), got role={self.role!r}"

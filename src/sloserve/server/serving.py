@@ -562,7 +562,7 @@ class OpenAIServing:
             raise ParameterError(
                 "priority",
                 f"got priority {priority}, but this server's scheduler does not order by priority: serve with "
-                "--set waiting_order=priority (the vllm and sarathi presets), or send service_tier: flex for "
+                "--set waiting_order=priority (vllm, sarathi, orca, infermax), or send service_tier: flex for "
                 "best-effort",
             )
 
