@@ -465,6 +465,10 @@ def test_serve_refuses_bad_settings_with_one_line_and_exit_2():
 
     assert "--set predictor=histogram" in serve("--scheduler", "econoserve")  # an oracle predictor
     assert "--rt-ttft-ms must be > 0" in serve("--rt-ttft-ms", "-3")
+    assert "disagree: give one" in serve("--scheduling-policy", "priority", "--set", "waiting_order=lpm")
+    assert "scheduler bros has no option 'waiting_order'" in serve(
+        "--scheduler", "bros", "--scheduling-policy", "priority"
+    )
     for flag in (["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]):
         assert "--enable-auto-tool-choice and --tool-call-parser go together" in serve(*flag)
     assert "'--tool-call-parser': 'granite' is not one of 'hermes', 'llama3_json', 'pythonic', 'mistral'" in serve(

@@ -120,6 +120,12 @@ def _import_serve_extra(module: str):
     help="The chat template to render chat requests with: a Jinja file, or the template itself [the model's].",
 )
 @click.option(
+    "--scheduling-policy",
+    type=click.Choice(["fcfs", "priority"]),
+    help="vLLM's flag: priority admits waiting requests by their priority field, the lower first, and evicts "
+    "the largest first (--set waiting_order=priority; the vllm, sarathi, orca and infermax presets).",
+)
+@click.option(
     "--trust-request-chat-template",
     is_flag=True,
     help="Render a chat request with the chat_template it sends (else a 400): only for clients you trust.",
@@ -173,6 +179,7 @@ def serve(
     cpus_per_replica: int | None,
     replica_start_timeout: float,
     chat_template: str | None,
+    scheduling_policy: str | None,
     trust_request_chat_template: bool,
     enable_auto_tool_choice: bool,
     tool_call_parser: str | None,
@@ -201,6 +208,14 @@ def serve(
             rt_tpot_ms = planned.slo.tpot_s * 1000
         if "enable_prefix_caching" not in given and planned.enable_prefix_caching is not None:
             options["enable_prefix_caching"] = planned.enable_prefix_caching
+    if scheduling_policy is not None:  # NOTE: fcfs is every scheduler's own order: nothing to set
+        given = set_options.get("waiting_order")
+        if given is not None and (given == "priority") != (scheduling_policy == "priority"):
+            raise ConfigError(
+                f"--scheduling-policy {scheduling_policy} and --set waiting_order={given} disagree: give one"
+            )
+        if scheduling_policy == "priority":
+            set_options["waiting_order"] = "priority"
     serve_module = _import_serve_extra("sloserve.server.serve")
     if not 0 < port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {port}")
