@@ -188,7 +188,7 @@ def serve(
     **options: Any,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
-    /v1/models, /health, /metrics) with the chosen scheduler. Requests with service_tier "flex" are
+    /v1/responses, /v1/models, /health, /metrics) with the chosen scheduler. Requests with service_tier "flex" are
     best-effort; the others real-time. With --data-dir, also the Files and Batch API (/v1/files,
     /v1/batches), whose lines run best-effort beside online traffic. With --replicas N, N engines on
     Ray Serve behind the same API, each request routed by --router."""
