@@ -311,7 +311,9 @@ def test_beam_search_lines_answer_as_online_and_a_cancel_ends_their_search(serve
     long = completion_line("long", "Hello", max_tokens=240, n=10, ignore_eos=True, use_beam_search=True)
     batch = client.batches.create(input_file_id=upload(client, [long]).id, endpoint="/v1/completions",
                                   completion_window="24h")  # fmt: skip
+    deadline = time.monotonic() + 60
     while server.engine.num_unfinished == 0:  # the search has begun (240 steps of 10 requests: seconds)
+        assert time.monotonic() < deadline, "the beam search line did not start"
         time.sleep(0.01)
     client.batches.cancel(batch.id)
     batch = wait_final(client, batch.id)

@@ -754,7 +754,9 @@ def test_vllms_priority_needs_a_scheduler_that_orders_by_it_and_then_goes_first(
             await anext(aiter(running))  # it runs: the next ones queue behind it
             queued = [one("low-a", 5), one("low-b", 5), one("high", -1), one("mid", 2)]
             tasks = [asyncio.ensure_future(q) for q in queued]
+            deadline = time.monotonic() + 30
             while ordered.engine.num_queued < 4:  # all four accepted...
+                assert time.monotonic() < deadline, "the four requests were not accepted"
                 await asyncio.sleep(0.005)
             assert ordered.engine.num_unfinished == 5  # ...while "first" runs (it has ~200 steps to go)
             async for _ in running:
