@@ -25,6 +25,7 @@ CREATE TABLE IF NOT EXISTS responses (
     input TEXT NOT NULL,                -- JSON list: this request's input items
     response TEXT NOT NULL              -- JSON: the response object
 );
+CREATE INDEX IF NOT EXISTS responses_by_seq ON responses (seq);  -- MAX(seq) at each store, the eviction
 """
 # Responses kept without --data-dir (a server that cannot keep them forever keeps the newest).
 MAX_IN_MEMORY = 1000
