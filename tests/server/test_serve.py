@@ -310,8 +310,9 @@ def test_the_request_log_reads_as_a_trace(server, tmp_path):
     trace = load_trace(str(snapshot))
     lines = [json.loads(line) for line in snapshot.read_text().splitlines()]
     assert len(trace) == len(lines) > 0 and trace.arrival_s is not None
-    ours = (len(server.engine.tokenizer.encode("Hello world")), 5, "length")
-    assert ours in [(line["prompt_tokens"], line["output_tokens"], line["finish_reason"]) for line in lines]
+    ours = (len(server.engine.tokenizer.encode("Hello world")), 5, "length", "rt", 0)
+    assert ours in [(line["prompt_tokens"], line["output_tokens"], line["finish_reason"], line["request_class"],
+                     line["priority"]) for line in lines]  # fmt: skip
     by_arrival = sorted(lines, key=lambda line: line["arrival_s"])  # the log is in finishing order
     assert list(trace.output_tokens) == [line["output_tokens"] for line in by_arrival]
     assert list(trace.prompt_tokens) == [line["prompt_tokens"] for line in by_arrival]

@@ -97,8 +97,10 @@ class ServedRequest:
         request_class: RequestClass,
         slo: SLO,
         loop: asyncio.AbstractEventLoop,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.priority = priority
         self.arrival_time = arrival_time
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -295,7 +297,9 @@ class AsyncLLMEngine:
             probe = Request(request_id, arrival, len(prompt), params.max_tokens, params.max_tokens, request_class, slo)
             self._scheduler.check_fits(probe, len(prompt) + params.max_tokens - 1)
             self._next_id += 1
-            served = ServedRequest(request_id, arrival, prompt, params, request_class, slo, asyncio.get_running_loop())
+            served = ServedRequest(
+                request_id, arrival, prompt, params, request_class, slo, asyncio.get_running_loop(), priority
+            )
             served.detokenizer = Detokenizer.for_params(self.tokenizer, params)
             self._served[request_id] = served
             self._num_queued += 1

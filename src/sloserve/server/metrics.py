@@ -234,6 +234,7 @@ class ServerMetrics:
             "hash_ids": segment_hash_ids(served.prompt_token_ids),  # Mooncake's format: 512-token segments
             "max_tokens": served.params.max_tokens,
             "request_class": served.request_class.value,
+            "priority": served.priority,
             "slo_ttft_s": served.slo.ttft_s,
             "slo_tpot_s": served.slo.tpot_s,
             "finish_reason": served.finish_reason,
