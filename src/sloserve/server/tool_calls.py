@@ -39,7 +39,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# vLLM's names of the parsers of "auto" tool choice: <tool_call> blocks; Llama 3's JSON calls; Python calls
+# vLLM's names of the parsers of "auto" tool choice: <tool_call> blocks; Llama 3's JSON calls; Python calls;
+# Mistral's [TOOL_CALLS]
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3's token before a call, where its template asks for one
@@ -106,6 +107,11 @@ class ToolDelta:
 
 def call_head(index: int, name: str, arguments: str, new_id: Callable[[], str] = call_id) -> dict[str, Any]:
     return {"index": index, "id": new_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _arguments_text(arguments: Any) -> str:
+    """A call's arguments as OpenAI sends them: JSON text (a model may have written them as a string)."""
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
 def merge(deltas: list[ToolDelta]) -> tuple[str | None, list[dict[str, Any]]]:
@@ -269,9 +275,7 @@ class HermesParser(ToolCallParser):
         except json.JSONDecodeError:
             call = None
         if isinstance(call, dict) and isinstance(call.get("name"), str):
-            arguments = call.get("arguments", {})
-            text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-            out.calls.append(self.head(call["name"], text))
+            out.calls.append(self.head(call["name"], _arguments_text(call.get("arguments", {}))))
             return True
         out.content += self.gap + HERMES_OPEN + body + close
         return False
@@ -313,9 +317,7 @@ class Llama3JsonParser(ToolCallParser):
                 return ToolDelta(calls=calls)  # not closed yet, or not JSON (content, at the end)
             if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
                 return ToolDelta(calls=calls)  # not a call: the rest is content, at the end
-            arguments = call.get("parameters", call.get("arguments", {}))
-            text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-            calls.append(self.head(call["name"], text))
+            calls.append(self.head(call["name"], _arguments_text(call.get("parameters", call.get("arguments", {})))))
             self.position = end
 
     def finish(self) -> ToolDelta:
@@ -451,10 +453,6 @@ class MistralParser(ToolCallParser):
             return self._decoder.raw_decode(self.text, at)
         except json.JSONDecodeError:
             return None, -1
-
-
-def _arguments_text(arguments: Any) -> str:
-    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
 def python_calls(text: str) -> list[tuple[str, dict[str, Any]]] | None:
