@@ -39,15 +39,17 @@ log = logging.getLogger("uvicorn.error")  # uvicorn configures it: our lines go 
 ORACLE_PREDICTORS = frozenset({"oracle", "noisy-oracle"})
 
 
-def check_servable(scheduler: str, options: dict[str, Any]) -> None:
-    """A ConfigError when ``scheduler`` (with ``options``) needs the true output lengths."""
-    predictor = getattr(build_config(scheduler, options), "predictor", "none")
+def check_servable(scheduler: str, options: dict[str, Any]) -> Any:
+    """The config of ``scheduler`` with ``options``; a ConfigError when it needs the true output lengths."""
+    config = build_config(scheduler, options)
+    predictor = getattr(config, "predictor", "none")
     if predictor in ORACLE_PREDICTORS:
         raise ConfigError(
             f"scheduler {scheduler} predicts response lengths with the {predictor!r} predictor, which reads each "
             "request's true output length: a server cannot know it. Serve with an online predictor: "
             "--set predictor=histogram"
         )
+    return config
 
 
 @dataclass
@@ -106,7 +108,11 @@ def make_app(spec: EngineSpec, options: ServeOptions):
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
     if options.max_queued_requests < 1:
         raise ConfigError(f"--max-queued-requests must be >= 1, got {options.max_queued_requests}")
-    check_servable(spec.scheduler, spec.scheduler_options)
+    if options.tool_call_parser is not None and options.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+    if options.reasoning_parser is not None and options.reasoning_parser not in REASONING_PARSERS:
+        raise ConfigError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
+    scheduler_config = check_servable(spec.scheduler, spec.scheduler_options)
     store = None
     if options.data_dir is not None:
         options.batch_limits.check(options.max_queued_requests)
@@ -123,10 +129,6 @@ def make_app(spec: EngineSpec, options: ServeOptions):
         if store is not None:
             store.close()
         raise
-    if options.tool_call_parser is not None and options.tool_call_parser not in TOOL_CALL_PARSERS:
-        raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
-    if options.reasoning_parser is not None and options.reasoning_parser not in REASONING_PARSERS:
-        raise ConfigError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
     config = ServerConfig(
         options.served_model_name,
         options.rt_ttft_ms,
@@ -134,7 +136,7 @@ def make_app(spec: EngineSpec, options: ServeOptions):
         options.tool_call_parser,
         options.reasoning_parser,
         options.trust_request_chat_template,
-        getattr(build_config(spec.scheduler, spec.scheduler_options), "waiting_order", "fcfs") == "priority",
+        getattr(scheduler_config, "waiting_order", "fcfs") == "priority",
     )
     serving = OpenAIServing(online, config, template)
     batches = None if store is None else BatchService(store, serving, options.batch_limits, metrics)
