@@ -19,7 +19,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from sloserve.core.errors import ConfigError
-from sloserve.engine.sampler import MAX_LOGPROBS, Logprobs
+from sloserve.engine.sampler import MAX_LOGPROBS, Logprobs, SamplingParams
 
 # The widest beam: each step asks for 2 * beam_width log-probabilities, at most MAX_LOGPROBS.
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
@@ -39,6 +39,11 @@ class BeamSearchParams:
             raise ConfigError(f"beam_width must be in 1..{MAX_BEAM_WIDTH}, got {self.beam_width}")
         if self.max_tokens < 1:
             raise ConfigError(f"beam search needs max_tokens >= 1, got {self.max_tokens}")
+
+    def step_params(self) -> SamplingParams:
+        """The engine request of one beam's step: one greedy token, with the ``2 * beam_width``
+        likeliest tokens' log-probabilities."""
+        return SamplingParams(max_tokens=1, temperature=0, logprobs=2 * self.beam_width)
 
 
 @dataclass

@@ -199,7 +199,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         encoded = [self._token_ids(p, i)[1] for i, p in enumerate(prompts)]
-        step = SamplingParams(max_tokens=1, temperature=0, logprobs=2 * params.beam_width)
+        step = params.step_params()
         # NOTE: as vLLM, max_tokens is cut to what each prompt's context leaves
         fits = [
             self.engine.check_request(ids, dataclasses.replace(step, max_tokens=params.max_tokens), f"prompt {i}")

@@ -16,7 +16,6 @@ from fastapi.responses import JSONResponse, Response
 
 from sloserve.core.request import RequestClass
 from sloserve.engine.beam_search import Beam, BeamSearchParams, search
-from sloserve.engine.sampler import SamplingParams
 from sloserve.server.protocol import ChatCompletionRequest, CompletionRequest, usage
 from sloserve.server.responses import unless_gone
 from sloserve.server.serving import (
@@ -95,7 +94,7 @@ async def _search(
 ) -> list[Beam]:
     """One prompt's beams: each step, every live beam's next token from the engine."""
     engine = serving.engine
-    step = SamplingParams(max_tokens=1, temperature=0, logprobs=2 * params.beam_width)
+    step = params.step_params()
     slo = body.slo_for(request_class, serving.config.rt_ttft_ms, serving.config.rt_tpot_ms)
     searching = search(prompt_ids, params, eos)
     batch = next(searching)
