@@ -95,9 +95,7 @@ LLAMA = [LLAMA_CALL, "; ", " ", "\n", "x", "{", "}", '"name"', "<|python_tag|>",
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(LLAMA), max_size=10), st.lists(st.integers(0, 10_000), max_size=8))
 def test_llama3_json_streamed_anywhere_equals_whole(fragments, cuts):
-    text = "".join(fragments)
-    whole = read(Llama3JsonParser(), [text])
-    assert read(Llama3JsonParser(), split(text, cuts)) == read(Llama3JsonParser(), list(text)) == whole
+    read_streamed_anywhere(Llama3JsonParser, "".join(fragments), cuts)
 
 
 @pytest.mark.parametrize(
@@ -155,8 +153,7 @@ MISTRAL = ["[TOOL_CALLS]", "[ARGS]", "[", "TOOL", "_CALLS]", "f", "g", '{"a": [1
 @given(st.lists(st.sampled_from(MISTRAL), max_size=12), st.lists(st.integers(0, 10_000), max_size=8))
 def test_mistral_streamed_anywhere_equals_whole(fragments, cuts):
     text = "".join(fragments)
-    whole = read(MistralParser(), [text])
-    assert read(MistralParser(), split(text, cuts)) == read(MistralParser(), list(text)) == whole
+    whole = read_streamed_anywhere(MistralParser, text, cuts)
     if "[TOOL_CALLS]" not in text:
         assert whole == (text.rstrip() or None, [])
 
@@ -182,13 +179,19 @@ def split(text: str, cuts: list[int]) -> list[str]:
     return [text[a:b] for a, b in zip(positions, positions[1:], strict=False)]
 
 
+def read_streamed_anywhere(make_parser, text: str, cuts: list[int]) -> tuple[str | None, list[tuple[str, str]]]:
+    """The message of ``text`` read whole, after checking that split at ``cuts``, and a character at a
+    time, a fresh parser reads the same."""
+    whole = read(make_parser(), [text])
+    assert read(make_parser(), split(text, cuts)) == read(make_parser(), list(text)) == whole
+    return whole
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(FRAGMENTS), max_size=14), st.lists(st.integers(0, 10_000), max_size=8))
 def test_hermes_streamed_anywhere_equals_whole(fragments, cuts):
     text = "".join(fragments)
-    whole = read(HermesParser(), [text])
-    assert read(HermesParser(), split(text, cuts)) == whole
-    assert read(HermesParser(), list(text)) == whole  # a character at a time
+    whole = read_streamed_anywhere(HermesParser, text, cuts)
     if "<" not in text:
         assert whole == (text.rstrip() or None, [])
 
@@ -196,10 +199,7 @@ def test_hermes_streamed_anywhere_equals_whole(fragments, cuts):
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.sampled_from(ARRAY), max_size=10), st.lists(st.integers(0, 10_000), max_size=8))
 def test_required_streamed_anywhere_equals_whole(fragments, cuts):
-    text = "".join(fragments)
-    whole = read(RequiredCallsParser(), [text])
-    assert read(RequiredCallsParser(), split(text, cuts)) == whole
-    assert read(RequiredCallsParser(), list(text)) == whole
+    whole = read_streamed_anywhere(RequiredCallsParser, "".join(fragments), cuts)
     for _, arguments in whole[1]:
         json.loads(arguments)
 
