@@ -34,6 +34,7 @@ from hf_models import VOCAB
 from served_model import CORPUS, MODEL, Server, generate
 from sloserve.bench.client import free_loopback_port, wait_until_ready
 from sloserve.engine.chat_template import ChatTemplate
+from sloserve.workload import workload_from_trace
 from sloserve.workload.traces import load_trace
 
 
@@ -303,6 +304,10 @@ def test_the_request_log_reads_as_a_trace(server, tmp_path):
     server.client.completions.create(
         model=MODEL, prompt="Hello world", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
     )
+    server.client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0,
+                                     extra_body={"ignore_eos": True, "service_tier": "flex"})  # fmt: skip
+    server.client.completions.create(model=MODEL, prompt="Hey", max_tokens=4, temperature=0,
+                                     extra_body={"ignore_eos": True, "slo": {"ttft_ms": 800, "tpot_ms": 90}})  # fmt: skip
     # NOTE: one snapshot of the log: a request of an earlier test may still end and append a line
     # (the engine logs a request before its answer goes out, so ours is there)
     snapshot = tmp_path / "requests.jsonl"
@@ -318,6 +323,15 @@ def test_the_request_log_reads_as_a_trace(server, tmp_path):
     assert list(trace.prompt_tokens) == [line["prompt_tokens"] for line in by_arrival]
     # the prompts' prefix structure: a replay of the log shares what the served requests shared
     assert list(trace.hash_ids) == [tuple(line["hash_ids"]) for line in by_arrival]
+    # and each request is replayed with what it was served with
+    replay = workload_from_trace(str(snapshot), num_requests=len(lines), seed=0, context_len=2048, trace_arrivals=True)
+    logged = [(line["request_class"], line["priority"], line["slo_ttft_s"], line["slo_tpot_s"], line["max_tokens"])
+              for line in by_arrival]  # fmt: skip
+    assert [(r.request_class.value, r.priority, r.slo.ttft_s, r.slo.tpot_s, r.max_tokens) for r in replay.requests] == [
+        (cls, priority, ttft, tpot, max_tokens or 2048 - line["prompt_tokens"])
+        for (cls, priority, ttft, tpot, max_tokens), line in zip(logged, by_arrival)
+    ]
+    assert ("be", 0, None, None, 3) in logged and ("rt", 0, 0.8, 0.09, 4) in logged
 
 
 def test_the_request_log_keeps_the_prompts_sharing(tmp_path):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from sloserve.core.errors import ConfigError, UnknownNameError
+from sloserve.core.request import SLO
 from sloserve.workload import arrivals, workload_from_trace
 from sloserve.workload.traces import TRACES, load_trace, trace_summary
 
@@ -268,3 +269,88 @@ def test_mooncake_hash_ids_become_the_prompts_prefix_structure():
         workload_from_trace("sharegpt", num_requests=5, seed=0, context_len=4096, rate=1.0).requests[0].prompt_blocks
         is None
     )
+
+
+# --- what each request was served with (a request log's class, priority, SLO, max_tokens) -------------
+LOGGED = [  # out of arrival order, as a request log is (one line as each request ends)
+    {"arrival_s": 0.3, "prompt_tokens": 40, "output_tokens": 9, "request_class": "rt", "priority": -1,
+     "slo_ttft_s": 0.2, "slo_tpot_s": 0.05, "max_tokens": 9},
+    {"arrival_s": 0.1, "prompt_tokens": 30, "output_tokens": 20, "request_class": "be", "priority": 3,
+     "slo_ttft_s": None, "slo_tpot_s": None, "max_tokens": None},
+    {"arrival_s": 0.2, "prompt_tokens": 20, "output_tokens": 5, "request_class": "RT", "priority": 0,
+     "slo_ttft_s": 1.5, "slo_tpot_s": None, "max_tokens": 16},
+]  # fmt: skip
+
+
+def settings(workload):
+    return [(r.request_class.value, r.priority, r.slo, r.max_tokens) for r in workload.requests]
+
+
+def test_a_request_log_replays_with_each_requests_class_priority_slo_and_max_tokens(tmp_path):
+    log = tmp_path / "requests.jsonl"
+    log.write_text("".join(json.dumps(line) + "\n" for line in LOGGED))
+    replay = workload_from_trace(str(log), num_requests=3, seed=0, context_len=100, trace_arrivals=True)
+    assert [r.num_prompt_tokens for r in replay.requests] == [30, 20, 40]  # in arrival order, settings with them
+    assert settings(replay) == [("be", 3, SLO(), 70), ("rt", 0, SLO(1.5), 16), ("rt", -1, SLO(0.2, 0.05), 9)]
+    # what the command line sets applies to every request
+    fixed = workload_from_trace(
+        str(log), num_requests=3, seed=0, context_len=100, trace_arrivals=True, slo={"ttft_s": 0.4}, max_tokens=12
+    )
+    assert settings(fixed) == [("be", 3, SLO(0.4), 12), ("rt", 0, SLO(0.4), 12), ("rt", -1, SLO(0.4), 12)]
+    assert [r.true_output_tokens for r in fixed.requests] == [12, 5, 9]  # truncated to the cap, as served
+    # the same rows as CSV, empty cells left to the stream
+    csv_log = tmp_path / "requests.csv"
+    csv_log.write_text(
+        "arrival_s,prompt_tokens,output_tokens,request_class,priority,slo_ttft_s,max_tokens\n"
+        "0,30,20,be,3,,\n0.1,20,5,,,1.5,16\n"
+    )
+    replay = workload_from_trace(str(csv_log), num_requests=2, seed=0, context_len=100, trace_arrivals=True)
+    assert settings(replay) == [("be", 3, SLO(), 70), ("rt", 0, SLO(1.5), 16)]
+
+
+def test_a_spec_streams_own_settings_replace_the_rows_and_the_others_stay_the_rows(tmp_path):
+    from sloserve.workload import build_workload
+    from sloserve.workload.spec_yaml import parse_workload_spec
+
+    log = tmp_path / "requests.jsonl"
+    log.write_text("".join(json.dumps(line) + "\n" for line in LOGGED))
+
+    def replay(**stream):
+        spec = parse_workload_spec(
+            {"streams": [{"source": {"trace": str(log)}, "arrival": {"process": "trace"}, "num_requests": 3, **stream}]}
+        )
+        return settings(build_workload(spec, seed=0, context_len=100))
+
+    assert replay() == [("be", 3, SLO(), 70), ("rt", 0, SLO(1.5), 16), ("rt", -1, SLO(0.2, 0.05), 9)]
+    assert replay(**{"class": "be", "priority": 0}) == [
+        ("be", 0, SLO(), 70), ("be", 0, SLO(1.5), 16), ("be", 0, SLO(0.2, 0.05), 9)
+    ]  # fmt: skip
+    assert replay(slo={}, max_tokens=50) == [("be", 3, SLO(), 50), ("rt", 0, SLO(), 50), ("rt", -1, SLO(), 50)]
+    # a conversation's turns take a row's lengths, not its request's settings
+    spec = parse_workload_spec(
+        {"streams": [{"source": {"conversations": {"trace": str(log), "turns": [1, 1]}},
+                      "arrival": {"process": "offline"}, "num_requests": 3}]}
+    )  # fmt: skip
+    assert {s[:3] for s in settings(build_workload(spec, seed=0, context_len=100))} == {("rt", 0, SLO())}
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("request_class", '"gold"', "request class must be 'rt' or 'be', got 'gold'"),
+        ("request_class", "1", "request class must be 'rt' or 'be', got 1"),
+        ("priority", "1.5", "priority must be an integer, got 1.5"),
+        ("priority", '"high"', "priority must be an integer, got 'high'"),
+        ("slo_tpot_s", "0", "slo_tpot_s must be a number of seconds > 0, got 0"),
+        ("slo_ttft_s", "true", "slo_ttft_s must be a number of seconds > 0, got True"),
+        ("max_tokens", "0", "max_tokens must be >= 1, got 0"),
+    ],
+)
+def test_a_bad_recorded_setting_is_one_error_naming_file_line_and_column(tmp_path, key, value, message):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        f'{{"prompt_tokens": 10, "output_tokens": 3, "{key}": null}}\n'
+        f'{{"prompt_tokens": 10, "output_tokens": 3, "{key}": {value}}}\n'
+    )
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(trace))}: line 2: column '{key}': {re.escape(message)}$"):
+        load_trace(str(trace))

@@ -160,7 +160,7 @@ def test_max_tokens_caps_output() -> None:
     assert all(r.max_tokens == min(128, 4096 - r.num_prompt_tokens) for r in wl.requests)
     assert all(r.true_output_tokens <= r.max_tokens for r in wl.requests)
     assert max(r.true_output_tokens for r in wl.requests) == 128
-    assert "truncated to the stream's max_tokens" in wl.clipped_details
+    assert "truncated to their max_tokens" in wl.clipped_details
 
 
 # --- convenience constructors --------------------------------------------------------------------

@@ -13,6 +13,9 @@ Lengths are clipped to the model context: prompt <= context_len - 1, then output
 prompt. ``max_tokens`` is the stream's cap (or context_len - prompt), never above context_len -
 prompt; an output longer than the cap is truncated to it (a real server stops there), so
 ``max_tokens >= true_output_tokens`` always holds.
+
+A request's class, priority, SLO and max_tokens are its stream's, or, for a trace row that records
+them (a request log), the row's, except those the stream was given (``StreamSpec.settings_given``).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from sloserve.workload.spec import (
     WorkloadSpec,
     trace_source,
 )
-from sloserve.workload.traces import TRACES, TraceData, load_trace
+from sloserve.workload.traces import TRACES, RecordedSettings, TraceData, load_trace
 
 
 def _lognormal(mean_std: tuple[float, float], n: int, rng: np.random.Generator) -> np.ndarray:
@@ -109,6 +112,7 @@ def build_workload(
     children = np.random.SeedSequence(seed).spawn(len(spec.streams))
 
     times, prompts, outputs, stream_ids, caps, thinks, sessions = [], [], [], [], [], [], []
+    settings: list[tuple[RequestClass, int, SLO]] = []  # per row: its class, priority and SLO
     contents: list[Callable[[int, int], SegmentedPrompt] | None] = []  # per row: its prompt's content
     for i, (stream, n, child) in enumerate(zip(spec.streams, counts, children)):
         len_seed, arr_seed = child.spawn(2)
@@ -131,7 +135,9 @@ def build_workload(
         thinks.append(sampled.think)
         sessions.append(sampled.session)
         stream_ids.append(np.full(n, i, dtype=np.int64))
-        caps.append(np.full(n, stream.max_tokens or context_len, dtype=np.int64))
+        row_settings = [_request_settings(stream, recorded) for recorded in sampled.recorded]
+        settings.extend(row[:3] for row in row_settings)
+        caps.append(np.array([row[3] or context_len for row in row_settings], dtype=np.int64))
 
     t = np.concatenate(times) if times else np.zeros(0)
     p = np.concatenate(prompts).astype(np.int64)
@@ -151,9 +157,6 @@ def build_workload(
     o = np.minimum(o, max_tokens)
 
     order = np.lexsort((sample, sid, t))
-    slos = [s.slo for s in spec.streams]
-    classes = [s.request_class for s in spec.streams]
-    priorities = [s.priority for s in spec.streams]
     requests = [
         Request(
             request_id=rid,
@@ -161,20 +164,19 @@ def build_workload(
             num_prompt_tokens=pi,
             true_output_tokens=oi,
             max_tokens=mi,
-            request_class=classes[si],
-            slo=slos[si],
+            request_class=settings[k][0],
+            slo=settings[k][2],
             prompt_blocks=None if contents[k] is None else contents[k](pi, oi),
             think_time_s=th,
-            priority=priorities[si],
+            priority=settings[k][1],
         )
-        for rid, (k, at, pi, oi, mi, si, th) in enumerate(
+        for rid, (k, at, pi, oi, mi, th) in enumerate(
             zip(
                 order.tolist(),
                 t[order].tolist(),
                 p[order].tolist(),
                 o[order].tolist(),
                 max_tokens[order].tolist(),
-                sid[order].tolist(),
                 think[order].tolist(),
             )
         )
@@ -210,13 +212,15 @@ def workload_from_trace(
     burstiness_cv: float | None = None,
     trace_arrivals: bool = False,
     offline: bool = False,
-    request_class: str = "rt",
+    request_class: str | None = None,
     slo: SLO | Mapping[str, float | None] | None = None,
     max_tokens: int | None = None,
     columns: Mapping[str, str] | None = None,
 ) -> Workload:
     """One stream from a trace, as the CLI's ``--trace NAME`` with exactly one of ``--rate R``
-    (Poisson; gamma with ``burstiness_cv``), ``--trace-arrivals`` or ``--offline``."""
+    (Poisson; gamma with ``burstiness_cv``), ``--trace-arrivals`` or ``--offline``. ``request_class``,
+    ``slo`` and ``max_tokens`` apply to every request when given; otherwise a request takes what its
+    row records (a request log), else rt, no SLO, no cap."""
     chosen = [
         flag
         for flag, on in (
@@ -275,8 +279,8 @@ def synthetic_workload(
 # --------------------------------------------------------------------------------------------
 class _Sample(NamedTuple):
     """One stream's rows: arrival times (inf: released by the turn before), prompt and output lengths,
-    each prompt's content (a function of its clipped lengths; None: unknown), think times and
-    conversation sessions (-1: none)."""
+    each prompt's content (a function of its clipped lengths; None: unknown), think times,
+    conversation sessions (-1: none) and what each row's request was served with (None: not recorded)."""
 
     t: np.ndarray
     p: np.ndarray
@@ -284,6 +288,22 @@ class _Sample(NamedTuple):
     contents: list[Callable[[int, int], SegmentedPrompt] | None]
     think: np.ndarray
     session: np.ndarray
+    recorded: list[RecordedSettings | None]
+
+
+def _request_settings(
+    stream: StreamSpec, recorded: RecordedSettings | None
+) -> tuple[RequestClass, int, SLO, int | None]:
+    """A request's class, priority, SLO and max_tokens: its trace row's where the row records one and
+    the stream was not given its own, else the stream's."""
+    if recorded is None:
+        return stream.request_class, stream.priority, stream.slo, stream.max_tokens
+
+    def pick(name: str) -> Any:
+        row = getattr(recorded, name)
+        return getattr(stream, name) if row is None or name in stream.settings_given else row
+
+    return pick("request_class"), pick("priority"), pick("slo"), pick("max_tokens")
 
 
 def _sample(
@@ -357,7 +377,8 @@ def _independent(
 ) -> _Sample:
     """The rows of independent requests, ``rows`` of ``trace`` (None: a synthetic source)."""
     n = len(p)
-    return _Sample(t, p, o, _prompt_contents(trace, rows, n), np.zeros(n), np.full(n, -1, dtype=np.int64))
+    recorded = [None] * n if trace is None or trace.recorded is None else [trace.recorded[k] for k in rows.tolist()]
+    return _Sample(t, p, o, _prompt_contents(trace, rows, n), np.zeros(n), np.full(n, -1, dtype=np.int64), recorded)
 
 
 def _prompt_contents(
@@ -423,7 +444,9 @@ def _sample_conversations(
     first_turn = np.r_[True, session_arr[1:] != session_arr[:-1]]
     starts = _arrivals(stream.arrival, num_sessions, rng_arr, rate_scale)
     t = np.where(first_turn, starts[session_arr], math.inf)  # later turns: released by the turn before
-    return _Sample(t, np.asarray(p), np.asarray(o), contents, np.asarray(think), session_arr)
+    # NOTE: a turn's lengths come from a trace row; what that row's request was served with does not
+    # carry over to a turn of another conversation
+    return _Sample(t, np.asarray(p), np.asarray(o), contents, np.asarray(think), session_arr, [None] * len(p))
 
 
 def _conversation_prompt(
@@ -470,9 +493,9 @@ def _details(
         parts.append(text)
     if capped.any():
         per = ", ".join(
-            f"{s.name}: {int(capped[sid == i].sum())}" for i, s in enumerate(spec.streams) if s.max_tokens is not None
+            f"{s.name}: {int(capped[sid == i].sum())}" for i, s in enumerate(spec.streams) if capped[sid == i].any()
         )
-        parts.append(f"{int(capped.sum())} outputs truncated to the stream's max_tokens ({per})")
+        parts.append(f"{int(capped.sum())} outputs truncated to their max_tokens ({per})")
     return "; ".join(parts)
 
 
@@ -499,7 +522,7 @@ def _arrival_label(arrival: ArrivalSpec) -> str:
 
 def _one_stream(
     name: str,
-    request_class: str,
+    request_class: str | None,
     source: Source,
     arrival: ArrivalSpec,
     num_requests: int,
@@ -509,6 +532,9 @@ def _one_stream(
 ) -> StreamSpec:
     """The one stream of ``workload_from_trace`` / ``synthetic_workload``, its fields checked with the
     messages a YAML spec gets (``spec_yaml.py``) but without loading pydantic for a plain trace run."""
+    given = {key for key, value in (("request_class", request_class), ("slo", slo), ("max_tokens", max_tokens))
+             if value is not None}  # fmt: skip
+    request_class = request_class or "rt"
     if request_class not in ("rt", "be", "RT", "BE"):
         raise ConfigError(f"{origin}: streams[0] ({name}): class must be 'rt' or 'be', got {request_class!r}")
     _check_field(origin, name, "num_requests", num_requests, integer=True)
@@ -527,7 +553,14 @@ def _one_stream(
                 _check_field(origin, name, f"slo.{key}", value, integer=False)
         slo = SLO(**slo)
     return StreamSpec(
-        name, RequestClass(request_class.lower()), source, arrival, num_requests, slo or SLO(), max_tokens
+        name,
+        RequestClass(request_class.lower()),
+        source,
+        arrival,
+        num_requests,
+        slo or SLO(),
+        max_tokens,
+        settings_given=frozenset(given),
     )
 
 

@@ -20,6 +20,10 @@ A spec file looks like::
         slo: {ttft_s: 0.4, tpot_s: 0.2}        # optional: ttft_s, tpot_s, jct_s
         max_tokens: 512                # optional output cap (default: context_len - prompt)
         start_s: 0                     # optional offset added to this stream's arrivals
+        priority: 0                    # optional, vLLM's (the lower, the sooner)
+
+A trace that records what each request was served with (``serve --request-log``: its class,
+priority, SLO and max_tokens) gives each request its row's, except for those the stream sets.
 
 A relative trace path is looked up next to the spec file first, then in the working directory.
 Building a workload from a spec lives in ``sloserve.workload.build``.
@@ -120,6 +124,9 @@ class StreamSpec:
     max_tokens: int | None = None
     start_s: float = 0.0
     priority: int = 0  # vLLM's request priority (the lower, the sooner; waiting_order=priority)
+    # The settings the stream was given (of request_class, priority, slo, max_tokens): they apply to
+    # every request; the others are defaults, below what a trace row recorded (traces.RecordedSettings)
+    settings_given: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

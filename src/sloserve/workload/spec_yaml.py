@@ -284,6 +284,7 @@ def _parse_stream(raw: Any, i: int, origin: str, base_dir: Path | None) -> Strea
         fields.max_tokens,
         float(fields.start_s),
         fields.priority,
+        frozenset(fields.model_fields_set & {"request_class", "priority", "slo", "max_tokens"}),
     )
 
 

@@ -19,6 +19,11 @@ User files (``.csv``, ``.csv.gz``, ``.jsonl``, ``.jsonl.gz``; gzip is detected b
   prompt's prefix structure: one content id per segment of ``hash_block_tokens`` tokens (a mapping
   key, default 512 as Mooncake's), the last one possibly partial; equal ids mean equal tokens there
   and before. A prompt of n tokens has exactly ceil(n / hash_block_tokens) ids.
+* What each request was served with, as ``serve --request-log`` records it (optional, each may be
+  null or, in a CSV, empty: left to the stream): ``request_class`` (``rt`` or ``be``), ``priority``
+  (an integer), ``slo_ttft_s``, ``slo_tpot_s``, ``slo_jct_s`` (seconds > 0) and ``max_tokens``
+  (an integer >= 1). A replay gives each request its row's values, except where its stream sets its
+  own (``RecordedSettings``).
 """
 
 from __future__ import annotations
@@ -39,18 +44,34 @@ from typing import Any
 import numpy as np
 
 from sloserve.core.errors import ConfigError, UnknownNameError
+from sloserve.core.request import SLO, RequestClass
 
-ROLES = ("prompt", "output", "arrival", "hash_ids")
-OPTIONAL_ROLES = ("arrival", "hash_ids")
+# What a request was served with (the request log's keys): each role is a column of its own name
+SETTING_ROLES = ("request_class", "priority", "slo_ttft_s", "slo_tpot_s", "slo_jct_s", "max_tokens")
+ROLES = ("prompt", "output", "arrival", "hash_ids", *SETTING_ROLES)
+OPTIONAL_ROLES = ("arrival", "hash_ids", *SETTING_ROLES)
 DEFAULT_COLUMNS: dict[str, tuple[str, ...]] = {
     "prompt": ("num_prefill_tokens", "prompt_tokens", "input_length", "ContextTokens", "prompt", "input"),
     "output": ("num_decode_tokens", "output_tokens", "output_length", "GeneratedTokens", "output"),
     "arrival": ("arrived_at", "arrival_s", "timestamp", "arrival"),
     "hash_ids": ("hash_ids",),
+    **{role: (role,) for role in SETTING_ROLES},
 }
 MAPPING_KEYS = ("arrival_unit", "hash_block_tokens")  # column-mapping keys that are settings, not roles
 MOONCAKE_BLOCK_TOKENS = 512
 _SUFFIXES = ".csv, .csv.gz, .jsonl, .jsonl.gz"
+
+
+@dataclass(frozen=True)
+class RecordedSettings:
+    """What one request of a trace was served with (a request log's line); None where the row leaves
+    it to the stream. A stream that sets one itself (a spec's ``class``, ``priority``, ``slo`` or
+    ``max_tokens``; ``--slo-*`` or ``--max-tokens``) replaces the row's for every request."""
+
+    request_class: RequestClass | None = None
+    priority: int | None = None
+    slo: SLO | None = None  # None: the row has no SLO column with a value
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,6 +93,8 @@ class TraceData:
     # Per row, its prompt's segment content ids (prefix caching), or None when the trace has none.
     hash_ids: tuple[tuple[int, ...], ...] | None = None
     hash_block_tokens: int = 512
+    # Per row, what the request was served with, or None when the trace has none of SETTING_ROLES.
+    recorded: tuple[RecordedSettings, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_tokens)
@@ -306,6 +329,7 @@ def _parse(
     hash_ids = None
     if "hash_ids" in values:
         hash_ids = _hash_ids_column(values["hash_ids"], prompt, lines, label, names["hash_ids"], block_tokens)
+    recorded = _recorded_settings(values, lines, label, names)
     arrival = None
     if "arrival" in values:
         if unit is None:
@@ -316,11 +340,13 @@ def _parse(
             arrival, prompt, output = arrival[order], prompt[order], output[order]
             if hash_ids is not None:
                 hash_ids = tuple(hash_ids[k] for k in order.tolist())
+            if recorded is not None:
+                recorded = tuple(recorded[k] for k in order.tolist())
         arrival = arrival - arrival[0]
         arrival.flags.writeable = False
     prompt.flags.writeable = False
     output.flags.writeable = False
-    return TraceData(name, prompt, output, arrival, source, license, quantum, hash_ids, block_tokens)
+    return TraceData(name, prompt, output, arrival, source, license, quantum, hash_ids, block_tokens, recorded)
 
 
 def _resolve(header: Sequence[str], columns: Mapping[str, str], label: str) -> dict[str, str]:
@@ -461,6 +487,52 @@ def _hash_ids_column(
                 f"expected ceil({n} / {block_tokens}) = {-(-n // block_tokens)} (one per {block_tokens}-token block)"
             )
     raise AssertionError("unreachable: the fast check failed, so some row is bad")  # pragma: no cover
+
+
+def _recorded_settings(
+    values: dict[str, list[Any]], lines: list[int], label: str, names: Mapping[str, str]
+) -> tuple[RecordedSettings, ...] | None:
+    """Each row's ``RecordedSettings`` from the SETTING_ROLES columns the trace has (None: it has none).
+    An empty value (JSON null, an empty CSV cell) leaves that setting to the stream."""
+    present = [role for role in SETTING_ROLES if role in values]
+    if not present:
+        return None
+    columns = {role: [] for role in SETTING_ROLES}
+    for role in SETTING_ROLES:
+        if role not in values:
+            columns[role] = [None] * len(lines)
+            continue
+        for value, line in zip(values[role], lines, strict=True):
+            try:
+                columns[role].append(_setting(role, value))
+            except ValueError as exc:
+                raise ConfigError(f"{label}: line {line}: column {names[role]!r}: {exc}") from None
+    recorded = []
+    for cls, priority, ttft, tpot, jct, max_tokens in zip(*columns.values(), strict=True):
+        slo = None if ttft is None and tpot is None and jct is None else SLO(ttft, tpot, jct)
+        recorded.append(RecordedSettings(cls, priority, slo, max_tokens))
+    return tuple(recorded)
+
+
+def _setting(role: str, value: Any) -> Any:
+    """One SETTING_ROLES value (a JSON value or a CSV cell) as the request's setting, None if empty;
+    ValueError naming what it must be."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if role == "request_class":
+        if isinstance(value, str) and value.strip().lower() in ("rt", "be"):
+            return RequestClass(value.strip().lower())
+        raise ValueError(f"request class must be 'rt' or 'be', got {_show(value)}")
+    number = _number(value)
+    if role in ("priority", "max_tokens"):
+        if number is None or not math.isfinite(number) or number != math.floor(number):
+            raise ValueError(f"{role} must be an integer, got {_show(value)}")
+        if role == "max_tokens" and number < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {_show(value)}")
+        return int(number)
+    if number is None or not math.isfinite(number) or not number > 0:
+        raise ValueError(f"{role} must be a number of seconds > 0, got {_show(value)}")
+    return number
 
 
 def _time_column(values: list[Any], lines: list[int], label: str, column: str, unit: str) -> np.ndarray:
