@@ -911,6 +911,10 @@ def test_a_reasoning_models_structured_output_holds_from_the_token_after_its_thi
         assert choice.message.reasoning_content == reasoning and choice.message.content == "Ok."
         [(called, _)] = message_calls(choice.message)
         assert called == "get_weather" and choice.finish_reason == "tool_calls"
+        # the Responses API's logprobs are the text's tokens: refused where the text is cut out of them
+        with pytest.raises(openai.BadRequestError, match=f"not under the server's --reasoning-parser {parser}") as e:
+            server.client.responses.create(model=MODEL, input="hi", include=["message.output_text.logprobs"])
+        assert e.value.body["param"] == "include"
     finally:
         server.stop()
 
@@ -1176,6 +1180,43 @@ def test_previous_response_id_continues_a_stored_conversation_as_the_chat_that_h
     assert server.client.responses.retrieve(third.id).id == third.id  # the rest of the chain is kept
 
 
+def test_responses_api_logprobs_are_the_chat_logprobs_of_the_same_answer_streamed_or_not(server, hf):
+    """``include: ["message.output_text.logprobs"]`` and ``top_logprobs``: the message's text holds each
+    sampled token's logprob and its alternatives, as the same chat completion's ``logprobs.content`` (and
+    transformers' log-softmax); streamed, the text deltas bring them token by token, and the EOS that
+    ended the answer (forced here by vLLM's ``logit_bias`` and ``min_tokens``, which a Responses request
+    takes as a chat one does; it has no text) comes in the text's last snapshot."""
+    asked = dict(include=["message.output_text.logprobs"], top_logprobs=2)
+    common = dict(model=MODEL, input="Hello world", max_output_tokens=6, temperature=0)
+    chat = server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello world"}], max_tokens=6, temperature=0,
+        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True},
+    ).choices[0].logprobs.content  # fmt: skip
+    whole = server.client.responses.create(**common, **asked, extra_body={"ignore_eos": True})
+    [text] = whole.output[0].content
+    assert [t.token for t in text.logprobs] == [t.token for t in chat] and len(chat) == 6
+    for ours, theirs in zip(text.logprobs, chat, strict=True):
+        assert ours.bytes == list(ours.token.encode()) and ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert [(t.token, t.logprob) for t in ours.top_logprobs] == [
+            (t.token, pytest.approx(t.logprob, abs=1e-4)) for t in theirs.top_logprobs
+        ]
+    assert whole.top_logprobs == 2
+    plain = server.client.responses.create(**common, extra_body={"ignore_eos": True})
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == whole.output_text
+    # three tokens, then the EOS: streamed, the deltas bring the three, the last snapshot all four
+    eos = hf[1].eos_token_id
+    ended = {"min_tokens": 3, "logit_bias": {str(eos): 100}}
+    with server.client.responses.stream(**common, **asked, extra_body=ended) as stream:
+        events = list(stream)
+    streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    final = [lp.token for lp in events[-1].response.output[0].content[0].logprobs]
+    assert events[-1].type == "response.completed"
+    assert [lp.token for lp in done.logprobs] == final == [*streamed, token_text(hf, eos)] and len(streamed) == 3
+    again = server.client.responses.create(**common, **asked, extra_body=ended)
+    assert [lp.token for lp in again.output[0].content[0].logprobs] == final and again.usage.output_tokens == 4
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "message"),
     [
@@ -1186,6 +1227,18 @@ def test_previous_response_id_continues_a_stored_conversation_as_the_chat_that_h
         ({"input": [{"type": "reasoning", "summary": []}]}, "input", "input holds no message"),
         ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
         ({"max_output_tokens": 300}, "max_output_tokens", "maximum context length is 256"),
+        (
+            {
+                "include": ["message.output_text.logprobs"],
+                "tool_choice": "required",
+                "tools": [{"type": "function", "name": "f", "parameters": ZONE}],
+            },
+            "include",
+            "all text, not with tools",
+        ),
+        ({"include": ["message.output_text.logprob"]}, "include.0", "message.output_text.logprobs"),
+        ({"top_logprobs": 21}, "top_logprobs", "20"),
+        ({"extra_body": {"top_k": -2}}, "top_k", "top_k: Input should be greater than or equal to -1, got -2"),
     ],
 )
 def test_responses_api_requests_that_cannot_be_served_are_400s_naming_the_field(server, extra, param, message):

@@ -15,6 +15,13 @@ A finished response is stored unless ``store`` is false (``response_store.py``):
 continues it: its conversation (each earlier turn's input and output items) comes before the new
 input; its ``instructions`` do not carry over (OpenAI's rule). ``conversation`` and ``background``
 are refused, as are tools other than functions.
+
+vLLM's sampling extensions (``SAMPLING_EXTRAS``: ``seed``, ``stop``, ``ignore_eos``, ``logit_bias``,
+...) apply as in a chat request. ``include: ["message.output_text.logprobs"]`` (with ``top_logprobs``
+alternatives, 0-20) gives each sampled token's logprob in the message's ``output_text`` (and each
+``output_text.delta`` the logprobs of the tokens it brings), for answers that are all text: with
+tools, or under the server's ``--reasoning-parser``, the text is cut out of the tokens and the request
+is refused (``include``).
 """
 
 from __future__ import annotations
@@ -46,9 +53,23 @@ NOT_SERVED: dict[str, tuple[Any, ...]] = {
     "background": (False,),
     "prompt": (),
     "truncation": ("disabled",),
-    "top_logprobs": (0,),
     "max_tool_calls": (),
 }
+# vLLM's sampling extensions of a Responses request (and our slo): passed on to the chat request
+SAMPLING_EXTRAS = ("seed", "stop", "ignore_eos", "slo", "presence_penalty", "frequency_penalty", "logit_bias",
+                   "priority", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
+                   "allowed_token_ids", "bad_words", "include_stop_str_in_output", "skip_special_tokens")  # fmt: skip
+# OpenAI's ``include`` values; only the logprobs change an answer here (the others name outputs of
+# tools this server does not run, or encrypted reasoning, which it does not make)
+INCLUDABLE = Literal[
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "web_search_call.action.sources",
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "message.input_image.image_url",
+]
 
 
 class TextPart(BaseModel):
@@ -138,6 +159,8 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    include: list[INCLUDABLE] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -163,6 +186,10 @@ class ResponsesRequest(BaseModel):
                 raise ParameterError(name, f"{name} is not supported{why if name == 'conversation' else ''}")
         if isinstance(self.input, list) and not self.input:
             raise ParameterError("input", "input is empty")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return "message.output_text.logprobs" in (self.include or ())
 
     @property
     def keeps(self) -> bool:
@@ -215,7 +242,14 @@ class ResponsesRequest(BaseModel):
             "stream": self.stream,
             "service_tier": self.service_tier,
             "parallel_tool_calls": self.parallel_tool_calls,
+            **{name: value for name, value in (self.model_extra or {}).items() if name in SAMPLING_EXTRAS},
         }
+        if self.wants_logprobs:
+            if self.tools and self.tool_choice != "none":
+                raise ParameterError(
+                    "include", "message.output_text.logprobs is served for answers that are all text, not with tools"
+                )
+            chat |= {"logprobs": True, "top_logprobs": self.top_logprobs or 0}
         if self.tools:
             chat["tools"] = [
                 {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in self.tools
@@ -232,8 +266,13 @@ class ResponsesRequest(BaseModel):
             chat["response_format"] = {"type": text_format.type}
         try:
             return ChatCompletionRequest.model_validate(chat)
-        except ValidationError as e:  # NOTE: the fields above are checked as the chat's are: not expected
-            raise ParameterError("input", f"cannot be served as a chat request: {e.errors()[0]['msg']}") from None
+        except ValidationError as e:  # NOTE: the sampling extras are checked here; the fields above pass
+            error = e.errors()[0]
+            field = str(error["loc"][0]) if error["loc"] else ""
+            if field in SAMPLING_EXTRAS:
+                where = ".".join(map(str, error["loc"]))
+                raise ParameterError(where, f"{where}: {error['msg']}, got {error.get('input')!r}") from None
+            raise ParameterError("input", f"cannot be served as a chat request: {error['msg']}") from None
 
     def echoed(self) -> dict[str, Any]:
         """The request's settings, as a response repeats them."""
@@ -256,6 +295,7 @@ class ResponsesRequest(BaseModel):
             "user": self.user,
             "store": self.keeps,
             "truncation": "disabled",
+            "top_logprobs": self.top_logprobs,
             "previous_response_id": self.previous_response_id,
             "reasoning": {"effort": None, "summary": None},
             "error": None,
@@ -278,6 +318,12 @@ class ResponseBuilder:
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item being written
         self.sequence = 0
+        self.unshown_logprobs: list[dict[str, Any]] = []  # of the tokens sampled since the last text delta
+
+    def add_logprobs(self, entries: list[dict[str, Any]]) -> None:
+        """The logprobs of tokens just sampled (``include`` asked for them): shown with the next text
+        delta, or, if none comes, in the message's text when it closes."""
+        self.unshown_logprobs += entries
 
     def response(self, status: str, usage: dict[str, Any] | None = None, reason: str | None = None) -> dict:
         return {**self.head, "status": status, "output": self.output,
@@ -333,11 +379,18 @@ class ResponseBuilder:
             item["content"].append(part)
             if kind == "message":
                 events.append(self._item_event("response.content_part.added", content_index=0, part=part))
-        item = self.open
-        item["content"][0]["text"] += text
-        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
-        return [*events, self._item_event(name, content_index=0, delta=text, **extra)]
+        part = self.open["content"][0]
+        part["text"] += text
+        if kind == "reasoning":
+            return [*events, self._item_event("response.reasoning_text.delta", content_index=0, delta=text)]
+        logprobs = self._show_logprobs(part)
+        return [*events, self._item_event("response.output_text.delta", content_index=0, delta=text, logprobs=logprobs)]
+
+    def _show_logprobs(self, part: dict[str, Any]) -> list[dict[str, Any]]:
+        """The logprobs not yet shown, now in the message's text ``part``."""
+        shown, self.unshown_logprobs = self.unshown_logprobs, []
+        part["logprobs"] += shown
+        return shown
 
     def _arguments(self, text: str) -> list[dict[str, Any]]:
         if not text:
@@ -360,8 +413,9 @@ class ResponseBuilder:
         events = []
         if item["type"] == "message":
             part = item["content"][0]
+            self._show_logprobs(part)  # NOTE: tokens that brought no text (the EOS) end its logprobs
             events.append(self._item_event("response.output_text.done", content_index=0, text=part["text"],
-                                           logprobs=[], item=item))  # fmt: skip
+                                           logprobs=part["logprobs"], item=item))  # fmt: skip
             events.append(self._item_event("response.content_part.done", content_index=0, part=part, item=item))
         elif item["type"] == "reasoning":
             text = item["content"][0]["text"]
@@ -457,6 +511,12 @@ def submit_response(
 ) -> Submission:
     """``body`` submitted as the chat completion it maps to (after the stored conversation
     ``earlier``); a refusal names the field by its name here."""
+    if body.wants_logprobs and serving.config.reasoning_parser is not None:
+        raise ParameterError(
+            "include",
+            "message.output_text.logprobs is served for answers that are all text, not under the server's "
+            f"--reasoning-parser {serving.config.reasoning_parser}",
+        )
     try:
         return serving.submit_chat(body.chat_request(earlier), request_class)
     except ParameterError as e:
@@ -470,6 +530,8 @@ def whole_response(serving: OpenAIServing, body: ResponsesRequest, submission: S
     builder = ResponseBuilder(body, serving.config.model_name, submission.service_tier)
     parser = submission.output_parser()
     builder.start()
+    if result.logprobs is not None:
+        builder.add_logprobs(submission.logprobs_format.chat(result.logprobs)["content"])
     # NOTE: the text, then the end, as a stream's last two deltas: the items come in the same order
     for delta in [*parser.feed_in_order(result.text), parser.feed("", finished=True)]:
         builder.feed(delta)
@@ -504,6 +566,8 @@ async def _events(
                 error = ended_early(delta.finish_reason, served.error or serving.engine.error).body["error"]
                 yield sse(builder.event("error", code=error["code"], message=error["message"], param=None))
                 return
+            if delta.logprobs is not None:
+                builder.add_logprobs(submission.logprobs_format.chat(delta.logprobs)["content"])
             for found in parser.feed_in_order(delta.text, finished=delta.finish_reason is not None):
                 for event in builder.feed(found):
                     yield sse(event)
