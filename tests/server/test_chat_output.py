@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sloserve.server.chat_output import ChatOutputParser
-from sloserve.server.reasoning import ReasoningParser
+from sloserve.server.reasoning import AnswerTokens, ReasoningParser
 from sloserve.server.tool_calls import (
     HermesParser,
     Llama3JsonParser,
@@ -305,3 +305,35 @@ def test_a_responses_stream_has_the_items_of_the_whole_output():
 def test_responses_items_streamed_anywhere_equal_whole(fragments, cuts):
     text = "".join(fragments)
     assert response_items(split(text, cuts))[0] == response_items([text])[0]
+
+
+# The tokens of a vocabulary with the tags as tokens of their own (ids 3 and 4, as Qwen3's and
+# DeepSeek-R1's), none of which spells a tag in pieces
+TOKENS = {3: "<think>", 4: "</think>", 10: " ", 11: "\n", 12: "a", 13: "b c", 14: "<", 15: "é"}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(["deepseek_r1", "qwen3"]),
+    st.lists(st.sampled_from(sorted(TOKENS)), max_size=12),
+    st.lists(st.integers(0, 12), max_size=4),
+)
+def test_the_answers_tokens_are_those_whose_text_the_reasoning_parser_calls_content(name, token_ids, cuts):
+    """``AnswerTokens`` (the Responses API's logprobs of a reasoning model's answer) reads the parser's
+    rules on token ids: the text of the tokens it keeps is the parser's content, fed in any chunks."""
+    answer = AnswerTokens(name, 3, 4)
+    kept: list[int] = []
+    for start, end in zip([0, *sorted(cuts)], [*sorted(cuts), len(token_ids)]):
+        chunk = token_ids[start:end]
+        kept += answer.answer(chunk, [TOKENS[t] for t in chunk], chunk)
+    kept += answer.finish()
+    _, content = split_reasoning(name, ["".join(TOKENS[t] for t in token_ids)])
+    assert "".join(TOKENS[t] for t in kept) == content
+
+
+def test_answer_tokens_need_the_tags_as_tokens(chat_model_dir, thinking_model_dir):
+    from sloserve.engine.tokenizer import HFTokenizer
+
+    assert AnswerTokens.of("qwen3", HFTokenizer(chat_model_dir / "tokenizer.json")) is None
+    found = AnswerTokens.of("qwen3", HFTokenizer(thinking_model_dir / "tokenizer.json"))
+    assert (found.open_id, found.close_id, found.starts_thinking) == (3, 4, False)

@@ -911,10 +911,18 @@ def test_a_reasoning_models_structured_output_holds_from_the_token_after_its_thi
         assert choice.message.reasoning_content == reasoning and choice.message.content == "Ok."
         [(called, _)] = message_calls(choice.message)
         assert called == "get_weather" and choice.finish_reason == "tool_calls"
-        # the Responses API's logprobs are the text's tokens: refused where the text is cut out of them
-        with pytest.raises(openai.BadRequestError, match=f"not under the server's --reasoning-parser {parser}") as e:
-            server.client.responses.create(model=MODEL, input="hi", include=["message.output_text.logprobs"])
-        assert e.value.body["param"] == "include"
+        # the Responses API's logprobs: the answer's tokens, after the thinking's, streamed or not
+        asked = dict(model=MODEL, input="hi", max_output_tokens=10, temperature=0, top_logprobs=1,
+                     include=["message.output_text.logprobs"],
+                     extra_body={"logit_bias": bias, "repetition_penalty": 1.5, "ignore_eos": True})  # fmt: skip
+        response = server.client.responses.create(**asked)
+        thinking, message = response.output
+        assert thinking.type == "reasoning" and thinking.content[0].text == reasoning
+        tokens = [lp.token for lp in message.content[0].logprobs]
+        assert "".join(tokens) == response.output_text and len(tokens) == 10 - len(forced)
+        with server.client.responses.stream(**asked) as stream:
+            final = list(stream)[-1].response
+        assert [lp.token for lp in final.output[1].content[0].logprobs] == tokens
     finally:
         server.stop()
 

@@ -71,3 +71,50 @@ class ReasoningParser:
         if self.state == "thinking" or self.state == "start" and self.starts_thinking:
             return rest, ""
         return "", rest
+
+
+class AnswerTokens:
+    """Which of an output's tokens are its answer: ``ReasoningParser``'s rules read on token ids, where
+    ``<think>`` and ``</think>`` are tokens of the vocabulary (DeepSeek-R1's, Qwen3's), so that each
+    answer token's logprob can go with the answer (the Responses API's ``output_text.logprobs``).
+
+    NOTE: a tag the model spells in pieces is text to this reading and a tag to the parser's; the
+    vocabulary's own tag token is what models write."""
+
+    def __init__(self, name: str, open_id: int, close_id: int) -> None:
+        self.starts_thinking = starts_thinking(name)
+        self.open_id, self.close_id = open_id, close_id
+        self.state = "start"  # as ReasoningParser's: "start", "thinking", "answering"
+        self.undecided: list = []  # whitespace before the first token that decides (the parser strips it)
+
+    @classmethod
+    def of(cls, name: str, tokenizer) -> AnswerTokens | None:
+        """The reading for reasoning parser ``name`` over ``tokenizer`` (None: a tag is not a token of it)."""
+        ids = [getattr(tokenizer, "added_token_id", lambda _: None)(tag) for tag in (THINK_OPEN, THINK_CLOSE)]
+        return None if None in ids else cls(name, *ids)
+
+    def answer(self, token_ids: list[int], texts: list[str], items: list) -> list:
+        """The ``items`` (one per token) of the answer's tokens among the next ``token_ids``; ``texts``:
+        each token's text."""
+        kept = []
+        for token, text, item in zip(token_ids, texts, items, strict=True):
+            if self.state == "start":
+                if token == self.open_id:  # NOTE: the whitespace before it is nobody's (finish drops it)
+                    self.state = "thinking"
+                    continue
+                if not text.strip():
+                    self.undecided.append(item)
+                    continue
+                self.state = "thinking" if self.starts_thinking else "answering"
+                kept += self.finish()
+            if self.state == "thinking":
+                self.state = "answering" if token == self.close_id else "thinking"
+                continue
+            kept.append(item)
+        return kept
+
+    def finish(self) -> list:
+        """The undecided items that turn out to be the answer's (the output ended, or answers, before it
+        decided)."""
+        undecided, self.undecided = self.undecided, []
+        return [] if self.starts_thinking or self.state == "thinking" else undecided

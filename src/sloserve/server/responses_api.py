@@ -18,10 +18,10 @@ are refused, as are tools other than functions.
 
 vLLM's sampling extensions (``SAMPLING_EXTRAS``: ``seed``, ``stop``, ``ignore_eos``, ``logit_bias``,
 ...) apply as in a chat request. ``include: ["message.output_text.logprobs"]`` (with ``top_logprobs``
-alternatives, 0-20) gives each sampled token's logprob in the message's ``output_text`` (and each
-``output_text.delta`` the logprobs of the tokens it brings), for answers that are all text: with
-tools, or under the server's ``--reasoning-parser``, the text is cut out of the tokens and the request
-is refused (``include``).
+alternatives, 0-20) gives each answer token's logprob in the message's ``output_text`` (and each
+``output_text.delta`` the logprobs of the tokens it brings): under ``--reasoning-parser``, those after
+the thinking's ``</think>`` token (refused where the tags are not tokens of the vocabulary); with tools,
+whose calls are cut out of the text, the request is refused (``include``).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from sloserve.core.request import RequestClass
 from sloserve.server.auth import request_owner
 from sloserve.server.chat_output import ChatOutputParser, MessageDelta
 from sloserve.server.protocol import ChatCompletionRequest, ParameterError, now_unix
+from sloserve.server.reasoning import THINK_CLOSE, THINK_OPEN, AnswerTokens
 from sloserve.server.response_store import PreviousResponseNotFound, ResponseStore
 from sloserve.server.responses import json_error, until_done_or_gone
 from sloserve.server.serving import ApiError, Generated, OpenAIServing, Submission, ended_early
@@ -311,8 +312,11 @@ class ResponseBuilder:
     output (reasoning, text, a call) opens an item, which closes when another kind comes or the
     output ends."""
 
-    def __init__(self, request: ResponsesRequest, model: str, service_tier: str) -> None:
+    def __init__(
+        self, request: ResponsesRequest, model: str, service_tier: str, answer: AnswerTokens | None = None
+    ) -> None:
         self.request = request
+        self.answer = answer  # which tokens are the answer's (a reasoning model's); None: all of them
         self.head = {"id": _id("resp"), "object": "response", "created_at": now_unix(), "model": model,
                      "service_tier": service_tier}  # fmt: skip
         self.output: list[dict[str, Any]] = []
@@ -320,9 +324,14 @@ class ResponseBuilder:
         self.sequence = 0
         self.unshown_logprobs: list[dict[str, Any]] = []  # of the tokens sampled since the last text delta
 
-    def add_logprobs(self, entries: list[dict[str, Any]]) -> None:
-        """The logprobs of tokens just sampled (``include`` asked for them): shown with the next text
-        delta, or, if none comes, in the message's text when it closes."""
+    def add_logprobs(self, token_ids: list[int], entries: list[dict[str, Any]], finished: bool = False) -> None:
+        """The logprobs of tokens just sampled (``include`` asked for them; ``finished``: the last ones):
+        the answer's are shown with the next text delta, or, if none comes, in the message's text when
+        it closes."""
+        if self.answer is not None:
+            entries = self.answer.answer(token_ids, [e["token"] for e in entries], entries)
+            if finished:
+                entries += self.answer.finish()
         self.unshown_logprobs += entries
 
     def response(self, status: str, usage: dict[str, Any] | None = None, reason: str | None = None) -> dict:
@@ -451,7 +460,7 @@ def responses_router(serving: OpenAIServing, store: ResponseStore) -> APIRouter:
                 await asyncio.to_thread(store.put, response, body.stored_input(), body.previous_response_id, owner)
 
         if body.stream:
-            builder = ResponseBuilder(body, serving.config.model_name, submission.service_tier)
+            builder = response_builder(serving, body, submission)
             events = _events(serving, submission, builder, submission.output_parser(), keep)
             return StreamingResponse(events, media_type="text/event-stream")
         results = await until_done_or_gone(serving.engine, raw, submission)
@@ -511,11 +520,12 @@ def submit_response(
 ) -> Submission:
     """``body`` submitted as the chat completion it maps to (after the stored conversation
     ``earlier``); a refusal names the field by its name here."""
-    if body.wants_logprobs and serving.config.reasoning_parser is not None:
+    parser = serving.config.reasoning_parser
+    if body.wants_logprobs and parser is not None and AnswerTokens.of(parser, serving.engine.tokenizer) is None:
         raise ParameterError(
             "include",
-            "message.output_text.logprobs is served for answers that are all text, not under the server's "
-            f"--reasoning-parser {serving.config.reasoning_parser}",
+            f"message.output_text.logprobs under --reasoning-parser {parser} needs {THINK_OPEN} and {THINK_CLOSE} "
+            "as tokens of the model's vocabulary, to tell the answer's tokens from the thinking's",
         )
     try:
         return serving.submit_chat(body.chat_request(earlier), request_class)
@@ -527,16 +537,23 @@ def submit_response(
 def whole_response(serving: OpenAIServing, body: ResponsesRequest, submission: Submission, result: Generated) -> dict:
     """The response object of the finished ``result``: the last snapshot of the events a stream of it
     would send."""
-    builder = ResponseBuilder(body, serving.config.model_name, submission.service_tier)
+    builder = response_builder(serving, body, submission)
     parser = submission.output_parser()
     builder.start()
     if result.logprobs is not None:
-        builder.add_logprobs(submission.logprobs_format.chat(result.logprobs)["content"])
+        builder.add_logprobs(result.token_ids, submission.logprobs_format.chat(result.logprobs)["content"], True)
     # NOTE: the text, then the end, as a stream's last two deltas: the items come in the same order
     for delta in [*parser.feed_in_order(result.text), parser.feed("", finished=True)]:
         builder.feed(delta)
     [*_, last] = builder.finish(parser.finish_reason(result.finish_reason), submission.usage())
     return last["response"]
+
+
+def response_builder(serving: OpenAIServing, body: ResponsesRequest, submission: Submission) -> ResponseBuilder:
+    """The builder of ``submission``'s response, reading which tokens are the answer's where it needs to."""
+    parser = submission.reasoning_parser
+    answer = AnswerTokens.of(parser, serving.engine.tokenizer) if body.wants_logprobs and parser else None
+    return ResponseBuilder(body, serving.config.model_name, submission.service_tier, answer)
 
 
 def _not_found(response_id: str) -> ApiError:
@@ -567,7 +584,8 @@ async def _events(
                 yield sse(builder.event("error", code=error["code"], message=error["message"], param=None))
                 return
             if delta.logprobs is not None:
-                builder.add_logprobs(submission.logprobs_format.chat(delta.logprobs)["content"])
+                entries = submission.logprobs_format.chat(delta.logprobs)["content"]
+                builder.add_logprobs(delta.token_ids, entries, finished=delta.finish_reason is not None)
             for found in parser.feed_in_order(delta.text, finished=delta.finish_reason is not None):
                 for event in builder.feed(found):
                     yield sse(event)
