@@ -102,6 +102,27 @@ def test_traces_lists_every_bundled_trace():
     assert "10000" in proc.stdout and "19366" in proc.stdout
 
 
+def test_traces_summarizes_a_request_log_with_what_its_requests_were_served_with(tmp_path: Path):
+    from sloserve.workload import trace_summary
+
+    log = tmp_path / "requests.jsonl"
+    log.write_text("".join(json.dumps(line) + "\n" for line in [
+        {"arrival_s": 0.5, "prompt_tokens": 30, "output_tokens": 4, "request_class": "be", "priority": 3},
+        {"arrival_s": 0.0, "prompt_tokens": 20, "output_tokens": 2, "request_class": "rt", "priority": -1,
+         "slo_ttft_s": 0.2},
+        {"arrival_s": 1.0, "prompt_tokens": 10, "output_tokens": 6, "request_class": None, "priority": 3},
+    ]))  # fmt: skip
+    assert trace_summary(str(log))["recorded"] == {
+        "classes": {"-": 1, "be": 1, "rt": 1}, "priorities": {"-1": 1, "3": 2}, "with_slo": 1
+    }  # fmt: skip
+    assert trace_summary("sharegpt")["recorded"] is None
+    proc = run("traces", str(log), "sharegpt")
+    assert proc.returncode == 0, proc.stderr
+    assert "requests.jsonl" in proc.stdout and "sharegpt" in proc.stdout and "served as" in proc.stdout
+    proc = run("traces", str(tmp_path / "missing.jsonl"))
+    assert proc.returncode == 2 and "missing.jsonl not found" in proc.stderr
+
+
 def test_sweep_writes_plot(tmp_path: Path):
     proc = run(
         "sweep",

@@ -11,28 +11,47 @@ from sloserve.cli.options import (
 
 
 @main.command()
-def traces() -> None:
-    """List the bundled traces with row counts and length statistics."""
+@click.argument("names", nargs=-1, metavar="[TRACE]...")
+@click.option("--columns", help="Column mapping for trace files, e.g. prompt=in,output=out,arrival=t.")
+def traces(names: tuple[str, ...], columns: str | None) -> None:
+    """List the bundled traces with row counts and length statistics, or those of the traces given
+    (bundled names or CSV/JSONL files; a served request log shows its classes, priorities and SLOs)."""
     from rich.table import Table
 
+    from sloserve.runs import parse_columns
     from sloserve.workload import TRACES, trace_summary
 
-    table = Table(title="bundled traces (token counts)")
-    for col in ("name", "rows", "prompt mean/p50/p99/max", "output mean/p50/p99/max", "arrivals", "description"):
+    summaries = [trace_summary(name, parse_columns(columns)) for name in names or TRACES]
+    recorded = any(s["recorded"] for s in summaries)
+    table = Table(title=f"{'traces' if names else 'bundled traces'} (token counts)")
+    headers = ["name", "rows", "prompt mean/p50/p99/max", "output mean/p50/p99/max", "arrivals"]
+    headers += ["served as (rows)"] if recorded else []
+    for col in (*headers, "description"):
         table.add_column(col)
-    for name, info in TRACES.items():
-        s = trace_summary(name)
+    for s in summaries:
         fmt = "{:.0f} / {:.0f} / {:.0f} / {:.0f}"
-        arrivals = f"{s['duration_s']:.0f} s, {s['rate_rps']:.2f} req/s" if s["has_arrivals"] else "-"
-        table.add_row(
-            name,
+        arrivals = f"{s['duration_s']:.4g} s, {s['rate_rps']:.2f} req/s" if s["has_arrivals"] else "-"
+        row = [
+            s["name"],
             str(s["rows"]),
             fmt.format(s["prompt_mean"], s["prompt_p50"], s["prompt_p99"], s["prompt_max"]),
             fmt.format(s["output_mean"], s["output_p50"], s["output_p99"], s["output_max"]),
             arrivals,
-            info.description,
-        )
+        ]
+        if recorded:
+            row.append(_served_as(s["recorded"]))
+        info = TRACES.get(s["name"])
+        table.add_row(*row, info.description if info is not None else s["source"])
     print_table(table)
+
+
+def _served_as(recorded: dict | None) -> str:
+    """A request log's classes, priorities and SLOs, in one cell ("-": left to the replay's stream)."""
+    if recorded is None:
+        return "-"
+    classes = ", ".join(f"{name} {n}" for name, n in recorded["classes"].items())
+    priorities = ", ".join(f"{level}: {n}" for level, n in recorded["priorities"].items())
+    return f"{classes}; priority {priorities}; with SLO {recorded['with_slo']}"
 
 
 @main.command()

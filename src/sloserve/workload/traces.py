@@ -19,15 +19,16 @@ User files (``.csv``, ``.csv.gz``, ``.jsonl``, ``.jsonl.gz``; gzip is detected b
   prompt's prefix structure: one content id per segment of ``hash_block_tokens`` tokens (a mapping
   key, default 512 as Mooncake's), the last one possibly partial; equal ids mean equal tokens there
   and before. A prompt of n tokens has exactly ceil(n / hash_block_tokens) ids.
-* What each request was served with, as ``serve --request-log`` records it (optional, each may be
-  null or, in a CSV, empty: left to the stream): ``request_class`` (``rt`` or ``be``), ``priority``
-  (an integer), ``slo_ttft_s``, ``slo_tpot_s``, ``slo_jct_s`` (seconds > 0) and ``max_tokens``
-  (an integer >= 1). A replay gives each request its row's values, except where its stream sets its
-  own (``RecordedSettings``).
+* What each request was served with, as ``serve --request-log`` records it (optional; each may be
+  null, missing from a JSONL row or an empty CSV cell: left to the stream): ``request_class`` (``rt``
+  or ``be``), ``priority`` (an integer), ``slo_ttft_s``, ``slo_tpot_s``, ``slo_jct_s`` (seconds > 0)
+  and ``max_tokens`` (an integer >= 1). A replay gives each request its row's values, except where
+  its stream sets its own (``RecordedSettings``).
 """
 
 from __future__ import annotations
 
+import collections
 import csv
 import functools
 import gzip
@@ -210,7 +211,9 @@ def load_trace(name_or_path: str, columns: Mapping[str, str] | None = None) -> T
 
 def trace_summary(name_or_path: str, columns: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Statistics of a trace for ``sloserve traces``: row count, prompt/output mean, p50, p99, max,
-    and, when the trace has arrival times, its duration and mean rate (rows / duration)."""
+    when the trace has arrival times, its duration and mean rate (rows / duration), and when it records
+    what its requests were served with (a request log), the rows of each class and priority and those
+    with an SLO."""
     trace = load_trace(name_or_path, columns)
     out: dict[str, Any] = {"name": trace.name, "rows": len(trace)}
     for role, arr in (("prompt", trace.prompt_tokens), ("output", trace.output_tokens)):
@@ -226,7 +229,19 @@ def trace_summary(name_or_path: str, columns: Mapping[str, str] | None = None) -
     out["arrival_quantum_s"] = trace.arrival_quantum_s
     out["source"] = trace.source
     out["license"] = trace.license
+    out["recorded"] = None if trace.recorded is None else _recorded_summary(trace.recorded)
     return out
+
+
+def _recorded_summary(recorded: Sequence[RecordedSettings]) -> dict[str, Any]:
+    """How many rows record each class and priority, and an SLO ("-": left to the stream)."""
+    classes = collections.Counter("-" if r.request_class is None else r.request_class.value for r in recorded)
+    priorities = collections.Counter("-" if r.priority is None else str(r.priority) for r in recorded)
+    return {
+        "classes": dict(sorted(classes.items())),
+        "priorities": dict(sorted(priorities.items(), key=lambda kv: (1, 0) if kv[0] == "-" else (0, int(kv[0])))),
+        "with_slo": sum(r.slo is not None for r in recorded),
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -423,9 +438,16 @@ def _read_jsonl(
     for obj, lineno in zip(objs, lines, strict=True):
         if type(obj) is not dict:
             raise ConfigError(f"{label}: line {lineno}: expected a JSON object, got {type(obj).__name__}")
-    names = _resolve(list(objs[0]), columns, label)
+    # NOTE: the first row names the columns, except the settings' (SETTING_ROLES): a row may leave one
+    # out, as null, and the first row need not have it
+    keys = list(objs[0])
+    keys += sorted(k for k in set().union(*objs) - set(keys) if k in SETTING_ROLES or k in columns.values())
+    names = _resolve(keys, columns, label)
     values: dict[str, list[Any]] = {}
     for role, key in names.items():
+        if role in SETTING_ROLES:
+            values[role] = [obj.get(key) for obj in objs]
+            continue
         try:
             values[role] = [obj[key] for obj in objs]
         except KeyError:
