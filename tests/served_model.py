@@ -18,7 +18,7 @@ from hf_models import VOCAB, hf_model
 from sloserve import LLM, SamplingParams
 from sloserve.bench.client import free_loopback_port
 from sloserve.engine.engine_core import EngineSpec
-from sloserve.server.serve import ServeOptions, make_app
+from sloserve.server.serve import ServeOptions, make_app, uvicorn_config
 
 CHAT_TEMPLATE = """{{ bos_token }}
 {% if tools %}
@@ -103,8 +103,9 @@ class Server:
             str(model_dir), scheduler, kv_capacity_tokens=kv_capacity_tokens, scheduler_options=scheduler_options or {}
         )
         self.port = free_loopback_port()
-        self.app = make_app(spec, ServeOptions(port=self.port, served_model_name=MODEL, **options))
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        serve_options = ServeOptions(port=self.port, served_model_name=MODEL, **{"log_level": "warning", **options})
+        self.app = make_app(spec, serve_options)
+        self.server = uvicorn.Server(uvicorn_config(self.app, serve_options))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -300,6 +300,19 @@ def test_fuzzed_bodies_never_get_a_5xx(server, body, path):
     assert server.engine.error is None
 
 
+def test_an_idle_connection_outlives_the_clients_pools(server):
+    """A connection idle for longer than httpx (the openai SDK) keeps one in its pool, 5 s, still
+    answers: uvicorn's default would have closed it then, and a client reusing it as it closed would
+    have met a reset."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+        for attempt in range(2):
+            conn.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            answer = conn.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 200"), (attempt, answer)
+            if attempt == 0:
+                time.sleep(5.5)
+
+
 def test_the_request_log_reads_as_a_trace(server, tmp_path):
     server.client.completions.create(
         model=MODEL, prompt="Hello world", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
@@ -492,6 +505,7 @@ def test_serve_refuses_bad_settings_with_one_line_and_exit_2():
     assert "--chat-template 'no/such.jinja': no such file" in serve("--chat-template", "no/such.jinja")
     assert "chat template: " in serve("--chat-template", "{% if %}")
     assert "'--reasoning-parser': 'o1' is not one of 'deepseek_r1', 'qwen3'" in serve("--reasoning-parser", "o1")
+    assert "--timeout-keep-alive must be > 0 seconds, got 0.0" in serve("--timeout-keep-alive", "0")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

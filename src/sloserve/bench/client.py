@@ -121,8 +121,12 @@ class _Client:
         self.url = base_url.rstrip("/") + "/completions"
         self.models_url = base_url.rstrip("/") + "/models"
         self.model = model
+        # NOTE: a pooled connection is reused only within 4 s of its last response: uvicorn's servers
+        # (vLLM's) close idle ones after 5 s, and a request sent as one closes meets a reset (aiohttp
+        # keeps them 15 s by default)
         self.http = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=timeout_s), connector=aiohttp.TCPConnector(limit=0)
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
         )
         self.start = time.perf_counter()
         self.inter_token_s: list[float] = []

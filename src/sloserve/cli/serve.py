@@ -78,6 +78,13 @@ def _import_serve_extra(module: str):
 )
 @click.option("--log-level", default="info", show_default=True, help="uvicorn's log level.")
 @click.option(
+    "--timeout-keep-alive",
+    type=float,
+    default=75.0,
+    show_default=True,
+    help="Seconds an idle HTTP connection stays open (longer than clients keep theirs).",
+)
+@click.option(
     "--data-dir",
     type=click.Path(path_type=Path),
     help="Serve the Files and Batch API, keeping files and batches here (SQLite; a restart resumes them), "
@@ -169,6 +176,7 @@ def serve(
     request_log: Path | None,
     drain_timeout: float,
     log_level: str,
+    timeout_keep_alive: float,
     data_dir: Path | None,
     max_batch_file_mb: float,
     max_batch_lines: int,
@@ -221,6 +229,8 @@ def serve(
         raise ConfigError(f"--port must be in 1..65535, got {port}")
     if drain_timeout < 0:
         raise ConfigError(f"--drain-timeout must be >= 0, got {drain_timeout}")
+    if not timeout_keep_alive > 0:
+        raise ConfigError(f"--timeout-keep-alive must be > 0 seconds, got {timeout_keep_alive}")
     if enable_auto_tool_choice != (tool_call_parser is not None):
         raise ConfigError("--enable-auto-tool-choice and --tool-call-parser go together: give both, or neither")
     serve_module.check_address(host, port)
@@ -258,6 +268,7 @@ def serve(
         request_log=request_log,
         drain_timeout_s=drain_timeout,
         log_level=log_level,
+        timeout_keep_alive_s=timeout_keep_alive,
         data_dir=data_dir,
         api_keys=keys,
         tool_call_parser=tool_call_parser,

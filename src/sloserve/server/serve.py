@@ -71,6 +71,11 @@ class ServeOptions:
     chat_template: str | None = None  # --chat-template: a file or the template (None: the model's)
     trust_request_chat_template: bool = False  # render requests with a chat_template of their own
     reasoning_parser: str | None = None  # --reasoning-parser: chat's reasoning_content (None: all content)
+    # --timeout-keep-alive: how long an idle connection stays open. NOTE: uvicorn's default, 5 s, is no
+    # longer than the pools of common clients keep theirs (httpx's, so the openai SDK's: 5 s; aiohttp's:
+    # 15 s): a request sent on a connection as the server closes it meets a reset (one in a few hundred
+    # in a loopback benchmark). A server's keep-alive must outlive its clients': nginx's 75 s.
+    timeout_keep_alive_s: float = 75.0
 
 
 def check_address(host: str, port: int) -> None:
@@ -182,10 +187,19 @@ class DrainingServer(uvicorn.Server):
         self._draining.start()
 
 
+def uvicorn_config(app, options: ServeOptions) -> uvicorn.Config:
+    """How uvicorn serves ``app``: the address, the log level, and an idle connection's life."""
+    return uvicorn.Config(
+        app,
+        host=options.host,
+        port=options.port,
+        log_level=options.log_level,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=options.timeout_keep_alive_s,
+    )
+
+
 def run_server(app, options: ServeOptions) -> None:
     """Serve ``app`` until a signal drains and stops it."""
-    config = uvicorn.Config(
-        app, host=options.host, port=options.port, log_level=options.log_level, timeout_graceful_shutdown=5
-    )
-    server = DrainingServer(config, app.state.engine, options.drain_timeout_s, app.state.batches)
+    server = DrainingServer(uvicorn_config(app, options), app.state.engine, options.drain_timeout_s, app.state.batches)
     server.run()
