@@ -3,13 +3,17 @@
 simulator's error on throughput and mean TTFT, TPOT and end-to-end latency.
 
     python benchmarks/serve_fidelity.py          # random:tiny-llama on the CPU (goal: mean error <= 10%)
+    python benchmarks/serve_fidelity.py --scheduler bros --workload mixed.yaml   # RT and BE, by class
     python benchmarks/serve_fidelity.py --model random:llama-3-8b --device cuda --dtype bfloat16 \\
         --prefill-chunks 32,64,128,256,512,1024,2048,4096 --context-lens 0,512,2048 \\
         --batch-sizes 1,2,4,8,16,32,64,128,256 --decode-kv-lens 128,512,2048 --max-model-len 4096
 
 Unlike benchmarks/fidelity.py (the engine's own clock against the simulator's), the served figures are
 what a client measures: HTTP, the event loop and detokenization are in them and not in the simulator.
-Two loads: offline (every request at t=0), then Poisson at --load times the served offline throughput.
+Two loads: offline (every request at t=0), then Poisson at --load times the served offline throughput;
+with --workload, the spec's own arrivals instead, and the figures of each class too (the request log
+records each request's class, SLO and priority, and the replay keeps them). The served and in-process
+engines schedule with the fitted preset too (BROS, EconoServe and InferMax decide by batch times).
 Each load is simulated twice, and compared on two clocks:
 - as the client sent it (the trace's requests at t=0, or its Poisson arrivals) against what the client
   measured: HTTP, the event loop, detokenization and streaming are in the served figures only;
@@ -50,15 +54,26 @@ METRICS = [
 
 def engine_summary(lines: list[str]) -> dict:
     """A request log's figures on the engine's clock, as the simulator's summary defines them
-    (throughput over first arrival to last finish; TPOT over each request's tokens after its first)."""
+    (throughput over first arrival to last finish; TPOT over each request's tokens after its first),
+    and each class's under ``classes`` (its throughput over the whole run's span, as the summary's)."""
     logged = [json.loads(line) for line in lines]
+    span = max(r["finish_s"] for r in logged) - min(r["arrival_s"] for r in logged)
+    summary = _logged_figures(logged, span)
+    summary["classes"] = {
+        c: _logged_figures([r for r in logged if r["request_class"] == c], span)
+        for c in sorted({r["request_class"] for r in logged})
+    }
+    return summary
+
+
+def _logged_figures(logged: list[dict], span_s: float) -> dict:
     arrival = np.array([r["arrival_s"] for r in logged])
     first = np.array([r["first_token_s"] for r in logged])
     finish = np.array([r["finish_s"] for r in logged])
     out = np.array([r["output_tokens"] for r in logged])
     tpot = (finish - first)[out > 1] / (out[out > 1] - 1)
     return {
-        "throughput_rps": len(logged) / (finish.max() - arrival.min()),
+        "throughput_rps": len(logged) / span_s,
         "ttft_s": {"mean": float((first - arrival).mean())},
         "tpot_s": {"mean": float(tpot.mean())},
         "jct_s": {"mean": float((finish - arrival).mean())},
@@ -80,6 +95,15 @@ def in_process(args, engine: list[str], replay: list[str], out: Path) -> dict:
     return json.loads(run)
 
 
+def class_rows(rows: list[tuple]) -> list[tuple]:
+    """Each row's figures again for each class its workload has (label "LOAD, CLASS")."""
+    out = []
+    for label, *summaries in rows:
+        for c in sorted(summaries[0].get("classes", {})) if len(summaries[0].get("classes", {})) > 1 else []:
+            out.append((f"{label}, {c}", *(s["classes"][c] for s in summaries)))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="random:tiny-llama")
@@ -87,6 +111,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--scheduler", default="vllm")
     parser.add_argument("--trace", default="sharegpt")
+    parser.add_argument("--workload", help="a workload spec (its own arrivals; instead of --trace and the two loads)")
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--kv-capacity-tokens", type=int, default=65536)
@@ -121,22 +146,15 @@ def main() -> None:
     port = free_loopback_port()
     request_log = out / "request-log.jsonl"
     request_log.unlink(missing_ok=True)
-    proc = start_server(args, port, ("--request-log", str(request_log)))
+    proc = start_server(args, port, ("--request-log", str(request_log), "--cost-model", str(preset)))
     if args.pin:
         os.sched_setaffinity(0, {1})
     rows = []
     try:
         load = ["--offline"]
-        for run in ("offline", "poisson"):
-            workload = [
-                "--trace",
-                args.trace,
-                "--num-requests",
-                str(args.num_requests),
-                "--seed",
-                str(args.seed),
-                *load,
-            ]
+        for run in ("spec",) if args.workload else ("offline", "poisson"):
+            source = ["--workload", args.workload] if args.workload else ["--trace", args.trace, *load]
+            workload = [*source, "--num-requests", str(args.num_requests), "--seed", str(args.seed)]
             served = json.loads(
                 sloserve(
                     "bench-serve",
@@ -172,17 +190,18 @@ def main() -> None:
                 )
                 (out / f"sim-{run}-{name}.json").write_text(json.dumps(sim, indent=2))
                 sims.append(sim)
-            label = "offline" if run == "offline" else f"{load[1]} req/s"
+            label = {"offline": "offline", "spec": args.workload, "poisson": f"{load[-1]} req/s"}[run]
             rows.append((label, served, engine_summary(lines), *sims, (replay, run)))
             load = ["--rate", f"{args.load * served['throughput_rps']:.3g}"]
     finally:
         proc.terminate()
         proc.wait(timeout=60)
     # After the server is gone (it and the in-process engine would share core 0)
-    rows = [(*row[:-1], in_process(args, engine, row[-1][0], out / f"run-{row[-1][1]}")) for row in rows]
+    with_preset = [*engine, "--cost-model", str(preset)]
+    rows = [(*row[:-1], in_process(args, with_preset, row[-1][0], out / f"run-{row[-1][1]}")) for row in rows]
 
     print(
-        f"\n{args.model} on {args.device} ({args.dtype}), {args.scheduler}, {args.trace}, {args.num_requests} "
+        f"\n{args.model} on {args.device} ({args.dtype}), {args.scheduler}, {args.workload or args.trace}, {args.num_requests} "
         f"requests{', pinned' if args.pin else ''}; preset and summaries in {out}"
     )
     print(
@@ -194,18 +213,22 @@ def main() -> None:
     def error(measured: float, simulated: float) -> float:
         return abs(simulated - measured) / measured if measured else float("nan")
 
-    for label, client, engine_side, sent, received, local in rows:
-        for name, key, field in METRICS:
-            cli, sim_sent, eng, loc, sim_recv = (
-                figure(x, key, field) for x in (client, sent, engine_side, local, received)
-            )
-            errs = {"sent": error(cli, sim_sent), "received": error(eng, sim_recv), "in-process": error(loc, sim_recv)}
-            for which, value in errs.items():
-                errors[which].append(value)
-            print(
-                f"| {label} | {name} | {cli:.4g} | {sim_sent:.4g} | {errs['sent']:.1%} | {eng:.4g} | {loc:.4g} "
-                f"| {eng / loc:.3f} | {sim_recv:.4g} | {errs['received']:.1%} | {errs['in-process']:.1%} |"
-            )
+    # NOTE: the mean errors are over the whole workload's figures; each class's rows follow them
+    for counted, table_rows in ((True, rows), (False, class_rows(rows))):
+        for label, client, engine_side, sent, received, local in table_rows:
+            for name, key, field in METRICS:
+                cli, sim_sent, eng, loc, sim_recv = (
+                    figure(x, key, field) for x in (client, sent, engine_side, local, received)
+                )
+                errs = {"sent": error(cli, sim_sent), "received": error(eng, sim_recv),
+                        "in-process": error(loc, sim_recv)}  # fmt: skip
+                for which, value in errs.items():
+                    if counted:
+                        errors[which].append(value)
+                print(
+                    f"| {label} | {name} | {cli:.4g} | {sim_sent:.4g} | {errs['sent']:.1%} | {eng:.4g} | {loc:.4g} "
+                    f"| {eng / loc:.3f} | {sim_recv:.4g} | {errs['received']:.1%} | {errs['in-process']:.1%} |"
+                )
     labels = {
         "sent": "as sent, against the client",
         "received": "as received, against the engine's clock",
