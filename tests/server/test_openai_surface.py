@@ -281,7 +281,7 @@ def test_best_of_returns_the_choices_with_the_highest_cumulative_logprob(server)
         ("chat", {"messages": HI, "continue_final_message": True, "add_generation_prompt": False},
          "continue_final_message"),
         ("chat", {"messages": HI, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
-        ("completions", {"prompt": "hi", "use_beam_search": True, "stream": True}, "stream"),
+        ("completions", {"prompt": "hi", "use_beam_search": True, "stop": "x"}, "stop"),
         ("completions", {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
         ("completions", {"prompt": "hi", "allowed_token_ids": [3, 300]}, "allowed_token_ids"),
         ("chat", {"messages": HI, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
@@ -1039,7 +1039,7 @@ def test_vllms_beam_search_returns_the_beams_of_llm_beam_search(server, referenc
     assert [c.message.content for c in chat.choices] == [
         hf[1].decode(s.tokens[len(s.tokens) - len(s.logprobs) :], skip_special_tokens=True) for s in best.sequences
     ]
-    refused = [({"stream": True}, "stream"), ({"stop": ["x"]}, "stop"), ({"n": 11}, "n"),
+    refused = [({"stop": ["x"]}, "stop"), ({"n": 11}, "n"),
                ({"logit_bias": {"3": 1}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "use_beam_search"),
                ({"tools": TOOLS}, "tool_choice"), ({"stop": "none"}, "stop")]  # fmt: skip
     for extra, param in refused:
@@ -1053,8 +1053,33 @@ def test_vllms_beam_search_returns_the_beams_of_llm_beam_search(server, referenc
     assert server.engine.num_unfinished == 0
 
 
-def test_a_beam_search_whose_client_leaves_ends_there(server):
-    """A client that closes its connection mid-search (non-streamed: the answer comes whole at the end)
+def test_a_streamed_beam_search_sends_each_beam_whole_once_found(server):
+    """``stream: true`` with ``use_beam_search`` (vLLM streams it so): nothing until the beams are
+    found, then each choice whole in one chunk (its text, finish reason and logprobs, those of the
+    non-streamed answer), the usage, ``[DONE]``; chat's choices after their role chunks."""
+    beams = dict(n=2, max_tokens=4, stream_options={"include_usage": True}, extra_body={"use_beam_search": True})
+    whole = server.client.completions.create(
+        model=MODEL, prompt=PROMPTS, logprobs=1, **{**beams, "stream_options": None}
+    )
+    chunks = list(server.client.completions.create(model=MODEL, prompt=PROMPTS, logprobs=1, stream=True, **beams))
+    *choices, last = chunks
+    assert [c.choices[0].index for c in choices] == [c.index for c in whole.choices] == [0, 1, 2, 3]
+    for chunk, choice in zip(choices, whole.choices, strict=True):
+        [streamed] = chunk.choices
+        assert (streamed.text, streamed.finish_reason) == (choice.text, choice.finish_reason)
+        assert streamed.logprobs.tokens == choice.logprobs.tokens
+    assert last.choices == [] and last.usage == whole.usage
+    chat = server.client.chat.completions.create(model=MODEL, messages=HI, **{**beams, "stream_options": None})
+    streamed = list(server.client.chat.completions.create(model=MODEL, messages=HI, stream=True, **beams))
+    assert [c.choices[0].delta.role for c in streamed[:-1]] == ["assistant", None] * 2
+    assert [c.choices[0].delta.content for c in streamed[1:-1:2]] == [c.message.content for c in chat.choices]
+    assert streamed[-1].usage == chat.usage
+    assert server.engine.num_unfinished == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_beam_search_whose_client_leaves_ends_there(server, stream):
+    """A client that closes its connection mid-search (streamed or not, the answer comes at the end)
     ends the search: no step after it, nothing left running or holding KV."""
 
     def steps_done() -> float:  # one-token requests, each ended by its length
@@ -1062,7 +1087,7 @@ def test_a_beam_search_whose_client_leaves_ends_there(server):
 
     before = steps_done()
     body = json.dumps({"model": MODEL, "prompt": "Hello", "n": 10, "max_tokens": 240, "ignore_eos": True,
-                       "use_beam_search": True}).encode()  # fmt: skip
+                       "use_beam_search": True, "stream": stream}).encode()  # fmt: skip
     head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     with socket.create_connection(("127.0.0.1", server.port)) as connection:
         connection.sendall(head.encode() + body)

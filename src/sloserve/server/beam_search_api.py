@@ -1,6 +1,6 @@
 """vLLM's ``use_beam_search`` on the completions and chat routes: the ``n`` best beams of each prompt
 (``engine/beam_search.py``), each step one engine request of one token per live beam, answered whole
-(not streamed). ``length_penalty`` weighs the score; the sampling controls, stop strings and
+(streamed, as vLLM streams it: each choice in one chunk once the beams are found). ``length_penalty`` weighs the score; the sampling controls, stop strings and
 structured outputs do not apply and are refused (``SamplingRequest.check_beam_search``). A client that
 leaves ends its search (the step's requests are aborted).
 """
@@ -8,16 +8,16 @@ leaves ends its search (the step's requests are aborted).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sloserve.core.request import RequestClass
 from sloserve.engine.beam_search import Beam, BeamSearchParams, search
 from sloserve.server.protocol import ChatCompletionRequest, CompletionRequest, usage
-from sloserve.server.responses import unless_gone
+from sloserve.server.responses import sse, unless_gone
 from sloserve.server.serving import (
     ApiError,
     Choice,
@@ -25,6 +25,7 @@ from sloserve.server.serving import (
     ResponseObjects,
     collect,
     ended_early,
+    error_response,
     service_tier,
 )
 
@@ -33,10 +34,13 @@ async def beam_search_response(
     serving: OpenAIServing, body: CompletionRequest | ChatCompletionRequest, raw: Request
 ) -> Response:
     """The response to ``body`` (``use_beam_search``); the searches end if the client leaves first."""
-    response = await unless_gone(raw, beam_search(serving, body))
-    if response is None:  # the client left: nobody reads this
+    search = BeamSearch(serving, body)
+    if body.stream:
+        return StreamingResponse(search.events(), media_type="text/event-stream")
+    results = await unless_gone(raw, search.beams())
+    if results is None:  # the client left: nobody reads this
         return Response(status_code=499)
-    return JSONResponse(response)
+    return JSONResponse(search.whole(results))
 
 
 async def beam_search(
@@ -45,33 +49,87 @@ async def beam_search(
     """The response body of ``body`` (``use_beam_search``): ``n`` choices per prompt, best first. A
     refusal is raised before the first step; ``request_class``: the class of its engine requests
     (None: the body's)."""
-    serving.check_model(body.model)
-    body.check_supported()
-    body.check_beam_search()
-    chat = isinstance(body, ChatCompletionRequest)
-    prompts = [serving.chat_prompt(body)] if chat else serving.completion_prompts(body)[0]
-    max_tokens = body.output_cap if chat else body.max_tokens
-    fits = [
-        serving.sampling_params(body, ids, max_tokens, None, i if len(prompts) > 1 else None).max_tokens
-        for i, ids in enumerate(prompts)
-    ]
-    width = body.n
-    serving.check_priority(body.priority)
-    serving.engine.check_room(width * len(prompts))
-    eos = frozenset(serving.engine.info.eos_token_ids)
-    request_class = request_class or body.request_class()
-    searches = [
-        _search(serving, body, request_class, ids, BeamSearchParams(width, fit, body.ignore_eos, body.length_penalty),
-                eos)
-        for ids, fit in zip(prompts, fits, strict=True)
-    ]  # fmt: skip
-    results = await _all(searches)
-    choices = [
-        _choice(serving, body, p * width + j, beam) for p, beams in enumerate(results) for j, beam in enumerate(beams)
-    ]
-    objects = ResponseObjects(chat, serving.config.model_name, service_tier(request_class, body.service_tier))
-    num_output = sum(len(b.output_token_ids) for beams in results for b in beams)
-    return objects.whole(choices, usage(sum(len(ids) for ids in prompts), num_output))
+    search = BeamSearch(serving, body, request_class)
+    return search.whole(await search.beams())
+
+
+class BeamSearch:
+    """One request's beam searches (one per prompt), checked: a refusal is raised on construction,
+    before anything runs."""
+
+    def __init__(
+        self,
+        serving: OpenAIServing,
+        body: CompletionRequest | ChatCompletionRequest,
+        request_class: RequestClass | None = None,
+    ) -> None:
+        serving.check_model(body.model)
+        body.check_supported()
+        body.check_beam_search()
+        chat = isinstance(body, ChatCompletionRequest)
+        self.prompts = [serving.chat_prompt(body)] if chat else serving.completion_prompts(body)[0]
+        max_tokens = body.output_cap if chat else body.max_tokens
+        fits = [
+            serving.sampling_params(body, ids, max_tokens, None, i if len(self.prompts) > 1 else None).max_tokens
+            for i, ids in enumerate(self.prompts)
+        ]
+        serving.check_priority(body.priority)
+        serving.engine.check_room(body.n * len(self.prompts))
+        self.serving, self.body = serving, body
+        self.request_class = request_class or body.request_class()
+        self.params = [BeamSearchParams(body.n, fit, body.ignore_eos, body.length_penalty) for fit in fits]
+        self.objects = ResponseObjects(
+            chat, serving.config.model_name, service_tier(self.request_class, body.service_tier)
+        )
+
+    async def beams(self) -> list[list[Beam]]:
+        """Each prompt's ``n`` beams, best first."""
+        eos = frozenset(self.serving.engine.info.eos_token_ids)
+        return await _all(
+            [
+                _search(self.serving, self.body, self.request_class, ids, params, eos)
+                for ids, params in zip(self.prompts, self.params, strict=True)
+            ]
+        )
+
+    def choices(self, results: list[list[Beam]]) -> list[Choice]:
+        width = self.body.n
+        return [
+            _choice(self.serving, self.body, p * width + j, beam)
+            for p, beams in enumerate(results)
+            for j, beam in enumerate(beams)
+        ]
+
+    def usage(self, results: list[list[Beam]]) -> dict[str, int]:
+        num_output = sum(len(b.output_token_ids) for beams in results for b in beams)
+        return usage(sum(len(ids) for ids in self.prompts), num_output)
+
+    def whole(self, results: list[list[Beam]]) -> dict[str, Any]:
+        return self.objects.whole(self.choices(results), self.usage(results))
+
+    async def events(self) -> AsyncIterator[str]:
+        """The streamed response, as vLLM streams a beam search: nothing until the beams are found, then
+        each choice whole in its chunk (after its role chunk, for chat), the usage, ``[DONE]``. A client
+        that leaves cancels this, and so the searches."""
+        try:
+            results = await self.beams()
+        except ApiError as e:  # the engine ended a step's request (a shutdown, a failure)
+            yield sse(error_response(e).body)
+            return
+        objects, body, width = self.objects, self.body, self.body.n
+        for choice in self.choices(results):
+            chunks = [objects.chunk("", None, role=True, index=choice.index)] if objects.chat else []
+            chunks.append(
+                objects.chunk(choice.text, choice.finish_reason, index=choice.index, logprobs=choice.logprobs)
+            )
+            for chunk in chunks:
+                if body.continuous_usage:  # vLLM's: the choice's prompt and its tokens so far
+                    beam = results[choice.index // width][choice.index % width]
+                    chunk["usage"] = usage(len(self.prompts[choice.index // width]), len(beam.output_token_ids))
+                yield sse(chunk)
+        if body.include_usage:
+            yield sse(objects.usage_chunk(self.usage(results)))
+        yield sse("[DONE]")
 
 
 async def _all(searches: list[Coroutine[Any, Any, list[Beam]]]) -> list[list[Beam]]:

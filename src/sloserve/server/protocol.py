@@ -28,7 +28,7 @@ from sloserve.server.tool_calls import (
 
 # The fields beam search does not honour (refused unless at their defaults); temperature, top_p and seed
 # change nothing in it and are accepted, as vLLM does.
-BEAM_SEARCH_IGNORES = ("stream", "stop", "stop_token_ids", "logit_bias", "presence_penalty", "frequency_penalty",
+BEAM_SEARCH_IGNORES = ("stop", "stop_token_ids", "logit_bias", "presence_penalty", "frequency_penalty",
                        "repetition_penalty", "min_tokens", "allowed_token_ids", "bad_words", "top_k", "min_p",
                        "best_of", "echo", "prompt_logprobs")  # fmt: skip
 # OpenAI's service tiers: "flex" is the cheaper, slower tier: our best-effort (BE) class.
@@ -178,7 +178,7 @@ class SamplingRequest(BaseModel):
 
     def check_beam_search(self) -> None:
         """A 400 naming what beam search would not honour: it ranks by the raw log-probabilities, with
-        no sampling controls, stop strings or grammar, and answers whole."""
+        no sampling controls, stop strings or grammar."""
         if not 1 <= self.n <= MAX_BEAM_WIDTH:
             raise ParameterError("n", f"with use_beam_search, n is the beam width: 1..{MAX_BEAM_WIDTH}, got {self.n}")
         fields = type(self).model_fields
