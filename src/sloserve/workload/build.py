@@ -112,7 +112,7 @@ def build_workload(
     children = np.random.SeedSequence(seed).spawn(len(spec.streams))
 
     times, prompts, outputs, stream_ids, caps, thinks, sessions = [], [], [], [], [], [], []
-    settings: list[tuple[RequestClass, int, SLO]] = []  # per row: its class, priority and SLO
+    settings: list[_Settings] = []  # per row
     contents: list[Callable[[int, int], SegmentedPrompt] | None] = []  # per row: its prompt's content
     for i, (stream, n, child) in enumerate(zip(spec.streams, counts, children)):
         len_seed, arr_seed = child.spawn(2)
@@ -135,9 +135,12 @@ def build_workload(
         thinks.append(sampled.think)
         sessions.append(sampled.session)
         stream_ids.append(np.full(n, i, dtype=np.int64))
-        row_settings = [_request_settings(stream, recorded) for recorded in sampled.recorded]
-        settings.extend(row[:3] for row in row_settings)
-        caps.append(np.array([row[3] or context_len for row in row_settings], dtype=np.int64))
+        if any(r is not None for r in sampled.recorded):
+            rows = [_request_settings(stream, recorded) for recorded in sampled.recorded]
+        else:
+            rows = [_request_settings(stream, None)] * n
+        settings.extend(rows)
+        caps.append(np.array([row.max_tokens or context_len for row in rows], dtype=np.int64))
 
     t = np.concatenate(times) if times else np.zeros(0)
     p = np.concatenate(prompts).astype(np.int64)
@@ -164,11 +167,11 @@ def build_workload(
             num_prompt_tokens=pi,
             true_output_tokens=oi,
             max_tokens=mi,
-            request_class=settings[k][0],
-            slo=settings[k][2],
+            request_class=settings[k].request_class,
+            slo=settings[k].slo,
             prompt_blocks=None if contents[k] is None else contents[k](pi, oi),
             think_time_s=th,
-            priority=settings[k][1],
+            priority=settings[k].priority,
         )
         for rid, (k, at, pi, oi, mi, th) in enumerate(
             zip(
@@ -291,19 +294,24 @@ class _Sample(NamedTuple):
     recorded: list[RecordedSettings | None]
 
 
-def _request_settings(
-    stream: StreamSpec, recorded: RecordedSettings | None
-) -> tuple[RequestClass, int, SLO, int | None]:
-    """A request's class, priority, SLO and max_tokens: its trace row's where the row records one and
-    the stream was not given its own, else the stream's."""
-    if recorded is None:
-        return stream.request_class, stream.priority, stream.slo, stream.max_tokens
+class _Settings(NamedTuple):
+    """What a request is served with (max_tokens None: as many as the context holds)."""
+
+    request_class: RequestClass
+    priority: int
+    slo: SLO
+    max_tokens: int | None
+
+
+def _request_settings(stream: StreamSpec, recorded: RecordedSettings | None) -> _Settings:
+    """A request's settings: its trace row's where the row records one and the stream was not given
+    its own, else the stream's."""
 
     def pick(name: str) -> Any:
-        row = getattr(recorded, name)
+        row = None if recorded is None else getattr(recorded, name)
         return getattr(stream, name) if row is None or name in stream.settings_given else row
 
-    return pick("request_class"), pick("priority"), pick("slo"), pick("max_tokens")
+    return _Settings(pick("request_class"), pick("priority"), pick("slo"), pick("max_tokens"))
 
 
 def _sample(
