@@ -516,10 +516,9 @@ def _recorded_settings(
 ) -> tuple[RecordedSettings, ...] | None:
     """Each row's ``RecordedSettings`` from the SETTING_ROLES columns the trace has (None: it has none).
     An empty value (JSON null, an empty CSV cell) leaves that setting to the stream."""
-    present = [role for role in SETTING_ROLES if role in values]
-    if not present:
+    if not any(role in values for role in SETTING_ROLES):
         return None
-    columns = {role: [] for role in SETTING_ROLES}
+    columns: dict[str, list[Any]] = {role: [] for role in SETTING_ROLES}
     for role in SETTING_ROLES:
         if role not in values:
             columns[role] = [None] * len(lines)
