@@ -156,6 +156,12 @@ def make_workload_from_options(o: SimOptions, context_len: int, rate: float | No
         rows = len(load_trace(o.trace, parse_columns(o.columns)))
         if num_requests is None:
             num_requests = min(rows, 1000)
+            if rows > num_requests:  # NOTE: a served day's log is longer: say that it is not all replayed
+                print(
+                    f"note: --trace-arrivals replays {num_requests:,} consecutive rows of the trace's {rows:,} (where "
+                    f"they start follows --seed); --num-requests {rows} replays them all",
+                    file=sys.stderr,
+                )
         elif num_requests > rows:
             print(
                 f"note: the trace has {rows:,} rows; --trace-arrivals repeats it back to back for "

@@ -312,6 +312,11 @@ def test_trace_arrivals_replays_the_trace_as_it_is_unless_asked_for_more(tmp_pat
     assert proc.returncode == 0 and json.loads(proc.stdout)["num_requests"] == 3, proc.stderr
     proc = run("simulate", "--trace", str(trace), "--trace-arrivals", "--num-requests", "10", "--json")
     assert json.loads(proc.stdout)["num_requests"] == 10 and "repeats it back to back" in proc.stderr
+    # a trace longer than the default 1,000 requests: a window of it, and the run says so
+    trace.write_text("prompt_tokens,output_tokens,arrival_s\n" + "".join(f"10,5,{i / 10}\n" for i in range(1500)))
+    proc = run("simulate", "--trace", str(trace), "--trace-arrivals", "--json")
+    assert json.loads(proc.stdout)["num_requests"] == 1000
+    assert "replays 1,000 consecutive rows of the trace's 1,500" in proc.stderr and "--num-requests 1500" in proc.stderr
 
 
 def test_hardware_prints_the_specs():
