@@ -182,9 +182,18 @@ def test_bad_plan_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
 
 
-def test_a_plan_without_an_slo_is_refused(tmp_path):
+def test_a_plan_without_an_slo_is_refused_and_a_request_logs_slos_are_one(tmp_path):
     proc = _cli("plan", "--trace", "sharegpt", "--qps", "3", "--out", str(tmp_path / "p"))
     assert proc.returncode == 2 and "plan needs an SLO" in proc.stderr
+    log = tmp_path / "requests.jsonl"  # what serve --request-log writes: each request's SLO (or none)
+    log.write_text("".join(json.dumps({"arrival_s": i / 4, "prompt_tokens": 100 + i, "output_tokens": 50,
+                                       "slo_ttft_s": 0.5 if i % 2 else None, "slo_tpot_s": None}) + "\n"
+                           for i in range(100)))  # fmt: skip
+    proc = _cli("plan", "--trace", str(log), "--qps", "3", "--gpus", "a100", "--tp", "1", "--schedulers", "vllm",
+                "--num-requests", "100", "--out", str(tmp_path / "p"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    answer = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert answer["answer"]["verified"]["met"] and answer["answer"]["verified"]["attainment"] >= 0.9
 
 
 def _deterministic(value):

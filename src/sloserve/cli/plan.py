@@ -21,6 +21,7 @@ from sloserve.cli.options import (
     table_width,
 )
 from sloserve.core.errors import ConfigError, UnknownNameError
+from sloserve.core.request import SLO
 from sloserve.runs import (
     make_workload_from_options,
 )
@@ -197,10 +198,13 @@ def plan(
     if alternatives < 0:
         raise ConfigError(f"--alternatives must be >= 0, got {alternatives}")
     base = SimOptions(**options)
-    if base.trace and not any(getattr(base, k) is not None for k in ("slo_ttft", "slo_tpot", "slo_jct")):
-        raise ConfigError("plan needs an SLO to meet: give --slo-ttft, --slo-tpot and/or --slo-jct")
     model = model_spec(base.model)
     workload = make_workload_from_options(base, model.max_context_len, rate=qps)  # bad workload options fail here
+    if base.trace and not any(r.slo != SLO() for r in workload.requests):  # NOTE: a request log records SLOs
+        raise ConfigError(
+            "plan needs an SLO to meet: give --slo-ttft, --slo-tpot and/or --slo-jct, or a trace whose rows "
+            "record their SLOs (serve --request-log)"
+        )
     names = scheduler_list(schedulers)
     for name in names:
         if name not in SCHEDULERS:
