@@ -135,6 +135,41 @@ def test_histogram_predictor_learns_per_prompt_bucket():
     assert hist.predict(probe_long) == 500
 
 
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 5000), st.integers(1, 2000)), max_size=40), st.integers(1, 5000))
+def test_a_histogram_learned_from_a_log_predicts_as_one_that_saw_its_requests_finish(finished, prompt):
+    """``learn`` (a served request log's lengths at once) is ``observe`` of each of its requests."""
+    seen, learned = OnlineHistogramPredictor(min_samples=2), OnlineHistogramPredictor(min_samples=2)
+    for request in make_requests(finished):
+        request._output_offset = request.true_output_tokens  # finished with its length
+        seen.observe(request)
+    learned.learn([p for p, _ in finished], [o for _, o in finished])
+    probe = Request(request_id=0, arrival_time=0, num_prompt_tokens=prompt, true_output_tokens=1, max_tokens=4096)
+    assert learned.predict(probe) == seen.predict(probe)
+
+
+def test_histogram_history_starts_the_histogram_from_a_request_log(tmp_path):
+    """``--set histogram_history=FILE``: the schedulers that predict with the histogram start from a
+    trace's lengths (a served request log), not from its default of 256 tokens; it needs that predictor."""
+    from sloserve.core.errors import ConfigError
+
+    log = tmp_path / "requests.jsonl"
+    log.write_text("".join(f'{{"prompt_tokens": {p}, "output_tokens": {o}}}\n' for p, o in [(40, 900), (50, 1100)] * 8))
+    probe = Request(request_id=0, arrival_time=0, num_prompt_tokens=45, true_output_tokens=1, max_tokens=4096)
+    for name, options in (
+        ("infermax", {}),
+        ("econoserve", {"predictor": "histogram"}),
+        ("srtf", {"predictor": "histogram"}),
+    ):
+        cold = scheduler(name, 100_000, **options).predictor
+        warm = scheduler(name, 100_000, histogram_history=str(log), **options).predictor
+        assert (cold.predict(probe), warm.predict(probe)) == (256, 1100), name  # the median of 900s and 1100s
+    with pytest.raises(ConfigError, match="histogram_history needs predictor=histogram, got predictor=none"):
+        scheduler("vllm", 100_000, histogram_history=str(log))
+    with pytest.raises(ConfigError, match="histogram_history: trace file .*missing.jsonl not found"):
+        scheduler("infermax", 100_000, histogram_history=str(tmp_path / "missing.jsonl"))
+
+
 @pytest.mark.parametrize("name,key", [("rank_i", lambda p, o: p), ("rank_o", lambda p, o: o)])
 def test_rank_schedulers_prioritize_by_rank(name, key):
     """Under memory pressure the higher-ranked (shorter I, or shorter O) requests finish first."""

@@ -236,6 +236,15 @@ class OnlineHistogramPredictor(LengthPredictor):
         bisect.insort(self._buckets.setdefault(self.bucket(request.num_prompt_tokens), []), out)
         bisect.insort(self._all, out)
 
+    def learn(self, prompt_tokens: Sequence[int], output_tokens: Sequence[int]) -> None:
+        """Take in finished requests' prompt and output lengths at once (a served request log: the
+        histogram starts from what the server saw, not from ``default_tokens``)."""
+        for prompt, out in zip(prompt_tokens, output_tokens, strict=True):
+            self._buckets.setdefault(self.bucket(int(prompt)), []).append(int(out))
+        self._all.extend(int(out) for out in output_tokens)
+        for values in (*self._buckets.values(), self._all):
+            values.sort()
+
 
 PREDICTORS: dict[str, type[LengthPredictor]] = {
     "oracle": OraclePredictor,
@@ -248,10 +257,22 @@ def predictor_from_config(config: Any) -> LengthPredictor | None:
     """The predictor a scheduler config names in its ``predictor`` field (None for "none", or for a
     config without one), built with the options that go with it."""
     name = getattr(config, "predictor", "none")
+    history = getattr(config, "histogram_history", None)
+    if history is not None and name != "histogram":
+        raise ConfigError(f"histogram_history needs predictor=histogram, got predictor={name}")
     if name == "none":
         return None
     if name == "histogram":
-        return make_predictor(name, quantile=config.histogram_quantile)
+        predictor = make_predictor(name, quantile=config.histogram_quantile)
+        if history is not None:
+            from sloserve.workload.traces import load_trace  # NOTE: only then
+
+            try:
+                trace = load_trace(history)
+            except ConfigError as e:  # NOTE: an UnknownNameError too
+                raise ConfigError(f"histogram_history: {e}") from None
+            predictor.learn(trace.prompt_tokens.tolist(), trace.output_tokens.tolist())
+        return predictor
     if name == "noisy-oracle":
         bucket = getattr(config, "predictor_bucket_tokens", 1)
         # NOTE: a bucketed predictor's accuracy depends on the lengths; it is calibrated on ShareGPT's

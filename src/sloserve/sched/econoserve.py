@@ -78,6 +78,8 @@ class EconoServeConfig:
     # 1.0-1.1 GTs at the rates EconoServe sustains (the GT queue is short there).
     predictor_bucket_tokens: int = 1
     histogram_quantile: float = 0.5
+    # A trace (a served request log) whose prompt and output lengths the histogram starts from
+    histogram_history: str | None = None
     max_num_seqs: int = 1024
     max_num_batched_tokens: int | None = None  # upper bound of the TFS (None: max(model length, 2048))
     block_size: int = 16

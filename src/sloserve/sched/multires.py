@@ -41,6 +41,8 @@ class MultiResConfig:
     block_size: int = 16
     predictor: Literal["oracle", "histogram"] = "oracle"
     histogram_quantile: float = 0.5  # the output-length quantile the histogram predicts
+    # A trace (a served request log) whose prompt and output lengths the histogram starts from
+    histogram_history: str | None = None
 
     def resolve(self, max_model_len: int) -> None:
         """Fill defaults that depend on the model and check every knob."""

@@ -61,6 +61,8 @@ class SrtfConfig(PriorityConfig):
 
     predictor: Literal["oracle", "histogram"] = "oracle"
     histogram_quantile: float = 0.5  # the output-length quantile the histogram predicts
+    # A trace (a served request log) whose prompt and output lengths the histogram starts from
+    histogram_history: str | None = None
 
     def resolve(self, max_model_len: int) -> None:
         super().resolve(max_model_len)

@@ -48,6 +48,8 @@ class UnifiedConfig:
     reservation: Literal["prompt", "predicted", "predicted_check"] = "prompt"
     predictor: Literal["none", "oracle", "histogram"] = "none"
     histogram_quantile: float = 0.5  # the output-length quantile the histogram predicts
+    # A trace (a served request log) whose prompt and output lengths the histogram starts from
+    histogram_history: str | None = None
     # Whom to evict when the decode group's KV does not fit (4): the lowest-priority running request
     # (the latest admitted), or the one holding the least KV (InferMax §6: keep long, evict short).
     eviction_victim: Literal["lowest_priority", "shortest"] = "lowest_priority"
