@@ -1,8 +1,9 @@
 """vLLM's ``use_beam_search`` on the completions and chat routes: the ``n`` best beams of each prompt
 (``engine/beam_search.py``), each step one engine request of one token per live beam, answered whole
-(streamed, as vLLM streams it: each choice in one chunk once the beams are found). ``length_penalty`` weighs the score; the sampling controls, stop strings and
-structured outputs do not apply and are refused (``SamplingRequest.check_beam_search``). A client that
-leaves ends its search (the step's requests are aborted).
+(streamed, as vLLM streams it: each choice in one chunk once the beams are found). ``length_penalty``
+weighs the score; the sampling controls, stop strings and structured outputs do not apply and are
+refused (``SamplingRequest.check_beam_search``). A client that leaves ends its search (the step's
+requests are aborted).
 """
 
 from __future__ import annotations
