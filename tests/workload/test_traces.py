@@ -354,3 +354,15 @@ def test_a_bad_recorded_setting_is_one_error_naming_file_line_and_column(tmp_pat
     )
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(trace))}: line 2: column '{key}': {re.escape(message)}$"):
         load_trace(str(trace))
+
+
+def test_prefix_shared_is_the_share_of_prompt_tokens_an_earlier_prompt_had(tmp_path):
+    """``sloserve traces``' "prefix shared": per row, the segments its hash ids share with earlier rows,
+    from its first (equal ids mean equal tokens there and before), in tokens."""
+    trace = tmp_path / "t.jsonl"
+    rows = [(1000, [1, 2]), (700, [1, 3]), (1000, [1, 2]), (300, [4])]  # the third: all of it
+    trace.write_text("".join(json.dumps({"prompt_tokens": n, "output_tokens": 5, "hash_ids": ids}) + "\n"
+                             for n, ids in rows))  # fmt: skip
+    summary = trace_summary(str(trace))
+    assert summary["prefix_shared"] == pytest.approx((0 + 512 + 1000 + 0) / (1000 + 700 + 1000 + 300))
+    assert trace_summary("sharegpt")["prefix_shared"] is None

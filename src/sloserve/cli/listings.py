@@ -23,8 +23,10 @@ def traces(names: tuple[str, ...], columns: str | None) -> None:
 
     summaries = [trace_summary(name, parse_columns(columns)) for name in names or TRACES]
     recorded = any(s["recorded"] for s in summaries)
+    hashed = any(s["prefix_shared"] is not None for s in summaries)
     table = Table(title=f"{'traces' if names else 'bundled traces'} (token counts)")
     headers = ["name", "rows", "prompt mean/p50/p99/max", "output mean/p50/p99/max", "arrivals"]
+    headers += ["prefix shared"] if hashed else []
     headers += ["served as (rows)"] if recorded else []
     for col in (*headers, "description"):
         table.add_column(col)
@@ -38,6 +40,8 @@ def traces(names: tuple[str, ...], columns: str | None) -> None:
             fmt.format(s["output_mean"], s["output_p50"], s["output_p99"], s["output_max"]),
             arrivals,
         ]
+        if hashed:
+            row.append("-" if s["prefix_shared"] is None else f"{s['prefix_shared']:.1%}")
         if recorded:
             row.append(_served_as(s["recorded"]))
         info = TRACES.get(s["name"])

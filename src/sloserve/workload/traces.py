@@ -213,7 +213,7 @@ def trace_summary(name_or_path: str, columns: Mapping[str, str] | None = None) -
     """Statistics of a trace for ``sloserve traces``: row count, prompt/output mean, p50, p99, max,
     when the trace has arrival times, its duration and mean rate (rows / duration), and when it records
     what its requests were served with (a request log), the rows of each class and priority and those
-    with an SLO."""
+    with an SLO; when it has hash ids, ``prefix_shared``."""
     trace = load_trace(name_or_path, columns)
     out: dict[str, Any] = {"name": trace.name, "rows": len(trace)}
     for role, arr in (("prompt", trace.prompt_tokens), ("output", trace.output_tokens)):
@@ -230,7 +230,22 @@ def trace_summary(name_or_path: str, columns: Mapping[str, str] | None = None) -
     out["source"] = trace.source
     out["license"] = trace.license
     out["recorded"] = None if trace.recorded is None else _recorded_summary(trace.recorded)
+    out["prefix_shared"] = None if trace.hash_ids is None else prefix_shared(trace)
     return out
+
+
+def prefix_shared(trace: TraceData) -> float:
+    """The share of the prompt tokens that an earlier row's prompt had too (its hash ids in order:
+    equal ids mean equal tokens there and before), at the trace's segment granularity: what a prefix
+    cache that never evicts could find, with whole segments."""
+    assert trace.hash_ids is not None
+    seen: set[int] = set()
+    shared = 0
+    for ids, prompt in zip(trace.hash_ids, trace.prompt_tokens.tolist(), strict=True):
+        found = next((k for k, segment in enumerate(ids) if segment not in seen), len(ids))
+        shared += min(found * trace.hash_block_tokens, prompt)
+        seen.update(ids)
+    return shared / int(trace.prompt_tokens.sum())
 
 
 def _recorded_summary(recorded: Sequence[RecordedSettings]) -> dict[str, Any]:
