@@ -3,6 +3,7 @@ bytes (ids 0..255 are the UTF-8 bytes; BOS and EOS follow)."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Protocol
 
@@ -60,7 +61,16 @@ class HFTokenizer:
     def added_token_id(self, text: str) -> int | None:
         """The id of the token added to the vocabulary as ``text`` whole (a special token, or one such
         as ``</think>``); None where ``text`` has none."""
-        return next((i for i, t in self._tok.get_added_tokens_decoder().items() if t.content == text), None)
+        return self._added_token_ids.get(text)
+
+    @functools.cached_property
+    def _added_token_ids(self) -> dict[str, int]:
+        """The added tokens by their text, read once: requests ask for the thinking tags' ids, and the
+        library builds its whole table of added tokens on each call (a text added twice: its lowest id)."""
+        ids: dict[str, int] = {}
+        for token_id, token in sorted(self._tok.get_added_tokens_decoder().items()):
+            ids.setdefault(token.content, token_id)
+        return ids
 
     def to_json(self) -> str:
         """The tokenizer as a ``tokenizer.json`` text (what a grammar library reads)."""
