@@ -149,15 +149,6 @@ MISTRAL = ["[TOOL_CALLS]", "[ARGS]", "[", "TOOL", "_CALLS]", "f", "g", '{"a": [1
            MISTRAL_ARRAY, "x", "é"]  # fmt: skip
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.sampled_from(MISTRAL), max_size=12), st.lists(st.integers(0, 10_000), max_size=8))
-def test_mistral_streamed_anywhere_equals_whole(fragments, cuts):
-    text = "".join(fragments)
-    whole = read_streamed_anywhere(MistralParser, text, cuts)
-    if "[TOOL_CALLS]" not in text:
-        assert whole == (text.rstrip() or None, [])
-
-
 def test_required_array_and_a_cut_one():
     text = '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]'
     assert read(RequiredCallsParser(), [text]) == (None, [("f", '{"a": 1}'), ("g", "{}")])
@@ -187,12 +178,18 @@ def read_streamed_anywhere(make_parser, text: str, cuts: list[int]) -> tuple[str
     return whole
 
 
+@pytest.mark.parametrize(
+    ("parser", "fragments", "max_size", "opener"),
+    [(HermesParser, FRAGMENTS, 14, "<"), (MistralParser, MISTRAL, 12, "[TOOL_CALLS]")],
+)
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.sampled_from(FRAGMENTS), max_size=14), st.lists(st.integers(0, 10_000), max_size=8))
-def test_hermes_streamed_anywhere_equals_whole(fragments, cuts):
-    text = "".join(fragments)
-    whole = read_streamed_anywhere(HermesParser, text, cuts)
-    if "<" not in text:
+@given(data=st.data())
+def test_text_parsers_streamed_anywhere_equal_whole(parser, fragments, max_size, opener, data):
+    """Hermes' and Mistral's parsers: any split of the output reads as the whole; text with nothing
+    that may open a call is all content."""
+    text = "".join(data.draw(st.lists(st.sampled_from(fragments), max_size=max_size), label="fragments"))
+    whole = read_streamed_anywhere(parser, text, data.draw(st.lists(st.integers(0, 10_000), max_size=8), label="cuts"))
+    if opener not in text:
         assert whole == (text.rstrip() or None, [])
 
 
