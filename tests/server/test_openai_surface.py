@@ -752,13 +752,16 @@ def test_vllms_priority_needs_a_scheduler_that_orders_by_it_and_then_goes_first(
                 model=MODEL, prompt="first", max_tokens=200, stream=True, extra_body={"ignore_eos": True}
             )
             await anext(aiter(running))  # it runs: the next ones queue behind it
-            queued = [one("low-a", 5), one("low-b", 5), one("high", -1), one("mid", 2)]
-            tasks = [asyncio.ensure_future(q) for q in queued]
+            tasks = []
             deadline = time.monotonic() + 30
-            while ordered.engine.num_queued < 4:  # all four accepted...
-                assert time.monotonic() < deadline, "the four requests were not accepted"
-                await asyncio.sleep(0.005)
-            assert ordered.engine.num_unfinished == 5  # ...while "first" runs (it has ~200 steps to go)
+            # NOTE: one at a time, each accepted before the next is sent: over four connections their
+            # arrival order would be the connections' race, and low-a must arrive before low-b
+            for k, (name, priority) in enumerate((("low-a", 5), ("low-b", 5), ("high", -1), ("mid", 2)), 1):
+                tasks.append(asyncio.ensure_future(one(name, priority)))
+                while ordered.engine.num_queued < k:
+                    assert time.monotonic() < deadline, f"{name} was not accepted"
+                    await asyncio.sleep(0.005)
+            assert ordered.engine.num_unfinished == 5  # all four accepted while "first" runs (~200 steps to go)
             async for _ in running:
                 pass
             await asyncio.gather(*tasks)
