@@ -12,7 +12,8 @@
 #                                             # graphed (before / +split decodes / +fused kernels), 8 x 32K
 #                                             # contexts, prefill MFU (kernel / dense), small prompts and a
 #                                             # mixed step eager / piecewise (the mixed one against its parts'
-#                                             # rooflines), a decode step's kernels (torch.profiler)
+#                                             # rooflines), a decode step's kernels (torch.profiler); then
+#                                             # async_scheduling.py: offline batches of 64 and 256, on / off
 #   bash benchmarks/gpu_session.sh fidelity   # fidelity.py with CUDA graphs: profile, run, simulate;
 #                                             # cost_forms.py on the measured profile and the runs' steps
 #   bash benchmarks/gpu_session.sh infermax   # infermax_engine.py: Figure 9's schedulers at M = 1K and
@@ -38,7 +39,7 @@
 # The call prepared on 2026-11-27 (not yet run):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH || exit
-#   TESTS_S=150 SPEED_S=210 SERVE_S=200 bash benchmarks/gpu_session.sh all
+#   TESTS_S=150 SPEED_S=240 SERVE_S=190 bash benchmarks/gpu_session.sh all
 # Every stage's output goes to $OUT/session.log ($OUT: the device tool's output folder; else ./gpu-logs),
 # beside the fidelity stage's profile, preset, engine figures and the engine runs' steps (a tar of
 # four steps.csv): five files, within the tool's eight.
@@ -72,6 +73,7 @@ model=("${engine[@]}" --max-model-len 4096 --kv-capacity-tokens 131072)
 grid=(--prefill-chunks 32,64,128,256,512,1024,2048,4096 --context-lens 0,512,2048
   --batch-sizes 1,2,4,8,16,32,64,128,256 --decode-kv-lens 128,512,2048)
 speed=() fidelity=() layers=32 requests=300
+async_ab=(--batches 64,256 --prompt-len 128 --output-len 128 --repeats 2)
 # B = 256: the simulator's ratios at M = 1K are those of B = 1024 within 0.03 (2026-11-26).
 infermax=(--num-requests 256 --capacities 1000,10000)
 if [[ ${SMOKE:-0} == 1 ]]; then
@@ -82,6 +84,7 @@ if [[ ${SMOKE:-0} == 1 ]]; then
     --small-prompts 64 --repeats 2)
   fidelity=(--max-model-len 1024 --kv-capacity-tokens 65536 --num-requests 20 "${grid[@]}")
   layers=2 requests=20
+  async_ab=(--batches 4,8 --prompt-len 16 --output-len 8 --repeats 1)
   infermax=(--num-requests 24 --inputs 4,16 --capacities 200)
 fi
 
@@ -90,11 +93,14 @@ case "${1:-}" in
     # (piecewise graphs off but in their own test: every engine the tests make would capture them)
     SLOSERVE_PIECEWISE_GRAPHS=0 python3 -m pytest -p no:cacheprovider -rs tests/engine/test_triton_attention.py tests/engine/test_fused_ops.py \
       tests/engine/test_cuda_graphs.py tests/engine/test_piecewise_graphs.py tests/engine/test_attention.py \
-      tests/engine/test_engine.py 2>&1 | tee -a "$log"
+      tests/engine/test_engine.py tests/engine/test_async_scheduling.py 2>&1 | tee -a "$log"
     ;;
   speed)
     # (engine_speed.py captures the piecewise graphs it compares itself)
     SLOSERVE_PIECEWISE_GRAPHS=0 python3 benchmarks/engine_speed.py "${engine[@]}" "${speed[@]}" 2>&1 | tee -a "$log"
+    # Async scheduling on / off (issue 43 item 1), after the table: the stage's limit cuts this, not the table
+    SLOSERVE_PIECEWISE_GRAPHS=0 python3 benchmarks/async_scheduling.py "${engine[@]}" "${async_ab[@]}" 2>&1 \
+      | tee -a "$log"
     ;;
   fidelity)
     # The summaries stay behind; the profile, the preset fitted to it and the engine's figures come
@@ -131,7 +137,7 @@ case "${1:-}" in
   all)
     # One stage failing or running out of time does not stop the next one; the exit code is the worst.
     status=0
-    for stage in tests:${TESTS_S:-150} speed:${SPEED_S:-210} serve:${SERVE_S:-200} ${FIDELITY_S:+fidelity:$FIDELITY_S} \
+    for stage in tests:${TESTS_S:-150} speed:${SPEED_S:-240} serve:${SERVE_S:-190} ${FIDELITY_S:+fidelity:$FIDELITY_S} \
         ${INFERMAX_S:+infermax:$INFERMAX_S} ${SERVE_FIDELITY_S:+serve-fidelity:$SERVE_FIDELITY_S}; do
       start=$SECONDS
       timeout "${stage#*:}" bash "$0" "${stage%%:*}" || { rc=$?; status=$rc; echo "stage ${stage%%:*} exited $rc"; }

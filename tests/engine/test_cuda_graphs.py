@@ -95,15 +95,17 @@ def test_padded_decode_equals_eager_and_writes_only_its_slots(batch_size):
         ("torch", "sarathi", dict(kv_capacity_tokens=96, block_size=4, preemption_mode="swap")),
         ("torch", "bros", {}),  # bidirectional KV blocks
         ("triton", "vllm", dict(block_size=4)),  # the kernel reads the wide static slot table
+        ("torch", "vllm", dict(kv_capacity_tokens=96, block_size=4, async_scheduling=True)),  # tokens on the device
     ],
 )
 def test_engine_on_padded_graph_buffers_gives_the_eager_tokens(backend, scheduler, options):
     """The executor runs every decode-only step of at most 6 decodes on the graphs' padded buffers
-    (larger ones and steps with a prefill run eagerly): every request's tokens equal the eager engine's."""
+    (larger ones and steps with a prefill run eagerly): every request's tokens equal the eager engine's
+    (without async scheduling)."""
     if backend == "triton":
         pytest.importorskip("triton")
         options = {**options, "device": "cuda" if CUDA else "cpu", "dtype": "float32"}  # compiled on a GPU
-    eager = LLM("random:tiny-llama", scheduler, attention_backend=backend, **options)
+    eager = LLM("random:tiny-llama", scheduler, attention_backend=backend, **{**options, "async_scheduling": False})
     expected = generate_greedy(eager)
     llm = LLM("random:tiny-llama", scheduler, attention_backend=backend, **options)
     engine = llm.engine
@@ -121,6 +123,7 @@ def test_engine_on_padded_graph_buffers_gives_the_eager_tokens(backend, schedule
     engine.executor.graphs = graphs
     assert generate_greedy(llm) == expected
     assert sizes and max(sizes) <= 6 and len(set(sizes)) > 1
+    assert (engine.executor.num_early_launches > 0) == options.get("async_scheduling", False)
     if "preemption_mode" in options:
         assert engine.scheduler.num_preemptions > 0
 

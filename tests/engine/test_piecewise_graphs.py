@@ -49,6 +49,7 @@ def _on_pieces(llm: LLM, sizes: list[int]) -> list[int]:
         ("tiny-qwen2", "torch", "sarathi", dict(kv_capacity_tokens=96, block_size=4, preemption_mode="swap")),
         ("tiny-llama", "torch", "bros", {}),  # bidirectional KV blocks
         ("tiny-llama", "triton", "sarathi", dict(prefill_token_budget=16, block_size=4)),
+        ("tiny-llama", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4, async_scheduling=True)),
     ],
 )
 def test_engine_on_padded_pieces_gives_the_eager_tokens(model, backend, scheduler, options):
@@ -58,10 +59,12 @@ def test_engine_on_padded_pieces_gives_the_eager_tokens(model, backend, schedule
     if backend == "triton":
         pytest.importorskip("triton")
         options = {**options, "device": "cuda" if CUDA else "cpu", "dtype": "float32"}  # compiled on a GPU
-    expected = generate_greedy(LLM(f"random:{model}", scheduler, attention_backend=backend, **options))
+    eager = LLM(f"random:{model}", scheduler, attention_backend=backend, **{**options, "async_scheduling": False})
+    expected = generate_greedy(eager)
     llm = LLM(f"random:{model}", scheduler, attention_backend=backend, **options)
     counts = _on_pieces(llm, [8, 16, 40])
     assert generate_greedy(llm) == expected
+    assert (llm.engine.executor.num_early_launches > 0) == options.get("async_scheduling", False)
     padded = {llm.engine.executor.piecewise.size_for(n) for n in counts}
     assert len(padded) > 1 and any(n not in padded for n in counts)  # several sizes, padding rows
     if "preemption_mode" in options:

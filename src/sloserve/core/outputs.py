@@ -175,8 +175,6 @@ class StepResult:
 
     # End time of each of the output's num_steps steps (seconds, simulated or wall).
     step_end_times: Sequence[float]
-    # Requests whose last output token was sampled in this output's (last) step.
+    # Requests whose last output token was sampled in this output's (last) step (the engine's, with
+    # async scheduling: also those the step before's token ended, that this one ran a token too many).
     finished: list[Request] = field(default_factory=list)
-    # Sampled token ids per request (engine only; the simulator samples nothing).
-    # NOTE: None, not an empty dict, when nothing was sampled: a result is built every step.
-    sampled_token_ids: dict[int, int] | None = None

@@ -31,6 +31,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from sloserve.engine.async_scheduling import index_tensor
+
 
 @dataclass
 class PrefillSeq:
@@ -156,7 +158,7 @@ def pack_prefills(prefills: list[PrefillSeq], device: torch.device) -> PackedPre
     lens = [seq.query_len for seq in prefills]
 
     def tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        return index_tensor(values, device)
 
     return PackedPrefills(
         query_starts=tensor([seq.query_start for seq in prefills]),

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from sloserve.engine.async_scheduling import copy_to_device
 from sloserve.engine.attention import AttentionMetadata
 from sloserve.engine.kv_cache import KVCacheTensor, expand_block_ids
 
@@ -150,9 +151,11 @@ class DecodeGraphs:
         context_lens: np.ndarray,  # (b,) context tokens, the new one included
         slots_written: np.ndarray,  # (b,) slot of each new token
         block_ids: np.ndarray,  # (b, >= max(context_lens) / g) block_id_tables of the contexts
+        late_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,  # (P,) decodes, (P,) their tokens
     ) -> torch.Tensor:  # (b, H) hidden states
         """Run a decode-only step of ``b`` decodes (decode ``i`` is flat token ``i``) on the graph of
-        the smallest captured size that holds it."""
+        the smallest captured size that holds it. ``late_tokens``: the new tokens of those decodes, on
+        the device (async scheduling)."""
         b, width = block_ids.shape
         size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, b)]
         host = self._padding(size)  # (4, size)
@@ -160,9 +163,11 @@ class DecodeGraphs:
         host[POSITIONS, :b] = positions
         host[SLOT_WRITTEN, :b] = slots_written
         host[CONTEXT_LEN, :b] = context_lens
-        self.inputs[:, :size].copy_(torch.from_numpy(host))
-        self.block_ids[:b, :width].copy_(torch.from_numpy(block_ids))
+        copy_to_device(self.inputs[:, :size], torch.from_numpy(host))
+        copy_to_device(self.block_ids[:b, :width], torch.from_numpy(block_ids))
         self.block_ids[b:size, 0] = self.pad_block  # a padding row reads the pad slot only
+        if late_tokens is not None:
+            self.inputs[TOKEN_IDS][late_tokens[0]] = late_tokens[1]
         if not self.capture:
             return self._forward(size)[:b]
         self.graphs[size].replay()

@@ -63,6 +63,9 @@ class EngineSpec:
     # Publish each step's tokens during the next step's forward pass (EngineCore); None: on CUDA where
     # SLOSERVE_OVERLAP_PUBLISH=1 (engine/switches.py: off until a GPU session has timed it)
     overlap_publish: bool | None = None
+    # Launch each step before the step before's tokens are on the host (LLMEngine); None: on CUDA where
+    # SLOSERVE_ASYNC_SCHEDULING=1
+    async_scheduling: bool | None = None
 
     def build(self):
         """The engine (loads the model: in the core process)."""
@@ -86,6 +89,7 @@ class EngineSpec:
             seed=self.seed,
             scheduler_options=self.scheduler_options,
             enable_prefix_caching=self.enable_prefix_caching,
+            async_scheduling=self.async_scheduling,
         )
 
     def tokenizer(self) -> ByteTokenizer | HFTokenizer | None:
@@ -251,10 +255,11 @@ class EngineCore:
             self.publish(finished)
 
     def flush(self) -> None:
-        """Publish the last step's news if it is still kept (``overlap_publish``)."""
+        """Publish the last step's news if it is still kept (``overlap_publish``), with the requests
+        whose last token has come back since (async scheduling)."""
         if self._unpublished is not None:
             finished, self._unpublished = self._unpublished, None
-            self.publish(finished)
+            self.publish(finished + self.engine.take_finished())
 
     def apply(self, command: tuple) -> None:
         kind = command[0]

@@ -23,6 +23,7 @@ from torch import nn
 from sloserve.core.outputs import SchedulerOutput, StepResult
 from sloserve.core.request import Request
 from sloserve.cost.base import BatchShape, batch_shape
+from sloserve.engine.async_scheduling import SampledOnDevice, index_tensor, to_device
 from sloserve.engine.attention import AttentionMetadata, PrefillSeq
 from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.kv_cache import KVCacheTensor, expand_block_ids
@@ -33,7 +34,7 @@ from sloserve.engine.sampler import (
     Logprobs,
     SamplingParams,
     apply_controls,
-    sample,
+    sample_on_device,
     token_logprobs,
 )
 from sloserve.engine.structured_output import GrammarMatchers, accept
@@ -76,6 +77,9 @@ class EngineExecutor:
     after it is launched and before anything waits for it. ``during_forward_exposed_s`` is how much
     of its time that step waited for: all of it on the CPU (where the forward pass has run by then),
     none on a GPU that was still computing when it ended.
+
+    ``async_scheduling``: a step may launch before the step before's tokens are on the host
+    (``async_scheduling.py``): they come back during its forward pass (``in_flight`` until then).
     """
 
     def __init__(
@@ -100,6 +104,14 @@ class EngineExecutor:
         self.during_forward_exposed_s = 0.0
         # The grammars' matchers, over the model's tokenizer (set by the engine for the first request with one)
         self.grammar_matchers: GrammarMatchers | None = None
+        self.async_scheduling = False
+        self.num_early_launches = 0  # steps launched before the step before's tokens were on the host
+        self.in_flight: SampledOnDevice | None = None  # the last step's tokens, still on the device
+        # Requests whose sequences need their tokens on the host before the next step (async_scheduling.py)
+        self._needs_host_tokens: set[Request] = set()
+        # Requests a token brought back late ended, that the scheduler has not heard of yet: they end
+        # (uncomputed, as an aborted request) in the next step that schedules them
+        self._stopped: set[Request] = set()
 
     @classmethod
     def for_model(
@@ -138,16 +150,26 @@ class EngineExecutor:
             prompt_logprobs=None if params.prompt_logprobs is None else [],
             matcher=None if params.grammar is None else self.grammar_matchers.matcher(params.grammar),
         )
+        if params.grammar is not None or params.controls_scores or params.logprobs is not None:
+            self._needs_host_tokens.add(request)
+        elif params.prompt_logprobs is not None:
+            self._needs_host_tokens.add(request)
 
     @torch.inference_mode()
     def execute(
         self, output: SchedulerOutput, now: float, end_times: collections.abc.Sequence[float] | None = None
     ) -> StepResult:
         """Run ``output`` (one step) starting at ``now``; the step ends ``now`` + its measured time
-        (``end_times``, the simulator's precomputed ones, are not used)."""
+        (``end_times``, the simulator's precomputed ones, are not used). With ``async_scheduling``, a
+        step that can is launched before the step before's tokens are on the host: it ends when the host
+        has them (its device work may go on), and its own tokens come back with the next step."""
         assert output.num_steps == 1, "the engine runs steps one at a time (fast_path=False)"
         shape = batch_shape(output) if self.step_log is not None else None  # before the step moves requests on
         t0 = time.perf_counter()
+        pipelined = self.async_scheduling and self._launches_early(output)
+        if not pipelined:
+            self.resolve()  # this step's inputs or samples need the step before's tokens on the host
+        before = self.in_flight  # None unless pipelined
         self.cache.swap_out(output.swap_out)
         self.cache.swap_in(output.swap_in)
         self.cache.copy_slots(output.slot_copies)
@@ -158,25 +180,32 @@ class EngineExecutor:
         decodes: list[tuple[int, Request]] = []  # (flat index, request) of sequences processing one token
         samplers: list[tuple[Request, int]] = []  # (request, flat index of its last token)
         scored: list[tuple[Sequence, int, int]] = []  # (sequence, flat index, prompt position it predicts)
-        aborted: list[Request] = []  # scheduled, but their client went away: finished, not computed
+        # Scheduled, but ended (their client went away, or a token brought back late ended them): finished,
+        # not computed
+        skipped: list[Request] = []
+        late: list[tuple[int, int]] = []  # (flat index, row of ``before``) of tokens still on the device
 
         def add(request: Request, num_tokens: int) -> None:
             seq = self.sequences[request]
             start = request.num_computed_tokens
             end = start + num_tokens
-            if request.aborted:
+            if request.aborted or request in self._stopped:
                 # NOTE: its slots were allocated for this step and are left unwritten; the scheduler
                 # frees them when it sees the request finished, as after an EOS.
-                aborted.append(request)
+                skipped.append(request)
                 return
             flat = len(tokens)
-            tokens.extend(seq.token_ids[start:end])
+            known = seq.token_ids[start:end]
+            tokens.extend(known)
+            if len(known) < num_tokens:  # NOTE: a decode's token (``_launches_early``), sampled by ``before``
+                late.append((flat, before.rows[request]))
+                tokens.append(0)
             positions.extend(range(start, end))
             if num_tokens == 1:
                 decodes.append((flat, request))
             else:
                 context = self.kv.slot_table(request, end)
-                prefills.append(PrefillSeq(flat, num_tokens, torch.from_numpy(context).to(self.device)))
+                prefills.append(PrefillSeq(flat, num_tokens, to_device(torch.from_numpy(context), self.device)))
                 prefill_slots.append((flat, context[start:]))
             if end == request.num_tokens:
                 samplers.append((request, flat + num_tokens - 1))
@@ -192,35 +221,109 @@ class EngineExecutor:
         if output.decode is not None:
             cohort = output.decode.cohort
             cohort.settle_all()  # the KV growth reserved for the members by count gets its block ids now
-            self._add_cohort(cohort.members, tokens, positions, decodes, samplers, aborted)
+            self._add_cohort(cohort.members, tokens, positions, decodes, samplers, skipped, late)
         self.during_forward_exposed_s = 0.0
+        seqs = [self.sequences[r] for r, _ in samplers]
+        launched = None
         if tokens:
             # NOTE: built before the forward pass: a copy to the device after its launch waits for it
-            rows = torch.tensor([i for _, i in samplers], dtype=torch.int64, device=self.device)  # (N,)
-            hidden = self._forward(tokens, positions, prefills, prefill_slots, decodes)  # (T, H)
-            if self.during_forward is not None:
+            rows = index_tensor([i for _, i in samplers], self.device)  # (N,)
+            late_tokens = None
+            if late:  # (P,) flat indices, (P,) the tokens there: gathered on the device
+                source = before.device_ids[index_tensor([row for _, row in late], self.device)]
+                late_tokens = (index_tensor([i for i, _ in late], self.device), source)
+            hidden = self._forward(tokens, positions, prefills, prefill_slots, decodes, late_tokens)  # (T, H)
+            if self.during_forward is not None and not pipelined:
                 self._overlap(self.during_forward)
             logits = self.model.compute_logits(hidden[rows]).float()  # (N, vocab)
-            seqs = [self.sequences[r] for r, _ in samplers]
-            sampled = sample(self._controlled(logits, seqs), [s.params for s in seqs], [s.generator for s in seqs])
-            self._record_logprobs(logits, seqs, sampled)
-            if scored:
-                self._record_prompt_logprobs(hidden, scored)
+            params = [s.params for s in seqs]
+            sampled = sample_on_device(self._controlled(logits, seqs), params, [s.generator for s in seqs])  # (N,)
+            if pipelined:
+                launched = SampledOnDevice(sampled, [r for r, _ in samplers])
+                self.num_early_launches += before is not None
+            else:
+                sampled = sampled.tolist()
+                self._record_logprobs(logits, seqs, sampled)
+                if scored:
+                    self._record_prompt_logprobs(hidden, scored)
+        if pipelined:
+            finished = self._finish_early(skipped, samplers, seqs)
+            self.in_flight = launched
+            if self.during_forward is not None:  # NOTE: after the step before's tokens came back
+                self._overlap(self.during_forward)
         else:
-            sampled, seqs = [], []
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            finished = self._end_skipped(skipped)
+            finished += self._accept([r for r, _ in samplers], sampled if tokens else [])
         elapsed = time.perf_counter() - t0
         self.num_forward_tokens += len(tokens)
         if shape is not None:
             self.step_log.append((shape, elapsed))
-        for request in aborted:
-            self.sequences[request].finish_reason = "abort"
-        finished: list[Request] = aborted
-        sampled_ids: dict[int, int] = {}
-        for (request, _), seq, token in zip(samplers, seqs, sampled, strict=True):
+        return StepResult(step_end_times=(now + elapsed,), finished=finished)
+
+    def _launches_early(self, output: SchedulerOutput) -> bool:
+        """Whether ``output`` may be launched before the step before's tokens are on the host."""
+        if self.step_log is not None:
+            return False
+        if self._needs_host_tokens:  # NOTE: the released ones leave it
+            self._needs_host_tokens = {r for r in self._needs_host_tokens if r in self.sequences}
+            if self._needs_host_tokens:
+                return False
+        before = self.in_flight
+        # NOTE: a chunk of several tokens that needs the token still on the device (a refill) waits for it
+        return before is None or not any(n > 1 and r in before.rows for r, n in output.chunks)
+
+    def _finish_early(
+        self, skipped: list[Request], samplers: list[tuple[Request, int]], seqs: list[Sequence]
+    ) -> list[Request]:
+        """A step launched early: the step before's tokens back on the host, the requests it finishes.
+
+        These are the skipped ones; the ones the step before's tokens ended (the token this step gave
+        them is dropped; those this step did not run end when one schedules them); and the ones whose
+        token of this step is their ``max_tokens``-th, by count (that token comes back with the next step)."""
+        finished = self._end_skipped(skipped)
+        ended = set(self.resolve())
+        for (request, _), seq in zip(samplers, seqs, strict=True):
+            if request in ended:
+                self._stopped.discard(request)
+                finished.append(request)
+            elif seq.finish_reason is None and len(seq.token_ids) + 1 - seq.num_prompt_tokens >= seq.params.max_tokens:
+                finished.append(request)
+        return finished
+
+    def _end_skipped(self, skipped: list[Request]) -> list[Request]:
+        """The scheduled requests that ended before this step ran them: aborted, or ended by a token that
+        came back late (``_stopped``), now finished."""
+        for request in skipped:
+            self._stopped.discard(request)
+            seq = self.sequences[request]
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+        return list(skipped)
+
+    def resolve(self) -> list[Request]:
+        """Bring the last step's tokens to the host if they are still on the device (async scheduling):
+        append them and return the requests they ended that the scheduler has not finished; those end
+        in the next step that schedules them (``_stopped``)."""
+        before, self.in_flight = self.in_flight, None
+        if before is None:
+            return []
+        ended = self._accept(list(before.rows), before.token_ids())
+        self._stopped.update(ended)
+        return ended
+
+    def _accept(self, requests: list[Request], tokens: list[int]) -> list[Request]:
+        """Append each request's sampled token; return the requests it ended (EOS, a stop token, the
+        grammar's end, ``max_tokens``) that the scheduler has not finished."""
+        ended = []
+        for request, token in zip(requests, tokens, strict=True):
+            seq = self.sequences.get(request)
+            if seq is None or seq.finish_reason is not None or request.aborted:
+                # NOTE: it ended before this token (a step launched before its end was known); it may
+                # be released already
+                continue
             seq.token_ids.append(token)
-            sampled_ids[request.request_id] = token
             if seq.params.ends_on(token, self.eos_token_ids):
                 eos = token in self.eos_token_ids and not seq.params.ignore_eos  # vLLM's stop_reason: None for EOS
                 seq.finish_reason, seq.stop_reason = "stop", None if eos else token
@@ -228,9 +331,9 @@ class EngineExecutor:
                 seq.finish_reason = "stop"  # the grammar is complete
             elif len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_tokens:
                 seq.finish_reason = "length"
-            if seq.finish_reason is not None:
-                finished.append(request)
-        return StepResult(step_end_times=(now + elapsed,), finished=finished, sampled_token_ids=sampled_ids)
+            if seq.finish_reason is not None and not request.is_finished:
+                ended.append(request)
+        return ended
 
     def _add_cohort(
         self,
@@ -239,19 +342,30 @@ class EngineExecutor:
         positions: list[int],
         decodes: list[tuple[int, Request]],
         samplers: list[tuple[Request, int]],
-        aborted: list[Request],
+        skipped: list[Request],
+        late: list[tuple[int, int]],
     ) -> None:
         """``execute``'s ``add(request, 1)`` for every member of the decode cohort, a list at a time.
 
         NOTE: a member processes one token, its last known one (num_tokens_to_process is 1), and
         samples; its prompt is done, so it has no prompt position to score."""
-        running = [r for r in members if not r.aborted]
+        running = [r for r in members if not r.aborted and r not in self._stopped]
         if len(running) < len(members):
-            aborted.extend(r for r in members if r.aborted)
+            skipped.extend(r for r in members if r.aborted or r in self._stopped)
         sequences = self.sequences
         starts = [r.num_computed_tokens for r in running]
         flat = range(len(tokens), len(tokens) + len(running))
-        tokens.extend([sequences[r].token_ids[start] for r, start in zip(running, starts)])
+        if self.in_flight is None:
+            tokens.extend([sequences[r].token_ids[start] for r, start in zip(running, starts)])
+        else:  # the members that sampled in the step before take their token from the device
+            rows = self.in_flight.rows
+            for i, r, start in zip(flat, running, starts):
+                row = rows.get(r)
+                if row is None:
+                    tokens.append(sequences[r].token_ids[start])
+                else:
+                    late.append((i, row))
+                    tokens.append(0)
         positions.extend(starts)
         decodes.extend(zip(flat, running))
         samplers.extend(zip(running, flat))
@@ -326,10 +440,12 @@ class EngineExecutor:
         prefills: list[PrefillSeq],
         prefill_slots: list[tuple[int, np.ndarray]],
         decodes: list[tuple[int, Request]],
+        late_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,  # (P,) flat indices, (P,) their tokens
     ) -> torch.Tensor:  # (T, H)
         """The model's forward pass over the step's flat tokens: a graph replay for a decode-only step
         that fits the captured graphs, else the piecewise graphs' replays for a step that fits them,
-        else eager."""
+        else eager. ``late_tokens``: the tokens at those flat indices, on the device (async scheduling:
+        ``tokens`` holds 0 there)."""
         # NOTE: the decodes' context tables are built at once, as block ids (a batch of hundreds of
         # long contexts is a block size smaller that way); the device expands them to slots.
         g = self.kv.table_block_size
@@ -342,15 +458,17 @@ class EngineExecutor:
             block_ids, written = np.zeros((0, 1), dtype=np.int64), lengths
         if not prefills and self.graphs is not None and self.graphs.fits(len(decodes), int(lengths.max(initial=0))):
             # NOTE: with no prefill, decode i is flat token i (each decode adds one token, in order).
-            return self.graphs.forward(tokens, positions, lengths, written, block_ids)
+            return self.graphs.forward(tokens, positions, lengths, written, block_ids, late_tokens)
         if self.piecewise is not None and self.piecewise.fits(len(tokens)):
             # NOTE: the metadata covers the padding rows, whose K/V go to the pad slot
             size = self.piecewise.size_for(len(tokens))
             meta = self._metadata(size, prefills, prefill_slots, decodes, lengths, written, block_ids)
-            return self.piecewise.forward(tokens, positions, meta)
+            return self.piecewise.forward(tokens, positions, meta, late_tokens)
         meta = self._metadata(len(tokens), prefills, prefill_slots, decodes, lengths, written, block_ids)
-        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)  # (T,)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # (T,)
+        ids = index_tensor(tokens, self.device)  # (T,)
+        if late_tokens is not None:
+            ids[late_tokens[0]] = late_tokens[1]
+        pos = index_tensor(positions, self.device)  # (T,)
         return self.model(ids, pos, self.cache.gpu, meta)
 
     def _metadata(
@@ -370,9 +488,9 @@ class EngineExecutor:
         flat_index = np.array([i for i, _ in decodes], dtype=np.int64)  # (B,)
         slot_mapping[flat_index] = written
         return AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            slot_mapping=to_device(torch.from_numpy(slot_mapping), device),
             prefills=prefills,
-            decode_token_index=torch.from_numpy(flat_index).to(device),
-            decode_slots=expand_block_ids(torch.from_numpy(block_ids).to(device), self.kv.table_block_size),
-            decode_context_lens=torch.from_numpy(lengths).to(device),
+            decode_token_index=to_device(torch.from_numpy(flat_index), device),
+            decode_slots=expand_block_ids(to_device(torch.from_numpy(block_ids), device), self.kv.table_block_size),
+            decode_context_lens=to_device(torch.from_numpy(lengths), device),
         )

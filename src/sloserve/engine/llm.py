@@ -84,6 +84,9 @@ class LLM:
         enable_prefix_caching: share the KV blocks of prompts' common prefixes (and of answers a
             conversation resends). ``None`` (the default): on wherever the scheduler supports it, as
             vLLM v1; ``True`` with one that does not is an error.
+        async_scheduling: launch each step before the step before's tokens are on the host, as vLLM's
+            ``async_scheduling`` (``async_scheduling.py``). ``None`` (the default): on CUDA where
+            SLOSERVE_ASYNC_SCHEDULING=1.
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class LLM:
         attention_backend: str = "auto",
         cuda_graphs: bool | None = None,
         enable_prefix_caching: bool | None = None,
+        async_scheduling: bool | None = None,
         **scheduler_options: Any,
     ) -> None:
         self.model = model
@@ -118,6 +122,7 @@ class LLM:
             seed=seed,
             scheduler_options=scheduler_options,
             enable_prefix_caching=enable_prefix_caching,
+            async_scheduling=async_scheduling,
         )
 
     @property

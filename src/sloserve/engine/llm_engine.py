@@ -29,6 +29,7 @@ from sloserve.engine.kv_cache import KVCacheTensor
 from sloserve.engine.loader import LoadedModel
 from sloserve.engine.sampler import SamplingParams
 from sloserve.engine.structured_output import GrammarMatchers
+from sloserve.engine.switches import switch
 from sloserve.engine.tokenizer import HFTokenizer
 from sloserve.replica import Replica
 from sloserve.sched import make_scheduler, supports_prefix_caching
@@ -134,6 +135,9 @@ class LLMEngine:
     ``max_model_len`` caps the context (default: the model's); ``max_tokens`` of a request is cut to
     what the context leaves, as vLLM does. ``enable_prefix_caching``: share the KV blocks of common
     prefixes (``None``, the default: wherever the scheduler supports it, as vLLM v1).
+    ``async_scheduling``: launch a step before the step before's tokens are on the host
+    (``async_scheduling.py``; ``None``, the default: on CUDA where SLOSERVE_ASYNC_SCHEDULING=1, off until
+    a GPU session has timed it).
     """
 
     def __init__(
@@ -148,6 +152,7 @@ class LLMEngine:
         seed: int = 0,
         scheduler_options: dict[str, Any] | None = None,
         enable_prefix_caching: bool | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
         config = loaded.config
         self.loaded = loaded
@@ -183,8 +188,12 @@ class LLMEngine:
             loaded.device,
         )
         self.executor = EngineExecutor.for_model(loaded, kv, self.cache, self.max_model_len, config.eos_token_ids, seed)
+        if async_scheduling is None:
+            async_scheduling = switch("SLOSERVE_ASYNC_SCHEDULING") and loaded.device.type == "cuda"
+        self.executor.async_scheduling = async_scheduling
         self.replica = Replica(0, self.scheduler, self.executor)
         self._next_id = 0
+        self._finishing: list[Request] = []  # finished by the scheduler, a token still on the device
 
     # --- requests ------------------------------------------------------------------------------
     def check_request(
@@ -242,11 +251,38 @@ class LLMEngine:
         return GrammarMatchers(tokenizer.to_json(), config.vocab_size, config.eos_token_ids)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.executor.in_flight is not None or bool(self._finishing)
 
     def step(self, next_arrival: float = math.inf) -> list[Request]:
-        """One step: schedule, run the model, update. Returns the requests that finished."""
-        return self.replica.step(next_arrival)
+        """One step: schedule, run the model, update. Returns the requests that finished, with all their
+        tokens (with async scheduling, a request's last token comes back a step after its end)."""
+        if self.scheduler.has_unfinished():
+            before = self.executor.in_flight
+            # NOTE: not `self._finishing += ...`: the step's forward pass may take finished requests
+            # from the list (EngineCore.flush), which would leave them in the list read before it
+            finished = self.replica.step(next_arrival)
+            self._finishing += finished
+            if before is not None and self.executor.in_flight is before:
+                self.executor.resolve()  # no step ran to bring its tokens back during
+        else:
+            self.executor.resolve()
+        return self.take_finished()
+
+    def take_finished(self) -> list[Request]:
+        """The finished requests not yet returned whose tokens are all on the host (``step`` returns
+        them; a served engine publishes them as soon as the next step's forward pass is launched).
+
+        NOTE: a request has its finish reason once its last token is on the host; one that ended by
+        count (``max_tokens``) has none while that token is on the device (async scheduling)."""
+        if not self._finishing:
+            return []
+        sequences = self.executor.sequences
+        done = [r for r in self._finishing if sequences[r].finish_reason is not None]
+        if len(done) < len(self._finishing):
+            self._finishing = [r for r in self._finishing if sequences[r].finish_reason is None]
+        else:
+            self._finishing = []
+        return done
 
     def output_token_ids(self, request: Request) -> list[int]:
         return self.executor.sequences[request].output_token_ids

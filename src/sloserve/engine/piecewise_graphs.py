@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from sloserve.engine.async_scheduling import copy_to_device
 from sloserve.engine.attention import AttentionMetadata
 from sloserve.engine.cuda_graphs import capture_graph, padded_sizes
 from sloserve.engine.kv_cache import KVCacheTensor
@@ -147,13 +148,17 @@ class PiecewiseGraphs:
         token_ids: list[int],  # (T,)
         positions: list[int],  # (T,)
         meta: AttentionMetadata,  # the step's, its slot_mapping padded to size_for(T) with the pad slot
+        late_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,  # (P,) flat indices, (P,) their tokens
     ) -> torch.Tensor:  # (T, H) hidden states
-        """Run a step of ``T`` tokens: the pieces of the smallest size that holds it, attention between."""
+        """Run a step of ``T`` tokens: the pieces of the smallest size that holds it, attention between.
+        ``late_tokens``: the tokens at those flat indices, on the device (async scheduling)."""
         t = len(token_ids)
         size = self.size_for(t)
         assert meta.slot_mapping.numel() == size, "the slot mapping covers the padding rows"
-        self.token_ids[:size].copy_(torch.tensor(token_ids + [0] * (size - t), dtype=torch.int64))
-        self.positions[:size].copy_(torch.tensor(positions + [0] * (size - t), dtype=torch.int64))
+        copy_to_device(self.token_ids[:size], torch.tensor(token_ids + [0] * (size - t), dtype=torch.int64))
+        copy_to_device(self.positions[:size], torch.tensor(positions + [0] * (size - t), dtype=torch.int64))
+        if late_tokens is not None:
+            self.token_ids[late_tokens[0]] = late_tokens[1]
         rows = slice(0, size)
         kv = self.cache.gpu  # (2, layers, num_slots, nkv, hd)
         self._run(size, 0)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from sloserve.core.errors import ConfigError
+from sloserve.engine.async_scheduling import index_tensor, to_device
 
 # The most top log-probabilities a request may ask for per token (vLLM's default max_logprobs; OpenAI's
 # top_logprobs allows 20 too).
@@ -308,9 +309,18 @@ def sample(
     params: list[SamplingParams],
     generators: list[np.random.Generator | None],
 ) -> list[int]:
+    """``sample_on_device``'s tokens on the host."""
+    return sample_on_device(logits, params, generators).tolist()
+
+
+def sample_on_device(
+    logits: torch.Tensor,  # (N, vocab) float32, one row per request that samples this step
+    params: list[SamplingParams],
+    generators: list[np.random.Generator | None],
+) -> torch.Tensor:  # (N,) int64 on the logits' device
     """One token per row: argmax for greedy rows; the others at temperature, filtered (min-p, top-k,
     top-p: ``SamplingParams``), drawn by inverse CDF with one uniform number per row from the row's
-    own host generator.
+    own host generator (drawn before the logits are known: nothing here waits for the device).
 
     NOTE: rows are sampled in two batches (without and with filters), whatever their number: a loop
     over rows would launch about ten kernels a row, thousands a step at batch 256, longer than the
@@ -322,9 +332,9 @@ def sample(
     filtered = [i for i, p in enumerate(params) if not p.greedy and p.filters]
     for rows, filters in ((plain, False), (filtered, True)):
         if rows:
-            index = torch.tensor(rows, device=logits.device)  # (R,)
+            index = index_tensor(rows, logits.device)  # (R,)
             tokens[index] = _draw(logits[index], [params[i] for i in rows], [generators[i] for i in rows], filters)
-    return tokens.tolist()
+    return tokens
 
 
 def _draw(
@@ -334,8 +344,8 @@ def _draw(
     filters: bool,
 ) -> torch.Tensor:  # (R,) token ids
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]  # (R, 1)
-    uniform = torch.tensor([g.random() for g in generators], device=device)[:, None]  # (R, 1) in [0, 1)
+    temperature = to_device(torch.tensor([p.temperature for p in params]), device)[:, None]  # (R, 1)
+    uniform = to_device(torch.tensor([g.random() for g in generators]), device)[:, None]  # (R, 1) in [0, 1)
     probs = torch.softmax(logits / temperature, dim=-1)  # (R, vocab)
     if filters:
         probs, order = probs.sort(dim=-1, descending=True)  # (R, vocab)

@@ -1,0 +1,78 @@
+"""Async scheduling (issue 43 item 1, vLLM v1's ``--async-scheduling``): the host schedules step t+1 and
+builds its inputs while the device still runs step t.
+
+The tokens step t samples stay on the device (``SampledOnDevice``); step t+1's decodes take their input
+token from there by a gather, so its forward pass is launched before step t's tokens are known on the
+host. Only then does the host wait for them (``SampledOnDevice.token_ids``, during step t+1's forward
+pass), append them, and find which requests they ended. The scheduler works from tokens to come, as it
+does for the simulator's cohorts: it scheduled step t+1 as if no request ended on step t's token, so a
+request that sampled EOS (or a stop token) in step t ran one more token in step t+1, which is dropped,
+and the scheduler hears of its end with step t+1 (``EngineExecutor``). A request that reaches
+``max_tokens`` ends by count, so the scheduler hears of that on time; its last token follows a step
+later (``LLMEngine.take_finished``).
+
+A step runs synchronously (its tokens on the host before it returns, as without async scheduling)
+where a token's value is needed on the host before the next launch: a request with a grammar,
+score controls (penalties, logit bias, ``min_tokens``, allowed or bad words) or logprobs is in the
+engine, a chunk of several tokens needs the last step's token (a preempted request's refill), or the
+executor keeps a step log (its steps' times must be their own).
+
+NOTE: a copy from pageable host memory to the GPU waits for every kernel queued before it, which would
+make the host wait for step t while it prepares step t+1; so a step's inputs go to the device from
+pinned memory without blocking (``to_device``; the caching host allocator keeps each pinned buffer until
+its copy has run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sloserve.core.request import Request
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device``; to a GPU from pinned memory without blocking the host."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def copy_to_device(destination: torch.Tensor, host: torch.Tensor) -> None:
+    """Copy ``host`` (a CPU tensor) into ``destination``; to a GPU from pinned memory without blocking."""
+    if destination.device.type != "cuda":
+        destination.copy_(host)
+    else:
+        destination.copy_(host.pin_memory(), non_blocking=True)
+
+
+def index_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device`` (``to_device``)."""
+    return to_device(torch.tensor(values, dtype=torch.int64), device)
+
+
+class SampledOnDevice:
+    """The tokens one step sampled, still on the device: one row per request that sampled."""
+
+    __slots__ = ("device_ids", "rows", "_host", "_copied")
+
+    def __init__(self, device_ids: torch.Tensor, requests: list[Request]) -> None:
+        self.device_ids = device_ids  # (N,) int64, row i sampled by requests[i]
+        self.rows = {request: row for row, request in enumerate(requests)}
+        self._copied = None
+        if device_ids.device.type == "cuda":
+            # NOTE: started now, so that reading it waits for this step's sampling only, not for the
+            # step launched after it
+            self._host = torch.empty(device_ids.shape, dtype=torch.int64, pin_memory=True)
+            self._host.copy_(device_ids, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host = device_ids
+
+    def token_ids(self) -> list[int]:
+        """The sampled tokens on the host, row by row (waits for them)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host.tolist()

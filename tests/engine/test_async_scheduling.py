@@ -1,0 +1,216 @@
+"""Async scheduling (``engine/async_scheduling.py``): steps launched before the step before's tokens are on
+the host give every request the tokens and the finish it gets without, under every registered policy,
+through stops found a step late (stop tokens), seeded sampling, preemption and aborts; a request that
+needs its tokens on the host (logprobs, penalties) makes the steps wait while it lives; the served
+engine's loop publishes every token once."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sloserve import LLM, SamplingParams  # noqa: E402
+from sloserve.core.request import SLO, RequestClass  # noqa: E402
+from sloserve.engine.engine_core import AddRequest, EngineCore, EngineSpec, outputs_of  # noqa: E402
+from sloserve.sched import scheduler_names  # noqa: E402
+
+_rng = np.random.default_rng(0)
+PROMPTS = [_rng.integers(0, 250, size=int(n)).tolist() for n in _rng.integers(2, 40, size=12)]
+PROMPTS[3] = PROMPTS[2][:20] + [7, 8]  # a shared prefix (prefix caching)
+STOP_TOKENS = list(range(0, 256, 9))  # frequent enough to end requests early
+
+
+def _params() -> list[SamplingParams]:
+    """Each prompt's: max_tokens from 1 to 30; every third seeded at temperature 0.8; every fourth ends
+    on a stop token."""
+    params = []
+    for i in range(len(PROMPTS)):
+        options = {"max_tokens": [1, 5, 12, 20, 30][i % 5]}
+        if i % 3 == 1:
+            options.update(temperature=0.8, seed=i)
+        if i % 4 == 2:
+            options.update(stop_token_ids=STOP_TOKENS)
+        params.append(SamplingParams(**options))
+    return params
+
+
+def _generate(scheduler: str, async_scheduling: bool, params=None, **options) -> tuple[list[tuple], LLM]:
+    """Each prompt's (output tokens, finish reason, logprobs) and the LLM."""
+    llm = LLM("random:tiny-llama", scheduler, async_scheduling=async_scheduling, **options)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params or _params())
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].logprobs) for o in outputs], llm
+
+
+@pytest.mark.parametrize("scheduler", scheduler_names())
+def test_every_scheduler_gives_the_tokens_and_finishes_it_gives_without(scheduler):
+    """Under KV pressure (preemptions under most policies), with requests that stop early: every token
+    and finish reason as without async scheduling, most steps launched early, all KV freed."""
+    want, _ = _generate(scheduler, False, kv_capacity_tokens=100, block_size=4)
+    got, llm = _generate(scheduler, True, kv_capacity_tokens=100, block_size=4)
+    assert got == want
+    assert {reason for _, reason, _ in want} == {"stop", "length"}
+    engine = llm.engine
+    assert engine.executor.num_early_launches > 0
+    assert not engine.has_unfinished() and engine.executor.in_flight is None
+    assert engine.scheduler.kv.allocated_tokens == 0
+    engine.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "scheduler,options",
+    [("vllm", dict(preemption_mode="swap")), ("sarathi", dict(prefill_token_budget=8)), ("bros", {})],
+)
+def test_preemption_and_chunks_lose_nothing(scheduler, options):
+    """Swapped-out and chunked requests whose last token is still on the device come back whole."""
+    want, _ = _generate(scheduler, False, kv_capacity_tokens=96, block_size=4, **options)
+    got, llm = _generate(scheduler, True, kv_capacity_tokens=96, block_size=4, **options)
+    assert got == want and llm.engine.executor.num_early_launches > 0
+
+
+@pytest.mark.parametrize(
+    "needs_host",
+    [dict(logprobs=2), dict(repetition_penalty=1.3), dict(min_tokens=3)],
+    ids=["logprobs", "penalty", "min_tokens"],
+)
+def test_a_request_that_needs_its_tokens_on_the_host_makes_every_step_wait_for_them(needs_host):
+    """One request whose sampling reads its tokens (or records logprobs) among plain ones: no step is
+    launched early while it lives, and it gets what it gets without async scheduling."""
+    params = [SamplingParams(max_tokens=30, **needs_host)] + [SamplingParams(max_tokens=8)] * (len(PROMPTS) - 1)
+    want, _ = _generate("vllm", False, params)
+    got, llm = _generate("vllm", True, params)
+    assert got == want
+    assert llm.engine.executor.num_early_launches == 0
+
+
+def test_aborts_between_steps_free_the_kv_and_leave_the_others_exact():
+    """A request aborted while its last token is on the device ends with "abort"; the others as without."""
+
+    def run(async_scheduling: bool) -> dict[int, tuple[list[int], str]]:
+        llm = LLM("random:tiny-llama", "vllm", async_scheduling=async_scheduling, kv_capacity_tokens=200)
+        engine = llm.engine
+        requests = [engine.add_request(p, s) for p, s in zip(PROMPTS, _params(), strict=True)]
+        ended, step = {}, 0
+        while engine.has_unfinished():
+            if step == 4:
+                engine.abort(requests[4])
+            for request in engine.step():
+                seq = engine.release(request)
+                ended[request.request_id] = (seq.output_token_ids, seq.finish_reason)
+            step += 1
+        assert engine.scheduler.kv.allocated_tokens == 0
+        return ended
+
+    want, got = run(False), run(True)
+    assert got.pop(4) == (want[4][0][:-1], "abort")  # aborted with its token of step 4 on the device
+    assert want.pop(4)[1] == "abort" and got == want
+
+
+@pytest.mark.parametrize("overlap_publish", [False, True])
+def test_the_served_engine_core_publishes_every_token_once(overlap_publish):
+    """``serve``'s engine loop (``EngineCore``) with async scheduling, publishing after each step or
+    during the next one's forward pass: every request's tokens reach the pipe once, in order, and its
+    finish after them, as offline without async scheduling (stop tokens found a step late included)."""
+    want, _ = _generate("vllm", False, kv_capacity_tokens=2048)
+    spec = EngineSpec("random:tiny-llama", "vllm", kv_capacity_tokens=2048, async_scheduling=True)
+    engine = spec.build()
+    server, pipe = multiprocessing.Pipe()
+    core = EngineCore(engine, time.perf_counter(), pipe, overlap_publish=overlap_publish)
+    for i, (prompt, params) in enumerate(zip(PROMPTS, _params(), strict=True)):
+        core.apply(("add", AddRequest(i, prompt, params, RequestClass.BE, SLO(), core.clock())))
+    got: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+    reasons: dict[int, str] = {}
+
+    def read() -> None:
+        while server.poll():
+            _, columns, _ = server.recv()
+            for out in outputs_of(columns):
+                assert out.request_id not in reasons, "news after a request's last output"
+                got[out.request_id] += out.token_ids
+                if out.finish_reason is not None:
+                    reasons[out.request_id] = out.finish_reason
+
+    while engine.has_unfinished():
+        core.run_step()
+        read()
+    core.flush()
+    read()
+    assert [(got[i], reasons[i]) for i in range(len(PROMPTS))] == [(ids, reason) for ids, reason, _ in want]
+    assert engine.executor.num_early_launches > 0 and not core.live
+
+
+def test_each_request_comes_back_one_step_later_and_only_stopped_ones_run_a_token_more():
+    """With the same steps (vLLM's policy, KV to spare), ``step`` returns each request one step after it
+    does without async scheduling (its last token comes back during the next step); a request that
+    sampled a stop token before its ``max_tokens``-th ran one token more (dropped), the others none."""
+
+    def run(async_scheduling: bool) -> tuple[dict[int, int], dict[int, tuple], int]:
+        llm = LLM("random:tiny-llama", "vllm", async_scheduling=async_scheduling, kv_capacity_tokens=2048)
+        engine = llm.engine
+        for prompt, params in zip(PROMPTS, _params(), strict=True):
+            engine.add_request(prompt, params)
+        returned, outputs, step = {}, {}, 0
+        while engine.has_unfinished():
+            for request in engine.step():
+                seq = engine.release(request)
+                returned[request.request_id] = step
+                outputs[request.request_id] = (seq.output_token_ids, seq.finish_reason)
+            step += 1
+        return returned, outputs, engine.executor.num_forward_tokens
+
+    want_steps, want, want_tokens = run(False)
+    got_steps, got, got_tokens = run(True)
+    assert got == want
+    assert got_steps == {i: step + 1 for i, step in want_steps.items()}
+    params = _params()
+    stopped_early = [i for i, (ids, reason) in want.items() if reason == "stop" and len(ids) < params[i].max_tokens]
+    assert stopped_early and got_tokens == want_tokens + len(stopped_early)
+
+
+@pytest.mark.parametrize("scheduler", ["vllm", "bros"])  # decodes as a cohort, and named one by one
+def test_a_request_that_needs_host_tokens_arriving_mid_run_ends_the_early_launches(scheduler):
+    """Requests launched early, then one asking for logprobs arrives: the next step waits for the tokens
+    still on the device first, and a request they ended ends in that step, uncomputed; every request
+    gets what it gets without async scheduling."""
+
+    def run(async_scheduling: bool) -> tuple[dict[int, tuple], LLM]:
+        llm = LLM("random:tiny-llama", scheduler, async_scheduling=async_scheduling, kv_capacity_tokens=2048)
+        engine = llm.engine
+        params = [SamplingParams(max_tokens=20, stop_token_ids=STOP_TOKENS)] * (len(PROMPTS) - 1)
+        for prompt, p in zip(PROMPTS, params):
+            engine.add_request(prompt, p)
+        outputs = {}
+        for step in range(200):
+            if step == 3:
+                engine.add_request(PROMPTS[-1], SamplingParams(max_tokens=4, logprobs=1))
+            for request in engine.step():
+                seq = engine.release(request)
+                outputs[request.request_id] = (seq.output_token_ids, seq.finish_reason, seq.logprobs)
+            if not engine.has_unfinished():
+                return outputs, llm
+        raise AssertionError("still unfinished after 200 steps")
+
+    want, _ = run(False)
+    got, llm = run(True)
+    assert got == want
+    assert sum(reason == "stop" for _, reason, _ in want.values()) >= 3
+    assert llm.engine.executor.num_early_launches > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned copies and events: needs a GPU")
+def test_on_cuda_with_graphs_the_tokens_are_those_without():
+    """On CUDA (decode steps on CUDA graphs, inputs copied from pinned memory without blocking, the
+    tokens back through an event): the tokens of seeded and greedy requests as without async scheduling.
+    NOTE: no stop tokens: the token a stopped request runs more changes a step's batch size, and so its
+    GEMMs' tiling, which could move a near tie of the random model's scores."""
+    pytest.importorskip("triton")
+    params = [SamplingParams(max_tokens=20, temperature=0.8 * (i % 2), seed=i) for i in range(len(PROMPTS))]
+    options = dict(device="cuda", dtype="float32", attention_backend="triton")
+    want, _ = _generate("vllm", False, params, **options)
+    got, llm = _generate("vllm", True, params, **options)
+    assert llm.engine.executor.graphs is not None
+    assert got == want and llm.engine.executor.num_early_launches > 0
