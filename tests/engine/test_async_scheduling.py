@@ -113,8 +113,9 @@ def test_aborts_between_steps_free_the_kv_and_leave_the_others_exact():
 @pytest.mark.parametrize("overlap_publish", [False, True])
 def test_the_served_engine_core_publishes_every_token_once(overlap_publish):
     """``serve``'s engine loop (``EngineCore``) with async scheduling, publishing after each step or
-    during the next one's forward pass: every request's tokens reach the pipe once, in order, and its
-    finish after them, as offline without async scheduling (stop tokens found a step late included)."""
+    during the next one's forward pass: every request's tokens reach the pipe once, in order, as offline
+    without async scheduling, and its finish with its last token (a stop token found a step late goes out
+    with its finish, before the policy ends the request); its times are when its tokens went out."""
     want, _ = _generate("vllm", False, kv_capacity_tokens=2048)
     spec = EngineSpec("random:tiny-llama", "vllm", kv_capacity_tokens=2048, async_scheduling=True)
     engine = spec.build()
@@ -124,6 +125,7 @@ def test_the_served_engine_core_publishes_every_token_once(overlap_publish):
         core.apply(("add", AddRequest(i, prompt, params, RequestClass.BE, SLO(), core.clock())))
     got: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
     reasons: dict[int, str] = {}
+    last_read = [0.0]  # when the pipe was last read (the engine's clock)
 
     def read() -> None:
         while server.poll():
@@ -131,8 +133,14 @@ def test_the_served_engine_core_publishes_every_token_once(overlap_publish):
             for out in outputs_of(columns):
                 assert out.request_id not in reasons, "news after a request's last output"
                 got[out.request_id] += out.token_ids
+                # NOTE: a token's time is when it reached the host (after the pipe was last read), not the
+                # end of the step that sampled it
+                assert not out.token_ids or last_read[0] <= out.last_token_time <= core.clock()
                 if out.finish_reason is not None:
                     reasons[out.request_id] = out.finish_reason
+                    assert out.token_ids, "a finish after its last token"
+                    assert out.first_token_time <= out.last_token_time <= out.finish_time <= core.clock()
+        last_read[0] = core.clock()
 
     while engine.has_unfinished():
         core.run_step()
@@ -209,7 +217,7 @@ def test_on_cuda_with_graphs_the_tokens_are_those_without():
     GEMMs' tiling, which could move a near tie of the random model's scores."""
     pytest.importorskip("triton")
     params = [SamplingParams(max_tokens=20, temperature=0.8 * (i % 2), seed=i) for i in range(len(PROMPTS))]
-    options = dict(device="cuda", dtype="float32", attention_backend="triton")
+    options = dict(device="cuda", dtype="float32", attention_backend="triton", kv_capacity_tokens=4096)
     want, _ = _generate("vllm", False, params, **options)
     got, llm = _generate("vllm", True, params, **options)
     assert llm.engine.executor.graphs is not None

@@ -185,12 +185,16 @@ def outputs_of(columns: tuple[list, ...]) -> list[Output]:
 class _Live:
     """A request in the engine: what its client has been sent."""
 
-    __slots__ = ("request", "num_sent", "ended")
+    __slots__ = ("request", "num_sent", "ended", "first_sent_time", "last_sent_time")
 
     def __init__(self, request: Request) -> None:
         self.request = request
         self.num_sent = 0  # output tokens sent
-        self.ended = False  # its last Output went out (abort): the engine drops it when scheduled
+        # Its last Output went out (an abort, or a finish found before its policy ended it): the engine
+        # drops it when scheduled, or releases it when it returns it
+        self.ended = False
+        self.first_sent_time = math.nan  # when its first token went out (the times of async scheduling)
+        self.last_sent_time = math.nan
 
 
 class EngineCore:
@@ -324,14 +328,21 @@ class EngineCore:
         stop_reason: int | None = None,
     ) -> Output:
         r = live.request
+        first, last = r.first_token_time, r.last_token_time
+        finish = self._finish_time(r) if finish_reason else math.nan
+        if self.engine.executor.async_scheduling:
+            # NOTE: the policy's token times are the host's when a step returns, on a GPU a step before
+            # its tokens exist: the times its tokens reached the host (and went out) are the served ones
+            first, last = live.first_sent_time, live.last_sent_time
+            finish = self.clock() if finish_reason else math.nan
         return Output(
             r.request_id,
             None,
             token_ids,
             finish_reason,
-            r.first_token_time,
-            r.last_token_time,
-            self._finish_time(r) if finish_reason else float("nan"),
+            first,
+            last,
+            finish,
             r.num_cached_tokens,
             logprobs,
             prompt_logprobs,
@@ -341,7 +352,8 @@ class EngineCore:
 
     def _finish_time(self, request: Request) -> float:
         """The end of the step ``request`` finished in (its news may go out during the next one), or
-        now for a request the engine ends between steps (aborted, or one it could not add)."""
+        now for a request the engine ends between steps (aborted, or one it could not add) or whose
+        policy has not ended it yet (async scheduling: a stop token found a step late)."""
         return request.finish_time if request.is_finished else self.clock()
 
     def publish(self, finished: list[Request]) -> None:
@@ -349,15 +361,22 @@ class EngineCore:
         engine = self.engine
         outputs, self._pending = self._pending, []
         ended = {r.request_id for r in finished}
+        now = self.clock()
         for request_id, live in self.live.items():
             if live.ended:
                 continue
             request = live.request
             seq = engine.executor.sequences[request]
             new_ids = seq.token_ids[seq.num_prompt_tokens + live.num_sent :]
-            done = request_id in ended
+            # NOTE: with async scheduling a token found a step late ends a request before its policy
+            # does: its finish goes out with that token, and the engine returns it a step later
+            done = request_id in ended or seq.finish_reason is not None
             if not new_ids and not done:
                 continue
+            if new_ids:
+                if live.num_sent == 0:
+                    live.first_sent_time = now
+                live.last_sent_time = now
             logprobs = None if seq.logprobs is None else seq.logprobs[live.num_sent : live.num_sent + len(new_ids)]
             # NOTE: the prompt is scored whole once its first output token is sampled
             first = live.num_sent == 0 and new_ids
@@ -366,6 +385,7 @@ class EngineCore:
             reason = (seq.finish_reason or "length") if done else None
             stop_reason = seq.stop_reason if done else None
             outputs.append(self._output(live, new_ids, reason, logprobs, prompt_logprobs, stop_reason))
+            live.ended = done
         for request in finished:
             engine.release(request)
             del self.live[request.request_id]
