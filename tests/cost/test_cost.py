@@ -162,6 +162,28 @@ def test_the_host_share_adds_to_every_step_after_the_floor() -> None:
     assert hosted.batch_time(BatchShape()).total_s == 0.0
 
 
+def test_an_overlapped_host_share_is_one_more_floor() -> None:
+    """With async scheduling the host prepares a step while the GPU runs the one before: a step takes
+    the longer of its (floored) work and the host's share, not their sum; a repeated step on that floor
+    is no arithmetic series, above it the same as without a host's share."""
+    overlapped, floored = LinearCostModel(L7_ASYNC), LinearCostModel(L7_FLOOR)
+    host_bound = []
+    for shape, requests in (
+        (BatchShape(1, 100), 1),
+        (BatchShape(64, 10_000), 64),  # above its own floor (9.6 ms), below the host's 13.3 ms
+        (BatchShape(256, 256_000), 256),
+        (prefill_shape([(32, 0)], 4, 400), 5),
+    ):
+        host_s = (12 + 0.02 * requests) / 1000
+        got, base = overlapped.batch_time(shape), floored.batch_time(shape)
+        assert got.total_s == pytest.approx(max(base.total_s, host_s), rel=1e-12)
+        assert got.decode_attention_s == base.decode_attention_s
+        host_bound.append(base.total_s <= host_s)
+        assert (overlapped.step_increment(shape) is None) == (host_bound[-1] or floored.step_increment(shape) is None)
+    assert host_bound == [True, True, False, False]  # (a step with a prefill: over its own floor, 48 ms)
+    assert overlapped.batch_time(BatchShape()).total_s == 0.0
+
+
 def test_linear_coefficients_validation() -> None:
     with pytest.raises(ConfigError, match="coefficient a_d"):
         LinearCoefficients(**{**L7.as_dict(), "a_d": -1.0})
@@ -171,6 +193,8 @@ def test_linear_coefficients_validation() -> None:
         LinearCoefficients(**{**L7.as_dict(), "knee_tokens": -1})
     with pytest.raises(ConfigError, match="coefficient floor_p must be a non-negative finite number, got nan"):
         LinearCoefficients(**{**L7.as_dict(), "floor_p": float("nan")})
+    with pytest.raises(ConfigError, match="host_overlapped must be true or false, got 1"):
+        LinearCoefficients(**{**L7.as_dict(), "host_overlapped": 1})
     with pytest.raises(ConfigError, match="swap_bandwidth"):
         LinearCostModel(L7, swap_bandwidth=0)
 
@@ -182,6 +206,11 @@ L7_WALK = LinearCoefficients(**{**L7.as_dict(), "w_d": 1.5e-5, "name": "llama-2-
 L7_FLOOR = LinearCoefficients(**{**L7.as_dict(), "floor_p": 1.5, "floor_d": 0.3, "name": "llama-2-7b-floor"})
 # Floors and the host's share (ms per layer): 0.4 ms a step + 0.02 ms a request over 32 layers.
 L7_HOST = LinearCoefficients(**{**L7_FLOOR.as_dict(), "h_s": 0.4 / 32, "h_r": 0.02 / 32, "name": "llama-2-7b-host"})
+# The host's share of an engine that schedules asynchronously, overlapped with the GPU's work: 12 ms a
+# step + 0.02 ms a request, above a small decode step's work and below a large one's.
+L7_ASYNC = LinearCoefficients(
+    **{**L7_FLOOR.as_dict(), "h_s": 12 / 32, "h_r": 0.02 / 32, "host_overlapped": True, "name": "llama-2-7b-async"}
+)
 
 COST_MODELS = [
     LinearCostModel(L7),
@@ -190,6 +219,7 @@ COST_MODELS = [
     LinearCostModel(L7_FLOOR),
     LinearCostModel(L7_WALK),
     LinearCostModel(L7_HOST),
+    LinearCostModel(L7_ASYNC),
     RooflineCostModel(get_model("llama-2-7b"), get_gpu("a100")),
     RooflineCostModel(get_model("llama-3-70b"), get_gpu("a100"), num_gpus=4),
     RooflineCostModel(get_model("qwen2.5-7b"), get_gpu("h100"), num_gpus=2),
@@ -272,7 +302,8 @@ def test_repeated_steps_match_batch_time(which, num_decode, kv, chunk, context, 
     if isinstance(model, LinearCostModel):  # None only for a step on its floor
         c = model.coefficients
         floor_s = (c.floor_p if chunk else c.floor_d) * c.num_layers / 1000
-        floor_s += (c.h_s + c.h_r * (num_decode + (1 if chunk else 0))) * c.num_layers / 1000  # on top of it
+        host_s = (c.h_s + c.h_r * (num_decode + (1 if chunk else 0))) * c.num_layers / 1000
+        floor_s = max(floor_s, host_s) if c.host_overlapped else floor_s + host_s  # one more floor, or on top
         assert increment is not None or slow[0] <= floor_s * (1 + 1e-12)
     if increment is not None:
         np.testing.assert_allclose(slow[0] + increment * np.arange(steps), slow, rtol=1e-12, atol=0)
@@ -628,6 +659,16 @@ def test_presets_keep_their_knee_and_files_without_one_have_none(tmp_path: Path)
     del doc["h_s"], doc["h_r"]  # as written before the host's share was priced
     path.write_text(json.dumps(doc))
     assert load_preset(path) == dataclasses.replace(L7_FLOOR, name="llama-2-7b-host")
+    save_preset(L7_ASYNC, path)
+    assert load_preset(path) == L7_ASYNC
+    doc = json.loads(path.read_text())
+    doc["host_overlapped"] = "yes"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match="field 'host_overlapped' must be true or false, got 'yes'"):
+        load_preset(path)
+    del doc["host_overlapped"]  # as written before async scheduling
+    path.write_text(json.dumps(doc))
+    assert load_preset(path) == dataclasses.replace(L7_ASYNC, host_overlapped=False)
 
 
 # ---------------------------------------------------------------- build_cost_model, presets

@@ -6,6 +6,7 @@ engine's loop publishes every token once."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import time
 
@@ -15,8 +16,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sloserve import LLM, SamplingParams  # noqa: E402
+from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.core.request import SLO, RequestClass  # noqa: E402
 from sloserve.engine.engine_core import AddRequest, EngineCore, EngineSpec, outputs_of  # noqa: E402
+from sloserve.engine.llm_engine import LLMEngine, default_async_scheduling  # noqa: E402
+from sloserve.engine.loader import load_model  # noqa: E402
 from sloserve.sched import scheduler_names  # noqa: E402
 
 _rng = np.random.default_rng(0)
@@ -222,3 +226,19 @@ def test_on_cuda_with_graphs_the_tokens_are_those_without():
     got, llm = _generate("vllm", True, params, **options)
     assert llm.engine.executor.graphs is not None
     assert got == want and llm.engine.executor.num_early_launches > 0
+
+
+def test_it_is_off_unless_switched_on_and_never_on_by_default_on_the_cpu(monkeypatch):
+    """``SLOSERVE_ASYNC_SCHEDULING=1`` turns it on for engines on CUDA (a profile's preset then prices the
+    host's share as overlapped); on the CPU the forward pass is the host's own work; a bad value is
+    refused naming the variable."""
+    loaded = load_model("random:tiny-llama")
+    on_cuda = dataclasses.replace(loaded, device=torch.device("cuda"))
+    assert not default_async_scheduling(loaded) and not default_async_scheduling(on_cuda)
+    monkeypatch.setenv("SLOSERVE_ASYNC_SCHEDULING", "1")
+    assert default_async_scheduling(on_cuda) and not default_async_scheduling(loaded)
+    assert not LLMEngine(loaded, kv_capacity_tokens=256).executor.async_scheduling
+    assert LLMEngine(loaded, kv_capacity_tokens=256, async_scheduling=True).executor.async_scheduling
+    monkeypatch.setenv("SLOSERVE_ASYNC_SCHEDULING", "yes")
+    with pytest.raises(ConfigError, match="SLOSERVE_ASYNC_SCHEDULING must be 0 or 1, got 'yes'"):
+        default_async_scheduling(on_cuda)

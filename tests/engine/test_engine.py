@@ -808,6 +808,7 @@ def test_profile_fits_a_preset_that_simulate_can_use(tmp_path):
     host = doc["info"]["host"]
     assert host["num_steps"] >= 32
     assert doc["h_s"] == pytest.approx(host["per_step_s"] * 1000 / 2) and host["per_step_s"] > 0
+    assert doc["host_overlapped"] is False  # added to each step: the CPU's engine overlaps nothing
     assert doc["info"]["fit"]["n_rows"] >= 9
     from sloserve.cost import LinearCostModel, load_preset
     from sloserve.cost.base import BatchShape

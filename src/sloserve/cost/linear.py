@@ -9,6 +9,7 @@ B: decode requests, n_p: prefill/chunk requests, tokens = sum of c over the batc
     step              = max(floor, decode attention + prefill attention + other) + host
                         floor = floor_p if n_p > 0 else floor_d
     host              = h_s + h_r * (B + n_p)                                        (only if tokens > 0)
+    (with host_overlapped: step = max(floor, host, decode attention + prefill attention + other))
 
 ``knee_tokens`` is ours, not InferMax's (whose form is knee_tokens = 0, the bundled presets). On a GPU
 the projections and MLP read every weight once per step whatever the batch, so below some number of
@@ -39,6 +40,9 @@ step, and publishing each request's tokens (``engine.profile.measure_host``). Th
 overlap it with the GPU, so it adds to the step, after the floor. A run on the engine's virtual clock
 (``run --virtual-clock``: the sum of the measured forward passes) has none of it (``profile
 --no-host-share``). Stored per layer like the rest, although nothing in them scales with the layers.
+An engine that schedules asynchronously on a GPU (``engine/async_scheduling.py``) does overlap it: the
+host prepares step t+1 while the GPU runs step t, so a step takes the longer of the two, and with
+``host_overlapped`` the host's share is one more floor instead of a sum.
 
 A step takes the sum times ``num_layers``, plus ``swap_bytes / swap_bandwidth`` (or the longer of the
 two when the copies overlap the forward pass, ``swap_overlapped``). Left out as
@@ -77,7 +81,8 @@ class LinearCoefficients:
     ``w_d``: per token of the longest decode context (``decode_max_kv_tokens``); ``floor_p`` /
     ``floor_d``: the least a step with a prefill / a decode-only step takes (0: none); ``h_s`` /
     ``h_r``: the engine loop's host work per step / per scheduled request (0: none). All five are 0
-    in InferMax's form.
+    in InferMax's form. ``host_overlapped``: that host work runs during the device's (async
+    scheduling), so it is a floor, not a sum (False: InferMax's form and a synchronous engine).
     """
 
     a_p: float
@@ -97,8 +102,13 @@ class LinearCoefficients:
     floor_d: float = 0.0
     h_s: float = 0.0
     h_r: float = 0.0
+    host_overlapped: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.host_overlapped, bool):
+            raise ConfigError(
+                f"cost model {self.name!r}: host_overlapped must be true or false, got {self.host_overlapped!r}"
+            )
         for key in (*COEFFICIENT_NAMES, *EXTRA_TERM_NAMES):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -121,6 +131,7 @@ class LinearCoefficients:
 
     def beyond_infermax(self) -> list[str]:
         """The terms set that InferMax's linear form lacks (``knee_tokens`` and ``EXTRA_TERM_NAMES``)."""
+        # NOTE: host_overlapped changes nothing without a host's share (h_s, h_r), which is listed
         return [f"{key} {getattr(self, key):g}" for key in ("knee_tokens", *EXTRA_TERM_NAMES) if getattr(self, key)]
 
 
@@ -146,6 +157,7 @@ class LinearCostModel(CostModel):
         self._w_d = float(c.w_d)
         self._floor_p, self._floor_d = float(c.floor_p) * self._scale, float(c.floor_d) * self._scale
         self._h_s, self._h_r = float(c.h_s) * self._scale, float(c.h_r) * self._scale
+        self._host_overlapped = c.host_overlapped
 
     def __repr__(self) -> str:
         return f"LinearCostModel({self.coefficients!r}, swap_bandwidth={self.swap_bandwidth!r})"
@@ -180,10 +192,13 @@ class LinearCostModel(CostModel):
         other_s = (self._a_o * max(tokens, self._knee) + self._b_o) * scale if tokens > 0 else 0.0
         floor = self._floor_p if num_prefill > 0 else self._floor_d
         if floored and tokens > 0:  # an empty step costs nothing
+            host = self._h_s + self._h_r * (num_decode + num_prefill)
+            if self._host_overlapped:
+                floor, host = max(floor, host), 0.0
             if floor > other_s + decode_s + prefill_s:
                 other_s = floor - decode_s - prefill_s
             # NOTE: the host's share counts as non-attention, after the floor (the GPU waits for it)
-            other_s += self._h_s + self._h_r * (num_decode + num_prefill)
+            other_s += host
         swap_s = swap_bytes / self.swap_bandwidth if swap_bytes else 0.0
         return other_s, decode_s, prefill_s, swap_s
 
@@ -202,9 +217,12 @@ class LinearCostModel(CostModel):
         tokens = num_decode + prefill_tokens
         other_s = (self._a_o * np.maximum(tokens, self._knee) + self._b_o) * scale
         floor = self._floor_p if num_prefill > 0 else self._floor_d
-        if floor:  # (NOTE: every part is >= 0, so none is under a zero floor)
+        host = self._h_s + self._h_r * (num_decode + num_prefill)
+        if self._host_overlapped:
+            floor, host = np.maximum(floor, host), 0.0
+        if np.any(floor):  # (NOTE: every part is >= 0, so none is under a zero floor)
             other_s = np.where(floor > other_s + decode_s + prefill_s, floor - decode_s - prefill_s, other_s)
-        other_s = other_s + (self._h_s + self._h_r * (num_decode + num_prefill))
+        other_s = other_s + host
         compute_s = other_s + decode_s + prefill_s
         if not (tokens > 0).all():  # an empty step costs nothing (no floor, no host's share)
             compute_s = np.where(tokens > 0, compute_s, 0.0 + 0.0 + prefill_s)
@@ -227,7 +245,10 @@ class LinearCostModel(CostModel):
         other_s = (self._a_o * max(num_decode, self._knee) + self._b_o) * scale  # a scalar: no prefill tokens
         # NOTE: below the floor, _parts raises other_s to floor - decode_s, whose sum with decode_s may
         # differ from the floor in the last bit; the 1e-12 contract allows it.
-        return np.maximum(other_s + decode_s + 0.0 + 0.0, self._floor_d) + (self._h_s + self._h_r * num_decode)
+        floor, host = self._floor_d, self._h_s + self._h_r * num_decode
+        if self._host_overlapped:
+            floor, host = max(floor, host), 0.0
+        return np.maximum(other_s + decode_s + 0.0 + 0.0, floor) + host
 
     def step_increment(self, shape: BatchShape) -> float | None:
         """Repeated steps form an arithmetic series: per step the decodes' summed KV grows by B (the
@@ -238,11 +259,13 @@ class LinearCostModel(CostModel):
         num_decode, _, num_prefill, c, _, _, swap_bytes, _, _ = shape
         if num_prefill > 1 or swap_bytes:
             return None
-        if self._floor_p or self._floor_d:
+        if self._floor_p or self._floor_d or self._host_overlapped:
             # Every term grows step by step (coefficients are >= 0), so once above its floor a step
             # stays above it; below, the series is not arithmetic.
             other_s, decode_s, prefill_s, _ = self._parts(shape, floored=False)
             floor = self._floor_p if num_prefill > 0 else self._floor_d
+            if self._host_overlapped:  # NOTE: a stretch's requests are the same each step
+                floor = max(floor, self._h_s + self._h_r * (num_decode + num_prefill))
             if other_s + decode_s + prefill_s <= floor:
                 return None
         walk = self._w_d if num_decode > 0 else 0.0

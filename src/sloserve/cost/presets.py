@@ -104,6 +104,7 @@ def save_preset(coefficients: LinearCoefficients, path: str | Path, *, extra: di
         "coefficients": {key: getattr(coefficients, key) for key in COEFFICIENT_NAMES},
         "knee_tokens": coefficients.knee_tokens,
         **{key: getattr(coefficients, key) for key in EXTRA_TERM_NAMES},
+        "host_overlapped": coefficients.host_overlapped,
     }
     if extra:
         doc["info"] = extra
@@ -154,7 +155,12 @@ def load_preset(path: str | Path) -> LinearCoefficients:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ConfigError(f"cost model file {path}: field {key!r} must be a non-negative number, got {value!r}")
         extra[key] = float(value)
+    overlapped = doc.get("host_overlapped", False)  # absent from files written before async scheduling
+    if not isinstance(overlapped, bool):
+        raise ConfigError(f"cost model file {path}: field 'host_overlapped' must be true or false, got {overlapped!r}")
     name = doc.get("name")
     if not isinstance(name, str) or not name:
         name = path.stem
-    return LinearCoefficients(**values, num_layers=num_layers, name=name, knee_tokens=float(knee), **extra)
+    return LinearCoefficients(
+        **values, num_layers=num_layers, name=name, knee_tokens=float(knee), **extra, host_overlapped=overlapped
+    )

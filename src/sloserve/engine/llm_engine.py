@@ -74,6 +74,13 @@ def default_kv_capacity(loaded: LoadedModel, max_model_len: int) -> int:
     return min(CPU_KV_CACHE_BYTES // bytes_per_token, CPU_KV_CACHE_CONTEXTS * max_model_len)
 
 
+def default_async_scheduling(loaded: LoadedModel) -> bool:
+    """Whether an engine of ``loaded`` schedules asynchronously unless told (``async_scheduling.py``): on
+    CUDA where SLOSERVE_ASYNC_SCHEDULING=1 (off until a GPU session has timed it). On the CPU the
+    forward pass is the host's own work: there is nothing to overlap it with."""
+    return switch("SLOSERVE_ASYNC_SCHEDULING") and loaded.device.type == "cuda"
+
+
 def engine_cost_model(cost_model: str | CostModel | None) -> CostModel:
     """The cost model a policy that estimates batch times (BROS) uses on the engine: a preset name or
     JSON file (``sloserve profile`` fits one for this model and machine), else InferMax's
@@ -136,8 +143,7 @@ class LLMEngine:
     what the context leaves, as vLLM does. ``enable_prefix_caching``: share the KV blocks of common
     prefixes (``None``, the default: wherever the scheduler supports it, as vLLM v1).
     ``async_scheduling``: launch a step before the step before's tokens are on the host
-    (``async_scheduling.py``; ``None``, the default: on CUDA where SLOSERVE_ASYNC_SCHEDULING=1, off until
-    a GPU session has timed it).
+    (``async_scheduling.py``; ``None``, the default: ``default_async_scheduling``).
     """
 
     def __init__(
@@ -188,9 +194,9 @@ class LLMEngine:
             loaded.device,
         )
         self.executor = EngineExecutor.for_model(loaded, kv, self.cache, self.max_model_len, config.eos_token_ids, seed)
-        if async_scheduling is None:
-            async_scheduling = switch("SLOSERVE_ASYNC_SCHEDULING") and loaded.device.type == "cuda"
-        self.executor.async_scheduling = async_scheduling
+        self.executor.async_scheduling = (
+            default_async_scheduling(loaded) if async_scheduling is None else async_scheduling
+        )
         self.replica = Replica(0, self.scheduler, self.executor)
         self._next_id = 0
         self._finishing: list[Request] = []  # finished by the scheduler, a token still on the device

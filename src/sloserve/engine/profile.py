@@ -196,12 +196,19 @@ def profile(
     on_point: Callable[[int, int], None] | None = None,
     form: str = DEFAULT_FORM,
     host_share: bool = True,
+    host_overlapped: bool | None = None,
 ) -> ProfileResult:
     """Measure every grid point that fits in ``max_slots`` KV slots and fit the linear model (of
     ``form``, see ``cost.fit``) on 3 of every 4 points; the 4th are held out for the reported error
     (of the batch times: the forward pass, as ``StepTimer`` times it). With ``host_share``, the
     engine loop's host work is measured too (``measure_host``) and priced in the fit's ``h_s`` and
-    ``h_r``, so that the preset predicts served and wall-clock runs."""
+    ``h_r``, so that the preset predicts served and wall-clock runs: added to each step, or with
+    ``host_overlapped`` as a floor under it (an engine that schedules asynchronously does that work
+    during the device's; None: where the engine does by default, ``default_async_scheduling``).
+
+    NOTE: first order: the batch times are measured step by step, so with async scheduling they still
+    hold the executor's own host work (inputs, the tokens' return), which then overlaps the device's
+    too."""
     points = grid.shapes(max_model_len, max_slots)
     if len(points) < 2 * len(FEATURE_ORDER):
         raise ConfigError(
@@ -240,8 +247,15 @@ def profile(
             torch.cuda.empty_cache()
         host = measure_host(loaded, max_model_len=max_model_len, max_slots=max_slots)
         per_layer_ms = 1000 / c.num_hidden_layers  # the preset's unit
+        if host_overlapped is None:
+            from sloserve.engine.llm_engine import default_async_scheduling
+
+            host_overlapped = default_async_scheduling(loaded)
         coefficients = replace(
-            fit.coefficients, h_s=host.per_step_s * per_layer_ms, h_r=host.per_request_s * per_layer_ms
+            fit.coefficients,
+            h_s=host.per_step_s * per_layer_ms,
+            h_r=host.per_request_s * per_layer_ms,
+            host_overlapped=host_overlapped,
         )
         fit = fit._replace(coefficients=coefficients)
     return ProfileResult(fit, shapes, times, held_out, float(rel.mean()), float(rel.max()), host)
