@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from figures import record
 from sloserve.engine.llm_engine import LLMEngine
 from sloserve.engine.loader import load_model
 from sloserve.engine.sampler import SamplingParams
@@ -75,6 +76,7 @@ def main() -> None:
                 if mode:
                     early = (executor.num_early_launches - launched) / steps
         assert outputs[True] == outputs[False], f"batch {batch}: async scheduling changed the tokens"
+        record("async_on_off", best[True] / best[False], batch=batch)
         print(f"| {batch} | {best[False]:,.0f} | {best[True]:,.0f} | {best[True] / best[False]:.3f} | {early:.0%} |")
 
 

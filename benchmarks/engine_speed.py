@@ -37,6 +37,7 @@ import gc
 
 import torch
 
+from figures import record
 from sloserve.cost import get_gpu
 from sloserve.engine import fused_ops
 from sloserve.engine.cuda_graphs import DecodeGraphs
@@ -179,9 +180,10 @@ def main() -> None:
         fused_ops.ENABLED = saved[1]
         return graphs
 
-    def decode_rows(timer: StepTimer, sizes: list[int], kv_len: int) -> None:
+    def decode_rows(timer: StepTimer, sizes: list[int], kv_len: int, figure: str = "decode_mbu") -> None:
         """One row a batch: eager, and graphed three ways: as before issue 43 (one split, unfused), with
-        flash decoding's splits, and with the fused elementwise kernels too (the engine's default)."""
+        flash decoding's splits, and with the fused elementwise kernels too (the engine's default); the
+        fastest one's MBU recorded as ``figure``."""
         variants = {}
         if graphs_ok:
             variants = {
@@ -208,6 +210,8 @@ def main() -> None:
                 name: f"{times[name] * 1e3:.3f}" if name in times else "-" for name in ("before", "split", "fused")
             }
             gain = f"{times['before'] / times['fused']:.2f}x" if times else "-"
+            if gpu:
+                record(figure, read / best / gpu.hbm_bandwidth, batch=b, kv=kv_len)
             print(
                 f"{b:>6} {kv_len:>7} {n_splits:>6} {eager * 1e3:>9.3f} {graphed['before']:>10} {graphed['split']:>10} "
                 f"{graphed['fused']:>10} {gain:>7} {b / best:>10.1f} {mbu(read, eager):>15} {mbu(read, times.get('fused')):>15}"
@@ -251,6 +255,8 @@ def main() -> None:
         attention = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * n * n / 2
         flops = 2 * layer_params * n + 2 * embed + attention
         mfu = f"{flops / best / gpu.peak_flops:.1%}" if gpu else "-"
+        if gpu:
+            record("prefill_mfu", flops / best / gpu.peak_flops, tokens=n)
         dense_ms = f"{t_dense * 1e3:.3f}" if t_dense is not None else "-"
         print(f"{n:>14} {t * 1e3:>9.3f} {dense_ms:>9} {n / best:>10.1f} {mfu:>7}")
 
@@ -305,6 +311,7 @@ def main() -> None:
                 f"  rooflines of the parts: {prefill_roof * 1e3:.3f} + {decode_roof * 1e3:.3f} ms; "
                 f"mixed / their sum: {t_mixed / (prefill_roof + decode_roof):.2f}x (goal <= 1.25x)"
             )
+            record("mixed_over_roofline", t_mixed / (prefill_roof + decode_roof))
 
     if args.profile_kernels and loaded.device.type == "cuda":
         print("\nWhere an eager decode step's GPU time goes (torch.profiler; kernels of one step):")
@@ -329,7 +336,7 @@ def main() -> None:
             f"{args.long_batch * (n + 1) * per_token_kv / 1e9:.2f} GB):"
         )
         print(header)
-        decode_rows(long_timer, [args.long_batch], n)
+        decode_rows(long_timer, [args.long_batch], n, figure="decode_mbu_long")
 
 
 if __name__ == "__main__":

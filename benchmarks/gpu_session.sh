@@ -41,8 +41,9 @@
 #     .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH || exit
 #   TESTS_S=150 SPEED_S=240 SERVE_S=190 bash benchmarks/gpu_session.sh all
 # Every stage's output goes to $OUT/session.log ($OUT: the device tool's output folder; else ./gpu-logs),
-# beside the fidelity stage's profile, preset, engine figures and the engine runs' steps (a tar of
-# four steps.csv): five files, within the tool's eight.
+# beside issue 43's figures (figures.jsonl, printed as a table at the end of `all`), the serve stage's
+# py-spy stacks and the fidelity stage's profile, preset, engine figures and the engine runs' steps (a
+# tar of four steps.csv): seven files, within the tool's eight.
 #
 # SMOKE=1 runs the same stages on the CPU with a tiny random model and a few requests each: a check of
 # this script and of the commands it runs (arguments, imports, files) before device time is spent on
@@ -62,6 +63,8 @@ export SLOSERVE_OVERLAP_PUBLISH=${SLOSERVE_OVERLAP_PUBLISH:-1}
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 log="$out/session.log"
+# Each benchmark records issue 43's figures here (benchmarks/figures.py); `all` prints the table last.
+export SLOSERVE_FIGURES=${SLOSERVE_FIGURES:-$out/figures.jsonl}
 echo "== ${1:-} $(date -u +%FT%TZ)" | tee -a "$log"
 if [[ ${SMOKE:-0} != 1 ]]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$log"
@@ -143,6 +146,7 @@ case "${1:-}" in
       timeout "${stage#*:}" bash "$0" "${stage%%:*}" || { rc=$?; status=$rc; echo "stage ${stage%%:*} exited $rc"; }
       echo "stage ${stage%%:*}: $((SECONDS - start)) s" | tee -a "$log"
     done
+    python3 benchmarks/figures.py "$SLOSERVE_FIGURES" 2>&1 | tee -a "$log"
     exit $status
     ;;
   *)

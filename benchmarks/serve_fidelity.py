@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from fidelity import figure, simulate, sloserve
+from figures import record
 from serve_overhead import start_server
 from sloserve.bench.client import free_loopback_port
 
@@ -234,6 +235,8 @@ def main() -> None:
         "received": "as received, against the engine's clock",
         "in-process": "as received, against the engine in-process",
     }
+    record("sim_error_as_sent", sum(errors["sent"]) / len(errors["sent"]))
+    record("sim_error_as_received", sum(errors["received"]) / len(errors["received"]))
     for which, errs in errors.items():
         print(
             f"simulator error {labels[which]}, over {len(errs)} figures: mean {sum(errs) / len(errs):.1%}, "

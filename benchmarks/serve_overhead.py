@@ -30,6 +30,7 @@ import sys
 
 import numpy as np
 
+from figures import record
 from sloserve.bench.client import free_loopback_port, run_benchmark, synthetic_prompts, wait_until_ready
 from sloserve.engine.llm_engine import LLMEngine, run_requests
 from sloserve.engine.loader import load_model
@@ -229,6 +230,8 @@ def main() -> None:
             print(f"| {name} | {label} | {a * unit:.2f} | {b * unit:.2f} | {b / a:.3f} | {(b - a) * unit:+.2f} |")
     off, light = local["offline"], remote["offline"]
     print(f"\nthroughput ratio (offline, goal >= 0.9): {light['tokens_per_s'] / off['tokens_per_s']:.3f}")
+    record("served_throughput_ratio", light["tokens_per_s"] / off["tokens_per_s"])
+    record("served_tpot_added", light["tpot_mean_s"] / off["tpot_mean_s"] - 1)
     added = (remote["light"]["ttft_p50_s"] - local["light"]["ttft_p50_s"]) * 1e3
     print(f"TTFT added at p50 (light load, goal <= 5 ms): {added:+.2f} ms")
 

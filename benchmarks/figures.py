@@ -1,0 +1,87 @@
+"""Issue 43's table from one run of the GPU runbook: each benchmark records its figures (``record``) as
+JSON lines in the file that SLOSERVE_FIGURES names (``gpu_session.sh`` sets it), and
+
+    python benchmarks/figures.py FIGURES.jsonl
+
+prints the table with the issue's goals and the first GPU session's figures (2026-11-26, H200), which
+the runbook's ``all`` does last. A figure no stage measured (a stage cut by its time limit, or one not
+run) shows as "-".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def record(figure: str, value: float, **where: int) -> None:
+    """Append ``figure``'s ``value`` (and where it was measured: a batch, a context) to the file
+    SLOSERVE_FIGURES names; nothing when it names none."""
+    path = os.environ.get("SLOSERVE_FIGURES")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"figure": figure, "value": float(value), **where}) + "\n")
+
+
+def _values(rows: list[dict], figure: str, **where: int) -> list[float]:
+    return [r["value"] for r in rows if r["figure"] == figure and all(r.get(k) == v for k, v in where.items())]
+
+
+def _span(values: list[float], percent: bool = True) -> str:
+    if not values:
+        return "-"
+    show = (lambda v: f"{v:.1%}") if percent else (lambda v: f"{v:.2f}")
+    low, high = min(values), max(values)
+    return show(low) if low == high else f"{show(low)}-{show(high)}"
+
+
+def table(rows: list[dict]) -> list[str]:
+    """Issue 43's rows: figure, the first GPU session's, the goal, this run's, whether it meets the goal
+    (the worst of a span must)."""
+    decode_one = _values(rows, "decode_mbu", batch=1)
+    decode_wide = [r["value"] for r in rows if r["figure"] == "decode_mbu" and 64 <= r["batch"] <= 256]
+    prefill = [r["value"] for r in rows if r["figure"] == "prefill_mfu" and 4096 <= r["tokens"] <= 8192]
+    long_context = _values(rows, "decode_mbu_long")
+    served = _values(rows, "served_throughput_ratio")
+    tpot = _values(rows, "served_tpot_added")
+    sent, received = _values(rows, "sim_error_as_sent"), _values(rows, "sim_error_as_received")
+    asynchronous = [f"{r['batch']}: {r['value']:.3f}" for r in rows if r["figure"] == "async_on_off"]
+
+    def met(values: list[float], ok) -> str:
+        return "-" if not values else ("yes" if all(ok(v) for v in values) else "no")
+
+    lines = [
+        "| figure | 2026-11-26 | goal | this run | met |",
+        "| --- | --- | --- | --- | --- |",
+        f"| decode MBU, batch 1 | 47.5% | >= 75% | {_span(decode_one)} | {met(decode_one, lambda v: v >= 0.75)} |",
+        f"| decode MBU, batch 64-256 | 55-58% | >= 80% | {_span(decode_wide)} | {met(decode_wide, lambda v: v >= 0.80)} |",
+        f"| decode, batch 8, 32K-token contexts (of bandwidth) | not measured | >= 70% | {_span(long_context)} | "
+        f"{met(long_context, lambda v: v >= 0.70)} |",
+        f"| prefill MFU at 4-8K tokens | 51.6-53.0% | >= 65% | {_span(prefill)} | {met(prefill, lambda v: v >= 0.65)} |",
+        f"| mixed step / its parts' roofline | not measured | <= 1.25x | "
+        f"{_span(_values(rows, 'mixed_over_roofline'), percent=False)} | "
+        f"{met(_values(rows, 'mixed_over_roofline'), lambda v: v <= 1.25)} |",
+        f"| served / in-process throughput (offline) | 0.889 | >= 0.97 | {_span(served, percent=False)} | "
+        f"{met(served, lambda v: v >= 0.97)} |",
+        f"| TPOT added by serving (offline) | +14% | <= 3% | {_span(tpot)} | {met(tpot, lambda v: v <= 0.03)} |",
+        f"| simulator vs served, mean error (as sent / as received) | 18.2% / - | <= 5% | {_span(sent)} / "
+        f"{_span(received)} | {met(sent + received, lambda v: v <= 0.05)} |",
+        f"| async scheduling, on / off tok/s by batch (not in the issue's table) | - | > 1 | "
+        f"{', '.join(asynchronous) or '-'} | - |",
+    ]
+    return lines
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        sys.exit("usage: python benchmarks/figures.py FIGURES.jsonl")
+    path = Path(sys.argv[1])
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    print(f"\nIssue 43's table ({len(rows)} figures recorded in {path}):")
+    print("\n".join(table(rows)))
+
+
+if __name__ == "__main__":
+    main()
