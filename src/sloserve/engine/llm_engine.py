@@ -278,16 +278,17 @@ class LLMEngine:
         """The finished requests not yet returned whose tokens are all on the host (``step`` returns
         them; a served engine publishes them as soon as the next step's forward pass is launched).
 
-        NOTE: a request has its finish reason once its last token is on the host; one that ended by
-        count (``max_tokens``) has none while that token is on the device (async scheduling)."""
-        if not self._finishing:
-            return []
+        NOTE: with async scheduling, a request that ended by count (``max_tokens``) waits while its last
+        token is on the device, and has its finish reason once it is on the host; a row of a request that
+        had ended before it (its token dropped) is not waited for."""
+        in_flight = self.executor.in_flight
+        if in_flight is None or not self._finishing:
+            done, self._finishing = self._finishing, []
+            return done
         sequences = self.executor.sequences
-        done = [r for r in self._finishing if sequences[r].finish_reason is not None]
-        if len(done) < len(self._finishing):
-            self._finishing = [r for r in self._finishing if sequences[r].finish_reason is None]
-        else:
-            self._finishing = []
+        waiting = {r for r in self._finishing if r in in_flight.rows and sequences[r].finish_reason is None}
+        done = [r for r in self._finishing if r not in waiting]
+        self._finishing = [r for r in self._finishing if r in waiting]
         return done
 
     def output_token_ids(self, request: Request) -> list[int]:
