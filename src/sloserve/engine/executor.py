@@ -5,7 +5,9 @@ swaps nothing in; then BROS's slot copies, in order), one forward pass over the 
 chunk and cohort member, and a sample for every request whose known tokens are all computed. A
 request finishes on EOS (unless ``ignore_eos``), at ``max_tokens``, or when it is scheduled after it
 was aborted (``Request.aborted``: nothing of it is computed). A recompute-evicted request is refilled
-from its token list (prompt + generated), so nothing is lost.
+from its token list (prompt + generated), so nothing is lost. With async scheduling a step may be
+launched before the step before's tokens are on the host (``async_scheduling.py``): a request that
+token ended finishes with the step after, uncomputed if it did not run in it.
 """
 
 from __future__ import annotations
