@@ -6,8 +6,9 @@ chunk and cohort member, and a sample for every request whose known tokens are a
 request finishes on EOS (unless ``ignore_eos``), at ``max_tokens``, or when it is scheduled after it
 was aborted (``Request.aborted``: nothing of it is computed). A recompute-evicted request is refilled
 from its token list (prompt + generated), so nothing is lost. With async scheduling a step may be
-launched before the step before's tokens are on the host (``async_scheduling.py``): a request that
-token ended finishes with the step after, uncomputed if it did not run in it.
+launched before the step before's tokens are on the host (``async_scheduling.py``): a request ended by
+such a token finishes with the next step (its token there dropped), or, uncomputed, with the first one
+that schedules it after.
 """
 
 from __future__ import annotations
