@@ -15,10 +15,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from core_pipe import CorePipe  # noqa: E402
+
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.core.request import SLO, RequestClass  # noqa: E402
-from sloserve.engine.engine_core import AddRequest, EngineCore, EngineSpec, outputs_of  # noqa: E402
+from sloserve.engine.engine_core import AddRequest, EngineCore, EngineSpec  # noqa: E402
 from sloserve.engine.llm_engine import LLMEngine, default_async_scheduling  # noqa: E402
 from sloserve.engine.loader import load_model  # noqa: E402
 from sloserve.sched import scheduler_names  # noqa: E402
@@ -127,31 +129,27 @@ def test_the_served_engine_core_publishes_every_token_once(overlap_publish):
     core = EngineCore(engine, time.perf_counter(), pipe, overlap_publish=overlap_publish)
     for i, (prompt, params) in enumerate(zip(PROMPTS, _params(), strict=True)):
         core.apply(("add", AddRequest(i, prompt, params, RequestClass.BE, SLO(), core.clock())))
-    got: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
-    reasons: dict[int, str] = {}
-    last_read = [0.0]  # when the pipe was last read (the engine's clock)
+    sent = CorePipe(server)
+    last_read = 0.0  # when the pipe was last read (the engine's clock)
 
     def read() -> None:
-        while server.poll():
-            _, columns, _ = server.recv()
-            for out in outputs_of(columns):
-                assert out.request_id not in reasons, "news after a request's last output"
-                got[out.request_id] += out.token_ids
-                # NOTE: a token's time is when it reached the host (after the pipe was last read), not the
-                # end of the step that sampled it
-                assert not out.token_ids or last_read[0] <= out.last_token_time <= core.clock()
-                if out.finish_reason is not None:
-                    reasons[out.request_id] = out.finish_reason
-                    assert out.token_ids, "a finish after its last token"
-                    assert out.first_token_time <= out.last_token_time <= out.finish_time <= core.clock()
-        last_read[0] = core.clock()
+        nonlocal last_read
+        for out in sent.read():
+            # NOTE: a token's time is when it reached the host (after the pipe was last read), not the end
+            # of the step that sampled it
+            assert not out.token_ids or last_read <= out.last_token_time <= core.clock()
+            if out.finish_reason is not None:
+                assert out.token_ids, "a finish after its last token"
+                assert out.first_token_time <= out.last_token_time <= out.finish_time <= core.clock()
+        last_read = core.clock()
 
     while engine.has_unfinished():
         core.run_step()
         read()
     core.flush()
     read()
-    assert [(got[i], reasons[i]) for i in range(len(PROMPTS))] == [(ids, reason) for ids, reason, _ in want]
+    got = [(sent.tokens[i], sent.reasons[i]) for i in range(len(PROMPTS))]
+    assert got == [(ids, reason) for ids, reason, _ in want]
     assert engine.executor.num_early_launches > 0 and not core.live
 
 

@@ -15,6 +15,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from core_pipe import CorePipe  # noqa: E402
+
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.core.request import SLO, RequestClass  # noqa: E402
 from sloserve.engine.async_engine import (  # noqa: E402
@@ -24,7 +26,7 @@ from sloserve.engine.async_engine import (  # noqa: E402
     ShuttingDownError,
 )
 from sloserve.engine.detokenizer import Detokenizer  # noqa: E402
-from sloserve.engine.engine_core import AddRequest, EngineCore, EngineSpec, outputs_of  # noqa: E402
+from sloserve.engine.engine_core import AddRequest, EngineCore, EngineSpec  # noqa: E402
 from sloserve.engine.llm_engine import LLMEngine  # noqa: E402
 from sloserve.engine.loader import load_model  # noqa: E402
 from sloserve.engine.sampler import SamplingParams  # noqa: E402
@@ -262,17 +264,8 @@ def test_overlapped_publishing_sends_each_step_during_the_next_and_the_last_befo
         return compute_logits(hidden)
 
     monkeypatch.setattr(engine.executor.model, "compute_logits", watched)
-    got: dict[int, list[int]] = {0: [], 1: []}
-    reasons: dict[int, str] = {}
-
-    def read() -> None:
-        while server.poll():
-            _, columns, _ = server.recv()
-            for out in outputs_of(columns):
-                assert out.request_id not in reasons, "news after a request's last output"
-                got[out.request_id] += out.token_ids
-                if out.finish_reason is not None:
-                    reasons[out.request_id] = out.finish_reason
+    sent = CorePipe(server)
+    got, reasons, read = sent.tokens, sent.reasons, sent.read
 
     core.run_step()  # the prompts: each samples its first token
     assert not server.poll(), "published before the next step"

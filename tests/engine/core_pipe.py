@@ -1,0 +1,32 @@
+"""The server's side of an engine core's pipe, for tests that drive ``EngineCore`` in-process: what it
+sent each request, checking that nothing follows a request's finish."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from multiprocessing.connection import Connection
+
+from sloserve.engine.engine_core import Output, outputs_of
+
+
+class CorePipe:
+    """Reads an ``EngineCore``'s messages: each request's tokens in order (``tokens``) and its finish
+    reason (``reasons``)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.tokens: dict[int, list[int]] = defaultdict(list)
+        self.reasons: dict[int, str] = {}
+
+    def read(self) -> list[Output]:
+        """Every message sent since the last read; returns their outputs."""
+        outputs = []
+        while self.conn.poll():
+            _, columns, _ = self.conn.recv()
+            for out in outputs_of(columns):
+                assert out.request_id not in self.reasons, "news after a request's last output"
+                self.tokens[out.request_id] += out.token_ids
+                if out.finish_reason is not None:
+                    self.reasons[out.request_id] = out.finish_reason
+                outputs.append(out)
+        return outputs
