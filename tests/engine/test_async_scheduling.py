@@ -215,10 +215,12 @@ def test_a_request_that_needs_host_tokens_arriving_mid_run_ends_the_early_launch
 def test_on_cuda_with_graphs_the_tokens_are_those_without():
     """On CUDA (decode steps on CUDA graphs, inputs copied from pinned memory without blocking, the
     tokens back through an event): the tokens of seeded and greedy requests as without async scheduling.
-    NOTE: no stop tokens: the token a stopped request runs more changes a step's batch size, and so its
-    GEMMs' tiling, which could move a near tie of the random model's scores."""
+    NOTE: no stops (EOS ignored): the token a stopped request runs more changes a step's batch size, and
+    so its GEMMs' tiling, which could move a near tie of the random model's scores."""
     pytest.importorskip("triton")
-    params = [SamplingParams(max_tokens=20, temperature=0.8 * (i % 2), seed=i) for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.8 * (i % 2), seed=i, ignore_eos=True) for i in range(len(PROMPTS))
+    ]
     options = dict(device="cuda", dtype="float32", attention_backend="triton", kv_capacity_tokens=4096)
     want, _ = _generate("vllm", False, params, **options)
     got, llm = _generate("vllm", True, params, **options)
