@@ -19,7 +19,7 @@ from core_pipe import CorePipe  # noqa: E402
 
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
-from sloserve.core.request import SLO, RequestClass  # noqa: E402
+from sloserve.core.request import SLO, Request, RequestClass  # noqa: E402
 from sloserve.engine.engine_core import AddRequest, EngineCore, EngineSpec  # noqa: E402
 from sloserve.engine.llm_engine import LLMEngine, default_async_scheduling  # noqa: E402
 from sloserve.engine.loader import load_model  # noqa: E402
@@ -242,3 +242,22 @@ def test_it_is_off_unless_switched_on_and_never_on_by_default_on_the_cpu(monkeyp
     monkeypatch.setenv("SLOSERVE_ASYNC_SCHEDULING", "yes")
     with pytest.raises(ConfigError, match="SLOSERVE_ASYNC_SCHEDULING must be 0 or 1, got 'yes'"):
         default_async_scheduling(on_cuda)
+
+
+def test_in_process_token_times_are_when_the_tokens_came_back():
+    """The policy times a step's tokens when the step returns, before they exist on a GPU; with async
+    scheduling a request's first and last token times (and its end) are when those tokens reached the
+    host, during a later step: after that step started, never before."""
+    llm = LLM("random:tiny-llama", "vllm", async_scheduling=True, kv_capacity_tokens=2048)
+    engine = llm.engine
+    requests = [engine.add_request(p, s) for p, s in zip(PROMPTS, _params(), strict=True)]
+    came_back: dict[Request, list[float]] = {r: [] for r in requests}  # the start of the step each token came in
+    while engine.has_unfinished():
+        start = engine.replica.now
+        engine.step()
+        for r in requests:
+            new = len(engine.output_token_ids(r)) - len(came_back[r])
+            came_back[r] += [start] * new
+    for r in requests:
+        assert came_back[r][0] < r.first_token_time <= r.last_token_time == r.finish_time
+        assert came_back[r][-1] < r.last_token_time

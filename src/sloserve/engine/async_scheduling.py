@@ -9,7 +9,9 @@ does for the simulator's cohorts: it scheduled step t+1 as if no request ended o
 request that sampled EOS (or a stop token) in step t ran one more token in step t+1, which is dropped,
 and the scheduler hears of its end with step t+1 (``EngineExecutor``). A request that reaches
 ``max_tokens`` ends by count, so the scheduler hears of that on time; its last token follows a step
-later (``LLMEngine.take_finished``).
+later (``LLMEngine.take_finished``). The scheduler times a step's tokens when the step returns, before
+they exist on a GPU: a request's first and last token times and its end are set again to when those
+tokens reached the host (``EngineExecutor._accept``, ``LLMEngine.take_finished``).
 
 A step runs synchronously (its tokens on the host before it returns, as without async scheduling)
 where a token's value is needed on the host before the next launch: a request with a grammar,

@@ -59,6 +59,8 @@ class Sequence:
     logprobs: list[Logprobs] | None = None
     prompt_logprobs: list[Logprobs] | None = None
     matcher: Any = None  # the grammar's matcher (structured_output.py), with params.grammar
+    # With async scheduling: when its last token reached the host, on the engine's clock (NaN: never late)
+    last_token_back: float = float("nan")
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -115,6 +117,7 @@ class EngineExecutor:
         # Requests a token brought back late ended, that the scheduler has not heard of yet: they end
         # (uncomputed, as an aborted request) in the next step that schedules them
         self._stopped: set[Request] = set()
+        self._clock_offset = 0.0  # the engine's clock less time.perf_counter(), as of the last step
 
     @classmethod
     def for_model(
@@ -169,6 +172,7 @@ class EngineExecutor:
         assert output.num_steps == 1, "the engine runs steps one at a time (fast_path=False)"
         shape = batch_shape(output) if self.step_log is not None else None  # before the step moves requests on
         t0 = time.perf_counter()
+        self._clock_offset = now - t0
         pipelined = self.async_scheduling and self._launches_early(output)
         if not pipelined:
             self.resolve()  # this step's inputs or samples need the step before's tokens on the host
@@ -312,13 +316,18 @@ class EngineExecutor:
         before, self.in_flight = self.in_flight, None
         if before is None:
             return []
-        ended = self._accept(list(before.rows), before.token_ids())
+        tokens = before.token_ids()
+        ended = self._accept(list(before.rows), tokens, back_at=time.perf_counter() + self._clock_offset)
         self._stopped.update(ended)
         return ended
 
-    def _accept(self, requests: list[Request], tokens: list[int]) -> list[Request]:
+    def _accept(self, requests: list[Request], tokens: list[int], back_at: float | None = None) -> list[Request]:
         """Append each request's sampled token; return the requests it ended (EOS, a stop token, the
-        grammar's end, ``max_tokens``) that the scheduler has not finished."""
+        grammar's end, ``max_tokens``) that the scheduler has not finished. ``back_at``: when the tokens
+        reached the host (async scheduling), a request's first token time from then on; its last one's is
+        kept (``LLMEngine.take_finished`` gives it to the request).
+
+        NOTE: the scheduler timed the tokens when their step returned, before they existed on a GPU."""
         ended = []
         for request, token in zip(requests, tokens, strict=True):
             seq = self.sequences.get(request)
@@ -327,6 +336,10 @@ class EngineExecutor:
                 # be released already
                 continue
             seq.token_ids.append(token)
+            if back_at is not None:
+                seq.last_token_back = back_at
+                if len(seq.token_ids) == seq.num_prompt_tokens + 1:
+                    request.first_token_time = back_at
             if seq.params.ends_on(token, self.eos_token_ids):
                 eos = token in self.eos_token_ids and not seq.params.ignore_eos  # vLLM's stop_reason: None for EOS
                 seq.finish_reason, seq.stop_reason = "stop", None if eos else token

@@ -281,14 +281,19 @@ class LLMEngine:
         NOTE: with async scheduling, a request that ended by count (``max_tokens``) waits while its last
         token is on the device, and has its finish reason once it is on the host; a row of a request that
         had ended before it (its token dropped) is not waited for."""
-        in_flight = self.executor.in_flight
+        in_flight, sequences = self.executor.in_flight, self.executor.sequences
         if in_flight is None or not self._finishing:
             done, self._finishing = self._finishing, []
-            return done
-        sequences = self.executor.sequences
-        waiting = {r for r in self._finishing if r in in_flight.rows and sequences[r].finish_reason is None}
-        done = [r for r in self._finishing if r not in waiting]
-        self._finishing = [r for r in self._finishing if r in waiting]
+        else:
+            waiting = {r for r in self._finishing if r in in_flight.rows and sequences[r].finish_reason is None}
+            done = [r for r in self._finishing if r not in waiting]
+            self._finishing = [r for r in self._finishing if r in waiting]
+        for request in done:
+            # NOTE: its last token's time and its end are when that token reached the host (async
+            # scheduling), not the policy's (when a step returned, or the step after a stop token)
+            back = sequences[request].last_token_back
+            if not math.isnan(back) and not request.aborted:
+                request.last_token_time = request.finish_time = back
         return done
 
     def output_token_ids(self, request: Request) -> list[int]:
