@@ -84,7 +84,8 @@ class EngineExecutor:
     none on a GPU that was still computing when it ended.
 
     ``async_scheduling``: a step may launch before the step before's tokens are on the host
-    (``async_scheduling.py``): they come back during its forward pass (``in_flight`` until then).
+    (``async_scheduling.py``): they come back during its forward pass (``in_flight`` until then), and
+    ``during_forward`` runs after them, in every step launched early (one with no tokens too).
     """
 
     def __init__(
