@@ -185,7 +185,8 @@ def test_each_request_comes_back_one_step_later_and_only_stopped_ones_run_a_toke
 def test_a_request_that_needs_host_tokens_arriving_mid_run_ends_the_early_launches(scheduler):
     """Requests launched early, then one asking for logprobs arrives: the next step waits for the tokens
     still on the device first, and a request they ended ends in that step, uncomputed; every request
-    gets what it gets without async scheduling."""
+    gets what it gets without async scheduling, and its last token's time is not before the step that
+    brought that token."""
 
     def run(async_scheduling: bool) -> tuple[dict[int, tuple], LLM]:
         llm = LLM("random:tiny-llama", scheduler, async_scheduling=async_scheduling, kv_capacity_tokens=2048)
@@ -194,10 +195,17 @@ def test_a_request_that_needs_host_tokens_arriving_mid_run_ends_the_early_launch
         for prompt, p in zip(PROMPTS, params):
             engine.add_request(prompt, p)
         outputs = {}
+        lengths: dict[Request, tuple[int, float]] = {}  # tokens so far, and the start of the step that gave the last
         for step in range(200):
             if step == 3:
                 engine.add_request(PROMPTS[-1], SamplingParams(max_tokens=4, logprobs=1))
-            for request in engine.step():
+            start = engine.replica.now
+            finished = engine.step()
+            for r, seq in engine.executor.sequences.items():
+                if lengths.get(r, (0,))[0] != len(seq.token_ids):
+                    lengths[r] = (len(seq.token_ids), start)
+            for request in finished:
+                assert request.last_token_time >= lengths[request][1]
                 seq = engine.release(request)
                 outputs[request.request_id] = (seq.output_token_ids, seq.finish_reason, seq.logprobs)
             if not engine.has_unfinished():

@@ -14,6 +14,7 @@ that schedules it after.
 from __future__ import annotations
 
 import collections.abc
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ class Sequence:
     prompt_logprobs: list[Logprobs] | None = None
     matcher: Any = None  # the grammar's matcher (structured_output.py), with params.grammar
     # With async scheduling: when its last token reached the host, on the engine's clock (NaN: never late)
-    last_token_back: float = float("nan")
+    last_token_back: float = math.nan
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -157,9 +158,8 @@ class EngineExecutor:
             prompt_logprobs=None if params.prompt_logprobs is None else [],
             matcher=None if params.grammar is None else self.grammar_matchers.matcher(params.grammar),
         )
-        if params.grammar is not None or params.controls_scores or params.logprobs is not None:
-            self._needs_host_tokens.add(request)
-        elif params.prompt_logprobs is not None:
+        reads_tokens = (params.grammar, params.logprobs, params.prompt_logprobs) != (None, None, None)
+        if reads_tokens or params.controls_scores:
             self._needs_host_tokens.add(request)
 
     @torch.inference_mode()
@@ -325,8 +325,8 @@ class EngineExecutor:
     def _accept(self, requests: list[Request], tokens: list[int], back_at: float | None = None) -> list[Request]:
         """Append each request's sampled token; return the requests it ended (EOS, a stop token, the
         grammar's end, ``max_tokens``) that the scheduler has not finished. ``back_at``: when the tokens
-        reached the host (async scheduling), a request's first token time from then on; its last one's is
-        kept (``LLMEngine.take_finished`` gives it to the request).
+        reached the host (async scheduling), a request's first token time from then on; the last one's is
+        kept (``LLMEngine.take_finished`` gives it to the request; None: the policy's is right).
 
         NOTE: the scheduler timed the tokens when their step returned, before they existed on a GPU."""
         ended = []
@@ -337,10 +337,10 @@ class EngineExecutor:
                 # be released already
                 continue
             seq.token_ids.append(token)
-            if back_at is not None:
-                seq.last_token_back = back_at
-                if len(seq.token_ids) == seq.num_prompt_tokens + 1:
-                    request.first_token_time = back_at
+            # NOTE: also when None: a token taken at its step's end has the policy's time
+            seq.last_token_back = math.nan if back_at is None else back_at
+            if back_at is not None and len(seq.token_ids) == seq.num_prompt_tokens + 1:
+                request.first_token_time = back_at
             if seq.params.ends_on(token, self.eos_token_ids):
                 eos = token in self.eos_token_ids and not seq.params.ignore_eos  # vLLM's stop_reason: None for EOS
                 seq.finish_reason, seq.stop_reason = "stop", None if eos else token
