@@ -22,7 +22,8 @@ and the device-to-device copy bandwidth measured here, in brackets).
 MFU = (2 x matmul parameters x tokens + causal attention FLOPs) / step time / peak dense FLOP/s.
 The mixed step (a Sarathi chunk beside decodes) is set against the sum of its parts' rooflines: each
 part alone at max(FLOPs / peak, bytes / bandwidth). It and small prompts' steps (``--small-prompts``) are
-timed eagerly and on piecewise CUDA graphs (``piecewise_graphs``), side by side.
+timed eagerly and on piecewise CUDA graphs (``piecewise_graphs``), side by side, and with
+``--compile-pieces`` on piecewise graphs of the pieces compiled by ``torch.compile`` too.
 The kernel table (``--profile-kernels``, torch.profiler) sums each kernel's GPU time over an eager
 decode step: what fusing or replacing a kernel can gain.
 On the CPU there are no published peaks: the ratios are printed only with --gpu.
@@ -34,6 +35,7 @@ import argparse
 import collections
 import dataclasses
 import gc
+import time
 
 import torch
 
@@ -111,6 +113,9 @@ def main() -> None:
     parser.add_argument("--mixed", default="512:1024:128", help="CHUNK:CACHED:DECODES of the mixed step ('': none)")
     parser.add_argument("--prefill", default="1024,4096,8192,16384")
     parser.add_argument("--small-prompts", default="64,256", help="prompts timed eagerly and on piecewise graphs")
+    parser.add_argument(
+        "--compile-pieces", action="store_true", help="time the small prompts and the mixed step on compiled pieces too"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-cuda-graphs", action="store_true", help="time decode steps eagerly only")
     parser.add_argument("--no-ceilings", action="store_true", help="skip measuring copy bandwidth and matmul rate")
@@ -141,8 +146,8 @@ def main() -> None:
     layer_params = params - embed * (1 if c.tie_word_embeddings else 2)
     per_token_kv = kv_bytes_per_token(loaded)
     args.kv_len = min(args.kv_len, c.max_position_embeddings - 1)
-    batches = [int(x) for x in args.batch_sizes.split(",")]
-    prompts = [int(x) for x in args.prefill.split(",") if int(x) <= c.max_position_embeddings]
+    batches = [int(x) for x in args.batch_sizes.split(",") if x]
+    prompts = [int(x) for x in args.prefill.split(",") if x and int(x) <= c.max_position_embeddings]
     mixed = [int(x) for x in args.mixed.split(":")] if args.mixed else None
     small_prompts = [int(x) for x in args.small_prompts.split(",") if x]
     device_name = (
@@ -223,10 +228,11 @@ def main() -> None:
         f"\n{'batch':>6} {'KV/req':>7} {'splits':>6} {'eager ms':>9} {'before ms':>10} {'+split ms':>10} "
         f"{'+fused ms':>10} {'gain':>7} {'tok/s':>10} {'MBU eager':>15} {'MBU +fused':>15}"
     )
-    print(header)
+    if batches:
+        print(header)
     max_prompt = max([*prompts, *small_prompts], default=1)
     blocks = max(
-        StepTimer.blocks_needed([], [args.kv_len] * max(batches)),
+        StepTimer.blocks_needed([], [args.kv_len] * max(batches, default=0)),
         StepTimer.blocks_needed([(max_prompt, 0)], []),
         StepTimer.blocks_needed([(mixed[0], mixed[1])], [args.kv_len] * mixed[2]) if mixed else 0,
     )
@@ -238,7 +244,8 @@ def main() -> None:
     # A prompt's step with its attention by the prefill kernel ("step ms"; the reference's on the torch
     # backend) and, on the Triton backend, dense (one SDPA call: ``dense_prefill_min_tokens``) whatever the
     # environment says; tok/s and MFU of the faster.
-    print(f"\n{'prefill tokens':>14} {'step ms':>9} {'dense ms':>9} {'tok/s':>10} {'MFU':>7}")
+    if prompts:
+        print(f"\n{'prefill tokens':>14} {'step ms':>9} {'dense ms':>9} {'tok/s':>10} {'MFU':>7}")
     for n in prompts:
         t_dense = None
         if splitting:
@@ -262,38 +269,53 @@ def main() -> None:
 
     # Steps with a prefill eagerly and on piecewise graphs (captured here for the sizes below, whatever
     # SLOSERVE_PIECEWISE_GRAPHS says): small prompts, where an eager step is the host's launch time.
-    pieces = None
-    if graphs_ok and getattr(loaded.model, "supports_piecewise_graphs", False):
-        sizes = {*small_prompts, *([mixed[0] + mixed[2]] if mixed else [])}
-        pieces = PiecewiseGraphs(loaded.model, timer.executor.cache, sizes=sorted(sizes))
+    # With --compile-pieces, also on pieces compiled by torch.compile (``piecewise_graphs.compiled_pieces``),
+    # captured the same way: the compile is timed on its own line. (On the CPU the pieces run uncaptured:
+    # the smoke run's check of this code, not a figure.)
+    pieces = compiled = None
+    on_gpu = loaded.device.type == "cuda"
+    if (graphs_ok or not on_gpu) and getattr(loaded.model, "supports_piecewise_graphs", False):
+        sizes = sorted({*small_prompts, *([mixed[0] + mixed[2]] if mixed else [])})
+        pieces = PiecewiseGraphs(loaded.model, timer.executor.cache, sizes=sizes, capture=on_gpu)
+        if args.compile_pieces and sizes:
+            start = time.perf_counter()
+            compiled = PiecewiseGraphs(loaded.model, timer.executor.cache, sizes=sizes, capture=on_gpu, compile=True)
+            if not on_gpu:  # (compiled at its first run)
+                timer.executor.piecewise = compiled
+                timer.time([(sizes[0], 0)], [], repeats=1)
+            captured = f" and captured them at {len(sizes)} sizes" if on_gpu else ""
+            print(f"\ncompiled the pieces{captured} in {time.perf_counter() - start:.1f} s")
 
-    def eager_and_piecewise(prefills: list[tuple[int, int]], decode_lens: list[int]) -> tuple[float, float | None]:
+    def eager_and_piecewise(prefills: list[tuple[int, int]], decode_lens: list[int]) -> list[float | None]:
+        """The step's time eagerly, on the piecewise graphs and on the compiled ones (None: not built)."""
         saved = timer.executor.piecewise
-        timer.executor.piecewise = None
-        eager = timer.time(prefills, decode_lens, repeats=args.repeats)
-        timer.executor.piecewise = pieces
-        piecewise = timer.time(prefills, decode_lens, repeats=args.repeats) if pieces else None
+        times = []
+        for graphs in (None, pieces, compiled):
+            timer.executor.piecewise = graphs
+            ran = graphs is not None or not times
+            times.append(timer.time(prefills, decode_lens, repeats=args.repeats) if ran else None)
         timer.executor.piecewise = saved
-        return eager, piecewise
+        return times
 
     def ms(t: float | None) -> str:
         return "-" if t is None else f"{t * 1e3:.3f}"
 
     if small_prompts:
-        print(f"\n{'prompt tokens':>14} {'eager ms':>9} {'piecewise ms':>13}")
+        print(f"\n{'prompt tokens':>14} {'eager ms':>9} {'piecewise ms':>13} {'compiled ms':>12}")
         for n in small_prompts:
-            eager, piecewise = eager_and_piecewise([(n, 0)], [])
-            print(f"{n:>14} {ms(eager):>9} {ms(piecewise):>13}")
+            eager, piecewise, on_compiled = eager_and_piecewise([(n, 0)], [])
+            print(f"{n:>14} {ms(eager):>9} {ms(piecewise):>13} {ms(on_compiled):>12}")
 
     if mixed:
         chunk, cached, num_decodes = mixed
-        t_eager, t_pieces = eager_and_piecewise([(chunk, cached)], [args.kv_len] * num_decodes)
-        t_mixed = min(t_eager, t_pieces or t_eager)
+        t_eager, t_pieces, t_compiled = eager_and_piecewise([(chunk, cached)], [args.kv_len] * num_decodes)
+        t_mixed = min(t for t in (t_eager, t_pieces, t_compiled) if t is not None)
         t_prefill = timer.time([(chunk, cached)], [], repeats=args.repeats)
         t_decode = timer.time([], [args.kv_len] * num_decodes, repeats=args.repeats)
         print(
             f"\nmixed step: a {chunk}-token chunk after {cached} cached + {num_decodes} decodes of {args.kv_len}: "
-            f"{ms(t_eager)} ms eager, {ms(t_pieces)} ms on piecewise graphs; alone: chunk {ms(t_prefill)} ms, "
+            f"{ms(t_eager)} ms eager, {ms(t_pieces)} ms on piecewise graphs, {ms(t_compiled)} ms compiled; "
+            f"alone: chunk {ms(t_prefill)} ms, "
             f"decodes {ms(t_decode)} ms (as the environment sets the engine)"
         )
         if gpu:
@@ -323,7 +345,7 @@ def main() -> None:
 
     if args.long_batch:
         del timer
-        pieces = None  # (their graphs' memory pool, for the long contexts' KV)
+        pieces = compiled = None  # (their graphs' memory pool, for the long contexts' KV)
         gc.collect()
         if loaded.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -25,10 +25,14 @@
 #                                             # ($OUT/serve-py-spy.txt, collapsed stacks)
 #   bash benchmarks/gpu_session.sh serve-fidelity  # serve_fidelity.py (issue 27): the simulator against the
 #                                             # server, on the same model options
+#   bash benchmarks/gpu_session.sh compile    # torch.compile of the piecewise graphs' pieces (issue 43 item
+#                                             # 2): its tests on CUDA, then small prompts and the mixed step
+#                                             # eager / piecewise / compiled pieces, and the compile's time
 #   bash benchmarks/gpu_session.sh all        # tests, speed and serve in one call (issue 43's table but the
 #                                             # served fidelity), each under its own time limit (seconds:
-#                                             # TESTS_S, SPEED_S, SERVE_S), then fidelity, infermax and
-#                                             # serve-fidelity when FIDELITY_S, INFERMAX_S, SERVE_FIDELITY_S are set
+#                                             # TESTS_S, SPEED_S, SERVE_S), then fidelity, infermax,
+#                                             # serve-fidelity and compile when FIDELITY_S, INFERMAX_S,
+#                                             # SERVE_FIDELITY_S, COMPILE_S are set
 #
 # The device image (2026-11-26) lacks pydantic (pydantic, pydantic-core, annotated-types,
 # typing-inspection, a typing-extensions >= 4.16), gguf, and of the serve extra fastapi (with
@@ -49,7 +53,7 @@
 # this script and of the commands it runs (arguments, imports, files) before device time is spent on
 # them; its figures mean nothing. From the repository root, after `make .venv/.engine`:
 #   PATH=.venv/bin:$PATH SMOKE=1 TESTS_S=400 SPEED_S=120 SERVE_S=200 FIDELITY_S=300 INFERMAX_S=120 \
-#     SERVE_FIDELITY_S=300 OUT=/tmp/gpu-smoke bash benchmarks/gpu_session.sh all
+#     SERVE_FIDELITY_S=300 COMPILE_S=200 OUT=/tmp/gpu-smoke bash benchmarks/gpu_session.sh all
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -76,6 +80,8 @@ model=("${engine[@]}" --max-model-len 4096 --kv-capacity-tokens 131072)
 grid=(--prefill-chunks 32,64,128,256,512,1024,2048,4096 --context-lens 0,512,2048
   --batch-sizes 1,2,4,8,16,32,64,128,256 --decode-kv-lens 128,512,2048)
 speed=() fidelity=() layers=32 requests=300
+# The compile stage: engine_speed.py's small prompts and mixed step only
+compile=(--batch-sizes '' --prefill '' --long-batch 0 --profile-kernels '' --no-ceilings --compile-pieces)
 async_ab=(--batches 64,256 --prompt-len 128 --output-len 128 --repeats 2)
 # B = 256: the simulator's ratios at M = 1K are those of B = 1024 within 0.03 (2026-11-26).
 infermax=(--num-requests 256 --capacities 1000,10000)
@@ -85,6 +91,7 @@ if [[ ${SMOKE:-0} == 1 ]]; then
   grid=(--prefill-chunks 16,64,256 --context-lens 0,256 --batch-sizes 1,4,16 --decode-kv-lens 64,256 --repeats 2)
   speed=(--batch-sizes 1,8 --kv-len 64 --long-context 512 --long-batch 2 --mixed 64:128:8 --prefill 256
     --small-prompts 64 --repeats 2)
+  compile+=(--kv-len 64 --mixed 64:128:8 --small-prompts 64 --repeats 2)
   fidelity=(--max-model-len 1024 --kv-capacity-tokens 65536 --num-requests 20 "${grid[@]}")
   layers=2 requests=20
   async_ab=(--batches 4,8 --prompt-len 16 --output-len 8 --repeats 1)
@@ -93,10 +100,11 @@ fi
 
 case "${1:-}" in
   tests)
-    # (piecewise graphs off but in their own test: every engine the tests make would capture them)
+    # (piecewise graphs off but in their own test: every engine the tests make would capture them; the
+    # compiled pieces' tests compile for a minute: the compile stage runs them)
     SLOSERVE_PIECEWISE_GRAPHS=0 python3 -m pytest -p no:cacheprovider -rs tests/engine/test_triton_attention.py tests/engine/test_fused_ops.py \
       tests/engine/test_cuda_graphs.py tests/engine/test_piecewise_graphs.py tests/engine/test_attention.py \
-      tests/engine/test_engine.py tests/engine/test_async_scheduling.py 2>&1 | tee -a "$log"
+      tests/engine/test_engine.py tests/engine/test_async_scheduling.py -k "not compiled" 2>&1 | tee -a "$log"
     ;;
   speed)
     # (engine_speed.py captures the piecewise graphs it compares itself)
@@ -137,11 +145,17 @@ case "${1:-}" in
     python3 benchmarks/serve_fidelity.py "${model[@]}" --no-pin --num-requests "$requests" "${grid[@]}" 2>&1 \
       | tee -a "$log"
     ;;
+  compile)
+    SLOSERVE_PIECEWISE_GRAPHS=0 python3 -m pytest -p no:cacheprovider -rs tests/engine/test_piecewise_graphs.py \
+      -k compiled 2>&1 | tee -a "$log"
+    SLOSERVE_PIECEWISE_GRAPHS=0 python3 benchmarks/engine_speed.py "${engine[@]}" "${compile[@]}" 2>&1 | tee -a "$log"
+    ;;
   all)
     # One stage failing or running out of time does not stop the next one; the exit code is the worst.
     status=0
     for stage in tests:${TESTS_S:-150} speed:${SPEED_S:-240} serve:${SERVE_S:-190} ${FIDELITY_S:+fidelity:$FIDELITY_S} \
-        ${INFERMAX_S:+infermax:$INFERMAX_S} ${SERVE_FIDELITY_S:+serve-fidelity:$SERVE_FIDELITY_S}; do
+        ${INFERMAX_S:+infermax:$INFERMAX_S} ${SERVE_FIDELITY_S:+serve-fidelity:$SERVE_FIDELITY_S} \
+        ${COMPILE_S:+compile:$COMPILE_S}; do
       start=$SECONDS
       timeout "${stage#*:}" bash "$0" "${stage%%:*}" || { rc=$?; status=$rc; echo "stage ${stage%%:*} exited $rc"; }
       echo "stage ${stage%%:*}: $((SECONDS - start)) s" | tee -a "$log"
@@ -150,7 +164,7 @@ case "${1:-}" in
     exit $status
     ;;
   *)
-    echo "usage: $0 tests|speed|fidelity|infermax|serve|serve-fidelity|all" >&2
+    echo "usage: $0 tests|speed|fidelity|infermax|serve|serve-fidelity|compile|all" >&2
     exit 2
     ;;
 esac

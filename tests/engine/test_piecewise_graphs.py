@@ -29,10 +29,10 @@ def test_token_sizes():
     assert token_sizes(8) == [8]
 
 
-def _on_pieces(llm: LLM, sizes: list[int]) -> list[int]:
+def _on_pieces(llm: LLM, sizes: list[int], compile: bool = False) -> list[int]:
     """Give ``llm``'s executor uncaptured piecewise graphs of ``sizes``; returns the list of each step's
     token count that runs on them, filled as it runs."""
-    graphs = PiecewiseGraphs(llm.loaded.model, llm.engine.cache, capture=False, sizes=sizes)
+    graphs = PiecewiseGraphs(llm.loaded.model, llm.engine.cache, capture=False, sizes=sizes, compile=compile)
     counts: list[int] = []
     real_forward = graphs.forward
     graphs.forward = lambda tokens, *rest: counts.append(len(tokens)) or real_forward(tokens, *rest)
@@ -97,17 +97,55 @@ def test_only_models_with_pieces_get_them(monkeypatch):
     """With CUDA graphs and the setting on: the Llama family; Gemma 3 (its own forward) and OPT run
     their prefills eagerly, as does every model with the setting off or without CUDA graphs."""
     monkeypatch.setenv("SLOSERVE_PIECEWISE_GRAPHS", "1")
-    monkeypatch.setattr(piecewise_graphs, "PiecewiseGraphs", lambda model, cache: "graphs")
+    monkeypatch.setattr(piecewise_graphs, "PiecewiseGraphs", lambda model, cache, compile: ("graphs", compile))
     for model, has_pieces in (("tiny-llama", True), ("tiny-qwen3", True), ("tiny-gemma3", False), ("tiny-opt", False)):
         llm = LLM(f"random:{model}")
         cache = llm.engine.cache
-        assert piecewise_graphs_for(llm.loaded.model, cache, cuda_graphs=True) == ("graphs" if has_pieces else None)
+        pieces = piecewise_graphs_for(llm.loaded.model, cache, cuda_graphs=True)
+        assert pieces == (("graphs", False) if has_pieces else None)
         assert piecewise_graphs_for(llm.loaded.model, cache, cuda_graphs=False) is None
+    monkeypatch.setenv("SLOSERVE_COMPILE_PIECES", "1")  # compiled pieces
+    assert piecewise_graphs_for(llm.loaded.model, cache, cuda_graphs=True) is None  # (OPT: none to compile)
+    assert piecewise_graphs_for(LLM("random:tiny-llama").loaded.model, cache, cuda_graphs=True) == ("graphs", True)
     monkeypatch.setenv("SLOSERVE_PIECEWISE_GRAPHS", "0")
     assert piecewise_graphs_for(llm.loaded.model, cache, cuda_graphs=True) is None
-    monkeypatch.setenv("SLOSERVE_PIECEWISE_GRAPHS", "yes")  # a bad value: one clear error, GPU or not
-    with pytest.raises(ConfigError, match="SLOSERVE_PIECEWISE_GRAPHS must be 0 or 1, got 'yes'"):
-        piecewise_graphs_for(llm.loaded.model, cache, cuda_graphs=False)
+    for name in ("SLOSERVE_PIECEWISE_GRAPHS", "SLOSERVE_COMPILE_PIECES"):  # a bad value: one clear error, GPU or not
+        monkeypatch.setenv(name, "yes")
+        with pytest.raises(ConfigError, match=f"{name} must be 0 or 1, got 'yes'"):
+            piecewise_graphs_for(llm.loaded.model, cache, cuda_graphs=False)
+        monkeypatch.setenv(name, "0")
+
+
+def test_compiled_pieces_give_the_eager_tokens():
+    """The pieces compiled by ``torch.compile`` (inductor; C++ kernels on the CPU): every request's tokens
+    equal the eager engine's, through Sarathi's mixed chunks, and the middle pieces of every layer and
+    token count share one graph (3 graphs in all: the first piece, the middle ones, the last)."""
+    from torch._dynamo.utils import counters
+
+    options = dict(scheduler="sarathi", prefill_token_budget=16, block_size=4)
+    expected = generate_greedy(LLM("random:small-llama", **options))
+    llm = LLM("random:small-llama", **options)
+    assert len(llm.loaded.model.model.layers) >= 3  # (several middle pieces)
+    graphs_before = counters["stats"]["unique_graphs"]
+    counts = _on_pieces(llm, [8, 16, 40], compile=True)
+    assert generate_greedy(llm) == expected
+    assert len({llm.engine.executor.piecewise.size_for(n) for n in counts}) > 1
+    assert counters["stats"]["unique_graphs"] - graphs_before == 3
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_captured_compiled_pieces_give_the_uncompiled_tokens(dtype, monkeypatch):
+    """On a GPU: the engine with the compiled pieces captured (inductor's Triton kernels in the graphs)
+    gives the tokens of uncaptured, uncompiled pieces."""
+    monkeypatch.setenv("SLOSERVE_PIECEWISE_GRAPHS", "1")
+    monkeypatch.setenv("SLOSERVE_COMPILE_PIECES", "1")
+    options = dict(device="cuda", dtype=dtype, scheduler="sarathi", prefill_token_budget=16, block_size=4)
+    uncaptured = LLM("random:small-llama", **options)
+    _on_pieces(uncaptured, piecewise_graphs.token_sizes(piecewise_graphs.DEFAULT_MAX_NUM_TOKENS))
+    llm = LLM("random:small-llama", **options)
+    assert llm.engine.executor.piecewise.compile and llm.engine.executor.piecewise.graphs
+    assert generate_greedy(llm) == generate_greedy(uncaptured)
 
 
 @cuda_only

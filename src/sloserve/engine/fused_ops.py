@@ -14,8 +14,9 @@ another order. On float32 the GPU may contract a product and a sum into one fuse
 multiply-add (one rounding less).
 
 ``rotary``, ``silu_and_mul`` and ``add_rms_norm`` dispatch: the Triton kernel for a CUDA tensor while
-``ENABLED``, PyTorch elsewhere. Tests run the kernels on the CPU in Triton's interpreter
-(``rotary_triton``, ``silu_and_mul_triton``, ``add_rms_norm_triton``) against the PyTorch forms.
+``ENABLED``, PyTorch elsewhere, and while ``torch.compile`` traces (inductor fuses the PyTorch forms).
+Tests run the kernels on the CPU in Triton's interpreter (``rotary_triton``, ``silu_and_mul_triton``,
+``add_rms_norm_triton``) against the PyTorch forms.
 
 NOTE: off unless ``SLOSERVE_FUSED_KERNELS=1`` is in the environment (``load_model`` refuses a value
 other than 0 or 1): written without a GPU (2026-11-27), they are checked in Triton's interpreter only;
@@ -63,7 +64,9 @@ def add_rms_norm_torch(
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    return ENABLED and x.is_cuda and triton is not None
+    # NOTE: not while torch.compile traces (``piecewise_graphs.compiled_pieces``): inductor fuses the
+    # PyTorch forms itself, with the ops around them
+    return ENABLED and x.is_cuda and triton is not None and not torch.compiler.is_compiling()
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -26,11 +26,14 @@ padding rows cost their share of every matmul (at most 31 tokens past 32).
 ``capture=False`` runs the same pieces on the same padded buffers eagerly, without graphs: that is how
 the CPU tests check everything but the capture. Off unless ``SLOSERVE_PIECEWISE_GRAPHS=1`` is in the
 environment (written without a GPU, 2026-11-28: ``benchmarks/gpu_session.sh`` turns it on and times it).
+``SLOSERVE_COMPILE_PIECES=1`` runs the pieces compiled by ``torch.compile`` (``compiled_pieces``; written
+without a GPU too, 2026-11-29: ``gpu_session.sh compile`` times it).
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable
 
 import torch
@@ -53,6 +56,75 @@ def token_sizes(max_num_tokens: int) -> list[int]:
     return padded_sizes((8, 16), TOKEN_SIZE_STEP, max_num_tokens)
 
 
+# The pieces, as functions of the modules and buffers they use (rows of the static buffers, each of the
+# step's S rows): each writes its outputs into the buffers given, the next piece's or attention's inputs.
+def first_piece(
+    model: nn.Module,
+    token_ids: torch.Tensor,  # (S,)
+    positions: torch.Tensor,  # (S,)
+    cos: torch.Tensor,  # (S, 1, hd) written: the rotary tables of the positions
+    sin: torch.Tensor,  # (S, 1, hd) written
+    q: torch.Tensor,  # (S, nh, hd) written: layer 0's attention inputs
+    k: torch.Tensor,  # (S, nkv, hd) written
+    v: torch.Tensor,  # (S, nkv, hd) written
+    residual: torch.Tensor,  # (S, H) written: the residual stream
+) -> None:
+    """The embeddings, the rotary tables and layer 0 up to attention."""
+    x, step_cos, step_sin = model.embed(token_ids, positions)
+    cos.copy_(step_cos)
+    sin.copy_(step_sin)
+    _store(model.model.layers[0].before_attention(x, None, step_cos, step_sin), q, k, v, residual)
+
+
+def between_pieces(
+    prev: nn.Module,  # layer i - 1
+    layer: nn.Module,  # layer i
+    attended: torch.Tensor,  # (S, nh, hd) layer i - 1's attention output
+    cos: torch.Tensor,  # (S, 1, hd)
+    sin: torch.Tensor,  # (S, 1, hd)
+    q: torch.Tensor,  # (S, nh, hd) written: layer i's attention inputs
+    k: torch.Tensor,  # (S, nkv, hd) written
+    v: torch.Tensor,  # (S, nkv, hd) written
+    residual: torch.Tensor,  # (S, H) read, then written: the residual stream
+) -> None:
+    """Layer i - 1 after attention, layer i up to it."""
+    x, stream = prev.after_attention(attended, residual)
+    _store(layer.before_attention(x, stream, cos, sin), q, k, v, residual)
+
+
+def last_piece(
+    prev: nn.Module,  # the last layer
+    norm: nn.Module,  # the final norm
+    attended: torch.Tensor,  # (S, nh, hd) the last layer's attention output
+    residual: torch.Tensor,  # (S, H)
+    hidden: torch.Tensor,  # (S, H) written: the final hidden states
+) -> None:
+    """The last layer after attention and the final norm."""
+    x, stream = prev.after_attention(attended, residual)
+    hidden.copy_(norm.add_and_norm(x, stream)[0])
+
+
+def _store(attention_inputs: tuple[torch.Tensor, ...], *buffers: torch.Tensor) -> None:
+    for buffer, value in zip(buffers, attention_inputs, strict=True):
+        buffer.copy_(value)
+
+
+@functools.cache
+def compiled_pieces() -> tuple[Callable[..., None], Callable[..., None], Callable[..., None]]:
+    """``first_piece``, ``between_pieces`` and ``last_piece`` compiled by ``torch.compile`` (inductor),
+    once per process: the pieces then run inductor's kernels, which fuse the elementwise work between
+    the matmuls and the copies into the buffers (the matmuls stay cuBLAS calls).
+
+    NOTE: ``dynamic=True`` and the modules passed as arguments: their parameters are graph inputs, so one
+    graph serves every layer and every token count (``between_pieces`` compiles once for all L - 1
+    middle pieces). ``emulate_precision_casts`` rounds intermediates to the dtype where the eager
+    kernels round (inductor otherwise keeps a fused chain in float32): the outputs are the uncompiled
+    pieces' within a rounding (sums in another order), in 16-bit dtypes as in float32. Inside a
+    compiled piece ``fused_ops`` gives inductor the PyTorch forms to fuse, not its own Triton kernels."""
+    options = {"emulate_precision_casts": True}
+    return tuple(torch.compile(f, dynamic=True, options=options) for f in (first_piece, between_pieces, last_piece))
+
+
 class PiecewiseGraphs:
     """The piecewise graphs of one model on one KV cache, and their static buffers."""
 
@@ -64,9 +136,11 @@ class PiecewiseGraphs:
         *,
         capture: bool = True,
         sizes: list[int] | None = None,
+        compile: bool = False,
     ) -> None:
+        """``compile``: the pieces run ``compiled_pieces`` (compiled at the first size's warm-up run)."""
         assert model.supports_piecewise_graphs, f"{type(model).__name__} has no pieces"
-        self.model, self.cache, self.capture = model, cache, capture
+        self.model, self.cache, self.capture, self.compile = model, cache, capture, compile
         self.sizes = sorted(sizes) if sizes else token_sizes(max_num_tokens)
         self.layers = model.model.layers
         config, n = model.config, self.sizes[-1]
@@ -84,6 +158,7 @@ class PiecewiseGraphs:
         self.attended = buffer(n, nh, hd)  # (n, nh, hd) the attention's output, copied in
         self.hidden = buffer(n, config.hidden_size)  # (n, H) the final hidden states
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (size, piece) -> graph
+        model.rotary.tables(device)  # NOTE: built now, not inside the first piece's first run (or its graph)
         if capture:
             self._capture_all()
 
@@ -91,31 +166,20 @@ class PiecewiseGraphs:
     def _piece(self, size: int, piece: int) -> Callable[[], None]:
         """Piece 0: embeddings, rotary tables, layer 0 up to attention; piece i (1..L-1): layer i - 1
         after attention, layer i up to it; piece L: the last layer after attention, the final norm."""
-        rows = slice(0, size)
-        num_layers = len(self.layers)
+        r = slice(0, size)
+        first, between, last = compiled_pieces() if self.compile else (first_piece, between_pieces, last_piece)
+        if piece == 0:
+            return lambda: first(
+                self.model, self.token_ids[r], self.positions[r], self.cos[r], self.sin[r], *self._attention_inputs(r)
+            )
+        if piece < len(self.layers):
+            prev, layer = self.layers[piece - 1], self.layers[piece]
+            return lambda: between(prev, layer, self.attended[r], self.cos[r], self.sin[r], *self._attention_inputs(r))
+        return lambda: last(self.layers[-1], self.model.model.norm, self.attended[r], self.residual[r], self.hidden[r])
 
-        def store_attention_inputs(q, k, v, residual) -> None:
-            self.q[rows].copy_(q)
-            self.k[rows].copy_(k)
-            self.v[rows].copy_(v)
-            self.residual[rows].copy_(residual)
-
-        def first() -> None:
-            x, cos, sin = self.model.embed(self.token_ids[rows], self.positions[rows])
-            self.cos[rows].copy_(cos)
-            self.sin[rows].copy_(sin)
-            store_attention_inputs(*self.layers[0].before_attention(x, None, self.cos[rows], self.sin[rows]))
-
-        def between() -> None:
-            x, residual = self.layers[piece - 1].after_attention(self.attended[rows], self.residual[rows])
-            layer = self.layers[piece]
-            store_attention_inputs(*layer.before_attention(x, residual, self.cos[rows], self.sin[rows]))
-
-        def last() -> None:
-            x, residual = self.layers[-1].after_attention(self.attended[rows], self.residual[rows])
-            self.hidden[rows].copy_(self.model.model.norm.add_and_norm(x, residual)[0])
-
-        return first if piece == 0 else last if piece == num_layers else between
+    def _attention_inputs(self, rows: slice) -> tuple[torch.Tensor, ...]:
+        """The buffers a piece leaves the next attention's inputs in: q, k, v and the residual stream."""
+        return self.q[rows], self.k[rows], self.v[rows], self.residual[rows]
 
     def _run(self, size: int, piece: int) -> None:
         if self.capture:
@@ -173,7 +237,9 @@ class PiecewiseGraphs:
 
 def piecewise_graphs_for(model: nn.Module, cache: KVCacheTensor, cuda_graphs: bool) -> PiecewiseGraphs | None:
     """The engine's piecewise graphs: with CUDA graphs on, ``SLOSERVE_PIECEWISE_GRAPHS=1`` and a model
-    that has the pieces; else None (steps with a prefill run eagerly)."""
+    that has the pieces; else None (steps with a prefill run eagerly). Their pieces are compiled with
+    ``SLOSERVE_COMPILE_PIECES=1`` too."""
+    compile = switch("SLOSERVE_COMPILE_PIECES")  # (read first: a bad value is an error either way)
     if not (switch("SLOSERVE_PIECEWISE_GRAPHS") and cuda_graphs and getattr(model, "supports_piecewise_graphs", False)):
         return None
-    return PiecewiseGraphs(model, cache)
+    return PiecewiseGraphs(model, cache, compile=compile)

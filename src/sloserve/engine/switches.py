@@ -1,8 +1,8 @@
 """Switches for the engine's features that were written without a GPU (issue 43): each is off until a
 GPU session has checked and timed it (``benchmarks/gpu_session.sh`` turns them on). One environment
 variable each, read when the part that uses it is built: SLOSERVE_DENSE_PREFILL (TritonAttention),
-SLOSERVE_PIECEWISE_GRAPHS (``piecewise_graphs_for``), SLOSERVE_OVERLAP_PUBLISH (``EngineCore``),
-SLOSERVE_ASYNC_SCHEDULING (``LLMEngine``)."""
+SLOSERVE_PIECEWISE_GRAPHS and SLOSERVE_COMPILE_PIECES (``piecewise_graphs_for``), SLOSERVE_OVERLAP_PUBLISH
+(``EngineCore``), SLOSERVE_ASYNC_SCHEDULING (``LLMEngine``)."""
 
 from __future__ import annotations
 
