@@ -1,8 +1,9 @@
 """Async scheduling (``engine/async_scheduling.py``): steps launched before the step before's tokens are on
 the host give every request the tokens and the finish it gets without, under every registered policy,
-through stops found a step late (stop tokens), seeded sampling, preemption and aborts; a request that
-needs its tokens on the host (logprobs, penalties) makes the steps wait while it lives; the served
-engine's loop publishes every token once."""
+through stops found a step late (stop tokens), seeded sampling, preemption and aborts; log-probabilities
+and score controls come out as without it; a request that needs its last token on the host (a grammar, a
+bad word of several tokens) makes the steps wait while it lives; the served engine's loop publishes every
+token once."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from sloserve.core.request import SLO, Request, RequestClass  # noqa: E402
 from sloserve.engine.engine_core import AddRequest, EngineCore, EngineSpec  # noqa: E402
 from sloserve.engine.llm_engine import LLMEngine, default_async_scheduling  # noqa: E402
 from sloserve.engine.loader import load_model  # noqa: E402
+from sloserve.engine.sampler import StructuredOutputsParams  # noqa: E402
 from sloserve.sched import scheduler_names  # noqa: E402
 
 _rng = np.random.default_rng(0)
@@ -46,10 +48,13 @@ def _params() -> list[SamplingParams]:
 
 
 def _generate(scheduler: str, async_scheduling: bool, params=None, **options) -> tuple[list[tuple], LLM]:
-    """Each prompt's (output tokens, finish reason, logprobs) and the LLM."""
+    """Each prompt's (output tokens, finish reason, logprobs, prompt logprobs) and the LLM."""
     llm = LLM("random:tiny-llama", scheduler, async_scheduling=async_scheduling, **options)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params or _params())
-    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].logprobs) for o in outputs], llm
+    got = [
+        (o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].logprobs, o.prompt_logprobs) for o in outputs
+    ]
+    return got, llm
 
 
 @pytest.mark.parametrize("scheduler", scheduler_names())
@@ -59,7 +64,7 @@ def test_every_scheduler_gives_the_tokens_and_finishes_it_gives_without(schedule
     want, _ = _generate(scheduler, False, kv_capacity_tokens=100, block_size=4)
     got, llm = _generate(scheduler, True, kv_capacity_tokens=100, block_size=4)
     assert got == want
-    assert {reason for _, reason, _ in want} == {"stop", "length"}
+    assert {reason for _, reason, _, _ in want} == {"stop", "length"}
     engine = llm.engine
     assert engine.executor.num_early_launches > 0
     assert not engine.has_unfinished() and engine.executor.in_flight is None
@@ -78,18 +83,91 @@ def test_preemption_and_chunks_lose_nothing(scheduler, options):
     assert got == want and llm.engine.executor.num_early_launches > 0
 
 
+def _assert_same(got: list[tuple], want: list[tuple]) -> None:
+    """Tokens and finishes equal; log-probabilities equal in their tokens and ranks, their values within
+    float32's noise (a token more of a stopped request in a step changes the batch's matmul shapes)."""
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    for g, w in zip(got, want, strict=True):
+        assert g[2] is None or len(g[2]) == len(g[0]), "a log-probability for every token"
+        for got_entries, want_entries in zip(g[2:], w[2:], strict=True):
+            assert (got_entries is None) == (want_entries is None)
+            for x, y in zip(got_entries or [], want_entries or [], strict=True):
+                if x is None or y is None:  # (the prompt's first token has none)
+                    assert x is y
+                    continue
+                assert (x.token_id, x.top_token_ids, x.rank) == (y.token_id, y.top_token_ids, y.rank)
+                assert x.logprob == pytest.approx(y.logprob, abs=1e-5)
+                assert x.top_logprobs == pytest.approx(y.top_logprobs, abs=1e-5)
+
+
+# Sampling options that read the tokens on the device, or report on them, without the steps waiting
+ON_THE_DEVICE = {
+    "logprobs": dict(logprobs=3),
+    "prompt_logprobs": dict(prompt_logprobs=2, logprobs=0),
+    "penalties": dict(repetition_penalty=1.5, frequency_penalty=0.8, presence_penalty=0.6),
+    "min_tokens": dict(min_tokens=12, stop_token_ids=STOP_TOKENS),
+    "logit_bias": dict(logit_bias={3: 4.0, 17: -100.0}),
+    "allowed_tokens": dict(allowed_token_ids=list(range(40, 90))),
+    "one-token bad words": dict(bad_words_token_ids=((5,), (9,))),
+}
+
+
+def _with(params: SamplingParams, options: dict) -> SamplingParams:
+    if "min_tokens" in options:
+        options = {**options, "min_tokens": min(options["min_tokens"], params.max_tokens)}
+    return dataclasses.replace(params, **options)
+
+
 @pytest.mark.parametrize(
-    "needs_host",
-    [dict(logprobs=2), dict(repetition_penalty=1.3), dict(min_tokens=3)],
-    ids=["logprobs", "penalty", "min_tokens"],
+    "scheduler,options",
+    [
+        ("vllm", {}),
+        ("sarathi", dict(prefill_token_budget=8)),
+        ("sarathi", dict(prefill_token_budget=8, kv_capacity_tokens=96, block_size=4, preemption_mode="recompute")),
+    ],
+    ids=["vllm", "sarathi", "sarathi-preempting"],
 )
-def test_a_request_that_needs_its_tokens_on_the_host_makes_every_step_wait_for_them(needs_host):
-    """One request whose sampling reads its tokens (or records logprobs) among plain ones: no step is
-    launched early while it lives, and it gets what it gets without async scheduling."""
-    params = [SamplingParams(max_tokens=30, **needs_host)] + [SamplingParams(max_tokens=8)] * (len(PROMPTS) - 1)
+@pytest.mark.parametrize("sampling", ON_THE_DEVICE.values(), ids=ON_THE_DEVICE.keys())
+def test_logprobs_and_score_controls_run_on_tokens_still_on_the_device(sampling, scheduler, options):
+    """Half the requests with log-probabilities or score controls (penalties counting the token still on
+    the device, ``min_tokens`` counting it) among plain ones, some of them seeded: steps launched early,
+    and every request's tokens, finish, log-probabilities and prompt log-probabilities (across Sarathi's
+    chunks too, and refills after recompute preemptions) as without async scheduling."""
+    params = [_with(p, sampling) if i % 2 == 0 else p for i, p in enumerate(_params())]
+    want, _ = _generate(scheduler, False, params, **options)
+    got, llm = _generate(scheduler, True, params, **options)
+    _assert_same(got, want)
+    assert llm.engine.executor.num_early_launches > 0
+    if "preemption_mode" in options:
+        assert llm.engine.scheduler.num_preemptions > 0
+    plain, _ = _generate(scheduler, False, None, **options)
+    changed = [w[:2] for w in want] != [p[:2] for p in plain]
+    assert changed or "logprobs" in str(sampling)  # (the controls change some request's tokens)
+
+
+def test_a_request_that_reads_its_last_token_on_the_host_makes_every_step_wait_for_it():
+    """A request with a bad word of two tokens among plain ones (the word's first token must be read on
+    the host before the next step samples): no step is launched early while it lives, and every request
+    gets what it gets without async scheduling."""
+    first = SamplingParams(max_tokens=30, bad_words_token_ids=((5, 6), (9,)))
+    params = [first] + [SamplingParams(max_tokens=8)] * (len(PROMPTS) - 1)
     want, _ = _generate("vllm", False, params)
     got, llm = _generate("vllm", True, params)
     assert got == want
+    assert llm.engine.executor.num_early_launches == 0
+
+
+def test_a_grammar_makes_every_step_wait_for_the_tokens(chat_model_dir):
+    """A request with structured output (its grammar's matcher takes each token on the host) among plain
+    ones, on a model with a tokenizer: no step launched early, the tokens as without async scheduling."""
+    choice = SamplingParams(max_tokens=12, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    params = [choice] + [SamplingParams(max_tokens=10)] * 3
+    prompts = ["Hello there", "Is it?", "Say yes or no", "One more thing"]
+    outputs = {}
+    for async_scheduling in (False, True):
+        llm = LLM(str(chat_model_dir), "vllm", kv_capacity_tokens=4096, async_scheduling=async_scheduling)
+        outputs[async_scheduling] = [(o.outputs[0].token_ids, o.outputs[0].text) for o in llm.generate(prompts, params)]
+    assert outputs[True] == outputs[False] and outputs[True][0][1] in ("yes", "no")
     assert llm.engine.executor.num_early_launches == 0
 
 
@@ -122,13 +200,16 @@ def test_the_served_engine_core_publishes_every_token_once(overlap_publish):
     during the next one's forward pass: every request's tokens reach the pipe once, in order, as offline
     without async scheduling, and its finish with its last token (a stop token found a step late goes out
     with its finish, before the policy ends the request); its times are when its tokens went out."""
-    want, _ = _generate("vllm", False, kv_capacity_tokens=2048)
+    params = [
+        dataclasses.replace(p, logprobs=2, prompt_logprobs=1) if i % 3 == 0 else p for i, p in enumerate(_params())
+    ]
+    want, _ = _generate("vllm", False, params, kv_capacity_tokens=2048)
     spec = EngineSpec("random:tiny-llama", "vllm", kv_capacity_tokens=2048, async_scheduling=True)
     engine = spec.build()
     server, pipe = multiprocessing.Pipe()
     core = EngineCore(engine, time.perf_counter(), pipe, overlap_publish=overlap_publish)
-    for i, (prompt, params) in enumerate(zip(PROMPTS, _params(), strict=True)):
-        core.apply(("add", AddRequest(i, prompt, params, RequestClass.BE, SLO(), core.clock())))
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
+        core.apply(("add", AddRequest(i, prompt, p, RequestClass.BE, SLO(), core.clock())))
     sent = CorePipe(server)
     last_read = 0.0  # when the pipe was last read (the engine's clock)
 
@@ -148,8 +229,12 @@ def test_the_served_engine_core_publishes_every_token_once(overlap_publish):
         read()
     core.flush()
     read()
-    got = [(sent.tokens[i], sent.reasons[i]) for i in range(len(PROMPTS))]
-    assert got == [(ids, reason) for ids, reason, _ in want]
+    got = [
+        (sent.tokens[i], sent.reasons[i], sent.logprobs.get(i), sent.prompt_logprobs.get(i))
+        for i in range(len(PROMPTS))
+    ]
+    _assert_same(got, [(*w[:3], w[3] and w[3][1:]) for w in want])  # (the pipe's prompt entries: from the second)
+    assert sum(lp is not None for _, _, lp, _ in got) == 4
     assert engine.executor.num_early_launches > 0 and not core.live
 
 
@@ -183,7 +268,7 @@ def test_each_request_comes_back_one_step_later_and_only_stopped_ones_run_a_toke
 
 @pytest.mark.parametrize("scheduler", ["vllm", "bros"])  # decodes as a cohort, and named one by one
 def test_a_request_that_needs_host_tokens_arriving_mid_run_ends_the_early_launches(scheduler):
-    """Requests launched early, then one asking for logprobs arrives: the next step waits for the tokens
+    """Requests launched early, then one with a bad word of two tokens arrives: the next step waits for the tokens
     still on the device first, and a request they ended ends in that step, uncomputed; every request
     gets what it gets without async scheduling, and its last token's time is not before the step that
     brought that token."""
@@ -198,7 +283,7 @@ def test_a_request_that_needs_host_tokens_arriving_mid_run_ends_the_early_launch
         lengths: dict[Request, tuple[int, float]] = {}  # tokens so far, and the start of the step that gave the last
         for step in range(200):
             if step == 3:
-                engine.add_request(PROMPTS[-1], SamplingParams(max_tokens=4, logprobs=1))
+                engine.add_request(PROMPTS[-1], SamplingParams(max_tokens=4, bad_words_token_ids=((5, 6),)))
             start = engine.replica.now
             finished = engine.step()
             for r, seq in engine.executor.sequences.items():
@@ -207,7 +292,7 @@ def test_a_request_that_needs_host_tokens_arriving_mid_run_ends_the_early_launch
             for request in finished:
                 assert request.last_token_time >= lengths[request][1]
                 seq = engine.release(request)
-                outputs[request.request_id] = (seq.output_token_ids, seq.finish_reason, seq.logprobs)
+                outputs[request.request_id] = (seq.output_token_ids, seq.finish_reason)
             if not engine.has_unfinished():
                 return outputs, llm
         raise AssertionError("still unfinished after 200 steps")
@@ -215,7 +300,7 @@ def test_a_request_that_needs_host_tokens_arriving_mid_run_ends_the_early_launch
     want, _ = run(False)
     got, llm = run(True)
     assert got == want
-    assert sum(reason == "stop" for _, reason, _ in want.values()) >= 3
+    assert sum(reason == "stop" for _, reason in want.values()) >= 3
     assert llm.engine.executor.num_early_launches > 0
 
 

@@ -13,11 +13,14 @@ later (``LLMEngine.take_finished``). The scheduler times a step's tokens when th
 they exist on a GPU: a request's first and last token times and its end are set again to when those
 tokens reached the host (``EngineExecutor._accept``, ``LLMEngine.take_finished``).
 
-A step runs synchronously (its tokens on the host before it returns, as without async scheduling)
-where a token's value is needed on the host before the next launch: a request with a grammar,
-score controls (penalties, logit bias, ``min_tokens``, allowed or bad words) or logprobs is in the
-engine, a chunk of several tokens needs the last step's token (a preempted request's refill), or the
-executor keeps a step log (its steps' times must be their own).
+Log-probabilities (of the sampled tokens and of prompt positions) are computed on the device too and
+come back with the tokens (``PendingLogprobs``); the score controls that read a request's tokens take
+its last one on the device (the penalties count it there, ``min_tokens`` counts it). A step runs
+synchronously (its tokens on the host before it returns, as without async scheduling) where a token's
+value is needed on the host before the next launch: a request with a grammar (its matcher takes each
+token) or a bad word of several tokens (its first tokens are matched on the host) is in the engine, a
+chunk of several tokens needs the last step's token (a preempted request's refill), or the executor
+keeps a step log (its steps' times must be their own).
 
 NOTE: a copy from pageable host memory to the GPU waits for every kernel queued before it, which would
 make the host wait for step t while it prepares step t+1; so a step's inputs go to the device from
@@ -28,10 +31,14 @@ its copy has run).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sloserve.core.request import Request
+
+if TYPE_CHECKING:  # (the sampler imports this module's copies)
+    from sloserve.engine.sampler import Logprobs, LogprobsOnDevice
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -55,26 +62,60 @@ def index_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 class SampledOnDevice:
-    """The tokens one step sampled, still on the device: one row per request that sampled."""
+    """What one step sampled, still on the device: one row per request that sampled, and the
+    log-probabilities of those rows and prompt positions that ask for them (``PendingLogprobs``)."""
 
-    __slots__ = ("device_ids", "rows", "_host", "_copied")
+    __slots__ = ("device_ids", "rows", "logprobs", "prompt_logprobs", "_host", "_copied")
 
-    def __init__(self, device_ids: torch.Tensor, requests: list[Request]) -> None:
-        self.device_ids = device_ids  # (N,) int64, row i sampled by requests[i]
+    def __init__(
+        self,
+        device_ids: torch.Tensor,  # (N,) int64, row i sampled by requests[i]
+        requests: list[Request],
+        logprobs: PendingLogprobs | None = None,  # of some of the N rows (``rows`` their indices)
+        prompt_logprobs: Sequence[PendingLogprobs] = (),  # of prompt positions (``rows``: their sequences)
+    ) -> None:
+        self.device_ids = device_ids
         self.rows = {request: row for row, request in enumerate(requests)}
+        self.logprobs, self.prompt_logprobs = logprobs, list(prompt_logprobs)
         self._copied = None
         if device_ids.device.type == "cuda":
-            # NOTE: started now, so that reading it waits for this step's sampling only, not for the
+            # NOTE: started now, so that reading them waits for this step's sampling only, not for the
             # step launched after it
-            self._host = torch.empty(device_ids.shape, dtype=torch.int64, pin_memory=True)
-            self._host.copy_(device_ids, non_blocking=True)
+            self._host = _start_host_copy(device_ids)
+            for pending in (*self.prompt_logprobs, *([logprobs] if logprobs is not None else [])):
+                pending.found = pending.found._make(_start_host_copy(t) for t in pending.found)
             self._copied = torch.cuda.Event()
             self._copied.record()
         else:
             self._host = device_ids
 
     def token_ids(self) -> list[int]:
-        """The sampled tokens on the host, row by row (waits for them)."""
+        """The sampled tokens on the host, row by row (waits for them, and for the log-probabilities)."""
         if self._copied is not None:
             self._copied.synchronize()
         return self._host.tolist()
+
+
+class PendingLogprobs:
+    """Log-probabilities computed on the device (``sampler.logprobs_on_device``) for ``rows``, each with
+    how many top tokens it asked for and its token (None for the sampled tokens: they come back with
+    them); ``found`` is brought to the host with the tokens."""
+
+    __slots__ = ("rows", "num_top", "found", "token_ids")
+
+    def __init__(
+        self, rows: list[Any], num_top: list[int], found: LogprobsOnDevice, token_ids: list[int] | None = None
+    ) -> None:
+        self.rows, self.num_top, self.found, self.token_ids = rows, num_top, found, token_ids
+
+    def to_host(self, token_ids: list[int] | None = None) -> list[Logprobs]:
+        """Each row's ``Logprobs``, of ``token_ids`` or of the tokens given at construction (after
+        ``SampledOnDevice.token_ids``: ``found`` is on the host then)."""
+        return self.found.to_host(self.num_top, self.token_ids if token_ids is None else token_ids)
+
+
+def _start_host_copy(device: torch.Tensor) -> torch.Tensor:
+    """A pinned host tensor that ``device`` is being copied into, without blocking."""
+    host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
+    host.copy_(device, non_blocking=True)
+    return host

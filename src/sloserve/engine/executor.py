@@ -27,7 +27,7 @@ from torch import nn
 from sloserve.core.outputs import SchedulerOutput, StepResult
 from sloserve.core.request import Request
 from sloserve.cost.base import BatchShape, batch_shape
-from sloserve.engine.async_scheduling import SampledOnDevice, index_tensor, to_device
+from sloserve.engine.async_scheduling import PendingLogprobs, SampledOnDevice, index_tensor, to_device
 from sloserve.engine.attention import AttentionMetadata, PrefillSeq
 from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.kv_cache import KVCacheTensor, expand_block_ids
@@ -38,8 +38,8 @@ from sloserve.engine.sampler import (
     Logprobs,
     SamplingParams,
     apply_controls,
+    logprobs_on_device,
     sample_on_device,
-    token_logprobs,
 )
 from sloserve.engine.structured_output import GrammarMatchers, accept
 from sloserve.kv.manager import KVCacheManager
@@ -158,8 +158,9 @@ class EngineExecutor:
             prompt_logprobs=None if params.prompt_logprobs is None else [],
             matcher=None if params.grammar is None else self.grammar_matchers.matcher(params.grammar),
         )
-        reads_tokens = (params.grammar, params.logprobs, params.prompt_logprobs) != (None, None, None)
-        if reads_tokens or params.controls_scores:
+        # NOTE: a grammar's matcher and a bad word of several tokens read the last token on the host; the
+        # other controls and the log-probabilities do without it (async_scheduling.py)
+        if params.grammar is not None or any(len(word) > 1 for word in params.bad_words_token_ids or ()):
             self._needs_host_tokens.add(request)
 
     @torch.inference_mode()
@@ -219,7 +220,9 @@ class EngineExecutor:
                 samplers.append((request, flat + num_tokens - 1))
             if seq.prompt_logprobs is not None:
                 # NOTE: position q's hidden state predicts token q + 1; positions scored before (a
-                # refill after a recompute preemption) are not scored again.
+                # refill after a recompute preemption) are not scored again. The step before's scores may
+                # still be on their way (async scheduling): this chunk then starts past them, and a
+                # preempted request's refill comes steps later.
                 first = max(start + 1, len(seq.prompt_logprobs) + 1)
                 for position in range(first, min(end, seq.num_prompt_tokens - 1) + 1):
                     scored.append((seq, flat + position - 1 - start, position))
@@ -245,15 +248,16 @@ class EngineExecutor:
                 self._overlap(self.during_forward)
             logits = self.model.compute_logits(hidden[rows]).float()  # (N, vocab)
             params = [s.params for s in seqs]
-            sampled = sample_on_device(self._controlled(logits, seqs), params, [s.generator for s in seqs])  # (N,)
-            if pipelined:
-                launched = SampledOnDevice(sampled, [r for r, _ in samplers])
+            scores = self._controlled(logits, seqs, self._late_rows(samplers, late, late_tokens))
+            sampled = sample_on_device(scores, params, [s.generator for s in seqs])  # (N,)
+            logprobs = self._logprobs_on_device(logits, seqs, sampled)
+            prompt_logprobs = self._prompt_logprobs_on_device(hidden, scored)
+            if pipelined:  # NOTE: all of it comes back with the tokens (``resolve``)
+                launched = SampledOnDevice(sampled, [r for r, _ in samplers], logprobs, prompt_logprobs)
                 self.num_early_launches += before is not None
             else:
                 sampled = sampled.tolist()
-                self._record_logprobs(logits, seqs, sampled)
-                if scored:
-                    self._record_prompt_logprobs(hidden, scored)
+                _append_prompt_logprobs(prompt_logprobs)
         if pipelined:
             finished = self._finish_early(skipped, samplers, seqs)
             self.in_flight = launched
@@ -263,7 +267,8 @@ class EngineExecutor:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             finished = self._end_skipped(skipped)
-            finished += self._accept([r for r, _ in samplers], sampled if tokens else [])
+            by_row = _logprobs_by_row(logprobs, sampled) if tokens else None
+            finished += self._accept([r for r, _ in samplers], sampled if tokens else [], logprobs=by_row)
         elapsed = time.perf_counter() - t0
         self.num_forward_tokens += len(tokens)
         if shape is not None:
@@ -318,25 +323,38 @@ class EngineExecutor:
         if before is None:
             return []
         tokens = before.token_ids()
-        ended = self._accept(list(before.rows), tokens, back_at=time.perf_counter() + self._clock_offset)
+        _append_prompt_logprobs(before.prompt_logprobs)
+        by_row = _logprobs_by_row(before.logprobs, tokens)
+        ended = self._accept(
+            list(before.rows), tokens, back_at=time.perf_counter() + self._clock_offset, logprobs=by_row
+        )
         self._stopped.update(ended)
         return ended
 
-    def _accept(self, requests: list[Request], tokens: list[int], back_at: float | None = None) -> list[Request]:
-        """Append each request's sampled token; return the requests it ended (EOS, a stop token, the
-        grammar's end, ``max_tokens``) that the scheduler has not finished. ``back_at``: when the tokens
+    def _accept(
+        self,
+        requests: list[Request],
+        tokens: list[int],
+        back_at: float | None = None,
+        logprobs: list[Logprobs | None] | None = None,
+    ) -> list[Request]:
+        """Append each request's sampled token (and its ``logprobs``, where it has them); return the
+        requests it ended (EOS, a stop token, the grammar's end, ``max_tokens``) that the scheduler has
+        not finished. ``back_at``: when the tokens
         reached the host (async scheduling), a request's first token time from then on; the last one's is
         kept (``LLMEngine.take_finished`` gives it to the request; None: the policy's is right).
 
         NOTE: the scheduler timed the tokens when their step returned, before they existed on a GPU."""
         ended = []
-        for request, token in zip(requests, tokens, strict=True):
+        for row, (request, token) in enumerate(zip(requests, tokens, strict=True)):
             seq = self.sequences.get(request)
             if seq is None or seq.finish_reason is not None or request.aborted:
                 # NOTE: it ended before this token (a step launched before its end was known); it may
                 # be released already
                 continue
             seq.token_ids.append(token)
+            if logprobs is not None and logprobs[row] is not None:
+                seq.logprobs.append(logprobs[row])
             # NOTE: also when None: a token taken at its step's end has the policy's time
             seq.last_token_back = math.nan if back_at is None else back_at
             if back_at is not None and len(seq.token_ids) == seq.num_prompt_tokens + 1:
@@ -401,10 +419,25 @@ class EngineExecutor:
         hidden = launched is not None and not launched.query()
         self.during_forward_exposed_s = 0.0 if hidden else time.perf_counter() - start
 
+    @staticmethod
+    def _late_rows(
+        samplers: list[tuple[Request, int]],
+        late: list[tuple[int, int]],
+        late_tokens: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """The sampling rows whose last token is still on the device, and those tokens (a decode
+        samples at its own flat index), for the score controls; None when there are none."""
+        if not late:
+            return None
+        at = {flat: k for k, (flat, _) in enumerate(late)}  # flat index -> its entry of ``late``
+        rows = [row for row, (_, flat) in enumerate(samplers) if flat in at]
+        return rows, late_tokens[1][index_tensor([at[samplers[row][1]] for row in rows], late_tokens[1].device)]
+
     def _controlled(
         self,
         logits: torch.Tensor,  # (N, vocab) the raw scores of the rows that sample
         seqs: list[Sequence],
+        late: tuple[list[int], torch.Tensor] | None = None,  # rows with a token on the device, and those tokens
     ) -> torch.Tensor:  # (N, vocab)
         """The scores each row samples from: its params' controls applied (to a copy: logprobs report
         the raw scores)."""
@@ -414,41 +447,41 @@ class EngineExecutor:
             return logits
         scores = logits.clone()
         apply_controls(
-            scores, params, [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs], self.eos_token_ids
+            scores, params, [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs], self.eos_token_ids, late
         )
         if guided:  # NOTE: last, so that no other control can bring back a token the grammar forbids
             self.grammar_matchers.mask(scores, guided, [seqs[i].matcher for i in guided])
         return scores
 
     @staticmethod
-    def _record_logprobs(
+    def _logprobs_on_device(
         logits: torch.Tensor,  # (N, vocab) of the rows just sampled
         seqs: list[Sequence],
-        sampled: list[int],
-    ) -> None:
-        """Append each sampled token's ``Logprobs`` to the sequences that ask for them."""
+        sampled: torch.Tensor,  # (N,) the tokens sampled, on the device
+    ) -> PendingLogprobs | None:
+        """The sampled tokens' log-probabilities of the rows that ask for them (None if none does)."""
         rows = [i for i, s in enumerate(seqs) if s.logprobs is not None]
         if not rows:
-            return
-        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        found = token_logprobs(logits[index], [sampled[i] for i in rows], [seqs[i].params.logprobs for i in rows])
-        for i, lp in zip(rows, found, strict=True):
-            seqs[i].logprobs.append(lp)
+            return None
+        index = index_tensor(rows, logits.device)
+        num_top = [seqs[i].params.logprobs for i in rows]
+        return PendingLogprobs(rows, num_top, logprobs_on_device(logits[index], sampled[index], max(num_top)))
 
-    def _record_prompt_logprobs(
+    def _prompt_logprobs_on_device(
         self,
         hidden: torch.Tensor,  # (T, H) the step's final hidden states
         scored: list[tuple[Sequence, int, int]],  # (sequence, flat index, prompt position it predicts)
-    ) -> None:
-        """Score the prompt positions ``scored`` names, ``PROMPT_LOGITS_ROWS`` at a time."""
+    ) -> list[PendingLogprobs]:
+        """The log-probabilities of the prompt positions ``scored`` names, ``PROMPT_LOGITS_ROWS`` at a time."""
+        parts = []
         for at in range(0, len(scored), PROMPT_LOGITS_ROWS):
             part = scored[at : at + PROMPT_LOGITS_ROWS]
-            rows = torch.tensor([flat for _, flat, _ in part], dtype=torch.int64, device=self.device)
-            logits = self.model.compute_logits(hidden[rows]).float()  # (R, vocab)
+            logits = self.model.compute_logits(hidden[index_tensor([flat for _, flat, _ in part], self.device)])
             targets = [seq.token_ids[position] for seq, _, position in part]
-            found = token_logprobs(logits, targets, [seq.params.prompt_logprobs for seq, _, _ in part])
-            for (seq, _, _), lp in zip(part, found, strict=True):
-                seq.prompt_logprobs.append(lp)
+            num_top = [seq.params.prompt_logprobs for seq, _, _ in part]
+            found = logprobs_on_device(logits.float(), index_tensor(targets, self.device), max(num_top))
+            parts.append(PendingLogprobs([seq for seq, _, _ in part], num_top, found, targets))
+        return parts
 
     def _forward(
         self,
@@ -511,3 +544,20 @@ class EngineExecutor:
             decode_slots=expand_block_ids(to_device(torch.from_numpy(block_ids), device), self.kv.table_block_size),
             decode_context_lens=to_device(torch.from_numpy(lengths), device),
         )
+
+
+def _append_prompt_logprobs(parts: list[PendingLogprobs]) -> None:
+    """Append the prompt positions' log-probabilities to their sequences, in order."""
+    for part in parts:
+        for seq, found in zip(part.rows, part.to_host(), strict=True):
+            seq.prompt_logprobs.append(found)
+
+
+def _logprobs_by_row(pending: PendingLogprobs | None, tokens: list[int]) -> list[Logprobs | None] | None:
+    """The sampled tokens' log-probabilities row by row (None for a row without), or None if no row has them."""
+    if pending is None:
+        return None
+    by_row: list[Logprobs | None] = [None] * len(tokens)
+    for row, found in zip(pending.rows, pending.to_host([tokens[row] for row in pending.rows]), strict=True):
+        by_row[row] = found
+    return by_row

@@ -241,49 +241,62 @@ def apply_controls(
     token_ids: list[list[int]],  # (N,) each row's prompt and output tokens so far
     num_prompt_tokens: list[int],  # (N,)
     eos_token_ids: frozenset[int],
+    late: tuple[list[int], torch.Tensor] | None = None,  # rows with one more output token, on the device (L,)
 ) -> None:
     """Apply each row's score controls (``SamplingParams``), batched over the rows that have them.
+    ``late`` (async scheduling): the rows whose last output token is not in ``token_ids`` yet, and those
+    tokens on the device; the penalties count them there, ``min_tokens`` counts them.
 
     NOTE: the penalties count each row's tokens afresh every step (a scatter of its history), where
     vLLM v1 keeps the counts on the device: O(context) host work a step, for the rows with penalties
-    only."""
+    only. A bad word of several tokens reads the output's last tokens on the host: no row of ``late``
+    may have one (the executor waits for the tokens while such a request lives)."""
     device, vocab = logits.device, logits.shape[1]
     rows = [i for i, p in enumerate(params) if p.controls_scores]
     if not rows:
         return
+    late_rows, late_tokens = late if late is not None else ([], None)
+    num_late = [0] * len(params)  # (N,) output tokens of each row still on the device
+    for i in late_rows:
+        num_late[i] = 1
     allowing = [i for i in rows if params[i].allowed_token_ids]
     if allowing:  # every score but the allowed tokens' to -inf
         barred = torch.ones(len(allowing), vocab, dtype=torch.bool, device=device)  # (A, vocab)
         allowed = [(a, t) for a, i in enumerate(allowing) for t in params[i].allowed_token_ids]
-        barred[tuple(torch.tensor(allowed, device=device).T)] = False
-        index = torch.tensor(allowing, device=device)
+        barred[tuple(index_tensor(allowed, device).T)] = False
+        index = index_tensor(allowing, device)
         logits[index] = logits[index].masked_fill(barred, -math.inf)
     # bad words: a word's last token is barred where the output ends with the tokens before it
     banned = [(i, ids[-1]) for i in rows for ids in params[i].bad_words_token_ids or ()
               if _output_ends_with(token_ids[i], num_prompt_tokens[i], ids[:-1])]  # fmt: skip
     if banned:
-        logits[tuple(torch.tensor(banned, device=device).T)] = -math.inf
+        logits[tuple(index_tensor(banned, device).T)] = -math.inf
     # min_tokens, then logit_bias: a handful of scores per row, set or added at once
-    masked = [(i, t) for i in rows if len(token_ids[i]) - num_prompt_tokens[i] < params[i].min_tokens
+    masked = [(i, t) for i in rows if len(token_ids[i]) + num_late[i] - num_prompt_tokens[i] < params[i].min_tokens
               for t in (*eos_token_ids, *params[i].stop_token_ids)]  # fmt: skip
     if masked:
-        logits[tuple(torch.tensor(masked, device=device).T)] = -math.inf
+        logits[tuple(index_tensor(masked, device).T)] = -math.inf
     biased = [(i, t, b) for i in rows for t, b in (params[i].logit_bias or {}).items()]
     if biased:
-        index = torch.tensor([(i, t) for i, t, _ in biased], device=device).T
-        logits.index_put_(tuple(index), torch.tensor([b for _, _, b in biased], device=device), accumulate=True)
+        index = index_tensor([(i, t) for i, t, _ in biased], device).T
+        logits.index_put_(tuple(index), to_device(torch.tensor([b for _, _, b in biased]), device), accumulate=True)
     penalized = [i for i in rows if params[i].penalizes]
     if not penalized:
         return
-    index = torch.tensor(penalized, device=device)
+    index = index_tensor(penalized, device)
     counts = _counts([token_ids[i][num_prompt_tokens[i] :] for i in penalized], vocab, device)  # (R, vocab)
+    row_of = {i: r for r, i in enumerate(penalized)}
+    in_flight = [(row_of[i], at) for at, i in enumerate(late_rows) if i in row_of]  # (row of counts, of late)
+    if in_flight:  # NOTE: one token each, added on the device
+        where = index_tensor([r for r, _ in in_flight], device)
+        counts[where, late_tokens[index_tensor([at for _, at in in_flight], device)]] += 1
     in_prompt = _counts([token_ids[i][: num_prompt_tokens[i]] for i in penalized], vocab, device) > 0
     scores = logits[index]  # (R, vocab)
-    repetition = torch.tensor([params[i].repetition_penalty for i in penalized], device=device)[:, None]
+    repetition = to_device(torch.tensor([params[i].repetition_penalty for i in penalized]), device)[:, None]
     seen = in_prompt | (counts > 0)
     scores = torch.where(seen, torch.where(scores > 0, scores / repetition, scores * repetition), scores)
-    frequency = torch.tensor([params[i].frequency_penalty for i in penalized], device=device)[:, None]
-    presence = torch.tensor([params[i].presence_penalty for i in penalized], device=device)[:, None]
+    frequency = to_device(torch.tensor([params[i].frequency_penalty for i in penalized]), device)[:, None]
+    presence = to_device(torch.tensor([params[i].presence_penalty for i in penalized]), device)[:, None]
     logits[index] = scores - frequency * counts - presence * (counts > 0)
 
 
@@ -300,7 +313,7 @@ def _counts(sequences: list[list[int]], vocab: int, device: torch.device) -> tor
     for row, s in enumerate(sequences):
         padded[row, : len(s)] = torch.tensor(s, dtype=torch.int64)
     counts = torch.zeros(len(sequences), vocab + 1, device=device)
-    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
+    counts.scatter_add_(1, to_device(padded, device), torch.ones(padded.shape, device=device))
     return counts[:, :vocab]
 
 
@@ -399,28 +412,41 @@ def cumulative_logprob(entries: Iterable[Logprobs]) -> float:
     return sum(entry.logprob for entry in entries)
 
 
-def token_logprobs(
+class LogprobsOnDevice(NamedTuple):
+    """Log-probabilities of N rows as tensors, where they were computed (``logprobs_on_device``); a step
+    launched early (async scheduling) brings them to the host with its tokens."""
+
+    chosen: torch.Tensor  # (N,) float32 the log-probability of each row's token
+    ranks: torch.Tensor  # (N,) int64
+    top_ids: torch.Tensor  # (N, k) int64, k the rows' most top tokens asked for
+    top_values: torch.Tensor  # (N, k) float32
+
+    def to_host(self, num_top: list[int], token_ids: list[int]) -> list[Logprobs]:
+        """Each row's ``Logprobs`` with its ``num_top`` best tokens (the tensors on the host already, or
+        brought there now)."""
+        return [
+            Logprobs(t, lp, tuple(ids[:n]), tuple(values[:n]), rank)
+            for t, lp, rank, n, ids, values in zip(
+                token_ids,
+                self.chosen.tolist(),
+                self.ranks.tolist(),
+                num_top,
+                self.top_ids.tolist(),
+                self.top_values.tolist(),
+                strict=True,
+            )
+        ]
+
+
+def logprobs_on_device(
     logits: torch.Tensor,  # (N, vocab) float32
-    token_ids: list[int],  # (N,) the token at each row's position
-    num_top: list[int],  # (N,) the likeliest tokens to report for each row
-) -> list[Logprobs]:
-    """Each row's ``Logprobs``: the log-softmax of its raw scores at ``token_ids``, its rank, and its
-    ``num_top`` best tokens (ties in the order of ``torch.topk``)."""
+    token_ids: torch.Tensor,  # (N,) int64, on the logits' device: the token at each row's position
+    num_top: int,  # the most top tokens any row asks for
+) -> LogprobsOnDevice:
+    """The log-softmax of each row's raw scores at ``token_ids``, its rank and the ``num_top`` best tokens
+    (ties in the order of ``torch.topk``), left on the device."""
     logprobs = torch.log_softmax(logits, dim=-1)  # (N, vocab)
-    index = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)[:, None]  # (N, 1)
-    chosen = logprobs.gather(1, index)  # (N, 1)
+    chosen = logprobs.gather(1, token_ids[:, None])  # (N, 1)
     ranks = (logprobs > chosen).sum(dim=-1) + 1  # (N,)
-    k = max(num_top, default=0)
-    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])  # (N, k) each
-    return [
-        Logprobs(t, lp, tuple(ids[:n]), tuple(values[:n]), rank)
-        for t, lp, rank, n, ids, values in zip(
-            token_ids,
-            chosen[:, 0].tolist(),
-            ranks.tolist(),
-            num_top,
-            top_ids.int().tolist(),
-            top_values.tolist(),
-            strict=True,
-        )
-    ]
+    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], logprobs[:, :0])  # (N, k)
+    return LogprobsOnDevice(chosen[:, 0], ranks, top_ids.long(), top_values)
