@@ -307,18 +307,22 @@ def test_a_request_that_needs_host_tokens_arriving_mid_run_ends_the_early_launch
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned copies and events: needs a GPU")
 def test_on_cuda_with_graphs_the_tokens_are_those_without():
     """On CUDA (decode steps on CUDA graphs, inputs copied from pinned memory without blocking, the
-    tokens back through an event): the tokens of seeded and greedy requests as without async scheduling.
+    tokens and log-probabilities back through an event): the tokens of seeded and greedy requests, some with
+    penalties, logprobs or prompt logprobs, as without async scheduling.
     NOTE: no stops (EOS ignored): the token a stopped request runs more changes a step's batch size, and
     so its GEMMs' tiling, which could move a near tie of the random model's scores."""
     pytest.importorskip("triton")
+    extras = [{}, dict(logprobs=2), dict(prompt_logprobs=1), dict(repetition_penalty=1.5, presence_penalty=0.5)]
     params = [
-        SamplingParams(max_tokens=20, temperature=0.8 * (i % 2), seed=i, ignore_eos=True) for i in range(len(PROMPTS))
+        SamplingParams(max_tokens=20, temperature=0.8 * (i % 2), seed=i, ignore_eos=True, **extras[i % 4])
+        for i in range(len(PROMPTS))
     ]
     options = dict(device="cuda", dtype="float32", attention_backend="triton", kv_capacity_tokens=4096)
     want, _ = _generate("vllm", False, params, **options)
     got, llm = _generate("vllm", True, params, **options)
     assert llm.engine.executor.graphs is not None
-    assert got == want and llm.engine.executor.num_early_launches > 0
+    _assert_same(got, want)
+    assert llm.engine.executor.num_early_launches > 0
 
 
 def test_it_is_off_unless_switched_on_and_never_on_by_default_on_the_cpu(monkeypatch):
