@@ -38,7 +38,8 @@ from sloserve.engine.engine_core import (
     run_core,
 )
 from sloserve.engine.llm_engine import check_request, engine_cost_model
-from sloserve.engine.sampler import Logprobs, SamplingParams
+from sloserve.engine.logprobs import Logprobs
+from sloserve.engine.sampler import SamplingParams
 from sloserve.sched import make_scheduler
 
 log = logging.getLogger("sloserve.engine")

@@ -31,14 +31,11 @@ its copy has run).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sloserve.core.request import Request
-
-if TYPE_CHECKING:  # (the sampler imports this module's copies)
-    from sloserve.engine.sampler import Logprobs, LogprobsOnDevice
+from sloserve.engine.logprobs import PendingLogprobs
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -94,24 +91,6 @@ class SampledOnDevice:
         if self._copied is not None:
             self._copied.synchronize()
         return self._host.tolist()
-
-
-class PendingLogprobs:
-    """Log-probabilities computed on the device (``sampler.logprobs_on_device``) for ``rows``, each with
-    how many top tokens it asked for and its token (None for the sampled tokens: they come back with
-    them); ``found`` is brought to the host with the tokens."""
-
-    __slots__ = ("rows", "num_top", "found", "token_ids")
-
-    def __init__(
-        self, rows: list[Any], num_top: list[int], found: LogprobsOnDevice, token_ids: list[int] | None = None
-    ) -> None:
-        self.rows, self.num_top, self.found, self.token_ids = rows, num_top, found, token_ids
-
-    def to_host(self, token_ids: list[int] | None = None) -> list[Logprobs]:
-        """Each row's ``Logprobs``, of ``token_ids`` or of the tokens given at construction (after
-        ``SampledOnDevice.token_ids``: ``found`` is on the host then)."""
-        return self.found.to_host(self.num_top, self.token_ids if token_ids is None else token_ids)
 
 
 def _start_host_copy(device: torch.Tensor) -> torch.Tensor:

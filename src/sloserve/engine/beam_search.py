@@ -19,7 +19,8 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from sloserve.core.errors import ConfigError
-from sloserve.engine.sampler import MAX_LOGPROBS, Logprobs, SamplingParams
+from sloserve.engine.logprobs import Logprobs
+from sloserve.engine.sampler import MAX_LOGPROBS, SamplingParams
 
 # The widest beam: each step asks for 2 * beam_width log-probabilities, at most MAX_LOGPROBS.
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2

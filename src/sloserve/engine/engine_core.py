@@ -30,7 +30,8 @@ import numpy as np
 from sloserve.checkpoint.config import RANDOM_PREFIX
 from sloserve.core.errors import SloserveError
 from sloserve.core.request import SLO, Request, RequestClass, RequestStatus
-from sloserve.engine.sampler import Logprobs, SamplingParams
+from sloserve.engine.logprobs import Logprobs
+from sloserve.engine.sampler import SamplingParams
 from sloserve.engine.switches import switch
 from sloserve.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 

@@ -27,20 +27,14 @@ from torch import nn
 from sloserve.core.outputs import SchedulerOutput, StepResult
 from sloserve.core.request import Request
 from sloserve.cost.base import BatchShape, batch_shape
-from sloserve.engine.async_scheduling import PendingLogprobs, SampledOnDevice, index_tensor, to_device
+from sloserve.engine.async_scheduling import SampledOnDevice, index_tensor, to_device
 from sloserve.engine.attention import AttentionMetadata, PrefillSeq
 from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.kv_cache import KVCacheTensor, expand_block_ids
 from sloserve.engine.loader import LoadedModel
+from sloserve.engine.logprobs import Logprobs, PendingLogprobs, logprobs_on_device
 from sloserve.engine.piecewise_graphs import PiecewiseGraphs, piecewise_graphs_for
-from sloserve.engine.sampler import (
-    PROMPT_LOGITS_ROWS,
-    Logprobs,
-    SamplingParams,
-    apply_controls,
-    logprobs_on_device,
-    sample_on_device,
-)
+from sloserve.engine.sampler import PROMPT_LOGITS_ROWS, SamplingParams, apply_controls, sample_on_device
 from sloserve.engine.structured_output import GrammarMatchers, accept
 from sloserve.kv.manager import KVCacheManager
 
@@ -248,7 +242,7 @@ class EngineExecutor:
                 self._overlap(self.during_forward)
             logits = self.model.compute_logits(hidden[rows]).float()  # (N, vocab)
             params = [s.params for s in seqs]
-            scores = self._controlled(logits, seqs, self._late_rows(samplers, late, late_tokens))
+            scores = self._controlled(logits, seqs, lambda: self._late_rows(samplers, late, late_tokens))
             sampled = sample_on_device(scores, params, [s.generator for s in seqs])  # (N,)
             logprobs = self._logprobs_on_device(logits, seqs, sampled)
             prompt_logprobs = self._prompt_logprobs_on_device(hidden, scored)
@@ -340,9 +334,9 @@ class EngineExecutor:
     ) -> list[Request]:
         """Append each request's sampled token (and its ``logprobs``, where it has them); return the
         requests it ended (EOS, a stop token, the grammar's end, ``max_tokens``) that the scheduler has
-        not finished. ``back_at``: when the tokens
-        reached the host (async scheduling), a request's first token time from then on; the last one's is
-        kept (``LLMEngine.take_finished`` gives it to the request; None: the policy's is right).
+        not finished. ``back_at``: when the tokens reached the host (async scheduling), a request's
+        first token time from then on; the last one's is kept (``LLMEngine.take_finished`` gives it to
+        the request; None: the policy's is right).
 
         NOTE: the scheduler timed the tokens when their step returned, before they existed on a GPU."""
         ended = []
@@ -437,17 +431,23 @@ class EngineExecutor:
         self,
         logits: torch.Tensor,  # (N, vocab) the raw scores of the rows that sample
         seqs: list[Sequence],
-        late: tuple[list[int], torch.Tensor] | None = None,  # rows with a token on the device, and those tokens
+        late_rows: Callable[[], tuple[list[int], torch.Tensor] | None] = lambda: None,
     ) -> torch.Tensor:  # (N, vocab)
         """The scores each row samples from: its params' controls applied (to a copy: logprobs report
-        the raw scores)."""
+        the raw scores). ``late_rows``: the rows whose last token is still on the device, and those
+        tokens (``_late_rows``), found only if a row has controls."""
         params = [s.params for s in seqs]
         guided = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if not guided and not any(p.controls_scores for p in params):
             return logits
         scores = logits.clone()
         apply_controls(
-            scores, params, [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs], self.eos_token_ids, late
+            scores,
+            params,
+            [s.token_ids for s in seqs],
+            [s.num_prompt_tokens for s in seqs],
+            self.eos_token_ids,
+            late_rows(),
         )
         if guided:  # NOTE: last, so that no other control can bring back a token the grammar forbids
             self.grammar_matchers.mask(scores, guided, [seqs[i].matcher for i in guided])

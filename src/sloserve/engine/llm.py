@@ -18,7 +18,8 @@ from sloserve.engine.chat_template import ChatTemplate
 from sloserve.engine.detokenizer import Detokenizer
 from sloserve.engine.llm_engine import LLMEngine
 from sloserve.engine.loader import load_model
-from sloserve.engine.sampler import Logprobs, SamplingParams, cumulative_logprob
+from sloserve.engine.logprobs import Logprobs, cumulative_logprob
+from sloserve.engine.sampler import SamplingParams
 
 Prompt = str | dict[str, Any]
 

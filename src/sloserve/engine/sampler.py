@@ -1,13 +1,12 @@
-"""Sampling parameters (as in vLLM's ``SamplingParams``), the sampler and log-probabilities."""
+"""Sampling parameters (as in vLLM's ``SamplingParams``) and the sampler (log-probabilities: ``logprobs.py``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -391,62 +390,3 @@ def _filter_sorted(
         mass_before = probs.cumsum(dim=-1) - probs
         probs = probs.masked_fill(mass_before >= top_p * probs.sum(dim=-1, keepdim=True), 0)
     return probs
-
-
-class Logprobs(NamedTuple):
-    """Log-probabilities at one position: of the token there, and of the likeliest tokens, best first."""
-
-    token_id: int
-    logprob: float
-    top_token_ids: tuple[int, ...]
-    top_logprobs: tuple[float, ...]
-    rank: int  # the token's among the vocabulary: 1 + the tokens likelier than it (vLLM's)
-
-    def with_top(self, num_top: int) -> Logprobs:
-        """These log-probabilities with the ``num_top`` likeliest tokens only."""
-        return self._replace(top_token_ids=self.top_token_ids[:num_top], top_logprobs=self.top_logprobs[:num_top])
-
-
-def cumulative_logprob(entries: Iterable[Logprobs]) -> float:
-    """A sequence's log-probability: the sum of its tokens' (vLLM's ``cumulative_logprob``)."""
-    return sum(entry.logprob for entry in entries)
-
-
-class LogprobsOnDevice(NamedTuple):
-    """Log-probabilities of N rows as tensors, where they were computed (``logprobs_on_device``); a step
-    launched early (async scheduling) brings them to the host with its tokens."""
-
-    chosen: torch.Tensor  # (N,) float32 the log-probability of each row's token
-    ranks: torch.Tensor  # (N,) int64
-    top_ids: torch.Tensor  # (N, k) int64, k the rows' most top tokens asked for
-    top_values: torch.Tensor  # (N, k) float32
-
-    def to_host(self, num_top: list[int], token_ids: list[int]) -> list[Logprobs]:
-        """Each row's ``Logprobs`` with its ``num_top`` best tokens (the tensors on the host already, or
-        brought there now)."""
-        return [
-            Logprobs(t, lp, tuple(ids[:n]), tuple(values[:n]), rank)
-            for t, lp, rank, n, ids, values in zip(
-                token_ids,
-                self.chosen.tolist(),
-                self.ranks.tolist(),
-                num_top,
-                self.top_ids.tolist(),
-                self.top_values.tolist(),
-                strict=True,
-            )
-        ]
-
-
-def logprobs_on_device(
-    logits: torch.Tensor,  # (N, vocab) float32
-    token_ids: torch.Tensor,  # (N,) int64, on the logits' device: the token at each row's position
-    num_top: int,  # the most top tokens any row asks for
-) -> LogprobsOnDevice:
-    """The log-softmax of each row's raw scores at ``token_ids``, its rank and the ``num_top`` best tokens
-    (ties in the order of ``torch.topk``), left on the device."""
-    logprobs = torch.log_softmax(logits, dim=-1)  # (N, vocab)
-    chosen = logprobs.gather(1, token_ids[:, None])  # (N, 1)
-    ranks = (logprobs > chosen).sum(dim=-1) + 1  # (N,)
-    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], logprobs[:, :0])  # (N, k)
-    return LogprobsOnDevice(chosen[:, 0], ranks, top_ids.long(), top_values)

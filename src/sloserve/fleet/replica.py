@@ -31,7 +31,7 @@ from ray import serve
 
 from sloserve.engine.async_engine import AsyncLLMEngine, EngineInfo, EngineStats, ServedRequest, StreamDelta
 from sloserve.engine.engine_core import EngineSpec
-from sloserve.engine.sampler import Logprobs
+from sloserve.engine.logprobs import Logprobs
 from sloserve.fleet.routing import ReplicaTarget, RoutedRequest
 
 # Seconds between two items of a replica's output stream at least: a Ray Serve stream item costs

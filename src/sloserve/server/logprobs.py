@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sloserve.engine.sampler import Logprobs
+from sloserve.engine.logprobs import Logprobs
 from sloserve.engine.tokenizer import Tokenizer
 
 # The floor of a reported logprob: a token of probability 0 has -inf, which JSON cannot carry (vLLM

@@ -24,7 +24,8 @@ from sloserve.engine.async_engine import (
     ShuttingDownError,
 )
 from sloserve.engine.chat_template import ChatTemplate
-from sloserve.engine.sampler import Logprobs, SamplingParams, cumulative_logprob
+from sloserve.engine.logprobs import Logprobs, cumulative_logprob
+from sloserve.engine.sampler import SamplingParams
 from sloserve.engine.structured_output import compile_grammar, thinking_first
 from sloserve.engine.tokenizer import HFTokenizer
 from sloserve.server.chat_output import ChatOutputParser
