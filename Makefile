@@ -39,15 +39,16 @@ bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/sim_speed.py
 
 # The wheels a GPU machine's image lacks (benchmarks/gpu_session.sh), for its Python 3.12 on x86-64, into
-# .whl/ (git ignores it; about 7 MB): pydantic and its parts, gguf, the serve extra's fastapi (with starlette
-# and opentelemetry-api), uvicorn, httptools and python-multipart, and py-spy. Pinned to versions tested here.
+# .whl/ (git ignores it; about 10 MB): pydantic and its parts, gguf, the serve extra's fastapi (with starlette
+# and opentelemetry-api), uvicorn, httptools and python-multipart, py-spy, and llguidance (structured outputs'
+# grammars: a manylinux_2_31 wheel; the image's glibc is newer). Pinned to versions tested here.
 GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
 	typing-extensions==4.16.0 gguf==0.19.0 fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2 \
-	uvicorn==0.54.0 httptools==0.9.0 python-multipart==0.0.34 py-spy==0.4.3
+	uvicorn==0.54.0 httptools==0.9.0 python-multipart==0.0.34 py-spy==0.4.3 llguidance==1.9.1
 gpu-wheels:
 	rm -rf .whl
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		$(foreach p,manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1,--platform $(p)_x86_64) \
+		$(foreach p,manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1,--platform $(p)_x86_64) \
 		-d .whl $(GPU_WHEELS)
 
 clean:
