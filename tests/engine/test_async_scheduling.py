@@ -124,8 +124,9 @@ def _with(params: SamplingParams, options: dict) -> SamplingParams:
         ("vllm", {}),
         ("sarathi", dict(prefill_token_budget=8)),
         ("sarathi", dict(prefill_token_budget=8, kv_capacity_tokens=96, block_size=4, preemption_mode="recompute")),
+        ("bros", dict(kv_capacity_tokens=96, block_size=4)),  # decodes named one by one, bidirectional blocks
     ],
-    ids=["vllm", "sarathi", "sarathi-preempting"],
+    ids=["vllm", "sarathi", "sarathi-preempting", "bros"],
 )
 @pytest.mark.parametrize("sampling", ON_THE_DEVICE.values(), ids=ON_THE_DEVICE.keys())
 def test_logprobs_and_score_controls_run_on_tokens_still_on_the_device(sampling, scheduler, options):
