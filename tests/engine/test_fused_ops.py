@@ -107,3 +107,31 @@ def test_a_bad_value_of_the_fused_kernels_switch_is_refused_when_a_model_loads(m
     monkeypatch.setenv("SLOSERVE_FUSED_KERNELS", "yes")
     with pytest.raises(ConfigError, match="SLOSERVE_FUSED_KERNELS must be 0 or 1, got 'yes'"):
         load_model("random:tiny-llama")
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    tokens=st.integers(1, 9),
+    heads=st.tuples(st.integers(1, 20), st.integers(1, 8)),
+    head_dim=st.sampled_from([16, 24, 64, 128, 256]),  # (rows of up to 2,048: two programs a token)
+    num_slots=st.integers(9, 40),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_write_kv_stores_what_the_index_copies_store(tokens, heads, head_dim, num_slots, dtype, seed):
+    """K and V as the model hands them over (slices of the fused QKV projection's output: each token's
+    heads one row, the tokens further apart) stored at distinct random slots of caches that hold
+    other values: the caches equal the two index copies' bit for bit, and no other slot changed."""
+    gen = torch.Generator().manual_seed(seed)
+    nh, nkv = heads
+    qkv = torch.randn(tokens, nh + 2 * nkv, head_dim, generator=gen).to(DEVICE, dtype)
+    k, v = qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]  # (T, nkv, hd) each, not contiguous
+    slots = torch.randperm(num_slots, generator=gen)[:tokens].to(DEVICE)  # (T,)
+    before = torch.randn(2, num_slots, nkv, head_dim, generator=gen).to(DEVICE, dtype)
+    fused, reference = before.clone(), before.clone()
+    fused_ops.write_kv_triton(k, v, fused[0], fused[1], slots)
+    fused_ops.write_kv_torch(k, v, reference[0], reference[1], slots)
+    assert torch.equal(fused, reference)
+    untouched = torch.ones(num_slots, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.equal(fused[:, untouched], before[:, untouched]) and torch.equal(fused[0, slots], k)

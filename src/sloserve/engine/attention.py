@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from sloserve.engine import fused_ops
 from sloserve.engine.async_scheduling import index_tensor
 
 
@@ -198,11 +199,12 @@ def write_kv(
     v_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim)
     meta: AttentionMetadata,
 ) -> None:
-    """Store this step's K/V at the slots the KV manager assigned (every backend does this first)."""
-    # NOTE: index_copy_/index_select on dim 0 copy whole rows; advanced indexing (cache[slots]) is
-    # several times slower on the CPU. No two tokens share a slot, so the copy is deterministic.
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    """Store this step's K/V at the slots the KV manager assigned (every backend does this first): one
+    kernel for both on CUDA with the fused kernels on (``fused_ops.write_kv``), two index copies else.
+
+    NOTE: no two tokens share a slot (but padding rows, which all write the pad slot), so the copy is
+    deterministic."""
+    fused_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
 
 def gather_kv(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

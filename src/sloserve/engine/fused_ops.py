@@ -1,10 +1,11 @@
 """Fused elementwise kernels for the Llama family's decode path on CUDA: the rotary embedding (five
 kernels in PyTorch: two products, a negation, a concatenation and a sum), SiLU-and-multiply (two) and
 the residual stream's add with the RMSNorm after it (two: vLLM's ``fused_add_rms_norm``) each become
-one Triton kernel, which reads its inputs once and writes its outputs once.
+one Triton kernel, which reads its inputs once and writes its outputs once; so does the store of a
+step's keys and values into the KV cache (two index copies: vLLM's ``reshape_and_cache``).
 
 Why: a decode step's elementwise work is tiny, but each kernel costs a launch slot and a few
-microseconds of ramp even inside a CUDA graph, and a layer runs these 11 kernels, 4 once fused: 224
+microseconds of ramp even inside a CUDA graph, and a layer runs these 13 kernels, 5 once fused: 256
 fewer a 32-layer step (benchmarks/engine_speed.py lists where a step's GPU time goes).
 
 NOTE: each kernel rounds where PyTorch's kernels round (every product and sum to the tensor's dtype),
@@ -13,10 +14,10 @@ exponential may differ from PyTorch's in a last place, and the norm's sum of squ
 another order. On float32 the GPU may contract a product and a sum into one fused
 multiply-add (one rounding less).
 
-``rotary``, ``silu_and_mul`` and ``add_rms_norm`` dispatch: the Triton kernel for a CUDA tensor while
+``rotary``, ``silu_and_mul``, ``add_rms_norm`` and ``write_kv`` dispatch: the Triton kernel for a CUDA tensor while
 ``ENABLED``, PyTorch elsewhere, and while ``torch.compile`` traces (inductor fuses the PyTorch forms).
 Tests run the kernels on the CPU in Triton's interpreter (``rotary_triton``, ``silu_and_mul_triton``,
-``add_rms_norm_triton``) against the PyTorch forms.
+``add_rms_norm_triton``, ``write_kv_triton``) against the PyTorch forms.
 
 NOTE: off unless ``SLOSERVE_FUSED_KERNELS=1`` is in the environment (``load_model`` refuses a value
 other than 0 or 1): written without a GPU (2026-11-27), they are checked in Triton's interpreter only;
@@ -63,6 +64,20 @@ def add_rms_norm_torch(
     return F.rms_norm(summed, weight.shape, weight, eps), summed
 
 
+def write_kv_torch(
+    k: torch.Tensor,  # (T, nkv, hd) this step's keys
+    v: torch.Tensor,  # (T, nkv, hd) and values
+    k_cache: torch.Tensor,  # (num_slots, nkv, hd)
+    v_cache: torch.Tensor,  # (num_slots, nkv, hd)
+    slot_mapping: torch.Tensor,  # (T,) int64, the slot of each token
+) -> None:
+    """Store each token's K and V at its slot of the caches."""
+    # NOTE: index_copy_ on dim 0 copies whole rows; advanced indexing (cache[slots] = ...) is several
+    # times slower on the CPU
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)
+
+
 def _use_triton(x: torch.Tensor) -> bool:
     # NOTE: not while torch.compile traces (``piecewise_graphs.compiled_pieces``): inductor fuses the
     # PyTorch forms itself, with the ops around them
@@ -83,6 +98,20 @@ def add_rms_norm(
     if _use_triton(x):
         return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_torch(x, residual, weight, eps)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    if _use_triton(k) and _rows_contiguous(k) and _rows_contiguous(v) and k_cache.is_contiguous():
+        write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        write_kv_torch(k, v, k_cache, v_cache, slot_mapping)
+
+
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    """Whether each token's heads of ``x`` (T, heads, hd) lie in one contiguous row."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 if triton is not None:
@@ -170,6 +199,27 @@ if triton is not None:
         # One rounding, after the weight, as F.rms_norm's fused kernel rounds.
         tl.store(out_ptr + token * size + i, (summed * rstd * weight).to(dtype), mask=ok)
 
+    @triton.jit
+    def _write_kv_kernel(
+        k_ptr,  # (T, nkv, hd), each token's heads one contiguous row
+        v_ptr,  # (T, nkv, hd), likewise
+        k_cache_ptr,  # (num_slots, nkv, hd) contiguous
+        v_cache_ptr,  # (num_slots, nkv, hd) contiguous
+        slot_mapping_ptr,  # (T,) int64
+        row_size,  # nkv * hd
+        stride_k_token,
+        stride_v_token,
+        BLOCK: tl.constexpr,
+    ):
+        token = tl.program_id(0)
+        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < row_size
+        slot = tl.load(slot_mapping_ptr + token)
+        k = tl.load(k_ptr + token * stride_k_token + i, mask=ok)
+        v = tl.load(v_ptr + token * stride_v_token + i, mask=ok)
+        tl.store(k_cache_ptr + slot * row_size + i, k, mask=ok)
+        tl.store(v_cache_ptr + slot * row_size + i, v, mask=ok)
+
 
 def rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``rotary_torch`` as one kernel: x (T, heads, hd) with a contiguous last dim -> a new contiguous
@@ -226,3 +276,19 @@ def add_rms_norm_triton(
         BLOCK=triton.next_power_of_2(size),
     )  # fmt: skip
     return out, summed
+
+
+def write_kv_triton(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """``write_kv_torch`` as one kernel (two index copies in PyTorch): k and v (T, nkv, hd), each token's
+    heads one contiguous row (the fused QKV projection's slices are), into contiguous caches."""
+    t, nkv, hd = k.shape
+    assert v.shape == k.shape and k_cache.shape[1:] == (nkv, hd) and v_cache.shape == k_cache.shape
+    assert _rows_contiguous(k) and _rows_contiguous(v) and k_cache.is_contiguous() and v_cache.is_contiguous()
+    if t == 0:
+        return
+    block = min(1024, triton.next_power_of_2(nkv * hd))
+    _write_kv_kernel[(t, triton.cdiv(nkv * hd, block))](
+        k, v, k_cache, v_cache, slot_mapping, nkv * hd, k.stride(0), v.stride(0), BLOCK=block
+    )
