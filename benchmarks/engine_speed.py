@@ -301,6 +301,8 @@ def main() -> None:
         return "-" if t is None else f"{t * 1e3:.3f}"
 
     if small_prompts:
+        if not on_gpu:
+            print("\n(on the CPU the pieces run uncaptured: the columns check the code, they time no graph)")
         print(f"\n{'prompt tokens':>14} {'eager ms':>9} {'piecewise ms':>13} {'compiled ms':>12}")
         for n in small_prompts:
             eager, piecewise, on_compiled = eager_and_piecewise([(n, 0)], [])
