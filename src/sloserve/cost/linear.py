@@ -190,17 +190,22 @@ class LinearCostModel(CostModel):
             prefill_s = (self._a_p * attention_work + self._b_p + self._s_p * num_prefill + self._m_p * context) * scale
         tokens = num_decode + prefill_tokens
         other_s = (self._a_o * max(tokens, self._knee) + self._b_o) * scale if tokens > 0 else 0.0
-        floor = self._floor_p if num_prefill > 0 else self._floor_d
         if floored and tokens > 0:  # an empty step costs nothing
-            host = self._h_s + self._h_r * (num_decode + num_prefill)
-            if self._host_overlapped:
-                floor, host = max(floor, host), 0.0
+            floor, host = self._floor_and_host(num_prefill, num_decode + num_prefill)
             if floor > other_s + decode_s + prefill_s:
                 other_s = floor - decode_s - prefill_s
             # NOTE: the host's share counts as non-attention, after the floor (the GPU waits for it)
             other_s += host
         swap_s = swap_bytes / self.swap_bandwidth if swap_bytes else 0.0
         return other_s, decode_s, prefill_s, swap_s
+
+    def _floor_and_host(self, num_prefill: int, num_requests: int) -> tuple[float, float]:
+        """(the least a step's work takes, the host's share added after it) for a step of
+        ``num_requests`` requests, ``num_prefill`` of them prefills: with ``host_overlapped`` the host's
+        share is one more floor, and nothing is added after it."""
+        floor = self._floor_p if num_prefill > 0 else self._floor_d
+        host = self._h_s + self._h_r * num_requests
+        return (max(floor, host), 0.0) if self._host_overlapped else (floor, host)
 
     def step_seconds_with_decodes(
         self, shape: BatchShape, num_decode: np.ndarray, decode_kv_tokens: np.ndarray
@@ -245,9 +250,7 @@ class LinearCostModel(CostModel):
         other_s = (self._a_o * max(num_decode, self._knee) + self._b_o) * scale  # a scalar: no prefill tokens
         # NOTE: below the floor, _parts raises other_s to floor - decode_s, whose sum with decode_s may
         # differ from the floor in the last bit; the 1e-12 contract allows it.
-        floor, host = self._floor_d, self._h_s + self._h_r * num_decode
-        if self._host_overlapped:
-            floor, host = max(floor, host), 0.0
+        floor, host = self._floor_and_host(0, num_decode)
         return np.maximum(other_s + decode_s + 0.0 + 0.0, floor) + host
 
     def step_increment(self, shape: BatchShape) -> float | None:
@@ -263,9 +266,8 @@ class LinearCostModel(CostModel):
             # Every term grows step by step (coefficients are >= 0), so once above its floor a step
             # stays above it; below, the series is not arithmetic.
             other_s, decode_s, prefill_s, _ = self._parts(shape, floored=False)
-            floor = self._floor_p if num_prefill > 0 else self._floor_d
-            if self._host_overlapped:  # NOTE: a stretch's requests are the same each step
-                floor = max(floor, self._h_s + self._h_r * (num_decode + num_prefill))
+            # NOTE: a stretch's requests are the same each step, and so is the host's share
+            floor, _ = self._floor_and_host(num_prefill, num_decode + num_prefill)
             if other_s + decode_s + prefill_s <= floor:
                 return None
         walk = self._w_d if num_decode > 0 else 0.0
