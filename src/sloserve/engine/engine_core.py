@@ -329,13 +329,14 @@ class EngineCore:
         stop_reason: int | None = None,
     ) -> Output:
         r = live.request
-        first, last = r.first_token_time, r.last_token_time
-        finish = self._finish_time(r) if finish_reason else math.nan
         if self.engine.executor.async_scheduling:
             # NOTE: the policy's token times are the host's when a step returns, on a GPU a step before
             # its tokens exist: the times its tokens reached the host (and went out) are the served ones
             first, last = live.first_sent_time, live.last_sent_time
             finish = self.clock() if finish_reason else math.nan
+        else:
+            first, last = r.first_token_time, r.last_token_time
+            finish = self._finish_time(r) if finish_reason else math.nan
         return Output(
             r.request_id,
             None,
