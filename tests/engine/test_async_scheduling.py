@@ -25,6 +25,7 @@ from sloserve.engine.engine_core import AddRequest, EngineCore, EngineSpec  # no
 from sloserve.engine.llm_engine import LLMEngine, default_async_scheduling  # noqa: E402
 from sloserve.engine.loader import load_model  # noqa: E402
 from sloserve.engine.sampler import StructuredOutputsParams  # noqa: E402
+from sloserve.metrics.summary import request_table  # noqa: E402
 from sloserve.sched import scheduler_names  # noqa: E402
 
 _rng = np.random.default_rng(0)
@@ -193,6 +194,36 @@ def test_aborts_between_steps_free_the_kv_and_leave_the_others_exact():
     want, got = run(False), run(True)
     assert got.pop(4) == (want[4][0][:-1], "abort")  # aborted with its token of step 4 on the device
     assert want.pop(4)[1] == "abort" and got == want
+
+
+@pytest.mark.parametrize("scheduler", ["vllm", "sarathi", "bros", "econoserve"])
+def test_a_request_counts_the_tokens_it_keeps(scheduler):
+    """A stop token found a step late: the token the next step ran for its request is dropped and not
+    counted; nor is the step of an aborted request. Each request's output count is its tokens', so its
+    metrics (output length, TPOT: none for a single token) are those of the synchronous engine."""
+
+    def run(async_scheduling: bool) -> tuple[list[int], list[bool]]:
+        llm = LLM(
+            "random:tiny-llama", scheduler, async_scheduling=async_scheduling, kv_capacity_tokens=100, block_size=4
+        )
+        engine = llm.engine
+        requests = [engine.add_request(p, s) for p, s in zip(PROMPTS, _params(), strict=True)]
+        step = 0
+        while engine.has_unfinished():
+            if step == 4:
+                engine.abort(requests[4])
+            for request in engine.step():
+                assert request.num_output_tokens == len(engine.release(request).output_token_ids), request
+            step += 1
+        engine.scheduler.check_integrity()
+        assert engine.scheduler.kv.allocated_tokens == 0
+        table = request_table(requests)
+        return table["output_tokens"].tolist(), np.isnan(table["tpot_s"]).tolist()
+
+    (want, want_no_tpot), (got, got_no_tpot) = run(False), run(True)
+    del want[4], got[4], want_no_tpot[4], got_no_tpot[4]  # (aborted: its tokens may differ by the one in flight)
+    assert got == want and got_no_tpot == want_no_tpot
+    assert 1 in want, "a request that a stop token ended after one token (no TPOT)"
 
 
 @pytest.mark.parametrize("overlap_publish", [False, True])

@@ -175,6 +175,10 @@ class StepResult:
 
     # End time of each of the output's num_steps steps (seconds, simulated or wall).
     step_end_times: Sequence[float]
-    # Requests whose last output token was sampled in this output's (last) step (the engine's, with
-    # async scheduling: also those the step before's token ended, that this one ran a token too many).
+    # Requests whose last output token was sampled in this output's (last) step.
     finished: list[Request] = field(default_factory=list)
+    # The engine's: requests this step ran, or was to run, that had ended before it (aborted, or ended
+    # by the step before's token, which came back late with async scheduling): nothing this step did
+    # for them counts (their token of it, if computed, is dropped), and they finish before its tokens
+    # are counted. Not in ``finished``.
+    ended_before: Sequence[Request] = ()

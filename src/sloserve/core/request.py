@@ -196,6 +196,11 @@ class Request:
         self._output_offset += 1
         self.record_token_time(now)
 
+    def drop_output_token(self) -> None:
+        """Take back the last output token counted: the engine sampled it, then dropped it (it came back
+        from the device after the request was aborted). NOTE: its time stays the last token's."""
+        self._output_offset -= 1
+
     def add_output_run(self, times: Sequence[float], max_inner_gap: float) -> None:
         """Record ``len(times)`` sampled output tokens, one at each of ``times`` (a named decode repeated
         through a stretch; ``max_inner_gap``: the largest gap between consecutive times, NaN for one),

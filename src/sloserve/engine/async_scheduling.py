@@ -7,7 +7,8 @@ host. Only then does the host wait for them (``SampledOnDevice.token_ids``, duri
 pass), append them, and find which requests they ended. The scheduler works from tokens to come, as it
 does for the simulator's cohorts: it scheduled step t+1 as if no request ended on step t's token, so a
 request that sampled EOS (or a stop token) in step t ran one more token in step t+1, which is dropped,
-and the scheduler hears of its end with step t+1 (``EngineExecutor``). A request that reaches
+and the scheduler hears of its end with step t+1, before it counts that step's tokens
+(``StepResult.ended_before``): its output count and token times are its kept tokens'. A request that reaches
 ``max_tokens`` ends by count, so the scheduler hears of that on time; its last token follows a step
 later (``LLMEngine.take_finished``). The scheduler times a step's tokens when the step returns, before
 they exist on a GPU: a request's first and last token times and its end are set again to when those

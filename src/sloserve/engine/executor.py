@@ -252,22 +252,22 @@ class EngineExecutor:
             else:
                 sampled = sampled.tolist()
                 _append_prompt_logprobs(prompt_logprobs)
+        ended_before = self._end_skipped(skipped)
         if pipelined:
-            finished = self._finish_early(skipped, samplers, seqs)
+            finished = self._finish_early(samplers, seqs, ended_before)
             self.in_flight = launched
             if self.during_forward is not None:  # NOTE: after the step before's tokens came back
                 self._overlap(self.during_forward)
         else:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            finished = self._end_skipped(skipped)
             by_row = _logprobs_by_row(logprobs, sampled) if tokens else None
-            finished += self._accept([r for r, _ in samplers], sampled if tokens else [], logprobs=by_row)
+            finished = self._accept([r for r, _ in samplers], sampled if tokens else [], logprobs=by_row)
         elapsed = time.perf_counter() - t0
         self.num_forward_tokens += len(tokens)
         if shape is not None:
             self.step_log.append((shape, elapsed))
-        return StepResult(step_end_times=(now + elapsed,), finished=finished)
+        return StepResult(step_end_times=(now + elapsed,), finished=finished, ended_before=ended_before)
 
     def _launches_early(self, output: SchedulerOutput) -> bool:
         """Whether ``output`` may be launched before the step before's tokens are on the host."""
@@ -282,19 +282,18 @@ class EngineExecutor:
         return before is None or not any(n > 1 and r in before.rows for r, n in output.chunks)
 
     def _finish_early(
-        self, skipped: list[Request], samplers: list[tuple[Request, int]], seqs: list[Sequence]
+        self, samplers: list[tuple[Request, int]], seqs: list[Sequence], ended_before: list[Request]
     ) -> list[Request]:
-        """A step launched early: the step before's tokens back on the host, the requests it finishes.
-
-        These are the skipped ones; the ones the step before's tokens ended (the token this step gave
-        them is dropped; those this step did not run end when one schedules them); and the ones whose
-        token of this step is their ``max_tokens``-th, by count (that token comes back with the next step)."""
-        finished = self._end_skipped(skipped)
+        """A step launched early: the step before's tokens back on the host. Returns the requests whose
+        token of this step is their ``max_tokens``-th, by count (that token comes back with the next
+        step); adds to ``ended_before`` those the step before's tokens ended that this step ran (the
+        token it gave them is dropped; those it did not run end when a step schedules them)."""
         ended = set(self.resolve())
+        finished = []
         for (request, _), seq in zip(samplers, seqs, strict=True):
             if request in ended:
                 self._stopped.discard(request)
-                finished.append(request)
+                ended_before.append(request)
             elif seq.finish_reason is None and len(seq.token_ids) + 1 - seq.num_prompt_tokens >= seq.params.max_tokens:
                 finished.append(request)
         return finished
@@ -344,7 +343,10 @@ class EngineExecutor:
             seq = self.sequences.get(request)
             if seq is None or seq.finish_reason is not None or request.aborted:
                 # NOTE: it ended before this token (a step launched before its end was known); it may
-                # be released already
+                # be released already. A request aborted while its token was on the device had that
+                # token counted by its step's update: the count drops it too.
+                if request.aborted and not request.is_finished:
+                    request.drop_output_token()
                 continue
             seq.token_ids.append(token)
             if logprobs is not None and logprobs[row] is not None:

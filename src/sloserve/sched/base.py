@@ -122,12 +122,17 @@ class Scheduler(ABC):
     def update(self, output: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
         """Apply an executed step: progress counters, token times, finished requests. Returns the
         requests that finished."""
+        ended_before = result.ended_before
+        for request in ended_before:  # (the engine's; rarely any) out of the cohort before its tick counts
+            self._finish(request, now)
         if output.decode is not None:
             output.decode.cohort.advance(result.step_end_times)
         emitted: list[Request] = []
         num_steps = output.num_steps
         run_gap = None  # a stretch's largest gap between consecutive step ends (worked out once)
         for request, num_tokens in output.chunks:
+            if ended_before and request in ended_before:
+                continue
             if num_steps > 1 and num_tokens == 1 and request.num_tokens_to_process == 1:
                 # A named decode repeated (``named_decode_stretches``): a token at each step's end
                 ends = result.step_end_times
@@ -146,7 +151,7 @@ class Scheduler(ABC):
         for request in emitted:
             if request.status is RequestStatus.RUNNING:
                 self.on_token_emitted(request)
-        return result.finished
+        return [*ended_before, *result.finished] if ended_before else result.finished
 
     # --- the simulator's fast path (optional; sim/stretch.py) -----------------------------------
     def decode_horizon(self, output: SchedulerOutput, limit: int) -> int:
