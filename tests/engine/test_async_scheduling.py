@@ -1,9 +1,8 @@
 """Async scheduling (``engine/async_scheduling.py``): steps launched before the step before's tokens are on
 the host give every request the tokens and the finish it gets without, under every registered policy,
 through stops found a step late (stop tokens), seeded sampling, preemption and aborts; log-probabilities
-and score controls come out as without it; a request that needs its last token on the host (a grammar, a
-bad word of several tokens) makes the steps wait while it lives; the served engine's loop publishes every
-token once."""
+and score controls come out as without it; a request that needs its last token on the host (a grammar)
+makes the steps wait while it lives; the served engine's loop publishes every token once."""
 
 from __future__ import annotations
 
@@ -119,7 +118,7 @@ def _with(params: SamplingParams, options: dict) -> SamplingParams:
     return dataclasses.replace(params, **options)
 
 
-@pytest.mark.parametrize(
+EVERY_PATH = pytest.mark.parametrize(
     "scheduler,options",
     [
         ("vllm", {}),
@@ -129,6 +128,9 @@ def _with(params: SamplingParams, options: dict) -> SamplingParams:
     ],
     ids=["vllm", "sarathi", "sarathi-preempting", "bros"],
 )
+
+
+@EVERY_PATH
 @pytest.mark.parametrize("sampling", ON_THE_DEVICE.values(), ids=ON_THE_DEVICE.keys())
 def test_logprobs_and_score_controls_run_on_tokens_still_on_the_device(sampling, scheduler, options):
     """Half the requests with log-probabilities or score controls (penalties counting the token still on
@@ -147,16 +149,28 @@ def test_logprobs_and_score_controls_run_on_tokens_still_on_the_device(sampling,
     assert changed or "logprobs" in str(sampling)  # (the controls change some request's tokens)
 
 
-def test_a_request_that_reads_its_last_token_on_the_host_makes_every_step_wait_for_it():
-    """A request with a bad word of two tokens among plain ones (the word's first token must be read on
-    the host before the next step samples): no step is launched early while it lives, and every request
-    gets what it gets without async scheduling."""
-    first = SamplingParams(max_tokens=30, bad_words_token_ids=((5, 6), (9,)))
-    params = [first] + [SamplingParams(max_tokens=8)] * (len(PROMPTS) - 1)
-    want, _ = _generate("vllm", False, params)
-    got, llm = _generate("vllm", True, params)
+@EVERY_PATH
+def test_bad_words_of_several_tokens_match_the_last_token_on_the_device(scheduler, options):
+    """Requests barred from words of two and three tokens their plain outputs contain (so each word's
+    last-but-one token is the one still on the device when its last would be sampled), and from words
+    not in force there (one that bars the same token after another token; one whose first token differs
+    from the output's): steps launched early, and every request's tokens as without async scheduling,
+    other than without the words."""
+    plain, _ = _generate(scheduler, False, None, **options)
+    params = []
+    for i, p in enumerate(_params()):
+        out = plain[i][0]
+        if i % 4 == 0 and len(out) >= 5:
+            decoy = ((out[1] + 1) % 256, out[2])
+            p = dataclasses.replace(p, bad_words_token_ids=((out[1], out[2]), tuple(out[2:5]), decoy))
+        elif i % 4 == 2 and len(out) >= 4:
+            p = dataclasses.replace(p, bad_words_token_ids=(((out[1] + 1) % 256, out[2], out[3]),))
+        params.append(p)
+    want, _ = _generate(scheduler, False, params, **options)
+    got, llm = _generate(scheduler, True, params, **options)
     assert got == want
-    assert llm.engine.executor.num_early_launches == 0
+    assert llm.engine.executor.num_early_launches > 0
+    assert [w[:2] for w in want] != [p[:2] for p in plain]
 
 
 def test_a_grammar_makes_every_step_wait_for_the_tokens(chat_model_dir):

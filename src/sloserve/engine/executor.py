@@ -152,9 +152,9 @@ class EngineExecutor:
             prompt_logprobs=None if params.prompt_logprobs is None else [],
             matcher=None if params.grammar is None else self.grammar_matchers.matcher(params.grammar),
         )
-        # NOTE: a grammar's matcher and a bad word of several tokens read the last token on the host; the
-        # other controls and the log-probabilities do without it (async_scheduling.py)
-        if params.grammar is not None or any(len(word) > 1 for word in params.bad_words_token_ids or ()):
+        # NOTE: a grammar's matcher reads the last token on the host; the score controls and the
+        # log-probabilities do without it (async_scheduling.py)
+        if params.grammar is not None:
             self._needs_host_tokens.add(request)
 
     @torch.inference_mode()

@@ -248,16 +248,16 @@ def apply_controls(
 
     NOTE: the penalties count each row's tokens afresh every step (a scatter of its history), where
     vLLM v1 keeps the counts on the device: O(context) host work a step, for the rows with penalties
-    only. A bad word of several tokens reads the output's last tokens on the host: no row of ``late``
-    may have one (the executor waits for the tokens while such a request lives)."""
+    only."""
     device, vocab = logits.device, logits.shape[1]
     rows = [i for i, p in enumerate(params) if p.controls_scores]
     if not rows:
         return
     late_rows, late_tokens = late if late is not None else ([], None)
     num_late = [0] * len(params)  # (N,) output tokens of each row still on the device
-    for i in late_rows:
-        num_late[i] = 1
+    late_entry = {}  # row -> its entry of ``late_tokens``
+    for at, i in enumerate(late_rows):
+        num_late[i], late_entry[i] = 1, at
     allowing = [i for i in rows if params[i].allowed_token_ids]
     if allowing:  # every score but the allowed tokens' to -inf
         barred = torch.ones(len(allowing), vocab, dtype=torch.bool, device=device)  # (A, vocab)
@@ -265,11 +265,26 @@ def apply_controls(
         barred[tuple(index_tensor(allowed, device).T)] = False
         index = index_tensor(allowing, device)
         logits[index] = logits[index].masked_fill(barred, -math.inf)
-    # bad words: a word's last token is barred where the output ends with the tokens before it
-    banned = [(i, ids[-1]) for i in rows for ids in params[i].bad_words_token_ids or ()
-              if _output_ends_with(token_ids[i], num_prompt_tokens[i], ids[:-1])]  # fmt: skip
+    # bad words: a word's last token is barred where the output ends with the tokens before it. Where the
+    # output's last token is still on the device, the host matches the tokens before that one and the
+    # device the last: (row, entry of late, the token it must be, the token barred if it is)
+    banned, banned_if_last = [], []
+    for i in rows:
+        for ids in params[i].bad_words_token_ids or ():
+            if len(ids) == 1 or i not in late_entry:
+                if _output_ends_with(token_ids[i], num_prompt_tokens[i], ids[:-1]):
+                    banned.append((i, ids[-1]))
+            elif _output_ends_with(token_ids[i], num_prompt_tokens[i], ids[:-2]):
+                banned_if_last.append((i, late_entry[i], ids[-2], ids[-1]))
     if banned:
         logits[tuple(index_tensor(banned, device).T)] = -math.inf
+    if banned_if_last:  # NOTE: added, not set: a row may bar one token by two words, one of them not in force
+        last_is = late_tokens[index_tensor([at for _, at, _, _ in banned_if_last], device)] == index_tensor(
+            [token for _, _, token, _ in banned_if_last], device
+        )  # (C,)
+        where = index_tensor([(i, barred) for i, _, _, barred in banned_if_last], device).T
+        bar = torch.zeros(len(banned_if_last), device=device).masked_fill(last_is, -math.inf)  # (C,)
+        logits.index_put_(tuple(where), bar, accumulate=True)
     # min_tokens, then logit_bias: a handful of scores per row, set or added at once
     masked = [(i, t) for i in rows if len(token_ids[i]) + num_late[i] - num_prompt_tokens[i] < params[i].min_tokens
               for t in (*eos_token_ids, *params[i].stop_token_ids)]  # fmt: skip
