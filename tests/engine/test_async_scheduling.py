@@ -1,13 +1,14 @@
 """Async scheduling (``engine/async_scheduling.py``): steps launched before the step before's tokens are on
 the host give every request the tokens and the finish it gets without, under every registered policy,
 through stops found a step late (stop tokens), seeded sampling, preemption and aborts; log-probabilities
-and score controls come out as without it; a request that needs its last token on the host (a grammar)
-makes the steps wait while it lives; the served engine's loop publishes every token once."""
+and score controls come out as without it; a grammar's matcher takes the step before's tokens before the
+step samples; the served engine's loop publishes every token once."""
 
 from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import re
 import time
 
 import numpy as np
@@ -173,18 +174,38 @@ def test_bad_words_of_several_tokens_match_the_last_token_on_the_device(schedule
     assert [w[:2] for w in want] != [p[:2] for p in plain]
 
 
-def test_a_grammar_makes_every_step_wait_for_the_tokens(chat_model_dir):
-    """A request with structured output (its grammar's matcher takes each token on the host) among plain
-    ones, on a model with a tokenizer: no step launched early, the tokens as without async scheduling."""
-    choice = SamplingParams(max_tokens=12, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
-    params = [choice] + [SamplingParams(max_tokens=10)] * 3
-    prompts = ["Hello there", "Is it?", "Say yes or no", "One more thing"]
+GRAMMARS = [
+    StructuredOutputsParams(choice=["yes", "no", "maybe not"]),
+    StructuredOutputsParams(regex="[a-z]{2,6}( [a-z]{2,6}){1,3}"),
+    StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}),
+]
+
+
+@pytest.mark.parametrize("scheduler", ["vllm", "bros"])  # decodes as a cohort, and named one by one
+def test_grammars_take_the_tokens_before_this_step_samples_and_launch_early(chat_model_dir, scheduler):
+    """Requests with grammars (a choice, a regular expression, a JSON schema; their matchers take each
+    token on the host) among plain ones with a frequency penalty, on a model with a tokenizer: steps
+    launched early, each waiting for the step before's tokens only before it samples, and every
+    request's tokens and text as without async scheduling; the grammars' outputs are theirs (a choice
+    that completes ends the request a step before the policy hears of it)."""
+    params = [SamplingParams(max_tokens=16, structured_outputs=g) for g in GRAMMARS] + [
+        # (each token counted once, with the step before's on the host by the time it samples)
+        SamplingParams(max_tokens=10, temperature=0.8, seed=3, frequency_penalty=-1),
+        SamplingParams(max_tokens=12, temperature=0, frequency_penalty=-1),
+    ]
+    prompts = ["Hello there", "Is it?", "Say yes or no", "One more thing", "And the last"]
     outputs = {}
     for async_scheduling in (False, True):
-        llm = LLM(str(chat_model_dir), "vllm", kv_capacity_tokens=4096, async_scheduling=async_scheduling)
-        outputs[async_scheduling] = [(o.outputs[0].token_ids, o.outputs[0].text) for o in llm.generate(prompts, params)]
-    assert outputs[True] == outputs[False] and outputs[True][0][1] in ("yes", "no")
-    assert llm.engine.executor.num_early_launches == 0
+        llm = LLM(str(chat_model_dir), scheduler, kv_capacity_tokens=4096, async_scheduling=async_scheduling)
+        got = llm.generate(prompts, params)
+        outputs[async_scheduling] = [
+            (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in got
+        ]
+    assert outputs[True] == outputs[False]
+    assert llm.engine.executor.num_early_launches > 0
+    (_, choice, reason), (_, words, _), (_, obj, _) = outputs[True][:3]
+    assert choice in ("yes", "no", "maybe not") and reason == "stop"
+    assert re.fullmatch("[a-z]{2,6}( [a-z]{2,6}){0,3}", words)  # (max_tokens may cut it)
 
 
 def test_aborts_between_steps_free_the_kv_and_leave_the_others_exact():
@@ -313,23 +334,24 @@ def test_each_request_comes_back_one_step_later_and_only_stopped_ones_run_a_toke
 
 
 @pytest.mark.parametrize("scheduler", ["vllm", "bros"])  # decodes as a cohort, and named one by one
-def test_a_request_that_needs_host_tokens_arriving_mid_run_ends_the_early_launches(scheduler):
-    """Requests launched early, then one with a bad word of two tokens arrives: the next step waits for the tokens
-    still on the device first, and a request they ended ends in that step, uncomputed; every request
-    gets what it gets without async scheduling, and its last token's time is not before the step that
-    brought that token."""
+def test_a_grammar_arriving_mid_run_takes_the_tokens_back_before_each_step_samples(chat_model_dir, scheduler):
+    """Requests launched early, some ending on stop tokens, then one with a grammar arrives: from then on
+    each step brings the step before's tokens back before it samples, and a request they ended ends in
+    that step (its token there dropped) or, not in it, in the next that schedules it, uncomputed; every
+    request gets what it gets without async scheduling, counts the tokens it keeps, and its last token's
+    time is not before the step that brought that token."""
 
     def run(async_scheduling: bool) -> tuple[dict[int, tuple], LLM]:
-        llm = LLM("random:tiny-llama", scheduler, async_scheduling=async_scheduling, kv_capacity_tokens=2048)
+        llm = LLM(str(chat_model_dir), scheduler, async_scheduling=async_scheduling, kv_capacity_tokens=2048)
         engine = llm.engine
-        params = [SamplingParams(max_tokens=20, stop_token_ids=STOP_TOKENS)] * (len(PROMPTS) - 1)
-        for prompt, p in zip(PROMPTS, params):
-            engine.add_request(prompt, p)
+        stops = SamplingParams(max_tokens=20, stop_token_ids=list(range(3, 300, 11)))
+        for prompt in PROMPTS[:-1]:
+            engine.add_request([1, *(t % 300 for t in prompt)], stops)
         outputs = {}
         lengths: dict[Request, tuple[int, float]] = {}  # tokens so far, and the start of the step that gave the last
         for step in range(200):
             if step == 3:
-                engine.add_request(PROMPTS[-1], SamplingParams(max_tokens=4, bad_words_token_ids=((5, 6),)))
+                engine.add_request([1, 40, 41], SamplingParams(max_tokens=12, structured_outputs=GRAMMARS[1]))
             start = engine.replica.now
             finished = engine.step()
             for r, seq in engine.executor.sequences.items():
@@ -338,6 +360,7 @@ def test_a_request_that_needs_host_tokens_arriving_mid_run_ends_the_early_launch
             for request in finished:
                 assert request.last_token_time >= lengths[request][1]
                 seq = engine.release(request)
+                assert request.num_output_tokens == len(seq.output_token_ids)
                 outputs[request.request_id] = (seq.output_token_ids, seq.finish_reason)
             if not engine.has_unfinished():
                 return outputs, llm
@@ -347,7 +370,7 @@ def test_a_request_that_needs_host_tokens_arriving_mid_run_ends_the_early_launch
     got, llm = run(True)
     assert got == want
     assert sum(reason == "stop" for _, reason in want.values()) >= 3
-    assert llm.engine.executor.num_early_launches > 0
+    assert llm.engine.executor.num_early_launches > 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned copies and events: needs a GPU")
@@ -368,6 +391,22 @@ def test_on_cuda_with_graphs_the_tokens_are_those_without():
     got, llm = _generate("vllm", True, params, **options)
     assert llm.engine.executor.graphs is not None
     _assert_same(got, want)
+    assert llm.engine.executor.num_early_launches > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned copies and events: needs a GPU")
+def test_on_cuda_grammars_give_the_tokens_they_give_without(chat_model_dir):
+    """On CUDA (the grammar's bitmask copied from pinned memory while the forward pass runs): the tokens
+    and texts of requests with grammars among plain ones as without async scheduling."""
+    pytest.importorskip("triton")
+    params = [SamplingParams(max_tokens=16, structured_outputs=g) for g in GRAMMARS] + [SamplingParams(max_tokens=12)]
+    prompts = ["Hello there", "Is it?", "Say yes or no", "One more thing"]
+    options = dict(device="cuda", dtype="float32", attention_backend="triton", kv_capacity_tokens=4096)
+    outputs = {}
+    for async_scheduling in (False, True):
+        llm = LLM(str(chat_model_dir), "vllm", async_scheduling=async_scheduling, **options)
+        outputs[async_scheduling] = [(o.outputs[0].token_ids, o.outputs[0].text) for o in llm.generate(prompts, params)]
+    assert outputs[True] == outputs[False]
     assert llm.engine.executor.num_early_launches > 0
 
 

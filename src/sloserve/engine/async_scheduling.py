@@ -17,11 +17,13 @@ tokens reached the host (``EngineExecutor._accept``, ``LLMEngine.take_finished``
 Log-probabilities (of the sampled tokens and of prompt positions) are computed on the device too and
 come back with the tokens (``PendingLogprobs``); the score controls that read a request's tokens take
 its last one on the device (the penalties count it there, ``min_tokens`` counts it, a bad word of
-several tokens matches it there, the tokens before it on the host). A step runs synchronously (its
-tokens on the host before it returns, as without async scheduling) where a token's value is needed on
-the host before the next launch: a request with a grammar (its matcher takes each token) is in the
-engine, a chunk of several tokens needs the last step's token (a preempted request's refill), or the
-executor keeps a step log (its steps' times must be their own).
+several tokens matches it there, the tokens before it on the host). A grammar's matcher takes each
+token on the host before it masks the next step's scores: a step with such a request waits for the
+step before's tokens after its forward pass is launched and before it samples (vLLM v1 fills its
+grammar bitmasks so too), so its forward pass still overlaps the wait. A step runs synchronously (its
+tokens on the host before it returns, as without async scheduling) only where a chunk of several
+tokens needs the last step's token (a preempted request's refill), or where the executor keeps a step
+log (its steps' times must be their own).
 
 NOTE: a copy from pageable host memory to the GPU waits for every kernel queued before it, which would
 make the host wait for step t while it prepares step t+1; so a step's inputs go to the device from

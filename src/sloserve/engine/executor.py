@@ -108,8 +108,6 @@ class EngineExecutor:
         self.async_scheduling = False
         self.num_early_launches = 0  # steps launched before the step before's tokens were on the host
         self.in_flight: SampledOnDevice | None = None  # the last step's tokens, still on the device
-        # Requests whose sequences need their tokens on the host before the next step (async_scheduling.py)
-        self._needs_host_tokens: set[Request] = set()
         # Requests a token brought back late ended, that the scheduler has not heard of yet: they end
         # (uncomputed, as an aborted request) in the next step that schedules them
         self._stopped: set[Request] = set()
@@ -152,10 +150,6 @@ class EngineExecutor:
             prompt_logprobs=None if params.prompt_logprobs is None else [],
             matcher=None if params.grammar is None else self.grammar_matchers.matcher(params.grammar),
         )
-        # NOTE: a grammar's matcher reads the last token on the host; the score controls and the
-        # log-probabilities do without it (async_scheduling.py)
-        if params.grammar is not None:
-            self._needs_host_tokens.add(request)
 
     @torch.inference_mode()
     def execute(
@@ -229,7 +223,7 @@ class EngineExecutor:
             self._add_cohort(cohort.members, tokens, positions, decodes, samplers, skipped, late)
         self.during_forward_exposed_s = 0.0
         seqs = [self.sequences[r] for r, _ in samplers]
-        launched = None
+        launched, ended_early = None, None
         if tokens:
             # NOTE: built before the forward pass: a copy to the device after its launch waits for it
             rows = index_tensor([i for _, i in samplers], self.device)  # (N,)
@@ -242,6 +236,12 @@ class EngineExecutor:
                 self._overlap(self.during_forward)
             logits = self.model.compute_logits(hidden[rows]).float()  # (N, vocab)
             params = [s.params for s in seqs]
+            if pipelined and before is not None and any(s.matcher is not None for s in seqs):
+                # A grammar's matcher takes the step before's tokens before it masks this step's scores:
+                # they are waited for now, while this step's forward pass runs (vLLM v1 fills its grammar
+                # bitmasks so too), and are then all on the host.
+                ended_early = self.resolve()
+                late = []  # (for the score controls: no row's last token is still on the device)
             scores = self._controlled(logits, seqs, lambda: self._late_rows(samplers, late, late_tokens))
             sampled = sample_on_device(scores, params, [s.generator for s in seqs])  # (N,)
             logprobs = self._logprobs_on_device(logits, seqs, sampled)
@@ -254,7 +254,7 @@ class EngineExecutor:
                 _append_prompt_logprobs(prompt_logprobs)
         ended_before = self._end_skipped(skipped)
         if pipelined:
-            finished = self._finish_early(samplers, seqs, ended_before)
+            finished = self._finish_early(samplers, seqs, ended_before, ended_early)
             self.in_flight = launched
             if self.during_forward is not None:  # NOTE: after the step before's tokens came back
                 self._overlap(self.during_forward)
@@ -273,22 +273,23 @@ class EngineExecutor:
         """Whether ``output`` may be launched before the step before's tokens are on the host."""
         if self.step_log is not None:
             return False
-        if self._needs_host_tokens:  # NOTE: the released ones leave it
-            self._needs_host_tokens = {r for r in self._needs_host_tokens if r in self.sequences}
-            if self._needs_host_tokens:
-                return False
         before = self.in_flight
         # NOTE: a chunk of several tokens that needs the token still on the device (a refill) waits for it
         return before is None or not any(n > 1 and r in before.rows for r, n in output.chunks)
 
     def _finish_early(
-        self, samplers: list[tuple[Request, int]], seqs: list[Sequence], ended_before: list[Request]
+        self,
+        samplers: list[tuple[Request, int]],
+        seqs: list[Sequence],
+        ended_before: list[Request],
+        ended_early: list[Request] | None = None,
     ) -> list[Request]:
-        """A step launched early: the step before's tokens back on the host. Returns the requests whose
+        """A step launched early: the step before's tokens back on the host (``ended_early``: the
+        requests they ended, when they came back before this step sampled). Returns the requests whose
         token of this step is their ``max_tokens``-th, by count (that token comes back with the next
         step); adds to ``ended_before`` those the step before's tokens ended that this step ran (the
         token it gave them is dropped; those it did not run end when a step schedules them)."""
-        ended = set(self.resolve())
+        ended = set(self.resolve() if ended_early is None else ended_early)
         finished = []
         for (request, _), seq in zip(samplers, seqs, strict=True):
             if request in ended:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from sloserve.core.errors import ConfigError
+from sloserve.engine.async_scheduling import index_tensor, to_device
 
 # How the JSON is laid out: the separators of Python's json.dumps and no other whitespace. NOTE:
 # llguidance's default lets whitespace run freely between tokens, and a weak model (or a random one)
@@ -154,10 +155,11 @@ class GrammarMatchers:
         bitmask = allocate_token_bitmask(len(rows), self.vocab_size)  # (R, ceil(vocab / 32)) int32
         for i, matcher in enumerate(matchers):
             fill_next_token_bitmask(matcher, bitmask, i)
-        words = torch.from_numpy(bitmask).to(scores.device)
+        # NOTE: from pinned memory without blocking: with async scheduling the forward pass is still running
+        words = to_device(torch.from_numpy(bitmask), scores.device)
         shifts = torch.arange(32, dtype=torch.int32, device=scores.device)
         allowed = ((words[:, :, None] >> shifts) & 1).bool().reshape(len(rows), -1)[:, : scores.shape[1]]  # (R, vocab)
-        index = torch.tensor(rows, dtype=torch.int64, device=scores.device)
+        index = index_tensor(rows, scores.device)
         scores[index] = scores[index].masked_fill(~allowed, -math.inf)
 
 
