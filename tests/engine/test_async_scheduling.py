@@ -208,6 +208,46 @@ def test_grammars_take_the_tokens_before_this_step_samples_and_launch_early(chat
     assert re.fullmatch("[a-z]{2,6}( [a-z]{2,6}){0,3}", words)  # (max_tokens may cut it)
 
 
+@pytest.mark.parametrize("scheduler", ["vllm", "bros"])
+def test_stop_strings_end_the_text_as_without(scheduler):
+    """Stop strings (found by ``LLM``'s detokenizer on the host, a step after their token was sampled;
+    the policy finishes a request at its ``max_tokens``-th token a step before that token is on the
+    host): one completed by a request's last token, one by the token before it (the engine samples one
+    more before it hears), others anywhere: every text, its tokens (and their logprobs) up to the stop,
+    finish and stop reason as without async scheduling."""
+    params = SamplingParams(max_tokens=30)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    llm = LLM("random:tiny-llama", scheduler)
+    plain = [o.outputs[0] for o in llm.generate(prompts, params)]
+    decode = llm.engine.loaded.tokenizer.decode
+
+    def ending(ids: list[int]) -> str | None:
+        """The text's last character, if whole (not a random byte's replacement) and nowhere before it."""
+        text = decode(ids)
+        return text[-1] if text and text[-1] != "\ufffd" and text.find(text[-1]) == len(text) - 1 else None
+
+    whole = [o for o in plain if len(o.token_ids) == 30]
+    last = next(o for o in whole if ending(o.token_ids) and ending(o.token_ids) not in decode(o.token_ids[:-1]))
+    before_last = next(o for o in whole if o is not last and ending(o.token_ids[:-1]))
+    stops = [ending(last.token_ids), ending(before_last.token_ids[:-1])]
+    before = (decode(last.token_ids)[:-1], decode(before_last.token_ids[:-1])[:-1])  # (their texts before them)
+    stops += [o.text[3:5] for o in plain if len(o.text) > 8 and "\ufffd" not in o.text[3:5]]
+    stops = [s for s in stops if s not in before[0] and s not in before[1]]
+    outputs = {}
+    for async_scheduling in (False, True):
+        llm = LLM("random:tiny-llama", scheduler, async_scheduling=async_scheduling)
+        got = llm.generate(prompts, dataclasses.replace(params, stop=stops, logprobs=1))
+        assert all(len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids) for o in got)
+        outputs[async_scheduling] = [
+            (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+            for o in got
+        ]
+    assert outputs[True] == outputs[False]
+    assert (last.token_ids, before[0], "stop", stops[0]) in outputs[False]
+    assert (before_last.token_ids[:-1], before[1], "stop", stops[1]) in outputs[False]
+    assert sum(reason == "stop" for _, _, reason, _ in outputs[False]) >= 4
+
+
 def test_aborts_between_steps_free_the_kv_and_leave_the_others_exact():
     """A request aborted while its last token is on the device ends with "abort"; the others as without."""
 

@@ -182,8 +182,9 @@ class LLM:
         watched = dict(stops)  # the sequences whose text may still hold a stop string
         with _progress_bar(sum(len(rs) for rs in sequences), enabled=use_tqdm) as advance:
             while engine.has_unfinished():
-                advance(len(engine.step()))
-                self._end_stopped(watched)
+                done = engine.step()
+                advance(len(done))
+                self._end_stopped(watched, done)
         outputs = []
         for requests, (text, ids) in zip(sequences, encoded, strict=True):
             completions = [self._completion(j, r, stops.get(r)) for j, r in enumerate(requests)]
@@ -248,16 +249,20 @@ class LLM:
             for i in range(len(encoded))
         ]
 
-    def _end_stopped(self, watched: dict[Request, Detokenizer]) -> None:
-        """After a step: the watched sequences whose text now holds a stop string are dropped by the
-        engine (their next step frees them); a sequence leaves ``watched`` once stopped or finished."""
+    def _end_stopped(self, watched: dict[Request, Detokenizer], done: list[Request]) -> None:
+        """After a step that returned ``done``: the watched sequences whose text now holds a stop string
+        are dropped by the engine (their next step frees them); a sequence leaves ``watched`` once
+        stopped or returned. NOTE: returned, not finished: with async scheduling the policy finishes a
+        request at its ``max_tokens``-th token a step before that token is on the host, and a stop
+        string it completes still ends the text there ("stop", as vLLM's)."""
+        returned = set(done)
         for request, detokenizer in list(watched.items()):
             new = self.engine.output_token_ids(request)[len(detokenizer.token_ids) :]
             if new:
-                detokenizer.push(new, finished=request.is_finished)
+                detokenizer.push(new, finished=request in returned)
             if detokenizer.stopped and not request.is_finished:
                 self.engine.abort(request)
-            if detokenizer.stopped or request.is_finished:
+            if detokenizer.stopped or request in returned:
                 del watched[request]
 
     def chat(
@@ -309,15 +314,20 @@ class LLM:
     ) -> tuple[CompletionOutput, list[Logprobs | None] | None]:
         """A finished sequence's output (its engine state released), and its prompt logprobs."""
         seq = self.engine.release(request)
+        ids, logprobs = seq.output_token_ids, seq.logprobs
         if detokenizer is not None and detokenizer.stopped:
             text, reason, stop_reason = detokenizer.text, "stop", detokenizer.stop_reason
+            # NOTE: up to the token the stop string was found at: the engine may have sampled more before
+            # it heard (with async scheduling, the token its policy finished it on by count)
+            ids = ids[: len(detokenizer.token_ids)]
+            logprobs = None if logprobs is None else logprobs[: len(ids)]
         else:  # NOTE: the text as the server's detokenizer gives it
-            ids, eos = seq.output_token_ids, self.engine.executor.eos_token_ids
+            eos = self.engine.executor.eos_token_ids
             stop_token = seq.params.ended_on_stop_token(seq.finish_reason, ids, eos)
             decoded = Detokenizer.for_params(self.loaded.tokenizer, seq.params).push(ids, True, stop_token)
             text, reason, stop_reason = decoded, seq.finish_reason or "length", seq.stop_reason
-        cumulative = None if seq.logprobs is None else cumulative_logprob(seq.logprobs)
-        completion = CompletionOutput(index, text, seq.output_token_ids, reason, seq.logprobs, cumulative, stop_reason)
+        cumulative = None if logprobs is None else cumulative_logprob(logprobs)
+        completion = CompletionOutput(index, text, ids, reason, logprobs, cumulative, stop_reason)
         return completion, None if seq.prompt_logprobs is None else [None, *seq.prompt_logprobs]
 
 
