@@ -1,7 +1,7 @@
 """Async scheduling (``engine/async_scheduling.py``): steps launched before the step before's tokens are on
 the host give every request the tokens and the finish it gets without, under every registered policy,
-through stops found a step late (stop tokens), seeded sampling, preemption and aborts; log-probabilities
-and score controls come out as without it; a grammar's matcher takes the step before's tokens before the
+through stops found a step late (stop tokens, stop strings), seeded sampling, preemption and aborts, and
+for any mix of sampling options; log-probabilities and score controls come out as without it; a grammar's matcher takes the step before's tokens before the
 step samples; the served engine's loop publishes every token once."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -299,6 +301,63 @@ def test_a_request_counts_the_tokens_it_keeps(scheduler):
     del want[4], got[4], want_no_tpot[4], got_no_tpot[4]  # (aborted: its tokens may differ by the one in flight)
     assert got == want and got_no_tpot == want_no_tpot
     assert 1 in want, "a request that a stop token ended after one token (no TPOT)"
+
+
+_token = st.integers(0, 511)
+SAMPLING_OPTIONS = st.fixed_dictionaries(
+    {"max_tokens": st.sampled_from([1, 2, 5, 9, 17, 25])},
+    optional={
+        "temperature": st.sampled_from([0.0, 0.7, 1.0]),
+        "seed": st.integers(0, 99),
+        "stop_token_ids": st.builds(
+            lambda first, step: list(range(first, 512, step)), st.integers(0, 4), st.sampled_from([7, 11, 17])
+        ),
+        "min_tokens": st.integers(0, 5),
+        "logprobs": st.sampled_from([0, 2]),
+        "prompt_logprobs": st.just(1),
+        "repetition_penalty": st.sampled_from([0.8, 1.3]),
+        "frequency_penalty": st.sampled_from([-1.0, 0.5]),
+        "presence_penalty": st.sampled_from([-0.5, 0.3]),
+        "bad_words_token_ids": st.lists(
+            st.lists(_token, min_size=1, max_size=3).map(tuple), min_size=1, max_size=3
+        ).map(tuple),
+        "logit_bias": st.dictionaries(_token, st.sampled_from([-100.0, 5.0]), min_size=1, max_size=3),
+        "n": st.just(2),
+        "ignore_eos": st.just(True),
+    },
+)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    scheduler=st.sampled_from(scheduler_names()),
+    kv_capacity_tokens=st.sampled_from([96, 2048]),
+    options=st.lists(SAMPLING_OPTIONS, min_size=len(PROMPTS), max_size=len(PROMPTS)),
+)
+def test_any_mix_of_sampling_options_gives_what_it_gives_without(scheduler, kv_capacity_tokens, options):
+    """Each prompt with its own draw of sampling options, under a policy and a KV size drawn too (96
+    tokens: preemptions): every sequence's tokens, finish and stop reason, and its log-probabilities'
+    tokens and ranks, as without async scheduling; all KV freed."""
+    params = [SamplingParams(**{**o, "min_tokens": min(o.get("min_tokens", 0), o["max_tokens"])}) for o in options]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    got = {}
+    for async_scheduling in (False, True):
+        llm = LLM(
+            "random:tiny-llama",
+            scheduler,
+            async_scheduling=async_scheduling,
+            kv_capacity_tokens=kv_capacity_tokens,
+            block_size=4,
+        )
+        got[async_scheduling] = [
+            [
+                (c.token_ids, c.finish_reason, c.stop_reason, c.logprobs and [(x.token_id, x.rank) for x in c.logprobs])
+                for c in o.outputs
+            ]
+            for o in llm.generate(prompts, params)
+        ]
+        assert llm.engine.scheduler.kv.allocated_tokens == 0
+    assert got[True] == got[False]
 
 
 @pytest.mark.parametrize("overlap_publish", [False, True])
