@@ -1,8 +1,9 @@
 """Async scheduling (``engine/async_scheduling.py``): steps launched before the step before's tokens are on
 the host give every request the tokens and the finish it gets without, under every registered policy,
 through stops found a step late (stop tokens, stop strings), seeded sampling, preemption and aborts, and
-for any mix of sampling options; log-probabilities and score controls come out as without it; a grammar's matcher takes the step before's tokens before the
-step samples; the served engine's loop publishes every token once."""
+for any mix of sampling options; log-probabilities and score controls come out as without it; a
+grammar's matcher takes the step before's tokens before the step samples; the served engine's loop
+publishes every token once."""
 
 from __future__ import annotations
 
