@@ -325,6 +325,7 @@ SAMPLING_OPTIONS = st.fixed_dictionaries(
         "logit_bias": st.dictionaries(_token, st.sampled_from([-100.0, 5.0]), min_size=1, max_size=3),
         "n": st.just(2),
         "ignore_eos": st.just(True),
+        "stop": st.lists(st.sampled_from("abcdefghijklmnopqrstuvwxyz0123456789"), min_size=1, max_size=4),
     },
 )
 
@@ -336,9 +337,9 @@ SAMPLING_OPTIONS = st.fixed_dictionaries(
     options=st.lists(SAMPLING_OPTIONS, min_size=len(PROMPTS), max_size=len(PROMPTS)),
 )
 def test_any_mix_of_sampling_options_gives_what_it_gives_without(scheduler, kv_capacity_tokens, options):
-    """Each prompt with its own draw of sampling options, under a policy and a KV size drawn too (96
-    tokens: preemptions): every sequence's tokens, finish and stop reason, and its log-probabilities'
-    tokens and ranks, as without async scheduling; all KV freed."""
+    """Each prompt with its own draw of sampling options (stop strings among them), under a policy and a
+    KV size drawn too (96 tokens: preemptions): every sequence's tokens, text, finish and stop reason,
+    and its log-probabilities' tokens and ranks, as without async scheduling; all KV freed."""
     params = [SamplingParams(**{**o, "min_tokens": min(o.get("min_tokens", 0), o["max_tokens"])}) for o in options]
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     got = {}
@@ -352,7 +353,13 @@ def test_any_mix_of_sampling_options_gives_what_it_gives_without(scheduler, kv_c
         )
         got[async_scheduling] = [
             [
-                (c.token_ids, c.finish_reason, c.stop_reason, c.logprobs and [(x.token_id, x.rank) for x in c.logprobs])
+                (
+                    c.token_ids,
+                    c.text,
+                    c.finish_reason,
+                    c.stop_reason,
+                    c.logprobs and [(x.token_id, x.rank) for x in c.logprobs],
+                )
                 for c in o.outputs
             ]
             for o in llm.generate(prompts, params)
