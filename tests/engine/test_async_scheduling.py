@@ -412,6 +412,37 @@ def test_the_served_engine_core_publishes_every_token_once(overlap_publish):
     assert engine.executor.num_early_launches > 0 and not core.live
 
 
+@pytest.mark.parametrize("overlap_publish", [False, True])
+def test_the_served_engine_core_with_grammars_publishes_what_offline_gives(chat_model_dir, overlap_publish):
+    """``serve``'s engine loop with async scheduling and requests with grammars among plain ones (the
+    step before's tokens taken back before a step samples, its news published after the step or during
+    the next one's forward pass): every request's tokens and finish through the pipe, once each, as
+    offline without async scheduling; steps launched early."""
+    params = [SamplingParams(max_tokens=16, structured_outputs=g) for g in GRAMMARS] + [
+        SamplingParams(max_tokens=10, temperature=0.8, seed=3),
+        SamplingParams(max_tokens=12, stop_token_ids=list(range(3, 300, 11))),
+    ]
+    prompts = [[1, 40 + i, 41, 42] for i in range(len(params))]
+    llm = LLM(str(chat_model_dir), "vllm", kv_capacity_tokens=2048)
+    want = [
+        (o.outputs[0].token_ids, o.outputs[0].finish_reason)
+        for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    ]
+    engine = EngineSpec(str(chat_model_dir), "vllm", kv_capacity_tokens=2048, async_scheduling=True).build()
+    server, pipe = multiprocessing.Pipe()
+    core = EngineCore(engine, time.perf_counter(), pipe, overlap_publish=overlap_publish)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        core.apply(("add", AddRequest(i, prompt, p, RequestClass.BE, SLO(), core.clock())))
+    sent = CorePipe(server)
+    while engine.has_unfinished():
+        core.run_step()
+        sent.read()
+    core.flush()
+    sent.read()
+    assert [(sent.tokens[i], sent.reasons[i]) for i in range(len(prompts))] == want
+    assert engine.executor.num_early_launches > 0 and not core.live
+
+
 def test_each_request_comes_back_one_step_later_and_only_stopped_ones_run_a_token_more():
     """With the same steps (vLLM's policy, KV to spare), ``step`` returns each request one step after it
     does without async scheduling (its last token comes back during the next step); a request that
