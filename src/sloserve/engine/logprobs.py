@@ -70,7 +70,7 @@ def logprobs_on_device(
 
 
 class PendingLogprobs:
-    """Log-probabilities computed on the device (``sampler.logprobs_on_device``) for ``rows``, each with
+    """Log-probabilities computed on the device (``logprobs_on_device``) for ``rows``, each with
     how many top tokens it asked for and its token (None for the sampled tokens: they come back with
     them); ``found`` is brought to the host with the tokens."""
 

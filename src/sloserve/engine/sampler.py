@@ -254,10 +254,7 @@ def apply_controls(
     if not rows:
         return
     late_rows, late_tokens = late if late is not None else ([], None)
-    num_late = [0] * len(params)  # (N,) output tokens of each row still on the device
-    late_entry = {}  # row -> its entry of ``late_tokens``
-    for at, i in enumerate(late_rows):
-        num_late[i], late_entry[i] = 1, at
+    late_entry = {i: at for at, i in enumerate(late_rows)}  # row -> its entry of ``late_tokens`` (its last token)
     allowing = [i for i in rows if params[i].allowed_token_ids]
     if allowing:  # every score but the allowed tokens' to -inf
         barred = torch.ones(len(allowing), vocab, dtype=torch.bool, device=device)  # (A, vocab)
@@ -286,7 +283,7 @@ def apply_controls(
         bar = torch.zeros(len(banned_if_last), device=device).masked_fill(last_is, -math.inf)  # (C,)
         logits.index_put_(tuple(where), bar, accumulate=True)
     # min_tokens, then logit_bias: a handful of scores per row, set or added at once
-    masked = [(i, t) for i in rows if len(token_ids[i]) + num_late[i] - num_prompt_tokens[i] < params[i].min_tokens
+    masked = [(i, t) for i in rows if len(token_ids[i]) + (i in late_entry) - num_prompt_tokens[i] < params[i].min_tokens
               for t in (*eos_token_ids, *params[i].stop_token_ids)]  # fmt: skip
     if masked:
         logits[tuple(index_tensor(masked, device).T)] = -math.inf
@@ -299,8 +296,7 @@ def apply_controls(
         return
     index = index_tensor(penalized, device)
     counts = _counts([token_ids[i][num_prompt_tokens[i] :] for i in penalized], vocab, device)  # (R, vocab)
-    row_of = {i: r for r, i in enumerate(penalized)}
-    in_flight = [(row_of[i], at) for at, i in enumerate(late_rows) if i in row_of]  # (row of counts, of late)
+    in_flight = [(r, late_entry[i]) for r, i in enumerate(penalized) if i in late_entry]  # (row of counts, of late)
     if in_flight:  # NOTE: one token each, added on the device
         where = index_tensor([r for r, _ in in_flight], device)
         counts[where, late_tokens[index_tensor([at for _, at in in_flight], device)]] += 1
