@@ -14,8 +14,9 @@ context; PyTorch's elementwise kernels), with flash decoding's splits of the con
 (``triton_attention.decode_splits``), and with the fused rotary, SiLU and add-and-RMSNorm kernels too (``fused_ops``).
 A prompt's prefill runs with the prefill kernel and dense (one SDPA call a prompt,
 ``TritonAttention.dense_prefill_min_tokens``), side by side. Eager steps, the prefills' other kernels, mixed
-and profiled steps run as the environment sets the engine (``SLOSERVE_DECODE_SPLITS``,
-``SLOSERVE_FUSED_KERNELS``, ``SLOSERVE_DENSE_PREFILL``: off unless set; ``gpu_session.sh`` sets them on).
+and profiled steps run as the environment sets the engine (split decodes unless ``SLOSERVE_DECODE_SPLITS=1``,
+the fused kernels unless ``SLOSERVE_FUSED_KERNELS=0``, dense prefills if ``SLOSERVE_DENSE_PREFILL=1``;
+``gpu_session.sh`` sets them all on).
 
 MBU = (weight bytes + KV bytes read) per decode step / step time / HBM bandwidth (the datasheet's,
 and the device-to-device copy bandwidth measured here, in brackets).

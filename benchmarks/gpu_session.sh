@@ -41,10 +41,10 @@
 # install them with --target, and put that folder on PYTHONPATH (its bin/ on PATH) before calling
 # this script; src/ is put in front of whatever PYTHONPATH holds. The first run of the tests compiles
 # the Triton kernels (about 40 s more).
-# The call prepared on 2026-11-27 (not yet run):
+# The call prepared on 2026-11-29 (benchmarks/RESULTS.md, "The next GPU session"):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH || exit
-#   TESTS_S=150 SPEED_S=240 SERVE_S=190 bash benchmarks/gpu_session.sh all
+#   TESTS_S=210 SPEED_S=90 SERVE_S=120 COMPILE_S=150 bash benchmarks/gpu_session.sh all
 # Every stage's output goes to $OUT/session.log ($OUT: the device tool's output folder; else ./gpu-logs),
 # beside issue 43's figures (figures.jsonl, printed as a table at the end of `all`), the serve stage's
 # py-spy stacks and the fidelity stage's profile, preset, engine figures and the engine runs' steps (a
@@ -58,10 +58,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-# Issue 43's kernels and graphs (flash decoding's splits, the fused elementwise kernels, long fresh
-# prompts' dense attention, piecewise CUDA graphs for steps with a prefill) and the served engine's
-# publishing during the next forward pass are off by default until a GPU session has checked and
-# timed them: every stage here runs with them on.
+# Issue 43's kernels and graphs: flash decoding's splits and the fused elementwise kernels are the
+# engine's defaults since the second GPU session (2026-11-29); long fresh prompts' dense attention,
+# piecewise CUDA graphs for steps with a prefill and the served engine's publishing during the next
+# forward pass are off by default until one has checked and timed them: every stage here runs with
+# them all on.
 export SLOSERVE_DECODE_SPLITS=${SLOSERVE_DECODE_SPLITS:-auto} SLOSERVE_FUSED_KERNELS=${SLOSERVE_FUSED_KERNELS:-1}
 export SLOSERVE_DENSE_PREFILL=${SLOSERVE_DENSE_PREFILL:-1} SLOSERVE_PIECEWISE_GRAPHS=${SLOSERVE_PIECEWISE_GRAPHS:-1}
 export SLOSERVE_OVERLAP_PUBLISH=${SLOSERVE_OVERLAP_PUBLISH:-1}
@@ -103,7 +104,8 @@ case "${1:-}" in
   tests)
     # (piecewise graphs off but in their own test: every engine the tests make would capture them; the
     # compiled pieces' tests compile for a minute: the compile stage runs them)
-    SLOSERVE_PIECEWISE_GRAPHS=0 python3 -m pytest -p no:cacheprovider -rs tests/engine/test_triton_attention.py tests/engine/test_fused_ops.py \
+    # (-vv: each test's name as it ends, so that a run cut at the stage's limit still says what passed)
+    SLOSERVE_PIECEWISE_GRAPHS=0 python3 -m pytest -p no:cacheprovider -vv -rfEs --tb=short tests/engine/test_triton_attention.py tests/engine/test_fused_ops.py \
       tests/engine/test_cuda_graphs.py tests/engine/test_piecewise_graphs.py tests/engine/test_attention.py \
       tests/engine/test_engine.py tests/engine/test_async_scheduling.py -k "not compiled" 2>&1 | tee -a "$log"
     ;;

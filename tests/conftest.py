@@ -28,6 +28,11 @@ except ImportError:
 else:
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    elif int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        # On a GPU each engine without a KV capacity takes 90% of the memory free (as vLLM): the workers
+        # share the GPU, so each may take its share and no more (the engine sizes its KV cache within it;
+        # seen on an H200, 2026-11-29: the workers took it from each other, 15 tests ran out of memory).
+        torch.cuda.set_per_process_memory_fraction(1 / int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -46,7 +51,7 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def chat_model_dir(tmp_path_factory) -> Path:
     """A tiny Llama saved as an HF directory with a trained BPE tokenizer and a chat template."""
-    from served_model import make_chat_model
+    from chat_model import make_chat_model
 
     return make_chat_model(tmp_path_factory.mktemp("hf-chat"))
 
@@ -54,7 +59,7 @@ def chat_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def thinking_model_dir(tmp_path_factory) -> Path:
     """``chat_model_dir`` with ``<think>`` and ``</think>`` as tokens of its vocabulary (not special ones)."""
-    from served_model import make_chat_model
+    from chat_model import make_chat_model
 
     return make_chat_model(tmp_path_factory.mktemp("hf-thinking"), think_tokens=True)
 

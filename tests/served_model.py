@@ -1,10 +1,8 @@
-"""A served tiny model for the server tests: a random Llama saved as an HF directory with a trained
-BPE tokenizer and a chat template (``make_chat_model``), and ``make_app`` under a real uvicorn on a
-free loopback port (``Server``)."""
+"""The server tests' served model: ``make_app`` under a real uvicorn on a free loopback port (``Server``),
+on the tiny chat model of ``chat_model.py``."""
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import time
@@ -14,78 +12,12 @@ import httpx
 import openai
 import uvicorn
 
-from hf_models import VOCAB, hf_model
 from sloserve import LLM, SamplingParams
 from sloserve.bench.client import free_loopback_port
 from sloserve.engine.engine_core import EngineSpec
 from sloserve.server.serve import ServeOptions, make_app, uvicorn_config
 
-CHAT_TEMPLATE = """{{ bos_token }}
-{% if tools %}
-<|tools|>
-{{ tools | map(attribute='function') | map(attribute='name') | list | tojson(separators=(',', ':')) }}{{ eos_token }}
-{% endif %}
-{% for message in messages %}
-    {% if message['role'] == 'system' and not loop.first %}
-        {{ raise_exception('the system message must come first') }}
-    {% endif %}
-<|{{ message['role'] }}|>
-{{ message['content'] }}
-{%- for call in message.tool_calls or [] %}<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}
-{%- if message.tool_call_id %} ({{ message.tool_call_id }}){% endif %}{{ eos_token }}
-{% endfor %}
-{% if add_generation_prompt %}
-<|assistant|>
-{% endif %}"""
-CORPUS = [
-    "Hello world, how are you today?",
-    "The quick brown fox jumps over the lazy dog.",
-    "Serving language models is about latency and throughput.",
-] * 20
 MODEL = "tiny"
-THINK_TOKENS = ("<think>", "</think>")
-
-
-def make_chat_model(path: Path, think_tokens: bool = False) -> Path:
-    """A tiny Llama with a byte-level BPE tokenizer (BOS added), tokenizer_config.json and a chat
-    template, saved in ``path`` (the ``chat_model_dir`` fixture of conftest.py). ``think_tokens``: the
-    vocabulary has ``<think>`` and ``</think>`` as added tokens that are not special (as Qwen3's and
-    DeepSeek-R1's)."""
-    from tokenizers import (
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
-
-    hf_model("llama").save_pretrained(path)
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    added = ["<unk>", "<s>", "</s>", *(THINK_TOKENS if think_tokens else ())]
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=added, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    saved = json.loads(tok.to_str())
-    for token in saved["added_tokens"]:
-        token["special"] = token["content"] not in THINK_TOKENS
-    (path / "tokenizer.json").write_text(json.dumps(saved))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-                "unk_token": "<unk>",
-                "chat_template": CHAT_TEMPLATE,
-            }
-        )
-    )
-    return path
 
 
 class Server:

@@ -548,13 +548,16 @@ def test_on_cuda_grammars_give_the_tokens_they_give_without(chat_model_dir):
     assert llm.engine.executor.num_early_launches > 0
 
 
-def test_it_is_off_unless_switched_on_and_never_on_by_default_on_the_cpu(monkeypatch):
-    """``SLOSERVE_ASYNC_SCHEDULING=1`` turns it on for engines on CUDA (a profile's preset then prices the
-    host's share as overlapped); on the CPU the forward pass is the host's own work; a bad value is
-    refused naming the variable."""
+def test_it_is_on_on_cuda_unless_switched_off_and_never_on_by_default_on_the_cpu(monkeypatch):
+    """Engines on CUDA schedule asynchronously unless ``SLOSERVE_ASYNC_SCHEDULING=0`` (a profile's preset
+    then prices the host's share as overlapped); on the CPU the forward pass is the host's own work; a
+    bad value is refused naming the variable."""
     loaded = load_model("random:tiny-llama")
     on_cuda = dataclasses.replace(loaded, device=torch.device("cuda"))
-    assert not default_async_scheduling(loaded) and not default_async_scheduling(on_cuda)
+    monkeypatch.delenv("SLOSERVE_ASYNC_SCHEDULING", raising=False)
+    assert default_async_scheduling(on_cuda) and not default_async_scheduling(loaded)
+    monkeypatch.setenv("SLOSERVE_ASYNC_SCHEDULING", "0")
+    assert not default_async_scheduling(on_cuda)
     monkeypatch.setenv("SLOSERVE_ASYNC_SCHEDULING", "1")
     assert default_async_scheduling(on_cuda) and not default_async_scheduling(loaded)
     assert not LLMEngine(loaded, kv_capacity_tokens=256).executor.async_scheduling

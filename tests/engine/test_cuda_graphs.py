@@ -21,6 +21,7 @@ from sloserve.core.request import Request  # noqa: E402
 from sloserve.engine.attention import AttentionMetadata  # noqa: E402
 from sloserve.engine.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
 from sloserve.engine.kv_cache import KVCacheTensor  # noqa: E402
+from sloserve.engine.llm_engine import default_async_scheduling  # noqa: E402
 from sloserve.engine.loader import load_model  # noqa: E402
 from sloserve.kv.manager import PagedKVManager  # noqa: E402
 
@@ -123,7 +124,9 @@ def test_engine_on_padded_graph_buffers_gives_the_eager_tokens(backend, schedule
     engine.executor.graphs = graphs
     assert generate_greedy(llm) == expected
     assert sizes and max(sizes) <= 6 and len(set(sizes)) > 1
-    assert (engine.executor.num_early_launches > 0) == options.get("async_scheduling", False)
+    assert (engine.executor.num_early_launches > 0) == options.get(
+        "async_scheduling", default_async_scheduling(llm.loaded)
+    )
     if "preemption_mode" in options:
         assert engine.scheduler.num_preemptions > 0
 

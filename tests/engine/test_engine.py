@@ -194,6 +194,27 @@ def test_dense_prefills_give_hf_greedy_tokens(hf_dirs, arch, monkeypatch):
     assert dense_calls and tokens == reference(arch)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the default KV cache on CUDA")
+def test_on_cuda_the_default_kv_cache_fits_in_the_processs_memory_share(hf_dirs):
+    """A process held to a share of the GPU (``torch.cuda.set_per_process_memory_fraction``, as engines
+    sharing one GPU are): an engine given no KV capacity takes 90% of what the share leaves, and runs."""
+    from sloserve.engine.llm_engine import kv_bytes_per_token
+
+    before = torch.cuda.get_per_process_memory_fraction()
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_reserved()  # engines of earlier tests not yet collected
+    share_bytes = held + (1 << 30)
+    torch.cuda.set_per_process_memory_fraction(share_bytes / torch.cuda.mem_get_info()[1])
+    try:
+        tokens, llm = _generate(hf_dirs["llama"], "vllm", device="cuda")
+        kv_bytes = llm.engine.scheduler.kv.capacity_tokens * kv_bytes_per_token(llm.loaded)
+        others = torch.cuda.memory_reserved() - kv_bytes  # those, the weights, the steps' activations
+        assert 0.8 * (share_bytes - others) <= kv_bytes <= 0.9 * (share_bytes - held)
+        assert tokens == reference("llama")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before)
+
+
 def test_eos_stops_a_request(hf_dirs, tmp_path):
     """With EOS = the 4th greedy token of prompt 0, that request stops there ('stop'); others run on."""
     ref = reference("llama")

@@ -15,8 +15,8 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")  # transformers reads GGUF files only with it
 
+from chat_model import make_chat_model  # noqa: E402
 from hf_models import VOCAB  # noqa: E402
-from served_model import make_chat_model  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 
 TEXTS = ["Hello world, how are you today?", "The quick brown fox's 12 jumps\n\nover  the dog."]

@@ -17,6 +17,7 @@ from greedy_runs import generate_greedy  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.engine import piecewise_graphs  # noqa: E402
+from sloserve.engine.llm_engine import default_async_scheduling  # noqa: E402
 from sloserve.engine.piecewise_graphs import PiecewiseGraphs, piecewise_graphs_for, token_sizes  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -64,7 +65,8 @@ def test_engine_on_padded_pieces_gives_the_eager_tokens(model, backend, schedule
     llm = LLM(f"random:{model}", scheduler, attention_backend=backend, **options)
     counts = _on_pieces(llm, [8, 16, 40])
     assert generate_greedy(llm) == expected
-    assert (llm.engine.executor.num_early_launches > 0) == options.get("async_scheduling", False)
+    early = options.get("async_scheduling", default_async_scheduling(llm.loaded))
+    assert (llm.engine.executor.num_early_launches > 0) == early
     padded = {llm.engine.executor.piecewise.size_for(n) for n in counts}
     assert len(padded) > 1 and any(n not in padded for n in counts)  # several sizes, padding rows
     if "preemption_mode" in options:

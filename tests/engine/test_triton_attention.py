@@ -167,10 +167,10 @@ def test_the_dense_prefill_setting_comes_from_the_environment(monkeypatch):
 
 
 def test_the_split_setting_comes_from_the_environment(monkeypatch):
-    """Flash decoding is off (one split) unless SLOSERVE_DECODE_SPLITS says auto or a count; a bad
-    value is one clear error."""
+    """Flash decoding picks its splits (None) unless SLOSERVE_DECODE_SPLITS says a count (1: off) or
+    auto; a bad value is one clear error."""
     if "SLOSERVE_DECODE_SPLITS" not in os.environ:  # (gpu_session.sh sets it)
-        assert triton_attention.TritonAttention().num_decode_splits == 1
+        assert triton_attention.TritonAttention().num_decode_splits is None
     for setting, splits in (("1", 1), ("auto", None), ("4", 4)):
         monkeypatch.setattr(triton_attention, "_SPLITS_SETTING", setting)
         assert triton_attention.TritonAttention().num_decode_splits == splits

@@ -21,7 +21,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("multipart")
 
-from served_model import CORPUS, MODEL, Server, generate
+from chat_model import CORPUS
+from served_model import MODEL, Server, generate
 from sloserve.bench.client import free_loopback_port, wait_until_ready
 from sloserve.server.batch_api import BatchLimits
 from sloserve.server.batch_store import FINAL

@@ -223,8 +223,9 @@ def test_a_killed_replica_is_replaced_and_no_request_is_lost(fleet):
     assert 0 < len(failed) < 16, "the streams ran on both replicas: those on the killed one fail, the others not"
     assert all("replica" in str(e) for e in failed), [str(e) for e in failed]
     assert all(r.usage.completion_tokens == 8 for r in after)
-    # NOTE: more requests ended by the kill than streams: batch lines were running on the killed replica
-    assert fleet.metric("sloserve_replica_failures_total", outcome="error") > len(failed)
+    # NOTE: every stream the kill ended is counted, and the batch lines running on the killed replica then,
+    # if any: usually some, but once in a full run beside other tests none were (10 failures, 10 streams)
+    assert fleet.metric("sloserve_replica_failures_total", outcome="error") >= len(failed)
     batch = wait_final(fleet.client, batch.id, timeout_s=120)
     assert batch.status == "completed" and batch.error_file_id is None, batch
     answers = read_jsonl(fleet.client, batch.output_file_id)

@@ -29,9 +29,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sloserve
+from chat_model import CORPUS
 from helpers import llama7b_cost
 from hf_models import VOCAB
-from served_model import CORPUS, MODEL, Server, generate
+from served_model import MODEL, Server, generate
 from sloserve.bench.client import free_loopback_port, wait_until_ready
 from sloserve.engine.chat_template import ChatTemplate
 from sloserve.workload import workload_from_trace

@@ -64,8 +64,8 @@ class EngineSpec:
     # Publish each step's tokens during the next step's forward pass (EngineCore); None: on CUDA where
     # SLOSERVE_OVERLAP_PUBLISH=1 (engine/switches.py: off until a GPU session has timed it)
     overlap_publish: bool | None = None
-    # Launch each step before the step before's tokens are on the host (LLMEngine); None: on CUDA where
-    # SLOSERVE_ASYNC_SCHEDULING=1
+    # Launch each step before the step before's tokens are on the host (LLMEngine); None: on CUDA unless
+    # SLOSERVE_ASYNC_SCHEDULING=0
     async_scheduling: bool | None = None
 
     def build(self):

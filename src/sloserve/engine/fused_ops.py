@@ -9,20 +9,19 @@ microseconds of ramp even inside a CUDA graph, and a layer runs these 13 kernels
 fewer a 32-layer step (benchmarks/engine_speed.py lists where a step's GPU time goes).
 
 NOTE: each kernel rounds where PyTorch's kernels round (every product and sum to the tensor's dtype),
-so on bf16/fp16 the rotary output and the residual sum equal the unfused ones bit for bit; SiLU's
-exponential may differ from PyTorch's in a last place, and the norm's sum of squares is added in
-another order. On float32 the GPU may contract a product and a sum into one fused
-multiply-add (one rounding less).
+so the rotary output (its launch forbids fused multiply-adds) and, on bf16/fp16, the residual sum equal
+the unfused ones bit for bit; SiLU's exponential may differ from PyTorch's in a last place, and the
+norm's sum of squares is added in another order. On float32 the GPU may contract a product and a sum
+into one fused multiply-add (one rounding less).
 
 ``rotary``, ``silu_and_mul``, ``add_rms_norm`` and ``write_kv`` dispatch: the Triton kernel for a CUDA tensor while
 ``ENABLED``, PyTorch elsewhere, and while ``torch.compile`` traces (inductor fuses the PyTorch forms).
 Tests run the kernels on the CPU in Triton's interpreter (``rotary_triton``, ``silu_and_mul_triton``,
 ``add_rms_norm_triton``, ``write_kv_triton``) against the PyTorch forms.
 
-NOTE: off unless ``SLOSERVE_FUSED_KERNELS=1`` is in the environment (``load_model`` refuses a value
-other than 0 or 1): written without a GPU (2026-11-27), they are checked in Triton's interpreter only;
-they become the default once a GPU session has run them against the references and timed them
-(``benchmarks/gpu_session.sh``, which turns them on).
+On unless ``SLOSERVE_FUSED_KERNELS=0`` is in the environment (``load_model`` refuses a value other than
+0 or 1): checked against the references on an H200 (2026-11-29; with the split decodes, a decode step
+1.11-1.30x as fast: benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ try:
 except ImportError:  # the CPU engine never needs them
     triton = None
 
-ENABLED = os.environ.get("SLOSERVE_FUSED_KERNELS") == "1"  # the CUDA path uses the fused kernels
+ENABLED = os.environ.get("SLOSERVE_FUSED_KERNELS", "1") == "1"  # the CUDA path uses the fused kernels
 
 
 def rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -145,8 +144,10 @@ if triton is not None:
         sin2 = tl.load(sin_ptr + token * stride_sin_token + HALF + d, mask=d_ok, other=0.0)[None, :]
         dtype = out_ptr.dtype.element_ty
         # out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); rounded as PyTorch rounds.
-        # The products are rounded to the dtype before the sum (as PyTorch's three kernels), so a
-        # 16-bit result is bit-equal to theirs.
+        # The products are rounded to the dtype before the sum (as PyTorch's three kernels), so the result
+        # is bit-equal to theirs; NOTE: only with the launch's enable_fp_fusion=False (rotary_triton): else
+        # CUDA fuses a product and the sum into one multiply-add, in float32 and across a 16-bit product's
+        # widening alike (seen on an H200, 2026-11-29: one rounding off PyTorch in float32 and float16).
         out1 = (x1 * cos1).to(dtype).to(tl.float32) + ((-x2) * sin1).to(dtype).to(tl.float32)
         out2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
         out_row = out_ptr + (token * num_heads + h[:, None]) * (2 * HALF) + d[None, :]
@@ -243,6 +244,7 @@ def rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
         HALF=hd // 2,
         HALF_PAD=triton.next_power_of_2(hd // 2),
         BLOCK_H=block_h,
+        enable_fp_fusion=False,  # PyTorch's roundings (the kernel's NOTE)
     )
     return out
 

@@ -86,8 +86,8 @@ class LLM:
             conversation resends). ``None`` (the default): on wherever the scheduler supports it, as
             vLLM v1; ``True`` with one that does not is an error.
         async_scheduling: launch each step before the step before's tokens are on the host, as vLLM's
-            ``async_scheduling`` (``async_scheduling.py``). ``None`` (the default): on CUDA where
-            SLOSERVE_ASYNC_SCHEDULING=1.
+            ``async_scheduling`` (``async_scheduling.py``). ``None`` (the default): on CUDA unless
+            SLOSERVE_ASYNC_SCHEDULING=0.
     """
 
     def __init__(

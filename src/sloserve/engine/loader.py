@@ -113,7 +113,7 @@ def load_model(
     dev = resolve_device(device)
     # NOTE: fused_ops reads this switch at import (every kernel call checks ENABLED): a bad value is
     # refused here, when a model is loaded, as the other switches are when their part is built
-    switch("SLOSERVE_FUSED_KERNELS")
+    switch("SLOSERVE_FUSED_KERNELS", default=True)
     path = Path(model).expanduser()
     checkpoint = None
     if model.startswith(RANDOM_PREFIX):

@@ -1,8 +1,10 @@
-"""Switches for the engine's features that were written without a GPU (issue 43): each is off until a
-GPU session has checked and timed it (``benchmarks/gpu_session.sh`` turns them on). One environment
-variable each, read when the part that uses it is built: SLOSERVE_DENSE_PREFILL (TritonAttention),
-SLOSERVE_PIECEWISE_GRAPHS and SLOSERVE_COMPILE_PIECES (``piecewise_graphs_for``), SLOSERVE_OVERLAP_PUBLISH
-(``EngineCore``), SLOSERVE_ASYNC_SCHEDULING (``LLMEngine``)."""
+"""Switches for the engine's features that were written without a GPU (issue 43). Off until a GPU session
+has checked and timed them (``benchmarks/gpu_session.sh`` turns them on): SLOSERVE_DENSE_PREFILL
+(TritonAttention), SLOSERVE_PIECEWISE_GRAPHS and SLOSERVE_COMPILE_PIECES (``piecewise_graphs_for``),
+SLOSERVE_OVERLAP_PUBLISH (``EngineCore``). On since one did (H200, 2026-11-29; benchmarks/RESULTS.md),
+=0 turns them off: SLOSERVE_ASYNC_SCHEDULING (``LLMEngine``, on CUDA), SLOSERVE_FUSED_KERNELS (``load_model``;
+SLOSERVE_DECODE_SPLITS is a count or "auto", ``triton_attention``). One environment variable each, read
+when the part that uses it is built."""
 
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ import os
 from sloserve.core.errors import ConfigError
 
 
-def switch(name: str) -> bool:
-    """Whether the environment variable ``name`` turns its feature on: "1" on, "0" or unset off; any
-    other value is a ConfigError naming the variable and the value."""
-    value = os.environ.get(name, "0")
+def switch(name: str, default: bool = False) -> bool:
+    """Whether the environment variable ``name`` turns its feature on: "1" on, "0" off, unset ``default``;
+    any other value is a ConfigError naming the variable and the value."""
+    value = os.environ.get(name, "1" if default else "0")
     if value not in ("0", "1"):
         raise ConfigError(f"{name} must be 0 or 1, got {value!r}")
     return value == "1"

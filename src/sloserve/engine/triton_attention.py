@@ -58,16 +58,16 @@ MIN_DOT_DIM = 16
 WAVES = 2
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
-# The engine's default: one split (flash decoding off) unless SLOSERVE_DECODE_SPLITS says "auto" (split
-# by ``decode_splits``) or a number. NOTE: written without a GPU (2026-11-27) and checked in Triton's
-# interpreter only; "auto" becomes the default once a GPU session has run the split kernels against the
-# reference and timed them (``benchmarks/gpu_session.sh``, which sets "auto").
-_SPLITS_SETTING = os.environ.get("SLOSERVE_DECODE_SPLITS", "1")
+# The engine's default: splits picked by ``decode_splits`` unless SLOSERVE_DECODE_SPLITS says a number
+# (1: flash decoding off). Checked against the reference and timed on an H200 (2026-11-29: 8 decodes of
+# 32K contexts 2.2x as fast as one split; benchmarks/RESULTS.md).
+_SPLITS_SETTING = os.environ.get("SLOSERVE_DECODE_SPLITS", "auto")
 # A prompt of at least this many tokens with nothing cached before it attends to this step's own K/V
 # only: with SLOSERVE_DENSE_PREFILL=1 it runs as one causal ``scaled_dot_product_attention`` call
 # (FlashAttention on CUDA: contiguous K/V, no slot gather, tiles tuned for the GPU) instead of the prefill
-# kernel. NOTE: written without a GPU (2026-11-28) for issue 43's prefill MFU goal: off until a GPU
-# session has timed it against the kernel (``benchmarks/engine_speed.py``'s prefill rows, both ways).
+# kernel. NOTE: written for issue 43's prefill MFU goal; off: on an H200 (2026-11-29) dense was 5% slower
+# than the kernel at 1,024 tokens and 3-7% faster at 4-8K (``benchmarks/engine_speed.py``'s prefill rows),
+# and its engine-level token test did not get to run there.
 DENSE_PREFILL_MIN_TOKENS = 512
 
 
@@ -429,7 +429,7 @@ class TritonAttention(AttentionBackend):
         self.block_m = block_m
         self.block_n = block_n
         # Splits of each decode's context: None picks them (``decode_splits``); 1 turns flash decoding
-        # off; "env": SLOSERVE_DECODE_SPLITS ("auto" or a number; 1 when unset). Read at each call, so a
+        # off; "env": SLOSERVE_DECODE_SPLITS ("auto" or a number; auto when unset). Read at each call, so a
         # CUDA graph keeps the count it was captured with.
         if num_decode_splits == "env":
             setting = _SPLITS_SETTING
