@@ -13,7 +13,8 @@
 #                                             # contexts, prefill MFU (kernel / dense), small prompts and a
 #                                             # mixed step eager / piecewise (the mixed one against its parts'
 #                                             # rooflines), a decode step's kernels (torch.profiler); then
-#                                             # async_scheduling.py: offline batches of 64 and 256, on / off
+#                                             # decode_attention.py (split count and tile, the kernel alone)
+#                                             # and async_scheduling.py: offline batches of 64 and 256, on / off
 #   bash benchmarks/gpu_session.sh fidelity   # fidelity.py with CUDA graphs: profile, run, simulate;
 #                                             # cost_forms.py on the measured profile and the runs' steps
 #   bash benchmarks/gpu_session.sh infermax   # infermax_engine.py: Figure 9's schedulers at M = 1K and
@@ -44,7 +45,7 @@
 # The call prepared on 2026-11-29 (benchmarks/RESULTS.md, "The next GPU session"):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH || exit
-#   TESTS_S=210 SPEED_S=90 SERVE_S=120 COMPILE_S=150 bash benchmarks/gpu_session.sh all
+#   TESTS_S=210 SPEED_S=150 SERVE_S=120 bash benchmarks/gpu_session.sh all
 # Every stage's output goes to $OUT/session.log ($OUT: the device tool's output folder; else ./gpu-logs),
 # beside issue 43's figures (figures.jsonl, printed as a table at the end of `all`), the serve stage's
 # py-spy stacks and the fidelity stage's profile, preset, engine figures and the engine runs' steps (a
@@ -85,6 +86,7 @@ speed=() fidelity=() layers=32 requests=300
 # The compile stage: engine_speed.py's small prompts and mixed step only
 compile=(--batch-sizes '' --prefill '' --long-batch 0 --profile-kernels '' --no-ceilings --compile-pieces)
 async_ab=(--batches 64,256 --prompt-len 128 --output-len 128 --repeats 2)
+decode_attention=()
 # B = 256: the simulator's ratios at M = 1K are those of B = 1024 within 0.03 (2026-11-26).
 infermax=(--num-requests 256 --capacities 1000,10000)
 if [[ ${SMOKE:-0} == 1 ]]; then
@@ -93,6 +95,7 @@ if [[ ${SMOKE:-0} == 1 ]]; then
   grid=(--prefill-chunks 16,64,256 --context-lens 0,256 --batch-sizes 1,4,16 --decode-kv-lens 64,256 --repeats 2)
   speed=(--batch-sizes 1,8 --kv-len 64 --long-context 512 --long-batch 2 --mixed 64:128:8 --prefill 256
     --small-prompts 64 --repeats 2)
+  decode_attention=(--smoke)
   compile+=(--kv-len 64 --mixed 64:128:8 --small-prompts 64 --repeats 2)
   fidelity=(--max-model-len 1024 --kv-capacity-tokens 65536 --num-requests 20 "${grid[@]}")
   layers=2 requests=20
@@ -112,6 +115,8 @@ case "${1:-}" in
   speed)
     # (engine_speed.py captures the piecewise graphs it compares itself)
     SLOSERVE_PIECEWISE_GRAPHS=0 python3 benchmarks/engine_speed.py "${engine[@]}" "${speed[@]}" 2>&1 | tee -a "$log"
+    # Flash decoding's split count and tile, the decode attention alone (added 2026-11-29, about 50 s)
+    python3 benchmarks/decode_attention.py "${decode_attention[@]}" 2>&1 | tee -a "$log"
     # Async scheduling on / off (issue 43 item 1), after the table: the stage's limit cuts this, not the table
     SLOSERVE_PIECEWISE_GRAPHS=0 python3 benchmarks/async_scheduling.py "${engine[@]}" "${async_ab[@]}" 2>&1 \
       | tee -a "$log"

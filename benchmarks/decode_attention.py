@@ -1,0 +1,155 @@
+"""Flash decoding's split count and tile on the GPU (issue 43): the decode attention alone
+(``TritonAttention.forward`` on a decode-only step), timed for each split count and ``BLOCK_N`` at
+several batches and contexts, to tune ``triton_attention.decode_splits`` (WAVES, MIN_SPLIT_TOKENS) and
+the tile from measurements rather than reasoning.
+
+    python benchmarks/decode_attention.py             # Llama-3-8B's heads (32 query, 8 KV, 128) in bf16, on CUDA
+    python benchmarks/decode_attention.py --smoke     # tiny cases in Triton's interpreter: checks this script
+
+Each case is BATCH decodes of CONTEXT tokens each, in 16-slot blocks at random places of the cache (as
+paged), with the slot table as wide as the batch's longest context (an eager step's) or as
+--max-model-len (a CUDA graph's: ``decode_splits`` counts its splits over the table's width, and a
+split past a short context reads nothing). Every variant's output is checked against one split's. The
+table gives per case the fastest variant, ``decode_splits``' pick at the default tile and one split: the
+time of one layer's call (the KV write, the kernel, the combine) and the KV bytes read over it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+if "--smoke" in sys.argv:  # (before triton is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+from sloserve.engine.attention import AttentionMetadata  # noqa: E402
+from sloserve.engine.kv_cache import expand_block_ids  # noqa: E402
+from sloserve.engine.triton_attention import TritonAttention, decode_splits, multiprocessors  # noqa: E402
+
+BLOCK_SIZE = 16  # the KV manager's default block
+
+
+def decode_step(
+    batch: int, context: int, width: int, heads: tuple[int, int, int], dtype: torch.dtype, device: torch.device
+) -> tuple[tuple[torch.Tensor, ...], AttentionMetadata]:
+    """(q, k, v, k_cache, v_cache) and the metadata of ``batch`` decodes of ``context`` tokens, the slot
+    table ``width`` slots wide."""
+    num_heads, num_kv_heads, head_dim = heads
+    gen = torch.Generator().manual_seed(batch * 100_003 + context)
+    blocks_per_row = -(-context // BLOCK_SIZE)
+    ids = torch.zeros((batch, -(-width // BLOCK_SIZE)), dtype=torch.int64)  # past a context: block 0
+    ids[:, :blocks_per_row] = (torch.randperm(batch * blocks_per_row, generator=gen) + 1).view(batch, -1)
+    table = expand_block_ids(ids.to(device), BLOCK_SIZE)  # (B, >= width)
+    num_slots = (batch * blocks_per_row + 1) * BLOCK_SIZE
+
+    def rand(*shape):  # (random: zeros would hide unwritten outputs, and can run faster)
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    tensors = (
+        rand(batch, num_heads, head_dim),  # q
+        rand(batch, num_kv_heads, head_dim),  # k
+        rand(batch, num_kv_heads, head_dim),  # v
+        rand(num_slots, num_kv_heads, head_dim),  # k_cache
+        rand(num_slots, num_kv_heads, head_dim),  # v_cache
+    )
+    rows = torch.arange(batch, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=table[rows, context - 1],  # the new token's slot
+        prefills=[],
+        decode_token_index=rows,
+        decode_slots=table,
+        decode_context_lens=torch.full((batch,), context, dtype=torch.int64, device=device),
+    )
+    return tensors, meta
+
+
+def time_call(fn, device: torch.device) -> float:
+    """Median seconds of ``fn`` (CUDA events through Triton's do_bench; one run on the CPU)."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") / 1e3
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--cases", default="1x1024,1x8192,8x1024,8x32768,32x1024,64x1024,256x1024", help="BATCHxCONTEXT"
+    )
+    parser.add_argument("--max-model-len", type=int, default=8192, help="a CUDA graph's table width")
+    parser.add_argument("--splits", default="1,2,4,8,16,32,64")
+    parser.add_argument("--block-n", default="32,64,128")
+    parser.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head dim")
+    parser.add_argument("--smoke", action="store_true", help="tiny cases (in Triton's interpreter without CUDA)")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.smoke:
+        args.cases, args.max_model_len, args.splits, args.block_n, args.heads = (
+            "1x128,2x100",
+            256,
+            "1,2,4",
+            "16,64",
+            "4,2,16",
+        )
+    heads = tuple(int(x) for x in args.heads.split(","))
+    split_counts = [int(x) for x in args.splits.split(",")]
+    tiles = [int(x) for x in args.block_n.split(",")]
+    default_tile = TritonAttention(num_decode_splits=1).block_n
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton's interpreter)"
+    print(f"decode attention alone on {name}, {dtype}, heads {heads}; one layer's call; KV in {BLOCK_SIZE}-slot blocks")
+
+    rows = []
+    for case in args.cases.split(","):
+        batch, context = (int(x) for x in case.split("x"))
+        for width in sorted({context, max(context, args.max_model_len)}):
+            inputs, meta = decode_step(batch, context, width, heads, dtype, device)  # (q, k, v, k_cache, v_cache)
+            kv_bytes = 2 * batch * context * heads[1] * heads[2] * inputs[3].element_size()
+            times, reference = {}, None
+            for tile in tiles:
+                for splits in split_counts:
+                    if splits > 1 and splits * tile > width:  # (the same work as fewer splits)
+                        continue
+                    backend = TritonAttention(block_n=tile, num_decode_splits=splits, dense_prefill_min_tokens=None)
+
+                    def call(backend=backend, inputs=inputs, meta=meta):
+                        return backend.forward(*inputs, meta)
+
+                    out = call().float()
+                    if reference is None:
+                        reference = out
+                    error = float((out - reference).norm() / reference.norm())
+                    assert error < 2e-2 and not out.isnan().any(), (
+                        f"{case} width {width}: {splits} splits, tile {tile}: {error}"
+                    )
+                    times[splits, tile] = time_call(call, device)
+            picked = decode_splits(batch, heads[1], width, multiprocessors(device))
+            (best_splits, best_tile), best = min(times.items(), key=lambda item: item[1])
+            rows.append((batch, context, width, best_splits, best_tile, best, picked, times.get((picked, default_tile)),
+                         times.get((1, default_tile)), kv_bytes))  # fmt: skip
+
+    def us(t: float | None) -> str:
+        return "-" if t is None else f"{t * 1e6:.1f}"
+
+    print(f"\n{'batch':>5} {'context':>7} {'table':>6} {'best':>11} {'us':>8} {'GB/s':>7} {'picked':>6} {'us':>8} "
+          f"{'1 split us':>10} {'best gain':>9}")  # fmt: skip
+    for batch, context, width, splits, tile, best, picked, t_picked, t_one, kv_bytes in rows:
+        gain = "-" if t_one is None else f"{t_one / best:.2f}x"
+        print(f"{batch:>5} {context:>7} {width:>6} {f'{splits} x {tile}':>11} {us(best):>8} "
+              f"{kv_bytes / best / 1e9:>7.0f} {picked:>6} {us(t_picked):>8} {us(t_one):>10} {gain:>9}")  # fmt: skip
+    print(
+        f"(best: splits x BLOCK_N; picked: decode_splits' count at BLOCK_N {default_tile}; "
+        f"{multiprocessors(device)} multiprocessors; KV bytes {math.prod(heads[1:])} x 2 x context x batch x itemsize)"
+    )
+
+
+if __name__ == "__main__":
+    main()
