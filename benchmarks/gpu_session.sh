@@ -21,7 +21,8 @@
 #                                             # 10K on the engine and in the simulator (InferMax Fig. 14);
 #                                             # after fidelity, whose fit the simulator then uses
 #   bash benchmarks/gpu_session.sh serve      # serve_overhead.py on random:llama-3-8b, 300 requests: served /
-#                                             # in-process throughput and TPOT; py-spy samples the server's
+#                                             # in-process throughput and TPOT, on the client's and the
+#                                             # engine's clocks; py-spy samples the server's
 #                                             # processes under the offline load when py-spy is on PATH
 #                                             # ($OUT/serve-py-spy.txt, collapsed stacks)
 #   bash benchmarks/gpu_session.sh serve-fidelity  # serve_fidelity.py (issue 27): the simulator against the

@@ -14,6 +14,12 @@ Two loads, each run in-process first and then against the server (a subprocess o
 Prompts are random token ids of the trace's prompt lengths; outputs are forced to the trace's lengths
 (ignore_eos), greedy: the same work on both sides.
 
+A second table splits the served figures where they are taken: on the engine's clock (the server's
+--request-log: each request's arrival at the engine, first token and finish) beside the in-process
+engine's, with the arrival spread (how long the server took to hand the offline load's requests, all sent
+at t=0, to the engine). The engine's figures apart from the client's say whether a served run loses in
+the engine (other batches, slower steps) or between the engine and the client.
+
 --pin (the default on a machine of 4 cores or fewer) gives the engine the same compute on both sides:
 core 0 and one torch thread, for the in-process run and for the server's engine process alike. The
 server's HTTP process and the load client share core 1 (in a deployment the client runs elsewhere,
@@ -24,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 
@@ -61,7 +69,38 @@ def figures(requests, wall_s: float) -> dict[str, float]:
         "ttft_mean_s": float(np.nanmean(table["ttft_s"][done])),
         "tpot_mean_s": float(np.nanmean(table["tpot_s"][done])),
         "completed": int(done.sum()),
+        **engine_clock(
+            table["arrival_s"][done],
+            table["first_token_s"][done],
+            table["last_token_s"][done],
+            table["output_tokens"][done],
+        ),  # fmt: skip
     }
+
+
+def engine_clock(arrival: np.ndarray, first: np.ndarray, last: np.ndarray, output: np.ndarray) -> dict[str, float]:
+    """The engine's figures from its own times (seconds, one entry a request): output tokens over the
+    span from the first arrival to the last token, TTFT, TPOT, and the span of the arrivals."""
+    ttft = first - arrival
+    tpot = (last - first)[output > 1] / (output[output > 1] - 1)
+    return {
+        "engine_tokens_per_s": float(output.sum() / (last.max() - arrival.min())),
+        "engine_ttft_p50_s": float(np.percentile(ttft, 50)),
+        "engine_tpot_mean_s": float(tpot.mean()),
+        "arrival_spread_s": float(arrival.max() - arrival.min()),
+    }
+
+
+def logged_engine_clock(request_log: str, offset: int) -> dict[str, float]:
+    """``engine_clock`` of the requests the server logged past ``offset`` bytes of its --request-log."""
+    with open(request_log, encoding="utf-8") as f:
+        f.seek(offset)
+        lines = [json.loads(line) for line in f]
+    arrival, first, last, output = (
+        np.array([line[key] for line in lines], dtype=float)
+        for key in ("arrival_s", "first_token_s", "finish_s", "output_tokens")
+    )
+    return engine_clock(arrival, first, last, output)
 
 
 def in_process(args, loaded, requests) -> dict[str, float]:
@@ -108,6 +147,7 @@ def served(args, base_url: str, vocab_size: int, requests, profile_pid: int | No
                 args.py_spy,
             ]  # fmt: skip
         )
+    offset = os.path.getsize(args.request_log)
     result = run_benchmark(base_url, args.model, requests, prompts)
     if spy is not None:
         try:
@@ -116,7 +156,9 @@ def served(args, base_url: str, vocab_size: int, requests, profile_pid: int | No
             spy.kill()
     if result.errors:
         sys.exit(f"{len(result.errors)} requests failed: {next(iter(result.errors.values()))}")
-    return figures(requests, result.wall_s)
+    # NOTE: the client's figures, then the engine's from the server's log (a request's line is written
+    # when it ends, before its last event reaches the client)
+    return {**figures(requests, result.wall_s), **logged_engine_clock(args.request_log, offset)}
 
 
 def pin(pid: int, cores: set[int]) -> None:
@@ -141,7 +183,7 @@ def start_server(args, port: int, extra: tuple[str, ...] = ()) -> subprocess.Pop
                "--device", args.device,
                "--dtype", args.dtype, "--scheduler", args.scheduler, "--port", str(port), "--log-level", "warning",
                "--kv-capacity-tokens", str(args.kv_capacity_tokens), "--max-model-len", str(args.max_model_len),
-               "--max-queued-requests", str(10 * args.num_requests)]  # fmt: skip
+               "--max-queued-requests", str(10 * args.num_requests), "--request-log", args.request_log]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"OMP_NUM_THREADS": "1"} if args.pin else {})}
     proc = subprocess.Popen(command, env=env)
     try:
@@ -187,6 +229,8 @@ def main() -> None:
         torch.set_num_threads(1)
         os.sched_setaffinity(0, {0})
 
+    args.request_log = os.path.join(tempfile.mkdtemp(prefix="serve-overhead-"), "requests.jsonl")
+    open(args.request_log, "w").close()
     loaded = load_model(args.model, device=args.device, dtype=args.dtype, seed=args.seed)
     loads = {"offline": workload(args, True, args.num_requests), "light": workload(args, False, args.light_requests)}
     local = {name: in_process(args, loaded, reqs) for name, reqs in loads.items()}
@@ -228,6 +272,18 @@ def main() -> None:
             unit = 1.0 if key == "tokens_per_s" else 1e3
             label = "output tokens/s" if key == "tokens_per_s" else key.removesuffix("_s") + " ms"
             print(f"| {name} | {label} | {a * unit:.2f} | {b * unit:.2f} | {b / a:.3f} | {(b - a) * unit:+.2f} |")
+    print(
+        "\nOn the engine's clock (served: the server's --request-log), tokens/s from the first arrival to the last token:"
+    )
+    print("| load | figure | in-process | served | served / in-process |")
+    print("|---|---|---|---|---|")
+    for name in loads:
+        for key in ("engine_tokens_per_s", "engine_ttft_p50_s", "engine_tpot_mean_s", "arrival_spread_s"):
+            a, b = local[name][key], remote[name][key]
+            unit = 1.0 if key == "engine_tokens_per_s" else 1e3
+            label = "output tokens/s" if key == "engine_tokens_per_s" else key.removeprefix("engine_")[:-2] + " ms"
+            ratio = f"{b / a:.3f}" if a else "-"
+            print(f"| {name} | {label} | {a * unit:.2f} | {b * unit:.2f} | {ratio} |")
     off, light = local["offline"], remote["offline"]
     print(f"\nthroughput ratio (offline, goal >= 0.9): {light['tokens_per_s'] / off['tokens_per_s']:.3f}")
     record("served_throughput_ratio", light["tokens_per_s"] / off["tokens_per_s"])

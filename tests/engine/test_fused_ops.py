@@ -9,6 +9,8 @@ and so may the norm (its sum of squares is added in another order).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -100,10 +102,13 @@ def test_the_model_uses_pytorch_off_cuda():
         assert torch.equal(got, want)
 
 
-def test_a_bad_value_of_the_fused_kernels_switch_is_refused_when_a_model_loads(monkeypatch):
+def test_the_fused_kernels_are_on_unless_switched_off_and_a_bad_value_is_refused_when_a_model_loads(monkeypatch):
+    """On by default since the GPU session of 2026-11-29 (read at import; gpu_session.sh sets 1)."""
     from sloserve.core.errors import ConfigError
     from sloserve.engine.loader import load_model
 
+    if "SLOSERVE_FUSED_KERNELS" not in os.environ:
+        assert fused_ops.ENABLED
     monkeypatch.setenv("SLOSERVE_FUSED_KERNELS", "yes")
     with pytest.raises(ConfigError, match="SLOSERVE_FUSED_KERNELS must be 0 or 1, got 'yes'"):
         load_model("random:tiny-llama")

@@ -11,8 +11,8 @@ fewer a 32-layer step (benchmarks/engine_speed.py lists where a step's GPU time 
 NOTE: each kernel rounds where PyTorch's kernels round (every product and sum to the tensor's dtype),
 so the rotary output (its launch forbids fused multiply-adds) and, on bf16/fp16, the residual sum equal
 the unfused ones bit for bit; SiLU's exponential may differ from PyTorch's in a last place, and the
-norm's sum of squares is added in another order. On float32 the GPU may contract a product and a sum
-into one fused multiply-add (one rounding less).
+norm's sum of squares is added in another order. In those on float32 the GPU may contract a product
+and a sum into one fused multiply-add (one rounding less).
 
 ``rotary``, ``silu_and_mul``, ``add_rms_norm`` and ``write_kv`` dispatch: the Triton kernel for a CUDA tensor while
 ``ENABLED``, PyTorch elsewhere, and while ``torch.compile`` traces (inductor fuses the PyTorch forms).

@@ -1,10 +1,10 @@
-"""Switches for the engine's features that were written without a GPU (issue 43). Off until a GPU session
-has checked and timed them (``benchmarks/gpu_session.sh`` turns them on): SLOSERVE_DENSE_PREFILL
-(TritonAttention), SLOSERVE_PIECEWISE_GRAPHS and SLOSERVE_COMPILE_PIECES (``piecewise_graphs_for``),
-SLOSERVE_OVERLAP_PUBLISH (``EngineCore``). On since one did (H200, 2026-11-29; benchmarks/RESULTS.md),
-=0 turns them off: SLOSERVE_ASYNC_SCHEDULING (``LLMEngine``, on CUDA), SLOSERVE_FUSED_KERNELS (``load_model``;
-SLOSERVE_DECODE_SPLITS is a count or "auto", ``triton_attention``). One environment variable each, read
-when the part that uses it is built."""
+"""Switches for the engine's features written without a GPU (issue 43), one environment variable each,
+read when the part that uses it is built. Off until a GPU session has checked and timed them
+(``benchmarks/gpu_session.sh`` turns them on): SLOSERVE_DENSE_PREFILL (TritonAttention),
+SLOSERVE_PIECEWISE_GRAPHS and SLOSERVE_COMPILE_PIECES (``piecewise_graphs_for``), SLOSERVE_OVERLAP_PUBLISH
+(``EngineCore``). On since one did (H200, 2026-11-29; benchmarks/RESULTS.md), unless set to 0:
+SLOSERVE_ASYNC_SCHEDULING (``LLMEngine``, on CUDA) and SLOSERVE_FUSED_KERNELS (``load_model``). Flash
+decoding's SLOSERVE_DECODE_SPLITS, a count or "auto" (the default), is read in ``triton_attention``."""
 
 from __future__ import annotations
 

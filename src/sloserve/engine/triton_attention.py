@@ -66,9 +66,9 @@ _SPLITS_SETTING = os.environ.get("SLOSERVE_DECODE_SPLITS", "auto")
 # only: with SLOSERVE_DENSE_PREFILL=1 it runs as one causal ``scaled_dot_product_attention`` call
 # (FlashAttention on CUDA: contiguous K/V, no slot gather, tiles tuned for the GPU) instead of the prefill
 # kernel. NOTE: written for issue 43's prefill MFU goal; off: on an H200 (2026-11-29) dense was 5% slower
-# than the kernel at 1,024 tokens and 3-7% faster at 4-8K (``benchmarks/engine_speed.py``'s prefill rows),
-# and its engine-level token test did not get to run there.
-DENSE_PREFILL_MIN_TOKENS = 512
+# than the kernel at 1,024 tokens and 3-7% faster at 4-8K (``benchmarks/engine_speed.py``'s prefill rows,
+# hence 4,096, the smallest size it was faster at), and its engine-level token test did not get to run there.
+DENSE_PREFILL_MIN_TOKENS = 4096
 
 
 @triton.jit
