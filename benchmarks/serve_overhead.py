@@ -183,7 +183,7 @@ def start_server(args, port: int, extra: tuple[str, ...] = ()) -> subprocess.Pop
                "--device", args.device,
                "--dtype", args.dtype, "--scheduler", args.scheduler, "--port", str(port), "--log-level", "warning",
                "--kv-capacity-tokens", str(args.kv_capacity_tokens), "--max-model-len", str(args.max_model_len),
-               "--max-queued-requests", str(10 * args.num_requests), "--request-log", args.request_log]  # fmt: skip
+               "--max-queued-requests", str(10 * args.num_requests)]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"OMP_NUM_THREADS": "1"} if args.pin else {})}
     proc = subprocess.Popen(command, env=env)
     try:
@@ -242,7 +242,7 @@ def main() -> None:
 
         torch.cuda.empty_cache()
     port = free_loopback_port()
-    proc = start_server(args, port)
+    proc = start_server(args, port, ("--request-log", args.request_log))
     if args.pin:
         os.sched_setaffinity(0, {1})
     try:
