@@ -74,7 +74,7 @@ def figures(requests, wall_s: float) -> dict[str, float]:
             table["first_token_s"][done],
             table["last_token_s"][done],
             table["output_tokens"][done],
-        ),  # fmt: skip
+        ),
     }
 
 
