@@ -368,6 +368,24 @@ def test_any_mix_of_sampling_options_gives_what_it_gives_without(scheduler, kv_c
     assert got[True] == got[False]
 
 
+def _serve_on_core(engine, prompts, params, overlap_publish: bool, read=None) -> tuple[CorePipe, EngineCore]:
+    """``serve``'s engine loop (``EngineCore``) over ``engine``, every prompt added at once: steps until
+    every request ended, reading the pipe after each step and after the last flush (``read(sent, core)``,
+    else a plain read). Returns what it read, and the loop."""
+    server, pipe = multiprocessing.Pipe()
+    core = EngineCore(engine, time.perf_counter(), pipe, overlap_publish=overlap_publish)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        core.apply(("add", AddRequest(i, prompt, p, RequestClass.BE, SLO(), core.clock())))
+    sent = CorePipe(server)
+    read = read or (lambda sent, core: sent.read())
+    while engine.has_unfinished():
+        core.run_step()
+        read(sent, core)
+    core.flush()
+    read(sent, core)
+    return sent, core
+
+
 @pytest.mark.parametrize("overlap_publish", [False, True])
 def test_the_served_engine_core_publishes_every_token_once(overlap_publish):
     """``serve``'s engine loop (``EngineCore``) with async scheduling, publishing after each step or
@@ -378,16 +396,10 @@ def test_the_served_engine_core_publishes_every_token_once(overlap_publish):
         dataclasses.replace(p, logprobs=2, prompt_logprobs=1) if i % 3 == 0 else p for i, p in enumerate(_params())
     ]
     want, _ = _generate("vllm", False, params, kv_capacity_tokens=2048)
-    spec = EngineSpec("random:tiny-llama", "vllm", kv_capacity_tokens=2048, async_scheduling=True)
-    engine = spec.build()
-    server, pipe = multiprocessing.Pipe()
-    core = EngineCore(engine, time.perf_counter(), pipe, overlap_publish=overlap_publish)
-    for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
-        core.apply(("add", AddRequest(i, prompt, p, RequestClass.BE, SLO(), core.clock())))
-    sent = CorePipe(server)
+    engine = EngineSpec("random:tiny-llama", "vllm", kv_capacity_tokens=2048, async_scheduling=True).build()
     last_read = 0.0  # when the pipe was last read (the engine's clock)
 
-    def read() -> None:
+    def read(sent: CorePipe, core: EngineCore) -> None:
         nonlocal last_read
         for out in sent.read():
             # NOTE: a token's time is when it reached the host (after the pipe was last read), not the end
@@ -398,11 +410,7 @@ def test_the_served_engine_core_publishes_every_token_once(overlap_publish):
                 assert out.first_token_time <= out.last_token_time <= out.finish_time <= core.clock()
         last_read = core.clock()
 
-    while engine.has_unfinished():
-        core.run_step()
-        read()
-    core.flush()
-    read()
+    sent, core = _serve_on_core(engine, PROMPTS, params, overlap_publish, read)
     got = [
         (sent.tokens[i], sent.reasons[i], sent.logprobs.get(i), sent.prompt_logprobs.get(i))
         for i in range(len(PROMPTS))
@@ -429,16 +437,7 @@ def test_the_served_engine_core_with_grammars_publishes_what_offline_gives(chat_
         for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     ]
     engine = EngineSpec(str(chat_model_dir), "vllm", kv_capacity_tokens=2048, async_scheduling=True).build()
-    server, pipe = multiprocessing.Pipe()
-    core = EngineCore(engine, time.perf_counter(), pipe, overlap_publish=overlap_publish)
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        core.apply(("add", AddRequest(i, prompt, p, RequestClass.BE, SLO(), core.clock())))
-    sent = CorePipe(server)
-    while engine.has_unfinished():
-        core.run_step()
-        sent.read()
-    core.flush()
-    sent.read()
+    sent, core = _serve_on_core(engine, prompts, params, overlap_publish)
     assert [(sent.tokens[i], sent.reasons[i]) for i in range(len(prompts))] == want
     assert engine.executor.num_early_launches > 0 and not core.live
 

@@ -254,7 +254,8 @@ class EngineExecutor:
                 _append_prompt_logprobs(prompt_logprobs)
         ended_before = self._end_skipped(skipped)
         if pipelined:
-            finished = self._finish_early(samplers, seqs, ended_before, ended_early)
+            finished, ended_in_flight = self._finish_early(samplers, seqs, ended_early)
+            ended_before += ended_in_flight
             self.in_flight = launched
             if self.during_forward is not None:  # NOTE: after the step before's tokens came back
                 self._overlap(self.during_forward)
@@ -281,23 +282,22 @@ class EngineExecutor:
         self,
         samplers: list[tuple[Request, int]],
         seqs: list[Sequence],
-        ended_before: list[Request],
         ended_early: list[Request] | None = None,
-    ) -> list[Request]:
+    ) -> tuple[list[Request], list[Request]]:
         """A step launched early: the step before's tokens back on the host (``ended_early``: the
         requests they ended, when they came back before this step sampled). Returns the requests whose
         token of this step is their ``max_tokens``-th, by count (that token comes back with the next
-        step); adds to ``ended_before`` those the step before's tokens ended that this step ran (the
-        token it gave them is dropped; those it did not run end when a step schedules them)."""
+        step), and those the step before's tokens ended that this step ran (the token it gave them is
+        dropped; those it did not run end when a step schedules them)."""
         ended = set(self.resolve() if ended_early is None else ended_early)
-        finished = []
+        finished, ran_ended = [], []
         for (request, _), seq in zip(samplers, seqs, strict=True):
             if request in ended:
                 self._stopped.discard(request)
-                ended_before.append(request)
+                ran_ended.append(request)
             elif seq.finish_reason is None and len(seq.token_ids) + 1 - seq.num_prompt_tokens >= seq.params.max_tokens:
                 finished.append(request)
-        return finished
+        return finished, ran_ended
 
     def _end_skipped(self, skipped: list[Request]) -> list[Request]:
         """The scheduled requests that ended before this step ran them: aborted, or ended by a token that
