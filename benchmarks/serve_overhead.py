@@ -161,6 +161,20 @@ def served(args, base_url: str, vocab_size: int, requests, profile_pid: int | No
     return {**figures(requests, result.wall_s), **logged_engine_clock(args.request_log, offset)}
 
 
+def print_table(local: dict, remote: dict, keys: tuple[str, ...]) -> None:
+    """Each load's figures ``keys`` in-process and served, their ratio and difference (ms, but tokens/s)."""
+    print("| load | figure | in-process | served | served / in-process | served - in-process |")
+    print("|---|---|---|---|---|---|")
+    for name in local:
+        for key in keys:
+            a, b = local[name][key], remote[name][key]
+            throughput = key.endswith("tokens_per_s")
+            unit = 1.0 if throughput else 1e3
+            label = "output tokens/s" if throughput else key.removeprefix("engine_").removesuffix("_s") + " ms"
+            ratio = f"{b / a:.3f}" if a else "-"
+            print(f"| {name} | {label} | {a * unit:.2f} | {b * unit:.2f} | {ratio} | {(b - a) * unit:+.2f} |")
+
+
 def pin(pid: int, cores: set[int]) -> None:
     """Every thread of process ``pid`` onto ``cores``."""
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -264,26 +278,11 @@ def main() -> None:
         f"{args.model} on {args.device}, {args.scheduler}, {args.trace}: offline {args.num_requests} requests, "
         f"light {args.light_requests} at {args.rate} req/s{', pinned' if args.pin else ''}"
     )
-    print("| load | figure | in-process | served | served / in-process | served - in-process |")
-    print("|---|---|---|---|---|---|")
-    for name in loads:
-        for key in ("tokens_per_s", "ttft_p50_s", "ttft_mean_s", "tpot_mean_s"):
-            a, b = local[name][key], remote[name][key]
-            unit = 1.0 if key == "tokens_per_s" else 1e3
-            label = "output tokens/s" if key == "tokens_per_s" else key.removesuffix("_s") + " ms"
-            print(f"| {name} | {label} | {a * unit:.2f} | {b * unit:.2f} | {b / a:.3f} | {(b - a) * unit:+.2f} |")
+    print_table(local, remote, ("tokens_per_s", "ttft_p50_s", "ttft_mean_s", "tpot_mean_s"))
     print(
         "\nOn the engine's clock (served: the server's --request-log), tokens/s from the first arrival to the last token:"
     )
-    print("| load | figure | in-process | served | served / in-process |")
-    print("|---|---|---|---|---|")
-    for name in loads:
-        for key in ("engine_tokens_per_s", "engine_ttft_p50_s", "engine_tpot_mean_s", "arrival_spread_s"):
-            a, b = local[name][key], remote[name][key]
-            unit = 1.0 if key == "engine_tokens_per_s" else 1e3
-            label = "output tokens/s" if key == "engine_tokens_per_s" else key.removeprefix("engine_")[:-2] + " ms"
-            ratio = f"{b / a:.3f}" if a else "-"
-            print(f"| {name} | {label} | {a * unit:.2f} | {b * unit:.2f} | {ratio} |")
+    print_table(local, remote, ("engine_tokens_per_s", "engine_ttft_p50_s", "engine_tpot_mean_s", "arrival_spread_s"))
     off, light = local["offline"], remote["offline"]
     print(f"\nthroughput ratio (offline, goal >= 0.9): {light['tokens_per_s'] / off['tokens_per_s']:.3f}")
     record("served_throughput_ratio", light["tokens_per_s"] / off["tokens_per_s"])
