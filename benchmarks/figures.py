@@ -4,8 +4,8 @@ JSON lines in the file that SLOSERVE_FIGURES names (``gpu_session.sh`` sets it),
     python benchmarks/figures.py FIGURES.jsonl
 
 prints the table with the issue's goals and the two GPU sessions' figures (2026-11-26 and 2026-11-29,
-H200), which the runbook's ``all`` does last. A figure no stage measured (a stage cut by its time limit, or one not
-run) shows as "-".
+H200), which the runbook's ``all`` does last. A figure no stage measured (a stage cut by its time
+limit, or one not run) shows as "-".
 """
 
 from __future__ import annotations

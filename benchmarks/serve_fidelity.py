@@ -38,11 +38,9 @@ import os
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 from fidelity import figure, simulate, sloserve
 from figures import record
-from serve_overhead import start_server
+from serve_overhead import logged_times, mean_tpot, start_server
 from sloserve.bench.client import free_loopback_port
 
 METRICS = [
@@ -68,15 +66,11 @@ def engine_summary(lines: list[str]) -> dict:
 
 
 def _logged_figures(logged: list[dict], span_s: float) -> dict:
-    arrival = np.array([r["arrival_s"] for r in logged])
-    first = np.array([r["first_token_s"] for r in logged])
-    finish = np.array([r["finish_s"] for r in logged])
-    out = np.array([r["output_tokens"] for r in logged])
-    tpot = (finish - first)[out > 1] / (out[out > 1] - 1)
+    arrival, first, finish, out = logged_times(logged)
     return {
         "throughput_rps": len(logged) / span_s,
         "ttft_s": {"mean": float((first - arrival).mean())},
-        "tpot_s": {"mean": float(tpot.mean())},
+        "tpot_s": {"mean": mean_tpot(first, finish, out)},
         "jct_s": {"mean": float((finish - arrival).mean())},
     }
 

@@ -81,26 +81,35 @@ def figures(requests, wall_s: float) -> dict[str, float]:
 def engine_clock(arrival: np.ndarray, first: np.ndarray, last: np.ndarray, output: np.ndarray) -> dict[str, float]:
     """The engine's figures from its own times (seconds, one entry a request): output tokens over the
     span from the first arrival to the last token, TTFT, TPOT, and the span of the arrivals."""
-    ttft = first - arrival
-    tpot = (last - first)[output > 1] / (output[output > 1] - 1)
     return {
         "engine_tokens_per_s": float(output.sum() / (last.max() - arrival.min())),
-        "engine_ttft_p50_s": float(np.percentile(ttft, 50)),
-        "engine_tpot_mean_s": float(tpot.mean()),
+        "engine_ttft_p50_s": float(np.percentile(first - arrival, 50)),
+        "engine_tpot_mean_s": mean_tpot(first, last, output),
         "arrival_spread_s": float(arrival.max() - arrival.min()),
     }
+
+
+def mean_tpot(first: np.ndarray, last: np.ndarray, output: np.ndarray) -> float:
+    """The mean over requests of more than one token of their time per token after the first."""
+    many = output > 1
+    return float(((last - first)[many] / (output[many] - 1)).mean())
+
+
+def logged_times(logged: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Request-log lines' (``serve --request-log``) arrival, first token and finish (the engine's clock,
+    seconds) and output tokens, an array each."""
+    arrival, first, finish, output = (
+        np.array([line[key] for line in logged], dtype=float)
+        for key in ("arrival_s", "first_token_s", "finish_s", "output_tokens")
+    )
+    return arrival, first, finish, output
 
 
 def logged_engine_clock(request_log: str, offset: int) -> dict[str, float]:
     """``engine_clock`` of the requests the server logged past ``offset`` bytes of its --request-log."""
     with open(request_log, encoding="utf-8") as f:
         f.seek(offset)
-        lines = [json.loads(line) for line in f]
-    arrival, first, last, output = (
-        np.array([line[key] for line in lines], dtype=float)
-        for key in ("arrival_s", "first_token_s", "finish_s", "output_tokens")
-    )
-    return engine_clock(arrival, first, last, output)
+        return engine_clock(*logged_times([json.loads(line) for line in f]))
 
 
 def in_process(args, loaded, requests) -> dict[str, float]:

@@ -16,7 +16,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 # Under pytest-xdist (pyproject.toml) every worker runs torch: one thread each (and in the servers they start),
 # since two workers of two threads on CI's two cores spend their time contending (measured: the suite took
 # 877 s with two threads per worker, against 964 s on one worker).
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if XDIST_WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Without CUDA, the engine's Triton kernels run in Triton's interpreter (numpy on the CPU), so their
@@ -28,11 +29,11 @@ except ImportError:
 else:
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    elif int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    elif XDIST_WORKERS > 1:
         # On a GPU each engine without a KV capacity takes 90% of the memory free (as vLLM): the workers
         # share the GPU, so each may take its share and no more (the engine sizes its KV cache within it;
         # seen on an H200, 2026-11-29: the workers took it from each other, 15 tests ran out of memory).
-        torch.cuda.set_per_process_memory_fraction(1 / int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+        torch.cuda.set_per_process_memory_fraction(1 / XDIST_WORKERS)
 
 
 @pytest.hookimpl(tryfirst=True)
