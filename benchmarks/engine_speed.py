@@ -4,7 +4,7 @@ for a random model of a real shape.
 
     python benchmarks/engine_speed.py                       # random:llama-3-8b, bf16, cuda, H200 peaks
     python benchmarks/engine_speed.py --device cpu --model random:tiny-llama --dtype float32 \\
-        --long-context 2048 --mixed 64:128:8
+        --long-context 2048 --mixed 64:128:8 [--gpu h200 --rates 4.24,685]   # (the CPU's ratios mean nothing)
 
 A step is timed as the engine's clock counts it (``StepTimer``: slot tables, attention metadata,
 forward pass, logits and sampling), so the figures are what a served request sees. On CUDA with the
@@ -22,9 +22,14 @@ MBU = (weight bytes + KV bytes read) per decode step / step time / HBM bandwidth
 and the device-to-device copy bandwidth measured here, in brackets).
 MFU = (2 x matmul parameters x tokens + causal attention FLOPs) / step time / peak dense FLOP/s.
 The mixed step (a Sarathi chunk beside decodes) is set against the sum of its parts' rooflines: each
-part alone at max(FLOPs / peak, bytes / bandwidth). It and small prompts' steps (``--small-prompts``) are
-timed eagerly and on piecewise CUDA graphs (``piecewise_graphs``), side by side, and with
-``--compile-pieces`` on piecewise graphs of the pieces compiled by ``torch.compile`` too.
+part alone at max(FLOPs / peak, bytes / bandwidth). Beside each figure, its ceiling on this machine
+(recorded as ``FIGURE_ceiling``; the mixed step's least ratio as ``mixed_over_roofline_floor``): the
+figure of a step whose kernels run one after another at the copy and matmul rates measured here
+(``Rates.least_step_s``; ``--rates`` gives them instead), with nothing for the elementwise kernels and
+the gaps. A goal beyond it needs kernels that overlap, or rates this machine did not show.
+The mixed step and small prompts' steps (``--small-prompts``) are timed eagerly and on piecewise CUDA
+graphs (``piecewise_graphs``), side by side, and with ``--compile-pieces`` on piecewise graphs of the
+pieces compiled by ``torch.compile`` too.
 The kernel table (``--profile-kernels``, torch.profiler) sums each kernel's GPU time over an eager
 decode step: what fusing or replacing a kernel can gain.
 On the CPU there are no published peaks: the ratios are printed only with --gpu.
@@ -67,6 +72,27 @@ def measure_ceilings(device: torch.device) -> tuple[float, float]:
     b = torch.randn_like(a)
     mm_ms = _median_ms(lambda: a @ b)
     return 2 * (2 << 30) / (copy_ms / 1e3), 2 * 8192**3 / (mm_ms / 1e3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """What this machine reached (``measure_ceilings``): a device-to-device copy's bytes/s and a large bf16
+    matmul's FLOP/s."""
+
+    copy_bw: float
+    matmul_rate: float
+
+    def least_step_s(
+        self, matmul_flops: float, weight_bytes: float, kv_bytes: float = 0.0, attention_flops: float = 0.0
+    ) -> float:
+        """The least time a step can take whose kernels run one after another, each at these rates: the
+        matmuls at the slower of their FLOPs and their weights' bytes (a decode of many tokens is
+        compute-bound: past ``matmul_rate / copy_bw`` FLOPs a weight byte), then the attention, reading
+        the KV's bytes (decodes) and at the matmul rate (a prefill's FLOPs). The elementwise kernels,
+        the launches and the gaps between kernels cost nothing here: a figure's ceiling on this machine,
+        for a goal to be set against."""
+        matmuls = max(matmul_flops / self.matmul_rate, weight_bytes / self.copy_bw)
+        return matmuls + kv_bytes / self.copy_bw + attention_flops / self.matmul_rate
 
 
 def extend_positions(loaded: LoadedModel, positions: int) -> None:
@@ -120,6 +146,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-cuda-graphs", action="store_true", help="time decode steps eagerly only")
     parser.add_argument("--no-ceilings", action="store_true", help="skip measuring copy bandwidth and matmul rate")
+    parser.add_argument(
+        "--rates", help="COPY_TBPS,MATMUL_TFLOPS: the ceilings' rates, given instead of measured (another run's)"
+    )
     parser.add_argument("--profile-kernels", default="1,64", help="decode batches whose kernels are listed ('': none)")
     args = parser.parse_args()
 
@@ -133,9 +162,12 @@ def main() -> None:
     splitting = isinstance(backend, TritonAttention)
     gpu_name = args.gpu or ("h200" if loaded.device.type == "cuda" else None)
     gpu = get_gpu(gpu_name) if gpu_name else None
-    copy_bw = matmul_rate = None
-    if loaded.device.type == "cuda" and not args.no_ceilings:
-        copy_bw, matmul_rate = measure_ceilings(loaded.device)
+    rates = None
+    if args.rates:
+        copy_tbps, matmul_tflops = (float(x) for x in args.rates.split(","))
+        rates = Rates(copy_tbps * 1e12, matmul_tflops * 1e12)
+    elif loaded.device.type == "cuda" and not args.no_ceilings:
+        rates = Rates(*measure_ceilings(loaded.device))
         torch.cuda.empty_cache()
     c = loaded.config
     params = sum(p.numel() for p in loaded.model.parameters())
@@ -159,13 +191,18 @@ def main() -> None:
         f"{params / 1e9:.2f} B parameters; peaks: "
         f"{f'{gpu.name} {gpu.hbm_bandwidth / 1e12:.2f} TB/s, {gpu.peak_flops / 1e12:.0f} TFLOP/s' if gpu else 'none'}"
     )
-    if copy_bw:
-        print(f"measured here: copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul 8192^3 {matmul_rate / 1e12:.0f} TFLOP/s")
+    if rates:
+        print(
+            f"{'given' if args.rates else 'measured here'}: copy {rates.copy_bw / 1e12:.2f} TB/s, bf16 matmul 8192^3 "
+            f"{rates.matmul_rate / 1e12:.0f} TFLOP/s; a figure's ceiling: its step's kernels in sequence at these rates"
+        )
+    # A token's matmuls: 2 FLOPs a weight of the layers, and of the LM head
+    token_matmul_flops = 2 * layer_params + 2 * embed
 
     def mbu(bytes_read: float, t: float | None) -> str:
         if not (gpu and t):
             return "-"
-        measured = f" ({bytes_read / t / copy_bw:.0%})" if copy_bw else ""
+        measured = f" ({bytes_read / t / rates.copy_bw:.0%})" if rates else ""
         return f"{bytes_read / t / gpu.hbm_bandwidth:.1%}{measured}"
 
     def roofline(flops: float, bytes_moved: float) -> float:
@@ -216,18 +253,24 @@ def main() -> None:
                 name: f"{times[name] * 1e3:.3f}" if name in times else "-" for name in ("before", "split", "fused")
             }
             gain = f"{times['before'] / times['fused']:.2f}x" if times else "-"
+            ceiling = "-"
             if gpu:
                 record(figure, read / best / gpu.hbm_bandwidth, batch=b, kv=kv_len)
+            if gpu and rates:
+                least = rates.least_step_s(token_matmul_flops * b, weight_bytes, b * (kv_len + 1) * per_token_kv)
+                ceiling = f"{read / least / gpu.hbm_bandwidth:.1%}"
+                record(f"{figure}_ceiling", read / least / gpu.hbm_bandwidth, batch=b, kv=kv_len)
             print(
                 f"{b:>6} {kv_len:>7} {n_splits:>6} {eager * 1e3:>9.3f} {graphed['before']:>10} {graphed['split']:>10} "
-                f"{graphed['fused']:>10} {gain:>7} {b / best:>10.1f} {mbu(read, eager):>15} {mbu(read, times.get('fused')):>15}"
+                f"{graphed['fused']:>10} {gain:>7} {b / best:>10.1f} {mbu(read, eager):>15} "
+                f"{mbu(read, times.get('fused')):>15} {ceiling:>8}"
             )
 
     # Graphed ms: "before" (one split, unfused), "+split" (flash decoding), "+fused" (and the fused
     # elementwise kernels: the engine's default); gain = before / +fused.
     header = (
         f"\n{'batch':>6} {'KV/req':>7} {'splits':>6} {'eager ms':>9} {'before ms':>10} {'+split ms':>10} "
-        f"{'+fused ms':>10} {'gain':>7} {'tok/s':>10} {'MBU eager':>15} {'MBU +fused':>15}"
+        f"{'+fused ms':>10} {'gain':>7} {'tok/s':>10} {'MBU eager':>15} {'MBU +fused':>15} {'ceiling':>8}"
     )
     if batches:
         print(header)
@@ -246,7 +289,7 @@ def main() -> None:
     # backend) and, on the Triton backend, dense (one SDPA call: ``dense_prefill_min_tokens``) whatever the
     # environment says; tok/s and MFU of the faster.
     if prompts:
-        print(f"\n{'prefill tokens':>14} {'step ms':>9} {'dense ms':>9} {'tok/s':>10} {'MFU':>7}")
+        print(f"\n{'prefill tokens':>14} {'step ms':>9} {'dense ms':>9} {'tok/s':>10} {'MFU':>7} {'ceiling':>8}")
     for n in prompts:
         t_dense = None
         if splitting:
@@ -262,11 +305,16 @@ def main() -> None:
         # Causal attention: QK^T and PV, 2 FLOPs per multiply-add, half the n x n scores.
         attention = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * n * n / 2
         flops = 2 * layer_params * n + 2 * embed + attention
-        mfu = f"{flops / best / gpu.peak_flops:.1%}" if gpu else "-"
+        mfu = ceiling = "-"
         if gpu:
+            mfu = f"{flops / best / gpu.peak_flops:.1%}"
             record("prefill_mfu", flops / best / gpu.peak_flops, tokens=n)
+        if gpu and rates:
+            least = rates.least_step_s(flops - attention, weight_bytes, attention_flops=attention)
+            ceiling = f"{flops / least / gpu.peak_flops:.1%}"
+            record("prefill_mfu_ceiling", flops / least / gpu.peak_flops, tokens=n)
         dense_ms = f"{t_dense * 1e3:.3f}" if t_dense is not None else "-"
-        print(f"{n:>14} {t * 1e3:>9.3f} {dense_ms:>9} {n / best:>10.1f} {mfu:>7}")
+        print(f"{n:>14} {t * 1e3:>9.3f} {dense_ms:>9} {n / best:>10.1f} {mfu:>7} {ceiling:>8}")
 
     # Steps with a prefill eagerly and on piecewise graphs (captured here for the sizes below, whatever
     # SLOSERVE_PIECEWISE_GRAPHS says): small prompts, where an eager step is the host's launch time.
@@ -332,9 +380,20 @@ def main() -> None:
             decode_roof = roofline(
                 2 * layer_params * num_decodes, weight_bytes + num_decodes * (args.kv_len + 1) * per_token_kv
             )
+            floor = ""
+            if rates:
+                # NOTE: one pass over the weights for both parts; the chunk reads its cached context too
+                least = rates.least_step_s(
+                    2 * layer_params * (chunk + num_decodes) + 2 * embed * (1 + num_decodes),
+                    weight_bytes,
+                    (cached + num_decodes * (args.kv_len + 1)) * per_token_kv,
+                    chunk_attention,
+                )
+                floor = f"; at least {least / (prefill_roof + decode_roof):.2f}x with its kernels in sequence here"
+                record("mixed_over_roofline_floor", least / (prefill_roof + decode_roof))
             print(
                 f"  rooflines of the parts: {prefill_roof * 1e3:.3f} + {decode_roof * 1e3:.3f} ms; "
-                f"mixed / their sum: {t_mixed / (prefill_roof + decode_roof):.2f}x (goal <= 1.25x)"
+                f"mixed / their sum: {t_mixed / (prefill_roof + decode_roof):.2f}x (goal <= 1.25x){floor}"
             )
             record("mixed_over_roofline", t_mixed / (prefill_roof + decode_roof))
 

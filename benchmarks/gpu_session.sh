@@ -12,7 +12,9 @@
 #                                             # graphed (before / +split decodes / +fused kernels), 8 x 32K
 #                                             # contexts, prefill MFU (kernel / dense), small prompts and a
 #                                             # mixed step eager / piecewise (the mixed one against its parts'
-#                                             # rooflines), a decode step's kernels (torch.profiler); then
+#                                             # rooflines), each beside its ceiling at the copy and
+#                                             # matmul rates measured there (kernels in sequence), a
+#                                             # decode step's kernels (torch.profiler); then
 #                                             # decode_attention.py (split count and tile, the kernel alone)
 #                                             # and async_scheduling.py: offline batches of 64 and 256, on / off
 #   bash benchmarks/gpu_session.sh fidelity   # fidelity.py with CUDA graphs: profile, run, simulate;
@@ -94,8 +96,9 @@ if [[ ${SMOKE:-0} == 1 ]]; then
   engine=(--model random:tiny-llama --device cpu --dtype float32)
   model=("${engine[@]}" --max-model-len 1024 --kv-capacity-tokens 65536)
   grid=(--prefill-chunks 16,64,256 --context-lens 0,256 --batch-sizes 1,4,16 --decode-kv-lens 64,256 --repeats 2)
+  # (--gpu and --rates: the ratios, the ceilings and their records run too, meaning nothing on the CPU)
   speed=(--batch-sizes 1,8 --kv-len 64 --long-context 512 --long-batch 2 --mixed 64:128:8 --prefill 256
-    --small-prompts 64 --repeats 2)
+    --small-prompts 64 --repeats 2 --gpu h200 --rates 4.24,685)
   decode_attention=(--smoke)
   compile+=(--kv-len 64 --mixed 64:128:8 --small-prompts 64 --repeats 2)
   fidelity=(--max-model-len 1024 --kv-capacity-tokens 65536 --num-requests 20 "${grid[@]}")
