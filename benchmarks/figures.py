@@ -61,6 +61,9 @@ def table(rows: list[dict]) -> list[str]:
     }
     served = _values(rows, "served_throughput_ratio")
     tpot = _values(rows, "served_tpot_added")
+    # (the same on the arrivals the served engine saw, both engines on its clock: serve_overhead.py)
+    served_same = _span(_values(rows, "served_throughput_ratio_same_arrivals"), percent=False)
+    tpot_same = _span(_values(rows, "served_tpot_added_same_arrivals"))
     sent, received = _values(rows, "sim_error_as_sent"), _values(rows, "sim_error_as_received")
     asynchronous = [f"{r['batch']}: {r['value']:.3f}" for r in rows if r["figure"] == "async_on_off"]
 
@@ -80,9 +83,9 @@ def table(rows: list[dict]) -> list[str]:
         f"{met(prefill, lambda v: v >= 0.65)} |",
         f"| mixed step / its parts' roofline | not measured | 1.52 | <= 1.25x | {_span(mixed, percent=False)} | "
         f"{ceilings['mixed']} | {met(mixed, lambda v: v <= 1.25)} |",
-        f"| served / in-process throughput (offline) | 0.889 | 0.91 | >= 0.97 | {_span(served, percent=False)} | - | "
-        f"{met(served, lambda v: v >= 0.97)} |",
-        f"| TPOT added by serving (offline) | +14% | +11.6% | <= 3% | {_span(tpot)} | - | "
+        f"| served / in-process throughput (offline; on the same arrivals) | 0.889 | 0.91 | >= 0.97 | "
+        f"{_span(served, percent=False)}; {served_same} | - | {met(served, lambda v: v >= 0.97)} |",
+        f"| TPOT added by serving (offline; on the same arrivals) | +14% | +11.6% | <= 3% | {_span(tpot)}; {tpot_same} | - | "
         f"{met(tpot, lambda v: v <= 0.03)} |",
         f"| simulator vs served, mean error (as sent / as received) | 18.2% / - | - | <= 5% | {_span(sent)} / "
         f"{_span(received)} | - | {met(sent + received, lambda v: v <= 0.05)} |",
