@@ -583,3 +583,72 @@ def test_in_process_token_times_are_when_the_tokens_came_back():
     for r in requests:
         assert came_back[r][0] < r.first_token_time <= r.last_token_time == r.finish_time
         assert came_back[r][-1] < r.last_token_time
+
+
+def _logged_run(device: str, async_scheduling: bool, **options) -> tuple[list, LLMEngine, int]:
+    """Every prompt's output tokens through an engine that keeps a step log (as ``run --out`` does), the
+    engine, and how many steps it took. NOTE: no stops: a stopped request's extra token would change
+    the steps' shapes."""
+    engine = LLMEngine(
+        load_model("random:tiny-llama", device=device, **options),
+        "vllm",
+        kv_capacity_tokens=2048,
+        async_scheduling=async_scheduling,
+    )
+    engine.executor.step_log = []
+    params = [dataclasses.replace(s, stop_token_ids=[], ignore_eos=True) for s in _params()]
+    requests = [engine.add_request(p, s) for p, s in zip(PROMPTS, params, strict=True)]
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    return [engine.output_token_ids(r) for r in requests], engine, steps
+
+
+def test_a_step_log_does_not_make_the_steps_wait():
+    """An engine that keeps a step log (``run --out``) launches its steps early as without one, the same
+    tokens as a synchronous engine's, and logs every step that ran a forward pass once, in order, with
+    its time."""
+    want, sync_engine, _ = _logged_run("cpu", False)
+    got, engine, steps = _logged_run("cpu", True)
+    assert got == want and engine.executor.num_early_launches > 0
+    log = engine.executor.step_log
+    assert [shape for shape, _ in log] == [shape for shape, _ in sync_engine.executor.step_log]
+    assert len(log) <= steps and all(0 < t < 60 for _, t in log)
+    assert engine.executor._timed is None  # (CPU: each step's time is its own, its forward pass ran in it)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events: needs a GPU")
+def test_on_cuda_a_step_launched_early_logs_its_device_time():
+    """On CUDA a step launched early is logged with its time on the device (from its first device work to
+    its sampling) once its tokens are back: every entry filled, none longer than the run."""
+    pytest.importorskip("triton")
+    options = dict(dtype="float32", attention_backend="triton")
+    want, _, _ = _logged_run("cuda", False, **options)
+    start = time.perf_counter()
+    got, engine, _ = _logged_run("cuda", True, **options)
+    wall = time.perf_counter() - start
+    assert got == want and engine.executor.num_early_launches > 0 and engine.executor._timed is None
+    log = engine.executor.step_log
+    assert log and all(0 < t < wall for _, t in log) and sum(t for _, t in log) < wall
+
+
+def test_a_profile_times_decode_batches_as_an_asynchronous_engine_runs_them():
+    """``StepTimer`` with async scheduling: a decode batch's timed steps are each launched before the step
+    before's tokens are back (one more step first, with nothing in flight), a batch with a prefill is timed
+    step by step; nothing is left in flight or in the KV cache."""
+    from sloserve.engine.profile import StepTimer
+
+    loaded = load_model("random:tiny-llama")
+    decodes = [30, 50, 70]
+    timer = StepTimer(loaded, StepTimer.blocks_needed([(20, 10)], decodes), max_context=256, async_scheduling=True)
+    calls = []
+    real_execute = timer.executor.execute
+    timer.executor.execute = lambda output, now: calls.append(output) or real_execute(output, now)
+    assert timer.time([], decodes, repeats=2, warmup=1) > 0
+    assert len(calls) == 4 and timer.executor.num_early_launches == 3  # one untimed, then each one early
+    assert timer.executor.in_flight is None and not timer.executor.sequences
+    assert timer.time([(20, 10)], decodes, repeats=2, warmup=1) > 0
+    assert len(calls) == 7 and timer.executor.num_early_launches == 3
+    assert timer.kv.num_free_blocks == timer.kv.gpu.num_blocks
+    assert not StepTimer(loaded, 4, max_context=64).async_scheduling  # the CPU's default

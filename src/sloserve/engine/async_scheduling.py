@@ -22,8 +22,9 @@ token on the host before it masks the next step's scores: a step with such a req
 step before's tokens after its forward pass is launched and before it samples (vLLM v1 fills its
 grammar bitmasks so too), so its forward pass still overlaps the wait. A step runs synchronously (its
 tokens on the host before it returns, as without async scheduling) only where a chunk of several
-tokens needs the last step's token (a preempted request's refill), or where the executor keeps a step
-log (its steps' times must be their own).
+tokens needs the last step's token (a preempted request's refill). Where the executor keeps a step log
+(``run --out``), a step launched early on a GPU is logged with its own time on the device (CUDA
+events), its host time having overlapped the step before's.
 
 NOTE: a copy from pageable host memory to the GPU waits for every kernel queued before it, which would
 make the host wait for step t while it prepares step t+1; so a step's inputs go to the device from

@@ -70,7 +70,10 @@ class EngineExecutor:
 
     ``step_log``: None, or a list that gets (shape, measured seconds) of every step, the shape as the
     simulator's cost model sees it: the run's own steps, to check a fitted cost model against
-    (``sloserve run --out`` writes them as ``steps.csv``, a profile CSV).
+    (``sloserve run --out`` writes them as ``steps.csv``, a profile CSV). A step launched early on a GPU
+    (``async_scheduling``) spends its host time beside the step before's device time, so its entry
+    gets its own time on the device once its tokens are back (CUDA events from its first device work
+    to its sampling: with the GPU busy, its kernels' time; waiting on the host, that wait too).
 
     ``during_forward``: None, or host work to overlap with the device's forward pass (the served
     engine publishes the previous step's tokens there): called once in every step that runs one,
@@ -112,6 +115,8 @@ class EngineExecutor:
         # (uncomputed, as an aborted request) in the next step that schedules them
         self._stopped: set[Request] = set()
         self._clock_offset = 0.0  # the engine's clock less time.perf_counter(), as of the last step
+        # The in-flight step's entry of ``step_log`` and its device time's start and end events (CUDA)
+        self._timed: tuple[int, torch.cuda.Event, torch.cuda.Event] | None = None
 
     @classmethod
     def for_model(
@@ -167,6 +172,10 @@ class EngineExecutor:
         if not pipelined:
             self.resolve()  # this step's inputs or samples need the step before's tokens on the host
         before = self.in_flight  # None unless pipelined
+        started = timed = None  # on a GPU, where a step launched early with a step log starts its device work
+        if pipelined and shape is not None and self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
         self.cache.swap_out(output.swap_out)
         self.cache.swap_in(output.swap_in)
         self.cache.copy_slots(output.slot_copies)
@@ -247,6 +256,10 @@ class EngineExecutor:
             logprobs = self._logprobs_on_device(logits, seqs, sampled)
             prompt_logprobs = self._prompt_logprobs_on_device(hidden, scored)
             if pipelined:  # NOTE: all of it comes back with the tokens (``resolve``)
+                if started is not None:
+                    sampled_at = torch.cuda.Event(enable_timing=True)
+                    sampled_at.record()
+                    timed = (len(self.step_log), started, sampled_at)  # (this step's entry is the next one)
                 launched = SampledOnDevice(sampled, [r for r, _ in samplers], logprobs, prompt_logprobs)
                 self.num_early_launches += before is not None
             else:
@@ -256,7 +269,7 @@ class EngineExecutor:
         if pipelined:
             finished, ended_in_flight = self._finish_early(samplers, seqs, ended_early)
             ended_before += ended_in_flight
-            self.in_flight = launched
+            self.in_flight, self._timed = launched, timed
             if self.during_forward is not None:  # NOTE: after the step before's tokens came back
                 self._overlap(self.during_forward)
         else:
@@ -272,8 +285,6 @@ class EngineExecutor:
 
     def _launches_early(self, output: SchedulerOutput) -> bool:
         """Whether ``output`` may be launched before the step before's tokens are on the host."""
-        if self.step_log is not None:
-            return False
         before = self.in_flight
         # NOTE: a chunk of several tokens that needs the token still on the device (a refill) waits for it
         return before is None or not any(n > 1 and r in before.rows for r, n in output.chunks)
@@ -314,9 +325,13 @@ class EngineExecutor:
         append them and return the requests they ended that the scheduler has not finished; those end
         in the next step that schedules them (``_stopped``)."""
         before, self.in_flight = self.in_flight, None
+        timed, self._timed = self._timed, None
         if before is None:
             return []
         tokens = before.token_ids()
+        if timed is not None:  # (its sampling is done: the tokens were copied after it)
+            entry, started, sampled_at = timed
+            self.step_log[entry] = (self.step_log[entry][0], started.elapsed_time(sampled_at) / 1e3)
         _append_prompt_logprobs(before.prompt_logprobs)
         by_row = _logprobs_by_row(before.logprobs, tokens)
         ended = self._accept(

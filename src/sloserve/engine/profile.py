@@ -29,6 +29,7 @@ from sloserve.cost.fit import DEFAULT_FORM, FEATURE_ORDER
 from sloserve.cost.profile_grid import ProfileGrid
 from sloserve.engine.executor import EngineExecutor
 from sloserve.engine.kv_cache import KVCacheTensor
+from sloserve.engine.llm_engine import LLMEngine, default_async_scheduling
 from sloserve.engine.loader import LoadedModel
 from sloserve.engine.sampler import SamplingParams
 from sloserve.kv.manager import PagedKVManager
@@ -49,15 +50,34 @@ class StepTimer:
     NOTE: the engine's step time (what ``run`` reports and a fitted preset must predict) includes
     building the step's slot tables and sampling. Timing the forward pass alone left that out: about
     2.4 ms a step at ~100 decodes on a CPU, more than the 5% fidelity goal on a GPU's 15-30 ms steps.
+
+    ``async_scheduling`` (None: ``default_async_scheduling``, on CUDA): time decode-only batches as an
+    engine that schedules asynchronously runs a run of them, each step launched before the step
+    before's tokens are on the host (``async_scheduling.py``), its time from its start to their return,
+    as that engine's clock counts it: its host work hidden behind the step before's device work where
+    that is longer. Timed one by one, a step also holds the host's work before its launch and after its
+    tokens, with the device idle: on an H200 async scheduling gave 1.09-1.15x the output tokens/s of
+    decode batches of 64-256 (2026-11-29), which a preset fitted to steps timed one by one charges the
+    engine too. Steps with a prefill are timed one by one still (a repeat of the same chunk would be a
+    refill of a request in flight, which waits for its token): their device time dwarfs the host's.
     """
 
     BLOCK_SIZE = 16  # the engine's default (vLLM's)
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, *, max_context: int, seed: int = 0) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        *,
+        max_context: int,
+        seed: int = 0,
+        async_scheduling: bool | None = None,
+    ) -> None:
         """``num_blocks`` KV blocks of ``BLOCK_SIZE`` tokens; ``max_context``: the longest context a
         batch will hold (the width of the CUDA graphs' slot table, when ``loaded.cuda_graphs``)."""
         self.loaded = loaded
         self.max_context = max_context
+        self.async_scheduling = default_async_scheduling(loaded) if async_scheduling is None else async_scheduling
         self.kv = PagedKVManager(num_blocks, self.BLOCK_SIZE)
         cache = KVCacheTensor(loaded.config, self.kv.capacity_tokens, 0, self.BLOCK_SIZE, loaded.dtype, loaded.device)
         self.executor = EngineExecutor.for_model(loaded, self.kv, cache, max_context)
@@ -88,17 +108,22 @@ class StepTimer:
     ) -> float:
         """Median seconds of one engine step running ``prefills`` ((c, m): c tokens after m cached)
         and one decode per entry of ``decode_lens`` (its cached tokens), over ``repeats`` runs after
-        ``warmup`` untimed ones."""
+        ``warmup`` untimed ones (and, timed as an asynchronous engine runs them, after one more: the
+        first launches with nothing in flight, so it waits for no step before it)."""
         chunks = [ScheduledChunk(self._request(m, c), c) for c, m in prefills]
         chunks += [ScheduledChunk(self._request(m, 1), 1) for m in decode_lens]
         output = SchedulerOutput(chunks=chunks)
+        pipelined = self.async_scheduling and not prefills
+        self.executor.async_scheduling = pipelined
         try:
-            times = [self.executor.execute(output, 0.0).step_end_times[0] for _ in range(warmup + repeats)]
+            steps = warmup + repeats + pipelined
+            times = [self.executor.execute(output, 0.0).step_end_times[0] for _ in range(steps)]
         finally:
+            self.executor.resolve()  # (pipelined: the last step's tokens, not timed)
             for chunk in chunks:
                 self.kv.free(chunk.request)
                 del self.executor.sequences[chunk.request]
-        return statistics.median(times[warmup:])
+        return statistics.median(times[steps - repeats :])
 
 
 @dataclass(frozen=True)
@@ -120,12 +145,15 @@ def measure_host(loaded: LoadedModel, *, max_model_len: int, max_slots: int, see
 
     NOTE: it is vLLM's policy's scheduling cost; a policy that scans more per step costs more."""
     from sloserve.engine.engine_core import AddRequest, EngineCore
-    from sloserve.engine.llm_engine import LLMEngine
 
     rng = np.random.default_rng(seed)
     prompt_len = max(1, min(128, max_model_len // 4))
     longest_output = max(2, min(128, max_model_len - prompt_len))
-    engine = LLMEngine(loaded, "vllm", kv_capacity_tokens=max_slots, max_model_len=max_model_len, seed=seed)
+    # NOTE: steps one by one: the step log then holds each execute's own time on the host, which is
+    # taken off the loop's (an engine launched early logs its device time, ``EngineExecutor``)
+    engine = LLMEngine(
+        loaded, "vllm", kv_capacity_tokens=max_slots, max_model_len=max_model_len, seed=seed, async_scheduling=False
+    )
     engine.executor.step_log = []
     reader = subprocess.Popen([sys.executable, "-c", _DRAIN], stdin=subprocess.PIPE)
     conn = Connection(os.dup(reader.stdin.fileno()), readable=False)
@@ -203,12 +231,11 @@ def profile(
     (of the batch times: the forward pass, as ``StepTimer`` times it). With ``host_share``, the
     engine loop's host work is measured too (``measure_host``) and priced in the fit's ``h_s`` and
     ``h_r``, so that the preset predicts served and wall-clock runs: added to each step, or with
-    ``host_overlapped`` as a floor under it (an engine that schedules asynchronously does that work
-    during the device's; None: where the engine does by default, ``default_async_scheduling``).
-
-    NOTE: first order: the batch times are measured step by step, so with async scheduling they still
-    hold the executor's own host work (inputs, the tokens' return), which then overlaps the device's
-    too."""
+    ``host_overlapped`` as a floor under it. ``host_overlapped``: the preset is for an engine that
+    schedules asynchronously (None: where the engine does by default, ``default_async_scheduling``),
+    which does that work during the device's; its decode batches are then timed as such an engine
+    runs them too (``StepTimer``'s ``async_scheduling``), with the executor's own host work hidden
+    where the device's is longer."""
     points = grid.shapes(max_model_len, max_slots)
     if len(points) < 2 * len(FEATURE_ORDER):
         raise ConfigError(
@@ -217,7 +244,10 @@ def profile(
             f"prefill chunks, context lengths, batch sizes or decode KV lengths"
         )
     c = loaded.config
-    timer = StepTimer(loaded, max(StepTimer.blocks_needed(*point) for point in points), max_context=max_model_len)
+    if host_overlapped is None:
+        host_overlapped = default_async_scheduling(loaded)
+    blocks = max(StepTimer.blocks_needed(*point) for point in points)
+    timer = StepTimer(loaded, blocks, max_context=max_model_len, async_scheduling=host_overlapped)
     shapes = [BatchShape.of(prefills, decode_lens) for prefills, decode_lens in points]
     # NOTE: each pass times every point once (the first pass warms up), and a point's time is its
     # median over the passes: a slow spell on a shared machine then lands on all points alike
@@ -247,10 +277,6 @@ def profile(
             torch.cuda.empty_cache()
         host = measure_host(loaded, max_model_len=max_model_len, max_slots=max_slots)
         per_layer_ms = 1000 / c.num_hidden_layers  # the preset's unit
-        if host_overlapped is None:
-            from sloserve.engine.llm_engine import default_async_scheduling
-
-            host_overlapped = default_async_scheduling(loaded)
         coefficients = replace(
             fit.coefficients,
             h_s=host.per_step_s * per_layer_ms,
