@@ -113,9 +113,11 @@ def kernel_table(timer: StepTimer, decode_lens: list[int], steps: int = 5, top: 
 
     timer.time([], decode_lens, repeats=1)  # warm
     saved, timer.async_scheduling = timer.async_scheduling, False  # (``steps`` steps, no untimed one first)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        timer.time([], decode_lens, repeats=steps, warmup=0)
-    timer.async_scheduling = saved
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            timer.time([], decode_lens, repeats=steps, warmup=0)
+    finally:
+        timer.async_scheduling = saved
     per_kernel: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
