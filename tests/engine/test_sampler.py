@@ -207,3 +207,32 @@ def test_controls_out_of_range_are_refused(field, value, message):
 
     with pytest.raises(ConfigError, match=message):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device's synchronizations: needs a GPU")
+def test_on_cuda_the_score_controls_and_sampling_never_wait_for_the_device():
+    """Every score control and filter is launched without the host waiting for the device (CUDA's sync
+    debug mode raises on any operation that would): with async scheduling the host builds the next step
+    while this one's forward pass runs, and a wait here would stall it (a filter's settings made on the
+    GPU from a Python list waited so, a copy from pageable memory, until 2026-11-30)."""
+    from sloserve.engine.sampler import apply_controls, sample_on_device
+
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(temperature=0.7, top_k=20, min_p=0.05, seed=2),
+        SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2, min_tokens=4),
+        SamplingParams(logit_bias={5: 2.0}, allowed_token_ids=[5, 6, 7], bad_words_token_ids=[[3, 4], [9]]),
+        SamplingParams(),
+    ]
+    token_ids = [[1, 2, 3] * 4 for _ in params]
+    logits = torch.randn(len(params), 64, device="cuda")
+    late = ([2, 3], torch.tensor([3, 4], device="cuda"))  # rows whose last token is still on the device
+    generators = [np.random.default_rng(i) if not p.greedy else None for i, p in enumerate(params)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        apply_controls(logits, params, token_ids, [4] * len(params), frozenset({0}), late)
+        sampled = sample_on_device(logits, params, generators)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sampled.shape == (len(params),) and sampled[3].item() in (5, 6, 7)

@@ -10,6 +10,7 @@ import torch
 
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.outputs import BlockCopy, SlotCopy
+from sloserve.engine.async_scheduling import to_device
 
 
 class KVCacheTensor:
@@ -44,18 +45,18 @@ class KVCacheTensor:
         return expand_block_ids(torch.tensor([blocks], dtype=torch.int64), self.block_size)[0]
 
     def swap_out(self, copies: list[BlockCopy]) -> None:
-        """Device blocks -> CPU blocks."""
+        """Device blocks -> CPU blocks (the host waits for them: what was queued before included)."""
         if copies:
-            src = self._slots([c.src_block for c in copies]).to(self.gpu.device)
+            src = to_device(self._slots([c.src_block for c in copies]), self.gpu.device)
             dst = self._slots([c.dst_block for c in copies])
             self.cpu[:, :, dst] = self.gpu[:, :, src].cpu()
 
     def swap_in(self, copies: list[BlockCopy]) -> None:
-        """CPU blocks -> device blocks."""
+        """CPU blocks -> device blocks, from pinned memory without blocking the host (``to_device``)."""
         if copies:
             src = self._slots([c.src_block for c in copies])
-            dst = self._slots([c.dst_block for c in copies]).to(self.gpu.device)
-            self.gpu[:, :, dst] = self.cpu[:, :, src].to(self.gpu.device, non_blocking=True)
+            dst = to_device(self._slots([c.dst_block for c in copies]), self.gpu.device)
+            self.gpu[:, :, dst] = to_device(self.cpu[:, :, src], self.gpu.device)
 
     def copy_slots(self, copies: list[SlotCopy]) -> None:
         """Single-token copies in order (BROS checkpoints GPU -> CPU and restores CPU -> GPU).
@@ -74,9 +75,9 @@ class KVCacheTensor:
             src = torch.tensor(list(run.values()), dtype=torch.int64)
             if copies[i].to_cpu:
                 self._ensure_cpu_slots(int(dst.max()) + 1)
-                self.cpu[:, :, dst] = self.gpu[:, :, src.to(self.gpu.device)].cpu()
-            else:
-                self.gpu[:, :, dst.to(self.gpu.device)] = self.cpu[:, :, src].to(self.gpu.device)
+                self.cpu[:, :, dst] = self.gpu[:, :, to_device(src, self.gpu.device)].cpu()
+            else:  # (a restore: ``swap_in``'s way)
+                self.gpu[:, :, to_device(dst, self.gpu.device)] = to_device(self.cpu[:, :, src], self.gpu.device)
             i = j
 
     def _ensure_cpu_slots(self, num_slots: int) -> None:

@@ -389,15 +389,18 @@ def _filter_sorted(
     """min-p, then top-k, then top-p over what is left (vLLM v1's order); a filter no row sets is
     skipped (a top-p row alone costs no more kernels than before the others). The likeliest token
     always stays: it passes min-p (min_p <= 1), is the first of any top-k and starts every top-p prefix."""
+    # NOTE: each row's setting goes to the device from pinned memory (``to_device``): a tensor made on a
+    # GPU from a list is copied from pageable memory, which waits for every kernel queued before it (the
+    # step's forward pass, and with async scheduling the host's work on the next step with it)
     device, vocab = probs.device, probs.shape[1]
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]  # (R, 1)
+        min_p = to_device(torch.tensor([p.min_p for p in params]), device)[:, None]  # (R, 1)
         probs = probs.masked_fill(probs < min_p * probs[:, :1], 0)
     if any(p.top_k > 0 for p in params):  # by threshold: a token as likely as the k-th stays too (vLLM's rule)
-        kth = torch.tensor([min(p.top_k, vocab) - 1 if p.top_k > 0 else vocab - 1 for p in params], device=device)
+        kth = index_tensor([min(p.top_k, vocab) - 1 if p.top_k > 0 else vocab - 1 for p in params], device)  # (R,)
         probs = probs.masked_fill(probs < probs.gather(1, kth[:, None]), 0)
     if any(p.top_p < 1 for p in params):  # the smallest prefix whose mass reaches top_p of the mass left
-        top_p = torch.tensor([p.top_p if p.top_p < 1 else math.inf for p in params], device=device)[:, None]
+        top_p = to_device(torch.tensor([p.top_p if p.top_p < 1 else math.inf for p in params]), device)[:, None]
         mass_before = probs.cumsum(dim=-1) - probs
         probs = probs.masked_fill(mass_before >= top_p * probs.sum(dim=-1, keepdim=True), 0)
     return probs
