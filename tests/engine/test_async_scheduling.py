@@ -623,12 +623,13 @@ def test_on_cuda_a_step_launched_early_logs_its_device_time():
     its sampling) once its tokens are back: every entry filled, none longer than the run."""
     pytest.importorskip("triton")
     options = dict(dtype="float32", attention_backend="triton")
-    want, _, _ = _logged_run("cuda", False, **options)
+    want, sync_engine, _ = _logged_run("cuda", False, **options)
     start = time.perf_counter()
     got, engine, _ = _logged_run("cuda", True, **options)
     wall = time.perf_counter() - start
     assert got == want and engine.executor.num_early_launches > 0 and engine.executor._timed is None
     log = engine.executor.step_log
+    assert [shape for shape, _ in log] == [shape for shape, _ in sync_engine.executor.step_log]
     assert log and all(0 < t < wall for _, t in log) and sum(t for _, t in log) < wall
 
 
