@@ -170,7 +170,10 @@ def main() -> None:
     gpu = get_gpu(gpu_name) if gpu_name else None
     rates = None
     if args.rates:
-        copy_tbps, matmul_tflops = (float(x) for x in args.rates.split(","))
+        try:
+            copy_tbps, matmul_tflops = (float(x) for x in args.rates.split(","))
+        except ValueError:
+            parser.error(f"--rates expects COPY_TBPS,MATMUL_TFLOPS (two numbers), got {args.rates!r}")
         rates = Rates(copy_tbps * 1e12, matmul_tflops * 1e12)
     elif loaded.device.type == "cuda" and not args.no_ceilings:
         rates = Rates(*measure_ceilings(loaded.device))
