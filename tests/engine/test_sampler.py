@@ -144,6 +144,22 @@ def test_score_controls_equal_a_hand_computation():
     assert logits[2].tolist() == [2.0, -1.0, 0.5, 3.0, -0.5]
 
 
+def test_whole_number_settings_act_as_their_floats():
+    """A logit bias, a penalty or a temperature given as an int (``{3: 2}``, as JSON writes them) acts as
+    the same float; an integer bias was refused mid-step before (an int64 tensor put into float scores)."""
+    from sloserve.engine.sampler import apply_controls
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -0.5]] * 2)
+    as_ints = SamplingParams(logit_bias={4: 2}, repetition_penalty=2, presence_penalty=1)
+    as_floats = SamplingParams(logit_bias={4: 2.0}, repetition_penalty=2.0, presence_penalty=1.0)
+    for row, params in enumerate((as_ints, as_floats)):  # (a batch of each alone: no float among the ints)
+        apply_controls(logits[row : row + 1], [params], [[0, 2, 3]], [2], frozenset())
+    assert logits[0].tolist() == logits[1].tolist() == [1.0, -1.0, 0.25, 0.5, 1.5]
+    for seed in range(20):
+        drawn = [sample(logits[:1], [SamplingParams(temperature=t)], [np.random.default_rng(seed)]) for t in (2, 2.0)]
+        assert drawn[0] == drawn[1]
+
+
 def test_allowed_token_ids_bar_every_other_token_before_the_other_controls():
     """vLLM's whitelist: the other tokens' scores (EOS's too) are -inf, and the controls that follow
     (here a logit bias) act on what is left; a row without one is untouched."""

@@ -62,6 +62,11 @@ def index_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
     return to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
+def float_tensor(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    """``values`` (ints taken too) as a float32 tensor on ``device`` (``to_device``)."""
+    return to_device(torch.tensor(values, dtype=torch.float32), device)
+
+
 class SampledOnDevice:
     """What one step sampled, still on the device: one row per request that sampled, and the
     log-probabilities of those rows and prompt positions that ask for them (``PendingLogprobs``)."""

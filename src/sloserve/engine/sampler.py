@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from sloserve.core.errors import ConfigError
-from sloserve.engine.async_scheduling import index_tensor, to_device
+from sloserve.engine.async_scheduling import float_tensor, index_tensor, to_device
 
 # The most top log-probabilities a request may ask for per token (vLLM's default max_logprobs; OpenAI's
 # top_logprobs allows 20 too).
@@ -290,7 +290,7 @@ def apply_controls(
     biased = [(i, t, b) for i in rows for t, b in (params[i].logit_bias or {}).items()]
     if biased:
         index = index_tensor([(i, t) for i, t, _ in biased], device).T
-        logits.index_put_(tuple(index), to_device(torch.tensor([b for _, _, b in biased]), device), accumulate=True)
+        logits.index_put_(tuple(index), float_tensor([b for _, _, b in biased], device), accumulate=True)
     penalized = [i for i in rows if params[i].penalizes]
     if not penalized:
         return
@@ -302,11 +302,11 @@ def apply_controls(
         counts[where, late_tokens[index_tensor([at for _, at in in_flight], device)]] += 1
     in_prompt = _counts([token_ids[i][: num_prompt_tokens[i]] for i in penalized], vocab, device) > 0
     scores = logits[index]  # (R, vocab)
-    repetition = to_device(torch.tensor([params[i].repetition_penalty for i in penalized]), device)[:, None]
+    repetition = float_tensor([params[i].repetition_penalty for i in penalized], device)[:, None]
     seen = in_prompt | (counts > 0)
     scores = torch.where(seen, torch.where(scores > 0, scores / repetition, scores * repetition), scores)
-    frequency = to_device(torch.tensor([params[i].frequency_penalty for i in penalized]), device)[:, None]
-    presence = to_device(torch.tensor([params[i].presence_penalty for i in penalized]), device)[:, None]
+    frequency = float_tensor([params[i].frequency_penalty for i in penalized], device)[:, None]
+    presence = float_tensor([params[i].presence_penalty for i in penalized], device)[:, None]
     logits[index] = scores - frequency * counts - presence * (counts > 0)
 
 
@@ -367,8 +367,8 @@ def _draw(
     filters: bool,
 ) -> torch.Tensor:  # (R,) token ids
     device = logits.device
-    temperature = to_device(torch.tensor([p.temperature for p in params]), device)[:, None]  # (R, 1)
-    uniform = to_device(torch.tensor([g.random() for g in generators]), device)[:, None]  # (R, 1) in [0, 1)
+    temperature = float_tensor([p.temperature for p in params], device)[:, None]  # (R, 1)
+    uniform = float_tensor([g.random() for g in generators], device)[:, None]  # (R, 1) in [0, 1)
     probs = torch.softmax(logits / temperature, dim=-1)  # (R, vocab)
     if filters:
         probs, order = probs.sort(dim=-1, descending=True)  # (R, vocab)
@@ -389,18 +389,18 @@ def _filter_sorted(
     """min-p, then top-k, then top-p over what is left (vLLM v1's order); a filter no row sets is
     skipped (a top-p row alone costs no more kernels than before the others). The likeliest token
     always stays: it passes min-p (min_p <= 1), is the first of any top-k and starts every top-p prefix."""
-    # NOTE: each row's setting goes to the device from pinned memory (``to_device``): a tensor made on a
+    # NOTE: each row's setting goes to the device from pinned memory (``float_tensor``): a tensor made on a
     # GPU from a list is copied from pageable memory, which waits for every kernel queued before it (the
     # step's forward pass, and with async scheduling the host's work on the next step with it)
     device, vocab = probs.device, probs.shape[1]
     if any(p.min_p > 0 for p in params):
-        min_p = to_device(torch.tensor([p.min_p for p in params]), device)[:, None]  # (R, 1)
+        min_p = float_tensor([p.min_p for p in params], device)[:, None]  # (R, 1)
         probs = probs.masked_fill(probs < min_p * probs[:, :1], 0)
     if any(p.top_k > 0 for p in params):  # by threshold: a token as likely as the k-th stays too (vLLM's rule)
         kth = index_tensor([min(p.top_k, vocab) - 1 if p.top_k > 0 else vocab - 1 for p in params], device)  # (R,)
         probs = probs.masked_fill(probs < probs.gather(1, kth[:, None]), 0)
     if any(p.top_p < 1 for p in params):  # the smallest prefix whose mass reaches top_p of the mass left
-        top_p = to_device(torch.tensor([p.top_p if p.top_p < 1 else math.inf for p in params]), device)[:, None]
+        top_p = float_tensor([p.top_p if p.top_p < 1 else math.inf for p in params], device)[:, None]
         mass_before = probs.cumsum(dim=-1) - probs
         probs = probs.masked_fill(mass_before >= top_p * probs.sum(dim=-1, keepdim=True), 0)
     return probs
