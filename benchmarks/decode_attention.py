@@ -20,7 +20,6 @@ import argparse
 import math
 import os
 import sys
-import time
 
 if "--smoke" in sys.argv:  # (before triton is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -30,6 +29,7 @@ import torch  # noqa: E402
 from sloserve.engine.attention import AttentionMetadata  # noqa: E402
 from sloserve.engine.kv_cache import expand_block_ids  # noqa: E402
 from sloserve.engine.triton_attention import TritonAttention, decode_splits, multiprocessors  # noqa: E402
+from timing import median_s  # noqa: E402
 
 BLOCK_SIZE = 16  # the KV manager's default block
 
@@ -66,17 +66,6 @@ def decode_step(
         decode_context_lens=torch.full((batch,), context, dtype=torch.int64, device=device),
     )
     return tensors, meta
-
-
-def time_call(fn, device: torch.device) -> float:
-    """Median seconds of ``fn`` (CUDA events through Triton's do_bench; one run on the CPU)."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") / 1e3
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -130,7 +119,7 @@ def main() -> None:
                     assert error < 2e-2 and not out.isnan().any(), (
                         f"{case} width {width}: {splits} splits, tile {tile}: {error}"
                     )
-                    times[splits, tile] = time_call(call, device)
+                    times[splits, tile] = median_s(call, device, warmup_ms=10, rep_ms=40)
             picked = decode_splits(batch, heads[1], width, multiprocessors(device))
             (best_splits, best_tile), best = min(times.items(), key=lambda item: item[1])
             rows.append((batch, context, width, best_splits, best_tile, best, picked, times.get((picked, default_tile)),

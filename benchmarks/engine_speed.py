@@ -28,7 +28,11 @@ part alone at max(FLOPs / peak, bytes / bandwidth). Beside each figure, its ceil
 (recorded as ``FIGURE_ceiling``; the mixed step's least ratio as ``mixed_over_roofline_floor``): the
 figure of a step whose kernels run one after another at the copy and matmul rates measured here
 (``Rates.least_step_s``; ``--rates`` gives them instead), with nothing for the elementwise kernels and
-the gaps. A goal beyond it needs kernels that overlap, or rates this machine did not show.
+the gaps. A goal beyond it needs kernels that overlap, or rates this machine did not show. Beside it,
+the step's matmuls timed alone on its own shapes (``matmuls_alone_s``, one CUDA graph) and the ceiling
+with their time in place of the rates' (recorded as ``FIGURE_ceiling_timed_matmuls``): what the matmul
+library reaches at a decode's or a chunk's row counts, so a step's time beyond its matmuls is the
+attention's, the elementwise kernels' and the gaps'.
 The mixed step and small prompts' steps (``--small-prompts``) are timed eagerly and on piecewise CUDA
 graphs (``piecewise_graphs``), side by side, and with ``--compile-pieces`` on piecewise graphs of the
 pieces compiled by ``torch.compile`` too.
@@ -50,18 +54,13 @@ import torch
 from figures import record
 from sloserve.cost import get_gpu
 from sloserve.engine import fused_ops
-from sloserve.engine.cuda_graphs import DecodeGraphs
+from sloserve.engine.cuda_graphs import DecodeGraphs, capture_graph
 from sloserve.engine.llm_engine import kv_bytes_per_token
 from sloserve.engine.loader import LoadedModel, cuda_graphs_supported, load_model, resolve_device
 from sloserve.engine.piecewise_graphs import PiecewiseGraphs
 from sloserve.engine.profile import StepTimer
 from sloserve.engine.triton_attention import TritonAttention, decode_splits, multiprocessors
-
-
-def _median_ms(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+from timing import median_s
 
 
 def measure_ceilings(device: torch.device) -> tuple[float, float]:
@@ -69,11 +68,11 @@ def measure_ceilings(device: torch.device) -> tuple[float, float]:
     (bytes read + written) and an 8192^3 product on random data, medians of CUDA-event timings."""
     src = torch.randn(1 << 30, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    copy_ms = _median_ms(lambda: dst.copy_(src))
+    copy_s = median_s(lambda: dst.copy_(src), device)
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     b = torch.randn_like(a)
-    mm_ms = _median_ms(lambda: a @ b)
-    return 2 * (2 << 30) / (copy_ms / 1e3), 2 * 8192**3 / (mm_ms / 1e3)
+    matmul_s = median_s(lambda: a @ b, device)
+    return 2 * (2 << 30) / copy_s, 2 * 8192**3 / matmul_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,16 +84,49 @@ class Rates:
     matmul_rate: float
 
     def least_step_s(
-        self, matmul_flops: float, weight_bytes: float, kv_bytes: float = 0.0, attention_flops: float = 0.0
+        self,
+        matmul_flops: float,
+        weight_bytes: float,
+        kv_bytes: float = 0.0,
+        attention_flops: float = 0.0,
+        matmuls_s: float | None = None,
     ) -> float:
         """The least time a step can take whose kernels run one after another, each at these rates: the
         matmuls at the slower of their FLOPs and their weights' bytes (a decode of many tokens is
         compute-bound: past ``matmul_rate / copy_bw`` FLOPs a weight byte), then the attention, reading
         the KV's bytes (decodes) and at the matmul rate (a prefill's FLOPs). The elementwise kernels,
         the launches and the gaps between kernels cost nothing here: a figure's ceiling on this machine,
-        for a goal to be set against."""
-        matmuls = max(matmul_flops / self.matmul_rate, weight_bytes / self.copy_bw)
-        return matmuls + kv_bytes / self.copy_bw + attention_flops / self.matmul_rate
+        for a goal to be set against. ``matmuls_s``: the step's matmuls as timed alone (``matmuls_alone_s``)
+        in place of their time at these rates, a ceiling with the matmul library's speed at the step's
+        own shapes (a 640-row product need not reach an 8192^3 one's rate)."""
+        if matmuls_s is None:
+            matmuls_s = max(matmul_flops / self.matmul_rate, weight_bytes / self.copy_bw)
+        return matmuls_s + kv_bytes / self.copy_bw + attention_flops / self.matmul_rate
+
+
+def matmuls_alone_s(loaded: LoadedModel, tokens: int, sequences: int) -> float:
+    """Seconds a step's matmuls take alone, one after another on the model's own weights: every linear
+    layer of the decoder on ``tokens`` rows, then the LM head on ``sequences`` rows (a step's logits
+    are one row a sequence). What a step takes beyond it is the attention, the elementwise kernels and
+    the gaps between kernels: ours to shrink, where the matmuls are the library's. On CUDA they replay
+    as one CUDA graph: their GPU time, not the host's launches."""
+    head = loaded.model.lm_head
+    calls = [(m, tokens) for m in loaded.model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    calls.append((head, sequences))
+    inputs = {
+        (layer.in_features, n): torch.randn(n, layer.in_features, dtype=loaded.dtype, device=loaded.device)
+        for layer, n in calls
+    }
+
+    @torch.inference_mode()
+    def run() -> None:
+        for layer, n in calls:
+            layer(inputs[layer.in_features, n])
+
+    if loaded.device.type != "cuda":
+        return median_s(run, loaded.device)
+    graph, _ = capture_graph(run, torch.cuda.graph_pool_handle(), loaded.device)
+    return median_s(graph.replay, loaded.device)
 
 
 def extend_positions(loaded: LoadedModel, positions: int) -> None:
@@ -107,7 +139,7 @@ def extend_positions(loaded: LoadedModel, positions: int) -> None:
     rotary.config, rotary._tables = loaded.config, None
 
 
-def kernel_table(timer: StepTimer, decode_lens: list[int], steps: int = 5, top: int = 8) -> list[str]:
+def kernel_table(timer: StepTimer, decode_lens: list[int], steps: int = 5, top: int = 20) -> list[str]:
     """Lines: the ``top`` kernels by GPU time in an eager step of ``decode_lens``, per step."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -262,24 +294,30 @@ def main() -> None:
                 name: f"{times[name] * 1e3:.3f}" if name in times else "-" for name in ("before", "split", "fused")
             }
             gain = f"{times['before'] / times['fused']:.2f}x" if times else "-"
-            ceiling = "-"
+            t_matmuls = matmuls_alone_s(loaded, b, b)
+            ceilings = ["-", "-"]
             if gpu:
                 record(figure, read / best / gpu.hbm_bandwidth, batch=b, kv=kv_len)
             if gpu and rates:
-                least = rates.least_step_s(token_matmul_flops * b, weight_bytes, b * (kv_len + 1) * per_token_kv)
-                ceiling = f"{read / least / gpu.hbm_bandwidth:.1%}"
-                record(f"{figure}_ceiling", read / least / gpu.hbm_bandwidth, batch=b, kv=kv_len)
+                kv_read = b * (kv_len + 1) * per_token_kv
+                for i, matmuls_s in enumerate((None, t_matmuls)):
+                    least = rates.least_step_s(token_matmul_flops * b, weight_bytes, kv_read, matmuls_s=matmuls_s)
+                    ceilings[i] = f"{read / least / gpu.hbm_bandwidth:.1%}"
+                    suffix = "_ceiling" if matmuls_s is None else "_ceiling_timed_matmuls"
+                    record(figure + suffix, read / least / gpu.hbm_bandwidth, batch=b, kv=kv_len)
             print(
                 f"{b:>6} {kv_len:>7} {n_splits:>6} {eager * 1e3:>9.3f} {graphed['before']:>10} {graphed['split']:>10} "
                 f"{graphed['fused']:>10} {gain:>7} {b / best:>10.1f} {mbu(read, eager):>15} "
-                f"{mbu(read, times.get('fused')):>15} {ceiling:>8}"
+                f"{mbu(read, times.get('fused')):>15} {t_matmuls * 1e3:>11.3f} {ceilings[0]:>8} {ceilings[1]:>8}"
             )
 
     # Graphed ms: "before" (one split, unfused), "+split" (flash decoding), "+fused" (and the fused
-    # elementwise kernels: the engine's default); gain = before / +fused.
+    # elementwise kernels: the engine's default); gain = before / +fused; "matmuls ms": the step's
+    # matmuls alone (``matmuls_alone_s``); the ceiling at the measured rates, then with the matmuls' own time.
     header = (
         f"\n{'batch':>6} {'KV/req':>7} {'splits':>6} {'eager ms':>9} {'before ms':>10} {'+split ms':>10} "
-        f"{'+fused ms':>10} {'gain':>7} {'tok/s':>10} {'MBU eager':>15} {'MBU +fused':>15} {'ceiling':>8}"
+        f"{'+fused ms':>10} {'gain':>7} {'tok/s':>10} {'MBU eager':>15} {'MBU +fused':>15} {'matmuls ms':>11} "
+        f"{'ceiling':>8} {'ceil. mm':>8}"
     )
     if batches:
         print(header)
@@ -298,7 +336,10 @@ def main() -> None:
     # backend) and, on the Triton backend, dense (one SDPA call: ``dense_prefill_min_tokens``) whatever the
     # environment says; tok/s and MFU of the faster.
     if prompts:
-        print(f"\n{'prefill tokens':>14} {'step ms':>9} {'dense ms':>9} {'tok/s':>10} {'MFU':>7} {'ceiling':>8}")
+        print(
+            f"\n{'prefill tokens':>14} {'step ms':>9} {'dense ms':>9} {'tok/s':>10} {'MFU':>7} {'matmuls ms':>11} "
+            f"{'ceiling':>8} {'ceil. mm':>8}"
+        )
     for n in prompts:
         t_dense = None
         if splitting:
@@ -314,16 +355,24 @@ def main() -> None:
         # Causal attention: QK^T and PV, 2 FLOPs per multiply-add, half the n x n scores.
         attention = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * n * n / 2
         flops = 2 * layer_params * n + 2 * embed + attention
-        mfu = ceiling = "-"
+        t_matmuls = matmuls_alone_s(loaded, n, 1)
+        mfu, ceilings = "-", ["-", "-"]
         if gpu:
             mfu = f"{flops / best / gpu.peak_flops:.1%}"
             record("prefill_mfu", flops / best / gpu.peak_flops, tokens=n)
         if gpu and rates:
-            least = rates.least_step_s(flops - attention, weight_bytes, attention_flops=attention)
-            ceiling = f"{flops / least / gpu.peak_flops:.1%}"
-            record("prefill_mfu_ceiling", flops / least / gpu.peak_flops, tokens=n)
+            for i, matmuls_s in enumerate((None, t_matmuls)):
+                least = rates.least_step_s(
+                    flops - attention, weight_bytes, attention_flops=attention, matmuls_s=matmuls_s
+                )
+                ceilings[i] = f"{flops / least / gpu.peak_flops:.1%}"
+                suffix = "_ceiling" if matmuls_s is None else "_ceiling_timed_matmuls"
+                record("prefill_mfu" + suffix, flops / least / gpu.peak_flops, tokens=n)
         dense_ms = f"{t_dense * 1e3:.3f}" if t_dense is not None else "-"
-        print(f"{n:>14} {t * 1e3:>9.3f} {dense_ms:>9} {n / best:>10.1f} {mfu:>7} {ceiling:>8}")
+        print(
+            f"{n:>14} {t * 1e3:>9.3f} {dense_ms:>9} {n / best:>10.1f} {mfu:>7} {t_matmuls * 1e3:>11.3f} "
+            f"{ceilings[0]:>8} {ceilings[1]:>8}"
+        )
 
     # Steps with a prefill eagerly and on piecewise graphs (captured here for the sizes below, whatever
     # SLOSERVE_PIECEWISE_GRAPHS says): small prompts, where an eager step is the host's launch time.
@@ -372,11 +421,12 @@ def main() -> None:
         t_mixed = min(t for t in (t_eager, t_pieces, t_compiled) if t is not None)
         t_prefill = timer.time([(chunk, cached)], [], repeats=args.repeats)
         t_decode = timer.time([], [args.kv_len] * num_decodes, repeats=args.repeats)
+        t_matmuls = matmuls_alone_s(loaded, chunk + num_decodes, 1 + num_decodes)
         print(
             f"\nmixed step: a {chunk}-token chunk after {cached} cached + {num_decodes} decodes of {args.kv_len}: "
             f"{ms(t_eager)} ms eager, {ms(t_pieces)} ms on piecewise graphs, {ms(t_compiled)} ms compiled; "
             f"alone: chunk {ms(t_prefill)} ms, "
-            f"decodes {ms(t_decode)} ms (as the environment sets the engine)"
+            f"decodes {ms(t_decode)} ms (as the environment sets the engine); its matmuls alone {ms(t_matmuls)} ms"
         )
         if gpu:
             # The chunk attends to cached + its own causal half; each decode reads its context once.
@@ -392,14 +442,22 @@ def main() -> None:
             floor = ""
             if rates:
                 # NOTE: one pass over the weights for both parts; the chunk reads its cached context too
-                least = rates.least_step_s(
-                    2 * layer_params * (chunk + num_decodes) + 2 * embed * (1 + num_decodes),
-                    weight_bytes,
-                    (cached + num_decodes * (args.kv_len + 1)) * per_token_kv,
-                    chunk_attention,
+                floors = []
+                for matmuls_s in (None, t_matmuls):
+                    least = rates.least_step_s(
+                        2 * layer_params * (chunk + num_decodes) + 2 * embed * (1 + num_decodes),
+                        weight_bytes,
+                        (cached + num_decodes * (args.kv_len + 1)) * per_token_kv,
+                        chunk_attention,
+                        matmuls_s=matmuls_s,
+                    )
+                    floors.append(least / (prefill_roof + decode_roof))
+                floor = (
+                    f"; at least {floors[0]:.2f}x with its kernels in sequence here, "
+                    f"{floors[1]:.2f}x with its matmuls' own time"
                 )
-                floor = f"; at least {least / (prefill_roof + decode_roof):.2f}x with its kernels in sequence here"
-                record("mixed_over_roofline_floor", least / (prefill_roof + decode_roof))
+                record("mixed_over_roofline_floor", floors[0])
+                record("mixed_over_roofline_floor_timed_matmuls", floors[1])
             print(
                 f"  rooflines of the parts: {prefill_roof * 1e3:.3f} + {decode_roof * 1e3:.3f} ms; "
                 f"mixed / their sum: {t_mixed / (prefill_roof + decode_roof):.2f}x (goal <= 1.25x){floor}"
