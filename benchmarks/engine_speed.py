@@ -15,7 +15,8 @@ three times, side by side: as before issue 43 (one program per decode and KV hea
 context; PyTorch's elementwise kernels), with flash decoding's splits of the context
 (``triton_attention.decode_splits``), and with the fused rotary, SiLU and add-and-RMSNorm kernels too (``fused_ops``).
 A prompt's prefill runs with the prefill kernel and dense (one SDPA call a prompt,
-``TritonAttention.dense_prefill_min_tokens``), side by side. Eager steps, the prefills' other kernels, mixed
+``TritonAttention.dense_prefill_min_tokens``), the latter asking SDPA for FlashAttention first, then for
+cuDNN's attention first (``dense_prefill_sdpa``), side by side. Eager steps, the prefills' other kernels, mixed
 and profiled steps run as the environment sets the engine (split decodes unless ``SLOSERVE_DECODE_SPLITS=1``,
 the fused kernels unless ``SLOSERVE_FUSED_KERNELS=0``, dense prefills if ``SLOSERVE_DENSE_PREFILL=1``;
 ``gpu_session.sh`` sets them all on).
@@ -334,24 +335,27 @@ def main() -> None:
 
     # A prompt's step with its attention by the prefill kernel ("step ms"; the reference's on the torch
     # backend) and, on the Triton backend, dense (one SDPA call: ``dense_prefill_min_tokens``) whatever the
-    # environment says; tok/s and MFU of the faster.
+    # environment says, asking SDPA for FlashAttention first, then for cuDNN's attention first
+    # (``dense_prefill_sdpa``; on the CPU both run torch's CPU kernel); tok/s and MFU of the fastest.
     if prompts:
         print(
-            f"\n{'prefill tokens':>14} {'step ms':>9} {'dense ms':>9} {'tok/s':>10} {'MFU':>7} {'matmuls ms':>11} "
-            f"{'ceiling':>8} {'ceil. mm':>8}"
+            f"\n{'prefill tokens':>14} {'step ms':>9} {'flash ms':>9} {'cuDNN ms':>9} {'tok/s':>10} {'MFU':>7} "
+            f"{'matmuls ms':>11} {'ceiling':>8} {'ceil. mm':>8}"
         )
     for n in prompts:
-        t_dense = None
+        t_dense = {}
         if splitting:
-            saved = backend.dense_prefill_min_tokens
+            saved = backend.dense_prefill_min_tokens, backend.dense_prefill_sdpa
             backend.dense_prefill_min_tokens = None
             t = timer.time([(n, 0)], [], repeats=args.repeats)
             backend.dense_prefill_min_tokens = 1
-            t_dense = timer.time([(n, 0)], [], repeats=args.repeats)
-            backend.dense_prefill_min_tokens = saved
+            for sdpa in ("flash", "cudnn"):
+                backend.dense_prefill_sdpa = sdpa
+                t_dense[sdpa] = timer.time([(n, 0)], [], repeats=args.repeats)
+            backend.dense_prefill_min_tokens, backend.dense_prefill_sdpa = saved
         else:
             t = timer.time([(n, 0)], [], repeats=args.repeats)
-        best = min(t, t_dense or t)
+        best = min([t, *t_dense.values()])
         # Causal attention: QK^T and PV, 2 FLOPs per multiply-add, half the n x n scores.
         attention = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * n * n / 2
         flops = 2 * layer_params * n + 2 * embed + attention
@@ -368,10 +372,10 @@ def main() -> None:
                 ceilings[i] = f"{flops / least / gpu.peak_flops:.1%}"
                 suffix = "_ceiling" if matmuls_s is None else "_ceiling_timed_matmuls"
                 record("prefill_mfu" + suffix, flops / least / gpu.peak_flops, tokens=n)
-        dense_ms = f"{t_dense * 1e3:.3f}" if t_dense is not None else "-"
+        dense = {sdpa: f"{t_dense[sdpa] * 1e3:.3f}" if sdpa in t_dense else "-" for sdpa in ("flash", "cudnn")}
         print(
-            f"{n:>14} {t * 1e3:>9.3f} {dense_ms:>9} {n / best:>10.1f} {mfu:>7} {t_matmuls * 1e3:>11.3f} "
-            f"{ceilings[0]:>8} {ceilings[1]:>8}"
+            f"{n:>14} {t * 1e3:>9.3f} {dense['flash']:>9} {dense['cudnn']:>9} {n / best:>10.1f} {mfu:>7} "
+            f"{t_matmuls * 1e3:>11.3f} {ceilings[0]:>8} {ceilings[1]:>8}"
         )
 
     # Steps with a prefill eagerly and on piecewise graphs (captured here for the sizes below, whatever

@@ -166,6 +166,50 @@ def test_the_dense_prefill_setting_comes_from_the_environment(monkeypatch):
         triton_attention.TritonAttention()
 
 
+def test_dense_prefills_ask_sdpa_for_cudnn_first_on_hopper_only(monkeypatch):
+    """SLOSERVE_DENSE_PREFILL_SDPA: "auto" (unset) asks for cuDNN's attention first on compute capability
+    9.x and keeps torch's order on other GPUs; the CPU's kernel is never steered; a named backend is
+    asked for first on every GPU; a bad value is one clear error when the backend is built."""
+    prefer = triton_attention.sdpa_preference
+    cudnn, flash = triton_attention.SDPBackend.CUDNN_ATTENTION, triton_attention.SDPBackend.FLASH_ATTENTION
+    assert prefer("auto", (9, 0)) == (cudnn,)
+    assert prefer("auto", (8, 0)) == prefer("auto", (10, 0)) == prefer("auto", None) == ()
+    assert prefer("flash", (9, 0)) == prefer("flash", (8, 6)) == (flash,)
+    assert prefer("cudnn", (10, 0)) == (cudnn,) and prefer("cudnn", None) == prefer("torch", (9, 0)) == ()
+    monkeypatch.setattr(triton_attention, "_SDPA_SETTING", "flash")
+    assert triton_attention.TritonAttention().dense_prefill_sdpa == "flash"
+    monkeypatch.setattr(triton_attention, "_SDPA_SETTING", "fa3")
+    with pytest.raises(
+        ConfigError, match="SLOSERVE_DENSE_PREFILL_SDPA must be one of auto, cudnn, flash, torch, got 'fa3'"
+    ):
+        triton_attention.TritonAttention()
+
+
+def _causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """(T, nh, hd) causal attention of (T, nh, hd) queries over (T, nkv, hd) keys and values, in float64."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("thd,shd->hts", q, k) * scale  # (nh, T, T)
+    scores.masked_fill_(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hts,shd->thd", scores.softmax(-1), v)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="SDPA's GPU backends (FlashAttention, cuDNN) need CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("setting", ["flash", "cudnn", "torch"])
+def test_on_cuda_a_dense_prefill_asking_each_sdpa_backend_first_matches_the_reference(setting, dtype):
+    """A prompt of Llama-3-8B's heads (32 query, 8 KV, 128), 300 tokens (not a tile multiple), asking
+    SDPA for FlashAttention, cuDNN or nothing first: the reference's attention, to the dtype's rounding."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(300, heads, 128, generator=gen) for heads in (32, 8, 8))
+    scale = 1 / math.sqrt(128)
+    prefer = triton_attention.SDPA_PREFERENCES[setting]
+    out = triton_attention._dense_causal(*(x.to(DEVICE, dtype) for x in (q, k, v)), scale, prefer)
+    ref = _causal_reference(q, k, v, scale)
+    error = float((out.double().cpu() - ref).norm() / ref.norm())
+    assert out.shape == (300, 32, 128) and error < TOLERANCE[dtype]
+
+
 def test_the_split_setting_comes_from_the_environment(monkeypatch):
     """Flash decoding picks its splits (None) unless SLOSERVE_DECODE_SPLITS says a count (1: off) or
     auto; a bad value is one clear error."""

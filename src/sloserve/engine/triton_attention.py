@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend, write_kv
@@ -69,6 +70,38 @@ _SPLITS_SETTING = os.environ.get("SLOSERVE_DECODE_SPLITS", "auto")
 # than the kernel at 1,024 tokens and 3-7% faster at 4-8K (``benchmarks/engine_speed.py``'s prefill rows,
 # hence 4,096, the smallest size it was faster at), and its engine-level token test did not get to run there.
 DENSE_PREFILL_MIN_TOKENS = 4096
+# The SDPA backend a dense prefill asks for first (``_dense_causal``; the others follow in torch's order, so
+# a shape it cannot take runs as before): SLOSERVE_DENSE_PREFILL_SDPA "cudnn" (cuDNN's fused attention),
+# "flash" (FlashAttention 2, torch's own first choice), "torch" (torch's order), or "auto" (the default):
+# cuDNN on Hopper (compute capability 9.x), torch's order elsewhere. NOTE: chosen without a GPU, after
+# transformers' measurements (huggingface/transformers#48163: cuDNN 1.7-2.3x FlashAttention 2's speed on
+# Hopper, slower on Ampere and Blackwell); ``benchmarks/engine_speed.py``'s prefill rows time both.
+SDPA_PREFERENCES = {
+    "cudnn": (SDPBackend.CUDNN_ATTENTION,),
+    "flash": (SDPBackend.FLASH_ATTENTION,),
+    "torch": (),
+}
+_SDPA_SETTING = os.environ.get("SLOSERVE_DENSE_PREFILL_SDPA", "auto")
+# torch's own order, which the preferred backend goes before
+_TORCH_SDPA_ORDER = (
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.MATH,
+)
+
+
+def sdpa_preference(setting: str, compute_capability: tuple[int, int] | None) -> tuple[SDPBackend, ...]:
+    """The SDPA backends a dense prefill asks for first under ``setting`` (SLOSERVE_DENSE_PREFILL_SDPA's
+    value) on a GPU of ``compute_capability`` (None: no GPU, where torch's CPU kernels run as they are)."""
+    if setting != "auto" and setting not in SDPA_PREFERENCES:
+        choices = ", ".join(["auto", *SDPA_PREFERENCES])
+        raise ConfigError(f"SLOSERVE_DENSE_PREFILL_SDPA must be one of {choices}, got {setting!r}")
+    if compute_capability is None:
+        return ()
+    if setting == "auto":
+        return SDPA_PREFERENCES["cudnn" if compute_capability[0] == 9 else "torch"]
+    return SDPA_PREFERENCES[setting]
 
 
 @triton.jit
@@ -380,6 +413,12 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
 
 
+@functools.cache
+def compute_capability(device: torch.device) -> tuple[int, int] | None:
+    """A CUDA device's compute capability (9.x: Hopper); None on the CPU."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
 def decode_splits(num_decodes: int, num_kv_heads: int, max_context: int, multiprocessors: int) -> int:
     """How many splits of each context the decode kernel runs (flash decoding): 1 when the
     (decode, KV head) programs already fill the GPU ``WAVES`` times over; else enough splits to do so,
@@ -398,17 +437,23 @@ def _dense_causal(
     k: torch.Tensor,  # (T, nkv, hd)
     v: torch.Tensor,  # (T, nkv, hd)
     scale: float,
+    prefer: tuple[SDPBackend, ...] = (),
 ) -> torch.Tensor:  # (T, nh, hd)
     """Causal attention of a prompt over its own keys, as one SDPA call (query head h reads KV head
-    h // group, as the kernels do). NOTE: SDPA's top-left causal mask is the right one here: the query
-    and the context are the same T tokens."""
+    h // group, as the kernels do), by the backends ``prefer`` names first if they take it
+    (``sdpa_preference``). NOTE: SDPA's top-left causal mask is the right one here: the query and the
+    context are the same T tokens."""
     group = q.shape[1] // k.shape[1]
     # NOTE: KV heads repeated rather than SDPA's enable_gqa, which not every SDPA backend takes (one
     # that does not would fall back to the math kernel: T x T scores in memory)
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (T, nh, hd)
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, nh, T, hd)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[0].transpose(0, 1)
+    if not prefer:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[0].transpose(0, 1)
+    order = [*prefer, *(b for b in _TORCH_SDPA_ORDER if b not in prefer)]
+    with sdpa_kernel(order, set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[0].transpose(0, 1)
 
 
 class TritonAttention(AttentionBackend):
@@ -423,6 +468,7 @@ class TritonAttention(AttentionBackend):
         block_n: int = 64,
         num_decode_splits: int | None | Literal["env"] = "env",
         dense_prefill_min_tokens: int | None | Literal["env"] = "env",
+        dense_prefill_sdpa: str = "env",
     ) -> None:
         # Tile sizes: query tokens per prefill program, context tokens per step of either kernel.
         # NOTE: FlashAttention-2's Triton defaults for head_dim 64-128; tune them on the GPU.
@@ -442,6 +488,12 @@ class TritonAttention(AttentionBackend):
         if dense_prefill_min_tokens == "env":
             dense_prefill_min_tokens = DENSE_PREFILL_MIN_TOKENS if switch("SLOSERVE_DENSE_PREFILL") else None
         self.dense_prefill_min_tokens = dense_prefill_min_tokens
+        # The SDPA backend those ask for first: a SLOSERVE_DENSE_PREFILL_SDPA value ("env": that variable's,
+        # "auto" when unset), resolved for the GPU at each dense prefill (``sdpa_preference``).
+        if dense_prefill_sdpa == "env":
+            dense_prefill_sdpa = _SDPA_SETTING
+        sdpa_preference(dense_prefill_sdpa, None)  # (a bad value is an error here, as the engine is built)
+        self.dense_prefill_sdpa = dense_prefill_sdpa
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale=None, window=None):
         write_kv(k, v, k_cache, v_cache, meta)
@@ -457,9 +509,10 @@ class TritonAttention(AttentionBackend):
         packed = None
         if meta.prefills and self.dense_prefill_min_tokens is not None and window is None:
             fresh, packed = meta.fresh_prefills(self.dense_prefill_min_tokens)
+            prefer = sdpa_preference(self.dense_prefill_sdpa, compute_capability(q.device))
             for seq in fresh:
                 rows = slice(seq.query_start, seq.query_start + seq.query_len)
-                out[rows] = _dense_causal(q[rows], k[rows], v[rows], softmax_scale)
+                out[rows] = _dense_causal(q[rows], k[rows], v[rows], softmax_scale, prefer)
         elif meta.prefills:
             packed = meta.packed_prefills
         if packed is not None:
