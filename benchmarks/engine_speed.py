@@ -30,10 +30,10 @@ part alone at max(FLOPs / peak, bytes / bandwidth). Beside each figure, its ceil
 figure of a step whose kernels run one after another at the copy and matmul rates measured here
 (``Rates.least_step_s``; ``--rates`` gives them instead), with nothing for the elementwise kernels and
 the gaps. A goal beyond it needs kernels that overlap, or rates this machine did not show. Beside it,
-the step's matmuls timed alone on its own shapes (``matmuls_alone_s``, one CUDA graph) and the ceiling
-with their time in place of the rates' (recorded as ``FIGURE_ceiling_timed_matmuls``): what the matmul
-library reaches at a decode's or a chunk's row counts, so a step's time beyond its matmuls is the
-attention's, the elementwise kernels' and the gaps'.
+the step's matmuls timed alone on its own shapes (``matmuls_alone_s``, eagerly and as one CUDA graph)
+and the ceiling with their time (the faster) in place of the rates' (recorded as
+``FIGURE_ceiling_timed_matmuls``): what the matmul library reaches at a decode's or a chunk's row
+counts, so a step's time beyond its matmuls is the attention's, the elementwise kernels' and the gaps'.
 The mixed step and small prompts' steps (``--small-prompts``) are timed eagerly and on piecewise CUDA
 graphs (``piecewise_graphs``), side by side, and with ``--compile-pieces`` on piecewise graphs of the
 pieces compiled by ``torch.compile`` too.
@@ -105,12 +105,13 @@ class Rates:
         return matmuls_s + kv_bytes / self.copy_bw + attention_flops / self.matmul_rate
 
 
-def matmuls_alone_s(loaded: LoadedModel, tokens: int, sequences: int) -> float:
+def matmuls_alone_s(loaded: LoadedModel, tokens: int, sequences: int) -> tuple[float, float | None]:
     """Seconds a step's matmuls take alone, one after another on the model's own weights: every linear
     layer of the decoder on ``tokens`` rows, then the LM head on ``sequences`` rows (a step's logits
     are one row a sequence). What a step takes beyond it is the attention, the elementwise kernels and
-    the gaps between kernels: ours to shrink, where the matmuls are the library's. On CUDA they replay
-    as one CUDA graph: their GPU time, not the host's launches."""
+    the gaps between kernels: ours to shrink, where the matmuls are the library's. Returns (eager,
+    graphed): launched one by one, and replayed as one CUDA graph (None on the CPU); the graph's is their
+    GPU time without the host's launches, and the two apart say whether capturing changes the kernels."""
     head = loaded.model.lm_head
     calls = [(m, tokens) for m in loaded.model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
     calls.append((head, sequences))
@@ -124,10 +125,16 @@ def matmuls_alone_s(loaded: LoadedModel, tokens: int, sequences: int) -> float:
         for layer, n in calls:
             layer(inputs[layer.in_features, n])
 
+    eager = median_s(run, loaded.device)
     if loaded.device.type != "cuda":
-        return median_s(run, loaded.device)
+        return eager, None
     graph, _ = capture_graph(run, torch.cuda.graph_pool_handle(), loaded.device)
-    return median_s(graph.replay, loaded.device)
+    return eager, median_s(graph.replay, loaded.device)
+
+
+def matmuls_column(times: tuple[float, float | None]) -> str:
+    """``matmuls_alone_s``'s times in ms, eager/graphed."""
+    return "/".join(f"{t * 1e3:.3f}" for t in times if t is not None)
 
 
 def extend_positions(loaded: LoadedModel, positions: int) -> None:
@@ -295,7 +302,8 @@ def main() -> None:
                 name: f"{times[name] * 1e3:.3f}" if name in times else "-" for name in ("before", "split", "fused")
             }
             gain = f"{times['before'] / times['fused']:.2f}x" if times else "-"
-            t_matmuls = matmuls_alone_s(loaded, b, b)
+            matmuls = matmuls_alone_s(loaded, b, b)
+            t_matmuls = min(t for t in matmuls if t is not None)
             ceilings = ["-", "-"]
             if gpu:
                 record(figure, read / best / gpu.hbm_bandwidth, batch=b, kv=kv_len)
@@ -309,15 +317,16 @@ def main() -> None:
             print(
                 f"{b:>6} {kv_len:>7} {n_splits:>6} {eager * 1e3:>9.3f} {graphed['before']:>10} {graphed['split']:>10} "
                 f"{graphed['fused']:>10} {gain:>7} {b / best:>10.1f} {mbu(read, eager):>15} "
-                f"{mbu(read, times.get('fused')):>15} {t_matmuls * 1e3:>11.3f} {ceilings[0]:>8} {ceilings[1]:>8}"
+                f"{mbu(read, times.get('fused')):>15} {matmuls_column(matmuls):>15} {ceilings[0]:>8} {ceilings[1]:>8}"
             )
 
     # Graphed ms: "before" (one split, unfused), "+split" (flash decoding), "+fused" (and the fused
-    # elementwise kernels: the engine's default); gain = before / +fused; "matmuls ms": the step's
-    # matmuls alone (``matmuls_alone_s``); the ceiling at the measured rates, then with the matmuls' own time.
+    # elementwise kernels: the engine's default); gain = before / +fused; "matmuls ms e/g": the step's
+    # matmuls alone (``matmuls_alone_s``), eagerly / on a CUDA graph; the ceiling at the measured rates,
+    # then with the matmuls' own time (the faster).
     header = (
         f"\n{'batch':>6} {'KV/req':>7} {'splits':>6} {'eager ms':>9} {'before ms':>10} {'+split ms':>10} "
-        f"{'+fused ms':>10} {'gain':>7} {'tok/s':>10} {'MBU eager':>15} {'MBU +fused':>15} {'matmuls ms':>11} "
+        f"{'+fused ms':>10} {'gain':>7} {'tok/s':>10} {'MBU eager':>15} {'MBU +fused':>15} {'matmuls ms e/g':>15} "
         f"{'ceiling':>8} {'ceil. mm':>8}"
     )
     if batches:
@@ -340,7 +349,7 @@ def main() -> None:
     if prompts:
         print(
             f"\n{'prefill tokens':>14} {'step ms':>9} {'flash ms':>9} {'cuDNN ms':>9} {'tok/s':>10} {'MFU':>7} "
-            f"{'matmuls ms':>11} {'ceiling':>8} {'ceil. mm':>8}"
+            f"{'matmuls ms e/g':>15} {'ceiling':>8} {'ceil. mm':>8}"
         )
     for n in prompts:
         t_dense = {}
@@ -359,7 +368,8 @@ def main() -> None:
         # Causal attention: QK^T and PV, 2 FLOPs per multiply-add, half the n x n scores.
         attention = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * n * n / 2
         flops = 2 * layer_params * n + 2 * embed + attention
-        t_matmuls = matmuls_alone_s(loaded, n, 1)
+        matmuls = matmuls_alone_s(loaded, n, 1)
+        t_matmuls = min(t for t in matmuls if t is not None)
         mfu, ceilings = "-", ["-", "-"]
         if gpu:
             mfu = f"{flops / best / gpu.peak_flops:.1%}"
@@ -375,7 +385,7 @@ def main() -> None:
         dense = {sdpa: f"{t_dense[sdpa] * 1e3:.3f}" if sdpa in t_dense else "-" for sdpa in ("flash", "cudnn")}
         print(
             f"{n:>14} {t * 1e3:>9.3f} {dense['flash']:>9} {dense['cudnn']:>9} {n / best:>10.1f} {mfu:>7} "
-            f"{t_matmuls * 1e3:>11.3f} {ceilings[0]:>8} {ceilings[1]:>8}"
+            f"{matmuls_column(matmuls):>15} {ceilings[0]:>8} {ceilings[1]:>8}"
         )
 
     # Steps with a prefill eagerly and on piecewise graphs (captured here for the sizes below, whatever
@@ -425,12 +435,13 @@ def main() -> None:
         t_mixed = min(t for t in (t_eager, t_pieces, t_compiled) if t is not None)
         t_prefill = timer.time([(chunk, cached)], [], repeats=args.repeats)
         t_decode = timer.time([], [args.kv_len] * num_decodes, repeats=args.repeats)
-        t_matmuls = matmuls_alone_s(loaded, chunk + num_decodes, 1 + num_decodes)
+        matmuls = matmuls_alone_s(loaded, chunk + num_decodes, 1 + num_decodes)
+        t_matmuls = min(t for t in matmuls if t is not None)
         print(
             f"\nmixed step: a {chunk}-token chunk after {cached} cached + {num_decodes} decodes of {args.kv_len}: "
             f"{ms(t_eager)} ms eager, {ms(t_pieces)} ms on piecewise graphs, {ms(t_compiled)} ms compiled; "
             f"alone: chunk {ms(t_prefill)} ms, "
-            f"decodes {ms(t_decode)} ms (as the environment sets the engine); its matmuls alone {ms(t_matmuls)} ms"
+            f"decodes {ms(t_decode)} ms (as the environment sets the engine); its matmuls alone {matmuls_column(matmuls)} ms"
         )
         if gpu:
             # The chunk attends to cached + its own causal half; each decode reads its context once.
