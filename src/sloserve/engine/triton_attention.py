@@ -70,19 +70,21 @@ _SPLITS_SETTING = os.environ.get("SLOSERVE_DECODE_SPLITS", "auto")
 # than the kernel at 1,024 tokens and 3-7% faster at 4-8K (``benchmarks/engine_speed.py``'s prefill rows,
 # hence 4,096, the smallest size it was faster at), and its engine-level token test did not get to run there.
 DENSE_PREFILL_MIN_TOKENS = 4096
-# The SDPA backend a dense prefill asks for first (``_dense_causal``; the others follow in torch's order, so
-# a shape it cannot take runs as before): SLOSERVE_DENSE_PREFILL_SDPA "cudnn" (cuDNN's fused attention),
-# "flash" (FlashAttention 2, torch's own first choice), "torch" (torch's order), or "auto" (the default):
-# cuDNN on Hopper (compute capability 9.x), torch's order elsewhere. NOTE: chosen without a GPU, after
-# transformers' measurements (huggingface/transformers#48163: cuDNN 1.7-2.3x FlashAttention 2's speed on
-# Hopper, slower on Ampere and Blackwell); ``benchmarks/engine_speed.py``'s prefill rows time both.
+# The SDPA backend a dense prefill asks for first (``_dense_causal``; the others follow, the fused ones
+# first, so a shape it cannot take runs as before): SLOSERVE_DENSE_PREFILL_SDPA "cudnn" (cuDNN's fused
+# attention), "flash" (FlashAttention 2, torch's own first choice), "torch" (torch's order), or "auto" (the
+# default): cuDNN on Hopper (compute capability 9.x), torch's order elsewhere. NOTE: chosen without a GPU,
+# after transformers' measurements (huggingface/transformers#48163: cuDNN 1.7-2.3x FlashAttention 2's speed
+# on Hopper in training shapes, slower on Ampere and Blackwell); ``benchmarks/engine_speed.py``'s prefill
+# rows time both.
 SDPA_PREFERENCES = {
     "cudnn": (SDPBackend.CUDNN_ATTENTION,),
     "flash": (SDPBackend.FLASH_ATTENTION,),
     "torch": (),
 }
 _SDPA_SETTING = os.environ.get("SLOSERVE_DENSE_PREFILL_SDPA", "auto")
-# torch's own order, which the preferred backend goes before
+# The backends after the preferred one: torch's default order (FlashAttention, memory-efficient, math,
+# cuDNN) with the math kernel last, as the slowest
 _TORCH_SDPA_ORDER = (
     SDPBackend.FLASH_ATTENTION,
     SDPBackend.EFFICIENT_ATTENTION,
