@@ -66,9 +66,10 @@ export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # engine's defaults since the second GPU session (2026-11-29); long fresh prompts' dense attention,
 # piecewise CUDA graphs for steps with a prefill and the served engine's publishing during the next
 # forward pass are off by default until one has checked and timed them: every stage here runs with
-# them all on.
+# them all on (the dense prefills asking SDPA for cuDNN's attention first on Hopper: "auto").
 export SLOSERVE_DECODE_SPLITS=${SLOSERVE_DECODE_SPLITS:-auto} SLOSERVE_FUSED_KERNELS=${SLOSERVE_FUSED_KERNELS:-1}
 export SLOSERVE_DENSE_PREFILL=${SLOSERVE_DENSE_PREFILL:-1} SLOSERVE_PIECEWISE_GRAPHS=${SLOSERVE_PIECEWISE_GRAPHS:-1}
+export SLOSERVE_DENSE_PREFILL_SDPA=${SLOSERVE_DENSE_PREFILL_SDPA:-auto}
 export SLOSERVE_OVERLAP_PUBLISH=${SLOSERVE_OVERLAP_PUBLISH:-1}
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
