@@ -37,8 +37,8 @@ counts, so a step's time beyond its matmuls is the attention's, the elementwise 
 The mixed step and small prompts' steps (``--small-prompts``) are timed eagerly and on piecewise CUDA
 graphs (``piecewise_graphs``), side by side, and with ``--compile-pieces`` on piecewise graphs of the
 pieces compiled by ``torch.compile`` too.
-The kernel table (``--profile-kernels``, torch.profiler) sums each kernel's GPU time over an eager
-decode step: what fusing or replacing a kernel can gain.
+The kernel tables (``--profile-kernels``, torch.profiler) sum each kernel's GPU time over an eager
+decode step, and over the mixed step: what fusing or replacing a kernel can gain.
 On the CPU there are no published peaks: the ratios are printed only with --gpu.
 """
 
@@ -147,15 +147,23 @@ def extend_positions(loaded: LoadedModel, positions: int) -> None:
     rotary.config, rotary._tables = loaded.config, None
 
 
-def kernel_table(timer: StepTimer, decode_lens: list[int], steps: int = 5, top: int = 20) -> list[str]:
-    """Lines: the ``top`` kernels by GPU time in an eager step of ``decode_lens``, per step."""
+def kernel_table(
+    timer: StepTimer,
+    what: str,
+    prefills: list[tuple[int, int]],
+    decode_lens: list[int],
+    steps: int = 5,
+    top: int = 20,
+) -> list[str]:
+    """Lines: the ``top`` kernels by GPU time in an eager step (``what``) of ``prefills`` ((c, m): c
+    tokens after m cached) and ``decode_lens``, per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    timer.time([], decode_lens, repeats=1)  # warm
+    timer.time(prefills, decode_lens, repeats=1)  # warm
     saved, timer.async_scheduling = timer.async_scheduling, False  # (``steps`` steps, no untimed one first)
     try:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            timer.time([], decode_lens, repeats=steps, warmup=0)
+            timer.time(prefills, decode_lens, repeats=steps, warmup=0)
     finally:
         timer.async_scheduling = saved
     per_kernel: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
@@ -166,7 +174,7 @@ def kernel_table(timer: StepTimer, decode_lens: list[int], steps: int = 5, top: 
             entry[1] += 1 / steps
     total = sum(t for t, _ in per_kernel.values())
     count = sum(n for _, n in per_kernel.values())
-    lines = [f"  eager decode step, batch {len(decode_lens)}: {count:.0f} kernels, {total / 1e3:.3f} ms of GPU time"]
+    lines = [f"  eager {what}: {count:.0f} kernels, {total / 1e3:.3f} ms of GPU time"]
     for name, (t, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {t / 1e3:>8.3f} ms {t / total:>6.1%} x{n:>5.0f}  {name[:90]}")
     return lines
@@ -195,7 +203,11 @@ def main() -> None:
     parser.add_argument(
         "--rates", help="COPY_TBPS,MATMUL_TFLOPS: the ceilings' rates, given instead of measured (another run's)"
     )
-    parser.add_argument("--profile-kernels", default="1,64", help="decode batches whose kernels are listed ('': none)")
+    parser.add_argument(
+        "--profile-kernels",
+        default="1,64",
+        help="decode batches whose kernels are listed, and the mixed step's ('': none)",
+    )
     args = parser.parse_args()
 
     device = resolve_device(args.device)
@@ -480,12 +492,15 @@ def main() -> None:
             record("mixed_over_roofline", t_mixed / (prefill_roof + decode_roof))
 
     if args.profile_kernels and loaded.device.type == "cuda":
-        print("\nWhere an eager decode step's GPU time goes (torch.profiler; kernels of one step):")
-        for b in (int(x) for x in args.profile_kernels.split(",")):
+        print("\nWhere an eager step's GPU time goes (torch.profiler; kernels of one step):")
+        steps = [(f"decode step, batch {b}", [], [args.kv_len] * b) for b in map(int, args.profile_kernels.split(","))]
+        if mixed:
+            steps.append(("mixed step", [(mixed[0], mixed[1])], [args.kv_len] * mixed[2]))
+        for what, prefills, decode_lens in steps:
             try:
-                print("\n".join(kernel_table(timer, [args.kv_len] * b)))
+                print("\n".join(kernel_table(timer, what, prefills, decode_lens)))
             except Exception as e:  # the profiler is a diagnosis: the long-context row still runs
-                print(f"  batch {b}: the profiler failed: {e!r}")
+                print(f"  {what}: the profiler failed: {e!r}")
 
     if args.long_batch:
         del timer
