@@ -31,6 +31,7 @@ machines without a GPU. The engine picks this backend for CUDA devices (``attent
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -451,10 +452,8 @@ def _dense_causal(
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (T, nh, hd)
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, nh, T, hd)
-    if not prefer:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[0].transpose(0, 1)
     order = [*prefer, *(b for b in _TORCH_SDPA_ORDER if b not in prefer)]
-    with sdpa_kernel(order, set_priority=True):
+    with sdpa_kernel(order, set_priority=True) if prefer else contextlib.nullcontext():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[0].transpose(0, 1)
 
 
