@@ -45,10 +45,10 @@
 # install them with --target, and put that folder on PYTHONPATH (its bin/ on PATH) before calling
 # this script; src/ is put in front of whatever PYTHONPATH holds. The first run of the tests compiles
 # the Triton kernels (about 40 s more).
-# The call prepared on 2026-11-29 (benchmarks/RESULTS.md, "The next GPU session"):
+# The call prepared on 2026-11-30 (benchmarks/RESULTS.md, "The next GPU session"):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH || exit
-#   TESTS_S=210 SPEED_S=150 SERVE_S=140 bash benchmarks/gpu_session.sh all
+#   TESTS_S=230 SPEED_S=170 SERVE_S=140 bash benchmarks/gpu_session.sh all
 # Every stage's output goes to $OUT/session.log ($OUT: the device tool's output folder; else ./gpu-logs),
 # beside issue 43's figures (figures.jsonl, printed as a table at the end of `all`), the serve stage's
 # py-spy stacks and the fidelity stage's profile, preset, engine figures and the engine runs' steps (a
