@@ -49,6 +49,7 @@ import collections
 import dataclasses
 import gc
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -105,13 +106,28 @@ class Rates:
         return matmuls_s + kv_bytes / self.copy_bw + attention_flops / self.matmul_rate
 
 
-def matmuls_alone_s(loaded: LoadedModel, tokens: int, sequences: int) -> tuple[float, float | None]:
+class MatmulTimes(NamedTuple):
+    """Seconds a step's matmuls took alone (``matmuls_alone_s``): launched one by one, and replayed as
+    one CUDA graph (None on the CPU, or where the capture failed)."""
+
+    eager: float
+    graphed: float | None
+
+    @property
+    def fastest(self) -> float:
+        return self.eager if self.graphed is None else min(self.eager, self.graphed)
+
+    def column(self) -> str:
+        """In ms, eager/graphed."""
+        return "/".join(f"{t * 1e3:.3f}" for t in self if t is not None)
+
+
+def matmuls_alone_s(loaded: LoadedModel, tokens: int, sequences: int) -> MatmulTimes:
     """Seconds a step's matmuls take alone, one after another on the model's own weights: every linear
     layer of the decoder on ``tokens`` rows, then the LM head on ``sequences`` rows (a step's logits
     are one row a sequence). What a step takes beyond it is the attention, the elementwise kernels and
-    the gaps between kernels: ours to shrink, where the matmuls are the library's. Returns (eager,
-    graphed): launched one by one, and replayed as one CUDA graph (None on the CPU); the graph's is their
-    GPU time without the host's launches, and the two apart say whether capturing changes the kernels."""
+    the gaps between kernels: ours to shrink, where the matmuls are the library's. The graph's time is
+    their GPU time without the host's launches; the two apart say whether capturing changes the kernels."""
     head = loaded.model.lm_head
     calls = [(m, tokens) for m in loaded.model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
     calls.append((head, sequences))
@@ -127,18 +143,13 @@ def matmuls_alone_s(loaded: LoadedModel, tokens: int, sequences: int) -> tuple[f
 
     eager = median_s(run, loaded.device)
     if loaded.device.type != "cuda":
-        return eager, None
+        return MatmulTimes(eager, None)
     try:
         graph, _ = capture_graph(run, torch.cuda.graph_pool_handle(), loaded.device)
     except Exception as e:  # (a diagnosis: the figures around it still run)
         print(f"  the matmuls of {tokens} rows could not be captured: {e!r}")
-        return eager, None
-    return eager, median_s(graph.replay, loaded.device)
-
-
-def matmuls_column(times: tuple[float, float | None]) -> str:
-    """``matmuls_alone_s``'s times in ms, eager/graphed."""
-    return "/".join(f"{t * 1e3:.3f}" for t in times if t is not None)
+        return MatmulTimes(eager, None)
+    return MatmulTimes(eager, median_s(graph.replay, loaded.device))
 
 
 def extend_positions(loaded: LoadedModel, positions: int) -> None:
@@ -319,13 +330,12 @@ def main() -> None:
             }
             gain = f"{times['before'] / times['fused']:.2f}x" if times else "-"
             matmuls = matmuls_alone_s(loaded, b, b)
-            t_matmuls = min(filter(None, matmuls))  # (the faster of eager and graphed)
             ceilings = ["-", "-"]
             if gpu:
                 record(figure, read / best / gpu.hbm_bandwidth, batch=b, kv=kv_len)
             if gpu and rates:
                 kv_read = b * (kv_len + 1) * per_token_kv
-                for i, matmuls_s in enumerate((None, t_matmuls)):
+                for i, matmuls_s in enumerate((None, matmuls.fastest)):
                     least = rates.least_step_s(token_matmul_flops * b, weight_bytes, kv_read, matmuls_s=matmuls_s)
                     ceilings[i] = f"{read / least / gpu.hbm_bandwidth:.1%}"
                     suffix = "_ceiling" if matmuls_s is None else "_ceiling_timed_matmuls"
@@ -333,7 +343,7 @@ def main() -> None:
             print(
                 f"{b:>6} {kv_len:>7} {n_splits:>6} {eager * 1e3:>9.3f} {graphed['before']:>10} {graphed['split']:>10} "
                 f"{graphed['fused']:>10} {gain:>7} {b / best:>10.1f} {mbu(read, eager):>15} "
-                f"{mbu(read, times.get('fused')):>15} {matmuls_column(matmuls):>15} {ceilings[0]:>8} {ceilings[1]:>8}"
+                f"{mbu(read, times.get('fused')):>15} {matmuls.column():>15} {ceilings[0]:>8} {ceilings[1]:>8}"
             )
 
     # Graphed ms: "before" (one split, unfused), "+split" (flash decoding), "+fused" (and the fused
@@ -385,13 +395,12 @@ def main() -> None:
         attention = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * n * n / 2
         flops = 2 * layer_params * n + 2 * embed + attention
         matmuls = matmuls_alone_s(loaded, n, 1)
-        t_matmuls = min(filter(None, matmuls))  # (the faster of eager and graphed)
         mfu, ceilings = "-", ["-", "-"]
         if gpu:
             mfu = f"{flops / best / gpu.peak_flops:.1%}"
             record("prefill_mfu", flops / best / gpu.peak_flops, tokens=n)
         if gpu and rates:
-            for i, matmuls_s in enumerate((None, t_matmuls)):
+            for i, matmuls_s in enumerate((None, matmuls.fastest)):
                 least = rates.least_step_s(
                     flops - attention, weight_bytes, attention_flops=attention, matmuls_s=matmuls_s
                 )
@@ -401,7 +410,7 @@ def main() -> None:
         dense = {sdpa: f"{t_dense[sdpa] * 1e3:.3f}" if sdpa in t_dense else "-" for sdpa in ("flash", "cudnn")}
         print(
             f"{n:>14} {t * 1e3:>9.3f} {dense['flash']:>9} {dense['cudnn']:>9} {n / best:>10.1f} {mfu:>7} "
-            f"{matmuls_column(matmuls):>15} {ceilings[0]:>8} {ceilings[1]:>8}"
+            f"{matmuls.column():>15} {ceilings[0]:>8} {ceilings[1]:>8}"
         )
 
     # Steps with a prefill eagerly and on piecewise graphs (captured here for the sizes below, whatever
@@ -452,12 +461,11 @@ def main() -> None:
         t_prefill = timer.time([(chunk, cached)], [], repeats=args.repeats)
         t_decode = timer.time([], [args.kv_len] * num_decodes, repeats=args.repeats)
         matmuls = matmuls_alone_s(loaded, chunk + num_decodes, 1 + num_decodes)
-        t_matmuls = min(filter(None, matmuls))  # (the faster of eager and graphed)
         print(
             f"\nmixed step: a {chunk}-token chunk after {cached} cached + {num_decodes} decodes of {args.kv_len}: "
             f"{ms(t_eager)} ms eager, {ms(t_pieces)} ms on piecewise graphs, {ms(t_compiled)} ms compiled; "
             f"alone: chunk {ms(t_prefill)} ms, "
-            f"decodes {ms(t_decode)} ms (as the environment sets the engine); its matmuls alone {matmuls_column(matmuls)} ms"
+            f"decodes {ms(t_decode)} ms (as the environment sets the engine); its matmuls alone {matmuls.column()} ms"
         )
         if gpu:
             # The chunk attends to cached + its own causal half; each decode reads its context once.
@@ -474,7 +482,7 @@ def main() -> None:
             if rates:
                 # NOTE: one pass over the weights for both parts; the chunk reads its cached context too
                 floors = []
-                for matmuls_s in (None, t_matmuls):
+                for matmuls_s in (None, matmuls.fastest):
                     least = rates.least_step_s(
                         2 * layer_params * (chunk + num_decodes) + 2 * embed * (1 + num_decodes),
                         weight_bytes,

@@ -318,7 +318,7 @@ def main() -> None:
     print_table(same, remote, ("engine_tokens_per_s", "engine_ttft_p50_s", "engine_tpot_mean_s", "arrival_spread_s"))
     in_process_offline, served_offline, same_offline = local["offline"], remote["offline"], same["offline"]
     ratio = served_offline["tokens_per_s"] / in_process_offline["tokens_per_s"]
-    print(f"\nthroughput ratio (offline, goal >= 0.9): {ratio:.3f}")
+    print(f"\nthroughput ratio (offline, goal >= 0.97): {ratio:.3f}")
     record("served_throughput_ratio", ratio)
     record("served_tpot_added", served_offline["tpot_mean_s"] / in_process_offline["tpot_mean_s"] - 1)
     # Apart from how the requests reached the engine: what the served path costs the engine itself
