@@ -105,6 +105,28 @@ class Rates:
             matmuls_s = max(matmul_flops / self.matmul_rate, weight_bytes / self.copy_bw)
         return matmuls_s + kv_bytes / self.copy_bw + attention_flops / self.matmul_rate
 
+    def ceilings_s(
+        self,
+        matmul_flops: float,
+        weight_bytes: float,
+        kv_bytes: float = 0.0,
+        attention_flops: float = 0.0,
+        *,
+        matmuls: MatmulTimes,
+    ) -> tuple[float, float]:
+        """``least_step_s`` with the step's matmuls at these rates, then at their own time alone (the faster
+        of ``matmuls``): the two ceilings printed beside each figure."""
+        at_rates = self.least_step_s(matmul_flops, weight_bytes, kv_bytes, attention_flops)
+        return at_rates, self.least_step_s(matmul_flops, weight_bytes, kv_bytes, attention_flops, matmuls.fastest)
+
+
+def record_ceilings(figure: str, values: list[float], **where) -> list[str]:
+    """A ratio figure's two ceilings (``Rates.ceilings_s``), recorded as ``FIGURE_ceiling`` and
+    ``FIGURE_ceiling_timed_matmuls``; their columns."""
+    for suffix, value in zip(("_ceiling", "_ceiling_timed_matmuls"), values, strict=True):
+        record(figure + suffix, value, **where)
+    return [f"{value:.1%}" for value in values]
+
 
 class MatmulTimes(NamedTuple):
     """Seconds a step's matmuls took alone (``matmuls_alone_s``): launched one by one, and replayed as
@@ -335,11 +357,8 @@ def main() -> None:
                 record(figure, read / best / gpu.hbm_bandwidth, batch=b, kv=kv_len)
             if gpu and rates:
                 kv_read = b * (kv_len + 1) * per_token_kv
-                for i, matmuls_s in enumerate((None, matmuls.fastest)):
-                    least = rates.least_step_s(token_matmul_flops * b, weight_bytes, kv_read, matmuls_s=matmuls_s)
-                    ceilings[i] = f"{read / least / gpu.hbm_bandwidth:.1%}"
-                    suffix = "_ceiling" if matmuls_s is None else "_ceiling_timed_matmuls"
-                    record(figure + suffix, read / least / gpu.hbm_bandwidth, batch=b, kv=kv_len)
+                least = rates.ceilings_s(token_matmul_flops * b, weight_bytes, kv_read, matmuls=matmuls)
+                ceilings = record_ceilings(figure, [read / t / gpu.hbm_bandwidth for t in least], batch=b, kv=kv_len)
             print(
                 f"{b:>6} {kv_len:>7} {n_splits:>6} {eager * 1e3:>9.3f} {graphed['before']:>10} {graphed['split']:>10} "
                 f"{graphed['fused']:>10} {gain:>7} {b / best:>10.1f} {mbu(read, eager):>15} "
@@ -400,13 +419,8 @@ def main() -> None:
             mfu = f"{flops / best / gpu.peak_flops:.1%}"
             record("prefill_mfu", flops / best / gpu.peak_flops, tokens=n)
         if gpu and rates:
-            for i, matmuls_s in enumerate((None, matmuls.fastest)):
-                least = rates.least_step_s(
-                    flops - attention, weight_bytes, attention_flops=attention, matmuls_s=matmuls_s
-                )
-                ceilings[i] = f"{flops / least / gpu.peak_flops:.1%}"
-                suffix = "_ceiling" if matmuls_s is None else "_ceiling_timed_matmuls"
-                record("prefill_mfu" + suffix, flops / least / gpu.peak_flops, tokens=n)
+            least = rates.ceilings_s(flops - attention, weight_bytes, attention_flops=attention, matmuls=matmuls)
+            ceilings = record_ceilings("prefill_mfu", [flops / t / gpu.peak_flops for t in least], tokens=n)
         dense = {sdpa: f"{t_dense[sdpa] * 1e3:.3f}" if sdpa in t_dense else "-" for sdpa in ("flash", "cudnn")}
         print(
             f"{n:>14} {t * 1e3:>9.3f} {dense['flash']:>9} {dense['cudnn']:>9} {n / best:>10.1f} {mfu:>7} "
@@ -481,16 +495,14 @@ def main() -> None:
             floor = ""
             if rates:
                 # NOTE: one pass over the weights for both parts; the chunk reads its cached context too
-                floors = []
-                for matmuls_s in (None, matmuls.fastest):
-                    least = rates.least_step_s(
-                        2 * layer_params * (chunk + num_decodes) + 2 * embed * (1 + num_decodes),
-                        weight_bytes,
-                        (cached + num_decodes * (args.kv_len + 1)) * per_token_kv,
-                        chunk_attention,
-                        matmuls_s=matmuls_s,
-                    )
-                    floors.append(least / (prefill_roof + decode_roof))
+                least = rates.ceilings_s(
+                    2 * layer_params * (chunk + num_decodes) + 2 * embed * (1 + num_decodes),
+                    weight_bytes,
+                    (cached + num_decodes * (args.kv_len + 1)) * per_token_kv,
+                    chunk_attention,
+                    matmuls=matmuls,
+                )
+                floors = [t / (prefill_roof + decode_roof) for t in least]
                 floor = (
                     f"; at least {floors[0]:.2f}x with its kernels in sequence here, "
                     f"{floors[1]:.2f}x with its matmuls' own time"
