@@ -203,6 +203,33 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv(server):
     assert server.engine.num_unfinished == 0
 
 
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("completions", {"prompt": [5] * 256, "max_tokens": 2}, "prompt"),
+        ("completions", {"prompt": [5] * 300}, "prompt"),
+        ("completions", {"prompt": [5] * 200, "max_tokens": 100}, "max_tokens"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi " * 300}]}, "messages"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300}, "max_tokens"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 300},
+            "max_completion_tokens",
+        ),
+        ("responses", {"input": "hi " * 300}, "input"),
+        ("responses", {"input": "hi", "max_output_tokens": 300}, "max_output_tokens"),
+    ],
+)
+def test_a_request_beyond_the_context_is_context_length_exceeded_naming_its_field(server, route, body, param):
+    """OpenAI's code, which clients look for to shorten a conversation; the field is the prompt's where
+    the prompt alone fills the context, else the output cap's."""
+    response = httpx.post(f"{server.url}/v1/{route}", json={"model": MODEL, **body})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", param), error
+    assert "256" in error["message"]
+
+
 def test_errors_are_openai_error_objects_with_the_right_status(server):
     client = server.client
     with pytest.raises(openai.NotFoundError) as e:
@@ -214,6 +241,9 @@ def test_errors_are_openai_error_objects_with_the_right_status(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=10**6)
     assert e.value.body["code"] == "context_length_exceeded" and "maximum context length is 256" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=0)  # without echo: a refusal, not a length
+    assert (e.value.body["param"], e.value.body["code"]) == ("max_tokens", None)
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=[5, 99999], max_tokens=2)
     assert "outside the vocabulary" in e.value.message

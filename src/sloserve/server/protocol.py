@@ -527,11 +527,12 @@ class DetokenizeRequest(BaseModel):
 
 
 class ParameterError(ConfigError):
-    """A request parameter this server refuses; ``param`` names it for the error body."""
+    """A request parameter this server refuses; ``param`` names it for the error body, ``code`` is
+    OpenAI's error code where it has one (``context_length_exceeded``)."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, code: str | None = None) -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:

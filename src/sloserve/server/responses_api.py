@@ -47,7 +47,12 @@ from sloserve.server.serving import ApiError, Generated, OpenAIServing, Submissi
 from sloserve.server.tool_calls import FunctionDefinition
 
 # The chat request's fields a refusal may name, by their names here
-CHAT_FIELDS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+CHAT_FIELDS = {
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "messages": "input",
+}
 # Fields of OpenAI's request this server refuses unless at these values (null always passes)
 NOT_SERVED: dict[str, tuple[Any, ...]] = {
     "conversation": (),

@@ -97,8 +97,7 @@ def error_response(exc: Exception) -> ErrorResponse | None:
             404, error_body(str(exc), "invalid_request_error", "model", "model_not_found"), rejected="invalid"
         )
     if isinstance(exc, ConfigError):
-        param = exc.param if isinstance(exc, ParameterError) else None
-        code = "context_length_exceeded" if param == "max_tokens" else None
+        param, code = (exc.param, exc.code) if isinstance(exc, ParameterError) else (None, None)
         return ErrorResponse(400, error_body(str(exc), "invalid_request_error", param, code), rejected="invalid")
     if isinstance(exc, QueueFullError):
         return ErrorResponse(
@@ -530,7 +529,7 @@ class OpenAIServing:
         total = len(prompts) * body.num_choices
         if total > self.engine.max_queued_requests:
             raise ParameterError(
-                "n" if body.num_choices > 1 else "prompt",
+                "n" if body.num_choices > 1 else _prompt_field(body),
                 f"{len(prompts)} prompt(s) x {body.num_choices} choices = {total} sequences, more than this "
                 f"server queues ({self.engine.max_queued_requests}, --max-queued-requests)",
             )
@@ -605,8 +604,12 @@ class OpenAIServing:
         grammar: str | None,
         index: int | None,
     ) -> SamplingParams:
-        """One prompt's sampling params; a ParameterError when it cannot run (``index``: its place in a list)."""
-        where = "the prompt" if index is None else f"prompt {index}"
+        """One prompt's sampling params; a ParameterError when it cannot run (``index``: its place in a list).
+        A prompt too long for the context is OpenAI's ``context_length_exceeded``, naming ``max_tokens``
+        (or the field the request capped its output with) where a smaller cap would fit, else the prompt's
+        field (a chat's ``messages``)."""
+        chat = isinstance(body, ChatCompletionRequest)
+        where = "the messages" if chat else "the prompt" if index is None else f"prompt {index}"
         max_model_len = self.engine.max_model_len
         if not prompt_ids:
             raise ParameterError("prompt", f"{where} is empty")
@@ -617,18 +620,21 @@ class OpenAIServing:
                 "prompt", f"{where} has token id {outside[0]}, outside the vocabulary [0, {vocab_size})"
             )
         room = max_model_len - len(prompt_ids)
-        if max_tokens is not None and max_tokens > room:
+        if room < 1:
             raise ParameterError(
-                "max_tokens",
+                _prompt_field(body),
+                f"{len(prompt_ids)} tokens in {where}: the model's context is {max_model_len} tokens, which "
+                "leaves none to generate",
+                "context_length_exceeded",
+            )
+        if max_tokens is not None and max_tokens > room:
+            cap_field = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
+            raise ParameterError(
+                cap_field,
                 f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                 f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in {where}, {max_tokens} in the "
                 "completion). Please reduce the prompt or the completion length.",
-            )
-        if room < 1:
-            raise ParameterError(
-                "prompt",
-                f"{where} has {len(prompt_ids)} tokens: the model's context is "
-                f"{max_model_len} tokens, which leaves none to generate",
+                "context_length_exceeded",
             )
         logit_bias = {int(token): bias for token, bias in (body.logit_bias or {}).items()}
         named = (("logit_bias", logit_bias), ("stop_token_ids", body.stop_token_ids or ()),
@@ -678,6 +684,11 @@ def service_tier(request_class: RequestClass, asked: str | None) -> str:
     if request_class is RequestClass.BE:
         return "flex"
     return "priority" if asked == "priority" else "default"
+
+
+def _prompt_field(body: SamplingRequest) -> str:
+    """The request field that holds its prompt, for an error to name."""
+    return "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
 
 
 def _refuse_beam_search(body: SamplingRequest) -> None:
