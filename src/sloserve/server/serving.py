@@ -609,15 +609,15 @@ class OpenAIServing:
         (or the field the request capped its output with) where a smaller cap would fit, else the prompt's
         field (a chat's ``messages``)."""
         chat = isinstance(body, ChatCompletionRequest)
-        where = "the messages" if chat else "the prompt" if index is None else f"prompt {index}"
+        where = "the prompt" if index is None else f"prompt {index}"  # a chat's: its messages, rendered
         max_model_len = self.engine.max_model_len
         if not prompt_ids:
-            raise ParameterError("prompt", f"{where} is empty")
+            raise ParameterError(_prompt_field(body), f"{where} is empty")
         vocab_size = self.engine.info.vocab_size
         outside = [t for t in prompt_ids if not 0 <= t < vocab_size]
         if outside:
             raise ParameterError(
-                "prompt", f"{where} has token id {outside[0]}, outside the vocabulary [0, {vocab_size})"
+                _prompt_field(body), f"{where} has token id {outside[0]}, outside the vocabulary [0, {vocab_size})"
             )
         room = max_model_len - len(prompt_ids)
         if room < 1:
