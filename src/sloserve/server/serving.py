@@ -609,20 +609,21 @@ class OpenAIServing:
         (or the field the request capped its output with) where a smaller cap would fit, else the prompt's
         field (a chat's ``messages``)."""
         chat = isinstance(body, ChatCompletionRequest)
+        prompt_field = _prompt_field(body)
         where = "the prompt" if index is None else f"prompt {index}"  # a chat's: its messages, rendered
         max_model_len = self.engine.max_model_len
         if not prompt_ids:
-            raise ParameterError(_prompt_field(body), f"{where} is empty")
+            raise ParameterError(prompt_field, f"{where} is empty")
         vocab_size = self.engine.info.vocab_size
         outside = [t for t in prompt_ids if not 0 <= t < vocab_size]
         if outside:
             raise ParameterError(
-                _prompt_field(body), f"{where} has token id {outside[0]}, outside the vocabulary [0, {vocab_size})"
+                prompt_field, f"{where} has token id {outside[0]}, outside the vocabulary [0, {vocab_size})"
             )
         room = max_model_len - len(prompt_ids)
         if room < 1:
             raise ParameterError(
-                _prompt_field(body),
+                prompt_field,
                 f"{len(prompt_ids)} tokens in {where}: the model's context is {max_model_len} tokens, which "
                 "leaves none to generate",
                 "context_length_exceeded",
