@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,6 +101,16 @@ class Setup:
 
 # Most requests one run may ask for (a run keeps a few hundred bytes per request).
 MAX_NUM_REQUESTS = 10_000_000
+# Most KV tokens one replica's GPU pool, or its swap space, may hold: ten times the largest bundled
+# GPU and model pair's (qwen2.5-7b on 4 H200s, 9.4M). NOTE: a pool keeps a list of its free blocks,
+# so ten times more would take gigabytes of the host's memory before the first step.
+MAX_KV_POOL_TOKENS = 100_000_000
+
+
+def check_rate(flag: str, value: float | None) -> None:
+    """A ConfigError naming ``flag`` unless ``value`` is None or a finite rate > 0 (requests/s)."""
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{flag} must be a finite number > 0 (requests/s), got {value}")
 
 
 def check_workload_options(o: SimOptions) -> None:
@@ -111,8 +122,12 @@ def check_workload_options(o: SimOptions) -> None:
         value = getattr(o, name)
         if value is not None and not value > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got {value}")
-    if o.burstiness is not None and not o.burstiness > 0:
-        raise ConfigError(f"--burstiness (the arrivals' coefficient of variation) must be > 0, got {o.burstiness}")
+    check_rate("--rate", o.rate)
+    check_rate("--rt-rate", o.rt_rate)
+    if o.burstiness is not None and not (o.burstiness > 0 and math.isfinite(o.burstiness)):
+        raise ConfigError(
+            f"--burstiness (the arrivals' coefficient of variation) must be a finite number > 0, got {o.burstiness}"
+        )
     if o.workload:
         if o.columns is not None:
             raise ConfigError(
@@ -214,18 +229,24 @@ def setup_from_options(options: SimOptions) -> Setup:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}")
     if options.kv_capacity_tokens is not None:
         capacity = options.kv_capacity_tokens
-        if capacity < 1:
-            raise ConfigError(f"--kv-capacity-tokens must be >= 1, got {capacity}")
+        if not 1 <= capacity <= MAX_KV_POOL_TOKENS:
+            raise ConfigError(f"--kv-capacity-tokens must be in 1..{MAX_KV_POOL_TOKENS:,}, got {capacity:,}")
     else:
         if not 0 < options.memory_utilization <= 1:
             raise ConfigError(f"--memory-utilization must be in (0, 1], got {options.memory_utilization}")
         capacity = kv_capacity_tokens(
             model, gpu, num_gpus=options.num_gpus, memory_utilization=options.memory_utilization
         )
-    if options.swap_space_gib < 0:
-        raise ConfigError(f"--swap-space-gib must be >= 0, got {options.swap_space_gib}")
+    swap_gib = options.swap_space_gib
+    if not (swap_gib >= 0 and math.isfinite(swap_gib)):
+        raise ConfigError(f"--swap-space-gib must be a finite number >= 0, got {swap_gib}")
+    if swap_gib * 2**30 // model.kv_bytes_per_token > MAX_KV_POOL_TOKENS:
+        raise ConfigError(
+            f"--swap-space-gib {swap_gib:g} holds more than {MAX_KV_POOL_TOKENS:,} tokens of {model.name}'s KV "
+            f"({model.kv_bytes_per_token:,} bytes a token), the most a replica's swap space may hold"
+        )
     cost = build_cost_model(model, gpu, num_gpus=options.num_gpus, cost_model=options.cost_model)
-    swap_tokens = int(options.swap_space_gib * 2**30 // model.kv_bytes_per_token)
+    swap_tokens = int(swap_gib * 2**30 // model.kv_bytes_per_token)
     return Setup(model, gpu, cost, capacity, swap_tokens, options)
 
 

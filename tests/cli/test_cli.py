@@ -145,7 +145,8 @@ def test_sweep_writes_plot(tmp_path: Path):
 
 BAD = [
     (["--trace", "nope", "--rate", "1"], "unknown trace 'nope'; valid: arxiv"),
-    (["--trace", "sharegpt", "--rate", "0"], "arrival.rate must be > 0, got 0"),
+    (["--trace", "sharegpt", "--rate", "0"], "--rate must be a finite number > 0 (requests/s), got 0.0"),
+    (["--trace", "sharegpt", "--rate", "inf"], "--rate must be a finite number > 0 (requests/s), got inf"),
     (
         ["--trace", "sharegpt", "--rate", "1", "--scheduler", "fifo"],
         "unknown scheduler 'fifo'; valid: bros, bros_nobicache, econoserve, econoserve-d, econoserve-oracle, econoserve-sd, econoserve-sdo, fastserve, infermax, multires, orca, rank_i",
@@ -239,7 +240,13 @@ def test_fit_cost_makes_a_preset_that_simulate_uses(tmp_path: Path):
         (["simulate", "--num-requests", "100000000000"], "--num-requests must be in 1..10,000,000"),
         (["simulate", "--num-requests", "0"], "--num-requests must be in 1..10,000,000"),
         (["simulate", "--rt-rate", "3"], "--rt-rate sets a --workload's RT rate"),
-        (["simulate", "--burstiness", "0"], "--burstiness (the arrivals' coefficient of variation) must be > 0, got 0"),
+        (["simulate", "--burstiness", "0"], "--burstiness (the arrivals' coefficient of variation) must be a finite"),
+        (["simulate", "--burstiness", "inf"], "--burstiness (the arrivals' coefficient of variation) must be a finite"),
+        (["simulate", "--kv-capacity-tokens", "100000000000"], "--kv-capacity-tokens must be in 1..100,000,000"),
+        (["simulate", "--swap-space-gib", "nan"], "--swap-space-gib must be a finite number >= 0, got nan"),
+        (["simulate", "--swap-space-gib", "1e30"], "--swap-space-gib 1e+30 holds more than 100,000,000 tokens"),
+        (["sweep", "--rates", "5,nan", "--out", "{dir}/sweep"], "--rates must be a finite number > 0 (requests/s)"),
+        (["sweep", "--rates", ",", "--out", "{dir}/sweep"], "--rates needs at least one rate"),
         (["simulate", "--disaggregate", "1:1", "--replicas", "3"], "--replicas 3 and --disaggregate 1:1 both set"),
         (["sweep", "--rates", "5", "--metric", "nonsense", "--out", "{dir}/sweep"], "--metric 'nonsense' is not in"),
     ],

@@ -467,6 +467,11 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
         small.generate([{"prompt_token_ids": [1] * 10}], SamplingParams(max_tokens=10))
     with pytest.raises(ConfigError, match="outside the vocabulary"):
         llm.generate([{"prompt_token_ids": [1, 99999]}])
+    # once filled in until the OS killed the process (24 GB in)
+    with pytest.raises(ConfigError, match=r"kv_capacity_tokens 10,000,000,000,000 and .* of the host's memory"):
+        LLM("random:tiny-llama", kv_capacity_tokens=10**13)
+    with pytest.raises(ConfigError, match="swap_space_tokens must be >= 0, got -1"):
+        LLM("random:tiny-llama", swap_space_tokens=-1)
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="CUDA is not available"):
             LLM("random:tiny-llama", device="cuda")

@@ -236,6 +236,12 @@ def test_bound_without_a_schedule_in_the_time_limit_compares_with_the_relaxation
     assert doc["status"] == "UNKNOWN" and "latency_s" not in doc and not (tmp_path / "gantt.png").exists()
     refused = CliRunner().invoke(main, [*args, "--time-limit", "0"])
     assert refused.exit_code == 2 and "--time-limit must be > 0 seconds, got 0.0" in refused.output
+    for bad, message in (
+        (["--max-cells", "0"], "--max-cells must be >= 1, got 0"),  # once taken as no limit given
+        (["--rate", "inf"], "--rate must be a finite number > 0 (requests/s), got inf"),
+    ):
+        refused = CliRunner().invoke(main, [*args, *bad])
+        assert refused.exit_code == 2 and message in refused.output, refused.output
 
 
 def _fewest_bins(sizes: list[int], capacity: int) -> int:

@@ -158,7 +158,8 @@ def test_an_impossible_slo_is_reported_with_the_best_reached(tmp_path):
         (("--layouts", "1-1"), "--layouts expects colocated and/or P:D pairs"),
         (("--set-grid", "block_size"), "--set-grid expects KEY=V1,V2"),
         (("--set-grid", "vllm.no_such_option=1,2"), "no_such_option"),
-        (("--qps", "0"), "--qps must be > 0"),
+        (("--qps", "0"), "--qps must be a finite number > 0 (requests/s), got 0.0"),
+        (("--qps", "inf"), "--qps must be a finite number > 0 (requests/s), got inf"),
         (("--tp", "0"), "--tp expects integers >= 1, got '0'"),
         (("--attainment", "1.5"), "--attainment must be in (0, 1]"),
         (

@@ -12,6 +12,7 @@ from sloserve.cli.options import (
     scheduler_list,
 )
 from sloserve.core.errors import ConfigError
+from sloserve.runs import check_rate
 
 # Most requests `bound` takes: its heuristics run step by step and keep every batch as a warm start
 # for the exact model (measured: 5,000 requests take 30 s and 330 MB; 100,000 would take ~10 minutes).
@@ -70,6 +71,9 @@ def bound(
         raise ConfigError(f"--num-requests must be >= 1, got {num_requests}")
     if not time_limit > 0:
         raise ConfigError(f"--time-limit must be > 0 seconds, got {time_limit}")
+    if max_cells is not None and max_cells < 1:
+        raise ConfigError(f"--max-cells must be >= 1, got {max_cells}")
+    check_rate("--rate", rate)
     if num_requests > MAX_BOUND_REQUESTS:
         raise ConfigError(
             f"--num-requests {num_requests} is above bound's limit of {MAX_BOUND_REQUESTS:,} (the exact model is "
@@ -108,7 +112,7 @@ def bound(
     best = min(runs, key=lambda r: r.latency_s)
     problem = dataclasses.replace(problem, num_batches=max(r.num_batches for r in runs))
     relaxed = relaxed_bound(problem, cost)
-    cells, limit = len(reqs) * problem.num_batches, max_cells or MAX_CELLS
+    cells, limit = len(reqs) * problem.num_batches, MAX_CELLS if max_cells is None else max_cells
     shown = (
         f"I={list(prompts)}, O={list(outputs)}"
         if len(reqs) <= 8

@@ -23,6 +23,7 @@ from sloserve.cli.options import (
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.core.request import SLO
 from sloserve.runs import (
+    check_rate,
     make_workload_from_options,
 )
 
@@ -187,8 +188,7 @@ def plan(
     from sloserve.sched.registry import supports_disaggregation
 
     check_out(out)
-    if not qps > 0 or qps == float("inf"):
-        raise ConfigError(f"--qps must be > 0, got {qps}")
+    check_rate("--qps", qps)
     if not 0 < attainment <= 1:
         raise ConfigError(f"--attainment must be in (0, 1], got {attainment}")
     if max_gpus < 1:

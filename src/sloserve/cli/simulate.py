@@ -28,6 +28,7 @@ from sloserve.cli.options import (
 from sloserve.core.errors import ConfigError
 from sloserve.runs import (
     SimOptions,
+    check_rate,
     public,
     setup_from_options,
 )
@@ -136,8 +137,10 @@ def sweep(
         rate_values = [float(r) for r in rates.split(",") if r.strip()]
     except ValueError:
         raise ConfigError(f"--rates must be comma-separated numbers, got {rates!r}") from None
-    if not rate_values or any(r <= 0 for r in rate_values):
-        raise ConfigError(f"--rates must be > 0, got {rates!r}")
+    if not rate_values:
+        raise ConfigError("--rates needs at least one rate (requests/s)")
+    for value in rate_values:
+        check_rate("--rates", value)
     names = scheduler_list(schedulers)
     per_scheduler = _split_set_options(set_pairs, names)
     sim_options = SimOptions(**options)

@@ -10,6 +10,7 @@ import dataclasses
 import gc
 import heapq
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -68,18 +69,58 @@ def resolve_max_model_len(config: ModelConfig, max_model_len: int | None) -> int
     return max_model_len
 
 
+def free_cuda_bytes(loaded: LoadedModel) -> int:
+    """Bytes free on ``loaded``'s GPU, within what is left of this process's share of it."""
+    device = loaded.device if loaded.device.index is not None else torch.device("cuda", torch.cuda.current_device())
+    gc.collect()  # engines gone but not yet collected (a cycle holds them) let go of their KV caches
+    torch.cuda.empty_cache()  # and the blocks cached from them are free again
+    free, total = torch.cuda.mem_get_info(device)
+    share = torch.cuda.get_per_process_memory_fraction(device) * total  # (an index, not "cuda", is taken)
+    return int(max(min(free, share - torch.cuda.memory_reserved(device)), 0))
+
+
+def host_memory_bytes() -> int | None:
+    """The host's physical memory, or None where the OS does not say (``os.sysconf``)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 def default_kv_capacity(loaded: LoadedModel, max_model_len: int) -> int:
     """KV capacity in tokens when none is given (see the constants above)."""
     bytes_per_token = kv_bytes_per_token(loaded)
     if loaded.device.type == "cuda":
-        device = loaded.device if loaded.device.index is not None else torch.device("cuda", torch.cuda.current_device())
-        gc.collect()  # engines gone but not yet collected (a cycle holds them) let go of their KV caches
-        torch.cuda.empty_cache()  # and the blocks cached from them are free again
-        free, total = torch.cuda.mem_get_info(device)
-        share = torch.cuda.get_per_process_memory_fraction(device) * total  # (an index, not "cuda", is taken)
-        free = min(free, share - torch.cuda.memory_reserved(device))
-        return int(max(free, 0) * GPU_MEMORY_UTILIZATION // bytes_per_token)
+        return int(free_cuda_bytes(loaded) * GPU_MEMORY_UTILIZATION // bytes_per_token)
     return min(CPU_KV_CACHE_BYTES // bytes_per_token, CPU_KV_CACHE_CONTEXTS * max_model_len)
+
+
+def check_kv_fits(loaded: LoadedModel, capacity: int, swap_tokens: int, bytes_per_token: int) -> None:
+    """A ConfigError when a KV cache of ``capacity`` tokens does not fit in the device's memory, or it
+    and ``swap_tokens`` of swap space (always on the host) do not fit in the host's: a cache asked
+    for by size is refused here rather than killed by the OS (or by CUDA) as it is filled in."""
+
+    def gib(num_bytes: int) -> str:
+        return f"{num_bytes / 2**30:,.1f} GiB"
+
+    host_tokens = swap_tokens
+    if loaded.device.type == "cuda":
+        free = free_cuda_bytes(loaded)
+        if capacity * bytes_per_token > free:
+            raise ConfigError(
+                f"kv_capacity_tokens {capacity:,} needs {gib(capacity * bytes_per_token)} of KV cache "
+                f"({bytes_per_token:,} bytes a token) but {loaded.device} has {gib(free)} free after the weights; "
+                f"give at most {free // bytes_per_token:,}"
+            )
+    else:
+        host_tokens += capacity
+    host = host_memory_bytes()
+    if host is not None and host_tokens * bytes_per_token > host:
+        raise ConfigError(
+            f"kv_capacity_tokens {capacity:,} and {swap_tokens:,} tokens of swap space need "
+            f"{gib(host_tokens * bytes_per_token)} of the host's memory ({bytes_per_token:,} bytes a token); "
+            f"it has {gib(host)}"
+        )
 
 
 def default_async_scheduling(loaded: LoadedModel) -> bool:
@@ -182,8 +223,13 @@ class LLMEngine:
         if capacity < 1:
             raise ConfigError(f"kv_capacity_tokens must be >= 1, got {capacity}")
         bytes_per_token = kv_bytes_per_token(loaded)
+        if swap_space_tokens is not None and swap_space_tokens < 0:
+            raise ConfigError(f"swap_space_tokens must be >= 0, got {swap_space_tokens}")
+        sized_by_caller = kv_capacity_tokens is not None or swap_space_tokens is not None
         if swap_space_tokens is None:
             swap_space_tokens = min(capacity, MAX_SWAP_BYTES // bytes_per_token)
+        if sized_by_caller:  # NOTE: the defaults fit by construction
+            check_kv_fits(loaded, capacity, swap_space_tokens, bytes_per_token)
         self.scheduler = make_scheduler(
             scheduler,
             kv_capacity_tokens=capacity,

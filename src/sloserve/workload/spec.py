@@ -31,6 +31,7 @@ Building a workload from a spec lives in ``sloserve.workload.build``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -160,8 +161,8 @@ def list_workloads() -> dict[str, str]:
 
 def with_rt_rate(spec: WorkloadSpec, rate: float) -> WorkloadSpec:
     """``spec`` with every Poisson or gamma real-time stream at ``rate`` requests/s."""
-    if not rate > 0:
-        raise ConfigError(f"RT rate must be > 0, got {rate}")
+    if not (rate > 0 and math.isfinite(rate)):
+        raise ConfigError(f"RT rate must be a finite number > 0, got {rate}")
 
     def settable(s: StreamSpec) -> bool:
         return s.request_class is RequestClass.RT and s.arrival.process in ("poisson", "gamma")
