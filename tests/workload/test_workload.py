@@ -219,6 +219,25 @@ def test_user_trace_in_spec_relative_to_yaml(tmp_path) -> None:
     assert sorted(r.num_prompt_tokens for r in wl.requests) == [10, 20, 30]
 
 
+def test_exponent_notation_is_a_number_in_a_spec(tmp_path) -> None:
+    """PyYAML (YAML 1.1) reads ``5e-1`` as a string, which the strict fields refused ("must be a number,
+    got '5e-1'"); a spec reads it as YAML 1.2 and JSON do. A quoted "5e-1" is still a string."""
+    spec_file = tmp_path / "w.yaml"
+    spec_file.write_text(
+        "streams:\n"
+        "  - source: {fixed: {prompt: 10, output: 5}}\n"
+        "    arrival: {process: gamma, rate: 5e-1, cv: 1.5E0}\n"
+        "    slo: {ttft_s: .5e1, tpot_s: 1.e-1}\n"
+        "    num_requests: 3\n"
+    )
+    stream = load_workload_spec(str(spec_file)).streams[0]
+    assert (stream.arrival.rate, stream.arrival.cv) == (0.5, 1.5)
+    assert (stream.slo.ttft_s, stream.slo.tpot_s) == (5.0, 0.1)
+    spec_file.write_text(spec_file.read_text().replace("rate: 5e-1", 'rate: "5e-1"'))
+    with pytest.raises(ConfigError, match=r"arrival\.rate must be a number, got '5e-1'"):
+        load_workload_spec(str(spec_file))
+
+
 # --- spec errors ---------------------------------------------------------------------------------
 GOOD = {
     "name": "chat",

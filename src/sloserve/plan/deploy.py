@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sloserve.core.errors import ConfigError, yaml_error_message
+from sloserve.core.yaml_loader import load_yaml
 
 
 class PlannedSlo(BaseModel):
@@ -97,7 +98,7 @@ def write_deployment(deployment: Deployment, path: Path, header: str) -> Path:
 def load_deployment(path: Path) -> Deployment:
     """``deploy.yaml`` read and checked: a ConfigError names the file, the field and the problem."""
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(path.read_text())
     except OSError as e:
         raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
     except yaml.YAMLError as e:

@@ -37,10 +37,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.core.request import SLO, RequestClass
+from sloserve.core.yaml_loader import load_yaml
 from sloserve.workload.traces import MAPPING_KEYS, ROLES, TRACES, looks_like_path
 
 PROCESSES = ("poisson", "gamma", "trace", "offline", "closed-batches")
@@ -154,7 +153,7 @@ def list_workloads() -> dict[str, str]:
     for entry in sorted(bundled_workloads_dir().iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".yaml"):
             name = entry.name.removesuffix(".yaml")
-            data = yaml.safe_load(entry.read_text(encoding="utf-8")) or {}
+            data = load_yaml(entry.read_text(encoding="utf-8")) or {}
             out[name] = str(data.get("description", "")) if isinstance(data, dict) else ""
     return out
 

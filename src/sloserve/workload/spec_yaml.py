@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sloserve.core.errors import ConfigError, UnknownNameError, yaml_error_message
 from sloserve.core.request import SLO, RequestClass
+from sloserve.core.yaml_loader import load_yaml
 from sloserve.workload.spec import (
     PROCESSES,
     ArrivalSpec,
@@ -63,7 +64,7 @@ def load_workload_spec(name_or_path: str) -> WorkloadSpec:
             raise ConfigError(f"{name}: cannot read: {exc}") from exc
         origin, base_dir = name, path.parent
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{origin}: invalid YAML: {yaml_error_message(exc)}") from exc
     default = Path(origin).name.removesuffix(".yaml").removesuffix(".yml")
