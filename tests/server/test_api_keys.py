@@ -116,6 +116,19 @@ def test_keys_come_from_flags_a_file_and_the_environment(tmp_path, monkeypatch):
         load_api_keys([], tmp_path / "missing.txt")
     with pytest.raises(ConfigError, match="API key 1 is empty or holds a blank"):
         load_api_keys(["two words"], None)
+    # each once served: with no key at all (an empty file), or with one no client could send
+    path.write_text("# the keys go here\n\n")
+    with pytest.raises(
+        ConfigError, match=r"--api-key-file .*keys.txt holds no key \(only blank lines and # comments\)"
+    ):
+        load_api_keys([], path)
+    path.write_bytes(b"\xff\xfesk-one\n")
+    with pytest.raises(
+        ConfigError, match=r"--api-key-file .*keys.txt: not UTF-8 text \(invalid start byte at byte 0\)"
+    ):
+        load_api_keys([], path)
+    with pytest.raises(ConfigError, match="API key 2 holds a character outside printable ASCII"):
+        load_api_keys(["sk-one", "sk-clé"], None)
 
 
 def test_a_data_dir_of_an_older_version_gets_owners(tmp_path):

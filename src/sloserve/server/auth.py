@@ -46,20 +46,28 @@ def request_owner(request) -> str:
 
 def load_api_keys(keys: Iterable[str], key_file: Path | None) -> list[str]:
     """The keys given on the command line, in ``key_file`` (one per line; blank lines and ``#``
-    comments skipped) and in $SLOSERVE_API_KEY. A ConfigError names a file that cannot be read or a
-    key with blanks in it."""
+    comments skipped) and in $SLOSERVE_API_KEY. A ConfigError names a file that cannot be read or
+    holds no key, or a key that is not one word of printable ASCII (a client sends it in an HTTP
+    header: no other key could ever match)."""
     found = list(keys)
     if key_file is not None:
         try:
-            lines = Path(key_file).expanduser().read_text().splitlines()
+            lines = Path(key_file).expanduser().read_text(encoding="utf-8").splitlines()
         except OSError as e:
             raise ConfigError(f"--api-key-file {key_file}: {e.strerror}") from None
-        found += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--api-key-file {key_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        in_file = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if not in_file:  # NOTE: a key file is asked for: serving without a key is not what was meant
+            raise ConfigError(f"--api-key-file {key_file} holds no key (only blank lines and # comments)")
+        found += in_file
     if os.environ.get(API_KEY_ENV):
         found.append(os.environ[API_KEY_ENV])
     for i, key in enumerate(found):
         if not key or any(c.isspace() for c in key):
             raise ConfigError(f"API key {i + 1} is empty or holds a blank: a key is one word")
+        if not (key.isascii() and key.isprintable()):
+            raise ConfigError(f"API key {i + 1} holds a character outside printable ASCII, which no client can send")
     return list(dict.fromkeys(found))
 
 
