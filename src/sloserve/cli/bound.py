@@ -57,7 +57,7 @@ def bound(
     """The optimal schedule (InferMax §5, OR-Tools CP-SAT) and each heuristic's gap to it."""
     import numpy as np
 
-    from sloserve.cost import LinearCostModel, get_preset, load_preset
+    from sloserve.cost import LinearCostModel, linear_coefficients
     from sloserve.optimal import MAX_CELLS, BoundProblem, relaxed_bound, run_heuristic, solve_bound
     from sloserve.optimal.gantt import plot_gantt
 
@@ -102,7 +102,7 @@ def bound(
     if capacity is None:
         longest = max(range(len(reqs)), key=lambda i: prompts[i] + outputs[i])
         capacity = max(2 * prompts[longest], prompts[longest] + outputs[longest] - 1)
-    cost = LinearCostModel(load_preset(cost_model) if cost_model.endswith(".json") else get_preset(cost_model))
+    cost = LinearCostModel(linear_coefficients(cost_model))
     problem = BoundProblem(prompts, outputs, tuple(r.arrival_time for r in reqs), capacity, budget, prefill_budget)
     names = scheduler_list(compare_with)
     runs = []

@@ -41,6 +41,7 @@ __all__ = [
     "build_cost_model",
     "fit_linear",
     "fit_linear_shapes",
+    "linear_coefficients",
     "write_profile_csv",
     "get_gpu",
     "get_model",
@@ -55,6 +56,19 @@ __all__ = [
 
 def _looks_like_path(name: str) -> bool:
     return name.endswith(".json") or "/" in name or "\\" in name or Path(name).is_file()
+
+
+def linear_coefficients(name_or_path: str, *, also_valid: tuple[str, ...] = ()) -> LinearCoefficients:
+    """A linear preset by name (``list_presets()``) or from a JSON preset file; an
+    ``UnknownNameError`` listing the presets (and ``also_valid``, names the caller handles itself)
+    for anything else."""
+    if name_or_path in PRESETS:
+        return get_preset(name_or_path)
+    if _looks_like_path(name_or_path):
+        return load_preset(name_or_path)
+    err = UnknownNameError("cost model", name_or_path, [*PRESETS, *also_valid])
+    err.args = (f"{err.args[0]}; or a path to a JSON preset file (written by save_preset)",)
+    raise err
 
 
 def build_cost_model(
@@ -78,14 +92,8 @@ def build_cost_model(
         coefficients = get_preset(preset)
     elif cost_model == ROOFLINE:
         return RooflineCostModel(model, gpu, num_gpus=num_gpus)
-    elif cost_model in PRESETS:
-        coefficients = get_preset(cost_model)
-    elif _looks_like_path(cost_model):
-        coefficients = load_preset(cost_model)
     else:
-        err = UnknownNameError("cost model", cost_model, [*PRESETS, ROOFLINE])
-        err.args = (f"{err.args[0]}; or a path to a JSON preset file (written by save_preset)",)
-        raise err
+        coefficients = linear_coefficients(cost_model, also_valid=(ROOFLINE,))
     if coefficients.num_layers != model.num_layers:
         raise ConfigError(
             f"cost model {coefficients.name} was fitted for {coefficients.num_layers} layers but "

@@ -22,9 +22,8 @@ from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.core.prefix import TokenPrompt
 from sloserve.core.request import Request
-from sloserve.cost import LinearCostModel, get_preset, load_preset
+from sloserve.cost import LinearCostModel, get_preset, linear_coefficients
 from sloserve.cost.base import CostModel
-from sloserve.cost.presets import PRESETS
 from sloserve.engine.executor import EngineExecutor
 from sloserve.engine.executor import Sequence as SequenceState
 from sloserve.engine.kv_cache import KVCacheTensor
@@ -138,7 +137,7 @@ def engine_cost_model(cost_model: str | CostModel | None) -> CostModel:
         return cost_model
     if cost_model is None:
         return LinearCostModel(get_preset("llama-2-7b-a100"))
-    return LinearCostModel(get_preset(cost_model) if cost_model in PRESETS else load_preset(cost_model))
+    return LinearCostModel(linear_coefficients(cost_model))
 
 
 def check_request(
