@@ -101,10 +101,12 @@ class Setup:
 
 # Most requests one run may ask for (a run keeps a few hundred bytes per request).
 MAX_NUM_REQUESTS = 10_000_000
-# Most KV tokens one replica's GPU pool, or its swap space, may hold: ten times the largest bundled
-# GPU and model pair's (qwen2.5-7b on 4 H200s, 9.4M). NOTE: a pool keeps a list of its free blocks,
-# so ten times more would take gigabytes of the host's memory before the first step.
-MAX_KV_POOL_TOKENS = 100_000_000
+# Most KV tokens a simulation's pools may hold together (each replica's GPU pool and swap space):
+# 1,700 replicas of llama-2-7b on an A100, or 20 times what the largest bundled GPU and model pair holds
+# (qwen2.5-7b on 4 H200s, 9.4M). NOTE: a pool keeps a list of its free blocks: this many take 0.5 GB
+# (vllm) to 2 GB (econoserve) of the host's memory before the first step; a hundred thousand
+# replicas once took 24 GB and were killed.
+MAX_SIMULATED_KV_TOKENS = 200_000_000
 
 
 def check_rate(flag: str, value: float | None) -> None:
@@ -229,8 +231,8 @@ def setup_from_options(options: SimOptions) -> Setup:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}")
     if options.kv_capacity_tokens is not None:
         capacity = options.kv_capacity_tokens
-        if not 1 <= capacity <= MAX_KV_POOL_TOKENS:
-            raise ConfigError(f"--kv-capacity-tokens must be in 1..{MAX_KV_POOL_TOKENS:,}, got {capacity:,}")
+        if not 1 <= capacity <= MAX_SIMULATED_KV_TOKENS:
+            raise ConfigError(f"--kv-capacity-tokens must be in 1..{MAX_SIMULATED_KV_TOKENS:,}, got {capacity:,}")
     else:
         if not 0 < options.memory_utilization <= 1:
             raise ConfigError(f"--memory-utilization must be in (0, 1], got {options.memory_utilization}")
@@ -240,13 +242,22 @@ def setup_from_options(options: SimOptions) -> Setup:
     swap_gib = options.swap_space_gib
     if not (swap_gib >= 0 and math.isfinite(swap_gib)):
         raise ConfigError(f"--swap-space-gib must be a finite number >= 0, got {swap_gib}")
-    if swap_gib * 2**30 // model.kv_bytes_per_token > MAX_KV_POOL_TOKENS:
+    if swap_gib * 2**30 // model.kv_bytes_per_token > MAX_SIMULATED_KV_TOKENS:
         raise ConfigError(
-            f"--swap-space-gib {swap_gib:g} holds more than {MAX_KV_POOL_TOKENS:,} tokens of {model.name}'s KV "
-            f"({model.kv_bytes_per_token:,} bytes a token), the most a replica's swap space may hold"
+            f"--swap-space-gib {swap_gib:g} holds more than {MAX_SIMULATED_KV_TOKENS:,} tokens of {model.name}'s "
+            f"KV ({model.kv_bytes_per_token:,} bytes a token), the most a simulation's KV pools may hold"
+        )
+    swap_tokens = int(swap_gib * 2**30 // model.kv_bytes_per_token)
+    num_prefill, num_decode = parse_disaggregation(options.disaggregate, options.link_gbps)
+    num_replicas = num_prefill + num_decode or options.replicas
+    if num_replicas * (capacity + swap_tokens) > MAX_SIMULATED_KV_TOKENS:
+        fleet = f"--disaggregate {options.disaggregate}" if num_decode else f"--replicas {num_replicas:,}"
+        raise ConfigError(
+            f"{fleet}: {num_replicas:,} replicas x {capacity + swap_tokens:,} KV tokens ({capacity:,} on the GPU, "
+            f"{swap_tokens:,} of swap space) is above the {MAX_SIMULATED_KV_TOKENS:,} a simulation's KV pools may "
+            "hold; simulate fewer replicas, or less KV each (--kv-capacity-tokens, --swap-space-gib)"
         )
     cost = build_cost_model(model, gpu, num_gpus=options.num_gpus, cost_model=options.cost_model)
-    swap_tokens = int(swap_gib * 2**30 // model.kv_bytes_per_token)
     return Setup(model, gpu, cost, capacity, swap_tokens, options)
 
 
