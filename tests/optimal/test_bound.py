@@ -164,6 +164,27 @@ def test_bad_bound_problems():
     floored = LinearCostModel(dataclasses.replace(get_preset("llama-2-7b-a100"), floor_p=1.5))
     with pytest.raises(ConfigError, match="linear form; .* has floor_p 1.5 \\(use a preset"):
         relaxed_bound(BoundProblem((8,), (2,), (0.0,), 100, 4096, None), floored)
+    # M, C, P and the requests are bounded: 10^12 once ran the heuristics out of memory, or the model
+    # past the solver's 64-bit integers (a TypeError from OR-Tools)
+    with pytest.raises(ConfigError, match="KV capacity M=1,000,000,000,000 must be in 1..10,000,000 tokens"):
+        BoundProblem((8,), (2,), (0.0,), 10**12, 4096, None)
+    with pytest.raises(ConfigError, match="batch budget C=0 must be in 1..10,000,000 tokens"):
+        BoundProblem((8,), (2,), (0.0,), 100, 0, None)
+    with pytest.raises(ConfigError, match="the longest request's I \\+ O - 1 = 20,000,001 is above 10,000,000"):
+        BoundProblem((20_000_000,), (2,), (0.0,), 10**7, 4096, None)
+    huge = BoundProblem((9_000_000,) * 3, (3,) * 3, (0.0,) * 3, 10**7, 10**7, None, num_batches=3)
+    with pytest.raises(ConfigError, match="could last up to .* beyond what the solver's 64-bit time"):
+        solve_bound(huge, COST)
+
+
+def test_a_capacity_and_budget_far_above_the_requests_bound_as_the_requests_need():
+    """M and C at the limit do not bind two 3+3-token requests: the same optimum as M=6, C=4096 (the
+    model's time horizon once took C and M as every request's size, past 64-bit integers)."""
+    small = BoundProblem((3, 3), (3, 3), (0.0, 0.0), 10, 4096, None, num_batches=4)
+    large = dataclasses.replace(small, kv_capacity_tokens=10**7, max_num_batched_tokens=10**7)
+    a, b = solve_bound(small, COST, time_limit_s=20), solve_bound(large, COST, time_limit_s=20)
+    assert a.status == b.status == "OPTIMAL"
+    assert b.latency_s == pytest.approx(a.latency_s, rel=1e-9)
 
 
 def test_bound_command(tmp_path):

@@ -60,6 +60,7 @@ def bound(
     from sloserve.cost import LinearCostModel, linear_coefficients
     from sloserve.optimal import MAX_CELLS, BoundProblem, relaxed_bound, run_heuristic, solve_bound
     from sloserve.optimal.gantt import plot_gantt
+    from sloserve.optimal.problem import MAX_BOUND_TOKENS
 
     try:
         import ortools  # noqa: F401
@@ -102,6 +103,7 @@ def bound(
     if capacity is None:
         longest = max(range(len(reqs)), key=lambda i: prompts[i] + outputs[i])
         capacity = max(2 * prompts[longest], prompts[longest] + outputs[longest] - 1)
+        capacity = max(min(capacity, MAX_BOUND_TOKENS), prompts[longest] + outputs[longest] - 1)
     cost = LinearCostModel(linear_coefficients(cost_model))
     problem = BoundProblem(prompts, outputs, tuple(r.arrival_time for r in reqs), capacity, budget, prefill_budget)
     names = scheduler_list(compare_with)

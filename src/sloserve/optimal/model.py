@@ -175,6 +175,11 @@ def solve_bound(
     _break_symmetry(model, problem, S)
 
     horizon = _horizon(problem, cost)
+    if horizon * max(J, 2) > 2**62:  # NOTE: CP-SAT's integers are 64-bit: the sum of J batch times must fit
+        raise ConfigError(
+            f"bound: a schedule of these requests could last up to {horizon / TIME_UNITS_PER_S:,.0f} s, beyond what "
+            "the solver's 64-bit time in picoseconds holds over its batches; give shorter requests or fewer of them"
+        )
     batch_time = []
     any_act = []
     for j in range(1, J + 1):
@@ -275,8 +280,12 @@ def _relabel_hint(hint: list[dict[int, tuple[int, bool]]], problem: BoundProblem
 def _horizon(problem: BoundProblem, cost: LinearCostModel) -> int:
     """An upper bound on any batch time and on the schedule's length, in time units: every token
     processed in its own batch, twice over (refills)."""
-    n, C, M = len(problem.prompts), problem.max_num_batched_tokens, problem.kv_capacity_tokens
-    worst = batch_seconds(cost, [(C, M)] * n, [M] * n)  # over-counts every term of a real batch
+    C = problem.max_num_batched_tokens
+    tops = [i + o - 1 for i, o in zip(problem.prompts, problem.outputs, strict=True)]
+    # NOTE: over-counts every term of a real batch: request i prefills at most min(C, top) tokens after
+    # at most top, and decodes after at most top (the domains of c and m). C and M themselves would
+    # over-count past the solver's 64-bit integers where they are large (M = C = 10^7 did).
+    worst = batch_seconds(cost, [(min(C, top), top) for top in tops], tops)
     total = problem.num_batches * worst + max(problem.arrivals)
     return int(2 * total * TIME_UNITS_PER_S) + 1
 

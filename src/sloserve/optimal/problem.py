@@ -8,6 +8,11 @@ from dataclasses import dataclass
 
 from sloserve.core.errors import ConfigError
 
+# Most tokens of M, C, P and a request's I + O: beyond any model's context and the largest GPU's KV
+# (9.4M tokens). NOTE: the heuristics give each a KV pool of M tokens, and the model's time horizon
+# grows with C and M: 10^12 once ran out of memory, or past the solver's 64-bit integers.
+MAX_BOUND_TOKENS = 10_000_000
+
 
 @dataclass(frozen=True)
 class BoundProblem:
@@ -25,9 +30,18 @@ class BoundProblem:
         n = len(self.prompts)
         if not n or len(self.outputs) != n or len(self.arrivals) != n:
             raise ConfigError("bound: prompts, outputs and arrivals must be non-empty and of one length")
+        longest = max(i + o - 1 for i, o in zip(self.prompts, self.outputs, strict=True))
+        if longest > MAX_BOUND_TOKENS:
+            raise ConfigError(f"the longest request's I + O - 1 = {longest:,} is above {MAX_BOUND_TOKENS:,} tokens")
+        for what, value in (
+            ("KV capacity M", self.kv_capacity_tokens),
+            ("batch budget C", self.max_num_batched_tokens),
+            ("prefill budget P", self.prefill_token_budget),
+        ):
+            if value is not None and not 1 <= value <= MAX_BOUND_TOKENS:
+                raise ConfigError(f"{what}={value:,} must be in 1..{MAX_BOUND_TOKENS:,} tokens")
         if self.prefill_token_budget is not None and self.prefill_token_budget > self.max_num_batched_tokens:
             raise ConfigError(f"prefill budget P={self.prefill_token_budget} exceeds C={self.max_num_batched_tokens}")
-        longest = max(i + o - 1 for i, o in zip(self.prompts, self.outputs, strict=True))
         if self.kv_capacity_tokens < longest:
             raise ConfigError(
                 f"KV capacity M={self.kv_capacity_tokens} is below the longest request's I + O - 1 = {longest}"
