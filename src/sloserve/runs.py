@@ -124,6 +124,8 @@ def check_workload_options(o: SimOptions) -> None:
         value = getattr(o, name)
         if value is not None and not value > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got {value}")
+    if o.max_tokens is not None and o.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be >= 1, got {o.max_tokens}")
     check_rate("--rate", o.rate)
     check_rate("--rt-rate", o.rt_rate)
     if o.burstiness is not None and not (o.burstiness > 0 and math.isfinite(o.burstiness)):
@@ -170,7 +172,13 @@ def make_workload_from_options(o: SimOptions, context_len: int, rate: float | No
     num_requests = o.num_requests
     if o.trace_arrivals:
         # NOTE: a replay takes the trace's rows as they are; more than it has repeats it back to back.
-        rows = len(load_trace(o.trace, parse_columns(o.columns)))
+        trace = load_trace(o.trace, parse_columns(o.columns))
+        if trace.arrival_s is None:
+            raise ConfigError(
+                f"--trace-arrivals: trace {o.trace!r} has no arrival times; give --rate (Poisson arrivals, gamma "
+                "with --burstiness) or --offline"
+            )
+        rows = len(trace)
         if num_requests is None:
             num_requests = min(rows, 1000)
             if rows > num_requests:  # NOTE: a served day's log is longer: say that it is not all replayed

@@ -245,6 +245,8 @@ def test_fit_cost_makes_a_preset_that_simulate_uses(tmp_path: Path):
         (["simulate", "--kv-capacity-tokens", "100000000000"], "--kv-capacity-tokens must be in 1..200,000,000"),
         (["simulate", "--replicas", "100000"], "--replicas 100,000: 100,000 replicas x 117,168 KV tokens"),
         (["simulate", "--disaggregate", "9000:9000"], "--disaggregate 9000:9000: 18,000 replicas x 117,168 KV"),
+        (["simulate", "--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+        (["simulate", "--trace", "bwb", "--trace-arrivals"], "--trace-arrivals: trace 'bwb' has no arrival times"),
         (["simulate", "--swap-space-gib", "nan"], "--swap-space-gib must be a finite number >= 0, got nan"),
         (["simulate", "--swap-space-gib", "1e30"], "--swap-space-gib 1e+30 holds more than 200,000,000 tokens"),
         (["sweep", "--rates", "5,nan", "--out", "{dir}/sweep"], "--rates must be a finite number > 0 (requests/s)"),
@@ -258,7 +260,8 @@ def test_bad_options_get_one_line_and_exit_2(tmp_path: Path, args: list[str], me
     afile = tmp_path / "afile"
     afile.write_text("")
     args = [a.format(file=afile, dir=tmp_path) for a in args]
-    defaults = ["--trace", "sharegpt", "--num-requests", "10"] + ([] if "--rates" in args else ["--rate", "5"])
+    arrivals_given = "--rates" in args or "--trace-arrivals" in args
+    defaults = ["--trace", "sharegpt", "--num-requests", "10"] + ([] if arrivals_given else ["--rate", "5"])
     proc = run(*args[:1], *defaults, *args[1:])
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
