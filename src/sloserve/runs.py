@@ -18,6 +18,8 @@ from typing import Any
 from sloserve.checkpoint import model_spec
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import SLO
+from sloserve.workload.arrivals import MAX_ARRIVAL_CV
+from sloserve.workload.spec import MAX_NUM_REQUESTS
 
 
 @dataclass(frozen=True)
@@ -99,8 +101,6 @@ class Setup:
         return make_workload_from_options(self.options, self.model.max_context_len, rate)
 
 
-# Most requests one run may ask for (a run keeps a few hundred bytes per request).
-MAX_NUM_REQUESTS = 10_000_000
 # Most KV tokens a simulation's pools may hold together (each replica's GPU pool and swap space):
 # 1,700 replicas of llama-2-7b on an A100, or 20 times what the largest bundled GPU and model pair holds
 # (qwen2.5-7b on 4 H200s, 9.4M). NOTE: a pool keeps a list of its free blocks: this many take 0.5 GB
@@ -128,9 +128,10 @@ def check_workload_options(o: SimOptions) -> None:
         raise ConfigError(f"--max-tokens must be >= 1, got {o.max_tokens}")
     check_rate("--rate", o.rate)
     check_rate("--rt-rate", o.rt_rate)
-    if o.burstiness is not None and not (o.burstiness > 0 and math.isfinite(o.burstiness)):
+    if o.burstiness is not None and not 0 < o.burstiness <= MAX_ARRIVAL_CV:
         raise ConfigError(
-            f"--burstiness (the arrivals' coefficient of variation) must be a finite number > 0, got {o.burstiness}"
+            f"--burstiness (the arrivals' coefficient of variation) must be in (0, {MAX_ARRIVAL_CV:g}], "
+            f"got {o.burstiness}"
         )
     if o.workload:
         if o.columns is not None:

@@ -240,8 +240,14 @@ def test_fit_cost_makes_a_preset_that_simulate_uses(tmp_path: Path):
         (["simulate", "--num-requests", "100000000000"], "--num-requests must be in 1..10,000,000"),
         (["simulate", "--num-requests", "0"], "--num-requests must be in 1..10,000,000"),
         (["simulate", "--rt-rate", "3"], "--rt-rate sets a --workload's RT rate"),
-        (["simulate", "--burstiness", "0"], "--burstiness (the arrivals' coefficient of variation) must be a finite"),
-        (["simulate", "--burstiness", "inf"], "--burstiness (the arrivals' coefficient of variation) must be a finite"),
+        (
+            ["simulate", "--burstiness", "0"],
+            "--burstiness (the arrivals' coefficient of variation) must be in (0, 100]",
+        ),
+        (
+            ["simulate", "--burstiness", "inf"],
+            "--burstiness (the arrivals' coefficient of variation) must be in (0, 100]",
+        ),
         (["simulate", "--kv-capacity-tokens", "100000000000"], "--kv-capacity-tokens must be in 1..200,000,000"),
         (["simulate", "--replicas", "100000"], "--replicas 100,000: 100,000 replicas x 117,168 KV tokens"),
         (["simulate", "--disaggregate", "9000:9000"], "--disaggregate 9000:9000: 18,000 replicas x 117,168 KV"),

@@ -295,6 +295,24 @@ def _with(**changes) -> dict:
         (_with(**{"class": "gold"}), r"class must be 'rt' or 'be', got 'gold'"),
         (_with(max_tokens=0), r"max_tokens must be >= 1, got 0"),
         (_with(start_s=-1), r"start_s must be >= 0, got -1"),
+        # each of these once overflowed numpy's int64 or divided by 0 (a traceback, or 745 GiB asked for)
+        (_with(num_requests=10**11), r"num_requests must be <= 10,000,000, got 100000000000"),
+        (_with(source={"fixed": {"prompt": 10**30, "output": 5}}), r"source\.fixed\.prompt must be <= 1,000,000,000"),
+        (
+            _with(source={"uniform": {"prompt": [1, 10**30], "output": [1, 2]}}),
+            r"source\.uniform\.prompt\[1\] must be <= 1,000,000,000",
+        ),
+        (
+            _with(source={"lognormal": {"prompt": [1e300, 1e300], "output": [9, 2]}}),
+            r"source\.lognormal\.prompt\[0\] must be <= 1,000,000,000, got 1e\+300",
+        ),
+        (
+            _with(source={"lognormal": {"prompt": [0.001, 1e9], "output": [9, 2]}}),
+            r"source\.lognormal\.prompt must have a mean >= 1 token, got 0\.001",
+        ),
+        (_with(arrival={"process": "gamma", "rate": 2, "cv": 1e300}), r"arrival\.cv must be <= 100, got 1e\+300"),
+        (_with(max_tokens=10**30), r"max_tokens must be <= 1,000,000,000"),
+        (_with(priority=-(10**30)), r"priority must be >= -1,000,000,000"),
     ],
 )
 def test_bad_stream_fields(tmp_path, stream: dict, expected: str) -> None:
@@ -321,6 +339,10 @@ def test_bad_spec_top_level(tmp_path) -> None:
     path.write_text("")
     with pytest.raises(ConfigError, match=r"w\.yaml: empty workload spec"):
         load_workload_spec(str(path))
+    with pytest.raises(ConfigError, match=r"the streams' num_requests add up to 12,000,000, above the 10,000,000"):
+        parse_workload_spec(
+            {"streams": [{**GOOD, "name": "a", "num_requests": 6 * 10**6}, {**GOOD, "num_requests": 6 * 10**6}]}
+        )
     with pytest.raises(ConfigError, match=r"streams\[1\]\.name 'a' is used by another stream"):
         parse_workload_spec({"streams": [{**GOOD, "name": "a"}, {**GOOD, "name": "a"}]})
     with pytest.raises(UnknownNameError, match=r"unknown workload 'nope'; valid: .*mixed-rt-be"):

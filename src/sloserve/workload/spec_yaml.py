@@ -18,7 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sloserve.core.errors import ConfigError, UnknownNameError, yaml_error_message
 from sloserve.core.request import SLO, RequestClass
 from sloserve.core.yaml_loader import load_yaml
+from sloserve.workload.arrivals import MAX_ARRIVAL_CV
 from sloserve.workload.spec import (
+    MAX_NUM_REQUESTS,
+    MAX_PRIORITY,
+    MAX_SPEC_TOKENS,
     PROCESSES,
     ArrivalSpec,
     ConversationSource,
@@ -93,6 +97,12 @@ def parse_workload_spec(
         if any(s.name == stream.name for s in streams):
             raise ConfigError(f"{origin}: streams[{i}].name {stream.name!r} is used by another stream")
         streams.append(stream)
+    total = sum(s.num_requests for s in streams)
+    if total > MAX_NUM_REQUESTS:
+        raise ConfigError(
+            f"{origin}: the streams' num_requests add up to {total:,}, above the {MAX_NUM_REQUESTS:,} a workload "
+            "may hold"
+        )
     return WorkloadSpec(top.name or default_name, streams, top.description, origin)
 
 
@@ -104,9 +114,11 @@ class _Fields(BaseModel):
 
 
 PositiveInt = Annotated[int, Field(ge=1)]
+TokenCount = Annotated[int, Field(ge=1, le=MAX_SPEC_TOKENS)]
+RequestCount = Annotated[int, Field(ge=1, le=MAX_NUM_REQUESTS)]
 PositiveNumber = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegativeNumber = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-Range = Annotated[list[PositiveInt], Field(min_length=2, max_length=2)]
+Range = Annotated[list[TokenCount], Field(min_length=2, max_length=2)]
 
 
 class _SpecFields(_Fields):
@@ -116,8 +128,8 @@ class _SpecFields(_Fields):
 
 
 class _LengthsFields(_Fields):
-    prompt: PositiveInt
-    output: PositiveInt
+    prompt: TokenCount
+    output: TokenCount
 
 
 class _RangesFields(_Fields):
@@ -125,7 +137,9 @@ class _RangesFields(_Fields):
     output: Range
 
 
-MeanStd = Annotated[list[PositiveNumber], Field(min_length=2, max_length=2)]
+MeanStd = Annotated[
+    list[Annotated[float, Field(gt=0, le=MAX_SPEC_TOKENS, allow_inf_nan=False)]], Field(min_length=2, max_length=2)
+]
 
 
 class _MomentsFields(_Fields):
@@ -138,7 +152,7 @@ class _ConversationFields(_Fields):
     columns: dict[str, str] | None = None
     turns: Range
     think_time_s: NonNegativeNumber = 0.0
-    system_prompt_tokens: Annotated[int, Field(ge=0)] = 0
+    system_prompt_tokens: Annotated[int, Field(ge=0, le=MAX_SPEC_TOKENS)] = 0
 
 
 class _SourceFields(_Fields):
@@ -153,8 +167,8 @@ class _SourceFields(_Fields):
 class _ArrivalFields(_Fields):
     process: Literal["poisson", "gamma", "trace", "offline", "closed-batches"]
     rate: PositiveNumber | None = None
-    cv: PositiveNumber | None = None
-    batch_size: PositiveInt | None = None
+    cv: Annotated[float, Field(gt=0, le=MAX_ARRIVAL_CV, allow_inf_nan=False)] | None = None
+    batch_size: RequestCount | None = None
 
 
 class _SLOFields(_Fields):
@@ -169,11 +183,11 @@ class _StreamFields(_Fields):
     request_class: Literal["rt", "be", "RT", "BE"] = Field(default="rt", alias="class")
     source: _SourceFields
     arrival: _ArrivalFields
-    num_requests: PositiveInt
+    num_requests: RequestCount
     slo: _SLOFields | None = None
-    max_tokens: PositiveInt | None = None
+    max_tokens: TokenCount | None = None
     start_s: NonNegativeNumber = 0.0
-    priority: int = 0
+    priority: Annotated[int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 0
 
 
 # Hints after "is required" for fields whose shape is not obvious.
@@ -213,9 +227,10 @@ def _message(model: type[_Fields], error: dict[str, Any]) -> str:
         return f"class must be 'rt' or 'be', got {_show(value)}"
     if kind == "literal_error":
         return f"{field_path} must be one of {', '.join(PROCESSES)}; got {_show(value)}"
-    bounds = {"greater_than": f"> {ctx.get('gt', 0):g}", "greater_than_equal": f">= {ctx.get('ge', 0):g}"}
+    bounds = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="), "less_than_equal": ("le", "<=")}
     if kind in bounds:
-        return f"{field_path} must be {bounds[kind]}, got {_show(value)}"
+        key, relation = bounds[kind]
+        return f"{field_path} must be {relation} {_bound(ctx[key])}, got {_show(value)}"
     expected = {
         "int_type": "an integer",
         "int_from_float": "an integer",
@@ -233,6 +248,13 @@ def _message(model: type[_Fields], error: dict[str, Any]) -> str:
     if expected is not None:
         return f"{field_path} must be {expected}, got {_show(value)}"
     return f"{field_path}: {error['msg']}"
+
+
+def _bound(value: Any) -> str:
+    """A limit as a message shows it: 10,000,000 and 0, not 1e+07 and 0.0."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return f"{value:,}" if isinstance(value, int) else f"{value:g}"
 
 
 def _pair(field_path: str) -> str:
@@ -308,6 +330,10 @@ def _parse_source(fields: _SourceFields, label: str, base_dir: Path | None, erro
             lengths.trace, lengths.columns, (lo, hi), chat.think_time_s, chat.system_prompt_tokens
         )
     if fields.lognormal is not None:
+        for role in ("prompt", "output"):
+            mean = getattr(fields.lognormal, role)[0]
+            if mean < 1:  # NOTE: also keeps std / mean, and so the log-normal's sigma, finite
+                raise error(f"source.lognormal.{role}", f"must have a mean >= 1 token, got {mean}")
         return LogNormalSource(tuple(fields.lognormal.prompt), tuple(fields.lognormal.output))
     if fields.uniform is not None:
         ranges = []
