@@ -18,8 +18,7 @@ from typing import Any
 from sloserve.checkpoint import model_spec
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import SLO
-from sloserve.workload.arrivals import MAX_ARRIVAL_CV
-from sloserve.workload.spec import MAX_NUM_REQUESTS
+from sloserve.workload.limits import MAX_ARRIVAL_CV, MAX_NUM_REQUESTS
 
 
 @dataclass(frozen=True)

@@ -137,11 +137,16 @@ def test_user_csv_datetime_arrivals(tmp_path) -> None:
         (
             "prompt_tokens,output_tokens\n5,6\n-3,4\n",
             None,
-            r"bad\.csv: line 3: column 'prompt_tokens': prompt length must be >= 1, got -3",
+            r"bad\.csv: line 3: column 'prompt_tokens': prompt length must be in 1\.\.1,000,000,000, got -3",
         ),
-        ("prompt_tokens,output_tokens\n0,6\n", None, r"line 2: .*prompt length must be >= 1, got 0"),
-        ("prompt_tokens,output_tokens\n5,0\n", None, r"line 2: .*output length must be >= 1, got 0"),
+        ("prompt_tokens,output_tokens\n0,6\n", None, r"line 2: .*prompt length must be in 1\.\.1,000,000,000, got 0"),
+        ("prompt_tokens,output_tokens\n5,0\n", None, r"line 2: .*output length must be in 1\.\.1,000,000,000, got 0"),
         ("prompt_tokens,output_tokens\n5,2.5\n", None, r"line 2: .*output length 2\.5 is not an integer"),
+        (  # once "column 'prompt_tokens': prompt length out of range", without its line
+            "prompt_tokens,output_tokens\n5,6\n1" + "0" * 30 + ",6\n",
+            None,
+            r"line 3: column 'prompt_tokens': prompt length must be in 1\.\.1,000,000,000, got 1" + "0" * 30,
+        ),
         ("prompt_tokens,output_tokens\n5\n", None, r"line 2: column 'output_tokens' is missing"),
         (
             "prompt_tokens,output_tokens,arrival_s\n5,6,1\n5,6,soon\n",
@@ -343,7 +348,10 @@ def test_a_spec_streams_own_settings_replace_the_rows_and_the_others_stay_the_ro
         ("priority", '"high"', "priority must be an integer, got 'high'"),
         ("slo_tpot_s", "0", "slo_tpot_s must be a number of seconds > 0, got 0"),
         ("slo_ttft_s", "true", "slo_ttft_s must be a number of seconds > 0, got True"),
-        ("max_tokens", "0", "max_tokens must be >= 1, got 0"),
+        ("max_tokens", "0", "max_tokens must be in 1..1,000,000,000, got 0"),
+        # these two once overflowed int64 in the replay (a traceback)
+        ("max_tokens", "1" + "0" * 30, "max_tokens must be in 1..1,000,000,000, got 1" + "0" * 30),
+        ("priority", "-1" + "0" * 30, "priority must be in -1,000,000,000..1,000,000,000, got -1" + "0" * 30),
     ],
 )
 def test_a_bad_recorded_setting_is_one_error_naming_file_line_and_column(tmp_path, key, value, message):

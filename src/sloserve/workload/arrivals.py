@@ -8,10 +8,7 @@ import math
 import numpy as np
 
 from sloserve.core.errors import ConfigError
-
-# Burstiest gamma arrivals (coefficient of variation; shape 1/cv^2): tens of times what published traces
-# show (BurstGPT's fits are below 10). NOTE: far beyond, the shape underflows (cv 1e300 divided by 0).
-MAX_ARRIVAL_CV = 100.0
+from sloserve.workload.limits import MAX_ARRIVAL_CV
 
 
 def poisson(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:

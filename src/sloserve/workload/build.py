@@ -35,8 +35,8 @@ from sloserve.core.errors import ConfigError
 from sloserve.core.prefix import SegmentedPrompt
 from sloserve.core.request import SLO, Request, RequestClass
 from sloserve.workload import arrivals
+from sloserve.workload.limits import MAX_LENGTH_TOKENS
 from sloserve.workload.spec import (
-    MAX_SPEC_TOKENS,
     ArrivalSpec,
     ConversationSource,
     FixedSource,
@@ -53,12 +53,12 @@ from sloserve.workload.traces import TRACES, RecordedSettings, TraceData, load_t
 
 def _lognormal(mean_std: tuple[float, float], n: int, rng: np.random.Generator) -> np.ndarray:
     """``n`` lengths from the log-normal with this mean and standard deviation (moments matched:
-    sigma^2 = ln(1 + (std/mean)^2), mu = ln(mean) - sigma^2/2), rounded, in 1..MAX_SPEC_TOKENS (a
+    sigma^2 = ln(1 + (std/mean)^2), mu = ln(mean) - sigma^2/2), rounded, in 1..MAX_LENGTH_TOKENS (a
     heavy tail's draw can pass any integer: the context clips it later)."""
     mean, std = mean_std
     sigma2 = np.log1p((std / mean) ** 2)
     draws = rng.lognormal(np.log(mean) - sigma2 / 2, np.sqrt(sigma2), size=n)
-    return np.clip(np.rint(draws), 1, MAX_SPEC_TOKENS).astype(np.int64)
+    return np.clip(np.rint(draws), 1, MAX_LENGTH_TOKENS).astype(np.int64)
 
 
 @dataclass

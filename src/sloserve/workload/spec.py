@@ -47,15 +47,6 @@ PROCESSES = ("poisson", "gamma", "trace", "offline", "closed-batches")
 # next one when every request of the previous batch has finished (BROS §7.1's best-effort jobs).
 
 
-# Most requests one workload may hold (a run keeps a few hundred bytes per request).
-MAX_NUM_REQUESTS = 10_000_000
-# Most tokens a length in a spec may name (a prompt, an output, max_tokens, a system prompt): past any
-# model's context, to which requests are clipped after. NOTE: 10^30 once overflowed numpy's int64.
-MAX_SPEC_TOKENS = 1_000_000_000
-# Largest |priority| (vLLM's: the lower, the sooner); within 64-bit integers like the rest.
-MAX_PRIORITY = 1_000_000_000
-
-
 @dataclass(frozen=True)
 class TraceSource:
     """Lengths sampled from a trace (bundled name or file path)."""

@@ -18,11 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sloserve.core.errors import ConfigError, UnknownNameError, yaml_error_message
 from sloserve.core.request import SLO, RequestClass
 from sloserve.core.yaml_loader import load_yaml
-from sloserve.workload.arrivals import MAX_ARRIVAL_CV
+from sloserve.workload.limits import MAX_ARRIVAL_CV, MAX_LENGTH_TOKENS, MAX_NUM_REQUESTS, MAX_PRIORITY
 from sloserve.workload.spec import (
-    MAX_NUM_REQUESTS,
-    MAX_PRIORITY,
-    MAX_SPEC_TOKENS,
     PROCESSES,
     ArrivalSpec,
     ConversationSource,
@@ -114,7 +111,7 @@ class _Fields(BaseModel):
 
 
 PositiveInt = Annotated[int, Field(ge=1)]
-TokenCount = Annotated[int, Field(ge=1, le=MAX_SPEC_TOKENS)]
+TokenCount = Annotated[int, Field(ge=1, le=MAX_LENGTH_TOKENS)]
 RequestCount = Annotated[int, Field(ge=1, le=MAX_NUM_REQUESTS)]
 PositiveNumber = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegativeNumber = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -138,7 +135,7 @@ class _RangesFields(_Fields):
 
 
 MeanStd = Annotated[
-    list[Annotated[float, Field(gt=0, le=MAX_SPEC_TOKENS, allow_inf_nan=False)]], Field(min_length=2, max_length=2)
+    list[Annotated[float, Field(gt=0, le=MAX_LENGTH_TOKENS, allow_inf_nan=False)]], Field(min_length=2, max_length=2)
 ]
 
 
@@ -152,7 +149,7 @@ class _ConversationFields(_Fields):
     columns: dict[str, str] | None = None
     turns: Range
     think_time_s: NonNegativeNumber = 0.0
-    system_prompt_tokens: Annotated[int, Field(ge=0, le=MAX_SPEC_TOKENS)] = 0
+    system_prompt_tokens: Annotated[int, Field(ge=0, le=MAX_LENGTH_TOKENS)] = 0
 
 
 class _SourceFields(_Fields):

@@ -46,6 +46,7 @@ import numpy as np
 
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.core.request import SLO, RequestClass
+from sloserve.workload.limits import MAX_LENGTH_TOKENS, MAX_PRIORITY
 
 # What a request was served with (the request log's keys): each role is a column of its own name
 SETTING_ROLES = ("request_class", "priority", "slo_ttft_s", "slo_tpot_s", "slo_jct_s", "max_tokens")
@@ -488,16 +489,16 @@ def _int_column(values: list[Any], lines: list[int], label: str, column: str, ro
         arr = np.asarray(values, dtype=np.float64)
     except (ValueError, TypeError):
         arr = None
-    if arr is not None and np.all(arr >= 1) and np.all(arr == np.floor(arr)) and np.all(arr < 2**62):
+    if arr is not None and np.all(arr >= 1) and np.all(arr == np.floor(arr)) and np.all(arr <= MAX_LENGTH_TOKENS):
         return arr.astype(np.int64)
     for value, line in zip(values, lines):
         number = _number(value)
         where = f"{label}: line {line}: column {column!r}"
         if number is None or not math.isfinite(number) or number != math.floor(number):
             raise ConfigError(f"{where}: {role} length {_show(value)} is not an integer")
-        if number < 1:
-            raise ConfigError(f"{where}: {role} length must be >= 1, got {_show(value)}")
-    raise ConfigError(f"{label}: column {column!r}: {role} length out of range")
+        if not 1 <= number <= MAX_LENGTH_TOKENS:
+            raise ConfigError(f"{where}: {role} length must be in 1..{MAX_LENGTH_TOKENS:,}, got {_show(value)}")
+    raise AssertionError("unreachable: the fast check failed, so some row is bad")  # pragma: no cover
 
 
 def _hash_ids_column(
@@ -563,8 +564,10 @@ def _setting(role: str, value: Any) -> Any:
     if role in ("priority", "max_tokens"):
         if number is None or not math.isfinite(number) or number != math.floor(number):
             raise ValueError(f"{role} must be an integer, got {_show(value)}")
-        if role == "max_tokens" and number < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {_show(value)}")
+        if role == "max_tokens" and not 1 <= number <= MAX_LENGTH_TOKENS:
+            raise ValueError(f"max_tokens must be in 1..{MAX_LENGTH_TOKENS:,}, got {_show(value)}")
+        if role == "priority" and abs(number) > MAX_PRIORITY:
+            raise ValueError(f"priority must be in -{MAX_PRIORITY:,}..{MAX_PRIORITY:,}, got {_show(value)}")
         return int(number)
     if number is None or not math.isfinite(number) or not number > 0:
         raise ValueError(f"{role} must be a number of seconds > 0, got {_show(value)}")
