@@ -737,6 +737,9 @@ def test_vllms_priority_needs_a_scheduler_that_orders_by_it_and_then_goes_first(
     with pytest.raises(openai.BadRequestError) as e:
         server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"priority": 1})
     assert e.value.body["param"] == "priority" and "waiting_order=priority" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # once served, then logged where no replay could read it
+        server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"priority": 10**30})
+    assert e.value.body["param"] == "priority" and "less than or equal to 1000000000" in e.value.message
     ordered = Server(chat_model_dir, scheduler_options={"waiting_order": "priority", "max_num_seqs": 1})
     try:
 

@@ -25,6 +25,7 @@ from sloserve.server.tool_calls import (
     ToolUse,
     required_schema,
 )
+from sloserve.workload.limits import MAX_PRIORITY
 
 # The fields beam search does not honour (refused unless at their defaults); temperature, top_p and seed
 # change nothing in it and are accepted, as vLLM does.
@@ -111,7 +112,9 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     # vLLM's extensions
-    priority: int = 0  # the lower, the sooner: under a scheduler with waiting_order=priority only
+    # the lower, the sooner: under a scheduler with waiting_order=priority only; bounded as a trace's is, so
+    # that the request log replays (simulate --trace requests.jsonl)
+    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, and the k best
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N"
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the prompt's last k (-1: the context)
