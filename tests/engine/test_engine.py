@@ -960,6 +960,18 @@ def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
             ("profile", "--model", "random:tiny-llama", "--out", "x.json", "--batch-sizes", "0,2"),
             "--batch-sizes expects integers >= 1, got '0,2'",
         ),
+        (  # once hung building a list of 10^12 decode lengths
+            ("profile", "--model", "random:tiny-llama", "--out", "x.json", "--batch-sizes", str(10**12)),
+            "profile: the grid has 11 points within a context of 1024 and 65536 KV slots; need at least 18",
+        ),
+        (
+            ("profile", "--model", "random:tiny-llama", "--out", "x.json", "--repeats", str(10**12)),
+            "--repeats must be in 1..100, got 1,000,000,000,000",
+        ),
+        (  # once filled memory until the OS killed the process
+            ("run", "--model", "random:tiny-llama", "--trace", "sharegpt", "--kv-capacity-tokens", str(10**13)),
+            "kv_capacity_tokens 10,000,000,000,000 and",
+        ),
         (
             ("run", "--model", "random:tiny-llama", "--trace", "sharegpt", "--attention-backend", "flash"),
             "unknown attention backend 'flash'; valid: auto, torch, triton",

@@ -28,6 +28,10 @@ from sloserve.runs import (
     make_workload_from_options,
 )
 
+# Most timed runs per profile point (the median is taken): a default profile takes 3, and 100 already
+# make it a long wait on a CPU.
+MAX_PROFILE_REPEATS = 100
+
 
 @main.command(name="fit-cost")
 @click.option(
@@ -270,8 +274,8 @@ def profile_cmd(
     works with `simulate --cost-model OUT`. Reports the error on held-out points."""
     from sloserve.cost import save_preset, write_profile_csv
 
-    if repeats < 1:
-        raise ConfigError(f"--repeats must be >= 1, got {repeats}")
+    if not 1 <= repeats <= MAX_PROFILE_REPEATS:
+        raise ConfigError(f"--repeats must be in 1..{MAX_PROFILE_REPEATS}, got {repeats:,}")
     check_file_out(out, "--out")
     check_file_out(csv_path, "--csv")
     grid_values = dict(

@@ -37,6 +37,9 @@ class ProfileGrid:
     def shapes(self, max_model_len: int, max_slots: int) -> list[Batch]:
         """The grid's batches that fit the context and ``max_slots`` KV slots."""
         points: list[Batch] = []
+        # NOTE: a batch of more than max_slots requests never fits (each holds a slot): its lists of
+        # decode lengths are not built at all (--batch-sizes 10^12 once hung here building them)
+        batch_sizes = [b for b in self.batch_sizes if b <= max_slots]
         for c in self.prefill_chunks:
             for m in self.context_lens:
                 if c + m <= max_model_len and c + m <= max_slots:
@@ -49,7 +52,7 @@ class ProfileGrid:
                 points.append(([(c, m)], []))
         # Batches of k prompts of c tokens each, as vLLM prefills every waiting prompt that fits at
         # once: the cost per prefill (s_p) is identified only where the number of prefills varies.
-        for k in self.batch_sizes:
+        for k in batch_sizes:
             for c in self.prefill_chunks:
                 if k > 1 and k * c <= max(self.prefill_chunks) and c <= max_model_len and k * c <= max_slots:
                     points.append(([(c, 0)] * k, []))
@@ -57,7 +60,7 @@ class ProfileGrid:
         def decodes(b: int, m: int) -> list[int]:
             return spread_decode_lens(b, m, max_model_len - 1)
 
-        for b in self.batch_sizes:
+        for b in batch_sizes:
             for m in self.decode_kv_lens:
                 lens = decodes(b, m)
                 if m + 1 <= max_model_len and sum(lens) + b <= max_slots:
@@ -65,7 +68,7 @@ class ProfileGrid:
         # NOTE: live batches' longest context is 2-8x their mean (docs/simulator.md); the spread
         # batches above reach only 2x.
         longest = min(4 * max(self.decode_kv_lens), max_model_len - 1)
-        for b in self.batch_sizes:
+        for b in batch_sizes:
             lens = [min(self.decode_kv_lens)] * (b - 1) + [longest]
             if b > 1 and sum(lens) + b <= max_slots:
                 points.append(([], lens))
@@ -73,7 +76,7 @@ class ProfileGrid:
         if chunks:
             c = chunks[len(chunks) // 2]
             m = self.decode_kv_lens[len(self.decode_kv_lens) // 2]
-            for b in self.batch_sizes:
+            for b in batch_sizes:
                 lens = decodes(b, m)
                 if m + 1 <= max_model_len and sum(lens) + b + c <= max_slots:
                     points.append(([(c, 0)], lens))
