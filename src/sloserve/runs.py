@@ -18,7 +18,7 @@ from typing import Any
 from sloserve.checkpoint import model_spec
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import SLO
-from sloserve.workload.limits import MAX_ARRIVAL_CV, MAX_NUM_REQUESTS
+from sloserve.workload.limits import MAX_ARRIVAL_CV, MAX_LENGTH_TOKENS, MAX_NUM_REQUESTS
 
 
 @dataclass(frozen=True)
@@ -123,8 +123,8 @@ def check_workload_options(o: SimOptions) -> None:
         value = getattr(o, name)
         if value is not None and not value > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got {value}")
-    if o.max_tokens is not None and o.max_tokens < 1:
-        raise ConfigError(f"--max-tokens must be >= 1, got {o.max_tokens}")
+    if o.max_tokens is not None and not 1 <= o.max_tokens <= MAX_LENGTH_TOKENS:
+        raise ConfigError(f"--max-tokens must be in 1..{MAX_LENGTH_TOKENS:,}, got {o.max_tokens:,}")
     check_rate("--rate", o.rate)
     check_rate("--rt-rate", o.rt_rate)
     if o.burstiness is not None and not 0 < o.burstiness <= MAX_ARRIVAL_CV:
@@ -225,8 +225,8 @@ def setup_from_options(options: SimOptions) -> Setup:
 
     model, gpu = model_spec(options.model), get_gpu(options.gpu)
     if options.max_model_len is not None:
-        if options.max_model_len < 2:
-            raise ConfigError(f"--max-model-len must be >= 2, got {options.max_model_len}")
+        if not 2 <= options.max_model_len <= MAX_LENGTH_TOKENS:
+            raise ConfigError(f"--max-model-len must be in 2..{MAX_LENGTH_TOKENS:,}, got {options.max_model_len:,}")
         if options.max_model_len > model.max_context_len:  # the engine refuses it; a simulation may ask "what if"
             print(
                 f"note: --max-model-len {options.max_model_len:,} is above {model.name}'s context of "
