@@ -216,6 +216,8 @@ def parse_columns(text: str | None) -> dict[str, str] | None:
         key, sep, value = part.partition("=")
         if not sep:
             raise ConfigError(f"--columns expects key=column pairs, got {part!r}")
+        if key.strip() in columns:
+            raise ConfigError(f"--columns maps {key.strip()} twice ({columns[key.strip()]!r}, then {value.strip()!r})")
         columns[key.strip()] = value.strip()
     return columns
 

@@ -73,6 +73,10 @@ def test_compare_runs_every_scheduler_on_the_same_workload(tmp_path: Path):
         "vllm,sarathi,orca",
         "--num-requests",
         "200",
+        "--set",  # a scheduler's own option wins over one for every scheduler, in either order
+        "vllm.max_num_seqs=4",
+        "--set",
+        "max_num_seqs=8",
         "--out",
         str(tmp_path),
         "--json",
@@ -80,6 +84,7 @@ def test_compare_runs_every_scheduler_on_the_same_workload(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr
     summaries = json.loads(proc.stdout)
     assert list(summaries) == ["vllm", "sarathi", "orca"]
+    assert [s["scheduler_options"] for s in summaries.values()] == [{"max_num_seqs": v} for v in ("4", "8", "8")]
     assert all(s["completed"] == 200 for s in summaries.values())
     assert (tmp_path / "compare.png").stat().st_size > 0
     assert (tmp_path / "orca" / "summary.json").exists()
@@ -251,6 +256,8 @@ def test_fit_cost_makes_a_preset_that_simulate_uses(tmp_path: Path):
         (["simulate", "--kv-capacity-tokens", "100000000000"], "--kv-capacity-tokens must be in 1..200,000,000"),
         (["simulate", "--replicas", "100000"], "--replicas 100,000: 100,000 replicas x 117,168 KV tokens"),
         (["simulate", "--disaggregate", "9000:9000"], "--disaggregate 9000:9000: 18,000 replicas x 117,168 KV"),
+        (["simulate", "--set", "max_num_seqs=1", "--set", "max_num_seqs=2"], "--set max_num_seqs is given twice"),
+        (["simulate", "--columns", "prompt=a,prompt=b"], "--columns maps prompt twice ('a', then 'b')"),
         (["simulate", "--max-tokens", "0"], "--max-tokens must be in 1..1,000,000,000, got 0"),
         (["simulate", "--max-tokens", "1" + "0" * 30], "--max-tokens must be in 1..1,000,000,000, got 1,000,000"),
         (["simulate", "--max-model-len", "1" + "0" * 30], "--max-model-len must be in 2..1,000,000,000, got 1,0"),

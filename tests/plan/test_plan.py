@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from sloserve.core.errors import ConfigError
+
 SLOSERVE = [sys.executable, "-m", "sloserve.cli"]
 # A search small enough for CI: 2 GPUs x 2 TP degrees x 2 layouts x 2 schedulers.
 SMALL = ("--trace", "sharegpt", "--qps", "12", "--slo-ttft", "1", "--slo-tpot", "0.1", "--model", "llama-2-7b",
@@ -155,6 +157,7 @@ def test_an_impossible_slo_is_reported_with_the_best_reached(tmp_path):
         (("--model", "gpt-5"), "unknown model 'gpt-5'"),
         (("--gpus", "a30", "--workers", "1"), "no price for GPU a30: give it with --prices a30="),
         (("--prices", "h100=free"), "--prices expects GPU=USD_PER_HOUR"),
+        (("--prices", "h100=2,h100-sxm=3"), "--prices names h100 twice"),
         (("--layouts", "1-1"), "--layouts expects colocated and/or P:D pairs"),
         (("--set-grid", "block_size"), "--set-grid expects KEY=V1,V2"),
         (("--set-grid", "vllm.no_such_option=1,2"), "no_such_option"),
@@ -181,6 +184,16 @@ def test_bad_plan_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+
+
+def test_a_schedulers_own_grid_wins_over_one_for_every_scheduler_in_either_order():
+    from sloserve.cli.plan import _parse_set_grid
+
+    for pairs in (("vllm.block_size=8", "block_size=16,32"), ("block_size=16,32", "vllm.block_size=8")):
+        grid = _parse_set_grid(pairs, ["vllm", "sarathi"])
+        assert grid == {"vllm": {"block_size": ["8"]}, "sarathi": {"block_size": ["16", "32"]}}
+    with pytest.raises(ConfigError, match="--set-grid block_size is given twice"):
+        _parse_set_grid(("block_size=8", "block_size=16"), ["vllm"])
 
 
 def test_a_plan_without_an_slo_is_refused_and_a_request_logs_slos_are_one(tmp_path):

@@ -29,19 +29,23 @@ from sloserve.runs import (
 
 
 def _parse_set_grid(pairs: tuple[str, ...], names: list[str]) -> dict[str, dict[str, list[str]]]:
-    """``--set-grid KEY=V1,V2`` (every scheduler) or ``NAME.KEY=V1,V2`` (one): scheduler -> key -> values."""
-    grid: dict[str, dict[str, list[str]]] = {name: {} for name in names}
+    """``--set-grid KEY=V1,V2`` (every scheduler) or ``NAME.KEY=V1,V2`` (one, whichever comes first):
+    scheduler -> key -> values. A key given twice is refused."""
+    every: dict[str, list[str]] = {}
+    own: dict[str, dict[str, list[str]]] = {name: {} for name in names}
     for pair in pairs:
         key, sep, values = pair.partition("=")
         choices = [v.strip() for v in values.split(",") if v.strip()]
         if not sep or not key.strip() or not choices:
             raise ConfigError(f"--set-grid expects KEY=V1,V2 or SCHEDULER.KEY=V1,V2, got {pair!r}")
         scheduler, dot, option = key.strip().rpartition(".")
-        if dot and scheduler not in grid:
+        if dot and scheduler not in own:
             raise ConfigError(f"--set-grid {pair}: {scheduler!r} is not among --schedulers {','.join(names)}")
-        for name in [scheduler] if dot else names:
-            grid[name][option] = choices
-    return grid
+        target = own[scheduler] if dot else every
+        if option in target:
+            raise ConfigError(f"--set-grid {key.strip()} is given twice")
+        target[option] = choices
+    return {name: {**every, **own[name]} for name in names}
 
 
 def _validate_grid(grid: dict[str, dict[str, list[str]]], model, gpu: str, cost_model: str | None) -> None:

@@ -91,9 +91,11 @@ def compare(schedulers: str, set_pairs: tuple[str, ...], out: Path | None, as_js
 
 
 def _split_set_options(pairs: tuple[str, ...], names: list[str]) -> dict[str, dict[str, str]]:
-    """``vllm.block_size=32`` goes to vllm; ``block_size=32`` goes to every scheduler."""
+    """``vllm.block_size=32`` goes to vllm; ``block_size=32`` goes to every scheduler, except one that is
+    given its own (whichever comes first on the command line)."""
     from sloserve.sched import parse_set_options
 
+    every = {}
     per: dict[str, dict[str, str]] = {name: {} for name in names}
     for key, value in parse_set_options(pairs).items():
         scheduler, dot, option = key.partition(".")
@@ -102,9 +104,8 @@ def _split_set_options(pairs: tuple[str, ...], names: list[str]) -> dict[str, di
         elif dot:
             raise ConfigError(f"--set {key}: {scheduler!r} is not among --schedulers {','.join(names)}")
         else:
-            for options in per.values():
-                options[key] = value
-    return per
+            every[key] = value
+    return {name: {**every, **own} for name, own in per.items()}
 
 
 @main.command()

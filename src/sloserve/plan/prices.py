@@ -18,6 +18,7 @@ DEFAULT_PRICES_PER_GPU_HOUR: dict[str, float] = {"a100-80gb": 1.30, "h100": 3.00
 def parse_prices(text: str | None) -> dict[str, float]:
     """The default table with ``--prices a100=1.2,h100=2.5`` over it (GPU names or aliases)."""
     prices = dict(DEFAULT_PRICES_PER_GPU_HOUR)
+    given: set[str] = set()
     for part in (text or "").split(","):
         if not part.strip():
             continue
@@ -28,7 +29,11 @@ def parse_prices(text: str | None) -> dict[str, float]:
             price = float("nan")
         if not sep or not price > 0 or price == float("inf"):
             raise ConfigError(f"--prices expects GPU=USD_PER_HOUR pairs with a price > 0, got {part.strip()!r}")
-        prices[get_gpu(name).name] = price
+        gpu = get_gpu(name).name
+        if gpu in given:
+            raise ConfigError(f"--prices names {gpu} twice")
+        given.add(gpu)
+        prices[gpu] = price
     return prices
 
 

@@ -47,13 +47,17 @@ def scheduler_names() -> list[str]:
 
 
 def parse_set_options(pairs: list[str] | tuple[str, ...]) -> dict[str, str]:
-    """``["a=1", "b=x"]`` -> ``{"a": "1", "b": "x"}``."""
+    """``["a=1", "b=x"]`` -> ``{"a": "1", "b": "x"}``; a key given twice is refused (which would win is
+    not what its writer meant to ask)."""
     options: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             raise ConfigError(f"--set expects key=value, got {pair!r}")
-        options[key.strip()] = value.strip()
+        if key in options:
+            raise ConfigError(f"--set {key} is given twice ({options[key]!r}, then {value.strip()!r})")
+        options[key] = value.strip()
     return options
 
 
