@@ -609,6 +609,16 @@ def test_bench_serve_replays_a_trace_against_the_server(server, tmp_path):
         main, ["bench-serve", "--base-url", server.url + "/v1", "--model", "nope", "--trace", "sharegpt", "--rate", "1"]
     )
     assert bad.exit_code == 2 and "not served" in bad.output
+    # each once a traceback (int64 overflow, or an infinite timeout converted to an integer)
+    for flag, value, message in (
+        ("--vocab-size", str(10**30), "--vocab-size must be in 1..10,000,000"),
+        ("--max-model-len", str(10**30), "--max-model-len must be in 2..1,000,000,000"),
+        ("--max-model-len", "1", "--max-model-len must be in 2..1,000,000,000, got 1"),
+        ("--timeout", "inf", "--timeout must be a finite number of seconds > 0, got inf"),
+    ):
+        args = ["bench-serve", "--base-url", server.url + "/v1", "--model", MODEL, "--trace", "sharegpt", "--rate", "1"]
+        bad = CliRunner().invoke(main, [*args, flag, value])
+        assert bad.exit_code == 2 and message in bad.output, bad.output
 
 
 def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):

@@ -3,6 +3,7 @@ such server."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,10 @@ from sloserve.runs import (
 )
 from sloserve.server.reasoning import REASONING_PARSERS  # NOTE: pydantic only, no serve extra
 from sloserve.server.tool_calls import TOOL_CALL_PARSERS
+from sloserve.workload.limits import MAX_LENGTH_TOKENS
+
+# Largest --vocab-size of bench-serve's random prompt ids: far past any model's (Gemma's 262,144).
+MAX_VOCAB_SIZE = 10_000_000
 
 
 def _import_serve_extra(module: str):
@@ -391,12 +396,14 @@ def bench_serve(
     as in a simulation; the cached tokens the server reports go in the summary."""
     bench = _import_serve_extra("sloserve.bench.client")
     check_out(out)
-    if vocab_size < 1:
-        raise ConfigError(f"--vocab-size must be >= 1, got {vocab_size}")
-    if not timeout_s > 0:
-        raise ConfigError(f"--timeout must be > 0, got {timeout_s}")
+    if not 1 <= vocab_size <= MAX_VOCAB_SIZE:
+        raise ConfigError(f"--vocab-size must be in 1..{MAX_VOCAB_SIZE:,}, got {vocab_size:,}")
+    if not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise ConfigError(f"--timeout must be a finite number of seconds > 0, got {timeout_s}")
     if max_model_len is None:
         max_model_len = bench.server_max_model_len(base_url, served_model)
+    elif not 2 <= max_model_len <= MAX_LENGTH_TOKENS:
+        raise ConfigError(f"--max-model-len must be in 2..{MAX_LENGTH_TOKENS:,}, got {max_model_len:,}")
     workload = make_workload_from_options(SimOptions.of_workload(options), max_model_len)
     requests, chains = fresh_workload(workload)
     if tokenizer_path is None:
