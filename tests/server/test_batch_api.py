@@ -492,4 +492,4 @@ def test_serve_refuses_a_data_dir_in_use_and_bad_batch_limits(tmp_path):
     assert "--max-batch-lines-in-engine (2000) must be below --max-queued-requests (1024)" in serve(
         "--max-batch-lines-in-engine", "2000"
     )
-    assert "--max-batch-file-mb must be > 0, got 0" in serve("--max-batch-file-mb", "0")
+    assert "--max-batch-file-mb must be a finite number > 0, got 0" in serve("--max-batch-file-mb", "0")

@@ -4,6 +4,7 @@ driven by the openai SDK (issue 42). Skipped, with the reason, where Ray Serve i
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import random
 import signal
@@ -249,5 +250,7 @@ def test_fleet_options_are_checked():
         FleetOptions(2, "fastest").check()
     with pytest.raises(ConfigError, match="--replicas must be >= 1"):
         FleetOptions(0).check()
-    with pytest.raises(ConfigError, match="--replica-start-timeout must be > 0 seconds, got 0"):
+    with pytest.raises(ConfigError, match="--replica-start-timeout must be a finite number of seconds > 0, got 0"):
         FleetOptions(2, start_timeout_s=0).check()
+    with pytest.raises(ConfigError, match="--replica-start-timeout must be a finite number of seconds > 0, got inf"):
+        FleetOptions(2, start_timeout_s=math.inf).check()

@@ -536,7 +536,13 @@ def test_serve_refuses_bad_settings_with_one_line_and_exit_2():
     assert "--chat-template 'no/such.jinja': no such file" in serve("--chat-template", "no/such.jinja")
     assert "chat template: " in serve("--chat-template", "{% if %}")
     assert "'--reasoning-parser': 'o1' is not one of 'deepseek_r1', 'qwen3'" in serve("--reasoning-parser", "o1")
-    assert "--timeout-keep-alive must be > 0 seconds, got 0.0" in serve("--timeout-keep-alive", "0")
+    assert "--timeout-keep-alive must be a finite number of seconds > 0, got 0.0" in serve("--timeout-keep-alive", "0")
+    # each once accepted (nan, inf) or a traceback (--max-batch-file-mb inf converted to an integer)
+    assert "--drain-timeout must be a finite number of seconds >= 0, got nan" in serve("--drain-timeout", "nan")
+    assert "--timeout-keep-alive must be a finite number of seconds > 0, got inf" in serve(
+        "--timeout-keep-alive", "inf"
+    )
+    assert "--max-batch-file-mb must be a finite number > 0, got inf" in serve("--max-batch-file-mb", "inf")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -232,10 +232,12 @@ def serve(
     serve_module = _import_serve_extra("sloserve.server.serve")
     if not 0 < port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {port}")
-    if drain_timeout < 0:
-        raise ConfigError(f"--drain-timeout must be >= 0, got {drain_timeout}")
-    if not timeout_keep_alive > 0:
-        raise ConfigError(f"--timeout-keep-alive must be > 0 seconds, got {timeout_keep_alive}")
+    if not (drain_timeout >= 0 and math.isfinite(drain_timeout)):
+        raise ConfigError(f"--drain-timeout must be a finite number of seconds >= 0, got {drain_timeout}")
+    if not (timeout_keep_alive > 0 and math.isfinite(timeout_keep_alive)):
+        raise ConfigError(f"--timeout-keep-alive must be a finite number of seconds > 0, got {timeout_keep_alive}")
+    if not (max_batch_file_mb > 0 and math.isfinite(max_batch_file_mb)):
+        raise ConfigError(f"--max-batch-file-mb must be a finite number > 0, got {max_batch_file_mb}")
     if enable_auto_tool_choice != (tool_call_parser is not None):
         raise ConfigError("--enable-auto-tool-choice and --tool-call-parser go together: give both, or neither")
     serve_module.check_address(host, port)

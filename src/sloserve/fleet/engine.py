@@ -59,8 +59,10 @@ class FleetOptions:
             raise ConfigError(f"--router {self.router!r} is not a routing policy; choose one of {', '.join(ROUTERS)}")
         if self.cpus_per_replica is not None and self.cpus_per_replica < 1:
             raise ConfigError(f"--cpus-per-replica must be >= 1, got {self.cpus_per_replica}")
-        if not self.start_timeout_s > 0:
-            raise ConfigError(f"--replica-start-timeout must be > 0 seconds, got {self.start_timeout_s}")
+        if not (self.start_timeout_s > 0 and math.isfinite(self.start_timeout_s)):
+            raise ConfigError(
+                f"--replica-start-timeout must be a finite number of seconds > 0, got {self.start_timeout_s}"
+            )
 
 
 class FleetEngine(AsyncLLMEngine):
