@@ -214,7 +214,8 @@ def test_bad_words_are_tokenized_at_the_start_and_after_a_space_as_vllm_does():
         ("top_k", 2.5, r"top_k must be an integer >= -1"),
         ("min_p", 1.5, r"min_p must be in \[0, 1\], got 1.5"),
         ("min_p", float("nan"), r"min_p must be in \[0, 1\], got nan"),
-        ("n", 0, "n must be an integer >= 1, got 0"),
+        ("n", 0, "n must be an integer in 1..128, got 0"),
+        ("n", 10**30, "n must be an integer in 1..128, got 1" + "0" * 30),  # once generate() hung on it
         ("stop", [1], r"stop must be a string or a list of strings, got \[1\]"),
     ],
 )

@@ -22,6 +22,8 @@ MAX_LOGPROBS = 20
 PROMPT_LOGITS_ROWS = 512
 # vLLM accepts repetition penalties in (0, 2]
 MAX_REPETITION_PENALTY = 2.0
+# The most sequences one prompt may ask for (``n``; the server's ``best_of`` too): OpenAI's limit on ``n``.
+MAX_CHOICES = 128
 
 
 @dataclass(frozen=True)
@@ -124,8 +126,8 @@ class SamplingParams:
         if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) for w in self.bad_words):
             raise ConfigError(f"SamplingParams.bad_words must be a list of strings, got {self.bad_words!r}")
         object.__setattr__(self, "bad_words", tuple(self.bad_words))
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise ConfigError(f"SamplingParams.n must be an integer >= 1, got {self.n!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_CHOICES:
+            raise ConfigError(f"SamplingParams.n must be an integer in 1..{MAX_CHOICES}, got {self.n!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ConfigError(f"SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not 0 <= self.temperature < math.inf:  # NOTE: inf would sample uniformly, NaN nothing sensible

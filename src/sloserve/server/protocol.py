@@ -16,7 +16,7 @@ from sloserve.core.errors import ConfigError
 from sloserve.core.request import SLO, RequestClass
 from sloserve.engine.beam_search import MAX_BEAM_WIDTH
 from sloserve.engine.chat_template import ChatOptionError, check_render_options
-from sloserve.engine.sampler import MAX_LOGPROBS, MAX_REPETITION_PENALTY, StructuredOutputsParams
+from sloserve.engine.sampler import MAX_CHOICES, MAX_LOGPROBS, MAX_REPETITION_PENALTY, StructuredOutputsParams
 from sloserve.server.tool_calls import (
     NO_PARAMETERS,
     NamedToolChoice,
@@ -35,8 +35,6 @@ BEAM_SEARCH_IGNORES = ("stop", "stop_token_ids", "logit_bias", "presence_penalty
 # OpenAI's service tiers: "flex" is the cheaper, slower tier: our best-effort (BE) class.
 BE_TIERS = frozenset({"flex"})
 MAX_STOP_STRINGS = 16
-# The most choices one request may ask for (``n``, ``best_of``): OpenAI's limit on ``n``.
-MAX_CHOICES = 128
 # vLLM's request fields this server does not implement (and OpenAI's deprecated function calling), with
 # the values that mean "unused" (null always does), and what to use instead: a request that sets
 # another value is refused, not served as if the field were absent.
