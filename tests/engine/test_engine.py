@@ -472,6 +472,8 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
         LLM("random:tiny-llama", kv_capacity_tokens=10**13)
     with pytest.raises(ConfigError, match="swap_space_tokens must be >= 0, got -1"):
         LLM("random:tiny-llama", swap_space_tokens=-1)
+    with pytest.raises(ConfigError, match=r"seed must be in -2\*\*63..2\*\*64-1, torch's range, got 1" + "0" * 30):
+        LLM("random:tiny-llama", seed=10**30)  # once torch's "Overflow when unpacking long long"
     with pytest.raises(ConfigError, match="unknown cost model 'nope'; valid: llama-2-7b-a100, .*; or a path"):
         LLM("random:tiny-llama", cost_model="nope")  # once "cost model file nope: not found"
     if not torch.cuda.is_available():

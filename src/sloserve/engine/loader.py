@@ -110,6 +110,8 @@ def load_model(
     ``attention_backend``: ``auto``, ``torch`` or ``triton`` (``resolve_attention_backend``).
     ``cuda_graphs``: engines on this model replay decode-only steps as CUDA graphs (``check_cuda_graphs``);
     ``None`` (the default): wherever they are supported, that is on CUDA with the Triton backend."""
+    if not -(2**63) <= seed < 2**64:  # torch.manual_seed's range (random weights are drawn from it)
+        raise ConfigError(f"seed must be in -2**63..2**64-1, torch's range, got {seed}")
     dev = resolve_device(device)
     # NOTE: fused_ops reads this switch at import (every kernel call checks ENABLED): a bad value is
     # refused here, when a model is loaded, as the other switches are when their part is built
