@@ -229,6 +229,9 @@ def test_fit_cost_makes_a_preset_that_simulate_uses(tmp_path: Path):
     assert bad.returncode == 2 and "none.csv" in bad.stderr
     bad = run("fit-cost", "--csv", str(profile), "--layers", "32", "--out", str(profile / "x.json"))
     assert bad.returncode == 2 and f"--out {profile / 'x.json'}: {profile} is not an existing directory" in bad.stderr
+    if Path("/proc/self").is_dir():  # a folder no one can create files in, root included (Linux)
+        bad = run("fit-cost", "--csv", str(profile), "--layers", "32", "--out", "/proc/mine.json")
+        assert bad.returncode == 2 and "--out /proc/mine.json: cannot write in /proc" in bad.stderr, bad.stderr
     straight = run("fit-cost", "--csv", str(profile), "--layers", "32", "--form", "infermax", "--out", str(preset))
     assert straight.returncode == 0 and "(infermax form)" in straight.stdout
 

@@ -179,13 +179,22 @@ def check_out(out: Path | None) -> None:
 
 
 def check_file_out(path: Path | None, option: str) -> None:
-    """A file to write must name a file in an existing directory (checked before the work)."""
+    """A file to write must name a file in an existing directory that can be written in (checked
+    before the work: a profile measured for minutes was once lost to a raw errno at the end)."""
     if path is None:
         return
     if path.is_dir():
         raise ConfigError(f"{option} {path}: is a directory, not a file")
     if not path.parent.is_dir():
         raise ConfigError(f"{option} {path}: {path.parent} is not an existing directory")
+    import tempfile
+
+    try:  # NOTE: as the file will be written, not by permission bits (root passes those)
+        tempfile.NamedTemporaryFile(dir=path.parent, prefix=".sloserve-check-").close()
+    except OSError as e:
+        raise ConfigError(
+            f"{option} {path}: cannot write in {path.parent} ({e.strerror.lower()}); give a folder you can write to"
+        ) from None
 
 
 def write_outputs(out: Path, summary: dict) -> None:
