@@ -261,6 +261,7 @@ def test_bound_without_a_schedule_in_the_time_limit_compares_with_the_relaxation
         (["--max-cells", "0"], "--max-cells must be >= 1, got 0"),  # once taken as no limit given
         (["--rate", "inf"], "--rate must be a finite number > 0 (requests/s), got inf"),
         (["--cost-model", "presets/none.json"], "cost model file presets/none.json: not found"),
+        (["--out", __file__], "exists and is not a directory"),  # once FileExistsError after the solve
     ):
         refused = CliRunner().invoke(main, [*args, *bad])
         assert refused.exit_code == 2 and message in refused.output, refused.output

@@ -9,6 +9,7 @@ import click
 
 from sloserve.cli.app import main
 from sloserve.cli.options import (
+    check_out,
     scheduler_list,
 )
 from sloserve.core.errors import ConfigError
@@ -66,6 +67,7 @@ def bound(
         import ortools  # noqa: F401
     except ImportError:
         raise ConfigError("sloserve bound needs OR-Tools: pip install 'sloserve[bound]'") from None
+    check_out(out)  # NOTE: before the solve, which may take minutes
     if (fixed is None) == (trace is None):
         raise ConfigError("give --fixed I,O or --trace NAME")
     if num_requests < 1:
