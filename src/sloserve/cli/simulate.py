@@ -95,7 +95,7 @@ def _split_set_options(pairs: tuple[str, ...], names: list[str]) -> dict[str, di
     given its own (whichever comes first on the command line)."""
     from sloserve.sched import parse_set_options
 
-    every = {}
+    every: dict[str, str] = {}
     per: dict[str, dict[str, str]] = {name: {} for name in names}
     for key, value in parse_set_options(pairs).items():
         scheduler, dot, option = key.partition(".")
