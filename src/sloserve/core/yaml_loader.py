@@ -1,8 +1,8 @@
 """YAML as people write it: PyYAML's safe loader, with exponent notation read as a number.
 
 PyYAML follows YAML 1.1, where a float needs a dot: ``rate: 5e-1`` is the string ``'5e-1'``, which a
-spec's strict number fields then refuse ("must be a number, got '5e-1'"). YAML 1.2 (and JSON, and
-every other YAML library people know) reads it as 0.5; so does this loader. Nothing else changes.
+spec's strict number fields then refuse ("must be a number, got '5e-1'"). YAML 1.2 (and JSON) reads
+it as 0.5; so does this loader. Nothing else changes.
 """
 
 from __future__ import annotations
