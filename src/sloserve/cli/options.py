@@ -168,14 +168,7 @@ def check_out(out: Path | None) -> None:
     existing = out if out.exists() else next(parent for parent in out.parents if parent.exists())
     if not existing.is_dir():
         raise ConfigError(f"--out {out}: {existing} is a file, not a directory")
-    import tempfile
-
-    try:  # NOTE: as the outputs will be written (a folder made there), not by permission bits: root passes those
-        tempfile.TemporaryDirectory(dir=existing, prefix=".sloserve-check-").cleanup()
-    except OSError as e:
-        raise ConfigError(
-            f"--out {out}: cannot write in {existing} ({e.strerror.lower()}); give a folder you can write to"
-        ) from None
+    _check_writable("--out", out, existing)
 
 
 def check_file_out(path: Path | None, option: str) -> None:
@@ -187,13 +180,19 @@ def check_file_out(path: Path | None, option: str) -> None:
         raise ConfigError(f"{option} {path}: is a directory, not a file")
     if not path.parent.is_dir():
         raise ConfigError(f"{option} {path}: {path.parent} is not an existing directory")
+    _check_writable(option, path, path.parent)
+
+
+def _check_writable(option: str, path: Path, folder: Path) -> None:
+    """A ConfigError naming ``option`` unless an entry can be made in ``folder``: tried as the outputs will
+    be written, not read off permission bits (root passes those, and /proc refuses root too)."""
     import tempfile
 
-    try:  # NOTE: as the file will be written, not by permission bits (root passes those)
-        tempfile.NamedTemporaryFile(dir=path.parent, prefix=".sloserve-check-").close()
+    try:
+        tempfile.TemporaryDirectory(dir=folder, prefix=".sloserve-check-").cleanup()
     except OSError as e:
         raise ConfigError(
-            f"{option} {path}: cannot write in {path.parent} ({e.strerror.lower()}); give a folder you can write to"
+            f"{option} {path}: cannot write in {folder} ({e.strerror.lower()}); give a folder you can write to"
         ) from None
 
 

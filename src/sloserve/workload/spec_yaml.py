@@ -110,7 +110,6 @@ class _Fields(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-PositiveInt = Annotated[int, Field(ge=1)]
 TokenCount = Annotated[int, Field(ge=1, le=MAX_LENGTH_TOKENS)]
 RequestCount = Annotated[int, Field(ge=1, le=MAX_NUM_REQUESTS)]
 PositiveNumber = Annotated[float, Field(gt=0, allow_inf_nan=False)]
