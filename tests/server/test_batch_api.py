@@ -223,6 +223,15 @@ def test_uploads_and_batches_are_checked_with_openai_errors(server):
     assert over.status_code == 400 and message(over).startswith("line 401: the file has more than 400 requests")
     big = refused(jsonl([completion_line(str(i), "x" * 1000) for i in range(250)]))
     assert big.status_code == 413 and big.json()["error"]["code"] == "file_too_large"
+    # parsed as the runner parses a body: a lone surrogate (a custom_id SQLite cannot store) and nesting
+    # too deep for it (a RecursionError in Python's json) are refused; a UTF-8 byte order mark is skipped
+    surrogate = (
+        jsonl([good]) + rb'{"custom_id": "\ud800", "method": "POST", "url": "/v1/completions", "body": {}}' + b"\n"
+    )
+    assert message(refused(surrogate)).startswith("line 2: not valid JSON (unexpected end of hex escape")
+    deep = jsonl([{**good, "body": {"x": []}}]).replace(b"[]", b"[" * 5000 + b"]" * 5000)
+    assert message(refused(deep)).startswith("line 1: not valid JSON (recursion limit exceeded")
+    assert upload(client, b"\xef\xbb\xbf" + jsonl([good])).bytes == len(jsonl([good])) + 3
 
     file = upload(client, [good])
     with pytest.raises(openai.BadRequestError, match="endpoint is '/v1/chat/completions'"):
@@ -231,6 +240,12 @@ def test_uploads_and_batches_are_checked_with_openai_errors(server):
         client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="1h")
     with pytest.raises(openai.NotFoundError, match="No such File object"):
         client.batches.create(input_file_id="file-nope", endpoint="/v1/completions", completion_window="24h")
+    # metadata a UTF-8 answer cannot hold: refused (it was stored, and every later list of batches a 500)
+    create = {"input_file_id": file.id, "endpoint": "/v1/completions", "completion_window": "24h"}
+    raw = json.dumps({**create, "metadata": {"job": "\ud800"}}).encode()  # ASCII: the escape is sent as is
+    response = httpx.post(url + "/v1/batches", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and message(response).startswith("metadata.job: not valid Unicode")
+    assert client.batches.list().data is not None
     with pytest.raises(openai.NotFoundError, match="No such Batch object"):
         client.batches.retrieve("batch_nope")
     batch = wait_final(

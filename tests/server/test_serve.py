@@ -263,6 +263,27 @@ def test_errors_are_openai_error_objects_with_the_right_status(server):
     assert httpx.get(server.url + "/version").json() == {"version": sloserve.__version__}
 
 
+@pytest.mark.parametrize(
+    ("route", "fields", "where"),
+    [
+        ("v1/completions", r'"prompt": "hi\ud800", "max_tokens": 2', "prompt"),
+        ("v1/completions", r'"prompt": "hi", "max_tokens": 2, "logit_bias": {"\udc00": 1}', r"logit_bias.\udc00"),
+        ("v1/chat/completions", r'"messages": [{"role": "user", "content": "\udfffhi"}]', "messages.0.content"),
+        ("v1/responses", r'"input": "hi\ud83d", "max_output_tokens": 2', "input"),
+        ("tokenize", r'"prompt": "\ud800"', "prompt"),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_naming_its_field(server, route, fields, where):
+    """JSON may escape half of a UTF-16 pair (\\ud800); Python's parser keeps it and no tokenizer can
+    encode it (it was a 500). The answer names the field, a bad key escaped."""
+    raw = f'{{"model": {json.dumps(MODEL)}, {fields}}}'.encode()
+    response = httpx.post(f"{server.url}/{route}", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert (
+        response.json()["error"]["message"] == rf"{where}: not valid Unicode (a lone UTF-16 surrogate such as \ud800)"
+    )
+
+
 JSON_VALUES = st.recursive(
     st.none()
     | st.booleans()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import SLO, RequestClass
@@ -45,6 +45,40 @@ FIELDS_NOT_SERVED: dict[str, tuple[tuple[Any, ...], str]] = {
     "spaces_between_special_tokens": ((True,), ""),
     "guided_whitespace_pattern": ((), ""),
 }
+
+
+def invalid_unicode_at(value: Any) -> str | None:
+    """Where in ``value`` (parsed JSON) a string or key that is not valid Unicode is, as a dotted path
+    ("" for ``value`` itself), or None. JSON can escape a lone UTF-16 surrogate (``"\\ud800"``); Python's
+    parser keeps it, and no tokenizer, SQLite text or UTF-8 answer can hold it."""
+    pending: list[tuple[str, Any]] = [("", value)]
+    while pending:
+        where, item = pending.pop()
+        if isinstance(item, str) and not item.isascii():
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return where
+        elif isinstance(item, dict | list):
+            pairs = item.items() if isinstance(item, dict) else enumerate(item)
+            for key, child in pairs:
+                # NOTE: the path shows a bad key escaped (\ud800), so that the answer naming it can be sent
+                path = f"{where}.{key}".lstrip(".").encode("utf-8", "backslashreplace").decode("utf-8")
+                pending.extend(((path, key), (path, child)) if isinstance(key, str) else ((path, child),))
+    return None
+
+
+class RequestBody(BaseModel):
+    """A request's JSON body. NOTE: its strings are valid Unicode (``invalid_unicode_at``): FastAPI parses
+    with Python's json, which keeps a lone surrogate; pydantic's own parser, the Batch API's, refuses it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = invalid_unicode_at(data)
+        if where is not None:
+            raise ValueError(f"{where or 'the body'}: not valid Unicode (a lone UTF-16 surrogate such as \\ud800)")
+        return data
 
 
 class StreamOptions(BaseModel):
@@ -90,7 +124,7 @@ class StructuredOutputs(BaseModel):
 Constraint = tuple[str, Literal["json", "regex", "choice", "grammar"], Any]
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(RequestBody):
     """The fields completions and chat share."""
 
     model_config = ConfigDict(extra="allow")  # NOTE: kept to check against FIELDS_NOT_SERVED, else unused
@@ -369,7 +403,7 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ChatTemplateFields(BaseModel):
+class ChatTemplateFields(RequestBody):
     """vLLM's request fields for how the chat template renders the messages (chat completions and
     ``/tokenize``)."""
 
@@ -519,7 +553,7 @@ class TokenizeRequest(ChatTemplateFields):
             self.check_template_fields(self.messages)
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestBody):
     """vLLM's ``POST /detokenize``."""
 
     model_config = ConfigDict(extra="ignore")

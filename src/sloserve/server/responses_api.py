@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, TypeAdapter, V
 from sloserve.core.request import RequestClass
 from sloserve.server.auth import request_owner
 from sloserve.server.chat_output import ChatOutputParser, MessageDelta
-from sloserve.server.protocol import ChatCompletionRequest, ParameterError, now_unix
+from sloserve.server.protocol import ChatCompletionRequest, ParameterError, RequestBody, now_unix
 from sloserve.server.reasoning import THINK_CLOSE, THINK_OPEN, AnswerTokens
 from sloserve.server.response_store import PreviousResponseNotFound, ResponseStore
 from sloserve.server.responses import json_error, until_done_or_gone
@@ -145,7 +145,7 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(RequestBody):
     """The fields of OpenAI's ``POST /v1/responses`` this server serves (``NOT_SERVED``: refused)."""
 
     model_config = ConfigDict(extra="allow")  # NOTE: kept to check against NOT_SERVED, else unused
