@@ -826,6 +826,10 @@ def test_documents_and_a_requests_own_chat_template_render_as_transformers_rende
         assert answer.usage.prompt_tokens == len(expected_ids)
         broken = httpx.post(trusting.url + "/tokenize", json={**body, "chat_template": "{% if %}"})
         assert broken.status_code == 400 and broken.json()["error"]["param"] == "chat_template"
+        failing = httpx.post(
+            trusting.url + "/v1/chat/completions", json={**body, "model": MODEL, "chat_template": "{{ 1 / 0 }}"}
+        )
+        assert failing.status_code == 400 and "ZeroDivisionError" in failing.json()["error"]["message"]
     finally:
         trusting.stop()
 

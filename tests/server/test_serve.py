@@ -34,7 +34,7 @@ from helpers import llama7b_cost
 from hf_models import VOCAB
 from served_model import MODEL, Server, generate
 from sloserve.bench.client import free_loopback_port, wait_until_ready
-from sloserve.engine.chat_template import ChatTemplate
+from sloserve.engine.chat_template import ChatTemplate, TemplateError
 from sloserve.workload import workload_from_trace
 from sloserve.workload.traces import load_trace
 
@@ -128,6 +128,23 @@ def test_vllms_chat_template_fields_render_as_transformers_does(server, referenc
     thinking = ChatTemplate("{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}x")
     assert thinking.render(begun, variables={"enable_thinking": False}) == "<no-think>x"
     assert thinking.render(begun) == "x"
+
+
+@pytest.mark.parametrize(
+    ("source", "raised"),
+    [
+        ("{{ messages[0].content + 1 }}", "TypeError"),
+        ("{{ 1 / (messages | length - 1) }}", "ZeroDivisionError"),
+        ("{% for i in range(10**9) %}{% endfor %}", "OverflowError: Range too big"),
+        ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+        ("{{ strftime_now(5) }}", "TypeError"),
+    ],
+)
+def test_a_template_that_fails_on_the_messages_is_their_error(source, raised):
+    """Whatever a template raises on a request's messages (or a trusted request's own template) is a
+    TemplateError, a 400 on the server, not a 500."""
+    with pytest.raises(TemplateError, match=f"chat template failed on these messages: {raised}"):
+        ChatTemplate(source).render([{"role": "user", "content": "hi"}])
 
 
 def test_tokenize_and_detokenize_as_vllm_serves_them(server, chat_model_dir):

@@ -220,6 +220,9 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template failed on these messages: {e}") from None
+        except Exception as e:  # noqa: BLE001 - NOTE: the template is code the messages drive: what it raises (a
+            # TypeError from `'a' + 1`, a ZeroDivisionError, the sandbox's OverflowError for a huge range) is theirs
+            raise TemplateError(f"chat template failed on these messages: {type(e).__name__}: {e}") from None
         if continue_final_message:  # cut after the last message's content, as transformers does
             final = messages[-1]["content"]
             if final not in text:
