@@ -199,6 +199,29 @@ def test_bad_words_are_tokenized_at_the_start_and_after_a_space_as_vllm_does():
     assert params.tokenize_bad_words(ByteTokenizer()) is params  # once
 
 
+def test_a_row_with_no_mass_left_takes_its_argmax_and_the_likeliest_token_passes_any_top_p():
+    """Once an index one past the vocabulary, which killed the engine for every request: a top_p that is 0
+    in float32 (1e-300), a temperature that is (1e-320), and a row whose controls barred every token."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0]] * 4)
+    logits[3] = -math.inf  # every token barred: NaN probabilities
+    params = [SamplingParams(top_p=1e-300), SamplingParams(temperature=1e-320), SamplingParams(temperature=1e-320,
+              top_k=2), SamplingParams(top_p=0.5)]  # fmt: skip
+    for seed in range(20):
+        assert sample(logits, params, [np.random.default_rng([seed, i]) for i in range(4)]) == [1, 1, 1, 0]
+    assert sample(logits[3:], [SamplingParams()], [np.random.default_rng(0)]) == [0]  # unfiltered too
+
+
+def test_controls_that_leave_no_token_are_named():
+    """Seen before the request runs (a 400 on the server), where the sampler could only make up a token."""
+    barred = SamplingParams(allowed_token_ids=[4, 5], bad_words=["x"], bad_words_token_ids=((4,), (5,)))
+    assert "every token of allowed_token_ids is a bad word" in barred.leaves_no_token({0})
+    held = SamplingParams(allowed_token_ids=[0, 7], stop_token_ids=(7,), min_tokens=1)
+    assert "min_tokens 1 holds back EOS and stop_token_ids" in held.leaves_no_token({0})
+    assert SamplingParams(allowed_token_ids=[0, 7], min_tokens=1).leaves_no_token({0}) is None  # 7 is left
+    assert SamplingParams(allowed_token_ids=[0], bad_words_token_ids=((1, 0),)).leaves_no_token({2}) is None
+    assert SamplingParams(bad_words_token_ids=((4,),), min_tokens=3).leaves_no_token({4}) is None
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [

@@ -280,6 +280,21 @@ def test_errors_are_openai_error_objects_with_the_right_status(server):
     assert httpx.get(server.url + "/version").json() == {"version": sloserve.__version__}
 
 
+def test_sampling_settings_at_their_extremes_are_served_or_refused_and_the_engine_lives_on(server):
+    """top_p 1e-300 (0 in float32) once sampled a token past the vocabulary and the engine died with it:
+    every later request was a 500. Controls that leave no token are a 400; a wrong type of tools too."""
+    client = server.client
+    tiny = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, top_p=1e-300, seed=1)
+    greedy = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0)
+    assert tiny.choices[0].text == greedy.choices[0].text  # only the likeliest token is left
+    with pytest.raises(openai.BadRequestError, match="none is left to generate"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=3,
+                                  extra_body={"allowed_token_ids": [5], "stop_token_ids": [5], "min_tokens": 1})  # fmt: skip
+    refused = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, "input": "hi", "tools": 3})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=1).choices[0].finish_reason == "length"
+
+
 @pytest.mark.parametrize(
     ("route", "fields", "where"),
     [

@@ -289,6 +289,7 @@ class AsyncLLMEngine:
             max_model_len=self.info.max_model_len,
             vocab_size=self.info.vocab_size,
             kv_capacity_tokens=self.info.kv_capacity_tokens,
+            eos_token_ids=self._eos_token_ids,
         )
         with self._lock:
             self.check_room(1)

@@ -12,7 +12,7 @@ import heapq
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -147,6 +147,7 @@ def check_request(
     max_model_len: int,
     vocab_size: int,
     kv_capacity_tokens: int,
+    eos_token_ids: Collection[int] = (),
     where: str = "prompt",
 ) -> SamplingParams:
     """A ConfigError naming ``where`` for a request that cannot run; else its params with ``max_tokens``
@@ -170,6 +171,9 @@ def check_request(
             f"{where}: token id {named[0]} (logit_bias, stop_token_ids or allowed_token_ids) is outside the "
             f"vocabulary [0, {vocab_size})"
         )
+    nothing_left = params.leaves_no_token(eos_token_ids)
+    if nothing_left:
+        raise ConfigError(f"{where}: {nothing_left}")
     params = dataclasses.replace(
         params,
         max_tokens=min(params.max_tokens, max_model_len - n),
@@ -275,6 +279,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             vocab_size=self.loaded.config.vocab_size,
             kv_capacity_tokens=self.scheduler.kv.capacity_tokens,
+            eos_token_ids=self.executor.eos_token_ids,
             where=where,
         )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -212,6 +213,23 @@ class SamplingParams:
         in the vocabulary."""
         return [*(self.logit_bias or {}), *self.stop_token_ids, *(self.allowed_token_ids or ())]
 
+    def leaves_no_token(self, eos_token_ids: Collection[int]) -> str | None:
+        """Why the controls bar every token of ``allowed_token_ids`` at some step, as far as they say before
+        the request runs (a bad word of several tokens bars its last one only after the others), or None:
+        every one a bad word of one token, or EOS and ``stop_token_ids`` while ``min_tokens`` holds those
+        back. ``bad_words_token_ids`` are read: tokenize the bad words first."""
+        if not self.allowed_token_ids:
+            return None
+        left = set(self.allowed_token_ids) - {ids[0] for ids in self.bad_words_token_ids or () if len(ids) == 1}
+        if not left:
+            return "every token of allowed_token_ids is a bad word (bad_words): none is left to generate"
+        if self.min_tokens and left <= {*eos_token_ids, *self.stop_token_ids}:
+            return (
+                f"min_tokens {self.min_tokens} holds back EOS and stop_token_ids, and they are every token "
+                "allowed_token_ids leaves: none is left to generate"
+            )
+        return None
+
     # NOTE: cached (in the instance's __dict__, which the frozen dataclass leaves to them): the executor
     # reads these for every row of every step
     @cached_property
@@ -380,8 +398,11 @@ def _draw(
     # float32), the target is always passed where the CDF rises: at a token of probability > 0.
     mass = cdf[:, -1:]
     target = torch.minimum(uniform * mass, torch.nextafter(mass, torch.zeros_like(mass)))  # (R, 1)
-    pick = torch.searchsorted(cdf, target, right=True)  # (R, 1)
-    return (order.gather(1, pick) if filters else pick)[:, 0]
+    pick = torch.searchsorted(cdf, target, right=True).clamp(max=logits.shape[1] - 1)  # (R, 1)
+    drawn = order.gather(1, pick) if filters else pick  # (R, 1)
+    # NOTE: a row with no mass takes its argmax, as a greedy row: its controls barred every token (all scores
+    # -inf, as allowed_token_ids that are all bad words), or its temperature is below float32's (1e-320 is 0)
+    return torch.where(mass > 0, drawn, logits.argmax(dim=-1, keepdim=True))[:, 0]
 
 
 def _filter_sorted(
@@ -403,6 +424,7 @@ def _filter_sorted(
         probs = probs.masked_fill(probs < probs.gather(1, kth[:, None]), 0)
     if any(p.top_p < 1 for p in params):  # the smallest prefix whose mass reaches top_p of the mass left
         top_p = float_tensor([p.top_p if p.top_p < 1 else math.inf for p in params], device)[:, None]
-        mass_before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(mass_before >= top_p * probs.sum(dim=-1, keepdim=True), 0)
+        dropped = probs.cumsum(dim=-1) - probs >= top_p * probs.sum(dim=-1, keepdim=True)  # (R, vocab)
+        dropped[:, 0] = False  # NOTE: where top_p is below float32's (1e-300 is 0), the likeliest token stays
+        probs = probs.masked_fill(dropped, 0)
     return probs

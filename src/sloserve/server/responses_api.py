@@ -179,7 +179,9 @@ class ResponsesRequest(RequestBody):
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools_only(cls, value: Any) -> Any:
-        for i, tool in enumerate(value or ()):
+        if not isinstance(value, list):
+            return value  # a wrong type: the field's own validation names it
+        for i, tool in enumerate(value):
             kind = tool.get("type") if isinstance(tool, dict) else None
             if kind != "function":
                 raise ValueError(f"tool {i} is of type {kind!r}: this server runs function tools only")
