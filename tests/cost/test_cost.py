@@ -595,6 +595,13 @@ def test_bad_csv_errors_name_the_problem(tmp_path: Path) -> None:
         fit_linear(tmp_path / "missing.csv", num_layers=32)
     with pytest.raises(ConfigError, match=r"line 2, column decode_max_kv_tokens: '4001' is more than decode_kv_tokens"):
         fit("\n".join([header + ",decode_max_kv_tokens", good_row + ",4001"]) + "\n")
+    # at the extremes: 1e300 s crashed LAPACK (a double free), 1e-300 s fitted steps that take no time and
+    # the simulator divided by zero, a count of 1e300 reached numpy as a Python int
+    for time_s in ("1e300", "1e-300", "3601"):
+        with pytest.raises(ConfigError, match=rf"column time_s: '{time_s}' is not a measured step time \(seconds"):
+            fit("\n".join([header, good_row, f"4,4000,1,100,10000,0,{time_s}"]) + "\n")
+    with pytest.raises(ConfigError, match=r"line 2, column num_decode: '1e300' is over 1e\+15"):
+        fit("\n".join([header, "1e300,4000,1,100,10000,0,0.01"]) + "\n")
 
 
 def test_profile_csv_keeps_the_longest_decode_context(tmp_path: Path) -> None:
@@ -608,6 +615,22 @@ def test_profile_csv_keeps_the_longest_decode_context(tmp_path: Path) -> None:
     old = tmp_path / "old.csv"  # as written before the column existed
     old.write_text("\n".join(line.rpartition(",")[0] for line in (tmp_path / "p.csv").read_text().splitlines()) + "\n")
     assert read_profile_csv(old)[0] == [s._replace(decode_max_kv_tokens=0) for s in shapes]
+
+
+def test_a_cost_model_to_run_with_has_steps_that_take_time(tmp_path: Path) -> None:
+    """All zeros (or a fit on decodes alone, for prefills) once made the simulator divide by zero; the
+    file still loads, for a look at it, but not as a --cost-model."""
+    from sloserve.cost import linear_coefficients
+
+    L7.check_steps_take_time()
+    path = tmp_path / "zeros.json"
+    save_preset(LinearCoefficients(**{**L7.as_dict(), **dict.fromkeys(COEFFICIENT_NAMES, 0.0), "name": "zeros"}), path)
+    assert load_preset(path).a_o == 0.0
+    with pytest.raises(ConfigError, match=r"'zeros': a decode step of one request takes 0 s, under 1e-09 s"):
+        linear_coefficients(str(path))
+    no_prefill = {**L7.as_dict(), "a_p": 0.0, "b_p": 0.0, "s_p": 0.0, "m_p": 0.0, "a_o": 0.0, "b_o": 0.0, "b_d": 1.0}
+    with pytest.raises(ConfigError, match="a prefill step of one token takes 0 s"):
+        LinearCoefficients(**no_prefill).check_steps_take_time()
 
 
 def test_bad_preset_files(tmp_path: Path) -> None:

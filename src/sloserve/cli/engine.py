@@ -70,6 +70,10 @@ def fit_cost(csv_path: Path, layers: int, name: str | None, form: str, out: Path
         f"error {report.mean_rel_error:.2%}, max {report.max_rel_error:.2%}; wrote {out}"
     )
     _note_unidentified(report)
+    try:
+        coefficients.check_steps_take_time()
+    except ConfigError as e:
+        click.echo(f"note: --cost-model {out} will be refused until the profile has such steps: {e}")
 
 
 def _note_unidentified(report) -> None:

@@ -59,13 +59,15 @@ def _looks_like_path(name: str) -> bool:
 
 
 def linear_coefficients(name_or_path: str, *, also_valid: tuple[str, ...] = ()) -> LinearCoefficients:
-    """A linear preset by name (``list_presets()``) or from a JSON preset file; an
-    ``UnknownNameError`` listing the presets (and ``also_valid``, names the caller handles itself)
-    for anything else."""
+    """A linear preset by name (``list_presets()``) or from a JSON preset file, to run with (its steps
+    take time: ``check_steps_take_time``); an ``UnknownNameError`` listing the presets (and
+    ``also_valid``, names the caller handles itself) for anything else."""
     if name_or_path in PRESETS:
         return get_preset(name_or_path)
     if _looks_like_path(name_or_path):
-        return load_preset(name_or_path)
+        coefficients = load_preset(name_or_path)
+        coefficients.check_steps_take_time()
+        return coefficients
     err = UnknownNameError("cost model", name_or_path, [*PRESETS, *also_valid])
     err.args = (f"{err.args[0]}; or a path to a JSON preset file (written by save_preset)",)
     raise err
