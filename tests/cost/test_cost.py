@@ -626,11 +626,13 @@ def test_a_cost_model_to_run_with_has_steps_that_take_time(tmp_path: Path) -> No
     path = tmp_path / "zeros.json"
     save_preset(LinearCoefficients(**{**L7.as_dict(), **dict.fromkeys(COEFFICIENT_NAMES, 0.0), "name": "zeros"}), path)
     assert load_preset(path).a_o == 0.0
-    with pytest.raises(ConfigError, match=r"'zeros': a decode step of one request takes 0 s, under 1e-09 s"):
+    with pytest.raises(ConfigError, match=r"'zeros': a decode step of one request takes 0 s, not from 1e-09 to 3600 s"):
         linear_coefficients(str(path))
     no_prefill = {**L7.as_dict(), "a_p": 0.0, "b_p": 0.0, "s_p": 0.0, "m_p": 0.0, "a_o": 0.0, "b_o": 0.0, "b_d": 1.0}
     with pytest.raises(ConfigError, match="a prefill step of one token takes 0 s"):
         LinearCoefficients(**no_prefill).check_steps_take_time()
+    with pytest.raises(ConfigError, match="a prefill step of one token takes 3.2e[+]298 s, not from"):
+        LinearCoefficients(**{**L7.as_dict(), "a_p": 1e300}).check_steps_take_time()
 
 
 def test_bad_preset_files(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ import numpy as np
 from sloserve.core.errors import ConfigError
 
 from .base import BatchShape
-from .linear import COEFFICIENT_NAMES, LinearCoefficients, LinearCostModel
+from .linear import COEFFICIENT_NAMES, MAX_STEP_SECONDS, MIN_STEP_SECONDS, LinearCoefficients, LinearCostModel
 
 CSV_COLUMNS = (
     "num_decode",
@@ -48,11 +48,10 @@ CSV_COLUMNS = (
 )
 # Read when present (files written before it existed lack it; w_d is then not fitted).
 LONGEST_COLUMN = "decode_max_kv_tokens"
-# What one measured step may hold: counts beyond any GPU's step (a bound, not a measurement: 10^300 once
-# reached numpy as a Python int and failed in the fit), and times from a nanosecond to an hour (1e300 s
-# crashed LAPACK; 1e-300 s fitted a model whose steps take no time)
+# The most one measured step may count of anything (10^300 once reached numpy as a Python int and failed in
+# the fit). Its time is from MIN_STEP_SECONDS to MAX_STEP_SECONDS (1e300 s crashed LAPACK; 1e-300 s fitted
+# a model whose steps take no time).
 MAX_PROFILE_COUNT = 10**15
-MIN_STEP_TIME_S, MAX_STEP_TIME_S = 1e-9, 3600.0
 FORMS = ("knee", "floor", "infermax")
 # NOTE: the floor form is the default since 2026-11-26. On the H200 profile (benchmarks/profiles/) it
 # fits held-out batches within 2.1% (knee 4.5%) and simulates the engine's runs within 4.3% (vLLM)
@@ -308,10 +307,10 @@ def read_profile_csv(csv_path: str | Path) -> tuple[list[BatchShape], list[float
                         f"profile {path}, line {line}, column {col}: {raw!r} must be a non-negative finite number"
                     )
                 values[col] = value
-            if not MIN_STEP_TIME_S <= values["time_s"] <= MAX_STEP_TIME_S:
+            if not MIN_STEP_SECONDS <= values["time_s"] <= MAX_STEP_SECONDS:
                 raise ConfigError(
                     f"profile {path}, line {line}, column time_s: {row[index['time_s']].strip()!r} is not a "
-                    f"measured step time (seconds, from {MIN_STEP_TIME_S:g} to {MAX_STEP_TIME_S:g})"
+                    f"measured step time (seconds, from {MIN_STEP_SECONDS:g} to {MAX_STEP_SECONDS:g})"
                 )
             too_large = [col for col in columns if col != "time_s" and values[col] > MAX_PROFILE_COUNT]
             if too_large:

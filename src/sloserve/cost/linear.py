@@ -65,8 +65,9 @@ COEFFICIENT_NAMES = ("a_p", "b_p", "a_d", "b_d", "a_o", "b_o", "s_p", "s_d", "m_
 # Terms beyond InferMax's nine (ms per layer; see the module docstring), 0 unless fitted.
 EXTRA_TERM_NAMES = ("w_d", "floor_p", "floor_d", "h_s", "h_r")
 
-# The shortest step a cost model may predict: a nanosecond, far below any GPU's kernel launch.
-MIN_STEP_SECONDS = 1e-9
+# What a cost model may predict for the smallest steps: from a nanosecond (far below any GPU's kernel launch)
+# to an hour (far above any step's).
+MIN_STEP_SECONDS, MAX_STEP_SECONDS = 1e-9, 3600.0
 # PCIe 4.0 x16: 32 GB/s per direction theoretical, ~25 GB/s achieved by pinned-memory copies.
 DEFAULT_SWAP_BANDWIDTH = 25e9
 
@@ -128,21 +129,21 @@ class LinearCoefficients:
             )
 
     def check_steps_take_time(self) -> None:
-        """A ConfigError unless a step of one decode and one of a one-token prefill each take at least
-        ``MIN_STEP_SECONDS``: a simulator waits a step's time for the next event (a model fitted on steps
-        of 1e-300 s, or all zeros, once divided by zero mid-run). A fit on decodes alone leaves the prefill
-        terms at 0 and fails it."""
+        """A ConfigError unless a step of one decode and one of a one-token prefill each take from
+        ``MIN_STEP_SECONDS`` to ``MAX_STEP_SECONDS``: a simulator waits a step's time for the next event (a
+        model fitted on steps of 1e-300 s, or all zeros, once divided by zero mid-run). A fit on decodes
+        alone leaves the prefill terms at 0 and fails it."""
         model = LinearCostModel(self)
         for what, shape in (
             ("a decode step of one request", BatchShape(num_decode=1, decode_kv_tokens=1, decode_max_kv_tokens=1)),
             ("a prefill step of one token", BatchShape(num_prefill=1, prefill_tokens=1, prefill_attention_work=1)),
         ):
             seconds = model.step_seconds(shape)
-            if not seconds >= MIN_STEP_SECONDS:
+            if not MIN_STEP_SECONDS <= seconds <= MAX_STEP_SECONDS:
                 raise ConfigError(
-                    f"cost model {self.name!r}: {what} takes {seconds:.3g} s, under {MIN_STEP_SECONDS:g} s, shorter "
-                    "than any GPU's (coefficients are milliseconds per layer; a fit leaves those of steps its "
-                    "profile lacks at 0)"
+                    f"cost model {self.name!r}: {what} takes {seconds:.3g} s, not from {MIN_STEP_SECONDS:g} to "
+                    f"{MAX_STEP_SECONDS:g} s as a GPU's step does (coefficients are milliseconds per layer; a fit "
+                    "leaves those of steps its profile lacks at 0)"
                 )
 
     def as_dict(self) -> dict[str, float | int | str]:
