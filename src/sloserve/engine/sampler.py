@@ -214,10 +214,10 @@ class SamplingParams:
         return [*(self.logit_bias or {}), *self.stop_token_ids, *(self.allowed_token_ids or ())]
 
     def leaves_no_token(self, eos_token_ids: Collection[int]) -> str | None:
-        """Why the controls bar every token of ``allowed_token_ids`` at some step, as far as they say before
-        the request runs (a bad word of several tokens bars its last one only after the others), or None:
-        every one a bad word of one token, or EOS and ``stop_token_ids`` while ``min_tokens`` holds those
-        back. ``bad_words_token_ids`` are read: tokenize the bad words first."""
+        """Why these controls leave no token to sample, where that shows before the request runs, else
+        None: every token of ``allowed_token_ids`` is a bad word of one token, or those left are EOS and
+        ``stop_token_ids``, which ``min_tokens`` holds back. (A bad word of several tokens bars its last
+        one only after the others: not seen here.) Tokenize the bad words first."""
         if not self.allowed_token_ids:
             return None
         left = set(self.allowed_token_ids) - {ids[0] for ids in self.bad_words_token_ids or () if len(ids) == 1}

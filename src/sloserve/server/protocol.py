@@ -63,7 +63,7 @@ def invalid_unicode_at(value: Any) -> str | None:
             pairs = item.items() if isinstance(item, dict) else enumerate(item)
             for key, child in pairs:
                 # NOTE: the path shows a bad key escaped (\ud800), so that the answer naming it can be sent
-                path = f"{where}.{key}".lstrip(".").encode("utf-8", "backslashreplace").decode("utf-8")
+                path = (f"{where}.{key}" if where else str(key)).encode("utf-8", "backslashreplace").decode("utf-8")
                 pending.extend(((path, key), (path, child)) if isinstance(key, str) else ((path, child),))
     return None
 
