@@ -130,6 +130,14 @@ def make_executor(workers: int | None, address: str | None = None) -> Executor:
     core of this machine, or of the cluster at ``address``)."""
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
+    cores = os.cpu_count() or 1
+    if workers is not None and workers > cores and not address:
+        # NOTE: a simulation is one busy core: more at once only slows each, and every Ray worker holds its
+        # own Python (--workers 1000 started a process per run, hundreds for an experiment's grid)
+        raise ConfigError(
+            f"--workers {workers}: this machine has {cores} cores, and a simulation keeps one busy; give at most "
+            f"{cores}, or run on a cluster with --ray-address"
+        )
     if workers == 1 and not address:
         return SerialExecutor()
     return RayExecutor(workers, address)

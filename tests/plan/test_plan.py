@@ -4,6 +4,7 @@ simulations, a real local Ray instance."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -165,6 +166,8 @@ def test_an_impossible_slo_is_reported_with_the_best_reached(tmp_path):
         (("--qps", "inf"), "--qps must be a finite number > 0 (requests/s), got inf"),
         (("--tp", "0"), "--tp expects integers >= 1, got '0'"),
         (("--attainment", "1.5"), "--attainment must be in (0, 1]"),
+        # each worker a process of its own: a typo's thousand once started one per run, for want of memory
+        (("--workers", str(10**5)), f"--workers 100000: this machine has {os.cpu_count()} cores"),
         (
             ("--model", "llama-3-70b", "--gpus", "a100", "--tp", "1"),
             "no configuration to search (1 left out): "
