@@ -831,7 +831,6 @@ def test_profile_fits_a_preset_that_simulate_can_use(tmp_path):
     proc = _cli("fit-cost", "--csv", str(decodes_only), "--layers", "2", "--out", str(tmp_path / "decodes.json"))
     assert proc.returncode == 0, proc.stderr
     assert "note: the data does not pin down a_p, b_p, s_p, m_p, floor_p (left at 0)" in proc.stdout
-    assert "will be refused until the profile has such steps" in proc.stdout  # its prefills would take no time
     doc = json.loads(preset.read_text())
     assert doc["num_layers"] == 2 and doc["info"]["held_out"]["points"] >= 3
     assert doc["info"]["attention_backend"] == "torch" and doc["info"]["cuda_graphs"] is False
