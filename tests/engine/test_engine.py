@@ -272,7 +272,15 @@ def test_bad_words_offline_are_tokenized_with_the_models_tokenizer(reference_llm
     assert reference_llm.generate("The quick brown fox", pushed)[0].outputs[0].token_ids[0] == token
     barred = reference_llm.generate("The quick brown fox", dataclasses.replace(pushed, bad_words=[word]))[0]
     assert token not in barred.outputs[0].token_ids
+    with pytest.raises(ConfigError, match="prompt 0: every token of allowed_token_ids is a bad word"):
+        reference_llm.generate("The quick brown fox", SamplingParams(allowed_token_ids=[token], bad_words=[word]))
+    with pytest.raises(
+        ConfigError, match=r"text 'fox\\ud800' is not valid Unicode: a lone UTF-16 surrogate at character 3"
+    ):
+        reference_llm.generate("fox\ud800")  # the tokenizers library's TypeError before
     no_tokenizer = LLM("random:tiny-llama")
+    with pytest.raises(ConfigError, match="is not valid Unicode"):
+        no_tokenizer.generate("fox\udfff")  # bytes: a UnicodeEncodeError before
     no_tokenizer.loaded.tokenizer = None
     with pytest.raises(ConfigError, match="prompt 0: bad_words need the model's tokenizer"):
         no_tokenizer.generate({"prompt_token_ids": [1, 2]}, SamplingParams(bad_words=["x"]))

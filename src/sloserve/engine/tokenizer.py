@@ -17,13 +17,25 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
+def not_unicode(text: str, at: int) -> ConfigError:
+    """The error for a text no tokenizer can encode: a lone UTF-16 surrogate (Python keeps one from a JSON
+    ``\\ud800`` escape), at character ``at``."""
+    return ConfigError(
+        f"text {text[max(0, at - 20) : at + 20]!r} is not valid Unicode: a lone UTF-16 surrogate at character {at}"
+    )
+
+
 class ByteTokenizer:
     """UTF-8 bytes as token ids, BOS prepended; ids that are not bytes decode to nothing."""
 
     bos_token_id, eos_token_id = BYTE_BOS_ID, BYTE_EOS_ID
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [BYTE_BOS_ID, *text.encode("utf-8")] if add_special_tokens else list(text.encode("utf-8"))
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise not_unicode(text, e.start) from None
+        return [BYTE_BOS_ID, *data] if add_special_tokens else list(data)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """BOS and EOS have no text, special or not."""
@@ -53,7 +65,14 @@ class HFTokenizer:
         return self._tok.get_vocab_size()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # the Rust side's word for a str it cannot take as UTF-8
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise not_unicode(text, e.start) from None
+            raise
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
