@@ -278,6 +278,14 @@ def test_bad_words_offline_are_tokenized_with_the_models_tokenizer(reference_llm
         ConfigError, match=r"text 'fox\\ud800' is not valid Unicode: a lone UTF-16 surrogate at character 3"
     ):
         reference_llm.generate("fox\ud800")  # the tokenizers library's TypeError before
+    with pytest.raises(ConfigError, match=r"conversation 1, message 0: content must be a string or text parts, got 5"):
+        reference_llm.chat([[{"role": "user", "content": "hi"}], [{"role": "user", "content": 5}]])
+    with pytest.raises(ConfigError, match="chat needs a conversation"):
+        reference_llm.chat([])  # an IndexError before
+    parts = reference_llm.chat(
+        [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
+    )
+    assert parts[0].prompt == reference_llm.chat([{"role": "user", "content": "hi"}])[0].prompt  # joined, as served
     no_tokenizer = LLM("random:tiny-llama")
     with pytest.raises(ConfigError, match="is not valid Unicode"):
         no_tokenizer.generate("fox\udfff")  # bytes: a UnicodeEncodeError before

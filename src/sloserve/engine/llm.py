@@ -282,7 +282,7 @@ class LLM:
         (``generate``); each output's ``prompt`` is the rendered text. ``tools``: OpenAI's function
         definitions, for templates that show them (the output is not parsed for calls, as in vLLM).
         ``chat_template``: a template (its text, or a file) to use instead of the model's."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = _conversations(messages)
         if self.loaded.tokenizer is None:
             raise ConfigError("chat needs the model's tokenizer (tokenizer.json); this model has none")
         if self._chat_template is None:
@@ -345,3 +345,31 @@ def _progress_bar(total: int, enabled: bool) -> Iterator[Callable[[int], None]]:
     ) as bar:
         task = bar.add_task("generating", total=total)
         yield lambda n: bar.advance(task, n)
+
+
+def _conversations(messages: Any) -> list[list[dict[str, Any]]]:
+    """``LLM.chat``'s ``messages`` as a list of conversations, each message a dict with a string ``role``
+    and its content a string (OpenAI's text parts joined, as the server joins them); a ConfigError naming
+    the first message that is not one."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ConfigError(
+            f"chat needs a conversation (a non-empty list of messages) or a list of them, got {messages!r:.80}"
+        )
+    conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+    checked = []
+    for i, conversation in enumerate(conversations):
+        where = f"conversation {i}"
+        if not isinstance(conversation, (list, tuple)) or not conversation:
+            raise ConfigError(f"{where}: a conversation is a non-empty list of messages, got {conversation!r:.80}")
+        read = []
+        for j, message in enumerate(conversation):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ConfigError(f"{where}, message {j}: a message is a dict with a string role, got {message!r:.80}")
+            content = message.get("content")
+            if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                content = "".join(str(part.get("text", "")) for part in content)
+            if content is not None and not isinstance(content, str):
+                raise ConfigError(f"{where}, message {j}: content must be a string or text parts, got {content!r:.80}")
+            read.append({**message, "content": content if content is not None else ""})
+        checked.append(read)
+    return checked
