@@ -238,6 +238,27 @@ def test_exponent_notation_is_a_number_in_a_spec(tmp_path) -> None:
         load_workload_spec(str(spec_file))
 
 
+def test_a_key_given_twice_in_a_spec_is_named_and_a_merge_may_still_be_overridden(tmp_path) -> None:
+    """PyYAML keeps the last of two equal keys without a word (the stream below was named b)."""
+    spec_file = tmp_path / "w.yaml"
+    stream = "  - source: {fixed: {prompt: 10, output: 5}}\n    arrival: {process: offline}\n    num_requests: 3\n"
+    spec_file.write_text("streams:\n" + stream + "    name: a\n    name: b\n")
+    with pytest.raises(
+        ConfigError, match=r"w\.yaml: invalid YAML: line 6, column 5: key 'name' is given twice \(first on line 5\)"
+    ):
+        load_workload_spec(str(spec_file))
+    spec_file.write_text(
+        "streams:\n"
+        "  - &first\n"
+        "    source: {fixed: {prompt: 10, output: 5}}\n"
+        "    arrival: {process: offline}\n"
+        "    num_requests: 3\n"
+        "  - <<: *first\n"
+        "    num_requests: 4\n"
+    )
+    assert [s.num_requests for s in load_workload_spec(str(spec_file)).streams] == [3, 4]
+
+
 # --- spec errors ---------------------------------------------------------------------------------
 GOOD = {
     "name": "chat",
