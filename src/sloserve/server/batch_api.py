@@ -179,14 +179,19 @@ def check_batch_lines(upload: IO[bytes], out: IO[bytes], limits: BatchLimits) ->
     return len(seen), urls
 
 
+def _parse_line(raw: bytes) -> Any:
+    """One line of a batch input file, read at upload and again when the batch is made. NOTE: pydantic's
+    parser, which reads the body when the line runs: no lone surrogate (as \\ud800), at most 200 levels
+    deep. A UTF-8 byte order mark (Windows editors write one) is skipped, as json.loads does."""
+    return pydantic_core.from_json(raw.removeprefix(codecs.BOM_UTF8))
+
+
 def _check_line(number: int, raw: bytes, seen: dict[str, int]) -> tuple[str, str]:
     def bad(message: str) -> ApiError:
         return ApiError(400, f"line {number}: {message}", "file", "invalid_batch_line")
 
-    # NOTE: pydantic's parser, which reads the body when the line runs: no lone surrogate (as \ud800), at
-    # most 200 levels deep. A UTF-8 byte order mark (Windows editors write one) is skipped, as json.loads does.
     try:
-        request = pydantic_core.from_json(raw.removeprefix(codecs.BOM_UTF8))
+        request = _parse_line(raw)
     except ValueError as e:
         raise bad(f"not valid JSON ({e})") from None
     if not isinstance(request, dict):
@@ -211,7 +216,7 @@ def read_batch_lines(path) -> Iterator[tuple[int, str, str]]:
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             if raw.strip():
-                request = json.loads(raw)
+                request = _parse_line(raw)
                 yield number, request["custom_id"], json.dumps(request["body"])
 
 
