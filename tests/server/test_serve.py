@@ -7,6 +7,7 @@ chat template, so text, chat templates and usage are exercised as with a real ch
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -382,6 +384,52 @@ def test_fuzzed_bodies_never_get_a_5xx(server, body, path):
     if response.status_code >= 400:
         assert response.json()["error"]["message"], response.text
     assert server.engine.error is None
+
+
+HELD = "HOLD this prompt"
+
+
+class HeldTokenizer:
+    """The served tokenizer, but a text with ``HELD`` in it waits in ``encode`` until ``release`` is set."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if HELD in text:
+            self.entered.set()
+            self.release.wait(timeout=30)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    def __getattr__(self, name: str):
+        return getattr(self.tokenizer, name)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": HELD, "max_tokens": 2}),
+        ("/v1/completions", {"prompt": ["Hello", HELD], "max_tokens": 2, "use_beam_search": True, "n": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": HELD}], "max_tokens": 2}),
+        ("/v1/responses", {"input": HELD, "max_output_tokens": 2}),
+        ("/tokenize", {"prompt": HELD}),
+    ],
+)
+def test_a_prompt_is_tokenized_beside_the_event_loop(server, monkeypatch, path, body):
+    """While one request's prompt is held in the tokenizer, the server answers others (a prompt of
+    megabytes takes seconds there: every other request waited for it when it ran on the event loop)."""
+    held = HeldTokenizer(server.engine.tokenizer)
+    monkeypatch.setattr(server.engine, "tokenizer", held)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, server.url + path, json={"model": MODEL, **body}, timeout=60)
+        assert held.entered.wait(timeout=30)
+        meanwhile = httpx.post(
+            server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2}, timeout=10
+        )
+        assert meanwhile.status_code == 200 and not pending.done()
+        held.release.set()
+        assert pending.result().status_code == 200, pending.result().text
 
 
 def test_an_idle_connection_outlives_the_clients_pools(server):

@@ -65,8 +65,12 @@ class HFTokenizer:
         return self._tok.get_vocab_size()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids. NOTE: through ``encode_batch``, which lets go of the GIL while it works
+        (``encode`` holds it throughout): a server thread tokenizing a long prompt (seconds for megabytes)
+        leaves the event loop serving everyone else."""
         try:
-            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+            [encoding] = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+            return encoding.ids
         except TypeError:  # the Rust side's word for a str it cannot take as UTF-8
             try:
                 text.encode("utf-8")

@@ -73,6 +73,7 @@ def build_app(
                 async with asyncio.timeout(BATCH_STOP_TIMEOUT_S):
                     await batches.stop()
         await asyncio.to_thread(engine.drain, 0.0 if engine.error is not None else DRAIN_AT_EXIT_S)
+        serving.close()
         metrics.close()
         stored_responses.close()
         if batches is not None:

@@ -236,10 +236,10 @@ class BatchRunner:
                     raise ParameterError("previous_response_id", "a batch line cannot continue a stored response: "
                                          "send the conversation in input")  # fmt: skip
                 body = body.model_copy(update={"store": False})  # NOTE: a batch's responses are its output file
-                submission = submit_response(self.serving, body, request_class=RequestClass.BE)
+                submission = await submit_response(self.serving, body, request_class=RequestClass.BE)
             else:
                 submit = self.serving.submit_chat if chat else self.serving.submit_completion
-                submission = submit(body, RequestClass.BE)
+                submission = await submit(body, RequestClass.BE)
             flight.submission = submission
         except ValidationError as e:
             return output_line(line.custom_id, 400, validation_error(e.errors())), True

@@ -35,7 +35,7 @@ async def beam_search_response(
     serving: OpenAIServing, body: CompletionRequest | ChatCompletionRequest, raw: Request
 ) -> Response:
     """The response to ``body`` (``use_beam_search``); the searches end if the client leaves first."""
-    search = BeamSearch(serving, body)
+    search = await BeamSearch.checked(serving, body)
     if body.stream:
         return StreamingResponse(search.events(), media_type="text/event-stream")
     results = await unless_gone(raw, search.beams())
@@ -50,25 +50,40 @@ async def beam_search(
     """The response body of ``body`` (``use_beam_search``): ``n`` choices per prompt, best first. A
     refusal is raised before the first step; ``request_class``: the class of its engine requests
     (None: the body's)."""
-    search = BeamSearch(serving, body, request_class)
+    search = await BeamSearch.checked(serving, body, request_class)
     return search.whole(await search.beams())
 
 
 class BeamSearch:
-    """One request's beam searches (one per prompt), checked: a refusal is raised on construction,
-    before anything runs."""
+    """One request's beam searches (one per prompt) over its ``prompts``' tokens. ``checked`` makes one
+    and raises any refusal before anything runs."""
+
+    @classmethod
+    async def checked(
+        cls,
+        serving: OpenAIServing,
+        body: CompletionRequest | ChatCompletionRequest,
+        request_class: RequestClass | None = None,
+    ) -> BeamSearch:
+        """``body``'s searches, its prompts tokenized off the event loop (``OpenAIServing.off_loop``)."""
+        serving.check_model(body.model)
+        body.check_supported()
+        body.check_beam_search()
+        if isinstance(body, ChatCompletionRequest):
+            prompts = [await serving.off_loop(serving.chat_prompt, body)]
+        else:
+            prompts, _ = await serving.off_loop(serving.completion_prompts, body)
+        return cls(serving, body, prompts, request_class)
 
     def __init__(
         self,
         serving: OpenAIServing,
         body: CompletionRequest | ChatCompletionRequest,
+        prompts: list[list[int]],
         request_class: RequestClass | None = None,
     ) -> None:
-        serving.check_model(body.model)
-        body.check_supported()
-        body.check_beam_search()
         chat = isinstance(body, ChatCompletionRequest)
-        self.prompts = [serving.chat_prompt(body)] if chat else serving.completion_prompts(body)[0]
+        self.prompts = prompts
         max_tokens = body.output_cap if chat else body.max_tokens
         fits = [
             serving.sampling_params(body, ids, max_tokens, None, i if len(self.prompts) > 1 else None).max_tokens

@@ -18,6 +18,6 @@ def chat_router(serving: OpenAIServing) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         if body.use_beam_search:
             return await beam_search_response(serving, body, raw)
-        return await respond(serving, raw, serving.submit_chat(body), "chat")
+        return await respond(serving, raw, await serving.submit_chat(body), "chat")
 
     return router

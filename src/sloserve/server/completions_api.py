@@ -18,6 +18,6 @@ def completions_router(serving: OpenAIServing) -> APIRouter:
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         if body.use_beam_search:
             return await beam_search_response(serving, body, raw)
-        return await respond(serving, raw, serving.submit_completion(body), "completion")
+        return await respond(serving, raw, await serving.submit_completion(body), "completion")
 
     return router

@@ -460,7 +460,7 @@ def responses_router(serving: OpenAIServing, store: ResponseStore) -> APIRouter:
             except PreviousResponseNotFound as e:
                 raise ApiError(400, f"Previous response with id '{e.response_id}' not found.",
                                "previous_response_id", "previous_response_not_found") from None  # fmt: skip
-        submission = submit_response(serving, body, earlier)
+        submission = await submit_response(serving, body, earlier)
 
         async def keep(response: dict[str, Any]) -> None:
             if body.keeps:
@@ -519,7 +519,7 @@ def responses_router(serving: OpenAIServing, store: ResponseStore) -> APIRouter:
     return router
 
 
-def submit_response(
+async def submit_response(
     serving: OpenAIServing,
     body: ResponsesRequest,
     earlier: Sequence[dict[str, Any]] = (),
@@ -535,7 +535,7 @@ def submit_response(
             "as tokens of the model's vocabulary, to tell the answer's tokens from the thinking's",
         )
     try:
-        return serving.submit_chat(body.chat_request(earlier), request_class)
+        return await serving.submit_chat(body.chat_request(earlier), request_class)
     except ParameterError as e:
         e.param = CHAT_FIELDS.get(e.param, e.param)
         raise

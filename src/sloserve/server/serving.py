@@ -8,11 +8,14 @@ body sent online, and fails with the same error object (``error_response``).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from sloserve.core.errors import ConfigError, SloserveError
 from sloserve.core.request import RequestClass
@@ -50,6 +53,12 @@ from sloserve.server.tool_calls import ToolUse
 REQUEST_TEMPLATES_CACHED = 16
 # Seconds a client is told to wait after a 429 (Retry-After).
 RETRY_AFTER_S = 1
+# Threads that render and tokenize prompts off the event loop, as vLLM's tokenizer executor does (a
+# prompt of megabytes takes seconds). A choice: more than one, so that a short prompt does not wait
+# behind a long one; few, as each long prompt holds a core the engine process may want.
+TOKENIZER_THREADS = 4
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -386,13 +395,23 @@ class Submission:
 
 class OpenAIServing:
     """Turns completion and chat bodies into engine requests of ``engine``. Each ``submit_*`` raises
-    the exceptions ``error_response`` answers; nothing is queued then."""
+    the exceptions ``error_response`` answers; nothing is queued then. Prompts are rendered and
+    tokenized in threads of its own (``off_loop``); ``close`` ends them."""
 
     def __init__(self, engine: AsyncLLMEngine, config: ServerConfig, chat_template: ChatTemplate) -> None:
         self.engine = engine
         self.config = config
         self.chat_template = chat_template
         self.logprobs_format = LogprobsFormat(engine.tokenizer)
+        self._tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="sloserve-tokenize")
+
+    async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` in a tokenizer thread, the event loop serving other requests meanwhile.
+        NOTE: ``work`` may only read the request and the tokenizer: it runs beside the loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_threads, work, *args)
+
+    def close(self) -> None:
+        self._tokenizer_threads.shutdown(wait=False, cancel_futures=True)
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name:
@@ -406,12 +425,12 @@ class OpenAIServing:
             raise ParameterError("prompt", "this model has no tokenizer: send the prompt as a list of token ids")
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def submit_completion(self, body: CompletionRequest, request_class: RequestClass | None = None) -> Submission:
+    async def submit_completion(self, body: CompletionRequest, request_class: RequestClass | None = None) -> Submission:
         """``request_class`` overrides the body's (``service_tier``): batch lines are best-effort."""
         self.check_model(body.model)
         body.check_supported()
         _refuse_beam_search(body)
-        prompt_ids, texts = self.completion_prompts(body)
+        prompt_ids, texts = await self.off_loop(self.completion_prompts, body)
         # NOTE: max_tokens 0 (echo alone) samples one token, which nobody sees (as vLLM does)
         max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
         return self._submit(body, prompt_ids, max_tokens, request_class, texts)
@@ -434,14 +453,15 @@ class OpenAIServing:
         """The tokens a chat request's model reads (truncated as asked)."""
         return body.truncated(self.chat_prompt_ids(body.messages, body), self.engine.max_model_len)
 
-    def submit_chat(self, body: ChatCompletionRequest, request_class: RequestClass | None = None) -> Submission:
+    async def submit_chat(self, body: ChatCompletionRequest, request_class: RequestClass | None = None) -> Submission:
         self.check_model(body.model)
         body.check_supported()
         _refuse_beam_search(body)
         tool_use = body.tool_use(self.config.tool_call_parser)
         if tool_use is not None and tool_use.shows_special_tokens:
             body = body.model_copy(update={"skip_special_tokens": False})
-        return self._submit(body, [self.chat_prompt(body)], body.output_cap, request_class, [""], tool_use)
+        prompt_ids = await self.off_loop(self.chat_prompt, body)
+        return self._submit(body, [prompt_ids], body.output_cap, request_class, [""], tool_use)
 
     def chat_prompt_ids(
         self, messages: list[ChatMessage], fields: ChatTemplateFields, add_special_tokens: bool | None = None

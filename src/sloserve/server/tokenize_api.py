@@ -17,10 +17,10 @@ def tokenize_router(serving: OpenAIServing) -> APIRouter:
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        return serving.tokenize(body)
+        return await serving.off_loop(serving.tokenize, body)
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        return serving.detokenize(body)
+        return await serving.off_loop(serving.detokenize, body)
 
     return router

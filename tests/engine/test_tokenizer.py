@@ -1,0 +1,72 @@
+"""``HFTokenizer``: the ids of the ``tokenizers`` library, and a long text encoded without holding the GIL
+(the server tokenizes prompts in threads beside its event loop)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+tokenizers = pytest.importorskip("tokenizers")
+
+from chat_model import CORPUS
+from sloserve.core.errors import ConfigError
+from sloserve.engine.tokenizer import HFTokenizer
+
+
+@pytest.fixture(scope="module")
+def library_tokenizer():
+    """A byte-level BPE trained on the chat model's corpus, BOS added (as ``chat_model.py``'s)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return tok
+
+
+@pytest.mark.parametrize("text", ["", "Hello world", "latency and throughput " * 50, "fox \u00e9\u4e16\U0001f600"])
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encode_gives_the_librarys_ids(library_tokenizer, text, add_special_tokens):
+    ours = HFTokenizer.from_tokenizer(library_tokenizer).encode(text, add_special_tokens=add_special_tokens)
+    assert ours == library_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+def test_a_lone_surrogate_is_a_config_error_naming_it(library_tokenizer):
+    with pytest.raises(ConfigError, match="lone UTF-16 surrogate at character 4"):
+        HFTokenizer.from_tokenizer(library_tokenizer).encode("fox \ud800 jumps")
+
+
+def test_other_threads_run_while_a_long_text_is_encoded(library_tokenizer):
+    """The main thread counts while a worker encodes 0.5 MB of text. NOTE: with a switch interval of 10 s,
+    a thread that holds the GIL keeps it until it returns to Python (the library's ``encode`` does), and the
+    count cannot move between the worker's two reads; it moves only where the encoding lets go of the GIL."""
+    tokenizer = HFTokenizer.from_tokenizer(library_tokenizer)
+    text = "The quick brown fox jumps over the lazy dog. " * 11_000
+    count, done = [0], threading.Event()
+    counts: dict[str, int] = {}
+
+    def encode() -> None:
+        counts["before"] = count[0]
+        tokenizer.encode(text)
+        counts["after"] = count[0]
+        done.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)
+    try:
+        worker = threading.Thread(target=encode)
+        worker.start()
+        while not done.is_set():
+            count[0] += 1
+            time.sleep(0)  # NOTE: lets go of the GIL, so the worker takes it back as soon as it needs it
+        worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert counts["after"] > counts["before"], "the main thread never ran while the text was encoded"
