@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("llguidance")
 
+from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.engine.structured_output import GrammarMatchers, accept, json_grammar, thinking_first  # noqa: E402
 from sloserve.engine.tokenizer import HFTokenizer  # noqa: E402
 
@@ -80,3 +81,25 @@ def test_qwen3_thinks_only_after_think_and_else_answers_from_the_first_token(voc
     assert run(vocabulary, grammar, f"<think>{thought}</think>{answer}") == (True, True, True)
     assert run(vocabulary, grammar, f"<think>{thought}") == (True, False, False)
     assert not run(vocabulary, grammar, f"{thought}</think>{answer}")[0]
+
+
+def test_a_grammar_is_compiled_once_and_each_request_gets_a_matcher_of_its_own(vocabulary):
+    tokenizer, _, _, _ = vocabulary
+    matchers = GrammarMatchers(tokenizer.to_json(), 300, (EOS,))
+    grammar = json_grammar(SCORE)
+    first, second = matchers.matcher(grammar), matchers.matcher(grammar)
+    assert matchers._compiled.cache_info().misses == 1
+    tokens = tokenizer.encode('{"score": 7}', add_special_tokens=False)
+    assert first.validate_tokens(tokens) == len(tokens) and [accept(first, t) for t in tokens][-1]
+    # the other matchers are where the grammar starts, whatever the first consumed
+    for other in (second, matchers.matcher(grammar)):
+        assert not other.is_stopped() and other.validate_tokens(tokens) == len(tokens)
+    assert matchers._compiled.cache_info().misses == 1
+
+
+def test_a_grammar_llguidance_cannot_build_over_the_tokenizer_is_a_config_error_of_one_line(vocabulary):
+    _, matchers, _, _ = vocabulary
+    from llguidance import LLMatcher
+
+    with pytest.raises(ConfigError, match=r"cannot be used with this model's tokenizer: .*too large: 5000$"):
+        matchers.matcher(LLMatcher.grammar_from_lark("start: <[5000]>"))

@@ -610,6 +610,10 @@ def test_vllms_structured_outputs_choice_regex_grammar_and_json(server):
          "one structured output per request: response_format and guided_regex"),
         ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs", "take one of .*; got 2"),
         ({"structured_outputs": {"choices": ["a"]}}, "structured_outputs.choices", "Extra inputs are not permitted"),
+        # valid grammars that llguidance cannot build over this tokenizer (the engine failed on them: a 500)
+        ({"guided_grammar": "start: <[5000]>"}, "guided_grammar",
+         "cannot be used with this model's tokenizer: .*Token range end too large: 5000"),
+        ({"guided_grammar": "start: <|nope|>"}, "guided_grammar", 'unknown special token: "<\\|nope\\|>"'),
     ],
 )  # fmt: skip
 def test_structured_outputs_that_cannot_be_served_are_400s_naming_the_field(server, extra, param, message):

@@ -14,6 +14,7 @@ or a GGUF file has one); ``random:`` models, with their byte tokenizer, have non
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Any
@@ -28,6 +29,10 @@ from sloserve.engine.async_scheduling import index_tensor, to_device
 # can fill max_tokens with it before the object closes (vLLM's "any whitespace" problem, which it
 # answers with --disable-any-whitespace); fixed separators cannot.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Grammars kept compiled by a ``GrammarMatchers``: clients send the same few schemas again and again, and
+# copying a compiled matcher takes microseconds where compiling takes milliseconds (seconds for a choice of
+# thousands of strings), during which the engine does not step.
+GRAMMARS_CACHED = 32
 
 
 def json_grammar(schema: dict[str, Any] | None) -> str:
@@ -133,14 +138,23 @@ class GrammarMatchers:
         # ids are never allowed
         self.tokenizer = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
         self.vocab_size = vocab_size
+        self._compiled = functools.lru_cache(maxsize=GRAMMARS_CACHED)(self._compile)
 
     def matcher(self, grammar: str):
-        """A fresh matcher of ``grammar`` (compiled by ``json_grammar``)."""
+        """A fresh matcher of ``grammar`` (compiled by ``compile_grammar``): a copy of one compiled once; a
+        ConfigError where llguidance cannot build one over this tokenizer (the server's check, ahead of the
+        engine's, so that such a grammar is a 400)."""
+        return self._compiled(grammar).deep_copy()
+
+    def _compile(self, grammar: str):
         from llguidance import LLMatcher
 
-        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)  # NOTE: lets go of the GIL meanwhile
         if matcher.is_error():
-            raise ConfigError(f"the grammar cannot be used: {matcher.get_error()}")
+            # NOTE: the first line: a panic's goes on with its backtrace
+            raise ConfigError(
+                f"the grammar cannot be used with this model's tokenizer: {matcher.get_error().splitlines()[0]}"
+            )
         return matcher
 
     def mask(

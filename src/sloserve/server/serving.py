@@ -29,7 +29,7 @@ from sloserve.engine.async_engine import (
 from sloserve.engine.chat_template import ChatTemplate
 from sloserve.engine.logprobs import Logprobs, cumulative_logprob
 from sloserve.engine.sampler import SamplingParams
-from sloserve.engine.structured_output import compile_grammar, thinking_first
+from sloserve.engine.structured_output import GrammarMatchers, compile_grammar, thinking_first
 from sloserve.engine.tokenizer import HFTokenizer
 from sloserve.server.chat_output import ChatOutputParser
 from sloserve.server.logprobs import LogprobsFormat
@@ -427,13 +427,16 @@ class OpenAIServing:
 
     async def submit_completion(self, body: CompletionRequest, request_class: RequestClass | None = None) -> Submission:
         """``request_class`` overrides the body's (``service_tier``): batch lines are best-effort."""
-        self.check_model(body.model)
-        body.check_supported()
-        _refuse_beam_search(body)
-        prompt_ids, texts = await self.off_loop(self.completion_prompts, body)
+        self._check_request(body, len(body.prompt_list()))
+        prompt_ids, texts, params = await self.off_loop(self._completion_requests, body)
+        return self._submit(body, prompt_ids, params, request_class, texts)
+
+    def _completion_requests(self, body: CompletionRequest) -> tuple[list[list[int]], list[str], list[SamplingParams]]:
+        """Each prompt's tokens, what ``echo`` shows of it, and its sampling params."""
+        prompt_ids, texts = self.completion_prompts(body)
         # NOTE: max_tokens 0 (echo alone) samples one token, which nobody sees (as vLLM does)
         max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
-        return self._submit(body, prompt_ids, max_tokens, request_class, texts)
+        return prompt_ids, texts, self._params(body, prompt_ids, max_tokens)
 
     def completion_prompts(self, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
         """Each prompt's tokens (truncated as asked), and what ``echo`` shows of it ("" without echo)."""
@@ -454,14 +457,31 @@ class OpenAIServing:
         return body.truncated(self.chat_prompt_ids(body.messages, body), self.engine.max_model_len)
 
     async def submit_chat(self, body: ChatCompletionRequest, request_class: RequestClass | None = None) -> Submission:
-        self.check_model(body.model)
-        body.check_supported()
-        _refuse_beam_search(body)
+        self._check_request(body, 1)
         tool_use = body.tool_use(self.config.tool_call_parser)
         if tool_use is not None and tool_use.shows_special_tokens:
             body = body.model_copy(update={"skip_special_tokens": False})
-        prompt_ids = await self.off_loop(self.chat_prompt, body)
-        return self._submit(body, [prompt_ids], body.output_cap, request_class, [""], tool_use)
+        prompt_ids, params = await self.off_loop(self._chat_requests, body)
+        return self._submit(body, [prompt_ids], params, request_class, [""], tool_use)
+
+    def _chat_requests(self, body: ChatCompletionRequest) -> tuple[list[int], list[SamplingParams]]:
+        """The chat's tokens and their sampling params."""
+        prompt_ids = self.chat_prompt(body)
+        return prompt_ids, self._params(body, [prompt_ids], body.output_cap)
+
+    def _check_request(self, body: SamplingRequest, num_prompts: int) -> None:
+        """The checks of a completion or chat that read its body alone, before its prompts are tokenized."""
+        self.check_model(body.model)
+        body.check_supported()
+        _refuse_beam_search(body)
+        total = num_prompts * body.num_choices
+        if total > self.engine.max_queued_requests:
+            raise ParameterError(
+                "n" if body.num_choices > 1 else _prompt_field(body),
+                f"{num_prompts} prompt(s) x {body.num_choices} choices = {total} sequences, more than this "
+                f"server queues ({self.engine.max_queued_requests}, --max-queued-requests)",
+            )
+        self.check_priority(body.priority)
 
     def chat_prompt_ids(
         self, messages: list[ChatMessage], fields: ChatTemplateFields, add_special_tokens: bool | None = None
@@ -535,31 +555,30 @@ class OpenAIServing:
         if outside:
             raise ParameterError(param, f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
 
+    def _params(self, body: SamplingRequest, prompts: list[list[int]], max_tokens: int | None) -> list[SamplingParams]:
+        """Each prompt's sampling params, checked, with the request's grammar (compiled once for all)."""
+        grammar = self._grammar(body, self._reasoning_parser(body))
+        return [
+            self.sampling_params(body, ids, max_tokens, grammar, i if len(prompts) > 1 else None)
+            for i, ids in enumerate(prompts)
+        ]
+
+    def _reasoning_parser(self, body: SamplingRequest) -> str | None:
+        return self.config.reasoning_parser if isinstance(body, ChatCompletionRequest) else None
+
     def _submit(
         self,
         body: SamplingRequest,
         prompts: list[list[int]],
-        max_tokens: int | None,
+        params: list[SamplingParams],
         request_class: RequestClass | None,
         prompt_texts: list[str],
         tool_use: ToolUse | None = None,
     ) -> Submission:
-        """Check every prompt, then submit ``num_choices`` engine requests for each (all or none);
-        ``tool_use``: what a chat request's tool_choice makes of its output."""
+        """Submit ``num_choices`` engine requests for each prompt (all or none); ``tool_use``: what a chat
+        request's tool_choice makes of its output."""
+        reasoning_parser = self._reasoning_parser(body)
         total = len(prompts) * body.num_choices
-        if total > self.engine.max_queued_requests:
-            raise ParameterError(
-                "n" if body.num_choices > 1 else _prompt_field(body),
-                f"{len(prompts)} prompt(s) x {body.num_choices} choices = {total} sequences, more than this "
-                f"server queues ({self.engine.max_queued_requests}, --max-queued-requests)",
-            )
-        reasoning_parser = self.config.reasoning_parser if isinstance(body, ChatCompletionRequest) else None
-        self.check_priority(body.priority)
-        grammar = self._grammar(body, reasoning_parser)
-        params = [
-            self.sampling_params(body, ids, max_tokens, grammar, i if len(prompts) > 1 else None)
-            for i, ids in enumerate(prompts)
-        ]
         self.engine.check_room(total)
         cls = request_class or body.request_class()
         slo = body.slo_for(cls, self.config.rt_ttft_ms, self.config.rt_tpot_ms)
@@ -602,19 +621,26 @@ class OpenAIServing:
             raise ParameterError(
                 field, "structured output needs the model's tokenizer (tokenizer.json); this model has none"
             )
+        tokenizer = self.engine.tokenizer
+
+        def tag(text: str) -> str | int:  # its token, where the vocabulary has one
+            token_id = tokenizer.added_token_id(text)
+            return text if token_id is None else token_id
+
         try:
             grammar = compile_grammar(kind, value)
-            if reasoning_parser is None:
-                return grammar
-            tokenizer = self.engine.tokenizer
-
-            def tag(text: str) -> str | int:  # its token, where the vocabulary has one
-                token_id = tokenizer.added_token_id(text)
-                return text if token_id is None else token_id
-
-            return thinking_first(grammar, tag(THINK_OPEN), tag(THINK_CLOSE), starts_thinking(reasoning_parser))
+            if reasoning_parser is not None:
+                grammar = thinking_first(grammar, tag(THINK_OPEN), tag(THINK_CLOSE), starts_thinking(reasoning_parser))
+            self._grammar_matchers.matcher(grammar)  # NOTE: compiled for this tokenizer, as the engine will
         except ConfigError as e:
             raise ParameterError(field, str(e)) from None
+        return grammar
+
+    @functools.cached_property
+    def _grammar_matchers(self) -> GrammarMatchers:
+        """The engine's matchers, built here to refuse what llguidance cannot compile for this tokenizer."""
+        info = self.engine.info
+        return GrammarMatchers(self.engine.tokenizer.to_json(), info.vocab_size, info.eos_token_ids)
 
     def sampling_params(
         self,
