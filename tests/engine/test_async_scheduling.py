@@ -369,13 +369,18 @@ def test_any_mix_of_sampling_options_gives_what_it_gives_without(scheduler, kv_c
 
 
 def _serve_on_core(engine, prompts, params, overlap_publish: bool, read=None) -> tuple[CorePipe, EngineCore]:
-    """``serve``'s engine loop (``EngineCore``) over ``engine``, every prompt added at once: steps until
-    every request ended, reading the pipe after each step and after the last flush (``read(sent, core)``,
-    else a plain read). Returns what it read, and the loop."""
+    """``serve``'s engine loop (``EngineCore``) over ``engine``, every prompt added at once (their grammars
+    compiled first): steps until every request ended, reading the pipe after each step and after the last
+    flush (``read(sent, core)``, else a plain read). Returns what it read, and the loop."""
     server, pipe = multiprocessing.Pipe()
     core = EngineCore(engine, time.perf_counter(), pipe, overlap_publish=overlap_publish)
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         core.apply(("add", AddRequest(i, prompt, p, RequestClass.BE, SLO(), core.clock())))
+    deadline = time.monotonic() + 60
+    while core.num_compiling:
+        assert time.monotonic() < deadline, "the grammars never compiled"
+        time.sleep(0.001)
+        core.add_compiled()
     sent = CorePipe(server)
     read = read or (lambda sent, core: sent.read())
     while engine.has_unfinished():

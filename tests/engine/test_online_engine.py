@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import functools
 import multiprocessing
+import threading
 import time
 
 import pytest
@@ -244,6 +245,56 @@ def test_a_request_that_can_never_run_is_refused_and_one_only_the_engine_can_ref
     reason, error, after, online = asyncio.run(main())
     assert reason == "error" and "structured output needs the model's tokenizer" in error
     assert after[2] == "length" and len(after[1]) == 4 and online.error is None
+
+
+def test_a_request_waits_out_of_the_queue_while_its_grammar_compiles_and_the_others_run(chat_model_dir, monkeypatch):
+    """vLLM's WAITING_FOR_FSM: a grammar compiles in a thread of the core (here held until released)
+    while the engine serves the other requests; one aborted meanwhile ends at once; a compiled one runs
+    as offline, where its grammar compiled at once."""
+    pytest.importorskip("llguidance")
+    from sloserve.engine.structured_output import GrammarMatchers, choice_grammar
+
+    release = threading.Event()
+    compile_grammar = GrammarMatchers._compile
+
+    def held(self, grammar):
+        assert release.wait(timeout=30)
+        return compile_grammar(self, grammar)
+
+    monkeypatch.setattr(GrammarMatchers, "_compile", held)
+    model = load_model(str(chat_model_dir))
+    engine = LLMEngine(model, "vllm", kv_capacity_tokens=1024)
+    server, pipe = multiprocessing.Pipe()
+    core = EngineCore(engine, time.perf_counter(), pipe)
+    guided = SamplingParams(max_tokens=8, temperature=0, grammar=choice_grammar(["yes", "no way"]))
+    plain = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for request_id, params in enumerate((guided, plain, guided)):
+        core.apply(("add", AddRequest(request_id, PROMPTS[1], params, RequestClass.BE, SLO(), core.clock())))
+    core.apply(("abort", 2))
+    sent = CorePipe(server)
+    sent.read()
+    assert sent.reasons == {2: "abort"} and core.stats().num_waiting == 2  # 0 compiling, 1 queued
+    while engine.has_unfinished():
+        core.add_compiled()
+        core.run_step()
+    sent.read()
+    assert sent.reasons == {2: "abort", 1: "length"} and not sent.tokens[0]
+    release.set()
+    deadline = time.monotonic() + 30
+    while 0 not in sent.reasons:
+        assert time.monotonic() < deadline, "the compiled request never ran"
+        core.add_compiled()
+        if engine.has_unfinished():
+            core.run_step()
+        else:
+            time.sleep(0.001)
+        sent.read()
+    reference = LLMEngine(model, "vllm", kv_capacity_tokens=1024)
+    want = reference.add_request(PROMPTS[1], guided)
+    while reference.has_unfinished():
+        reference.step()
+    assert sent.reasons[0] == "stop" and sent.tokens[0] == reference.output_token_ids(want)
+    assert model.tokenizer.decode(sent.tokens[0]) in ("yes", "no way")
 
 
 def test_overlapped_publishing_sends_each_step_during_the_next_and_the_last_before_an_abort(monkeypatch):

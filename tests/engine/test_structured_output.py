@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 pytest.importorskip("llguidance")
 
 from sloserve.core.errors import ConfigError  # noqa: E402
-from sloserve.engine.structured_output import GrammarMatchers, accept, json_grammar, thinking_first  # noqa: E402
+from sloserve.engine.structured_output import (  # noqa: E402
+    GRAMMARS_CACHED,
+    GrammarMatchers,
+    accept,
+    json_grammar,
+    regex_grammar,
+    thinking_first,
+)
 from sloserve.engine.tokenizer import HFTokenizer  # noqa: E402
 
 SCORE = {"type": "object", "properties": {"score": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -83,18 +90,27 @@ def test_qwen3_thinks_only_after_think_and_else_answers_from_the_first_token(voc
     assert not run(vocabulary, grammar, f"{thought}</think>{answer}")[0]
 
 
-def test_a_grammar_is_compiled_once_and_each_request_gets_a_matcher_of_its_own(vocabulary):
+def test_a_grammar_is_compiled_once_and_each_request_gets_a_matcher_of_its_own(vocabulary, monkeypatch):
+    """The last ``GRAMMARS_CACHED`` grammars stay compiled: each request gets a copy, at its start whatever
+    another consumed."""
     tokenizer, _, _, _ = vocabulary
     matchers = GrammarMatchers(tokenizer.to_json(), 300, (EOS,))
+    compiled: list[str] = []
+    compile_grammar = matchers._compile
+    monkeypatch.setattr(matchers, "_compile", lambda grammar: compiled.append(grammar) or compile_grammar(grammar))
     grammar = json_grammar(SCORE)
+    assert not matchers.has_compiled(grammar)
     first, second = matchers.matcher(grammar), matchers.matcher(grammar)
-    assert matchers._compiled.cache_info().misses == 1
+    assert matchers.has_compiled(grammar) and compiled == [grammar]
     tokens = tokenizer.encode('{"score": 7}', add_special_tokens=False)
     assert first.validate_tokens(tokens) == len(tokens) and [accept(first, t) for t in tokens][-1]
-    # the other matchers are where the grammar starts, whatever the first consumed
     for other in (second, matchers.matcher(grammar)):
         assert not other.is_stopped() and other.validate_tokens(tokens) == len(tokens)
-    assert matchers._compiled.cache_info().misses == 1
+    others = [regex_grammar(f"a{{{i}}}") for i in range(1, GRAMMARS_CACHED + 1)]
+    for other in others:
+        matchers.matcher(other)
+    assert not matchers.has_compiled(grammar) and all(matchers.has_compiled(g) for g in others)
+    assert len(compiled) == 1 + GRAMMARS_CACHED
 
 
 def test_a_grammar_llguidance_cannot_build_over_the_tokenizer_is_a_config_error_of_one_line(vocabulary):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import time
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from sloserve.checkpoint.config import RANDOM_PREFIX
-from sloserve.core.errors import SloserveError
+from sloserve.core.errors import ConfigError, SloserveError
 from sloserve.core.request import SLO, Request, RequestClass, RequestStatus
 from sloserve.engine.logprobs import Logprobs
 from sloserve.engine.sampler import SamplingParams
@@ -40,6 +41,8 @@ from sloserve.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 MAX_TIMELINE_STEPS = 100_000
 # Seconds between two reports of the prefix cache's keys (a fleet's router reads them).
 CACHE_KEYS_PERIOD_S = 0.1
+# Seconds the core waits for a command at a time when it has nothing to step but grammars compiling.
+GRAMMAR_WAIT_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -228,6 +231,10 @@ class EngineCore:
         self._unpublished: list[Request] | None = None  # the finished requests of a step not yet published
         if overlap_publish:
             engine.executor.during_forward = self.flush
+        # Requests whose grammar compiles in a thread (vLLM's WAITING_FOR_FSM): the engine steps the others
+        # meanwhile (llguidance lets go of the GIL), and each joins the policy's queue once compiled
+        self._compiling: dict[int, tuple[AddRequest, _Live, Future]] = {}
+        self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="sloserve-grammar")
 
     def clock(self) -> float:
         """The server's engine clock (``time.perf_counter`` is system-wide on Linux)."""
@@ -236,9 +243,15 @@ class EngineCore:
     def run(self) -> None:
         engine, conn = self.engine, self.conn
         while True:
+            self.add_compiled()
             if not engine.has_unfinished():
                 self.flush()  # no forward pass follows to publish the last step during
+                if self._compiling:  # nothing to step until a grammar compiles; a command may come meanwhile
+                    if conn.poll(GRAMMAR_WAIT_S):
+                        self.apply(conn.recv())
+                    continue
                 if self.stopping:
+                    self._grammar_thread.shutdown(wait=False)
                     conn.send(("stopped",))
                     return
                 self.apply(conn.recv())  # idle: wait for a command
@@ -285,33 +298,81 @@ class EngineCore:
                 priority=add.priority,
             )
             live = _Live(request)
-            try:
-                self.engine.add_request(add.prompt_token_ids, add.params, add.arrival_time, request=request)
-            except Exception as e:  # noqa: BLE001 - one request the engine cannot take must not stop it
-                # NOTE: the server checked it as the engine does; this is for what only the engine can
-                # find (its grammar library refusing this model's tokenizer), or a bug (its traceback goes
-                # to the log): this request ends with the reason, the engine and its requests go on
-                if not isinstance(e, SloserveError):
-                    traceback.print_exc()
-                self.engine.executor.sequences.pop(request, None)
-                self.flush()
-                live.ended = True
-                reason = str(e) if isinstance(e, SloserveError) else f"{type(e).__name__}: {e}"
-                self._pending.append(self._output(live, [], "error")._replace(error=reason))
-                self.publish([])
-                return
-            self.live[add.request_id] = live
+            if not self._compiles_first(add, live):
+                self._add(add, live)
         elif kind == "abort":
             live = self.live.get(command[1])
             if live is not None:
                 self.abort(live)
+            elif command[1] in self._compiling:
+                self._abort_compiling(command[1])
         elif kind == "abort_all":
             for live in list(self.live.values()):
                 self.abort(live)
+            for request_id in list(self._compiling):
+                self._abort_compiling(request_id)
         elif kind == "stop":
             self.stopping = True
         if kind != "add":
             self.publish([])  # the aborted requests' last outputs go now, not after a step
+
+    def _add(self, add: AddRequest, live: _Live) -> None:
+        """``add`` into the engine; a request it cannot take ends alone, with "error" and the reason."""
+        try:
+            self.engine.add_request(add.prompt_token_ids, add.params, add.arrival_time, request=live.request)
+        except Exception as e:  # noqa: BLE001 - one request the engine cannot take must not stop it
+            # NOTE: the server checked it as the engine does; this is for what only the engine can find
+            # (a model without the tokenizer a grammar needs), or a bug (its traceback goes to the log):
+            # this request ends with the reason, the engine and its requests go on
+            self._refuse(live, e)
+            return
+        self.live[add.request_id] = live
+
+    def _refuse(self, live: _Live, error: BaseException) -> None:
+        if not isinstance(error, SloserveError):
+            traceback.print_exception(error)
+        self.engine.executor.sequences.pop(live.request, None)
+        self.flush()
+        live.ended = True
+        reason = str(error) if isinstance(error, SloserveError) else f"{type(error).__name__}: {error}"
+        self._pending.append(self._output(live, [], "error")._replace(error=reason))
+        self.publish([])
+
+    def _compiles_first(self, add: AddRequest, live: _Live) -> bool:
+        """Whether ``add`` waits for its grammar, compiling in a thread (one compiled before is copied at once)."""
+        grammar = add.params.grammar
+        if grammar is None:
+            return False
+        try:
+            matchers = self.engine.grammar_matchers()
+        except ConfigError:
+            return False  # NOTE: refused by ``_add``, with the reason
+        if matchers.has_compiled(grammar):
+            return False
+        self._compiling[add.request_id] = (add, live, self._grammar_thread.submit(matchers.matcher, grammar))
+        return True
+
+    @property
+    def num_compiling(self) -> int:
+        """Requests waiting for their grammar to compile."""
+        return len(self._compiling)
+
+    def add_compiled(self) -> None:
+        """Add the requests whose grammar has compiled since; one llguidance could not build ends with "error"."""
+        for request_id, (add, live, compiling) in list(self._compiling.items()):
+            if compiling.done():
+                del self._compiling[request_id]
+                error = compiling.exception()
+                if error is None:
+                    self._add(add, live)  # NOTE: its matcher is a copy of the one just compiled
+                else:
+                    self._refuse(live, error)
+
+    def _abort_compiling(self, request_id: int) -> None:
+        _, live, compiling = self._compiling.pop(request_id)
+        compiling.cancel()  # NOTE: a compilation under way runs on, and its grammar stays compiled
+        live.ended = True
+        self._pending.append(self._output(live, [], "abort"))
 
     def abort(self, live: _Live) -> None:
         self.engine.abort(live.request)
@@ -404,6 +465,7 @@ class EngineCore:
         for live in self.live.values():
             if live.request.status in counts:
                 counts[live.request.status] += 1
+        counts[RequestStatus.WAITING] += self.num_compiling  # NOTE: as vLLM counts WAITING_FOR_FSM
         scheduler, replica = self.engine.scheduler, self.engine.replica
         cache = scheduler.kv.prefix_cache
         stats = EngineStats(

@@ -298,8 +298,8 @@ class LLMEngine:
             request = Request(self._next_id, arrival_time, len(prompt_token_ids), params.max_tokens, params.max_tokens)
         self._next_id = max(self._next_id, request.request_id) + 1
         self.scheduler.check_fits(request, len(prompt_token_ids) + params.max_tokens - 1)
-        if params.grammar is not None and self.executor.grammar_matchers is None:
-            self.executor.grammar_matchers = self._grammar_matchers()
+        if params.grammar is not None:
+            self.grammar_matchers()
         self.executor.add(request, list(prompt_token_ids), params)
         # Prefix caching keys the blocks by the tokens themselves (prompt, then what it generates),
         # whatever content a workload's request described. NOTE: a request that asks for its prompt's
@@ -310,14 +310,21 @@ class LLMEngine:
         self.replica.add(request, arrival_time)
         return request
 
-    def _grammar_matchers(self) -> GrammarMatchers:
-        tokenizer = self.loaded.tokenizer
-        if not isinstance(tokenizer, HFTokenizer):
-            raise ConfigError(
-                "structured output needs the model's tokenizer (a tokenizer.json or a GGUF file's); this model has none"
+    def grammar_matchers(self) -> GrammarMatchers:
+        """The matchers of the requests' grammars, made with the first; a ConfigError for a model without
+        the tokenizer they need."""
+        if self.executor.grammar_matchers is None:
+            tokenizer = self.loaded.tokenizer
+            if not isinstance(tokenizer, HFTokenizer):
+                raise ConfigError(
+                    "structured output needs the model's tokenizer (a tokenizer.json or a GGUF file's); this model "
+                    "has none"
+                )
+            config = self.loaded.config
+            self.executor.grammar_matchers = GrammarMatchers(
+                tokenizer.to_json(), config.vocab_size, config.eos_token_ids
             )
-        config = self.loaded.config
-        return GrammarMatchers(tokenizer.to_json(), config.vocab_size, config.eos_token_ids)
+        return self.executor.grammar_matchers
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.executor.in_flight is not None or bool(self._finishing)

@@ -14,9 +14,10 @@ or a GGUF file has one); ``random:`` models, with their byte tokenizer, have non
 
 from __future__ import annotations
 
-import functools
 import json
 import math
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -138,13 +139,31 @@ class GrammarMatchers:
         # ids are never allowed
         self.tokenizer = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
         self.vocab_size = vocab_size
-        self._compiled = functools.lru_cache(maxsize=GRAMMARS_CACHED)(self._compile)
+        # NOTE: the last GRAMMARS_CACHED grammars' matchers, as compiled (never advanced); the server's
+        # threads and the engine's compiling thread share it
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
 
     def matcher(self, grammar: str):
         """A fresh matcher of ``grammar`` (compiled by ``compile_grammar``): a copy of one compiled once; a
         ConfigError where llguidance cannot build one over this tokenizer (the server's check, ahead of the
         engine's, so that such a grammar is a 400)."""
-        return self._compiled(grammar).deep_copy()
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self._compiled.move_to_end(grammar)
+        if compiled is None:
+            compiled = self._compile(grammar)  # NOTE: outside the lock: it may take seconds
+            with self._lock:
+                self._compiled[grammar] = compiled
+                if len(self._compiled) > GRAMMARS_CACHED:
+                    self._compiled.popitem(last=False)
+        return compiled.deep_copy()
+
+    def has_compiled(self, grammar: str) -> bool:
+        """Whether ``matcher(grammar)`` is a copy, without compiling anything."""
+        with self._lock:
+            return grammar in self._compiled
 
     def _compile(self, grammar: str):
         from llguidance import LLMatcher
