@@ -190,6 +190,26 @@ def test_bad_words_bar_a_words_last_token_after_its_others_in_the_output():
     assert logits.tolist() == [[0, 0, 0, -inf, -inf], [0, 0, 0, 0, -inf], [0, 0, 0, 0, -inf]]
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    words=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=4).map(tuple), max_size=12),
+    history=st.lists(st.integers(0, 5), max_size=8),
+    num_prompt_tokens=st.integers(0, 3),
+)
+def test_bad_words_bar_what_each_word_bars_alone(words, history, num_prompt_tokens):
+    """The words looked up by their endings (``SamplingParams.bad_word_endings``) bar what each word would
+    bar checked alone: its last token, where the output ends with the others."""
+    from sloserve.engine.sampler import apply_controls
+
+    history = list(range(6, 6 + num_prompt_tokens)) + history  # the prompt's tokens are not the words'
+    logits = torch.zeros(1, 6)
+    apply_controls(logits, [SamplingParams(bad_words=["x"], bad_words_token_ids=tuple(words))], [history],
+                   [num_prompt_tokens], frozenset({9}))  # fmt: skip
+    output = history[num_prompt_tokens:]
+    barred = {w[-1] for w in words if len(w) - 1 <= len(output) and tuple(output[len(output) - len(w) + 1 :]) == w[:-1]}
+    assert [t for t in range(6) if logits[0, t] == -math.inf] == sorted(barred)
+
+
 def test_bad_words_are_tokenized_at_the_start_and_after_a_space_as_vllm_does():
     from sloserve.engine.tokenizer import ByteTokenizer
 

@@ -249,6 +249,26 @@ class SamplingParams:
         return self.temperature == 0
 
     @cached_property
+    def bad_word_endings(self) -> dict[int, dict[tuple[int, ...], list[int]]]:
+        """``bad_words_token_ids`` as a step looks them up: by the number of tokens before a word's last
+        one, then by those tokens, the last tokens they bar. NOTE: a step looks up its output's ending once
+        per length, not once per word (a request may bring thousands of words)."""
+        endings: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        for ids in self.bad_words_token_ids or ():
+            endings.setdefault(len(ids) - 1, {}).setdefault(ids[:-1], []).append(ids[-1])
+        return endings
+
+    @cached_property
+    def bad_word_endings_but_last(self) -> dict[int, dict[tuple[int, ...], list[tuple[int, int]]]]:
+        """The words of several tokens as ``bad_word_endings``, for an output whose last token is still on the
+        device: by the tokens before the word's last two, (the token before its last, its last)."""
+        endings: dict[int, dict[tuple[int, ...], list[tuple[int, int]]]] = {}
+        for ids in self.bad_words_token_ids or ():
+            if len(ids) > 1:
+                endings.setdefault(len(ids) - 2, {}).setdefault(ids[:-2], []).append((ids[-2], ids[-1]))
+        return endings
+
+    @cached_property
     def filters(self) -> bool:
         """Whether a sampled token is drawn from part of the vocabulary (min_p, top_k or top_p set)."""
         return self.min_p > 0 or self.top_k > 0 or self.top_p < 1
@@ -287,12 +307,19 @@ def apply_controls(
     # device the last: (row, entry of late, the token it must be, the token barred if it is)
     banned, banned_if_last = [], []
     for i in rows:
-        for ids in params[i].bad_words_token_ids or ():
-            if len(ids) == 1 or i not in late_entry:
-                if _output_ends_with(token_ids[i], num_prompt_tokens[i], ids[:-1]):
-                    banned.append((i, ids[-1]))
-            elif _output_ends_with(token_ids[i], num_prompt_tokens[i], ids[:-2]):
-                banned_if_last.append((i, late_entry[i], ids[-2], ids[-1]))
+        p = params[i]
+        if not p.bad_words_token_ids:
+            continue
+        if i not in late_entry:
+            for length, words in p.bad_word_endings.items():
+                banned += [
+                    (i, last) for last in words.get(_output_ending(token_ids[i], num_prompt_tokens[i], length), ())
+                ]
+            continue
+        banned += [(i, last) for last in p.bad_word_endings.get(0, {}).get((), ())]  # the words of one token
+        for length, words in p.bad_word_endings_but_last.items():
+            for token, last in words.get(_output_ending(token_ids[i], num_prompt_tokens[i], length), ()):
+                banned_if_last.append((i, late_entry[i], token, last))
     if banned:
         logits[tuple(index_tensor(banned, device).T)] = -math.inf
     if banned_if_last:  # NOTE: added, not set: a row may bar one token by two words, one of them not in force
@@ -330,10 +357,11 @@ def apply_controls(
     logits[index] = scores - frequency * counts - presence * (counts > 0)
 
 
-def _output_ends_with(token_ids: list[int], num_prompt_tokens: int, tail: tuple[int, ...]) -> bool:
-    """Whether the output (``token_ids`` after the prompt) ends with ``tail`` (always, when empty)."""
-    output_len = len(token_ids) - num_prompt_tokens
-    return len(tail) <= output_len and tuple(token_ids[len(token_ids) - len(tail) :]) == tail
+def _output_ending(token_ids: list[int], num_prompt_tokens: int, length: int) -> tuple[int, ...] | None:
+    """The output's (``token_ids`` after the prompt) last ``length`` tokens; None where it has fewer."""
+    if len(token_ids) - num_prompt_tokens < length:
+        return None
+    return tuple(token_ids[len(token_ids) - length :])
 
 
 def _counts(sequences: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:  # (R, vocab)
