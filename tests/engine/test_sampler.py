@@ -190,6 +190,30 @@ def test_bad_words_bar_a_words_last_token_after_its_others_in_the_output():
     assert logits.tolist() == [[0, 0, 0, -inf, -inf], [0, 0, 0, 0, -inf], [0, 0, 0, 0, -inf]]
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.none() | st.lists(st.integers(0, 5), min_size=1, max_size=6),
+            st.none() | st.dictionaries(st.integers(0, 5), st.sampled_from([-3.0, 1.5, 100.0]), min_size=1),
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_allowed_tokens_and_biases_of_a_batch_land_on_their_own_rows(rows):
+    """Each row's ``allowed_token_ids`` and ``logit_bias`` (tensors made once per request) act on that row
+    alone, as the rule says: the tokens not allowed at -inf, then each bias added."""
+    from sloserve.engine.sampler import apply_controls
+
+    logits = torch.zeros(len(rows), 6)
+    params = [SamplingParams(allowed_token_ids=allowed, logit_bias=bias) for allowed, bias in rows]
+    apply_controls(logits, params, [[0, 1]] * len(rows), [1] * len(rows), frozenset())
+    for row, (allowed, bias) in zip(logits.tolist(), rows, strict=True):
+        expected = [0.0 if allowed is None or t in allowed else -math.inf for t in range(6)]
+        assert row == [e + (bias or {}).get(t, 0.0) for t, e in enumerate(expected)]
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     words=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=4).map(tuple), max_size=12),
