@@ -284,6 +284,7 @@ def test_best_of_returns_the_choices_with_the_highest_cumulative_logprob(server)
         ("completions", {"prompt": "hi", "use_beam_search": True, "stop": "x"}, "stop"),
         ("completions", {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
         ("completions", {"prompt": "hi", "allowed_token_ids": [3, 300]}, "allowed_token_ids"),
+        ("completions", {"prompt": "hi", "bad_words": ["w"] * 10_001}, "bad_words"),  # MAX_BAD_WORDS
         ("chat", {"messages": HI, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         ("chat", {"messages": HI, "priority": 5}, "priority"),
         ("chat", {"messages": HI, "functions": [{"name": "f"}]}, "functions"),  # OpenAI's former tools
