@@ -407,7 +407,8 @@ class OpenAIServing:
 
     async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
         """``work(*args)`` in a tokenizer thread, the event loop serving other requests meanwhile.
-        NOTE: ``work`` may only read the request and the tokenizer: it runs beside the loop."""
+        NOTE: ``work`` runs beside the loop: it may read the request and the tokenizer, and change nothing
+        but what guards itself (the grammars' matchers, behind their lock); the engine is the loop's."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_threads, work, *args)
 
     def close(self) -> None:
