@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import json
+import logging
 import os
 import re
 import signal
@@ -220,6 +222,29 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv(server):
         time.sleep(0.05)
     assert server.metric("sloserve_requests_total", request_class="rt", outcome="abort") == aborted_before + 1
     assert server.engine.num_unfinished == 0
+
+
+def test_a_client_that_leaves_before_its_answer_aborts_it_and_leaves_no_error_in_the_log(server, caplog):
+    """A request answered whole (not streamed) whose client disconnects first: its choices are aborted, and
+    the wait for them, cancelled, leaves nothing in the log (asyncio's "exception was never retrieved" and
+    a traceback, for every such client, before). The engine process is paused meanwhile, so that the
+    client surely leaves first."""
+    aborted_before = server.metric("sloserve_requests_total", request_class="rt", outcome="abort")
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "n": 2}
+    pid = server.engine._process.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"), pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while server.metric("sloserve_requests_total", request_class="rt", outcome="abort") < aborted_before + 2:
+        assert time.monotonic() < deadline, "the choices of a client that left were not aborted"
+        time.sleep(0.05)
+    gc.collect()  # NOTE: asyncio logs an unread exception when its future is collected
+    assert server.engine.num_unfinished == 0
+    assert not [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
 
 
 @pytest.mark.parametrize(

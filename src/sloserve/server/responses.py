@@ -158,4 +158,12 @@ async def unless_gone(raw: Request, work: Awaitable[T]) -> T | None:
     if task in done:
         return task.result()
     task.cancel()
+    # NOTE: a cancelled gather ends with a CancelledError as its exception, which asyncio logs (with a
+    # traceback) unless something reads it
+    task.add_done_callback(_read_exception)
     return None
+
+
+def _read_exception(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
