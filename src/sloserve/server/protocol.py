@@ -35,8 +35,9 @@ BEAM_SEARCH_IGNORES = ("stop", "stop_token_ids", "logit_bias", "presence_penalty
 # OpenAI's service tiers: "flex" is the cheaper, slower tier: our best-effort (BE) class.
 BE_TIERS = frozenset({"flex"})
 MAX_STOP_STRINGS = 16
-# A choice: the engine indexes a request's bad words when it adds it, no step running meanwhile (measured
-# on the 2-core VM: 0.8 s for 200,000 words, 40 ms for this many); a list of banned words is hundreds.
+# A choice: the engine reads and indexes a request's bad words when it adds it, no step running meanwhile
+# (measured on the 2-core VM: 1.0 s for 200,000 words, 15 ms for this many); a list of banned words is
+# hundreds.
 MAX_BAD_WORDS = 10_000
 # vLLM's request fields this server does not implement (and OpenAI's deprecated function calling), with
 # the values that mean "unused" (null always does), and what to use instead: a request that sets
