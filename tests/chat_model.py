@@ -35,21 +35,11 @@ CORPUS = [
 THINK_TOKENS = ("<think>", "</think>")
 
 
-def make_chat_model(path: Path, think_tokens: bool = False) -> Path:
-    """A tiny Llama with a byte-level BPE tokenizer (BOS added), tokenizer_config.json and a chat
-    template, saved in ``path`` (the ``chat_model_dir`` fixture of conftest.py). ``think_tokens``: the
-    vocabulary has ``<think>`` and ``</think>`` as added tokens that are not special (as Qwen3's and
-    DeepSeek-R1's)."""
-    from tokenizers import (
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
+def train_tokenizer(think_tokens: bool = False):
+    """The chat model's tokenizer (a ``tokenizers.Tokenizer``): a byte-level BPE trained on ``CORPUS``, BOS
+    added; ``think_tokens``: ``<think>`` and ``</think>`` added to its vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    hf_model("llama").save_pretrained(path)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -59,7 +49,16 @@ def make_chat_model(path: Path, think_tokens: bool = False) -> Path:
     )
     tok.train_from_iterator(CORPUS, trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    saved = json.loads(tok.to_str())
+    return tok
+
+
+def make_chat_model(path: Path, think_tokens: bool = False) -> Path:
+    """A tiny Llama with a byte-level BPE tokenizer (BOS added), tokenizer_config.json and a chat
+    template, saved in ``path`` (the ``chat_model_dir`` fixture of conftest.py). ``think_tokens``: the
+    vocabulary has ``<think>`` and ``</think>`` as added tokens that are not special (as Qwen3's and
+    DeepSeek-R1's)."""
+    hf_model("llama").save_pretrained(path)
+    saved = json.loads(train_tokenizer(think_tokens).to_str())
     for token in saved["added_tokens"]:
         token["special"] = token["content"] not in THINK_TOKENS
     (path / "tokenizer.json").write_text(json.dumps(saved))

@@ -10,25 +10,17 @@ import time
 import pytest
 
 tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("transformers")  # chat_model.py builds its model with it
 
-from chat_model import CORPUS
+from chat_model import train_tokenizer
 from sloserve.core.errors import ConfigError
 from sloserve.engine.tokenizer import HFTokenizer
 
 
 @pytest.fixture(scope="module")
 def library_tokenizer():
-    """A byte-level BPE trained on the chat model's corpus, BOS added (as ``chat_model.py``'s)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<unk>", "<s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return tok
+    """The chat model's tokenizer, as the ``tokenizers`` library gives it."""
+    return train_tokenizer()
 
 
 @pytest.mark.parametrize("text", ["", "Hello world", "latency and throughput " * 50, "fox \u00e9\u4e16\U0001f600"])
