@@ -40,16 +40,16 @@ class Client:
     def __init__(self, url: str) -> None:
         self.url = url
 
+    def completion(self, body: dict) -> urllib.request.Request:
+        """``body`` (the model's name added) as a request to the completions route."""
+        data = json.dumps({"model": "m", **body}).encode()
+        return urllib.request.Request(self.url + "/v1/completions", data, {"Content-Type": "application/json"})
+
     def post(self, body: dict) -> tuple[int, float]:
         """(status, seconds) of a completion."""
-        request = urllib.request.Request(
-            self.url + "/v1/completions",
-            json.dumps({"model": "m", **body}).encode(),
-            {"Content-Type": "application/json"},
-        )
         start = time.perf_counter()
         try:
-            with urllib.request.urlopen(request, timeout=600) as response:
+            with urllib.request.urlopen(self.completion(body), timeout=600) as response:
                 response.read()
                 status = response.status
         except urllib.error.HTTPError as e:
@@ -59,12 +59,9 @@ class Client:
 
     def stream_gaps(self, max_tokens: int) -> list[float]:
         """The seconds between a stream's chunks."""
-        body = {"model": "m", "prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-        request = urllib.request.Request(
-            self.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
+        body = {"prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
         gaps, last = [], None
-        with urllib.request.urlopen(request, timeout=600) as response:
+        with urllib.request.urlopen(self.completion(body), timeout=600) as response:
             for line in response:
                 if line.startswith(b"data:"):
                     now = time.perf_counter()
@@ -111,14 +108,15 @@ def main() -> None:
         rows = []
         small = {"prompt": "Hello", "max_tokens": 2}
         alone = client.post(small)[1]
-        big = threading.Thread(
-            target=client.post, args=({"prompt": "the quick brown fox " * 500_000, "max_tokens": 2},)
-        )
-        big.start()
+        answered: list[tuple[int, float]] = []
+        big = {"prompt": "the quick brown fox " * 500_000, "max_tokens": 2}
+        sender = threading.Thread(target=lambda: answered.append(client.post(big)))
+        sender.start()
         time.sleep(0.3)
         meanwhile = client.post(small)[1]
-        big.join()
-        rows.append(("2-token completion, s", "a 10 MB prompt", alone, meanwhile, ""))
+        sender.join()
+        status, took = answered[0]
+        rows.append(("2-token completion, s", "a 10 MB prompt", alone, meanwhile, f"{status} in {took:.1f} s"))
         quiet, _ = client.largest_gap(args.seconds, None)
         salt = time.time_ns()
         heavy = {"prompt": "Hello", "max_tokens": 4, "guided_choice": [f"{salt} {i}" for i in range(30_000)]}
