@@ -339,7 +339,7 @@ SAMPLING_OPTIONS = st.fixed_dictionaries(
 def test_any_mix_of_sampling_options_gives_what_it_gives_without(scheduler, kv_capacity_tokens, options):
     """Each prompt with its own draw of sampling options (stop strings among them), under a policy and a
     KV size drawn too (96 tokens: preemptions): every sequence's tokens, text, finish and stop reason,
-    and its log-probabilities' tokens and ranks, as without async scheduling; all KV freed."""
+    and its log-probabilities' tokens and ranks, as without async scheduling; all KV and penalty rows freed."""
     params = [SamplingParams(**{**o, "min_tokens": min(o.get("min_tokens", 0), o["max_tokens"])}) for o in options]
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     got = {}
@@ -364,7 +364,7 @@ def test_any_mix_of_sampling_options_gives_what_it_gives_without(scheduler, kv_c
             ]
             for o in llm.generate(prompts, params)
         ]
-        assert llm.engine.scheduler.kv.allocated_tokens == 0
+        assert llm.engine.scheduler.kv.allocated_tokens == 0 and not llm.engine.executor.penalties
     assert got[True] == got[False]
 
 

@@ -125,6 +125,7 @@ def test_a_temperature_that_is_not_a_finite_number_at_least_0_is_refused(tempera
 def test_score_controls_equal_a_hand_computation():
     """Row 0: logit_bias, repetition (prompt and output tokens), frequency and presence penalties, in
     vLLM's order; row 1: min_tokens masks EOS and the stop token ids; row 2: no control, untouched."""
+    from sloserve.engine.penalties import PenaltyCounts
     from sloserve.engine.sampler import apply_controls
 
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -0.5]] * 3)
@@ -134,7 +135,9 @@ def test_score_controls_equal_a_hand_computation():
         SamplingParams(),
     ]
     history = [0, 2, 3, 3, 1]  # prompt [0, 2], output [3, 3, 1]
-    apply_controls(logits, params, [history, [0, 2, 3], history], [2, 2, 2], frozenset({4}))
+    token_ids = [history, [0, 2, 3], history]
+    apply_controls(logits, params, token_ids, [2, 2, 2], frozenset({4}))
+    PenaltyCounts(torch.device("cpu")).apply(logits, range(3), params, token_ids, [2, 2, 2])
     # token 0: in the prompt, 2 / 1.5; token 1: -1 * 1.5 - 0.4 x 1 - 0.3; token 2: 0.5 / 1.5;
     # token 3: 3 / 1.5 - 0.4 x 2 - 0.3; token 4: -0.5 + 2 (not seen: no repetition penalty)
     expected = [2 / 1.5, -1.5 - 0.4 - 0.3, 0.5 / 1.5, 2.0 - 0.8 - 0.3, 1.5]
@@ -147,6 +150,7 @@ def test_score_controls_equal_a_hand_computation():
 def test_whole_number_settings_act_as_their_floats():
     """A logit bias, a penalty or a temperature given as an int (``{3: 2}``, as JSON writes them) acts as
     the same float; an integer bias was refused mid-step before (an int64 tensor put into float scores)."""
+    from sloserve.engine.penalties import PenaltyCounts
     from sloserve.engine.sampler import apply_controls
 
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -0.5]] * 2)
@@ -154,10 +158,72 @@ def test_whole_number_settings_act_as_their_floats():
     as_floats = SamplingParams(logit_bias={4: 2.0}, repetition_penalty=2.0, presence_penalty=1.0)
     for row, params in enumerate((as_ints, as_floats)):  # (a batch of each alone: no float among the ints)
         apply_controls(logits[row : row + 1], [params], [[0, 2, 3]], [2], frozenset())
+        PenaltyCounts(torch.device("cpu")).apply(logits[row : row + 1], ["r"], [params], [[0, 2, 3]], [2])
     assert logits[0].tolist() == logits[1].tolist() == [1.0, -1.0, 0.25, 0.5, 1.5]
     for seed in range(20):
         drawn = [sample(logits[:1], [SamplingParams(temperature=t)], [np.random.default_rng(seed)]) for t in (2, 2.0)]
         assert drawn[0] == drawn[1]
+
+
+PENALTIES = st.sampled_from(
+    [
+        SamplingParams(),
+        SamplingParams(repetition_penalty=1.5),
+        SamplingParams(frequency_penalty=0.5, presence_penalty=-0.25),
+        SamplingParams(repetition_penalty=0.8, frequency_penalty=-1.0, presence_penalty=0.5),
+    ]
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_penalties_from_kept_counts_equal_a_count_of_the_whole_context(data):
+    """Requests arrive, sample in some steps and not others, gain output tokens on the host (any number
+    between two of their steps) and on the device (async scheduling's late token, on the host by their
+    next step), and finish (their rows reused): every step's scores equal vLLM's formulas over counts of
+    the whole prompt and output made afresh, row by row."""
+    from sloserve.engine.penalties import PenaltyCounts
+
+    vocab, tokens = 6, st.integers(0, 5)
+    penalties = PenaltyCounts(torch.device("cpu"))
+    live: dict[int, tuple[SamplingParams, list[int], int]] = {}  # key -> params, its tokens, prompt length
+    late: dict[int, int] = {}  # key -> its token still on the device
+    most_live, holders = 0, set()  # the live requests with penalties that sampled: each holds a row
+    for key in range(data.draw(st.integers(1, 12))):  # a step: one more request, then some of them sample
+        prompt = data.draw(st.lists(tokens, max_size=4))
+        live[key] = (data.draw(PENALTIES), prompt, len(prompt))
+        most_live = max(most_live, len(live))
+        sampling = data.draw(st.lists(st.sampled_from(sorted(live)), min_size=1, unique=True))
+        for k in sampling:
+            if k in late:  # back on the host
+                live[k][1].append(late.pop(k))
+            live[k][1].extend(data.draw(st.lists(tokens, max_size=2)))
+        now_late = [row for row, k in enumerate(sampling) if data.draw(st.booleans())]
+        late_tokens = [data.draw(tokens) for _ in now_late]
+        logits = torch.tensor(data.draw(st.lists(st.lists(st.sampled_from([-2.0, -0.5, 0.0, 1.5]), min_size=vocab,
+                                                          max_size=vocab), min_size=len(sampling), max_size=len(sampling))))  # fmt: skip
+        expected = logits.clone()
+        for row, k in enumerate(sampling):
+            params, token_ids, num_prompt = live[k]
+            output = token_ids[num_prompt:] + [t for r, t in zip(now_late, late_tokens, strict=True) if r == row]
+            for t in range(vocab):
+                x = expected[row, t].item()
+                if t in token_ids[:num_prompt] or t in output:
+                    x = x / params.repetition_penalty if x > 0 else x * params.repetition_penalty
+                x -= params.frequency_penalty * output.count(t) + params.presence_penalty * (t in output)
+                expected[row, t] = x
+        penalties.apply(logits, sampling, [live[k][0] for k in sampling], [live[k][1] for k in sampling],
+                        [live[k][2] for k in sampling], (now_late, torch.tensor(late_tokens, dtype=torch.int64)))  # fmt: skip
+        torch.testing.assert_close(logits, expected)
+        holders |= {k for k in sampling if live[k][0].penalizes}
+        late.update({sampling[row]: token for row, token in zip(now_late, late_tokens, strict=True)})
+        for k in data.draw(st.lists(st.sampled_from(sorted(live)), unique=True)):  # finished
+            penalties.release(k)
+            del live[k]
+            late.pop(k, None)
+            holders.discard(k)
+    assert len(penalties) == len(holders)
+    assert penalties.output_counts.shape[0] < 2 * most_live  # rows of finished requests reused
 
 
 def test_allowed_token_ids_bar_every_other_token_before_the_other_controls():
@@ -299,6 +365,7 @@ def test_on_cuda_the_score_controls_and_sampling_never_wait_for_the_device():
     debug mode raises on any operation that would): with async scheduling the host builds the next step
     while this one's forward pass runs, and a wait here would stall it (a filter's settings made on the
     GPU from a Python list waited so, a copy from pageable memory, until 2026-11-30)."""
+    from sloserve.engine.penalties import PenaltyCounts
     from sloserve.engine.sampler import apply_controls, sample_on_device
 
     params = [
@@ -312,10 +379,13 @@ def test_on_cuda_the_score_controls_and_sampling_never_wait_for_the_device():
     logits = torch.randn(len(params), 64, device="cuda")
     late = ([2, 3], torch.tensor([3, 4], device="cuda"))  # rows whose last token is still on the device
     generators = [np.random.default_rng(i) if not p.greedy else None for i, p in enumerate(params)]
+    penalties = PenaltyCounts(torch.device("cuda"))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         apply_controls(logits, params, token_ids, [4] * len(params), frozenset({0}), late)
+        for step_late in (late, None):  # a request's counts made, then kept
+            penalties.apply(logits, range(len(params)), params, token_ids, [4] * len(params), step_late)
         sampled = sample_on_device(logits, params, generators)
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -331,7 +331,7 @@ class EngineCore:
     def _refuse(self, live: _Live, error: BaseException) -> None:
         if not isinstance(error, SloserveError):
             traceback.print_exception(error)
-        self.engine.executor.sequences.pop(live.request, None)
+        self.engine.executor.remove(live.request)
         self.flush()
         live.ended = True
         reason = str(error) if isinstance(error, SloserveError) else f"{type(error).__name__}: {error}"

@@ -33,6 +33,7 @@ from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.kv_cache import KVCacheTensor, expand_block_ids
 from sloserve.engine.loader import LoadedModel
 from sloserve.engine.logprobs import Logprobs, PendingLogprobs, logprobs_on_device
+from sloserve.engine.penalties import PenaltyCounts
 from sloserve.engine.piecewise_graphs import PiecewiseGraphs, piecewise_graphs_for
 from sloserve.engine.sampler import PROMPT_LOGITS_ROWS, SamplingParams, apply_controls, sample_on_device
 from sloserve.engine.structured_output import GrammarMatchers, accept
@@ -101,6 +102,7 @@ class EngineExecutor:
         self.graphs, self.piecewise = graphs, piecewise
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sequences: dict[Request, Sequence] = {}
+        self.penalties = PenaltyCounts(device)  # the token counts of the requests with penalties
         self._seed = seed
         self.num_forward_tokens = 0
         self.step_log: list[tuple[BatchShape, float]] | None = None
@@ -155,6 +157,11 @@ class EngineExecutor:
             prompt_logprobs=None if params.prompt_logprobs is None else [],
             matcher=None if params.grammar is None else self.grammar_matchers.matcher(params.grammar),
         )
+
+    def remove(self, request: Request) -> Sequence | None:
+        """Forget ``request``: its sequence (returned; None if it had none) and its penalty counts."""
+        self.penalties.release(request)
+        return self.sequences.pop(request, None)
 
     @torch.inference_mode()
     def execute(
@@ -251,7 +258,7 @@ class EngineExecutor:
                 # bitmasks so too), and are then all on the host.
                 ended_early = self.resolve()
                 late = []  # (for the score controls: no row's last token is still on the device)
-            scores = self._controlled(logits, seqs, lambda: self._late_rows(samplers, late, late_tokens))
+            scores = self._controlled(logits, samplers, lambda: self._late_rows(samplers, late, late_tokens))
             sampled = sample_on_device(scores, params, [s.generator for s in seqs])  # (N,)
             logprobs = self._logprobs_on_device(logits, seqs, sampled)
             prompt_logprobs = self._prompt_logprobs_on_device(hidden, scored)
@@ -448,25 +455,24 @@ class EngineExecutor:
     def _controlled(
         self,
         logits: torch.Tensor,  # (N, vocab) the raw scores of the rows that sample
-        seqs: list[Sequence],
+        samplers: list[tuple[Request, int]],  # (N,) the request of each row (and its flat index)
         late_rows: Callable[[], tuple[list[int], torch.Tensor] | None] = lambda: None,
     ) -> torch.Tensor:  # (N, vocab)
         """The scores each row samples from: its params' controls applied (to a copy: logprobs report
         the raw scores). ``late_rows``: the rows whose last token is still on the device, and those
         tokens (``_late_rows``), found only if a row has controls."""
+        requests = [r for r, _ in samplers]
+        seqs = [self.sequences[r] for r in requests]
         params = [s.params for s in seqs]
         guided = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if not guided and not any(p.controls_scores for p in params):
             return logits
         scores = logits.clone()
-        apply_controls(
-            scores,
-            params,
-            [s.token_ids for s in seqs],
-            [s.num_prompt_tokens for s in seqs],
-            self.eos_token_ids,
-            late_rows(),
-        )
+        token_ids = [s.token_ids for s in seqs]
+        num_prompt_tokens = [s.num_prompt_tokens for s in seqs]
+        late = late_rows()
+        apply_controls(scores, params, token_ids, num_prompt_tokens, self.eos_token_ids, late)
+        self.penalties.apply(scores, requests, params, token_ids, num_prompt_tokens, late)
         if guided:  # NOTE: last, so that no other control can bring back a token the grammar forbids
             self.grammar_matchers.mask(scores, guided, [seqs[i].matcher for i in guided])
         return scores

@@ -379,11 +379,11 @@ class LLMEngine:
         if not request.is_finished:
             request.aborted = True
 
-    def release(self, request: Request) -> SequenceState:
+    def release(self, request: Request) -> SequenceState | None:
         """Forget a finished request's tokens and return them: an engine that runs for long must
         release every request it finished, or it keeps all their tokens."""
         assert request.is_finished, f"{request} is not finished"
-        return self.executor.sequences.pop(request)
+        return self.executor.remove(request)
 
 
 def run_requests(

@@ -239,7 +239,7 @@ class SamplingParams:
 
     @cached_property
     def controls_scores(self) -> bool:
-        """Whether any control changes the scores (``apply_controls`` has work for it)."""
+        """Whether any control changes the scores (``apply_controls`` or the penalties have work for it)."""
         return bool(self.min_tokens or self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids) or (
             self.penalizes
         )
@@ -294,13 +294,10 @@ def apply_controls(
     eos_token_ids: frozenset[int],
     late: tuple[list[int], torch.Tensor] | None = None,  # rows with one more output token, on the device (L,)
 ) -> None:
-    """Apply each row's score controls (``SamplingParams``), batched over the rows that have them.
-    ``late`` (async scheduling): the rows whose last output token is not in ``token_ids`` yet, and those
-    tokens on the device; the penalties count them there, ``min_tokens`` counts them.
-
-    NOTE: the penalties count each row's tokens afresh every step (a scatter of its history), where
-    vLLM v1 keeps the counts on the device: O(context) host work a step, for the rows with penalties
-    only."""
+    """Apply each row's score controls (``SamplingParams``) but the penalties, which read counts kept
+    from step to step (``penalties.PenaltyCounts``, applied after these), batched over the rows that
+    have them. ``late`` (async scheduling): the rows whose last output token is not in ``token_ids``
+    yet, and those tokens on the device; ``min_tokens`` counts them, a bad word is matched there."""
     device, vocab = logits.device, logits.shape[1]
     rows = [i for i, p in enumerate(params) if p.controls_scores]
     if not rows:
@@ -349,23 +346,6 @@ def apply_controls(
     if biasing:
         tokens, biases = zip(*(params[i].logit_bias_tensors for i in biasing), strict=True)
         logits.index_put_(_scattered(biasing, tokens, device), to_device(torch.cat(biases), device), accumulate=True)
-    penalized = [i for i in rows if params[i].penalizes]
-    if not penalized:
-        return
-    index = index_tensor(penalized, device)
-    counts = _counts([token_ids[i][num_prompt_tokens[i] :] for i in penalized], vocab, device)  # (R, vocab)
-    in_flight = [(r, late_entry[i]) for r, i in enumerate(penalized) if i in late_entry]  # (row of counts, of late)
-    if in_flight:  # NOTE: one token each, added on the device
-        where = index_tensor([r for r, _ in in_flight], device)
-        counts[where, late_tokens[index_tensor([at for _, at in in_flight], device)]] += 1
-    in_prompt = _counts([token_ids[i][: num_prompt_tokens[i]] for i in penalized], vocab, device) > 0
-    scores = logits[index]  # (R, vocab)
-    repetition = float_tensor([params[i].repetition_penalty for i in penalized], device)[:, None]
-    seen = in_prompt | (counts > 0)
-    scores = torch.where(seen, torch.where(scores > 0, scores / repetition, scores * repetition), scores)
-    frequency = float_tensor([params[i].frequency_penalty for i in penalized], device)[:, None]
-    presence = float_tensor([params[i].presence_penalty for i in penalized], device)[:, None]
-    logits[index] = scores - frequency * counts - presence * (counts > 0)
 
 
 def _scattered(
@@ -382,17 +362,6 @@ def _output_ending(token_ids: list[int], num_prompt_tokens: int, length: int) ->
     if len(token_ids) - num_prompt_tokens < length:
         return None
     return tuple(token_ids[len(token_ids) - length :])
-
-
-def _counts(sequences: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:  # (R, vocab)
-    """How many times each token occurs in each sequence."""
-    longest = max((len(s) for s in sequences), default=0)
-    padded = torch.full((len(sequences), longest), vocab, dtype=torch.int64)  # vocab: the padding column
-    for row, s in enumerate(sequences):
-        padded[row, : len(s)] = torch.tensor(s, dtype=torch.int64)
-    counts = torch.zeros(len(sequences), vocab + 1, device=device)
-    counts.scatter_add_(1, to_device(padded, device), torch.ones(padded.shape, device=device))
-    return counts[:, :vocab]
 
 
 def sample(
