@@ -257,7 +257,7 @@ class LLM:
         string it completes still ends the text there ("stop", as vLLM's)."""
         returned = set(done)
         for request, detokenizer in list(watched.items()):
-            new = self.engine.output_token_ids(request)[len(detokenizer.token_ids) :]
+            new = self.engine.output_token_ids(request, len(detokenizer.token_ids))
             if new:
                 detokenizer.push(new, finished=request in returned)
             if detokenizer.stopped and not request.is_finished:

@@ -366,8 +366,11 @@ class LLMEngine:
                 request.last_token_time = request.finish_time = back
         return done
 
-    def output_token_ids(self, request: Request) -> list[int]:
-        return self.executor.sequences[request].output_token_ids
+    def output_token_ids(self, request: Request, start: int = 0) -> list[int]:
+        """``request``'s output tokens from its ``start``-th on (the new ones of a loop that reads them
+        every step: a copy of the whole output each step would cost the step its length)."""
+        seq = self.executor.sequences[request]
+        return seq.token_ids[seq.num_prompt_tokens + start :]
 
     def abort(self, request: Request) -> None:
         """Stop ``request`` (its client went away). It finishes with ``finish_reason`` "abort" and frees
