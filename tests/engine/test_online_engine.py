@@ -46,7 +46,9 @@ def tiny():
 
 def _run(scheduler: str, aborts: dict[int, int]) -> tuple[list[list[int]], list[str], LLMEngine]:
     engine = LLMEngine(tiny(), scheduler, kv_capacity_tokens=384)
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+    # (every other one penalized: its counts are kept from step to step, and freed with it)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, presence_penalty=(i % 2) * 0.5)
+              for i, n in enumerate(MAX_TOKENS)]  # fmt: skip
     requests = [engine.add_request(p, s) for p, s in zip(PROMPTS, params, strict=True)]
     tokens: dict[int, list[int]] = {}
     reasons: dict[int, str] = {}
@@ -74,7 +76,7 @@ def test_aborted_requests_free_their_kv_and_leave_the_others_exact(scheduler):
     tokens, reasons, engine = _run(scheduler, ABORT_AT_STEP)
     kv = engine.scheduler.kv
     assert kv.num_free_blocks == kv.gpu.num_blocks, "an aborted request kept KV"
-    assert not engine.executor.sequences
+    assert not engine.executor.sequences and not engine.executor.penalties
     reference = _reference(scheduler)
     for i, (got, want) in enumerate(zip(tokens, reference, strict=True)):
         if i in ABORT_AT_STEP:
