@@ -166,8 +166,8 @@ def test_a_chat_batch_answers_as_the_chat_endpoint(server):
 
 def test_a_responses_batch_answers_as_the_responses_endpoint(server):
     """OpenAI's ``/v1/responses`` batches: each line's response is the one the same body gets online
-    (text, a length cut, a required call), not stored; a line that continues a stored response or
-    streams is an error line naming the field."""
+    (text, a length cut, a required call), not stored; a line that continues a stored response, streams
+    or has an item of the wrong shape is an error line naming the field."""
     client = server.client
     tools = [{"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {
         "q": {"type": "string", "maxLength": 5}}, "required": ["q"]}}]  # fmt: skip
@@ -177,13 +177,14 @@ def test_a_responses_batch_answers_as_the_responses_endpoint(server):
         {"input": "Look it up", "tools": tools, "tool_choice": "required", "max_output_tokens": 32},
         {"input": "more", "previous_response_id": "resp_1", "max_output_tokens": 2},
         {"input": "hi", "stream": True, "max_output_tokens": 2},
+        {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}], "max_output_tokens": 2},
     ]
     lines = [{"custom_id": f"r-{i}", "method": "POST", "url": "/v1/responses",
               "body": {"model": MODEL, "temperature": 0, **body}} for i, body in enumerate(bodies)]  # fmt: skip
     batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/responses",
                                   completion_window="24h")  # fmt: skip
     batch = wait_final(client, batch.id)
-    assert batch.status == "completed" and batch.request_counts.completed == 3 and batch.request_counts.failed == 2
+    assert batch.status == "completed" and batch.request_counts.completed == 3 and batch.request_counts.failed == 3
     for line, out in zip(lines[:3], read_jsonl(client, batch.output_file_id), strict=True):
         online = client.responses.create(**line["body"], store=False)
         answered = out["response"]["body"]
@@ -198,6 +199,7 @@ def test_a_responses_batch_answers_as_the_responses_endpoint(server):
             client.responses.retrieve(answered["id"])
     errors = {e["custom_id"]: e["response"]["body"]["error"] for e in read_jsonl(client, batch.error_file_id)}
     assert errors["r-3"]["param"] == "previous_response_id" and errors["r-4"]["param"] == "stream"
+    assert errors["r-5"]["param"] == "input.0.content.0.text"  # the item's field, not a branch of input's union
 
 
 def test_uploads_and_batches_are_checked_with_openai_errors(server):

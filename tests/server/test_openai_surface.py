@@ -1276,6 +1276,17 @@ def test_responses_api_logprobs_are_the_chat_logprobs_of_the_same_answer_streame
         ({"tools": [{"type": "web_search"}]}, "tools", "tool 0 is of type 'web_search': this server runs function"),
         ({"input": []}, "input", "input is empty"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input", "input holds no message"),
+        # the field in the item that is wrong, not the first branch of input's union ("input.str")
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+            "input.0.content.0.text",
+            "- input.0.content.0.text: Input should be a valid string$",
+        ),
+        (
+            {"input": [{"role": "user", "content": "hi"}, {"type": "message", "content": "x"}]},
+            "input.1.role",
+            "Field required",
+        ),
         ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
         ({"max_output_tokens": 300}, "max_output_tokens", "maximum context length is 256"),
         (

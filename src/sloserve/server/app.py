@@ -103,7 +103,7 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         metrics.rejected.labels("invalid").inc()
-        return JSONResponse(validation_error(exc.errors()), status_code=400)
+        return JSONResponse(validation_error(exc.errors(), exc.body), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -242,7 +243,7 @@ class BatchRunner:
                 submission = await submit(body, RequestClass.BE)
             flight.submission = submission
         except ValidationError as e:
-            return output_line(line.custom_id, 400, validation_error(e.errors())), True
+            return output_line(line.custom_id, 400, validation_error(e.errors(), json.loads(line.body))), True
         except SloserveError as e:
             error = error_response(e)
             if error is None:

@@ -124,15 +124,43 @@ def error_response(exc: Exception) -> ErrorResponse | None:
     return None
 
 
-def validation_error(errors: list[dict[str, Any]]) -> dict[str, Any]:
-    """The 400 body of a body pydantic refused (``errors`` as ``ValidationError.errors()``): the first
-    error, its field named as a dotted path."""
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    if first.get("type") == "json_invalid":
-        return error_body(f"the request body is not valid JSON: {first.get('msg')}", "invalid_request_error")
-    param = ".".join(str(x) for x in first.get("loc", ()) if x not in ("body", "query", "path")) or None
-    message = str(first.get("msg")).removeprefix("Value error, ")  # pydantic's prefix to a validator's words
+def validation_error(errors: list[dict[str, Any]], body: Any) -> dict[str, Any]:
+    """The 400 body of a ``body`` pydantic refused (``errors`` as ``ValidationError.errors()``): one error,
+    its field named as a dotted path into ``body``. Of several (each branch of a union refuses the value:
+    ``input`` is neither a string nor a list of valid items), the one whose field is deepest in ``body``,
+    that is of the branch that matched it furthest; of those, the first."""
+    if not errors:
+        return error_body("invalid request", "invalid_request_error")
+    if errors[0].get("type") == "json_invalid":
+        return error_body(f"the request body is not valid JSON: {errors[0].get('msg')}", "invalid_request_error")
+    paths = [_path_in(body, error) for error in errors]
+    deepest = max(range(len(errors)), key=lambda i: len(paths[i]))  # NOTE: max keeps the first of equals
+    param = ".".join(str(x) for x in paths[deepest]) or None
+    message = str(errors[deepest].get("msg")).removeprefix("Value error, ")  # pydantic's prefix to a validator's
     return error_body(f"{param + ': ' if param else ''}{message}", "invalid_request_error", param)
+
+
+def _path_in(body: Any, error: dict[str, Any]) -> list[str | int]:
+    """``error``'s location as the keys and indices that lead to its field in ``body``: without FastAPI's
+    "body" and pydantic's union branch tags ("str", "list[...]", a tagged union's tag), which are no
+    key of the value they follow. A missing field's name is kept, as the last. (A query or path
+    parameter's location is its name.)"""
+    loc = list(error.get("loc", ()))
+    if loc and loc[0] in ("query", "path", "header"):
+        return loc[1:]
+    if loc and loc[0] == "body":
+        loc = loc[1:]
+    path: list[str | int] = []
+    value = body
+    for at, key in enumerate(loc):
+        if isinstance(value, dict) and key in value:
+            value = value[key]
+        elif isinstance(value, list) and isinstance(key, int) and 0 <= key < len(value):
+            value = value[key]
+        elif not (at == len(loc) - 1 and error.get("type") == "missing"):
+            continue  # a branch tag
+        path.append(key)
+    return path
 
 
 def ended_early(reason: str, engine_error: str | None) -> ErrorResponse:
