@@ -1288,6 +1288,11 @@ def test_responses_api_logprobs_are_the_chat_logprobs_of_the_same_answer_streame
             "Field required",
         ),
         ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x"}}},
+            "text.format",
+            "text.format of type json_schema needs schema",
+        ),  # (not the chat request's response_format it becomes)
         ({"max_output_tokens": 300}, "max_output_tokens", "maximum context length is 256"),
         (
             {

@@ -194,6 +194,9 @@ class ResponsesRequest(RequestBody):
                 raise ParameterError(name, f"{name} is not supported{why if name == 'conversation' else ''}")
         if isinstance(self.input, list) and not self.input:
             raise ParameterError("input", "input is empty")
+        text_format = self.text.format if self.text is not None else None
+        if text_format is not None and text_format.type == "json_schema" and text_format.schema_ is None:
+            raise ParameterError("text.format", "text.format of type json_schema needs schema: the JSON schema")
 
     @property
     def wants_logprobs(self) -> bool:
