@@ -30,15 +30,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sloserve.core.errors import SloserveError
 from sloserve.server.auth import ApiKeyAuth
 from sloserve.server.batch_api import BatchService
+from sloserve.server.bodies import add_body_schemas
 from sloserve.server.chat_api import chat_router
 from sloserve.server.completions_api import completions_router
 from sloserve.server.metrics import ServerMetrics
 from sloserve.server.metrics_api import metrics_router
 from sloserve.server.models_api import models_router
-from sloserve.server.protocol import error_body
+from sloserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from sloserve.server.response_store import ResponseStore
 from sloserve.server.responses import json_error
-from sloserve.server.responses_api import responses_router
+from sloserve.server.responses_api import ResponsesRequest, responses_router
 from sloserve.server.serving import OpenAIServing, error_response, validation_error
 from sloserve.server.tokenize_api import tokenize_router
 
@@ -84,6 +85,7 @@ def build_app(
     app.state.metrics = metrics
     app.state.batches = batches
     _add_error_handlers(app, metrics)
+    add_body_schemas(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest])
     app.include_router(completions_router(serving))
     app.include_router(chat_router(serving))
     app.include_router(responses_router(serving, stored_responses))

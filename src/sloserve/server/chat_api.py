@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from sloserve.server.beam_search_api import beam_search_response
+from sloserve.server.bodies import openapi_body, validated_off_loop
 from sloserve.server.protocol import ChatCompletionRequest
 from sloserve.server.responses import respond
 from sloserve.server.serving import OpenAIServing
@@ -14,8 +15,10 @@ from sloserve.server.serving import OpenAIServing
 def chat_router(serving: OpenAIServing) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+    body_as_model = Depends(validated_off_loop(serving, ChatCompletionRequest))
+
+    @router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
+    async def chat_completions(raw: Request, body: ChatCompletionRequest = body_as_model) -> Response:
         if body.use_beam_search:
             return await beam_search_response(serving, body, raw)
         return await respond(serving, raw, await serving.submit_chat(body), "chat")

@@ -32,12 +32,13 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, TypeAdapter, ValidationError, field_validator
 
 from sloserve.core.request import RequestClass
 from sloserve.server.auth import request_owner
+from sloserve.server.bodies import openapi_body, validated_off_loop
 from sloserve.server.chat_output import ChatOutputParser, MessageDelta
 from sloserve.server.protocol import ChatCompletionRequest, ParameterError, RequestBody, now_unix
 from sloserve.server.reasoning import THINK_CLOSE, THINK_OPEN, AnswerTokens
@@ -453,8 +454,10 @@ class ResponseBuilder:
 def responses_router(serving: OpenAIServing, store: ResponseStore) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/responses")
-    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+    body_as_model = Depends(validated_off_loop(serving, ResponsesRequest))
+
+    @router.post("/v1/responses", openapi_extra=openapi_body(ResponsesRequest))
+    async def responses(raw: Request, body: ResponsesRequest = body_as_model) -> Response:
         owner = request_owner(raw)
         earlier: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
@@ -538,7 +541,8 @@ async def submit_response(
             "as tokens of the model's vocabulary, to tell the answer's tokens from the thinking's",
         )
     try:
-        return await serving.submit_chat(body.chat_request(earlier), request_class)
+        # NOTE: beside the event loop: a long input (or conversation before it) takes long to validate
+        return await serving.submit_chat(await serving.off_loop(body.chat_request, earlier), request_class)
     except ParameterError as e:
         e.param = CHAT_FIELDS.get(e.param, e.param)
         raise
