@@ -260,6 +260,8 @@ def test_best_of_returns_the_choices_with_the_highest_cumulative_logprob(server)
         ("completions", {"prompt": "hi", "best_of": 3, "stream": True}, "best_of"),
         ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
         ("completions", {"prompt": ["a", "b", "c"], "n": 8}, "n"),  # 24 sequences; the server queues 16
+        # and beams: 20, never queued (it was a 429, "retry later", on an idle server)
+        ("completions", {"prompt": ["a", "b"], "n": 10, "use_beam_search": True}, "n"),
         ("completions", {"prompt": ["a", ""]}, "prompt"),
         ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
         ("chat", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),

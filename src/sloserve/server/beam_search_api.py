@@ -69,6 +69,7 @@ class BeamSearch:
         serving.check_model(body.model)
         body.check_supported()
         body.check_beam_search()
+        serving.check_queue_holds(body, 1 if isinstance(body, ChatCompletionRequest) else len(body.prompt_list()))
         if isinstance(body, ChatCompletionRequest):
             prompts = [await serving.off_loop(serving.chat_prompt, body)]
         else:

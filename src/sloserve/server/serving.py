@@ -503,6 +503,12 @@ class OpenAIServing:
         self.check_model(body.model)
         body.check_supported()
         _refuse_beam_search(body)
+        self.check_queue_holds(body, num_prompts)
+        self.check_priority(body.priority)
+
+    def check_queue_holds(self, body: SamplingRequest, num_prompts: int) -> None:
+        """A 400 for a request of more sequences than the server queues at all: it is never admitted (a 429,
+        the answer while the queue is full, would have its client retry it forever)."""
         total = num_prompts * body.num_choices
         if total > self.engine.max_queued_requests:
             raise ParameterError(
@@ -510,7 +516,6 @@ class OpenAIServing:
                 f"{num_prompts} prompt(s) x {body.num_choices} choices = {total} sequences, more than this "
                 f"server queues ({self.engine.max_queued_requests}, --max-queued-requests)",
             )
-        self.check_priority(body.priority)
 
     def chat_prompt_ids(
         self, messages: list[ChatMessage], fields: ChatTemplateFields, add_special_tokens: bool | None = None
