@@ -1,8 +1,8 @@
-"""What a step spends on one request's score controls, by their size: ``allowed_token_ids``, ``logit_bias``
-and ``bad_words`` of 10, 1,000 and 100,000 entries, and the penalties over a context of that many tokens,
-applied to one row of Llama 3's vocabulary as the engine applies them (``apply_controls``, then
-``PenaltyCounts.apply``; the best of --repeats steps, each a token longer, after a first that builds what
-is kept per request).
+"""What a step spends on one request's score controls, by their size: ``allowed_token_ids``, ``logit_bias``,
+``bad_words`` and ``stop_token_ids`` (held back by ``min_tokens``) of 10, 1,000 and 100,000 entries, and the
+penalties over a context of that many tokens, applied to one row of Llama 3's vocabulary as the engine
+applies them (``apply_controls``, then ``PenaltyCounts.apply``; the best of --repeats steps, each a token
+longer, after a first that builds what is kept per request).
 
     python benchmarks/controls_per_step.py                 # the CPU
     python benchmarks/controls_per_step.py --device cuda
@@ -31,6 +31,8 @@ def controls(kind: str, size: int) -> SamplingParams:
         return SamplingParams(allowed_token_ids=list(range(size)))
     if kind == "logit_bias":
         return SamplingParams(logit_bias={token: 1.0 for token in range(size)})
+    if kind == "stop_token_ids":  # barred by min_tokens at every step measured
+        return SamplingParams(stop_token_ids=tuple(range(1000, 1000 + size)), min_tokens=10_000, max_tokens=20_000)
     if kind == "penalties":
         return SamplingParams(repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5)
     # words of two and three tokens, none of them ending the output below
@@ -67,7 +69,7 @@ def main() -> None:
     device = torch.device(args.device)
     print(f"| control ({args.device}, vocab {VOCAB:,}) | " + " | ".join(f"{n:,} entries" for n in SIZES) + " |")
     print("| --- |" + " --- |" * len(SIZES))
-    for kind in ("allowed_token_ids", "logit_bias", "bad_words", "penalties"):
+    for kind in ("allowed_token_ids", "logit_bias", "bad_words", "stop_token_ids", "penalties"):
         times = [step_ms(kind, n, device, args.repeats) for n in SIZES]
         cells = [f"{t:.2f} ms ({t / times[0]:.1f}x)" for t in times]
         print(f"| {kind} | " + " | ".join(cells) + " |")

@@ -280,6 +280,28 @@ def test_allowed_tokens_and_biases_of_a_batch_land_on_their_own_rows(rows):
         assert row == [e + (bias or {}).get(t, 0.0) for t, e in enumerate(expected)]
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(st.integers(0, 4), st.lists(st.integers(0, 7), max_size=5).map(tuple), st.integers(0, 6)),
+        min_size=1,
+        max_size=6,
+    ),
+    eos=st.frozensets(st.integers(0, 7), max_size=2),
+)
+def test_min_tokens_bars_eos_and_each_rows_own_stop_tokens(rows, eos):
+    """A row whose output is shorter than its ``min_tokens`` has EOS and its own ``stop_token_ids`` barred
+    (tensors made once per request), and nothing else; a row past it is untouched."""
+    from sloserve.engine.sampler import apply_controls
+
+    params = [SamplingParams(min_tokens=m, stop_token_ids=stop, max_tokens=8) for m, stop, _ in rows]
+    logits = torch.zeros(len(rows), 8)
+    apply_controls(logits, params, [[9] * (2 + n) for _, _, n in rows], [2] * len(rows), eos)
+    for row, (min_tokens, stop, num_output) in zip(logits.tolist(), rows, strict=True):
+        barred = {*eos, *stop} if num_output < min_tokens else set()
+        assert row == [-math.inf if t in barred else 0.0 for t in range(8)]
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     words=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=4).map(tuple), max_size=12),

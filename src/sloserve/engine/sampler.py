@@ -179,7 +179,7 @@ class SamplingParams:
         """Whether sampling ``token_id`` ends the request ("stop"): a stop token, or EOS unless ignored.
         NOTE: as vLLM, such a token is in the output's tokens, not in its text (unless
         ``include_stop_str_in_output``)."""
-        return token_id in self.stop_token_ids or (token_id in eos_token_ids and not self.ignore_eos)
+        return token_id in self.stop_token_set or (token_id in eos_token_ids and not self.ignore_eos)
 
     def ended_on_stop_token(self, finish_reason: str | None, token_ids: list[int], eos: frozenset[int]) -> bool:
         """Whether an output that ended with ``token_ids`` (its last ones) ended on its last token,
@@ -253,6 +253,16 @@ class SamplingParams:
         """``allowed_token_ids`` as a tensor, made once: a request may allow most of the vocabulary, and a
         list of 100,000 ids made into a tensor costs every step 25 ms."""
         return torch.tensor(self.allowed_token_ids or (), dtype=torch.int64)
+
+    @cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """``stop_token_ids`` as a set, made once: every step asks whether each request's token is one."""
+        return frozenset(self.stop_token_ids)
+
+    @cached_property
+    def stop_token_tensor(self) -> torch.Tensor:  # (S,) int64, on the CPU
+        """``stop_token_ids`` as a tensor, made once (as ``allowed_token_tensor``): ``min_tokens`` bars them."""
+        return torch.tensor(self.stop_token_ids, dtype=torch.int64)
 
     @cached_property
     def logit_bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:  # (B,) int64 token ids, (B,) float32 biases
@@ -337,11 +347,14 @@ def apply_controls(
         where = index_tensor([(i, barred) for i, _, _, barred in banned_if_last], device).T
         bar = torch.zeros(len(banned_if_last), device=device).masked_fill(last_is, -math.inf)  # (C,)
         logits.index_put_(tuple(where), bar, accumulate=True)
-    # min_tokens, then logit_bias: a handful of scores per row, set or added at once
-    masked = [(i, t) for i in rows if len(token_ids[i]) + (i in late_entry) - num_prompt_tokens[i] < params[i].min_tokens
-              for t in (*eos_token_ids, *params[i].stop_token_ids)]  # fmt: skip
-    if masked:
-        logits[tuple(index_tensor(masked, device).T)] = -math.inf
+    # min_tokens (EOS and the stop tokens barred while the output is shorter), then logit_bias: each set or
+    # added at once
+    holding = [i for i in rows if len(token_ids[i]) + (i in late_entry) - num_prompt_tokens[i] < params[i].min_tokens]
+    if holding:
+        logits[index_tensor(holding, device)[:, None], index_tensor(sorted(eos_token_ids), device)] = -math.inf
+        stopping = [i for i in holding if params[i].stop_token_ids]
+        if stopping:
+            logits[_scattered(stopping, [params[i].stop_token_tensor for i in stopping], device)] = -math.inf
     biasing = [i for i in rows if params[i].logit_bias]
     if biasing:
         tokens, biases = zip(*(params[i].logit_bias_tensors for i in biasing), strict=True)
