@@ -227,7 +227,8 @@ class BatchRunner:
         """(the output line, whether it is an error); (None, _) when the line was not answered."""
         chat = endpoint == "/v1/chat/completions"
         try:
-            body = BODY_MODELS[endpoint].model_validate_json(line.body)
+            # NOTE: beside the event loop, as the routes validate theirs (bodies.py): online requests go on
+            body = await self.serving.off_loop(BODY_MODELS[endpoint].model_validate_json, line.body)
             if body.stream:
                 raise ParameterError("stream", "stream is not supported in a batch: each line gets one response")
             if getattr(body, "use_beam_search", False):
