@@ -36,7 +36,7 @@ from sloserve.server.completions_api import completions_router
 from sloserve.server.metrics import ServerMetrics
 from sloserve.server.metrics_api import metrics_router
 from sloserve.server.models_api import models_router
-from sloserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from sloserve.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, error_body
 from sloserve.server.response_store import ResponseStore
 from sloserve.server.responses import json_error
 from sloserve.server.responses_api import ResponsesRequest, responses_router
@@ -85,7 +85,7 @@ def build_app(
     app.state.metrics = metrics
     app.state.batches = batches
     _add_error_handlers(app, metrics)
-    add_body_schemas(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest])
+    add_body_schemas(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest])
     app.include_router(completions_router(serving))
     app.include_router(chat_router(serving))
     app.include_router(responses_router(serving, stored_responses))

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 
+from sloserve.server.bodies import openapi_body, validated_off_loop
 from sloserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from sloserve.server.serving import OpenAIServing
 
@@ -15,12 +16,15 @@ from sloserve.server.serving import OpenAIServing
 def tokenize_router(serving: OpenAIServing) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    tokenize_body = Depends(validated_off_loop(serving, TokenizeRequest))
+    detokenize_body = Depends(validated_off_loop(serving, DetokenizeRequest))
+
+    @router.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
+    async def tokenize(body: TokenizeRequest = tokenize_body) -> dict[str, Any]:
         return await serving.off_loop(serving.tokenize, body)
 
-    @router.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+    @router.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
+    async def detokenize(body: DetokenizeRequest = detokenize_body) -> dict[str, Any]:
         return await serving.off_loop(serving.detokenize, body)
 
     return router
