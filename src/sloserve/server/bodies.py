@@ -2,9 +2,9 @@
 
 FastAPI validates a route's body model on the event loop, before the route runs: a body of 200,000 chat
 messages (8.8 MB) held every other request for 1.4 s there (its validators run per message). The routes
-that take prompts or tokens get their body as JSON instead (decoded by FastAPI, with Python's C decoder: 0.07 s
-for those 8.8 MB) and validate it in the tokenizer threads (``OpenAIServing.off_loop``), where the loop keeps serving; a body
-the model refuses is the same 400 as before.
+that take prompts or tokens get their body as JSON instead (decoded by FastAPI, with Python's C decoder:
+0.07 s for those 8.8 MB) and validate it in the tokenizer threads (``OpenAIServing.off_loop``), where
+the loop keeps serving; a body the model refuses is the same 400 as before.
 """
 
 from __future__ import annotations
