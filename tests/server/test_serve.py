@@ -472,7 +472,7 @@ def test_a_prompt_is_tokenized_beside_the_event_loop(server, monkeypatch, path, 
 )  # fmt: skip
 def test_a_body_is_validated_beside_the_event_loop(server, monkeypatch, path, model, body, bad):
     """While one request's body is held in its model's validation, the server answers others (200,000 chat
-    messages took 1.3 s there: every other request waited for them when FastAPI validated on the event
+    messages took 1.4 s there: every other request waited for them when FastAPI validated on the event
     loop); then the held one is answered, and a body its model refuses is still a 400 naming the field."""
     entered, release = threading.Event(), threading.Event()
     validate = model.model_validate
