@@ -135,6 +135,38 @@ def test_forced_preemption_loses_nothing(hf_dirs, scheduler, preemption):
 
 
 @pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        dict(kv_capacity_tokens=64, block_size=4, preemption_mode="recompute"),  # refilled, counts kept
+        dict(async_scheduling=True),  # each row's last token counted on the device
+    ],
+)
+def test_a_repetition_penalty_gives_hf_greedy_tokens_with_the_same_penalty(hf_dirs, options):
+    """vLLM's repetition penalty is HF's (a score of a token in the prompt or the output so far divided by
+    it, multiplied where negative): greedy tokens with it equal HF's ``generate(repetition_penalty=...)``,
+    with the counts kept from step to step (``PenaltyCounts``) through preemptions and async scheduling."""
+    penalty = 1.8
+    want = []
+    for prompt, n in zip(PROMPTS, MAX_TOKENS, strict=True):
+        gen = _hf_cached("llama").generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                                           do_sample=False, eos_token_id=None, pad_token_id=0,
+                                           repetition_penalty=penalty)  # fmt: skip
+        want.append(gen[0, len(prompt) :].tolist())
+    assert want != reference("llama"), "the penalty changes no token: the test would not see it"
+    llm = LLM(hf_dirs["llama"], "vllm", **options)
+    params = [
+        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, repetition_penalty=penalty) for n in MAX_TOKENS
+    ]
+    for _ in range(2):  # (the second time in the rows the first left: freed, and found clean)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        assert [o.outputs[0].token_ids for o in outputs] == want
+        assert not llm.engine.executor.penalties
+    if "preemption_mode" in options:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize(
     "arch,scheduler,options",
     [
         ("llama", "sarathi", dict(prefill_token_budget=8, block_size=4)),  # chunks attend to earlier chunks
