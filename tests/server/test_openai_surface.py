@@ -1180,6 +1180,29 @@ def test_responses_api_function_calls_round_trip(server):
     assert answered.usage.input_tokens == as_chat.usage.prompt_tokens
 
 
+def test_a_function_call_output_answers_a_call_made_before_it_or_is_a_400_naming_its_call_id(server):
+    """As OpenAI's Responses API: a ``function_call_output`` whose ``call_id`` no earlier ``function_call``
+    made (in the input, or in the conversation of ``previous_response_id``) is refused, naming the item."""
+    call = {"type": "function_call", "call_id": "call_a", "name": "get_time", "arguments": "{}"}
+    tools = [{"type": "function", "name": "get_time", "parameters": ZONE}]
+    common = dict(model=MODEL, tools=tools, tool_choice="none", max_output_tokens=2, temperature=0)
+    answered = server.client.responses.create(
+        **common, input=[{"role": "user", "content": "hi"}, call,
+                         {"type": "function_call_output", "call_id": "call_a", "output": "noon"}],
+    )  # fmt: skip
+    assert answered.status in ("completed", "incomplete")
+    plain = server.client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    for previous, input_items, field in (
+        (None, [{"role": "user", "content": "hi"}, call, {"type": "function_call_output", "call_id": "call_b",
+                                                          "output": "noon"}], "input.2.call_id"),
+        (None, [{"type": "function_call_output", "call_id": "call_a", "output": "noon"}], "input.0.call_id"),
+        (plain.id, [{"type": "function_call_output", "call_id": "call_a", "output": "noon"}], "input.0.call_id"),
+    ):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            server.client.responses.create(**common, input=input_items, previous_response_id=previous)
+        assert e.value.body["param"] == field and "call_" in e.value.message
+
+
 def test_previous_response_id_continues_a_stored_conversation_as_the_chat_that_holds_it(server):
     """An agent's loop: a response with a required call, then its output sent with only
     ``previous_response_id`` (``function_call_output``), then a text turn: each answers as the chat

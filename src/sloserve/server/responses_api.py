@@ -231,7 +231,9 @@ class ResponsesRequest(RequestBody):
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
-        for item in INPUT_ITEMS.validate_python(list(earlier)) + self.input_items():
+        earlier_items = INPUT_ITEMS.validate_python(list(earlier))
+        call_ids: set[str] = set()  # of the function calls made so far
+        for position, item in enumerate(earlier_items + self.input_items()):
             if isinstance(item, InputMessage):
                 messages.append({"role": item.role, "content": item.text()})
             elif isinstance(item, FunctionCallItem):
@@ -241,7 +243,14 @@ class ResponsesRequest(RequestBody):
                     messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant message
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                call_ids.add(item.call_id)
             elif isinstance(item, FunctionCallOutputItem):
+                if item.call_id not in call_ids:  # NOTE: OpenAI's 400 too; a chat template would render it
+                    raise ParameterError(
+                        f"input.{position - len(earlier_items)}.call_id",
+                        f"no function call with call_id {item.call_id!r} comes before this function_call_output "
+                        "(in input, or in the conversation of previous_response_id)",
+                    )
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
         if not messages:
             raise ParameterError("input", "input holds no message")
