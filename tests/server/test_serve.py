@@ -73,14 +73,19 @@ def test_completions_streamed_or_not_equal_llm_generate(server, reference_llm):
         )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == text
         assert chunks[-1].usage.completion_tokens == len(ids) and not chunks[-1].choices
-    # vLLM's continuous_usage_stats: every chunk counts its choice's tokens so far
-    chunks = list(server.client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True},
-    ))  # fmt: skip
+    # vLLM's continuous_usage_stats: every chunk counts its choice's tokens so far, and from its first
+    # token the prompt's cached tokens (sent twice: the second finds its prompt in the prefix cache)
+    for _ in range(2):
+        chunks = list(server.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi " * 40}], max_tokens=6, temperature=0,
+            stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": True},
+        ))  # fmt: skip
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts[0] == 0 and counts[-2:] == [6, 6] and counts == sorted(counts)  # NOTE: deltas may merge
     assert len(set(counts)) == len(counts) - 1 and len({c.usage.prompt_tokens for c in chunks}) == 1
+    cached = [c.usage.prompt_tokens_details and c.usage.prompt_tokens_details.cached_tokens for c in chunks]
+    assert cached[0] is None and cached[1:] == [cached[-1]] * (len(chunks) - 1) and cached[-1] > 0
     ids = tokenizer.encode("Hello")
     by_ids = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
     assert by_ids.choices[0].text == generate(reference_llm, ids, 8)[0]

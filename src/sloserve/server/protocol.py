@@ -574,14 +574,18 @@ class ParameterError(ConfigError):
         self.param, self.code = param, code
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage object; ``cached_tokens``: the prompt tokens found in the prefix cache."""
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: the prompt tokens found in the prefix cache (None: not
+    known yet, before the prompt is scheduled; then there are no ``prompt_tokens_details``, as in vLLM's
+    chunks)."""
+    counts: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if cached_tokens is not None:
+        counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return counts
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

@@ -66,7 +66,9 @@ async def stream(engine: AsyncLLMEngine, submission: Submission, objects: Respon
 
     def event(i: int, chunk: dict[str, Any]) -> str:
         if body.continuous_usage:  # vLLM's: the choice's prompt and its tokens so far
-            chunk["usage"] = usage(served[i].num_prompt_tokens, num_sent[i])
+            # NOTE: its cached tokens are known with its first token (a role chunk comes before)
+            cached = served[i].num_cached_tokens if num_sent[i] else None
+            chunk["usage"] = usage(served[i].num_prompt_tokens, num_sent[i], cached)
         return sse(chunk)
 
     try:
