@@ -372,6 +372,7 @@ def test_controls_that_leave_no_token_are_named():
         ("n", 0, "n must be an integer in 1..128, got 0"),
         ("n", 10**30, "n must be an integer in 1..128, got 1" + "0" * 30),  # once generate() hung on it
         ("stop", [1], r"stop must be a string or a list of strings, got \[1\]"),
+        ("stop", ["\n", ""], "stop cannot hold an empty string"),  # it was ignored
     ],
 )
 def test_controls_out_of_range_are_refused(field, value, message):

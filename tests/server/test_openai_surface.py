@@ -472,6 +472,31 @@ def test_vllms_unserved_fields_at_their_unused_values_are_served(server):
     assert response.usage.completion_tokens == 2
 
 
+def test_fields_sent_as_null_take_their_defaults_and_an_empty_stop_string_is_a_400(server):
+    """OpenAI's API lets ``temperature``, ``top_p``, ``n``, ``stream`` and the penalties (and completions'
+    ``echo``) be null, and clients send it (the SDK sends a None it is handed): each is its default, as
+    vLLM reads it. An empty stop string is a 400 naming ``stop``, as vLLM's (it ended nothing here)."""
+    nulls = dict(temperature=None, top_p=None, n=None, stream=None, presence_penalty=None, frequency_penalty=None)
+    kwargs = dict(model=MODEL, max_tokens=6, seed=3)
+
+    def texts(response) -> list[str]:
+        return [c.text if hasattr(c, "text") else c.message.content for c in response.choices]
+
+    plain = server.client.completions.create(**kwargs, prompt=PROMPTS[1])
+    nulled = server.client.completions.create(**kwargs, prompt=PROMPTS[1], **nulls, echo=None,
+                                              extra_body={"repetition_penalty": None})  # fmt: skip
+    assert texts(nulled) == texts(plain)
+    plain = server.client.chat.completions.create(**kwargs, messages=HI)
+    assert texts(server.client.chat.completions.create(**kwargs, messages=HI, **nulls)) == texts(plain)
+    common = dict(model=MODEL, input="hi", max_output_tokens=6, extra_body={"seed": 3})
+    nulled = server.client.responses.create(**common, temperature=None, top_p=None, stream=None)
+    assert nulled.output_text == server.client.responses.create(**common).output_text
+    for stop in ("", ["\n", ""]):
+        with pytest.raises(openai.BadRequestError) as e:
+            server.client.completions.create(**kwargs, prompt=PROMPTS[1], stop=stop)
+        assert e.value.body["param"] == "stop" and "empty" in e.value.message
+
+
 def test_vllms_stop_string_and_special_token_options(server, hf):
     """``include_stop_str_in_output`` keeps the stop string at the end of the text; ``skip_special_tokens``
     false shows special tokens in it (here EOS, forced by a logit bias past ``ignore_eos``)."""

@@ -123,6 +123,8 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop  # vLLM takes a str or a list
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
             raise ConfigError(f"SamplingParams.stop must be a string or a list of strings, got {self.stop!r}")
+        if "" in stop:  # NOTE: as vLLM's: every text would end at once
+            raise ConfigError("SamplingParams.stop cannot hold an empty string")
         object.__setattr__(self, "stop", tuple(stop))  # NOTE: frozen (and hashable) from here
         if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) for w in self.bad_words):
             raise ConfigError(f"SamplingParams.bad_words must be a list of strings, got {self.bad_words!r}")

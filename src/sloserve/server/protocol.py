@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import SLO, RequestClass
@@ -83,6 +83,17 @@ class RequestBody(BaseModel):
         if where is not None:
             raise ValueError(f"{where or 'the body'}: not valid Unicode (a lone UTF-16 surrogate such as \\ud800)")
         return data
+
+
+def null_is_default(*fields: str) -> Any:
+    """A validator (assigned in a model's body) by which ``fields`` sent as null take their default.
+    NOTE: OpenAI's API lets them be null (the SDK sends a None it is handed) and vLLM reads null as the
+    default; pydantic would refuse it ("Input should be a valid number")."""
+
+    def default_for_null(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].default if value is None else value
+
+    return field_validator(*fields, mode="before")(classmethod(default_for_null))
 
 
 class StreamOptions(BaseModel):
@@ -173,14 +184,22 @@ class SamplingRequest(RequestBody):
     guided_grammar: str | None = None
     user: str | None = None
 
+    _nulls = null_is_default(
+        "temperature", "top_p", "stream", "n", "presence_penalty", "frequency_penalty", "repetition_penalty"
+    )
+
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_list(cls, value: Any) -> Any:
         # NOTE: before the union's own check, whose complaint would name its first member ("stop.str: ...")
-        if value is None or isinstance(value, str):
+        if value is None:
             return value
+        if isinstance(value, str):
+            value = [value]
         if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
             raise ValueError("must be a string or a list of strings")
+        if "" in value:  # NOTE: vLLM's 400 too: every text would end at once
+            raise ValueError("a stop string cannot be empty")
         if len(value) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
         return value
@@ -313,6 +332,8 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+
+    _echo_null = null_is_default("echo")
 
     @field_validator("prompt", mode="before")
     @classmethod

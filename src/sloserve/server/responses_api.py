@@ -40,7 +40,7 @@ from sloserve.core.request import RequestClass
 from sloserve.server.auth import request_owner
 from sloserve.server.bodies import openapi_body, validated_off_loop
 from sloserve.server.chat_output import ChatOutputParser, MessageDelta
-from sloserve.server.protocol import ChatCompletionRequest, ParameterError, RequestBody, now_unix
+from sloserve.server.protocol import ChatCompletionRequest, ParameterError, RequestBody, now_unix, null_is_default
 from sloserve.server.reasoning import THINK_CLOSE, THINK_OPEN, AnswerTokens
 from sloserve.server.response_store import PreviousResponseNotFound, ResponseStore
 from sloserve.server.responses import json_error, until_done_or_gone
@@ -168,6 +168,8 @@ class ResponsesRequest(RequestBody):
     user: str | None = None
     include: list[INCLUDABLE] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    _nulls = null_is_default("temperature", "top_p", "stream")
 
     @field_validator("input", mode="before")
     @classmethod
