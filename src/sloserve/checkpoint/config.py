@@ -42,7 +42,8 @@ class ModelConfig:
     """The architecture numbers the engine needs (names as in HF ``config.json``).
 
     ``model_type`` is the HF name (llama, mistral, qwen2, opt); ``architecture`` the module that runs
-    it. ``rope_scaling`` is the HF dict (``rope_type`` default, linear or llama3) or None.
+    it. ``rope_scaling`` is the HF dict (``rope_type`` default, linear or llama3; a GGUF file's
+    ``frequency_factors``) or None.
     """
 
     model_type: str
@@ -234,7 +235,8 @@ def _rope_scaling(scaling: dict[str, Any] | None, name: str) -> dict[str, Any] |
     if scaling is None:
         return None
     kind = scaling.get("rope_type", scaling.get("type"))
-    if kind not in ("default", "linear", "llama3"):
+    # NOTE: frequency_factors is a GGUF file's (llama.cpp's rope_freqs tensor), not an HF config's
+    if kind not in ("default", "linear", "llama3", "frequency_factors"):
         raise ConfigError(f"{name}: rope scaling {kind!r} is not supported (default, linear, llama3)")
     return None if kind == "default" else scaling
 

@@ -5,9 +5,10 @@ template; its tensors are dequantized to float32 (``gguf.quants.dequantize``: Q4
 K-quants... as llama.cpp defines them) and copied into the model under their HF names, so the engine
 runs the same weights transformers does when it loads the file (``from_pretrained(gguf_file=...)``).
 
-Supported: the Llama architecture (``general.architecture = llama``: Llama, SmolLM, Mistral
+Supported: the Llama architecture (``general.architecture = llama``: Llama 2 and 3.x, SmolLM, Mistral
 without sliding windows), Qwen2 and Qwen3, with a byte-level BPE tokenizer (``tokenizer.ggml.model =
-gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``).
+gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``). Llama 3.1's rope scaling comes
+as llama.cpp stores it, a tensor of frequency factors (``rope_freqs.weight``).
 
 NOTE: llama.cpp's converter permutes the rows of a Llama model's Q and K projections (its RoPE rotates
 adjacent pairs, HF's rotates halves); ``_unpermute`` undoes it, as transformers' GGUF loader does.
@@ -50,12 +51,26 @@ ARCH_TENSORS = {
     },
 }
 # The split pattern of a byte-level BPE pre-tokenizer, by tokenizer.ggml.pre (default: GPT-2's, the
-# ByteLevel pre-tokenizer's own): Qwen's, as transformers' Qwen2 converter sets it.
+# ByteLevel pre-tokenizer's own): Qwen's, as transformers' Qwen2 converter sets it; Llama 3's (digits in
+# runs of at most three), as its tokenizer.json has it.
 QWEN_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
     r"\s+(?!\S)|\s+"
 )
-PRE_TOKENIZER_SPLITS = {"qwen2": QWEN_SPLIT}
+LLAMA3_SPLIT = QWEN_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+PRE_TOKENIZER_SPLITS = {
+    "qwen2": QWEN_SPLIT,
+    "llama-bpe": LLAMA3_SPLIT,
+    "llama3": LLAMA3_SPLIT,
+    "llama-v3": LLAMA3_SPLIT,
+}
+# The ids that end a generation besides EOS (llama.cpp's end-of-generation tokens): Llama 3.1's
+# <|eot_id|> (end of turn) and <|eom_id|> (end of a message that called a tool), as its generation config
+# lists them
+END_OF_GENERATION_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+# Llama 3.1's rope scaling, as llama.cpp's converter stores it: per frequency, the factor its wavelength
+# is stretched by (1 for the short ones, the scaling factor for the long ones, a ramp between)
+ROPE_FREQS = "rope_freqs.weight"
 TOKEN_TYPE_CONTROL = 3  # llama.cpp's token types: 1 normal, 3 control (special), 4 user-defined
 
 
@@ -134,7 +149,7 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
 
     heads = need("attention.head_count")
     hidden = need("embedding_length")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eos = sorted({meta[key] for key in END_OF_GENERATION_KEYS if meta.get(key) is not None})
     config = {
         "model_type": arch,
         "vocab_size": meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []),
@@ -153,8 +168,27 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
     }
     if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", None):
         raise ConfigError(f"{path}: GGUF rope scaling {meta[f'{arch}.rope.scaling.type']!r} is not supported")
+    factors = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if factors is not None:
+        frequencies = config["head_dim"] // 2
+        config["rope_scaling"] = {"rope_type": "frequency_factors",
+                                  "factors": _frequency_factors(factors, frequencies, path)}  # fmt: skip
     config["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
     return GGUFCheckpoint(path, config, meta, reader)
+
+
+def _frequency_factors(tensor: Any, frequencies: int, path: Path) -> list[float]:
+    """The rope frequency factors of ``rope_freqs.weight``: one a frequency of a head, each finite and > 0."""
+    import gguf
+
+    factors = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float64).reshape(-1)
+    if len(factors) != frequencies:
+        raise ConfigError(
+            f"{path}: GGUF tensor {ROPE_FREQS} holds {len(factors)} factors; a head has {frequencies} frequencies"
+        )
+    if not (np.isfinite(factors).all() and (factors > 0).all()):
+        raise ConfigError(f"{path}: GGUF tensor {ROPE_FREQS} holds factors that are not finite and > 0")
+    return factors.tolist()
 
 
 def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -177,11 +211,9 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
         else:
             patterns[gguf_name] = hf_name
     for tensor in checkpoint.reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            continue  # NOTE: the config's rope scaling (read_gguf), not a weight
         if tensor.name not in patterns:
-            if tensor.name == "rope_freqs.weight":
-                raise ConfigError(
-                    f"{checkpoint.path}: GGUF rope frequency factors (llama 3.1 scaling) are not supported"
-                )
             raise ConfigError(f"{checkpoint.path}: unexpected GGUF tensor {tensor.name!r} for a {arch} model")
         weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         if not weight.flags.writeable:  # an F32 tensor is a view of the memory-mapped file

@@ -62,14 +62,18 @@ class MergedLinear(nn.Linear):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """(head_dim / 2,) inverse frequencies, with linear or Llama-3 scaling applied."""
+    """(head_dim / 2,) inverse frequencies, with linear or Llama-3 scaling applied (or a GGUF file's
+    frequency factors, llama.cpp's form of Llama 3's)."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "frequency_factors":  # each wavelength stretched by its factor, as llama.cpp's rope does
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)  # NOTE: one a frequency
     factor = float(scaling["factor"])
-    if scaling.get("rope_type", scaling.get("type")) == "linear":
+    if kind == "linear":
         return inv_freq / factor
     # Llama 3.1: long wavelengths slowed by ``factor``, short ones kept, a smooth ramp in between.
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])

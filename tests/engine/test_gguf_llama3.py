@@ -1,0 +1,194 @@
+"""A Llama 3.x GGUF file written here (``gguf.GGUFWriter``) as llama.cpp's converter writes Llama 3.1 and
+3.2: permuted Q and K, Llama 3's pre-tokenizer (``tokenizer.ggml.pre = llama-bpe``: digits in runs of at
+most three), the rope scaling as a tensor of frequency factors (``rope_freqs.weight``), ``<|eot_id|>``
+as the end of a turn beside EOS. The engine reads the tokens the model's tokenizer.json reads, and gives
+the greedy tokens of transformers' model with the same ``llama3`` rope scaling."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from sloserve import LLM, SamplingParams  # noqa: E402
+from sloserve.checkpoint.gguf import read_gguf  # noqa: E402
+
+# Llama 3's split, as its tokenizer.json has it
+SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+CORPUS = ["In 2024, 12345 people paid 678 dollars for 90 items.", "The year 1999 had 365 days and 8760 hours."] * 30
+TEXTS = ["In 20241999, 12345 people!", "The year 365 had 8760 hours\n\nand 90 items."]
+SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}  # fmt: skip
+
+
+def llama3_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[(SPECIAL[0], 0)])
+    return tok
+
+
+def rope_factors(rope: dict, head_dim: int) -> list[float]:
+    """llama.cpp's converter's ``rope_freqs`` of Llama 3.1's scaling: per frequency, the factor its
+    wavelength is stretched by."""
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim))
+    old_len, factor = rope["original_max_position_embeddings"], rope["factor"]
+    low_wavelen, high_wavelen = old_len / rope["low_freq_factor"], old_len / rope["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - rope["low_freq_factor"]) / (
+                rope["high_freq_factor"] - rope["low_freq_factor"]
+            )
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return factors
+
+
+def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter's row order of a Q or K projection (its rope rotates adjacent pairs)."""
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def hf_llama3(vocab_size: int, rope: dict | None):
+    torch.manual_seed(6)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=True,
+        rope_parameters=rope or {"rope_type": "default", "rope_theta": ROPE["rope_theta"]},
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norm weights are 1 at init: make them count
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.mul_(1 + 0.1 * torch.randn_like(p))
+    return model
+
+
+def write_llama3_gguf(path, model, tokenizer) -> None:
+    c = model.config
+    vocab = tokenizer.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(ROPE["rope_theta"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIAL else 1 for t in tokens])
+    writer.add_token_merges([" ".join(m) for m in json.loads(tokenizer.to_str())["model"]["merges"]])
+    writer.add_bos_token_id(vocab["<|begin_of_text|>"])
+    writer.add_eos_token_id(vocab["<|end_of_text|>"])
+    writer.add_eot_token_id(vocab["<|eot_id|>"])
+    writer.add_add_bos_token(True)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    per_layer = {
+        "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    }  # fmt: skip
+    for n in range(c.num_hidden_layers):
+        for hf, ours in per_layer.items():
+            names[f"model.layers.{n}.{hf}.weight"] = f"blk.{n}.{ours}.weight"
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied to the embedding, as Llama 3.2 1B's: the file has no output.weight
+        weight = tensor.float().numpy()
+        if name.endswith("q_proj.weight"):
+            weight = permute(weight, c.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            weight = permute(weight, c.num_key_value_heads)
+        writer.add_tensor(names[name], weight)
+    factors = np.array(rope_factors(ROPE, c.head_dim), dtype=np.float32)
+    writer.add_tensor("rope_freqs.weight", factors)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory):
+    tokenizer = llama3_tokenizer()
+    model = hf_llama3(tokenizer.get_vocab_size(), ROPE)
+    path = tmp_path_factory.mktemp("llama3-gguf") / "tiny-llama3.gguf"
+    write_llama3_gguf(path, model, tokenizer)
+    return path, model, tokenizer
+
+
+def test_the_file_reads_as_llama_3_its_tokens_its_ends_and_its_rope(llama3):
+    path, _, tokenizer = llama3
+    config = read_gguf(path).hf_config
+    vocab = tokenizer.get_vocab()
+    assert config["eos_token_id"] == sorted([vocab["<|end_of_text|>"], vocab["<|eot_id|>"]])
+    assert config["rope_scaling"]["rope_type"] == "frequency_factors"
+    llm = LLM(str(path), kv_capacity_tokens=1024)
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+    gpt2_split = transformers.PreTrainedTokenizerFast(tokenizer_object=llama3_tokenizer())
+    gpt2_split.backend_tokenizer.pre_tokenizer = __import__("tokenizers").pre_tokenizers.ByteLevel(
+        add_prefix_space=False
+    )
+    hf_gguf = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)  # transformers' reading
+    for text in TEXTS:
+        assert llm.tokenizer.encode(text) == reference(text)["input_ids"] == hf_gguf(text)["input_ids"]
+    # NOTE: the split matters here: GPT-2's (the default) reads other tokens
+    assert any(gpt2_split(text)["input_ids"] != reference(text)["input_ids"] for text in TEXTS)
+    # <|eot_id|> ends a generation as EOS does (forced by a logit bias)
+    eot = vocab["<|eot_id|>"]
+    [out] = llm.generate(TEXTS[0], SamplingParams(max_tokens=8, temperature=0, logit_bias={eot: 100}))
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].token_ids == [eot]
+
+
+def test_greedy_tokens_equal_transformers_with_llama3_rope_scaling(llama3):
+    path, model, tokenizer = llama3
+    llm = LLM(str(path), kv_capacity_tokens=1024)
+    unscaled = hf_llama3(tokenizer.get_vocab_size(), None)
+    unscaled.load_state_dict(model.state_dict())
+    differs = False
+    for text in TEXTS:
+        ids = tokenizer.encode(text).ids
+        with torch.no_grad():
+            expected, plain = (
+                m.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)[0, len(ids) :]
+                for m in (model, unscaled)
+            )
+        ours = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        assert ours[0].outputs[0].token_ids == expected.tolist()
+        differs |= plain.tolist() != expected.tolist()
+    assert differs  # NOTE: the scaling changes the tokens here: read without it, the file would fail this test
