@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from sloserve import LLM, SamplingParams  # noqa: E402
-from sloserve.checkpoint.gguf import read_gguf  # noqa: E402
+from sloserve.checkpoint.gguf import PRE_TOKENIZER_SPLITS, read_gguf  # noqa: E402
+from sloserve.core.errors import ConfigError  # noqa: E402
 
 # Llama 3's split, as its tokenizer.json has it
 SPLIT = (
@@ -31,13 +32,13 @@ ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_f
         "original_max_position_embeddings": 64}  # fmt: skip
 
 
-def llama3_tokenizer():
+def llama3_tokenizer(split: str = SPLIT):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -95,7 +96,7 @@ def hf_llama3(vocab_size: int, rope: dict | None):
     return model
 
 
-def write_llama3_gguf(path, model, tokenizer) -> None:
+def write_llama3_gguf(path, model, tokenizer, pre: str = "llama-bpe") -> None:
     c = model.config
     vocab = tokenizer.get_vocab()
     tokens = sorted(vocab, key=vocab.get)
@@ -109,7 +110,7 @@ def write_llama3_gguf(path, model, tokenizer) -> None:
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(ROPE["rope_theta"])
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in SPECIAL else 1 for t in tokens])
     writer.add_token_merges([" ".join(m) for m in json.loads(tokenizer.to_str())["model"]["merges"]])
@@ -192,3 +193,21 @@ def test_greedy_tokens_equal_transformers_with_llama3_rope_scaling(llama3):
         assert ours[0].outputs[0].token_ids == expected.tolist()
         differs |= plain.tolist() != expected.tolist()
     assert differs  # NOTE: the scaling changes the tokens here: read without it, the file would fail this test
+
+
+@pytest.mark.parametrize("pre", ["tekken", "deepseek-r1-qwen", "smaug-bpe"])
+def test_the_pre_tokenizer_a_file_names_reads_the_tokens_transformers_reads(tmp_path, pre):
+    """Other names of llama.cpp's pre-tokenizers (Mistral Nemo's, DeepSeek-R1's Qwen distills'): the
+    engine splits text as transformers' GGUF reader does, and as the tokenizer.json trained with that
+    split; a name neither knows is refused rather than read as GPT-2's."""
+    tokenizer = llama3_tokenizer(PRE_TOKENIZER_SPLITS[pre])
+    path = tmp_path / f"{pre}.gguf"
+    write_llama3_gguf(path, hf_llama3(tokenizer.get_vocab_size(), ROPE), tokenizer, pre=pre)
+    llm = LLM(str(path), kv_capacity_tokens=256)
+    hf_gguf = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in TEXTS:
+        assert llm.tokenizer.encode(text) == tokenizer.encode(text).ids == hf_gguf(text)["input_ids"]
+    unknown = tmp_path / "unknown.gguf"
+    write_llama3_gguf(unknown, hf_llama3(tokenizer.get_vocab_size(), ROPE), tokenizer, pre="nonesuch")
+    with pytest.raises(ConfigError, match="pre-tokenizer 'nonesuch' \\(tokenizer.ggml.pre\\) is not supported"):
+        LLM(str(unknown), kv_capacity_tokens=256)

@@ -50,19 +50,33 @@ ARCH_TENSORS = {
         "blk.{n}.attn_k_norm.weight": "model.layers.{n}.self_attn.k_norm.weight",
     },
 }
-# The split pattern of a byte-level BPE pre-tokenizer, by tokenizer.ggml.pre (default: GPT-2's, the
-# ByteLevel pre-tokenizer's own): Qwen's, as transformers' Qwen2 converter sets it; Llama 3's (digits in
-# runs of at most three), as its tokenizer.json has it.
+# The split pattern of a byte-level BPE pre-tokenizer, by tokenizer.ggml.pre, as transformers' GGUF reader
+# sets them: Qwen's; Llama 3's (digits in runs of at most three, as its tokenizer.json has it); Mistral's
+# Tekken (Nemo). None: GPT-2's, the ByteLevel pre-tokenizer's own (a file without the key too). NOTE: a
+# name not here is refused (``gguf_tokenizer``): split another way, the same text would read as other tokens.
 QWEN_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
     r"\s+(?!\S)|\s+"
 )
 LLAMA3_SPLIT = QWEN_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
-PRE_TOKENIZER_SPLITS = {
+TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_SPLITS: dict[str | None, str | None] = {
+    None: None,
+    "default": None,
+    "gpt-2": None,
+    "smollm": None,  # NOTE: llama.cpp splits its digits one by one first; its vocabulary has no runs of them
     "qwen2": QWEN_SPLIT,
+    "deepseek-r1-qwen": QWEN_SPLIT,
     "llama-bpe": LLAMA3_SPLIT,
     "llama3": LLAMA3_SPLIT,
     "llama-v3": LLAMA3_SPLIT,
+    "falcon3": LLAMA3_SPLIT,
+    "smaug-bpe": LLAMA3_SPLIT,
+    "tekken": TEKKEN_SPLIT,
 }
 # The ids that end a generation besides EOS (llama.cpp's end-of-generation tokens): Llama 3.1's
 # <|eot_id|> (end of turn) and <|eom_id|> (end of a message that called a tool), as its generation config
@@ -245,7 +259,13 @@ def gguf_tokenizer(checkpoint: GGUFCheckpoint):
     tokens = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
-    split = PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre"))
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre not in PRE_TOKENIZER_SPLITS:
+        known = ", ".join(name for name in PRE_TOKENIZER_SPLITS if name is not None)
+        raise ConfigError(
+            f"{checkpoint.path}: GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported ({known})"
+        )
+    split = PRE_TOKENIZER_SPLITS[pre]
     if split is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
