@@ -42,7 +42,7 @@ class ModelConfig:
     """The architecture numbers the engine needs (names as in HF ``config.json``).
 
     ``model_type`` is the HF name (llama, mistral, qwen2, opt); ``architecture`` the module that runs
-    it. ``rope_scaling`` is the HF dict (``rope_type`` default, linear or llama3; a GGUF file's
+    it. ``rope_scaling`` is the HF dict (``rope_type`` default, linear, llama3 or yarn; a GGUF file's
     ``frequency_factors``) or None.
     """
 
@@ -236,8 +236,10 @@ def _rope_scaling(scaling: dict[str, Any] | None, name: str) -> dict[str, Any] |
         return None
     kind = scaling.get("rope_type", scaling.get("type"))
     # NOTE: frequency_factors is a GGUF file's (llama.cpp's rope_freqs tensor), not an HF config's
-    if kind not in ("default", "linear", "llama3", "frequency_factors"):
-        raise ConfigError(f"{name}: rope scaling {kind!r} is not supported (default, linear, llama3)")
+    if kind not in ("default", "linear", "llama3", "yarn", "frequency_factors"):
+        raise ConfigError(f"{name}: rope scaling {kind!r} is not supported (default, linear, llama3, yarn)")
+    if kind == "yarn" and not scaling.get("original_max_position_embeddings"):
+        raise ConfigError(f"{name}: yarn rope scaling needs original_max_position_embeddings (the pretrained context)")
     return None if kind == "default" else scaling
 
 

@@ -72,6 +72,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "frequency_factors":  # each wavelength stretched by its factor, as llama.cpp's rope does
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)  # NOTE: one a frequency
+    if kind == "yarn":
+        return yarn_inv_freq(config, inv_freq)
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv_freq / factor
@@ -84,6 +86,55 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, smoothed, scaled)
+
+
+def yarn_factor(config: ModelConfig) -> float:
+    """YaRN's context extension s: ``factor``, or the context over the pretrained one where not given."""
+    scaling = config.rope_scaling or {}
+    factor = scaling.get("factor")
+    return float(factor or config.max_position_embeddings / scaling["original_max_position_embeddings"])
+
+
+def yarn_inv_freq(config: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN (Peng et al. 2023, "NTK-by-parts"), as transformers computes it: frequencies that turn more
+    than ``beta_fast`` times over the pretrained context are kept (extrapolated), those that turn fewer
+    than ``beta_slow`` times divided by the factor (interpolated), a linear ramp over the dimensions
+    between."""
+    scaling = config.rope_scaling or {}
+    dim, base = config.head_dim, config.rope_theta
+    old_len = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dimension_of(rotations: float) -> float:  # the dimension that turns ``rotations`` times over old_len
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension_of(beta_fast), dimension_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # NOTE: transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp  # (hd / 2,): 1 where the frequency is kept
+    return inv_freq / yarn_factor(config) * ramp + inv_freq * extrapolated
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor YaRN scales cos and sin by (so the attention logits by its square): ``attention_factor``,
+    else 0.1 ln(s) + 1 (with DeepSeek's ``mscale``/``mscale_all_dim`` where given); 1 for the others."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = yarn_factor(config)
+
+    def mscale(scale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+    return mscale(1.0)
 
 
 class Rotary(nn.Module):
@@ -101,7 +152,8 @@ class Rotary(nn.Module):
             positions = torch.arange(self.config.max_position_embeddings, device=device).float()
             freqs = torch.outer(positions, inv_freq)  # (max_pos, hd / 2)
             emb = torch.cat((freqs, freqs), dim=-1)  # (max_pos, hd)
-            self._tables = (emb.cos(), emb.sin())
+            scale = rope_attention_factor(self.config)
+            self._tables = (emb.cos() * scale, emb.sin() * scale)
         return self._tables
 
     def for_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,71 @@
+"""Rope scaling from an HF config (``rope_parameters``, ``rope_scaling`` before transformers 5): linear,
+Llama 3.1's and YaRN (Qwen's long-context recipe) with its options. The engine's greedy tokens equal
+transformers' on the same checkpoint, and differ from those of the same weights without the scaling (a
+pretrained context of 32 positions, so that the scaling bites within the tests' contexts)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hf_models import VOCAB  # noqa: E402
+from sloserve import LLM, SamplingParams  # noqa: E402
+from sloserve.core.errors import ConfigError  # noqa: E402
+
+THETA = 10000.0
+OLD = 32  # the "pretrained" context
+SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": OLD},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": OLD},
+    "yarn, its options": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": OLD,
+                          "attention_factor": 1.3, "beta_fast": 8, "beta_slow": 2, "truncate": False},
+    "yarn, DeepSeek's mscale": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": OLD,
+                                "mscale": 0.707, "mscale_all_dim": 1.0},
+    "yarn, no factor": {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": OLD},
+}  # fmt: skip
+PROMPTS = [list(range(3, 40)), [7, 1, 9] * 20]
+
+
+def checkpoint(arch: str, scaling: dict | None):
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, max_position_embeddings=256, initializer_range=0.2,
+                  rope_parameters={"rope_theta": THETA, **(scaling or {"rope_type": "default"})})  # fmt: skip
+    torch.manual_seed(11)
+    if arch == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    return model.eval()
+
+
+def hf_greedy(model, ids: list[int], num_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize(
+    "arch, name", [("llama", name) for name in SCALINGS] + [("qwen3", "yarn")], ids=lambda x: str(x)
+)
+def test_greedy_tokens_with_rope_scaling_equal_transformers(tmp_path, arch, name):
+    model = checkpoint(arch, SCALINGS[name])
+    model.save_pretrained(tmp_path)
+    unscaled = checkpoint(arch, None)
+    unscaled.load_state_dict(model.state_dict())
+    llm = LLM(str(tmp_path), kv_capacity_tokens=1024)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
+    expected = [hf_greedy(model, ids, 24) for ids in PROMPTS]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert expected != [hf_greedy(unscaled, ids, 24) for ids in PROMPTS]  # NOTE: the scaling matters here
+
+
+def test_a_rope_scaling_the_engine_does_not_apply_is_refused_by_name(tmp_path):
+    model = checkpoint("llama", {"rope_type": "dynamic", "factor": 2.0})
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="rope scaling 'dynamic' is not supported"):
+        LLM(str(tmp_path), kv_capacity_tokens=256)
