@@ -26,14 +26,15 @@ SPLIT = (
     r"\s+(?!\S)|\s+"
 )
 CORPUS = ["In 2024, 12345 people paid 678 dollars for 90 items.", "The year 1999 had 365 days and 8760 hours."] * 30
-TEXTS = ["In 20241999, 12345 people!", "The year 365 had 8760 hours\n\nand 90 items."]
+TEXTS = ["In 20241999, 12345 people!", "The year 365 had 8760 hours\n\nand 90 items.", "<think>12 days</think>9"]
 SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+USER_DEFINED = ["<think>", "</think>"]  # added tokens that are not special (Qwen3's)
 ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}  # fmt: skip
 
 
 def llama3_tokenizer(split: str = SPLIT):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -47,6 +48,7 @@ def llama3_tokenizer(split: str = SPLIT):
         vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(CORPUS, trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in USER_DEFINED])
     tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[(SPECIAL[0], 0)])
     return tok
 
@@ -112,7 +114,7 @@ def write_llama3_gguf(path, model, tokenizer, pre: str = "llama-bpe") -> None:
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIAL else 1 for t in tokens])
+    writer.add_token_types([3 if t in SPECIAL else 4 if t in USER_DEFINED else 1 for t in tokens])
     writer.add_token_merges([" ".join(m) for m in json.loads(tokenizer.to_str())["model"]["merges"]])
     writer.add_bos_token_id(vocab["<|begin_of_text|>"])
     writer.add_eos_token_id(vocab["<|end_of_text|>"])
@@ -168,6 +170,8 @@ def test_the_file_reads_as_llama_3_its_tokens_its_ends_and_its_rope(llama3):
     hf_gguf = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)  # transformers' reading
     for text in TEXTS:
         assert llm.tokenizer.encode(text) == reference(text)["input_ids"] == hf_gguf(text)["input_ids"]
+    thinking = llm.tokenizer.encode(TEXTS[2])  # user-defined tokens: read whole, kept when decoding
+    assert {vocab["<think>"], vocab["</think>"]} <= set(thinking) and llm.tokenizer.decode(thinking) == TEXTS[2]
     # NOTE: the split matters here: GPT-2's (the default) reads other tokens
     assert any(gpt2_split(text)["input_ids"] != reference(text)["input_ids"] for text in TEXTS)
     # <|eot_id|> ends a generation as EOS does (forced by a logit bias)

@@ -86,6 +86,7 @@ END_OF_GENERATION_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_tok
 # is stretched by (1 for the short ones, the scaling factor for the long ones, a ramp between)
 ROPE_FREQS = "rope_freqs.weight"
 TOKEN_TYPE_CONTROL = 3  # llama.cpp's token types: 1 normal, 3 control (special), 4 user-defined
+TOKEN_TYPE_USER_DEFINED = 4  # an added token that is not special (Qwen3's <think>, <tool_call>)
 
 
 def is_gguf(model: str) -> bool:
@@ -240,8 +241,9 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
 
 
 def gguf_tokenizer(checkpoint: GGUFCheckpoint):
-    """The file's byte-level BPE tokenizer as a ``tokenizers.Tokenizer``: the GPT-2 pre-tokenizer,
-    control tokens as special tokens, BOS added when the file says so (as transformers builds it)."""
+    """The file's byte-level BPE tokenizer as a ``tokenizers.Tokenizer``: the pre-tokenizer the file
+    names, control tokens as special tokens, user-defined ones as added tokens, BOS added when the file
+    says so (as transformers builds it)."""
     from tokenizers import (
         AddedToken,
         Regex,
@@ -282,6 +284,15 @@ def gguf_tokenizer(checkpoint: GGUFCheckpoint):
             AddedToken(t, special=True, normalized=False)
             for t, kind in zip(tokens, types, strict=False)
             if kind == TOKEN_TYPE_CONTROL
+        ]
+    )
+    # NOTE: read whole in any text, as llama.cpp and transformers do (else cut into pieces: a chat
+    # template's <tool_call> would read as other tokens than the model wrote); kept when decoding
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(tokens, types, strict=False)
+            if kind == TOKEN_TYPE_USER_DEFINED
         ]
     )
     bos = meta.get("tokenizer.ggml.bos_token_id")
