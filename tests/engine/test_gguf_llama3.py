@@ -16,6 +16,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
+from gguf_files import tiny_llama, write_llama_gguf  # noqa: E402
+
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.checkpoint.gguf import PRE_TOKENIZER_SPLITS, read_gguf  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
@@ -74,76 +76,25 @@ def rope_factors(rope: dict, head_dim: int) -> list[float]:
     return factors
 
 
-def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's converter's row order of a Q or K projection (its rope rotates adjacent pairs)."""
-    return (
-        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
-
-
 def hf_llama3(vocab_size: int, rope: dict | None):
-    torch.manual_seed(6)
-    config = transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=True,
-        rope_parameters=rope or {"rope_type": "default", "rope_theta": ROPE["rope_theta"]},
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # norm weights are 1 at init: make them count
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.mul_(1 + 0.1 * torch.randn_like(p))
-    return model
+    return tiny_llama(vocab_size, rope or {"rope_type": "default", "rope_theta": ROPE["rope_theta"]})
 
 
 def write_llama3_gguf(path, model, tokenizer, pre: str = "llama-bpe") -> None:
-    c = model.config
     vocab = tokenizer.get_vocab()
     tokens = sorted(vocab, key=vocab.get)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(ROPE["rope_theta"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIAL else 4 if t in USER_DEFINED else 1 for t in tokens])
-    writer.add_token_merges([" ".join(m) for m in json.loads(tokenizer.to_str())["model"]["merges"]])
-    writer.add_bos_token_id(vocab["<|begin_of_text|>"])
-    writer.add_eos_token_id(vocab["<|end_of_text|>"])
-    writer.add_eot_token_id(vocab["<|eot_id|>"])
-    writer.add_add_bos_token(True)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    per_layer = {
-        "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    }  # fmt: skip
-    for n in range(c.num_hidden_layers):
-        for hf, ours in per_layer.items():
-            names[f"model.layers.{n}.{hf}.weight"] = f"blk.{n}.{ours}.weight"
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight":
-            continue  # tied to the embedding, as Llama 3.2 1B's: the file has no output.weight
-        weight = tensor.float().numpy()
-        if name.endswith("q_proj.weight"):
-            weight = permute(weight, c.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            weight = permute(weight, c.num_key_value_heads)
-        writer.add_tensor(names[name], weight)
-    factors = np.array(rope_factors(ROPE, c.head_dim), dtype=np.float32)
-    writer.add_tensor("rope_freqs.weight", factors)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    fields = {
+        "add_tokenizer_model": "gpt2",
+        "add_tokenizer_pre": pre,
+        "add_token_list": tokens,
+        "add_token_types": [3 if t in SPECIAL else 4 if t in USER_DEFINED else 1 for t in tokens],
+        "add_token_merges": [" ".join(m) for m in json.loads(tokenizer.to_str())["model"]["merges"]],
+        "add_bos_token_id": vocab["<|begin_of_text|>"],
+        "add_eos_token_id": vocab["<|end_of_text|>"],
+        "add_eot_token_id": vocab["<|eot_id|>"],
+        "add_add_bos_token": True,
+    }
+    write_llama_gguf(path, model, fields, rope_freqs=rope_factors(ROPE, model.config.head_dim))
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,9 @@ runs the same weights transformers does when it loads the file (``from_pretraine
 
 Supported: the Llama architecture (``general.architecture = llama``: Llama 2 and 3.x, SmolLM, Mistral
 without sliding windows), Qwen2 and Qwen3, with a byte-level BPE tokenizer (``tokenizer.ggml.model =
-gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``). Llama 3.1's rope scaling comes
-as llama.cpp stores it, a tensor of frequency factors (``rope_freqs.weight``).
+gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a SentencePiece BPE one
+(``llama``: Llama 2, Mistral 7B, TinyLlama). Llama 3.1's rope scaling comes as llama.cpp stores it, a
+tensor of frequency factors (``rope_freqs.weight``).
 
 NOTE: llama.cpp's converter permutes the rows of a Llama model's Q and K projections (its RoPE rotates
 adjacent pairs, HF's rotates halves); ``_unpermute`` undoes it, as transformers' GGUF loader does.
@@ -241,24 +242,61 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
 
 
 def gguf_tokenizer(checkpoint: GGUFCheckpoint):
-    """The file's byte-level BPE tokenizer as a ``tokenizers.Tokenizer``: the pre-tokenizer the file
-    names, control tokens as special tokens, user-defined ones as added tokens, BOS added when the file
-    says so (as transformers builds it)."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-    )
+    """The file's tokenizer as a ``tokenizers.Tokenizer``, as transformers' GGUF reader builds it: a
+    byte-level BPE (``tokenizer.ggml.model = gpt2``) or a SentencePiece BPE (``llama``: Llama 2, Mistral,
+    TinyLlama); control tokens as special tokens, user-defined ones as added tokens, BOS added when the
+    file says so (a SentencePiece file that does not say: added, as llama.cpp does)."""
+    from tokenizers import AddedToken, processors
 
     meta = checkpoint.metadata
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ConfigError(f"{checkpoint.path}: GGUF tokenizer {kind!r} is not supported (gpt2: byte-level BPE)")
     tokens = list(meta["tokenizer.ggml.tokens"])
+    if kind == "gpt2":
+        tok = _byte_level_bpe(checkpoint, tokens)
+    elif kind == "llama":
+        scores = list(meta.get("tokenizer.ggml.scores") or [])
+        if len(scores) != len(tokens):
+            raise ConfigError(
+                f"{checkpoint.path}: a GGUF SentencePiece tokenizer needs tokenizer.ggml.scores, one a token "
+                f"({len(tokens)}); the file has {len(scores)}"
+            )
+        tok = _sentencepiece_bpe(tokens, scores)
+    else:
+        raise ConfigError(
+            f"{checkpoint.path}: GGUF tokenizer {kind!r} is not supported (gpt2: byte-level BPE; llama: SentencePiece)"
+        )
+    types = meta.get("tokenizer.ggml.token_type") or []
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(tokens, types, strict=False)
+            if kind == TOKEN_TYPE_CONTROL
+        ]
+    )
+    # NOTE: read whole in any text, as llama.cpp and transformers do (else cut into pieces: a chat
+    # template's <tool_call> would read as other tokens than the model wrote); kept when decoding
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(tokens, types, strict=False)
+            if kind == TOKEN_TYPE_USER_DEFINED
+        ]
+    )
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)]
+        )
+    elif kind == "gpt2":
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def _byte_level_bpe(checkpoint: GGUFCheckpoint, tokens: list[str]):
+    """GPT-2's byte-level BPE, split first as ``tokenizer.ggml.pre`` names."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    meta = checkpoint.metadata
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
     pre = meta.get("tokenizer.ggml.pre")
@@ -278,28 +316,34 @@ def gguf_tokenizer(checkpoint: GGUFCheckpoint):
             ]
         )
     tok.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type") or []
-    tok.add_special_tokens(
-        [
-            AddedToken(t, special=True, normalized=False)
-            for t, kind in zip(tokens, types, strict=False)
-            if kind == TOKEN_TYPE_CONTROL
-        ]
-    )
-    # NOTE: read whole in any text, as llama.cpp and transformers do (else cut into pieces: a chat
-    # template's <tool_call> would read as other tokens than the model wrote); kept when decoding
-    tok.add_tokens(
-        [
-            AddedToken(t, special=False, normalized=False)
-            for t, kind in zip(tokens, types, strict=False)
-            if kind == TOKEN_TYPE_USER_DEFINED
-        ]
-    )
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)]
-        )
-    else:
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return tok
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float]):
+    """SentencePiece's BPE as Llama 2's tokenizer runs it: spaces as "▁", one before the text, characters
+    outside the vocabulary as their UTF-8 bytes (the ``<0xNN>`` tokens), merges from the scores."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}  # NOTE: a token listed twice: its last id, as llama.cpp's
+    tok = Tokenizer(models.BPE(vocab, merges_from_scores(tokens, scores), fuse_unk=True, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return tok
+
+
+def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece vocabulary implies (its file stores none): every two tokens that make a
+    third, ranked by the score of the token they make, best first (llama.cpp merges the best-scored pair
+    first); ties by the longer left part, then the longer right part, then the token's place (as
+    transformers' ``generate_merges`` ranks them)."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    score_of = dict(zip(tokens, scores, strict=True))  # NOTE: a token listed twice: its last score
+    ranked = []
+    for token, score in score_of.items():
+        pairs = [(token[:cut], token[cut:]) for cut in range(1, len(token))]
+        pairs = sorted((p for p in pairs if p[0] in ids and p[1] in ids), key=lambda p: (ids[p[0]], ids[p[1]]))
+        ranked.extend((score, len(left), len(right), left, right) for left, right in pairs)
+    ranked.sort(key=lambda m: m[:3], reverse=True)  # NOTE: stable: equal keys keep the order above
+    return [(left, right) for _, _, _, left, right in ranked]
