@@ -27,13 +27,18 @@ def hf_model(arch: str):
             sliding_window=8, layer_types=["sliding_attention", "full_attention"], initializer_range=0.2,
         )  # fmt: skip
         cls = transformers.Gemma3ForCausalLM
+    elif arch == "mistral":  # Mistral 7B v0.1's sliding window, on every layer (8: shorter than most test contexts)
+        config = transformers.MistralConfig(
+            **common, intermediate_size=128, num_key_value_heads=2, sliding_window=8, initializer_range=0.2
+        )
+        cls = transformers.MistralForCausalLM
     elif arch == "qwen2":
         config = transformers.Qwen2Config(**common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2)
         cls = transformers.Qwen2ForCausalLM
     else:
         config = transformers.OPTConfig(**common, ffn_dim=128, word_embed_proj_dim=64, init_std=0.2)
         cls = transformers.OPTForCausalLM
-    torch.manual_seed({"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5}[arch])
+    torch.manual_seed({"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7}[arch])
     model = cls(config).eval()
     with torch.no_grad():  # biases and norm weights are 0 / 1 at init: make them count
         for name, p in model.named_parameters():

@@ -95,16 +95,17 @@ def test_logprobs_outside_0_to_20_are_refused(value):
         SamplingParams(logprobs=value)
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize(("scheduler", "options"), [("vllm", {}), ("sarathi", {"prefill_token_budget": 8})])
-def test_gemma3_sliding_layers_equal_transformers_past_their_window(tmp_path, scheduler, options, backend):
-    """Gemma 3's sliding layer sees 8 positions: prompt logprobs (prefilled whole or in chunks of 8)
-    and decode logprobs over contexts of 30-42 tokens equal transformers' (reading the whole context
-    in that layer moves them by up to ~2 nats), with the PyTorch reference and the Triton kernels (in
-    Triton's interpreter without CUDA)."""
+def test_sliding_window_layers_equal_transformers_past_their_window(tmp_path, scheduler, options, backend, arch):
+    """Gemma 3's sliding layer and Mistral 7B v0.1's every layer see 8 positions: prompt logprobs
+    (prefilled whole or in chunks of 8) and decode logprobs over contexts of 30-42 tokens equal
+    transformers' (reading the whole context in such a layer moves them by up to ~2 nats), with the
+    PyTorch reference and the Triton kernels (in Triton's interpreter without CUDA)."""
     if backend == "triton":
         pytest.importorskip("triton")
-    model = hf_model("gemma3")
+    model = hf_model(arch)
     model.save_pretrained(tmp_path)
     prompt = PROMPTS[1][:30]
     llm = LLM(str(tmp_path), scheduler, block_size=4, attention_backend=backend, **options)

@@ -213,6 +213,9 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     )
     if raw.get("use_sliding_window"):
         raise ConfigError(f"{name}: sliding-window attention (use_sliding_window) is not supported for {model_type}")
+    # NOTE: Mistral 7B v0.1's every layer sees the last sliding_window positions (later Mistrals: null);
+    # Qwen's sliding_window is unused unless use_sliding_window
+    window = raw.get("sliding_window") if model_type == "mistral" else None
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{name}: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
     return ModelConfig(
@@ -227,6 +230,8 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         qk_norm=model_type == "qwen3",
+        layer_types=(SLIDING,) * common["num_hidden_layers"] if window else (),
+        sliding_window=int(window) if window else None,
     )
 
 
@@ -375,6 +380,8 @@ RANDOM_SHAPES: dict[str, ModelConfig] = {
         tie_word_embeddings=True,
         name="tiny-gemma3",
     ),
+    # Mistral 7B v0.1's sliding window on every layer, shorter than most test contexts
+    "tiny-mistral": _tiny("mistral", layer_types=(SLIDING, SLIDING), sliding_window=16),
     "qwen2.5-7b": _from_spec("qwen2.5-7b", "qwen2", attention_bias=True, norm_eps=1e-6, rope_theta=1e6),
     "opt-13b": _from_spec("opt-13b", "opt", hidden_act="relu", word_embed_proj_dim=5120),
 }

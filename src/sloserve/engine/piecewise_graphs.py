@@ -230,7 +230,7 @@ class PiecewiseGraphs:
         self._run(size, 0)
         for i, layer in enumerate(self.layers):
             attended = layer.self_attn.backend.forward(
-                self.q[rows], self.k[rows], self.v[rows], kv[0, i], kv[1, i], meta
+                self.q[rows], self.k[rows], self.v[rows], kv[0, i], kv[1, i], meta, window=layer.self_attn.window
             )  # (size, nh, hd)
             self.attended[rows].copy_(attended)
             self._run(size, i + 1)

@@ -169,9 +169,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class LlamaAttention(nn.Module):
     """The attention's projections (``project``, ``o_proj``) and its backend; the decoder layer calls
-    them in turn (``before_attention``, ``after_attention``)."""
+    them in turn (``before_attention``, ``after_attention``). ``window``: the positions layer ``layer``
+    sees (Mistral 7B v0.1's sliding window; None: all)."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
         hd, nh, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
@@ -182,6 +183,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(hd, config.norm_eps)
             self.k_norm = RMSNorm(hd, config.norm_eps)
         self.qk_norm = config.qk_norm
+        self.window = config.layer_window(layer)
         self.backend = backend
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -208,9 +210,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend)
+        self.self_attn = LlamaAttention(config, backend, layer)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
@@ -222,7 +224,9 @@ class LlamaDecoderLayer(nn.Module):
         NOTE: vLLM's layout: each output joins the stream in the norm after it (``add_and_norm``), so
         the sums are HF's ``x + attn(norm(x))`` and ``x + mlp(norm(x))``, bit for bit on the PyTorch path."""
         q, k, v, residual = self.before_attention(x, residual, cos, sin)
-        attended = self.self_attn.backend.forward(q, k, v, k_cache, v_cache, meta)  # (T, nh, hd)
+        attended = self.self_attn.backend.forward(
+            q, k, v, k_cache, v_cache, meta, window=self.self_attn.window
+        )  # (T, nh, hd)
         return self.after_attention(attended, residual)
 
     # The layer's two halves around the attention call (piecewise CUDA graphs capture them apart).
@@ -245,7 +249,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
 
 
