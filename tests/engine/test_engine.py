@@ -502,6 +502,12 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
         ConfigError, match="unsupported architecture 'gpt2'.*supported: gemma3_text, llama, mistral, opt, qwen2, qwen3"
     ):
         LLM(str(tmp_path / "gpt2"))
+    fp8 = tmp_path / "fp8"  # an FP8 checkpoint's weights would load as plain ones, their scales ignored
+    shutil.copytree(hf_dirs["llama"], fp8)
+    config = json.loads((fp8 / "config.json").read_text())
+    (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(ConfigError, match="quantized checkpoints are not supported .*quant_method 'fp8'"):
+        LLM(str(fp8))
     with pytest.raises(ConfigError, match="unknown random model shape 'nope'"):
         LLM("random:nope")
     with pytest.raises(ConfigError, match="max_model_len 5000 is above the model's context of 1024"):

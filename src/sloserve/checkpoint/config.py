@@ -165,6 +165,13 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
             f"{name}: unsupported architecture {model_type!r} (config.json model_type); "
             f"supported: {', '.join(sorted(ARCHITECTURES))}"
         )
+    quantization = raw.get("quantization_config")
+    if quantization:  # NOTE: its tensors (FP8 with scales, AWQ's packed ints) would load as plain weights
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ConfigError(
+            f"{name}: quantized checkpoints are not supported (config.json quantization_config, quant_method "
+            f"{method!r}); use the unquantized model, or a GGUF file of it"
+        )
 
     def need(key: str) -> Any:
         if key not in raw:
