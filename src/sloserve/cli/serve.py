@@ -160,6 +160,14 @@ def _import_serve_extra(module: str):
     help="Split chat answers of reasoning models into reasoning_content (<think>...</think>) and content.",
 )
 @click.option(
+    "--generation-config",
+    default="auto",
+    show_default=True,
+    help="vLLM's flag: the sampling defaults of a request that does not set temperature, top_p, top_k, min_p or "
+    "repetition_penalty: auto, the model's generation_config.json; vllm, the API's (1.0, no filter); or a directory "
+    "that holds a generation_config.json.",
+)
+@click.option(
     "--config",
     "config_path",
     type=click.Path(path_type=Path),
@@ -197,6 +205,7 @@ def serve(
     enable_auto_tool_choice: bool,
     tool_call_parser: str | None,
     reasoning_parser: str | None,
+    generation_config: str,
     config_path: Path | None,
     **options: Any,
 ) -> None:
@@ -282,6 +291,7 @@ def serve(
         chat_template=chat_template,
         trust_request_chat_template=trust_request_chat_template,
         reasoning_parser=reasoning_parser,
+        generation_config=generation_config,
         fleet=_fleet_options(replicas, router, ray_address, cpus_per_replica, replica_start_timeout),
         batch_limits=_import_serve_extra("sloserve.server.batch_api").BatchLimits(
             max_file_bytes=int(max_batch_file_mb * 1024 * 1024),

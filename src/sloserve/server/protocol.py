@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import SLO, RequestClass
@@ -85,15 +85,18 @@ class RequestBody(BaseModel):
         return data
 
 
-def null_is_default(*fields: str) -> Any:
-    """A validator (assigned in a model's body) by which ``fields`` sent as null take their default.
-    NOTE: OpenAI's API lets them be null (the SDK sends a None it is handed) and vLLM reads null as the
-    default; pydantic would refuse it ("Input should be a valid number")."""
+def nulls_unset(*fields: str) -> Any:
+    """A validator (assigned in a model's body) by which ``fields`` sent as null count as not sent: each
+    takes its default (the sampling ones: the model's, from its generation config). NOTE: OpenAI's API
+    lets them be null (the SDK sends a None it is handed), and vLLM reads null so; pydantic would refuse
+    it ("Input should be a valid number")."""
 
-    def default_for_null(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
-        return cls.model_fields[info.field_name].default if value is None else value
+    def drop_nulls(cls: type[BaseModel], data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in fields):
+            return {name: value for name, value in data.items() if not (value is None and name in fields)}
+        return data
 
-    return field_validator(*fields, mode="before")(classmethod(default_for_null))
+    return model_validator(mode="before")(classmethod(drop_nulls))
 
 
 class StreamOptions(BaseModel):
@@ -184,8 +187,16 @@ class SamplingRequest(RequestBody):
     guided_grammar: str | None = None
     user: str | None = None
 
-    _nulls = null_is_default(
-        "temperature", "top_p", "stream", "n", "presence_penalty", "frequency_penalty", "repetition_penalty"
+    _nulls = nulls_unset(
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stream",
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
     )
 
     @field_validator("stop", mode="before")
@@ -333,7 +344,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
 
-    _echo_null = null_is_default("echo")
+    _echo_null = nulls_unset("echo")
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -40,7 +40,7 @@ from sloserve.core.request import RequestClass
 from sloserve.server.auth import request_owner
 from sloserve.server.bodies import openapi_body, validated_off_loop
 from sloserve.server.chat_output import ChatOutputParser, MessageDelta
-from sloserve.server.protocol import ChatCompletionRequest, ParameterError, RequestBody, now_unix, null_is_default
+from sloserve.server.protocol import ChatCompletionRequest, ParameterError, RequestBody, now_unix, nulls_unset
 from sloserve.server.reasoning import THINK_CLOSE, THINK_OPEN, AnswerTokens
 from sloserve.server.response_store import PreviousResponseNotFound, ResponseStore
 from sloserve.server.responses import json_error, until_done_or_gone
@@ -169,7 +169,7 @@ class ResponsesRequest(RequestBody):
     include: list[INCLUDABLE] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
-    _nulls = null_is_default("temperature", "top_p", "stream")
+    _nulls = nulls_unset("temperature", "top_p", "stream")
 
     @field_validator("input", mode="before")
     @classmethod
@@ -260,8 +260,8 @@ class ResponsesRequest(RequestBody):
             "model": self.model,
             "messages": messages,
             "max_completion_tokens": self.max_output_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
+            # NOTE: only as sent: what is not takes the model's default (its generation config)
+            **{name: getattr(self, name) for name in ("temperature", "top_p") if name in self.model_fields_set},
             "stream": self.stream,
             "service_tier": self.service_tier,
             "parallel_tool_calls": self.parallel_tool_calls,

@@ -18,10 +18,12 @@ from typing import Any
 
 import uvicorn
 
+from sloserve.checkpoint.generation_config import sampling_defaults
 from sloserve.core.errors import ConfigError
 from sloserve.engine.async_engine import AsyncLLMEngine
 from sloserve.engine.chat_template import ChatTemplate
 from sloserve.engine.engine_core import EngineSpec
+from sloserve.engine.sampler import SamplingParams
 from sloserve.fleet.engine import FleetEngine, FleetOptions
 from sloserve.sched.registry import build_config
 from sloserve.server.app import build_app
@@ -71,6 +73,9 @@ class ServeOptions:
     chat_template: str | None = None  # --chat-template: a file or the template (None: the model's)
     trust_request_chat_template: bool = False  # render requests with a chat_template of their own
     reasoning_parser: str | None = None  # --reasoning-parser: chat's reasoning_content (None: all content)
+    # --generation-config: the sampling defaults of requests that leave them unset: "auto" (the model's
+    # generation_config.json), "vllm" (the API's) or a directory with a generation_config.json
+    generation_config: str = "auto"
     # --timeout-keep-alive: how long an idle connection stays open. NOTE: uvicorn's default, 5 s, is no
     # longer than the pools of common clients keep theirs (httpx's, so the openai SDK's: 5 s; aiohttp's:
     # 15 s): a request sent on a connection as the server closes it meets a reset (one in a few hundred
@@ -118,6 +123,7 @@ def make_app(spec: EngineSpec, options: ServeOptions):
     if options.reasoning_parser is not None and options.reasoning_parser not in REASONING_PARSERS:
         raise ConfigError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
     scheduler_config = check_servable(spec.scheduler, spec.scheduler_options)
+    defaults = generation_defaults(spec.model, options.generation_config)
     store = None
     if options.data_dir is not None:
         options.batch_limits.check(options.max_queued_requests)
@@ -142,11 +148,30 @@ def make_app(spec: EngineSpec, options: ServeOptions):
         options.reasoning_parser,
         options.trust_request_chat_template,
         getattr(scheduler_config, "waiting_order", "fcfs") == "priority",
+        defaults,
     )
     serving = OpenAIServing(online, config, template)
     batches = None if store is None else BatchService(store, serving, options.batch_limits, metrics)
     stored_responses = ResponseStore(options.data_dir) if options.data_dir is not None else None
     return build_app(serving, metrics, batches, options.api_keys, stored_responses)
+
+
+def generation_defaults(model: str, generation_config: str) -> dict[str, float]:
+    """The sampling defaults of ``--generation-config`` for ``model`` (``sampling_defaults``), checked
+    as a request's would be; logged, as vLLM logs them."""
+    if generation_config == "vllm":
+        return {}
+    directory = model if generation_config == "auto" else generation_config
+    if generation_config != "auto" and not Path(directory).is_dir():
+        raise ConfigError(f"--generation-config must be auto, vllm or a directory, got {generation_config!r}")
+    defaults = sampling_defaults(directory) if Path(directory).is_dir() else {}  # (a GGUF file, random:NAME)
+    try:
+        SamplingParams(**defaults)
+    except ConfigError as e:
+        raise ConfigError(f"{Path(directory) / 'generation_config.json'}: {e}") from None
+    if defaults:
+        log.info("sampling defaults from the model's generation config (--generation-config vllm: none): %s", defaults)
+    return defaults
 
 
 class DrainingServer(uvicorn.Server):

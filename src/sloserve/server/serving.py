@@ -14,7 +14,7 @@ import json
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from sloserve.core.errors import ConfigError, SloserveError
@@ -72,6 +72,9 @@ class ServerConfig:
     reasoning_parser: str | None = None  # splits chat outputs into reasoning_content and content
     trust_request_chat_template: bool = False  # a request may bring its own chat_template
     priority_scheduling: bool = False  # the scheduler orders by vLLM's request priority (waiting_order=priority)
+    # what a request that does not set temperature, top_p, top_k, min_p or repetition_penalty samples
+    # with (the model's generation config: checkpoint/generation_config.py; empty: the API's defaults)
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
 
 class ModelNotFoundError(ConfigError):
@@ -730,19 +733,24 @@ class OpenAIServing:
         echo = isinstance(body, CompletionRequest) and body.echo
         prompt_logprobs = max((k for k in (num_logprobs if echo else None, body.prompt_logprobs) if k is not None),
                               default=None)  # fmt: skip
+        defaults, given = self.config.sampling_defaults, body.model_fields_set
+
+        def sampling(name: str) -> Any:  # the request's where it sets it, else the model's default
+            return defaults[name] if name in defaults and name not in given else getattr(body, name)
+
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k or 0,
-            min_p=body.min_p or 0.0,
+            temperature=sampling("temperature"),
+            top_p=sampling("top_p"),
+            top_k=sampling("top_k") or 0,
+            min_p=sampling("min_p") or 0.0,
             seed=body.seed,
             ignore_eos=body.ignore_eos,
             logprobs=num_logprobs if num_logprobs is not None else 0 if ranked else None,
             prompt_logprobs=prompt_logprobs,
             min_tokens=body.min_tokens,
             logit_bias=logit_bias or None,
-            repetition_penalty=body.repetition_penalty,
+            repetition_penalty=sampling("repetition_penalty"),
             frequency_penalty=body.frequency_penalty,
             presence_penalty=body.presence_penalty,
             stop_token_ids=tuple(body.stop_token_ids or ()),

@@ -1,0 +1,46 @@
+"""A checkpoint's sampling defaults: the ``generation_config.json`` beside its weights (transformers'
+``GenerationConfig``), read as vLLM's ``--generation-config auto`` reads it. A request that does not set
+``temperature``, ``top_p``, ``top_k``, ``min_p`` or ``repetition_penalty`` samples with the model's
+(Llama 3.1 Instruct: temperature 0.6, top_p 0.9; Qwen3: 0.6, 0.95 and top_k 20), not with the API's
+defaults (1.0 and no filter)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sloserve.core.errors import ConfigError
+
+# The fields a generation config may set, with transformers' defaults: a value equal to its default is
+# not the model's choice (vLLM reads ``GenerationConfig.to_diff_dict()``, which leaves such values out)
+SAMPLING_DEFAULTS_OF_TRANSFORMERS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 50,
+    "min_p": None,
+    "repetition_penalty": 1.0,
+}
+
+
+def sampling_defaults(directory: str | Path) -> dict[str, float]:
+    """The sampling fields that ``directory``'s ``generation_config.json`` sets (a model directory, or
+    any directory given to ``--generation-config``); {} where it has none (a GGUF file, a ``random:``
+    model). A value that is not a number is a ConfigError naming the file and the field."""
+    file = Path(directory) / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: must be a JSON object, got {type(raw).__name__}")
+    defaults: dict[str, float] = {}
+    for name, transformers_default in SAMPLING_DEFAULTS_OF_TRANSFORMERS.items():
+        value = raw.get(name)
+        if value is None or value == transformers_default:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{file}: {name} must be a number, got {value!r}")
+        defaults[name] = value
+    return defaults
