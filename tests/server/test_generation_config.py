@@ -14,6 +14,7 @@ pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 
 from served_model import MODEL, Server  # noqa: E402
+from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.server.serve import generation_defaults  # noqa: E402
 
@@ -77,6 +78,15 @@ def test_the_models_top_k_and_generation_config_vllm(chat_model_dir, tmp_path, s
         assert ({completion_text(server, seed=seed) for seed in SEEDS} == {greedy}) == greedy_when_unset
     finally:
         server.stop()
+
+
+def test_llm_generate_without_params_samples_with_the_models_defaults(model_dir):
+    """As vLLM's ``LLM``: ``generate`` given no sampling params uses ``get_default_sampling_params``."""
+    llm = LLM(str(model_dir), kv_capacity_tokens=1024)
+    assert (llm.get_default_sampling_params().temperature, llm.get_default_sampling_params().top_p) == (0.7, 0.01)
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0))[0].outputs[0].text
+    assert {llm.generate(PROMPT)[0].outputs[0].text for _ in SEEDS} == {greedy}
+    assert LLM("random:tiny-llama").get_default_sampling_params() == SamplingParams()
 
 
 def test_a_generation_config_that_cannot_be_served_is_one_clear_error(tmp_path, model_dir):

@@ -7,8 +7,10 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from sloserve.checkpoint.generation_config import sampling_defaults
 from sloserve.core.errors import ConfigError
 from sloserve.core.request import Request
 from sloserve.cost.base import CostModel
@@ -130,6 +132,13 @@ class LLM:
     def tokenizer(self):
         return self.loaded.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` samples with when given no params: the model's generation config's
+        temperature, top_p, top_k, min_p and repetition_penalty (``checkpoint/generation_config.py``),
+        else the API's defaults (vLLM's ``LLM.get_default_sampling_params``)."""
+        directory = Path(self.model).expanduser()
+        return SamplingParams(**(sampling_defaults(directory) if directory.is_dir() else {}))
+
     def _token_ids(self, prompt: Prompt, index: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.loaded.tokenizer is None:
@@ -159,7 +168,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (
             [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         )
