@@ -7,6 +7,8 @@ and gives the greedy tokens of the model the file holds."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -15,6 +17,7 @@ pytest.importorskip("gguf")
 from gguf_files import tiny_llama, write_llama_gguf  # noqa: E402
 
 from sloserve import LLM, SamplingParams  # noqa: E402
+from sloserve.checkpoint.gguf import merges_from_scores  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 
 CORPUS = [
@@ -106,3 +109,15 @@ def test_a_sentencepiece_file_without_its_scores_is_refused(tmp_path, sentencepi
     write_sentencepiece_gguf(path, model, tokens, scores[:10], types)
     with pytest.raises(ConfigError, match="needs tokenizer.ggml.scores, one a token"):
         LLM(str(path), kv_capacity_tokens=256)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.text("ab\u2581", min_size=1, max_size=5), st.integers(-5, 5)), min_size=1, max_size=40))
+def test_merges_from_scores_rank_as_transformers_ranks_them(scored):
+    """Ties of score and of parts' lengths (small alphabets, few scores) and tokens listed twice: the
+    merges, in order, are transformers' ``generate_merges``'s."""
+    from transformers.tokenization_utils_base import generate_merges
+
+    tokens, scores = [t for t, _ in scored], [float(s) for _, s in scored]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    assert merges_from_scores(tokens, scores) == generate_merges(vocab, dict(zip(tokens, scores, strict=True)))
