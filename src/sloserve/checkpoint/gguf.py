@@ -269,8 +269,8 @@ def gguf_tokenizer(checkpoint: GGUFCheckpoint):
     tok.add_special_tokens(
         [
             AddedToken(t, special=True, normalized=False)
-            for t, kind in zip(tokens, types, strict=False)
-            if kind == TOKEN_TYPE_CONTROL
+            for t, token_type in zip(tokens, types, strict=False)
+            if token_type == TOKEN_TYPE_CONTROL
         ]
     )
     # NOTE: read whole in any text, as llama.cpp and transformers do (else cut into pieces: a chat
@@ -278,8 +278,8 @@ def gguf_tokenizer(checkpoint: GGUFCheckpoint):
     tok.add_tokens(
         [
             AddedToken(t, special=False, normalized=False)
-            for t, kind in zip(tokens, types, strict=False)
-            if kind == TOKEN_TYPE_USER_DEFINED
+            for t, token_type in zip(tokens, types, strict=False)
+            if token_type == TOKEN_TYPE_USER_DEFINED
         ]
     )
     bos = meta.get("tokenizer.ggml.bos_token_id")
