@@ -220,9 +220,12 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     )
     if raw.get("use_sliding_window"):
         raise ConfigError(f"{name}: sliding-window attention (use_sliding_window) is not supported for {model_type}")
-    # NOTE: Mistral 7B v0.1's every layer sees the last sliding_window positions (later Mistrals: null);
-    # Qwen's sliding_window is unused unless use_sliding_window
+    # NOTE: Mistral 7B v0.1's every layer sees the last sliding_window positions (later Mistrals: null;
+    # a window as long as the context changes nothing); Qwen's sliding_window is unused unless
+    # use_sliding_window
     window = raw.get("sliding_window") if model_type == "mistral" else None
+    if window is not None and window >= common["max_position_embeddings"]:
+        window = None
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{name}: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
     return ModelConfig(

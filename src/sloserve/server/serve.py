@@ -161,14 +161,14 @@ def generation_defaults(model: str, generation_config: str) -> dict[str, float]:
     as a request's would be; logged, as vLLM logs them."""
     if generation_config == "vllm":
         return {}
-    directory = model if generation_config == "auto" else generation_config
-    if generation_config != "auto" and not Path(directory).is_dir():
+    directory = Path(model if generation_config == "auto" else generation_config).expanduser()
+    if generation_config != "auto" and not directory.is_dir():
         raise ConfigError(f"--generation-config must be auto, vllm or a directory, got {generation_config!r}")
-    defaults = sampling_defaults(directory) if Path(directory).is_dir() else {}  # (a GGUF file, random:NAME)
+    defaults = sampling_defaults(directory) if directory.is_dir() else {}  # (a GGUF file, random:NAME)
     try:
         SamplingParams(**defaults)
     except ConfigError as e:
-        raise ConfigError(f"{Path(directory) / 'generation_config.json'}: {e}") from None
+        raise ConfigError(f"{directory / 'generation_config.json'}: {e}") from None
     if defaults:
         log.info("sampling defaults from the model's generation config (--generation-config vllm: none): %s", defaults)
     return defaults
