@@ -1,6 +1,6 @@
-"""GGUF files of tiny Llama models written as llama.cpp's converter writes them (``gguf.GGUFWriter``):
-permuted Q and K rows, a tied embedding (no ``output.weight``, as Llama 3.2 1B's), the tokenizer's
-metadata as given."""
+"""GGUF files of tiny models written as llama.cpp's converter writes them (``gguf.GGUFWriter``): a
+Llama's Q and K rows permuted (a Qwen's not), a tied embedding left out (no ``output.weight``, as Llama
+3.2 1B's), the tokenizer's metadata as given."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ TENSOR_NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }  # fmt: skip
 
 
@@ -26,11 +27,15 @@ def tiny_llama(vocab_size: int, rope: dict[str, Any]):
         intermediate_size=128, max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=True,
         rope_parameters=rope,
     )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # norm weights are 1 at init: make them count
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.mul_(1 + 0.1 * torch.randn_like(p))
+    return uneven_norms_(transformers.LlamaForCausalLM(config).eval())
+
+
+@torch.no_grad()
+def uneven_norms_(model):
+    """``model`` with its norm weights (1 at init) spread around 1, so that they count."""
+    for p in model.parameters():
+        if p.ndim == 1:
+            p.mul_(1 + 0.1 * torch.randn_like(p))
     return model
 
 
@@ -40,34 +45,40 @@ def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, 2, shape[0] // num_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def write_llama_gguf(path: Path, model, tokenizer: dict[str, Any], rope_freqs: list[float] | None = None) -> None:
-    """``model`` as a GGUF file; ``tokenizer``: ``GGUFWriter`` method -> its value (``add_token_list``...);
-    ``rope_freqs``: Llama 3.1's frequency factors, as the converter stores them."""
+def write_gguf(
+    path: Path, model, tokenizer: dict[str, Any], arch: str = "llama", rope_freqs: list[float] | None = None
+) -> None:
+    """``model`` as a GGUF file of ``arch``; ``tokenizer``: ``GGUFWriter`` method -> its value
+    (``add_token_list``...); ``rope_freqs``: Llama 3.1's frequency factors, as the converter stores them."""
     import gguf
 
     c = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     for method, value in tokenizer.items():
         getattr(writer, method)(value)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if not c.tie_word_embeddings:
+        names["lm_head.weight"] = "output.weight"
     for n in range(c.num_hidden_layers):
         for hf, ours in TENSOR_NAMES.items():
             names[f"model.layers.{n}.{hf}.weight"] = f"blk.{n}.{ours}.weight"
     for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight":
-            continue  # tied to the embedding
+        if name not in names:
+            continue  # the LM head tied to the embedding
         weight = tensor.float().numpy()
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):
             weight = permute(weight, c.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             weight = permute(weight, c.num_key_value_heads)
         writer.add_tensor(names[name], weight)
     if rope_freqs is not None:

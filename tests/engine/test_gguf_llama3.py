@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from gguf_files import tiny_llama, write_llama_gguf  # noqa: E402
+from gguf_files import tiny_llama, write_gguf  # noqa: E402
 
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.checkpoint.gguf import PRE_TOKENIZER_SPLITS, read_gguf  # noqa: E402
@@ -94,7 +94,7 @@ def write_llama3_gguf(path, model, tokenizer, pre: str = "llama-bpe") -> None:
         "add_eot_token_id": vocab["<|eot_id|>"],
         "add_add_bos_token": True,
     }
-    write_llama_gguf(path, model, fields, rope_freqs=rope_factors(ROPE, model.config.head_dim))
+    write_gguf(path, model, fields, rope_freqs=rope_factors(ROPE, model.config.head_dim))
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")  # transformers reads GGUF files only with it
 
+from gguf_files import uneven_norms_, write_gguf  # noqa: E402
+
 from chat_model import make_chat_model  # noqa: E402
 from hf_models import VOCAB  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
@@ -29,54 +31,22 @@ def write_qwen3_gguf(path, tokenizer_dir) -> None:
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=128, intermediate_size=128, max_position_embeddings=256, initializer_range=0.2,
     )  # fmt: skip
-    model = transformers.Qwen3ForCausalLM(c).eval()
-    with torch.no_grad():  # norm weights are 1 at init: make them count
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.mul_(1 + 0.1 * torch.randn_like(p))
+    model = uneven_norms_(transformers.Qwen3ForCausalLM(c).eval())
     tokenizer = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
     special = {t["content"] for t in tokenizer["added_tokens"]}
-    writer = gguf.GGUFWriter(str(path), "qwen3")
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in special else 1 for t in tokens])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
-    writer.add_bos_token_id(vocab["<s>"])
-    writer.add_eos_token_id(vocab["</s>"])
-    writer.add_add_bos_token(False)
-    names = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
+    fields = {
+        "add_tokenizer_model": "gpt2",
+        "add_tokenizer_pre": "qwen2",
+        "add_token_list": tokens,
+        "add_token_types": [3 if t in special else 1 for t in tokens],
+        "add_token_merges": [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]],
+        "add_bos_token_id": vocab["<s>"],
+        "add_eos_token_id": vocab["</s>"],
+        "add_add_bos_token": False,
     }
-    per_layer = {
-        "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-        "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    }  # fmt: skip
-    for n in range(c.num_hidden_layers):
-        for hf, ours in per_layer.items():
-            names[f"model.layers.{n}.{hf}.weight"] = f"blk.{n}.{ours}.weight"
-    for name, tensor in model.state_dict().items():
-        writer.add_tensor(names[name], tensor.float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(path, model, fields, arch="qwen3")
 
 
 @pytest.fixture(scope="module")

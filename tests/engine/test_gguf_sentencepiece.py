@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from gguf_files import tiny_llama, write_llama_gguf  # noqa: E402
+from gguf_files import tiny_llama, write_gguf  # noqa: E402
 
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.checkpoint.gguf import merges_from_scores  # noqa: E402
@@ -60,7 +60,7 @@ def write_sentencepiece_gguf(path, model, tokens, scores, types) -> None:
         "add_bos_token_id": 1,
         "add_eos_token_id": 2,
     }
-    write_llama_gguf(path, model, fields)
+    write_gguf(path, model, fields)
 
 
 @pytest.fixture(scope="module")
