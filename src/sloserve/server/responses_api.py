@@ -247,7 +247,9 @@ class ResponsesRequest(RequestBody):
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
                 call_ids.add(item.call_id)
             elif isinstance(item, FunctionCallOutputItem):
-                if item.call_id not in call_ids:  # NOTE: OpenAI's 400 too; a chat template would render it
+                # NOTE: OpenAI's 400 too (a chat template would render it); the stored conversation was
+                # accepted as it is, so only the new input is checked
+                if item.call_id not in call_ids and position >= len(earlier_items):
                     raise ParameterError(
                         f"input.{position - len(earlier_items)}.call_id",
                         f"no function call with call_id {item.call_id!r} comes before this function_call_output "
