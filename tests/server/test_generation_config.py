@@ -35,8 +35,9 @@ def model_dir(chat_model_dir, tmp_path_factory):
     # NOTE: top_p 0.01 keeps the likeliest token alone: sampling at any temperature gives the greedy tokens;
     # top_k 50 is transformers' default, not the model's choice, so not applied (as vLLM reads it)
     return with_generation_config(
-        chat_model_dir, tmp_path_factory.mktemp("generation-config") / "model", temperature=0.7, top_p=0.01, top_k=50
-    )
+        chat_model_dir, tmp_path_factory.mktemp("generation-config") / "model", temperature=0.7, top_p=0.01, top_k=50,
+        max_new_tokens=6,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,10 @@ def test_unset_sampling_fields_take_the_models_defaults_and_set_ones_win(server)
     assert server.client.chat.completions.create(**chat, seed=1).choices[0].message.content == as_greedy
     response = server.client.responses.create(model=MODEL, input="hi", max_output_tokens=8, extra_body={"seed": 1})
     assert response.output_text == as_greedy
+    # the model's max_new_tokens caps every request's max_tokens, as vLLM's
+    capped = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, extra_body={"ignore_eos": True})
+    unset = server.client.chat.completions.create(**{**chat, "max_tokens": None}, extra_body={"ignore_eos": True})
+    assert capped.usage.completion_tokens == unset.usage.completion_tokens == 6
     sampled = {server.client.responses.create(model=MODEL, input="hi", max_output_tokens=8, top_p=1.0,
                                               extra_body={"seed": seed}).output_text for seed in SEEDS}  # fmt: skip
     assert sampled != {as_greedy}
@@ -83,15 +88,16 @@ def test_the_models_top_k_and_generation_config_vllm(chat_model_dir, tmp_path, s
 def test_llm_generate_without_params_samples_with_the_models_defaults(model_dir):
     """As vLLM's ``LLM``: ``generate`` given no sampling params uses ``get_default_sampling_params``."""
     llm = LLM(str(model_dir), kv_capacity_tokens=1024)
-    assert (llm.get_default_sampling_params().temperature, llm.get_default_sampling_params().top_p) == (0.7, 0.01)
-    greedy = llm.generate(PROMPT, SamplingParams(temperature=0))[0].outputs[0].text
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_p, defaults.max_tokens) == (0.7, 0.01, 6)
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
     assert {llm.generate(PROMPT)[0].outputs[0].text for _ in SEEDS} == {greedy}
     assert LLM("random:tiny-llama").get_default_sampling_params() == SamplingParams()
 
 
 def test_a_generation_config_that_cannot_be_served_is_one_clear_error(tmp_path, model_dir):
     assert generation_defaults(str(model_dir), "vllm") == {}
-    assert generation_defaults(str(model_dir), "auto") == {"temperature": 0.7, "top_p": 0.01}
+    assert generation_defaults(str(model_dir), "auto") == {"temperature": 0.7, "top_p": 0.01, "max_tokens": 6}
     assert generation_defaults("random:tiny-llama", "auto") == {}
     with pytest.raises(ConfigError, match="--generation-config must be auto, vllm or a directory, got 'nowhere'"):
         generation_defaults(str(model_dir), "nowhere")

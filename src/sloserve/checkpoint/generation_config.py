@@ -2,7 +2,7 @@
 ``GenerationConfig``), read as vLLM's ``--generation-config auto`` reads it. A request that does not set
 ``temperature``, ``top_p``, ``top_k``, ``min_p`` or ``repetition_penalty`` samples with the model's
 (Llama 3.1 Instruct: temperature 0.6, top_p 0.9; Qwen3: 0.6, 0.95 and top_k 20), not with the API's
-defaults (1.0 and no filter)."""
+defaults (1.0 and no filter); its ``max_new_tokens`` caps every request's ``max_tokens``, as in vLLM."""
 
 from __future__ import annotations
 
@@ -19,13 +19,17 @@ SAMPLING_DEFAULTS_OF_TRANSFORMERS = {
     "top_k": 50,
     "min_p": None,
     "repetition_penalty": 1.0,
+    "max_new_tokens": None,
 }
+# Their names in SamplingParams, where they differ
+SAMPLING_NAMES = {"max_new_tokens": "max_tokens"}
 
 
 def sampling_defaults(directory: str | Path) -> dict[str, float]:
-    """The sampling fields that ``directory``'s ``generation_config.json`` sets (a model directory, or
-    any directory given to ``--generation-config``); {} where it has none (a GGUF file, a ``random:``
-    model). A value that is not a number is a ConfigError naming the file and the field."""
+    """The sampling fields that ``directory``'s ``generation_config.json`` sets, by their SamplingParams
+    names (a model directory, or any directory given to ``--generation-config``); {} where it has none (a
+    GGUF file, a ``random:`` model). A value that is not a number is a ConfigError naming the file and
+    the field."""
     file = Path(directory) / "generation_config.json"
     if not file.is_file():
         return {}
@@ -42,5 +46,5 @@ def sampling_defaults(directory: str | Path) -> dict[str, float]:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{file}: {name} must be a number, got {value!r}")
-        defaults[name] = value
+        defaults[SAMPLING_NAMES.get(name, name)] = value
     return defaults
