@@ -61,10 +61,10 @@ def test_unset_sampling_fields_take_the_models_defaults_and_set_ones_win(server)
     assert server.client.chat.completions.create(**chat, seed=1).choices[0].message.content == as_greedy
     response = server.client.responses.create(model=MODEL, input="hi", max_output_tokens=8, extra_body={"seed": 1})
     assert response.output_text == as_greedy
-    # the model's max_new_tokens caps every request's max_tokens, as vLLM's
-    capped = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, extra_body={"ignore_eos": True})
+    # the model's max_new_tokens is the max_tokens of a request that sets none (vLLM's fallback)
     unset = server.client.chat.completions.create(**{**chat, "max_tokens": None}, extra_body={"ignore_eos": True})
-    assert capped.usage.completion_tokens == unset.usage.completion_tokens == 6
+    asked = server.client.chat.completions.create(**{**chat, "max_tokens": 8}, extra_body={"ignore_eos": True})
+    assert (unset.usage.completion_tokens, asked.usage.completion_tokens) == (6, 8)
     sampled = {server.client.responses.create(model=MODEL, input="hi", max_output_tokens=8, top_p=1.0,
                                               extra_body={"seed": seed}).output_text for seed in SEEDS}  # fmt: skip
     assert sampled != {as_greedy}

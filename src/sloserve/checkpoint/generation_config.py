@@ -2,7 +2,7 @@
 ``GenerationConfig``), read as vLLM's ``--generation-config auto`` reads it. A request that does not set
 ``temperature``, ``top_p``, ``top_k``, ``min_p`` or ``repetition_penalty`` samples with the model's
 (Llama 3.1 Instruct: temperature 0.6, top_p 0.9; Qwen3: 0.6, 0.95 and top_k 20), not with the API's
-defaults (1.0 and no filter); its ``max_new_tokens`` caps every request's ``max_tokens``, as in vLLM."""
+defaults (1.0 and no filter); its ``max_new_tokens`` is the ``max_tokens`` of a request that sets none."""
 
 from __future__ import annotations
 

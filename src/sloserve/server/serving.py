@@ -73,7 +73,7 @@ class ServerConfig:
     trust_request_chat_template: bool = False  # a request may bring its own chat_template
     priority_scheduling: bool = False  # the scheduler orders by vLLM's request priority (waiting_order=priority)
     # what a request that does not set temperature, top_p, top_k, min_p or repetition_penalty samples
-    # with, and max_tokens: a cap on every request's (the model's generation config:
+    # with, and max_tokens: that of one that sets none (the model's generation config:
     # checkpoint/generation_config.py; empty: the API's defaults)
     sampling_defaults: dict[str, float] = field(default_factory=dict)
 
@@ -726,8 +726,8 @@ class OpenAIServing:
                  ("allowed_token_ids", body.allowed_token_ids or ()))  # fmt: skip
         for name, ids in named:
             self._check_in_vocabulary(name, ids)
-        # NOTE: the model's max_new_tokens caps every request, one that asks for more too (vLLM's min)
-        max_tokens = min(max_tokens or room, self.config.sampling_defaults.get("max_tokens") or room)
+        if max_tokens is None:  # the model's max_new_tokens where it has one (vLLM's fallback), within the room
+            max_tokens = min(self.config.sampling_defaults.get("max_tokens") or room, room)
         if body.min_tokens > max_tokens:
             raise ParameterError("min_tokens", f"min_tokens ({body.min_tokens}) is above max_tokens ({max_tokens})")
         num_logprobs = body.num_logprobs
