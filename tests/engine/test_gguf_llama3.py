@@ -154,7 +154,8 @@ def test_greedy_tokens_equal_transformers_with_llama3_rope_scaling(llama3):
 def test_the_pre_tokenizer_a_file_names_reads_the_tokens_transformers_reads(tmp_path, pre):
     """Other names of llama.cpp's pre-tokenizers (Mistral Nemo's, DeepSeek-R1's Qwen distills'): the
     engine splits text as transformers' GGUF reader does, and as the tokenizer.json trained with that
-    split; a name neither knows is refused rather than read as GPT-2's."""
+    split; a name neither knows is refused rather than read as GPT-2's, and a merge that is not two tokens
+    by name."""
     tokenizer = llama3_tokenizer(PRE_TOKENIZER_SPLITS[pre])
     path = tmp_path / f"{pre}.gguf"
     write_llama3_gguf(path, hf_llama3(tokenizer.get_vocab_size(), ROPE), tokenizer, pre=pre)
@@ -162,6 +163,13 @@ def test_the_pre_tokenizer_a_file_names_reads_the_tokens_transformers_reads(tmp_
     hf_gguf = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     for text in TEXTS:
         assert llm.tokenizer.encode(text) == tokenizer.encode(text).ids == hf_gguf(text)["input_ids"]
+    merges = [" ".join(m) for m in json.loads(tokenizer.to_str())["model"]["merges"]]
+    bad_merge = tmp_path / "bad-merge.gguf"  # (a TypeError from the tokenizers library, once)
+    write_gguf(bad_merge, hf_llama3(tokenizer.get_vocab_size(), ROPE),
+               {"add_tokenizer_model": "gpt2", "add_token_list": sorted(tokenizer.get_vocab(), key=tokenizer.get_vocab().get),
+                "add_token_merges": [*merges[:3], "nospace", *merges[3:]]})  # fmt: skip
+    with pytest.raises(ConfigError, match="GGUF merge 3 of tokenizer.ggml.merges is 'nospace', not two tokens"):
+        LLM(str(bad_merge), kv_capacity_tokens=256)
     unknown = tmp_path / "unknown.gguf"
     write_llama3_gguf(unknown, hf_llama3(tokenizer.get_vocab_size(), ROPE), tokenizer, pre="nonesuch")
     with pytest.raises(ConfigError, match="pre-tokenizer 'nonesuch' \\(tokenizer.ggml.pre\\) is not supported"):

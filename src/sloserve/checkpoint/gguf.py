@@ -298,6 +298,12 @@ def _byte_level_bpe(checkpoint: GGUFCheckpoint, tokens: list[str]):
 
     meta = checkpoint.metadata
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    bad = next((i for i, merge in enumerate(merges) if len(merge) != 2), None)
+    if bad is not None:
+        raise ConfigError(
+            f"{checkpoint.path}: GGUF merge {bad} of tokenizer.ggml.merges is {meta['tokenizer.ggml.merges'][bad]!r}, "
+            "not two tokens separated by a space"
+        )
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
     pre = meta.get("tokenizer.ggml.pre")
     if pre not in PRE_TOKENIZER_SPLITS:
