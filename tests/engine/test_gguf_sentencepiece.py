@@ -50,14 +50,14 @@ def sentencepiece_vocabulary() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def write_sentencepiece_gguf(path, model, tokens, scores, types) -> None:
+def write_sentencepiece_gguf(path, model, tokens, scores, types, bos: int = 1) -> None:
     fields = {
         "add_tokenizer_model": "llama",
         "add_token_list": tokens,
         "add_token_scores": scores,
         "add_token_types": types,
         "add_unk_token_id": 0,
-        "add_bos_token_id": 1,
+        "add_bos_token_id": bos,
         "add_eos_token_id": 2,
     }
     write_gguf(path, model, fields)
@@ -102,12 +102,16 @@ def test_greedy_tokens_and_their_text_equal_the_models(sentencepiece_gguf):
         assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
 
 
-def test_a_sentencepiece_file_without_its_scores_is_refused(tmp_path, sentencepiece_gguf):
+def test_a_sentencepiece_file_without_its_scores_or_with_a_bos_outside_is_refused(tmp_path, sentencepiece_gguf):
     _, model, tokens = sentencepiece_gguf
     _, scores, types = sentencepiece_vocabulary()
     path = tmp_path / "no-scores.gguf"
     write_sentencepiece_gguf(path, model, tokens, scores[:10], types)
     with pytest.raises(ConfigError, match="needs tokenizer.ggml.scores, one a token"):
+        LLM(str(path), kv_capacity_tokens=256)
+    path = tmp_path / "bos-outside.gguf"  # (an IndexError, once)
+    write_sentencepiece_gguf(path, model, tokens, scores, types, bos=len(tokens))
+    with pytest.raises(ConfigError, match=f"bos_token_id {len(tokens)} is outside the vocabulary"):
         LLM(str(path), kv_capacity_tokens=256)
 
 

@@ -283,6 +283,10 @@ def gguf_tokenizer(checkpoint: GGUFCheckpoint):
         ]
     )
     bos = meta.get("tokenizer.ggml.bos_token_id")
+    if bos is not None and not 0 <= bos < len(tokens):
+        raise ConfigError(
+            f"{checkpoint.path}: GGUF tokenizer.ggml.bos_token_id {bos} is outside the vocabulary [0, {len(tokens)})"
+        )
     if meta.get("tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)]
