@@ -102,7 +102,7 @@ def test_greedy_tokens_and_their_text_equal_the_models(sentencepiece_gguf):
         assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
 
 
-def test_a_sentencepiece_file_without_its_scores_or_with_a_bos_outside_is_refused(tmp_path, sentencepiece_gguf):
+def test_a_tokenizer_without_scores_a_vocabulary_or_with_a_bos_outside_is_refused(tmp_path, sentencepiece_gguf):
     _, model, tokens = sentencepiece_gguf
     _, scores, types = sentencepiece_vocabulary()
     path = tmp_path / "no-scores.gguf"
@@ -112,6 +112,10 @@ def test_a_sentencepiece_file_without_its_scores_or_with_a_bos_outside_is_refuse
     path = tmp_path / "bos-outside.gguf"  # (an IndexError, once)
     write_sentencepiece_gguf(path, model, tokens, scores, types, bos=len(tokens))
     with pytest.raises(ConfigError, match=f"bos_token_id {len(tokens)} is outside the vocabulary"):
+        LLM(str(path), kv_capacity_tokens=256)
+    path = tmp_path / "no-vocabulary.gguf"  # (a KeyError, once)
+    write_gguf(path, model, {"add_tokenizer_model": "llama", "add_vocab_size": len(tokens)})
+    with pytest.raises(ConfigError, match="GGUF metadata has no tokenizer.ggml.tokens"):
         LLM(str(path), kv_capacity_tokens=256)
 
 

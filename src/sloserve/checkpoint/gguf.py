@@ -250,6 +250,8 @@ def gguf_tokenizer(checkpoint: GGUFCheckpoint):
 
     meta = checkpoint.metadata
     kind = meta.get("tokenizer.ggml.model")
+    if not meta.get("tokenizer.ggml.tokens"):
+        raise ConfigError(f"{checkpoint.path}: GGUF metadata has no tokenizer.ggml.tokens (the vocabulary)")
     tokens = list(meta["tokenizer.ggml.tokens"])
     if kind == "gpt2":
         tok = _byte_level_bpe(checkpoint, tokens)
