@@ -107,6 +107,8 @@ def llama3(tmp_path_factory):
 
 
 def test_the_file_reads_as_llama_3_its_tokens_its_ends_and_its_rope(llama3):
+    from tokenizers import pre_tokenizers
+
     path, _, tokenizer = llama3
     config = read_gguf(path).hf_config
     vocab = tokenizer.get_vocab()
@@ -115,9 +117,7 @@ def test_the_file_reads_as_llama_3_its_tokens_its_ends_and_its_rope(llama3):
     llm = LLM(str(path), kv_capacity_tokens=1024)
     reference = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer)
     gpt2_split = transformers.PreTrainedTokenizerFast(tokenizer_object=llama3_tokenizer())
-    gpt2_split.backend_tokenizer.pre_tokenizer = __import__("tokenizers").pre_tokenizers.ByteLevel(
-        add_prefix_space=False
-    )
+    gpt2_split.backend_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf_gguf = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)  # transformers' reading
     for text in TEXTS:
         assert llm.tokenizer.encode(text) == reference(text)["input_ids"] == hf_gguf(text)["input_ids"]
