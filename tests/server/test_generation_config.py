@@ -61,6 +61,7 @@ def test_unset_sampling_fields_take_the_models_defaults_and_set_ones_win(server)
     assert server.client.chat.completions.create(**chat, seed=1).choices[0].message.content == as_greedy
     response = server.client.responses.create(model=MODEL, input="hi", max_output_tokens=8, extra_body={"seed": 1})
     assert response.output_text == as_greedy
+    assert (response.temperature, response.top_p) == (0.7, 0.01)  # echoed as sampled
     # the model's max_new_tokens is the max_tokens of a request that sets none (vLLM's fallback)
     unset = server.client.chat.completions.create(**{**chat, "max_tokens": None}, extra_body={"ignore_eos": True})
     asked = server.client.chat.completions.create(**{**chat, "max_tokens": 8}, extra_body={"ignore_eos": True})
@@ -68,6 +69,8 @@ def test_unset_sampling_fields_take_the_models_defaults_and_set_ones_win(server)
     sampled = {server.client.responses.create(model=MODEL, input="hi", max_output_tokens=8, top_p=1.0,
                                               extra_body={"seed": seed}).output_text for seed in SEEDS}  # fmt: skip
     assert sampled != {as_greedy}
+    echoed = server.client.responses.create(model=MODEL, input="hi", max_output_tokens=2, top_p=1.0, temperature=0)
+    assert (echoed.temperature, echoed.top_p) == (0, 1.0)
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -299,13 +299,19 @@ class ResponsesRequest(RequestBody):
                 raise ParameterError(where, f"{where}: {error['msg']}, got {error.get('input')!r}") from None
             raise ParameterError("input", f"cannot be served as a chat request: {error['msg']}") from None
 
-    def echoed(self) -> dict[str, Any]:
-        """The request's settings, as a response repeats them."""
+    def echoed(self, sampling_defaults: Mapping[str, float]) -> dict[str, Any]:
+        """The request's settings, as a response repeats them; ``temperature`` and ``top_p`` as sampled:
+        the model's (``sampling_defaults``, its generation config) where the request did not set them."""
+
+        def sampled(name: str) -> float:
+            given = name in self.model_fields_set
+            return getattr(self, name) if given or name not in sampling_defaults else sampling_defaults[name]
+
         return {
             "instructions": self.instructions,
             "max_output_tokens": self.max_output_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
+            "temperature": sampled("temperature"),
+            "top_p": sampled("top_p"),
             "tools": [t.model_dump(exclude_none=True) for t in self.tools or ()],
             "tool_choice": (
                 self.tool_choice.model_dump()
@@ -337,9 +343,15 @@ class ResponseBuilder:
     output ends."""
 
     def __init__(
-        self, request: ResponsesRequest, model: str, service_tier: str, answer: AnswerTokens | None = None
+        self,
+        request: ResponsesRequest,
+        model: str,
+        service_tier: str,
+        answer: AnswerTokens | None = None,
+        sampling_defaults: Mapping[str, float] | None = None,
     ) -> None:
         self.request = request
+        self.sampling_defaults = sampling_defaults or {}  # the model's (its generation config)
         self.answer = answer  # which tokens are the answer's (a reasoning model's); None: all of them
         self.head = {"id": _id("resp"), "object": "response", "created_at": now_unix(), "model": model,
                      "service_tier": service_tier}  # fmt: skip
@@ -361,7 +373,7 @@ class ResponseBuilder:
     def response(self, status: str, usage: dict[str, Any] | None = None, reason: str | None = None) -> dict:
         return {**self.head, "status": status, "output": self.output,
                 "incomplete_details": {"reason": reason} if reason else None, "usage": usage,
-                **self.request.echoed()}  # fmt: skip
+                **self.request.echoed(self.sampling_defaults)}  # fmt: skip
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -580,7 +592,9 @@ def response_builder(serving: OpenAIServing, body: ResponsesRequest, submission:
     """The builder of ``submission``'s response, reading which tokens are the answer's where it needs to."""
     parser = submission.reasoning_parser
     answer = AnswerTokens.of(parser, serving.engine.tokenizer) if body.wants_logprobs and parser else None
-    return ResponseBuilder(body, serving.config.model_name, submission.service_tier, answer)
+    return ResponseBuilder(
+        body, serving.config.model_name, submission.service_tier, answer, serving.config.sampling_defaults
+    )
 
 
 def _not_found(response_id: str) -> ApiError:
