@@ -221,12 +221,13 @@ def test_a_killed_replica_is_replaced_and_no_request_is_lost(fleet):
 
     streamed, after = asyncio.run(run())
     failed = [r for r in streamed if isinstance(r, Exception)]
-    assert 0 < len(failed) < 16, "the streams ran on both replicas: those on the killed one fail, the others not"
+    assert len(failed) < 16, "the streams on the replica left complete"
     assert all("replica" in str(e) for e in failed), [str(e) for e in failed]
     assert all(r.usage.completion_tokens == 8 for r in after)
-    # NOTE: every stream the kill ended is counted, and the batch lines running on the killed replica then,
-    # if any: usually some, but once in a full run beside other tests none were (10 failures, 10 streams)
-    assert fleet.metric("sloserve_replica_failures_total", outcome="error") >= len(failed)
+    # NOTE: the kill ends what ran on the killed replica, each counted: its streams and its batch lines.
+    # Either may be none: once in a full run beside other tests no line was (10 streams failed), and once
+    # no stream (the first stream to end, which sets off the kill, was the killed replica's last)
+    assert fleet.metric("sloserve_replica_failures_total", outcome="error") >= max(len(failed), 1)
     batch = wait_final(fleet.client, batch.id, timeout_s=120)
     assert batch.status == "completed" and batch.error_file_id is None, batch
     answers = read_jsonl(fleet.client, batch.output_file_id)
