@@ -8,6 +8,7 @@ nothing here (``user``, ``metadata``) are accepted and ignored, as vLLM does.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -97,6 +98,12 @@ def nulls_unset(*fields: str) -> Any:
         return data
 
     return model_validator(mode="before")(classmethod(drop_nulls))
+
+
+def sent_or_default(body: BaseModel, name: str, defaults: Mapping[str, Any]) -> Any:
+    """``body``'s ``name`` where the request set it, else ``defaults``' (the model's, from its generation
+    config), else the field's own default."""
+    return defaults[name] if name in defaults and name not in body.model_fields_set else getattr(body, name)
 
 
 class StreamOptions(BaseModel):

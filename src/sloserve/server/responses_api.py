@@ -40,7 +40,14 @@ from sloserve.core.request import RequestClass
 from sloserve.server.auth import request_owner
 from sloserve.server.bodies import openapi_body, validated_off_loop
 from sloserve.server.chat_output import ChatOutputParser, MessageDelta
-from sloserve.server.protocol import ChatCompletionRequest, ParameterError, RequestBody, now_unix, nulls_unset
+from sloserve.server.protocol import (
+    ChatCompletionRequest,
+    ParameterError,
+    RequestBody,
+    now_unix,
+    nulls_unset,
+    sent_or_default,
+)
 from sloserve.server.reasoning import THINK_CLOSE, THINK_OPEN, AnswerTokens
 from sloserve.server.response_store import PreviousResponseNotFound, ResponseStore
 from sloserve.server.responses import json_error, until_done_or_gone
@@ -302,16 +309,11 @@ class ResponsesRequest(RequestBody):
     def echoed(self, sampling_defaults: Mapping[str, float]) -> dict[str, Any]:
         """The request's settings, as a response repeats them; ``temperature`` and ``top_p`` as sampled:
         the model's (``sampling_defaults``, its generation config) where the request did not set them."""
-
-        def sampled(name: str) -> float:
-            given = name in self.model_fields_set
-            return getattr(self, name) if given or name not in sampling_defaults else sampling_defaults[name]
-
         return {
             "instructions": self.instructions,
             "max_output_tokens": self.max_output_tokens,
-            "temperature": sampled("temperature"),
-            "top_p": sampled("top_p"),
+            "temperature": sent_or_default(self, "temperature", sampling_defaults),
+            "top_p": sent_or_default(self, "top_p", sampling_defaults),
             "tools": [t.model_dump(exclude_none=True) for t in self.tools or ()],
             "tool_choice": (
                 self.tool_choice.model_dump()

@@ -44,6 +44,7 @@ from sloserve.server.protocol import (
     TokenizeRequest,
     error_body,
     now_unix,
+    sent_or_default,
     usage,
 )
 from sloserve.server.reasoning import THINK_CLOSE, THINK_OPEN, starts_thinking
@@ -735,10 +736,9 @@ class OpenAIServing:
         echo = isinstance(body, CompletionRequest) and body.echo
         prompt_logprobs = max((k for k in (num_logprobs if echo else None, body.prompt_logprobs) if k is not None),
                               default=None)  # fmt: skip
-        defaults, given = self.config.sampling_defaults, body.model_fields_set
 
-        def sampling(name: str) -> Any:  # the request's where it sets it, else the model's default
-            return defaults[name] if name in defaults and name not in given else getattr(body, name)
+        def sampling(name: str) -> Any:
+            return sent_or_default(body, name, self.config.sampling_defaults)
 
         params = SamplingParams(
             max_tokens=max_tokens,
