@@ -27,10 +27,10 @@ SAMPLING_NAMES = {"max_new_tokens": "max_tokens"}
 
 def sampling_defaults(directory: str | Path) -> dict[str, float]:
     """The sampling fields that ``directory``'s ``generation_config.json`` sets, by their SamplingParams
-    names (a model directory, or any directory given to ``--generation-config``); {} where it has none (a
-    GGUF file, a ``random:`` model). A value that is not a number is a ConfigError naming the file and
-    the field."""
-    file = Path(directory) / "generation_config.json"
+    names (a model directory, or any directory given to ``--generation-config``); {} where it has none,
+    or ``directory`` is not one (a GGUF file, a ``random:`` model). A value that is not a number is a
+    ConfigError naming the file and the field."""
+    file = Path(directory).expanduser() / "generation_config.json"
     if not file.is_file():
         return {}
     try:

@@ -7,7 +7,6 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from sloserve.checkpoint.generation_config import sampling_defaults
@@ -136,8 +135,7 @@ class LLM:
         """What ``generate`` samples with when given no params: the model's generation config's
         temperature, top_p, top_k, min_p and repetition_penalty (``checkpoint/generation_config.py``),
         else the API's defaults (vLLM's ``LLM.get_default_sampling_params``)."""
-        directory = Path(self.model).expanduser()
-        return SamplingParams(**(sampling_defaults(directory) if directory.is_dir() else {}))
+        return SamplingParams(**sampling_defaults(self.model))
 
     def _token_ids(self, prompt: Prompt, index: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

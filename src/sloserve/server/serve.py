@@ -164,7 +164,7 @@ def generation_defaults(model: str, generation_config: str) -> dict[str, float]:
     directory = Path(model if generation_config == "auto" else generation_config).expanduser()
     if generation_config != "auto" and not directory.is_dir():
         raise ConfigError(f"--generation-config must be auto, vllm or a directory, got {generation_config!r}")
-    defaults = sampling_defaults(directory) if directory.is_dir() else {}  # (a GGUF file, random:NAME)
+    defaults = sampling_defaults(directory)
     try:
         SamplingParams(**defaults)
     except ConfigError as e:
