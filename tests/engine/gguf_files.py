@@ -1,6 +1,6 @@
 """GGUF files of tiny models written as llama.cpp's converter writes them (``gguf.GGUFWriter``): a
-Llama's Q and K rows permuted (a Qwen's not), a tied embedding left out (no ``output.weight``, as Llama
-3.2 1B's), the tokenizer's metadata as given."""
+Llama's Q and K rows permuted (a Qwen's or a Gemma's not), a Gemma's norms stored as 1 + weight, a tied
+embedding left out (no ``output.weight``, as Llama 3.2 1B's), the tokenizer's metadata as given."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ TENSOR_NAMES = {
     "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+}  # fmt: skip
+GEMMA3_TENSOR_NAMES = {
+    **TENSOR_NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
 }  # fmt: skip
 
 
@@ -46,13 +50,15 @@ def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(
-    path: Path, model, tokenizer: dict[str, Any], arch: str = "llama", rope_freqs: list[float] | None = None
+    path: Path, model, fields: dict[str, Any], arch: str = "llama", rope_freqs: list[float] | None = None
 ) -> None:
-    """``model`` as a GGUF file of ``arch``; ``tokenizer``: ``GGUFWriter`` method -> its value
-    (``add_token_list``...); ``rope_freqs``: Llama 3.1's frequency factors, as the converter stores them."""
+    """``model`` as a GGUF file of ``arch``; ``fields``: ``GGUFWriter`` method -> its value (the tokenizer's,
+    ``add_token_list``..., and others: ``add_sliding_window``...); ``rope_freqs``: Llama 3.1's frequency
+    factors, as the converter stores them."""
     import gguf
 
     c = model.config
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # (Gemma 3's: one a layer type)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
@@ -63,14 +69,14 @@ def write_gguf(
     writer.add_key_length(c.head_dim)
     writer.add_value_length(c.head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    for method, value in tokenizer.items():
+    writer.add_rope_freq_base(rope["rope_theta"])
+    for method, value in fields.items():
         getattr(writer, method)(value)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     if not c.tie_word_embeddings:
         names["lm_head.weight"] = "output.weight"
     for n in range(c.num_hidden_layers):
-        for hf, ours in TENSOR_NAMES.items():
+        for hf, ours in (GEMMA3_TENSOR_NAMES if arch == "gemma3" else TENSOR_NAMES).items():
             names[f"model.layers.{n}.{hf}.weight"] = f"blk.{n}.{ours}.weight"
     for name, tensor in model.state_dict().items():
         if name not in names:
@@ -80,6 +86,8 @@ def write_gguf(
             weight = permute(weight, c.num_attention_heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             weight = permute(weight, c.num_key_value_heads)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            weight = weight + 1  # Gemma's RMSNorm scales by 1 + weight, llama.cpp's by the weight
         writer.add_tensor(names[name], weight)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", np.array(rope_freqs, dtype=np.float32))

@@ -69,3 +69,74 @@ def test_a_rope_scaling_the_engine_does_not_apply_is_refused_by_name(tmp_path):
     model.save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="rope scaling 'dynamic' is not supported"):
         LLM(str(tmp_path), kv_capacity_tokens=256)
+
+
+GGUF_TOKENS = {"add_tokenizer_model": "gpt2", "add_token_list": [f"t{i}" for i in range(VOCAB)]}
+
+
+def gguf_rope_fields(scaling: dict) -> dict:
+    """The ``rope.scaling.*`` keys llama.cpp's converter writes for an HF rope scaling."""
+    import gguf
+
+    fields = {
+        "add_rope_scaling_type": gguf.RopeScalingType(scaling["rope_type"]),
+        "add_rope_scaling_factor": scaling["factor"],
+    }
+    if scaling["rope_type"] == "yarn":
+        fields["add_rope_scaling_orig_ctx_len"] = scaling["original_max_position_embeddings"]
+        for hf_key, method in (("attention_factor", "add_rope_scaling_yarn_attn_factor"),
+                               ("beta_fast", "add_rope_scaling_yarn_beta_fast"),
+                               ("beta_slow", "add_rope_scaling_yarn_beta_slow")):  # fmt: skip
+            if hf_key in scaling:
+                fields[method] = float(scaling[hf_key])
+    return fields
+
+
+@pytest.mark.parametrize("name", ["linear", "yarn", "yarn, its options"])
+def test_a_gguf_files_rope_scaling_gives_transformers_greedy_tokens(tmp_path, name):
+    """The same scalings as a GGUF file's ``rope.scaling.*`` keys (a Llama's Q and K permuted, as the
+    converter writes them): read back as the HF scaling they were written from."""
+    pytest.importorskip("gguf")
+    from gguf_files import write_gguf
+
+    scaling = {k: v for k, v in SCALINGS[name].items() if k != "truncate"}  # (a GGUF file cannot say it)
+    model = checkpoint("llama", scaling)
+    path = tmp_path / "scaled.gguf"
+    write_gguf(path, model, {**GGUF_TOKENS, **gguf_rope_fields(scaling)})
+    unscaled = checkpoint("llama", None)
+    unscaled.load_state_dict(model.state_dict())
+    llm = LLM(str(path), kv_capacity_tokens=1024)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
+    expected = [hf_greedy(model, ids, 24) for ids in PROMPTS]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert expected != [hf_greedy(unscaled, ids, 24) for ids in PROMPTS]  # NOTE: the scaling matters here
+
+
+@pytest.mark.parametrize(
+    "scaling, fields, message",
+    [
+        (
+            {"rope_type": "longrope", "factor": 2.0},
+            {},
+            "rope scaling 'longrope' .* is not supported \\(linear, yarn\\)",
+        ),
+        ({"rope_type": "linear", "factor": 0.5}, {}, "rope.scaling.factor is 0.5; linear rope scaling needs one >= 1"),
+        (
+            SCALINGS["yarn"],
+            {"add_rope_scaling_yarn_log_mul": 0.1},
+            "yarn rope scaling with llama.rope.scaling.yarn_log",
+        ),
+        (SCALINGS["yarn"], {"add_rope_scaling_orig_ctx_len": 0}, "yarn rope scaling needs llama.rope.scaling.original"),
+        (SCALINGS["linear"], {"add_rope_dimension_count": 8}, "rope.dimension_count 8 rotates part of a head of 16"),
+    ],
+    ids=["longrope", "factor", "log multiplier", "no context", "partial"],
+)
+def test_a_gguf_rope_the_engine_does_not_apply_is_refused_by_name(tmp_path, scaling, fields, message):
+    pytest.importorskip("gguf")
+    from gguf_files import write_gguf
+
+    path = tmp_path / "refused.gguf"
+    write_gguf(path, checkpoint("llama", None), {**GGUF_TOKENS, **gguf_rope_fields(scaling), **fields})
+    with pytest.raises(ConfigError, match=message):
+        LLM(str(path), kv_capacity_tokens=256)

@@ -6,10 +6,11 @@ K-quants... as llama.cpp defines them) and copied into the model under their HF 
 runs the same weights transformers does when it loads the file (``from_pretrained(gguf_file=...)``).
 
 Supported: the Llama architecture (``general.architecture = llama``: Llama 2 and 3.x, SmolLM, Mistral
-without sliding windows), Qwen2 and Qwen3, with a byte-level BPE tokenizer (``tokenizer.ggml.model =
-gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a SentencePiece BPE one
-(``llama``: Llama 2, Mistral 7B, TinyLlama). Llama 3.1's rope scaling comes as llama.cpp stores it, a
-tensor of frequency factors (``rope_freqs.weight``).
+without sliding windows), Qwen2, Qwen3 and Gemma 3's text models, with a byte-level BPE tokenizer
+(``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a
+SentencePiece BPE one (``llama``: Llama 2, Mistral 7B, TinyLlama, Gemma). Llama 3.1's rope scaling comes
+as llama.cpp stores it, a tensor of frequency factors (``rope_freqs.weight``); linear and YaRN scaling as
+``rope.scaling.*`` keys.
 
 NOTE: llama.cpp's converter permutes the rows of a Llama model's Q and K projections (its RoPE rotates
 adjacent pairs, HF's rotates halves); ``_unpermute`` undoes it, as transformers' GGUF loader does.
@@ -50,7 +51,18 @@ ARCH_TENSORS = {
         "blk.{n}.attn_q_norm.weight": "model.layers.{n}.self_attn.q_norm.weight",
         "blk.{n}.attn_k_norm.weight": "model.layers.{n}.self_attn.k_norm.weight",
     },
+    "gemma3": {
+        "blk.{n}.attn_q_norm.weight": "model.layers.{n}.self_attn.q_norm.weight",
+        "blk.{n}.attn_k_norm.weight": "model.layers.{n}.self_attn.k_norm.weight",
+        "blk.{n}.post_attention_norm.weight": "model.layers.{n}.post_attention_layernorm.weight",
+        "blk.{n}.ffn_norm.weight": "model.layers.{n}.pre_feedforward_layernorm.weight",  # (Llama's: post_attention_)
+        "blk.{n}.post_ffw_norm.weight": "model.layers.{n}.post_feedforward_layernorm.weight",
+    },
 }
+# The architectures whose norms llama.cpp's converter stores as 1 + weight (Gemma's RMSNorm scales by
+# 1 + weight; llama.cpp's by the weight)
+SHIFTED_NORMS = ("gemma3",)
+GEMMA_ARCHITECTURES = ("gemma3",)  # their SentencePiece vocabularies: see _gemma_vocabulary
 # The split pattern of a byte-level BPE pre-tokenizer, by tokenizer.ggml.pre, as transformers' GGUF reader
 # sets them: Qwen's; Llama 3's (digits in runs of at most three, as its tokenizer.json has it); Mistral's
 # Tekken (Nemo). None: GPT-2's, the ByteLevel pre-tokenizer's own (a file without the key too). NOTE: a
@@ -83,6 +95,13 @@ PRE_TOKENIZER_SPLITS: dict[str | None, str | None] = {
 # <|eot_id|> (end of turn) and <|eom_id|> (end of a message that called a tool), as its generation config
 # lists them
 END_OF_GENERATION_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+# ... and the tokens llama.cpp ends a generation at by their text, whatever ids the file names (converters
+# write one EOS; a model's generation config lists more: Gemma 3's <end_of_turn> beside <eos>, Qwen's
+# <|im_end|> beside <|endoftext|>)
+END_OF_GENERATION_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
+    "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+})  # fmt: skip
 # Llama 3.1's rope scaling, as llama.cpp's converter stores it: per frequency, the factor its wavelength
 # is stretched by (1 for the short ones, the scaling factor for the long ones, a ramp between)
 ROPE_FREQS = "rope_freqs.weight"
@@ -165,10 +184,12 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
 
     heads = need("attention.head_count")
     hidden = need("embedding_length")
-    eos = sorted({meta[key] for key in END_OF_GENERATION_KEYS if meta.get(key) is not None})
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    eos = {meta[key] for key in END_OF_GENERATION_KEYS if meta.get(key) is not None}
+    eos |= {token_id for token_id, token in enumerate(tokens) if token in END_OF_GENERATION_TEXTS}
     config = {
-        "model_type": arch,
-        "vocab_size": meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []),
+        "model_type": "gemma3_text" if arch == "gemma3" else arch,
+        "vocab_size": meta.get(f"{arch}.vocab_size") or len(tokens),
         "hidden_size": hidden,
         "intermediate_size": need("feed_forward_length"),
         "num_hidden_layers": need("block_count"),
@@ -179,11 +200,18 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": eos,
+        "eos_token_id": sorted(eos),
         "torch_dtype": "float32",  # dequantized weights are float32
     }
-    if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", None):
-        raise ConfigError(f"{path}: GGUF rope scaling {meta[f'{arch}.rope.scaling.type']!r} is not supported")
+    rotated = meta.get(f"{arch}.rope.dimension_count")
+    if rotated is not None and rotated != config["head_dim"]:
+        raise ConfigError(
+            f"{path}: GGUF {arch}.rope.dimension_count {rotated} rotates part of a head of {config['head_dim']}; "
+            "partial rotary embeddings are not supported"
+        )
+    config["rope_scaling"] = _rope_scaling(meta, arch, path)
+    if arch == "gemma3":
+        config.update(_gemma3_config(meta, config, path))
     factors = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if factors is not None:
         frequencies = config["head_dim"] // 2
@@ -191,6 +219,67 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
                                   "factors": _frequency_factors(factors, frequencies, path)}  # fmt: skip
     config["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
     return GGUFCheckpoint(path, config, meta, reader)
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str, path: Path) -> dict[str, Any] | None:
+    """The HF rope scaling of the file's ``rope.scaling.*`` keys (what llama.cpp's converter wrote from
+    the model's config.json, read back): linear, or YaRN with its pretrained context and options."""
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind in ("none", None):
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ConfigError(
+            f"{path}: GGUF rope scaling {kind!r} ({arch}.rope.scaling.type) is not supported (linear, yarn)"
+        )
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if not isinstance(factor, (int, float)) or not factor >= 1:
+        raise ConfigError(f"{path}: GGUF {arch}.rope.scaling.factor is {factor!r}; {kind} rope scaling needs one >= 1")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if not original:
+        raise ConfigError(f"{path}: GGUF yarn rope scaling needs {arch}.rope.scaling.original_context_length")
+    for key, neutral in (("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0)):
+        # NOTE: not an HF YaRN setting (ext_factor: a blend llama.cpp alone has; log_multiplier: DeepSeek's
+        # mscale, under another rule); a file with either would run other frequencies than it was converted from
+        if meta.get(f"{arch}.rope.scaling.{key}", neutral) != neutral:
+            raise ConfigError(f"{path}: GGUF yarn rope scaling with {arch}.rope.scaling.{key} is not supported")
+    scaling = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+    # the converter writes HF's attention_factor, beta_fast and beta_slow under these names
+    for key, hf_key in (("yarn_attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"),
+                        ("yarn_beta_slow", "beta_slow")):  # fmt: skip
+        if meta.get(f"{arch}.rope.scaling.{key}") is not None:
+            scaling[hf_key] = float(meta[f"{arch}.rope.scaling.{key}"])
+    return scaling
+
+
+def _gemma3_config(meta: dict[str, Any], config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """What a Gemma 3 config.json says that its GGUF file leaves to llama.cpp's code: every sixth layer
+    global, the others sliding (unless the file has no window, or names its pattern), their rope base
+    10,000 (the global layers' is the file's, scaled); scores scaled by head_dim ** -0.5, but for 27B's 62
+    layers by (hidden / heads) ** -0.5 (its query_pre_attn_scalar, 168), as llama.cpp decides."""
+    layers = config["num_hidden_layers"]
+    window = meta.get("gemma3.attention.sliding_window")
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    if not window:
+        sliding = [False] * layers
+    elif isinstance(pattern, int):  # every pattern-th layer global (llama.cpp's set_swa_pattern)
+        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    elif isinstance(pattern, list) and len(pattern) == layers:  # a flag a layer: sliding or not
+        sliding = [bool(b) for b in pattern]
+    else:
+        raise ConfigError(
+            f"{path}: GGUF gemma3.attention.sliding_window_pattern is {pattern!r}; it needs a period or one flag "
+            f"a layer ({layers})"
+        )
+    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == 62 else config["head_dim"]
+    return {
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "sliding_window": window or None,
+        "rope_local_base_freq": float(meta.get("gemma3.rope.freq_base_swa", 10_000.0)),
+        "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": meta.get("gemma3.final_logit_softcapping") or None,
+    }
 
 
 def _frequency_factors(tensor: Any, frequencies: int, path: Path) -> list[float]:
@@ -218,7 +307,7 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
     import gguf
 
     config = checkpoint.hf_config
-    arch = config["model_type"]
+    arch = checkpoint.metadata["general.architecture"]
     patterns = {}
     for gguf_name, hf_name in {**LLAMA_TENSORS, **ARCH_TENSORS[arch]}.items():
         if "{n}" in gguf_name:
@@ -238,6 +327,8 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
             weight = _unpermute(weight, config["num_attention_heads"])
         elif arch == "llama" and tensor.name.endswith("attn_k.weight"):
             weight = _unpermute(weight, config["num_key_value_heads"])
+        elif arch in SHIFTED_NORMS and tensor.name.endswith("norm.weight"):
+            weight -= 1.0
         yield patterns[tensor.name], weight
 
 
@@ -262,7 +353,9 @@ def gguf_tokenizer(checkpoint: GGUFCheckpoint):
                 f"{checkpoint.path}: a GGUF SentencePiece tokenizer needs tokenizer.ggml.scores, one a token "
                 f"({len(tokens)}); the file has {len(scores)}"
             )
-        tok = _sentencepiece_bpe(tokens, scores)
+        if meta.get("general.architecture") in GEMMA_ARCHITECTURES:
+            tokens, scores = _gemma_vocabulary(tokens)
+        tok = _sentencepiece_bpe(tokens, scores, prefix_space=meta.get("tokenizer.ggml.add_space_prefix", True))
     else:
         raise ConfigError(
             f"{checkpoint.path}: GGUF tokenizer {kind!r} is not supported (gpt2: byte-level BPE; llama: SentencePiece)"
@@ -276,12 +369,14 @@ def gguf_tokenizer(checkpoint: GGUFCheckpoint):
         ]
     )
     # NOTE: read whole in any text, as llama.cpp and transformers do (else cut into pieces: a chat
-    # template's <tool_call> would read as other tokens than the model wrote); kept when decoding
+    # template's <tool_call> would read as other tokens than the model wrote); kept when decoding. (Not
+    # Gemma's runs of spaces: transformers reads them as the vocabulary's pieces, respelled as "▁"s.)
+    respelled = set(tokens)
     tok.add_tokens(
         [
             AddedToken(t, special=False, normalized=False)
-            for t, token_type in zip(tokens, types, strict=False)
-            if token_type == TOKEN_TYPE_USER_DEFINED
+            for t, token_type in zip(meta["tokenizer.ggml.tokens"], types, strict=False)
+            if token_type == TOKEN_TYPE_USER_DEFINED and t in respelled
         ]
     )
     bos = meta.get("tokenizer.ggml.bos_token_id")
@@ -331,18 +426,27 @@ def _byte_level_bpe(checkpoint: GGUFCheckpoint, tokens: list[str]):
     return tok
 
 
-def _sentencepiece_bpe(tokens: list[str], scores: list[float]):
-    """SentencePiece's BPE as Llama 2's tokenizer runs it: spaces as "▁", one before the text, characters
-    outside the vocabulary as their UTF-8 bytes (the ``<0xNN>`` tokens), merges from the scores."""
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], prefix_space: bool = True):
+    """SentencePiece's BPE as Llama 2's tokenizer runs it: spaces as "▁", one before the text (unless
+    ``prefix_space`` is false: Gemma's), characters outside the vocabulary as their UTF-8 bytes (the
+    ``<0xNN>`` tokens), merges from the scores."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {t: i for i, t in enumerate(tokens)}  # NOTE: a token listed twice: its last id, as llama.cpp's
     tok = Tokenizer(models.BPE(vocab, merges_from_scores(tokens, scores), fuse_unk=True, byte_fallback=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
+    prepend = "first" if prefix_space else "never"
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend, split=False)
+    strip = [decoders.Strip(" ", 1, 0)] if prefix_space else []  # the space put before the text
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
     return tok
+
+
+def _gemma_vocabulary(tokens: list[str]) -> tuple[list[str], list[float]]:
+    """A Gemma GGUF vocabulary as transformers' GGUF reader reads it: the tokens that are runs of spaces
+    (the converter writes "  ") spelled as the "▁"s the text becomes, and ranked by their place in the
+    file (Gemma's scores do not follow its merges' order; the file's order does)."""
+    respelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]  # (transformers' test)
+    return respelled, [-float(i) for i in range(len(tokens))]
 
 
 def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
