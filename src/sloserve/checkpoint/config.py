@@ -2,8 +2,8 @@
 
 Supported architectures (``ARCHITECTURES``): the Llama family (Llama-2/3, Mistral-style GQA), Qwen2 /
 Qwen2.5 (QKV biases), Qwen3 (per-head RMSNorm of queries and keys, no QKV biases), Gemma 3 text
-models (``gemma3_text``: sliding-window layers beside global ones) and OPT (learned positions,
-LayerNorm, ReLU).
+models (``gemma3_text``: sliding-window layers beside global ones; and the language model of Gemma 3
+4B-27B's multimodal checkpoints, ``gemma3``, served as text) and OPT (learned positions, LayerNorm, ReLU).
 """
 
 from __future__ import annotations
@@ -26,6 +26,15 @@ ARCHITECTURES: dict[str, str] = {
     "gemma3_text": "gemma3",
     "opt": "opt",
 }
+# Multimodal checkpoints served as text: their config.json's text_config is the language model's
+# (Gemma 3 4B-27B: Gemma3ForConditionalGeneration; its vision tower is not read, ``LANGUAGE_MODEL_PREFIXES``)
+MULTIMODAL = {"gemma3": "gemma3_text"}
+# transformers' Gemma3TextConfig defaults: a Gemma 3 text_config lists only what differs from them
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1,
+}  # fmt: skip
 # A layer type of ModelConfig.layer_types that sees only the last sliding_window positions
 SLIDING = "sliding_attention"
 # Byte-level tokenizer of random models: ids 0..255 are bytes, then BOS and EOS.
@@ -160,11 +169,15 @@ class ModelConfig:
 def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     """A ``ModelConfig`` from the dict of an HF ``config.json``; unsupported ones are a ConfigError."""
     model_type = raw.get("model_type")
+    if model_type in MULTIMODAL:
+        return _language_model_config(raw, name)
     if model_type not in ARCHITECTURES:
         raise ConfigError(
             f"{name}: unsupported architecture {model_type!r} (config.json model_type); "
-            f"supported: {', '.join(sorted(ARCHITECTURES))}"
+            f"supported: {', '.join(sorted([*ARCHITECTURES, *MULTIMODAL]))}"
         )
+    if model_type == "gemma3_text":
+        raw = {**GEMMA3_TEXT_DEFAULTS, **raw}
     quantization = raw.get("quantization_config")
     if quantization:  # NOTE: its tensors (FP8 with scales, AWQ's packed ints) would load as plain weights
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None
@@ -243,6 +256,20 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         layer_types=(SLIDING,) * common["num_hidden_layers"] if window else (),
         sliding_window=int(window) if window else None,
     )
+
+
+def _language_model_config(raw: dict[str, Any], name: str) -> ModelConfig:
+    """The language model of a multimodal checkpoint (``MULTIMODAL``): its ``text_config``, with what the
+    top level says of generation (EOS: Gemma 3's [1, 106]) and of the weights (dtype, tied embeddings)."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{name}: a {raw['model_type']} config.json needs a text_config (its language model's)")
+    merged = {**text, "model_type": MULTIMODAL[raw["model_type"]]}
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "torch_dtype", "dtype"):
+        if raw.get(key) is not None and (key == "eos_token_id" or key not in text):
+            merged[key] = raw[key]
+    config = from_hf_config(merged, name)
+    return dataclasses.replace(config, extra={**config.extra, "multimodal_checkpoint": True})
 
 
 def _rope_scaling(scaling: dict[str, Any] | None, name: str) -> dict[str, Any] | None:

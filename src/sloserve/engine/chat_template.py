@@ -152,7 +152,7 @@ class ChatTemplate:
     @classmethod
     def for_model(cls, model_dir: Path | None) -> ChatTemplate:
         """The template of a local HF directory (``chat_template.jinja``, or ``chat_template`` in
-        tokenizer_config.json), else the fallback."""
+        tokenizer_config.json, or in a processor's chat_template.json), else the fallback."""
         if model_dir is None or not model_dir.is_dir():
             return cls(FALLBACK_TEMPLATE)
         config_path = model_dir / "tokenizer_config.json"
@@ -165,6 +165,12 @@ class ChatTemplate:
         special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
         jinja_path = model_dir / "chat_template.jinja"
         source = jinja_path.read_text() if jinja_path.is_file() else config.get("chat_template")
+        processor_path = model_dir / "chat_template.json"  # a multimodal model's processor's (Gemma 3 4B)
+        if not source and processor_path.is_file():
+            try:
+                source = json.loads(processor_path.read_text()).get("chat_template")
+            except (OSError, json.JSONDecodeError, AttributeError) as e:
+                raise ConfigError(f"{processor_path}: cannot read ({e})") from None
         if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default")

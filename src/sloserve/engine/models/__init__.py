@@ -21,6 +21,23 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 }
 # Checkpoint tensors that are buffers in other implementations, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A multimodal checkpoint served as text (``ModelConfig.extra["multimodal_checkpoint"]``: Gemma 3 4B-27B):
+# its language model's tensors under the text model's names (as transformers saved them before 4.52, and
+# since), the vision tower's and the projector's not read
+LANGUAGE_MODEL_PREFIXES = {
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+    "model.language_model.": "model.",
+}
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def language_model_name(key: str) -> str | None:
+    """The text model's name of a multimodal checkpoint's tensor ``key``; None: a vision tensor."""
+    if key.startswith(VISION_PREFIXES):
+        return None
+    prefix = next((p for p in LANGUAGE_MODEL_PREFIXES if key.startswith(p)), None)
+    return key if prefix is None else LANGUAGE_MODEL_PREFIXES[prefix] + key[len(prefix) :]
 
 
 def create_model(config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -84,6 +101,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
     if not files:
         raise ConfigError(f"model directory {path} has no *.safetensors weights")
     device = next(model.parameters()).device
+    multimodal = model.config.extra.get("multimodal_checkpoint", False)
 
     def tensors():
         for file in files:
@@ -93,7 +111,9 @@ def load_weights(model: nn.Module, path: Path) -> None:
                 raise ConfigError(f"{file}: not a readable safetensors file ({e})") from None
             with opened as f:
                 for key in f.keys():
-                    yield file, key, f.get_tensor(key)
+                    name = language_model_name(key) if multimodal else key
+                    if name is not None:  # NOTE: a vision tensor is never read from the file
+                        yield file, name, f.get_tensor(key)
 
     copy_weights(model, tensors(), f"model directory {path}")
 

@@ -1,0 +1,127 @@
+"""Gemma 3 4B-27B ship as one multimodal checkpoint (``Gemma3ForConditionalGeneration``, config.json
+``model_type: gemma3``): a language model beside a vision tower. The engine serves its language model as
+text, as vLLM does with no image in the prompt: the config's ``text_config`` (sparse on the Hub: what it
+leaves out is transformers' default), EOS from the top level, the language model's tensors under either
+layout transformers saved, the vision tower's never read; the greedy tokens are transformers' multimodal
+model's on the same text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from hf_models import VOCAB  # noqa: E402
+from sloserve import LLM, SamplingParams  # noqa: E402
+from sloserve.checkpoint.config import load_hf_config  # noqa: E402
+from sloserve.core.errors import ConfigError  # noqa: E402
+
+PROMPTS = [[2, *range(10, 40)], [2, 7, 1, 9] * 6]
+END_OF_TURN = 106 % VOCAB
+
+
+def tiny_gemma3_multimodal():
+    """Text: the defaults' 8 heads and 4 KV heads (left out of the config below), a window of 8 (shorter
+    than the prompts), one sliding layer and one global; vision: a one-layer SigLIP."""
+    text = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, head_dim=16, intermediate_size=128,
+                max_position_embeddings=256, sliding_window=8, query_pre_attn_scalar=16,
+                layer_types=["sliding_attention", "full_attention"], initializer_range=0.2)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=1, image_token_index=VOCAB - 1,
+        boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2,
+    )  # fmt: skip
+    torch.manual_seed(12)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "language_model" in name:
+                p.add_(0.1 * torch.randn_like(p))  # (0 at init: Gemma's norms scale by 1 + weight)
+    return model
+
+
+def hub_config(path) -> None:
+    """config.json as the Hub's Gemma 3 4B has it: a text_config that lists what differs from
+    transformers' defaults, EOS ([<eos>, <end_of_turn>]) and the dtype at the top level."""
+    raw = json.loads((path / "config.json").read_text())
+    for key in ("num_attention_heads", "num_key_value_heads", "rms_norm_eps", "eos_token_id", "bos_token_id"):
+        raw["text_config"].pop(key)
+    raw["eos_token_id"] = [1, END_OF_TURN]
+    raw["torch_dtype"] = raw.pop("dtype", "float32")
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+@pytest.fixture(scope="module")
+def gemma3_4b_like(tmp_path_factory):
+    model = tiny_gemma3_multimodal()
+    path = tmp_path_factory.mktemp("gemma3-multimodal")
+    model.save_pretrained(path)
+    hub_config(path)
+    return path, model
+
+
+def hf_greedy(model, ids: list[int], num_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def test_the_language_model_gives_transformers_greedy_tokens(gemma3_4b_like):
+    path, model = gemma3_4b_like
+    config = load_hf_config(path)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (8, 4)  # transformers' defaults
+    assert config.eos_token_ids == (1, END_OF_TURN)  # the top level's
+    assert config.layer_types == ("sliding_attention", "full_attention") and config.sliding_window == 8
+    llm = LLM(str(path), kv_capacity_tokens=512)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, ids, 16) for ids in PROMPTS]
+
+
+def test_the_newer_layout_loads_and_vision_tensors_are_not_read(gemma3_4b_like, tmp_path):
+    """transformers >= 4.52 saves the language model under ``model.language_model.``, the vision tower
+    under ``model.vision_tower.``; a vision tensor of any shape is skipped, a stray language tensor is
+    not."""
+    path, model = gemma3_4b_like
+    for name in ("config.json", "tokenizer.json"):
+        if (path / name).exists():
+            (tmp_path / name).write_text((path / name).read_text())
+    tensors = safetensors_torch.load_file(path / "model.safetensors")
+    renamed = {
+        key.replace("language_model.model.", "model.language_model.").replace("vision_tower.", "model.vision_tower."): t
+        for key, t in tensors.items()
+    }
+    renamed["model.vision_tower.not_a_text_weight"] = torch.zeros(3, 5)
+    safetensors_torch.save_file(renamed, tmp_path / "model.safetensors")
+    llm = LLM(str(tmp_path), kv_capacity_tokens=512)
+    [out] = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert out.outputs[0].token_ids == hf_greedy(model, PROMPTS[0], 8)
+    renamed["model.language_model.layers.9.mlp.up_proj.weight"] = torch.zeros(3, 5)
+    safetensors_torch.save_file(renamed, tmp_path / "model.safetensors")
+    with pytest.raises(ConfigError, match="unexpected tensor 'model.layers.9.mlp.up_proj.weight'"):
+        LLM(str(tmp_path), kv_capacity_tokens=512)
+
+
+def test_a_processors_chat_template_is_the_models(gemma3_4b_like, tmp_path):
+    from sloserve.engine.chat_template import ChatTemplate
+
+    path, _ = gemma3_4b_like
+    template = "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['content'] }}<end_of_turn>{% endfor %}"
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>"}))
+    chat = ChatTemplate.for_model(tmp_path)
+    assert chat.from_model and chat.render([{"role": "user", "content": "hi"}]) == "<bos><start_of_turn>hi<end_of_turn>"
+    (tmp_path / "chat_template.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="chat_template.json: cannot read"):
+        ChatTemplate.for_model(tmp_path)
+
+
+def test_a_multimodal_config_without_its_text_config_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "vision_config": {}}))
+    with pytest.raises(ConfigError, match="a gemma3 config.json needs a text_config"):
+        load_hf_config(tmp_path)
