@@ -360,6 +360,29 @@ def test_chat_renders_as_transformers_and_generates_as_generate(reference_llm, c
         reference_llm.chat(conversations[1], greedy, continue_final_message=True)
 
 
+def test_a_generation_configs_eos_ids_end_a_generation_too(hf_dirs, tmp_path):
+    """vLLM adds a generation config's ``eos_token_id`` to every request's stop ids (Qwen2.5 Instruct's
+    config.json names <|im_end|>, its generation config <|endoftext|> too); ``ignore_eos`` ignores them
+    all. A malformed one is refused by name."""
+    model = tmp_path / "model"
+    shutil.copytree(hf_dirs["llama"], model)
+    eos = json.loads((model / "config.json").read_text())["eos_token_id"]
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 7]}))
+    llm = LLM(str(model))
+    assert llm.engine.executor.eos_token_ids == {eos, 7}
+    forced = {"prompt_token_ids": PROMPTS[0]}
+    [out] = llm.generate(forced, SamplingParams(max_tokens=6, temperature=0, logit_bias={7: 100}))
+    assert (out.outputs[0].finish_reason, out.outputs[0].token_ids) == ("stop", [7])
+    [out] = llm.generate(forced, SamplingParams(max_tokens=6, temperature=0, logit_bias={7: 100}, ignore_eos=True))
+    assert (out.outputs[0].finish_reason, out.outputs[0].token_ids) == ("length", [7] * 6)
+    for bad in ('{"eos_token_id": "7"}', "{not json"):
+        (model / "generation_config.json").write_text(bad)
+        with pytest.raises(
+            ConfigError, match="generation_config.json: (eos_token_id must be a token id|not valid JSON)"
+        ):
+            LLM(str(model))
+
+
 def test_beam_search_keeps_the_best_beams_as_computed_on_transformers_scores(reference_llm, chat_model_dir):
     """vLLM's ``LLM.beam_search``: the beams equal a beam search written out here on transformers'
     log-softmax (each step: every beam by each of its 2 * width likeliest tokens, the width best kept;

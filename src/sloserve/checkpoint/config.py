@@ -335,13 +335,28 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     except json.JSONDecodeError as e:
         raise ConfigError(f"{config_file}: not valid JSON ({e})") from None
     config = from_hf_config(raw, name=path.name)
-    if not config.eos_token_ids:  # some checkpoints keep EOS only in generation_config.json
-        gen = path / "generation_config.json"
-        if gen.is_file():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-            config = dataclasses.replace(config, eos_token_ids=ids)
+    # NOTE: a generation config's EOS ids end a generation too, as in vLLM (it adds them to every request's
+    # stop ids): Qwen2.5/Qwen3 Instruct's config.json names <|im_end|>, their generation config <|endoftext|>
+    # too; some checkpoints keep EOS there alone
+    more = [i for i in generation_eos_ids(path / "generation_config.json") if i not in config.eos_token_ids]
+    if more:
+        config = dataclasses.replace(config, eos_token_ids=(*config.eos_token_ids, *more))
     return config
+
+
+def generation_eos_ids(file: Path) -> tuple[int, ...]:
+    """The ``eos_token_id`` (one or a list) of a generation_config.json; () where there is none."""
+    if not file.is_file():
+        return ()
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return tuple(ids)
 
 
 def _tiny(model_type: str, **overrides: Any) -> ModelConfig:
