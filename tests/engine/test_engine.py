@@ -1,6 +1,6 @@
 """The real engine against HuggingFace transformers: the same greedy tokens whatever the policy, the
 KV layout or the preemptions, on tiny random Llama (GQA), Qwen2 (QKV biases), Qwen3 (query and key
-norms) and OPT models in float32."""
+norms), Gemma 3, Phi-3 (fused weights, a sliding window) and OPT models in float32."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ MAX_TOKENS = [12, 5, 20, 8, 16, 10]
 def hf_dirs(tmp_path_factory) -> dict[str, str]:
     """Each architecture saved as a local HF directory (config.json + model.safetensors)."""
     dirs = {}
-    for arch in ("llama", "qwen2", "qwen3", "gemma3", "opt"):
+    for arch in ("llama", "qwen2", "qwen3", "gemma3", "opt", "phi3"):
         path = tmp_path_factory.mktemp(f"hf-{arch}")
         hf_model(arch).save_pretrained(path)
         dirs[arch] = str(path)
@@ -75,7 +75,7 @@ def test_every_scheduler_gives_hf_greedy_tokens(hf_dirs, scheduler):
     assert tokens == reference("llama")
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3", "opt"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3", "opt", "phi3"])
 @pytest.mark.parametrize("scheduler", ["vllm", "sarathi", "orca", "bros"])
 def test_other_architectures_give_hf_greedy_tokens(hf_dirs, arch, scheduler):
     tokens, _ = _generate(hf_dirs[arch], scheduler)
@@ -523,7 +523,7 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(
         ConfigError,
-        match="unsupported architecture 'gpt2'.*supported: gemma3, gemma3_text, llama, mistral, opt, qwen2, qwen3",
+        match="unsupported architecture 'gpt2'.*supported: gemma3, gemma3_text, llama, mistral, opt, phi3, qwen2, qwen3",
     ):
         LLM(str(tmp_path / "gpt2"))
     fp8 = tmp_path / "fp8"  # an FP8 checkpoint's weights would load as plain ones, their scales ignored
@@ -532,6 +532,13 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
     with pytest.raises(ConfigError, match="quantized checkpoints are not supported .*quant_method 'fp8'"):
         LLM(str(fp8))
+    partial = tmp_path / "partial"  # Phi-4 mini rotates 3/4 of each head
+    shutil.copytree(hf_dirs["phi3"], partial)
+    config = json.loads((partial / "config.json").read_text())
+    config["rope_parameters"]["partial_rotary_factor"] = 0.75
+    (partial / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="partial_rotary_factor 0.75 .* is not supported"):
+        LLM(str(partial))
     with pytest.raises(ConfigError, match="unknown random model shape 'nope'"):
         LLM("random:nope")
     with pytest.raises(ConfigError, match="max_model_len 5000 is above the model's context of 1024"):

@@ -1,7 +1,7 @@
 """Model configuration for the engine: read from a HuggingFace ``config.json`` or a named random shape.
 
-Supported architectures (``ARCHITECTURES``): the Llama family (Llama-2/3, Mistral-style GQA), Qwen2 /
-Qwen2.5 (QKV biases), Qwen3 (per-head RMSNorm of queries and keys, no QKV biases), Gemma 3 text
+Supported architectures (``ARCHITECTURES``): the Llama family (Llama-2/3, Mistral-style GQA, Phi-3 and
+Phi-4), Qwen2 / Qwen2.5 (QKV biases), Qwen3 (per-head RMSNorm of queries and keys, no QKV biases), Gemma 3 text
 models (``gemma3_text``: sliding-window layers beside global ones; and the language model of Gemma 3
 4B-27B's multimodal checkpoints, ``gemma3``, served as text) and OPT (learned positions, LayerNorm, ReLU).
 """
@@ -23,6 +23,7 @@ ARCHITECTURES: dict[str, str] = {
     "mistral": "llama",
     "qwen2": "llama",
     "qwen3": "llama",
+    "phi3": "llama",  # (Phi-3, Phi-4: Llama's layers, their Q/K/V and gate/up stored fused)
     "gemma3_text": "gemma3",
     "opt": "opt",
 }
@@ -233,10 +234,15 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     )
     if raw.get("use_sliding_window"):
         raise ConfigError(f"{name}: sliding-window attention (use_sliding_window) is not supported for {model_type}")
-    # NOTE: Mistral 7B v0.1's every layer sees the last sliding_window positions (later Mistrals: null;
-    # a window as long as the context changes nothing); Qwen's sliding_window is unused unless
-    # use_sliding_window
-    window = raw.get("sliding_window") if model_type == "mistral" else None
+    rotated = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if rotated != 1.0:
+        raise ConfigError(
+            f"{name}: partial_rotary_factor {rotated} (a rotary embedding on part of a head) is not supported"
+        )
+    # NOTE: Mistral 7B v0.1's and Phi-3 mini's every layer sees the last sliding_window positions (later
+    # Mistrals, Phi-4: null; a window as long as the context changes nothing); Qwen's sliding_window is
+    # unused unless use_sliding_window
+    window = raw.get("sliding_window") if model_type in ("mistral", "phi3") else None
     if window is not None and window >= common["max_position_embeddings"]:
         window = None
     if raw.get("hidden_act", "silu") != "silu":

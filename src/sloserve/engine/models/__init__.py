@@ -19,6 +19,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gemma3": Gemma3ForCausalLM,
     "opt": OPTForCausalLM,
 }
+# Model types whose checkpoints store Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``) fused, in the
+# row order the engine's merged projections have
+FUSED_CHECKPOINTS = ("phi3",)
 # Checkpoint tensors that are buffers in other implementations, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # A multimodal checkpoint served as text (``ModelConfig.extra["multimodal_checkpoint"]``: Gemma 3 4B-27B):
@@ -53,9 +56,11 @@ def create_model(config: ModelConfig, backend: AttentionBackend, dtype: torch.dt
 
 def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters under their checkpoint (HF) names, in registration order: a merged
-    projection (``MergedLinear``) appears as views of its parts (``q_proj.weight``...). A tied weight
+    projection (``MergedLinear``) appears as views of its parts (``q_proj.weight``...), or whole where
+    the checkpoint stores it so (``FUSED_CHECKPOINTS``: Phi-3's ``qkv_proj.weight``). A tied weight
     appears under each of its names, as one tensor."""
-    merged = {name: m for name, m in model.named_modules() if isinstance(m, MergedLinear)}
+    fused = model.config.model_type in FUSED_CHECKPOINTS
+    merged = {name: m for name, m in model.named_modules() if isinstance(m, MergedLinear) and not fused}
     tensors: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         module_name, _, kind = name.rpartition(".")
