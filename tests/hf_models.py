@@ -38,13 +38,21 @@ def hf_model(arch: str):
             pad_token_id=0,
         )  # fmt: skip
         cls = transformers.Phi3ForCausalLM
+    elif arch == "smollm3":  # its second layer without a rotary embedding (the real ones: every fourth)
+        config = transformers.SmolLM3Config(
+            **common, intermediate_size=128, num_key_value_heads=2, no_rope_layers=[1, 0], initializer_range=0.2,
+            pad_token_id=0,
+        )  # fmt: skip
+        cls = transformers.SmolLM3ForCausalLM
     elif arch == "qwen2":
         config = transformers.Qwen2Config(**common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2)
         cls = transformers.Qwen2ForCausalLM
     else:
         config = transformers.OPTConfig(**common, ffn_dim=128, word_embed_proj_dim=64, init_std=0.2)
         cls = transformers.OPTForCausalLM
-    torch.manual_seed({"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7, "phi3": 9}[arch])
+    torch.manual_seed(
+        {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7, "phi3": 9, "smollm3": 10}[arch]
+    )
     model = cls(config).eval()
     with torch.no_grad():  # biases and norm weights are 0 / 1 at init: make them count
         for name, p in model.named_parameters():

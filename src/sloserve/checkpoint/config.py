@@ -1,7 +1,7 @@
 """Model configuration for the engine: read from a HuggingFace ``config.json`` or a named random shape.
 
 Supported architectures (``ARCHITECTURES``): the Llama family (Llama-2/3, Mistral-style GQA, Phi-3 and
-Phi-4), Qwen2 / Qwen2.5 (QKV biases), Qwen3 (per-head RMSNorm of queries and keys, no QKV biases), Gemma 3 text
+Phi-4, SmolLM3), Qwen2 / Qwen2.5 (QKV biases), Qwen3 (per-head RMSNorm of queries and keys, no QKV biases), Gemma 3 text
 models (``gemma3_text``: sliding-window layers beside global ones; and the language model of Gemma 3
 4B-27B's multimodal checkpoints, ``gemma3``, served as text) and OPT (learned positions, LayerNorm, ReLU).
 """
@@ -24,6 +24,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2": "llama",
     "qwen3": "llama",
     "phi3": "llama",  # (Phi-3, Phi-4: Llama's layers, their Q/K/V and gate/up stored fused)
+    "smollm3": "llama",  # (Llama's layers, every fourth without a rotary embedding)
     "gemma3_text": "gemma3",
     "opt": "opt",
 }
@@ -81,6 +82,8 @@ class ModelConfig:
     sliding_window: int | None = None
     rope_local_theta: float | None = None
     final_logit_softcapping: float | None = None
+    # SmolLM3: whether each layer rotates its queries and keys (its NoPE layers do not); empty: all do
+    rotary_layers: tuple[bool, ...] = ()
     # OPT only
     word_embed_proj_dim: int | None = None
     do_layer_norm_before: bool = True
@@ -119,6 +122,10 @@ class ModelConfig:
     @property
     def architecture(self) -> str:
         return ARCHITECTURES[self.model_type]
+
+    def layer_rotates(self, layer: int) -> bool:
+        """Whether layer ``layer`` applies the rotary embedding to its queries and keys."""
+        return not self.rotary_layers or self.rotary_layers[layer]
 
     def layer_window(self, layer: int) -> int | None:
         """The positions layer ``layer`` sees (None: all of them)."""
@@ -245,6 +252,11 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     window = raw.get("sliding_window") if model_type in ("mistral", "phi3") else None
     if window is not None and window >= common["max_position_embeddings"]:
         window = None
+    rotary_layers = raw.get("no_rope_layers") if model_type == "smollm3" else None  # (HF's name: 1 rotates)
+    if rotary_layers is not None and len(rotary_layers) != common["num_hidden_layers"]:
+        raise ConfigError(
+            f"{name}: no_rope_layers has {len(rotary_layers)} flags; the model has {common['num_hidden_layers']} layers"
+        )
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{name}: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
     return ModelConfig(
@@ -261,6 +273,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         qk_norm=model_type == "qwen3",
         layer_types=(SLIDING,) * common["num_hidden_layers"] if window else (),
         sliding_window=int(window) if window else None,
+        rotary_layers=tuple(bool(flag) for flag in rotary_layers or ()),
     )
 
 

@@ -184,6 +184,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(hd, config.norm_eps)
         self.qk_norm = config.qk_norm
         self.window = config.layer_window(layer)
+        self.rotates = config.layer_rotates(layer)  # NOTE: SmolLM3's every fourth layer has no position embedding
         self.backend = backend
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -193,7 +194,8 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, : nh + nkv]  # (T, nh + nkv, hd)
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
-        qk = apply_rotary(qk, cos, sin)  # Q and K rotated together
+        if self.rotates:
+            qk = apply_rotary(qk, cos, sin)  # Q and K rotated together
         return qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
 
 
