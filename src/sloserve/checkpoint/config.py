@@ -2,8 +2,9 @@
 
 Supported architectures (``ARCHITECTURES``): the Llama family (Llama-2/3, Mistral-style GQA, Phi-3 and
 Phi-4, SmolLM3), Qwen2 / Qwen2.5 (QKV biases), Qwen3 (per-head RMSNorm of queries and keys, no QKV biases), Gemma 3 text
-models (``gemma3_text``: sliding-window layers beside global ones; and the language model of Gemma 3
-4B-27B's multimodal checkpoints, ``gemma3``, served as text) and OPT (learned positions, LayerNorm, ReLU).
+models (``gemma3_text``: sliding-window layers beside global ones) and OPT (learned positions, LayerNorm,
+ReLU); and the language model of multimodal checkpoints (``MULTIMODAL``: Gemma 3 4B-27B, Mistral Small
+3.1), served as text.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ ARCHITECTURES: dict[str, str] = {
 }
 # Multimodal checkpoints served as text: their config.json's text_config is the language model's
 # (Gemma 3 4B-27B: Gemma3ForConditionalGeneration; its vision tower is not read, ``LANGUAGE_MODEL_PREFIXES``)
-MULTIMODAL = {"gemma3": "gemma3_text"}
+MULTIMODAL = {"gemma3": "gemma3_text", "mistral3": "mistral"}  # (Mistral Small 3.1 and 3.2)
 # transformers' Gemma3TextConfig defaults: a Gemma 3 text_config lists only what differs from them
 GEMMA3_TEXT_DEFAULTS = {
     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -279,12 +280,13 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
 
 def _language_model_config(raw: dict[str, Any], name: str) -> ModelConfig:
     """The language model of a multimodal checkpoint (``MULTIMODAL``): its ``text_config``, with what the
-    top level says of generation (EOS: Gemma 3's [1, 106]) and of the weights (dtype, tied embeddings)."""
+    top level says of generation (EOS: Gemma 3's [1, 106]) and of the weights' dtype. (Whether its LM head
+    is tied, the weights say: ``loader.load_model``.)"""
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError(f"{name}: a {raw['model_type']} config.json needs a text_config (its language model's)")
     merged = {**text, "model_type": MULTIMODAL[raw["model_type"]]}
-    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "torch_dtype", "dtype"):
+    for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype"):
         if raw.get(key) is not None and (key == "eos_token_id" or key not in text):
             merged[key] = raw[key]
     config = from_hf_config(merged, name)

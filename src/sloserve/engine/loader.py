@@ -3,6 +3,7 @@ Nothing is ever downloaded: a missing directory or file is a ConfigError naming 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from sloserve.engine.models import (
     create_model,
     init_random_,
     load_weights,
+    stores_lm_head,
 )
 from sloserve.engine.switches import switch
 from sloserve.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -125,6 +127,8 @@ def load_model(
         config = from_hf_config(checkpoint.hf_config, name=path.stem)
     else:
         config = load_hf_config(path)
+        if config.extra.get("multimodal_checkpoint"):
+            config = dataclasses.replace(config, tie_word_embeddings=not stores_lm_head(path))
     backend_name = resolve_attention_backend(attention_backend, dev)
     if cuda_graphs is None:
         # NOTE: on by default since the H200 session of 2026-11-26: capture and replay gave the eager

@@ -24,7 +24,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 FUSED_CHECKPOINTS = ("phi3",)
 # Checkpoint tensors that are buffers in other implementations, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# A multimodal checkpoint served as text (``ModelConfig.extra["multimodal_checkpoint"]``: Gemma 3 4B-27B):
+# A multimodal checkpoint served as text (``ModelConfig.extra["multimodal_checkpoint"]``: Gemma 3 4B-27B,
+# Mistral Small 3.1):
 # its language model's tensors under the text model's names (as transformers saved them before 4.52, and
 # since), the vision tower's and the projector's not read
 LANGUAGE_MODEL_PREFIXES = {
@@ -92,6 +93,23 @@ def init_random_(model: nn.Module, seed: int) -> None:
             p.normal_(0.0, 1.0, generator=generator)
         else:
             p.normal_(0.0, p.shape[1] ** -0.5, generator=generator)
+
+
+def stores_lm_head(path: Path) -> bool:
+    """Whether a multimodal checkpoint's language model has an LM head of its own (Mistral Small 3.1's)
+    rather than one tied to its embedding (Gemma 3's). NOTE: its config cannot be trusted to say:
+    transformers' multimodal configs default to tied, and read the flag at the top level or in the
+    text_config depending on the version."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                if any(language_model_name(key) == "lm_head.weight" for key in f.keys()):
+                    return True
+        except SafetensorError as e:
+            raise ConfigError(f"{file}: not a readable safetensors file ({e})") from None
+    return False
 
 
 @torch.no_grad()

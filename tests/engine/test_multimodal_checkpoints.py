@@ -1,9 +1,9 @@
-"""Gemma 3 4B-27B ship as one multimodal checkpoint (``Gemma3ForConditionalGeneration``, config.json
-``model_type: gemma3``): a language model beside a vision tower. The engine serves its language model as
-text, as vLLM does with no image in the prompt: the config's ``text_config`` (sparse on the Hub: what it
-leaves out is transformers' default), EOS from the top level, the language model's tensors under either
-layout transformers saved, the vision tower's never read; the greedy tokens are transformers' multimodal
-model's on the same text."""
+"""Gemma 3 4B-27B and Mistral Small 3.1 ship as multimodal checkpoints (``Gemma3ForConditionalGeneration``,
+``Mistral3ForConditionalGeneration``): a language model beside a vision tower. The engine serves the
+language model as text, as vLLM does with no image in the prompt: the config's ``text_config`` (Gemma's
+sparse on the Hub: what it leaves out is transformers' default), EOS from the top level, the language
+model's tensors under either layout transformers saved, its LM head tied or not as the weights say, the
+vision tower's never read; the greedy tokens are transformers' multimodal model's on the same text."""
 
 from __future__ import annotations
 
@@ -119,6 +119,32 @@ def test_a_processors_chat_template_is_the_models(gemma3_4b_like, tmp_path):
     (tmp_path / "chat_template.json").write_text("{not json")
     with pytest.raises(ConfigError, match="chat_template.json: cannot read"):
         ChatTemplate.for_model(tmp_path)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["own LM head (Mistral Small 3.1)", "tied"])
+def test_mistral_small_31s_language_model_gives_transformers_greedy_tokens(tmp_path, tied):
+    """Mistral Small 3.1's config.json says nothing of tied embeddings at the top level (where
+    transformers' default is tied) and its weights hold an LM head: the weights decide."""
+    text = dict(model_type="mistral", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=256,
+                initializer_range=0.2)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+                  image_size=28, patch_size=14)  # fmt: skip
+    config = transformers.Mistral3Config(
+        text_config=text, vision_config=vision, image_token_index=VOCAB - 1, tie_word_embeddings=tied
+    )
+    torch.manual_seed(13)
+    model = transformers.Mistral3ForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.pop("tie_word_embeddings")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert load_hf_config(tmp_path).model_type == "mistral"
+    llm = LLM(str(tmp_path), kv_capacity_tokens=512)
+    assert llm.engine.executor.model.config.tie_word_embeddings == tied
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, ids, 16) for ids in PROMPTS]
 
 
 def test_a_multimodal_config_without_its_text_config_is_refused(tmp_path):
