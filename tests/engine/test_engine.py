@@ -524,7 +524,7 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(
         ConfigError,
-        match="unsupported architecture 'gpt2'.*supported: gemma3, gemma3_text, llama, mistral, opt, phi3, qwen2, qwen3, smollm3",
+        match="unsupported architecture 'gpt2'.*supported: gemma3, gemma3_text, llama, mistral, mistral3, opt, phi3, qwen2, qwen3, smollm3",
     ):
         LLM(str(tmp_path / "gpt2"))
     fp8 = tmp_path / "fp8"  # an FP8 checkpoint's weights would load as plain ones, their scales ignored
