@@ -17,10 +17,31 @@ TENSOR_NAMES = {
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }  # fmt: skip
+PHI3_TENSOR_NAMES = {**TENSOR_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # fused
 GEMMA3_TENSOR_NAMES = {
     **TENSOR_NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }  # fmt: skip
+
+
+def sentencepiece_vocabulary(
+    corpus: list[str], added: tuple[str, ...] = ()
+) -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, token types) as llama.cpp's converter writes a SentencePiece BPE vocabulary:
+    <unk> (type 2), <s> and </s> (control, 3), the 256 byte tokens (6), the pieces learned from ``corpus``
+    (1), each scored by its rank (the earlier merged, the higher), then ``added`` (control, as Phi-3's
+    <|end|>)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=True)
+    trained.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300))
+    vocab = trained.get_vocab()
+    pieces = sorted(vocab, key=vocab.get)
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces, *added]
+    scores = [0.0] * (3 + 256) + [-float(rank) for rank in range(len(pieces))] + [-1000.0] * len(added)
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces) + [3] * len(added)
+    return tokens, scores, types
 
 
 def tiny_llama(vocab_size: int, rope: dict[str, Any]):
@@ -50,11 +71,16 @@ def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(
-    path: Path, model, fields: dict[str, Any], arch: str = "llama", rope_freqs: list[float] | None = None
+    path: Path,
+    model,
+    fields: dict[str, Any],
+    arch: str = "llama",
+    rope_freqs: list[float] | None = None,
+    tensors: dict[str, np.ndarray] | None = None,
 ) -> None:
     """``model`` as a GGUF file of ``arch``; ``fields``: ``GGUFWriter`` method -> its value (the tokenizer's,
     ``add_token_list``..., and others: ``add_sliding_window``...); ``rope_freqs``: Llama 3.1's frequency
-    factors, as the converter stores them."""
+    factors, as the converter stores them; ``tensors``: more, by their GGUF names."""
     import gguf
 
     c = model.config
@@ -66,8 +92,9 @@ def write_gguf(
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # (Phi-3's config has none)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(rope["rope_theta"])
     for method, value in fields.items():
@@ -76,7 +103,7 @@ def write_gguf(
     if not c.tie_word_embeddings:
         names["lm_head.weight"] = "output.weight"
     for n in range(c.num_hidden_layers):
-        for hf, ours in (GEMMA3_TENSOR_NAMES if arch == "gemma3" else TENSOR_NAMES).items():
+        for hf, ours in {"gemma3": GEMMA3_TENSOR_NAMES, "phi3": PHI3_TENSOR_NAMES}.get(arch, TENSOR_NAMES).items():
             names[f"model.layers.{n}.{hf}.weight"] = f"blk.{n}.{ours}.weight"
     for name, tensor in model.state_dict().items():
         if name not in names:
@@ -91,6 +118,8 @@ def write_gguf(
         writer.add_tensor(names[name], weight)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", np.array(rope_freqs, dtype=np.float32))
+    for name, tensor in (tensors or {}).items():
+        writer.add_tensor(name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
+import gguf_files  # noqa: E402
 from gguf_files import tiny_llama, write_gguf  # noqa: E402
 
 from sloserve import LLM, SamplingParams  # noqa: E402
@@ -30,24 +31,10 @@ TEXTS = [
     "café naïve ✓ 🙂 and an emoji",
     "a line\nbreak, then</s>after the end",
 ]
-NUM_BYTE_TOKENS = 256
 
 
 def sentencepiece_vocabulary() -> tuple[list[str], list[float], list[int]]:
-    """(tokens, scores, token types) as llama.cpp's converter writes a SentencePiece BPE vocabulary:
-    <unk> (type 2), <s> and </s> (control, 3), the 256 byte tokens (6), then the pieces (1), each scored
-    by its rank (the earlier merged, the higher)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    trained = Tokenizer(models.BPE())
-    trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=True)
-    trained.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300))
-    vocab = trained.get_vocab()
-    pieces = sorted(vocab, key=vocab.get)
-    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(NUM_BYTE_TOKENS)), *pieces]
-    scores = [0.0] * (3 + NUM_BYTE_TOKENS) + [-float(rank) for rank in range(len(pieces))]
-    types = [2, 3, 3] + [6] * NUM_BYTE_TOKENS + [1] * len(pieces)
-    return tokens, scores, types
+    return gguf_files.sentencepiece_vocabulary(CORPUS)
 
 
 def write_sentencepiece_gguf(path, model, tokens, scores, types, bos: int = 1) -> None:

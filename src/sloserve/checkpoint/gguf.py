@@ -6,7 +6,7 @@ K-quants... as llama.cpp defines them) and copied into the model under their HF 
 runs the same weights transformers does when it loads the file (``from_pretrained(gguf_file=...)``).
 
 Supported: the Llama architecture (``general.architecture = llama``: Llama 2 and 3.x, SmolLM, Mistral
-without sliding windows), Qwen2, Qwen3 and Gemma 3's text models, with a byte-level BPE tokenizer
+without sliding windows), Qwen2, Qwen3, Phi-3 and Phi-4 (``phi3``) and Gemma 3's text models, with a byte-level BPE tokenizer
 (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a
 SentencePiece BPE one (``llama``: Llama 2, Mistral 7B, TinyLlama, Gemma). Llama 3.1's rope scaling comes
 as llama.cpp stores it, a tensor of frequency factors (``rope_freqs.weight``); linear and YaRN scaling as
@@ -51,6 +51,10 @@ ARCH_TENSORS = {
         "blk.{n}.attn_q_norm.weight": "model.layers.{n}.self_attn.q_norm.weight",
         "blk.{n}.attn_k_norm.weight": "model.layers.{n}.self_attn.k_norm.weight",
     },
+    "phi3": {  # Q/K/V and gate/up fused, as in its HF checkpoints (``FUSED_CHECKPOINTS``)
+        "blk.{n}.attn_qkv.weight": "model.layers.{n}.self_attn.qkv_proj.weight",
+        "blk.{n}.ffn_up.weight": "model.layers.{n}.mlp.gate_up_proj.weight",
+    },
     "gemma3": {
         "blk.{n}.attn_q_norm.weight": "model.layers.{n}.self_attn.q_norm.weight",
         "blk.{n}.attn_k_norm.weight": "model.layers.{n}.self_attn.k_norm.weight",
@@ -89,6 +93,8 @@ PRE_TOKENIZER_SPLITS: dict[str | None, str | None] = {
     "llama-v3": LLAMA3_SPLIT,
     "falcon3": LLAMA3_SPLIT,
     "smaug-bpe": LLAMA3_SPLIT,
+    "dbrx": LLAMA3_SPLIT,  # (Phi-4's: GPT-4's cl100k split, Llama 3's pattern)
+    "pixtral": LLAMA3_SPLIT,
     "tekken": TEKKEN_SPLIT,
 }
 # The ids that end a generation besides EOS (llama.cpp's end-of-generation tokens): Llama 3.1's
@@ -212,6 +218,12 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
     config["rope_scaling"] = _rope_scaling(meta, arch, path)
     if arch == "gemma3":
         config.update(_gemma3_config(meta, config, path))
+    if arch == "phi3":  # every layer's window (Phi-3 mini's 2,047; 0: none, Phi-4's)
+        config["sliding_window"] = meta.get("phi3.attention.sliding_window") or None
+        if any(t.name.startswith("rope_factors_") for t in reader.tensors):
+            raise ConfigError(
+                f"{path}: GGUF longrope scaling (rope_factors_long/short: Phi-3.5, the 128K Phi-3s) is not supported"
+            )
     factors = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if factors is not None:
         frequencies = config["head_dim"] // 2
@@ -353,9 +365,15 @@ def gguf_tokenizer(checkpoint: GGUFCheckpoint):
                 f"{checkpoint.path}: a GGUF SentencePiece tokenizer needs tokenizer.ggml.scores, one a token "
                 f"({len(tokens)}); the file has {len(scores)}"
             )
-        if meta.get("general.architecture") in GEMMA_ARCHITECTURES:
+        arch = meta.get("general.architecture")
+        if arch in GEMMA_ARCHITECTURES:
             tokens, scores = _gemma_vocabulary(tokens)
-        tok = _sentencepiece_bpe(tokens, scores, prefix_space=meta.get("tokenizer.ggml.add_space_prefix", True))
+        prefix_space = meta.get("tokenizer.ggml.add_space_prefix", True)
+        # NOTE: Phi-3's tokenizer puts a space before any text (one that starts with spaces too), as
+        # transformers' GGUF reader builds it; Llama 2's only before text that does not start with one
+        tok = _sentencepiece_bpe(
+            tokens, scores, prefix_space="always" if prefix_space and arch == "phi3" else prefix_space
+        )
     else:
         raise ConfigError(
             f"{checkpoint.path}: GGUF tokenizer {kind!r} is not supported (gpt2: byte-level BPE; llama: SentencePiece)"
@@ -426,16 +444,19 @@ def _byte_level_bpe(checkpoint: GGUFCheckpoint, tokens: list[str]):
     return tok
 
 
-def _sentencepiece_bpe(tokens: list[str], scores: list[float], prefix_space: bool = True):
-    """SentencePiece's BPE as Llama 2's tokenizer runs it: spaces as "▁", one before the text (unless
-    ``prefix_space`` is false: Gemma's), characters outside the vocabulary as their UTF-8 bytes (the
-    ``<0xNN>`` tokens), merges from the scores."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], prefix_space: bool | str = True):
+    """SentencePiece's BPE as Llama 2's tokenizer runs it: spaces as "▁", one before the text unless it
+    starts with one (``prefix_space`` "always": before any text, Phi-3's; False: none, Gemma's), characters
+    outside the vocabulary as their UTF-8 bytes (the ``<0xNN>`` tokens), merges from the scores."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     vocab = {t: i for i, t in enumerate(tokens)}  # NOTE: a token listed twice: its last id, as llama.cpp's
     tok = Tokenizer(models.BPE(vocab, merges_from_scores(tokens, scores), fuse_unk=True, byte_fallback=True))
-    prepend = "first" if prefix_space else "never"
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend, split=False)
+    if prefix_space == "always":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    else:
+        prepend = "first" if prefix_space else "never"
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend, split=False)
     strip = [decoders.Strip(" ", 1, 0)] if prefix_space else []  # the space put before the text
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
     return tok
