@@ -6,13 +6,14 @@ K-quants... as llama.cpp defines them) and copied into the model under their HF 
 runs the same weights transformers does when it loads the file (``from_pretrained(gguf_file=...)``).
 
 Supported: the Llama architecture (``general.architecture = llama``: Llama 2 and 3.x, SmolLM, Mistral
-without sliding windows), Qwen2, Qwen3, Phi-3 and Phi-4 (``phi3``) and Gemma 3's text models, with a byte-level BPE tokenizer
+without sliding windows), SmolLM3, Qwen2, Qwen3, Phi-3 and Phi-4 (``phi3``) and Gemma 3's text models, with a
+byte-level BPE tokenizer
 (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a
 SentencePiece BPE one (``llama``: Llama 2, Mistral 7B, TinyLlama, Gemma). Llama 3.1's rope scaling comes
 as llama.cpp stores it, a tensor of frequency factors (``rope_freqs.weight``); linear and YaRN scaling as
 ``rope.scaling.*`` keys.
 
-NOTE: llama.cpp's converter permutes the rows of a Llama model's Q and K projections (its RoPE rotates
+NOTE: llama.cpp's converter permutes the rows of a Llama (or SmolLM3) model's Q and K projections (its RoPE rotates
 adjacent pairs, HF's rotates halves); ``_unpermute`` undoes it, as transformers' GGUF loader does.
 Qwen models are converted unpermuted (llama.cpp runs them with NEOX-style RoPE, HF's).
 """
@@ -46,6 +47,7 @@ LLAMA_TENSORS = {
 # More tensors of the other architectures
 ARCH_TENSORS = {
     "llama": {},
+    "smollm3": {},
     "qwen2": {f"blk.{{n}}.attn_{x}.bias": f"model.layers.{{n}}.self_attn.{x}_proj.bias" for x in ("q", "k", "v")},
     "qwen3": {
         "blk.{n}.attn_q_norm.weight": "model.layers.{n}.self_attn.q_norm.weight",
@@ -63,6 +65,10 @@ ARCH_TENSORS = {
         "blk.{n}.post_ffw_norm.weight": "model.layers.{n}.post_feedforward_layernorm.weight",
     },
 }
+# The architectures whose Q and K rows llama.cpp's converter permutes (its Llama converter's)
+PERMUTED = ("llama", "smollm3")
+# SmolLM3's layers without a rotary embedding: every fourth, as llama.cpp's code has it (the file does not say)
+SMOLLM3_NO_ROPE_STEP = 4
 # The architectures whose norms llama.cpp's converter stores as 1 + weight (Gemma's RMSNorm scales by
 # 1 + weight; llama.cpp's by the weight)
 SHIFTED_NORMS = ("gemma3",)
@@ -218,6 +224,10 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
     config["rope_scaling"] = _rope_scaling(meta, arch, path)
     if arch == "gemma3":
         config.update(_gemma3_config(meta, config, path))
+    if arch == "smollm3":  # (HF's name: 1 rotates)
+        config["no_rope_layers"] = [
+            int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(config["num_hidden_layers"])
+        ]
     if arch == "phi3":  # every layer's window (Phi-3 mini's 2,047; 0: none, Phi-4's)
         config["sliding_window"] = meta.get("phi3.attention.sliding_window") or None
         if any(t.name.startswith("rope_factors_") for t in reader.tensors):
@@ -335,9 +345,9 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
         weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         if not weight.flags.writeable:  # an F32 tensor is a view of the memory-mapped file
             weight = weight.copy()
-        if arch == "llama" and tensor.name.endswith("attn_q.weight"):
+        if arch in PERMUTED and tensor.name.endswith("attn_q.weight"):
             weight = _unpermute(weight, config["num_attention_heads"])
-        elif arch == "llama" and tensor.name.endswith("attn_k.weight"):
+        elif arch in PERMUTED and tensor.name.endswith("attn_k.weight"):
             weight = _unpermute(weight, config["num_key_value_heads"])
         elif arch in SHIFTED_NORMS and tensor.name.endswith("norm.weight"):
             weight -= 1.0
