@@ -27,6 +27,13 @@ def hf_model(arch: str):
             sliding_window=8, layer_types=["sliding_attention", "full_attention"], initializer_range=0.2,
         )  # fmt: skip
         cls = transformers.Gemma3ForCausalLM
+    elif arch == "gemma2":
+        # a sliding layer and a global one (window 8), scores capped at 2 and logits at 5: caps that bite
+        config = transformers.Gemma2Config(
+            **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+            sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=5.0, initializer_range=0.2,
+        )  # fmt: skip
+        cls = transformers.Gemma2ForCausalLM
     elif arch == "mistral":  # Mistral 7B v0.1's sliding window, on every layer (8: shorter than most test contexts)
         config = transformers.MistralConfig(
             **common, intermediate_size=128, num_key_value_heads=2, sliding_window=8, initializer_range=0.2
@@ -51,7 +58,17 @@ def hf_model(arch: str):
         config = transformers.OPTConfig(**common, ffn_dim=128, word_embed_proj_dim=64, init_std=0.2)
         cls = transformers.OPTForCausalLM
     torch.manual_seed(
-        {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7, "phi3": 9, "smollm3": 10}[arch]
+        {
+            "llama": 0,
+            "qwen2": 1,
+            "opt": 2,
+            "qwen3": 3,
+            "gemma3": 5,
+            "mistral": 7,
+            "phi3": 9,
+            "smollm3": 10,
+            "gemma2": 11,
+        }[arch]
     )
     model = cls(config).eval()
     with torch.no_grad():  # biases and norm weights are 0 / 1 at init: make them count
@@ -59,5 +76,5 @@ def hf_model(arch: str):
             if name.endswith("bias"):
                 p.normal_(0.0, 0.2)
             elif p.ndim == 1:  # Gemma's norms scale by 1 + weight, 0 at init
-                p.add_(0.1 * torch.randn_like(p)) if arch == "gemma3" else p.mul_(1 + 0.1 * torch.randn_like(p))
+                p.add_(0.1 * torch.randn_like(p)) if arch.startswith("gemma") else p.mul_(1 + 0.1 * torch.randn_like(p))
     return model

@@ -103,7 +103,8 @@ def write_gguf(
     if not c.tie_word_embeddings:
         names["lm_head.weight"] = "output.weight"
     for n in range(c.num_hidden_layers):
-        for hf, ours in {"gemma3": GEMMA3_TENSOR_NAMES, "phi3": PHI3_TENSOR_NAMES}.get(arch, TENSOR_NAMES).items():
+        names_of = {"gemma2": GEMMA3_TENSOR_NAMES, "gemma3": GEMMA3_TENSOR_NAMES, "phi3": PHI3_TENSOR_NAMES}
+        for hf, ours in names_of.get(arch, TENSOR_NAMES).items():
             names[f"model.layers.{n}.{hf}.weight"] = f"blk.{n}.{ours}.weight"
     for name, tensor in model.state_dict().items():
         if name not in names:
@@ -113,7 +114,7 @@ def write_gguf(
             weight = permute(weight, c.num_attention_heads)
         elif arch in ("llama", "smollm3") and name.endswith("k_proj.weight"):
             weight = permute(weight, c.num_key_value_heads)
-        elif arch == "gemma3" and name.endswith("norm.weight"):
+        elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             weight = weight + 1  # Gemma's RMSNorm scales by 1 + weight, llama.cpp's by the weight
         writer.add_tensor(names[name], weight)
     if rope_freqs is not None:

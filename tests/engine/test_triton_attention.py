@@ -52,12 +52,13 @@ def check_against_reference(
     window: int | None = None,
     splits: int | None = None,
     dense_from: int | None = None,
+    softcap: float | None = None,
 ) -> float:
     """Run the Triton backend on ``step`` cast to ``dtype``; assert its cache writes are the
     reference's and return its relative error against the float64 reference."""
     q, k, v, k_cache, v_cache, meta = step
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
-    ref = TorchAttention().forward(q, k, v, ref_k_cache, ref_v_cache, meta, scale=scale, window=window)
+    ref = TorchAttention().forward(q, k, v, ref_k_cache, ref_v_cache, meta, scale=scale, window=window, softcap=softcap)
     k_dev, v_dev = k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype)
     # Poison the output: a row no kernel writes stays NaN and fails the comparison.
     real_empty_like = torch.empty_like
@@ -74,6 +75,7 @@ def check_against_reference(
         _to(meta, DEVICE),
         scale=scale,
         window=window,
+        softcap=softcap,
     )
     monkeypatch.undo()
     assert torch.equal(k_dev.cpu(), ref_k_cache.to(dtype)) and torch.equal(v_dev.cpu(), ref_v_cache.to(dtype))
@@ -102,6 +104,31 @@ def test_sliding_windows_and_a_score_scale(monkeypatch, window):
     step = make_step(gen, 4, 2, 32, [(0, 37), (50, 70), (5, 2)], [0, 3, 130, 64], num_slots=600)
     error = check_against_reference(monkeypatch, step, torch.float32, block=16, scale=0.3, window=window)
     assert error < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize(("window", "splits"), [(None, 1), (None, 4), (16, 1), (40, 3)])
+def test_capped_scores(monkeypatch, window, splits):
+    """Gemma 2's scores capped at 2 (softcap * tanh(score / softcap)), on every kernel (prefills with
+    context, decodes split or not, in a window or not); a fresh prompt past the dense threshold keeps
+    the prefill kernel (SDPA cannot cap). The reference's capped attention is checked against the
+    formula written out in float64."""
+    gen = torch.Generator().manual_seed(17 + (window or 0) + splits)
+    step = make_step(gen, 4, 2, 32, [(0, 37), (50, 70), (5, 2)], [0, 3, 130, 64], num_slots=600)
+    error = check_against_reference(
+        monkeypatch, step, torch.float32, block=16, scale=0.3, window=window, splits=splits, dense_from=16, softcap=2.0
+    )
+    assert error < TOLERANCE[torch.float32]
+    q, k, v, k_cache, v_cache, meta = step
+    capped = TorchAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, scale=0.3, softcap=2.0)
+    plain = TorchAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, scale=0.3)
+    assert (capped - plain).abs().max() > 0.1  # NOTE: the cap bites on these scores
+    # the fresh prompt (tokens 0..36, nothing cached) by the formula
+    query, keys, values = (x[:37].double().transpose(0, 1) for x in (q, k, v))  # (nh | nkv, 37, hd)
+    keys, values = keys.repeat_interleave(2, 0), values.repeat_interleave(2, 0)
+    scores = torch.tanh(query @ keys.transpose(1, 2) * 0.3 / 2.0) * 2.0
+    scores = scores.masked_fill(~torch.ones(37, 37, dtype=torch.bool).tril(), float("-inf"))
+    expected = (torch.softmax(scores, -1) @ values).transpose(0, 1)
+    assert torch.allclose(capped[:37].double(), expected, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -745,7 +745,10 @@ def test_serve_refuses_an_unsupported_architecture_in_one_line(tmp_path):
     result = CliRunner().invoke(main, ["serve", "--model", str(tmp_path), "--port", str(free_loopback_port())])
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
     assert "unsupported architecture 'gpt_neox'" in result.output
-    assert "supported: gemma3, gemma3_text, llama, mistral, mistral3, opt, phi3, qwen2, qwen3, smollm3" in result.output
+    assert (
+        "supported: gemma2, gemma3, gemma3_text, llama, mistral, mistral3, opt, phi3, qwen2, qwen3, smollm3"
+        in result.output
+    )
 
 
 def test_a_port_for_a_server_is_one_no_connection_takes_meanwhile():

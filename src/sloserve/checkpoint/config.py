@@ -27,6 +27,7 @@ ARCHITECTURES: dict[str, str] = {
     "phi3": "llama",  # (Phi-3, Phi-4: Llama's layers, their Q/K/V and gate/up stored fused)
     "smollm3": "llama",  # (Llama's layers, every fourth without a rotary embedding)
     "gemma3_text": "gemma3",
+    "gemma2": "gemma3",  # (Gemma 3's layers without query/key norms, with capped scores)
     "opt": "opt",
 }
 # Multimodal checkpoints served as text: their config.json's text_config is the language model's
@@ -37,6 +38,12 @@ GEMMA3_TEXT_DEFAULTS = {
     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
     "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1,
+}  # fmt: skip
+# transformers' Gemma2Config defaults (Gemma 2 2B's shape; every other layer global, scores capped at 50,
+# logits at 30)
+GEMMA2_DEFAULTS = {
+    **GEMMA3_TEXT_DEFAULTS, "vocab_size": 256_000, "max_position_embeddings": 8192, "sliding_window_pattern": 2,
+    "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
 }  # fmt: skip
 # A layer type of ModelConfig.layer_types that sees only the last sliding_window positions
 SLIDING = "sliding_attention"
@@ -83,6 +90,7 @@ class ModelConfig:
     sliding_window: int | None = None
     rope_local_theta: float | None = None
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores capped by tanh (None: not)
     # SmolLM3: whether each layer rotates its queries and keys (its NoPE layers do not); empty: all do
     rotary_layers: tuple[bool, ...] = ()
     # OPT only
@@ -187,6 +195,8 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         )
     if model_type == "gemma3_text":
         raw = {**GEMMA3_TEXT_DEFAULTS, **raw}
+    elif model_type == "gemma2":
+        raw = {**GEMMA2_DEFAULTS, **raw}
     quantization = raw.get("quantization_config")
     if quantization:  # NOTE: its tensors (FP8 with scales, AWQ's packed ints) would load as plain weights
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None
@@ -232,7 +242,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
             enable_bias=bool(raw.get("enable_bias", True)),
             extra={"remove_final_layer_norm": bool(raw.get("_remove_final_layer_norm", False))},
         )
-    if model_type == "gemma3_text":
+    if model_type in ("gemma3_text", "gemma2"):
         return _gemma3_config(raw, common, name, need)
     # transformers >= 5 keeps rope settings in rope_parameters; older configs at the top level.
     rope = dict(raw.get("rope_parameters") or {})
@@ -308,20 +318,25 @@ def _rope_scaling(scaling: dict[str, Any] | None, name: str) -> dict[str, Any] |
 
 def _gemma3_config(raw: dict[str, Any], common: dict[str, Any], name: str, need) -> ModelConfig:
     """A Gemma 3 text model's config (transformers 5's ``rope_parameters`` per layer type, or the
-    older ``rope_theta``, ``rope_local_base_freq``, ``rope_scaling`` and ``sliding_window_pattern``)."""
+    older ``rope_theta``, ``rope_local_base_freq``, ``rope_scaling`` and ``sliding_window_pattern``), or
+    Gemma 2's (no query/key norms; one rope base for every layer; scores capped)."""
+    gemma2 = raw["model_type"] == "gemma2"
     activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
     if activation != "gelu_pytorch_tanh":
         raise ConfigError(f"{name}: hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)")
-    if raw.get("attn_logit_softcapping") is not None or raw.get("use_bidirectional_attention"):
-        raise ConfigError(f"{name}: attention logit soft-capping and bidirectional attention are not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise ConfigError(f"{name}: bidirectional attention is not supported")
     layers = need("num_hidden_layers")
     layer_types = raw.get("layer_types")
     if layer_types is None:  # every pattern-th layer is global
         pattern = int(raw.get("sliding_window_pattern", 6))
         layer_types = [SLIDING if (i + 1) % pattern else "full_attention" for i in range(layers)]
     rope = raw.get("rope_parameters") or {}
-    full = dict(rope.get("full_attention") or {})
-    local = dict(rope.get(SLIDING) or {})
+    full = dict(rope.get("full_attention") or (rope if gemma2 else {}))
+    local = dict(rope.get(SLIDING) or (full if gemma2 else {}))
+    if gemma2 and "rope_theta" in raw:  # (before transformers 5: at the top level, for every layer)
+        full.setdefault("rope_theta", raw["rope_theta"])
+        local.setdefault("rope_theta", raw["rope_theta"])
     return ModelConfig(
         **{**common, "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True))},
         intermediate_size=need("intermediate_size"),
@@ -335,11 +350,12 @@ def _gemma3_config(raw: dict[str, Any], common: dict[str, Any], name: str, need)
         rope_local_theta=float(local.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0))),
         attention_bias=bool(raw.get("attention_bias", False)),
         hidden_act=activation,
-        qk_norm=True,
+        qk_norm=not gemma2,
         query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
         layer_types=tuple(layer_types),
         sliding_window=int(raw.get("sliding_window") or 4096),
         final_logit_softcapping=raw.get("final_logit_softcapping"),
+        attn_logit_softcapping=raw.get("attn_logit_softcapping"),
     )
 
 

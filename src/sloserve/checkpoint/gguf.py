@@ -6,7 +6,7 @@ K-quants... as llama.cpp defines them) and copied into the model under their HF 
 runs the same weights transformers does when it loads the file (``from_pretrained(gguf_file=...)``).
 
 Supported: the Llama architecture (``general.architecture = llama``: Llama 2 and 3.x, SmolLM, Mistral
-without sliding windows), SmolLM3, Qwen2, Qwen3, Phi-3 and Phi-4 (``phi3``) and Gemma 3's text models, with a
+without sliding windows), SmolLM3, Qwen2, Qwen3, Phi-3 and Phi-4 (``phi3``), Gemma 2 and Gemma 3's text models, with a
 byte-level BPE tokenizer
 (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a
 SentencePiece BPE one (``llama``: Llama 2, Mistral 7B, TinyLlama, Gemma). Llama 3.1's rope scaling comes
@@ -57,13 +57,16 @@ ARCH_TENSORS = {
         "blk.{n}.attn_qkv.weight": "model.layers.{n}.self_attn.qkv_proj.weight",
         "blk.{n}.ffn_up.weight": "model.layers.{n}.mlp.gate_up_proj.weight",
     },
-    "gemma3": {
-        "blk.{n}.attn_q_norm.weight": "model.layers.{n}.self_attn.q_norm.weight",
-        "blk.{n}.attn_k_norm.weight": "model.layers.{n}.self_attn.k_norm.weight",
+    "gemma2": {
         "blk.{n}.post_attention_norm.weight": "model.layers.{n}.post_attention_layernorm.weight",
         "blk.{n}.ffn_norm.weight": "model.layers.{n}.pre_feedforward_layernorm.weight",  # (Llama's: post_attention_)
         "blk.{n}.post_ffw_norm.weight": "model.layers.{n}.post_feedforward_layernorm.weight",
     },
+}
+ARCH_TENSORS["gemma3"] = {
+    **ARCH_TENSORS["gemma2"],
+    "blk.{n}.attn_q_norm.weight": "model.layers.{n}.self_attn.q_norm.weight",
+    "blk.{n}.attn_k_norm.weight": "model.layers.{n}.self_attn.k_norm.weight",
 }
 # The architectures whose Q and K rows llama.cpp's converter permutes (its Llama converter's)
 PERMUTED = ("llama", "smollm3")
@@ -71,8 +74,15 @@ PERMUTED = ("llama", "smollm3")
 SMOLLM3_NO_ROPE_STEP = 4
 # The architectures whose norms llama.cpp's converter stores as 1 + weight (Gemma's RMSNorm scales by
 # 1 + weight; llama.cpp's by the weight)
-SHIFTED_NORMS = ("gemma3",)
-GEMMA_ARCHITECTURES = ("gemma3",)  # their SentencePiece vocabularies: see _gemma_vocabulary
+SHIFTED_NORMS = ("gemma2", "gemma3")
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")  # their SentencePiece vocabularies: see _gemma_vocabulary
+# What llama.cpp's code says of a Gemma model that its file does not: which layers slide (every
+# pattern-th is global), the layer count of the 27B model (its scores are scaled by (hidden / heads)
+# ** -0.5, the others' by head_dim ** -0.5), the caps when the file names none (Gemma 2's)
+GEMMA_LAYOUT = {
+    "gemma2": {"pattern": 2, "layers_27b": 46, "attn_softcap": 50.0, "final_softcap": 30.0},
+    "gemma3": {"pattern": 6, "layers_27b": 62, "attn_softcap": None, "final_softcap": None},
+}
 # The split pattern of a byte-level BPE pre-tokenizer, by tokenizer.ggml.pre, as transformers' GGUF reader
 # sets them: Qwen's; Llama 3's (digits in runs of at most three, as its tokenizer.json has it); Mistral's
 # Tekken (Nemo). None: GPT-2's, the ByteLevel pre-tokenizer's own (a file without the key too). NOTE: a
@@ -222,8 +232,8 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
             "partial rotary embeddings are not supported"
         )
     config["rope_scaling"] = _rope_scaling(meta, arch, path)
-    if arch == "gemma3":
-        config.update(_gemma3_config(meta, config, path))
+    if arch in GEMMA_LAYOUT:
+        config.update(_gemma_config(meta, arch, config, path))
     if arch == "smollm3":  # (HF's name: 1 rotates)
         config["no_rope_layers"] = [
             int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(config["num_hidden_layers"])
@@ -275,14 +285,17 @@ def _rope_scaling(meta: dict[str, Any], arch: str, path: Path) -> dict[str, Any]
     return scaling
 
 
-def _gemma3_config(meta: dict[str, Any], config: dict[str, Any], path: Path) -> dict[str, Any]:
-    """What a Gemma 3 config.json says that its GGUF file leaves to llama.cpp's code: every sixth layer
-    global, the others sliding (unless the file has no window, or names its pattern), their rope base
-    10,000 (the global layers' is the file's, scaled); scores scaled by head_dim ** -0.5, but for 27B's 62
-    layers by (hidden / heads) ** -0.5 (its query_pre_attn_scalar, 168), as llama.cpp decides."""
+def _gemma_config(meta: dict[str, Any], arch: str, config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """What a Gemma config.json says that its GGUF file leaves to llama.cpp's code (``GEMMA_LAYOUT``):
+    Gemma 3's every sixth layer global, the others sliding (unless the file has no window, or names its
+    pattern), their rope base 10,000 (the global layers' is the file's, scaled); Gemma 2's every other
+    layer, one rope base, scores capped at 50 and logits at 30 unless the file says; scores scaled by
+    head_dim ** -0.5, but for 27B's by (hidden / heads) ** -0.5 (its query_pre_attn_scalar: Gemma 3's
+    168, Gemma 2's 144), as llama.cpp decides."""
+    layout = GEMMA_LAYOUT[arch]
     layers = config["num_hidden_layers"]
-    window = meta.get("gemma3.attention.sliding_window")
-    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    window = meta.get(f"{arch}.attention.sliding_window")
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", layout["pattern"])
     if not window:
         sliding = [False] * layers
     elif isinstance(pattern, int):  # every pattern-th layer global (llama.cpp's set_swa_pattern)
@@ -291,17 +304,20 @@ def _gemma3_config(meta: dict[str, Any], config: dict[str, Any], path: Path) -> 
         sliding = [bool(b) for b in pattern]
     else:
         raise ConfigError(
-            f"{path}: GGUF gemma3.attention.sliding_window_pattern is {pattern!r}; it needs a period or one flag "
+            f"{path}: GGUF {arch}.attention.sliding_window_pattern is {pattern!r}; it needs a period or one flag "
             f"a layer ({layers})"
         )
-    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == 62 else config["head_dim"]
-    return {
+    big = layers == layout["layers_27b"]
+    gemma = {
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
         "sliding_window": window or None,
-        "rope_local_base_freq": float(meta.get("gemma3.rope.freq_base_swa", 10_000.0)),
-        "query_pre_attn_scalar": scalar,
-        "final_logit_softcapping": meta.get("gemma3.final_logit_softcapping") or None,
+        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"],
+        "attn_logit_softcapping": meta.get(f"{arch}.attn_logit_softcapping", layout["attn_softcap"]) or None,
+        "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping", layout["final_softcap"]) or None,
     }
+    if arch == "gemma3":
+        gemma["rope_local_base_freq"] = float(meta.get("gemma3.rope.freq_base_swa", 10_000.0))
+    return gemma
 
 
 def _frequency_factors(tensor: Any, frequencies: int, path: Path) -> list[float]:

@@ -12,10 +12,11 @@ grouped by context length (``AttentionMetadata.decode_groups``) so that padding 
 of the work: the cost follows the sum of the context lengths, as the cost model's decode term does,
 not batch x the longest context.
 
-A layer may scale scores other than by 1/sqrt(head_dim) (``scale``: Gemma's query_pre_attn_scalar)
-and see only the last ``window`` positions (a sliding-window layer: the query at position p reads keys
-p - window + 1 .. p, as transformers' sliding-window mask). NOTE: the reference gathers only those
-keys: the KV outside a layer's window is never read.
+A layer may scale scores other than by 1/sqrt(head_dim) (``scale``: Gemma's query_pre_attn_scalar),
+cap them (``softcap``: Gemma 2's, softcap * tanh(score / softcap) before the softmax) and see only the
+last ``window`` positions (a sliding-window layer: the query at position p reads keys p - window + 1 ..
+p, as transformers' sliding-window mask). NOTE: the reference gathers only those keys: the KV outside a
+layer's window is never read.
 
 ``TritonAttention`` (``triton_attention``) runs the same function as Triton kernels on CUDA (and long
 prompts with nothing cached as one dense causal call each, where its setting says so).
@@ -187,9 +188,11 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float | None = None,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         """``scale``: of the scores (None: 1/sqrt(head_dim)); ``window``: the positions a query sees,
-        its own included (None: every earlier one)."""
+        its own included (None: every earlier one); ``softcap``: scaled scores capped to (-softcap,
+        softcap) by softcap * tanh(score / softcap) (None: not)."""
 
 
 def write_kv(
@@ -212,6 +215,22 @@ def gather_kv(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
+def attend(query, keys, values, mask, scale: float | None, softcap: float | None) -> torch.Tensor:
+    """SDPA of ``query`` (..., q, hd) over ``keys``/``values`` (..., k, hd) where ``mask`` (broadcast to
+    (..., q, k); None: causal, top-left) is true; with ``softcap``, written out: SDPA cannot cap scores."""
+    if softcap is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    scores = query @ keys.transpose(-1, -2) * scale  # (..., q, k)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(values.dtype) @ values
+
+
 def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
     """(..., num_kv_heads, head_dim) -> (..., num_heads, head_dim) for grouped-query attention."""
     return x if group == 1 else x.repeat_interleave(group, dim=-2)
@@ -222,7 +241,7 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale=None, window=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale=None, window=None, softcap=None):
         write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
@@ -239,7 +258,7 @@ class TorchAttention(AttentionBackend):
             values = _expand_kv(gather_kv(v_cache, slots), group).transpose(0, 1)[None]  # (1, nh, n - first, hd)
             query = q[s : s + c].transpose(0, 1)[None]  # (1, nh, c, hd)
             if n == c and window is None:  # nothing cached: both alignments agree, and SDPA skips masked tiles
-                attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
+                attended = attend(query, keys, values, None, scale, softcap)
             else:
                 # Query i sits at position n - c + i and sees keys 0..n - c + i (bottom-right causal),
                 # within a window the last `window` of them.
@@ -248,7 +267,7 @@ class TorchAttention(AttentionBackend):
                 mask = positions <= rows
                 if window is not None:
                     mask &= positions > rows - window
-                attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+                attended = attend(query, keys, values, mask, scale, softcap)
             out[s : s + c] = attended[0].transpose(0, 1)
         nkv = k.shape[1]
         for batch in meta.decode_groups if window is None else meta.windowed_decode_groups(window):
@@ -257,8 +276,6 @@ class TorchAttention(AttentionBackend):
             # GQA without copying K/V per query head: a group's `group` query heads are the "query
             # tokens" of one SDPA row against their KV head (head h reads KV head h // group).
             query = q[batch.token_index].view(-1, nkv, group, q.shape[2])  # (b, nkv, group, hd)
-            attended = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=batch.mask, scale=scale
-            )  # padding masked
+            attended = attend(query, keys, values, batch.mask, scale, softcap)  # padding masked
             out[batch.token_index] = attended.flatten(1, 2)
         return out

@@ -126,8 +126,10 @@ def _attend_tile(
     stride_v_slot,
     stride_v_head,
     qk_scale,
+    softcap_log2,  # with SOFTCAP: softcap * log2(e), and qk_scale is the softmax scale / softcap
     INPUT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is in the context and visible to every row
+    SOFTCAP: tl.constexpr,  # scores capped: softcap * tanh(score / softcap) (Gemma 2)
 ):
     """One tile of context for both kernels: scores against its keys, then the online-softmax update
     (rescale what was summed so far by exp2(old max - new max)). Returns (acc, m_i, l_i).
@@ -140,6 +142,8 @@ def _attend_tile(
         k_cache_ptr + slots[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :], mask=kv_mask, other=0.0
     )  # (BLOCK_N, D)
     s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # (M, BLOCK_N)
+    if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1 (log2 units after)
+        s = (2.0 * tl.sigmoid(2.0 * s) - 1.0) * softcap_log2
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -181,8 +185,9 @@ def _decode_kernel(
     stride_o_token,
     stride_o_head,
     stride_table_row,
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) (with SOFTCAP: softmax scale / softcap)
     window,  # positions a query sees, its own included (0: all)
+    softcap_log2,  # softcap * log2(e) (SOFTCAP only)
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16
     HEAD_DIM: tl.constexpr,
@@ -190,6 +195,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,  # partitions of each context, one program each
     INPUT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -237,8 +243,10 @@ def _decode_kernel(
             stride_v_slot,
             stride_v_head,
             qk_scale,
+            softcap_log2,
             INPUT_PRECISION,
             True,
+            SOFTCAP,
         )
     store_ok = g_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
@@ -305,14 +313,16 @@ def _prefill_kernel(
     stride_v_head,
     stride_o_token,
     stride_o_head,
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) (with SOFTCAP: softmax scale / softcap)
     window,  # positions a query sees, its own included (0: all)
+    softcap_log2,  # softcap * log2(e) (SOFTCAP only)
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,  # power of two >= 16
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -367,8 +377,10 @@ def _prefill_kernel(
             stride_v_slot,
             stride_v_head,
             qk_scale,
+            softcap_log2,
             INPUT_PRECISION,
             False,
+            SOFTCAP,
         )
     for start in range(full, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
@@ -394,8 +406,10 @@ def _prefill_kernel(
             stride_v_slot,
             stride_v_head,
             qk_scale,
+            softcap_log2,
             INPUT_PRECISION,
             True,
+            SOFTCAP,
         )
     out = acc / tl.where(rows_ok, l_i, 1.0)[:, None]
     o_offsets = (query_start + rows)[:, None] * stride_o_token + head * stride_o_head + d[None, :]
@@ -496,7 +510,7 @@ class TritonAttention(AttentionBackend):
         sdpa_preference(dense_prefill_sdpa, None)  # (a bad value is an error here, as the engine is built)
         self.dense_prefill_sdpa = dense_prefill_sdpa
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale=None, window=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale=None, window=None, softcap=None):
         write_kv(k, v, k_cache, v_cache, meta)
         q = _last_dim_contiguous(q)
         out = torch.empty_like(q)
@@ -505,10 +519,13 @@ class TritonAttention(AttentionBackend):
         group = num_heads // num_kv_heads
         head_dim_pad = _pow2_at_least_16(head_dim)
         softmax_scale = scale if scale is not None else 1 / math.sqrt(head_dim)
-        qk_scale = LOG2E * softmax_scale
+        # NOTE: capped scores are scaled to log2 units after the cap (softcap_log2), not before
+        qk_scale = LOG2E * softmax_scale if softcap is None else softmax_scale / softcap
+        softcap_log2 = 0.0 if softcap is None else softcap * LOG2E
         precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 only matters for float32
         packed = None
-        if meta.prefills and self.dense_prefill_min_tokens is not None and window is None:
+        dense = self.dense_prefill_min_tokens is not None and window is None and softcap is None  # (SDPA: no cap)
+        if meta.prefills and dense:
             fresh, packed = meta.fresh_prefills(self.dense_prefill_min_tokens)
             prefer = sdpa_preference(self.dense_prefill_sdpa, compute_capability(q.device))
             for seq in fresh:
@@ -538,12 +555,14 @@ class TritonAttention(AttentionBackend):
                 out.stride(1),
                 qk_scale,
                 window or 0,
+                softcap_log2,
                 GROUP=group,
                 HEAD_DIM=head_dim,
                 HEAD_DIM_PAD=head_dim_pad,
                 BLOCK_M=self.block_m,
                 BLOCK_N=self.block_n,
                 INPUT_PRECISION=precision,
+                SOFTCAP=softcap is not None,
             )
         num_decodes = meta.decode_token_index.numel()
         if num_decodes:
@@ -580,6 +599,7 @@ class TritonAttention(AttentionBackend):
                 table.stride(0),
                 qk_scale,
                 window or 0,
+                softcap_log2,
                 GROUP=group,
                 GROUP_PAD=_pow2_at_least_16(group),
                 HEAD_DIM=head_dim,
@@ -587,6 +607,7 @@ class TritonAttention(AttentionBackend):
                 BLOCK_N=self.block_n,
                 NUM_SPLITS=splits,
                 INPUT_PRECISION=precision,
+                SOFTCAP=softcap is not None,
             )
             if splits > 1:
                 _combine_splits_kernel[(num_decodes, num_heads)](

@@ -1,15 +1,17 @@
-"""Gemma 3 text models (``gemma3_text``): the Llama layout with Gemma's differences.
+"""Gemma 3 text models (``gemma3_text``) and Gemma 2 (``gemma2``): the Llama layout with Gemma's
+differences.
 
 - The embeddings are scaled by sqrt(hidden_size) (in the weights' dtype, as transformers does).
 - RMSNorms scale by (1 + weight), computed in float32 and rounded once (``GemmaRMSNorm``).
 - Each layer has four norms: before and after attention, before and after the MLP, each output
   normalized before it joins the residual stream.
-- Queries and keys are normalized per head (``q_norm``, ``k_norm``) before the rotary embedding;
-  scores are scaled by ``query_pre_attn_scalar ** -0.5``.
+- Queries and keys are normalized per head (``q_norm``, ``k_norm``; Gemma 3 only) before the rotary
+  embedding; scores are scaled by ``query_pre_attn_scalar ** -0.5`` (and capped by tanh: Gemma 2's
+  ``attn_logit_softcapping``).
 - The MLP is GeGLU: down(gelu_tanh(gate) * up).
 - Sliding-window layers (``ModelConfig.layer_types``) see the last ``sliding_window`` positions, with
-  their own rope base (``rope_local_theta``); the others see everything, with ``rope_theta`` and its
-  scaling.
+  their own rope base (``rope_local_theta``; Gemma 2's is ``rope_theta``); the others see everything,
+  with ``rope_theta`` and its scaling.
 
 NOTE: the KV cache keeps every layer's K/V for the whole context: the KV manager has one block
 table for all layers, and the global layers need all of it. A sliding layer's attention reads only
@@ -53,19 +55,26 @@ class Gemma3Attention(nn.Module):
         parts = {"q_proj": nh * hd, "k_proj": nkv * hd, "v_proj": nkv * hd}
         self.qkv_proj = MergedLinear(config.hidden_size, parts, bias=config.attention_bias)
         self.o_proj = nn.Linear(nh * hd, config.hidden_size, bias=config.attention_bias)
-        self.q_norm = GemmaRMSNorm(hd, config.norm_eps)
-        self.k_norm = GemmaRMSNorm(hd, config.norm_eps)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:
+            self.q_norm = GemmaRMSNorm(hd, config.norm_eps)
+            self.k_norm = GemmaRMSNorm(hd, config.norm_eps)
         self.scale = config.query_pre_attn_scalar**-0.5
+        self.softcap = config.attn_logit_softcapping
         self.window = config.layer_window(layer)
         self.backend = backend
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, nh + 2 * nkv, self.head_dim)  # (T, nh + 2 nkv, hd)
-        qk = torch.cat((self.q_norm(qkv[:, :nh]), self.k_norm(qkv[:, nh : nh + nkv])), dim=1)  # (T, nh + nkv, hd)
+        qk = qkv[:, : nh + nkv]  # (T, nh + nkv, hd)
+        if self.qk_norm:
+            qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
         qk = apply_rotary(qk, cos, sin)
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
-        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, scale=self.scale, window=self.window)
+        out = self.backend.forward(
+            q, k, v, k_cache, v_cache, meta, scale=self.scale, window=self.window, softcap=self.softcap
+        )
         return self.o_proj(out.reshape(t, -1))
 
 

@@ -1,10 +1,12 @@
-"""A Gemma 3 GGUF file (``general.architecture = gemma3``), written here as llama.cpp's converter writes
-one: norms stored as 1 + weight, Q and K unpermuted, a tied embedding, the sliding window but not which
+"""Gemma GGUF files. A Gemma 3 file (``general.architecture = gemma3``), written here as llama.cpp's
+converter writes one: norms stored as 1 + weight, Q and K unpermuted, a tied embedding, the sliding window but not which
 layers slide (llama.cpp's code says every sixth layer is global, their rope base 10,000), the 4B-27B
 models' linear rope scaling, and a SentencePiece vocabulary without a space before the text whose runs of
 spaces are spelled as spaces and whose scores do not follow its merges. The engine reads the tokens
 transformers' GGUF reader reads, ends a turn at ``<end_of_turn>``, and gives the greedy tokens of the
-transformers model the file was written from."""
+transformers model the file was written from. A Gemma 2 file (``gemma2``) the same way, with its every
+other layer global and its capped scores and logits (``attn_logit_softcapping``,
+``final_logit_softcapping``)."""
 
 from __future__ import annotations
 
@@ -196,3 +198,46 @@ def test_a_layer_pattern_that_fits_no_layer_count_is_refused(tmp_path, gemma3):
     path = tmp_path / "pattern.gguf"  # one flag a layer: read as written
     write_gemma3_gguf(path, model, tokens, scores, types, add_sliding_window_pattern=[True, False] * 3)
     assert read_gguf(path).hf_config["layer_types"] == ["sliding_attention", "full_attention"] * 3
+
+
+def test_gemma_2_reads_as_its_model_with_its_capped_scores(tmp_path):
+    """Every other layer global (llama.cpp's pattern for Gemma 2), one rope base, scores capped at 2 and
+    logits at 5 as the file says: prompt logprobs within 1e-4 of the transformers model's (read without
+    the cap on the scores, they move by more than 0.05) and the same greedy tokens."""
+    tokens, scores, types = gemma_vocabulary()
+    config = transformers.Gemma2Config(
+        vocab_size=len(tokens), hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, query_pre_attn_scalar=16, intermediate_size=128, max_position_embeddings=512,
+        sliding_window=WINDOW, attn_logit_softcapping=2.0, final_logit_softcapping=5.0, initializer_range=0.2,
+    )  # fmt: skip
+    torch.manual_seed(16)
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    path = tmp_path / "tiny-gemma2.gguf"
+    fields = {
+        "add_tokenizer_model": "llama", "add_token_list": tokens, "add_token_scores": scores,
+        "add_token_types": types, "add_bos_token_id": 2, "add_eos_token_id": EOS, "add_add_space_prefix": False,
+        "add_sliding_window": WINDOW, "add_attn_logit_softcapping": 2.0, "add_final_logit_softcapping": 5.0,
+    }  # fmt: skip
+    write_gguf(path, model, fields, arch="gemma2")
+    read = read_gguf(path).hf_config
+    assert read["layer_types"] == model.config.layer_types == ["sliding_attention", "full_attention"] * 2
+    assert (read["attn_logit_softcapping"], read["final_logit_softcapping"]) == (2.0, 5.0)
+    llm = LLM(str(path), kv_capacity_tokens=1024)
+    reference = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    ids = llm.tokenizer.encode(TEXTS[0] * 3)
+    assert ids == reference(TEXTS[0] * 3)["input_ids"] and len(ids) > WINDOW
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    [out] = llm.generate({"prompt_token_ids": ids}, params)
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
+    ours = [entry.logprob for entry in out.prompt_logprobs[1:]]
+    assert ours == pytest.approx(prompt_logprobs(model, ids), abs=1e-4)
+    model.config.attn_logit_softcapping = None
+    for layer in model.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    assert ours != pytest.approx(prompt_logprobs(model, ids), abs=5e-2)
