@@ -6,6 +6,8 @@ import torch
 import transformers
 
 VOCAB = 300
+SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7, "phi3": 9, "smollm3": 10, "gemma2": 11,
+         "qwen3_moe": 12}  # fmt: skip
 
 
 def hf_model(arch: str):
@@ -51,25 +53,20 @@ def hf_model(arch: str):
             pad_token_id=0,
         )  # fmt: skip
         cls = transformers.SmolLM3ForCausalLM
+    elif arch == "qwen3_moe":  # 8 experts, 2 a token, the second layer's MLP dense (mlp_only_layers)
+        config = transformers.Qwen3MoeConfig(
+            **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+            initializer_range=0.2,
+        )  # fmt: skip
+        cls = transformers.Qwen3MoeForCausalLM
     elif arch == "qwen2":
         config = transformers.Qwen2Config(**common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2)
         cls = transformers.Qwen2ForCausalLM
     else:
         config = transformers.OPTConfig(**common, ffn_dim=128, word_embed_proj_dim=64, init_std=0.2)
         cls = transformers.OPTForCausalLM
-    torch.manual_seed(
-        {
-            "llama": 0,
-            "qwen2": 1,
-            "opt": 2,
-            "qwen3": 3,
-            "gemma3": 5,
-            "mistral": 7,
-            "phi3": 9,
-            "smollm3": 10,
-            "gemma2": 11,
-        }[arch]
-    )
+    torch.manual_seed(SEEDS[arch])
     model = cls(config).eval()
     with torch.no_grad():  # biases and norm weights are 0 / 1 at init: make them count
         for name, p in model.named_parameters():

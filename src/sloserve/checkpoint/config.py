@@ -1,7 +1,8 @@
 """Model configuration for the engine: read from a HuggingFace ``config.json`` or a named random shape.
 
 Supported architectures (``ARCHITECTURES``): the Llama family (Llama-2/3, Mistral-style GQA, Phi-3 and
-Phi-4, SmolLM3), Qwen2 / Qwen2.5 (QKV biases), Qwen3 (per-head RMSNorm of queries and keys, no QKV biases), Gemma 3 text
+Phi-4, SmolLM3), Qwen2 / Qwen2.5 (QKV biases), Qwen3 (per-head RMSNorm of queries and keys, no QKV biases;
+Qwen3-MoE: its MLPs mixtures of experts), Gemma 3 text
 models (``gemma3_text``: sliding-window layers beside global ones) and OPT (learned positions, LayerNorm,
 ReLU); and the language model of multimodal checkpoints (``MULTIMODAL``: Gemma 3 4B-27B, Mistral Small
 3.1), served as text.
@@ -24,6 +25,7 @@ ARCHITECTURES: dict[str, str] = {
     "mistral": "llama",
     "qwen2": "llama",
     "qwen3": "llama",
+    "qwen3_moe": "llama",  # (Qwen3's layers, their MLPs sparse mixtures of experts: ``engine/models/moe.py``)
     "phi3": "llama",  # (Phi-3, Phi-4: Llama's layers, their Q/K/V and gate/up stored fused)
     "smollm3": "llama",  # (Llama's layers, every fourth without a rotary embedding)
     "gemma3_text": "gemma3",
@@ -93,6 +95,10 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # Gemma 2: scores capped by tanh (None: not)
     # SmolLM3: whether each layer rotates its queries and keys (its NoPE layers do not); empty: all do
     rotary_layers: tuple[bool, ...] = ()
+    # A mixture of experts (Qwen3-MoE): num_experts, num_experts_per_tok, moe_intermediate_size,
+    # norm_topk_prob and moe_layers (whether each layer's MLP is the experts; else a dense one of
+    # intermediate_size); None: every MLP dense
+    moe: dict[str, Any] | None = field(default=None, compare=False)
     # OPT only
     word_embed_proj_dim: int | None = None
     do_layer_norm_before: bool = True
@@ -132,6 +138,14 @@ class ModelConfig:
     def architecture(self) -> str:
         return ARCHITECTURES[self.model_type]
 
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts."""
+        return self.moe is not None and self.moe["moe_layers"][layer]
+
     def layer_rotates(self, layer: int) -> bool:
         """Whether layer ``layer`` applies the rotary embedding to its queries and keys."""
         return not self.rotary_layers or self.rotary_layers[layer]
@@ -162,10 +176,18 @@ class ModelConfig:
             attention += 2 * self.head_dim
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)  # gate, up, down
         layer = attention + mlp + (4 if self.architecture == "gemma3" else 2) * h  # RMSNorms
-        return v * h + layers * layer + h + (0 if self.tie_word_embeddings else v * h)
+        total = v * h + layers * layer + h + (0 if self.tie_word_embeddings else v * h)
+        if self.moe is not None:  # a MoE layer: the router and every expert instead of the dense MLP
+            experts = self.moe["num_experts"] * (h + 3 * h * self.moe["moe_intermediate_size"])
+            total += sum(self.moe["moe_layers"]) * (experts - mlp)
+        return total
 
     def spec(self) -> ModelSpec:
-        """The simulator's view of this model (``simulate --model`` with a directory or ``random:NAME``)."""
+        """The simulator's view of this model (``simulate --model`` with a directory or ``random:NAME``).
+
+        NOTE: a mixture of experts is seen as a dense model of all its parameters (its memory is right;
+        its compute an upper bound: Qwen3-30B-A3B's token uses 3B of its 30B). Fit a cost model to the
+        engine (``sloserve profile``) for its real batch times."""
         return ModelSpec(
             name=self.name,
             num_layers=self.num_hidden_layers,
@@ -281,7 +303,8 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         # NOTE: Qwen2's config has no attention_bias key; its q/k/v projections always have biases.
         attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        moe=_moe(raw, common["num_hidden_layers"], name) if model_type == "qwen3_moe" else None,
         layer_types=(SLIDING,) * common["num_hidden_layers"] if window else (),
         sliding_window=int(window) if window else None,
         rotary_layers=tuple(bool(flag) for flag in rotary_layers or ()),
@@ -301,6 +324,28 @@ def _language_model_config(raw: dict[str, Any], name: str) -> ModelConfig:
             merged[key] = raw[key]
     config = from_hf_config(merged, name)
     return dataclasses.replace(config, extra={**config.extra, "multimodal_checkpoint": True})
+
+
+def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
+    """Qwen3-MoE's experts, as transformers' Qwen3MoeDecoderLayer places them: every
+    ``decoder_sparse_step``-th layer not in ``mlp_only_layers``."""
+    experts = raw.get("num_experts", raw.get("num_local_experts", 128))  # (transformers 5 saves the latter name)
+    if not experts:
+        return None
+    step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
+    moe = {
+        "num_experts": experts,
+        "num_experts_per_tok": raw.get("num_experts_per_tok", 8),
+        "moe_intermediate_size": raw.get("moe_intermediate_size", 768),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+        "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
+    }
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        if not isinstance(moe[key], int) or isinstance(moe[key], bool) or moe[key] < 1:
+            raise ConfigError(f"{name}: {key} must be a positive integer, got {moe[key]!r}")
+    if moe["num_experts_per_tok"] > experts:
+        raise ConfigError(f"{name}: num_experts_per_tok {moe['num_experts_per_tok']} exceeds num_experts {experts}")
+    return moe
 
 
 def _rope_scaling(scaling: dict[str, Any] | None, name: str) -> dict[str, Any] | None:

@@ -6,7 +6,7 @@ K-quants... as llama.cpp defines them) and copied into the model under their HF 
 runs the same weights transformers does when it loads the file (``from_pretrained(gguf_file=...)``).
 
 Supported: the Llama architecture (``general.architecture = llama``: Llama 2 and 3.x, SmolLM, Mistral
-without sliding windows), SmolLM3, Qwen2, Qwen3, Phi-3 and Phi-4 (``phi3``), Gemma 2 and Gemma 3's text models, with a
+without sliding windows), SmolLM3, Qwen2, Qwen3 (and Qwen3-MoE: ``qwen3moe``), Phi-3 and Phi-4 (``phi3``), Gemma 2 and Gemma 3's text models, with a
 byte-level BPE tokenizer
 (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a
 SentencePiece BPE one (``llama``: Llama 2, Mistral 7B, TinyLlama, Gemma). Llama 3.1's rope scaling comes
@@ -53,6 +53,11 @@ ARCH_TENSORS = {
         "blk.{n}.attn_q_norm.weight": "model.layers.{n}.self_attn.q_norm.weight",
         "blk.{n}.attn_k_norm.weight": "model.layers.{n}.self_attn.k_norm.weight",
     },
+    "qwen3moe": {  # (the experts' stacked tensors: EXPERT_TENSORS)
+        "blk.{n}.attn_q_norm.weight": "model.layers.{n}.self_attn.q_norm.weight",
+        "blk.{n}.attn_k_norm.weight": "model.layers.{n}.self_attn.k_norm.weight",
+        "blk.{n}.ffn_gate_inp.weight": "model.layers.{n}.mlp.gate.weight",
+    },
     "phi3": {  # Q/K/V and gate/up fused, as in its HF checkpoints (``FUSED_CHECKPOINTS``)
         "blk.{n}.attn_qkv.weight": "model.layers.{n}.self_attn.qkv_proj.weight",
         "blk.{n}.ffn_up.weight": "model.layers.{n}.mlp.gate_up_proj.weight",
@@ -68,6 +73,9 @@ ARCH_TENSORS["gemma3"] = {
     "blk.{n}.attn_q_norm.weight": "model.layers.{n}.self_attn.q_norm.weight",
     "blk.{n}.attn_k_norm.weight": "model.layers.{n}.self_attn.k_norm.weight",
 }
+# A mixture of experts' stacked tensors ((E, I, H) gate and up, (E, H, I) down), by the per-expert
+# tensors of an HF checkpoint they split into (``mlp.experts.{e}.gate_proj.weight``...)
+EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # The architectures whose Q and K rows llama.cpp's converter permutes (its Llama converter's)
 PERMUTED = ("llama", "smollm3")
 # SmolLM3's layers without a rotary embedding: every fourth, as llama.cpp's code has it (the file does not say)
@@ -213,7 +221,9 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         "model_type": "gemma3_text" if arch == "gemma3" else arch,
         "vocab_size": meta.get(f"{arch}.vocab_size") or len(tokens),
         "hidden_size": hidden,
-        "intermediate_size": need("feed_forward_length"),
+        "intermediate_size": need("feed_forward_length")
+        if arch != "qwen3moe"
+        else meta.get(f"{arch}.feed_forward_length"),
         "num_hidden_layers": need("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
@@ -234,6 +244,15 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
     config["rope_scaling"] = _rope_scaling(meta, arch, path)
     if arch in GEMMA_LAYOUT:
         config.update(_gemma_config(meta, arch, config, path))
+    if arch == "qwen3moe":  # every layer's MLP the experts, their weights renormalized (llama.cpp's qwen3moe)
+        config.update(
+            model_type="qwen3_moe",
+            num_experts=need("expert_count"),
+            num_experts_per_tok=need("expert_used_count"),
+            moe_intermediate_size=need("expert_feed_forward_length"),
+            norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)),
+        )
+        config["intermediate_size"] = config["intermediate_size"] or config["moe_intermediate_size"]
     if arch == "smollm3":  # (HF's name: 1 rotates)
         config["no_rope_layers"] = [
             int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(config["num_hidden_layers"])
@@ -356,6 +375,12 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
     for tensor in checkpoint.reader.tensors:
         if tensor.name == ROPE_FREQS:
             continue  # NOTE: the config's rope scaling (read_gguf), not a weight
+        block, _, kind = tensor.name.removesuffix(".weight").rpartition(".")
+        if kind in EXPERT_TENSORS and config.get("num_experts") and block.startswith("blk."):
+            experts = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)  # (E, rows, cols)
+            prefix = f"model.layers.{block.removeprefix('blk.')}.mlp.experts"
+            yield from ((f"{prefix}.{e}.{EXPERT_TENSORS[kind]}.weight", experts[e]) for e in range(experts.shape[0]))
+            continue
         if tensor.name not in patterns:
             raise ConfigError(f"{checkpoint.path}: unexpected GGUF tensor {tensor.name!r} for a {arch} model")
         weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)

@@ -132,10 +132,15 @@ def load_model(
     backend_name = resolve_attention_backend(attention_backend, dev)
     if cuda_graphs is None:
         # NOTE: on by default since the H200 session of 2026-11-26: capture and replay gave the eager
-        # engine's tokens there, and decode steps ran 1.07-1.66x faster (benchmarks/RESULTS.md).
-        cuda_graphs = cuda_graphs_supported(dev, backend_name)
+        # engine's tokens there, and decode steps ran 1.07-1.66x faster (benchmarks/RESULTS.md). Not for
+        # a mixture of experts: its routing decides its shapes (models/moe.py).
+        cuda_graphs = cuda_graphs_supported(dev, backend_name) and not config.is_moe
     elif cuda_graphs:
         check_cuda_graphs(dev, backend_name)
+        if config.is_moe:
+            raise ConfigError(
+                f"CUDA graphs cannot replay {config.name}'s mixture of experts (its routing sets its shapes)"
+            )
     torch_dtype = resolve_dtype(dtype, config, dev)
     net = create_model(config, BACKENDS[backend_name](), torch_dtype, dev)
     if model.startswith(RANDOM_PREFIX):

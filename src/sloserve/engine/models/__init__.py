@@ -12,6 +12,7 @@ from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend
 from sloserve.engine.models.gemma3 import Gemma3ForCausalLM
 from sloserve.engine.models.llama import LlamaForCausalLM, MergedLinear
+from sloserve.engine.models.moe import per_expert_tensors
 from sloserve.engine.models.opt import OPTForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -58,17 +59,24 @@ def create_model(config: ModelConfig, backend: AttentionBackend, dtype: torch.dt
 def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters under their checkpoint (HF) names, in registration order: a merged
     projection (``MergedLinear``) appears as views of its parts (``q_proj.weight``...), or whole where
-    the checkpoint stores it so (``FUSED_CHECKPOINTS``: Phi-3's ``qkv_proj.weight``). A tied weight
-    appears under each of its names, as one tensor."""
+    the checkpoint stores it so (``FUSED_CHECKPOINTS``: Phi-3's ``qkv_proj.weight``); stacked experts
+    (``moe.Experts``) as each expert's (``experts.0.gate_proj.weight``...). A tied weight appears under
+    each of its names, as one tensor."""
     fused = model.config.model_type in FUSED_CHECKPOINTS
-    merged = {name: m for name, m in model.named_modules() if isinstance(m, MergedLinear) and not fused}
+    stacked = {
+        name: m
+        for name, m in model.named_modules()
+        if hasattr(m, "checkpoint_views") and not (fused and isinstance(m, MergedLinear))
+    }
     tensors: dict[str, torch.Tensor] = {}
+    viewed: set[str] = set()
     for name, p in model.named_parameters(remove_duplicate=False):
-        module_name, _, kind = name.rpartition(".")
-        module = merged.get(module_name)
+        module_name = name.rpartition(".")[0]
+        module = stacked.get(module_name)
         if module is None:
             tensors[name] = p
-        elif kind == "weight":  # the parts' weights and biases, once per merged module
+        elif module_name not in viewed:  # the parts' weights and biases, once per such module
+            viewed.add(module_name)
             prefix = module_name.rpartition(".")[0]
             tensors.update({f"{prefix}.{part}": view for part, view in module.checkpoint_views().items()})
     return tensors
@@ -141,13 +149,20 @@ def load_weights(model: nn.Module, path: Path) -> None:
     copy_weights(model, tensors(), f"model directory {path}")
 
 
+def _per_expert(tensors):
+    """``tensors`` with stacked experts tensors split into the per-expert ones (``per_expert_tensors``)."""
+    for origin, key, tensor in tensors:
+        parts = per_expert_tensors(key, tensor)
+        yield from ((origin, key, tensor),) if parts is None else ((origin, k, t) for k, t in parts)
+
+
 @torch.no_grad()
 def copy_weights(model: nn.Module, tensors, source: str) -> None:
     """Copy ``(origin, HF name, tensor or array)`` triples into ``model``; an unknown name, a wrong
     shape or a parameter left without weights (other than a tied LM head) is a ConfigError."""
     params = checkpoint_tensors(model)
     loaded: set[str] = set()
-    for origin, key, tensor in tensors:
+    for origin, key, tensor in _per_expert(tensors) if model.config.is_moe else tensors:
         if key.endswith(_IGNORED_SUFFIXES):
             continue
         if key not in params:

@@ -17,6 +17,7 @@ from torch import nn
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine import fused_ops
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
+from sloserve.engine.models.moe import SparseMoE
 
 
 class RMSNorm(nn.Module):
@@ -215,7 +216,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, backend, layer)
-        self.mlp = LlamaMLP(config)
+        self.mlp = SparseMoE(config) if config.layer_is_moe(layer) else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
 

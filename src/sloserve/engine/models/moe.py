@@ -1,0 +1,101 @@
+"""Sparse mixture-of-experts MLPs (Qwen3-MoE: Qwen3-30B-A3B, Qwen3-235B-A22B).
+
+Each token's router scores pick its ``num_experts_per_tok`` best experts (softmax over all experts, in
+float32, then the top k; with ``norm_topk_prob`` their weights renormalized to sum to 1, as transformers'
+``Qwen3MoeTopKRouter``); the token's output is the weighted sum of those experts' SwiGLU MLPs.
+
+The experts' weights are held stacked, one tensor for every expert's gate and up rows and one for their
+down projections (as vLLM's fused-MoE layer holds them); a checkpoint's per-expert tensors
+(``mlp.experts.{e}.gate_proj.weight``...; transformers 5 may save them stacked, ``per_expert_tensors``)
+load into views of them (``checkpoint_views``).
+
+NOTE: the reference computation here groups the step's tokens by expert (a sort) and runs one pair of
+matmuls per expert that has tokens. Its shapes depend on the routing, so a CUDA graph cannot replay it:
+engines on a MoE model run eagerly (``ModelConfig.is_moe``). A fused MoE kernel is the GPU's work.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sloserve.checkpoint.config import ModelConfig
+from sloserve.engine import fused_ops
+
+
+class Experts(nn.Module):
+    """Every expert's SwiGLU weights, stacked: ``gate_up`` (E, 2 I, H) (gate rows, then up rows) and
+    ``down`` (E, H, I)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def checkpoint_views(self) -> dict[str, torch.Tensor]:
+        """``{"experts.0.gate_proj.weight": expert 0's gate rows, ...}`` (the checkpoint's names, under the
+        MLP's): views that share the stacked storage."""
+        i, views = self.intermediate_size, {}
+        for e in range(self.num_experts):
+            views[f"experts.{e}.gate_proj.weight"] = self.gate_up[e, :i]
+            views[f"experts.{e}.up_proj.weight"] = self.gate_up[e, i:]
+            views[f"experts.{e}.down_proj.weight"] = self.down[e]
+        return views
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (T, H)
+        experts: torch.Tensor,  # (T, k) the experts each token is routed to
+        weights: torch.Tensor,  # (T, k) their weights, in x's dtype
+    ) -> torch.Tensor:  # (T, H)
+        out = torch.zeros_like(x)
+        flat = experts.flatten()  # (T k,)
+        order = flat.argsort(stable=True)  # the (token, choice) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # NOTE: a device sync
+        tokens = order // experts.shape[1]  # (T k,) the token of each pair, in that order
+        pair_weights = weights.flatten()[order]
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = tokens[start : start + count]
+            h = fused_ops.silu_and_mul(F.linear(x[rows], self.gate_up[e]))  # (count, 2 I) -> (count, I)
+            out.index_add_(0, rows, F.linear(h, self.down[e]) * pair_weights[start : start + count, None])
+            start += count
+        return out
+
+
+def per_expert_tensors(key: str, tensor) -> list[tuple[str, object]] | None:
+    """A stacked experts tensor of a checkpoint saved by transformers 5 (``mlp.experts.gate_up_proj``
+    (E, 2 I, H), ``mlp.experts.down_proj`` (E, H, I)) as the Hub's per-expert tensors; None for any other."""
+    prefix, _, kind = key.rpartition(".")
+    if not prefix.endswith("mlp.experts") or kind not in ("gate_up_proj", "down_proj") or len(tensor.shape) != 3:
+        return None
+    if kind == "down_proj":
+        return [(f"{prefix}.{e}.down_proj.weight", tensor[e]) for e in range(tensor.shape[0])]
+    i = tensor.shape[1] // 2
+    return [
+        (f"{prefix}.{e}.{part}_proj.weight", rows)
+        for e in range(tensor.shape[0])
+        for part, rows in (("gate", tensor[e, :i]), ("up", tensor[e, i:]))
+    ]
+
+
+class SparseMoE(nn.Module):
+    """A MoE layer's MLP: the router (``gate``, HF's name) and the experts."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        moe = config.moe
+        self.top_k, self.norm_topk_prob = moe["num_experts_per_tok"], moe["norm_topk_prob"]
+        self.gate = nn.Linear(config.hidden_size, moe["num_experts"], bias=False)
+        self.experts = Experts(moe["num_experts"], config.hidden_size, moe["moe_intermediate_size"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (T, E)
+        weights, experts = probs.topk(self.top_k, dim=-1)  # (T, k) each
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(x, experts, weights.to(x.dtype))

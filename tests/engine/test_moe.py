@@ -1,0 +1,134 @@
+"""Qwen3-MoE's sparse mixture of experts (``engine/models/moe.py``): the layer against transformers'
+``Qwen3MoeSparseMoeBlock`` on random tokens (experts that get many tokens, one, or none), which layers
+are sparse, the parameter count, and CUDA graphs refused for a routing that sets its own shapes. The
+whole model's greedy tokens are checked in test_engine.py (``qwen3_moe``)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hf_models import hf_model  # noqa: E402
+from sloserve.checkpoint.config import from_hf_config  # noqa: E402
+from sloserve.core.errors import ConfigError  # noqa: E402
+from sloserve.engine.attention import TorchAttention  # noqa: E402
+from sloserve.engine.models import checkpoint_tensors, create_model  # noqa: E402
+from sloserve.engine.models.moe import SparseMoE  # noqa: E402
+
+
+def moe_config(**overrides) -> dict:
+    config = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                  num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16)  # fmt: skip
+    return {**config, **overrides}
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("num_tokens", [1, 5, 64])
+def test_the_layer_equals_transformers_block(norm_topk_prob, num_tokens):
+    hf_config = transformers.Qwen3MoeConfig(**{**moe_config(norm_topk_prob=norm_topk_prob), "model_type": None})
+    torch.manual_seed(num_tokens)
+    block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(hf_config).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.3)
+    ours = SparseMoE(from_hf_config(moe_config(norm_topk_prob=norm_topk_prob)))
+    with torch.no_grad():
+        ours.gate.weight.copy_(block.gate.weight)
+        ours.experts.gate_up.copy_(block.experts.gate_up_proj)  # (E, 2 I, H): gate rows, then up rows
+        ours.experts.down.copy_(block.experts.down_proj)
+    x = torch.randn(num_tokens, 32)
+    with torch.no_grad():
+        expected = block(x[None])[0]
+        got = ours(x)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    if num_tokens == 64:  # (every expert gets tokens here; with 1 token, 4 of 6 get none)
+        routed = ours.gate(x).topk(2, dim=-1).indices
+        assert routed.unique().numel() == 6
+
+
+def test_which_layers_are_sparse_and_the_parameter_count(tmp_path):
+    """Every second layer sparse but layer 3 (``decoder_sparse_step``, ``mlp_only_layers``): the engine's
+    tensors are the saved checkpoint's, by name, and as many parameters as transformers' model has."""
+    from safetensors import safe_open
+
+    config = from_hf_config(moe_config(decoder_sparse_step=2, mlp_only_layers=[3]))
+    assert config.moe["moe_layers"] == (False, True, False, False)
+    hf = transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(**{**moe_config(decoder_sparse_step=2, mlp_only_layers=[3]), "model_type": None})
+    )
+    assert config.num_params == sum(p.numel() for p in hf.parameters())
+    hf.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        saved = set(f.keys())
+    model = create_model(config, TorchAttention(), torch.float32, torch.device("cpu"))
+    names = set(checkpoint_tensors(model))
+    assert "model.layers.1.mlp.experts.5.down_proj.weight" in names and "model.layers.0.mlp.gate_proj.weight" in names
+    # NOTE: transformers 5 saved this model's experts stacked (the Hub's checkpoints hold them one by one)
+    assert {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"} <= saved
+    per_expert = {n for n in names if ".mlp.experts." in n}
+    assert names - per_expert == {n for n in saved if ".mlp.experts." not in n}
+    assert len(per_expert) == 6 * 3
+    from sloserve import LLM, SamplingParams
+
+    llm = LLM(str(tmp_path))  # loads, the stacked tensors split into the per-expert views
+    ids = [3, 9, 27, 17, 51, 25]
+    [out] = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    with torch.no_grad():
+        expected = hf.eval().generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
+
+
+def test_bad_experts_and_cuda_graphs_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="num_experts_per_tok 7 exceeds num_experts 6"):
+        from_hf_config(moe_config(num_experts_per_tok=7))
+    with pytest.raises(ConfigError, match="moe_intermediate_size must be a positive integer, got 0"):
+        from_hf_config(moe_config(moe_intermediate_size=0))
+    from sloserve.engine.loader import load_model
+
+    hf_model("qwen3_moe").save_pretrained(tmp_path)
+    assert not load_model(str(tmp_path)).cuda_graphs
+    with pytest.raises(ConfigError, match="CUDA graphs"):
+        load_model(str(tmp_path), cuda_graphs=True)
+
+
+def test_a_qwen3_moe_gguf_file_gives_transformers_greedy_tokens(tmp_path):
+    """llama.cpp's ``qwen3moe`` layout: the router (``ffn_gate_inp``) and each layer's experts stacked
+    (``ffn_gate_exps``, ``ffn_up_exps`` (E, I, H), ``ffn_down_exps`` (E, H, I)); Qwen's unpermuted Q and K."""
+    pytest.importorskip("gguf")
+    from gguf_files import uneven_norms_, write_gguf
+
+    from sloserve import LLM, SamplingParams
+
+    hf_config = transformers.Qwen3MoeConfig(
+        **{**moe_config(norm_topk_prob=True, vocab_size=300, initializer_range=0.2), "model_type": None}
+    )
+    torch.manual_seed(21)
+    model = uneven_norms_(transformers.Qwen3MoeForCausalLM(hf_config).eval())
+    state = {name: t.float().numpy() for name, t in model.state_dict().items()}
+    experts = {}
+    for n in range(hf_config.num_hidden_layers):
+        gate_up, i = state[f"model.layers.{n}.mlp.experts.gate_up_proj"], hf_config.moe_intermediate_size
+        experts[f"blk.{n}.ffn_gate_exps.weight"] = gate_up[:, :i].copy()
+        experts[f"blk.{n}.ffn_up_exps.weight"] = gate_up[:, i:].copy()
+        experts[f"blk.{n}.ffn_down_exps.weight"] = state[f"model.layers.{n}.mlp.experts.down_proj"]
+        experts[f"blk.{n}.ffn_gate_inp.weight"] = state[f"model.layers.{n}.mlp.gate.weight"]
+    fields = {
+        "add_tokenizer_model": "gpt2", "add_token_list": [f"t{i}" for i in range(300)], "add_expert_count": 6,
+        "add_expert_used_count": 2, "add_expert_feed_forward_length": 16,
+    }  # fmt: skip
+    path = tmp_path / "tiny-qwen3moe.gguf"
+    write_gguf(path, model, fields, arch="qwen3moe", tensors=experts)
+    llm = LLM(str(path), kv_capacity_tokens=256)
+    assert llm.engine.executor.model.config.moe["moe_layers"] == (True,) * 4
+    prompts = [[3, 9, 27, 17, 51, 25, 101, 7], list(range(40, 70))]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
+    with torch.no_grad():
+        expected = [
+            model.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(ids) :]
+            for ids in prompts
+        ]
+    assert [o.outputs[0].token_ids for o in outputs] == [e.tolist() for e in expected]
