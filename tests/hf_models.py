@@ -7,7 +7,7 @@ import transformers
 
 VOCAB = 300
 SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7, "phi3": 9, "smollm3": 10, "gemma2": 11,
-         "qwen3_moe": 12}  # fmt: skip
+         "qwen3_moe": 12, "mixtral": 13}  # fmt: skip
 
 
 def hf_model(arch: str):
@@ -60,6 +60,12 @@ def hf_model(arch: str):
             initializer_range=0.2,
         )  # fmt: skip
         cls = transformers.Qwen3MoeForCausalLM
+    elif arch == "mixtral":  # 4 experts, 2 a token
+        config = transformers.MixtralConfig(
+            **common, intermediate_size=32, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+            initializer_range=0.2,
+        )  # fmt: skip
+        cls = transformers.MixtralForCausalLM
     elif arch == "qwen2":
         config = transformers.Qwen2Config(**common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2)
         cls = transformers.Qwen2ForCausalLM

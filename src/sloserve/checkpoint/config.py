@@ -2,7 +2,7 @@
 
 Supported architectures (``ARCHITECTURES``): the Llama family (Llama-2/3, Mistral-style GQA, Phi-3 and
 Phi-4, SmolLM3), Qwen2 / Qwen2.5 (QKV biases), Qwen3 (per-head RMSNorm of queries and keys, no QKV biases;
-Qwen3-MoE: its MLPs mixtures of experts), Gemma 3 text
+Qwen3-MoE and Mixtral: their MLPs mixtures of experts), Gemma 3 text
 models (``gemma3_text``: sliding-window layers beside global ones) and OPT (learned positions, LayerNorm,
 ReLU); and the language model of multimodal checkpoints (``MULTIMODAL``: Gemma 3 4B-27B, Mistral Small
 3.1), served as text.
@@ -26,6 +26,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2": "llama",
     "qwen3": "llama",
     "qwen3_moe": "llama",  # (Qwen3's layers, their MLPs sparse mixtures of experts: ``engine/models/moe.py``)
+    "mixtral": "llama",  # (Mistral's layers, their MLPs mixtures of experts)
     "phi3": "llama",  # (Phi-3, Phi-4: Llama's layers, their Q/K/V and gate/up stored fused)
     "smollm3": "llama",  # (Llama's layers, every fourth without a rotary embedding)
     "gemma3_text": "gemma3",
@@ -282,7 +283,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     # NOTE: Mistral 7B v0.1's and Phi-3 mini's every layer sees the last sliding_window positions (later
     # Mistrals, Phi-4: null; a window as long as the context changes nothing); Qwen's sliding_window is
     # unused unless use_sliding_window
-    window = raw.get("sliding_window") if model_type in ("mistral", "phi3") else None
+    window = raw.get("sliding_window") if model_type in ("mistral", "mixtral", "phi3") else None
     if window is not None and window >= common["max_position_embeddings"]:
         window = None
     rotary_layers = raw.get("no_rope_layers") if model_type == "smollm3" else None  # (HF's name: 1 rotates)
@@ -304,7 +305,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        moe=_moe(raw, common["num_hidden_layers"], name) if model_type == "qwen3_moe" else None,
+        moe=_moe(raw, common["num_hidden_layers"], name) if model_type in ("qwen3_moe", "mixtral") else None,
         layer_types=(SLIDING,) * common["num_hidden_layers"] if window else (),
         sliding_window=int(window) if window else None,
         rotary_layers=tuple(bool(flag) for flag in rotary_layers or ()),
@@ -328,16 +329,19 @@ def _language_model_config(raw: dict[str, Any], name: str) -> ModelConfig:
 
 def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
     """Qwen3-MoE's experts, as transformers' Qwen3MoeDecoderLayer places them: every
-    ``decoder_sparse_step``-th layer not in ``mlp_only_layers``."""
-    experts = raw.get("num_experts", raw.get("num_local_experts", 128))  # (transformers 5 saves the latter name)
+    ``decoder_sparse_step``-th layer not in ``mlp_only_layers``; Mixtral's: every layer, each expert of
+    ``intermediate_size``, the top weights always renormalized."""
+    mixtral = raw["model_type"] == "mixtral"
+    # NOTE: transformers 5 saves Qwen3-MoE's count as num_local_experts (Mixtral's name), the Hub as num_experts
+    experts = raw.get("num_experts", raw.get("num_local_experts", 8 if mixtral else 128))
     if not experts:
         return None
     step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
     moe = {
         "num_experts": experts,
-        "num_experts_per_tok": raw.get("num_experts_per_tok", 8),
-        "moe_intermediate_size": raw.get("moe_intermediate_size", 768),
-        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+        "num_experts_per_tok": raw.get("num_experts_per_tok", 2 if mixtral else 8),
+        "moe_intermediate_size": raw.get("intermediate_size") if mixtral else raw.get("moe_intermediate_size", 768),
+        "norm_topk_prob": mixtral or bool(raw.get("norm_topk_prob", False)),
         "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
     }
     for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):

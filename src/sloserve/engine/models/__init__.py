@@ -12,7 +12,7 @@ from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend
 from sloserve.engine.models.gemma3 import Gemma3ForCausalLM
 from sloserve.engine.models.llama import LlamaForCausalLM, MergedLinear
-from sloserve.engine.models.moe import per_expert_tensors
+from sloserve.engine.models.moe import hub_expert_name, per_expert_tensors
 from sloserve.engine.models.opt import OPTForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -150,8 +150,10 @@ def load_weights(model: nn.Module, path: Path) -> None:
 
 
 def _per_expert(tensors):
-    """``tensors`` with stacked experts tensors split into the per-expert ones (``per_expert_tensors``)."""
+    """``tensors`` with stacked experts tensors split into the per-expert ones (``per_expert_tensors``),
+    Mixtral's named as the others' (``hub_expert_name``)."""
     for origin, key, tensor in tensors:
+        key = hub_expert_name(key)
         parts = per_expert_tensors(key, tensor)
         yield from ((origin, key, tensor),) if parts is None else ((origin, k, t) for k, t in parts)
 

@@ -1,4 +1,4 @@
-"""Sparse mixture-of-experts MLPs (Qwen3-MoE: Qwen3-30B-A3B, Qwen3-235B-A22B).
+"""Sparse mixture-of-experts MLPs (Qwen3-MoE: Qwen3-30B-A3B, Qwen3-235B-A22B; Mixtral 8x7B, 8x22B).
 
 Each token's router scores pick its ``num_experts_per_tok`` best experts (softmax over all experts, in
 float32, then the top k; with ``norm_topk_prob`` their weights renormalized to sum to 1, as transformers'
@@ -65,6 +65,23 @@ class Experts(nn.Module):
             out.index_add_(0, rows, F.linear(h, self.down[e]) * pair_weights[start : start + count, None])
             start += count
         return out
+
+
+# Mixtral's checkpoint names of an expert's projections (under ``block_sparse_moe.``, not ``mlp.``)
+MIXTRAL_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def hub_expert_name(key: str) -> str:
+    """A Mixtral checkpoint's MoE tensor (``block_sparse_moe.experts.0.w1.weight``, ``block_sparse_moe.gate``)
+    under the names the engine's MoE layers take (``mlp.experts.0.gate_proj.weight``, ``mlp.gate``)."""
+    if ".block_sparse_moe." not in key:
+        return key
+    key = key.replace(".block_sparse_moe.", ".mlp.")
+    prefix, _, rest = key.partition(".mlp.experts.")
+    if not rest:
+        return key
+    expert, projection, suffix = (rest.split(".", 2) + ["", ""])[:3]
+    return f"{prefix}.mlp.experts.{expert}.{MIXTRAL_EXPERT_NAMES.get(projection, projection)}.{suffix}"
 
 
 def per_expert_tensors(key: str, tensor) -> list[tuple[str, object]] | None:
