@@ -10,10 +10,14 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from safetensors import safe_open  # noqa: E402
+
 from hf_models import hf_model  # noqa: E402
+from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.checkpoint.config import from_hf_config  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.engine.attention import TorchAttention  # noqa: E402
+from sloserve.engine.loader import load_model  # noqa: E402
 from sloserve.engine.models import checkpoint_tensors, create_model  # noqa: E402
 from sloserve.engine.models.moe import SparseMoE  # noqa: E402
 
@@ -52,8 +56,6 @@ def test_the_layer_equals_transformers_block(norm_topk_prob, num_tokens):
 def test_which_layers_are_sparse_and_the_parameter_count(tmp_path):
     """Every second layer sparse but layer 3 (``decoder_sparse_step``, ``mlp_only_layers``): the engine's
     tensors are the saved checkpoint's, by name, and as many parameters as transformers' model has."""
-    from safetensors import safe_open
-
     config = from_hf_config(moe_config(decoder_sparse_step=2, mlp_only_layers=[3]))
     assert config.moe["moe_layers"] == (False, True, False, False)
     hf = transformers.Qwen3MoeForCausalLM(
@@ -71,8 +73,6 @@ def test_which_layers_are_sparse_and_the_parameter_count(tmp_path):
     per_expert = {n for n in names if ".mlp.experts." in n}
     assert names - per_expert == {n for n in saved if ".mlp.experts." not in n}
     assert len(per_expert) == 6 * 3
-    from sloserve import LLM, SamplingParams
-
     llm = LLM(str(tmp_path))  # loads, the stacked tensors split into the per-expert views
     ids = [3, 9, 27, 17, 51, 25]
     [out] = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
@@ -86,8 +86,6 @@ def test_bad_experts_and_cuda_graphs_are_refused(tmp_path):
         from_hf_config(moe_config(num_experts_per_tok=7))
     with pytest.raises(ConfigError, match="moe_intermediate_size must be a positive integer, got 0"):
         from_hf_config(moe_config(moe_intermediate_size=0))
-    from sloserve.engine.loader import load_model
-
     hf_model("qwen3_moe").save_pretrained(tmp_path)
     assert not load_model(str(tmp_path)).cuda_graphs
     with pytest.raises(ConfigError, match="CUDA graphs"):
@@ -99,8 +97,6 @@ def test_a_qwen3_moe_gguf_file_gives_transformers_greedy_tokens(tmp_path):
     (``ffn_gate_exps``, ``ffn_up_exps`` (E, I, H), ``ffn_down_exps`` (E, H, I)); Qwen's unpermuted Q and K."""
     pytest.importorskip("gguf")
     from gguf_files import uneven_norms_, write_gguf
-
-    from sloserve import LLM, SamplingParams
 
     hf_config = transformers.Qwen3MoeConfig(
         **{**moe_config(norm_topk_prob=True, vocab_size=300, initializer_range=0.2), "model_type": None}

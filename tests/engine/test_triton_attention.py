@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from attention_steps import make_step  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
-from sloserve.engine import triton_attention  # noqa: E402
+from sloserve.engine import attention, triton_attention  # noqa: E402
 from sloserve.engine.attention import AttentionMetadata, PrefillSeq, TorchAttention  # noqa: E402
 from sloserve.engine.loader import load_model, resolve_attention_backend  # noqa: E402
 
@@ -122,6 +122,11 @@ def test_capped_scores(monkeypatch, window, splits):
     capped = TorchAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, scale=0.3, softcap=2.0)
     plain = TorchAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, scale=0.3)
     assert (capped - plain).abs().max() > 0.1  # NOTE: the cap bites on these scores
+    # the reference's scores a few rows at a time (a long prompt's whole matrix would not fit): the same
+    monkeypatch.setattr(attention, "CAPPED_SCORES_PER_CALL", 300)
+    chunked = TorchAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, scale=0.3, softcap=2.0)
+    monkeypatch.undo()
+    assert torch.allclose(chunked, capped, atol=1e-12)
     # the fresh prompt (tokens 0..36, nothing cached) by the formula
     query, keys, values = (x[:37].double().transpose(0, 1) for x in (q, k, v))  # (nh | nkv, 37, hd)
     keys, values = keys.repeat_interleave(2, 0), values.repeat_interleave(2, 0)

@@ -215,6 +215,9 @@ def gather_kv(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
+CAPPED_SCORES_PER_CALL = 1 << 24  # (64 MB of float32 scores)
+
+
 def attend(query, keys, values, mask, scale: float | None, softcap: float | None) -> torch.Tensor:
     """SDPA of ``query`` (..., q, hd) over ``keys``/``values`` (..., k, hd) where ``mask`` (broadcast to
     (..., q, k); None: causal, top-left) is true; with ``softcap``, written out: SDPA cannot cap scores."""
@@ -223,12 +226,20 @@ def attend(query, keys, values, mask, scale: float | None, softcap: float | None
             return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    scores = query @ keys.transpose(-1, -2) * scale  # (..., q, k)
-    scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores.float(), dim=-1).to(values.dtype) @ values
+        mask = torch.ones(query.shape[-2], keys.shape[-2], dtype=torch.bool, device=query.device).tril()
+    # NOTE: the scores of at most CAPPED_SCORES_PER_CALL (query, key) pairs at once: a long prompt's whole
+    # matrix would not fit (8K tokens, 8 heads: 2 GB of float32)
+    heads = query[..., 0, 0].numel()
+    rows = max(1, CAPPED_SCORES_PER_CALL // max(1, heads * keys.shape[-2]))
+    out = []
+    for start in range(0, query.shape[-2], rows):
+        scores = query[..., start : start + rows, :] @ keys.transpose(-1, -2) * scale  # (..., rows, k)
+        scores = torch.tanh(scores / softcap) * softcap
+        visible = mask if mask.shape[-2] == 1 else mask[..., start : start + rows, :]  # (a decode's: one row)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out.append(torch.softmax(scores.float(), dim=-1).to(values.dtype) @ values)
+    return torch.cat(out, dim=-2)
 
 
 def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
