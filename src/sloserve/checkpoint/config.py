@@ -1,11 +1,11 @@
 """Model configuration for the engine: read from a HuggingFace ``config.json`` or a named random shape.
 
 Supported architectures (``ARCHITECTURES``): the Llama family (Llama-2/3, Mistral-style GQA, Phi-3 and
-Phi-4, SmolLM3), Qwen2 / Qwen2.5 (QKV biases), Qwen3 (per-head RMSNorm of queries and keys, no QKV biases;
-Qwen3-MoE and Mixtral: their MLPs mixtures of experts), Gemma 3 text
-models (``gemma3_text``: sliding-window layers beside global ones) and OPT (learned positions, LayerNorm,
-ReLU); and the language model of multimodal checkpoints (``MULTIMODAL``: Gemma 3 4B-27B, Mistral Small
-3.1), served as text.
+Phi-4, SmolLM3), Qwen2 / Qwen2.5 (QKV biases), Qwen3 (per-head RMSNorm of queries and keys, no QKV
+biases), Qwen3-MoE and Mixtral (their MLPs mixtures of experts), Gemma 2 and Gemma 3 text models
+(``gemma3_text``: sliding-window layers beside global ones) and OPT (learned positions, LayerNorm, ReLU);
+and the language model of multimodal checkpoints (``MULTIMODAL``: Gemma 3 4B-27B, Mistral Small 3.1),
+served as text.
 """
 
 from __future__ import annotations
@@ -96,10 +96,10 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # Gemma 2: scores capped by tanh (None: not)
     # SmolLM3: whether each layer rotates its queries and keys (its NoPE layers do not); empty: all do
     rotary_layers: tuple[bool, ...] = ()
-    # A mixture of experts (Qwen3-MoE): num_experts, num_experts_per_tok, moe_intermediate_size,
+    # A mixture of experts (Qwen3-MoE, Mixtral): num_experts, num_experts_per_tok, moe_intermediate_size,
     # norm_topk_prob and moe_layers (whether each layer's MLP is the experts; else a dense one of
     # intermediate_size); None: every MLP dense
-    moe: dict[str, Any] | None = field(default=None, compare=False)
+    moe: dict[str, Any] | None = None
     # OPT only
     word_embed_proj_dim: int | None = None
     do_layer_norm_before: bool = True

@@ -6,16 +6,15 @@ K-quants... as llama.cpp defines them) and copied into the model under their HF 
 runs the same weights transformers does when it loads the file (``from_pretrained(gguf_file=...)``).
 
 Supported: the Llama architecture (``general.architecture = llama``: Llama 2 and 3.x, SmolLM, Mistral
-without sliding windows), SmolLM3, Qwen2, Qwen3 (and Qwen3-MoE: ``qwen3moe``), Phi-3 and Phi-4 (``phi3``), Gemma 2 and Gemma 3's text models, with a
-byte-level BPE tokenizer
-(``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a
-SentencePiece BPE one (``llama``: Llama 2, Mistral 7B, TinyLlama, Gemma). Llama 3.1's rope scaling comes
-as llama.cpp stores it, a tensor of frequency factors (``rope_freqs.weight``); linear and YaRN scaling as
-``rope.scaling.*`` keys.
+without sliding windows), SmolLM3, Qwen2, Qwen3, Qwen3-MoE (``qwen3moe``), Phi-3 and Phi-4 (``phi3``),
+Gemma 2 and Gemma 3's text models, with a byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``; the
+pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2,
+Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores it, a tensor of
+frequency factors (``rope_freqs.weight``); linear and YaRN scaling as ``rope.scaling.*`` keys.
 
-NOTE: llama.cpp's converter permutes the rows of a Llama (or SmolLM3) model's Q and K projections (its RoPE rotates
-adjacent pairs, HF's rotates halves); ``_unpermute`` undoes it, as transformers' GGUF loader does.
-Qwen models are converted unpermuted (llama.cpp runs them with NEOX-style RoPE, HF's).
+NOTE: llama.cpp's converter permutes the rows of a Llama (or SmolLM3) model's Q and K projections (its
+RoPE rotates adjacent pairs, HF's rotates halves); ``_unpermute`` undoes it, as transformers' GGUF loader
+does. The others are converted unpermuted (llama.cpp runs them with NEOX-style RoPE, HF's).
 """
 
 from __future__ import annotations
@@ -217,13 +216,13 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
     tokens = meta.get("tokenizer.ggml.tokens") or []
     eos = {meta[key] for key in END_OF_GENERATION_KEYS if meta.get(key) is not None}
     eos |= {token_id for token_id, token in enumerate(tokens) if token in END_OF_GENERATION_TEXTS}
+    # (a Qwen3-MoE file may have no dense MLP's length: its every MLP is the experts)
+    dense_mlp = meta.get(f"{arch}.feed_forward_length") if arch == "qwen3moe" else need("feed_forward_length")
     config = {
         "model_type": "gemma3_text" if arch == "gemma3" else arch,
         "vocab_size": meta.get(f"{arch}.vocab_size") or len(tokens),
         "hidden_size": hidden,
-        "intermediate_size": need("feed_forward_length")
-        if arch != "qwen3moe"
-        else meta.get(f"{arch}.feed_forward_length"),
+        "intermediate_size": dense_mlp,
         "num_hidden_layers": need("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),

@@ -26,9 +26,8 @@ FUSED_CHECKPOINTS = ("phi3",)
 # Checkpoint tensors that are buffers in other implementations, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # A multimodal checkpoint served as text (``ModelConfig.extra["multimodal_checkpoint"]``: Gemma 3 4B-27B,
-# Mistral Small 3.1):
-# its language model's tensors under the text model's names (as transformers saved them before 4.52, and
-# since), the vision tower's and the projector's not read
+# Mistral Small 3.1): its language model's tensors under the text model's names (as transformers saved
+# them before 4.52, and since), the vision tower's and the projector's not read
 LANGUAGE_MODEL_PREFIXES = {
     "language_model.model.": "model.",
     "language_model.lm_head.": "lm_head.",
