@@ -7,7 +7,7 @@ import transformers
 
 VOCAB = 300
 SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7, "phi3": 9, "smollm3": 10, "gemma2": 11,
-         "qwen3_moe": 12, "mixtral": 13}  # fmt: skip
+         "qwen3_moe": 12, "mixtral": 13, "granite": 14}  # fmt: skip
 
 
 def hf_model(arch: str):
@@ -66,6 +66,12 @@ def hf_model(arch: str):
             initializer_range=0.2,
         )  # fmt: skip
         cls = transformers.MixtralForCausalLM
+    elif arch == "granite":  # Granite 3.3 8B's scales (the attention's for head_dim 16)
+        config = transformers.GraniteConfig(
+            **common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2, embedding_multiplier=12.0,
+            residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=16.0,
+        )  # fmt: skip
+        cls = transformers.GraniteForCausalLM
     elif arch == "qwen2":
         config = transformers.Qwen2Config(**common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2)
         cls = transformers.Qwen2ForCausalLM

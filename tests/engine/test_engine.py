@@ -31,13 +31,26 @@ PROMPTS = [
     list(range(100, 117)),
 ]
 MAX_TOKENS = [12, 5, 20, 8, 16, 10]
+# Beside Llama (tests/hf_models.py: each with what sets it apart)
+OTHER_ARCHITECTURES = [
+    "qwen2",
+    "qwen3",
+    "gemma3",
+    "opt",
+    "phi3",
+    "smollm3",
+    "gemma2",
+    "qwen3_moe",
+    "mixtral",
+    "granite",
+]
 
 
 @pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory) -> dict[str, str]:
     """Each architecture saved as a local HF directory (config.json + model.safetensors)."""
     dirs = {}
-    for arch in ("llama", "qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "gemma2", "qwen3_moe", "mixtral"):
+    for arch in ("llama", *OTHER_ARCHITECTURES):
         path = tmp_path_factory.mktemp(f"hf-{arch}")
         hf_model(arch).save_pretrained(path)
         dirs[arch] = str(path)
@@ -76,9 +89,7 @@ def test_every_scheduler_gives_hf_greedy_tokens(hf_dirs, scheduler):
     assert tokens == reference("llama")
 
 
-@pytest.mark.parametrize(
-    "arch", ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "gemma2", "qwen3_moe", "mixtral"]
-)
+@pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)
 @pytest.mark.parametrize("scheduler", ["vllm", "sarathi", "orca", "bros"])
 def test_other_architectures_give_hf_greedy_tokens(hf_dirs, arch, scheduler):
     tokens, _ = _generate(hf_dirs[arch], scheduler)
@@ -526,7 +537,7 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(
         ConfigError,
-        match="unsupported architecture 'gpt2'.*supported: gemma2, gemma3, gemma3_text, llama, mistral, mistral3, mixtral, opt, phi3, qwen2, qwen3, qwen3_moe, smollm3",
+        match="unsupported architecture 'gpt2'.*supported: gemma2, gemma3, gemma3_text, granite, llama, mistral, mistral3, mixtral, opt, phi3, qwen2, qwen3, qwen3_moe, smollm3",
     ):
         LLM(str(tmp_path / "gpt2"))
     fp8 = tmp_path / "fp8"  # an FP8 checkpoint's weights would load as plain ones, their scales ignored

@@ -118,3 +118,19 @@ def test_sliding_window_layers_equal_transformers_past_their_window(tmp_path, sc
         check(out.prompt_logprobs[position], expected[position - 1], prompt[position], 2)
     for i, (entry, token) in enumerate(zip(completion.logprobs, completion.token_ids, strict=True)):
         check(entry, expected[len(prompt) - 1 + i], token, 2)
+
+
+def test_granites_scaled_logits_give_transformers_logprobs(tmp_path):
+    """Granite divides its logits by logits_scaling (16 here): the greedy tokens do not show it, the
+    log-probabilities do (they would be 16 times as sharp without it)."""
+    model = hf_model("granite")
+    model.save_pretrained(tmp_path)
+    prompt = PROMPTS[1][:20]
+    llm = LLM(str(tmp_path))
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=2, prompt_logprobs=2, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": prompt}, params)[0]
+    expected = hf_logprobs(model, prompt + out.outputs[0].token_ids)
+    for position in range(1, len(prompt)):
+        check(out.prompt_logprobs[position], expected[position - 1], prompt[position], 2)
+    for i, (entry, token) in enumerate(zip(out.outputs[0].logprobs, out.outputs[0].token_ids, strict=True)):
+        check(entry, expected[len(prompt) - 1 + i], token, 2)

@@ -50,6 +50,7 @@ def _on_pieces(llm: LLM, sizes: list[int], compile: bool = False) -> list[int]:
         ("tiny-qwen2", "torch", "sarathi", dict(kv_capacity_tokens=96, block_size=4, preemption_mode="swap")),
         ("tiny-llama", "torch", "bros", {}),  # bidirectional KV blocks
         ("tiny-mistral", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # a sliding window
+        ("tiny-granite", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # scales
         ("tiny-llama", "triton", "sarathi", dict(prefill_token_budget=16, block_size=4)),
         ("tiny-llama", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4, async_scheduling=True)),
     ],

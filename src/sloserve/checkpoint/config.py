@@ -1,7 +1,7 @@
 """Model configuration for the engine: read from a HuggingFace ``config.json`` or a named random shape.
 
 Supported architectures (``ARCHITECTURES``): the Llama family (Llama-2/3, Mistral-style GQA, Phi-3 and
-Phi-4, SmolLM3), Qwen2 / Qwen2.5 (QKV biases), Qwen3 (per-head RMSNorm of queries and keys, no QKV
+Phi-4, SmolLM3, Granite 3), Qwen2 / Qwen2.5 (QKV biases), Qwen3 (per-head RMSNorm of queries and keys, no QKV
 biases), Qwen3-MoE and Mixtral (their MLPs mixtures of experts), Gemma 2 and Gemma 3 text models
 (``gemma3_text``: sliding-window layers beside global ones) and OPT (learned positions, LayerNorm, ReLU);
 and the language model of multimodal checkpoints (``MULTIMODAL``: Gemma 3 4B-27B, Mistral Small 3.1),
@@ -29,6 +29,7 @@ ARCHITECTURES: dict[str, str] = {
     "mixtral": "llama",  # (Mistral's layers, their MLPs mixtures of experts)
     "phi3": "llama",  # (Phi-3, Phi-4: Llama's layers, their Q/K/V and gate/up stored fused)
     "smollm3": "llama",  # (Llama's layers, every fourth without a rotary embedding)
+    "granite": "llama",  # (Llama's layers, scaled: ModelConfig's multipliers)
     "gemma3_text": "gemma3",
     "gemma2": "gemma3",  # (Gemma 3's layers without query/key norms, with capped scores)
     "opt": "opt",
@@ -96,6 +97,13 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # Gemma 2: scores capped by tanh (None: not)
     # SmolLM3: whether each layer rotates its queries and keys (its NoPE layers do not); empty: all do
     rotary_layers: tuple[bool, ...] = ()
+    # Granite: the embeddings times embedding_multiplier, each layer's attention and MLP outputs times
+    # residual_multiplier before they join the residual stream, scores scaled by attention_multiplier
+    # (None: head_dim ** -0.5), the logits divided by logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     # A mixture of experts (Qwen3-MoE, Mixtral): num_experts, num_experts_per_tok, moe_intermediate_size,
     # norm_topk_prob and moe_layers (whether each layer's MLP is the experts; else a dense one of
     # intermediate_size); None: every MLP dense
@@ -309,7 +317,18 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         layer_types=(SLIDING,) * common["num_hidden_layers"] if window else (),
         sliding_window=int(window) if window else None,
         rotary_layers=tuple(bool(flag) for flag in rotary_layers or ()),
+        **(_granite_multipliers(raw) if model_type == "granite" else {}),
     )
+
+
+def _granite_multipliers(raw: dict[str, Any]) -> dict[str, float]:
+    """Granite's scales, transformers' GraniteConfig defaults (1) where the config has none."""
+    return {
+        "embedding_multiplier": float(raw.get("embedding_multiplier", 1.0)),
+        "residual_multiplier": float(raw.get("residual_multiplier", 1.0)),
+        "attention_multiplier": float(raw.get("attention_multiplier", 1.0)),
+        "logits_scaling": float(raw.get("logits_scaling", 1.0)),
+    }
 
 
 def _language_model_config(raw: dict[str, Any], name: str) -> ModelConfig:
@@ -520,6 +539,10 @@ RANDOM_SHAPES: dict[str, ModelConfig] = {
     ),
     # Mistral 7B v0.1's sliding window on every layer, shorter than most test contexts
     "tiny-mistral": _tiny("mistral", layer_types=(SLIDING, SLIDING), sliding_window=16),
+    # Granite 3.3 8B's scales (its attention's for head_dim 16)
+    "tiny-granite": _tiny(
+        "granite", embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=16.0
+    ),
     "qwen2.5-7b": _from_spec("qwen2.5-7b", "qwen2", attention_bias=True, norm_eps=1e-6, rope_theta=1e6),
     "opt-13b": _from_spec("opt-13b", "opt", hidden_act="relu", word_embed_proj_dim=5120),
 }

@@ -186,6 +186,7 @@ class LlamaAttention(nn.Module):
         self.qk_norm = config.qk_norm
         self.window = config.layer_window(layer)
         self.rotates = config.layer_rotates(layer)  # NOTE: SmolLM3's every fourth layer has no position embedding
+        self.scale = config.attention_multiplier  # (None: head_dim ** -0.5; Granite's its own)
         self.backend = backend
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -219,6 +220,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = SparseMoE(config) if config.layer_is_moe(layer) else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.residual_multiplier = config.residual_multiplier
 
     def forward(self, x, residual, cos, sin, k_cache, v_cache, meta):
         """``x``: the layer before's MLP output, not yet in the residual stream ``residual`` (None for the
@@ -228,7 +230,7 @@ class LlamaDecoderLayer(nn.Module):
         the sums are HF's ``x + attn(norm(x))`` and ``x + mlp(norm(x))``, bit for bit on the PyTorch path."""
         q, k, v, residual = self.before_attention(x, residual, cos, sin)
         attended = self.self_attn.backend.forward(
-            q, k, v, k_cache, v_cache, meta, window=self.self_attn.window
+            q, k, v, k_cache, v_cache, meta, scale=self.self_attn.scale, window=self.self_attn.window
         )  # (T, nh, hd)
         return self.after_attention(attended, residual)
 
@@ -242,10 +244,14 @@ class LlamaDecoderLayer(nn.Module):
         return (*self.self_attn.project(h, cos, sin), residual)
 
     def after_attention(self, attended: torch.Tensor, residual: torch.Tensor):
-        """(this layer's MLP output, the residual stream before it) from the attention's output (T, nh, hd)."""
+        """(this layer's MLP output, the residual stream before it) from the attention's output (T, nh, hd).
+        NOTE: each output scaled by residual_multiplier before it joins the stream (Granite's; 1 elsewhere)."""
         attended = self.self_attn.o_proj(attended.reshape(attended.shape[0], -1))
+        if self.residual_multiplier != 1.0:
+            attended = attended * self.residual_multiplier
         h, residual = self.post_attention_layernorm.add_and_norm(attended, residual)
-        return self.mlp(h), residual
+        out = self.mlp(h)
+        return (out * self.residual_multiplier if self.residual_multiplier != 1.0 else out), residual
 
 
 class LlamaModel(nn.Module):
@@ -290,7 +296,10 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """(the tokens' embeddings (T, H), the rotary cos and sin (T, 1, hd) each, shared by the layers)."""
         x = self.model.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:  # (Granite's)
+            x = x * self.config.embedding_multiplier
         return (x, *self.rotary.for_positions(positions, x.dtype))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab)
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
