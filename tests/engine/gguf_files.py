@@ -110,9 +110,9 @@ def write_gguf(
         if name not in names:
             continue  # the LM head tied to the embedding
         weight = tensor.float().numpy()
-        if arch in ("llama", "smollm3") and name.endswith("q_proj.weight"):
+        if arch in ("llama", "smollm3", "granite") and name.endswith("q_proj.weight"):
             weight = permute(weight, c.num_attention_heads)
-        elif arch in ("llama", "smollm3") and name.endswith("k_proj.weight"):
+        elif arch in ("llama", "smollm3", "granite") and name.endswith("k_proj.weight"):
             weight = permute(weight, c.num_key_value_heads)
         elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             weight = weight + 1  # Gemma's RMSNorm scales by 1 + weight, llama.cpp's by the weight

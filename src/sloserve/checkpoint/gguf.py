@@ -6,13 +6,13 @@ K-quants... as llama.cpp defines them) and copied into the model under their HF 
 runs the same weights transformers does when it loads the file (``from_pretrained(gguf_file=...)``).
 
 Supported: the Llama architecture (``general.architecture = llama``: Llama 2 and 3.x, SmolLM, Mistral
-without sliding windows), SmolLM3, Qwen2, Qwen3, Qwen3-MoE (``qwen3moe``), Phi-3 and Phi-4 (``phi3``),
+without sliding windows), SmolLM3, Granite 3, Qwen2, Qwen3, Qwen3-MoE (``qwen3moe``), Phi-3 and Phi-4 (``phi3``),
 Gemma 2 and Gemma 3's text models, with a byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``; the
 pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2,
 Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores it, a tensor of
 frequency factors (``rope_freqs.weight``); linear and YaRN scaling as ``rope.scaling.*`` keys.
 
-NOTE: llama.cpp's converter permutes the rows of a Llama (or SmolLM3) model's Q and K projections (its
+NOTE: llama.cpp's converter permutes the rows of a Llama (SmolLM3, Granite) model's Q and K projections (its
 RoPE rotates adjacent pairs, HF's rotates halves); ``_unpermute`` undoes it, as transformers' GGUF loader
 does. The others are converted unpermuted (llama.cpp runs them with NEOX-style RoPE, HF's).
 """
@@ -47,6 +47,7 @@ LLAMA_TENSORS = {
 ARCH_TENSORS = {
     "llama": {},
     "smollm3": {},
+    "granite": {},
     "qwen2": {f"blk.{{n}}.attn_{x}.bias": f"model.layers.{{n}}.self_attn.{x}_proj.bias" for x in ("q", "k", "v")},
     "qwen3": {
         "blk.{n}.attn_q_norm.weight": "model.layers.{n}.self_attn.q_norm.weight",
@@ -76,7 +77,7 @@ ARCH_TENSORS["gemma3"] = {
 # tensors of an HF checkpoint they split into (``mlp.experts.{e}.gate_proj.weight``...)
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # The architectures whose Q and K rows llama.cpp's converter permutes (its Llama converter's)
-PERMUTED = ("llama", "smollm3")
+PERMUTED = ("llama", "smollm3", "granite")
 # SmolLM3's layers without a rotary embedding: every fourth, as llama.cpp's code has it (the file does not say)
 SMOLLM3_NO_ROPE_STEP = 4
 # The architectures whose norms llama.cpp's converter stores as 1 + weight (Gemma's RMSNorm scales by
@@ -252,6 +253,10 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
             norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)),
         )
         config["intermediate_size"] = config["intermediate_size"] or config["moe_intermediate_size"]
+    if arch == "granite":  # its scales, under llama.cpp's names (absent: none, as llama.cpp reads it)
+        scales = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
+                  "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}  # fmt: skip
+        config.update({hf: float(meta[f"granite.{key}"]) for hf, key in scales.items() if meta.get(f"granite.{key}")})
     if arch == "smollm3":  # (HF's name: 1 rotates)
         config["no_rope_layers"] = [
             int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(config["num_hidden_layers"])

@@ -1,0 +1,75 @@
+"""GGUF files of Llama's variants that llama.cpp's Llama converter writes (Q and K rows permuted), each
+with what sets it apart. SmolLM3 (``smollm3``): nothing of which layers have no rotary embedding (llama.cpp's
+code says every fourth, as SmolLM3's config does by default). Granite (``granite``): its four scales under
+llama.cpp's names (``granite.embedding_scale``, ``residual_scale``, ``attention.scale``, ``logit_scale``).
+The engine gives the greedy tokens (and, for Granite, the log-probabilities) of the transformers model
+the file was written from."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+from gguf_files import uneven_norms_, write_gguf  # noqa: E402
+
+from sloserve import LLM, SamplingParams  # noqa: E402
+from sloserve.checkpoint.gguf import read_gguf  # noqa: E402
+
+VOCAB = 300
+PROMPTS = [list(range(3, 40)), [7, 1, 9] * 12]
+
+
+def test_every_fourth_layer_has_no_rope_and_greedy_tokens_equal_the_models(tmp_path):
+    config = transformers.SmolLM3Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=256, initializer_range=0.2, pad_token_id=0,
+    )  # fmt: skip
+    assert config.no_rope_layers == [1, 1, 1, 0] * 2  # transformers' default: every fourth layer without
+    torch.manual_seed(15)
+    model = uneven_norms_(transformers.SmolLM3ForCausalLM(config).eval())
+    path = tmp_path / "tiny-smollm3.gguf"
+    write_gguf(path, model, {"add_tokenizer_model": "gpt2", "add_token_list": [f"t{i}" for i in range(VOCAB)]},
+               arch="smollm3")  # fmt: skip
+    assert read_gguf(path).hf_config["no_rope_layers"] == config.no_rope_layers
+    llm = LLM(str(path), kv_capacity_tokens=512)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
+    with torch.no_grad():
+        expected = [
+            model.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(ids) :]
+            for ids in PROMPTS
+        ]
+    assert [o.outputs[0].token_ids for o in outputs] == [e.tolist() for e in expected]
+
+
+def test_granites_scales_read_from_llama_cpps_keys(tmp_path):
+    config = transformers.GraniteConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=256, initializer_range=0.2, embedding_multiplier=12.0,
+        residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=16.0,
+    )  # fmt: skip
+    torch.manual_seed(16)
+    model = uneven_norms_(transformers.GraniteForCausalLM(config).eval())
+    path = tmp_path / "tiny-granite.gguf"
+    fields = {
+        "add_tokenizer_model": "gpt2", "add_token_list": [f"t{i}" for i in range(VOCAB)], "add_embedding_scale": 12.0,
+        "add_residual_scale": 0.22, "add_attention_scale": 0.0625, "add_logit_scale": 16.0,
+    }  # fmt: skip
+    write_gguf(path, model, fields, arch="granite")
+    read = read_gguf(path).hf_config
+    assert [read[k] for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")] \
+        == pytest.approx([12.0, 0.22, 0.0625, 16.0])  # fmt: skip
+    llm = LLM(str(path), kv_capacity_tokens=512)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
+    with torch.no_grad():
+        for ids, out in zip(PROMPTS, outputs, strict=True):
+            expected = model.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+            assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
+            logits = model(torch.tensor([ids])).logits[0].float()
+            reference = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+            ours = [entry.logprob for entry in out.prompt_logprobs[1:]]
+            assert ours == pytest.approx(reference.tolist(), abs=1e-4)
