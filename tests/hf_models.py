@@ -87,3 +87,17 @@ def hf_model(arch: str):
             elif p.ndim == 1:  # Gemma's norms scale by 1 + weight, 0 at init
                 p.add_(0.1 * torch.randn_like(p)) if arch.startswith("gemma") else p.mul_(1 + 0.1 * torch.randn_like(p))
     return model
+
+
+def greedy(model, ids: list[int], num_tokens: int) -> list[int]:
+    """transformers' greedy continuation of ``ids`` by ``model``: ``num_tokens`` tokens, EOS or not."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def prompt_logprobs(model, ids: list[int]) -> list[float]:
+    """transformers' log-probability of each token of ``ids`` after the first, given those before it."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()

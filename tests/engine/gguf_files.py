@@ -125,3 +125,13 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def assert_reads_as_transformers(llm, path: Path, texts: list[str]) -> None:
+    """The engine's tokens of each text are those of transformers' GGUF reading of ``path``, and decode to
+    its text."""
+    reference = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in texts:
+        ids = llm.tokenizer.encode(text)
+        assert ids == reference(text)["input_ids"], text
+        assert llm.tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=True)

@@ -18,8 +18,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from gguf_files import write_gguf  # noqa: E402
+from gguf_files import assert_reads_as_transformers, write_gguf  # noqa: E402
 
+from hf_models import greedy, prompt_logprobs  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.checkpoint.gguf import read_gguf  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
@@ -130,11 +131,7 @@ def test_the_file_reads_as_gemma_3_its_layers_its_rope_and_its_ends(gemma3):
 def test_tokens_and_text_equal_transformers_gguf_reading(gemma3):
     path, _, tokens = gemma3
     llm = LLM(str(path), kv_capacity_tokens=1024)
-    reference = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    for text in TEXTS:
-        ids = llm.tokenizer.encode(text)
-        assert ids == reference(text)["input_ids"], text
-        assert llm.tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+    assert_reads_as_transformers(llm, path, TEXTS)
     # no space before the text: spaces come back as they were, leading ones too
     for text in TEXTS[:3]:
         assert llm.tokenizer.decode(llm.tokenizer.encode(text)) == text
@@ -142,13 +139,6 @@ def test_tokens_and_text_equal_transformers_gguf_reading(gemma3):
     assert spaced[:2] == ["<bos>", "  "] and "    " in spaced  # the runs' own tokens
     turn = llm.tokenizer.encode(TEXTS[3], add_special_tokens=False)
     assert turn[0] == 5 and END_OF_TURN in turn  # control tokens whole
-
-
-def prompt_logprobs(model, ids: list[int]) -> list[float]:
-    """transformers' log-probability of each prompt token after the first, given those before it."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
 
 
 def test_greedy_tokens_and_logprobs_equal_the_models_and_the_chat_prompt_has_one_bos(gemma3):
@@ -159,11 +149,10 @@ def test_greedy_tokens_and_logprobs_equal_the_models_and_the_chat_prompt_has_one
     for text in (TEXTS[0] * 3, TEXTS[2]):
         ids = llm.tokenizer.encode(text)
         assert len(ids) > WINDOW
-        with torch.no_grad():
-            expected = model.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        expected = greedy(model, ids, 24)
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, prompt_logprobs=0)
         [out] = llm.generate({"prompt_token_ids": ids}, params)
-        assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
+        assert out.outputs[0].token_ids == expected
         ours = [entry.logprob for entry in out.prompt_logprobs[1:]]
         assert ours == pytest.approx(prompt_logprobs(model, ids), abs=1e-4)
         # NOTE: the global layer's scaling moves them more than that: read without it, the file fails here
@@ -182,10 +171,9 @@ def test_27b_scales_scores_by_hidden_over_heads(tmp_path):
     assert read_gguf(path).hf_config["query_pre_attn_scalar"] == 32 == model.config.query_pre_attn_scalar
     llm = LLM(str(path), kv_capacity_tokens=256)
     ids = llm.tokenizer.encode(TEXTS[0])
-    with torch.no_grad():
-        expected = model.generate(torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    expected = greedy(model, ids, 6)
     [out] = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-    assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
+    assert out.outputs[0].token_ids == expected
 
 
 def test_a_layer_pattern_that_fits_no_layer_count_is_refused(tmp_path, gemma3):
@@ -227,14 +215,13 @@ def test_gemma_2_reads_as_its_model_with_its_capped_scores(tmp_path):
     assert read["layer_types"] == model.config.layer_types == ["sliding_attention", "full_attention"] * 2
     assert (read["attn_logit_softcapping"], read["final_logit_softcapping"]) == (2.0, 5.0)
     llm = LLM(str(path), kv_capacity_tokens=1024)
-    reference = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    assert_reads_as_transformers(llm, path, [TEXTS[0] * 3])
     ids = llm.tokenizer.encode(TEXTS[0] * 3)
-    assert ids == reference(TEXTS[0] * 3)["input_ids"] and len(ids) > WINDOW
+    assert len(ids) > WINDOW
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0)
     [out] = llm.generate({"prompt_token_ids": ids}, params)
-    with torch.no_grad():
-        expected = model.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
-    assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
+    expected = greedy(model, ids, 16)
+    assert out.outputs[0].token_ids == expected
     ours = [entry.logprob for entry in out.prompt_logprobs[1:]]
     assert ours == pytest.approx(prompt_logprobs(model, ids), abs=1e-4)
     model.config.attn_logit_softcapping = None

@@ -15,6 +15,7 @@ pytest.importorskip("gguf")
 
 from gguf_files import uneven_norms_, write_gguf  # noqa: E402
 
+from hf_models import greedy, prompt_logprobs  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.checkpoint.gguf import read_gguf  # noqa: E402
 
@@ -37,12 +38,7 @@ def test_every_fourth_layer_has_no_rope_and_greedy_tokens_equal_the_models(tmp_p
     llm = LLM(str(path), kv_capacity_tokens=512)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
-    with torch.no_grad():
-        expected = [
-            model.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(ids) :]
-            for ids in PROMPTS
-        ]
-    assert [o.outputs[0].token_ids for o in outputs] == [e.tolist() for e in expected]
+    assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 16) for ids in PROMPTS]
 
 
 def test_granites_scales_read_from_llama_cpps_keys(tmp_path):
@@ -65,11 +61,7 @@ def test_granites_scales_read_from_llama_cpps_keys(tmp_path):
     llm = LLM(str(path), kv_capacity_tokens=512)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
-    with torch.no_grad():
-        for ids, out in zip(PROMPTS, outputs, strict=True):
-            expected = model.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-            assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
-            logits = model(torch.tensor([ids])).logits[0].float()
-            reference = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-            ours = [entry.logprob for entry in out.prompt_logprobs[1:]]
-            assert ours == pytest.approx(reference.tolist(), abs=1e-4)
+    for ids, out in zip(PROMPTS, outputs, strict=True):
+        assert out.outputs[0].token_ids == greedy(model, ids, 12)
+        ours = [entry.logprob for entry in out.prompt_logprobs[1:]]
+        assert ours == pytest.approx(prompt_logprobs(model, ids), abs=1e-4)

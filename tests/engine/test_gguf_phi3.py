@@ -14,8 +14,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from gguf_files import sentencepiece_vocabulary, write_gguf  # noqa: E402
+from gguf_files import assert_reads_as_transformers, sentencepiece_vocabulary, write_gguf  # noqa: E402
 
+from hf_models import greedy  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.checkpoint.gguf import read_gguf  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
@@ -72,11 +73,7 @@ def phi3(tmp_path_factory):
 def test_tokens_and_text_equal_transformers_gguf_reading(phi3):
     path, _, tokens = phi3
     llm = LLM(str(path), kv_capacity_tokens=1024)
-    reference = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    for text in TEXTS:
-        ids = llm.tokenizer.encode(text)
-        assert ids == reference(text)["input_ids"], text
-        assert llm.tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+    assert_reads_as_transformers(llm, path, TEXTS)
     leading = [tokens[i] for i in llm.tokenizer.encode(TEXTS[1])]
     assert "".join(leading[1:]).startswith("\u2581\u2581\u2581two")  # a space before the text's two
     config = read_gguf(path).hf_config
@@ -91,10 +88,9 @@ def test_greedy_tokens_equal_the_models_past_its_window(phi3):
     for text in (TEXTS[0] * 3, TEXTS[1] * 2):
         ids = llm.tokenizer.encode(text)
         assert len(ids) > WINDOW
-        with torch.no_grad():
-            expected = model.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        expected = greedy(model, ids, 16)
         [out] = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-        assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
+        assert out.outputs[0].token_ids == expected
 
 
 def test_phi_4s_zero_window_is_none_and_longrope_is_refused(tmp_path):
@@ -105,10 +101,9 @@ def test_phi_4s_zero_window_is_none_and_longrope_is_refused(tmp_path):
     assert read_gguf(path).hf_config["sliding_window"] is None
     llm = LLM(str(path), kv_capacity_tokens=256)
     ids = llm.tokenizer.encode(TEXTS[0] * 2)
-    with torch.no_grad():
-        expected = model.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    expected = greedy(model, ids, 8)
     [out] = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
+    assert out.outputs[0].token_ids == expected
     # a 128K Phi-3's longrope factors, as the converter stores them
     factors = np.ones(64 // 4 // 2, dtype=np.float32)  # one a frequency of a head
     longrope = tmp_path / "longrope.gguf"

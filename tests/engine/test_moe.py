@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors import safe_open  # noqa: E402
 
-from hf_models import hf_model  # noqa: E402
+from hf_models import greedy, hf_model  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.checkpoint.config import from_hf_config  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
@@ -76,9 +76,7 @@ def test_which_layers_are_sparse_and_the_parameter_count(tmp_path):
     llm = LLM(str(tmp_path))  # loads, the stacked tensors split into the per-expert views
     ids = [3, 9, 27, 17, 51, 25]
     [out] = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    with torch.no_grad():
-        expected = hf.eval().generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
+    assert out.outputs[0].token_ids == greedy(hf.eval(), ids, 8)
 
 
 def test_bad_experts_and_cuda_graphs_are_refused(tmp_path):
@@ -122,9 +120,4 @@ def test_a_qwen3_moe_gguf_file_gives_transformers_greedy_tokens(tmp_path):
     prompts = [[3, 9, 27, 17, 51, 25, 101, 7], list(range(40, 70))]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
-    with torch.no_grad():
-        expected = [
-            model.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(ids) :]
-            for ids in prompts
-        ]
-    assert [o.outputs[0].token_ids for o in outputs] == [e.tolist() for e in expected]
+    assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 12) for ids in prompts]

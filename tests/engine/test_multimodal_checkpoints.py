@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from hf_models import VOCAB  # noqa: E402
+from hf_models import VOCAB, greedy  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.checkpoint.config import load_hf_config  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
@@ -65,12 +65,6 @@ def gemma3_4b_like(tmp_path_factory):
     return path, model
 
 
-def hf_greedy(model, ids: list[int], num_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False)
-    return out[0, len(ids) :].tolist()
-
-
 def test_the_language_model_gives_transformers_greedy_tokens(gemma3_4b_like):
     path, model = gemma3_4b_like
     config = load_hf_config(path)
@@ -80,7 +74,7 @@ def test_the_language_model_gives_transformers_greedy_tokens(gemma3_4b_like):
     llm = LLM(str(path), kv_capacity_tokens=512)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
-    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, ids, 16) for ids in PROMPTS]
+    assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 16) for ids in PROMPTS]
 
 
 def test_the_newer_layout_loads_and_vision_tensors_are_not_read(gemma3_4b_like, tmp_path):
@@ -100,7 +94,7 @@ def test_the_newer_layout_loads_and_vision_tensors_are_not_read(gemma3_4b_like, 
     safetensors_torch.save_file(renamed, tmp_path / "model.safetensors")
     llm = LLM(str(tmp_path), kv_capacity_tokens=512)
     [out] = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    assert out.outputs[0].token_ids == hf_greedy(model, PROMPTS[0], 8)
+    assert out.outputs[0].token_ids == greedy(model, PROMPTS[0], 8)
     renamed["model.language_model.layers.9.mlp.up_proj.weight"] = torch.zeros(3, 5)
     safetensors_torch.save_file(renamed, tmp_path / "model.safetensors")
     with pytest.raises(ConfigError, match="unexpected tensor 'model.layers.9.mlp.up_proj.weight'"):
@@ -144,7 +138,7 @@ def test_mistral_small_31s_language_model_gives_transformers_greedy_tokens(tmp_p
     assert llm.engine.executor.model.config.tie_word_embeddings == tied
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
-    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, ids, 16) for ids in PROMPTS]
+    assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 16) for ids in PROMPTS]
 
 
 def test_a_multimodal_config_without_its_text_config_is_refused(tmp_path):

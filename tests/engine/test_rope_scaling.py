@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_models import VOCAB  # noqa: E402
+from hf_models import VOCAB, greedy  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 
@@ -42,26 +42,25 @@ def checkpoint(arch: str, scaling: dict | None):
     return model.eval()
 
 
-def hf_greedy(model, ids: list[int], num_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False)
-    return out[0, len(ids) :].tolist()
-
-
 @pytest.mark.parametrize(
     "arch, name", [("llama", name) for name in SCALINGS] + [("qwen3", "yarn")], ids=lambda x: str(x)
 )
 def test_greedy_tokens_with_rope_scaling_equal_transformers(tmp_path, arch, name):
     model = checkpoint(arch, SCALINGS[name])
     model.save_pretrained(tmp_path)
+    assert_gives_the_scaled_tokens(model, arch, tmp_path)
+
+
+def assert_gives_the_scaled_tokens(model, arch: str, path) -> None:
+    """The engine on ``path`` gives ``model``'s greedy tokens, and the same weights unscaled give others."""
     unscaled = checkpoint(arch, None)
     unscaled.load_state_dict(model.state_dict())
-    llm = LLM(str(tmp_path), kv_capacity_tokens=1024)
+    llm = LLM(str(path), kv_capacity_tokens=1024)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
-    expected = [hf_greedy(model, ids, 24) for ids in PROMPTS]
+    expected = [greedy(model, ids, 24) for ids in PROMPTS]
     assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert expected != [hf_greedy(unscaled, ids, 24) for ids in PROMPTS]  # NOTE: the scaling matters here
+    assert expected != [greedy(unscaled, ids, 24) for ids in PROMPTS]  # NOTE: the scaling matters here
 
 
 def test_a_rope_scaling_the_engine_does_not_apply_is_refused_by_name(tmp_path):
@@ -103,14 +102,7 @@ def test_a_gguf_files_rope_scaling_gives_transformers_greedy_tokens(tmp_path, na
     model = checkpoint("llama", scaling)
     path = tmp_path / "scaled.gguf"
     write_gguf(path, model, {**GGUF_TOKENS, **gguf_rope_fields(scaling)})
-    unscaled = checkpoint("llama", None)
-    unscaled.load_state_dict(model.state_dict())
-    llm = LLM(str(path), kv_capacity_tokens=1024)
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
-    expected = [hf_greedy(model, ids, 24) for ids in PROMPTS]
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert expected != [hf_greedy(unscaled, ids, 24) for ids in PROMPTS]  # NOTE: the scaling matters here
+    assert_gives_the_scaled_tokens(model, "llama", path)
 
 
 @pytest.mark.parametrize(
