@@ -9,8 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from safetensors import safe_open  # noqa: E402
 
 from hf_models import greedy, hf_model  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
@@ -55,28 +55,30 @@ def test_the_layer_equals_transformers_block(norm_topk_prob, num_tokens):
 
 def test_which_layers_are_sparse_and_the_parameter_count(tmp_path):
     """Every second layer sparse but layer 3 (``decoder_sparse_step``, ``mlp_only_layers``): the engine's
-    tensors are the saved checkpoint's, by name, and as many parameters as transformers' model has."""
+    tensors are the Hub's names (each expert's projections, Qwen3-30B-A3B's layout), as many parameters as
+    transformers' model has, and a checkpoint with the experts stacked (as transformers 5 holds them,
+    ``mlp.experts.gate_up_proj``) loads too."""
     config = from_hf_config(moe_config(decoder_sparse_step=2, mlp_only_layers=[3]))
     assert config.moe["moe_layers"] == (False, True, False, False)
     hf = transformers.Qwen3MoeForCausalLM(
-        transformers.Qwen3MoeConfig(**{**moe_config(decoder_sparse_step=2, mlp_only_layers=[3]), "model_type": None})
-    )
+        transformers.Qwen3MoeConfig(
+            **{**moe_config(decoder_sparse_step=2, mlp_only_layers=[3], initializer_range=0.2), "model_type": None}
+        )
+    ).eval()
     assert config.num_params == sum(p.numel() for p in hf.parameters())
-    hf.save_pretrained(tmp_path)
-    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
-        saved = set(f.keys())
     model = create_model(config, TorchAttention(), torch.float32, torch.device("cpu"))
     names = set(checkpoint_tensors(model))
-    assert "model.layers.1.mlp.experts.5.down_proj.weight" in names and "model.layers.0.mlp.gate_proj.weight" in names
-    # NOTE: transformers 5 saved this model's experts stacked (the Hub's checkpoints hold them one by one)
-    assert {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"} <= saved
-    per_expert = {n for n in names if ".mlp.experts." in n}
-    assert names - per_expert == {n for n in saved if ".mlp.experts." not in n}
-    assert len(per_expert) == 6 * 3
-    llm = LLM(str(tmp_path))  # loads, the stacked tensors split into the per-expert views
+    hub_experts = {f"model.layers.1.mlp.experts.{e}.{p}_proj.weight" for e in range(6) for p in ("gate", "up", "down")}
+    assert {n for n in names if ".mlp.experts." in n} == hub_experts
+    assert "model.layers.1.mlp.gate.weight" in names and "model.layers.0.mlp.gate_proj.weight" in names
+    hf.save_pretrained(tmp_path)
+    stacked = {name: t.contiguous() for name, t in hf.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in stacked  # (E, 2 I, H)
+    safetensors_torch.save_file(stacked, str(tmp_path / "model.safetensors"))
+    llm = LLM(str(tmp_path))  # the stacked tensors split into the per-expert views
     ids = [3, 9, 27, 17, 51, 25]
     [out] = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    assert out.outputs[0].token_ids == greedy(hf.eval(), ids, 8)
+    assert out.outputs[0].token_ids == greedy(hf, ids, 8)
 
 
 def test_bad_experts_and_cuda_graphs_are_refused(tmp_path):
