@@ -7,7 +7,7 @@ import transformers
 
 VOCAB = 300
 SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7, "phi3": 9, "smollm3": 10, "gemma2": 11,
-         "qwen3_moe": 12, "mixtral": 13, "granite": 14}  # fmt: skip
+         "qwen3_moe": 12, "mixtral": 13, "granite": 14, "olmo2": 15}  # fmt: skip
 
 
 def hf_model(arch: str):
@@ -72,6 +72,9 @@ def hf_model(arch: str):
             residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=16.0,
         )  # fmt: skip
         cls = transformers.GraniteForCausalLM
+    elif arch == "olmo2":
+        config = transformers.Olmo2Config(**common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2)
+        cls = transformers.Olmo2ForCausalLM
     elif arch == "qwen2":
         config = transformers.Qwen2Config(**common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2)
         cls = transformers.Qwen2ForCausalLM

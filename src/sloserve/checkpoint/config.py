@@ -2,7 +2,8 @@
 
 Supported architectures (``ARCHITECTURES``): the Llama family (Llama-2/3, Mistral-style GQA, Phi-3 and
 Phi-4, SmolLM3, Granite 3), Qwen2 / Qwen2.5 (QKV biases), Qwen3 (per-head RMSNorm of queries and keys, no QKV
-biases), Qwen3-MoE and Mixtral (their MLPs mixtures of experts), Gemma 2 and Gemma 3 text models
+biases), Qwen3-MoE and Mixtral (their MLPs mixtures of experts), OLMo 2 (norms after attention and the
+MLP), Gemma 2 and Gemma 3 text models
 (``gemma3_text``: sliding-window layers beside global ones) and OPT (learned positions, LayerNorm, ReLU);
 and the language model of multimodal checkpoints (``MULTIMODAL``: Gemma 3 4B-27B, Mistral Small 3.1),
 served as text.
@@ -32,6 +33,7 @@ ARCHITECTURES: dict[str, str] = {
     "granite": "llama",  # (Llama's layers, scaled: ModelConfig's multipliers)
     "gemma3_text": "gemma3",
     "gemma2": "gemma3",  # (Gemma 3's layers without query/key norms, with capped scores)
+    "olmo2": "olmo2",
     "opt": "opt",
 }
 # Multimodal checkpoints served as text: their config.json's text_config is the language model's
@@ -183,6 +185,8 @@ class ModelConfig:
             attention += q_width + 2 * kv_width
         if self.qk_norm:
             attention += 2 * self.head_dim
+        if self.architecture == "olmo2":  # its query and key norms span the whole projection
+            attention += q_width + kv_width
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)  # gate, up, down
         layer = attention + mlp + (4 if self.architecture == "gemma3" else 2) * h  # RMSNorms
         total = v * h + layers * layer + h + (0 if self.tie_word_embeddings else v * h)

@@ -13,11 +13,13 @@ from sloserve.engine.attention import AttentionBackend
 from sloserve.engine.models.gemma3 import Gemma3ForCausalLM
 from sloserve.engine.models.llama import LlamaForCausalLM, MergedLinear
 from sloserve.engine.models.moe import hub_expert_name, per_expert_tensors
+from sloserve.engine.models.olmo2 import Olmo2ForCausalLM
 from sloserve.engine.models.opt import OPTForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "olmo2": Olmo2ForCausalLM,
     "opt": OPTForCausalLM,
 }
 # Model types whose checkpoints store Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``) fused, in the

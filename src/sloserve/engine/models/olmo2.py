@@ -1,0 +1,81 @@
+"""OLMo 2 (``olmo2``: AI2's 1B-32B): Llama's parts in another order.
+
+- Each layer normalizes its attention's and its MLP's outputs before they join the residual stream
+  (``post_attention_layernorm``, ``post_feedforward_layernorm``), not their inputs: a layer's input is the
+  stream itself.
+- Queries and keys are normalized over the whole projection (RMSNorm of width heads x head_dim), before
+  they are cut into heads and rotated (Qwen3 normalizes each head).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sloserve.checkpoint.config import ModelConfig
+from sloserve.engine.attention import AttentionBackend, AttentionMetadata
+from sloserve.engine.models.llama import LlamaForCausalLM, LlamaMLP, MergedLinear, RMSNorm, apply_rotary
+
+
+class Olmo2Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
+        super().__init__()
+        hd, nh, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
+        parts = {"q_proj": nh * hd, "k_proj": nkv * hd, "v_proj": nkv * hd}
+        self.qkv_proj = MergedLinear(config.hidden_size, parts, bias=config.attention_bias)
+        self.o_proj = nn.Linear(nh * hd, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = RMSNorm(nh * hd, config.norm_eps)
+        self.k_norm = RMSNorm(nkv * hd, config.norm_eps)
+        self.window = config.layer_window(layer)
+        self.backend = backend
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        t, nh, nkv, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # (T, (nh + 2 nkv) hd)
+        q = self.q_norm(qkv[:, : nh * hd]).view(t, nh, hd)
+        k = self.k_norm(qkv[:, nh * hd : (nh + nkv) * hd]).view(t, nkv, hd)
+        qk = apply_rotary(torch.cat((q, k), dim=1), cos, sin)  # (T, nh + nkv, hd)
+        v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
+        out = self.backend.forward(qk[:, :nh], qk[:, nh:], v, k_cache, v_cache, meta, window=self.window)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class Olmo2DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Olmo2Attention(config, backend, layer)
+        self.mlp = LlamaMLP(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta):  # (T, H) the residual stream -> (T, H)
+        x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, k_cache, v_cache, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(x))
+
+
+class Olmo2Model(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Olmo2DecoderLayer(config, backend, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+
+
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    """``forward`` returns the final hidden states ``(T, H)``; ``compute_logits`` the vocabulary scores."""
+
+    model_class = Olmo2Model
+    supports_piecewise_graphs = False  # (its own forward: no norm before attention to cut at)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        kv_cache: torch.Tensor,  # (2, layers, num_slots, nkv, hd)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, H)
+        x, cos, sin = self.embed(input_ids, positions)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
+        return self.model.norm(x)
