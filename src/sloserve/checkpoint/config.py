@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sloserve.checkpoint.generation_config import generation_eos_ids
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.cost.specs import MODELS, ModelSpec
 
@@ -451,21 +452,6 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     if more:
         config = dataclasses.replace(config, eos_token_ids=(*config.eos_token_ids, *more))
     return config
-
-
-def generation_eos_ids(file: Path) -> tuple[int, ...]:
-    """The ``eos_token_id`` (one or a list) of a generation_config.json; () where there is none."""
-    if not file.is_file():
-        return ()
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{file}: not valid JSON ({e})") from None
-    eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
-    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise ConfigError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
-    return tuple(ids)
 
 
 def _tiny(model_type: str, **overrides: Any) -> ModelConfig:

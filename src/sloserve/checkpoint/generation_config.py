@@ -31,14 +31,9 @@ def sampling_defaults(directory: str | Path) -> dict[str, float]:
     or ``directory`` is not one (a GGUF file, a ``random:`` model). A value that is not a number is a
     ConfigError naming the file and the field."""
     file = Path(directory).expanduser() / "generation_config.json"
-    if not file.is_file():
+    raw = read_generation_config(file)
+    if raw is None:
         return {}
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{file}: must be a JSON object, got {type(raw).__name__}")
     defaults: dict[str, float] = {}
     for name, transformers_default in SAMPLING_DEFAULTS_OF_TRANSFORMERS.items():
         value = raw.get(name)
@@ -48,3 +43,27 @@ def sampling_defaults(directory: str | Path) -> dict[str, float]:
             raise ConfigError(f"{file}: {name} must be a number, got {value!r}")
         defaults[SAMPLING_NAMES.get(name, name)] = value
     return defaults
+
+
+def generation_eos_ids(file: Path) -> tuple[int, ...]:
+    """The ``eos_token_id`` (one or a list) of a generation_config.json; () where there is none."""
+    raw = read_generation_config(file)
+    eos = None if raw is None else raw.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return tuple(ids)
+
+
+def read_generation_config(file: Path) -> dict | None:
+    """The JSON object of a generation_config.json; None where there is none. One that is not JSON, or
+    not an object, is a ConfigError naming the file."""
+    if not file.is_file():
+        return None
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: must be a JSON object, got {type(raw).__name__}")
+    return raw

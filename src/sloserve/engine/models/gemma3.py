@@ -30,7 +30,7 @@ from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
-from sloserve.engine.models.llama import LlamaForCausalLM, MergedLinear, Rotary, apply_rotary
+from sloserve.engine.models.llama import LlamaForCausalLM, MergedLinear, Rotary, apply_rotary, qkv_projection
 
 
 class GemmaRMSNorm(nn.Module):
@@ -52,8 +52,7 @@ class Gemma3Attention(nn.Module):
         super().__init__()
         hd, nh, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
-        parts = {"q_proj": nh * hd, "k_proj": nkv * hd, "v_proj": nkv * hd}
-        self.qkv_proj = MergedLinear(config.hidden_size, parts, bias=config.attention_bias)
+        self.qkv_proj = qkv_projection(config)
         self.o_proj = nn.Linear(nh * hd, config.hidden_size, bias=config.attention_bias)
         self.qk_norm = config.qk_norm
         if config.qk_norm:

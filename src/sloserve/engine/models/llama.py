@@ -62,6 +62,13 @@ class MergedLinear(nn.Linear):
         return views
 
 
+def qkv_projection(config: ModelConfig) -> MergedLinear:
+    """An attention's Q, K and V projections as one (the checkpoint's ``q_proj``, ``k_proj``, ``v_proj``)."""
+    hd, nh, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+    parts = {"q_proj": nh * hd, "k_proj": nkv * hd, "v_proj": nkv * hd}
+    return MergedLinear(config.hidden_size, parts, bias=config.attention_bias)
+
+
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """(head_dim / 2,) inverse frequencies, with linear or Llama-3 scaling applied (or a GGUF file's
     frequency factors, llama.cpp's form of Llama 3's)."""
@@ -177,8 +184,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         hd, nh, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
-        parts = {"q_proj": nh * hd, "k_proj": nkv * hd, "v_proj": nkv * hd}
-        self.qkv_proj = MergedLinear(config.hidden_size, parts, bias=config.attention_bias)
+        self.qkv_proj = qkv_projection(config)
         self.o_proj = nn.Linear(nh * hd, config.hidden_size, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, config.norm_eps)
