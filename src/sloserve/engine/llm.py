@@ -134,8 +134,13 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` samples with when given no params: the model's generation config's
         temperature, top_p, top_k, min_p and repetition_penalty (``checkpoint/generation_config.py``),
-        else the API's defaults (vLLM's ``LLM.get_default_sampling_params``)."""
-        return SamplingParams(**sampling_defaults(self.model))
+        else the API's defaults (vLLM's ``LLM.get_default_sampling_params``). A new one each call."""
+        return SamplingParams(**self._sampling_defaults)
+
+    @functools.cached_property
+    def _sampling_defaults(self) -> dict[str, float]:
+        """NOTE: the file is read once, at the first call (as vLLM keeps them), not at every ``generate``."""
+        return sampling_defaults(self.model)
 
     def _token_ids(self, prompt: Prompt, index: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
