@@ -7,7 +7,12 @@ import transformers
 
 VOCAB = 300
 SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7, "phi3": 9, "smollm3": 10, "gemma2": 11,
-         "qwen3_moe": 12, "mixtral": 13, "granite": 14, "olmo2": 15}  # fmt: skip
+         "qwen3_moe": 12, "mixtral": 13, "granite": 14, "olmo2": 15, "phi4_mini": 16}  # fmt: skip
+# Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
+# of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.15, 1.3, 1.45, 1.6, 1.75], "long_factor": [1.0, 8.0, 15.0, 22.0, 29.0, 36.0]}  # fmt: skip
+LONGROPE_PRETRAINED_CONTEXT = 64
 
 
 def hf_model(arch: str):
@@ -45,6 +50,13 @@ def hf_model(arch: str):
         config = transformers.Phi3Config(
             **common, intermediate_size=128, num_key_value_heads=2, sliding_window=8, initializer_range=0.2,
             pad_token_id=0,
+        )  # fmt: skip
+        cls = transformers.Phi3ForCausalLM
+    elif arch == "phi4_mini":  # partial rotary, LongRoPE, the LM head tied, no window: Phi-4 mini's
+        config = transformers.Phi3Config(
+            **common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2, pad_token_id=0,
+            tie_word_embeddings=True, partial_rotary_factor=0.75, rope_parameters=dict(LONGROPE),
+            original_max_position_embeddings=LONGROPE_PRETRAINED_CONTEXT,
         )  # fmt: skip
         cls = transformers.Phi3ForCausalLM
     elif arch == "smollm3":  # its second layer without a rotary embedding (the real ones: every fourth)

@@ -536,13 +536,6 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
     with pytest.raises(ConfigError, match="quantized checkpoints are not supported .*quant_method 'fp8'"):
         LLM(str(fp8))
-    partial = tmp_path / "partial"  # Phi-4 mini rotates 3/4 of each head
-    shutil.copytree(hf_dirs["phi3"], partial)
-    config = json.loads((partial / "config.json").read_text())
-    config["rope_parameters"]["partial_rotary_factor"] = 0.75
-    (partial / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="partial_rotary_factor 0.75 .* is not supported"):
-        LLM(str(partial))
     with pytest.raises(ConfigError, match="unknown random model shape 'nope'"):
         LLM("random:nope")
     with pytest.raises(ConfigError, match="max_model_len 5000 is above the model's context of 1024"):

@@ -31,19 +31,21 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "c
     tokens=st.integers(1, 9),
     heads=st.tuples(st.integers(1, 20), st.integers(1, 4)),
     head_dim=st.sampled_from([16, 24, 64, 128]),
+    partial=st.booleans(),
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**16),
 )
-def test_rotary_equals_the_pytorch_form(tokens, heads, head_dim, dtype, seed):
+def test_rotary_equals_the_pytorch_form(tokens, heads, head_dim, partial, dtype, seed):
     """Q and K heads rotated together from the fused QKV projection's output (a strided view), at
-    random positions of a real rotary table."""
+    random positions of a real rotary table; ``partial``: the leading 3/4 of each head (Phi-4 mini's)."""
     gen = torch.Generator().manual_seed(seed)
     nh, nkv = heads
     qkv = torch.randn(tokens, nh + 2 * nkv, head_dim, generator=gen).to(DEVICE, dtype)
-    qk = qkv[:, : nh + nkv]  # (T, nh + nkv, hd), not contiguous
+    rotary_dim = head_dim * 3 // 4 if partial else head_dim
+    qk = qkv[:, : nh + nkv, :rotary_dim]  # (T, nh + nkv, rotary_dim), not contiguous
     config = random_config("tiny-llama")
     rotary = Rotary(config)
-    rotary.config = type(config)(**{**config.__dict__, "head_dim": head_dim})
+    rotary.config = type(config)(**{**config.__dict__, "head_dim": head_dim, "partial_rotary_dim": rotary_dim})
     positions = torch.randint(0, config.max_position_embeddings, (tokens,), generator=gen).to(DEVICE)
     cos, sin = rotary.for_positions(positions, dtype)
     out = fused_ops.rotary_triton(qk, cos, sin)

@@ -7,7 +7,6 @@ gives the greedy tokens of the transformers model the file was written from."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -19,7 +18,6 @@ from gguf_files import assert_reads_as_transformers, sentencepiece_vocabulary, w
 from hf_models import greedy  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.checkpoint.gguf import read_gguf  # noqa: E402
-from sloserve.core.errors import ConfigError  # noqa: E402
 
 CORPUS = [
     "Hello world, how are you today? The weather is fine.",
@@ -93,7 +91,7 @@ def test_greedy_tokens_equal_the_models_past_its_window(phi3):
         assert out.outputs[0].token_ids == expected
 
 
-def test_phi_4s_zero_window_is_none_and_longrope_is_refused(tmp_path):
+def test_phi_4s_zero_window_is_none(tmp_path):
     vocabulary = sentencepiece_vocabulary(CORPUS, ADDED)
     model = tiny_phi3(len(vocabulary[0]), None)
     path = tmp_path / "phi4-like.gguf"
@@ -104,11 +102,3 @@ def test_phi_4s_zero_window_is_none_and_longrope_is_refused(tmp_path):
     expected = greedy(model, ids, 8)
     [out] = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert out.outputs[0].token_ids == expected
-    # a 128K Phi-3's longrope factors, as the converter stores them
-    factors = np.ones(64 // 4 // 2, dtype=np.float32)  # one a frequency of a head
-    longrope = tmp_path / "longrope.gguf"
-    write_phi3_gguf(
-        longrope, model, vocabulary, 0, {"rope_factors_long.weight": factors, "rope_factors_short.weight": factors}
-    )
-    with pytest.raises(ConfigError, match="GGUF longrope scaling .* is not supported"):
-        LLM(str(longrope), kv_capacity_tokens=256)

@@ -51,6 +51,7 @@ def _on_pieces(llm: LLM, sizes: list[int], compile: bool = False) -> list[int]:
         ("tiny-llama", "torch", "bros", {}),  # bidirectional KV blocks
         ("tiny-mistral", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # a sliding window
         ("tiny-granite", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # scales
+        ("tiny-phi4-mini", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # partial rotary
         ("tiny-llama", "triton", "sarathi", dict(prefill_token_budget=16, block_size=4)),
         ("tiny-llama", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4, async_scheduling=True)),
     ],

@@ -68,8 +68,8 @@ class ModelConfig:
     """The architecture numbers the engine needs (names as in HF ``config.json``).
 
     ``model_type`` is the HF name (llama, mistral, qwen2, opt); ``architecture`` the module that runs
-    it. ``rope_scaling`` is the HF dict (``rope_type`` default, linear, llama3 or yarn; a GGUF file's
-    ``frequency_factors``) or None.
+    it. ``rope_scaling`` is the HF dict (``rope_type`` default, linear, llama3, yarn or longrope; a GGUF
+    file's ``frequency_factors``) or None.
     """
 
     model_type: str
@@ -84,6 +84,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+    # Phi-4 mini: the rotary embedding turns the first partial_rotary_dim of each head (96 of 128), the
+    # rest pass through (None: the whole head)
+    partial_rotary_dim: int | None = None
     attention_bias: bool = False  # q/k/v biases (Qwen2: True)
     qk_norm: bool = False  # an RMSNorm of each query and key head before the rotary embedding (Qwen3)
     mlp_bias: bool = False
@@ -140,6 +143,12 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"model {self.name}: {name} must be a positive integer, got {value!r}")
+        rotated = self.partial_rotary_dim
+        if rotated is not None and not (0 < rotated <= self.head_dim and rotated % 2 == 0):
+            raise ConfigError(
+                f"model {self.name}: the rotary embedding turns {rotated} of a head's {self.head_dim} dimensions; "
+                "it needs an even number of them"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"model {self.name}: num_key_value_heads {self.num_key_value_heads} must divide "
@@ -149,6 +158,11 @@ class ModelConfig:
     @property
     def architecture(self) -> str:
         return ARCHITECTURES[self.model_type]
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of a head the rotary embedding turns (the leading ones)."""
+        return self.partial_rotary_dim or self.head_dim
 
     @property
     def is_moe(self) -> bool:
@@ -288,11 +302,18 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     )
     if raw.get("use_sliding_window"):
         raise ConfigError(f"{name}: sliding-window attention (use_sliding_window) is not supported for {model_type}")
+    head_dim = raw.get("head_dim") or hidden // heads
     rotated = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if rotated != 1.0:
+    if rotated != 1.0 and model_type != "phi3":  # NOTE: transformers' Llama-family models rotate whole heads
         raise ConfigError(
-            f"{name}: partial_rotary_factor {rotated} (a rotary embedding on part of a head) is not supported"
+            f"{name}: partial_rotary_factor {rotated} (a rotary embedding on part of a head) is not supported "
+            f"for {model_type} (phi3 only)"
         )
+    if not isinstance(rotated, (int, float)) or not 0 < rotated <= 1:
+        raise ConfigError(f"{name}: partial_rotary_factor must be in (0, 1], got {rotated!r}")
+    rotary_dim = int(head_dim * rotated)  # (transformers' rounding)
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "longrope":
+        scaling = _longrope(scaling, raw, rotary_dim, name)
     # NOTE: Mistral 7B v0.1's and Phi-3 mini's every layer sees the last sliding_window positions (later
     # Mistrals, Phi-4: null; a window as long as the context changes nothing); Qwen's sliding_window is
     # unused unless use_sliding_window
@@ -310,10 +331,11 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         **common,
         intermediate_size=need("intermediate_size"),
         num_key_value_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or hidden // heads,
+        head_dim=head_dim,
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=scaling,
+        partial_rotary_dim=rotary_dim if rotary_dim != head_dim else None,
         # NOTE: Qwen2's config has no attention_bias key; its q/k/v projections always have biases.
         attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
         mlp_bias=bool(raw.get("mlp_bias", False)),
@@ -381,12 +403,39 @@ def _rope_scaling(scaling: dict[str, Any] | None, name: str) -> dict[str, Any] |
     if scaling is None:
         return None
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "su":  # (LongRoPE's first name, in the first 128K Phi-3 configs; transformers reads it so)
+        scaling, kind = {**scaling, "rope_type": "longrope"}, "longrope"
     # NOTE: frequency_factors is a GGUF file's (llama.cpp's rope_freqs tensor), not an HF config's
-    if kind not in ("default", "linear", "llama3", "yarn", "frequency_factors"):
-        raise ConfigError(f"{name}: rope scaling {kind!r} is not supported (default, linear, llama3, yarn)")
+    if kind not in ("default", "linear", "llama3", "yarn", "longrope", "frequency_factors"):
+        raise ConfigError(f"{name}: rope scaling {kind!r} is not supported (default, linear, llama3, yarn, longrope)")
     if kind == "yarn" and not scaling.get("original_max_position_embeddings"):
         raise ConfigError(f"{name}: yarn rope scaling needs original_max_position_embeddings (the pretrained context)")
     return None if kind == "default" else scaling
+
+
+def _longrope(scaling: dict[str, Any], raw: dict[str, Any], rotary_dim: int, name: str) -> dict[str, Any]:
+    """LongRoPE's settings (Phi-3.5, Phi-4 mini, the 128K Phi-3s), checked: a short and a long factor per
+    frequency, and the pretrained context (Phi-3 keeps it at the top level of its config; transformers'
+    Phi3Config default 4,096 where it has none)."""
+    original = scaling.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+    if original is None:
+        original = 4096 if raw.get("model_type") == "phi3" else raw.get("max_position_embeddings")
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or not all(
+            isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors
+        ):
+            raise ConfigError(f"{name}: longrope rope scaling needs {key}, a list of positive numbers")
+        if len(factors) != rotary_dim // 2:
+            raise ConfigError(
+                f"{name}: longrope {key} has {len(factors)} factors; the rotary embedding has {rotary_dim // 2} "
+                "frequencies"
+            )
+    if not isinstance(original, int) or isinstance(original, bool) or original < 1:
+        raise ConfigError(
+            f"{name}: longrope original_max_position_embeddings must be a positive integer, got {original!r}"
+        )
+    return {**scaling, "rope_type": "longrope", "original_max_position_embeddings": original}
 
 
 def _gemma3_config(raw: dict[str, Any], common: dict[str, Any], name: str, need) -> ModelConfig:
@@ -532,6 +581,19 @@ RANDOM_SHAPES: dict[str, ModelConfig] = {
     # Granite 3.3 8B's scales (its attention's for head_dim 16)
     "tiny-granite": _tiny(
         "granite", embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=16.0
+    ),
+    # Phi-4 mini's rotary embedding: 12 of each head's 16 dimensions turn, LongRoPE past 256 positions
+    "tiny-phi4-mini": _tiny(
+        "phi3",
+        tie_word_embeddings=True,
+        partial_rotary_dim=12,
+        rope_scaling={
+            "rope_type": "longrope",
+            "original_max_position_embeddings": 256,
+            "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5],
+            "long_factor": [1.0, 4.0, 8.0, 12.0, 16.0, 20.0],
+        },
+        name="tiny-phi4-mini",
     ),
     "qwen2.5-7b": _from_spec("qwen2.5-7b", "qwen2", attention_bias=True, norm_eps=1e-6, rope_theta=1e6),
     "opt-13b": _from_spec("opt-13b", "opt", hidden_act="relu", word_embed_proj_dim=5120),

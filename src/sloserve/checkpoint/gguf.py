@@ -10,7 +10,8 @@ without sliding windows), SmolLM3, Granite 3, Qwen2, Qwen3, Qwen3-MoE (``qwen3mo
 Gemma 2 and Gemma 3's text models, with a byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``; the
 pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2,
 Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores it, a tensor of
-frequency factors (``rope_freqs.weight``); linear and YaRN scaling as ``rope.scaling.*`` keys.
+frequency factors (``rope_freqs.weight``); linear and YaRN scaling as ``rope.scaling.*`` keys; Phi-3.5's
+and Phi-4 mini's LongRoPE as two tensors of factors (``rope_factors_short/long.weight``).
 
 NOTE: llama.cpp's converter permutes the rows of a Llama (SmolLM3, Granite) model's Q and K projections (its
 RoPE rotates adjacent pairs, HF's rotates halves); ``_unpermute`` undoes it, as transformers' GGUF loader
@@ -135,6 +136,8 @@ END_OF_GENERATION_TEXTS = frozenset({
 # Llama 3.1's rope scaling, as llama.cpp's converter stores it: per frequency, the factor its wavelength
 # is stretched by (1 for the short ones, the scaling factor for the long ones, a ramp between)
 ROPE_FREQS = "rope_freqs.weight"
+# LongRoPE's factors per frequency (Phi-3.5, Phi-4 mini): HF's name -> the GGUF tensor's
+LONGROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
 TOKEN_TYPE_CONTROL = 3  # llama.cpp's token types: 1 normal, 3 control (special), 4 user-defined
 TOKEN_TYPE_USER_DEFINED = 4  # an added token that is not special (Qwen3's <think>, <tool_call>)
 
@@ -237,10 +240,17 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
     }
     rotated = meta.get(f"{arch}.rope.dimension_count")
     if rotated is not None and rotated != config["head_dim"]:
-        raise ConfigError(
-            f"{path}: GGUF {arch}.rope.dimension_count {rotated} rotates part of a head of {config['head_dim']}; "
-            "partial rotary embeddings are not supported"
-        )
+        # NOTE: Phi-4 mini's partial rotary, as transformers' phi3 reads it (its other archs rotate whole heads)
+        if (
+            arch != "phi3"
+            or not isinstance(rotated, int)
+            or int(config["head_dim"] * (rotated / config["head_dim"])) != rotated
+        ):
+            raise ConfigError(
+                f"{path}: GGUF {arch}.rope.dimension_count {rotated} rotates part of a head of {config['head_dim']}; "
+                "partial rotary embeddings are supported for phi3 only"
+            )
+        config["partial_rotary_factor"] = rotated / config["head_dim"]
     config["rope_scaling"] = _rope_scaling(meta, arch, path)
     if arch in GEMMA_LAYOUT:
         config.update(_gemma_config(meta, arch, config, path))
@@ -263,10 +273,8 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         ]
     if arch == "phi3":  # every layer's window (Phi-3 mini's 2,047; 0: none, Phi-4's)
         config["sliding_window"] = meta.get("phi3.attention.sliding_window") or None
-        if any(t.name.startswith("rope_factors_") for t in reader.tensors):
-            raise ConfigError(
-                f"{path}: GGUF longrope scaling (rope_factors_long/short: Phi-3.5, the 128K Phi-3s) is not supported"
-            )
+        if any(t.name in LONGROPE_FACTORS.values() for t in reader.tensors):
+            config["rope_scaling"] = _longrope_scaling(meta, reader, rotated or config["head_dim"], path)
     factors = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if factors is not None:
         frequencies = config["head_dim"] // 2
@@ -344,17 +352,36 @@ def _gemma_config(meta: dict[str, Any], arch: str, config: dict[str, Any], path:
 
 
 def _frequency_factors(tensor: Any, frequencies: int, path: Path) -> list[float]:
-    """The rope frequency factors of ``rope_freqs.weight``: one a frequency of a head, each finite and > 0."""
+    """The rope frequency factors of ``tensor`` (``rope_freqs.weight``, ``rope_factors_*.weight``): one a
+    frequency of a head, each finite and > 0."""
     import gguf
 
     factors = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float64).reshape(-1)
     if len(factors) != frequencies:
         raise ConfigError(
-            f"{path}: GGUF tensor {ROPE_FREQS} holds {len(factors)} factors; a head has {frequencies} frequencies"
+            f"{path}: GGUF tensor {tensor.name} holds {len(factors)} factors; a head has {frequencies} frequencies"
         )
     if not (np.isfinite(factors).all() and (factors > 0).all()):
-        raise ConfigError(f"{path}: GGUF tensor {ROPE_FREQS} holds factors that are not finite and > 0")
+        raise ConfigError(f"{path}: GGUF tensor {tensor.name} holds factors that are not finite and > 0")
     return factors.tolist()
+
+
+def _longrope_scaling(meta: dict[str, Any], reader: Any, rotary_dim: int, path: Path) -> dict[str, Any]:
+    """Phi-3.5's and Phi-4 mini's LongRoPE as llama.cpp's converter stores it (the short and long factors as
+    tensors, the pretrained context and the cos/sin scale as keys), read back as the HF settings."""
+    tensors = {t.name: t for t in reader.tensors}
+    missing = [name for name in LONGROPE_FACTORS.values() if name not in tensors]
+    original = meta.get("phi3.rope.scaling.original_context_length")
+    if missing or not isinstance(original, int) or original < 1:
+        raise ConfigError(
+            f"{path}: GGUF longrope scaling needs tensors {' and '.join(LONGROPE_FACTORS.values())} and "
+            f"phi3.rope.scaling.original_context_length (missing: {', '.join(missing) or 'the context length'})"
+        )
+    scaling = {key: _frequency_factors(tensors[name], rotary_dim // 2, path) for key, name in LONGROPE_FACTORS.items()}
+    # NOTE: llama.cpp scales cos and sin by attn_factor, 1 where the file has none (the converter writes it)
+    attention_factor = float(meta.get("phi3.rope.scaling.attn_factor", 1.0))
+    return {"rope_type": "longrope", **scaling, "original_max_position_embeddings": original,
+            "attention_factor": attention_factor}  # fmt: skip
 
 
 def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -377,7 +404,7 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
         else:
             patterns[gguf_name] = hf_name
     for tensor in checkpoint.reader.tensors:
-        if tensor.name == ROPE_FREQS:
+        if tensor.name == ROPE_FREQS or tensor.name in LONGROPE_FACTORS.values():
             continue  # NOTE: the config's rope scaling (read_gguf), not a weight
         block, _, kind = tensor.name.removesuffix(".weight").rpartition(".")
         if kind in EXPERT_TENSORS and config.get("num_experts") and block.startswith("blk."):

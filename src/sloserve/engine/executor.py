@@ -133,6 +133,9 @@ class EngineExecutor:
         """An executor of ``loaded``'s model with the CUDA graphs it was loaded for (``cuda_graphs``): the
         decode graphs, their slot tables ``max_context`` wide, and the piecewise graphs where they are
         switched on."""
+        rotary = getattr(loaded.model, "rotary", None)  # (OPT has none: learned positions)
+        if rotary is not None:
+            rotary.serve_context(max_context)  # NOTE: before the graphs capture its tables
         graphs = None
         if loaded.cuda_graphs:
             graphs = DecodeGraphs(loaded.model, cache, max_context, kv.table_block_size)

@@ -64,8 +64,8 @@ def first_piece(
     model: nn.Module,
     token_ids: torch.Tensor,  # (S,)
     positions: torch.Tensor,  # (S,)
-    cos: torch.Tensor,  # (S, 1, hd) written: the rotary tables of the positions
-    sin: torch.Tensor,  # (S, 1, hd) written
+    cos: torch.Tensor,  # (S, 1, rotary_dim) written: the rotary tables of the positions
+    sin: torch.Tensor,  # (S, 1, rotary_dim) written
     q: torch.Tensor,  # (S, nh, hd) written: layer 0's attention inputs
     k: torch.Tensor,  # (S, nkv, hd) written
     v: torch.Tensor,  # (S, nkv, hd) written
@@ -82,8 +82,8 @@ def between_pieces(
     prev: nn.Module,  # layer i - 1
     layer: nn.Module,  # layer i
     attended: torch.Tensor,  # (S, nh, hd) layer i - 1's attention output
-    cos: torch.Tensor,  # (S, 1, hd)
-    sin: torch.Tensor,  # (S, 1, hd)
+    cos: torch.Tensor,  # (S, 1, rotary_dim)
+    sin: torch.Tensor,  # (S, 1, rotary_dim)
     q: torch.Tensor,  # (S, nh, hd) written: layer i's attention inputs
     k: torch.Tensor,  # (S, nkv, hd) written
     v: torch.Tensor,  # (S, nkv, hd) written
@@ -154,7 +154,8 @@ class PiecewiseGraphs:
 
         # NOTE: every piece reads and writes these, so a replay finds its inputs where the capture did.
         self.token_ids, self.positions = buffer(n, kind=torch.int64), buffer(n, kind=torch.int64)  # (n,) each
-        self.cos, self.sin = buffer(n, 1, hd), buffer(n, 1, hd)  # (n, 1, hd) rotary tables of the positions
+        rd = config.rotary_dim
+        self.cos, self.sin = buffer(n, 1, rd), buffer(n, 1, rd)  # (n, 1, rotary_dim) rotary tables of the positions
         self.q, self.k, self.v = buffer(n, nh, hd), buffer(n, nkv, hd), buffer(n, nkv, hd)
         self.residual = buffer(n, config.hidden_size)  # (n, H) the stream with the last layer's output in it
         self.attended = buffer(n, nh, hd)  # (n, nh, hd) the attention's output, copied in

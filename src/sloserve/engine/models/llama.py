@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
+from sloserve.core.errors import ConfigError
 from sloserve.engine import fused_ops
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
 from sloserve.engine.models.moe import SparseMoE
@@ -69,15 +70,19 @@ def qkv_projection(config: ModelConfig) -> MergedLinear:
     return MergedLinear(config.hidden_size, parts, bias=config.attention_bias)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """(head_dim / 2,) inverse frequencies, with linear or Llama-3 scaling applied (or a GGUF file's
-    frequency factors, llama.cpp's form of Llama 3's)."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+def rope_inv_freq(config: ModelConfig, long_factors: bool = False) -> torch.Tensor:
+    """(rotary_dim / 2,) inverse frequencies, with linear, Llama-3, YaRN or LongRoPE scaling applied (or a
+    GGUF file's frequency factors, llama.cpp's form of Llama 3's). ``long_factors``: LongRoPE's long ones."""
+    dim = config.rotary_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # (rotary_dim / 2,)
+    inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "longrope":  # each frequency slowed by its factor (rescale factors lambda_i of LongRoPE)
+        factors = torch.tensor(scaling["long_factor" if long_factors else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * config.rope_theta**exponents)  # NOTE: transformers' order of operations
     if kind == "frequency_factors":  # each wavelength stretched by its factor, as llama.cpp's rope does
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)  # NOTE: one a frequency
     if kind == "yarn":
@@ -128,13 +133,19 @@ def yarn_inv_freq(config: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
 
 
 def rope_attention_factor(config: ModelConfig) -> float:
-    """The factor YaRN scales cos and sin by (so the attention logits by its square): ``attention_factor``,
-    else 0.1 ln(s) + 1 (with DeepSeek's ``mscale``/``mscale_all_dim`` where given); 1 for the others."""
+    """The factor YaRN and LongRoPE scale cos and sin by (so the attention logits by its square):
+    ``attention_factor``, else YaRN's 0.1 ln(s) + 1 (with DeepSeek's ``mscale``/``mscale_all_dim`` where
+    given) or LongRoPE's sqrt(1 + ln(s) / ln(L)), s the context over the pretrained one L; 1 for the others."""
     scaling = config.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if kind == "longrope":  # NOTE: the same for the short and the long factors, as in transformers and vLLM
+        original = scaling["original_max_position_embeddings"]
+        factor = scaling.get("factor") or config.max_position_embeddings / original
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     factor = yarn_factor(config)
 
     def mscale(scale: float) -> float:
@@ -153,26 +164,61 @@ class Rotary(nn.Module):
         super().__init__()
         self.config = config
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        scaling = config.rope_scaling or {}
+        # LongRoPE: the long factors wherever the served context exceeds the pretrained one, at every
+        # position, as vLLM chooses them (``serve_context``; until an engine says: the model's whole context).
+        # NOTE: transformers switches per forward call, by the longest position in it, so a sequence that
+        # grows past the pretrained context holds keys rotated by both; vLLM and llama.cpp keep one set.
+        self.pretrained_context = scaling.get("original_max_position_embeddings") if _is_longrope(config) else None
+        self.long_factors = (
+            self.pretrained_context is not None and config.max_position_embeddings > self.pretrained_context
+        )
+        self.served_context: int | None = None
+
+    def serve_context(self, max_model_len: int) -> None:
+        """An engine serves contexts of ``max_model_len`` tokens with this model: LongRoPE's factors for them.
+        A model serves one choice: another engine's that needs the other factors is a ConfigError."""
+        if self.pretrained_context is None:
+            return
+        long_factors = max_model_len > self.pretrained_context
+        if self.served_context is not None and long_factors != self.long_factors:
+            raise ConfigError(
+                f"{self.config.name}: this loaded model serves contexts of {self.served_context} tokens with "
+                f"LongRoPE's {'long' if self.long_factors else 'short'} factors (its pretrained context: "
+                f"{self.pretrained_context}); max_model_len {max_model_len} needs the other ones: load it again"
+            )
+        if long_factors != self.long_factors:
+            self._tables = None
+        self.long_factors, self.served_context = long_factors, max_model_len
 
     def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._tables is None or self._tables[0].device != device:
-            inv_freq = rope_inv_freq(self.config).to(device)
+            inv_freq = rope_inv_freq(self.config, self.long_factors).to(device)
             positions = torch.arange(self.config.max_position_embeddings, device=device).float()
-            freqs = torch.outer(positions, inv_freq)  # (max_pos, hd / 2)
-            emb = torch.cat((freqs, freqs), dim=-1)  # (max_pos, hd)
+            freqs = torch.outer(positions, inv_freq)  # (max_pos, rotary_dim / 2)
+            emb = torch.cat((freqs, freqs), dim=-1)  # (max_pos, rotary_dim)
             scale = rope_attention_factor(self.config)
             self._tables = (emb.cos() * scale, emb.sin() * scale)
         return self._tables
 
     def for_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each (T, 1, hd), of this step's positions."""
+        """(cos, sin), each (T, 1, rotary_dim), of this step's positions."""
         cos, sin = self.tables(positions.device)
         return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
 
 
+def _is_longrope(config: ModelConfig) -> bool:
+    scaling = config.rope_scaling or {}
+    return scaling.get("rope_type", scaling.get("type")) == "longrope"
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, heads, hd); cos, sin: (T, 1, hd). One fused kernel on CUDA (``fused_ops``)."""
-    return fused_ops.rotary(x, cos, sin)
+    """x: (T, heads, hd); cos, sin: (T, 1, rotary_dim), rotary_dim <= hd: the leading dimensions of each head
+    turn, the rest pass through (Phi-4 mini's partial rotary). One fused kernel on CUDA (``fused_ops``)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return fused_ops.rotary(x, cos, sin)
+    return torch.cat((fused_ops.rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
 
 
 class LlamaAttention(nn.Module):
@@ -300,7 +346,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add_and_norm(x, residual)[0]
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
-        """(the tokens' embeddings (T, H), the rotary cos and sin (T, 1, hd) each, shared by the layers)."""
+        """(the tokens' embeddings (T, H), the rotary cos and sin (T, 1, rotary_dim) each, shared by the layers)."""
         x = self.model.embed_tokens(input_ids)
         if self.config.embedding_multiplier != 1.0:  # (Granite's)
             x = x * self.config.embedding_multiplier
