@@ -106,6 +106,11 @@ TEKKEN_SPLIT = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+GPT4O_SPLIT = (  # (tiktoken's o200k: Tekken's letters with the contractions attached, digits in threes)
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 PRE_TOKENIZER_SPLITS: dict[str | None, str | None] = {
     None: None,
     "default": None,
@@ -121,6 +126,7 @@ PRE_TOKENIZER_SPLITS: dict[str | None, str | None] = {
     "dbrx": LLAMA3_SPLIT,  # (Phi-4's: GPT-4's cl100k split, Llama 3's pattern)
     "pixtral": LLAMA3_SPLIT,
     "tekken": TEKKEN_SPLIT,
+    "gpt-4o": GPT4O_SPLIT,  # (Phi-4 mini's)
 }
 # The ids that end a generation besides EOS (llama.cpp's end-of-generation tokens): Llama 3.1's
 # <|eot_id|> (end of turn) and <|eom_id|> (end of a message that called a tool), as its generation config
