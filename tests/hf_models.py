@@ -7,7 +7,8 @@ import transformers
 
 VOCAB = 300
 SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7, "phi3": 9, "smollm3": 10, "gemma2": 11,
-         "qwen3_moe": 12, "mixtral": 13, "granite": 14, "olmo2": 15, "phi4_mini": 16}  # fmt: skip
+         "qwen3_moe": 12, "mixtral": 13, "granite": 14, "olmo2": 15, "phi4_mini": 16,
+         "qwen2_moe": 17}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -72,6 +73,12 @@ def hf_model(arch: str):
             initializer_range=0.2,
         )  # fmt: skip
         cls = transformers.Qwen3MoeForCausalLM
+    elif arch == "qwen2_moe":  # 8 experts, 2 a token (not renormalized) beside the shared one; layer 2 dense
+        config = transformers.Qwen2MoeConfig(
+            **common, intermediate_size=128, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1], initializer_range=0.2,
+        )  # fmt: skip
+        cls = transformers.Qwen2MoeForCausalLM
     elif arch == "mixtral":  # 4 experts, 2 a token
         config = transformers.MixtralConfig(
             **common, intermediate_size=32, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,

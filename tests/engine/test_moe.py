@@ -1,7 +1,8 @@
-"""Qwen3-MoE's sparse mixture of experts (``engine/models/moe.py``): the layer against transformers'
-``Qwen3MoeSparseMoeBlock`` on random tokens (experts that get many tokens, one, or none), which layers
-are sparse, the parameter count, and CUDA graphs refused for a routing that sets its own shapes. The
-whole model's greedy tokens are checked in test_engine.py (``qwen3_moe``)."""
+"""Qwen3-MoE's and Qwen2-MoE's sparse mixtures of experts (``engine/models/moe.py``): the layer against
+transformers' ``Qwen3MoeSparseMoeBlock`` and ``Qwen2MoeSparseMoeBlock`` (its gated shared expert) on random
+tokens (experts that get many tokens, one, or none), which layers are sparse, the parameter count, GGUF
+files as llama.cpp lays them out, and CUDA graphs refused for a routing that sets its own shapes. The
+whole model's greedy tokens are checked in test_engine.py (``qwen3_moe``, ``qwen2_moe``)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,40 @@ def test_the_layer_equals_transformers_block(norm_topk_prob, num_tokens):
     if num_tokens == 64:  # (every expert gets tokens here; with 1 token, 4 of 6 get none)
         routed = ours.gate(x).topk(2, dim=-1).indices
         assert routed.unique().numel() == 6
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 64])
+def test_qwen2_moes_layer_with_its_shared_expert_equals_transformers_block(num_tokens):
+    """Qwen2-MoE: the routed experts' sum (top weights not renormalized) plus the shared expert's output
+    times sigmoid(shared_expert_gate(x))."""
+    config = moe_config(model_type="qwen2_moe", shared_expert_intermediate_size=24)
+    hf_config = transformers.Qwen2MoeConfig(**{**config, "model_type": None})
+    torch.manual_seed(100 + num_tokens)
+    block = transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock(hf_config).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.3)
+    ours = create_model(from_hf_config(config), TorchAttention(), torch.float32, torch.device("cpu"))
+    layer = ours.model.layers[0].mlp
+    assert isinstance(layer, SparseMoE)
+    tensors = checkpoint_tensors(ours)
+    prefix = "model.layers.0.mlp"
+    with torch.no_grad():  # the block's tensors under the Hub's names
+        for name, tensor in block.state_dict().items():
+            if name.startswith("experts."):  # (E, 2 I, H) and (E, H, I): the engine's own layout
+                getattr(layer.experts, {"experts.gate_up_proj": "gate_up", "experts.down_proj": "down"}[name]).copy_(
+                    tensor
+                )
+            else:
+                tensors[f"{prefix}.{name}"].copy_(tensor)
+    x = torch.randn(num_tokens, 32)
+    with torch.no_grad():
+        expected = block(x[None])[0]
+        got = layer(x)
+        weights, chosen = layer.gate(x).softmax(-1).topk(2, dim=-1)
+        without_shared = layer.experts(x, chosen, weights)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(without_shared, expected, atol=1e-2)  # NOTE: the shared expert counts
 
 
 def test_which_layers_are_sparse_and_the_parameter_count(tmp_path):
@@ -119,6 +154,46 @@ def test_a_qwen3_moe_gguf_file_gives_transformers_greedy_tokens(tmp_path):
     write_gguf(path, model, fields, arch="qwen3moe", tensors=experts)
     llm = LLM(str(path), kv_capacity_tokens=256)
     assert llm.engine.executor.model.config.moe["moe_layers"] == (True,) * 4
+    prompts = [[3, 9, 27, 17, 51, 25, 101, 7], list(range(40, 70))]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
+    assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 12) for ids in prompts]
+
+
+def test_qwen2_moes_parameter_count_and_gguf_file(tmp_path):
+    """A Qwen2-MoE model has transformers' parameter count; llama.cpp's ``qwen2moe`` layout (the experts
+    stacked as Qwen3-MoE's, the shared expert's ``ffn_*_shexp`` and its gate ``ffn_gate_inp_shexp``, a vector;
+    q/k/v biases) gives transformers' greedy tokens, the top weights not renormalized."""
+    pytest.importorskip("gguf")
+    from gguf_files import uneven_norms_, write_gguf
+
+    config = moe_config(model_type="qwen2_moe", shared_expert_intermediate_size=24, vocab_size=300)
+    hf_config = transformers.Qwen2MoeConfig(**{**config, "model_type": None, "initializer_range": 0.2})
+    torch.manual_seed(22)
+    model = uneven_norms_(transformers.Qwen2MoeForCausalLM(hf_config).eval())
+    assert from_hf_config(config).num_params == sum(p.numel() for p in model.parameters())
+    state = {name: t.float().numpy() for name, t in model.state_dict().items()}
+    more = {}
+    for n in range(hf_config.num_hidden_layers):
+        mlp, i = f"model.layers.{n}.mlp", hf_config.moe_intermediate_size
+        more[f"blk.{n}.ffn_gate_exps.weight"] = state[f"{mlp}.experts.gate_up_proj"][:, :i].copy()
+        more[f"blk.{n}.ffn_up_exps.weight"] = state[f"{mlp}.experts.gate_up_proj"][:, i:].copy()
+        more[f"blk.{n}.ffn_down_exps.weight"] = state[f"{mlp}.experts.down_proj"]
+        more[f"blk.{n}.ffn_gate_inp.weight"] = state[f"{mlp}.gate.weight"]
+        for part in ("gate", "up", "down"):
+            more[f"blk.{n}.ffn_{part}_shexp.weight"] = state[f"{mlp}.shared_expert.{part}_proj.weight"]
+        more[f"blk.{n}.ffn_gate_inp_shexp.weight"] = state[f"{mlp}.shared_expert_gate.weight"].reshape(-1)
+        for x in ("q", "k", "v"):
+            more[f"blk.{n}.attn_{x}.bias"] = state[f"model.layers.{n}.self_attn.{x}_proj.bias"]
+    fields = {
+        "add_tokenizer_model": "gpt2", "add_token_list": [f"t{i}" for i in range(300)], "add_expert_count": 6,
+        "add_expert_used_count": 2, "add_expert_feed_forward_length": 16, "add_expert_shared_feed_forward_length": 24,
+    }  # fmt: skip
+    path = tmp_path / "tiny-qwen2moe.gguf"
+    write_gguf(path, model, fields, arch="qwen2moe", tensors=more)
+    llm = LLM(str(path), kv_capacity_tokens=256)
+    moe = llm.engine.executor.model.config.moe
+    assert moe["moe_layers"] == (True,) * 4 and not moe["norm_topk_prob"]
     prompts = [[3, 9, 27, 17, 51, 25, 101, 7], list(range(40, 70))]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)

@@ -28,6 +28,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2": "llama",
     "qwen3": "llama",
     "qwen3_moe": "llama",  # (Qwen3's layers, their MLPs sparse mixtures of experts: ``engine/models/moe.py``)
+    "qwen2_moe": "llama",  # (Qwen2's layers, their MLPs mixtures of experts beside a gated shared expert)
     "mixtral": "llama",  # (Mistral's layers, their MLPs mixtures of experts)
     "phi3": "llama",  # (Phi-3, Phi-4: Llama's layers, their Q/K/V and gate/up stored fused)
     "smollm3": "llama",  # (Llama's layers, every fourth without a rotary embedding)
@@ -52,6 +53,13 @@ GEMMA2_DEFAULTS = {
     **GEMMA3_TEXT_DEFAULTS, "vocab_size": 256_000, "max_position_embeddings": 8192, "sliding_window_pattern": 2,
     "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
 }  # fmt: skip
+# The mixtures of experts, and transformers' defaults for what their configs may leave out
+MOE_DEFAULTS = {
+    "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
+    "qwen2_moe": {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408},
+    "mixtral": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (intermediate_size)
+}
+MOE_TYPES = tuple(MOE_DEFAULTS)
 # A layer type of ModelConfig.layer_types that sees only the last sliding_window positions
 SLIDING = "sliding_attention"
 # Byte-level tokenizer of random models: ids 0..255 are bytes, then BOS and EOS.
@@ -110,9 +118,10 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
-    # A mixture of experts (Qwen3-MoE, Mixtral): num_experts, num_experts_per_tok, moe_intermediate_size,
-    # norm_topk_prob and moe_layers (whether each layer's MLP is the experts; else a dense one of
-    # intermediate_size); None: every MLP dense
+    # A mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral): num_experts, num_experts_per_tok,
+    # moe_intermediate_size, norm_topk_prob, moe_layers (whether each layer's MLP is the experts; else a
+    # dense one of intermediate_size) and shared_expert_intermediate_size (Qwen2-MoE's expert that every
+    # token runs, gated; 0: none); None: every MLP dense
     moe: dict[str, Any] | None = None
     # OPT only
     word_embed_proj_dim: int | None = None
@@ -207,6 +216,8 @@ class ModelConfig:
         total = v * h + layers * layer + h + (0 if self.tie_word_embeddings else v * h)
         if self.moe is not None:  # a MoE layer: the router and every expert instead of the dense MLP
             experts = self.moe["num_experts"] * (h + 3 * h * self.moe["moe_intermediate_size"])
+            if self.moe["shared_expert_intermediate_size"]:  # and Qwen2-MoE's shared expert, with its gate
+                experts += 3 * h * self.moe["shared_expert_intermediate_size"] + h
             total += sum(self.moe["moe_layers"]) * (experts - mlp)
         return total
 
@@ -337,10 +348,12 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         rope_scaling=scaling,
         partial_rotary_dim=rotary_dim if rotary_dim != head_dim else None,
         # NOTE: Qwen2's config has no attention_bias key; its q/k/v projections always have biases.
-        attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+        attention_bias=bool(
+            raw.get("qkv_bias", True) if model_type == "qwen2_moe" else raw.get("attention_bias", model_type == "qwen2")
+        ),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        moe=_moe(raw, common["num_hidden_layers"], name) if model_type in ("qwen3_moe", "mixtral") else None,
+        moe=_moe(raw, common["num_hidden_layers"], name) if model_type in MOE_TYPES else None,
         layer_types=(SLIDING,) * common["num_hidden_layers"] if window else (),
         sliding_window=int(window) if window else None,
         rotary_layers=tuple(bool(flag) for flag in rotary_layers or ()),
@@ -374,25 +387,33 @@ def _language_model_config(raw: dict[str, Any], name: str) -> ModelConfig:
 
 
 def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
-    """Qwen3-MoE's experts, as transformers' Qwen3MoeDecoderLayer places them: every
-    ``decoder_sparse_step``-th layer not in ``mlp_only_layers``; Mixtral's: every layer, each expert of
-    ``intermediate_size``, the top weights always renormalized."""
-    mixtral = raw["model_type"] == "mixtral"
+    """Qwen3-MoE's and Qwen2-MoE's experts, as transformers' decoder layers place them: every
+    ``decoder_sparse_step``-th layer not in ``mlp_only_layers`` (Qwen2-MoE's beside a shared expert);
+    Mixtral's: every layer, each expert of ``intermediate_size``, the top weights always renormalized.
+    The defaults where a config has none are transformers' (Qwen3-30B-A3B's, Qwen1.5-MoE-A2.7B's)."""
+    kind = raw["model_type"]
+    mixtral, qwen2 = kind == "mixtral", kind == "qwen2_moe"
     # NOTE: transformers 5 saves Qwen3-MoE's count as num_local_experts (Mixtral's name), the Hub as num_experts
-    experts = raw.get("num_experts", raw.get("num_local_experts", 8 if mixtral else 128))
+    experts = raw.get("num_experts", raw.get("num_local_experts", MOE_DEFAULTS[kind]["num_experts"]))
     if not experts:
         return None
     step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
     moe = {
         "num_experts": experts,
-        "num_experts_per_tok": raw.get("num_experts_per_tok", 2 if mixtral else 8),
-        "moe_intermediate_size": raw.get("intermediate_size") if mixtral else raw.get("moe_intermediate_size", 768),
+        "num_experts_per_tok": raw.get("num_experts_per_tok", MOE_DEFAULTS[kind]["num_experts_per_tok"]),
+        "moe_intermediate_size": raw.get("intermediate_size")
+        if mixtral
+        else raw.get("moe_intermediate_size", MOE_DEFAULTS[kind]["moe_intermediate_size"]),
         "norm_topk_prob": mixtral or bool(raw.get("norm_topk_prob", False)),
         "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
+        "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size", 5632) if qwen2 else 0,
     }
     for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
         if not isinstance(moe[key], int) or isinstance(moe[key], bool) or moe[key] < 1:
             raise ConfigError(f"{name}: {key} must be a positive integer, got {moe[key]!r}")
+    shared = moe["shared_expert_intermediate_size"]
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        raise ConfigError(f"{name}: shared_expert_intermediate_size must be an integer >= 0, got {shared!r}")
     if moe["num_experts_per_tok"] > experts:
         raise ConfigError(f"{name}: num_experts_per_tok {moe['num_experts_per_tok']} exceeds num_experts {experts}")
     return moe

@@ -6,7 +6,8 @@ K-quants... as llama.cpp defines them) and copied into the model under their HF 
 runs the same weights transformers does when it loads the file (``from_pretrained(gguf_file=...)``).
 
 Supported: the Llama architecture (``general.architecture = llama``: Llama 2 and 3.x, SmolLM, Mistral
-without sliding windows), SmolLM3, Granite 3, Qwen2, Qwen3, Qwen3-MoE (``qwen3moe``), Phi-3 and Phi-4 (``phi3``),
+without sliding windows), SmolLM3, Granite 3, Qwen2, Qwen3, Qwen3-MoE (``qwen3moe``), Qwen2-MoE (``qwen2moe``),
+Phi-3 and Phi-4 (``phi3``),
 Gemma 2 and Gemma 3's text models, with a byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``; the
 pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2,
 Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores it, a tensor of
@@ -59,6 +60,15 @@ ARCH_TENSORS = {
         "blk.{n}.attn_k_norm.weight": "model.layers.{n}.self_attn.k_norm.weight",
         "blk.{n}.ffn_gate_inp.weight": "model.layers.{n}.mlp.gate.weight",
     },
+    "qwen2moe": {  # Qwen2's biases; the router, the shared expert and its gate (the experts: EXPERT_TENSORS)
+        **{f"blk.{{n}}.attn_{x}.bias": f"model.layers.{{n}}.self_attn.{x}_proj.bias" for x in ("q", "k", "v")},
+        "blk.{n}.ffn_gate_inp.weight": "model.layers.{n}.mlp.gate.weight",
+        **{
+            f"blk.{{n}}.ffn_{x}_shexp.weight": f"model.layers.{{n}}.mlp.shared_expert.{x}_proj.weight"
+            for x in ("gate", "up", "down")
+        },
+        "blk.{n}.ffn_gate_inp_shexp.weight": "model.layers.{n}.mlp.shared_expert_gate.weight",
+    },
     "phi3": {  # Q/K/V and gate/up fused, as in its HF checkpoints (``FUSED_CHECKPOINTS``)
         "blk.{n}.attn_qkv.weight": "model.layers.{n}.self_attn.qkv_proj.weight",
         "blk.{n}.ffn_up.weight": "model.layers.{n}.mlp.gate_up_proj.weight",
@@ -74,6 +84,8 @@ ARCH_TENSORS["gemma3"] = {
     "blk.{n}.attn_q_norm.weight": "model.layers.{n}.self_attn.q_norm.weight",
     "blk.{n}.attn_k_norm.weight": "model.layers.{n}.self_attn.k_norm.weight",
 }
+# The mixtures of experts: GGUF architecture -> HF model_type
+GGUF_MOE = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 # A mixture of experts' stacked tensors ((E, I, H) gate and up, (E, H, I) down), by the per-expert
 # tensors of an HF checkpoint they split into (``mlp.experts.{e}.gate_proj.weight``...)
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -227,7 +239,7 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
     eos = {meta[key] for key in END_OF_GENERATION_KEYS if meta.get(key) is not None}
     eos |= {token_id for token_id, token in enumerate(tokens) if token in END_OF_GENERATION_TEXTS}
     # (a Qwen3-MoE file may have no dense MLP's length: its every MLP is the experts)
-    dense_mlp = meta.get(f"{arch}.feed_forward_length") if arch == "qwen3moe" else need("feed_forward_length")
+    dense_mlp = meta.get(f"{arch}.feed_forward_length") if arch in GGUF_MOE else need("feed_forward_length")
     config = {
         "model_type": "gemma3_text" if arch == "gemma3" else arch,
         "vocab_size": meta.get(f"{arch}.vocab_size") or len(tokens),
@@ -260,14 +272,17 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
     config["rope_scaling"] = _rope_scaling(meta, arch, path)
     if arch in GEMMA_LAYOUT:
         config.update(_gemma_config(meta, arch, config, path))
-    if arch == "qwen3moe":  # every layer's MLP the experts, their weights renormalized (llama.cpp's qwen3moe)
+    if arch in GGUF_MOE:  # every layer's MLP the experts (llama.cpp's qwen3moe and qwen2moe)
         config.update(
-            model_type="qwen3_moe",
+            model_type=GGUF_MOE[arch],
             num_experts=need("expert_count"),
             num_experts_per_tok=need("expert_used_count"),
             moe_intermediate_size=need("expert_feed_forward_length"),
-            norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)),
+            # NOTE: llama.cpp renormalizes Qwen3-MoE's top weights, not Qwen2-MoE's (as their HF configs say)
+            norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", arch == "qwen3moe")),
         )
+        if arch == "qwen2moe":
+            config["shared_expert_intermediate_size"] = need("expert_shared_feed_forward_length")
         config["intermediate_size"] = config["intermediate_size"] or config["moe_intermediate_size"]
     if arch == "granite":  # its scales, under llama.cpp's names (absent: none, as llama.cpp reads it)
         scales = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
@@ -429,6 +444,8 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
             weight = _unpermute(weight, config["num_key_value_heads"])
         elif arch in SHIFTED_NORMS and tensor.name.endswith("norm.weight"):
             weight -= 1.0
+        elif tensor.name.endswith("ffn_gate_inp_shexp.weight"):
+            weight = weight.reshape(1, -1)  # NOTE: llama.cpp's is a vector (n_embd), HF's a (1, H) projection
         yield patterns[tensor.name], weight
 
 

@@ -254,9 +254,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        h, i, bias = config.hidden_size, intermediate_size or config.intermediate_size, config.mlp_bias
         self.intermediate_size = i
         self.gate_up_proj = MergedLinear(h, {"gate_proj": i, "up_proj": i}, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
@@ -265,11 +265,19 @@ class LlamaMLP(nn.Module):
         return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))  # (T, 2 I) -> (T, I) -> (T, H)
 
 
+def mlp(config: ModelConfig, layer: int) -> nn.Module:
+    """Layer ``layer``'s MLP: dense, or a mixture of experts (with Qwen2-MoE's shared expert)."""
+    if not config.layer_is_moe(layer):
+        return LlamaMLP(config)
+    shared = config.moe["shared_expert_intermediate_size"]
+    return SparseMoE(config, LlamaMLP(config, shared) if shared else None)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, backend, layer)
-        self.mlp = SparseMoE(config) if config.layer_is_moe(layer) else LlamaMLP(config)
+        self.mlp = mlp(config, layer)
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.residual_multiplier = config.residual_multiplier

@@ -1,4 +1,5 @@
-"""Sparse mixture-of-experts MLPs (Qwen3-MoE: Qwen3-30B-A3B, Qwen3-235B-A22B; Mixtral 8x7B, 8x22B).
+"""Sparse mixture-of-experts MLPs (Qwen3-MoE: Qwen3-30B-A3B, Qwen3-235B-A22B; Qwen2-MoE: Qwen1.5-MoE-A2.7B,
+Qwen2-57B-A14B, with a shared expert; Mixtral 8x7B, 8x22B).
 
 Each token's router scores pick its ``num_experts_per_tok`` best experts (softmax over all experts, in
 float32, then the top k; with ``norm_topk_prob`` their weights renormalized to sum to 1, as transformers'
@@ -101,18 +102,25 @@ def per_expert_tensors(key: str, tensor) -> list[tuple[str, object]] | None:
 
 
 class SparseMoE(nn.Module):
-    """A MoE layer's MLP: the router (``gate``, HF's name) and the experts."""
+    """A MoE layer's MLP: the router (``gate``, HF's name) and the experts; Qwen2-MoE's ``shared_expert``
+    (a dense MLP every token runs, given by the caller) scaled by sigmoid(``shared_expert_gate``(x))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         moe = config.moe
         self.top_k, self.norm_topk_prob = moe["num_experts_per_tok"], moe["norm_topk_prob"]
         self.gate = nn.Linear(config.hidden_size, moe["num_experts"], bias=False)
         self.experts = Experts(moe["num_experts"], config.hidden_size, moe["moe_intermediate_size"])
+        self.shared_expert = shared_expert
+        if shared_expert is not None:
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (T, E)
         weights, experts = probs.topk(self.top_k, dim=-1)  # (T, k) each
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return self.experts(x, experts, weights.to(x.dtype))
+        routed = self.experts(x, experts, weights.to(x.dtype))
+        if self.shared_expert is None:
+            return routed
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # (T, 1) * (T, H)
