@@ -103,7 +103,8 @@ def write_gguf(
     if not c.tie_word_embeddings:
         names["lm_head.weight"] = "output.weight"
     for n in range(c.num_hidden_layers):
-        names_of = {"gemma2": GEMMA3_TENSOR_NAMES, "gemma3": GEMMA3_TENSOR_NAMES, "phi3": PHI3_TENSOR_NAMES}
+        names_of = {"gemma2": GEMMA3_TENSOR_NAMES, "gemma3": GEMMA3_TENSOR_NAMES, "phi3": PHI3_TENSOR_NAMES,
+                    "olmo2": GEMMA3_TENSOR_NAMES}  # fmt: skip
         for hf, ours in names_of.get(arch, TENSOR_NAMES).items():
             names[f"model.layers.{n}.{hf}.weight"] = f"blk.{n}.{ours}.weight"
     for name, tensor in model.state_dict().items():

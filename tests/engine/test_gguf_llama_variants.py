@@ -2,8 +2,9 @@
 with what sets it apart. SmolLM3 (``smollm3``): nothing of which layers have no rotary embedding (llama.cpp's
 code says every fourth, as SmolLM3's config does by default). Granite (``granite``): its four scales under
 llama.cpp's names (``granite.embedding_scale``, ``residual_scale``, ``attention.scale``, ``logit_scale``).
-The engine gives the greedy tokens (and, for Granite, the log-probabilities) of the transformers model
-the file was written from."""
+OLMo 2 (``olmo2``, written unpermuted): its norms after attention and the MLP (``post_attention_norm``,
+``post_ffw_norm``), none before. The engine gives the greedy tokens (and, for Granite and OLMo 2, the
+log-probabilities) of the transformers model the file was written from."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from gguf_files import uneven_norms_, write_gguf  # noqa: E402
 from hf_models import greedy, prompt_logprobs  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.checkpoint.gguf import read_gguf  # noqa: E402
+from sloserve.core.errors import ConfigError  # noqa: E402
 
 VOCAB = 300
 PROMPTS = [list(range(3, 40)), [7, 1, 9] * 12]
@@ -65,3 +67,26 @@ def test_granites_scales_read_from_llama_cpps_keys(tmp_path):
         assert out.outputs[0].token_ids == greedy(model, ids, 12)
         ours = [entry.logprob for entry in out.prompt_logprobs[1:]]
         assert ours == pytest.approx(prompt_logprobs(model, ids), abs=1e-4)
+
+
+def test_olmo_2s_norms_after_attention_and_the_mlp(tmp_path):
+    config = transformers.Olmo2Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=256, initializer_range=0.2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(17)
+    model = uneven_norms_(transformers.Olmo2ForCausalLM(config).eval())
+    path = tmp_path / "tiny-olmo2.gguf"
+    tokens = {"add_tokenizer_model": "gpt2", "add_token_list": [f"t{i}" for i in range(VOCAB)]}
+    write_gguf(path, model, tokens, arch="olmo2")
+    llm = LLM(str(path), kv_capacity_tokens=512)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
+    for ids, out in zip(PROMPTS, outputs, strict=True):
+        assert out.outputs[0].token_ids == greedy(model, ids, 12)
+        ours = [entry.logprob for entry in out.prompt_logprobs[1:]]
+        assert ours == pytest.approx(prompt_logprobs(model, ids), abs=1e-4)
+    olmo3 = tmp_path / "olmo3.gguf"  # llama.cpp's Olmo 3: olmo2 with a window on three layers of four
+    write_gguf(olmo3, model, {**tokens, "add_sliding_window": 4096}, arch="olmo2")
+    with pytest.raises(ConfigError, match="olmo2.attention.sliding_window 4096 .*Olmo 3.* is not supported"):
+        LLM(str(olmo3), kv_capacity_tokens=256)

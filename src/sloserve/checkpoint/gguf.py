@@ -7,7 +7,7 @@ runs the same weights transformers does when it loads the file (``from_pretraine
 
 Supported: the Llama architecture (``general.architecture = llama``: Llama 2 and 3.x, SmolLM, Mistral
 without sliding windows), SmolLM3, Granite 3, Qwen2, Qwen3, Qwen3-MoE (``qwen3moe``), Qwen2-MoE (``qwen2moe``),
-Phi-3 and Phi-4 (``phi3``),
+Phi-3 and Phi-4 (``phi3``), OLMo 2 (``olmo2``),
 Gemma 2 and Gemma 3's text models, with a byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``; the
 pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2,
 Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores it, a tensor of
@@ -68,6 +68,12 @@ ARCH_TENSORS = {
             for x in ("gate", "up", "down")
         },
         "blk.{n}.ffn_gate_inp_shexp.weight": "model.layers.{n}.mlp.shared_expert_gate.weight",
+    },
+    "olmo2": {  # no norms before attention and the MLP: after them; query and key norms over whole projections
+        "blk.{n}.attn_q_norm.weight": "model.layers.{n}.self_attn.q_norm.weight",
+        "blk.{n}.attn_k_norm.weight": "model.layers.{n}.self_attn.k_norm.weight",
+        "blk.{n}.post_attention_norm.weight": "model.layers.{n}.post_attention_layernorm.weight",
+        "blk.{n}.post_ffw_norm.weight": "model.layers.{n}.post_feedforward_layernorm.weight",
     },
     "phi3": {  # Q/K/V and gate/up fused, as in its HF checkpoints (``FUSED_CHECKPOINTS``)
         "blk.{n}.attn_qkv.weight": "model.layers.{n}.self_attn.qkv_proj.weight",
@@ -292,6 +298,12 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         config["no_rope_layers"] = [
             int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(config["num_hidden_layers"])
         ]
+    if arch == "olmo2" and meta.get("olmo2.attention.sliding_window"):
+        # NOTE: llama.cpp writes Olmo 3 as olmo2 with a window on three layers of four; HF's olmo3 is not supported
+        raise ConfigError(
+            f"{path}: GGUF olmo2 with olmo2.attention.sliding_window {meta['olmo2.attention.sliding_window']} "
+            "(Olmo 3's sliding layers) is not supported"
+        )
     if arch == "phi3":  # every layer's window (Phi-3 mini's 2,047; 0: none, Phi-4's)
         config["sliding_window"] = meta.get("phi3.attention.sliding_window") or None
         if any(t.name in LONGROPE_FACTORS.values() for t in reader.tensors):
