@@ -8,7 +8,7 @@ import transformers
 VOCAB = 300
 SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7, "phi3": 9, "smollm3": 10, "gemma2": 11,
          "qwen3_moe": 12, "mixtral": 13, "granite": 14, "olmo2": 15, "phi4_mini": 16,
-         "qwen2_moe": 17}  # fmt: skip
+         "qwen2_moe": 17, "gpt_oss": 18}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -79,6 +79,14 @@ def hf_model(arch: str):
             moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1], initializer_range=0.2,
         )  # fmt: skip
         cls = transformers.Qwen2MoeForCausalLM
+    elif arch == "gpt_oss":  # 4 experts, 2 a token; sinks; the first layer sliding (8), YaRN past 64 positions
+        config = transformers.GptOssConfig(
+            **common, intermediate_size=32, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+            num_experts_per_tok=2, sliding_window=8, initializer_range=0.2, pad_token_id=0,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                             "original_max_position_embeddings": 64, "rope_theta": 150000.0},
+        )  # fmt: skip
+        cls = transformers.GptOssForCausalLM
     elif arch == "mixtral":  # 4 experts, 2 a token
         config = transformers.MixtralConfig(
             **common, intermediate_size=32, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
@@ -106,6 +114,8 @@ def hf_model(arch: str):
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0.0, 0.2)
+            elif name.endswith("sinks"):  # (gpt-oss's: some above the scores, some below)
+                p.normal_(0.0, 2.0)
             elif p.ndim == 1:  # Gemma's norms scale by 1 + weight, 0 at init
                 p.add_(0.1 * torch.randn_like(p)) if arch.startswith("gemma") else p.mul_(1 + 0.1 * torch.randn_like(p))
     return model

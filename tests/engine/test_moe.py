@@ -1,10 +1,13 @@
-"""Qwen3-MoE's and Qwen2-MoE's sparse mixtures of experts (``engine/models/moe.py``): the layer against
-transformers' ``Qwen3MoeSparseMoeBlock`` and ``Qwen2MoeSparseMoeBlock`` (its gated shared expert) on random
-tokens (experts that get many tokens, one, or none), which layers are sparse, the parameter count, GGUF
-files as llama.cpp lays them out, and CUDA graphs refused for a routing that sets its own shapes. The
-whole model's greedy tokens are checked in test_engine.py (``qwen3_moe``, ``qwen2_moe``)."""
+"""Qwen3-MoE's, Qwen2-MoE's and gpt-oss's sparse mixtures of experts (``engine/models/moe.py``): the layer
+against transformers' ``Qwen3MoeSparseMoeBlock``, ``Qwen2MoeSparseMoeBlock`` (its gated shared expert) and
+``GptOssMLP`` (its router's biases, its experts' clamped SwiGLU) on random tokens (experts that get many
+tokens, one, or none), which layers are sparse, the parameter count, GGUF files as llama.cpp lays them out,
+gpt-oss's MXFP4 experts, and CUDA graphs refused for a routing that sets its own shapes. The whole model's
+greedy tokens are checked in test_engine.py (``qwen3_moe``, ``qwen2_moe``, ``gpt_oss``)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -13,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 
-from hf_models import greedy, hf_model  # noqa: E402
+from hf_models import greedy, hf_model, prompt_logprobs  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.checkpoint.config import from_hf_config  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
@@ -198,3 +201,83 @@ def test_qwen2_moes_parameter_count_and_gguf_file(tmp_path):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
     assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 12) for ids in prompts]
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 64])
+def test_gpt_oss_layer_equals_transformers_mlp(num_tokens):
+    """The router's top k logits (with its bias) softmaxed into the weights; each expert's gate and up columns
+    interleaved, clamped at 7 (the gate above, the up both sides), (up + 1) gate sigmoid(1.702 gate)."""
+    config = {**hf_model("gpt_oss").config.to_dict(), "num_local_experts": 6}
+    hf_config = transformers.GptOssConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    torch.manual_seed(200 + num_tokens)
+    block = transformers.models.gpt_oss.modeling_gpt_oss.GptOssMLP(hf_config).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 1.0)  # (large enough that some gates and ups pass the clamp)
+    ours = create_model(from_hf_config(config), TorchAttention(), torch.float32, torch.device("cpu"))
+    layer = ours.model.layers[0].mlp
+    with torch.no_grad():
+        for name, tensor in layer.named_parameters():
+            tensor.copy_(block.state_dict()[name])
+    x = torch.randn(num_tokens, 64)
+    with torch.no_grad():
+        expected = block(x[None])[0][0]
+        got = layer(x)
+        clamped = (x @ block.experts.gate_up_proj).abs().max()
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-5)
+    assert clamped > 7  # NOTE: the clamp bites here
+
+
+def test_mxfp4_dequantizes_as_transformers_does():
+    """OCP MXFP4 (gpt-oss's experts): every 4-bit code and a range of block scales, against transformers'
+    ``convert_moe_packed_tensors``; blocks and scales that do not pair are refused."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from sloserve.engine.models import dequantize_mxfp4
+
+    gen = torch.Generator().manual_seed(5)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), generator=gen, dtype=torch.uint8)  # (E, rows, G, 16)
+    scales = torch.randint(110, 140, (3, 10, 4), generator=gen, dtype=torch.uint8)  # 2 ** -17 .. 2 ** 12
+    ours = dequantize_mxfp4(blocks, scales)
+    assert ours.shape == (3, 128, 10)  # (E, 32 G, rows)
+    assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    with pytest.raises(ConfigError, match="MXFP4 blocks .* and scales .* do not pair"):
+        dequantize_mxfp4(blocks, scales[:, :, :3])
+
+
+def test_a_gpt_oss_checkpoint_with_mxfp4_experts(tmp_path):
+    """gpt-oss as OpenAI ships it: each layer's experts as MXFP4 blocks and scales
+    (``mlp.experts.gate_up_proj_blocks``...; ``quantization_config.quant_method`` mxfp4), the rest in full:
+    the engine's log-probabilities equal transformers' on the model of the dequantized weights."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    model = hf_model("gpt_oss")
+    assert from_hf_config(model.config.to_dict()).num_params == sum(p.numel() for p in model.parameters())
+    model.save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(6)
+    state = {name: t.contiguous() for name, t in model.state_dict().items()}
+    with torch.no_grad():
+        for n in range(model.config.num_hidden_layers):
+            experts = model.model.layers[n].mlp.experts
+            for name in ("gate_up_proj", "down_proj"):
+                weight = getattr(experts, name)  # (E, in, out): quantized as (E, out, in / 32, 16)
+                e, cols, rows = weight.shape
+                blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=gen, dtype=torch.uint8)
+                scales = torch.randint(122, 127, (e, rows, cols // 32), generator=gen, dtype=torch.uint8)
+                weight.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                key = f"model.layers.{n}.mlp.experts.{name}"
+                del state[key]
+                state[f"{key}_blocks"], state[f"{key}_scales"] = blocks, scales
+    safetensors_torch.save_file(state, str(tmp_path / "model.safetensors"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ids = [(7 * i + 3) % 300 for i in range(30)]
+    llm = LLM(str(tmp_path), kv_capacity_tokens=256)
+    [out] = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=0))
+    assert [e.logprob for e in out.prompt_logprobs[1:]] == pytest.approx(prompt_logprobs(model, ids), abs=1e-4)
+    assert out.outputs[0].token_ids == greedy(model, ids, 6)
+    del state["model.layers.1.mlp.experts.down_proj_scales"]
+    safetensors_torch.save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match="MXFP4 tensor model.layers.1.mlp.experts.down_proj_blocks has no scales"):
+        LLM(str(tmp_path), kv_capacity_tokens=256)

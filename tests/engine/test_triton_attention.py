@@ -53,12 +53,14 @@ def check_against_reference(
     splits: int | None = None,
     dense_from: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> float:
     """Run the Triton backend on ``step`` cast to ``dtype``; assert its cache writes are the
     reference's and return its relative error against the float64 reference."""
     q, k, v, k_cache, v_cache, meta = step
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
-    ref = TorchAttention().forward(q, k, v, ref_k_cache, ref_v_cache, meta, scale=scale, window=window, softcap=softcap)
+    options = dict(scale=scale, window=window, softcap=softcap)
+    ref = TorchAttention().forward(q, k, v, ref_k_cache, ref_v_cache, meta, **options, sinks=sinks)
     k_dev, v_dev = k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype)
     # Poison the output: a row no kernel writes stays NaN and fails the comparison.
     real_empty_like = torch.empty_like
@@ -73,9 +75,8 @@ def check_against_reference(
         k_dev,
         v_dev,
         _to(meta, DEVICE),
-        scale=scale,
-        window=window,
-        softcap=softcap,
+        **options,
+        sinks=None if sinks is None else sinks.to(DEVICE, dtype),
     )
     monkeypatch.undo()
     assert torch.equal(k_dev.cpu(), ref_k_cache.to(dtype)) and torch.equal(v_dev.cpu(), ref_v_cache.to(dtype))
@@ -123,7 +124,7 @@ def test_capped_scores(monkeypatch, window, splits):
     plain = TorchAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, scale=0.3)
     assert (capped - plain).abs().max() > 0.1  # NOTE: the cap bites on these scores
     # the reference's scores a few rows at a time (a long prompt's whole matrix would not fit): the same
-    monkeypatch.setattr(attention, "CAPPED_SCORES_PER_CALL", 300)
+    monkeypatch.setattr(attention, "WRITTEN_SCORES_PER_CALL", 300)
     chunked = TorchAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, scale=0.3, softcap=2.0)
     monkeypatch.undo()
     assert torch.allclose(chunked, capped, atol=1e-12)
@@ -134,6 +135,32 @@ def test_capped_scores(monkeypatch, window, splits):
     scores = scores.masked_fill(~torch.ones(37, 37, dtype=torch.bool).tril(), float("-inf"))
     expected = (torch.softmax(scores, -1) @ values).transpose(0, 1)
     assert torch.allclose(capped[:37].double(), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize(("window", "splits"), [(None, 1), (None, 4), (16, 1), (40, 3)])
+def test_attention_sinks(monkeypatch, window, splits):
+    """gpt-oss's sinks (a logit per head in each query's softmax, no value) on every kernel: prefills with
+    context, decodes split or not (only the first split starts from the sink), in a window or not; a fresh
+    prompt past the dense threshold keeps the prefill kernel (SDPA has no sinks). The reference's
+    attention with sinks is checked against transformers' eager formula written out in float64."""
+    gen = torch.Generator().manual_seed(23 + (window or 0) + splits)
+    step = make_step(gen, 4, 2, 32, [(0, 37), (50, 70), (5, 2)], [0, 3, 130, 64], num_slots=600)
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64) * 2 + 1  # (nh,) some above the scores
+    error = check_against_reference(
+        monkeypatch, step, torch.float32, block=16, scale=0.3, window=window, splits=splits, dense_from=16, sinks=sinks
+    )
+    assert error < TOLERANCE[torch.float32]
+    q, k, v, k_cache, v_cache, meta = step
+    sunk = TorchAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, scale=0.3, sinks=sinks)
+    plain = TorchAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, scale=0.3)
+    assert (sunk - plain).abs().max() > 0.1  # NOTE: the sinks take a share here
+    # the fresh prompt (tokens 0..36, nothing cached) and the decode of context 130 by the formula
+    query, keys, values = (x[:37].double().transpose(0, 1) for x in (q, k, v))  # (nh | nkv, 37, hd)
+    keys, values = keys.repeat_interleave(2, 0), values.repeat_interleave(2, 0)
+    scores = (query @ keys.transpose(1, 2) * 0.3).masked_fill(~torch.ones(37, 37, dtype=torch.bool).tril(), -math.inf)
+    combined = torch.cat((scores, sinks[:, None, None].expand(4, 37, 1)), -1)  # (nh, 37, 38)
+    expected = (torch.softmax(combined, -1)[..., :-1] @ values).transpose(0, 1)
+    assert torch.allclose(sunk[:37].double(), expected, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -29,6 +29,8 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": "llama",
     "qwen3_moe": "llama",  # (Qwen3's layers, their MLPs sparse mixtures of experts: ``engine/models/moe.py``)
     "qwen2_moe": "llama",  # (Qwen2's layers, their MLPs mixtures of experts beside a gated shared expert)
+    # (gpt-oss: Llama's layers with attention sinks, every other one sliding; its experts' clamped SwiGLU)
+    "gpt_oss": "llama",
     "mixtral": "llama",  # (Mistral's layers, their MLPs mixtures of experts)
     "phi3": "llama",  # (Phi-3, Phi-4: Llama's layers, their Q/K/V and gate/up stored fused)
     "smollm3": "llama",  # (Llama's layers, every fourth without a rotary embedding)
@@ -58,6 +60,7 @@ MOE_DEFAULTS = {
     "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
     "qwen2_moe": {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408},
     "mixtral": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (intermediate_size)
+    "gpt_oss": {"num_experts": 128, "num_experts_per_tok": 4, "moe_intermediate_size": None},  # (intermediate_size)
 }
 MOE_TYPES = tuple(MOE_DEFAULTS)
 # A layer type of ModelConfig.layer_types that sees only the last sliding_window positions
@@ -96,6 +99,9 @@ class ModelConfig:
     # rest pass through (None: the whole head)
     partial_rotary_dim: int | None = None
     attention_bias: bool = False  # q/k/v biases (Qwen2: True)
+    attention_output_bias: bool = False  # an o_proj bias (gpt-oss)
+    # gpt-oss: a learned logit per head joins each query's softmax (a key with no value: "attention sinks")
+    attention_sinks: bool = False
     qk_norm: bool = False  # an RMSNorm of each query and key head before the rotary embedding (Qwen3)
     mlp_bias: bool = False
     hidden_act: str = "silu"
@@ -209,6 +215,7 @@ class ModelConfig:
             attention += q_width + 2 * kv_width
         if self.qk_norm:
             attention += 2 * self.head_dim
+        attention += h * self.attention_output_bias + self.num_attention_heads * self.attention_sinks
         if self.architecture == "olmo2":  # its query and key norms span the whole projection
             attention += q_width + kv_width
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)  # gate, up, down
@@ -218,6 +225,8 @@ class ModelConfig:
             experts = self.moe["num_experts"] * (h + 3 * h * self.moe["moe_intermediate_size"])
             if self.moe["shared_expert_intermediate_size"]:  # and Qwen2-MoE's shared expert, with its gate
                 experts += 3 * h * self.moe["shared_expert_intermediate_size"] + h
+            if "swiglu_limit" in self.moe:  # gpt-oss: the router's and the experts' biases
+                experts += self.moe["num_experts"] * (1 + 2 * self.moe["moe_intermediate_size"] + h)
             total += sum(self.moe["moe_layers"]) * (experts - mlp)
         return total
 
@@ -259,8 +268,10 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     elif model_type == "gemma2":
         raw = {**GEMMA2_DEFAULTS, **raw}
     quantization = raw.get("quantization_config")
-    if quantization:  # NOTE: its tensors (FP8 with scales, AWQ's packed ints) would load as plain weights
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    # NOTE: gpt-oss's experts ship as MXFP4, dequantized as they load (engine/models/__init__.py: mxfp4)
+    if quantization and not (model_type == "gpt_oss" and method == "mxfp4"):
+        # NOTE: its tensors (FP8 with scales, AWQ's packed ints) would load as plain weights
         raise ConfigError(
             f"{name}: quantized checkpoints are not supported (config.json quantization_config, quant_method "
             f"{method!r}); use the unquantized model, or a GGUF file of it"
@@ -307,7 +318,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         return _gemma3_config(raw, common, name, need)
     # transformers >= 5 keeps rope settings in rope_parameters; older configs at the top level.
     rope = dict(raw.get("rope_parameters") or {})
-    rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 150_000.0 if model_type == "gpt_oss" else 10000.0)))
     scaling = _rope_scaling(
         raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None), name
     )
@@ -331,6 +342,15 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     window = raw.get("sliding_window") if model_type in ("mistral", "mixtral", "phi3") else None
     if window is not None and window >= common["max_position_embeddings"]:
         window = None
+    layer_types = (SLIDING,) * common["num_hidden_layers"] if window else ()
+    if model_type == "gpt_oss":  # every other layer sees the last 128 positions (transformers' default types)
+        window = raw.get("sliding_window", 128)
+        layer_types = tuple(raw.get("layer_types") or [SLIDING if (i + 1) % 2 else "full_attention"
+                                                       for i in range(common["num_hidden_layers"])])  # fmt: skip
+        if len(layer_types) != common["num_hidden_layers"]:
+            raise ConfigError(
+                f"{name}: layer_types has {len(layer_types)} entries; the model has {common['num_hidden_layers']} layers"
+            )
     rotary_layers = raw.get("no_rope_layers") if model_type == "smollm3" else None  # (HF's name: 1 rotates)
     if rotary_layers is not None and len(rotary_layers) != common["num_hidden_layers"]:
         raise ConfigError(
@@ -349,12 +369,16 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         partial_rotary_dim=rotary_dim if rotary_dim != head_dim else None,
         # NOTE: Qwen2's config has no attention_bias key; its q/k/v projections always have biases.
         attention_bias=bool(
-            raw.get("qkv_bias", True) if model_type == "qwen2_moe" else raw.get("attention_bias", model_type == "qwen2")
+            raw.get("qkv_bias", True)
+            if model_type == "qwen2_moe"
+            else raw.get("attention_bias", model_type in ("qwen2", "gpt_oss"))
         ),
+        attention_output_bias=model_type == "gpt_oss" and bool(raw.get("attention_bias", True)),
+        attention_sinks=model_type == "gpt_oss",
         mlp_bias=bool(raw.get("mlp_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         moe=_moe(raw, common["num_hidden_layers"], name) if model_type in MOE_TYPES else None,
-        layer_types=(SLIDING,) * common["num_hidden_layers"] if window else (),
+        layer_types=layer_types,
         sliding_window=int(window) if window else None,
         rotary_layers=tuple(bool(flag) for flag in rotary_layers or ()),
         **(_granite_multipliers(raw) if model_type == "granite" else {}),
@@ -392,7 +416,8 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
     Mixtral's: every layer, each expert of ``intermediate_size``, the top weights always renormalized.
     The defaults where a config has none are transformers' (Qwen3-30B-A3B's, Qwen1.5-MoE-A2.7B's)."""
     kind = raw["model_type"]
-    mixtral, qwen2 = kind == "mixtral", kind == "qwen2_moe"
+    qwen2 = kind == "qwen2_moe"
+    mixtral = kind in ("mixtral", "gpt_oss")  # (experts of intermediate_size; gpt-oss's router: below)
     # NOTE: transformers 5 saves Qwen3-MoE's count as num_local_experts (Mixtral's name), the Hub as num_experts
     experts = raw.get("num_experts", raw.get("num_local_experts", MOE_DEFAULTS[kind]["num_experts"]))
     if not experts:
@@ -408,6 +433,12 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
         "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size", 5632) if qwen2 else 0,
     }
+    if kind == "gpt_oss":  # softmax over the top k router logits (with biases); the experts' clamped SwiGLU
+        moe.update(
+            norm_topk_prob=True,
+            swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+        )
     for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
         if not isinstance(moe[key], int) or isinstance(moe[key], bool) or moe[key] < 1:
             raise ConfigError(f"{name}: {key} must be a positive integer, got {moe[key]!r}")

@@ -13,9 +13,10 @@ of the work: the cost follows the sum of the context lengths, as the cost model'
 not batch x the longest context.
 
 A layer may scale scores other than by 1/sqrt(head_dim) (``scale``: Gemma's query_pre_attn_scalar),
-cap them (``softcap``: Gemma 2's, softcap * tanh(score / softcap) before the softmax) and see only the
-last ``window`` positions (a sliding-window layer: the query at position p reads keys p - window + 1 ..
-p, as transformers' sliding-window mask). NOTE: the reference gathers only those keys: the KV outside a
+cap them (``softcap``: Gemma 2's, softcap * tanh(score / softcap) before the softmax), add a logit per
+head to each query's softmax (``sinks``: gpt-oss's attention sinks, keys with no value that take a share
+of the probability) and see only the last ``window`` positions (a sliding-window layer: the query at
+position p reads keys p - window + 1 .. p, as transformers' sliding-window mask). NOTE: the reference gathers only those keys: the KV outside a
 layer's window is never read.
 
 ``TritonAttention`` (``triton_attention``) runs the same function as Triton kernels on CUDA (and long
@@ -189,10 +190,12 @@ class AttentionBackend(ABC):
         scale: float | None = None,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # (num_heads,)
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         """``scale``: of the scores (None: 1/sqrt(head_dim)); ``window``: the positions a query sees,
         its own included (None: every earlier one); ``softcap``: scaled scores capped to (-softcap,
-        softcap) by softcap * tanh(score / softcap) (None: not)."""
+        softcap) by softcap * tanh(score / softcap) (None: not); ``sinks``: a logit per head that joins
+        the softmax of each of its queries' scores, with no value (None: none)."""
 
 
 def write_kv(
@@ -215,30 +218,37 @@ def gather_kv(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
-CAPPED_SCORES_PER_CALL = 1 << 24  # (64 MB of float32 scores)
+WRITTEN_SCORES_PER_CALL = 1 << 24  # (64 MB of float32 scores)
 
 
-def attend(query, keys, values, mask, scale: float | None, softcap: float | None) -> torch.Tensor:
+def attend(query, keys, values, mask, scale: float | None, softcap: float | None, sinks=None) -> torch.Tensor:
     """SDPA of ``query`` (..., q, hd) over ``keys``/``values`` (..., k, hd) where ``mask`` (broadcast to
-    (..., q, k); None: causal, top-left) is true; with ``softcap``, written out: SDPA cannot cap scores."""
-    if softcap is None:
+    (..., q, k); None: causal, top-left) is true; with ``softcap`` or ``sinks`` (broadcast to (..., q, 1): the
+    logit of a key with no value, in each row's softmax), written out: SDPA can do neither."""
+    if softcap is None and sinks is None:
         if mask is None:
             return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     if mask is None:
         mask = torch.ones(query.shape[-2], keys.shape[-2], dtype=torch.bool, device=query.device).tril()
-    # NOTE: the scores of at most CAPPED_SCORES_PER_CALL (query, key) pairs at once: a long prompt's whole
+    # NOTE: the scores of at most WRITTEN_SCORES_PER_CALL (query, key) pairs at once: a long prompt's whole
     # matrix would not fit (8K tokens, 8 heads: 2 GB of float32)
     heads = query[..., 0, 0].numel()
-    rows = max(1, CAPPED_SCORES_PER_CALL // max(1, heads * keys.shape[-2]))
+    rows = max(1, WRITTEN_SCORES_PER_CALL // max(1, heads * keys.shape[-2]))
     out = []
     for start in range(0, query.shape[-2], rows):
         scores = query[..., start : start + rows, :] @ keys.transpose(-1, -2) * scale  # (..., rows, k)
-        scores = torch.tanh(scores / softcap) * softcap
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         visible = mask if mask.shape[-2] == 1 else mask[..., start : start + rows, :]  # (a decode's: one row)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        out.append(torch.softmax(scores.float(), dim=-1).to(values.dtype) @ values)
+        scores = scores.masked_fill(~visible, float("-inf")).float()
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:  # the sink's column joins the softmax, then is dropped
+            sink = (sinks if sinks.shape[-2] == 1 else sinks[..., start : start + rows, :]).float()
+            probs = torch.softmax(torch.cat((scores, sink.expand(*scores.shape[:-1], 1)), dim=-1), dim=-1)[..., :-1]
+        out.append(probs.to(values.dtype) @ values)
     return torch.cat(out, dim=-2)
 
 
@@ -252,10 +262,13 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale=None, window=None, softcap=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale=None, window=None, softcap=None, sinks=None):
         write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
+        nkv = k.shape[1]
+        head_sinks = None if sinks is None else sinks.view(1, -1, 1, 1)  # (1, nh, 1, 1): a prefill's heads
+        group_sinks = None if sinks is None else sinks.view(1, nkv, group, 1)  # a decode's: (KV head, its queries)
         for seq in meta.prefills:
             s, c = seq.query_start, seq.query_len
             n = seq.context_slots.numel()  # context length; the first n - c tokens were cached
@@ -269,7 +282,7 @@ class TorchAttention(AttentionBackend):
             values = _expand_kv(gather_kv(v_cache, slots), group).transpose(0, 1)[None]  # (1, nh, n - first, hd)
             query = q[s : s + c].transpose(0, 1)[None]  # (1, nh, c, hd)
             if n == c and window is None:  # nothing cached: both alignments agree, and SDPA skips masked tiles
-                attended = attend(query, keys, values, None, scale, softcap)
+                attended = attend(query, keys, values, None, scale, softcap, head_sinks)
             else:
                 # Query i sits at position n - c + i and sees keys 0..n - c + i (bottom-right causal),
                 # within a window the last `window` of them.
@@ -278,15 +291,14 @@ class TorchAttention(AttentionBackend):
                 mask = positions <= rows
                 if window is not None:
                     mask &= positions > rows - window
-                attended = attend(query, keys, values, mask, scale, softcap)
+                attended = attend(query, keys, values, mask, scale, softcap, head_sinks)
             out[s : s + c] = attended[0].transpose(0, 1)
-        nkv = k.shape[1]
         for batch in meta.decode_groups if window is None else meta.windowed_decode_groups(window):
             keys = gather_kv(k_cache, batch.slots).permute(0, 2, 1, 3)  # (b, nkv, L, hd)
             values = gather_kv(v_cache, batch.slots).permute(0, 2, 1, 3)  # (b, nkv, L, hd)
             # GQA without copying K/V per query head: a group's `group` query heads are the "query
             # tokens" of one SDPA row against their KV head (head h reads KV head h // group).
             query = q[batch.token_index].view(-1, nkv, group, q.shape[2])  # (b, nkv, group, hd)
-            attended = attend(query, keys, values, batch.mask, scale, softcap)  # padding masked
+            attended = attend(query, keys, values, batch.mask, scale, softcap, group_sinks)  # padding masked
             out[batch.token_index] = attended.flatten(1, 2)
         return out

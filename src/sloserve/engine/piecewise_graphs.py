@@ -230,16 +230,8 @@ class PiecewiseGraphs:
         kv = self.cache.gpu  # (2, layers, num_slots, nkv, hd)
         self._run(size, 0)
         for i, layer in enumerate(self.layers):
-            attention = layer.self_attn
-            attended = attention.backend.forward(
-                self.q[rows],
-                self.k[rows],
-                self.v[rows],
-                kv[0, i],
-                kv[1, i],
-                meta,
-                scale=attention.scale,
-                window=attention.window,
+            attended = layer.self_attn.attend(
+                self.q[rows], self.k[rows], self.v[rows], kv[0, i], kv[1, i], meta
             )  # (size, nh, hd)
             self.attended[rows].copy_(attended)
             self._run(size, i + 1)

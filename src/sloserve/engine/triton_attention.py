@@ -19,7 +19,9 @@ bidirectional) works unchanged, as with the PyTorch reference (``attention.Torch
 
 A sliding-window layer (``window``: Gemma 3's local layers) reads from the first tile that holds a key
 inside the window: the decode kernel from ``context_len - window``, the prefill kernel from its
-tile's first row's window, with every tile masked.
+tile's first row's window, with every tile masked. gpt-oss's sinks (``SINKS``: a logit per head in
+each query's softmax, with no value) start the running sums as a key would (m = the sink, l = 1): in
+the prefill kernel, and in the first split of a decode.
 
 Both accumulate in float32 and take float32 dots in IEEE precision (Triton's default for float32
 is tf32, about 3e-4 relative error, which would make the engine's float32 tests inexact).
@@ -174,6 +176,7 @@ def _decode_kernel(
     split_max_ptr,  # (B, nh, NUM_SPLITS) float32: its running max m (log2 units)
     split_sum_ptr,  # (B, nh, NUM_SPLITS) float32: its sum l of exp2(score - m)
     token_index_ptr,  # (B,) flat token of each decode
+    sinks_ptr,  # (nh,) float32 each head's sink logit, log2 units (SINKS only)
     slot_table_ptr,  # (B, max_context) slot of each context token, padded
     context_lens_ptr,  # (B,)
     stride_q_token,
@@ -196,6 +199,7 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,  # partitions of each context, one program each
     INPUT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,  # a logit per head joins the softmax (gpt-oss)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -209,8 +213,13 @@ def _decode_kernel(
     heads = kv_head * GROUP + g
     q_offsets = token * stride_q_token + heads[:, None] * stride_q_head + d[None, :]
     q = tl.load(q_ptr + q_offsets, mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # (GROUP_PAD, D)
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    if SINKS:  # the sink, a key with no value, starts split 0's sums: m = its logit, l = exp2(0) = 1
+        m_i = tl.load(sinks_ptr + heads, mask=g_ok, other=float("-inf"))
+        m_i = tl.where(split == 0, m_i, float("-inf"))
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+    else:
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     # A sliding window: the keys before context_len - window are not read
     lo = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)
@@ -305,6 +314,7 @@ def _prefill_kernel(
     context_lens_ptr,  # (P,) context tokens (n = cached + c)
     slot_starts_ptr,  # (P,) where its context slots begin in slots_ptr
     slots_ptr,  # (sum n,) context slots of every prefill, one after another
+    sinks_ptr,  # (nh,) float32 each head's sink logit, log2 units (SINKS only)
     stride_q_token,
     stride_q_head,
     stride_k_slot,
@@ -323,6 +333,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,  # a logit per head joins the softmax (gpt-oss)
 ):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -353,8 +364,12 @@ def _prefill_kernel(
     first = tl.where(window > 0, tl.maximum(context_len - query_len + tile * BLOCK_M - window + 1, 0), 0)
     first = first // BLOCK_N * BLOCK_N
     full = tl.where(window > 0, first, full)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS:  # the sink, a key with no value, starts the sums: m = its logit, l = exp2(0) = 1
+        m_i = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(sinks_ptr + head)
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     for start in range(first, full, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
@@ -510,7 +525,7 @@ class TritonAttention(AttentionBackend):
         sdpa_preference(dense_prefill_sdpa, None)  # (a bad value is an error here, as the engine is built)
         self.dense_prefill_sdpa = dense_prefill_sdpa
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale=None, window=None, softcap=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale=None, window=None, softcap=None, sinks=None):
         write_kv(k, v, k_cache, v_cache, meta)
         q = _last_dim_contiguous(q)
         out = torch.empty_like(q)
@@ -524,7 +539,9 @@ class TritonAttention(AttentionBackend):
         softcap_log2 = 0.0 if softcap is None else softcap * LOG2E
         precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 only matters for float32
         packed = None
-        dense = self.dense_prefill_min_tokens is not None and window is None and softcap is None  # (SDPA: no cap)
+        # (SDPA has no cap and no sinks)
+        dense = self.dense_prefill_min_tokens is not None and window is None and softcap is None and sinks is None
+        sinks_log2 = out if sinks is None else sinks.float() * LOG2E  # (nh,) (unread without sinks)
         if meta.prefills and dense:
             fresh, packed = meta.fresh_prefills(self.dense_prefill_min_tokens)
             prefer = sdpa_preference(self.dense_prefill_sdpa, compute_capability(q.device))
@@ -545,6 +562,7 @@ class TritonAttention(AttentionBackend):
                 packed.context_lens,
                 packed.slot_starts,
                 packed.slots,
+                sinks_log2,
                 q.stride(0),
                 q.stride(1),
                 k_cache.stride(0),
@@ -563,6 +581,7 @@ class TritonAttention(AttentionBackend):
                 BLOCK_N=self.block_n,
                 INPUT_PRECISION=precision,
                 SOFTCAP=softcap is not None,
+                SINKS=sinks is not None,
             )
         num_decodes = meta.decode_token_index.numel()
         if num_decodes:
@@ -586,6 +605,7 @@ class TritonAttention(AttentionBackend):
                 split_max,
                 split_sum,
                 meta.decode_token_index,
+                sinks_log2,
                 table,
                 meta.decode_context_lens,
                 q.stride(0),
@@ -608,6 +628,7 @@ class TritonAttention(AttentionBackend):
                 NUM_SPLITS=splits,
                 INPUT_PRECISION=precision,
                 SOFTCAP=softcap is not None,
+                SINKS=sinks is not None,
             )
             if splits > 1:
                 _combine_splits_kernel[(num_decodes, num_heads)](

@@ -159,13 +159,60 @@ def _per_expert(tensors):
         yield from ((origin, key, tensor),) if parts is None else ((origin, k, t) for k, t in parts)
 
 
+# The values of OCP MXFP4's 4-bit codes (E2M1: a sign, two exponent bits, one mantissa bit)
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """OCP MXFP4, as gpt-oss's checkpoints store its experts: ``blocks`` (E, rows, G, 16) uint8, two 4-bit
+    codes a byte (the low nibble first), ``scales`` (E, rows, G) uint8, each block of 32 values' power of
+    two (E8M0: 2 ** (s - 127)) -> float32 (E, 32 G, rows): transposed, as the model multiplies by them
+    (transformers' ``convert_moe_packed_tensors``). One expert at a time (the codes of a whole layer at
+    once would take GBs)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+        raise ConfigError(
+            f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} {scales.dtype} "
+            "do not pair (uint8 (E, rows, G, 16) and (E, rows, G))"
+        )
+    table = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    experts = []
+    for expert_blocks, expert_scales in zip(blocks, scales, strict=True):
+        codes = torch.stack((expert_blocks & 0x0F, expert_blocks >> 4), dim=-1).flatten(-2)  # (rows, G, 32)
+        values = torch.ldexp(table[codes.long()], expert_scales.to(torch.int32)[..., None] - 127)
+        experts.append(values.flatten(-2).T)  # (32 G, rows)
+    return torch.stack(experts)
+
+
+def _dequantized(tensors):
+    """``tensors`` with each MXFP4 pair (``{name}_blocks``, ``{name}_scales``) as the tensor ``{name}``."""
+    pending: dict[tuple[str, str], object] = {}
+    for origin, key, tensor in tensors:
+        name, _, part = key.rpartition("_")
+        if part not in ("blocks", "scales"):
+            yield origin, key, tensor
+            continue
+        other = pending.pop((name, "scales" if part == "blocks" else "blocks"), None)
+        if other is None:
+            pending[(name, part)] = tensor
+            continue
+        blocks, scales = (tensor, other) if part == "blocks" else (other, tensor)
+        yield origin, name, dequantize_mxfp4(blocks, scales)
+    if pending:
+        name, part = next(iter(pending))
+        raise ConfigError(f"MXFP4 tensor {name}_{part} has no {'scales' if part == 'blocks' else 'blocks'}")
+
+
 @torch.no_grad()
 def copy_weights(model: nn.Module, tensors, source: str) -> None:
     """Copy ``(origin, HF name, tensor or array)`` triples into ``model``; an unknown name, a wrong
     shape or a parameter left without weights (other than a tied LM head) is a ConfigError."""
     params = checkpoint_tensors(model)
     loaded: set[str] = set()
-    for origin, key, tensor in _per_expert(tensors) if model.config.is_moe else tensors:
+    if model.config.model_type == "gpt_oss":  # (its experts stacked as the model holds them)
+        tensors = _dequantized(tensors)
+    elif model.config.is_moe:
+        tensors = _per_expert(tensors)
+    for origin, key, tensor in tensors:
         if key.endswith(_IGNORED_SUFFIXES):
             continue
         if key not in params:

@@ -18,7 +18,7 @@ from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine import fused_ops
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
-from sloserve.engine.models.moe import SparseMoE
+from sloserve.engine.models.moe import GptOssMoE, SparseMoE
 
 
 class RMSNorm(nn.Module):
@@ -231,7 +231,9 @@ class LlamaAttention(nn.Module):
         hd, nh, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
         self.qkv_proj = qkv_projection(config)
-        self.o_proj = nn.Linear(nh * hd, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(nh * hd, config.hidden_size, bias=config.attention_output_bias)
+        # gpt-oss: a logit per head that joins each query's softmax (None: none)
+        self.sinks = nn.Parameter(torch.empty(nh)) if config.attention_sinks else None
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, config.norm_eps)
             self.k_norm = RMSNorm(hd, config.norm_eps)
@@ -252,6 +254,12 @@ class LlamaAttention(nn.Module):
             qk = apply_rotary(qk, cos, sin)  # Q and K rotated together
         return qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
 
+    def attend(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
+        """The backend's attention of (q, k, v) with this layer's scale, window and sinks: (T, nh, hd)."""
+        return self.backend.forward(
+            q, k, v, k_cache, v_cache, meta, scale=self.scale, window=self.window, sinks=self.sinks
+        )
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
@@ -269,6 +277,8 @@ def mlp(config: ModelConfig, layer: int) -> nn.Module:
     """Layer ``layer``'s MLP: dense, or a mixture of experts (with Qwen2-MoE's shared expert)."""
     if not config.layer_is_moe(layer):
         return LlamaMLP(config)
+    if config.model_type == "gpt_oss":
+        return GptOssMoE(config)
     shared = config.moe["shared_expert_intermediate_size"]
     return SparseMoE(config, LlamaMLP(config, shared) if shared else None)
 
@@ -289,9 +299,7 @@ class LlamaDecoderLayer(nn.Module):
         NOTE: vLLM's layout: each output joins the stream in the norm after it (``add_and_norm``), so
         the sums are HF's ``x + attn(norm(x))`` and ``x + mlp(norm(x))``, bit for bit on the PyTorch path."""
         q, k, v, residual = self.before_attention(x, residual, cos, sin)
-        attended = self.self_attn.backend.forward(
-            q, k, v, k_cache, v_cache, meta, scale=self.self_attn.scale, window=self.self_attn.window
-        )  # (T, nh, hd)
+        attended = self.self_attn.attend(q, k, v, k_cache, v_cache, meta)  # (T, nh, hd)
         return self.after_attention(attended, residual)
 
     # The layer's two halves around the attention call (piecewise CUDA graphs capture them apart).

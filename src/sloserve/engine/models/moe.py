@@ -1,5 +1,5 @@
 """Sparse mixture-of-experts MLPs (Qwen3-MoE: Qwen3-30B-A3B, Qwen3-235B-A22B; Qwen2-MoE: Qwen1.5-MoE-A2.7B,
-Qwen2-57B-A14B, with a shared expert; Mixtral 8x7B, 8x22B).
+Qwen2-57B-A14B, with a shared expert; Mixtral 8x7B, 8x22B; gpt-oss-20b and 120b: ``GptOssMoE``).
 
 Each token's router scores pick its ``num_experts_per_tok`` best experts (softmax over all experts, in
 float32, then the top k; with ``norm_topk_prob`` their weights renormalized to sum to 1, as transformers'
@@ -16,6 +16,8 @@ engines on a MoE model run eagerly (``ModelConfig.is_moe``). A fused MoE kernel 
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,27 +47,40 @@ class Experts(nn.Module):
             views[f"experts.{e}.down_proj.weight"] = self.down[e]
         return views
 
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:  # (n, H) -> (n, H)
+        return F.linear(fused_ops.silu_and_mul(F.linear(x, self.gate_up[e])), self.down[e])  # via (n, 2 I), (n, I)
+
     def forward(
         self,
         x: torch.Tensor,  # (T, H)
         experts: torch.Tensor,  # (T, k) the experts each token is routed to
         weights: torch.Tensor,  # (T, k) their weights, in x's dtype
     ) -> torch.Tensor:  # (T, H)
-        out = torch.zeros_like(x)
-        flat = experts.flatten()  # (T k,)
-        order = flat.argsort(stable=True)  # the (token, choice) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # NOTE: a device sync
-        tokens = order // experts.shape[1]  # (T k,) the token of each pair, in that order
-        pair_weights = weights.flatten()[order]
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
+        return by_expert(x, experts, weights, self.num_experts, self.expert)
+
+
+def by_expert(
+    x: torch.Tensor,  # (T, H)
+    experts: torch.Tensor,  # (T, k) the experts each token is routed to
+    weights: torch.Tensor,  # (T, k) their weights, in x's dtype
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],  # (e, its tokens (n, H)) -> (n, H)
+) -> torch.Tensor:  # (T, H)
+    """Each token's weighted sum of its experts' outputs: the tokens grouped by expert (a sort), ``expert``
+    run once for each expert that has tokens."""
+    out = torch.zeros_like(x)
+    flat = experts.flatten()  # (T k,)
+    order = flat.argsort(stable=True)  # the (token, choice) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # NOTE: a device sync
+    tokens = order // experts.shape[1]  # (T k,) the token of each pair, in that order
+    pair_weights = weights.flatten()[order]
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
             rows = tokens[start : start + count]
-            h = fused_ops.silu_and_mul(F.linear(x[rows], self.gate_up[e]))  # (count, 2 I) -> (count, I)
-            out.index_add_(0, rows, F.linear(h, self.down[e]) * pair_weights[start : start + count, None])
+            out.index_add_(0, rows, expert(e, x[rows]) * pair_weights[start : start + count, None])
             start += count
-        return out
+    return out
 
 
 # Mixtral's checkpoint names of an expert's projections (under ``block_sparse_moe.``, not ``mlp.``)
@@ -124,3 +139,45 @@ class SparseMoE(nn.Module):
         if self.shared_expert is None:
             return routed
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # (T, 1) * (T, H)
+
+
+class GptOssExperts(nn.Module):
+    """gpt-oss's experts, held as its checkpoints hold them (transformers' layout: MXFP4 ones are dequantized
+    into it as they load): ``gate_up_proj`` (E, H, 2 I), its gate and up columns interleaved, and
+    ``down_proj`` (E, I, H), each with a bias. An expert computes (up + 1) * gate * sigmoid(alpha gate),
+    its gate clamped above at ``limit`` and its up to [-limit, limit] (gpt-oss's clamped SwiGLU)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        moe, h = config.moe, config.hidden_size
+        e, i = moe["num_experts"], moe["moe_intermediate_size"]
+        self.num_experts, self.alpha, self.limit = e, moe["swiglu_alpha"], moe["swiglu_limit"]
+        self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i))
+        self.down_proj = nn.Parameter(torch.empty(e, i, h))
+        self.down_proj_bias = nn.Parameter(torch.empty(e, h))
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:  # (n, H) -> (n, H)
+        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # (n, 2 I)
+        gate = gate_up[:, ::2].clamp(max=self.limit)  # (n, I)
+        up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)  # (n, I)
+        return ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))) @ self.down_proj[e] + self.down_proj_bias[e]
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x (T, H); experts, weights (T, k): each token's experts and their weights -> (T, H)."""
+        return by_expert(x, experts, weights, self.num_experts, self.expert)
+
+
+class GptOssMoE(nn.Module):
+    """gpt-oss's MLP: the router (a linear layer with a bias) picks each token's top k experts by logit, their
+    weights the softmax of those k logits (transformers' ``GptOssTopKRouter``); then ``GptOssExperts``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = config.moe["num_experts_per_tok"]
+        self.router = nn.Linear(config.hidden_size, config.moe["num_experts"], bias=True)
+        self.experts = GptOssExperts(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
+        logits, experts = self.router(x).topk(self.top_k, dim=-1)  # (T, k) each
+        return self.experts(x, experts, torch.softmax(logits, dim=-1))
