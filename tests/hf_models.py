@@ -8,7 +8,8 @@ import transformers
 VOCAB = 300
 SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7, "phi3": 9, "smollm3": 10, "gemma2": 11,
          "qwen3_moe": 12, "mixtral": 13, "granite": 14, "olmo2": 15, "phi4_mini": 16,
-         "qwen2_moe": 17, "gpt_oss": 18}  # fmt: skip
+         "qwen2_moe": 17, "gpt_oss": 18,
+         "olmo3": 19}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -99,6 +100,15 @@ def hf_model(arch: str):
             residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=16.0,
         )  # fmt: skip
         cls = transformers.GraniteForCausalLM
+    elif arch == "olmo3":  # three sliding layers (window 8) then a full one, its rope YaRN-scaled past 64
+        config = transformers.Olmo3Config(
+            **{**common, "num_hidden_layers": 4}, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2,
+            sliding_window=8, pad_token_id=0,
+            rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                                "rope_theta": 500000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}},
+        )  # fmt: skip
+        cls = transformers.Olmo3ForCausalLM
     elif arch == "olmo2":
         config = transformers.Olmo2Config(**common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2)
         cls = transformers.Olmo2ForCausalLM

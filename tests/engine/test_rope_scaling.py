@@ -5,12 +5,14 @@ pretrained context of 32 positions, so that the scaling bites within the tests' 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_models import VOCAB, greedy  # noqa: E402
+from hf_models import VOCAB, greedy, hf_model, prompt_logprobs  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 
@@ -132,3 +134,20 @@ def test_a_gguf_rope_the_engine_does_not_apply_is_refused_by_name(tmp_path, scal
     write_gguf(path, checkpoint("llama", None), {**GGUF_TOKENS, **gguf_rope_fields(scaling), **fields})
     with pytest.raises(ConfigError, match=message):
         LLM(str(path), kv_capacity_tokens=256)
+
+
+def test_olmo_3s_scaling_is_its_full_layers_only(tmp_path):
+    """OLMo 3's config as the Hub has it (``rope_theta`` and ``rope_scaling`` at the top level, as transformers
+    before 5 wrote it): the scaling is its full layers' (one of four); its sliding layers' rope is not scaled.
+    Log-probabilities over 90 positions (past the 64 it scales from) equal transformers'."""
+    model = hf_model("olmo3")
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    full = config.pop("rope_parameters")["full_attention"]
+    config.update(rope_theta=full.pop("rope_theta"), rope_scaling=full)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ids = [(i * 7 + 3) % VOCAB for i in range(90)]
+    out = LLM(str(tmp_path), kv_capacity_tokens=256).generate(
+        {"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0)
+    )[0]
+    assert [e.logprob for e in out.prompt_logprobs[1:]] == pytest.approx(prompt_logprobs(model, ids), abs=1e-4)

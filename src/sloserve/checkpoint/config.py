@@ -38,6 +38,7 @@ ARCHITECTURES: dict[str, str] = {
     "gemma3_text": "gemma3",
     "gemma2": "gemma3",  # (Gemma 3's layers without query/key norms, with capped scores)
     "olmo2": "olmo2",
+    "olmo3": "olmo2",  # (OLMo 2's layers, three of four sliding, the others' rope scaled)
     "opt": "opt",
 }
 # Multimodal checkpoints served as text: their config.json's text_config is the language model's
@@ -63,6 +64,10 @@ MOE_DEFAULTS = {
     "gpt_oss": {"num_experts": 128, "num_experts_per_tok": 4, "moe_intermediate_size": None},  # (intermediate_size)
 }
 MOE_TYPES = tuple(MOE_DEFAULTS)
+# transformers' rope bases where a config has none
+DEFAULT_ROPE_THETA = {"gpt_oss": 150_000.0, "olmo3": 500_000.0}
+# The models with sliding layers by default: (window, every pattern-th layer global), transformers' defaults
+SLIDING_PATTERNS = {"gpt_oss": (128, 2), "olmo3": (4096, 4)}
 # A layer type of ModelConfig.layer_types that sees only the last sliding_window positions
 SLIDING = "sliding_attention"
 # Byte-level tokenizer of random models: ids 0..255 are bytes, then BOS and EOS.
@@ -318,7 +323,12 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         return _gemma3_config(raw, common, name, need)
     # transformers >= 5 keeps rope settings in rope_parameters; older configs at the top level.
     rope = dict(raw.get("rope_parameters") or {})
-    rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 150_000.0 if model_type == "gpt_oss" else 10000.0)))
+    default_theta = DEFAULT_ROPE_THETA.get(model_type, 10000.0)
+    local_theta = None
+    if model_type == "olmo3":  # (transformers 5: one dict a layer type; the scaling is the full layers' only)
+        local_theta = float((rope.get(SLIDING) or {}).get("rope_theta", raw.get("rope_theta", default_theta)))
+        rope = dict(rope.get("full_attention") or {})
+    rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", default_theta)))
     scaling = _rope_scaling(
         raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None), name
     )
@@ -343,9 +353,9 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     if window is not None and window >= common["max_position_embeddings"]:
         window = None
     layer_types = (SLIDING,) * common["num_hidden_layers"] if window else ()
-    if model_type == "gpt_oss":  # every other layer sees the last 128 positions (transformers' default types)
-        window = raw.get("sliding_window", 128)
-        layer_types = tuple(raw.get("layer_types") or [SLIDING if (i + 1) % 2 else "full_attention"
+    if model_type in SLIDING_PATTERNS:  # gpt-oss: every other layer sees the last 128 positions; OLMo 3: 3 of 4
+        window, pattern = raw.get("sliding_window", SLIDING_PATTERNS[model_type][0]), SLIDING_PATTERNS[model_type][1]
+        layer_types = tuple(raw.get("layer_types") or [SLIDING if (i + 1) % pattern else "full_attention"
                                                        for i in range(common["num_hidden_layers"])])  # fmt: skip
         if len(layer_types) != common["num_hidden_layers"]:
             raise ConfigError(
@@ -366,6 +376,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=scaling,
+        rope_local_theta=local_theta,
         partial_rotary_dim=rotary_dim if rotary_dim != head_dim else None,
         # NOTE: Qwen2's config has no attention_bias key; its q/k/v projections always have biases.
         attention_bias=bool(

@@ -21,7 +21,6 @@ free; the schedulers size requests as for full attention (an upper bound on what
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -30,7 +29,7 @@ from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
-from sloserve.engine.models.llama import LlamaForCausalLM, MergedLinear, Rotary, apply_rotary, qkv_projection
+from sloserve.engine.models.llama import LlamaForCausalLM, MergedLinear, apply_rotary, qkv_projection
 
 
 class GemmaRMSNorm(nn.Module):
@@ -126,8 +125,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     supports_piecewise_graphs = False  # (its own forward: four norms a layer, two rotary tables)
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
-        super().__init__(config, backend)  # NOTE: its rotary embedding is the global layers'
-        self.local_rotary = Rotary(dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None))
+        super().__init__(config, backend)  # NOTE: its rotary embedding is the global layers', local_rotary the others'
         self.embed_scale = math.sqrt(config.hidden_size)
 
     def forward(
@@ -139,12 +137,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     ) -> torch.Tensor:  # (T, H)
         x = self.model.embed_tokens(input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # NOTE: the scale rounded to the dtype first, as HF
-        tables = {
-            None: self.rotary.for_positions(positions, x.dtype),  # (T, 1, hd) each, shared by the layers
-            "local": self.local_rotary.for_positions(positions, x.dtype),
-        }
-        for i, layer in enumerate(self.model.layers):
-            cos, sin = tables["local" if layer.self_attn.window is not None else None]
+        tables = self.layer_rotary_tables(positions, x.dtype)
+        for i, (layer, (cos, sin)) in enumerate(zip(self.model.layers, tables, strict=True)):
             x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
         return self.model.norm(x)
 

@@ -8,6 +8,7 @@ safetensors file loads by name.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -347,6 +348,22 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config)
+        # The sliding layers' own rotary embedding where the config gives them one (Gemma 3's base of 10,000;
+        # OLMo 3's, unscaled); None: they share the model's
+        self.local_rotary = (
+            None
+            if config.rope_local_theta is None
+            else Rotary(dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None))
+        )
+
+    def layer_rotary_tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (cos, sin), (T, 1, rotary_dim) each: the sliding layers' from ``local_rotary`` where the
+        model has one, the others' (or all) from ``rotary``, each table gathered once."""
+        tables = self.rotary.for_positions(positions, dtype)
+        local = tables if self.local_rotary is None else self.local_rotary.for_positions(positions, dtype)
+        return [local if layer.self_attn.window is not None else tables for layer in self.model.layers]
 
     def forward(
         self,

@@ -1,10 +1,12 @@
-"""OLMo 2 (``olmo2``: AI2's 1B-32B): Llama's parts in another order.
+"""OLMo 2 (``olmo2``: AI2's 1B-32B) and OLMo 3 (``olmo3``: 7B, 32B): Llama's parts in another order.
 
 - Each layer normalizes its attention's and its MLP's outputs before they join the residual stream
   (``post_attention_layernorm``, ``post_feedforward_layernorm``), not their inputs: a layer's input is the
   stream itself.
 - Queries and keys are normalized over the whole projection (RMSNorm of width heads x head_dim), before
   they are cut into heads and rotated (Qwen3 normalizes each head).
+- OLMo 3: three layers of four see the last ``sliding_window`` positions, with a rope of their own (the
+  others' rope scaling, YaRN in the long-context models, is not theirs).
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
         kv_cache: torch.Tensor,  # (2, layers, num_slots, nkv, hd)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # (T, H)
-        x, cos, sin = self.embed(input_ids, positions)
-        for i, layer in enumerate(self.model.layers):
+        x = self.model.embed_tokens(input_ids)
+        tables = self.layer_rotary_tables(positions, x.dtype)
+        for i, (layer, (cos, sin)) in enumerate(zip(self.model.layers, tables, strict=True)):
             x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
         return self.model.norm(x)
