@@ -33,7 +33,7 @@ PROMPTS = [
 MAX_TOKENS = [12, 5, 20, 8, 16, 10]
 # Beside Llama (tests/hf_models.py: each with what sets it apart)
 OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "gemma2", "qwen3_moe", "mixtral", "granite",
-                       "olmo2", "qwen2_moe", "gpt_oss", "olmo3"]  # fmt: skip
+                       "olmo2", "qwen2_moe", "gpt_oss", "olmo3", "olmoe"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -527,7 +527,7 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(
         ConfigError,
-        match="unsupported architecture 'gpt2'.*supported: gemma2, gemma3, gemma3_text, gpt_oss, granite, llama, mistral, mistral3, mixtral, olmo2, olmo3, opt, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3",
+        match="unsupported architecture 'gpt2'.*supported: gemma2, gemma3, gemma3_text, gpt_oss, granite, llama, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3",
     ):
         LLM(str(tmp_path / "gpt2"))
     fp8 = tmp_path / "fp8"  # an FP8 checkpoint's weights would load as plain ones, their scales ignored
@@ -999,18 +999,19 @@ def test_the_host_share_fit_is_not_bent_by_descheduled_steps():
     assert per_request == pytest.approx(0, abs=1e-12) and per_step > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "opt"])
+@pytest.mark.parametrize("arch", ["llama", *OTHER_ARCHITECTURES])
 def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
-    """`simulate --model DIR`: the spec read from config.json counts the parameters transformers has."""
+    """`simulate --model DIR`: the spec read from config.json counts the parameters transformers has (a
+    mixture of experts: all of them; its biases, sinks, norms and shared experts too)."""
     from sloserve.checkpoint import model_spec
 
     spec = model_spec(hf_dirs[arch])
     hf = _hf_cached(arch)
     assert spec.num_params == sum(p.numel() for p in hf.parameters())
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (
-        2,
+        hf.config.num_hidden_layers,
         hf.config.num_key_value_heads if arch != "opt" else 4,
-        32 if arch == "qwen3" else 16,  # Qwen3's head_dim is its own (64 / 4 heads elsewhere)
+        getattr(hf.config, "head_dim", None) or 16,  # (64 / 4 heads, where the config has none)
     )
     assert spec.dtype_bytes == 4  # saved in float32
 

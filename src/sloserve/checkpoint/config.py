@@ -39,6 +39,7 @@ ARCHITECTURES: dict[str, str] = {
     "gemma2": "gemma3",  # (Gemma 3's layers without query/key norms, with capped scores)
     "olmo2": "olmo2",
     "olmo3": "olmo2",  # (OLMo 2's layers, three of four sliding, the others' rope scaled)
+    "olmoe": "llama",  # (Llama's layers, OLMo 2's query and key norms, Qwen3-MoE's experts)
     "opt": "opt",
 }
 # Multimodal checkpoints served as text: their config.json's text_config is the language model's
@@ -62,8 +63,11 @@ MOE_DEFAULTS = {
     "qwen2_moe": {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408},
     "mixtral": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (intermediate_size)
     "gpt_oss": {"num_experts": 128, "num_experts_per_tok": 4, "moe_intermediate_size": None},  # (intermediate_size)
+    "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": None},  # (intermediate_size)
 }
 MOE_TYPES = tuple(MOE_DEFAULTS)
+# The OLMo models (their query and key norms over the whole projections)
+OLMO_TYPES = ("olmo2", "olmo3", "olmoe")
 # transformers' rope bases where a config has none
 DEFAULT_ROPE_THETA = {"gpt_oss": 150_000.0, "olmo3": 500_000.0}
 # The models with sliding layers by default: (window, every pattern-th layer global), transformers' defaults
@@ -108,6 +112,9 @@ class ModelConfig:
     # gpt-oss: a learned logit per head joins each query's softmax (a key with no value: "attention sinks")
     attention_sinks: bool = False
     qk_norm: bool = False  # an RMSNorm of each query and key head before the rotary embedding (Qwen3)
+    # ... of the whole query and key projections (heads x head_dim) instead (OLMo 2, 3, OLMoE)
+    qk_norm_whole_projection: bool = False
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] (None: not)
     mlp_bias: bool = False
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
@@ -219,10 +226,8 @@ class ModelConfig:
         if self.attention_bias:
             attention += q_width + 2 * kv_width
         if self.qk_norm:
-            attention += 2 * self.head_dim
+            attention += q_width + kv_width if self.qk_norm_whole_projection else 2 * self.head_dim
         attention += h * self.attention_output_bias + self.num_attention_heads * self.attention_sinks
-        if self.architecture == "olmo2":  # its query and key norms span the whole projection
-            attention += q_width + kv_width
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)  # gate, up, down
         layer = attention + mlp + (4 if self.architecture == "gemma3" else 2) * h  # RMSNorms
         total = v * h + layers * layer + h + (0 if self.tie_word_embeddings else v * h)
@@ -384,10 +389,14 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
             if model_type == "qwen2_moe"
             else raw.get("attention_bias", model_type in ("qwen2", "gpt_oss"))
         ),
-        attention_output_bias=model_type == "gpt_oss" and bool(raw.get("attention_bias", True)),
+        # (gpt-oss's attention_bias is every projection's, OLMo's too; Qwen2's the q/k/v ones')
+        attention_output_bias=model_type in ("gpt_oss", *OLMO_TYPES)
+        and bool(raw.get("attention_bias", model_type == "gpt_oss")),
         attention_sinks=model_type == "gpt_oss",
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", *OLMO_TYPES),
+        qk_norm_whole_projection=model_type in OLMO_TYPES,
+        clip_qkv=raw.get("clip_qkv") if model_type == "olmoe" else None,
         moe=_moe(raw, common["num_hidden_layers"], name) if model_type in MOE_TYPES else None,
         layer_types=layer_types,
         sliding_window=int(window) if window else None,
@@ -424,11 +433,11 @@ def _language_model_config(raw: dict[str, Any], name: str) -> ModelConfig:
 def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
     """Qwen3-MoE's and Qwen2-MoE's experts, as transformers' decoder layers place them: every
     ``decoder_sparse_step``-th layer not in ``mlp_only_layers`` (Qwen2-MoE's beside a shared expert);
-    Mixtral's: every layer, each expert of ``intermediate_size``, the top weights always renormalized.
-    The defaults where a config has none are transformers' (Qwen3-30B-A3B's, Qwen1.5-MoE-A2.7B's)."""
+    Mixtral's, gpt-oss's and OLMoE's: every layer, each expert of ``intermediate_size`` (Mixtral's top
+    weights always renormalized). The defaults where a config has none are transformers'."""
     kind = raw["model_type"]
     qwen2 = kind == "qwen2_moe"
-    mixtral = kind in ("mixtral", "gpt_oss")  # (experts of intermediate_size; gpt-oss's router: below)
+    experts_of_intermediate_size = kind in ("mixtral", "gpt_oss", "olmoe")
     # NOTE: transformers 5 saves Qwen3-MoE's count as num_local_experts (Mixtral's name), the Hub as num_experts
     experts = raw.get("num_experts", raw.get("num_local_experts", MOE_DEFAULTS[kind]["num_experts"]))
     if not experts:
@@ -438,9 +447,9 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         "num_experts": experts,
         "num_experts_per_tok": raw.get("num_experts_per_tok", MOE_DEFAULTS[kind]["num_experts_per_tok"]),
         "moe_intermediate_size": raw.get("intermediate_size")
-        if mixtral
+        if experts_of_intermediate_size
         else raw.get("moe_intermediate_size", MOE_DEFAULTS[kind]["moe_intermediate_size"]),
-        "norm_topk_prob": mixtral or bool(raw.get("norm_topk_prob", False)),
+        "norm_topk_prob": kind == "mixtral" or bool(raw.get("norm_topk_prob", False)),
         "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
         "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size", 5632) if qwen2 else 0,
     }

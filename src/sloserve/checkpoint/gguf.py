@@ -299,7 +299,8 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
             int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(config["num_hidden_layers"])
         ]
     if arch == "olmo2" and meta.get("olmo2.attention.sliding_window"):
-        # NOTE: llama.cpp writes Olmo 3 as olmo2 with a window on three layers of four; HF's olmo3 is not supported
+        # NOTE: llama.cpp writes Olmo 3 as olmo2 with a window on three layers of four, and runs the sliding
+        # layers' rope by rules of its own (not read here: HF's olmo3 checkpoints are)
         raise ConfigError(
             f"{path}: GGUF olmo2 with olmo2.attention.sliding_window {meta['olmo2.attention.sliding_window']} "
             "(Olmo 3's sliding layers) is not supported"

@@ -235,10 +235,12 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(nh * hd, config.hidden_size, bias=config.attention_output_bias)
         # gpt-oss: a logit per head that joins each query's softmax (None: none)
         self.sinks = nn.Parameter(torch.empty(nh)) if config.attention_sinks else None
+        # Qwen3 normalizes each query and key head; OLMo 2, 3 and OLMoE the whole projections (heads x hd)
+        self.qk_norm, self.qk_norm_whole = config.qk_norm, config.qk_norm_whole_projection
         if config.qk_norm:
-            self.q_norm = RMSNorm(hd, config.norm_eps)
-            self.k_norm = RMSNorm(hd, config.norm_eps)
-        self.qk_norm = config.qk_norm
+            self.q_norm = RMSNorm(nh * hd if self.qk_norm_whole else hd, config.norm_eps)
+            self.k_norm = RMSNorm(nkv * hd if self.qk_norm_whole else hd, config.norm_eps)
+        self.clip_qkv = config.clip_qkv  # (OLMoE's option: q, k and v clamped to [-clip, clip] after the norms)
         self.window = config.layer_window(layer)
         self.rotates = config.layer_rotates(layer)  # NOTE: SmolLM3's every fourth layer has no position embedding
         self.scale = config.attention_multiplier  # (None: head_dim ** -0.5; Granite's its own)
@@ -246,10 +248,16 @@ class LlamaAttention(nn.Module):
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The attention's inputs: (q, k, v), (T, nh, hd), (T, nkv, hd), (T, nkv, hd), rotated."""
-        t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(t, nh + 2 * nkv, self.head_dim)  # (T, nh + 2 nkv, hd)
+        t, nh, nkv, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # (T, (nh + 2 nkv) hd)
+        if self.qk_norm_whole:
+            q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=1)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=1)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        qkv = qkv.view(t, nh + 2 * nkv, hd)  # (T, nh + 2 nkv, hd)
         qk = qkv[:, : nh + nkv]  # (T, nh + nkv, hd)
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_whole:
             qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
         if self.rotates:
             qk = apply_rotary(qk, cos, sin)  # Q and K rotated together

@@ -16,42 +16,24 @@ from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
-from sloserve.engine.models.llama import LlamaForCausalLM, LlamaMLP, RMSNorm, apply_rotary, qkv_projection
-
-
-class Olmo2Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
-        super().__init__()
-        hd, nh, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
-        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
-        self.qkv_proj = qkv_projection(config)
-        self.o_proj = nn.Linear(nh * hd, config.hidden_size, bias=config.attention_bias)
-        self.q_norm = RMSNorm(nh * hd, config.norm_eps)
-        self.k_norm = RMSNorm(nkv * hd, config.norm_eps)
-        self.window = config.layer_window(layer)
-        self.backend = backend
-
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        t, nh, nkv, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)  # (T, (nh + 2 nkv) hd)
-        q = self.q_norm(qkv[:, : nh * hd]).view(t, nh, hd)
-        k = self.k_norm(qkv[:, nh * hd : (nh + nkv) * hd]).view(t, nkv, hd)
-        qk = apply_rotary(torch.cat((q, k), dim=1), cos, sin)  # (T, nh + nkv, hd)
-        v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
-        out = self.backend.forward(qk[:, :nh], qk[:, nh:], v, k_cache, v_cache, meta, window=self.window)
-        return self.o_proj(out.reshape(t, -1))
+from sloserve.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm
 
 
 class Olmo2DecoderLayer(nn.Module):
+    """Llama's attention (its query and key norms over the whole projections: ``qk_norm_whole_projection``)
+    and MLP, each output normalized before it joins the stream."""
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
-        self.self_attn = Olmo2Attention(config, backend, layer)
+        self.self_attn = LlamaAttention(config, backend, layer)
         self.mlp = LlamaMLP(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta):  # (T, H) the residual stream -> (T, H)
-        x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, k_cache, v_cache, meta))
+        attention = self.self_attn
+        attended = attention.attend(*attention.project(x, cos, sin), k_cache, v_cache, meta)  # (T, nh, hd)
+        x = x + self.post_attention_layernorm(attention.o_proj(attended.reshape(x.shape[0], -1)))
         return x + self.post_feedforward_layernorm(self.mlp(x))
 
 
