@@ -9,7 +9,7 @@ VOCAB = 300
 SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7, "phi3": 9, "smollm3": 10, "gemma2": 11,
          "qwen3_moe": 12, "mixtral": 13, "granite": 14, "olmo2": 15, "phi4_mini": 16,
          "qwen2_moe": 17, "gpt_oss": 18,
-         "olmo3": 19, "olmoe": 20}  # fmt: skip
+         "olmo3": 19, "olmoe": 20, "glm": 21, "glm4": 22}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -115,6 +115,11 @@ def hf_model(arch: str):
             clip_qkv=0.8, initializer_range=0.2, pad_token_id=0,
         )  # fmt: skip
         cls = transformers.OlmoeForCausalLM
+    elif arch in ("glm", "glm4"):  # half of each head rotated by adjacent pairs; GLM-4-0414's sandwich norms
+        cls = transformers.GlmForCausalLM if arch == "glm" else transformers.Glm4ForCausalLM
+        config = (transformers.GlmConfig if arch == "glm" else transformers.Glm4Config)(
+            **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, initializer_range=0.2, pad_token_id=0,
+        )  # fmt: skip
     elif arch == "olmo2":
         config = transformers.Olmo2Config(**common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2)
         cls = transformers.Olmo2ForCausalLM

@@ -40,6 +40,8 @@ ARCHITECTURES: dict[str, str] = {
     "olmo2": "olmo2",
     "olmo3": "olmo2",  # (OLMo 2's layers, three of four sliding, the others' rope scaled)
     "olmoe": "llama",  # (Llama's layers, OLMo 2's query and key norms, Qwen3-MoE's experts)
+    "glm": "llama",  # (GLM-4 of 2024: Llama's layers, half of each head rotated by adjacent pairs)
+    "glm4": "glm4",  # (GLM-4-0414: those layers with a norm after attention and after the MLP too)
     "opt": "opt",
 }
 # Multimodal checkpoints served as text: their config.json's text_config is the language model's
@@ -66,6 +68,8 @@ MOE_DEFAULTS = {
     "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": None},  # (intermediate_size)
 }
 MOE_TYPES = tuple(MOE_DEFAULTS)
+# The models whose rotary embedding may turn part of each head (partial_rotary_factor), as transformers' do
+PARTIAL_ROTARY = ("phi3", "glm", "glm4")
 # The OLMo models (their query and key norms over the whole projections)
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe")
 # transformers' rope bases where a config has none
@@ -107,6 +111,9 @@ class ModelConfig:
     # Phi-4 mini: the rotary embedding turns the first partial_rotary_dim of each head (96 of 128), the
     # rest pass through (None: the whole head)
     partial_rotary_dim: int | None = None
+    # GLM: the rotary embedding turns adjacent pairs of those dimensions (GPT-J's layout), not halves; the
+    # engine loads its Q and K rows reordered so that its rotate-half computes the same scores
+    rotary_interleaved: bool = False
     attention_bias: bool = False  # q/k/v biases (Qwen2: True)
     attention_output_bias: bool = False  # an o_proj bias (gpt-oss)
     # gpt-oss: a learned logit per head joins each query's softmax (a key with no value: "attention sinks")
@@ -229,7 +236,7 @@ class ModelConfig:
             attention += q_width + kv_width if self.qk_norm_whole_projection else 2 * self.head_dim
         attention += h * self.attention_output_bias + self.num_attention_heads * self.attention_sinks
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)  # gate, up, down
-        layer = attention + mlp + (4 if self.architecture == "gemma3" else 2) * h  # RMSNorms
+        layer = attention + mlp + (4 if self.architecture in ("gemma3", "glm4") else 2) * h  # RMSNorms
         total = v * h + layers * layer + h + (0 if self.tie_word_embeddings else v * h)
         if self.moe is not None:  # a MoE layer: the router and every expert instead of the dense MLP
             experts = self.moe["num_experts"] * (h + 3 * h * self.moe["moe_intermediate_size"])
@@ -340,11 +347,12 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     if raw.get("use_sliding_window"):
         raise ConfigError(f"{name}: sliding-window attention (use_sliding_window) is not supported for {model_type}")
     head_dim = raw.get("head_dim") or hidden // heads
-    rotated = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if rotated != 1.0 and model_type != "phi3":  # NOTE: transformers' Llama-family models rotate whole heads
+    glm = model_type in ("glm", "glm4")
+    rotated = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5 if glm else 1.0))
+    if rotated != 1.0 and model_type not in PARTIAL_ROTARY:  # NOTE: transformers' Llama rotates whole heads
         raise ConfigError(
             f"{name}: partial_rotary_factor {rotated} (a rotary embedding on part of a head) is not supported "
-            f"for {model_type} (phi3 only)"
+            f"for {model_type} ({', '.join(PARTIAL_ROTARY)} only)"
         )
     if not isinstance(rotated, (int, float)) or not 0 < rotated <= 1:
         raise ConfigError(f"{name}: partial_rotary_factor must be in (0, 1], got {rotated!r}")
@@ -383,11 +391,12 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         rope_scaling=scaling,
         rope_local_theta=local_theta,
         partial_rotary_dim=rotary_dim if rotary_dim != head_dim else None,
+        rotary_interleaved=glm,
         # NOTE: Qwen2's config has no attention_bias key; its q/k/v projections always have biases.
         attention_bias=bool(
             raw.get("qkv_bias", True)
             if model_type == "qwen2_moe"
-            else raw.get("attention_bias", model_type in ("qwen2", "gpt_oss"))
+            else raw.get("attention_bias", model_type in ("qwen2", "gpt_oss", "glm", "glm4"))
         ),
         # (gpt-oss's attention_bias is every projection's, OLMo's too; Qwen2's the q/k/v ones')
         attention_output_bias=model_type in ("gpt_oss", *OLMO_TYPES)

@@ -11,6 +11,7 @@ from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend
 from sloserve.engine.models.gemma3 import Gemma3ForCausalLM
+from sloserve.engine.models.glm4 import Glm4ForCausalLM
 from sloserve.engine.models.llama import LlamaForCausalLM, MergedLinear
 from sloserve.engine.models.moe import hub_expert_name, per_expert_tensors
 from sloserve.engine.models.olmo2 import Olmo2ForCausalLM
@@ -20,11 +21,12 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "gemma3": Gemma3ForCausalLM,
     "olmo2": Olmo2ForCausalLM,
+    "glm4": Glm4ForCausalLM,
     "opt": OPTForCausalLM,
 }
-# Model types whose checkpoints store Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``) fused, in the
-# row order the engine's merged projections have
-FUSED_CHECKPOINTS = ("phi3",)
+# The merged projections a model type's checkpoints store whole, in the row order the engine's have:
+# Phi-3's Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``), GLM's gate/up
+FUSED_CHECKPOINTS = {"phi3": ("qkv_proj", "gate_up_proj"), "glm": ("gate_up_proj",), "glm4": ("gate_up_proj",)}
 # Checkpoint tensors that are buffers in other implementations, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # A multimodal checkpoint served as text (``ModelConfig.extra["multimodal_checkpoint"]``: Gemma 3 4B-27B,
@@ -63,11 +65,11 @@ def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     the checkpoint stores it so (``FUSED_CHECKPOINTS``: Phi-3's ``qkv_proj.weight``); stacked experts
     (``moe.Experts``) as each expert's (``experts.0.gate_proj.weight``...). A tied weight appears under
     each of its names, as one tensor."""
-    fused = model.config.model_type in FUSED_CHECKPOINTS
+    fused = FUSED_CHECKPOINTS.get(model.config.model_type, ())
     stacked = {
         name: m
         for name, m in model.named_modules()
-        if hasattr(m, "checkpoint_views") and not (fused and isinstance(m, MergedLinear))
+        if hasattr(m, "checkpoint_views") and not (isinstance(m, MergedLinear) and name.rpartition(".")[2] in fused)
     }
     tensors: dict[str, torch.Tensor] = {}
     viewed: set[str] = set()
@@ -159,6 +161,22 @@ def _per_expert(tensors):
         yield from ((origin, key, tensor),) if parts is None else ((origin, k, t) for k, t in parts)
 
 
+# The projections whose rows the rotary embedding turns (``deinterleave_rotary_rows``)
+_ROTATED_ROWS = tuple(f"self_attn.{p}_proj.{kind}" for p in ("q", "k") for kind in ("weight", "bias"))
+
+
+def deinterleave_rotary_rows(tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """A Q or K projection's weight (heads x hd, H) or bias (heads x hd,) with each head's rotated rows
+    reordered from adjacent pairs (GLM's rotary layout: rows 2i and 2i + 1 turn together) to halves (the
+    engine's: rows i and i + rotary_dim / 2), the other rows in place. Queries and keys permuted alike
+    give the same scores."""
+    hd, rd = config.head_dim, config.rotary_dim
+    order = torch.cat((torch.arange(0, rd, 2), torch.arange(1, rd, 2), torch.arange(rd, hd)))  # (hd,)
+    heads = tensor.shape[0] // hd
+    rows = (torch.arange(heads)[:, None] * hd + order[None, :]).flatten()  # (heads x hd,)
+    return tensor[rows.to(tensor.device)]
+
+
 # The values of OCP MXFP4's 4-bit codes (E2M1: a sign, two exponent bits, one mantissa bit)
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -215,6 +233,8 @@ def copy_weights(model: nn.Module, tensors, source: str) -> None:
     for origin, key, tensor in tensors:
         if key.endswith(_IGNORED_SUFFIXES):
             continue
+        if model.config.rotary_interleaved and key.endswith(_ROTATED_ROWS):
+            tensor = deinterleave_rotary_rows(torch.as_tensor(tensor), model.config)
         if key not in params:
             raise ConfigError(f"{origin}: unexpected tensor {key!r} for a {model.config.model_type} model")
         if tuple(tensor.shape) != tuple(params[key].shape):

@@ -1,0 +1,64 @@
+"""GLM-4-0414 (``glm4``: Zhipu's GLM-4-9B-0414, GLM-4-32B-0414, GLM-Z1): Llama's parts, each sublayer's
+output normalized again before it joins the residual stream.
+
+- A layer normalizes its input (``input_layernorm``), attends, normalizes the attention's output
+  (``post_self_attn_layernorm``) and adds it to the stream; then normalizes the stream
+  (``post_attention_layernorm``, HF's name for the norm before the MLP), runs the MLP, normalizes its
+  output (``post_mlp_layernorm``) and adds it.
+- The rotary embedding turns half of each head, by adjacent pairs (``ModelConfig.rotary_interleaved``: the
+  checkpoint's Q and K rows are reordered as they load, ``models.deinterleave_rotary_rows``); q/k/v have
+  biases; gate and up are stored fused.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sloserve.checkpoint.config import ModelConfig
+from sloserve.engine.attention import AttentionBackend, AttentionMetadata
+from sloserve.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm
+
+
+class Glm4DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, backend, layer)
+        self.mlp = LlamaMLP(config)
+        h, eps = config.hidden_size, config.norm_eps
+        self.input_layernorm, self.post_self_attn_layernorm = RMSNorm(h, eps), RMSNorm(h, eps)
+        self.post_attention_layernorm, self.post_mlp_layernorm = RMSNorm(h, eps), RMSNorm(h, eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta):  # (T, H) the residual stream -> (T, H)
+        attention = self.self_attn
+        q, k, v = attention.project(self.input_layernorm(x), cos, sin)
+        attended = attention.attend(q, k, v, k_cache, v_cache, meta)  # (T, nh, hd)
+        x = x + self.post_self_attn_layernorm(attention.o_proj(attended.reshape(x.shape[0], -1)))
+        return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
+
+
+class Glm4Model(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Glm4DecoderLayer(config, backend, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+
+
+class Glm4ForCausalLM(LlamaForCausalLM):
+    """``forward`` returns the final hidden states ``(T, H)``; ``compute_logits`` the vocabulary scores."""
+
+    model_class = Glm4Model
+    supports_piecewise_graphs = False  # (its own forward: four norms a layer)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        kv_cache: torch.Tensor,  # (2, layers, num_slots, nkv, hd)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, H)
+        x, cos, sin = self.embed(input_ids, positions)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
+        return self.model.norm(x)
