@@ -29,7 +29,7 @@ from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
-from sloserve.engine.models.llama import LlamaForCausalLM, MergedLinear, apply_rotary, qkv_projection
+from sloserve.engine.models.llama import LlamaModel, MergedLinear, PostNormForCausalLM, apply_rotary, qkv_projection
 
 
 class GemmaRMSNorm(nn.Module):
@@ -107,40 +107,25 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3Model(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, backend, layer) for layer in range(config.num_hidden_layers)
-        )
-        self.norm = GemmaRMSNorm(config.hidden_size, config.norm_eps)
+class Gemma3Model(LlamaModel):
+    layer_class = Gemma3DecoderLayer
+    norm_class = GemmaRMSNorm
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
+class Gemma3ForCausalLM(PostNormForCausalLM):
     """``forward`` returns the final hidden states ``(T, H)``; ``compute_logits`` the vocabulary scores
-    (capped by tanh where the config says so)."""
+    (capped by tanh where the config says so). Its rotary embedding is the global layers', ``local_rotary``
+    the sliding ones'."""
 
     model_class = Gemma3Model
-    supports_piecewise_graphs = False  # (its own forward: four norms a layer, two rotary tables)
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
-        super().__init__(config, backend)  # NOTE: its rotary embedding is the global layers', local_rotary the others'
+        super().__init__(config, backend)
         self.embed_scale = math.sqrt(config.hidden_size)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # (T,)
-        positions: torch.Tensor,  # (T,)
-        kv_cache: torch.Tensor,  # (2, layers, num_slots, nkv, hd)
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # (T, H)
+    def embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, H)
         x = self.model.embed_tokens(input_ids)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # NOTE: the scale rounded to the dtype first, as HF
-        tables = self.layer_rotary_tables(positions, x.dtype)
-        for i, (layer, (cos, sin)) in enumerate(zip(self.model.layers, tables, strict=True)):
-            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
-        return self.model.norm(x)
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)  # NOTE: the scale rounded to the dtype first, as HF
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab)
         logits = self.lm_head(hidden)

@@ -12,12 +12,11 @@ output normalized again before it joins the residual stream.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
-from sloserve.engine.attention import AttentionBackend, AttentionMetadata
-from sloserve.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm
+from sloserve.engine.attention import AttentionBackend
+from sloserve.engine.models.llama import LlamaAttention, LlamaMLP, LlamaModel, PostNormForCausalLM, RMSNorm
 
 
 class Glm4DecoderLayer(nn.Module):
@@ -37,28 +36,11 @@ class Glm4DecoderLayer(nn.Module):
         return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
 
 
-class Glm4Model(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Glm4DecoderLayer(config, backend, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+class Glm4Model(LlamaModel):
+    layer_class = Glm4DecoderLayer
 
 
-class Glm4ForCausalLM(LlamaForCausalLM):
+class Glm4ForCausalLM(PostNormForCausalLM):
     """``forward`` returns the final hidden states ``(T, H)``; ``compute_logits`` the vocabulary scores."""
 
     model_class = Glm4Model
-    supports_piecewise_graphs = False  # (its own forward: four norms a layer)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # (T,)
-        positions: torch.Tensor,  # (T,)
-        kv_cache: torch.Tensor,  # (2, layers, num_slots, nkv, hd)
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # (T, H)
-        x, cos, sin = self.embed(input_ids, positions)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
-        return self.model.norm(x)

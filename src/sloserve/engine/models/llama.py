@@ -332,11 +332,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The embeddings, the layers (``layer_class``) and the final norm (``norm_class``)."""
+
+    layer_class: type[nn.Module] = LlamaDecoderLayer
+    norm_class: type[nn.Module] = RMSNorm
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.layers = nn.ModuleList(self.layer_class(config, backend, i) for i in range(config.num_hidden_layers))
+        self.norm = self.norm_class(config.hidden_size, config.norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -396,3 +401,28 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab)
         logits = self.lm_head(hidden)
         return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
+
+
+class PostNormForCausalLM(LlamaForCausalLM):
+    """A model whose layers normalize their sublayers' outputs before adding them to the residual stream
+    (Gemma, OLMo 2 and 3, GLM-4-0414): each layer takes the stream and returns it,
+    ``layer(x, cos, sin, k_cache, v_cache, meta)``. NOTE: Llama's add-and-norm after each sublayer (and the
+    piecewise graphs cut there) cannot express a norm between a sublayer and the stream."""
+
+    supports_piecewise_graphs = False
+
+    def embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, H)
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        kv_cache: torch.Tensor,  # (2, layers, num_slots, nkv, hd)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, H)
+        x = self.embeddings(input_ids)
+        tables = self.layer_rotary_tables(positions, x.dtype)
+        for i, (layer, (cos, sin)) in enumerate(zip(self.model.layers, tables, strict=True)):
+            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
+        return self.model.norm(x)

@@ -11,12 +11,11 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
-from sloserve.engine.attention import AttentionBackend, AttentionMetadata
-from sloserve.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm
+from sloserve.engine.attention import AttentionBackend
+from sloserve.engine.models.llama import LlamaAttention, LlamaMLP, LlamaModel, PostNormForCausalLM, RMSNorm
 
 
 class Olmo2DecoderLayer(nn.Module):
@@ -37,29 +36,11 @@ class Olmo2DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(x))
 
 
-class Olmo2Model(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Olmo2DecoderLayer(config, backend, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+class Olmo2Model(LlamaModel):
+    layer_class = Olmo2DecoderLayer
 
 
-class Olmo2ForCausalLM(LlamaForCausalLM):
+class Olmo2ForCausalLM(PostNormForCausalLM):
     """``forward`` returns the final hidden states ``(T, H)``; ``compute_logits`` the vocabulary scores."""
 
     model_class = Olmo2Model
-    supports_piecewise_graphs = False  # (its own forward: no norm before attention to cut at)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # (T,)
-        positions: torch.Tensor,  # (T,)
-        kv_cache: torch.Tensor,  # (2, layers, num_slots, nkv, hd)
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # (T, H)
-        x = self.model.embed_tokens(input_ids)
-        tables = self.layer_rotary_tables(positions, x.dtype)
-        for i, (layer, (cos, sin)) in enumerate(zip(self.model.layers, tables, strict=True)):
-            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
-        return self.model.norm(x)
