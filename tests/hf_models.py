@@ -9,7 +9,8 @@ VOCAB = 300
 SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7, "phi3": 9, "smollm3": 10, "gemma2": 11,
          "qwen3_moe": 12, "mixtral": 13, "granite": 14, "olmo2": 15, "phi4_mini": 16,
          "qwen2_moe": 17, "gpt_oss": 18,
-         "olmo3": 19, "olmoe": 20, "glm": 21, "glm4": 22}  # fmt: skip
+         "olmo3": 19, "olmoe": 20, "glm": 21, "glm4": 22,
+         "ministral3": 23}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -54,6 +55,14 @@ def hf_model(arch: str):
             pad_token_id=0,
         )  # fmt: skip
         cls = transformers.Phi3ForCausalLM
+    elif arch == "ministral3":  # YaRN past 16 positions, queries scaled past them (Llama 4's scaling, beta 0.5)
+        config = transformers.Ministral3Config(
+            **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, initializer_range=0.2, pad_token_id=0,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 16,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "llama_4_scaling_beta": 0.5},
+        )  # fmt: skip
+        cls = transformers.Ministral3ForCausalLM
     elif arch == "phi4_mini":  # partial rotary, LongRoPE, the LM head tied, no window: Phi-4 mini's
         config = transformers.Phi3Config(
             **common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2, pad_token_id=0,

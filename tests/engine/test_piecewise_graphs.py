@@ -52,6 +52,7 @@ def _on_pieces(llm: LLM, sizes: list[int], compile: bool = False) -> list[int]:
         ("tiny-mistral", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # a sliding window
         ("tiny-granite", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # scales
         ("tiny-phi4-mini", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # partial rotary
+        ("tiny-ministral3", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # queries' own tables
         ("tiny-llama", "triton", "sarathi", dict(prefill_token_budget=16, block_size=4)),
         ("tiny-llama", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4, async_scheduling=True)),
     ],

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from hf_models import VOCAB, greedy, hf_model, prompt_logprobs  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
+from sloserve.checkpoint.config import load_hf_config  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 
 THETA = 10000.0
@@ -151,3 +152,27 @@ def test_olmo_3s_scaling_is_its_full_layers_only(tmp_path):
         {"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0)
     )[0]
     assert [e.logprob for e in out.prompt_logprobs[1:]] == pytest.approx(prompt_logprobs(model, ids), abs=1e-4)
+
+
+def test_ministral_3s_queries_are_scaled_past_the_pretrained_context(tmp_path):
+    """Ministral 3 (Llama 4's attention scaling): a query at position p is scaled by
+    1 + beta ln(1 + floor(p / 16)) here; log-probabilities over 60 positions equal transformers', and
+    the same weights without the scaling give others. Served as Mistral3ForConditionalGeneration ships it,
+    its text_config's model_type (ministral3) is the one read."""
+    model = hf_model("ministral3")
+    model.save_pretrained(tmp_path / "text")
+    ids = [(i * 7 + 3) % VOCAB for i in range(60)]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    scored = LLM(str(tmp_path / "text"), kv_capacity_tokens=256).generate({"prompt_token_ids": ids}, params)[0]
+    ours = [e.logprob for e in scored.prompt_logprobs[1:]]
+    assert ours == pytest.approx(prompt_logprobs(model, ids), abs=1e-4)
+    unscaled = json.loads((tmp_path / "text" / "config.json").read_text())
+    unscaled["rope_parameters"]["llama_4_scaling_beta"] = 0.0
+    (tmp_path / "text" / "config.json").write_text(json.dumps(unscaled))
+    plain = LLM(str(tmp_path / "text"), kv_capacity_tokens=256).generate({"prompt_token_ids": ids}, params)[0]
+    assert max(abs(a - e.logprob) for a, e in zip(ours, plain.prompt_logprobs[1:], strict=True)) > 0.01
+    multimodal = tmp_path / "multimodal"
+    multimodal.mkdir()
+    config = {"model_type": "mistral3", "text_config": model.config.to_dict(), "vision_config": {}}
+    (multimodal / "config.json").write_text(json.dumps(config))
+    assert load_hf_config(multimodal).llama4_scaling_beta == 0.5

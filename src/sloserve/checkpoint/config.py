@@ -25,6 +25,8 @@ from sloserve.cost.specs import MODELS, ModelSpec
 ARCHITECTURES: dict[str, str] = {
     "llama": "llama",
     "mistral": "llama",
+    # (Ministral 3: Mistral's layers, queries past the pretrained context scaled up, as Llama 4's)
+    "ministral3": "llama",
     "qwen2": "llama",
     "qwen3": "llama",
     "qwen3_moe": "llama",  # (Qwen3's layers, their MLPs sparse mixtures of experts: ``engine/models/moe.py``)
@@ -114,6 +116,9 @@ class ModelConfig:
     # GLM: the rotary embedding turns adjacent pairs of those dimensions (GPT-J's layout), not halves; the
     # engine loads its Q and K rows reordered so that its rotate-half computes the same scores
     rotary_interleaved: bool = False
+    # Ministral 3 (Llama 4's attention scaling): a query at position p is scaled by
+    # 1 + beta ln(1 + floor(p / the rope's original_max_position_embeddings)) (None: not)
+    llama4_scaling_beta: float | None = None
     attention_bias: bool = False  # q/k/v biases (Qwen2: True)
     attention_output_bias: bool = False  # an o_proj bias (gpt-oss)
     # gpt-oss: a learned logit per head joins each query's softmax (a key with no value: "attention sinks")
@@ -362,7 +367,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     # NOTE: Mistral 7B v0.1's and Phi-3 mini's every layer sees the last sliding_window positions (later
     # Mistrals, Phi-4: null; a window as long as the context changes nothing); Qwen's sliding_window is
     # unused unless use_sliding_window
-    window = raw.get("sliding_window") if model_type in ("mistral", "mixtral", "phi3") else None
+    window = raw.get("sliding_window") if model_type in ("mistral", "ministral3", "mixtral", "phi3") else None
     if window is not None and window >= common["max_position_embeddings"]:
         window = None
     layer_types = (SLIDING,) * common["num_hidden_layers"] if window else ()
@@ -392,6 +397,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         rope_local_theta=local_theta,
         partial_rotary_dim=rotary_dim if rotary_dim != head_dim else None,
         rotary_interleaved=glm,
+        llama4_scaling_beta=_llama4_scaling_beta(model_type, scaling, rope, name),
         # NOTE: Qwen2's config has no attention_bias key; its q/k/v projections always have biases.
         attention_bias=bool(
             raw.get("qkv_bias", True)
@@ -431,7 +437,9 @@ def _language_model_config(raw: dict[str, Any], name: str) -> ModelConfig:
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError(f"{name}: a {raw['model_type']} config.json needs a text_config (its language model's)")
-    merged = {**text, "model_type": MULTIMODAL[raw["model_type"]]}
+    # (Ministral 3's text_config says ministral3; Gemma 3's and Mistral Small's may say nothing)
+    kind = text.get("model_type") if text.get("model_type") in ARCHITECTURES else MULTIMODAL[raw["model_type"]]
+    merged = {**text, "model_type": kind}
     for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype"):
         if raw.get(key) is not None and (key == "eos_token_id" or key not in text):
             merged[key] = raw[key]
@@ -492,6 +500,19 @@ def _rope_scaling(scaling: dict[str, Any] | None, name: str) -> dict[str, Any] |
     if kind == "yarn" and not scaling.get("original_max_position_embeddings"):
         raise ConfigError(f"{name}: yarn rope scaling needs original_max_position_embeddings (the pretrained context)")
     return None if kind == "default" else scaling
+
+
+def _llama4_scaling_beta(model_type: str, scaling: dict | None, rope: dict, name: str) -> float | None:
+    """Ministral 3's query scale, beta (its rope settings' ``llama_4_scaling_beta``), checked: it scales
+    by the positions past the rope's pretrained context, and needs that context."""
+    beta = (scaling or rope).get("llama_4_scaling_beta") if model_type == "ministral3" else None
+    if beta is None:
+        return None
+    if not isinstance(beta, (int, float)) or isinstance(beta, bool):
+        raise ConfigError(f"{name}: llama_4_scaling_beta must be a number, got {beta!r}")
+    if not (scaling or {}).get("original_max_position_embeddings"):
+        raise ConfigError(f"{name}: llama_4_scaling_beta needs the rope's original_max_position_embeddings")
+    return float(beta)
 
 
 def _longrope(scaling: dict[str, Any], raw: dict[str, Any], rotary_dim: int, name: str) -> dict[str, Any]:
@@ -675,6 +696,12 @@ RANDOM_SHAPES: dict[str, ModelConfig] = {
             "long_factor": [1.0, 4.0, 8.0, 12.0, 16.0, 20.0],
         },
         name="tiny-phi4-mini",
+    ),
+    # Ministral 3's queries scaled past the rope's pretrained 64 positions (Llama 4's attention scaling)
+    "tiny-ministral3": _tiny(
+        "ministral3",
+        rope_scaling={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64},
+        llama4_scaling_beta=0.5,
     ),
     "qwen2.5-7b": _from_spec("qwen2.5-7b", "qwen2", attention_bias=True, norm_eps=1e-6, rope_theta=1e6),
     "opt-13b": _from_spec("opt-13b", "opt", hidden_act="relu", word_embed_proj_dim=5120),

@@ -154,8 +154,8 @@ class PiecewiseGraphs:
 
         # NOTE: every piece reads and writes these, so a replay finds its inputs where the capture did.
         self.token_ids, self.positions = buffer(n, kind=torch.int64), buffer(n, kind=torch.int64)  # (n,) each
-        rd = config.rotary_dim
-        self.cos, self.sin = buffer(n, 1, rd), buffer(n, 1, rd)  # (n, 1, rotary_dim) rotary tables of the positions
+        rd, tables = config.rotary_dim, 1 if config.llama4_scaling_beta is None else 2  # (2: the queries' and keys')
+        self.cos, self.sin = buffer(n, tables, rd), buffer(n, tables, rd)  # (n, 1 | 2, rotary_dim) rotary tables
         self.q, self.k, self.v = buffer(n, nh, hd), buffer(n, nkv, hd), buffer(n, nkv, hd)
         self.residual = buffer(n, config.hidden_size)  # (n, H) the stream with the last layer's output in it
         self.attended = buffer(n, nh, hd)  # (n, nh, hd) the attention's output, copied in

@@ -203,9 +203,17 @@ class Rotary(nn.Module):
         return self._tables
 
     def for_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each (T, 1, rotary_dim), of this step's positions."""
+        """(cos, sin), each (T, 1, rotary_dim), of this step's positions; with Llama 4's attention scaling
+        (Ministral 3), (T, 2, rotary_dim): the queries' tables (scaled by their positions' factor) then the
+        keys'. NOTE: scaling q's rotated halves by s is scaling the rotated q by s (a whole head turns)."""
         cos, sin = self.tables(positions.device)
-        return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
+        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (T, 1, rotary_dim) float32
+        beta = self.config.llama4_scaling_beta
+        if beta is not None:
+            original = self.config.rope_scaling["original_max_position_embeddings"]
+            scale = 1 + beta * torch.log(1 + torch.floor(positions / original))  # (T,)
+            cos, sin = (torch.cat((t * scale[:, None, None], t), dim=1) for t in (cos, sin))
+        return cos.to(dtype), sin.to(dtype)
 
 
 def _is_longrope(config: ModelConfig) -> bool:
@@ -259,7 +267,10 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, : nh + nkv]  # (T, nh + nkv, hd)
         if self.qk_norm and not self.qk_norm_whole:
             qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
-        if self.rotates:
+        if self.rotates and cos.shape[1] == 2:  # the queries' tables scaled (Ministral 3: ``Rotary``)
+            q, k = qk[:, :nh], qk[:, nh:]
+            qk = torch.cat((apply_rotary(q, cos[:, :1], sin[:, :1]), apply_rotary(k, cos[:, 1:], sin[:, 1:])), dim=1)
+        elif self.rotates:
             qk = apply_rotary(qk, cos, sin)  # Q and K rotated together
         return qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
 
