@@ -145,3 +145,13 @@ def test_a_multimodal_config_without_its_text_config_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "vision_config": {}}))
     with pytest.raises(ConfigError, match="a gemma3 config.json needs a text_config"):
         load_hf_config(tmp_path)
+
+
+def test_a_multimodal_checkpoints_unsupported_language_model_is_refused_by_name(tmp_path):
+    """A text_config of a type the engine does not run is refused, not read as the wrapper's usual one."""
+    config = {"model_type": "mistral3", "text_config": {"model_type": "llama4_text"}, "vision_config": {}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ConfigError, match="unsupported architecture 'llama4_text' \\(config.json text_config model_type\\)"
+    ):
+        load_hf_config(tmp_path)

@@ -437,8 +437,13 @@ def _language_model_config(raw: dict[str, Any], name: str) -> ModelConfig:
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError(f"{name}: a {raw['model_type']} config.json needs a text_config (its language model's)")
-    # (Ministral 3's text_config says ministral3; Gemma 3's and Mistral Small's may say nothing)
-    kind = text.get("model_type") if text.get("model_type") in ARCHITECTURES else MULTIMODAL[raw["model_type"]]
+    # (Ministral 3's text_config says ministral3; Gemma 3's and Mistral Small's may say nothing: their own)
+    kind = text.get("model_type") or MULTIMODAL[raw["model_type"]]
+    if kind not in ARCHITECTURES:
+        raise ConfigError(
+            f"{name}: unsupported architecture {kind!r} (config.json text_config model_type); "
+            f"supported: {', '.join(sorted([*ARCHITECTURES, *MULTIMODAL]))}"
+        )
     merged = {**text, "model_type": kind}
     for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype"):
         if raw.get(key) is not None and (key == "eos_token_id" or key not in text):
