@@ -10,7 +10,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "qwen3_moe": 12, "mixtral": 13, "granite": 14, "olmo2": 15, "phi4_mini": 16,
          "qwen2_moe": 17, "gpt_oss": 18,
          "olmo3": 19, "olmoe": 20, "glm": 21, "glm4": 22,
-         "ministral3": 23}  # fmt: skip
+         "ministral3": 23, "exaone4": 24}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -129,6 +129,12 @@ def hf_model(arch: str):
         config = (transformers.GlmConfig if arch == "glm" else transformers.Glm4Config)(
             **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, initializer_range=0.2, pad_token_id=0,
         )  # fmt: skip
+    elif arch == "exaone4":  # three sliding layers (window 8) with rope, then a full one without
+        config = transformers.Exaone4Config(
+            **{**common, "num_hidden_layers": 4}, intermediate_size=128, num_key_value_heads=2, sliding_window=8,
+            initializer_range=0.2, pad_token_id=0,
+        )  # fmt: skip
+        cls = transformers.Exaone4ForCausalLM
     elif arch == "olmo2":
         config = transformers.Olmo2Config(**common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2)
         cls = transformers.Olmo2ForCausalLM

@@ -34,7 +34,7 @@ MAX_TOKENS = [12, 5, 20, 8, 16, 10]
 # Beside Llama (tests/hf_models.py: each with what sets it apart)
 OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "gemma2", "qwen3_moe", "mixtral", "granite",
                        "olmo2", "qwen2_moe", "gpt_oss", "olmo3", "olmoe", "glm", "glm4",
-                       "ministral3"]  # fmt: skip
+                       "ministral3", "exaone4"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -528,7 +528,7 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(
         ConfigError,
-        match="unsupported architecture 'gpt2'.*supported: gemma2, gemma3, gemma3_text, glm, glm4, gpt_oss, granite, llama, ministral3, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3",
+        match="unsupported architecture 'gpt2'.*supported: exaone4, gemma2, gemma3, gemma3_text, glm, glm4, gpt_oss, granite, llama, ministral3, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3",
     ):
         LLM(str(tmp_path / "gpt2"))
     fp8 = tmp_path / "fp8"  # an FP8 checkpoint's weights would load as plain ones, their scales ignored
@@ -1096,3 +1096,18 @@ def test_the_engine_finds_the_cached_prefixes_the_simulator_finds(tmp_path):
             cached[name] = [int(row["cached_tokens"]) for row in csv.DictReader(f)]
     assert cached["engine"] == cached["sim"] and sum(cached["sim"]) > 0
     assert not any(cached["off"])
+
+
+def test_exaone_4s_attention_without_a_window_and_a_pattern_by_name():
+    """EXAONE 4.0 1.2B has no sliding window: every layer attends to all and rotates (its 32B: three
+    sliding layers with rope, then one global without). A pattern by letters ("LLLG") needs layer_types."""
+    from sloserve.checkpoint.config import from_hf_config
+
+    raw = _hf_cached("exaone4").config.to_dict()
+    hybrid = from_hf_config(raw)
+    assert [hybrid.layer_window(i) for i in range(4)] == [8, 8, 8, None]
+    assert [hybrid.layer_rotates(i) for i in range(4)] == [True, True, True, False]
+    dense = from_hf_config({**raw, "sliding_window": None})
+    assert [dense.layer_window(i) for i in range(4)] == [None] * 4 and all(dense.layer_rotates(i) for i in range(4))
+    with pytest.raises(ConfigError, match="sliding_window_pattern 'LLLG' needs layer_types"):
+        from_hf_config({**raw, "layer_types": None, "sliding_window_pattern": "LLLG"})

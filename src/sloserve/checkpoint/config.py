@@ -42,6 +42,8 @@ ARCHITECTURES: dict[str, str] = {
     "olmo2": "olmo2",
     "olmo3": "olmo2",  # (OLMo 2's layers, three of four sliding, the others' rope scaled)
     "olmoe": "llama",  # (Llama's layers, OLMo 2's query and key norms, Qwen3-MoE's experts)
+    # (EXAONE 4: OLMo 2's layers with Qwen3's query and key norms; three of four sliding, the others unrotated)
+    "exaone4": "olmo2",
     "glm": "llama",  # (GLM-4 of 2024: Llama's layers, half of each head rotated by adjacent pairs)
     "glm4": "glm4",  # (GLM-4-0414: those layers with a norm after attention and after the MLP too)
     "opt": "opt",
@@ -77,7 +79,7 @@ OLMO_TYPES = ("olmo2", "olmo3", "olmoe")
 # transformers' rope bases where a config has none
 DEFAULT_ROPE_THETA = {"gpt_oss": 150_000.0, "olmo3": 500_000.0}
 # The models with sliding layers by default: (window, every pattern-th layer global), transformers' defaults
-SLIDING_PATTERNS = {"gpt_oss": (128, 2), "olmo3": (4096, 4)}
+SLIDING_PATTERNS = {"gpt_oss": (128, 2), "olmo3": (4096, 4), "exaone4": (4096, 4)}
 # A layer type of ModelConfig.layer_types that sees only the last sliding_window positions
 SLIDING = "sliding_attention"
 # Byte-level tokenizer of random models: ids 0..255 are bytes, then BOS and EOS.
@@ -372,7 +374,10 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         window = None
     layer_types = (SLIDING,) * common["num_hidden_layers"] if window else ()
     if model_type in SLIDING_PATTERNS:  # gpt-oss: every other layer sees the last 128 positions; OLMo 3: 3 of 4
-        window, pattern = raw.get("sliding_window", SLIDING_PATTERNS[model_type][0]), SLIDING_PATTERNS[model_type][1]
+        window, pattern = SLIDING_PATTERNS[model_type]
+        window, pattern = raw.get("sliding_window", window), raw.get("sliding_window_pattern", pattern)
+        if not raw.get("layer_types") and not (isinstance(pattern, int) and pattern > 0):
+            raise ConfigError(f"{name}: sliding_window_pattern {pattern!r} needs layer_types (or a positive integer)")
         layer_types = tuple(raw.get("layer_types") or [SLIDING if (i + 1) % pattern else "full_attention"
                                                        for i in range(common["num_hidden_layers"])])  # fmt: skip
         if len(layer_types) != common["num_hidden_layers"]:
@@ -380,6 +385,8 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
                 f"{name}: layer_types has {len(layer_types)} entries; the model has {common['num_hidden_layers']} layers"
             )
     rotary_layers = raw.get("no_rope_layers") if model_type == "smollm3" else None  # (HF's name: 1 rotates)
+    if model_type == "exaone4" and window:  # (its hybrid attention: the global layers without rope)
+        rotary_layers = [layer_type == SLIDING for layer_type in layer_types]
     if rotary_layers is not None and len(rotary_layers) != common["num_hidden_layers"]:
         raise ConfigError(
             f"{name}: no_rope_layers has {len(rotary_layers)} flags; the model has {common['num_hidden_layers']} layers"
@@ -405,11 +412,11 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
             else raw.get("attention_bias", model_type in ("qwen2", "gpt_oss", "glm", "glm4"))
         ),
         # (gpt-oss's attention_bias is every projection's, OLMo's too; Qwen2's the q/k/v ones')
-        attention_output_bias=model_type in ("gpt_oss", *OLMO_TYPES)
+        attention_output_bias=model_type in ("gpt_oss", "exaone4", *OLMO_TYPES)
         and bool(raw.get("attention_bias", model_type == "gpt_oss")),
         attention_sinks=model_type == "gpt_oss",
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe", *OLMO_TYPES),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "exaone4", *OLMO_TYPES),
         qk_norm_whole_projection=model_type in OLMO_TYPES,
         clip_qkv=raw.get("clip_qkv") if model_type == "olmoe" else None,
         moe=_moe(raw, common["num_hidden_layers"], name) if model_type in MOE_TYPES else None,

@@ -1,4 +1,5 @@
-"""OLMo 2 (``olmo2``: AI2's 1B-32B) and OLMo 3 (``olmo3``: 7B, 32B): Llama's parts in another order.
+"""OLMo 2 (``olmo2``: AI2's 1B-32B), OLMo 3 (``olmo3``: 7B, 32B) and EXAONE 4 (``exaone4``): Llama's parts
+in another order.
 
 - Each layer normalizes its attention's and its MLP's outputs before they join the residual stream
   (``post_attention_layernorm``, ``post_feedforward_layernorm``), not their inputs: a layer's input is the
@@ -7,6 +8,8 @@
   they are cut into heads and rotated (Qwen3 normalizes each head).
 - OLMo 3: three layers of four see the last ``sliding_window`` positions, with a rope of their own (the
   others' rope scaling, YaRN in the long-context models, is not theirs).
+- EXAONE 4: each query and key head normalized (as Qwen3's); three layers of four sliding, the fourth
+  global and without a rotary embedding.
 """
 
 from __future__ import annotations
