@@ -10,7 +10,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "qwen3_moe": 12, "mixtral": 13, "granite": 14, "olmo2": 15, "phi4_mini": 16,
          "qwen2_moe": 17, "gpt_oss": 18,
          "olmo3": 19, "olmoe": 20, "glm": 21, "glm4": 22,
-         "ministral3": 23, "exaone4": 24}  # fmt: skip
+         "ministral3": 23, "exaone4": 24, "seed_oss": 25, "ernie4_5": 26}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -135,6 +135,18 @@ def hf_model(arch: str):
             initializer_range=0.2, pad_token_id=0,
         )  # fmt: skip
         cls = transformers.Exaone4ForCausalLM
+    elif arch == "seed_oss":  # biases on q/k/v (its default), o (attention_out_bias) and the MLP
+        config = transformers.SeedOssConfig(
+            **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, attention_out_bias=True,
+            mlp_bias=True, initializer_range=0.2, pad_token_id=0,
+        )  # fmt: skip
+        cls = transformers.SeedOssForCausalLM
+    elif arch == "ernie4_5":  # every head rotated by adjacent pairs; every linear layer biased (use_bias)
+        config = transformers.Ernie4_5Config(
+            **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, use_bias=True, initializer_range=0.2,
+            pad_token_id=0,
+        )  # fmt: skip
+        cls = transformers.Ernie4_5ForCausalLM
     elif arch == "olmo2":
         config = transformers.Olmo2Config(**common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2)
         cls = transformers.Olmo2ForCausalLM

@@ -42,6 +42,8 @@ ARCHITECTURES: dict[str, str] = {
     "olmo2": "olmo2",
     "olmo3": "olmo2",  # (OLMo 2's layers, three of four sliding, the others' rope scaled)
     "olmoe": "llama",  # (Llama's layers, OLMo 2's query and key norms, Qwen3-MoE's experts)
+    "seed_oss": "llama",  # (Seed-OSS-36B: Llama's layers with biases)
+    "ernie4_5": "llama",  # (ERNIE 4.5's dense models: Llama's layers, every head rotated by adjacent pairs)
     # (EXAONE 4: OLMo 2's layers with Qwen3's query and key norms; three of four sliding, the others unrotated)
     "exaone4": "olmo2",
     "glm": "llama",  # (GLM-4 of 2024: Llama's layers, half of each head rotated by adjacent pairs)
@@ -74,10 +76,14 @@ MOE_DEFAULTS = {
 MOE_TYPES = tuple(MOE_DEFAULTS)
 # The models whose rotary embedding may turn part of each head (partial_rotary_factor), as transformers' do
 PARTIAL_ROTARY = ("phi3", "glm", "glm4")
+# The models whose q/k/v projections have biases where their configs do not say (transformers' defaults)
+QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss")
 # The OLMo models (their query and key norms over the whole projections)
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe")
 # transformers' rope bases where a config has none
-DEFAULT_ROPE_THETA = {"gpt_oss": 150_000.0, "olmo3": 500_000.0}
+DEFAULT_ROPE_THETA = {"gpt_oss": 150_000.0, "olmo3": 500_000.0, "ernie4_5": 500_000.0}
+# transformers' defaults where theirs differ from the generic reading (a head_dim of 128, not hidden / heads)
+CONFIG_DEFAULTS = {"ernie4_5": {"head_dim": 128, "tie_word_embeddings": True}, "seed_oss": {"head_dim": 128}}
 # The models with sliding layers by default: (window, every pattern-th layer global), transformers' defaults
 SLIDING_PATTERNS = {"gpt_oss": (128, 2), "olmo3": (4096, 4), "exaone4": (4096, 4)}
 # A layer type of ModelConfig.layer_types that sees only the last sliding_window positions
@@ -291,6 +297,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         raw = {**GEMMA3_TEXT_DEFAULTS, **raw}
     elif model_type == "gemma2":
         raw = {**GEMMA2_DEFAULTS, **raw}
+    raw = {**CONFIG_DEFAULTS.get(model_type, {}), **raw}
     quantization = raw.get("quantization_config")
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
     # NOTE: gpt-oss's experts ship as MXFP4, dequantized as they load (engine/models/__init__.py: mxfp4)
@@ -403,19 +410,10 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         rope_scaling=scaling,
         rope_local_theta=local_theta,
         partial_rotary_dim=rotary_dim if rotary_dim != head_dim else None,
-        rotary_interleaved=glm,
+        rotary_interleaved=glm or model_type == "ernie4_5",
         llama4_scaling_beta=_llama4_scaling_beta(model_type, scaling, rope, name),
-        # NOTE: Qwen2's config has no attention_bias key; its q/k/v projections always have biases.
-        attention_bias=bool(
-            raw.get("qkv_bias", True)
-            if model_type == "qwen2_moe"
-            else raw.get("attention_bias", model_type in ("qwen2", "gpt_oss", "glm", "glm4"))
-        ),
-        # (gpt-oss's attention_bias is every projection's, OLMo's too; Qwen2's the q/k/v ones')
-        attention_output_bias=model_type in ("gpt_oss", "exaone4", *OLMO_TYPES)
-        and bool(raw.get("attention_bias", model_type == "gpt_oss")),
+        **_biases(raw, model_type),
         attention_sinks=model_type == "gpt_oss",
-        mlp_bias=bool(raw.get("mlp_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe", "exaone4", *OLMO_TYPES),
         qk_norm_whole_projection=model_type in OLMO_TYPES,
         clip_qkv=raw.get("clip_qkv") if model_type == "olmoe" else None,
@@ -425,6 +423,28 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         rotary_layers=tuple(bool(flag) for flag in rotary_layers or ()),
         **(_granite_multipliers(raw) if model_type == "granite" else {}),
     )
+
+
+def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
+    """Which projections have biases, by each config's names and transformers' defaults: ``attention_bias``
+    is the q/k/v projections' (Qwen2's config has no key: always; Qwen2-MoE's says ``qkv_bias``), and the
+    output projection's too for gpt-oss, EXAONE 4 and OLMo; Seed-OSS names the latter
+    ``attention_out_bias``; ERNIE 4.5's ``use_bias`` is every linear layer's."""
+    if model_type == "ernie4_5":
+        every = bool(raw.get("use_bias", False))
+        return {"attention_bias": every, "attention_output_bias": every, "mlp_bias": every}
+    qkv = (
+        raw.get("qkv_bias", True) if model_type == "qwen2_moe" else raw.get("attention_bias", model_type in QKV_BIASED)
+    )
+    if model_type == "seed_oss":
+        output = raw.get("attention_out_bias", False)
+    else:
+        output = model_type in ("gpt_oss", "exaone4", *OLMO_TYPES) and qkv
+    return {
+        "attention_bias": bool(qkv),
+        "attention_output_bias": bool(output),
+        "mlp_bias": bool(raw.get("mlp_bias", False)),
+    }
 
 
 def _granite_multipliers(raw: dict[str, Any]) -> dict[str, float]:
