@@ -180,6 +180,8 @@ def test_a_repetition_penalty_gives_hf_greedy_tokens_with_the_same_penalty(hf_di
         ("gemma3", "sarathi", dict(prefill_token_budget=8, block_size=4)),  # a sliding window of 8
         ("opt", "sarathi", dict(kv_capacity_tokens=64, block_size=4, preemption_mode="swap")),
         ("llama", "bros", {}),  # bidirectional KV blocks
+        ("gpt_oss", "sarathi", dict(prefill_token_budget=8, block_size=4)),  # attention sinks, a window of 8
+        ("ministral3", "vllm", {}),  # the queries' own rotary tables
     ],
 )
 def test_triton_backend_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options):
