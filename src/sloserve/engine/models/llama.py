@@ -383,7 +383,7 @@ class LlamaForCausalLM(nn.Module):
     def layer_rotary_tables(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's (cos, sin), (T, 1, rotary_dim) each: the sliding layers' from ``local_rotary`` where the
+        """Each layer's (cos, sin) (``Rotary.for_positions``): the sliding layers' from ``local_rotary`` where the
         model has one, the others' (or all) from ``rotary``, each table gathered once."""
         tables = self.rotary.for_positions(positions, dtype)
         local = tables if self.local_rotary is None else self.local_rotary.for_positions(positions, dtype)
@@ -403,7 +403,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add_and_norm(x, residual)[0]
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
-        """(the tokens' embeddings (T, H), the rotary cos and sin (T, 1, rotary_dim) each, shared by the layers)."""
+        """(the tokens' embeddings (T, H), the rotary cos and sin (T, 1 | 2, rotary_dim) each: ``Rotary.for_positions``,
+        shared by the layers)."""
         x = self.model.embed_tokens(input_ids)
         if self.config.embedding_multiplier != 1.0:  # (Granite's)
             x = x * self.config.embedding_multiplier
