@@ -34,7 +34,7 @@ MAX_TOKENS = [12, 5, 20, 8, 16, 10]
 # Beside Llama (tests/hf_models.py: each with what sets it apart)
 OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "gemma2", "qwen3_moe", "mixtral", "granite",
                        "olmo2", "qwen2_moe", "gpt_oss", "olmo3", "olmoe", "glm", "glm4",
-                       "ministral3", "exaone4", "seed_oss", "ernie4_5"]  # fmt: skip
+                       "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -530,7 +530,7 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(
         ConfigError,
-        match="unsupported architecture 'gpt2'.*supported: ernie4_5, exaone4, gemma2, gemma3, gemma3_text, glm, glm4, gpt_oss, granite, llama, ministral3, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3",
+        match="unsupported architecture 'gpt2'.*supported: ernie4_5, exaone4, gemma2, gemma3, gemma3_text, glm, glm4, gpt_neox, gpt_oss, granite, llama, ministral3, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3",
     ):
         LLM(str(tmp_path / "gpt2"))
     fp8 = tmp_path / "fp8"  # an FP8 checkpoint's weights would load as plain ones, their scales ignored
@@ -1013,7 +1013,7 @@ def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
     assert spec.num_params == sum(p.numel() for p in hf.parameters())
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (
         hf.config.num_hidden_layers,
-        hf.config.num_key_value_heads if arch != "opt" else 4,
+        getattr(hf.config, "num_key_value_heads", 4),  # (OPT and GPT-NeoX: as many as the heads)
         getattr(hf.config, "head_dim", None) or 16,  # (64 / 4 heads, where the config has none)
     )
     assert spec.dtype_bytes == 4  # saved in float32
@@ -1113,3 +1113,30 @@ def test_exaone_4s_attention_without_a_window_and_a_pattern_by_name():
     assert [dense.layer_window(i) for i in range(4)] == [None] * 4 and all(dense.layer_rotates(i) for i in range(4))
     with pytest.raises(ConfigError, match="sliding_window_pattern 'LLLG' needs layer_types"):
         from_hf_config({**raw, "layer_types": None, "sliding_window_pattern": "LLLG"})
+
+
+def test_gpt_neox_one_after_the_other_and_the_hubs_config_names(tmp_path):
+    """GPT-NeoX-20B-style layers (``use_parallel_residual`` false: the MLP reads the stream after attention),
+    a config as the Hub's Pythia ones say it (``rotary_pct``, ``rotary_emb_base`` at the top level) and an old
+    checkpoint's causal-mask buffers: transformers' greedy tokens."""
+    import safetensors.torch
+
+    model = _hf_cached("gpt_neox")
+    sequential = transformers.GPTNeoXForCausalLM(
+        transformers.GPTNeoXConfig(**{**model.config.to_dict(), "use_parallel_residual": False, "model_type": None})
+    ).eval()
+    sequential.load_state_dict(model.state_dict())
+    sequential.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.update(rotary_pct=rope["partial_rotary_factor"], rotary_emb_base=rope["rope_theta"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    weights = safetensors.torch.load_file(str(tmp_path / "model.safetensors"))
+    weights["gpt_neox.layers.0.attention.bias"] = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    weights["gpt_neox.layers.0.attention.masked_bias"] = torch.tensor(-1e9)
+    safetensors.torch.save_file(weights, str(tmp_path / "model.safetensors"))
+    ids = PROMPTS[1]
+    out = LLM(str(tmp_path)).generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=8, temperature=0))[0]
+    expected = sequential.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
+    assert out.outputs[0].token_ids != hf_greedy("gpt_neox", tuple(ids), 8)  # NOTE: the layer's order matters

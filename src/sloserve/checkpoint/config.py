@@ -48,6 +48,7 @@ ARCHITECTURES: dict[str, str] = {
     "exaone4": "olmo2",
     "glm": "llama",  # (GLM-4 of 2024: Llama's layers, half of each head rotated by adjacent pairs)
     "glm4": "glm4",  # (GLM-4-0414: those layers with a norm after attention and after the MLP too)
+    "gpt_neox": "gpt_neox",  # (Pythia, GPT-NeoX-20B: LayerNorms, a GELU MLP, attention and MLP in parallel)
     "opt": "opt",
 }
 # Multimodal checkpoints served as text: their config.json's text_config is the language model's
@@ -135,6 +136,7 @@ class ModelConfig:
     # ... of the whole query and key projections (heads x head_dim) instead (OLMo 2, 3, OLMoE)
     qk_norm_whole_projection: bool = False
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] (None: not)
+    parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x)), not one after the other
     mlp_bias: bool = False
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
@@ -241,6 +243,10 @@ class ModelConfig:
             projections = 2 * proj * h if proj != h else 0
             lm_head = 0 if self.tie_word_embeddings else v * proj
             return embeddings + projections + layers * layer + final_norm + lm_head
+        if self.architecture == "gpt_neox":  # q/k/v and dense (biases where attention_bias), a two-matrix
+            # MLP with biases, two LayerNorms a layer and a final one (weight and bias)
+            layer = 4 * h * h + 4 * h * self.attention_bias + 2 * h * i + i + h + 2 * 2 * h
+            return v * h + layers * layer + 2 * h + (0 if self.tie_word_embeddings else v * h)
         q_width, kv_width = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         attention = h * q_width + 2 * h * kv_width + q_width * h
         if self.attention_bias:
@@ -278,7 +284,7 @@ class ModelConfig:
             num_params=self.num_params,
             max_context_len=self.max_position_embeddings,
             dtype_bytes=DTYPE_BYTES.get(self.torch_dtype, 2),
-            mlp_kind="relu" if self.architecture == "opt" else "gated",
+            mlp_kind="relu" if self.architecture in ("opt", "gpt_neox") else "gated",  # (two matrices)
             tied_embeddings=self.tie_word_embeddings,
         )
 
@@ -347,6 +353,8 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         )
     if model_type in ("gemma3_text", "gemma2"):
         return _gemma3_config(raw, common, name, need)
+    if model_type == "gpt_neox":
+        return _gpt_neox_config(raw, common, name, need)
     # transformers >= 5 keeps rope settings in rope_parameters; older configs at the top level.
     rope = dict(raw.get("rope_parameters") or {})
     default_theta = DEFAULT_ROPE_THETA.get(model_type, 10000.0)
@@ -422,6 +430,34 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         sliding_window=int(window) if window else None,
         rotary_layers=tuple(bool(flag) for flag in rotary_layers or ()),
         **(_granite_multipliers(raw) if model_type == "granite" else {}),
+    )
+
+
+def _gpt_neox_config(raw: dict[str, Any], common: dict[str, Any], name: str, need) -> ModelConfig:
+    """GPT-NeoX's config (transformers 5's ``rope_parameters``, or the Hub's ``rotary_pct`` and
+    ``rotary_emb_base``; transformers' defaults 0.25 and 10,000)."""
+    if raw.get("hidden_act", "gelu") != "gelu":
+        raise ConfigError(f"{name}: GPT-NeoX hidden_act {raw.get('hidden_act')!r} is not supported (gelu)")
+    rope = dict(raw.get("rope_parameters") or {})
+    head_dim = common["hidden_size"] // common["num_attention_heads"]
+    rotated = rope.get("partial_rotary_factor", raw.get("rotary_pct", 0.25))
+    if not isinstance(rotated, (int, float)) or not 0 < rotated <= 1:
+        raise ConfigError(f"{name}: rotary_pct must be in (0, 1], got {rotated!r}")
+    rotary_dim = int(head_dim * rotated)
+    return ModelConfig(
+        **common,
+        intermediate_size=need("intermediate_size"),
+        num_key_value_heads=common["num_attention_heads"],
+        head_dim=head_dim,
+        norm_eps=float(raw.get("layer_norm_eps", 1e-5)),
+        rope_theta=float(rope.get("rope_theta", raw.get("rotary_emb_base", 10000.0))),
+        rope_scaling=_rope_scaling(
+            raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None), name
+        ),
+        partial_rotary_dim=rotary_dim if rotary_dim != head_dim else None,
+        hidden_act="gelu",
+        attention_bias=bool(raw.get("attention_bias", True)),
+        parallel_residual=bool(raw.get("use_parallel_residual", True)),
     )
 
 

@@ -12,6 +12,7 @@ from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend
 from sloserve.engine.models.gemma3 import Gemma3ForCausalLM
 from sloserve.engine.models.glm4 import Glm4ForCausalLM
+from sloserve.engine.models.gpt_neox import GPTNeoXForCausalLM, qkv_rows_by_kind
 from sloserve.engine.models.llama import LlamaForCausalLM, MergedLinear
 from sloserve.engine.models.moe import hub_expert_name, per_expert_tensors
 from sloserve.engine.models.olmo2 import Olmo2ForCausalLM
@@ -22,13 +23,17 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gemma3": Gemma3ForCausalLM,
     "olmo2": Olmo2ForCausalLM,
     "glm4": Glm4ForCausalLM,
+    "gpt_neox": GPTNeoXForCausalLM,
     "opt": OPTForCausalLM,
 }
 # The merged projections a model type's checkpoints store whole, in the row order the engine's have:
 # Phi-3's Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``), GLM's gate/up
 FUSED_CHECKPOINTS = {"phi3": ("qkv_proj", "gate_up_proj"), "glm": ("gate_up_proj",), "glm4": ("gate_up_proj",)}
 # Checkpoint tensors that are buffers in other implementations, not weights.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# (old GPT-NeoX checkpoints: the causal mask and its fill value)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias")
+# Each architecture's (input embedding, LM head) modules, tied where the config says so
+TIED_MODULES = {"opt": ("model.decoder.embed_tokens", "lm_head"), "gpt_neox": ("gpt_neox.embed_in", "embed_out")}
 # A multimodal checkpoint served as text (``ModelConfig.extra["multimodal_checkpoint"]``: Gemma 3 4B-27B,
 # Mistral Small 3.1): its language model's tensors under the text model's names (as transformers saved
 # them before 4.52, and since), the vision tower's and the projector's not read
@@ -54,8 +59,8 @@ def create_model(config: ModelConfig, backend: AttentionBackend, dtype: torch.dt
         model = MODEL_CLASSES[config.architecture](config, backend)
     model = model.to_empty(device=device).to(dtype)
     if config.tie_word_embeddings:  # to_empty re-creates parameters: tie again
-        embed = model.model.decoder.embed_tokens if config.architecture == "opt" else model.model.embed_tokens
-        model.lm_head.weight = embed.weight
+        embed, head = TIED_MODULES.get(config.architecture, ("model.embed_tokens", "lm_head"))
+        model.get_submodule(head).weight = model.get_submodule(embed).weight
     return model.eval()
 
 
@@ -235,6 +240,8 @@ def copy_weights(model: nn.Module, tensors, source: str) -> None:
             continue
         if model.config.rotary_interleaved and key.endswith(_ROTATED_ROWS):
             tensor = deinterleave_rotary_rows(torch.as_tensor(tensor), model.config)
+        if model.config.architecture == "gpt_neox" and ".query_key_value." in key:
+            tensor = qkv_rows_by_kind(torch.as_tensor(tensor), model.config.num_attention_heads)
         if key not in params:
             raise ConfigError(f"{origin}: unexpected tensor {key!r} for a {model.config.model_type} model")
         if tuple(tensor.shape) != tuple(params[key].shape):
