@@ -11,7 +11,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "qwen2_moe": 17, "gpt_oss": 18,
          "olmo3": 19, "olmoe": 20, "glm": 21, "glm4": 22,
          "ministral3": 23, "exaone4": 24, "seed_oss": 25, "ernie4_5": 26,
-         "gpt_neox": 27}  # fmt: skip
+         "gpt_neox": 27, "cohere": 28, "cohere2": 29}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -151,6 +151,12 @@ def hf_model(arch: str):
     elif arch == "gpt_neox":  # Pythia's: a quarter of each head rotated, attention and MLP in parallel
         config = transformers.GPTNeoXConfig(**common, intermediate_size=256, initializer_range=0.2, pad_token_id=0)
         cls = transformers.GPTNeoXForCausalLM
+    elif arch in ("cohere", "cohere2"):  # Command R; R7B's three sliding layers (window 8) with rope, then one without
+        cls = transformers.CohereForCausalLM if arch == "cohere" else transformers.Cohere2ForCausalLM
+        config = (transformers.CohereConfig if arch == "cohere" else transformers.Cohere2Config)(
+            **{**common, "num_hidden_layers": 4}, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2,
+            pad_token_id=0, logit_scale=0.25, **({"sliding_window": 8} if arch == "cohere2" else {}),
+        )  # fmt: skip
     elif arch == "olmo2":
         config = transformers.Olmo2Config(**common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2)
         cls = transformers.Olmo2ForCausalLM

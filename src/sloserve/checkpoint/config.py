@@ -49,6 +49,8 @@ ARCHITECTURES: dict[str, str] = {
     "glm": "llama",  # (GLM-4 of 2024: Llama's layers, half of each head rotated by adjacent pairs)
     "glm4": "glm4",  # (GLM-4-0414: those layers with a norm after attention and after the MLP too)
     "gpt_neox": "gpt_neox",  # (Pythia, GPT-NeoX-20B: LayerNorms, a GELU MLP, attention and MLP in parallel)
+    "cohere": "cohere",  # (Command R: attention and MLP in parallel from one LayerNorm, rope by adjacent pairs)
+    "cohere2": "cohere",  # (Command R7B, A: those layers, three of four sliding with rope, the fourth without)
     "opt": "opt",
 }
 # Multimodal checkpoints served as text: their config.json's text_config is the language model's
@@ -84,9 +86,16 @@ OLMO_TYPES = ("olmo2", "olmo3", "olmoe")
 # transformers' rope bases where a config has none
 DEFAULT_ROPE_THETA = {"gpt_oss": 150_000.0, "olmo3": 500_000.0, "ernie4_5": 500_000.0}
 # transformers' defaults where theirs differ from the generic reading (a head_dim of 128, not hidden / heads)
-CONFIG_DEFAULTS = {"ernie4_5": {"head_dim": 128, "tie_word_embeddings": True}, "seed_oss": {"head_dim": 128}}
+CONFIG_DEFAULTS = {
+    "ernie4_5": {"head_dim": 128, "tie_word_embeddings": True},
+    "seed_oss": {"head_dim": 128},
+    "cohere": {"tie_word_embeddings": True, "logit_scale": 0.0625},
+    "cohere2": {"tie_word_embeddings": True, "logit_scale": 0.0625},
+}
 # The models with sliding layers by default: (window, every pattern-th layer global), transformers' defaults
-SLIDING_PATTERNS = {"gpt_oss": (128, 2), "olmo3": (4096, 4), "exaone4": (4096, 4)}
+SLIDING_PATTERNS = {"gpt_oss": (128, 2), "olmo3": (4096, 4), "exaone4": (4096, 4), "cohere2": (4096, 4)}
+# The norms (of a weight each) of a layer, by architecture (Llama's: 2)
+NORMS_PER_LAYER = {"gemma3": 4, "glm4": 4, "cohere": 1}
 # A layer type of ModelConfig.layer_types that sees only the last sliding_window positions
 SLIDING = "sliding_attention"
 # Byte-level tokenizer of random models: ids 0..255 are bytes, then BOS and EOS.
@@ -255,7 +264,7 @@ class ModelConfig:
             attention += q_width + kv_width if self.qk_norm_whole_projection else 2 * self.head_dim
         attention += h * self.attention_output_bias + self.num_attention_heads * self.attention_sinks
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)  # gate, up, down
-        layer = attention + mlp + (4 if self.architecture in ("gemma3", "glm4") else 2) * h  # RMSNorms
+        layer = attention + mlp + NORMS_PER_LAYER.get(self.architecture, 2) * h
         total = v * h + layers * layer + h + (0 if self.tie_word_embeddings else v * h)
         if self.moe is not None:  # a MoE layer: the router and every expert instead of the dense MLP
             experts = self.moe["num_experts"] * (h + 3 * h * self.moe["moe_intermediate_size"])
@@ -370,6 +379,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         raise ConfigError(f"{name}: sliding-window attention (use_sliding_window) is not supported for {model_type}")
     head_dim = raw.get("head_dim") or hidden // heads
     glm = model_type in ("glm", "glm4")
+    cohere = model_type in ("cohere", "cohere2")
     rotated = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5 if glm else 1.0))
     if rotated != 1.0 and model_type not in PARTIAL_ROTARY:  # NOTE: transformers' Llama rotates whole heads
         raise ConfigError(
@@ -402,6 +412,13 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     rotary_layers = raw.get("no_rope_layers") if model_type == "smollm3" else None  # (HF's name: 1 rotates)
     if model_type == "exaone4" and window:  # (its hybrid attention: the global layers without rope)
         rotary_layers = [layer_type == SLIDING for layer_type in layer_types]
+    if model_type == "cohere2":  # (only its sliding layers rotate: none where it has no window)
+        rotary_layers = [layer_type == SLIDING and bool(window) for layer_type in layer_types]
+    if cohere and not (isinstance(raw["logit_scale"], (int, float)) and raw["logit_scale"] > 0):
+        raise ConfigError(f"{name}: logit_scale must be a positive number, got {raw['logit_scale']!r}")
+    if cohere and raw.get("use_qk_norm"):
+        # NOTE: Command R+'s query and key LayerNorms (a weight per head and dimension) would be left out
+        raise ConfigError(f"{name}: use_qk_norm (Command R+'s query and key LayerNorms) is not supported")
     if rotary_layers is not None and len(rotary_layers) != common["num_hidden_layers"]:
         raise ConfigError(
             f"{name}: no_rope_layers has {len(rotary_layers)} flags; the model has {common['num_hidden_layers']} layers"
@@ -413,12 +430,12 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         intermediate_size=need("intermediate_size"),
         num_key_value_heads=raw.get("num_key_value_heads") or heads,
         head_dim=head_dim,
-        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        norm_eps=float(raw.get("layer_norm_eps", 1e-5) if cohere else raw.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=scaling,
         rope_local_theta=local_theta,
         partial_rotary_dim=rotary_dim if rotary_dim != head_dim else None,
-        rotary_interleaved=glm or model_type == "ernie4_5",
+        rotary_interleaved=glm or model_type in ("ernie4_5", "cohere", "cohere2"),
         llama4_scaling_beta=_llama4_scaling_beta(model_type, scaling, rope, name),
         **_biases(raw, model_type),
         attention_sinks=model_type == "gpt_oss",
@@ -430,6 +447,8 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         sliding_window=int(window) if window else None,
         rotary_layers=tuple(bool(flag) for flag in rotary_layers or ()),
         **(_granite_multipliers(raw) if model_type == "granite" else {}),
+        # NOTE: Cohere's logits times logit_scale, as its inverse's quotient (the Hub's: powers of two, exact)
+        **({"logits_scaling": 1 / float(raw["logit_scale"])} if cohere else {}),
     )
 
 
@@ -475,7 +494,7 @@ def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
     if model_type == "seed_oss":
         output = raw.get("attention_out_bias", False)
     else:
-        output = model_type in ("gpt_oss", "exaone4", *OLMO_TYPES) and qkv
+        output = model_type in ("gpt_oss", "exaone4", "cohere", "cohere2", *OLMO_TYPES) and qkv
     return {
         "attention_bias": bool(qkv),
         "attention_output_bias": bool(output),

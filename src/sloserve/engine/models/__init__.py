@@ -10,6 +10,7 @@ from torch import nn
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend
+from sloserve.engine.models.cohere import CohereForCausalLM
 from sloserve.engine.models.gemma3 import Gemma3ForCausalLM
 from sloserve.engine.models.glm4 import Glm4ForCausalLM
 from sloserve.engine.models.gpt_neox import GPTNeoXForCausalLM, qkv_rows_by_kind
@@ -24,6 +25,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "olmo2": Olmo2ForCausalLM,
     "glm4": Glm4ForCausalLM,
     "gpt_neox": GPTNeoXForCausalLM,
+    "cohere": CohereForCausalLM,
     "opt": OPTForCausalLM,
 }
 # The merged projections a model type's checkpoints store whole, in the row order the engine's have:

@@ -29,7 +29,7 @@ from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
-from sloserve.engine.models.llama import LlamaModel, MergedLinear, PostNormForCausalLM, apply_rotary, qkv_projection
+from sloserve.engine.models.llama import LlamaModel, MergedLinear, StreamLayersForCausalLM, apply_rotary, qkv_projection
 
 
 class GemmaRMSNorm(nn.Module):
@@ -112,7 +112,7 @@ class Gemma3Model(LlamaModel):
     norm_class = GemmaRMSNorm
 
 
-class Gemma3ForCausalLM(PostNormForCausalLM):
+class Gemma3ForCausalLM(StreamLayersForCausalLM):
     """``forward`` returns the final hidden states ``(T, H)``; ``compute_logits`` the vocabulary scores
     (capped by tanh where the config says so). Its rotary embedding is the global layers', ``local_rotary``
     the sliding ones'."""

@@ -16,7 +16,7 @@ from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.attention import AttentionBackend
-from sloserve.engine.models.llama import LlamaAttention, LlamaMLP, LlamaModel, PostNormForCausalLM, RMSNorm
+from sloserve.engine.models.llama import LlamaAttention, LlamaMLP, LlamaModel, RMSNorm, StreamLayersForCausalLM
 
 
 class Glm4DecoderLayer(nn.Module):
@@ -40,7 +40,7 @@ class Glm4Model(LlamaModel):
     layer_class = Glm4DecoderLayer
 
 
-class Glm4ForCausalLM(PostNormForCausalLM):
+class Glm4ForCausalLM(StreamLayersForCausalLM):
     """``forward`` returns the final hidden states ``(T, H)``; ``compute_logits`` the vocabulary scores."""
 
     model_class = Glm4Model

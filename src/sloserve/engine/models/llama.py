@@ -415,11 +415,11 @@ class LlamaForCausalLM(nn.Module):
         return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
 
 
-class PostNormForCausalLM(LlamaForCausalLM):
-    """A model whose layers normalize their sublayers' outputs before adding them to the residual stream
-    (Gemma, OLMo 2 and 3, GLM-4-0414): each layer takes the stream and returns it,
-    ``layer(x, cos, sin, k_cache, v_cache, meta)``. NOTE: Llama's add-and-norm after each sublayer (and the
-    piecewise graphs cut there) cannot express a norm between a sublayer and the stream."""
+class StreamLayersForCausalLM(LlamaForCausalLM):
+    """A model whose layers each take the residual stream and return it, ``layer(x, cos, sin, k_cache, v_cache,
+    meta)``: their norms sit where Llama's add-and-norm after each sublayer (and the piecewise graphs cut
+    there) cannot put them: between a sublayer and the stream (Gemma, OLMo 2 and 3, EXAONE 4, GLM-4-0414), or
+    one norm for sublayers in parallel (Cohere)."""
 
     supports_piecewise_graphs = False
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.attention import AttentionBackend
-from sloserve.engine.models.llama import LlamaAttention, LlamaMLP, LlamaModel, PostNormForCausalLM, RMSNorm
+from sloserve.engine.models.llama import LlamaAttention, LlamaMLP, LlamaModel, RMSNorm, StreamLayersForCausalLM
 
 
 class Olmo2DecoderLayer(nn.Module):
@@ -43,7 +43,7 @@ class Olmo2Model(LlamaModel):
     layer_class = Olmo2DecoderLayer
 
 
-class Olmo2ForCausalLM(PostNormForCausalLM):
+class Olmo2ForCausalLM(StreamLayersForCausalLM):
     """``forward`` returns the final hidden states ``(T, H)``; ``compute_logits`` the vocabulary scores."""
 
     model_class = Olmo2Model
