@@ -22,8 +22,8 @@ from sloserve.engine.models.llama import LlamaAttention, LlamaMLP, LlamaModel, R
 
 
 class Olmo2DecoderLayer(nn.Module):
-    """Llama's attention (its query and key norms over the whole projections: ``qk_norm_whole_projection``)
-    and MLP, each output normalized before it joins the stream."""
+    """Llama's attention (OLMo's query and key norms over the whole projections, ``qk_norm_whole_projection``;
+    EXAONE's per head) and MLP, each output normalized before it joins the stream."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
