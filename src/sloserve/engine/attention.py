@@ -16,8 +16,8 @@ A layer may scale scores other than by 1/sqrt(head_dim) (``scale``: Gemma's quer
 cap them (``softcap``: Gemma 2's, softcap * tanh(score / softcap) before the softmax), add a logit per
 head to each query's softmax (``sinks``: gpt-oss's attention sinks, keys with no value that take a share
 of the probability) and see only the last ``window`` positions (a sliding-window layer: the query at
-position p reads keys p - window + 1 .. p, as transformers' sliding-window mask). NOTE: the reference gathers only those keys: the KV outside a
-layer's window is never read.
+position p reads keys p - window + 1 .. p, as transformers' sliding-window mask). NOTE: the reference
+gathers only those keys: the KV outside a layer's window is never read.
 
 ``TritonAttention`` (``triton_attention``) runs the same function as Triton kernels on CUDA (and long
 prompts with nothing cached as one dense causal call each, where its setting says so).
