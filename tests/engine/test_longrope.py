@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_models import LONGROPE, LONGROPE_PRETRAINED_CONTEXT, VOCAB, hf_model  # noqa: E402
+from hf_models import LONGROPE, LONGROPE_PRETRAINED_CONTEXT, VOCAB, hf_model, prompt_logprobs  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -36,13 +36,6 @@ def phi4_mini(tmp_path_factory):
     model = hf_model("phi4_mini")
     model.save_pretrained(path)
     return path, model
-
-
-def hf_logprobs(model, token_ids: list[int]) -> list[float]:
-    """transformers' log-probability of each token after the first, the whole sequence in one call."""
-    with torch.no_grad():
-        logits = model(torch.tensor([token_ids])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(token_ids[1:])[:, None])[:, 0].tolist()
 
 
 def engine_logprobs(llm: LLM, prompt: list[int]) -> tuple[list[int], list[float]]:
@@ -62,7 +55,7 @@ def test_logprobs_equal_transformers_with_either_set_of_factors(phi4_mini, sched
     llm = LLM(str(path), scheduler, max_model_len=max_model_len, kv_capacity_tokens=512, block_size=4, **options)
     sequence, scores = engine_logprobs(llm, prompt)
     assert len(sequence) <= LONGROPE_PRETRAINED_CONTEXT or len(prompt) > LONGROPE_PRETRAINED_CONTEXT
-    assert scores == pytest.approx(hf_logprobs(model, sequence), abs=1e-4)
+    assert scores == pytest.approx(prompt_logprobs(model, sequence), abs=1e-4)
 
 
 def test_an_engine_past_the_pretrained_context_uses_the_long_factors_everywhere(phi4_mini):
@@ -70,7 +63,7 @@ def test_an_engine_past_the_pretrained_context_uses_the_long_factors_everywhere(
     where transformers (its longest position within 64) uses the short ones: the log-probabilities part."""
     path, model = phi4_mini
     sequence, scores = engine_logprobs(LLM(str(path), kv_capacity_tokens=512), SHORT_PROMPT)
-    assert max(abs(a - b) for a, b in zip(scores, hf_logprobs(model, sequence), strict=True)) > 0.01
+    assert max(abs(a - b) for a, b in zip(scores, prompt_logprobs(model, sequence), strict=True)) > 0.01
 
 
 def test_one_loaded_model_serves_one_set_of_factors(phi4_mini):
@@ -91,7 +84,7 @@ def test_phi_3s_first_name_su_reads_as_longrope(phi4_mini, tmp_path):
     config.update(rope_scaling={**scaling, "type": "su"}, rope_theta=LONGROPE["rope_theta"])
     (tmp_path / "su" / "config.json").write_text(json.dumps(config))
     sequence, scores = engine_logprobs(LLM(str(tmp_path / "su"), kv_capacity_tokens=512), LONG_PROMPT)
-    assert scores == pytest.approx(hf_logprobs(model, sequence), abs=1e-4)
+    assert scores == pytest.approx(prompt_logprobs(model, sequence), abs=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -157,7 +150,7 @@ def test_a_gguf_file_gives_the_logprobs_of_the_model_it_was_written_from(phi4_mi
     write_phi4_mini_gguf(path, model)
     llm = LLM(str(path), max_model_len=max_model_len, kv_capacity_tokens=512)
     sequence, scores = engine_logprobs(llm, prompt)
-    assert scores == pytest.approx(hf_logprobs(model, sequence), abs=1e-4)
+    assert scores == pytest.approx(prompt_logprobs(model, sequence), abs=1e-4)
 
 
 def test_a_gguf_files_longrope_reads_as_llama_cpp_reads_it(phi4_mini, tmp_path):
