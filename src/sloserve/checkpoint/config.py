@@ -372,9 +372,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         local_theta = float((rope.get(SLIDING) or {}).get("rope_theta", raw.get("rope_theta", default_theta)))
         rope = dict(rope.get("full_attention") or {})
     rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", default_theta)))
-    scaling = _rope_scaling(
-        raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None), name
-    )
+    scaling = _config_rope_scaling(raw, rope, name)
     if raw.get("use_sliding_window"):
         raise ConfigError(f"{name}: sliding-window attention (use_sliding_window) is not supported for {model_type}")
     head_dim = raw.get("head_dim") or hidden // heads
@@ -470,9 +468,7 @@ def _gpt_neox_config(raw: dict[str, Any], common: dict[str, Any], name: str, nee
         head_dim=head_dim,
         norm_eps=float(raw.get("layer_norm_eps", 1e-5)),
         rope_theta=float(rope.get("rope_theta", raw.get("rotary_emb_base", 10000.0))),
-        rope_scaling=_rope_scaling(
-            raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None), name
-        ),
+        rope_scaling=_config_rope_scaling(raw, rope, name),
         partial_rotary_dim=rotary_dim if rotary_dim != head_dim else None,
         hidden_act="gelu",
         attention_bias=bool(raw.get("attention_bias", True)),
@@ -572,6 +568,14 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
     if moe["num_experts_per_tok"] > experts:
         raise ConfigError(f"{name}: num_experts_per_tok {moe['num_experts_per_tok']} exceeds num_experts {experts}")
     return moe
+
+
+def _config_rope_scaling(raw: dict[str, Any], rope: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """The rope scaling of a config: ``rope_scaling`` (before transformers 5), else its ``rope_parameters``
+    (``rope``) where they name a type other than default."""
+    return _rope_scaling(
+        raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None), name
+    )
 
 
 def _rope_scaling(scaling: dict[str, Any] | None, name: str) -> dict[str, Any] | None:

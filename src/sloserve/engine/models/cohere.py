@@ -38,9 +38,7 @@ class CohereDecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta):  # (T, H) the residual stream -> (T, H)
         h = self.input_layernorm(x)
-        attention = self.self_attn
-        attended = attention.attend(*attention.project(h, cos, sin), k_cache, v_cache, meta)  # (T, nh, hd)
-        return x + attention.o_proj(attended.reshape(x.shape[0], -1)) + self.mlp(h)  # (transformers' order)
+        return x + self.self_attn(h, cos, sin, k_cache, v_cache, meta) + self.mlp(h)  # (transformers' order)
 
 
 class CohereModel(LlamaModel):

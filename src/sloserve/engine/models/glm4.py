@@ -29,10 +29,7 @@ class Glm4DecoderLayer(nn.Module):
         self.post_attention_layernorm, self.post_mlp_layernorm = RMSNorm(h, eps), RMSNorm(h, eps)
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta):  # (T, H) the residual stream -> (T, H)
-        attention = self.self_attn
-        q, k, v = attention.project(self.input_layernorm(x), cos, sin)
-        attended = attention.attend(q, k, v, k_cache, v_cache, meta)  # (T, nh, hd)
-        x = x + self.post_self_attn_layernorm(attention.o_proj(attended.reshape(x.shape[0], -1)))
+        x = x + self.post_self_attn_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta))
         return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
 
 

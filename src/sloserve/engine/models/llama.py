@@ -280,6 +280,11 @@ class LlamaAttention(nn.Module):
             q, k, v, k_cache, v_cache, meta, scale=self.scale, window=self.window, sinks=self.sinks
         )
 
+    def forward(self, x, cos, sin, k_cache, v_cache, meta) -> torch.Tensor:  # (T, H) normalized -> (T, H)
+        """The whole attention (``project``, ``attend``, ``o_proj``), for layers that are not cut at it."""
+        attended = self.attend(*self.project(x, cos, sin), k_cache, v_cache, meta)  # (T, nh, hd)
+        return self.o_proj(attended.reshape(x.shape[0], -1))
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:

@@ -33,9 +33,7 @@ class Olmo2DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta):  # (T, H) the residual stream -> (T, H)
-        attention = self.self_attn
-        attended = attention.attend(*attention.project(x, cos, sin), k_cache, v_cache, meta)  # (T, nh, hd)
-        x = x + self.post_attention_layernorm(attention.o_proj(attended.reshape(x.shape[0], -1)))
+        x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, k_cache, v_cache, meta))
         return x + self.post_feedforward_layernorm(self.mlp(x))
 
 
