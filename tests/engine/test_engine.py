@@ -390,6 +390,26 @@ def test_a_generation_configs_eos_ids_end_a_generation_too(hf_dirs, tmp_path):
             LLM(str(model))
 
 
+def test_stop_reason_is_none_for_the_tokenizers_eos_and_the_id_for_a_generation_configs_other(chat_model_dir, tmp_path):
+    """vLLM's ``stop_reason``: None for the tokenizer's EOS (tokenizer_config.json's ``eos_token``), the
+    token id for the generation config's other EOS ids (Llama 3.1 Instruct's <|eom_id|> beside its
+    <|eot_id|>), which it adds to each request's ``stop_token_ids``."""
+    model = tmp_path / "model"
+    shutil.copytree(chat_model_dir, model)
+    eos = transformers.AutoTokenizer.from_pretrained(chat_model_dir).eos_token_id
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, eos]}))
+    llm = LLM(str(model))
+    assert llm.tokenizer.eos_token_id == eos
+    for token, stop_reason in ((eos, None), (7, 7)):
+        [out] = llm.generate("Hello", SamplingParams(max_tokens=6, temperature=0, logit_bias={token: 100}))
+        ended = out.outputs[0]
+        assert (ended.finish_reason, ended.token_ids, ended.stop_reason) == ("stop", [token], stop_reason)
+    for bad in ("{not json", "[]"):
+        (model / "tokenizer_config.json").write_text(bad)
+        with pytest.raises(ConfigError, match="tokenizer_config.json: (cannot read|must be a JSON object)"):
+            LLM(str(model))
+
+
 def test_beam_search_keeps_the_best_beams_as_computed_on_transformers_scores(reference_llm, chat_model_dir):
     """vLLM's ``LLM.beam_search``: the beams equal a beam search written out here on transformers'
     log-softmax (each step: every beam by each of its 2 * width likeliest tokens, the width best kept;

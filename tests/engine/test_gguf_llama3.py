@@ -121,6 +121,8 @@ def test_the_file_reads_as_llama_3_its_tokens_its_ends_and_its_rope(llama3):
     hf_gguf = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)  # transformers' reading
     for text in TEXTS:
         assert llm.tokenizer.encode(text) == reference(text)["input_ids"] == hf_gguf(text)["input_ids"]
+    # the one EOS vLLM reports with stop_reason None (<|eot_id|> ends a generation too, as a stop token)
+    assert llm.tokenizer.eos_token_id == hf_gguf.eos_token_id == vocab["<|end_of_text|>"]
     thinking = llm.tokenizer.encode(TEXTS[2])  # user-defined tokens: read whole, kept when decoding
     assert {vocab["<think>"], vocab["</think>"]} <= set(thinking) and llm.tokenizer.decode(thinking) == TEXTS[2]
     # NOTE: the split matters here: GPT-2's (the default) reads other tokens

@@ -17,6 +17,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from sloserve.core.errors import ConfigError
+from sloserve.engine.tokenizer import read_tokenizer_config, special_token_text
 
 FALLBACK_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
@@ -90,13 +91,6 @@ def _with_call_arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "tool_calls": read}
 
 
-def _token_text(value: Any) -> str:
-    """A special token in tokenizer_config.json: a string or ``{"content": ...}``."""
-    if isinstance(value, dict):
-        return str(value.get("content", ""))
-    return "" if value is None else str(value)
-
-
 def read_template_option(value: str) -> str:
     """vLLM's ``--chat-template``: a file's text, or the template itself; a ConfigError for neither."""
     path = Path(value).expanduser()
@@ -155,14 +149,10 @@ class ChatTemplate:
         tokenizer_config.json, or in a processor's chat_template.json), else the fallback."""
         if model_dir is None or not model_dir.is_dir():
             return cls(FALLBACK_TEMPLATE)
-        config_path = model_dir / "tokenizer_config.json"
-        config: dict[str, Any] = {}
-        if config_path.is_file():
-            try:
-                config = json.loads(config_path.read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                raise ConfigError(f"{config_path}: cannot read ({e})") from None
-        special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        config = read_tokenizer_config(model_dir)
+        special = {
+            name: special_token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
         jinja_path = model_dir / "chat_template.jinja"
         source = jinja_path.read_text() if jinja_path.is_file() else config.get("chat_template")
         processor_path = model_dir / "chat_template.json"  # a multimodal model's processor's (Gemma 3 4B)

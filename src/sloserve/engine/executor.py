@@ -49,7 +49,7 @@ class Sequence:
     params: SamplingParams
     generator: np.random.Generator | None  # the request's own draws (host side: see sampler.sample)
     finish_reason: str | None = None  # "stop" (EOS), "length" (max_tokens), as in OpenAI's API, or "abort"
-    stop_reason: int | None = None  # the stop_token_ids entry it ended on (vLLM's; EOS: None)
+    stop_reason: int | None = None  # the stop token id it ended on (vLLM's; the tokenizer's EOS: None)
     # Where params ask for them: each output token's log-probabilities, and each prompt token's after
     # the first (prompt position p at index p - 1), as far as computed
     logprobs: list[Logprobs] | None = None
@@ -97,10 +97,14 @@ class EngineExecutor:
         seed: int = 0,
         graphs: DecodeGraphs | None = None,
         piecewise: PiecewiseGraphs | None = None,
+        tokenizer_eos_token_id: int | None = None,
     ) -> None:
         self.model, self.kv, self.cache, self.device = model, kv, cache, device
         self.graphs, self.piecewise = graphs, piecewise
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)  # every id that ends a generation (not ignore_eos)
+        # NOTE: the one of them whose end is reported with stop_reason None (vLLM's: the tokenizer's EOS;
+        # the generation config's others are stop token ids to it, reported as such)
+        self.tokenizer_eos_token_id = tokenizer_eos_token_id
         self.sequences: dict[Request, Sequence] = {}
         self.penalties = PenaltyCounts(device)  # the token counts of the requests with penalties
         self._seed = seed
@@ -140,7 +144,8 @@ class EngineExecutor:
         if loaded.cuda_graphs:
             graphs = DecodeGraphs(loaded.model, cache, max_context, kv.table_block_size)
         piecewise = piecewise_graphs_for(loaded.model, cache, loaded.cuda_graphs)
-        return cls(loaded.model, kv, cache, loaded.device, eos_token_ids, seed, graphs, piecewise)
+        eos = getattr(loaded.tokenizer, "eos_token_id", None)
+        return cls(loaded.model, kv, cache, loaded.device, eos_token_ids, seed, graphs, piecewise, eos)
 
     def add(self, request: Request, prompt_token_ids: list[int], params: SamplingParams) -> None:
         generator = None
@@ -382,7 +387,7 @@ class EngineExecutor:
             if back_at is not None and len(seq.token_ids) == seq.num_prompt_tokens + 1:
                 request.first_token_time = back_at
             if seq.params.ends_on(token, self.eos_token_ids):
-                eos = token in self.eos_token_ids and not seq.params.ignore_eos  # vLLM's stop_reason: None for EOS
+                eos = token == self.tokenizer_eos_token_id and not seq.params.ignore_eos
                 seq.finish_reason, seq.stop_reason = "stop", None if eos else token
             elif seq.matcher is not None and accept(seq.matcher, token):
                 seq.finish_reason = "stop"  # the grammar is complete

@@ -4,8 +4,9 @@ bytes (ids 0..255 are the UTF-8 bytes; BOS and EOS follow)."""
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from sloserve.checkpoint.config import BYTE_BOS_ID, BYTE_EOS_ID
 from sloserve.core.errors import ConfigError
@@ -45,6 +46,11 @@ class ByteTokenizer:
 class HFTokenizer:
     """A ``tokenizers`` tokenizer: a ``tokenizer.json`` (special tokens as it defines them), or one
     built in memory (``from_tokenizer``: a GGUF file's)."""
+
+    # transformers' ``eos_token_id``: tokenizer_config.json's ``eos_token``, a GGUF file's
+    # ``tokenizer.ggml.eos_token_id`` (None: it names none). NOTE: the one EOS whose end vLLM reports with
+    # ``stop_reason`` None; the model's other EOS ids (its generation config's) are stop tokens to it.
+    eos_token_id: int | None = None
 
     def __init__(self, path: Path) -> None:
         from tokenizers import Tokenizer as _Tokenizer
@@ -118,6 +124,37 @@ def load_tokenizer(model_dir: Path) -> HFTokenizer | None:
     from sloserve.checkpoint.gguf import gguf_tokenizer, is_gguf, read_gguf
 
     if is_gguf(str(model_dir)):
-        return HFTokenizer.from_tokenizer(gguf_tokenizer(read_gguf(model_dir)))
+        checkpoint = read_gguf(model_dir)
+        tokenizer = HFTokenizer.from_tokenizer(gguf_tokenizer(checkpoint))
+        tokenizer.eos_token_id = checkpoint.metadata.get("tokenizer.ggml.eos_token_id")
+        return tokenizer
     path = model_dir / "tokenizer.json"
-    return HFTokenizer(path) if path.is_file() else None
+    if not path.is_file():
+        return None
+    tokenizer = HFTokenizer(path)
+    eos = special_token_text(read_tokenizer_config(model_dir).get("eos_token"))
+    if eos:
+        tokenizer.eos_token_id = tokenizer._tok.token_to_id(eos)  # (added tokens too)
+    return tokenizer
+
+
+def read_tokenizer_config(model_dir: Path) -> dict[str, Any]:
+    """A model directory's ``tokenizer_config.json`` ({} where it has none); one that cannot be read
+    is a ConfigError naming it."""
+    path = model_dir / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: must be a JSON object, got {type(config).__name__}")
+    return config
+
+
+def special_token_text(value: Any) -> str:
+    """A special token in tokenizer_config.json: a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return "" if value is None else str(value)
