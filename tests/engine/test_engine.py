@@ -34,7 +34,7 @@ MAX_TOKENS = [12, 5, 20, 8, 16, 10]
 # Beside Llama (tests/hf_models.py: each with what sets it apart)
 OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "gemma2", "qwen3_moe", "mixtral", "granite",
                        "olmo2", "qwen2_moe", "gpt_oss", "olmo3", "olmoe", "glm", "glm4",
-                       "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2"]  # fmt: skip
+                       "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2", "gpt2"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -546,13 +546,13 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(ConfigError, match="model.safetensors: not a readable safetensors file .*not fully covered"):
         LLM(str(cut_off))
-    (tmp_path / "gpt2").mkdir()
-    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (tmp_path / "falcon").mkdir()
+    (tmp_path / "falcon" / "config.json").write_text(json.dumps({"model_type": "falcon"}))
     with pytest.raises(
         ConfigError,
-        match="unsupported architecture 'gpt2'.*supported: cohere, cohere2, ernie4_5, exaone4, gemma2, gemma3, gemma3_text, glm, glm4, gpt_neox, gpt_oss, granite, llama, ministral3, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3",
+        match="unsupported architecture 'falcon'.*supported: cohere, cohere2, ernie4_5, exaone4, gemma2, gemma3, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, llama, ministral3, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3",
     ):
-        LLM(str(tmp_path / "gpt2"))
+        LLM(str(tmp_path / "falcon"))
     fp8 = tmp_path / "fp8"  # an FP8 checkpoint's weights would load as plain ones, their scales ignored
     shutil.copytree(hf_dirs["llama"], fp8)
     config = json.loads((fp8 / "config.json").read_text())
@@ -1160,3 +1160,47 @@ def test_gpt_neox_one_after_the_other_and_the_hubs_config_names(tmp_path):
     expected = sequential.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
     assert out.outputs[0].token_ids != hf_greedy("gpt_neox", tuple(ids), 8)  # NOTE: the layer's order matters
+
+
+def test_gpt2s_prompt_logprobs_are_transformers(hf_dirs):
+    """GPT-2's scores to 1e-4 (greedy tokens alone would not tell its GELU by tanh's approximation from the
+    exact one)."""
+    from hf_models import prompt_logprobs
+
+    ids = PROMPTS[2]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    [out] = LLM(hf_dirs["gpt2"]).generate({"prompt_token_ids": ids}, params)
+    ours = [entry.logprob for entry in out.prompt_logprobs[1:]]
+    assert ours == pytest.approx(prompt_logprobs(_hf_cached("gpt2"), ids), abs=1e-4)
+
+
+def test_gpt2_as_openai_saved_it_and_its_scaling_options(tmp_path):
+    """GPT-2's checkpoint as OpenAI's (tensors without the ``transformer.`` prefix, each layer's causal-mask
+    buffers) and a config with Stanford CRFM's ``scale_attn_by_inverse_layer_idx`` and the exact GELU:
+    transformers' greedy tokens."""
+    import safetensors.torch
+
+    model = _hf_cached("gpt2")
+    options = {"scale_attn_by_inverse_layer_idx": True, "activation_function": "gelu"}
+    scaled = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**model.config.to_dict(), **options})).eval()
+    scaled.load_state_dict(model.state_dict())
+    scaled.save_pretrained(tmp_path)
+    weights = safetensors.torch.load_file(str(tmp_path / "model.safetensors"))
+    weights = {key.removeprefix("transformer."): tensor for key, tensor in weights.items()}
+    for layer in range(2):
+        weights[f"h.{layer}.attn.bias"] = torch.ones(1, 1, 256, 256).tril()
+        weights[f"h.{layer}.attn.masked_bias"] = torch.tensor(-1e4)
+    safetensors.torch.save_file(weights, str(tmp_path / "model.safetensors"))
+    ids = PROMPTS[0]
+    out = LLM(str(tmp_path)).generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=12, temperature=0))[0]
+    expected = scaled.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
+    assert out.outputs[0].token_ids != hf_greedy("gpt2", tuple(ids), 12)  # NOTE: the options change the tokens
+    config = json.loads((tmp_path / "config.json").read_text())
+    for bad, message in (
+        ({"activation_function": "swish"}, "GPT-2 activation_function 'swish' is not supported"),
+        ({"add_cross_attention": True}, "add_cross_attention"),
+    ):
+        (tmp_path / "config.json").write_text(json.dumps({**config, **bad}))
+        with pytest.raises(ConfigError, match=message):
+            LLM(str(tmp_path))

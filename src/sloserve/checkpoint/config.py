@@ -52,6 +52,7 @@ ARCHITECTURES: dict[str, str] = {
     "cohere": "cohere",  # (Command R: attention and MLP in parallel from one LayerNorm, rope by adjacent pairs)
     "cohere2": "cohere",  # (Command R7B, A: those layers, three of four sliding with rope, the fourth without)
     "opt": "opt",
+    "gpt2": "gpt2",  # (GPT-2: learned positions, LayerNorms, a GELU MLP, Conv1D weights stored (in, out))
 }
 # Multimodal checkpoints served as text: their config.json's text_config is the language model's
 # (Gemma 3 4B-27B: Gemma3ForConditionalGeneration; its vision tower is not read, ``LANGUAGE_MODEL_PREFIXES``)
@@ -91,7 +92,17 @@ CONFIG_DEFAULTS = {
     "seed_oss": {"head_dim": 128},
     "cohere": {"tie_word_embeddings": True, "logit_scale": 0.0625},
     "cohere2": {"tie_word_embeddings": True, "logit_scale": 0.0625},
+    "gpt2": {"tie_word_embeddings": True},
 }
+# GPT-2's config names for the common ones (transformers' GPT2Config.attribute_map)
+GPT2_NAMES = {
+    "n_embd": "hidden_size",
+    "n_layer": "num_hidden_layers",
+    "n_head": "num_attention_heads",
+    "n_positions": "max_position_embeddings",
+}
+# GPT-2's MLP activations (``activation_function``: transformers' names; engine/models/gpt2.py)
+GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
 # The models with sliding layers by default: (window, every pattern-th layer global), transformers' defaults
 SLIDING_PATTERNS = {"gpt_oss": (128, 2), "olmo3": (4096, 4), "exaone4": (4096, 4), "cohere2": (4096, 4)}
 # The norms (of a weight each) of a layer, by architecture (Llama's: 2)
@@ -252,6 +263,10 @@ class ModelConfig:
             projections = 2 * proj * h if proj != h else 0
             lm_head = 0 if self.tie_word_embeddings else v * proj
             return embeddings + projections + layers * layer + final_norm + lm_head
+        if self.architecture == "gpt2":  # c_attn and c_proj, c_fc and c_proj (with biases), two LayerNorms
+            layer = 4 * h * h + 4 * h + 2 * h * i + i + h + 2 * 2 * h
+            embeddings = v * h + self.max_position_embeddings * h
+            return embeddings + layers * layer + 2 * h + (0 if self.tie_word_embeddings else v * h)
         if self.architecture == "gpt_neox":  # q/k/v and dense (biases where attention_bias), a two-matrix
             # MLP with biases, two LayerNorms a layer and a final one (weight and bias)
             layer = 4 * h * h + 4 * h * self.attention_bias + 2 * h * i + i + h + 2 * 2 * h
@@ -293,7 +308,7 @@ class ModelConfig:
             num_params=self.num_params,
             max_context_len=self.max_position_embeddings,
             dtype_bytes=DTYPE_BYTES.get(self.torch_dtype, 2),
-            mlp_kind="relu" if self.architecture in ("opt", "gpt_neox") else "gated",  # (two matrices)
+            mlp_kind="relu" if self.architecture in ("opt", "gpt_neox", "gpt2") else "gated",  # (two matrices)
             tied_embeddings=self.tie_word_embeddings,
         )
 
@@ -312,6 +327,8 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         raw = {**GEMMA3_TEXT_DEFAULTS, **raw}
     elif model_type == "gemma2":
         raw = {**GEMMA2_DEFAULTS, **raw}
+    elif model_type == "gpt2":
+        raw = {GPT2_NAMES.get(key, key): value for key, value in raw.items()}
     raw = {**CONFIG_DEFAULTS.get(model_type, {}), **raw}
     quantization = raw.get("quantization_config")
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
@@ -364,6 +381,8 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         return _gemma3_config(raw, common, name, need)
     if model_type == "gpt_neox":
         return _gpt_neox_config(raw, common, name, need)
+    if model_type == "gpt2":
+        return _gpt2_config(raw, common, name)
     # transformers >= 5 keeps rope settings in rope_parameters; older configs at the top level.
     rope = dict(raw.get("rope_parameters") or {})
     default_theta = DEFAULT_ROPE_THETA.get(model_type, 10000.0)
@@ -473,6 +492,34 @@ def _gpt_neox_config(raw: dict[str, Any], common: dict[str, Any], name: str, nee
         hidden_act="gelu",
         attention_bias=bool(raw.get("attention_bias", True)),
         parallel_residual=bool(raw.get("use_parallel_residual", True)),
+    )
+
+
+def _gpt2_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> ModelConfig:
+    """GPT-2's config, transformers' GPT2Config defaults where it has none (an MLP 4 times as wide, gelu_new)."""
+    activation = raw.get("activation_function", "gelu_new")
+    if activation not in GPT2_ACTIVATIONS:
+        raise ConfigError(
+            f"{name}: GPT-2 activation_function {activation!r} is not supported ({', '.join(GPT2_ACTIVATIONS)})"
+        )
+    if raw.get("add_cross_attention"):
+        raise ConfigError(f"{name}: add_cross_attention (GPT-2 as an encoder-decoder's decoder) is not supported")
+    hidden, heads = common["hidden_size"], common["num_attention_heads"]
+    if hidden % heads:
+        raise ConfigError(f"{name}: n_head {heads} must divide n_embd {hidden}")
+    return ModelConfig(
+        **common,
+        intermediate_size=raw.get("n_inner") or 4 * hidden,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+        hidden_act=activation,
+        attention_bias=True,
+        attention_output_bias=True,
+        mlp_bias=True,
+        # (None: head_dim ** -0.5)
+        attention_multiplier=None if raw.get("scale_attn_weights", True) else 1.0,
+        extra={"scale_attn_by_inverse_layer_idx": bool(raw.get("scale_attn_by_inverse_layer_idx", False))},
     )
 
 

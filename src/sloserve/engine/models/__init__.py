@@ -10,10 +10,12 @@ from torch import nn
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend
+from sloserve.engine.models import gpt2, gpt_neox
 from sloserve.engine.models.cohere import CohereForCausalLM
 from sloserve.engine.models.gemma3 import Gemma3ForCausalLM
 from sloserve.engine.models.glm4 import Glm4ForCausalLM
-from sloserve.engine.models.gpt_neox import GPTNeoXForCausalLM, qkv_rows_by_kind
+from sloserve.engine.models.gpt2 import GPT2LMHeadModel
+from sloserve.engine.models.gpt_neox import GPTNeoXForCausalLM
 from sloserve.engine.models.llama import LlamaForCausalLM, MergedLinear
 from sloserve.engine.models.moe import hub_expert_name, per_expert_tensors
 from sloserve.engine.models.olmo2 import Olmo2ForCausalLM
@@ -27,15 +29,28 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gpt_neox": GPTNeoXForCausalLM,
     "cohere": CohereForCausalLM,
     "opt": OPTForCausalLM,
+    "gpt2": GPT2LMHeadModel,
 }
+# An architecture's reading of a checkpoint tensor: (HF name, tensor) -> (the engine's name, tensor as it holds it)
+CHECKPOINT_TENSORS = {"gpt_neox": gpt_neox.checkpoint_tensor, "gpt2": gpt2.checkpoint_tensor}
 # The merged projections a model type's checkpoints store whole, in the row order the engine's have:
 # Phi-3's Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``), GLM's gate/up
 FUSED_CHECKPOINTS = {"phi3": ("qkv_proj", "gate_up_proj"), "glm": ("gate_up_proj",), "glm4": ("gate_up_proj",)}
 # Checkpoint tensors that are buffers in other implementations, not weights.
-# (old GPT-NeoX checkpoints: the causal mask and its fill value)
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias")
+# (old GPT-NeoX and GPT-2 checkpoints: the causal mask and its fill value)
+_IGNORED_SUFFIXES = (
+    "rotary_emb.inv_freq",
+    ".attention.bias",
+    ".attention.masked_bias",
+    ".attn.bias",
+    ".attn.masked_bias",
+)
 # Each architecture's (input embedding, LM head) modules, tied where the config says so
-TIED_MODULES = {"opt": ("model.decoder.embed_tokens", "lm_head"), "gpt_neox": ("gpt_neox.embed_in", "embed_out")}
+TIED_MODULES = {
+    "opt": ("model.decoder.embed_tokens", "lm_head"),
+    "gpt_neox": ("gpt_neox.embed_in", "embed_out"),
+    "gpt2": ("transformer.wte", "lm_head"),
+}
 # A multimodal checkpoint served as text (``ModelConfig.extra["multimodal_checkpoint"]``: Gemma 3 4B-27B,
 # Mistral Small 3.1): its language model's tensors under the text model's names (as transformers saved
 # them before 4.52, and since), the vision tower's and the projector's not read
@@ -237,13 +252,14 @@ def copy_weights(model: nn.Module, tensors, source: str) -> None:
         tensors = _dequantized(tensors)
     elif model.config.is_moe:
         tensors = _per_expert(tensors)
+    as_held = CHECKPOINT_TENSORS.get(model.config.architecture)
     for origin, key, tensor in tensors:
         if key.endswith(_IGNORED_SUFFIXES):
             continue
         if model.config.rotary_interleaved and key.endswith(_ROTATED_ROWS):
             tensor = deinterleave_rotary_rows(torch.as_tensor(tensor), model.config)
-        if model.config.architecture == "gpt_neox" and ".query_key_value." in key:
-            tensor = qkv_rows_by_kind(torch.as_tensor(tensor), model.config.num_attention_heads)
+        if as_held is not None:
+            key, tensor = as_held(key, torch.as_tensor(tensor), model.config)
         if key not in params:
             raise ConfigError(f"{origin}: unexpected tensor {key!r} for a {model.config.model_type} model")
         if tuple(tensor.shape) != tuple(params[key].shape):
@@ -252,8 +268,9 @@ def copy_weights(model: nn.Module, tensors, source: str) -> None:
             )
         params[key].copy_(torch.as_tensor(tensor))
         loaded.add(key)
+    head = TIED_MODULES.get(model.config.architecture, ("", "lm_head"))[1]
     missing = [
-        k for k in params if k not in loaded and not (k == "lm_head.weight" and model.config.tie_word_embeddings)
+        k for k in params if k not in loaded and not (k == f"{head}.weight" and model.config.tie_word_embeddings)
     ]
     if missing:
         raise ConfigError(

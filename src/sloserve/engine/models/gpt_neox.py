@@ -4,7 +4,7 @@ a GELU MLP, biases everywhere, the rotary embedding on the leading quarter of ea
 (``parallel_residual``: x + attn(ln1(x)) + mlp(ln2(x))). HF parameter names.
 
 NOTE: the checkpoint's ``query_key_value`` rows are per head, [q k v] for head 0, then head 1...; they
-load reordered to all the queries', then the keys', then the values' (``qkv_rows_by_kind``), so that the
+load reordered to all the queries', then the keys', then the values' (``checkpoint_tensor``), so that the
 step splits them as the other models' projections."""
 
 from __future__ import annotations
@@ -100,6 +100,13 @@ class GPTNeoXForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab)
         return self.embed_out(hidden)
+
+
+def checkpoint_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) -> tuple[str, torch.Tensor]:
+    """A GPT-NeoX checkpoint's tensor as the engine holds it: ``query_key_value``'s rows by kind."""
+    if ".query_key_value." in key:
+        tensor = qkv_rows_by_kind(tensor, config.num_attention_heads)
+    return key, tensor
 
 
 def qkv_rows_by_kind(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:

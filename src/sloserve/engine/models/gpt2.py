@@ -1,0 +1,121 @@
+"""GPT-2 (``gpt2``: OpenAI's GPT-2, 124M-1.5B, DistilGPT2 and the models trained in its shape): learned
+positions added to the embeddings, a LayerNorm before attention and one before the MLP, a two-matrix MLP
+(GELU by tanh's approximation: ``gelu_new``), biases everywhere, the LM head tied to the embeddings. HF
+parameter names (``transformer.h.N.attn.c_attn``...).
+
+NOTE: GPT-2's checkpoints store each projection as a ``Conv1D`` whose weight is (in, out): it loads
+transposed (``checkpoint_tensor``), and ``c_attn``'s rows are then the queries', the keys', the values'.
+OpenAI's own checkpoint names its tensors without the ``transformer.`` prefix (``h.0.attn.c_attn.weight``);
+they load under it."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sloserve.checkpoint.config import ModelConfig
+from sloserve.engine.attention import AttentionBackend, AttentionMetadata
+
+# The MLP's activation by the config's ``activation_function`` (transformers' ACT2FN names)
+ACTIVATIONS = {
+    "gelu_new": functools.partial(F.gelu, approximate="tanh"),
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+# The projections a checkpoint stores as Conv1D weights, (in, out)
+CONV1D_WEIGHTS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.c_attn = nn.Linear(h, 3 * h)  # rows: q, k, v
+        self.c_proj = nn.Linear(h, h)
+        # head_dim ** -0.5 (1 where scale_attn_weights is false), over the layer's number where
+        # scale_attn_by_inverse_layer_idx (Stanford CRFM's GPT-2s)
+        scale = config.attention_multiplier if config.attention_multiplier is not None else self.head_dim**-0.5
+        self.scale = scale / (layer + 1) if config.extra.get("scale_attn_by_inverse_layer_idx") else scale
+        self.backend = backend
+
+    def forward(self, x, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:  # (T, H) -> (T, H)
+        t, nh = x.shape[0], self.num_heads
+        q, k, v = self.c_attn(x).view(t, 3 * nh, self.head_dim).split(nh, dim=1)  # (T, nh, hd) each
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, scale=self.scale)
+        return self.c_proj(out.reshape(t, -1))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, I) -> (T, H)
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.ln_1 = nn.LayerNorm(h, eps=config.norm_eps)
+        self.attn = GPT2Attention(config, backend, layer)
+        self.ln_2 = nn.LayerNorm(h, eps=config.norm_eps)
+        self.mlp = GPT2MLP(config)
+
+    def forward(self, x, k_cache, v_cache, meta):  # (T, H) the residual stream -> (T, H)
+        x = self.attn(self.ln_1(x), k_cache, v_cache, meta) + x
+        return self.mlp(self.ln_2(x)) + x
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.wte = nn.Embedding(config.vocab_size, h)
+        self.wpe = nn.Embedding(config.max_position_embeddings, h)
+        self.h = nn.ModuleList(GPT2Block(config, backend, i) for i in range(config.num_hidden_layers))
+        self.ln_f = nn.LayerNorm(h, eps=config.norm_eps)
+
+
+class GPT2LMHeadModel(nn.Module):
+    """``forward`` returns the final hidden states ``(T, H)``; ``compute_logits`` the vocabulary scores."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = GPT2Model(config, backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        kv_cache: torch.Tensor,  # (2, layers, num_slots, nh, hd)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, H)
+        model = self.transformer
+        x = model.wte(input_ids) + model.wpe(positions)
+        for i, block in enumerate(model.h):
+            x = block(x, kv_cache[0, i], kv_cache[1, i], meta)
+        return model.ln_f(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab)
+        return self.lm_head(hidden)
+
+
+def checkpoint_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) -> tuple[str, torch.Tensor]:
+    """A GPT-2 checkpoint's tensor as the engine's model names and holds it: under ``transformer.`` (OpenAI's
+    checkpoint has no prefix), a Conv1D weight (in, out) transposed to a Linear's (out, in)."""
+    if not key.startswith(("transformer.", "lm_head.")):
+        key = f"transformer.{key}"
+    return key, tensor.T if key.endswith(CONV1D_WEIGHTS) else tensor
