@@ -10,6 +10,7 @@ import functools
 import json
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,7 +35,7 @@ MAX_TOKENS = [12, 5, 20, 8, 16, 10]
 # Beside Llama (tests/hf_models.py: each with what sets it apart)
 OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "gemma2", "qwen3_moe", "mixtral", "granite",
                        "olmo2", "qwen2_moe", "gpt_oss", "olmo3", "olmoe", "glm", "glm4",
-                       "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2", "gpt2"]  # fmt: skip
+                       "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2", "gpt2", "phi"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -550,7 +551,7 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     (tmp_path / "falcon" / "config.json").write_text(json.dumps({"model_type": "falcon"}))
     with pytest.raises(
         ConfigError,
-        match="unsupported architecture 'falcon'.*supported: cohere, cohere2, ernie4_5, exaone4, gemma2, gemma3, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, llama, ministral3, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3",
+        match="unsupported architecture 'falcon'.*supported: cohere, cohere2, ernie4_5, exaone4, gemma2, gemma3, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, llama, ministral3, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3",
     ):
         LLM(str(tmp_path / "falcon"))
     fp8 = tmp_path / "fp8"  # an FP8 checkpoint's weights would load as plain ones, their scales ignored
@@ -1162,16 +1163,17 @@ def test_gpt_neox_one_after_the_other_and_the_hubs_config_names(tmp_path):
     assert out.outputs[0].token_ids != hf_greedy("gpt_neox", tuple(ids), 8)  # NOTE: the layer's order matters
 
 
-def test_gpt2s_prompt_logprobs_are_transformers(hf_dirs):
-    """GPT-2's scores to 1e-4 (greedy tokens alone would not tell its GELU by tanh's approximation from the
-    exact one)."""
+@pytest.mark.parametrize("arch", ["gpt2", "phi"])
+def test_gelu_mlps_prompt_logprobs_are_transformers(hf_dirs, arch):
+    """GPT-2's and Phi's scores to 1e-4 (greedy tokens alone would not tell their GELU by tanh's
+    approximation, ``gelu_new``, from the exact one)."""
     from hf_models import prompt_logprobs
 
     ids = PROMPTS[2]
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-    [out] = LLM(hf_dirs["gpt2"]).generate({"prompt_token_ids": ids}, params)
+    [out] = LLM(hf_dirs[arch]).generate({"prompt_token_ids": ids}, params)
     ours = [entry.logprob for entry in out.prompt_logprobs[1:]]
-    assert ours == pytest.approx(prompt_logprobs(_hf_cached("gpt2"), ids), abs=1e-4)
+    assert ours == pytest.approx(prompt_logprobs(_hf_cached(arch), ids), abs=1e-4)
 
 
 def test_gpt2_as_openai_saved_it_and_its_scaling_options(tmp_path):
@@ -1204,3 +1206,18 @@ def test_gpt2_as_openai_saved_it_and_its_scaling_options(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**config, **bad}))
         with pytest.raises(ConfigError, match=message):
             LLM(str(tmp_path))
+
+
+def test_phis_config_as_transformers_reads_it(hf_dirs):
+    """A Phi config without ``partial_rotary_factor`` turns half of each head (transformers' default), one
+    with the Hub's top-level keys reads as transformers 5's ``rope_parameters``; Phi's query and key
+    LayerNorms are refused by name."""
+    from sloserve.checkpoint.config import from_hf_config
+
+    raw = json.loads((Path(hf_dirs["phi"]) / "config.json").read_text())
+    rope = raw.pop("rope_parameters")
+    hub = from_hf_config({**raw, "rope_theta": rope["rope_theta"], "partial_rotary_factor": 0.4})
+    assert hub == from_hf_config({**raw, "rope_parameters": rope}) and hub.rotary_dim == 6  # (0.4 of 16, rounded down)
+    assert from_hf_config(raw).rotary_dim == 8
+    with pytest.raises(ConfigError, match="qk_layernorm .*is not supported"):
+        from_hf_config({**raw, "qk_layernorm": True})

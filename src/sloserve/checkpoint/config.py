@@ -53,6 +53,7 @@ ARCHITECTURES: dict[str, str] = {
     "cohere2": "cohere",  # (Command R7B, A: those layers, three of four sliding with rope, the fourth without)
     "opt": "opt",
     "gpt2": "gpt2",  # (GPT-2: learned positions, LayerNorms, a GELU MLP, Conv1D weights stored (in, out))
+    "phi": "phi",  # (Phi-1, 1.5, 2: attention and a GELU MLP in parallel from one LayerNorm, partial rotary)
 }
 # Multimodal checkpoints served as text: their config.json's text_config is the language model's
 # (Gemma 3 4B-27B: Gemma3ForConditionalGeneration; its vision tower is not read, ``LANGUAGE_MODEL_PREFIXES``)
@@ -79,9 +80,9 @@ MOE_DEFAULTS = {
 }
 MOE_TYPES = tuple(MOE_DEFAULTS)
 # The models whose rotary embedding may turn part of each head (partial_rotary_factor), as transformers' do
-PARTIAL_ROTARY = ("phi3", "glm", "glm4")
+PARTIAL_ROTARY = ("phi3", "glm", "glm4", "phi")
 # The models whose q/k/v projections have biases where their configs do not say (transformers' defaults)
-QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss")
+QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss", "phi")
 # The OLMo models (their query and key norms over the whole projections)
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe")
 # transformers' rope bases where a config has none
@@ -101,7 +102,8 @@ GPT2_NAMES = {
     "n_head": "num_attention_heads",
     "n_positions": "max_position_embeddings",
 }
-# GPT-2's MLP activations (``activation_function``: transformers' names; engine/models/gpt2.py)
+# The two-matrix MLPs' activations (GPT-2's ``activation_function``, Phi's ``hidden_act``: transformers'
+# names; engine/models/gpt2.py)
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
 # The models with sliding layers by default: (window, every pattern-th layer global), transformers' defaults
 SLIDING_PATTERNS = {"gpt_oss": (128, 2), "olmo3": (4096, 4), "exaone4": (4096, 4), "cohere2": (4096, 4)}
@@ -267,6 +269,12 @@ class ModelConfig:
             layer = 4 * h * h + 4 * h + 2 * h * i + i + h + 2 * 2 * h
             embeddings = v * h + self.max_position_embeddings * h
             return embeddings + layers * layer + 2 * h + (0 if self.tie_word_embeddings else v * h)
+        if self.architecture == "phi":  # Llama's attention with biases, a two-matrix MLP with biases, one
+            # LayerNorm a layer and a final one (weight and bias), an LM head with a bias
+            q_width, kv_width = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+            attention = 2 * h * q_width + 2 * h * kv_width + q_width + 2 * kv_width + h
+            layer = attention + 2 * h * i + i + h + 2 * h
+            return v * h + layers * layer + 2 * h + v + (0 if self.tie_word_embeddings else v * h)
         if self.architecture == "gpt_neox":  # q/k/v and dense (biases where attention_bias), a two-matrix
             # MLP with biases, two LayerNorms a layer and a final one (weight and bias)
             layer = 4 * h * h + 4 * h * self.attention_bias + 2 * h * i + i + h + 2 * 2 * h
@@ -308,7 +316,7 @@ class ModelConfig:
             num_params=self.num_params,
             max_context_len=self.max_position_embeddings,
             dtype_bytes=DTYPE_BYTES.get(self.torch_dtype, 2),
-            mlp_kind="relu" if self.architecture in ("opt", "gpt_neox", "gpt2") else "gated",  # (two matrices)
+            mlp_kind="relu" if self.architecture in ("opt", "gpt_neox", "gpt2", "phi") else "gated",  # (two matrices)
             tied_embeddings=self.tie_word_embeddings,
         )
 
@@ -397,7 +405,8 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     head_dim = raw.get("head_dim") or hidden // heads
     glm = model_type in ("glm", "glm4")
     cohere = model_type in ("cohere", "cohere2")
-    rotated = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5 if glm else 1.0))
+    phi = model_type == "phi"
+    rotated = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5 if glm or phi else 1.0))
     if rotated != 1.0 and model_type not in PARTIAL_ROTARY:  # NOTE: transformers' Llama rotates whole heads
         raise ConfigError(
             f"{name}: partial_rotary_factor {rotated} (a rotary embedding on part of a head) is not supported "
@@ -440,14 +449,19 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         raise ConfigError(
             f"{name}: no_rope_layers has {len(rotary_layers)} flags; the model has {common['num_hidden_layers']} layers"
         )
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{name}: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
+    activation, activations = raw.get("hidden_act", "silu"), GPT2_ACTIVATIONS if phi else ("silu",)
+    if activation not in activations:
+        raise ConfigError(f"{name}: hidden_act {activation!r} is not supported ({', '.join(activations)})")
+    if phi and raw.get("qk_layernorm"):
+        # NOTE: its query and key LayerNorms (one for every head) would be left out
+        raise ConfigError(f"{name}: qk_layernorm (Phi's query and key LayerNorms) is not supported")
     return ModelConfig(
         **common,
         intermediate_size=need("intermediate_size"),
         num_key_value_heads=raw.get("num_key_value_heads") or heads,
         head_dim=head_dim,
-        norm_eps=float(raw.get("layer_norm_eps", 1e-5) if cohere else raw.get("rms_norm_eps", 1e-6)),
+        norm_eps=float(raw.get("layer_norm_eps", 1e-5) if cohere or phi else raw.get("rms_norm_eps", 1e-6)),
+        hidden_act=activation,
         rope_theta=rope_theta,
         rope_scaling=scaling,
         rope_local_theta=local_theta,
@@ -537,7 +551,7 @@ def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
     if model_type == "seed_oss":
         output = raw.get("attention_out_bias", False)
     else:
-        output = model_type in ("gpt_oss", "exaone4", "cohere", "cohere2", *OLMO_TYPES) and qkv
+        output = model_type in ("gpt_oss", "exaone4", "cohere", "cohere2", "phi", *OLMO_TYPES) and qkv
     return {
         "attention_bias": bool(qkv),
         "attention_output_bias": bool(output),

@@ -10,7 +10,7 @@ from torch import nn
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend
-from sloserve.engine.models import gpt2, gpt_neox
+from sloserve.engine.models import gpt2, gpt_neox, phi
 from sloserve.engine.models.cohere import CohereForCausalLM
 from sloserve.engine.models.gemma3 import Gemma3ForCausalLM
 from sloserve.engine.models.glm4 import Glm4ForCausalLM
@@ -20,6 +20,7 @@ from sloserve.engine.models.llama import LlamaForCausalLM, MergedLinear
 from sloserve.engine.models.moe import hub_expert_name, per_expert_tensors
 from sloserve.engine.models.olmo2 import Olmo2ForCausalLM
 from sloserve.engine.models.opt import OPTForCausalLM
+from sloserve.engine.models.phi import PhiForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -30,9 +31,14 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "cohere": CohereForCausalLM,
     "opt": OPTForCausalLM,
     "gpt2": GPT2LMHeadModel,
+    "phi": PhiForCausalLM,
 }
 # An architecture's reading of a checkpoint tensor: (HF name, tensor) -> (the engine's name, tensor as it holds it)
-CHECKPOINT_TENSORS = {"gpt_neox": gpt_neox.checkpoint_tensor, "gpt2": gpt2.checkpoint_tensor}
+CHECKPOINT_TENSORS = {
+    "gpt_neox": gpt_neox.checkpoint_tensor,
+    "gpt2": gpt2.checkpoint_tensor,
+    "phi": phi.checkpoint_tensor,
+}
 # The merged projections a model type's checkpoints store whole, in the row order the engine's have:
 # Phi-3's Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``), GLM's gate/up
 FUSED_CHECKPOINTS = {"phi3": ("qkv_proj", "gate_up_proj"), "glm": ("gate_up_proj",), "glm4": ("gate_up_proj",)}
