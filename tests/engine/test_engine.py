@@ -35,7 +35,7 @@ MAX_TOKENS = [12, 5, 20, 8, 16, 10]
 # Beside Llama (tests/hf_models.py: each with what sets it apart)
 OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "gemma2", "qwen3_moe", "mixtral", "granite",
                        "olmo2", "qwen2_moe", "gpt_oss", "olmo3", "olmoe", "glm", "glm4",
-                       "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2", "gpt2", "phi"]  # fmt: skip
+                       "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2", "gpt2", "phi", "starcoder2"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -551,7 +551,7 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     (tmp_path / "falcon" / "config.json").write_text(json.dumps({"model_type": "falcon"}))
     with pytest.raises(
         ConfigError,
-        match="unsupported architecture 'falcon'.*supported: cohere, cohere2, ernie4_5, exaone4, gemma2, gemma3, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, llama, ministral3, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3",
+        match="unsupported architecture 'falcon'.*supported: cohere, cohere2, ernie4_5, exaone4, gemma2, gemma3, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, llama, ministral3, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, starcoder2",
     ):
         LLM(str(tmp_path / "falcon"))
     fp8 = tmp_path / "fp8"  # an FP8 checkpoint's weights would load as plain ones, their scales ignored
@@ -1163,9 +1163,9 @@ def test_gpt_neox_one_after_the_other_and_the_hubs_config_names(tmp_path):
     assert out.outputs[0].token_ids != hf_greedy("gpt_neox", tuple(ids), 8)  # NOTE: the layer's order matters
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "phi"])
+@pytest.mark.parametrize("arch", ["gpt2", "phi", "starcoder2"])
 def test_gelu_mlps_prompt_logprobs_are_transformers(hf_dirs, arch):
-    """GPT-2's and Phi's scores to 1e-4 (greedy tokens alone would not tell their GELU by tanh's
+    """GPT-2's, Phi's and StarCoder2's scores to 1e-4 (greedy tokens alone would not tell their GELU by tanh's
     approximation, ``gelu_new``, from the exact one)."""
     from hf_models import prompt_logprobs
 

@@ -53,6 +53,7 @@ def _on_pieces(llm: LLM, sizes: list[int], compile: bool = False) -> list[int]:
         ("tiny-granite", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # scales
         ("tiny-phi4-mini", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # partial rotary
         ("tiny-ministral3", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # queries' own tables
+        ("tiny-starcoder2", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # LayerNorms
         ("tiny-llama", "triton", "sarathi", dict(prefill_token_budget=16, block_size=4)),
         ("tiny-llama", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4, async_scheduling=True)),
     ],
@@ -104,7 +105,13 @@ def test_only_models_with_pieces_get_them(monkeypatch):
     their prefills eagerly, as does every model with the setting off or without CUDA graphs."""
     monkeypatch.setenv("SLOSERVE_PIECEWISE_GRAPHS", "1")
     monkeypatch.setattr(piecewise_graphs, "PiecewiseGraphs", lambda model, cache, compile: ("graphs", compile))
-    for model, has_pieces in (("tiny-llama", True), ("tiny-qwen3", True), ("tiny-gemma3", False), ("tiny-opt", False)):
+    for model, has_pieces in (
+        ("tiny-llama", True),
+        ("tiny-qwen3", True),
+        ("tiny-starcoder2", True),
+        ("tiny-gemma3", False),
+        ("tiny-opt", False),
+    ):
         llm = LLM(f"random:{model}")
         cache = llm.engine.cache
         pieces = piecewise_graphs_for(llm.loaded.model, cache, cuda_graphs=True)

@@ -54,6 +54,7 @@ ARCHITECTURES: dict[str, str] = {
     "opt": "opt",
     "gpt2": "gpt2",  # (GPT-2: learned positions, LayerNorms, a GELU MLP, Conv1D weights stored (in, out))
     "phi": "phi",  # (Phi-1, 1.5, 2: attention and a GELU MLP in parallel from one LayerNorm, partial rotary)
+    "starcoder2": "starcoder2",  # (StarCoder2: Llama's layers with LayerNorms, a GELU MLP, biases, a window)
 }
 # Multimodal checkpoints served as text: their config.json's text_config is the language model's
 # (Gemma 3 4B-27B: Gemma3ForConditionalGeneration; its vision tower is not read, ``LANGUAGE_MODEL_PREFIXES``)
@@ -94,6 +95,7 @@ CONFIG_DEFAULTS = {
     "cohere": {"tie_word_embeddings": True, "logit_scale": 0.0625},
     "cohere2": {"tie_word_embeddings": True, "logit_scale": 0.0625},
     "gpt2": {"tie_word_embeddings": True},
+    "starcoder2": {"tie_word_embeddings": True},
 }
 # GPT-2's config names for the common ones (transformers' GPT2Config.attribute_map)
 GPT2_NAMES = {
@@ -108,7 +110,11 @@ GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
 # The models with sliding layers by default: (window, every pattern-th layer global), transformers' defaults
 SLIDING_PATTERNS = {"gpt_oss": (128, 2), "olmo3": (4096, 4), "exaone4": (4096, 4), "cohere2": (4096, 4)}
 # The norms (of a weight each) of a layer, by architecture (Llama's: 2)
-NORMS_PER_LAYER = {"gemma3": 4, "glm4": 4, "cohere": 1}
+NORMS_PER_LAYER = {"gemma3": 4, "glm4": 4, "cohere": 1, "phi": 1}
+# The models whose MLP is two matrices (up, an activation, down), not a gated three
+TWO_MATRIX_MLPS = ("opt", "gpt_neox", "gpt2", "phi", "starcoder2")
+# The models of Llama's outline whose norms are LayerNorms with biases
+LAYER_NORMS = ("phi", "starcoder2")
 # A layer type of ModelConfig.layer_types that sees only the last sliding_window positions
 SLIDING = "sliding_attention"
 # Byte-level tokenizer of random models: ids 0..255 are bytes, then BOS and EOS.
@@ -269,12 +275,6 @@ class ModelConfig:
             layer = 4 * h * h + 4 * h + 2 * h * i + i + h + 2 * 2 * h
             embeddings = v * h + self.max_position_embeddings * h
             return embeddings + layers * layer + 2 * h + (0 if self.tie_word_embeddings else v * h)
-        if self.architecture == "phi":  # Llama's attention with biases, a two-matrix MLP with biases, one
-            # LayerNorm a layer and a final one (weight and bias), an LM head with a bias
-            q_width, kv_width = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-            attention = 2 * h * q_width + 2 * h * kv_width + q_width + 2 * kv_width + h
-            layer = attention + 2 * h * i + i + h + 2 * h
-            return v * h + layers * layer + 2 * h + v + (0 if self.tie_word_embeddings else v * h)
         if self.architecture == "gpt_neox":  # q/k/v and dense (biases where attention_bias), a two-matrix
             # MLP with biases, two LayerNorms a layer and a final one (weight and bias)
             layer = 4 * h * h + 4 * h * self.attention_bias + 2 * h * i + i + h + 2 * 2 * h
@@ -286,9 +286,14 @@ class ModelConfig:
         if self.qk_norm:
             attention += q_width + kv_width if self.qk_norm_whole_projection else 2 * self.head_dim
         attention += h * self.attention_output_bias + self.num_attention_heads * self.attention_sinks
-        mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)  # gate, up, down
-        layer = attention + mlp + NORMS_PER_LAYER.get(self.architecture, 2) * h
-        total = v * h + layers * layer + h + (0 if self.tie_word_embeddings else v * h)
+        if self.model_type in TWO_MATRIX_MLPS:  # up, down
+            mlp = 2 * h * i + (i + h if self.mlp_bias else 0)
+        else:  # gate, up, down
+            mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
+        norm = 2 * h if self.model_type in LAYER_NORMS else h  # (a LayerNorm's bias)
+        layer = attention + mlp + NORMS_PER_LAYER.get(self.architecture, 2) * norm
+        total = v * h + layers * layer + norm + (0 if self.tie_word_embeddings else v * h)
+        total += v * (self.model_type == "phi")  # (its LM head's bias)
         if self.moe is not None:  # a MoE layer: the router and every expert instead of the dense MLP
             experts = self.moe["num_experts"] * (h + 3 * h * self.moe["moe_intermediate_size"])
             if self.moe["shared_expert_intermediate_size"]:  # and Qwen2-MoE's shared expert, with its gate
@@ -316,7 +321,9 @@ class ModelConfig:
             num_params=self.num_params,
             max_context_len=self.max_position_embeddings,
             dtype_bytes=DTYPE_BYTES.get(self.torch_dtype, 2),
-            mlp_kind="relu" if self.architecture in ("opt", "gpt_neox", "gpt2", "phi") else "gated",  # (two matrices)
+            mlp_kind="relu"
+            if self.model_type in TWO_MATRIX_MLPS
+            else "gated",  # (two matrices, whatever their activation)
             tied_embeddings=self.tie_word_embeddings,
         )
 
@@ -406,6 +413,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     glm = model_type in ("glm", "glm4")
     cohere = model_type in ("cohere", "cohere2")
     phi = model_type == "phi"
+    starcoder2 = model_type == "starcoder2"
     rotated = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5 if glm or phi else 1.0))
     if rotated != 1.0 and model_type not in PARTIAL_ROTARY:  # NOTE: transformers' Llama rotates whole heads
         raise ConfigError(
@@ -420,7 +428,9 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     # NOTE: Mistral 7B v0.1's and Phi-3 mini's every layer sees the last sliding_window positions (later
     # Mistrals, Phi-4: null; a window as long as the context changes nothing); Qwen's sliding_window is
     # unused unless use_sliding_window
-    window = raw.get("sliding_window") if model_type in ("mistral", "ministral3", "mixtral", "phi3") else None
+    window = (
+        raw.get("sliding_window") if model_type in ("mistral", "ministral3", "mixtral", "phi3", "starcoder2") else None
+    )
     if window is not None and window >= common["max_position_embeddings"]:
         window = None
     layer_types = (SLIDING,) * common["num_hidden_layers"] if window else ()
@@ -449,7 +459,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         raise ConfigError(
             f"{name}: no_rope_layers has {len(rotary_layers)} flags; the model has {common['num_hidden_layers']} layers"
         )
-    activation, activations = raw.get("hidden_act", "silu"), GPT2_ACTIVATIONS if phi else ("silu",)
+    activation, activations = raw.get("hidden_act", "silu"), GPT2_ACTIVATIONS if phi or starcoder2 else ("silu",)
     if activation not in activations:
         raise ConfigError(f"{name}: hidden_act {activation!r} is not supported ({', '.join(activations)})")
     if phi and raw.get("qk_layernorm"):
@@ -460,7 +470,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         intermediate_size=need("intermediate_size"),
         num_key_value_heads=raw.get("num_key_value_heads") or heads,
         head_dim=head_dim,
-        norm_eps=float(raw.get("layer_norm_eps", 1e-5) if cohere or phi else raw.get("rms_norm_eps", 1e-6)),
+        norm_eps=float(_norm_eps(raw, model_type)),
         hidden_act=activation,
         rope_theta=rope_theta,
         rope_scaling=scaling,
@@ -537,13 +547,22 @@ def _gpt2_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> Mode
     )
 
 
+def _norm_eps(raw: dict[str, Any], model_type: str) -> float:
+    """The norms' epsilon under each config's name, transformers' default where it has none."""
+    if model_type in ("cohere", "cohere2", "phi"):
+        return raw.get("layer_norm_eps", 1e-5)
+    if model_type == "starcoder2":
+        return raw.get("norm_epsilon", 1e-5)
+    return raw.get("rms_norm_eps", 1e-6)
+
+
 def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
     """Which projections have biases, by each config's names and transformers' defaults: ``attention_bias``
     is the q/k/v projections' (Qwen2's config has no key: always; Qwen2-MoE's says ``qkv_bias``), and the
     output projection's too for gpt-oss, EXAONE 4 and OLMo; Seed-OSS names the latter
-    ``attention_out_bias``; ERNIE 4.5's ``use_bias`` is every linear layer's."""
-    if model_type == "ernie4_5":
-        every = bool(raw.get("use_bias", False))
+    ``attention_out_bias``; ERNIE 4.5's and StarCoder2's ``use_bias`` is every linear layer's."""
+    if model_type in ("ernie4_5", "starcoder2"):
+        every = bool(raw.get("use_bias", model_type == "starcoder2"))
         return {"attention_bias": every, "attention_output_bias": every, "mlp_bias": every}
     qkv = (
         raw.get("qkv_bias", True) if model_type == "qwen2_moe" else raw.get("attention_bias", model_type in QKV_BIASED)
@@ -555,7 +574,7 @@ def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
     return {
         "attention_bias": bool(qkv),
         "attention_output_bias": bool(output),
-        "mlp_bias": bool(raw.get("mlp_bias", False)),
+        "mlp_bias": bool(raw.get("mlp_bias", model_type == "phi")),
     }
 
 
@@ -854,6 +873,17 @@ RANDOM_SHAPES: dict[str, ModelConfig] = {
         "ministral3",
         rope_scaling={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64},
         llama4_scaling_beta=0.5,
+    ),
+    # StarCoder2's LayerNorms, GELU MLP and biases, every layer's window shorter than most test contexts
+    "tiny-starcoder2": _tiny(
+        "starcoder2",
+        attention_bias=True,
+        attention_output_bias=True,
+        mlp_bias=True,
+        hidden_act="gelu_pytorch_tanh",
+        layer_types=(SLIDING, SLIDING),
+        sliding_window=16,
+        tie_word_embeddings=True,
     ),
     "qwen2.5-7b": _from_spec("qwen2.5-7b", "qwen2", attention_bias=True, norm_eps=1e-6, rope_theta=1e6),
     "opt-13b": _from_spec("opt-13b", "opt", hidden_act="relu", word_embed_proj_dim=5120),

@@ -21,6 +21,7 @@ from sloserve.engine.models.moe import hub_expert_name, per_expert_tensors
 from sloserve.engine.models.olmo2 import Olmo2ForCausalLM
 from sloserve.engine.models.opt import OPTForCausalLM
 from sloserve.engine.models.phi import PhiForCausalLM
+from sloserve.engine.models.starcoder2 import Starcoder2ForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -32,6 +33,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "opt": OPTForCausalLM,
     "gpt2": GPT2LMHeadModel,
     "phi": PhiForCausalLM,
+    "starcoder2": Starcoder2ForCausalLM,
 }
 # An architecture's reading of a checkpoint tensor: (HF name, tensor) -> (the engine's name, tensor as it holds it)
 CHECKPOINT_TENSORS = {

@@ -309,13 +309,21 @@ def mlp(config: ModelConfig, layer: int) -> nn.Module:
 
 
 class LlamaDecoderLayer(nn.Module):
+    """A norm, attention, a norm, the MLP; the norms of ``norm_class`` (one with ``add_and_norm``), the MLP
+    ``make_mlp``'s (StarCoder2's layers are these with LayerNorms and a two-matrix MLP)."""
+
+    norm_class: type[nn.Module] = RMSNorm
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, backend, layer)
-        self.mlp = mlp(config, layer)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = self.make_mlp(config, layer)
+        self.input_layernorm = self.norm_class(config.hidden_size, config.norm_eps)
+        self.post_attention_layernorm = self.norm_class(config.hidden_size, config.norm_eps)
         self.residual_multiplier = config.residual_multiplier
+
+    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
+        return mlp(config, layer)
 
     def forward(self, x, residual, cos, sin, k_cache, v_cache, meta):
         """``x``: the layer before's MLP output, not yet in the residual stream ``residual`` (None for the

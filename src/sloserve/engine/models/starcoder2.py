@@ -1,0 +1,55 @@
+"""StarCoder2 (``starcoder2``: 3B, 7B, 15B): Llama's layers with LayerNorms (with biases), a two-matrix GELU
+MLP (``c_fc``, ``c_proj``), biases on every projection where ``use_bias`` (its default), and every layer's
+attention within the last ``sliding_window`` positions (4,096). HF parameter names.
+
+NOTE: its layers are Llama's (a norm, attention, a norm, the MLP, each output joining the stream in the
+norm after it), so they run on piecewise CUDA graphs as Llama's do."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sloserve.checkpoint.config import ModelConfig
+from sloserve.engine.models.gpt2 import ACTIVATIONS
+from sloserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` with Llama's ``add_and_norm``."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__(size, eps=eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of ``x + residual``, ``x + residual``), each (T, H)."""
+        summed = x + residual
+        return self(summed), summed
+
+
+class Starcoder2MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.c_fc = nn.Linear(h, i, bias=bias)
+        self.c_proj = nn.Linear(i, h, bias=bias)
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, I) -> (T, H)
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class Starcoder2DecoderLayer(LlamaDecoderLayer):
+    norm_class = LayerNorm
+
+    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
+        return Starcoder2MLP(config)
+
+
+class Starcoder2Model(LlamaModel):
+    layer_class = Starcoder2DecoderLayer
+    norm_class = LayerNorm
+
+
+class Starcoder2ForCausalLM(LlamaForCausalLM):
+    model_class = Starcoder2Model
