@@ -11,7 +11,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "qwen2_moe": 17, "gpt_oss": 18,
          "olmo3": 19, "olmoe": 20, "glm": 21, "glm4": 22,
          "ministral3": 23, "exaone4": 24, "seed_oss": 25, "ernie4_5": 26,
-         "gpt_neox": 27, "cohere": 28, "cohere2": 29, "gpt2": 30, "phi": 31, "starcoder2": 32}  # fmt: skip
+         "gpt_neox": 27, "cohere": 28, "cohere2": 29, "gpt2": 30, "phi": 31, "starcoder2": 32, "gemma": 33}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -162,6 +162,12 @@ def hf_model(arch: str):
             **common, intermediate_size=256, partial_rotary_factor=0.4, initializer_range=0.2, pad_token_id=0,
         )  # fmt: skip
         cls = transformers.PhiForCausalLM
+    elif arch == "gemma":  # Gemma 1: Llama's layers with Gemma's norms and MLP, the embeddings scaled
+        config = transformers.GemmaConfig(
+            **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, initializer_range=0.2,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        cls = transformers.GemmaForCausalLM
     elif arch == "starcoder2":  # every layer's window (8: shorter than most test contexts), GQA, biases
         config = transformers.Starcoder2Config(
             **common, intermediate_size=256, num_key_value_heads=2, sliding_window=8, initializer_range=0.2,

@@ -115,7 +115,7 @@ def write_gguf(
             weight = permute(weight, c.num_attention_heads)
         elif arch in ("llama", "smollm3", "granite") and name.endswith("k_proj.weight"):
             weight = permute(weight, c.num_key_value_heads)
-        elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+        elif arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):
             weight = weight + 1  # Gemma's RMSNorm scales by 1 + weight, llama.cpp's by the weight
         writer.add_tensor(names[name], weight)
     if rope_freqs is not None:

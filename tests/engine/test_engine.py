@@ -35,7 +35,7 @@ MAX_TOKENS = [12, 5, 20, 8, 16, 10]
 # Beside Llama (tests/hf_models.py: each with what sets it apart)
 OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "gemma2", "qwen3_moe", "mixtral", "granite",
                        "olmo2", "qwen2_moe", "gpt_oss", "olmo3", "olmoe", "glm", "glm4",
-                       "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2", "gpt2", "phi", "starcoder2"]  # fmt: skip
+                       "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2", "gpt2", "phi", "starcoder2", "gemma"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -551,7 +551,7 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     (tmp_path / "falcon" / "config.json").write_text(json.dumps({"model_type": "falcon"}))
     with pytest.raises(
         ConfigError,
-        match="unsupported architecture 'falcon'.*supported: cohere, cohere2, ernie4_5, exaone4, gemma2, gemma3, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, llama, ministral3, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, starcoder2",
+        match="unsupported architecture 'falcon'.*supported: cohere, cohere2, ernie4_5, exaone4, gemma, gemma2, gemma3, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, llama, ministral3, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, starcoder2",
     ):
         LLM(str(tmp_path / "falcon"))
     fp8 = tmp_path / "fp8"  # an FP8 checkpoint's weights would load as plain ones, their scales ignored
@@ -1221,3 +1221,15 @@ def test_phis_config_as_transformers_reads_it(hf_dirs):
     assert from_hf_config(raw).rotary_dim == 8
     with pytest.raises(ConfigError, match="qk_layernorm .*is not supported"):
         from_hf_config({**raw, "qk_layernorm": True})
+
+
+def test_gemma_1s_first_configs_gelu_is_its_tanh_approximation(hf_dirs):
+    """Gemma 1's first configs say ``hidden_act: gelu`` for the tanh approximation, as transformers reads it;
+    another activation is refused by name."""
+    from sloserve.checkpoint.config import from_hf_config
+
+    raw = json.loads((Path(hf_dirs["gemma"]) / "config.json").read_text())
+    assert from_hf_config({**raw, "hidden_act": "gelu"}).hidden_act == "gelu_pytorch_tanh"
+    assert transformers.GemmaConfig(**{**raw, "hidden_act": "gelu"}).hidden_act == "gelu_pytorch_tanh"
+    with pytest.raises(ConfigError, match="hidden_act 'silu' is not supported \\(gelu_pytorch_tanh\\)"):
+        from_hf_config({**raw, "hidden_act": "silu"})

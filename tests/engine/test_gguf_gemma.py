@@ -6,7 +6,7 @@ spaces are spelled as spaces and whose scores do not follow its merges. The engi
 transformers' GGUF reader reads, ends a turn at ``<end_of_turn>``, and gives the greedy tokens of the
 transformers model the file was written from. A Gemma 2 file (``gemma2``) the same way, with its every
 other layer global and its capped scores and logits (``attn_logit_softcapping``,
-``final_logit_softcapping``)."""
+``final_logit_softcapping``), and a Gemma 1 file (``gemma``: Llama's tensors, its norms shifted)."""
 
 from __future__ import annotations
 
@@ -228,3 +228,40 @@ def test_gemma_2_reads_as_its_model_with_its_capped_scores(tmp_path):
     for layer in model.model.layers:
         layer.self_attn.attn_logit_softcapping = None
     assert ours != pytest.approx(prompt_logprobs(model, ids), abs=5e-2)
+
+
+def test_gemma_1_reads_as_its_model(tmp_path):
+    """A Gemma 1 file (CodeGemma's <end_of_turn> as its EOT): Llama's layers with Gemma's norms (stored as
+    1 + weight), GeGLU MLP and scaled embeddings; prompt logprobs within 1e-4 of the transformers model's
+    and the same greedy tokens."""
+    tokens, scores, types = gemma_vocabulary()
+    config = transformers.GemmaConfig(
+        vocab_size=len(tokens), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, max_position_embeddings=512, initializer_range=0.2,
+    )  # fmt: skip
+    torch.manual_seed(17)
+    model = transformers.GemmaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    path = tmp_path / "tiny-gemma.gguf"
+    fields = {
+        "add_tokenizer_model": "llama", "add_token_list": tokens, "add_token_scores": scores,
+        "add_token_types": types, "add_bos_token_id": 2, "add_eos_token_id": EOS, "add_add_space_prefix": False,
+        "add_eot_token_id": END_OF_TURN,
+    }  # fmt: skip
+    write_gguf(path, model, fields, arch="gemma")
+    assert read_gguf(path).hf_config["eos_token_id"] == [EOS, END_OF_TURN]
+    llm = LLM(str(path), kv_capacity_tokens=1024)
+    # NOTE: transformers' GGUF reader refuses gemma files; llama.cpp writes their vocabulary as Gemma 2's
+    same_vocabulary = tmp_path / "vocabulary" / "gemma2.gguf"
+    same_vocabulary.parent.mkdir()
+    write_gguf(same_vocabulary, model, fields, arch="gemma2")
+    assert_reads_as_transformers(llm, same_vocabulary, TEXTS)
+    ids = llm.tokenizer.encode(TEXTS[0] * 3)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    [out] = llm.generate({"prompt_token_ids": ids}, params)
+    assert out.outputs[0].token_ids == greedy(model, ids, 16)
+    ours = [entry.logprob for entry in out.prompt_logprobs[1:]]
+    assert ours == pytest.approx(prompt_logprobs(model, ids), abs=1e-4)

@@ -54,6 +54,7 @@ def _on_pieces(llm: LLM, sizes: list[int], compile: bool = False) -> list[int]:
         ("tiny-phi4-mini", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # partial rotary
         ("tiny-ministral3", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # queries' own tables
         ("tiny-starcoder2", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # LayerNorms
+        ("tiny-gemma", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # scaled embeddings
         ("tiny-llama", "triton", "sarathi", dict(prefill_token_budget=16, block_size=4)),
         ("tiny-llama", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4, async_scheduling=True)),
     ],

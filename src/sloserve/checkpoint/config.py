@@ -38,6 +38,7 @@ ARCHITECTURES: dict[str, str] = {
     "smollm3": "llama",  # (Llama's layers, every fourth without a rotary embedding)
     "granite": "llama",  # (Llama's layers, scaled: ModelConfig's multipliers)
     "gemma3_text": "gemma3",
+    "gemma": "gemma",  # (Gemma 1, CodeGemma: Llama's layers with Gemma's norms, GeGLU MLP and scaled embeddings)
     "gemma2": "gemma3",  # (Gemma 3's layers without query/key norms, with capped scores)
     "olmo2": "olmo2",
     "olmo3": "olmo2",  # (OLMo 2's layers, three of four sliding, the others' rope scaled)
@@ -96,6 +97,7 @@ CONFIG_DEFAULTS = {
     "cohere2": {"tie_word_embeddings": True, "logit_scale": 0.0625},
     "gpt2": {"tie_word_embeddings": True},
     "starcoder2": {"tie_word_embeddings": True},
+    "gemma": {"head_dim": 256, "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"},
 }
 # GPT-2's config names for the common ones (transformers' GPT2Config.attribute_map)
 GPT2_NAMES = {
@@ -111,6 +113,8 @@ GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
 SLIDING_PATTERNS = {"gpt_oss": (128, 2), "olmo3": (4096, 4), "exaone4": (4096, 4), "cohere2": (4096, 4)}
 # The norms (of a weight each) of a layer, by architecture (Llama's: 2)
 NORMS_PER_LAYER = {"gemma3": 4, "glm4": 4, "cohere": 1, "phi": 1}
+# The MLP activations of the models of Llama's outline whose MLP is not SwiGLU (transformers' names)
+MLP_ACTIVATIONS = {"phi": GPT2_ACTIVATIONS, "starcoder2": GPT2_ACTIVATIONS, "gemma": ("gelu_pytorch_tanh",)}
 # The models whose MLP is two matrices (up, an activation, down), not a gated three
 TWO_MATRIX_MLPS = ("opt", "gpt_neox", "gpt2", "phi", "starcoder2")
 # The models of Llama's outline whose norms are LayerNorms with biases
@@ -413,7 +417,6 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     glm = model_type in ("glm", "glm4")
     cohere = model_type in ("cohere", "cohere2")
     phi = model_type == "phi"
-    starcoder2 = model_type == "starcoder2"
     rotated = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5 if glm or phi else 1.0))
     if rotated != 1.0 and model_type not in PARTIAL_ROTARY:  # NOTE: transformers' Llama rotates whole heads
         raise ConfigError(
@@ -459,7 +462,10 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         raise ConfigError(
             f"{name}: no_rope_layers has {len(rotary_layers)} flags; the model has {common['num_hidden_layers']} layers"
         )
-    activation, activations = raw.get("hidden_act", "silu"), GPT2_ACTIVATIONS if phi or starcoder2 else ("silu",)
+    activation = raw.get("hidden_act", "silu")
+    if model_type == "gemma" and activation == "gelu":  # (Gemma's first configs' name of it, as transformers reads it)
+        activation = "gelu_pytorch_tanh"
+    activations = MLP_ACTIVATIONS.get(model_type, ("silu",))
     if activation not in activations:
         raise ConfigError(f"{name}: hidden_act {activation!r} is not supported ({', '.join(activations)})")
     if phi and raw.get("qk_layernorm"):
@@ -874,6 +880,8 @@ RANDOM_SHAPES: dict[str, ModelConfig] = {
         rope_scaling={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64},
         llama4_scaling_beta=0.5,
     ),
+    # Gemma 1's norms, GeGLU MLP and scaled embeddings on Llama's layers
+    "tiny-gemma": _tiny("gemma", hidden_act="gelu_pytorch_tanh", norm_eps=1e-6, tie_word_embeddings=True),
     # StarCoder2's LayerNorms, GELU MLP and biases, every layer's window shorter than most test contexts
     "tiny-starcoder2": _tiny(
         "starcoder2",

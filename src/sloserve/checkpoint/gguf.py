@@ -8,7 +8,7 @@ runs the same weights transformers does when it loads the file (``from_pretraine
 Supported: the Llama architecture (``general.architecture = llama``: Llama 2 and 3.x, SmolLM, Mistral
 without sliding windows), SmolLM3, Granite 3, Qwen2, Qwen3, Qwen3-MoE (``qwen3moe``), Qwen2-MoE (``qwen2moe``),
 Phi-3 and Phi-4 (``phi3``), OLMo 2 (``olmo2``),
-Gemma 2 and Gemma 3's text models, with a byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``; the
+Gemma (``gemma``: Gemma 1, CodeGemma), Gemma 2 and Gemma 3's text models, with a byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``; the
 pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2,
 Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores it, a tensor of
 frequency factors (``rope_freqs.weight``); linear and YaRN scaling as ``rope.scaling.*`` keys; Phi-3.5's
@@ -48,6 +48,7 @@ LLAMA_TENSORS = {
 # More tensors of the other architectures
 ARCH_TENSORS = {
     "llama": {},
+    "gemma": {},  # (Gemma 1, CodeGemma: Llama's tensors, its norms shifted)
     "smollm3": {},
     "granite": {},
     "qwen2": {f"blk.{{n}}.attn_{x}.bias": f"model.layers.{{n}}.self_attn.{x}_proj.bias" for x in ("q", "k", "v")},
@@ -101,8 +102,8 @@ PERMUTED = ("llama", "smollm3", "granite")
 SMOLLM3_NO_ROPE_STEP = 4
 # The architectures whose norms llama.cpp's converter stores as 1 + weight (Gemma's RMSNorm scales by
 # 1 + weight; llama.cpp's by the weight)
-SHIFTED_NORMS = ("gemma2", "gemma3")
-GEMMA_ARCHITECTURES = ("gemma2", "gemma3")  # their SentencePiece vocabularies: see _gemma_vocabulary
+SHIFTED_NORMS = ("gemma", "gemma2", "gemma3")
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")  # their SentencePiece vocabularies: see _gemma_vocabulary
 # What llama.cpp's code says of a Gemma model that its file does not: which layers slide (every
 # pattern-th is global), the layer count of the 27B model (its scores are scaled by (hidden / heads)
 # ** -0.5, the others' by head_dim ** -0.5), the caps when the file names none (Gemma 2's)

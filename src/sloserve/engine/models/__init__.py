@@ -12,7 +12,7 @@ from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend
 from sloserve.engine.models import gpt2, gpt_neox, phi
 from sloserve.engine.models.cohere import CohereForCausalLM
-from sloserve.engine.models.gemma3 import Gemma3ForCausalLM
+from sloserve.engine.models.gemma3 import Gemma3ForCausalLM, GemmaForCausalLM
 from sloserve.engine.models.glm4 import Glm4ForCausalLM
 from sloserve.engine.models.gpt2 import GPT2LMHeadModel
 from sloserve.engine.models.gpt_neox import GPTNeoXForCausalLM
@@ -26,6 +26,7 @@ from sloserve.engine.models.starcoder2 import Starcoder2ForCausalLM
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "gemma": GemmaForCausalLM,
     "olmo2": Olmo2ForCausalLM,
     "glm4": Glm4ForCausalLM,
     "gpt_neox": GPTNeoXForCausalLM,

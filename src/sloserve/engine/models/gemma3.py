@@ -1,10 +1,10 @@
-"""Gemma 3 text models (``gemma3_text``) and Gemma 2 (``gemma2``): the Llama layout with Gemma's
-differences.
+"""Gemma 3 text models (``gemma3_text``), Gemma 2 (``gemma2``) and Gemma (``gemma``: Gemma 1, CodeGemma): the
+Llama layout with Gemma's differences.
 
 - The embeddings are scaled by sqrt(hidden_size) (in the weights' dtype, as transformers does).
 - RMSNorms scale by (1 + weight), computed in float32 and rounded once (``GemmaRMSNorm``).
 - Each layer has four norms: before and after attention, before and after the MLP, each output
-  normalized before it joins the residual stream.
+  normalized before it joins the residual stream (Gemma 1's two: Llama's, ``GemmaForCausalLM``).
 - Queries and keys are normalized per head (``q_norm``, ``k_norm``; Gemma 3 only) before the rotary
   embedding; scores are scaled by ``query_pre_attn_scalar ** -0.5`` (and capped by tanh: Gemma 2's
   ``attn_logit_softcapping``).
@@ -29,7 +29,15 @@ from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
-from sloserve.engine.models.llama import LlamaModel, MergedLinear, StreamLayersForCausalLM, apply_rotary, qkv_projection
+from sloserve.engine.models.llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    MergedLinear,
+    StreamLayersForCausalLM,
+    apply_rotary,
+    qkv_projection,
+)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -44,6 +52,11 @@ class GemmaRMSNorm(nn.Module):
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).type_as(x)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of ``x + residual``, ``x + residual``), each (T, H): Llama's layout (Gemma 1)."""
+        summed = x + residual
+        return self(summed), summed
 
 
 class Gemma3Attention(nn.Module):
@@ -112,6 +125,35 @@ class Gemma3Model(LlamaModel):
     norm_class = GemmaRMSNorm
 
 
+def scaled_embeddings(x: torch.Tensor, hidden_size: int) -> torch.Tensor:  # (T, H)
+    """Gemma's embeddings times sqrt(hidden_size), the scale rounded to their dtype first (as transformers)."""
+    return x * torch.tensor(math.sqrt(hidden_size), dtype=x.dtype)
+
+
+class GemmaDecoderLayer(LlamaDecoderLayer):
+    """Gemma 1's layer: Llama's, with Gemma's norms and its GeGLU MLP."""
+
+    norm_class = GemmaRMSNorm
+
+    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
+        return Gemma3MLP(config)
+
+
+class GemmaModel(LlamaModel):
+    layer_class = GemmaDecoderLayer
+    norm_class = GemmaRMSNorm
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma 1: Llama's outline (and its piecewise graphs), the embeddings scaled."""
+
+    model_class = GemmaModel
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        x, cos, sin = super().embed(input_ids, positions)
+        return scaled_embeddings(x, self.config.hidden_size), cos, sin
+
+
 class Gemma3ForCausalLM(StreamLayersForCausalLM):
     """``forward`` returns the final hidden states ``(T, H)``; ``compute_logits`` the vocabulary scores
     (capped by tanh where the config says so). Its rotary embedding is the global layers', ``local_rotary``
@@ -119,13 +161,8 @@ class Gemma3ForCausalLM(StreamLayersForCausalLM):
 
     model_class = Gemma3Model
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
-        super().__init__(config, backend)
-        self.embed_scale = math.sqrt(config.hidden_size)
-
     def embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, H)
-        x = self.model.embed_tokens(input_ids)
-        return x * torch.tensor(self.embed_scale, dtype=x.dtype)  # NOTE: the scale rounded to the dtype first, as HF
+        return scaled_embeddings(self.model.embed_tokens(input_ids), self.config.hidden_size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab)
         logits = self.lm_head(hidden)
