@@ -11,7 +11,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "qwen2_moe": 17, "gpt_oss": 18,
          "olmo3": 19, "olmoe": 20, "glm": 21, "glm4": 22,
          "ministral3": 23, "exaone4": 24, "seed_oss": 25, "ernie4_5": 26,
-         "gpt_neox": 27, "cohere": 28, "cohere2": 29, "gpt2": 30, "phi": 31, "starcoder2": 32, "gemma": 33}  # fmt: skip
+         "gpt_neox": 27, "cohere": 28, "cohere2": 29, "gpt2": 30, "phi": 31, "starcoder2": 32, "gemma": 33, "deepseek_v2": 34}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -162,6 +162,17 @@ def hf_model(arch: str):
             **common, intermediate_size=256, partial_rotary_factor=0.4, initializer_range=0.2, pad_token_id=0,
         )  # fmt: skip
         cls = transformers.PhiForCausalLM
+    elif (
+        arch == "deepseek_v2"
+    ):  # MLA (queries through a latent too), YaRN, a dense layer then experts beside shared ones
+        config = transformers.DeepseekV2Config(
+            **common, intermediate_size=128, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+            first_k_dense_replace=1, routed_scaling_factor=1.5, initializer_range=0.2, pad_token_id=0,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.8,
+                             "mscale_all_dim": 0.8, "original_max_position_embeddings": 64},
+        )  # fmt: skip
+        cls = transformers.DeepseekV2ForCausalLM
     elif arch == "gemma":  # Gemma 1: Llama's layers with Gemma's norms and MLP, the embeddings scaled
         config = transformers.GemmaConfig(
             **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, initializer_range=0.2,

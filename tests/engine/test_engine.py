@@ -35,7 +35,7 @@ MAX_TOKENS = [12, 5, 20, 8, 16, 10]
 # Beside Llama (tests/hf_models.py: each with what sets it apart)
 OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "gemma2", "qwen3_moe", "mixtral", "granite",
                        "olmo2", "qwen2_moe", "gpt_oss", "olmo3", "olmoe", "glm", "glm4",
-                       "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2", "gpt2", "phi", "starcoder2", "gemma"]  # fmt: skip
+                       "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2", "gpt2", "phi", "starcoder2", "gemma", "deepseek_v2"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -183,6 +183,7 @@ def test_a_repetition_penalty_gives_hf_greedy_tokens_with_the_same_penalty(hf_di
         ("llama", "bros", {}),  # bidirectional KV blocks
         ("gpt_oss", "sarathi", dict(prefill_token_budget=8, block_size=4)),  # attention sinks, a window of 8
         ("ministral3", "vllm", {}),  # the queries' own rotary tables
+        ("deepseek_v2", "sarathi", dict(prefill_token_budget=8, block_size=4)),  # MLA: one 40-wide latent head
     ],
 )
 def test_triton_backend_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options):
@@ -551,7 +552,7 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     (tmp_path / "falcon" / "config.json").write_text(json.dumps({"model_type": "falcon"}))
     with pytest.raises(
         ConfigError,
-        match="unsupported architecture 'falcon'.*supported: cohere, cohere2, ernie4_5, exaone4, gemma, gemma2, gemma3, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, llama, ministral3, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, starcoder2",
+        match="unsupported architecture 'falcon'.*supported: cohere, cohere2, deepseek_v2, ernie4_5, exaone4, gemma, gemma2, gemma3, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, llama, ministral3, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, starcoder2",
     ):
         LLM(str(tmp_path / "falcon"))
     fp8 = tmp_path / "fp8"  # an FP8 checkpoint's weights would load as plain ones, their scales ignored
@@ -1032,11 +1033,11 @@ def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
     spec = model_spec(hf_dirs[arch])
     hf = _hf_cached(arch)
     assert spec.num_params == sum(p.numel() for p in hf.parameters())
-    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (
-        hf.config.num_hidden_layers,
-        getattr(hf.config, "num_key_value_heads", 4),  # (OPT and GPT-NeoX: as many as the heads)
-        getattr(hf.config, "head_dim", None) or 16,  # (64 / 4 heads, where the config has none)
-    )
+    kv_heads = getattr(hf.config, "num_key_value_heads", 4)  # (OPT and GPT-NeoX: as many as the heads)
+    head_dim = getattr(hf.config, "head_dim", None) or 16  # (64 / 4 heads, where the config has none)
+    if arch == "deepseek_v2":  # MLA's cache: one latent and rotated key a token (32 + 8)
+        kv_heads, head_dim = 1, hf.config.kv_lora_rank + hf.config.qk_rope_head_dim
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (hf.config.num_hidden_layers, kv_heads, head_dim)
     assert spec.dtype_bytes == 4  # saved in float32
 
 
@@ -1163,10 +1164,10 @@ def test_gpt_neox_one_after_the_other_and_the_hubs_config_names(tmp_path):
     assert out.outputs[0].token_ids != hf_greedy("gpt_neox", tuple(ids), 8)  # NOTE: the layer's order matters
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "phi", "starcoder2"])
-def test_gelu_mlps_prompt_logprobs_are_transformers(hf_dirs, arch):
-    """GPT-2's, Phi's and StarCoder2's scores to 1e-4 (greedy tokens alone would not tell their GELU by tanh's
-    approximation, ``gelu_new``, from the exact one)."""
+@pytest.mark.parametrize("arch", ["gpt2", "phi", "starcoder2", "deepseek_v2"])
+def test_prompt_logprobs_are_transformers(hf_dirs, arch):
+    """GPT-2's, Phi's, StarCoder2's and DeepSeek-V2's scores to 1e-4: greedy tokens alone would not tell their
+    GELU by tanh's approximation (``gelu_new``) from the exact one, or DeepSeek's YaRN softmax scale from none."""
     from hf_models import prompt_logprobs
 
     ids = PROMPTS[2]
@@ -1233,3 +1234,24 @@ def test_gemma_1s_first_configs_gelu_is_its_tanh_approximation(hf_dirs):
     assert transformers.GemmaConfig(**{**raw, "hidden_act": "gelu"}).hidden_act == "gelu_pytorch_tanh"
     with pytest.raises(ConfigError, match="hidden_act 'silu' is not supported \\(gelu_pytorch_tanh\\)"):
         from_hf_config({**raw, "hidden_act": "silu"})
+
+
+def test_deepseek_v2_lites_shape_caches_one_latent_a_token(tmp_path):
+    """V2-Lite's outline (one query projection, no rope scaling) with group-limited routing: transformers'
+    greedy tokens, its parameter count, and a KV cache of one latent and rotated key a token and layer (40
+    numbers here, where keys and values by head would be 4 x (24 + 12))."""
+    options = {"q_lora_rank": None, "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1}
+    config = transformers.DeepseekV2Config(**{**_hf_cached("deepseek_v2").config.to_dict(), **options})
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    torch.manual_seed(35)
+    model = transformers.DeepseekV2ForCausalLM(config).eval()
+    model.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), kv_capacity_tokens=256, block_size=4)
+    assert llm.engine.cache.gpu.shape[-2:] == (1, 32 + 8)
+    assert llm.loaded.config.num_params == sum(p.numel() for p in model.parameters())
+    ids = PROMPTS[0]
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    expected = model.generate(
+        torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()

@@ -281,3 +281,59 @@ def test_a_gpt_oss_checkpoint_with_mxfp4_experts(tmp_path):
     safetensors_torch.save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(ConfigError, match="MXFP4 tensor model.layers.1.mlp.experts.down_proj_blocks has no scales"):
         LLM(str(tmp_path), kv_capacity_tokens=256)
+
+
+@pytest.mark.parametrize("routing", ["greedy", "group_limited_greedy"])
+@pytest.mark.parametrize("num_tokens", [1, 5, 64])
+def test_deepseek_v2s_layer_equals_transformers_block(routing, num_tokens):
+    """DeepSeek-V2's MoE: the routed experts' sum (weights times routed_scaling_factor; group-limited: both
+    from the group of 4 of the token's best expert) plus the shared experts' output."""
+    from sloserve.engine.models.deepseek_v2 import DeepseekMoE
+
+    groups = {"n_group": 2, "topk_group": 1} if routing == "group_limited_greedy" else {}
+    config = moe_config(
+        model_type="deepseek_v2", n_routed_experts=8, n_shared_experts=2, routed_scaling_factor=2.0,
+        first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=8, topk_method=routing, **groups,
+    )  # fmt: skip
+    del config["num_experts"]  # (its name: n_routed_experts)
+    hf_config = transformers.DeepseekV2Config(**{**config, "model_type": None})
+    torch.manual_seed(200 + num_tokens)
+    block = transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Moe(hf_config).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.3)
+    ours = create_model(from_hf_config(config), TorchAttention(), torch.float32, torch.device("cpu"))
+    layer = ours.model.layers[0].mlp
+    assert isinstance(layer, DeepseekMoE)
+    tensors = checkpoint_tensors(ours)
+    with torch.no_grad():
+        for name, tensor in block.state_dict().items():
+            if name.startswith("experts."):  # (E, 2 I, H) and (E, H, I): the engine's own layout
+                getattr(layer.experts, {"experts.gate_up_proj": "gate_up", "experts.down_proj": "down"}[name]).copy_(
+                    tensor
+                )
+            else:
+                tensors[f"model.layers.0.mlp.{name}"].copy_(tensor)
+    x = torch.randn(num_tokens, 32)
+    with torch.no_grad():
+        expected = block(x[None])[0]
+        got = layer(x)
+        greedy_weights, greedy_experts = layer.gate(x).softmax(-1).topk(2, dim=-1)
+        ungrouped = layer.experts(x, greedy_experts, 2.0 * greedy_weights) + layer.shared_experts(x)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    if routing == "group_limited_greedy" and num_tokens == 64:  # NOTE: some token's best experts lie outside its groups
+        assert not torch.allclose(ungrouped, expected, atol=1e-3)
+
+
+def test_deepseek_v2s_routing_is_checked():
+    config = moe_config(model_type="deepseek_v2", n_routed_experts=8, topk_method="group_limited_greedy")
+    for bad, message in (
+        ({}, "group_limited_greedy needs n_group"),
+        ({"n_group": 3, "topk_group": 2}, "n_group 3 must divide the 8 experts"),
+        ({"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3}, "topk_group 1 groups hold fewer experts"),
+        ({"topk_method": "noaux_tc"}, "topk_method 'noaux_tc' is not supported"),
+        ({"topk_method": "greedy", "norm_topk_prob": True}, "norm_topk_prob .* is not supported for deepseek_v2"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            from_hf_config({**config, **bad})

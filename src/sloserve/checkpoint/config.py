@@ -55,6 +55,8 @@ ARCHITECTURES: dict[str, str] = {
     "opt": "opt",
     "gpt2": "gpt2",  # (GPT-2: learned positions, LayerNorms, a GELU MLP, Conv1D weights stored (in, out))
     "phi": "phi",  # (Phi-1, 1.5, 2: attention and a GELU MLP in parallel from one LayerNorm, partial rotary)
+    # (DeepSeek-V2, V2-Lite: multi-head latent attention, experts beside shared ones)
+    "deepseek_v2": "deepseek_v2",
     "starcoder2": "starcoder2",  # (StarCoder2: Llama's layers with LayerNorms, a GELU MLP, biases, a window)
 }
 # Multimodal checkpoints served as text: their config.json's text_config is the language model's
@@ -72,6 +74,14 @@ GEMMA2_DEFAULTS = {
     **GEMMA3_TEXT_DEFAULTS, "vocab_size": 256_000, "max_position_embeddings": 8192, "sliding_window_pattern": 2,
     "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
 }  # fmt: skip
+# DeepSeek-V2's MLA sizes, transformers' defaults (V2's; V2-Lite's config says q_lora_rank null)
+DEEPSEEK_MLA_DEFAULTS = {
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
 # The mixtures of experts, and transformers' defaults for what their configs may leave out
 MOE_DEFAULTS = {
     "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
@@ -79,6 +89,7 @@ MOE_DEFAULTS = {
     "mixtral": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (intermediate_size)
     "gpt_oss": {"num_experts": 128, "num_experts_per_tok": 4, "moe_intermediate_size": None},  # (intermediate_size)
     "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": None},  # (intermediate_size)
+    "deepseek_v2": {"num_experts": 64, "num_experts_per_tok": None, "moe_intermediate_size": 1407},
 }
 MOE_TYPES = tuple(MOE_DEFAULTS)
 # The models whose rotary embedding may turn part of each head (partial_rotary_factor), as transformers' do
@@ -195,6 +206,9 @@ class ModelConfig:
     # dense one of intermediate_size) and shared_expert_intermediate_size (Qwen2-MoE's expert that every
     # token runs, gated; 0: none); None: every MLP dense
     moe: dict[str, Any] | None = None
+    # DeepSeek-V2's multi-head latent attention: q_lora_rank (None: one query projection), kv_lora_rank (the
+    # latent's size, d_c), qk_nope_head_dim, qk_rope_head_dim (d_h^R) and v_head_dim; None: not
+    mla: dict[str, Any] | None = None
     # OPT only
     word_embed_proj_dim: int | None = None
     do_layer_norm_before: bool = True
@@ -249,6 +263,16 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.moe is not None
 
+    @property
+    def kv_cache_heads(self) -> int:
+        """The heads of one token's K (and V) in the KV cache: MLA's one latent, else the KV heads."""
+        return 1 if self.mla is not None else self.num_key_value_heads
+
+    @property
+    def kv_cache_head_dim(self) -> int:
+        """The numbers of each: MLA's latent and rotated key [c_KV; k_R], else a head's."""
+        return self.head_dim if self.mla is None else self.mla["kv_lora_rank"] + self.mla["qk_rope_head_dim"]
+
     def layer_is_moe(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is a mixture of experts."""
         return self.moe is not None and self.moe["moe_layers"][layer]
@@ -279,6 +303,8 @@ class ModelConfig:
             layer = 4 * h * h + 4 * h + 2 * h * i + i + h + 2 * 2 * h
             embeddings = v * h + self.max_position_embeddings * h
             return embeddings + layers * layer + 2 * h + (0 if self.tie_word_embeddings else v * h)
+        if self.mla is not None:
+            return self._deepseek_num_params()
         if self.architecture == "gpt_neox":  # q/k/v and dense (biases where attention_bias), a two-matrix
             # MLP with biases, two LayerNorms a layer and a final one (weight and bias)
             layer = 4 * h * h + 4 * h * self.attention_bias + 2 * h * i + i + h + 2 * 2 * h
@@ -307,6 +333,27 @@ class ModelConfig:
             total += sum(self.moe["moe_layers"]) * (experts - mlp)
         return total
 
+    def _deepseek_num_params(self) -> int:
+        """DeepSeek-V2's: MLA's projections and norms, dense MLPs before ``moe_layers`` start, then the router,
+        the experts and the shared ones."""
+        h, v, nh, mla, moe = self.hidden_size, self.vocab_size, self.num_attention_heads, self.mla, self.moe
+        qk = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+        q = h * nh * qk if mla["q_lora_rank"] is None else (h + 1 + nh * qk) * mla["q_lora_rank"]
+        latent = mla["kv_lora_rank"]
+        kv = (
+            h * (latent + mla["qk_rope_head_dim"])
+            + latent
+            + latent * nh * (mla["qk_nope_head_dim"] + mla["v_head_dim"])
+        )
+        bias = (mla["q_lora_rank"] or 0) + latent + mla["qk_rope_head_dim"] + h if self.attention_bias else 0
+        attention = q + kv + nh * mla["v_head_dim"] * h + bias
+        dense = 3 * h * self.intermediate_size
+        experts = 0 if moe is None else moe["num_experts"] * (h + 3 * h * moe["moe_intermediate_size"])
+        experts += 0 if moe is None else 3 * h * moe["shared_expert_intermediate_size"]
+        mlps = sum(experts if self.layer_is_moe(i) else dense for i in range(self.num_hidden_layers))
+        total = v * h + self.num_hidden_layers * (attention + 2 * h) + mlps + h
+        return total + (0 if self.tie_word_embeddings else v * h)
+
     def spec(self) -> ModelSpec:
         """The simulator's view of this model (``simulate --model`` with a directory or ``random:NAME``).
 
@@ -318,8 +365,8 @@ class ModelConfig:
             num_layers=self.num_hidden_layers,
             hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads,
-            num_kv_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
+            num_kv_heads=self.kv_cache_heads,
+            head_dim=self.kv_cache_head_dim,  # NOTE: MLA's attention runs on its latent, 576 wide (V2)
             intermediate_size=self.intermediate_size,
             vocab_size=self.vocab_size,
             num_params=self.num_params,
@@ -402,6 +449,8 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         return _gpt_neox_config(raw, common, name, need)
     if model_type == "gpt2":
         return _gpt2_config(raw, common, name)
+    if model_type == "deepseek_v2":
+        return _deepseek_config(raw, common, name, need)
     # transformers >= 5 keeps rope settings in rope_parameters; older configs at the top level.
     rope = dict(raw.get("rope_parameters") or {})
     default_theta = DEFAULT_ROPE_THETA.get(model_type, 10000.0)
@@ -525,6 +574,36 @@ def _gpt_neox_config(raw: dict[str, Any], common: dict[str, Any], name: str, nee
     )
 
 
+def _deepseek_config(raw: dict[str, Any], common: dict[str, Any], name: str, need) -> ModelConfig:
+    """DeepSeek-V2's config: its MLA sizes (``mla``), its experts (``_moe``), transformers' defaults where it
+    has none. NOTE: transformers' config.json says ``head_dim`` for the rotated part of a query (64)."""
+    mla = {key: raw.get(key, default) for key, default in DEEPSEEK_MLA_DEFAULTS.items()}
+    for key, value in mla.items():
+        if not (value is None and key == "q_lora_rank") and not (
+            isinstance(value, int) and not isinstance(value, bool) and value > 0
+        ):
+            raise ConfigError(f"{name}: {key} must be a positive integer, got {value!r}")
+    if mla["qk_rope_head_dim"] % 2:
+        raise ConfigError(f"{name}: qk_rope_head_dim {mla['qk_rope_head_dim']} must be even (rotated in pairs)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{name}: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
+    rope = dict(raw.get("rope_parameters") or {})
+    qk = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+    return ModelConfig(
+        **common,
+        intermediate_size=need("intermediate_size"),
+        num_key_value_heads=common["num_attention_heads"],
+        head_dim=qk,  # (a query's and a key's; the rotary embedding turns the last qk_rope_head_dim of it)
+        partial_rotary_dim=mla["qk_rope_head_dim"],
+        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        rope_scaling=_config_rope_scaling(raw, rope, name),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        moe=_moe(raw, common["num_hidden_layers"], name),
+        mla=mla,
+    )
+
+
 def _gpt2_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> ModelConfig:
     """GPT-2's config, transformers' GPT2Config defaults where it has none (an MLP 4 times as wide, gelu_new)."""
     activation = raw.get("activation_function", "gelu_new")
@@ -626,9 +705,13 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
     experts_of_intermediate_size = kind in ("mixtral", "gpt_oss", "olmoe")
     # NOTE: transformers 5 saves Qwen3-MoE's count as num_local_experts (Mixtral's name), the Hub as num_experts
     experts = raw.get("num_experts", raw.get("num_local_experts", MOE_DEFAULTS[kind]["num_experts"]))
+    if kind == "deepseek_v2":
+        experts = raw.get("n_routed_experts", MOE_DEFAULTS[kind]["num_experts"])
     if not experts:
         return None
     step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
+    if kind == "deepseek_v2":  # (its first first_k_dense_replace layers' MLPs dense)
+        dense = set(range(raw.get("first_k_dense_replace", 0)))
     moe = {
         "num_experts": experts,
         "num_experts_per_tok": raw.get("num_experts_per_tok", MOE_DEFAULTS[kind]["num_experts_per_tok"]),
@@ -639,6 +722,17 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
         "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size", 5632) if qwen2 else 0,
     }
+    if kind == "deepseek_v2":  # its shared experts, one MLP (ungated); its routing (engine/models/deepseek_v2.py)
+        moe.update(
+            shared_expert_intermediate_size=moe["moe_intermediate_size"] * raw.get("n_shared_experts", 2),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            topk_method=raw.get("topk_method", "greedy"),
+            n_group=raw.get("n_group"),
+            topk_group=raw.get("topk_group"),
+        )
+        _check_group_routing(moe, name)
+        if moe["norm_topk_prob"]:  # NOTE: DeepSeek's code renormalizes, transformers' does not: neither is chosen
+            raise ConfigError(f"{name}: norm_topk_prob (renormalized top weights) is not supported for deepseek_v2")
     if kind == "gpt_oss":  # softmax over the top k router logits (with biases); the experts' clamped SwiGLU
         moe.update(
             norm_topk_prob=True,
@@ -654,6 +748,27 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
     if moe["num_experts_per_tok"] > experts:
         raise ConfigError(f"{name}: num_experts_per_tok {moe['num_experts_per_tok']} exceeds num_experts {experts}")
     return moe
+
+
+def _check_group_routing(moe: dict[str, Any], name: str) -> None:
+    """DeepSeek-V2's routing: greedy, or group-limited (the experts in ``n_group`` groups, a token's picked
+    from its ``topk_group`` best groups), with groups that divide the experts and hold the top k."""
+    method = moe["topk_method"]
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ConfigError(f"{name}: topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+    if method == "greedy":
+        return
+    groups, picked = moe["n_group"], moe["topk_group"]
+    for key, value in (("n_group", groups), ("topk_group", picked)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name}: group_limited_greedy needs {key}, a positive integer; got {value!r}")
+    if moe["num_experts"] % groups or picked > groups:
+        raise ConfigError(
+            f"{name}: n_group {groups} must divide the {moe['num_experts']} experts, and topk_group {picked} "
+            "be at most n_group"
+        )
+    if picked * (moe["num_experts"] // groups) < moe["num_experts_per_tok"]:
+        raise ConfigError(f"{name}: topk_group {picked} groups hold fewer experts than num_experts_per_tok")
 
 
 def _config_rope_scaling(raw: dict[str, Any], rope: dict[str, Any], name: str) -> dict[str, Any] | None:

@@ -33,7 +33,7 @@ class KVCacheTensor:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (2, config.num_hidden_layers, num_slots + block_size, config.num_key_value_heads, config.head_dim)
+        shape = (2, config.num_hidden_layers, num_slots + block_size, config.kv_cache_heads, config.kv_cache_head_dim)
         self.gpu = torch.zeros(shape, dtype=dtype, device=device)
         self.pad_slot = num_slots
         cpu_shape = (*shape[:2], num_cpu_slots, *shape[3:])

@@ -50,7 +50,7 @@ MAX_SWAP_BYTES = 4 << 30
 def kv_bytes_per_token(loaded: LoadedModel) -> int:
     """K and V of one token over all layers at the model's dtype."""
     c = loaded.config
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * loaded.dtype.itemsize
+    return 2 * c.num_hidden_layers * c.kv_cache_heads * c.kv_cache_head_dim * loaded.dtype.itemsize
 
 
 def resolve_max_model_len(config: ModelConfig, max_model_len: int | None) -> int:

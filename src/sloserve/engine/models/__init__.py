@@ -10,8 +10,9 @@ from torch import nn
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend
-from sloserve.engine.models import gpt2, gpt_neox, phi
+from sloserve.engine.models import deepseek_v2, gpt2, gpt_neox, phi
 from sloserve.engine.models.cohere import CohereForCausalLM
+from sloserve.engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from sloserve.engine.models.gemma3 import Gemma3ForCausalLM, GemmaForCausalLM
 from sloserve.engine.models.glm4 import Glm4ForCausalLM
 from sloserve.engine.models.gpt2 import GPT2LMHeadModel
@@ -35,12 +36,14 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gpt2": GPT2LMHeadModel,
     "phi": PhiForCausalLM,
     "starcoder2": Starcoder2ForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,
 }
 # An architecture's reading of a checkpoint tensor: (HF name, tensor) -> (the engine's name, tensor as it holds it)
 CHECKPOINT_TENSORS = {
     "gpt_neox": gpt_neox.checkpoint_tensor,
     "gpt2": gpt2.checkpoint_tensor,
     "phi": phi.checkpoint_tensor,
+    "deepseek_v2": deepseek_v2.checkpoint_tensor,
 }
 # The merged projections a model type's checkpoints store whole, in the row order the engine's have:
 # Phi-3's Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``), GLM's gate/up

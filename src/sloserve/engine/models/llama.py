@@ -115,7 +115,7 @@ def yarn_inv_freq(config: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
     than ``beta_slow`` times divided by the factor (interpolated), a linear ramp over the dimensions
     between."""
     scaling = config.rope_scaling or {}
-    dim, base = config.head_dim, config.rope_theta
+    dim, base = config.rotary_dim, config.rope_theta  # (transformers': the dimensions it turns)
     old_len = float(scaling["original_max_position_embeddings"])
     beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
 
@@ -280,10 +280,13 @@ class LlamaAttention(nn.Module):
             q, k, v, k_cache, v_cache, meta, scale=self.scale, window=self.window, sinks=self.sinks
         )
 
+    def output(self, attended: torch.Tensor) -> torch.Tensor:  # (T, nh, hd) -> (T, H)
+        """The output projection of the heads' attention."""
+        return self.o_proj(attended.reshape(attended.shape[0], -1))
+
     def forward(self, x, cos, sin, k_cache, v_cache, meta) -> torch.Tensor:  # (T, H) normalized -> (T, H)
-        """The whole attention (``project``, ``attend``, ``o_proj``), for layers that are not cut at it."""
-        attended = self.attend(*self.project(x, cos, sin), k_cache, v_cache, meta)  # (T, nh, hd)
-        return self.o_proj(attended.reshape(x.shape[0], -1))
+        """The whole attention (``project``, ``attend``, ``output``), for layers that are not cut at it."""
+        return self.output(self.attend(*self.project(x, cos, sin), k_cache, v_cache, meta))
 
 
 class LlamaMLP(nn.Module):
@@ -309,18 +312,23 @@ def mlp(config: ModelConfig, layer: int) -> nn.Module:
 
 
 class LlamaDecoderLayer(nn.Module):
-    """A norm, attention, a norm, the MLP; the norms of ``norm_class`` (one with ``add_and_norm``), the MLP
-    ``make_mlp``'s (StarCoder2's layers are these with LayerNorms and a two-matrix MLP)."""
+    """A norm, attention, a norm, the MLP; the norms of ``norm_class`` (one with ``add_and_norm``), the
+    attention ``make_attention``'s (one with ``project``, ``attend`` and ``output``), the MLP ``make_mlp``'s
+    (StarCoder2's layers are these with LayerNorms and a two-matrix MLP, DeepSeek-V2's with its attention
+    and experts)."""
 
     norm_class: type[nn.Module] = RMSNorm
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend, layer)
+        self.self_attn = self.make_attention(config, backend, layer)
         self.mlp = self.make_mlp(config, layer)
         self.input_layernorm = self.norm_class(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = self.norm_class(config.hidden_size, config.norm_eps)
         self.residual_multiplier = config.residual_multiplier
+
+    def make_attention(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> nn.Module:
+        return LlamaAttention(config, backend, layer)
 
     def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
         return mlp(config, layer)
@@ -347,7 +355,7 @@ class LlamaDecoderLayer(nn.Module):
     def after_attention(self, attended: torch.Tensor, residual: torch.Tensor):
         """(this layer's MLP output, the residual stream before it) from the attention's output (T, nh, hd).
         NOTE: each output scaled by residual_multiplier before it joins the stream (Granite's; 1 elsewhere)."""
-        attended = self.self_attn.o_proj(attended.reshape(attended.shape[0], -1))
+        attended = self.self_attn.output(attended)
         if self.residual_multiplier != 1.0:
             attended = attended * self.residual_multiplier
         h, residual = self.post_attention_layernorm.add_and_norm(attended, residual)

@@ -1,0 +1,174 @@
+"""DeepSeek-V2 (``deepseek_v2``: V2-Lite 16B, V2 and V2.5 236B): Llama's layers with multi-head latent
+attention (MLA) and, after the first ``first_k_dense_replace`` layers, a mixture of experts beside shared
+experts (DeepSeek-V2 §2.1, §2.2). HF parameter names.
+
+MLA (§2.1): a token's keys and values come from one compressed latent c_KV (``kv_lora_rank``, d_c: 512) and
+one rotated key k_R shared by every head (``qk_rope_head_dim``, d_h^R: 64): head i's key is [W_UK_i c_KV;
+k_R] and its value W_UV_i c_KV (``kv_b_proj`` holds W_UK and W_UV). The KV cache holds [c_KV; k_R] alone
+(576 numbers a token and layer, where keys and values by head would hold heads x (192 + 128)), and the
+attention runs on it, W_UK absorbed into the queries and W_UV applied to the heads' outputs (§2.1.2): the
+scores q_C,i^T W_UK_i c_KV + q_R,i^T k_R, the output W_UV_i sum_j p_ij c_KV,j. As every query head reads
+the one latent, the backends see multi-query attention of 576-dim heads.
+
+NOTE: the backends read K and V from the cache's two halves, so the V half holds [c_KV; k_R] too and the
+outputs' last d_h^R numbers are dropped: twice the latent a token, still 1/4.4 of V2-Lite's keys and values
+by head (16 heads), 1/36 of V2's (128 heads). The absorbed scores equal transformers' (which expands the
+latent to keys and values by head) up to the order of the sums.
+
+NOTE: DeepSeek's checkpoints rotate adjacent pairs of q_R and k_R (transformers' complex product); their
+rows load reordered to halves (``checkpoint_tensor``), so that the engine's rotate-half gives the same scores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sloserve.checkpoint.config import ModelConfig
+from sloserve.engine.attention import AttentionBackend
+from sloserve.engine.models.llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    RMSNorm,
+    apply_rotary,
+)
+from sloserve.engine.models.moe import Experts
+
+# transformers' DeepseekV2RMSNorm default: the latents' norms do not take the config's rms_norm_eps
+LATENT_NORM_EPS = 1e-6
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """MLA with the up-projections absorbed (module docstring): ``project`` gives the queries in the latent's
+    space and the token's latent as its key and value, ``output`` the heads' values and the output projection."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
+        super().__init__()
+        h, nh, mla, bias = config.hidden_size, config.num_attention_heads, config.mla, config.attention_bias
+        self.num_heads, self.q_lora_rank = nh, mla["q_lora_rank"]
+        self.nope_dim, self.rope_dim = mla["qk_nope_head_dim"], mla["qk_rope_head_dim"]  # d_h, d_h^R
+        self.latent_dim, self.v_dim = mla["kv_lora_rank"], mla["v_head_dim"]  # d_c, d_h (values)
+        qk = self.nope_dim + self.rope_dim
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, nh * qk, bias=False)
+        else:  # the queries through a latent of their own (d_c': q_lora_rank), V2's
+            self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, nh * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, self.latent_dim + self.rope_dim, bias=bias)  # W_DKV and W_KR
+        self.kv_a_layernorm = RMSNorm(self.latent_dim, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.latent_dim, nh * (self.nope_dim + self.v_dim), bias=False)  # W_UK, W_UV
+        self.o_proj = nn.Linear(nh * self.v_dim, h, bias=bias)
+        self.scale = qk**-0.5 * yarn_softmax_scale(config) ** 2
+        self.window = None  # (read by the model's rotary choice)
+        self.backend = backend
+
+    def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK (nh, d_h, d_c), W_UV (nh, d_h values, d_c)): views of ``kv_b_proj``'s weight."""
+        weight = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
+        return weight[:, : self.nope_dim], weight[:, self.nope_dim :]
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(queries (T, nh, d_c + d_h^R), the latent as key and as value (T, 1, d_c + d_h^R) each), rotated."""
+        t, nh = x.shape[0], self.num_heads
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(t, nh, -1).split((self.nope_dim, self.rope_dim), dim=-1)  # (T, nh, d_h), (T, nh, d_h^R)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split(
+            (self.latent_dim, self.rope_dim), dim=-1
+        )  # (T, d_c), (T, d_h^R)
+        w_uk, _ = self._up_projections()
+        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # (T, nh, d_c): W_UK absorbed
+        q = torch.cat((q_latent, apply_rotary(q_rope, cos, sin)), dim=-1)  # (T, nh, d_c + d_h^R)
+        kv = torch.cat((self.kv_a_layernorm(latent)[:, None], apply_rotary(k_rope[:, None], cos, sin)), dim=-1)
+        return q, kv, kv  # (T, 1, d_c + d_h^R) the cache's entry, as K and as V
+
+    def attend(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
+        """The backend's attention over the latents: (T, nh, d_c + d_h^R)."""
+        return self.backend.forward(q, k, v, k_cache, v_cache, meta, scale=self.scale)
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:  # (T, nh, d_c + d_h^R) -> (T, H)
+        """Each head's values (W_UV of its weighted latents), then the output projection."""
+        _, w_uv = self._up_projections()
+        values = torch.einsum("thc,hvc->thv", attended[..., : self.latent_dim], w_uv)  # (T, nh, d_h values)
+        return self.o_proj(values.reshape(attended.shape[0], -1))
+
+
+def yarn_softmax_scale(config: ModelConfig) -> float:
+    """DeepSeek's YaRN factor of the softmax scale (0.1 mscale_all_dim ln s + 1, squared by the caller), 1
+    without it (transformers' ``yarn_apply_mscale``)."""
+    scaling = config.rope_scaling or {}
+    factor, mscale_all_dim = scaling.get("factor") or 1.0, scaling.get("mscale_all_dim")
+    if scaling.get("rope_type", scaling.get("type")) != "yarn" or not mscale_all_dim or factor <= 1:
+        return 1.0
+    return 0.1 * mscale_all_dim * math.log(factor) + 1.0
+
+
+class DeepseekMoE(nn.Module):
+    """DeepSeek-V2's MoE (§2.2): softmax router scores (float32), each token's top k experts (group-limited
+    where ``topk_method`` says: only from the ``topk_group`` groups of its best experts, §2.2.2), their weights
+    times ``routed_scaling_factor``; the shared experts (one MLP, ungated) run for every token."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        moe = config.moe
+        self.top_k = moe["num_experts_per_tok"]
+        self.scaling, self.method = moe["routed_scaling_factor"], moe["topk_method"]
+        self.num_groups, self.top_groups = moe["n_group"], moe["topk_group"]
+        self.gate = nn.Linear(config.hidden_size, moe["num_experts"], bias=False)
+        self.experts = Experts(moe["num_experts"], config.hidden_size, moe["moe_intermediate_size"])
+        self.shared_experts = LlamaMLP(config, moe["shared_expert_intermediate_size"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
+        scores = torch.softmax(F.linear(x.float(), self.gate.weight.float()), dim=-1)  # (T, E) in float32
+        if self.method == "group_limited_greedy":  # the experts outside the token's best groups score 0
+            by_group = scores.view(x.shape[0], self.num_groups, -1)  # (T, G, E / G)
+            best = by_group.amax(dim=-1).topk(self.top_groups, dim=-1).indices  # (T, topk_group)
+            kept = torch.zeros_like(by_group[..., 0], dtype=torch.bool).scatter_(1, best, True)  # (T, G)
+            scores = by_group.masked_fill(~kept[..., None], 0.0).view_as(scores)
+        weights, experts = scores.topk(self.top_k, dim=-1)  # (T, k) each, not renormalized
+        routed = self.experts(x, experts, (weights * self.scaling).to(x.dtype))
+        return routed + self.shared_experts(x)
+
+
+class DeepseekV2DecoderLayer(LlamaDecoderLayer):
+    def make_attention(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> nn.Module:
+        return MultiHeadLatentAttention(config, backend, layer)
+
+    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
+        return DeepseekMoE(config) if config.layer_is_moe(layer) else LlamaMLP(config)
+
+
+class DeepseekV2Model(LlamaModel):
+    layer_class = DeepseekV2DecoderLayer
+
+
+class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    model_class = DeepseekV2Model
+    supports_piecewise_graphs = False  # (their buffers are Llama's heads, not MLA's latent)
+
+
+def checkpoint_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) -> tuple[str, torch.Tensor]:
+    """A DeepSeek-V2 checkpoint's tensor as the engine holds it: the rows of q_R (the last d_h^R of each
+    query head) and of k_R (the last d_h^R of ``kv_a_proj_with_mqa``) from adjacent pairs to halves."""
+    mla = config.mla
+    rope = mla["qk_rope_head_dim"]
+    if key.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+        tensor = _pairs_as_halves(tensor, mla["qk_nope_head_dim"] + rope, rope)
+    elif key.endswith(("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")):
+        tensor = _pairs_as_halves(tensor, mla["kv_lora_rank"] + rope, rope)
+    return key, tensor
+
+
+def _pairs_as_halves(tensor: torch.Tensor, block: int, rope: int) -> torch.Tensor:
+    """``tensor``'s rows in blocks of ``block``, each block's last ``rope`` rows reordered from adjacent pairs
+    (2i, 2i + 1) to halves (i, i + rope / 2)."""
+    tail = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2))) + block - rope
+    order = torch.cat((torch.arange(block - rope), tail))  # (block,)
+    blocks = tensor.shape[0] // block
+    rows = (torch.arange(blocks)[:, None] * block + order[None, :]).flatten()
+    return tensor[rows.to(tensor.device)]
