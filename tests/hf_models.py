@@ -11,7 +11,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "qwen2_moe": 17, "gpt_oss": 18,
          "olmo3": 19, "olmoe": 20, "glm": 21, "glm4": 22,
          "ministral3": 23, "exaone4": 24, "seed_oss": 25, "ernie4_5": 26,
-         "gpt_neox": 27, "cohere": 28, "cohere2": 29, "gpt2": 30, "phi": 31, "starcoder2": 32, "gemma": 33, "deepseek_v2": 34}  # fmt: skip
+         "gpt_neox": 27, "cohere": 28, "cohere2": 29, "gpt2": 30, "phi": 31, "starcoder2": 32, "gemma": 33, "deepseek_v2": 34, "deepseek_v3": 35}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -173,6 +173,14 @@ def hf_model(arch: str):
                              "mscale_all_dim": 0.8, "original_max_position_embeddings": 64},
         )  # fmt: skip
         cls = transformers.DeepseekV2ForCausalLM
+    elif arch == "deepseek_v3":  # sigmoid scores with a bias, from the best of 2 groups, renormalized; pairs rotated
+        config = transformers.DeepseekV3Config(
+            **common, intermediate_size=128, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+            moe_intermediate_size=32, first_k_dense_replace=1, n_group=2, topk_group=1, initializer_range=0.2,
+            pad_token_id=0,
+        )  # fmt: skip
+        cls = transformers.DeepseekV3ForCausalLM
     elif arch == "gemma":  # Gemma 1: Llama's layers with Gemma's norms and MLP, the embeddings scaled
         config = transformers.GemmaConfig(
             **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, initializer_range=0.2,
@@ -210,6 +218,9 @@ def hf_model(arch: str):
                 p.normal_(0.0, 2.0)
             elif p.ndim == 1:  # Gemma's norms scale by 1 + weight, 0 at init
                 p.add_(0.1 * torch.randn_like(p)) if arch.startswith("gemma") else p.mul_(1 + 0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # (DeepSeek-V3's router bias, a buffer: 0 at init)
+                b.normal_(0.0, 0.5)
     return model
 
 

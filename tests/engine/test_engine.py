@@ -35,7 +35,8 @@ MAX_TOKENS = [12, 5, 20, 8, 16, 10]
 # Beside Llama (tests/hf_models.py: each with what sets it apart)
 OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "gemma2", "qwen3_moe", "mixtral", "granite",
                        "olmo2", "qwen2_moe", "gpt_oss", "olmo3", "olmoe", "glm", "glm4",
-                       "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2", "gpt2", "phi", "starcoder2", "gemma", "deepseek_v2"]  # fmt: skip
+                       "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2", "gpt2", "phi", "starcoder2", "gemma", "deepseek_v2",
+                       "deepseek_v3"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -552,7 +553,7 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     (tmp_path / "falcon" / "config.json").write_text(json.dumps({"model_type": "falcon"}))
     with pytest.raises(
         ConfigError,
-        match="unsupported architecture 'falcon'.*supported: cohere, cohere2, deepseek_v2, ernie4_5, exaone4, gemma, gemma2, gemma3, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, llama, ministral3, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, starcoder2",
+        match="unsupported architecture 'falcon'.*supported: cohere, cohere2, deepseek_v2, deepseek_v3, ernie4_5, exaone4, gemma, gemma2, gemma3, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, llama, ministral3, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, starcoder2",
     ):
         LLM(str(tmp_path / "falcon"))
     fp8 = tmp_path / "fp8"  # an FP8 checkpoint's weights would load as plain ones, their scales ignored
@@ -1032,10 +1033,12 @@ def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
 
     spec = model_spec(hf_dirs[arch])
     hf = _hf_cached(arch)
-    assert spec.num_params == sum(p.numel() for p in hf.parameters())
+    # (DeepSeek-V3's router bias: a buffer to transformers, a weight of the checkpoint)
+    biases = sum(b.numel() for name, b in hf.named_buffers() if name.endswith("e_score_correction_bias"))
+    assert spec.num_params == sum(p.numel() for p in hf.parameters()) + biases
     kv_heads = getattr(hf.config, "num_key_value_heads", 4)  # (OPT and GPT-NeoX: as many as the heads)
     head_dim = getattr(hf.config, "head_dim", None) or 16  # (64 / 4 heads, where the config has none)
-    if arch == "deepseek_v2":  # MLA's cache: one latent and rotated key a token (32 + 8)
+    if arch.startswith("deepseek"):  # MLA's cache: one latent and rotated key a token (32 + 8)
         kv_heads, head_dim = 1, hf.config.kv_lora_rank + hf.config.qk_rope_head_dim
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (hf.config.num_hidden_layers, kv_heads, head_dim)
     assert spec.dtype_bytes == 4  # saved in float32
@@ -1164,7 +1167,7 @@ def test_gpt_neox_one_after_the_other_and_the_hubs_config_names(tmp_path):
     assert out.outputs[0].token_ids != hf_greedy("gpt_neox", tuple(ids), 8)  # NOTE: the layer's order matters
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "phi", "starcoder2", "deepseek_v2"])
+@pytest.mark.parametrize("arch", ["gpt2", "phi", "starcoder2", "deepseek_v2", "deepseek_v3"])
 def test_prompt_logprobs_are_transformers(hf_dirs, arch):
     """GPT-2's, Phi's, StarCoder2's and DeepSeek-V2's scores to 1e-4: greedy tokens alone would not tell their
     GELU by tanh's approximation (``gelu_new``) from the exact one, or DeepSeek's YaRN softmax scale from none."""
@@ -1255,3 +1258,27 @@ def test_deepseek_v2_lites_shape_caches_one_latent_a_token(tmp_path):
         torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
     )
     assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
+
+
+def test_deepseek_v3_without_interleaved_rope_and_with_a_multi_token_prediction_layer(tmp_path):
+    """A DeepSeek-V3 checkpoint whose rotary embedding turns halves (``rope_interleave`` false: its rows
+    load as they are) and that carries a multi-token-prediction layer past its layers (DeepSeek-V3's, not
+    run, as vLLM serves it): transformers' greedy tokens."""
+    import safetensors.torch
+
+    config = transformers.DeepseekV3Config(**{**_hf_cached("deepseek_v3").config.to_dict(), "rope_interleave": False})
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    model.load_state_dict(_hf_cached("deepseek_v3").state_dict())
+    model.save_pretrained(tmp_path)
+    weights = safetensors.torch.load_file(str(tmp_path / "model.safetensors"))
+    weights.update(
+        {key.replace("layers.1.", "layers.2."): t.clone() for key, t in weights.items() if "layers.1." in key}
+    )
+    safetensors.torch.save_file(weights, str(tmp_path / "model.safetensors"))
+    ids = PROMPTS[0]
+    out = LLM(str(tmp_path)).generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=12, temperature=0))[0]
+    expected = model.generate(
+        torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
+    assert out.outputs[0].token_ids != hf_greedy("deepseek_v3", tuple(ids), 12)  # NOTE: the layout changes them

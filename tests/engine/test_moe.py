@@ -1,6 +1,7 @@
-"""Qwen3-MoE's, Qwen2-MoE's and gpt-oss's sparse mixtures of experts (``engine/models/moe.py``): the layer
-against transformers' ``Qwen3MoeSparseMoeBlock``, ``Qwen2MoeSparseMoeBlock`` (its gated shared expert) and
-``GptOssMLP`` (its router's biases, its experts' clamped SwiGLU) on random tokens (experts that get many
+"""Qwen3-MoE's, Qwen2-MoE's, gpt-oss's and DeepSeek's sparse mixtures of experts (``engine/models/moe.py``,
+``deepseek_v2.py``): the layer against transformers' ``Qwen3MoeSparseMoeBlock``, ``Qwen2MoeSparseMoeBlock``
+(its gated shared expert), ``GptOssMLP`` (its router's biases, its experts' clamped SwiGLU) and DeepSeek-V2's
+and V3's MoE (their routings, shared experts) on random tokens (experts that get many
 tokens, one, or none), which layers are sparse, the parameter count, GGUF files as llama.cpp lays them out,
 gpt-oss's MXFP4 experts, and CUDA graphs refused for a routing that sets its own shapes. The whole model's
 greedy tokens are checked in test_engine.py (``qwen3_moe``, ``qwen2_moe``, ``gpt_oss``)."""
@@ -324,6 +325,45 @@ def test_deepseek_v2s_layer_equals_transformers_block(routing, num_tokens):
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
     if routing == "group_limited_greedy" and num_tokens == 64:  # NOTE: some token's best experts lie outside its groups
         assert not torch.allclose(ungrouped, expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 64])
+def test_deepseek_v3s_layer_equals_transformers_block(num_tokens):
+    """DeepSeek-V3's MoE: experts chosen by sigmoid score plus the router's bias, from the best group (of 2, by
+    the sum of its two best), weighted by their scores renormalized, times routed_scaling_factor; the shared
+    expert's output added."""
+    config = moe_config(
+        model_type="deepseek_v3", n_routed_experts=8, n_shared_experts=1, routed_scaling_factor=2.5, n_group=2,
+        topk_group=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8,
+    )  # fmt: skip
+    del config["num_experts"]  # (its name: n_routed_experts)
+    hf_config = transformers.DeepseekV3Config(**{**config, "model_type": None})
+    torch.manual_seed(300 + num_tokens)
+    block = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE(hf_config).eval()
+    with torch.no_grad():
+        for p in [*block.parameters(), block.gate.e_score_correction_bias]:
+            p.normal_(0.0, 0.3)
+    ours = create_model(from_hf_config(config), TorchAttention(), torch.float32, torch.device("cpu"))
+    layer = ours.model.layers[0].mlp
+    tensors = checkpoint_tensors(ours)
+    with torch.no_grad():
+        for name, tensor in block.state_dict().items():
+            if name.startswith("experts."):
+                getattr(layer.experts, {"experts.gate_up_proj": "gate_up", "experts.down_proj": "down"}[name]).copy_(
+                    tensor
+                )
+            else:
+                tensors[f"model.layers.0.mlp.{name}"].copy_(tensor)
+    x = torch.randn(num_tokens, 32)
+    with torch.no_grad():
+        expected = block(x[None])[0]
+        got = layer(x)
+        layer.gate.e_score_correction_bias.zero_()
+        unbiased = layer(x)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    if num_tokens == 64:  # NOTE: the bias changes some token's choice
+        assert not torch.allclose(unbiased, expected, atol=1e-3)
 
 
 def test_deepseek_v2s_routing_is_checked():

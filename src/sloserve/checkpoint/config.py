@@ -57,6 +57,8 @@ ARCHITECTURES: dict[str, str] = {
     "phi": "phi",  # (Phi-1, 1.5, 2: attention and a GELU MLP in parallel from one LayerNorm, partial rotary)
     # (DeepSeek-V2, V2-Lite: multi-head latent attention, experts beside shared ones)
     "deepseek_v2": "deepseek_v2",
+    # (DeepSeek-V3's outline, Moonlight, Kimi K2: V2's layers, experts chosen by sigmoid scores with a bias)
+    "deepseek_v3": "deepseek_v2",
     "starcoder2": "starcoder2",  # (StarCoder2: Llama's layers with LayerNorms, a GELU MLP, biases, a window)
 }
 # Multimodal checkpoints served as text: their config.json's text_config is the language model's
@@ -90,7 +92,17 @@ MOE_DEFAULTS = {
     "gpt_oss": {"num_experts": 128, "num_experts_per_tok": 4, "moe_intermediate_size": None},  # (intermediate_size)
     "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": None},  # (intermediate_size)
     "deepseek_v2": {"num_experts": 64, "num_experts_per_tok": None, "moe_intermediate_size": 1407},
+    "deepseek_v3": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048},
 }
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
+# transformers' defaults of their routing where it differs by version: (n_shared_experts, routed_scaling_factor,
+# topk_method, n_group, topk_group, norm_topk_prob, first_k_dense_replace)
+DEEPSEEK_ROUTING_DEFAULTS = {
+    "deepseek_v2": {"n_shared_experts": 2, "routed_scaling_factor": 1.0, "topk_method": "greedy", "n_group": None,
+                    "topk_group": None, "norm_topk_prob": False, "first_k_dense_replace": 0},
+    "deepseek_v3": {"n_shared_experts": 1, "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "n_group": 8,
+                    "topk_group": 4, "norm_topk_prob": True, "first_k_dense_replace": 3},
+}  # fmt: skip
 MOE_TYPES = tuple(MOE_DEFAULTS)
 # The models whose rotary embedding may turn part of each head (partial_rotary_factor), as transformers' do
 PARTIAL_ROTARY = ("phi3", "glm", "glm4", "phi")
@@ -334,8 +346,8 @@ class ModelConfig:
         return total
 
     def _deepseek_num_params(self) -> int:
-        """DeepSeek-V2's: MLA's projections and norms, dense MLPs before ``moe_layers`` start, then the router,
-        the experts and the shared ones."""
+        """DeepSeek-V2's and V3's: MLA's projections and norms, dense MLPs before ``moe_layers`` start, then the
+        router, the experts and the shared ones."""
         h, v, nh, mla, moe = self.hidden_size, self.vocab_size, self.num_attention_heads, self.mla, self.moe
         qk = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
         q = h * nh * qk if mla["q_lora_rank"] is None else (h + 1 + nh * qk) * mla["q_lora_rank"]
@@ -349,6 +361,7 @@ class ModelConfig:
         attention = q + kv + nh * mla["v_head_dim"] * h + bias
         dense = 3 * h * self.intermediate_size
         experts = 0 if moe is None else moe["num_experts"] * (h + 3 * h * moe["moe_intermediate_size"])
+        experts += 0 if moe is None or moe["topk_method"] != "noaux_tc" else moe["num_experts"]  # (V3's router bias)
         experts += 0 if moe is None else 3 * h * moe["shared_expert_intermediate_size"]
         mlps = sum(experts if self.layer_is_moe(i) else dense for i in range(self.num_hidden_layers))
         total = v * h + self.num_hidden_layers * (attention + 2 * h) + mlps + h
@@ -449,7 +462,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         return _gpt_neox_config(raw, common, name, need)
     if model_type == "gpt2":
         return _gpt2_config(raw, common, name)
-    if model_type == "deepseek_v2":
+    if model_type in DEEPSEEK_TYPES:
         return _deepseek_config(raw, common, name, need)
     # transformers >= 5 keeps rope settings in rope_parameters; older configs at the top level.
     rope = dict(raw.get("rope_parameters") or {})
@@ -575,8 +588,8 @@ def _gpt_neox_config(raw: dict[str, Any], common: dict[str, Any], name: str, nee
 
 
 def _deepseek_config(raw: dict[str, Any], common: dict[str, Any], name: str, need) -> ModelConfig:
-    """DeepSeek-V2's config: its MLA sizes (``mla``), its experts (``_moe``), transformers' defaults where it
-    has none. NOTE: transformers' config.json says ``head_dim`` for the rotated part of a query (64)."""
+    """DeepSeek-V2's and V3's config: the MLA sizes (``mla``), the experts (``_moe``), transformers' defaults
+    where it has none. NOTE: transformers' config.json says ``head_dim`` for the rotated part of a query (64)."""
     mla = {key: raw.get(key, default) for key, default in DEEPSEEK_MLA_DEFAULTS.items()}
     for key, value in mla.items():
         if not (value is None and key == "q_lora_rank") and not (
@@ -600,7 +613,8 @@ def _deepseek_config(raw: dict[str, Any], common: dict[str, Any], name: str, nee
         rope_scaling=_config_rope_scaling(raw, rope, name),
         attention_bias=bool(raw.get("attention_bias", False)),
         moe=_moe(raw, common["num_hidden_layers"], name),
-        mla=mla,
+        # (V2's checkpoints rotate adjacent pairs of q_R and k_R; V3's where rope_interleave says, its default)
+        mla={**mla, "rope_interleave": raw["model_type"] == "deepseek_v2" or bool(raw.get("rope_interleave", True))},
     )
 
 
@@ -705,13 +719,14 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
     experts_of_intermediate_size = kind in ("mixtral", "gpt_oss", "olmoe")
     # NOTE: transformers 5 saves Qwen3-MoE's count as num_local_experts (Mixtral's name), the Hub as num_experts
     experts = raw.get("num_experts", raw.get("num_local_experts", MOE_DEFAULTS[kind]["num_experts"]))
-    if kind == "deepseek_v2":
+    if kind in DEEPSEEK_TYPES:
+        raw = {**DEEPSEEK_ROUTING_DEFAULTS[kind], **raw}
         experts = raw.get("n_routed_experts", MOE_DEFAULTS[kind]["num_experts"])
     if not experts:
         return None
     step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
-    if kind == "deepseek_v2":  # (its first first_k_dense_replace layers' MLPs dense)
-        dense = set(range(raw.get("first_k_dense_replace", 0)))
+    if kind in DEEPSEEK_TYPES:  # (its first first_k_dense_replace layers' MLPs dense)
+        dense = set(range(raw["first_k_dense_replace"] or 0))
     moe = {
         "num_experts": experts,
         "num_experts_per_tok": raw.get("num_experts_per_tok", MOE_DEFAULTS[kind]["num_experts_per_tok"]),
@@ -722,16 +737,18 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
         "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size", 5632) if qwen2 else 0,
     }
-    if kind == "deepseek_v2":  # its shared experts, one MLP (ungated); its routing (engine/models/deepseek_v2.py)
+    if kind in DEEPSEEK_TYPES:  # its shared experts, one MLP (ungated); its routing (engine/models/deepseek_v2.py)
         moe.update(
-            shared_expert_intermediate_size=moe["moe_intermediate_size"] * raw.get("n_shared_experts", 2),
-            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-            topk_method=raw.get("topk_method", "greedy"),
-            n_group=raw.get("n_group"),
-            topk_group=raw.get("topk_group"),
+            shared_expert_intermediate_size=moe["moe_intermediate_size"] * (raw["n_shared_experts"] or 0),
+            routed_scaling_factor=float(raw["routed_scaling_factor"]),
+            # (V3's: transformers' only; the Hub's configs say noaux_tc, and sigmoid scores)
+            topk_method="noaux_tc" if kind == "deepseek_v3" else raw["topk_method"],
+            n_group=raw["n_group"],
+            topk_group=raw["topk_group"],
         )
-        _check_group_routing(moe, name)
-        if moe["norm_topk_prob"]:  # NOTE: DeepSeek's code renormalizes, transformers' does not: neither is chosen
+        _check_group_routing(moe, ("noaux_tc",) if kind == "deepseek_v3" else ("greedy", "group_limited_greedy"), name)
+        if moe["norm_topk_prob"] and kind == "deepseek_v2":
+            # NOTE: DeepSeek's code renormalizes V2's top weights, transformers' does not: neither is chosen
             raise ConfigError(f"{name}: norm_topk_prob (renormalized top weights) is not supported for deepseek_v2")
     if kind == "gpt_oss":  # softmax over the top k router logits (with biases); the experts' clamped SwiGLU
         moe.update(
@@ -750,18 +767,19 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
     return moe
 
 
-def _check_group_routing(moe: dict[str, Any], name: str) -> None:
-    """DeepSeek-V2's routing: greedy, or group-limited (the experts in ``n_group`` groups, a token's picked
-    from its ``topk_group`` best groups), with groups that divide the experts and hold the top k."""
+def _check_group_routing(moe: dict[str, Any], methods: tuple[str, ...], name: str) -> None:
+    """DeepSeek's routing: greedy, or group-limited (the experts in ``n_group`` groups, a token's picked from
+    its ``topk_group`` best groups: V2's group_limited_greedy, V3's noaux_tc), with groups that divide the
+    experts and hold the top k; ``methods``: the model's."""
     method = moe["topk_method"]
-    if method not in ("greedy", "group_limited_greedy"):
-        raise ConfigError(f"{name}: topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+    if method not in methods:
+        raise ConfigError(f"{name}: topk_method {method!r} is not supported ({', '.join(methods)})")
     if method == "greedy":
         return
     groups, picked = moe["n_group"], moe["topk_group"]
     for key, value in (("n_group", groups), ("topk_group", picked)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{name}: group_limited_greedy needs {key}, a positive integer; got {value!r}")
+            raise ConfigError(f"{name}: {method} needs {key}, a positive integer; got {value!r}")
     if moe["num_experts"] % groups or picked > groups:
         raise ConfigError(
             f"{name}: n_group {groups} must divide the {moe['num_experts']} experts, and topk_group {picked} "

@@ -38,7 +38,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "starcoder2": Starcoder2ForCausalLM,
     "deepseek_v2": DeepseekV2ForCausalLM,
 }
-# An architecture's reading of a checkpoint tensor: (HF name, tensor) -> (the engine's name, tensor as it holds it)
+# An architecture's reading of a checkpoint tensor: (HF name, tensor) -> (the engine's name, tensor as it holds it),
+# or None for one it does not hold
 CHECKPOINT_TENSORS = {
     "gpt_neox": gpt_neox.checkpoint_tensor,
     "gpt2": gpt2.checkpoint_tensor,
@@ -271,7 +272,10 @@ def copy_weights(model: nn.Module, tensors, source: str) -> None:
         if model.config.rotary_interleaved and key.endswith(_ROTATED_ROWS):
             tensor = deinterleave_rotary_rows(torch.as_tensor(tensor), model.config)
         if as_held is not None:
-            key, tensor = as_held(key, torch.as_tensor(tensor), model.config)
+            held = as_held(key, torch.as_tensor(tensor), model.config)
+            if held is None:  # (one the engine does not run: DeepSeek-V3's multi-token prediction)
+                continue
+            key, tensor = held
         if key not in params:
             raise ConfigError(f"{origin}: unexpected tensor {key!r} for a {model.config.model_type} model")
         if tuple(tensor.shape) != tuple(params[key].shape):

@@ -1,6 +1,7 @@
-"""DeepSeek-V2 (``deepseek_v2``: V2-Lite 16B, V2 and V2.5 236B): Llama's layers with multi-head latent
-attention (MLA) and, after the first ``first_k_dense_replace`` layers, a mixture of experts beside shared
-experts (DeepSeek-V2 §2.1, §2.2). HF parameter names.
+"""DeepSeek-V2 (``deepseek_v2``: V2-Lite 16B, V2 and V2.5 236B) and DeepSeek-V3's outline (``deepseek_v3``:
+Moonlight 16B, DeepSeek-V3 and R1, Kimi K2): Llama's layers with multi-head latent attention (MLA) and,
+after the first ``first_k_dense_replace`` layers, a mixture of experts beside shared experts (DeepSeek-V2
+§2.1, §2.2; V3's experts chosen by sigmoid scores plus a bias, DeepSeek-V3 §2.1.2). HF parameter names.
 
 MLA (§2.1): a token's keys and values come from one compressed latent c_KV (``kv_lora_rank``, d_c: 512) and
 one rotated key k_R shared by every head (``qk_rope_head_dim``, d_h^R: 64): head i's key is [W_UK_i c_KV;
@@ -15,8 +16,10 @@ outputs' last d_h^R numbers are dropped: twice the latent a token, still 1/4.4 o
 by head (16 heads), 1/36 of V2's (128 heads). The absorbed scores equal transformers' (which expands the
 latent to keys and values by head) up to the order of the sums.
 
-NOTE: DeepSeek's checkpoints rotate adjacent pairs of q_R and k_R (transformers' complex product); their
-rows load reordered to halves (``checkpoint_tensor``), so that the engine's rotate-half gives the same scores.
+NOTE: DeepSeek's checkpoints rotate adjacent pairs of q_R and k_R (transformers' complex product; V3's where
+``rope_interleave``); their rows load reordered to halves (``checkpoint_tensor``), so that the engine's
+rotate-half gives the same scores. A V3 checkpoint's multi-token-prediction layers (past
+``num_hidden_layers``) are not read, as vLLM serves it without them.
 """
 
 from __future__ import annotations
@@ -108,31 +111,73 @@ def yarn_softmax_scale(config: ModelConfig) -> float:
     return 0.1 * mscale_all_dim * math.log(factor) + 1.0
 
 
+class DeepseekRouter(nn.Module):
+    """The router's weight (E, H) and, for V3's routing (``noaux_tc``), the bias its choice adds to the scores
+    (``e_score_correction_bias``, DeepSeek-V3's auxiliary-loss-free balancing b_i)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        experts = config.moe["num_experts"]
+        self.weight = nn.Parameter(torch.empty(experts, config.hidden_size))
+        biased = config.moe["topk_method"] == "noaux_tc"
+        self.e_score_correction_bias = nn.Parameter(torch.empty(experts)) if biased else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, E) float32 logits
+        return F.linear(x.float(), self.weight.float())
+
+
 class DeepseekMoE(nn.Module):
-    """DeepSeek-V2's MoE (§2.2): softmax router scores (float32), each token's top k experts (group-limited
-    where ``topk_method`` says: only from the ``topk_group`` groups of its best experts, §2.2.2), their weights
-    times ``routed_scaling_factor``; the shared experts (one MLP, ungated) run for every token."""
+    """DeepSeek's MoE: router scores in float32, each token's top k experts, their weights times
+    ``routed_scaling_factor``; the shared experts (one MLP, ungated) run for every token.
+
+    - ``greedy`` (V2, §2.2): softmax scores, the top k.
+    - ``group_limited_greedy`` (V2, §2.2.2): softmax scores, the top k of the ``topk_group`` groups (of
+      ``n_group``) whose best expert scores highest.
+    - ``noaux_tc`` (V3, §2.1.2): sigmoid scores s; the experts chosen by s + b (the router's bias), from the
+      ``topk_group`` groups whose two best s + b sum highest; their weights s, renormalized where
+      ``norm_topk_prob``."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         moe = config.moe
-        self.top_k = moe["num_experts_per_tok"]
+        self.top_k, self.norm_topk_prob = moe["num_experts_per_tok"], moe["norm_topk_prob"]
         self.scaling, self.method = moe["routed_scaling_factor"], moe["topk_method"]
         self.num_groups, self.top_groups = moe["n_group"], moe["topk_group"]
-        self.gate = nn.Linear(config.hidden_size, moe["num_experts"], bias=False)
+        self.gate = DeepseekRouter(config)
         self.experts = Experts(moe["num_experts"], config.hidden_size, moe["moe_intermediate_size"])
         self.shared_experts = LlamaMLP(config, moe["shared_expert_intermediate_size"])
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights (T, k) float32, experts (T, k)) of each token."""
+        logits = self.gate(x)  # (T, E)
+        if self.method == "noaux_tc":
+            scores = logits.sigmoid()
+            choice = scores + self.gate.e_score_correction_bias.float()  # (T, E)
+            by_group = choice.view(x.shape[0], self.num_groups, -1)  # (T, G, E / G)
+            group_scores = by_group.topk(2, dim=-1).values.sum(dim=-1)  # (T, G)
+            choice = self._in_best_groups(by_group, group_scores, float("-inf"))
+            experts = choice.topk(self.top_k, dim=-1).indices  # (T, k)
+            weights = scores.gather(1, experts)
+        else:
+            scores = torch.softmax(logits, dim=-1)
+            if self.method == "group_limited_greedy":  # the experts outside the token's best groups score 0
+                by_group = scores.view(x.shape[0], self.num_groups, -1)
+                scores = self._in_best_groups(by_group, by_group.amax(dim=-1), 0.0)
+            weights, experts = scores.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # (transformers' guard)
+        return weights * self.scaling, experts
+
+    def _in_best_groups(self, by_group: torch.Tensor, group_scores: torch.Tensor, fill: float) -> torch.Tensor:
+        """``by_group`` (T, G, E / G) with the experts outside each token's ``topk_group`` best groups (by
+        ``group_scores`` (T, G)) set to ``fill``, as (T, E)."""
+        best = group_scores.topk(self.top_groups, dim=-1).indices  # (T, topk_group)
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # (T, G)
+        return by_group.masked_fill(~kept[..., None], fill).flatten(1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
-        scores = torch.softmax(F.linear(x.float(), self.gate.weight.float()), dim=-1)  # (T, E) in float32
-        if self.method == "group_limited_greedy":  # the experts outside the token's best groups score 0
-            by_group = scores.view(x.shape[0], self.num_groups, -1)  # (T, G, E / G)
-            best = by_group.amax(dim=-1).topk(self.top_groups, dim=-1).indices  # (T, topk_group)
-            kept = torch.zeros_like(by_group[..., 0], dtype=torch.bool).scatter_(1, best, True)  # (T, G)
-            scores = by_group.masked_fill(~kept[..., None], 0.0).view_as(scores)
-        weights, experts = scores.topk(self.top_k, dim=-1)  # (T, k) each, not renormalized
-        routed = self.experts(x, experts, (weights * self.scaling).to(x.dtype))
-        return routed + self.shared_experts(x)
+        weights, experts = self.route(x)
+        return self.experts(x, experts, weights.to(x.dtype)) + self.shared_experts(x)
 
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):
@@ -152,11 +197,17 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     supports_piecewise_graphs = False  # (their buffers are Llama's heads, not MLA's latent)
 
 
-def checkpoint_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) -> tuple[str, torch.Tensor]:
-    """A DeepSeek-V2 checkpoint's tensor as the engine holds it: the rows of q_R (the last d_h^R of each
-    query head) and of k_R (the last d_h^R of ``kv_a_proj_with_mqa``) from adjacent pairs to halves."""
+def checkpoint_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) -> tuple[str, torch.Tensor] | None:
+    """A DeepSeek checkpoint's tensor as the engine holds it: the rows of q_R (the last d_h^R of each query
+    head) and of k_R (the last d_h^R of ``kv_a_proj_with_mqa``) from adjacent pairs to halves; None for a
+    multi-token-prediction layer's (past the model's layers)."""
+    layer = key.split(".")[2] if key.startswith("model.layers.") else None
+    if layer is not None and layer.isdigit() and int(layer) >= config.num_hidden_layers:
+        return None
     mla = config.mla
     rope = mla["qk_rope_head_dim"]
+    if not mla["rope_interleave"]:
+        return key, tensor
     if key.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
         tensor = _pairs_as_halves(tensor, mla["qk_nope_head_dim"] + rope, rope)
     elif key.endswith(("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")):
