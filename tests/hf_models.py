@@ -11,7 +11,8 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "qwen2_moe": 17, "gpt_oss": 18,
          "olmo3": 19, "olmoe": 20, "glm": 21, "glm4": 22,
          "ministral3": 23, "exaone4": 24, "seed_oss": 25, "ernie4_5": 26,
-         "gpt_neox": 27, "cohere": 28, "cohere2": 29, "gpt2": 30, "phi": 31, "starcoder2": 32, "gemma": 33, "deepseek_v2": 34, "deepseek_v3": 35}  # fmt: skip
+         "gpt_neox": 27, "cohere": 28, "cohere2": 29, "gpt2": 30, "phi": 31, "starcoder2": 32, "gemma": 33, "deepseek_v2": 34, "deepseek_v3": 35,
+         "stablelm": 36, "olmo": 37, "nemotron": 38, "arcee": 39}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -181,6 +182,27 @@ def hf_model(arch: str):
             pad_token_id=0,
         )  # fmt: skip
         cls = transformers.DeepseekV3ForCausalLM
+    elif arch == "stablelm":  # StableLM 2 1.6B's: a quarter of each head rotated, q/k/v biases, LayerNorms
+        config = transformers.StableLmConfig(
+            **common, intermediate_size=128, num_key_value_heads=2, use_qkv_bias=True, initializer_range=0.2,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        cls = transformers.StableLmForCausalLM
+    elif arch == "olmo":  # OLMo 1: LayerNorms without weights, q/k/v clamped at 0.5 (it bites)
+        config = transformers.OlmoConfig(
+            **common, intermediate_size=128, num_key_value_heads=2, clip_qkv=0.5, initializer_range=0.2,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        cls = transformers.OlmoForCausalLM
+    elif arch in (
+        "nemotron",
+        "arcee",
+    ):  # squared-ReLU MLPs; Nemotron's LayerNorms of 1 + weight, half of each head turned
+        cls = transformers.NemotronForCausalLM if arch == "nemotron" else transformers.ArceeForCausalLM
+        config = (transformers.NemotronConfig if arch == "nemotron" else transformers.ArceeConfig)(
+            **common, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
     elif arch == "gemma":  # Gemma 1: Llama's layers with Gemma's norms and MLP, the embeddings scaled
         config = transformers.GemmaConfig(
             **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, initializer_range=0.2,

@@ -36,7 +36,7 @@ MAX_TOKENS = [12, 5, 20, 8, 16, 10]
 OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "gemma2", "qwen3_moe", "mixtral", "granite",
                        "olmo2", "qwen2_moe", "gpt_oss", "olmo3", "olmoe", "glm", "glm4",
                        "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2", "gpt2", "phi", "starcoder2", "gemma", "deepseek_v2",
-                       "deepseek_v3"]  # fmt: skip
+                       "deepseek_v3", "stablelm", "olmo", "nemotron", "arcee"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -553,7 +553,7 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     (tmp_path / "falcon" / "config.json").write_text(json.dumps({"model_type": "falcon"}))
     with pytest.raises(
         ConfigError,
-        match="unsupported architecture 'falcon'.*supported: cohere, cohere2, deepseek_v2, deepseek_v3, ernie4_5, exaone4, gemma, gemma2, gemma3, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, llama, ministral3, mistral, mistral3, mixtral, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, starcoder2",
+        match="unsupported architecture 'falcon'.*supported: arcee, cohere, cohere2, deepseek_v2, deepseek_v3, ernie4_5, exaone4, gemma, gemma2, gemma3, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, llama, ministral3, mistral, mistral3, mixtral, nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2",
     ):
         LLM(str(tmp_path / "falcon"))
     fp8 = tmp_path / "fp8"  # an FP8 checkpoint's weights would load as plain ones, their scales ignored
@@ -1167,7 +1167,7 @@ def test_gpt_neox_one_after_the_other_and_the_hubs_config_names(tmp_path):
     assert out.outputs[0].token_ids != hf_greedy("gpt_neox", tuple(ids), 8)  # NOTE: the layer's order matters
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "phi", "starcoder2", "deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["gpt2", "phi", "starcoder2", "deepseek_v2", "deepseek_v3", "nemotron", "olmo"])
 def test_prompt_logprobs_are_transformers(hf_dirs, arch):
     """GPT-2's, Phi's, StarCoder2's and DeepSeek-V2's scores to 1e-4: greedy tokens alone would not tell their
     GELU by tanh's approximation (``gelu_new``) from the exact one, or DeepSeek's YaRN softmax scale from none."""
@@ -1212,19 +1212,26 @@ def test_gpt2_as_openai_saved_it_and_its_scaling_options(tmp_path):
             LLM(str(tmp_path))
 
 
-def test_phis_config_as_transformers_reads_it(hf_dirs):
-    """A Phi config without ``partial_rotary_factor`` turns half of each head (transformers' default), one
-    with the Hub's top-level keys reads as transformers 5's ``rope_parameters``; Phi's query and key
-    LayerNorms are refused by name."""
+@pytest.mark.parametrize(("arch", "default_rotary_dim"), [("phi", 8), ("stablelm", 4), ("nemotron", 8)])
+def test_partial_rotary_configs_as_transformers_reads_them(hf_dirs, arch, default_rotary_dim):
+    """A config without ``partial_rotary_factor`` turns transformers' default share of each head (Phi's and
+    Nemotron's half, StableLM's quarter), one with the Hub's top-level keys reads as transformers 5's
+    ``rope_parameters``; Phi's and StableLM's query and key LayerNorms and StableLM 2 12B's parallel layers
+    are refused by name."""
     from sloserve.checkpoint.config import from_hf_config
 
-    raw = json.loads((Path(hf_dirs["phi"]) / "config.json").read_text())
+    raw = json.loads((Path(hf_dirs[arch]) / "config.json").read_text())
     rope = raw.pop("rope_parameters")
     hub = from_hf_config({**raw, "rope_theta": rope["rope_theta"], "partial_rotary_factor": 0.4})
-    assert hub == from_hf_config({**raw, "rope_parameters": rope}) and hub.rotary_dim == 6  # (0.4 of 16, rounded down)
-    assert from_hf_config(raw).rotary_dim == 8
-    with pytest.raises(ConfigError, match="qk_layernorm .*is not supported"):
-        from_hf_config({**raw, "qk_layernorm": True})
+    assert hub == from_hf_config({**raw, "rope_parameters": {**rope, "partial_rotary_factor": 0.4}})
+    assert hub.rotary_dim == 6  # (0.4 of 16, rounded down)
+    assert from_hf_config(raw).rotary_dim == default_rotary_dim
+    if arch != "nemotron":
+        with pytest.raises(ConfigError, match="qk_layernorm .*is not supported"):
+            from_hf_config({**raw, "qk_layernorm": True})
+    if arch == "stablelm":
+        with pytest.raises(ConfigError, match="use_parallel_residual .*is not supported"):
+            from_hf_config({**raw, "use_parallel_residual": True})
 
 
 def test_gemma_1s_first_configs_gelu_is_its_tanh_approximation(hf_dirs):

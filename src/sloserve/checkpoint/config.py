@@ -59,6 +59,10 @@ ARCHITECTURES: dict[str, str] = {
     "deepseek_v2": "deepseek_v2",
     # (DeepSeek-V3's outline, Moonlight, Kimi K2: V2's layers, experts chosen by sigmoid scores with a bias)
     "deepseek_v3": "deepseek_v2",
+    "stablelm": "stablelm",  # (StableLM 2 1.6B, 3B: Llama's layers with LayerNorms, a quarter of each head rotated)
+    "olmo": "olmo",  # (OLMo 1: Llama's layers with LayerNorms of no weight, clip_qkv)
+    "nemotron": "nemotron",  # (Minitron: LayerNorms of 1 + weight, a squared-ReLU MLP of two matrices, half rotated)
+    "arcee": "arcee",  # (AFM-4.5B: Llama's layers with a squared-ReLU MLP of two matrices)
     "starcoder2": "starcoder2",  # (StarCoder2: Llama's layers with LayerNorms, a GELU MLP, biases, a window)
 }
 # Multimodal checkpoints served as text: their config.json's text_config is the language model's
@@ -105,7 +109,7 @@ DEEPSEEK_ROUTING_DEFAULTS = {
 }  # fmt: skip
 MOE_TYPES = tuple(MOE_DEFAULTS)
 # The models whose rotary embedding may turn part of each head (partial_rotary_factor), as transformers' do
-PARTIAL_ROTARY = ("phi3", "glm", "glm4", "phi")
+PARTIAL_ROTARY = ("phi3", "glm", "glm4", "phi", "stablelm", "nemotron")
 # The models whose q/k/v projections have biases where their configs do not say (transformers' defaults)
 QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss", "phi")
 # The OLMo models (their query and key norms over the whole projections)
@@ -132,16 +136,26 @@ GPT2_NAMES = {
 # The two-matrix MLPs' activations (GPT-2's ``activation_function``, Phi's ``hidden_act``: transformers'
 # names; engine/models/gpt2.py)
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
+# The rotated share of a head where a config does not say, by model type (transformers' defaults)
+PARTIAL_ROTARY_DEFAULTS = {"glm": 0.5, "glm4": 0.5, "phi": 0.5, "stablelm": 0.25, "nemotron": 0.5}
 # The models with sliding layers by default: (window, every pattern-th layer global), transformers' defaults
 SLIDING_PATTERNS = {"gpt_oss": (128, 2), "olmo3": (4096, 4), "exaone4": (4096, 4), "cohere2": (4096, 4)}
 # The norms (of a weight each) of a layer, by architecture (Llama's: 2)
 NORMS_PER_LAYER = {"gemma3": 4, "glm4": 4, "cohere": 1, "phi": 1}
 # The MLP activations of the models of Llama's outline whose MLP is not SwiGLU (transformers' names)
-MLP_ACTIVATIONS = {"phi": GPT2_ACTIVATIONS, "starcoder2": GPT2_ACTIVATIONS, "gemma": ("gelu_pytorch_tanh",)}
+MLP_ACTIVATIONS = {
+    "phi": GPT2_ACTIVATIONS,
+    "starcoder2": GPT2_ACTIVATIONS,
+    "gemma": ("gelu_pytorch_tanh",),
+    "nemotron": ("relu2",),
+    "arcee": ("relu2",),
+}
 # The models whose MLP is two matrices (up, an activation, down), not a gated three
-TWO_MATRIX_MLPS = ("opt", "gpt_neox", "gpt2", "phi", "starcoder2")
+TWO_MATRIX_MLPS = ("opt", "gpt_neox", "gpt2", "phi", "starcoder2", "nemotron", "arcee")
 # The models of Llama's outline whose norms are LayerNorms with biases
-LAYER_NORMS = ("phi", "starcoder2")
+LAYER_NORMS = ("phi", "starcoder2", "stablelm", "nemotron")
+# The models of Llama's outline whose norms have no weights (OLMo 1's)
+WEIGHTLESS_NORMS = ("olmo",)
 # A layer type of ModelConfig.layer_types that sees only the last sliding_window positions
 SLIDING = "sliding_attention"
 # Byte-level tokenizer of random models: ids 0..255 are bytes, then BOS and EOS.
@@ -332,7 +346,8 @@ class ModelConfig:
             mlp = 2 * h * i + (i + h if self.mlp_bias else 0)
         else:  # gate, up, down
             mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
-        norm = 2 * h if self.model_type in LAYER_NORMS else h  # (a LayerNorm's bias)
+        # (a LayerNorm's bias; OLMo 1's norms: no weight)
+        norm = 2 * h if self.model_type in LAYER_NORMS else 0 if self.model_type in WEIGHTLESS_NORMS else h
         layer = attention + mlp + NORMS_PER_LAYER.get(self.architecture, 2) * norm
         total = v * h + layers * layer + norm + (0 if self.tie_word_embeddings else v * h)
         total += v * (self.model_type == "phi")  # (its LM head's bias)
@@ -478,8 +493,9 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     head_dim = raw.get("head_dim") or hidden // heads
     glm = model_type in ("glm", "glm4")
     cohere = model_type in ("cohere", "cohere2")
-    phi = model_type == "phi"
-    rotated = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5 if glm or phi else 1.0))
+    rotated = rope.get(
+        "partial_rotary_factor", raw.get("partial_rotary_factor", PARTIAL_ROTARY_DEFAULTS.get(model_type, 1.0))
+    )
     if rotated != 1.0 and model_type not in PARTIAL_ROTARY:  # NOTE: transformers' Llama rotates whole heads
         raise ConfigError(
             f"{name}: partial_rotary_factor {rotated} (a rotary embedding on part of a head) is not supported "
@@ -530,9 +546,11 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     activations = MLP_ACTIVATIONS.get(model_type, ("silu",))
     if activation not in activations:
         raise ConfigError(f"{name}: hidden_act {activation!r} is not supported ({', '.join(activations)})")
-    if phi and raw.get("qk_layernorm"):
-        # NOTE: its query and key LayerNorms (one for every head) would be left out
-        raise ConfigError(f"{name}: qk_layernorm (Phi's query and key LayerNorms) is not supported")
+    if model_type in ("phi", "stablelm") and raw.get("qk_layernorm"):
+        # NOTE: their query and key LayerNorms (one for every head) would be left out
+        raise ConfigError(f"{name}: qk_layernorm (query and key LayerNorms) is not supported for {model_type}")
+    if model_type == "stablelm" and raw.get("use_parallel_residual"):
+        raise ConfigError(f"{name}: use_parallel_residual (StableLM 2 12B's layers) is not supported")
     return ModelConfig(
         **common,
         intermediate_size=need("intermediate_size"),
@@ -550,7 +568,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         attention_sinks=model_type == "gpt_oss",
         qk_norm=model_type in ("qwen3", "qwen3_moe", "exaone4", *OLMO_TYPES),
         qk_norm_whole_projection=model_type in OLMO_TYPES,
-        clip_qkv=raw.get("clip_qkv") if model_type == "olmoe" else None,
+        clip_qkv=raw.get("clip_qkv") if model_type in ("olmoe", "olmo") else None,
         moe=_moe(raw, common["num_hidden_layers"], name) if model_type in MOE_TYPES else None,
         layer_types=layer_types,
         sliding_window=int(window) if window else None,
@@ -648,8 +666,10 @@ def _gpt2_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> Mode
 
 def _norm_eps(raw: dict[str, Any], model_type: str) -> float:
     """The norms' epsilon under each config's name, transformers' default where it has none."""
-    if model_type in ("cohere", "cohere2", "phi"):
+    if model_type in ("cohere", "cohere2", "phi", "stablelm"):
         return raw.get("layer_norm_eps", 1e-5)
+    if model_type == "nemotron":
+        return raw.get("norm_eps", 1e-5)
     if model_type == "starcoder2":
         return raw.get("norm_epsilon", 1e-5)
     return raw.get("rms_norm_eps", 1e-6)
@@ -657,19 +677,25 @@ def _norm_eps(raw: dict[str, Any], model_type: str) -> float:
 
 def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
     """Which projections have biases, by each config's names and transformers' defaults: ``attention_bias``
-    is the q/k/v projections' (Qwen2's config has no key: always; Qwen2-MoE's says ``qkv_bias``), and the
-    output projection's too for gpt-oss, EXAONE 4 and OLMo; Seed-OSS names the latter
+    is the q/k/v projections' (Qwen2's config has no key: always; Qwen2-MoE's says ``qkv_bias``, StableLM's
+    ``use_qkv_bias``), and the output projection's too for gpt-oss, EXAONE 4, OLMo, Nemotron, Arcee; Seed-OSS
+    names the latter
     ``attention_out_bias``; ERNIE 4.5's and StarCoder2's ``use_bias`` is every linear layer's."""
     if model_type in ("ernie4_5", "starcoder2"):
         every = bool(raw.get("use_bias", model_type == "starcoder2"))
         return {"attention_bias": every, "attention_output_bias": every, "mlp_bias": every}
-    qkv = (
-        raw.get("qkv_bias", True) if model_type == "qwen2_moe" else raw.get("attention_bias", model_type in QKV_BIASED)
-    )
+    if model_type == "qwen2_moe":
+        qkv = raw.get("qkv_bias", True)
+    elif model_type == "stablelm":
+        qkv = raw.get("use_qkv_bias", False)
+    else:
+        qkv = raw.get("attention_bias", model_type in QKV_BIASED)
     if model_type == "seed_oss":
         output = raw.get("attention_out_bias", False)
     else:
-        output = model_type in ("gpt_oss", "exaone4", "cohere", "cohere2", "phi", *OLMO_TYPES) and qkv
+        output = (
+            model_type in ("gpt_oss", "exaone4", "cohere", "cohere2", "phi", "nemotron", "arcee", *OLMO_TYPES) and qkv
+        )
     return {
         "attention_bias": bool(qkv),
         "attention_output_bias": bool(output),

@@ -11,6 +11,7 @@ from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend
 from sloserve.engine.models import deepseek_v2, gpt2, gpt_neox, phi
+from sloserve.engine.models.arcee import ArceeForCausalLM
 from sloserve.engine.models.cohere import CohereForCausalLM
 from sloserve.engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from sloserve.engine.models.gemma3 import Gemma3ForCausalLM, GemmaForCausalLM
@@ -19,9 +20,12 @@ from sloserve.engine.models.gpt2 import GPT2LMHeadModel
 from sloserve.engine.models.gpt_neox import GPTNeoXForCausalLM
 from sloserve.engine.models.llama import LlamaForCausalLM, MergedLinear
 from sloserve.engine.models.moe import hub_expert_name, per_expert_tensors
+from sloserve.engine.models.nemotron import NemotronForCausalLM
+from sloserve.engine.models.olmo import OlmoForCausalLM
 from sloserve.engine.models.olmo2 import Olmo2ForCausalLM
 from sloserve.engine.models.opt import OPTForCausalLM
 from sloserve.engine.models.phi import PhiForCausalLM
+from sloserve.engine.models.stablelm import StableLmForCausalLM
 from sloserve.engine.models.starcoder2 import Starcoder2ForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -37,6 +41,10 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "phi": PhiForCausalLM,
     "starcoder2": Starcoder2ForCausalLM,
     "deepseek_v2": DeepseekV2ForCausalLM,
+    "stablelm": StableLmForCausalLM,
+    "olmo": OlmoForCausalLM,
+    "nemotron": NemotronForCausalLM,
+    "arcee": ArceeForCausalLM,
 }
 # An architecture's reading of a checkpoint tensor: (HF name, tensor) -> (the engine's name, tensor as it holds it),
 # or None for one it does not hold

@@ -19,12 +19,14 @@ from torch import nn
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
 
-# The MLP's activation by the config's ``activation_function`` (transformers' ACT2FN names)
+# A two-matrix MLP's activation by its config's name (``activation_function``, ``hidden_act``: transformers'
+# ACT2FN names)
 ACTIVATIONS = {
     "gelu_new": functools.partial(F.gelu, approximate="tanh"),
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
     "gelu": F.gelu,
     "relu": F.relu,
+    "relu2": lambda x: torch.square(F.relu(x)),  # (Nemotron's and Arcee's squared ReLU)
 }
 # The projections a checkpoint stores as Conv1D weights, (in, out)
 CONV1D_WEIGHTS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")

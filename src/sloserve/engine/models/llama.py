@@ -44,6 +44,19 @@ class RMSNorm(nn.Module):
         return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (a weight and a bias) with RMSNorm's ``add_and_norm``: a layer of LayerNorms in Llama's
+    outline (StarCoder2, StableLM) runs as Llama's, on piecewise graphs too."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__(size, eps=eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of ``x + residual``, ``x + residual``), each (T, H)."""
+        summed = x + residual
+        return self(summed), summed
+
+
 class MergedLinear(nn.Linear):
     """Several projections of one input as one matmul (vLLM merges Q/K/V and gate/up this way):
     fewer kernel launches per layer. ``parts`` names the checkpoint's projections in row order; each

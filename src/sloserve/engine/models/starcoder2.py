@@ -12,19 +12,7 @@ from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.models.gpt2 import ACTIVATIONS
-from sloserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-
-
-class LayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` with Llama's ``add_and_norm``."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__(size, eps=eps)
-
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this norm of ``x + residual``, ``x + residual``), each (T, H)."""
-        summed = x + residual
-        return self(summed), summed
+from sloserve.engine.models.llama import LayerNorm, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
 class Starcoder2MLP(nn.Module):

@@ -1,0 +1,23 @@
+"""Arcee (``arcee``: AFM-4.5B): Llama's layers with a two-matrix MLP of squared ReLU (Nemotron's
+``UpDownMLP``). HF parameter names; piecewise graphs as Llama's."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from sloserve.checkpoint.config import ModelConfig
+from sloserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from sloserve.engine.models.nemotron import UpDownMLP
+
+
+class ArceeDecoderLayer(LlamaDecoderLayer):
+    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
+        return UpDownMLP(config)
+
+
+class ArceeModel(LlamaModel):
+    layer_class = ArceeDecoderLayer
+
+
+class ArceeForCausalLM(LlamaForCausalLM):
+    model_class = ArceeModel
