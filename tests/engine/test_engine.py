@@ -36,7 +36,7 @@ MAX_TOKENS = [12, 5, 20, 8, 16, 10]
 OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "gemma2", "qwen3_moe", "mixtral", "granite",
                        "olmo2", "qwen2_moe", "gpt_oss", "olmo3", "olmoe", "glm", "glm4",
                        "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2", "gpt2", "phi", "starcoder2", "gemma", "deepseek_v2",
-                       "deepseek_v3", "stablelm", "olmo", "nemotron", "arcee"]  # fmt: skip
+                       "deepseek_v3", "stablelm", "olmo", "nemotron", "arcee", "granitemoe"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -553,7 +553,7 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     (tmp_path / "falcon" / "config.json").write_text(json.dumps({"model_type": "falcon"}))
     with pytest.raises(
         ConfigError,
-        match="unsupported architecture 'falcon'.*supported: arcee, cohere, cohere2, deepseek_v2, deepseek_v3, ernie4_5, exaone4, gemma, gemma2, gemma3, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, llama, ministral3, mistral, mistral3, mixtral, nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2",
+        match="unsupported architecture 'falcon'.*supported: arcee, cohere, cohere2, deepseek_v2, deepseek_v3, ernie4_5, exaone4, gemma, gemma2, gemma3, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, granitemoe, llama, ministral3, mistral, mistral3, mixtral, nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2",
     ):
         LLM(str(tmp_path / "falcon"))
     fp8 = tmp_path / "fp8"  # an FP8 checkpoint's weights would load as plain ones, their scales ignored

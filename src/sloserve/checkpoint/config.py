@@ -37,6 +37,7 @@ ARCHITECTURES: dict[str, str] = {
     "phi3": "llama",  # (Phi-3, Phi-4: Llama's layers, their Q/K/V and gate/up stored fused)
     "smollm3": "llama",  # (Llama's layers, every fourth without a rotary embedding)
     "granite": "llama",  # (Llama's layers, scaled: ModelConfig's multipliers)
+    "granitemoe": "llama",  # (Granite 3 MoE: Granite's layers, their MLPs mixtures of experts)
     "gemma3_text": "gemma3",
     "gemma": "gemma",  # (Gemma 1, CodeGemma: Llama's layers with Gemma's norms, GeGLU MLP and scaled embeddings)
     "gemma2": "gemma3",  # (Gemma 3's layers without query/key norms, with capped scores)
@@ -95,6 +96,7 @@ MOE_DEFAULTS = {
     "mixtral": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (intermediate_size)
     "gpt_oss": {"num_experts": 128, "num_experts_per_tok": 4, "moe_intermediate_size": None},  # (intermediate_size)
     "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": None},  # (intermediate_size)
+    "granitemoe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (intermediate_size)
     "deepseek_v2": {"num_experts": 64, "num_experts_per_tok": None, "moe_intermediate_size": 1407},
     "deepseek_v3": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048},
 }
@@ -573,7 +575,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         layer_types=layer_types,
         sliding_window=int(window) if window else None,
         rotary_layers=tuple(bool(flag) for flag in rotary_layers or ()),
-        **(_granite_multipliers(raw) if model_type == "granite" else {}),
+        **(_granite_multipliers(raw) if model_type in ("granite", "granitemoe") else {}),
         # NOTE: Cohere's logits times logit_scale, as its inverse's quotient (the Hub's: powers of two, exact)
         **({"logits_scaling": 1 / float(raw["logit_scale"])} if cohere else {}),
     )
@@ -742,7 +744,7 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
     weights always renormalized). The defaults where a config has none are transformers'."""
     kind = raw["model_type"]
     qwen2 = kind == "qwen2_moe"
-    experts_of_intermediate_size = kind in ("mixtral", "gpt_oss", "olmoe")
+    experts_of_intermediate_size = kind in ("mixtral", "gpt_oss", "olmoe", "granitemoe")
     # NOTE: transformers 5 saves Qwen3-MoE's count as num_local_experts (Mixtral's name), the Hub as num_experts
     experts = raw.get("num_experts", raw.get("num_local_experts", MOE_DEFAULTS[kind]["num_experts"]))
     if kind in DEEPSEEK_TYPES:
@@ -759,7 +761,8 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         "moe_intermediate_size": raw.get("intermediate_size")
         if experts_of_intermediate_size
         else raw.get("moe_intermediate_size", MOE_DEFAULTS[kind]["moe_intermediate_size"]),
-        "norm_topk_prob": kind == "mixtral" or bool(raw.get("norm_topk_prob", False)),
+        # (Granite's: the softmax of the top k logits, the same weights)
+        "norm_topk_prob": kind in ("mixtral", "granitemoe") or bool(raw.get("norm_topk_prob", False)),
         "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
         "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size", 5632) if qwen2 else 0,
     }

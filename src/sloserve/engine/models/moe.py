@@ -85,14 +85,25 @@ def by_expert(
 
 # Mixtral's checkpoint names of an expert's projections (under ``block_sparse_moe.``, not ``mlp.``)
 MIXTRAL_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# Granite 3 MoE's names of its stacked experts ((E, 2 I, H) gate then up rows, (E, H, I)) and its router
+GRANITE_MOE_NAMES = {
+    "mlp.input_linear.weight": "mlp.experts.gate_up_proj",
+    "mlp.output_linear.weight": "mlp.experts.down_proj",
+    "mlp.router.layer.weight": "mlp.gate.weight",
+}
 
 
 def hub_expert_name(key: str) -> str:
-    """A Mixtral checkpoint's MoE tensor (``block_sparse_moe.experts.0.w1.weight``, ``block_sparse_moe.gate``)
-    under the names the engine's MoE layers take (``mlp.experts.0.gate_proj.weight``, ``mlp.gate``)."""
+    """A Mixtral checkpoint's MoE tensor (``block_sparse_moe.experts.0.w1.weight``, ``block_sparse_moe.gate``), or
+    a Granite MoE's (``block_sparse_moe.input_linear.weight``...), under the names the engine's MoE layers take
+    (``mlp.experts.0.gate_proj.weight``, ``mlp.gate``; Granite's stacked ones as transformers 5's,
+    ``per_expert_tensors``)."""
     if ".block_sparse_moe." not in key:
         return key
     key = key.replace(".block_sparse_moe.", ".mlp.")
+    for granite, ours in GRANITE_MOE_NAMES.items():
+        if key.endswith(granite):
+            return key.removesuffix(granite) + ours
     prefix, _, rest = key.partition(".mlp.experts.")
     if not rest:
         return key
