@@ -35,8 +35,9 @@ MAX_TOKENS = [12, 5, 20, 8, 16, 10]
 # Beside Llama (tests/hf_models.py: each with what sets it apart)
 OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "gemma2", "qwen3_moe", "mixtral", "granite",
                        "olmo2", "qwen2_moe", "gpt_oss", "olmo3", "olmoe", "glm", "glm4",
-                       "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2", "gpt2", "phi", "starcoder2", "gemma", "deepseek_v2",
-                       "deepseek_v3", "stablelm", "olmo", "nemotron", "arcee", "granitemoe"]  # fmt: skip
+                       "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2",
+                       "gpt2", "phi", "starcoder2", "gemma", "deepseek_v2", "deepseek_v3", "stablelm", "olmo",
+                       "nemotron", "arcee", "granitemoe", "hunyuan"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -553,7 +554,7 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     (tmp_path / "falcon" / "config.json").write_text(json.dumps({"model_type": "falcon"}))
     with pytest.raises(
         ConfigError,
-        match="unsupported architecture 'falcon'.*supported: arcee, cohere, cohere2, deepseek_v2, deepseek_v3, ernie4_5, exaone4, gemma, gemma2, gemma3, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, granitemoe, llama, ministral3, mistral, mistral3, mixtral, nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2",
+        match="unsupported architecture 'falcon'.*supported: arcee, cohere, cohere2, deepseek_v2, deepseek_v3, ernie4_5, exaone4, gemma, gemma2, gemma3, gemma3_text, glm, glm4, gpt2, gpt_neox, gpt_oss, granite, granitemoe, hunyuan_v1_dense, llama, ministral3, mistral, mistral3, mixtral, nemotron, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss, smollm3, stablelm, starcoder2",
     ):
         LLM(str(tmp_path / "falcon"))
     fp8 = tmp_path / "fp8"  # an FP8 checkpoint's weights would load as plain ones, their scales ignored
@@ -1167,9 +1168,11 @@ def test_gpt_neox_one_after_the_other_and_the_hubs_config_names(tmp_path):
     assert out.outputs[0].token_ids != hf_greedy("gpt_neox", tuple(ids), 8)  # NOTE: the layer's order matters
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "phi", "starcoder2", "deepseek_v2", "deepseek_v3", "nemotron", "olmo"])
+@pytest.mark.parametrize(
+    "arch", ["gpt2", "phi", "starcoder2", "deepseek_v2", "deepseek_v3", "nemotron", "olmo", "hunyuan"]
+)
 def test_prompt_logprobs_are_transformers(hf_dirs, arch):
-    """GPT-2's, Phi's, StarCoder2's and DeepSeek-V2's scores to 1e-4: greedy tokens alone would not tell their
+    """The scores of the models that came with the GELU MLPs and MLA to 1e-4: greedy tokens alone would not tell
     GELU by tanh's approximation (``gelu_new``) from the exact one, or DeepSeek's YaRN softmax scale from none."""
     from hf_models import prompt_logprobs
 
@@ -1289,3 +1292,18 @@ def test_deepseek_v3_without_interleaved_rope_and_with_a_multi_token_prediction_
     )
     assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
     assert out.outputs[0].token_ids != hf_greedy("deepseek_v3", tuple(ids), 12)  # NOTE: the layout changes them
+
+
+def test_hunyuans_ntk_alpha_as_the_hub_and_transformers_write_it(hf_dirs):
+    """Hunyuan's rope base times alpha ** (d / (d - 2)), from the Hub's top-level ``rope_scaling`` (``type``:
+    dynamic) as from transformers 5's ``rope_parameters``; dynamic scaling without an alpha is refused."""
+    from sloserve.checkpoint.config import from_hf_config
+
+    raw = json.loads((Path(hf_dirs["hunyuan"]) / "config.json").read_text())
+    rope = raw.pop("rope_parameters")
+    ours = from_hf_config({**raw, "rope_parameters": rope})
+    assert ours.rope_theta == pytest.approx(10000.0 * 1000.0 ** (16 / 14)) and ours.rope_scaling is None
+    hub = {**raw, "rope_theta": 10000.0, "rope_scaling": {"type": "dynamic", "alpha": 1000.0, "factor": 1.0}}
+    assert from_hf_config(hub) == ours
+    with pytest.raises(ConfigError, match="dynamic rope scaling needs a positive alpha"):
+        from_hf_config({**hub, "rope_scaling": {"type": "dynamic", "factor": 2.0}})

@@ -38,6 +38,8 @@ ARCHITECTURES: dict[str, str] = {
     "smollm3": "llama",  # (Llama's layers, every fourth without a rotary embedding)
     "granite": "llama",  # (Llama's layers, scaled: ModelConfig's multipliers)
     "granitemoe": "llama",  # (Granite 3 MoE: Granite's layers, their MLPs mixtures of experts)
+    # (Hunyuan 0.5B-7B: Llama's layers, each query and key head normalized after the rotary embedding)
+    "hunyuan_v1_dense": "hunyuan",
     "gemma3_text": "gemma3",
     "gemma": "gemma",  # (Gemma 1, CodeGemma: Llama's layers with Gemma's norms, GeGLU MLP and scaled embeddings)
     "gemma2": "gemma3",  # (Gemma 3's layers without query/key norms, with capped scores)
@@ -206,6 +208,7 @@ class ModelConfig:
     qk_norm: bool = False  # an RMSNorm of each query and key head before the rotary embedding (Qwen3)
     # ... of the whole query and key projections (heads x head_dim) instead (OLMo 2, 3, OLMoE)
     qk_norm_whole_projection: bool = False
+    qk_norm_after_rotary: bool = False  # Hunyuan: each query and key head normalized after the rotary embedding
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] (None: not)
     parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x)), not one after the other
     mlp_bias: bool = False
@@ -489,10 +492,12 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         local_theta = float((rope.get(SLIDING) or {}).get("rope_theta", raw.get("rope_theta", default_theta)))
         rope = dict(rope.get("full_attention") or {})
     rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", default_theta)))
+    head_dim = raw.get("head_dim") or hidden // heads
+    if model_type == "hunyuan_v1_dense":
+        rope_theta, rope, raw = _ntk_alpha(raw, rope, rope_theta, head_dim, name)
     scaling = _config_rope_scaling(raw, rope, name)
     if raw.get("use_sliding_window"):
         raise ConfigError(f"{name}: sliding-window attention (use_sliding_window) is not supported for {model_type}")
-    head_dim = raw.get("head_dim") or hidden // heads
     glm = model_type in ("glm", "glm4")
     cohere = model_type in ("cohere", "cohere2")
     rotated = rope.get(
@@ -568,7 +573,8 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         llama4_scaling_beta=_llama4_scaling_beta(model_type, scaling, rope, name),
         **_biases(raw, model_type),
         attention_sinks=model_type == "gpt_oss",
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "exaone4", *OLMO_TYPES),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "exaone4", "hunyuan_v1_dense", *OLMO_TYPES),
+        qk_norm_after_rotary=model_type == "hunyuan_v1_dense",
         qk_norm_whole_projection=model_type in OLMO_TYPES,
         clip_qkv=raw.get("clip_qkv") if model_type in ("olmoe", "olmo") else None,
         moe=_moe(raw, common["num_hidden_layers"], name) if model_type in MOE_TYPES else None,
@@ -794,6 +800,22 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
     if moe["num_experts_per_tok"] > experts:
         raise ConfigError(f"{name}: num_experts_per_tok {moe['num_experts_per_tok']} exceeds num_experts {experts}")
     return moe
+
+
+def _ntk_alpha(
+    raw: dict[str, Any], rope: dict[str, Any], theta: float, head_dim: int, name: str
+) -> tuple[float, dict[str, Any], dict[str, Any]]:
+    """Hunyuan's rope scaling, "dynamic" with a fixed ``alpha`` (NTK-aware): its base times alpha ** (d / (d - 2)),
+    the same at every length (transformers' ``ntk_alpha``). Returns (the base, rope settings and config
+    without the scaling). Dynamic scaling without an alpha (by the sequence's length) is refused."""
+    scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "dynamic":
+        return theta, rope, raw
+    alpha = scaling.get("alpha")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+        raise ConfigError(f"{name}: dynamic rope scaling needs a positive alpha (Hunyuan's NTK-alpha), got {alpha!r}")
+    theta = theta * alpha ** (head_dim / (head_dim - 2))
+    return theta, {k: v for k, v in rope.items() if k != "rope_type"}, {**raw, "rope_scaling": None}
 
 
 def _check_group_routing(moe: dict[str, Any], methods: tuple[str, ...], name: str) -> None:

@@ -10,7 +10,7 @@ from torch import nn
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend
-from sloserve.engine.models import deepseek_v2, gpt2, gpt_neox, phi
+from sloserve.engine.models import deepseek_v2, gpt2, gpt_neox, hunyuan, phi
 from sloserve.engine.models.arcee import ArceeForCausalLM
 from sloserve.engine.models.cohere import CohereForCausalLM
 from sloserve.engine.models.deepseek_v2 import DeepseekV2ForCausalLM
@@ -45,15 +45,17 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "olmo": OlmoForCausalLM,
     "nemotron": NemotronForCausalLM,
     "arcee": ArceeForCausalLM,
+    "hunyuan": LlamaForCausalLM,
 }
 # An architecture's reading of a checkpoint tensor: (HF name, tensor) -> (the engine's name, tensor as it holds it),
 # or None for one it does not hold
 CHECKPOINT_TENSORS = {
     "gpt_neox": gpt_neox.checkpoint_tensor,
     "gpt2": gpt2.checkpoint_tensor,
-    "phi": phi.checkpoint_tensor,
     "deepseek_v2": deepseek_v2.checkpoint_tensor,
 }
+# An architecture's checkpoint names of modules the engine names otherwise (Llama's): each part of a name replaced
+CHECKPOINT_NAMES = {"phi": phi.CHECKPOINT_NAMES, "hunyuan": hunyuan.CHECKPOINT_NAMES}
 # The merged projections a model type's checkpoints store whole, in the row order the engine's have:
 # Phi-3's Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``), GLM's gate/up
 FUSED_CHECKPOINTS = {"phi3": ("qkv_proj", "gate_up_proj"), "glm": ("gate_up_proj",), "glm4": ("gate_up_proj",)}
@@ -274,9 +276,12 @@ def copy_weights(model: nn.Module, tensors, source: str) -> None:
     elif model.config.is_moe:
         tensors = _per_expert(tensors)
     as_held = CHECKPOINT_TENSORS.get(model.config.architecture)
+    renames = CHECKPOINT_NAMES.get(model.config.architecture, {})
     for origin, key, tensor in tensors:
         if key.endswith(_IGNORED_SUFFIXES):
             continue
+        for theirs, ours in renames.items():
+            key = key.replace(theirs, ours)
         if model.config.rotary_interleaved and key.endswith(_ROTATED_ROWS):
             tensor = deinterleave_rotary_rows(torch.as_tensor(tensor), model.config)
         if as_held is not None:

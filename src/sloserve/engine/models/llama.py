@@ -258,6 +258,7 @@ class LlamaAttention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(nh)) if config.attention_sinks else None
         # Qwen3 normalizes each query and key head; OLMo 2, 3 and OLMoE the whole projections (heads x hd)
         self.qk_norm, self.qk_norm_whole = config.qk_norm, config.qk_norm_whole_projection
+        self.qk_norm_after_rotary = config.qk_norm_after_rotary  # (Hunyuan's: the rotated heads normalized)
         if config.qk_norm:
             self.q_norm = RMSNorm(nh * hd if self.qk_norm_whole else hd, config.norm_eps)
             self.k_norm = RMSNorm(nkv * hd if self.qk_norm_whole else hd, config.norm_eps)
@@ -278,14 +279,20 @@ class LlamaAttention(nn.Module):
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         qkv = qkv.view(t, nh + 2 * nkv, hd)  # (T, nh + 2 nkv, hd)
         qk = qkv[:, : nh + nkv]  # (T, nh + nkv, hd)
-        if self.qk_norm and not self.qk_norm_whole:
-            qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
+        if self.qk_norm and not self.qk_norm_whole and not self.qk_norm_after_rotary:
+            qk = self._norm_heads(qk)
         if self.rotates and cos.shape[1] == 2:  # the queries' tables scaled (Ministral 3: ``Rotary``)
             q, k = qk[:, :nh], qk[:, nh:]
             qk = torch.cat((apply_rotary(q, cos[:, :1], sin[:, :1]), apply_rotary(k, cos[:, 1:], sin[:, 1:])), dim=1)
         elif self.rotates:
             qk = apply_rotary(qk, cos, sin)  # Q and K rotated together
+        if self.qk_norm_after_rotary:
+            qk = self._norm_heads(qk)
         return qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
+
+    def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:  # (T, nh + nkv, hd): each query and key head normalized
+        nh = self.num_heads
+        return torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
 
     def attend(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
         """The backend's attention of (q, k, v) with this layer's scale, window and sinks: (T, nh, hd)."""

@@ -2,7 +2,7 @@
 (x + attn(ln(x)) + mlp(ln(x))), biases everywhere (the LM head's too), the rotary embedding on the leading
 part of each head (``partial_rotary_factor``: 0.4 of Phi-2's 80 dimensions, 0.5 of Phi-1's 64), a final
 LayerNorm. Llama's attention with HF's names (``q_proj``, ``k_proj``, ``v_proj``), but for its output
-projection and final norm (``checkpoint_tensor``: ``dense``, ``final_layernorm``)."""
+projection and final norm (``CHECKPOINT_NAMES``: ``dense``, ``final_layernorm``)."""
 
 from __future__ import annotations
 
@@ -57,10 +57,3 @@ class PhiForCausalLM(StreamLayersForCausalLM):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-
-def checkpoint_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) -> tuple[str, torch.Tensor]:
-    """A Phi checkpoint's tensor under the engine's name (``CHECKPOINT_NAMES``)."""
-    for theirs, ours in CHECKPOINT_NAMES.items():
-        key = key.replace(theirs, ours)
-    return key, tensor
