@@ -47,6 +47,30 @@ def pytest_collection_modifyitems(items):
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+class _HFDirs(dict):
+    """Each architecture of ``hf_models`` saved as a local HF directory (config.json + model.safetensors), the
+    first time a test asks for it."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        super().__init__()
+        self.tmp_path_factory = tmp_path_factory
+
+    def __missing__(self, arch: str) -> str:
+        from hf_models import hf_cached
+
+        path = self.tmp_path_factory.mktemp(f"hf-{arch}")
+        hf_cached(arch).save_pretrained(path)
+        self[arch] = str(path)
+        return self[arch]
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory) -> dict[str, str]:
+    """``hf_dirs[arch]``: the directory of ``hf_models.hf_model(arch)`` (engine/test_engine.py,
+    engine/test_architectures.py)."""
+    return _HFDirs(tmp_path_factory)
+
+
 # Fixtures of the server tests (server/test_serve.py, server/test_batch_api.py); they need torch and transformers,
 # imported when a test asks for them.
 @pytest.fixture(scope="session")

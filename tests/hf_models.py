@@ -1,11 +1,24 @@
-"""Tiny random HuggingFace models (transformers) the engine's and the server's tests compare with."""
+"""Tiny random HuggingFace models (transformers) the engine's and the server's tests compare with, and the
+prompts the engine's tests generate from (``PROMPTS``: ``greedy_tokens`` on the engine, ``reference`` on
+transformers)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import transformers
 
 VOCAB = 300
+PROMPTS = [
+    [5, 17, 33, 2, 99, 120, 7],
+    [250, 3, 3],
+    [i * 7 % VOCAB for i in range(1, 31)],
+    [42] * 12,
+    [11, 22, 33, 44, 55],
+    list(range(100, 117)),
+]
+MAX_TOKENS = [12, 5, 20, 8, 16, 10]
 SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7, "phi3": 9, "smollm3": 10, "gemma2": 11,
          "qwen3_moe": 12, "mixtral": 13, "granite": 14, "olmo2": 15, "phi4_mini": 16,
          "qwen2_moe": 17, "gpt_oss": 18,
@@ -272,3 +285,34 @@ def prompt_logprobs(model, ids: list[int]) -> list[float]:
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+
+@functools.cache
+def hf_cached(arch: str):
+    """``hf_model(arch)``, made once (read-only)."""
+    return hf_model(arch)
+
+
+@functools.cache
+def hf_greedy(arch: str, prompt: tuple[int, ...], num_tokens: int) -> list[int]:
+    """transformers' greedy tokens of ``prompt`` generated alone (EOS ignored) by ``hf_cached(arch)``."""
+    ids = torch.tensor([prompt])
+    gen = hf_cached(arch).generate(
+        ids, max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return gen[0, len(prompt) :].tolist()
+
+
+def reference(arch: str) -> list[list[int]]:
+    """transformers' greedy tokens of each of ``PROMPTS``."""
+    return [hf_greedy(arch, tuple(p), n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+
+
+def greedy_tokens(path: str, scheduler: str, **kwargs):
+    """(the engine's greedy tokens of each of ``PROMPTS``, EOS ignored, the ``LLM``) of the model at ``path``."""
+    from sloserve import LLM, SamplingParams
+
+    llm = LLM(path, scheduler, **kwargs)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    return [o.outputs[0].token_ids for o in outputs], llm

@@ -1,16 +1,15 @@
 """The real engine against HuggingFace transformers: the same greedy tokens whatever the policy, the
-KV layout or the preemptions, on tiny random Llama (GQA), Qwen2 (QKV biases), Qwen3 (query and key
-norms), Gemma 3, Phi-3 (fused weights, a sliding window), SmolLM3 (a layer without rope) and OPT models in
-float32."""
+KV layout, the attention backend or the preemptions, on tiny random Llama (GQA) models and a few others in
+float32; the offline API (stop strings and tokens, chat, beam search, n, structured outputs), the CLI's
+engine commands and the simulator's steps on the engine. Each architecture against its transformers model:
+test_architectures.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import re
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,90 +17,30 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_models import VOCAB, hf_model  # noqa: E402
+from hf_models import MAX_TOKENS, PROMPTS, VOCAB, greedy_tokens, hf_cached, hf_greedy, reference  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.sched import scheduler_names  # noqa: E402
 
-PROMPTS = [
-    [5, 17, 33, 2, 99, 120, 7],
-    [250, 3, 3],
-    [i * 7 % VOCAB for i in range(1, 31)],
-    [42] * 12,
-    [11, 22, 33, 44, 55],
-    list(range(100, 117)),
-]
-MAX_TOKENS = [12, 5, 20, 8, 16, 10]
-# Beside Llama (tests/hf_models.py: each with what sets it apart)
-OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "gemma2", "qwen3_moe", "mixtral", "granite",
-                       "olmo2", "qwen2_moe", "gpt_oss", "olmo3", "olmoe", "glm", "glm4",
-                       "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2",
-                       "gpt2", "phi", "starcoder2", "gemma", "deepseek_v2", "deepseek_v3", "stablelm", "olmo",
-                       "nemotron", "arcee", "granitemoe", "hunyuan"]  # fmt: skip
-
-
-@pytest.fixture(scope="session")
-def hf_dirs(tmp_path_factory) -> dict[str, str]:
-    """Each architecture saved as a local HF directory (config.json + model.safetensors)."""
-    dirs = {}
-    for arch in ("llama", *OTHER_ARCHITECTURES):
-        path = tmp_path_factory.mktemp(f"hf-{arch}")
-        hf_model(arch).save_pretrained(path)
-        dirs[arch] = str(path)
-    return dirs
-
-
-@functools.cache
-def _hf_cached(arch: str):
-    return hf_model(arch)
-
-
-@functools.cache
-def hf_greedy(arch: str, prompt: tuple[int, ...], num_tokens: int) -> list[int]:
-    """HF greedy tokens of ``prompt`` generated alone (EOS ignored)."""
-    ids = torch.tensor([prompt])
-    gen = _hf_cached(arch).generate(
-        ids, max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    return gen[0, len(prompt) :].tolist()
-
-
-def reference(arch: str) -> list[list[int]]:
-    return [hf_greedy(arch, tuple(p), n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
-
-
-def _generate(path: str, scheduler: str, **kwargs) -> tuple[list[list[int]], LLM]:
-    llm = LLM(path, scheduler, **kwargs)
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    return [o.outputs[0].token_ids for o in outputs], llm
-
 
 @pytest.mark.parametrize("scheduler", scheduler_names())
 def test_every_scheduler_gives_hf_greedy_tokens(hf_dirs, scheduler):
-    tokens, _ = _generate(hf_dirs["llama"], scheduler)
+    tokens, _ = greedy_tokens(hf_dirs["llama"], scheduler)
     assert tokens == reference("llama")
-
-
-@pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)
-@pytest.mark.parametrize("scheduler", ["vllm", "sarathi", "orca", "bros"])
-def test_other_architectures_give_hf_greedy_tokens(hf_dirs, arch, scheduler):
-    tokens, _ = _generate(hf_dirs[arch], scheduler)
-    assert tokens == reference(arch)
 
 
 @pytest.mark.parametrize("kv_manager", ["paged", "max", "exact", "bidirectional"])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_every_kv_manager_gives_hf_greedy_tokens(hf_dirs, kv_manager, block_size):
     scheduler = "bros" if kv_manager == "bidirectional" else "vllm"
-    tokens, _ = _generate(hf_dirs["llama"], scheduler, kv_manager=kv_manager, block_size=block_size)
+    tokens, _ = greedy_tokens(hf_dirs["llama"], scheduler, kv_manager=kv_manager, block_size=block_size)
     assert tokens == reference("llama")
 
 
 def test_chunked_prefill_in_small_chunks(hf_dirs):
     """Sarathi with an 8-token prefill budget: prompts run as chunks over several steps, each
     attending to its earlier chunks through the slot table (bottom-right causal mask)."""
-    tokens, llm = _generate(hf_dirs["opt"], "sarathi", prefill_token_budget=8, block_size=4)
+    tokens, llm = greedy_tokens(hf_dirs["opt"], "sarathi", prefill_token_budget=8, block_size=4)
     assert tokens == reference("opt")
     assert llm.engine.replica.timeline.as_dict()["num_prefill_tokens"].max() <= 8
 
@@ -133,7 +72,7 @@ def test_econoserve_offload_free_stops_keep_kv_in_place(hf_dirs):
 def test_forced_preemption_loses_nothing(hf_dirs, scheduler, preemption):
     """A KV cache of 64 slots cannot hold all six requests: some are evicted and come back (refilled
     from prompt + generated tokens, or swapped back in), and every token still equals HF's."""
-    tokens, llm = _generate(
+    tokens, llm = greedy_tokens(
         hf_dirs["llama"], scheduler, kv_capacity_tokens=64, block_size=4, preemption_mode=preemption
     )
     assert tokens == reference("llama")
@@ -157,7 +96,7 @@ def test_a_repetition_penalty_gives_hf_greedy_tokens_with_the_same_penalty(hf_di
     penalty = 1.8
     want = []
     for prompt, n in zip(PROMPTS, MAX_TOKENS, strict=True):
-        gen = _hf_cached("llama").generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+        gen = hf_cached("llama").generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
                                            do_sample=False, eos_token_id=None, pad_token_id=0,
                                            repetition_penalty=penalty)  # fmt: skip
         want.append(gen[0, len(prompt) :].tolist())
@@ -195,7 +134,7 @@ def test_triton_backend_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options
     # NOTE: on a GPU machine the kernels are compiled for CUDA (there is no interpreter to run them on
     # the CPU), still in float32: cuBLAS does not round float32 matmuls to tf32 unless asked to.
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokens, llm = _generate(hf_dirs[arch], scheduler, attention_backend="triton", device=device, **options)
+    tokens, llm = greedy_tokens(hf_dirs[arch], scheduler, attention_backend="triton", device=device, **options)
     assert llm.loaded.attention_backend == "triton"
     assert tokens == reference(arch)
     if "preemption_mode" in options:
@@ -211,7 +150,7 @@ def test_split_decodes_give_hf_greedy_tokens(hf_dirs, arch, monkeypatch):
 
     monkeypatch.setattr(triton_attention, "_SPLITS_SETTING", "3")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokens, llm = _generate(
+    tokens, llm = greedy_tokens(
         hf_dirs[arch], "sarathi", attention_backend="triton", device=device, prefill_token_budget=8, block_size=4
     )
     backend = next(m.backend for m in llm.loaded.model.modules() if hasattr(m, "backend"))
@@ -233,7 +172,7 @@ def test_dense_prefills_give_hf_greedy_tokens(hf_dirs, arch, monkeypatch):
     real_dense = triton_attention._dense_causal
     monkeypatch.setattr(triton_attention, "_dense_causal", lambda *args: dense_calls.append(1) or real_dense(*args))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokens, _ = _generate(hf_dirs[arch], "vllm", attention_backend="triton", device=device, block_size=4)
+    tokens, _ = greedy_tokens(hf_dirs[arch], "vllm", attention_backend="triton", device=device, block_size=4)
     assert dense_calls and tokens == reference(arch)
 
 
@@ -249,7 +188,7 @@ def test_on_cuda_the_default_kv_cache_fits_in_the_processs_memory_share(hf_dirs)
     share_bytes = held + (1 << 30)
     torch.cuda.set_per_process_memory_fraction(share_bytes / torch.cuda.mem_get_info()[1])
     try:
-        tokens, llm = _generate(hf_dirs["llama"], "vllm", device="cuda")
+        tokens, llm = greedy_tokens(hf_dirs["llama"], "vllm", device="cuda")
         kv_bytes = llm.engine.scheduler.kv.capacity_tokens * kv_bytes_per_token(llm.loaded)
         others = torch.cuda.memory_reserved() - kv_bytes  # those, the weights, the steps' activations
         assert 0.8 * (share_bytes - others) <= kv_bytes <= 0.9 * (share_bytes - held)
@@ -337,7 +276,7 @@ def test_bad_words_offline_are_tokenized_with_the_models_tokenizer(reference_llm
         no_tokenizer.generate({"prompt_token_ids": [1, 2]}, SamplingParams(bad_words=["x"]))
 
 
-def test_chat_renders_as_transformers_and_generates_as_generate(reference_llm, chat_model_dir):
+def test_chat_renders_as_transformers_and_generates_asgreedy_tokens(reference_llm, chat_model_dir):
     """vLLM's ``LLM.chat``: the model's template rendered as transformers' ``apply_chat_template``, the
     same tokens as ``generate`` on that text; a list of conversations; its options (tools too) as the server's."""
     hf = transformers.AutoTokenizer.from_pretrained(chat_model_dir)
@@ -1026,25 +965,6 @@ def test_the_host_share_fit_is_not_bent_by_descheduled_steps():
     assert per_request == pytest.approx(0, abs=1e-12) and per_step > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", *OTHER_ARCHITECTURES])
-def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
-    """`simulate --model DIR`: the spec read from config.json counts the parameters transformers has (a
-    mixture of experts: all of them; its biases, sinks, norms and shared experts too)."""
-    from sloserve.checkpoint import model_spec
-
-    spec = model_spec(hf_dirs[arch])
-    hf = _hf_cached(arch)
-    # (DeepSeek-V3's router bias: a buffer to transformers, a weight of the checkpoint)
-    biases = sum(b.numel() for name, b in hf.named_buffers() if name.endswith("e_score_correction_bias"))
-    assert spec.num_params == sum(p.numel() for p in hf.parameters()) + biases
-    kv_heads = getattr(hf.config, "num_key_value_heads", 4)  # (OPT and GPT-NeoX: as many as the heads)
-    head_dim = getattr(hf.config, "head_dim", None) or 16  # (64 / 4 heads, where the config has none)
-    if arch.startswith("deepseek"):  # MLA's cache: one latent and rotated key a token (32 + 8)
-        kv_heads, head_dim = 1, hf.config.kv_lora_rank + hf.config.qk_rope_head_dim
-    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (hf.config.num_hidden_layers, kv_heads, head_dim)
-    assert spec.dtype_bytes == 4  # saved in float32
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -1124,186 +1044,3 @@ def test_the_engine_finds_the_cached_prefixes_the_simulator_finds(tmp_path):
             cached[name] = [int(row["cached_tokens"]) for row in csv.DictReader(f)]
     assert cached["engine"] == cached["sim"] and sum(cached["sim"]) > 0
     assert not any(cached["off"])
-
-
-def test_exaone_4s_attention_without_a_window_and_a_pattern_by_name():
-    """EXAONE 4.0 1.2B has no sliding window: every layer attends to all and rotates (its 32B: three
-    sliding layers with rope, then one global without). A pattern by letters ("LLLG") needs layer_types."""
-    from sloserve.checkpoint.config import from_hf_config
-
-    raw = _hf_cached("exaone4").config.to_dict()
-    hybrid = from_hf_config(raw)
-    assert [hybrid.layer_window(i) for i in range(4)] == [8, 8, 8, None]
-    assert [hybrid.layer_rotates(i) for i in range(4)] == [True, True, True, False]
-    dense = from_hf_config({**raw, "sliding_window": None})
-    assert [dense.layer_window(i) for i in range(4)] == [None] * 4 and all(dense.layer_rotates(i) for i in range(4))
-    with pytest.raises(ConfigError, match="sliding_window_pattern 'LLLG' needs layer_types"):
-        from_hf_config({**raw, "layer_types": None, "sliding_window_pattern": "LLLG"})
-
-
-def test_gpt_neox_one_after_the_other_and_the_hubs_config_names(tmp_path):
-    """GPT-NeoX-20B-style layers (``use_parallel_residual`` false: the MLP reads the stream after attention),
-    a config as the Hub's Pythia ones say it (``rotary_pct``, ``rotary_emb_base`` at the top level) and an old
-    checkpoint's causal-mask buffers: transformers' greedy tokens."""
-    import safetensors.torch
-
-    model = _hf_cached("gpt_neox")
-    sequential = transformers.GPTNeoXForCausalLM(
-        transformers.GPTNeoXConfig(**{**model.config.to_dict(), "use_parallel_residual": False, "model_type": None})
-    ).eval()
-    sequential.load_state_dict(model.state_dict())
-    sequential.save_pretrained(tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    rope = config.pop("rope_parameters")
-    config.update(rotary_pct=rope["partial_rotary_factor"], rotary_emb_base=rope["rope_theta"])
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    weights = safetensors.torch.load_file(str(tmp_path / "model.safetensors"))
-    weights["gpt_neox.layers.0.attention.bias"] = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
-    weights["gpt_neox.layers.0.attention.masked_bias"] = torch.tensor(-1e9)
-    safetensors.torch.save_file(weights, str(tmp_path / "model.safetensors"))
-    ids = PROMPTS[1]
-    out = LLM(str(tmp_path)).generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=8, temperature=0))[0]
-    expected = sequential.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)
-    assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
-    assert out.outputs[0].token_ids != hf_greedy("gpt_neox", tuple(ids), 8)  # NOTE: the layer's order matters
-
-
-@pytest.mark.parametrize(
-    "arch", ["gpt2", "phi", "starcoder2", "deepseek_v2", "deepseek_v3", "nemotron", "olmo", "hunyuan"]
-)
-def test_prompt_logprobs_are_transformers(hf_dirs, arch):
-    """The scores of the models that came with the GELU MLPs and MLA to 1e-4: greedy tokens alone would not tell
-    GELU by tanh's approximation (``gelu_new``) from the exact one, or DeepSeek's YaRN softmax scale from none."""
-    from hf_models import prompt_logprobs
-
-    ids = PROMPTS[2]
-    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-    [out] = LLM(hf_dirs[arch]).generate({"prompt_token_ids": ids}, params)
-    ours = [entry.logprob for entry in out.prompt_logprobs[1:]]
-    assert ours == pytest.approx(prompt_logprobs(_hf_cached(arch), ids), abs=1e-4)
-
-
-def test_gpt2_as_openai_saved_it_and_its_scaling_options(tmp_path):
-    """GPT-2's checkpoint as OpenAI's (tensors without the ``transformer.`` prefix, each layer's causal-mask
-    buffers) and a config with Stanford CRFM's ``scale_attn_by_inverse_layer_idx`` and the exact GELU:
-    transformers' greedy tokens."""
-    import safetensors.torch
-
-    model = _hf_cached("gpt2")
-    options = {"scale_attn_by_inverse_layer_idx": True, "activation_function": "gelu"}
-    scaled = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**model.config.to_dict(), **options})).eval()
-    scaled.load_state_dict(model.state_dict())
-    scaled.save_pretrained(tmp_path)
-    weights = safetensors.torch.load_file(str(tmp_path / "model.safetensors"))
-    weights = {key.removeprefix("transformer."): tensor for key, tensor in weights.items()}
-    for layer in range(2):
-        weights[f"h.{layer}.attn.bias"] = torch.ones(1, 1, 256, 256).tril()
-        weights[f"h.{layer}.attn.masked_bias"] = torch.tensor(-1e4)
-    safetensors.torch.save_file(weights, str(tmp_path / "model.safetensors"))
-    ids = PROMPTS[0]
-    out = LLM(str(tmp_path)).generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=12, temperature=0))[0]
-    expected = scaled.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
-    assert out.outputs[0].token_ids != hf_greedy("gpt2", tuple(ids), 12)  # NOTE: the options change the tokens
-    config = json.loads((tmp_path / "config.json").read_text())
-    for bad, message in (
-        ({"activation_function": "swish"}, "GPT-2 activation_function 'swish' is not supported"),
-        ({"add_cross_attention": True}, "add_cross_attention"),
-    ):
-        (tmp_path / "config.json").write_text(json.dumps({**config, **bad}))
-        with pytest.raises(ConfigError, match=message):
-            LLM(str(tmp_path))
-
-
-@pytest.mark.parametrize(("arch", "default_rotary_dim"), [("phi", 8), ("stablelm", 4), ("nemotron", 8)])
-def test_partial_rotary_configs_as_transformers_reads_them(hf_dirs, arch, default_rotary_dim):
-    """A config without ``partial_rotary_factor`` turns transformers' default share of each head (Phi's and
-    Nemotron's half, StableLM's quarter), one with the Hub's top-level keys reads as transformers 5's
-    ``rope_parameters``; Phi's and StableLM's query and key LayerNorms and StableLM 2 12B's parallel layers
-    are refused by name."""
-    from sloserve.checkpoint.config import from_hf_config
-
-    raw = json.loads((Path(hf_dirs[arch]) / "config.json").read_text())
-    rope = raw.pop("rope_parameters")
-    hub = from_hf_config({**raw, "rope_theta": rope["rope_theta"], "partial_rotary_factor": 0.4})
-    assert hub == from_hf_config({**raw, "rope_parameters": {**rope, "partial_rotary_factor": 0.4}})
-    assert hub.rotary_dim == 6  # (0.4 of 16, rounded down)
-    assert from_hf_config(raw).rotary_dim == default_rotary_dim
-    if arch != "nemotron":
-        with pytest.raises(ConfigError, match="qk_layernorm .*is not supported"):
-            from_hf_config({**raw, "qk_layernorm": True})
-    if arch == "stablelm":
-        with pytest.raises(ConfigError, match="use_parallel_residual .*is not supported"):
-            from_hf_config({**raw, "use_parallel_residual": True})
-
-
-def test_gemma_1s_first_configs_gelu_is_its_tanh_approximation(hf_dirs):
-    """Gemma 1's first configs say ``hidden_act: gelu`` for the tanh approximation, as transformers reads it;
-    another activation is refused by name."""
-    from sloserve.checkpoint.config import from_hf_config
-
-    raw = json.loads((Path(hf_dirs["gemma"]) / "config.json").read_text())
-    assert from_hf_config({**raw, "hidden_act": "gelu"}).hidden_act == "gelu_pytorch_tanh"
-    assert transformers.GemmaConfig(**{**raw, "hidden_act": "gelu"}).hidden_act == "gelu_pytorch_tanh"
-    with pytest.raises(ConfigError, match="hidden_act 'silu' is not supported \\(gelu_pytorch_tanh\\)"):
-        from_hf_config({**raw, "hidden_act": "silu"})
-
-
-def test_deepseek_v2_lites_shape_caches_one_latent_a_token(tmp_path):
-    """V2-Lite's outline (one query projection, no rope scaling) with group-limited routing: transformers'
-    greedy tokens, its parameter count, and a KV cache of one latent and rotated key a token and layer (40
-    numbers here, where keys and values by head would be 4 x (24 + 12))."""
-    options = {"q_lora_rank": None, "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1}
-    config = transformers.DeepseekV2Config(**{**_hf_cached("deepseek_v2").config.to_dict(), **options})
-    config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
-    torch.manual_seed(35)
-    model = transformers.DeepseekV2ForCausalLM(config).eval()
-    model.save_pretrained(tmp_path)
-    llm = LLM(str(tmp_path), kv_capacity_tokens=256, block_size=4)
-    assert llm.engine.cache.gpu.shape[-2:] == (1, 32 + 8)
-    assert llm.loaded.config.num_params == sum(p.numel() for p in model.parameters())
-    ids = PROMPTS[0]
-    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
-    expected = model.generate(
-        torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
-
-
-def test_deepseek_v3_without_interleaved_rope_and_with_a_multi_token_prediction_layer(tmp_path):
-    """A DeepSeek-V3 checkpoint whose rotary embedding turns halves (``rope_interleave`` false: its rows
-    load as they are) and that carries a multi-token-prediction layer past its layers (DeepSeek-V3's, not
-    run, as vLLM serves it): transformers' greedy tokens."""
-    import safetensors.torch
-
-    config = transformers.DeepseekV3Config(**{**_hf_cached("deepseek_v3").config.to_dict(), "rope_interleave": False})
-    model = transformers.DeepseekV3ForCausalLM(config).eval()
-    model.load_state_dict(_hf_cached("deepseek_v3").state_dict())
-    model.save_pretrained(tmp_path)
-    weights = safetensors.torch.load_file(str(tmp_path / "model.safetensors"))
-    weights.update(
-        {key.replace("layers.1.", "layers.2."): t.clone() for key, t in weights.items() if "layers.1." in key}
-    )
-    safetensors.torch.save_file(weights, str(tmp_path / "model.safetensors"))
-    ids = PROMPTS[0]
-    out = LLM(str(tmp_path)).generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=12, temperature=0))[0]
-    expected = model.generate(
-        torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
-    assert out.outputs[0].token_ids != hf_greedy("deepseek_v3", tuple(ids), 12)  # NOTE: the layout changes them
-
-
-def test_hunyuans_ntk_alpha_as_the_hub_and_transformers_write_it(hf_dirs):
-    """Hunyuan's rope base times alpha ** (d / (d - 2)), from the Hub's top-level ``rope_scaling`` (``type``:
-    dynamic) as from transformers 5's ``rope_parameters``; dynamic scaling without an alpha is refused."""
-    from sloserve.checkpoint.config import from_hf_config
-
-    raw = json.loads((Path(hf_dirs["hunyuan"]) / "config.json").read_text())
-    rope = raw.pop("rope_parameters")
-    ours = from_hf_config({**raw, "rope_parameters": rope})
-    assert ours.rope_theta == pytest.approx(10000.0 * 1000.0 ** (16 / 14)) and ours.rope_scaling is None
-    hub = {**raw, "rope_theta": 10000.0, "rope_scaling": {"type": "dynamic", "alpha": 1000.0, "factor": 1.0}}
-    assert from_hf_config(hub) == ours
-    with pytest.raises(ConfigError, match="dynamic rope scaling needs a positive alpha"):
-        from_hf_config({**hub, "rope_scaling": {"type": "dynamic", "factor": 2.0}})

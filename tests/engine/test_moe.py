@@ -4,7 +4,7 @@
 and V3's MoE (their routings, shared experts) on random tokens (experts that get many
 tokens, one, or none), which layers are sparse, the parameter count, GGUF files as llama.cpp lays them out,
 gpt-oss's MXFP4 experts, and CUDA graphs refused for a routing that sets its own shapes. The whole model's
-greedy tokens are checked in test_engine.py (``qwen3_moe``, ``qwen2_moe``, ``gpt_oss``)."""
+greedy tokens are checked in test_architectures.py."""
 
 from __future__ import annotations
 
