@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import transformers
 
@@ -18,6 +19,7 @@ TENSOR_NAMES = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }  # fmt: skip
 PHI3_TENSOR_NAMES = {**TENSOR_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # fused
+STARCODER2_TENSOR_NAMES = {**TENSOR_NAMES, "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}  # (two matrices)
 GEMMA3_TENSOR_NAMES = {
     **TENSOR_NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
@@ -95,18 +97,23 @@ def write_gguf(
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # (Phi-3's config has none)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if hasattr(c, "rms_norm_eps"):
+        writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    else:  # (LayerNorms: StableLM's, StarCoder2's)
+        writer.add_layer_norm_eps(getattr(c, "layer_norm_eps", None) or c.norm_epsilon)
     writer.add_rope_freq_base(rope["rope_theta"])
     for method, value in fields.items():
         getattr(writer, method)(value)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "model.norm.bias": "output_norm.bias"}  # fmt: skip
     if not c.tie_word_embeddings:
         names["lm_head.weight"] = "output.weight"
     for n in range(c.num_hidden_layers):
         names_of = {"gemma2": GEMMA3_TENSOR_NAMES, "gemma3": GEMMA3_TENSOR_NAMES, "phi3": PHI3_TENSOR_NAMES,
-                    "olmo2": GEMMA3_TENSOR_NAMES}  # fmt: skip
+                    "olmo2": GEMMA3_TENSOR_NAMES, "starcoder2": STARCODER2_TENSOR_NAMES}  # fmt: skip
         for hf, ours in names_of.get(arch, TENSOR_NAMES).items():
-            names[f"model.layers.{n}.{hf}.weight"] = f"blk.{n}.{ours}.weight"
+            for kind in ("weight", "bias"):  # (a bias where the model has one: a LayerNorm's, a projection's)
+                names[f"model.layers.{n}.{hf}.{kind}"] = f"blk.{n}.{ours}.{kind}"
     for name, tensor in model.state_dict().items():
         if name not in names:
             continue  # the LM head tied to the embedding
@@ -136,3 +143,16 @@ def assert_reads_as_transformers(llm, path: Path, texts: list[str]) -> None:
         ids = llm.tokenizer.encode(text)
         assert ids == reference(text)["input_ids"], text
         assert llm.tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+
+
+def assert_greedy_tokens_and_logprobs(llm, model, prompts: list[list[int]]) -> None:
+    """The engine's greedy tokens and prompt log-probabilities on ``prompts`` are ``model``'s (transformers')."""
+    from hf_models import greedy, prompt_logprobs
+    from sloserve import SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
+    for ids, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == greedy(model, ids, 12)
+        ours = [entry.logprob for entry in out.prompt_logprobs[1:]]
+        assert ours == pytest.approx(prompt_logprobs(model, ids), abs=1e-4)

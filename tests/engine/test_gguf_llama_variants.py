@@ -14,9 +14,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from gguf_files import uneven_norms_, write_gguf  # noqa: E402
+from gguf_files import assert_greedy_tokens_and_logprobs, uneven_norms_, write_gguf  # noqa: E402
 
-from hf_models import greedy, prompt_logprobs  # noqa: E402
+from hf_models import greedy  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.checkpoint.gguf import read_gguf  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
@@ -60,7 +60,7 @@ def test_granites_scales_read_from_llama_cpps_keys(tmp_path):
     read = read_gguf(path).hf_config
     assert [read[k] for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")] \
         == pytest.approx([12.0, 0.22, 0.0625, 16.0])  # fmt: skip
-    assert_greedy_tokens_and_logprobs(LLM(str(path), kv_capacity_tokens=512), model)
+    assert_greedy_tokens_and_logprobs(LLM(str(path), kv_capacity_tokens=512), model, PROMPTS)
 
 
 def test_olmo_2s_norms_after_attention_and_the_mlp(tmp_path):
@@ -73,18 +73,8 @@ def test_olmo_2s_norms_after_attention_and_the_mlp(tmp_path):
     path = tmp_path / "tiny-olmo2.gguf"
     tokens = {"add_tokenizer_model": "gpt2", "add_token_list": [f"t{i}" for i in range(VOCAB)]}
     write_gguf(path, model, tokens, arch="olmo2")
-    assert_greedy_tokens_and_logprobs(LLM(str(path), kv_capacity_tokens=512), model)
+    assert_greedy_tokens_and_logprobs(LLM(str(path), kv_capacity_tokens=512), model, PROMPTS)
     olmo3 = tmp_path / "olmo3.gguf"  # llama.cpp's Olmo 3: olmo2 with a window on three layers of four
     write_gguf(olmo3, model, {**tokens, "add_sliding_window": 4096}, arch="olmo2")
     with pytest.raises(ConfigError, match="olmo2.attention.sliding_window 4096 .*Olmo 3.* is not supported"):
         LLM(str(olmo3), kv_capacity_tokens=256)
-
-
-def assert_greedy_tokens_and_logprobs(llm, model) -> None:
-    """The engine's greedy tokens and prompt log-probabilities on PROMPTS are ``model``'s."""
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=0)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
-    for ids, out in zip(PROMPTS, outputs, strict=True):
-        assert out.outputs[0].token_ids == greedy(model, ids, 12)
-        ours = [entry.logprob for entry in out.prompt_logprobs[1:]]
-        assert ours == pytest.approx(prompt_logprobs(model, ids), abs=1e-4)

@@ -120,14 +120,18 @@ QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss", "phi")
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe")
 # transformers' rope bases where a config has none
 DEFAULT_ROPE_THETA = {"gpt_oss": 150_000.0, "olmo3": 500_000.0, "ernie4_5": 500_000.0}
-# transformers' defaults where theirs differ from the generic reading (a head_dim of 128, not hidden / heads)
+# transformers' defaults where theirs differ from the generic reading (a head_dim of 128, not hidden / heads; an
+# MLP's activation other than SiLU, which a GGUF file does not name)
 CONFIG_DEFAULTS = {
     "ernie4_5": {"head_dim": 128, "tie_word_embeddings": True},
     "seed_oss": {"head_dim": 128},
     "cohere": {"tie_word_embeddings": True, "logit_scale": 0.0625},
     "cohere2": {"tie_word_embeddings": True, "logit_scale": 0.0625},
     "gpt2": {"tie_word_embeddings": True},
-    "starcoder2": {"tie_word_embeddings": True},
+    "starcoder2": {"tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"},
+    "phi": {"hidden_act": "gelu_new"},
+    "nemotron": {"hidden_act": "relu2"},
+    "arcee": {"hidden_act": "relu2"},
     "gemma": {"head_dim": 256, "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"},
 }
 # GPT-2's config names for the common ones (transformers' GPT2Config.attribute_map)

@@ -7,7 +7,7 @@ runs the same weights transformers does when it loads the file (``from_pretraine
 
 Supported: the Llama architecture (``general.architecture = llama``: Llama 2 and 3.x, SmolLM, Mistral
 without sliding windows), SmolLM3, Granite 3, Qwen2, Qwen3, Qwen3-MoE (``qwen3moe``), Qwen2-MoE (``qwen2moe``),
-Phi-3 and Phi-4 (``phi3``), OLMo 2 (``olmo2``),
+Phi-3 and Phi-4 (``phi3``), OLMo 2 (``olmo2``), StableLM (``stablelm``), StarCoder2 (``starcoder2``),
 Gemma (``gemma``: Gemma 1, CodeGemma), Gemma 2 and Gemma 3's text models, with a byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``; the
 pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2,
 Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores it, a tensor of
@@ -86,6 +86,28 @@ ARCH_TENSORS = {
         "blk.{n}.post_ffw_norm.weight": "model.layers.{n}.post_feedforward_layernorm.weight",
     },
 }
+# LayerNorms' biases (StableLM's, StarCoder2's)
+NORM_BIASES = {
+    "blk.{n}.attn_norm.bias": "model.layers.{n}.input_layernorm.bias",
+    "blk.{n}.ffn_norm.bias": "model.layers.{n}.post_attention_layernorm.bias",
+    "output_norm.bias": "model.norm.bias",
+}
+ARCH_TENSORS["stablelm"] = {  # (and q/k/v biases where use_qkv_bias)
+    **NORM_BIASES,
+    **{f"blk.{{n}}.attn_{x}.bias": f"model.layers.{{n}}.self_attn.{x}_proj.bias" for x in ("q", "k", "v")},
+}
+ARCH_TENSORS["starcoder2"] = {  # (every projection's bias where use_bias; its MLP's two matrices)
+    **ARCH_TENSORS["stablelm"],
+    "blk.{n}.attn_output.bias": "model.layers.{n}.self_attn.o_proj.bias",
+    "blk.{n}.ffn_up.weight": "model.layers.{n}.mlp.c_fc.weight",
+    "blk.{n}.ffn_up.bias": "model.layers.{n}.mlp.c_fc.bias",
+    "blk.{n}.ffn_down.weight": "model.layers.{n}.mlp.c_proj.weight",
+    "blk.{n}.ffn_down.bias": "model.layers.{n}.mlp.c_proj.bias",
+}
+# The architectures whose norms are LayerNorms: the HF config's name of their epsilon
+LAYER_NORM_EPS_NAMES = {"stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon"}
+# The architectures whose rotary embedding may turn part of a head (``rope.dimension_count``)
+PARTIAL_ROTARY_ARCHS = ("phi3", "stablelm")
 ARCH_TENSORS["gemma3"] = {
     **ARCH_TENSORS["gemma2"],
     "blk.{n}.attn_q_norm.weight": "model.layers.{n}.self_attn.q_norm.weight",
@@ -135,6 +157,8 @@ PRE_TOKENIZER_SPLITS: dict[str | None, str | None] = {
     "default": None,
     "gpt-2": None,
     "smollm": None,  # NOTE: llama.cpp splits its digits one by one first; its vocabulary has no runs of them
+    "starcoder": None,  # (StarCoder2's: as SmolLM's, llama.cpp's case)
+    "stablelm2": QWEN_SPLIT,  # (StableLM 2's: Qwen's pattern, llama.cpp's case)
     "qwen2": QWEN_SPLIT,
     "deepseek-r1-qwen": QWEN_SPLIT,
     "llama-bpe": LLAMA3_SPLIT,
@@ -257,7 +281,11 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
         "head_dim": meta.get(f"{arch}.attention.key_length") or hidden // heads,
         "max_position_embeddings": need("context_length"),
-        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        **(
+            {LAYER_NORM_EPS_NAMES[arch]: float(need("attention.layer_norm_epsilon"))}
+            if arch in LAYER_NORM_EPS_NAMES
+            else {"rms_norm_eps": float(need("attention.layer_norm_rms_epsilon"))}
+        ),
         "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": sorted(eos),
@@ -265,15 +293,16 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
     }
     rotated = meta.get(f"{arch}.rope.dimension_count")
     if rotated is not None and rotated != config["head_dim"]:
-        # NOTE: Phi-4 mini's partial rotary, as transformers' phi3 reads it (its other archs rotate whole heads)
+        # NOTE: Phi-4 mini's partial rotary, as transformers' phi3 reads it, and StableLM's (its other archs
+        # rotate whole heads)
         if (
-            arch != "phi3"
+            arch not in PARTIAL_ROTARY_ARCHS
             or not isinstance(rotated, int)
             or int(config["head_dim"] * (rotated / config["head_dim"])) != rotated
         ):
             raise ConfigError(
                 f"{path}: GGUF {arch}.rope.dimension_count {rotated} rotates part of a head of {config['head_dim']}; "
-                "partial rotary embeddings are supported for phi3 only"
+                f"partial rotary embeddings are supported for {', '.join(PARTIAL_ROTARY_ARCHS)} only"
             )
         config["partial_rotary_factor"] = rotated / config["head_dim"]
     config["rope_scaling"] = _rope_scaling(meta, arch, path)
@@ -306,6 +335,15 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
             f"{path}: GGUF olmo2 with olmo2.attention.sliding_window {meta['olmo2.attention.sliding_window']} "
             "(Olmo 3's sliding layers) is not supported"
         )
+    names = {t.name for t in reader.tensors}
+    if arch == "stablelm":  # (its biases and second norms, as the tensors say: transformers' GGUF reader's rule)
+        config["use_qkv_bias"] = "blk.0.attn_q.bias" in names
+        config["use_parallel_residual"] = bool(
+            meta.get("stablelm.use_parallel_residual", "blk.0.ffn_norm.weight" not in names)
+        )
+        config["partial_rotary_factor"] = config.get("partial_rotary_factor", 1.0)
+    if arch == "starcoder2":  # (no window: llama.cpp attends to every position)
+        config["use_bias"] = "blk.0.attn_q.bias" in names
     if arch == "phi3":  # every layer's window (Phi-3 mini's 2,047; 0: none, Phi-4's)
         config["sliding_window"] = meta.get("phi3.attention.sliding_window") or None
         if any(t.name in LONGROPE_FACTORS.values() for t in reader.tensors):
