@@ -65,6 +65,25 @@ def gemma_vocabulary() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+def gemma_model(model_class, config, seed: int):
+    """A random transformers Gemma of ``config`` whose norms count (0 at init: Gemma's norms scale by 1 + weight)."""
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def vocabulary_fields(tokens: list[str], scores: list[float], types: list[int]) -> dict:
+    """The GGUF fields of ``gemma_vocabulary``'s tokenizer, as llama.cpp's converter writes a Gemma's."""
+    return {
+        "add_tokenizer_model": "llama", "add_token_list": tokens, "add_token_scores": scores,
+        "add_token_types": types, "add_bos_token_id": 2, "add_eos_token_id": EOS, "add_add_space_prefix": False,
+    }  # fmt: skip
+
+
 def tiny_gemma3(vocab_size: int, layers: int = 6, heads: int = 4, scaling: bool = True):
     """A random transformers Gemma 3 with its default layer pattern (every sixth layer global) and rope
     bases, linear scaling on the global layers as 4B-27B have it, norms that count."""
@@ -75,27 +94,15 @@ def tiny_gemma3(vocab_size: int, layers: int = 6, heads: int = 4, scaling: bool 
         intermediate_size=128, max_position_embeddings=512, sliding_window=WINDOW, initializer_range=0.2,
         rope_parameters={"full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
     )  # fmt: skip
-    torch.manual_seed(8)
-    model = transformers.Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(0.1 * torch.randn_like(p))  # (0 at init: Gemma's norms scale by 1 + weight)
-    return model
+    return gemma_model(transformers.Gemma3ForCausalLM, config, 8)
 
 
 def write_gemma3_gguf(path, model, tokens, scores, types, **extra) -> None:
     fields = {
-        "add_tokenizer_model": "llama",
-        "add_token_list": tokens,
-        "add_token_scores": scores,
-        "add_token_types": types,
-        "add_bos_token_id": 2,
-        "add_eos_token_id": EOS,
+        **vocabulary_fields(tokens, scores, types),
         "add_unk_token_id": 3,
         "add_pad_token_id": 0,
         "add_add_bos_token": True,
-        "add_add_space_prefix": False,
         "add_chat_template": TEMPLATE,
         "add_sliding_window": WINDOW,
         "add_rope_scaling_type": gguf.RopeScalingType.LINEAR,
@@ -198,18 +205,14 @@ def test_gemma_2_reads_as_its_model_with_its_capped_scores(tmp_path):
         head_dim=16, query_pre_attn_scalar=16, intermediate_size=128, max_position_embeddings=512,
         sliding_window=WINDOW, attn_logit_softcapping=2.0, final_logit_softcapping=5.0, initializer_range=0.2,
     )  # fmt: skip
-    torch.manual_seed(16)
-    model = transformers.Gemma2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(0.1 * torch.randn_like(p))
+    model = gemma_model(transformers.Gemma2ForCausalLM, config, 16)
     path = tmp_path / "tiny-gemma2.gguf"
     fields = {
-        "add_tokenizer_model": "llama", "add_token_list": tokens, "add_token_scores": scores,
-        "add_token_types": types, "add_bos_token_id": 2, "add_eos_token_id": EOS, "add_add_space_prefix": False,
-        "add_sliding_window": WINDOW, "add_attn_logit_softcapping": 2.0, "add_final_logit_softcapping": 5.0,
-    }  # fmt: skip
+        **vocabulary_fields(tokens, scores, types),
+        "add_sliding_window": WINDOW,
+        "add_attn_logit_softcapping": 2.0,
+        "add_final_logit_softcapping": 5.0,
+    }
     write_gguf(path, model, fields, arch="gemma2")
     read = read_gguf(path).hf_config
     assert read["layer_types"] == model.config.layer_types == ["sliding_attention", "full_attention"] * 2
@@ -239,18 +242,9 @@ def test_gemma_1_reads_as_its_model(tmp_path):
         vocab_size=len(tokens), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, intermediate_size=128, max_position_embeddings=512, initializer_range=0.2,
     )  # fmt: skip
-    torch.manual_seed(17)
-    model = transformers.GemmaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(0.1 * torch.randn_like(p))
+    model = gemma_model(transformers.GemmaForCausalLM, config, 17)
     path = tmp_path / "tiny-gemma.gguf"
-    fields = {
-        "add_tokenizer_model": "llama", "add_token_list": tokens, "add_token_scores": scores,
-        "add_token_types": types, "add_bos_token_id": 2, "add_eos_token_id": EOS, "add_add_space_prefix": False,
-        "add_eot_token_id": END_OF_TURN,
-    }  # fmt: skip
+    fields = {**vocabulary_fields(tokens, scores, types), "add_eot_token_id": END_OF_TURN}
     write_gguf(path, model, fields, arch="gemma")
     assert read_gguf(path).hf_config["eos_token_id"] == [EOS, END_OF_TURN]
     llm = LLM(str(path), kv_capacity_tokens=1024)

@@ -34,15 +34,37 @@ def moe_config(**overrides) -> dict:
     return {**config, **overrides}
 
 
+def random_block(block_class, hf_config, seed: int, std: float = 0.3):
+    """transformers' MoE block of ``hf_config`` with its weights (its router's bias too) drawn from N(0, std)."""
+    torch.manual_seed(seed)
+    block = block_class(hf_config).eval()
+    with torch.no_grad():
+        for p in [*block.parameters(), *(b for name, b in block.named_buffers() if name.endswith("correction_bias"))]:
+            p.normal_(0.0, std)
+    return block
+
+
+def engine_layer_holding(config: dict, block):
+    """The engine's first MLP of ``config``, holding ``block``'s weights: its stacked experts in the engine's own
+    layout ((E, 2 I, H) gate rows then up rows, (E, H, I)), the rest under the Hub's names."""
+    ours = create_model(from_hf_config(config), TorchAttention(), torch.float32, torch.device("cpu"))
+    layer = ours.model.layers[0].mlp
+    tensors = checkpoint_tensors(ours)
+    stacked = {"experts.gate_up_proj": "gate_up", "experts.down_proj": "down"}
+    with torch.no_grad():
+        for name, tensor in block.state_dict().items():
+            if name in stacked:
+                getattr(layer.experts, stacked[name]).copy_(tensor)
+            else:
+                tensors[f"model.layers.0.mlp.{name}"].copy_(tensor)
+    return layer
+
+
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 @pytest.mark.parametrize("num_tokens", [1, 5, 64])
 def test_the_layer_equals_transformers_block(norm_topk_prob, num_tokens):
     hf_config = transformers.Qwen3MoeConfig(**{**moe_config(norm_topk_prob=norm_topk_prob), "model_type": None})
-    torch.manual_seed(num_tokens)
-    block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(hf_config).eval()
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0.0, 0.3)
+    block = random_block(transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock, hf_config, num_tokens)
     ours = SparseMoE(from_hf_config(moe_config(norm_topk_prob=norm_topk_prob)))
     with torch.no_grad():
         ours.gate.weight.copy_(block.gate.weight)
@@ -64,24 +86,11 @@ def test_qwen2_moes_layer_with_its_shared_expert_equals_transformers_block(num_t
     times sigmoid(shared_expert_gate(x))."""
     config = moe_config(model_type="qwen2_moe", shared_expert_intermediate_size=24)
     hf_config = transformers.Qwen2MoeConfig(**{**config, "model_type": None})
-    torch.manual_seed(100 + num_tokens)
-    block = transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock(hf_config).eval()
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0.0, 0.3)
-    ours = create_model(from_hf_config(config), TorchAttention(), torch.float32, torch.device("cpu"))
-    layer = ours.model.layers[0].mlp
+    block = random_block(
+        transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock, hf_config, 100 + num_tokens
+    )
+    layer = engine_layer_holding(config, block)
     assert isinstance(layer, SparseMoE)
-    tensors = checkpoint_tensors(ours)
-    prefix = "model.layers.0.mlp"
-    with torch.no_grad():  # the block's tensors under the Hub's names
-        for name, tensor in block.state_dict().items():
-            if name.startswith("experts."):  # (E, 2 I, H) and (E, H, I): the engine's own layout
-                getattr(layer.experts, {"experts.gate_up_proj": "gate_up", "experts.down_proj": "down"}[name]).copy_(
-                    tensor
-                )
-            else:
-                tensors[f"{prefix}.{name}"].copy_(tensor)
     x = torch.randn(num_tokens, 32)
     with torch.no_grad():
         expected = block(x[None])[0]
@@ -187,8 +196,6 @@ def test_qwen2_moes_parameter_count_and_gguf_file(tmp_path):
         for part in ("gate", "up", "down"):
             more[f"blk.{n}.ffn_{part}_shexp.weight"] = state[f"{mlp}.shared_expert.{part}_proj.weight"]
         more[f"blk.{n}.ffn_gate_inp_shexp.weight"] = state[f"{mlp}.shared_expert_gate.weight"].reshape(-1)
-        for x in ("q", "k", "v"):
-            more[f"blk.{n}.attn_{x}.bias"] = state[f"model.layers.{n}.self_attn.{x}_proj.bias"]
     fields = {
         "add_tokenizer_model": "gpt2", "add_token_list": [f"t{i}" for i in range(300)], "add_expert_count": 6,
         "add_expert_used_count": 2, "add_expert_feed_forward_length": 16, "add_expert_shared_feed_forward_length": 24,
@@ -210,11 +217,8 @@ def test_gpt_oss_layer_equals_transformers_mlp(num_tokens):
     interleaved, clamped at 7 (the gate above, the up both sides), (up + 1) gate sigmoid(1.702 gate)."""
     config = {**hf_model("gpt_oss").config.to_dict(), "num_local_experts": 6}
     hf_config = transformers.GptOssConfig(**{k: v for k, v in config.items() if k != "model_type"})
-    torch.manual_seed(200 + num_tokens)
-    block = transformers.models.gpt_oss.modeling_gpt_oss.GptOssMLP(hf_config).eval()
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0.0, 1.0)  # (large enough that some gates and ups pass the clamp)
+    # (weights large enough that some gates and ups pass the clamp)
+    block = random_block(transformers.models.gpt_oss.modeling_gpt_oss.GptOssMLP, hf_config, 200 + num_tokens, std=1.0)
     ours = create_model(from_hf_config(config), TorchAttention(), torch.float32, torch.device("cpu"))
     layer = ours.model.layers[0].mlp
     with torch.no_grad():
@@ -299,23 +303,11 @@ def test_deepseek_v2s_layer_equals_transformers_block(routing, num_tokens):
     )  # fmt: skip
     del config["num_experts"]  # (its name: n_routed_experts)
     hf_config = transformers.DeepseekV2Config(**{**config, "model_type": None})
-    torch.manual_seed(200 + num_tokens)
-    block = transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Moe(hf_config).eval()
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0.0, 0.3)
-    ours = create_model(from_hf_config(config), TorchAttention(), torch.float32, torch.device("cpu"))
-    layer = ours.model.layers[0].mlp
+    block = random_block(
+        transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Moe, hf_config, 200 + num_tokens
+    )
+    layer = engine_layer_holding(config, block)
     assert isinstance(layer, DeepseekMoE)
-    tensors = checkpoint_tensors(ours)
-    with torch.no_grad():
-        for name, tensor in block.state_dict().items():
-            if name.startswith("experts."):  # (E, 2 I, H) and (E, H, I): the engine's own layout
-                getattr(layer.experts, {"experts.gate_up_proj": "gate_up", "experts.down_proj": "down"}[name]).copy_(
-                    tensor
-                )
-            else:
-                tensors[f"model.layers.0.mlp.{name}"].copy_(tensor)
     x = torch.randn(num_tokens, 32)
     with torch.no_grad():
         expected = block(x[None])[0]
@@ -339,22 +331,10 @@ def test_deepseek_v3s_layer_equals_transformers_block(num_tokens):
     )  # fmt: skip
     del config["num_experts"]  # (its name: n_routed_experts)
     hf_config = transformers.DeepseekV3Config(**{**config, "model_type": None})
-    torch.manual_seed(300 + num_tokens)
-    block = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE(hf_config).eval()
-    with torch.no_grad():
-        for p in [*block.parameters(), block.gate.e_score_correction_bias]:
-            p.normal_(0.0, 0.3)
-    ours = create_model(from_hf_config(config), TorchAttention(), torch.float32, torch.device("cpu"))
-    layer = ours.model.layers[0].mlp
-    tensors = checkpoint_tensors(ours)
-    with torch.no_grad():
-        for name, tensor in block.state_dict().items():
-            if name.startswith("experts."):
-                getattr(layer.experts, {"experts.gate_up_proj": "gate_up", "experts.down_proj": "down"}[name]).copy_(
-                    tensor
-                )
-            else:
-                tensors[f"model.layers.0.mlp.{name}"].copy_(tensor)
+    block = random_block(
+        transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE, hf_config, 300 + num_tokens
+    )
+    layer = engine_layer_holding(config, block)
     x = torch.randn(num_tokens, 32)
     with torch.no_grad():
         expected = block(x[None])[0]

@@ -30,6 +30,7 @@ from torch import nn
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
 from sloserve.engine.models.llama import (
+    AddAndNorm,
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaModel,
@@ -40,7 +41,7 @@ from sloserve.engine.models.llama import (
 )
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(AddAndNorm, nn.Module):
     """x / rms(x) * (1 + weight), in float32, rounded to x's dtype once."""
 
     def __init__(self, size: int, eps: float) -> None:
@@ -52,11 +53,6 @@ class GemmaRMSNorm(nn.Module):
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).type_as(x)
-
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this norm of ``x + residual``, ``x + residual``), each (T, H): Llama's layout (Gemma 1)."""
-        summed = x + residual
-        return self(summed), summed
 
 
 class Gemma3Attention(nn.Module):

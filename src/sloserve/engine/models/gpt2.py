@@ -53,10 +53,12 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
+    """c_proj(act(c_fc(x))), biases where ``mlp_bias`` (GPT-2's always; StarCoder2's MLP too)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, I) -> (T, H)

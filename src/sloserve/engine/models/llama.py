@@ -44,17 +44,21 @@ class RMSNorm(nn.Module):
         return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class LayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` (a weight and a bias) with RMSNorm's ``add_and_norm``: a layer of LayerNorms in Llama's
-    outline (StarCoder2, StableLM) runs as Llama's, on piecewise graphs too."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__(size, eps=eps)
+class AddAndNorm:
+    """RMSNorm's ``add_and_norm`` for another norm (a module of one input), so that a layer of it in Llama's
+    outline runs as Llama's, on piecewise graphs too (Gemma 1, StarCoder2, StableLM, OLMo 1, Nemotron)."""
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(this norm of ``x + residual``, ``x + residual``), each (T, H)."""
         summed = x + residual
         return self(summed), summed
+
+
+class LayerNorm(AddAndNorm, nn.LayerNorm):
+    """``nn.LayerNorm`` (a weight and a bias) in Llama's outline (StarCoder2, StableLM)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__(size, eps=eps)
 
 
 class MergedLinear(nn.Linear):

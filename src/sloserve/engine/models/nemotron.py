@@ -11,10 +11,10 @@ from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.models.gpt2 import ACTIVATIONS
-from sloserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from sloserve.engine.models.llama import AddAndNorm, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
-class LayerNorm1P(nn.LayerNorm):
+class LayerNorm1P(AddAndNorm, nn.LayerNorm):
     """A LayerNorm whose scale is 1 + weight (a bias too), in x's dtype, as transformers'."""
 
     def __init__(self, size: int, eps: float) -> None:
@@ -22,11 +22,6 @@ class LayerNorm1P(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H)
         return F.layer_norm(x, self.normalized_shape, self.weight + 1.0, self.bias, self.eps)
-
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this norm of ``x + residual``, ``x + residual``), each (T, H)."""
-        summed = x + residual
-        return self(summed), summed
 
 
 class UpDownMLP(nn.Module):

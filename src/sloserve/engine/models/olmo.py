@@ -8,13 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sloserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from sloserve.engine.models.llama import AddAndNorm, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 # transformers' OlmoLayerNorm's epsilon (its configs do not say one)
 OLMO_NORM_EPS = 1e-5
 
 
-class OlmoLayerNorm(nn.Module):
+class OlmoLayerNorm(AddAndNorm, nn.Module):
     """A LayerNorm without a weight or a bias, in float32, rounded to x's dtype."""
 
     def __init__(self, size: int, eps: float) -> None:
@@ -23,11 +23,6 @@ class OlmoLayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H)
         return F.layer_norm(x.float(), (self.size,), None, None, eps=OLMO_NORM_EPS).to(x.dtype)
-
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this norm of ``x + residual``, ``x + residual``), each (T, H)."""
-        summed = x + residual
-        return self(summed), summed
 
 
 class OlmoDecoderLayer(LlamaDecoderLayer):

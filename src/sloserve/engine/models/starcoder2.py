@@ -7,31 +7,18 @@ norm after it), so they run on piecewise CUDA graphs as Llama's do."""
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
-from sloserve.engine.models.gpt2 import ACTIVATIONS
+from sloserve.engine.models.gpt2 import GPT2MLP
 from sloserve.engine.models.llama import LayerNorm, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-
-
-class Starcoder2MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.c_fc = nn.Linear(h, i, bias=bias)
-        self.c_proj = nn.Linear(i, h, bias=bias)
-        self.act = ACTIVATIONS[config.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, I) -> (T, H)
-        return self.c_proj(self.act(self.c_fc(x)))
 
 
 class Starcoder2DecoderLayer(LlamaDecoderLayer):
     norm_class = LayerNorm
 
     def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
-        return Starcoder2MLP(config)
+        return GPT2MLP(config)  # (GPT-2's names and shape)
 
 
 class Starcoder2Model(LlamaModel):
