@@ -397,6 +397,9 @@ class ModelConfig:
         NOTE: a mixture of experts is seen as a dense model of all its parameters (its memory is right;
         its compute an upper bound: Qwen3-30B-A3B's token uses 3B of its 30B). Fit a cost model to the
         engine (``sloserve profile``) for its real batch times."""
+        mlp_kind = (
+            "relu" if self.model_type in TWO_MATRIX_MLPS else "gated"
+        )  # (two matrices, whatever their activation)
         return ModelSpec(
             name=self.name,
             num_layers=self.num_hidden_layers,
@@ -409,9 +412,7 @@ class ModelConfig:
             num_params=self.num_params,
             max_context_len=self.max_position_embeddings,
             dtype_bytes=DTYPE_BYTES.get(self.torch_dtype, 2),
-            mlp_kind="relu"
-            if self.model_type in TWO_MATRIX_MLPS
-            else "gated",  # (two matrices, whatever their activation)
+            mlp_kind=mlp_kind,
             tied_embeddings=self.tie_word_embeddings,
         )
 
@@ -690,9 +691,9 @@ def _norm_eps(raw: dict[str, Any], model_type: str) -> float:
 def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
     """Which projections have biases, by each config's names and transformers' defaults: ``attention_bias``
     is the q/k/v projections' (Qwen2's config has no key: always; Qwen2-MoE's says ``qkv_bias``, StableLM's
-    ``use_qkv_bias``), and the output projection's too for gpt-oss, EXAONE 4, OLMo, Nemotron, Arcee; Seed-OSS
-    names the latter
-    ``attention_out_bias``; ERNIE 4.5's and StarCoder2's ``use_bias`` is every linear layer's."""
+    ``use_qkv_bias``), and the output projection's too for gpt-oss, EXAONE 4, OLMo, Nemotron and Arcee;
+    Seed-OSS names the latter ``attention_out_bias``; ERNIE 4.5's and StarCoder2's ``use_bias`` is every
+    linear layer's."""
     if model_type in ("ernie4_5", "starcoder2"):
         every = bool(raw.get("use_bias", model_type == "starcoder2"))
         return {"attention_bias": every, "attention_output_bias": every, "mlp_bias": every}
@@ -750,8 +751,10 @@ def _language_model_config(raw: dict[str, Any], name: str) -> ModelConfig:
 def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
     """Qwen3-MoE's and Qwen2-MoE's experts, as transformers' decoder layers place them: every
     ``decoder_sparse_step``-th layer not in ``mlp_only_layers`` (Qwen2-MoE's beside a shared expert);
-    Mixtral's, gpt-oss's and OLMoE's: every layer, each expert of ``intermediate_size`` (Mixtral's top
-    weights always renormalized). The defaults where a config has none are transformers'."""
+    Mixtral's, gpt-oss's, OLMoE's and Granite MoE's: every layer, each expert of ``intermediate_size``
+    (Mixtral's and Granite's top weights always renormalized); DeepSeek's: every layer after the first
+    ``first_k_dense_replace``, beside shared experts, with their routing's settings. The defaults where a
+    config has none are transformers'."""
     kind = raw["model_type"]
     qwen2 = kind == "qwen2_moe"
     experts_of_intermediate_size = kind in ("mixtral", "gpt_oss", "olmoe", "granitemoe")

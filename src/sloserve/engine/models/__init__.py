@@ -98,6 +98,10 @@ def create_model(config: ModelConfig, backend: AttentionBackend, dtype: torch.dt
     with torch.device("meta"):
         model = MODEL_CLASSES[config.architecture](config, backend)
     model = model.to_empty(device=device).to(dtype)
+    for module in model.modules():  # (parameters a module keeps in float32 whatever the model's dtype)
+        for name in getattr(module, "float32_parameters", ()):
+            if getattr(module, name) is not None:
+                setattr(module, name, nn.Parameter(getattr(module, name).float()))
     if config.tie_word_embeddings:  # to_empty re-creates parameters: tie again
         embed, head = TIED_MODULES.get(config.architecture, ("model.embed_tokens", "lm_head"))
         model.get_submodule(head).weight = model.get_submodule(embed).weight

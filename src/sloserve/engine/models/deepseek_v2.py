@@ -68,7 +68,6 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.latent_dim, nh * (self.nope_dim + self.v_dim), bias=False)  # W_UK, W_UV
         self.o_proj = nn.Linear(nh * self.v_dim, h, bias=bias)
         self.scale = qk**-0.5 * yarn_softmax_scale(config) ** 2
-        self.window = None  # (read by the model's rotary choice)
         self.backend = backend
 
     def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,9 +80,8 @@ class MultiHeadLatentAttention(nn.Module):
         t, nh = x.shape[0], self.num_heads
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_rope = q.view(t, nh, -1).split((self.nope_dim, self.rope_dim), dim=-1)  # (T, nh, d_h), (T, nh, d_h^R)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split(
-            (self.latent_dim, self.rope_dim), dim=-1
-        )  # (T, d_c), (T, d_h^R)
+        compressed = self.kv_a_proj_with_mqa(x)  # (T, d_c + d_h^R)
+        latent, k_rope = compressed.split((self.latent_dim, self.rope_dim), dim=-1)  # (T, d_c), (T, d_h^R)
         w_uk, _ = self._up_projections()
         q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # (T, nh, d_c): W_UK absorbed
         q = torch.cat((q_latent, apply_rotary(q_rope, cos, sin)), dim=-1)  # (T, nh, d_c + d_h^R)
@@ -113,7 +111,12 @@ def yarn_softmax_scale(config: ModelConfig) -> float:
 
 class DeepseekRouter(nn.Module):
     """The router's weight (E, H) and, for V3's routing (``noaux_tc``), the bias its choice adds to the scores
-    (``e_score_correction_bias``, DeepSeek-V3's auxiliary-loss-free balancing b_i)."""
+    (``e_score_correction_bias``, DeepSeek-V3's auxiliary-loss-free balancing b_i).
+
+    NOTE: the bias stays float32 in a bf16 model (``float32_parameters``, as vLLM and transformers keep it):
+    rounded to bf16, experts whose s + b nearly tie would swap."""
+
+    float32_parameters = ("e_score_correction_bias",)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -152,7 +155,7 @@ class DeepseekMoE(nn.Module):
         logits = self.gate(x)  # (T, E)
         if self.method == "noaux_tc":
             scores = logits.sigmoid()
-            choice = scores + self.gate.e_score_correction_bias.float()  # (T, E)
+            choice = scores + self.gate.e_score_correction_bias  # (T, E) float32
             by_group = choice.view(x.shape[0], self.num_groups, -1)  # (T, G, E / G)
             group_scores = by_group.topk(2, dim=-1).values.sum(dim=-1)  # (T, G)
             choice = self._in_best_groups(by_group, group_scores, float("-inf"))
