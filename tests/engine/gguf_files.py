@@ -20,6 +20,7 @@ TENSOR_NAMES = {
 }  # fmt: skip
 PHI3_TENSOR_NAMES = {**TENSOR_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # fused
 STARCODER2_TENSOR_NAMES = {**TENSOR_NAMES, "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}  # (two matrices)
+GPT_OSS_TENSOR_NAMES = {**TENSOR_NAMES, "post_attention_layernorm": "post_attention_norm"}  # (its experts apart)
 GEMMA3_TENSOR_NAMES = {
     **TENSOR_NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
@@ -110,7 +111,8 @@ def write_gguf(
         names["lm_head.weight"] = "output.weight"
     for n in range(c.num_hidden_layers):
         names_of = {"gemma2": GEMMA3_TENSOR_NAMES, "gemma3": GEMMA3_TENSOR_NAMES, "phi3": PHI3_TENSOR_NAMES,
-                    "olmo2": GEMMA3_TENSOR_NAMES, "starcoder2": STARCODER2_TENSOR_NAMES}  # fmt: skip
+                    "olmo2": GEMMA3_TENSOR_NAMES, "starcoder2": STARCODER2_TENSOR_NAMES,
+                    "gpt-oss": GPT_OSS_TENSOR_NAMES}  # fmt: skip
         for hf, ours in names_of.get(arch, TENSOR_NAMES).items():
             for kind in ("weight", "bias"):  # (a bias where the model has one: a LayerNorm's, a projection's)
                 names[f"model.layers.{n}.{hf}.{kind}"] = f"blk.{n}.{ours}.{kind}"

@@ -8,7 +8,9 @@ runs the same weights transformers does when it loads the file (``from_pretraine
 Supported: the Llama architecture (``general.architecture = llama``: Llama 2 and 3.x, SmolLM, Mistral
 without sliding windows), SmolLM3, Granite 3, Qwen2, Qwen3, Qwen3-MoE (``qwen3moe``), Qwen2-MoE
 (``qwen2moe``), Phi-3 and Phi-4 (``phi3``), OLMo 2 (``olmo2``), StableLM (``stablelm``), StarCoder2
-(``starcoder2``), Gemma (``gemma``: Gemma 1, CodeGemma), Gemma 2 and Gemma 3's text models, with a byte-level
+(``starcoder2``), gpt-oss (``gpt-oss``: its experts in MXFP4 or not, dequantized by ``gguf``; its YaRN ramp
+truncated, as llama.cpp computes it, where the HF config says ``truncate: false``), Gemma (``gemma``: Gemma 1,
+CodeGemma), Gemma 2 and Gemma 3's text models, with a byte-level
 BPE tokenizer (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``)
 or a SentencePiece BPE one (``llama``: Llama 2, Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores it, a tensor of
 frequency factors (``rope_freqs.weight``); linear and YaRN scaling as ``rope.scaling.*`` keys; Phi-3.5's
@@ -86,6 +88,17 @@ ARCH_TENSORS = {
         "blk.{n}.post_ffw_norm.weight": "model.layers.{n}.post_feedforward_layernorm.weight",
     },
 }
+ARCH_TENSORS["gpt-oss"] = {  # (its experts, stacked: GPT_OSS_EXPERTS)
+    "blk.{n}.post_attention_norm.weight": "model.layers.{n}.post_attention_layernorm.weight",  # (before the MLP)
+    **{f"blk.{{n}}.attn_{x}.bias": f"model.layers.{{n}}.self_attn.{x}_proj.bias" for x in ("q", "k", "v")},
+    "blk.{n}.attn_output.bias": "model.layers.{n}.self_attn.o_proj.bias",
+    "blk.{n}.attn_sinks.weight": "model.layers.{n}.self_attn.sinks",
+    "blk.{n}.ffn_gate_inp.weight": "model.layers.{n}.mlp.router.weight",
+    "blk.{n}.ffn_gate_inp.bias": "model.layers.{n}.mlp.router.bias",
+}
+# gpt-oss's stacked experts as llama.cpp's converter writes them (gate and up apart, each (E, I, H), down
+# (E, H, I), biases beside; MXFP4 or not: ``gguf`` dequantizes either) -> (the part of transformers' tensor)
+GPT_OSS_EXPERTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 # LayerNorms' biases (StableLM's, StarCoder2's)
 NORM_BIASES = {
     "blk.{n}.attn_norm.bias": "model.layers.{n}.input_layernorm.bias",
@@ -270,7 +283,8 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
     eos = {meta[key] for key in END_OF_GENERATION_KEYS if meta.get(key) is not None}
     eos |= {token_id for token_id, token in enumerate(tokens) if token in END_OF_GENERATION_TEXTS}
     # (a Qwen3-MoE file may have no dense MLP's length: its every MLP is the experts)
-    dense_mlp = meta.get(f"{arch}.feed_forward_length") if arch in GGUF_MOE else need("feed_forward_length")
+    experts_only = arch in GGUF_MOE or arch == "gpt-oss"
+    dense_mlp = meta.get(f"{arch}.feed_forward_length") if experts_only else need("feed_forward_length")
     config = {
         "model_type": "gemma3_text" if arch == "gemma3" else arch,
         "vocab_size": meta.get(f"{arch}.vocab_size") or len(tokens),
@@ -320,6 +334,14 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         if arch == "qwen2moe":
             config["shared_expert_intermediate_size"] = need("expert_shared_feed_forward_length")
         config["intermediate_size"] = config["intermediate_size"] or config["moe_intermediate_size"]
+    if arch == "gpt-oss":  # every layer's MLP the experts; every other layer sliding (llama.cpp's pattern)
+        config.update(
+            model_type="gpt_oss",
+            num_local_experts=need("expert_count"),
+            num_experts_per_tok=need("expert_used_count"),
+            intermediate_size=need("expert_feed_forward_length"),
+            sliding_window=need("attention.sliding_window"),
+        )
     if arch == "granite":  # its scales, under llama.cpp's names (absent: none, as llama.cpp reads it)
         scales = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
                   "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}  # fmt: skip
@@ -476,9 +498,15 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
                 patterns[gguf_name.format(n=n)] = hf_name.format(n=n)
         else:
             patterns[gguf_name] = hf_name
+    gpt_oss_experts: dict[tuple[str, str], np.ndarray] = {}  # (layer, part of a tensor name) -> array
     for tensor in checkpoint.reader.tensors:
         if tensor.name == ROPE_FREQS or tensor.name in LONGROPE_FACTORS.values():
             continue  # NOTE: the config's rope scaling (read_gguf), not a weight
+        if arch == "gpt-oss" and tensor.name.split(".")[2:3] and tensor.name.split(".")[2] in GPT_OSS_EXPERTS:
+            _, n, kind, suffix = tensor.name.split(".")
+            weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+            gpt_oss_experts[(n, f"{GPT_OSS_EXPERTS[kind]}.{suffix}")] = weight
+            continue
         block, _, kind = tensor.name.removesuffix(".weight").rpartition(".")
         if kind in EXPERT_TENSORS and config.get("num_experts") and block.startswith("blk."):
             experts = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)  # (E, rows, cols)
@@ -499,6 +527,31 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
         elif tensor.name.endswith("ffn_gate_inp_shexp.weight"):
             weight = weight.reshape(1, -1)  # NOTE: llama.cpp's is a vector (n_embd), HF's a (1, H) projection
         yield patterns[tensor.name], weight
+    yield from _gpt_oss_experts(gpt_oss_experts, checkpoint.path)
+
+
+def _gpt_oss_experts(parts: dict[tuple[str, str], np.ndarray], path: Path):
+    """transformers' gpt-oss expert tensors from llama.cpp's ``parts`` ((layer, "gate.weight")...): gate and up
+    (E, I, H) each interleaved into ``gate_up_proj`` (E, H, 2 I), gate in the even columns, their biases (E, I)
+    into ``gate_up_proj_bias`` (E, 2 I); down (E, H, I) transposed to ``down_proj`` (E, I, H), its bias kept."""
+    for n in sorted({layer for layer, _ in parts}, key=int):
+        wanted = [f"{part}.{kind}" for part in ("gate", "up", "down") for kind in ("weight", "bias")]
+        missing = [name for name in wanted if (n, name) not in parts]
+        if missing:
+            gguf_names = {part: name for name, part in GPT_OSS_EXPERTS.items()}
+            names = [f"blk.{n}.{gguf_names[m.split('.')[0]]}.{m.split('.')[1]}" for m in missing]
+            raise ConfigError(f"{path}: GGUF gpt-oss layer {n}'s experts have no {', '.join(names)}")
+        gate, up = parts[(n, "gate.weight")], parts[(n, "up.weight")]
+        experts, rows, hidden = gate.shape
+        gate_up = np.empty((experts, hidden, 2 * rows), dtype=np.float32)
+        gate_up[:, :, ::2], gate_up[:, :, 1::2] = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
+        bias = np.empty((experts, 2 * rows), dtype=np.float32)
+        bias[:, ::2], bias[:, 1::2] = parts[(n, "gate.bias")], parts[(n, "up.bias")]
+        prefix = f"model.layers.{n}.mlp.experts"
+        yield f"{prefix}.gate_up_proj", gate_up
+        yield f"{prefix}.gate_up_proj_bias", bias
+        yield f"{prefix}.down_proj", np.ascontiguousarray(parts[(n, "down.weight")].transpose(0, 2, 1))
+        yield f"{prefix}.down_proj_bias", parts[(n, "down.bias")]
 
 
 def gguf_tokenizer(checkpoint: GGUFCheckpoint):
