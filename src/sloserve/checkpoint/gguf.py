@@ -5,16 +5,16 @@ template; its tensors are dequantized to float32 (``gguf.quants.dequantize``: Q4
 K-quants... as llama.cpp defines them) and copied into the model under their HF names, so the engine
 runs the same weights transformers does when it loads the file (``from_pretrained(gguf_file=...)``).
 
-Supported: the Llama architecture (``general.architecture = llama``: Llama 2 and 3.x, SmolLM, Mistral
-without sliding windows), SmolLM3, Granite 3, Qwen2, Qwen3, Qwen3-MoE (``qwen3moe``), Qwen2-MoE
-(``qwen2moe``), Phi-3 and Phi-4 (``phi3``), OLMo 2 (``olmo2``), StableLM (``stablelm``), StarCoder2
-(``starcoder2``), gpt-oss (``gpt-oss``: its experts in MXFP4 or not, dequantized by ``gguf``; its YaRN ramp
-truncated, as llama.cpp computes it, where the HF config says ``truncate: false``), Gemma (``gemma``: Gemma 1,
-CodeGemma), Gemma 2 and Gemma 3's text models, with a byte-level
-BPE tokenizer (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``)
-or a SentencePiece BPE one (``llama``: Llama 2, Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores it, a tensor of
-frequency factors (``rope_freqs.weight``); linear and YaRN scaling as ``rope.scaling.*`` keys; Phi-3.5's
-and Phi-4 mini's LongRoPE as two tensors of factors (``rope_factors_short/long.weight``).
+Supported: the Llama architecture (``general.architecture = llama``: Llama 2 and 3.x, SmolLM, Mistral without
+sliding windows), SmolLM3, Granite 3, Qwen2, Qwen3, Qwen3-MoE (``qwen3moe``), Qwen2-MoE (``qwen2moe``), Phi-3
+and Phi-4 (``phi3``), OLMo 2 (``olmo2``), StableLM (``stablelm``), StarCoder2 (``starcoder2``), gpt-oss
+(``gpt-oss``: its experts in MXFP4 or not, dequantized by ``gguf``; its YaRN ramp truncated, as llama.cpp
+computes it, where the HF config says ``truncate: false``), Gemma (``gemma``: Gemma 1, CodeGemma), Gemma 2 and
+Gemma 3's text models, with a byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's
+split pattern by ``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2, Mistral 7B,
+TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores it, a tensor of frequency factors
+(``rope_freqs.weight``); linear and YaRN scaling as ``rope.scaling.*`` keys; Phi-3.5's and Phi-4 mini's
+LongRoPE as two tensors of factors (``rope_factors_short/long.weight``).
 
 NOTE: llama.cpp's converter permutes the rows of a Llama (SmolLM3, Granite) model's Q and K projections (its
 RoPE rotates adjacent pairs, HF's rotates halves); ``_unpermute`` undoes it, as transformers' GGUF loader
@@ -99,6 +99,7 @@ ARCH_TENSORS["gpt-oss"] = {  # (its experts, stacked: GPT_OSS_EXPERTS)
 # gpt-oss's stacked experts as llama.cpp's converter writes them (gate and up apart, each (E, I, H), down
 # (E, H, I), biases beside; MXFP4 or not: ``gguf`` dequantizes either) -> (the part of transformers' tensor)
 GPT_OSS_EXPERTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+GPT_OSS_EXPERT_PARTS = tuple(f"{part}.{kind}" for part in ("gate", "up", "down") for kind in ("weight", "bias"))
 # LayerNorms' biases (StableLM's, StarCoder2's)
 NORM_BIASES = {
     "blk.{n}.attn_norm.bias": "model.layers.{n}.input_layernorm.bias",
@@ -498,14 +499,16 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
                 patterns[gguf_name.format(n=n)] = hf_name.format(n=n)
         else:
             patterns[gguf_name] = hf_name
-    gpt_oss_experts: dict[tuple[str, str], np.ndarray] = {}  # (layer, part of a tensor name) -> array
+    gpt_oss_experts: dict[str, dict[str, np.ndarray]] = {}  # layer -> its experts' parts ("gate.weight"...)
     for tensor in checkpoint.reader.tensors:
         if tensor.name == ROPE_FREQS or tensor.name in LONGROPE_FACTORS.values():
             continue  # NOTE: the config's rope scaling (read_gguf), not a weight
         if arch == "gpt-oss" and tensor.name.split(".")[2:3] and tensor.name.split(".")[2] in GPT_OSS_EXPERTS:
             _, n, kind, suffix = tensor.name.split(".")
-            weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-            gpt_oss_experts[(n, f"{GPT_OSS_EXPERTS[kind]}.{suffix}")] = weight
+            parts = gpt_oss_experts.setdefault(n, {})
+            parts[f"{GPT_OSS_EXPERTS[kind]}.{suffix}"] = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            if len(parts) == len(GPT_OSS_EXPERT_PARTS):  # NOTE: a layer's experts yielded whole, then let go
+                yield from _gpt_oss_experts(n, gpt_oss_experts.pop(n))
             continue
         block, _, kind = tensor.name.removesuffix(".weight").rpartition(".")
         if kind in EXPERT_TENSORS and config.get("num_experts") and block.startswith("blk."):
@@ -527,31 +530,30 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
         elif tensor.name.endswith("ffn_gate_inp_shexp.weight"):
             weight = weight.reshape(1, -1)  # NOTE: llama.cpp's is a vector (n_embd), HF's a (1, H) projection
         yield patterns[tensor.name], weight
-    yield from _gpt_oss_experts(gpt_oss_experts, checkpoint.path)
+    for n, parts in gpt_oss_experts.items():  # (a layer that lacks some)
+        gguf_names = {part: name for name, part in GPT_OSS_EXPERTS.items()}
+        missing = [
+            f"blk.{n}.{gguf_names[p.split('.')[0]]}.{p.split('.')[1]}" for p in GPT_OSS_EXPERT_PARTS if p not in parts
+        ]
+        raise ConfigError(f"{checkpoint.path}: GGUF gpt-oss layer {n}'s experts have no {', '.join(missing)}")
 
 
-def _gpt_oss_experts(parts: dict[tuple[str, str], np.ndarray], path: Path):
-    """transformers' gpt-oss expert tensors from llama.cpp's ``parts`` ((layer, "gate.weight")...): gate and up
-    (E, I, H) each interleaved into ``gate_up_proj`` (E, H, 2 I), gate in the even columns, their biases (E, I)
-    into ``gate_up_proj_bias`` (E, 2 I); down (E, H, I) transposed to ``down_proj`` (E, I, H), its bias kept."""
-    for n in sorted({layer for layer, _ in parts}, key=int):
-        wanted = [f"{part}.{kind}" for part in ("gate", "up", "down") for kind in ("weight", "bias")]
-        missing = [name for name in wanted if (n, name) not in parts]
-        if missing:
-            gguf_names = {part: name for name, part in GPT_OSS_EXPERTS.items()}
-            names = [f"blk.{n}.{gguf_names[m.split('.')[0]]}.{m.split('.')[1]}" for m in missing]
-            raise ConfigError(f"{path}: GGUF gpt-oss layer {n}'s experts have no {', '.join(names)}")
-        gate, up = parts[(n, "gate.weight")], parts[(n, "up.weight")]
-        experts, rows, hidden = gate.shape
-        gate_up = np.empty((experts, hidden, 2 * rows), dtype=np.float32)
-        gate_up[:, :, ::2], gate_up[:, :, 1::2] = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
-        bias = np.empty((experts, 2 * rows), dtype=np.float32)
-        bias[:, ::2], bias[:, 1::2] = parts[(n, "gate.bias")], parts[(n, "up.bias")]
-        prefix = f"model.layers.{n}.mlp.experts"
-        yield f"{prefix}.gate_up_proj", gate_up
-        yield f"{prefix}.gate_up_proj_bias", bias
-        yield f"{prefix}.down_proj", np.ascontiguousarray(parts[(n, "down.weight")].transpose(0, 2, 1))
-        yield f"{prefix}.down_proj_bias", parts[(n, "down.bias")]
+def _gpt_oss_experts(n: str, parts: dict[str, np.ndarray]):
+    """transformers' gpt-oss expert tensors of layer ``n`` from llama.cpp's ``parts`` ("gate.weight"...): gate
+    and up (E, I, H) each interleaved into ``gate_up_proj`` (E, H, 2 I), gate in the even columns, their biases
+    (E, I) into ``gate_up_proj_bias`` (E, 2 I); down (E, H, I) transposed to ``down_proj`` (E, I, H), its bias
+    kept."""
+    gate, up = parts["gate.weight"], parts["up.weight"]
+    experts, rows, hidden = gate.shape
+    gate_up = np.empty((experts, hidden, 2 * rows), dtype=np.float32)
+    gate_up[:, :, ::2], gate_up[:, :, 1::2] = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
+    bias = np.empty((experts, 2 * rows), dtype=np.float32)
+    bias[:, ::2], bias[:, 1::2] = parts["gate.bias"], parts["up.bias"]
+    prefix = f"model.layers.{n}.mlp.experts"
+    yield f"{prefix}.gate_up_proj", gate_up
+    yield f"{prefix}.gate_up_proj_bias", bias
+    yield f"{prefix}.down_proj", np.ascontiguousarray(parts["down.weight"].transpose(0, 2, 1), dtype=np.float32)
+    yield f"{prefix}.down_proj_bias", parts["down.bias"].astype(np.float32)
 
 
 def gguf_tokenizer(checkpoint: GGUFCheckpoint):
