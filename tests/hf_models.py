@@ -295,12 +295,18 @@ def hf_cached(arch: str):
 
 @functools.cache
 def hf_greedy(arch: str, prompt: tuple[int, ...], num_tokens: int) -> list[int]:
-    """transformers' greedy tokens of ``prompt`` generated alone (EOS ignored) by ``hf_cached(arch)``."""
-    ids = torch.tensor([prompt])
-    gen = hf_cached(arch).generate(
-        ids, max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    return gen[0, len(prompt) :].tolist()
+    """``greedy_past_eos`` by ``hf_cached(arch)``, each prompt's once."""
+    return greedy_past_eos(hf_cached(arch), list(prompt), num_tokens)
+
+
+def greedy_past_eos(model, ids: list[int], num_tokens: int) -> list[int]:
+    """transformers' greedy continuation of ``ids`` by ``model`` with EOS a token like any other (it neither ends
+    the run nor is held back: the engine's ``ignore_eos``), ``num_tokens`` tokens."""
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False,
+        eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    return out[0, len(ids) :].tolist()
 
 
 def reference(arch: str) -> list[list[int]]:

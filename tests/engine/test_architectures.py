@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_models import PROMPTS, greedy_tokens, hf_cached, hf_greedy, reference  # noqa: E402
+from hf_models import PROMPTS, greedy_past_eos, greedy_tokens, hf_cached, hf_greedy, reference  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 
@@ -189,10 +189,7 @@ def test_deepseek_v2_lites_shape_caches_one_latent_a_token(tmp_path):
     assert llm.loaded.config.num_params == sum(p.numel() for p in model.parameters())
     ids = PROMPTS[0]
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
-    expected = model.generate(
-        torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
+    assert out.outputs[0].token_ids == greedy_past_eos(model, ids, 12)
 
 
 def test_deepseek_v3_without_interleaved_rope_and_with_a_multi_token_prediction_layer(tmp_path):
@@ -212,10 +209,7 @@ def test_deepseek_v3_without_interleaved_rope_and_with_a_multi_token_prediction_
     safetensors.torch.save_file(weights, str(tmp_path / "model.safetensors"))
     ids = PROMPTS[0]
     out = LLM(str(tmp_path)).generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=12, temperature=0))[0]
-    expected = model.generate(
-        torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()
+    assert out.outputs[0].token_ids == greedy_past_eos(model, ids, 12)
     assert out.outputs[0].token_ids != hf_greedy("deepseek_v3", tuple(ids), 12)  # NOTE: the layout changes them
 
 

@@ -112,8 +112,6 @@ DEEPSEEK_ROUTING_DEFAULTS = {
                     "topk_group": 4, "norm_topk_prob": True, "first_k_dense_replace": 3},
 }  # fmt: skip
 MOE_TYPES = tuple(MOE_DEFAULTS)
-# The models whose rotary embedding may turn part of each head (partial_rotary_factor), as transformers' do
-PARTIAL_ROTARY = ("phi3", "glm", "glm4", "phi", "stablelm", "nemotron")
 # The models whose q/k/v projections have biases where their configs do not say (transformers' defaults)
 QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss", "phi")
 # The OLMo models (their query and key norms over the whole projections)
@@ -146,6 +144,9 @@ GPT2_NAMES = {
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
 # The rotated share of a head where a config does not say, by model type (transformers' defaults)
 PARTIAL_ROTARY_DEFAULTS = {"glm": 0.5, "glm4": 0.5, "phi": 0.5, "stablelm": 0.25, "nemotron": 0.5}
+# The models whose rotary embedding may turn part of each head (partial_rotary_factor), as transformers' do:
+# those with a default share, and Phi-3's (whole heads unless its config says)
+PARTIAL_ROTARY = ("phi3", *PARTIAL_ROTARY_DEFAULTS)
 # The models with sliding layers by default: (window, every pattern-th layer global), transformers' defaults
 SLIDING_PATTERNS = {"gpt_oss": (128, 2), "olmo3": (4096, 4), "exaone4": (4096, 4), "cohere2": (4096, 4)}
 # The norms (of a weight each) of a layer, by architecture (Llama's: 2)
