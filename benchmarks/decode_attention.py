@@ -5,6 +5,8 @@ the tile from measurements rather than reasoning.
 
     python benchmarks/decode_attention.py             # Llama-3-8B's heads (32 query, 8 KV, 128) in bf16, on CUDA
     python benchmarks/decode_attention.py --smoke     # tiny cases in Triton's interpreter: checks this script
+    python benchmarks/decode_attention.py --mla 16    # DeepSeek-V2-Lite's: 16 query heads on one 576-number
+                                                      # latent key, its first 512 the value (keys only)
 
 Each case is BATCH decodes of CONTEXT tokens each, in 16-slot blocks at random places of the cache (as
 paged), with the slot table as wide as the batch's longest context (an eager step's) or as
@@ -32,13 +34,20 @@ from sloserve.engine.triton_attention import TritonAttention, decode_splits, mul
 from timing import median_s  # noqa: E402
 
 BLOCK_SIZE = 16  # the KV manager's default block
+MLA_LATENT, MLA_ROPE = 512, 64  # DeepSeek-V2's and V3's kv_lora_rank and qk_rope_head_dim
 
 
 def decode_step(
-    batch: int, context: int, width: int, heads: tuple[int, int, int], dtype: torch.dtype, device: torch.device
-) -> tuple[tuple[torch.Tensor, ...], AttentionMetadata]:
+    batch: int,
+    context: int,
+    width: int,
+    heads: tuple[int, int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+    keys_only: bool = False,
+) -> tuple[tuple[torch.Tensor | None, ...], AttentionMetadata]:
     """(q, k, v, k_cache, v_cache) and the metadata of ``batch`` decodes of ``context`` tokens, the slot
-    table ``width`` slots wide."""
+    table ``width`` slots wide; v and v_cache None when ``keys_only`` (MLA's cache)."""
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(batch * 100_003 + context)
     blocks_per_row = -(-context // BLOCK_SIZE)
@@ -53,9 +62,9 @@ def decode_step(
     tensors = (
         rand(batch, num_heads, head_dim),  # q
         rand(batch, num_kv_heads, head_dim),  # k
-        rand(batch, num_kv_heads, head_dim),  # v
+        None if keys_only else rand(batch, num_kv_heads, head_dim),  # v
         rand(num_slots, num_kv_heads, head_dim),  # k_cache
-        rand(num_slots, num_kv_heads, head_dim),  # v_cache
+        None if keys_only else rand(num_slots, num_kv_heads, head_dim),  # v_cache
     )
     rows = torch.arange(batch, device=device)
     meta = AttentionMetadata(
@@ -77,6 +86,9 @@ def main() -> None:
     parser.add_argument("--splits", default="1,2,4,8,16,32,64")
     parser.add_argument("--block-n", default="32,64,128")
     parser.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head dim")
+    parser.add_argument(
+        "--mla", type=int, help="this many query heads on DeepSeek's latent instead (one 576-number key, 512 its value)"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny cases (in Triton's interpreter without CUDA)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -90,18 +102,28 @@ def main() -> None:
             "4,2,16",
         )
     heads = tuple(int(x) for x in args.heads.split(","))
+    value_dim = None
+    if args.mla:  # (the smoke's: 32 + 8, as the tests' tiny DeepSeek)
+        value_dim = 32 if args.smoke else MLA_LATENT
+        heads = (args.mla, 1, value_dim + (8 if args.smoke else MLA_ROPE))
     split_counts = [int(x) for x in args.splits.split(",")]
-    tiles = [int(x) for x in args.block_n.split(",")]
     default_tile = TritonAttention(num_decode_splits=1).block_n
+    # (MLA: the default tile only, which the backend cuts to the latent's width: the others would be cut alike)
+    tiles = [default_tile] if value_dim else [int(x) for x in args.block_n.split(",")]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton's interpreter)"
-    print(f"decode attention alone on {name}, {dtype}, heads {heads}; one layer's call; KV in {BLOCK_SIZE}-slot blocks")
+    layout = f"keys only, values their first {value_dim}" if value_dim else "K and V"
+    print(
+        f"decode attention alone on {name}, {dtype}, heads {heads} ({layout}); one layer's call; "
+        f"KV in {BLOCK_SIZE}-slot blocks"
+    )
 
     rows = []
     for case in args.cases.split(","):
         batch, context = (int(x) for x in case.split("x"))
         for width in sorted({context, max(context, args.max_model_len)}):
-            inputs, meta = decode_step(batch, context, width, heads, dtype, device)  # (q, k, v, k_cache, v_cache)
-            kv_bytes = 2 * batch * context * heads[1] * heads[2] * inputs[3].element_size()
+            inputs, meta = decode_step(batch, context, width, heads, dtype, device, value_dim is not None)
+            tensors = 1 if value_dim else 2  # (K and V, or keys only)
+            kv_bytes = tensors * batch * context * heads[1] * heads[2] * inputs[3].element_size()
             times, reference = {}, None
             for tile in tiles:
                 for splits in split_counts:
@@ -110,7 +132,7 @@ def main() -> None:
                     backend = TritonAttention(block_n=tile, num_decode_splits=splits, dense_prefill_min_tokens=None)
 
                     def call(backend=backend, inputs=inputs, meta=meta):
-                        return backend.forward(*inputs, meta)
+                        return backend.forward(*inputs, meta, value_dim=value_dim)
 
                     out = call().float()
                     if reference is None:
@@ -136,7 +158,8 @@ def main() -> None:
               f"{kv_bytes / best / 1e9:>7.0f} {picked:>6} {us(t_picked):>8} {us(t_one):>10} {gain:>9}")  # fmt: skip
     print(
         f"(best: splits x BLOCK_N; picked: decode_splits' count at BLOCK_N {default_tile}; "
-        f"{multiprocessors(device)} multiprocessors; KV bytes {math.prod(heads[1:])} x 2 x context x batch x itemsize)"
+        f"{multiprocessors(device)} multiprocessors; KV bytes {math.prod(heads[1:])} x {2 - bool(value_dim)} x context "
+        "x batch x itemsize; a wide head's tile is cut to triton_attention.TILE_NUMBERS)"
     )
 
 

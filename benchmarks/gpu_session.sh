@@ -16,7 +16,8 @@
 #                                             # matmul rates measured there (kernels in sequence), a
 #                                             # decode step's kernels (torch.profiler); then
 #                                             # decode_attention.py (split count and tile, the kernel alone)
-#                                             # and async_scheduling.py: offline batches of 64 and 256, on / off
+#                                             # and async_scheduling.py: offline batches of 64 and 256, on / off;
+#                                             # last, decode_attention.py on DeepSeek-V2-Lite's latent (MLA)
 #   bash benchmarks/gpu_session.sh fidelity   # fidelity.py with CUDA graphs: profile, run, simulate;
 #                                             # cost_forms.py on the measured profile and the runs' steps
 #   bash benchmarks/gpu_session.sh infermax   # infermax_engine.py: Figure 9's schedulers at M = 1K and
@@ -91,6 +92,8 @@ speed=() fidelity=() layers=32 requests=300
 compile=(--batch-sizes '' --prefill '' --long-batch 0 --profile-kernels '' --no-ceilings --compile-pieces)
 async_ab=(--batches 64,256 --prompt-len 128 --output-len 128 --repeats 2)
 decode_attention=()
+# DeepSeek-V2-Lite's 16 query heads on its one 576-number latent key (keys only)
+mla_attention=(--mla 16 --cases 1x1024,1x8192,8x32768,64x1024,256x1024 --splits 1,2,4,8,16,32)
 # B = 256: the simulator's ratios at M = 1K are those of B = 1024 within 0.03 (2026-11-26).
 infermax=(--num-requests 256 --capacities 1000,10000)
 if [[ ${SMOKE:-0} == 1 ]]; then
@@ -101,6 +104,7 @@ if [[ ${SMOKE:-0} == 1 ]]; then
   speed=(--batch-sizes 1,8 --kv-len 64 --long-context 512 --long-batch 2 --mixed 64:128:8 --prefill 256
     --small-prompts 64 --repeats 2 --gpu h200 --rates 4.24,685)
   decode_attention=(--smoke)
+  mla_attention=(--smoke --mla 4)
   compile+=(--kv-len 64 --mixed 64:128:8 --small-prompts 64 --repeats 2)
   fidelity=(--max-model-len 1024 --kv-capacity-tokens 65536 --num-requests 20 "${grid[@]}")
   layers=2 requests=20
@@ -129,6 +133,8 @@ case "${1:-}" in
     # Async scheduling on / off (issue 43 item 1), after the table: the stage's limit cuts this, not the table
     SLOSERVE_PIECEWISE_GRAPHS=0 python3 benchmarks/async_scheduling.py "${engine[@]}" "${async_ab[@]}" 2>&1 \
       | tee -a "$log"
+    # MLA's decode attention alone (added 2026-11-30, about 30 s; the stage's limit may cut it)
+    python3 benchmarks/decode_attention.py "${mla_attention[@]}" 2>&1 | tee -a "$log"
     ;;
   fidelity)
     # The summaries stay behind; the profile, the preset fitted to it and the engine's figures come

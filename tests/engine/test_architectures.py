@@ -15,7 +15,9 @@ transformers = pytest.importorskip("transformers")
 
 from hf_models import PROMPTS, greedy_past_eos, greedy_tokens, hf_cached, hf_greedy, reference  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
+from sloserve.checkpoint import model_spec  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
+from sloserve.engine.llm_engine import kv_bytes_per_token  # noqa: E402
 
 # Beside Llama (tests/hf_models.py: each with what sets it apart)
 OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "gemma2", "qwen3_moe", "mixtral", "granite",
@@ -36,8 +38,6 @@ def test_other_architectures_give_hf_greedy_tokens(hf_dirs, arch, scheduler):
 def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
     """`simulate --model DIR`: the spec read from config.json counts the parameters transformers has (a
     mixture of experts: all of them; its biases, sinks, norms and shared experts too)."""
-    from sloserve.checkpoint import model_spec
-
     spec = model_spec(hf_dirs[arch])
     hf = hf_cached(arch)
     # (DeepSeek-V3's router bias: a buffer to transformers, a weight of the checkpoint)
@@ -45,10 +45,12 @@ def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
     assert spec.num_params == sum(p.numel() for p in hf.parameters()) + biases
     kv_heads = getattr(hf.config, "num_key_value_heads", 4)  # (OPT and GPT-NeoX: as many as the heads)
     head_dim = getattr(hf.config, "head_dim", None) or 16  # (64 / 4 heads, where the config has none)
-    if arch.startswith("deepseek"):  # MLA's cache: one latent and rotated key a token (32 + 8)
-        kv_heads, head_dim = 1, hf.config.kv_lora_rank + hf.config.qk_rope_head_dim
+    tensors = 2  # K and V
+    if arch.startswith("deepseek"):  # MLA's cache: one latent and rotated key a token (32 + 8), keys only
+        kv_heads, head_dim, tensors = 1, hf.config.kv_lora_rank + hf.config.qk_rope_head_dim, 1
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (hf.config.num_hidden_layers, kv_heads, head_dim)
     assert spec.dtype_bytes == 4  # saved in float32
+    assert spec.kv_bytes_per_token == tensors * spec.num_layers * kv_heads * head_dim * 4
 
 
 def test_exaone_4s_attention_without_a_window_and_a_pattern_by_name():
@@ -185,7 +187,9 @@ def test_deepseek_v2_lites_shape_caches_one_latent_a_token(tmp_path):
     model = transformers.DeepseekV2ForCausalLM(config).eval()
     model.save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), kv_capacity_tokens=256, block_size=4)
-    assert llm.engine.cache.gpu.shape[-2:] == (1, 32 + 8)
+    cache = llm.engine.cache.gpu  # (1: keys only, layers, slots, 1, 40)
+    assert cache.shape[0] == 1 and cache.shape[-2:] == (1, 32 + 8)
+    assert kv_bytes_per_token(llm.loaded) == model_spec(str(tmp_path)).kv_bytes_per_token == cache[:, :, 0].nbytes
     assert llm.loaded.config.num_params == sum(p.numel() for p in model.parameters())
     ids = PROMPTS[0]
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]

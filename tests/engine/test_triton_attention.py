@@ -43,6 +43,14 @@ def _to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     )
 
 
+def _clone(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.clone()
+
+
+def _to_device(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if x is None else x.to(DEVICE, dtype)
+
+
 def check_against_reference(
     monkeypatch,
     step,
@@ -54,14 +62,18 @@ def check_against_reference(
     dense_from: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    value_dim: int | None = None,
 ) -> float:
     """Run the Triton backend on ``step`` cast to ``dtype``; assert its cache writes are the
-    reference's and return its relative error against the float64 reference."""
+    reference's and return its relative error against the float64 reference. ``value_dim``: keys only
+    (the step's values and V cache left out)."""
     q, k, v, k_cache, v_cache, meta = step
-    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
-    options = dict(scale=scale, window=window, softcap=softcap)
+    if value_dim is not None:
+        v = v_cache = None
+    ref_k_cache, ref_v_cache = k_cache.clone(), _clone(v_cache)
+    options = dict(scale=scale, window=window, softcap=softcap, value_dim=value_dim)
     ref = TorchAttention().forward(q, k, v, ref_k_cache, ref_v_cache, meta, **options, sinks=sinks)
-    k_dev, v_dev = k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype)
+    k_dev, v_dev = k_cache.to(DEVICE, dtype), _to_device(v_cache, dtype)
     # Poison the output: a row no kernel writes stays NaN and fails the comparison.
     real_empty_like = torch.empty_like
     monkeypatch.setattr(triton_attention.torch, "empty_like", lambda x: real_empty_like(x).fill_(math.nan))
@@ -71,7 +83,7 @@ def check_against_reference(
     out = backend.forward(
         q.to(DEVICE, dtype),
         k.to(DEVICE, dtype),
-        v.to(DEVICE, dtype),
+        _to_device(v, dtype),
         k_dev,
         v_dev,
         _to(meta, DEVICE),
@@ -79,7 +91,8 @@ def check_against_reference(
         sinks=None if sinks is None else sinks.to(DEVICE, dtype),
     )
     monkeypatch.undo()
-    assert torch.equal(k_dev.cpu(), ref_k_cache.to(dtype)) and torch.equal(v_dev.cpu(), ref_v_cache.to(dtype))
+    assert torch.equal(k_dev.cpu(), ref_k_cache.to(dtype))
+    assert v_cache is None or torch.equal(v_dev.cpu(), ref_v_cache.to(dtype))
     out = out.cpu().double()
     assert not out.isnan().any()
     return float((out - ref).norm() / ref.norm())
@@ -299,6 +312,41 @@ def test_head_dims_padded_to_a_power_of_two(monkeypatch, head_dim):
     gen = torch.Generator().manual_seed(head_dim)
     step = make_step(gen, 4, 2, head_dim, [(9, 21)], [17, 0], num_slots=200)
     assert check_against_reference(monkeypatch, step, torch.float32) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("heads", "value_dim", "head_dim"),
+    [((4, 1), 32, 40), ((20, 1), 512, 576), ((8, 2), 24, 36)],
+    ids=str,
+)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_keys_only_attention_takes_its_values_from_the_keys(monkeypatch, heads, value_dim, head_dim, splits, dtype):
+    """MLA's cache (keys only: a key's first ``value_dim`` numbers are its value, as DeepSeek's latent c_KV
+    with its rotated key k_R after it): a tail past the values' numbers (8, as the tiny DeepSeek's; 12, not a
+    power of two; DeepSeek's 512 + 64 with 20 query heads on the one key: two programs of 16 heads a decode),
+    decodes split or not. The reference's keys-only attention is the two-tensor attention of values sliced off the keys."""
+    gen = torch.Generator().manual_seed(value_dim + heads[0] + splits)
+    step = make_step(gen, *heads, head_dim, [(0, 37), (50, 20)], [0, 3, 130, 64], num_slots=600)
+    error = check_against_reference(monkeypatch, step, dtype, block=32, splits=splits, value_dim=value_dim)
+    assert error < TOLERANCE[dtype]
+    q, k, _, k_cache, _, meta = step
+    keys_only = TorchAttention().forward(q, k, None, k_cache.clone(), None, meta, value_dim=value_dim)
+    v_cache = k_cache[..., :value_dim].clone()
+    v_cache[meta.slot_mapping] = k[..., :value_dim]  # (the step's values, stored as write_kv would)
+    sliced = TorchAttention().forward(q, k, k[..., :value_dim], k_cache.clone(), v_cache, meta)
+    assert keys_only.shape == (q.shape[0], heads[0], value_dim)
+    assert torch.allclose(keys_only, sliced, atol=1e-12)
+
+
+def test_wide_heads_get_smaller_tiles():
+    """A program's accumulator and tiles stay those of a 128-wide head's 64 x 64 tiles: DeepSeek's 512-wide
+    latent (its keys read once, as values too) gets 16 heads or query rows and 32 keys a tile, a 256-wide head
+    32 and 32; heads of 128 or less keep the defaults; never fewer than 16 (tl.dot's least)."""
+    fit, total = triton_attention._fit_tile, triton_attention.TILE_NUMBERS
+    assert [fit(64, width) for width in (64, 128, 256, 512, 1024)] == [64, 64, 32, 16, 16]
+    assert fit(16, 512) == 16 and fit(32, 128) == 32  # (a group of 32 heads of 128 keeps one program)
+    assert fit(64, 512, 2 * total) == 32 and fit(64, 2 * 256, 2 * total) == 32 and fit(64, 2 * 128, 2 * total) == 64
 
 
 @settings(max_examples=10, deadline=None)

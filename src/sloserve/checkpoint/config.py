@@ -309,6 +309,12 @@ class ModelConfig:
         """The numbers of each: MLA's latent and rotated key [c_KV; k_R], else a head's."""
         return self.head_dim if self.mla is None else self.mla["kv_lora_rank"] + self.mla["qk_rope_head_dim"]
 
+    @property
+    def kv_cache_value_dim(self) -> int | None:
+        """MLA's: the cache holds keys only, and a key's first ``kv_lora_rank`` numbers (its latent c_KV) are
+        its value; None where the cache holds values of their own."""
+        return None if self.mla is None else self.mla["kv_lora_rank"]
+
     def layer_is_moe(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is a mixture of experts."""
         return self.moe is not None and self.moe["moe_layers"][layer]
@@ -408,6 +414,7 @@ class ModelConfig:
             num_attention_heads=self.num_attention_heads,
             num_kv_heads=self.kv_cache_heads,
             head_dim=self.kv_cache_head_dim,  # NOTE: MLA's attention runs on its latent, 576 wide (V2)
+            keys_only_kv=self.mla is not None,  # (MLA's values are its keys' latent)
             intermediate_size=self.intermediate_size,
             vocab_size=self.vocab_size,
             num_params=self.num_params,

@@ -26,6 +26,8 @@ class ModelSpec:
 
     ``num_params`` counts every parameter (embeddings and LM head included). ``tied_embeddings``
     says whether the LM head shares the input embedding matrix (OPT: yes; Llama, Qwen2.5-7B: no).
+    ``keys_only_kv``: the KV cache holds one tensor a token and layer, read as keys and as values
+    (multi-head latent attention: DeepSeek's latent, one 576-wide "head"), not keys and values apart.
     """
 
     name: str
@@ -41,6 +43,7 @@ class ModelSpec:
     dtype_bytes: float = 2
     mlp_kind: str = "gated"  # "gated": SwiGLU (Llama, Qwen); "relu": two-matrix MLP (OPT)
     tied_embeddings: bool = False
+    keys_only_kv: bool = False
 
     def __post_init__(self) -> None:
         owner = f"model spec {self.name!r}"
@@ -68,8 +71,10 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int | float:
-        """Bytes of K and V for one token over all layers: 2 * layers * kv_heads * head_dim * dtype."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """Bytes of K and V for one token over all layers: 2 * layers * kv_heads * head_dim * dtype (half of
+        that with ``keys_only_kv``)."""
+        tensors = 1 if self.keys_only_kv else 2
+        return tensors * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @property
     def weight_bytes(self) -> int | float:

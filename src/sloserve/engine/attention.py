@@ -191,18 +191,21 @@ class AttentionBackend(ABC):
         window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,  # (num_heads,)
-    ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+        value_dim: int | None = None,
+    ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim | value_dim)
         """``scale``: of the scores (None: 1/sqrt(head_dim)); ``window``: the positions a query sees,
         its own included (None: every earlier one); ``softcap``: scaled scores capped to (-softcap,
         softcap) by softcap * tanh(score / softcap) (None: not); ``sinks``: a logit per head that joins
-        the softmax of each of its queries' scores, with no value (None: none)."""
+        the softmax of each of its queries' scores, with no value (None: none); ``value_dim``: keys-only
+        attention (MLA's latent): ``v`` and ``v_cache`` are None and a key's first ``value_dim`` numbers
+        are its value, so the outputs have ``value_dim`` numbers a head (None: ``v``'s values)."""
 
 
 def write_kv(
     k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
-    v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    v: torch.Tensor | None,  # (num_tokens, num_kv_heads, head_dim); None: keys only (``value_dim``)
     k_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim)
-    v_cache: torch.Tensor,  # (num_slots, num_kv_heads, head_dim)
+    v_cache: torch.Tensor | None,  # (num_slots, num_kv_heads, head_dim)
     meta: AttentionMetadata,
 ) -> None:
     """Store this step's K/V at the slots the KV manager assigned (every backend does this first): one
@@ -262,9 +265,13 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale=None, window=None, softcap=None, sinks=None):
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta, scale=None, window=None, softcap=None, sinks=None, value_dim=None
+    ):
         write_kv(k, v, k_cache, v_cache, meta)
-        out = torch.empty_like(q)
+        if value_dim is not None:  # the values are the keys' first numbers
+            v_cache = k_cache[..., :value_dim]
+        out = q.new_empty((*q.shape[:2], v_cache.shape[-1]))
         group = q.shape[1] // k.shape[1]
         nkv = k.shape[1]
         head_sinks = None if sinks is None else sinks.view(1, -1, 1, 1)  # (1, nh, 1, 1): a prefill's heads

@@ -65,16 +65,17 @@ def add_rms_norm_torch(
 
 def write_kv_torch(
     k: torch.Tensor,  # (T, nkv, hd) this step's keys
-    v: torch.Tensor,  # (T, nkv, hd) and values
+    v: torch.Tensor | None,  # (T, nkv, hd) and values (None: a keys-only cache's, MLA's)
     k_cache: torch.Tensor,  # (num_slots, nkv, hd)
-    v_cache: torch.Tensor,  # (num_slots, nkv, hd)
+    v_cache: torch.Tensor | None,  # (num_slots, nkv, hd)
     slot_mapping: torch.Tensor,  # (T,) int64, the slot of each token
 ) -> None:
     """Store each token's K and V at its slot of the caches."""
     # NOTE: index_copy_ on dim 0 copies whole rows; advanced indexing (cache[slots] = ...) is several
     # times slower on the CPU
     k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+    if v is not None:
+        v_cache.index_copy_(0, slot_mapping, v)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -100,9 +101,15 @@ def add_rms_norm(
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
 ) -> None:
-    if _use_triton(k) and _rows_contiguous(k) and _rows_contiguous(v) and k_cache.is_contiguous():
+    # (keys only: one index copy, as one kernel as it is)
+    fused = v is not None and _use_triton(k) and _rows_contiguous(k) and _rows_contiguous(v)
+    if fused and k_cache.is_contiguous():
         write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
     else:
         write_kv_torch(k, v, k_cache, v_cache, slot_mapping)

@@ -14,8 +14,11 @@ from sloserve.engine.async_scheduling import to_device
 
 
 class KVCacheTensor:
-    """``gpu``: (2, layers, num_slots + block_size, kv_heads, head_dim) on the device; ``cpu``: the
-    same shape with the swap space's slots, in host memory (pinned when the device is CUDA).
+    """``gpu``: (2, layers, num_slots + block_size, kv_heads, head_dim) on the device, K then V; ``cpu``:
+    the same shape with the swap space's slots, in host memory (pinned when the device is CUDA).
+
+    A model whose values are its keys' first numbers (MLA's latent: ``ModelConfig.kv_cache_value_dim``)
+    has keys only: (1, layers, ...), half the memory a token (``layer_caches`` gives None for its V).
 
     The last device block, from ``pad_slot`` = ``num_slots`` on, belongs to no request: the padding
     rows of a CUDA-graph batch (``cuda_graphs.DecodeGraphs``, ``piecewise_graphs.PiecewiseGraphs``)
@@ -33,7 +36,14 @@ class KVCacheTensor:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (2, config.num_hidden_layers, num_slots + block_size, config.kv_cache_heads, config.kv_cache_head_dim)
+        tensors = 2 if config.kv_cache_value_dim is None else 1
+        shape = (
+            tensors,
+            config.num_hidden_layers,
+            num_slots + block_size,
+            config.kv_cache_heads,
+            config.kv_cache_head_dim,
+        )
         self.gpu = torch.zeros(shape, dtype=dtype, device=device)
         self.pad_slot = num_slots
         cpu_shape = (*shape[:2], num_cpu_slots, *shape[3:])
@@ -88,6 +98,12 @@ class KVCacheTensor:
             grown = torch.zeros(shape, dtype=self.cpu.dtype, pin_memory=self.cpu.is_pinned())
             grown[:, :, :have] = self.cpu
             self.cpu = grown
+
+
+def layer_caches(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Layer ``layer``'s K and V caches, each (num_slots, kv_heads, head_dim), of ``kv_cache`` (a
+    ``KVCacheTensor``'s ``gpu``); V is None in a keys-only cache (MLA's)."""
+    return kv_cache[0, layer], (kv_cache[1, layer] if kv_cache.shape[0] == 2 else None)
 
 
 def expand_block_ids(ids: torch.Tensor, block_size: int) -> torch.Tensor:

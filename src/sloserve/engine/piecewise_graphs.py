@@ -44,7 +44,7 @@ from torch import nn
 from sloserve.engine.async_scheduling import copy_to_device
 from sloserve.engine.attention import AttentionMetadata
 from sloserve.engine.cuda_graphs import capture_graph, padded_sizes
-from sloserve.engine.kv_cache import KVCacheTensor
+from sloserve.engine.kv_cache import KVCacheTensor, layer_caches
 from sloserve.engine.switches import switch
 
 # Steps of more tokens run eagerly: their matmuls outlast the host's launches (vLLM's largest capture
@@ -231,7 +231,7 @@ class PiecewiseGraphs:
         self._run(size, 0)
         for i, layer in enumerate(self.layers):
             attended = layer.self_attn.attend(
-                self.q[rows], self.k[rows], self.v[rows], kv[0, i], kv[1, i], meta
+                self.q[rows], self.k[rows], self.v[rows], *layer_caches(kv, i), meta
             )  # (size, nh, hd)
             self.attended[rows].copy_(attended)
             self._run(size, i + 1)

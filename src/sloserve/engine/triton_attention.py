@@ -5,7 +5,8 @@ bidirectional) works unchanged, as with the PyTorch reference (``attention.Torch
 
 - ``_decode_kernel``: one program per (decode sequence, KV head, split of its context). It loads the
   query rows of every head that shares that KV head (grouped-query attention: the K/V tile is read
-  once for the group) and walks its share of the context in tiles of ``BLOCK_N`` slots with an online
+  once for the group; in blocks of ``BLOCK_H`` heads where the group's accumulator would outgrow a
+  128-wide head's, ``TILE_NUMBERS``: MLA's 128 heads on one 512-wide latent) and walks its share of the context in tiles of ``BLOCK_N`` slots with an online
   softmax (running max ``m``, running sum ``l``, rescaled accumulator), as FlashAttention does.
   With one split it writes the output; with several (flash decoding: a few long contexts would
   otherwise leave most of the GPU idle, one program per KV head walking thousands of tokens) each
@@ -22,6 +23,11 @@ inside the window: the decode kernel from ``context_len - window``, the prefill 
 tile's first row's window, with every tile masked. gpt-oss's sinks (``SINKS``: a logit per head in
 each query's softmax, with no value) start the running sums as a key would (m = the sink, l = 1): in
 the prefill kernel, and in the first split of a decode.
+
+A keys-only cache (``value_dim``: DeepSeek's multi-head latent attention, whose values are its keys'
+first 512 numbers, the latent c_KV, with the rotated key k_R's 64 after them) is read once a tile, as keys
+and as values: the query and key rows in two parts (``_load_query``: the value's numbers and the tail, each
+padded to a power of two, 512 + 64 rather than 1,024), the value's part of the key tile reused as V.
 
 Both accumulate in float32 and take float32 dots in IEEE precision (Triton's default for float32
 is tf32, about 3e-4 relative error, which would make the engine's float32 tests inexact).
@@ -53,6 +59,12 @@ from sloserve.engine.switches import switch
 LOG2E = 1.4426950408889634
 # tl.dot needs every dimension >= 16.
 MIN_DOT_DIM = 16
+# A program's float32 accumulator (query rows or heads x a value's numbers) holds at most this many numbers,
+# and its K and V tiles at most twice as many: the default tiles' for 128-wide heads (64 x 128). Wider heads
+# get fewer rows and keys a tile (a 512-wide MLA latent: 16 query rows or heads and 32 keys, as vLLM's MLA
+# decode kernel takes), so that their tiles fit in registers and shared memory as a 128-wide head's do.
+# NOTE: chosen by reasoning, not timed (no GPU run has seen a head wider than 128).
+TILE_NUMBERS = 64 * 128
 # Flash decoding (``decode_splits``): split the contexts until the decode programs fill every
 # multiprocessor this many times over, with at least MIN_SPLIT_TOKENS context tokens a split (below
 # that the partial sums' writes and the combine cost more than the parallelism gains), and at most
@@ -110,8 +122,28 @@ def sdpa_preference(setting: str, compute_capability: tuple[int, int] | None) ->
 
 
 @triton.jit
+def _load_query(q_ptr, row_offsets, rows_ok, HEAD_DIM, VALUE_DIM, VALUE_DIM_PAD, TAIL_PAD):
+    """A program's query rows at ``row_offsets`` (M,): (their first ``VALUE_DIM`` numbers (M, VALUE_DIM_PAD),
+    the rest (M, TAIL_PAD), each part's offsets and which are inside the head). Without a tail (``TAIL_PAD``
+    0: the values as wide as the keys), the rest is the first part again, never read."""
+    d = tl.arange(0, VALUE_DIM_PAD)
+    d_ok = d < VALUE_DIM
+    q = tl.load(q_ptr + row_offsets[:, None] + d[None, :], mask=rows_ok[:, None] & d_ok[None, :], other=0.0)
+    if TAIL_PAD > 0:
+        d_tail = VALUE_DIM + tl.arange(0, TAIL_PAD)
+        d_tail_ok = d_tail < HEAD_DIM
+        q_tail = tl.load(
+            q_ptr + row_offsets[:, None] + d_tail[None, :], mask=rows_ok[:, None] & d_tail_ok[None, :], other=0.0
+        )
+    else:
+        d_tail, d_tail_ok, q_tail = d, d_ok, q
+    return q, q_tail, d, d_ok, d_tail, d_tail_ok
+
+
+@triton.jit
 def _attend_tile(
-    q,  # (M, D) query rows
+    q,  # (M, D) query rows: the numbers that meet the values' (all of a head's, or MLA's latent)
+    q_tail,  # (M, DT) the rest of the query rows (TAIL: MLA's rotated part)
     acc,  # (M, D) float32 running sum of probabilities x values (unnormalized)
     m_i,  # (M,) running max score (log2 units)
     l_i,  # (M,) running sum of exp2(score - m_i)
@@ -122,7 +154,9 @@ def _attend_tile(
     visible,  # (M, BLOCK_N) or (1, BLOCK_N): which scores count
     kv_head,
     d,  # (D,) head-dim offsets
-    d_ok,  # (D,) offsets inside head_dim
+    d_ok,  # (D,) offsets inside the value's numbers
+    d_tail,  # (DT,) offsets of the keys' numbers past the value's (TAIL)
+    d_tail_ok,  # (DT,) those inside the head
     stride_k_slot,
     stride_k_head,
     stride_v_slot,
@@ -132,6 +166,8 @@ def _attend_tile(
     INPUT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is in the context and visible to every row
     SOFTCAP: tl.constexpr,  # scores capped: softcap * tanh(score / softcap) (Gemma 2)
+    VALUES_IN_KEYS: tl.constexpr,  # the values are the keys' first D numbers (MLA): v_cache is not read
+    TAIL: tl.constexpr,  # the keys have numbers past the values' (d_tail)
 ):
     """One tile of context for both kernels: scores against its keys, then the online-softmax update
     (rescale what was summed so far by exp2(old max - new max)). Returns (acc, m_i, l_i).
@@ -140,10 +176,14 @@ def _attend_tile(
         kv_mask = n_ok[:, None] & d_ok[None, :]
     else:
         kv_mask = d_ok[None, :]
-    k = tl.load(
-        k_cache_ptr + slots[:, None] * stride_k_slot + kv_head * stride_k_head + d[None, :], mask=kv_mask, other=0.0
-    )  # (BLOCK_N, D)
-    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # (M, BLOCK_N)
+    key_rows = k_cache_ptr + slots[:, None] * stride_k_slot + kv_head * stride_k_head  # (BLOCK_N, 1)
+    k = tl.load(key_rows + d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, D)
+    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (M, BLOCK_N)
+    if TAIL:
+        tail_mask = (n_ok[:, None] & d_tail_ok[None, :]) if MASKED else d_tail_ok[None, :]
+        k_tail = tl.load(key_rows + d_tail[None, :], mask=tail_mask, other=0.0)  # (BLOCK_N, DT)
+        s += tl.dot(q_tail, tl.trans(k_tail), input_precision=INPUT_PRECISION)
+    s = s * qk_scale
     if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1 (log2 units after)
         s = (2.0 * tl.sigmoid(2.0 * s) - 1.0) * softcap_log2
     if MASKED:
@@ -159,9 +199,14 @@ def _attend_tile(
     p = tl.exp2(s - m_shift[:, None])
     alpha = tl.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(
-        v_cache_ptr + slots[:, None] * stride_v_slot + kv_head * stride_v_head + d[None, :], mask=kv_mask, other=0.0
-    )  # (BLOCK_N, D)
+    if VALUES_IN_KEYS:
+        v = k  # (the tile read once, as keys and as values)
+    else:
+        v = tl.load(
+            v_cache_ptr + slots[:, None] * stride_v_slot + kv_head * stride_v_head + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # (BLOCK_N, D)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
     return acc, m_new, l_i
 
@@ -170,9 +215,9 @@ def _attend_tile(
 def _decode_kernel(
     q_ptr,  # (T, nh, hd)
     k_cache_ptr,  # (num_slots, nkv, hd)
-    v_cache_ptr,  # (num_slots, nkv, hd)
-    out_ptr,  # (T, nh, hd): written when NUM_SPLITS == 1
-    split_acc_ptr,  # (B, nh, NUM_SPLITS, hd) float32: each split's unnormalized sum (NUM_SPLITS > 1)
+    v_cache_ptr,  # (num_slots, nkv, vd) (VALUES_IN_KEYS: unread)
+    out_ptr,  # (T, nh, vd): written when NUM_SPLITS == 1
+    split_acc_ptr,  # (B, nh, NUM_SPLITS, vd) float32: each split's unnormalized sum (NUM_SPLITS > 1)
     split_max_ptr,  # (B, nh, NUM_SPLITS) float32: its running max m (log2 units)
     split_sum_ptr,  # (B, nh, NUM_SPLITS) float32: its sum l of exp2(score - m)
     token_index_ptr,  # (B,) flat token of each decode
@@ -192,35 +237,38 @@ def _decode_kernel(
     window,  # positions a query sees, its own included (0: all)
     softcap_log2,  # softcap * log2(e) (SOFTCAP only)
     GROUP: tl.constexpr,  # query heads per KV head
-    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,  # power of two >= 16
+    BLOCK_H: tl.constexpr,  # of them in one program: a power of two >= 16
+    HEAD_DIM: tl.constexpr,  # a query's and a key's numbers (hd)
+    VALUE_DIM: tl.constexpr,  # a value's and an output's (vd: hd, or a keys-only cache's first vd)
+    VALUE_DIM_PAD: tl.constexpr,  # power of two >= 16
+    TAIL_PAD: tl.constexpr,  # hd - vd rounded up to a power of two >= 16; 0 when hd == vd
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,  # partitions of each context, one program each
     INPUT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,  # a logit per head joins the softmax (gpt-oss)
+    VALUES_IN_KEYS: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    head_blocks = tl.cdiv(GROUP, BLOCK_H)
+    kv_head = tl.program_id(1) // head_blocks
     split = tl.program_id(2)
     token = tl.load(token_index_ptr + seq)
     context_len = tl.load(context_lens_ptr + seq)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM_PAD)
+    g = tl.program_id(1) % head_blocks * BLOCK_H + tl.arange(0, BLOCK_H)  # (BLOCK_H,) of the group's heads
     g_ok = g < GROUP
-    d_ok = d < HEAD_DIM
     heads = kv_head * GROUP + g
-    q_offsets = token * stride_q_token + heads[:, None] * stride_q_head + d[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # (GROUP_PAD, D)
+    q, q_tail, d, d_ok, d_tail, d_tail_ok = _load_query(
+        q_ptr, token * stride_q_token + heads * stride_q_head, g_ok, HEAD_DIM, VALUE_DIM, VALUE_DIM_PAD, TAIL_PAD
+    )  # (BLOCK_H, VALUE_DIM_PAD), (BLOCK_H, TAIL_PAD)
     if SINKS:  # the sink, a key with no value, starts split 0's sums: m = its logit, l = exp2(0) = 1
         m_i = tl.load(sinks_ptr + heads, mask=g_ok, other=float("-inf"))
         m_i = tl.where(split == 0, m_i, float("-inf"))
         l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     else:
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, VALUE_DIM_PAD], tl.float32)
     # A sliding window: the keys before context_len - window are not read
     lo = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)
     # This split's tiles: the context from lo's tile on, cut into NUM_SPLITS runs of whole tiles.
@@ -236,6 +284,7 @@ def _decode_kernel(
         slots = tl.load(slot_table_ptr + seq * stride_table_row + n, mask=n_ok, other=0)  # (BLOCK_N,)
         acc, m_i, l_i = _attend_tile(
             q,
+            q_tail,
             acc,
             m_i,
             l_i,
@@ -247,6 +296,8 @@ def _decode_kernel(
             kv_head,
             d,
             d_ok,
+            d_tail,
+            d_tail_ok,
             stride_k_slot,
             stride_k_head,
             stride_v_slot,
@@ -256,6 +307,8 @@ def _decode_kernel(
             INPUT_PRECISION,
             True,
             SOFTCAP,
+            VALUES_IN_KEYS,
+            TAIL_PAD > 0,
         )
     store_ok = g_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
@@ -264,23 +317,24 @@ def _decode_kernel(
         o_offsets = token * stride_o_token + heads[:, None] * stride_o_head + d[None, :]
         tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=store_ok)
     else:
-        row = (seq * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split  # (GROUP_PAD,) in (B, nh, S)
-        tl.store(split_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=store_ok)
+        num_heads = tl.num_programs(1) // head_blocks * GROUP
+        row = (seq * num_heads + heads) * NUM_SPLITS + split  # (BLOCK_H,) in (B, nh, S)
+        tl.store(split_acc_ptr + row[:, None] * VALUE_DIM + d[None, :], acc, mask=store_ok)
         tl.store(split_max_ptr + row, m_i, mask=g_ok)
         tl.store(split_sum_ptr + row, l_i, mask=g_ok)
 
 
 @triton.jit
 def _combine_splits_kernel(
-    out_ptr,  # (T, nh, hd)
-    split_acc_ptr,  # (B, nh, NUM_SPLITS, hd) float32
+    out_ptr,  # (T, nh, vd)
+    split_acc_ptr,  # (B, nh, NUM_SPLITS, vd) float32
     split_max_ptr,  # (B, nh, NUM_SPLITS) float32
     split_sum_ptr,  # (B, nh, NUM_SPLITS) float32
     token_index_ptr,  # (B,)
     stride_o_token,
     stride_o_head,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
+    VALUE_DIM: tl.constexpr,
+    VALUE_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # NUM_SPLITS rounded up to a power of two
 ):
@@ -290,16 +344,16 @@ def _combine_splits_kernel(
     head = tl.program_id(1)
     token = tl.load(token_index_ptr + seq)
     s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, HEAD_DIM_PAD)
+    d = tl.arange(0, VALUE_DIM_PAD)
     s_ok = s < NUM_SPLITS
-    d_ok = d < HEAD_DIM
+    d_ok = d < VALUE_DIM
     row = (seq * tl.num_programs(1) + head) * NUM_SPLITS + s  # (SPLITS_PAD,)
     m = tl.load(split_max_ptr + row, mask=s_ok, other=float("-inf"))  # (SPLITS_PAD,)
     l = tl.load(split_sum_ptr + row, mask=s_ok, other=0.0)
-    acc = tl.load(split_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    acc = tl.load(split_acc_ptr + row[:, None] * VALUE_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     m_max = tl.max(m, 0)  # finite: split 0 read at least the decode's own token
     w = tl.exp2(m - m_max)  # (SPLITS_PAD,) 0 for the splits that read nothing
-    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)  # (HEAD_DIM_PAD,)
+    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)  # (VALUE_DIM_PAD,)
     tl.store(out_ptr + token * stride_o_token + head * stride_o_head + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
@@ -307,8 +361,8 @@ def _combine_splits_kernel(
 def _prefill_kernel(
     q_ptr,  # (T, nh, hd)
     k_cache_ptr,  # (num_slots, nkv, hd)
-    v_cache_ptr,  # (num_slots, nkv, hd)
-    out_ptr,  # (T, nh, hd)
+    v_cache_ptr,  # (num_slots, nkv, vd) (VALUES_IN_KEYS: unread)
+    out_ptr,  # (T, nh, vd)
     query_starts_ptr,  # (P,) first flat token of each prefill
     query_lens_ptr,  # (P,) tokens it processes (c)
     context_lens_ptr,  # (P,) context tokens (n = cached + c)
@@ -327,13 +381,16 @@ def _prefill_kernel(
     window,  # positions a query sees, its own included (0: all)
     softcap_log2,  # softcap * log2(e) (SOFTCAP only)
     GROUP: tl.constexpr,  # query heads per KV head
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,  # power of two >= 16
+    HEAD_DIM: tl.constexpr,  # (as in the decode kernel)
+    VALUE_DIM: tl.constexpr,
+    VALUE_DIM_PAD: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,  # a logit per head joins the softmax (gpt-oss)
+    VALUES_IN_KEYS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -345,10 +402,15 @@ def _prefill_kernel(
     slot_start = tl.load(slot_starts_ptr + seq)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the chunk
     rows_ok = rows < query_len
-    d = tl.arange(0, HEAD_DIM_PAD)
-    d_ok = d < HEAD_DIM
-    q_offsets = (query_start + rows)[:, None] * stride_q_token + head * stride_q_head + d[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=rows_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, D)
+    q, q_tail, d, d_ok, d_tail, d_tail_ok = _load_query(
+        q_ptr,
+        (query_start + rows) * stride_q_token + head * stride_q_head,
+        rows_ok,
+        HEAD_DIM,
+        VALUE_DIM,
+        VALUE_DIM_PAD,
+        TAIL_PAD,
+    )  # (BLOCK_M, VALUE_DIM_PAD), (BLOCK_M, TAIL_PAD)
     positions = context_len - query_len + rows  # (BLOCK_M,) each query sees keys 0..position
     # Keys through the tile's last position; none for a tile past the chunk's end (the grid covers
     # the longest chunk of the step).
@@ -370,12 +432,13 @@ def _prefill_kernel(
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M, VALUE_DIM_PAD], tl.float32)
     for start in range(first, full, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         slots = tl.load(slots_ptr + slot_start + n)  # (BLOCK_N,) all inside the context
         acc, m_i, l_i = _attend_tile(
             q,
+            q_tail,
             acc,
             m_i,
             l_i,
@@ -387,6 +450,8 @@ def _prefill_kernel(
             kv_head,
             d,
             d_ok,  # (masks unused)
+            d_tail,
+            d_tail_ok,
             stride_k_slot,
             stride_k_head,
             stride_v_slot,
@@ -396,6 +461,8 @@ def _prefill_kernel(
             INPUT_PRECISION,
             False,
             SOFTCAP,
+            VALUES_IN_KEYS,
+            TAIL_PAD > 0,
         )
     for start in range(full, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
@@ -405,6 +472,7 @@ def _prefill_kernel(
         visible &= (window == 0) | (n[None, :] > positions[:, None] - window)
         acc, m_i, l_i = _attend_tile(
             q,
+            q_tail,
             acc,
             m_i,
             l_i,
@@ -416,6 +484,8 @@ def _prefill_kernel(
             kv_head,
             d,
             d_ok,
+            d_tail,
+            d_tail_ok,
             stride_k_slot,
             stride_k_head,
             stride_v_slot,
@@ -425,6 +495,8 @@ def _prefill_kernel(
             INPUT_PRECISION,
             True,
             SOFTCAP,
+            VALUES_IN_KEYS,
+            TAIL_PAD > 0,
         )
     out = acc / tl.where(rows_ok, l_i, 1.0)[:, None]
     o_offsets = (query_start + rows)[:, None] * stride_o_token + head * stride_o_head + d[None, :]
@@ -433,6 +505,13 @@ def _prefill_kernel(
 
 def _pow2_at_least_16(x: int) -> int:
     return max(MIN_DOT_DIM, triton.next_power_of_2(x))
+
+
+def _fit_tile(rows: int, numbers_a_row: int, budget: int = TILE_NUMBERS) -> int:
+    """``rows`` (a power of two) halved until ``rows x numbers_a_row`` is within ``budget``, at least 16."""
+    while rows > MIN_DOT_DIM and rows * numbers_a_row > budget:
+        rows //= 2
+    return rows
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -525,22 +604,34 @@ class TritonAttention(AttentionBackend):
         sdpa_preference(dense_prefill_sdpa, None)  # (a bad value is an error here, as the engine is built)
         self.dense_prefill_sdpa = dense_prefill_sdpa
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale=None, window=None, softcap=None, sinks=None):
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta, scale=None, window=None, softcap=None, sinks=None, value_dim=None
+    ):
         write_kv(k, v, k_cache, v_cache, meta)
         q = _last_dim_contiguous(q)
-        out = torch.empty_like(q)
         num_heads, head_dim = q.shape[1], q.shape[2]
+        values_in_keys = value_dim is not None
+        if values_in_keys:  # (the kernels read no V; its pointer and strides are the keys')
+            v_cache = k_cache
+        else:
+            value_dim = head_dim
+        out = torch.empty_like(q[..., :value_dim])  # (T, nh, vd)
         num_kv_heads = k_cache.shape[1]
         group = num_heads // num_kv_heads
-        head_dim_pad = _pow2_at_least_16(head_dim)
+        value_dim_pad = _pow2_at_least_16(value_dim)
+        tail_pad = 0 if value_dim == head_dim else _pow2_at_least_16(head_dim - value_dim)
+        # tiles of wide heads (MLA's 512-wide latent, 256-wide heads) cut to the 128-wide heads' size
+        block_m = _fit_tile(self.block_m, value_dim_pad)
+        block_n = _fit_tile(self.block_n, value_dim_pad * (1 if values_in_keys else 2), 2 * TILE_NUMBERS)
         softmax_scale = scale if scale is not None else 1 / math.sqrt(head_dim)
         # NOTE: capped scores are scaled to log2 units after the cap (softcap_log2), not before
         qk_scale = LOG2E * softmax_scale if softcap is None else softmax_scale / softcap
         softcap_log2 = 0.0 if softcap is None else softcap * LOG2E
         precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 only matters for float32
         packed = None
-        # (SDPA has no cap and no sinks)
+        # (SDPA has no cap and no sinks; MLA's prefills keep the kernel, where its keys are read once)
         dense = self.dense_prefill_min_tokens is not None and window is None and softcap is None and sinks is None
+        dense = dense and not values_in_keys
         sinks_log2 = out if sinks is None else sinks.float() * LOG2E  # (nh,) (unread without sinks)
         if meta.prefills and dense:
             fresh, packed = meta.fresh_prefills(self.dense_prefill_min_tokens)
@@ -551,7 +642,7 @@ class TritonAttention(AttentionBackend):
         elif meta.prefills:
             packed = meta.packed_prefills
         if packed is not None:
-            grid = (packed.query_lens.numel(), triton.cdiv(packed.max_query_len, self.block_m), num_heads)
+            grid = (packed.query_lens.numel(), triton.cdiv(packed.max_query_len, block_m), num_heads)
             _prefill_kernel[grid](
                 q,
                 k_cache,
@@ -576,12 +667,15 @@ class TritonAttention(AttentionBackend):
                 softcap_log2,
                 GROUP=group,
                 HEAD_DIM=head_dim,
-                HEAD_DIM_PAD=head_dim_pad,
-                BLOCK_M=self.block_m,
-                BLOCK_N=self.block_n,
+                VALUE_DIM=value_dim,
+                VALUE_DIM_PAD=value_dim_pad,
+                TAIL_PAD=tail_pad,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
                 INPUT_PRECISION=precision,
                 SOFTCAP=softcap is not None,
                 SINKS=sinks is not None,
+                VALUES_IN_KEYS=values_in_keys,
             )
         num_decodes = meta.decode_token_index.numel()
         if num_decodes:
@@ -592,11 +686,12 @@ class TritonAttention(AttentionBackend):
             split_acc = split_max = split_sum = out  # unused with one split
             if splits > 1:
                 split_acc = torch.empty(
-                    (num_decodes, num_heads, splits, head_dim), dtype=torch.float32, device=q.device
+                    (num_decodes, num_heads, splits, value_dim), dtype=torch.float32, device=q.device
                 )
                 split_max = torch.empty((num_decodes, num_heads, splits), dtype=torch.float32, device=q.device)
                 split_sum = torch.empty_like(split_max)
-            _decode_kernel[(num_decodes, num_kv_heads, splits)](
+            block_h = _fit_tile(_pow2_at_least_16(group), value_dim_pad)
+            _decode_kernel[(num_decodes, num_kv_heads * triton.cdiv(group, block_h), splits)](
                 q,
                 k_cache,
                 v_cache,
@@ -621,14 +716,17 @@ class TritonAttention(AttentionBackend):
                 window or 0,
                 softcap_log2,
                 GROUP=group,
-                GROUP_PAD=_pow2_at_least_16(group),
+                BLOCK_H=block_h,
                 HEAD_DIM=head_dim,
-                HEAD_DIM_PAD=head_dim_pad,
-                BLOCK_N=self.block_n,
+                VALUE_DIM=value_dim,
+                VALUE_DIM_PAD=value_dim_pad,
+                TAIL_PAD=tail_pad,
+                BLOCK_N=block_n,
                 NUM_SPLITS=splits,
                 INPUT_PRECISION=precision,
                 SOFTCAP=softcap is not None,
                 SINKS=sinks is not None,
+                VALUES_IN_KEYS=values_in_keys,
             )
             if splits > 1:
                 _combine_splits_kernel[(num_decodes, num_heads)](
@@ -639,8 +737,8 @@ class TritonAttention(AttentionBackend):
                     meta.decode_token_index,
                     out.stride(0),
                     out.stride(1),
-                    HEAD_DIM=head_dim,
-                    HEAD_DIM_PAD=head_dim_pad,
+                    VALUE_DIM=value_dim,
+                    VALUE_DIM_PAD=value_dim_pad,
                     NUM_SPLITS=splits,
                     SPLITS_PAD=triton.next_power_of_2(splits),
                 )

@@ -9,11 +9,9 @@ k_R] and its value W_UV_i c_KV (``kv_b_proj`` holds W_UK and W_UV). The KV cache
 (576 numbers a token and layer, where keys and values by head would hold heads x (192 + 128)), and the
 attention runs on it, W_UK absorbed into the queries and W_UV applied to the heads' outputs (§2.1.2): the
 scores q_C,i^T W_UK_i c_KV + q_R,i^T k_R, the output W_UV_i sum_j p_ij c_KV,j. As every query head reads
-the one latent, the backends see multi-query attention of 576-dim heads.
-
-NOTE: the backends read K and V from the cache's two halves, so the V half holds [c_KV; k_R] too and the
-outputs' last d_h^R numbers are dropped: twice the latent a token, still 1/4.4 of V2-Lite's keys and values
-by head (16 heads), 1/36 of V2's (128 heads). The absorbed scores equal transformers' (which expands the
+the one latent, the backends see multi-query attention of 576-dim keys whose first 512 numbers are their
+values (``value_dim``): the cache holds keys only (``KVCacheTensor``), 1/8.9 of V2-Lite's keys and values
+by head (16 heads), 1/71 of V2's (128 heads). The absorbed scores equal transformers' (which expands the
 latent to keys and values by head) up to the order of the sums.
 
 NOTE: DeepSeek's checkpoints rotate adjacent pairs of q_R and k_R (transformers' complex product; V3's where
@@ -76,7 +74,8 @@ class MultiHeadLatentAttention(nn.Module):
         return weight[:, : self.nope_dim], weight[:, self.nope_dim :]
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """(queries (T, nh, d_c + d_h^R), the latent as key and as value (T, 1, d_c + d_h^R) each), rotated."""
+        """(queries (T, nh, d_c + d_h^R), the latent as the key (T, 1, d_c + d_h^R), None: no values of its
+        own), rotated."""
         t, nh = x.shape[0], self.num_heads
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_rope = q.view(t, nh, -1).split((self.nope_dim, self.rope_dim), dim=-1)  # (T, nh, d_h), (T, nh, d_h^R)
@@ -86,16 +85,16 @@ class MultiHeadLatentAttention(nn.Module):
         q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # (T, nh, d_c): W_UK absorbed
         q = torch.cat((q_latent, apply_rotary(q_rope, cos, sin)), dim=-1)  # (T, nh, d_c + d_h^R)
         kv = torch.cat((self.kv_a_layernorm(latent)[:, None], apply_rotary(k_rope[:, None], cos, sin)), dim=-1)
-        return q, kv, kv  # (T, 1, d_c + d_h^R) the cache's entry, as K and as V
+        return q, kv, None  # (T, 1, d_c + d_h^R) the cache's entry
 
     def attend(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
-        """The backend's attention over the latents: (T, nh, d_c + d_h^R)."""
-        return self.backend.forward(q, k, v, k_cache, v_cache, meta, scale=self.scale)
+        """The backend's attention over the latents, each key's c_KV its value: (T, nh, d_c)."""
+        return self.backend.forward(q, k, v, k_cache, v_cache, meta, scale=self.scale, value_dim=self.latent_dim)
 
-    def output(self, attended: torch.Tensor) -> torch.Tensor:  # (T, nh, d_c + d_h^R) -> (T, H)
+    def output(self, attended: torch.Tensor) -> torch.Tensor:  # (T, nh, d_c) -> (T, H)
         """Each head's values (W_UV of its weighted latents), then the output projection."""
         _, w_uv = self._up_projections()
-        values = torch.einsum("thc,hvc->thv", attended[..., : self.latent_dim], w_uv)  # (T, nh, d_h values)
+        values = torch.einsum("thc,hvc->thv", attended, w_uv)  # (T, nh, d_h values)
         return self.o_proj(values.reshape(attended.shape[0], -1))
 
 

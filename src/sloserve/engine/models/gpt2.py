@@ -18,6 +18,7 @@ from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
+from sloserve.engine.kv_cache import layer_caches
 
 # A two-matrix MLP's activation by its config's name (``activation_function``, ``hidden_act``: transformers'
 # ACT2FN names)
@@ -110,7 +111,7 @@ class GPT2LMHeadModel(nn.Module):
         model = self.transformer
         x = model.wte(input_ids) + model.wpe(positions)
         for i, block in enumerate(model.h):
-            x = block(x, kv_cache[0, i], kv_cache[1, i], meta)
+            x = block(x, *layer_caches(kv_cache, i), meta)
         return model.ln_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab)

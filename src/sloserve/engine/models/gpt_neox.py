@@ -15,6 +15,7 @@ from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
+from sloserve.engine.kv_cache import layer_caches
 from sloserve.engine.models.llama import Rotary, apply_rotary
 
 
@@ -95,7 +96,7 @@ class GPTNeoXForCausalLM(nn.Module):
         x = self.gpt_neox.embed_in(input_ids)
         cos, sin = self.rotary.for_positions(positions, x.dtype)  # (T, 1, rotary_dim) each
         for i, layer in enumerate(self.gpt_neox.layers):
-            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
+            x = layer(x, cos, sin, *layer_caches(kv_cache, i), meta)
         return self.gpt_neox.final_layer_norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab)

@@ -19,6 +19,7 @@ from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine import fused_ops
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
+from sloserve.engine.kv_cache import layer_caches
 from sloserve.engine.models.moe import GptOssMoE, SparseMoE
 
 
@@ -444,7 +445,7 @@ class LlamaForCausalLM(nn.Module):
         x, cos, sin = self.embed(input_ids, positions)
         residual = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
+            x, residual = layer(x, residual, cos, sin, *layer_caches(kv_cache, i), meta)
         return self.model.norm.add_and_norm(x, residual)[0]
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
@@ -481,5 +482,5 @@ class StreamLayersForCausalLM(LlamaForCausalLM):
         x = self.embeddings(input_ids)
         tables = self.layer_rotary_tables(positions, x.dtype)
         for i, (layer, (cos, sin)) in enumerate(zip(self.model.layers, tables, strict=True)):
-            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
+            x = layer(x, cos, sin, *layer_caches(kv_cache, i), meta)
         return self.model.norm(x)

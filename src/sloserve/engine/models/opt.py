@@ -10,6 +10,7 @@ from torch import nn
 from sloserve.checkpoint.config import OPT_POSITION_OFFSET as POSITION_OFFSET
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
+from sloserve.engine.kv_cache import layer_caches
 
 
 class OPTAttention(nn.Module):
@@ -94,7 +95,7 @@ class OPTForCausalLM(nn.Module):
             x = d.project_in(x)
         x = x + d.embed_positions(positions + POSITION_OFFSET)
         for i, layer in enumerate(d.layers):
-            x = layer(x, kv_cache[0, i], kv_cache[1, i], meta)
+            x = layer(x, *layer_caches(kv_cache, i), meta)
         if d.final_layer_norm is not None:
             x = d.final_layer_norm(x)
         if d.project_out is not None:
