@@ -18,6 +18,7 @@
 #                                             # decode_attention.py (split count and tile, the kernel alone)
 #                                             # and async_scheduling.py: offline batches of 64 and 256, on / off;
 #                                             # last, decode_attention.py on DeepSeek-V2-Lite's latent (MLA)
+#                                             # and moe_layer.py (a MoE layer: by expert / fused / graphed)
 #   bash benchmarks/gpu_session.sh fidelity   # fidelity.py with CUDA graphs: profile, run, simulate;
 #                                             # cost_forms.py on the measured profile and the runs' steps
 #   bash benchmarks/gpu_session.sh infermax   # infermax_engine.py: Figure 9's schedulers at M = 1K and
@@ -49,7 +50,7 @@
 # The call prepared on 2026-11-30 (benchmarks/RESULTS.md, "The next GPU session"):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH || exit
-#   TESTS_S=230 SPEED_S=170 SERVE_S=140 bash benchmarks/gpu_session.sh all
+#   TESTS_S=250 SPEED_S=170 SERVE_S=140 bash benchmarks/gpu_session.sh all
 # Every stage's output goes to $OUT/session.log ($OUT: the device tool's output folder; else ./gpu-logs),
 # beside issue 43's figures (figures.jsonl, printed as a table at the end of `all`), the serve stage's
 # py-spy stacks and the fidelity stage's profile, preset, engine figures and the engine runs' steps (a
@@ -65,13 +66,13 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # Issue 43's kernels and graphs: flash decoding's splits and the fused elementwise kernels are the
 # engine's defaults since the second GPU session (2026-11-29); long fresh prompts' dense attention,
-# piecewise CUDA graphs for steps with a prefill and the served engine's publishing during the next
-# forward pass are off by default until one has checked and timed them: every stage here runs with
-# them all on (the dense prefills asking SDPA for cuDNN's attention first on Hopper: "auto").
+# piecewise CUDA graphs for steps with a prefill, the served engine's publishing during the next
+# forward pass and a mixture of experts on the fused kernels (and CUDA graphs) are off by default until
+# one has checked and timed them: every stage here runs with them all on (the dense prefills asking SDPA for cuDNN's attention first on Hopper: "auto").
 export SLOSERVE_DECODE_SPLITS=${SLOSERVE_DECODE_SPLITS:-auto} SLOSERVE_FUSED_KERNELS=${SLOSERVE_FUSED_KERNELS:-1}
 export SLOSERVE_DENSE_PREFILL=${SLOSERVE_DENSE_PREFILL:-1} SLOSERVE_PIECEWISE_GRAPHS=${SLOSERVE_PIECEWISE_GRAPHS:-1}
 export SLOSERVE_DENSE_PREFILL_SDPA=${SLOSERVE_DENSE_PREFILL_SDPA:-auto}
-export SLOSERVE_OVERLAP_PUBLISH=${SLOSERVE_OVERLAP_PUBLISH:-1}
+export SLOSERVE_OVERLAP_PUBLISH=${SLOSERVE_OVERLAP_PUBLISH:-1} SLOSERVE_FUSED_MOE=${SLOSERVE_FUSED_MOE:-1}
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 log="$out/session.log"
@@ -94,6 +95,7 @@ async_ab=(--batches 64,256 --prompt-len 128 --output-len 128 --repeats 2)
 decode_attention=()
 # DeepSeek-V2-Lite's 16 query heads on its one 576-number latent key (keys only)
 mla_attention=(--mla 16 --cases 1x1024,1x8192,8x32768,64x1024,256x1024 --splits 1,2,4,8,16,32)
+moe_layer=()
 # B = 256: the simulator's ratios at M = 1K are those of B = 1024 within 0.03 (2026-11-26).
 infermax=(--num-requests 256 --capacities 1000,10000)
 if [[ ${SMOKE:-0} == 1 ]]; then
@@ -105,6 +107,7 @@ if [[ ${SMOKE:-0} == 1 ]]; then
     --small-prompts 64 --repeats 2 --gpu h200 --rates 4.24,685)
   decode_attention=(--smoke)
   mla_attention=(--smoke --mla 4)
+  moe_layer=(--smoke)
   compile+=(--kv-len 64 --mixed 64:128:8 --small-prompts 64 --repeats 2)
   fidelity=(--max-model-len 1024 --kv-capacity-tokens 65536 --num-requests 20 "${grid[@]}")
   layers=2 requests=20
@@ -122,6 +125,8 @@ case "${1:-}" in
     SLOSERVE_PIECEWISE_GRAPHS=0 python3 -m pytest -p no:cacheprovider -vv -rfEs --tb=short tests/engine/test_triton_attention.py tests/engine/test_fused_ops.py \
       tests/engine/test_cuda_graphs.py tests/engine/test_piecewise_graphs.py tests/engine/test_attention.py \
       tests/engine/test_engine.py tests/engine/test_async_scheduling.py \
+      tests/engine/test_fused_moe.py::test_fused_experts_are_the_reference \
+      tests/engine/test_fused_moe.py::test_models_on_fused_experts_give_hf_greedy_tokens \
       tests/engine/test_sampler.py::test_on_cuda_the_score_controls_and_sampling_never_wait_for_the_device \
       -k "not compiled" 2>&1 | tee -a "$log"
     ;;
@@ -135,6 +140,8 @@ case "${1:-}" in
       | tee -a "$log"
     # MLA's decode attention alone (added 2026-11-30, about 30 s; the stage's limit may cut it)
     python3 benchmarks/decode_attention.py "${mla_attention[@]}" 2>&1 | tee -a "$log"
+    # A MoE layer alone, by expert against the fused kernels (added 2026-11-30, about 20 s)
+    python3 benchmarks/moe_layer.py "${moe_layer[@]}" 2>&1 | tee -a "$log"
     ;;
   fidelity)
     # The summaries stay behind; the profile, the preset fitted to it and the engine's figures come

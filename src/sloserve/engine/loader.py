@@ -28,6 +28,7 @@ from sloserve.engine.models import (
     load_weights,
     stores_lm_head,
 )
+from sloserve.engine.models.moe import use_fused_experts
 from sloserve.engine.switches import switch
 from sloserve.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -130,19 +131,25 @@ def load_model(
         if config.extra.get("multimodal_checkpoint"):
             config = dataclasses.replace(config, tie_word_embeddings=not stores_lm_head(path))
     backend_name = resolve_attention_backend(attention_backend, dev)
+    # A mixture of experts' tokens through fused_moe's kernels where the Triton backend runs (CUDA, or
+    # Triton's interpreter), with SLOSERVE_FUSED_MOE=1 (off until a GPU session has timed it)
+    fused_moe = switch("SLOSERVE_FUSED_MOE") and config.is_moe and backend_name == "triton"
     if cuda_graphs is None:
         # NOTE: on by default since the H200 session of 2026-11-26: capture and replay gave the eager
         # engine's tokens there, and decode steps ran 1.07-1.66x faster (benchmarks/RESULTS.md). Not for
-        # a mixture of experts: its routing decides its shapes (models/moe.py).
-        cuda_graphs = cuda_graphs_supported(dev, backend_name) and not config.is_moe
+        # a mixture of experts by the reference: its routing decides its shapes (models/moe.py).
+        cuda_graphs = cuda_graphs_supported(dev, backend_name) and (not config.is_moe or fused_moe)
     elif cuda_graphs:
         check_cuda_graphs(dev, backend_name)
-        if config.is_moe:
+        if config.is_moe and not fused_moe:
             raise ConfigError(
-                f"CUDA graphs cannot replay {config.name}'s mixture of experts (its routing sets its shapes)"
+                f"CUDA graphs cannot replay {config.name}'s mixture of experts (its routing sets its shapes; "
+                "SLOSERVE_FUSED_MOE=1 runs it on kernels they can)"
             )
     torch_dtype = resolve_dtype(dtype, config, dev)
     net = create_model(config, BACKENDS[backend_name](), torch_dtype, dev)
+    if fused_moe:
+        use_fused_experts(net)
     if model.startswith(RANDOM_PREFIX):
         init_random_(net, seed)
         tokenizer = ByteTokenizer()

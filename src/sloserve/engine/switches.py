@@ -2,10 +2,11 @@
 read when the part that uses it is built. Off until a GPU session has checked and timed them
 (``benchmarks/gpu_session.sh`` turns them on): SLOSERVE_DENSE_PREFILL (TritonAttention),
 SLOSERVE_PIECEWISE_GRAPHS and SLOSERVE_COMPILE_PIECES (``piecewise_graphs_for``), SLOSERVE_OVERLAP_PUBLISH
-(``EngineCore``). On since one did (H200, 2026-11-29; benchmarks/RESULTS.md), unless set to 0:
-SLOSERVE_ASYNC_SCHEDULING (``LLMEngine``, on CUDA) and SLOSERVE_FUSED_KERNELS (``load_model``). Flash
-decoding's SLOSERVE_DECODE_SPLITS, a count or "auto" (the default), and the SDPA backend a dense
-prefill asks for first, SLOSERVE_DENSE_PREFILL_SDPA, are read in ``triton_attention``."""
+(``EngineCore``), SLOSERVE_FUSED_MOE (``load_model``: ``fused_moe``). On since one did (H200, 2026-11-29;
+benchmarks/RESULTS.md), unless set to 0: SLOSERVE_ASYNC_SCHEDULING (``LLMEngine``, on CUDA) and
+SLOSERVE_FUSED_KERNELS (``load_model``). Flash decoding's SLOSERVE_DECODE_SPLITS, a count or "auto" (the
+default), and the SDPA backend a dense prefill asks for first, SLOSERVE_DENSE_PREFILL_SDPA, are read in
+``triton_attention``."""
 
 from __future__ import annotations
 

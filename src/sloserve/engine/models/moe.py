@@ -12,7 +12,8 @@ load into views of them (``checkpoint_views``).
 
 NOTE: the reference computation here groups the step's tokens by expert (a sort) and runs one pair of
 matmuls per expert that has tokens. Its shapes depend on the routing, so a CUDA graph cannot replay it:
-engines on a MoE model run eagerly (``ModelConfig.is_moe``). A fused MoE kernel is the GPU's work.
+engines on a MoE model run eagerly (``ModelConfig.is_moe``), unless its experts run ``fused_moe``'s
+grouped matmuls (``use_fused_experts``: with ``SLOSERVE_FUSED_MOE=1`` on CUDA), whose shapes do not.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from sloserve.engine import fused_ops
 
 class Experts(nn.Module):
     """Every expert's SwiGLU weights, stacked: ``gate_up`` (E, 2 I, H) (gate rows, then up rows) and
-    ``down`` (E, H, I)."""
+    ``down`` (E, H, I). ``fused``: the tokens go through ``fused_moe``'s kernels, not ``by_expert``."""
+
+    fused = False
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -56,6 +59,10 @@ class Experts(nn.Module):
         experts: torch.Tensor,  # (T, k) the experts each token is routed to
         weights: torch.Tensor,  # (T, k) their weights, in x's dtype
     ) -> torch.Tensor:  # (T, H)
+        if self.fused:
+            from sloserve.engine.fused_moe import fused_experts  # (triton's)
+
+            return fused_experts(x, experts, weights, self.gate_up, self.down, fused_ops.silu_and_mul)
         return by_expert(x, experts, weights, self.num_experts, self.expert)
 
 
@@ -156,7 +163,10 @@ class GptOssExperts(nn.Module):
     """gpt-oss's experts, held as its checkpoints hold them (transformers' layout: MXFP4 ones are dequantized
     into it as they load): ``gate_up_proj`` (E, H, 2 I), its gate and up columns interleaved, and
     ``down_proj`` (E, I, H), each with a bias. An expert computes (up + 1) * gate * sigmoid(alpha gate),
-    its gate clamped above at ``limit`` and its up to [-limit, limit] (gpt-oss's clamped SwiGLU)."""
+    its gate clamped above at ``limit`` and its up to [-limit, limit] (gpt-oss's clamped SwiGLU).
+    ``fused``: as ``Experts``'."""
+
+    fused = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -168,15 +178,33 @@ class GptOssExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, i, h))
         self.down_proj_bias = nn.Parameter(torch.empty(e, h))
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:  # (n, H) -> (n, H)
-        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # (n, 2 I)
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:  # (n, 2 I) interleaved -> (n, I)
         gate = gate_up[:, ::2].clamp(max=self.limit)  # (n, I)
         up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)  # (n, I)
-        return ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))) @ self.down_proj[e] + self.down_proj_bias[e]
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:  # (n, H) -> (n, H)
+        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # (n, 2 I)
+        return self.activation(gate_up) @ self.down_proj[e] + self.down_proj_bias[e]
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (T, H); experts, weights (T, k): each token's experts and their weights -> (T, H)."""
+        if self.fused:  # (its weights inputs x outputs: transposed views are F.linear's)
+            from sloserve.engine.fused_moe import fused_experts
+
+            gate_up, down = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
+            biases = dict(gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias)
+            return fused_experts(x, experts, weights, gate_up, down, self.activation, **biases)
         return by_expert(x, experts, weights, self.num_experts, self.expert)
+
+
+def use_fused_experts(model: nn.Module) -> int:
+    """Run the experts of every MoE layer of ``model`` through ``fused_moe``'s kernels (on CUDA, or in
+    Triton's interpreter); how many layers that is."""
+    layers = [m for m in model.modules() if isinstance(m, (Experts, GptOssExperts))]
+    for layer in layers:
+        layer.fused = True
+    return len(layers)
 
 
 class GptOssMoE(nn.Module):
