@@ -55,20 +55,23 @@ def _on_pieces(llm: LLM, sizes: list[int], compile: bool = False) -> list[int]:
         ("tiny-ministral3", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # queries' own tables
         ("tiny-starcoder2", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # LayerNorms
         ("tiny-gemma", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # scaled embeddings
+        # MLA's keys-only cache (no V buffer, outputs 32 wide of 40), DeepSeek's MoE
+        ("hf:deepseek_v2", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),
         ("tiny-llama", "triton", "sarathi", dict(prefill_token_budget=16, block_size=4)),
         ("tiny-llama", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4, async_scheduling=True)),
     ],
 )
-def test_engine_on_padded_pieces_gives_the_eager_tokens(model, backend, scheduler, options):
+def test_engine_on_padded_pieces_gives_the_eager_tokens(hf_dirs, model, backend, scheduler, options):
     """Every step of at most 40 tokens that the decode graphs do not take (the CPU has none: all of
     them) runs on the pieces of the smallest size that holds it, padded: every request's tokens equal
-    the eager engine's."""
+    the eager engine's. (``hf:ARCH``: the tests' transformers model of that architecture.)"""
     if backend == "triton":
         pytest.importorskip("triton")
         options = {**options, "device": "cuda" if CUDA else "cpu", "dtype": "float32"}  # compiled on a GPU
-    eager = LLM(f"random:{model}", scheduler, attention_backend=backend, **{**options, "async_scheduling": False})
+    source = hf_dirs[model.removeprefix("hf:")] if model.startswith("hf:") else f"random:{model}"
+    eager = LLM(source, scheduler, attention_backend=backend, **{**options, "async_scheduling": False})
     expected = generate_greedy(eager)
-    llm = LLM(f"random:{model}", scheduler, attention_backend=backend, **options)
+    llm = LLM(source, scheduler, attention_backend=backend, **options)
     counts = _on_pieces(llm, [8, 16, 40])
     assert generate_greedy(llm) == expected
     early = options.get("async_scheduling", default_async_scheduling(llm.loaded))

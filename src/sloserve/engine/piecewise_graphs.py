@@ -68,7 +68,7 @@ def first_piece(
     sin: torch.Tensor,  # (S, 1, rotary_dim) written
     q: torch.Tensor,  # (S, nh, hd) written: layer 0's attention inputs
     k: torch.Tensor,  # (S, nkv, hd) written
-    v: torch.Tensor,  # (S, nkv, hd) written
+    v: torch.Tensor | None,  # (S, nkv, hd) written (None: a keys-only cache's)
     residual: torch.Tensor,  # (S, H) written: the residual stream
 ) -> None:
     """The embeddings, the rotary tables and layer 0 up to attention."""
@@ -81,12 +81,12 @@ def first_piece(
 def between_pieces(
     prev: nn.Module,  # layer i - 1
     layer: nn.Module,  # layer i
-    attended: torch.Tensor,  # (S, nh, hd) layer i - 1's attention output
+    attended: torch.Tensor,  # (S, nh, vd) layer i - 1's attention output
     cos: torch.Tensor,  # (S, 1, rotary_dim)
     sin: torch.Tensor,  # (S, 1, rotary_dim)
     q: torch.Tensor,  # (S, nh, hd) written: layer i's attention inputs
     k: torch.Tensor,  # (S, nkv, hd) written
-    v: torch.Tensor,  # (S, nkv, hd) written
+    v: torch.Tensor | None,  # (S, nkv, hd) written (None: a keys-only cache's)
     residual: torch.Tensor,  # (S, H) read, then written: the residual stream
 ) -> None:
     """Layer i - 1 after attention, layer i up to it."""
@@ -97,7 +97,7 @@ def between_pieces(
 def last_piece(
     prev: nn.Module,  # the last layer
     norm: nn.Module,  # the final norm
-    attended: torch.Tensor,  # (S, nh, hd) the last layer's attention output
+    attended: torch.Tensor,  # (S, nh, vd) the last layer's attention output
     residual: torch.Tensor,  # (S, H)
     hidden: torch.Tensor,  # (S, H) written: the final hidden states
 ) -> None:
@@ -106,9 +106,10 @@ def last_piece(
     hidden.copy_(norm.add_and_norm(x, stream)[0])
 
 
-def _store(attention_inputs: tuple[torch.Tensor, ...], *buffers: torch.Tensor) -> None:
+def _store(attention_inputs: tuple[torch.Tensor | None, ...], *buffers: torch.Tensor | None) -> None:
     for buffer, value in zip(buffers, attention_inputs, strict=True):
-        buffer.copy_(value)
+        if buffer is not None:  # (v of a keys-only cache: None, as its value)
+            buffer.copy_(value)
 
 
 @functools.cache
@@ -146,7 +147,9 @@ class PiecewiseGraphs:
         self.sizes = sorted(sizes) if sizes else token_sizes(max_num_tokens)
         self.layers = model.model.layers
         config, n = model.config, self.sizes[-1]
-        nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        # (a query's and a key's numbers; MLA's keys-only cache: one 576-number key a token, 512 its value)
+        nh, nkv, hd = config.num_attention_heads, config.kv_cache_heads, config.kv_cache_head_dim
+        value_dim = config.kv_cache_value_dim
         device, dtype = cache.gpu.device, cache.gpu.dtype
 
         def buffer(*shape: int, kind: torch.dtype = dtype) -> torch.Tensor:
@@ -156,9 +159,10 @@ class PiecewiseGraphs:
         self.token_ids, self.positions = buffer(n, kind=torch.int64), buffer(n, kind=torch.int64)  # (n,) each
         rd, tables = config.rotary_dim, 1 if config.llama4_scaling_beta is None else 2  # (2: the queries' and keys')
         self.cos, self.sin = buffer(n, tables, rd), buffer(n, tables, rd)  # (n, 1 | 2, rotary_dim) rotary tables
-        self.q, self.k, self.v = buffer(n, nh, hd), buffer(n, nkv, hd), buffer(n, nkv, hd)
+        self.q, self.k = buffer(n, nh, hd), buffer(n, nkv, hd)
+        self.v = buffer(n, nkv, hd) if value_dim is None else None  # (None: keys only)
         self.residual = buffer(n, config.hidden_size)  # (n, H) the stream with the last layer's output in it
-        self.attended = buffer(n, nh, hd)  # (n, nh, hd) the attention's output, copied in
+        self.attended = buffer(n, nh, value_dim or hd)  # (n, nh, vd) the attention's output, copied in
         self.hidden = buffer(n, config.hidden_size)  # (n, H) the final hidden states
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (size, piece) -> graph
         model.rotary.tables(device)  # NOTE: built now, not inside the first piece's first run (or its graph)
@@ -181,8 +185,9 @@ class PiecewiseGraphs:
         return lambda: last(self.layers[-1], self.model.model.norm, self.attended[r], self.residual[r], self.hidden[r])
 
     def _attention_inputs(self, rows: slice) -> tuple[torch.Tensor, ...]:
-        """The buffers a piece leaves the next attention's inputs in: q, k, v and the residual stream."""
-        return self.q[rows], self.k[rows], self.v[rows], self.residual[rows]
+        """The buffers a piece leaves the next attention's inputs in: q, k, v (None: keys only) and the
+        residual stream."""
+        return self.q[rows], self.k[rows], None if self.v is None else self.v[rows], self.residual[rows]
 
     def _run(self, size: int, piece: int) -> None:
         if self.capture:
@@ -230,9 +235,7 @@ class PiecewiseGraphs:
         kv = self.cache.gpu  # (2, layers, num_slots, nkv, hd)
         self._run(size, 0)
         for i, layer in enumerate(self.layers):
-            attended = layer.self_attn.attend(
-                self.q[rows], self.k[rows], self.v[rows], *layer_caches(kv, i), meta
-            )  # (size, nh, hd)
+            attended = layer.self_attn.attend(*self._attention_inputs(rows)[:3], *layer_caches(kv, i), meta)
             self.attended[rows].copy_(attended)
             self._run(size, i + 1)
         return self.hidden[:t]

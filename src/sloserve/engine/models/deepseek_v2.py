@@ -196,7 +196,6 @@ class DeepseekV2Model(LlamaModel):
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     model_class = DeepseekV2Model
-    supports_piecewise_graphs = False  # (their buffers are Llama's heads, not MLA's latent)
 
 
 def checkpoint_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) -> tuple[str, torch.Tensor] | None:
