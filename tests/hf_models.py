@@ -25,7 +25,8 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "olmo3": 19, "olmoe": 20, "glm": 21, "glm4": 22,
          "ministral3": 23, "exaone4": 24, "seed_oss": 25, "ernie4_5": 26,
          "gpt_neox": 27, "cohere": 28, "cohere2": 29, "gpt2": 30, "phi": 31, "starcoder2": 32, "gemma": 33, "deepseek_v2": 34, "deepseek_v3": 35,
-         "stablelm": 36, "olmo": 37, "nemotron": 38, "arcee": 39, "granitemoe": 40, "hunyuan": 41}  # fmt: skip
+         "stablelm": 36, "olmo": 37, "nemotron": 38, "arcee": 39, "granitemoe": 40, "hunyuan": 41,
+         "glm4_moe": 42}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -195,6 +196,15 @@ def hf_model(arch: str):
             pad_token_id=0,
         )  # fmt: skip
         cls = transformers.DeepseekV3ForCausalLM
+    elif arch == "glm4_moe":  # DeepSeek-V3's routing (the best of 2 groups), a shared expert; qk norms, biases,
+        # half of each head rotated (rotate-half)
+        config = transformers.Glm4MoeConfig(
+            **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, n_routed_experts=8,
+            num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, n_group=2,
+            topk_group=1, use_qk_norm=True, attention_bias=True, routed_scaling_factor=1.5, initializer_range=0.2,
+            pad_token_id=0,
+        )  # fmt: skip
+        cls = transformers.Glm4MoeForCausalLM
     elif arch == "hunyuan":  # query and key heads normalized after the rotary embedding; NTK alpha 1000 on the base
         config = transformers.HunYuanDenseV1Config(
             **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, initializer_range=0.2,

@@ -24,7 +24,7 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "olmo2", "qwen2_moe", "gpt_oss", "olmo3", "olmoe", "glm", "glm4",
                        "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2",
                        "gpt2", "phi", "starcoder2", "gemma", "deepseek_v2", "deepseek_v3", "stablelm", "olmo",
-                       "nemotron", "arcee", "granitemoe", "hunyuan"]  # fmt: skip
+                       "nemotron", "arcee", "granitemoe", "hunyuan", "glm4_moe"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)
@@ -96,7 +96,7 @@ def test_gpt_neox_one_after_the_other_and_the_hubs_config_names(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "arch", ["gpt2", "phi", "starcoder2", "deepseek_v2", "deepseek_v3", "nemotron", "olmo", "hunyuan"]
+    "arch", ["gpt2", "phi", "starcoder2", "deepseek_v2", "deepseek_v3", "nemotron", "olmo", "hunyuan", "glm4_moe"]
 )
 def test_prompt_logprobs_are_transformers(hf_dirs, arch):
     """The scores of the models that came with the GELU MLPs and MLA to 1e-4: greedy tokens alone would not tell
@@ -215,6 +215,32 @@ def test_deepseek_v3_without_interleaved_rope_and_with_a_multi_token_prediction_
     out = LLM(str(tmp_path)).generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=12, temperature=0))[0]
     assert out.outputs[0].token_ids == greedy_past_eos(model, ids, 12)
     assert out.outputs[0].token_ids != hf_greedy("deepseek_v3", tuple(ids), 12)  # NOTE: the layout changes them
+
+
+def test_glm4_moe_as_the_hub_writes_it_with_a_multi_token_prediction_layer(hf_dirs, tmp_path):
+    """GLM-4.5's config.json as the Hub's (its partial_rotary_factor at the top, or left to transformers'
+    default of 0.5; no topk_method: V3's routing whatever it says) and a checkpoint with its
+    multi-token-prediction layer past the model's (not run, as vLLM serves it): transformers' greedy tokens."""
+    import safetensors.torch
+
+    from sloserve.checkpoint.config import from_hf_config
+
+    raw = json.loads((Path(hf_dirs["glm4_moe"]) / "config.json").read_text())
+    rope = raw.pop("rope_parameters")
+    hub = {**raw, "rope_theta": rope["rope_theta"], "partial_rotary_factor": 0.5}
+    assert from_hf_config(hub).partial_rotary_dim == 8 == from_hf_config({**raw, "rope_theta": 1e4}).partial_rotary_dim
+    assert from_hf_config({**hub, "topk_method": "greedy"}).moe["topk_method"] == "noaux_tc"
+    (tmp_path / "config.json").write_text(json.dumps(hub))
+    weights = safetensors.torch.load_file(str(Path(hf_dirs["glm4_moe"]) / "model.safetensors"))
+    weights.update(
+        {key.replace("layers.1.", "layers.2."): t.clone() for key, t in weights.items() if "layers.1." in key}
+    )
+    safetensors.torch.save_file(weights, str(tmp_path / "model.safetensors"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (Path(hf_dirs["glm4_moe"]) / name).exists():
+            (tmp_path / name).write_bytes((Path(hf_dirs["glm4_moe"]) / name).read_bytes())
+    tokens, _ = greedy_tokens(str(tmp_path), "vllm")
+    assert tokens == reference("glm4_moe")
 
 
 def test_hunyuans_ntk_alpha_as_the_hub_and_transformers_write_it(hf_dirs):

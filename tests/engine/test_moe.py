@@ -293,7 +293,7 @@ def test_a_gpt_oss_checkpoint_with_mxfp4_experts(tmp_path):
 def test_deepseek_v2s_layer_equals_transformers_block(routing, num_tokens):
     """DeepSeek-V2's MoE: the routed experts' sum (weights times routed_scaling_factor; group-limited: both
     from the group of 4 of the token's best expert) plus the shared experts' output."""
-    from sloserve.engine.models.deepseek_v2 import DeepseekMoE
+    from sloserve.engine.models.moe import DeepseekMoE
 
     groups = {"n_group": 2, "topk_group": 1} if routing == "group_limited_greedy" else {}
     config = moe_config(

@@ -62,6 +62,8 @@ ARCHITECTURES: dict[str, str] = {
     "deepseek_v2": "deepseek_v2",
     # (DeepSeek-V3's outline, Moonlight, Kimi K2: V2's layers, experts chosen by sigmoid scores with a bias)
     "deepseek_v3": "deepseek_v2",
+    # (GLM-4.5, 4.6, 4.5-Air: Llama's layers, half of each head rotated, DeepSeek-V3's experts beside a shared one)
+    "glm4_moe": "glm4_moe",
     "stablelm": "stablelm",  # (StableLM 2 1.6B, 3B: Llama's layers with LayerNorms, a quarter of each head rotated)
     "olmo": "olmo",  # (OLMo 1: Llama's layers with LayerNorms of no weight, clip_qkv)
     "nemotron": "nemotron",  # (Minitron: LayerNorms of 1 + weight, a squared-ReLU MLP of two matrices, half rotated)
@@ -101,8 +103,9 @@ MOE_DEFAULTS = {
     "granitemoe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (intermediate_size)
     "deepseek_v2": {"num_experts": 64, "num_experts_per_tok": None, "moe_intermediate_size": 1407},
     "deepseek_v3": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048},
+    "glm4_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408},
 }
-DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")  # (multi-head latent attention)
 # transformers' defaults of their routing where it differs by version: (n_shared_experts, routed_scaling_factor,
 # topk_method, n_group, topk_group, norm_topk_prob, first_k_dense_replace)
 DEEPSEEK_ROUTING_DEFAULTS = {
@@ -110,7 +113,13 @@ DEEPSEEK_ROUTING_DEFAULTS = {
                     "topk_group": None, "norm_topk_prob": False, "first_k_dense_replace": 0},
     "deepseek_v3": {"n_shared_experts": 1, "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "n_group": 8,
                     "topk_group": 4, "norm_topk_prob": True, "first_k_dense_replace": 3},
+    "glm4_moe": {"n_shared_experts": 1, "routed_scaling_factor": 1.0, "topk_method": "noaux_tc", "n_group": 1,
+                 "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 1},
 }  # fmt: skip
+# The mixtures of experts routed as DeepSeek's (``moe.DeepseekMoE``), and those choosing by sigmoid scores and a
+# bias (V3's noaux_tc: transformers' only method for them)
+DEEPSEEK_ROUTED = tuple(DEEPSEEK_ROUTING_DEFAULTS)
+NOAUX_ROUTED = ("deepseek_v3", "glm4_moe")
 MOE_TYPES = tuple(MOE_DEFAULTS)
 # The models whose q/k/v projections have biases where their configs do not say (transformers' defaults)
 QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss", "phi")
@@ -143,7 +152,7 @@ GPT2_NAMES = {
 # names; engine/models/gpt2.py)
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
 # The rotated share of a head where a config does not say, by model type (transformers' defaults)
-PARTIAL_ROTARY_DEFAULTS = {"glm": 0.5, "glm4": 0.5, "phi": 0.5, "stablelm": 0.25, "nemotron": 0.5}
+PARTIAL_ROTARY_DEFAULTS = {"glm": 0.5, "glm4": 0.5, "glm4_moe": 0.5, "phi": 0.5, "stablelm": 0.25, "nemotron": 0.5}
 # The models whose rotary embedding may turn part of each head (partial_rotary_factor), as transformers' do:
 # those with a default share, and Phi-3's (whole heads unless its config says)
 PARTIAL_ROTARY = ("phi3", *PARTIAL_ROTARY_DEFAULTS)
@@ -369,8 +378,10 @@ class ModelConfig:
         total += v * (self.model_type == "phi")  # (its LM head's bias)
         if self.moe is not None:  # a MoE layer: the router and every expert instead of the dense MLP
             experts = self.moe["num_experts"] * (h + 3 * h * self.moe["moe_intermediate_size"])
-            if self.moe["shared_expert_intermediate_size"]:  # and Qwen2-MoE's shared expert, with its gate
-                experts += 3 * h * self.moe["shared_expert_intermediate_size"] + h
+            if self.moe["shared_expert_intermediate_size"]:  # and the shared experts (Qwen2-MoE's with a gate)
+                experts += 3 * h * self.moe["shared_expert_intermediate_size"] + h * (self.model_type == "qwen2_moe")
+            if self.moe.get("topk_method") == "noaux_tc":  # (GLM-4.5's router's bias, as DeepSeek-V3's)
+                experts += self.moe["num_experts"]
             if "swiglu_limit" in self.moe:  # gpt-oss: the router's and the experts' biases
                 experts += self.moe["num_experts"] * (1 + 2 * self.moe["moe_intermediate_size"] + h)
             total += sum(self.moe["moe_layers"]) * (experts - mlp)
@@ -586,7 +597,8 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         llama4_scaling_beta=_llama4_scaling_beta(model_type, scaling, rope, name),
         **_biases(raw, model_type),
         attention_sinks=model_type == "gpt_oss",
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "exaone4", "hunyuan_v1_dense", *OLMO_TYPES),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "exaone4", "hunyuan_v1_dense", *OLMO_TYPES)
+        or (model_type == "glm4_moe" and bool(raw.get("use_qk_norm"))),
         qk_norm_after_rotary=model_type == "hunyuan_v1_dense",
         qk_norm_whole_projection=model_type in OLMO_TYPES,
         clip_qkv=raw.get("clip_qkv") if model_type in ("olmoe", "olmo") else None,
@@ -761,20 +773,20 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
     ``decoder_sparse_step``-th layer not in ``mlp_only_layers`` (Qwen2-MoE's beside a shared expert);
     Mixtral's, gpt-oss's, OLMoE's and Granite MoE's: every layer, each expert of ``intermediate_size``
     (Mixtral's and Granite's top weights always renormalized); DeepSeek's: every layer after the first
-    ``first_k_dense_replace``, beside shared experts, with their routing's settings. The defaults where a
-    config has none are transformers'."""
+    ``first_k_dense_replace``, beside shared experts, with their routing's settings (GLM-4.5's as V3's). The
+    defaults where a config has none are transformers'."""
     kind = raw["model_type"]
     qwen2 = kind == "qwen2_moe"
     experts_of_intermediate_size = kind in ("mixtral", "gpt_oss", "olmoe", "granitemoe")
     # NOTE: transformers 5 saves Qwen3-MoE's count as num_local_experts (Mixtral's name), the Hub as num_experts
     experts = raw.get("num_experts", raw.get("num_local_experts", MOE_DEFAULTS[kind]["num_experts"]))
-    if kind in DEEPSEEK_TYPES:
+    if kind in DEEPSEEK_ROUTED:
         raw = {**DEEPSEEK_ROUTING_DEFAULTS[kind], **raw}
         experts = raw.get("n_routed_experts", MOE_DEFAULTS[kind]["num_experts"])
     if not experts:
         return None
     step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
-    if kind in DEEPSEEK_TYPES:  # (its first first_k_dense_replace layers' MLPs dense)
+    if kind in DEEPSEEK_ROUTED:  # (its first first_k_dense_replace layers' MLPs dense)
         dense = set(range(raw["first_k_dense_replace"] or 0))
     moe = {
         "num_experts": experts,
@@ -787,16 +799,16 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
         "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size", 5632) if qwen2 else 0,
     }
-    if kind in DEEPSEEK_TYPES:  # its shared experts, one MLP (ungated); its routing (engine/models/deepseek_v2.py)
+    if kind in DEEPSEEK_ROUTED:  # its shared experts, one MLP (ungated); its routing (moe.DeepseekMoE)
         moe.update(
             shared_expert_intermediate_size=moe["moe_intermediate_size"] * (raw["n_shared_experts"] or 0),
             routed_scaling_factor=float(raw["routed_scaling_factor"]),
-            # (V3's: transformers' only; the Hub's configs say noaux_tc, and sigmoid scores)
-            topk_method="noaux_tc" if kind == "deepseek_v3" else raw["topk_method"],
+            # (V3's and GLM-4.5's: transformers' only; the Hub's configs say noaux_tc, and sigmoid scores)
+            topk_method="noaux_tc" if kind in NOAUX_ROUTED else raw["topk_method"],
             n_group=raw["n_group"],
             topk_group=raw["topk_group"],
         )
-        _check_group_routing(moe, ("noaux_tc",) if kind == "deepseek_v3" else ("greedy", "group_limited_greedy"), name)
+        _check_group_routing(moe, ("noaux_tc",) if kind in NOAUX_ROUTED else ("greedy", "group_limited_greedy"), name)
         if moe["norm_topk_prob"] and kind == "deepseek_v2":
             # NOTE: DeepSeek's code renormalizes V2's top weights, transformers' does not: neither is chosen
             raise ConfigError(f"{name}: norm_topk_prob (renormalized top weights) is not supported for deepseek_v2")

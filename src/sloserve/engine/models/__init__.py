@@ -18,7 +18,7 @@ from sloserve.engine.models.gemma3 import Gemma3ForCausalLM, GemmaForCausalLM
 from sloserve.engine.models.glm4 import Glm4ForCausalLM
 from sloserve.engine.models.gpt2 import GPT2LMHeadModel
 from sloserve.engine.models.gpt_neox import GPTNeoXForCausalLM
-from sloserve.engine.models.llama import LlamaForCausalLM, MergedLinear
+from sloserve.engine.models.llama import LlamaForCausalLM, MergedLinear, past_the_layers
 from sloserve.engine.models.moe import hub_expert_name, per_expert_tensors
 from sloserve.engine.models.nemotron import NemotronForCausalLM
 from sloserve.engine.models.olmo import OlmoForCausalLM
@@ -46,13 +46,22 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "nemotron": NemotronForCausalLM,
     "arcee": ArceeForCausalLM,
     "hunyuan": LlamaForCausalLM,
+    "glm4_moe": LlamaForCausalLM,
 }
+
+
+def _without_later_layers(key: str, tensor: torch.Tensor, config: ModelConfig) -> tuple[str, torch.Tensor] | None:
+    """GLM-4.5's tensors as they are, but its multi-token-prediction layer's (not read)."""
+    return None if past_the_layers(key, config) else (key, tensor)
+
+
 # An architecture's reading of a checkpoint tensor: (HF name, tensor) -> (the engine's name, tensor as it holds it),
 # or None for one it does not hold
 CHECKPOINT_TENSORS = {
     "gpt_neox": gpt_neox.checkpoint_tensor,
     "gpt2": gpt2.checkpoint_tensor,
     "deepseek_v2": deepseek_v2.checkpoint_tensor,
+    "glm4_moe": _without_later_layers,
 }
 # An architecture's checkpoint names of modules the engine names otherwise (Llama's): each part of a name replaced
 CHECKPOINT_NAMES = {"phi": phi.CHECKPOINT_NAMES, "hunyuan": hunyuan.CHECKPOINT_NAMES}

@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
@@ -33,12 +32,11 @@ from sloserve.engine.attention import AttentionBackend
 from sloserve.engine.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
-    LlamaMLP,
     LlamaModel,
     RMSNorm,
     apply_rotary,
+    past_the_layers,
 )
-from sloserve.engine.models.moe import Experts
 
 # transformers' DeepseekV2RMSNorm default: the latents' norms do not take the config's rms_norm_eps
 LATENT_NORM_EPS = 1e-6
@@ -108,86 +106,11 @@ def yarn_softmax_scale(config: ModelConfig) -> float:
     return 0.1 * mscale_all_dim * math.log(factor) + 1.0
 
 
-class DeepseekRouter(nn.Module):
-    """The router's weight (E, H) and, for V3's routing (``noaux_tc``), the bias its choice adds to the scores
-    (``e_score_correction_bias``, DeepSeek-V3's auxiliary-loss-free balancing b_i).
-
-    NOTE: the bias stays float32 in a bf16 model (``float32_parameters``, as vLLM and transformers keep it):
-    rounded to bf16, experts whose s + b nearly tie would swap."""
-
-    float32_parameters = ("e_score_correction_bias",)
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        experts = config.moe["num_experts"]
-        self.weight = nn.Parameter(torch.empty(experts, config.hidden_size))
-        biased = config.moe["topk_method"] == "noaux_tc"
-        self.e_score_correction_bias = nn.Parameter(torch.empty(experts)) if biased else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, E) float32 logits
-        return F.linear(x.float(), self.weight.float())
-
-
-class DeepseekMoE(nn.Module):
-    """DeepSeek's MoE: router scores in float32, each token's top k experts, their weights times
-    ``routed_scaling_factor``; the shared experts (one MLP, ungated) run for every token.
-
-    - ``greedy`` (V2, §2.2): softmax scores, the top k.
-    - ``group_limited_greedy`` (V2, §2.2.2): softmax scores, the top k of the ``topk_group`` groups (of
-      ``n_group``) whose best expert scores highest.
-    - ``noaux_tc`` (V3, §2.1.2): sigmoid scores s; the experts chosen by s + b (the router's bias), from the
-      ``topk_group`` groups whose two best s + b sum highest; their weights s, renormalized where
-      ``norm_topk_prob``."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        moe = config.moe
-        self.top_k, self.norm_topk_prob = moe["num_experts_per_tok"], moe["norm_topk_prob"]
-        self.scaling, self.method = moe["routed_scaling_factor"], moe["topk_method"]
-        self.num_groups, self.top_groups = moe["n_group"], moe["topk_group"]
-        self.gate = DeepseekRouter(config)
-        self.experts = Experts(moe["num_experts"], config.hidden_size, moe["moe_intermediate_size"])
-        self.shared_experts = LlamaMLP(config, moe["shared_expert_intermediate_size"])
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights (T, k) float32, experts (T, k)) of each token."""
-        logits = self.gate(x)  # (T, E)
-        if self.method == "noaux_tc":
-            scores = logits.sigmoid()
-            choice = scores + self.gate.e_score_correction_bias  # (T, E) float32
-            by_group = choice.view(x.shape[0], self.num_groups, -1)  # (T, G, E / G)
-            group_scores = by_group.topk(2, dim=-1).values.sum(dim=-1)  # (T, G)
-            choice = self._in_best_groups(by_group, group_scores, float("-inf"))
-            experts = choice.topk(self.top_k, dim=-1).indices  # (T, k)
-            weights = scores.gather(1, experts)
-        else:
-            scores = torch.softmax(logits, dim=-1)
-            if self.method == "group_limited_greedy":  # the experts outside the token's best groups score 0
-                by_group = scores.view(x.shape[0], self.num_groups, -1)
-                scores = self._in_best_groups(by_group, by_group.amax(dim=-1), 0.0)
-            weights, experts = scores.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # (transformers' guard)
-        return weights * self.scaling, experts
-
-    def _in_best_groups(self, by_group: torch.Tensor, group_scores: torch.Tensor, fill: float) -> torch.Tensor:
-        """``by_group`` (T, G, E / G) with the experts outside each token's ``topk_group`` best groups (by
-        ``group_scores`` (T, G)) set to ``fill``, as (T, E)."""
-        best = group_scores.topk(self.top_groups, dim=-1).indices  # (T, topk_group)
-        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # (T, G)
-        return by_group.masked_fill(~kept[..., None], fill).flatten(1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
-        weights, experts = self.route(x)
-        return self.experts(x, experts, weights.to(x.dtype)) + self.shared_experts(x)
-
-
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):
+    """Llama's layer with MLA; its MLPs (dense, then DeepSeek's experts: ``moe.DeepseekMoE``) Llama's ``mlp``."""
+
     def make_attention(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> nn.Module:
         return MultiHeadLatentAttention(config, backend, layer)
-
-    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
-        return DeepseekMoE(config) if config.layer_is_moe(layer) else LlamaMLP(config)
 
 
 class DeepseekV2Model(LlamaModel):
@@ -202,8 +125,7 @@ def checkpoint_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) -> tu
     """A DeepSeek checkpoint's tensor as the engine holds it: the rows of q_R (the last d_h^R of each query
     head) and of k_R (the last d_h^R of ``kv_a_proj_with_mqa``) from adjacent pairs to halves; None for a
     multi-token-prediction layer's (past the model's layers)."""
-    layer = key.split(".")[2] if key.startswith("model.layers.") else None
-    if layer is not None and layer.isdigit() and int(layer) >= config.num_hidden_layers:
+    if past_the_layers(key, config):
         return None
     mla = config.mla
     rope = mla["qk_rope_head_dim"]

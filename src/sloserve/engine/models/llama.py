@@ -20,7 +20,7 @@ from sloserve.core.errors import ConfigError
 from sloserve.engine import fused_ops
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
 from sloserve.engine.kv_cache import layer_caches
-from sloserve.engine.models.moe import GptOssMoE, SparseMoE
+from sloserve.engine.models.moe import DeepseekMoE, GptOssMoE, SparseMoE
 
 
 class RMSNorm(nn.Module):
@@ -326,14 +326,25 @@ class LlamaMLP(nn.Module):
         return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))  # (T, 2 I) -> (T, I) -> (T, H)
 
 
+def past_the_layers(key: str, config: ModelConfig) -> bool:
+    """Whether the checkpoint tensor ``key`` is of a layer past the model's: DeepSeek-V3's and GLM-4.5's
+    multi-token-prediction layers, which the engine does not read (vLLM serves them without)."""
+    layer = key.split(".")[2] if key.startswith("model.layers.") else None
+    return layer is not None and layer.isdigit() and int(layer) >= config.num_hidden_layers
+
+
 def mlp(config: ModelConfig, layer: int) -> nn.Module:
-    """Layer ``layer``'s MLP: dense, or a mixture of experts (with Qwen2-MoE's shared expert)."""
+    """Layer ``layer``'s MLP: dense, or a mixture of experts (with Qwen2-MoE's gated shared expert, DeepSeek's
+    and GLM-4.5's ungated ones: those routed as DeepSeek's, ``topk_method``)."""
     if not config.layer_is_moe(layer):
         return LlamaMLP(config)
     if config.model_type == "gpt_oss":
         return GptOssMoE(config)
     shared = config.moe["shared_expert_intermediate_size"]
-    return SparseMoE(config, LlamaMLP(config, shared) if shared else None)
+    shared_experts = LlamaMLP(config, shared) if shared else None
+    if "topk_method" in config.moe:
+        return DeepseekMoE(config, shared_experts)
+    return SparseMoE(config, shared_experts)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,5 +1,6 @@
 """Sparse mixture-of-experts MLPs (Qwen3-MoE: Qwen3-30B-A3B, Qwen3-235B-A22B; Qwen2-MoE: Qwen1.5-MoE-A2.7B,
-Qwen2-57B-A14B, with a shared expert; Mixtral 8x7B, 8x22B; gpt-oss-20b and 120b: ``GptOssMoE``).
+Qwen2-57B-A14B, with a shared expert; Mixtral 8x7B, 8x22B; gpt-oss-20b and 120b: ``GptOssMoE``; DeepSeek-V2's and
+V3's routings, GLM-4.5's too: ``DeepseekMoE``).
 
 Each token's router scores pick its ``num_experts_per_tok`` best experts (softmax over all experts, in
 float32, then the top k; with ``norm_topk_prob`` their weights renormalized to sum to 1, as transformers'
@@ -157,6 +158,82 @@ class SparseMoE(nn.Module):
         if self.shared_expert is None:
             return routed
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # (T, 1) * (T, H)
+
+
+class DeepseekRouter(nn.Module):
+    """The router's weight (E, H) and, for V3's routing (``noaux_tc``), the bias its choice adds to the scores
+    (``e_score_correction_bias``, DeepSeek-V3's auxiliary-loss-free balancing b_i).
+
+    NOTE: the bias stays float32 in a bf16 model (``float32_parameters``, as vLLM and transformers keep it):
+    rounded to bf16, experts whose s + b nearly tie would swap."""
+
+    float32_parameters = ("e_score_correction_bias",)
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        experts = config.moe["num_experts"]
+        self.weight = nn.Parameter(torch.empty(experts, config.hidden_size))
+        biased = config.moe["topk_method"] == "noaux_tc"
+        self.e_score_correction_bias = nn.Parameter(torch.empty(experts)) if biased else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, E) float32 logits
+        return F.linear(x.float(), self.weight.float())
+
+
+class DeepseekMoE(nn.Module):
+    """DeepSeek's MoE (GLM-4.5's too): router scores in float32, each token's top k experts, their weights
+    times ``routed_scaling_factor``; the shared experts (one MLP, ungated, given by the caller) run for every
+    token.
+
+    - ``greedy`` (V2, §2.2): softmax scores, the top k.
+    - ``group_limited_greedy`` (V2, §2.2.2): softmax scores, the top k of the ``topk_group`` groups (of
+      ``n_group``) whose best expert scores highest.
+    - ``noaux_tc`` (V3, §2.1.2): sigmoid scores s; the experts chosen by s + b (the router's bias), from the
+      ``topk_group`` groups whose two best s + b sum highest; their weights s, renormalized where
+      ``norm_topk_prob``."""
+
+    def __init__(self, config: ModelConfig, shared_experts: nn.Module | None) -> None:
+        super().__init__()
+        moe = config.moe
+        self.top_k, self.norm_topk_prob = moe["num_experts_per_tok"], moe["norm_topk_prob"]
+        self.scaling, self.method = moe["routed_scaling_factor"], moe["topk_method"]
+        self.num_groups, self.top_groups = moe["n_group"], moe["topk_group"]
+        self.gate = DeepseekRouter(config)
+        self.experts = Experts(moe["num_experts"], config.hidden_size, moe["moe_intermediate_size"])
+        self.shared_experts = shared_experts
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights (T, k) float32, experts (T, k)) of each token."""
+        logits = self.gate(x)  # (T, E)
+        if self.method == "noaux_tc":
+            scores = logits.sigmoid()
+            choice = scores + self.gate.e_score_correction_bias  # (T, E) float32
+            by_group = choice.view(x.shape[0], self.num_groups, -1)  # (T, G, E / G)
+            group_scores = by_group.topk(2, dim=-1).values.sum(dim=-1)  # (T, G)
+            choice = self._in_best_groups(by_group, group_scores, float("-inf"))
+            experts = choice.topk(self.top_k, dim=-1).indices  # (T, k)
+            weights = scores.gather(1, experts)
+        else:
+            scores = torch.softmax(logits, dim=-1)
+            if self.method == "group_limited_greedy":  # the experts outside the token's best groups score 0
+                by_group = scores.view(x.shape[0], self.num_groups, -1)
+                scores = self._in_best_groups(by_group, by_group.amax(dim=-1), 0.0)
+            weights, experts = scores.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # (transformers' guard)
+        return weights * self.scaling, experts
+
+    def _in_best_groups(self, by_group: torch.Tensor, group_scores: torch.Tensor, fill: float) -> torch.Tensor:
+        """``by_group`` (T, G, E / G) with the experts outside each token's ``topk_group`` best groups (by
+        ``group_scores`` (T, G)) set to ``fill``, as (T, E)."""
+        best = group_scores.topk(self.top_groups, dim=-1).indices  # (T, topk_group)
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # (T, G)
+        return by_group.masked_fill(~kept[..., None], fill).flatten(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
+        weights, experts = self.route(x)
+        routed = self.experts(x, experts, weights.to(x.dtype))
+        return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
 
 class GptOssExperts(nn.Module):
