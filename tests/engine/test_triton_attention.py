@@ -349,6 +349,21 @@ def test_wide_heads_get_smaller_tiles():
     assert fit(64, 512, 2 * total) == 32 and fit(64, 2 * 256, 2 * total) == 32 and fit(64, 2 * 128, 2 * total) == 64
 
 
+def test_mla_decodes_split_by_the_programs_their_heads_take(monkeypatch):
+    """Flash decoding counts a decode's programs: DeepSeek-V2's 128 query heads on its one latent key take 8
+    programs of 16 (the reference's output still), not one KV head's."""
+    seen = []
+    real = triton_attention.decode_splits
+    monkeypatch.setattr(triton_attention, "decode_splits", lambda *args: seen.append(args) or real(*args))
+    step = make_step(torch.Generator().manual_seed(3), 128, 1, 576, [], [2], num_slots=16)
+    q, k, _, k_cache, _, meta = step
+    want = TorchAttention().forward(q, k, None, k_cache.clone(), None, meta, value_dim=512)
+    backend = triton_attention.TritonAttention(num_decode_splits=None)
+    q, k, k_cache = (x.to(DEVICE, torch.float32) for x in (q, k, k_cache))
+    got = backend.forward(q, k, None, k_cache, None, _to(meta, DEVICE), value_dim=512)
+    assert seen[0][:2] == (1, 8) and torch.allclose(got.cpu().double(), want, atol=1e-4)
+
+
 @settings(max_examples=10, deadline=None)
 @given(
     heads=st.sampled_from(HEADS),

@@ -533,7 +533,8 @@ def compute_capability(device: torch.device) -> tuple[int, int] | None:
 def decode_splits(num_decodes: int, num_kv_heads: int, max_context: int, multiprocessors: int) -> int:
     """How many splits of each context the decode kernel runs (flash decoding): 1 when the
     (decode, KV head) programs already fill the GPU ``WAVES`` times over; else enough splits to do so,
-    at most one per ``MIN_SPLIT_TOKENS`` of ``max_context`` and at most ``MAX_SPLITS``.
+    at most one per ``MIN_SPLIT_TOKENS`` of ``max_context`` and at most ``MAX_SPLITS``. (``num_kv_heads``:
+    the programs a decode's heads take, more than its KV heads where a group is cut in blocks: MLA's.)
 
     NOTE: ``max_context`` is the slot table's width, not the step's longest context, so a CUDA graph
     captured for one batch size keeps one split count whatever contexts it replays; a split that
@@ -680,8 +681,10 @@ class TritonAttention(AttentionBackend):
         num_decodes = meta.decode_token_index.numel()
         if num_decodes:
             table = meta.decode_slots
+            block_h = _fit_tile(_pow2_at_least_16(group), value_dim_pad)
+            head_programs = num_kv_heads * triton.cdiv(group, block_h)  # (a decode's, each split)
             splits = self.num_decode_splits or decode_splits(
-                num_decodes, num_kv_heads, table.shape[1], multiprocessors(q.device)
+                num_decodes, head_programs, table.shape[1], multiprocessors(q.device)
             )
             split_acc = split_max = split_sum = out  # unused with one split
             if splits > 1:
@@ -690,8 +693,7 @@ class TritonAttention(AttentionBackend):
                 )
                 split_max = torch.empty((num_decodes, num_heads, splits), dtype=torch.float32, device=q.device)
                 split_sum = torch.empty_like(split_max)
-            block_h = _fit_tile(_pow2_at_least_16(group), value_dim_pad)
-            _decode_kernel[(num_decodes, num_kv_heads * triton.cdiv(group, block_h), splits)](
+            _decode_kernel[(num_decodes, head_programs, splits)](
                 q,
                 k_cache,
                 v_cache,
