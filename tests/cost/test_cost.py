@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sloserve.checkpoint.config import from_hf_config
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.cost import (
     GPUS,
@@ -38,6 +39,14 @@ from sloserve.cost.profile_grid import ProfileGrid
 
 L7 = get_preset("llama-2-7b-a100")
 L70 = get_preset("llama-3-70b-4xa100")
+# Qwen/Qwen3-30B-A3B's config.json: 48 layers of 128 experts (768 wide), 8 a token
+QWEN3_30B_A3B = from_hf_config(
+    {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+     "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+     "max_position_embeddings": 40960, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+     "norm_topk_prob": True, "torch_dtype": "bfloat16", "tie_word_embeddings": False},
+    "qwen3-30b-a3b",
+).spec()  # fmt: skip
 
 
 def prefill_shape(
@@ -223,6 +232,7 @@ COST_MODELS = [
     RooflineCostModel(get_model("llama-2-7b"), get_gpu("a100")),
     RooflineCostModel(get_model("llama-3-70b"), get_gpu("a100"), num_gpus=4),
     RooflineCostModel(get_model("qwen2.5-7b"), get_gpu("h100"), num_gpus=2),
+    RooflineCostModel(QWEN3_30B_A3B, get_gpu("h100")),  # (the weights a step reads follow its tokens)
 ]
 
 
@@ -372,6 +382,46 @@ def test_roofline_small_decode_batch_is_weight_bandwidth_bound() -> None:
     p = model.batch_time(prefill_shape([(4096, 0)]))
     flops_s = 2 * spec.layer_params * 4096 / (gpu.peak_flops * model.compute_efficiency)
     assert p.non_attention_s == pytest.approx(flops_s + model.step_overhead_s, rel=0.02)
+
+
+def test_roofline_runs_a_mixture_of_experts_on_the_experts_its_tokens_reach() -> None:
+    """Qwen3-30B-A3B: a token's FLOPs are its 3.3B active parameters'; a step reads the experts its tokens
+    reach, E (1 - (1 - k / E)^T) a layer (a Monte-Carlo of uniform top-8 routing agrees): a decode at batch 1
+    costs what a dense model of its active parameters does, and the weights read grow to all 30.5B."""
+    spec, gpu = QWEN3_30B_A3B, get_gpu("h100")
+    assert spec.num_params == 30_532_122_624 and spec.expert_params == 48 * 128 * 3 * 2048 * 768
+    assert spec.active_layer_params + spec.embedding_params == pytest.approx(3.353e9, rel=1e-3)
+    rng = np.random.default_rng(0)
+    for tokens in (1, 4, 16, 64):
+        picks = np.argsort(rng.random((2000, tokens, 128)), axis=-1)[..., :8]  # (trials, T, k) distinct a token
+        reached = np.mean([len(np.unique(trial)) for trial in picks])
+        assert spec.experts_reached(tokens) == pytest.approx(reached, rel=0.01)
+    counts = np.arange(1, 5000)
+    assert [spec.layer_params_read(int(t)) for t in counts] == spec.layer_params_read(counts).tolist()  # (bits)
+    model = RooflineCostModel(spec, gpu)
+    active = spec.num_params - round(spec.expert_params * (1 - 8 / 128))
+    dense = dataclasses.replace(spec, num_params=active, num_experts=0, experts_per_token=0, expert_params=0)
+    one = BatchShape(1, 100)
+    assert model.batch_time(one).total_s == pytest.approx(RooflineCostModel(dense, gpu).batch_time(one).total_s)
+    rate = gpu.hbm_bandwidth * model.bandwidth_efficiency
+    reads = [model.batch_time(BatchShape(b, 0)).non_attention_s - model.step_overhead_s for b in (1, 4, 16, 64)]
+    assert all(x < y for x, y in zip(reads, reads[1:]))
+    assert reads[-1] * rate == pytest.approx(spec.layer_params_read(64) * 2 + 151936 * 2048 * 2)
+    every_weight = (spec.num_params - 151936 * 2048) * 2  # (but the input embedding's, gathered)
+    assert reads[-1] < every_weight / rate < 1.02 * reads[-1]  # (64 tokens reach 98% of the experts)
+    prefill = model.batch_time(prefill_shape([(8192, 0)])).non_attention_s  # compute-bound: the active FLOPs
+    flops = 2 * spec.active_layer_params * 8192 + 2 * 151936 * 2048
+    assert prefill == pytest.approx(flops / (gpu.peak_flops * model.compute_efficiency) + model.step_overhead_s)
+
+
+def test_a_mixture_of_experts_spec_is_checked() -> None:
+    base = QWEN3_30B_A3B.__dict__
+    with pytest.raises(ConfigError, match="num_experts, experts_per_token and expert_params are all 0 or all"):
+        ModelSpec(**{**base, "experts_per_token": 0})
+    with pytest.raises(ConfigError, match="experts_per_token 129 must be at most num_experts 128"):
+        ModelSpec(**{**base, "experts_per_token": 129})
+    with pytest.raises(ConfigError, match="expert_params must be an integer >= 0, got -1"):
+        ModelSpec(**{**base, "expert_params": -1})
 
 
 def test_roofline_tensor_parallel_and_swap() -> None:

@@ -51,6 +51,12 @@ def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (hf.config.num_hidden_layers, kv_heads, head_dim)
     assert spec.dtype_bytes == 4  # saved in float32
     assert spec.kv_bytes_per_token == tensors * spec.num_layers * kv_heads * head_dim * 4
+    # a mixture of experts: its routed experts' parameters (not the router's, not the shared experts')
+    routed = sum(p.numel() for name, p in hf.named_parameters() if ".experts." in name)
+    num_experts = next((getattr(hf.config, key) for key in ("num_experts", "num_local_experts", "n_routed_experts")
+                        if getattr(hf.config, key, None)), 0)  # fmt: skip
+    top_k = getattr(hf.config, "num_experts_per_tok", 0) if routed else 0
+    assert (spec.num_experts, spec.experts_per_token, spec.expert_params) == (num_experts, top_k, routed)
 
 
 def test_exaone_4s_attention_without_a_window_and_a_pattern_by_name():

@@ -412,12 +412,20 @@ class ModelConfig:
     def spec(self) -> ModelSpec:
         """The simulator's view of this model (``simulate --model`` with a directory or ``random:NAME``).
 
-        NOTE: a mixture of experts is seen as a dense model of all its parameters (its memory is right;
-        its compute an upper bound: Qwen3-30B-A3B's token uses 3B of its 30B). Fit a cost model to the
-        engine (``sloserve profile``) for its real batch times."""
+        A mixture of experts: all its parameters in memory, a token's experts in its compute, and the experts a
+        step's tokens reach in the weights it reads (``ModelSpec.num_experts``...: the roofline's)."""
         mlp_kind = (
             "relu" if self.model_type in TWO_MATRIX_MLPS else "gated"
         )  # (two matrices, whatever their activation)
+        experts = {}
+        if self.moe is not None:  # (each routed expert's SwiGLU; gpt-oss's with its biases)
+            h, inner, moe = self.hidden_size, self.moe["moe_intermediate_size"], self.moe
+            per_expert = 3 * h * inner + (2 * inner + h if "swiglu_limit" in moe else 0)
+            experts = dict(
+                num_experts=moe["num_experts"],
+                experts_per_token=moe["num_experts_per_tok"],
+                expert_params=sum(moe["moe_layers"]) * moe["num_experts"] * per_expert,
+            )
         return ModelSpec(
             name=self.name,
             num_layers=self.num_hidden_layers,
@@ -426,6 +434,7 @@ class ModelConfig:
             num_kv_heads=self.kv_cache_heads,
             head_dim=self.kv_cache_head_dim,  # NOTE: MLA's attention runs on its latent, 576 wide (V2)
             keys_only_kv=self.mla is not None,  # (MLA's values are its keys' latent)
+            **experts,
             intermediate_size=self.intermediate_size,
             vocab_size=self.vocab_size,
             num_params=self.num_params,

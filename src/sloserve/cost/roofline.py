@@ -5,7 +5,11 @@ Each part of a step takes max(FLOPs / achievable FLOP/s, bytes / achievable band
 - non-attention (projections, MLP, LM head): FLOPs = 2 * layer_params * tokens + 2 * vocab * hidden
   * sequences (logits for one token per request); bytes = every weight read once per step
   (embedding rows gathered are negligible). Plus, with tensor parallelism, 2 all-reduces per layer
-  of tokens * hidden * dtype bytes each, and a fixed per-step overhead.
+  of tokens * hidden * dtype bytes each, and a fixed per-step overhead. A mixture of experts: a token's
+  FLOPs are its active parameters' (``ModelSpec.active_layer_params``: k of E experts a layer), and a step
+  reads the experts its tokens reach (``ModelSpec.layer_params_read``: E (1 - (1 - k / E)^tokens) of them,
+  uniform routing), not every expert: a decode step of Qwen3-30B-A3B at batch 1 reads 3.3B parameters'
+  weights, not 30.5B.
 - decode attention: each decode reads m + 1 keys/values (its cache plus its new token):
   bytes = sum(m + 1) * kv_bytes_per_token; FLOPs = 4 * layers * heads * head_dim per key (QK^T, PV).
 - prefill attention: sum(c^2 + 2mc) (InferMax's prefill work) is twice the causal query-key pairs, so
@@ -95,9 +99,8 @@ class RooflineCostModel(CostModel):
         self._bytes_rate = gpu.hbm_bandwidth * self.bandwidth_efficiency * num_gpus
         self._kv_bytes_rate = gpu.hbm_bandwidth * self.bandwidth_efficiency * min(num_gpus, m.num_kv_heads)
         # Non-attention.
-        self._flops_per_token = 2.0 * m.layer_params
+        self._flops_per_token = 2.0 * m.active_layer_params
         self._flops_per_sequence = 2.0 * m.vocab_size * m.hidden_size  # LM head, one token each
-        self._weight_read_bytes = float((m.layer_params + m.vocab_size * m.hidden_size) * dtype)
         if num_gpus > 1:
             num_allreduces = 2 * m.num_layers
             ring = 2.0 * (num_gpus - 1) / num_gpus  # bytes each GPU sends per byte all-reduced
@@ -120,9 +123,15 @@ class RooflineCostModel(CostModel):
             f"step_overhead_s={self.step_overhead_s})"
         )
 
+    def _weight_read_bytes(self, tokens):
+        """Bytes of the weights a step of ``tokens`` tokens (an int or an array, > 0) reads: the layers' (a
+        mixture of experts': those its tokens reach) and the LM head's."""
+        m = self.model
+        return (m.layer_params_read(tokens) + m.vocab_size * m.hidden_size) * m.dtype_bytes
+
     def _non_attention_s(self, tokens: int, sequences: int) -> float:
         flops = self._flops_per_token * tokens + self._flops_per_sequence * sequences
-        compute_s = max(flops / self._flops_rate, self._weight_read_bytes / self._bytes_rate)
+        compute_s = max(flops / self._flops_rate, self._weight_read_bytes(tokens) / self._bytes_rate)
         comm_s = self._allreduce_fixed_s + self._allreduce_s_per_token * tokens
         return compute_s + comm_s + self.step_overhead_s
 
@@ -158,7 +167,7 @@ class RooflineCostModel(CostModel):
         num_prefill, prefill_tokens = shape.num_prefill, shape.prefill_tokens
         tokens = num_decode + prefill_tokens
         flops = self._flops_per_token * tokens + self._flops_per_sequence * (num_decode + num_prefill)
-        compute_s = np.maximum(flops / self._flops_rate, self._weight_read_bytes / self._bytes_rate)
+        compute_s = np.maximum(flops / self._flops_rate, self._weight_read_bytes(tokens) / self._bytes_rate)
         other_s = compute_s + (self._allreduce_fixed_s + self._allreduce_s_per_token * tokens) + self.step_overhead_s
         keys = decode_kv_tokens + num_decode
         decode_s = np.maximum(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from sloserve.core.errors import ConfigError, UnknownNameError
 
 MLP_KINDS = ("gated", "relu")
@@ -28,6 +30,9 @@ class ModelSpec:
     says whether the LM head shares the input embedding matrix (OPT: yes; Llama, Qwen2.5-7B: no).
     ``keys_only_kv``: the KV cache holds one tensor a token and layer, read as keys and as values
     (multi-head latent attention: DeepSeek's latent, one 576-wide "head"), not keys and values apart.
+    A mixture of experts: ``num_experts`` routed experts a MoE layer, ``experts_per_token`` of them a token,
+    ``expert_params`` the parameters of every routed expert of every layer (within ``num_params``; the
+    router's and shared experts' are not: every token runs them); 0, 0, 0 for a dense model.
     """
 
     name: str
@@ -44,6 +49,9 @@ class ModelSpec:
     mlp_kind: str = "gated"  # "gated": SwiGLU (Llama, Qwen); "relu": two-matrix MLP (OPT)
     tied_embeddings: bool = False
     keys_only_kv: bool = False
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_params: int = 0
 
     def __post_init__(self) -> None:
         owner = f"model spec {self.name!r}"
@@ -64,6 +72,17 @@ class ModelSpec:
         _check_positive_number(owner, "dtype_bytes", self.dtype_bytes)
         if self.mlp_kind not in MLP_KINDS:
             raise ConfigError(f"{owner}: mlp_kind must be one of {', '.join(MLP_KINDS)}, got {self.mlp_kind!r}")
+        for field in ("num_experts", "experts_per_token", "expert_params"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{owner}: {field} must be an integer >= 0, got {value!r}")
+        if (self.num_experts > 0) != (self.experts_per_token > 0) or (self.num_experts > 0) != (self.expert_params > 0):
+            raise ConfigError(f"{owner}: num_experts, experts_per_token and expert_params are all 0 or all positive")
+        if self.experts_per_token > self.num_experts or self.expert_params > self.layer_params:
+            raise ConfigError(
+                f"{owner}: experts_per_token {self.experts_per_token} must be at most num_experts {self.num_experts}, "
+                f"and expert_params {self.expert_params:,} at most the layers' {self.layer_params:,} parameters"
+            )
         if self.num_attention_heads % self.num_kv_heads:
             raise ConfigError(
                 f"{owner}: num_kv_heads {self.num_kv_heads} must divide num_attention_heads {self.num_attention_heads}"
@@ -88,8 +107,33 @@ class ModelSpec:
 
     @property
     def layer_params(self) -> int:
-        """Parameters applied to every token (decoder layers, norms): all minus embedding/LM head."""
+        """Parameters of the layers (decoder layers, norms): all minus embedding/LM head. A mixture of
+        experts' token runs only ``active_layer_params`` of them."""
         return self.num_params - self.embedding_params
+
+    @property
+    def active_layer_params(self) -> float:
+        """The layers' parameters one token runs: the dense ones and its ``experts_per_token`` experts a layer."""
+        if not self.num_experts:
+            return self.layer_params
+        return self.layer_params - self.expert_params * (1 - self.experts_per_token / self.num_experts)
+
+    def experts_reached(self, tokens):
+        """The expected routed experts a MoE layer runs for ``tokens`` tokens (an int or an array), each token
+        its ``experts_per_token`` experts drawn uniformly: E (1 - (1 - k / E) ** tokens).
+
+        NOTE: uniform, independent routing (the balance MoE training aims for; a real router is skewed, so
+        this is an upper bound on the weights a step reads). The power is numpy's for an int as for an array:
+        the same bits either way (BROS prices a batch's prefixes as one array, ``step_seconds_with_decodes``)."""
+        e, k = self.num_experts, self.experts_per_token
+        return e * (1 - np.power(1 - k / e, np.asarray(tokens, dtype=np.float64)))
+
+    def layer_params_read(self, tokens):
+        """The layers' parameters a step of ``tokens`` tokens (> 0) reads: all of a dense model's; a mixture of
+        experts' dense ones and the experts its tokens reach (``experts_reached``)."""
+        if not self.num_experts:
+            return self.layer_params
+        return self.layer_params - self.expert_params * (1 - self.experts_reached(tokens) / self.num_experts)
 
 
 @dataclass(frozen=True)
