@@ -26,7 +26,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "ministral3": 23, "exaone4": 24, "seed_oss": 25, "ernie4_5": 26,
          "gpt_neox": 27, "cohere": 28, "cohere2": 29, "gpt2": 30, "phi": 31, "starcoder2": 32, "gemma": 33, "deepseek_v2": 34, "deepseek_v3": 35,
          "stablelm": 36, "olmo": 37, "nemotron": 38, "arcee": 39, "granitemoe": 40, "hunyuan": 41,
-         "glm4_moe": 42}  # fmt: skip
+         "glm4_moe": 42, "ernie4_5_moe": 43}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -205,6 +205,13 @@ def hf_model(arch: str):
             pad_token_id=0,
         )  # fmt: skip
         cls = transformers.Glm4MoeForCausalLM
+    elif arch == "ernie4_5_moe":  # softmax scores, chosen with a bias; a shared expert; the first layer dense;
+        # every head rotated by adjacent pairs
+        config = transformers.Ernie4_5_MoeConfig(
+            **common, intermediate_size=128, num_key_value_heads=2, moe_num_experts=8, moe_k=2,
+            moe_num_shared_experts=1, moe_intermediate_size=32, moe_layer_start_index=1, initializer_range=0.2,
+        )  # fmt: skip
+        cls = transformers.Ernie4_5_MoeForCausalLM
     elif arch == "hunyuan":  # query and key heads normalized after the rotary embedding; NTK alpha 1000 on the base
         config = transformers.HunYuanDenseV1Config(
             **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, initializer_range=0.2,

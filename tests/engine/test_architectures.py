@@ -24,7 +24,7 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "olmo2", "qwen2_moe", "gpt_oss", "olmo3", "olmoe", "glm", "glm4",
                        "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2",
                        "gpt2", "phi", "starcoder2", "gemma", "deepseek_v2", "deepseek_v3", "stablelm", "olmo",
-                       "nemotron", "arcee", "granitemoe", "hunyuan", "glm4_moe"]  # fmt: skip
+                       "nemotron", "arcee", "granitemoe", "hunyuan", "glm4_moe", "ernie4_5_moe"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)
@@ -102,7 +102,19 @@ def test_gpt_neox_one_after_the_other_and_the_hubs_config_names(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "arch", ["gpt2", "phi", "starcoder2", "deepseek_v2", "deepseek_v3", "nemotron", "olmo", "hunyuan", "glm4_moe"]
+    "arch",
+    [
+        "gpt2",
+        "phi",
+        "starcoder2",
+        "deepseek_v2",
+        "deepseek_v3",
+        "nemotron",
+        "olmo",
+        "hunyuan",
+        "glm4_moe",
+        "ernie4_5_moe",
+    ],
 )
 def test_prompt_logprobs_are_transformers(hf_dirs, arch):
     """The scores of the models that came with the GELU MLPs and MLA to 1e-4: greedy tokens alone would not tell
@@ -247,6 +259,31 @@ def test_glm4_moe_as_the_hub_writes_it_with_a_multi_token_prediction_layer(hf_di
             (tmp_path / name).write_bytes((Path(hf_dirs["glm4_moe"]) / name).read_bytes())
     tokens, _ = greedy_tokens(str(tmp_path), "vllm")
     assert tokens == reference("glm4_moe")
+
+
+def test_ernie4_5_moe_places_its_experts_as_transformers_and_skips_its_mtp_tensors(hf_dirs, tmp_path):
+    """ERNIE 4.5 MoE's experts every ``moe_layer_interval``-th layer from the start index through the end one
+    (transformers' layers say which); a checkpoint with its multi-token-prediction tensors (``mtp_*``, not
+    run, as transformers and vLLM skip them): transformers' greedy tokens."""
+    import safetensors.torch
+
+    from sloserve.checkpoint.config import from_hf_config
+
+    raw = json.loads((Path(hf_dirs["ernie4_5_moe"]) / "config.json").read_text())
+    placed = {**raw, "num_hidden_layers": 6, "moe_layer_interval": 2, "moe_layer_start_index": 1,
+              "moe_layer_end_index": 4}  # fmt: skip
+    theirs = transformers.Ernie4_5_MoeForCausalLM(transformers.Ernie4_5_MoeConfig(**placed))
+    sparse = tuple(hasattr(layer.mlp, "experts") for layer in theirs.model.layers)
+    assert from_hf_config(placed).moe["moe_layers"] == sparse == (False, True, False, True, False, False)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (Path(hf_dirs["ernie4_5_moe"]) / name).exists():
+            (tmp_path / name).write_bytes((Path(hf_dirs["ernie4_5_moe"]) / name).read_bytes())
+    weights = safetensors.torch.load_file(str(Path(hf_dirs["ernie4_5_moe"]) / "model.safetensors"))
+    extra = ("model.mtp_block.0.mlp.gate_proj.weight", "model.mtp_emb_norm.0.weight", "model.mtp_linear_proj.0.weight")
+    weights.update({name: torch.randn(4, 4) for name in extra})
+    safetensors.torch.save_file(weights, str(tmp_path / "model.safetensors"))
+    tokens, _ = greedy_tokens(str(tmp_path), "vllm")
+    assert tokens == reference("ernie4_5_moe")
 
 
 def test_hunyuans_ntk_alpha_as_the_hub_and_transformers_write_it(hf_dirs):

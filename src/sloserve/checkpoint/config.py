@@ -48,6 +48,8 @@ ARCHITECTURES: dict[str, str] = {
     "olmoe": "llama",  # (Llama's layers, OLMo 2's query and key norms, Qwen3-MoE's experts)
     "seed_oss": "llama",  # (Seed-OSS-36B: Llama's layers with biases)
     "ernie4_5": "llama",  # (ERNIE 4.5's dense models: Llama's layers, every head rotated by adjacent pairs)
+    # (ERNIE 4.5's MoE models: those layers with experts chosen by softmax scores plus a bias, beside shared ones)
+    "ernie4_5_moe": "ernie4_5_moe",
     # (EXAONE 4: OLMo 2's layers with Qwen3's query and key norms; three of four sliding, the others unrotated)
     "exaone4": "olmo2",
     "glm": "llama",  # (GLM-4 of 2024: Llama's layers, half of each head rotated by adjacent pairs)
@@ -104,6 +106,7 @@ MOE_DEFAULTS = {
     "deepseek_v2": {"num_experts": 64, "num_experts_per_tok": None, "moe_intermediate_size": 1407},
     "deepseek_v3": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048},
     "glm4_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408},
+    "ernie4_5_moe": {"num_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1536},
 }
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")  # (multi-head latent attention)
 # transformers' defaults of their routing where it differs by version: (n_shared_experts, routed_scaling_factor,
@@ -115,22 +118,37 @@ DEEPSEEK_ROUTING_DEFAULTS = {
                     "topk_group": 4, "norm_topk_prob": True, "first_k_dense_replace": 3},
     "glm4_moe": {"n_shared_experts": 1, "routed_scaling_factor": 1.0, "topk_method": "noaux_tc", "n_group": 1,
                  "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 1},
+    "ernie4_5_moe": {"n_shared_experts": 2, "routed_scaling_factor": 1.0, "topk_method": "softmax_with_bias",
+                     "n_group": None, "topk_group": None, "norm_topk_prob": True},
 }  # fmt: skip
-# The mixtures of experts routed as DeepSeek's (``moe.DeepseekMoE``), and those choosing by sigmoid scores and a
-# bias (V3's noaux_tc: transformers' only method for them)
+# ERNIE 4.5's names of those settings (transformers' attribute_map's and its own)
+ERNIE_MOE_NAMES = {"moe_num_experts": "n_routed_experts", "moe_k": "num_experts_per_tok",
+                   "moe_num_shared_experts": "n_shared_experts"}  # fmt: skip
+# The mixtures of experts routed as DeepSeek's
 DEEPSEEK_ROUTED = tuple(DEEPSEEK_ROUTING_DEFAULTS)
-NOAUX_ROUTED = ("deepseek_v3", "glm4_moe")
+# Each one's routings (``moe.DeepseekMoE``): V3's and GLM-4.5's sigmoid scores with a bias (the Hub's configs say
+# noaux_tc), ERNIE 4.5's softmax scores with a bias
+ROUTING_METHODS = {
+    "deepseek_v2": ("greedy", "group_limited_greedy"),
+    "deepseek_v3": ("noaux_tc",),
+    "glm4_moe": ("noaux_tc",),
+    "ernie4_5_moe": ("softmax_with_bias",),
+}
+# The routings whose choice adds the router's bias (``e_score_correction_bias``) to the scores: DeepSeek-V3's
+# (sigmoid scores) and ERNIE 4.5's (softmax scores)
+BIASED_ROUTINGS = ("noaux_tc", "softmax_with_bias")
 MOE_TYPES = tuple(MOE_DEFAULTS)
 # The models whose q/k/v projections have biases where their configs do not say (transformers' defaults)
 QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss", "phi")
 # The OLMo models (their query and key norms over the whole projections)
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe")
 # transformers' rope bases where a config has none
-DEFAULT_ROPE_THETA = {"gpt_oss": 150_000.0, "olmo3": 500_000.0, "ernie4_5": 500_000.0}
+DEFAULT_ROPE_THETA = {"gpt_oss": 150_000.0, "olmo3": 500_000.0, "ernie4_5": 500_000.0, "ernie4_5_moe": 500_000.0}
 # transformers' defaults where theirs differ from the generic reading (a head_dim of 128, not hidden / heads; an
 # MLP's activation other than SiLU, which a GGUF file does not name)
 CONFIG_DEFAULTS = {
     "ernie4_5": {"head_dim": 128, "tie_word_embeddings": True},
+    "ernie4_5_moe": {"tie_word_embeddings": True},
     "seed_oss": {"head_dim": 128},
     "cohere": {"tie_word_embeddings": True, "logit_scale": 0.0625},
     "cohere2": {"tie_word_embeddings": True, "logit_scale": 0.0625},
@@ -380,7 +398,7 @@ class ModelConfig:
             experts = self.moe["num_experts"] * (h + 3 * h * self.moe["moe_intermediate_size"])
             if self.moe["shared_expert_intermediate_size"]:  # and the shared experts (Qwen2-MoE's with a gate)
                 experts += 3 * h * self.moe["shared_expert_intermediate_size"] + h * (self.model_type == "qwen2_moe")
-            if self.moe.get("topk_method") == "noaux_tc":  # (GLM-4.5's router's bias, as DeepSeek-V3's)
+            if self.moe.get("topk_method") in BIASED_ROUTINGS:  # (the router's bias: GLM-4.5's, ERNIE 4.5's)
                 experts += self.moe["num_experts"]
             if "swiglu_limit" in self.moe:  # gpt-oss: the router's and the experts' biases
                 experts += self.moe["num_experts"] * (1 + 2 * self.moe["moe_intermediate_size"] + h)
@@ -602,7 +620,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         rope_scaling=scaling,
         rope_local_theta=local_theta,
         partial_rotary_dim=rotary_dim if rotary_dim != head_dim else None,
-        rotary_interleaved=glm or model_type in ("ernie4_5", "cohere", "cohere2"),
+        rotary_interleaved=glm or model_type in ("ernie4_5", "ernie4_5_moe", "cohere", "cohere2"),
         llama4_scaling_beta=_llama4_scaling_beta(model_type, scaling, rope, name),
         **_biases(raw, model_type),
         attention_sinks=model_type == "gpt_oss",
@@ -723,7 +741,7 @@ def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
     ``use_qkv_bias``), and the output projection's too for gpt-oss, EXAONE 4, OLMo, Nemotron and Arcee;
     Seed-OSS names the latter ``attention_out_bias``; ERNIE 4.5's and StarCoder2's ``use_bias`` is every
     linear layer's."""
-    if model_type in ("ernie4_5", "starcoder2"):
+    if model_type in ("ernie4_5", "ernie4_5_moe", "starcoder2"):
         every = bool(raw.get("use_bias", model_type == "starcoder2"))
         return {"attention_bias": every, "attention_output_bias": every, "mlp_bias": every}
     if model_type == "qwen2_moe":
@@ -789,13 +807,19 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
     experts_of_intermediate_size = kind in ("mixtral", "gpt_oss", "olmoe", "granitemoe")
     # NOTE: transformers 5 saves Qwen3-MoE's count as num_local_experts (Mixtral's name), the Hub as num_experts
     experts = raw.get("num_experts", raw.get("num_local_experts", MOE_DEFAULTS[kind]["num_experts"]))
+    if kind == "ernie4_5_moe":
+        raw = {ERNIE_MOE_NAMES.get(key, key): value for key, value in raw.items()}
     if kind in DEEPSEEK_ROUTED:
         raw = {**DEEPSEEK_ROUTING_DEFAULTS[kind], **raw}
         experts = raw.get("n_routed_experts", MOE_DEFAULTS[kind]["num_experts"])
     if not experts:
         return None
     step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
-    if kind in DEEPSEEK_ROUTED:  # (its first first_k_dense_replace layers' MLPs dense)
+    if kind == "ernie4_5_moe":  # (every moe_layer_interval-th layer from the start index to the end one's)
+        start, end = raw.get("moe_layer_start_index", 1), raw.get("moe_layer_end_index", -1)
+        step, end = raw.get("moe_layer_interval", 1), layers - 1 if end == -1 else end
+        dense = {i for i in range(layers) if not start <= i <= end}
+    elif kind in DEEPSEEK_ROUTED:  # (its first first_k_dense_replace layers' MLPs dense)
         dense = set(range(raw["first_k_dense_replace"] or 0))
     moe = {
         "num_experts": experts,
@@ -812,12 +836,12 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         moe.update(
             shared_expert_intermediate_size=moe["moe_intermediate_size"] * (raw["n_shared_experts"] or 0),
             routed_scaling_factor=float(raw["routed_scaling_factor"]),
-            # (V3's and GLM-4.5's: transformers' only; the Hub's configs say noaux_tc, and sigmoid scores)
-            topk_method="noaux_tc" if kind in NOAUX_ROUTED else raw["topk_method"],
+            # (a model type of one method takes it whatever its config says: transformers' rule)
+            topk_method=ROUTING_METHODS[kind][0] if len(ROUTING_METHODS[kind]) == 1 else raw["topk_method"],
             n_group=raw["n_group"],
             topk_group=raw["topk_group"],
         )
-        _check_group_routing(moe, ("noaux_tc",) if kind in NOAUX_ROUTED else ("greedy", "group_limited_greedy"), name)
+        _check_group_routing(moe, ROUTING_METHODS[kind], name)
         if moe["norm_topk_prob"] and kind == "deepseek_v2":
             # NOTE: DeepSeek's code renormalizes V2's top weights, transformers' does not: neither is chosen
             raise ConfigError(f"{name}: norm_topk_prob (renormalized top weights) is not supported for deepseek_v2")
@@ -861,7 +885,7 @@ def _check_group_routing(moe: dict[str, Any], methods: tuple[str, ...], name: st
     method = moe["topk_method"]
     if method not in methods:
         raise ConfigError(f"{name}: topk_method {method!r} is not supported ({', '.join(methods)})")
-    if method == "greedy":
+    if method in ("greedy", "softmax_with_bias"):  # (no groups)
         return
     groups, picked = moe["n_group"], moe["topk_group"]
     for key, value in (("n_group", groups), ("topk_group", picked)):

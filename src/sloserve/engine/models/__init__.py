@@ -47,12 +47,27 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "arcee": ArceeForCausalLM,
     "hunyuan": LlamaForCausalLM,
     "glm4_moe": LlamaForCausalLM,
+    "ernie4_5_moe": LlamaForCausalLM,
 }
 
 
 def _without_later_layers(key: str, tensor: torch.Tensor, config: ModelConfig) -> tuple[str, torch.Tensor] | None:
     """GLM-4.5's tensors as they are, but its multi-token-prediction layer's (not read)."""
     return None if past_the_layers(key, config) else (key, tensor)
+
+
+# ERNIE 4.5's router bias, (1, E), as its checkpoints name it (its "MoE statistics")
+ERNIE_ROUTER_BIAS = "mlp.moe_statics.e_score_correction_bias"
+
+
+def _ernie4_5_moe_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) -> tuple[str, torch.Tensor] | None:
+    """ERNIE 4.5 MoE's tensors as they are, but the router's bias under the router's name as a vector, and its
+    multi-token-prediction tensors (``mtp_*``) not read (transformers' and vLLM's rule)."""
+    if "mtp" in key:
+        return None
+    if key.endswith(ERNIE_ROUTER_BIAS):
+        return key.removesuffix(ERNIE_ROUTER_BIAS) + "mlp.gate.e_score_correction_bias", tensor.reshape(-1)
+    return key, tensor
 
 
 # An architecture's reading of a checkpoint tensor: (HF name, tensor) -> (the engine's name, tensor as it holds it),
@@ -62,6 +77,7 @@ CHECKPOINT_TENSORS = {
     "gpt2": gpt2.checkpoint_tensor,
     "deepseek_v2": deepseek_v2.checkpoint_tensor,
     "glm4_moe": _without_later_layers,
+    "ernie4_5_moe": _ernie4_5_moe_tensor,
 }
 # An architecture's checkpoint names of modules the engine names otherwise (Llama's): each part of a name replaced
 CHECKPOINT_NAMES = {"phi": phi.CHECKPOINT_NAMES, "hunyuan": hunyuan.CHECKPOINT_NAMES}

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sloserve.checkpoint.config import ModelConfig
+from sloserve.checkpoint.config import BIASED_ROUTINGS, ModelConfig
 from sloserve.engine import fused_ops
 
 
@@ -173,7 +173,7 @@ class DeepseekRouter(nn.Module):
         super().__init__()
         experts = config.moe["num_experts"]
         self.weight = nn.Parameter(torch.empty(experts, config.hidden_size))
-        biased = config.moe["topk_method"] == "noaux_tc"
+        biased = config.moe["topk_method"] in BIASED_ROUTINGS
         self.e_score_correction_bias = nn.Parameter(torch.empty(experts)) if biased else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, E) float32 logits
@@ -190,7 +190,9 @@ class DeepseekMoE(nn.Module):
       ``n_group``) whose best expert scores highest.
     - ``noaux_tc`` (V3, §2.1.2): sigmoid scores s; the experts chosen by s + b (the router's bias), from the
       ``topk_group`` groups whose two best s + b sum highest; their weights s, renormalized where
-      ``norm_topk_prob``."""
+      ``norm_topk_prob``.
+    - ``softmax_with_bias`` (ERNIE 4.5's): softmax scores s; the experts chosen by s + b; their weights s,
+      renormalized."""
 
     def __init__(self, config: ModelConfig, shared_experts: nn.Module | None) -> None:
         super().__init__()
@@ -212,6 +214,10 @@ class DeepseekMoE(nn.Module):
             group_scores = by_group.topk(2, dim=-1).values.sum(dim=-1)  # (T, G)
             choice = self._in_best_groups(by_group, group_scores, float("-inf"))
             experts = choice.topk(self.top_k, dim=-1).indices  # (T, k)
+            weights = scores.gather(1, experts)
+        elif self.method == "softmax_with_bias":  # (ERNIE 4.5's: the bias picks, the softmax weighs)
+            scores = torch.softmax(logits, dim=-1)
+            experts = (scores + self.gate.e_score_correction_bias).topk(self.top_k, dim=-1).indices  # (T, k)
             weights = scores.gather(1, experts)
         else:
             scores = torch.softmax(logits, dim=-1)
