@@ -134,6 +134,11 @@ def test_bad_experts_and_cuda_graphs_are_refused(tmp_path):
         from_hf_config(moe_config(num_experts_per_tok=7))
     with pytest.raises(ConfigError, match="moe_intermediate_size must be a positive integer, got 0"):
         from_hf_config(moe_config(moe_intermediate_size=0))
+    with pytest.raises(ConfigError, match="decoder_sparse_step must be a positive integer, got 0"):
+        from_hf_config(moe_config(decoder_sparse_step=0))
+    ernie = {**moe_config(), "model_type": "ernie4_5_moe", "moe_num_experts": 6, "moe_k": 2, "moe_layer_interval": 0}
+    with pytest.raises(ConfigError, match="moe_layer_interval must be a positive integer, got 0"):
+        from_hf_config(ernie)
     hf_model("qwen3_moe").save_pretrained(tmp_path)
     assert not load_model(str(tmp_path)).cuda_graphs
     with pytest.raises(ConfigError, match="CUDA graphs"):

@@ -821,6 +821,9 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         dense = {i for i in range(layers) if not start <= i <= end}
     elif kind in DEEPSEEK_ROUTED:  # (its first first_k_dense_replace layers' MLPs dense)
         dense = set(range(raw["first_k_dense_replace"] or 0))
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        setting = "moe_layer_interval" if kind == "ernie4_5_moe" else "decoder_sparse_step"
+        raise ConfigError(f"{name}: {setting} must be a positive integer, got {step!r}")
     moe = {
         "num_experts": experts,
         "num_experts_per_tok": raw.get("num_experts_per_tok", MOE_DEFAULTS[kind]["num_experts_per_tok"]),
