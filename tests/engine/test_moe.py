@@ -139,6 +139,13 @@ def test_bad_experts_and_cuda_graphs_are_refused(tmp_path):
     ernie = {**moe_config(), "model_type": "ernie4_5_moe", "moe_num_experts": 6, "moe_k": 2, "moe_layer_interval": 0}
     with pytest.raises(ConfigError, match="moe_layer_interval must be a positive integer, got 0"):
         from_hf_config(ernie)
+    with pytest.raises(ConfigError, match="moe_layer_end_index must be an integer >= 0 or -1, got 'last'"):
+        from_hf_config({**ernie, "moe_layer_interval": 1, "moe_layer_end_index": "last"})
+    glm = {**moe_config(), "model_type": "glm4_moe", "n_routed_experts": 6}
+    with pytest.raises(ConfigError, match="first_k_dense_replace must be an integer >= 0, got 1.5"):
+        from_hf_config({**glm, "first_k_dense_replace": 1.5})
+    with pytest.raises(ConfigError, match="routed_scaling_factor must be a positive number, got 'x'"):
+        from_hf_config({**glm, "routed_scaling_factor": "x"})
     hf_model("qwen3_moe").save_pretrained(tmp_path)
     assert not load_model(str(tmp_path)).cuda_graphs
     with pytest.raises(ConfigError, match="CUDA graphs"):

@@ -816,11 +816,12 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         return None
     step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
     if kind == "ernie4_5_moe":  # (every moe_layer_interval-th layer from the start index to the end one's)
-        start, end = raw.get("moe_layer_start_index", 1), raw.get("moe_layer_end_index", -1)
+        start = _layer_index(raw, "moe_layer_start_index", 1, name)
+        end = _layer_index(raw, "moe_layer_end_index", -1, name)
         step, end = raw.get("moe_layer_interval", 1), layers - 1 if end == -1 else end
         dense = {i for i in range(layers) if not start <= i <= end}
     elif kind in DEEPSEEK_ROUTED:  # (its first first_k_dense_replace layers' MLPs dense)
-        dense = set(range(raw["first_k_dense_replace"] or 0))
+        dense = set(range(_layer_index(raw, "first_k_dense_replace", 0, name)))
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         setting = "moe_layer_interval" if kind == "ernie4_5_moe" else "decoder_sparse_step"
         raise ConfigError(f"{name}: {setting} must be a positive integer, got {step!r}")
@@ -836,6 +837,9 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size", 5632) if qwen2 else 0,
     }
     if kind in DEEPSEEK_ROUTED:  # its shared experts, one MLP (ungated); its routing (moe.DeepseekMoE)
+        scaling = raw["routed_scaling_factor"]
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not 0 < scaling < float("inf"):
+            raise ConfigError(f"{name}: routed_scaling_factor must be a positive number, got {scaling!r}")
         moe.update(
             shared_expert_intermediate_size=moe["moe_intermediate_size"] * (raw["n_shared_experts"] or 0),
             routed_scaling_factor=float(raw["routed_scaling_factor"]),
@@ -879,6 +883,17 @@ def _ntk_alpha(
         raise ConfigError(f"{name}: dynamic rope scaling needs a positive alpha (Hunyuan's NTK-alpha), got {alpha!r}")
     theta = theta * alpha ** (head_dim / (head_dim - 2))
     return theta, {k: v for k, v in rope.items() if k != "rope_type"}, {**raw, "rope_scaling": None}
+
+
+def _layer_index(raw: dict[str, Any], key: str, default: int, name: str) -> int:
+    """The layer index (or count) ``raw[key]``: an integer >= 0, or -1 (the last layer) where the default is."""
+    value = raw.get(key, default)
+    if value is None and default == 0:  # (DeepSeek's configs may say null: none)
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < min(default, 0):
+        allowed = "an integer >= 0" + (" or -1" if default == -1 else "")
+        raise ConfigError(f"{name}: {key} must be {allowed}, got {value!r}")
+    return value
 
 
 def _check_group_routing(moe: dict[str, Any], methods: tuple[str, ...], name: str) -> None:
