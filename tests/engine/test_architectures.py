@@ -24,7 +24,8 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "olmo2", "qwen2_moe", "gpt_oss", "olmo3", "olmoe", "glm", "glm4",
                        "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2",
                        "gpt2", "phi", "starcoder2", "gemma", "deepseek_v2", "deepseek_v3", "stablelm", "olmo",
-                       "nemotron", "arcee", "granitemoe", "hunyuan", "glm4_moe", "ernie4_5_moe"]  # fmt: skip
+                       "nemotron", "arcee", "granitemoe", "hunyuan", "glm4_moe", "ernie4_5_moe",
+                       "apertus"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)
@@ -40,8 +41,9 @@ def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
     mixture of experts: all of them; its biases, sinks, norms and shared experts too)."""
     spec = model_spec(hf_dirs[arch])
     hf = hf_cached(arch)
-    # (DeepSeek-V3's router bias: a buffer to transformers, a weight of the checkpoint)
-    biases = sum(b.numel() for name, b in hf.named_buffers() if name.endswith("e_score_correction_bias"))
+    # (DeepSeek-V3's router bias, Apertus's xIELU beta and eps: buffers to transformers, tensors of the checkpoint)
+    stored = ("e_score_correction_bias", "act_fn.beta", "act_fn.eps")
+    biases = sum(b.numel() for name, b in hf.named_buffers() if name.endswith(stored))
     assert spec.num_params == sum(p.numel() for p in hf.parameters()) + biases
     kv_heads = getattr(hf.config, "num_key_value_heads", 4)  # (OPT and GPT-NeoX: as many as the heads)
     head_dim = getattr(hf.config, "head_dim", None) or 16  # (64 / 4 heads, where the config has none)
@@ -101,24 +103,14 @@ def test_gpt_neox_one_after_the_other_and_the_hubs_config_names(tmp_path):
     assert out.outputs[0].token_ids != hf_greedy("gpt_neox", tuple(ids), 8)  # NOTE: the layer's order matters
 
 
-@pytest.mark.parametrize(
-    "arch",
-    [
-        "gpt2",
-        "phi",
-        "starcoder2",
-        "deepseek_v2",
-        "deepseek_v3",
-        "nemotron",
-        "olmo",
-        "hunyuan",
-        "glm4_moe",
-        "ernie4_5_moe",
-    ],
-)
+LOGPROB_CHECKED = ["gpt2", "phi", "starcoder2", "deepseek_v2", "deepseek_v3", "nemotron", "olmo", "hunyuan",
+                   "glm4_moe", "ernie4_5_moe", "apertus"]  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", LOGPROB_CHECKED)
 def test_prompt_logprobs_are_transformers(hf_dirs, arch):
-    """The scores of the models that came with the GELU MLPs and MLA to 1e-4: greedy tokens alone would not tell
-    GELU by tanh's approximation (``gelu_new``) from the exact one, or DeepSeek's YaRN softmax scale from none."""
+    """The scores of the models that came with the GELU MLPs, MLA and since to 1e-4: greedy tokens alone would not
+    tell GELU by tanh's approximation (``gelu_new``) from the exact one, or DeepSeek's YaRN softmax scale from none."""
     from hf_models import prompt_logprobs
 
     ids = PROMPTS[2]

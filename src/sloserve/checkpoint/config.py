@@ -71,6 +71,7 @@ ARCHITECTURES: dict[str, str] = {
     "nemotron": "nemotron",  # (Minitron: LayerNorms of 1 + weight, a squared-ReLU MLP of two matrices, half rotated)
     "arcee": "arcee",  # (AFM-4.5B: Llama's layers with a squared-ReLU MLP of two matrices)
     "starcoder2": "starcoder2",  # (StarCoder2: Llama's layers with LayerNorms, a GELU MLP, biases, a window)
+    "apertus": "apertus",  # (Apertus 8B, 70B: Llama's layers with query/key norms, a two-matrix xIELU MLP)
 }
 # Multimodal checkpoints served as text: their config.json's text_config is the language model's
 # (Gemma 3 4B-27B: Gemma3ForConditionalGeneration; its vision tower is not read, ``LANGUAGE_MODEL_PREFIXES``)
@@ -143,7 +144,13 @@ QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss", "phi")
 # The OLMo models (their query and key norms over the whole projections)
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe")
 # transformers' rope bases where a config has none
-DEFAULT_ROPE_THETA = {"gpt_oss": 150_000.0, "olmo3": 500_000.0, "ernie4_5": 500_000.0, "ernie4_5_moe": 500_000.0}
+DEFAULT_ROPE_THETA = {
+    "gpt_oss": 150_000.0,
+    "olmo3": 500_000.0,
+    "ernie4_5": 500_000.0,
+    "ernie4_5_moe": 500_000.0,
+    "apertus": 12_000_000.0,
+}
 # transformers' defaults where theirs differ from the generic reading (a head_dim of 128, not hidden / heads; an
 # MLP's activation other than SiLU, which a GGUF file does not name)
 CONFIG_DEFAULTS = {
@@ -157,6 +164,7 @@ CONFIG_DEFAULTS = {
     "phi": {"hidden_act": "gelu_new"},
     "nemotron": {"hidden_act": "relu2"},
     "arcee": {"hidden_act": "relu2"},
+    "apertus": {"hidden_act": "xielu"},
     "gemma": {"head_dim": 256, "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"},
 }
 # GPT-2's config names for the common ones (transformers' GPT2Config.attribute_map)
@@ -185,9 +193,10 @@ MLP_ACTIVATIONS = {
     "gemma": ("gelu_pytorch_tanh",),
     "nemotron": ("relu2",),
     "arcee": ("relu2",),
+    "apertus": ("xielu",),
 }
 # The models whose MLP is two matrices (up, an activation, down), not a gated three
-TWO_MATRIX_MLPS = ("opt", "gpt_neox", "gpt2", "phi", "starcoder2", "nemotron", "arcee")
+TWO_MATRIX_MLPS = ("opt", "gpt_neox", "gpt2", "phi", "starcoder2", "nemotron", "arcee", "apertus")
 # The models of Llama's outline whose norms are LayerNorms with biases
 LAYER_NORMS = ("phi", "starcoder2", "stablelm", "nemotron")
 # The models of Llama's outline whose norms have no weights (OLMo 1's)
@@ -387,6 +396,7 @@ class ModelConfig:
         attention += h * self.attention_output_bias + self.num_attention_heads * self.attention_sinks
         if self.model_type in TWO_MATRIX_MLPS:  # up, down
             mlp = 2 * h * i + (i + h if self.mlp_bias else 0)
+            mlp += 4 * (self.model_type == "apertus")  # (xIELU's alpha_p, alpha_n, beta and eps)
         else:  # gate, up, down
             mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
         # (a LayerNorm's bias; OLMo 1's norms: no weight)
@@ -624,7 +634,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         llama4_scaling_beta=_llama4_scaling_beta(model_type, scaling, rope, name),
         **_biases(raw, model_type),
         attention_sinks=model_type == "gpt_oss",
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "exaone4", "hunyuan_v1_dense", *OLMO_TYPES)
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "exaone4", "hunyuan_v1_dense", "apertus", *OLMO_TYPES)
         or (model_type == "glm4_moe" and bool(raw.get("use_qk_norm"))),
         qk_norm_after_rotary=model_type == "hunyuan_v1_dense",
         qk_norm_whole_projection=model_type in OLMO_TYPES,

@@ -10,7 +10,8 @@ from torch import nn
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend
-from sloserve.engine.models import deepseek_v2, gpt2, gpt_neox, hunyuan, phi
+from sloserve.engine.models import apertus, deepseek_v2, gpt2, gpt_neox, hunyuan, phi
+from sloserve.engine.models.apertus import ApertusForCausalLM
 from sloserve.engine.models.arcee import ArceeForCausalLM
 from sloserve.engine.models.cohere import CohereForCausalLM
 from sloserve.engine.models.deepseek_v2 import DeepseekV2ForCausalLM
@@ -48,6 +49,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "hunyuan": LlamaForCausalLM,
     "glm4_moe": LlamaForCausalLM,
     "ernie4_5_moe": LlamaForCausalLM,
+    "apertus": ApertusForCausalLM,
 }
 
 
@@ -80,7 +82,11 @@ CHECKPOINT_TENSORS = {
     "ernie4_5_moe": _ernie4_5_moe_tensor,
 }
 # An architecture's checkpoint names of modules the engine names otherwise (Llama's): each part of a name replaced
-CHECKPOINT_NAMES = {"phi": phi.CHECKPOINT_NAMES, "hunyuan": hunyuan.CHECKPOINT_NAMES}
+CHECKPOINT_NAMES = {
+    "phi": phi.CHECKPOINT_NAMES,
+    "hunyuan": hunyuan.CHECKPOINT_NAMES,
+    "apertus": apertus.CHECKPOINT_NAMES,
+}
 # The merged projections a model type's checkpoints store whole, in the row order the engine's have:
 # Phi-3's Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``), GLM's gate/up
 FUSED_CHECKPOINTS = {"phi3": ("qkv_proj", "gate_up_proj"), "glm": ("gate_up_proj",), "glm4": ("gate_up_proj",)}

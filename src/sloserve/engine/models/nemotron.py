@@ -25,14 +25,15 @@ class LayerNorm1P(AddAndNorm, nn.LayerNorm):
 
 
 class UpDownMLP(nn.Module):
-    """down(act(up(x))): Nemotron's and Arcee's MLP (their squared ReLU, ``hidden_act``)."""
+    """down(act(up(x))): Nemotron's and Arcee's MLP (their squared ReLU, ``hidden_act``), Apertus's (``act``: its
+    xIELU, a module with parameters of its own)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, act: nn.Module | None = None) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
-        self.act = ACTIVATIONS[config.hidden_act]
+        self.act = ACTIVATIONS[config.hidden_act] if act is None else act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, I) -> (T, H)
         return self.down_proj(self.act(self.up_proj(x)))
