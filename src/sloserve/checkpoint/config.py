@@ -810,8 +810,9 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
     ``decoder_sparse_step``-th layer not in ``mlp_only_layers`` (Qwen2-MoE's beside a shared expert);
     Mixtral's, gpt-oss's, OLMoE's and Granite MoE's: every layer, each expert of ``intermediate_size``
     (Mixtral's and Granite's top weights always renormalized); DeepSeek's: every layer after the first
-    ``first_k_dense_replace``, beside shared experts, with their routing's settings (GLM-4.5's as V3's). The
-    defaults where a config has none are transformers'."""
+    ``first_k_dense_replace``, beside shared experts, with their routing's settings (GLM-4.5's as V3's); ERNIE
+    4.5's: every ``moe_layer_interval``-th layer between its start and end indices, its settings under its own
+    names (``ERNIE_MOE_NAMES``). The defaults where a config has none are transformers'."""
     kind = raw["model_type"]
     qwen2 = kind == "qwen2_moe"
     experts_of_intermediate_size = kind in ("mixtral", "gpt_oss", "olmoe", "granitemoe")

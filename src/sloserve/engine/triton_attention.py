@@ -6,8 +6,9 @@ bidirectional) works unchanged, as with the PyTorch reference (``attention.Torch
 - ``_decode_kernel``: one program per (decode sequence, KV head, split of its context). It loads the
   query rows of every head that shares that KV head (grouped-query attention: the K/V tile is read
   once for the group; in blocks of ``BLOCK_H`` heads where the group's accumulator would outgrow a
-  128-wide head's, ``TILE_NUMBERS``: MLA's 128 heads on one 512-wide latent) and walks its share of the context in tiles of ``BLOCK_N`` slots with an online
-  softmax (running max ``m``, running sum ``l``, rescaled accumulator), as FlashAttention does.
+  128-wide head's, ``TILE_NUMBERS``: MLA's 128 heads on one 512-wide latent) and walks its share of
+  the context in tiles of ``BLOCK_N`` slots with an online softmax (running max ``m``, running sum
+  ``l``, rescaled accumulator), as FlashAttention does.
   With one split it writes the output; with several (flash decoding: a few long contexts would
   otherwise leave most of the GPU idle, one program per KV head walking thousands of tokens) each
   split writes its unnormalized sums, and ``_combine_splits_kernel`` merges them, rescaling each
@@ -63,7 +64,7 @@ MIN_DOT_DIM = 16
 # and its K and V tiles at most twice as many: the default tiles' for 128-wide heads (64 x 128). Wider heads
 # get fewer rows and keys a tile (a 512-wide MLA latent: 16 query rows or heads and 32 keys, as vLLM's MLA
 # decode kernel takes), so that their tiles fit in registers and shared memory as a 128-wide head's do.
-# NOTE: chosen by reasoning, not timed (no GPU run has seen a head wider than 128).
+# NOTE: chosen by reasoning, not timed (no GPU run has timed a head wider than 128).
 TILE_NUMBERS = 64 * 128
 # Flash decoding (``decode_splits``): split the contexts until the decode programs fill every
 # multiprocessor this many times over, with at least MIN_SPLIT_TOKENS context tokens a split (below

@@ -334,8 +334,8 @@ def past_the_layers(key: str, config: ModelConfig) -> bool:
 
 
 def mlp(config: ModelConfig, layer: int) -> nn.Module:
-    """Layer ``layer``'s MLP: dense, or a mixture of experts (with Qwen2-MoE's gated shared expert, DeepSeek's
-    and GLM-4.5's ungated ones: those routed as DeepSeek's, ``topk_method``)."""
+    """Layer ``layer``'s MLP: dense, or a mixture of experts (with Qwen2-MoE's gated shared expert, DeepSeek's,
+    GLM-4.5's and ERNIE 4.5's ungated ones: those routed as DeepSeek's, ``topk_method``)."""
     if not config.layer_is_moe(layer):
         return LlamaMLP(config)
     if config.model_type == "gpt_oss":

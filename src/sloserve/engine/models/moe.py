@@ -1,6 +1,6 @@
 """Sparse mixture-of-experts MLPs (Qwen3-MoE: Qwen3-30B-A3B, Qwen3-235B-A22B; Qwen2-MoE: Qwen1.5-MoE-A2.7B,
 Qwen2-57B-A14B, with a shared expert; Mixtral 8x7B, 8x22B; gpt-oss-20b and 120b: ``GptOssMoE``; DeepSeek-V2's and
-V3's routings, GLM-4.5's too: ``DeepseekMoE``).
+V3's routings, GLM-4.5's and ERNIE 4.5's too: ``DeepseekMoE``).
 
 Each token's router scores pick its ``num_experts_per_tok`` best experts (softmax over all experts, in
 float32, then the top k; with ``norm_topk_prob`` their weights renormalized to sum to 1, as transformers'
@@ -161,8 +161,8 @@ class SparseMoE(nn.Module):
 
 
 class DeepseekRouter(nn.Module):
-    """The router's weight (E, H) and, for V3's routing (``noaux_tc``), the bias its choice adds to the scores
-    (``e_score_correction_bias``, DeepSeek-V3's auxiliary-loss-free balancing b_i).
+    """The router's weight (E, H) and, for V3's and ERNIE 4.5's routings (``BIASED_ROUTINGS``), the bias its
+    choice adds to the scores (``e_score_correction_bias``, DeepSeek-V3's auxiliary-loss-free balancing b_i).
 
     NOTE: the bias stays float32 in a bf16 model (``float32_parameters``, as vLLM and transformers keep it):
     rounded to bf16, experts whose s + b nearly tie would swap."""
@@ -181,7 +181,7 @@ class DeepseekRouter(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    """DeepSeek's MoE (GLM-4.5's too): router scores in float32, each token's top k experts, their weights
+    """DeepSeek's MoE (GLM-4.5's and ERNIE 4.5's too): router scores in float32, each token's top k experts, their weights
     times ``routed_scaling_factor``; the shared experts (one MLP, ungated, given by the caller) run for every
     token.
 
