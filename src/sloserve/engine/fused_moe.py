@@ -143,7 +143,7 @@ def expert_matmul(
     pairs, block_experts, num_padded = routing
     assert inputs.stride(-1) == 1
     num_pairs = inputs.shape[0] * top_k if by_token else inputs.shape[0]
-    num_experts, n, k = weight.shape
+    _, n, k = weight.shape  # (E, N, K)
     out = inputs.new_empty((num_pairs, n))
     grid = (block_experts.numel(), triton.cdiv(n, BLOCK_N))
     _expert_matmul_kernel[grid](

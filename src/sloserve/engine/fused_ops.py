@@ -107,7 +107,7 @@ def write_kv(
     v_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
 ) -> None:
-    # (keys only: one index copy, as one kernel as it is)
+    # (keys only, MLA's: one index_copy_, already one kernel)
     fused = v is not None and _use_triton(k) and _rows_contiguous(k) and _rows_contiguous(v)
     if fused and k_cache.is_contiguous():
         write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
