@@ -490,15 +490,39 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     elif model_type == "gpt2":
         raw = {GPT2_NAMES.get(key, key): value for key, value in raw.items()}
     raw = {**CONFIG_DEFAULTS.get(model_type, {}), **raw}
-    quantization = raw.get("quantization_config")
+    fp8_block = _fp8_weight_block(raw.get("quantization_config"), model_type, name)
+    config = _config_of(raw, model_type, name)
+    if fp8_block is None:
+        return config
+    return dataclasses.replace(config, extra={**config.extra, "fp8_weight_block": fp8_block})
+
+
+def _fp8_weight_block(quantization: Any, model_type: str, name: str) -> tuple[int, int] | None:
+    """The (rows, columns) of a block-wise FP8 checkpoint's weight blocks (``quant_method`` fp8 with a
+    ``weight_block_size``: DeepSeek-V3's, Qwen3's and GLM-4.5's FP8 releases; their weights are dequantized
+    as they load, ``models.dequantize_fp8_blocks``); None for an unquantized one (or gpt-oss's MXFP4 experts,
+    dequantized as they load too). Any other quantization is a ConfigError: its tensors (AWQ's packed ints,
+    per-tensor FP8) would load as plain weights."""
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-    # NOTE: gpt-oss's experts ship as MXFP4, dequantized as they load (engine/models/__init__.py: mxfp4)
-    if quantization and not (model_type == "gpt_oss" and method == "mxfp4"):
-        # NOTE: its tensors (FP8 with scales, AWQ's packed ints) would load as plain weights
+    if not quantization or (model_type == "gpt_oss" and method == "mxfp4"):
+        return None
+    block = quantization.get("weight_block_size") if method == "fp8" else None
+    if block is None:
         raise ConfigError(
             f"{name}: quantized checkpoints are not supported (config.json quantization_config, quant_method "
-            f"{method!r}); use the unquantized model, or a GGUF file of it"
+            f"{method!r}{' without weight_block_size' if method == 'fp8' else ''}); use the unquantized model, "
+            "a block-wise FP8 one, or a GGUF file of it"
         )
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ConfigError(f"{name}: quantization_config weight_block_size must be two positive integers, got {block!r}")
+    for key, value in (("fmt", "e4m3"), ("activation_scheme", "dynamic")):
+        if quantization.get(key, value) != value:
+            raise ConfigError(f"{name}: FP8 quantization_config {key} {quantization[key]!r} is not supported ({value})")
+    return block[0], block[1]
+
+
+def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
+    """``from_hf_config``'s reading of a supported, unquantized-as-held ``raw`` of ``model_type``."""
 
     def need(key: str) -> Any:
         if key not in raw:

@@ -300,12 +300,55 @@ def _dequantized(tensors):
         raise ConfigError(f"MXFP4 tensor {name}_{part} has no {'scales' if part == 'blocks' else 'blocks'}")
 
 
+def dequantize_fp8_blocks(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str = "FP8 weight"
+) -> torch.Tensor:
+    """A block-wise FP8 weight (..., N, K) float8_e4m3fn as float32: each (rows, columns) ``block`` of it times
+    its scale (``scale_inv`` (..., ceil(N / rows), ceil(K / columns)), DeepSeek-V3's and transformers' name for
+    the factor that undoes the quantization); the last blocks of a row or column may be partial. ``name``:
+    the weight's, for the error when the two do not pair."""
+    (n, k), (rows, columns) = weight.shape[-2:], block
+    if tuple(scale_inv.shape) != (*weight.shape[:-2], -(-n // rows), -(-k // columns)):
+        raise ConfigError(
+            f"{name} {tuple(weight.shape)} and its scales {tuple(scale_inv.shape)} do not pair "
+            f"(one scale a {rows} x {columns} block, quantization_config weight_block_size)"
+        )
+    scales = scale_inv.float().repeat_interleave(rows, dim=-2)[..., :n, :]
+    return weight.float() * scales.repeat_interleave(columns, dim=-1)[..., :k]
+
+
+def _fp8_dequantized(tensors, block: tuple[int, int]):
+    """``tensors`` with each FP8 weight and its ``{name}_scale_inv`` as the float32 weight (in a file the two
+    are neighbours: at most one waits for the other)."""
+    pending: dict[str, torch.Tensor] = {}
+    for origin, key, tensor in tensors:
+        if key.endswith("_scale_inv"):
+            weight_key, scale = key.removesuffix("_scale_inv"), tensor
+            weight = pending.pop(weight_key, None)
+        elif getattr(tensor, "dtype", None) == torch.float8_e4m3fn:
+            weight_key, weight = key, tensor
+            scale = pending.pop(key + "_scale_inv", None)
+        else:
+            yield origin, key, tensor
+            continue
+        if weight is None or scale is None:
+            pending[key] = tensor
+            continue
+        yield origin, weight_key, dequantize_fp8_blocks(weight, scale, block, f"{origin}: FP8 tensor {weight_key}")
+    if pending:
+        key = next(iter(pending))
+        missing = "FP8 weight" if key.endswith("_scale_inv") else "scale (_scale_inv)"
+        raise ConfigError(f"FP8 tensor {key} has no {missing} in the checkpoint")
+
+
 @torch.no_grad()
 def copy_weights(model: nn.Module, tensors, source: str) -> None:
     """Copy ``(origin, HF name, tensor or array)`` triples into ``model``; an unknown name, a wrong
     shape or a parameter left without weights (other than a tied LM head) is a ConfigError."""
     params = checkpoint_tensors(model)
     loaded: set[str] = set()
+    if "fp8_weight_block" in model.config.extra:  # (block-wise FP8 weights, dequantized as they load)
+        tensors = _fp8_dequantized(tensors, model.config.extra["fp8_weight_block"])
     if model.config.model_type == "gpt_oss":  # (its experts stacked as the model holds them)
         tensors = _dequantized(tensors)
     elif model.config.is_moe:
