@@ -314,7 +314,7 @@ def test_head_dims_padded_to_a_power_of_two(monkeypatch, head_dim):
     assert check_against_reference(monkeypatch, step, torch.float32) < TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float16], ids=str)  # (DeepSeek's: bf16)
 @pytest.mark.parametrize(
     ("heads", "value_dim", "head_dim"),
     [((4, 1), 32, 40), ((20, 1), 512, 576), ((8, 2), 24, 36)],
