@@ -26,7 +26,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "ministral3": 23, "exaone4": 24, "seed_oss": 25, "ernie4_5": 26,
          "gpt_neox": 27, "cohere": 28, "cohere2": 29, "gpt2": 30, "phi": 31, "starcoder2": 32, "gemma": 33, "deepseek_v2": 34, "deepseek_v3": 35,
          "stablelm": 36, "olmo": 37, "nemotron": 38, "arcee": 39, "granitemoe": 40, "hunyuan": 41,
-         "glm4_moe": 42, "ernie4_5_moe": 43, "apertus": 44}  # fmt: skip
+         "glm4_moe": 42, "ernie4_5_moe": 43, "apertus": 44, "hunyuan_moe": 45}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -220,6 +220,13 @@ def hf_model(arch: str):
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
         )  # fmt: skip
         cls = transformers.ApertusForCausalLM
+    elif arch == "hunyuan_moe":  # Hunyuan's layers, 8 experts (2 a token) beside a shared one; NTK alpha 1000
+        config = transformers.HunYuanMoEV1Config(
+            **common, intermediate_size=48, num_key_value_heads=2, head_dim=16, num_experts=8, moe_topk=2,
+            initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10000.0, "factor": 1.0},
+        )  # fmt: skip
+        cls = transformers.HunYuanMoEV1ForCausalLM
     elif arch == "hunyuan":  # query and key heads normalized after the rotary embedding; NTK alpha 1000 on the base
         config = transformers.HunYuanDenseV1Config(
             **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, initializer_range=0.2,

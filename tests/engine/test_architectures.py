@@ -25,7 +25,7 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2",
                        "gpt2", "phi", "starcoder2", "gemma", "deepseek_v2", "deepseek_v3", "stablelm", "olmo",
                        "nemotron", "arcee", "granitemoe", "hunyuan", "glm4_moe", "ernie4_5_moe",
-                       "apertus"]  # fmt: skip
+                       "apertus", "hunyuan_moe"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)
@@ -104,7 +104,7 @@ def test_gpt_neox_one_after_the_other_and_the_hubs_config_names(tmp_path):
 
 
 LOGPROB_CHECKED = ["gpt2", "phi", "starcoder2", "deepseek_v2", "deepseek_v3", "nemotron", "olmo", "hunyuan",
-                   "glm4_moe", "ernie4_5_moe", "apertus"]  # fmt: skip
+                   "glm4_moe", "ernie4_5_moe", "apertus", "hunyuan_moe"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", LOGPROB_CHECKED)
@@ -276,6 +276,19 @@ def test_ernie4_5_moe_places_its_experts_as_transformers_and_skips_its_mtp_tenso
     safetensors.torch.save_file(weights, str(tmp_path / "model.safetensors"))
     tokens, _ = greedy_tokens(str(tmp_path), "vllm")
     assert tokens == reference("ernie4_5_moe")
+
+
+def test_hunyuan_moe_settings_a_layer_and_always_renormalized(hf_dirs):
+    """Hunyuan-A13B's config gives its experts and top k a value a layer (read as one where all agree, refused
+    where they differ); transformers renormalizes its top weights whatever ``norm_topk_prob`` says."""
+    from sloserve.checkpoint.config import from_hf_config
+
+    raw = json.loads((Path(hf_dirs["hunyuan_moe"]) / "config.json").read_text())
+    layers = raw["num_hidden_layers"]
+    moe = from_hf_config({**raw, "num_experts": [8] * layers, "moe_topk": [2] * layers, "norm_topk_prob": False}).moe
+    assert (moe["num_experts"], moe["num_experts_per_tok"], moe["norm_topk_prob"]) == (8, 2, True)
+    with pytest.raises(ConfigError, match="num_experts_per_tok differs between layers \\(\\[2, 3\\]\\)"):
+        from_hf_config({**raw, "moe_topk": [2, 3]})
 
 
 def test_hunyuans_ntk_alpha_as_the_hub_and_transformers_write_it(hf_dirs):

@@ -358,12 +358,15 @@ def test_deepseek_v3s_layer_equals_transformers_block(num_tokens):
         assert not torch.allclose(unbiased, expected, atol=1e-3)
 
 
-def test_deepseek_v3s_router_bias_stays_float32_in_a_bf16_model():
-    """As vLLM keeps it: rounded to bf16, experts whose scores plus bias nearly tie would swap."""
+def test_deepseek_v3s_router_stays_float32_in_a_bf16_model():
+    """As transformers keeps them (``_keep_in_fp32_modules_strict``: the router's weight and bias): rounded to
+    bf16, experts whose scores plus bias nearly tie would swap, and a router stored in float32 (Hunyuan's)
+    would lose its precision."""
     config = moe_config(model_type="deepseek_v3", n_routed_experts=8, n_group=2, topk_group=1, first_k_dense_replace=0)
     model = create_model(from_hf_config(config), TorchAttention(), torch.bfloat16, torch.device("cpu"))
     gate = model.model.layers[0].mlp.gate
-    assert (gate.e_score_correction_bias.dtype, gate.weight.dtype) == (torch.float32, torch.bfloat16)
+    assert (gate.e_score_correction_bias.dtype, gate.weight.dtype) == (torch.float32, torch.float32)
+    assert model.model.layers[0].mlp.experts.gate_up.dtype == torch.bfloat16
     assert checkpoint_tensors(model)["model.layers.0.mlp.gate.e_score_correction_bias"] is gate.e_score_correction_bias
 
 

@@ -40,6 +40,8 @@ ARCHITECTURES: dict[str, str] = {
     "granitemoe": "llama",  # (Granite 3 MoE: Granite's layers, their MLPs mixtures of experts)
     # (Hunyuan 0.5B-7B: Llama's layers, each query and key head normalized after the rotary embedding)
     "hunyuan_v1_dense": "hunyuan",
+    # (Hunyuan-A13B: those layers, each MLP a softmax-routed mixture of experts beside an ungated shared one)
+    "hunyuan_v1_moe": "hunyuan",
     "gemma3_text": "gemma3",
     "gemma": "gemma",  # (Gemma 1, CodeGemma: Llama's layers with Gemma's norms, GeGLU MLP and scaled embeddings)
     "gemma2": "gemma3",  # (Gemma 3's layers without query/key norms, with capped scores)
@@ -108,6 +110,11 @@ MOE_DEFAULTS = {
     "deepseek_v3": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048},
     "glm4_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408},
     "ernie4_5_moe": {"num_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1536},
+    "hunyuan_v1_moe": {
+        "num_experts": 1,
+        "num_experts_per_tok": 1,
+        "moe_intermediate_size": None,
+    },  # (intermediate_size)
 }
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")  # (multi-head latent attention)
 # transformers' defaults of their routing where it differs by version: (n_shared_experts, routed_scaling_factor,
@@ -121,10 +128,15 @@ DEEPSEEK_ROUTING_DEFAULTS = {
                  "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 1},
     "ernie4_5_moe": {"n_shared_experts": 2, "routed_scaling_factor": 1.0, "topk_method": "softmax_with_bias",
                      "n_group": None, "topk_group": None, "norm_topk_prob": True},
+    "hunyuan_v1_moe": {"n_shared_experts": 1, "routed_scaling_factor": 1.0, "topk_method": "greedy", "n_group": None,
+                       "topk_group": None, "norm_topk_prob": True, "first_k_dense_replace": 0},
 }  # fmt: skip
-# ERNIE 4.5's names of those settings (transformers' attribute_map's and its own)
-ERNIE_MOE_NAMES = {"moe_num_experts": "n_routed_experts", "moe_k": "num_experts_per_tok",
-                   "moe_num_shared_experts": "n_shared_experts"}  # fmt: skip
+# ERNIE 4.5's and Hunyuan's names of those settings (transformers' attribute_maps' and their own)
+MOE_SETTING_NAMES = {
+    "ernie4_5_moe": {"moe_num_experts": "n_routed_experts", "moe_k": "num_experts_per_tok",
+                     "moe_num_shared_experts": "n_shared_experts"},
+    "hunyuan_v1_moe": {"num_experts": "n_routed_experts", "moe_topk": "num_experts_per_tok"},
+}  # fmt: skip
 # The mixtures of experts routed as DeepSeek's
 DEEPSEEK_ROUTED = tuple(DEEPSEEK_ROUTING_DEFAULTS)
 # Each one's routings (``moe.DeepseekMoE``): V3's and GLM-4.5's sigmoid scores with a bias (the Hub's configs say
@@ -134,6 +146,7 @@ ROUTING_METHODS = {
     "deepseek_v3": ("noaux_tc",),
     "glm4_moe": ("noaux_tc",),
     "ernie4_5_moe": ("softmax_with_bias",),
+    "hunyuan_v1_moe": ("greedy",),
 }
 # The routings whose choice adds the router's bias (``e_score_correction_bias``) to the scores: DeepSeek-V3's
 # (sigmoid scores) and ERNIE 4.5's (softmax scores)
@@ -578,7 +591,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         rope = dict(rope.get("full_attention") or {})
     rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", default_theta)))
     head_dim = raw.get("head_dim") or hidden // heads
-    if model_type == "hunyuan_v1_dense":
+    if model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"):
         rope_theta, rope, raw = _ntk_alpha(raw, rope, rope_theta, head_dim, name)
     scaling = _config_rope_scaling(raw, rope, name)
     if raw.get("use_sliding_window"):
@@ -658,9 +671,10 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         llama4_scaling_beta=_llama4_scaling_beta(model_type, scaling, rope, name),
         **_biases(raw, model_type),
         attention_sinks=model_type == "gpt_oss",
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "exaone4", "hunyuan_v1_dense", "apertus", *OLMO_TYPES)
+        qk_norm=model_type
+        in ("qwen3", "qwen3_moe", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe", "apertus", *OLMO_TYPES)
         or (model_type == "glm4_moe" and bool(raw.get("use_qk_norm"))),
-        qk_norm_after_rotary=model_type == "hunyuan_v1_dense",
+        qk_norm_after_rotary=model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"),
         qk_norm_whole_projection=model_type in OLMO_TYPES,
         clip_qkv=raw.get("clip_qkv") if model_type in ("olmoe", "olmo") else None,
         moe=_moe(raw, common["num_hidden_layers"], name) if model_type in MOE_TYPES else None,
@@ -834,16 +848,22 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
     ``decoder_sparse_step``-th layer not in ``mlp_only_layers`` (Qwen2-MoE's beside a shared expert);
     Mixtral's, gpt-oss's, OLMoE's and Granite MoE's: every layer, each expert of ``intermediate_size``
     (Mixtral's and Granite's top weights always renormalized); DeepSeek's: every layer after the first
-    ``first_k_dense_replace``, beside shared experts, with their routing's settings (GLM-4.5's as V3's); ERNIE
-    4.5's: every ``moe_layer_interval``-th layer between its start and end indices, its settings under its own
-    names (``ERNIE_MOE_NAMES``). The defaults where a config has none are transformers'."""
+    ``first_k_dense_replace``, beside shared experts, with their routing's settings (GLM-4.5's as V3's, Hunyuan's
+    greedy); ERNIE 4.5's: every ``moe_layer_interval``-th layer between its start and end indices. ERNIE's and
+    Hunyuan's settings have names of their own (``MOE_SETTING_NAMES``; Hunyuan's a value a layer, read as one).
+    The defaults where a config has none are transformers'."""
     kind = raw["model_type"]
     qwen2 = kind == "qwen2_moe"
-    experts_of_intermediate_size = kind in ("mixtral", "gpt_oss", "olmoe", "granitemoe")
+    experts_of_intermediate_size = kind in ("mixtral", "gpt_oss", "olmoe", "granitemoe", "hunyuan_v1_moe")
     # NOTE: transformers 5 saves Qwen3-MoE's count as num_local_experts (Mixtral's name), the Hub as num_experts
     experts = raw.get("num_experts", raw.get("num_local_experts", MOE_DEFAULTS[kind]["num_experts"]))
-    if kind == "ernie4_5_moe":
-        raw = {ERNIE_MOE_NAMES.get(key, key): value for key, value in raw.items()}
+    if kind in MOE_SETTING_NAMES:
+        raw = {MOE_SETTING_NAMES[kind].get(key, key): value for key, value in raw.items()}
+    if kind == "hunyuan_v1_moe":  # (its configs give a value a layer; transformers' reads one for all)
+        raw = {
+            **raw,
+            **{key: _one_for_all_layers(raw, key, name) for key in ("n_routed_experts", "num_experts_per_tok")},
+        }
     if kind in DEEPSEEK_ROUTED:
         raw = {**DEEPSEEK_ROUTING_DEFAULTS[kind], **raw}
         experts = raw.get("n_routed_experts", MOE_DEFAULTS[kind]["num_experts"])
@@ -867,7 +887,7 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         if experts_of_intermediate_size
         else raw.get("moe_intermediate_size", MOE_DEFAULTS[kind]["moe_intermediate_size"]),
         # (Granite's: the softmax of the top k logits, the same weights)
-        "norm_topk_prob": kind in ("mixtral", "granitemoe") or bool(raw.get("norm_topk_prob", False)),
+        "norm_topk_prob": kind in ("mixtral", "granitemoe", "hunyuan_v1_moe") or bool(raw.get("norm_topk_prob", False)),
         "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
         "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size", 5632) if qwen2 else 0,
     }
@@ -918,6 +938,16 @@ def _ntk_alpha(
         raise ConfigError(f"{name}: dynamic rope scaling needs a positive alpha (Hunyuan's NTK-alpha), got {alpha!r}")
     theta = theta * alpha ** (head_dim / (head_dim - 2))
     return theta, {k: v for k, v in rope.items() if k != "rope_type"}, {**raw, "rope_scaling": None}
+
+
+def _one_for_all_layers(raw: dict[str, Any], key: str, name: str) -> Any:
+    """``raw[key]``, given as one value or one a layer (Hunyuan's): the value, where every layer's is the same."""
+    value = raw.get(key)
+    if not isinstance(value, list):
+        return value
+    if not value or any(v != value[0] for v in value):
+        raise ConfigError(f"{name}: {key} differs between layers ({value!r}); one value for all is supported")
+    return value[0]
 
 
 def _layer_index(raw: dict[str, Any], key: str, default: int, name: str) -> int:

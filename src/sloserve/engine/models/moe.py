@@ -164,10 +164,11 @@ class DeepseekRouter(nn.Module):
     """The router's weight (E, H) and, for V3's and ERNIE 4.5's routings (``BIASED_ROUTINGS``), the bias its
     choice adds to the scores (``e_score_correction_bias``, DeepSeek-V3's auxiliary-loss-free balancing b_i).
 
-    NOTE: the bias stays float32 in a bf16 model (``float32_parameters``, as vLLM and transformers keep it):
-    rounded to bf16, experts whose s + b nearly tie would swap."""
+    NOTE: the weight and the bias stay float32 in a bf16 model (``float32_parameters``, as transformers keeps
+    them: its ``_keep_in_fp32_modules_strict``; vLLM the bias): rounded to bf16, experts whose scores nearly
+    tie would swap."""
 
-    float32_parameters = ("e_score_correction_bias",)
+    float32_parameters = ("weight", "e_score_correction_bias")
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
