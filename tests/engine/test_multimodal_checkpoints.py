@@ -141,6 +141,33 @@ def test_mistral_small_31s_language_model_gives_transformers_greedy_tokens(tmp_p
     assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 16) for ids in PROMPTS]
 
 
+def test_qwen3_vls_language_model_gives_transformers_greedy_tokens(tmp_path):
+    """Qwen3-VL (2B-32B, ``Qwen3VLForConditionalGeneration``): its text_config is Qwen3's layers (``qwen3_vl_text``)
+    and its interleaved MRoPE is Qwen3's RoPE on text; the vision tower (``model.visual``) is not read: the
+    greedy tokens of transformers' multimodal model on the same text."""
+    text = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=128, max_position_embeddings=256, initializer_range=0.2,
+                rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True})  # fmt: skip
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0])  # fmt: skip
+    torch.manual_seed(14)
+    model = transformers.Qwen3VLForConditionalGeneration(
+        transformers.Qwen3VLConfig(text_config=text, vision_config=vision)
+    ).eval()
+    with torch.no_grad():  # (q/k norms: 1 at init)
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.mul_(1 + 0.3 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    config = load_hf_config(tmp_path)
+    assert (config.model_type, config.qk_norm, config.rope_theta) == ("qwen3", True, 5e6)
+    llm = LLM(str(tmp_path), kv_capacity_tokens=512)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 16) for ids in PROMPTS]
+
+
 def test_a_multimodal_config_without_its_text_config_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "vision_config": {}}))
     with pytest.raises(ConfigError, match="a gemma3 config.json needs a text_config"):

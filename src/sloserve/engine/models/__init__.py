@@ -113,7 +113,13 @@ LANGUAGE_MODEL_PREFIXES = {
     "language_model.lm_head.": "lm_head.",
     "model.language_model.": "model.",
 }
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+    "model.visual.",  # (Qwen3-VL's)
+)
 
 
 def language_model_name(key: str) -> str | None:
