@@ -141,9 +141,11 @@ def test_mistral_small_31s_language_model_gives_transformers_greedy_tokens(tmp_p
     assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 16) for ids in PROMPTS]
 
 
-def test_qwen3_vls_language_model_gives_transformers_greedy_tokens(tmp_path):
+@pytest.mark.parametrize("experts", [0, 8], ids=["Qwen3-VL", "Qwen3-VL-MoE"])
+def test_qwen3_vls_language_model_gives_transformers_greedy_tokens(tmp_path, experts):
     """Qwen3-VL (2B-32B, ``Qwen3VLForConditionalGeneration``): its text_config is Qwen3's layers (``qwen3_vl_text``)
-    and its interleaved MRoPE is Qwen3's RoPE on text; the vision tower (``model.visual``) is not read: the
+    and its interleaved MRoPE is Qwen3's RoPE on text; the vision tower (``model.visual``) is not read. Qwen3-VL-MoE
+    (30B-A3B, 235B-A22B): Qwen3-MoE's layers, its experts stored stacked (E, inputs, outputs) as the Hub's are. The
     greedy tokens of transformers' multimodal model on the same text."""
     text = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=16, intermediate_size=128, max_position_embeddings=256, initializer_range=0.2,
@@ -152,16 +154,27 @@ def test_qwen3_vls_language_model_gives_transformers_greedy_tokens(tmp_path):
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                   spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0])  # fmt: skip
     torch.manual_seed(14)
-    model = transformers.Qwen3VLForConditionalGeneration(
-        transformers.Qwen3VLConfig(text_config=text, vision_config=vision)
-    ).eval()
+    if experts:
+        text.update(num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=16)
+        config = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision)
+        model = transformers.Qwen3VLMoeForConditionalGeneration(config).eval()
+    else:
+        model = transformers.Qwen3VLForConditionalGeneration(
+            transformers.Qwen3VLConfig(text_config=text, vision_config=vision)
+        ).eval()
     with torch.no_grad():  # (q/k norms: 1 at init)
         for name, p in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.mul_(1 + 0.3 * torch.randn_like(p))
     model.save_pretrained(tmp_path)
+    if experts:  # the Hub's layout: (E, H, 2 I) and (E, I, H), where transformers saves (E, 2 I, H), (E, H, I)
+        weights = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
+        for key in [k for k in weights if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            weights[key] = weights[key].transpose(1, 2).contiguous()
+        safetensors_torch.save_file(weights, str(tmp_path / "model.safetensors"))
     config = load_hf_config(tmp_path)
-    assert (config.model_type, config.qk_norm, config.rope_theta) == ("qwen3", True, 5e6)
+    kind = "qwen3_moe" if experts else "qwen3"
+    assert (config.model_type, config.qk_norm, config.rope_theta) == (kind, True, 5e6)
     llm = LLM(str(tmp_path), kv_capacity_tokens=512)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)

@@ -5,7 +5,7 @@ Phi-4, SmolLM3, Granite 3), Qwen2 / Qwen2.5 (QKV biases), Qwen3 (per-head RMSNor
 biases), Qwen3-MoE and Mixtral (their MLPs mixtures of experts), OLMo 2 (norms after attention and the
 MLP), Gemma 2 and Gemma 3 text models
 (``gemma3_text``: sliding-window layers beside global ones) and OPT (learned positions, LayerNorm, ReLU);
-and the language model of multimodal checkpoints (``MULTIMODAL``: Gemma 3 4B-27B, Mistral Small 3.1, Qwen3-VL),
+and the language model of multimodal checkpoints (``MULTIMODAL``: Gemma 3 4B-27B, Mistral Small 3.1, Qwen3-VL and its MoE),
 served as text.
 """
 
@@ -77,11 +77,20 @@ ARCHITECTURES: dict[str, str] = {
 }
 # Multimodal checkpoints served as text: their config.json's text_config is the language model's
 # (Gemma 3 4B-27B: Gemma3ForConditionalGeneration; its vision tower is not read, ``LANGUAGE_MODEL_PREFIXES``)
-MULTIMODAL = {"gemma3": "gemma3_text", "mistral3": "mistral", "qwen3_vl": "qwen3_vl_text"}  # (Mistral Small 3.1, 3.2)
+MULTIMODAL = {
+    "gemma3": "gemma3_text",
+    "mistral3": "mistral",  # (Mistral Small 3.1, 3.2)
+    "qwen3_vl": "qwen3_vl_text",
+    "qwen3_vl_moe": "qwen3_vl_moe_text",
+}
 # The language models of those that are another architecture's, and transformers' defaults of theirs that differ:
 # Qwen3-VL's is Qwen3's layers, and its interleaved MRoPE gives a text token the same position in each of its
-# sections (temporal, height, width), which is Qwen3's RoPE (as vLLM serves a prompt without images)
-TEXT_MODEL_TYPES = {"qwen3_vl_text": ("qwen3", {"rope_theta": 500_000.0})}
+# sections (temporal, height, width), which is Qwen3's RoPE (as vLLM serves a prompt without images); Qwen3-VL-MoE's
+# is Qwen3-MoE's, its top weights always renormalized
+TEXT_MODEL_TYPES = {
+    "qwen3_vl_text": ("qwen3", {"rope_theta": 500_000.0}),
+    "qwen3_vl_moe_text": ("qwen3_moe", {"rope_theta": 500_000.0, "norm_topk_prob": True}),
+}
 # transformers' Gemma3TextConfig defaults: a Gemma 3 text_config lists only what differs from them
 GEMMA3_TEXT_DEFAULTS = {
     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -834,9 +843,9 @@ def _language_model_config(raw: dict[str, Any], name: str) -> ModelConfig:
         raise ConfigError(f"{name}: a {raw['model_type']} config.json needs a text_config (its language model's)")
     # (Ministral 3's text_config says ministral3; Gemma 3's and Mistral Small's may say nothing: their own)
     kind = text.get("model_type") or MULTIMODAL[raw["model_type"]]
-    if kind in TEXT_MODEL_TYPES:
+    if kind in TEXT_MODEL_TYPES:  # (a setting the text_config leaves null: the default's)
         kind, defaults = TEXT_MODEL_TYPES[kind]
-        text = {**defaults, **text}
+        text = {**defaults, **{key: value for key, value in text.items() if value is not None}}
     if kind not in ARCHITECTURES:
         raise ConfigError(
             f"{name}: unsupported architecture {kind!r} (config.json text_config model_type); "

@@ -238,11 +238,18 @@ def load_weights(model: nn.Module, path: Path) -> None:
     copy_weights(model, tensors(), f"model directory {path}")
 
 
-def _per_expert(tensors):
+def _per_expert(tensors, config: ModelConfig):
     """``tensors`` with stacked experts tensors split into the per-expert ones (``per_expert_tensors``),
-    Mixtral's named as the others' (``hub_expert_name``)."""
+    Mixtral's named as the others' (``hub_expert_name``). A stacked tensor laid out (E, inputs, outputs), as the
+    Hub's Qwen3-VL-MoE stores them, is transposed to transformers' (E, outputs, inputs) first: where its shape is
+    not that one (transformers' rule, ``Transpose(check_dims=True)``)."""
+    h, i = config.hidden_size, config.moe["moe_intermediate_size"]
+    as_held = {"gate_up_proj": (2 * i, h), "down_proj": (h, i)}  # (outputs, inputs) of each expert's
     for origin, key, tensor in tensors:
         key = hub_expert_name(key)
+        kind = key.rpartition(".")[2]
+        if key.endswith(".experts." + kind) and kind in as_held and tuple(tensor.shape[1:]) != as_held[kind]:
+            tensor = torch.as_tensor(tensor).transpose(1, 2)
         parts = per_expert_tensors(key, tensor)
         yield from ((origin, key, tensor),) if parts is None else ((origin, k, t) for k, t in parts)
 
@@ -358,7 +365,7 @@ def copy_weights(model: nn.Module, tensors, source: str) -> None:
     if model.config.model_type == "gpt_oss":  # (its experts stacked as the model holds them)
         tensors = _dequantized(tensors)
     elif model.config.is_moe:
-        tensors = _per_expert(tensors)
+        tensors = _per_expert(tensors, model.config)
     as_held = CHECKPOINT_TENSORS.get(model.config.architecture)
     renames = CHECKPOINT_NAMES.get(model.config.architecture, {})
     for origin, key, tensor in tensors:
