@@ -5,8 +5,8 @@ Phi-4, SmolLM3, Granite 3), Qwen2 / Qwen2.5 (QKV biases), Qwen3 (per-head RMSNor
 biases), Qwen3-MoE and Mixtral (their MLPs mixtures of experts), OLMo 2 (norms after attention and the
 MLP), Gemma 2 and Gemma 3 text models
 (``gemma3_text``: sliding-window layers beside global ones) and OPT (learned positions, LayerNorm, ReLU);
-and the language model of multimodal checkpoints (``MULTIMODAL``: Gemma 3 4B-27B, Mistral Small 3.1, Qwen3-VL and its MoE),
-served as text.
+and the language model of multimodal checkpoints (``MULTIMODAL``: Gemma 3 4B-27B, Mistral Small 3.1, Qwen3-VL
+and Qwen3-VL-MoE), served as text.
 """
 
 from __future__ import annotations
@@ -123,11 +123,8 @@ MOE_DEFAULTS = {
     "deepseek_v3": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048},
     "glm4_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408},
     "ernie4_5_moe": {"num_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1536},
-    "hunyuan_v1_moe": {
-        "num_experts": 1,
-        "num_experts_per_tok": 1,
-        "moe_intermediate_size": None,
-    },  # (intermediate_size)
+    # (Hunyuan's experts: of intermediate_size)
+    "hunyuan_v1_moe": {"num_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": None},
 }
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")  # (multi-head latent attention)
 # transformers' defaults of their routing where it differs by version: (n_shared_experts, routed_scaling_factor,
@@ -169,6 +166,8 @@ MOE_TYPES = tuple(MOE_DEFAULTS)
 QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss", "phi")
 # The OLMo models (their query and key norms over the whole projections)
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe")
+# The models whose queries and keys are RMS-normalized (each head: Qwen3's; OLMo's whole projections)
+QK_NORMED = ("qwen3", "qwen3_moe", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe", "apertus", *OLMO_TYPES)
 # transformers' rope bases where a config has none
 DEFAULT_ROPE_THETA = {
     "gpt_oss": 150_000.0,
@@ -684,9 +683,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         llama4_scaling_beta=_llama4_scaling_beta(model_type, scaling, rope, name),
         **_biases(raw, model_type),
         attention_sinks=model_type == "gpt_oss",
-        qk_norm=model_type
-        in ("qwen3", "qwen3_moe", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe", "apertus", *OLMO_TYPES)
-        or (model_type == "glm4_moe" and bool(raw.get("use_qk_norm"))),
+        qk_norm=model_type in QK_NORMED or (model_type == "glm4_moe" and bool(raw.get("use_qk_norm"))),
         qk_norm_after_rotary=model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"),
         qk_norm_whole_projection=model_type in OLMO_TYPES,
         clip_qkv=raw.get("clip_qkv") if model_type in ("olmoe", "olmo") else None,

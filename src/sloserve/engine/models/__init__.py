@@ -333,25 +333,25 @@ def dequantize_fp8_blocks(
 def _fp8_dequantized(tensors, block: tuple[int, int]):
     """``tensors`` with each FP8 weight and its ``{name}_scale_inv`` as the float32 weight (in a file the two
     are neighbours: at most one waits for the other)."""
-    pending: dict[str, torch.Tensor] = {}
+    pending: dict[str, tuple[object, torch.Tensor]] = {}  # name -> (its file, the tensor)
     for origin, key, tensor in tensors:
         if key.endswith("_scale_inv"):
             weight_key, scale = key.removesuffix("_scale_inv"), tensor
-            weight = pending.pop(weight_key, None)
+            weight = pending.pop(weight_key, (None, None))[1]
         elif getattr(tensor, "dtype", None) == torch.float8_e4m3fn:
             weight_key, weight = key, tensor
-            scale = pending.pop(key + "_scale_inv", None)
+            scale = pending.pop(key + "_scale_inv", (None, None))[1]
         else:
             yield origin, key, tensor
             continue
         if weight is None or scale is None:
-            pending[key] = tensor
+            pending[key] = origin, tensor
             continue
         yield origin, weight_key, dequantize_fp8_blocks(weight, scale, block, f"{origin}: FP8 tensor {weight_key}")
     if pending:
-        key = next(iter(pending))
+        key, (origin, _) = next(iter(pending.items()))
         missing = "FP8 weight" if key.endswith("_scale_inv") else "scale (_scale_inv)"
-        raise ConfigError(f"FP8 tensor {key} has no {missing} in the checkpoint")
+        raise ConfigError(f"{origin}: FP8 tensor {key} has no {missing} in the checkpoint")
 
 
 @torch.no_grad()
