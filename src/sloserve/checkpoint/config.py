@@ -371,6 +371,11 @@ class ModelConfig:
         return self.head_dim if self.mla is None else self.mla["kv_lora_rank"] + self.mla["qk_rope_head_dim"]
 
     @property
+    def kv_cache_tensors(self) -> int:
+        """The KV cache's tensors a token and layer: K and V (2), or MLA's keys alone (1: ``kv_cache_value_dim``)."""
+        return 2 if self.kv_cache_value_dim is None else 1
+
+    @property
     def kv_cache_value_dim(self) -> int | None:
         """MLA's: the cache holds keys only, and a key's first ``kv_lora_rank`` numbers (its latent c_KV) are
         its value; None where the cache holds values of their own."""
@@ -486,7 +491,7 @@ class ModelConfig:
             num_attention_heads=self.num_attention_heads,
             num_kv_heads=self.kv_cache_heads,
             head_dim=self.kv_cache_head_dim,  # NOTE: MLA's attention runs on its latent, 576 wide (V2)
-            keys_only_kv=self.mla is not None,  # (MLA's values are its keys' latent)
+            keys_only_kv=self.kv_cache_tensors == 1,  # (MLA's values are its keys' latent)
             **experts,
             intermediate_size=self.intermediate_size,
             vocab_size=self.vocab_size,

@@ -269,9 +269,7 @@ class TorchAttention(AttentionBackend):
         self, q, k, v, k_cache, v_cache, meta, scale=None, window=None, softcap=None, sinks=None, value_dim=None
     ):
         write_kv(k, v, k_cache, v_cache, meta)
-        if value_dim is not None:  # the values are the keys' first numbers
-            v_cache = k_cache[..., :value_dim]
-        out = q.new_empty((*q.shape[:2], v_cache.shape[-1]))
+        out = q.new_empty((*q.shape[:2], value_dim or v_cache.shape[-1]))
         group = q.shape[1] // k.shape[1]
         nkv = k.shape[1]
         head_sinks = None if sinks is None else sinks.view(1, -1, 1, 1)  # (1, nh, 1, 1): a prefill's heads
@@ -286,7 +284,10 @@ class TorchAttention(AttentionBackend):
             # but the math path for 3-D ones, which builds the whole c x n score matrix (9x slower at
             # 1024 tokens, and slower still once the scores outgrow the cache).
             keys = _expand_kv(gather_kv(k_cache, slots), group).transpose(0, 1)[None]  # (1, nh, n - first, hd)
-            values = _expand_kv(gather_kv(v_cache, slots), group).transpose(0, 1)[None]  # (1, nh, n - first, hd)
+            if value_dim is None:
+                values = _expand_kv(gather_kv(v_cache, slots), group).transpose(0, 1)[None]  # (1, nh, n - first, hd)
+            else:  # (the keys' first numbers: gathered once)
+                values = keys[..., :value_dim]
             query = q[s : s + c].transpose(0, 1)[None]  # (1, nh, c, hd)
             if n == c and window is None:  # nothing cached: both alignments agree, and SDPA skips masked tiles
                 attended = attend(query, keys, values, None, scale, softcap, head_sinks)
@@ -302,7 +303,10 @@ class TorchAttention(AttentionBackend):
             out[s : s + c] = attended[0].transpose(0, 1)
         for batch in meta.decode_groups if window is None else meta.windowed_decode_groups(window):
             keys = gather_kv(k_cache, batch.slots).permute(0, 2, 1, 3)  # (b, nkv, L, hd)
-            values = gather_kv(v_cache, batch.slots).permute(0, 2, 1, 3)  # (b, nkv, L, hd)
+            if value_dim is None:
+                values = gather_kv(v_cache, batch.slots).permute(0, 2, 1, 3)  # (b, nkv, L, hd)
+            else:
+                values = keys[..., :value_dim]
             # GQA without copying K/V per query head: a group's `group` query heads are the "query
             # tokens" of one SDPA row against their KV head (head h reads KV head h // group).
             query = q[batch.token_index].view(-1, nkv, group, q.shape[2])  # (b, nkv, group, hd)

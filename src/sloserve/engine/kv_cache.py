@@ -36,9 +36,8 @@ class KVCacheTensor:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        tensors = 2 if config.kv_cache_value_dim is None else 1
         shape = (
-            tensors,
+            config.kv_cache_tensors,
             config.num_hidden_layers,
             num_slots + block_size,
             config.kv_cache_heads,

@@ -50,8 +50,7 @@ MAX_SWAP_BYTES = 4 << 30
 def kv_bytes_per_token(loaded: LoadedModel) -> int:
     """K and V of one token over all layers at the model's dtype (MLA's keys alone: they are its values)."""
     c = loaded.config
-    tensors = 2 if c.kv_cache_value_dim is None else 1
-    return tensors * c.num_hidden_layers * c.kv_cache_heads * c.kv_cache_head_dim * loaded.dtype.itemsize
+    return c.kv_cache_tensors * c.num_hidden_layers * c.kv_cache_heads * c.kv_cache_head_dim * loaded.dtype.itemsize
 
 
 def resolve_max_model_len(config: ModelConfig, max_model_len: int | None) -> int:
