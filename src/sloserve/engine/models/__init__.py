@@ -294,23 +294,42 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return torch.stack(experts)
 
 
-def _dequantized(tensors):
-    """``tensors`` with each MXFP4 pair (``{name}_blocks``, ``{name}_scales``) as the tensor ``{name}``."""
-    pending: dict[tuple[str, str], object] = {}
+def _joined(tensors, part_of, join, kind: str, part_names: tuple[str, str]):
+    """``tensors`` with each tensor a checkpoint stores in two parts (its values and their scales) as the one
+    ``join(values, scales, description)`` makes. ``part_of(key, tensor)``: (the tensor's name, 0 for its values
+    or 1 for their scales), None for a tensor stored whole. In a file the two parts are neighbours: at most one
+    waits for the other. A part without its pair is a ConfigError naming it (``part_names``: the two's, for it)."""
+    pending: dict[tuple[str, int], tuple[object, str, object]] = {}  # (name, part) -> (its file, key, tensor)
     for origin, key, tensor in tensors:
-        name, _, part = key.rpartition("_")
-        if part not in ("blocks", "scales"):
+        found = part_of(key, tensor)
+        if found is None:
             yield origin, key, tensor
             continue
-        other = pending.pop((name, "scales" if part == "blocks" else "blocks"), None)
+        name, part = found
+        other = pending.pop((name, 1 - part), None)
         if other is None:
-            pending[(name, part)] = tensor
+            pending[(name, part)] = origin, key, tensor
             continue
-        blocks, scales = (tensor, other) if part == "blocks" else (other, tensor)
-        yield origin, name, dequantize_mxfp4(blocks, scales)
+        values, scales = (tensor, other[2]) if part == 0 else (other[2], tensor)
+        yield origin, name, join(values, scales, f"{origin}: {kind} tensor {name}")
     if pending:
-        name, part = next(iter(pending))
-        raise ConfigError(f"MXFP4 tensor {name}_{part} has no {'scales' if part == 'blocks' else 'blocks'}")
+        (_, part), (origin, key, _) = next(iter(pending.items()))
+        raise ConfigError(f"{origin}: {kind} tensor {key} has no {part_names[1 - part]}")
+
+
+def _mxfp4_part(key: str, tensor) -> tuple[str, int] | None:
+    """An MXFP4 tensor's part: ``{name}_blocks`` (0) or ``{name}_scales`` (1)."""
+    name, _, part = key.rpartition("_")
+    return (name, ("blocks", "scales").index(part)) if part in ("blocks", "scales") else None
+
+
+def _dequantized(tensors):
+    """``tensors`` with each MXFP4 pair (``{name}_blocks``, ``{name}_scales``) as the tensor ``{name}``."""
+
+    def join(blocks, scales, _):
+        return dequantize_mxfp4(blocks, scales)
+
+    return _joined(tensors, _mxfp4_part, join, "MXFP4", ("blocks", "scales"))
 
 
 def dequantize_fp8_blocks(
@@ -330,28 +349,20 @@ def dequantize_fp8_blocks(
     return weight.float() * scales.repeat_interleave(columns, dim=-1)[..., :k]
 
 
+def _fp8_part(key: str, tensor) -> tuple[str, int] | None:
+    """A block-wise FP8 tensor's part: the float8 weight ``{name}`` (0) or its ``{name}_scale_inv`` (1)."""
+    if key.endswith("_scale_inv"):
+        return key.removesuffix("_scale_inv"), 1
+    return (key, 0) if getattr(tensor, "dtype", None) == torch.float8_e4m3fn else None
+
+
 def _fp8_dequantized(tensors, block: tuple[int, int]):
-    """``tensors`` with each FP8 weight and its ``{name}_scale_inv`` as the float32 weight (in a file the two
-    are neighbours: at most one waits for the other)."""
-    pending: dict[str, tuple[object, torch.Tensor]] = {}  # name -> (its file, the tensor)
-    for origin, key, tensor in tensors:
-        if key.endswith("_scale_inv"):
-            weight_key, scale = key.removesuffix("_scale_inv"), tensor
-            weight = pending.pop(weight_key, (None, None))[1]
-        elif getattr(tensor, "dtype", None) == torch.float8_e4m3fn:
-            weight_key, weight = key, tensor
-            scale = pending.pop(key + "_scale_inv", (None, None))[1]
-        else:
-            yield origin, key, tensor
-            continue
-        if weight is None or scale is None:
-            pending[key] = origin, tensor
-            continue
-        yield origin, weight_key, dequantize_fp8_blocks(weight, scale, block, f"{origin}: FP8 tensor {weight_key}")
-    if pending:
-        key, (origin, _) = next(iter(pending.items()))
-        missing = "FP8 weight" if key.endswith("_scale_inv") else "scale (_scale_inv)"
-        raise ConfigError(f"{origin}: FP8 tensor {key} has no {missing} in the checkpoint")
+    """``tensors`` with each FP8 weight and its ``{name}_scale_inv`` as the float32 weight."""
+
+    def join(weight, scale_inv, name):
+        return dequantize_fp8_blocks(weight, scale_inv, block, name)
+
+    return _joined(tensors, _fp8_part, join, "FP8", ("FP8 weight", "scale (_scale_inv)"))
 
 
 @torch.no_grad()
