@@ -49,6 +49,16 @@ QWEN3_30B_A3B = from_hf_config(
 ).spec()  # fmt: skip
 
 
+DEEPSEEK_V2_LITE = from_hf_config(
+    {"model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+     "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+     "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+     "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+     "max_position_embeddings": 163840, "topk_method": "greedy", "torch_dtype": "bfloat16"},
+    "deepseek-v2-lite",
+).spec()  # fmt: skip
+
+
 def prefill_shape(
     chunks: list[tuple[int, int]], num_decode: int = 0, decode_kv: int = 0, longest: int = 0
 ) -> BatchShape:
@@ -412,6 +422,31 @@ def test_roofline_runs_a_mixture_of_experts_on_the_experts_its_tokens_reach() ->
     prefill = model.batch_time(prefill_shape([(8192, 0)])).non_attention_s  # compute-bound: the active FLOPs
     flops = 2 * spec.active_layer_params * 8192 + 2 * 151936 * 2048
     assert prefill == pytest.approx(flops / (gpu.peak_flops * model.compute_efficiency) + model.step_overhead_s)
+
+
+def test_roofline_prices_mlas_prefills_in_the_cheaper_form() -> None:
+    """DeepSeek-V2-Lite: a long prompt's attention by head (192 numbers a head, after 2 d_c nh (d_h + d_v) FLOPs
+    a context token and layer expand its latent), 2.6x fewer FLOPs than over the 576-wide latent at 4K tokens; a
+    short chunk after a long context stays over the latent, as the engine takes them (``PrefillsByHead``)."""
+    spec, gpu = DEEPSEEK_V2_LITE, get_gpu("h100")
+    assert (spec.head_dim, spec.prefill_head_dim) == (576, 192)
+    assert spec.prefill_kv_flops_per_token == 27 * 2 * 512 * 16 * (128 + 128)
+    latent_only = dataclasses.replace(spec, prefill_head_dim=0, prefill_kv_flops_per_token=0)
+    model, over_latent = RooflineCostModel(spec, gpu), RooflineCostModel(latent_only, gpu)
+    rate = gpu.peak_flops * model.compute_efficiency
+    prompt = prefill_shape([(4096, 0)])
+    by_head_flops = 2 * 27 * 16 * 192 * 4096**2 + spec.prefill_kv_flops_per_token * 4096
+    assert model.batch_time(prompt).prefill_attention_s == pytest.approx(by_head_flops / rate)
+    assert over_latent.batch_time(prompt).prefill_attention_s == pytest.approx(2 * 27 * 16 * 576 * 4096**2 / rate)
+    ratio = over_latent.batch_time(prompt).prefill_attention_s / model.batch_time(prompt).prefill_attention_s
+    assert ratio == pytest.approx(2.58, abs=0.01)
+    chunk = prefill_shape([(512, 16384)])  # (each of the 16,896 context tokens expanded)
+    by_head_flops = 2 * 27 * 16 * 192 * (512**2 + 2 * 512 * 16384) + spec.prefill_kv_flops_per_token * 16896
+    assert model.batch_time(chunk).prefill_attention_s == pytest.approx(by_head_flops / rate)
+    chunk = prefill_shape([(64, 8192)])
+    assert model.batch_time(chunk).prefill_attention_s == over_latent.batch_time(chunk).prefill_attention_s
+    with pytest.raises(ConfigError, match="prefill_head_dim and prefill_kv_flops_per_token are both 0 or both"):
+        dataclasses.replace(spec, prefill_kv_flops_per_token=0)
 
 
 def test_a_mixture_of_experts_spec_is_checked() -> None:

@@ -376,6 +376,11 @@ class ModelConfig:
         return 2 if self.kv_cache_value_dim is None else 1
 
     @property
+    def attention_value_dim(self) -> int:
+        """A head's attention output: MLA's values by head (``v_head_dim``), else ``head_dim``."""
+        return self.head_dim if self.mla is None else self.mla["v_head_dim"]
+
+    @property
     def kv_cache_value_dim(self) -> int | None:
         """MLA's: the cache holds keys only, and a key's first ``kv_lora_rank`` numbers (its latent c_KV) are
         its value; None where the cache holds values of their own."""
@@ -475,14 +480,20 @@ class ModelConfig:
         mlp_kind = (
             "relu" if self.model_type in TWO_MATRIX_MLPS else "gated"
         )  # (two matrices, whatever their activation)
-        experts = {}
+        extra = {}  # (the fields a dense model with Llama's attention leaves at 0)
         if self.moe is not None:  # (each routed expert's SwiGLU; gpt-oss's with its biases)
             h, inner, moe = self.hidden_size, self.moe["moe_intermediate_size"], self.moe
             per_expert = 3 * h * inner + (2 * inner + h if "swiglu_limit" in moe else 0)
-            experts = dict(
+            extra.update(
                 num_experts=moe["num_experts"],
                 experts_per_token=moe["num_experts_per_tok"],
                 expert_params=sum(moe["moe_layers"]) * moe["num_experts"] * per_expert,
+            )
+        if self.mla is not None:  # (prefills by head: the engine's ``PrefillsByHead``)
+            mla, nh = self.mla, self.num_attention_heads
+            up_projection = 2 * mla["kv_lora_rank"] * nh * (mla["qk_nope_head_dim"] + mla["v_head_dim"])
+            extra.update(
+                prefill_head_dim=self.head_dim, prefill_kv_flops_per_token=self.num_hidden_layers * up_projection
             )
         return ModelSpec(
             name=self.name,
@@ -492,7 +503,7 @@ class ModelConfig:
             num_kv_heads=self.kv_cache_heads,
             head_dim=self.kv_cache_head_dim,  # NOTE: MLA's attention runs on its latent, 576 wide (V2)
             keys_only_kv=self.kv_cache_tensors == 1,  # (MLA's values are its keys' latent)
-            **experts,
+            **extra,
             intermediate_size=self.intermediate_size,
             vocab_size=self.vocab_size,
             num_params=self.num_params,

@@ -14,7 +14,10 @@ Each part of a step takes max(FLOPs / achievable FLOP/s, bytes / achievable band
   bytes = sum(m + 1) * kv_bytes_per_token; FLOPs = 4 * layers * heads * head_dim per key (QK^T, PV).
 - prefill attention: sum(c^2 + 2mc) (InferMax's prefill work) is twice the causal query-key pairs, so
   FLOPs = 2 * layers * heads * head_dim * sum(c^2 + 2mc); bytes = KV of the context read plus KV of
-  the new tokens written, plus Q and O of the new tokens.
+  the new tokens written, plus Q and O of the new tokens. A model with a second form
+  (``ModelSpec.prefill_head_dim``: MLA's prefills by head) takes the cheaper of the two on the step's
+  totals, as the engine takes it prefill by prefill: 2 * layers * heads * prefill_head_dim * sum(c^2 + 2mc)
+  plus ``prefill_kv_flops_per_token`` * sum(m + c).
 - swap: swap_bytes / swap_bandwidth.
 
 Tensor parallelism over ``num_gpus`` divides FLOPs and bytes evenly (KV heads are split over
@@ -113,6 +116,9 @@ class RooflineCostModel(CostModel):
         self._kv_bytes_per_token = float(m.kv_bytes_per_token)
         self._attn_flops_per_key = 4.0 * attn_width  # decode: QK^T and PV, 2 FLOPs per MAC
         self._attn_flops_per_work = 2.0 * attn_width  # prefill: work = 2 x causal pairs
+        # (MLA's prefills by head: narrower heads, after each context token's keys and values are expanded)
+        self._by_head_flops_per_work = 2.0 * m.num_layers * m.num_attention_heads * m.prefill_head_dim
+        self._by_head_flops_per_key = float(m.prefill_kv_flops_per_token)
         self._qo_bytes_per_token = 2.0 * attn_width * dtype  # Q read and O written by prefill
 
     def __repr__(self) -> str:
@@ -150,10 +156,17 @@ class RooflineCostModel(CostModel):
             )
         prefill_s = 0.0
         if num_prefill > 0:
-            kv_bytes = self._kv_bytes_per_token * (shape.prefill_context_tokens + shape.prefill_tokens)
+            keys = shape.prefill_context_tokens + shape.prefill_tokens
+            kv_bytes = self._kv_bytes_per_token * keys
             qo_bytes = self._qo_bytes_per_token * shape.prefill_tokens
+            flops = self._attn_flops_per_work * shape.prefill_attention_work
+            if self._by_head_flops_per_key:
+                by_head = (
+                    self._by_head_flops_per_work * shape.prefill_attention_work + self._by_head_flops_per_key * keys
+                )
+                flops = min(flops, by_head)
             prefill_s = max(
-                self._attn_flops_per_work * shape.prefill_attention_work / self._flops_rate,
+                flops / self._flops_rate,
                 kv_bytes / self._kv_bytes_rate + qo_bytes / self._bytes_rate,
             )
         swap_s = shape.swap_bytes / self.swap_bandwidth if shape.swap_bytes else 0.0

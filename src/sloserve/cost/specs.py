@@ -33,6 +33,9 @@ class ModelSpec:
     A mixture of experts: ``num_experts`` routed experts a MoE layer, ``experts_per_token`` of them a token,
     ``expert_params`` the parameters of every routed expert of every layer (within ``num_params``; the
     router's and shared experts' are not: every token runs them); 0, 0, 0 for a dense model.
+    ``prefill_head_dim``, ``prefill_kv_flops_per_token``: a second form of prefill attention, at that many
+    numbers a head after that many FLOPs (all layers) expand each context token's cache entry into keys and
+    values by head (MLA's prefills by head: 192, 2 L d_c nh (d_h + d_v)); 0, 0: none.
     """
 
     name: str
@@ -52,6 +55,8 @@ class ModelSpec:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_params: int = 0
+    prefill_head_dim: int = 0
+    prefill_kv_flops_per_token: int = 0
 
     def __post_init__(self) -> None:
         owner = f"model spec {self.name!r}"
@@ -72,7 +77,13 @@ class ModelSpec:
         _check_positive_number(owner, "dtype_bytes", self.dtype_bytes)
         if self.mlp_kind not in MLP_KINDS:
             raise ConfigError(f"{owner}: mlp_kind must be one of {', '.join(MLP_KINDS)}, got {self.mlp_kind!r}")
-        for field in ("num_experts", "experts_per_token", "expert_params"):
+        for field in (
+            "num_experts",
+            "experts_per_token",
+            "expert_params",
+            "prefill_head_dim",
+            "prefill_kv_flops_per_token",
+        ):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{owner}: {field} must be an integer >= 0, got {value!r}")
@@ -83,6 +94,8 @@ class ModelSpec:
                 f"{owner}: experts_per_token {self.experts_per_token} must be at most num_experts {self.num_experts}, "
                 f"and expert_params {self.expert_params:,} at most the layers' {self.layer_params:,} parameters"
             )
+        if (self.prefill_head_dim > 0) != (self.prefill_kv_flops_per_token > 0):
+            raise ConfigError(f"{owner}: prefill_head_dim and prefill_kv_flops_per_token are both 0 or both positive")
         if self.num_attention_heads % self.num_kv_heads:
             raise ConfigError(
                 f"{owner}: num_kv_heads {self.num_kv_heads} must divide num_attention_heads {self.num_attention_heads}"

@@ -26,7 +26,8 @@ prompts with nothing cached as one dense causal call each, where its setting say
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import NamedTuple
 
@@ -83,6 +84,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # (num_decodes,) context tokens (cached + the new one)
     _windowed: dict[int, list[DecodeGroup]] = field(default_factory=dict, repr=False)
     _fresh: dict[int, tuple[list[PrefillSeq], PackedPrefills | None]] = field(default_factory=dict, repr=False)
+    _apart: dict[Hashable, tuple[list[PrefillSeq], AttentionMetadata]] = field(default_factory=dict, repr=False)
 
     @cached_property
     def decode_groups(self) -> list[DecodeGroup]:
@@ -149,6 +151,24 @@ class AttentionMetadata:
                 (fresh if nothing_cached and seq.query_len >= min_tokens else others).append(seq)
             packed = pack_prefills(others, self.slot_mapping.device) if others else None
             split = self._fresh[min_tokens] = (fresh, packed)
+        return split
+
+    def prefills_apart(self, taken: Callable[[PrefillSeq], bool]) -> tuple[list[PrefillSeq], AttentionMetadata]:
+        """(the prefills ``taken`` takes, this step's metadata without them): a layer attends to those itself and
+        has the backend attend to the rest (MLA's prefills by head). The same decodes and slot mapping (the
+        backend still writes every token's K/V); ``self`` when none is taken. Built once per step and
+        ``taken`` (hashable: the layers' equal rules share it)."""
+        split = self._apart.get(taken)
+        if split is None:
+            mine = [seq for seq in self.prefills if taken(seq)]
+            if not mine:
+                split = ([], self)
+            else:
+                rest = replace(self, prefills=[seq for seq in self.prefills if not taken(seq)], _fresh={}, _apart={})
+                if "decode_groups" in self.__dict__:  # (the same decodes: their groups once a step)
+                    rest.__dict__["decode_groups"] = self.decode_groups
+                split = (mine, rest)
+            self._apart[taken] = split
         return split
 
 

@@ -147,9 +147,9 @@ class PiecewiseGraphs:
         self.sizes = sorted(sizes) if sizes else token_sizes(max_num_tokens)
         self.layers = model.model.layers
         config, n = model.config, self.sizes[-1]
-        # (a query's and a key's numbers; MLA's keys-only cache: one 576-number key a token, 512 its value)
+        # (a key's numbers; MLA's keys-only cache: one 576-number key a token, its queries 192 a head, no V)
         nh, nkv, hd = config.num_attention_heads, config.kv_cache_heads, config.kv_cache_head_dim
-        value_dim = config.kv_cache_value_dim
+        keys_only = config.kv_cache_value_dim is not None
         device, dtype = cache.gpu.device, cache.gpu.dtype
 
         def buffer(*shape: int, kind: torch.dtype = dtype) -> torch.Tensor:
@@ -159,10 +159,10 @@ class PiecewiseGraphs:
         self.token_ids, self.positions = buffer(n, kind=torch.int64), buffer(n, kind=torch.int64)  # (n,) each
         rd, tables = config.rotary_dim, 1 if config.llama4_scaling_beta is None else 2  # (2: the queries' and keys')
         self.cos, self.sin = buffer(n, tables, rd), buffer(n, tables, rd)  # (n, 1 | 2, rotary_dim) rotary tables
-        self.q, self.k = buffer(n, nh, hd), buffer(n, nkv, hd)
-        self.v = buffer(n, nkv, hd) if value_dim is None else None  # (None: keys only)
+        self.q, self.k = buffer(n, nh, config.head_dim), buffer(n, nkv, hd)
+        self.v = None if keys_only else buffer(n, nkv, hd)
         self.residual = buffer(n, config.hidden_size)  # (n, H) the stream with the last layer's output in it
-        self.attended = buffer(n, nh, value_dim or hd)  # (n, nh, vd) the attention's output, copied in
+        self.attended = buffer(n, nh, config.attention_value_dim)  # (n, nh, vd) the attention's output, copied in
         self.hidden = buffer(n, config.hidden_size)  # (n, H) the final hidden states
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (size, piece) -> graph
         model.rotary.tables(device)  # NOTE: built now, not inside the first piece's first run (or its graph)

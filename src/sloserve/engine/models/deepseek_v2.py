@@ -12,7 +12,9 @@ scores q_C,i^T W_UK_i c_KV + q_R,i^T k_R, the output W_UV_i sum_j p_ij c_KV,j. A
 the one latent, the backends see multi-query attention of 576-dim keys whose first 512 numbers are their
 values (``value_dim``): the cache holds keys only (``KVCacheTensor``), 1/8.9 of V2-Lite's keys and values
 by head (16 heads), 1/71 of V2's (128 heads). The absorbed scores equal transformers' (which expands the
-latent to keys and values by head) up to the order of the sums.
+latent to keys and values by head) up to the order of the sums. A long prefill attends by head instead
+(``PrefillsByHead``: its context's latents up-projected, as transformers and vLLM's prefills do), where
+that costs fewer FLOPs: a (query, key) pair 768 of them, not the latent's 2,176.
 
 NOTE: DeepSeek's checkpoints rotate adjacent pairs of q_R and k_R (transformers' complex product; V3's where
 ``rope_interleave``); their rows load reordered to halves (``checkpoint_tensor``), so that the engine's
@@ -23,12 +25,14 @@ rotate-half gives the same scores. A V3 checkpoint's multi-token-prediction laye
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
-from sloserve.engine.attention import AttentionBackend
+from sloserve.engine.attention import AttentionBackend, PrefillSeq, attend, gather_kv
 from sloserve.engine.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -40,11 +44,47 @@ from sloserve.engine.models.llama import (
 
 # transformers' DeepseekV2RMSNorm default: the latents' norms do not take the config's rms_norm_eps
 LATENT_NORM_EPS = 1e-6
+# A prefill's keys and values by head stay within this many numbers (a layer's at a time; else it attends
+# over the latent): 1 GiB in bf16, V2-Lite's 87K context tokens (16 heads, 192 + 192 numbers a head), V2's 11K
+BY_HEAD_MAX_NUMBERS = 1 << 29
+
+
+@dataclass(frozen=True)
+class PrefillsByHead:
+    """Which prefills MLA attends to by head (its keys and values up-projected from the context's latents,
+    §2.1.1's form, as transformers computes and vLLM's prefills run) rather than over the latent (§2.1.2):
+    those where it takes fewer FLOPs and its keys and values stay within ``max_numbers``.
+
+    NOTE: our rule, by arithmetic: over the latent a (query, key) pair and head costs 2 (d_c + d_h^R) + 2 d_c
+    FLOPs (2,176 for V2's 512 + 64), by head 4 (d_h + d_h^R) (768: the values padded to the keys' 192, as
+    SDPA's fast kernels need equal widths), but by head each context token's keys and values are first
+    up-projected, 2 d_c (d_h + d_v) FLOPs a head (262,144). A prompt with nothing cached goes by head from
+    372 tokens (c (c + 1) / 2 pairs), a chunk after 4K cached tokens from 191 (187 after 32K); decodes and
+    shorter chunks stay on the latent. vLLM takes every prefill by head."""
+
+    saved_flops_per_pair: int  # a (query, key) pair's, a head: over the latent minus by head
+    flops_per_key: int  # a context token's keys and values up-projected, a head
+    numbers_per_key: int  # a context token's keys and values by head, every head
+    max_numbers: int = BY_HEAD_MAX_NUMBERS
+
+    @classmethod
+    def of(cls, nh: int, latent_dim: int, nope_dim: int, rope_dim: int, v_dim: int) -> PrefillsByHead:
+        qk = nope_dim + rope_dim
+        over_latent, by_head = 2 * (latent_dim + rope_dim) + 2 * latent_dim, 4 * qk
+        return cls(over_latent - by_head, 2 * latent_dim * (nope_dim + v_dim), nh * 2 * qk)
+
+    def __call__(self, seq: PrefillSeq) -> bool:
+        c, n = seq.query_len, seq.context_slots.numel()  # this step's tokens, the context they read (cached + c)
+        pairs = c * (n - c) + c * (c + 1) // 2  # causal (query, key) pairs
+        return (
+            pairs * self.saved_flops_per_pair > n * self.flops_per_key and n * self.numbers_per_key <= self.max_numbers
+        )
 
 
 class MultiHeadLatentAttention(nn.Module):
-    """MLA with the up-projections absorbed (module docstring): ``project`` gives the queries in the latent's
-    space and the token's latent as its key and value, ``output`` the heads' values and the output projection."""
+    """MLA (module docstring): ``project`` gives the queries by head and the token's latent as its key (the
+    cache's entry), ``attend`` each head's values, over the latent with the up-projections absorbed or, for
+    the prefills ``prefills_by_head`` takes, by head; ``output`` the output projection."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
@@ -64,6 +104,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.latent_dim, nh * (self.nope_dim + self.v_dim), bias=False)  # W_UK, W_UV
         self.o_proj = nn.Linear(nh * self.v_dim, h, bias=bias)
         self.scale = qk**-0.5 * yarn_softmax_scale(config) ** 2
+        self.prefills_by_head = PrefillsByHead.of(nh, self.latent_dim, self.nope_dim, self.rope_dim, self.v_dim)
         self.backend = backend
 
     def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,28 +113,54 @@ class MultiHeadLatentAttention(nn.Module):
         return weight[:, : self.nope_dim], weight[:, self.nope_dim :]
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """(queries (T, nh, d_c + d_h^R), the latent as the key (T, 1, d_c + d_h^R), None: no values of its
-        own), rotated."""
+        """(queries (T, nh, d_h + d_h^R), the latent as the key (T, 1, d_c + d_h^R), None: no values of its own),
+        rotated."""
         t, nh = x.shape[0], self.num_heads
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_rope = q.view(t, nh, -1).split((self.nope_dim, self.rope_dim), dim=-1)  # (T, nh, d_h), (T, nh, d_h^R)
         compressed = self.kv_a_proj_with_mqa(x)  # (T, d_c + d_h^R)
         latent, k_rope = compressed.split((self.latent_dim, self.rope_dim), dim=-1)  # (T, d_c), (T, d_h^R)
-        w_uk, _ = self._up_projections()
-        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # (T, nh, d_c): W_UK absorbed
-        q = torch.cat((q_latent, apply_rotary(q_rope, cos, sin)), dim=-1)  # (T, nh, d_c + d_h^R)
+        q = torch.cat((q_nope, apply_rotary(q_rope, cos, sin)), dim=-1)  # (T, nh, d_h + d_h^R)
         kv = torch.cat((self.kv_a_layernorm(latent)[:, None], apply_rotary(k_rope[:, None], cos, sin)), dim=-1)
         return q, kv, None  # (T, 1, d_c + d_h^R) the cache's entry
 
     def attend(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
-        """The backend's attention over the latents, each key's c_KV its value: (T, nh, d_c)."""
-        return self.backend.forward(q, k, v, k_cache, v_cache, meta, scale=self.scale, value_dim=self.latent_dim)
+        """Each head's values (T, nh, d_h values): the backend's attention over the latents (each key's c_KV its
+        value), W_UK absorbed into the queries and W_UV applied to the weighted latents (§2.1.2); the prefills
+        ``prefills_by_head`` takes by head (``_attend_by_head``), after the backend has cached their latents."""
+        by_head, meta = meta.prefills_apart(self.prefills_by_head)
+        w_uk, w_uv = self._up_projections()
+        q_nope, q_rope = q.split((self.nope_dim, self.rope_dim), dim=-1)
+        q_latent = torch.cat((torch.einsum("thn,hnc->thc", q_nope, w_uk), q_rope), dim=-1)  # (T, nh, d_c + d_h^R)
+        weighted = self.backend.forward(
+            q_latent, k, v, k_cache, v_cache, meta, scale=self.scale, value_dim=self.latent_dim
+        )  # (T, nh, d_c)
+        values = torch.einsum("thc,hvc->thv", weighted, w_uv)  # (T, nh, d_h values)
+        for seq in by_head:
+            rows = slice(seq.query_start, seq.query_start + seq.query_len)
+            values[rows] = self._attend_by_head(q[rows], k_cache, seq.context_slots)
+        return values
 
-    def output(self, attended: torch.Tensor) -> torch.Tensor:  # (T, nh, d_c) -> (T, H)
-        """Each head's values (W_UV of its weighted latents), then the output projection."""
-        _, w_uv = self._up_projections()
-        values = torch.einsum("thc,hvc->thv", attended, w_uv)  # (T, nh, d_h values)
-        return self.o_proj(values.reshape(attended.shape[0], -1))
+    def _attend_by_head(self, q: torch.Tensor, k_cache: torch.Tensor, context_slots: torch.Tensor) -> torch.Tensor:
+        """One prefill's attention by head: q (c, nh, d_h + d_h^R) over its context's n cached entries, their
+        latents up-projected to keys and values by head -> (c, nh, d_h values)."""
+        c, n = q.shape[0], context_slots.numel()
+        latent, k_rope = gather_kv(k_cache, context_slots)[:, 0].split((self.latent_dim, self.rope_dim), dim=-1)
+        up = self.kv_b_proj(latent).view(n, self.num_heads, self.nope_dim + self.v_dim)  # (n, nh, d_h + d_v)
+        k_nope, values = up.split((self.nope_dim, self.v_dim), dim=-1)
+        keys = torch.cat((k_nope, k_rope[:, None].expand(n, self.num_heads, self.rope_dim)), dim=-1)  # (n, nh, qk)
+        # (the values padded to the keys' width: SDPA's flash kernels take equal widths only)
+        values = F.pad(values, (0, keys.shape[-1] - self.v_dim))  # (n, nh, qk)
+        mask = None  # nothing cached: causal, top-left
+        if n > c:  # query i sits at position n - c + i and sees keys 0 .. n - c + i
+            mask = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - c, n, device=q.device)[:, None]
+        heads_first = [x.transpose(0, 1)[None] for x in (q, keys, values)]  # (1, nh, c | n, qk)
+        out = attend(*heads_first, mask, self.scale, None)  # (1, nh, c, qk)
+        return out[0, ..., : self.v_dim].transpose(0, 1)
+
+    def output(self, values: torch.Tensor) -> torch.Tensor:  # (T, nh, d_h values) -> (T, H)
+        """The output projection of the heads' values."""
+        return self.o_proj(values.reshape(values.shape[0], -1))
 
 
 def yarn_softmax_scale(config: ModelConfig) -> float:
