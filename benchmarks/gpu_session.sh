@@ -127,6 +127,7 @@ case "${1:-}" in
       tests/engine/test_engine.py tests/engine/test_async_scheduling.py \
       tests/engine/test_fused_moe.py::test_fused_experts_are_the_reference \
       tests/engine/test_fused_moe.py::test_models_on_fused_experts_give_hf_greedy_tokens \
+      tests/engine/test_mla.py::test_long_prompts_by_head_beside_short_ones_over_the_latent_give_hf_greedy_tokens \
       tests/engine/test_sampler.py::test_on_cuda_the_score_controls_and_sampling_never_wait_for_the_device \
       -k "not compiled" 2>&1 | tee -a "$log"
     ;;

@@ -181,6 +181,79 @@ def test_qwen3_vls_language_model_gives_transformers_greedy_tokens(tmp_path, exp
     assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 16) for ids in PROMPTS]
 
 
+def tiny_qwen2_vl(arch: str):
+    """Qwen2-VL's or Qwen2.5-VL's (``arch``) language model (Qwen2's layers, q/k/v biases, MRoPE of three sections)
+    beside a one-block vision tower, in transformers 5's layout."""
+    text = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, max_position_embeddings=256, initializer_range=0.2,
+                rope_parameters={"rope_type": "default", "type": "mrope", "rope_theta": 2e5, "mrope_section": [2, 3, 3]})  # fmt: skip
+    if arch == "qwen2_vl":
+        vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4)
+        config, model_class = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+    else:
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                      fullatt_block_indexes=[0])  # fmt: skip
+        config, model_class = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+    torch.manual_seed(15)
+    return model_class(config(text_config=text, vision_config=vision)).eval()
+
+
+def hub_config_of_qwen2_vl(path) -> None:
+    """config.json as the Hub's Qwen2-VL and Qwen2.5-VL have it: the language model's settings at the top level
+    beside vision_config, MRoPE by its first name (``rope_scaling`` of type mrope); rms_norm_eps left out
+    (transformers' default, 1e-5: not Qwen2's 1e-6)."""
+    raw = json.loads((path / "config.json").read_text())
+    text = raw.pop("text_config")
+    rope = text.pop("rope_parameters")
+    flat = {**text, **raw, "rope_theta": rope["rope_theta"]}
+    flat["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
+    flat["torch_dtype"] = flat.pop("dtype", None) or "float32"
+    assert flat.pop("rms_norm_eps") == 1e-5
+    (path / "config.json").write_text(json.dumps(flat))
+
+
+def names_of_transformers_4_52(path) -> None:
+    """The tensors' names as transformers 4.52-4.57 saved them (``model.language_model...``, ``model.visual...``);
+    transformers 5 saves the Hub's (``model.layers...``, ``visual...``)."""
+    weights = safetensors_torch.load_file(str(path / "model.safetensors"))
+    assert "model.embed_tokens.weight" in weights and any(key.startswith("visual.") for key in weights)
+    renamed = {}
+    for key, tensor in weights.items():
+        if key.startswith("visual."):
+            key = "model." + key
+        elif key.startswith("model."):
+            key = "model.language_model." + key.removeprefix("model.")
+        renamed[key] = tensor
+    safetensors_torch.save_file(renamed, str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("layout", ["hub", "transformers 5", "transformers 4.52"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen2_vls_language_model_gives_transformers_greedy_tokens(tmp_path, arch, layout):
+    """Qwen2-VL (2B-72B) and Qwen2.5-VL (3B-72B): Qwen2's layers, their MRoPE Qwen2's RoPE on text, from the
+    Hub's files (the settings at the config's top level), transformers 5's (in a text_config) and 4.52's (the
+    tensors renamed); the vision tower's tensors never read. The greedy tokens of transformers' multimodal
+    model on the same text."""
+    model = tiny_qwen2_vl(arch)
+    model.save_pretrained(tmp_path)
+    if layout == "hub":
+        hub_config_of_qwen2_vl(tmp_path)
+    elif layout == "transformers 4.52":
+        names_of_transformers_4_52(tmp_path)
+    config = load_hf_config(tmp_path)
+    assert (config.model_type, config.attention_bias, config.rope_theta, config.rope_scaling) == (
+        "qwen2",
+        True,
+        2e5,
+        None,
+    )
+    assert config.norm_eps == 1e-5
+    llm = LLM(str(tmp_path), kv_capacity_tokens=512)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 16) for ids in PROMPTS]
+
+
 def test_a_multimodal_config_without_its_text_config_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "vision_config": {}}))
     with pytest.raises(ConfigError, match="a gemma3 config.json needs a text_config"):

@@ -5,8 +5,8 @@ Phi-4, SmolLM3, Granite 3), Qwen2 / Qwen2.5 (QKV biases), Qwen3 (per-head RMSNor
 biases), Qwen3-MoE and Mixtral (their MLPs mixtures of experts), OLMo 2 (norms after attention and the
 MLP), Gemma 2 and Gemma 3 text models
 (``gemma3_text``: sliding-window layers beside global ones) and OPT (learned positions, LayerNorm, ReLU);
-and the language model of multimodal checkpoints (``MULTIMODAL``: Gemma 3 4B-27B, Mistral Small 3.1, Qwen3-VL
-and Qwen3-VL-MoE), served as text.
+and the language model of multimodal checkpoints (``MULTIMODAL``: Gemma 3 4B-27B, Mistral Small 3.1, Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE), served as text.
 """
 
 from __future__ import annotations
@@ -80,14 +80,22 @@ ARCHITECTURES: dict[str, str] = {
 MULTIMODAL = {
     "gemma3": "gemma3_text",
     "mistral3": "mistral",  # (Mistral Small 3.1, 3.2)
+    "qwen2_vl": "qwen2_vl_text",
+    "qwen2_5_vl": "qwen2_5_vl_text",
     "qwen3_vl": "qwen3_vl_text",
     "qwen3_vl_moe": "qwen3_vl_moe_text",
 }
+# Those whose Hub configs hold the language model's settings at the top level, beside vision_config (Qwen2-VL's
+# and Qwen2.5-VL's; transformers 5 saves them in a text_config)
+FLAT_MULTIMODAL = ("qwen2_vl", "qwen2_5_vl")
 # The language models of those that are another architecture's, and transformers' defaults of theirs that differ:
 # Qwen3-VL's is Qwen3's layers, and its interleaved MRoPE gives a text token the same position in each of its
 # sections (temporal, height, width), which is Qwen3's RoPE (as vLLM serves a prompt without images); Qwen3-VL-MoE's
-# is Qwen3-MoE's, its top weights always renormalized
+# is Qwen3-MoE's, its top weights always renormalized; Qwen2-VL's and Qwen2.5-VL's are Qwen2's, their MRoPE (its
+# sections side by side) likewise Qwen2's RoPE on text
 TEXT_MODEL_TYPES = {
+    "qwen2_vl_text": ("qwen2", {"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-5}),
+    "qwen2_5_vl_text": ("qwen2", {"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-5}),
     "qwen3_vl_text": ("qwen3", {"rope_theta": 500_000.0}),
     "qwen3_vl_moe_text": ("qwen3_moe", {"rope_theta": 500_000.0, "norm_topk_prob": True}),
 }
@@ -852,6 +860,8 @@ def _language_model_config(raw: dict[str, Any], name: str) -> ModelConfig:
     top level says of generation (EOS: Gemma 3's [1, 106]) and of the weights' dtype. (Whether its LM head
     is tied, the weights say: ``loader.load_model``.)"""
     text = raw.get("text_config")
+    if text is None and raw["model_type"] in FLAT_MULTIMODAL:  # (the top level is the language model's)
+        text = {key: value for key, value in raw.items() if key not in ("model_type", "vision_config")}
     if not isinstance(text, dict):
         raise ConfigError(f"{name}: a {raw['model_type']} config.json needs a text_config (its language model's)")
     # (Ministral 3's text_config says ministral3; Gemma 3's and Mistral Small's may say nothing: their own)
@@ -1025,6 +1035,8 @@ def _rope_scaling(scaling: dict[str, Any] | None, name: str) -> dict[str, Any] |
     if scaling is None:
         return None
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "mrope":  # (Qwen2-VL's first name of its MRoPE: on text, plain RoPE; transformers reads it so)
+        kind = "default"
     if kind == "su":  # (LongRoPE's first name, in the first 128K Phi-3 configs; transformers reads it so)
         scaling, kind = {**scaling, "rope_type": "longrope"}, "longrope"
     # NOTE: frequency_factors is a GGUF file's (llama.cpp's rope_freqs tensor), not an HF config's

@@ -118,7 +118,8 @@ VISION_PREFIXES = (
     "multi_modal_projector.",
     "model.vision_tower.",
     "model.multi_modal_projector.",
-    "model.visual.",  # (Qwen3-VL's)
+    "model.visual.",  # (Qwen3-VL's, and Qwen2-VL's and Qwen2.5-VL's as transformers 5 saves them)
+    "visual.",  # (Qwen2-VL's and Qwen2.5-VL's on the Hub)
 )
 
 
