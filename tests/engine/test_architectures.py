@@ -25,7 +25,7 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2",
                        "gpt2", "phi", "starcoder2", "gemma", "deepseek_v2", "deepseek_v3", "stablelm", "olmo",
                        "nemotron", "arcee", "granitemoe", "hunyuan", "glm4_moe", "ernie4_5_moe",
-                       "apertus", "hunyuan_moe"]  # fmt: skip
+                       "apertus", "hunyuan_moe", "granitemoehybrid", "granitemoehybrid_moe"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)
@@ -74,6 +74,31 @@ def test_exaone_4s_attention_without_a_window_and_a_pattern_by_name():
     assert [dense.layer_window(i) for i in range(4)] == [None] * 4 and all(dense.layer_rotates(i) for i in range(4))
     with pytest.raises(ConfigError, match="sliding_window_pattern 'LLLG' needs layer_types"):
         from_hf_config({**raw, "layer_types": None, "sliding_window_pattern": "LLLG"})
+
+
+def test_granite_4s_config_as_the_hub_says_it_and_its_hybrids_refused():
+    """Granite 4.0 Micro's config.json: layer_types "attention" (transformers 5 says "full_attention"), rope,
+    its MLP the shared one's size; NoPE where position_embedding_type is null. The 4.0-H models' Mamba-2 layers
+    (and a config without layer_types: transformers' default is all Mamba) and another position embedding are
+    refused by name."""
+    from sloserve.checkpoint.config import from_hf_config
+
+    raw = {**hf_cached("granitemoehybrid").config.to_dict(), "layer_types": ["attention", "attention"]}
+    micro = from_hf_config(raw)
+    assert (micro.intermediate_size, micro.moe, micro.residual_multiplier) == (48, None, 0.22)
+    assert [micro.layer_rotates(i) for i in range(2)] == [True, True]
+    nope = from_hf_config({**raw, "position_embedding_type": None})
+    assert [nope.layer_rotates(i) for i in range(2)] == [False, False]
+    experts = from_hf_config(hf_cached("granitemoehybrid_moe").config.to_dict())
+    assert (experts.moe["moe_intermediate_size"], experts.moe["shared_expert_intermediate_size"]) == (32, 48)
+    with pytest.raises(ConfigError, match="granitemoehybrid layers of type 'mamba' \\(Mamba-2: the Granite 4.0-H"):
+        from_hf_config({**raw, "layer_types": ["mamba", "attention"]})
+    with pytest.raises(ConfigError, match="layers of type 'linear_attention'"):  # (transformers 5's name)
+        from_hf_config({**raw, "layer_types": ["linear_attention", "attention"]})
+    with pytest.raises(ConfigError, match="layers of type 'mamba'"):
+        from_hf_config({**raw, "layer_types": None})
+    with pytest.raises(ConfigError, match="position_embedding_type 'alibi' is not supported \\(rope, nope or null\\)"):
+        from_hf_config({**raw, "position_embedding_type": "alibi"})
 
 
 def test_gpt_neox_one_after_the_other_and_the_hubs_config_names(tmp_path):

@@ -38,6 +38,9 @@ ARCHITECTURES: dict[str, str] = {
     "smollm3": "llama",  # (Llama's layers, every fourth without a rotary embedding)
     "granite": "llama",  # (Llama's layers, scaled: ModelConfig's multipliers)
     "granitemoe": "llama",  # (Granite 3 MoE: Granite's layers, their MLPs mixtures of experts)
+    # (Granite 4.0 without Mamba layers, Micro 3B: Granite's layers, NoPE where it says, a shared MLP (beside any
+    # experts); its hybrids, the 4.0-H models, are refused)
+    "granitemoehybrid": "granitemoehybrid",
     # (Hunyuan 0.5B-7B: Llama's layers, each query and key head normalized after the rotary embedding)
     "hunyuan_v1_dense": "hunyuan",
     # (Hunyuan-A13B: those layers, each MLP a softmax-routed mixture of experts beside an ungated shared one)
@@ -127,6 +130,7 @@ MOE_DEFAULTS = {
     "gpt_oss": {"num_experts": 128, "num_experts_per_tok": 4, "moe_intermediate_size": None},  # (intermediate_size)
     "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": None},  # (intermediate_size)
     "granitemoe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (intermediate_size)
+    "granitemoehybrid": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (likewise)
     "deepseek_v2": {"num_experts": 64, "num_experts_per_tok": None, "moe_intermediate_size": 1407},
     "deepseek_v3": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048},
     "glm4_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408},
@@ -668,6 +672,9 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
                 f"{name}: layer_types has {len(layer_types)} entries; the model has {common['num_hidden_layers']} layers"
             )
     rotary_layers = raw.get("no_rope_layers") if model_type == "smollm3" else None  # (HF's name: 1 rotates)
+    intermediate = need("intermediate_size")
+    if model_type == "granitemoehybrid":
+        rotary_layers, intermediate = _granite_4_layers(raw, common["num_hidden_layers"], name)
     if model_type == "exaone4" and window:  # (its hybrid attention: the global layers without rope)
         rotary_layers = [layer_type == SLIDING for layer_type in layer_types]
     if model_type == "cohere2":  # (only its sliding layers rotate: none where it has no window)
@@ -694,7 +701,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         raise ConfigError(f"{name}: use_parallel_residual (StableLM 2 12B's layers) is not supported")
     return ModelConfig(
         **common,
-        intermediate_size=need("intermediate_size"),
+        intermediate_size=intermediate,
         num_key_value_heads=raw.get("num_key_value_heads") or heads,
         head_dim=head_dim,
         norm_eps=float(_norm_eps(raw, model_type)),
@@ -715,7 +722,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         layer_types=layer_types,
         sliding_window=int(window) if window else None,
         rotary_layers=tuple(bool(flag) for flag in rotary_layers or ()),
-        **(_granite_multipliers(raw) if model_type in ("granite", "granitemoe") else {}),
+        **(_granite_multipliers(raw) if model_type in ("granite", "granitemoe", "granitemoehybrid") else {}),
         # NOTE: Cohere's logits times logit_scale, as its inverse's quotient (the Hub's: powers of two, exact)
         **({"logits_scaling": 1 / float(raw["logit_scale"])} if cohere else {}),
     )
@@ -845,6 +852,30 @@ def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
     }
 
 
+def _granite_4_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[list[bool], int]:
+    """Granite 4.0's (``granitemoehybrid``): (whether each layer rotates, the dense MLP's size). Its layers are
+    attention (the Hub's "attention", transformers 5's "full_attention") or Mamba-2 ("mamba"), refused; a rotary
+    embedding only where ``position_embedding_type`` is "rope" (None, transformers' default, or "nope": none);
+    without experts its MLP is the shared one (``shared_intermediate_size``; ``intermediate_size`` is the
+    experts')."""
+    kinds = raw.get("layer_types") or raw.get("layers_block_type") or ["mamba"] * layers
+    mamba = sorted({kind for kind in kinds if kind not in ("attention", "full_attention")})
+    if mamba:
+        raise ConfigError(
+            f"{name}: granitemoehybrid layers of type {', '.join(map(repr, mamba))} (Mamba-2: the Granite 4.0-H models) "
+            "are not supported; attention layers only (Granite 4.0 Micro)"
+        )
+    if len(kinds) != layers:
+        raise ConfigError(f"{name}: layer_types has {len(kinds)} entries; the model has {layers} layers")
+    position = raw.get("position_embedding_type")
+    if position not in (None, "rope", "nope"):
+        raise ConfigError(f"{name}: position_embedding_type {position!r} is not supported (rope, nope or null)")
+    dense = not raw.get("num_local_experts", MOE_DEFAULTS["granitemoehybrid"]["num_experts"])
+    return [position == "rope"] * layers, raw.get("shared_intermediate_size", 1024) if dense else raw[
+        "intermediate_size"
+    ]
+
+
 def _granite_multipliers(raw: dict[str, Any]) -> dict[str, float]:
     """Granite's scales, transformers' GraniteConfig defaults (1) where the config has none."""
     return {
@@ -893,7 +924,14 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
     The defaults where a config has none are transformers'."""
     kind = raw["model_type"]
     qwen2 = kind == "qwen2_moe"
-    experts_of_intermediate_size = kind in ("mixtral", "gpt_oss", "olmoe", "granitemoe", "hunyuan_v1_moe")
+    experts_of_intermediate_size = kind in (
+        "mixtral",
+        "gpt_oss",
+        "olmoe",
+        "granitemoe",
+        "granitemoehybrid",
+        "hunyuan_v1_moe",
+    )
     # NOTE: transformers 5 saves Qwen3-MoE's count as num_local_experts (Mixtral's name), the Hub as num_experts
     experts = raw.get("num_experts", raw.get("num_local_experts", MOE_DEFAULTS[kind]["num_experts"]))
     if kind in MOE_SETTING_NAMES:
@@ -926,10 +964,13 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         if experts_of_intermediate_size
         else raw.get("moe_intermediate_size", MOE_DEFAULTS[kind]["moe_intermediate_size"]),
         # (Granite's: the softmax of the top k logits, the same weights)
-        "norm_topk_prob": kind in ("mixtral", "granitemoe", "hunyuan_v1_moe") or bool(raw.get("norm_topk_prob", False)),
+        "norm_topk_prob": kind in ("mixtral", "granitemoe", "granitemoehybrid", "hunyuan_v1_moe")
+        or bool(raw.get("norm_topk_prob", False)),
         "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
         "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size", 5632) if qwen2 else 0,
     }
+    if kind == "granitemoehybrid":  # (its shared MLP, ungated, beside the experts)
+        moe["shared_expert_intermediate_size"] = raw.get("shared_intermediate_size", 1024)
     if kind in DEEPSEEK_ROUTED:  # its shared experts, one MLP (ungated); its routing (moe.DeepseekMoE)
         scaling = raw["routed_scaling_factor"]
         if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not 0 < scaling < float("inf"):

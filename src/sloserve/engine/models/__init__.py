@@ -50,6 +50,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "glm4_moe": LlamaForCausalLM,
     "ernie4_5_moe": LlamaForCausalLM,
     "apertus": ApertusForCausalLM,
+    "granitemoehybrid": LlamaForCausalLM,
 }
 
 
@@ -72,6 +73,15 @@ def _ernie4_5_moe_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) ->
     return key, tensor
 
 
+def _granite_4_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) -> tuple[str, torch.Tensor]:
+    """Granite 4.0's shared MLP (``shared_mlp.input_linear``: its gate rows then its up rows, ``output_linear``)
+    under Llama's MLP names: the layer's MLP where it has no experts, else the shared expert beside them."""
+    mlp = ".mlp.shared_expert." if config.is_moe else ".mlp."
+    for theirs, ours in ((".shared_mlp.input_linear.", "gate_up_proj."), (".shared_mlp.output_linear.", "down_proj.")):
+        key = key.replace(theirs, mlp + ours)
+    return key, tensor
+
+
 # An architecture's reading of a checkpoint tensor: (HF name, tensor) -> (the engine's name, tensor as it holds it),
 # or None for one it does not hold
 CHECKPOINT_TENSORS = {
@@ -80,6 +90,7 @@ CHECKPOINT_TENSORS = {
     "deepseek_v2": deepseek_v2.checkpoint_tensor,
     "glm4_moe": _without_later_layers,
     "ernie4_5_moe": _ernie4_5_moe_tensor,
+    "granitemoehybrid": _granite_4_tensor,
 }
 # An architecture's checkpoint names of modules the engine names otherwise (Llama's): each part of a name replaced
 CHECKPOINT_NAMES = {
@@ -88,8 +99,13 @@ CHECKPOINT_NAMES = {
     "apertus": apertus.CHECKPOINT_NAMES,
 }
 # The merged projections a model type's checkpoints store whole, in the row order the engine's have:
-# Phi-3's Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``), GLM's gate/up
-FUSED_CHECKPOINTS = {"phi3": ("qkv_proj", "gate_up_proj"), "glm": ("gate_up_proj",), "glm4": ("gate_up_proj",)}
+# Phi-3's Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``), GLM's and Granite 4.0's gate/up
+FUSED_CHECKPOINTS = {
+    "phi3": ("qkv_proj", "gate_up_proj"),
+    "glm": ("gate_up_proj",),
+    "glm4": ("gate_up_proj",),
+    "granitemoehybrid": ("gate_up_proj",),
+}
 # Checkpoint tensors that are buffers in other implementations, not weights.
 # (old GPT-NeoX and GPT-2 checkpoints: the causal mask and its fill value)
 _IGNORED_SUFFIXES = (

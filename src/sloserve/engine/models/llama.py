@@ -334,8 +334,8 @@ def past_the_layers(key: str, config: ModelConfig) -> bool:
 
 
 def mlp(config: ModelConfig, layer: int) -> nn.Module:
-    """Layer ``layer``'s MLP: dense, or a mixture of experts (with Qwen2-MoE's gated shared expert, DeepSeek's,
-    GLM-4.5's and ERNIE 4.5's ungated ones: those routed as DeepSeek's, ``topk_method``)."""
+    """Layer ``layer``'s MLP: dense, or a mixture of experts (with Qwen2-MoE's gated shared expert, Granite 4.0's
+    ungated one, DeepSeek's, GLM-4.5's and ERNIE 4.5's ungated ones: those routed as DeepSeek's, ``topk_method``)."""
     if not config.layer_is_moe(layer):
         return LlamaMLP(config)
     if config.model_type == "gpt_oss":
@@ -344,7 +344,7 @@ def mlp(config: ModelConfig, layer: int) -> nn.Module:
     shared_experts = LlamaMLP(config, shared) if shared else None
     if "topk_method" in config.moe:
         return DeepseekMoE(config, shared_experts)
-    return SparseMoE(config, shared_experts)
+    return SparseMoE(config, shared_experts, shared_expert_gated=config.model_type != "granitemoehybrid")
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -137,16 +137,20 @@ def per_expert_tensors(key: str, tensor) -> list[tuple[str, object]] | None:
 
 class SparseMoE(nn.Module):
     """A MoE layer's MLP: the router (``gate``, HF's name) and the experts; Qwen2-MoE's ``shared_expert``
-    (a dense MLP every token runs, given by the caller) scaled by sigmoid(``shared_expert_gate``(x))."""
+    (a dense MLP every token runs, given by the caller) scaled by sigmoid(``shared_expert_gate``(x)), Granite
+    4.0's unscaled (``shared_expert_gated`` False)."""
 
-    def __init__(self, config: ModelConfig, shared_expert: nn.Module | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, shared_expert: nn.Module | None = None, shared_expert_gated: bool = True
+    ) -> None:
         super().__init__()
         moe = config.moe
         self.top_k, self.norm_topk_prob = moe["num_experts_per_tok"], moe["norm_topk_prob"]
         self.gate = nn.Linear(config.hidden_size, moe["num_experts"], bias=False)
         self.experts = Experts(moe["num_experts"], config.hidden_size, moe["moe_intermediate_size"])
         self.shared_expert = shared_expert
-        if shared_expert is not None:
+        self.shared_expert_gate = None
+        if shared_expert is not None and shared_expert_gated:
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
@@ -157,6 +161,8 @@ class SparseMoE(nn.Module):
         routed = self.experts(x, experts, weights.to(x.dtype))
         if self.shared_expert is None:
             return routed
+        if self.shared_expert_gate is None:
+            return routed + self.shared_expert(x)
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # (T, 1) * (T, H)
 
 
