@@ -353,7 +353,7 @@ def test_hardware_prints_the_specs():
     proc = run("hardware")
     assert proc.returncode == 0, proc.stderr
     h100 = next(line for line in proc.stdout.splitlines() if "h100" in line)
-    assert "80" in h100 and "989" in h100 and "3.35" in h100  # memory GB, BF16 TFLOP/s, HBM TB/s
+    assert "80" in h100 and "989" in h100 and "3.35" in h100  # memory GB, BF16 TFLOP/s, memory TB/s
     llama = next(line for line in proc.stdout.splitlines() if "llama-3-8b" in line)
     assert "32 / 8" in llama and "8,192" in llama and "128" in llama  # heads / KV heads, context, KV KiB
 

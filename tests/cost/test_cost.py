@@ -860,6 +860,29 @@ def test_kv_capacity() -> None:
         kv_capacity_tokens(l7, a100, memory_utilization=1.2)
 
 
+def test_each_gpu_prices_a_small_decode_by_its_memory_bandwidth_and_holds_what_its_memory_holds() -> None:
+    """Llama-3-8B decoding one request reads its weights: the roofline's step on each GPU, NVIDIA's and AMD's,
+    HBM's and GDDR6's, is their bytes at that GPU's bandwidth (an L4's 300 GB/s: 27x a B200's time). Llama-3-70B
+    fits no single L4, L40S or H200; a B200's 180 GB hold it and some KV, an MI300X's 192 more."""
+    spec = get_model("llama-3-8b")
+    times = {}
+    for name in ("b200", "mi300x", "h200", "h100", "a100", "h100-pcie", "l40s", "l4"):
+        gpu = get_gpu(name)
+        model = RooflineCostModel(spec, gpu)
+        step = model.batch_time(BatchShape(1, 0)).total_s - model.step_overhead_s
+        reads = spec.layer_params_read(1) + spec.vocab_size * spec.hidden_size  # (the input embedding: gathered)
+        assert step == pytest.approx(reads * 2 / (gpu.hbm_bandwidth * model.bandwidth_efficiency), rel=1e-3)
+        times[name] = step
+    assert list(times.values()) == sorted(times.values())
+    assert times["l4"] / times["b200"] == pytest.approx(8000 / 300)
+    big = get_model("llama-3-70b")  # (141 GB of weights)
+    for name in ("l4", "l40s", "h200"):
+        with pytest.raises(ConfigError, match=f"does not fit on 1x {name} at memory utilization 0.9"):
+            kv_capacity_tokens(big, get_gpu(name))
+    assert 0 < kv_capacity_tokens(big, get_gpu("b200")) < kv_capacity_tokens(big, get_gpu("mi300x"))
+    assert get_gpu("hgx-b200") is get_gpu("b200")
+
+
 def test_profile_grid_has_lopsided_decode_batches() -> None:
     """One long context among short ones, as live batches have (their longest context is 2-8x their
     mean), so that a fit can tell w_d from a_d: the spread batches reach only twice the mean."""

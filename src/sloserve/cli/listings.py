@@ -91,7 +91,7 @@ def hardware() -> None:
             f"{m.kv_bytes_per_token / 1024:g}",
         )
     gpus = Table(title="GPUs (--gpu)")
-    for header in ("name", "memory GB", "BF16 TFLOP/s", "HBM TB/s", "PCIe GB/s", "NVLink GB/s"):
+    for header in ("name", "memory GB", "BF16 TFLOP/s", "memory TB/s", "PCIe GB/s", "GPU-GPU GB/s"):
         gpus.add_column(header, justify="left" if header == "name" else "right")
     for name in sorted(GPUS):
         g = GPUS[name]

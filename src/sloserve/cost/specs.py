@@ -231,10 +231,25 @@ GPUS: dict[str, HardwareSpec] = {
         # A30 datasheet: BF16 165 TFLOPS dense (330 with sparsity); 24GB HBM2 at 933 GB/s;
         # PCIe Gen4 64 GB/s; third-generation NVLink bridge 200 GB/s (100 per direction).
         HardwareSpec("a30", 165e12, 933 * _GB, 24 * _GB, 32 * _GB, 100 * _GB),
+        # H100 PCIe datasheet: BF16 1,513 TFLOPS with sparsity (756 dense); 80GB HBM2e at 2.0 TB/s; PCIe Gen5
+        # 128 GB/s; NVLink bridge 600 GB/s (300 per direction).
+        HardwareSpec("h100-pcie", 756e12, 2000 * _GB, 80 * _GB, 64 * _GB, 300 * _GB),
+        # HGX B200 datasheet, a GPU's share at 1,000 W: FP16/BF16 4.5 PFLOPS with sparsity (2.25 dense); 180GB
+        # HBM3e (1.44 TB for 8) at 8 TB/s; NVLink 5 1.8 TB/s (900 per direction); PCIe Gen5 to the host.
+        HardwareSpec("b200", 2250e12, 8000 * _GB, 180 * _GB, 64 * _GB, 900 * _GB),
+        # L40S datasheet: BF16 362.05 TFLOPS dense (733 with sparsity); 48GB GDDR6 at 864 GB/s; PCIe Gen4
+        # 64 GB/s; no NVLink: GPU to GPU over PCIe as well (32 per direction).
+        HardwareSpec("l40s", 362.05e12, 864 * _GB, 48 * _GB, 32 * _GB, 32 * _GB),
+        # L4 datasheet: BF16 242 TFLOPS with sparsity (121 dense); 24GB GDDR6 at 300 GB/s; PCIe Gen4 64 GB/s;
+        # no NVLink (as L40S).
+        HardwareSpec("l4", 121e12, 300 * _GB, 24 * _GB, 32 * _GB, 32 * _GB),
+        # AMD Instinct MI300X datasheet: BF16 1,307.4 TFLOPS dense (2,614.9 with sparsity); 192GB HBM3 at
+        # 5.3 TB/s; PCIe Gen5 128 GB/s; 7 Infinity Fabric links of 128 GB/s, 896 GB/s in all (448 per direction).
+        HardwareSpec("mi300x", 1307.4e12, 5300 * _GB, 192 * _GB, 64 * _GB, 448 * _GB),
     )
 }
 
-GPU_ALIASES: dict[str, str] = {"a100": "a100-80gb", "h100-sxm": "h100", "h200-sxm": "h200"}
+GPU_ALIASES: dict[str, str] = {"a100": "a100-80gb", "h100-sxm": "h100", "h200-sxm": "h200", "hgx-b200": "b200"}
 
 
 def get_model(name: str) -> ModelSpec:
