@@ -27,7 +27,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "gpt_neox": 27, "cohere": 28, "cohere2": 29, "gpt2": 30, "phi": 31, "starcoder2": 32, "gemma": 33, "deepseek_v2": 34, "deepseek_v3": 35,
          "stablelm": 36, "olmo": 37, "nemotron": 38, "arcee": 39, "granitemoe": 40, "hunyuan": 41,
          "glm4_moe": 42, "ernie4_5_moe": 43, "apertus": 44, "hunyuan_moe": 45, "granitemoehybrid": 46,
-         "granitemoehybrid_moe": 47}  # fmt: skip
+         "granitemoehybrid_moe": 47, "granite_4_h": 48}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -252,6 +252,16 @@ def hf_model(arch: str):
             position_embedding_type=None if experts else "rope", embedding_multiplier=12.0, residual_multiplier=0.22,
             attention_multiplier=0.0625, logits_scaling=4.0, initializer_range=0.2, pad_token_id=0, bos_token_id=1,
             eos_token_id=2,
+        )  # fmt: skip
+        cls = transformers.GraniteMoeHybridForCausalLM
+    elif arch == "granite_4_h":  # Granite 4.0-H's outline: Mamba-2 layers around an attention one, NoPE, experts
+        config = transformers.GraniteMoeHybridConfig(
+            **{**common, "num_hidden_layers": 3}, intermediate_size=32, shared_intermediate_size=48,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+            layer_types=["mamba", "attention", "mamba"], position_embedding_type=None, mamba_n_heads=8,
+            mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=8, embedding_multiplier=12.0,
+            residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=4.0, initializer_range=0.2,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2,
         )  # fmt: skip
         cls = transformers.GraniteMoeHybridForCausalLM
     elif arch == "stablelm":  # StableLM 2 1.6B's: a quarter of each head rotated, q/k/v biases, LayerNorms

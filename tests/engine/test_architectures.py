@@ -76,29 +76,32 @@ def test_exaone_4s_attention_without_a_window_and_a_pattern_by_name():
         from_hf_config({**raw, "layer_types": None, "sliding_window_pattern": "LLLG"})
 
 
-def test_granite_4s_config_as_the_hub_says_it_and_its_hybrids_refused():
+def test_granite_4s_config_as_the_hub_says_it():
     """Granite 4.0 Micro's config.json: layer_types "attention" (transformers 5 says "full_attention"), rope,
-    its MLP the shared one's size; NoPE where position_embedding_type is null. The 4.0-H models' Mamba-2 layers
-    (and a config without layer_types: transformers' default is all Mamba) and another position embedding are
-    refused by name."""
-    from sloserve.checkpoint.config import from_hf_config
+    its MLP the shared one's size; NoPE where position_embedding_type is null. The 4.0-H models' "mamba" layers
+    (transformers 5's "linear_attention"; a config without layer_types: all of them, transformers' default) with
+    their mixers' settings; another layer type or position embedding refused by name."""
+    from sloserve.checkpoint.config import MAMBA, from_hf_config
 
     raw = {**hf_cached("granitemoehybrid").config.to_dict(), "layer_types": ["attention", "attention"]}
     micro = from_hf_config(raw)
-    assert (micro.intermediate_size, micro.moe, micro.residual_multiplier) == (48, None, 0.22)
-    assert [micro.layer_rotates(i) for i in range(2)] == [True, True]
+    assert (micro.intermediate_size, micro.moe, micro.mamba, micro.residual_multiplier) == (48, None, None, 0.22)
+    assert [micro.layer_rotates(i) for i in range(2)] == [True, True] and micro.num_kv_layers == 2
     nope = from_hf_config({**raw, "position_embedding_type": None})
     assert [nope.layer_rotates(i) for i in range(2)] == [False, False]
     experts = from_hf_config(hf_cached("granitemoehybrid_moe").config.to_dict())
     assert (experts.moe["moe_intermediate_size"], experts.moe["shared_expert_intermediate_size"]) == (32, 48)
-    with pytest.raises(ConfigError, match="granitemoehybrid layers of type 'mamba' \\(Mamba-2: the Granite 4.0-H"):
-        from_hf_config({**raw, "layer_types": ["mamba", "attention"]})
-    with pytest.raises(ConfigError, match="layers of type 'linear_attention'"):  # (transformers 5's name)
-        from_hf_config({**raw, "layer_types": ["linear_attention", "attention"]})
-    with pytest.raises(ConfigError, match="layers of type 'mamba'"):
-        from_hf_config({**raw, "layer_types": None})
+    for kinds in (["mamba", "attention"], ["linear_attention", "full_attention"]):
+        hybrid = from_hf_config({**raw, "layer_types": kinds})
+        assert hybrid.layer_types == (MAMBA, "full_attention") and hybrid.num_kv_layers == 1
+        assert hybrid.mamba["d_inner"] == 2 * 64 and hybrid.mamba["time_step_limit"] == (0.0, float("inf"))
+    assert from_hf_config({**raw, "layer_types": None}).num_kv_layers == 0
+    with pytest.raises(ConfigError, match="granitemoehybrid layer type 'cross_attention' is not supported"):
+        from_hf_config({**raw, "layer_types": ["cross_attention", "attention"]})
     with pytest.raises(ConfigError, match="position_embedding_type 'alibi' is not supported \\(rope, nope or null\\)"):
         from_hf_config({**raw, "position_embedding_type": "alibi"})
+    with pytest.raises(ConfigError, match="mamba_n_heads 7 x mamba_d_head 1 must be mamba_expand x hidden_size 128"):
+        from_hf_config({**raw, "layer_types": ["mamba", "attention"], "mamba_n_heads": 7})
 
 
 def test_gpt_neox_one_after_the_other_and_the_hubs_config_names(tmp_path):

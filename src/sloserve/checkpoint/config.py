@@ -139,6 +139,11 @@ MOE_DEFAULTS = {
     "hunyuan_v1_moe": {"num_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": None},
 }
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")  # (multi-head latent attention)
+# transformers' GraniteMoeHybridConfig defaults of its Mamba-2 mixers (``mamba_*`` in a config)
+MAMBA2_DEFAULTS = {
+    "n_heads": 128, "n_groups": 1, "d_state": 256, "d_head": "auto", "d_conv": 4, "expand": 2, "chunk_size": 256,
+    "conv_bias": True, "proj_bias": False,
+}  # fmt: skip
 # transformers' defaults of their routing where it differs by version: (n_shared_experts, routed_scaling_factor,
 # topk_method, n_group, topk_group, norm_topk_prob, first_k_dense_replace)
 DEEPSEEK_ROUTING_DEFAULTS = {
@@ -240,6 +245,7 @@ LAYER_NORMS = ("phi", "starcoder2", "stablelm", "nemotron")
 WEIGHTLESS_NORMS = ("olmo",)
 # A layer type of ModelConfig.layer_types that sees only the last sliding_window positions
 SLIDING = "sliding_attention"
+MAMBA = "mamba"  # (a layer of Mamba-2's mixer: ``ModelConfig.mamba``)
 # Byte-level tokenizer of random models: ids 0..255 are bytes, then BOS and EOS.
 BYTE_BOS_ID, BYTE_EOS_ID = 256, 257
 RANDOM_PREFIX = "random:"
@@ -318,6 +324,10 @@ class ModelConfig:
     # DeepSeek-V2's multi-head latent attention: q_lora_rank (None: one query projection), kv_lora_rank (the
     # latent's size, d_c), qk_nope_head_dim, qk_rope_head_dim (d_h^R) and v_head_dim; None: not
     mla: dict[str, Any] | None = None
+    # Mamba-2 mixers in place of attention in the layers whose layer_types entry is MAMBA (Granite 4.0-H): n_heads,
+    # head_dim, n_groups, d_state, d_conv, d_inner (mamba_expand x hidden), chunk_size, conv_bias, proj_bias,
+    # time_step_limit; None: none
+    mamba: dict[str, Any] | None = None
     # OPT only
     word_embed_proj_dim: int | None = None
     do_layer_norm_before: bool = True
@@ -410,6 +420,32 @@ class ModelConfig:
         """The positions layer ``layer`` sees (None: all of them)."""
         return self.sliding_window if self.layer_types and self.layer_types[layer] == SLIDING else None
 
+    def layer_is_mamba(self, layer: int) -> bool:
+        """Whether layer ``layer`` mixes its tokens with a Mamba-2 mixer rather than attention."""
+        return self.mamba is not None and self.layer_types[layer] == MAMBA
+
+    def kv_layer_index(self, layer: int) -> int | None:
+        """Layer ``layer``'s index among the layers with a KV cache (the attention layers); None for a Mamba one."""
+        if self.layer_is_mamba(layer):
+            return None
+        return layer - sum(self.layer_is_mamba(i) for i in range(layer))
+
+    @property
+    def num_kv_layers(self) -> int:
+        """The layers with a KV cache: every one but the Mamba layers."""
+        return self.num_hidden_layers - sum(self.layer_is_mamba(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def mamba_params(self) -> int:
+        """A Mamba-2 mixer's parameters: in_proj, conv1d, dt_bias, A_log, D, the gated norm, out_proj."""
+        m, h = self.mamba, self.hidden_size
+        conv_dim = m["d_inner"] + 2 * m["n_groups"] * m["d_state"]
+        in_proj = h * (m["d_inner"] + conv_dim + m["n_heads"]) + m["proj_bias"] * (
+            m["d_inner"] + conv_dim + m["n_heads"]
+        )
+        conv = conv_dim * m["d_conv"] + conv_dim * m["conv_bias"]
+        return in_proj + conv + 3 * m["n_heads"] + m["d_inner"] + m["d_inner"] * h + m["proj_bias"] * h
+
     @property
     def num_params(self) -> int:
         """Parameters of the engine's model of this shape (a tied LM head counted once)."""
@@ -460,6 +496,8 @@ class ModelConfig:
             if "swiglu_limit" in self.moe:  # gpt-oss: the router's and the experts' biases
                 experts += self.moe["num_experts"] * (1 + 2 * self.moe["moe_intermediate_size"] + h)
             total += sum(self.moe["moe_layers"]) * (experts - mlp)
+        if self.mamba is not None:  # a Mamba layer: the mixer instead of the attention
+            total += (self.num_hidden_layers - self.num_kv_layers) * (self.mamba_params - attention)
         return total
 
     def _deepseek_num_params(self) -> int:
@@ -515,6 +553,7 @@ class ModelConfig:
             num_kv_heads=self.kv_cache_heads,
             head_dim=self.kv_cache_head_dim,  # NOTE: MLA's attention runs on its latent, 576 wide (V2)
             keys_only_kv=self.kv_cache_tensors == 1,  # (MLA's values are its keys' latent)
+            kv_layers=self.num_kv_layers if self.mamba is not None else 0,
             **extra,
             intermediate_size=self.intermediate_size,
             vocab_size=self.vocab_size,
@@ -673,8 +712,9 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
             )
     rotary_layers = raw.get("no_rope_layers") if model_type == "smollm3" else None  # (HF's name: 1 rotates)
     intermediate = need("intermediate_size")
+    mamba = None
     if model_type == "granitemoehybrid":
-        rotary_layers, intermediate = _granite_4_layers(raw, common["num_hidden_layers"], name)
+        rotary_layers, intermediate, layer_types, mamba = _granite_4_layers(raw, common["num_hidden_layers"], name)
     if model_type == "exaone4" and window:  # (its hybrid attention: the global layers without rope)
         rotary_layers = [layer_type == SLIDING for layer_type in layer_types]
     if model_type == "cohere2":  # (only its sliding layers rotate: none where it has no window)
@@ -722,6 +762,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         layer_types=layer_types,
         sliding_window=int(window) if window else None,
         rotary_layers=tuple(bool(flag) for flag in rotary_layers or ()),
+        mamba=mamba,
         **(_granite_multipliers(raw) if model_type in ("granite", "granitemoe", "granitemoehybrid") else {}),
         # NOTE: Cohere's logits times logit_scale, as its inverse's quotient (the Hub's: powers of two, exact)
         **({"logits_scaling": 1 / float(raw["logit_scale"])} if cohere else {}),
@@ -852,28 +893,75 @@ def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
     }
 
 
-def _granite_4_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[list[bool], int]:
-    """Granite 4.0's (``granitemoehybrid``): (whether each layer rotates, the dense MLP's size). Its layers are
-    attention (the Hub's "attention", transformers 5's "full_attention") or Mamba-2 ("mamba"), refused; a rotary
-    embedding only where ``position_embedding_type`` is "rope" (None, transformers' default, or "nope": none);
-    without experts its MLP is the shared one (``shared_intermediate_size``; ``intermediate_size`` is the
-    experts')."""
-    kinds = raw.get("layer_types") or raw.get("layers_block_type") or ["mamba"] * layers
-    mamba = sorted({kind for kind in kinds if kind not in ("attention", "full_attention")})
-    if mamba:
-        raise ConfigError(
-            f"{name}: granitemoehybrid layers of type {', '.join(map(repr, mamba))} (Mamba-2: the Granite 4.0-H models) "
-            "are not supported; attention layers only (Granite 4.0 Micro)"
-        )
+def _granite_4_layers(
+    raw: dict[str, Any], layers: int, name: str
+) -> tuple[list[bool], int, tuple[str, ...], dict[str, Any] | None]:
+    """Granite 4.0's (``granitemoehybrid``): (whether each layer rotates, the dense MLP's size, each layer's type:
+    attention or MAMBA, the Mamba-2 mixers' settings: None without them). Its layers are attention (the Hub's
+    "attention", transformers 5's "full_attention") or Mamba-2 (the Hub's "mamba", transformers 5's
+    "linear_attention": the 4.0-H models); a rotary embedding only where ``position_embedding_type`` is "rope"
+    (None, transformers' default, or "nope": none, the 4.0-H models'); without experts its MLP is the shared
+    one (``shared_intermediate_size``; ``intermediate_size`` is the experts'). transformers' defaults where the
+    config has none."""
+    kinds = raw.get("layer_types") or raw.get("layers_block_type") or [MAMBA] * layers
     if len(kinds) != layers:
         raise ConfigError(f"{name}: layer_types has {len(kinds)} entries; the model has {layers} layers")
+    unknown = sorted({kind for kind in kinds if kind not in ("attention", "full_attention", MAMBA, "linear_attention")})
+    if unknown:
+        raise ConfigError(
+            f"{name}: granitemoehybrid layer type {unknown[0]!r} is not supported (attention, full_attention, mamba, "
+            "linear_attention)"
+        )
+    layer_types = tuple(MAMBA if kind in (MAMBA, "linear_attention") else "full_attention" for kind in kinds)
     position = raw.get("position_embedding_type")
     if position not in (None, "rope", "nope"):
         raise ConfigError(f"{name}: position_embedding_type {position!r} is not supported (rope, nope or null)")
     dense = not raw.get("num_local_experts", MOE_DEFAULTS["granitemoehybrid"]["num_experts"])
-    return [position == "rope"] * layers, raw.get("shared_intermediate_size", 1024) if dense else raw[
-        "intermediate_size"
-    ]
+    intermediate = raw.get("shared_intermediate_size", 1024) if dense else raw["intermediate_size"]
+    mamba = _mamba2(raw, name) if MAMBA in layer_types else None
+    return [position == "rope"] * layers, intermediate, layer_types, mamba
+
+
+def _mamba2(raw: dict[str, Any], name: str) -> dict[str, Any]:
+    """The Mamba-2 mixers' settings of a Granite 4.0-H config (``mamba_*``, transformers' defaults), checked."""
+    hidden = raw["hidden_size"]
+    settings = {key: raw.get(f"mamba_{key}", default) for key, default in MAMBA2_DEFAULTS.items()}
+    for key in ("n_heads", "n_groups", "d_state", "d_conv", "expand", "chunk_size"):
+        value = settings[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}: mamba_{key} must be a positive integer, got {value!r}")
+    d_inner = settings.pop("expand") * hidden
+    heads, head_dim = settings["n_heads"], settings.pop("d_head")
+    if head_dim == "auto":
+        head_dim = d_inner // heads
+    if head_dim * heads != d_inner or heads % settings["n_groups"]:
+        raise ConfigError(
+            f"{name}: mamba_n_heads {heads} x mamba_d_head {head_dim} must be mamba_expand x hidden_size {d_inner}, "
+            f"and mamba_n_groups {settings['n_groups']} must divide the heads"
+        )
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{name}: hidden_act {raw.get('hidden_act')!r} is not supported with Mamba layers (silu)")
+    limit = [_json_float(bound, "time_step_limit", name) for bound in raw.get("time_step_limit") or (0.0, float("inf"))]
+    if len(limit) != 2:
+        raise ConfigError(f"{name}: time_step_limit must be two numbers (the steps' least and most), got {limit!r}")
+    return {
+        **settings,
+        "head_dim": head_dim,
+        "d_inner": d_inner,
+        "conv_bias": bool(settings["conv_bias"]),
+        "proj_bias": bool(settings["proj_bias"]),
+        "time_step_limit": tuple(limit),
+    }
+
+
+def _json_float(value: Any, key: str, name: str) -> float:
+    """A config's number, or transformers 5's JSON spelling of a non-finite one ({"__float__": "Infinity"})."""
+    if isinstance(value, dict) and set(value) == {"__float__"}:
+        value = value["__float__"]
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: {key} must hold numbers, got {value!r}") from None
 
 
 def _granite_multipliers(raw: dict[str, Any]) -> dict[str, float]:

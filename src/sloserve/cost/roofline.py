@@ -96,7 +96,7 @@ class RooflineCostModel(CostModel):
 
         m = model
         dtype = m.dtype_bytes
-        attn_width = m.num_layers * m.num_attention_heads * m.head_dim  # L * H * d
+        attn_width = m.attention_layers * m.num_attention_heads * m.head_dim  # L * H * d (a hybrid's attention layers)
         # Achievable rates of the whole TP group.
         self._flops_rate = gpu.peak_flops * self.compute_efficiency * num_gpus
         self._bytes_rate = gpu.hbm_bandwidth * self.bandwidth_efficiency * num_gpus
@@ -117,7 +117,7 @@ class RooflineCostModel(CostModel):
         self._attn_flops_per_key = 4.0 * attn_width  # decode: QK^T and PV, 2 FLOPs per MAC
         self._attn_flops_per_work = 2.0 * attn_width  # prefill: work = 2 x causal pairs
         # (MLA's prefills by head: narrower heads, after each context token's keys and values are expanded)
-        self._by_head_flops_per_work = 2.0 * m.num_layers * m.num_attention_heads * m.prefill_head_dim
+        self._by_head_flops_per_work = 2.0 * m.attention_layers * m.num_attention_heads * m.prefill_head_dim
         self._by_head_flops_per_key = float(m.prefill_kv_flops_per_token)
         self._qo_bytes_per_token = 2.0 * attn_width * dtype  # Q read and O written by prefill
 

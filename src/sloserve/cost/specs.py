@@ -35,7 +35,9 @@ class ModelSpec:
     router's and shared experts' are not: every token runs them); 0, 0, 0 for a dense model.
     ``prefill_head_dim``, ``prefill_kv_flops_per_token``: a second form of prefill attention, at that many
     numbers a head after that many FLOPs (all layers) expand each context token's cache entry into keys and
-    values by head (MLA's prefills by head: 192, 2 L d_c nh (d_h + d_v)); 0, 0: none.
+    values by head (MLA's prefills by head: 192, 2 L d_c nh (d_h + d_v)); 0, 0: none. ``kv_layers``: the layers
+    with a KV cache and attention, where fewer than ``num_layers`` (a hybrid's: Granite 4.0-H's Mamba layers keep
+    a state a request instead, which the simulator does not price); 0: all of them.
     """
 
     name: str
@@ -57,6 +59,7 @@ class ModelSpec:
     expert_params: int = 0
     prefill_head_dim: int = 0
     prefill_kv_flops_per_token: int = 0
+    kv_layers: int = 0
 
     def __post_init__(self) -> None:
         owner = f"model spec {self.name!r}"
@@ -83,6 +86,7 @@ class ModelSpec:
             "expert_params",
             "prefill_head_dim",
             "prefill_kv_flops_per_token",
+            "kv_layers",
         ):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -96,6 +100,8 @@ class ModelSpec:
             )
         if (self.prefill_head_dim > 0) != (self.prefill_kv_flops_per_token > 0):
             raise ConfigError(f"{owner}: prefill_head_dim and prefill_kv_flops_per_token are both 0 or both positive")
+        if self.kv_layers > self.num_layers:
+            raise ConfigError(f"{owner}: kv_layers {self.kv_layers} exceeds num_layers {self.num_layers}")
         if self.num_attention_heads % self.num_kv_heads:
             raise ConfigError(
                 f"{owner}: num_kv_heads {self.num_kv_heads} must divide num_attention_heads {self.num_attention_heads}"
@@ -106,7 +112,12 @@ class ModelSpec:
         """Bytes of K and V for one token over all layers: 2 * layers * kv_heads * head_dim * dtype (half of
         that with ``keys_only_kv``)."""
         tensors = 1 if self.keys_only_kv else 2
-        return tensors * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return tensors * self.attention_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def attention_layers(self) -> int:
+        """The layers with attention and a KV cache (``kv_layers``, else every one)."""
+        return self.kv_layers or self.num_layers
 
     @property
     def weight_bytes(self) -> int | float:

@@ -29,13 +29,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from sloserve.engine import fused_ops
 from sloserve.engine.async_scheduling import index_tensor
+
+if TYPE_CHECKING:
+    from sloserve.engine.models.mamba2 import MambaMetadata
 
 
 @dataclass
@@ -82,6 +85,7 @@ class AttentionMetadata:
     decode_token_index: torch.Tensor  # (num_decodes,) position of each decode token in the flat step
     decode_slots: torch.Tensor  # (num_decodes, >= max_context) slot table; entries past a context: any slot
     decode_context_lens: torch.Tensor  # (num_decodes,) context tokens (cached + the new one)
+    mamba: MambaMetadata | None = None  # the requests' states, for a model with Mamba layers (models/mamba2.py)
     _windowed: dict[int, list[DecodeGroup]] = field(default_factory=dict, repr=False)
     _fresh: dict[int, tuple[list[PrefillSeq], PackedPrefills | None]] = field(default_factory=dict, repr=False)
     _apart: dict[Hashable, tuple[list[PrefillSeq], AttentionMetadata]] = field(default_factory=dict, repr=False)

@@ -33,9 +33,11 @@ from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.kv_cache import KVCacheTensor, expand_block_ids
 from sloserve.engine.loader import LoadedModel
 from sloserve.engine.logprobs import Logprobs, PendingLogprobs, logprobs_on_device
+from sloserve.engine.models.mamba2 import MambaMetadata
 from sloserve.engine.penalties import PenaltyCounts
 from sloserve.engine.piecewise_graphs import PiecewiseGraphs, piecewise_graphs_for
 from sloserve.engine.sampler import PROMPT_LOGITS_ROWS, SamplingParams, apply_controls, sample_on_device
+from sloserve.engine.state_cache import StateSlots
 from sloserve.engine.structured_output import GrammarMatchers, accept
 from sloserve.kv.manager import KVCacheManager
 
@@ -98,8 +100,10 @@ class EngineExecutor:
         graphs: DecodeGraphs | None = None,
         piecewise: PiecewiseGraphs | None = None,
         tokenizer_eos_token_id: int | None = None,
+        states: StateSlots | None = None,
     ) -> None:
         self.model, self.kv, self.cache, self.device = model, kv, cache, device
+        self.states = states  # (a model with Mamba layers: each request's slot of their states)
         self.graphs, self.piecewise = graphs, piecewise
         self.eos_token_ids = frozenset(eos_token_ids)  # every id that ends a generation (not ignore_eos)
         # NOTE: the one of them whose end is reported with stop_reason None (vLLM's: the tokenizer's EOS;
@@ -133,6 +137,7 @@ class EngineExecutor:
         max_context: int,
         eos_token_ids: tuple[int, ...] = (),
         seed: int = 0,
+        states: StateSlots | None = None,
     ) -> EngineExecutor:
         """An executor of ``loaded``'s model with the CUDA graphs it was loaded for (``cuda_graphs``): the
         decode graphs, their slot tables ``max_context`` wide, and the piecewise graphs where they are
@@ -145,7 +150,7 @@ class EngineExecutor:
             graphs = DecodeGraphs(loaded.model, cache, max_context, kv.table_block_size)
         piecewise = piecewise_graphs_for(loaded.model, cache, loaded.cuda_graphs)
         eos = getattr(loaded.tokenizer, "eos_token_id", None)
-        return cls(loaded.model, kv, cache, loaded.device, eos_token_ids, seed, graphs, piecewise, eos)
+        return cls(loaded.model, kv, cache, loaded.device, eos_token_ids, seed, graphs, piecewise, eos, states)
 
     def add(self, request: Request, prompt_token_ids: list[int], params: SamplingParams) -> None:
         generator = None
@@ -194,6 +199,9 @@ class EngineExecutor:
         self.cache.swap_out(output.swap_out)
         self.cache.swap_in(output.swap_in)
         self.cache.copy_slots(output.slot_copies)
+        if self.states is not None:  # (a request holds its states' slot while it holds KV blocks)
+            self.states.keep_only(self.kv.block_tables)
+        mamba_prefills: list[tuple[int, int, int, bool]] = []  # (flat index, tokens, state slot, goes on)
         tokens: list[int] = []
         positions: list[int] = []
         prefills: list[PrefillSeq] = []
@@ -222,6 +230,12 @@ class EngineExecutor:
                 late.append((flat, before.rows[request]))
                 tokens.append(0)
             positions.extend(range(start, end))
+            if self.states is not None:
+                slot = self.states.slot(request)
+                if num_tokens > 1:
+                    mamba_prefills.append((flat, num_tokens, slot, start > 0))
+                elif start == 0:  # (a one-token prompt runs as a decode: from zero states)
+                    self.states.cache.clear(slot)
             if num_tokens == 1:
                 decodes.append((flat, request))
             else:
@@ -255,7 +269,7 @@ class EngineExecutor:
             if late:  # (P,) flat indices, (P,) the tokens there: gathered on the device
                 source = before.device_ids[index_tensor([row for _, row in late], self.device)]
                 late_tokens = (index_tensor([i for i, _ in late], self.device), source)
-            hidden = self._forward(tokens, positions, prefills, prefill_slots, decodes, late_tokens)  # (T, H)
+            hidden = self._forward(tokens, positions, prefills, prefill_slots, decodes, late_tokens, mamba_prefills)
             if self.during_forward is not None and not pipelined:
                 self._overlap(self.during_forward)
             logits = self.model.compute_logits(hidden[rows]).float()  # (N, vocab)
@@ -523,6 +537,7 @@ class EngineExecutor:
         prefill_slots: list[tuple[int, np.ndarray]],
         decodes: list[tuple[int, Request]],
         late_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,  # (P,) flat indices, (P,) their tokens
+        mamba_prefills: list[tuple[int, int, int, bool]] = (),  # (``MambaMetadata.prefills``)
     ) -> torch.Tensor:  # (T, H)
         """The model's forward pass over the step's flat tokens: a graph replay for a decode-only step
         that fits the captured graphs, else the piecewise graphs' replays for a step that fits them,
@@ -547,6 +562,9 @@ class EngineExecutor:
             meta = self._metadata(size, prefills, prefill_slots, decodes, lengths, written, block_ids)
             return self.piecewise.forward(tokens, positions, meta, late_tokens)
         meta = self._metadata(len(tokens), prefills, prefill_slots, decodes, lengths, written, block_ids)
+        if self.states is not None:
+            slots = index_tensor([self.states.of[r] for _, r in decodes], self.device)  # (B,)
+            meta.mamba = MambaMetadata(mamba_prefills, meta.decode_token_index, slots, self.states.cache)
         ids = index_tensor(tokens, self.device)  # (T,)
         if late_tokens is not None:
             ids[late_tokens[0]] = late_tokens[1]

@@ -38,7 +38,7 @@ class KVCacheTensor:
     ) -> None:
         shape = (
             config.kv_cache_tensors,
-            config.num_hidden_layers,
+            config.num_kv_layers,  # (the attention layers': a Mamba layer keeps states, ``StateCache``)
             num_slots + block_size,
             config.kv_cache_heads,
             config.kv_cache_head_dim,

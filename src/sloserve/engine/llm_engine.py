@@ -29,11 +29,14 @@ from sloserve.engine.executor import Sequence as SequenceState
 from sloserve.engine.kv_cache import KVCacheTensor
 from sloserve.engine.loader import LoadedModel
 from sloserve.engine.sampler import SamplingParams
+from sloserve.engine.state_cache import StateCache, StateSlots
 from sloserve.engine.structured_output import GrammarMatchers
 from sloserve.engine.switches import switch
 from sloserve.engine.tokenizer import HFTokenizer
+from sloserve.kv.manager import KVCacheManager
 from sloserve.replica import Replica
 from sloserve.sched import make_scheduler, supports_prefix_caching
+from sloserve.sched.registry import build_config
 from sloserve.workload.closed_loop import ClosedLoopBatches
 
 # Default KV cache on the CPU: this many bytes, at most 64 full contexts (vLLM's CPU backend takes a
@@ -43,6 +46,9 @@ from sloserve.workload.closed_loop import ClosedLoopBatches
 CPU_KV_CACHE_BYTES = 1 << 30
 CPU_KV_CACHE_CONTEXTS = 64
 GPU_MEMORY_UTILIZATION = 0.9
+# A model with Mamba layers keeps states for at most this many requests at once (fewer where its scheduler's
+# max_num_seqs says: vLLM's default is 256; on the CPU, as many as its default KV cache holds contexts)
+MAX_STATE_SLOTS = {"cuda": 256, "cpu": CPU_KV_CACHE_CONTEXTS}
 # Default swap space: as large as the KV cache, at most 4 GiB (vLLM's default swap_space).
 MAX_SWAP_BYTES = 4 << 30
 
@@ -50,7 +56,7 @@ MAX_SWAP_BYTES = 4 << 30
 def kv_bytes_per_token(loaded: LoadedModel) -> int:
     """K and V of one token over all layers at the model's dtype (MLA's keys alone: they are its values)."""
     c = loaded.config
-    return c.kv_cache_tensors * c.num_hidden_layers * c.kv_cache_heads * c.kv_cache_head_dim * loaded.dtype.itemsize
+    return c.kv_cache_tensors * c.num_kv_layers * c.kv_cache_heads * c.kv_cache_head_dim * loaded.dtype.itemsize
 
 
 def resolve_max_model_len(config: ModelConfig, max_model_len: int | None) -> int:
@@ -86,11 +92,12 @@ def host_memory_bytes() -> int | None:
         return None
 
 
-def default_kv_capacity(loaded: LoadedModel, max_model_len: int) -> int:
-    """KV capacity in tokens when none is given (see the constants above)."""
+def default_kv_capacity(loaded: LoadedModel, max_model_len: int, reserved_bytes: int = 0) -> int:
+    """KV capacity in tokens when none is given (see the constants above); on CUDA, of the memory left beside
+    ``reserved_bytes`` (a Mamba model's states)."""
     bytes_per_token = kv_bytes_per_token(loaded)
     if loaded.device.type == "cuda":
-        return int(free_cuda_bytes(loaded) * GPU_MEMORY_UTILIZATION // bytes_per_token)
+        return int((free_cuda_bytes(loaded) * GPU_MEMORY_UTILIZATION - reserved_bytes) // bytes_per_token)
     return min(CPU_KV_CACHE_BYTES // bytes_per_token, CPU_KV_CACHE_CONTEXTS * max_model_len)
 
 
@@ -215,8 +222,12 @@ class LLMEngine:
         config = loaded.config
         self.loaded = loaded
         self.max_model_len = resolve_max_model_len(config, max_model_len)
+        num_state_slots = self._state_slots(scheduler, scheduler_options, enable_prefix_caching)
+        state_bytes = 0 if not num_state_slots else num_state_slots * StateCache.bytes_per_slot(config, loaded.dtype)
         capacity = (
-            kv_capacity_tokens if kv_capacity_tokens is not None else default_kv_capacity(loaded, self.max_model_len)
+            kv_capacity_tokens
+            if kv_capacity_tokens is not None
+            else default_kv_capacity(loaded, self.max_model_len, state_bytes)
         )
         if capacity < 1 and kv_capacity_tokens is None:
             raise ConfigError(
@@ -242,11 +253,16 @@ class LLMEngine:
             options=scheduler_options,
             cost_model=engine_cost_model(cost_model),
             # None: on wherever the scheduler supports it, as vLLM v1 turns it on by default
-            enable_prefix_caching=supports_prefix_caching(scheduler, scheduler_options)
+            enable_prefix_caching=supports_prefix_caching(scheduler, scheduler_options) and not num_state_slots
             if enable_prefix_caching is None
             else enable_prefix_caching,
         )
         kv = self.scheduler.kv
+        states = None
+        if num_state_slots:
+            self._check_states_run(scheduler, kv)
+            kv.max_requests = num_state_slots
+            states = StateSlots(StateCache(config, num_state_slots, loaded.dtype, loaded.device))
         self.cache = KVCacheTensor(
             config,
             kv.gpu.num_blocks * kv.block_size,
@@ -255,13 +271,41 @@ class LLMEngine:
             loaded.dtype,
             loaded.device,
         )
-        self.executor = EngineExecutor.for_model(loaded, kv, self.cache, self.max_model_len, config.eos_token_ids, seed)
+        self.executor = EngineExecutor.for_model(
+            loaded, kv, self.cache, self.max_model_len, config.eos_token_ids, seed, states
+        )
         self.executor.async_scheduling = (
             default_async_scheduling(loaded) if async_scheduling is None else async_scheduling
         )
         self.replica = Replica(0, self.scheduler, self.executor)
         self._next_id = 0
         self._finishing: list[Request] = []  # finished by the scheduler, a token still on the device
+
+    def _state_slots(self, scheduler: str, options: dict[str, Any] | None, enable_prefix_caching: bool | None) -> int:
+        """The requests a model with Mamba layers keeps states for: its scheduler's ``max_num_seqs`` where it has
+        one, at most the device's ``MAX_STATE_SLOTS``; 0 for a model without them."""
+        config = self.loaded.config
+        if config.mamba is None:
+            return 0
+        if enable_prefix_caching:
+            # NOTE: a cached prefix's KV is shared, but the states after it are not kept (vLLM's first hybrids too)
+            raise ConfigError(f"{config.name}: prefix caching is not supported with Mamba layers (their states)")
+        most = MAX_STATE_SLOTS.get(self.loaded.device.type, MAX_STATE_SLOTS["cuda"])
+        return min(most, getattr(build_config(scheduler, options), "max_num_seqs", most))
+
+    def _check_states_run(self, scheduler: str, kv: KVCacheManager) -> None:
+        """A ConfigError for a scheduler that would move a Mamba model's requests where their states cannot follow:
+        a KV manager of its own tables (BROS's, EconoServe's pipelined), swapping KV to the CPU."""
+        name = self.loaded.config.name
+        if not kv.supports_max_requests:
+            raise ConfigError(
+                f"{name}: scheduler {scheduler}'s KV manager ({kv.name}) does not run models with Mamba layers "
+                "(their states); vllm, sarathi, orca and the paged managers do"
+            )
+        if getattr(getattr(self.scheduler, "config", None), "preemption_mode", "recompute") == "swap":
+            raise ConfigError(
+                f"{name}: preemption_mode=swap does not move Mamba layers' states to the CPU; use recompute"
+            )
 
     # --- requests ------------------------------------------------------------------------------
     def check_request(

@@ -49,6 +49,8 @@ class KVCacheManager:
     supports_prefix_caching = True
     # Whether the manager itself copies KV to CPU memory and back (not only on a policy's swap).
     copies_kv_to_cpu = False
+    # Whether ``max_requests`` bounds the requests holding blocks (a table each in ``block_tables``)
+    supports_max_requests = True
 
     def __init__(
         self,
@@ -97,6 +99,10 @@ class KVCacheManager:
         # Blocks reserved by count (decode cohort growth) whose ids are assigned later (settle_blocks).
         # NOTE: free + used + owed = capacity; owed blocks are not free.
         self._owed_blocks = 0
+        # At most this many requests hold blocks at once (None: any number): a model with Mamba layers keeps
+        # states of that many requests beside their KV (engine/state_cache.py), so a request that would be
+        # one more cannot start, as if the blocks had run out
+        self.max_requests: int | None = None
 
     # --- capacity ----------------------------------------------------------------------------
     @property
@@ -168,7 +174,13 @@ class KVCacheManager:
     def can_allocate(
         self, request: Request, num_tokens: int, reserve_blocks: int = 0, cached: list[int] | tuple = ()
     ) -> bool:
+        if not self._may_hold(request):
+            return False
         return self.blocks_needed(request, num_tokens, cached) + reserve_blocks <= self.num_free_blocks
+
+    def _may_hold(self, request: Request) -> bool:
+        """Whether ``request`` holds blocks or may start to (``max_requests``)."""
+        return self.max_requests is None or request in self.block_tables or len(self.block_tables) < self.max_requests
 
     # --- allocation ----------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_tokens: int, cached: list[int] | tuple = ()) -> bool:
@@ -176,6 +188,9 @@ class KVCacheManager:
         yet may start its table with the ``cached`` blocks ``find_cached_prefix`` found. All or
         nothing: on failure nothing changes and the failure is counted."""
         table = self.block_tables.get(request)
+        if table is None and not self._may_hold(request):
+            self.num_allocation_failures += 1
+            return False
         if table is None and self.prefix_cache is not None:
             return self._allocate_with_prefix(request, num_tokens, cached)
         need = self.blocks_needed(request, num_tokens)

@@ -20,6 +20,7 @@ from sloserve.core.errors import ConfigError
 from sloserve.engine import fused_ops
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
 from sloserve.engine.kv_cache import layer_caches
+from sloserve.engine.models.mamba2 import Mamba2Mixer
 from sloserve.engine.models.moe import DeepseekMoE, GptOssMoE, SparseMoE
 
 
@@ -357,7 +358,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
-        self.self_attn = self.make_attention(config, backend, layer)
+        # (a Mamba layer, Granite 4.0-H's: its mixer in attention's place, ``forward``)
+        self.mamba = Mamba2Mixer(config, layer) if config.layer_is_mamba(layer) else None
+        self.self_attn = None if self.mamba is not None else self.make_attention(config, backend, layer)
         self.mlp = self.make_mlp(config, layer)
         self.input_layernorm = self.norm_class(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = self.norm_class(config.hidden_size, config.norm_eps)
@@ -374,24 +377,34 @@ class LlamaDecoderLayer(nn.Module):
         first layer: ``x`` is the embeddings). Returns this layer's MLP output and the stream before it.
 
         NOTE: vLLM's layout: each output joins the stream in the norm after it (``add_and_norm``), so
-        the sums are HF's ``x + attn(norm(x))`` and ``x + mlp(norm(x))``, bit for bit on the PyTorch path."""
+        the sums are HF's ``x + attn(norm(x))`` and ``x + mlp(norm(x))``, bit for bit on the PyTorch path.
+        A Mamba layer mixes with its mixer (``meta.mamba``'s states) instead, and has no caches."""
+        if self.mamba is not None:
+            h, residual = self._input_norm(x, residual)
+            return self._after_mixing(self.mamba(h, meta.mamba), residual)
         q, k, v, residual = self.before_attention(x, residual, cos, sin)
         attended = self.self_attn.attend(q, k, v, k_cache, v_cache, meta)  # (T, nh, hd)
         return self.after_attention(attended, residual)
 
+    def _input_norm(self, x: torch.Tensor, residual: torch.Tensor | None):
+        """(the input norm of the stream with ``x`` in it, that stream)."""
+        if residual is None:
+            return self.input_layernorm(x), x
+        return self.input_layernorm.add_and_norm(x, residual)
+
     # The layer's two halves around the attention call (piecewise CUDA graphs capture them apart).
     def before_attention(self, x, residual, cos, sin):
         """(q, k, v, the residual stream with ``x`` in it)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h, residual = self._input_norm(x, residual)
         return (*self.self_attn.project(h, cos, sin), residual)
 
     def after_attention(self, attended: torch.Tensor, residual: torch.Tensor):
-        """(this layer's MLP output, the residual stream before it) from the attention's output (T, nh, hd).
+        """(this layer's MLP output, the residual stream before it) from the attention's output (T, nh, hd)."""
+        return self._after_mixing(self.self_attn.output(attended), residual)
+
+    def _after_mixing(self, attended: torch.Tensor, residual: torch.Tensor):
+        """(this layer's MLP output, the residual stream before it) from its attention's (or mixer's) output (T, H).
         NOTE: each output scaled by residual_multiplier before it joins the stream (Granite's; 1 elsewhere)."""
-        attended = self.self_attn.output(attended)
         if self.residual_multiplier != 1.0:
             attended = attended * self.residual_multiplier
         h, residual = self.post_attention_layernorm.add_and_norm(attended, residual)
@@ -425,6 +438,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = self.model_class(config, backend)
+        if config.mamba is not None:  # (a Mamba layer's prefills run request by request: no pieces)
+            self.supports_piecewise_graphs = False
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -444,7 +459,9 @@ class LlamaForCausalLM(nn.Module):
         model has one, the others' (or all) from ``rotary``, each table gathered once."""
         tables = self.rotary.for_positions(positions, dtype)
         local = tables if self.local_rotary is None else self.local_rotary.for_positions(positions, dtype)
-        return [local if layer.self_attn.window is not None else tables for layer in self.model.layers]
+        return [
+            local if getattr(layer.self_attn, "window", None) is not None else tables for layer in self.model.layers
+        ]
 
     def forward(
         self,
@@ -456,7 +473,9 @@ class LlamaForCausalLM(nn.Module):
         x, cos, sin = self.embed(input_ids, positions)
         residual = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, cos, sin, *layer_caches(kv_cache, i), meta)
+            index = self.config.kv_layer_index(i)  # (None: a Mamba layer, with no KV cache)
+            caches = (None, None) if index is None else layer_caches(kv_cache, index)
+            x, residual = layer(x, residual, cos, sin, *caches, meta)
         return self.model.norm.add_and_norm(x, residual)[0]
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):

@@ -1,0 +1,67 @@
+"""The states a model's Mamba layers keep for each request (``models/mamba2.py``), beside the KV cache of its
+attention layers: a request's states take one slot of ``StateCache`` from its first chunk until it finishes or
+is preempted by recompute (``StateSlots``). The KV manager admits at most as many requests as there are slots
+(``KVCacheManager.max_requests``), so a request that starts always finds one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+
+from sloserve.checkpoint.config import ModelConfig
+from sloserve.core.request import Request
+
+
+class StateCache:
+    """Every Mamba layer's states of ``num_slots`` requests: ``conv`` (layers, slots, conv_dim, d_conv - 1) in the
+    model's dtype, ``ssm`` (layers, slots, n_heads, head_dim, d_state) float32. A slot's states are overwritten by
+    its request's first chunk, never read before."""
+
+    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        m = config.mamba
+        layers = config.num_hidden_layers - config.num_kv_layers
+        conv_dim = m["d_inner"] + 2 * m["n_groups"] * m["d_state"]
+        self.conv = torch.zeros((layers, num_slots, conv_dim, m["d_conv"] - 1), dtype=dtype, device=device)
+        self.ssm = torch.zeros(
+            (layers, num_slots, m["n_heads"], m["head_dim"], m["d_state"]), dtype=torch.float32, device=device
+        )
+        self.num_slots = num_slots
+
+    @staticmethod
+    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
+        """The states of one request, every Mamba layer's."""
+        m = config.mamba
+        layers = config.num_hidden_layers - config.num_kv_layers
+        conv_dim = m["d_inner"] + 2 * m["n_groups"] * m["d_state"]
+        conv = conv_dim * (m["d_conv"] - 1) * dtype.itemsize
+        return layers * (conv + m["n_heads"] * m["head_dim"] * m["d_state"] * 4)
+
+    def clear(self, slot: int) -> None:
+        """Zero ``slot``'s states (a request whose first token runs as a decode reads them)."""
+        self.conv[:, slot] = 0
+        self.ssm[:, slot] = 0
+
+
+class StateSlots:
+    """Which slot each request's states take (``of``), the others free."""
+
+    def __init__(self, cache: StateCache) -> None:
+        self.cache = cache
+        self.of: dict[Request, int] = {}
+        self._free = list(range(cache.num_slots - 1, -1, -1))
+
+    def slot(self, request: Request) -> int:
+        """``request``'s slot, taken now if it has none. NOTE: one is free: the KV manager holds at most
+        ``num_slots`` requests (``max_requests``), and a request holds its slot only while it holds KV blocks."""
+        slot = self.of.get(request)
+        if slot is None:
+            slot = self.of[request] = self._free.pop()
+        return slot
+
+    def keep_only(self, holders: Collection[Request]) -> None:
+        """Free the slots of the requests not among ``holders`` (those holding KV blocks now): finished,
+        aborted, or preempted by recompute (their states go with their KV)."""
+        for request in [r for r in self.of if r not in holders]:
+            self._free.append(self.of.pop(request))

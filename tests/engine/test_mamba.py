@@ -1,0 +1,169 @@
+"""Hybrid models (Granite 4.0-H: Mamba-2 layers beside attention ones, models/mamba2.py): the chunked scan against
+the token-by-token recurrence, the mixer against transformers' layer (a prompt whole, in chunks that carry their
+states, then decodes; several requests in one step), and the engine against transformers' greedy tokens: on three
+schedulers, through chunked prefill, preemption by recompute, asynchronous scheduling and a cap of state slots;
+what cannot carry the states refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hf_models import MAX_TOKENS, PROMPTS, greedy_tokens, hf_cached, hf_greedy, reference  # noqa: E402
+from sloserve import LLM, SamplingParams  # noqa: E402
+from sloserve.checkpoint import model_spec  # noqa: E402
+from sloserve.checkpoint.config import from_hf_config  # noqa: E402
+from sloserve.core.errors import ConfigError  # noqa: E402
+from sloserve.engine import llm_engine  # noqa: E402
+from sloserve.engine.models.mamba2 import Mamba2Mixer, MambaMetadata, ssd_scan  # noqa: E402
+from sloserve.engine.state_cache import StateCache  # noqa: E402
+
+
+def recurrence(x, dt, a, b, c, initial):
+    """h_t = exp(dt_t a) h_{t-1} + dt_t x_t b_t^T, y_t = h_t c_t, one token at a time."""
+    state, ys = initial.clone(), []
+    for t in range(x.shape[0]):
+        decay = torch.exp(dt[t] * a)[:, None, None]  # (heads, 1, 1)
+        state = state * decay + (dt[t][:, None] * x[t])[..., None] * b[t][:, None, :]
+        ys.append(torch.einsum("hpn,hn->hp", state, c[t]))
+    return torch.stack(ys), state
+
+
+@pytest.mark.parametrize("length,chunk_size", [(1, 4), (7, 4), (8, 4), (23, 8), (40, 16)])
+def test_the_chunked_scan_is_the_recurrence(length, chunk_size):
+    gen = torch.Generator().manual_seed(length)
+    heads, head_dim, d_state = 3, 4, 5
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    x, b, c = rand(length, heads, head_dim), rand(length, heads, d_state), rand(length, heads, d_state)
+    dt = torch.nn.functional.softplus(rand(length, heads))
+    a = -torch.rand(heads, generator=gen, dtype=torch.float64) * 2
+    for initial in (torch.zeros(heads, head_dim, d_state, dtype=torch.float64), rand(heads, head_dim, d_state)):
+        y, state = ssd_scan(x, dt, a, b, c, chunk_size, initial)
+        want_y, want_state = recurrence(x, dt, a, b, c, initial)
+        torch.testing.assert_close(y, want_y, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(state, want_state, rtol=1e-10, atol=1e-10)
+
+
+def _mixers():
+    """transformers' Mamba layer of the tests' Granite 4.0-H (its third layer) and the engine's with its weights."""
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMambaLayer
+
+    hf_config = hf_cached("granite_4_h").config
+    torch.manual_seed(5)
+    theirs = GraniteMoeHybridMambaLayer(hf_config, 2).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            if p.ndim == 1:  # (dt_bias, A_log, D, the norm: ones or a range at init)
+                p.mul_(1 + 0.3 * torch.randn_like(p))
+    config = from_hf_config(hf_config.to_dict())
+    ours = Mamba2Mixer(config, 2).eval()
+    ours.load_state_dict(theirs.state_dict())
+    assert ours.mamba_index == 1  # (its states: the second of the model's Mamba layers')
+    return theirs, ours, config
+
+
+def test_the_mixer_gives_transformers_outputs_whole_in_chunks_and_decoding():
+    """A 21-token prompt (3 scan chunks of 8): whole; as chunks of 5 and 9 that carry their states, then 7
+    decodes; and beside other requests in one step (a prompt in another slot, a decode): transformers' outputs
+    for the whole prompt, position by position."""
+    theirs, ours, config = _mixers()
+    x = torch.randn(21, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    none = torch.zeros(0, dtype=torch.int64)
+    with torch.no_grad():
+        want = theirs(x[None])[0]  # (21, H)
+        cache = StateCache(config, 4, torch.float32, torch.device("cpu"))
+        whole = ours(x, MambaMetadata([(0, 21, 1, False)], none, none, cache))
+        torch.testing.assert_close(whole, want, rtol=1e-4, atol=1e-5)
+        cache = StateCache(config, 4, torch.float32, torch.device("cpu"))
+        parts = [ours(x[:5], MambaMetadata([(0, 5, 2, False)], none, none, cache))]
+        parts.append(ours(x[5:14], MambaMetadata([(0, 9, 2, True)], none, none, cache)))
+        for t in range(14, 21):
+            parts.append(ours(x[t : t + 1], MambaMetadata([], torch.tensor([0]), torch.tensor([2]), cache)))
+        torch.testing.assert_close(torch.cat(parts), want, rtol=1e-4, atol=1e-5)
+        # slot 0 holds the state after 10 tokens; one step: a 7-token prompt (slot 3), its decode, a 3-token prompt
+        # (slot 1, whose stale states it must not read)
+        ours(x[:10], MambaMetadata([(0, 10, 0, False)], none, none, cache))
+        step = torch.cat((x[:7], x[10:11], x[:3]))
+        meta = MambaMetadata([(0, 7, 3, False), (8, 3, 1, False)], torch.tensor([7]), torch.tensor([0]), cache)
+        out = ours(step, meta)
+        torch.testing.assert_close(out, torch.cat((want[:7], want[10:11], want[:3])), rtol=1e-4, atol=1e-5)
+
+
+def test_a_hybrid_models_shape_counts_its_mixers_and_only_its_attention_layers_kv(hf_dirs):
+    """transformers' parameter count; KV bytes a token of the one attention layer of three (the engine's and
+    the simulator's)."""
+    spec = model_spec(hf_dirs["granite_4_h"])
+    hf = hf_cached("granite_4_h")
+    assert spec.num_params == sum(p.numel() for p in hf.parameters())
+    assert (spec.num_layers, spec.kv_layers) == (3, 1)
+    assert spec.kv_bytes_per_token == 2 * 1 * 2 * 16 * 4  # K and V, 1 layer, 2 KV heads of 16, float32
+    llm = LLM(hf_dirs["granite_4_h"], "vllm")
+    assert llm_engine.kv_bytes_per_token(llm.loaded) == spec.kv_bytes_per_token
+    assert llm.engine.cache.gpu.shape[1] == 1  # (one layer's KV)
+
+
+@pytest.mark.parametrize(
+    "scheduler,options",
+    [
+        ("vllm", {}),
+        ("sarathi", dict(prefill_token_budget=8, block_size=4)),  # states carried chunk to chunk
+        ("orca", {}),
+        ("vllm", dict(kv_capacity_tokens=64, block_size=4, preemption_mode="recompute")),  # states dropped, refilled
+        ("sarathi", dict(prefill_token_budget=8, block_size=4, async_scheduling=True)),  # steps launched early
+    ],
+)
+def test_a_hybrid_model_gives_hf_greedy_tokens(hf_dirs, scheduler, options):
+    tokens, llm = greedy_tokens(hf_dirs["granite_4_h"], scheduler, **options)
+    assert tokens == reference("granite_4_h")
+    assert llm.engine.scheduler.kv.max_requests == llm.engine.executor.states.cache.num_slots
+    if "preemption_mode" in options:
+        assert llm.engine.scheduler.num_preemptions > 0
+    if options.get("async_scheduling"):
+        assert llm.engine.executor.num_early_launches > 0
+
+
+def test_requests_wait_for_a_state_slot(hf_dirs, monkeypatch):
+    """Two slots for six prompts, the scheduler's own max_num_seqs far above: the KV manager admits a third request
+    only once one of two ends, and the tokens are transformers'."""
+    monkeypatch.setitem(llm_engine.MAX_STATE_SLOTS, "cpu", 2)
+    held = []
+    llm = LLM(hf_dirs["granite_4_h"], "vllm")
+    kv = llm.engine.scheduler.kv
+    real = kv.allocate_slots
+    monkeypatch.setattr(kv, "allocate_slots", lambda *args: real(*args) and not held.append(len(kv.block_tables)))
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in outputs] == reference("granite_4_h")
+    assert kv.max_requests == 2 and max(held) == 2 and len(held) >= len(PROMPTS)  # (without the cap: 6 at once)
+
+
+def test_a_one_token_prompt_starts_from_zero_states(hf_dirs, monkeypatch):
+    """One slot, two requests one after the other: the second, a prompt of one token (its first step a decode),
+    does not read the states the first left in the slot."""
+    monkeypatch.setitem(llm_engine.MAX_STATE_SLOTS, "cpu", 1)
+    llm = LLM(hf_dirs["granite_4_h"], "vllm")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in (PROMPTS[2], [42])], [params, params])
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        hf_greedy("granite_4_h", tuple(p), 6) for p in (PROMPTS[2], [42])
+    ]
+
+
+@pytest.mark.parametrize(
+    "scheduler,options,message",
+    [
+        ("bros", {}, "scheduler bros's KV manager \\(bidirectional\\) does not run models with Mamba layers"),
+        ("econoserve", {}, "scheduler econoserve's KV manager \\(pipelined\\) does not run models with Mamba layers"),
+        ("vllm", dict(preemption_mode="swap"), "preemption_mode=swap does not move Mamba layers' states to the CPU"),
+        ("vllm", dict(enable_prefix_caching=True), "prefix caching is not supported with Mamba layers"),
+    ],
+)
+def test_what_cannot_carry_the_states_is_refused(hf_dirs, scheduler, options, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM(hf_dirs["granite_4_h"], scheduler, **options)
+    assert not LLM(hf_dirs["granite_4_h"], "vllm").engine.scheduler.kv.prefix_cache  # (off unless asked)
