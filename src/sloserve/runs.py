@@ -283,6 +283,7 @@ def run_simulation(
     with the requests and timeline under ``"_result"`` for writing (``public`` drops them)."""
     from sloserve.metrics import summarize
     from sloserve.sched import make_scheduler, scheduler_names, supports_disaggregation, supports_prefix_caching
+    from sloserve.sched.registry import state_slots
     from sloserve.sim import simulate
 
     o = setup.options
@@ -292,6 +293,10 @@ def run_simulation(
     caching = o.enable_prefix_caching
     if caching is None:
         caching = any(r.prompt_blocks is not None for r in requests) and supports_prefix_caching(scheduler, set_options)
+    # (a model with per-request states, Mamba layers': as many requests at once as their slots, the engine's rule)
+    slots = state_slots(scheduler, set_options) if setup.model.state_bytes_per_sequence else None
+    if slots is not None and o.enable_prefix_caching is None:
+        caching = False
     factory = functools.partial(
         make_scheduler,
         scheduler,
@@ -302,6 +307,7 @@ def run_simulation(
         options=set_options,
         cost_model=setup.cost_model,
         enable_prefix_caching=caching,
+        max_requests=slots,
     )
     num_prefill, num_decode = parse_disaggregation(o.disaggregate, o.link_gbps)
     if num_decode and o.replicas != 1:  # NOTE: --replicas was once ignored here, silently

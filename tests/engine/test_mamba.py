@@ -2,7 +2,7 @@
 the token-by-token recurrence, the mixer against transformers' layer (a prompt whole, in chunks that carry their
 states, then decodes; several requests in one step), and the engine against transformers' greedy tokens: on three
 schedulers, through chunked prefill, preemption by recompute, asynchronous scheduling and a cap of state slots;
-what cannot carry the states refused by name."""
+what cannot carry the states refused by name; the simulator's shape, roofline and slot cap of the same model."""
 
 from __future__ import annotations
 
@@ -105,6 +105,41 @@ def test_a_hybrid_models_shape_counts_its_mixers_and_only_its_attention_layers_k
     llm = LLM(hf_dirs["granite_4_h"], "vllm")
     assert llm_engine.kv_bytes_per_token(llm.loaded) == spec.kv_bytes_per_token
     assert llm.engine.cache.gpu.shape[1] == 1  # (one layer's KV)
+
+
+def test_the_simulator_keeps_a_hybrids_states_as_the_engine_does(hf_dirs, monkeypatch):
+    """The spec's states a request are the engine's slot (2 Mamba layers: a 192-wide convolution's last 3 inputs
+    and 8 heads' 16 x 16 states, float32); the roofline reads and writes them each decode step; the KV capacity
+    leaves room for 256 requests' states; a simulation runs no more requests at once than there are slots."""
+    from sloserve.cost import BatchShape, RooflineCostModel, get_gpu, kv_capacity_tokens
+    from sloserve.cost.specs import default_activation_reserve
+    from sloserve.runs import SimOptions, run_simulation, setup_from_options
+    from sloserve.sched import registry
+
+    spec = model_spec(hf_dirs["granite_4_h"])
+    config = from_hf_config(hf_cached("granite_4_h").config.to_dict())
+    assert (
+        spec.state_bytes_per_sequence
+        == StateCache.bytes_per_slot(config, torch.float32)
+        == 2 * (192 * 3 * 4 + 8 * 16 * 16 * 4)
+    )
+    gpu = get_gpu("h100")
+    model = RooflineCostModel(spec, gpu)
+    rate = gpu.hbm_bandwidth * model.bandwidth_efficiency
+    decode = model.batch_time(BatchShape(4, 400)).decode_attention_s
+    assert decode == pytest.approx((spec.kv_bytes_per_token * 404 + 2 * spec.state_bytes_per_sequence * 4) / rate)
+    free = gpu.memory_bytes * 0.9 - spec.weight_bytes - default_activation_reserve(spec, 1)
+    assert kv_capacity_tokens(spec, gpu) == int((free - 256 * spec.state_bytes_per_sequence) // spec.kv_bytes_per_token)
+    setup = setup_from_options(
+        SimOptions(trace="sharegpt", offline=True, num_requests=40, model=hf_dirs["granite_4_h"], gpu="h100",
+                   max_model_len=4096, kv_capacity_tokens=200_000)
+    )  # fmt: skip
+    batches = {}
+    for slots in (256, 3):
+        monkeypatch.setattr(registry, "STATE_SLOTS", slots)
+        result = run_simulation(setup, "vllm", {}, setup.make_workload(None))
+        batches[slots] = max(result["_result"][1].column("num_requests"))
+    assert batches == {256: 40, 3: 3}
 
 
 @pytest.mark.parametrize(

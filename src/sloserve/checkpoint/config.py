@@ -446,6 +446,16 @@ class ModelConfig:
         conv = conv_dim * m["d_conv"] + conv_dim * m["conv_bias"]
         return in_proj + conv + 3 * m["n_heads"] + m["d_inner"] + m["d_inner"] * h + m["proj_bias"] * h
 
+    def mamba_state_bytes(self, dtype_bytes: float) -> int:
+        """A request's states, every Mamba layer's: the convolution's last d_conv - 1 inputs (``dtype_bytes`` a
+        number) and each head's state (float32); 0 for a model without Mamba layers."""
+        if self.mamba is None:
+            return 0
+        m = self.mamba
+        conv_dim = m["d_inner"] + 2 * m["n_groups"] * m["d_state"]
+        per_layer = conv_dim * (m["d_conv"] - 1) * dtype_bytes + m["n_heads"] * m["head_dim"] * m["d_state"] * 4
+        return int((self.num_hidden_layers - self.num_kv_layers) * per_layer)
+
     @property
     def num_params(self) -> int:
         """Parameters of the engine's model of this shape (a tied LM head counted once)."""
@@ -554,6 +564,7 @@ class ModelConfig:
             head_dim=self.kv_cache_head_dim,  # NOTE: MLA's attention runs on its latent, 576 wide (V2)
             keys_only_kv=self.kv_cache_tensors == 1,  # (MLA's values are its keys' latent)
             kv_layers=self.num_kv_layers if self.mamba is not None else 0,
+            state_bytes_per_sequence=self.mamba_state_bytes(DTYPE_BYTES.get(self.torch_dtype, 2)),
             **extra,
             intermediate_size=self.intermediate_size,
             vocab_size=self.vocab_size,

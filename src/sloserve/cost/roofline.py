@@ -11,7 +11,9 @@ Each part of a step takes max(FLOPs / achievable FLOP/s, bytes / achievable band
   uniform routing), not every expert: a decode step of Qwen3-30B-A3B at batch 1 reads 3.3B parameters'
   weights, not 30.5B.
 - decode attention: each decode reads m + 1 keys/values (its cache plus its new token):
-  bytes = sum(m + 1) * kv_bytes_per_token; FLOPs = 4 * layers * heads * head_dim per key (QK^T, PV).
+  bytes = sum(m + 1) * kv_bytes_per_token; FLOPs = 4 * layers * heads * head_dim per key (QK^T, PV). A model
+  with per-request states (Mamba layers: ``ModelSpec.state_bytes_per_sequence``) reads and writes each
+  decode's and each prefill's states once more a step, in the same memory-bound term.
 - prefill attention: sum(c^2 + 2mc) (InferMax's prefill work) is twice the causal query-key pairs, so
   FLOPs = 2 * layers * heads * head_dim * sum(c^2 + 2mc); bytes = KV of the context read plus KV of
   the new tokens written, plus Q and O of the new tokens. A model with a second form
@@ -114,6 +116,7 @@ class RooflineCostModel(CostModel):
             self._allreduce_s_per_token = 0.0
         # Attention.
         self._kv_bytes_per_token = float(m.kv_bytes_per_token)
+        self._state_bytes_per_sequence = 2.0 * m.state_bytes_per_sequence  # (read and written)
         self._attn_flops_per_key = 4.0 * attn_width  # decode: QK^T and PV, 2 FLOPs per MAC
         self._attn_flops_per_work = 2.0 * attn_width  # prefill: work = 2 x causal pairs
         # (MLA's prefills by head: narrower heads, after each context token's keys and values are expanded)
@@ -152,12 +155,12 @@ class RooflineCostModel(CostModel):
             keys = shape.decode_kv_tokens + num_decode
             decode_s = max(
                 self._attn_flops_per_key * keys / self._flops_rate,
-                self._kv_bytes_per_token * keys / self._kv_bytes_rate,
+                (self._kv_bytes_per_token * keys + self._state_bytes_per_sequence * num_decode) / self._kv_bytes_rate,
             )
         prefill_s = 0.0
         if num_prefill > 0:
             keys = shape.prefill_context_tokens + shape.prefill_tokens
-            kv_bytes = self._kv_bytes_per_token * keys
+            kv_bytes = self._kv_bytes_per_token * keys + self._state_bytes_per_sequence * num_prefill
             qo_bytes = self._qo_bytes_per_token * shape.prefill_tokens
             flops = self._attn_flops_per_work * shape.prefill_attention_work
             if self._by_head_flops_per_key:
@@ -184,7 +187,8 @@ class RooflineCostModel(CostModel):
         other_s = compute_s + (self._allreduce_fixed_s + self._allreduce_s_per_token * tokens) + self.step_overhead_s
         keys = decode_kv_tokens + num_decode
         decode_s = np.maximum(
-            self._attn_flops_per_key * keys / self._flops_rate, self._kv_bytes_per_token * keys / self._kv_bytes_rate
+            self._attn_flops_per_key * keys / self._flops_rate,
+            (self._kv_bytes_per_token * keys + self._state_bytes_per_sequence * num_decode) / self._kv_bytes_rate,
         )
         if not (num_decode > 0).all():  # (a part with nothing to do costs nothing)
             other_s = np.where(tokens > 0, other_s, 0.0)
@@ -207,6 +211,6 @@ class RooflineCostModel(CostModel):
         keys = decode_kv_tokens + num_decode * np.arange(num_steps, dtype=np.int64) + num_decode
         decode_s = np.maximum(
             self._attn_flops_per_key * keys / self._flops_rate,
-            self._kv_bytes_per_token * keys / self._kv_bytes_rate,
+            (self._kv_bytes_per_token * keys + self._state_bytes_per_sequence * num_decode) / self._kv_bytes_rate,
         )
         return other_s + decode_s + 0.0 + 0.0

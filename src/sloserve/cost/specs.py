@@ -37,7 +37,9 @@ class ModelSpec:
     numbers a head after that many FLOPs (all layers) expand each context token's cache entry into keys and
     values by head (MLA's prefills by head: 192, 2 L d_c nh (d_h + d_v)); 0, 0: none. ``kv_layers``: the layers
     with a KV cache and attention, where fewer than ``num_layers`` (a hybrid's: Granite 4.0-H's Mamba layers keep
-    a state a request instead, which the simulator does not price); 0: all of them.
+    a state a request instead); 0: all of them. ``state_bytes_per_sequence``: those states, every layer's, a
+    request's (0: none): a decode step reads and writes them, and ``STATE_SLOTS`` requests' take memory from
+    the KV cache.
     """
 
     name: str
@@ -60,6 +62,7 @@ class ModelSpec:
     prefill_head_dim: int = 0
     prefill_kv_flops_per_token: int = 0
     kv_layers: int = 0
+    state_bytes_per_sequence: int = 0
 
     def __post_init__(self) -> None:
         owner = f"model spec {self.name!r}"
@@ -87,6 +90,7 @@ class ModelSpec:
             "prefill_head_dim",
             "prefill_kv_flops_per_token",
             "kv_layers",
+            "state_bytes_per_sequence",
         ):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -294,6 +298,9 @@ def check_tensor_parallel(model: ModelSpec, num_gpus: int) -> None:
 # Fixed per-GPU memory outside weights, KV and activations: CUDA context, cuBLAS/NCCL workspaces,
 # CUDA graphs. ~1 GiB is what vLLM-style engines typically leave for these.
 FIXED_RESERVE_BYTES_PER_GPU = 1 << 30
+# The requests a model with per-request states (Mamba layers) keeps them for at most (vLLM's max_num_seqs); their
+# memory comes off the KV cache's (``kv_capacity_tokens``, the engine's ``StateCache`` on CUDA)
+STATE_SLOTS = 256
 
 
 def default_activation_reserve(model: ModelSpec, num_gpus: int = 1) -> float:
@@ -318,8 +325,8 @@ def kv_capacity_tokens(
     activation_reserve_bytes: float | None = None,
 ) -> int:
     """How many tokens of KV cache fit (InferMax's M): (num_gpus * memory * utilization - weights -
-    activation reserve) / kv_bytes_per_token. With tensor parallelism both the weights and each
-    token's KV are split across GPUs, so the totals are unchanged and memory sums.
+    activation reserve - ``STATE_SLOTS`` requests' states) / kv_bytes_per_token. With tensor parallelism both
+    the weights and each token's KV are split across GPUs, so the totals are unchanged and memory sums.
 
     ``activation_reserve_bytes`` is the total over all GPUs (default: ``default_activation_reserve``).
     Raises ``ConfigError`` if the weights (or weights plus reserve) do not fit.
@@ -342,12 +349,14 @@ def kv_capacity_tokens(
             f"model {model.name} ({model.weight_bytes / 1e9:.0f} GB of weights) does not fit on "
             f"{where}; use more GPUs or a bigger GPU"
         )
-    free = usable - model.weight_bytes - activation_reserve_bytes
+    states = STATE_SLOTS * model.state_bytes_per_sequence
+    free = usable - model.weight_bytes - activation_reserve_bytes - states
     tokens = int(free // model.kv_bytes_per_token) if free > 0 else 0
     if tokens < 1:
+        of_states = f" and {states / 1e9:.1f} GB of {STATE_SLOTS} requests' states" if states else ""
         raise ConfigError(
             f"model {model.name} ({model.weight_bytes / 1e9:.0f} GB of weights) plus "
-            f"{activation_reserve_bytes / 1e9:.1f} GB of activation reserve leaves no room for KV "
+            f"{activation_reserve_bytes / 1e9:.1f} GB of activation reserve{of_states} leaves no room for KV "
             f"cache on {where}; use more GPUs, a bigger GPU or a higher memory utilization"
         )
     return tokens

@@ -24,6 +24,7 @@ from sloserve.core.prefix import TokenPrompt
 from sloserve.core.request import Request
 from sloserve.cost import LinearCostModel, get_preset, linear_coefficients
 from sloserve.cost.base import CostModel
+from sloserve.cost.specs import STATE_SLOTS
 from sloserve.engine.executor import EngineExecutor
 from sloserve.engine.executor import Sequence as SequenceState
 from sloserve.engine.kv_cache import KVCacheTensor
@@ -33,10 +34,9 @@ from sloserve.engine.state_cache import StateCache, StateSlots
 from sloserve.engine.structured_output import GrammarMatchers
 from sloserve.engine.switches import switch
 from sloserve.engine.tokenizer import HFTokenizer
-from sloserve.kv.manager import KVCacheManager
 from sloserve.replica import Replica
 from sloserve.sched import make_scheduler, supports_prefix_caching
-from sloserve.sched.registry import build_config
+from sloserve.sched.registry import state_slots
 from sloserve.workload.closed_loop import ClosedLoopBatches
 
 # Default KV cache on the CPU: this many bytes, at most 64 full contexts (vLLM's CPU backend takes a
@@ -47,8 +47,8 @@ CPU_KV_CACHE_BYTES = 1 << 30
 CPU_KV_CACHE_CONTEXTS = 64
 GPU_MEMORY_UTILIZATION = 0.9
 # A model with Mamba layers keeps states for at most this many requests at once (fewer where its scheduler's
-# max_num_seqs says: vLLM's default is 256; on the CPU, as many as its default KV cache holds contexts)
-MAX_STATE_SLOTS = {"cuda": 256, "cpu": CPU_KV_CACHE_CONTEXTS}
+# max_num_seqs says: ``registry.state_slots``; on the CPU, as many as its default KV cache holds contexts)
+MAX_STATE_SLOTS = {"cuda": STATE_SLOTS, "cpu": CPU_KV_CACHE_CONTEXTS}
 # Default swap space: as large as the KV cache, at most 4 GiB (vLLM's default swap_space).
 MAX_SWAP_BYTES = 4 << 30
 
@@ -222,7 +222,10 @@ class LLMEngine:
         config = loaded.config
         self.loaded = loaded
         self.max_model_len = resolve_max_model_len(config, max_model_len)
-        num_state_slots = self._state_slots(scheduler, scheduler_options, enable_prefix_caching)
+        num_state_slots = 0  # (a model with Mamba layers: the requests whose states it keeps at once)
+        if config.mamba is not None:
+            most = MAX_STATE_SLOTS.get(loaded.device.type, STATE_SLOTS)
+            num_state_slots = min(most, state_slots(scheduler, scheduler_options))
         state_bytes = 0 if not num_state_slots else num_state_slots * StateCache.bytes_per_slot(config, loaded.dtype)
         capacity = (
             kv_capacity_tokens
@@ -256,12 +259,11 @@ class LLMEngine:
             enable_prefix_caching=supports_prefix_caching(scheduler, scheduler_options) and not num_state_slots
             if enable_prefix_caching is None
             else enable_prefix_caching,
+            max_requests=num_state_slots or None,
         )
         kv = self.scheduler.kv
         states = None
         if num_state_slots:
-            self._check_states_run(scheduler, kv)
-            kv.max_requests = num_state_slots
             states = StateSlots(StateCache(config, num_state_slots, loaded.dtype, loaded.device))
         self.cache = KVCacheTensor(
             config,
@@ -280,32 +282,6 @@ class LLMEngine:
         self.replica = Replica(0, self.scheduler, self.executor)
         self._next_id = 0
         self._finishing: list[Request] = []  # finished by the scheduler, a token still on the device
-
-    def _state_slots(self, scheduler: str, options: dict[str, Any] | None, enable_prefix_caching: bool | None) -> int:
-        """The requests a model with Mamba layers keeps states for: its scheduler's ``max_num_seqs`` where it has
-        one, at most the device's ``MAX_STATE_SLOTS``; 0 for a model without them."""
-        config = self.loaded.config
-        if config.mamba is None:
-            return 0
-        if enable_prefix_caching:
-            # NOTE: a cached prefix's KV is shared, but the states after it are not kept (vLLM's first hybrids too)
-            raise ConfigError(f"{config.name}: prefix caching is not supported with Mamba layers (their states)")
-        most = MAX_STATE_SLOTS.get(self.loaded.device.type, MAX_STATE_SLOTS["cuda"])
-        return min(most, getattr(build_config(scheduler, options), "max_num_seqs", most))
-
-    def _check_states_run(self, scheduler: str, kv: KVCacheManager) -> None:
-        """A ConfigError for a scheduler that would move a Mamba model's requests where their states cannot follow:
-        a KV manager of its own tables (BROS's, EconoServe's pipelined), swapping KV to the CPU."""
-        name = self.loaded.config.name
-        if not kv.supports_max_requests:
-            raise ConfigError(
-                f"{name}: scheduler {scheduler}'s KV manager ({kv.name}) does not run models with Mamba layers "
-                "(their states); vllm, sarathi, orca and the paged managers do"
-            )
-        if getattr(getattr(self.scheduler, "config", None), "preemption_mode", "recompute") == "swap":
-            raise ConfigError(
-                f"{name}: preemption_mode=swap does not move Mamba layers' states to the CPU; use recompute"
-            )
 
     # --- requests ------------------------------------------------------------------------------
     def check_request(

@@ -32,11 +32,7 @@ class StateCache:
     @staticmethod
     def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
         """The states of one request, every Mamba layer's."""
-        m = config.mamba
-        layers = config.num_hidden_layers - config.num_kv_layers
-        conv_dim = m["d_inner"] + 2 * m["n_groups"] * m["d_state"]
-        conv = conv_dim * (m["d_conv"] - 1) * dtype.itemsize
-        return layers * (conv + m["n_heads"] * m["head_dim"] * m["d_state"] * 4)
+        return config.mamba_state_bytes(dtype.itemsize)
 
     def clear(self, slot: int) -> None:
         """Zero ``slot``'s states (a request whose first token runs as a decode reads them)."""

@@ -13,6 +13,7 @@ from typing import Any
 
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.cost.base import CostModel
+from sloserve.cost.specs import STATE_SLOTS
 from sloserve.kv.registry import KV_MANAGERS
 from sloserve.predict import predictor_from_config
 from sloserve.sched.base import Scheduler
@@ -124,11 +125,13 @@ def make_scheduler(
     options: Mapping[str, Any] | None = None,
     cost_model: CostModel | None = None,
     enable_prefix_caching: bool = False,
+    max_requests: int | None = None,
 ) -> Scheduler:
     """Build a registered scheduler over a fresh KV cache of ``kv_capacity_tokens`` token slots, its
     full blocks shared between requests with ``enable_prefix_caching``. ``kv_bytes_per_token`` (the
     model's) prices the copies of a policy that moves KV to CPU memory; it may be 0 only for one
-    that never does."""
+    that never does. ``max_requests``: a model whose layers keep states for that many requests at most (Mamba
+    layers' slots: ``KVCacheManager.max_requests``); None: no such bound."""
     spec = get_spec(name)
     config = build_config(name, options)
     config.resolve(max_model_len)
@@ -161,6 +164,8 @@ def make_scheduler(
             f"scheduler {name} does not support prefix caching (its policy does not look the cache up, or its "
             "KV manager does not share blocks): give --no-enable-prefix-caching"
         )
+    if max_requests is not None:
+        _check_request_states(name, config, enable_prefix_caching)
     caching = {"enable_prefix_caching": True} if enable_prefix_caching else {}
     kv = KV_MANAGERS[config.kv_manager](
         kv_capacity_tokens // config.block_size,
@@ -169,10 +174,32 @@ def make_scheduler(
         num_cpu_blocks=swap_space_tokens // config.block_size,
         **caching,
     )
+    kv.max_requests = max_requests
     extra = {"cost_model": cost_model} if spec.needs_cost_model else {}
     scheduler = spec.scheduler_cls(kv, config, predictor_from_config(config), **extra)
     scheduler.name = name
     return scheduler
+
+
+def _check_request_states(name: str, config: Any, enable_prefix_caching: bool) -> None:
+    """A ConfigError where a model's per-request states (Mamba layers') could not follow its requests: a KV
+    manager of its own tables (BROS's, EconoServe's pipelined), KV swapped to the CPU, a prefix found cached (the
+    states after it are not kept; vLLM's first hybrids did without it too)."""
+    if not KV_MANAGERS[config.kv_manager].supports_max_requests:
+        raise ConfigError(
+            f"scheduler {name}'s KV manager ({config.kv_manager}) does not run models with Mamba layers (their "
+            "states); vllm, sarathi, orca and the paged managers do"
+        )
+    if getattr(config, "preemption_mode", "recompute") == "swap":
+        raise ConfigError("preemption_mode=swap does not move Mamba layers' states to the CPU; use recompute")
+    if enable_prefix_caching:
+        raise ConfigError("prefix caching is not supported with Mamba layers (their states)")
+
+
+def state_slots(name: str, options: Mapping[str, Any] | None = None) -> int:
+    """The requests a model with Mamba layers keeps states for under scheduler ``name``: its ``max_num_seqs``
+    where it has one, at most ``STATE_SLOTS``."""
+    return min(STATE_SLOTS, getattr(build_config(name, options), "max_num_seqs", STATE_SLOTS))
 
 
 def supports_prefix_caching(name: str, options: Mapping[str, Any] | None = None) -> bool:
