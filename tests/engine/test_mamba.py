@@ -1,4 +1,4 @@
-"""Hybrid models (Granite 4.0-H: Mamba-2 layers beside attention ones, models/mamba2.py): the chunked scan against
+"""Hybrid models (Granite 4.0-H, Nemotron-H: Mamba-2 layers beside attention ones, models/mamba2.py): the chunked scan against
 the token-by-token recurrence, the mixer against transformers' layer (a prompt whole, in chunks that carry their
 states, then decodes; several requests in one step), and the engine against transformers' greedy tokens: on three
 schedulers, through chunked prefill, preemption by recompute, asynchronous scheduling and a cap of state slots;
@@ -94,6 +94,29 @@ def test_the_mixer_gives_transformers_outputs_whole_in_chunks_and_decoding():
         torch.testing.assert_close(out, torch.cat((want[:7], want[10:11], want[:3])), rtol=1e-4, atol=1e-5)
 
 
+def test_nemotron_hs_blocks_as_the_hub_and_transformers_5_name_them(hf_dirs):
+    """The Hub's ``hybrid_override_pattern`` (M: Mamba, *: attention, -: MLP) and ``mamba_*`` names read as
+    transformers 5's list and names; transformers' parameter count; one block of five with a KV cache; Nemotron 3's
+    experts (E) and an unknown letter refused by name."""
+    from sloserve.checkpoint.config import MAMBA, MLP_LAYER
+
+    raw = hf_cached("nemotron_h").config.to_dict()
+    listed = from_hf_config(raw)
+    hub = {k: v for k, v in raw.items() if k not in ("layers_block_type", "layer_types", "n_groups", "conv_kernel")}
+    hub.update(hybrid_override_pattern="M-*-M", mamba_n_groups=2, mamba_d_conv=4)
+    assert from_hf_config(hub) == listed
+    assert listed.layer_types == (MAMBA, MLP_LAYER, "full_attention", MLP_LAYER, MAMBA)
+    assert (listed.num_kv_layers, listed.num_mamba_layers, listed.kv_layer_index(2)) == (1, 2, 0)
+    assert listed.mamba["time_step_limit"] == (0.001, float("inf")) and listed.mamba["d_inner"] == 8 * 16
+    spec = model_spec(hf_dirs["nemotron_h"])
+    assert spec.num_params == sum(p.numel() for p in hf_cached("nemotron_h").parameters())
+    assert spec.kv_layers == 1
+    with pytest.raises(ConfigError, match="nemotron_h's mixture-of-experts blocks \\(Nemotron 3\\) are not supported"):
+        from_hf_config({**hub, "hybrid_override_pattern": "ME*-M"})
+    with pytest.raises(ConfigError, match="nemotron_h block type 'X' is not one of M, \\*, -, E"):
+        from_hf_config({**hub, "hybrid_override_pattern": "MX*-M"})
+
+
 def test_a_hybrid_models_shape_counts_its_mixers_and_only_its_attention_layers_kv(hf_dirs):
     """transformers' parameter count; KV bytes a token of the one attention layer of three (the engine's and
     the simulator's)."""
@@ -142,6 +165,7 @@ def test_the_simulator_keeps_a_hybrids_states_as_the_engine_does(hf_dirs, monkey
     assert batches == {256: 40, 3: 3}
 
 
+@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h"])
 @pytest.mark.parametrize(
     "scheduler,options",
     [
@@ -152,9 +176,11 @@ def test_the_simulator_keeps_a_hybrids_states_as_the_engine_does(hf_dirs, monkey
         ("sarathi", dict(prefill_token_budget=8, block_size=4, async_scheduling=True)),  # steps launched early
     ],
 )
-def test_a_hybrid_model_gives_hf_greedy_tokens(hf_dirs, scheduler, options):
-    tokens, llm = greedy_tokens(hf_dirs["granite_4_h"], scheduler, **options)
-    assert tokens == reference("granite_4_h")
+def test_a_hybrid_model_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options):
+    """Granite 4.0-H (Mamba layers, attention, experts beside a shared MLP) and Nemotron-H (blocks of one mixer:
+    Mamba, an MLP or attention without a position embedding)."""
+    tokens, llm = greedy_tokens(hf_dirs[arch], scheduler, **options)
+    assert tokens == reference(arch)
     assert llm.engine.scheduler.kv.max_requests == llm.engine.executor.states.cache.num_slots
     if "preemption_mode" in options:
         assert llm.engine.scheduler.num_preemptions > 0

@@ -41,6 +41,8 @@ ARCHITECTURES: dict[str, str] = {
     # (Granite 4.0 without Mamba layers, Micro 3B: Granite's layers, NoPE where it says, a shared MLP (beside any
     # experts); its hybrids, the 4.0-H models, are refused)
     "granitemoehybrid": "granitemoehybrid",
+    # (Nemotron-H, Nemotron Nano 2: blocks of one mixer each, Mamba-2, attention without rope or a squared-ReLU MLP)
+    "nemotron_h": "nemotron_h",
     # (Hunyuan 0.5B-7B: Llama's layers, each query and key head normalized after the rotary embedding)
     "hunyuan_v1_dense": "hunyuan",
     # (Hunyuan-A13B: those layers, each MLP a softmax-routed mixture of experts beside an ungated shared one)
@@ -246,6 +248,7 @@ WEIGHTLESS_NORMS = ("olmo",)
 # A layer type of ModelConfig.layer_types that sees only the last sliding_window positions
 SLIDING = "sliding_attention"
 MAMBA = "mamba"  # (a layer of Mamba-2's mixer: ``ModelConfig.mamba``)
+MLP_LAYER = "mlp"  # (Nemotron-H's layers of an MLP alone)
 # Byte-level tokenizer of random models: ids 0..255 are bytes, then BOS and EOS.
 BYTE_BOS_ID, BYTE_EOS_ID = 256, 257
 RANDOM_PREFIX = "random:"
@@ -424,16 +427,25 @@ class ModelConfig:
         """Whether layer ``layer`` mixes its tokens with a Mamba-2 mixer rather than attention."""
         return self.mamba is not None and self.layer_types[layer] == MAMBA
 
+    def layer_has_kv(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends (and has a KV cache): not a Mamba layer, nor Nemotron-H's MLP ones."""
+        return not self.layer_types or self.layer_types[layer] not in (MAMBA, MLP_LAYER)
+
     def kv_layer_index(self, layer: int) -> int | None:
-        """Layer ``layer``'s index among the layers with a KV cache (the attention layers); None for a Mamba one."""
-        if self.layer_is_mamba(layer):
+        """Layer ``layer``'s index among the layers with a KV cache (the attention layers); None for another."""
+        if not self.layer_has_kv(layer):
             return None
-        return layer - sum(self.layer_is_mamba(i) for i in range(layer))
+        return sum(self.layer_has_kv(i) for i in range(layer))
 
     @property
     def num_kv_layers(self) -> int:
-        """The layers with a KV cache: every one but the Mamba layers."""
-        return self.num_hidden_layers - sum(self.layer_is_mamba(i) for i in range(self.num_hidden_layers))
+        """The layers with a KV cache: the attention layers."""
+        return sum(self.layer_has_kv(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def num_mamba_layers(self) -> int:
+        """The layers of a Mamba-2 mixer (each with a request's states)."""
+        return sum(self.layer_is_mamba(i) for i in range(self.num_hidden_layers))
 
     @property
     def mamba_params(self) -> int:
@@ -454,7 +466,7 @@ class ModelConfig:
         m = self.mamba
         conv_dim = m["d_inner"] + 2 * m["n_groups"] * m["d_state"]
         per_layer = conv_dim * (m["d_conv"] - 1) * dtype_bytes + m["n_heads"] * m["head_dim"] * m["d_state"] * 4
-        return int((self.num_hidden_layers - self.num_kv_layers) * per_layer)
+        return int(self.num_mamba_layers * per_layer)
 
     @property
     def num_params(self) -> int:
@@ -476,6 +488,15 @@ class ModelConfig:
             return embeddings + layers * layer + 2 * h + (0 if self.tie_word_embeddings else v * h)
         if self.mla is not None:
             return self._deepseek_num_params()
+        if self.architecture == "nemotron_h":  # a norm and one mixer a block
+            q_width, kv_width = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+            mixers = {
+                MAMBA: self.mamba_params,
+                "full_attention": 2 * h * q_width + 2 * h * kv_width,
+                MLP_LAYER: 2 * h * i + (i + h if self.mlp_bias else 0),
+            }
+            blocks = sum(h + mixers[kind] for kind in self.layer_types)
+            return v * h + blocks + h + (0 if self.tie_word_embeddings else v * h)
         if self.architecture == "gpt_neox":  # q/k/v and dense (biases where attention_bias), a two-matrix
             # MLP with biases, two LayerNorms a layer and a final one (weight and bias)
             layer = 4 * h * h + 4 * h * self.attention_bias + 2 * h * i + i + h + 2 * 2 * h
@@ -507,7 +528,7 @@ class ModelConfig:
                 experts += self.moe["num_experts"] * (1 + 2 * self.moe["moe_intermediate_size"] + h)
             total += sum(self.moe["moe_layers"]) * (experts - mlp)
         if self.mamba is not None:  # a Mamba layer: the mixer instead of the attention
-            total += (self.num_hidden_layers - self.num_kv_layers) * (self.mamba_params - attention)
+            total += self.num_mamba_layers * (self.mamba_params - attention)
         return total
 
     def _deepseek_num_params(self) -> int:
@@ -592,6 +613,8 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         raw = {**GEMMA2_DEFAULTS, **raw}
     elif model_type == "gpt2":
         raw = {GPT2_NAMES.get(key, key): value for key, value in raw.items()}
+    elif model_type == "nemotron_h":  # (its blocks' count is its pattern's length)
+        raw = {**raw, "num_hidden_layers": len(_nemotron_h_kinds(raw, name))}
     raw = {**CONFIG_DEFAULTS.get(model_type, {}), **raw}
     fp8_block = _fp8_weight_block(raw.get("quantization_config"), model_type, name)
     config = _config_of(raw, model_type, name)
@@ -672,6 +695,8 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         return _gpt2_config(raw, common, name)
     if model_type in DEEPSEEK_TYPES:
         return _deepseek_config(raw, common, name, need)
+    if model_type == "nemotron_h":
+        return _nemotron_h_config(raw, common, name, need)
     # transformers >= 5 keeps rope settings in rope_parameters; older configs at the top level.
     rope = dict(raw.get("rope_parameters") or {})
     default_theta = DEFAULT_ROPE_THETA.get(model_type, 10000.0)
@@ -963,6 +988,76 @@ def _mamba2(raw: dict[str, Any], name: str) -> dict[str, Any]:
         "proj_bias": bool(settings["proj_bias"]),
         "time_step_limit": tuple(limit),
     }
+
+
+# Nemotron-H's blocks by the Hub's pattern letters (``hybrid_override_pattern``) and by transformers 5's names
+NEMOTRON_H_KINDS = {"M": MAMBA, "*": "full_attention", "-": MLP_LAYER, "E": "moe"}
+NEMOTRON_H_NAMES = {"linear_attention": MAMBA, "full_attention": "full_attention", "mlp": MLP_LAYER, "moe": "moe"}
+
+
+def _nemotron_h_kinds(raw: dict[str, Any], name: str) -> list[str]:
+    """Nemotron-H's blocks, each a Mamba-2 mixer, attention, an MLP or experts: ``layers_block_type`` (transformers
+    5) or the Hub's ``hybrid_override_pattern`` ("M-M-M-MM*-...": a letter a block)."""
+    listed = raw.get("layers_block_type") or raw.get("layer_types")
+    if listed:
+        kinds = [NEMOTRON_H_NAMES.get(kind) for kind in listed]
+        bad = next((kind for kind, ours in zip(listed, kinds) if ours is None), None)
+    else:
+        pattern = raw.get("hybrid_override_pattern")
+        if not isinstance(pattern, str) or not pattern:
+            raise ConfigError(f"{name}: a nemotron_h config.json needs layers_block_type or hybrid_override_pattern")
+        kinds = [NEMOTRON_H_KINDS.get(letter) for letter in pattern]
+        bad = next((letter for letter, ours in zip(pattern, kinds) if ours is None), None)
+    if bad is not None:
+        raise ConfigError(
+            f"{name}: nemotron_h block type {bad!r} is not one of M, *, -, E (mamba, attention, mlp, moe)"
+        )
+    if "moe" in kinds:
+        raise ConfigError(f"{name}: nemotron_h's mixture-of-experts blocks (Nemotron 3) are not supported")
+    return kinds
+
+
+def _nemotron_h_config(raw: dict[str, Any], common: dict[str, Any], name: str, need) -> ModelConfig:
+    """Nemotron-H's config: its blocks (``_nemotron_h_kinds``), its Mamba-2 mixers (transformers' names and the
+    Hub's ``mamba_*`` ones; d_inner is heads x head_dim; the steps at least ``time_step_min``, as transformers
+    clamps them), attention without a position embedding, a squared-ReLU MLP; transformers' defaults."""
+    for key, want in (("mamba_hidden_act", "silu"), ("mlp_hidden_act", "relu2")):
+        if raw.get(key, want) != want:
+            raise ConfigError(f"{name}: {key} {raw[key]!r} is not supported ({want})")
+    heads, head_dim = raw.get("mamba_num_heads", 128), raw.get("mamba_head_dim", 64)
+    mamba = {
+        "n_heads": heads,
+        "head_dim": head_dim,
+        "n_groups": raw.get("n_groups", raw.get("mamba_n_groups", 8)),
+        "d_state": raw.get("ssm_state_size", 128),
+        "d_conv": raw.get("conv_kernel", raw.get("mamba_d_conv", 4)),
+        "chunk_size": raw.get("chunk_size", raw.get("mamba_chunk_size", 128)),
+    }
+    for key, value in mamba.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}: nemotron_h Mamba {key} must be a positive integer, got {value!r}")
+    if heads % mamba["n_groups"]:
+        raise ConfigError(f"{name}: n_groups {mamba['n_groups']} must divide mamba_num_heads {heads}")
+    least = _json_float(raw.get("time_step_min", raw.get("mamba_dt_min", 0.001)), "time_step_min", name)
+    mamba.update(
+        d_inner=heads * head_dim,
+        conv_bias=bool(raw.get("use_conv_bias", raw.get("mamba_conv_bias", True))),
+        proj_bias=bool(raw.get("use_bias", False)),
+        time_step_limit=(least, float("inf")),
+    )
+    layers = common["num_hidden_layers"]
+    return ModelConfig(
+        **common,
+        intermediate_size=need("intermediate_size"),
+        num_key_value_heads=raw.get("num_key_value_heads") or common["num_attention_heads"],
+        head_dim=raw.get("head_dim") or common["hidden_size"] // common["num_attention_heads"],
+        norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+        hidden_act="relu2",
+        mlp_bias=bool(raw.get("mlp_bias", False)),  # (its attention has no biases whatever the config says)
+        layer_types=tuple(_nemotron_h_kinds(raw, name)),
+        rotary_layers=(False,) * layers,  # (no position embedding: the Mamba layers order the tokens)
+        mamba=mamba,
+    )
 
 
 def _json_float(value: Any, key: str, name: str) -> float:

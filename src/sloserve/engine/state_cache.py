@@ -21,7 +21,7 @@ class StateCache:
 
     def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         m = config.mamba
-        layers = config.num_hidden_layers - config.num_kv_layers
+        layers = config.num_mamba_layers
         conv_dim = m["d_inner"] + 2 * m["n_groups"] * m["d_state"]
         self.conv = torch.zeros((layers, num_slots, conv_dim, m["d_conv"] - 1), dtype=dtype, device=device)
         self.ssm = torch.zeros(

@@ -10,7 +10,7 @@ from torch import nn
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend
-from sloserve.engine.models import apertus, deepseek_v2, gpt2, gpt_neox, hunyuan, phi
+from sloserve.engine.models import apertus, deepseek_v2, gpt2, gpt_neox, hunyuan, nemotron_h, phi
 from sloserve.engine.models.apertus import ApertusForCausalLM
 from sloserve.engine.models.arcee import ArceeForCausalLM
 from sloserve.engine.models.cohere import CohereForCausalLM
@@ -22,6 +22,7 @@ from sloserve.engine.models.gpt_neox import GPTNeoXForCausalLM
 from sloserve.engine.models.llama import LlamaForCausalLM, MergedLinear, past_the_layers
 from sloserve.engine.models.moe import hub_expert_name, per_expert_tensors
 from sloserve.engine.models.nemotron import NemotronForCausalLM
+from sloserve.engine.models.nemotron_h import NemotronHForCausalLM
 from sloserve.engine.models.olmo import OlmoForCausalLM
 from sloserve.engine.models.olmo2 import Olmo2ForCausalLM
 from sloserve.engine.models.opt import OPTForCausalLM
@@ -51,6 +52,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "ernie4_5_moe": LlamaForCausalLM,
     "apertus": ApertusForCausalLM,
     "granitemoehybrid": LlamaForCausalLM,
+    "nemotron_h": NemotronHForCausalLM,
 }
 
 
@@ -91,6 +93,7 @@ CHECKPOINT_TENSORS = {
     "glm4_moe": _without_later_layers,
     "ernie4_5_moe": _ernie4_5_moe_tensor,
     "granitemoehybrid": _granite_4_tensor,
+    "nemotron_h": nemotron_h.checkpoint_tensor,
 }
 # An architecture's checkpoint names of modules the engine names otherwise (Llama's): each part of a name replaced
 CHECKPOINT_NAMES = {
