@@ -50,7 +50,7 @@
 # The call prepared on 2026-11-30 (benchmarks/RESULTS.md, "The next GPU session"):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH || exit
-#   TESTS_S=250 SPEED_S=170 SERVE_S=140 bash benchmarks/gpu_session.sh all
+#   TESTS_S=270 SPEED_S=170 SERVE_S=140 bash benchmarks/gpu_session.sh all
 # Every stage's output goes to $OUT/session.log ($OUT: the device tool's output folder; else ./gpu-logs),
 # beside issue 43's figures (figures.jsonl, printed as a table at the end of `all`), the serve stage's
 # py-spy stacks and the fidelity stage's profile, preset, engine figures and the engine runs' steps (a
@@ -128,6 +128,7 @@ case "${1:-}" in
       tests/engine/test_fused_moe.py::test_fused_experts_are_the_reference \
       tests/engine/test_fused_moe.py::test_models_on_fused_experts_give_hf_greedy_tokens \
       tests/engine/test_mla.py::test_long_prompts_by_head_beside_short_ones_over_the_latent_give_hf_greedy_tokens \
+      tests/engine/test_mamba.py::test_on_cuda_a_hybrid_models_captured_decode_steps_give_hf_greedy_tokens \
       tests/engine/test_sampler.py::test_on_cuda_the_score_controls_and_sampling_never_wait_for_the_device \
       -k "not compiled" 2>&1 | tee -a "$log"
     ;;

@@ -188,6 +188,41 @@ def test_a_hybrid_model_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options
         assert llm.engine.executor.num_early_launches > 0
 
 
+@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h"])
+def test_decode_steps_on_the_graphs_buffers_give_hf_greedy_tokens(hf_dirs, arch):
+    """Decode-only steps through ``DecodeGraphs``' padded static buffers (not captured on the CPU, as in
+    test_cuda_graphs.py): each row's state slot one more input, the padding rows on the state cache's pad slot."""
+    from sloserve.engine.cuda_graphs import DecodeGraphs
+
+    llm = LLM(hf_dirs[arch], "vllm")
+    engine = llm.engine
+    states = engine.executor.states.cache
+    graphs = DecodeGraphs(
+        llm.loaded.model, engine.cache, engine.max_model_len, engine.scheduler.kv.table_block_size,
+        max_batch_size=8, capture=False, batch_sizes=[4, 8], states=states,
+    )  # fmt: skip
+    sizes = []
+    real_forward = graphs.forward
+    graphs.forward = lambda tokens, *rest: sizes.append(len(tokens)) or real_forward(tokens, *rest)
+    engine.executor.graphs = graphs
+    pad_before = states.ssm[:, states.pad_slot].clone()
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in outputs] == reference(arch)
+    assert set(sizes) - {4, 8}  # (steps padded to a graph's size)
+    assert not torch.equal(states.ssm[:, states.pad_slot], pad_before)  # (the padding rows wrote there)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: a GPU's (the runbook's tests stage)")
+@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h"])
+def test_on_cuda_a_hybrid_models_captured_decode_steps_give_hf_greedy_tokens(hf_dirs, arch):
+    """The Triton backend, chunked prefills, and decode steps replayed from captured graphs, in float32."""
+    options = dict(prefill_token_budget=8, block_size=4, cuda_graphs=True, dtype="float32")
+    tokens, llm = greedy_tokens(hf_dirs[arch], "sarathi", device="cuda", attention_backend="triton", **options)
+    assert llm.engine.executor.graphs is not None and llm.engine.executor.graphs.graphs
+    assert tokens == reference(arch)
+
+
 def test_requests_wait_for_a_state_slot(hf_dirs, monkeypatch):
     """Two slots for six prompts, the scheduler's own max_num_seqs far above: the KV manager admits a third request
     only once one of two ends, and the tokens are transformers'."""

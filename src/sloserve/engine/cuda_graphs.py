@@ -20,6 +20,9 @@ length are never read. NOTE: the expanded table takes 8 bytes x largest size x `
 device memory (16 MiB at 256 x 8k; 256 MiB at 256 x 128k), in the graphs' memory pool, taken after
 the KV cache from the share of memory the engine leaves free (``GPU_MEMORY_UTILIZATION``).
 
+A model with Mamba layers (``models/mamba2.py``) takes each row's state slot as one more input; a padding row
+reads and writes the state cache's ``pad_slot``.
+
 Only decode-only steps are replayed; a step with a prefill chunk runs eagerly. Capturing needs the
 Triton attention backend: the PyTorch reference groups decodes by length on the host
 (``AttentionMetadata.decode_groups``), which a graph cannot replay.
@@ -42,6 +45,8 @@ from torch import nn
 from sloserve.engine.async_scheduling import copy_to_device
 from sloserve.engine.attention import AttentionMetadata
 from sloserve.engine.kv_cache import KVCacheTensor, expand_block_ids
+from sloserve.engine.models.mamba2 import MambaMetadata
+from sloserve.engine.state_cache import StateCache
 
 # vLLM's capture sizes: 1, 2, 4, then every multiple of 8 (up to the largest batch).
 CAPTURE_SIZE_STEP = 8
@@ -49,7 +54,7 @@ DEFAULT_MAX_BATCH_SIZE = 256  # vLLM's default max_num_seqs; larger decode batch
 WARMUP_RUNS = 2  # eager runs before each capture: Triton compiles, cuBLAS picks its kernels
 
 # Rows of DecodeGraphs.inputs.
-TOKEN_IDS, POSITIONS, SLOT_WRITTEN, CONTEXT_LEN = range(4)
+TOKEN_IDS, POSITIONS, SLOT_WRITTEN, CONTEXT_LEN, STATE_SLOT = range(5)
 
 
 def padded_sizes(first: tuple[int, ...], step: int, largest: int) -> list[int]:
@@ -88,10 +93,12 @@ class DecodeGraphs:
         *,
         capture: bool = True,
         batch_sizes: list[int] | None = None,
+        states: StateCache | None = None,
     ) -> None:
         """``table_block_size``: tokens per block id of the KV manager's ``block_id_tables``;
-        ``batch_sizes``: the sizes captured (a benchmark's few), by default ``capture_sizes(max_batch_size)``."""
-        self.model, self.cache, self.max_context = model, cache, max_context
+        ``batch_sizes``: the sizes captured (a benchmark's few), by default ``capture_sizes(max_batch_size)``;
+        ``states``: a model with Mamba layers' states (None: none)."""
+        self.model, self.cache, self.max_context, self.states = model, cache, max_context, states
         self.table_block_size = g = table_block_size
         assert cache.pad_slot % g == 0 and g <= cache.block_size, "the pad block is a whole table block"
         self.pad_block = cache.pad_slot // g  # expands to pad_slot, pad_slot + 1, ... (the cache's pad block)
@@ -101,7 +108,7 @@ class DecodeGraphs:
         n = self.batch_sizes[-1]
         # NOTE: a replay reads whatever these buffers hold, so a step copies its batch into them and
         # fills the remaining rows of its graph's size with padding (``_padding``).
-        self.inputs = torch.from_numpy(self._padding(n)).to(device)  # (4, n) rows: TOKEN_IDS ... CONTEXT_LEN
+        self.inputs = torch.from_numpy(self._padding(n)).to(device)  # (5, n) rows: TOKEN_IDS ... STATE_SLOT
         width = -(-max_context // g)
         self.block_ids = torch.full((n, width), self.pad_block, dtype=torch.int64, device=device)  # (n, L / g)
         self.token_index = torch.arange(n, dtype=torch.int64, device=device)  # (n,) decode i is flat token i
@@ -111,19 +118,24 @@ class DecodeGraphs:
             self._capture_all()
 
     def _padding(self, size: int) -> np.ndarray:
-        """(4, size) input rows of padding: token 0 at position 0, writing and reading the pad slot."""
-        rows = np.empty((4, size), dtype=np.int64)
+        """(5, size) input rows of padding: token 0 at position 0, writing and reading the pad slot (and the state
+        cache's)."""
+        rows = np.empty((5, size), dtype=np.int64)
         rows[TOKEN_IDS], rows[POSITIONS], rows[SLOT_WRITTEN], rows[CONTEXT_LEN] = 0, 0, self.cache.pad_slot, 1
+        rows[STATE_SLOT] = 0 if self.states is None else self.states.pad_slot
         return rows
 
     def _metadata(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             slot_mapping=self.inputs[SLOT_WRITTEN, :size],
             prefills=[],
             decode_token_index=self.token_index[:size],
             decode_slots=expand_block_ids(self.block_ids[:size], self.table_block_size),  # (size, >= L)
             decode_context_lens=self.inputs[CONTEXT_LEN, :size],
         )
+        if self.states is not None:
+            meta.mamba = MambaMetadata([], self.token_index[:size], self.inputs[STATE_SLOT, :size], self.states)
+        return meta
 
     def _forward(self, size: int) -> torch.Tensor:  # (size, H)
         return self.model(
@@ -152,6 +164,7 @@ class DecodeGraphs:
         slots_written: np.ndarray,  # (b,) slot of each new token
         block_ids: np.ndarray,  # (b, >= max(context_lens) / g) block_id_tables of the contexts
         late_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,  # (P,) decodes, (P,) their tokens
+        state_slots: list[int] | None = None,  # (b,) each decode's slot of the state cache (Mamba layers)
     ) -> torch.Tensor:  # (b, H) hidden states
         """Run a decode-only step of ``b`` decodes (decode ``i`` is flat token ``i``) on the graph of
         the smallest captured size that holds it. ``late_tokens``: the new tokens of those decodes, on
@@ -163,6 +176,8 @@ class DecodeGraphs:
         host[POSITIONS, :b] = positions
         host[SLOT_WRITTEN, :b] = slots_written
         host[CONTEXT_LEN, :b] = context_lens
+        if state_slots is not None:
+            host[STATE_SLOT, :b] = state_slots
         copy_to_device(self.inputs[:, :size], torch.from_numpy(host))
         copy_to_device(self.block_ids[:b, :width], torch.from_numpy(block_ids))
         self.block_ids[b:size, 0] = self.pad_block  # a padding row reads the pad slot only

@@ -147,7 +147,9 @@ class EngineExecutor:
             rotary.serve_context(max_context)  # NOTE: before the graphs capture its tables
         graphs = None
         if loaded.cuda_graphs:
-            graphs = DecodeGraphs(loaded.model, cache, max_context, kv.table_block_size)
+            graphs = DecodeGraphs(
+                loaded.model, cache, max_context, kv.table_block_size, states=None if states is None else states.cache
+            )
         piecewise = piecewise_graphs_for(loaded.model, cache, loaded.cuda_graphs)
         eos = getattr(loaded.tokenizer, "eos_token_id", None)
         return cls(loaded.model, kv, cache, loaded.device, eos_token_ids, seed, graphs, piecewise, eos, states)
@@ -555,7 +557,8 @@ class EngineExecutor:
             block_ids, written = np.zeros((0, 1), dtype=np.int64), lengths
         if not prefills and self.graphs is not None and self.graphs.fits(len(decodes), int(lengths.max(initial=0))):
             # NOTE: with no prefill, decode i is flat token i (each decode adds one token, in order).
-            return self.graphs.forward(tokens, positions, lengths, written, block_ids, late_tokens)
+            slots = None if self.states is None else [self.states.of[r] for _, r in decodes]
+            return self.graphs.forward(tokens, positions, lengths, written, block_ids, late_tokens, slots)
         if self.piecewise is not None and self.piecewise.fits(len(tokens)):
             # NOTE: the metadata covers the padding rows, whose K/V go to the pad slot
             size = self.piecewise.size_for(len(tokens))

@@ -138,13 +138,9 @@ def load_model(
         # NOTE: on by default since the H200 session of 2026-11-26: capture and replay gave the eager
         # engine's tokens there, and decode steps ran 1.07-1.66x faster (benchmarks/RESULTS.md). Not for
         # a mixture of experts by the reference: its routing decides its shapes (models/moe.py).
-        # Nor for Mamba layers: a step's prefills and decodes take their states by their slots' list
         cuda_graphs = cuda_graphs_supported(dev, backend_name) and (not config.is_moe or fused_moe)
-        cuda_graphs = cuda_graphs and config.mamba is None
     elif cuda_graphs:
         check_cuda_graphs(dev, backend_name)
-        if config.mamba is not None:
-            raise ConfigError(f"CUDA graphs cannot replay {config.name}'s Mamba layers (not captured yet)")
         if config.is_moe and not fused_moe:
             raise ConfigError(
                 f"CUDA graphs cannot replay {config.name}'s mixture of experts (its routing sets its shapes; "

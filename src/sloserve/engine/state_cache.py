@@ -17,17 +17,18 @@ from sloserve.core.request import Request
 class StateCache:
     """Every Mamba layer's states of ``num_slots`` requests: ``conv`` (layers, slots, conv_dim, d_conv - 1) in the
     model's dtype, ``ssm`` (layers, slots, n_heads, head_dim, d_state) float32. A slot's states are overwritten by
-    its request's first chunk, never read before."""
+    its request's first chunk, never read before. One more slot, ``pad_slot``, belongs to no request: a decode
+    graph's padding rows read and write it (``cuda_graphs.DecodeGraphs``)."""
 
     def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         m = config.mamba
         layers = config.num_mamba_layers
         conv_dim = m["d_inner"] + 2 * m["n_groups"] * m["d_state"]
-        self.conv = torch.zeros((layers, num_slots, conv_dim, m["d_conv"] - 1), dtype=dtype, device=device)
+        self.conv = torch.zeros((layers, num_slots + 1, conv_dim, m["d_conv"] - 1), dtype=dtype, device=device)
         self.ssm = torch.zeros(
-            (layers, num_slots, m["n_heads"], m["head_dim"], m["d_state"]), dtype=torch.float32, device=device
+            (layers, num_slots + 1, m["n_heads"], m["head_dim"], m["d_state"]), dtype=torch.float32, device=device
         )
-        self.num_slots = num_slots
+        self.num_slots = self.pad_slot = num_slots
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
