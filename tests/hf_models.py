@@ -27,7 +27,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "gpt_neox": 27, "cohere": 28, "cohere2": 29, "gpt2": 30, "phi": 31, "starcoder2": 32, "gemma": 33, "deepseek_v2": 34, "deepseek_v3": 35,
          "stablelm": 36, "olmo": 37, "nemotron": 38, "arcee": 39, "granitemoe": 40, "hunyuan": 41,
          "glm4_moe": 42, "ernie4_5_moe": 43, "apertus": 44, "hunyuan_moe": 45, "granitemoehybrid": 46,
-         "granitemoehybrid_moe": 47, "granite_4_h": 48, "nemotron_h": 49}  # fmt: skip
+         "granitemoehybrid_moe": 47, "granite_4_h": 48, "nemotron_h": 49, "bamba": 50}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -273,6 +273,13 @@ def hf_model(arch: str):
             pad_token_id=0, bos_token_id=1, eos_token_id=2,
         )  # fmt: skip
         cls = transformers.NemotronHForCausalLM
+    elif arch == "bamba":  # Bamba 9B's outline: attention in one layer of three, Mamba-2 in the others, half rotary
+        config = transformers.BambaConfig(
+            **{**common, "num_hidden_layers": 3}, intermediate_size=128, num_key_value_heads=2, attn_layer_indices=[1],
+            mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=8, initializer_range=0.2,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        cls = transformers.BambaForCausalLM
     elif arch == "stablelm":  # StableLM 2 1.6B's: a quarter of each head rotated, q/k/v biases, LayerNorms
         config = transformers.StableLmConfig(
             **common, intermediate_size=128, num_key_value_heads=2, use_qkv_bias=True, initializer_range=0.2,

@@ -1,4 +1,4 @@
-"""Hybrid models (Granite 4.0-H, Nemotron-H: Mamba-2 layers beside attention ones, models/mamba2.py): the chunked scan against
+"""Hybrid models (Granite 4.0-H, Nemotron-H, Bamba: Mamba-2 layers beside attention ones, models/mamba2.py): the chunked scan against
 the token-by-token recurrence, the mixer against transformers' layer (a prompt whole, in chunks that carry their
 states, then decodes; several requests in one step), and the engine against transformers' greedy tokens: on three
 schedulers, through chunked prefill, preemption by recompute, asynchronous scheduling and a cap of state slots;
@@ -117,17 +117,25 @@ def test_nemotron_hs_blocks_as_the_hub_and_transformers_5_name_them(hf_dirs):
         from_hf_config({**hub, "hybrid_override_pattern": "MX*-M"})
 
 
-def test_a_hybrid_models_shape_counts_its_mixers_and_only_its_attention_layers_kv(hf_dirs):
+@pytest.mark.parametrize("arch", ["granite_4_h", "bamba"])
+def test_a_hybrid_models_shape_counts_its_mixers_and_only_its_attention_layers_kv(hf_dirs, arch):
     """transformers' parameter count; KV bytes a token of the one attention layer of three (the engine's and
     the simulator's)."""
-    spec = model_spec(hf_dirs["granite_4_h"])
-    hf = hf_cached("granite_4_h")
+    spec = model_spec(hf_dirs[arch])
+    hf = hf_cached(arch)
     assert spec.num_params == sum(p.numel() for p in hf.parameters())
     assert (spec.num_layers, spec.kv_layers) == (3, 1)
     assert spec.kv_bytes_per_token == 2 * 1 * 2 * 16 * 4  # K and V, 1 layer, 2 KV heads of 16, float32
-    llm = LLM(hf_dirs["granite_4_h"], "vllm")
+    llm = LLM(hf_dirs[arch], "vllm")
     assert llm_engine.kv_bytes_per_token(llm.loaded) == spec.kv_bytes_per_token
     assert llm.engine.cache.gpu.shape[1] == 1  # (one layer's KV)
+    if arch == "bamba":  # (attention at attn_layer_indices; half of each head rotated whatever the config says)
+        raw = hf.config.to_dict()
+        whole = {**(raw.get("rope_parameters") or {}), "partial_rotary_factor": 1.0}
+        config = from_hf_config({**raw, "partial_rotary_factor": 1.0, "rope_parameters": whole})
+        assert (config.layer_types[1], config.partial_rotary_dim) == ("full_attention", 8)
+        with pytest.raises(ConfigError, match="attn_layer_indices must be layer indices below 3, got \\[3\\]"):
+            from_hf_config({**raw, "attn_layer_indices": [3]})
 
 
 def test_the_simulator_keeps_a_hybrids_states_as_the_engine_does(hf_dirs, monkeypatch):
@@ -165,7 +173,7 @@ def test_the_simulator_keeps_a_hybrids_states_as_the_engine_does(hf_dirs, monkey
     assert batches == {256: 40, 3: 3}
 
 
-@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h", "bamba"])
 @pytest.mark.parametrize(
     "scheduler,options",
     [
@@ -177,8 +185,8 @@ def test_the_simulator_keeps_a_hybrids_states_as_the_engine_does(hf_dirs, monkey
     ],
 )
 def test_a_hybrid_model_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options):
-    """Granite 4.0-H (Mamba layers, attention, experts beside a shared MLP) and Nemotron-H (blocks of one mixer:
-    Mamba, an MLP or attention without a position embedding)."""
+    """Granite 4.0-H (Mamba layers, attention, experts beside a shared MLP), Nemotron-H (blocks of one mixer:
+    Mamba, an MLP or attention without a position embedding) and Bamba (Llama's layers, half of each head rotated)."""
     tokens, llm = greedy_tokens(hf_dirs[arch], scheduler, **options)
     assert tokens == reference(arch)
     assert llm.engine.scheduler.kv.max_requests == llm.engine.executor.states.cache.num_slots

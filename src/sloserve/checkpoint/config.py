@@ -41,6 +41,8 @@ ARCHITECTURES: dict[str, str] = {
     # (Granite 4.0 without Mamba layers, Micro 3B: Granite's layers, NoPE where it says, a shared MLP (beside any
     # experts); its hybrids, the 4.0-H models, are refused)
     "granitemoehybrid": "granitemoehybrid",
+    # (Bamba 9B: Llama's layers, Mamba-2 mixers in most of them, half of each attention head rotated)
+    "bamba": "bamba",
     # (Nemotron-H, Nemotron Nano 2: blocks of one mixer each, Mamba-2, attention without rope or a squared-ReLU MLP)
     "nemotron_h": "nemotron_h",
     # (Hunyuan 0.5B-7B: Llama's layers, each query and key head normalized after the rotary embedding)
@@ -222,7 +224,9 @@ GPT2_NAMES = {
 # names; engine/models/gpt2.py)
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
 # The rotated share of a head where a config does not say, by model type (transformers' defaults)
-PARTIAL_ROTARY_DEFAULTS = {"glm": 0.5, "glm4": 0.5, "glm4_moe": 0.5, "phi": 0.5, "stablelm": 0.25, "nemotron": 0.5}
+PARTIAL_ROTARY_DEFAULTS = {
+    "glm": 0.5, "glm4": 0.5, "glm4_moe": 0.5, "phi": 0.5, "stablelm": 0.25, "nemotron": 0.5, "bamba": 0.5,
+}  # fmt: skip
 # The models whose rotary embedding may turn part of each head (partial_rotary_factor), as transformers' do:
 # those with a default share, and Phi-3's (whole heads unless its config says)
 PARTIAL_ROTARY = ("phi3", *PARTIAL_ROTARY_DEFAULTS)
@@ -716,6 +720,8 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     rotated = rope.get(
         "partial_rotary_factor", raw.get("partial_rotary_factor", PARTIAL_ROTARY_DEFAULTS.get(model_type, 1.0))
     )
+    if model_type == "bamba":  # (transformers' Bamba rotates half of each head whatever its config says)
+        rotated = 0.5
     if rotated != 1.0 and model_type not in PARTIAL_ROTARY:  # NOTE: transformers' Llama rotates whole heads
         raise ConfigError(
             f"{name}: partial_rotary_factor {rotated} (a rotary embedding on part of a head) is not supported "
@@ -751,6 +757,8 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     mamba = None
     if model_type == "granitemoehybrid":
         rotary_layers, intermediate, layer_types, mamba = _granite_4_layers(raw, common["num_hidden_layers"], name)
+    elif model_type == "bamba":  # (attention at attn_layer_indices, Mamba-2 elsewhere)
+        layer_types, mamba = _bamba_layers(raw, common["num_hidden_layers"], name)
     if model_type == "exaone4" and window:  # (its hybrid attention: the global layers without rope)
         rotary_layers = [layer_type == SLIDING for layer_type in layer_types]
     if model_type == "cohere2":  # (only its sliding layers rotate: none where it has no window)
@@ -958,8 +966,19 @@ def _granite_4_layers(
     return [position == "rope"] * layers, intermediate, layer_types, mamba
 
 
+def _bamba_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tuple[str, ...], dict[str, Any] | None]:
+    """Bamba's (each layer's type, its Mamba-2 mixers' settings): attention at ``attn_layer_indices``, a mixer in
+    every other layer (transformers' ``layers_block_type``)."""
+    indices = raw.get("attn_layer_indices") or []
+    if not isinstance(indices, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers
+                                            for i in indices):  # fmt: skip
+        raise ConfigError(f"{name}: attn_layer_indices must be layer indices below {layers}, got {indices!r}")
+    layer_types = tuple("full_attention" if i in indices else MAMBA for i in range(layers))
+    return layer_types, _mamba2(raw, name) if MAMBA in layer_types else None
+
+
 def _mamba2(raw: dict[str, Any], name: str) -> dict[str, Any]:
-    """The Mamba-2 mixers' settings of a Granite 4.0-H config (``mamba_*``, transformers' defaults), checked."""
+    """The Mamba-2 mixers' settings of a Granite 4.0-H or Bamba config (``mamba_*``, transformers' defaults), checked."""
     hidden = raw["hidden_size"]
     settings = {key: raw.get(f"mamba_{key}", default) for key, default in MAMBA2_DEFAULTS.items()}
     for key in ("n_heads", "n_groups", "d_state", "d_conv", "expand", "chunk_size"):

@@ -53,6 +53,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "apertus": ApertusForCausalLM,
     "granitemoehybrid": LlamaForCausalLM,
     "nemotron_h": NemotronHForCausalLM,
+    "bamba": LlamaForCausalLM,
 }
 
 
@@ -100,6 +101,12 @@ CHECKPOINT_NAMES = {
     "phi": phi.CHECKPOINT_NAMES,
     "hunyuan": hunyuan.CHECKPOINT_NAMES,
     "apertus": apertus.CHECKPOINT_NAMES,
+    # (Bamba's MLP, its norm before it and its final norm)
+    "bamba": {
+        ".feed_forward.": ".mlp.",
+        ".pre_ff_layernorm.": ".post_attention_layernorm.",
+        "model.final_layernorm.": "model.norm.",
+    },
 }
 # The merged projections a model type's checkpoints store whole, in the row order the engine's have:
 # Phi-3's Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``), GLM's and Granite 4.0's gate/up
