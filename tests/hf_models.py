@@ -27,7 +27,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "gpt_neox": 27, "cohere": 28, "cohere2": 29, "gpt2": 30, "phi": 31, "starcoder2": 32, "gemma": 33, "deepseek_v2": 34, "deepseek_v3": 35,
          "stablelm": 36, "olmo": 37, "nemotron": 38, "arcee": 39, "granitemoe": 40, "hunyuan": 41,
          "glm4_moe": 42, "ernie4_5_moe": 43, "apertus": 44, "hunyuan_moe": 45, "granitemoehybrid": 46,
-         "granitemoehybrid_moe": 47, "granite_4_h": 48, "nemotron_h": 49, "bamba": 50}  # fmt: skip
+         "granitemoehybrid_moe": 47, "granite_4_h": 48, "nemotron_h": 49, "bamba": 50, "nemotron_h_moe": 51}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -264,13 +264,17 @@ def hf_model(arch: str):
             pad_token_id=0, bos_token_id=1, eos_token_id=2,
         )  # fmt: skip
         cls = transformers.GraniteMoeHybridForCausalLM
-    elif arch == "nemotron_h":  # Nemotron Nano 2's outline: Mamba-2, MLP and attention blocks, no position embedding
+    elif arch in ("nemotron_h", "nemotron_h_moe"):
+        # Nemotron Nano 2's outline: Mamba-2, MLP and attention blocks, no position embedding; Nemotron 3 Nano's:
+        # experts' blocks in the MLPs' places (8 experts, 2 a token from the best of 2 groups, a shared one)
+        mlp = "moe" if arch == "nemotron_h_moe" else "mlp"
         config = transformers.NemotronHConfig(
             **{k: v for k, v in common.items() if k != "num_hidden_layers"}, intermediate_size=128,
             num_key_value_heads=2, head_dim=16,
-            layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention"],
+            layers_block_type=["linear_attention", mlp, "full_attention", mlp, "linear_attention"],
             mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, chunk_size=8, initializer_range=0.2,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+            n_group=2, topk_group=1, routed_scaling_factor=2.5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         )  # fmt: skip
         cls = transformers.NemotronHForCausalLM
     elif arch == "bamba":  # Bamba 9B's outline: attention in one layer of three, Mamba-2 in the others, half rotary

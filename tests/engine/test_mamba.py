@@ -111,10 +111,35 @@ def test_nemotron_hs_blocks_as_the_hub_and_transformers_5_name_them(hf_dirs):
     spec = model_spec(hf_dirs["nemotron_h"])
     assert spec.num_params == sum(p.numel() for p in hf_cached("nemotron_h").parameters())
     assert spec.kv_layers == 1
-    with pytest.raises(ConfigError, match="nemotron_h's mixture-of-experts blocks \\(Nemotron 3\\) are not supported"):
-        from_hf_config({**hub, "hybrid_override_pattern": "ME*-M"})
+    experts = from_hf_config({**hub, "hybrid_override_pattern": "ME*EM", "n_routed_experts": 8, "n_group": 2})
+    assert experts.moe["moe_layers"] == (False, True, False, True, False) and experts.moe["topk_method"] == "noaux_tc"
+    moe = model_spec(hf_dirs["nemotron_h_moe"])
+    hf = hf_cached("nemotron_h_moe")  # (its router's bias: a buffer to transformers, a tensor of the checkpoint)
+    assert moe.num_params == sum(p.numel() for p in hf.parameters()) + 2 * 8
+    assert (moe.num_experts, moe.experts_per_token, moe.expert_params) == (8, 2, 2 * 8 * 2 * 64 * 32)
+    with pytest.raises(ConfigError, match="moe_latent_size \\(experts on a latent projection\\) is not supported"):
+        from_hf_config({**hub, "hybrid_override_pattern": "ME*EM", "moe_latent_size": 16})
     with pytest.raises(ConfigError, match="nemotron_h block type 'X' is not one of M, \\*, -, E"):
         from_hf_config({**hub, "hybrid_override_pattern": "MX*-M"})
+
+
+def test_nemotron_hs_experts_stored_stacked_load_as_per_expert_ones(hf_dirs, tmp_path):
+    """Nemotron 3's experts as one (E, I, H) up and one (E, H, I) down tensor a block (a stacked layout, as
+    transformers 5 holds them), not the Hub's tensor an expert: the same greedy tokens."""
+    import shutil
+
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    shutil.copytree(hf_dirs["nemotron_h_moe"], tmp_path / "stacked")
+    path = tmp_path / "stacked" / "model.safetensors"
+    weights = safetensors_torch.load_file(str(path))
+    for layer in (1, 3):
+        prefix = f"backbone.layers.{layer}.mixer.experts"
+        for kind in ("up_proj", "down_proj"):
+            parts = [weights.pop(f"{prefix}.{e}.{kind}.weight") for e in range(8)]
+            weights[f"{prefix}.{kind}"] = torch.stack(parts)
+    safetensors_torch.save_file(weights, str(path))
+    tokens, _ = greedy_tokens(str(tmp_path / "stacked"), "vllm")
+    assert tokens == reference("nemotron_h_moe")
 
 
 @pytest.mark.parametrize("arch", ["granite_4_h", "bamba"])
@@ -173,7 +198,7 @@ def test_the_simulator_keeps_a_hybrids_states_as_the_engine_does(hf_dirs, monkey
     assert batches == {256: 40, 3: 3}
 
 
-@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h", "bamba"])
+@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h", "bamba", "nemotron_h_moe"])
 @pytest.mark.parametrize(
     "scheduler,options",
     [
@@ -186,7 +211,8 @@ def test_the_simulator_keeps_a_hybrids_states_as_the_engine_does(hf_dirs, monkey
 )
 def test_a_hybrid_model_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options):
     """Granite 4.0-H (Mamba layers, attention, experts beside a shared MLP), Nemotron-H (blocks of one mixer:
-    Mamba, an MLP or attention without a position embedding) and Bamba (Llama's layers, half of each head rotated)."""
+    Mamba, an MLP or attention without a position embedding; Nemotron 3's with experts, DeepSeek-V3's routing over
+    two-matrix experts) and Bamba (Llama's layers, half of each head rotated)."""
     tokens, llm = greedy_tokens(hf_dirs[arch], scheduler, **options)
     assert tokens == reference(arch)
     assert llm.engine.scheduler.kv.max_requests == llm.engine.executor.states.cache.num_slots

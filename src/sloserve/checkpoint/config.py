@@ -390,6 +390,11 @@ class ModelConfig:
         return self.moe is not None
 
     @property
+    def moe_experts_gated(self) -> bool:
+        """Whether the experts are SwiGLU MLPs (``fused_moe``'s kernels run those): all but Nemotron-H's."""
+        return self.model_type != "nemotron_h"
+
+    @property
     def kv_cache_heads(self) -> int:
         """The heads of one token's K (and V) in the KV cache: MLA's one latent, else the KV heads."""
         return 1 if self.mla is not None else self.num_key_value_heads
@@ -499,6 +504,9 @@ class ModelConfig:
                 "full_attention": 2 * h * q_width + 2 * h * kv_width,
                 MLP_LAYER: 2 * h * i + (i + h if self.mlp_bias else 0),
             }
+            if self.moe is not None:  # the router and its bias, two-matrix experts, the shared one
+                e, moe_i = self.moe["num_experts"], self.moe["moe_intermediate_size"]
+                mixers["moe"] = e * h + e + e * 2 * h * moe_i + 2 * h * self.moe["shared_expert_intermediate_size"]
             blocks = sum(h + mixers[kind] for kind in self.layer_types)
             return v * h + blocks + h + (0 if self.tie_word_embeddings else v * h)
         if self.architecture == "gpt_neox":  # q/k/v and dense (biases where attention_bias), a two-matrix
@@ -568,7 +576,8 @@ class ModelConfig:
         extra = {}  # (the fields a dense model with Llama's attention leaves at 0)
         if self.moe is not None:  # (each routed expert's SwiGLU; gpt-oss's with its biases)
             h, inner, moe = self.hidden_size, self.moe["moe_intermediate_size"], self.moe
-            per_expert = 3 * h * inner + (2 * inner + h if "swiglu_limit" in moe else 0)
+            matrices = 2 if self.model_type == "nemotron_h" else 3  # (Nemotron-H's experts have no gate)
+            per_expert = matrices * h * inner + (2 * inner + h if "swiglu_limit" in moe else 0)
             extra.update(
                 num_experts=moe["num_experts"],
                 experts_per_token=moe["num_experts_per_tok"],
@@ -1031,9 +1040,37 @@ def _nemotron_h_kinds(raw: dict[str, Any], name: str) -> list[str]:
         raise ConfigError(
             f"{name}: nemotron_h block type {bad!r} is not one of M, *, -, E (mamba, attention, mlp, moe)"
         )
-    if "moe" in kinds:
-        raise ConfigError(f"{name}: nemotron_h's mixture-of-experts blocks (Nemotron 3) are not supported")
     return kinds
+
+
+def _nemotron_h_moe(raw: dict[str, Any], kinds: list[str], name: str) -> dict[str, Any] | None:
+    """Nemotron-H's experts' blocks (Nemotron 3 Nano's): DeepSeek-V3's routing (sigmoid scores chosen with the
+    router's bias from the best groups, renormalized, scaled), two-matrix squared-ReLU experts beside a shared one;
+    transformers' defaults. None without them."""
+    if "moe" not in kinds:
+        return None
+    if raw.get("moe_latent_size") is not None:
+        raise ConfigError(f"{name}: moe_latent_size (experts on a latent projection) is not supported")
+    moe = {
+        "num_experts": raw.get("n_routed_experts", raw.get("num_local_experts", 8)),
+        "num_experts_per_tok": raw.get("num_experts_per_tok", 2),
+        "moe_intermediate_size": raw.get("moe_intermediate_size", 7688),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
+        "moe_layers": tuple(kind == "moe" for kind in kinds),
+        # (transformers' NemotronHMoE runs its shared expert whatever n_shared_experts says)
+        "shared_expert_intermediate_size": raw.get("moe_shared_expert_intermediate_size", 7688),
+        "routed_scaling_factor": _json_float(raw.get("routed_scaling_factor", 1.0), "routed_scaling_factor", name),
+        "topk_method": "noaux_tc",
+        "n_group": raw.get("n_group", 1),
+        "topk_group": raw.get("topk_group", 1),
+    }
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if isinstance(moe[key], bool) or not isinstance(moe[key], int) or moe[key] < 1:
+            raise ConfigError(f"{name}: {key} must be a positive integer, got {moe[key]!r}")
+    _check_group_routing(moe, ("noaux_tc",), name)
+    if moe["num_experts_per_tok"] > moe["num_experts"]:
+        raise ConfigError(f"{name}: num_experts_per_tok {moe['num_experts_per_tok']} exceeds {moe['num_experts']}")
+    return moe
 
 
 def _nemotron_h_config(raw: dict[str, Any], common: dict[str, Any], name: str, need) -> ModelConfig:
@@ -1064,7 +1101,7 @@ def _nemotron_h_config(raw: dict[str, Any], common: dict[str, Any], name: str, n
         proj_bias=bool(raw.get("use_bias", False)),
         time_step_limit=(least, float("inf")),
     )
-    layers = common["num_hidden_layers"]
+    layers, kinds = common["num_hidden_layers"], _nemotron_h_kinds(raw, name)
     return ModelConfig(
         **common,
         intermediate_size=need("intermediate_size"),
@@ -1073,9 +1110,10 @@ def _nemotron_h_config(raw: dict[str, Any], common: dict[str, Any], name: str, n
         norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
         hidden_act="relu2",
         mlp_bias=bool(raw.get("mlp_bias", False)),  # (its attention has no biases whatever the config says)
-        layer_types=tuple(_nemotron_h_kinds(raw, name)),
+        layer_types=tuple(kinds),
         rotary_layers=(False,) * layers,  # (no position embedding: the Mamba layers order the tokens)
         mamba=mamba,
+        moe=_nemotron_h_moe(raw, kinds, name),
     )
 
 

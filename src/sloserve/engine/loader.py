@@ -133,7 +133,7 @@ def load_model(
     backend_name = resolve_attention_backend(attention_backend, dev)
     # A mixture of experts' tokens through fused_moe's kernels where the Triton backend runs (CUDA, or
     # Triton's interpreter), with SLOSERVE_FUSED_MOE=1 (off until a GPU session has timed it)
-    fused_moe = switch("SLOSERVE_FUSED_MOE") and config.is_moe and backend_name == "triton"
+    fused_moe = switch("SLOSERVE_FUSED_MOE") and config.is_moe and backend_name == "triton" and config.moe_experts_gated
     if cuda_graphs is None:
         # NOTE: on by default since the H200 session of 2026-11-26: capture and replay gave the eager
         # engine's tokens there, and decode steps ran 1.07-1.66x faster (benchmarks/RESULTS.md). Not for

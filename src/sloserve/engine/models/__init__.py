@@ -271,7 +271,7 @@ def _per_expert(tensors, config: ModelConfig):
     Hub's Qwen3-VL-MoE stores them, is transposed to transformers' (E, outputs, inputs) first: where its shape is
     not that one (transformers' rule, ``Transpose(check_dims=True)``)."""
     h, i = config.hidden_size, config.moe["moe_intermediate_size"]
-    as_held = {"gate_up_proj": (2 * i, h), "down_proj": (h, i)}  # (outputs, inputs) of each expert's
+    as_held = {"gate_up_proj": (2 * i, h), "up_proj": (i, h), "down_proj": (h, i)}  # (outputs, inputs) of each expert's
     for origin, key, tensor in tensors:
         key = hub_expert_name(key)
         kind = key.rpartition(".")[2]

@@ -67,6 +67,32 @@ class Experts(nn.Module):
         return by_expert(x, experts, weights, self.num_experts, self.expert)
 
 
+class UpDownExperts(nn.Module):
+    """Every expert's two-matrix MLP, stacked: ``up`` (E, I, H) and ``down`` (E, H, I), an expert's output
+    down(act(up x)) (Nemotron-H's: its squared ReLU, no gate). Always by expert: ``fused_moe``'s kernels are
+    for gated experts."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: Callable) -> None:
+        super().__init__()
+        self.num_experts, self.act = num_experts, act
+        self.up = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def checkpoint_views(self) -> dict[str, torch.Tensor]:
+        """``{"experts.0.up_proj.weight": expert 0's up rows, ...}``, as ``Experts.checkpoint_views``."""
+        views = {}
+        for e in range(self.num_experts):
+            views[f"experts.{e}.up_proj.weight"] = self.up[e]
+            views[f"experts.{e}.down_proj.weight"] = self.down[e]
+        return views
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:  # (n, H) -> (n, H)
+        return F.linear(self.act(F.linear(x, self.up[e])), self.down[e])
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:  # (T, H)
+        return by_expert(x, experts, weights, self.num_experts, self.expert)
+
+
 def by_expert(
     x: torch.Tensor,  # (T, H)
     experts: torch.Tensor,  # (T, k) the experts each token is routed to
@@ -121,12 +147,18 @@ def hub_expert_name(key: str) -> str:
 
 def per_expert_tensors(key: str, tensor) -> list[tuple[str, object]] | None:
     """A stacked experts tensor of a checkpoint saved by transformers 5 (``mlp.experts.gate_up_proj``
-    (E, 2 I, H), ``mlp.experts.down_proj`` (E, H, I)) as the Hub's per-expert tensors; None for any other."""
+    (E, 2 I, H), ``mlp.experts.down_proj`` (E, H, I); an ungated expert's ``up_proj`` (E, I, H)) as the Hub's
+    per-expert tensors, under any module's name (Nemotron-H's ``mixer.experts``, renamed after); None for any
+    other."""
     prefix, _, kind = key.rpartition(".")
-    if not prefix.endswith("mlp.experts") or kind not in ("gate_up_proj", "down_proj") or len(tensor.shape) != 3:
+    if (
+        not prefix.endswith(".experts")
+        or kind not in ("gate_up_proj", "up_proj", "down_proj")
+        or len(tensor.shape) != 3
+    ):
         return None
-    if kind == "down_proj":
-        return [(f"{prefix}.{e}.down_proj.weight", tensor[e]) for e in range(tensor.shape[0])]
+    if kind in ("up_proj", "down_proj"):  # (an ungated expert's up, Nemotron-H's, and anyone's down)
+        return [(f"{prefix}.{e}.{kind}.weight", tensor[e]) for e in range(tensor.shape[0])]
     i = tensor.shape[1] // 2
     return [
         (f"{prefix}.{e}.{part}_proj.weight", rows)
@@ -201,14 +233,15 @@ class DeepseekMoE(nn.Module):
     - ``softmax_with_bias`` (ERNIE 4.5's): softmax scores s; the experts chosen by s + b; their weights s,
       renormalized."""
 
-    def __init__(self, config: ModelConfig, shared_experts: nn.Module | None) -> None:
+    def __init__(self, config: ModelConfig, shared_experts: nn.Module | None, experts: nn.Module | None = None) -> None:
+        """``experts``: other than SwiGLU ones (Nemotron-H's ``UpDownExperts``)."""
         super().__init__()
         moe = config.moe
         self.top_k, self.norm_topk_prob = moe["num_experts_per_tok"], moe["norm_topk_prob"]
         self.scaling, self.method = moe["routed_scaling_factor"], moe["topk_method"]
         self.num_groups, self.top_groups = moe["n_group"], moe["topk_group"]
         self.gate = DeepseekRouter(config)
-        self.experts = Experts(moe["num_experts"], config.hidden_size, moe["moe_intermediate_size"])
+        self.experts = experts or Experts(moe["num_experts"], config.hidden_size, moe["moe_intermediate_size"])
         self.shared_experts = shared_experts
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,9 +28,9 @@ class UpDownMLP(nn.Module):
     """down(act(up(x))): Nemotron's and Arcee's MLP (their squared ReLU, ``hidden_act``), Apertus's (``act``: its
     xIELU, a module with parameters of its own)."""
 
-    def __init__(self, config: ModelConfig, act: nn.Module | None = None) -> None:
+    def __init__(self, config: ModelConfig, act: nn.Module | None = None, intermediate_size: int | None = None) -> None:
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        h, i, bias = config.hidden_size, intermediate_size or config.intermediate_size, config.mlp_bias
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
         self.act = ACTIVATIONS[config.hidden_act] if act is None else act

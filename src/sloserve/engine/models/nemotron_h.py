@@ -1,5 +1,6 @@
 """Nemotron-H (``nemotron_h``: Nemotron-H 8B-56B, Nemotron Nano 2 9B and 12B): a stack of blocks, each an RMSNorm and
-one mixer (Mamba-2's, ``models/mamba2.py``; attention without a position embedding; or a squared-ReLU MLP), its
+one mixer (Mamba-2's, ``models/mamba2.py``; attention without a position embedding; a squared-ReLU MLP; or
+Nemotron 3's experts), its
 output added to the residual stream. HF parameter names, the Hub's ``backbone.`` and every block's ``mixer.``
 renamed to the engine's (``checkpoint_tensor``).
 """
@@ -11,13 +12,16 @@ from torch import nn
 
 from sloserve.checkpoint.config import MAMBA, MLP_LAYER, ModelConfig
 from sloserve.engine.attention import AttentionBackend
+from sloserve.engine.models.gpt2 import ACTIVATIONS
 from sloserve.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel, RMSNorm
 from sloserve.engine.models.mamba2 import Mamba2Mixer
+from sloserve.engine.models.moe import DeepseekMoE, UpDownExperts
 from sloserve.engine.models.nemotron import UpDownMLP
 
 
 class NemotronHBlock(nn.Module):
-    """A norm and the block's mixer: ``mamba``, ``self_attn`` or ``mlp`` (the others None)."""
+    """A norm and the block's mixer: ``mamba``, ``self_attn`` or ``mlp`` (an MLP, or experts: DeepSeek-V3's routing
+    over two-matrix experts beside a shared one; the others None)."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
@@ -26,6 +30,11 @@ class NemotronHBlock(nn.Module):
         self.mamba = Mamba2Mixer(config, layer) if kind == MAMBA else None
         self.self_attn = LlamaAttention(config, backend, layer) if kind == "full_attention" else None
         self.mlp = UpDownMLP(config) if kind == MLP_LAYER else None
+        if kind == "moe":
+            moe, relu2 = config.moe, ACTIVATIONS["relu2"]
+            experts = UpDownExperts(moe["num_experts"], config.hidden_size, moe["moe_intermediate_size"], relu2)
+            shared = UpDownMLP(config, intermediate_size=moe["shared_expert_intermediate_size"])
+            self.mlp = DeepseekMoE(config, shared, experts)
 
     def forward(self, x, residual, cos, sin, k_cache, v_cache, meta):
         """``LlamaDecoderLayer.forward``'s contract: (this block's output, the stream before it), the output
@@ -58,7 +67,10 @@ def checkpoint_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) -> tu
     parts = key.split(".")
     if key.startswith("model.layers.") and len(parts) > 3:
         kind = config.layer_types[int(parts[2])]
-        part = {"norm": "input_layernorm", "mixer": {MAMBA: "mamba", MLP_LAYER: "mlp"}.get(kind, "self_attn")}
+        part = {
+            "norm": "input_layernorm",
+            "mixer": {MAMBA: "mamba", MLP_LAYER: "mlp", "moe": "mlp"}.get(kind, "self_attn"),
+        }
         parts[3] = part.get(parts[3], parts[3])
         key = ".".join(parts)
     return key, tensor
