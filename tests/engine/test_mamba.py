@@ -17,6 +17,7 @@ from sloserve.checkpoint import model_spec  # noqa: E402
 from sloserve.checkpoint.config import from_hf_config  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.engine import llm_engine  # noqa: E402
+from sloserve.engine.models import mamba2  # noqa: E402
 from sloserve.engine.models.mamba2 import Mamba2Mixer, MambaMetadata, ssd_scan  # noqa: E402
 from sloserve.engine.state_cache import StateCache  # noqa: E402
 
@@ -32,7 +33,11 @@ def recurrence(x, dt, a, b, c, initial):
 
 
 @pytest.mark.parametrize("length,chunk_size", [(1, 4), (7, 4), (8, 4), (23, 8), (40, 16)])
-def test_the_chunked_scan_is_the_recurrence(length, chunk_size):
+@pytest.mark.parametrize("at_once", [None, 2])
+def test_the_chunked_scan_is_the_recurrence(length, chunk_size, at_once, monkeypatch):
+    """Float64, from zeros and from a state; all chunks' weights at once, or two chunks at a time."""
+    if at_once is not None:
+        monkeypatch.setattr(mamba2, "SCAN_NUMBERS", at_once * 3 * chunk_size * chunk_size)
     gen = torch.Generator().manual_seed(length)
     heads, head_dim, d_state = 3, 4, 5
 

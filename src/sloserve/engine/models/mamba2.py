@@ -1,5 +1,6 @@
 """Mamba-2's mixer (Dao and Gu, "Transformers are SSMs", 2024): the layers of a hybrid model that mix their
-tokens through a state space model instead of attention (Granite 4.0-H's). HF parameter names.
+tokens through a state space model instead of attention (Granite 4.0-H's, Nemotron-H's, Bamba's). HF parameter
+names.
 
 A token's input projection gives z (the gate), xBC (the values x, B and C of its state update) and dt (a step a
 head). xBC goes through a causal depthwise convolution of ``d_conv`` taps and SiLU; then each head's state
@@ -7,8 +8,8 @@ h (head_dim x d_state) follows h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T and em
 (dt_t = softplus(dt + dt_bias), clamped to ``time_step_limit``; A = -exp(A_log); B and C shared by the heads of
 a group). y, gated by SiLU(z), is RMS-normalized by group and projected back.
 
-A request carries two states from one step to the next, in its slot of ``state_cache.StateCache`` (``MambaMetadata``): the
-convolution's last ``d_conv - 1`` inputs and each head's h. A prefill runs the scan in chunks (the paper's SSD:
+A request carries two states from one step to the next, in its slot of ``state_cache.StateCache``
+(``MambaMetadata``): the convolution's last ``d_conv - 1`` inputs and each head's h. A prefill runs the scan in chunks (the paper's SSD:
 ``ssd_scan``, as transformers' and the reference kernels' chunked form), from zeros or, for a chunk after
 others (chunked prefill), from the state the chunk before left; a decode takes one recurrence step. The states
 are float32 (the convolution's in the model's dtype, as its inputs).
@@ -24,6 +25,9 @@ from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.state_cache import StateCache
+
+# The most numbers the scan's within-chunk weights take at once (``ssd_scan``): 512 MB of float32
+SCAN_NUMBERS = 1 << 27
 
 
 @dataclass
@@ -159,12 +163,19 @@ def ssd_scan(
     xs, bs, cs = chunked(x * dt[..., None]), chunked(b), chunked(c)  # x discretized: dt_t x_t
     log_decay = chunked(dt * a).permute(0, 2, 1)  # (chunks, heads, L): dt_t a, 0 on padding
     cumulative = log_decay.cumsum(-1)  # (chunks, heads, L)
-    # within a chunk: y_l = sum_{s <= l} exp(cum_l - cum_s) (c_l . b_s) dt_s x_s
-    gaps = cumulative[..., :, None] - cumulative[..., None, :]  # (chunks, heads, L, L)
+    # within a chunk: y_l = sum_{s <= l} exp(cum_l - cum_s) (c_l . b_s) dt_s x_s; NOTE: a few chunks at a time,
+    # their (heads, L, L) weights within SCAN_NUMBERS (a long prompt's whole would not fit: 32K tokens, 128 heads
+    # and chunks of 256: 4 GB)
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
-    weights = torch.exp(gaps.masked_fill(~causal, float("-inf")))
-    scores = torch.einsum("klhn,kshn->khls", cs, bs) * weights  # (chunks, heads, L, L)
-    y = torch.einsum("khls,kshp->klhp", scores, xs)
+    step = max(1, SCAN_NUMBERS // (heads * chunk_size * chunk_size))
+    parts = []
+    for k in range(0, chunks, step):
+        cum = cumulative[k : k + step]
+        gaps = cum[..., :, None] - cum[..., None, :]  # (k, heads, L, L)
+        weights = torch.exp(gaps.masked_fill(~causal, float("-inf")))
+        scores = torch.einsum("klhn,kshn->khls", cs[k : k + step], bs[k : k + step]) * weights
+        parts.append(torch.einsum("khls,kshp->klhp", scores, xs[k : k + step]))
+    y = torch.cat(parts)  # (chunks, L, heads, head_dim)
     # each chunk's contribution to the state at its end: sum_s exp(cum_end - cum_s) dt_s x_s b_s^T
     to_end = torch.exp(cumulative[..., -1:] - cumulative)  # (chunks, heads, L)
     contributions = torch.einsum("khl,klhp,klhn->khpn", to_end, xs, bs)  # (chunks, heads, head_dim, d_state)
