@@ -277,6 +277,20 @@ def test_requests_wait_for_a_state_slot(hf_dirs, monkeypatch):
     assert kv.max_requests == 2 and max(held) == 2 and len(held) >= len(PROMPTS)  # (without the cap: 6 at once)
 
 
+def test_a_kv_cache_asked_for_by_size_is_refused_where_the_states_beside_it_do_not_fit(hf_dirs, monkeypatch):
+    """512 tokens of KV and as many of swap space take 256 KB; 64 requests' states 1.3 MB more: on a host of 1 MB
+    the engine says so rather than be killed filling them."""
+    monkeypatch.setattr(llm_engine, "host_memory_bytes", lambda: 1 << 20)
+    with pytest.raises(
+        ConfigError,
+        match="kv_capacity_tokens 512 and 512 tokens of swap space and 1.3 MiB of Mamba layers' states need 1.5 MiB of "
+        "the host's memory \\(256 bytes a token\\); it has 1.0 MiB",
+    ):
+        LLM(hf_dirs["granite_4_h"], "vllm", kv_capacity_tokens=512)
+    monkeypatch.setattr(llm_engine, "host_memory_bytes", lambda: 2 << 20)
+    LLM(hf_dirs["granite_4_h"], "vllm", kv_capacity_tokens=512)
+
+
 def test_a_one_token_prompt_starts_from_zero_states(hf_dirs, monkeypatch):
     """One slot, two requests one after the other: the second, a prompt of one token (its first step a decode),
     does not read the states the first left in the slot."""

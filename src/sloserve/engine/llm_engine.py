@@ -101,31 +101,34 @@ def default_kv_capacity(loaded: LoadedModel, max_model_len: int, reserved_bytes:
     return min(CPU_KV_CACHE_BYTES // bytes_per_token, CPU_KV_CACHE_CONTEXTS * max_model_len)
 
 
-def check_kv_fits(loaded: LoadedModel, capacity: int, swap_tokens: int, bytes_per_token: int) -> None:
-    """A ConfigError when a KV cache of ``capacity`` tokens does not fit in the device's memory, or it
-    and ``swap_tokens`` of swap space (always on the host) do not fit in the host's: a cache asked
-    for by size is refused here rather than killed by the OS (or by CUDA) as it is filled in."""
+def check_kv_fits(
+    loaded: LoadedModel, capacity: int, swap_tokens: int, bytes_per_token: int, state_bytes: int = 0
+) -> None:
+    """A ConfigError when a KV cache of ``capacity`` tokens (and ``state_bytes`` of a Mamba model's states, beside
+    it) does not fit in the device's memory, or they and ``swap_tokens`` of swap space (always on the host) do not
+    fit in the host's: a cache asked for by size is refused here rather than killed by the OS (or by CUDA) as it
+    is filled in."""
 
-    def gib(num_bytes: int) -> str:
-        return f"{num_bytes / 2**30:,.1f} GiB"
+    def gib(num_bytes: int) -> str:  # (in MiB below one GiB: a state cache's may be small)
+        return f"{num_bytes / 2**30:,.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:,.1f} MiB"
 
-    host_tokens = swap_tokens
+    states = f" and {gib(state_bytes)} of Mamba layers' states" if state_bytes else ""
+    host_bytes = swap_tokens * bytes_per_token
     if loaded.device.type == "cuda":
         free = free_cuda_bytes(loaded)
-        if capacity * bytes_per_token > free:
+        if capacity * bytes_per_token + state_bytes > free:
             raise ConfigError(
                 f"kv_capacity_tokens {capacity:,} needs {gib(capacity * bytes_per_token)} of KV cache "
-                f"({bytes_per_token:,} bytes a token) but {loaded.device} has {gib(free)} free after the weights; "
-                f"give at most {free // bytes_per_token:,}"
+                f"({bytes_per_token:,} bytes a token){states} but {loaded.device} has {gib(free)} free after the "
+                f"weights; give at most {max(free - state_bytes, 0) // bytes_per_token:,}"
             )
     else:
-        host_tokens += capacity
+        host_bytes += capacity * bytes_per_token + state_bytes
     host = host_memory_bytes()
-    if host is not None and host_tokens * bytes_per_token > host:
+    if host is not None and host_bytes > host:
         raise ConfigError(
-            f"kv_capacity_tokens {capacity:,} and {swap_tokens:,} tokens of swap space need "
-            f"{gib(host_tokens * bytes_per_token)} of the host's memory ({bytes_per_token:,} bytes a token); "
-            f"it has {gib(host)}"
+            f"kv_capacity_tokens {capacity:,} and {swap_tokens:,} tokens of swap space{states} need "
+            f"{gib(host_bytes)} of the host's memory ({bytes_per_token:,} bytes a token); it has {gib(host)}"
         )
 
 
@@ -246,7 +249,7 @@ class LLMEngine:
         if swap_space_tokens is None:
             swap_space_tokens = min(capacity, MAX_SWAP_BYTES // bytes_per_token)
         if sized_by_caller:  # NOTE: the defaults fit by construction
-            check_kv_fits(loaded, capacity, swap_space_tokens, bytes_per_token)
+            check_kv_fits(loaded, capacity, swap_space_tokens, bytes_per_token, state_bytes)
         self.scheduler = make_scheduler(
             scheduler,
             kv_capacity_tokens=capacity,
