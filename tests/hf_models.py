@@ -27,7 +27,8 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "gpt_neox": 27, "cohere": 28, "cohere2": 29, "gpt2": 30, "phi": 31, "starcoder2": 32, "gemma": 33, "deepseek_v2": 34, "deepseek_v3": 35,
          "stablelm": 36, "olmo": 37, "nemotron": 38, "arcee": 39, "granitemoe": 40, "hunyuan": 41,
          "glm4_moe": 42, "ernie4_5_moe": 43, "apertus": 44, "hunyuan_moe": 45, "granitemoehybrid": 46,
-         "granitemoehybrid_moe": 47, "granite_4_h": 48, "nemotron_h": 49, "bamba": 50, "nemotron_h_moe": 51}  # fmt: skip
+         "granitemoehybrid_moe": 47, "granite_4_h": 48, "nemotron_h": 49, "bamba": 50, "nemotron_h_moe": 51,
+         "falcon_h1": 52, "falcon_h1_norm": 53}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -277,6 +278,18 @@ def hf_model(arch: str):
             n_group=2, topk_group=1, routed_scaling_factor=2.5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         )  # fmt: skip
         cls = transformers.NemotronHForCausalLM
+    elif arch in ("falcon_h1", "falcon_h1_norm"):
+        # Falcon-H1's outline: a Mamba-2 mixer beside each attention, every muP multiplier away from 1; its mixers'
+        # output only gated (its default), or RMS-normalized by group before the gate
+        config = transformers.FalconH1Config(
+            **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, mamba_d_ssm=128, mamba_n_heads=8,
+            mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8,
+            mamba_rms_norm=arch == "falcon_h1_norm", mamba_norm_before_gate=True, attention_in_multiplier=0.8,
+            key_multiplier=1.3, attention_out_multiplier=0.7, ssm_in_multiplier=1.2, ssm_out_multiplier=0.9,
+            ssm_multipliers=[0.5, 1.5, 0.8, 1.1, 0.7], mlp_multipliers=[1.2, 0.8], embedding_multiplier=2.0,
+            lm_head_multiplier=0.5, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        cls = transformers.FalconH1ForCausalLM
     elif arch == "bamba":  # Bamba 9B's outline: attention in one layer of three, Mamba-2 in the others, half rotary
         config = transformers.BambaConfig(
             **{**common, "num_hidden_layers": 3}, intermediate_size=128, num_key_value_heads=2, attn_layer_indices=[1],

@@ -1,4 +1,4 @@
-"""Hybrid models (Granite 4.0-H, Nemotron-H, Bamba: Mamba-2 layers beside attention ones, models/mamba2.py): the chunked scan against
+"""Hybrid models (Granite 4.0-H, Nemotron-H, Bamba, Falcon-H1: Mamba-2 mixers beside attention, models/mamba2.py): the chunked scan against
 the token-by-token recurrence, the mixer against transformers' layer (a prompt whole, in chunks that carry their
 states, then decodes; several requests in one step), and the engine against transformers' greedy tokens: on three
 schedulers, through chunked prefill, preemption by recompute, asynchronous scheduling and a cap of state slots;
@@ -147,6 +147,17 @@ def test_nemotron_hs_experts_stored_stacked_load_as_per_expert_ones(hf_dirs, tmp
     assert tokens == reference("nemotron_h_moe")
 
 
+@pytest.mark.parametrize("arch", ["falcon_h1", "falcon_h1_norm"])
+def test_falcon_h1s_shape_counts_both_mixers_of_every_layer(hf_dirs, arch):
+    """transformers' parameter count (the gated norm's weight only with ``mamba_rms_norm``); every layer's KV and
+    states."""
+    spec = model_spec(hf_dirs[arch])
+    assert spec.num_params == sum(p.numel() for p in hf_cached(arch).parameters())
+    assert spec.kv_layers == spec.num_layers == 2 and spec.state_bytes_per_sequence == 2 * (
+        192 * 3 * 4 + 8 * 16 * 16 * 4
+    )
+
+
 @pytest.mark.parametrize("arch", ["granite_4_h", "bamba"])
 def test_a_hybrid_models_shape_counts_its_mixers_and_only_its_attention_layers_kv(hf_dirs, arch):
     """transformers' parameter count; KV bytes a token of the one attention layer of three (the engine's and
@@ -203,7 +214,9 @@ def test_the_simulator_keeps_a_hybrids_states_as_the_engine_does(hf_dirs, monkey
     assert batches == {256: 40, 3: 3}
 
 
-@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h", "bamba", "nemotron_h_moe"])
+@pytest.mark.parametrize(
+    "arch", ["granite_4_h", "nemotron_h", "bamba", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm"]
+)
 @pytest.mark.parametrize(
     "scheduler,options",
     [
@@ -217,7 +230,9 @@ def test_the_simulator_keeps_a_hybrids_states_as_the_engine_does(hf_dirs, monkey
 def test_a_hybrid_model_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options):
     """Granite 4.0-H (Mamba layers, attention, experts beside a shared MLP), Nemotron-H (blocks of one mixer:
     Mamba, an MLP or attention without a position embedding; Nemotron 3's with experts, DeepSeek-V3's routing over
-    two-matrix experts) and Bamba (Llama's layers, half of each head rotated)."""
+    two-matrix experts), Bamba (Llama's layers, half of each head rotated) and Falcon-H1 (a mixer beside each
+    attention, every muP multiplier away from 1 and folded into the weights; its mixers' output gated, or
+    normalized then gated)."""
     tokens, llm = greedy_tokens(hf_dirs[arch], scheduler, **options)
     assert tokens == reference(arch)
     assert llm.engine.scheduler.kv.max_requests == llm.engine.executor.states.cache.num_slots

@@ -45,6 +45,8 @@ ARCHITECTURES: dict[str, str] = {
     "bamba": "bamba",
     # (Nemotron-H, Nemotron Nano 2: blocks of one mixer each, Mamba-2, attention without rope or a squared-ReLU MLP)
     "nemotron_h": "nemotron_h",
+    # (Falcon-H1 0.5B-34B: Llama's layers with a Mamba-2 mixer beside each attention, muP multipliers)
+    "falcon_h1": "falcon_h1",
     # (Hunyuan 0.5B-7B: Llama's layers, each query and key head normalized after the rotary embedding)
     "hunyuan_v1_dense": "hunyuan",
     # (Hunyuan-A13B: those layers, each MLP a softmax-routed mixture of experts beside an ungated shared one)
@@ -143,11 +145,12 @@ MOE_DEFAULTS = {
     "hunyuan_v1_moe": {"num_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": None},
 }
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")  # (multi-head latent attention)
-# transformers' GraniteMoeHybridConfig defaults of its Mamba-2 mixers (``mamba_*`` in a config)
+# transformers' GraniteMoeHybridConfig defaults of its Mamba-2 mixers (``mamba_*`` in a config), and FalconH1Config's
 MAMBA2_DEFAULTS = {
     "n_heads": 128, "n_groups": 1, "d_state": 256, "d_head": "auto", "d_conv": 4, "expand": 2, "chunk_size": 256,
     "conv_bias": True, "proj_bias": False,
 }  # fmt: skip
+FALCON_H1_MAMBA_DEFAULTS = {**MAMBA2_DEFAULTS, "d_ssm": 1024, "rms_norm": False, "norm_before_gate": True}
 # transformers' defaults of their routing where it differs by version: (n_shared_experts, routed_scaling_factor,
 # topk_method, n_group, topk_group, norm_topk_prob, first_k_dense_replace)
 DEEPSEEK_ROUTING_DEFAULTS = {
@@ -253,6 +256,7 @@ WEIGHTLESS_NORMS = ("olmo",)
 SLIDING = "sliding_attention"
 MAMBA = "mamba"  # (a layer of Mamba-2's mixer: ``ModelConfig.mamba``)
 MLP_LAYER = "mlp"  # (Nemotron-H's layers of an MLP alone)
+PARALLEL_HYBRID = "attention_and_mamba"  # (Falcon-H1's layers: attention and a Mamba-2 mixer side by side)
 # Byte-level tokenizer of random models: ids 0..255 are bytes, then BOS and EOS.
 BYTE_BOS_ID, BYTE_EOS_ID = 256, 257
 RANDOM_PREFIX = "random:"
@@ -433,8 +437,9 @@ class ModelConfig:
         return self.sliding_window if self.layer_types and self.layer_types[layer] == SLIDING else None
 
     def layer_is_mamba(self, layer: int) -> bool:
-        """Whether layer ``layer`` mixes its tokens with a Mamba-2 mixer rather than attention."""
-        return self.mamba is not None and self.layer_types[layer] == MAMBA
+        """Whether layer ``layer`` mixes its tokens with a Mamba-2 mixer (instead of attention, or beside it:
+        Falcon-H1's)."""
+        return self.mamba is not None and self.layer_types[layer] in (MAMBA, PARALLEL_HYBRID)
 
     def layer_has_kv(self, layer: int) -> bool:
         """Whether layer ``layer`` attends (and has a KV cache): not a Mamba layer, nor Nemotron-H's MLP ones."""
@@ -465,7 +470,8 @@ class ModelConfig:
             m["d_inner"] + conv_dim + m["n_heads"]
         )
         conv = conv_dim * m["d_conv"] + conv_dim * m["conv_bias"]
-        return in_proj + conv + 3 * m["n_heads"] + m["d_inner"] + m["d_inner"] * h + m["proj_bias"] * h
+        norm = m["d_inner"] * m["rms_norm"]
+        return in_proj + conv + 3 * m["n_heads"] + norm + m["d_inner"] * h + m["out_proj_bias"] * h
 
     def mamba_state_bytes(self, dtype_bytes: float) -> int:
         """A request's states, every Mamba layer's: the convolution's last d_conv - 1 inputs (``dtype_bytes`` a
@@ -539,8 +545,10 @@ class ModelConfig:
             if "swiglu_limit" in self.moe:  # gpt-oss: the router's and the experts' biases
                 experts += self.moe["num_experts"] * (1 + 2 * self.moe["moe_intermediate_size"] + h)
             total += sum(self.moe["moe_layers"]) * (experts - mlp)
-        if self.mamba is not None:  # a Mamba layer: the mixer instead of the attention
-            total += self.num_mamba_layers * (self.mamba_params - attention)
+        if self.mamba is not None:  # a Mamba layer: the mixer instead of the attention (Falcon-H1's: beside it)
+            total += (
+                self.num_mamba_layers * self.mamba_params - (self.num_hidden_layers - self.num_kv_layers) * attention
+            )
         return total
 
     def _deepseek_num_params(self) -> int:
@@ -763,11 +771,15 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
             )
     rotary_layers = raw.get("no_rope_layers") if model_type == "smollm3" else None  # (HF's name: 1 rotates)
     intermediate = need("intermediate_size")
-    mamba = None
+    mamba, extra = None, {}
     if model_type == "granitemoehybrid":
         rotary_layers, intermediate, layer_types, mamba = _granite_4_layers(raw, common["num_hidden_layers"], name)
     elif model_type == "bamba":  # (attention at attn_layer_indices, Mamba-2 elsewhere)
         layer_types, mamba = _bamba_layers(raw, common["num_hidden_layers"], name)
+    elif model_type == "falcon_h1":  # (both in every layer; its multipliers folded into the weights as they load)
+        layer_types = (PARALLEL_HYBRID,) * common["num_hidden_layers"]
+        mamba = _mamba2(raw, name, FALCON_H1_MAMBA_DEFAULTS)
+        extra = {"falcon_h1_multipliers": _falcon_h1_multipliers(raw, name)}
     if model_type == "exaone4" and window:  # (its hybrid attention: the global layers without rope)
         rotary_layers = [layer_type == SLIDING for layer_type in layer_types]
     if model_type == "cohere2":  # (only its sliding layers rotate: none where it has no window)
@@ -817,6 +829,8 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         rotary_layers=tuple(bool(flag) for flag in rotary_layers or ()),
         mamba=mamba,
         **(_granite_multipliers(raw) if model_type in ("granite", "granitemoe", "granitemoehybrid") else {}),
+        **(_falcon_h1_scales(raw, name) if model_type == "falcon_h1" else {}),
+        extra=extra,
         # NOTE: Cohere's logits times logit_scale, as its inverse's quotient (the Hub's: powers of two, exact)
         **({"logits_scaling": 1 / float(raw["logit_scale"])} if cohere else {}),
     )
@@ -937,7 +951,9 @@ def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
         output = raw.get("attention_out_bias", False)
     else:
         output = (
-            model_type in ("gpt_oss", "exaone4", "cohere", "cohere2", "phi", "nemotron", "arcee", *OLMO_TYPES) and qkv
+            model_type
+            in ("gpt_oss", "exaone4", "cohere", "cohere2", "phi", "nemotron", "arcee", "falcon_h1", *OLMO_TYPES)
+            and qkv
         )
     return {
         "attention_bias": bool(qkv),
@@ -986,15 +1002,18 @@ def _bamba_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tuple[st
     return layer_types, _mamba2(raw, name) if MAMBA in layer_types else None
 
 
-def _mamba2(raw: dict[str, Any], name: str) -> dict[str, Any]:
-    """The Mamba-2 mixers' settings of a Granite 4.0-H or Bamba config (``mamba_*``, transformers' defaults), checked."""
+def _mamba2(raw: dict[str, Any], name: str, defaults: dict[str, Any] = MAMBA2_DEFAULTS) -> dict[str, Any]:
+    """The Mamba-2 mixers' settings of a Granite 4.0-H, Bamba or Falcon-H1 config (``mamba_*``, its transformers
+    class's defaults: ``defaults``), checked. ``d_ssm``: the mixer's width where given (Falcon-H1's), else
+    ``expand`` x hidden."""
     hidden = raw["hidden_size"]
-    settings = {key: raw.get(f"mamba_{key}", default) for key, default in MAMBA2_DEFAULTS.items()}
+    settings = {key: raw.get(f"mamba_{key}", default) for key, default in defaults.items()}
     for key in ("n_heads", "n_groups", "d_state", "d_conv", "expand", "chunk_size"):
         value = settings[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name}: mamba_{key} must be a positive integer, got {value!r}")
-    d_inner = settings.pop("expand") * hidden
+    d_inner = settings.pop("d_ssm", None) or settings["expand"] * hidden
+    settings.pop("expand")
     heads, head_dim = settings["n_heads"], settings.pop("d_head")
     if head_dim == "auto":
         head_dim = d_inner // heads
@@ -1014,6 +1033,12 @@ def _mamba2(raw: dict[str, Any], name: str) -> dict[str, Any]:
         "d_inner": d_inner,
         "conv_bias": bool(settings["conv_bias"]),
         "proj_bias": bool(settings["proj_bias"]),
+        # (the out projection's bias: Falcon-H1's projectors_bias, else in_proj's)
+        "out_proj_bias": bool(raw.get("projectors_bias", settings["proj_bias"])),
+        # (the output gated and RMS-normalized by group, the gate after the norm where norm_before_gate; else
+        # only gated: Falcon-H1's default)
+        "rms_norm": bool(settings.pop("rms_norm", True)),
+        "norm_before_gate": bool(settings.pop("norm_before_gate", False)),
         "time_step_limit": tuple(limit),
     }
 
@@ -1099,6 +1124,9 @@ def _nemotron_h_config(raw: dict[str, Any], common: dict[str, Any], name: str, n
         d_inner=heads * head_dim,
         conv_bias=bool(raw.get("use_conv_bias", raw.get("mamba_conv_bias", True))),
         proj_bias=bool(raw.get("use_bias", False)),
+        out_proj_bias=bool(raw.get("use_bias", False)),
+        rms_norm=True,
+        norm_before_gate=False,
         time_step_limit=(least, float("inf")),
     )
     layers, kinds = common["num_hidden_layers"], _nemotron_h_kinds(raw, name)
@@ -1115,6 +1143,36 @@ def _nemotron_h_config(raw: dict[str, Any], common: dict[str, Any], name: str, n
         mamba=mamba,
         moe=_nemotron_h_moe(raw, kinds, name),
     )
+
+
+def _falcon_h1_scales(raw: dict[str, Any], name: str) -> dict[str, float]:
+    """Falcon-H1's embeddings times ``embedding_multiplier``, its logits times ``lm_head_multiplier`` (Granite's
+    fields: the logits divided by its inverse)."""
+    head = _json_float(raw.get("lm_head_multiplier", 1.0), "lm_head_multiplier", name)
+    if not head:
+        raise ConfigError(f"{name}: lm_head_multiplier must not be 0")
+    return {
+        "embedding_multiplier": _json_float(raw.get("embedding_multiplier", 1.0), "embedding_multiplier", name),
+        "logits_scaling": 1 / head,
+    }
+
+
+def _falcon_h1_multipliers(raw: dict[str, Any], name: str) -> dict[str, Any]:
+    """Falcon-H1's muP multipliers of its projections (the loader folds them into the weights,
+    ``models/falcon_h1.py``): attention's input, keys and output, the mixer's input, its in_proj's five parts (z,
+    x, B, C, dt) and output, the MLP's gate and down projection; transformers' defaults (1)."""
+    scalars = {
+        key: _json_float(raw.get(key, 1.0), key, name)
+        for key in ("attention_in_multiplier", "key_multiplier", "attention_out_multiplier", "ssm_in_multiplier",
+                    "ssm_out_multiplier")
+    }  # fmt: skip
+    lists = {"ssm_multipliers": 5, "mlp_multipliers": 2}
+    for key, size in lists.items():
+        values = raw.get(key) or [1.0] * size
+        if not isinstance(values, list) or len(values) != size:
+            raise ConfigError(f"{name}: {key} must be {size} numbers, got {values!r}")
+        scalars[key] = [_json_float(v, key, name) for v in values]
+    return scalars
 
 
 def _json_float(value: Any, key: str, name: str) -> float:

@@ -10,7 +10,7 @@ from torch import nn
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend
-from sloserve.engine.models import apertus, deepseek_v2, gpt2, gpt_neox, hunyuan, nemotron_h, phi
+from sloserve.engine.models import apertus, deepseek_v2, falcon_h1, gpt2, gpt_neox, hunyuan, nemotron_h, phi
 from sloserve.engine.models.apertus import ApertusForCausalLM
 from sloserve.engine.models.arcee import ArceeForCausalLM
 from sloserve.engine.models.cohere import CohereForCausalLM
@@ -54,6 +54,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "granitemoehybrid": LlamaForCausalLM,
     "nemotron_h": NemotronHForCausalLM,
     "bamba": LlamaForCausalLM,
+    "falcon_h1": LlamaForCausalLM,
 }
 
 
@@ -95,18 +96,15 @@ CHECKPOINT_TENSORS = {
     "ernie4_5_moe": _ernie4_5_moe_tensor,
     "granitemoehybrid": _granite_4_tensor,
     "nemotron_h": nemotron_h.checkpoint_tensor,
+    "falcon_h1": falcon_h1.checkpoint_tensor,
 }
 # An architecture's checkpoint names of modules the engine names otherwise (Llama's): each part of a name replaced
 CHECKPOINT_NAMES = {
     "phi": phi.CHECKPOINT_NAMES,
     "hunyuan": hunyuan.CHECKPOINT_NAMES,
     "apertus": apertus.CHECKPOINT_NAMES,
-    # (Bamba's MLP, its norm before it and its final norm)
-    "bamba": {
-        ".feed_forward.": ".mlp.",
-        ".pre_ff_layernorm.": ".post_attention_layernorm.",
-        "model.final_layernorm.": "model.norm.",
-    },
+    "bamba": falcon_h1.CHECKPOINT_NAMES,  # (Bamba's names of its MLP, its norm before it and its final norm)
+    "falcon_h1": falcon_h1.CHECKPOINT_NAMES,
 }
 # The merged projections a model type's checkpoints store whole, in the row order the engine's have:
 # Phi-3's Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``), GLM's and Granite 4.0's gate/up

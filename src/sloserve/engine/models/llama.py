@@ -358,9 +358,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
-        # (a Mamba layer, Granite 4.0-H's: its mixer in attention's place, ``forward``)
+        # (a Mamba layer, Granite 4.0-H's: its mixer in attention's place; Falcon-H1's: beside it, ``forward``)
         self.mamba = Mamba2Mixer(config, layer) if config.layer_is_mamba(layer) else None
-        self.self_attn = None if self.mamba is not None else self.make_attention(config, backend, layer)
+        attends = config.layer_has_kv(layer)
+        self.self_attn = self.make_attention(config, backend, layer) if attends else None
         self.mlp = self.make_mlp(config, layer)
         self.input_layernorm = self.norm_class(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = self.norm_class(config.hidden_size, config.norm_eps)
@@ -378,10 +379,14 @@ class LlamaDecoderLayer(nn.Module):
 
         NOTE: vLLM's layout: each output joins the stream in the norm after it (``add_and_norm``), so
         the sums are HF's ``x + attn(norm(x))`` and ``x + mlp(norm(x))``, bit for bit on the PyTorch path.
-        A Mamba layer mixes with its mixer (``meta.mamba``'s states) instead, and has no caches."""
+        A Mamba layer mixes with its mixer (``meta.mamba``'s states) instead, and has no caches; Falcon-H1's layer
+        adds its attention's output to its mixer's, both of the same normalized input."""
         if self.mamba is not None:
             h, residual = self._input_norm(x, residual)
-            return self._after_mixing(self.mamba(h, meta.mamba), residual)
+            mixed = self.mamba(h, meta.mamba)
+            if self.self_attn is not None:
+                mixed = mixed + self.self_attn(h, cos, sin, k_cache, v_cache, meta)
+            return self._after_mixing(mixed, residual)
         q, k, v, residual = self.before_attention(x, residual, cos, sin)
         attended = self.self_attn.attend(q, k, v, k_cache, v_cache, meta)  # (T, nh, hd)
         return self.after_attention(attended, residual)

@@ -6,7 +6,8 @@ A token's input projection gives z (the gate), xBC (the values x, B and C of its
 head). xBC goes through a causal depthwise convolution of ``d_conv`` taps and SiLU; then each head's state
 h (head_dim x d_state) follows h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T and emits y_t = h_t C_t + D x_t
 (dt_t = softplus(dt + dt_bias), clamped to ``time_step_limit``; A = -exp(A_log); B and C shared by the heads of
-a group). y, gated by SiLU(z), is RMS-normalized by group and projected back.
+a group). y, gated by SiLU(z), is RMS-normalized by group (Falcon-H1's: normalized then gated, or only gated)
+and projected back.
 
 A request carries two states from one step to the next, in its slot of ``state_cache.StateCache``
 (``MambaMetadata``): the convolution's last ``d_conv - 1`` inputs and each head's h. A prefill runs the scan in chunks (the paper's SSD:
@@ -42,18 +43,27 @@ class MambaMetadata:
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm of y * SiLU(z) over groups of ``group_size`` numbers, in float32 (Mamba-2's ``norm``)."""
+    """RMSNorm of y * SiLU(z) over groups of ``group_size`` numbers, in float32 (Mamba-2's ``norm``); with
+    ``norm_before_gate``, the norm of y times SiLU(z) (Falcon-H1's option)."""
 
-    def __init__(self, size: int, group_size: int, eps: float) -> None:
+    def __init__(self, size: int, group_size: int, eps: float, norm_before_gate: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
-        self.group_size, self.eps = group_size, eps
+        self.group_size, self.eps, self.norm_before_gate = group_size, eps, norm_before_gate
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # (T, d_inner) each
-        gated = y.float() * F.silu(z.float())
-        groups = gated.view(*gated.shape[:-1], -1, self.group_size)
-        normed = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.view_as(gated).to(y.dtype)
+        gate = F.silu(z.float())
+        x = y.float() if self.norm_before_gate else y.float() * gate
+        groups = x.view(*x.shape[:-1], -1, self.group_size)
+        normed = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).view_as(x)
+        if self.norm_before_gate:
+            return (self.weight.float() * normed * gate).to(y.dtype)
+        return self.weight * normed.to(y.dtype)
+
+
+def gated(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # (T, d_inner) each
+    """y * SiLU(z), no norm (Falcon-H1's mixers without ``mamba_rms_norm``)."""
+    return (y.float() * F.silu(z.float())).to(y.dtype)
 
 
 class Mamba2Mixer(nn.Module):
@@ -78,8 +88,12 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
         self.A_log = nn.Parameter(torch.empty(self.num_heads))
         self.D = nn.Parameter(torch.empty(self.num_heads))
-        self.norm = GatedRMSNorm(self.d_inner, self.d_inner // self.n_groups, config.norm_eps)
-        self.out_proj = nn.Linear(self.d_inner, h, bias=m["proj_bias"])
+        self.norm = (
+            GatedRMSNorm(self.d_inner, self.d_inner // self.n_groups, config.norm_eps, m["norm_before_gate"])
+            if m["rms_norm"]
+            else gated
+        )
+        self.out_proj = nn.Linear(self.d_inner, h, bias=m["out_proj_bias"])
 
     def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:  # (T, H) normalized -> (T, H)
         z, xbc, dt = self.in_proj(x).split((self.d_inner, self.conv_dim, self.num_heads), dim=-1)
