@@ -38,8 +38,8 @@ ARCHITECTURES: dict[str, str] = {
     "smollm3": "llama",  # (Llama's layers, every fourth without a rotary embedding)
     "granite": "llama",  # (Llama's layers, scaled: ModelConfig's multipliers)
     "granitemoe": "llama",  # (Granite 3 MoE: Granite's layers, their MLPs mixtures of experts)
-    # (Granite 4.0 without Mamba layers, Micro 3B: Granite's layers, NoPE where it says, a shared MLP (beside any
-    # experts); its hybrids, the 4.0-H models, are refused)
+    # (Granite 4.0: Granite's layers, NoPE where it says, a shared MLP (beside any experts); Micro's all attention,
+    # the 4.0-H models' mostly Mamba-2 mixers)
     "granitemoehybrid": "granitemoehybrid",
     # (Bamba 9B: Llama's layers, Mamba-2 mixers in most of them, half of each attention head rotated)
     "bamba": "bamba",
@@ -335,9 +335,9 @@ class ModelConfig:
     # DeepSeek-V2's multi-head latent attention: q_lora_rank (None: one query projection), kv_lora_rank (the
     # latent's size, d_c), qk_nope_head_dim, qk_rope_head_dim (d_h^R) and v_head_dim; None: not
     mla: dict[str, Any] | None = None
-    # Mamba-2 mixers in place of attention in the layers whose layer_types entry is MAMBA (Granite 4.0-H): n_heads,
-    # head_dim, n_groups, d_state, d_conv, d_inner (mamba_expand x hidden), chunk_size, conv_bias, proj_bias,
-    # time_step_limit; None: none
+    # Mamba-2 mixers in place of attention in the layers whose layer_types entry is MAMBA (Granite 4.0-H, Bamba,
+    # Nemotron-H), beside it in PARALLEL_HYBRID ones (Falcon-H1): n_heads, head_dim, n_groups, d_state, d_conv,
+    # d_inner, chunk_size, conv_bias, proj_bias, out_proj_bias, rms_norm, norm_before_gate, time_step_limit; None: none
     mamba: dict[str, Any] | None = None
     # OPT only
     word_embed_proj_dim: int | None = None
