@@ -242,7 +242,7 @@ def test_a_hybrid_model_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options
         assert llm.engine.executor.num_early_launches > 0
 
 
-@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h", "falcon_h1"])
 def test_decode_steps_on_the_graphs_buffers_give_hf_greedy_tokens(hf_dirs, arch):
     """Decode-only steps through ``DecodeGraphs``' padded static buffers (not captured on the CPU, as in
     test_cuda_graphs.py): each row's state slot one more input, the padding rows on the state cache's pad slot."""
@@ -268,7 +268,7 @@ def test_decode_steps_on_the_graphs_buffers_give_hf_greedy_tokens(hf_dirs, arch)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: a GPU's (the runbook's tests stage)")
-@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h", "falcon_h1"])
 def test_on_cuda_a_hybrid_models_captured_decode_steps_give_hf_greedy_tokens(hf_dirs, arch):
     """The Triton backend, chunked prefills, and decode steps replayed from captured graphs, in float32."""
     options = dict(prefill_token_budget=8, block_size=4, cuda_graphs=True, dtype="float32")
