@@ -462,10 +462,14 @@ class ModelConfig:
         return sum(self.layer_is_mamba(i) for i in range(self.num_hidden_layers))
 
     @property
+    def mamba_conv_dim(self) -> int:
+        """The channels a Mamba-2 mixer's convolution runs over: its x, B and C (d_inner + 2 n_groups d_state)."""
+        return self.mamba["d_inner"] + 2 * self.mamba["n_groups"] * self.mamba["d_state"]
+
+    @property
     def mamba_params(self) -> int:
         """A Mamba-2 mixer's parameters: in_proj, conv1d, dt_bias, A_log, D, the gated norm, out_proj."""
-        m, h = self.mamba, self.hidden_size
-        conv_dim = m["d_inner"] + 2 * m["n_groups"] * m["d_state"]
+        m, h, conv_dim = self.mamba, self.hidden_size, self.mamba_conv_dim
         in_proj = h * (m["d_inner"] + conv_dim + m["n_heads"]) + m["proj_bias"] * (
             m["d_inner"] + conv_dim + m["n_heads"]
         )
@@ -479,8 +483,9 @@ class ModelConfig:
         if self.mamba is None:
             return 0
         m = self.mamba
-        conv_dim = m["d_inner"] + 2 * m["n_groups"] * m["d_state"]
-        per_layer = conv_dim * (m["d_conv"] - 1) * dtype_bytes + m["n_heads"] * m["head_dim"] * m["d_state"] * 4
+        per_layer = (
+            self.mamba_conv_dim * (m["d_conv"] - 1) * dtype_bytes + m["n_heads"] * m["head_dim"] * m["d_state"] * 4
+        )
         return int(self.num_mamba_layers * per_layer)
 
     @property
@@ -584,7 +589,7 @@ class ModelConfig:
         extra = {}  # (the fields a dense model with Llama's attention leaves at 0)
         if self.moe is not None:  # (each routed expert's SwiGLU; gpt-oss's with its biases)
             h, inner, moe = self.hidden_size, self.moe["moe_intermediate_size"], self.moe
-            matrices = 2 if self.model_type == "nemotron_h" else 3  # (Nemotron-H's experts have no gate)
+            matrices = 3 if self.moe_experts_gated else 2  # (gate, up, down; Nemotron-H's up and down)
             per_expert = matrices * h * inner + (2 * inner + h if "swiglu_limit" in moe else 0)
             extra.update(
                 num_experts=moe["num_experts"],
@@ -1008,10 +1013,7 @@ def _mamba2(raw: dict[str, Any], name: str, defaults: dict[str, Any] = MAMBA2_DE
     ``expand`` x hidden."""
     hidden = raw["hidden_size"]
     settings = {key: raw.get(f"mamba_{key}", default) for key, default in defaults.items()}
-    for key in ("n_heads", "n_groups", "d_state", "d_conv", "expand", "chunk_size"):
-        value = settings[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name}: mamba_{key} must be a positive integer, got {value!r}")
+    _check_positive_ints(settings, ("n_heads", "n_groups", "d_state", "d_conv", "expand", "chunk_size"), name, "mamba_")
     d_inner = settings.pop("d_ssm", None) or settings["expand"] * hidden
     settings.pop("expand")
     heads, head_dim = settings["n_heads"], settings.pop("d_head")
@@ -1089,12 +1091,9 @@ def _nemotron_h_moe(raw: dict[str, Any], kinds: list[str], name: str) -> dict[st
         "n_group": raw.get("n_group", 1),
         "topk_group": raw.get("topk_group", 1),
     }
-    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
-        if isinstance(moe[key], bool) or not isinstance(moe[key], int) or moe[key] < 1:
-            raise ConfigError(f"{name}: {key} must be a positive integer, got {moe[key]!r}")
+    _check_positive_ints(moe, ("shared_expert_intermediate_size",), name)  # (transformers builds it always)
+    _check_moe_sizes(moe, name)
     _check_group_routing(moe, ("noaux_tc",), name)
-    if moe["num_experts_per_tok"] > moe["num_experts"]:
-        raise ConfigError(f"{name}: num_experts_per_tok {moe['num_experts_per_tok']} exceeds {moe['num_experts']}")
     return moe
 
 
@@ -1114,9 +1113,7 @@ def _nemotron_h_config(raw: dict[str, Any], common: dict[str, Any], name: str, n
         "d_conv": raw.get("conv_kernel", raw.get("mamba_d_conv", 4)),
         "chunk_size": raw.get("chunk_size", raw.get("mamba_chunk_size", 128)),
     }
-    for key, value in mamba.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name}: nemotron_h Mamba {key} must be a positive integer, got {value!r}")
+    _check_positive_ints(mamba, tuple(mamba), name, "nemotron_h Mamba ")
     if heads % mamba["n_groups"]:
         raise ConfigError(f"{name}: n_groups {mamba['n_groups']} must divide mamba_num_heads {heads}")
     least = _json_float(raw.get("time_step_min", raw.get("mamba_dt_min", 0.001)), "time_step_min", name)
@@ -1302,15 +1299,30 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
             swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
             swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
         )
-    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-        if not isinstance(moe[key], int) or isinstance(moe[key], bool) or moe[key] < 1:
-            raise ConfigError(f"{name}: {key} must be a positive integer, got {moe[key]!r}")
+    _check_moe_sizes(moe, name)
+    return moe
+
+
+def _check_positive_ints(settings: dict[str, Any], keys: tuple[str, ...], name: str, label: str = "") -> None:
+    """A ConfigError naming the first of ``keys`` whose value in ``settings`` is not a positive integer (``label``:
+    its name's prefix in the config)."""
+    for key in keys:
+        value = settings[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}: {label}{key} must be a positive integer, got {value!r}")
+
+
+def _check_moe_sizes(moe: dict[str, Any], name: str) -> None:
+    """A mixture of experts' sizes: positive counts and widths, a shared expert's width >= 0 (0: none), a
+    token's experts among them."""
+    _check_positive_ints(moe, ("num_experts", "num_experts_per_tok", "moe_intermediate_size"), name)
     shared = moe["shared_expert_intermediate_size"]
     if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
         raise ConfigError(f"{name}: shared_expert_intermediate_size must be an integer >= 0, got {shared!r}")
-    if moe["num_experts_per_tok"] > experts:
-        raise ConfigError(f"{name}: num_experts_per_tok {moe['num_experts_per_tok']} exceeds num_experts {experts}")
-    return moe
+    if moe["num_experts_per_tok"] > moe["num_experts"]:
+        raise ConfigError(
+            f"{name}: num_experts_per_tok {moe['num_experts_per_tok']} exceeds num_experts {moe['num_experts']}"
+        )
 
 
 def _ntk_alpha(

@@ -279,6 +279,20 @@ def attend(query, keys, values, mask, scale: float | None, softcap: float | None
     return torch.cat(out, dim=-2)
 
 
+def causal_mask(
+    query_len: int, context_len: int, device: torch.device, first: int = 0, window: int | None = None
+) -> torch.Tensor:  # (c, n - first) bool
+    """Which of a context's keys ``first`` .. n - 1 each of its last c tokens sees: query i sits at position
+    n - c + i and sees keys 0 .. n - c + i (bottom-right causal), within a ``window`` the last ``window`` of them."""
+    c, n = query_len, context_len
+    rows = torch.arange(c, device=device).unsqueeze(1) + (n - c)  # (c, 1)
+    positions = torch.arange(first, n, device=device).unsqueeze(0)  # (1, n - first)
+    mask = positions <= rows
+    if window is not None:
+        mask &= positions > rows - window
+    return mask
+
+
 def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
     """(..., num_kv_heads, head_dim) -> (..., num_heads, head_dim) for grouped-query attention."""
     return x if group == 1 else x.repeat_interleave(group, dim=-2)
@@ -316,13 +330,7 @@ class TorchAttention(AttentionBackend):
             if n == c and window is None:  # nothing cached: both alignments agree, and SDPA skips masked tiles
                 attended = attend(query, keys, values, None, scale, softcap, head_sinks)
             else:
-                # Query i sits at position n - c + i and sees keys 0..n - c + i (bottom-right causal),
-                # within a window the last `window` of them.
-                rows = torch.arange(c, device=q.device).unsqueeze(1) + (n - c)  # (c, 1)
-                positions = torch.arange(first, n, device=q.device).unsqueeze(0)  # (1, n - first)
-                mask = positions <= rows
-                if window is not None:
-                    mask &= positions > rows - window
+                mask = causal_mask(c, n, q.device, first, window)
                 attended = attend(query, keys, values, mask, scale, softcap, head_sinks)
             out[s : s + c] = attended[0].transpose(0, 1)
         for batch in meta.decode_groups if window is None else meta.windowed_decode_groups(window):

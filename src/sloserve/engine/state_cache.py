@@ -21,10 +21,9 @@ class StateCache:
     graph's padding rows read and write it (``cuda_graphs.DecodeGraphs``)."""
 
     def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        m = config.mamba
-        layers = config.num_mamba_layers
-        conv_dim = m["d_inner"] + 2 * m["n_groups"] * m["d_state"]
-        self.conv = torch.zeros((layers, num_slots + 1, conv_dim, m["d_conv"] - 1), dtype=dtype, device=device)
+        m, layers = config.mamba, config.num_mamba_layers
+        shape = (layers, num_slots + 1, config.mamba_conv_dim, m["d_conv"] - 1)
+        self.conv = torch.zeros(shape, dtype=dtype, device=device)
         self.ssm = torch.zeros(
             (layers, num_slots + 1, m["n_heads"], m["head_dim"], m["d_state"]), dtype=torch.float32, device=device
         )

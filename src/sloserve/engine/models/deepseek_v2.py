@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
-from sloserve.engine.attention import AttentionBackend, PrefillSeq, attend, gather_kv
+from sloserve.engine.attention import AttentionBackend, PrefillSeq, attend, causal_mask, gather_kv
 from sloserve.engine.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -151,9 +151,7 @@ class MultiHeadLatentAttention(nn.Module):
         keys = torch.cat((k_nope, k_rope[:, None].expand(n, self.num_heads, self.rope_dim)), dim=-1)  # (n, nh, qk)
         # (the values padded to the keys' width: SDPA's flash kernels take equal widths only)
         values = F.pad(values, (0, keys.shape[-1] - self.v_dim))  # (n, nh, qk)
-        mask = None  # nothing cached: causal, top-left
-        if n > c:  # query i sits at position n - c + i and sees keys 0 .. n - c + i
-            mask = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - c, n, device=q.device)[:, None]
+        mask = None if n == c else causal_mask(c, n, q.device)  # (None: nothing cached, causal top-left)
         heads_first = [x.transpose(0, 1)[None] for x in (q, keys, values)]  # (1, nh, c | n, qk)
         out = attend(*heads_first, mask, self.scale, None)  # (1, nh, c, qk)
         return out[0, ..., : self.v_dim].transpose(0, 1)

@@ -445,6 +445,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = self.model_class(config, backend)
         if config.mamba is not None:  # (a Mamba layer's prefills run request by request: no pieces)
             self.supports_piecewise_graphs = False
+        # each layer's index in the KV cache (None: a Mamba layer's or an MLP's, with none), found once
+        self.kv_layer_indices = [config.kv_layer_index(i) for i in range(config.num_hidden_layers)]
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -477,8 +479,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # (T, H)
         x, cos, sin = self.embed(input_ids, positions)
         residual = None
-        for i, layer in enumerate(self.model.layers):
-            index = self.config.kv_layer_index(i)  # (None: a Mamba layer, with no KV cache)
+        for layer, index in zip(self.model.layers, self.kv_layer_indices, strict=True):
             caches = (None, None) if index is None else layer_caches(kv_cache, index)
             x, residual = layer(x, residual, cos, sin, *caches, meta)
         return self.model.norm.add_and_norm(x, residual)[0]

@@ -80,7 +80,7 @@ class Mamba2Mixer(nn.Module):
             m["d_conv"],
             m["chunk_size"],
         )
-        self.conv_dim = self.d_inner + 2 * self.n_groups * self.d_state
+        self.conv_dim = config.mamba_conv_dim
         self.time_step_limit = m["time_step_limit"]
         self.mamba_index = sum(config.layer_is_mamba(i) for i in range(layer))
         self.in_proj = nn.Linear(h, self.d_inner + self.conv_dim + self.num_heads, bias=m["proj_bias"])
