@@ -95,6 +95,19 @@ class Setup:
     swap_space_tokens: int
     options: SimOptions
 
+    def kv_capacity_for(self, state_slots: int | None) -> int:
+        """The KV cache's tokens where a scheduler keeps ``state_slots`` requests' states (a model with Mamba
+        layers; ``kv_capacity_tokens`` leaves room for ``STATE_SLOTS``): fewer slots leave their memory to the KV
+        cache, as the engine's default cache does. As given where --kv-capacity-tokens set it."""
+        from sloserve.cost import kv_capacity_tokens
+
+        if state_slots is None or self.options.kv_capacity_tokens is not None:
+            return self.kv_capacity_tokens
+        o = self.options
+        return kv_capacity_tokens(
+            self.model, self.gpu, num_gpus=o.num_gpus, memory_utilization=o.memory_utilization, state_slots=state_slots
+        )
+
     def make_workload(self, rate: float | None = None):
         """The workload, with ``rate`` overriding --rate (for sweeps)."""
         return make_workload_from_options(self.options, self.model.max_context_len, rate)
@@ -260,6 +273,8 @@ def setup_from_options(options: SimOptions) -> Setup:
     swap_tokens = int(swap_gib * 2**30 // model.kv_bytes_per_token)
     num_prefill, num_decode = parse_disaggregation(options.disaggregate, options.link_gbps)
     num_replicas = num_prefill + num_decode or options.replicas
+    # NOTE: a scheduler keeping fewer than STATE_SLOTS requests' states gets their memory as KV too
+    # (``Setup.kv_capacity_for``): at most STATE_SLOTS states' worth above the capacity checked here
     if num_replicas * (capacity + swap_tokens) > MAX_SIMULATED_KV_TOKENS:
         fleet = f"--disaggregate {options.disaggregate}" if num_decode else f"--replicas {num_replicas:,}"
         raise ConfigError(
@@ -300,7 +315,7 @@ def run_simulation(
     factory = functools.partial(
         make_scheduler,
         scheduler,
-        kv_capacity_tokens=setup.kv_capacity_tokens,
+        kv_capacity_tokens=setup.kv_capacity_for(slots),
         max_model_len=setup.model.max_context_len,
         kv_bytes_per_token=setup.model.kv_bytes_per_token,
         swap_space_tokens=setup.swap_space_tokens,

@@ -212,6 +212,19 @@ def test_the_simulator_keeps_a_hybrids_states_as_the_engine_does(hf_dirs, monkey
         result = run_simulation(setup, "vllm", {}, setup.make_workload(None))
         batches[slots] = max(result["_result"][1].column("num_requests"))
     assert batches == {256: 40, 3: 3}
+    # a scheduler keeping fewer requests' states leaves the rest's memory to KV, as the engine's default cache does
+    setup = setup_from_options(
+        SimOptions(trace="sharegpt", offline=True, num_requests=4, model=hf_dirs["granite_4_h"], gpu="l4")
+    )  # fmt: skip
+    monkeypatch.setattr(registry, "STATE_SLOTS", 256)
+    capacities = {}
+    for seqs in (256, 64):
+        result = run_simulation(setup, "vllm", {"max_num_seqs": seqs}, setup.make_workload(None))
+        capacities[seqs] = result["kv_capacity_tokens"]
+    assert setup.kv_capacity_tokens == kv_capacity_tokens(spec, get_gpu("l4"))
+    more = int((setup.kv_capacity_tokens * spec.kv_bytes_per_token + 192 * spec.state_bytes_per_sequence)
+               // spec.kv_bytes_per_token)  # fmt: skip
+    assert capacities == {256: setup.kv_capacity_tokens // 16 * 16, 64: more // 16 * 16}  # whole blocks of 16
 
 
 @pytest.mark.parametrize(

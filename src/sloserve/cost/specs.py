@@ -323,12 +323,15 @@ def kv_capacity_tokens(
     num_gpus: int = 1,
     memory_utilization: float = 0.9,
     activation_reserve_bytes: float | None = None,
+    state_slots: int = STATE_SLOTS,
 ) -> int:
     """How many tokens of KV cache fit (InferMax's M): (num_gpus * memory * utilization - weights -
-    activation reserve - ``STATE_SLOTS`` requests' states) / kv_bytes_per_token. With tensor parallelism both
+    activation reserve - ``state_slots`` requests' states) / kv_bytes_per_token. With tensor parallelism both
     the weights and each token's KV are split across GPUs, so the totals are unchanged and memory sums.
 
     ``activation_reserve_bytes`` is the total over all GPUs (default: ``default_activation_reserve``).
+    ``state_slots``: the requests a model with Mamba layers keeps states for (``registry.state_slots``: the
+    scheduler's max_num_seqs, at most ``STATE_SLOTS``, as the engine reserves them).
     Raises ``ConfigError`` if the weights (or weights plus reserve) do not fit.
     """
     check_tensor_parallel(model, num_gpus)
@@ -349,11 +352,11 @@ def kv_capacity_tokens(
             f"model {model.name} ({model.weight_bytes / 1e9:.0f} GB of weights) does not fit on "
             f"{where}; use more GPUs or a bigger GPU"
         )
-    states = STATE_SLOTS * model.state_bytes_per_sequence
+    states = state_slots * model.state_bytes_per_sequence
     free = usable - model.weight_bytes - activation_reserve_bytes - states
     tokens = int(free // model.kv_bytes_per_token) if free > 0 else 0
     if tokens < 1:
-        of_states = f" and {states / 1e9:.1f} GB of {STATE_SLOTS} requests' states" if states else ""
+        of_states = f" and {states / 1e9:.1f} GB of {state_slots} requests' states" if states else ""
         raise ConfigError(
             f"model {model.name} ({model.weight_bytes / 1e9:.0f} GB of weights) plus "
             f"{activation_reserve_bytes / 1e9:.1f} GB of activation reserve{of_states} leaves no room for KV "
