@@ -28,7 +28,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "stablelm": 36, "olmo": 37, "nemotron": 38, "arcee": 39, "granitemoe": 40, "hunyuan": 41,
          "glm4_moe": 42, "ernie4_5_moe": 43, "apertus": 44, "hunyuan_moe": 45, "granitemoehybrid": 46,
          "granitemoehybrid_moe": 47, "granite_4_h": 48, "nemotron_h": 49, "bamba": 50, "nemotron_h_moe": 51,
-         "falcon_h1": 52, "falcon_h1_norm": 53}  # fmt: skip
+         "falcon_h1": 52, "falcon_h1_norm": 53, "lfm2": 54}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -290,6 +290,13 @@ def hf_model(arch: str):
             lm_head_multiplier=0.5, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         )  # fmt: skip
         cls = transformers.FalconH1ForCausalLM
+    elif arch == "lfm2":  # LFM2's outline: short convolutions around an attention layer (biases, its option)
+        config = transformers.Lfm2Config(
+            **{**common, "num_hidden_layers": 3}, intermediate_size=96, block_multiple_of=32, num_key_value_heads=2,
+            layer_types=["conv", "full_attention", "conv"], conv_bias=True, initializer_range=0.2, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        cls = transformers.Lfm2ForCausalLM
     elif arch == "bamba":  # Bamba 9B's outline: attention in one layer of three, Mamba-2 in the others, half rotary
         config = transformers.BambaConfig(
             **{**common, "num_hidden_layers": 3}, intermediate_size=128, num_key_value_heads=2, attn_layer_indices=[1],

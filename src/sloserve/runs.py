@@ -308,7 +308,7 @@ def run_simulation(
     caching = o.enable_prefix_caching
     if caching is None:
         caching = any(r.prompt_blocks is not None for r in requests) and supports_prefix_caching(scheduler, set_options)
-    # (a model with per-request states, Mamba layers': as many requests at once as their slots, the engine's rule)
+    # (a model with per-request states, state layers': as many requests at once as their slots, the engine's rule)
     slots = state_slots(scheduler, set_options) if setup.model.state_bytes_per_sequence else None
     if slots is not None and o.enable_prefix_caching is None:
         caching = False

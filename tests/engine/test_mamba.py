@@ -18,8 +18,8 @@ from sloserve.checkpoint.config import from_hf_config  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.engine import llm_engine  # noqa: E402
 from sloserve.engine.models import mamba2  # noqa: E402
-from sloserve.engine.models.mamba2 import Mamba2Mixer, MambaMetadata, ssd_scan  # noqa: E402
-from sloserve.engine.state_cache import StateCache  # noqa: E402
+from sloserve.engine.models.mamba2 import Mamba2Mixer, ssd_scan  # noqa: E402
+from sloserve.engine.state_cache import StateCache, StateMetadata  # noqa: E402
 
 
 def recurrence(x, dt, a, b, c, initial):
@@ -68,7 +68,7 @@ def _mixers():
     config = from_hf_config(hf_config.to_dict())
     ours = Mamba2Mixer(config, 2).eval()
     ours.load_state_dict(theirs.state_dict())
-    assert ours.mamba_index == 1  # (its states: the second of the model's Mamba layers')
+    assert ours.state_index == 1  # (its states: the second of the model's Mamba layers')
     return theirs, ours, config
 
 
@@ -82,19 +82,19 @@ def test_the_mixer_gives_transformers_outputs_whole_in_chunks_and_decoding():
     with torch.no_grad():
         want = theirs(x[None])[0]  # (21, H)
         cache = StateCache(config, 4, torch.float32, torch.device("cpu"))
-        whole = ours(x, MambaMetadata([(0, 21, 1, False)], none, none, cache))
+        whole = ours(x, StateMetadata([(0, 21, 1, False)], none, none, cache))
         torch.testing.assert_close(whole, want, rtol=1e-4, atol=1e-5)
         cache = StateCache(config, 4, torch.float32, torch.device("cpu"))
-        parts = [ours(x[:5], MambaMetadata([(0, 5, 2, False)], none, none, cache))]
-        parts.append(ours(x[5:14], MambaMetadata([(0, 9, 2, True)], none, none, cache)))
+        parts = [ours(x[:5], StateMetadata([(0, 5, 2, False)], none, none, cache))]
+        parts.append(ours(x[5:14], StateMetadata([(0, 9, 2, True)], none, none, cache)))
         for t in range(14, 21):
-            parts.append(ours(x[t : t + 1], MambaMetadata([], torch.tensor([0]), torch.tensor([2]), cache)))
+            parts.append(ours(x[t : t + 1], StateMetadata([], torch.tensor([0]), torch.tensor([2]), cache)))
         torch.testing.assert_close(torch.cat(parts), want, rtol=1e-4, atol=1e-5)
         # slot 0 holds the state after 10 tokens; one step: a 7-token prompt (slot 3), its decode, a 3-token prompt
         # (slot 1, whose stale states it must not read)
-        ours(x[:10], MambaMetadata([(0, 10, 0, False)], none, none, cache))
+        ours(x[:10], StateMetadata([(0, 10, 0, False)], none, none, cache))
         step = torch.cat((x[:7], x[10:11], x[:3]))
-        meta = MambaMetadata([(0, 7, 3, False), (8, 3, 1, False)], torch.tensor([7]), torch.tensor([0]), cache)
+        meta = StateMetadata([(0, 7, 3, False), (8, 3, 1, False)], torch.tensor([7]), torch.tensor([0]), cache)
         out = ours(step, meta)
         torch.testing.assert_close(out, torch.cat((want[:7], want[10:11], want[:3])), rtol=1e-4, atol=1e-5)
 
@@ -228,7 +228,7 @@ def test_the_simulator_keeps_a_hybrids_states_as_the_engine_does(hf_dirs, monkey
 
 
 @pytest.mark.parametrize(
-    "arch", ["granite_4_h", "nemotron_h", "bamba", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm"]
+    "arch", ["granite_4_h", "nemotron_h", "bamba", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm", "lfm2"]
 )
 @pytest.mark.parametrize(
     "scheduler,options",
@@ -245,7 +245,7 @@ def test_a_hybrid_model_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options
     Mamba, an MLP or attention without a position embedding; Nemotron 3's with experts, DeepSeek-V3's routing over
     two-matrix experts), Bamba (Llama's layers, half of each head rotated) and Falcon-H1 (a mixer beside each
     attention, every muP multiplier away from 1 and folded into the weights; its mixers' output gated, or
-    normalized then gated)."""
+    normalized then gated); LFM2 (short convolutions instead of Mamba-2's, test_short_conv.py)."""
     tokens, llm = greedy_tokens(hf_dirs[arch], scheduler, **options)
     assert tokens == reference(arch)
     assert llm.engine.scheduler.kv.max_requests == llm.engine.executor.states.cache.num_slots
@@ -255,7 +255,7 @@ def test_a_hybrid_model_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options
         assert llm.engine.executor.num_early_launches > 0
 
 
-@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h", "falcon_h1"])
+@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h", "falcon_h1", "lfm2"])
 def test_decode_steps_on_the_graphs_buffers_give_hf_greedy_tokens(hf_dirs, arch):
     """Decode-only steps through ``DecodeGraphs``' padded static buffers (not captured on the CPU, as in
     test_cuda_graphs.py): each row's state slot one more input, the padding rows on the state cache's pad slot."""
@@ -272,16 +272,17 @@ def test_decode_steps_on_the_graphs_buffers_give_hf_greedy_tokens(hf_dirs, arch)
     real_forward = graphs.forward
     graphs.forward = lambda tokens, *rest: sizes.append(len(tokens)) or real_forward(tokens, *rest)
     engine.executor.graphs = graphs
-    pad_before = states.ssm[:, states.pad_slot].clone()
+    written = states.conv if states.ssm is None else states.ssm  # (LFM2's convolutions: no ssm)
+    pad_before = written[:, states.pad_slot].clone()
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert [o.outputs[0].token_ids for o in outputs] == reference(arch)
     assert set(sizes) - {4, 8}  # (steps padded to a graph's size)
-    assert not torch.equal(states.ssm[:, states.pad_slot], pad_before)  # (the padding rows wrote there)
+    assert not torch.equal(written[:, states.pad_slot], pad_before)  # (the padding rows wrote there)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: a GPU's (the runbook's tests stage)")
-@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h", "falcon_h1"])
+@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h", "falcon_h1", "lfm2"])
 def test_on_cuda_a_hybrid_models_captured_decode_steps_give_hf_greedy_tokens(hf_dirs, arch):
     """The Triton backend, chunked prefills, and decode steps replayed from captured graphs, in float32."""
     options = dict(prefill_token_budget=8, block_size=4, cuda_graphs=True, dtype="float32")
@@ -311,7 +312,7 @@ def test_a_kv_cache_asked_for_by_size_is_refused_where_the_states_beside_it_do_n
     monkeypatch.setattr(llm_engine, "host_memory_bytes", lambda: 1 << 20)
     with pytest.raises(
         ConfigError,
-        match="kv_capacity_tokens 512 and 512 tokens of swap space and 1.3 MiB of Mamba layers' states need 1.5 MiB of "
+        match="kv_capacity_tokens 512 and 512 tokens of swap space and 1.3 MiB of the requests' states need 1.5 MiB of "
         "the host's memory \\(256 bytes a token\\); it has 1.0 MiB",
     ):
         LLM(hf_dirs["granite_4_h"], "vllm", kv_capacity_tokens=512)
@@ -334,10 +335,10 @@ def test_a_one_token_prompt_starts_from_zero_states(hf_dirs, monkeypatch):
 @pytest.mark.parametrize(
     "scheduler,options,message",
     [
-        ("bros", {}, "scheduler bros's KV manager \\(bidirectional\\) does not run models with Mamba layers"),
-        ("econoserve", {}, "scheduler econoserve's KV manager \\(pipelined\\) does not run models with Mamba layers"),
-        ("vllm", dict(preemption_mode="swap"), "preemption_mode=swap does not move Mamba layers' states to the CPU"),
-        ("vllm", dict(enable_prefix_caching=True), "prefix caching is not supported with Mamba layers"),
+        ("bros", {}, "scheduler bros's KV manager \\(bidirectional\\) does not run models with state layers"),
+        ("econoserve", {}, "scheduler econoserve's KV manager \\(pipelined\\) does not run models with state layers"),
+        ("vllm", dict(preemption_mode="swap"), "preemption_mode=swap does not move the requests' states"),
+        ("vllm", dict(enable_prefix_caching=True), "prefix caching is not supported with state layers"),
     ],
 )
 def test_what_cannot_carry_the_states_is_refused(hf_dirs, scheduler, options, message):

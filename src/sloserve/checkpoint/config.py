@@ -47,6 +47,9 @@ ARCHITECTURES: dict[str, str] = {
     "nemotron_h": "nemotron_h",
     # (Falcon-H1 0.5B-34B: Llama's layers with a Mamba-2 mixer beside each attention, muP multipliers)
     "falcon_h1": "falcon_h1",
+    # (LFM2 350M-2.6B: Llama's layers, most mixing by a gated short convolution instead of attention, Qwen3's
+    # query and key norms in the others)
+    "lfm2": "lfm2",
     # (Hunyuan 0.5B-7B: Llama's layers, each query and key head normalized after the rotary embedding)
     "hunyuan_v1_dense": "hunyuan",
     # (Hunyuan-A13B: those layers, each MLP a softmax-routed mixture of experts beside an ungated shared one)
@@ -191,7 +194,7 @@ QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss", "phi")
 # The OLMo models (their query and key norms over the whole projections)
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe")
 # The models whose queries and keys are RMS-normalized (each head: Qwen3's; OLMo's whole projections)
-QK_NORMED = ("qwen3", "qwen3_moe", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe", "apertus", *OLMO_TYPES)
+QK_NORMED = ("qwen3", "qwen3_moe", "lfm2", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe", "apertus", *OLMO_TYPES)
 # transformers' rope bases where a config has none
 DEFAULT_ROPE_THETA = {
     "gpt_oss": 150_000.0,
@@ -199,6 +202,7 @@ DEFAULT_ROPE_THETA = {
     "ernie4_5": 500_000.0,
     "ernie4_5_moe": 500_000.0,
     "apertus": 12_000_000.0,
+    "lfm2": 1_000_000.0,
 }
 # transformers' defaults where theirs differ from the generic reading (a head_dim of 128, not hidden / heads; an
 # MLP's activation other than SiLU, which a GGUF file does not name)
@@ -257,6 +261,7 @@ SLIDING = "sliding_attention"
 MAMBA = "mamba"  # (a layer of Mamba-2's mixer: ``ModelConfig.mamba``)
 MLP_LAYER = "mlp"  # (Nemotron-H's layers of an MLP alone)
 PARALLEL_HYBRID = "attention_and_mamba"  # (Falcon-H1's layers: attention and a Mamba-2 mixer side by side)
+SHORT_CONV = "conv"  # (LFM2's layers of a gated short convolution: ``ModelConfig.short_conv``)
 # Byte-level tokenizer of random models: ids 0..255 are bytes, then BOS and EOS.
 BYTE_BOS_ID, BYTE_EOS_ID = 256, 257
 RANDOM_PREFIX = "random:"
@@ -339,6 +344,9 @@ class ModelConfig:
     # Nemotron-H), beside it in PARALLEL_HYBRID ones (Falcon-H1): n_heads, head_dim, n_groups, d_state, d_conv,
     # d_inner, chunk_size, conv_bias, proj_bias, out_proj_bias, rms_norm, norm_before_gate, time_step_limit; None: none
     mamba: dict[str, Any] | None = None
+    # LFM2's gated short convolutions in place of attention in the layers whose layer_types entry is SHORT_CONV:
+    # width (its taps, the config's conv_L_cache) and bias (its projections' and convolution's); None: none
+    short_conv: dict[str, Any] | None = None
     # OPT only
     word_embed_proj_dim: int | None = None
     do_layer_norm_before: bool = True
@@ -441,9 +449,15 @@ class ModelConfig:
         Falcon-H1's)."""
         return self.mamba is not None and self.layer_types[layer] in (MAMBA, PARALLEL_HYBRID)
 
+    def layer_has_states(self, layer: int) -> bool:
+        """Whether layer ``layer`` keeps a request's states from one step to the next (``engine/state_cache.py``):
+        a Mamba-2 mixer's or a short convolution's."""
+        return self.layer_is_mamba(layer) or (self.short_conv is not None and self.layer_types[layer] == SHORT_CONV)
+
     def layer_has_kv(self, layer: int) -> bool:
-        """Whether layer ``layer`` attends (and has a KV cache): not a Mamba layer, nor Nemotron-H's MLP ones."""
-        return not self.layer_types or self.layer_types[layer] not in (MAMBA, MLP_LAYER)
+        """Whether layer ``layer`` attends (and has a KV cache): not a Mamba layer, nor a short convolution's,
+        nor Nemotron-H's MLP ones."""
+        return not self.layer_types or self.layer_types[layer] not in (MAMBA, MLP_LAYER, SHORT_CONV)
 
     def kv_layer_index(self, layer: int) -> int | None:
         """Layer ``layer``'s index among the layers with a KV cache (the attention layers); None for another."""
@@ -462,6 +476,32 @@ class ModelConfig:
         return sum(self.layer_is_mamba(i) for i in range(self.num_hidden_layers))
 
     @property
+    def has_request_states(self) -> bool:
+        """Whether some layers keep a request's states (Mamba-2 mixers, short convolutions): the engine keeps them
+        in slots, one a running request (``StateCache``)."""
+        return self.mamba is not None or self.short_conv is not None
+
+    def state_layer_index(self, layer: int) -> int:
+        """Layer ``layer``'s place among the layers with states (its states' in ``StateCache``)."""
+        return sum(self.layer_has_states(i) for i in range(layer))
+
+    @property
+    def num_state_layers(self) -> int:
+        """The layers with states (``layer_has_states``)."""
+        return self.state_layer_index(self.num_hidden_layers)
+
+    @property
+    def state_conv_dim(self) -> int:
+        """The channels of the causal convolution a state layer runs (its last inputs are a request's state): a
+        Mamba-2 mixer's x, B and C; a short convolution's hidden size."""
+        return self.mamba_conv_dim if self.mamba is not None else self.hidden_size
+
+    @property
+    def state_conv_width(self) -> int:
+        """That convolution's taps (Mamba-2's d_conv, LFM2's conv_L_cache)."""
+        return self.mamba["d_conv"] if self.mamba is not None else self.short_conv["width"]
+
+    @property
     def mamba_conv_dim(self) -> int:
         """The channels a Mamba-2 mixer's convolution runs over: its x, B and C (d_inner + 2 n_groups d_state)."""
         return self.mamba["d_inner"] + 2 * self.mamba["n_groups"] * self.mamba["d_state"]
@@ -477,16 +517,15 @@ class ModelConfig:
         norm = m["d_inner"] * m["rms_norm"]
         return in_proj + conv + 3 * m["n_heads"] + norm + m["d_inner"] * h + m["out_proj_bias"] * h
 
-    def mamba_state_bytes(self, dtype_bytes: float) -> int:
-        """A request's states, every Mamba layer's: the convolution's last d_conv - 1 inputs (``dtype_bytes`` a
-        number) and each head's state (float32); 0 for a model without Mamba layers."""
-        if self.mamba is None:
+    def request_state_bytes(self, dtype_bytes: float) -> int:
+        """A request's states, every state layer's: its convolution's last inputs (``dtype_bytes`` a number) and a
+        Mamba layer's state of each head (float32); 0 for a model without such layers."""
+        if not self.has_request_states:
             return 0
-        m = self.mamba
-        per_layer = (
-            self.mamba_conv_dim * (m["d_conv"] - 1) * dtype_bytes + m["n_heads"] * m["head_dim"] * m["d_state"] * 4
-        )
-        return int(self.num_mamba_layers * per_layer)
+        per_layer = self.state_conv_dim * (self.state_conv_width - 1) * dtype_bytes
+        if self.mamba is not None:
+            per_layer += self.mamba["n_heads"] * self.mamba["head_dim"] * self.mamba["d_state"] * 4
+        return int(self.num_state_layers * per_layer)
 
     @property
     def num_params(self) -> int:
@@ -554,6 +593,10 @@ class ModelConfig:
             total += (
                 self.num_mamba_layers * self.mamba_params - (self.num_hidden_layers - self.num_kv_layers) * attention
             )
+        if self.short_conv is not None:  # a short convolution's layer: in_proj (B, C, x), its taps, out_proj
+            bias = self.short_conv["bias"]
+            conv = 3 * h * h + h * self.short_conv["width"] + h * h + bias * (3 * h + h + h)
+            total += (self.num_hidden_layers - self.num_kv_layers) * (conv - attention)
         return total
 
     def _deepseek_num_params(self) -> int:
@@ -610,8 +653,8 @@ class ModelConfig:
             num_kv_heads=self.kv_cache_heads,
             head_dim=self.kv_cache_head_dim,  # NOTE: MLA's attention runs on its latent, 576 wide (V2)
             keys_only_kv=self.kv_cache_tensors == 1,  # (MLA's values are its keys' latent)
-            kv_layers=self.num_kv_layers if self.mamba is not None else 0,
-            state_bytes_per_sequence=self.mamba_state_bytes(DTYPE_BYTES.get(self.torch_dtype, 2)),
+            kv_layers=self.num_kv_layers if self.has_request_states else 0,
+            state_bytes_per_sequence=self.request_state_bytes(DTYPE_BYTES.get(self.torch_dtype, 2)),
             **extra,
             intermediate_size=self.intermediate_size,
             vocab_size=self.vocab_size,
@@ -641,6 +684,13 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         raw = {GPT2_NAMES.get(key, key): value for key, value in raw.items()}
     elif model_type == "nemotron_h":  # (its blocks' count is its pattern's length)
         raw = {**raw, "num_hidden_layers": len(_nemotron_h_kinds(raw, name))}
+    elif model_type == "lfm2":  # (the Hub's names, as transformers reads them: over the generic ones)
+        raw = {
+            **raw,
+            "tie_word_embeddings": raw.get("tie_embedding", raw.get("tie_word_embeddings", True)),
+            "intermediate_size": raw.get("block_ff_dim", raw.get("intermediate_size")),
+            "rms_norm_eps": raw.get("norm_eps", 1e-5),
+        }
     raw = {**CONFIG_DEFAULTS.get(model_type, {}), **raw}
     fp8_block = _fp8_weight_block(raw.get("quantization_config"), model_type, name)
     config = _config_of(raw, model_type, name)
@@ -776,7 +826,9 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
             )
     rotary_layers = raw.get("no_rope_layers") if model_type == "smollm3" else None  # (HF's name: 1 rotates)
     intermediate = need("intermediate_size")
-    mamba, extra = None, {}
+    mamba, short_conv, extra = None, None, {}
+    if model_type == "lfm2":
+        layer_types, intermediate, short_conv = _lfm2_layers(raw, common["num_hidden_layers"], name)
     if model_type == "granitemoehybrid":
         rotary_layers, intermediate, layer_types, mamba = _granite_4_layers(raw, common["num_hidden_layers"], name)
     elif model_type == "bamba":  # (attention at attn_layer_indices, Mamba-2 elsewhere)
@@ -833,6 +885,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         sliding_window=int(window) if window else None,
         rotary_layers=tuple(bool(flag) for flag in rotary_layers or ()),
         mamba=mamba,
+        short_conv=short_conv,
         **(_granite_multipliers(raw) if model_type in ("granite", "granitemoe", "granitemoehybrid") else {}),
         **(_falcon_h1_scales(raw, name) if model_type == "falcon_h1" else {}),
         extra=extra,
@@ -994,6 +1047,35 @@ def _granite_4_layers(
     intermediate = raw.get("shared_intermediate_size", 1024) if dense else raw["intermediate_size"]
     mamba = _mamba2(raw, name) if MAMBA in layer_types else None
     return [position == "rope"] * layers, intermediate, layer_types, mamba
+
+
+def _lfm2_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tuple[str, ...], int, dict[str, Any]]:
+    """LFM2's (each layer's type: full_attention or SHORT_CONV, by ``layer_types`` or the Hub's ``full_attn_idxs``;
+    the MLP's size; its short convolutions' settings). NOTE: transformers' size rule: with
+    ``block_auto_adjust_ff_dim``, 2/3 of intermediate_size, times ``block_ffn_dim_multiplier``, rounded up to a
+    multiple of ``block_multiple_of`` (the multiple only with a multiplier)."""
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        attending = raw.get("full_attn_idxs")
+        attending = range(layers) if attending is None else attending
+        kinds = ["full_attention" if i in attending else SHORT_CONV for i in range(layers)]
+    if len(kinds) != layers or not set(kinds) <= {"full_attention", SHORT_CONV}:
+        raise ConfigError(f"{name}: lfm2 layer_types must be {layers} entries of full_attention or conv, got {kinds!r}")
+    intermediate = raw.get("intermediate_size")
+    if not isinstance(intermediate, int) or intermediate < 1:
+        raise ConfigError(
+            f"{name}: lfm2 block_ff_dim (intermediate_size) must be a positive integer, got {intermediate!r}"
+        )
+    if raw.get("block_auto_adjust_ff_dim", True):
+        intermediate = int(2 * intermediate / 3)
+        multiplier, multiple = raw.get("block_ffn_dim_multiplier", 1.0), raw.get("block_multiple_of", 256)
+        if multiplier is not None:
+            _check_positive_ints({"block_multiple_of": multiple}, ("block_multiple_of",), name)
+            intermediate = int(_json_float(multiplier, "block_ffn_dim_multiplier", name) * intermediate)
+            intermediate = multiple * -(-intermediate // multiple)
+    _check_positive_ints({"conv_L_cache": raw.get("conv_L_cache", 3)}, ("conv_L_cache",), name)
+    short_conv = {"width": raw.get("conv_L_cache", 3), "bias": bool(raw.get("conv_bias", False))}
+    return tuple(kinds), intermediate, short_conv if SHORT_CONV in kinds else None
 
 
 def _bamba_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tuple[str, ...], dict[str, Any] | None]:

@@ -12,8 +12,8 @@ Each part of a step takes max(FLOPs / achievable FLOP/s, bytes / achievable band
   weights, not 30.5B.
 - decode attention: each decode reads m + 1 keys/values (its cache plus its new token):
   bytes = sum(m + 1) * kv_bytes_per_token; FLOPs = 4 * layers * heads * head_dim per key (QK^T, PV). A model
-  with per-request states (Mamba layers: ``ModelSpec.state_bytes_per_sequence``) reads and writes each
-  decode's and each prefill's states once more a step, in the same memory-bound term.
+  with per-request states (Mamba-2 layers, short convolutions: ``ModelSpec.state_bytes_per_sequence``) reads
+  and writes each decode's and each prefill's states once more a step, in the same memory-bound term.
 - prefill attention: sum(c^2 + 2mc) (InferMax's prefill work) is twice the causal query-key pairs, so
   FLOPs = 2 * layers * heads * head_dim * sum(c^2 + 2mc); bytes = KV of the context read plus KV of
   the new tokens written, plus Q and O of the new tokens. A model with a second form

@@ -36,10 +36,10 @@ class ModelSpec:
     ``prefill_head_dim``, ``prefill_kv_flops_per_token``: a second form of prefill attention, at that many
     numbers a head after that many FLOPs (all layers) expand each context token's cache entry into keys and
     values by head (MLA's prefills by head: 192, 2 L d_c nh (d_h + d_v)); 0, 0: none. ``kv_layers``: the layers
-    with a KV cache and attention, where fewer than ``num_layers`` (a hybrid's: Granite 4.0-H's Mamba layers keep
-    a state a request instead); 0: all of them. ``state_bytes_per_sequence``: those states, every layer's, a
-    request's (0: none): a decode step reads and writes them, and ``STATE_SLOTS`` requests' take memory from
-    the KV cache.
+    with a KV cache and attention, where fewer than ``num_layers`` (a hybrid's: Granite 4.0-H's Mamba layers,
+    LFM2's short convolutions keep a state a request instead); 0: all of them. ``state_bytes_per_sequence``:
+    those states, every layer's, a request's (0: none): a decode step reads and writes them, and the scheduler's
+    slots' (at most ``STATE_SLOTS``) take memory from the KV cache.
     """
 
     name: str
@@ -298,7 +298,7 @@ def check_tensor_parallel(model: ModelSpec, num_gpus: int) -> None:
 # Fixed per-GPU memory outside weights, KV and activations: CUDA context, cuBLAS/NCCL workspaces,
 # CUDA graphs. ~1 GiB is what vLLM-style engines typically leave for these.
 FIXED_RESERVE_BYTES_PER_GPU = 1 << 30
-# The requests a model with per-request states (Mamba layers) keeps them for at most (vLLM's max_num_seqs); their
+# The requests a model with per-request states (Mamba-2 layers, short convolutions) keeps them for at most (vLLM's max_num_seqs); their
 # memory comes off the KV cache's (``kv_capacity_tokens``, the engine's ``StateCache`` on CUDA)
 STATE_SLOTS = 256
 
@@ -330,7 +330,7 @@ def kv_capacity_tokens(
     the weights and each token's KV are split across GPUs, so the totals are unchanged and memory sums.
 
     ``activation_reserve_bytes`` is the total over all GPUs (default: ``default_activation_reserve``).
-    ``state_slots``: the requests a model with Mamba layers keeps states for (``registry.state_slots``: the
+    ``state_slots``: the requests a model with state layers keeps states for (``registry.state_slots``: the
     scheduler's max_num_seqs, at most ``STATE_SLOTS``, as the engine reserves them).
     Raises ``ConfigError`` if the weights (or weights plus reserve) do not fit.
     """

@@ -38,7 +38,7 @@ from sloserve.engine import fused_ops
 from sloserve.engine.async_scheduling import index_tensor
 
 if TYPE_CHECKING:
-    from sloserve.engine.models.mamba2 import MambaMetadata
+    from sloserve.engine.state_cache import StateMetadata
 
 
 @dataclass
@@ -85,7 +85,8 @@ class AttentionMetadata:
     decode_token_index: torch.Tensor  # (num_decodes,) position of each decode token in the flat step
     decode_slots: torch.Tensor  # (num_decodes, >= max_context) slot table; entries past a context: any slot
     decode_context_lens: torch.Tensor  # (num_decodes,) context tokens (cached + the new one)
-    mamba: MambaMetadata | None = None  # the requests' states, for a model with Mamba layers (models/mamba2.py)
+    # the requests' states, for a model with Mamba-2 or short-convolution layers (engine/state_cache.py)
+    states: StateMetadata | None = None
     _windowed: dict[int, list[DecodeGroup]] = field(default_factory=dict, repr=False)
     _fresh: dict[int, tuple[list[PrefillSeq], PackedPrefills | None]] = field(default_factory=dict, repr=False)
     _apart: dict[Hashable, tuple[list[PrefillSeq], AttentionMetadata]] = field(default_factory=dict, repr=False)

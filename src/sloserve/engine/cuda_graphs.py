@@ -20,8 +20,8 @@ length are never read. NOTE: the expanded table takes 8 bytes x largest size x `
 device memory (16 MiB at 256 x 8k; 256 MiB at 256 x 128k), in the graphs' memory pool, taken after
 the KV cache from the share of memory the engine leaves free (``GPU_MEMORY_UTILIZATION``).
 
-A model with Mamba layers (``models/mamba2.py``) takes each row's state slot as one more input; a padding row
-reads and writes the state cache's ``pad_slot``.
+A model with state layers (Mamba-2's, short convolutions': ``state_cache.py``) takes each row's state slot as
+one more input; a padding row reads and writes the state cache's ``pad_slot``.
 
 Only decode-only steps are replayed; a step with a prefill chunk runs eagerly. Capturing needs the
 Triton attention backend: the PyTorch reference groups decodes by length on the host
@@ -45,8 +45,7 @@ from torch import nn
 from sloserve.engine.async_scheduling import copy_to_device
 from sloserve.engine.attention import AttentionMetadata
 from sloserve.engine.kv_cache import KVCacheTensor, expand_block_ids
-from sloserve.engine.models.mamba2 import MambaMetadata
-from sloserve.engine.state_cache import StateCache
+from sloserve.engine.state_cache import StateCache, StateMetadata
 
 # vLLM's capture sizes: 1, 2, 4, then every multiple of 8 (up to the largest batch).
 CAPTURE_SIZE_STEP = 8
@@ -97,7 +96,7 @@ class DecodeGraphs:
     ) -> None:
         """``table_block_size``: tokens per block id of the KV manager's ``block_id_tables``;
         ``batch_sizes``: the sizes captured (a benchmark's few), by default ``capture_sizes(max_batch_size)``;
-        ``states``: a model with Mamba layers' states (None: none)."""
+        ``states``: a model's requests' states (state layers': None without them)."""
         self.model, self.cache, self.max_context, self.states = model, cache, max_context, states
         self.table_block_size = g = table_block_size
         assert cache.pad_slot % g == 0 and g <= cache.block_size, "the pad block is a whole table block"
@@ -134,7 +133,7 @@ class DecodeGraphs:
             decode_context_lens=self.inputs[CONTEXT_LEN, :size],
         )
         if self.states is not None:
-            meta.mamba = MambaMetadata([], self.token_index[:size], self.inputs[STATE_SLOT, :size], self.states)
+            meta.states = StateMetadata([], self.token_index[:size], self.inputs[STATE_SLOT, :size], self.states)
         return meta
 
     def _forward(self, size: int) -> torch.Tensor:  # (size, H)
@@ -164,7 +163,7 @@ class DecodeGraphs:
         slots_written: np.ndarray,  # (b,) slot of each new token
         block_ids: np.ndarray,  # (b, >= max(context_lens) / g) block_id_tables of the contexts
         late_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,  # (P,) decodes, (P,) their tokens
-        state_slots: list[int] | None = None,  # (b,) each decode's slot of the state cache (Mamba layers)
+        state_slots: list[int] | None = None,  # (b,) each decode's slot of the state cache (state layers)
     ) -> torch.Tensor:  # (b, H) hidden states
         """Run a decode-only step of ``b`` decodes (decode ``i`` is flat token ``i``) on the graph of
         the smallest captured size that holds it. ``late_tokens``: the new tokens of those decodes, on

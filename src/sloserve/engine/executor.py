@@ -33,11 +33,10 @@ from sloserve.engine.cuda_graphs import DecodeGraphs
 from sloserve.engine.kv_cache import KVCacheTensor, expand_block_ids
 from sloserve.engine.loader import LoadedModel
 from sloserve.engine.logprobs import Logprobs, PendingLogprobs, logprobs_on_device
-from sloserve.engine.models.mamba2 import MambaMetadata
 from sloserve.engine.penalties import PenaltyCounts
 from sloserve.engine.piecewise_graphs import PiecewiseGraphs, piecewise_graphs_for
 from sloserve.engine.sampler import PROMPT_LOGITS_ROWS, SamplingParams, apply_controls, sample_on_device
-from sloserve.engine.state_cache import StateSlots
+from sloserve.engine.state_cache import StateMetadata, StateSlots
 from sloserve.engine.structured_output import GrammarMatchers, accept
 from sloserve.kv.manager import KVCacheManager
 
@@ -103,7 +102,7 @@ class EngineExecutor:
         states: StateSlots | None = None,
     ) -> None:
         self.model, self.kv, self.cache, self.device = model, kv, cache, device
-        self.states = states  # (a model with Mamba layers: each request's slot of their states)
+        self.states = states  # (a model with state layers: each request's slot of their states)
         self.graphs, self.piecewise = graphs, piecewise
         self.eos_token_ids = frozenset(eos_token_ids)  # every id that ends a generation (not ignore_eos)
         # NOTE: the one of them whose end is reported with stop_reason None (vLLM's: the tokenizer's EOS;
@@ -203,7 +202,7 @@ class EngineExecutor:
         self.cache.copy_slots(output.slot_copies)
         if self.states is not None:  # (a request holds its states' slot while it holds KV blocks)
             self.states.keep_only(self.kv.block_tables)
-        mamba_prefills: list[tuple[int, int, int, bool]] = []  # (flat index, tokens, state slot, goes on)
+        state_prefills: list[tuple[int, int, int, bool]] = []  # (flat index, tokens, state slot, goes on)
         tokens: list[int] = []
         positions: list[int] = []
         prefills: list[PrefillSeq] = []
@@ -235,7 +234,7 @@ class EngineExecutor:
             if self.states is not None:
                 slot = self.states.slot(request)
                 if num_tokens > 1:
-                    mamba_prefills.append((flat, num_tokens, slot, start > 0))
+                    state_prefills.append((flat, num_tokens, slot, start > 0))
                 elif start == 0:  # (a one-token prompt runs as a decode: from zero states)
                     self.states.cache.clear(slot)
             if num_tokens == 1:
@@ -271,7 +270,7 @@ class EngineExecutor:
             if late:  # (P,) flat indices, (P,) the tokens there: gathered on the device
                 source = before.device_ids[index_tensor([row for _, row in late], self.device)]
                 late_tokens = (index_tensor([i for i, _ in late], self.device), source)
-            hidden = self._forward(tokens, positions, prefills, prefill_slots, decodes, late_tokens, mamba_prefills)
+            hidden = self._forward(tokens, positions, prefills, prefill_slots, decodes, late_tokens, state_prefills)
             if self.during_forward is not None and not pipelined:
                 self._overlap(self.during_forward)
             logits = self.model.compute_logits(hidden[rows]).float()  # (N, vocab)
@@ -539,7 +538,7 @@ class EngineExecutor:
         prefill_slots: list[tuple[int, np.ndarray]],
         decodes: list[tuple[int, Request]],
         late_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,  # (P,) flat indices, (P,) their tokens
-        mamba_prefills: list[tuple[int, int, int, bool]] = (),  # (``MambaMetadata.prefills``)
+        state_prefills: list[tuple[int, int, int, bool]] = (),  # (``StateMetadata.prefills``)
     ) -> torch.Tensor:  # (T, H)
         """The model's forward pass over the step's flat tokens: a graph replay for a decode-only step
         that fits the captured graphs, else the piecewise graphs' replays for a step that fits them,
@@ -567,7 +566,7 @@ class EngineExecutor:
         meta = self._metadata(len(tokens), prefills, prefill_slots, decodes, lengths, written, block_ids)
         if self.states is not None:
             slots = index_tensor([self.states.of[r] for _, r in decodes], self.device)  # (B,)
-            meta.mamba = MambaMetadata(mamba_prefills, meta.decode_token_index, slots, self.states.cache)
+            meta.states = StateMetadata(state_prefills, meta.decode_token_index, slots, self.states.cache)
         ids = index_tensor(tokens, self.device)  # (T,)
         if late_tokens is not None:
             ids[late_tokens[0]] = late_tokens[1]

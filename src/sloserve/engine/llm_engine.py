@@ -46,7 +46,7 @@ from sloserve.workload.closed_loop import ClosedLoopBatches
 CPU_KV_CACHE_BYTES = 1 << 30
 CPU_KV_CACHE_CONTEXTS = 64
 GPU_MEMORY_UTILIZATION = 0.9
-# A model with Mamba layers keeps states for at most this many requests at once (fewer where its scheduler's
+# A model with state layers (Mamba-2's, short convolutions') keeps states for at most this many requests at once (fewer where its scheduler's
 # max_num_seqs says: ``registry.state_slots``; on the CPU, as many as its default KV cache holds contexts)
 MAX_STATE_SLOTS = {"cuda": STATE_SLOTS, "cpu": CPU_KV_CACHE_CONTEXTS}
 # Default swap space: as large as the KV cache, at most 4 GiB (vLLM's default swap_space).
@@ -94,7 +94,7 @@ def host_memory_bytes() -> int | None:
 
 def default_kv_capacity(loaded: LoadedModel, max_model_len: int, reserved_bytes: int = 0) -> int:
     """KV capacity in tokens when none is given (see the constants above); on CUDA, of the memory left beside
-    ``reserved_bytes`` (a Mamba model's states)."""
+    ``reserved_bytes`` (the requests' states of a model with state layers)."""
     bytes_per_token = kv_bytes_per_token(loaded)
     if loaded.device.type == "cuda":
         return int((free_cuda_bytes(loaded) * GPU_MEMORY_UTILIZATION - reserved_bytes) // bytes_per_token)
@@ -104,7 +104,7 @@ def default_kv_capacity(loaded: LoadedModel, max_model_len: int, reserved_bytes:
 def check_kv_fits(
     loaded: LoadedModel, capacity: int, swap_tokens: int, bytes_per_token: int, state_bytes: int = 0
 ) -> None:
-    """A ConfigError when a KV cache of ``capacity`` tokens (and ``state_bytes`` of a Mamba model's states, beside
+    """A ConfigError when a KV cache of ``capacity`` tokens (and ``state_bytes`` of its requests' states, beside
     it) does not fit in the device's memory, or they and ``swap_tokens`` of swap space (always on the host) do not
     fit in the host's: a cache asked for by size is refused here rather than killed by the OS (or by CUDA) as it
     is filled in."""
@@ -112,7 +112,7 @@ def check_kv_fits(
     def gib(num_bytes: int) -> str:  # (in MiB below one GiB: a state cache's may be small)
         return f"{num_bytes / 2**30:,.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:,.1f} MiB"
 
-    states = f" and {gib(state_bytes)} of Mamba layers' states" if state_bytes else ""
+    states = f" and {gib(state_bytes)} of the requests' states" if state_bytes else ""
     host_bytes = swap_tokens * bytes_per_token
     if loaded.device.type == "cuda":
         free = free_cuda_bytes(loaded)
@@ -225,8 +225,8 @@ class LLMEngine:
         config = loaded.config
         self.loaded = loaded
         self.max_model_len = resolve_max_model_len(config, max_model_len)
-        num_state_slots = 0  # (a model with Mamba layers: the requests whose states it keeps at once)
-        if config.mamba is not None:
+        num_state_slots = 0  # (a model with state layers: the requests whose states it keeps at once)
+        if config.has_request_states:
             most = MAX_STATE_SLOTS.get(loaded.device.type, STATE_SLOTS)
             num_state_slots = min(most, state_slots(scheduler, scheduler_options))
         state_bytes = 0 if not num_state_slots else num_state_slots * StateCache.bytes_per_slot(config, loaded.dtype)

@@ -1,12 +1,14 @@
-"""The states a model's Mamba layers keep for each request (``models/mamba2.py``), beside the KV cache of its
-attention layers: a request's states take one slot of ``StateCache`` from its first chunk until it finishes or
-is preempted by recompute (``StateSlots``). The KV manager admits at most as many requests as there are slots
-(``KVCacheManager.max_requests``), so a request that starts always finds one.
+"""The states a model's recurrent layers keep for each request (Mamba-2 mixers, ``models/mamba2.py``; short
+convolutions, ``models/short_conv.py``), beside the KV cache of its attention layers: a request's states take
+one slot of ``StateCache`` from its first chunk until it finishes or is preempted by recompute (``StateSlots``).
+The KV manager admits at most as many requests as there are slots (``KVCacheManager.max_requests``), so a
+request that starts always finds one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 
 import torch
 
@@ -15,29 +17,45 @@ from sloserve.core.request import Request
 
 
 class StateCache:
-    """Every Mamba layer's states of ``num_slots`` requests: ``conv`` (layers, slots, conv_dim, d_conv - 1) in the
-    model's dtype, ``ssm`` (layers, slots, n_heads, head_dim, d_state) float32. A slot's states are overwritten by
-    its request's first chunk, never read before. One more slot, ``pad_slot``, belongs to no request: a decode
-    graph's padding rows read and write it (``cuda_graphs.DecodeGraphs``)."""
+    """Every state layer's states of ``num_slots`` requests: ``conv`` (layers, slots, conv_dim, width - 1), its
+    convolution's last inputs, in the model's dtype; a Mamba model's ``ssm`` (layers, slots, n_heads, head_dim,
+    d_state) float32 (None for short convolutions alone). A slot's states are overwritten by its request's first
+    chunk, never read before. One more slot, ``pad_slot``, belongs to no request: a decode graph's padding rows
+    read and write it (``cuda_graphs.DecodeGraphs``)."""
 
     def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        m, layers = config.mamba, config.num_mamba_layers
-        shape = (layers, num_slots + 1, config.mamba_conv_dim, m["d_conv"] - 1)
+        layers = config.num_state_layers
+        shape = (layers, num_slots + 1, config.state_conv_dim, config.state_conv_width - 1)
         self.conv = torch.zeros(shape, dtype=dtype, device=device)
-        self.ssm = torch.zeros(
-            (layers, num_slots + 1, m["n_heads"], m["head_dim"], m["d_state"]), dtype=torch.float32, device=device
-        )
+        self.ssm = None
+        if config.mamba is not None:
+            m = config.mamba
+            self.ssm = torch.zeros(
+                (layers, num_slots + 1, m["n_heads"], m["head_dim"], m["d_state"]), dtype=torch.float32, device=device
+            )
         self.num_slots = self.pad_slot = num_slots
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
-        """The states of one request, every Mamba layer's."""
-        return config.mamba_state_bytes(dtype.itemsize)
+        """The states of one request, every state layer's."""
+        return config.request_state_bytes(dtype.itemsize)
 
     def clear(self, slot: int) -> None:
         """Zero ``slot``'s states (a request whose first token runs as a decode reads them)."""
         self.conv[:, slot] = 0
-        self.ssm[:, slot] = 0
+        if self.ssm is not None:
+            self.ssm[:, slot] = 0
+
+
+@dataclass
+class StateMetadata:
+    """A step's requests' states: each prefill's (query_start, query_len, state slot, whether it goes on from a
+    state an earlier chunk left), each decode's flat token and slot; the cache that holds them."""
+
+    prefills: list[tuple[int, int, int, bool]]
+    decode_rows: torch.Tensor  # (num_decodes,) int64: AttentionMetadata.decode_token_index
+    decode_slots: torch.Tensor  # (num_decodes,) int64
+    cache: StateCache
 
 
 class StateSlots:

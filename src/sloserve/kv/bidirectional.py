@@ -52,7 +52,7 @@ class BidirectionalKVManager(SharedPrefixBlocks, TokenSlotTable, KVCacheManager)
     name = "bidirectional"
     periodic_growth = False
     copies_kv_to_cpu = True
-    supports_max_requests = False  # (its own tables; a model with Mamba layers runs on the paged managers)
+    supports_max_requests = False  # (its own tables; a model with state layers runs on the paged managers)
 
     def __init__(
         self,

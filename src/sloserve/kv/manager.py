@@ -99,7 +99,7 @@ class KVCacheManager:
         # Blocks reserved by count (decode cohort growth) whose ids are assigned later (settle_blocks).
         # NOTE: free + used + owed = capacity; owed blocks are not free.
         self._owed_blocks = 0
-        # At most this many requests hold blocks at once (None: any number): a model with Mamba layers keeps
+        # At most this many requests hold blocks at once (None: any number): a model with state layers keeps
         # states of that many requests beside their KV (engine/state_cache.py), so a request that would be
         # one more cannot start, as if the blocks had run out
         self.max_requests: int | None = None

@@ -182,22 +182,26 @@ def make_scheduler(
 
 
 def _check_request_states(name: str, config: Any, enable_prefix_caching: bool) -> None:
-    """A ConfigError where a model's per-request states (Mamba layers') could not follow its requests: a KV
+    """A ConfigError where a model's per-request states (Mamba-2's, short convolutions') could not follow its
+    requests: a KV
     manager of its own tables (BROS's, EconoServe's pipelined), KV swapped to the CPU, a prefix found cached (the
     states after it are not kept; vLLM's first hybrids did without it too)."""
     if not KV_MANAGERS[config.kv_manager].supports_max_requests:
         raise ConfigError(
-            f"scheduler {name}'s KV manager ({config.kv_manager}) does not run models with Mamba layers (their "
-            "states); vllm, sarathi, orca and the paged managers do"
+            f"scheduler {name}'s KV manager ({config.kv_manager}) does not run models with state layers "
+            "(Mamba-2's, short convolutions'); vllm, sarathi, orca and the paged managers do"
         )
     if getattr(config, "preemption_mode", "recompute") == "swap":
-        raise ConfigError("preemption_mode=swap does not move Mamba layers' states to the CPU; use recompute")
+        raise ConfigError(
+            "preemption_mode=swap does not move the requests' states (Mamba-2's, short convolutions') to the CPU; use "
+            "recompute"
+        )
     if enable_prefix_caching:
-        raise ConfigError("prefix caching is not supported with Mamba layers (their states)")
+        raise ConfigError("prefix caching is not supported with state layers (Mamba-2's, short convolutions')")
 
 
 def state_slots(name: str, options: Mapping[str, Any] | None = None) -> int:
-    """The requests a model with Mamba layers keeps states for under scheduler ``name``: its ``max_num_seqs``
+    """The requests a model with state layers (Mamba-2's, short convolutions') keeps states for under scheduler ``name``: its ``max_num_seqs``
     where it has one, at most ``STATE_SLOTS``."""
     return min(STATE_SLOTS, getattr(build_config(name, options), "max_num_seqs", STATE_SLOTS))
 

@@ -10,7 +10,7 @@ from torch import nn
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend
-from sloserve.engine.models import apertus, deepseek_v2, falcon_h1, gpt2, gpt_neox, hunyuan, nemotron_h, phi
+from sloserve.engine.models import apertus, deepseek_v2, falcon_h1, gpt2, gpt_neox, hunyuan, lfm2, nemotron_h, phi
 from sloserve.engine.models.apertus import ApertusForCausalLM
 from sloserve.engine.models.arcee import ArceeForCausalLM
 from sloserve.engine.models.cohere import CohereForCausalLM
@@ -55,6 +55,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "nemotron_h": NemotronHForCausalLM,
     "bamba": LlamaForCausalLM,
     "falcon_h1": LlamaForCausalLM,
+    "lfm2": lfm2.Lfm2ForCausalLM,
 }
 
 
@@ -105,6 +106,7 @@ CHECKPOINT_NAMES = {
     "apertus": apertus.CHECKPOINT_NAMES,
     "bamba": falcon_h1.CHECKPOINT_NAMES,  # (Bamba's names of its MLP, its norm before it and its final norm)
     "falcon_h1": falcon_h1.CHECKPOINT_NAMES,
+    "lfm2": lfm2.CHECKPOINT_NAMES,
 }
 # The merged projections a model type's checkpoints store whole, in the row order the engine's have:
 # Phi-3's Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``), GLM's and Granite 4.0's gate/up

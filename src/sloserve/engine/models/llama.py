@@ -379,11 +379,11 @@ class LlamaDecoderLayer(nn.Module):
 
         NOTE: vLLM's layout: each output joins the stream in the norm after it (``add_and_norm``), so
         the sums are HF's ``x + attn(norm(x))`` and ``x + mlp(norm(x))``, bit for bit on the PyTorch path.
-        A Mamba layer mixes with its mixer (``meta.mamba``'s states) instead, and has no caches; Falcon-H1's layer
+        A Mamba layer mixes with its mixer (``meta.states``'s states) instead, and has no caches; Falcon-H1's layer
         adds its attention's output to its mixer's, both of the same normalized input."""
         if self.mamba is not None:
             h, residual = self._input_norm(x, residual)
-            mixed = self.mamba(h, meta.mamba)
+            mixed = self.mamba(h, meta.states)
             if self.self_attn is not None:
                 mixed = mixed + self.self_attn(h, cos, sin, k_cache, v_cache, meta)
             return self._after_mixing(mixed, residual)
@@ -443,7 +443,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = self.model_class(config, backend)
-        if config.mamba is not None:  # (a Mamba layer's prefills run request by request: no pieces)
+        if config.has_request_states:  # (a state layer's prefills run request by request: no pieces)
             self.supports_piecewise_graphs = False
         # each layer's index in the KV cache (None: a Mamba layer's or an MLP's, with none), found once
         self.kv_layer_indices = [config.kv_layer_index(i) for i in range(config.num_hidden_layers)]

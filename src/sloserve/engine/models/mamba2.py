@@ -10,7 +10,7 @@ a group). y, gated by SiLU(z), is RMS-normalized by group (Falcon-H1's: normaliz
 and projected back.
 
 A request carries two states from one step to the next, in its slot of ``state_cache.StateCache``
-(``MambaMetadata``): the convolution's last ``d_conv - 1`` inputs and each head's h. A prefill runs the scan in chunks (the paper's SSD:
+(``StateMetadata``): the convolution's last ``d_conv - 1`` inputs (``short_conv.causal_conv``) and each head's h. A prefill runs the scan in chunks (the paper's SSD:
 ``ssd_scan``, as transformers' and the reference kernels' chunked form), from zeros or, for a chunk after
 others (chunked prefill), from the state the chunk before left; a decode takes one recurrence step. The states
 are float32 (the convolution's in the model's dtype, as its inputs).
@@ -18,28 +18,16 @@ are float32 (the convolution's in the model's dtype, as its inputs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
-from sloserve.engine.state_cache import StateCache
+from sloserve.engine.models.short_conv import causal_conv
+from sloserve.engine.state_cache import StateMetadata
 
 # The most numbers the scan's within-chunk weights take at once (``ssd_scan``): 512 MB of float32
 SCAN_NUMBERS = 1 << 27
-
-
-@dataclass
-class MambaMetadata:
-    """A step's requests' states: each prefill's (query_start, query_len, state slot, whether it goes on from a
-    state an earlier chunk left), each decode's flat token and slot; the cache that holds them."""
-
-    prefills: list[tuple[int, int, int, bool]]
-    decode_rows: torch.Tensor  # (num_decodes,) int64: AttentionMetadata.decode_token_index
-    decode_slots: torch.Tensor  # (num_decodes,) int64
-    cache: StateCache
 
 
 class GatedRMSNorm(nn.Module):
@@ -67,7 +55,7 @@ def gated(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # (T, d_inner) eac
 
 
 class Mamba2Mixer(nn.Module):
-    """Layer ``layer``'s mixer (module docstring); ``mamba_index``: its place among the model's Mamba layers
+    """Layer ``layer``'s mixer (module docstring); ``state_index``: its place among the model's state layers
     (its states in ``StateCache``)."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
@@ -82,7 +70,7 @@ class Mamba2Mixer(nn.Module):
         )
         self.conv_dim = config.mamba_conv_dim
         self.time_step_limit = m["time_step_limit"]
-        self.mamba_index = sum(config.layer_is_mamba(i) for i in range(layer))
+        self.state_index = config.state_layer_index(layer)
         self.in_proj = nn.Linear(h, self.d_inner + self.conv_dim + self.num_heads, bias=m["proj_bias"])
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.d_conv, groups=self.conv_dim, bias=m["conv_bias"])
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
@@ -95,32 +83,19 @@ class Mamba2Mixer(nn.Module):
         )
         self.out_proj = nn.Linear(self.d_inner, h, bias=m["out_proj_bias"])
 
-    def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:  # (T, H) normalized -> (T, H)
+    def forward(self, x: torch.Tensor, meta: StateMetadata) -> torch.Tensor:  # (T, H) normalized -> (T, H)
         z, xbc, dt = self.in_proj(x).split((self.d_inner, self.conv_dim, self.num_heads), dim=-1)
-        conv_states, ssm_states = meta.cache.conv[self.mamba_index], meta.cache.ssm[self.mamba_index]
+        ssm_states = meta.cache.ssm[self.state_index]
+        mixed = F.silu(causal_conv(xbc, meta, meta.cache.conv[self.state_index], self.conv1d))  # (T, conv_dim)
         y = torch.zeros_like(z)  # (T, d_inner); NOTE: zeros: padding rows, of no request, stay finite
         for start, length, slot, goes_on in meta.prefills:
             rows = slice(start, start + length)
-            before = conv_states[slot] if goes_on else conv_states.new_zeros(conv_states.shape[1:])
-            window = torch.cat((before, xbc[rows].T.to(before.dtype)), dim=1)  # (conv_dim, d_conv - 1 + c)
-            conv_states[slot] = window[:, window.shape[1] - (self.d_conv - 1) :]
-            mixed = self._conv(window[None])[0].T  # (c, conv_dim)
             initial = ssm_states[slot] if goes_on else None
-            y[rows], ssm_states[slot] = self._scan(mixed, dt[rows], initial)
+            y[rows], ssm_states[slot] = self._scan(mixed[rows], dt[rows], initial)
         if meta.decode_slots.numel():
             rows, slots = meta.decode_rows, meta.decode_slots
-            window = torch.cat(
-                (conv_states[slots], xbc[rows, :, None].to(conv_states.dtype)), dim=2
-            )  # (b, conv_dim, K)
-            conv_states[slots] = window[:, :, 1:]
-            mixed = self._conv(window)[:, :, -1]  # (b, conv_dim)
-            y[rows], ssm_states[slots] = self._step(mixed, dt[rows], ssm_states[slots])
+            y[rows], ssm_states[slots] = self._step(mixed[rows], dt[rows], ssm_states[slots])
         return self.out_proj(self.norm(y, z))
-
-    def _conv(self, window: torch.Tensor) -> torch.Tensor:  # (b, conv_dim, K - 1 + c) -> (b, conv_dim, c)
-        """The causal depthwise convolution over a window that starts with the ``d_conv - 1`` inputs before, SiLU."""
-        out = F.conv1d(window.to(self.conv1d.weight.dtype), self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
-        return F.silu(out)
 
     def _split(self, mixed: torch.Tensor):
         """(x (T, heads, head_dim), B (T, heads, d_state), C (T, heads, d_state)) float32, B and C of each head's group."""

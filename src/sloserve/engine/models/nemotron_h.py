@@ -43,7 +43,7 @@ class NemotronHBlock(nn.Module):
             (self.input_layernorm(x), x) if residual is None else self.input_layernorm.add_and_norm(x, residual)
         )
         if self.mamba is not None:
-            return self.mamba(h, meta.mamba), residual
+            return self.mamba(h, meta.states), residual
         if self.mlp is not None:
             return self.mlp(h), residual
         return self.self_attn(h, cos, sin, k_cache, v_cache, meta), residual

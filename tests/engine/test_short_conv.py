@@ -1,0 +1,136 @@
+"""LFM2 (short convolutions beside attention, models/short_conv.py): the convolution layer against transformers'
+(a prompt whole, in chunks that carry their states, then decodes; several requests in one step), the config as
+the Hub and transformers write it, the shape the simulator sees. Its greedy tokens through five runs are
+test_mamba.py's (``test_a_hybrid_model_gives_hf_greedy_tokens``): the same state slots."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hf_models import hf_cached  # noqa: E402
+from sloserve import LLM  # noqa: E402
+from sloserve.checkpoint import model_spec  # noqa: E402
+from sloserve.checkpoint.config import SHORT_CONV, from_hf_config  # noqa: E402
+from sloserve.core.errors import ConfigError  # noqa: E402
+from sloserve.engine.models.short_conv import ShortConv  # noqa: E402
+from sloserve.engine.state_cache import StateCache, StateMetadata  # noqa: E402
+
+# LFM2-1.2B's config.json as the Hub has it (its names before transformers': block_ff_dim, full_attn_idxs,
+# tie_embedding), the sizes cut down
+HUB_CONFIG = {
+    "architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "vocab_size": 300, "hidden_size": 64,
+    "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+    "block_ff_dim": 96, "block_auto_adjust_ff_dim": True, "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 32,
+    "full_attn_idxs": [2, 5], "conv_L_cache": 3, "conv_bias": False, "norm_eps": 1e-5, "rope_theta": 1000000.0,
+    "tie_embedding": True, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 7,
+}  # fmt: skip
+
+
+def _layers():
+    """transformers' short convolution of the tests' LFM2 (its third layer) and the engine's with its weights."""
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
+
+    hf_config = hf_cached("lfm2").config
+    torch.manual_seed(5)
+    theirs = Lfm2ShortConv(hf_config, 2).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    config = from_hf_config(hf_config.to_dict())
+    ours = ShortConv(config, 2).eval()
+    ours.load_state_dict(theirs.state_dict())
+    assert ours.state_index == 1  # (its states: the second of the model's convolutions')
+    return theirs, ours, config
+
+
+def test_the_short_convolution_gives_transformers_outputs_whole_in_chunks_and_decoding():
+    """A 21-token prompt: whole; as chunks of 5 and 9 that carry their states, then 7 decodes; and beside other
+    requests in one step (a prompt in another slot, a decode, a prompt in a slot with stale states):
+    transformers' outputs for the whole prompt, position by position."""
+    theirs, ours, config = _layers()
+    x = torch.randn(21, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    none = torch.zeros(0, dtype=torch.int64)
+    with torch.no_grad():
+        want = theirs(x[None])[0]  # (21, H)
+        cache = StateCache(config, 4, torch.float32, torch.device("cpu"))
+        assert cache.ssm is None and cache.conv.shape == (2, 5, 64, 2)  # (2 layers, 4 slots and the pad, width 3)
+        whole = ours(x, StateMetadata([(0, 21, 1, False)], none, none, cache))
+        torch.testing.assert_close(whole, want, rtol=1e-4, atol=1e-5)
+        cache = StateCache(config, 4, torch.float32, torch.device("cpu"))
+        parts = [ours(x[:5], StateMetadata([(0, 5, 2, False)], none, none, cache))]
+        parts.append(ours(x[5:14], StateMetadata([(0, 9, 2, True)], none, none, cache)))
+        for t in range(14, 21):
+            parts.append(ours(x[t : t + 1], StateMetadata([], torch.tensor([0]), torch.tensor([2]), cache)))
+        torch.testing.assert_close(torch.cat(parts), want, rtol=1e-4, atol=1e-5)
+        # slot 0 holds the states after 10 tokens; one step: a 7-token prompt (slot 3), its decode, a 3-token prompt
+        # (slot 1, whose stale states it must not read); a padding row of no request gives zeros
+        ours(x[:10], StateMetadata([(0, 10, 0, False)], none, none, cache))
+        step = torch.cat((x[:7], x[10:11], x[:3], x[:1]))
+        meta = StateMetadata([(0, 7, 3, False), (8, 3, 1, False)], torch.tensor([7]), torch.tensor([0]), cache)
+        out = ours(step, meta)
+        torch.testing.assert_close(out[:11], torch.cat((want[:7], want[10:11], want[:3])), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out[11], ours.out_proj.bias)  # (the gate times zeros, projected)
+
+
+def test_lfm2s_config_as_the_hub_and_transformers_write_it():
+    """The Hub's names (block_ff_dim, full_attn_idxs, tie_embedding) read as transformers reads them: the MLP 2/3
+    of block_ff_dim, times the multiplier, rounded up to block_multiple_of; transformers 5's layer_types alike;
+    bad layer types and sizes refused by name."""
+    hub = from_hf_config(HUB_CONFIG)
+    kinds = tuple("full_attention" if i in (2, 5) else SHORT_CONV for i in range(6))
+    assert (hub.layer_types, hub.intermediate_size, hub.tie_word_embeddings, hub.eos_token_ids) == (
+        kinds,
+        64,
+        True,
+        (7,),
+    )
+    assert (hub.short_conv, hub.qk_norm, hub.rope_theta, hub.norm_eps) == ({"width": 3, "bias": False}, True, 1e6, 1e-5)
+    assert (hub.num_kv_layers, hub.num_state_layers, hub.kv_layer_index(5), hub.state_layer_index(4)) == (2, 4, 1, 3)
+    listed = {k: v for k, v in HUB_CONFIG.items() if k not in ("full_attn_idxs", "block_ff_dim", "tie_embedding")}
+    listed.update(layer_types=list(kinds), intermediate_size=96, tie_word_embeddings=True)
+    assert from_hf_config(listed) == hub
+    # 2/3 of 160 is 106; times 1.5, 159; rounded up to a multiple of 32, 160. Unadjusted: as given
+    assert from_hf_config({**HUB_CONFIG, "block_ff_dim": 160, "block_ffn_dim_multiplier": 1.5}).intermediate_size == 160
+    assert from_hf_config({**HUB_CONFIG, "block_auto_adjust_ff_dim": False}).intermediate_size == 96
+    assert from_hf_config({**HUB_CONFIG, "tie_embedding": False}).tie_word_embeddings is False
+    # LFM2-1.2B's own sizes: its model card's 1,170,340,608 parameters; 10 convolutions' states, 80 KB a request
+    full = {**HUB_CONFIG, "vocab_size": 65536, "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "block_ff_dim": 12288, "block_multiple_of": 256,
+            "full_attn_idxs": [2, 5, 8, 10, 12, 14]}  # fmt: skip
+    spec = from_hf_config(full).spec()
+    assert (spec.num_params, spec.intermediate_size, spec.kv_layers) == (1_170_340_608, 8192, 6)
+    assert spec.state_bytes_per_sequence == 10 * 2048 * 2 * 2
+    with pytest.raises(ConfigError, match="lfm2 layer_types must be 6 entries of full_attention or conv"):
+        from_hf_config({**listed, "layer_types": [*kinds[:5], "mamba"]})
+    with pytest.raises(ConfigError, match="conv_L_cache must be a positive integer, got 0"):
+        from_hf_config({**HUB_CONFIG, "conv_L_cache": 0})
+    with pytest.raises(ConfigError, match="block_ff_dim \\(intermediate_size\\) must be a positive integer"):
+        from_hf_config({**HUB_CONFIG, "block_ff_dim": None})
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_lfm2s_shape_counts_its_convolutions_and_only_its_attention_layers_kv(hf_dirs, tmp_path, bias):
+    """transformers' parameter count (with the convolutions' biases and without); KV bytes a token of the one
+    attention layer of three; a request's states, the two convolutions' last two inputs (float32): the engine's
+    and the simulator's alike."""
+    if bias:
+        path, hf = hf_dirs["lfm2"], hf_cached("lfm2")
+    else:
+        hf = transformers.Lfm2ForCausalLM(
+            transformers.Lfm2Config(**{**hf_cached("lfm2").config.to_dict(), "conv_bias": False})
+        )
+        hf.save_pretrained(tmp_path)
+        path = str(tmp_path)
+    spec = model_spec(path)
+    assert spec.num_params == sum(p.numel() for p in hf.parameters())
+    assert (spec.num_layers, spec.kv_layers) == (3, 1)
+    assert spec.kv_bytes_per_token == 2 * 1 * 2 * 16 * 4  # K and V, 1 layer, 2 KV heads of 16, float32
+    assert spec.state_bytes_per_sequence == 2 * 64 * 2 * 4
+    llm = LLM(path, "vllm")
+    assert llm.engine.cache.gpu.shape[1] == 1  # (one layer's KV)
+    states = llm.engine.executor.states.cache
+    assert StateCache.bytes_per_slot(llm.loaded.config, llm.loaded.dtype) == spec.state_bytes_per_sequence
+    assert states.conv.shape[0] == 2 and states.ssm is None
