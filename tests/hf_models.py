@@ -394,6 +394,17 @@ def hf_greedy(arch: str, prompt: tuple[int, ...], num_tokens: int) -> list[int]:
     return greedy_past_eos(hf_cached(arch), list(prompt), num_tokens)
 
 
+def greedy_by_full_forwards(arch: str, ids: list[int], num_tokens: int) -> list[int]:
+    """transformers' greedy continuation of ``ids``, each token from a forward pass over the whole sequence (no
+    cache): greedy decoding by its definition. NOTE: transformers 5.24's ``generate`` for LFM2 parts from it on
+    prompts of 33 tokens and more (the same model's cached steps agree given the positions)."""
+    model, ids = hf_cached(arch), list(ids)
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(ids) - num_tokens :]
+
+
 def greedy_past_eos(model, ids: list[int], num_tokens: int) -> list[int]:
     """transformers' greedy continuation of ``ids`` by ``model`` with EOS a token like any other (it neither ends
     the run nor is held back: the engine's ``ignore_eos``), ``num_tokens`` tokens."""

@@ -96,9 +96,10 @@ class Setup:
     options: SimOptions
 
     def kv_capacity_for(self, state_slots: int | None) -> int:
-        """The KV cache's tokens where a scheduler keeps ``state_slots`` requests' states (a model with Mamba
-        layers; ``kv_capacity_tokens`` leaves room for ``STATE_SLOTS``): fewer slots leave their memory to the KV
-        cache, as the engine's default cache does. As given where --kv-capacity-tokens set it."""
+        """The KV cache's tokens where a run keeps ``state_slots`` requests' states (a model with state layers:
+        its scheduler's slots, and as many saved ones with prefix caching; ``kv_capacity_tokens`` leaves room for
+        ``STATE_SLOTS``): the rest of the memory is the KV cache's, as the engine's default cache does. As given
+        where --kv-capacity-tokens set it."""
         from sloserve.cost import kv_capacity_tokens
 
         if state_slots is None or self.options.kv_capacity_tokens is not None:
@@ -308,14 +309,14 @@ def run_simulation(
     caching = o.enable_prefix_caching
     if caching is None:
         caching = any(r.prompt_blocks is not None for r in requests) and supports_prefix_caching(scheduler, set_options)
-    # (a model with per-request states, state layers': as many requests at once as their slots, the engine's rule)
+    # (a model with per-request states, state layers': as many requests at once as their slots, the engine's rule;
+    # with prefix caching as many states saved at cached prefixes' ends, kv/cached_states.py)
     slots = state_slots(scheduler, set_options) if setup.model.state_bytes_per_sequence else None
-    if slots is not None and o.enable_prefix_caching is None:
-        caching = False
+    num_states = None if slots is None else slots * (2 if caching else 1)
     factory = functools.partial(
         make_scheduler,
         scheduler,
-        kv_capacity_tokens=setup.kv_capacity_for(slots),
+        kv_capacity_tokens=setup.kv_capacity_for(num_states),
         max_model_len=setup.model.max_context_len,
         kv_bytes_per_token=setup.model.kv_bytes_per_token,
         swap_space_tokens=setup.swap_space_tokens,

@@ -6,6 +6,8 @@ what cannot carry the states refused by name; the simulator's shape, roofline an
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -225,6 +227,12 @@ def test_the_simulator_keeps_a_hybrids_states_as_the_engine_does(hf_dirs, monkey
     more = int((setup.kv_capacity_tokens * spec.kv_bytes_per_token + 192 * spec.state_bytes_per_sequence)
                // spec.kv_bytes_per_token)  # fmt: skip
     assert capacities == {256: setup.kv_capacity_tokens // 16 * 16, 64: more // 16 * 16}  # whole blocks of 16
+    # with prefix caching, as many saved states as slots (kv/cached_states.py): 64 slots' and 64 entries' states
+    caching = dataclasses.replace(setup, options=dataclasses.replace(setup.options, enable_prefix_caching=True))
+    result = run_simulation(caching, "vllm", {"max_num_seqs": 64}, caching.make_workload(None))
+    less = int((setup.kv_capacity_tokens * spec.kv_bytes_per_token + 128 * spec.state_bytes_per_sequence)
+               // spec.kv_bytes_per_token)  # fmt: skip
+    assert result["kv_capacity_tokens"] == less // 16 * 16 and result["enable_prefix_caching"]
 
 
 @pytest.mark.parametrize(
@@ -307,16 +315,18 @@ def test_requests_wait_for_a_state_slot(hf_dirs, monkeypatch):
 
 
 def test_a_kv_cache_asked_for_by_size_is_refused_where_the_states_beside_it_do_not_fit(hf_dirs, monkeypatch):
-    """512 tokens of KV and as many of swap space take 256 KB; 64 requests' states 1.3 MB more: on a host of 1 MB
-    the engine says so rather than be killed filling them."""
+    """512 tokens of KV and as many of swap space take 256 KB; 64 requests' states 1.3 MB more, and with prefix
+    caching (the default) 64 saved ones as much again: on a host of 1 MB the engine says so rather than be killed
+    filling them."""
     monkeypatch.setattr(llm_engine, "host_memory_bytes", lambda: 1 << 20)
-    with pytest.raises(
-        ConfigError,
-        match="kv_capacity_tokens 512 and 512 tokens of swap space and 1.3 MiB of the requests' states need 1.5 MiB of "
-        "the host's memory \\(256 bytes a token\\); it has 1.0 MiB",
-    ):
-        LLM(hf_dirs["granite_4_h"], "vllm", kv_capacity_tokens=512)
-    monkeypatch.setattr(llm_engine, "host_memory_bytes", lambda: 2 << 20)
+    for caching, states, need in ((False, "1.3", "1.5"), (None, "2.6", "2.8")):
+        with pytest.raises(
+            ConfigError,
+            match=f"kv_capacity_tokens 512 and 512 tokens of swap space and {states} MiB of the requests' states need "
+            f"{need} MiB of the host's memory \\(256 bytes a token\\); it has 1.0 MiB",
+        ):
+            LLM(hf_dirs["granite_4_h"], "vllm", kv_capacity_tokens=512, enable_prefix_caching=caching)
+    monkeypatch.setattr(llm_engine, "host_memory_bytes", lambda: 3 << 20)
     LLM(hf_dirs["granite_4_h"], "vllm", kv_capacity_tokens=512)
 
 
@@ -338,10 +348,10 @@ def test_a_one_token_prompt_starts_from_zero_states(hf_dirs, monkeypatch):
         ("bros", {}, "scheduler bros's KV manager \\(bidirectional\\) does not run models with state layers"),
         ("econoserve", {}, "scheduler econoserve's KV manager \\(pipelined\\) does not run models with state layers"),
         ("vllm", dict(preemption_mode="swap"), "preemption_mode=swap does not move the requests' states"),
-        ("vllm", dict(enable_prefix_caching=True), "prefix caching is not supported with state layers"),
     ],
 )
 def test_what_cannot_carry_the_states_is_refused(hf_dirs, scheduler, options, message):
     with pytest.raises(ConfigError, match=message):
         LLM(hf_dirs["granite_4_h"], scheduler, **options)
-    assert not LLM(hf_dirs["granite_4_h"], "vllm").engine.scheduler.kv.prefix_cache  # (off unless asked)
+    kv = LLM(hf_dirs["granite_4_h"], "vllm").engine.scheduler.kv  # (prefix caching on by default, with saved states)
+    assert kv.prefix_cache is not None and kv.cached_states.num_entries == kv.max_requests == 64

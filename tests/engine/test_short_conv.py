@@ -10,8 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_models import hf_cached  # noqa: E402
-from sloserve import LLM  # noqa: E402
+from hf_models import greedy_by_full_forwards, hf_cached  # noqa: E402
+from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.checkpoint import model_spec  # noqa: E402
 from sloserve.checkpoint.config import SHORT_CONV, from_hf_config  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
@@ -134,3 +134,98 @@ def test_lfm2s_shape_counts_its_convolutions_and_only_its_attention_layers_kv(hf
     states = llm.engine.executor.states.cache
     assert StateCache.bytes_per_slot(llm.loaded.config, llm.loaded.dtype) == spec.state_bytes_per_sequence
     assert states.conv.shape[0] == 2 and states.ssm is None
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "granite_4_h"])
+@pytest.mark.parametrize(
+    "scheduler,options",
+    [
+        ("vllm", dict(block_size=4)),  # the saved point inside a prompt's one chunk
+        ("sarathi", dict(prefill_token_budget=8, block_size=4)),  # inside a chunk (37 tokens), at a chunk's end (33)
+    ],
+)
+@pytest.mark.parametrize("first_turn", [37, 33])
+def test_a_conversations_next_turn_starts_from_the_states_saved_at_its_history(
+    hf_dirs, arch, scheduler, options, first_turn
+):
+    """Prefix caching on a model with state layers (kv/cached_states.py): a conversation's second turn (the first's
+    prompt, its answer, a new message) and the first prompt resent find the first prompt's blocks up to the states
+    saved at its last full block before its last token, start from them, and give transformers' greedy tokens
+    (LFM2's short convolutions; Granite 4.0-H's Mamba-2 scans, split at the saved point). The reference: forward
+    passes over whole sequences (``greedy_by_full_forwards``)."""
+    llm = LLM(hf_dirs[arch], scheduler, **options)
+    first = [(i * 11 + 3) % 300 for i in range(first_turn)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    (turn,) = llm.generate([{"prompt_token_ids": first}], [params])
+    assert turn.outputs[0].token_ids == greedy_by_full_forwards(arch, first, 10) and turn.num_cached_tokens == 0
+    second = [*first, *turn.outputs[0].token_ids, 7, 8, 9]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in (second, first)], [params, params])
+    saved = (first_turn - 1) // 4 * 4
+    assert [o.num_cached_tokens for o in outputs] == [saved, saved]
+    assert [o.outputs[0].token_ids for o in outputs] == [greedy_by_full_forwards(arch, p, 10) for p in (second, first)]
+    states = llm.engine.scheduler.kv.cached_states
+    assert states.num_loaded == 2 and states.num_saved == 2  # (the first turn's point; the second's own)
+    states.check()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_saved_states_are_found_from_the_step_after_the_one_that_writes_them(hf_dirs, async_scheduling):
+    """Two requests of one prompt admitted in one step: the second finds the first's KV blocks registered but not
+    its states (written by that step's forward pass), so it computes its prompt. A third, admitted while the first
+    still generates, starts from the first's saved states; all give transformers' greedy tokens."""
+    engine = LLM(hf_dirs["lfm2"], "vllm", block_size=4, async_scheduling=async_scheduling).engine
+    prompt = [(i * 11 + 3) % 300 for i in range(37)]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (12, 4, 4)]
+    requests = [engine.add_request(prompt, params[0]), engine.add_request(prompt, params[1])]
+    engine.step()
+    requests.append(engine.add_request(prompt, params[2]))
+    outputs = {}
+    while engine.has_unfinished():
+        for request in engine.step():
+            outputs[request] = engine.release(request).output_token_ids
+    assert [r.num_cached_tokens for r in requests] == [0, 0, 36]
+    assert [outputs[r] for r in requests] == [greedy_by_full_forwards("lfm2", prompt, p.max_tokens) for p in params]
+
+
+def test_the_engine_finds_the_cached_prefixes_the_simulator_finds_with_state_layers(tmp_path):
+    """Conversations of three turns, each resending the turn before's prompt (its full 16-token blocks: a trace's
+    ``hash_ids`` at ``hash_block_tokens`` 16), replayed on an LFM2: request for request, the engine (by tokens) and
+    the simulator (by ids) find the same cached tokens: each later turn the turn before's prompt up to its last
+    full block before its last token, where that turn's states were saved."""
+    import csv
+    import json
+    import subprocess
+    import sys
+
+    config = transformers.Lfm2Config(**{**hf_cached("lfm2").config.to_dict(), "max_position_embeddings": 512})
+    torch.manual_seed(0)
+    transformers.Lfm2ForCausalLM(config).save_pretrained(tmp_path / "lfm2")
+    rows, want, next_id = [], [], 0
+    for conversation, first in enumerate((37, 42, 48, 52)):  # (48: its KV found to 48, its states at 32)
+        ids, length = [], 0
+        for turn, new in enumerate((first, 40, 29)):
+            full = ids[: length // 16]  # (the turn before's full blocks, resent)
+            want.append(0 if turn == 0 else (length - 1) // 16 * 16)
+            length += new + (20 if turn else 0)  # (the answer before, then the new message)
+            ids = full + list(range(next_id, next_id + -(-length // 16) - len(full)))
+            next_id += -(-length // 16) - len(full)
+            rows.append({"timestamp": 1000 * (10 * turn + conversation), "input_length": length, "output_length": 20,
+                         "hash_ids": ids})  # fmt: skip
+    trace = tmp_path / "conversations.jsonl"
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    common = ("--trace", str(trace), "--columns", "hash_block_tokens=16", "--trace-arrivals",
+              "--kv-capacity-tokens", "65536")  # fmt: skip
+    cached = {}
+    for name, args in {
+        "engine": ("run", "--model", str(tmp_path / "lfm2"), *common, "--virtual-clock"),
+        "sim": ("simulate", "--model", str(tmp_path / "lfm2"), *common),
+    }.items():
+        proc = subprocess.run(
+            [sys.executable, "-m", "sloserve.cli", *args, "--out", str(tmp_path / name)],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        with open(tmp_path / name / "requests.csv") as f:
+            cached[name] = {int(row["request_id"]): int(row["cached_tokens"]) for row in csv.DictReader(f)}
+    order = sorted(range(len(rows)), key=lambda k: rows[k]["timestamp"])  # (the trace's rows by arrival)
+    assert cached["engine"] == cached["sim"] == {i: want[k] for i, k in enumerate(order)}

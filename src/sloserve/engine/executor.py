@@ -203,6 +203,8 @@ class EngineExecutor:
         if self.states is not None:  # (a request holds its states' slot while it holds KV blocks)
             self.states.keep_only(self.kv.block_tables)
         state_prefills: list[tuple[int, int, int, bool]] = []  # (flat index, tokens, state slot, goes on)
+        state_saves: dict[int, tuple[int, int]] = {}  # (``StateMetadata.saves``)
+        saved_after: list[tuple[int, int]] = []  # (slot, entry's slot): states saved as the forward pass left them
         tokens: list[int] = []
         positions: list[int] = []
         prefills: list[PrefillSeq] = []
@@ -232,11 +234,22 @@ class EngineExecutor:
                 tokens.append(0)
             positions.extend(range(start, end))
             if self.states is not None:
+                cache, saved = self.states.cache, self.kv.cached_states
+                first = request not in self.states.of
                 slot = self.states.slot(request)
+                if first and start > 0:  # (admitted past a cached prefix: from the states saved at its end)
+                    cache.copy(cache.entry_slot(saved.loads.pop(request)), slot)
                 if num_tokens > 1:
                     state_prefills.append((flat, num_tokens, slot, start > 0))
                 elif start == 0:  # (a one-token prompt runs as a decode: from zero states)
-                    self.states.cache.clear(slot)
+                    cache.clear(slot)
+                pending = None if saved is None else saved.pending.get(request)
+                if pending is not None and start < pending[1] <= end:  # (the chunk reaches its saved point)
+                    k, entry = pending[1] - start, cache.entry_slot(pending[2])
+                    if k < num_tokens:
+                        state_saves[flat] = (k, entry)
+                    else:
+                        saved_after.append((slot, entry))
             if num_tokens == 1:
                 decodes.append((flat, request))
             else:
@@ -270,7 +283,11 @@ class EngineExecutor:
             if late:  # (P,) flat indices, (P,) the tokens there: gathered on the device
                 source = before.device_ids[index_tensor([row for _, row in late], self.device)]
                 late_tokens = (index_tensor([i for i, _ in late], self.device), source)
-            hidden = self._forward(tokens, positions, prefills, prefill_slots, decodes, late_tokens, state_prefills)
+            hidden = self._forward(
+                tokens, positions, prefills, prefill_slots, decodes, late_tokens, state_prefills, state_saves
+            )
+            for slot, entry in saved_after:
+                self.states.cache.copy(slot, entry)
             if self.during_forward is not None and not pipelined:
                 self._overlap(self.during_forward)
             logits = self.model.compute_logits(hidden[rows]).float()  # (N, vocab)
@@ -539,6 +556,7 @@ class EngineExecutor:
         decodes: list[tuple[int, Request]],
         late_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,  # (P,) flat indices, (P,) their tokens
         state_prefills: list[tuple[int, int, int, bool]] = (),  # (``StateMetadata.prefills``)
+        state_saves: dict[int, tuple[int, int]] | None = None,  # (``StateMetadata.saves``)
     ) -> torch.Tensor:  # (T, H)
         """The model's forward pass over the step's flat tokens: a graph replay for a decode-only step
         that fits the captured graphs, else the piecewise graphs' replays for a step that fits them,
@@ -566,7 +584,9 @@ class EngineExecutor:
         meta = self._metadata(len(tokens), prefills, prefill_slots, decodes, lengths, written, block_ids)
         if self.states is not None:
             slots = index_tensor([self.states.of[r] for _, r in decodes], self.device)  # (B,)
-            meta.states = StateMetadata(state_prefills, meta.decode_token_index, slots, self.states.cache)
+            meta.states = StateMetadata(
+                state_prefills, meta.decode_token_index, slots, self.states.cache, state_saves or {}
+            )
         ids = index_tensor(tokens, self.device)  # (T,)
         if late_tokens is not None:
             ids[late_tokens[0]] = late_tokens[1]

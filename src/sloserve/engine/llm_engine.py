@@ -225,11 +225,15 @@ class LLMEngine:
         config = loaded.config
         self.loaded = loaded
         self.max_model_len = resolve_max_model_len(config, max_model_len)
+        if enable_prefix_caching is None:  # (on wherever the scheduler supports it, as vLLM v1 turns it on by default)
+            enable_prefix_caching = supports_prefix_caching(scheduler, scheduler_options)
         num_state_slots = 0  # (a model with state layers: the requests whose states it keeps at once)
         if config.has_request_states:
             most = MAX_STATE_SLOTS.get(loaded.device.type, STATE_SLOTS)
             num_state_slots = min(most, state_slots(scheduler, scheduler_options))
-        state_bytes = 0 if not num_state_slots else num_state_slots * StateCache.bytes_per_slot(config, loaded.dtype)
+        # (and with prefix caching as many states saved at cached prefixes' ends: kv/cached_states.py)
+        num_state_entries = num_state_slots if enable_prefix_caching else 0
+        state_bytes = (num_state_slots + num_state_entries) * StateCache.bytes_per_slot(config, loaded.dtype)
         capacity = (
             kv_capacity_tokens
             if kv_capacity_tokens is not None
@@ -258,16 +262,13 @@ class LLMEngine:
             swap_space_tokens=swap_space_tokens,
             options=scheduler_options,
             cost_model=engine_cost_model(cost_model),
-            # None: on wherever the scheduler supports it, as vLLM v1 turns it on by default
-            enable_prefix_caching=supports_prefix_caching(scheduler, scheduler_options) and not num_state_slots
-            if enable_prefix_caching is None
-            else enable_prefix_caching,
+            enable_prefix_caching=enable_prefix_caching,
             max_requests=num_state_slots or None,
         )
         kv = self.scheduler.kv
         states = None
         if num_state_slots:
-            states = StateSlots(StateCache(config, num_state_slots, loaded.dtype, loaded.device))
+            states = StateSlots(StateCache(config, num_state_slots, loaded.dtype, loaded.device, num_state_entries))
         self.cache = KVCacheTensor(
             config,
             kv.gpu.num_blocks * kv.block_size,

@@ -8,7 +8,7 @@ request that starts always finds one.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,25 +20,39 @@ class StateCache:
     """Every state layer's states of ``num_slots`` requests: ``conv`` (layers, slots, conv_dim, width - 1), its
     convolution's last inputs, in the model's dtype; a Mamba model's ``ssm`` (layers, slots, n_heads, head_dim,
     d_state) float32 (None for short convolutions alone). A slot's states are overwritten by its request's first
-    chunk, never read before. One more slot, ``pad_slot``, belongs to no request: a decode graph's padding rows
-    read and write it (``cuda_graphs.DecodeGraphs``)."""
+    chunk (or copied from a saved entry), never read before. One more slot, ``pad_slot``, belongs to no request:
+    a decode graph's padding rows read and write it (``cuda_graphs.DecodeGraphs``). Then ``num_entries`` slots of
+    states saved for prefix caching (``entry_slot``: ``kv/cached_states.py``'s entries)."""
 
-    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        layers = config.num_state_layers
-        shape = (layers, num_slots + 1, config.state_conv_dim, config.state_conv_width - 1)
+    def __init__(
+        self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device, num_entries: int = 0
+    ) -> None:
+        layers, total = config.num_state_layers, num_slots + 1 + num_entries
+        shape = (layers, total, config.state_conv_dim, config.state_conv_width - 1)
         self.conv = torch.zeros(shape, dtype=dtype, device=device)
         self.ssm = None
         if config.mamba is not None:
             m = config.mamba
             self.ssm = torch.zeros(
-                (layers, num_slots + 1, m["n_heads"], m["head_dim"], m["d_state"]), dtype=torch.float32, device=device
+                (layers, total, m["n_heads"], m["head_dim"], m["d_state"]), dtype=torch.float32, device=device
             )
         self.num_slots = self.pad_slot = num_slots
+        self.num_entries = num_entries
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
         """The states of one request, every state layer's."""
         return config.request_state_bytes(dtype.itemsize)
+
+    def entry_slot(self, entry: int) -> int:
+        """The slot of saved entry ``entry``."""
+        return self.num_slots + 1 + entry
+
+    def copy(self, source: int, dest: int) -> None:
+        """Slot ``dest``'s states := slot ``source``'s (every layer's)."""
+        self.conv[:, dest] = self.conv[:, source]
+        if self.ssm is not None:
+            self.ssm[:, dest] = self.ssm[:, source]
 
     def clear(self, slot: int) -> None:
         """Zero ``slot``'s states (a request whose first token runs as a decode reads them)."""
@@ -56,6 +70,9 @@ class StateMetadata:
     decode_rows: torch.Tensor  # (num_decodes,) int64: AttentionMetadata.decode_token_index
     decode_slots: torch.Tensor  # (num_decodes,) int64
     cache: StateCache
+    # prefix caching: a prefill's query_start -> (k, slot): the states after its first k tokens (0 < k < its length)
+    # saved in that slot too (a save at a chunk's end is the executor's copy after the forward pass)
+    saves: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 class StateSlots:

@@ -28,6 +28,7 @@ from sloserve.core.outputs import BlockCopy
 from sloserve.core.request import Request
 from sloserve.kv.array_mirror import ArrayMirror
 from sloserve.kv.block_pool import BlockPool
+from sloserve.kv.cached_states import CachedStates
 from sloserve.kv.prefix_cache import EvictionQueue, PrefixCache
 
 
@@ -103,6 +104,9 @@ class KVCacheManager:
         # states of that many requests beside their KV (engine/state_cache.py), so a request that would be
         # one more cannot start, as if the blocks had run out
         self.max_requests: int | None = None
+        # With prefix caching, for such a model: the states saved at cached prefixes' ends (kv/cached_states.py),
+        # a prefix found only up to one of them (None: a model without state layers)
+        self.cached_states: CachedStates | None = None
 
     # --- capacity ----------------------------------------------------------------------------
     @property
@@ -214,7 +218,11 @@ class KVCacheManager:
         if self.prefix_cache is None or prompt is None or self.num_tracked_tokens(request):
             return []
         limit = (request.num_tokens - 1) // self.block_size
-        return self.prefix_cache.match(prompt.block_index(self.block_size), limit)
+        index = prompt.block_index(self.block_size)
+        blocks = self.prefix_cache.match(index, limit)
+        if self.cached_states is not None and len(blocks):  # (up to a block that ends at saved states)
+            blocks = blocks[: self.cached_states.longest(index.keys, len(blocks))]
+        return blocks
 
     def _allocate_with_prefix(self, request: Request, num_tokens: int, cached: list[int] | tuple) -> bool:
         cache = self.prefix_cache
@@ -233,7 +241,22 @@ class KVCacheManager:
         table = self.block_tables[request] = ids.tolist()
         self._block_arrays.adopt(request, table, ids)  # (registering and releasing take the array)
         self._num_registered[request] = len(cached)
+        if self.cached_states is not None:
+            self._start_states(request, len(cached))
         return True
+
+    def _start_states(self, request: Request, num_cached: int) -> None:
+        """A model with state layers: ``request``, admitted with ``num_cached`` cached blocks, starts from the
+        states saved at their end, and saves its own at its prompt's last full block before its last token
+        (``CachedStates``), unless that is where it starts."""
+        if request.prompt_blocks is None:
+            return
+        keys = request.prompt_blocks.block_index(self.block_size).keys
+        if num_cached:
+            self.cached_states.use(request, int(keys[num_cached - 1]))
+        save = (request.num_prompt_tokens - 1) // self.block_size
+        if save > num_cached:
+            self.cached_states.reserve(request, int(keys[save - 1]), save * self.block_size)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register ``request``'s full prompt blocks among its first ``num_tokens`` tokens, so later
@@ -285,6 +308,8 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release everything ``request`` holds, on the GPU and in swap space."""
+        if self.cached_states is not None:
+            self.cached_states.release(request)
         if request in self.block_tables:
             self._release_table(request)
         self.block_tables.pop(request, None)
@@ -378,6 +403,8 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """Raise AssertionError unless every block is owned once (or, with prefix caching, counted once
         per table holding it) and free + used = capacity."""
+        if self.cached_states is not None:
+            self.cached_states.check()
         if self.prefix_cache is not None:
             self.prefix_cache.check(list(self.block_tables.values()))
             # NOTE: blocks owed to reservations are in the pool, none of them still cached (reserve_blocks)

@@ -148,6 +148,8 @@ class Scheduler(ABC):
                 emitted.append(request)
         for request in result.finished:
             self._finish(request, now)
+        if self.kv.cached_states is not None:  # (a model with state layers: the states the step saved)
+            self.kv.cached_states.end_step()
         for request in emitted:
             if request.status is RequestStatus.RUNNING:
                 self.on_token_emitted(request)

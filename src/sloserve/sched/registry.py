@@ -14,6 +14,7 @@ from typing import Any
 from sloserve.core.errors import ConfigError, UnknownNameError
 from sloserve.cost.base import CostModel
 from sloserve.cost.specs import STATE_SLOTS
+from sloserve.kv.cached_states import CachedStates
 from sloserve.kv.registry import KV_MANAGERS
 from sloserve.predict import predictor_from_config
 from sloserve.sched.base import Scheduler
@@ -130,8 +131,9 @@ def make_scheduler(
     """Build a registered scheduler over a fresh KV cache of ``kv_capacity_tokens`` token slots, its
     full blocks shared between requests with ``enable_prefix_caching``. ``kv_bytes_per_token`` (the
     model's) prices the copies of a policy that moves KV to CPU memory; it may be 0 only for one
-    that never does. ``max_requests``: a model whose layers keep states for that many requests at most (Mamba
-    layers' slots: ``KVCacheManager.max_requests``); None: no such bound."""
+    that never does. ``max_requests``: a model whose layers keep states for that many requests at most (state
+    layers' slots: ``KVCacheManager.max_requests``), with prefix caching as many saved states (``CachedStates``);
+    None: no such bound."""
     spec = get_spec(name)
     config = build_config(name, options)
     config.resolve(max_model_len)
@@ -165,7 +167,7 @@ def make_scheduler(
             "KV manager does not share blocks): give --no-enable-prefix-caching"
         )
     if max_requests is not None:
-        _check_request_states(name, config, enable_prefix_caching)
+        _check_request_states(name, config)
     caching = {"enable_prefix_caching": True} if enable_prefix_caching else {}
     kv = KV_MANAGERS[config.kv_manager](
         kv_capacity_tokens // config.block_size,
@@ -175,17 +177,18 @@ def make_scheduler(
         **caching,
     )
     kv.max_requests = max_requests
+    if max_requests is not None and enable_prefix_caching:  # (as many saved states as requests' slots)
+        kv.cached_states = CachedStates(max_requests)
     extra = {"cost_model": cost_model} if spec.needs_cost_model else {}
     scheduler = spec.scheduler_cls(kv, config, predictor_from_config(config), **extra)
     scheduler.name = name
     return scheduler
 
 
-def _check_request_states(name: str, config: Any, enable_prefix_caching: bool) -> None:
+def _check_request_states(name: str, config: Any) -> None:
     """A ConfigError where a model's per-request states (Mamba-2's, short convolutions') could not follow its
-    requests: a KV
-    manager of its own tables (BROS's, EconoServe's pipelined), KV swapped to the CPU, a prefix found cached (the
-    states after it are not kept; vLLM's first hybrids did without it too)."""
+    requests: a KV manager of its own tables (BROS's, EconoServe's pipelined), KV swapped to the CPU. (A prefix
+    found cached starts from the states saved at its end: kv/cached_states.py.)"""
     if not KV_MANAGERS[config.kv_manager].supports_max_requests:
         raise ConfigError(
             f"scheduler {name}'s KV manager ({config.kv_manager}) does not run models with state layers "
@@ -196,8 +199,6 @@ def _check_request_states(name: str, config: Any, enable_prefix_caching: bool) -
             "preemption_mode=swap does not move the requests' states (Mamba-2's, short convolutions') to the CPU; use "
             "recompute"
         )
-    if enable_prefix_caching:
-        raise ConfigError("prefix caching is not supported with state layers (Mamba-2's, short convolutions')")
 
 
 def state_slots(name: str, options: Mapping[str, Any] | None = None) -> int:

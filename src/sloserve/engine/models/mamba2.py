@@ -91,6 +91,13 @@ class Mamba2Mixer(nn.Module):
         for start, length, slot, goes_on in meta.prefills:
             rows = slice(start, start + length)
             initial = ssm_states[slot] if goes_on else None
+            if start in meta.saves:  # (prefix caching: the state after its first k tokens saved too, a scan each)
+                k, saved = meta.saves[start]
+                head, ssm_states[saved] = self._scan(mixed[start : start + k], dt[start : start + k], initial)
+                tail, ssm_states[slot] = self._scan(mixed[start + k : start + length], dt[start + k : start + length],
+                                                    ssm_states[saved])  # fmt: skip
+                y[rows] = torch.cat((head, tail))
+                continue
             y[rows], ssm_states[slot] = self._scan(mixed[rows], dt[rows], initial)
         if meta.decode_slots.numel():
             rows, slots = meta.decode_rows, meta.decode_slots

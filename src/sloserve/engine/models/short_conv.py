@@ -25,7 +25,8 @@ def causal_conv(
 ) -> torch.Tensor:  # (T, C), in the weight's dtype; zeros on rows of no request (padding)
     """Each request's causal depthwise convolution over its tokens of the step, after the ``width - 1`` inputs
     before them (its states; zeros before a prompt's first chunk), no activation. A prefill's window is its
-    states and its tokens; a decode's, its states and its one token. The states become the last inputs seen."""
+    states and its tokens; a decode's, its states and its one token. The states become the last inputs seen
+    (and, where ``meta.saves`` says, those before a prefill's k-th token go to another slot too)."""
     keep = conv.weight.shape[-1] - 1
     out = torch.zeros_like(inputs, dtype=conv.weight.dtype)
     for start, length, slot, goes_on in meta.prefills:
@@ -33,6 +34,9 @@ def causal_conv(
         before = states[slot] if goes_on else states.new_zeros(states.shape[1:])
         window = torch.cat((before, inputs[rows].T.to(before.dtype)), dim=1)  # (C, width - 1 + c)
         states[slot] = window[:, window.shape[1] - keep :]
+        if start in meta.saves:  # (the inputs before token k: prefix caching's saved states)
+            k, saved = meta.saves[start]
+            states[saved] = window[:, k : k + keep]
         out[rows] = _depthwise(window[None], conv)[0].T
     if meta.decode_slots.numel():
         rows, slots = meta.decode_rows, meta.decode_slots
