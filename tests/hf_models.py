@@ -28,7 +28,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "stablelm": 36, "olmo": 37, "nemotron": 38, "arcee": 39, "granitemoe": 40, "hunyuan": 41,
          "glm4_moe": 42, "ernie4_5_moe": 43, "apertus": 44, "hunyuan_moe": 45, "granitemoehybrid": 46,
          "granitemoehybrid_moe": 47, "granite_4_h": 48, "nemotron_h": 49, "bamba": 50, "nemotron_h_moe": 51,
-         "falcon_h1": 52, "falcon_h1_norm": 53, "lfm2": 54}  # fmt: skip
+         "falcon_h1": 52, "falcon_h1_norm": 53, "lfm2": 54, "lfm2_moe": 55}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -297,6 +297,14 @@ def hf_model(arch: str):
             bos_token_id=1, eos_token_id=2,
         )  # fmt: skip
         cls = transformers.Lfm2ForCausalLM
+    elif arch == "lfm2_moe":  # LFM2-8B-A1B's outline: a dense MLP, then 8 experts (2 a token, scaled by 2)
+        config = transformers.Lfm2MoeConfig(
+            **{**common, "num_hidden_layers": 3}, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+            num_experts_per_tok=2, num_dense_layers=1, routed_scaling_factor=2.0, num_key_value_heads=2,
+            layer_types=["conv", "full_attention", "conv"], initializer_range=0.2, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2,
+        )  # fmt: skip
+        cls = transformers.Lfm2MoeForCausalLM
     elif arch == "bamba":  # Bamba 9B's outline: attention in one layer of three, Mamba-2 in the others, half rotary
         config = transformers.BambaConfig(
             **{**common, "num_hidden_layers": 3}, intermediate_size=128, num_key_value_heads=2, attn_layer_indices=[1],
@@ -363,7 +371,7 @@ def hf_model(arch: str):
             elif p.ndim == 1:  # Gemma's norms scale by 1 + weight, 0 at init
                 p.add_(0.1 * torch.randn_like(p)) if arch.startswith("gemma") else p.mul_(1 + 0.1 * torch.randn_like(p))
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # (DeepSeek-V3's router bias, a buffer: 0 at init)
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # (a router's bias, a buffer: 0 at init)
                 b.normal_(0.0, 0.5)
     return model
 

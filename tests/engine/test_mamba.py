@@ -236,7 +236,7 @@ def test_the_simulator_keeps_a_hybrids_states_as_the_engine_does(hf_dirs, monkey
 
 
 @pytest.mark.parametrize(
-    "arch", ["granite_4_h", "nemotron_h", "bamba", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm", "lfm2"]
+    "arch", ["granite_4_h", "nemotron_h", "bamba", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm", "lfm2", "lfm2_moe"]
 )
 @pytest.mark.parametrize(
     "scheduler,options",

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_models import greedy_by_full_forwards, hf_cached  # noqa: E402
+from hf_models import greedy_by_full_forwards, greedy_tokens, hf_cached, reference  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.checkpoint import model_spec  # noqa: E402
 from sloserve.checkpoint.config import SHORT_CONV, from_hf_config  # noqa: E402
@@ -229,3 +229,53 @@ def test_the_engine_finds_the_cached_prefixes_the_simulator_finds_with_state_lay
             cached[name] = {int(row["request_id"]): int(row["cached_tokens"]) for row in csv.DictReader(f)}
     order = sorted(range(len(rows)), key=lambda k: rows[k]["timestamp"])  # (the trace's rows by arrival)
     assert cached["engine"] == cached["sim"] == {i: want[k] for i, k in enumerate(order)}
+
+
+def test_lfm2_moes_experts_route_and_load_as_transformers(hf_dirs, tmp_path):
+    """LFM2-MoE: a dense MLP before ``num_dense_layers``, then experts: transformers' parameter count (its
+    routers' biases, buffers to it, tensors of the checkpoint); the router's weights of each token as
+    transformers' (sigmoid scores, the choice by scores plus the bias, renormalized with 1e-6 added, times
+    routed_scaling_factor); transformers 5's stacked experts load as the Hub's per-expert tensors;
+    use_expert_bias false refused by name."""
+    import shutil
+
+    from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeSparseMoeBlock
+
+    from sloserve.engine.models.moe import DeepseekMoE
+
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    hf = hf_cached("lfm2_moe")
+    spec = model_spec(hf_dirs["lfm2_moe"])
+    assert spec.num_params == sum(p.numel() for p in hf.parameters()) + 2 * 8
+    assert (spec.num_experts, spec.experts_per_token, spec.expert_params) == (8, 2, 2 * 8 * 3 * 64 * 32)
+    config = from_hf_config(hf.config.to_dict())
+    assert config.moe["moe_layers"] == (False, True, True) and config.intermediate_size == 96  # (not adjusted)
+    assert (config.moe["norm_topk_eps"], config.moe["routed_scaling_factor"], config.moe["n_group"]) == (1e-6, 2.0, 1)
+    theirs: Lfm2MoeSparseMoeBlock = hf.model.layers[2].feed_forward
+    ours = DeepseekMoE(config, None)
+    ours.gate.weight.data.copy_(theirs.gate.weight)
+    ours.gate.e_score_correction_bias.data.copy_(theirs.expert_bias)
+    x = torch.randn(50, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        _, want_weights, want_experts = theirs.gate(x, theirs.expert_bias)
+        weights, experts = ours.route(x)
+    assert torch.equal(experts, want_experts)
+    torch.testing.assert_close(weights, want_weights, rtol=2e-7, atol=0)
+    shutil.copytree(hf_dirs["lfm2_moe"], tmp_path / "stacked")
+    path = tmp_path / "stacked" / "model.safetensors"
+    weights = safetensors_torch.load_file(str(path))
+    for layer in (1, 2):
+        prefix = f"model.layers.{layer}.feed_forward.experts"
+        gate_up = [
+            torch.cat((weights.pop(f"{prefix}.{e}.w1.weight"), weights.pop(f"{prefix}.{e}.w3.weight")))
+            for e in range(8)
+        ]
+        weights[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+        weights[f"{prefix}.down_proj"] = torch.stack([weights.pop(f"{prefix}.{e}.w2.weight") for e in range(8)])
+    safetensors_torch.save_file(weights, str(path))
+    tokens, _ = greedy_tokens(str(tmp_path / "stacked"), "vllm")
+    assert tokens == reference("lfm2_moe")
+    with pytest.raises(
+        ConfigError, match="use_expert_bias false \\(sigmoid routing without its bias\\) is not supported"
+    ):
+        from_hf_config({**hf.config.to_dict(), "use_expert_bias": False})

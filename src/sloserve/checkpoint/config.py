@@ -50,6 +50,7 @@ ARCHITECTURES: dict[str, str] = {
     # (LFM2 350M-2.6B: Llama's layers, most mixing by a gated short convolution instead of attention, Qwen3's
     # query and key norms in the others)
     "lfm2": "lfm2",
+    "lfm2_moe": "lfm2",  # (LFM2-8B-A1B: those layers, the MLPs after the first few sigmoid-routed experts)
     # (Hunyuan 0.5B-7B: Llama's layers, each query and key head normalized after the rotary embedding)
     "hunyuan_v1_dense": "hunyuan",
     # (Hunyuan-A13B: those layers, each MLP a softmax-routed mixture of experts beside an ungated shared one)
@@ -146,6 +147,7 @@ MOE_DEFAULTS = {
     "ernie4_5_moe": {"num_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1536},
     # (Hunyuan's experts: of intermediate_size)
     "hunyuan_v1_moe": {"num_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": None},
+    "lfm2_moe": {"num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 1792},
 }
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")  # (multi-head latent attention)
 # transformers' GraniteMoeHybridConfig defaults of its Mamba-2 mixers (``mamba_*`` in a config), and FalconH1Config's
@@ -167,12 +169,16 @@ DEEPSEEK_ROUTING_DEFAULTS = {
                      "n_group": None, "topk_group": None, "norm_topk_prob": True},
     "hunyuan_v1_moe": {"n_shared_experts": 1, "routed_scaling_factor": 1.0, "topk_method": "greedy", "n_group": None,
                        "topk_group": None, "norm_topk_prob": True, "first_k_dense_replace": 0},
+    # (LFM2-MoE's: DeepSeek-V3's sigmoid scores with a bias, one group, no shared expert, 1e-6 in the renormalization)
+    "lfm2_moe": {"n_shared_experts": 0, "routed_scaling_factor": 1.0, "topk_method": "noaux_tc", "n_group": 1,
+                 "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 2, "norm_topk_eps": 1e-6},
 }  # fmt: skip
 # ERNIE 4.5's and Hunyuan's names of those settings (transformers' attribute_maps' and their own)
 MOE_SETTING_NAMES = {
     "ernie4_5_moe": {"moe_num_experts": "n_routed_experts", "moe_k": "num_experts_per_tok",
                      "moe_num_shared_experts": "n_shared_experts"},
     "hunyuan_v1_moe": {"num_experts": "n_routed_experts", "moe_topk": "num_experts_per_tok"},
+    "lfm2_moe": {"num_experts": "n_routed_experts", "num_dense_layers": "first_k_dense_replace"},
 }  # fmt: skip
 # The mixtures of experts routed as DeepSeek's
 DEEPSEEK_ROUTED = tuple(DEEPSEEK_ROUTING_DEFAULTS)
@@ -184,6 +190,7 @@ ROUTING_METHODS = {
     "glm4_moe": ("noaux_tc",),
     "ernie4_5_moe": ("softmax_with_bias",),
     "hunyuan_v1_moe": ("greedy",),
+    "lfm2_moe": ("noaux_tc",),
 }
 # The routings whose choice adds the router's bias (``e_score_correction_bias``) to the scores: DeepSeek-V3's
 # (sigmoid scores) and ERNIE 4.5's (softmax scores)
@@ -194,7 +201,17 @@ QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss", "phi")
 # The OLMo models (their query and key norms over the whole projections)
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe")
 # The models whose queries and keys are RMS-normalized (each head: Qwen3's; OLMo's whole projections)
-QK_NORMED = ("qwen3", "qwen3_moe", "lfm2", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe", "apertus", *OLMO_TYPES)
+QK_NORMED = (
+    "qwen3",
+    "qwen3_moe",
+    "lfm2",
+    "lfm2_moe",
+    "exaone4",
+    "hunyuan_v1_dense",
+    "hunyuan_v1_moe",
+    "apertus",
+    *OLMO_TYPES,
+)
 # transformers' rope bases where a config has none
 DEFAULT_ROPE_THETA = {
     "gpt_oss": 150_000.0,
@@ -203,6 +220,7 @@ DEFAULT_ROPE_THETA = {
     "ernie4_5_moe": 500_000.0,
     "apertus": 12_000_000.0,
     "lfm2": 1_000_000.0,
+    "lfm2_moe": 1_000_000.0,
 }
 # transformers' defaults where theirs differ from the generic reading (a head_dim of 128, not hidden / heads; an
 # MLP's activation other than SiLU, which a GGUF file does not name)
@@ -684,7 +702,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         raw = {GPT2_NAMES.get(key, key): value for key, value in raw.items()}
     elif model_type == "nemotron_h":  # (its blocks' count is its pattern's length)
         raw = {**raw, "num_hidden_layers": len(_nemotron_h_kinds(raw, name))}
-    elif model_type == "lfm2":  # (the Hub's names, as transformers reads them: over the generic ones)
+    elif model_type in ("lfm2", "lfm2_moe"):  # (the Hub's names, as transformers reads them: over the generic ones)
         raw = {
             **raw,
             "tie_word_embeddings": raw.get("tie_embedding", raw.get("tie_word_embeddings", True)),
@@ -827,8 +845,8 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     rotary_layers = raw.get("no_rope_layers") if model_type == "smollm3" else None  # (HF's name: 1 rotates)
     intermediate = need("intermediate_size")
     mamba, short_conv, extra = None, None, {}
-    if model_type == "lfm2":
-        layer_types, intermediate, short_conv = _lfm2_layers(raw, common["num_hidden_layers"], name)
+    if model_type in ("lfm2", "lfm2_moe"):
+        layer_types, intermediate, short_conv = _lfm2_layers(raw, common["num_hidden_layers"], model_type, name)
     if model_type == "granitemoehybrid":
         rotary_layers, intermediate, layer_types, mamba = _granite_4_layers(raw, common["num_hidden_layers"], name)
     elif model_type == "bamba":  # (attention at attn_layer_indices, Mamba-2 elsewhere)
@@ -1049,11 +1067,13 @@ def _granite_4_layers(
     return [position == "rope"] * layers, intermediate, layer_types, mamba
 
 
-def _lfm2_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tuple[str, ...], int, dict[str, Any]]:
+def _lfm2_layers(
+    raw: dict[str, Any], layers: int, model_type: str, name: str
+) -> tuple[tuple[str, ...], int, dict[str, Any]]:
     """LFM2's (each layer's type: full_attention or SHORT_CONV, by ``layer_types`` or the Hub's ``full_attn_idxs``;
-    the MLP's size; its short convolutions' settings). NOTE: transformers' size rule: with
-    ``block_auto_adjust_ff_dim``, 2/3 of intermediate_size, times ``block_ffn_dim_multiplier``, rounded up to a
-    multiple of ``block_multiple_of`` (the multiple only with a multiplier)."""
+    the MLP's size; its short convolutions' settings). NOTE: transformers' size rule for LFM2's (not LFM2-MoE's
+    dense MLPs, of intermediate_size): with ``block_auto_adjust_ff_dim``, 2/3 of intermediate_size, times
+    ``block_ffn_dim_multiplier``, rounded up to a multiple of ``block_multiple_of`` (only with a multiplier)."""
     kinds = raw.get("layer_types")
     if kinds is None:
         attending = raw.get("full_attn_idxs")
@@ -1066,7 +1086,7 @@ def _lfm2_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tuple[str
         raise ConfigError(
             f"{name}: lfm2 block_ff_dim (intermediate_size) must be a positive integer, got {intermediate!r}"
         )
-    if raw.get("block_auto_adjust_ff_dim", True):
+    if model_type == "lfm2" and raw.get("block_auto_adjust_ff_dim", True):
         intermediate = int(2 * intermediate / 3)
         multiplier, multiple = raw.get("block_ffn_dim_multiplier", 1.0), raw.get("block_multiple_of", 256)
         if multiplier is not None:
@@ -1370,7 +1390,10 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
             topk_method=ROUTING_METHODS[kind][0] if len(ROUTING_METHODS[kind]) == 1 else raw["topk_method"],
             n_group=raw["n_group"],
             topk_group=raw["topk_group"],
+            norm_topk_eps=raw.get("norm_topk_eps", 1e-20),  # (transformers' guard: LFM2-MoE's 1e-6)
         )
+        if kind == "lfm2_moe" and not raw.get("use_expert_bias", True):
+            raise ConfigError(f"{name}: use_expert_bias false (sigmoid routing without its bias) is not supported")
         _check_group_routing(moe, ROUTING_METHODS[kind], name)
         if moe["norm_topk_prob"] and kind == "deepseek_v2":
             # NOTE: DeepSeek's code renormalizes V2's top weights, transformers' does not: neither is chosen

@@ -1,6 +1,8 @@
-"""LFM2 (``lfm2``: Liquid AI's LFM2 350M-2.6B): Llama's layers (Qwen3's query and key norms) where they attend, and
-in the others a gated short convolution (``models/short_conv.py``) in attention's place, its states a request's
-(``state_cache.py``). HF parameter names; the Hub's names of the norms, the MLP and the attention's output
+"""LFM2 (``lfm2``: Liquid AI's LFM2 350M-2.6B; ``lfm2_moe``: LFM2-8B-A1B): Llama's layers (Qwen3's query and key
+norms) where they attend, and in the others a gated short convolution (``models/short_conv.py``) in attention's
+place, its states a request's (``state_cache.py``). LFM2-MoE's MLPs after the first ``num_dense_layers`` are
+experts routed as DeepSeek-V3's (``moe.DeepseekMoE``: sigmoid scores, the choice by scores plus a bias, one
+group, no shared expert). HF parameter names; the Hub's names of the norms, the MLP and the attention's output
 projection renamed to Llama's (``CHECKPOINT_NAMES``).
 """
 
@@ -22,6 +24,14 @@ CHECKPOINT_NAMES = {
     ".self_attn.q_layernorm.": ".self_attn.q_norm.",
     ".self_attn.k_layernorm.": ".self_attn.k_norm.",
     "model.embedding_norm.": "model.norm.",
+    # LFM2-MoE's experts (the Hub's tensor an expert; transformers 5's stacked ones split as they load), router
+    # and its bias
+    ".feed_forward.experts.": ".mlp.experts.",
+    ".feed_forward.gate.": ".mlp.gate.",
+    ".feed_forward.expert_bias": ".mlp.gate.e_score_correction_bias",
+    ".w1.weight": ".gate_proj.weight",
+    ".w3.weight": ".up_proj.weight",
+    ".w2.weight": ".down_proj.weight",
 }
 
 

@@ -240,6 +240,7 @@ class DeepseekMoE(nn.Module):
         self.top_k, self.norm_topk_prob = moe["num_experts_per_tok"], moe["norm_topk_prob"]
         self.scaling, self.method = moe["routed_scaling_factor"], moe["topk_method"]
         self.num_groups, self.top_groups = moe["n_group"], moe["topk_group"]
+        self.norm_eps = moe.get("norm_topk_eps", 1e-20)  # (added to the top weights' sum: LFM2-MoE's 1e-6)
         self.gate = DeepseekRouter(config)
         self.experts = experts or Experts(moe["num_experts"], config.hidden_size, moe["moe_intermediate_size"])
         self.shared_experts = shared_experts
@@ -266,7 +267,7 @@ class DeepseekMoE(nn.Module):
                 scores = self._in_best_groups(by_group, by_group.amax(dim=-1), 0.0)
             weights, experts = scores.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # (transformers' guard)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + self.norm_eps)  # (transformers' guard)
         return weights * self.scaling, experts
 
     def _in_best_groups(self, by_group: torch.Tensor, group_scores: torch.Tensor, fill: float) -> torch.Tensor:
