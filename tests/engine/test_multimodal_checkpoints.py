@@ -268,3 +268,34 @@ def test_a_multimodal_checkpoints_unsupported_language_model_is_refused_by_name(
         ConfigError, match="unsupported architecture 'llama4_text' \\(config.json text_config model_type\\)"
     ):
         load_hf_config(tmp_path)
+
+
+def test_lfm2_vls_language_model_gives_transformers_greedy_tokens(tmp_path):
+    """LFM2-VL: an LFM2 (short convolutions, an attention layer) beside a SigLIP2 tower and a projector; its
+    language model's tensors (``model.language_model.``) served as text, the vision tower's and the projector's not
+    read. The reference: forward passes over whole sequences (transformers' ``generate`` for LFM2 parts from them
+    on long prompts: tests/hf_models.py's ``greedy_by_full_forwards``)."""
+    text = dict(model_type="lfm2", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=96, block_multiple_of=32, max_position_embeddings=256,
+                layer_types=["conv", "full_attention", "conv"], initializer_range=0.2)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+                  num_patches=16)  # fmt: skip
+    config = transformers.Lfm2VlConfig(
+        text_config=text, vision_config=vision, image_token_id=VOCAB - 1, projector_hidden_size=32
+    )
+    torch.manual_seed(14)
+    model = transformers.Lfm2VlForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path)
+    assert load_hf_config(tmp_path).model_type == "lfm2"
+    llm = LLM(str(tmp_path), kv_capacity_tokens=512)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
+
+    def reference(ids: list[int]) -> list[int]:
+        ids = list(ids)
+        with torch.no_grad():
+            for _ in range(12):
+                ids.append(int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+        return ids[-12:]
+
+    assert [o.outputs[0].token_ids for o in outputs] == [reference(ids) for ids in PROMPTS]
