@@ -202,17 +202,8 @@ QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss", "phi")
 # The OLMo models (their query and key norms over the whole projections)
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe")
 # The models whose queries and keys are RMS-normalized (each head: Qwen3's; OLMo's whole projections)
-QK_NORMED = (
-    "qwen3",
-    "qwen3_moe",
-    "lfm2",
-    "lfm2_moe",
-    "exaone4",
-    "hunyuan_v1_dense",
-    "hunyuan_v1_moe",
-    "apertus",
-    *OLMO_TYPES,
-)
+QK_NORMED = ("qwen3", "qwen3_moe", "lfm2", "lfm2_moe", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe", "apertus",
+             *OLMO_TYPES)  # fmt: skip
 # transformers' rope bases where a config has none
 DEFAULT_ROPE_THETA = {
     "gpt_oss": 150_000.0,
