@@ -28,7 +28,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "stablelm": 36, "olmo": 37, "nemotron": 38, "arcee": 39, "granitemoe": 40, "hunyuan": 41,
          "glm4_moe": 42, "ernie4_5_moe": 43, "apertus": 44, "hunyuan_moe": 45, "granitemoehybrid": 46,
          "granitemoehybrid_moe": 47, "granite_4_h": 48, "nemotron_h": 49, "bamba": 50, "nemotron_h_moe": 51,
-         "falcon_h1": 52, "falcon_h1_norm": 53, "lfm2": 54, "lfm2_moe": 55}  # fmt: skip
+         "falcon_h1": 52, "falcon_h1_norm": 53, "lfm2": 54, "lfm2_moe": 55, "lfm3": 56}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -297,6 +297,13 @@ def hf_model(arch: str):
             bos_token_id=1, eos_token_id=2,
         )  # fmt: skip
         cls = transformers.Lfm2ForCausalLM
+    elif arch == "lfm3":  # LFM3's outline: convolutions of 7 taps, a sliding layer (window 8), a full one
+        config = transformers.Lfm3Config(
+            **{**common, "num_hidden_layers": 4}, intermediate_size=96, num_key_value_heads=2, head_dim=16,
+            layer_types=["conv", "sliding_attention", "full_attention", "conv"], sliding_window=8,
+            initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        cls = transformers.Lfm3ForCausalLM
     elif arch == "lfm2_moe":  # LFM2-8B-A1B's outline: a dense MLP, then 8 experts (2 a token, scaled by 2)
         config = transformers.Lfm2MoeConfig(
             **{**common, "num_hidden_layers": 3}, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
@@ -402,11 +409,12 @@ def hf_greedy(arch: str, prompt: tuple[int, ...], num_tokens: int) -> list[int]:
     return greedy_past_eos(hf_cached(arch), list(prompt), num_tokens)
 
 
-def greedy_by_full_forwards(arch: str, ids: list[int], num_tokens: int) -> list[int]:
-    """transformers' greedy continuation of ``ids``, each token from a forward pass over the whole sequence (no
-    cache): greedy decoding by its definition. NOTE: transformers 5.24's ``generate`` for LFM2 parts from it on
-    prompts of 33 tokens and more (the same model's cached steps agree given the positions)."""
-    model, ids = hf_cached(arch), list(ids)
+def greedy_by_full_forwards(arch, ids: list[int], num_tokens: int) -> list[int]:
+    """transformers' greedy continuation of ``ids`` by the model ``arch`` names (or that model), each token from a
+    forward pass over the whole sequence (no cache): greedy decoding by its definition. NOTE: transformers 5.24's
+    ``generate`` for LFM2 parts from it on prompts of 33 tokens and more (the same model's cached steps agree given
+    the positions)."""
+    model, ids = hf_cached(arch) if isinstance(arch, str) else arch, list(ids)
     with torch.no_grad():
         for _ in range(num_tokens):
             ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))

@@ -236,7 +236,8 @@ def test_the_simulator_keeps_a_hybrids_states_as_the_engine_does(hf_dirs, monkey
 
 
 @pytest.mark.parametrize(
-    "arch", ["granite_4_h", "nemotron_h", "bamba", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm", "lfm2", "lfm2_moe"]
+    "arch",
+    ["granite_4_h", "nemotron_h", "bamba", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm", "lfm2", "lfm2_moe", "lfm3"],
 )
 @pytest.mark.parametrize(
     "scheduler,options",
@@ -290,7 +291,7 @@ def test_decode_steps_on_the_graphs_buffers_give_hf_greedy_tokens(hf_dirs, arch)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: a GPU's (the runbook's tests stage)")
-@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h", "falcon_h1", "lfm2"])
+@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h", "falcon_h1", "lfm2", "lfm3"])
 def test_on_cuda_a_hybrid_models_captured_decode_steps_give_hf_greedy_tokens(hf_dirs, arch):
     """The Triton backend, chunked prefills, and decode steps replayed from captured graphs, in float32."""
     options = dict(prefill_token_budget=8, block_size=4, cuda_graphs=True, dtype="float32")

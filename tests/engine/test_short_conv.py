@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_models import greedy_by_full_forwards, greedy_tokens, hf_cached, reference  # noqa: E402
+from hf_models import MAX_TOKENS, PROMPTS, greedy_by_full_forwards, greedy_tokens, hf_cached, reference  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.checkpoint import model_spec  # noqa: E402
 from sloserve.checkpoint.config import SHORT_CONV, from_hf_config  # noqa: E402
@@ -103,7 +103,7 @@ def test_lfm2s_config_as_the_hub_and_transformers_write_it():
     spec = from_hf_config(full).spec()
     assert (spec.num_params, spec.intermediate_size, spec.kv_layers) == (1_170_340_608, 8192, 6)
     assert spec.state_bytes_per_sequence == 10 * 2048 * 2 * 2
-    with pytest.raises(ConfigError, match="lfm2 layer_types must be 6 entries of full_attention or conv"):
+    with pytest.raises(ConfigError, match="lfm2 layer_types must be 6 entries of conv, full_attention, got"):
         from_hf_config({**listed, "layer_types": [*kinds[:5], "mamba"]})
     with pytest.raises(ConfigError, match="conv_L_cache must be a positive integer, got 0"):
         from_hf_config({**HUB_CONFIG, "conv_L_cache": 0})
@@ -136,7 +136,7 @@ def test_lfm2s_shape_counts_its_convolutions_and_only_its_attention_layers_kv(hf
     assert states.conv.shape[0] == 2 and states.ssm is None
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "granite_4_h"])
+@pytest.mark.parametrize("arch", ["lfm2", "lfm3", "granite_4_h"])
 @pytest.mark.parametrize(
     "scheduler,options",
     [
@@ -279,3 +279,47 @@ def test_lfm2_moes_experts_route_and_load_as_transformers(hf_dirs, tmp_path):
         ConfigError, match="use_expert_bias false \\(sigmoid routing without its bias\\) is not supported"
     ):
         from_hf_config({**hf.config.to_dict(), "use_expert_bias": False})
+
+
+def test_lfm3s_config_shape_and_rope_as_transformers(hf_dirs, tmp_path):
+    """LFM3: convolutions of 7 taps, a sliding layer with a plain rope of base 10,000 and a full one whose rope turns
+    half of each head's pairs at the whole head's frequencies (transformers' proportional rope, its frequencies
+    equal); transformers' parameter count with and without the output norms and the heads' gate, and its greedy
+    tokens without them; transformers' layer pattern where the config has none; an unknown layer type refused."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from sloserve.checkpoint.config import SLIDING
+    from sloserve.engine.models.llama import rope_inv_freq
+
+    hf = hf_cached("lfm3")
+    raw = hf.config.to_dict()
+    config = from_hf_config(raw)
+    assert config.layer_types == (SHORT_CONV, SLIDING, "full_attention", SHORT_CONV)
+    assert (config.sliding_window, config.short_conv["width"], config.rope_local_theta) == (8, 7, 10_000.0)
+    assert (config.rotary_dim, config.rope_theta, config.rope_scaling["rope_type"]) == (16, 1e6, "proportional")
+    want, _ = ROPE_INIT_FUNCTIONS["proportional"](hf.config, layer_type="full_attention")
+    assert torch.equal(rope_inv_freq(config), want) and torch.count_nonzero(want) == 4  # (4 pairs of 8 turn)
+    assert model_spec(hf_dirs["lfm3"]).num_params == sum(p.numel() for p in hf.parameters())
+    plain = transformers.Lfm3Config(**{**raw, "use_sandwich_norm": False, "use_attention_gate": False})
+    torch.manual_seed(1)
+    bare = transformers.Lfm3ForCausalLM(plain).eval()
+    bare.save_pretrained(tmp_path)
+    assert model_spec(str(tmp_path)).num_params == sum(p.numel() for p in bare.parameters())
+    tokens, _ = greedy_tokens(str(tmp_path), "sarathi", prefill_token_budget=8, block_size=4)
+    assert tokens == [greedy_by_full_forwards(bare, p, n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    unlisted = from_hf_config({k: v for k, v in {**raw, "num_hidden_layers": 8}.items() if k != "layer_types"})
+    c, s, f = SHORT_CONV, SLIDING, "full_attention"
+    assert unlisted.layer_types == (
+        c,
+        c,
+        f,
+        c,
+        s,
+        c,
+        f,
+        c,
+    )  # (transformers': full at 2 of 4, sliding at 0 but the first)
+    with pytest.raises(
+        ConfigError, match="lfm3 layer_types must be 4 entries of conv, full_attention, sliding_attention"
+    ):
+        from_hf_config({**raw, "layer_types": ["conv", "mamba", "full_attention", "conv"]})

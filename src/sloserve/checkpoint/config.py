@@ -51,6 +51,8 @@ ARCHITECTURES: dict[str, str] = {
     # query and key norms in the others)
     "lfm2": "lfm2",
     "lfm2_moe": "lfm2",  # (LFM2-8B-A1B: those layers, the MLPs after the first few sigmoid-routed experts)
+    # (LFM3: LFM2's layers, some attention sliding, each layer's outputs normalized, each head's output gated)
+    "lfm3": "lfm3",
     # (Hunyuan 0.5B-7B: Llama's layers, each query and key head normalized after the rotary embedding)
     "hunyuan_v1_dense": "hunyuan",
     # (Hunyuan-A13B: those layers, each MLP a softmax-routed mixture of experts beside an ungated shared one)
@@ -202,7 +204,7 @@ QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss", "phi")
 # The OLMo models (their query and key norms over the whole projections)
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe")
 # The models whose queries and keys are RMS-normalized (each head: Qwen3's; OLMo's whole projections)
-QK_NORMED = ("qwen3", "qwen3_moe", "lfm2", "lfm2_moe", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe", "apertus",
+QK_NORMED = ("qwen3", "qwen3_moe", "lfm2", "lfm2_moe", "lfm3", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe", "apertus",
              *OLMO_TYPES)  # fmt: skip
 # transformers' rope bases where a config has none
 DEFAULT_ROPE_THETA = {
@@ -217,6 +219,13 @@ DEFAULT_ROPE_THETA = {
 # transformers' defaults where theirs differ from the generic reading (a head_dim of 128, not hidden / heads; an
 # MLP's activation other than SiLU, which a GGUF file does not name)
 CONFIG_DEFAULTS = {
+    # (LFM3's rope by layer type: the sliding layers' plain, the full ones' on half of each head's pairs)
+    "lfm3": {
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "proportional", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5},
+        }
+    },
     "ernie4_5": {"head_dim": 128, "tie_word_embeddings": True},
     "ernie4_5_moe": {"tie_word_embeddings": True},
     "seed_oss": {"head_dim": 128},
@@ -272,6 +281,7 @@ MAMBA = "mamba"  # (a layer of Mamba-2's mixer: ``ModelConfig.mamba``)
 MLP_LAYER = "mlp"  # (Nemotron-H's layers of an MLP alone)
 PARALLEL_HYBRID = "attention_and_mamba"  # (Falcon-H1's layers: attention and a Mamba-2 mixer side by side)
 SHORT_CONV = "conv"  # (LFM2's layers of a gated short convolution: ``ModelConfig.short_conv``)
+LFM_TYPES = ("lfm2", "lfm2_moe", "lfm3")  # (Liquid AI's models of short convolutions and attention)
 # Byte-level tokenizer of random models: ids 0..255 are bytes, then BOS and EOS.
 BYTE_BOS_ID, BYTE_EOS_ID = 256, 257
 RANDOM_PREFIX = "random:"
@@ -607,6 +617,9 @@ class ModelConfig:
             bias = self.short_conv["bias"]
             conv = 3 * h * h + h * self.short_conv["width"] + h * h + bias * (3 * h + h + h)
             total += (self.num_hidden_layers - self.num_kv_layers) * (conv - attention)
+        if self.model_type == "lfm3":  # (its norms of each operator's and MLP's output; each head's gate)
+            total += self.extra["use_sandwich_norm"] * layers * 2 * h
+            total += self.extra["use_attention_gate"] * self.num_kv_layers * h * self.num_attention_heads
         return total
 
     def _deepseek_num_params(self) -> int:
@@ -694,7 +707,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         raw = {GPT2_NAMES.get(key, key): value for key, value in raw.items()}
     elif model_type == "nemotron_h":  # (its blocks' count is its pattern's length)
         raw = {**raw, "num_hidden_layers": len(_nemotron_h_kinds(raw, name))}
-    elif model_type in ("lfm2", "lfm2_moe"):  # (the Hub's names, as transformers reads them: over the generic ones)
+    elif model_type in LFM_TYPES:  # (the Hub's names, as transformers reads them: over the generic ones)
         raw = {
             **raw,
             "tie_word_embeddings": raw.get("tie_embedding", raw.get("tie_word_embeddings", True)),
@@ -787,7 +800,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     rope = dict(raw.get("rope_parameters") or {})
     default_theta = DEFAULT_ROPE_THETA.get(model_type, 10000.0)
     local_theta = None
-    if model_type == "olmo3":  # (transformers 5: one dict a layer type; the scaling is the full layers' only)
+    if model_type in ("olmo3", "lfm3"):  # (transformers 5: one dict a layer type; the scaling the full layers' only)
         local_theta = float((rope.get(SLIDING) or {}).get("rope_theta", raw.get("rope_theta", default_theta)))
         rope = dict(rope.get("full_attention") or {})
     rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", default_theta)))
@@ -804,6 +817,8 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     )
     if model_type == "bamba":  # (transformers' Bamba rotates half of each head whatever its config says)
         rotated = 0.5
+    if scaling is not None and scaling.get("rope_type") == "proportional":  # (whole heads, some pairs unturned)
+        rotated = 1.0
     if rotated != 1.0 and model_type not in PARTIAL_ROTARY:  # NOTE: transformers' Llama rotates whole heads
         raise ConfigError(
             f"{name}: partial_rotary_factor {rotated} (a rotary embedding on part of a head) is not supported "
@@ -837,8 +852,11 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     rotary_layers = raw.get("no_rope_layers") if model_type == "smollm3" else None  # (HF's name: 1 rotates)
     intermediate = need("intermediate_size")
     mamba, short_conv, extra = None, None, {}
-    if model_type in ("lfm2", "lfm2_moe"):
+    if model_type in LFM_TYPES:
         layer_types, intermediate, short_conv = _lfm2_layers(raw, common["num_hidden_layers"], model_type, name)
+        window = raw.get("sliding_window") if SLIDING in layer_types else None
+        if model_type == "lfm3":  # (each operator's and MLP's output normalized; each head's output gated)
+            extra = {key: bool(raw.get(key, True)) for key in ("use_sandwich_norm", "use_attention_gate")}
     if model_type == "granitemoehybrid":
         rotary_layers, intermediate, layer_types, mamba = _granite_4_layers(raw, common["num_hidden_layers"], name)
     elif model_type == "bamba":  # (attention at attn_layer_indices, Mamba-2 elsewhere)
@@ -1066,13 +1084,21 @@ def _lfm2_layers(
     the MLP's size; its short convolutions' settings). NOTE: transformers' size rule for LFM2's (not LFM2-MoE's
     dense MLPs, of intermediate_size): with ``block_auto_adjust_ff_dim``, 2/3 of intermediate_size, times
     ``block_ffn_dim_multiplier``, rounded up to a multiple of ``block_multiple_of`` (only with a multiplier)."""
-    kinds = raw.get("layer_types")
+    kinds, known = raw.get("layer_types"), {"full_attention", SHORT_CONV}
+    if model_type == "lfm3":  # (its sliding layers; transformers' pattern where the config has none)
+        known.add(SLIDING)
+        if kinds is None:
+            kinds = [
+                "full_attention" if i % 4 == 2 else SLIDING if i % 4 == 0 and i else SHORT_CONV for i in range(layers)
+            ]
     if kinds is None:
         attending = raw.get("full_attn_idxs")
         attending = range(layers) if attending is None else attending
         kinds = ["full_attention" if i in attending else SHORT_CONV for i in range(layers)]
-    if len(kinds) != layers or not set(kinds) <= {"full_attention", SHORT_CONV}:
-        raise ConfigError(f"{name}: lfm2 layer_types must be {layers} entries of full_attention or conv, got {kinds!r}")
+    if len(kinds) != layers or not set(kinds) <= known:
+        raise ConfigError(
+            f"{name}: {model_type} layer_types must be {layers} entries of {', '.join(sorted(known))}, got {kinds!r}"
+        )
     intermediate = raw.get("intermediate_size")
     if not isinstance(intermediate, int) or intermediate < 1:
         raise ConfigError(
@@ -1085,8 +1111,9 @@ def _lfm2_layers(
             _check_positive_ints({"block_multiple_of": multiple}, ("block_multiple_of",), name)
             intermediate = int(_json_float(multiplier, "block_ffn_dim_multiplier", name) * intermediate)
             intermediate = multiple * -(-intermediate // multiple)
-    _check_positive_ints({"conv_L_cache": raw.get("conv_L_cache", 3)}, ("conv_L_cache",), name)
-    short_conv = {"width": raw.get("conv_L_cache", 3), "bias": bool(raw.get("conv_bias", False))}
+    width = raw.get("conv_L_cache", 7 if model_type == "lfm3" else 3)  # (transformers' defaults)
+    _check_positive_ints({"conv_L_cache": width}, ("conv_L_cache",), name)
+    short_conv = {"width": width, "bias": bool(raw.get("conv_bias", False))}
     return tuple(kinds), intermediate, short_conv if SHORT_CONV in kinds else None
 
 
@@ -1499,8 +1526,10 @@ def _rope_scaling(scaling: dict[str, Any] | None, name: str) -> dict[str, Any] |
     if kind == "su":  # (LongRoPE's first name, in the first 128K Phi-3 configs; transformers reads it so)
         scaling, kind = {**scaling, "rope_type": "longrope"}, "longrope"
     # NOTE: frequency_factors is a GGUF file's (llama.cpp's rope_freqs tensor), not an HF config's
-    if kind not in ("default", "linear", "llama3", "yarn", "longrope", "frequency_factors"):
-        raise ConfigError(f"{name}: rope scaling {kind!r} is not supported (default, linear, llama3, yarn, longrope)")
+    if kind not in ("default", "linear", "llama3", "yarn", "longrope", "frequency_factors", "proportional"):
+        raise ConfigError(
+            f"{name}: rope scaling {kind!r} is not supported (default, linear, llama3, yarn, longrope, proportional)"
+        )
     if kind == "yarn" and not scaling.get("original_max_position_embeddings"):
         raise ConfigError(f"{name}: yarn rope scaling needs original_max_position_embeddings (the pretrained context)")
     return None if kind == "default" else scaling

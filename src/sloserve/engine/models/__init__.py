@@ -56,6 +56,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "bamba": LlamaForCausalLM,
     "falcon_h1": LlamaForCausalLM,
     "lfm2": lfm2.Lfm2ForCausalLM,
+    "lfm3": lfm2.Lfm3ForCausalLM,
 }
 
 
@@ -107,6 +108,7 @@ CHECKPOINT_NAMES = {
     "bamba": falcon_h1.CHECKPOINT_NAMES,  # (Bamba's names of its MLP, its norm before it and its final norm)
     "falcon_h1": falcon_h1.CHECKPOINT_NAMES,
     "lfm2": lfm2.CHECKPOINT_NAMES,
+    "lfm3": lfm2.LFM3_CHECKPOINT_NAMES,
 }
 # The merged projections a model type's checkpoints store whole, in the row order the engine's have:
 # Phi-3's Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``), GLM's and Granite 4.0's gate/up

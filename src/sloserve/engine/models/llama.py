@@ -105,6 +105,11 @@ def rope_inv_freq(config: ModelConfig, long_factors: bool = False) -> torch.Tens
         return 1.0 / (factors * config.rope_theta**exponents)  # NOTE: transformers' order of operations
     if kind == "frequency_factors":  # each wavelength stretched by its factor, as llama.cpp's rope does
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)  # NOTE: one a frequency
+    if kind == "proportional":  # (LFM3's full layers: the first partial_rotary_factor of the pairs turn, at the
+        # whole head's frequencies; the others do not turn at all: frequency 0)
+        turned = int(scaling.get("partial_rotary_factor", 1.0) * config.head_dim // 2)
+        inv_freq = torch.cat((inv_freq[:turned], torch.zeros(len(inv_freq) - turned)))
+        return inv_freq / float(scaling.get("factor", 1.0))
     if kind == "yarn":
         return yarn_inv_freq(config, inv_freq)
     factor = float(scaling["factor"])
@@ -517,6 +522,7 @@ class StreamLayersForCausalLM(LlamaForCausalLM):
     ) -> torch.Tensor:  # (T, H)
         x = self.embeddings(input_ids)
         tables = self.layer_rotary_tables(positions, x.dtype)
-        for i, (layer, (cos, sin)) in enumerate(zip(self.model.layers, tables, strict=True)):
-            x = layer(x, cos, sin, *layer_caches(kv_cache, i), meta)
+        for layer, index, (cos, sin) in zip(self.model.layers, self.kv_layer_indices, tables, strict=True):
+            caches = (None, None) if index is None else layer_caches(kv_cache, index)  # (LFM3's convolutions: none)
+            x = layer(x, cos, sin, *caches, meta)
         return self.model.norm(x)
