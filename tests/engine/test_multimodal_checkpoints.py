@@ -270,23 +270,35 @@ def test_a_multimodal_checkpoints_unsupported_language_model_is_refused_by_name(
         load_hf_config(tmp_path)
 
 
-def test_lfm2_vls_language_model_gives_transformers_greedy_tokens(tmp_path):
-    """LFM2-VL: an LFM2 (short convolutions, an attention layer) beside a SigLIP2 tower and a projector; its
-    language model's tensors (``model.language_model.``) served as text, the vision tower's and the projector's not
-    read. The reference: forward passes over whole sequences (transformers' ``generate`` for LFM2 parts from them
-    on long prompts: tests/hf_models.py's ``greedy_by_full_forwards``)."""
-    text = dict(model_type="lfm2", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, intermediate_size=96, block_multiple_of=32, max_position_embeddings=256,
-                layer_types=["conv", "full_attention", "conv"], initializer_range=0.2)  # fmt: skip
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
-                  num_patches=16)  # fmt: skip
-    config = transformers.Lfm2VlConfig(
-        text_config=text, vision_config=vision, image_token_id=VOCAB - 1, projector_hidden_size=32
-    )
+@pytest.mark.parametrize("arch", ["lfm2_vl", "lfm3_vl"])
+def test_lfm_vls_language_model_gives_transformers_greedy_tokens(tmp_path, arch):
+    """LFM2-VL, LFM3-VL: an LFM2 (short convolutions, an attention layer) or an LFM3 (a sliding layer too, gated
+    heads, normalized outputs) beside a vision tower and a projector; its language model's tensors
+    (``model.language_model.``) served as text, the vision tower's and the projector's not read. The reference:
+    forward passes over whole sequences (transformers' ``generate`` for LFM2 parts from them on long prompts:
+    tests/hf_models.py's ``greedy_by_full_forwards``)."""
+    text = dict(model_type=arch.removesuffix("_vl"), vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, block_multiple_of=32,
+                max_position_embeddings=256, layer_types=["conv", "full_attention", "conv"], initializer_range=0.2)  # fmt: skip
+    if arch == "lfm3_vl":
+        text.update(head_dim=16, sliding_window=8, layer_types=["conv", "sliding_attention", "full_attention"],
+                    pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, patch_size=4)  # fmt: skip
+        config = transformers.Lfm3VlConfig(text_config=text, vision_config=vision, image_token_id=VOCAB - 1,
+                                           video_token_id=VOCAB - 2, projector_hidden_size=32)  # fmt: skip
+        cls = transformers.Lfm3VlForConditionalGeneration
+    else:
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+                      num_patches=16)  # fmt: skip
+        config = transformers.Lfm2VlConfig(
+            text_config=text, vision_config=vision, image_token_id=VOCAB - 1, projector_hidden_size=32
+        )
+        cls = transformers.Lfm2VlForConditionalGeneration
     torch.manual_seed(14)
-    model = transformers.Lfm2VlForConditionalGeneration(config).eval()
+    model = cls(config).eval()
     model.save_pretrained(tmp_path)
-    assert load_hf_config(tmp_path).model_type == "lfm2"
+    assert load_hf_config(tmp_path).model_type == arch.removesuffix("_vl")
     llm = LLM(str(tmp_path), kv_capacity_tokens=512)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)

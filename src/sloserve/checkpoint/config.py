@@ -6,7 +6,7 @@ biases), Qwen3-MoE and Mixtral (their MLPs mixtures of experts), OLMo 2 (norms a
 MLP), Gemma 2 and Gemma 3 text models
 (``gemma3_text``: sliding-window layers beside global ones) and OPT (learned positions, LayerNorm, ReLU);
 and the language model of multimodal checkpoints (``MULTIMODAL``: Gemma 3 4B-27B, Mistral Small 3.1, Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and LFM2-VL), served as text.
+Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LFM2-VL and LFM3-VL), served as text.
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ MULTIMODAL = {
     "qwen3_vl": "qwen3_vl_text",
     "qwen3_vl_moe": "qwen3_vl_moe_text",
     "lfm2_vl": "lfm2",  # (LFM2-VL 450M-3B)
+    "lfm3_vl": "lfm3",
 }
 # Those whose Hub configs hold the language model's settings at the top level, beside vision_config (Qwen2-VL's
 # and Qwen2.5-VL's; transformers 5 saves them in a text_config)
