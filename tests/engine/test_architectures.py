@@ -25,7 +25,7 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2",
                        "gpt2", "phi", "starcoder2", "gemma", "deepseek_v2", "deepseek_v3", "stablelm", "olmo",
                        "nemotron", "arcee", "granitemoe", "hunyuan", "glm4_moe", "ernie4_5_moe",
-                       "apertus", "hunyuan_moe", "granitemoehybrid", "granitemoehybrid_moe"]  # fmt: skip
+                       "apertus", "hunyuan_moe", "granitemoehybrid", "granitemoehybrid_moe", "granite_swa"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)
@@ -332,3 +332,21 @@ def test_hunyuans_ntk_alpha_as_the_hub_and_transformers_write_it(hf_dirs):
     assert from_hf_config(hub) == ours
     with pytest.raises(ConfigError, match="dynamic rope scaling needs a positive alpha"):
         from_hf_config({**hub, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+
+
+def test_granite_swas_layers_rope_bases_and_window_as_its_config_says():
+    """Granite SWA: each layer's rope base from ``layer_rope_theta`` (0: no rope), transformers' pattern where the
+    config has no layer types (full attention where i % 4 == 0), a sink a head; two rope bases refused by name."""
+    from sloserve.checkpoint.config import SLIDING, from_hf_config
+
+    raw = hf_cached("granite_swa").config.to_dict()
+    config = from_hf_config(raw)
+    assert [config.layer_rotates(i) for i in range(4)] == [False, True, True, True]
+    assert [config.layer_window(i) for i in range(4)] == [None, 8, 8, 8] and config.attention_sinks
+    unlisted = from_hf_config({**raw, "num_hidden_layers": 5, "layer_types": None, "layer_rope_theta": None})
+    assert unlisted.layer_types == ("full_attention", SLIDING, SLIDING, SLIDING, "full_attention")
+    assert all(unlisted.layer_rotates(i) for i in range(5)) and unlisted.rope_theta == 10000.0
+    with pytest.raises(
+        ConfigError, match="layer_rope_theta with more than one rope base \\(\\[10000.0, 500000.0\\]\\)"
+    ):
+        from_hf_config({**raw, "layer_rope_theta": [0, 10000.0, 500000.0, 10000.0]})

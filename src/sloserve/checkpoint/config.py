@@ -37,6 +37,8 @@ ARCHITECTURES: dict[str, str] = {
     "phi3": "llama",  # (Phi-3, Phi-4: Llama's layers, their Q/K/V and gate/up stored fused)
     "smollm3": "llama",  # (Llama's layers, every fourth without a rotary embedding)
     "granite": "llama",  # (Llama's layers, scaled: ModelConfig's multipliers)
+    # (Granite's layers, most sliding, each head with gpt-oss's attention sink, a rope base a layer or none)
+    "granite_swa": "llama",
     "granitemoe": "llama",  # (Granite 3 MoE: Granite's layers, their MLPs mixtures of experts)
     # (Granite 4.0: Granite's layers, NoPE where it says, a shared MLP (beside any experts); Micro's all attention,
     # the 4.0-H models' mostly Mamba-2 mixers)
@@ -282,6 +284,7 @@ MAMBA = "mamba"  # (a layer of Mamba-2's mixer: ``ModelConfig.mamba``)
 MLP_LAYER = "mlp"  # (Nemotron-H's layers of an MLP alone)
 PARALLEL_HYBRID = "attention_and_mamba"  # (Falcon-H1's layers: attention and a Mamba-2 mixer side by side)
 SHORT_CONV = "conv"  # (LFM2's layers of a gated short convolution: ``ModelConfig.short_conv``)
+GRANITE_SCALED = ("granite", "granitemoe", "granitemoehybrid", "granite_swa")  # (Granite's multipliers)
 LFM_TYPES = ("lfm2", "lfm2_moe", "lfm3")  # (Liquid AI's models of short convolutions and attention)
 # Byte-level tokenizer of random models: ids 0..255 are bytes, then BOS and EOS.
 BYTE_BOS_ID, BYTE_EOS_ID = 256, 257
@@ -866,6 +869,9 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         layer_types = (PARALLEL_HYBRID,) * common["num_hidden_layers"]
         mamba = _mamba2(raw, name, FALCON_H1_MAMBA_DEFAULTS)
         extra = {"falcon_h1_multipliers": _falcon_h1_multipliers(raw, name)}
+    if model_type == "granite_swa":
+        layer_types, window, rotary_layers, rope_theta = _granite_swa_layers(raw, common["num_hidden_layers"],
+                                                                              rope_theta, name)  # fmt: skip
     if model_type == "exaone4" and window:  # (its hybrid attention: the global layers without rope)
         rotary_layers = [layer_type == SLIDING for layer_type in layer_types]
     if model_type == "cohere2":  # (only its sliding layers rotate: none where it has no window)
@@ -904,7 +910,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         rotary_interleaved=glm or model_type in ("ernie4_5", "ernie4_5_moe", "cohere", "cohere2"),
         llama4_scaling_beta=_llama4_scaling_beta(model_type, scaling, rope, name),
         **_biases(raw, model_type),
-        attention_sinks=model_type == "gpt_oss",
+        attention_sinks=model_type in ("gpt_oss", "granite_swa"),
         qk_norm=model_type in QK_NORMED or (model_type == "glm4_moe" and bool(raw.get("use_qk_norm"))),
         qk_norm_after_rotary=model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"),
         qk_norm_whole_projection=model_type in OLMO_TYPES,
@@ -915,7 +921,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         rotary_layers=tuple(bool(flag) for flag in rotary_layers or ()),
         mamba=mamba,
         short_conv=short_conv,
-        **(_granite_multipliers(raw) if model_type in ("granite", "granitemoe", "granitemoehybrid") else {}),
+        **(_granite_multipliers(raw) if model_type in GRANITE_SCALED else {}),
         **(_falcon_h1_scales(raw, name) if model_type == "falcon_h1" else {}),
         extra=extra,
         # NOTE: Cohere's logits times logit_scale, as its inverse's quotient (the Hub's: powers of two, exact)
@@ -1076,6 +1082,28 @@ def _granite_4_layers(
     intermediate = raw.get("shared_intermediate_size", 1024) if dense else raw["intermediate_size"]
     mamba = _mamba2(raw, name) if MAMBA in layer_types else None
     return [position == "rope"] * layers, intermediate, layer_types, mamba
+
+
+def _granite_swa_layers(
+    raw: dict[str, Any], layers: int, rope_theta: float, name: str
+) -> tuple[tuple[str, ...], int, list[bool], float]:
+    """Granite SWA's (each layer's type, by ``layer_types`` or transformers' pattern: full attention where
+    i % 4 == 0, sliding elsewhere; the window; whether each layer rotates; the rope base). ``layer_rope_theta``
+    gives each layer its base, 0 for none (NoPE); the engine runs one base, so the others must agree."""
+    kinds = raw.get("layer_types") or ["full_attention" if i % 4 == 0 else SLIDING for i in range(layers)]
+    if len(kinds) != layers or not set(kinds) <= {"full_attention", SLIDING}:
+        raise ConfigError(
+            f"{name}: granite_swa layer_types must be {layers} entries of full_attention, sliding_attention, got "
+            f"{kinds!r}"
+        )
+    thetas = raw.get("layer_rope_theta") or [rope_theta] * layers
+    if len(thetas) != layers or not all(isinstance(t, (int, float)) and t >= 0 for t in thetas):
+        raise ConfigError(f"{name}: layer_rope_theta must be {layers} numbers >= 0, got {thetas!r}")
+    bases = sorted({float(t) for t in thetas if t})
+    if len(bases) > 1:
+        raise ConfigError(f"{name}: layer_rope_theta with more than one rope base ({bases}) is not supported")
+    window = raw.get("sliding_window", 128)
+    return tuple(kinds), window, [bool(t) for t in thetas], bases[0] if bases else rope_theta
 
 
 def _lfm2_layers(
