@@ -21,7 +21,8 @@ from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.engine import llm_engine  # noqa: E402
 from sloserve.engine.models import mamba2  # noqa: E402
 from sloserve.engine.models.mamba2 import Mamba2Mixer, ssd_scan  # noqa: E402
-from sloserve.engine.state_cache import StateCache, StateMetadata  # noqa: E402
+from sloserve.engine.state_cache import StateCache  # noqa: E402
+from state_steps import assert_steps_give_the_references_outputs  # noqa: E402
 
 
 def recurrence(x, dt, a, b, c, initial):
@@ -80,25 +81,9 @@ def test_the_mixer_gives_transformers_outputs_whole_in_chunks_and_decoding():
     for the whole prompt, position by position."""
     theirs, ours, config = _mixers()
     x = torch.randn(21, config.hidden_size, generator=torch.Generator().manual_seed(1))
-    none = torch.zeros(0, dtype=torch.int64)
     with torch.no_grad():
-        want = theirs(x[None])[0]  # (21, H)
-        cache = StateCache(config, 4, torch.float32, torch.device("cpu"))
-        whole = ours(x, StateMetadata([(0, 21, 1, False)], none, none, cache))
-        torch.testing.assert_close(whole, want, rtol=1e-4, atol=1e-5)
-        cache = StateCache(config, 4, torch.float32, torch.device("cpu"))
-        parts = [ours(x[:5], StateMetadata([(0, 5, 2, False)], none, none, cache))]
-        parts.append(ours(x[5:14], StateMetadata([(0, 9, 2, True)], none, none, cache)))
-        for t in range(14, 21):
-            parts.append(ours(x[t : t + 1], StateMetadata([], torch.tensor([0]), torch.tensor([2]), cache)))
-        torch.testing.assert_close(torch.cat(parts), want, rtol=1e-4, atol=1e-5)
-        # slot 0 holds the state after 10 tokens; one step: a 7-token prompt (slot 3), its decode, a 3-token prompt
-        # (slot 1, whose stale states it must not read)
-        ours(x[:10], StateMetadata([(0, 10, 0, False)], none, none, cache))
-        step = torch.cat((x[:7], x[10:11], x[:3]))
-        meta = StateMetadata([(0, 7, 3, False), (8, 3, 1, False)], torch.tensor([7]), torch.tensor([0]), cache)
-        out = ours(step, meta)
-        torch.testing.assert_close(out, torch.cat((want[:7], want[10:11], want[:3])), rtol=1e-4, atol=1e-5)
+        out = assert_steps_give_the_references_outputs(ours, config, x, theirs(x[None])[0])
+    assert torch.equal(out[11], ours.out_proj(torch.zeros(ours.d_inner)))  # (a padding row: y zeros, projected)
 
 
 def test_nemotron_hs_blocks_as_the_hub_and_transformers_5_name_them(hf_dirs):

@@ -16,7 +16,8 @@ from sloserve.checkpoint import model_spec  # noqa: E402
 from sloserve.checkpoint.config import SHORT_CONV, from_hf_config  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.engine.models.short_conv import ShortConv  # noqa: E402
-from sloserve.engine.state_cache import StateCache, StateMetadata  # noqa: E402
+from sloserve.engine.state_cache import StateCache  # noqa: E402
+from state_steps import assert_steps_give_the_references_outputs  # noqa: E402
 
 # LFM2-1.2B's config.json as the Hub has it (its names before transformers': block_ff_dim, full_attn_idxs,
 # tie_embedding), the sizes cut down
@@ -52,27 +53,11 @@ def test_the_short_convolution_gives_transformers_outputs_whole_in_chunks_and_de
     transformers' outputs for the whole prompt, position by position."""
     theirs, ours, config = _layers()
     x = torch.randn(21, config.hidden_size, generator=torch.Generator().manual_seed(1))
-    none = torch.zeros(0, dtype=torch.int64)
+    cache = StateCache(config, 4, torch.float32, torch.device("cpu"))
+    assert cache.ssm is None and cache.conv.shape == (2, 5, 64, 2)  # (2 layers, 4 slots and the pad, width 3)
     with torch.no_grad():
-        want = theirs(x[None])[0]  # (21, H)
-        cache = StateCache(config, 4, torch.float32, torch.device("cpu"))
-        assert cache.ssm is None and cache.conv.shape == (2, 5, 64, 2)  # (2 layers, 4 slots and the pad, width 3)
-        whole = ours(x, StateMetadata([(0, 21, 1, False)], none, none, cache))
-        torch.testing.assert_close(whole, want, rtol=1e-4, atol=1e-5)
-        cache = StateCache(config, 4, torch.float32, torch.device("cpu"))
-        parts = [ours(x[:5], StateMetadata([(0, 5, 2, False)], none, none, cache))]
-        parts.append(ours(x[5:14], StateMetadata([(0, 9, 2, True)], none, none, cache)))
-        for t in range(14, 21):
-            parts.append(ours(x[t : t + 1], StateMetadata([], torch.tensor([0]), torch.tensor([2]), cache)))
-        torch.testing.assert_close(torch.cat(parts), want, rtol=1e-4, atol=1e-5)
-        # slot 0 holds the states after 10 tokens; one step: a 7-token prompt (slot 3), its decode, a 3-token prompt
-        # (slot 1, whose stale states it must not read); a padding row of no request gives zeros
-        ours(x[:10], StateMetadata([(0, 10, 0, False)], none, none, cache))
-        step = torch.cat((x[:7], x[10:11], x[:3], x[:1]))
-        meta = StateMetadata([(0, 7, 3, False), (8, 3, 1, False)], torch.tensor([7]), torch.tensor([0]), cache)
-        out = ours(step, meta)
-        torch.testing.assert_close(out[:11], torch.cat((want[:7], want[10:11], want[:3])), rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(out[11], ours.out_proj.bias)  # (the gate times zeros, projected)
+        out = assert_steps_give_the_references_outputs(ours, config, x, theirs(x[None])[0])
+        torch.testing.assert_close(out[11], ours.out_proj.bias)  # (a padding row: the gate times zeros, projected)
 
 
 def test_lfm2s_config_as_the_hub_and_transformers_write_it():
