@@ -279,7 +279,8 @@ def test_lfm_vls_language_model_gives_transformers_greedy_tokens(tmp_path, arch)
     tests/hf_models.py's ``greedy_by_full_forwards``)."""
     text = dict(model_type=arch.removesuffix("_vl"), vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
                 num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, block_multiple_of=32,
-                max_position_embeddings=256, layer_types=["conv", "full_attention", "conv"], initializer_range=0.2)  # fmt: skip
+                max_position_embeddings=256, layer_types=["conv", "full_attention", "conv"],
+                initializer_range=0.2)  # fmt: skip
     if arch == "lfm3_vl":
         text.update(head_dim=16, sliding_window=8, layer_types=["conv", "sliding_attention", "full_attention"],
                     pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip

@@ -207,8 +207,8 @@ QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss", "phi")
 # The OLMo models (their query and key norms over the whole projections)
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe")
 # The models whose queries and keys are RMS-normalized (each head: Qwen3's; OLMo's whole projections)
-QK_NORMED = ("qwen3", "qwen3_moe", "lfm2", "lfm2_moe", "lfm3", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe", "apertus",
-             *OLMO_TYPES)  # fmt: skip
+QK_NORMED = ("qwen3", "qwen3_moe", "lfm2", "lfm2_moe", "lfm3", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe",
+             "apertus", *OLMO_TYPES)  # fmt: skip
 # transformers' rope bases where a config has none
 DEFAULT_ROPE_THETA = {
     "gpt_oss": 150_000.0,
@@ -716,7 +716,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
             **raw,
             "tie_word_embeddings": raw.get("tie_embedding", raw.get("tie_word_embeddings", True)),
             "intermediate_size": raw.get("block_ff_dim", raw.get("intermediate_size")),
-            "rms_norm_eps": raw.get("norm_eps", 1e-5),
+            "rms_norm_eps": raw.get("norm_eps", raw.get("rms_norm_eps", 1e-5)),
         }
     raw = {**CONFIG_DEFAULTS.get(model_type, {}), **raw}
     fp8_block = _fp8_weight_block(raw.get("quantization_config"), model_type, name)
@@ -1131,7 +1131,7 @@ def _lfm2_layers(
     intermediate = raw.get("intermediate_size")
     if not isinstance(intermediate, int) or intermediate < 1:
         raise ConfigError(
-            f"{name}: lfm2 block_ff_dim (intermediate_size) must be a positive integer, got {intermediate!r}"
+            f"{name}: {model_type} block_ff_dim (intermediate_size) must be a positive integer, got {intermediate!r}"
         )
     if model_type == "lfm2" and raw.get("block_auto_adjust_ff_dim", True):
         intermediate = int(2 * intermediate / 3)

@@ -298,7 +298,8 @@ def check_tensor_parallel(model: ModelSpec, num_gpus: int) -> None:
 # Fixed per-GPU memory outside weights, KV and activations: CUDA context, cuBLAS/NCCL workspaces,
 # CUDA graphs. ~1 GiB is what vLLM-style engines typically leave for these.
 FIXED_RESERVE_BYTES_PER_GPU = 1 << 30
-# The requests a model with per-request states (Mamba-2 layers, short convolutions) keeps them for at most (vLLM's max_num_seqs); their
+# The requests a model with per-request states (Mamba-2 layers, short convolutions) keeps them for at most (vLLM's
+# max_num_seqs); their
 # memory comes off the KV cache's (``kv_capacity_tokens``, the engine's ``StateCache`` on CUDA)
 STATE_SLOTS = 256
 

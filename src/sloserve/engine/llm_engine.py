@@ -46,8 +46,9 @@ from sloserve.workload.closed_loop import ClosedLoopBatches
 CPU_KV_CACHE_BYTES = 1 << 30
 CPU_KV_CACHE_CONTEXTS = 64
 GPU_MEMORY_UTILIZATION = 0.9
-# A model with state layers (Mamba-2's, short convolutions') keeps states for at most this many requests at once (fewer where its scheduler's
-# max_num_seqs says: ``registry.state_slots``; on the CPU, as many as its default KV cache holds contexts)
+# A model with state layers (Mamba-2's, short convolutions') keeps states for at most this many requests at once
+# (fewer where its scheduler's max_num_seqs says: ``registry.state_slots``; on the CPU, as many as its default KV
+# cache holds contexts)
 MAX_STATE_SLOTS = {"cuda": STATE_SLOTS, "cpu": CPU_KV_CACHE_CONTEXTS}
 # Default swap space: as large as the KV cache, at most 4 GiB (vLLM's default swap_space).
 MAX_SWAP_BYTES = 4 << 30

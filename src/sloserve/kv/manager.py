@@ -255,7 +255,7 @@ class KVCacheManager:
         if num_cached:
             self.cached_states.use(request, int(keys[num_cached - 1]))
         save = (request.num_prompt_tokens - 1) // self.block_size
-        if save > num_cached:
+        if num_cached < save <= len(keys):  # (a workload's prompt content may cover fewer blocks than its length)
             self.cached_states.reserve(request, int(keys[save - 1]), save * self.block_size)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:

@@ -202,7 +202,8 @@ def _check_request_states(name: str, config: Any) -> None:
 
 
 def state_slots(name: str, options: Mapping[str, Any] | None = None) -> int:
-    """The requests a model with state layers (Mamba-2's, short convolutions') keeps states for under scheduler ``name``: its ``max_num_seqs``
+    """The requests a model with state layers (Mamba-2's, short convolutions') keeps states for under scheduler
+    ``name``: its ``max_num_seqs``
     where it has one, at most ``STATE_SLOTS``."""
     return min(STATE_SLOTS, getattr(build_config(name, options), "max_num_seqs", STATE_SLOTS))
 

@@ -2,13 +2,14 @@
 norms) where they attend, and in the others a gated short convolution (``models/short_conv.py``) in attention's
 place, its states a request's (``state_cache.py``). LFM2-MoE's MLPs after the first ``num_dense_layers`` are
 experts routed as DeepSeek-V3's (``moe.DeepseekMoE``: sigmoid scores, the choice by scores plus a bias, one
-group, no shared expert).
+group, no shared expert). HF parameter names; the Hub's names of the norms, the MLP and the attention's output
+projection renamed to Llama's (``CHECKPOINT_NAMES``).
 
 LFM3 (``lfm3``): those layers (convolutions of 7 taps), some attention layers sliding (a rope of their own,
 plain; the full layers' turns half of each head's pairs: ``rope_inv_freq``'s proportional), each head's output
 gated by a sigmoid of the layer's input (``g_proj``), and each operator's and MLP's output normalized before it
-joins the stream (``post_operator_norm``, ``post_ffn_norm``: ``use_sandwich_norm``). HF parameter names; the Hub's names of the norms, the MLP and the attention's output
-projection renamed to Llama's (``CHECKPOINT_NAMES``).
+joins the stream (``post_operator_norm``, ``post_ffn_norm``: ``use_sandwich_norm``); its norms' and
+attention's names are the engine's (``LFM3_CHECKPOINT_NAMES``: the MLP's, the final norm's, the gate's).
 """
 
 from __future__ import annotations

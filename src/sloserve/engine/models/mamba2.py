@@ -10,7 +10,8 @@ a group). y, gated by SiLU(z), is RMS-normalized by group (Falcon-H1's: normaliz
 and projected back.
 
 A request carries two states from one step to the next, in its slot of ``state_cache.StateCache``
-(``StateMetadata``): the convolution's last ``d_conv - 1`` inputs (``short_conv.causal_conv``) and each head's h. A prefill runs the scan in chunks (the paper's SSD:
+(``StateMetadata``): the convolution's last ``d_conv - 1`` inputs (``short_conv.causal_conv``) and each head's h.
+A prefill runs the scan in chunks (the paper's SSD:
 ``ssd_scan``, as transformers' and the reference kernels' chunked form), from zeros or, for a chunk after
 others (chunked prefill), from the state the chunk before left; a decode takes one recurrence step. The states
 are float32 (the convolution's in the model's dtype, as its inputs).
