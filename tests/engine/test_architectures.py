@@ -25,7 +25,8 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "ministral3", "exaone4", "seed_oss", "ernie4_5", "gpt_neox", "cohere", "cohere2",
                        "gpt2", "phi", "starcoder2", "gemma", "deepseek_v2", "deepseek_v3", "stablelm", "olmo",
                        "nemotron", "arcee", "granitemoe", "hunyuan", "glm4_moe", "ernie4_5_moe",
-                       "apertus", "hunyuan_moe", "granitemoehybrid", "granitemoehybrid_moe", "granite_swa"]  # fmt: skip
+                       "apertus", "hunyuan_moe", "granitemoehybrid", "granitemoehybrid_moe", "granite_swa",
+                       "mistral4"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)
@@ -48,7 +49,7 @@ def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
     kv_heads = getattr(hf.config, "num_key_value_heads", 4)  # (OPT and GPT-NeoX: as many as the heads)
     head_dim = getattr(hf.config, "head_dim", None) or 16  # (64 / 4 heads, where the config has none)
     tensors = 2  # K and V
-    if arch.startswith("deepseek"):  # MLA's cache: one latent and rotated key a token (32 + 8), keys only
+    if arch.startswith("deepseek") or arch == "mistral4":  # MLA's cache: a latent and rotated key a token, keys only
         kv_heads, head_dim, tensors = 1, hf.config.kv_lora_rank + hf.config.qk_rope_head_dim, 1
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (hf.config.num_hidden_layers, kv_heads, head_dim)
     assert spec.dtype_bytes == 4  # saved in float32
@@ -350,3 +351,32 @@ def test_granite_swas_layers_rope_bases_and_window_as_its_config_says():
         ConfigError, match="layer_rope_theta with more than one rope base \\(\\[10000.0, 500000.0\\]\\)"
     ):
         from_hf_config({**raw, "layer_rope_theta": [0, 10000.0, 500000.0, 10000.0]})
+
+
+def test_mistral_small_4s_router_and_query_scale_as_transformers():
+    """Mistral Small 4: each token's experts and weights as transformers' router gives them (softmax scores, the
+    groups by their two best, renormalized, times routed_scaling_factor); Llama 4's query scale read from its rope
+    settings; transformers' latent sizes where the config has none."""
+    from transformers.models.mistral4.modeling_mistral4 import Mistral4TopkRouter
+
+    from sloserve.checkpoint.config import from_hf_config
+    from sloserve.engine.models.moe import DeepseekMoE
+
+    hf = hf_cached("mistral4")
+    raw = hf.config.to_dict()
+    config = from_hf_config(raw)
+    assert (config.llama4_scaling_beta, config.moe["topk_method"], config.moe["n_group"]) == (
+        0.5, "softmax_top2_groups", 2)  # fmt: skip
+    theirs: Mistral4TopkRouter = hf.model.layers[1].mlp.gate
+    ours = DeepseekMoE(config, None)
+    ours.gate.weight.data.copy_(theirs.weight)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        _, want_weights, want_experts = theirs(x)
+        weights, experts = ours.route(x)
+    order, want_order = experts.sort(dim=-1), want_experts.sort(dim=-1)  # (transformers' top k is unsorted)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(weights.gather(1, order.indices), want_weights.gather(1, want_order.indices))
+    bare = {k: v for k, v in raw.items() if k not in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim")}
+    assert {k: from_hf_config(bare).mla[k] for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim")} == {
+        "kv_lora_rank": 256, "q_lora_rank": 1024, "qk_nope_head_dim": 64, "v_head_dim": 128}  # fmt: skip

@@ -83,6 +83,8 @@ ARCHITECTURES: dict[str, str] = {
     "deepseek_v2": "deepseek_v2",
     # (DeepSeek-V3's outline, Moonlight, Kimi K2: V2's layers, experts chosen by sigmoid scores with a bias)
     "deepseek_v3": "deepseek_v2",
+    # (Mistral Small 4: DeepSeek-V3's outline, its experts chosen by softmax scores, queries scaled by Llama 4's rule)
+    "mistral4": "deepseek_v2",
     # (GLM-4.5, 4.6, 4.5-Air: Llama's layers, half of each head rotated, DeepSeek-V3's experts beside a shared one)
     "glm4_moe": "glm4_moe",
     "stablelm": "stablelm",  # (StableLM 2 1.6B, 3B: Llama's layers with LayerNorms, a quarter of each head rotated)
@@ -154,8 +156,9 @@ MOE_DEFAULTS = {
     # (Hunyuan's experts: of intermediate_size)
     "hunyuan_v1_moe": {"num_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": None},
     "lfm2_moe": {"num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 1792},
+    "mistral4": {"num_experts": 128, "num_experts_per_tok": 4, "moe_intermediate_size": 2048},
 }
-DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")  # (multi-head latent attention)
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "mistral4")  # (multi-head latent attention)
 # transformers' GraniteMoeHybridConfig defaults of its Mamba-2 mixers (``mamba_*`` in a config), and FalconH1Config's
 MAMBA2_DEFAULTS = {
     "n_heads": 128, "n_groups": 1, "d_state": 256, "d_head": "auto", "d_conv": 4, "expand": 2, "chunk_size": 256,
@@ -178,6 +181,8 @@ DEEPSEEK_ROUTING_DEFAULTS = {
     # (LFM2-MoE's: DeepSeek-V3's sigmoid scores with a bias, one group, no shared expert, 1e-6 in the renormalization)
     "lfm2_moe": {"n_shared_experts": 0, "routed_scaling_factor": 1.0, "topk_method": "noaux_tc", "n_group": 1,
                  "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 2, "norm_topk_eps": 1e-6},
+    "mistral4": {"n_shared_experts": 1, "routed_scaling_factor": 1.0, "topk_method": "softmax_top2_groups",
+                 "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 0},
 }  # fmt: skip
 # ERNIE 4.5's and Hunyuan's names of those settings (transformers' attribute_maps' and their own)
 MOE_SETTING_NAMES = {
@@ -197,6 +202,8 @@ ROUTING_METHODS = {
     "ernie4_5_moe": ("softmax_with_bias",),
     "hunyuan_v1_moe": ("greedy",),
     "lfm2_moe": ("noaux_tc",),
+    # (softmax scores; the groups by their two best scores, V3's rule without its bias)
+    "mistral4": ("softmax_top2_groups",),
 }
 # The routings whose choice adds the router's bias (``e_score_correction_bias``) to the scores: DeepSeek-V3's
 # (sigmoid scores) and ERNIE 4.5's (softmax scores)
@@ -222,6 +229,14 @@ DEFAULT_ROPE_THETA = {
 # transformers' defaults where theirs differ from the generic reading (a head_dim of 128, not hidden / heads; an
 # MLP's activation other than SiLU, which a GGUF file does not name)
 CONFIG_DEFAULTS = {
+    # (Mistral Small 4's latent sizes, transformers' Mistral4Config defaults)
+    "mistral4": {
+        "q_lora_rank": 1024,
+        "kv_lora_rank": 256,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+    },
     # (LFM3's rope by layer type: the sliding layers' plain, the full ones' on half of each head's pairs)
     "lfm3": {
         "rope_parameters": {
@@ -970,6 +985,7 @@ def _deepseek_config(raw: dict[str, Any], common: dict[str, Any], name: str, nee
         raise ConfigError(f"{name}: hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
     rope = dict(raw.get("rope_parameters") or {})
     qk = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+    scaling = _config_rope_scaling(raw, rope, name)
     return ModelConfig(
         **common,
         intermediate_size=need("intermediate_size"),
@@ -978,7 +994,8 @@ def _deepseek_config(raw: dict[str, Any], common: dict[str, Any], name: str, nee
         partial_rotary_dim=mla["qk_rope_head_dim"],
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-        rope_scaling=_config_rope_scaling(raw, rope, name),
+        rope_scaling=scaling,
+        llama4_scaling_beta=_llama4_scaling_beta(raw["model_type"], scaling, rope, name),
         attention_bias=bool(raw.get("attention_bias", False)),
         moe=_moe(raw, common["num_hidden_layers"], name),
         # (V2's checkpoints rotate adjacent pairs of q_R and k_R; V3's where rope_interleave says, its default)
@@ -1567,7 +1584,7 @@ def _rope_scaling(scaling: dict[str, Any] | None, name: str) -> dict[str, Any] |
 def _llama4_scaling_beta(model_type: str, scaling: dict | None, rope: dict, name: str) -> float | None:
     """Ministral 3's query scale, beta (its rope settings' ``llama_4_scaling_beta``), checked: it scales
     by the positions past the rope's pretrained context, and needs that context."""
-    beta = (scaling or rope).get("llama_4_scaling_beta") if model_type == "ministral3" else None
+    beta = (scaling or rope).get("llama_4_scaling_beta") if model_type in ("ministral3", "mistral4") else None
     if beta is None:
         return None
     if not isinstance(beta, (int, float)) or isinstance(beta, bool):

@@ -120,7 +120,12 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_rope = q.view(t, nh, -1).split((self.nope_dim, self.rope_dim), dim=-1)  # (T, nh, d_h), (T, nh, d_h^R)
         compressed = self.kv_a_proj_with_mqa(x)  # (T, d_c + d_h^R)
         latent, k_rope = compressed.split((self.latent_dim, self.rope_dim), dim=-1)  # (T, d_c), (T, d_h^R)
-        q = torch.cat((q_nope, apply_rotary(q_rope, cos, sin)), dim=-1)  # (T, nh, d_h + d_h^R)
+        scaled = cos.shape[1] == 2  # (Llama 4's query scale s, Mistral Small 4's: the queries' tables first)
+        q_cos, q_sin, cos, sin = cos[:, :1], sin[:, :1], cos[:, -1:], sin[:, -1:]  # (T, 1, d_h^R) each
+        if scaled:  # the queries' tables are the keys' times s (``Rotary``): they turn q_R scaled by s; q_C is
+            # scaled by s too, the length of a (cos, sin) pair of those tables
+            q_nope = q_nope * torch.sqrt(q_cos[..., :1] ** 2 + q_sin[..., :1] ** 2)
+        q = torch.cat((q_nope, apply_rotary(q_rope, q_cos, q_sin)), dim=-1)  # (T, nh, d_h + d_h^R)
         kv = torch.cat((self.kv_a_layernorm(latent)[:, None], apply_rotary(k_rope[:, None], cos, sin)), dim=-1)
         return q, kv, None  # (T, 1, d_c + d_h^R) the cache's entry
 

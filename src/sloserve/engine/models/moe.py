@@ -231,7 +231,9 @@ class DeepseekMoE(nn.Module):
       ``topk_group`` groups whose two best s + b sum highest; their weights s, renormalized where
       ``norm_topk_prob``.
     - ``softmax_with_bias`` (ERNIE 4.5's): softmax scores s; the experts chosen by s + b; their weights s,
-      renormalized."""
+      renormalized.
+    - ``softmax_top2_groups`` (Mistral Small 4's): softmax scores s; the experts chosen by s from the
+      ``topk_group`` groups whose two best s sum highest; their weights s, renormalized where ``norm_topk_prob``."""
 
     def __init__(self, config: ModelConfig, shared_experts: nn.Module | None, experts: nn.Module | None = None) -> None:
         """``experts``: other than SwiGLU ones (Nemotron-H's ``UpDownExperts``)."""
@@ -254,6 +256,12 @@ class DeepseekMoE(nn.Module):
             by_group = choice.view(x.shape[0], self.num_groups, -1)  # (T, G, E / G)
             group_scores = by_group.topk(2, dim=-1).values.sum(dim=-1)  # (T, G)
             choice = self._in_best_groups(by_group, group_scores, float("-inf"))
+            experts = choice.topk(self.top_k, dim=-1).indices  # (T, k)
+            weights = scores.gather(1, experts)
+        elif self.method == "softmax_top2_groups":  # (Mistral Small 4's: V3's groups over softmax scores, no bias)
+            scores = torch.softmax(logits, dim=-1)
+            by_group = scores.view(x.shape[0], self.num_groups, -1)  # (T, G, E / G)
+            choice = self._in_best_groups(by_group, by_group.topk(2, dim=-1).values.sum(dim=-1), 0.0)
             experts = choice.topk(self.top_k, dim=-1).indices  # (T, k)
             weights = scores.gather(1, experts)
         elif self.method == "softmax_with_bias":  # (ERNIE 4.5's: the bias picks, the softmax weighs)
