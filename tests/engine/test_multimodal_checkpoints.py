@@ -312,3 +312,28 @@ def test_lfm_vls_language_model_gives_transformers_greedy_tokens(tmp_path, arch)
         return ids[-12:]
 
     assert [o.outputs[0].token_ids for o in outputs] == [reference(ids) for ids in PROMPTS]
+
+
+@pytest.mark.parametrize("text_type", ["exaone4", "exaone4_5_text"], ids=["transformers", "hub"])
+def test_exaone_4_5s_language_model_gives_transformers_greedy_tokens(tmp_path, text_type):
+    """EXAONE 4.5: EXAONE 4's layers (three sliding with rope, a full one without) beside a vision tower
+    (``model.visual``, not read); its text_config's model type as transformers saves it or as the Hub's configs
+    say (``exaone4_5_text``)."""
+    text = dict(model_type="exaone4", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256, sliding_window=8,
+                initializer_range=0.2, pad_token_id=0)  # fmt: skip
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, num_key_value_heads=2,
+                  out_hidden_size=64, fullatt_block_indexes=[0])  # fmt: skip
+    config = transformers.Exaone4_5_Config(text_config=text, vision_config=vision, image_token_id=VOCAB - 1,
+                                           video_token_id=VOCAB - 2)  # fmt: skip
+    torch.manual_seed(15)
+    model = transformers.Exaone4_5_ForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["text_config"]["model_type"] = text_type
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert load_hf_config(tmp_path).model_type == "exaone4"
+    llm = LLM(str(tmp_path), kv_capacity_tokens=512)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 16) for ids in PROMPTS]

@@ -6,7 +6,7 @@ biases), Qwen3-MoE and Mixtral (their MLPs mixtures of experts), OLMo 2 (norms a
 MLP), Gemma 2 and Gemma 3 text models
 (``gemma3_text``: sliding-window layers beside global ones) and OPT (learned positions, LayerNorm, ReLU);
 and the language model of multimodal checkpoints (``MULTIMODAL``: Gemma 3 4B-27B, Mistral Small 3.1, Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LFM2-VL and LFM3-VL), served as text.
+Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LFM2-VL, LFM3-VL and EXAONE 4.5), served as text.
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ MULTIMODAL = {
     "qwen3_vl_moe": "qwen3_vl_moe_text",
     "lfm2_vl": "lfm2",  # (LFM2-VL 450M-3B)
     "lfm3_vl": "lfm3",
+    "exaone4_5": "exaone4",  # (EXAONE 4.5: EXAONE 4's layers beside a vision tower)
 }
 # Those whose Hub configs hold the language model's settings at the top level, beside vision_config (Qwen2-VL's
 # and Qwen2.5-VL's; transformers 5 saves them in a text_config)
@@ -119,6 +120,7 @@ TEXT_MODEL_TYPES = {
     "qwen2_5_vl_text": ("qwen2", {"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-5}),
     "qwen3_vl_text": ("qwen3", {"rope_theta": 500_000.0}),
     "qwen3_vl_moe_text": ("qwen3_moe", {"rope_theta": 500_000.0, "norm_topk_prob": True}),
+    "exaone4_5_text": ("exaone4", {}),  # (the Hub's name of EXAONE 4.5's; transformers reads it as exaone4)
 }
 # transformers' Gemma3TextConfig defaults: a Gemma 3 text_config lists only what differs from them
 GEMMA3_TEXT_DEFAULTS = {
