@@ -26,7 +26,7 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "gpt2", "phi", "starcoder2", "gemma", "deepseek_v2", "deepseek_v3", "stablelm", "olmo",
                        "nemotron", "arcee", "granitemoe", "hunyuan", "glm4_moe", "ernie4_5_moe",
                        "apertus", "hunyuan_moe", "granitemoehybrid", "granitemoehybrid_moe", "granite_swa",
-                       "mistral4"]  # fmt: skip
+                       "mistral4", "glm4_moe_lite"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)
@@ -49,7 +49,7 @@ def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
     kv_heads = getattr(hf.config, "num_key_value_heads", 4)  # (OPT and GPT-NeoX: as many as the heads)
     head_dim = getattr(hf.config, "head_dim", None) or 16  # (64 / 4 heads, where the config has none)
     tensors = 2  # K and V
-    if arch.startswith("deepseek") or arch == "mistral4":  # MLA's cache: a latent and rotated key a token, keys only
+    if arch.startswith("deepseek") or arch in ("mistral4", "glm4_moe_lite"):  # MLA's cache: a latent, a rotated key
         kv_heads, head_dim, tensors = 1, hf.config.kv_lora_rank + hf.config.qk_rope_head_dim, 1
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (hf.config.num_hidden_layers, kv_heads, head_dim)
     assert spec.dtype_bytes == 4  # saved in float32
@@ -380,3 +380,18 @@ def test_mistral_small_4s_router_and_query_scale_as_transformers():
     bare = {k: v for k, v in raw.items() if k not in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim")}
     assert {k: from_hf_config(bare).mla[k] for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim")} == {
         "kv_lora_rank": 256, "q_lora_rank": 1024, "qk_nope_head_dim": 64, "v_head_dim": 128}  # fmt: skip
+
+
+def test_glm_4_7_flashs_mlps_as_mlp_layer_types_says():
+    """GLM-4.7-Flash (``glm4_moe_lite``): each layer's MLP dense or experts as ``mlp_layer_types`` says, else the
+    first dense (transformers' default); GLM-4.5's routing (sigmoid scores with the bias, scaled by 1.8 where the
+    config has no factor); a bad entry refused by name."""
+    from sloserve.checkpoint.config import from_hf_config
+
+    raw = hf_cached("glm4_moe_lite").config.to_dict()
+    config = from_hf_config(raw)
+    assert config.moe["moe_layers"] == (False, True, False) and config.moe["topk_method"] == "noaux_tc"
+    unlisted = from_hf_config({k: v for k, v in raw.items() if k not in ("mlp_layer_types", "routed_scaling_factor")})
+    assert unlisted.moe["moe_layers"] == (False, True, True) and unlisted.moe["routed_scaling_factor"] == 1.8
+    with pytest.raises(ConfigError, match="mlp_layer_types must be 3 entries of dense or sparse"):
+        from_hf_config({**raw, "mlp_layer_types": ["dense", "moe", "dense"]})

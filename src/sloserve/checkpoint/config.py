@@ -85,6 +85,8 @@ ARCHITECTURES: dict[str, str] = {
     "deepseek_v3": "deepseek_v2",
     # (Mistral Small 4: DeepSeek-V3's outline, its experts chosen by softmax scores, queries scaled by Llama 4's rule)
     "mistral4": "deepseek_v2",
+    # (GLM-4.7-Flash: DeepSeek-V3's attention (MLA) with GLM-4.5's experts, dense or sparse as mlp_layer_types says)
+    "glm4_moe_lite": "deepseek_v2",
     # (GLM-4.5, 4.6, 4.5-Air: Llama's layers, half of each head rotated, DeepSeek-V3's experts beside a shared one)
     "glm4_moe": "glm4_moe",
     "stablelm": "stablelm",  # (StableLM 2 1.6B, 3B: Llama's layers with LayerNorms, a quarter of each head rotated)
@@ -159,8 +161,9 @@ MOE_DEFAULTS = {
     "hunyuan_v1_moe": {"num_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": None},
     "lfm2_moe": {"num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 1792},
     "mistral4": {"num_experts": 128, "num_experts_per_tok": 4, "moe_intermediate_size": 2048},
+    "glm4_moe_lite": {"num_experts": 64, "num_experts_per_tok": 4, "moe_intermediate_size": 1536},
 }
-DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "mistral4")  # (multi-head latent attention)
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "mistral4", "glm4_moe_lite")  # (multi-head latent attention)
 # transformers' GraniteMoeHybridConfig defaults of its Mamba-2 mixers (``mamba_*`` in a config), and FalconH1Config's
 MAMBA2_DEFAULTS = {
     "n_heads": 128, "n_groups": 1, "d_state": 256, "d_head": "auto", "d_conv": 4, "expand": 2, "chunk_size": 256,
@@ -185,6 +188,8 @@ DEEPSEEK_ROUTING_DEFAULTS = {
                  "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 2, "norm_topk_eps": 1e-6},
     "mistral4": {"n_shared_experts": 1, "routed_scaling_factor": 1.0, "topk_method": "softmax_top2_groups",
                  "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 0},
+    "glm4_moe_lite": {"n_shared_experts": 1, "routed_scaling_factor": 1.8, "topk_method": "noaux_tc", "n_group": 1,
+                      "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 1},
 }  # fmt: skip
 # ERNIE 4.5's and Hunyuan's names of those settings (transformers' attribute_maps' and their own)
 MOE_SETTING_NAMES = {
@@ -206,6 +211,7 @@ ROUTING_METHODS = {
     "lfm2_moe": ("noaux_tc",),
     # (softmax scores; the groups by their two best scores, V3's rule without its bias)
     "mistral4": ("softmax_top2_groups",),
+    "glm4_moe_lite": ("noaux_tc",),
 }
 # The routings whose choice adds the router's bias (``e_score_correction_bias``) to the scores: DeepSeek-V3's
 # (sigmoid scores) and ERNIE 4.5's (softmax scores)
@@ -231,6 +237,15 @@ DEFAULT_ROPE_THETA = {
 # transformers' defaults where theirs differ from the generic reading (a head_dim of 128, not hidden / heads; an
 # MLP's activation other than SiLU, which a GGUF file does not name)
 CONFIG_DEFAULTS = {
+    # (GLM-4.7-Flash's latent sizes and norms' epsilon, transformers' Glm4MoeLiteConfig defaults)
+    "glm4_moe_lite": {
+        "q_lora_rank": 768,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 192,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 256,
+        "rms_norm_eps": 1e-5,
+    },  # fmt: skip
     # (Mistral Small 4's latent sizes, transformers' Mistral4Config defaults)
     "mistral4": {
         "q_lora_rank": 1024,
@@ -1427,6 +1442,8 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         end = _layer_index(raw, "moe_layer_end_index", -1, name)
         step, end = raw.get("moe_layer_interval", 1), layers - 1 if end == -1 else end
         dense = {i for i in range(layers) if not start <= i <= end}
+    elif kind == "glm4_moe_lite" and raw.get("mlp_layer_types"):  # (each layer's MLP "dense" or "sparse")
+        dense = _dense_layers(raw["mlp_layer_types"], layers, name)
     elif kind in DEEPSEEK_ROUTED:  # (its first first_k_dense_replace layers' MLPs dense)
         dense = set(range(_layer_index(raw, "first_k_dense_replace", 0, name)))
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
@@ -1473,6 +1490,13 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         )
     _check_moe_sizes(moe, name)
     return moe
+
+
+def _dense_layers(kinds: Any, layers: int, name: str) -> set[int]:
+    """The layers whose MLP ``mlp_layer_types`` says is dense (GLM-4.7-Flash's: "dense" or "sparse" a layer)."""
+    if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= {"dense", "sparse"}:
+        raise ConfigError(f"{name}: mlp_layer_types must be {layers} entries of dense or sparse, got {kinds!r}")
+    return {i for i, kind in enumerate(kinds) if kind == "dense"}
 
 
 def _check_positive_ints(settings: dict[str, Any], keys: tuple[str, ...], name: str, label: str = "") -> None:
