@@ -28,7 +28,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "stablelm": 36, "olmo": 37, "nemotron": 38, "arcee": 39, "granitemoe": 40, "hunyuan": 41,
          "glm4_moe": 42, "ernie4_5_moe": 43, "apertus": 44, "hunyuan_moe": 45, "granitemoehybrid": 46,
          "granitemoehybrid_moe": 47, "granite_4_h": 48, "nemotron_h": 49, "bamba": 50, "nemotron_h_moe": 51,
-         "falcon_h1": 52, "falcon_h1_norm": 53, "lfm2": 54, "lfm2_moe": 55, "lfm3": 56, "granite_swa": 57, "mistral4": 58, "glm4_moe_lite": 59}  # fmt: skip
+         "falcon_h1": 52, "falcon_h1_norm": 53, "lfm2": 54, "lfm2_moe": 55, "lfm3": 56, "granite_swa": 57, "mistral4": 58, "glm4_moe_lite": 59, "minimax_m2": 60}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -127,6 +127,12 @@ def hf_model(arch: str):
             residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=16.0,
         )  # fmt: skip
         cls = transformers.GraniteForCausalLM
+    elif arch == "minimax_m2":  # MiniMax-M2's outline: whole-projection q/k norms, half of each head rotated, experts
+        config = transformers.MiniMaxM2Config(
+            **common, num_key_value_heads=2, head_dim=16, intermediate_size=32, num_local_experts=8,
+            num_experts_per_tok=2, rotary_dim=8, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        cls = transformers.MiniMaxM2ForCausalLM
     elif arch == "glm4_moe_lite":  # GLM-4.7-Flash's outline: MLA, GLM-4.5's biased sigmoid routing, MLPs by list
         config = transformers.Glm4MoeLiteConfig(
             **{**common, "num_hidden_layers": 3}, num_key_value_heads=4, intermediate_size=128,

@@ -26,7 +26,7 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "gpt2", "phi", "starcoder2", "gemma", "deepseek_v2", "deepseek_v3", "stablelm", "olmo",
                        "nemotron", "arcee", "granitemoe", "hunyuan", "glm4_moe", "ernie4_5_moe",
                        "apertus", "hunyuan_moe", "granitemoehybrid", "granitemoehybrid_moe", "granite_swa",
-                       "mistral4", "glm4_moe_lite"]  # fmt: skip
+                       "mistral4", "glm4_moe_lite", "minimax_m2"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)
@@ -395,3 +395,18 @@ def test_glm_4_7_flashs_mlps_as_mlp_layer_types_says():
     assert unlisted.moe["moe_layers"] == (False, True, True) and unlisted.moe["routed_scaling_factor"] == 1.8
     with pytest.raises(ConfigError, match="mlp_layer_types must be 3 entries of dense or sparse"):
         from_hf_config({**raw, "mlp_layer_types": ["dense", "moe", "dense"]})
+
+
+def test_minimax_m2s_rotary_dim_and_router_bias_as_the_hub_writes_them(hf_dirs):
+    """MiniMax-M2: the Hub's ``rotary_dim`` (the dimensions turned) read as transformers reads it where the rope
+    settings have no partial_rotary_factor; its router's bias, the MoE block's tensor in the checkpoint, loads into
+    the router's (``e_score_correction_bias``)."""
+    from sloserve.checkpoint.config import from_hf_config
+
+    raw = hf_cached("minimax_m2").config.to_dict()
+    hub = {**raw, "rope_parameters": None, "rope_theta": 5_000_000.0}
+    assert from_hf_config(hub).partial_rotary_dim == from_hf_config(raw).partial_rotary_dim == 8
+    llm = LLM(hf_dirs["minimax_m2"], kv_capacity_tokens=512)
+    gate = llm.loaded.model.model.layers[1].mlp.gate
+    want = hf_cached("minimax_m2").model.layers[1].mlp.e_score_correction_bias
+    assert torch.equal(gate.e_score_correction_bias.detach(), want)

@@ -87,6 +87,9 @@ ARCHITECTURES: dict[str, str] = {
     "mistral4": "deepseek_v2",
     # (GLM-4.7-Flash: DeepSeek-V3's attention (MLA) with GLM-4.5's experts, dense or sparse as mlp_layer_types says)
     "glm4_moe_lite": "deepseek_v2",
+    # (MiniMax-M2: Llama's layers, queries and keys normalized over their whole projections, half of each head
+    # rotated, every MLP experts chosen by sigmoid scores plus a bias)
+    "minimax_m2": "minimax_m2",
     # (GLM-4.5, 4.6, 4.5-Air: Llama's layers, half of each head rotated, DeepSeek-V3's experts beside a shared one)
     "glm4_moe": "glm4_moe",
     "stablelm": "stablelm",  # (StableLM 2 1.6B, 3B: Llama's layers with LayerNorms, a quarter of each head rotated)
@@ -162,6 +165,7 @@ MOE_DEFAULTS = {
     "lfm2_moe": {"num_experts": 32, "num_experts_per_tok": 4, "moe_intermediate_size": 1792},
     "mistral4": {"num_experts": 128, "num_experts_per_tok": 4, "moe_intermediate_size": 2048},
     "glm4_moe_lite": {"num_experts": 64, "num_experts_per_tok": 4, "moe_intermediate_size": 1536},
+    "minimax_m2": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": None},  # (intermediate_size)
 }
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "mistral4", "glm4_moe_lite")  # (multi-head latent attention)
 # transformers' GraniteMoeHybridConfig defaults of its Mamba-2 mixers (``mamba_*`` in a config), and FalconH1Config's
@@ -190,6 +194,9 @@ DEEPSEEK_ROUTING_DEFAULTS = {
                  "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 0},
     "glm4_moe_lite": {"n_shared_experts": 1, "routed_scaling_factor": 1.8, "topk_method": "noaux_tc", "n_group": 1,
                       "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 1},
+    # (MiniMax-M2's: V3's sigmoid scores with a bias, one group, no shared expert, the top weights' sum alone)
+    "minimax_m2": {"n_shared_experts": 0, "routed_scaling_factor": 1.0, "topk_method": "noaux_tc", "n_group": 1,
+                   "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 0, "norm_topk_eps": 0.0},
 }  # fmt: skip
 # ERNIE 4.5's and Hunyuan's names of those settings (transformers' attribute_maps' and their own)
 MOE_SETTING_NAMES = {
@@ -197,6 +204,7 @@ MOE_SETTING_NAMES = {
                      "moe_num_shared_experts": "n_shared_experts"},
     "hunyuan_v1_moe": {"num_experts": "n_routed_experts", "moe_topk": "num_experts_per_tok"},
     "lfm2_moe": {"num_experts": "n_routed_experts", "num_dense_layers": "first_k_dense_replace"},
+    "minimax_m2": {"num_local_experts": "n_routed_experts"},
 }  # fmt: skip
 # The mixtures of experts routed as DeepSeek's
 DEEPSEEK_ROUTED = tuple(DEEPSEEK_ROUTING_DEFAULTS)
@@ -212,6 +220,7 @@ ROUTING_METHODS = {
     # (softmax scores; the groups by their two best scores, V3's rule without its bias)
     "mistral4": ("softmax_top2_groups",),
     "glm4_moe_lite": ("noaux_tc",),
+    "minimax_m2": ("noaux_tc",),
 }
 # The routings whose choice adds the router's bias (``e_score_correction_bias``) to the scores: DeepSeek-V3's
 # (sigmoid scores) and ERNIE 4.5's (softmax scores)
@@ -223,7 +232,7 @@ QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss", "phi")
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe")
 # The models whose queries and keys are RMS-normalized (each head: Qwen3's; OLMo's whole projections)
 QK_NORMED = ("qwen3", "qwen3_moe", "lfm2", "lfm2_moe", "lfm3", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe",
-             "apertus", *OLMO_TYPES)  # fmt: skip
+             "apertus", "minimax_m2", *OLMO_TYPES)  # fmt: skip
 # transformers' rope bases where a config has none
 DEFAULT_ROPE_THETA = {
     "gpt_oss": 150_000.0,
@@ -233,6 +242,7 @@ DEFAULT_ROPE_THETA = {
     "apertus": 12_000_000.0,
     "lfm2": 1_000_000.0,
     "lfm2_moe": 1_000_000.0,
+    "minimax_m2": 5_000_000.0,
 }
 # transformers' defaults where theirs differ from the generic reading (a head_dim of 128, not hidden / heads; an
 # MLP's activation other than SiLU, which a GGUF file does not name)
@@ -290,7 +300,7 @@ PARTIAL_ROTARY_DEFAULTS = {
 }  # fmt: skip
 # The models whose rotary embedding may turn part of each head (partial_rotary_factor), as transformers' do:
 # those with a default share, and Phi-3's (whole heads unless its config says)
-PARTIAL_ROTARY = ("phi3", *PARTIAL_ROTARY_DEFAULTS)
+PARTIAL_ROTARY = ("phi3", "minimax_m2", *PARTIAL_ROTARY_DEFAULTS)
 # The models with sliding layers by default: (window, every pattern-th layer global), transformers' defaults
 SLIDING_PATTERNS = {"gpt_oss": (128, 2), "olmo3": (4096, 4), "exaone4": (4096, 4), "cohere2": (4096, 4)}
 # The norms (of a weight each) of a layer, by architecture (Llama's: 2)
@@ -853,6 +863,8 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     )
     if model_type == "bamba":  # (transformers' Bamba rotates half of each head whatever its config says)
         rotated = 0.5
+    if model_type == "minimax_m2" and raw.get("rotary_dim"):  # (the Hub's: the dimensions turned, 64 of 128)
+        rotated = raw["rotary_dim"] / head_dim
     if scaling is not None and scaling.get("rope_type") == "proportional":  # (whole heads, some pairs unturned)
         rotated = 1.0
     if rotated != 1.0 and model_type not in PARTIAL_ROTARY:  # NOTE: transformers' Llama rotates whole heads
@@ -945,7 +957,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         attention_sinks=model_type in ("gpt_oss", "granite_swa"),
         qk_norm=model_type in QK_NORMED or (model_type == "glm4_moe" and bool(raw.get("use_qk_norm"))),
         qk_norm_after_rotary=model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"),
-        qk_norm_whole_projection=model_type in OLMO_TYPES,
+        qk_norm_whole_projection=model_type in (*OLMO_TYPES, "minimax_m2"),
         clip_qkv=raw.get("clip_qkv") if model_type in ("olmoe", "olmo") else None,
         moe=_moe(raw, common["num_hidden_layers"], name) if model_type in MOE_TYPES else None,
         layer_types=layer_types,
@@ -1416,6 +1428,7 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
     qwen2 = kind == "qwen2_moe"
     experts_of_intermediate_size = kind in (
         "mixtral",
+        "minimax_m2",
         "gpt_oss",
         "olmoe",
         "granitemoe",

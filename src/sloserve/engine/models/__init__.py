@@ -57,6 +57,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "falcon_h1": LlamaForCausalLM,
     "lfm2": lfm2.Lfm2ForCausalLM,
     "lfm3": lfm2.Lfm3ForCausalLM,
+    "minimax_m2": LlamaForCausalLM,
 }
 
 
@@ -109,6 +110,8 @@ CHECKPOINT_NAMES = {
     "falcon_h1": falcon_h1.CHECKPOINT_NAMES,
     "lfm2": lfm2.CHECKPOINT_NAMES,
     "lfm3": lfm2.LFM3_CHECKPOINT_NAMES,
+    # (MiniMax-M2's router bias beside its router, as the engine holds it; its experts by Mixtral's names)
+    "minimax_m2": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias"},
 }
 # The merged projections a model type's checkpoints store whole, in the row order the engine's have:
 # Phi-3's Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``), GLM's and Granite 4.0's gate/up
