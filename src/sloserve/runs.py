@@ -326,6 +326,11 @@ def run_simulation(
         max_requests=slots,
     )
     num_prefill, num_decode = parse_disaggregation(o.disaggregate, o.link_gbps)
+    if num_decode and slots is not None:  # NOTE: the link carries KV; such a model's states would go with it
+        raise ConfigError(
+            f"--disaggregate {o.disaggregate}: {setup.model.name} keeps states in its Mamba-2 or short-convolution "
+            "layers, and handing them to a decode replica is not simulated; simulate it without --disaggregate"
+        )
     if num_decode and o.replicas != 1:  # NOTE: --replicas was once ignored here, silently
         raise ConfigError(
             f"--replicas {o.replicas} and --disaggregate {o.disaggregate} both set the replicas: --disaggregate P:D "

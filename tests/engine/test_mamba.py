@@ -341,3 +341,16 @@ def test_what_cannot_carry_the_states_is_refused(hf_dirs, scheduler, options, me
         LLM(hf_dirs["granite_4_h"], scheduler, **options)
     kv = LLM(hf_dirs["granite_4_h"], "vllm").engine.scheduler.kv  # (prefix caching on by default, with saved states)
     assert kv.prefix_cache is not None and kv.cached_states.num_entries == kv.max_requests == 64
+
+
+def test_a_simulated_hybrid_is_not_disaggregated(hf_dirs):
+    """Prefill and decode replicas hand each other KV over a link; a hybrid's states would go too, which the
+    simulator does not model: refused by name rather than simulated without them."""
+    from sloserve.runs import SimOptions, run_simulation, setup_from_options
+
+    setup = setup_from_options(
+        SimOptions(trace="sharegpt", offline=True, num_requests=4, model=hf_dirs["granite_4_h"], gpu="l4",
+                   disaggregate="1:1")
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="--disaggregate 1:1: .* keeps states in its Mamba-2 or short-convolution"):
+        run_simulation(setup, "vllm", {}, setup.make_workload(None))
