@@ -299,7 +299,7 @@ def run_simulation(
     with the requests and timeline under ``"_result"`` for writing (``public`` drops them)."""
     from sloserve.metrics import summarize
     from sloserve.sched import make_scheduler, scheduler_names, supports_disaggregation, supports_prefix_caching
-    from sloserve.sched.registry import state_slots
+    from sloserve.sched.registry import saved_state_entries, state_slots
     from sloserve.sim import simulate
 
     o = setup.options
@@ -312,7 +312,7 @@ def run_simulation(
     # (a model with per-request states, state layers': as many requests at once as their slots, the engine's rule;
     # with prefix caching as many states saved at cached prefixes' ends, kv/cached_states.py)
     slots = state_slots(scheduler, set_options) if setup.model.state_bytes_per_sequence else None
-    num_states = None if slots is None else slots * (2 if caching else 1)
+    num_states = None if slots is None else slots + saved_state_entries(slots, caching)
     factory = functools.partial(
         make_scheduler,
         scheduler,

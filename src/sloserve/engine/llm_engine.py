@@ -36,7 +36,7 @@ from sloserve.engine.switches import switch
 from sloserve.engine.tokenizer import HFTokenizer
 from sloserve.replica import Replica
 from sloserve.sched import make_scheduler, supports_prefix_caching
-from sloserve.sched.registry import state_slots
+from sloserve.sched.registry import saved_state_entries, state_slots
 from sloserve.workload.closed_loop import ClosedLoopBatches
 
 # Default KV cache on the CPU: this many bytes, at most 64 full contexts (vLLM's CPU backend takes a
@@ -232,8 +232,8 @@ class LLMEngine:
         if config.has_request_states:
             most = MAX_STATE_SLOTS.get(loaded.device.type, STATE_SLOTS)
             num_state_slots = min(most, state_slots(scheduler, scheduler_options))
-        # (and with prefix caching as many states saved at cached prefixes' ends: kv/cached_states.py)
-        num_state_entries = num_state_slots if enable_prefix_caching else 0
+        # (and with prefix caching, states saved at cached prefixes' ends: kv/cached_states.py)
+        num_state_entries = saved_state_entries(num_state_slots, enable_prefix_caching)
         state_bytes = (num_state_slots + num_state_entries) * StateCache.bytes_per_slot(config, loaded.dtype)
         capacity = (
             kv_capacity_tokens

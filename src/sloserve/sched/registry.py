@@ -177,8 +177,8 @@ def make_scheduler(
         **caching,
     )
     kv.max_requests = max_requests
-    if max_requests is not None and enable_prefix_caching:  # (as many saved states as requests' slots)
-        kv.cached_states = CachedStates(max_requests)
+    if max_requests is not None and enable_prefix_caching:
+        kv.cached_states = CachedStates(saved_state_entries(max_requests, enable_prefix_caching))
     extra = {"cost_model": cost_model} if spec.needs_cost_model else {}
     scheduler = spec.scheduler_cls(kv, config, predictor_from_config(config), **extra)
     scheduler.name = name
@@ -206,6 +206,13 @@ def state_slots(name: str, options: Mapping[str, Any] | None = None) -> int:
     ``name``: its ``max_num_seqs``
     where it has one, at most ``STATE_SLOTS``."""
     return min(STATE_SLOTS, getattr(build_config(name, options), "max_num_seqs", STATE_SLOTS))
+
+
+def saved_state_entries(num_slots: int, enable_prefix_caching: bool) -> int:
+    """The states a model with state layers keeps saved at cached prefixes' ends (``kv/cached_states.py``) beside
+    its ``num_slots`` requests' slots: as many as the slots with prefix caching, none without. The engine's state
+    cache, the simulator's KV capacity and the KV manager's books all take their count from here."""
+    return num_slots if enable_prefix_caching else 0
 
 
 def supports_prefix_caching(name: str, options: Mapping[str, Any] | None = None) -> bool:
