@@ -28,7 +28,8 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "stablelm": 36, "olmo": 37, "nemotron": 38, "arcee": 39, "granitemoe": 40, "hunyuan": 41,
          "glm4_moe": 42, "ernie4_5_moe": 43, "apertus": 44, "hunyuan_moe": 45, "granitemoehybrid": 46,
          "granitemoehybrid_moe": 47, "granite_4_h": 48, "nemotron_h": 49, "bamba": 50, "nemotron_h_moe": 51,
-         "falcon_h1": 52, "falcon_h1_norm": 53, "lfm2": 54, "lfm2_moe": 55, "lfm3": 56, "granite_swa": 57, "mistral4": 58, "glm4_moe_lite": 59, "minimax_m2": 60}  # fmt: skip
+         "falcon_h1": 52, "falcon_h1_norm": 53, "lfm2": 54, "lfm2_moe": 55, "lfm3": 56, "granite_swa": 57, "mistral4": 58, "glm4_moe_lite": 59, "minimax_m2": 60,
+         "qwen3_next": 61, "qwen3_5": 62, "qwen3_5_moe": 63}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -346,6 +347,28 @@ def hf_model(arch: str):
             eos_token_id=2,
         )  # fmt: skip
         cls = transformers.Lfm2MoeForCausalLM
+    elif arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        # Qwen3-Next's and Qwen3.5's outline: gated DeltaNets (2 query/key heads of 8, 4 value heads of 12) around a
+        # gated attention layer; Qwen3-Next's first MLP dense, then 8 experts (2 a token) beside a gated shared one. No
+        # pad token: token 0's embedding not zeros (the decode graphs' padding rows run it: test_mamba.py)
+        sizes = dict(
+            **{**common, "num_hidden_layers": 3}, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+            layer_types=["linear_attention", "full_attention", "linear_attention"], initializer_range=0.2,
+            bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        experts = dict(
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+        )
+        if arch == "qwen3_next":
+            config = transformers.Qwen3NextConfig(**sizes, **experts, intermediate_size=96, mlp_only_layers=[0])
+            cls = transformers.Qwen3NextForCausalLM
+        elif arch == "qwen3_5":
+            config = transformers.Qwen3_5TextConfig(**sizes, intermediate_size=96)
+            cls = transformers.Qwen3_5ForCausalLM
+        else:
+            config = transformers.Qwen3_5MoeTextConfig(**sizes, **experts)
+            cls = transformers.Qwen3_5MoeForCausalLM
     elif arch == "bamba":  # Bamba 9B's outline: attention in one layer of three, Mamba-2 in the others, half rotary
         config = transformers.BambaConfig(
             **{**common, "num_hidden_layers": 3}, intermediate_size=128, num_key_value_heads=2, attn_layer_indices=[1],
@@ -409,8 +432,11 @@ def hf_model(arch: str):
                 p.normal_(0.0, 0.2)
             elif name.endswith("sinks"):  # (gpt-oss's: some above the scores, some below)
                 p.normal_(0.0, 2.0)
-            elif p.ndim == 1:  # Gemma's norms scale by 1 + weight, 0 at init
-                p.add_(0.1 * torch.randn_like(p)) if arch.startswith("gemma") else p.mul_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("linear_attn.A_log"):  # (decays of 0.7-1 a token: states that last past a chunk)
+                p.copy_(torch.empty_like(p).uniform_(0.02, 0.3).log())
+            elif p.ndim == 1:  # Gemma's and Qwen3-Next's norms scale by 1 + weight, 0 at init
+                zero_centered = arch.startswith(("gemma", "qwen3_next", "qwen3_5")) and name.endswith("norm.weight")
+                p.add_(0.1 * torch.randn_like(p)) if zero_centered else p.mul_(1 + 0.1 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "expert_bias")):  # (a router's bias, a buffer: 0 at init)
                 b.normal_(0.0, 0.5)

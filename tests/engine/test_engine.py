@@ -493,7 +493,7 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     (tmp_path / "falcon" / "config.json").write_text(json.dumps({"model_type": "falcon"}))
     with pytest.raises(
         ConfigError,
-        match="unsupported architecture 'falcon'.*supported: apertus, arcee, bamba, cohere, cohere2, deepseek_v2, deepseek_v3, ernie4_5, ernie4_5_moe, exaone4, exaone4_5, falcon_h1, gemma, gemma2, gemma3, gemma3_text, glm, glm4, glm4_moe, glm4_moe_lite, gpt2, gpt_neox, gpt_oss, granite, granite_swa, granitemoe, granitemoehybrid, hunyuan_v1_dense, hunyuan_v1_moe, lfm2, lfm2_moe, lfm2_vl, lfm3, lfm3_vl, llama, minimax_m2, ministral3, mistral, mistral3, mistral4, mixtral, nemotron, nemotron_h, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_5_vl, qwen2_moe, qwen2_vl, qwen3, qwen3_moe, qwen3_vl, qwen3_vl_moe, seed_oss, smollm3, stablelm, starcoder2",
+        match="unsupported architecture 'falcon'.*supported: apertus, arcee, bamba, cohere, cohere2, deepseek_v2, deepseek_v3, ernie4_5, ernie4_5_moe, exaone4, exaone4_5, falcon_h1, gemma, gemma2, gemma3, gemma3_text, glm, glm4, glm4_moe, glm4_moe_lite, gpt2, gpt_neox, gpt_oss, granite, granite_swa, granitemoe, granitemoehybrid, hunyuan_v1_dense, hunyuan_v1_moe, lfm2, lfm2_moe, lfm2_vl, lfm3, lfm3_vl, llama, minimax_m2, ministral3, mistral, mistral3, mistral4, mixtral, nemotron, nemotron_h, olmo, olmo2, olmo3, olmoe, opt, phi, phi3, qwen2, qwen2_5_vl, qwen2_moe, qwen2_vl, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next, qwen3_vl, qwen3_vl_moe, seed_oss, smollm3, stablelm, starcoder2",
     ):
         LLM(str(tmp_path / "falcon"))
     fp8 = tmp_path / "fp8"  # an FP8 checkpoint's weights would load as plain ones, their scales ignored

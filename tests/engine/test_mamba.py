@@ -222,7 +222,10 @@ def test_the_simulator_keeps_a_hybrids_states_as_the_engine_does(hf_dirs, monkey
 
 @pytest.mark.parametrize(
     "arch",
-    ["granite_4_h", "nemotron_h", "bamba", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm", "lfm2", "lfm2_moe", "lfm3"],
+    [
+        *("granite_4_h", "nemotron_h", "bamba", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm"),
+        *("lfm2", "lfm2_moe", "lfm3", "qwen3_next", "qwen3_5", "qwen3_5_moe"),
+    ],
 )
 @pytest.mark.parametrize(
     "scheduler,options",
@@ -239,7 +242,8 @@ def test_a_hybrid_model_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options
     Mamba, an MLP or attention without a position embedding; Nemotron 3's with experts, DeepSeek-V3's routing over
     two-matrix experts), Bamba (Llama's layers, half of each head rotated) and Falcon-H1 (a mixer beside each
     attention, every muP multiplier away from 1 and folded into the weights; its mixers' output gated, or
-    normalized then gated); LFM2 (short convolutions instead of Mamba-2's, test_short_conv.py)."""
+    normalized then gated); LFM2 (short convolutions instead of Mamba-2's, test_short_conv.py); Qwen3-Next and
+    Qwen3.5 (gated DeltaNets beside gated attention, test_gated_delta_net.py)."""
     tokens, llm = greedy_tokens(hf_dirs[arch], scheduler, **options)
     assert tokens == reference(arch)
     assert llm.engine.scheduler.kv.max_requests == llm.engine.executor.states.cache.num_slots
@@ -249,7 +253,7 @@ def test_a_hybrid_model_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options
         assert llm.engine.executor.num_early_launches > 0
 
 
-@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h", "falcon_h1", "lfm2"])
+@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h", "falcon_h1", "lfm2", "qwen3_next"])
 def test_decode_steps_on_the_graphs_buffers_give_hf_greedy_tokens(hf_dirs, arch):
     """Decode-only steps through ``DecodeGraphs``' padded static buffers (not captured on the CPU, as in
     test_cuda_graphs.py): each row's state slot one more input, the padding rows on the state cache's pad slot."""

@@ -337,3 +337,47 @@ def test_exaone_4_5s_language_model_gives_transformers_greedy_tokens(tmp_path, t
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
     assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 16) for ids in PROMPTS]
+
+
+@pytest.mark.parametrize("experts", [0, 8], ids=["Qwen3.5", "Qwen3.5-MoE"])
+def test_qwen3_5s_language_model_gives_transformers_greedy_tokens(tmp_path, experts):
+    """Qwen3.5 (0.8B-27B, ``Qwen3_5ForConditionalGeneration``) and Qwen3.5-MoE (35B-A3B-397B-A17B): Qwen3-Next's
+    layers (gated DeltaNets, gated attention) beside a vision tower (``model.visual``, not read); their interleaved
+    MRoPE is plain RoPE on text; the multi-token-prediction layer the Hub's checkpoints hold (``mtp.``) not read.
+    The greedy tokens of transformers' multimodal model on the same text."""
+    text = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=96, max_position_embeddings=256, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, initializer_range=0.2,
+                layer_types=["linear_attention", "full_attention"],
+                rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [1, 1, 0], "mrope_interleaved": True})  # fmt: skip
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)  # fmt: skip
+    torch.manual_seed(16)
+    if experts:
+        text.update(
+            num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24
+        )
+        model = transformers.Qwen3_5MoeForConditionalGeneration(
+            transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
+        ).eval()
+    else:
+        model = transformers.Qwen3_5ForConditionalGeneration(
+            transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+        ).eval()
+    with torch.no_grad():  # (the norms scale by 1 + weight: 0 at init)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and "visual" not in name:
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    weights = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
+    assert any(key.startswith("model.visual.") for key in weights)
+    weights["mtp.fc.weight"] = torch.randn(64, 128)  # (the Hub's multi-token prediction: not in the engine's model)
+    safetensors_torch.save_file(weights, str(tmp_path / "model.safetensors"))
+    config = load_hf_config(tmp_path)
+    kind = "qwen3_5_moe_text" if experts else "qwen3_5_text"
+    assert (config.model_type, config.rotary_dim, config.rope_theta, config.num_state_layers) == (kind, 4, 1e7, 1)
+    llm = LLM(str(tmp_path), kv_capacity_tokens=512)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 16) for ids in PROMPTS]

@@ -55,6 +55,12 @@ ARCHITECTURES: dict[str, str] = {
     "lfm2_moe": "lfm2",  # (LFM2-8B-A1B: those layers, the MLPs after the first few sigmoid-routed experts)
     # (LFM3: LFM2's layers, some attention sliding, each layer's outputs normalized, each head's output gated)
     "lfm3": "lfm3",
+    # (Qwen3-Next 80B-A3B: three layers of four mixing by gated DeltaNet, a linear attention of the delta rule
+    # (``ModelConfig.gated_delta_net``), the fourth by attention with its output gated; norms of 1 + weight; experts
+    # beside a gated shared one)
+    "qwen3_next": "qwen3_next",
+    "qwen3_5_text": "qwen3_next",  # (Qwen3.5 0.8B-27B's language models: those layers with dense MLPs)
+    "qwen3_5_moe_text": "qwen3_next",  # (Qwen3.5 35B-A3B-397B-A17B's: those layers, experts in every one)
     # (Hunyuan 0.5B-7B: Llama's layers, each query and key head normalized after the rotary embedding)
     "hunyuan_v1_dense": "hunyuan",
     # (Hunyuan-A13B: those layers, each MLP a softmax-routed mixture of experts beside an ungated shared one)
@@ -111,6 +117,10 @@ MULTIMODAL = {
     "lfm2_vl": "lfm2",  # (LFM2-VL 450M-3B)
     "lfm3_vl": "lfm3",
     "exaone4_5": "exaone4",  # (EXAONE 4.5: EXAONE 4's layers beside a vision tower)
+    # (Qwen3.5: Qwen3-Next's layers; their interleaved MRoPE gives a text token one position in every section,
+    # which is plain RoPE, as for Qwen3-VL's)
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
 }
 # Those whose Hub configs hold the language model's settings at the top level, beside vision_config (Qwen2-VL's
 # and Qwen2.5-VL's; transformers 5 saves them in a text_config)
@@ -166,7 +176,12 @@ MOE_DEFAULTS = {
     "mistral4": {"num_experts": 128, "num_experts_per_tok": 4, "moe_intermediate_size": 2048},
     "glm4_moe_lite": {"num_experts": 64, "num_experts_per_tok": 4, "moe_intermediate_size": 1536},
     "minimax_m2": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": None},  # (intermediate_size)
+    "qwen3_next": {"num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512},
+    "qwen3_5_moe_text": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512},
 }
+# The mixtures of experts beside a shared expert gated by a sigmoid of the token (Qwen2-MoE's), and transformers'
+# default size of that expert
+GATED_SHARED_EXPERTS = {"qwen2_moe": 5632, "qwen3_next": 512, "qwen3_5_moe_text": 512}
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "mistral4", "glm4_moe_lite")  # (multi-head latent attention)
 # transformers' GraniteMoeHybridConfig defaults of its Mamba-2 mixers (``mamba_*`` in a config), and FalconH1Config's
 MAMBA2_DEFAULTS = {
@@ -297,6 +312,7 @@ GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
 # The rotated share of a head where a config does not say, by model type (transformers' defaults)
 PARTIAL_ROTARY_DEFAULTS = {
     "glm": 0.5, "glm4": 0.5, "glm4_moe": 0.5, "phi": 0.5, "stablelm": 0.25, "nemotron": 0.5, "bamba": 0.5,
+    "qwen3_next": 0.25, "qwen3_5_text": 0.25, "qwen3_5_moe_text": 0.25,
 }  # fmt: skip
 # The models whose rotary embedding may turn part of each head (partial_rotary_factor), as transformers' do:
 # those with a default share, and Phi-3's (whole heads unless its config says)
@@ -326,8 +342,10 @@ MAMBA = "mamba"  # (a layer of Mamba-2's mixer: ``ModelConfig.mamba``)
 MLP_LAYER = "mlp"  # (Nemotron-H's layers of an MLP alone)
 PARALLEL_HYBRID = "attention_and_mamba"  # (Falcon-H1's layers: attention and a Mamba-2 mixer side by side)
 SHORT_CONV = "conv"  # (LFM2's layers of a gated short convolution: ``ModelConfig.short_conv``)
+LINEAR_ATTENTION = "linear_attention"  # (Qwen3-Next's layers of gated DeltaNet: ``ModelConfig.gated_delta_net``)
 GRANITE_SCALED = ("granite", "granitemoe", "granitemoehybrid", "granite_swa")  # (Granite's multipliers)
 LFM_TYPES = ("lfm2", "lfm2_moe", "lfm3")  # (Liquid AI's models of short convolutions and attention)
+QWEN3_NEXT_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # (gated DeltaNet and gated attention)
 # Byte-level tokenizer of random models: ids 0..255 are bytes, then BOS and EOS.
 BYTE_BOS_ID, BYTE_EOS_ID = 256, 257
 RANDOM_PREFIX = "random:"
@@ -413,6 +431,10 @@ class ModelConfig:
     # LFM2's gated short convolutions in place of attention in the layers whose layer_types entry is SHORT_CONV:
     # width (its taps, the config's conv_L_cache) and bias (its projections' and convolution's); None: none
     short_conv: dict[str, Any] | None = None
+    # Qwen3-Next's gated DeltaNet in place of attention in the layers whose layer_types entry is LINEAR_ATTENTION:
+    # num_k_heads, num_v_heads (a multiple of them), head_k_dim, head_v_dim and width (its convolution's taps, the
+    # config's linear_conv_kernel_dim); None: none
+    gated_delta_net: dict[str, Any] | None = None
     # OPT only
     word_embed_proj_dim: int | None = None
     do_layer_norm_before: bool = True
@@ -517,13 +539,18 @@ class ModelConfig:
 
     def layer_has_states(self, layer: int) -> bool:
         """Whether layer ``layer`` keeps a request's states from one step to the next (``engine/state_cache.py``):
-        a Mamba-2 mixer's or a short convolution's."""
-        return self.layer_is_mamba(layer) or (self.short_conv is not None and self.layer_types[layer] == SHORT_CONV)
+        a Mamba-2 mixer's, a short convolution's or a gated DeltaNet's."""
+        if self.layer_is_mamba(layer):
+            return True
+        kind = self.layer_types[layer] if self.layer_types else None
+        return (self.short_conv is not None and kind == SHORT_CONV) or (
+            self.gated_delta_net is not None and kind == LINEAR_ATTENTION
+        )
 
     def layer_has_kv(self, layer: int) -> bool:
-        """Whether layer ``layer`` attends (and has a KV cache): not a Mamba layer, nor a short convolution's,
-        nor Nemotron-H's MLP ones."""
-        return not self.layer_types or self.layer_types[layer] not in (MAMBA, MLP_LAYER, SHORT_CONV)
+        """Whether layer ``layer`` attends (and has a KV cache): not a Mamba layer, nor a short convolution's, nor a
+        gated DeltaNet's, nor Nemotron-H's MLP ones."""
+        return not self.layer_types or self.layer_types[layer] not in (MAMBA, MLP_LAYER, SHORT_CONV, LINEAR_ATTENTION)
 
     def kv_layer_index(self, layer: int) -> int | None:
         """Layer ``layer``'s index among the layers with a KV cache (the attention layers); None for another."""
@@ -543,9 +570,9 @@ class ModelConfig:
 
     @property
     def has_request_states(self) -> bool:
-        """Whether some layers keep a request's states (Mamba-2 mixers, short convolutions): the engine keeps them
-        in slots, one a running request (``StateCache``)."""
-        return self.mamba is not None or self.short_conv is not None
+        """Whether some layers keep a request's states (Mamba-2 mixers, short convolutions, gated DeltaNets): the
+        engine keeps them in slots, one a running request (``StateCache``)."""
+        return self.mamba is not None or self.short_conv is not None or self.gated_delta_net is not None
 
     def state_layer_index(self, layer: int) -> int:
         """Layer ``layer``'s place among the layers with states (its states' in ``StateCache``)."""
@@ -559,13 +586,32 @@ class ModelConfig:
     @property
     def state_conv_dim(self) -> int:
         """The channels of the causal convolution a state layer runs (its last inputs are a request's state): a
-        Mamba-2 mixer's x, B and C; a short convolution's hidden size."""
-        return self.mamba_conv_dim if self.mamba is not None else self.hidden_size
+        Mamba-2 mixer's x, B and C; a short convolution's hidden size; a gated DeltaNet's q, k and v."""
+        if self.mamba is not None:
+            return self.mamba_conv_dim
+        if self.gated_delta_net is not None:
+            net = self.gated_delta_net
+            return 2 * net["num_k_heads"] * net["head_k_dim"] + net["num_v_heads"] * net["head_v_dim"]
+        return self.hidden_size
 
     @property
     def state_conv_width(self) -> int:
-        """That convolution's taps (Mamba-2's d_conv, LFM2's conv_L_cache)."""
-        return self.mamba["d_conv"] if self.mamba is not None else self.short_conv["width"]
+        """That convolution's taps (Mamba-2's d_conv, LFM2's conv_L_cache, Qwen3-Next's linear_conv_kernel_dim)."""
+        if self.mamba is not None:
+            return self.mamba["d_conv"]
+        return (self.gated_delta_net or self.short_conv)["width"]
+
+    @property
+    def state_recurrence_shape(self) -> tuple[int, int, int] | None:
+        """A state layer's recurrent state of one request (float32), beside its convolution's: a Mamba-2 mixer's h of
+        each head (n_heads, head_dim, d_state); a gated DeltaNet's S of each value head (num_v_heads, head_k_dim,
+        head_v_dim); None for a short convolution (its convolution's alone)."""
+        if self.mamba is not None:
+            return self.mamba["n_heads"], self.mamba["head_dim"], self.mamba["d_state"]
+        if self.gated_delta_net is not None:
+            net = self.gated_delta_net
+            return net["num_v_heads"], net["head_k_dim"], net["head_v_dim"]
+        return None
 
     @property
     def mamba_conv_dim(self) -> int:
@@ -583,14 +629,24 @@ class ModelConfig:
         norm = m["d_inner"] * m["rms_norm"]
         return in_proj + conv + 3 * m["n_heads"] + norm + m["d_inner"] * h + m["out_proj_bias"] * h
 
+    @property
+    def gated_delta_net_params(self) -> int:
+        """A gated DeltaNet's parameters: its input projection (q, k, v, the gate z, b and a), its convolution (no
+        bias), dt_bias and A_log a value head, its gated norm (a head's width, shared), out_proj."""
+        net, h = self.gated_delta_net, self.hidden_size
+        value_dim = net["num_v_heads"] * net["head_v_dim"]
+        in_proj = h * (self.state_conv_dim + value_dim + 2 * net["num_v_heads"])
+        return in_proj + self.state_conv_dim * net["width"] + 2 * net["num_v_heads"] + net["head_v_dim"] + value_dim * h
+
     def request_state_bytes(self, dtype_bytes: float) -> int:
-        """A request's states, every state layer's: its convolution's last inputs (``dtype_bytes`` a number) and a
-        Mamba layer's state of each head (float32); 0 for a model without such layers."""
+        """A request's states, every state layer's: its convolution's last inputs (``dtype_bytes`` a number) and its
+        recurrent state (``state_recurrence_shape``, float32); 0 for a model without such layers."""
         if not self.has_request_states:
             return 0
         per_layer = self.state_conv_dim * (self.state_conv_width - 1) * dtype_bytes
-        if self.mamba is not None:
-            per_layer += self.mamba["n_heads"] * self.mamba["head_dim"] * self.mamba["d_state"] * 4
+        if self.state_recurrence_shape is not None:
+            heads, rows, columns = self.state_recurrence_shape
+            per_layer += heads * rows * columns * 4
         return int(self.num_state_layers * per_layer)
 
     @property
@@ -636,6 +692,7 @@ class ModelConfig:
         if self.qk_norm:
             attention += q_width + kv_width if self.qk_norm_whole_projection else 2 * self.head_dim
         attention += h * self.attention_output_bias + self.num_attention_heads * self.attention_sinks
+        attention += h * q_width * (self.architecture == "qwen3_next")  # (the gate of each query's output)
         if self.model_type in TWO_MATRIX_MLPS:  # up, down
             mlp = 2 * h * i + (i + h if self.mlp_bias else 0)
             mlp += 4 * (self.model_type == "apertus")  # (xIELU's alpha_p, alpha_n, beta and eps)
@@ -649,7 +706,8 @@ class ModelConfig:
         if self.moe is not None:  # a MoE layer: the router and every expert instead of the dense MLP
             experts = self.moe["num_experts"] * (h + 3 * h * self.moe["moe_intermediate_size"])
             if self.moe["shared_expert_intermediate_size"]:  # and the shared experts (Qwen2-MoE's with a gate)
-                experts += 3 * h * self.moe["shared_expert_intermediate_size"] + h * (self.model_type == "qwen2_moe")
+                gated = self.model_type in GATED_SHARED_EXPERTS  # (its gate: a row of h)
+                experts += 3 * h * self.moe["shared_expert_intermediate_size"] + h * gated
             if self.moe.get("topk_method") in BIASED_ROUTINGS:  # (the router's bias: GLM-4.5's, ERNIE 4.5's)
                 experts += self.moe["num_experts"]
             if "swiglu_limit" in self.moe:  # gpt-oss: the router's and the experts' biases
@@ -663,6 +721,8 @@ class ModelConfig:
             bias = self.short_conv["bias"]
             conv = 3 * h * h + h * self.short_conv["width"] + h * h + bias * (3 * h + h + h)
             total += (self.num_hidden_layers - self.num_kv_layers) * (conv - attention)
+        if self.gated_delta_net is not None:  # a gated DeltaNet's layer instead of attention
+            total += (self.num_hidden_layers - self.num_kv_layers) * (self.gated_delta_net_params - attention)
         if self.model_type == "lfm3":  # (its norms of each operator's and MLP's output; each head's gate)
             total += self.extra["use_sandwich_norm"] * layers * 2 * h
             total += self.extra["use_attention_gate"] * self.num_kv_layers * h * self.num_attention_heads
@@ -898,7 +958,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
                 f"{name}: layer_types has {len(layer_types)} entries; the model has {common['num_hidden_layers']} layers"
             )
     rotary_layers = raw.get("no_rope_layers") if model_type == "smollm3" else None  # (HF's name: 1 rotates)
-    intermediate = need("intermediate_size")
+    intermediate = raw.get("intermediate_size") if model_type == "qwen3_5_moe_text" else need("intermediate_size")
     mamba, short_conv, extra = None, None, {}
     if model_type in LFM_TYPES:
         layer_types, intermediate, short_conv = _lfm2_layers(raw, common["num_hidden_layers"], model_type, name)
@@ -913,6 +973,11 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         layer_types = (PARALLEL_HYBRID,) * common["num_hidden_layers"]
         mamba = _mamba2(raw, name, FALCON_H1_MAMBA_DEFAULTS)
         extra = {"falcon_h1_multipliers": _falcon_h1_multipliers(raw, name)}
+    gated_delta_net = None
+    if model_type in QWEN3_NEXT_TYPES:
+        layer_types, gated_delta_net = _qwen3_next_layers(raw, common["num_hidden_layers"], name)
+        if model_type == "qwen3_5_moe_text":  # (no dense MLP: its experts' size stands for one, never built)
+            intermediate = raw.get("moe_intermediate_size", MOE_DEFAULTS[model_type]["moe_intermediate_size"])
     if model_type == "granite_swa":
         layer_types, window, rotary_layers, rope_theta = _granite_swa_layers(raw, common["num_hidden_layers"],
                                                                               rope_theta, name)  # fmt: skip
@@ -955,7 +1020,8 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         llama4_scaling_beta=_llama4_scaling_beta(model_type, scaling, rope, name),
         **_biases(raw, model_type),
         attention_sinks=model_type in ("gpt_oss", "granite_swa"),
-        qk_norm=model_type in QK_NORMED or (model_type == "glm4_moe" and bool(raw.get("use_qk_norm"))),
+        qk_norm=model_type in (*QK_NORMED, *QWEN3_NEXT_TYPES)
+        or (model_type == "glm4_moe" and bool(raw.get("use_qk_norm"))),
         qk_norm_after_rotary=model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"),
         qk_norm_whole_projection=model_type in (*OLMO_TYPES, "minimax_m2"),
         clip_qkv=raw.get("clip_qkv") if model_type in ("olmoe", "olmo") else None,
@@ -965,6 +1031,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         rotary_layers=tuple(bool(flag) for flag in rotary_layers or ()),
         mamba=mamba,
         short_conv=short_conv,
+        gated_delta_net=gated_delta_net,
         **(_granite_multipliers(raw) if model_type in GRANITE_SCALED else {}),
         **(_falcon_h1_scales(raw, name) if model_type == "falcon_h1" else {}),
         extra=extra,
@@ -1190,6 +1257,33 @@ def _lfm2_layers(
     _check_positive_ints({"conv_L_cache": width}, ("conv_L_cache",), name)
     short_conv = {"width": width, "bias": bool(raw.get("conv_bias", False))}
     return tuple(kinds), intermediate, short_conv if SHORT_CONV in kinds else None
+
+
+def _qwen3_next_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """Qwen3-Next's and Qwen3.5's (each layer's type: LINEAR_ATTENTION or full_attention, by ``layer_types`` or, as
+    transformers reads a config without them, every ``full_attention_interval``-th layer attending (4); the gated
+    DeltaNets' sizes, transformers' defaults where the config has none)."""
+    interval = raw.get("full_attention_interval", 4)
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        _check_positive_ints({"full_attention_interval": interval}, ("full_attention_interval",), name)
+        kinds = [LINEAR_ATTENTION if (i + 1) % interval else "full_attention" for i in range(layers)]
+    known = {LINEAR_ATTENTION, "full_attention"}
+    if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= known:
+        raise ConfigError(f"{name}: layer_types must be {layers} entries of {', '.join(sorted(known))}, got {kinds!r}")
+    sizes = {"num_k_heads": "linear_num_key_heads", "num_v_heads": "linear_num_value_heads",
+             "head_k_dim": "linear_key_head_dim", "head_v_dim": "linear_value_head_dim",
+             "width": "linear_conv_kernel_dim"}  # fmt: skip
+    defaults = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}  # fmt: skip
+    given = {key: raw.get(key, default) for key, default in defaults.items()}
+    _check_positive_ints(given, tuple(given), name)
+    net = {ours: given[theirs] for ours, theirs in sizes.items()}
+    if net["num_v_heads"] % net["num_k_heads"]:
+        raise ConfigError(
+            f"{name}: linear_num_key_heads {net['num_k_heads']} must divide linear_num_value_heads {net['num_v_heads']}"
+        )
+    return tuple(kinds), net
 
 
 def _bamba_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tuple[str, ...], dict[str, Any] | None]:
@@ -1425,7 +1519,6 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
     Hunyuan's settings have names of their own (``MOE_SETTING_NAMES``; Hunyuan's a value a layer, read as one).
     The defaults where a config has none are transformers'."""
     kind = raw["model_type"]
-    qwen2 = kind == "qwen2_moe"
     experts_of_intermediate_size = kind in (
         "mixtral",
         "minimax_m2",
@@ -1468,11 +1561,13 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         "moe_intermediate_size": raw.get("intermediate_size")
         if experts_of_intermediate_size
         else raw.get("moe_intermediate_size", MOE_DEFAULTS[kind]["moe_intermediate_size"]),
-        # (Granite's: the softmax of the top k logits, the same weights)
-        "norm_topk_prob": kind in ("mixtral", "granitemoe", "granitemoehybrid", "hunyuan_v1_moe")
-        or bool(raw.get("norm_topk_prob", False)),
+        # (Granite's: the softmax of the top k logits, the same weights; Qwen3-Next's by default)
+        "norm_topk_prob": kind in ("mixtral", "granitemoe", "granitemoehybrid", "hunyuan_v1_moe", "qwen3_5_moe_text")
+        or bool(raw.get("norm_topk_prob", kind == "qwen3_next")),
         "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
-        "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size", 5632) if qwen2 else 0,
+        "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size", GATED_SHARED_EXPERTS[kind])
+        if kind in GATED_SHARED_EXPERTS
+        else 0,
     }
     if kind == "granitemoehybrid":  # (its shared MLP, ungated, beside the experts)
         moe["shared_expert_intermediate_size"] = raw.get("shared_intermediate_size", 1024)

@@ -1,5 +1,5 @@
 """The states a model's recurrent layers keep for each request (Mamba-2 mixers, ``models/mamba2.py``; short
-convolutions, ``models/short_conv.py``), beside the KV cache of its attention layers: a request's states take
+convolutions, ``models/short_conv.py``; gated DeltaNets, ``models/gated_delta_net.py``), beside the KV cache of its attention layers: a request's states take
 one slot of ``StateCache`` from its first chunk until it finishes or is preempted by recompute (``StateSlots``).
 The KV manager admits at most as many requests as there are slots (``KVCacheManager.max_requests``), so a
 request that starts always finds one.
@@ -18,8 +18,8 @@ from sloserve.core.request import Request
 
 class StateCache:
     """Every state layer's states of ``num_slots`` requests: ``conv`` (layers, slots, conv_dim, width - 1), its
-    convolution's last inputs, in the model's dtype; a Mamba model's ``ssm`` (layers, slots, n_heads, head_dim,
-    d_state) float32 (None for short convolutions alone). A slot's states are overwritten by its request's first
+    convolution's last inputs, in the model's dtype; ``ssm`` (layers, slots, *``state_recurrence_shape``) float32,
+    the recurrent ones (a Mamba-2 mixer's h, a gated DeltaNet's S; None for short convolutions alone). A slot's states are overwritten by its request's first
     chunk (or copied from a saved entry), never read before. One more slot, ``pad_slot``, belongs to no request:
     a decode graph's padding rows read and write it (``cuda_graphs.DecodeGraphs``). Then ``num_entries`` slots of
     states saved for prefix caching (``entry_slot``: ``kv/cached_states.py``'s entries)."""
@@ -31,11 +31,8 @@ class StateCache:
         shape = (layers, total, config.state_conv_dim, config.state_conv_width - 1)
         self.conv = torch.zeros(shape, dtype=dtype, device=device)
         self.ssm = None
-        if config.mamba is not None:
-            m = config.mamba
-            self.ssm = torch.zeros(
-                (layers, total, m["n_heads"], m["head_dim"], m["d_state"]), dtype=torch.float32, device=device
-            )
+        if config.state_recurrence_shape is not None:
+            self.ssm = torch.zeros((layers, total, *config.state_recurrence_shape), dtype=torch.float32, device=device)
         self.num_slots = self.pad_slot = num_slots
         self.num_entries = num_entries
 

@@ -10,7 +10,18 @@ from torch import nn
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend
-from sloserve.engine.models import apertus, deepseek_v2, falcon_h1, gpt2, gpt_neox, hunyuan, lfm2, nemotron_h, phi
+from sloserve.engine.models import (
+    apertus,
+    deepseek_v2,
+    falcon_h1,
+    gpt2,
+    gpt_neox,
+    hunyuan,
+    lfm2,
+    nemotron_h,
+    phi,
+    qwen3_next,
+)
 from sloserve.engine.models.apertus import ApertusForCausalLM
 from sloserve.engine.models.arcee import ArceeForCausalLM
 from sloserve.engine.models.cohere import CohereForCausalLM
@@ -58,6 +69,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "lfm2": lfm2.Lfm2ForCausalLM,
     "lfm3": lfm2.Lfm3ForCausalLM,
     "minimax_m2": LlamaForCausalLM,
+    "qwen3_next": qwen3_next.Qwen3NextForCausalLM,
 }
 
 
@@ -100,6 +112,7 @@ CHECKPOINT_TENSORS = {
     "granitemoehybrid": _granite_4_tensor,
     "nemotron_h": nemotron_h.checkpoint_tensor,
     "falcon_h1": falcon_h1.checkpoint_tensor,
+    "qwen3_next": qwen3_next.checkpoint_tensor,
 }
 # An architecture's checkpoint names of modules the engine names otherwise (Llama's): each part of a name replaced
 CHECKPOINT_NAMES = {
