@@ -6,7 +6,7 @@ biases), Qwen3-MoE and Mixtral (their MLPs mixtures of experts), OLMo 2 (norms a
 MLP), Gemma 2 and Gemma 3 text models
 (``gemma3_text``: sliding-window layers beside global ones) and OPT (learned positions, LayerNorm, ReLU);
 and the language model of multimodal checkpoints (``MULTIMODAL``: Gemma 3 4B-27B, Mistral Small 3.1, Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LFM2-VL, LFM3-VL and EXAONE 4.5), served as text.
+Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LFM2-VL, LFM3-VL, EXAONE 4.5 and Qwen3.5), served as text.
 """
 
 from __future__ import annotations
