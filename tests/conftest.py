@@ -56,10 +56,10 @@ class _HFDirs(dict):
         self.tmp_path_factory = tmp_path_factory
 
     def __missing__(self, arch: str) -> str:
-        from hf_models import hf_cached
+        from hf_models import hf_cached, save_as_the_hub
 
         path = self.tmp_path_factory.mktemp(f"hf-{arch}")
-        hf_cached(arch).save_pretrained(path)
+        save_as_the_hub(hf_cached(arch), path)
         self[arch] = str(path)
         return self[arch]
 

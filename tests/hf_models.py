@@ -29,7 +29,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "glm4_moe": 42, "ernie4_5_moe": 43, "apertus": 44, "hunyuan_moe": 45, "granitemoehybrid": 46,
          "granitemoehybrid_moe": 47, "granite_4_h": 48, "nemotron_h": 49, "bamba": 50, "nemotron_h_moe": 51,
          "falcon_h1": 52, "falcon_h1_norm": 53, "lfm2": 54, "lfm2_moe": 55, "lfm3": 56, "granite_swa": 57, "mistral4": 58, "glm4_moe_lite": 59, "minimax_m2": 60,
-         "qwen3_next": 61, "qwen3_5": 62, "qwen3_5_moe": 63}  # fmt: skip
+         "qwen3_next": 61, "qwen3_5": 62, "qwen3_5_moe": 63, "olmo_hybrid": 64}  # fmt: skip
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -369,6 +369,14 @@ def hf_model(arch: str):
         else:
             config = transformers.Qwen3_5MoeTextConfig(**sizes, **experts)
             cls = transformers.Qwen3_5MoeForCausalLM
+    elif arch == "olmo_hybrid":  # OLMo Hybrid's outline: gated DeltaNets around an OLMo 3 attention layer, no rope
+        config = transformers.OlmoHybridConfig(
+            **{**common, "num_hidden_layers": 3}, intermediate_size=96, num_key_value_heads=2, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, rope_theta=None,
+            layer_types=["linear_attention", "full_attention", "linear_attention"], initializer_range=0.2,
+            pad_token_id=None, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        cls = transformers.OlmoHybridForCausalLM
     elif arch == "bamba":  # Bamba 9B's outline: attention in one layer of three, Mamba-2 in the others, half rotary
         config = transformers.BambaConfig(
             **{**common, "num_hidden_layers": 3}, intermediate_size=128, num_key_value_heads=2, attn_layer_indices=[1],
@@ -441,6 +449,26 @@ def hf_model(arch: str):
             if name.endswith(("e_score_correction_bias", "expert_bias")):  # (a router's bias, a buffer: 0 at init)
                 b.normal_(0.0, 0.5)
     return model
+
+
+def save_as_the_hub(model, path) -> None:
+    """``model.save_pretrained(path)``, its tensors as the Hub's checkpoints hold them: OLMo Hybrid's convolution of
+    q, k and v as three tensors of their sizes (transformers 5.24 saves it in three equal thirds, whatever they are,
+    and joins them back as it loads)."""
+    model.save_pretrained(path)
+    if model.config.model_type != "olmo_hybrid":
+        return
+    import safetensors.torch
+
+    file = f"{path}/model.safetensors"
+    weights = safetensors.torch.load_file(file)
+    key_dim = model.config.linear_num_key_heads * model.config.linear_key_head_dim
+    for prefix in {key.removesuffix("q_conv1d.weight") for key in weights if key.endswith(".q_conv1d.weight")}:
+        names = [f"{prefix}{part}_conv1d.weight" for part in "qkv"]
+        joined = torch.cat([weights.pop(name) for name in names])
+        sizes = (key_dim, key_dim, joined.shape[0] - 2 * key_dim)
+        weights.update(zip(names, (part.contiguous() for part in joined.split(sizes)), strict=True))
+    safetensors.torch.save_file(weights, file, metadata={"format": "pt"})
 
 
 def greedy(model, ids: list[int], num_tokens: int) -> list[int]:

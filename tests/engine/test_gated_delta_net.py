@@ -1,4 +1,5 @@
-"""Qwen3-Next and Qwen3.5 (gated DeltaNets beside gated attention, models/gated_delta_net.py, models/qwen3_next.py):
+"""Qwen3-Next, Qwen3.5 (gated DeltaNets beside gated attention, models/gated_delta_net.py, models/qwen3_next.py) and
+OLMo Hybrid (beside OLMo 3's attention, models/olmo2.py):
 the chunked delta rule against the token-by-token recurrence (float64, random inputs), the layer against
 transformers' (a prompt whole, in chunks that carry their states, then decodes; several requests in one step; Qwen3-
 Next's grouped projections reordered as they load), the configs as the Hub and transformers write them and the
@@ -14,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from hf_models import hf_cached  # noqa: E402
+from hf_models import MAX_TOKENS, PROMPTS, greedy_by_full_forwards, greedy_tokens, hf_cached, save_as_the_hub  # noqa: E402
 from sloserve import LLM  # noqa: E402
 from sloserve.checkpoint import model_spec  # noqa: E402
 from sloserve.checkpoint.config import LINEAR_ATTENTION, from_hf_config  # noqa: E402
@@ -62,7 +63,7 @@ def test_the_chunked_delta_rule_is_the_recurrence(length, chunk_size, chunks_at_
     q, v = rand(length, heads, dk), rand(length, heads, dv)
     k = torch.nn.functional.normalize(rand(length, heads, dk), dim=-1)
     decay = -torch.rand(length, heads, generator=gen, dtype=torch.float64) * (40 if strong_decay else 1)
-    beta = torch.rand(length, heads, generator=gen, dtype=torch.float64)
+    beta = 2 * torch.rand(length, heads, generator=gen, dtype=torch.float64)  # (OLMo Hybrid's reach 2)
     initial = torch.zeros(heads, dk, dv, dtype=torch.float64) if from_zeros else rand(heads, dk, dv)
     want_y, want_state = recurrence(q, k, v, decay, beta, initial)
     patch = pytest.MonkeyPatch()
@@ -139,7 +140,7 @@ QWEN3_NEXT_80B = {
 def _transformers_count(config) -> int:
     """transformers' parameter count of a model of ``config`` (built without memory: the meta device)."""
     classes = {"qwen3_next": transformers.Qwen3NextForCausalLM, "qwen3_5_text": transformers.Qwen3_5ForCausalLM,
-               "qwen3_5_moe_text": transformers.Qwen3_5MoeForCausalLM}  # fmt: skip
+               "qwen3_5_moe_text": transformers.Qwen3_5MoeForCausalLM, "olmo_hybrid": transformers.OlmoHybridForCausalLM}  # fmt: skip
     with torch.device("meta"):
         return sum(p.numel() for p in classes[config.model_type](config).parameters())
 
@@ -169,7 +170,37 @@ def test_the_configs_read_as_transformers_reads_them():
         from_hf_config({**QWEN3_NEXT_80B, "full_attention_interval": 0})
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_olmo_hybrids_config_reads_as_transformers_reads_it(tmp_path):
+    """OLMo Hybrid at transformers' defaults (7B's shape: its DeltaNets' heads as many as attention's, keys 3/4 of the
+    hidden size over them, values twice as wide, beta in (0, 2), every fourth layer attending): transformers'
+    parameter count; without a rope base (the released checkpoint's ``rope_theta`` null) no layer rotates, with one
+    the attention layers do, and a model of it gives transformers' greedy tokens (chunked prefill); beta in (0, 1)
+    where ``linear_allow_neg_eigval`` is false."""
+    hf_config = transformers.OlmoHybridConfig()
+    config = from_hf_config(hf_config.to_dict())
+    assert config.num_params == _transformers_count(hf_config)
+    net = config.gated_delta_net
+    assert (net["num_k_heads"], net["num_v_heads"], net["head_k_dim"], net["head_v_dim"]) == (30, 30, 96, 192)
+    assert (net["beta_scale"], net["norm_eps"], config.qk_norm_whole_projection, config.rotary_layers) == (
+        2.0,
+        1e-5,
+        True,
+        (),
+    )
+    assert config.layer_types[:4] == (LINEAR_ATTENTION, LINEAR_ATTENTION, LINEAR_ATTENTION, "full_attention")
+    raw = hf_cached("olmo_hybrid").config.to_dict()
+    assert from_hf_config(raw).rotary_layers == (False, False, False)  # (rope_theta null: NoPE)
+    assert from_hf_config({**raw, "linear_allow_neg_eigval": False}).gated_delta_net["beta_scale"] == 1.0
+    rotated = transformers.OlmoHybridConfig(**{**raw, "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}})
+    assert from_hf_config(rotated.to_dict()).rotary_layers == () and from_hf_config(rotated.to_dict()).rope_theta == 500
+    torch.manual_seed(2)
+    model = transformers.OlmoHybridForCausalLM(rotated).eval()
+    save_as_the_hub(model, tmp_path)
+    tokens, _ = greedy_tokens(str(tmp_path), "sarathi", prefill_token_budget=8, block_size=4)
+    assert tokens == [greedy_by_full_forwards(model, p, n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid"])
 def test_the_tests_models_shapes_count_as_transformers(hf_dirs, arch):
     """The tests' models: transformers' parameter count; KV bytes a token of the one attention layer of three; a
     request's states the two DeltaNets' (float32): the engine's and the simulator's alike."""

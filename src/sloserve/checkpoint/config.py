@@ -61,6 +61,9 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_next": "qwen3_next",
     "qwen3_5_text": "qwen3_next",  # (Qwen3.5 0.8B-27B's language models: those layers with dense MLPs)
     "qwen3_5_moe_text": "qwen3_next",  # (Qwen3.5 35B-A3B-397B-A17B's: those layers, experts in every one)
+    # (OLMo Hybrid 7B: OLMo 3's attention layers, one of four, without rope as released; gated DeltaNets in the others,
+    # in Llama's order)
+    "olmo_hybrid": "olmo_hybrid",
     # (Hunyuan 0.5B-7B: Llama's layers, each query and key head normalized after the rotary embedding)
     "hunyuan_v1_dense": "hunyuan",
     # (Hunyuan-A13B: those layers, each MLP a softmax-routed mixture of experts beside an ungated shared one)
@@ -244,7 +247,7 @@ MOE_TYPES = tuple(MOE_DEFAULTS)
 # The models whose q/k/v projections have biases where their configs do not say (transformers' defaults)
 QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss", "phi")
 # The OLMo models (their query and key norms over the whole projections)
-OLMO_TYPES = ("olmo2", "olmo3", "olmoe")
+OLMO_TYPES = ("olmo2", "olmo3", "olmoe", "olmo_hybrid")
 # The models whose queries and keys are RMS-normalized (each head: Qwen3's; OLMo's whole projections)
 QK_NORMED = ("qwen3", "qwen3_moe", "lfm2", "lfm2_moe", "lfm3", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe",
              "apertus", "minimax_m2", *OLMO_TYPES)  # fmt: skip
@@ -346,6 +349,7 @@ LINEAR_ATTENTION = "linear_attention"  # (Qwen3-Next's layers of gated DeltaNet:
 GRANITE_SCALED = ("granite", "granitemoe", "granitemoehybrid", "granite_swa")  # (Granite's multipliers)
 LFM_TYPES = ("lfm2", "lfm2_moe", "lfm3")  # (Liquid AI's models of short convolutions and attention)
 QWEN3_NEXT_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # (gated DeltaNet and gated attention)
+GATED_DELTA_NET_TYPES = (*QWEN3_NEXT_TYPES, "olmo_hybrid")  # (the models with gated DeltaNet layers)
 # Byte-level tokenizer of random models: ids 0..255 are bytes, then BOS and EOS.
 BYTE_BOS_ID, BYTE_EOS_ID = 256, 257
 RANDOM_PREFIX = "random:"
@@ -432,8 +436,9 @@ class ModelConfig:
     # width (its taps, the config's conv_L_cache) and bias (its projections' and convolution's); None: none
     short_conv: dict[str, Any] | None = None
     # Qwen3-Next's gated DeltaNet in place of attention in the layers whose layer_types entry is LINEAR_ATTENTION:
-    # num_k_heads, num_v_heads (a multiple of them), head_k_dim, head_v_dim and width (its convolution's taps, the
-    # config's linear_conv_kernel_dim); None: none
+    # num_k_heads, num_v_heads (a multiple of them), head_k_dim, head_v_dim, width (its convolution's taps, the
+    # config's linear_conv_kernel_dim), beta_scale (OLMo Hybrid's 2: beta in (0, 2)) and norm_eps (its gated norm's
+    # epsilon); None: none
     gated_delta_net: dict[str, Any] | None = None
     # OPT only
     word_embed_proj_dim: int | None = None
@@ -909,7 +914,9 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     if model_type in ("olmo3", "lfm3"):  # (transformers 5: one dict a layer type; the scaling the full layers' only)
         local_theta = float((rope.get(SLIDING) or {}).get("rope_theta", raw.get("rope_theta", default_theta)))
         rope = dict(rope.get("full_attention") or {})
-    rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", default_theta)))
+    rope_theta = rope.get("rope_theta", raw.get("rope_theta", default_theta))
+    no_rope = model_type == "olmo_hybrid" and rope_theta is None  # (OLMo Hybrid as released: no position embedding)
+    rope_theta = default_theta if no_rope else float(rope_theta)
     head_dim = raw.get("head_dim") or hidden // heads
     if model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"):
         rope_theta, rope, raw = _ntk_alpha(raw, rope, rope_theta, head_dim, name)
@@ -958,6 +965,8 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
                 f"{name}: layer_types has {len(layer_types)} entries; the model has {common['num_hidden_layers']} layers"
             )
     rotary_layers = raw.get("no_rope_layers") if model_type == "smollm3" else None  # (HF's name: 1 rotates)
+    if no_rope:
+        rotary_layers = [False] * common["num_hidden_layers"]
     intermediate = raw.get("intermediate_size") if model_type == "qwen3_5_moe_text" else need("intermediate_size")
     mamba, short_conv, extra = None, None, {}
     if model_type in LFM_TYPES:
@@ -974,8 +983,8 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         mamba = _mamba2(raw, name, FALCON_H1_MAMBA_DEFAULTS)
         extra = {"falcon_h1_multipliers": _falcon_h1_multipliers(raw, name)}
     gated_delta_net = None
-    if model_type in QWEN3_NEXT_TYPES:
-        layer_types, gated_delta_net = _qwen3_next_layers(raw, common["num_hidden_layers"], name)
+    if model_type in GATED_DELTA_NET_TYPES:
+        layer_types, gated_delta_net = _gated_delta_net_layers(raw, common["num_hidden_layers"], model_type, name)
         if model_type == "qwen3_5_moe_text":  # (no dense MLP: its experts' size stands for one, never built)
             intermediate = raw.get("moe_intermediate_size", MOE_DEFAULTS[model_type]["moe_intermediate_size"])
     if model_type == "granite_swa":
@@ -1259,15 +1268,23 @@ def _lfm2_layers(
     return tuple(kinds), intermediate, short_conv if SHORT_CONV in kinds else None
 
 
-def _qwen3_next_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tuple[str, ...], dict[str, Any]]:
-    """Qwen3-Next's and Qwen3.5's (each layer's type: LINEAR_ATTENTION or full_attention, by ``layer_types`` or, as
-    transformers reads a config without them, every ``full_attention_interval``-th layer attending (4); the gated
-    DeltaNets' sizes, transformers' defaults where the config has none)."""
-    interval = raw.get("full_attention_interval", 4)
+def _gated_delta_net_layers(
+    raw: dict[str, Any], layers: int, model_type: str, name: str
+) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """Qwen3-Next's, Qwen3.5's and OLMo Hybrid's (each layer's type: LINEAR_ATTENTION or full_attention, by
+    ``layer_types`` or, as transformers reads a config without them, every ``full_attention_interval``-th layer
+    attending (4; OLMo Hybrid's every fourth, its last where it has fewer layers); the gated DeltaNets' settings,
+    transformers' defaults where the config has none: OLMo Hybrid's heads as many as attention's, keys 3/4 of the
+    hidden size over them, values twice a key, beta in (0, 2) unless ``linear_allow_neg_eigval`` is false, its
+    gated norm's epsilon 1e-5, the reference kernels')."""
+    olmo = model_type == "olmo_hybrid"
+    interval = 4 if olmo else raw.get("full_attention_interval", 4)
     kinds = raw.get("layer_types")
     if kinds is None:
         _check_positive_ints({"full_attention_interval": interval}, ("full_attention_interval",), name)
         kinds = [LINEAR_ATTENTION if (i + 1) % interval else "full_attention" for i in range(layers)]
+        if olmo and "full_attention" not in kinds:
+            kinds[-1] = "full_attention"
     known = {LINEAR_ATTENTION, "full_attention"}
     if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= known:
         raise ConfigError(f"{name}: layer_types must be {layers} entries of {', '.join(sorted(known))}, got {kinds!r}")
@@ -1276,9 +1293,17 @@ def _qwen3_next_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tup
              "width": "linear_conv_kernel_dim"}  # fmt: skip
     defaults = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
                 "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}  # fmt: skip
-    given = {key: raw.get(key, default) for key, default in defaults.items()}
+    if olmo:
+        heads = raw.get("num_attention_heads")
+        defaults["linear_num_key_heads"] = raw.get("linear_num_key_heads") or heads
+        defaults["linear_num_value_heads"] = heads
+        key_dim = raw.get("linear_key_head_dim") or int(0.75 * raw["hidden_size"] / defaults["linear_num_key_heads"])
+        defaults["linear_key_head_dim"], defaults["linear_value_head_dim"] = key_dim, 2 * key_dim
+    given = {key: raw.get(key) or default for key, default in defaults.items()}
     _check_positive_ints(given, tuple(given), name)
     net = {ours: given[theirs] for ours, theirs in sizes.items()}
+    net["beta_scale"] = 2.0 if olmo and raw.get("linear_allow_neg_eigval", True) else 1.0
+    net["norm_eps"] = 1e-5 if olmo else float(raw.get("rms_norm_eps", 1e-6))
     if net["num_v_heads"] % net["num_k_heads"]:
         raise ConfigError(
             f"{name}: linear_num_key_heads {net['num_k_heads']} must divide linear_num_value_heads {net['num_v_heads']}"

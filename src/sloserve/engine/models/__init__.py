@@ -19,6 +19,7 @@ from sloserve.engine.models import (
     hunyuan,
     lfm2,
     nemotron_h,
+    olmo2,
     phi,
     qwen3_next,
 )
@@ -70,6 +71,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "lfm3": lfm2.Lfm3ForCausalLM,
     "minimax_m2": LlamaForCausalLM,
     "qwen3_next": qwen3_next.Qwen3NextForCausalLM,
+    "olmo_hybrid": olmo2.OlmoHybridForCausalLM,
 }
 
 
@@ -123,6 +125,7 @@ CHECKPOINT_NAMES = {
     "falcon_h1": falcon_h1.CHECKPOINT_NAMES,
     "lfm2": lfm2.CHECKPOINT_NAMES,
     "lfm3": lfm2.LFM3_CHECKPOINT_NAMES,
+    "olmo_hybrid": olmo2.HYBRID_CHECKPOINT_NAMES,
     # (MiniMax-M2's router bias beside its router, as the engine holds it; its experts by Mixtral's names)
     "minimax_m2": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias"},
 }

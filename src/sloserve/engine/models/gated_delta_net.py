@@ -1,7 +1,7 @@
 """Gated DeltaNet (Yang, Kautz and Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule", 2025):
-the layers of Qwen3-Next and Qwen3.5 that mix their tokens by a linear attention of the delta rule instead of
-softmax attention. HF parameter names (Qwen3.5's; Qwen3-Next's grouped projections are the same rows in another
-order, ``models/qwen3_next.py`` reorders them as they load).
+the layers of Qwen3-Next, Qwen3.5 and OLMo Hybrid that mix their tokens by a linear attention of the delta rule
+instead of softmax attention. HF parameter names (Qwen3.5's; Qwen3-Next's grouped projections are the same rows in
+another order, ``models/qwen3_next.py`` reorders them as they load; OLMo Hybrid's each apart).
 
 A token's input projection gives q, k and v (through a causal depthwise convolution of ``width`` taps and SiLU),
 the gate z, and b and a (one of each a value head). Each value head keeps a state S (head_k_dim x head_v_dim)
@@ -10,7 +10,8 @@ that follows the gated delta rule
     S_t = alpha_t S_{t-1} + beta_t k_t (v_t - alpha_t S_{t-1}^T k_t)^T,    o_t = S_t^T q_t
 
 with alpha_t = exp(g_t), g_t = -exp(A_log) softplus(a_t + dt_bias) (the decay, in log space), beta_t = sigmoid(b_t)
-(how strongly the token overwrites what S recalls for k_t); q and k L2-normalized, q scaled by head_k_dim ** -0.5;
+(how strongly the token overwrites what S recalls for k_t; OLMo Hybrid's twice that, so that S's eigenvalues may be
+negative: ``beta_scale``); q and k L2-normalized, q scaled by head_k_dim ** -0.5;
 each query/key head serves num_v_heads / num_k_heads consecutive value heads. o, RMS-normalized by head and gated
 by SiLU(z), is projected back.
 
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
-from sloserve.engine.models.llama import MergedLinear
+from sloserve.engine.models.llama import MergedLinear, MergedParts
 from sloserve.engine.models.mamba2 import SCAN_NUMBERS, GatedRMSNorm
 from sloserve.engine.models.short_conv import causal_conv
 from sloserve.engine.state_cache import StateMetadata
@@ -42,7 +43,8 @@ class GatedDeltaNet(nn.Module):
     """Layer ``layer``'s gated DeltaNet (module docstring); ``state_index``: its place among the model's state
     layers (its states in ``StateCache``). ``in_proj`` is the checkpoint's projections as one: Qwen3.5's
     ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``
-    (the same rows, reordered as they load)."""
+    (the same rows, reordered as they load); OLMo Hybrid's ``q_proj``, ``k_proj``, ``v_proj``, ``g_proj`` (z),
+    ``b_proj``, ``a_proj``."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -52,17 +54,22 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
         self.conv_dim = config.state_conv_dim  # (q, k and v: 2 key_dim + value_dim)
         self.state_index = config.state_layer_index(layer)
-        nv = self.num_v_heads
-        parts = (
-            {"in_proj_qkvz": self.conv_dim + self.value_dim, "in_proj_ba": 2 * nv}
-            if config.model_type == "qwen3_next"
-            else {"in_proj_qkv": self.conv_dim, "in_proj_z": self.value_dim, "in_proj_b": nv, "in_proj_a": nv}
-        )
+        self.beta_scale = net["beta_scale"]
+        nv, key_dim, value_dim = self.num_v_heads, self.key_dim, self.value_dim
+        parts = {"in_proj_qkv": self.conv_dim, "in_proj_z": value_dim, "in_proj_b": nv, "in_proj_a": nv}
+        if config.model_type == "qwen3_next":
+            parts = {"in_proj_qkvz": self.conv_dim + value_dim, "in_proj_ba": 2 * nv}
+        elif config.model_type == "olmo_hybrid":
+            parts = {"q_proj": key_dim, "k_proj": key_dim, "v_proj": value_dim, "g_proj": value_dim, "b_proj": nv,
+                     "a_proj": nv}  # fmt: skip
         self.in_proj = MergedLinear(h, parts, bias=False)  # rows: q, k, v, z, b, a
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, net["width"], groups=self.conv_dim, bias=False)
+        convolved = {"conv1d": self.conv_dim}  # (OLMo Hybrid's checkpoints: q's, k's and v's apart)
+        if config.model_type == "olmo_hybrid":
+            convolved = {"q_conv1d": key_dim, "k_conv1d": key_dim, "v_conv1d": value_dim}
+        self.conv1d = MergedConv1d(convolved, net["width"])
         self.dt_bias = nn.Parameter(torch.empty(nv))
         self.A_log = nn.Parameter(torch.empty(nv))
-        self.norm = GatedRMSNorm(self.head_v_dim, self.head_v_dim, config.norm_eps, norm_before_gate=True)
+        self.norm = GatedRMSNorm(self.head_v_dim, self.head_v_dim, net["norm_eps"], norm_before_gate=True)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
 
     def forward(self, x: torch.Tensor, meta: StateMetadata) -> torch.Tensor:  # (T, H) normalized -> (T, H)
@@ -71,7 +78,7 @@ class GatedDeltaNet(nn.Module):
         mixed = F.silu(causal_conv(qkv, meta, meta.cache.conv[self.state_index], self.conv1d))  # (T, conv_dim)
         q, k, v = self._heads(mixed)
         decay = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())  # (T, nv): g_t
-        beta = torch.sigmoid(b).float()  # (T, nv) NOTE: in the model's dtype first, as transformers rounds it
+        beta = (torch.sigmoid(b) * self.beta_scale).float()  # (T, nv) NOTE: in the model's dtype, as transformers
         states = meta.cache.ssm[self.state_index]  # (slots, nv, head_k_dim, head_v_dim)
         y = v.new_zeros(t, nv, self.head_v_dim)  # NOTE: zeros: padding rows, of no request, stay finite
         for start, length, slot, goes_on in meta.prefills:
@@ -101,6 +108,16 @@ class GatedDeltaNet(nn.Module):
             return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2_NORM_EPS)
 
         return normalized(q) * self.head_k_dim**-0.5, normalized(k), v.view(v.shape[0], self.num_v_heads, -1)
+
+
+class MergedConv1d(MergedParts, nn.Conv1d):
+    """A causal depthwise convolution (no bias) of ``width`` taps over several projections' channels, each part's
+    rows its checkpoint tensor's (``MergedParts``)."""
+
+    def __init__(self, parts: dict[str, int], width: int) -> None:
+        channels = sum(parts.values())
+        super().__init__(channels, channels, width, groups=channels, bias=False)
+        self.parts = parts
 
 
 def delta_rule_step(

@@ -63,14 +63,11 @@ class LayerNorm(AddAndNorm, nn.LayerNorm):
         super().__init__(size, eps=eps)
 
 
-class MergedLinear(nn.Linear):
-    """Several projections of one input as one matmul (vLLM merges Q/K/V and gate/up this way):
-    fewer kernel launches per layer. ``parts`` names the checkpoint's projections in row order; each
-    loads into its rows of the merged weight (``checkpoint_views``)."""
+class MergedParts:
+    """A module whose weight (and bias) rows are several checkpoint tensors': ``parts`` names them in row order, each
+    with its rows."""
 
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(parts.values()), bias=bias)
-        self.parts = parts
+    parts: dict[str, int]
 
     def checkpoint_views(self) -> dict[str, torch.Tensor]:
         """``{"q_proj.weight": rows of the weight, ...}``: views that share the merged storage."""
@@ -81,6 +78,16 @@ class MergedLinear(nn.Linear):
                 views[f"{name}.bias"] = self.bias[start : start + rows]
             start += rows
         return views
+
+
+class MergedLinear(MergedParts, nn.Linear):
+    """Several projections of one input as one matmul (vLLM merges Q/K/V and gate/up this way):
+    fewer kernel launches per layer. ``parts`` names the checkpoint's projections in row order; each
+    loads into its rows of the merged weight (``checkpoint_views``)."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = parts
 
 
 def qkv_projection(config: ModelConfig) -> MergedLinear:
