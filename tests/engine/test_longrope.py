@@ -113,7 +113,7 @@ def test_partial_rotary_is_refused_for_a_llama(tmp_path):
     model.save_pretrained(tmp_path)
     with pytest.raises(
         ConfigError,
-        match="partial_rotary_factor 0.5 .* is not supported for llama \\(phi3, minimax_m2, glm, glm4, glm4_moe, phi, stablelm, nemotron, bamba only\\)",
+        match="partial_rotary_factor 0.5 .* is not supported for llama \\(phi3, minimax_m2, glm, glm4, glm4_moe, phi, stablelm, nemotron, bamba, qwen3_next, qwen3_5_text, qwen3_5_moe_text only\\)",
     ):
         LLM(str(tmp_path), kv_capacity_tokens=256)
 
