@@ -1,9 +1,10 @@
 """Prefix caching for a model with state layers (kv/cached_states.py) on the bundled multi-turn workload
 ``chat-sessions`` (2,000 ShareGPT turns resending their history and a 600-token system prompt), simulated: LFM2-1.2B's
-shape (10 short convolutions, 6 attention layers) with caching off and on, beside the same shape with attention in
-every layer (its KV alone decides what is found), on one GPU.
+shape (10 short convolutions, 6 attention layers; on an L4) or Qwen3.5-9B's (transformers' defaults: 24 gated
+DeltaNets, 8 attention layers; on an H100) with caching off and on, beside the same shape with attention in every
+layer (its KV alone decides what is found), on one GPU.
 
-    python benchmarks/state_prefix_caching.py [--gpu l4] [--scheduler vllm] [--rate 1.5]
+    python benchmarks/state_prefix_caching.py [--model lfm2-1.2b|qwen3.5-9b] [--gpu l4] [--scheduler vllm] [--rate 1.5]
 
 A prompt's states are saved at its last full block before its last token, so a turn finds the turn before's
 prompt (system prompt and history), not that turn's answer, nor the system prompt alone (another session's);
@@ -36,6 +37,23 @@ LFM2_1_2B = {
 }  # fmt: skip
 
 
+# Qwen3.5-9B's language model as transformers' Qwen3_5TextConfig defaults have it (9.0B parameters; a request's
+# states 51.5 MB: 24 DeltaNets' S of 32 heads x 128 x 128 in float32, and their convolutions' last inputs)
+QWEN3_5_9B = {
+    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
+    "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-06, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25, "rope_type": "default"},
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}  # fmt: skip
+# Each model, the same shape with every layer attending, and the GPU it runs on by default
+MODELS = {
+    "lfm2-1.2b": ("LFM2-1.2B", LFM2_1_2B, {**LFM2_1_2B, "full_attn_idxs": list(range(16))}, "l4"),
+    "qwen3.5-9b": ("Qwen3.5-9B", QWEN3_5_9B, {**QWEN3_5_9B, "layer_types": ["full_attention"] * 32}, "h100"),
+}
+
+
 def model_dir(root: Path, name: str, config: dict) -> str:
     path = root / name
     path.mkdir()
@@ -45,17 +63,20 @@ def model_dir(root: Path, name: str, config: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpu", default="l4")
+    parser.add_argument("--model", choices=sorted(MODELS), default="lfm2-1.2b")
+    parser.add_argument("--gpu", help="(default: the model's, above)")
     parser.add_argument("--scheduler", default="vllm")
     parser.add_argument("--rate", type=float, default=1.5, help="new sessions per second")
     args = parser.parse_args()
 
     console = Console(width=140)
+    label, hybrid, attention, gpu = MODELS[args.model]
+    args.gpu = args.gpu or gpu
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         models = {
-            "LFM2-1.2B": model_dir(root, "lfm2", LFM2_1_2B),
-            "same, all attention": model_dir(root, "attention", {**LFM2_1_2B, "full_attn_idxs": list(range(16))}),
+            label: model_dir(root, "hybrid", hybrid),
+            "same, all attention": model_dir(root, "attention", attention),
         }
         spec = load_workload_spec("chat-sessions")
         spec = dataclasses.replace(
