@@ -29,7 +29,9 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "glm4_moe": 42, "ernie4_5_moe": 43, "apertus": 44, "hunyuan_moe": 45, "granitemoehybrid": 46,
          "granitemoehybrid_moe": 47, "granite_4_h": 48, "nemotron_h": 49, "bamba": 50, "nemotron_h_moe": 51,
          "falcon_h1": 52, "falcon_h1_norm": 53, "lfm2": 54, "lfm2_moe": 55, "lfm3": 56, "granite_swa": 57, "mistral4": 58, "glm4_moe_lite": 59, "minimax_m2": 60,
-         "qwen3_next": 61, "qwen3_5": 62, "qwen3_5_moe": 63, "olmo_hybrid": 64}  # fmt: skip
+         "qwen3_next": 61, "qwen3_5": 62, "qwen3_5_moe": 63, "olmo_hybrid": 64, "kimi_linear": 65}  # fmt: skip
+# The models of delta-rule layers (their decays made mild: states that last past a chunk)
+DELTA_RULE_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
 # of the 12 dimensions of 16 its rotary embedding turns (partial_rotary_factor 3/4)
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
@@ -369,6 +371,16 @@ def hf_model(arch: str):
         else:
             config = transformers.Qwen3_5MoeTextConfig(**sizes, **experts)
             cls = transformers.Qwen3_5MoeForCausalLM
+    elif arch == "kimi_linear":  # Kimi Linear's outline: KDA layers around an MLA one (no rope), a dense MLP, experts
+        config = transformers.KimiLinearConfig(
+            **{**common, "num_hidden_layers": 3}, intermediate_size=96, moe_intermediate_size=16, num_local_experts=8,
+            num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=8, linear_head_dim=16, linear_num_heads=2,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"], initializer_range=0.2, pad_token_id=None, bos_token_id=1,
+            eos_token_id=2,
+        )  # fmt: skip
+        cls = transformers.KimiLinearForCausalLM
     elif arch == "olmo_hybrid":  # OLMo Hybrid's outline: gated DeltaNets around an OLMo 3 attention layer, no rope
         config = transformers.OlmoHybridConfig(
             **{**common, "num_hidden_layers": 3}, intermediate_size=96, num_key_value_heads=2, linear_num_key_heads=2,
@@ -440,7 +452,7 @@ def hf_model(arch: str):
                 p.normal_(0.0, 0.2)
             elif name.endswith("sinks"):  # (gpt-oss's: some above the scores, some below)
                 p.normal_(0.0, 2.0)
-            elif name.endswith("linear_attn.A_log"):  # (decays of 0.7-1 a token: states that last past a chunk)
+            elif name.endswith("A_log") and arch in DELTA_RULE_ARCHS:  # (decays of 0.7-1 a token: states that last)
                 p.copy_(torch.empty_like(p).uniform_(0.02, 0.3).log())
             elif p.ndim == 1:  # Gemma's and Qwen3-Next's norms scale by 1 + weight, 0 at init
                 zero_centered = arch.startswith(("gemma", "qwen3_next", "qwen3_5")) and name.endswith("norm.weight")

@@ -1,5 +1,6 @@
-"""Qwen3-Next, Qwen3.5 (gated DeltaNets beside gated attention, models/gated_delta_net.py, models/qwen3_next.py) and
-OLMo Hybrid (beside OLMo 3's attention, models/olmo2.py):
+"""Qwen3-Next, Qwen3.5 (gated DeltaNets beside gated attention, models/gated_delta_net.py, models/qwen3_next.py),
+OLMo Hybrid (beside OLMo 3's attention, models/olmo2.py) and Kimi Linear (a decay a key channel, beside MLA without
+rope, models/kimi_linear.py):
 the chunked delta rule against the token-by-token recurrence (float64, random inputs), the layer against
 transformers' (a prompt whole, in chunks that carry their states, then decodes; several requests in one step; Qwen3-
 Next's grouped projections reordered as they load), the configs as the Hub and transformers write them and the
@@ -27,13 +28,14 @@ from state_steps import assert_steps_give_the_references_outputs  # noqa: E402
 
 
 def recurrence(q, k, v, decay, beta, state):
-    """S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T, o_t = S_t^T q_t (a_t = exp(decay_t)), a token at a
-    time, each head by itself."""
+    """S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T, o_t = S_t^T q_t (a_t = exp(decay_t); a decay a key
+    channel: diag(a_t) S_{t-1}), a token at a time, each head by itself."""
     state, outputs = state.clone(), []
     for t in range(q.shape[0]):
         out = []
         for h in range(q.shape[1]):
-            s = state[h] * torch.exp(decay[t, h])
+            a = torch.exp(decay[t, h])
+            s = state[h] * (a if decay.dim() == 2 else a[:, None])
             s = s + beta[t, h] * torch.outer(k[t, h], v[t, h] - s.T @ k[t, h])
             state[h] = s
             out.append(s.T @ q[t, h])
@@ -48,12 +50,16 @@ def recurrence(q, k, v, decay, beta, state):
     chunks_at_once=st.sampled_from([None, 1, 2]),
     from_zeros=st.booleans(),
     strong_decay=st.booleans(),
+    by_channel=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_the_chunked_delta_rule_is_the_recurrence(length, chunk_size, chunks_at_once, from_zeros, strong_decay, seed):
-    """Float64, random q, k (unit length), v, decays (down to exp(-40) a token: nothing overflows) and writing
-    strengths, from zeros or a state: the chunked rule's outputs and last state are the recurrence's, whatever the
-    chunks and however many are solved at once; the decode step is one token of it."""
+def test_the_chunked_delta_rule_is_the_recurrence(
+    length, chunk_size, chunks_at_once, from_zeros, strong_decay, by_channel, seed
+):
+    """Float64, random q, k (unit length), v, decays (down to exp(-40) a token: nothing overflows; one a head, or
+    one a key channel: Kimi's KDA) and writing strengths, from zeros or a state: the chunked rule's outputs and last
+    state are the recurrence's, whatever the chunks and however many are solved at once; the decode step is one
+    token of it."""
     gen = torch.Generator().manual_seed(seed)
     heads, dk, dv = 2, 5, 3
 
@@ -62,13 +68,15 @@ def test_the_chunked_delta_rule_is_the_recurrence(length, chunk_size, chunks_at_
 
     q, v = rand(length, heads, dk), rand(length, heads, dv)
     k = torch.nn.functional.normalize(rand(length, heads, dk), dim=-1)
-    decay = -torch.rand(length, heads, generator=gen, dtype=torch.float64) * (40 if strong_decay else 1)
+    shape = (length, heads, dk) if by_channel else (length, heads)
+    decay = -torch.rand(*shape, generator=gen, dtype=torch.float64) * (40 if strong_decay else 1)
     beta = 2 * torch.rand(length, heads, generator=gen, dtype=torch.float64)  # (OLMo Hybrid's reach 2)
     initial = torch.zeros(heads, dk, dv, dtype=torch.float64) if from_zeros else rand(heads, dk, dv)
     want_y, want_state = recurrence(q, k, v, decay, beta, initial)
     patch = pytest.MonkeyPatch()
     if chunks_at_once is not None:
-        patch.setattr(gated_delta_net, "SCAN_NUMBERS", chunks_at_once * heads * chunk_size * chunk_size)
+        channels = dk if by_channel else 1
+        patch.setattr(gated_delta_net, "SCAN_NUMBERS", chunks_at_once * heads * chunk_size * chunk_size * channels)
     try:
         y, state = chunked_delta_rule(q, k, v, decay, beta, None if from_zeros else initial, chunk_size)
     finally:
@@ -140,7 +148,8 @@ QWEN3_NEXT_80B = {
 def _transformers_count(config) -> int:
     """transformers' parameter count of a model of ``config`` (built without memory: the meta device)."""
     classes = {"qwen3_next": transformers.Qwen3NextForCausalLM, "qwen3_5_text": transformers.Qwen3_5ForCausalLM,
-               "qwen3_5_moe_text": transformers.Qwen3_5MoeForCausalLM, "olmo_hybrid": transformers.OlmoHybridForCausalLM}  # fmt: skip
+               "qwen3_5_moe_text": transformers.Qwen3_5MoeForCausalLM, "olmo_hybrid": transformers.OlmoHybridForCausalLM,
+               "kimi_linear": transformers.KimiLinearForCausalLM}  # fmt: skip
     with torch.device("meta"):
         return sum(p.numel() for p in classes[config.model_type](config).parameters())
 
@@ -198,6 +207,34 @@ def test_olmo_hybrids_config_reads_as_transformers_reads_it(tmp_path):
     save_as_the_hub(model, tmp_path)
     tokens, _ = greedy_tokens(str(tmp_path), "sarathi", prefill_token_budget=8, block_size=4)
     assert tokens == [greedy_by_full_forwards(model, p, n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+
+
+def test_kimi_linears_config_reads_as_transformers_reads_it():
+    """Kimi Linear at transformers' defaults (48B-A3B's shape): transformers' parameter count (and the routers' biases,
+    buffers to it); its attention layers without rope; its KDA layers' states (45.6 MB a request). The Hub's config
+    (its names of the routing's settings, the KDA's sizes and 1-indexed layers in ``linear_attn_config``) reads as
+    transformers' saved one; bad layer types are refused by name."""
+    hf_config = transformers.KimiLinearConfig()
+    config = from_hf_config(hf_config.to_dict())
+    assert config.num_params == _transformers_count(hf_config) + 26 * 256  # (26 MoE layers' router biases)
+    assert config.rotary_layers == (False,) * 27 and config.num_kv_layers == 6 and config.mla["q_lora_rank"] is None
+    assert config.gated_delta_net["channel_decay"] and config.request_state_bytes(2) == 21 * (
+        3 * 4096 * 3 * 2 + 32 * 128 * 128 * 4
+    )
+    saved = hf_cached("kimi_linear").config.to_dict()
+    hub = {key: value for key, value in saved.items() if key not in ("layer_types", "linear_head_dim",
+                                                                     "linear_num_heads", "linear_conv_kernel_dim")}  # fmt: skip
+    hub["linear_attn_config"] = {"head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 4,
+                                 "full_attn_layers": [2], "kda_layers": [1, 3]}  # fmt: skip
+    assert from_hf_config(hub) == from_hf_config(saved)
+    moe = from_hf_config(saved).moe  # (a shared expert of moe_intermediate_size beside 8, the first MLP dense)
+    assert (moe["shared_expert_intermediate_size"], moe["num_experts"], moe["moe_layers"]) == (
+        16,
+        8,
+        (False, True, True),
+    )
+    with pytest.raises(ConfigError, match="layer_types must be 3 entries of full_attention, linear_attention, got"):
+        from_hf_config({**saved, "layer_types": ["linear_attention", None, "linear_attention"]})
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid"])

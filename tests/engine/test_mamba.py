@@ -224,7 +224,7 @@ def test_the_simulator_keeps_a_hybrids_states_as_the_engine_does(hf_dirs, monkey
     "arch",
     [
         *("granite_4_h", "nemotron_h", "bamba", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm"),
-        *("lfm2", "lfm2_moe", "lfm3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid"),
+        *("lfm2", "lfm2_moe", "lfm3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear"),
     ],
 )
 @pytest.mark.parametrize(
@@ -243,7 +243,7 @@ def test_a_hybrid_model_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options
     two-matrix experts), Bamba (Llama's layers, half of each head rotated) and Falcon-H1 (a mixer beside each
     attention, every muP multiplier away from 1 and folded into the weights; its mixers' output gated, or
     normalized then gated); LFM2 (short convolutions instead of Mamba-2's, test_short_conv.py); Qwen3-Next, Qwen3.5
-    and OLMo Hybrid (gated DeltaNets beside attention, test_gated_delta_net.py)."""
+    and OLMo Hybrid (gated DeltaNets beside attention), Kimi Linear (KDA beside MLA: test_gated_delta_net.py)."""
     tokens, llm = greedy_tokens(hf_dirs[arch], scheduler, **options)
     assert tokens == reference(arch)
     assert llm.engine.scheduler.kv.max_requests == llm.engine.executor.states.cache.num_slots

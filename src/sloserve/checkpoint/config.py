@@ -64,6 +64,9 @@ ARCHITECTURES: dict[str, str] = {
     # (OLMo Hybrid 7B: OLMo 3's attention layers, one of four, without rope as released; gated DeltaNets in the others,
     # in Llama's order)
     "olmo_hybrid": "olmo_hybrid",
+    # (Kimi Linear 48B-A3B: DeepSeek-V3's outline, its attention (MLA) without rope in one layer of four, Kimi Delta
+    # Attention in the others: a gated DeltaNet with a decay a key channel)
+    "kimi_linear": "kimi_linear",
     # (Hunyuan 0.5B-7B: Llama's layers, each query and key head normalized after the rotary embedding)
     "hunyuan_v1_dense": "hunyuan",
     # (Hunyuan-A13B: those layers, each MLP a softmax-routed mixture of experts beside an ungated shared one)
@@ -179,13 +182,20 @@ MOE_DEFAULTS = {
     "mistral4": {"num_experts": 128, "num_experts_per_tok": 4, "moe_intermediate_size": 2048},
     "glm4_moe_lite": {"num_experts": 64, "num_experts_per_tok": 4, "moe_intermediate_size": 1536},
     "minimax_m2": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": None},  # (intermediate_size)
+    "kimi_linear": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 1024},
     "qwen3_next": {"num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512},
     "qwen3_5_moe_text": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512},
 }
 # The mixtures of experts beside a shared expert gated by a sigmoid of the token (Qwen2-MoE's), and transformers'
 # default size of that expert
 GATED_SHARED_EXPERTS = {"qwen2_moe": 5632, "qwen3_next": 512, "qwen3_5_moe_text": 512}
-DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "mistral4", "glm4_moe_lite")  # (multi-head latent attention)
+DEEPSEEK_TYPES = (
+    "deepseek_v2",
+    "deepseek_v3",
+    "mistral4",
+    "glm4_moe_lite",
+    "kimi_linear",
+)  # (multi-head latent attention)
 # transformers' GraniteMoeHybridConfig defaults of its Mamba-2 mixers (``mamba_*`` in a config), and FalconH1Config's
 MAMBA2_DEFAULTS = {
     "n_heads": 128, "n_groups": 1, "d_state": 256, "d_head": "auto", "d_conv": 4, "expand": 2, "chunk_size": 256,
@@ -210,6 +220,8 @@ DEEPSEEK_ROUTING_DEFAULTS = {
                  "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 2, "norm_topk_eps": 1e-6},
     "mistral4": {"n_shared_experts": 1, "routed_scaling_factor": 1.0, "topk_method": "softmax_top2_groups",
                  "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 0},
+    "kimi_linear": {"n_shared_experts": 1, "routed_scaling_factor": 2.446, "topk_method": "noaux_tc", "n_group": 1,
+                    "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 1},
     "glm4_moe_lite": {"n_shared_experts": 1, "routed_scaling_factor": 1.8, "topk_method": "noaux_tc", "n_group": 1,
                       "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 1},
     # (MiniMax-M2's: V3's sigmoid scores with a bias, one group, no shared expert, the top weights' sum alone)
@@ -239,6 +251,7 @@ ROUTING_METHODS = {
     "mistral4": ("softmax_top2_groups",),
     "glm4_moe_lite": ("noaux_tc",),
     "minimax_m2": ("noaux_tc",),
+    "kimi_linear": ("noaux_tc",),
 }
 # The routings whose choice adds the router's bias (``e_score_correction_bias``) to the scores: DeepSeek-V3's
 # (sigmoid scores) and ERNIE 4.5's (softmax scores)
@@ -281,6 +294,18 @@ CONFIG_DEFAULTS = {
         "qk_nope_head_dim": 64,
         "qk_rope_head_dim": 64,
         "v_head_dim": 128,
+    },
+    # (Kimi Linear's latent sizes, norms' epsilon and KDA heads, transformers' KimiLinearConfig defaults)
+    "kimi_linear": {
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "rms_norm_eps": 1e-5,
+        "linear_head_dim": 128,
+        "linear_num_heads": 32,
+        "linear_conv_kernel_dim": 4,
     },
     # (LFM3's rope by layer type: the sliding layers' plain, the full ones' on half of each head's pairs)
     "lfm3": {
@@ -437,8 +462,8 @@ class ModelConfig:
     short_conv: dict[str, Any] | None = None
     # Qwen3-Next's gated DeltaNet in place of attention in the layers whose layer_types entry is LINEAR_ATTENTION:
     # num_k_heads, num_v_heads (a multiple of them), head_k_dim, head_v_dim, width (its convolution's taps, the
-    # config's linear_conv_kernel_dim), beta_scale (OLMo Hybrid's 2: beta in (0, 2)) and norm_eps (its gated norm's
-    # epsilon); None: none
+    # config's linear_conv_kernel_dim), beta_scale (OLMo Hybrid's 2: beta in (0, 2)), norm_eps (its gated norm's
+    # epsilon) and, for Kimi's KDA layers, channel_decay (a decay a key channel, its low-rank gates); None: none
     gated_delta_net: dict[str, Any] | None = None
     # OPT only
     word_embed_proj_dim: int | None = None
@@ -637,9 +662,16 @@ class ModelConfig:
     @property
     def gated_delta_net_params(self) -> int:
         """A gated DeltaNet's parameters: its input projection (q, k, v, the gate z, b and a), its convolution (no
-        bias), dt_bias and A_log a value head, its gated norm (a head's width, shared), out_proj."""
+        bias), dt_bias and A_log a value head, its gated norm (a head's width, shared), out_proj. Kimi's KDA: q, k,
+        v, the convolution, the decay's low-rank projections (f_a, f_b) with dt_bias a channel and A_log a head,
+        b_proj, the gate's low-rank projections (g_a, g_b), the norm, o_proj."""
         net, h = self.gated_delta_net, self.hidden_size
         value_dim = net["num_v_heads"] * net["head_v_dim"]
+        if net.get("channel_decay"):
+            heads, width = net["num_v_heads"], net["head_k_dim"]
+            low_rank = 2 * (h * width + width * value_dim)  # (f_a, f_b; g_a, g_b)
+            conv = self.state_conv_dim * (h + net["width"])
+            return conv + low_rank + value_dim + heads + h * heads + width + value_dim * h
         in_proj = h * (self.state_conv_dim + value_dim + 2 * net["num_v_heads"])
         return in_proj + self.state_conv_dim * net["width"] + 2 * net["num_v_heads"] + net["head_v_dim"] + value_dim * h
 
@@ -752,7 +784,9 @@ class ModelConfig:
         experts += 0 if moe is None or moe["topk_method"] != "noaux_tc" else moe["num_experts"]  # (V3's router bias)
         experts += 0 if moe is None else 3 * h * moe["shared_expert_intermediate_size"]
         mlps = sum(experts if self.layer_is_moe(i) else dense for i in range(self.num_hidden_layers))
-        total = v * h + self.num_hidden_layers * (attention + 2 * h) + mlps + h
+        mixers = self.num_kv_layers * attention  # (Kimi Linear's KDA layers: no MLA)
+        mixers += 0 if self.gated_delta_net is None else self.num_state_layers * self.gated_delta_net_params
+        total = v * h + self.num_hidden_layers * 2 * h + mixers + mlps + h
         return total + (0 if self.tie_word_embeddings else v * h)
 
     def spec(self) -> ModelSpec:
@@ -818,6 +852,8 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         raw = {GPT2_NAMES.get(key, key): value for key, value in raw.items()}
     elif model_type == "nemotron_h":  # (its blocks' count is its pattern's length)
         raw = {**raw, "num_hidden_layers": len(_nemotron_h_kinds(raw, name))}
+    elif model_type == "kimi_linear":
+        raw = _kimi_linear_names(raw)
     elif model_type in LFM_TYPES:  # (the Hub's names, as transformers reads them: over the generic ones)
         raw = {
             **raw,
@@ -1091,6 +1127,9 @@ def _deepseek_config(raw: dict[str, Any], common: dict[str, Any], name: str, nee
     rope = dict(raw.get("rope_parameters") or {})
     qk = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
     scaling = _config_rope_scaling(raw, rope, name)
+    kimi = raw["model_type"] == "kimi_linear"  # (its attention layers without rope, its KDA layers' states)
+    layers = common["num_hidden_layers"]
+    layer_types, kda = _kimi_linear_layers(raw, layers, name) if kimi else ((), None)
     return ModelConfig(
         **common,
         intermediate_size=need("intermediate_size"),
@@ -1104,8 +1143,59 @@ def _deepseek_config(raw: dict[str, Any], common: dict[str, Any], name: str, nee
         attention_bias=bool(raw.get("attention_bias", False)),
         moe=_moe(raw, common["num_hidden_layers"], name),
         # (V2's checkpoints rotate adjacent pairs of q_R and k_R; V3's where rope_interleave says, its default)
-        mla={**mla, "rope_interleave": raw["model_type"] == "deepseek_v2" or bool(raw.get("rope_interleave", True))},
+        mla={
+            **mla,
+            "rope_interleave": raw["model_type"] == "deepseek_v2" or bool(raw.get("rope_interleave", not kimi)),
+        },
+        layer_types=layer_types,
+        rotary_layers=(False,) * layers if kimi else (),
+        gated_delta_net=kda,
     )
+
+
+# Kimi Linear's config names on the Hub (transformers' attribute_map) for the generic ones, and its linear_attn_config's
+KIMI_LINEAR_NAMES = {
+    "model_max_length": "max_position_embeddings", "moe_renormalize": "norm_topk_prob",
+    "num_expert_group": "n_group", "num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
+    "num_experts_per_token": "num_experts_per_tok", "num_shared_experts": "n_shared_experts",
+}  # fmt: skip
+KIMI_LINEAR_ATTENTION_NAMES = {
+    "head_dim": "linear_head_dim", "num_heads": "linear_num_heads", "short_conv_kernel_size": "linear_conv_kernel_dim",
+}  # fmt: skip
+
+
+def _kimi_linear_names(raw: dict[str, Any]) -> dict[str, Any]:
+    """Kimi Linear's config under the generic names, as transformers reads it: the Hub's names of its sizes and
+    routing (``KIMI_LINEAR_NAMES``), its ``linear_attn_config``'s KDA sizes and layers (1-indexed there)."""
+    renamed = {KIMI_LINEAR_NAMES.get(key, key): value for key, value in raw.items()}
+    linear = raw.get("linear_attn_config") or {}
+    renamed.update({ours: linear[theirs] for theirs, ours in KIMI_LINEAR_ATTENTION_NAMES.items() if theirs in linear})
+    if renamed.get("layer_types") is None and "full_attn_layers" in linear and "kda_layers" in linear:
+        kinds: list[Any] = [None] * renamed.get("num_hidden_layers", 0)
+        for key, kind in (("full_attn_layers", "full_attention"), ("kda_layers", LINEAR_ATTENTION)):
+            for layer in linear[key]:
+                if isinstance(layer, int) and 1 <= layer <= len(kinds):
+                    kinds[layer - 1] = kind
+        renamed["layer_types"] = kinds
+    return renamed
+
+
+def _kimi_linear_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """Kimi Linear's (each layer's type: transformers' default, every fourth but the first attending, where the
+    config has none; its KDA layers' settings: as many key as value heads, of one width)."""
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        kinds = ["full_attention" if i and i % 4 == 0 else LINEAR_ATTENTION for i in range(layers)]
+    known = {LINEAR_ATTENTION, "full_attention"}
+    if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= known:
+        raise ConfigError(f"{name}: layer_types must be {layers} entries of {', '.join(sorted(known))}, got {kinds!r}")
+    sizes = {key: raw.get(key) for key in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim")}
+    _check_positive_ints(sizes, tuple(sizes), name)
+    heads, width = sizes["linear_num_heads"], sizes["linear_head_dim"]
+    kda = {"num_k_heads": heads, "num_v_heads": heads, "head_k_dim": width, "head_v_dim": width,
+           "width": sizes["linear_conv_kernel_dim"], "beta_scale": 1.0, "norm_eps": float(raw.get("rms_norm_eps")),
+           "channel_decay": True}  # fmt: skip
+    return tuple(kinds), kda
 
 
 def _gpt2_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> ModelConfig:
@@ -1573,7 +1663,7 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         end = _layer_index(raw, "moe_layer_end_index", -1, name)
         step, end = raw.get("moe_layer_interval", 1), layers - 1 if end == -1 else end
         dense = {i for i in range(layers) if not start <= i <= end}
-    elif kind == "glm4_moe_lite" and raw.get("mlp_layer_types"):  # (each layer's MLP "dense" or "sparse")
+    elif kind in ("glm4_moe_lite", "kimi_linear") and raw.get("mlp_layer_types"):  # (a layer's "dense" or "sparse")
         dense = _dense_layers(raw["mlp_layer_types"], layers, name)
     elif kind in DEEPSEEK_ROUTED:  # (its first first_k_dense_replace layers' MLPs dense)
         dense = set(range(_layer_index(raw, "first_k_dense_replace", 0, name)))

@@ -17,6 +17,7 @@ from sloserve.engine.models import (
     gpt2,
     gpt_neox,
     hunyuan,
+    kimi_linear,
     lfm2,
     nemotron_h,
     olmo2,
@@ -72,6 +73,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "minimax_m2": LlamaForCausalLM,
     "qwen3_next": qwen3_next.Qwen3NextForCausalLM,
     "olmo_hybrid": olmo2.OlmoHybridForCausalLM,
+    "kimi_linear": kimi_linear.KimiLinearForCausalLM,
 }
 
 
@@ -115,6 +117,7 @@ CHECKPOINT_TENSORS = {
     "nemotron_h": nemotron_h.checkpoint_tensor,
     "falcon_h1": falcon_h1.checkpoint_tensor,
     "qwen3_next": qwen3_next.checkpoint_tensor,
+    "kimi_linear": kimi_linear.checkpoint_tensor,
 }
 # An architecture's checkpoint names of modules the engine names otherwise (Llama's): each part of a name replaced
 CHECKPOINT_NAMES = {

@@ -105,6 +105,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = nn.Linear(nh * self.v_dim, h, bias=bias)
         self.scale = qk**-0.5 * yarn_softmax_scale(config) ** 2
         self.prefills_by_head = PrefillsByHead.of(nh, self.latent_dim, self.nope_dim, self.rope_dim, self.v_dim)
+        self.rotates = config.layer_rotates(layer)  # (Kimi Linear's: q_R and k_R as they are, no position embedding)
         self.backend = backend
 
     def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,8 +126,11 @@ class MultiHeadLatentAttention(nn.Module):
         if scaled:  # the queries' tables are the keys' times s (``Rotary``): they turn q_R scaled by s; q_C is
             # scaled by s too, the length of a (cos, sin) pair of those tables
             q_nope = q_nope * torch.sqrt(q_cos[..., :1] ** 2 + q_sin[..., :1] ** 2)
-        q = torch.cat((q_nope, apply_rotary(q_rope, q_cos, q_sin)), dim=-1)  # (T, nh, d_h + d_h^R)
-        kv = torch.cat((self.kv_a_layernorm(latent)[:, None], apply_rotary(k_rope[:, None], cos, sin)), dim=-1)
+        k_rope = k_rope[:, None]  # (T, 1, d_h^R)
+        if self.rotates:
+            q_rope, k_rope = apply_rotary(q_rope, q_cos, q_sin), apply_rotary(k_rope, cos, sin)
+        q = torch.cat((q_nope, q_rope), dim=-1)  # (T, nh, d_h + d_h^R)
+        kv = torch.cat((self.kv_a_layernorm(latent)[:, None], k_rope), dim=-1)
         return q, kv, None  # (T, 1, d_c + d_h^R) the cache's entry
 
     def attend(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:

@@ -79,21 +79,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._heads(mixed)
         decay = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())  # (T, nv): g_t
         beta = (torch.sigmoid(b) * self.beta_scale).float()  # (T, nv) NOTE: in the model's dtype, as transformers
-        states = meta.cache.ssm[self.state_index]  # (slots, nv, head_k_dim, head_v_dim)
-        y = v.new_zeros(t, nv, self.head_v_dim)  # NOTE: zeros: padding rows, of no request, stay finite
-        for start, length, slot, goes_on in meta.prefills:
-            state = states[slot] if goes_on else None
-            save = meta.saves.get(start)  # (prefix caching: the state after its first k tokens saved too, a run each)
-            bounds = (start, start + length) if save is None else (start, start + save[0], start + length)
-            for first, end in zip(bounds, bounds[1:]):
-                rows = slice(first, end)
-                y[rows], state = chunked_delta_rule(q[rows], k[rows], v[rows], decay[rows], beta[rows], state)
-                if save is not None and end == start + save[0]:
-                    states[save[1]] = state
-            states[slot] = state
-        if meta.decode_slots.numel():
-            rows, slots = meta.decode_rows, meta.decode_slots
-            y[rows], states[slots] = delta_rule_step(q[rows], k[rows], v[rows], decay[rows], beta[rows], states[slots])
+        y = delta_rule(q, k, v, decay, beta, meta, meta.cache.ssm[self.state_index])
         gated = self.norm(y.to(x.dtype), z.view(t, nv, self.head_v_dim))  # (T, nv, head_v_dim)
         return self.out_proj(gated.reshape(t, self.value_dim))
 
@@ -103,11 +89,45 @@ class GatedDeltaNet(nn.Module):
         q, k, v = mixed.float().split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         repeats = self.num_v_heads // self.num_k_heads
 
-        def normalized(x: torch.Tensor) -> torch.Tensor:  # (T, key_dim) -> (T, nv, head_k_dim)
-            x = x.view(x.shape[0], self.num_k_heads, self.head_k_dim).repeat_interleave(repeats, dim=1)
-            return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2_NORM_EPS)
+        def heads(x: torch.Tensor) -> torch.Tensor:  # (T, key_dim) -> (T, nv, head_k_dim)
+            return x.view(x.shape[0], self.num_k_heads, self.head_k_dim).repeat_interleave(repeats, dim=1)
 
-        return normalized(q) * self.head_k_dim**-0.5, normalized(k), v.view(v.shape[0], self.num_v_heads, -1)
+        q, k = l2_normalized(heads(q)), l2_normalized(heads(k))
+        return q * self.head_k_dim**-0.5, k, v.view(v.shape[0], self.num_v_heads, -1)
+
+
+def l2_normalized(x: torch.Tensor) -> torch.Tensor:  # (..., d)
+    """x / sqrt(|x|^2 + eps) over its last dimension (the reference kernels' form, their epsilon)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2_NORM_EPS)
+
+
+def delta_rule(
+    q: torch.Tensor,  # (T, heads, dk) float32, the step's flat tokens'
+    k: torch.Tensor,  # (T, heads, dk)
+    v: torch.Tensor,  # (T, heads, dv)
+    decay: torch.Tensor,  # (T, heads) or (T, heads, dk)
+    beta: torch.Tensor,  # (T, heads)
+    meta: StateMetadata,
+    states: torch.Tensor,  # (slots, heads, dk, dv) this layer's S of each slot, updated
+) -> torch.Tensor:  # (T, heads, dv) float32; zeros on rows of no request (padding)
+    """The rule over a step's requests: each prefill in chunks (``chunked_delta_rule``) from zeros or from the state
+    its slot holds (a chunk after others), in two runs where prefix caching saves the state after its first k
+    tokens (``meta.saves``); the decodes one step each, batched. Each slot's state becomes its request's last."""
+    y = v.new_zeros(v.shape)  # NOTE: zeros: padding rows, of no request, stay finite
+    for start, length, slot, goes_on in meta.prefills:
+        state = states[slot] if goes_on else None
+        save = meta.saves.get(start)
+        bounds = (start, start + length) if save is None else (start, start + save[0], start + length)
+        for first, end in zip(bounds, bounds[1:]):
+            rows = slice(first, end)
+            y[rows], state = chunked_delta_rule(q[rows], k[rows], v[rows], decay[rows], beta[rows], state)
+            if save is not None and end == start + save[0]:
+                states[save[1]] = state
+        states[slot] = state
+    if meta.decode_slots.numel():
+        rows, slots = meta.decode_rows, meta.decode_slots
+        y[rows], states[slots] = delta_rule_step(q[rows], k[rows], v[rows], decay[rows], beta[rows], states[slots])
+    return y
 
 
 class MergedConv1d(MergedParts, nn.Conv1d):
@@ -124,12 +144,14 @@ def delta_rule_step(
     q: torch.Tensor,  # (b, heads, dk)
     k: torch.Tensor,  # (b, heads, dk)
     v: torch.Tensor,  # (b, heads, dv)
-    decay: torch.Tensor,  # (b, heads) g_t, log space
+    decay: torch.Tensor,  # (b, heads) g_t, log space; or (b, heads, dk): a decay a key channel (Kimi's KDA)
     beta: torch.Tensor,  # (b, heads)
     states: torch.Tensor,  # (b, heads, dk, dv) S_{t-1}
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (b, heads, dv) o_t, (b, heads, dk, dv) S_t
-    """One token of each of ``b`` requests: the rule's recurrence as the module docstring writes it."""
-    decayed = states * torch.exp(decay)[..., None, None]  # alpha_t S_{t-1}
+    """One token of each of ``b`` requests: the rule's recurrence as the module docstring writes it (with a decay a
+    key channel, diag(alpha_t) S_{t-1} for alpha_t S_{t-1})."""
+    channels = decay if decay.dim() == 3 else decay[..., None]  # (b, heads, dk | 1)
+    decayed = states * torch.exp(channels)[..., None]  # alpha_t S_{t-1}
     recalled = torch.einsum("bhkv,bhk->bhv", decayed, k)  # what the state holds for k_t
     states = decayed + k[..., None] * (beta[..., None] * (v - recalled))[..., None, :]
     return torch.einsum("bhkv,bhk->bhv", states, q), states
@@ -139,7 +161,7 @@ def chunked_delta_rule(
     q: torch.Tensor,  # (T, heads, dk)
     k: torch.Tensor,  # (T, heads, dk)
     v: torch.Tensor,  # (T, heads, dv)
-    decay: torch.Tensor,  # (T, heads) g_t, log space (<= 0)
+    decay: torch.Tensor,  # (T, heads) g_t, log space (<= 0); or (T, heads, dk): a decay a key channel (KDA)
     beta: torch.Tensor,  # (T, heads)
     initial: torch.Tensor | None = None,  # (heads, dk, dv) the state before the first token (None: zeros)
     chunk_size: int = CHUNK_SIZE,
@@ -151,6 +173,8 @@ def chunked_delta_rule(
     gamma_j) k_i . k_j for j < i (a triangular solve); then o_i = exp(gamma_i) S_0^T q_i + sum_{j <= i}
     exp(gamma_i - gamma_j) (q_i . k_j) delta_j, and the state after the chunk exp(gamma_C) S_0 + sum_j
     exp(gamma_C - gamma_j) k_j delta_j^T. Equal to ``delta_rule_step`` token by token up to the order of the sums.
+    With a decay a key channel (Kimi Delta Attention, Kimi Linear §2), gamma is a vector a token and each product
+    k_i . k_j (q_i . k_j) weighs channel d by exp(gamma_i,d - gamma_j,d): a (C, C, dk) tensor a chunk and head.
     NOTE: every exponent is of a later running sum minus an earlier one, so <= 0: nothing overflows."""
     t, heads, dk = k.shape
     pad = -t % chunk_size
@@ -162,29 +186,41 @@ def chunked_delta_rule(
 
     qs, ks, vs = chunked(q), chunked(k), chunked(v)  # (heads, chunks, C, d)
     betas = chunked(beta[..., None])  # (heads, chunks, C, 1): 0 past the end, so padding writes nothing
-    gamma = chunked(decay[..., None])[..., 0].cumsum(-1)  # (heads, chunks, C)
+    channels = decay.shape[-1] if decay.dim() == 3 else 1
+    gamma = chunked(decay.view(t, heads, channels)).cumsum(2)  # (heads, chunks, C, dk | 1)
     ones = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=k.device)
     causal, earlier = ones.tril(), ones.tril(-1)  # j <= i, j < i
     eye = torch.eye(chunk_size, dtype=k.dtype, device=k.device)
     state = k.new_zeros(heads, dk, v.shape[-1]) if initial is None else initial.to(k.dtype)
     outputs = []
     # NOTE: a few chunks' (C, C) matrices at a time, within SCAN_NUMBERS (a long prompt's all at once would not fit)
-    step = max(1, SCAN_NUMBERS // (heads * chunk_size * chunk_size))
+    step = max(1, SCAN_NUMBERS // (heads * chunk_size * chunk_size * channels))
     for first in range(0, chunks, step):
         part = slice(first, first + step)
         g, kc, qc = gamma[:, part], ks[:, part], qs[:, part]
-        gaps = g[..., :, None] - g[..., None, :]  # (heads, n, C, C): gamma_i - gamma_j
-        within = torch.exp(gaps.masked_fill(~causal, float("-inf")))  # exp(gamma_i - gamma_j) for j <= i, else 0
-        a = betas[:, part] * (kc @ kc.transpose(-1, -2)) * within * earlier  # A, strictly lower
+        gaps = g[..., :, None, :] - g[..., None, :, :]  # (heads, n, C, C, dk | 1): gamma_i - gamma_j
+        within = torch.exp(gaps.masked_fill(~causal[..., None], float("-inf")))  # for j <= i, else 0
+        a = betas[:, part] * decayed_products(kc, kc, within) * earlier  # A, strictly lower
         solve = torch.linalg.solve_triangular
         u = solve(eye + a, betas[:, part] * vs[:, part], upper=False, unitriangular=True)  # (heads, n, C, dv)
-        w = solve(eye + a, betas[:, part] * torch.exp(g)[..., None] * kc, upper=False, unitriangular=True)
-        scores = (qc @ kc.transpose(-1, -2)) * within  # (heads, n, C, C)
-        reads = qc * torch.exp(g)[..., None]  # (heads, n, C, dk): q_i decayed from the chunk's start
-        to_end = kc * torch.exp(g[..., -1:] - g)[..., None]  # (heads, n, C, dk): k_j decayed to the chunk's end
+        w = solve(eye + a, betas[:, part] * torch.exp(g) * kc, upper=False, unitriangular=True)
+        scores = decayed_products(qc, kc, within)  # (heads, n, C, C)
+        reads = qc * torch.exp(g)  # (heads, n, C, dk): q_i decayed from the chunk's start
+        to_end = kc * torch.exp(g[..., -1:, :] - g)  # (heads, n, C, dk): k_j decayed to the chunk's end
         for c in range(g.shape[1]):
             delta = u[:, c] - w[:, c] @ state  # (heads, C, dv)
             outputs.append(reads[:, c] @ state + scores[:, c] @ delta)
-            state = state * torch.exp(g[:, c, -1])[:, None, None] + to_end[:, c].transpose(-1, -2) @ delta
+            state = state * torch.exp(g[:, c, -1])[..., None] + to_end[:, c].transpose(-1, -2) @ delta
     y = torch.stack(outputs, dim=1)  # (heads, chunks, C, dv)
     return y.flatten(1, 2).transpose(0, 1)[:t], state
+
+
+def decayed_products(
+    x: torch.Tensor,  # (heads, n, C, dk)
+    y: torch.Tensor,  # (heads, n, C, dk)
+    within: torch.Tensor,  # (heads, n, C, C, dk | 1) exp(gamma_i - gamma_j), 0 for j > i
+) -> torch.Tensor:  # (heads, n, C, C): sum_d x_i,d y_j,d exp(gamma_i,d - gamma_j,d)
+    """Each pair's product within a chunk, decayed from j to i (one decay a token: the product times it)."""
+    if within.shape[-1] == 1:
+        return (x @ y.transpose(-1, -2)) * within[..., 0]
+    return torch.einsum("hnid,hnjd,hnijd->hnij", x, y, within)

@@ -19,6 +19,8 @@ are float32 (the convolution's in the model's dtype, as its inputs).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,15 +35,18 @@ SCAN_NUMBERS = 1 << 27
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm of y * SiLU(z) over groups of ``group_size`` numbers, in float32 (Mamba-2's ``norm``); with
-    ``norm_before_gate``, the norm of y times SiLU(z) (Falcon-H1's option)."""
+    ``norm_before_gate``, the norm of y times SiLU(z) (Falcon-H1's option, gated DeltaNets'); ``gate``: the function
+    of z (Kimi's KDA: a sigmoid)."""
 
-    def __init__(self, size: int, group_size: int, eps: float, norm_before_gate: bool = False) -> None:
+    def __init__(
+        self, size: int, group_size: int, eps: float, norm_before_gate: bool = False, gate: Callable = F.silu
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
-        self.group_size, self.eps, self.norm_before_gate = group_size, eps, norm_before_gate
+        self.group_size, self.eps, self.norm_before_gate, self.gate = group_size, eps, norm_before_gate, gate
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # (T, d_inner) each
-        gate = F.silu(z.float())
+        gate = self.gate(z.float())
         x = y.float() if self.norm_before_gate else y.float() * gate
         groups = x.view(*x.shape[:-1], -1, self.group_size)
         normed = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).view_as(x)
