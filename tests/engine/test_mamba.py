@@ -280,7 +280,9 @@ def test_decode_steps_on_the_graphs_buffers_give_hf_greedy_tokens(hf_dirs, arch)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: a GPU's (the runbook's tests stage)")
-@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h", "falcon_h1", "lfm2", "lfm3", "qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize(
+    "arch", ["granite_4_h", "nemotron_h", "falcon_h1", "lfm2", "lfm3", "qwen3_next", "qwen3_5", "kimi_linear"]
+)
 def test_on_cuda_a_hybrid_models_captured_decode_steps_give_hf_greedy_tokens(hf_dirs, arch):
     """The Triton backend, chunked prefills, and decode steps replayed from captured graphs, in float32."""
     options = dict(prefill_token_budget=8, block_size=4, cuda_graphs=True, dtype="float32")
