@@ -235,6 +235,8 @@ def test_kimi_linears_config_reads_as_transformers_reads_it():
     )
     with pytest.raises(ConfigError, match="layer_types must be 3 entries of full_attention, linear_attention, got"):
         from_hf_config({**saved, "layer_types": ["linear_attention", None, "linear_attention"]})
+    with pytest.raises(ConfigError, match="linear_attn_config kda_layers holds 4, not a layer in 1..3"):
+        from_hf_config({**hub, "linear_attn_config": {**hub["linear_attn_config"], "kda_layers": [1, 4]}})
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid"])

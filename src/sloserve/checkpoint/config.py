@@ -189,13 +189,8 @@ MOE_DEFAULTS = {
 # The mixtures of experts beside a shared expert gated by a sigmoid of the token (Qwen2-MoE's), and transformers'
 # default size of that expert
 GATED_SHARED_EXPERTS = {"qwen2_moe": 5632, "qwen3_next": 512, "qwen3_5_moe_text": 512}
-DEEPSEEK_TYPES = (
-    "deepseek_v2",
-    "deepseek_v3",
-    "mistral4",
-    "glm4_moe_lite",
-    "kimi_linear",
-)  # (multi-head latent attention)
+# The models of multi-head latent attention
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "mistral4", "glm4_moe_lite", "kimi_linear")
 # transformers' GraniteMoeHybridConfig defaults of its Mamba-2 mixers (``mamba_*`` in a config), and FalconH1Config's
 MAMBA2_DEFAULTS = {
     "n_heads": 128, "n_groups": 1, "d_state": 256, "d_head": "auto", "d_conv": 4, "expand": 2, "chunk_size": 256,
@@ -853,7 +848,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
     elif model_type == "nemotron_h":  # (its blocks' count is its pattern's length)
         raw = {**raw, "num_hidden_layers": len(_nemotron_h_kinds(raw, name))}
     elif model_type == "kimi_linear":
-        raw = _kimi_linear_names(raw)
+        raw = _kimi_linear_names(raw, name)
     elif model_type in LFM_TYPES:  # (the Hub's names, as transformers reads them: over the generic ones)
         raw = {
             **raw,
@@ -1164,18 +1159,23 @@ KIMI_LINEAR_ATTENTION_NAMES = {
 }  # fmt: skip
 
 
-def _kimi_linear_names(raw: dict[str, Any]) -> dict[str, Any]:
+def _kimi_linear_names(raw: dict[str, Any], name: str) -> dict[str, Any]:
     """Kimi Linear's config under the generic names, as transformers reads it: the Hub's names of its sizes and
     routing (``KIMI_LINEAR_NAMES``), its ``linear_attn_config``'s KDA sizes and layers (1-indexed there)."""
     renamed = {KIMI_LINEAR_NAMES.get(key, key): value for key, value in raw.items()}
     linear = raw.get("linear_attn_config") or {}
+    if not isinstance(linear, dict):
+        raise ConfigError(f"{name}: linear_attn_config must be an object, got {linear!r}")
     renamed.update({ours: linear[theirs] for theirs, ours in KIMI_LINEAR_ATTENTION_NAMES.items() if theirs in linear})
+    layers = renamed.get("num_hidden_layers")
     if renamed.get("layer_types") is None and "full_attn_layers" in linear and "kda_layers" in linear:
-        kinds: list[Any] = [None] * renamed.get("num_hidden_layers", 0)
+        _check_positive_ints({"num_hidden_layers": layers}, ("num_hidden_layers",), name)
+        kinds: list[Any] = [None] * layers
         for key, kind in (("full_attn_layers", "full_attention"), ("kda_layers", LINEAR_ATTENTION)):
-            for layer in linear[key]:
-                if isinstance(layer, int) and 1 <= layer <= len(kinds):
-                    kinds[layer - 1] = kind
+            for layer in linear[key] if isinstance(linear[key], list) else [linear[key]]:
+                if not (isinstance(layer, int) and 1 <= layer <= layers):
+                    raise ConfigError(f"{name}: linear_attn_config {key} holds {layer!r}, not a layer in 1..{layers}")
+                kinds[layer - 1] = kind
         renamed["layer_types"] = kinds
     return renamed
 
@@ -1192,8 +1192,9 @@ def _kimi_linear_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tu
     sizes = {key: raw.get(key) for key in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim")}
     _check_positive_ints(sizes, tuple(sizes), name)
     heads, width = sizes["linear_num_heads"], sizes["linear_head_dim"]
+    eps = _json_float(raw.get("rms_norm_eps"), "rms_norm_eps", name)
     kda = {"num_k_heads": heads, "num_v_heads": heads, "head_k_dim": width, "head_v_dim": width,
-           "width": sizes["linear_conv_kernel_dim"], "beta_scale": 1.0, "norm_eps": float(raw.get("rms_norm_eps")),
+           "width": sizes["linear_conv_kernel_dim"], "beta_scale": 1.0, "norm_eps": eps,
            "channel_decay": True}  # fmt: skip
     return tuple(kinds), kda
 
@@ -1383,17 +1384,19 @@ def _gated_delta_net_layers(
              "width": "linear_conv_kernel_dim"}  # fmt: skip
     defaults = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
                 "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}  # fmt: skip
-    if olmo:
-        heads = raw.get("num_attention_heads")
-        defaults["linear_num_key_heads"] = raw.get("linear_num_key_heads") or heads
-        defaults["linear_num_value_heads"] = heads
-        key_dim = raw.get("linear_key_head_dim") or int(0.75 * raw["hidden_size"] / defaults["linear_num_key_heads"])
-        defaults["linear_key_head_dim"], defaults["linear_value_head_dim"] = key_dim, 2 * key_dim
-    given = {key: raw.get(key) or default for key, default in defaults.items()}
+    given = {key: raw.get(key) for key in defaults}
+    if olmo:  # (its defaults follow its attention's: checked first)
+        _check_positive_ints(raw, ("num_attention_heads", "hidden_size"), name)
+        defaults["linear_num_key_heads"] = defaults["linear_num_value_heads"] = raw["num_attention_heads"]
+        key_heads = given["linear_num_key_heads"] or raw["num_attention_heads"]
+        key_dim = int(0.75 * raw["hidden_size"] / key_heads) if isinstance(key_heads, int) and key_heads > 0 else 0
+        defaults["linear_key_head_dim"] = key_dim
+        defaults["linear_value_head_dim"] = 2 * (given["linear_key_head_dim"] or key_dim)
+    given = {key: default if given[key] is None else given[key] for key, default in defaults.items()}
     _check_positive_ints(given, tuple(given), name)
     net = {ours: given[theirs] for ours, theirs in sizes.items()}
     net["beta_scale"] = 2.0 if olmo and raw.get("linear_allow_neg_eigval", True) else 1.0
-    net["norm_eps"] = 1e-5 if olmo else float(raw.get("rms_norm_eps", 1e-6))
+    net["norm_eps"] = 1e-5 if olmo else _json_float(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", name)
     if net["num_v_heads"] % net["num_k_heads"]:
         raise ConfigError(
             f"{name}: linear_num_key_heads {net['num_k_heads']} must divide linear_num_value_heads {net['num_v_heads']}"
