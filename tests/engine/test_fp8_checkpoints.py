@@ -60,10 +60,11 @@ def fp8_checkpoint(arch: str, path: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(path.with_name(path.name + "-restored")).eval()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "qwen3_next"])
 def test_a_block_wise_fp8_checkpoint_gives_the_greedy_tokens_of_its_weights(arch, tmp_path):
-    """Llama's projections and Qwen3-MoE's experts (each its own weight and scales) in FP8: transformers'
-    greedy tokens on the weights the FP8 ones stand for."""
+    """Llama's projections, Qwen3-MoE's experts (each its own weight and scales) and Qwen3-Next's (its DeltaNets'
+    grouped projections dequantized, then reordered) in FP8: transformers' greedy tokens on the weights the FP8 ones
+    stand for."""
     model = fp8_checkpoint(arch, tmp_path / "fp8")
     llm = LLM(str(tmp_path / "fp8"), kv_capacity_tokens=256)
     for ids in PROMPTS[:2]:
