@@ -132,6 +132,37 @@ def test_the_gated_delta_net_gives_transformers_outputs_whole_in_chunks_and_deco
         assert torch.equal(out[11], torch.zeros(config.hidden_size))  # (a padding row: zeros through the norm)
 
 
+def test_kimi_delta_attention_gives_transformers_outputs_whole_in_chunks_and_decoding():
+    """Kimi Linear's KDA layer (a decay a key channel, low-rank gates, q, k and v each through its convolution)
+    against transformers': a 21-token prompt whole, in chunks then decodes, and beside other requests in one step."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
+
+    from sloserve.engine.models.kimi_linear import KimiDeltaAttention
+
+    hf_config = hf_cached("kimi_linear").config
+    torch.manual_seed(6)
+    theirs = KimiLinearDeltaAttention(hf_config, 2).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        theirs.forget_gate.A_log.copy_(torch.empty_like(theirs.forget_gate.A_log).uniform_(0.02, 0.3).log())
+    config = from_hf_config(hf_config.to_dict())
+    ours = KimiDeltaAttention(config, 2).eval()
+    weights = {name.removeprefix("forget_gate."): tensor for name, tensor in theirs.state_dict().items()}
+    weights["A_log"] = weights["A_log"].reshape(-1)  # (transformers' (1, 1, heads, 1))
+    convolutions = weights.pop("conv1d.weight").chunk(3)  # (transformers joins q's, k's and v's in one)
+    merged = {f"{x}_proj.weight": weights.pop(f"{x}_proj.weight") for x in "qkv"}
+    merged.update({f"{x}_conv1d.weight": w for x, w in zip("qkv", convolutions, strict=True)})
+    with torch.no_grad():
+        for name, view in {**ours.in_proj.checkpoint_views(), **ours.conv1d.checkpoint_views()}.items():
+            view.copy_(merged.pop(name))
+    assert not merged and not ours.load_state_dict(weights, strict=False).unexpected_keys
+    assert ours.state_index == 1
+    x = torch.randn(21, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_steps_give_the_references_outputs(ours, config, x, theirs(x[None])[0])
+
+
 # Qwen3-Next-80B-A3B-Instruct's config.json as the Hub has it
 QWEN3_NEXT_80B = {
     "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048,
