@@ -29,7 +29,8 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "glm4_moe": 42, "ernie4_5_moe": 43, "apertus": 44, "hunyuan_moe": 45, "granitemoehybrid": 46,
          "granitemoehybrid_moe": 47, "granite_4_h": 48, "nemotron_h": 49, "bamba": 50, "nemotron_h_moe": 51,
          "falcon_h1": 52, "falcon_h1_norm": 53, "lfm2": 54, "lfm2_moe": 55, "lfm3": 56, "granite_swa": 57, "mistral4": 58, "glm4_moe_lite": 59, "minimax_m2": 60,
-         "qwen3_next": 61, "qwen3_5": 62, "qwen3_5_moe": 63, "olmo_hybrid": 64, "kimi_linear": 65}  # fmt: skip
+         "qwen3_next": 61, "qwen3_5": 62, "qwen3_5_moe": 63, "olmo_hybrid": 64, "kimi_linear": 65,
+         "exaone_moe": 66}  # fmt: skip
 # The models of delta-rule layers (their decays made mild: states that last past a chunk)
 DELTA_RULE_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
@@ -371,6 +372,13 @@ def hf_model(arch: str):
         else:
             config = transformers.Qwen3_5MoeTextConfig(**sizes, **experts)
             cls = transformers.Qwen3_5MoeForCausalLM
+    elif arch == "exaone_moe":  # K-EXAONE's outline: EXAONE 4's attention (3 sliding, 1 global), a dense MLP, experts
+        config = transformers.ExaoneMoeConfig(
+            **{**common, "num_hidden_layers": 4}, intermediate_size=96, num_key_value_heads=2, sliding_window=8,
+            moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+            initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )  # fmt: skip
+        cls = transformers.ExaoneMoeForCausalLM
     elif arch == "kimi_linear":  # Kimi Linear's outline: KDA layers around an MLA one (no rope), a dense MLP, experts
         config = transformers.KimiLinearConfig(
             **{**common, "num_hidden_layers": 3}, intermediate_size=96, moe_intermediate_size=16, num_local_experts=8,

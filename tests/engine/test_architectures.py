@@ -26,7 +26,7 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "gpt2", "phi", "starcoder2", "gemma", "deepseek_v2", "deepseek_v3", "stablelm", "olmo",
                        "nemotron", "arcee", "granitemoe", "hunyuan", "glm4_moe", "ernie4_5_moe",
                        "apertus", "hunyuan_moe", "granitemoehybrid", "granitemoehybrid_moe", "granite_swa",
-                       "mistral4", "glm4_moe_lite", "minimax_m2"]  # fmt: skip
+                       "mistral4", "glm4_moe_lite", "minimax_m2", "exaone_moe"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)
@@ -410,3 +410,23 @@ def test_minimax_m2s_rotary_dim_and_router_bias_as_the_hub_writes_them(hf_dirs):
     gate = llm.loaded.model.model.layers[1].mlp.gate
     want = hf_cached("minimax_m2").model.layers[1].mlp.e_score_correction_bias
     assert torch.equal(gate.e_score_correction_bias.detach(), want)
+
+
+def test_k_exaones_checkpoint_as_the_hub_writes_it(hf_dirs, tmp_path):
+    """K-EXAONE (``exaone_moe``): its router's bias under the MoE block's name and its multi-token-prediction module
+    (``mtp.``, not read) as the Hub's checkpoint holds them; its global layers unrotated, the first MLP dense."""
+    import shutil
+
+    from sloserve.checkpoint.config import from_hf_config
+
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    config = from_hf_config(hf_cached("exaone_moe").config.to_dict())
+    assert config.rotary_layers == (True, True, True, False) and config.moe["moe_layers"] == (False, True, True, True)
+    shutil.copytree(hf_dirs["exaone_moe"], tmp_path / "hub")
+    path = tmp_path / "hub" / "model.safetensors"
+    weights = safetensors_torch.load_file(str(path))
+    assert "model.layers.1.mlp.e_score_correction_bias" in weights  # (transformers saves the Hub's name)
+    weights["mtp.fc.weight"] = torch.randn(64, 128)
+    safetensors_torch.save_file(weights, str(path))
+    tokens, _ = greedy_tokens(str(tmp_path / "hub"), "vllm")
+    assert tokens == reference("exaone_moe")

@@ -83,6 +83,9 @@ ARCHITECTURES: dict[str, str] = {
     "ernie4_5_moe": "ernie4_5_moe",
     # (EXAONE 4: OLMo 2's layers with Qwen3's query and key norms; three of four sliding, the others unrotated)
     "exaone4": "olmo2",
+    # (K-EXAONE 236B-A23B: EXAONE 4's attention in Llama's layers (norms before each part), DeepSeek-V3's experts
+    # beside a shared one after a dense first MLP; its multi-token prediction (``mtp.``) not read)
+    "exaone_moe": "exaone_moe",
     "glm": "llama",  # (GLM-4 of 2024: Llama's layers, half of each head rotated by adjacent pairs)
     "glm4": "glm4",  # (GLM-4-0414: those layers with a norm after attention and after the MLP too)
     "gpt_neox": "gpt_neox",  # (Pythia, GPT-NeoX-20B: LayerNorms, a GELU MLP, attention and MLP in parallel)
@@ -183,6 +186,7 @@ MOE_DEFAULTS = {
     "glm4_moe_lite": {"num_experts": 64, "num_experts_per_tok": 4, "moe_intermediate_size": 1536},
     "minimax_m2": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": None},  # (intermediate_size)
     "kimi_linear": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 1024},
+    "exaone_moe": {"num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": 1024},
     "qwen3_next": {"num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512},
     "qwen3_5_moe_text": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512},
 }
@@ -217,6 +221,8 @@ DEEPSEEK_ROUTING_DEFAULTS = {
                  "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 0},
     "kimi_linear": {"n_shared_experts": 1, "routed_scaling_factor": 2.446, "topk_method": "noaux_tc", "n_group": 1,
                     "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 1},
+    "exaone_moe": {"n_shared_experts": 1, "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "n_group": 1,
+                   "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 1},
     "glm4_moe_lite": {"n_shared_experts": 1, "routed_scaling_factor": 1.8, "topk_method": "noaux_tc", "n_group": 1,
                       "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 1},
     # (MiniMax-M2's: V3's sigmoid scores with a bias, one group, no shared expert, the top weights' sum alone)
@@ -230,6 +236,7 @@ MOE_SETTING_NAMES = {
     "hunyuan_v1_moe": {"num_experts": "n_routed_experts", "moe_topk": "num_experts_per_tok"},
     "lfm2_moe": {"num_experts": "n_routed_experts", "num_dense_layers": "first_k_dense_replace"},
     "minimax_m2": {"num_local_experts": "n_routed_experts"},
+    "exaone_moe": {"num_experts": "n_routed_experts", "num_shared_experts": "n_shared_experts"},
 }  # fmt: skip
 # The mixtures of experts routed as DeepSeek's
 DEEPSEEK_ROUTED = tuple(DEEPSEEK_ROUTING_DEFAULTS)
@@ -247,6 +254,7 @@ ROUTING_METHODS = {
     "glm4_moe_lite": ("noaux_tc",),
     "minimax_m2": ("noaux_tc",),
     "kimi_linear": ("noaux_tc",),
+    "exaone_moe": ("noaux_tc",),
 }
 # The routings whose choice adds the router's bias (``e_score_correction_bias``) to the scores: DeepSeek-V3's
 # (sigmoid scores) and ERNIE 4.5's (softmax scores)
@@ -257,8 +265,8 @@ QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss", "phi")
 # The OLMo models (their query and key norms over the whole projections)
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe", "olmo_hybrid")
 # The models whose queries and keys are RMS-normalized (each head: Qwen3's; OLMo's whole projections)
-QK_NORMED = ("qwen3", "qwen3_moe", "lfm2", "lfm2_moe", "lfm3", "exaone4", "hunyuan_v1_dense", "hunyuan_v1_moe",
-             "apertus", "minimax_m2", *OLMO_TYPES)  # fmt: skip
+QK_NORMED = ("qwen3", "qwen3_moe", "lfm2", "lfm2_moe", "lfm3", "exaone4", "exaone_moe", "hunyuan_v1_dense",
+             "hunyuan_v1_moe", "apertus", "minimax_m2", *OLMO_TYPES)  # fmt: skip
 # transformers' rope bases where a config has none
 DEFAULT_ROPE_THETA = {
     "gpt_oss": 150_000.0,
@@ -341,7 +349,8 @@ PARTIAL_ROTARY_DEFAULTS = {
 # those with a default share, and Phi-3's (whole heads unless its config says)
 PARTIAL_ROTARY = ("phi3", "minimax_m2", *PARTIAL_ROTARY_DEFAULTS)
 # The models with sliding layers by default: (window, every pattern-th layer global), transformers' defaults
-SLIDING_PATTERNS = {"gpt_oss": (128, 2), "olmo3": (4096, 4), "exaone4": (4096, 4), "cohere2": (4096, 4)}
+SLIDING_PATTERNS = {"gpt_oss": (128, 2), "olmo3": (4096, 4), "exaone4": (4096, 4), "exaone_moe": (4096, 4),
+                    "cohere2": (4096, 4)}  # fmt: skip
 # The norms (of a weight each) of a layer, by architecture (Llama's: 2)
 NORMS_PER_LAYER = {"gemma3": 4, "glm4": 4, "cohere": 1, "phi": 1}
 # The MLP activations of the models of Llama's outline whose MLP is not SwiGLU (transformers' names)
@@ -1021,7 +1030,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     if model_type == "granite_swa":
         layer_types, window, rotary_layers, rope_theta = _granite_swa_layers(raw, common["num_hidden_layers"],
                                                                               rope_theta, name)  # fmt: skip
-    if model_type == "exaone4" and window:  # (its hybrid attention: the global layers without rope)
+    if model_type in ("exaone4", "exaone_moe") and window:  # (its hybrid attention: the global layers without rope)
         rotary_layers = [layer_type == SLIDING for layer_type in layer_types]
     if model_type == "cohere2":  # (only its sliding layers rotate: none where it has no window)
         rotary_layers = [layer_type == SLIDING and bool(window) for layer_type in layer_types]
@@ -1258,7 +1267,18 @@ def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
     else:
         output = (
             model_type
-            in ("gpt_oss", "exaone4", "cohere", "cohere2", "phi", "nemotron", "arcee", "falcon_h1", *OLMO_TYPES)
+            in (
+                "gpt_oss",
+                "exaone4",
+                "exaone_moe",
+                "cohere",
+                "cohere2",
+                "phi",
+                "nemotron",
+                "arcee",
+                "falcon_h1",
+                *OLMO_TYPES,
+            )
             and qkv
         )
     return {
@@ -1666,7 +1686,7 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         end = _layer_index(raw, "moe_layer_end_index", -1, name)
         step, end = raw.get("moe_layer_interval", 1), layers - 1 if end == -1 else end
         dense = {i for i in range(layers) if not start <= i <= end}
-    elif kind in ("glm4_moe_lite", "kimi_linear") and raw.get("mlp_layer_types"):  # (a layer's "dense" or "sparse")
+    elif kind in ("glm4_moe_lite", "kimi_linear", "exaone_moe") and raw.get("mlp_layer_types"):  # ("dense", "sparse")
         dense = _dense_layers(raw["mlp_layer_types"], layers, name)
     elif kind in DEEPSEEK_ROUTED:  # (its first first_k_dense_replace layers' MLPs dense)
         dense = set(range(_layer_index(raw, "first_k_dense_replace", 0, name)))

@@ -74,6 +74,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen3_next": qwen3_next.Qwen3NextForCausalLM,
     "olmo_hybrid": olmo2.OlmoHybridForCausalLM,
     "kimi_linear": kimi_linear.KimiLinearForCausalLM,
+    "exaone_moe": LlamaForCausalLM,
 }
 
 
@@ -84,6 +85,12 @@ def _without_later_layers(key: str, tensor: torch.Tensor, config: ModelConfig) -
 
 # ERNIE 4.5's router bias, (1, E), as its checkpoints name it (its "MoE statistics")
 ERNIE_ROUTER_BIAS = "mlp.moe_statics.e_score_correction_bias"
+
+
+def _without_mtp(key: str, tensor: torch.Tensor, config: ModelConfig) -> tuple[str, torch.Tensor] | None:
+    """K-EXAONE's tensors as they are, but its multi-token-prediction module's (``mtp.``: not read, as transformers
+    and vLLM serve it without)."""
+    return None if key.startswith("mtp.") else (key, tensor)
 
 
 def _ernie4_5_moe_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) -> tuple[str, torch.Tensor] | None:
@@ -118,6 +125,7 @@ CHECKPOINT_TENSORS = {
     "falcon_h1": falcon_h1.checkpoint_tensor,
     "qwen3_next": qwen3_next.checkpoint_tensor,
     "kimi_linear": kimi_linear.checkpoint_tensor,
+    "exaone_moe": _without_mtp,
 }
 # An architecture's checkpoint names of modules the engine names otherwise (Llama's): each part of a name replaced
 CHECKPOINT_NAMES = {
@@ -131,6 +139,7 @@ CHECKPOINT_NAMES = {
     "olmo_hybrid": olmo2.HYBRID_CHECKPOINT_NAMES,
     # (MiniMax-M2's router bias beside its router, as the engine holds it; its experts by Mixtral's names)
     "minimax_m2": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias"},
+    "exaone_moe": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias"},  # (K-EXAONE's, the Hub's)
 }
 # The merged projections a model type's checkpoints store whole, in the row order the engine's have:
 # Phi-3's Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``), GLM's and Granite 4.0's gate/up
