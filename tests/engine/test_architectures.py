@@ -430,3 +430,26 @@ def test_k_exaones_checkpoint_as_the_hub_writes_it(hf_dirs, tmp_path):
     safetensors_torch.save_file(weights, str(path))
     tokens, _ = greedy_tokens(str(tmp_path / "hub"), "vllm")
     assert tokens == reference("exaone_moe")
+
+
+def test_a_config_without_its_norms_epsilon_reads_transformers_default():
+    """Every model type transformers knows, its default config without the norms' epsilon (a sparse Hub config):
+    the engine's epsilon is transformers' default (1e-5 for most, GLM-4's 1.5625e-7, 1e-6 for the rest). Two
+    defaults are not models the engine reads (DeepSeek-V2's without a top k, GLM-4.5's of an odd rotated width)."""
+    from transformers import CONFIG_MAPPING
+
+    from sloserve.checkpoint.config import ARCHITECTURES, from_hf_config
+
+    names = ("rms_norm_eps", "layer_norm_eps", "norm_eps", "norm_epsilon", "layer_norm_epsilon")
+    unread = {"deepseek_v2", "glm4_moe"}
+    wrong, checked = {}, 0
+    for model_type in sorted(set(ARCHITECTURES) & set(CONFIG_MAPPING) - unread):
+        defaults = CONFIG_MAPPING[model_type]().to_dict()
+        want = next((defaults[key] for key in names if defaults.get(key) is not None), None)
+        if want is None:
+            continue
+        got = from_hf_config({k: v for k, v in defaults.items() if k not in names}).norm_eps
+        checked += 1
+        if got != pytest.approx(want, rel=1e-12):
+            wrong[model_type] = (got, want)
+    assert not wrong and checked > 50

@@ -381,3 +381,51 @@ def test_qwen3_5s_language_model_gives_transformers_greedy_tokens(tmp_path, expe
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
     assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 16) for ids in PROMPTS]
+
+
+@pytest.mark.parametrize("experts", [0, 8], ids=["GLM-4.1V", "GLM-4.5V"])
+def test_glm_vs_language_model_gives_transformers_greedy_tokens(tmp_path, experts):
+    """GLM-4.1V (``glm4v``: GLM-4-0414's layers, half of each head rotated by adjacent pairs, its gate and up
+    projections stored fused) and GLM-4.5V, 4.6V (``glm4v_moe``: GLM-4.5's layers, its experts beside a shared one,
+    q/k/v biases): their MRoPE is plain RoPE on text, the vision tower (``model.visual``) not read. The greedy tokens
+    of transformers' multimodal model on the same text."""
+    text = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=96, max_position_embeddings=256, initializer_range=0.2,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+                                 "mrope_section": [1, 1, 2]})  # fmt: skip
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
+    torch.manual_seed(17)
+    if experts:
+        text.update(n_routed_experts=experts, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                    first_k_dense_replace=1)  # fmt: skip
+        model = transformers.Glm4vMoeForConditionalGeneration(
+            transformers.Glm4vMoeConfig(text_config=text, vision_config=vision)
+        ).eval()
+    else:
+        model = transformers.Glm4vForConditionalGeneration(
+            transformers.Glm4vConfig(text_config=text, vision_config=vision)
+        ).eval()
+    with torch.no_grad():  # (biases 0 and norms 1 at init: make them count)
+        for name, p in model.named_parameters():
+            if "visual" not in name and (name.endswith("bias") or p.ndim == 1):
+                p.add_(0.2 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.5)
+    model.save_pretrained(tmp_path)
+    config = load_hf_config(tmp_path)
+    assert (config.model_type, config.rotary_dim) == ("glm4_moe" if experts else "glm4", 8)
+    assert config.rotary_interleaved is not bool(experts) and config.attention_bias
+    # a text_config that leaves out its norms' epsilon and biases reads transformers' defaults of them
+    from sloserve.checkpoint.config import from_hf_config
+
+    raw = json.loads((tmp_path / "config.json").read_text())
+    sparse = {**raw, "text_config": {k: v for k, v in raw["text_config"].items() if k not in ("rms_norm_eps",
+                                                                                             "attention_bias")}}  # fmt: skip
+    filled = type(model.config)(**{k: v for k, v in sparse.items() if k != "model_type"}).to_dict()
+    assert from_hf_config(sparse) == from_hf_config(filled) and from_hf_config(sparse).norm_eps == 1e-5
+    llm = LLM(str(tmp_path), kv_capacity_tokens=512)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 16) for ids in PROMPTS]

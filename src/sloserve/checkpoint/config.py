@@ -6,7 +6,8 @@ biases), Qwen3-MoE and Mixtral (their MLPs mixtures of experts), OLMo 2 (norms a
 MLP), Gemma 2 and Gemma 3 text models
 (``gemma3_text``: sliding-window layers beside global ones) and OPT (learned positions, LayerNorm, ReLU);
 and the language model of multimodal checkpoints (``MULTIMODAL``: Gemma 3 4B-27B, Mistral Small 3.1, Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LFM2-VL, LFM3-VL, EXAONE 4.5 and Qwen3.5), served as text.
+Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LFM2-VL, LFM3-VL, EXAONE 4.5, Qwen3.5 and GLM-4.1V, 4.5V, 4.6V), served as
+text.
 """
 
 from __future__ import annotations
@@ -130,6 +131,10 @@ MULTIMODAL = {
     # which is plain RoPE, as for Qwen3-VL's)
     "qwen3_5": "qwen3_5_text",
     "qwen3_5_moe": "qwen3_5_moe_text",
+    # (GLM-4.1V 9B: GLM-4-0414's layers; GLM-4.5V and 4.6V: GLM-4.5's MoE layers; their MRoPE plain RoPE on text)
+    "glm4v": "glm4v_text",
+    "glm4v_moe": "glm4v_moe_text",
+    "glm46v": "glm4v_text",
 }
 # Those whose Hub configs hold the language model's settings at the top level, beside vision_config (Qwen2-VL's
 # and Qwen2.5-VL's; transformers 5 saves them in a text_config)
@@ -145,6 +150,9 @@ TEXT_MODEL_TYPES = {
     "qwen3_vl_text": ("qwen3", {"rope_theta": 500_000.0}),
     "qwen3_vl_moe_text": ("qwen3_moe", {"rope_theta": 500_000.0, "norm_topk_prob": True}),
     "exaone4_5_text": ("exaone4", {}),  # (the Hub's name of EXAONE 4.5's; transformers reads it as exaone4)
+    # (GLM-4.1V's: its rope turns whole heads where its settings do not say, its q/k/v biases always there)
+    "glm4v_text": ("glm4", {"rms_norm_eps": 1e-5, "partial_rotary_factor": 1.0}),
+    "glm4v_moe_text": ("glm4_moe", {"attention_bias": True}),  # (GLM-4.5V's, 4.6V's: q/k/v biases by default)
 }
 # transformers' Gemma3TextConfig defaults: a Gemma 3 text_config lists only what differs from them
 GEMMA3_TEXT_DEFAULTS = {
@@ -330,6 +338,13 @@ CONFIG_DEFAULTS = {
     "apertus": {"hidden_act": "xielu"},
     "gemma": {"head_dim": 256, "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"},
 }
+# transformers' RMSNorm epsilons where a config has none, where they are not 1e-6
+RMS_NORM_EPS_DEFAULTS = {
+    **dict.fromkeys(("apertus", "arcee", "bamba", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "falcon_h1",
+                     "glm4_moe", "gpt_oss", "granite_swa", "hunyuan_v1_dense", "hunyuan_v1_moe", "ministral3",
+                     "mixtral", "olmo2", "olmo3", "olmoe", "phi3"), 1e-5),
+    "glm": 1.5625e-07, "glm4": 1.5625e-07,
+}  # fmt: skip
 # GPT-2's config names for the common ones (transformers' GPT2Config.attribute_map)
 GPT2_NAMES = {
     "n_embd": "hidden_size",
@@ -1244,7 +1259,7 @@ def _norm_eps(raw: dict[str, Any], model_type: str) -> float:
         return raw.get("norm_eps", 1e-5)
     if model_type == "starcoder2":
         return raw.get("norm_epsilon", 1e-5)
-    return raw.get("rms_norm_eps", 1e-6)
+    return raw.get("rms_norm_eps", RMS_NORM_EPS_DEFAULTS.get(model_type, 1e-6))
 
 
 def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
