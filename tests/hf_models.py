@@ -30,7 +30,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "granitemoehybrid_moe": 47, "granite_4_h": 48, "nemotron_h": 49, "bamba": 50, "nemotron_h_moe": 51,
          "falcon_h1": 52, "falcon_h1_norm": 53, "lfm2": 54, "lfm2_moe": 55, "lfm3": 56, "granite_swa": 57, "mistral4": 58, "glm4_moe_lite": 59, "minimax_m2": 60,
          "qwen3_next": 61, "qwen3_5": 62, "qwen3_5_moe": 63, "olmo_hybrid": 64, "kimi_linear": 65,
-         "exaone_moe": 66}  # fmt: skip
+         "exaone_moe": 66, "granitemoeshared": 67, "granitemoe_swa": 68}  # fmt: skip
 # The models of delta-rule layers (their decays made mild: states that last past a chunk)
 DELTA_RULE_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
@@ -372,6 +372,22 @@ def hf_model(arch: str):
         else:
             config = transformers.Qwen3_5MoeTextConfig(**sizes, **experts)
             cls = transformers.Qwen3_5MoeForCausalLM
+    elif arch in ("granitemoeshared", "granitemoe_swa"):
+        # Granite MoE's experts (8, 2 a token) beside an ungated shared MLP; Granite Swash's attention too: a window of
+        # 8 in three layers of four, each head a sink, one rope base
+        sizes = dict(
+            **common, intermediate_size=32, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+            shared_intermediate_size=48, embedding_multiplier=2.0, residual_multiplier=0.8, attention_multiplier=0.2,
+            logits_scaling=1.5, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        if arch == "granitemoeshared":
+            config, cls = transformers.GraniteMoeSharedConfig(**sizes), transformers.GraniteMoeSharedForCausalLM
+        else:
+            config = transformers.GraniteMoeSWAConfig(
+                **{**sizes, "num_hidden_layers": 4}, sliding_window=8,
+                layer_types=["full_attention", "sliding_attention", "sliding_attention", "sliding_attention"],
+            )  # fmt: skip
+            cls = transformers.GraniteMoeSWAForCausalLM
     elif arch == "exaone_moe":  # K-EXAONE's outline: EXAONE 4's attention (3 sliding, 1 global), a dense MLP, experts
         config = transformers.ExaoneMoeConfig(
             **{**common, "num_hidden_layers": 4}, intermediate_size=96, num_key_value_heads=2, sliding_window=8,

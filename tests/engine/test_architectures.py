@@ -26,7 +26,8 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "gpt2", "phi", "starcoder2", "gemma", "deepseek_v2", "deepseek_v3", "stablelm", "olmo",
                        "nemotron", "arcee", "granitemoe", "hunyuan", "glm4_moe", "ernie4_5_moe",
                        "apertus", "hunyuan_moe", "granitemoehybrid", "granitemoehybrid_moe", "granite_swa",
-                       "mistral4", "glm4_moe_lite", "minimax_m2", "exaone_moe"]  # fmt: skip
+                       "mistral4", "glm4_moe_lite", "minimax_m2", "exaone_moe", "granitemoeshared",
+                       "granitemoe_swa"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)

@@ -44,6 +44,10 @@ ARCHITECTURES: dict[str, str] = {
     # (Granite 4.0: Granite's layers, NoPE where it says, a shared MLP (beside any experts); Micro's all attention,
     # the 4.0-H models' mostly Mamba-2 mixers)
     "granitemoehybrid": "granitemoehybrid",
+    # (Granite MoE Shared: Granite MoE's layers, an ungated shared MLP beside the experts; Granite Swash (MoE SWA,
+    # 3B-A600M): those with Granite SWA's attention, most layers sliding, each head a sink)
+    "granitemoeshared": "granitemoehybrid",
+    "granitemoe_swa": "granitemoehybrid",
     # (Bamba 9B: Llama's layers, Mamba-2 mixers in most of them, half of each attention head rotated)
     "bamba": "bamba",
     # (Nemotron-H, Nemotron Nano 2: blocks of one mixer each, Mamba-2, attention without rope or a squared-ReLU MLP)
@@ -183,6 +187,8 @@ MOE_DEFAULTS = {
     "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": None},  # (intermediate_size)
     "granitemoe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (intermediate_size)
     "granitemoehybrid": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (likewise)
+    "granitemoeshared": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (likewise)
+    "granitemoe_swa": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (likewise)
     "deepseek_v2": {"num_experts": 64, "num_experts_per_tok": None, "moe_intermediate_size": 1407},
     "deepseek_v3": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048},
     "glm4_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408},
@@ -390,7 +396,9 @@ MLP_LAYER = "mlp"  # (Nemotron-H's layers of an MLP alone)
 PARALLEL_HYBRID = "attention_and_mamba"  # (Falcon-H1's layers: attention and a Mamba-2 mixer side by side)
 SHORT_CONV = "conv"  # (LFM2's layers of a gated short convolution: ``ModelConfig.short_conv``)
 LINEAR_ATTENTION = "linear_attention"  # (Qwen3-Next's layers of gated DeltaNet: ``ModelConfig.gated_delta_net``)
-GRANITE_SCALED = ("granite", "granitemoe", "granitemoehybrid", "granite_swa")  # (Granite's multipliers)
+GRANITE_SCALED = ("granite", "granitemoe", "granitemoehybrid", "granite_swa", "granitemoeshared", "granitemoe_swa")
+# The mixtures of experts beside a shared MLP every token runs, unscaled (Granite's ``shared_mlp``)
+UNGATED_SHARED_EXPERTS = ("granitemoehybrid", "granitemoeshared", "granitemoe_swa")
 LFM_TYPES = ("lfm2", "lfm2_moe", "lfm3")  # (Liquid AI's models of short convolutions and attention)
 QWEN3_NEXT_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # (gated DeltaNet and gated attention)
 GATED_DELTA_NET_TYPES = (*QWEN3_NEXT_TYPES, "olmo_hybrid")  # (the models with gated DeltaNet layers)
@@ -1042,7 +1050,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         layer_types, gated_delta_net = _gated_delta_net_layers(raw, common["num_hidden_layers"], model_type, name)
         if model_type == "qwen3_5_moe_text":  # (no dense MLP: its experts' size stands for one, never built)
             intermediate = raw.get("moe_intermediate_size", MOE_DEFAULTS[model_type]["moe_intermediate_size"])
-    if model_type == "granite_swa":
+    if model_type in ("granite_swa", "granitemoe_swa"):
         layer_types, window, rotary_layers, rope_theta = _granite_swa_layers(raw, common["num_hidden_layers"],
                                                                               rope_theta, name)  # fmt: skip
     if model_type in ("exaone4", "exaone_moe") and window:  # (its hybrid attention: the global layers without rope)
@@ -1083,7 +1091,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         rotary_interleaved=glm or model_type in ("ernie4_5", "ernie4_5_moe", "cohere", "cohere2"),
         llama4_scaling_beta=_llama4_scaling_beta(model_type, scaling, rope, name),
         **_biases(raw, model_type),
-        attention_sinks=model_type in ("gpt_oss", "granite_swa"),
+        attention_sinks=model_type in ("gpt_oss", "granite_swa", "granitemoe_swa"),
         qk_norm=model_type in (*QK_NORMED, *QWEN3_NEXT_TYPES)
         or (model_type == "glm4_moe" and bool(raw.get("use_qk_norm"))),
         qk_norm_after_rotary=model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"),
@@ -1341,7 +1349,7 @@ def _granite_swa_layers(
     kinds = raw.get("layer_types") or ["full_attention" if i % 4 == 0 else SLIDING for i in range(layers)]
     if len(kinds) != layers or not set(kinds) <= {"full_attention", SLIDING}:
         raise ConfigError(
-            f"{name}: granite_swa layer_types must be {layers} entries of full_attention, sliding_attention, got "
+            f"{name}: {raw['model_type']} layer_types must be {layers} entries of full_attention, sliding_attention, got "
             f"{kinds!r}"
         )
     thetas = raw.get("layer_rope_theta") or [rope_theta] * layers
@@ -1678,7 +1686,7 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         "gpt_oss",
         "olmoe",
         "granitemoe",
-        "granitemoehybrid",
+        *UNGATED_SHARED_EXPERTS,
         "hunyuan_v1_moe",
     )
     # NOTE: transformers 5 saves Qwen3-MoE's count as num_local_experts (Mixtral's name), the Hub as num_experts
@@ -1715,15 +1723,20 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         if experts_of_intermediate_size
         else raw.get("moe_intermediate_size", MOE_DEFAULTS[kind]["moe_intermediate_size"]),
         # (Granite's: the softmax of the top k logits, the same weights; Qwen3-Next's by default)
-        "norm_topk_prob": kind in ("mixtral", "granitemoe", "granitemoehybrid", "hunyuan_v1_moe", "qwen3_5_moe_text")
+        "norm_topk_prob": kind
+        in ("mixtral", "granitemoe", *UNGATED_SHARED_EXPERTS, "hunyuan_v1_moe", "qwen3_5_moe_text")
         or bool(raw.get("norm_topk_prob", kind == "qwen3_next")),
         "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
         "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size", GATED_SHARED_EXPERTS[kind])
         if kind in GATED_SHARED_EXPERTS
         else 0,
     }
-    if kind == "granitemoehybrid":  # (its shared MLP, ungated, beside the experts)
-        moe["shared_expert_intermediate_size"] = raw.get("shared_intermediate_size", 1024)
+    if (
+        kind in UNGATED_SHARED_EXPERTS
+    ):  # (its shared MLP, ungated, beside the experts; Granite 4.0's of 1,024 by default)
+        moe["shared_expert_intermediate_size"] = raw.get(
+            "shared_intermediate_size", 1024 * (kind == "granitemoehybrid")
+        )
     if kind in DEEPSEEK_ROUTED:  # its shared experts, one MLP (ungated); its routing (moe.DeepseekMoE)
         scaling = raw["routed_scaling_factor"]
         if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not 0 < scaling < float("inf"):

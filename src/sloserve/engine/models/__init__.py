@@ -148,6 +148,8 @@ FUSED_CHECKPOINTS = {
     "glm": ("gate_up_proj",),
     "glm4": ("gate_up_proj",),
     "granitemoehybrid": ("gate_up_proj",),
+    "granitemoeshared": ("gate_up_proj",),
+    "granitemoe_swa": ("gate_up_proj",),
 }
 # Checkpoint tensors that are buffers in other implementations, not weights.
 # (old GPT-NeoX and GPT-2 checkpoints: the causal mask and its fill value)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sloserve.checkpoint.config import ModelConfig
+from sloserve.checkpoint.config import UNGATED_SHARED_EXPERTS, ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine import fused_ops
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
@@ -357,7 +357,7 @@ def mlp(config: ModelConfig, layer: int) -> nn.Module:
     shared_experts = LlamaMLP(config, shared) if shared else None
     if "topk_method" in config.moe:
         return DeepseekMoE(config, shared_experts)
-    return SparseMoE(config, shared_experts, shared_expert_gated=config.model_type != "granitemoehybrid")
+    return SparseMoE(config, shared_experts, shared_expert_gated=config.model_type not in UNGATED_SHARED_EXPERTS)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -119,11 +119,13 @@ def by_expert(
 
 # Mixtral's checkpoint names of an expert's projections (under ``block_sparse_moe.``, not ``mlp.``)
 MIXTRAL_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-# Granite 3 MoE's names of its stacked experts ((E, 2 I, H) gate then up rows, (E, H, I)) and its router
+# Granite 3 MoE's names of its stacked experts ((E, 2 I, H) gate then up rows, (E, H, I)) and its router (Granite
+# Swash's: transformers 5's names of them, under ``block_sparse_moe``)
 GRANITE_MOE_NAMES = {
     "mlp.input_linear.weight": "mlp.experts.gate_up_proj",
     "mlp.output_linear.weight": "mlp.experts.down_proj",
     "mlp.router.layer.weight": "mlp.gate.weight",
+    "mlp.router.weight": "mlp.gate.weight",
 }
 
 
@@ -139,7 +141,7 @@ def hub_expert_name(key: str) -> str:
         if key.endswith(granite):
             return key.removesuffix(granite) + ours
     prefix, _, rest = key.partition(".mlp.experts.")
-    if not rest:
+    if not rest or "." not in rest:  # (not an expert's, or all experts' stacked: transformers 5's)
         return key
     expert, projection, suffix = (rest.split(".", 2) + ["", ""])[:3]
     return f"{prefix}.mlp.experts.{expert}.{MIXTRAL_EXPERT_NAMES.get(projection, projection)}.{suffix}"
