@@ -433,24 +433,30 @@ def test_k_exaones_checkpoint_as_the_hub_writes_it(hf_dirs, tmp_path):
     assert tokens == reference("exaone_moe")
 
 
-def test_a_config_without_its_norms_epsilon_reads_transformers_default():
-    """Every model type transformers knows, its default config without the norms' epsilon (a sparse Hub config):
-    the engine's epsilon is transformers' default (1e-5 for most, GLM-4's 1.5625e-7, 1e-6 for the rest). Two
-    defaults are not models the engine reads (DeepSeek-V2's without a top k, GLM-4.5's of an odd rotated width)."""
+@pytest.mark.parametrize(
+    "key",
+    ["rms_norm_eps", "layer_norm_eps", "norm_eps", "norm_epsilon", "layer_norm_epsilon", "rope_parameters",
+     "tie_word_embeddings", "head_dim", "sliding_window", "attention_bias", "hidden_act", "norm_topk_prob",
+     "layer_types", "mlp_bias"],
+)  # fmt: skip
+def test_a_config_without_a_setting_reads_transformers_default_of_it(key):
+    """Every model type transformers knows, its default config without one setting (a sparse Hub config): read as
+    the whole one is (transformers' default of it: the norms' epsilon, 1e-5 for most; the rope, scaled by default
+    for gpt-oss, Apertus, Ministral 3 and Mistral Small 4; tied embeddings; head sizes; windows...). The number of
+    KV heads and the context are left out: every config gives them. Two defaults are not models the engine reads
+    (DeepSeek-V2's without a top k, GLM-4.5's of an odd rotated width)."""
     from transformers import CONFIG_MAPPING
 
     from sloserve.checkpoint.config import ARCHITECTURES, from_hf_config
 
-    names = ("rms_norm_eps", "layer_norm_eps", "norm_eps", "norm_epsilon", "layer_norm_epsilon")
     unread = {"deepseek_v2", "glm4_moe"}
     wrong, checked = {}, 0
     for model_type in sorted(set(ARCHITECTURES) & set(CONFIG_MAPPING) - unread):
         defaults = CONFIG_MAPPING[model_type]().to_dict()
-        want = next((defaults[key] for key in names if defaults.get(key) is not None), None)
-        if want is None:
+        if defaults.get(key) is None:
             continue
-        got = from_hf_config({k: v for k, v in defaults.items() if k not in names}).norm_eps
+        whole, sparse = from_hf_config(defaults), from_hf_config({k: v for k, v in defaults.items() if k != key})
         checked += 1
-        if got != pytest.approx(want, rel=1e-12):
-            wrong[model_type] = (got, want)
-    assert not wrong and checked > 50
+        if sparse != whole:
+            wrong[model_type] = [f for f in whole.__dataclass_fields__ if getattr(sparse, f) != getattr(whole, f)]
+    assert not wrong and checked

@@ -291,7 +291,24 @@ DEFAULT_ROPE_THETA = {
     "lfm2": 1_000_000.0,
     "lfm2_moe": 1_000_000.0,
     "minimax_m2": 5_000_000.0,
+    "mixtral": 1_000_000.0,
+    "smollm3": 2_000_000.0,
+    "cohere": 500_000.0,
 }
+# transformers' rope settings of the models whose default rope is scaled, where a config says nothing of its rope
+DEFAULT_ROPE_PARAMETERS = {
+    "apertus": {"rope_type": "llama3", "rope_theta": 12_000_000.0, "factor": 8.0,
+                "original_max_position_embeddings": 8192, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+    "gpt_oss": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096, "rope_theta": 150_000.0},
+    "ministral3": {"type": "yarn", "rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0,
+                   "original_max_position_embeddings": 16384, "max_position_embeddings": 262144, "beta_fast": 32.0, "beta_slow": 1.0,
+                   "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1},
+    "mistral4": {"type": "yarn", "rope_type": "yarn", "rope_theta": 10_000.0, "factor": 128.0,
+                 "original_max_position_embeddings": 8192, "max_position_embeddings": 1048576,
+                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                 "llama_4_scaling_beta": 0.1, "partial_rotary_factor": 0.5},
+}  # fmt: skip
 # transformers' defaults where theirs differ from the generic reading (a head_dim of 128, not hidden / heads; an
 # MLP's activation other than SiLU, which a GGUF file does not name)
 CONFIG_DEFAULTS = {
@@ -329,9 +346,19 @@ CONFIG_DEFAULTS = {
         "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
             "full_attention": {"rope_type": "proportional", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5},
-        }
+        },
+        "sliding_window": 256,
     },
     "ernie4_5": {"head_dim": 128, "tie_word_embeddings": True},
+    # (transformers' defaults of what a model's own reading would otherwise take from its other sizes)
+    "qwen3_next": {"head_dim": 256},
+    "qwen3_5_text": {"head_dim": 256},
+    "qwen3_5_moe_text": {"head_dim": 256},
+    "minimax_m2": {"head_dim": 128},
+    "gpt_oss": {"head_dim": 64},
+    "granite_swa": {"tie_word_embeddings": True},
+    "mistral": {"sliding_window": 4096},  # (Mistral 7B v0.1's window; later Mistrals' configs say null)
+    "smollm3": {"tie_word_embeddings": True},
     "ernie4_5_moe": {"tie_word_embeddings": True},
     "seed_oss": {"head_dim": 128},
     "cohere": {"tie_word_embeddings": True, "logit_scale": 0.0625},
@@ -889,6 +916,10 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
             "rms_norm_eps": raw.get("norm_eps", raw.get("rms_norm_eps", 1e-5)),
         }
     raw = {**CONFIG_DEFAULTS.get(model_type, {}), **raw}
+    if model_type in DEFAULT_ROPE_PARAMETERS and not any(
+        raw.get(k) for k in ("rope_parameters", "rope_scaling", "rope_theta")
+    ):
+        raw = {**raw, "rope_parameters": DEFAULT_ROPE_PARAMETERS[model_type]}
     fp8_block = _fp8_weight_block(raw.get("quantization_config"), model_type, name)
     config = _config_of(raw, model_type, name)
     if fp8_block is None:
@@ -1946,7 +1977,7 @@ def _gemma3_config(raw: dict[str, Any], common: dict[str, Any], name: str, need)
         num_key_value_heads=raw.get("num_key_value_heads") or common["num_attention_heads"],
         head_dim=raw.get("head_dim") or 256,
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(full.get("rope_theta", raw.get("rope_theta", 1_000_000.0))),
+        rope_theta=float(full.get("rope_theta", raw.get("rope_theta", 10_000.0 if gemma2 else 1_000_000.0))),
         rope_scaling=_rope_scaling(
             full if full.get("rope_type", "default") != "default" else raw.get("rope_scaling"), name
         ),
