@@ -24,6 +24,15 @@ PROMPTS = [[2, *range(10, 40)], [2, 7, 1, 9] * 6]
 END_OF_TURN = 106 % VOCAB
 
 
+def assert_gives_the_greedy_tokens_of(model, path, num_tokens: int = 16) -> None:
+    """The engine on the checkpoint at ``path`` gives transformers' greedy tokens of ``model`` for each of
+    ``PROMPTS``."""
+    llm = LLM(str(path), kv_capacity_tokens=512)
+    params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, num_tokens) for ids in PROMPTS]
+
+
 def tiny_gemma3_multimodal():
     """Text: the defaults' 8 heads and 4 KV heads (left out of the config below), a window of 8 (shorter
     than the prompts), one sliding layer and one global; vision: a one-layer SigLIP."""
@@ -175,10 +184,7 @@ def test_qwen3_vls_language_model_gives_transformers_greedy_tokens(tmp_path, exp
     config = load_hf_config(tmp_path)
     kind = "qwen3_moe" if experts else "qwen3"
     assert (config.model_type, config.qk_norm, config.rope_theta) == (kind, True, 5e6)
-    llm = LLM(str(tmp_path), kv_capacity_tokens=512)
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
-    assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 16) for ids in PROMPTS]
+    assert_gives_the_greedy_tokens_of(model, tmp_path)
 
 
 def tiny_qwen2_vl(arch: str):
@@ -248,10 +254,7 @@ def test_qwen2_vls_language_model_gives_transformers_greedy_tokens(tmp_path, arc
         None,
     )
     assert config.norm_eps == 1e-5
-    llm = LLM(str(tmp_path), kv_capacity_tokens=512)
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
-    assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 16) for ids in PROMPTS]
+    assert_gives_the_greedy_tokens_of(model, tmp_path)
 
 
 def test_a_multimodal_config_without_its_text_config_is_refused(tmp_path):
@@ -333,10 +336,7 @@ def test_exaone_4_5s_language_model_gives_transformers_greedy_tokens(tmp_path, t
     raw["text_config"]["model_type"] = text_type
     (tmp_path / "config.json").write_text(json.dumps(raw))
     assert load_hf_config(tmp_path).model_type == "exaone4"
-    llm = LLM(str(tmp_path), kv_capacity_tokens=512)
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
-    assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 16) for ids in PROMPTS]
+    assert_gives_the_greedy_tokens_of(model, tmp_path)
 
 
 @pytest.mark.parametrize("experts", [0, 8], ids=["Qwen3.5", "Qwen3.5-MoE"])
@@ -377,10 +377,7 @@ def test_qwen3_5s_language_model_gives_transformers_greedy_tokens(tmp_path, expe
     config = load_hf_config(tmp_path)
     kind = "qwen3_5_moe_text" if experts else "qwen3_5_text"
     assert (config.model_type, config.rotary_dim, config.rope_theta, config.num_state_layers) == (kind, 4, 1e7, 1)
-    llm = LLM(str(tmp_path), kv_capacity_tokens=512)
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
-    assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 16) for ids in PROMPTS]
+    assert_gives_the_greedy_tokens_of(model, tmp_path)
 
 
 @pytest.mark.parametrize("experts", [0, 8], ids=["GLM-4.1V", "GLM-4.5V"])
@@ -425,7 +422,4 @@ def test_glm_vs_language_model_gives_transformers_greedy_tokens(tmp_path, expert
                                                                                              "attention_bias")}}  # fmt: skip
     filled = type(model.config)(**{k: v for k, v in sparse.items() if k != "model_type"}).to_dict()
     assert from_hf_config(sparse) == from_hf_config(filled) and from_hf_config(sparse).norm_eps == 1e-5
-    llm = LLM(str(tmp_path), kv_capacity_tokens=512)
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
-    assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, ids, 16) for ids in PROMPTS]
+    assert_gives_the_greedy_tokens_of(model, tmp_path)
