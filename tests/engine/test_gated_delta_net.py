@@ -16,7 +16,14 @@ transformers = pytest.importorskip("transformers")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from hf_models import MAX_TOKENS, PROMPTS, greedy_by_full_forwards, greedy_tokens, hf_cached, save_as_the_hub  # noqa: E402
+from hf_models import (  # noqa: E402
+    MAX_TOKENS,
+    PROMPTS,
+    greedy_by_full_forwards,
+    greedy_tokens,
+    hf_cached,
+    save_as_the_hub,
+)
 from sloserve import LLM  # noqa: E402
 from sloserve.checkpoint import model_spec  # noqa: E402
 from sloserve.checkpoint.config import LINEAR_ATTENTION, from_hf_config  # noqa: E402
@@ -178,9 +185,13 @@ QWEN3_NEXT_80B = {
 
 def _transformers_count(config) -> int:
     """transformers' parameter count of a model of ``config`` (built without memory: the meta device)."""
-    classes = {"qwen3_next": transformers.Qwen3NextForCausalLM, "qwen3_5_text": transformers.Qwen3_5ForCausalLM,
-               "qwen3_5_moe_text": transformers.Qwen3_5MoeForCausalLM, "olmo_hybrid": transformers.OlmoHybridForCausalLM,
-               "kimi_linear": transformers.KimiLinearForCausalLM}  # fmt: skip
+    classes = {
+        "qwen3_next": transformers.Qwen3NextForCausalLM,
+        "qwen3_5_text": transformers.Qwen3_5ForCausalLM,
+        "qwen3_5_moe_text": transformers.Qwen3_5MoeForCausalLM,
+        "olmo_hybrid": transformers.OlmoHybridForCausalLM,
+        "kimi_linear": transformers.KimiLinearForCausalLM,
+    }
     with torch.device("meta"):
         return sum(p.numel() for p in classes[config.model_type](config).parameters())
 
@@ -253,8 +264,8 @@ def test_kimi_linears_config_reads_as_transformers_reads_it():
         3 * 4096 * 3 * 2 + 32 * 128 * 128 * 4
     )
     saved = hf_cached("kimi_linear").config.to_dict()
-    hub = {key: value for key, value in saved.items() if key not in ("layer_types", "linear_head_dim",
-                                                                     "linear_num_heads", "linear_conv_kernel_dim")}  # fmt: skip
+    moved = ("layer_types", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim")  # (to linear_attn_config)
+    hub = {key: value for key, value in saved.items() if key not in moved}
     hub["linear_attn_config"] = {"head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 4,
                                  "full_attn_layers": [2], "kda_layers": [1, 3]}  # fmt: skip
     assert from_hf_config(hub) == from_hf_config(saved)

@@ -278,6 +278,9 @@ MOE_TYPES = tuple(MOE_DEFAULTS)
 QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss", "phi")
 # The OLMo models (their query and key norms over the whole projections)
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe", "olmo_hybrid")
+# The models whose attention output projection has a bias where the q/k/v projections have them
+OUTPUT_BIASED = ("gpt_oss", "exaone4", "exaone_moe", "cohere", "cohere2", "phi", "nemotron", "arcee", "falcon_h1",
+                 *OLMO_TYPES)  # fmt: skip
 # The models whose queries and keys are RMS-normalized (each head: Qwen3's; OLMo's whole projections)
 QK_NORMED = ("qwen3", "qwen3_moe", "lfm2", "lfm2_moe", "lfm3", "exaone4", "exaone_moe", "hunyuan_v1_dense",
              "hunyuan_v1_moe", "apertus", "minimax_m2", *OLMO_TYPES)  # fmt: skip
@@ -302,8 +305,8 @@ DEFAULT_ROPE_PARAMETERS = {
     "gpt_oss": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096, "rope_theta": 150_000.0},
     "ministral3": {"type": "yarn", "rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0,
-                   "original_max_position_embeddings": 16384, "max_position_embeddings": 262144, "beta_fast": 32.0, "beta_slow": 1.0,
-                   "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1},
+                   "original_max_position_embeddings": 16384, "max_position_embeddings": 262144, "beta_fast": 32.0,
+                   "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1},
     "mistral4": {"type": "yarn", "rope_type": "yarn", "rope_theta": 10_000.0, "factor": 128.0,
                  "original_max_position_embeddings": 8192, "max_position_embeddings": 1048576,
                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
@@ -1319,22 +1322,7 @@ def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
     if model_type == "seed_oss":
         output = raw.get("attention_out_bias", False)
     else:
-        output = (
-            model_type
-            in (
-                "gpt_oss",
-                "exaone4",
-                "exaone_moe",
-                "cohere",
-                "cohere2",
-                "phi",
-                "nemotron",
-                "arcee",
-                "falcon_h1",
-                *OLMO_TYPES,
-            )
-            and qkv
-        )
+        output = model_type in OUTPUT_BIASED and qkv
     return {
         "attention_bias": bool(qkv),
         "attention_output_bias": bool(output),
@@ -1380,7 +1368,8 @@ def _granite_swa_layers(
     kinds = raw.get("layer_types") or ["full_attention" if i % 4 == 0 else SLIDING for i in range(layers)]
     if len(kinds) != layers or not set(kinds) <= {"full_attention", SLIDING}:
         raise ConfigError(
-            f"{name}: {raw['model_type']} layer_types must be {layers} entries of full_attention, sliding_attention, got "
+            f"{name}: {raw['model_type']} layer_types must be {layers} entries of full_attention, sliding_attention, "
+            "got "
             f"{kinds!r}"
         )
     thetas = raw.get("layer_rope_theta") or [rope_theta] * layers
@@ -1762,12 +1751,9 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         if kind in GATED_SHARED_EXPERTS
         else 0,
     }
-    if (
-        kind in UNGATED_SHARED_EXPERTS
-    ):  # (its shared MLP, ungated, beside the experts; Granite 4.0's of 1,024 by default)
-        moe["shared_expert_intermediate_size"] = raw.get(
-            "shared_intermediate_size", 1024 * (kind == "granitemoehybrid")
-        )
+    if kind in UNGATED_SHARED_EXPERTS:  # (its shared MLP, ungated, beside the experts; Granite 4.0's 1,024 wide)
+        default = 1024 if kind == "granitemoehybrid" else 0
+        moe["shared_expert_intermediate_size"] = raw.get("shared_intermediate_size", default)
     if kind in DEEPSEEK_ROUTED:  # its shared experts, one MLP (ungated); its routing (moe.DeepseekMoE)
         scaling = raw["routed_scaling_factor"]
         if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not 0 < scaling < float("inf"):
