@@ -7,7 +7,7 @@ request that starts always finds one.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +70,21 @@ class StateMetadata:
     # prefix caching: a prefill's query_start -> (k, slot): the states after its first k tokens (0 < k < its length)
     # saved in that slot too (a save at a chunk's end is the executor's copy after the forward pass)
     saves: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def scan_prefills(self, states: torch.Tensor, scan: Callable[[slice, torch.Tensor | None], torch.Tensor]) -> None:
+        """Run each prefill's recurrence (a Mamba-2 scan, the delta rule) through ``scan(rows, the state before
+        them or None for zeros) -> the state after them``, which writes those rows' outputs: from its slot's state
+        where it goes on from an earlier chunk, in two runs where prefix caching saves the state after its first k
+        tokens (``saves``: that state copied to the saved slot). ``states``: a layer's recurrent states (slots,
+        ...), each prefill's slot left holding its last."""
+        for start, length, slot, goes_on in self.prefills:
+            state = states[slot] if goes_on else None
+            save = self.saves.get(start)
+            if save is not None:
+                k, saved = save
+                state = states[saved] = scan(slice(start, start + k), state)
+                start, length = start + k, length - k
+            states[slot] = scan(slice(start, start + length), state)
 
 
 class StateSlots:

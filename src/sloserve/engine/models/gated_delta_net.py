@@ -110,20 +110,15 @@ def delta_rule(
     meta: StateMetadata,
     states: torch.Tensor,  # (slots, heads, dk, dv) this layer's S of each slot, updated
 ) -> torch.Tensor:  # (T, heads, dv) float32; zeros on rows of no request (padding)
-    """The rule over a step's requests: each prefill in chunks (``chunked_delta_rule``) from zeros or from the state
-    its slot holds (a chunk after others), in two runs where prefix caching saves the state after its first k
-    tokens (``meta.saves``); the decodes one step each, batched. Each slot's state becomes its request's last."""
+    """The rule over a step's requests: each prefill in chunks (``chunked_delta_rule``: ``meta.scan_prefills``), the
+    decodes one step each, batched. Each slot's state becomes its request's last."""
     y = v.new_zeros(v.shape)  # NOTE: zeros: padding rows, of no request, stay finite
-    for start, length, slot, goes_on in meta.prefills:
-        state = states[slot] if goes_on else None
-        save = meta.saves.get(start)
-        bounds = (start, start + length) if save is None else (start, start + save[0], start + length)
-        for first, end in zip(bounds, bounds[1:]):
-            rows = slice(first, end)
-            y[rows], state = chunked_delta_rule(q[rows], k[rows], v[rows], decay[rows], beta[rows], state)
-            if save is not None and end == start + save[0]:
-                states[save[1]] = state
-        states[slot] = state
+
+    def scan(rows: slice, initial: torch.Tensor | None) -> torch.Tensor:
+        y[rows], state = chunked_delta_rule(q[rows], k[rows], v[rows], decay[rows], beta[rows], initial)
+        return state
+
+    meta.scan_prefills(states, scan)
     if meta.decode_slots.numel():
         rows, slots = meta.decode_rows, meta.decode_slots
         y[rows], states[slots] = delta_rule_step(q[rows], k[rows], v[rows], decay[rows], beta[rows], states[slots])

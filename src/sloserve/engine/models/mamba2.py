@@ -94,17 +94,12 @@ class Mamba2Mixer(nn.Module):
         ssm_states = meta.cache.ssm[self.state_index]
         mixed = F.silu(causal_conv(xbc, meta, meta.cache.conv[self.state_index], self.conv1d))  # (T, conv_dim)
         y = torch.zeros_like(z)  # (T, d_inner); NOTE: zeros: padding rows, of no request, stay finite
-        for start, length, slot, goes_on in meta.prefills:
-            rows = slice(start, start + length)
-            initial = ssm_states[slot] if goes_on else None
-            if start in meta.saves:  # (prefix caching: the state after its first k tokens saved too, a scan each)
-                k, saved = meta.saves[start]
-                head, ssm_states[saved] = self._scan(mixed[start : start + k], dt[start : start + k], initial)
-                tail, ssm_states[slot] = self._scan(mixed[start + k : start + length], dt[start + k : start + length],
-                                                    ssm_states[saved])  # fmt: skip
-                y[rows] = torch.cat((head, tail))
-                continue
-            y[rows], ssm_states[slot] = self._scan(mixed[rows], dt[rows], initial)
+
+        def scan(rows: slice, initial: torch.Tensor | None) -> torch.Tensor:
+            y[rows], state = self._scan(mixed[rows], dt[rows], initial)
+            return state
+
+        meta.scan_prefills(ssm_states, scan)
         if meta.decode_slots.numel():
             rows, slots = meta.decode_rows, meta.decode_slots
             y[rows], ssm_states[slots] = self._step(mixed[rows], dt[rows], ssm_states[slots])
