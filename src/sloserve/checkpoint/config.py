@@ -1252,9 +1252,7 @@ def _kimi_linear_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tu
     kinds = raw.get("layer_types")
     if kinds is None:
         kinds = ["full_attention" if i and i % 4 == 0 else LINEAR_ATTENTION for i in range(layers)]
-    known = {LINEAR_ATTENTION, "full_attention"}
-    if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= known:
-        raise ConfigError(f"{name}: layer_types must be {layers} entries of {', '.join(sorted(known))}, got {kinds!r}")
+    kinds = _checked_layer_types(kinds, layers, (LINEAR_ATTENTION, "full_attention"), raw["model_type"], name)
     sizes = {key: raw.get(key) for key in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim")}
     _check_positive_ints(sizes, tuple(sizes), name)
     heads, width = sizes["linear_num_heads"], sizes["linear_head_dim"]
@@ -1262,7 +1260,7 @@ def _kimi_linear_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tu
     kda = {"num_k_heads": heads, "num_v_heads": heads, "head_k_dim": width, "head_v_dim": width,
            "width": sizes["linear_conv_kernel_dim"], "beta_scale": 1.0, "norm_eps": eps,
            "channel_decay": True}  # fmt: skip
-    return tuple(kinds), kda
+    return kinds, kda
 
 
 def _gpt2_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> ModelConfig:
@@ -1366,12 +1364,7 @@ def _granite_swa_layers(
     i % 4 == 0, sliding elsewhere; the window; whether each layer rotates; the rope base). ``layer_rope_theta``
     gives each layer its base, 0 for none (NoPE); the engine runs one base, so the others must agree."""
     kinds = raw.get("layer_types") or ["full_attention" if i % 4 == 0 else SLIDING for i in range(layers)]
-    if len(kinds) != layers or not set(kinds) <= {"full_attention", SLIDING}:
-        raise ConfigError(
-            f"{name}: {raw['model_type']} layer_types must be {layers} entries of full_attention, sliding_attention, "
-            "got "
-            f"{kinds!r}"
-        )
+    kinds = _checked_layer_types(kinds, layers, ("full_attention", SLIDING), raw["model_type"], name)
     thetas = raw.get("layer_rope_theta") or [rope_theta] * layers
     if len(thetas) != layers or not all(isinstance(t, (int, float)) and t >= 0 for t in thetas):
         raise ConfigError(f"{name}: layer_rope_theta must be {layers} numbers >= 0, got {thetas!r}")
@@ -1379,7 +1372,7 @@ def _granite_swa_layers(
     if len(bases) > 1:
         raise ConfigError(f"{name}: layer_rope_theta with more than one rope base ({bases}) is not supported")
     window = raw.get("sliding_window", 128)
-    return tuple(kinds), window, [bool(t) for t in thetas], bases[0] if bases else rope_theta
+    return kinds, window, [bool(t) for t in thetas], bases[0] if bases else rope_theta
 
 
 def _lfm2_layers(
@@ -1400,10 +1393,7 @@ def _lfm2_layers(
         attending = raw.get("full_attn_idxs")
         attending = range(layers) if attending is None else attending
         kinds = ["full_attention" if i in attending else SHORT_CONV for i in range(layers)]
-    if len(kinds) != layers or not set(kinds) <= known:
-        raise ConfigError(
-            f"{name}: {model_type} layer_types must be {layers} entries of {', '.join(sorted(known))}, got {kinds!r}"
-        )
+    kinds = _checked_layer_types(kinds, layers, known, model_type, name)
     intermediate = raw.get("intermediate_size")
     if not isinstance(intermediate, int) or intermediate < 1:
         raise ConfigError(
@@ -1419,7 +1409,7 @@ def _lfm2_layers(
     width = raw.get("conv_L_cache", 7 if model_type == "lfm3" else 3)  # (transformers' defaults)
     _check_positive_ints({"conv_L_cache": width}, ("conv_L_cache",), name)
     short_conv = {"width": width, "bias": bool(raw.get("conv_bias", False))}
-    return tuple(kinds), intermediate, short_conv if SHORT_CONV in kinds else None
+    return kinds, intermediate, short_conv if SHORT_CONV in kinds else None
 
 
 def _gated_delta_net_layers(
@@ -1439,9 +1429,7 @@ def _gated_delta_net_layers(
         kinds = [LINEAR_ATTENTION if (i + 1) % interval else "full_attention" for i in range(layers)]
         if olmo and "full_attention" not in kinds:
             kinds[-1] = "full_attention"
-    known = {LINEAR_ATTENTION, "full_attention"}
-    if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= known:
-        raise ConfigError(f"{name}: layer_types must be {layers} entries of {', '.join(sorted(known))}, got {kinds!r}")
+    kinds = _checked_layer_types(kinds, layers, (LINEAR_ATTENTION, "full_attention"), model_type, name)
     sizes = {"num_k_heads": "linear_num_key_heads", "num_v_heads": "linear_num_value_heads",
              "head_k_dim": "linear_key_head_dim", "head_v_dim": "linear_value_head_dim",
              "width": "linear_conv_kernel_dim"}  # fmt: skip
@@ -1464,7 +1452,17 @@ def _gated_delta_net_layers(
         raise ConfigError(
             f"{name}: linear_num_key_heads {net['num_k_heads']} must divide linear_num_value_heads {net['num_v_heads']}"
         )
-    return tuple(kinds), net
+    return kinds, net
+
+
+def _checked_layer_types(kinds: Any, layers: int, known, model_type: str, name: str) -> tuple[str, ...]:
+    """A config's ``layer_types`` (``kinds``): ``layers`` entries, each one of ``known``; else a ConfigError naming
+    them."""
+    if not isinstance(kinds, (list, tuple)) or len(kinds) != layers or not set(kinds) <= set(known):
+        raise ConfigError(
+            f"{name}: {model_type} layer_types must be {layers} entries of {', '.join(sorted(known))}, got {kinds!r}"
+        )
+    return tuple(kinds)
 
 
 def _bamba_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tuple[str, ...], dict[str, Any] | None]:
