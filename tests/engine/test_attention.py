@@ -15,9 +15,12 @@ from attention_steps import make_step  # noqa: E402
 from sloserve.engine.attention import DECODE_PAD_LIMIT, AttentionMetadata, TorchAttention  # noqa: E402
 
 
-def attention_by_definition(q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+def attention_by_definition(
+    q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int | None = None, chunk: int | None = None
+) -> torch.Tensor:
     """softmax(q K^T / sqrt(d)) V per sequence and head, one query token at a time, in float64:
-    query i of a c-token chunk over n context tokens sees keys 0..n - c + i; head h reads KV head
+    query i of a c-token chunk over n context tokens sits at position p = n - c + i and sees keys 0..p (within a
+    ``window``: p - window + 1..p; within ``chunk``s: p // chunk * chunk..p); head h reads KV head
     h // (heads per KV head)."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     k_cache[meta.slot_mapping], v_cache[meta.slot_mapping] = k, v
@@ -29,10 +32,12 @@ def attention_by_definition(q, k, v, k_cache, v_cache, meta: AttentionMetadata) 
     for start, c, context in seqs:
         n = context.numel()
         for i in range(c):
+            p = n - c + i
+            first = max(0, p - window + 1) if window else p // chunk * chunk if chunk else 0
             for h in range(q.shape[1]):
                 keys, values = (
-                    k_cache[context[: n - c + i + 1], h // group],
-                    v_cache[context[: n - c + i + 1], h // group],
+                    k_cache[context[first : p + 1], h // group],
+                    v_cache[context[first : p + 1], h // group],
                 )
                 weights = torch.softmax(keys @ q[start + i, h] / math.sqrt(q.shape[2]), dim=0)
                 out[start + i, h] = weights @ values
@@ -54,6 +59,27 @@ def test_reference_is_attention_by_definition(heads, prefills, decodes, seed):
     q, k, v, k_cache, v_cache, meta = step
     expected = attention_by_definition(*step)
     out = TorchAttention().forward(q, k, v, k_cache, v_cache, meta)
+    assert torch.allclose(out, expected, rtol=1e-10, atol=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    prefills=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12)), max_size=2),
+    decodes=st.lists(st.integers(0, 60), max_size=8),
+    local=st.tuples(st.sampled_from(["window", "chunk"]), st.integers(1, 20)),
+    seed=st.integers(0, 2**16),
+)
+def test_sliding_windows_and_chunks_are_attention_by_definition(prefills, decodes, local, seed):
+    """A sliding-window layer's queries see their last ``window`` positions; a chunked layer's (Llama 4's local
+    layers) the earlier positions of their own chunk: chunks after cached context and decodes, each position in
+    a chunk or window of any length."""
+    if not prefills and not decodes:
+        return
+    step = make_step(torch.Generator().manual_seed(seed), 4, 2, 8, prefills, decodes, num_slots=1200)
+    q, k, v, k_cache, v_cache, meta = step
+    option = {local[0]: local[1]}
+    expected = attention_by_definition(*step, **option)
+    out = TorchAttention().forward(q, k, v, k_cache, v_cache, meta, **option)
     assert torch.allclose(out, expected, rtol=1e-10, atol=1e-12)
 
 

@@ -81,7 +81,7 @@ def test_a_step_attends_alike_by_head_and_over_the_latent(hf_dirs):
         ("the prompt by head", replace(rule, saved_flops_per_pair=5, flops_per_key=27)),
     ]:
         attn.prefills_by_head = taken
-        step = replace(meta, _windowed={}, _fresh={}, _apart={})
+        step = replace(meta, _local={}, _fresh={}, _apart={})
         by_head, rest = step.prefills_apart(taken)
         outputs[name] = attn.attend(q, k, None, cache.clone(), None, step)  # (17, nh, values)
         seen = [seq.query_start for seq in rest.prefills]

@@ -63,6 +63,7 @@ def check_against_reference(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     value_dim: int | None = None,
+    chunk: int | None = None,
 ) -> float:
     """Run the Triton backend on ``step`` cast to ``dtype``; assert its cache writes are the
     reference's and return its relative error against the float64 reference. ``value_dim``: keys only
@@ -71,7 +72,7 @@ def check_against_reference(
     if value_dim is not None:
         v = v_cache = None
     ref_k_cache, ref_v_cache = k_cache.clone(), _clone(v_cache)
-    options = dict(scale=scale, window=window, softcap=softcap, value_dim=value_dim)
+    options = dict(scale=scale, window=window, softcap=softcap, value_dim=value_dim, chunk=chunk)
     ref = TorchAttention().forward(q, k, v, ref_k_cache, ref_v_cache, meta, **options, sinks=sinks)
     k_dev, v_dev = k_cache.to(DEVICE, dtype), _to_device(v_cache, dtype)
     # Poison the output: a row no kernel writes stays NaN and fails the comparison.
@@ -188,12 +189,14 @@ def test_decodes_split_over_their_context(monkeypatch, splits, heads, dtype):
     assert check_against_reference(monkeypatch, step, dtype, block=32, splits=splits) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("window", [1, 40, 300])
-def test_split_decodes_in_a_sliding_window(monkeypatch, window):
-    """Splits start at the window's first tile: none reads a key outside it."""
-    gen = torch.Generator().manual_seed(window)
-    step = make_step(gen, 4, 2, 32, [], [3, 130, 700], num_slots=1000)
-    error = check_against_reference(monkeypatch, step, torch.float32, block=16, window=window, splits=4)
+@pytest.mark.parametrize("local", [("window", 1), ("window", 40), ("window", 300), ("chunk", 1), ("chunk", 64),
+                                   ("chunk", 100), ("chunk", 1000)], ids=str)  # fmt: skip
+def test_split_decodes_in_a_sliding_window_or_a_chunk(monkeypatch, local):
+    """Splits start at the first tile of the window, or of the decode's chunk (Llama 4's local layers): none
+    reads a key outside it. Decodes first in their chunk, last in it, inside one; a chunk longer than all."""
+    gen = torch.Generator().manual_seed(local[1])
+    step = make_step(gen, 4, 2, 32, [], [3, 130, 700, 63, 64, 199], num_slots=1400)
+    error = check_against_reference(monkeypatch, step, torch.float32, block=16, splits=4, **dict([local]))
     assert error < TOLERANCE[torch.float32]
 
 
@@ -217,12 +220,14 @@ def test_fresh_prompts_attend_densely_beside_the_kernels(monkeypatch, heads, dty
     assert sorted(dense_calls) == [40, 90] and error < TOLERANCE[dtype]
 
 
-def test_a_sliding_window_layer_keeps_the_kernel_for_fresh_prompts(monkeypatch):
-    """SDPA's causal mask has no window: a local layer's prompts go to the prefill kernel."""
+@pytest.mark.parametrize("local", [("window", 20), ("chunk", 20), ("chunk", 32)], ids=str)
+def test_a_sliding_window_or_chunked_layer_keeps_the_kernel_for_fresh_prompts(monkeypatch, local):
+    """SDPA's causal mask has no window and no chunks: a local layer's prompts go to the prefill kernel (chunks
+    that start inside a tile and at its start; a chunk after cached tokens that starts inside a chunk)."""
     gen = torch.Generator().manual_seed(5)
-    step = make_step(gen, 4, 2, 32, [(0, 60)], [], num_slots=200)
+    step = make_step(gen, 4, 2, 32, [(0, 60), (45, 30)], [], num_slots=200)
     monkeypatch.setattr(triton_attention, "_dense_causal", None)  # (a call would fail)
-    error = check_against_reference(monkeypatch, step, torch.float32, block=16, window=20, dense_from=16)
+    error = check_against_reference(monkeypatch, step, torch.float32, block=16, dense_from=16, **dict([local]))
     assert error < TOLERANCE[torch.float32]
 
 
@@ -371,16 +376,18 @@ def test_mla_decodes_split_by_the_programs_their_heads_take(monkeypatch):
     prefills=st.lists(st.tuples(st.integers(0, 64), st.integers(1, 48)), max_size=3),
     decodes=st.lists(st.integers(0, 100), max_size=4),
     block=st.sampled_from([16, 32]),
-    window=st.one_of(st.none(), st.integers(1, 80)),
+    local=st.one_of(st.none(), st.tuples(st.sampled_from(["window", "chunk"]), st.integers(1, 80))),
     splits=st.sampled_from([None, 1, 2, 5]),
     seed=st.integers(0, 2**16),
 )
-def test_any_step_matches_the_reference(heads, head_dim, prefills, decodes, block, window, splits, seed):
+def test_any_step_matches_the_reference(heads, head_dim, prefills, decodes, block, local, splits, seed):
+    """Any step, in a sliding window or chunks (Llama 4's local layers) of any length, or neither."""
     if not prefills and not decodes:
         return
+    option = {} if local is None else {local[0]: local[1]}
     with pytest.MonkeyPatch.context() as monkeypatch:
         step = make_step(torch.Generator().manual_seed(seed), *heads, head_dim, prefills, decodes, num_slots=800)
-        error = check_against_reference(monkeypatch, step, torch.float32, block, window=window, splits=splits)
+        error = check_against_reference(monkeypatch, step, torch.float32, block, splits=splits, **option)
         assert error < TOLERANCE[torch.float32]
 
 

@@ -16,8 +16,10 @@ A layer may scale scores other than by 1/sqrt(head_dim) (``scale``: Gemma's quer
 cap them (``softcap``: Gemma 2's, softcap * tanh(score / softcap) before the softmax), add a logit per
 head to each query's softmax (``sinks``: gpt-oss's attention sinks, keys with no value that take a share
 of the probability) and see only the last ``window`` positions (a sliding-window layer: the query at
-position p reads keys p - window + 1 .. p, as transformers' sliding-window mask). NOTE: the reference
-gathers only those keys: the KV outside a layer's window is never read.
+position p reads keys p - window + 1 .. p, as transformers' sliding-window mask) or only those of its
+``chunk`` (Llama 4's chunked local attention: the positions cut in chunks of ``chunk``, the query at p reads
+keys p - p % chunk .. p, as transformers' chunked mask). NOTE: the reference gathers only those keys: the
+KV outside a layer's window or chunk is never read.
 
 ``TritonAttention`` (``triton_attention``) runs the same function as Triton kernels on CUDA (and long
 prompts with nothing cached as one dense causal call each, where its setting says so).
@@ -87,7 +89,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # (num_decodes,) context tokens (cached + the new one)
     # the requests' states, for a model with Mamba-2 or short-convolution layers (engine/state_cache.py)
     states: StateMetadata | None = None
-    _windowed: dict[int, list[DecodeGroup]] = field(default_factory=dict, repr=False)
+    _local: dict[tuple[int | None, int | None], list[DecodeGroup]] = field(default_factory=dict, repr=False)
     _fresh: dict[int, tuple[list[PrefillSeq], PackedPrefills | None]] = field(default_factory=dict, repr=False)
     _apart: dict[Hashable, tuple[list[PrefillSeq], AttentionMetadata]] = field(default_factory=dict, repr=False)
 
@@ -122,21 +124,23 @@ class AttentionMetadata:
             )
         return out
 
-    def windowed_decode_groups(self, window: int) -> list[DecodeGroup]:
-        """``decode_groups`` that read each decode's last ``window`` context tokens only (a sliding-window
-        layer's), built once per step and window."""
-        groups = self._windowed.get(window)
+    def local_decode_groups(self, window: int | None, chunk: int | None) -> list[DecodeGroup]:
+        """``decode_groups`` that read only the context tokens each decode sees: its last ``window`` (a
+        sliding-window layer's) or those of its ``chunk`` (a chunked layer's; one of the two), built once per
+        step and layer kind."""
+        groups = self._local.get((window, chunk))
         if groups is None:
             groups = []
             for batch in self.decode_groups:
-                lengths = self.decode_context_lens[batch.rows]  # (b,)
+                lengths = self.decode_context_lens[batch.rows]  # (b,) the decode sits at position length - 1
                 longest = batch.slots.shape[1]
-                offsets = torch.arange(min(window, longest), device=lengths.device)  # (W,)
-                index = (lengths - window).clamp(min=0)[:, None] + offsets  # (b, W) context positions read
+                first = (lengths - window).clamp(min=0) if window else (lengths - 1) // chunk * chunk  # (b,)
+                offsets = torch.arange(min(window or chunk, longest), device=lengths.device)  # (W,)
+                index = first[:, None] + offsets  # (b, W) context positions read
                 valid = index < lengths[:, None]
                 slots = batch.slots.gather(1, index.clamp(max=longest - 1))
                 groups.append(DecodeGroup(batch.rows, batch.token_index, slots, valid[:, None, None, :]))
-            self._windowed[window] = groups
+            self._local[(window, chunk)] = groups
         return groups
 
     @cached_property
@@ -217,9 +221,11 @@ class AttentionBackend(ABC):
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,  # (num_heads,)
         value_dim: int | None = None,
+        chunk: int | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim | value_dim)
         """``scale``: of the scores (None: 1/sqrt(head_dim)); ``window``: the positions a query sees,
-        its own included (None: every earlier one); ``softcap``: scaled scores capped to (-softcap,
+        its own included (None: every earlier one); ``chunk``: the length of the chunks the positions are cut
+        in, a query seeing the earlier positions of its own only (None: not cut; never with a window); ``softcap``: scaled scores capped to (-softcap,
         softcap) by softcap * tanh(score / softcap) (None: not); ``sinks``: a logit per head that joins
         the softmax of each of its queries' scores, with no value (None: none); ``value_dim``: keys-only
         attention (MLA's latent): ``v`` and ``v_cache`` are None and a key's first ``value_dim`` numbers
@@ -280,17 +286,33 @@ def attend(query, keys, values, mask, scale: float | None, softcap: float | None
     return torch.cat(out, dim=-2)
 
 
+def first_visible(position: int, window: int | None, chunk: int | None) -> int:
+    """The first key a query at ``position`` sees: within a ``window`` position - window + 1, within a ``chunk``
+    its chunk's first position, else 0."""
+    if window is not None:
+        return max(0, position - window + 1)
+    return 0 if chunk is None else position - position % chunk
+
+
 def causal_mask(
-    query_len: int, context_len: int, device: torch.device, first: int = 0, window: int | None = None
+    query_len: int,
+    context_len: int,
+    device: torch.device,
+    first: int = 0,
+    window: int | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:  # (c, n - first) bool
     """Which of a context's keys ``first`` .. n - 1 each of its last c tokens sees: query i sits at position
-    n - c + i and sees keys 0 .. n - c + i (bottom-right causal), within a ``window`` the last ``window`` of them."""
+    n - c + i and sees keys 0 .. n - c + i (bottom-right causal), within a ``window`` the last ``window`` of them,
+    within a ``chunk`` those of its chunk."""
     c, n = query_len, context_len
     rows = torch.arange(c, device=device).unsqueeze(1) + (n - c)  # (c, 1)
     positions = torch.arange(first, n, device=device).unsqueeze(0)  # (1, n - first)
     mask = positions <= rows
     if window is not None:
         mask &= positions > rows - window
+    if chunk is not None:
+        mask &= positions >= rows - rows % chunk
     return mask
 
 
@@ -305,9 +327,22 @@ class TorchAttention(AttentionBackend):
     name = "torch"
 
     def forward(
-        self, q, k, v, k_cache, v_cache, meta, scale=None, window=None, softcap=None, sinks=None, value_dim=None
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta,
+        scale=None,
+        window=None,
+        softcap=None,
+        sinks=None,
+        value_dim=None,
+        chunk=None,
     ):
         write_kv(k, v, k_cache, v_cache, meta)
+        local = window is not None or chunk is not None
         out = q.new_empty((*q.shape[:2], value_dim or v_cache.shape[-1]))
         group = q.shape[1] // k.shape[1]
         nkv = k.shape[1]
@@ -316,8 +351,8 @@ class TorchAttention(AttentionBackend):
         for seq in meta.prefills:
             s, c = seq.query_start, seq.query_len
             n = seq.context_slots.numel()  # context length; the first n - c tokens were cached
-            # A window: the keys before the first query's window are not read
-            first = 0 if window is None else max(0, n - c - window + 1)
+            # A window or a chunk: the keys before the first query's first are not read
+            first = first_visible(n - c, window, chunk)
             slots = seq.context_slots[first:]
             # NOTE: 4-D inputs (a batch of one): on the CPU, SDPA takes its flash kernel for 4-D inputs
             # but the math path for 3-D ones, which builds the whole c x n score matrix (9x slower at
@@ -328,13 +363,13 @@ class TorchAttention(AttentionBackend):
             else:  # (the keys' first numbers: gathered once)
                 values = keys[..., :value_dim]
             query = q[s : s + c].transpose(0, 1)[None]  # (1, nh, c, hd)
-            if n == c and window is None:  # nothing cached: both alignments agree, and SDPA skips masked tiles
+            if n == c and not local:  # nothing cached: both alignments agree, and SDPA skips masked tiles
                 attended = attend(query, keys, values, None, scale, softcap, head_sinks)
             else:
-                mask = causal_mask(c, n, q.device, first, window)
+                mask = causal_mask(c, n, q.device, first, window, chunk)
                 attended = attend(query, keys, values, mask, scale, softcap, head_sinks)
             out[s : s + c] = attended[0].transpose(0, 1)
-        for batch in meta.decode_groups if window is None else meta.windowed_decode_groups(window):
+        for batch in meta.local_decode_groups(window, chunk) if local else meta.decode_groups:
             keys = gather_kv(k_cache, batch.slots).permute(0, 2, 1, 3)  # (b, nkv, L, hd)
             if value_dim is None:
                 values = gather_kv(v_cache, batch.slots).permute(0, 2, 1, 3)  # (b, nkv, L, hd)

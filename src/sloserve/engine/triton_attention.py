@@ -21,7 +21,8 @@ bidirectional) works unchanged, as with the PyTorch reference (``attention.Torch
 
 A sliding-window layer (``window``: Gemma 3's local layers) reads from the first tile that holds a key
 inside the window: the decode kernel from ``context_len - window``, the prefill kernel from its
-tile's first row's window, with every tile masked. gpt-oss's sinks (``SINKS``: a logit per head in
+tile's first row's window, with every tile masked; a chunked layer (``chunk``: Llama 4's local layers, a
+query at p sees p - p % chunk .. p) from its chunk's start, the same way. gpt-oss's sinks (``SINKS``: a logit per head in
 each query's softmax, with no value) start the running sums as a key would (m = the sink, l = 1): in
 the prefill kernel, and in the first split of a decode.
 
@@ -236,6 +237,7 @@ def _decode_kernel(
     stride_table_row,
     qk_scale,  # softmax scale * log2(e) (with SOFTCAP: softmax scale / softcap)
     window,  # positions a query sees, its own included (0: all)
+    chunk,  # the chunks' length: a query sees its own chunk's keys only (0: not chunked)
     softcap_log2,  # softcap * log2(e) (SOFTCAP only)
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_H: tl.constexpr,  # of them in one program: a power of two >= 16
@@ -270,8 +272,10 @@ def _decode_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, VALUE_DIM_PAD], tl.float32)
-    # A sliding window: the keys before context_len - window are not read
+    # A sliding window: the keys before context_len - window are not read; a chunk: those before the
+    # chunk of the decode's position, context_len - 1
     lo = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)
+    lo = tl.where(chunk > 0, (context_len - 1) // tl.maximum(chunk, 1) * chunk, lo)
     # This split's tiles: the context from lo's tile on, cut into NUM_SPLITS runs of whole tiles.
     # NOTE: split 0 always holds the first tile, so every decode's combined sum l is > 0; a split past
     # a short context reads nothing and leaves m = -inf, l = 0 (a weight of 0 when combined).
@@ -380,6 +384,7 @@ def _prefill_kernel(
     stride_o_head,
     qk_scale,  # softmax scale * log2(e) (with SOFTCAP: softmax scale / softcap)
     window,  # positions a query sees, its own included (0: all)
+    chunk,  # the chunks' length: a query sees its own chunk's keys only (0: not chunked)
     softcap_log2,  # softcap * log2(e) (SOFTCAP only)
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,  # (as in the decode kernel)
@@ -422,11 +427,13 @@ def _prefill_kernel(
     # need the causal mask). NOTE: full is a multiple of BLOCK_N and at most the context length (the
     # first row's position is inside the context), so the unmasked loads stay inside the slot list.
     full = tl.minimum((context_len - query_len + tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, end)
-    # A sliding window: keys before the first row's window are not read, and every tile is masked
-    # (a key visible to the tile's last row may be out of its first row's window)
-    first = tl.where(window > 0, tl.maximum(context_len - query_len + tile * BLOCK_M - window + 1, 0), 0)
+    # A sliding window or a chunk: keys before the first row's first are not read, and every tile is masked
+    # (a key visible to the tile's last row may be out of its first row's window or chunk)
+    first_row = context_len - query_len + tile * BLOCK_M
+    first = tl.where(window > 0, tl.maximum(first_row - window + 1, 0), 0)
+    first = tl.where(chunk > 0, first_row - first_row % tl.maximum(chunk, 1), first)
     first = first // BLOCK_N * BLOCK_N
-    full = tl.where(window > 0, first, full)
+    full = tl.where((window > 0) | (chunk > 0), first, full)
     if SINKS:  # the sink, a key with no value, starts the sums: m = its logit, l = exp2(0) = 1
         m_i = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(sinks_ptr + head)
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
@@ -471,6 +478,7 @@ def _prefill_kernel(
         slots = tl.load(slots_ptr + slot_start + n, mask=n_ok, other=0)  # (BLOCK_N,)
         visible = (n[None, :] <= positions[:, None]) & n_ok[None, :]  # (BLOCK_M, BLOCK_N) causal
         visible &= (window == 0) | (n[None, :] > positions[:, None] - window)
+        visible &= (chunk == 0) | (n[None, :] >= positions[:, None] - positions[:, None] % tl.maximum(chunk, 1))
         acc, m_i, l_i = _attend_tile(
             q,
             q_tail,
@@ -607,7 +615,19 @@ class TritonAttention(AttentionBackend):
         self.dense_prefill_sdpa = dense_prefill_sdpa
 
     def forward(
-        self, q, k, v, k_cache, v_cache, meta, scale=None, window=None, softcap=None, sinks=None, value_dim=None
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta,
+        scale=None,
+        window=None,
+        softcap=None,
+        sinks=None,
+        value_dim=None,
+        chunk=None,
     ):
         write_kv(k, v, k_cache, v_cache, meta)
         q = _last_dim_contiguous(q)
@@ -631,9 +651,9 @@ class TritonAttention(AttentionBackend):
         softcap_log2 = 0.0 if softcap is None else softcap * LOG2E
         precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 only matters for float32
         packed = None
-        # (SDPA has no cap and no sinks; MLA's prefills keep the kernel, where its keys are read once)
+        # (SDPA has no cap, sinks, window or chunks; MLA's prefills keep the kernel, where its keys are read once)
         dense = self.dense_prefill_min_tokens is not None and window is None and softcap is None and sinks is None
-        dense = dense and not values_in_keys
+        dense = dense and chunk is None and not values_in_keys
         sinks_log2 = out if sinks is None else sinks.float() * LOG2E  # (nh,) (unread without sinks)
         if meta.prefills and dense:
             fresh, packed = meta.fresh_prefills(self.dense_prefill_min_tokens)
@@ -666,6 +686,7 @@ class TritonAttention(AttentionBackend):
                 out.stride(1),
                 qk_scale,
                 window or 0,
+                chunk or 0,
                 softcap_log2,
                 GROUP=group,
                 HEAD_DIM=head_dim,
@@ -717,6 +738,7 @@ class TritonAttention(AttentionBackend):
                 table.stride(0),
                 qk_scale,
                 window or 0,
+                chunk or 0,
                 softcap_log2,
                 GROUP=group,
                 BLOCK_H=block_h,
