@@ -30,7 +30,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "granitemoehybrid_moe": 47, "granite_4_h": 48, "nemotron_h": 49, "bamba": 50, "nemotron_h_moe": 51,
          "falcon_h1": 52, "falcon_h1_norm": 53, "lfm2": 54, "lfm2_moe": 55, "lfm3": 56, "granite_swa": 57, "mistral4": 58, "glm4_moe_lite": 59, "minimax_m2": 60,
          "qwen3_next": 61, "qwen3_5": 62, "qwen3_5_moe": 63, "olmo_hybrid": 64, "kimi_linear": 65,
-         "exaone_moe": 66, "granitemoeshared": 67, "granitemoe_swa": 68}  # fmt: skip
+         "exaone_moe": 66, "granitemoeshared": 67, "granitemoe_swa": 68, "llama4": 69, "llama4_maverick": 70}  # fmt: skip
 # The models of delta-rule layers (their decays made mild: states that last past a chunk)
 DELTA_RULE_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
@@ -395,6 +395,21 @@ def hf_model(arch: str):
             initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         )  # fmt: skip
         cls = transformers.ExaoneMoeForCausalLM
+    elif arch in ("llama4", "llama4_maverick"):
+        # Llama 4's outline: three layers of four rotated (adjacent pairs) and chunked (chunks of 8: most prompts span
+        # several), the fourth unrotated, its queries scaled past position 2 (floor_scale 4); Scout's: every MLP experts
+        # (4, 1 a token) beside a shared one, queries and keys normalized; Maverick's: every other MLP dense, no norms
+        # (and 2 experts a token here, where Maverick routes to 1)
+        maverick = arch == "llama4_maverick"
+        config = transformers.Llama4TextConfig(
+            **{**common, "num_hidden_layers": 4}, num_key_value_heads=2, head_dim=16, intermediate_size=48,
+            intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=2 if maverick else 1,
+            interleave_moe_layer_step=2 if maverick else 1, use_qk_norm=not maverick, attention_chunk_size=8,
+            floor_scale=4, attn_scale=0.5, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+            "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        cls = transformers.Llama4ForCausalLM
     elif arch == "kimi_linear":  # Kimi Linear's outline: KDA layers around an MLA one (no rope), a dense MLP, experts
         config = transformers.KimiLinearConfig(
             **{**common, "num_hidden_layers": 3}, intermediate_size=96, moe_intermediate_size=16, num_local_experts=8,

@@ -27,7 +27,7 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "nemotron", "arcee", "granitemoe", "hunyuan", "glm4_moe", "ernie4_5_moe",
                        "apertus", "hunyuan_moe", "granitemoehybrid", "granitemoehybrid_moe", "granite_swa",
                        "mistral4", "glm4_moe_lite", "minimax_m2", "exaone_moe", "granitemoeshared",
-                       "granitemoe_swa"]  # fmt: skip
+                       "granitemoe_swa", "llama4", "llama4_maverick"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)
@@ -134,13 +134,14 @@ def test_gpt_neox_one_after_the_other_and_the_hubs_config_names(tmp_path):
 
 
 LOGPROB_CHECKED = ["gpt2", "phi", "starcoder2", "deepseek_v2", "deepseek_v3", "nemotron", "olmo", "hunyuan",
-                   "glm4_moe", "ernie4_5_moe", "apertus", "hunyuan_moe"]  # fmt: skip
+                   "glm4_moe", "ernie4_5_moe", "apertus", "hunyuan_moe", "llama4", "llama4_maverick"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", LOGPROB_CHECKED)
 def test_prompt_logprobs_are_transformers(hf_dirs, arch):
     """The scores of the models that came with the GELU MLPs, MLA and since to 1e-4: greedy tokens alone would not
-    tell GELU by tanh's approximation (``gelu_new``) from the exact one, or DeepSeek's YaRN softmax scale from none."""
+    tell GELU by tanh's approximation (``gelu_new``) from the exact one, DeepSeek's YaRN softmax scale from none, or
+    Llama 4's query scale from position p + 1 from one from p."""
     from hf_models import prompt_logprobs
 
     ids = PROMPTS[2]
@@ -431,6 +432,65 @@ def test_k_exaones_checkpoint_as_the_hub_writes_it(hf_dirs, tmp_path):
     safetensors_torch.save_file(weights, str(path))
     tokens, _ = greedy_tokens(str(tmp_path / "hub"), "vllm")
     assert tokens == reference("exaone_moe")
+
+
+def test_llama_4s_layers_and_experts_as_its_configs_say():
+    """Llama 4 Scout's shape (transformers' defaults): three layers of four chunked (8,192) and rotated, the fourth
+    neither, experts in every layer; Maverick's: 128 experts every other layer, no query and key norms. Both count
+    transformers' parameters. What the Hub's configs write: no_rope_layers [] (transformers' pattern) and
+    attn_temperature_tuning 4 (true); a null chunk size (no chunked layer), experts at moe_layers; bad ones refused by
+    name."""
+    from sloserve.checkpoint.config import CHUNKED, from_hf_config
+
+    def count(config) -> int:
+        with torch.device("meta"):
+            return sum(p.numel() for p in transformers.Llama4ForCausalLM(config).parameters())
+
+    scout = transformers.Llama4TextConfig()
+    config = from_hf_config(scout.to_dict())
+    assert config.layer_types[:4] == (CHUNKED, CHUNKED, CHUNKED, "full_attention")
+    assert config.attention_chunk_size == 8192
+    assert config.rotary_layers[:4] == (True, True, True, False) and config.rotary_interleaved
+    assert all(config.moe["moe_layers"]) and config.moe["num_experts_per_tok"] == 1
+    assert (config.intermediate_size, config.moe["moe_intermediate_size"]) == (16384, 8192)
+    assert (config.qk_unweighted_norm, config.attn_scale, config.floor_scale) == (True, 0.1, 8192)
+    assert config.num_params == count(scout)  # (107,769,861,120: Scout's 109B less its vision model)
+    maverick = transformers.Llama4TextConfig(interleave_moe_layer_step=2, num_local_experts=128, use_qk_norm=False)
+    config = from_hf_config(maverick.to_dict())
+    assert config.moe["moe_layers"][:4] == (False, True, False, True) and not config.qk_unweighted_norm
+    assert config.num_params == count(maverick)
+    raw = scout.to_dict()
+    hub = from_hf_config({**raw, "layer_types": None, "no_rope_layers": [], "attn_temperature_tuning": 4})
+    assert hub == from_hf_config(raw)
+    unchunked = from_hf_config({**raw, "layer_types": None, "attention_chunk_size": None})
+    assert CHUNKED not in unchunked.layer_types and unchunked.attention_chunk_size is None
+    assert from_hf_config({**raw, "attn_temperature_tuning": False}).attn_scale is None
+    listed = from_hf_config({**raw, "moe_layers": [1, 3], "interleave_moe_layer_step": 5})
+    assert [i for i, moe in enumerate(listed.moe["moe_layers"]) if moe] == [1, 3]
+    with pytest.raises(ConfigError, match=r"no_rope_layers must be 48 flags of 0 or 1, got \[1, 2\]"):
+        from_hf_config({**raw, "no_rope_layers": [1, 2]})
+    with pytest.raises(ConfigError, match=r"moe_layers must be layer indices below 48, got \[48\]"):
+        from_hf_config({**raw, "moe_layers": [48]})
+    with pytest.raises(ConfigError, match="attention_chunk_size must be a positive integer, got 0"):
+        from_hf_config({**raw, "attention_chunk_size": 0})
+
+
+def test_llama_4s_experts_load_as_transformers_holds_them_whatever_their_shape(hf_dirs, tmp_path):
+    """Llama 4's stacked experts are (E, inputs, outputs) as transformers multiplies by them: transposed as they load
+    even where the gate and up projections' are square (2 x 32 wide, in a model 64 wide), where their shape could
+    not tell."""
+    from hf_models import MAX_TOKENS, greedy
+
+    config = hf_cached("llama4").config
+    torch.manual_seed(3)
+    model = transformers.Llama4ForCausalLM(type(config)(**{**config.to_dict(), "intermediate_size": 32})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2) if p.ndim > 1 else p.mul_(1 + 0.1 * torch.randn_like(p))
+    assert model.model.layers[0].feed_forward.experts.gate_up_proj.shape == (4, 64, 64)
+    model.save_pretrained(tmp_path)
+    tokens, _ = greedy_tokens(str(tmp_path), "vllm")
+    assert tokens == [greedy(model, ids, n) for ids, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
 
 
 @pytest.mark.parametrize(

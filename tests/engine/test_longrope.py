@@ -71,7 +71,7 @@ def test_one_loaded_model_serves_one_set_of_factors(phi4_mini):
     loaded = load_model(str(path))
     LLMEngine(loaded, max_model_len=64, kv_capacity_tokens=256)
     LLMEngine(loaded, max_model_len=32, kv_capacity_tokens=256)  # the short factors too
-    with pytest.raises(ConfigError, match="serves contexts of 32 tokens with LongRoPE's short factors .*load it again"):
+    with pytest.raises(ConfigError, match="serves contexts of 64 tokens with LongRoPE's short factors .*load it again"):
         LLMEngine(loaded, max_model_len=65, kv_capacity_tokens=256)
 
 

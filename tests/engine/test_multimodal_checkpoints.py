@@ -265,10 +265,10 @@ def test_a_multimodal_config_without_its_text_config_is_refused(tmp_path):
 
 def test_a_multimodal_checkpoints_unsupported_language_model_is_refused_by_name(tmp_path):
     """A text_config of a type the engine does not run is refused, not read as the wrapper's usual one."""
-    config = {"model_type": "mistral3", "text_config": {"model_type": "llama4_text"}, "vision_config": {}}
+    config = {"model_type": "mistral3", "text_config": {"model_type": "gemma4_text"}, "vision_config": {}}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        ConfigError, match="unsupported architecture 'llama4_text' \\(config.json text_config model_type\\)"
+        ConfigError, match="unsupported architecture 'gemma4_text' \\(config.json text_config model_type\\)"
     ):
         load_hf_config(tmp_path)
 
@@ -423,3 +423,31 @@ def test_glm_vs_language_model_gives_transformers_greedy_tokens(tmp_path, expert
     filled = type(model.config)(**{k: v for k, v in sparse.items() if k != "model_type"}).to_dict()
     assert from_hf_config(sparse) == from_hf_config(filled) and from_hf_config(sparse).norm_eps == 1e-5
     assert_gives_the_greedy_tokens_of(model, tmp_path)
+
+
+def test_llama_4s_language_model_gives_transformers_greedy_tokens(tmp_path):
+    """Llama 4 Scout and Maverick (``llama4``: Llama4ForConditionalGeneration): the language model's layers (chunked,
+    rotated by adjacent pairs, experts fed tokens scaled by their router's sigmoid) under the Hub's names, which
+    transformers 5 keeps (``language_model.model.``, ``language_model.lm_head``), the vision model (``vision_model``)
+    and the projector not read. The greedy tokens of the multimodal model's language model (``language_model``, a
+    Llama4ForCausalLM: what its forward runs on text; transformers 5.24's own fails without an image, reading
+    ``image_outputs`` from the text model's outputs)."""
+    text = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=48, intermediate_size_mlp=96, num_local_experts=4,
+                interleave_moe_layer_step=2, attention_chunk_size=8, floor_scale=4, attn_scale=0.5,
+                max_position_embeddings=256, initializer_range=0.2)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)  # fmt: skip
+    torch.manual_seed(19)
+    config = transformers.Llama4Config(text_config=text, vision_config=vision, image_token_index=VOCAB - 1)
+    model = transformers.Llama4ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # (norms 1 at init: make them count)
+        for name, p in model.named_parameters():
+            if "language_model" in name and p.ndim == 1:
+                p.mul_(1 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    weights = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
+    assert {key.split(".")[0] for key in weights} == {"language_model", "vision_model", "multi_modal_projector"}
+    config = load_hf_config(tmp_path)
+    assert config.model_type == "llama4_text" and config.attention_chunk_size == 8 and config.rotary_interleaved
+    assert_gives_the_greedy_tokens_of(model.language_model, tmp_path)

@@ -57,6 +57,8 @@ def _on_pieces(llm: LLM, sizes: list[int], compile: bool = False) -> list[int]:
         ("tiny-gemma", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),  # scaled embeddings
         # MLA's keys-only cache (no V buffer, outputs 32 wide of 40), DeepSeek's MoE
         ("hf:deepseek_v2", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4)),
+        # Llama 4's chunked layers, its unrotated layers' query scales in float32 tables (a model in bf16)
+        ("hf:llama4", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4, dtype="bfloat16")),
         ("tiny-llama", "triton", "sarathi", dict(prefill_token_budget=16, block_size=4)),
         ("tiny-llama", "torch", "sarathi", dict(prefill_token_budget=16, block_size=4, async_scheduling=True)),
     ],

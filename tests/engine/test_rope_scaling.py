@@ -176,3 +176,27 @@ def test_ministral_3s_queries_are_scaled_past_the_pretrained_context(tmp_path):
     config = {"model_type": "mistral3", "text_config": model.config.to_dict(), "vision_config": {}}
     (multimodal / "config.json").write_text(json.dumps(config))
     assert load_hf_config(multimodal).llama4_scaling_beta == 0.5
+
+
+def test_the_rotary_tables_hold_the_served_positions(hf_dirs):
+    """An engine's rotary tables hold the positions of its context (``max_model_len``), not all of the model's
+    (Llama 4 Scout's 10M would be 10 GB): the first rows of the whole tables; a longer context served after builds
+    them again, a shorter one keeps them. Gemma 3's sliding layers' own tables too."""
+    from sloserve.checkpoint.config import from_hf_config
+    from sloserve.engine.models.llama import Rotary
+
+    config = from_hf_config(hf_model("llama").config.to_dict())
+    whole = Rotary(config).tables(torch.device("cpu"))
+    rotary = Rotary(config)
+    rotary.serve_context(40)
+    assert all(torch.equal(t, w[:40]) for t, w in zip(rotary.tables(torch.device("cpu")), whole, strict=True))
+    rotary.serve_context(20)
+    assert rotary.tables(torch.device("cpu"))[0].shape == (40, config.rotary_dim)
+    rotary.serve_context(100)
+    assert rotary.tables(torch.device("cpu"))[0].shape == (100, config.rotary_dim)
+    model = LLM(hf_dirs["gemma3"], max_model_len=48).loaded.model
+    assert (
+        model.rotary.tables(torch.device("cpu"))[0].shape[0]
+        == model.local_rotary.tables(torch.device("cpu"))[0].shape[0]
+        == 48
+    )

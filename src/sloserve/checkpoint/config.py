@@ -6,8 +6,8 @@ biases), Qwen3-MoE and Mixtral (their MLPs mixtures of experts), OLMo 2 (norms a
 MLP), Gemma 2 and Gemma 3 text models
 (``gemma3_text``: sliding-window layers beside global ones) and OPT (learned positions, LayerNorm, ReLU);
 and the language model of multimodal checkpoints (``MULTIMODAL``: Gemma 3 4B-27B, Mistral Small 3.1, Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LFM2-VL, LFM3-VL, EXAONE 4.5, Qwen3.5 and GLM-4.1V, 4.5V, 4.6V), served as
-text.
+Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LFM2-VL, LFM3-VL, EXAONE 4.5, Qwen3.5, GLM-4.1V, 4.5V, 4.6V and Llama 4), served
+as text.
 """
 
 from __future__ import annotations
@@ -117,6 +117,10 @@ ARCHITECTURES: dict[str, str] = {
     "nemotron": "nemotron",  # (Minitron: LayerNorms of 1 + weight, a squared-ReLU MLP of two matrices, half rotated)
     "arcee": "arcee",  # (AFM-4.5B: Llama's layers with a squared-ReLU MLP of two matrices)
     "starcoder2": "starcoder2",  # (StarCoder2: Llama's layers with LayerNorms, a GELU MLP, biases, a window)
+    # (Llama 4 Scout 17B-16E, Maverick 17B-128E: Llama's layers, three of four rotated by adjacent pairs and seeing
+    # only their chunk of 8,192 positions, the fourth unrotated and seeing all; experts fed tokens scaled by their
+    # router's sigmoid, beside a shared one)
+    "llama4_text": "llama4",
     "apertus": "apertus",  # (Apertus 8B, 70B: Llama's layers with query/key norms, a two-matrix xIELU MLP)
 }
 # Multimodal checkpoints served as text: their config.json's text_config is the language model's
@@ -139,6 +143,7 @@ MULTIMODAL = {
     "glm4v": "glm4v_text",
     "glm4v_moe": "glm4v_moe_text",
     "glm46v": "glm4v_text",
+    "llama4": "llama4_text",  # (Llama 4 Scout, Maverick: Llama4ForConditionalGeneration)
 }
 # Those whose Hub configs hold the language model's settings at the top level, beside vision_config (Qwen2-VL's
 # and Qwen2.5-VL's; transformers 5 saves them in a text_config)
@@ -203,6 +208,7 @@ MOE_DEFAULTS = {
     "exaone_moe": {"num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": 1024},
     "qwen3_next": {"num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512},
     "qwen3_5_moe_text": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512},
+    "llama4_text": {"num_experts": 16, "num_experts_per_tok": 1, "moe_intermediate_size": None},  # (intermediate_size)
 }
 # The mixtures of experts beside a shared expert gated by a sigmoid of the token (Qwen2-MoE's), and transformers'
 # default size of that expert
@@ -297,6 +303,7 @@ DEFAULT_ROPE_THETA = {
     "mixtral": 1_000_000.0,
     "smollm3": 2_000_000.0,
     "cohere": 500_000.0,
+    "llama4_text": 500_000.0,
 }
 # transformers' rope settings of the models whose default rope is scaled, where a config says nothing of its rope
 DEFAULT_ROPE_PARAMETERS = {
@@ -353,6 +360,13 @@ CONFIG_DEFAULTS = {
         "sliding_window": 256,
     },
     "ernie4_5": {"head_dim": 128, "tie_word_embeddings": True},
+    # (Llama 4's: its experts' and shared expert's size, its dense MLPs', its chunks')
+    "llama4_text": {
+        "head_dim": 128,
+        "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384,
+        "attention_chunk_size": 8192,
+    },
     # (transformers' defaults of what a model's own reading would otherwise take from its other sizes)
     "qwen3_next": {"head_dim": 256},
     "qwen3_5_text": {"head_dim": 256},
@@ -377,8 +391,8 @@ CONFIG_DEFAULTS = {
 # transformers' RMSNorm epsilons where a config has none, where they are not 1e-6
 RMS_NORM_EPS_DEFAULTS = {
     **dict.fromkeys(("apertus", "arcee", "bamba", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "falcon_h1",
-                     "glm4_moe", "gpt_oss", "granite_swa", "hunyuan_v1_dense", "hunyuan_v1_moe", "ministral3",
-                     "mixtral", "olmo2", "olmo3", "olmoe", "phi3"), 1e-5),
+                     "glm4_moe", "gpt_oss", "granite_swa", "hunyuan_v1_dense", "hunyuan_v1_moe", "llama4_text",
+                     "ministral3", "mixtral", "olmo2", "olmo3", "olmoe", "phi3"), 1e-5),
     "glm": 1.5625e-07, "glm4": 1.5625e-07,
 }  # fmt: skip
 # GPT-2's config names for the common ones (transformers' GPT2Config.attribute_map)
@@ -421,6 +435,7 @@ LAYER_NORMS = ("phi", "starcoder2", "stablelm", "nemotron")
 WEIGHTLESS_NORMS = ("olmo",)
 # A layer type of ModelConfig.layer_types that sees only the last sliding_window positions
 SLIDING = "sliding_attention"
+CHUNKED = "chunked_attention"  # (Llama 4's: only the positions of its own chunk of attention_chunk_size)
 MAMBA = "mamba"  # (a layer of Mamba-2's mixer: ``ModelConfig.mamba``)
 MLP_LAYER = "mlp"  # (Nemotron-H's layers of an MLP alone)
 PARALLEL_HYBRID = "attention_and_mamba"  # (Falcon-H1's layers: attention and a Mamba-2 mixer side by side)
@@ -479,6 +494,9 @@ class ModelConfig:
     # ... of the whole query and key projections (heads x head_dim) instead (OLMo 2, 3, OLMoE)
     qk_norm_whole_projection: bool = False
     qk_norm_after_rotary: bool = False  # Hunyuan: each query and key head normalized after the rotary embedding
+    # Llama 4: each rotated query and key head divided by its root mean square after the rotary embedding, no weight
+    # (transformers' Llama4TextL2Norm)
+    qk_unweighted_norm: bool = False
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] (None: not)
     parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x)), not one after the other
     mlp_bias: bool = False
@@ -491,6 +509,13 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
     rope_local_theta: float | None = None
+    # Llama 4: the layers of layer_types CHUNKED see only the positions of their own chunk of attention_chunk_size (a
+    # query at position p: p - p % attention_chunk_size .. p); None: no chunked layer
+    attention_chunk_size: int | None = None
+    # Llama 4's attention temperature: the queries of the layers that do not rotate scaled by
+    # 1 + attn_scale ln(1 + floor((p + 1) / floor_scale)) at position p (None: not scaled)
+    attn_scale: float | None = None
+    floor_scale: int = 8192
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None  # Gemma 2: scores capped by tanh (None: not)
     # SmolLM3: whether each layer rotates its queries and keys (its NoPE layers do not); empty: all do
@@ -618,6 +643,17 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int | None:
         """The positions layer ``layer`` sees (None: all of them)."""
         return self.sliding_window if self.layer_types and self.layer_types[layer] == SLIDING else None
+
+    def layer_chunk(self, layer: int) -> int | None:
+        """The length of the chunks whose positions alone a query of layer ``layer`` sees (None: not chunked)."""
+        return self.attention_chunk_size if self.layer_types and self.layer_types[layer] == CHUNKED else None
+
+    @property
+    def rotary_table_rows(self) -> int:
+        """The rows of the rotary tables a step's token has (``Rotary.for_positions``): 2 where the queries are scaled
+        by position (Ministral 3's tables, the queries' then the keys'; Llama 4's, the rotation's then the unrotated
+        layers' query scale), else 1."""
+        return 1 if self.llama4_scaling_beta is None and self.attn_scale is None else 2
 
     def layer_is_mamba(self, layer: int) -> bool:
         """Whether layer ``layer`` mixes its tokens with a Mamba-2 mixer (instead of attention, or beside it:
@@ -1091,6 +1127,10 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         rotary_layers = [layer_type == SLIDING for layer_type in layer_types]
     if model_type == "cohere2":  # (only its sliding layers rotate: none where it has no window)
         rotary_layers = [layer_type == SLIDING and bool(window) for layer_type in layer_types]
+    chunk, llama4 = None, {}
+    if model_type == "llama4_text":  # (chunked layers that rotate, global ones that do not; the dense MLPs' size)
+        layer_types, rotary_layers, chunk = _llama4_layers(raw, common["num_hidden_layers"], name)
+        intermediate, llama4 = raw["intermediate_size_mlp"], _llama4_attention(raw, name)
     if cohere and not (isinstance(raw["logit_scale"], (int, float)) and raw["logit_scale"] > 0):
         raise ConfigError(f"{name}: logit_scale must be a positive number, got {raw['logit_scale']!r}")
     if cohere and raw.get("use_qk_norm"):
@@ -1122,7 +1162,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         rope_scaling=scaling,
         rope_local_theta=local_theta,
         partial_rotary_dim=rotary_dim if rotary_dim != head_dim else None,
-        rotary_interleaved=glm or model_type in ("ernie4_5", "ernie4_5_moe", "cohere", "cohere2"),
+        rotary_interleaved=glm or model_type in ("ernie4_5", "ernie4_5_moe", "cohere", "cohere2", "llama4_text"),
         llama4_scaling_beta=_llama4_scaling_beta(model_type, scaling, rope, name),
         **_biases(raw, model_type),
         attention_sinks=model_type in ("gpt_oss", "granite_swa", "granitemoe_swa"),
@@ -1134,6 +1174,8 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         moe=_moe(raw, common["num_hidden_layers"], name) if model_type in MOE_TYPES else None,
         layer_types=layer_types,
         sliding_window=int(window) if window else None,
+        attention_chunk_size=chunk,
+        **llama4,
         rotary_layers=tuple(bool(flag) for flag in rotary_layers or ()),
         mamba=mamba,
         short_conv=short_conv,
@@ -1455,6 +1497,42 @@ def _gated_delta_net_layers(
     return kinds, net
 
 
+def _llama4_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tuple[str, ...], list[bool], int | None]:
+    """Llama 4's (each layer's type, whether each rotates, the chunks' length). A layer rotates where
+    ``no_rope_layers`` says 1 (transformers' name), or, where the config lists none, all but every
+    ``no_rope_layer_interval``-th; ``layer_types`` (CHUNKED or full) where it gives them, else, as transformers
+    reads a config without them, the rotated layers chunked where ``attention_chunk_size`` is not null."""
+    interval = raw.get("no_rope_layer_interval", 4)
+    _check_positive_ints({"no_rope_layer_interval": interval}, ("no_rope_layer_interval",), name)
+    rotary = raw.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    if not isinstance(rotary, list) or len(rotary) != layers or not set(rotary) <= {0, 1}:
+        raise ConfigError(f"{name}: no_rope_layers must be {layers} flags of 0 or 1, got {rotary!r}")
+    chunk = raw.get("attention_chunk_size")
+    kinds = raw.get("layer_types") or [CHUNKED if flag and chunk is not None else "full_attention" for flag in rotary]
+    kinds = _checked_layer_types(kinds, layers, (CHUNKED, "full_attention"), "llama4_text", name)
+    if CHUNKED not in kinds:
+        return kinds, [bool(flag) for flag in rotary], None
+    _check_positive_ints({"attention_chunk_size": chunk}, ("attention_chunk_size",), name)
+    return kinds, [bool(flag) for flag in rotary], chunk
+
+
+def _llama4_attention(raw: dict[str, Any], name: str) -> dict[str, Any]:
+    """Llama 4's query and key norms (``use_qk_norm``) and its unrotated layers' attention temperature
+    (``attn_temperature_tuning``, with ``attn_scale`` and ``floor_scale``): ModelConfig's fields, transformers'
+    defaults where the config has none."""
+    tuned = raw.get("attn_temperature_tuning", True)  # (the Hub's Scout config: 4, a true value)
+    scale, floor = raw.get("attn_scale", 0.1), raw.get("floor_scale", 8192)
+    if tuned:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise ConfigError(f"{name}: attn_scale must be a number, got {scale!r}")
+        _check_positive_ints({"floor_scale": floor}, ("floor_scale",), name)
+    return {
+        "qk_unweighted_norm": bool(raw.get("use_qk_norm", True)),
+        "attn_scale": float(scale) if tuned else None,
+        "floor_scale": floor if tuned else 8192,
+    }
+
+
 def _checked_layer_types(kinds: Any, layers: int, known, model_type: str, name: str) -> tuple[str, ...]:
     """A config's ``layer_types`` (``kinds``): ``layers`` entries, each one of ``known``; else a ConfigError naming
     them."""
@@ -1706,6 +1784,7 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         "granitemoe",
         *UNGATED_SHARED_EXPERTS,
         "hunyuan_v1_moe",
+        "llama4_text",
     )
     # NOTE: transformers 5 saves Qwen3-MoE's count as num_local_experts (Mixtral's name), the Hub as num_experts
     experts = raw.get("num_experts", raw.get("num_local_experts", MOE_DEFAULTS[kind]["num_experts"]))
@@ -1731,8 +1810,13 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         dense = _dense_layers(raw["mlp_layer_types"], layers, name)
     elif kind in DEEPSEEK_ROUTED:  # (its first first_k_dense_replace layers' MLPs dense)
         dense = set(range(_layer_index(raw, "first_k_dense_replace", 0, name)))
+    elif kind == "llama4_text":  # (its experts at moe_layers, else every interleave_moe_layer_step-th layer)
+        step = 1 if raw.get("moe_layers") is not None else raw.get("interleave_moe_layer_step", 1)
+        dense = _llama4_dense_layers(raw, layers, name)
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        setting = "moe_layer_interval" if kind == "ernie4_5_moe" else "decoder_sparse_step"
+        setting = {"ernie4_5_moe": "moe_layer_interval", "llama4_text": "interleave_moe_layer_step"}.get(
+            kind, "decoder_sparse_step"
+        )
         raise ConfigError(f"{name}: {setting} must be a positive integer, got {step!r}")
     moe = {
         "num_experts": experts,
@@ -1749,6 +1833,8 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         if kind in GATED_SHARED_EXPERTS
         else 0,
     }
+    if kind == "llama4_text":  # (its shared expert, ungated, as wide as each routed one)
+        moe["shared_expert_intermediate_size"] = raw.get("intermediate_size")
     if kind in UNGATED_SHARED_EXPERTS:  # (its shared MLP, ungated, beside the experts; Granite 4.0's 1,024 wide)
         default = 1024 if kind == "granitemoehybrid" else 0
         moe["shared_expert_intermediate_size"] = raw.get("shared_intermediate_size", default)
@@ -1779,6 +1865,17 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         )
     _check_moe_sizes(moe, name)
     return moe
+
+
+def _llama4_dense_layers(raw: dict[str, Any], layers: int, name: str) -> set[int]:
+    """The layers whose MLP is dense by Llama 4's ``moe_layers`` (the indices of those of experts; none: all by
+    ``interleave_moe_layer_step``)."""
+    listed = raw.get("moe_layers")
+    if listed is None:
+        return set()
+    if not isinstance(listed, list) or not all(isinstance(i, int) and 0 <= i < layers for i in listed):
+        raise ConfigError(f"{name}: moe_layers must be layer indices below {layers}, got {listed!r}")
+    return set(range(layers)) - set(listed)
 
 
 def _dense_layers(kinds: Any, layers: int, name: str) -> set[int]:

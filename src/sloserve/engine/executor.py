@@ -141,9 +141,10 @@ class EngineExecutor:
         """An executor of ``loaded``'s model with the CUDA graphs it was loaded for (``cuda_graphs``): the
         decode graphs, their slot tables ``max_context`` wide, and the piecewise graphs where they are
         switched on."""
-        rotary = getattr(loaded.model, "rotary", None)  # (OPT has none: learned positions)
-        if rotary is not None:
-            rotary.serve_context(max_context)  # NOTE: before the graphs capture its tables
+        # (OPT has no rotary embedding: learned positions; Gemma 3's sliding layers have one of their own)
+        for rotary in (getattr(loaded.model, "rotary", None), getattr(loaded.model, "local_rotary", None)):
+            if rotary is not None:
+                rotary.serve_context(max_context)  # NOTE: before the graphs capture its tables
         graphs = None
         if loaded.cuda_graphs:
             graphs = DecodeGraphs(

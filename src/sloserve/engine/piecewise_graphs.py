@@ -157,8 +157,8 @@ class PiecewiseGraphs:
 
         # NOTE: every piece reads and writes these, so a replay finds its inputs where the capture did.
         self.token_ids, self.positions = buffer(n, kind=torch.int64), buffer(n, kind=torch.int64)  # (n,) each
-        rd, tables = config.rotary_dim, 1 if config.llama4_scaling_beta is None else 2  # (2: the queries' and keys')
-        self.cos, self.sin = buffer(n, tables, rd), buffer(n, tables, rd)  # (n, 1 | 2, rotary_dim) rotary tables
+        rd, tables, kind = config.rotary_dim, config.rotary_table_rows, model.rotary.table_dtype or dtype
+        self.cos, self.sin = buffer(n, tables, rd, kind=kind), buffer(n, tables, rd, kind=kind)  # (n, 1 | 2, rd) tables
         self.q, self.k = buffer(n, nh, config.head_dim), buffer(n, nkv, hd)
         self.v = None if keys_only else buffer(n, nkv, hd)
         self.residual = buffer(n, config.hidden_size)  # (n, H) the stream with the last layer's output in it

@@ -19,6 +19,7 @@ from sloserve.engine.models import (
     hunyuan,
     kimi_linear,
     lfm2,
+    llama4,
     nemotron_h,
     olmo2,
     phi,
@@ -75,6 +76,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "olmo_hybrid": olmo2.OlmoHybridForCausalLM,
     "kimi_linear": kimi_linear.KimiLinearForCausalLM,
     "exaone_moe": LlamaForCausalLM,
+    "llama4": llama4.Llama4ForCausalLM,
 }
 
 
@@ -140,6 +142,7 @@ CHECKPOINT_NAMES = {
     # (MiniMax-M2's router bias beside its router, as the engine holds it; its experts by Mixtral's names)
     "minimax_m2": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias"},
     "exaone_moe": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias"},  # (K-EXAONE's, the Hub's)
+    "llama4": llama4.CHECKPOINT_NAMES,
 }
 # The merged projections a model type's checkpoints store whole, in the row order the engine's have:
 # Phi-3's Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``), GLM's and Granite 4.0's gate/up
@@ -181,6 +184,7 @@ VISION_PREFIXES = (
     "model.multi_modal_projector.",
     "model.visual.",  # (Qwen3-VL's, and Qwen2-VL's and Qwen2.5-VL's as transformers 5 saves them)
     "visual.",  # (Qwen2-VL's and Qwen2.5-VL's on the Hub)
+    "vision_model.",  # (Llama 4's, on the Hub and as transformers 5 saves them)
 )
 
 
@@ -300,17 +304,25 @@ def load_weights(model: nn.Module, path: Path) -> None:
     copy_weights(model, tensors(), f"model directory {path}")
 
 
+# The model types whose stacked experts are (E, inputs, outputs) whatever their shape (Llama 4's: transformers'
+# Llama4TextExperts multiplies the tokens by them as they are)
+STACKED_INPUTS_FIRST = ("llama4_text",)
+
+
 def _per_expert(tensors, config: ModelConfig):
     """``tensors`` with stacked experts tensors split into the per-expert ones (``per_expert_tensors``),
     Mixtral's named as the others' (``hub_expert_name``). A stacked tensor laid out (E, inputs, outputs), as the
     Hub's Qwen3-VL-MoE stores them, is transposed to transformers' (E, outputs, inputs) first: where its shape is
-    not that one (transformers' rule, ``Transpose(check_dims=True)``)."""
+    not that one (transformers' rule, ``Transpose(check_dims=True)``), and always for a model type whose experts
+    are held so (``STACKED_INPUTS_FIRST``)."""
     h, i = config.hidden_size, config.moe["moe_intermediate_size"]
     as_held = {"gate_up_proj": (2 * i, h), "up_proj": (i, h), "down_proj": (h, i)}  # (outputs, inputs) of each expert's
+    inputs_first = config.model_type in STACKED_INPUTS_FIRST
     for origin, key, tensor in tensors:
         key = hub_expert_name(key)
         kind = key.rpartition(".")[2]
-        if key.endswith(".experts." + kind) and kind in as_held and tuple(tensor.shape[1:]) != as_held[kind]:
+        stacked = key.endswith(".experts." + kind) and kind in as_held
+        if stacked and (inputs_first or tuple(tensor.shape[1:]) != as_held[kind]):
             tensor = torch.as_tensor(tensor).transpose(1, 2)
         parts = per_expert_tensors(key, tensor)
         yield from ((origin, key, tensor),) if parts is None else ((origin, k, t) for k, t in parts)

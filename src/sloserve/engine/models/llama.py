@@ -192,6 +192,8 @@ class Rotary(nn.Module):
     """Rotary position embedding (rotate-half layout), cos/sin tables built once per device and
     gathered once per step for every layer."""
 
+    table_dtype: torch.dtype | None = None  # (the dtype of a step's tables; None: the model's)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -208,25 +210,31 @@ class Rotary(nn.Module):
         self.served_context: int | None = None
 
     def serve_context(self, max_model_len: int) -> None:
-        """An engine serves contexts of ``max_model_len`` tokens with this model: LongRoPE's factors for them.
-        A model serves one choice: another engine's that needs the other factors is a ConfigError."""
-        if self.pretrained_context is None:
-            return
-        long_factors = max_model_len > self.pretrained_context
-        if self.served_context is not None and long_factors != self.long_factors:
-            raise ConfigError(
-                f"{self.config.name}: this loaded model serves contexts of {self.served_context} tokens with "
-                f"LongRoPE's {'long' if self.long_factors else 'short'} factors (its pretrained context: "
-                f"{self.pretrained_context}); max_model_len {max_model_len} needs the other ones: load it again"
-            )
-        if long_factors != self.long_factors:
+        """An engine serves contexts of ``max_model_len`` tokens with this model: the tables hold the positions of
+        the longest context an engine of it serves (not all of the model's: Llama 4 Scout's 10M would take 10 GB),
+        LongRoPE's factors those for it. A model serves one choice of factors: another engine's that needs the other
+        ones is a ConfigError."""
+        if self.pretrained_context is not None:
+            long_factors = max_model_len > self.pretrained_context
+            if self.served_context is not None and long_factors != self.long_factors:
+                raise ConfigError(
+                    f"{self.config.name}: this loaded model serves contexts of {self.served_context} tokens with "
+                    f"LongRoPE's {'long' if self.long_factors else 'short'} factors (its pretrained context: "
+                    f"{self.pretrained_context}); max_model_len {max_model_len} needs the other ones: load it again"
+                )
+            if long_factors != self.long_factors:
+                self._tables = None
+            self.long_factors = long_factors
+        if self._tables is not None and self._tables[0].shape[0] < max_model_len:
             self._tables = None
-        self.long_factors, self.served_context = long_factors, max_model_len
+        self.served_context = max(self.served_context or 0, max_model_len)
 
     def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each (positions, rotary_dim) float32: of the served positions (``serve_context``; all of the
+        model's until an engine says)."""
         if self._tables is None or self._tables[0].device != device:
             inv_freq = rope_inv_freq(self.config, self.long_factors).to(device)
-            positions = torch.arange(self.config.max_position_embeddings, device=device).float()
+            positions = torch.arange(self.served_context or self.config.max_position_embeddings, device=device).float()
             freqs = torch.outer(positions, inv_freq)  # (max_pos, rotary_dim / 2)
             emb = torch.cat((freqs, freqs), dim=-1)  # (max_pos, rotary_dim)
             scale = rope_attention_factor(self.config)
@@ -264,7 +272,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class LlamaAttention(nn.Module):
     """The attention's projections (``project``, ``o_proj``) and its backend; the decoder layer calls
     them in turn (``before_attention``, ``after_attention``). ``window``: the positions layer ``layer``
-    sees (Mistral 7B v0.1's sliding window; None: all)."""
+    sees (Mistral 7B v0.1's sliding window; None: all); ``chunk``: the chunks' length where it sees only the
+    positions of its own (Llama 4's; None: not chunked)."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
@@ -281,7 +290,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(nh * hd if self.qk_norm_whole else hd, config.norm_eps)
             self.k_norm = RMSNorm(nkv * hd if self.qk_norm_whole else hd, config.norm_eps)
         self.clip_qkv = config.clip_qkv  # (OLMoE's option: q, k and v clamped to [-clip, clip] after the norms)
-        self.window = config.layer_window(layer)
+        self.window, self.chunk = config.layer_window(layer), config.layer_chunk(layer)
         self.rotates = config.layer_rotates(layer)  # NOTE: SmolLM3's every fourth layer has no position embedding
         self.scale = config.attention_multiplier  # (None: head_dim ** -0.5; Granite's its own)
         self.backend = backend
@@ -313,9 +322,9 @@ class LlamaAttention(nn.Module):
         return torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
 
     def attend(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
-        """The backend's attention of (q, k, v) with this layer's scale, window and sinks: (T, nh, hd)."""
+        """The backend's attention of (q, k, v) with this layer's scale, window or chunk, and sinks: (T, nh, hd)."""
         return self.backend.forward(
-            q, k, v, k_cache, v_cache, meta, scale=self.scale, window=self.window, sinks=self.sinks
+            q, k, v, k_cache, v_cache, meta, scale=self.scale, window=self.window, sinks=self.sinks, chunk=self.chunk
         )
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:  # (T, nh, hd) -> (T, H)
