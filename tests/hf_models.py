@@ -30,7 +30,8 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "granitemoehybrid_moe": 47, "granite_4_h": 48, "nemotron_h": 49, "bamba": 50, "nemotron_h_moe": 51,
          "falcon_h1": 52, "falcon_h1_norm": 53, "lfm2": 54, "lfm2_moe": 55, "lfm3": 56, "granite_swa": 57, "mistral4": 58, "glm4_moe_lite": 59, "minimax_m2": 60,
          "qwen3_next": 61, "qwen3_5": 62, "qwen3_5_moe": 63, "olmo_hybrid": 64, "kimi_linear": 65,
-         "exaone_moe": 66, "granitemoeshared": 67, "granitemoe_swa": 68, "llama4": 69, "llama4_maverick": 70}  # fmt: skip
+         "exaone_moe": 66, "granitemoeshared": 67, "granitemoe_swa": 68, "llama4": 69, "llama4_maverick": 70,
+         "exaone": 71, "internlm3": 72, "iquestcoder": 73, "ministral": 74, "helium": 75, "dots1": 76}  # fmt: skip
 # The models of delta-rule layers (their decays made mild: states that last past a chunk)
 DELTA_RULE_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
@@ -395,6 +396,42 @@ def hf_model(arch: str):
             initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         )  # fmt: skip
         cls = transformers.ExaoneMoeForCausalLM
+    elif arch in ("exaone", "internlm3", "iquestcoder"):  # transformers' Llama under their configs
+        sizes = dict(**common, intermediate_size=128, num_key_value_heads=2, head_dim=16, initializer_range=0.2)
+        if arch == "exaone":
+            config = transformers.ExaoneConfig(**sizes)
+        elif arch == "internlm3":  # (biases everywhere; its dynamic NTK rope, plain within the context)
+            config = transformers.InternLM3Config(
+                **sizes, qkv_bias=True, bias=True, rope_parameters={"rope_type": "dynamic", "factor": 6.0,
+                                                                    "rope_theta": 50_000_000.0},
+            )  # fmt: skip
+        else:
+            config = transformers.IQuestCoderConfig(**sizes)
+        cls = transformers.LlamaForCausalLM
+    elif arch == "dots1":
+        # dots.llm1's outline: Qwen3's attention, a dense first MLP, then experts (8, 2 a token, V3's sigmoid routing in
+        # 2 groups) beside a shared one; the last layer sliding (8) from max_window_layers
+        config = transformers.Dots1Config(
+            **{**common, "num_hidden_layers": 3}, intermediate_size=96, num_key_value_heads=2, head_dim=16,
+            moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+            first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+            sliding_window=8, max_window_layers=2, initializer_range=0.2, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2,
+        )  # fmt: skip
+        cls = transformers.Dots1ForCausalLM
+    elif arch == "ministral":  # Ministral 8B's outline: layers sliding (8) and full as layer_types says
+        config = transformers.MinistralConfig(
+            **{**common, "num_hidden_layers": 3}, intermediate_size=128, num_key_value_heads=2, head_dim=16,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            initializer_range=0.2,
+        )  # fmt: skip
+        cls = transformers.MinistralForCausalLM
+    elif arch == "helium":  # rotated by adjacent pairs, q/k/v biases
+        config = transformers.HeliumConfig(
+            **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, attention_bias=True,
+            initializer_range=0.2,
+        )  # fmt: skip
+        cls = transformers.HeliumForCausalLM
     elif arch in ("llama4", "llama4_maverick"):
         # Llama 4's outline: three layers of four rotated (adjacent pairs) and chunked (chunks of 8: most prompts span
         # several), the fourth unrotated, its queries scaled past position 2 (floor_scale 4); Scout's: every MLP experts

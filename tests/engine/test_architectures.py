@@ -27,7 +27,8 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "nemotron", "arcee", "granitemoe", "hunyuan", "glm4_moe", "ernie4_5_moe",
                        "apertus", "hunyuan_moe", "granitemoehybrid", "granitemoehybrid_moe", "granite_swa",
                        "mistral4", "glm4_moe_lite", "minimax_m2", "exaone_moe", "granitemoeshared",
-                       "granitemoe_swa", "llama4", "llama4_maverick"]  # fmt: skip
+                       "granitemoe_swa", "llama4", "llama4_maverick", "exaone", "internlm3", "iquestcoder",
+                       "ministral", "helium", "dots1"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)
@@ -432,6 +433,37 @@ def test_k_exaones_checkpoint_as_the_hub_writes_it(hf_dirs, tmp_path):
     safetensors_torch.save_file(weights, str(path))
     tokens, _ = greedy_tokens(str(tmp_path / "hub"), "vllm")
     assert tokens == reference("exaone_moe")
+
+
+def test_exaone_3s_checkpoint_and_config_as_the_hub_writes_them(hf_dirs, tmp_path):
+    """EXAONE 3.0 and 3.5 on the Hub: GPT-2's names of its modules (``transformer.h.0.attn.attention.q_proj``,
+    ``ln_1``, ``mlp.c_fc_0``...) and of its settings (``num_layers``, ``layer_norm_epsilon``,
+    ``activation_function``); transformers' greedy tokens."""
+    import shutil
+
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    shutil.copytree(hf_dirs["exaone"], tmp_path / "hub")
+    path = tmp_path / "hub" / "model.safetensors"
+    hub_names = {"model.embed_tokens.": "transformer.wte.", "model.layers.": "transformer.h.",
+                 "model.norm.": "transformer.ln_f.", ".self_attn.o_proj.": ".attn.attention.out_proj.",
+                 ".self_attn.": ".attn.attention.", ".input_layernorm.": ".ln_1.", ".post_attention_layernorm.": ".ln_2.",
+                 ".mlp.gate_proj.": ".mlp.c_fc_0.", ".mlp.up_proj.": ".mlp.c_fc_1.", ".mlp.down_proj.": ".mlp.c_proj."}  # fmt: skip
+    weights = {}
+    for key, tensor in safetensors_torch.load_file(str(path)).items():
+        for ours, theirs in hub_names.items():
+            key = key.replace(ours, theirs)
+        weights[key] = tensor
+    assert (
+        "transformer.h.1.attn.attention.out_proj.weight" in weights and "transformer.h.0.mlp.c_fc_1.weight" in weights
+    )
+    safetensors_torch.save_file(weights, str(path))
+    config = json.loads((tmp_path / "hub" / "config.json").read_text())
+    for ours, theirs in (("num_hidden_layers", "num_layers"), ("rms_norm_eps", "layer_norm_epsilon"),
+                         ("hidden_act", "activation_function")):  # fmt: skip
+        config[theirs] = config.pop(ours)
+    (tmp_path / "hub" / "config.json").write_text(json.dumps(config))
+    tokens, _ = greedy_tokens(str(tmp_path / "hub"), "vllm")
+    assert tokens == reference("exaone")
 
 
 def test_llama_4s_layers_and_experts_as_its_configs_say():

@@ -25,7 +25,12 @@ from sloserve.cost.specs import MODELS, ModelSpec
 # HF ``model_type`` -> our architecture (the module that implements it).
 ARCHITECTURES: dict[str, str] = {
     "llama": "llama",
+    "iquestcoder": "llama",  # (IQuest-Coder-V1 40B: Llama's)
+    "internlm3": "llama",  # (InternLM3-8B: Llama's, biases where qkv_bias and bias say)
+    "exaone": "exaone",  # (EXAONE 3.0 and 3.5, 2.4B-32B: Llama's layers under GPT-2's names on the Hub)
+    "helium": "llama",  # (Helium 1 2B: Llama's layers, every head rotated by adjacent pairs)
     "mistral": "llama",
+    "ministral": "llama",  # (Ministral 8B: Mistral's layers, each sliding or full as layer_types says)
     # (Ministral 3: Mistral's layers, queries past the pretrained context scaled up, as Llama 4's)
     "ministral3": "llama",
     "qwen2": "llama",
@@ -112,6 +117,9 @@ ARCHITECTURES: dict[str, str] = {
     "minimax_m2": "minimax_m2",
     # (GLM-4.5, 4.6, 4.5-Air: Llama's layers, half of each head rotated, DeepSeek-V3's experts beside a shared one)
     "glm4_moe": "glm4_moe",
+    # (dots.llm1 142B-A14B: Qwen3's attention, DeepSeek-V3's experts beside shared ones after dense first MLPs; layers
+    # from max_window_layers on sliding)
+    "dots1": "glm4_moe",
     "stablelm": "stablelm",  # (StableLM 2 1.6B, 3B: Llama's layers with LayerNorms, a quarter of each head rotated)
     "olmo": "olmo",  # (OLMo 1: Llama's layers with LayerNorms of no weight, clip_qkv)
     "nemotron": "nemotron",  # (Minitron: LayerNorms of 1 + weight, a squared-ReLU MLP of two matrices, half rotated)
@@ -197,6 +205,7 @@ MOE_DEFAULTS = {
     "deepseek_v2": {"num_experts": 64, "num_experts_per_tok": None, "moe_intermediate_size": 1407},
     "deepseek_v3": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048},
     "glm4_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408},
+    "dots1": {"num_experts": None, "num_experts_per_tok": None, "moe_intermediate_size": 1408},
     "ernie4_5_moe": {"num_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1536},
     # (Hunyuan's experts: of intermediate_size)
     "hunyuan_v1_moe": {"num_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": None},
@@ -228,6 +237,8 @@ DEEPSEEK_ROUTING_DEFAULTS = {
                     "topk_group": None, "norm_topk_prob": False, "first_k_dense_replace": 0},
     "deepseek_v3": {"n_shared_experts": 1, "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "n_group": 8,
                     "topk_group": 4, "norm_topk_prob": True, "first_k_dense_replace": 3},
+    "dots1": {"n_shared_experts": None, "routed_scaling_factor": 1.0, "topk_method": "noaux_tc", "n_group": 1,
+              "topk_group": 1, "norm_topk_prob": False, "first_k_dense_replace": 0},
     "glm4_moe": {"n_shared_experts": 1, "routed_scaling_factor": 1.0, "topk_method": "noaux_tc", "n_group": 1,
                  "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 1},
     "ernie4_5_moe": {"n_shared_experts": 2, "routed_scaling_factor": 1.0, "topk_method": "softmax_with_bias",
@@ -266,6 +277,7 @@ ROUTING_METHODS = {
     "deepseek_v2": ("greedy", "group_limited_greedy"),
     "deepseek_v3": ("noaux_tc",),
     "glm4_moe": ("noaux_tc",),
+    "dots1": ("noaux_tc",),
     "ernie4_5_moe": ("softmax_with_bias",),
     "hunyuan_v1_moe": ("greedy",),
     "lfm2_moe": ("noaux_tc",),
@@ -282,13 +294,19 @@ BIASED_ROUTINGS = ("noaux_tc", "softmax_with_bias")
 MOE_TYPES = tuple(MOE_DEFAULTS)
 # The models whose q/k/v projections have biases where their configs do not say (transformers' defaults)
 QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss", "phi")
+# InternLM3's and EXAONE 3's names of settings (transformers' attribute maps)
+SETTING_NAMES = {
+    "internlm3": {"qkv_bias": "attention_bias", "bias": "mlp_bias"},
+    "exaone": {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
+               "activation_function": "hidden_act"},
+}  # fmt: skip
 # The OLMo models (their query and key norms over the whole projections)
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe", "olmo_hybrid")
 # The models whose attention output projection has a bias where the q/k/v projections have them
-OUTPUT_BIASED = ("gpt_oss", "exaone4", "exaone_moe", "cohere", "cohere2", "phi", "nemotron", "arcee", "falcon_h1",
+OUTPUT_BIASED = ("gpt_oss", "exaone4", "exaone_moe", "internlm3", "cohere", "cohere2", "phi", "nemotron", "arcee", "falcon_h1",
                  *OLMO_TYPES)  # fmt: skip
 # The models whose queries and keys are RMS-normalized (each head: Qwen3's; OLMo's whole projections)
-QK_NORMED = ("qwen3", "qwen3_moe", "lfm2", "lfm2_moe", "lfm3", "exaone4", "exaone_moe", "hunyuan_v1_dense",
+QK_NORMED = ("qwen3", "qwen3_moe", "dots1", "lfm2", "lfm2_moe", "lfm3", "exaone4", "exaone_moe", "hunyuan_v1_dense",
              "hunyuan_v1_moe", "apertus", "minimax_m2", *OLMO_TYPES)  # fmt: skip
 # transformers' rope bases where a config has none
 DEFAULT_ROPE_THETA = {
@@ -304,6 +322,8 @@ DEFAULT_ROPE_THETA = {
     "smollm3": 2_000_000.0,
     "cohere": 500_000.0,
     "llama4_text": 500_000.0,
+    "exaone": 500_000.0,
+    "helium": 100_000.0,
 }
 # transformers' rope settings of the models whose default rope is scaled, where a config says nothing of its rope
 DEFAULT_ROPE_PARAMETERS = {
@@ -360,6 +380,9 @@ CONFIG_DEFAULTS = {
         "sliding_window": 256,
     },
     "ernie4_5": {"head_dim": 128, "tie_word_embeddings": True},
+    "internlm3": {"head_dim": 128},
+    "iquestcoder": {"head_dim": 128},
+    "helium": {"head_dim": 128},
     # (Llama 4's: its experts' and shared expert's size, its dense MLPs', its chunks')
     "llama4_text": {
         "head_dim": 128,
@@ -375,6 +398,7 @@ CONFIG_DEFAULTS = {
     "gpt_oss": {"head_dim": 64},
     "granite_swa": {"tie_word_embeddings": True},
     "mistral": {"sliding_window": 4096},  # (Mistral 7B v0.1's window; later Mistrals' configs say null)
+    "ministral": {"sliding_window": 4096},
     "smollm3": {"tie_word_embeddings": True},
     "ernie4_5_moe": {"tie_word_embeddings": True},
     "seed_oss": {"head_dim": 128},
@@ -392,8 +416,9 @@ CONFIG_DEFAULTS = {
 RMS_NORM_EPS_DEFAULTS = {
     **dict.fromkeys(("apertus", "arcee", "bamba", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "falcon_h1",
                      "glm4_moe", "gpt_oss", "granite_swa", "hunyuan_v1_dense", "hunyuan_v1_moe", "llama4_text",
-                     "ministral3", "mixtral", "olmo2", "olmo3", "olmoe", "phi3"), 1e-5),
-    "glm": 1.5625e-07, "glm4": 1.5625e-07,
+                     "ministral3", "mixtral", "olmo2", "olmo3", "olmoe", "phi3", "exaone", "internlm3", "iquestcoder"),
+                   1e-5),
+    "glm": 1.5625e-07, "glm4": 1.5625e-07, "helium": 1e-8,
 }  # fmt: skip
 # GPT-2's config names for the common ones (transformers' GPT2Config.attribute_map)
 GPT2_NAMES = {
@@ -943,6 +968,8 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         raw = {**GEMMA2_DEFAULTS, **raw}
     elif model_type == "gpt2":
         raw = {GPT2_NAMES.get(key, key): value for key, value in raw.items()}
+    elif model_type in SETTING_NAMES:  # (a config's own names of the common settings win, as transformers reads them)
+        raw = {**raw, **{ours: raw[theirs] for theirs, ours in SETTING_NAMES[model_type].items() if theirs in raw}}
     elif model_type == "nemotron_h":  # (its blocks' count is its pattern's length)
         raw = {**raw, "num_hidden_layers": len(_nemotron_h_kinds(raw, name))}
     elif model_type == "kimi_linear":
@@ -1086,6 +1113,19 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     if window is not None and window >= common["max_position_embeddings"]:
         window = None
     layer_types = (SLIDING,) * common["num_hidden_layers"] if window else ()
+    if model_type == "dots1":  # (layer_types, or, as transformers reads a config without, max_window_layers on sliding)
+        window, first_sliding = raw.get("sliding_window", 4096), raw.get("max_window_layers", 62)
+        kinds = raw.get("layer_types") or [SLIDING if window is not None and i >= first_sliding else "full_attention"
+                                           for i in range(common["num_hidden_layers"])]  # fmt: skip
+        layer_types = _checked_layer_types(kinds, common["num_hidden_layers"], (SLIDING, "full_attention"),
+                                           model_type, name)  # fmt: skip
+        window = window if SLIDING in layer_types else None
+    if model_type == "ministral":  # (each layer sliding or full as layer_types says; without them all sliding)
+        window = raw.get("sliding_window")
+        kinds = raw.get("layer_types") or [SLIDING if window else "full_attention"] * common["num_hidden_layers"]
+        layer_types = _checked_layer_types(kinds, common["num_hidden_layers"], (SLIDING, "full_attention"),
+                                           model_type, name)  # fmt: skip
+        window = window if SLIDING in layer_types else None
     if model_type in SLIDING_PATTERNS:  # gpt-oss: every other layer sees the last 128 positions; OLMo 3: 3 of 4
         window, pattern = SLIDING_PATTERNS[model_type]
         window, pattern = raw.get("sliding_window", window), raw.get("sliding_window_pattern", pattern)
@@ -1162,7 +1202,8 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         rope_scaling=scaling,
         rope_local_theta=local_theta,
         partial_rotary_dim=rotary_dim if rotary_dim != head_dim else None,
-        rotary_interleaved=glm or model_type in ("ernie4_5", "ernie4_5_moe", "cohere", "cohere2", "llama4_text"),
+        rotary_interleaved=glm
+        or model_type in ("ernie4_5", "ernie4_5_moe", "cohere", "cohere2", "llama4_text", "helium"),
         llama4_scaling_beta=_llama4_scaling_beta(model_type, scaling, rope, name),
         **_biases(raw, model_type),
         attention_sinks=model_type in ("gpt_oss", "granite_swa", "granitemoe_swa"),
@@ -1983,10 +2024,16 @@ def _rope_scaling(scaling: dict[str, Any] | None, name: str) -> dict[str, Any] |
         kind = "default"
     if kind == "su":  # (LongRoPE's first name, in the first 128K Phi-3 configs; transformers reads it so)
         scaling, kind = {**scaling, "rope_type": "longrope"}, "longrope"
+    # NOTE: dynamic NTK (InternLM3's) stretches the rope's base only for a sequence past max_position_embeddings, which
+    # the engine never serves (``resolve_max_model_len``): within it transformers' is plain rope, and so is the engine's
+    # (vLLM's scales the base whatever the length, and serves factor x the positions)
+    if kind == "dynamic":
+        kind = "default"
     # NOTE: frequency_factors is a GGUF file's (llama.cpp's rope_freqs tensor), not an HF config's
     if kind not in ("default", "linear", "llama3", "yarn", "longrope", "frequency_factors", "proportional"):
         raise ConfigError(
-            f"{name}: rope scaling {kind!r} is not supported (default, linear, llama3, yarn, longrope, proportional)"
+            f"{name}: rope scaling {kind!r} is not supported (default, linear, llama3, yarn, longrope, proportional, "
+            "dynamic)"
         )
     if kind == "yarn" and not scaling.get("original_max_position_embeddings"):
         raise ConfigError(f"{name}: yarn rope scaling needs original_max_position_embeddings (the pretrained context)")

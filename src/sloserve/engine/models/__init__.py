@@ -77,6 +77,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "kimi_linear": kimi_linear.KimiLinearForCausalLM,
     "exaone_moe": LlamaForCausalLM,
     "llama4": llama4.Llama4ForCausalLM,
+    "exaone": LlamaForCausalLM,
 }
 
 
@@ -143,6 +144,19 @@ CHECKPOINT_NAMES = {
     "minimax_m2": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias"},
     "exaone_moe": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias"},  # (K-EXAONE's, the Hub's)
     "llama4": llama4.CHECKPOINT_NAMES,
+    # (EXAONE 3's, the Hub's: GPT-2's module names; transformers 5 saves Llama's)
+    "exaone": {
+        "transformer.wte.": "model.embed_tokens.",
+        "transformer.h.": "model.layers.",
+        "transformer.ln_f.": "model.norm.",
+        ".attn.attention.": ".self_attn.",
+        ".self_attn.out_proj.": ".self_attn.o_proj.",
+        ".ln_1.": ".input_layernorm.",
+        ".ln_2.": ".post_attention_layernorm.",
+        ".mlp.c_fc_0.": ".mlp.gate_proj.",
+        ".mlp.c_fc_1.": ".mlp.up_proj.",
+        ".mlp.c_proj.": ".mlp.down_proj.",
+    },
 }
 # The merged projections a model type's checkpoints store whole, in the row order the engine's have:
 # Phi-3's Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``), GLM's and Granite 4.0's gate/up
