@@ -31,7 +31,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "falcon_h1": 52, "falcon_h1_norm": 53, "lfm2": 54, "lfm2_moe": 55, "lfm3": 56, "granite_swa": 57, "mistral4": 58, "glm4_moe_lite": 59, "minimax_m2": 60,
          "qwen3_next": 61, "qwen3_5": 62, "qwen3_5_moe": 63, "olmo_hybrid": 64, "kimi_linear": 65,
          "exaone_moe": 66, "granitemoeshared": 67, "granitemoe_swa": 68, "llama4": 69, "llama4_maverick": 70,
-         "exaone": 71, "internlm3": 72, "iquestcoder": 73, "ministral": 74, "helium": 75, "dots1": 76}  # fmt: skip
+         "exaone": 71, "internlm3": 72, "iquestcoder": 73, "ministral": 74, "helium": 75, "dots1": 76, "phimoe": 77}  # fmt: skip
 # The models of delta-rule layers (their decays made mild: states that last past a chunk)
 DELTA_RULE_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
@@ -408,6 +408,14 @@ def hf_model(arch: str):
         else:
             config = transformers.IQuestCoderConfig(**sizes)
         cls = transformers.LlamaForCausalLM
+    elif arch == "phimoe":
+        # Phi-3.5-MoE's outline: LayerNorms, biases (its LM head's too), 4 experts routed by SparseMixer, its margin
+        # wide enough (0.3) that the softmax of each choice counts more than one logit
+        config = transformers.PhimoeConfig(
+            **common, intermediate_size=32, num_key_value_heads=2, num_local_experts=4, router_jitter_noise=0.3,
+            attention_bias=True, lm_head_bias=True, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        cls = transformers.PhimoeForCausalLM
     elif arch == "dots1":
         # dots.llm1's outline: Qwen3's attention, a dense first MLP, then experts (8, 2 a token, V3's sigmoid routing in
         # 2 groups) beside a shared one; the last layer sliding (8) from max_window_layers

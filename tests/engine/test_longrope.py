@@ -174,3 +174,33 @@ def test_a_gguf_files_longrope_reads_as_llama_cpp_reads_it(phi4_mini, tmp_path):
     write_gguf(one_tensor, model, fields, arch="phi3", tensors={"rope_factors_long.weight": np.ones(6, np.float32)})
     with pytest.raises(ConfigError, match="GGUF longrope scaling needs tensors .*missing: rope_factors_short.weight"):
         LLM(str(one_tensor), kv_capacity_tokens=256)
+
+
+@pytest.mark.parametrize(
+    ("max_model_len", "prompt"), [(64, SHORT_PROMPT), (256, LONG_PROMPT)], ids=["short factors", "long factors"]
+)
+def test_phi_3_5_moes_longrope_scales_by_its_own_mscales(tmp_path, max_model_len, prompt):
+    """Phi-3.5-MoE (``phimoe``) scales cos and sin by its config's ``short_mscale`` or ``long_mscale`` (1.1 and
+    1.35 here), not by LongRoPE's sqrt(1 + ln(s) / ln(L)), with the short or the long factors as its authors' code
+    and vLLM do: transformers' log-probabilities with either set. NOTE: transformers 5.24's Phimoe turns by the
+    short factors at every length (only its mscale switches): the reference for the long set is it with the long
+    factors given as its short ones."""
+    factors = {"short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 4.0 * i for i in range(8)]}
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, **factors, "short_mscale": 1.1, "long_mscale": 1.35,
+            "original_max_position_embeddings": LONGROPE_PRETRAINED_CONTEXT}  # fmt: skip
+    sizes = dict(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=32, num_local_experts=4, router_jitter_noise=0.3, max_position_embeddings=256,
+        original_max_position_embeddings=LONGROPE_PRETRAINED_CONTEXT, initializer_range=0.2,
+    )  # fmt: skip
+    torch.manual_seed(5)
+    model = transformers.PhimoeForCausalLM(transformers.PhimoeConfig(**sizes, rope_parameters=rope)).eval()
+    model.save_pretrained(tmp_path)
+    if max_model_len > LONGROPE_PRETRAINED_CONTEXT:  # (transformers' reference, its short factors the long ones)
+        long_rope = {**rope, "short_factor": rope["long_factor"]}
+        reference = transformers.PhimoeForCausalLM(transformers.PhimoeConfig(**sizes, rope_parameters=long_rope))
+        reference.load_state_dict(model.state_dict())
+        model = reference.eval()
+    llm = LLM(str(tmp_path), max_model_len=max_model_len, kv_capacity_tokens=512, block_size=4)
+    sequence, scores = engine_logprobs(llm, prompt)
+    assert scores == pytest.approx(prompt_logprobs(model, sequence), abs=1e-4)

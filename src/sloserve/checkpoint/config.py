@@ -40,6 +40,8 @@ ARCHITECTURES: dict[str, str] = {
     # (gpt-oss: Llama's layers with attention sinks, every other one sliding; its experts' clamped SwiGLU)
     "gpt_oss": "llama",
     "mixtral": "llama",  # (Mistral's layers, their MLPs mixtures of experts)
+    # (Phi-3.5-MoE: Llama's layers with LayerNorms and biases, Mixtral's experts routed by SparseMixer)
+    "phimoe": "phimoe",
     "phi3": "llama",  # (Phi-3, Phi-4: Llama's layers, their Q/K/V and gate/up stored fused)
     "smollm3": "llama",  # (Llama's layers, every fourth without a rotary embedding)
     "granite": "llama",  # (Llama's layers, scaled: ModelConfig's multipliers)
@@ -218,6 +220,7 @@ MOE_DEFAULTS = {
     "qwen3_next": {"num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512},
     "qwen3_5_moe_text": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512},
     "llama4_text": {"num_experts": 16, "num_experts_per_tok": 1, "moe_intermediate_size": None},  # (intermediate_size)
+    "phimoe": {"num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (intermediate_size)
 }
 # The mixtures of experts beside a shared expert gated by a sigmoid of the token (Qwen2-MoE's), and transformers'
 # default size of that expert
@@ -303,7 +306,7 @@ SETTING_NAMES = {
 # The OLMo models (their query and key norms over the whole projections)
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe", "olmo_hybrid")
 # The models whose attention output projection has a bias where the q/k/v projections have them
-OUTPUT_BIASED = ("gpt_oss", "exaone4", "exaone_moe", "internlm3", "cohere", "cohere2", "phi", "nemotron", "arcee", "falcon_h1",
+OUTPUT_BIASED = ("gpt_oss", "exaone4", "exaone_moe", "internlm3", "phimoe", "cohere", "cohere2", "phi", "nemotron", "arcee", "falcon_h1",
                  *OLMO_TYPES)  # fmt: skip
 # The models whose queries and keys are RMS-normalized (each head: Qwen3's; OLMo's whole projections)
 QK_NORMED = ("qwen3", "qwen3_moe", "dots1", "lfm2", "lfm2_moe", "lfm3", "exaone4", "exaone_moe", "hunyuan_v1_dense",
@@ -324,6 +327,7 @@ DEFAULT_ROPE_THETA = {
     "llama4_text": 500_000.0,
     "exaone": 500_000.0,
     "helium": 100_000.0,
+    "phimoe": 1_000_000.0,
 }
 # transformers' rope settings of the models whose default rope is scaled, where a config says nothing of its rope
 DEFAULT_ROPE_PARAMETERS = {
@@ -416,7 +420,8 @@ CONFIG_DEFAULTS = {
 RMS_NORM_EPS_DEFAULTS = {
     **dict.fromkeys(("apertus", "arcee", "bamba", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "falcon_h1",
                      "glm4_moe", "gpt_oss", "granite_swa", "hunyuan_v1_dense", "hunyuan_v1_moe", "llama4_text",
-                     "ministral3", "mixtral", "olmo2", "olmo3", "olmoe", "phi3", "exaone", "internlm3", "iquestcoder"),
+                     "ministral3", "mixtral", "olmo2", "olmo3", "olmoe", "phi3", "exaone", "internlm3", "iquestcoder",
+                     "phimoe"),
                    1e-5),
     "glm": 1.5625e-07, "glm4": 1.5625e-07, "helium": 1e-8,
 }  # fmt: skip
@@ -455,7 +460,7 @@ MLP_ACTIVATIONS = {
 # The models whose MLP is two matrices (up, an activation, down), not a gated three
 TWO_MATRIX_MLPS = ("opt", "gpt_neox", "gpt2", "phi", "starcoder2", "nemotron", "arcee", "apertus")
 # The models of Llama's outline whose norms are LayerNorms with biases
-LAYER_NORMS = ("phi", "starcoder2", "stablelm", "nemotron")
+LAYER_NORMS = ("phi", "starcoder2", "stablelm", "nemotron", "phimoe")
 # The models of Llama's outline whose norms have no weights (OLMo 1's)
 WEIGHTLESS_NORMS = ("olmo",)
 # A layer type of ModelConfig.layer_types that sees only the last sliding_window positions
@@ -525,6 +530,7 @@ class ModelConfig:
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] (None: not)
     parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x)), not one after the other
     mlp_bias: bool = False
+    lm_head_bias: bool = False  # (Phi-1 to 2's; Phi-3.5-MoE's where its config says)
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     # Gemma 3: scores scaled by query_pre_attn_scalar ** -0.5 (None: head_dim's); each layer's type
@@ -857,7 +863,7 @@ class ModelConfig:
         norm = 2 * h if self.model_type in LAYER_NORMS else 0 if self.model_type in WEIGHTLESS_NORMS else h
         layer = attention + mlp + NORMS_PER_LAYER.get(self.architecture, 2) * norm
         total = v * h + layers * layer + norm + (0 if self.tie_word_embeddings else v * h)
-        total += v * (self.model_type == "phi")  # (its LM head's bias)
+        total += v * self.lm_head_bias
         if self.moe is not None:  # a MoE layer: the router and every expert instead of the dense MLP
             experts = self.moe["num_experts"] * (h + 3 * h * self.moe["moe_intermediate_size"])
             if self.moe["shared_expert_intermediate_size"]:  # and the shared experts (Qwen2-MoE's with a gate)
@@ -1104,11 +1110,16 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     rotary_dim = int(head_dim * rotated)  # (transformers' rounding)
     if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "longrope":
         scaling = _longrope(scaling, raw, rotary_dim, name)
+        for key in ("short_mscale", "long_mscale") if model_type == "phimoe" else ():  # (Phi-3.5-MoE's cos/sin scales)
+            if isinstance(scaling.get(key), bool) or not isinstance(scaling.get(key), (int, float)):
+                raise ConfigError(f"{name}: phimoe's longrope rope scaling needs {key}, a number")
     # NOTE: Mistral 7B v0.1's and Phi-3 mini's every layer sees the last sliding_window positions (later
     # Mistrals, Phi-4: null; a window as long as the context changes nothing); Qwen's sliding_window is
     # unused unless use_sliding_window
     window = (
-        raw.get("sliding_window") if model_type in ("mistral", "ministral3", "mixtral", "phi3", "starcoder2") else None
+        raw.get("sliding_window")
+        if model_type in ("mistral", "ministral3", "mixtral", "phi3", "starcoder2", "phimoe")
+        else None
     )
     if window is not None and window >= common["max_position_embeddings"]:
         window = None
@@ -1206,6 +1217,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         or model_type in ("ernie4_5", "ernie4_5_moe", "cohere", "cohere2", "llama4_text", "helium"),
         llama4_scaling_beta=_llama4_scaling_beta(model_type, scaling, rope, name),
         **_biases(raw, model_type),
+        lm_head_bias=model_type == "phi" or (model_type == "phimoe" and bool(raw.get("lm_head_bias", False))),
         attention_sinks=model_type in ("gpt_oss", "granite_swa", "granitemoe_swa"),
         qk_norm=model_type in (*QK_NORMED, *QWEN3_NEXT_TYPES)
         or (model_type == "glm4_moe" and bool(raw.get("use_qk_norm"))),
@@ -1826,6 +1838,7 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         *UNGATED_SHARED_EXPERTS,
         "hunyuan_v1_moe",
         "llama4_text",
+        "phimoe",
     )
     # NOTE: transformers 5 saves Qwen3-MoE's count as num_local_experts (Mixtral's name), the Hub as num_experts
     experts = raw.get("num_experts", raw.get("num_local_experts", MOE_DEFAULTS[kind]["num_experts"]))
@@ -1874,6 +1887,11 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         if kind in GATED_SHARED_EXPERTS
         else 0,
     }
+    if kind == "phimoe":  # (SparseMixer's: two experts a token, their logits' margin)
+        if moe["num_experts_per_tok"] != 2:
+            raise ConfigError(f"{name}: phimoe routes each token to 2 experts (SparseMixer), got num_experts_per_tok "
+                              f"{moe['num_experts_per_tok']!r}")  # fmt: skip
+        moe["router_jitter_noise"] = float(raw.get("router_jitter_noise", 0.01))
     if kind == "llama4_text":  # (its shared expert, ungated, as wide as each routed one)
         moe["shared_expert_intermediate_size"] = raw.get("intermediate_size")
     if kind in UNGATED_SHARED_EXPERTS:  # (its shared MLP, ungated, beside the experts; Granite 4.0's 1,024 wide)

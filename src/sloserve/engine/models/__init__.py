@@ -23,6 +23,7 @@ from sloserve.engine.models import (
     nemotron_h,
     olmo2,
     phi,
+    phimoe,
     qwen3_next,
 )
 from sloserve.engine.models.apertus import ApertusForCausalLM
@@ -78,6 +79,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "exaone_moe": LlamaForCausalLM,
     "llama4": llama4.Llama4ForCausalLM,
     "exaone": LlamaForCausalLM,
+    "phimoe": phimoe.PhimoeForCausalLM,
 }
 
 

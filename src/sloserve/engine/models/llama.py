@@ -164,14 +164,18 @@ def yarn_inv_freq(config: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
     return inv_freq / yarn_factor(config) * ramp + inv_freq * extrapolated
 
 
-def rope_attention_factor(config: ModelConfig) -> float:
+def rope_attention_factor(config: ModelConfig, long_factors: bool = False) -> float:
     """The factor YaRN and LongRoPE scale cos and sin by (so the attention logits by its square):
     ``attention_factor``, else YaRN's 0.1 ln(s) + 1 (with DeepSeek's ``mscale``/``mscale_all_dim`` where
-    given) or LongRoPE's sqrt(1 + ln(s) / ln(L)), s the context over the pretrained one L; 1 for the others."""
+    given) or LongRoPE's sqrt(1 + ln(s) / ln(L)), s the context over the pretrained one L; Phi-3.5-MoE's its
+    ``short_mscale`` or ``long_mscale`` (with ``long_factors``), as transformers' Phimoe reads them; 1 for the
+    others."""
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind not in ("yarn", "longrope"):
         return 1.0
+    if config.model_type == "phimoe" and kind == "longrope":
+        return float(scaling["long_mscale" if long_factors else "short_mscale"])
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     if kind == "longrope":  # NOTE: the same for the short and the long factors, as in transformers and vLLM
@@ -237,7 +241,7 @@ class Rotary(nn.Module):
             positions = torch.arange(self.served_context or self.config.max_position_embeddings, device=device).float()
             freqs = torch.outer(positions, inv_freq)  # (max_pos, rotary_dim / 2)
             emb = torch.cat((freqs, freqs), dim=-1)  # (max_pos, rotary_dim)
-            scale = rope_attention_factor(self.config)
+            scale = rope_attention_factor(self.config, self.long_factors)
             self._tables = (emb.cos() * scale, emb.sin() * scale)
         return self._tables
 

@@ -54,6 +54,6 @@ class PhiForCausalLM(StreamLayersForCausalLM):
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__(config, backend)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
