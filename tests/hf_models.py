@@ -31,7 +31,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "falcon_h1": 52, "falcon_h1_norm": 53, "lfm2": 54, "lfm2_moe": 55, "lfm3": 56, "granite_swa": 57, "mistral4": 58, "glm4_moe_lite": 59, "minimax_m2": 60,
          "qwen3_next": 61, "qwen3_5": 62, "qwen3_5_moe": 63, "olmo_hybrid": 64, "kimi_linear": 65,
          "exaone_moe": 66, "granitemoeshared": 67, "granitemoe_swa": 68, "llama4": 69, "llama4_maverick": 70,
-         "exaone": 71, "internlm3": 72, "iquestcoder": 73, "ministral": 74, "helium": 75, "dots1": 76, "phimoe": 77}  # fmt: skip
+         "exaone": 71, "internlm3": 72, "iquestcoder": 73, "ministral": 74, "helium": 75, "dots1": 76, "phimoe": 77, "solar_open": 78, "sarvam_moe": 79}  # fmt: skip
 # The models of delta-rule layers (their decays made mild: states that last past a chunk)
 DELTA_RULE_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
@@ -408,6 +408,22 @@ def hf_model(arch: str):
         else:
             config = transformers.IQuestCoderConfig(**sizes)
         cls = transformers.LlamaForCausalLM
+    elif (
+        arch == "solar_open"
+    ):  # Solar Open's outline: Llama's attention (q/k/v biases), every MLP experts (8, 2 a token)
+        config = transformers.SolarOpenConfig(
+            **common, num_key_value_heads=2, head_dim=16, moe_intermediate_size=16, n_routed_experts=8,
+            num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.0,
+            attention_bias=True, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )  # fmt: skip
+        cls = transformers.SolarOpenForCausalLM
+    elif arch == "sarvam_moe":  # Sarvam's outline: GLM-4.5's layers with norms, whole heads rotated, experts (8, 2)
+        config = transformers.SarvamMoEConfig(
+            **{**common, "num_hidden_layers": 3}, intermediate_size=96, num_key_value_heads=2, head_dim=16,
+            moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+            use_qkv_bias=True, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )  # fmt: skip
+        cls = transformers.Glm4MoeForCausalLM
     elif arch == "phimoe":
         # Phi-3.5-MoE's outline: LayerNorms, biases (its LM head's too), 4 experts routed by SparseMixer, its margin
         # wide enough (0.3) that the softmax of each choice counts more than one logit

@@ -122,6 +122,10 @@ ARCHITECTURES: dict[str, str] = {
     # (dots.llm1 142B-A14B: Qwen3's attention, DeepSeek-V3's experts beside shared ones after dense first MLPs; layers
     # from max_window_layers on sliding)
     "dots1": "glm4_moe",
+    # (Solar Open 100B: Llama's attention, every MLP GLM-4.5's experts beside a shared one)
+    "solar_open": "glm4_moe",
+    # (Sarvam-30B, 105B: GLM-4.5's layers, whole heads rotated, query and key norms; the Hub's names of its own)
+    "sarvam_moe": "sarvam_moe",
     "stablelm": "stablelm",  # (StableLM 2 1.6B, 3B: Llama's layers with LayerNorms, a quarter of each head rotated)
     "olmo": "olmo",  # (OLMo 1: Llama's layers with LayerNorms of no weight, clip_qkv)
     "nemotron": "nemotron",  # (Minitron: LayerNorms of 1 + weight, a squared-ReLU MLP of two matrices, half rotated)
@@ -208,6 +212,8 @@ MOE_DEFAULTS = {
     "deepseek_v3": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048},
     "glm4_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408},
     "dots1": {"num_experts": None, "num_experts_per_tok": None, "moe_intermediate_size": 1408},
+    "solar_open": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1280},
+    "sarvam_moe": {"num_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1024},
     "ernie4_5_moe": {"num_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1536},
     # (Hunyuan's experts: of intermediate_size)
     "hunyuan_v1_moe": {"num_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": None},
@@ -240,6 +246,10 @@ DEEPSEEK_ROUTING_DEFAULTS = {
                     "topk_group": None, "norm_topk_prob": False, "first_k_dense_replace": 0},
     "deepseek_v3": {"n_shared_experts": 1, "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "n_group": 8,
                     "topk_group": 4, "norm_topk_prob": True, "first_k_dense_replace": 3},
+    "solar_open": {"n_shared_experts": 1, "routed_scaling_factor": 1.0, "topk_method": "noaux_tc", "n_group": 1,
+                   "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 0},
+    "sarvam_moe": {"n_shared_experts": 1, "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "n_group": 1,
+                   "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 1},
     "dots1": {"n_shared_experts": None, "routed_scaling_factor": 1.0, "topk_method": "noaux_tc", "n_group": 1,
               "topk_group": 1, "norm_topk_prob": False, "first_k_dense_replace": 0},
     "glm4_moe": {"n_shared_experts": 1, "routed_scaling_factor": 1.0, "topk_method": "noaux_tc", "n_group": 1,
@@ -271,6 +281,8 @@ MOE_SETTING_NAMES = {
     "lfm2_moe": {"num_experts": "n_routed_experts", "num_dense_layers": "first_k_dense_replace"},
     "minimax_m2": {"num_local_experts": "n_routed_experts"},
     "exaone_moe": {"num_experts": "n_routed_experts", "num_shared_experts": "n_shared_experts"},
+    "sarvam_moe": {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
+                   "num_shared_experts": "n_shared_experts"},
 }  # fmt: skip
 # The mixtures of experts routed as DeepSeek's
 DEEPSEEK_ROUTED = tuple(DEEPSEEK_ROUTING_DEFAULTS)
@@ -281,6 +293,8 @@ ROUTING_METHODS = {
     "deepseek_v3": ("noaux_tc",),
     "glm4_moe": ("noaux_tc",),
     "dots1": ("noaux_tc",),
+    "solar_open": ("noaux_tc",),
+    "sarvam_moe": ("noaux_tc",),
     "ernie4_5_moe": ("softmax_with_bias",),
     "hunyuan_v1_moe": ("greedy",),
     "lfm2_moe": ("noaux_tc",),
@@ -300,6 +314,7 @@ QKV_BIASED = ("qwen2", "gpt_oss", "glm", "glm4", "seed_oss", "phi")
 # InternLM3's and EXAONE 3's names of settings (transformers' attribute maps)
 SETTING_NAMES = {
     "internlm3": {"qkv_bias": "attention_bias", "bias": "mlp_bias"},
+    "sarvam_moe": {"use_qkv_bias": "attention_bias"},
     "exaone": {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
                "activation_function": "hidden_act"},
 }  # fmt: skip
@@ -328,6 +343,8 @@ DEFAULT_ROPE_THETA = {
     "exaone": 500_000.0,
     "helium": 100_000.0,
     "phimoe": 1_000_000.0,
+    "solar_open": 1_000_000.0,
+    "sarvam_moe": 8_000_000.0,
 }
 # transformers' rope settings of the models whose default rope is scaled, where a config says nothing of its rope
 DEFAULT_ROPE_PARAMETERS = {
@@ -387,6 +404,8 @@ CONFIG_DEFAULTS = {
     "internlm3": {"head_dim": 128},
     "iquestcoder": {"head_dim": 128},
     "helium": {"head_dim": 128},
+    "solar_open": {"head_dim": 128},
+    "sarvam_moe": {"head_dim": 64},
     # (Llama 4's: its experts' and shared expert's size, its dense MLPs', its chunks')
     "llama4_text": {
         "head_dim": 128,
@@ -421,7 +440,7 @@ RMS_NORM_EPS_DEFAULTS = {
     **dict.fromkeys(("apertus", "arcee", "bamba", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "falcon_h1",
                      "glm4_moe", "gpt_oss", "granite_swa", "hunyuan_v1_dense", "hunyuan_v1_moe", "llama4_text",
                      "ministral3", "mixtral", "olmo2", "olmo3", "olmoe", "phi3", "exaone", "internlm3", "iquestcoder",
-                     "phimoe"),
+                     "phimoe", "solar_open"),
                    1e-5),
     "glm": 1.5625e-07, "glm4": 1.5625e-07, "helium": 1e-8,
 }  # fmt: skip
@@ -1151,7 +1170,10 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     rotary_layers = raw.get("no_rope_layers") if model_type == "smollm3" else None  # (HF's name: 1 rotates)
     if no_rope:
         rotary_layers = [False] * common["num_hidden_layers"]
-    intermediate = raw.get("intermediate_size") if model_type == "qwen3_5_moe_text" else need("intermediate_size")
+    if model_type in ("qwen3_5_moe_text", "solar_open"):  # (no dense MLP: its experts' size stands for one, unbuilt)
+        intermediate = raw.get("moe_intermediate_size", MOE_DEFAULTS[model_type]["moe_intermediate_size"])
+    else:
+        intermediate = need("intermediate_size")
     mamba, short_conv, extra = None, None, {}
     if model_type in LFM_TYPES:
         layer_types, intermediate, short_conv = _lfm2_layers(raw, common["num_hidden_layers"], model_type, name)
@@ -1169,8 +1191,6 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     gated_delta_net = None
     if model_type in GATED_DELTA_NET_TYPES:
         layer_types, gated_delta_net = _gated_delta_net_layers(raw, common["num_hidden_layers"], model_type, name)
-        if model_type == "qwen3_5_moe_text":  # (no dense MLP: its experts' size stands for one, never built)
-            intermediate = raw.get("moe_intermediate_size", MOE_DEFAULTS[model_type]["moe_intermediate_size"])
     if model_type in ("granite_swa", "granitemoe_swa"):
         layer_types, window, rotary_layers, rope_theta = _granite_swa_layers(raw, common["num_hidden_layers"],
                                                                               rope_theta, name)  # fmt: skip
@@ -1220,7 +1240,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         lm_head_bias=model_type == "phi" or (model_type == "phimoe" and bool(raw.get("lm_head_bias", False))),
         attention_sinks=model_type in ("gpt_oss", "granite_swa", "granitemoe_swa"),
         qk_norm=model_type in (*QK_NORMED, *QWEN3_NEXT_TYPES)
-        or (model_type == "glm4_moe" and bool(raw.get("use_qk_norm"))),
+        or (model_type in ("glm4_moe", "sarvam_moe") and bool(raw.get("use_qk_norm", model_type == "sarvam_moe"))),
         qk_norm_after_rotary=model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"),
         qk_norm_whole_projection=model_type in (*OLMO_TYPES, "minimax_m2"),
         clip_qkv=raw.get("clip_qkv") if model_type in ("olmoe", "olmo") else None,

@@ -80,6 +80,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama4": llama4.Llama4ForCausalLM,
     "exaone": LlamaForCausalLM,
     "phimoe": phimoe.PhimoeForCausalLM,
+    "sarvam_moe": LlamaForCausalLM,
 }
 
 
@@ -159,6 +160,15 @@ CHECKPOINT_NAMES = {
         ".mlp.c_fc_1.": ".mlp.up_proj.",
         ".mlp.c_proj.": ".mlp.down_proj.",
     },
+    # (Sarvam's, the Hub's: its Q/K/V fused as the engine's, its norms' and its router bias' names)
+    "sarvam_moe": {
+        "model.word_embeddings.": "model.embed_tokens.",
+        ".attention.query_key_value.": ".self_attn.qkv_proj.",
+        ".attention.dense.": ".self_attn.o_proj.",
+        ".attention.query_layernorm.": ".self_attn.q_norm.",
+        ".attention.key_layernorm.": ".self_attn.k_norm.",
+        ".mlp.gate.expert_bias": ".mlp.gate.e_score_correction_bias",
+    },
 }
 # The merged projections a model type's checkpoints store whole, in the row order the engine's have:
 # Phi-3's Q/K/V (``qkv_proj``) and gate/up (``gate_up_proj``), GLM's and Granite 4.0's gate/up
@@ -169,6 +179,7 @@ FUSED_CHECKPOINTS = {
     "granitemoehybrid": ("gate_up_proj",),
     "granitemoeshared": ("gate_up_proj",),
     "granitemoe_swa": ("gate_up_proj",),
+    "sarvam_moe": ("qkv_proj",),
 }
 # Checkpoint tensors that are buffers in other implementations, not weights.
 # (old GPT-NeoX and GPT-2 checkpoints: the causal mask and its fill value)
