@@ -28,7 +28,7 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "apertus", "hunyuan_moe", "granitemoehybrid", "granitemoehybrid_moe", "granite_swa",
                        "mistral4", "glm4_moe_lite", "minimax_m2", "exaone_moe", "granitemoeshared",
                        "granitemoe_swa", "llama4", "llama4_maverick", "exaone", "internlm3", "iquestcoder",
-                       "ministral", "helium", "dots1", "phimoe", "solar_open", "sarvam_moe"]  # fmt: skip
+                       "ministral", "helium", "dots1", "phimoe", "solar_open", "sarvam_moe", "youtu", "hy_v3"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)
@@ -51,7 +51,11 @@ def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
     kv_heads = getattr(hf.config, "num_key_value_heads", 4)  # (OPT and GPT-NeoX: as many as the heads)
     head_dim = getattr(hf.config, "head_dim", None) or 16  # (64 / 4 heads, where the config has none)
     tensors = 2  # K and V
-    if arch.startswith("deepseek") or arch in ("mistral4", "glm4_moe_lite"):  # MLA's cache: a latent, a rotated key
+    if arch.startswith("deepseek") or arch in (
+        "mistral4",
+        "glm4_moe_lite",
+        "youtu",
+    ):  # MLA's cache: a latent, a rotated key
         kv_heads, head_dim, tensors = 1, hf.config.kv_lora_rank + hf.config.qk_rope_head_dim, 1
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (hf.config.num_hidden_layers, kv_heads, head_dim)
     assert spec.dtype_bytes == 4  # saved in float32

@@ -114,6 +114,7 @@ ARCHITECTURES: dict[str, str] = {
     "mistral4": "deepseek_v2",
     # (GLM-4.7-Flash: DeepSeek-V3's attention (MLA) with GLM-4.5's experts, dense or sparse as mlp_layer_types says)
     "glm4_moe_lite": "deepseek_v2",
+    "youtu": "deepseek_v2",  # (Youtu-LLM 2B: DeepSeek-V3's attention (MLA) with a dense MLP in every layer)
     # (MiniMax-M2: Llama's layers, queries and keys normalized over their whole projections, half of each head
     # rotated, every MLP experts chosen by sigmoid scores plus a bias)
     "minimax_m2": "minimax_m2",
@@ -126,6 +127,9 @@ ARCHITECTURES: dict[str, str] = {
     "solar_open": "glm4_moe",
     # (Sarvam-30B, 105B: GLM-4.5's layers, whole heads rotated, query and key norms; the Hub's names of its own)
     "sarvam_moe": "sarvam_moe",
+    # (Hunyuan 3: Llama's layers with Qwen3's query and key norms, a dense first MLP, then experts chosen by sigmoid
+    # scores plus a bias beside a shared one; its multi-token-prediction layer not read)
+    "hy_v3": "hy_v3",
     "stablelm": "stablelm",  # (StableLM 2 1.6B, 3B: Llama's layers with LayerNorms, a quarter of each head rotated)
     "olmo": "olmo",  # (OLMo 1: Llama's layers with LayerNorms of no weight, clip_qkv)
     "nemotron": "nemotron",  # (Minitron: LayerNorms of 1 + weight, a squared-ReLU MLP of two matrices, half rotated)
@@ -214,6 +218,7 @@ MOE_DEFAULTS = {
     "dots1": {"num_experts": None, "num_experts_per_tok": None, "moe_intermediate_size": 1408},
     "solar_open": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1280},
     "sarvam_moe": {"num_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1024},
+    "hy_v3": {"num_experts": 192, "num_experts_per_tok": 8, "moe_intermediate_size": 1536},
     "ernie4_5_moe": {"num_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1536},
     # (Hunyuan's experts: of intermediate_size)
     "hunyuan_v1_moe": {"num_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": None},
@@ -232,7 +237,7 @@ MOE_DEFAULTS = {
 # default size of that expert
 GATED_SHARED_EXPERTS = {"qwen2_moe": 5632, "qwen3_next": 512, "qwen3_5_moe_text": 512}
 # The models of multi-head latent attention
-DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "mistral4", "glm4_moe_lite", "kimi_linear")
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "mistral4", "glm4_moe_lite", "kimi_linear", "youtu")
 # transformers' GraniteMoeHybridConfig defaults of its Mamba-2 mixers (``mamba_*`` in a config), and FalconH1Config's
 MAMBA2_DEFAULTS = {
     "n_heads": 128, "n_groups": 1, "d_state": 256, "d_head": "auto", "d_conv": 4, "expand": 2, "chunk_size": 256,
@@ -248,6 +253,8 @@ DEEPSEEK_ROUTING_DEFAULTS = {
                     "topk_group": 4, "norm_topk_prob": True, "first_k_dense_replace": 3},
     "solar_open": {"n_shared_experts": 1, "routed_scaling_factor": 1.0, "topk_method": "noaux_tc", "n_group": 1,
                    "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 0},
+    "hy_v3": {"n_shared_experts": 1, "routed_scaling_factor": 2.826, "topk_method": "noaux_tc", "n_group": 1,
+              "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 1},
     "sarvam_moe": {"n_shared_experts": 1, "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "n_group": 1,
                    "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 1},
     "dots1": {"n_shared_experts": None, "routed_scaling_factor": 1.0, "topk_method": "noaux_tc", "n_group": 1,
@@ -283,6 +290,8 @@ MOE_SETTING_NAMES = {
     "exaone_moe": {"num_experts": "n_routed_experts", "num_shared_experts": "n_shared_experts"},
     "sarvam_moe": {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
                    "num_shared_experts": "n_shared_experts"},
+    "hy_v3": {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
+              "num_shared_experts": "n_shared_experts", "router_scaling_factor": "routed_scaling_factor"},
 }  # fmt: skip
 # The mixtures of experts routed as DeepSeek's
 DEEPSEEK_ROUTED = tuple(DEEPSEEK_ROUTING_DEFAULTS)
@@ -295,6 +304,7 @@ ROUTING_METHODS = {
     "dots1": ("noaux_tc",),
     "solar_open": ("noaux_tc",),
     "sarvam_moe": ("noaux_tc",),
+    "hy_v3": ("noaux_tc",),
     "ernie4_5_moe": ("softmax_with_bias",),
     "hunyuan_v1_moe": ("greedy",),
     "lfm2_moe": ("noaux_tc",),
@@ -324,7 +334,7 @@ OLMO_TYPES = ("olmo2", "olmo3", "olmoe", "olmo_hybrid")
 OUTPUT_BIASED = ("gpt_oss", "exaone4", "exaone_moe", "internlm3", "phimoe", "cohere", "cohere2", "phi", "nemotron", "arcee", "falcon_h1",
                  *OLMO_TYPES)  # fmt: skip
 # The models whose queries and keys are RMS-normalized (each head: Qwen3's; OLMo's whole projections)
-QK_NORMED = ("qwen3", "qwen3_moe", "dots1", "lfm2", "lfm2_moe", "lfm3", "exaone4", "exaone_moe", "hunyuan_v1_dense",
+QK_NORMED = ("qwen3", "qwen3_moe", "dots1", "hy_v3", "lfm2", "lfm2_moe", "lfm3", "exaone4", "exaone_moe", "hunyuan_v1_dense",
              "hunyuan_v1_moe", "apertus", "minimax_m2", *OLMO_TYPES)  # fmt: skip
 # transformers' rope bases where a config has none
 DEFAULT_ROPE_THETA = {
@@ -345,6 +355,7 @@ DEFAULT_ROPE_THETA = {
     "phimoe": 1_000_000.0,
     "solar_open": 1_000_000.0,
     "sarvam_moe": 8_000_000.0,
+    "hy_v3": 11_158_840.0,
 }
 # transformers' rope settings of the models whose default rope is scaled, where a config says nothing of its rope
 DEFAULT_ROPE_PARAMETERS = {
@@ -405,6 +416,8 @@ CONFIG_DEFAULTS = {
     "iquestcoder": {"head_dim": 128},
     "helium": {"head_dim": 128},
     "solar_open": {"head_dim": 128},
+    "youtu": {"tie_word_embeddings": True},
+    "hy_v3": {"head_dim": 128},
     "sarvam_moe": {"head_dim": 64},
     # (Llama 4's: its experts' and shared expert's size, its dense MLPs', its chunks')
     "llama4_text": {
@@ -440,7 +453,7 @@ RMS_NORM_EPS_DEFAULTS = {
     **dict.fromkeys(("apertus", "arcee", "bamba", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "falcon_h1",
                      "glm4_moe", "gpt_oss", "granite_swa", "hunyuan_v1_dense", "hunyuan_v1_moe", "llama4_text",
                      "ministral3", "mixtral", "olmo2", "olmo3", "olmoe", "phi3", "exaone", "internlm3", "iquestcoder",
-                     "phimoe", "solar_open"),
+                     "phimoe", "solar_open", "hy_v3"),
                    1e-5),
     "glm": 1.5625e-07, "glm4": 1.5625e-07, "helium": 1e-8,
 }  # fmt: skip
@@ -1317,7 +1330,7 @@ def _deepseek_config(raw: dict[str, Any], common: dict[str, Any], name: str, nee
         rope_scaling=scaling,
         llama4_scaling_beta=_llama4_scaling_beta(raw["model_type"], scaling, rope, name),
         attention_bias=bool(raw.get("attention_bias", False)),
-        moe=_moe(raw, common["num_hidden_layers"], name),
+        moe=_moe(raw, common["num_hidden_layers"], name) if raw["model_type"] in MOE_TYPES else None,
         # (V2's checkpoints rotate adjacent pairs of q_R and k_R; V3's where rope_interleave says, its default)
         mla={
             **mla,
@@ -1880,7 +1893,9 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         end = _layer_index(raw, "moe_layer_end_index", -1, name)
         step, end = raw.get("moe_layer_interval", 1), layers - 1 if end == -1 else end
         dense = {i for i in range(layers) if not start <= i <= end}
-    elif kind in ("glm4_moe_lite", "kimi_linear", "exaone_moe") and raw.get("mlp_layer_types"):  # ("dense", "sparse")
+    elif kind in ("glm4_moe_lite", "kimi_linear", "exaone_moe", "hy_v3") and raw.get(
+        "mlp_layer_types"
+    ):  # ("dense", "sparse")
         dense = _dense_layers(raw["mlp_layer_types"], layers, name)
     elif kind in DEEPSEEK_ROUTED:  # (its first first_k_dense_replace layers' MLPs dense)
         dense = set(range(_layer_index(raw, "first_k_dense_replace", 0, name)))

@@ -81,6 +81,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "exaone": LlamaForCausalLM,
     "phimoe": phimoe.PhimoeForCausalLM,
     "sarvam_moe": LlamaForCausalLM,
+    "hy_v3": LlamaForCausalLM,
 }
 
 
@@ -132,6 +133,7 @@ CHECKPOINT_TENSORS = {
     "qwen3_next": qwen3_next.checkpoint_tensor,
     "kimi_linear": kimi_linear.checkpoint_tensor,
     "exaone_moe": _without_mtp,
+    "hy_v3": _without_later_layers,
 }
 # An architecture's checkpoint names of modules the engine names otherwise (Llama's): each part of a name replaced
 CHECKPOINT_NAMES = {
@@ -146,6 +148,12 @@ CHECKPOINT_NAMES = {
     # (MiniMax-M2's router bias beside its router, as the engine holds it; its experts by Mixtral's names)
     "minimax_m2": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias"},
     "exaone_moe": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias"},  # (K-EXAONE's, the Hub's)
+    # (Hunyuan 3's, the Hub's, which transformers 5 saves: its router's weight, its bias beside it, its shared MLP)
+    "hy_v3": {
+        ".mlp.router.gate.weight": ".mlp.gate.weight",
+        ".mlp.expert_bias": ".mlp.gate.e_score_correction_bias",
+        ".mlp.shared_mlp.": ".mlp.shared_experts.",
+    },
     "llama4": llama4.CHECKPOINT_NAMES,
     # (EXAONE 3's, the Hub's: GPT-2's module names; transformers 5 saves Llama's)
     "exaone": {
