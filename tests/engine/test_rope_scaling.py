@@ -66,10 +66,22 @@ def assert_gives_the_scaled_tokens(model, arch: str, path) -> None:
     assert expected != [greedy(unscaled, ids, 24) for ids in PROMPTS]  # NOTE: the scaling matters here
 
 
-def test_a_rope_scaling_the_engine_does_not_apply_is_refused_by_name(tmp_path):
+def test_dynamic_ntk_is_plain_rope_within_the_context_and_an_unknown_scaling_is_refused_by_name(tmp_path):
+    """Dynamic NTK (InternLM3's) stretches the base only past max_position_embeddings, which the engine never serves:
+    transformers' greedy tokens, those of the same weights unscaled. A rope type the engine does not know is refused
+    in one line naming it."""
     model = checkpoint("llama", {"rope_type": "dynamic", "factor": 2.0})
     model.save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match="rope scaling 'dynamic' is not supported"):
+    unscaled = checkpoint("llama", None)
+    unscaled.load_state_dict(model.state_dict())
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outputs = LLM(str(tmp_path), kv_capacity_tokens=1024).generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    expected = [greedy(model, ids, 24) for ids in PROMPTS]
+    assert [o.outputs[0].token_ids for o in outputs] == expected == [greedy(unscaled, ids, 24) for ids in PROMPTS]
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["rope_parameters"]["rope_type"] = "ntk_by_parts"
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="rope scaling 'ntk_by_parts' is not supported"):
         LLM(str(tmp_path), kv_capacity_tokens=256)
 
 
