@@ -31,7 +31,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "falcon_h1": 52, "falcon_h1_norm": 53, "lfm2": 54, "lfm2_moe": 55, "lfm3": 56, "granite_swa": 57, "mistral4": 58, "glm4_moe_lite": 59, "minimax_m2": 60,
          "qwen3_next": 61, "qwen3_5": 62, "qwen3_5_moe": 63, "olmo_hybrid": 64, "kimi_linear": 65,
          "exaone_moe": 66, "granitemoeshared": 67, "granitemoe_swa": 68, "llama4": 69, "llama4_maverick": 70,
-         "exaone": 71, "internlm3": 72, "iquestcoder": 73, "ministral": 74, "helium": 75, "dots1": 76, "phimoe": 77, "solar_open": 78, "sarvam_moe": 79, "youtu": 80, "hy_v3": 81}  # fmt: skip
+         "exaone": 71, "internlm3": 72, "iquestcoder": 73, "ministral": 74, "helium": 75, "dots1": 76, "phimoe": 77, "solar_open": 78, "sarvam_moe": 79, "youtu": 80, "hy_v3": 81, "afmoe": 82}  # fmt: skip
 # The models of delta-rule layers (their decays made mild: states that last past a chunk)
 DELTA_RULE_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
@@ -417,9 +417,17 @@ def hf_model(arch: str):
             attention_bias=True, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         )  # fmt: skip
         cls = transformers.SolarOpenForCausalLM
-    elif (
-        arch == "hy_v3"
-    ):  # Hunyuan 3's outline: query/key norms, a dense first MLP, then experts (8, 2) beside a shared one
+    elif arch == "afmoe":
+        # Trinity's outline: norms around each part, three layers of four sliding (8) and rotated, gated heads, a
+        # dense first MLP then experts (8, 2, scaled by 2) beside a shared one, the embeddings scaled (mup)
+        config = transformers.AfmoeConfig(
+            **{**common, "num_hidden_layers": 4}, intermediate_size=96, num_key_value_heads=2, head_dim=16,
+            moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, num_shared_experts=1, route_scale=2.0,
+            sliding_window=8, mup_enabled=True, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )  # fmt: skip
+        cls = transformers.AfmoeForCausalLM
+    elif arch == "hy_v3":
+        # Hunyuan 3's outline: query/key norms, a dense first MLP, then experts (8, 2) beside a shared one
         config = transformers.HYV3Config(
             **{**common, "num_hidden_layers": 3}, intermediate_size=96, num_key_value_heads=2, head_dim=16,
             moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,

@@ -130,6 +130,9 @@ ARCHITECTURES: dict[str, str] = {
     # (Hunyuan 3: Llama's layers with Qwen3's query and key norms, a dense first MLP, then experts chosen by sigmoid
     # scores plus a bias beside a shared one; its multi-token-prediction layer not read)
     "hy_v3": "hy_v3",
+    # (Arcee's Trinity: a norm before and after attention and the MLP, three layers of four sliding and rotated, the
+    # fourth global without rope, each head's output gated, DeepSeek-V3's routing beside shared experts)
+    "afmoe": "afmoe",
     "stablelm": "stablelm",  # (StableLM 2 1.6B, 3B: Llama's layers with LayerNorms, a quarter of each head rotated)
     "olmo": "olmo",  # (OLMo 1: Llama's layers with LayerNorms of no weight, clip_qkv)
     "nemotron": "nemotron",  # (Minitron: LayerNorms of 1 + weight, a squared-ReLU MLP of two matrices, half rotated)
@@ -219,6 +222,7 @@ MOE_DEFAULTS = {
     "solar_open": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1280},
     "sarvam_moe": {"num_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1024},
     "hy_v3": {"num_experts": 192, "num_experts_per_tok": 8, "moe_intermediate_size": 1536},
+    "afmoe": {"num_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1408},
     "ernie4_5_moe": {"num_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1536},
     # (Hunyuan's experts: of intermediate_size)
     "hunyuan_v1_moe": {"num_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": None},
@@ -253,6 +257,8 @@ DEEPSEEK_ROUTING_DEFAULTS = {
                     "topk_group": 4, "norm_topk_prob": True, "first_k_dense_replace": 3},
     "solar_open": {"n_shared_experts": 1, "routed_scaling_factor": 1.0, "topk_method": "noaux_tc", "n_group": 1,
                    "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 0},
+    "afmoe": {"n_shared_experts": 2, "routed_scaling_factor": 1.0, "topk_method": "noaux_tc", "n_group": 1,
+              "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 1},
     "hy_v3": {"n_shared_experts": 1, "routed_scaling_factor": 2.826, "topk_method": "noaux_tc", "n_group": 1,
               "topk_group": 1, "norm_topk_prob": True, "first_k_dense_replace": 1},
     "sarvam_moe": {"n_shared_experts": 1, "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "n_group": 1,
@@ -290,6 +296,8 @@ MOE_SETTING_NAMES = {
     "exaone_moe": {"num_experts": "n_routed_experts", "num_shared_experts": "n_shared_experts"},
     "sarvam_moe": {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
                    "num_shared_experts": "n_shared_experts"},
+    "afmoe": {"num_experts": "n_routed_experts", "num_shared_experts": "n_shared_experts",
+              "route_scale": "routed_scaling_factor", "num_dense_layers": "first_k_dense_replace"},
     "hy_v3": {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
               "num_shared_experts": "n_shared_experts", "router_scaling_factor": "routed_scaling_factor"},
 }  # fmt: skip
@@ -305,6 +313,7 @@ ROUTING_METHODS = {
     "solar_open": ("noaux_tc",),
     "sarvam_moe": ("noaux_tc",),
     "hy_v3": ("noaux_tc",),
+    "afmoe": ("noaux_tc",),
     "ernie4_5_moe": ("softmax_with_bias",),
     "hunyuan_v1_moe": ("greedy",),
     "lfm2_moe": ("noaux_tc",),
@@ -334,7 +343,7 @@ OLMO_TYPES = ("olmo2", "olmo3", "olmoe", "olmo_hybrid")
 OUTPUT_BIASED = ("gpt_oss", "exaone4", "exaone_moe", "internlm3", "phimoe", "cohere", "cohere2", "phi", "nemotron", "arcee", "falcon_h1",
                  *OLMO_TYPES)  # fmt: skip
 # The models whose queries and keys are RMS-normalized (each head: Qwen3's; OLMo's whole projections)
-QK_NORMED = ("qwen3", "qwen3_moe", "dots1", "hy_v3", "lfm2", "lfm2_moe", "lfm3", "exaone4", "exaone_moe", "hunyuan_v1_dense",
+QK_NORMED = ("qwen3", "qwen3_moe", "dots1", "hy_v3", "afmoe", "lfm2", "lfm2_moe", "lfm3", "exaone4", "exaone_moe", "hunyuan_v1_dense",
              "hunyuan_v1_moe", "apertus", "minimax_m2", *OLMO_TYPES)  # fmt: skip
 # transformers' rope bases where a config has none
 DEFAULT_ROPE_THETA = {
@@ -418,6 +427,7 @@ CONFIG_DEFAULTS = {
     "solar_open": {"head_dim": 128},
     "youtu": {"tie_word_embeddings": True},
     "hy_v3": {"head_dim": 128},
+    "afmoe": {"head_dim": 128},
     "sarvam_moe": {"head_dim": 64},
     # (Llama 4's: its experts' and shared expert's size, its dense MLPs', its chunks')
     "llama4_text": {
@@ -453,7 +463,7 @@ RMS_NORM_EPS_DEFAULTS = {
     **dict.fromkeys(("apertus", "arcee", "bamba", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "falcon_h1",
                      "glm4_moe", "gpt_oss", "granite_swa", "hunyuan_v1_dense", "hunyuan_v1_moe", "llama4_text",
                      "ministral3", "mixtral", "olmo2", "olmo3", "olmoe", "phi3", "exaone", "internlm3", "iquestcoder",
-                     "phimoe", "solar_open", "hy_v3"),
+                     "phimoe", "solar_open", "hy_v3", "afmoe"),
                    1e-5),
     "glm": 1.5625e-07, "glm4": 1.5625e-07, "helium": 1e-8,
 }  # fmt: skip
@@ -479,7 +489,7 @@ PARTIAL_ROTARY = ("phi3", "minimax_m2", *PARTIAL_ROTARY_DEFAULTS)
 SLIDING_PATTERNS = {"gpt_oss": (128, 2), "olmo3": (4096, 4), "exaone4": (4096, 4), "exaone_moe": (4096, 4),
                     "cohere2": (4096, 4)}  # fmt: skip
 # The norms (of a weight each) of a layer, by architecture (Llama's: 2)
-NORMS_PER_LAYER = {"gemma3": 4, "glm4": 4, "cohere": 1, "phi": 1}
+NORMS_PER_LAYER = {"gemma3": 4, "glm4": 4, "cohere": 1, "phi": 1, "afmoe": 4}
 # The MLP activations of the models of Llama's outline whose MLP is not SwiGLU (transformers' names)
 MLP_ACTIVATIONS = {
     "phi": GPT2_ACTIVATIONS,
@@ -885,7 +895,7 @@ class ModelConfig:
         if self.qk_norm:
             attention += q_width + kv_width if self.qk_norm_whole_projection else 2 * self.head_dim
         attention += h * self.attention_output_bias + self.num_attention_heads * self.attention_sinks
-        attention += h * q_width * (self.architecture == "qwen3_next")  # (the gate of each query's output)
+        attention += h * q_width * (self.architecture in ("qwen3_next", "afmoe"))  # (the gate of each head's output)
         if self.model_type in TWO_MATRIX_MLPS:  # up, down
             mlp = 2 * h * i + (i + h if self.mlp_bias else 0)
             mlp += 4 * (self.model_type == "apertus")  # (xIELU's alpha_p, alpha_n, beta and eps)
@@ -1215,6 +1225,17 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     if model_type == "llama4_text":  # (chunked layers that rotate, global ones that do not; the dense MLPs' size)
         layer_types, rotary_layers, chunk = _llama4_layers(raw, common["num_hidden_layers"], name)
         intermediate, llama4 = raw["intermediate_size_mlp"], _llama4_attention(raw, name)
+    mup = {}
+    if model_type == "afmoe":  # (layer_types, or every global_attn_every_n_layers-th global; only the sliding rotate)
+        window, every = raw.get("sliding_window", 1024), raw.get("global_attn_every_n_layers", 4)
+        _check_positive_ints({"global_attn_every_n_layers": every}, ("global_attn_every_n_layers",), name)
+        kinds = raw.get("layer_types") or [SLIDING if (i + 1) % every else "full_attention"
+                                           for i in range(common["num_hidden_layers"])]  # fmt: skip
+        layer_types = _checked_layer_types(kinds, common["num_hidden_layers"], (SLIDING, "full_attention"),
+                                           model_type, name)  # fmt: skip
+        rotary_layers, window = [kind == SLIDING for kind in layer_types], window if SLIDING in layer_types else None
+        if raw.get("mup_enabled"):  # (the embeddings times sqrt(hidden_size))
+            mup = {"embedding_multiplier": hidden**0.5}
     if cohere and not (isinstance(raw["logit_scale"], (int, float)) and raw["logit_scale"] > 0):
         raise ConfigError(f"{name}: logit_scale must be a positive number, got {raw['logit_scale']!r}")
     if cohere and raw.get("use_qk_norm"):
@@ -1267,6 +1288,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         short_conv=short_conv,
         gated_delta_net=gated_delta_net,
         **(_granite_multipliers(raw) if model_type in GRANITE_SCALED else {}),
+        **mup,
         **(_falcon_h1_scales(raw, name) if model_type == "falcon_h1" else {}),
         extra=extra,
         # NOTE: Cohere's logits times logit_scale, as its inverse's quotient (the Hub's: powers of two, exact)

@@ -11,6 +11,7 @@ from sloserve.checkpoint.config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention import AttentionBackend
 from sloserve.engine.models import (
+    afmoe,
     apertus,
     deepseek_v2,
     falcon_h1,
@@ -82,6 +83,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "phimoe": phimoe.PhimoeForCausalLM,
     "sarvam_moe": LlamaForCausalLM,
     "hy_v3": LlamaForCausalLM,
+    "afmoe": afmoe.AfmoeForCausalLM,
 }
 
 
@@ -155,6 +157,7 @@ CHECKPOINT_NAMES = {
         ".mlp.shared_mlp.": ".mlp.shared_experts.",
     },
     "llama4": llama4.CHECKPOINT_NAMES,
+    "afmoe": afmoe.CHECKPOINT_NAMES,
     # (EXAONE 3's, the Hub's: GPT-2's module names; transformers 5 saves Llama's)
     "exaone": {
         "transformer.wte.": "model.embed_tokens.",
