@@ -31,7 +31,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "falcon_h1": 52, "falcon_h1_norm": 53, "lfm2": 54, "lfm2_moe": 55, "lfm3": 56, "granite_swa": 57, "mistral4": 58, "glm4_moe_lite": 59, "minimax_m2": 60,
          "qwen3_next": 61, "qwen3_5": 62, "qwen3_5_moe": 63, "olmo_hybrid": 64, "kimi_linear": 65,
          "exaone_moe": 66, "granitemoeshared": 67, "granitemoe_swa": 68, "llama4": 69, "llama4_maverick": 70,
-         "exaone": 71, "internlm3": 72, "iquestcoder": 73, "ministral": 74, "helium": 75, "dots1": 76, "phimoe": 77, "solar_open": 78, "sarvam_moe": 79, "youtu": 80, "hy_v3": 81, "afmoe": 82}  # fmt: skip
+         "exaone": 71, "internlm3": 72, "iquestcoder": 73, "ministral": 74, "helium": 75, "dots1": 76, "phimoe": 77, "solar_open": 78, "sarvam_moe": 79, "youtu": 80, "hy_v3": 81, "afmoe": 82, "jamba": 83}  # fmt: skip
 # The models of delta-rule layers (their decays made mild: states that last past a chunk)
 DELTA_RULE_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
@@ -417,6 +417,15 @@ def hf_model(arch: str):
             attention_bias=True, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         )  # fmt: skip
         cls = transformers.SolarOpenForCausalLM
+    elif arch == "jamba":
+        # Jamba's outline: Mamba's mixers (16 channels of 2 x 64, 8 states each) around an attention layer without rope,
+        # every other MLP experts (4, 2 a token)
+        config = transformers.JambaConfig(
+            **{**common, "num_hidden_layers": 4}, intermediate_size=64, num_key_value_heads=2, num_experts=4,
+            num_experts_per_tok=2, attn_layer_period=4, attn_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8,
+            initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        cls = transformers.JambaForCausalLM
     elif arch == "afmoe":
         # Trinity's outline: norms around each part, three layers of four sliding (8) and rotated, gated heads, a
         # dense first MLP then experts (8, 2, scaled by 2) beside a shared one, the embeddings scaled (mup)
@@ -630,8 +639,16 @@ def hf_cached(arch: str):
 
 @functools.cache
 def hf_greedy(arch: str, prompt: tuple[int, ...], num_tokens: int) -> list[int]:
-    """``greedy_past_eos`` by ``hf_cached(arch)``, each prompt's once."""
+    """``greedy_past_eos`` by ``hf_cached(arch)``, each prompt's once (``greedy_by_full_forwards`` for the models
+    whose ``generate`` parts from their own forward passes: ``BY_FULL_FORWARDS``)."""
+    if arch in BY_FULL_FORWARDS:
+        return greedy_by_full_forwards(arch, list(prompt), num_tokens)
     return greedy_past_eos(hf_cached(arch), list(prompt), num_tokens)
+
+
+# NOTE: transformers 5.24's generate for Jamba parts from its own forward passes on a 5-token prompt (its cached
+# prefill and decode steps, called directly, agree with the whole-sequence passes and the engine)
+BY_FULL_FORWARDS = ("jamba",)
 
 
 def greedy_by_full_forwards(arch, ids: list[int], num_tokens: int) -> list[int]:

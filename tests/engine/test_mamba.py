@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -145,6 +147,61 @@ def test_falcon_h1s_shape_counts_both_mixers_of_every_layer(hf_dirs, arch):
     )
 
 
+def mamba1_recurrence(x, dt, a, b, c, initial):
+    """Mamba's h_t = exp(dt_t a) h_(t-1) + dt_t x_t b_t (a state of N a channel), y_t = h_t . c_t, one token at a
+    time."""
+    state, ys = initial.clone(), []
+    for t in range(x.shape[0]):
+        state = state * torch.exp(dt[t][:, None] * a) + (dt[t] * x[t])[:, None] * b[t][None, :]
+        ys.append(state @ c[t])
+    return torch.stack(ys), state
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    length=st.integers(1, 40), chunk=st.one_of(st.none(), st.integers(1, 16)), from_state=st.booleans(),
+    seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_mambas_chunked_selective_scan_is_the_recurrence(length, chunk, from_state, seed):
+    """Float64, any length and chunk (the default: as many tokens as SCAN_NUMBERS allows), from zeros or a state,
+    decays down to exp(-20) a token."""
+    from sloserve.engine.models.mamba1 import selective_scan
+
+    gen = torch.Generator().manual_seed(seed)
+    channels, d_state = 6, 5
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    x, b, c = rand(length, channels), rand(length, d_state), rand(length, d_state)
+    dt = torch.nn.functional.softplus(rand(length, channels))
+    a = -torch.rand(channels, d_state, generator=gen, dtype=torch.float64) * 8
+    initial = rand(channels, d_state) if from_state else torch.zeros(channels, d_state, dtype=torch.float64)
+    y, state = selective_scan(x, dt, a, b, c, initial if from_state else None, chunk)
+    want_y, want_state = mamba1_recurrence(x, dt, a, b, c, initial)
+    torch.testing.assert_close(y, want_y, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(state, want_state, rtol=1e-10, atol=1e-10)
+
+
+def test_jambas_shape_and_layers_as_its_config_says(hf_dirs):
+    """Jamba: transformers' parameter count (the mixers' projections, the norms of the step, B and C, the experts of
+    every other layer); a request's states (the convolution's last 3 inputs and 8 states a channel, of 128 channels,
+    in 3 layers of 4) and the one attention layer's KV; periods and offsets as transformers reads them, bad ones
+    refused by name."""
+    spec = model_spec(hf_dirs["jamba"])
+    hf = hf_cached("jamba")
+    assert spec.num_params == sum(p.numel() for p in hf.parameters())
+    assert (spec.num_layers, spec.kv_layers) == (4, 1)
+    assert spec.state_bytes_per_sequence == 3 * (128 * 3 * 4 + 128 * 8 * 4)
+    raw = hf.config.to_dict()
+    config = from_hf_config(raw)
+    assert config.layer_types == ("mamba", "full_attention", "mamba", "mamba")
+    assert config.moe["moe_layers"] == (False, True, False, True) and not any(config.rotary_layers)
+    assert from_hf_config({**raw, "num_experts": 1}).moe is None  # (one expert: a dense MLP, as transformers')
+    with pytest.raises(ConfigError, match="attn_layer_offset must be an integer in 0..3, got 4"):
+        from_hf_config({**raw, "attn_layer_offset": 4})
+
+
 @pytest.mark.parametrize("arch", ["granite_4_h", "bamba"])
 def test_a_hybrid_models_shape_counts_its_mixers_and_only_its_attention_layers_kv(hf_dirs, arch):
     """transformers' parameter count; KV bytes a token of the one attention layer of three (the engine's and
@@ -225,6 +282,7 @@ def test_the_simulator_keeps_a_hybrids_states_as_the_engine_does(hf_dirs, monkey
     [
         *("granite_4_h", "nemotron_h", "bamba", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm"),
         *("lfm2", "lfm2_moe", "lfm3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear"),
+        "jamba",
     ],
 )
 @pytest.mark.parametrize(
@@ -243,7 +301,8 @@ def test_a_hybrid_model_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options
     two-matrix experts), Bamba (Llama's layers, half of each head rotated) and Falcon-H1 (a mixer beside each
     attention, every muP multiplier away from 1 and folded into the weights; its mixers' output gated, or
     normalized then gated); LFM2 (short convolutions instead of Mamba-2's, test_short_conv.py); Qwen3-Next, Qwen3.5
-    and OLMo Hybrid (gated DeltaNets beside attention), Kimi Linear (KDA beside MLA: test_gated_delta_net.py)."""
+    and OLMo Hybrid (gated DeltaNets beside attention), Kimi Linear (KDA beside MLA: test_gated_delta_net.py); Jamba
+    (Mamba's selective scan beside attention without rope, experts)."""
     tokens, llm = greedy_tokens(hf_dirs[arch], scheduler, **options)
     assert tokens == reference(arch)
     assert llm.engine.scheduler.kv.max_requests == llm.engine.executor.states.cache.num_slots
@@ -253,7 +312,7 @@ def test_a_hybrid_model_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options
         assert llm.engine.executor.num_early_launches > 0
 
 
-@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h", "falcon_h1", "lfm2", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h", "falcon_h1", "lfm2", "qwen3_next", "jamba"])
 def test_decode_steps_on_the_graphs_buffers_give_hf_greedy_tokens(hf_dirs, arch):
     """Decode-only steps through ``DecodeGraphs``' padded static buffers (not captured on the CPU, as in
     test_cuda_graphs.py): each row's state slot one more input, the padding rows on the state cache's pad slot."""
@@ -281,7 +340,7 @@ def test_decode_steps_on_the_graphs_buffers_give_hf_greedy_tokens(hf_dirs, arch)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: a GPU's (the runbook's tests stage)")
 @pytest.mark.parametrize(
-    "arch", ["granite_4_h", "nemotron_h", "falcon_h1", "lfm2", "lfm3", "qwen3_next", "qwen3_5", "kimi_linear"]
+    "arch", ["granite_4_h", "nemotron_h", "falcon_h1", "lfm2", "lfm3", "qwen3_next", "qwen3_5", "kimi_linear", "jamba"]
 )
 def test_on_cuda_a_hybrid_models_captured_decode_steps_give_hf_greedy_tokens(hf_dirs, arch):
     """The Triton backend, chunked prefills, and decode steps replayed from captured graphs, in float32."""

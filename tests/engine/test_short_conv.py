@@ -121,7 +121,7 @@ def test_lfm2s_shape_counts_its_convolutions_and_only_its_attention_layers_kv(hf
     assert states.conv.shape[0] == 2 and states.ssm is None
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "lfm3", "granite_4_h", "qwen3_next", "kimi_linear"])
+@pytest.mark.parametrize("arch", ["lfm2", "lfm3", "granite_4_h", "qwen3_next", "kimi_linear", "jamba"])
 @pytest.mark.parametrize(
     "scheduler,options",
     [

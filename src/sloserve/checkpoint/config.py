@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,9 @@ ARCHITECTURES: dict[str, str] = {
     "granitemoe_swa": "granitemoehybrid",
     # (Bamba 9B: Llama's layers, Mamba-2 mixers in most of them, half of each attention head rotated)
     "bamba": "bamba",
+    # (Jamba 1.5, 1.7 Mini and Large: Llama's layers, Mamba's selective state spaces in seven of eight, attention without
+    # rope in the eighth; every other MLP Mixtral's experts)
+    "jamba": "jamba",
     # (Nemotron-H, Nemotron Nano 2: blocks of one mixer each, Mamba-2, attention without rope or a squared-ReLU MLP)
     "nemotron_h": "nemotron_h",
     # (Falcon-H1 0.5B-34B: Llama's layers with a Mamba-2 mixer beside each attention, muP multipliers)
@@ -236,6 +240,7 @@ MOE_DEFAULTS = {
     "qwen3_5_moe_text": {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512},
     "llama4_text": {"num_experts": 16, "num_experts_per_tok": 1, "moe_intermediate_size": None},  # (intermediate_size)
     "phimoe": {"num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (intermediate_size)
+    "jamba": {"num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (intermediate_size)
 }
 # The mixtures of experts beside a shared expert gated by a sigmoid of the token (Qwen2-MoE's), and transformers'
 # default size of that expert
@@ -802,6 +807,8 @@ class ModelConfig:
         """A state layer's recurrent state of one request (float32), beside its convolution's: a Mamba-2 mixer's h of
         each head (n_heads, head_dim, d_state); a gated DeltaNet's S of each value head (num_v_heads, head_k_dim,
         head_v_dim); None for a short convolution (its convolution's alone)."""
+        if self.mamba is not None and self.mamba.get("version") == 1:  # (Mamba's: a state of d_state a channel)
+            return 1, self.mamba["d_inner"], self.mamba["d_state"]
         if self.mamba is not None:
             return self.mamba["n_heads"], self.mamba["head_dim"], self.mamba["d_state"]
         if self.gated_delta_net is not None:
@@ -811,13 +818,22 @@ class ModelConfig:
 
     @property
     def mamba_conv_dim(self) -> int:
-        """The channels a Mamba-2 mixer's convolution runs over: its x, B and C (d_inner + 2 n_groups d_state)."""
+        """The channels a Mamba-2 mixer's convolution runs over: its x, B and C (d_inner + 2 n_groups d_state); Mamba's,
+        its x (d_inner)."""
+        if self.mamba.get("version") == 1:
+            return self.mamba["d_inner"]
         return self.mamba["d_inner"] + 2 * self.mamba["n_groups"] * self.mamba["d_state"]
 
     @property
     def mamba_params(self) -> int:
-        """A Mamba-2 mixer's parameters: in_proj, conv1d, dt_bias, A_log, D, the gated norm, out_proj."""
+        """A Mamba-2 mixer's parameters: in_proj, conv1d, dt_bias, A_log, D, the gated norm, out_proj; Mamba's:
+        in_proj, conv1d, x_proj, dt_proj, A_log, D, the norms of the step, B and C, out_proj."""
         m, h, conv_dim = self.mamba, self.hidden_size, self.mamba_conv_dim
+        if m.get("version") == 1:
+            d, n, rank, bias = m["d_inner"], m["d_state"], m["dt_rank"], m["proj_bias"]
+            in_out = 2 * h * d + 2 * d * bias + d * h + h * bias
+            conv = d * m["d_conv"] + d * m["conv_bias"]
+            return in_out + conv + d * (rank + 2 * n) + rank * d + d + d * n + d + (rank + 2 * n) * m["dt_bc_norms"]
         in_proj = h * (m["d_inner"] + conv_dim + m["n_heads"]) + m["proj_bias"] * (
             m["d_inner"] + conv_dim + m["n_heads"]
         )
@@ -1198,6 +1214,9 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     else:
         intermediate = need("intermediate_size")
     mamba, short_conv, extra = None, None, {}
+    if model_type == "jamba":  # (attention in one layer of attn_layer_period, without rope; Mamba's mixers elsewhere)
+        layer_types, mamba = _jamba_layers(raw, common["num_hidden_layers"], name)
+        rotary_layers = [False] * common["num_hidden_layers"]
     if model_type in LFM_TYPES:
         layer_types, intermediate, short_conv = _lfm2_layers(raw, common["num_hidden_layers"], model_type, name)
         window = raw.get("sliding_window") if SLIDING in layer_types else None
@@ -1662,6 +1681,39 @@ def _bamba_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tuple[st
     return layer_types, _mamba2(raw, name) if MAMBA in layer_types else None
 
 
+def _check_layer_period(period: Any, offset: Any, setting: str, name: str) -> None:
+    """A ConfigError naming Jamba's ``{setting}_period`` or ``{setting}_offset`` unless 0 <= offset < period."""
+    _check_positive_ints({f"{setting}_period": period}, (f"{setting}_period",), name)
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < period:
+        raise ConfigError(f"{name}: {setting}_offset must be an integer in 0..{period - 1}, got {offset!r}")
+
+
+def _jamba_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tuple[str, ...], dict[str, Any] | None]:
+    """Jamba's (each layer's type: attention where i % attn_layer_period is attn_layer_offset, Mamba's mixer
+    elsewhere; the mixers' settings, ``mamba_*``, transformers' JambaConfig defaults where it has none)."""
+    period, offset = raw.get("attn_layer_period", 8), raw.get("attn_layer_offset", 4)
+    _check_layer_period(period, offset, "attn_layer", name)
+    kinds = tuple("full_attention" if i % period == offset else MAMBA for i in range(layers))
+    if MAMBA not in kinds:
+        return kinds, None
+    hidden = raw["hidden_size"]
+    settings = {key: raw.get(f"mamba_{key}", default) for key, default in
+                (("d_state", 16), ("d_conv", 4), ("expand", 2), ("dt_rank", "auto"))}  # fmt: skip
+    if settings["dt_rank"] == "auto":  # (transformers' rule)
+        settings["dt_rank"] = math.ceil(hidden / 16)
+    _check_positive_ints(settings, ("d_state", "d_conv", "expand", "dt_rank"), name, "mamba_")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{name}: hidden_act {raw.get('hidden_act')!r} is not supported with Mamba layers (silu)")
+    return kinds, {
+        "version": 1,  # (Mamba's selective state spaces, not Mamba-2's: ``models/mamba1.py``)
+        "d_inner": settings.pop("expand") * hidden,
+        **settings,
+        "conv_bias": bool(raw.get("mamba_conv_bias", True)),
+        "proj_bias": bool(raw.get("mamba_proj_bias", False)),
+        "dt_bc_norms": True,  # (Jamba's RMSNorms of the step, B and C)
+    }
+
+
 def _mamba2(raw: dict[str, Any], name: str, defaults: dict[str, Any] = MAMBA2_DEFAULTS) -> dict[str, Any]:
     """The Mamba-2 mixers' settings of a Granite 4.0-H, Bamba or Falcon-H1 config (``mamba_*``, its transformers
     class's defaults: ``defaults``), checked. ``d_ssm``: the mixer's width where given (Falcon-H1's), else
@@ -1894,6 +1946,7 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         "hunyuan_v1_moe",
         "llama4_text",
         "phimoe",
+        "jamba",
     )
     # NOTE: transformers 5 saves Qwen3-MoE's count as num_local_experts (Mixtral's name), the Hub as num_experts
     experts = raw.get("num_experts", raw.get("num_local_experts", MOE_DEFAULTS[kind]["num_experts"]))
@@ -1921,6 +1974,12 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         dense = _dense_layers(raw["mlp_layer_types"], layers, name)
     elif kind in DEEPSEEK_ROUTED:  # (its first first_k_dense_replace layers' MLPs dense)
         dense = set(range(_layer_index(raw, "first_k_dense_replace", 0, name)))
+    elif kind == "jamba":  # (its experts where i % expert_layer_period is expert_layer_offset; one expert: none)
+        period, offset = raw.get("expert_layer_period", 2), raw.get("expert_layer_offset", 1)
+        _check_layer_period(period, offset, "expert_layer", name)
+        if experts == 1:
+            return None
+        dense = {i for i in range(layers) if i % period != offset}
     elif kind == "llama4_text":  # (its experts at moe_layers, else every interleave_moe_layer_step-th layer)
         step = 1 if raw.get("moe_layers") is not None else raw.get("interleave_moe_layer_step", 1)
         dense = _llama4_dense_layers(raw, layers, name)

@@ -84,6 +84,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "sarvam_moe": LlamaForCausalLM,
     "hy_v3": LlamaForCausalLM,
     "afmoe": afmoe.AfmoeForCausalLM,
+    "jamba": LlamaForCausalLM,
 }
 
 
@@ -158,6 +159,13 @@ CHECKPOINT_NAMES = {
     },
     "llama4": llama4.CHECKPOINT_NAMES,
     "afmoe": afmoe.CHECKPOINT_NAMES,
+    # (Jamba's MLP, its router and the norms before it and after the layers)
+    "jamba": {
+        ".feed_forward.router.": ".mlp.gate.",
+        ".feed_forward.": ".mlp.",
+        ".pre_ff_layernorm.": ".post_attention_layernorm.",
+        "model.final_layernorm.": "model.norm.",
+    },
     # (EXAONE 3's, the Hub's: GPT-2's module names; transformers 5 saves Llama's)
     "exaone": {
         "transformer.wte.": "model.embed_tokens.",

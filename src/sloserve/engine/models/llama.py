@@ -20,6 +20,7 @@ from sloserve.core.errors import ConfigError
 from sloserve.engine import fused_ops
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
 from sloserve.engine.kv_cache import layer_caches
+from sloserve.engine.models.mamba1 import Mamba1Mixer
 from sloserve.engine.models.mamba2 import Mamba2Mixer
 from sloserve.engine.models.moe import DeepseekMoE, GptOssMoE, SparseMoE
 
@@ -373,6 +374,11 @@ def mlp(config: ModelConfig, layer: int) -> nn.Module:
     return SparseMoE(config, shared_experts, shared_expert_gated=config.model_type not in UNGATED_SHARED_EXPERTS)
 
 
+def mamba_mixer(config: ModelConfig, layer: int) -> nn.Module:
+    """Layer ``layer``'s state space mixer: Mamba's (Jamba's, ``mamba1``) or Mamba-2's."""
+    return (Mamba1Mixer if config.mamba.get("version") == 1 else Mamba2Mixer)(config, layer)
+
+
 class LlamaDecoderLayer(nn.Module):
     """A norm, attention, a norm, the MLP; the norms of ``norm_class`` (one with ``add_and_norm``), the
     attention ``make_attention``'s (one with ``project``, ``attend`` and ``output``), the MLP ``make_mlp``'s
@@ -384,7 +390,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
         # (a Mamba layer, Granite 4.0-H's: its mixer in attention's place; Falcon-H1's: beside it, ``forward``)
-        self.mamba = Mamba2Mixer(config, layer) if config.layer_is_mamba(layer) else None
+        self.mamba = mamba_mixer(config, layer) if config.layer_is_mamba(layer) else None
         attends = config.layer_has_kv(layer)
         self.self_attn = self.make_attention(config, backend, layer) if attends else None
         self.mlp = self.make_mlp(config, layer)
