@@ -7,6 +7,7 @@ what cannot carry the states refused by name; the simulator's shape, roofline an
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from hypothesis import given, settings
@@ -88,10 +89,10 @@ def test_the_mixer_gives_transformers_outputs_whole_in_chunks_and_decoding():
     assert torch.equal(out[11], ours.out_proj(torch.zeros(ours.d_inner)))  # (a padding row: y zeros, projected)
 
 
-def test_nemotron_hs_blocks_as_the_hub_and_transformers_5_name_them(hf_dirs):
+def test_nemotron_hs_blocks_as_the_hub_and_transformers_5_name_them(hf_dirs, tmp_path):
     """The Hub's ``hybrid_override_pattern`` (M: Mamba, *: attention, -: MLP) and ``mamba_*`` names read as
     transformers 5's list and names; transformers' parameter count; one block of five with a KV cache; Nemotron 3's
-    experts (E) and an unknown letter refused by name."""
+    experts (E) and an unknown letter refused by name; a pattern without attention refused where it would run."""
     from sloserve.checkpoint.config import MAMBA, MLP_LAYER
 
     raw = hf_cached("nemotron_h").config.to_dict()
@@ -115,6 +116,15 @@ def test_nemotron_hs_blocks_as_the_hub_and_transformers_5_name_them(hf_dirs):
         from_hf_config({**hub, "hybrid_override_pattern": "ME*EM", "moe_latent_size": 16})
     with pytest.raises(ConfigError, match="nemotron_h block type 'X' is not one of M, \\*, -, E"):
         from_hf_config({**hub, "hybrid_override_pattern": "MX*-M"})
+    # a pattern without attention: read, and refused by the simulator and the engine in one clear error (their KV
+    # cache's bytes a token would be 0)
+    unattended = tmp_path / "unattended"
+    unattended.mkdir()
+    (unattended / "config.json").write_text(json.dumps({**hub, "hybrid_override_pattern": "M-M-"}))
+    assert from_hf_config({**hub, "hybrid_override_pattern": "M-M-"}).num_kv_layers == 0
+    for load in (model_spec, LLM):
+        with pytest.raises(ConfigError, match=r"none of its 4 layers attends \(mamba, mlp\); a model needs an"):
+            load(str(unattended))
 
 
 def test_nemotron_hs_experts_stored_stacked_load_as_per_expert_ones(hf_dirs, tmp_path):

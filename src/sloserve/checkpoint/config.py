@@ -670,6 +670,17 @@ class ModelConfig:
     def architecture(self) -> str:
         return ARCHITECTURES[self.model_type]
 
+    def check_attends(self) -> None:
+        """A ConfigError unless some layer attends: the engine's and the simulator's KV cache hold a model's tokens,
+        and one of no attention layer would hold 0 bytes a token (Mamba's and Falcon Mamba's pure models; a hybrid's
+        pattern of no attention, as transformers' default Bamba and Granite 4.0 configs are)."""
+        if self.num_kv_layers == 0:
+            raise ConfigError(
+                f"model {self.name}: none of its {self.num_hidden_layers} layers attends "
+                f"({', '.join(sorted(set(self.layer_types)))}); a model needs an attention layer here (the engine's and "
+                "the simulator's KV cache hold its tokens)"
+            )
+
     @property
     def rotary_dim(self) -> int:
         """The dimensions of a head the rotary embedding turns (the leading ones)."""
@@ -976,6 +987,7 @@ class ModelConfig:
 
         A mixture of experts: all its parameters in memory, a token's experts in its compute, and the experts a
         step's tokens reach in the weights it reads (``ModelSpec.num_experts``...: the roofline's)."""
+        self.check_attends()
         mlp_kind = (
             "relu" if self.model_type in TWO_MATRIX_MLPS else "gated"
         )  # (two matrices, whatever their activation)
