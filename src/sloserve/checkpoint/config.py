@@ -58,8 +58,8 @@ ARCHITECTURES: dict[str, str] = {
     "granitemoe_swa": "granitemoehybrid",
     # (Bamba 9B: Llama's layers, Mamba-2 mixers in most of them, half of each attention head rotated)
     "bamba": "bamba",
-    # (Jamba 1.5, 1.7 Mini and Large: Llama's layers, Mamba's selective state spaces in seven of eight, attention without
-    # rope in the eighth; every other MLP Mixtral's experts)
+    # (Jamba 1.5, 1.7 Mini and Large: Llama's layers, Mamba's selective state spaces in seven of eight, attention
+    # without rope in the eighth; every other MLP Mixtral's experts)
     "jamba": "jamba",
     # (Nemotron-H, Nemotron Nano 2: blocks of one mixer each, Mamba-2, attention without rope or a squared-ReLU MLP)
     "nemotron_h": "nemotron_h",
@@ -345,11 +345,11 @@ SETTING_NAMES = {
 # The OLMo models (their query and key norms over the whole projections)
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe", "olmo_hybrid")
 # The models whose attention output projection has a bias where the q/k/v projections have them
-OUTPUT_BIASED = ("gpt_oss", "exaone4", "exaone_moe", "internlm3", "phimoe", "cohere", "cohere2", "phi", "nemotron", "arcee", "falcon_h1",
-                 *OLMO_TYPES)  # fmt: skip
+OUTPUT_BIASED = ("gpt_oss", "exaone4", "exaone_moe", "internlm3", "phimoe", "cohere", "cohere2", "phi", "nemotron",
+                 "arcee", "falcon_h1", *OLMO_TYPES)  # fmt: skip
 # The models whose queries and keys are RMS-normalized (each head: Qwen3's; OLMo's whole projections)
-QK_NORMED = ("qwen3", "qwen3_moe", "dots1", "hy_v3", "afmoe", "lfm2", "lfm2_moe", "lfm3", "exaone4", "exaone_moe", "hunyuan_v1_dense",
-             "hunyuan_v1_moe", "apertus", "minimax_m2", *OLMO_TYPES)  # fmt: skip
+QK_NORMED = ("qwen3", "qwen3_moe", "dots1", "hy_v3", "afmoe", "lfm2", "lfm2_moe", "lfm3", "exaone4", "exaone_moe",
+             "hunyuan_v1_dense", "hunyuan_v1_moe", "apertus", "minimax_m2", *OLMO_TYPES)  # fmt: skip
 # transformers' rope bases where a config has none
 DEFAULT_ROPE_THETA = {
     "gpt_oss": 150_000.0,
@@ -677,8 +677,8 @@ class ModelConfig:
         if self.num_kv_layers == 0:
             raise ConfigError(
                 f"model {self.name}: none of its {self.num_hidden_layers} layers attends "
-                f"({', '.join(sorted(set(self.layer_types)))}); a model needs an attention layer here (the engine's and "
-                "the simulator's KV cache hold its tokens)"
+                f"({', '.join(sorted(set(self.layer_types)))}); a model needs an attention layer here (the engine's "
+                "and the simulator's KV cache hold its tokens)"
             )
 
     @property

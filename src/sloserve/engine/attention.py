@@ -225,11 +225,12 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim | value_dim)
         """``scale``: of the scores (None: 1/sqrt(head_dim)); ``window``: the positions a query sees,
         its own included (None: every earlier one); ``chunk``: the length of the chunks the positions are cut
-        in, a query seeing the earlier positions of its own only (None: not cut; never with a window); ``softcap``: scaled scores capped to (-softcap,
-        softcap) by softcap * tanh(score / softcap) (None: not); ``sinks``: a logit per head that joins
-        the softmax of each of its queries' scores, with no value (None: none); ``value_dim``: keys-only
-        attention (MLA's latent): ``v`` and ``v_cache`` are None and a key's first ``value_dim`` numbers
-        are its value, so the outputs have ``value_dim`` numbers a head (None: ``v``'s values)."""
+        in, a query seeing the earlier positions of its own only (None: not cut; never with a window);
+        ``softcap``: scaled scores capped to (-softcap, softcap) by softcap * tanh(score / softcap) (None: not);
+        ``sinks``: a logit per head that joins the softmax of each of its queries' scores, with no value (None:
+        none); ``value_dim``: keys-only attention (MLA's latent): ``v`` and ``v_cache`` are None and a key's
+        first ``value_dim`` numbers are its value, so the outputs have ``value_dim`` numbers a head (None: ``v``'s
+        values)."""
 
 
 def write_kv(

@@ -22,8 +22,8 @@ bidirectional) works unchanged, as with the PyTorch reference (``attention.Torch
 A sliding-window layer (``window``: Gemma 3's local layers) reads from the first tile that holds a key
 inside the window: the decode kernel from ``context_len - window``, the prefill kernel from its
 tile's first row's window, with every tile masked; a chunked layer (``chunk``: Llama 4's local layers, a
-query at p sees p - p % chunk .. p) from its chunk's start, the same way. gpt-oss's sinks (``SINKS``: a logit per head in
-each query's softmax, with no value) start the running sums as a key would (m = the sink, l = 1): in
+query at p sees p - p % chunk .. p) from its chunk's start, the same way. gpt-oss's sinks (``SINKS``: a logit
+per head in each query's softmax, with no value) start the running sums as a key would (m = the sink, l = 1): in
 the prefill kernel, and in the first split of a decode.
 
 A keys-only cache (``value_dim``: DeepSeek's multi-head latent attention, whose values are its keys'
