@@ -31,7 +31,8 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "falcon_h1": 52, "falcon_h1_norm": 53, "lfm2": 54, "lfm2_moe": 55, "lfm3": 56, "granite_swa": 57, "mistral4": 58, "glm4_moe_lite": 59, "minimax_m2": 60,
          "qwen3_next": 61, "qwen3_5": 62, "qwen3_5_moe": 63, "olmo_hybrid": 64, "kimi_linear": 65,
          "exaone_moe": 66, "granitemoeshared": 67, "granitemoe_swa": 68, "llama4": 69, "llama4_maverick": 70,
-         "exaone": 71, "internlm3": 72, "iquestcoder": 73, "ministral": 74, "helium": 75, "dots1": 76, "phimoe": 77, "solar_open": 78, "sarvam_moe": 79, "youtu": 80, "hy_v3": 81, "afmoe": 82, "jamba": 83}  # fmt: skip
+         "exaone": 71, "internlm3": 72, "iquestcoder": 73, "ministral": 74, "helium": 75, "dots1": 76, "phimoe": 77, "solar_open": 78, "sarvam_moe": 79, "youtu": 80, "hy_v3": 81, "afmoe": 82, "jamba": 83, "gpt_bigcode": 84,
+         "gpt_bigcode_mha": 85}  # fmt: skip
 # The models of delta-rule layers (their decays made mild: states that last past a chunk)
 DELTA_RULE_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
@@ -417,6 +418,12 @@ def hf_model(arch: str):
             attention_bias=True, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         )  # fmt: skip
         cls = transformers.SolarOpenForCausalLM
+    elif arch in ("gpt_bigcode", "gpt_bigcode_mha"):  # StarCoder 1's layers: one KV head (multi_query), or all
+        config = transformers.GPTBigCodeConfig(
+            vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, initializer_range=0.2,
+            multi_query=arch == "gpt_bigcode", bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )  # fmt: skip
+        cls = transformers.GPTBigCodeForCausalLM
     elif arch == "jamba":
         # Jamba's outline: Mamba's mixers (16 channels of 2 x 64, 8 states each) around an attention layer without rope,
         # every other MLP experts (4, 2 a token)

@@ -29,7 +29,7 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "mistral4", "glm4_moe_lite", "minimax_m2", "exaone_moe", "granitemoeshared",
                        "granitemoe_swa", "llama4", "llama4_maverick", "exaone", "internlm3", "iquestcoder",
                        "ministral", "helium", "dots1", "phimoe", "solar_open", "sarvam_moe", "youtu", "hy_v3",
-                       "afmoe"]  # fmt: skip
+                       "afmoe", "gpt_bigcode", "gpt_bigcode_mha"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)

@@ -109,6 +109,8 @@ ARCHITECTURES: dict[str, str] = {
     "cohere2": "cohere",  # (Command R7B, A: those layers, three of four sliding with rope, the fourth without)
     "opt": "opt",
     "gpt2": "gpt2",  # (GPT-2: learned positions, LayerNorms, a GELU MLP, Conv1D weights stored (in, out))
+    # (StarCoder 1, SantaCoder, WizardCoder 15B, SQLCoder: GPT-2's layers, one KV head (multi_query), Linear weights)
+    "gpt_bigcode": "gpt2",
     "phi": "phi",  # (Phi-1, 1.5, 2: attention and a GELU MLP in parallel from one LayerNorm, partial rotary)
     # (DeepSeek-V2, V2-Lite: multi-head latent attention, experts beside shared ones)
     "deepseek_v2": "deepseek_v2",
@@ -456,6 +458,7 @@ CONFIG_DEFAULTS = {
     "cohere": {"tie_word_embeddings": True, "logit_scale": 0.0625},
     "cohere2": {"tie_word_embeddings": True, "logit_scale": 0.0625},
     "gpt2": {"tie_word_embeddings": True},
+    "gpt_bigcode": {"tie_word_embeddings": True},
     "starcoder2": {"tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"},
     "phi": {"hidden_act": "gelu_new"},
     "nemotron": {"hidden_act": "relu2"},
@@ -894,7 +897,8 @@ class ModelConfig:
             lm_head = 0 if self.tie_word_embeddings else v * proj
             return embeddings + projections + layers * layer + final_norm + lm_head
         if self.architecture == "gpt2":  # c_attn and c_proj, c_fc and c_proj (with biases), two LayerNorms
-            layer = 4 * h * h + 4 * h + 2 * h * i + i + h + 2 * 2 * h
+            qkv = h + 2 * self.num_key_value_heads * self.head_dim  # (GPT-BigCode's: one KV head)
+            layer = h * qkv + qkv + h * h + h + 2 * h * i + i + h + 2 * 2 * h
             embeddings = v * h + self.max_position_embeddings * h
             return embeddings + layers * layer + 2 * h + (0 if self.tie_word_embeddings else v * h)
         if self.mla is not None:
@@ -1042,7 +1046,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         raw = {**GEMMA3_TEXT_DEFAULTS, **raw}
     elif model_type == "gemma2":
         raw = {**GEMMA2_DEFAULTS, **raw}
-    elif model_type == "gpt2":
+    elif model_type in ("gpt2", "gpt_bigcode"):
         raw = {GPT2_NAMES.get(key, key): value for key, value in raw.items()}
     elif model_type in SETTING_NAMES:  # (a config's own names of the common settings win, as transformers reads them)
         raw = {**raw, **{ours: raw[theirs] for theirs, ours in SETTING_NAMES[model_type].items() if theirs in raw}}
@@ -1137,7 +1141,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         return _gemma3_config(raw, common, name, need)
     if model_type == "gpt_neox":
         return _gpt_neox_config(raw, common, name, need)
-    if model_type == "gpt2":
+    if model_type in ("gpt2", "gpt_bigcode"):
         return _gpt2_config(raw, common, name)
     if model_type in DEEPSEEK_TYPES:
         return _deepseek_config(raw, common, name, need)
@@ -1445,8 +1449,10 @@ def _kimi_linear_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tu
 
 
 def _gpt2_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> ModelConfig:
-    """GPT-2's config, transformers' GPT2Config defaults where it has none (an MLP 4 times as wide, gelu_new)."""
-    activation = raw.get("activation_function", "gelu_new")
+    """GPT-2's config, transformers' GPT2Config defaults where it has none (an MLP 4 times as wide, gelu_new);
+    GPT-BigCode's (``gpt_bigcode``): one KV head where ``multi_query`` (its default), GELU by tanh's approximation."""
+    bigcode = common["model_type"] == "gpt_bigcode"
+    activation = raw.get("activation_function", "gelu_pytorch_tanh" if bigcode else "gelu_new")
     if activation not in GPT2_ACTIVATIONS:
         raise ConfigError(
             f"{name}: GPT-2 activation_function {activation!r} is not supported ({', '.join(GPT2_ACTIVATIONS)})"
@@ -1459,7 +1465,7 @@ def _gpt2_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> Mode
     return ModelConfig(
         **common,
         intermediate_size=raw.get("n_inner") or 4 * hidden,
-        num_key_value_heads=heads,
+        num_key_value_heads=1 if bigcode and raw.get("multi_query", True) else heads,
         head_dim=hidden // heads,
         norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
         hidden_act=activation,

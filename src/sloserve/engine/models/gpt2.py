@@ -1,7 +1,8 @@
 """GPT-2 (``gpt2``: OpenAI's GPT-2, 124M-1.5B, DistilGPT2 and the models trained in its shape): learned
 positions added to the embeddings, a LayerNorm before attention and one before the MLP, a two-matrix MLP
 (GELU by tanh's approximation: ``gelu_new``), biases everywhere, the LM head tied to the embeddings. HF
-parameter names (``transformer.h.N.attn.c_attn``...).
+parameter names (``transformer.h.N.attn.c_attn``...). GPT-BigCode (``gpt_bigcode``: StarCoder 1, SantaCoder,
+WizardCoder 15B, SQLCoder) is these layers with one KV head (``multi_query``) and Linear weights.
 
 NOTE: GPT-2's checkpoints store each projection as a ``Conv1D`` whose weight is (in, out): it loads
 transposed (``checkpoint_tensor``), and ``c_attn``'s rows are then the queries', the keys', the values'.
@@ -37,8 +38,12 @@ class GPT2Attention(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
         h = config.hidden_size
-        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
-        self.c_attn = nn.Linear(h, 3 * h)  # rows: q, k, v
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        self.c_attn = nn.Linear(h, h + 2 * self.num_kv_heads * self.head_dim)  # rows: q, k, v
         self.c_proj = nn.Linear(h, h)
         # head_dim ** -0.5 (1 where scale_attn_weights is false), over the layer's number where
         # scale_attn_by_inverse_layer_idx (Stanford CRFM's GPT-2s)
@@ -47,8 +52,9 @@ class GPT2Attention(nn.Module):
         self.backend = backend
 
     def forward(self, x, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:  # (T, H) -> (T, H)
-        t, nh = x.shape[0], self.num_heads
-        q, k, v = self.c_attn(x).view(t, 3 * nh, self.head_dim).split(nh, dim=1)  # (T, nh, hd) each
+        t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.c_attn(x).view(t, nh + 2 * nkv, self.head_dim)
+        q, k, v = qkv.split((nh, nkv, nkv), dim=1)  # (T, nh, hd), (T, nkv, hd), (T, nkv, hd)
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta, scale=self.scale)
         return self.c_proj(out.reshape(t, -1))
 
@@ -120,7 +126,15 @@ class GPT2LMHeadModel(nn.Module):
 
 def checkpoint_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) -> tuple[str, torch.Tensor]:
     """A GPT-2 checkpoint's tensor as the engine's model names and holds it: under ``transformer.`` (OpenAI's
-    checkpoint has no prefix), a Conv1D weight (in, out) transposed to a Linear's (out, in)."""
+    checkpoint has no prefix), a Conv1D weight (in, out) transposed to a Linear's (out, in). GPT-BigCode's are
+    Linear weights already; without ``multi_query`` its ``c_attn`` rows, each head's q, k and v side by side, are
+    reordered to all the queries', the keys', the values'."""
     if not key.startswith(("transformer.", "lm_head.")):
         key = f"transformer.{key}"
-    return key, tensor.T if key.endswith(CONV1D_WEIGHTS) else tensor
+    if config.model_type != "gpt_bigcode":
+        return key, tensor.T if key.endswith(CONV1D_WEIGHTS) else tensor
+    if config.num_key_value_heads > 1 and key.endswith((".attn.c_attn.weight", ".attn.c_attn.bias")):
+        heads, head_dim = config.num_attention_heads, config.head_dim
+        by_head = tensor.reshape(heads, 3, head_dim, *tensor.shape[1:])  # (nh, q|k|v, hd, ...)
+        tensor = by_head.transpose(0, 1).reshape(tensor.shape)
+    return key, tensor
