@@ -29,7 +29,8 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "mistral4", "glm4_moe_lite", "minimax_m2", "exaone_moe", "granitemoeshared",
                        "granitemoe_swa", "llama4", "llama4_maverick", "exaone", "internlm3", "iquestcoder",
                        "ministral", "helium", "dots1", "phimoe", "solar_open", "sarvam_moe", "youtu", "hy_v3",
-                       "afmoe", "gpt_bigcode", "gpt_bigcode_mha"]  # fmt: skip
+                       "afmoe", "gpt_bigcode", "gpt_bigcode_mha", "falcon", "falcon_40b", "falcon_11b",
+                       "falcon_rw"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)
@@ -50,13 +51,11 @@ def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
     biases = sum(b.numel() for name, b in hf.named_buffers() if name.endswith(stored))
     assert spec.num_params == sum(p.numel() for p in hf.parameters()) + biases
     kv_heads = getattr(hf.config, "num_key_value_heads", 4)  # (OPT and GPT-NeoX: as many as the heads)
+    if arch.startswith("falcon"):  # (its attention's: one where multi_query, whatever num_kv_heads says)
+        kv_heads = hf.transformer.h[0].self_attention.num_kv_heads
     head_dim = getattr(hf.config, "head_dim", None) or 16  # (64 / 4 heads, where the config has none)
     tensors = 2  # K and V
-    if arch.startswith("deepseek") or arch in (
-        "mistral4",
-        "glm4_moe_lite",
-        "youtu",
-    ):  # MLA's cache: a latent, a rotated key
+    if arch.startswith("deepseek") or arch in ("mistral4", "glm4_moe_lite", "youtu"):  # MLA's: a latent, a rotated key
         kv_heads, head_dim, tensors = 1, hf.config.kv_lora_rank + hf.config.qk_rope_head_dim, 1
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (hf.config.num_hidden_layers, kv_heads, head_dim)
     assert spec.dtype_bytes == 4  # saved in float32
@@ -469,6 +468,29 @@ def test_exaone_3s_checkpoint_and_config_as_the_hub_writes_them(hf_dirs, tmp_pat
     (tmp_path / "hub" / "config.json").write_text(json.dumps(config))
     tokens, _ = greedy_tokens(str(tmp_path / "hub"), "vllm")
     assert tokens == reference("exaone")
+
+
+def test_falcons_kv_heads_and_norms_as_its_configs_say():
+    """Falcon 7B: one KV head (multi_query), whatever num_kv_heads says; 40B: num_kv_heads and a norm before each
+    part; Falcon 2 11B: one norm; Falcon-RW's outline: every head's KV, the parts one after the other. ALiBi and a
+    new-architecture layer not in parallel refused by name."""
+    from sloserve.checkpoint.config import from_hf_config
+
+    readings = {}
+    for arch in ("falcon", "falcon_40b", "falcon_11b", "falcon_rw"):
+        config = from_hf_config(hf_cached(arch).config.to_dict())
+        readings[arch] = (config.num_key_value_heads, config.extra["falcon_norms"], config.parallel_residual)
+    assert readings == {
+        "falcon": (1, "input", True),
+        "falcon_40b": (2, "ln_attn, ln_mlp", True),
+        "falcon_11b": (2, "input", True),
+        "falcon_rw": (4, "input, post_attention", False),
+    }
+    raw = hf_cached("falcon").config.to_dict()
+    with pytest.raises(ConfigError, match="alibi \\(Falcon-RW's linear position biases, no rotary embedding\\)"):
+        from_hf_config({**raw, "alibi": True})
+    with pytest.raises(ConfigError, match="new_decoder_architecture without parallel_attn is not supported"):
+        from_hf_config({**raw, "new_decoder_architecture": True, "parallel_attn": False})
 
 
 def test_llama_4s_layers_and_experts_as_its_configs_say():

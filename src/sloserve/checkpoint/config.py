@@ -109,6 +109,8 @@ ARCHITECTURES: dict[str, str] = {
     "cohere2": "cohere",  # (Command R7B, A: those layers, three of four sliding with rope, the fourth without)
     "opt": "opt",
     "gpt2": "gpt2",  # (GPT-2: learned positions, LayerNorms, a GELU MLP, Conv1D weights stored (in, out))
+    # (Falcon 7B, 40B, 180B, Falcon 2 11B: LayerNorms, attention and a GELU MLP in parallel, one or a few KV heads)
+    "falcon": "falcon",
     # (StarCoder 1, SantaCoder, WizardCoder 15B, SQLCoder: GPT-2's layers, one KV head (multi_query), Linear weights)
     "gpt_bigcode": "gpt2",
     "phi": "phi",  # (Phi-1, 1.5, 2: attention and a GELU MLP in parallel from one LayerNorm, partial rotary)
@@ -459,6 +461,7 @@ CONFIG_DEFAULTS = {
     "cohere2": {"tie_word_embeddings": True, "logit_scale": 0.0625},
     "gpt2": {"tie_word_embeddings": True},
     "gpt_bigcode": {"tie_word_embeddings": True},
+    "falcon": {"tie_word_embeddings": True},
     "starcoder2": {"tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"},
     "phi": {"hidden_act": "gelu_new"},
     "nemotron": {"hidden_act": "relu2"},
@@ -919,6 +922,11 @@ class ModelConfig:
             # MLP with biases, two LayerNorms a layer and a final one (weight and bias)
             layer = 4 * h * h + 4 * h * self.attention_bias + 2 * h * i + i + h + 2 * 2 * h
             return v * h + layers * layer + 2 * h + (0 if self.tie_word_embeddings else v * h)
+        if self.architecture == "falcon":  # query_key_value and dense, a two-matrix MLP (biases where bias), its norms
+            qkv, bias = h + 2 * self.num_key_value_heads * self.head_dim, self.attention_bias
+            norms = 2 * 2 * h if self.extra["falcon_norms"] != "input" else 2 * h
+            layer = h * qkv + h * h + 2 * h * i + bias * (qkv + h + i + h) + norms
+            return v * h + layers * layer + 2 * h + (0 if self.tie_word_embeddings else v * h)
         q_width, kv_width = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         attention = h * q_width + 2 * h * kv_width + q_width * h
         if self.attention_bias:
@@ -1141,6 +1149,8 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         return _gemma3_config(raw, common, name, need)
     if model_type == "gpt_neox":
         return _gpt_neox_config(raw, common, name, need)
+    if model_type == "falcon":
+        return _falcon_config(raw, common, name)
     if model_type in ("gpt2", "gpt_bigcode"):
         return _gpt2_config(raw, common, name)
     if model_type in DEEPSEEK_TYPES:
@@ -1354,6 +1364,44 @@ def _gpt_neox_config(raw: dict[str, Any], common: dict[str, Any], name: str, nee
         hidden_act="gelu",
         attention_bias=bool(raw.get("attention_bias", True)),
         parallel_residual=bool(raw.get("use_parallel_residual", True)),
+    )
+
+
+def _falcon_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> ModelConfig:
+    """Falcon's config (``models/falcon.py``), transformers' FalconConfig defaults where it has none: its KV heads
+    (``num_kv_heads`` with ``new_decoder_architecture``, one with ``multi_query``, else every head's), its norms,
+    its MLP (4 x hidden). ALiBi is refused."""
+    if raw.get("alibi"):
+        raise ConfigError(f"{name}: alibi (Falcon-RW's linear position biases, no rotary embedding) is not supported")
+    if raw.get("activation", "gelu") != "gelu":
+        raise ConfigError(f"{name}: Falcon activation {raw.get('activation')!r} is not supported (gelu)")
+    hidden, heads = common["hidden_size"], common["num_attention_heads"]
+    new, parallel = bool(raw.get("new_decoder_architecture", False)), bool(raw.get("parallel_attn", True))
+    kv_heads = (raw.get("num_kv_heads") or heads) if new else 1 if raw.get("multi_query", True) else heads
+    if hidden % heads or heads % kv_heads:
+        raise ConfigError(f"{name}: num_kv_heads {kv_heads} must divide num_attention_heads {heads}, dividing {hidden}")
+    if new and not parallel:
+        raise ConfigError(f"{name}: new_decoder_architecture without parallel_attn is not supported")
+    if new and raw.get("num_ln_in_parallel_attn") in (None, 2):
+        norms = "ln_attn, ln_mlp"
+    else:
+        norms = "input" if parallel else "input, post_attention"
+    rope = dict(raw.get("rope_parameters") or {})
+    bias = bool(raw.get("bias", False))
+    return ModelConfig(
+        **common,
+        intermediate_size=raw.get("ffn_hidden_size") or 4 * hidden,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        norm_eps=float(raw.get("layer_norm_epsilon") or 1e-5),
+        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        rope_scaling=_config_rope_scaling(raw, rope, name),
+        hidden_act="gelu",
+        attention_bias=bias,
+        attention_output_bias=bias,
+        mlp_bias=bias,
+        parallel_residual=parallel,
+        extra={"falcon_norms": norms},
     )
 
 

@@ -14,6 +14,7 @@ from sloserve.engine.models import (
     afmoe,
     apertus,
     deepseek_v2,
+    falcon,
     falcon_h1,
     gpt2,
     gpt_neox,
@@ -85,6 +86,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "hy_v3": LlamaForCausalLM,
     "afmoe": afmoe.AfmoeForCausalLM,
     "jamba": LlamaForCausalLM,
+    "falcon": falcon.FalconForCausalLM,
 }
 
 
@@ -127,6 +129,7 @@ def _granite_4_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) -> tu
 CHECKPOINT_TENSORS = {
     "gpt_neox": gpt_neox.checkpoint_tensor,
     "gpt2": gpt2.checkpoint_tensor,
+    "falcon": falcon.checkpoint_tensor,
     "deepseek_v2": deepseek_v2.checkpoint_tensor,
     "glm4_moe": _without_later_layers,
     "ernie4_5_moe": _ernie4_5_moe_tensor,
@@ -214,6 +217,7 @@ TIED_MODULES = {
     "opt": ("model.decoder.embed_tokens", "lm_head"),
     "gpt_neox": ("gpt_neox.embed_in", "embed_out"),
     "gpt2": ("transformer.wte", "lm_head"),
+    "falcon": ("transformer.word_embeddings", "lm_head"),
 }
 # A multimodal checkpoint served as text (``ModelConfig.extra["multimodal_checkpoint"]``: Gemma 3 4B-27B,
 # Mistral Small 3.1): its language model's tensors under the text model's names (as transformers saved

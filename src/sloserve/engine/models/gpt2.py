@@ -20,6 +20,7 @@ from torch import nn
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
 from sloserve.engine.kv_cache import layer_caches
+from sloserve.engine.models.gpt_neox import qkv_rows_by_kind
 
 # A two-matrix MLP's activation by its config's name (``activation_function``, ``hidden_act``: transformers'
 # ACT2FN names)
@@ -134,7 +135,5 @@ def checkpoint_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) -> tu
     if config.model_type != "gpt_bigcode":
         return key, tensor.T if key.endswith(CONV1D_WEIGHTS) else tensor
     if config.num_key_value_heads > 1 and key.endswith((".attn.c_attn.weight", ".attn.c_attn.bias")):
-        heads, head_dim = config.num_attention_heads, config.head_dim
-        by_head = tensor.reshape(heads, 3, head_dim, *tensor.shape[1:])  # (nh, q|k|v, hd, ...)
-        tensor = by_head.transpose(0, 1).reshape(tensor.shape)
+        tensor = qkv_rows_by_kind(tensor, config.num_attention_heads)
     return key, tensor
