@@ -32,7 +32,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "qwen3_next": 61, "qwen3_5": 62, "qwen3_5_moe": 63, "olmo_hybrid": 64, "kimi_linear": 65,
          "exaone_moe": 66, "granitemoeshared": 67, "granitemoe_swa": 68, "llama4": 69, "llama4_maverick": 70,
          "exaone": 71, "internlm3": 72, "iquestcoder": 73, "ministral": 74, "helium": 75, "dots1": 76, "phimoe": 77, "solar_open": 78, "sarvam_moe": 79, "youtu": 80, "hy_v3": 81, "afmoe": 82, "jamba": 83, "gpt_bigcode": 84,
-         "gpt_bigcode_mha": 85, "falcon": 86, "falcon_40b": 87, "falcon_11b": 88, "falcon_rw": 89}  # fmt: skip
+         "gpt_bigcode_mha": 85, "falcon": 86, "falcon_40b": 87, "falcon_11b": 88, "falcon_rw": 89, "minicpm3": 90}  # fmt: skip
 # The models of delta-rule layers (their decays made mild: states that last past a chunk)
 DELTA_RULE_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
@@ -418,6 +418,13 @@ def hf_model(arch: str):
             attention_bias=True, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         )  # fmt: skip
         cls = transformers.SolarOpenForCausalLM
+    elif arch == "minicpm3":  # MiniCPM3's outline: DeepSeek-V2's MLA (rope by halves), dense MLPs, its three scales
+        config = transformers.MiniCPM3Config(
+            **common, intermediate_size=96, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24,
+            qk_nope_head_dim=8, qk_rope_head_dim=8, scale_emb=3.0, scale_depth=3.0, dim_model_base=16,
+            initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )  # fmt: skip
+        cls = transformers.MiniCPM3ForCausalLM
     elif arch in ("falcon", "falcon_40b", "falcon_11b", "falcon_rw"):
         # Falcon 7B's outline (one KV head, one norm); 40B's and 180B's (2 KV heads, a norm before each part); Falcon
         # 2 11B's (2 KV heads, one norm); Falcon-RW's without ALiBi (every head's KV, not in parallel, biases)

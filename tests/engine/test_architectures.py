@@ -30,7 +30,7 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "granitemoe_swa", "llama4", "llama4_maverick", "exaone", "internlm3", "iquestcoder",
                        "ministral", "helium", "dots1", "phimoe", "solar_open", "sarvam_moe", "youtu", "hy_v3",
                        "afmoe", "gpt_bigcode", "gpt_bigcode_mha", "falcon", "falcon_40b", "falcon_11b",
-                       "falcon_rw"]  # fmt: skip
+                       "falcon_rw", "minicpm3"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)
@@ -55,7 +55,7 @@ def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
         kv_heads = hf.transformer.h[0].self_attention.num_kv_heads
     head_dim = getattr(hf.config, "head_dim", None) or 16  # (64 / 4 heads, where the config has none)
     tensors = 2  # K and V
-    if arch.startswith("deepseek") or arch in ("mistral4", "glm4_moe_lite", "youtu"):  # MLA's: a latent, a rotated key
+    if arch.startswith("deepseek") or arch in ("mistral4", "glm4_moe_lite", "youtu", "minicpm3"):  # MLA's latent, k_R
         kv_heads, head_dim, tensors = 1, hf.config.kv_lora_rank + hf.config.qk_rope_head_dim, 1
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (hf.config.num_hidden_layers, kv_heads, head_dim)
     assert spec.dtype_bytes == 4  # saved in float32
@@ -139,14 +139,15 @@ def test_gpt_neox_one_after_the_other_and_the_hubs_config_names(tmp_path):
 
 
 LOGPROB_CHECKED = ["gpt2", "phi", "starcoder2", "deepseek_v2", "deepseek_v3", "nemotron", "olmo", "hunyuan",
-                   "glm4_moe", "ernie4_5_moe", "apertus", "hunyuan_moe", "llama4", "llama4_maverick"]  # fmt: skip
+                   "glm4_moe", "ernie4_5_moe", "apertus", "hunyuan_moe", "llama4", "llama4_maverick",
+                   "minicpm3"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", LOGPROB_CHECKED)
 def test_prompt_logprobs_are_transformers(hf_dirs, arch):
     """The scores of the models that came with the GELU MLPs, MLA and since to 1e-4: greedy tokens alone would not
     tell GELU by tanh's approximation (``gelu_new``) from the exact one, DeepSeek's YaRN softmax scale from none, or
-    Llama 4's query scale from position p + 1 from one from p."""
+    Llama 4's query scale from position p + 1 from one from p, or MiniCPM3's logits scaled from unscaled."""
     from hf_models import prompt_logprobs
 
     ids = PROMPTS[2]

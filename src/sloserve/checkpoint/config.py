@@ -123,6 +123,9 @@ ARCHITECTURES: dict[str, str] = {
     # (GLM-4.7-Flash: DeepSeek-V3's attention (MLA) with GLM-4.5's experts, dense or sparse as mlp_layer_types says)
     "glm4_moe_lite": "deepseek_v2",
     "youtu": "deepseek_v2",  # (Youtu-LLM 2B: DeepSeek-V3's attention (MLA) with a dense MLP in every layer)
+    # (MiniCPM3 4B: DeepSeek-V2's attention (MLA, rope by halves) with dense MLPs, its embeddings, outputs and logits
+    # scaled: Granite's multipliers)
+    "minicpm3": "deepseek_v2",
     # (MiniMax-M2: Llama's layers, queries and keys normalized over their whole projections, half of each head
     # rotated, every MLP experts chosen by sigmoid scores plus a bias)
     "minimax_m2": "minimax_m2",
@@ -250,7 +253,7 @@ MOE_DEFAULTS = {
 # default size of that expert
 GATED_SHARED_EXPERTS = {"qwen2_moe": 5632, "qwen3_next": 512, "qwen3_5_moe_text": 512}
 # The models of multi-head latent attention
-DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "mistral4", "glm4_moe_lite", "kimi_linear", "youtu")
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "mistral4", "glm4_moe_lite", "kimi_linear", "youtu", "minicpm3")
 # transformers' GraniteMoeHybridConfig defaults of its Mamba-2 mixers (``mamba_*`` in a config), and FalconH1Config's
 MAMBA2_DEFAULTS = {
     "n_heads": 128, "n_groups": 1, "d_state": 256, "d_head": "auto", "d_conv": 4, "expand": 2, "chunk_size": 256,
@@ -435,6 +438,18 @@ CONFIG_DEFAULTS = {
     "helium": {"head_dim": 128},
     "solar_open": {"head_dim": 128},
     "youtu": {"tie_word_embeddings": True},
+    # (MiniCPM3's latent sizes and scales, transformers' MiniCPM3Config defaults; its v_head_dim: hidden / heads)
+    "minicpm3": {
+        "q_lora_rank": 768,
+        "kv_lora_rank": 256,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 32,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-5,
+        "scale_emb": 12,
+        "scale_depth": 1.4,
+        "dim_model_base": 256,
+    },
     "hy_v3": {"head_dim": 128},
     "afmoe": {"head_dim": 128},
     "sarvam_moe": {"head_dim": 64},
@@ -1408,6 +1423,8 @@ def _falcon_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> Mo
 def _deepseek_config(raw: dict[str, Any], common: dict[str, Any], name: str, need) -> ModelConfig:
     """DeepSeek-V2's and V3's config: the MLA sizes (``mla``), the experts (``_moe``), transformers' defaults
     where it has none. NOTE: transformers' config.json says ``head_dim`` for the rotated part of a query (64)."""
+    if raw["model_type"] == "minicpm3" and raw.get("v_head_dim") is None:  # (transformers' default)
+        raw = {**raw, "v_head_dim": common["hidden_size"] // common["num_attention_heads"]}
     mla = {key: raw.get(key, default) for key, default in DEEPSEEK_MLA_DEFAULTS.items()}
     for key, value in mla.items():
         if not (value is None and key == "q_lora_rank") and not (
@@ -1436,15 +1453,33 @@ def _deepseek_config(raw: dict[str, Any], common: dict[str, Any], name: str, nee
         llama4_scaling_beta=_llama4_scaling_beta(raw["model_type"], scaling, rope, name),
         attention_bias=bool(raw.get("attention_bias", False)),
         moe=_moe(raw, common["num_hidden_layers"], name) if raw["model_type"] in MOE_TYPES else None,
-        # (V2's checkpoints rotate adjacent pairs of q_R and k_R; V3's where rope_interleave says, its default)
+        # (V2's checkpoints rotate adjacent pairs of q_R and k_R; V3's where rope_interleave says, its default;
+        # MiniCPM3's halves)
         mla={
             **mla,
-            "rope_interleave": raw["model_type"] == "deepseek_v2" or bool(raw.get("rope_interleave", not kimi)),
+            "rope_interleave": raw["model_type"] == "deepseek_v2"
+            or bool(raw.get("rope_interleave", not kimi and raw["model_type"] != "minicpm3")),
         },
         layer_types=layer_types,
         rotary_layers=(False,) * layers if kimi else (),
         gated_delta_net=kda,
+        **(_minicpm3_scales(raw, common) if raw["model_type"] == "minicpm3" else {}),
     )
+
+
+def _minicpm3_scales(raw: dict[str, Any], common: dict[str, Any]) -> dict[str, float]:
+    """MiniCPM3's scales as Granite's multipliers: the embeddings times ``scale_emb``, each output times
+    ``scale_depth`` / sqrt(layers) as it joins the stream, the logits over hidden_size / ``dim_model_base``
+    (transformers divides the final hidden states, the engine the logits: equal up to rounding)."""
+    layers, hidden = common["num_hidden_layers"], common["hidden_size"]
+    depth, base = raw.get("scale_depth"), raw.get("dim_model_base")
+    return {
+        "embedding_multiplier": _json_float(raw["scale_emb"], "scale_emb", common["name"]),
+        "residual_multiplier": 1.0
+        if depth is None
+        else _json_float(depth, "scale_depth", common["name"]) / layers**0.5,
+        "logits_scaling": 1.0 if base is None else hidden / _json_float(base, "dim_model_base", common["name"]),
+    }
 
 
 # Kimi Linear's config names on the Hub (transformers' attribute_map) for the generic ones, and its linear_attn_config's
