@@ -32,7 +32,8 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "qwen3_next": 61, "qwen3_5": 62, "qwen3_5_moe": 63, "olmo_hybrid": 64, "kimi_linear": 65,
          "exaone_moe": 66, "granitemoeshared": 67, "granitemoe_swa": 68, "llama4": 69, "llama4_maverick": 70,
          "exaone": 71, "internlm3": 72, "iquestcoder": 73, "ministral": 74, "helium": 75, "dots1": 76, "phimoe": 77, "solar_open": 78, "sarvam_moe": 79, "youtu": 80, "hy_v3": 81, "afmoe": 82, "jamba": 83, "gpt_bigcode": 84,
-         "gpt_bigcode_mha": 85, "falcon": 86, "falcon_40b": 87, "falcon_11b": 88, "falcon_rw": 89, "minicpm3": 90}  # fmt: skip
+         "gpt_bigcode_mha": 85, "falcon": 86, "falcon_40b": 87, "falcon_11b": 88, "falcon_rw": 89, "minicpm3": 90, "jais2": 91,
+         "cwm": 92, "vaultgemma": 93}  # fmt: skip
 # The models of delta-rule layers (their decays made mild: states that last past a chunk)
 DELTA_RULE_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
@@ -418,6 +419,26 @@ def hf_model(arch: str):
             attention_bias=True, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         )  # fmt: skip
         cls = transformers.SolarOpenForCausalLM
+    elif arch == "vaultgemma":  # Gemma 2's layers without their outputs' norms: a sliding layer (8), a global one
+        config = transformers.VaultGemmaConfig(
+            **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+            sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=5.0, initializer_range=0.2,
+        )  # fmt: skip
+        cls = transformers.VaultGemmaForCausalLM
+    elif arch == "jais2":  # Jais 2's outline: LayerNorms, a squared-ReLU MLP of two matrices, biases everywhere
+        config = transformers.Jais2Config(
+            **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, initializer_range=0.2,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )  # fmt: skip
+        cls = transformers.Jais2ForCausalLM
+    elif arch == "cwm":  # CWM's outline: the first layer of four full, the others sliding (8), Llama 3's rope
+        config = transformers.CwmConfig(
+            **{**common, "num_hidden_layers": 4}, intermediate_size=128, num_key_value_heads=2, head_dim=16,
+            sliding_window=8, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 1e6, "factor": 16.0, "high_freq_factor": 4.0,
+                             "low_freq_factor": 1.0, "original_max_position_embeddings": 16},
+        )  # fmt: skip
+        cls = transformers.CwmForCausalLM
     elif arch == "minicpm3":  # MiniCPM3's outline: DeepSeek-V2's MLA (rope by halves), dense MLPs, its three scales
         config = transformers.MiniCPM3Config(
             **common, intermediate_size=96, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24,
@@ -616,7 +637,9 @@ def hf_model(arch: str):
             elif name.endswith("A_log") and arch in DELTA_RULE_ARCHS:  # (decays of 0.7-1 a token: states that last)
                 p.copy_(torch.empty_like(p).uniform_(0.02, 0.3).log())
             elif p.ndim == 1:  # Gemma's and Qwen3-Next's norms scale by 1 + weight, 0 at init
-                zero_centered = arch.startswith(("gemma", "qwen3_next", "qwen3_5")) and name.endswith("norm.weight")
+                zero_centered = arch.startswith(("gemma", "qwen3_next", "qwen3_5", "vaultgemma")) and name.endswith(
+                    "norm.weight"
+                )
                 p.add_(0.1 * torch.randn_like(p)) if zero_centered else p.mul_(1 + 0.1 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "expert_bias")):  # (a router's bias, a buffer: 0 at init)

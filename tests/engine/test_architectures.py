@@ -30,7 +30,7 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "granitemoe_swa", "llama4", "llama4_maverick", "exaone", "internlm3", "iquestcoder",
                        "ministral", "helium", "dots1", "phimoe", "solar_open", "sarvam_moe", "youtu", "hy_v3",
                        "afmoe", "gpt_bigcode", "gpt_bigcode_mha", "falcon", "falcon_40b", "falcon_11b",
-                       "falcon_rw", "minicpm3"]  # fmt: skip
+                       "falcon_rw", "minicpm3", "jais2", "cwm", "vaultgemma"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)

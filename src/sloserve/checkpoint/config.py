@@ -90,6 +90,7 @@ ARCHITECTURES: dict[str, str] = {
     "gemma3_text": "gemma3",
     "gemma": "gemma",  # (Gemma 1, CodeGemma: Llama's layers with Gemma's norms, GeGLU MLP and scaled embeddings)
     "gemma2": "gemma3",  # (Gemma 3's layers without query/key norms, with capped scores)
+    "vaultgemma": "gemma3",  # (VaultGemma 1B: Gemma 2's layers without the norms of each part's output)
     "olmo2": "olmo2",
     "olmo3": "olmo2",  # (OLMo 2's layers, three of four sliding, the others' rope scaled)
     "olmoe": "llama",  # (Llama's layers, OLMo 2's query and key norms, Qwen3-MoE's experts)
@@ -148,6 +149,9 @@ ARCHITECTURES: dict[str, str] = {
     "olmo": "olmo",  # (OLMo 1: Llama's layers with LayerNorms of no weight, clip_qkv)
     "nemotron": "nemotron",  # (Minitron: LayerNorms of 1 + weight, a squared-ReLU MLP of two matrices, half rotated)
     "arcee": "arcee",  # (AFM-4.5B: Llama's layers with a squared-ReLU MLP of two matrices)
+    "jais2": "jais2",  # (Jais 2: Arcee's layers with LayerNorms and biases)
+    # (CWM 32B: Llama's layers, three of four sliding, the first of each four full)
+    "cwm": "llama",
     "starcoder2": "starcoder2",  # (StarCoder2: Llama's layers with LayerNorms, a GELU MLP, biases, a window)
     # (Llama 4 Scout 17B-16E, Maverick 17B-128E: Llama's layers, three of four rotated by adjacent pairs and seeing
     # only their chunk of 8,192 positions, the fourth unrotated and seeing all; experts fed tokens scaled by their
@@ -352,7 +356,7 @@ SETTING_NAMES = {
 # The OLMo models (their query and key norms over the whole projections)
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe", "olmo_hybrid")
 # The models whose attention output projection has a bias where the q/k/v projections have them
-OUTPUT_BIASED = ("gpt_oss", "exaone4", "exaone_moe", "internlm3", "phimoe", "cohere", "cohere2", "phi", "nemotron",
+OUTPUT_BIASED = ("gpt_oss", "exaone4", "exaone_moe", "internlm3", "phimoe", "jais2", "cohere", "cohere2", "phi", "nemotron",
                  "arcee", "falcon_h1", *OLMO_TYPES)  # fmt: skip
 # The models whose queries and keys are RMS-normalized (each head: Qwen3's; OLMo's whole projections)
 QK_NORMED = ("qwen3", "qwen3_moe", "dots1", "hy_v3", "afmoe", "lfm2", "lfm2_moe", "lfm3", "exaone4", "exaone_moe",
@@ -374,6 +378,7 @@ DEFAULT_ROPE_THETA = {
     "exaone": 500_000.0,
     "helium": 100_000.0,
     "phimoe": 1_000_000.0,
+    "cwm": 1_000_000.0,
     "solar_open": 1_000_000.0,
     "sarvam_moe": 8_000_000.0,
     "hy_v3": 11_158_840.0,
@@ -387,6 +392,8 @@ DEFAULT_ROPE_PARAMETERS = {
     "ministral3": {"type": "yarn", "rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0,
                    "original_max_position_embeddings": 16384, "max_position_embeddings": 262144, "beta_fast": 32.0,
                    "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1},
+    "cwm": {"rope_type": "llama3", "rope_theta": 1_000_000.0, "factor": 16.0, "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0, "original_max_position_embeddings": 8192},
     "mistral4": {"type": "yarn", "rope_type": "yarn", "rope_theta": 10_000.0, "factor": 128.0,
                  "original_max_position_embeddings": 8192, "max_position_embeddings": 1048576,
                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
@@ -481,6 +488,8 @@ CONFIG_DEFAULTS = {
     "phi": {"hidden_act": "gelu_new"},
     "nemotron": {"hidden_act": "relu2"},
     "arcee": {"hidden_act": "relu2"},
+    "jais2": {"hidden_act": "relu2", "head_dim": 128, "attention_bias": True, "mlp_bias": True},
+    "cwm": {"head_dim": 128, "sliding_window": 8192},
     "apertus": {"hidden_act": "xielu"},
     "gemma": {"head_dim": 256, "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"},
 }
@@ -489,7 +498,7 @@ RMS_NORM_EPS_DEFAULTS = {
     **dict.fromkeys(("apertus", "arcee", "bamba", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "falcon_h1",
                      "glm4_moe", "gpt_oss", "granite_swa", "hunyuan_v1_dense", "hunyuan_v1_moe", "llama4_text",
                      "ministral3", "mixtral", "olmo2", "olmo3", "olmoe", "phi3", "exaone", "internlm3", "iquestcoder",
-                     "phimoe", "solar_open", "hy_v3", "afmoe"),
+                     "phimoe", "solar_open", "hy_v3", "afmoe", "cwm"),
                    1e-5),
     "glm": 1.5625e-07, "glm4": 1.5625e-07, "helium": 1e-8,
 }  # fmt: skip
@@ -514,8 +523,8 @@ PARTIAL_ROTARY = ("phi3", "minimax_m2", *PARTIAL_ROTARY_DEFAULTS)
 # The models with sliding layers by default: (window, every pattern-th layer global), transformers' defaults
 SLIDING_PATTERNS = {"gpt_oss": (128, 2), "olmo3": (4096, 4), "exaone4": (4096, 4), "exaone_moe": (4096, 4),
                     "cohere2": (4096, 4)}  # fmt: skip
-# The norms (of a weight each) of a layer, by architecture (Llama's: 2)
-NORMS_PER_LAYER = {"gemma3": 4, "glm4": 4, "cohere": 1, "phi": 1, "afmoe": 4}
+# The norms (of a weight each) of a layer, by model type or architecture (Llama's: 2)
+NORMS_PER_LAYER = {"gemma3": 4, "glm4": 4, "cohere": 1, "phi": 1, "afmoe": 4, "vaultgemma": 2}
 # The MLP activations of the models of Llama's outline whose MLP is not SwiGLU (transformers' names)
 MLP_ACTIVATIONS = {
     "phi": GPT2_ACTIVATIONS,
@@ -523,12 +532,13 @@ MLP_ACTIVATIONS = {
     "gemma": ("gelu_pytorch_tanh",),
     "nemotron": ("relu2",),
     "arcee": ("relu2",),
+    "jais2": ("relu2",),
     "apertus": ("xielu",),
 }
 # The models whose MLP is two matrices (up, an activation, down), not a gated three
-TWO_MATRIX_MLPS = ("opt", "gpt_neox", "gpt2", "phi", "starcoder2", "nemotron", "arcee", "apertus")
+TWO_MATRIX_MLPS = ("opt", "gpt_neox", "gpt2", "phi", "starcoder2", "nemotron", "arcee", "apertus", "jais2")
 # The models of Llama's outline whose norms are LayerNorms with biases
-LAYER_NORMS = ("phi", "starcoder2", "stablelm", "nemotron", "phimoe")
+LAYER_NORMS = ("phi", "starcoder2", "stablelm", "nemotron", "phimoe", "jais2")
 # The models of Llama's outline whose norms have no weights (OLMo 1's)
 WEIGHTLESS_NORMS = ("olmo",)
 # A layer type of ModelConfig.layer_types that sees only the last sliding_window positions
@@ -957,7 +967,8 @@ class ModelConfig:
             mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
         # (a LayerNorm's bias; OLMo 1's norms: no weight)
         norm = 2 * h if self.model_type in LAYER_NORMS else 0 if self.model_type in WEIGHTLESS_NORMS else h
-        layer = attention + mlp + NORMS_PER_LAYER.get(self.architecture, 2) * norm
+        norms = NORMS_PER_LAYER.get(self.model_type, NORMS_PER_LAYER.get(self.architecture, 2))  # (by type, else arch)
+        layer = attention + mlp + norms * norm
         total = v * h + layers * layer + norm + (0 if self.tie_word_embeddings else v * h)
         total += v * self.lm_head_bias
         if self.moe is not None:  # a MoE layer: the router and every expert instead of the dense MLP
@@ -1067,7 +1078,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         )
     if model_type == "gemma3_text":
         raw = {**GEMMA3_TEXT_DEFAULTS, **raw}
-    elif model_type == "gemma2":
+    elif model_type in ("gemma2", "vaultgemma"):
         raw = {**GEMMA2_DEFAULTS, **raw}
     elif model_type in ("gpt2", "gpt_bigcode"):
         raw = {GPT2_NAMES.get(key, key): value for key, value in raw.items()}
@@ -1160,7 +1171,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
             enable_bias=bool(raw.get("enable_bias", True)),
             extra={"remove_final_layer_norm": bool(raw.get("_remove_final_layer_norm", False))},
         )
-    if model_type in ("gemma3_text", "gemma2"):
+    if model_type in ("gemma3_text", "gemma2", "vaultgemma"):
         return _gemma3_config(raw, common, name, need)
     if model_type == "gpt_neox":
         return _gpt_neox_config(raw, common, name, need)
@@ -1226,6 +1237,15 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     if model_type == "dots1":  # (layer_types, or, as transformers reads a config without, max_window_layers on sliding)
         window, first_sliding = raw.get("sliding_window", 4096), raw.get("max_window_layers", 62)
         kinds = raw.get("layer_types") or [SLIDING if window is not None and i >= first_sliding else "full_attention"
+                                           for i in range(common["num_hidden_layers"])]  # fmt: skip
+        layer_types = _checked_layer_types(kinds, common["num_hidden_layers"], (SLIDING, "full_attention"),
+                                           model_type, name)  # fmt: skip
+        window = window if SLIDING in layer_types else None
+    if (
+        model_type == "cwm"
+    ):  # (layer_types, or, as transformers reads a config without, every fourth from the first full)
+        window = raw.get("sliding_window")
+        kinds = raw.get("layer_types") or ["full_attention" if i % 4 == 0 else SLIDING
                                            for i in range(common["num_hidden_layers"])]  # fmt: skip
         layer_types = _checked_layer_types(kinds, common["num_hidden_layers"], (SLIDING, "full_attention"),
                                            model_type, name)  # fmt: skip
@@ -1563,7 +1583,7 @@ def _gpt2_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> Mode
 
 def _norm_eps(raw: dict[str, Any], model_type: str) -> float:
     """The norms' epsilon under each config's name, transformers' default where it has none."""
-    if model_type in ("cohere", "cohere2", "phi", "stablelm"):
+    if model_type in ("cohere", "cohere2", "phi", "stablelm", "jais2"):
         return raw.get("layer_norm_eps", 1e-5)
     if model_type == "nemotron":
         return raw.get("norm_eps", 1e-5)
@@ -2316,8 +2336,9 @@ def _longrope(scaling: dict[str, Any], raw: dict[str, Any], rotary_dim: int, nam
 def _gemma3_config(raw: dict[str, Any], common: dict[str, Any], name: str, need) -> ModelConfig:
     """A Gemma 3 text model's config (transformers 5's ``rope_parameters`` per layer type, or the
     older ``rope_theta``, ``rope_local_base_freq``, ``rope_scaling`` and ``sliding_window_pattern``), or
-    Gemma 2's (no query/key norms; one rope base for every layer; scores capped)."""
-    gemma2 = raw["model_type"] == "gemma2"
+    Gemma 2's (no query/key norms; one rope base for every layer; scores capped), VaultGemma's (Gemma 2's without
+    the norms of each part's output: ``extra["output_norms"]``)."""
+    gemma2 = raw["model_type"] in ("gemma2", "vaultgemma")
     activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
     if activation != "gelu_pytorch_tanh":
         raise ConfigError(f"{name}: hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)")
@@ -2353,6 +2374,7 @@ def _gemma3_config(raw: dict[str, Any], common: dict[str, Any], name: str, need)
         sliding_window=int(raw.get("sliding_window") or 4096),
         final_logit_softcapping=raw.get("final_logit_softcapping"),
         attn_logit_softcapping=raw.get("attn_logit_softcapping"),
+        extra={"output_norms": raw["model_type"] != "vaultgemma"},
     )
 
 

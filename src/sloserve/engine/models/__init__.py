@@ -29,7 +29,7 @@ from sloserve.engine.models import (
     qwen3_next,
 )
 from sloserve.engine.models.apertus import ApertusForCausalLM
-from sloserve.engine.models.arcee import ArceeForCausalLM
+from sloserve.engine.models.arcee import ArceeForCausalLM, Jais2ForCausalLM
 from sloserve.engine.models.cohere import CohereForCausalLM
 from sloserve.engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from sloserve.engine.models.gemma3 import Gemma3ForCausalLM, GemmaForCausalLM
@@ -87,6 +87,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "afmoe": afmoe.AfmoeForCausalLM,
     "jamba": LlamaForCausalLM,
     "falcon": falcon.FalconForCausalLM,
+    "jais2": Jais2ForCausalLM,
 }
 
 

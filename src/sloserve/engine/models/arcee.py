@@ -1,12 +1,13 @@
 """Arcee (``arcee``: AFM-4.5B): Llama's layers with a two-matrix MLP of squared ReLU (Nemotron's
-``UpDownMLP``). HF parameter names; piecewise graphs as Llama's."""
+``UpDownMLP``); Jais 2 (``jais2``): those layers with LayerNorms (with biases) and biases everywhere. HF parameter
+names; piecewise graphs as Llama's."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
-from sloserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from sloserve.engine.models.llama import LayerNorm, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from sloserve.engine.models.nemotron import UpDownMLP
 
 
@@ -21,3 +22,16 @@ class ArceeModel(LlamaModel):
 
 class ArceeForCausalLM(LlamaForCausalLM):
     model_class = ArceeModel
+
+
+class Jais2DecoderLayer(ArceeDecoderLayer):
+    norm_class = LayerNorm
+
+
+class Jais2Model(LlamaModel):
+    layer_class = Jais2DecoderLayer
+    norm_class = LayerNorm
+
+
+class Jais2ForCausalLM(LlamaForCausalLM):
+    model_class = Jais2Model

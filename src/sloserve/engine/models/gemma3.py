@@ -106,9 +106,11 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(config, backend, layer)
         self.mlp = Gemma3MLP(config)
         self.input_layernorm = GemmaRMSNorm(h, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        # (the norms of each part's output; VaultGemma's layers have none)
+        output_norms = config.extra.get("output_norms", True)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps) if output_norms else nn.Identity()
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps) if output_norms else nn.Identity()
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta):
         attended = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
