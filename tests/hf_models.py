@@ -33,7 +33,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "exaone_moe": 66, "granitemoeshared": 67, "granitemoe_swa": 68, "llama4": 69, "llama4_maverick": 70,
          "exaone": 71, "internlm3": 72, "iquestcoder": 73, "ministral": 74, "helium": 75, "dots1": 76, "phimoe": 77, "solar_open": 78, "sarvam_moe": 79, "youtu": 80, "hy_v3": 81, "afmoe": 82, "jamba": 83, "gpt_bigcode": 84,
          "gpt_bigcode_mha": 85, "falcon": 86, "falcon_40b": 87, "falcon_11b": 88, "falcon_rw": 89, "minicpm3": 90, "jais2": 91,
-         "cwm": 92, "vaultgemma": 93}  # fmt: skip
+         "cwm": 92, "vaultgemma": 93, "hyperclovax": 94}  # fmt: skip
 # The models of delta-rule layers (their decays made mild: states that last past a chunk)
 DELTA_RULE_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
@@ -419,6 +419,12 @@ def hf_model(arch: str):
             attention_bias=True, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         )  # fmt: skip
         cls = transformers.SolarOpenForCausalLM
+    elif arch == "hyperclovax":  # Granite's scales (logits multiplied), each part's output normalized
+        config = transformers.HyperCLOVAXConfig(
+            **common, intermediate_size=128, num_key_value_heads=2, embedding_multiplier=2.0, residual_multiplier=0.8,
+            logits_scaling=0.5, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )  # fmt: skip
+        cls = transformers.HyperCLOVAXForCausalLM
     elif arch == "vaultgemma":  # Gemma 2's layers without their outputs' norms: a sliding layer (8), a global one
         config = transformers.VaultGemmaConfig(
             **common, intermediate_size=128, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,

@@ -30,7 +30,8 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "granitemoe_swa", "llama4", "llama4_maverick", "exaone", "internlm3", "iquestcoder",
                        "ministral", "helium", "dots1", "phimoe", "solar_open", "sarvam_moe", "youtu", "hy_v3",
                        "afmoe", "gpt_bigcode", "gpt_bigcode_mha", "falcon", "falcon_40b", "falcon_11b",
-                       "falcon_rw", "minicpm3", "jais2", "cwm", "vaultgemma"]  # fmt: skip
+                       "falcon_rw", "minicpm3", "jais2", "cwm", "vaultgemma",
+                       "hyperclovax"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)
@@ -140,7 +141,7 @@ def test_gpt_neox_one_after_the_other_and_the_hubs_config_names(tmp_path):
 
 LOGPROB_CHECKED = ["gpt2", "phi", "starcoder2", "deepseek_v2", "deepseek_v3", "nemotron", "olmo", "hunyuan",
                    "glm4_moe", "ernie4_5_moe", "apertus", "hunyuan_moe", "llama4", "llama4_maverick",
-                   "minicpm3"]  # fmt: skip
+                   "minicpm3", "hyperclovax"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", LOGPROB_CHECKED)

@@ -46,6 +46,8 @@ ARCHITECTURES: dict[str, str] = {
     "phi3": "llama",  # (Phi-3, Phi-4: Llama's layers, their Q/K/V and gate/up stored fused)
     "smollm3": "llama",  # (Llama's layers, every fourth without a rotary embedding)
     "granite": "llama",  # (Llama's layers, scaled: ModelConfig's multipliers)
+    # (HyperCLOVA X SEED: Granite's scaled layers, each part's output normalized before it joins the stream)
+    "hyperclovax": "hyperclovax",
     # (Granite's layers, most sliding, each head with gpt-oss's attention sink, a rope base a layer or none)
     "granite_swa": "llama",
     "granitemoe": "llama",  # (Granite 3 MoE: Granite's layers, their MLPs mixtures of experts)
@@ -549,7 +551,15 @@ MLP_LAYER = "mlp"  # (Nemotron-H's layers of an MLP alone)
 PARALLEL_HYBRID = "attention_and_mamba"  # (Falcon-H1's layers: attention and a Mamba-2 mixer side by side)
 SHORT_CONV = "conv"  # (LFM2's layers of a gated short convolution: ``ModelConfig.short_conv``)
 LINEAR_ATTENTION = "linear_attention"  # (Qwen3-Next's layers of gated DeltaNet: ``ModelConfig.gated_delta_net``)
-GRANITE_SCALED = ("granite", "granitemoe", "granitemoehybrid", "granite_swa", "granitemoeshared", "granitemoe_swa")
+GRANITE_SCALED = (
+    "granite",
+    "granitemoe",
+    "granitemoehybrid",
+    "granite_swa",
+    "granitemoeshared",
+    "granitemoe_swa",
+    "hyperclovax",
+)
 # The mixtures of experts beside a shared MLP every token runs, unscaled (Granite's ``shared_mlp``)
 UNGATED_SHARED_EXPERTS = ("granitemoehybrid", "granitemoeshared", "granitemoe_swa")
 LFM_TYPES = ("lfm2", "lfm2_moe", "lfm3")  # (Liquid AI's models of short convolutions and attention)
@@ -994,6 +1004,8 @@ class ModelConfig:
         if self.model_type == "lfm3":  # (its norms of each operator's and MLP's output; each head's gate)
             total += self.extra["use_sandwich_norm"] * layers * 2 * h
             total += self.extra["use_attention_gate"] * self.num_kv_layers * h * self.num_attention_heads
+        if self.model_type == "hyperclovax":  # (its norms of each part's output)
+            total += self.extra["use_post_norm"] * layers * 2 * h
         return total
 
     def _deepseek_num_params(self) -> int:
@@ -1283,6 +1295,8 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         window = raw.get("sliding_window") if SLIDING in layer_types else None
         if model_type == "lfm3":  # (each operator's and MLP's output normalized; each head's output gated)
             extra = {key: bool(raw.get(key, True)) for key in ("use_sandwich_norm", "use_attention_gate")}
+    if model_type == "hyperclovax":  # (each part's output normalized before it joins the stream)
+        extra = {"use_post_norm": bool(raw.get("use_post_norm", True))}
     if model_type == "granitemoehybrid":
         rotary_layers, intermediate, layer_types, mamba = _granite_4_layers(raw, common["num_hidden_layers"], name)
     elif model_type == "bamba":  # (attention at attn_layer_indices, Mamba-2 elsewhere)
@@ -2010,13 +2024,18 @@ def _json_float(value: Any, key: str, name: str) -> float:
         raise ConfigError(f"{name}: {key} must hold numbers, got {value!r}") from None
 
 
-def _granite_multipliers(raw: dict[str, Any]) -> dict[str, float]:
-    """Granite's scales, transformers' GraniteConfig defaults (1) where the config has none."""
+def _granite_multipliers(raw: dict[str, Any]) -> dict[str, float | None]:
+    """Granite's scales, transformers' GraniteConfig defaults (1) where the config has none; HyperCLOVA X's, whose
+    ``logits_scaling`` multiplies (the engine divides by its inverse: equal up to rounding) and whose attention
+    scale is head_dim ** -0.5 where its config has none."""
+    hyperclova = raw["model_type"] == "hyperclovax"
+    attention = raw.get("attention_multiplier", None if hyperclova else 1.0)
+    logits = float(raw.get("logits_scaling", 1.0))
     return {
         "embedding_multiplier": float(raw.get("embedding_multiplier", 1.0)),
         "residual_multiplier": float(raw.get("residual_multiplier", 1.0)),
-        "attention_multiplier": float(raw.get("attention_multiplier", 1.0)),
-        "logits_scaling": float(raw.get("logits_scaling", 1.0)),
+        "attention_multiplier": None if attention is None else float(attention),
+        "logits_scaling": 1 / logits if hyperclova else logits,
     }
 
 

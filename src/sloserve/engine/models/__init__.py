@@ -19,6 +19,7 @@ from sloserve.engine.models import (
     gpt2,
     gpt_neox,
     hunyuan,
+    hyperclovax,
     kimi_linear,
     lfm2,
     llama4,
@@ -88,6 +89,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "jamba": LlamaForCausalLM,
     "falcon": falcon.FalconForCausalLM,
     "jais2": Jais2ForCausalLM,
+    "hyperclovax": hyperclovax.HyperClovaXForCausalLM,
 }
 
 
