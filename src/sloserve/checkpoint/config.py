@@ -358,8 +358,8 @@ SETTING_NAMES = {
 # The OLMo models (their query and key norms over the whole projections)
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe", "olmo_hybrid")
 # The models whose attention output projection has a bias where the q/k/v projections have them
-OUTPUT_BIASED = ("gpt_oss", "exaone4", "exaone_moe", "internlm3", "phimoe", "jais2", "cohere", "cohere2", "phi", "nemotron",
-                 "arcee", "falcon_h1", *OLMO_TYPES)  # fmt: skip
+OUTPUT_BIASED = ("gpt_oss", "exaone4", "exaone_moe", "internlm3", "phimoe", "jais2", "cohere", "cohere2", "phi",
+                 "nemotron", "arcee", "falcon_h1", *OLMO_TYPES)  # fmt: skip
 # The models whose queries and keys are RMS-normalized (each head: Qwen3's; OLMo's whole projections)
 QK_NORMED = ("qwen3", "qwen3_moe", "dots1", "hy_v3", "afmoe", "lfm2", "lfm2_moe", "lfm3", "exaone4", "exaone_moe",
              "hunyuan_v1_dense", "hunyuan_v1_moe", "apertus", "minimax_m2", *OLMO_TYPES)  # fmt: skip
@@ -1253,9 +1253,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         layer_types = _checked_layer_types(kinds, common["num_hidden_layers"], (SLIDING, "full_attention"),
                                            model_type, name)  # fmt: skip
         window = window if SLIDING in layer_types else None
-    if (
-        model_type == "cwm"
-    ):  # (layer_types, or, as transformers reads a config without, every fourth from the first full)
+    if model_type == "cwm":  # (layer_types, or, as transformers reads a config without them, 0, 4, 8... full)
         window = raw.get("sliding_window")
         kinds = raw.get("layer_types") or ["full_attention" if i % 4 == 0 else SLIDING
                                            for i in range(common["num_hidden_layers"])]  # fmt: skip
@@ -1428,7 +1426,10 @@ def _falcon_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> Mo
     new, parallel = bool(raw.get("new_decoder_architecture", False)), bool(raw.get("parallel_attn", True))
     kv_heads = (raw.get("num_kv_heads") or heads) if new else 1 if raw.get("multi_query", True) else heads
     if hidden % heads or heads % kv_heads:
-        raise ConfigError(f"{name}: num_kv_heads {kv_heads} must divide num_attention_heads {heads}, dividing {hidden}")
+        raise ConfigError(
+            f"{name}: num_attention_heads {heads} must divide hidden_size {hidden}, and num_kv_heads {kv_heads} "
+            "divide them"
+        )
     if new and not parallel:
         raise ConfigError(f"{name}: new_decoder_architecture without parallel_attn is not supported")
     if new and raw.get("num_ln_in_parallel_attn") in (None, 2):
@@ -1505,14 +1506,14 @@ def _minicpm3_scales(raw: dict[str, Any], common: dict[str, Any]) -> dict[str, f
     """MiniCPM3's scales as Granite's multipliers: the embeddings times ``scale_emb``, each output times
     ``scale_depth`` / sqrt(layers) as it joins the stream, the logits over hidden_size / ``dim_model_base``
     (transformers divides the final hidden states, the engine the logits: equal up to rounding)."""
-    layers, hidden = common["num_hidden_layers"], common["hidden_size"]
-    depth, base = raw.get("scale_depth"), raw.get("dim_model_base")
+    layers, hidden, name = common["num_hidden_layers"], common["hidden_size"], common["name"]
+    depth, base = raw.get("scale_depth"), raw.get("dim_model_base")  # (None: no scaling, as transformers reads it)
+    depth = layers**0.5 if depth is None else _json_float(depth, "scale_depth", name)
+    base = hidden if base is None else _json_float(base, "dim_model_base", name)
     return {
-        "embedding_multiplier": _json_float(raw["scale_emb"], "scale_emb", common["name"]),
-        "residual_multiplier": 1.0
-        if depth is None
-        else _json_float(depth, "scale_depth", common["name"]) / layers**0.5,
-        "logits_scaling": 1.0 if base is None else hidden / _json_float(base, "dim_model_base", common["name"]),
+        "embedding_multiplier": _json_float(raw["scale_emb"], "scale_emb", name),
+        "residual_multiplier": depth / layers**0.5,
+        "logits_scaling": hidden / base,
     }
 
 
