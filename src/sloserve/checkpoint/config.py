@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1246,26 +1247,14 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     if window is not None and window >= common["max_position_embeddings"]:
         window = None
     layer_types = (SLIDING,) * common["num_hidden_layers"] if window else ()
-    if model_type == "dots1":  # (layer_types, or, as transformers reads a config without, max_window_layers on sliding)
+    if model_type == "dots1":  # (without layer_types: those from max_window_layers on sliding, as transformers')
         window, first_sliding = raw.get("sliding_window", 4096), raw.get("max_window_layers", 62)
-        kinds = raw.get("layer_types") or [SLIDING if window is not None and i >= first_sliding else "full_attention"
-                                           for i in range(common["num_hidden_layers"])]  # fmt: skip
-        layer_types = _checked_layer_types(kinds, common["num_hidden_layers"], (SLIDING, "full_attention"),
-                                           model_type, name)  # fmt: skip
-        window = window if SLIDING in layer_types else None
-    if model_type == "cwm":  # (layer_types, or, as transformers reads a config without them, 0, 4, 8... full)
+        layer_types, window = _sliding_layers(raw, window, lambda i: window is not None and i >= first_sliding, name)
+    if model_type == "cwm":  # (without layer_types: layers 0, 4, 8... full, the others sliding, as transformers')
+        layer_types, window = _sliding_layers(raw, raw.get("sliding_window"), lambda i: i % 4 != 0, name)
+    if model_type == "ministral":  # (without layer_types: every layer sliding where there is a window)
         window = raw.get("sliding_window")
-        kinds = raw.get("layer_types") or ["full_attention" if i % 4 == 0 else SLIDING
-                                           for i in range(common["num_hidden_layers"])]  # fmt: skip
-        layer_types = _checked_layer_types(kinds, common["num_hidden_layers"], (SLIDING, "full_attention"),
-                                           model_type, name)  # fmt: skip
-        window = window if SLIDING in layer_types else None
-    if model_type == "ministral":  # (each layer sliding or full as layer_types says; without them all sliding)
-        window = raw.get("sliding_window")
-        kinds = raw.get("layer_types") or [SLIDING if window else "full_attention"] * common["num_hidden_layers"]
-        layer_types = _checked_layer_types(kinds, common["num_hidden_layers"], (SLIDING, "full_attention"),
-                                           model_type, name)  # fmt: skip
-        window = window if SLIDING in layer_types else None
+        layer_types, window = _sliding_layers(raw, window, lambda i: bool(window), name)
     if model_type in SLIDING_PATTERNS:  # gpt-oss: every other layer sees the last 128 positions; OLMo 3: 3 of 4
         window, pattern = SLIDING_PATTERNS[model_type]
         window, pattern = raw.get("sliding_window", window), raw.get("sliding_window_pattern", pattern)
@@ -1319,13 +1308,10 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         intermediate, llama4 = raw["intermediate_size_mlp"], _llama4_attention(raw, name)
     mup = {}
     if model_type == "afmoe":  # (layer_types, or every global_attn_every_n_layers-th global; only the sliding rotate)
-        window, every = raw.get("sliding_window", 1024), raw.get("global_attn_every_n_layers", 4)
+        every = raw.get("global_attn_every_n_layers", 4)
         _check_positive_ints({"global_attn_every_n_layers": every}, ("global_attn_every_n_layers",), name)
-        kinds = raw.get("layer_types") or [SLIDING if (i + 1) % every else "full_attention"
-                                           for i in range(common["num_hidden_layers"])]  # fmt: skip
-        layer_types = _checked_layer_types(kinds, common["num_hidden_layers"], (SLIDING, "full_attention"),
-                                           model_type, name)  # fmt: skip
-        rotary_layers, window = [kind == SLIDING for kind in layer_types], window if SLIDING in layer_types else None
+        layer_types, window = _sliding_layers(raw, raw.get("sliding_window", 1024), lambda i: (i + 1) % every, name)
+        rotary_layers = [kind == SLIDING for kind in layer_types]
         if raw.get("mup_enabled"):  # (the embeddings times sqrt(hidden_size))
             mup = {"embedding_multiplier": hidden**0.5}
     if cohere and not (isinstance(raw["logit_scale"], (int, float)) and raw["logit_scale"] > 0):
@@ -1758,6 +1744,18 @@ def _gated_delta_net_layers(
             f"{name}: linear_num_key_heads {net['num_k_heads']} must divide linear_num_value_heads {net['num_v_heads']}"
         )
     return kinds, net
+
+
+def _sliding_layers(
+    raw: dict[str, Any], window: Any, slides: Callable[[int], Any], name: str
+) -> tuple[tuple[str, ...], Any]:
+    """(each layer's type, the window): ``layer_types`` (sliding or full) where the config gives them, else layer i
+    sliding where ``slides(i)`` (transformers' reading of a config without them); the window None where no layer
+    slides."""
+    layers = raw["num_hidden_layers"]
+    kinds = raw.get("layer_types") or [SLIDING if slides(i) else "full_attention" for i in range(layers)]
+    kinds = _checked_layer_types(kinds, layers, (SLIDING, "full_attention"), raw["model_type"], name)
+    return kinds, window if SLIDING in kinds else None
 
 
 def _llama4_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tuple[str, ...], list[bool], int | None]:

@@ -23,6 +23,7 @@ from torch import nn
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
 from sloserve.engine.kv_cache import layer_caches
+from sloserve.engine.models.gpt_neox import qkv_rows_by_kind
 from sloserve.engine.models.llama import Rotary, apply_rotary
 
 
@@ -127,12 +128,6 @@ class FalconForCausalLM(nn.Module):
 
 def checkpoint_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) -> tuple[str, torch.Tensor]:
     """A Falcon checkpoint's tensor as the engine holds it: ``query_key_value``'s rows by kind (module docstring)."""
-    if ".query_key_value." not in key:
-        return key, tensor
-    nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    rest = tensor.shape[1:]  # ((H,) for a weight, () for a bias)
-    groups = tensor.reshape(nkv, nh // nkv + 2, hd, *rest)  # (nkv, its queries + k + v, hd, ...)
-    queries, keys, values = groups[:, :-2], groups[:, -2], groups[:, -1]
-    return key, torch.cat(
-        (queries.reshape(nh * hd, *rest), keys.reshape(nkv * hd, *rest), values.reshape(nkv * hd, *rest))
-    )
+    if ".query_key_value." in key:
+        tensor = qkv_rows_by_kind(tensor, config.num_attention_heads, config.num_key_value_heads)
+    return key, tensor

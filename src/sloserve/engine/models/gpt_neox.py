@@ -110,8 +110,12 @@ def checkpoint_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) -> tu
     return key, tensor
 
 
-def qkv_rows_by_kind(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """A checkpoint's ``query_key_value`` weight (nh x 3 x hd, H) or bias (nh x 3 x hd,), its rows per head
-    [q k v], as the engine holds it: every head's q rows, then the k rows, then the v rows."""
-    per_head = tensor.reshape(num_heads, 3, -1, *tensor.shape[1:])  # (nh, 3, hd, ...)
-    return per_head.transpose(0, 1).reshape(tensor.shape)
+def qkv_rows_by_kind(tensor: torch.Tensor, num_heads: int, num_kv_heads: int | None = None) -> torch.Tensor:
+    """A checkpoint's ``query_key_value`` weight ((nh + 2 nkv) x hd, H) or bias, its rows grouped by KV head: each
+    group's nh / nkv queries, then its key and value (GPT-NeoX's, nkv = nh: [q k v] a head; Falcon's groups), as the
+    engine holds it: every query's rows, then the keys', then the values'."""
+    nkv = num_heads if num_kv_heads is None else num_kv_heads
+    rest = tensor.shape[1:]  # ((H,) for a weight, () for a bias)
+    groups = tensor.reshape(nkv, num_heads // nkv + 2, -1, *rest)  # (nkv, its queries + k + v, hd, ...)
+    queries, keys, values = groups[:, :-2].flatten(0, 2), groups[:, -2].flatten(0, 1), groups[:, -1].flatten(0, 1)
+    return torch.cat((queries, keys, values))
