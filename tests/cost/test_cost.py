@@ -59,6 +59,23 @@ DEEPSEEK_V2_LITE = from_hf_config(
 ).spec()  # fmt: skip
 
 
+# mistralai/Mistral-7B-v0.1's config.json: every layer sees the last 4,096 positions
+MISTRAL_7B_V01 = from_hf_config(
+    {"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 32768,
+     "sliding_window": 4096, "rope_theta": 10000.0, "torch_dtype": "bfloat16"},
+    "mistral-7b-v0.1",
+).spec()  # fmt: skip
+# google/gemma-3-27b-it's text_config: five layers of six see the last 1,024 positions
+GEMMA_3_27B = from_hf_config(
+    {"model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 5376, "intermediate_size": 21504,
+     "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
+     "max_position_embeddings": 131072, "sliding_window": 1024, "query_pre_attn_scalar": 168,
+     "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "torch_dtype": "bfloat16"},
+    "gemma-3-27b",
+).spec()  # fmt: skip
+
+
 def prefill_shape(
     chunks: list[tuple[int, int]], num_decode: int = 0, decode_kv: int = 0, longest: int = 0
 ) -> BatchShape:
@@ -243,6 +260,7 @@ COST_MODELS = [
     RooflineCostModel(get_model("llama-3-70b"), get_gpu("a100"), num_gpus=4),
     RooflineCostModel(get_model("qwen2.5-7b"), get_gpu("h100"), num_gpus=2),
     RooflineCostModel(QWEN3_30B_A3B, get_gpu("h100")),  # (the weights a step reads follow its tokens)
+    RooflineCostModel(GEMMA_3_27B, get_gpu("h200")),  # (52 of its 62 layers read at most 1,024 keys a query)
 ]
 
 
@@ -457,6 +475,89 @@ def test_a_mixture_of_experts_spec_is_checked() -> None:
         ModelSpec(**{**base, "experts_per_token": 129})
     with pytest.raises(ConfigError, match="expert_params must be an integer >= 0, got -1"):
         ModelSpec(**{**base, "expert_params": -1})
+
+
+def test_a_models_windowed_layers_are_in_its_spec() -> None:
+    """Sliding-window and chunked layers, counted from each layer's type; gpt-oss-20b's and Llama 4 Scout's
+    config.json (their parameter counts: gpt-oss-20b's released checkpoint's)."""
+    assert (MISTRAL_7B_V01.num_params, MISTRAL_7B_V01.window_layers, MISTRAL_7B_V01.window_tokens) == (
+        7_241_732_096, 32, 4096)  # fmt: skip
+    assert (GEMMA_3_27B.attention_layers, GEMMA_3_27B.window_layers, GEMMA_3_27B.window_tokens) == (62, 52, 1024)
+    yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 4096}  # fmt: skip
+    gpt_oss = from_hf_config(
+        {"model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+         "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+         "max_position_embeddings": 131072, "sliding_window": 128, "num_local_experts": 32, "num_experts_per_tok": 4,
+         "layer_types": ["sliding_attention", "full_attention"] * 12, "rope_theta": 150000, "rope_scaling": yarn,
+         "torch_dtype": "bfloat16"},
+        "gpt-oss-20b",
+    ).spec()  # fmt: skip
+    assert (gpt_oss.num_params, gpt_oss.window_layers, gpt_oss.window_tokens) == (20_914_757_184, 12, 128)
+    llama3 = {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+              "original_max_position_embeddings": 8192}  # fmt: skip
+    scout = from_hf_config(
+        {"model_type": "llama4_text", "vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192,
+         "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
+         "head_dim": 128, "max_position_embeddings": 10485760, "num_local_experts": 16, "num_experts_per_tok": 1,
+         "interleave_moe_layer_step": 1, "attention_chunk_size": 8192, "rope_theta": 500000.0, "use_qk_norm": True,
+         "rope_scaling": llama3, "torch_dtype": "bfloat16"},
+        "llama-4-scout",
+    ).spec()  # fmt: skip
+    assert (scout.window_layers, scout.window_tokens) == (36, 8192)  # (every fourth layer global, unrotated)
+    assert (get_model("llama-3-8b").window_layers, get_model("llama-3-8b").window_tokens) == (0, 0)
+    base = MISTRAL_7B_V01.__dict__
+    with pytest.raises(ConfigError, match="window_layers and window_tokens are both 0 or both positive"):
+        ModelSpec(**{**base, "window_tokens": 0})
+    with pytest.raises(ConfigError, match="window_layers 33 exceeds the 32 attention layers"):
+        ModelSpec(**{**base, "window_layers": 33})
+    with pytest.raises(ConfigError, match="window_tokens must be an integer >= 0, got -1"):
+        ModelSpec(**{**base, "window_tokens": -1})
+    with pytest.raises(ConfigError, match="windowed layers beside a second form of prefill attention"):
+        ModelSpec(**{**DEEPSEEK_V2_LITE.__dict__, "window_layers": 1, "window_tokens": 4096})
+
+
+def test_roofline_reads_at_most_a_window_of_keys_in_a_windowed_layer() -> None:
+    """Mistral 7B v0.1 (every layer windowed, W = 4,096): a decode step's attention stops growing once every
+    request is past its window, and equals a full-attention model's while every one is within it; so does a
+    prefill chunk's. Gemma 3 27B (52 of 62 layers at W = 1,024), batch 8 at 32K contexts: 10 layers read every
+    key, 52 layers 1,024 a request, 5.3x fewer bytes than every layer reading all of them."""
+    gpu = get_gpu("h200")
+    windowed = RooflineCostModel(MISTRAL_7B_V01, gpu)
+    full = RooflineCostModel(dataclasses.replace(MISTRAL_7B_V01, window_layers=0, window_tokens=0), gpu)
+
+    def decode_s(model: RooflineCostModel, contexts: list[int]) -> float:
+        return model.batch_time(BatchShape.of([], contexts)).decode_attention_s
+
+    def prefill_s(model: RooflineCostModel, chunks: list[tuple[int, int]]) -> float:
+        return model.batch_time(BatchShape.of(chunks, [])).prefill_attention_s
+
+    past = [decode_s(windowed, [m] * 8) for m in (4095, 8000, 32000)]
+    assert past[0] == past[1] == past[2] < decode_s(full, [8000] * 8)
+    for contexts in ([0] * 8, [4095] * 8, [100, 4095, 2000]):  # (within the window: every key, as full attention)
+        assert decode_s(windowed, contexts) == decode_s(full, contexts)
+    # (past and within at once: the bound, above the keys read, below full attention's)
+    mixed, keys_read = decode_s(windowed, [100, 20000]), 101 + 4096
+    assert decode_s(windowed, [4095, 4095]) >= mixed > keys_read / (2 * 4096) * decode_s(windowed, [4095, 4095])
+    assert mixed < decode_s(full, [100, 20000])
+    chunks_past = [prefill_s(windowed, [(512, m)]) for m in (4095, 10000, 30000)]
+    assert chunks_past[0] == chunks_past[1] == chunks_past[2] < prefill_s(full, [(512, 10000)])
+    # (a short chunk is memory-bound: past its window it reads the window's last W - 1 keys and its own)
+    assert prefill_s(windowed, [(16, 4095)]) == prefill_s(windowed, [(16, 4096)]) == prefill_s(windowed, [(16, 30000)])
+    for chunks in ([(512, 0)], [(2048, 2048)], [(64, 4000), (4096, 0)]):  # (every query within its window)
+        assert prefill_s(windowed, chunks) == prefill_s(full, chunks)
+    # a long prompt is compute-bound: a query past the first 4,096 positions sees 4,096 keys, not all of them
+    rate = gpu.peak_flops * windowed.compute_efficiency
+    prompt = 32 * 32 * 128 * 2 * ((2 * 4096 - 1) * 16384)  # (work (2W - 1) c: c W pairs, as c^2 + 2mc counts them)
+    assert prefill_s(windowed, [(16384, 4095)]) == pytest.approx(prompt / rate)
+    assert prefill_s(full, [(16384, 4095)]) == pytest.approx(32 * 32 * 128 * 2 * (16384**2 + 2 * 4095 * 16384) / rate)
+
+    gemma = RooflineCostModel(GEMMA_3_27B, gpu)
+    gemma_full = RooflineCostModel(dataclasses.replace(GEMMA_3_27B, window_layers=0, window_tokens=0), gpu)
+    layer_token_bytes = 2 * 16 * 128 * 2  # (K and V, 16 heads of 128, bf16)
+    bytes_read = layer_token_bytes * (10 * 8 * 32768 + 52 * 8 * 1024)
+    assert decode_s(gemma, [32767] * 8) == pytest.approx(bytes_read / (gpu.hbm_bandwidth * gemma.bandwidth_efficiency))
+    assert decode_s(gemma_full, [32767] * 8) / decode_s(gemma, [32767] * 8) == pytest.approx(5.33, abs=0.01)
 
 
 def test_roofline_tensor_parallel_and_swap() -> None:

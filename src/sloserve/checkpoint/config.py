@@ -1058,6 +1058,11 @@ class ModelConfig:
             extra.update(
                 prefill_head_dim=self.head_dim, prefill_kv_flops_per_token=self.num_hidden_layers * up_projection
             )
+        # Sliding-window and chunked layers: their count and W (the longer, were a model to have both)
+        windows = [self.layer_window(i) or self.layer_chunk(i) for i in range(self.num_hidden_layers)]
+        windows = [w for w in windows if w]
+        if windows:
+            extra.update(window_layers=len(windows), window_tokens=max(windows))
         return ModelSpec(
             name=self.name,
             num_layers=self.num_hidden_layers,

@@ -20,6 +20,12 @@ Each part of a step takes max(FLOPs / achievable FLOP/s, bytes / achievable band
   (``ModelSpec.prefill_head_dim``: MLA's prefills by head) takes the cheaper of the two on the step's
   totals, as the engine takes it prefill by prefill: 2 * layers * heads * prefill_head_dim * sum(c^2 + 2mc)
   plus ``prefill_kv_flops_per_token`` * sum(m + c).
+- windowed layers (``ModelSpec.window_layers``: a sliding window or a chunk of W = ``window_tokens`` positions)
+  read at most W keys a query. A step's shape holds sums, not each request's context, so they are priced at the
+  bound the sums give: a decode step's sum(min(m + 1, W)) at min(sum(m + 1), B W); a prefill's work at
+  min(sum(c^2 + 2mc), (2W - 1) sum(c)) and its keys read at min(sum(m), n_p (W - 1)) + sum(c). Each bound is exact
+  when every request is past its window (m >= W - 1) or every one within it, and above the truth in between
+  (a chunked layer's decode reads m mod W + 1 keys: W at most).
 - swap: swap_bytes / swap_bandwidth.
 
 Tensor parallelism over ``num_gpus`` divides FLOPs and bytes evenly (KV heads are split over
@@ -123,6 +129,10 @@ class RooflineCostModel(CostModel):
         self._by_head_flops_per_work = 2.0 * m.attention_layers * m.num_attention_heads * m.prefill_head_dim
         self._by_head_flops_per_key = float(m.prefill_kv_flops_per_token)
         self._qo_bytes_per_token = 2.0 * attn_width * dtype  # Q read and O written by prefill
+        # Windowed layers: their share of every attention layer's keys, and W.
+        self._window_tokens = m.window_tokens
+        self._window_share = m.window_layers / m.attention_layers
+        self._full_share = 1.0 - self._window_share
 
     def __repr__(self) -> str:
         return (
@@ -144,29 +154,39 @@ class RooflineCostModel(CostModel):
         comm_s = self._allreduce_fixed_s + self._allreduce_s_per_token * tokens
         return compute_s + comm_s + self.step_overhead_s
 
+    def _decode_attention_s(self, num_decode, decode_kv_tokens):
+        """Seconds of the attention of ``num_decode`` (> 0) decodes of ``decode_kv_tokens`` cached tokens in all: ints,
+        or int64 arrays of one shape (then an array), by the same arithmetic in the same order."""
+        minimum, maximum = (np.minimum, np.maximum) if isinstance(decode_kv_tokens, np.ndarray) else (min, max)
+        keys = decode_kv_tokens + num_decode  # (each reads its cache and its new token's)
+        if self._window_tokens:  # a windowed layer's sum(min(m + 1, W)), at most B W
+            keys = self._full_share * keys + self._window_share * minimum(keys, num_decode * self._window_tokens)
+        return maximum(
+            self._attn_flops_per_key * keys / self._flops_rate,
+            (self._kv_bytes_per_token * keys + self._state_bytes_per_sequence * num_decode) / self._kv_bytes_rate,
+        )
+
     def batch_time(self, shape: BatchShape) -> CostBreakdown:
         """Time of one step with this shape (see the module docstring for the formula)."""
         num_decode = shape.num_decode
         num_prefill = shape.num_prefill
         tokens = num_decode + shape.prefill_tokens
         other_s = self._non_attention_s(tokens, num_decode + num_prefill) if tokens > 0 else 0.0
-        decode_s = 0.0
-        if num_decode > 0:
-            keys = shape.decode_kv_tokens + num_decode
-            decode_s = max(
-                self._attn_flops_per_key * keys / self._flops_rate,
-                (self._kv_bytes_per_token * keys + self._state_bytes_per_sequence * num_decode) / self._kv_bytes_rate,
-            )
+        decode_s = self._decode_attention_s(num_decode, shape.decode_kv_tokens) if num_decode > 0 else 0.0
         prefill_s = 0.0
         if num_prefill > 0:
             keys = shape.prefill_context_tokens + shape.prefill_tokens
+            work = shape.prefill_attention_work
+            if self._window_tokens:  # a windowed layer's keys and work, at most W a query (the bounds above)
+                w = self._window_tokens
+                local_keys = min(shape.prefill_context_tokens, num_prefill * (w - 1)) + shape.prefill_tokens
+                keys = self._full_share * keys + self._window_share * local_keys
+                work = self._full_share * work + self._window_share * min(work, (2 * w - 1) * shape.prefill_tokens)
             kv_bytes = self._kv_bytes_per_token * keys + self._state_bytes_per_sequence * num_prefill
             qo_bytes = self._qo_bytes_per_token * shape.prefill_tokens
-            flops = self._attn_flops_per_work * shape.prefill_attention_work
+            flops = self._attn_flops_per_work * work
             if self._by_head_flops_per_key:
-                by_head = (
-                    self._by_head_flops_per_work * shape.prefill_attention_work + self._by_head_flops_per_key * keys
-                )
+                by_head = self._by_head_flops_per_work * work + self._by_head_flops_per_key * keys
                 flops = min(flops, by_head)
             prefill_s = max(
                 flops / self._flops_rate,
@@ -185,11 +205,7 @@ class RooflineCostModel(CostModel):
         flops = self._flops_per_token * tokens + self._flops_per_sequence * (num_decode + num_prefill)
         compute_s = np.maximum(flops / self._flops_rate, self._weight_read_bytes(tokens) / self._bytes_rate)
         other_s = compute_s + (self._allreduce_fixed_s + self._allreduce_s_per_token * tokens) + self.step_overhead_s
-        keys = decode_kv_tokens + num_decode
-        decode_s = np.maximum(
-            self._attn_flops_per_key * keys / self._flops_rate,
-            (self._kv_bytes_per_token * keys + self._state_bytes_per_sequence * num_decode) / self._kv_bytes_rate,
-        )
+        decode_s = self._decode_attention_s(num_decode, decode_kv_tokens)
         if not (num_decode > 0).all():  # (a part with nothing to do costs nothing)
             other_s = np.where(tokens > 0, other_s, 0.0)
             decode_s = np.where(num_decode > 0, decode_s, 0.0)
@@ -208,9 +224,5 @@ class RooflineCostModel(CostModel):
         if num_decode <= 0:
             return np.zeros(num_steps, dtype=np.float64)
         other_s = self._non_attention_s(num_decode, num_decode)
-        keys = decode_kv_tokens + num_decode * np.arange(num_steps, dtype=np.int64) + num_decode
-        decode_s = np.maximum(
-            self._attn_flops_per_key * keys / self._flops_rate,
-            (self._kv_bytes_per_token * keys + self._state_bytes_per_sequence * num_decode) / self._kv_bytes_rate,
-        )
-        return other_s + decode_s + 0.0 + 0.0
+        kv = decode_kv_tokens + num_decode * np.arange(num_steps, dtype=np.int64)
+        return other_s + self._decode_attention_s(num_decode, kv) + 0.0 + 0.0

@@ -39,7 +39,11 @@ class ModelSpec:
     with a KV cache and attention, where fewer than ``num_layers`` (a hybrid's: Granite 4.0-H's Mamba layers,
     LFM2's short convolutions keep a state a request instead); 0: all of them. ``state_bytes_per_sequence``:
     those states, every layer's, a request's (0: none): a decode step reads and writes them, and the scheduler's
-    slots' (at most ``STATE_SLOTS``) take memory from the KV cache.
+    slots' (at most ``STATE_SLOTS``) take memory from the KV cache. ``window_layers``, ``window_tokens``: of those
+    attention layers, the ones whose query sees only the last ``window_tokens`` positions (a sliding window: Mistral
+    7B v0.1's every layer, Gemma 3's five of six, gpt-oss's every other) or only those of its own chunk of that many
+    (Llama 4's chunked layers: at most as many); 0, 0: none. Their cache holds every token, as the engine's does, but
+    their attention reads only the keys a query sees.
     """
 
     name: str
@@ -63,6 +67,8 @@ class ModelSpec:
     prefill_kv_flops_per_token: int = 0
     kv_layers: int = 0
     state_bytes_per_sequence: int = 0
+    window_layers: int = 0
+    window_tokens: int = 0
 
     def __post_init__(self) -> None:
         owner = f"model spec {self.name!r}"
@@ -91,6 +97,8 @@ class ModelSpec:
             "prefill_kv_flops_per_token",
             "kv_layers",
             "state_bytes_per_sequence",
+            "window_layers",
+            "window_tokens",
         ):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -106,6 +114,14 @@ class ModelSpec:
             raise ConfigError(f"{owner}: prefill_head_dim and prefill_kv_flops_per_token are both 0 or both positive")
         if self.kv_layers > self.num_layers:
             raise ConfigError(f"{owner}: kv_layers {self.kv_layers} exceeds num_layers {self.num_layers}")
+        if (self.window_layers > 0) != (self.window_tokens > 0):
+            raise ConfigError(f"{owner}: window_layers and window_tokens are both 0 or both positive")
+        if self.window_layers > self.attention_layers:
+            raise ConfigError(
+                f"{owner}: window_layers {self.window_layers} exceeds the {self.attention_layers} attention layers"
+            )
+        if self.window_layers and self.prefill_head_dim:
+            raise ConfigError(f"{owner}: windowed layers beside a second form of prefill attention are not modelled")
         if self.num_attention_heads % self.num_kv_heads:
             raise ConfigError(
                 f"{owner}: num_kv_heads {self.num_kv_heads} must divide num_attention_heads {self.num_attention_heads}"
