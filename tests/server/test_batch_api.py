@@ -4,6 +4,7 @@ under a temporary ``--data-dir``, and ``sloserve serve`` killed with SIGKILL and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -437,32 +438,51 @@ def test_bros_keeps_online_rt_ttft_below_the_batch_lines(chat_model_dir, tmp_pat
 
 
 def _start_serve(data_dir: Path, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "sloserve.cli",
-            "serve",
-            "--model",
-            "random:tiny-llama",
-            "--port",
-            str(port),
-            "--data-dir",
-            str(data_dir),
-            "--max-batch-lines-in-engine",
-            "8",
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    """A ``sloserve serve`` on ``data_dir``, its log in ``serve-N.log`` there (a file: a pipe nobody reads would
+    stop a server that filled it), with faulthandler on for ``_exit_code``'s tracebacks."""
+    log_path = data_dir / f"serve-{len(list(data_dir.glob('serve-*.log')))}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "sloserve.cli",
+                "serve",
+                "--model",
+                "random:tiny-llama",
+                "--port",
+                str(port),
+                "--data-dir",
+                str(data_dir),
+                "--max-batch-lines-in-engine",
+                "8",
+                "--log-level",
+                "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
+        )
+    proc.log_path = log_path
     try:
         wait_until_ready(f"http://127.0.0.1:{port}", process=proc, timeout_s=60)
     except RuntimeError as e:
-        raise AssertionError(f"{e}: {proc.stderr.read().decode() if proc.poll() is not None else ''}") from None
+        raise AssertionError(f"{e}: {log_path.read_text(errors='replace')[-4000:]}") from None
     return proc
+
+
+def _exit_code(proc: subprocess.Popen, timeout_s: float) -> int:
+    """``proc``'s exit code once it exits; past ``timeout_s``, its threads' tracebacks (SIGABRT to faulthandler)
+    and the end of its log in the failure."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        raise AssertionError(
+            f"the server did not exit in {timeout_s:.0f} s: {proc.log_path.read_text(errors='replace')[-12000:]}"
+        ) from None
 
 
 def test_a_server_killed_mid_batch_finishes_it_after_a_restart_each_line_once(tmp_path):
@@ -494,7 +514,7 @@ def test_a_server_killed_mid_batch_finishes_it_after_a_restart_each_line_once(tm
         while client.batches.retrieve(batch.id).request_counts.completed < 40:
             time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        assert _exit_code(proc, 30) == 0
         with sqlite3.connect(tmp_path / "sloserve.db") as db:
             statuses = dict(db.execute("SELECT status, COUNT(*) FROM lines GROUP BY status").fetchall())
         assert "running" not in statuses and statuses.get("pending", 0) > 0, statuses
