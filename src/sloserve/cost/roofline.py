@@ -23,9 +23,10 @@ Each part of a step takes max(FLOPs / achievable FLOP/s, bytes / achievable band
 - windowed layers (``ModelSpec.window_layers``: a sliding window or a chunk of W = ``window_tokens`` positions)
   read at most W keys a query. A step's shape holds sums, not each request's context, so they are priced at the
   bound the sums give: a decode step's sum(min(m + 1, W)) at min(sum(m + 1), B W); a prefill's work at
-  min(sum(c^2 + 2mc), (2W - 1) sum(c)) and its keys read at min(sum(m), n_p (W - 1)) + sum(c). Each bound is exact
-  when every request is past its window (m >= W - 1) or every one within it, and above the truth in between
-  (a chunked layer's decode reads m mod W + 1 keys: W at most).
+  min(sum(c^2 + 2mc), (2W - 1) sum(c)) and its keys read at min(sum(m), n_p (W - 1)) + sum(c). For a sliding window
+  each bound is exact when every request is past its window (m >= W - 1) or every one within it, and above the
+  truth in between; for a chunked layer it is above the truth past the first chunk (a decode there reads
+  m mod W + 1 keys: W at most).
 - swap: swap_bytes / swap_bandwidth.
 
 Tensor parallelism over ``num_gpus`` divides FLOPs and bytes evenly (KV heads are split over
