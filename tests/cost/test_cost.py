@@ -560,6 +560,22 @@ def test_roofline_reads_at_most_a_window_of_keys_in_a_windowed_layer() -> None:
     assert decode_s(gemma_full, [32767] * 8) / decode_s(gemma, [32767] * 8) == pytest.approx(5.33, abs=0.01)
 
 
+@settings(max_examples=200, deadline=None)
+@given(contexts=st.lists(st.integers(0, 20_000), min_size=1, max_size=64))
+def test_a_windowed_decode_step_is_priced_between_the_keys_it_reads_and_full_attention(contexts) -> None:
+    """Mistral 7B v0.1 (every layer windowed at 4,096): a decode of m cached tokens reads min(m + 1, W) keys, what a
+    full-attention decode of min(m, W - 1) reads. The step's price lies between the two steps of full attention,
+    on those contexts and on the real ones, and is the first where every request is on one side of W."""
+    gpu = get_gpu("h200")
+    windowed = RooflineCostModel(MISTRAL_7B_V01, gpu).batch_time(BatchShape.of([], contexts)).decode_attention_s
+    full = RooflineCostModel(dataclasses.replace(MISTRAL_7B_V01, window_layers=0, window_tokens=0), gpu)
+    seen = [min(m, 4095) for m in contexts]
+    keys_read = full.batch_time(BatchShape.of([], seen)).decode_attention_s
+    assert keys_read * (1 - 1e-12) <= windowed <= full.batch_time(BatchShape.of([], contexts)).decode_attention_s
+    if all(m >= 4095 for m in contexts) or all(m < 4095 for m in contexts):
+        assert windowed == pytest.approx(keys_read, rel=1e-12)
+
+
 def test_roofline_tensor_parallel_and_swap() -> None:
     spec, gpu = get_model("llama-3-70b"), get_gpu("a100")
     tp4 = RooflineCostModel(spec, gpu, num_gpus=4)
