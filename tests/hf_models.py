@@ -33,7 +33,8 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "exaone_moe": 66, "granitemoeshared": 67, "granitemoe_swa": 68, "llama4": 69, "llama4_maverick": 70,
          "exaone": 71, "internlm3": 72, "iquestcoder": 73, "ministral": 74, "helium": 75, "dots1": 76, "phimoe": 77, "solar_open": 78, "sarvam_moe": 79, "youtu": 80, "hy_v3": 81, "afmoe": 82, "jamba": 83, "gpt_bigcode": 84,
          "gpt_bigcode_mha": 85, "falcon": 86, "falcon_40b": 87, "falcon_11b": 88, "falcon_rw": 89, "minicpm3": 90, "jais2": 91,
-         "cwm": 92, "vaultgemma": 93, "hyperclovax": 94}  # fmt: skip
+         "cwm": 92, "vaultgemma": 93, "hyperclovax": 94,
+         "cohere2_moe": 95, "cohere2_moe_sigmoid": 96}  # fmt: skip
 # The models of delta-rule layers (their decays made mild: states that last past a chunk)
 DELTA_RULE_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
@@ -215,6 +216,21 @@ def hf_model(arch: str):
             **{**common, "num_hidden_layers": 4}, intermediate_size=128, num_key_value_heads=2, initializer_range=0.2,
             pad_token_id=0, logit_scale=0.25, **({"sliding_window": 8} if arch == "cohere2" else {}),
         )  # fmt: skip
+    elif arch == "cohere2_moe":  # Command A+'s: a dense first layer (global, rotated), then 4 of experts (3 sliding)
+        config = transformers.Cohere2MoeConfig(
+            **{**common, "num_hidden_layers": 5}, intermediate_size=32, prefix_dense_intermediate_size=96,
+            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1,
+            sliding_window=8, initializer_range=0.2, pad_token_id=0, logit_scale=0.25,
+        )  # fmt: skip
+        cls = transformers.Cohere2MoeForCausalLM
+    elif arch == "cohere2_moe_sigmoid":  # sigmoid routing, RMSNorms, two shared experts summed, every layer experts
+        config = transformers.Cohere2MoeConfig(
+            **common, intermediate_size=32, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+            num_shared_experts=2, shared_expert_combination_strategy="sum", expert_selection_fn="sigmoid",
+            rms_norm_eps=1e-6, sliding_window=8, sliding_window_pattern=2, initializer_range=0.2, pad_token_id=0,
+            logit_scale=0.25,
+        )  # fmt: skip
+        cls = transformers.Cohere2MoeForCausalLM
     elif arch == "phi":  # Phi-2's: 0.4 of each head rotated, attention and MLP in parallel, an LM head with a bias
         config = transformers.PhiConfig(
             **common, intermediate_size=256, partial_rotary_factor=0.4, initializer_range=0.2, pad_token_id=0,

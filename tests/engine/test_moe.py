@@ -146,6 +146,13 @@ def test_bad_experts_and_cuda_graphs_are_refused(tmp_path):
         from_hf_config({**glm, "first_k_dense_replace": 1.5})
     with pytest.raises(ConfigError, match="routed_scaling_factor must be a positive number, got 'x'"):
         from_hf_config({**glm, "routed_scaling_factor": "x"})
+    command = {**moe_config(), "model_type": "cohere2_moe", "num_experts": 6}
+    with pytest.raises(ConfigError, match="expert_selection_fn must be softmax or sigmoid, got 'relu'"):
+        from_hf_config({**command, "expert_selection_fn": "relu"})
+    with pytest.raises(ConfigError, match="shared_expert_combination_strategy must be sum or average, got 'max'"):
+        from_hf_config({**command, "shared_expert_combination_strategy": "max"})
+    with pytest.raises(ConfigError, match="sliding_window_pattern must be a positive integer, got 0"):
+        from_hf_config({**command, "sliding_window_pattern": 0})
     hf_model("qwen3_moe").save_pretrained(tmp_path)
     assert not load_model(str(tmp_path)).cuda_graphs
     with pytest.raises(ConfigError, match="CUDA graphs"):

@@ -111,6 +111,8 @@ ARCHITECTURES: dict[str, str] = {
     "gpt_neox": "gpt_neox",  # (Pythia, GPT-NeoX-20B: LayerNorms, a GELU MLP, attention and MLP in parallel)
     "cohere": "cohere",  # (Command R: attention and MLP in parallel from one LayerNorm, rope by adjacent pairs)
     "cohere2": "cohere",  # (Command R7B, A: those layers, three of four sliding with rope, the fourth without)
+    # (Command A+: those layers, their MLPs experts after dense ones, beside a shared MLP; its norms RMSNorms or not)
+    "cohere2_moe": "cohere",
     "opt": "opt",
     "gpt2": "gpt2",  # (GPT-2: learned positions, LayerNorms, a GELU MLP, Conv1D weights stored (in, out))
     # (Falcon 7B, 40B, 180B, Falcon 2 11B: LayerNorms, attention and a GELU MLP in parallel, one or a few KV heads)
@@ -255,6 +257,7 @@ MOE_DEFAULTS = {
     "llama4_text": {"num_experts": 16, "num_experts_per_tok": 1, "moe_intermediate_size": None},  # (intermediate_size)
     "phimoe": {"num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (intermediate_size)
     "jamba": {"num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (intermediate_size)
+    "cohere2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (likewise)
 }
 # The mixtures of experts beside a shared expert gated by a sigmoid of the token (Qwen2-MoE's), and transformers'
 # default size of that expert
@@ -359,8 +362,8 @@ SETTING_NAMES = {
 # The OLMo models (their query and key norms over the whole projections)
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe", "olmo_hybrid")
 # The models whose attention output projection has a bias where the q/k/v projections have them
-OUTPUT_BIASED = ("gpt_oss", "exaone4", "exaone_moe", "internlm3", "phimoe", "jais2", "cohere", "cohere2", "phi",
-                 "nemotron", "arcee", "falcon_h1", *OLMO_TYPES)  # fmt: skip
+OUTPUT_BIASED = ("gpt_oss", "exaone4", "exaone_moe", "internlm3", "phimoe", "jais2", "cohere", "cohere2",
+                 "cohere2_moe", "phi", "nemotron", "arcee", "falcon_h1", *OLMO_TYPES)  # fmt: skip
 # The models whose queries and keys are RMS-normalized (each head: Qwen3's; OLMo's whole projections)
 QK_NORMED = ("qwen3", "qwen3_moe", "dots1", "hy_v3", "afmoe", "lfm2", "lfm2_moe", "lfm3", "exaone4", "exaone_moe",
              "hunyuan_v1_dense", "hunyuan_v1_moe", "apertus", "minimax_m2", *OLMO_TYPES)  # fmt: skip
@@ -484,6 +487,7 @@ CONFIG_DEFAULTS = {
     "seed_oss": {"head_dim": 128},
     "cohere": {"tie_word_embeddings": True, "logit_scale": 0.0625},
     "cohere2": {"tie_word_embeddings": True, "logit_scale": 0.0625},
+    "cohere2_moe": {"tie_word_embeddings": True, "logit_scale": 0.0625},
     "gpt2": {"tie_word_embeddings": True},
     "gpt_bigcode": {"tie_word_embeddings": True},
     "falcon": {"tie_word_embeddings": True},
@@ -540,6 +544,8 @@ MLP_ACTIVATIONS = {
 }
 # The models whose MLP is two matrices (up, an activation, down), not a gated three
 TWO_MATRIX_MLPS = ("opt", "gpt_neox", "gpt2", "phi", "starcoder2", "nemotron", "arcee", "apertus", "jais2")
+# Cohere's models (Command R, R7B and A, A+: a logit scale; rope by adjacent pairs)
+COHERE_TYPES = ("cohere", "cohere2", "cohere2_moe")
 # The models of Llama's outline whose norms are LayerNorms with biases
 LAYER_NORMS = ("phi", "starcoder2", "stablelm", "nemotron", "phimoe", "jais2")
 # The models of Llama's outline whose norms have no weights (OLMo 1's)
@@ -1218,7 +1224,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     if raw.get("use_sliding_window"):
         raise ConfigError(f"{name}: sliding-window attention (use_sliding_window) is not supported for {model_type}")
     glm = model_type in ("glm", "glm4")
-    cohere = model_type in ("cohere", "cohere2")
+    cohere = model_type in COHERE_TYPES
     rotated = rope.get(
         "partial_rotary_factor", raw.get("partial_rotary_factor", PARTIAL_ROTARY_DEFAULTS.get(model_type, 1.0))
     )
@@ -1287,6 +1293,10 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         window = raw.get("sliding_window") if SLIDING in layer_types else None
         if model_type == "lfm3":  # (each operator's and MLP's output normalized; each head's output gated)
             extra = {key: bool(raw.get(key, True)) for key in ("use_sandwich_norm", "use_attention_gate")}
+    if model_type == "cohere2_moe":  # (its layers' kinds and rotations; RMSNorms where it gives their epsilon)
+        layer_types, window, rotary_layers = _cohere2_moe_layers(raw, common["num_hidden_layers"], name)
+        intermediate = raw.get("prefix_dense_intermediate_size") or intermediate  # (its dense MLPs')
+        extra = {"rms_norm": raw.get("rms_norm_eps") is not None}
     if model_type == "hyperclovax":  # (each part's output normalized before it joins the stream)
         extra = {"use_post_norm": bool(raw.get("use_post_norm", True))}
     if model_type == "granitemoehybrid":
@@ -1350,8 +1360,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         rope_scaling=scaling,
         rope_local_theta=local_theta,
         partial_rotary_dim=rotary_dim if rotary_dim != head_dim else None,
-        rotary_interleaved=glm
-        or model_type in ("ernie4_5", "ernie4_5_moe", "cohere", "cohere2", "llama4_text", "helium"),
+        rotary_interleaved=glm or model_type in ("ernie4_5", "ernie4_5_moe", *COHERE_TYPES, "llama4_text", "helium"),
         llama4_scaling_beta=_llama4_scaling_beta(model_type, scaling, rope, name),
         **_biases(raw, model_type),
         lm_head_bias=model_type == "phi" or (model_type == "phimoe" and bool(raw.get("lm_head_bias", False))),
@@ -1589,7 +1598,9 @@ def _gpt2_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> Mode
 
 def _norm_eps(raw: dict[str, Any], model_type: str) -> float:
     """The norms' epsilon under each config's name, transformers' default where it has none."""
-    if model_type in ("cohere", "cohere2", "phi", "stablelm", "jais2"):
+    if model_type == "cohere2_moe" and raw.get("rms_norm_eps") is not None:  # (its RMSNorms; else LayerNorms)
+        return raw["rms_norm_eps"]
+    if model_type in (*COHERE_TYPES, "phi", "stablelm", "jais2"):
         return raw.get("layer_norm_eps", 1e-5)
     if model_type == "nemotron":
         return raw.get("norm_eps", 1e-5)
@@ -1761,6 +1772,26 @@ def _sliding_layers(
     kinds = raw.get("layer_types") or [SLIDING if slides(i) else "full_attention" for i in range(layers)]
     kinds = _checked_layer_types(kinds, layers, (SLIDING, "full_attention"), raw["model_type"], name)
     return kinds, window if SLIDING in kinds else None
+
+
+def _cohere2_moe_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tuple[str, ...], Any, list[bool]]:
+    """Command A+'s (each layer's type, the window, whether each rotates), as transformers reads them: ``layer_types``,
+    else the first ``first_k_dense_replace`` layers (those of dense MLPs) every ``prefix_dense_sliding_window_pattern``
+    -th global and the others every ``sliding_window_pattern``-th; the sliding layers rotate where there is a window,
+    and the dense ones where their pattern is 1 (each of them global)."""
+    first_dense = _layer_index(raw, "first_k_dense_replace", 0, name)
+    prefix, rest = raw.get("prefix_dense_sliding_window_pattern", 1), raw.get("sliding_window_pattern", 4)
+    _check_positive_ints({"prefix_dense_sliding_window_pattern": prefix, "sliding_window_pattern": rest},
+                         ("prefix_dense_sliding_window_pattern", "sliding_window_pattern"), name)  # fmt: skip
+    kinds = raw.get("layer_types") or [
+        SLIDING if (i + 1) % (prefix if i < first_dense else rest) else "full_attention"
+        for i in (*range(first_dense), *range(layers - first_dense))
+    ]
+    kinds = _checked_layer_types(kinds, layers, (SLIDING, "full_attention"), "cohere2_moe", name)
+    dense = _dense_layers(raw["mlp_layer_types"], layers, name) if raw.get("mlp_layer_types") else range(first_dense)
+    window = raw.get("sliding_window", 4096) if SLIDING in kinds else None
+    rotary = [(kind == SLIDING and bool(window)) or (i in dense and prefix == 1) for i, kind in enumerate(kinds)]
+    return kinds, window, rotary
 
 
 def _llama4_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tuple[str, ...], list[bool], int | None]:
@@ -2091,6 +2122,7 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         "llama4_text",
         "phimoe",
         "jamba",
+        "cohere2_moe",
     )
     # NOTE: transformers 5 saves Qwen3-MoE's count as num_local_experts (Mixtral's name), the Hub as num_experts
     experts = raw.get("num_experts", raw.get("num_local_experts", MOE_DEFAULTS[kind]["num_experts"]))
@@ -2112,11 +2144,11 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         end = _layer_index(raw, "moe_layer_end_index", -1, name)
         step, end = raw.get("moe_layer_interval", 1), layers - 1 if end == -1 else end
         dense = {i for i in range(layers) if not start <= i <= end}
-    elif kind in ("glm4_moe_lite", "kimi_linear", "exaone_moe", "hy_v3") and raw.get(
+    elif kind in ("glm4_moe_lite", "kimi_linear", "exaone_moe", "hy_v3", "cohere2_moe") and raw.get(
         "mlp_layer_types"
     ):  # ("dense", "sparse")
         dense = _dense_layers(raw["mlp_layer_types"], layers, name)
-    elif kind in DEEPSEEK_ROUTED:  # (its first first_k_dense_replace layers' MLPs dense)
+    elif kind in (*DEEPSEEK_ROUTED, "cohere2_moe"):  # (its first first_k_dense_replace layers' MLPs dense)
         dense = set(range(_layer_index(raw, "first_k_dense_replace", 0, name)))
     elif kind == "jamba":  # (its experts where i % expert_layer_period is expert_layer_offset; one expert: none)
         period, offset = raw.get("expert_layer_period", 2), raw.get("expert_layer_offset", 1)
@@ -2152,6 +2184,9 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
             raise ConfigError(f"{name}: phimoe routes each token to 2 experts (SparseMixer), got num_experts_per_tok "
                               f"{moe['num_experts_per_tok']!r}")  # fmt: skip
         moe["router_jitter_noise"] = float(raw.get("router_jitter_noise", 0.01))
+    if kind == "cohere2_moe":  # (the softmax of the top k logits or their sigmoids; its shared MLPs as one)
+        moe.update(_cohere2_moe_routing(raw, name), shared_expert_intermediate_size=raw.get("intermediate_size")
+                   * _layer_index(raw, "num_shared_experts", 0, name))  # fmt: skip
     if kind == "llama4_text":  # (its shared expert, ungated, as wide as each routed one)
         moe["shared_expert_intermediate_size"] = raw.get("intermediate_size")
     if kind in UNGATED_SHARED_EXPERTS:  # (its shared MLP, ungated, beside the experts; Granite 4.0's 1,024 wide)
@@ -2184,6 +2219,20 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         )
     _check_moe_sizes(moe, name)
     return moe
+
+
+def _cohere2_moe_routing(raw: dict[str, Any], name: str) -> dict[str, Any]:
+    """Command A+'s routing settings (``moe.Cohere2MoE``): ``expert_selection_fn`` (softmax of the top k logits, or
+    their sigmoids, renormalized where ``norm_topk_prob``) and ``shared_expert_combination_strategy`` (the shared
+    MLP's output added to the routed one's, or their mean)."""
+    selection = raw.get("expert_selection_fn", "softmax")
+    combination = raw.get("shared_expert_combination_strategy", "average")
+    if selection not in ("softmax", "sigmoid"):
+        raise ConfigError(f"{name}: expert_selection_fn must be softmax or sigmoid, got {selection!r}")
+    if combination not in ("sum", "average"):
+        raise ConfigError(f"{name}: shared_expert_combination_strategy must be sum or average, got {combination!r}")
+    norm = selection == "softmax" or bool(raw.get("norm_topk_prob", True))
+    return {"expert_selection": selection, "norm_topk_prob": norm, "shared_expert_combination": combination}
 
 
 def _llama4_dense_layers(raw: dict[str, Any], layers: int, name: str) -> set[int]:
