@@ -146,41 +146,50 @@ def test_a_file_that_is_not_gguf_is_named_so(tmp_path):
     assert "not a readable GGUF file (not a GGUF file;" in result.output
 
 
+def _two_turns(llm) -> tuple[list, list]:
+    """A shared system prompt, then a second turn resending each conversation (prompt, answer, a new
+    question): each turn's outputs."""
+    template = ChatTemplate.for_gguf(GGUF_PATH)
+    system = {"role": "system", "content": "You are a terse assistant who answers in one short sentence. " * 4}
+    greedy = SamplingParams(max_tokens=24, temperature=0)
+    chats = [[system, {"role": "user", "content": q}] for q in QUESTIONS]
+    first = llm.generate([template.render(chat) for chat in chats], greedy)
+    for chat, out in zip(chats, first, strict=True):
+        chat += [{"role": "assistant", "content": out.outputs[0].text}, {"role": "user", "content": "Why?"}]
+    return first, llm.generate([template.render(chat) for chat in chats], greedy)
+
+
+@pytest.fixture(scope="module")
+def uncached_turns():
+    """The two turns without prefix caching, in a KV cache that preempts nothing: the tokens every
+    schedule must give (tried: each scheduler's uncached run in the small cache gives them too)."""
+    return _two_turns(LLM(str(GGUF_PATH), "vllm", kv_capacity_tokens=4096, enable_prefix_caching=False))
+
+
 @pytest.mark.parametrize(
     "scheduler,preemption_mode",
     [("vllm", "recompute"), ("vllm", "swap"), ("bros", None), ("econoserve", None)],
 )
-def test_prefix_caching_gives_the_same_greedy_tokens(scheduler, preemption_mode):
-    """A shared system prompt, then a second turn resending each conversation (prompt, answer, a new
-    question), in a KV cache small enough to preempt: the same greedy tokens with caching on and off,
-    and with it on the second turns find their history and the first turns the system prompt. BROS
-    (bidirectional blocks) and EconoServe (pipelined regions) share blocks outside their layouts."""
-    template = ChatTemplate.for_gguf(GGUF_PATH)
-    system = {"role": "system", "content": "You are a terse assistant who answers in one short sentence. " * 4}
-    greedy = SamplingParams(max_tokens=24, temperature=0)
-    results = {}
-    for caching in (False, True):
-        options = {"preemption_mode": preemption_mode} if preemption_mode else {}
-        llm = LLM(
-            str(GGUF_PATH),
-            scheduler,
-            kv_capacity_tokens=160,  # 10 blocks: two ~75-token prompts fill them, and decoding preempts
-            swap_space_tokens=2048,
-            enable_prefix_caching=caching,
-            **options,
-        )
-        chats = [[system, {"role": "user", "content": q}] for q in QUESTIONS]
-        first = llm.generate([template.render(chat) for chat in chats], greedy)
-        for chat, out in zip(chats, first, strict=True):
-            chat += [{"role": "assistant", "content": out.outputs[0].text}, {"role": "user", "content": "Why?"}]
-        second = llm.generate([template.render(chat) for chat in chats], greedy)
-        results[caching] = (first, second)
-        if scheduler == "vllm":
-            assert llm.engine.scheduler.num_preemptions > 0  # the cache was short: preemptions happened
-    for off, on in zip(results[False], results[True], strict=True):
+def test_prefix_caching_gives_the_same_greedy_tokens(uncached_turns, scheduler, preemption_mode):
+    """Two turns of three conversations in a KV cache small enough to preempt: with prefix caching on,
+    the greedy tokens of the run without it, and the second turns find their history and the first turns
+    the system prompt. BROS (bidirectional blocks) and EconoServe (pipelined regions) share blocks outside
+    their layouts."""
+    options = {"preemption_mode": preemption_mode} if preemption_mode else {}
+    llm = LLM(
+        str(GGUF_PATH),
+        scheduler,
+        kv_capacity_tokens=160,  # 10 blocks: two ~75-token prompts fill them, and decoding preempts
+        swap_space_tokens=2048,
+        enable_prefix_caching=True,
+        **options,
+    )
+    first, second = _two_turns(llm)
+    if scheduler == "vllm":
+        assert llm.engine.scheduler.num_preemptions > 0  # the cache was short: preemptions happened
+    for off, on in zip(uncached_turns, (first, second), strict=True):
         assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
-    first, second = results[True]
-    assert all(o.num_cached_tokens == 0 for o in results[False][0] + results[False][1])
+    assert all(o.num_cached_tokens == 0 for o in uncached_turns[0] + uncached_turns[1])
     assert sum(o.num_cached_tokens for o in first[1:]) > 0  # the system prompt, computed once
     for before, after in zip(first, second, strict=True):
         assert after.num_cached_tokens >= len(before.prompt_token_ids) // 16 * 16 - 16
