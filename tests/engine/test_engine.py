@@ -1016,12 +1016,17 @@ def test_the_host_share_fit_is_not_bent_by_descheduled_steps():
         ),
     ],
 )
-def test_engine_commands_bad_input_exit_2(args, message):
+def test_engine_commands_bad_input_exit_2(args, message, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from sloserve.cli import main
+
     if "cuda" in args and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    proc = _cli(*args)
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    monkeypatch.chdir(tmp_path)  # `--out x.json`, were it written
+    result = CliRunner().invoke(main, args)  # in process: 11 cases, each a subprocess would import torch anew
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and result.stderr.count("\n") == 1, result.stderr
 
 
 def test_the_engine_finds_the_cached_prefixes_the_simulator_finds(tmp_path):
@@ -1029,6 +1034,10 @@ def test_the_engine_finds_the_cached_prefixes_the_simulator_finds(tmp_path):
     same hash ids), the simulator by the ids; request for request, they find the same cached tokens,
     and switching caching off finds none."""
     import csv
+
+    from click.testing import CliRunner
+
+    from sloserve.cli import main
 
     common = ("--trace", "mooncake-conv", "--trace-arrivals", "--num-requests", "30", "--max-model-len", "1024")
     model = ("--model", "random:tiny-llama")
@@ -1038,8 +1047,8 @@ def test_the_engine_finds_the_cached_prefixes_the_simulator_finds(tmp_path):
         "sim": ("simulate", *model, *common),
         "off": ("run", *model, *common, "--virtual-clock", "--no-enable-prefix-caching"),
     }.items():
-        proc = _cli(*args, "--out", str(tmp_path / name))
-        assert proc.returncode == 0, proc.stderr
+        result = CliRunner().invoke(main, [*args, "--out", str(tmp_path / name)])  # in process: torch imported once
+        assert result.exit_code == 0, result.output
         with open(tmp_path / name / "requests.csv") as f:
             cached[name] = [int(row["cached_tokens"]) for row in csv.DictReader(f)]
     assert cached["engine"] == cached["sim"] and sum(cached["sim"]) > 0

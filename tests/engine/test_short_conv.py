@@ -180,8 +180,10 @@ def test_the_engine_finds_the_cached_prefixes_the_simulator_finds_with_state_lay
     full block before its last token, where that turn's states were saved."""
     import csv
     import json
-    import subprocess
-    import sys
+
+    from click.testing import CliRunner
+
+    from sloserve.cli import main
 
     config = transformers.Lfm2Config(**{**hf_cached("lfm2").config.to_dict(), "max_position_embeddings": 512})
     torch.manual_seed(0)
@@ -206,11 +208,8 @@ def test_the_engine_finds_the_cached_prefixes_the_simulator_finds_with_state_lay
         "engine": ("run", "--model", str(tmp_path / "lfm2"), *common, "--virtual-clock"),
         "sim": ("simulate", "--model", str(tmp_path / "lfm2"), *common),
     }.items():
-        proc = subprocess.run(
-            [sys.executable, "-m", "sloserve.cli", *args, "--out", str(tmp_path / name)],
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr
+        result = CliRunner().invoke(main, [*args, "--out", str(tmp_path / name)])  # in process: torch imported once
+        assert result.exit_code == 0, result.output
         with open(tmp_path / name / "requests.csv") as f:
             cached[name] = {int(row["request_id"]): int(row["cached_tokens"]) for row in csv.DictReader(f)}
     order = sorted(range(len(rows)), key=lambda k: rows[k]["timestamp"])  # (the trace's rows by arrival)
