@@ -64,6 +64,7 @@ def check_against_reference(
     sinks: torch.Tensor | None = None,
     value_dim: int | None = None,
     chunk: int | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> float:
     """Run the Triton backend on ``step`` cast to ``dtype``; assert its cache writes are the
     reference's and return its relative error against the float64 reference. ``value_dim``: keys only
@@ -73,7 +74,7 @@ def check_against_reference(
         v = v_cache = None
     ref_k_cache, ref_v_cache = k_cache.clone(), _clone(v_cache)
     options = dict(scale=scale, window=window, softcap=softcap, value_dim=value_dim, chunk=chunk)
-    ref = TorchAttention().forward(q, k, v, ref_k_cache, ref_v_cache, meta, **options, sinks=sinks)
+    ref = TorchAttention().forward(q, k, v, ref_k_cache, ref_v_cache, meta, **options, sinks=sinks, alibi=alibi)
     k_dev, v_dev = k_cache.to(DEVICE, dtype), _to_device(v_cache, dtype)
     # Poison the output: a row no kernel writes stays NaN and fails the comparison.
     real_empty_like = torch.empty_like
@@ -90,6 +91,7 @@ def check_against_reference(
         _to(meta, DEVICE),
         **options,
         sinks=None if sinks is None else sinks.to(DEVICE, dtype),
+        alibi=None if alibi is None else alibi.to(DEVICE, torch.float32),
     )
     monkeypatch.undo()
     assert torch.equal(k_dev.cpu(), ref_k_cache.to(dtype))
@@ -175,6 +177,47 @@ def test_attention_sinks(monkeypatch, window, splits):
     combined = torch.cat((scores, sinks[:, None, None].expand(4, 37, 1)), -1)  # (nh, 37, 38)
     expected = (torch.softmax(combined, -1)[..., :-1] @ values).transpose(0, 1)
     assert torch.allclose(sunk[:37].double(), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize(("heads", "splits"), [((4, 2), 1), ((4, 2), 4), ((6, 6), 3)])
+def test_alibi_slopes(monkeypatch, heads, splits):
+    """ALiBi (BLOOM, MPT: score + m_h (j - p) for key j at query position p) on every kernel: prefills with context,
+    decodes split or not, heads in groups (each its own slope) or not; a fresh prompt past the dense threshold keeps
+    the prefill kernel (SDPA takes no bias in float32 here). The reference is checked against the formula written
+    out in float64 for the fresh prompt and for the decode of context 131."""
+    gen = torch.Generator().manual_seed(29 + splits + heads[0])
+    nh, nkv = heads
+    step = make_step(gen, nh, nkv, 32, [(0, 37), (50, 70), (5, 2)], [0, 3, 130, 64], num_slots=600)
+    slopes = 2.0 ** -torch.arange(1, nh + 1, dtype=torch.float64) * 4  # (nh,) 2 .. 2^(2 - nh): the bias bites
+    error = check_against_reference(
+        monkeypatch, step, torch.float32, block=16, scale=0.3, splits=splits, dense_from=16, alibi=slopes
+    )
+    assert error < TOLERANCE[torch.float32]
+    q, k, v, k_cache, v_cache, meta = step
+    biased = TorchAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, scale=0.3, alibi=slopes)
+    plain = TorchAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, scale=0.3)
+    assert (biased - plain).abs().max() > 0.1
+    group = nh // nkv
+
+    def by_formula(query, keys, values, positions):  # (nh, c, hd), (nkv, n, hd) x 2, (c,) -> (c, nh, hd)
+        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        distance = torch.arange(keys.shape[1], dtype=torch.float64) - positions[:, None]  # (c, n)
+        scores = query @ keys.transpose(1, 2) * 0.3 + slopes[:, None, None] * distance
+        scores = scores.masked_fill(distance > 0, -math.inf)
+        return (torch.softmax(scores, -1) @ values).transpose(0, 1)
+
+    query, keys, values = (x[:37].double().transpose(0, 1) for x in (q, k, v))  # the fresh prompt: tokens 0..36
+    expected = by_formula(query, keys, values, torch.arange(37, dtype=torch.float64))
+    assert torch.allclose(biased[:37].double(), expected, atol=1e-5)
+    row = 2  # the decode of 130 cached tokens: its context's slots in the table, its own K/V written there
+    token, context = int(meta.decode_token_index[row]), meta.decode_slots[row, :131]
+    cache_k, cache_v = k_cache.clone(), v_cache.clone()
+    cache_k[meta.slot_mapping], cache_v[meta.slot_mapping] = k, v
+    keys, values = cache_k[context].transpose(0, 1), cache_v[context].transpose(0, 1)  # (nkv, 131, hd)
+    expected = by_formula(
+        q[token : token + 1].transpose(0, 1), keys, values, torch.tensor([130.0], dtype=torch.float64)
+    )
+    assert torch.allclose(biased[token : token + 1].double(), expected, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

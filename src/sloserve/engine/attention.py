@@ -19,7 +19,10 @@ of the probability) and see only the last ``window`` positions (a sliding-window
 position p reads keys p - window + 1 .. p, as transformers' sliding-window mask) or only those of its
 ``chunk`` (Llama 4's chunked local attention: the positions cut in chunks of ``chunk``, the query at p reads
 keys p - p % chunk .. p, as transformers' chunked mask). NOTE: the reference gathers only those keys: the
-KV outside a layer's window or chunk is never read.
+KV outside a layer's window or chunk is never read. A layer may also bias its scores by distance (``alibi``: Press
+et al.'s ALiBi, BLOOM's, MPT's, Falcon-RW's): a slope m_h per head, and the query at position p adds m_h (j - p) to
+its score of key j, as vLLM's kernels do. NOTE: transformers adds m_h j (BLOOM, Falcon) or m_h (j - n + 1) (MPT), the
+same softmax but for rounding: the distance keeps the biases of the nearest keys, which weigh most, exact.
 
 ``TritonAttention`` (``triton_attention``) runs the same function as Triton kernels on CUDA (and long
 prompts with nothing cached as one dense causal call each, where its setting says so).
@@ -222,6 +225,7 @@ class AttentionBackend(ABC):
         sinks: torch.Tensor | None = None,  # (num_heads,)
         value_dim: int | None = None,
         chunk: int | None = None,
+        alibi: torch.Tensor | None = None,  # (num_heads,) float32
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim | value_dim)
         """``scale``: of the scores (None: 1/sqrt(head_dim)); ``window``: the positions a query sees,
         its own included (None: every earlier one); ``chunk``: the length of the chunks the positions are cut
@@ -230,7 +234,8 @@ class AttentionBackend(ABC):
         ``sinks``: a logit per head that joins the softmax of each of its queries' scores, with no value (None:
         none); ``value_dim``: keys-only attention (MLA's latent): ``v`` and ``v_cache`` are None and a key's
         first ``value_dim`` numbers are its value, so the outputs have ``value_dim`` numbers a head (None: ``v``'s
-        values)."""
+        values); ``alibi``: each head's ALiBi slope m_h, the query at position p adding m_h (j - p) to its score
+        of key j (None: no bias; never with a window or chunks)."""
 
 
 def write_kv(
@@ -256,11 +261,14 @@ def gather_kv(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 WRITTEN_SCORES_PER_CALL = 1 << 24  # (64 MB of float32 scores)
 
 
-def attend(query, keys, values, mask, scale: float | None, softcap: float | None, sinks=None) -> torch.Tensor:
+def attend(
+    query, keys, values, mask, scale: float | None, softcap: float | None, sinks=None, bias=None
+) -> torch.Tensor:
     """SDPA of ``query`` (..., q, hd) over ``keys``/``values`` (..., k, hd) where ``mask`` (broadcast to
-    (..., q, k); None: causal, top-left) is true; with ``softcap`` or ``sinks`` (broadcast to (..., q, 1): the
-    logit of a key with no value, in each row's softmax), written out: SDPA can do neither."""
-    if softcap is None and sinks is None:
+    (..., q, k); None: causal, top-left) is true; with ``softcap``, ``sinks`` (broadcast to (..., q, 1): the
+    logit of a key with no value, in each row's softmax) or ``bias`` (float32, broadcast to (..., q, k): added to
+    the scaled, capped scores), written out: SDPA can do neither in float32."""
+    if softcap is None and sinks is None and bias is None:
         if mask is None:
             return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
@@ -278,6 +286,8 @@ def attend(query, keys, values, mask, scale: float | None, softcap: float | None
             scores = torch.tanh(scores / softcap) * softcap
         visible = mask if mask.shape[-2] == 1 else mask[..., start : start + rows, :]  # (a decode's: one row)
         scores = scores.masked_fill(~visible, float("-inf")).float()
+        if bias is not None:
+            scores += bias if bias.shape[-2] == 1 else bias[..., start : start + rows, :]
         if sinks is None:
             probs = torch.softmax(scores, dim=-1)
         else:  # the sink's column joins the softmax, then is dropped
@@ -317,6 +327,13 @@ def causal_mask(
     return mask
 
 
+def alibi_bias(slopes: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """ALiBi's biases, m_h (j - p): ``slopes`` (nh,) float32, ``query_positions`` (..., q), ``key_positions`` (..., k)
+    -> (..., nh, q, k) float32."""
+    distance = key_positions.unsqueeze(-2) - query_positions.unsqueeze(-1)  # (..., q, k)
+    return slopes.view(-1, 1, 1) * distance.unsqueeze(-3).float()
+
+
 def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
     """(..., num_kv_heads, head_dim) -> (..., num_heads, head_dim) for grouped-query attention."""
     return x if group == 1 else x.repeat_interleave(group, dim=-2)
@@ -341,9 +358,11 @@ class TorchAttention(AttentionBackend):
         sinks=None,
         value_dim=None,
         chunk=None,
+        alibi=None,
     ):
         write_kv(k, v, k_cache, v_cache, meta)
         local = window is not None or chunk is not None
+        assert alibi is None or not local, "ALiBi with a window or chunks"
         out = q.new_empty((*q.shape[:2], value_dim or v_cache.shape[-1]))
         group = q.shape[1] // k.shape[1]
         nkv = k.shape[1]
@@ -364,11 +383,17 @@ class TorchAttention(AttentionBackend):
             else:  # (the keys' first numbers: gathered once)
                 values = keys[..., :value_dim]
             query = q[s : s + c].transpose(0, 1)[None]  # (1, nh, c, hd)
-            if n == c and not local:  # nothing cached: both alignments agree, and SDPA skips masked tiles
+            bias = None
+            if alibi is not None:
+                positions = torch.arange(n, device=q.device)
+                bias = alibi_bias(alibi, positions[n - c :], positions)  # (nh, c, n)
+            if (
+                n == c and not local and bias is None
+            ):  # nothing cached: both alignments agree, and SDPA skips masked tiles
                 attended = attend(query, keys, values, None, scale, softcap, head_sinks)
             else:
                 mask = causal_mask(c, n, q.device, first, window, chunk)
-                attended = attend(query, keys, values, mask, scale, softcap, head_sinks)
+                attended = attend(query, keys, values, mask, scale, softcap, head_sinks, bias)
             out[s : s + c] = attended[0].transpose(0, 1)
         for batch in meta.local_decode_groups(window, chunk) if local else meta.decode_groups:
             keys = gather_kv(k_cache, batch.slots).permute(0, 2, 1, 3)  # (b, nkv, L, hd)
@@ -379,6 +404,11 @@ class TorchAttention(AttentionBackend):
             # GQA without copying K/V per query head: a group's `group` query heads are the "query
             # tokens" of one SDPA row against their KV head (head h reads KV head h // group).
             query = q[batch.token_index].view(-1, nkv, group, q.shape[2])  # (b, nkv, group, hd)
-            attended = attend(query, keys, values, batch.mask, scale, softcap, group_sinks)  # padding masked
+            bias = None
+            if alibi is not None:  # (b, nh, 1, L) -> (b, nkv, group, L): a decode sits at its context's last position
+                last = batch.mask.sum(-1).view(-1, 1) - 1  # (b, 1)
+                key_positions = torch.arange(batch.slots.shape[1], device=q.device).expand(len(last), -1)
+                bias = alibi_bias(alibi, last, key_positions).view(len(last), nkv, group, -1)
+            attended = attend(query, keys, values, batch.mask, scale, softcap, group_sinks, bias)  # padding masked
             out[batch.token_index] = attended.flatten(1, 2)
         return out

@@ -24,7 +24,8 @@ inside the window: the decode kernel from ``context_len - window``, the prefill 
 tile's first row's window, with every tile masked; a chunked layer (``chunk``: Llama 4's local layers, a
 query at p sees p - p % chunk .. p) from its chunk's start, the same way. gpt-oss's sinks (``SINKS``: a logit
 per head in each query's softmax, with no value) start the running sums as a key would (m = the sink, l = 1): in
-the prefill kernel, and in the first split of a decode.
+the prefill kernel, and in the first split of a decode. ALiBi's slopes (``ALIBI``: BLOOM's, MPT's) add m_h (j - p)
+to the score of key j at query position p, after the scale, as the reference does.
 
 A keys-only cache (``value_dim``: DeepSeek's multi-head latent attention, whose values are its keys'
 first 512 numbers, the latent c_KV, with the rotated key k_R's 64 after them) is read once a tile, as keys
@@ -165,11 +166,15 @@ def _attend_tile(
     stride_v_head,
     qk_scale,
     softcap_log2,  # with SOFTCAP: softcap * log2(e), and qk_scale is the softmax scale / softcap
+    alibi_log2,  # (M,) with ALIBI: each row's ALiBi slope, log2 units
+    query_positions,  # (M,) with ALIBI: each row's position
+    key_positions,  # (BLOCK_N,) with ALIBI: the tile's keys' positions
     INPUT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is in the context and visible to every row
     SOFTCAP: tl.constexpr,  # scores capped: softcap * tanh(score / softcap) (Gemma 2)
     VALUES_IN_KEYS: tl.constexpr,  # the values are the keys' first D numbers (MLA): v_cache is not read
     TAIL: tl.constexpr,  # the keys have numbers past the values' (d_tail)
+    ALIBI: tl.constexpr,  # scores biased by distance: m (key position - query position) (BLOOM, MPT)
 ):
     """One tile of context for both kernels: scores against its keys, then the online-softmax update
     (rescale what was summed so far by exp2(old max - new max)). Returns (acc, m_i, l_i).
@@ -188,6 +193,8 @@ def _attend_tile(
     s = s * qk_scale
     if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1 (log2 units after)
         s = (2.0 * tl.sigmoid(2.0 * s) - 1.0) * softcap_log2
+    if ALIBI:
+        s += alibi_log2[:, None] * (key_positions[None, :] - query_positions[:, None]).to(tl.float32)
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -224,6 +231,7 @@ def _decode_kernel(
     split_sum_ptr,  # (B, nh, NUM_SPLITS) float32: its sum l of exp2(score - m)
     token_index_ptr,  # (B,) flat token of each decode
     sinks_ptr,  # (nh,) float32 each head's sink logit, log2 units (SINKS only)
+    alibi_ptr,  # (nh,) float32 each head's ALiBi slope, log2 units (ALIBI only)
     slot_table_ptr,  # (B, max_context) slot of each context token, padded
     context_lens_ptr,  # (B,)
     stride_q_token,
@@ -251,6 +259,7 @@ def _decode_kernel(
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,  # a logit per head joins the softmax (gpt-oss)
     VALUES_IN_KEYS: tl.constexpr,
+    ALIBI: tl.constexpr,  # scores biased by distance (BLOOM, MPT)
 ):
     seq = tl.program_id(0)
     head_blocks = tl.cdiv(GROUP, BLOCK_H)
@@ -272,6 +281,10 @@ def _decode_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, VALUE_DIM_PAD], tl.float32)
+    alibi_log2 = tl.zeros([BLOCK_H], tl.float32)  # (each head's slope)
+    if ALIBI:
+        alibi_log2 += tl.load(alibi_ptr + heads, mask=g_ok, other=0.0)
+    query_positions = tl.zeros([BLOCK_H], tl.int32) + context_len - 1  # (the decode's, each head)
     # A sliding window: the keys before context_len - window are not read; a chunk: those before the
     # chunk of the decode's position, context_len - 1
     lo = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)
@@ -309,11 +322,15 @@ def _decode_kernel(
             stride_v_head,
             qk_scale,
             softcap_log2,
+            alibi_log2,
+            query_positions,
+            n,
             INPUT_PRECISION,
             True,
             SOFTCAP,
             VALUES_IN_KEYS,
             TAIL_PAD > 0,
+            ALIBI,
         )
     store_ok = g_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
@@ -374,6 +391,7 @@ def _prefill_kernel(
     slot_starts_ptr,  # (P,) where its context slots begin in slots_ptr
     slots_ptr,  # (sum n,) context slots of every prefill, one after another
     sinks_ptr,  # (nh,) float32 each head's sink logit, log2 units (SINKS only)
+    alibi_ptr,  # (nh,) float32 each head's ALiBi slope, log2 units (ALIBI only)
     stride_q_token,
     stride_q_head,
     stride_k_slot,
@@ -397,6 +415,7 @@ def _prefill_kernel(
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,  # a logit per head joins the softmax (gpt-oss)
     VALUES_IN_KEYS: tl.constexpr,
+    ALIBI: tl.constexpr,  # scores biased by distance (BLOOM, MPT)
 ):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -441,6 +460,9 @@ def _prefill_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, VALUE_DIM_PAD], tl.float32)
+    alibi_log2 = tl.zeros([BLOCK_M], tl.float32)  # (the head's slope, each row)
+    if ALIBI:
+        alibi_log2 += tl.load(alibi_ptr + head)
     for start in range(first, full, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         slots = tl.load(slots_ptr + slot_start + n)  # (BLOCK_N,) all inside the context
@@ -466,11 +488,15 @@ def _prefill_kernel(
             stride_v_head,
             qk_scale,
             softcap_log2,
+            alibi_log2,
+            positions,
+            n,
             INPUT_PRECISION,
             False,
             SOFTCAP,
             VALUES_IN_KEYS,
             TAIL_PAD > 0,
+            ALIBI,
         )
     for start in range(full, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
@@ -501,11 +527,15 @@ def _prefill_kernel(
             stride_v_head,
             qk_scale,
             softcap_log2,
+            alibi_log2,
+            positions,
+            n,
             INPUT_PRECISION,
             True,
             SOFTCAP,
             VALUES_IN_KEYS,
             TAIL_PAD > 0,
+            ALIBI,
         )
     out = acc / tl.where(rows_ok, l_i, 1.0)[:, None]
     o_offsets = (query_start + rows)[:, None] * stride_o_token + head * stride_o_head + d[None, :]
@@ -628,6 +658,7 @@ class TritonAttention(AttentionBackend):
         sinks=None,
         value_dim=None,
         chunk=None,
+        alibi=None,
     ):
         write_kv(k, v, k_cache, v_cache, meta)
         q = _last_dim_contiguous(q)
@@ -653,8 +684,9 @@ class TritonAttention(AttentionBackend):
         packed = None
         # (SDPA has no cap, sinks, window or chunks; MLA's prefills keep the kernel, where its keys are read once)
         dense = self.dense_prefill_min_tokens is not None and window is None and softcap is None and sinks is None
-        dense = dense and chunk is None and not values_in_keys
+        dense = dense and chunk is None and not values_in_keys and alibi is None
         sinks_log2 = out if sinks is None else sinks.float() * LOG2E  # (nh,) (unread without sinks)
+        alibi_log2 = out if alibi is None else alibi.float() * LOG2E  # (nh,) (unread without ALiBi)
         if meta.prefills and dense:
             fresh, packed = meta.fresh_prefills(self.dense_prefill_min_tokens)
             prefer = sdpa_preference(self.dense_prefill_sdpa, compute_capability(q.device))
@@ -676,6 +708,7 @@ class TritonAttention(AttentionBackend):
                 packed.slot_starts,
                 packed.slots,
                 sinks_log2,
+                alibi_log2,
                 q.stride(0),
                 q.stride(1),
                 k_cache.stride(0),
@@ -699,6 +732,7 @@ class TritonAttention(AttentionBackend):
                 SOFTCAP=softcap is not None,
                 SINKS=sinks is not None,
                 VALUES_IN_KEYS=values_in_keys,
+                ALIBI=alibi is not None,
             )
         num_decodes = meta.decode_token_index.numel()
         if num_decodes:
@@ -725,6 +759,7 @@ class TritonAttention(AttentionBackend):
                 split_sum,
                 meta.decode_token_index,
                 sinks_log2,
+                alibi_log2,
                 table,
                 meta.decode_context_lens,
                 q.stride(0),
@@ -752,6 +787,7 @@ class TritonAttention(AttentionBackend):
                 SOFTCAP=softcap is not None,
                 SINKS=sinks is not None,
                 VALUES_IN_KEYS=values_in_keys,
+                ALIBI=alibi is not None,
             )
             if splits > 1:
                 _combine_splits_kernel[(num_decodes, num_heads)](
