@@ -34,7 +34,8 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "exaone": 71, "internlm3": 72, "iquestcoder": 73, "ministral": 74, "helium": 75, "dots1": 76, "phimoe": 77, "solar_open": 78, "sarvam_moe": 79, "youtu": 80, "hy_v3": 81, "afmoe": 82, "jamba": 83, "gpt_bigcode": 84,
          "gpt_bigcode_mha": 85, "falcon": 86, "falcon_40b": 87, "falcon_11b": 88, "falcon_rw": 89, "minicpm3": 90, "jais2": 91,
          "cwm": 92, "vaultgemma": 93, "hyperclovax": 94,
-         "cohere2_moe": 95, "cohere2_moe_sigmoid": 96}  # fmt: skip
+         "cohere2_moe": 95, "cohere2_moe_sigmoid": 96, "bloom": 97, "bloom_6_heads": 98, "falcon_rw_alibi": 99,
+         "mpt": 100, "mpt_6_heads": 101}  # fmt: skip
 # The models of delta-rule layers (their decays made mild: states that last past a chunk)
 DELTA_RULE_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
@@ -468,19 +469,34 @@ def hf_model(arch: str):
             initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         )  # fmt: skip
         cls = transformers.MiniCPM3ForCausalLM
-    elif arch in ("falcon", "falcon_40b", "falcon_11b", "falcon_rw"):
+    elif arch in ("falcon", "falcon_40b", "falcon_11b", "falcon_rw", "falcon_rw_alibi"):
         # Falcon 7B's outline (one KV head, one norm); 40B's and 180B's (2 KV heads, a norm before each part); Falcon
-        # 2 11B's (2 KV heads, one norm); Falcon-RW's without ALiBi (every head's KV, not in parallel, biases)
+        # 2 11B's (2 KV heads, one norm); Falcon-RW's (every head's KV, not in parallel, biases), rotary or ALiBi
         options = {
             "falcon": dict(multi_query=True),
             "falcon_40b": dict(new_decoder_architecture=True, num_kv_heads=2),
             "falcon_11b": dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1),
             "falcon_rw": dict(multi_query=False, parallel_attn=False, bias=True),
+            "falcon_rw_alibi": dict(multi_query=False, parallel_attn=False, bias=True, alibi=True),
         }[arch]
         config = transformers.FalconConfig(
             **common, **options, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0
         )
         cls = transformers.FalconForCausalLM
+    elif arch in ("bloom", "bloom_6_heads"):  # BLOOM's layers: ALiBi, 4 heads (slopes 2^-2h) or 6 (2^-8h/4, then odd)
+        config = transformers.BloomConfig(
+            vocab_size=VOCAB, hidden_size=64 if arch == "bloom" else 48, n_layer=2, n_head=4 if arch == "bloom" else 6,
+            initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )  # fmt: skip
+        cls = transformers.BloomForCausalLM
+    elif arch in ("mpt", "mpt_6_heads"):  # MPT-7B's layers: ALiBi, 4 heads (slopes 2^-2h) or 6 (of 8's, odd first)
+        six = arch == "mpt_6_heads"  # (its Q/K/V clamped, its scores scaled otherwise)
+        config = transformers.MptConfig(
+            vocab_size=VOCAB, d_model=48 if six else 64, n_layers=2, n_heads=6 if six else 4, max_seq_len=256,
+            attn_config={"clip_qkv": 0.5, "softmax_scale": 0.2} if six else {}, initializer_range=0.2,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )  # fmt: skip
+        cls = transformers.MptForCausalLM
     elif arch in ("gpt_bigcode", "gpt_bigcode_mha"):  # StarCoder 1's layers: one KV head (multi_query), or all
         config = transformers.GPTBigCodeConfig(
             vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, initializer_range=0.2,

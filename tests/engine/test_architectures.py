@@ -30,8 +30,9 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "granitemoe_swa", "llama4", "llama4_maverick", "exaone", "internlm3", "iquestcoder",
                        "ministral", "helium", "dots1", "phimoe", "solar_open", "sarvam_moe", "youtu", "hy_v3",
                        "afmoe", "gpt_bigcode", "gpt_bigcode_mha", "falcon", "falcon_40b", "falcon_11b",
-                       "falcon_rw", "minicpm3", "jais2", "cwm", "vaultgemma",
-                       "hyperclovax"]  # fmt: skip
+                       "falcon_rw", "falcon_rw_alibi", "bloom", "bloom_6_heads", "mpt", "mpt_6_heads", "minicpm3",
+                       "jais2", "cwm",
+                       "vaultgemma", "hyperclovax"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", OTHER_ARCHITECTURES)
@@ -55,6 +56,9 @@ def test_a_model_directory_gives_the_simulator_its_shape(hf_dirs, arch):
     if arch.startswith("falcon"):  # (its attention's: one where multi_query, whatever num_kv_heads says)
         kv_heads = hf.transformer.h[0].self_attention.num_kv_heads
     head_dim = getattr(hf.config, "head_dim", None) or 16  # (64 / 4 heads, where the config has none)
+    if arch.startswith(("bloom", "mpt")):  # (BLOOM's n_head, MPT's n_heads: every head's KV)
+        kv_heads = hf.config.num_attention_heads
+        head_dim = hf.config.hidden_size // kv_heads
     tensors = 2  # K and V
     if arch.startswith("deepseek") or arch in ("mistral4", "glm4_moe_lite", "youtu", "minicpm3"):  # MLA's latent, k_R
         kv_heads, head_dim, tensors = 1, hf.config.kv_lora_rank + hf.config.qk_rope_head_dim, 1
@@ -474,25 +478,77 @@ def test_exaone_3s_checkpoint_and_config_as_the_hub_writes_them(hf_dirs, tmp_pat
 
 def test_falcons_kv_heads_and_norms_as_its_configs_say():
     """Falcon 7B: one KV head (multi_query), whatever num_kv_heads says; 40B: num_kv_heads and a norm before each
-    part; Falcon 2 11B: one norm; Falcon-RW's outline: every head's KV, the parts one after the other. ALiBi and a
-    new-architecture layer not in parallel refused by name."""
+    part; Falcon 2 11B: one norm; Falcon-RW's outline: every head's KV, the parts one after the other, ALiBi where
+    alibi says; BLOOM's: Falcon-RW's with ALiBi, its embeddings normed, GELU by tanh. A new-architecture layer not in
+    parallel and BLOOM's residual after the norm refused by name."""
     from sloserve.checkpoint.config import from_hf_config
 
     readings = {}
-    for arch in ("falcon", "falcon_40b", "falcon_11b", "falcon_rw"):
+    for arch in ("falcon", "falcon_40b", "falcon_11b", "falcon_rw", "falcon_rw_alibi", "bloom"):
         config = from_hf_config(hf_cached(arch).config.to_dict())
-        readings[arch] = (config.num_key_value_heads, config.extra["falcon_norms"], config.parallel_residual)
+        readings[arch] = (config.num_key_value_heads, config.extra["falcon_norms"], config.parallel_residual,
+                          config.alibi, config.extra["embedding_norm"], config.hidden_act)  # fmt: skip
     assert readings == {
-        "falcon": (1, "input", True),
-        "falcon_40b": (2, "ln_attn, ln_mlp", True),
-        "falcon_11b": (2, "input", True),
-        "falcon_rw": (4, "input, post_attention", False),
+        "falcon": (1, "input", True, False, False, "gelu"),
+        "falcon_40b": (2, "ln_attn, ln_mlp", True, False, False, "gelu"),
+        "falcon_11b": (2, "input", True, False, False, "gelu"),
+        "falcon_rw": (4, "input, post_attention", False, False, False, "gelu"),
+        "falcon_rw_alibi": (4, "input, post_attention", False, True, False, "gelu"),
+        "bloom": (4, "input, post_attention", False, True, True, "gelu_pytorch_tanh"),
     }
+    raw = hf_cached("bloom").config.to_dict()
+    assert (
+        from_hf_config({k: v for k, v in raw.items() if k != "max_position_embeddings"}).max_position_embeddings == 2048
+    )
+    with pytest.raises(ConfigError, match="apply_residual_connection_post_layernorm .* is not supported"):
+        from_hf_config({**raw, "apply_residual_connection_post_layernorm": True})
     raw = hf_cached("falcon").config.to_dict()
-    with pytest.raises(ConfigError, match="alibi \\(Falcon-RW's linear position biases, no rotary embedding\\)"):
-        from_hf_config({**raw, "alibi": True})
     with pytest.raises(ConfigError, match="new_decoder_architecture without parallel_attn is not supported"):
         from_hf_config({**raw, "new_decoder_architecture": True, "parallel_attn": False})
+
+
+def test_mpts_settings_as_its_configs_say_and_what_transformers_does_not_read_refused():
+    """MPT: ALiBi by alibi_bias_max, every head's KV, clip_qkv and softmax_scale where given (0: no clip, as
+    transformers reads it), an MLP of expansion_ratio; learned positions, biases, QK norms, a logit scale, prefix LM and
+    other attention types refused by name."""
+    from sloserve.checkpoint.config import from_hf_config
+
+    raw = hf_cached("mpt_6_heads").config.to_dict()
+    config = from_hf_config(raw)
+    assert (config.alibi, config.alibi_bias_max, config.num_key_value_heads, config.clip_qkv) == (True, 8.0, 6, 0.5)
+    assert (config.attention_multiplier, config.intermediate_size, config.max_position_embeddings) == (0.2, 192, 256)
+    attn = raw["attn_config"]
+    assert from_hf_config({**raw, "attn_config": {**attn, "clip_qkv": 0}}).clip_qkv is None
+    assert from_hf_config({**raw, "expansion_ratio": 2}).intermediate_size == 96
+    for change, message in (
+        ({"attn_config": {**attn, "alibi": False}}, "attn_config.alibi false \\(learned position embeddings\\)"),
+        ({"no_bias": False}, "no_bias false \\(biases\\)"),
+        ({"attn_config": {**attn, "qk_ln": True}}, "attn_config.qk_ln"),
+        ({"logit_scale": "inv_sqrt_d_model"}, "logit_scale"),
+        ({"attn_config": {**attn, "prefix_lm": True}}, "attn_config.prefix_lm"),
+        (
+            {"attn_config": {**attn, "attn_type": "multiquery_attention"}},
+            "attn_config.attn_type 'multiquery_attention'",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=f"MPT's {message}.* is not supported"):
+            from_hf_config({**raw, **change})
+
+
+def test_alibi_slopes_are_transformers():
+    """ALiBi's slopes for 1-40 heads (powers of two and between them): BLOOM's and Falcon's as transformers' BLOOM
+    computes them, MPT's (alibi_bias_max 8, and 16) as its ``build_mpt_alibi_tensor``, bit for bit."""
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+    from sloserve.engine.alibi import alibi_slopes
+
+    for heads in range(1, 41):
+        assert torch.equal(alibi_slopes(heads), _get_alibi_slopes(heads, torch.device("cpu"))), heads
+        for bias_max in (8, 16):
+            biases = build_mpt_alibi_tensor(heads, 2, bias_max)  # (heads, 1, 2): positions -1, 0 times the slopes
+            assert torch.equal(alibi_slopes(heads, bias_max), -biases[:, 0, 0]), (heads, bias_max)
+    assert alibi_slopes(8).tolist() == [2.0**-h for h in range(1, 9)]  # (Press et al.'s 2^(-8h/n))
 
 
 def test_llama_4s_layers_and_experts_as_its_configs_say():

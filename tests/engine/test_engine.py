@@ -125,6 +125,7 @@ def test_a_repetition_penalty_gives_hf_greedy_tokens_with_the_same_penalty(hf_di
         ("gpt_oss", "sarathi", dict(prefill_token_budget=8, block_size=4)),  # attention sinks, a window of 8
         ("ministral3", "vllm", {}),  # the queries' own rotary tables
         ("deepseek_v2", "sarathi", dict(prefill_token_budget=8, block_size=4)),  # MLA: one 40-wide latent head
+        ("bloom_6_heads", "sarathi", dict(prefill_token_budget=8, block_size=4)),  # ALiBi: 6 heads' slopes
     ],
 )
 def test_triton_backend_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options):

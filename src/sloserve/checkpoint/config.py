@@ -115,8 +115,12 @@ ARCHITECTURES: dict[str, str] = {
     "cohere2_moe": "cohere",
     "opt": "opt",
     "gpt2": "gpt2",  # (GPT-2: learned positions, LayerNorms, a GELU MLP, Conv1D weights stored (in, out))
-    # (Falcon 7B, 40B, 180B, Falcon 2 11B: LayerNorms, attention and a GELU MLP in parallel, one or a few KV heads)
+    # (Falcon 7B, 40B, 180B, Falcon 2 11B: LayerNorms, attention and a GELU MLP in parallel, one or a few KV heads;
+    # Falcon-RW 1B, 7B: attention then the MLP, ALiBi)
     "falcon": "falcon",
+    # (BLOOM 560M-176B, BLOOMZ: Falcon-RW's layers, a LayerNorm of the embeddings, GELU by tanh's approximation)
+    "bloom": "falcon",
+    "mpt": "mpt",  # (MPT-7B, 30B: ALiBi, LayerNorms and projections without biases, a GELU MLP)
     # (StarCoder 1, SantaCoder, WizardCoder 15B, SQLCoder: GPT-2's layers, one KV head (multi_query), Linear weights)
     "gpt_bigcode": "gpt2",
     "phi": "phi",  # (Phi-1, 1.5, 2: attention and a GELU MLP in parallel from one LayerNorm, partial rotary)
@@ -358,6 +362,10 @@ SETTING_NAMES = {
     "sarvam_moe": {"use_qkv_bias": "attention_bias"},
     "exaone": {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
                "activation_function": "hidden_act"},
+    "bloom": {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_embed": "hidden_size",
+              "seq_length": "max_position_embeddings"},
+    "mpt": {"n_layers": "num_hidden_layers", "n_heads": "num_attention_heads", "d_model": "hidden_size",
+            "max_seq_len": "max_position_embeddings"},
 }  # fmt: skip
 # The OLMo models (their query and key norms over the whole projections)
 OLMO_TYPES = ("olmo2", "olmo3", "olmoe", "olmo_hybrid")
@@ -491,6 +499,9 @@ CONFIG_DEFAULTS = {
     "gpt2": {"tie_word_embeddings": True},
     "gpt_bigcode": {"tie_word_embeddings": True},
     "falcon": {"tie_word_embeddings": True},
+    # (BLOOM's config has no context length: vLLM's default where a config names none, BLOOM's training context)
+    "bloom": {"tie_word_embeddings": True, "max_position_embeddings": 2048},
+    "mpt": {"tie_word_embeddings": True, "max_position_embeddings": 2048},
     "starcoder2": {"tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"},
     "phi": {"hidden_act": "gelu_new"},
     "nemotron": {"hidden_act": "relu2"},
@@ -623,6 +634,10 @@ class ModelConfig:
     # (transformers' Llama4TextL2Norm)
     qk_unweighted_norm: bool = False
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] (None: not)
+    # ALiBi (``engine/alibi.py``: BLOOM's, Falcon-RW's) in place of a rotary embedding: each head's scores biased by its
+    # slope times the distance; its slopes Press et al.'s, or MPT's by alibi_bias_max (None: Press et al.'s)
+    alibi: bool = False
+    alibi_bias_max: float | None = None
     parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x)), not one after the other
     mlp_bias: bool = False
     lm_head_bias: bool = False  # (Phi-1 to 2's; Phi-3.5-MoE's where its config says)
@@ -964,11 +979,15 @@ class ModelConfig:
             # MLP with biases, two LayerNorms a layer and a final one (weight and bias)
             layer = 4 * h * h + 4 * h * self.attention_bias + 2 * h * i + i + h + 2 * 2 * h
             return v * h + layers * layer + 2 * h + (0 if self.tie_word_embeddings else v * h)
+        if self.architecture == "mpt":  # Wqkv and out_proj, a two-matrix MLP, two LayerNorms a layer and a final one,
+            # no biases
+            return v * h + layers * (4 * h * h + 2 * h * i + 2 * h) + h + (0 if self.tie_word_embeddings else v * h)
         if self.architecture == "falcon":  # query_key_value and dense, a two-matrix MLP (biases where bias), its norms
             qkv, bias = h + 2 * self.num_key_value_heads * self.head_dim, self.attention_bias
             norms = 2 * 2 * h if self.extra["falcon_norms"] != "input" else 2 * h
             layer = h * qkv + h * h + 2 * h * i + bias * (qkv + h + i + h) + norms
-            return v * h + layers * layer + 2 * h + (0 if self.tie_word_embeddings else v * h)
+            embedding_norm = 2 * h if self.extra["embedding_norm"] else 0  # (BLOOM's)
+            return v * h + embedding_norm + layers * layer + 2 * h + (0 if self.tie_word_embeddings else v * h)
         q_width, kv_width = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         attention = h * q_width + 2 * h * kv_width + q_width * h
         if self.attention_bias:
@@ -1045,9 +1064,8 @@ class ModelConfig:
         A mixture of experts: all its parameters in memory, a token's experts in its compute, and the experts a
         step's tokens reach in the weights it reads (``ModelSpec.num_experts``...: the roofline's)."""
         self.check_attends()
-        mlp_kind = (
-            "relu" if self.model_type in TWO_MATRIX_MLPS else "gated"
-        )  # (two matrices, whatever their activation)
+        two_matrices = self.model_type in TWO_MATRIX_MLPS or self.architecture in ("falcon", "gpt2", "mpt")
+        mlp_kind = "relu" if two_matrices else "gated"  # (two matrices, whatever their activation)
         extra = {}  # (the fields a dense model with Llama's attention leaves at 0)
         if self.moe is not None:  # (each routed expert's SwiGLU; gpt-oss's with its biases)
             h, inner, moe = self.hidden_size, self.moe["moe_intermediate_size"], self.moe
@@ -1199,8 +1217,10 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         return _gemma3_config(raw, common, name, need)
     if model_type == "gpt_neox":
         return _gpt_neox_config(raw, common, name, need)
-    if model_type == "falcon":
+    if model_type in ("falcon", "bloom"):
         return _falcon_config(raw, common, name)
+    if model_type == "mpt":
+        return _mpt_config(raw, common, name)
     if model_type in ("gpt2", "gpt_bigcode"):
         return _gpt2_config(raw, common, name)
     if model_type in DEEPSEEK_TYPES:
@@ -1417,9 +1437,14 @@ def _gpt_neox_config(raw: dict[str, Any], common: dict[str, Any], name: str, nee
 def _falcon_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> ModelConfig:
     """Falcon's config (``models/falcon.py``), transformers' FalconConfig defaults where it has none: its KV heads
     (``num_kv_heads`` with ``new_decoder_architecture``, one with ``multi_query``, else every head's), its norms,
-    its MLP (4 x hidden). ALiBi is refused."""
-    if raw.get("alibi"):
-        raise ConfigError(f"{name}: alibi (Falcon-RW's linear position biases, no rotary embedding) is not supported")
+    its MLP (4 x hidden), ALiBi where ``alibi``. BLOOM's (``bloom``): Falcon-RW's, as transformers' BloomConfig
+    has it."""
+    if common["model_type"] == "bloom":
+        if raw.get("apply_residual_connection_post_layernorm"):
+            raise ConfigError(f"{name}: apply_residual_connection_post_layernorm (the normed stream as the residual) "
+                              "is not supported")  # fmt: skip
+        raw = {**raw, "alibi": True, "bias": True, "multi_query": False, "parallel_attn": False,
+               "new_decoder_architecture": False}  # fmt: skip
     if raw.get("activation", "gelu") != "gelu":
         raise ConfigError(f"{name}: Falcon activation {raw.get('activation')!r} is not supported (gelu)")
     hidden, heads = common["hidden_size"], common["num_attention_heads"]
@@ -1437,7 +1462,7 @@ def _falcon_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> Mo
     else:
         norms = "input" if parallel else "input, post_attention"
     rope = dict(raw.get("rope_parameters") or {})
-    bias = bool(raw.get("bias", False))
+    bias, bloom = bool(raw.get("bias", False)), common["model_type"] == "bloom"
     return ModelConfig(
         **common,
         intermediate_size=raw.get("ffn_hidden_size") or 4 * hidden,
@@ -1446,12 +1471,53 @@ def _falcon_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> Mo
         norm_eps=float(raw.get("layer_norm_epsilon") or 1e-5),
         rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
         rope_scaling=_config_rope_scaling(raw, rope, name),
-        hidden_act="gelu",
+        hidden_act="gelu_pytorch_tanh" if bloom else "gelu",
         attention_bias=bias,
         attention_output_bias=bias,
         mlp_bias=bias,
         parallel_residual=parallel,
-        extra={"falcon_norms": norms},
+        alibi=bool(raw.get("alibi", False)),
+        # (BLOOM: a LayerNorm of the embeddings)
+        extra={"falcon_norms": norms, "embedding_norm": bloom},
+    )
+
+
+def _mpt_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> ModelConfig:
+    """MPT's config (``models/mpt.py``), transformers' MptConfig defaults where it has none (``attn_config``'s too). What
+    transformers' MPT does not read is refused rather than run otherwise than its checkpoints were trained."""
+    attn = {"alibi": True, "alibi_bias_max": 8, "clip_qkv": None, "softmax_scale": None, "qk_ln": False,
+            "prefix_lm": False, "attn_uses_sequence_id": False, "attn_type": "multihead_attention",
+            **(raw.get("attn_config") or {})}  # fmt: skip
+    refused = {
+        "attn_config.alibi false (learned position embeddings)": not attn["alibi"],
+        "no_bias false (biases)": not raw.get("no_bias", True),
+        "attn_config.qk_ln (LayerNorms of the queries and keys)": attn["qk_ln"],
+        "logit_scale": raw.get("logit_scale") is not None,
+        "attn_config.prefix_lm": attn["prefix_lm"],
+        "attn_config.attn_uses_sequence_id": attn["attn_uses_sequence_id"],
+        f"attn_config.attn_type {attn['attn_type']!r}": attn["attn_type"] != "multihead_attention",
+    }
+    for setting, given in refused.items():
+        if given:
+            raise ConfigError(f"{name}: MPT's {setting} is not supported (transformers' MPT does not read it)")
+    hidden, heads = common["hidden_size"], common["num_attention_heads"]
+    if hidden % heads:
+        raise ConfigError(f"{name}: n_heads {heads} must divide d_model {hidden}")
+    _check_positive_ints({"expansion_ratio": raw.get("expansion_ratio", 4)}, ("expansion_ratio",), name)
+    clip = attn["clip_qkv"]
+    return ModelConfig(
+        **common,
+        intermediate_size=raw.get("expansion_ratio", 4) * hidden,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+        hidden_act="gelu",
+        clip_qkv=_json_float(clip, "attn_config.clip_qkv", name)
+        if clip
+        else None,  # (0: none, as transformers reads it)
+        attention_multiplier=None if attn["softmax_scale"] is None else float(attn["softmax_scale"]),
+        alibi=True,
+        alibi_bias_max=_json_float(attn["alibi_bias_max"], "attn_config.alibi_bias_max", name),
     )
 
 

@@ -23,6 +23,7 @@ from sloserve.engine.models import (
     kimi_linear,
     lfm2,
     llama4,
+    mpt,
     nemotron_h,
     olmo2,
     phi,
@@ -90,6 +91,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "falcon": falcon.FalconForCausalLM,
     "jais2": Jais2ForCausalLM,
     "hyperclovax": hyperclovax.HyperClovaXForCausalLM,
+    "mpt": mpt.MptForCausalLM,
 }
 
 
@@ -221,6 +223,7 @@ TIED_MODULES = {
     "gpt_neox": ("gpt_neox.embed_in", "embed_out"),
     "gpt2": ("transformer.wte", "lm_head"),
     "falcon": ("transformer.word_embeddings", "lm_head"),
+    "mpt": ("transformer.wte", "lm_head"),
 }
 # A multimodal checkpoint served as text (``ModelConfig.extra["multimodal_checkpoint"]``: Gemma 3 4B-27B,
 # Mistral Small 3.1): its language model's tensors under the text model's names (as transformers saved

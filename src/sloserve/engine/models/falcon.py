@@ -1,13 +1,18 @@
-"""Falcon (``falcon``: Falcon 7B, 40B, 180B, Falcon 2 11B): LayerNorms with biases, whole heads rotated, a GELU MLP
-of two matrices (``dense_h_to_4h``, ``dense_4h_to_h``), attention and MLP in parallel from the stream
-(``parallel_attn``: x + (mlp(ln(x)) + attn(ln(x))), transformers' order of the sum), biases where ``bias`` says. HF
-parameter names (``transformer.h.N.self_attention.query_key_value``...).
+"""Falcon (``falcon``: Falcon 7B, 40B, 180B, Falcon 2 11B, Falcon-RW) and BLOOM (``bloom``): LayerNorms with biases,
+whole heads rotated, a GELU MLP of two matrices (``dense_h_to_4h``, ``dense_4h_to_h``), attention and MLP in parallel
+from the stream (``parallel_attn``: x + (mlp(ln(x)) + attn(ln(x))), transformers' order of the sum), biases where
+``bias`` says. HF parameter names (``transformer.h.N.self_attention.query_key_value``...).
 
 - Falcon 7B: one KV head (``multi_query``), one norm a layer (``input_layernorm``).
 - Falcon 40B, 180B (``new_decoder_architecture``): ``num_kv_heads`` KV heads and two norms, one before attention
   (``ln_attn``), one before the MLP (``ln_mlp``); Falcon 2 11B's one norm for both (``num_ln_in_parallel_attn`` 1).
 - A layer not in parallel (``parallel_attn`` false, Falcon-RW's outline): the MLP after attention, from
-  ``post_attention_layernorm``. ALiBi (``alibi``) is refused (config.py).
+  ``post_attention_layernorm``.
+- ALiBi (``alibi``: Falcon-RW's) in place of the rotary embedding (``engine/alibi.py``: Press et al.'s slopes), scaled
+  as transformers adds it: to the dot products before their 1/sqrt(head_dim), so a slope m_h / sqrt(head_dim) (BLOOM's
+  after the scale: m_h).
+- BLOOM: Falcon-RW's layers with ALiBi, a LayerNorm of the embeddings (``word_embeddings_layernorm``) and GELU by
+  tanh's approximation; the Hub's checkpoints name the tensors without ``transformer.`` (BloomModel's).
 
 NOTE: the checkpoint's ``query_key_value`` rows are grouped as its attention splits them: by KV head, its queries
 then its key and value (``new_decoder_architecture``; ``multi_query``: one group; neither: a group a head, [q k v]);
@@ -16,11 +21,14 @@ they load reordered to all the queries', then the keys', then the values' (``che
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
+from sloserve.engine.alibi import alibi_slopes
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
 from sloserve.engine.kv_cache import layer_caches
 from sloserve.engine.models.gpt_neox import qkv_rows_by_kind
@@ -39,12 +47,24 @@ class FalconAttention(nn.Module):
         self.query_key_value = nn.Linear(h, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, bias=bias)
         self.dense = nn.Linear(h, h, bias=bias)
         self.backend = backend
+        # ALiBi's slopes, as transformers adds the biases: Falcon's before the scores' 1/sqrt(head_dim), BLOOM's after;
+        # built on the first step's device (the model is created on the meta device); None: rotary
+        self.use_alibi = config.alibi
+        self.alibi_scale = 1.0 if config.model_type == "bloom" else 1 / math.sqrt(self.head_dim)
+        self._alibi: torch.Tensor | None = None  # (nh,) float32
+
+    def alibi(self, device: torch.device) -> torch.Tensor | None:
+        """The heads' ALiBi slopes on ``device`` (None: the layer rotates instead)."""
+        if self.use_alibi and (self._alibi is None or self._alibi.device != device):
+            self._alibi = (alibi_slopes(self.num_heads) * self.alibi_scale).to(device)
+        return self._alibi
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:  # (T, H) -> (T, H)
         t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.query_key_value(x).view(t, nh + 2 * nkv, self.head_dim)  # (T, nh + 2 nkv, hd)
-        qk = apply_rotary(qkv[:, : nh + nkv], cos, sin)  # Q and K rotated together
-        out = self.backend.forward(qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :], k_cache, v_cache, meta)
+        qk = qkv[:, : nh + nkv] if self.use_alibi else apply_rotary(qkv[:, : nh + nkv], cos, sin)
+        alibi = self.alibi(x.device)
+        out = self.backend.forward(qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :], k_cache, v_cache, meta, alibi=alibi)
         return self.dense(out.reshape(t, -1))
 
 
@@ -53,9 +73,11 @@ class FalconMLP(nn.Module):
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.dense_h_to_4h, self.dense_4h_to_h = nn.Linear(h, i, bias=bias), nn.Linear(i, h, bias=bias)
+        # (Falcon's "gelu" exact; BLOOM's by tanh's approximation)
+        self.approximate = "tanh" if config.hidden_act == "gelu_pytorch_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
-        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))  # (exact GELU: its "gelu")
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate=self.approximate))
 
 
 class FalconDecoderLayer(nn.Module):
@@ -91,6 +113,8 @@ class FalconModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        if config.extra["embedding_norm"]:  # (BLOOM's)
+            self.word_embeddings_layernorm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.h = nn.ModuleList(FalconDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
 
@@ -117,7 +141,9 @@ class FalconForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # (T, H)
         x = self.transformer.word_embeddings(input_ids)
-        cos, sin = self.rotary.for_positions(positions, x.dtype)  # (T, 1, hd) each
+        if self.config.extra["embedding_norm"]:
+            x = self.transformer.word_embeddings_layernorm(x)
+        cos, sin = self.rotary.for_positions(positions, x.dtype)  # (T, 1, hd) each (unread with ALiBi)
         for i, layer in enumerate(self.transformer.h):
             x = layer(x, cos, sin, *layer_caches(kv_cache, i), meta)
         return self.transformer.ln_f(x)
@@ -127,7 +153,10 @@ class FalconForCausalLM(nn.Module):
 
 
 def checkpoint_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) -> tuple[str, torch.Tensor]:
-    """A Falcon checkpoint's tensor as the engine holds it: ``query_key_value``'s rows by kind (module docstring)."""
+    """A Falcon checkpoint's tensor as the engine holds it: ``query_key_value``'s rows by kind (module docstring);
+    BLOOM's under ``transformer.`` where the checkpoint has its base model's names."""
+    if config.model_type == "bloom" and not key.startswith(("transformer.", "lm_head.")):
+        key = "transformer." + key
     if ".query_key_value." in key:
         tensor = qkv_rows_by_kind(tensor, config.num_attention_heads, config.num_key_value_heads)
     return key, tensor
