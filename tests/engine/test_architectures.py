@@ -502,6 +502,8 @@ def test_falcons_kv_heads_and_norms_as_its_configs_say():
     )
     with pytest.raises(ConfigError, match="apply_residual_connection_post_layernorm .* is not supported"):
         from_hf_config({**raw, "apply_residual_connection_post_layernorm": True})
+    with pytest.raises(ConfigError, match="config.json has no 'n_head'"):  # (BLOOM's name of it, not ours)
+        from_hf_config({k: v for k, v in raw.items() if k != "n_head"})
     raw = hf_cached("falcon").config.to_dict()
     with pytest.raises(ConfigError, match="new_decoder_architecture without parallel_attn is not supported"):
         from_hf_config({**raw, "new_decoder_architecture": True, "parallel_attn": False})

@@ -125,7 +125,7 @@ def test_a_repetition_penalty_gives_hf_greedy_tokens_with_the_same_penalty(hf_di
         ("gpt_oss", "sarathi", dict(prefill_token_budget=8, block_size=4)),  # attention sinks, a window of 8
         ("ministral3", "vllm", {}),  # the queries' own rotary tables
         ("deepseek_v2", "sarathi", dict(prefill_token_budget=8, block_size=4)),  # MLA: one 40-wide latent head
-        ("bloom_6_heads", "sarathi", dict(prefill_token_budget=8, block_size=4)),  # ALiBi: 6 heads' slopes
+        ("bloom", "vllm", {}),  # ALiBi (its kernels on 6 heads' slopes, chunks and splits: test_triton_attention.py)
     ],
 )
 def test_triton_backend_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options):
@@ -490,13 +490,13 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(ConfigError, match="model.safetensors: not a readable safetensors file .*not fully covered"):
         LLM(str(cut_off))
-    (tmp_path / "bloom").mkdir()
-    (tmp_path / "bloom" / "config.json").write_text(json.dumps({"model_type": "bloom"}))
+    (tmp_path / "rwkv").mkdir()
+    (tmp_path / "rwkv" / "config.json").write_text(json.dumps({"model_type": "rwkv"}))
     with pytest.raises(
         ConfigError,
-        match="unsupported architecture 'bloom'.*supported: afmoe, apertus, arcee, bamba, cohere, cohere2, cohere2_moe, cwm, deepseek_v2, deepseek_v3, dots1, ernie4_5, ernie4_5_moe, exaone, exaone4, exaone4_5, exaone_moe, falcon, falcon_h1, gemma, gemma2, gemma3, gemma3_text, glm, glm4, glm46v, glm4_moe, glm4_moe_lite, glm4v, glm4v_moe, gpt2, gpt_bigcode, gpt_neox, gpt_oss, granite, granite_swa, granitemoe, granitemoe_swa, granitemoehybrid, granitemoeshared, helium, hunyuan_v1_dense, hunyuan_v1_moe, hy_v3, hyperclovax, internlm3, iquestcoder, jais2, jamba, kimi_linear, lfm2, lfm2_moe, lfm2_vl, lfm3, lfm3_vl, llama, llama4, llama4_text, minicpm3, minimax_m2, ministral, ministral3, mistral, mistral3, mistral4, mixtral, nemotron, nemotron_h, olmo, olmo2, olmo3, olmo_hybrid, olmoe, opt, phi, phi3, phimoe, qwen2, qwen2_5_vl, qwen2_moe, qwen2_vl, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next, qwen3_vl, qwen3_vl_moe, sarvam_moe, seed_oss, smollm3, solar_open, stablelm, starcoder2, vaultgemma, youtu",
+        match="unsupported architecture 'rwkv'.*supported: afmoe, apertus, arcee, bamba, bloom, cohere, cohere2, cohere2_moe, cwm, deepseek_v2, deepseek_v3, dots1, ernie4_5, ernie4_5_moe, exaone, exaone4, exaone4_5, exaone_moe, falcon, falcon_h1, gemma, gemma2, gemma3, gemma3_text, glm, glm4, glm46v, glm4_moe, glm4_moe_lite, glm4v, glm4v_moe, gpt2, gpt_bigcode, gpt_neox, gpt_oss, granite, granite_swa, granitemoe, granitemoe_swa, granitemoehybrid, granitemoeshared, helium, hunyuan_v1_dense, hunyuan_v1_moe, hy_v3, hyperclovax, internlm3, iquestcoder, jais2, jamba, kimi_linear, lfm2, lfm2_moe, lfm2_vl, lfm3, lfm3_vl, llama, llama4, llama4_text, minicpm3, minimax_m2, ministral, ministral3, mistral, mistral3, mistral4, mixtral, mpt, nemotron, nemotron_h, olmo, olmo2, olmo3, olmo_hybrid, olmoe, opt, phi, phi3, phimoe, qwen2, qwen2_5_vl, qwen2_moe, qwen2_vl, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next, qwen3_vl, qwen3_vl_moe, sarvam_moe, seed_oss, smollm3, solar_open, stablelm, starcoder2, vaultgemma, youtu",
     ):
-        LLM(str(tmp_path / "bloom"))
+        LLM(str(tmp_path / "rwkv"))
     fp8 = tmp_path / "fp8"  # an FP8 checkpoint's weights would load as plain ones, their scales ignored
     shutil.copytree(hf_dirs["llama"], fp8)
     config = json.loads((fp8 / "config.json").read_text())

@@ -742,12 +742,12 @@ def test_serve_refuses_an_unsupported_architecture_in_one_line(tmp_path):
 
     from sloserve.cli import main
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bloom", "hidden_size": 64}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "rwkv", "hidden_size": 64}))
     result = CliRunner().invoke(main, ["serve", "--model", str(tmp_path), "--port", str(free_loopback_port())])
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
-    assert "unsupported architecture 'bloom'" in result.output
+    assert "unsupported architecture 'rwkv'" in result.output
     assert (
-        "supported: afmoe, apertus, arcee, bamba, cohere, cohere2, cohere2_moe, cwm, deepseek_v2, deepseek_v3, dots1, ernie4_5, ernie4_5_moe, exaone, exaone4, exaone4_5, exaone_moe, falcon, falcon_h1, gemma, gemma2, gemma3, gemma3_text, glm, glm4, glm46v, glm4_moe, glm4_moe_lite, glm4v, glm4v_moe, gpt2, gpt_bigcode, gpt_neox, gpt_oss, granite, granite_swa, granitemoe, granitemoe_swa, granitemoehybrid, granitemoeshared, helium, hunyuan_v1_dense, hunyuan_v1_moe, hy_v3, hyperclovax, internlm3, iquestcoder, jais2, jamba, kimi_linear, lfm2, lfm2_moe, lfm2_vl, lfm3, lfm3_vl, llama, llama4, llama4_text, minicpm3, minimax_m2, ministral, ministral3, mistral, mistral3, mistral4, mixtral, nemotron, nemotron_h, olmo, olmo2, olmo3, olmo_hybrid, olmoe, opt, phi, phi3, phimoe, qwen2, qwen2_5_vl, qwen2_moe, qwen2_vl, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next, qwen3_vl, qwen3_vl_moe, sarvam_moe, seed_oss, smollm3, solar_open, stablelm, starcoder2, vaultgemma, youtu"
+        "supported: afmoe, apertus, arcee, bamba, bloom, cohere, cohere2, cohere2_moe, cwm, deepseek_v2, deepseek_v3, dots1, ernie4_5, ernie4_5_moe, exaone, exaone4, exaone4_5, exaone_moe, falcon, falcon_h1, gemma, gemma2, gemma3, gemma3_text, glm, glm4, glm46v, glm4_moe, glm4_moe_lite, glm4v, glm4v_moe, gpt2, gpt_bigcode, gpt_neox, gpt_oss, granite, granite_swa, granitemoe, granitemoe_swa, granitemoehybrid, granitemoeshared, helium, hunyuan_v1_dense, hunyuan_v1_moe, hy_v3, hyperclovax, internlm3, iquestcoder, jais2, jamba, kimi_linear, lfm2, lfm2_moe, lfm2_vl, lfm3, lfm3_vl, llama, llama4, llama4_text, minicpm3, minimax_m2, ministral, ministral3, mistral, mistral3, mistral4, mixtral, mpt, nemotron, nemotron_h, olmo, olmo2, olmo3, olmo_hybrid, olmoe, opt, phi, phi3, phimoe, qwen2, qwen2_5_vl, qwen2_moe, qwen2_vl, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next, qwen3_vl, qwen3_vl_moe, sarvam_moe, seed_oss, smollm3, solar_open, stablelm, starcoder2, vaultgemma, youtu"
         in result.output
     )
 

@@ -1177,8 +1177,9 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     """``from_hf_config``'s reading of a supported, unquantized-as-held ``raw`` of ``model_type``."""
 
     def need(key: str) -> Any:
-        if key not in raw:
-            raise ConfigError(f"{name}: config.json has no {key!r}")
+        if key not in raw:  # (under the config's own name where it has one: BLOOM's n_head)
+            theirs = [t for t, ours in SETTING_NAMES.get(model_type, {}).items() if ours == key]
+            raise ConfigError(f"{name}: config.json has no {theirs[0] if theirs else key!r}")
         return raw[key]
 
     eos = raw.get("eos_token_id")

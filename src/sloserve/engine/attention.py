@@ -267,7 +267,8 @@ def attend(
     """SDPA of ``query`` (..., q, hd) over ``keys``/``values`` (..., k, hd) where ``mask`` (broadcast to
     (..., q, k); None: causal, top-left) is true; with ``softcap``, ``sinks`` (broadcast to (..., q, 1): the
     logit of a key with no value, in each row's softmax) or ``bias`` (float32, broadcast to (..., q, k): added to
-    the scaled, capped scores), written out: SDPA can do neither in float32."""
+    the scaled, capped scores), written out: SDPA can neither cap nor sink, and takes a bias in the query's dtype
+    only."""
     if softcap is None and sinks is None and bias is None:
         if mask is None:
             return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
@@ -387,9 +388,8 @@ class TorchAttention(AttentionBackend):
             if alibi is not None:
                 positions = torch.arange(n, device=q.device)
                 bias = alibi_bias(alibi, positions[n - c :], positions)  # (nh, c, n)
-            if (
-                n == c and not local and bias is None
-            ):  # nothing cached: both alignments agree, and SDPA skips masked tiles
+            # Nothing cached (and no bias): both alignments agree, and SDPA skips masked tiles
+            if n == c and not local and bias is None:
                 attended = attend(query, keys, values, None, scale, softcap, head_sinks)
             else:
                 mask = causal_mask(c, n, q.device, first, window, chunk)
