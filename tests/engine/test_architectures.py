@@ -162,6 +162,22 @@ def test_prompt_logprobs_are_transformers(hf_dirs, arch):
     assert ours == pytest.approx(prompt_logprobs(hf_cached(arch), ids), abs=1e-4)
 
 
+def test_bloom_as_the_hub_holds_it(tmp_path):
+    """BLOOM's checkpoints on the Hub hold its base model (BloomModel's names, without ``transformer.``, no LM head:
+    it is the embeddings'): transformers' greedy tokens."""
+    import safetensors.torch
+
+    model = hf_cached("bloom")
+    model.save_pretrained(tmp_path)
+    weights = safetensors.torch.load_file(str(tmp_path / "model.safetensors"))
+    assert "transformer.word_embeddings_layernorm.weight" in weights  # (as transformers 5 saves it)
+    weights = {key.removeprefix("transformer."): tensor for key, tensor in weights.items() if key != "lm_head.weight"}
+    safetensors.torch.save_file(weights, str(tmp_path / "model.safetensors"))
+    ids = PROMPTS[0]
+    out = LLM(str(tmp_path)).generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=12, temperature=0))[0]
+    assert out.outputs[0].token_ids == hf_greedy("bloom", tuple(ids), 12)
+
+
 def test_gpt2_as_openai_saved_it_and_its_scaling_options(tmp_path):
     """GPT-2's checkpoint as OpenAI's (tensors without the ``transformer.`` prefix, each layer's causal-mask
     buffers) and a config with Stanford CRFM's ``scale_attn_by_inverse_layer_idx`` and the exact GELU:
