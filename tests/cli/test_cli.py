@@ -292,6 +292,30 @@ def test_bad_options_get_one_line_and_exit_2(tmp_path: Path, monkeypatch, args: 
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
 
 
+def test_an_engine_commands_missing_model_is_answered_before_torch_is_imported(tmp_path: Path):
+    """`run` and `profile` read --model's config.json (or its random: name) before importing the engine: a typo is
+    answered in well under a second, not after torch's import (2-3 s). A subprocess, to see what it imported."""
+    (tmp_path / "rwkv").mkdir()
+    (tmp_path / "rwkv" / "config.json").write_text(json.dumps({"model_type": "rwkv"}))
+    script = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from sloserve.cli import main\n"
+        "for args in sys.argv[1:]:\n"
+        "    result = CliRunner().invoke(main, args.split())\n"
+        "    print(result.exit_code, result.stderr.strip())\n"
+        "print('torch' in sys.modules)\n"
+    )
+    cases = [f"run --model {tmp_path / 'none'} --trace sharegpt", "profile --model random:huge --out x.json",
+             f"run --model {tmp_path / 'rwkv'} --trace sharegpt"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", script, *cases], capture_output=True, text=True, timeout=120)
+    *refusals, imported = proc.stdout.strip().splitlines()
+    assert refusals[0] == f"2 error: model directory {tmp_path / 'none'} does not exist (models are never downloaded)"
+    assert refusals[1].startswith("2 error: unknown random model shape 'huge'")
+    assert refusals[2].startswith("2 error: rwkv: unsupported architecture 'rwkv'")
+    assert imported == "False", proc.stderr
+
+
 def test_an_error_whose_text_spans_lines_is_still_one_line():
     """A library's message inside ours (a parser's excerpt, a remote traceback) keeps the CLI's one line."""
     import click

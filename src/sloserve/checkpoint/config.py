@@ -1505,7 +1505,8 @@ def _mpt_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> Model
     if hidden % heads:
         raise ConfigError(f"{name}: n_heads {heads} must divide d_model {hidden}")
     _check_positive_ints({"expansion_ratio": raw.get("expansion_ratio", 4)}, ("expansion_ratio",), name)
-    clip = attn["clip_qkv"]
+    # (0: no clamp, as transformers reads it)
+    clip = _json_float(attn["clip_qkv"], "attn_config.clip_qkv", name) if attn["clip_qkv"] else None
     return ModelConfig(
         **common,
         intermediate_size=raw.get("expansion_ratio", 4) * hidden,
@@ -1513,11 +1514,10 @@ def _mpt_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> Model
         head_dim=hidden // heads,
         norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
         hidden_act="gelu",
-        clip_qkv=_json_float(clip, "attn_config.clip_qkv", name)
-        if clip
-        else None,  # (0: none, as transformers reads it)
+        clip_qkv=clip,
         attention_multiplier=None if attn["softmax_scale"] is None else float(attn["softmax_scale"]),
         alibi=True,
+        # (as MPT's own code reads it; transformers' always takes 8, which every released MPT says)
         alibi_bias_max=_json_float(attn["alibi_bias_max"], "attn_config.alibi_bias_max", name),
     )
 
