@@ -30,7 +30,8 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "granitemoe_swa", "llama4", "llama4_maverick", "exaone", "internlm3", "iquestcoder",
                        "ministral", "helium", "dots1", "phimoe", "solar_open", "sarvam_moe", "youtu", "hy_v3",
                        "afmoe", "gpt_bigcode", "gpt_bigcode_mha", "falcon", "falcon_40b", "falcon_11b",
-                       "falcon_rw", "falcon_rw_alibi", "bloom", "bloom_6_heads", "mpt", "mpt_6_heads", "minicpm3",
+                       "falcon_rw", "falcon_rw_alibi", "bloom", "bloom_6_heads", "mpt", "mpt_6_heads", "flex_olmo",
+                       "minicpm3",
                        "jais2", "cwm",
                        "vaultgemma", "hyperclovax"]  # fmt: skip
 

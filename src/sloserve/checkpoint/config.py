@@ -97,6 +97,7 @@ ARCHITECTURES: dict[str, str] = {
     "olmo2": "olmo2",
     "olmo3": "olmo2",  # (OLMo 2's layers, three of four sliding, the others' rope scaled)
     "olmoe": "llama",  # (Llama's layers, OLMo 2's query and key norms, Qwen3-MoE's experts)
+    "flex_olmo": "olmo2",  # (FlexOlmo 7x7B: OLMo 2's layers, their MLPs OLMoE's experts)
     "seed_oss": "llama",  # (Seed-OSS-36B: Llama's layers with biases)
     "ernie4_5": "llama",  # (ERNIE 4.5's dense models: Llama's layers, every head rotated by adjacent pairs)
     # (ERNIE 4.5's MoE models: those layers with experts chosen by softmax scores plus a bias, beside shared ones)
@@ -235,6 +236,7 @@ MOE_DEFAULTS = {
     "mixtral": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (intermediate_size)
     "gpt_oss": {"num_experts": 128, "num_experts_per_tok": 4, "moe_intermediate_size": None},  # (intermediate_size)
     "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": None},  # (intermediate_size)
+    "flex_olmo": {"num_experts": 7, "num_experts_per_tok": 5, "moe_intermediate_size": None},  # (intermediate_size)
     "granitemoe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (intermediate_size)
     "granitemoehybrid": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (likewise)
     "granitemoeshared": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": None},  # (likewise)
@@ -368,7 +370,7 @@ SETTING_NAMES = {
             "max_seq_len": "max_position_embeddings"},
 }  # fmt: skip
 # The OLMo models (their query and key norms over the whole projections)
-OLMO_TYPES = ("olmo2", "olmo3", "olmoe", "olmo_hybrid")
+OLMO_TYPES = ("olmo2", "olmo3", "olmoe", "olmo_hybrid", "flex_olmo")
 # The models whose attention output projection has a bias where the q/k/v projections have them
 OUTPUT_BIASED = ("gpt_oss", "exaone4", "exaone_moe", "internlm3", "phimoe", "jais2", "cohere", "cohere2",
                  "cohere2_moe", "phi", "nemotron", "arcee", "falcon_h1", *OLMO_TYPES)  # fmt: skip
@@ -379,6 +381,7 @@ QK_NORMED = ("qwen3", "qwen3_moe", "dots1", "hy_v3", "afmoe", "lfm2", "lfm2_moe"
 DEFAULT_ROPE_THETA = {
     "gpt_oss": 150_000.0,
     "olmo3": 500_000.0,
+    "flex_olmo": 500_000.0,
     "ernie4_5": 500_000.0,
     "ernie4_5_moe": 500_000.0,
     "apertus": 12_000_000.0,
@@ -2183,6 +2186,7 @@ def _moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | None:
         "minimax_m2",
         "gpt_oss",
         "olmoe",
+        "flex_olmo",
         "granitemoe",
         *UNGATED_SHARED_EXPERTS,
         "hunyuan_v1_moe",

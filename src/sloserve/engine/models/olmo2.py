@@ -1,11 +1,13 @@
-"""OLMo 2 (``olmo2``: AI2's 1B-32B), OLMo 3 (``olmo3``: 7B, 32B) and EXAONE 4 (``exaone4``): Llama's parts
-in another order.
+"""OLMo 2 (``olmo2``: AI2's 1B-32B), OLMo 3 (``olmo3``: 7B, 32B), FlexOlmo (``flex_olmo``) and EXAONE 4 (``exaone4``):
+Llama's parts in another order.
 
 - Each layer normalizes its attention's and its MLP's outputs before they join the residual stream
   (``post_attention_layernorm``, ``post_feedforward_layernorm``), not their inputs: a layer's input is the
   stream itself.
 - Queries and keys are normalized over the whole projection (RMSNorm of width heads x head_dim), before
   they are cut into heads and rotated (Qwen3 normalizes each head).
+- FlexOlmo (``flex_olmo``: 7x7B): OLMo 2's layers, each MLP a mixture of experts (OLMoE's: a softmax's top k,
+  not renormalized where ``norm_topk_prob`` is false, its default).
 - OLMo 3: three layers of four see the last ``sliding_window`` positions, with a rope of their own (the
   others' rope scaling, YaRN in the long-context models, is not theirs).
 - EXAONE 4: each query and key head normalized (as Qwen3's); three layers of four sliding, the fourth
@@ -23,17 +25,17 @@ from torch import nn
 from sloserve.checkpoint.config import ModelConfig
 from sloserve.engine.attention import AttentionBackend
 from sloserve.engine.models.gated_delta_net import GatedDeltaNet
-from sloserve.engine.models.llama import LlamaAttention, LlamaMLP, LlamaModel, RMSNorm, StreamLayersForCausalLM
+from sloserve.engine.models.llama import LlamaAttention, LlamaMLP, LlamaModel, RMSNorm, StreamLayersForCausalLM, mlp
 
 
 class Olmo2DecoderLayer(nn.Module):
     """Llama's attention (OLMo's query and key norms over the whole projections, ``qk_norm_whole_projection``;
-    EXAONE's per head) and MLP, each output normalized before it joins the stream."""
+    EXAONE's per head) and MLP (FlexOlmo's experts), each output normalized before it joins the stream."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, backend, layer)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
 
