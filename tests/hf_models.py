@@ -35,7 +35,7 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "gpt_bigcode_mha": 85, "falcon": 86, "falcon_40b": 87, "falcon_11b": 88, "falcon_rw": 89, "minicpm3": 90, "jais2": 91,
          "cwm": 92, "vaultgemma": 93, "hyperclovax": 94,
          "cohere2_moe": 95, "cohere2_moe_sigmoid": 96, "bloom": 97, "bloom_6_heads": 98, "falcon_rw_alibi": 99,
-         "mpt": 100, "mpt_6_heads": 101, "flex_olmo": 102}  # fmt: skip
+         "mpt": 100, "mpt_6_heads": 101, "flex_olmo": 102, "nanochat": 103}  # fmt: skip
 # The models of delta-rule layers (their decays made mild: states that last past a chunk)
 DELTA_RULE_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
@@ -185,6 +185,12 @@ def hf_model(arch: str):
             clip_qkv=0.8, initializer_range=0.2, pad_token_id=0,
         )  # fmt: skip
         cls = transformers.OlmoeForCausalLM
+    elif arch == "nanochat":  # weightless norms, the rotation by -theta, logits capped at 2 (the cap bites)
+        config = transformers.NanoChatConfig(
+            **common, intermediate_size=128, num_key_value_heads=2, final_logit_softcapping=2.0,
+            initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        cls = transformers.NanoChatForCausalLM
     elif arch == "flex_olmo":  # OLMo 2's layers, 7 experts (its default), 3 a token, not renormalized
         config = transformers.FlexOlmoConfig(
             **common, intermediate_size=32, num_key_value_heads=2, num_experts_per_tok=3, initializer_range=0.2,

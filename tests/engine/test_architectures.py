@@ -30,7 +30,7 @@ OTHER_ARCHITECTURES = ["qwen2", "qwen3", "gemma3", "opt", "phi3", "smollm3", "ge
                        "granitemoe_swa", "llama4", "llama4_maverick", "exaone", "internlm3", "iquestcoder",
                        "ministral", "helium", "dots1", "phimoe", "solar_open", "sarvam_moe", "youtu", "hy_v3",
                        "afmoe", "gpt_bigcode", "gpt_bigcode_mha", "falcon", "falcon_40b", "falcon_11b",
-                       "falcon_rw", "falcon_rw_alibi", "bloom", "bloom_6_heads", "mpt", "mpt_6_heads", "flex_olmo",
+                       "falcon_rw", "falcon_rw_alibi", "bloom", "bloom_6_heads", "mpt", "mpt_6_heads", "flex_olmo", "nanochat",
                        "minicpm3",
                        "jais2", "cwm",
                        "vaultgemma", "hyperclovax"]  # fmt: skip
@@ -146,14 +146,15 @@ def test_gpt_neox_one_after_the_other_and_the_hubs_config_names(tmp_path):
 
 LOGPROB_CHECKED = ["gpt2", "phi", "starcoder2", "deepseek_v2", "deepseek_v3", "nemotron", "olmo", "hunyuan",
                    "glm4_moe", "ernie4_5_moe", "apertus", "hunyuan_moe", "llama4", "llama4_maverick",
-                   "minicpm3", "hyperclovax"]  # fmt: skip
+                   "minicpm3", "hyperclovax", "nanochat", "bloom", "mpt_6_heads"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", LOGPROB_CHECKED)
 def test_prompt_logprobs_are_transformers(hf_dirs, arch):
     """The scores of the models that came with the GELU MLPs, MLA and since to 1e-4: greedy tokens alone would not
     tell GELU by tanh's approximation (``gelu_new``) from the exact one, DeepSeek's YaRN softmax scale from none, or
-    Llama 4's query scale from position p + 1 from one from p, or MiniCPM3's logits scaled from unscaled."""
+    Llama 4's query scale from position p + 1 from one from p, MiniCPM3's logits scaled from unscaled, or nanochat's
+    capped from uncapped; BLOOM's and MPT's scores with ALiBi too."""
     from hf_models import prompt_logprobs
 
     ids = PROMPTS[2]

@@ -122,6 +122,8 @@ ARCHITECTURES: dict[str, str] = {
     # (BLOOM 560M-176B, BLOOMZ: Falcon-RW's layers, a LayerNorm of the embeddings, GELU by tanh's approximation)
     "bloom": "falcon",
     "mpt": "mpt",  # (MPT-7B, 30B: ALiBi, LayerNorms and projections without biases, a GELU MLP)
+    # (nanochat: Llama's layers, norms of no weight (the rotated heads' too), a squared-ReLU MLP, capped logits)
+    "nanochat": "nanochat",
     # (StarCoder 1, SantaCoder, WizardCoder 15B, SQLCoder: GPT-2's layers, one KV head (multi_query), Linear weights)
     "gpt_bigcode": "gpt2",
     "phi": "phi",  # (Phi-1, 1.5, 2: attention and a GELU MLP in parallel from one LayerNorm, partial rotary)
@@ -505,6 +507,7 @@ CONFIG_DEFAULTS = {
     # (BLOOM's config has no context length: vLLM's default where a config names none, BLOOM's training context)
     "bloom": {"tie_word_embeddings": True, "max_position_embeddings": 2048},
     "mpt": {"tie_word_embeddings": True, "max_position_embeddings": 2048},
+    "nanochat": {"hidden_act": "relu2", "final_logit_softcapping": 15.0},
     "starcoder2": {"tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"},
     "phi": {"hidden_act": "gelu_new"},
     "nemotron": {"hidden_act": "relu2"},
@@ -552,18 +555,19 @@ MLP_ACTIVATIONS = {
     "starcoder2": GPT2_ACTIVATIONS,
     "gemma": ("gelu_pytorch_tanh",),
     "nemotron": ("relu2",),
+    "nanochat": ("relu2",),
     "arcee": ("relu2",),
     "jais2": ("relu2",),
     "apertus": ("xielu",),
 }
 # The models whose MLP is two matrices (up, an activation, down), not a gated three
-TWO_MATRIX_MLPS = ("opt", "gpt_neox", "gpt2", "phi", "starcoder2", "nemotron", "arcee", "apertus", "jais2")
+TWO_MATRIX_MLPS = ("opt", "gpt_neox", "gpt2", "phi", "starcoder2", "nemotron", "arcee", "apertus", "jais2", "nanochat")
 # Cohere's models (Command R, R7B and A, A+: a logit scale; rope by adjacent pairs)
 COHERE_TYPES = ("cohere", "cohere2", "cohere2_moe")
 # The models of Llama's outline whose norms are LayerNorms with biases
 LAYER_NORMS = ("phi", "starcoder2", "stablelm", "nemotron", "phimoe", "jais2")
 # The models of Llama's outline whose norms have no weights (OLMo 1's)
-WEIGHTLESS_NORMS = ("olmo",)
+WEIGHTLESS_NORMS = ("olmo", "nanochat")
 # A layer type of ModelConfig.layer_types that sees only the last sliding_window positions
 SLIDING = "sliding_attention"
 CHUNKED = "chunked_attention"  # (Llama 4's: only the positions of its own chunk of attention_chunk_size)
@@ -1342,6 +1346,8 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     if model_type == "cohere2":  # (only its sliding layers rotate: none where it has no window)
         rotary_layers = [layer_type == SLIDING and bool(window) for layer_type in layer_types]
     chunk, llama4 = None, {}
+    if model_type == "nanochat":  # (Llama 4's unweighted norms of the rotated heads, Gemma 2's capped logits)
+        llama4 = {"qk_unweighted_norm": True, "final_logit_softcapping": raw["final_logit_softcapping"]}
     if model_type == "llama4_text":  # (chunked layers that rotate, global ones that do not; the dense MLPs' size)
         layer_types, rotary_layers, chunk = _llama4_layers(raw, common["num_hidden_layers"], name)
         intermediate, llama4 = raw["intermediate_size_mlp"], _llama4_attention(raw, name)

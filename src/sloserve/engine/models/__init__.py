@@ -24,6 +24,7 @@ from sloserve.engine.models import (
     lfm2,
     llama4,
     mpt,
+    nanochat,
     nemotron_h,
     olmo2,
     phi,
@@ -92,6 +93,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "jais2": Jais2ForCausalLM,
     "hyperclovax": hyperclovax.HyperClovaXForCausalLM,
     "mpt": mpt.MptForCausalLM,
+    "nanochat": nanochat.NanoChatForCausalLM,
 }
 
 
@@ -166,6 +168,7 @@ CHECKPOINT_NAMES = {
         ".mlp.shared_mlp.": ".mlp.shared_experts.",
     },
     "llama4": llama4.CHECKPOINT_NAMES,
+    "nanochat": nanochat.CHECKPOINT_NAMES,
     "afmoe": afmoe.CHECKPOINT_NAMES,
     # (Jamba's MLP, its router and the norms before it and after the layers)
     "jamba": {
