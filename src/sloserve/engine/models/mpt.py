@@ -1,11 +1,11 @@
 """MPT (``mpt``: MosaicML's MPT-7B, MPT-30B and their Instruct and Chat models): ALiBi in place of position embeddings
 (``engine/alibi.py``: MPT's slopes, by ``alibi_bias_max``), LayerNorms without biases, no biases anywhere, Q/K/V from one
 projection (``Wqkv``: the queries', then the keys', then the values' rows), clamped to [-clip_qkv, clip_qkv] where the
-config says, and a GELU MLP of two matrices four times as wide; attention then the MLP, each from its norm. The LM head
-is the embeddings'. HF parameter names (``transformer.blocks.N.attn.Wqkv``...), which are the Hub's.
+config says, and a GELU MLP of two matrices ``expansion_ratio`` (4) times as wide; attention then the MLP, each from its
+norm. The LM head is the embeddings'. HF parameter names (``transformer.blocks.N.attn.Wqkv``...), which are the Hub's.
 
-The settings transformers' MPT does not read (learned positions instead of ALiBi, biases, QK LayerNorms, a logit
-scale, another MLP width, prefix LM) are refused by name (config.py).
+Settings that transformers' MPT does not read (learned positions instead of ALiBi, biases, QK LayerNorms, a logit
+scale, prefix LM, other attention types) are refused by name (config.py).
 """
 
 from __future__ import annotations
