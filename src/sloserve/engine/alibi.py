@@ -34,3 +34,17 @@ def alibi_slopes(num_heads: int, bias_max: float | None = None) -> torch.Tensor:
         remaining = min(closest, num_heads - closest)
         slopes = torch.cat([slopes, torch.pow(extra_base, torch.arange(1, 1 + 2 * remaining, 2, dtype=torch.int32))])
     return slopes
+
+
+class AlibiSlopes:
+    """A layer's slopes (``alibi_slopes``, times ``scale``), built on the device of the first step that asks for them
+    and kept there: a model is created on the meta device."""
+
+    def __init__(self, num_heads: int, bias_max: float | None = None, scale: float = 1.0) -> None:
+        self.num_heads, self.bias_max, self.scale = num_heads, bias_max, scale
+        self._slopes: torch.Tensor | None = None  # (nh,) float32
+
+    def on(self, device: torch.device) -> torch.Tensor:  # (nh,) float32
+        if self._slopes is None or self._slopes.device != device:
+            self._slopes = (alibi_slopes(self.num_heads, self.bias_max) * self.scale).to(device)
+        return self._slopes

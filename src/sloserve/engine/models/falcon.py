@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
-from sloserve.engine.alibi import alibi_slopes
+from sloserve.engine.alibi import AlibiSlopes
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
 from sloserve.engine.kv_cache import layer_caches
 from sloserve.engine.models.gpt_neox import qkv_rows_by_kind
@@ -47,23 +47,16 @@ class FalconAttention(nn.Module):
         self.query_key_value = nn.Linear(h, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, bias=bias)
         self.dense = nn.Linear(h, h, bias=bias)
         self.backend = backend
-        # ALiBi's slopes, as transformers adds the biases: Falcon's before the scores' 1/sqrt(head_dim), BLOOM's after;
-        # built on the first step's device (the model is created on the meta device); None: rotary
-        self.use_alibi = config.alibi
-        self.alibi_scale = 1.0 if config.model_type == "bloom" else 1 / math.sqrt(self.head_dim)
-        self._alibi: torch.Tensor | None = None  # (nh,) float32
-
-    def alibi(self, device: torch.device) -> torch.Tensor | None:
-        """The heads' ALiBi slopes on ``device`` (None: the layer rotates instead)."""
-        if self.use_alibi and (self._alibi is None or self._alibi.device != device):
-            self._alibi = (alibi_slopes(self.num_heads) * self.alibi_scale).to(device)
-        return self._alibi
+        # ALiBi's slopes, as transformers adds the biases: Falcon's before the scores' 1/sqrt(head_dim), BLOOM's after
+        # (None: the layer rotates instead)
+        scale = 1.0 if config.model_type == "bloom" else 1 / math.sqrt(self.head_dim)
+        self.alibi = AlibiSlopes(self.num_heads, scale=scale) if config.alibi else None
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:  # (T, H) -> (T, H)
         t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.query_key_value(x).view(t, nh + 2 * nkv, self.head_dim)  # (T, nh + 2 nkv, hd)
-        qk = qkv[:, : nh + nkv] if self.use_alibi else apply_rotary(qkv[:, : nh + nkv], cos, sin)
-        alibi = self.alibi(x.device)
+        qk = qkv[:, : nh + nkv] if self.alibi is not None else apply_rotary(qkv[:, : nh + nkv], cos, sin)
+        alibi = None if self.alibi is None else self.alibi.on(x.device)
         out = self.backend.forward(qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :], k_cache, v_cache, meta, alibi=alibi)
         return self.dense(out.reshape(t, -1))
 

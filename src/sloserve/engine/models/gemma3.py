@@ -161,8 +161,3 @@ class Gemma3ForCausalLM(StreamLayersForCausalLM):
 
     def embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, H)
         return scaled_embeddings(self.model.embed_tokens(input_ids), self.config.hidden_size)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab)
-        logits = self.lm_head(hidden)
-        cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -524,8 +524,13 @@ class LlamaForCausalLM(nn.Module):
         return (x, *self.rotary.for_positions(positions, x.dtype))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab)
+        """The vocabulary scores: divided by ``logits_scaling`` (Granite's), capped by tanh at
+        ``final_logit_softcapping`` where the config says (Gemma 2's and 3's, nanochat's)."""
         logits = self.lm_head(hidden)
-        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 class StreamLayersForCausalLM(LlamaForCausalLM):

@@ -11,13 +11,13 @@ scale, prefix LM, other attention types) are refused by name (config.py).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sloserve.checkpoint.config import ModelConfig
-from sloserve.engine.alibi import alibi_slopes
+from sloserve.engine.alibi import AlibiSlopes
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
 from sloserve.engine.kv_cache import layer_caches
+from sloserve.engine.models.nemotron import UpDownMLP
 
 
 class MptAttention(nn.Module):
@@ -29,15 +29,8 @@ class MptAttention(nn.Module):
         self.out_proj = nn.Linear(h, h, bias=False)
         self.clip_qkv = config.clip_qkv
         self.scale = config.attention_multiplier  # (the config's softmax_scale; None: 1/sqrt(head_dim))
-        self.alibi_bias_max = config.alibi_bias_max
+        self.alibi = AlibiSlopes(self.num_heads, config.alibi_bias_max)
         self.backend = backend
-        self._alibi: torch.Tensor | None = None  # (nh,) float32: built on the first step's device
-
-    def alibi(self, device: torch.device) -> torch.Tensor:
-        """The heads' ALiBi slopes on ``device``."""
-        if self._alibi is None or self._alibi.device != device:
-            self._alibi = alibi_slopes(self.num_heads, self.alibi_bias_max).to(device)
-        return self._alibi
 
     def forward(self, x, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:  # (T, H) -> (T, H)
         t = x.shape[0]
@@ -45,18 +38,8 @@ class MptAttention(nn.Module):
         if self.clip_qkv is not None:
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         q, k, v = qkv.view(t, 3, self.num_heads, self.head_dim).unbind(1)  # (T, nh, hd) each
-        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, scale=self.scale, alibi=self.alibi(x.device))
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, scale=self.scale, alibi=self.alibi.on(x.device))
         return self.out_proj(out.reshape(t, -1))
-
-
-class MptMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
-        self.up_proj, self.down_proj = nn.Linear(h, i, bias=False), nn.Linear(i, h, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, I) -> (T, H)
-        return self.down_proj(F.gelu(self.up_proj(x)))  # (exact GELU)
 
 
 class MptBlock(nn.Module):
@@ -65,7 +48,7 @@ class MptBlock(nn.Module):
         h, eps = config.hidden_size, config.norm_eps
         self.norm_1, self.norm_2 = nn.LayerNorm(h, eps=eps, bias=False), nn.LayerNorm(h, eps=eps, bias=False)
         self.attn = MptAttention(config, backend)
-        self.ffn = MptMLP(config)
+        self.ffn = UpDownMLP(config)  # (up_proj, down_proj: its exact GELU, no biases)
 
     def forward(self, x, k_cache, v_cache, meta):  # (T, H) the residual stream -> (T, H)
         x = self.attn(self.norm_1(x), k_cache, v_cache, meta) + x

@@ -69,8 +69,3 @@ class NanoChatForCausalLM(LlamaForCausalLM):
         """Llama's, the embeddings normed (by the final norm, as transformers' NanoChatModel does before the layers)."""
         x, cos, sin = super().embed(input_ids, positions)
         return self.model.norm(x), cos, sin
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, vocab)
-        logits = self.lm_head(hidden)
-        cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
