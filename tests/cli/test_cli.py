@@ -293,8 +293,9 @@ def test_bad_options_get_one_line_and_exit_2(tmp_path: Path, monkeypatch, args: 
 
 
 def test_an_engine_commands_missing_model_is_answered_before_torch_is_imported(tmp_path: Path):
-    """`run` and `profile` read --model's config.json (or its random: name) before importing the engine: a typo is
-    answered in well under a second, not after torch's import (2-3 s). A subprocess, to see what it imported."""
+    """`run`, `profile` and `serve` read --model's config.json (its random: name, its GGUF file) before importing the
+    engine or the server: a typo is answered in well under a second, not after torch's import (2-3 s). A subprocess,
+    to see what it imported."""
     (tmp_path / "rwkv").mkdir()
     (tmp_path / "rwkv" / "config.json").write_text(json.dumps({"model_type": "rwkv"}))
     script = (
@@ -307,12 +308,15 @@ def test_an_engine_commands_missing_model_is_answered_before_torch_is_imported(t
         "print('torch' in sys.modules)\n"
     )
     cases = [f"run --model {tmp_path / 'none'} --trace sharegpt", "profile --model random:huge --out x.json",
-             f"run --model {tmp_path / 'rwkv'} --trace sharegpt"]  # fmt: skip
+             f"run --model {tmp_path / 'rwkv'} --trace sharegpt", f"serve --model {tmp_path / 'none'}",
+             f"serve --model {tmp_path / 'rwkv'}", f"run --model {tmp_path / 'none.gguf'} --trace sharegpt"]  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", script, *cases], capture_output=True, text=True, timeout=120)
     *refusals, imported = proc.stdout.strip().splitlines()
     assert refusals[0] == f"2 error: model directory {tmp_path / 'none'} does not exist (models are never downloaded)"
     assert refusals[1].startswith("2 error: unknown random model shape 'huge'")
     assert refusals[2].startswith("2 error: rwkv: unsupported architecture 'rwkv'")
+    assert refusals[3] == refusals[0] and refusals[4] == refusals[2]
+    assert refusals[5] == f"2 error: --model {tmp_path / 'none.gguf'}: no such GGUF file"
     assert imported == "False", proc.stderr
 
 

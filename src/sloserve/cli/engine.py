@@ -106,16 +106,9 @@ def _knee_note(coefficients) -> str:
 
 
 def _load_engine_model(options: dict[str, Any]):
-    from sloserve.checkpoint.config import RANDOM_PREFIX, load_hf_config, random_config
-    from sloserve.checkpoint.gguf import is_gguf
+    from sloserve.checkpoint import check_engine_model
 
-    # NOTE: a model's name or config.json is read before torch is imported (2-3 s), as the loader reads it: a typo in
-    # --model or an unsupported architecture is answered at once (a GGUF file is left to the loader, which reads it)
-    model = options["model"]
-    if model.startswith(RANDOM_PREFIX):
-        random_config(model[len(RANDOM_PREFIX) :])
-    elif not is_gguf(model):
-        load_hf_config(Path(model).expanduser()).check_attends()
+    check_engine_model(options["model"])  # NOTE: before torch is imported: a typo in --model is answered at once
     try:
         from sloserve.engine.loader import load_model
     except ImportError as exc:  # torch, safetensors or tokenizers missing

@@ -214,6 +214,7 @@ def serve(
     best-effort; the others real-time. With --data-dir, also the Files and Batch API (/v1/files,
     /v1/batches), whose lines run best-effort beside online traffic. With --replicas N, N engines on
     Ray Serve behind the same API, each request routed by --router."""
+    from sloserve.checkpoint import check_engine_model
     from sloserve.sched import parse_set_options
 
     set_options = parse_set_options(set_pairs)
@@ -238,7 +239,6 @@ def serve(
             )
         if scheduling_policy == "priority":
             set_options["waiting_order"] = "priority"
-    serve_module = _import_serve_extra("sloserve.server.serve")
     if not 0 < port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {port}")
     if not (drain_timeout >= 0 and math.isfinite(drain_timeout)):
@@ -249,8 +249,10 @@ def serve(
         raise ConfigError(f"--max-batch-file-mb must be a finite number > 0, got {max_batch_file_mb}")
     if enable_auto_tool_choice != (tool_call_parser is not None):
         raise ConfigError("--enable-auto-tool-choice and --tool-call-parser go together: give both, or neither")
+    # NOTE: the model before the server's modules, which import torch (2-3 s): a typo in --model is answered at once
+    check_engine_model(options["model"])
+    serve_module = _import_serve_extra("sloserve.server.serve")
     serve_module.check_address(host, port)
-    _check_model(options["model"])
     keys = _import_serve_extra("sloserve.server.auth").load_api_keys(api_keys, api_key_file)
     if not keys and not serve_module.is_loopback(host):
         click.echo(
@@ -305,17 +307,6 @@ def serve(
         f"serving {serve_options.served_model_name} with {scheduler}{fleet} on http://{host}:{port}/v1", err=True
     )
     serve_module.run_server(app, serve_options)
-
-
-def _check_model(model: str) -> None:
-    """Read a local model's config before anything starts: an unsupported architecture or a broken
-    config.json is refused at once, not after the engine process has started (a path that does not
-    exist is left to the engine, which names it)."""
-    from sloserve.checkpoint import model_spec
-    from sloserve.checkpoint.gguf import is_gguf
-
-    if model.startswith("random:") or Path(model).expanduser().is_dir() or is_gguf(model):
-        model_spec(model)
 
 
 def model_name(model: str) -> str:
