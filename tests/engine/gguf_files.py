@@ -27,6 +27,40 @@ GEMMA3_TENSOR_NAMES = {
 }  # fmt: skip
 
 
+# Llama 3's split, as its tokenizer.json has it (LFM2's too), and the text a BPE vocabulary of it is trained on
+# and read back in: digits in runs of at most three
+SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+CORPUS = ["In 2024, 12345 people paid 678 dollars for 90 items.", "The year 1999 had 365 days and 8760 hours."] * 30
+TEXTS = ["In 20241999, 12345 people!", "The year 365 had 8760 hours\n\nand 90 items.", "<think>12 days</think>9"]
+SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+USER_DEFINED = ["<think>", "</think>"]  # added tokens that are not special (Qwen3's)
+
+
+def llama3_tokenizer(split: str = SPLIT):
+    """A byte-level BPE tokenizer trained on ``CORPUS`` after ``split`` (Llama 3's), its specials and user-defined
+    tokens added, BOS added to each text."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in USER_DEFINED])
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[(SPECIAL[0], 0)])
+    return tok
+
+
 def sentencepiece_vocabulary(
     corpus: list[str], added: tuple[str, ...] = ()
 ) -> tuple[list[str], list[float], list[int]]:

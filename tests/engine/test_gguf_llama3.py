@@ -16,43 +16,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from gguf_files import tiny_llama, write_gguf  # noqa: E402
+from gguf_files import SPECIAL, TEXTS, USER_DEFINED, llama3_tokenizer, tiny_llama, write_gguf  # noqa: E402
 
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.checkpoint.gguf import PRE_TOKENIZER_SPLITS, read_gguf  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 
-# Llama 3's split, as its tokenizer.json has it
-SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
-    r"\s+(?!\S)|\s+"
-)
-CORPUS = ["In 2024, 12345 people paid 678 dollars for 90 items.", "The year 1999 had 365 days and 8760 hours."] * 30
-TEXTS = ["In 20241999, 12345 people!", "The year 365 had 8760 hours\n\nand 90 items.", "<think>12 days</think>9"]
-SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
-USER_DEFINED = ["<think>", "</think>"]  # added tokens that are not special (Qwen3's)
 ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}  # fmt: skip
-
-
-def llama3_tokenizer(split: str = SPLIT):
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in USER_DEFINED])
-    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[(SPECIAL[0], 0)])
-    return tok
 
 
 def rope_factors(rope: dict, head_dim: int) -> list[float]:

@@ -118,6 +118,15 @@ ARCH_TENSORS["starcoder2"] = {  # (every projection's bias where use_bias; its M
     "blk.{n}.ffn_down.weight": "model.layers.{n}.mlp.c_proj.weight",
     "blk.{n}.ffn_down.bias": "model.layers.{n}.mlp.c_proj.bias",
 }
+ARCH_TENSORS["lfm2"] = {  # LFM2's short convolutions (llama.cpp's ``shortconv``), its final norm named after the
+    # embeddings (as its checkpoints name it: ``model.embedding_norm``, run after the last layer)
+    **ARCH_TENSORS["qwen3"],
+    **{
+        f"blk.{{n}}.shortconv.{x}.weight": f"model.layers.{{n}}.conv.{x}.weight"
+        for x in ("in_proj", "conv", "out_proj")
+    },
+    "token_embd_norm.weight": "model.norm.weight",
+}
 # The architectures whose norms are LayerNorms: the HF config's name of their epsilon
 LAYER_NORM_EPS_NAMES = {"stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon"}
 # The architectures whose rotary embedding may turn part of a head (``rope.dimension_count``)
@@ -183,6 +192,7 @@ PRE_TOKENIZER_SPLITS: dict[str | None, str | None] = {
     "dbrx": LLAMA3_SPLIT,  # (Phi-4's: GPT-4's cl100k split, Llama 3's pattern)
     "pixtral": LLAMA3_SPLIT,
     "tekken": TEKKEN_SPLIT,
+    "lfm2": LLAMA3_SPLIT,  # (llama.cpp's: LFM2's pattern is Llama 3's)
     "gpt-4o": GPT4O_SPLIT,  # (Phi-4 mini's)
 }
 # The ids that end a generation besides EOS (llama.cpp's end-of-generation tokens): Llama 3.1's
@@ -279,6 +289,9 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         return meta[f"{arch}.{key}"]
 
     heads = need("attention.head_count")
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
+    if arch == "lfm2":  # (a count a layer, 0 where the layer convolves: llama.cpp's converter's)
+        kv_heads = _lfm2_kv_heads(kv_heads, need("block_count"), path)
     hidden = need("embedding_length")
     tokens = meta.get("tokenizer.ggml.tokens") or []
     eos = {meta[key] for key in END_OF_GENERATION_KEYS if meta.get(key) is not None}
@@ -293,7 +306,7 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         "intermediate_size": dense_mlp,
         "num_hidden_layers": need("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
+        "num_key_value_heads": max(kv_heads) if arch == "lfm2" else kv_heads,
         "head_dim": meta.get(f"{arch}.attention.key_length") or hidden // heads,
         "max_position_embeddings": need("context_length"),
         **(
@@ -358,6 +371,12 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
             f"{path}: GGUF olmo2 with olmo2.attention.sliding_window {meta['olmo2.attention.sliding_window']} "
             "(Olmo 3's sliding layers) is not supported"
         )
+    if arch == "lfm2":  # the file's MLP length is the one the layers have (not a size to adjust, as its config's)
+        config.update(
+            layer_types=["full_attention" if n else "conv" for n in kv_heads],
+            block_auto_adjust_ff_dim=False,
+            conv_L_cache=need("shortconv.l_cache"),
+        )
     names = {t.name for t in reader.tensors}
     if arch == "stablelm":  # (its biases and second norms, as the tensors say: transformers' GGUF reader's rule)
         config["use_qkv_bias"] = "blk.0.attn_q.bias" in names
@@ -378,6 +397,26 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
                                   "factors": _frequency_factors(factors, frequencies, path)}  # fmt: skip
     config["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
     return GGUFCheckpoint(path, config, meta, reader)
+
+
+def _lfm2_kv_heads(counts: Any, layers: int, path: Path) -> list[int]:
+    """LFM2's ``lfm2.attention.head_count_kv``: a count a layer, 0 for a short convolution's (one count: every
+    layer's)."""
+    if isinstance(counts, int):
+        counts = [counts] * layers
+    if not (
+        isinstance(counts, list)
+        and len(counts) == layers
+        and all(isinstance(n, int) and n >= 0 for n in counts)
+        and any(counts)
+    ):
+        raise ConfigError(
+            f"{path}: GGUF lfm2.attention.head_count_kv must list each of the {layers} layers' KV heads (0: a "
+            f"convolution), some of them positive; got {counts!r}"
+        )
+    if len({n for n in counts if n}) > 1:
+        raise ConfigError(f"{path}: GGUF lfm2.attention.head_count_kv {counts}: attention layers of different counts")
+    return counts
 
 
 def _rope_scaling(meta: dict[str, Any], arch: str, path: Path) -> dict[str, Any] | None:
@@ -529,6 +568,8 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
             weight -= 1.0
         elif tensor.name.endswith("ffn_gate_inp_shexp.weight"):
             weight = weight.reshape(1, -1)  # NOTE: llama.cpp's is a vector (n_embd), HF's a (1, H) projection
+        elif tensor.name.endswith("shortconv.conv.weight"):
+            weight = weight[:, None, :]  # NOTE: llama.cpp's (C, taps), a depthwise Conv1d's (C, 1, taps)
         yield patterns[tensor.name], weight
     for n, parts in gpt_oss_experts.items():  # (a layer that lacks some)
         gguf_names = {part: name for name, part in GPT_OSS_EXPERTS.items()}
