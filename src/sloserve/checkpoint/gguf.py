@@ -289,9 +289,6 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         return meta[f"{arch}.{key}"]
 
     heads = need("attention.head_count")
-    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
-    if arch == "lfm2":  # (a count a layer, 0 where the layer convolves: llama.cpp's converter's)
-        kv_heads = _lfm2_kv_heads(kv_heads, need("block_count"), path)
     hidden = need("embedding_length")
     tokens = meta.get("tokenizer.ggml.tokens") or []
     eos = {meta[key] for key in END_OF_GENERATION_KEYS if meta.get(key) is not None}
@@ -306,7 +303,7 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         "intermediate_size": dense_mlp,
         "num_hidden_layers": need("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": max(kv_heads) if arch == "lfm2" else kv_heads,
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
         "head_dim": meta.get(f"{arch}.attention.key_length") or hidden // heads,
         "max_position_embeddings": need("context_length"),
         **(
@@ -371,8 +368,11 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
             f"{path}: GGUF olmo2 with olmo2.attention.sliding_window {meta['olmo2.attention.sliding_window']} "
             "(Olmo 3's sliding layers) is not supported"
         )
-    if arch == "lfm2":  # the file's MLP length is the one the layers have (not a size to adjust, as its config's)
+    if arch == "lfm2":  # KV heads a count a layer, 0 where it convolves (llama.cpp's converter's); the file's MLP
+        # length is the one the layers have (not a size to adjust, as its config's)
+        kv_heads = _lfm2_kv_heads(config["num_key_value_heads"], config["num_hidden_layers"], path)
         config.update(
+            num_key_value_heads=max(kv_heads),
             layer_types=["full_attention" if n else "conv" for n in kv_heads],
             block_auto_adjust_ff_dim=False,
             conv_L_cache=need("shortconv.l_cache"),

@@ -43,9 +43,8 @@ class NanoChatDecoderLayer(LlamaDecoderLayer):
     norm_class = UnweightedRMSNorm
 
     def make_attention(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> nn.Module:
-        return Llama4Attention(
-            config, backend, layer
-        )  # (its rotated heads normed without a weight: qk_unweighted_norm)
+        # (its rotated heads normed without a weight: qk_unweighted_norm)
+        return Llama4Attention(config, backend, layer)
 
     def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
         return UpDownMLP(config)
