@@ -35,7 +35,8 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "gpt_bigcode_mha": 85, "falcon": 86, "falcon_40b": 87, "falcon_11b": 88, "falcon_rw": 89, "minicpm3": 90, "jais2": 91,
          "cwm": 92, "vaultgemma": 93, "hyperclovax": 94,
          "cohere2_moe": 95, "cohere2_moe_sigmoid": 96, "bloom": 97, "bloom_6_heads": 98, "falcon_rw_alibi": 99,
-         "mpt": 100, "mpt_6_heads": 101, "flex_olmo": 102, "nanochat": 103}  # fmt: skip
+         "mpt": 100, "mpt_6_heads": 101, "flex_olmo": 102, "nanochat": 103, "mamba": 104, "falcon_mamba": 105,
+         "mamba2": 106}  # fmt: skip
 # The models of delta-rule layers (their decays made mild: states that last past a chunk)
 DELTA_RULE_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
@@ -524,6 +525,20 @@ def hf_model(arch: str):
             initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         )  # fmt: skip
         cls = transformers.JambaForCausalLM
+    elif arch in ("mamba", "falcon_mamba"):
+        # Mamba's outline, no attention: 128 channels (2 x 64) of 8 states each, a step of rank 8; Falcon Mamba's with
+        # its step, B and C RMS-normalized (no weights)
+        cls = transformers.MambaForCausalLM if arch == "mamba" else transformers.FalconMambaForCausalLM
+        config = (transformers.MambaConfig if arch == "mamba" else transformers.FalconMambaConfig)(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, state_size=8, time_step_rank=8, use_bias=True,
+            initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+    elif arch == "mamba2":  # Mamba-2's: 8 heads of 16 in 2 groups, 16 states, chunks of 8, an untied LM head
+        config = transformers.Mamba2Config(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_heads=8, head_dim=16, n_groups=2, state_size=16,
+            chunk_size=8, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        cls = transformers.Mamba2ForCausalLM
     elif arch == "afmoe":
         # Trinity's outline: norms around each part, three layers of four sliding (8) and rotated, gated heads, a
         # dense first MLP then experts (8, 2, scaled by 2) beside a shared one, the embeddings scaled (mup)

@@ -266,12 +266,13 @@ def setup_from_options(options: SimOptions) -> Setup:
     swap_gib = options.swap_space_gib
     if not (swap_gib >= 0 and math.isfinite(swap_gib)):
         raise ConfigError(f"--swap-space-gib must be a finite number >= 0, got {swap_gib}")
-    if swap_gib * 2**30 // model.kv_bytes_per_token > MAX_SIMULATED_KV_TOKENS:
+    # (a model of no attention has no KV to swap: its states stay, ``registry._check_request_states``)
+    swap_tokens = int(swap_gib * 2**30 // model.kv_bytes_per_token) if model.kv_bytes_per_token else 0
+    if swap_tokens > MAX_SIMULATED_KV_TOKENS:
         raise ConfigError(
             f"--swap-space-gib {swap_gib:g} holds more than {MAX_SIMULATED_KV_TOKENS:,} tokens of {model.name}'s "
             f"KV ({model.kv_bytes_per_token:,} bytes a token), the most a simulation's KV pools may hold"
         )
-    swap_tokens = int(swap_gib * 2**30 // model.kv_bytes_per_token)
     num_prefill, num_decode = parse_disaggregation(options.disaggregate, options.link_gbps)
     num_replicas = num_prefill + num_decode or options.replicas
     # NOTE: a scheduler keeping fewer than STATE_SLOTS requests' states gets their memory as KV too

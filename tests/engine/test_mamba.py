@@ -92,7 +92,7 @@ def test_the_mixer_gives_transformers_outputs_whole_in_chunks_and_decoding():
 def test_nemotron_hs_blocks_as_the_hub_and_transformers_5_name_them(hf_dirs, tmp_path):
     """The Hub's ``hybrid_override_pattern`` (M: Mamba, *: attention, -: MLP) and ``mamba_*`` names read as
     transformers 5's list and names; transformers' parameter count; one block of five with a KV cache; Nemotron 3's
-    experts (E) and an unknown letter refused by name; a pattern without attention refused where it would run."""
+    experts (E) and an unknown letter refused by name; a pattern without attention of no KV cache."""
     from sloserve.checkpoint.config import MAMBA, MLP_LAYER
 
     raw = hf_cached("nemotron_h").config.to_dict()
@@ -116,15 +116,12 @@ def test_nemotron_hs_blocks_as_the_hub_and_transformers_5_name_them(hf_dirs, tmp
         from_hf_config({**hub, "hybrid_override_pattern": "ME*EM", "moe_latent_size": 16})
     with pytest.raises(ConfigError, match="nemotron_h block type 'X' is not one of M, \\*, -, E"):
         from_hf_config({**hub, "hybrid_override_pattern": "MX*-M"})
-    # a pattern without attention: read, and refused by the simulator and the engine in one clear error (their KV
-    # cache's bytes a token would be 0)
+    # a pattern without attention: a model of no KV cache (test_mamba_models.py), its context in its states alone
     unattended = tmp_path / "unattended"
     unattended.mkdir()
     (unattended / "config.json").write_text(json.dumps({**hub, "hybrid_override_pattern": "M-M-"}))
     assert from_hf_config({**hub, "hybrid_override_pattern": "M-M-"}).num_kv_layers == 0
-    for load in (model_spec, LLM):
-        with pytest.raises(ConfigError, match=r"none of its 4 layers attends \(mamba, mlp\); a model needs an"):
-            load(str(unattended))
+    assert (model_spec(str(unattended)).kv_bytes_per_token, model_spec(str(unattended)).kv_layers) == (0, 0)
 
 
 def test_nemotron_hs_experts_stored_stacked_load_as_per_expert_ones(hf_dirs, tmp_path):
@@ -292,7 +289,7 @@ def test_the_simulator_keeps_a_hybrids_states_as_the_engine_does(hf_dirs, monkey
     [
         *("granite_4_h", "nemotron_h", "bamba", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm"),
         *("lfm2", "lfm2_moe", "lfm3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear"),
-        "jamba",
+        *("jamba", "mamba", "falcon_mamba", "mamba2"),
     ],
 )
 @pytest.mark.parametrize(
@@ -312,7 +309,8 @@ def test_a_hybrid_model_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options
     attention, every muP multiplier away from 1 and folded into the weights; its mixers' output gated, or
     normalized then gated); LFM2 (short convolutions instead of Mamba-2's, test_short_conv.py); Qwen3-Next, Qwen3.5
     and OLMo Hybrid (gated DeltaNets beside attention), Kimi Linear (KDA beside MLA: test_gated_delta_net.py); Jamba
-    (Mamba's selective scan beside attention without rope, experts)."""
+    (Mamba's selective scan beside attention without rope, experts); Mamba, Falcon Mamba and Mamba-2, of no attention
+    (test_mamba_models.py)."""
     tokens, llm = greedy_tokens(hf_dirs[arch], scheduler, **options)
     assert tokens == reference(arch)
     assert llm.engine.scheduler.kv.max_requests == llm.engine.executor.states.cache.num_slots
@@ -322,7 +320,9 @@ def test_a_hybrid_model_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options
         assert llm.engine.executor.num_early_launches > 0
 
 
-@pytest.mark.parametrize("arch", ["granite_4_h", "nemotron_h", "falcon_h1", "lfm2", "qwen3_next", "jamba"])
+@pytest.mark.parametrize(
+    "arch", ["granite_4_h", "nemotron_h", "falcon_h1", "lfm2", "qwen3_next", "jamba", "mamba", "mamba2"]
+)
 def test_decode_steps_on_the_graphs_buffers_give_hf_greedy_tokens(hf_dirs, arch):
     """Decode-only steps through ``DecodeGraphs``' padded static buffers (not captured on the CPU, as in
     test_cuda_graphs.py): each row's state slot one more input, the padding rows on the state cache's pad slot."""
@@ -350,7 +350,11 @@ def test_decode_steps_on_the_graphs_buffers_give_hf_greedy_tokens(hf_dirs, arch)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: a GPU's (the runbook's tests stage)")
 @pytest.mark.parametrize(
-    "arch", ["granite_4_h", "nemotron_h", "falcon_h1", "lfm2", "lfm3", "qwen3_next", "qwen3_5", "kimi_linear", "jamba"]
+    "arch",
+    [
+        *("granite_4_h", "nemotron_h", "falcon_h1", "lfm2", "lfm3", "qwen3_next", "qwen3_5", "kimi_linear", "jamba"),
+        *("mamba", "falcon_mamba", "mamba2"),
+    ],
 )
 def test_on_cuda_a_hybrid_models_captured_decode_steps_give_hf_greedy_tokens(hf_dirs, arch):
     """The Triton backend, chunked prefills, and decode steps replayed from captured graphs, in float32."""

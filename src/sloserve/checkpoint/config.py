@@ -66,6 +66,11 @@ ARCHITECTURES: dict[str, str] = {
     "jamba": "jamba",
     # (Nemotron-H, Nemotron Nano 2: blocks of one mixer each, Mamba-2, attention without rope or a squared-ReLU MLP)
     "nemotron_h": "nemotron_h",
+    # (Mamba 130M-2.8B, Falcon Mamba 7B (its step, B and C normalized), Mamba-2 130M-2.7B, Mamba-Codestral 7B: no
+    # attention; Nemotron-H's blocks, every one a Mamba mixer)
+    "mamba": "mamba",
+    "falcon_mamba": "mamba",
+    "mamba2": "mamba",
     # (Falcon-H1 0.5B-34B: Llama's layers with a Mamba-2 mixer beside each attention, muP multipliers)
     "falcon_h1": "falcon_h1",
     # (LFM2 350M-2.6B: Llama's layers, most mixing by a gated short convolution instead of attention, Qwen3's
@@ -588,6 +593,10 @@ GRANITE_SCALED = (
 # The mixtures of experts beside a shared MLP every token runs, unscaled (Granite's ``shared_mlp``)
 UNGATED_SHARED_EXPERTS = ("granitemoehybrid", "granitemoeshared", "granitemoe_swa")
 LFM_TYPES = ("lfm2", "lfm2_moe", "lfm3")  # (Liquid AI's models of short convolutions and attention)
+MAMBA_TYPES = ("mamba", "falcon_mamba", "mamba2")  # (no attention: every layer a Mamba mixer)
+# The context of a model whose config names none (Mamba's: no position embedding ends it), vLLM's default
+UNNAMED_CONTEXT_TOKENS = 2048
+MAMBA2_SIZES = {"num_heads": 128, "head_dim": 64, "n_groups": 8, "chunk_size": 256}  # (Mamba2Config's defaults)
 QWEN3_NEXT_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # (gated DeltaNet and gated attention)
 GATED_DELTA_NET_TYPES = (*QWEN3_NEXT_TYPES, "olmo_hybrid")  # (the models with gated DeltaNet layers)
 # Byte-level tokenizer of random models: ids 0..255 are bytes, then BOS and EOS.
@@ -685,7 +694,10 @@ class ModelConfig:
     mla: dict[str, Any] | None = None
     # Mamba-2 mixers in place of attention in the layers whose layer_types entry is MAMBA (Granite 4.0-H, Bamba,
     # Nemotron-H), beside it in PARALLEL_HYBRID ones (Falcon-H1): n_heads, head_dim, n_groups, d_state, d_conv,
-    # d_inner, chunk_size, conv_bias, proj_bias, out_proj_bias, rms_norm, norm_before_gate, time_step_limit; None: none
+    # d_inner, chunk_size, conv_bias, proj_bias, out_proj_bias, rms_norm, norm_before_gate, time_step_limit. Mamba's
+    # mixers (version 1: Jamba's, Mamba's, Falcon Mamba's): d_inner, d_state, d_conv, dt_rank, conv_bias, proj_bias and
+    # the norms of the step, B and C (dt_bc_norms, dt_bc_norm_weights, dt_bc_norm_eps: None for norm_eps). A model of
+    # Mamba layers alone: residual_in_fp32 too. None: none
     mamba: dict[str, Any] | None = None
     # LFM2's gated short convolutions in place of attention in the layers whose layer_types entry is SHORT_CONV:
     # width (its taps, the config's conv_L_cache) and bias (its projections' and convolution's); None: none
@@ -739,17 +751,6 @@ class ModelConfig:
     @property
     def architecture(self) -> str:
         return ARCHITECTURES[self.model_type]
-
-    def check_attends(self) -> None:
-        """A ConfigError unless some layer attends: the engine's and the simulator's KV cache hold a model's tokens,
-        and one of no attention layer would hold 0 bytes a token (Mamba's and Falcon Mamba's pure models; a hybrid's
-        pattern of no attention, as transformers' default Bamba and Granite 4.0 configs are)."""
-        if self.num_kv_layers == 0:
-            raise ConfigError(
-                f"model {self.name}: none of its {self.num_hidden_layers} layers attends "
-                f"({', '.join(sorted(set(self.layer_types)))}); a model needs an attention layer here (the engine's "
-                "and the simulator's KV cache hold its tokens)"
-            )
 
     @property
     def rotary_dim(self) -> int:
@@ -914,7 +915,9 @@ class ModelConfig:
             d, n, rank, bias = m["d_inner"], m["d_state"], m["dt_rank"], m["proj_bias"]
             in_out = 2 * h * d + 2 * d * bias + d * h + h * bias
             conv = d * m["d_conv"] + d * m["conv_bias"]
-            return in_out + conv + d * (rank + 2 * n) + rank * d + d + d * n + d + (rank + 2 * n) * m["dt_bc_norms"]
+            return (
+                in_out + conv + d * (rank + 2 * n) + rank * d + d + d * n + d + (rank + 2 * n) * m["dt_bc_norm_weights"]
+            )
         in_proj = h * (m["d_inner"] + conv_dim + m["n_heads"]) + m["proj_bias"] * (
             m["d_inner"] + conv_dim + m["n_heads"]
         )
@@ -970,7 +973,7 @@ class ModelConfig:
             return embeddings + layers * layer + 2 * h + (0 if self.tie_word_embeddings else v * h)
         if self.mla is not None:
             return self._deepseek_num_params()
-        if self.architecture == "nemotron_h":  # a norm and one mixer a block
+        if self.architecture in ("nemotron_h", "mamba"):  # a norm and one mixer a block
             q_width, kv_width = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
             mixers = {
                 MAMBA: self.mamba_params,
@@ -1070,7 +1073,6 @@ class ModelConfig:
 
         A mixture of experts: all its parameters in memory, a token's experts in its compute, and the experts a
         step's tokens reach in the weights it reads (``ModelSpec.num_experts``...: the roofline's)."""
-        self.check_attends()
         two_matrices = self.model_type in TWO_MATRIX_MLPS or self.architecture in ("falcon", "gpt2", "mpt")
         mlp_kind = "relu" if two_matrices else "gated"  # (two matrices, whatever their activation)
         extra = {}  # (the fields a dense model with Llama's attention leaves at 0)
@@ -1102,7 +1104,7 @@ class ModelConfig:
             num_kv_heads=self.kv_cache_heads,
             head_dim=self.kv_cache_head_dim,  # NOTE: MLA's attention runs on its latent, 576 wide (V2)
             keys_only_kv=self.kv_cache_tensors == 1,  # (MLA's values are its keys' latent)
-            kv_layers=self.num_kv_layers if self.has_request_states else 0,
+            kv_layers=self.num_kv_layers,  # (0: a model of no attention, Mamba's: its requests' states hold them)
             state_bytes_per_sequence=self.request_state_bytes(DTYPE_BYTES.get(self.torch_dtype, 2)),
             **extra,
             intermediate_size=self.intermediate_size,
@@ -1133,6 +1135,14 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
         raw = {GPT2_NAMES.get(key, key): value for key, value in raw.items()}
     elif model_type in SETTING_NAMES:  # (a config's own names of the common settings win, as transformers reads them)
         raw = {**raw, **{ours: raw[theirs] for theirs, ours in SETTING_NAMES[model_type].items() if theirs in raw}}
+    elif model_type in MAMBA_TYPES:  # (no attention: one nominal head; no positions: the default context)
+        tied = model_type != "mamba2"  # (transformers' defaults)
+        raw = {
+            "num_attention_heads": 1,
+            "max_position_embeddings": UNNAMED_CONTEXT_TOKENS,
+            "tie_word_embeddings": tied,
+            **raw,
+        }
     elif model_type == "nemotron_h":  # (its blocks' count is its pattern's length)
         raw = {**raw, "num_hidden_layers": len(_nemotron_h_kinds(raw, name))}
     elif model_type == "kimi_linear":
@@ -1235,6 +1245,8 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         return _deepseek_config(raw, common, name, need)
     if model_type == "nemotron_h":
         return _nemotron_h_config(raw, common, name, need)
+    if model_type in MAMBA_TYPES:
+        return _mamba_config(raw, common, name)
     # transformers >= 5 keeps rope settings in rope_parameters; older configs at the top level.
     rope = dict(raw.get("rope_parameters") or {})
     default_theta = DEFAULT_ROPE_THETA.get(model_type, 10000.0)
@@ -1956,7 +1968,10 @@ def _jamba_layers(raw: dict[str, Any], layers: int, name: str) -> tuple[tuple[st
         **settings,
         "conv_bias": bool(raw.get("mamba_conv_bias", True)),
         "proj_bias": bool(raw.get("mamba_proj_bias", False)),
-        "dt_bc_norms": True,  # (Jamba's RMSNorms of the step, B and C)
+        # (Jamba's RMSNorms of the step, B and C, with weights, at the model's norm_eps)
+        "dt_bc_norms": True,
+        "dt_bc_norm_weights": True,
+        "dt_bc_norm_eps": None,
     }
 
 
@@ -2092,6 +2107,58 @@ def _nemotron_h_config(raw: dict[str, Any], common: dict[str, Any], name: str, n
         rotary_layers=(False,) * layers,  # (no position embedding: the Mamba layers order the tokens)
         mamba=mamba,
         moe=_nemotron_h_moe(raw, kinds, name),
+    )
+
+
+def _mamba_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> ModelConfig:
+    """Mamba's, Falcon Mamba's or Mamba-2's config (transformers' names and defaults): every layer an RMSNorm and a
+    mixer of ``expand`` x hidden_size channels, Mamba's (``models/mamba1.py``; Falcon Mamba's with its step, B and C
+    RMS-normalized without weights, at ``mixer_rms_eps``) or Mamba-2's (``models/mamba2.py``), the residual stream in
+    float32 where ``residual_in_fp32``. No layer attends: the one nominal head (of two numbers) is read by none."""
+    model_type, hidden = common["model_type"], common["hidden_size"]
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{name}: hidden_act {raw.get('hidden_act')!r} is not supported for {model_type} (silu)")
+    version = 2 if model_type == "mamba2" else 1
+    rank = raw.get("time_step_rank", "auto")
+    sizes = {  # (the config's names, transformers' defaults)
+        "state_size": raw.get("state_size", 128 if version == 2 else 16),
+        "conv_kernel": raw.get("conv_kernel", 4),
+        "expand": raw.get("expand", 2),
+        **({"time_step_rank": math.ceil(hidden / 16) if rank == "auto" else rank} if version == 1 else {}),
+        **({key: raw.get(key, default) for key, default in MAMBA2_SIZES.items()} if version == 2 else {}),
+    }
+    _check_positive_ints(sizes, tuple(sizes), name)
+    d_inner, bias = sizes["expand"] * hidden, bool(raw.get("use_bias", False))
+    mamba = {"d_inner": d_inner, "d_state": sizes["state_size"], "d_conv": sizes["conv_kernel"],
+             "conv_bias": bool(raw.get("use_conv_bias", True)), "proj_bias": bias}  # fmt: skip
+    if version == 1:
+        falcon = model_type == "falcon_mamba"
+        eps = _json_float(raw.get("mixer_rms_eps", 1e-6), "mixer_rms_eps", name) if falcon else None
+        mamba.update(version=1, dt_rank=sizes["time_step_rank"], dt_bc_norms=falcon, dt_bc_norm_weights=False,
+                     dt_bc_norm_eps=eps)  # fmt: skip
+    else:
+        heads, head_dim, groups = sizes["num_heads"], sizes["head_dim"], sizes["n_groups"]
+        if heads * head_dim != d_inner or heads % groups:
+            raise ConfigError(
+                f"{name}: num_heads {heads} x head_dim {head_dim} must be expand x hidden_size {d_inner}, and "
+                f"n_groups {groups} must divide the heads"
+            )
+        limit = [_json_float(bound, "time_step_limit", name) for bound in raw.get("time_step_limit") or (0.0, math.inf)]
+        if len(limit) != 2:
+            raise ConfigError(f"{name}: time_step_limit must be two numbers (the steps' least and most), got {limit!r}")
+        mamba.update(n_heads=heads, head_dim=head_dim, n_groups=groups, chunk_size=sizes["chunk_size"],
+                     out_proj_bias=bias, rms_norm=True, norm_before_gate=False, time_step_limit=tuple(limit))  # fmt: skip
+    mamba["residual_in_fp32"] = bool(raw.get("residual_in_fp32", True))
+    layers = common["num_hidden_layers"]
+    return ModelConfig(
+        **common,
+        intermediate_size=d_inner,
+        num_key_value_heads=1,
+        head_dim=2,
+        norm_eps=_json_float(raw.get("layer_norm_epsilon", 1e-5), "layer_norm_epsilon", name),
+        layer_types=(MAMBA,) * layers,
+        rotary_layers=(False,) * layers,
+        mamba=mamba,
     )
 
 

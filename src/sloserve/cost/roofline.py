@@ -132,7 +132,7 @@ class RooflineCostModel(CostModel):
         self._qo_bytes_per_token = 2.0 * attn_width * dtype  # Q read and O written by prefill
         # Windowed layers: their share of every attention layer's keys, and W.
         self._window_tokens = m.window_tokens
-        self._window_share = m.window_layers / m.attention_layers
+        self._window_share = m.window_layers / m.attention_layers if m.window_layers else 0.0
         self._full_share = 1.0 - self._window_share
 
     def __repr__(self) -> str:

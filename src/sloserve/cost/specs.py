@@ -37,7 +37,8 @@ class ModelSpec:
     numbers a head after that many FLOPs (all layers) expand each context token's cache entry into keys and
     values by head (MLA's prefills by head: 192, 2 L d_c nh (d_h + d_v)); 0, 0: none. ``kv_layers``: the layers
     with a KV cache and attention, where fewer than ``num_layers`` (a hybrid's: Granite 4.0-H's Mamba layers,
-    LFM2's short convolutions keep a state a request instead); 0: all of them. ``state_bytes_per_sequence``:
+    LFM2's short convolutions keep a state a request instead; 0: a model of no attention, Mamba's, its tokens
+    taking no memory); None: all of them. ``state_bytes_per_sequence``:
     those states, every layer's, a request's (0: none): a decode step reads and writes them, and the scheduler's
     slots' (at most ``STATE_SLOTS``) take memory from the KV cache. ``window_layers``, ``window_tokens``: of those
     attention layers, the ones whose query sees only the last ``window_tokens`` positions (a sliding window: Mistral
@@ -65,7 +66,7 @@ class ModelSpec:
     expert_params: int = 0
     prefill_head_dim: int = 0
     prefill_kv_flops_per_token: int = 0
-    kv_layers: int = 0
+    kv_layers: int | None = None
     state_bytes_per_sequence: int = 0
     window_layers: int = 0
     window_tokens: int = 0
@@ -95,7 +96,6 @@ class ModelSpec:
             "expert_params",
             "prefill_head_dim",
             "prefill_kv_flops_per_token",
-            "kv_layers",
             "state_bytes_per_sequence",
             "window_layers",
             "window_tokens",
@@ -112,8 +112,13 @@ class ModelSpec:
             )
         if (self.prefill_head_dim > 0) != (self.prefill_kv_flops_per_token > 0):
             raise ConfigError(f"{owner}: prefill_head_dim and prefill_kv_flops_per_token are both 0 or both positive")
-        if self.kv_layers > self.num_layers:
-            raise ConfigError(f"{owner}: kv_layers {self.kv_layers} exceeds num_layers {self.num_layers}")
+        kv_layers = self.kv_layers
+        if kv_layers is not None and (isinstance(kv_layers, bool) or not isinstance(kv_layers, int) or kv_layers < 0):
+            raise ConfigError(f"{owner}: kv_layers must be an integer >= 0 or None (all), got {kv_layers!r}")
+        if self.attention_layers > self.num_layers:
+            raise ConfigError(f"{owner}: kv_layers {kv_layers} exceeds num_layers {self.num_layers}")
+        if self.attention_layers == 0 and not self.state_bytes_per_sequence:
+            raise ConfigError(f"{owner}: a model of no attention layer (kv_layers 0) keeps its requests' states")
         if (self.window_layers > 0) != (self.window_tokens > 0):
             raise ConfigError(f"{owner}: window_layers and window_tokens are both 0 or both positive")
         if self.window_layers > self.attention_layers:
@@ -137,7 +142,7 @@ class ModelSpec:
     @property
     def attention_layers(self) -> int:
         """The layers with attention and a KV cache (``kv_layers``, else every one)."""
-        return self.kv_layers or self.num_layers
+        return self.num_layers if self.kv_layers is None else self.kv_layers
 
     @property
     def weight_bytes(self) -> int | float:
@@ -343,7 +348,8 @@ def kv_capacity_tokens(
     state_slots: int = STATE_SLOTS,
 ) -> int:
     """How many tokens of KV cache fit (InferMax's M): (num_gpus * memory * utilization - weights -
-    activation reserve - ``state_slots`` requests' states) / kv_bytes_per_token. With tensor parallelism both
+    activation reserve - ``state_slots`` requests' states) / kv_bytes_per_token; a model of no attention (0 bytes a
+    token) as many as its slots' requests hold, ``state_slots`` x max_context_len, where their states fit. With tensor parallelism both
     the weights and each token's KV are split across GPUs, so the totals are unchanged and memory sums.
 
     ``activation_reserve_bytes`` is the total over all GPUs (default: ``default_activation_reserve``).
@@ -371,7 +377,12 @@ def kv_capacity_tokens(
         )
     states = state_slots * model.state_bytes_per_sequence
     free = usable - model.weight_bytes - activation_reserve_bytes - states
-    tokens = int(free // model.kv_bytes_per_token) if free > 0 else 0
+    if free <= 0:
+        tokens = 0
+    elif not model.kv_bytes_per_token:  # (no attention: its tokens take no memory; its slots' requests hold them all)
+        tokens = state_slots * model.max_context_len
+    else:
+        tokens = int(free // model.kv_bytes_per_token)
     if tokens < 1:
         of_states = f" and {states / 1e9:.1f} GB of {state_slots} requests' states" if states else ""
         raise ConfigError(

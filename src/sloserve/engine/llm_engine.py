@@ -62,12 +62,13 @@ def kv_bytes_per_token(loaded: LoadedModel) -> int:
 
 def resolve_max_model_len(config: ModelConfig, max_model_len: int | None) -> int:
     """The context the engine serves: ``max_model_len``, or the model's positions when not given.
-    Beyond the model's positions is refused, as vLLM does (the rotary or learned positions end there)."""
+    Beyond the model's positions is refused, as vLLM does (the rotary or learned positions end there), but for a model
+    of no attention (Mamba's: its recurrence alone orders its tokens, however many)."""
     if max_model_len is None:
         return config.max_position_embeddings
     if max_model_len < 2:
         raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
-    if max_model_len > config.max_position_embeddings:
+    if max_model_len > config.max_position_embeddings and config.num_kv_layers:
         raise ConfigError(
             f"max_model_len {max_model_len} is above the model's context of {config.max_position_embeddings} "
             "tokens (max_position_embeddings in its config)"
@@ -93,10 +94,15 @@ def host_memory_bytes() -> int | None:
         return None
 
 
-def default_kv_capacity(loaded: LoadedModel, max_model_len: int, reserved_bytes: int = 0) -> int:
+def default_kv_capacity(
+    loaded: LoadedModel, max_model_len: int, reserved_bytes: int = 0, num_state_slots: int = 0
+) -> int:
     """KV capacity in tokens when none is given (see the constants above); on CUDA, of the memory left beside
-    ``reserved_bytes`` (the requests' states of a model with state layers)."""
+    ``reserved_bytes`` (the requests' states of a model with state layers). A model of no attention (Mamba's: 0
+    bytes a token): the tokens of ``num_state_slots`` whole contexts (default: as many as it keeps states for)."""
     bytes_per_token = kv_bytes_per_token(loaded)
+    if not bytes_per_token:
+        return (num_state_slots or MAX_STATE_SLOTS.get(loaded.device.type, STATE_SLOTS)) * max_model_len
     if loaded.device.type == "cuda":
         return int((free_cuda_bytes(loaded) * GPU_MEMORY_UTILIZATION - reserved_bytes) // bytes_per_token)
     return min(CPU_KV_CACHE_BYTES // bytes_per_token, CPU_KV_CACHE_CONTEXTS * max_model_len)
@@ -121,7 +127,7 @@ def check_kv_fits(
             raise ConfigError(
                 f"kv_capacity_tokens {capacity:,} needs {gib(capacity * bytes_per_token)} of KV cache "
                 f"({bytes_per_token:,} bytes a token){states} but {loaded.device} has {gib(free)} free after the "
-                f"weights; give at most {max(free - state_bytes, 0) // bytes_per_token:,}"
+                f"weights; give at most {max(free - state_bytes, 0) // max(bytes_per_token, 1):,}"
             )
     else:
         host_bytes += capacity * bytes_per_token + state_bytes
@@ -238,7 +244,7 @@ class LLMEngine:
         capacity = (
             kv_capacity_tokens
             if kv_capacity_tokens is not None
-            else default_kv_capacity(loaded, self.max_model_len, state_bytes)
+            else default_kv_capacity(loaded, self.max_model_len, state_bytes, num_state_slots)
         )
         if capacity < 1 and kv_capacity_tokens is None:
             raise ConfigError(
@@ -252,7 +258,8 @@ class LLMEngine:
             raise ConfigError(f"swap_space_tokens must be >= 0, got {swap_space_tokens}")
         sized_by_caller = kv_capacity_tokens is not None or swap_space_tokens is not None
         if swap_space_tokens is None:
-            swap_space_tokens = min(capacity, MAX_SWAP_BYTES // bytes_per_token)
+            # (none for a model of no attention: its tokens have no KV, and its states are not swapped)
+            swap_space_tokens = min(capacity, MAX_SWAP_BYTES // bytes_per_token) if bytes_per_token else 0
         if sized_by_caller:  # NOTE: the defaults fit by construction
             check_kv_fits(loaded, capacity, swap_space_tokens, bytes_per_token, state_bytes)
         self.scheduler = make_scheduler(

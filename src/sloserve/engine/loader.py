@@ -130,7 +130,6 @@ def load_model(
         config = load_hf_config(path)
         if config.extra.get("multimodal_checkpoint"):
             config = dataclasses.replace(config, tie_word_embeddings=not stores_lm_head(path))
-    config.check_attends()
     backend_name = resolve_attention_backend(attention_backend, dev)
     # A mixture of experts' tokens through fused_moe's kernels where the Triton backend runs (CUDA, or
     # Triton's interpreter), with SLOSERVE_FUSED_MOE=1 (off until a GPU session has timed it)

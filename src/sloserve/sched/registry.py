@@ -147,6 +147,10 @@ def make_scheduler(
         )
     if kv_capacity_tokens < config.block_size:
         raise ConfigError(f"KV capacity {kv_capacity_tokens} tokens is below one block of {config.block_size} tokens")
+    if (
+        max_requests is not None
+    ):  # (before swap space: a model of no attention, 0 KV bytes a token, hears of its states)
+        _check_request_states(name, config)
     if getattr(config, "preemption_mode", "recompute") == "swap" and swap_space_tokens < config.block_size:
         # NOTE: an error, not a silent recompute: a run asked to swap would otherwise measure recomputation
         raise ConfigError(
@@ -166,8 +170,6 @@ def make_scheduler(
             f"scheduler {name} does not support prefix caching (its policy does not look the cache up, or its "
             "KV manager does not share blocks): give --no-enable-prefix-caching"
         )
-    if max_requests is not None:
-        _check_request_states(name, config)
     caching = {"enable_prefix_caching": True} if enable_prefix_caching else {}
     kv = KV_MANAGERS[config.kv_manager](
         kv_capacity_tokens // config.block_size,

@@ -23,6 +23,7 @@ from sloserve.engine.models import (
     kimi_linear,
     lfm2,
     llama4,
+    mamba,
     mpt,
     nanochat,
     nemotron_h,
@@ -73,6 +74,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "apertus": ApertusForCausalLM,
     "granitemoehybrid": LlamaForCausalLM,
     "nemotron_h": NemotronHForCausalLM,
+    "mamba": mamba.MambaForCausalLM,
     "bamba": LlamaForCausalLM,
     "falcon_h1": LlamaForCausalLM,
     "lfm2": lfm2.Lfm2ForCausalLM,
@@ -142,6 +144,7 @@ CHECKPOINT_TENSORS = {
     "ernie4_5_moe": _ernie4_5_moe_tensor,
     "granitemoehybrid": _granite_4_tensor,
     "nemotron_h": nemotron_h.checkpoint_tensor,
+    "mamba": nemotron_h.checkpoint_tensor,  # (Nemotron-H's names: every block a MAMBA one)
     "falcon_h1": falcon_h1.checkpoint_tensor,
     "qwen3_next": qwen3_next.checkpoint_tensor,
     "kimi_linear": kimi_linear.checkpoint_tensor,

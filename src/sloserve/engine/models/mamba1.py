@@ -1,12 +1,13 @@
 """Mamba's (Gu and Dao, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces", 2023) selective state
-space mixer: the Mamba layers of Jamba (``jamba``: Jamba 1.5 and 1.7, Mini and Large). HF parameter names.
+space mixer: the Mamba layers of Jamba (``jamba``: Jamba 1.5 and 1.7, Mini and Large), and every layer of Mamba's and
+Falcon Mamba's models (``models/mamba.py``). HF parameter names.
 
 A token's input projection gives x and a gate z. x goes through a causal depthwise convolution of ``d_conv`` taps
 and SiLU; ``x_proj`` gives from it a step of rank ``dt_rank`` and B and C (``d_state`` each), RMS-normalized in
-Jamba (``dt_layernorm``, ``b_layernorm``, ``c_layernorm``); ``dt_proj`` lifts the step to a channel's,
-dt = softplus(dt_proj(step) + its bias). Each channel d keeps a state h_d of ``d_state`` numbers:
-h_t = exp(dt_t A) h_(t-1) + dt_t x_t B_t (A = -exp(A_log), a number a channel and state), y_t = h_t . C_t + D x_t,
-and y * SiLU(z) is projected back (S6, the paper's Algorithm 2).
+Jamba and Falcon Mamba (``dt_layernorm``, ``b_layernorm``, ``c_layernorm``; Falcon Mamba's of no weight);
+``dt_proj`` lifts the step to a channel's, dt = softplus(dt_proj(step) + its bias). Each channel d keeps a state
+h_d of ``d_state`` numbers: h_t = exp(dt_t A) h_(t-1) + dt_t x_t B_t (A = -exp(A_log), a number a channel and
+state), y_t = h_t . C_t + D x_t, and y * SiLU(z) is projected back (S6, the paper's Algorithm 2).
 
 A request carries the convolution's last ``d_conv - 1`` inputs and the states h (``state_cache.StateCache``: its
 recurrence shape (1, d_inner, d_state), float32). A prefill runs ``selective_scan``: chunks of tokens at once (the
@@ -15,6 +16,8 @@ recurrence step.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -74,11 +77,16 @@ class Mamba1Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.d_inner, self.d_state))
         self.D = nn.Parameter(torch.empty(self.d_inner))
         self.out_proj = nn.Linear(self.d_inner, h, bias=m["proj_bias"])
-        self.normed = m["dt_bc_norms"]  # (Jamba's: the step, B and C RMS-normalized)
+        # (Jamba's: the step, B and C RMS-normalized, by weights; Falcon Mamba's: without, at an epsilon of their own)
+        self.normed = m["dt_bc_norms"]
         if self.normed:
-            eps = config.norm_eps
-            self.dt_layernorm, self.b_layernorm = nn.RMSNorm(self.dt_rank, eps), nn.RMSNorm(self.d_state, eps)
-            self.c_layernorm = nn.RMSNorm(self.d_state, eps)
+            eps = config.norm_eps if m["dt_bc_norm_eps"] is None else m["dt_bc_norm_eps"]
+            norm = functools.partial(nn.RMSNorm, eps=eps, elementwise_affine=m["dt_bc_norm_weights"])
+            self.dt_layernorm, self.b_layernorm, self.c_layernorm = (
+                norm(self.dt_rank),
+                norm(self.d_state),
+                norm(self.d_state),
+            )
 
     def forward(self, x: torch.Tensor, meta: StateMetadata) -> torch.Tensor:  # (T, H) normalized -> (T, H)
         xs, z = self.in_proj(x).chunk(2, dim=-1)  # (T, D) each

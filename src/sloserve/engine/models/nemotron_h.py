@@ -13,8 +13,7 @@ from torch import nn
 from sloserve.checkpoint.config import MAMBA, MLP_LAYER, ModelConfig
 from sloserve.engine.attention import AttentionBackend
 from sloserve.engine.models.gpt2 import ACTIVATIONS
-from sloserve.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel, RMSNorm
-from sloserve.engine.models.mamba2 import Mamba2Mixer
+from sloserve.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel, RMSNorm, mamba_mixer
 from sloserve.engine.models.moe import DeepseekMoE, UpDownExperts
 from sloserve.engine.models.nemotron import UpDownMLP
 
@@ -23,11 +22,13 @@ class NemotronHBlock(nn.Module):
     """A norm and the block's mixer: ``mamba``, ``self_attn`` or ``mlp`` (an MLP, or experts: DeepSeek-V3's routing
     over two-matrix experts beside a shared one; the others None)."""
 
+    norm_class: type[nn.Module] = RMSNorm
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
         kind = config.layer_types[layer]
-        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.mamba = Mamba2Mixer(config, layer) if kind == MAMBA else None
+        self.input_layernorm = self.norm_class(config.hidden_size, config.norm_eps)
+        self.mamba = mamba_mixer(config, layer) if kind == MAMBA else None
         self.self_attn = LlamaAttention(config, backend, layer) if kind == "full_attention" else None
         self.mlp = UpDownMLP(config) if kind == MLP_LAYER else None
         if kind == "moe":
