@@ -153,6 +153,8 @@ def test_kimi_delta_attention_gives_transformers_outputs_whole_in_chunks_and_dec
         for p in theirs.parameters():
             p.add_(0.1 * torch.randn_like(p))
         theirs.forget_gate.A_log.copy_(torch.empty_like(theirs.forget_gate.A_log).uniform_(0.02, 0.3).log())
+        # (transformers leaves dt_bias as torch.empty made it, outside a model's init: NaN where memory held some)
+        theirs.forget_gate.dt_bias.copy_(0.5 * torch.randn_like(theirs.forget_gate.dt_bias))
     config = from_hf_config(hf_config.to_dict())
     ours = KimiDeltaAttention(config, 2).eval()
     weights = {name.removeprefix("forget_gate."): tensor for name, tensor in theirs.state_dict().items()}
