@@ -121,7 +121,9 @@ def test_lfm2s_shape_counts_its_convolutions_and_only_its_attention_layers_kv(hf
     assert states.conv.shape[0] == 2 and states.ssm is None
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "lfm3", "granite_4_h", "qwen3_next", "kimi_linear", "jamba"])
+@pytest.mark.parametrize(
+    "arch", ["lfm2", "lfm3", "granite_4_h", "qwen3_next", "kimi_linear", "jamba", "mamba", "mamba2"]
+)
 @pytest.mark.parametrize(
     "scheduler,options",
     [
@@ -137,7 +139,7 @@ def test_a_conversations_next_turn_starts_from_the_states_saved_at_its_history(
     prompt, its answer, a new message) and the first prompt resent find the first prompt's blocks up to the states
     saved at its last full block before its last token, start from them, and give transformers' greedy tokens
     (LFM2's short convolutions; Granite 4.0-H's Mamba-2 scans and Qwen3-Next's delta rules, split at the saved
-    point). The reference: forward
+    point; Mamba's and Mamba-2's models, of no attention: their states alone). The reference: forward
     passes over whole sequences (``greedy_by_full_forwards``)."""
     llm = LLM(hf_dirs[arch], scheduler, **options)
     first = [(i * 11 + 3) % 300 for i in range(first_turn)]
