@@ -10,7 +10,8 @@ sliding windows), SmolLM3, Granite 3, Qwen2, Qwen3, Qwen3-MoE (``qwen3moe``), Qw
 and Phi-4 (``phi3``), OLMo 2 (``olmo2``), StableLM (``stablelm``), StarCoder2 (``starcoder2``), gpt-oss
 (``gpt-oss``: its experts in MXFP4 or not, dequantized by ``gguf``; its YaRN ramp truncated, as llama.cpp
 computes it, where the HF config says ``truncate: false``), Gemma (``gemma``: Gemma 1, CodeGemma), Gemma 2 and
-Gemma 3's text models, with a byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's
+Gemma 3's text models, Mamba, Falcon Mamba (``mamba``, with ``ssm.dt_b_c_rms``) and Mamba-2 (``mamba2``), with a
+byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's
 split pattern by ``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2, Mistral 7B,
 TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores it, a tensor of frequency factors
 (``rope_freqs.weight``); linear and YaRN scaling as ``rope.scaling.*`` keys; Phi-3.5's and Phi-4 mini's
@@ -24,6 +25,7 @@ does. The others are converted unpermuted (llama.cpp runs them with NEOX-style R
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,6 +129,29 @@ ARCH_TENSORS["lfm2"] = {  # LFM2's short convolutions (llama.cpp's ``shortconv``
     },
     "token_embd_norm.weight": "model.norm.weight",
 }
+# Mamba's and Mamba-2's blocks (llama.cpp's ``mamba``: Falcon Mamba's too; ``mamba2``), under their HF names: the norm
+# ``attn_norm``; the mixer's A as A = -exp(A_log) (``ssm_a``, read back as A_log), its convolution (C, taps);
+# Mamba-2's step bias as ``ssm_dt.bias``, A, D (heads, 1) and its norm's weight by group (groups, d_inner / groups)
+MAMBA_MIXER = {"ssm_in": "in_proj", "ssm_conv1d": "conv1d", "ssm_out": "out_proj"}
+ARCH_TENSORS["mamba"] = {
+    "token_embd.weight": "backbone.embeddings.weight",
+    "output_norm.weight": "backbone.norm_f.weight",
+    "blk.{n}.attn_norm.weight": "backbone.layers.{n}.norm.weight",
+    **{
+        f"blk.{{n}}.{ours}.{kind}": f"backbone.layers.{{n}}.mixer.{theirs}.{kind}"
+        for ours, theirs in {**MAMBA_MIXER, "ssm_x": "x_proj", "ssm_dt": "dt_proj"}.items()
+        for kind in ("weight", "bias")
+    },
+    "blk.{n}.ssm_a": "backbone.layers.{n}.mixer.A_log",
+    "blk.{n}.ssm_d": "backbone.layers.{n}.mixer.D",
+}
+ARCH_TENSORS["mamba2"] = {
+    **{key: value for key, value in ARCH_TENSORS["mamba"].items() if "ssm_x" not in key and "ssm_dt" not in key},
+    "blk.{n}.ssm_dt.bias": "backbone.layers.{n}.mixer.dt_bias",
+    "blk.{n}.ssm_norm.weight": "backbone.layers.{n}.mixer.norm.weight",
+}
+# Mamba-2's tensors the converter writes in a shape of its own (A and D as (heads, 1); the norm by group): flattened
+MAMBA2_RESHAPED = ("ssm_a", "ssm_d", "ssm_norm.weight")
 # The architectures whose norms are LayerNorms: the HF config's name of their epsilon
 LAYER_NORM_EPS_NAMES = {"stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon"}
 # The architectures whose rotary embedding may turn part of a head (``rope.dimension_count``)
@@ -288,11 +313,21 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
             raise ConfigError(f"{path}: GGUF metadata has no '{arch}.{key}'")
         return meta[f"{arch}.{key}"]
 
-    heads = need("attention.head_count")
     hidden = need("embedding_length")
     tokens = meta.get("tokenizer.ggml.tokens") or []
     eos = {meta[key] for key in END_OF_GENERATION_KEYS if meta.get(key) is not None}
     eos |= {token_id for token_id, token in enumerate(tokens) if token in END_OF_GENERATION_TEXTS}
+    names = {t.name for t in reader.tensors}
+    if arch in ("mamba", "mamba2"):
+        config = _mamba_config(meta, arch, need, names, path)
+        config.update(
+            vocab_size=meta.get(f"{arch}.vocab_size") or len(tokens),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=sorted(eos),
+            tie_word_embeddings="output.weight" not in names,
+        )
+        return GGUFCheckpoint(path, config, meta, reader)
+    heads = need("attention.head_count")
     # (a Qwen3-MoE file may have no dense MLP's length: its every MLP is the experts)
     experts_only = arch in GGUF_MOE or arch == "gpt-oss"
     dense_mlp = meta.get(f"{arch}.feed_forward_length") if experts_only else need("feed_forward_length")
@@ -377,7 +412,6 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
             block_auto_adjust_ff_dim=False,
             conv_L_cache=need("shortconv.l_cache"),
         )
-    names = {t.name for t in reader.tensors}
     if arch == "stablelm":  # (its biases and second norms, as the tensors say: transformers' GGUF reader's rule)
         config["use_qkv_bias"] = "blk.0.attn_q.bias" in names
         config["use_parallel_residual"] = bool(
@@ -397,6 +431,43 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
                                   "factors": _frequency_factors(factors, frequencies, path)}  # fmt: skip
     config["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
     return GGUFCheckpoint(path, config, meta, reader)
+
+
+def _mamba_config(meta: dict[str, Any], arch: str, need: Callable[[str], Any], names: set[str], path: Path):
+    """Mamba's, Falcon Mamba's or Mamba-2's config from llama.cpp's keys (``ssm.*``; its head count and MLP length 0).
+    Falcon Mamba's is ``mamba`` with ``ssm.dt_b_c_rms``: its norms of the step, B and C at the file's one epsilon, as
+    llama.cpp runs them (the file has no mixer_rms_eps). The biases where the file has them. The context is not the
+    file's (the converter's 2**20, "arbitrary" by its own word): the default of a config that names none."""
+    hidden, inner = need("embedding_length"), need("ssm.inner_size")
+    if not (isinstance(inner, int) and isinstance(hidden, int) and hidden > 0 and inner > 0 and inner % hidden == 0):
+        raise ConfigError(
+            f"{path}: GGUF {arch}.ssm.inner_size {inner!r} must be a multiple of embedding_length {hidden}"
+        )
+    eps = float(need("attention.layer_norm_rms_epsilon"))
+    config = {
+        "model_type": arch,
+        "hidden_size": hidden,
+        "num_hidden_layers": need("block_count"),
+        "expand": inner // hidden,
+        "state_size": need("ssm.state_size"),
+        "conv_kernel": need("ssm.conv_kernel"),
+        "layer_norm_epsilon": eps,
+        "use_bias": "blk.0.ssm_in.bias" in names,
+        "use_conv_bias": "blk.0.ssm_conv1d.bias" in names,
+        "torch_dtype": "float32",  # dequantized weights are float32
+    }
+    if arch == "mamba":
+        config["time_step_rank"] = need("ssm.time_step_rank")
+        if meta.get("mamba.ssm.dt_b_c_rms"):
+            config.update(model_type="falcon_mamba", mixer_rms_eps=eps)
+        return config
+    heads = need("ssm.time_step_rank")  # (Mamba-2's: a step a head)
+    if not (isinstance(heads, int) and heads > 0 and inner % heads == 0):
+        raise ConfigError(
+            f"{path}: GGUF mamba2.ssm.time_step_rank {heads!r} (its heads) must divide inner_size {inner}"
+        )
+    config.update(num_heads=heads, head_dim=inner // heads, n_groups=need("ssm.group_count"))
+    return config
 
 
 def _lfm2_kv_heads(counts: Any, layers: int, path: Path) -> list[int]:
@@ -568,8 +639,12 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
             weight -= 1.0
         elif tensor.name.endswith("ffn_gate_inp_shexp.weight"):
             weight = weight.reshape(1, -1)  # NOTE: llama.cpp's is a vector (n_embd), HF's a (1, H) projection
-        elif tensor.name.endswith("shortconv.conv.weight"):
+        elif tensor.name.endswith(("shortconv.conv.weight", "ssm_conv1d.weight")):
             weight = weight[:, None, :]  # NOTE: llama.cpp's (C, taps), a depthwise Conv1d's (C, 1, taps)
+        if arch == "mamba2" and tensor.name.endswith(MAMBA2_RESHAPED):
+            weight = weight.reshape(-1)
+        if tensor.name.endswith(".ssm_a"):
+            weight = np.log(-weight)  # NOTE: the converter's A = -exp(A_log), back to A_log
         yield patterns[tensor.name], weight
     for n, parts in gpt_oss_experts.items():  # (a layer that lacks some)
         gguf_names = {part: name for name, part in GPT_OSS_EXPERTS.items()}
