@@ -213,6 +213,11 @@ class Rotary(nn.Module):
             self.pretrained_context is not None and config.max_position_embeddings > self.pretrained_context
         )
         self.served_context: int | None = None
+        # A model none of whose layers rotates (Nemotron-H's, Granite 4.0-H's, Mamba's) keeps no tables: its steps'
+        # cos and sin are zeros of their shape, read by no layer (a GGUF file's context of 2**20 would hold 512 MB)
+        self.unused = config.rotary_table_rows == 1 and not any(
+            config.layer_rotates(i) for i in range(config.num_hidden_layers)
+        )
 
     def serve_context(self, max_model_len: int) -> None:
         """An engine serves contexts of ``max_model_len`` tokens with this model: the tables hold the positions of
@@ -239,7 +244,8 @@ class Rotary(nn.Module):
         model's until an engine says)."""
         if self._tables is None or self._tables[0].device != device:
             inv_freq = rope_inv_freq(self.config, self.long_factors).to(device)
-            positions = torch.arange(self.served_context or self.config.max_position_embeddings, device=device).float()
+            rows = 1 if self.unused else self.served_context or self.config.max_position_embeddings
+            positions = torch.arange(rows, device=device).float()
             freqs = torch.outer(positions, inv_freq)  # (max_pos, rotary_dim / 2)
             emb = torch.cat((freqs, freqs), dim=-1)  # (max_pos, rotary_dim)
             scale = rope_attention_factor(self.config, self.long_factors)
@@ -250,6 +256,9 @@ class Rotary(nn.Module):
         """(cos, sin), each (T, 1, rotary_dim), of this step's positions; with Llama 4's attention scaling
         (Ministral 3), (T, 2, rotary_dim): the queries' tables (scaled by their positions' factor) then the
         keys'. NOTE: scaling q's rotated halves by s is scaling the rotated q by s (a whole head turns)."""
+        if self.unused:
+            zeros = torch.zeros(positions.shape[0], 1, self.config.rotary_dim, dtype=dtype, device=positions.device)
+            return zeros, zeros
         cos, sin = self.tables(positions.device)
         cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (T, 1, rotary_dim) float32
         beta = self.config.llama4_scaling_beta
