@@ -10,14 +10,14 @@ sliding windows), SmolLM3, Granite 3, Qwen2, Qwen3, Qwen3-MoE (``qwen3moe``), Qw
 and Phi-4 (``phi3``), OLMo 2 (``olmo2``), StableLM (``stablelm``), StarCoder2 (``starcoder2``), gpt-oss
 (``gpt-oss``: its experts in MXFP4 or not, dequantized by ``gguf``; its YaRN ramp truncated, as llama.cpp
 computes it, where the HF config says ``truncate: false``), Gemma (``gemma``: Gemma 1, CodeGemma), Gemma 2 and
-Gemma 3's text models, Mamba, Falcon Mamba (``mamba``, with ``ssm.dt_b_c_rms``) and Mamba-2 (``mamba2``), with a
-byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's
-split pattern by ``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2, Mistral 7B,
-TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores it, a tensor of frequency factors
-(``rope_freqs.weight``); linear and YaRN scaling as ``rope.scaling.*`` keys; Phi-3.5's and Phi-4 mini's
-LongRoPE as two tensors of factors (``rope_factors_short/long.weight``).
+Gemma 3's text models, LFM2 (``lfm2``), Mamba, Falcon Mamba (``mamba``, with ``ssm.dt_b_c_rms``), Mamba-2
+(``mamba2``) and Granite 4.0-H (``granitehybrid``), with a byte-level BPE tokenizer (``tokenizer.ggml.model =
+gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2,
+Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores it, a tensor of
+frequency factors (``rope_freqs.weight``); linear and YaRN scaling as ``rope.scaling.*`` keys; Phi-3.5's and Phi-4
+mini's LongRoPE as two tensors of factors (``rope_factors_short/long.weight``).
 
-NOTE: llama.cpp's converter permutes the rows of a Llama (SmolLM3, Granite) model's Q and K projections (its
+NOTE: llama.cpp's converter permutes the rows of a Llama (SmolLM3, Granite, Granite 4.0-H) model's Q and K projections (its
 RoPE rotates adjacent pairs, HF's rotates halves); ``_unpermute`` undoes it, as transformers' GGUF loader
 does. The others are converted unpermuted (llama.cpp runs them with NEOX-style RoPE, HF's).
 """
@@ -150,6 +150,33 @@ ARCH_TENSORS["mamba2"] = {
     "blk.{n}.ssm_dt.bias": "backbone.layers.{n}.mixer.dt_bias",
     "blk.{n}.ssm_norm.weight": "backbone.layers.{n}.mixer.norm.weight",
 }
+# Granite 4.0-H's (llama.cpp's ``granitehybrid``): Llama's layers, a Mamba-2 mixer where a layer does not attend (as
+# Mamba-2's), its experts' router and stacked experts (Qwen3-MoE's) beside the shared MLP (``*_shexp``; without
+# experts the shared MLP is Llama's own, ``ffn_gate``...)
+ARCH_TENSORS["granitehybrid"] = {
+    **{
+        f"blk.{{n}}.{ours}.{kind}": f"model.layers.{{n}}.mamba.{theirs}.{kind}"
+        for ours, theirs in MAMBA_MIXER.items()
+        for kind in ("weight", "bias")
+    },
+    "blk.{n}.ssm_dt.bias": "model.layers.{n}.mamba.dt_bias",
+    "blk.{n}.ssm_a": "model.layers.{n}.mamba.A_log",
+    "blk.{n}.ssm_d": "model.layers.{n}.mamba.D",
+    "blk.{n}.ssm_norm.weight": "model.layers.{n}.mamba.norm.weight",
+    "blk.{n}.ffn_gate_inp.weight": "model.layers.{n}.mlp.gate.weight",
+    "blk.{n}.ffn_down.weight": "model.layers.{n}.shared_mlp.output_linear.weight",
+    "blk.{n}.ffn_down_shexp.weight": "model.layers.{n}.shared_mlp.output_linear.weight",
+}
+# Tensors the converter splits that a checkpoint holds as one: GGUF name -> (HF name, the part's place in it). Granite
+# 4.0-H's shared MLP (with experts ``*_shexp``, without them Llama's names): its gate rows, then its up rows, in
+# ``shared_mlp.input_linear`` (the engine's ``gate_up_proj``, loaded whole: ``FUSED_CHECKPOINTS``)
+JOINED_TENSORS = {
+    "granitehybrid": {
+        f"blk.{{n}}.ffn_{part}{suffix}.weight": ("model.layers.{n}.shared_mlp.input_linear.weight", place)
+        for place, part in enumerate(("gate", "up"))
+        for suffix in ("", "_shexp")
+    }
+}
 # Mamba-2's tensors the converter writes in a shape of its own (A and D as (heads, 1); the norm by group): flattened
 MAMBA2_RESHAPED = ("ssm_a", "ssm_d", "ssm_norm.weight")
 # The architectures whose norms are LayerNorms: the HF config's name of their epsilon
@@ -167,7 +194,7 @@ GGUF_MOE = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 # tensors of an HF checkpoint they split into (``mlp.experts.{e}.gate_proj.weight``...)
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # The architectures whose Q and K rows llama.cpp's converter permutes (its Llama converter's)
-PERMUTED = ("llama", "smollm3", "granite")
+PERMUTED = ("llama", "smollm3", "granite", "granitehybrid")
 # SmolLM3's layers without a rotary embedding: every fourth, as llama.cpp's code has it (the file does not say)
 SMOLLM3_NO_ROPE_STEP = 4
 # The architectures whose norms llama.cpp's converter stores as 1 + weight (Gemma's RMSNorm scales by
@@ -388,10 +415,15 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
             intermediate_size=need("expert_feed_forward_length"),
             sliding_window=need("attention.sliding_window"),
         )
-    if arch == "granite":  # its scales, under llama.cpp's names (absent: none, as llama.cpp reads it)
+    if arch in (
+        "granite",
+        "granitehybrid",
+    ):  # its scales, under llama.cpp's names (absent: none, as llama.cpp reads it)
         scales = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
                   "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}  # fmt: skip
-        config.update({hf: float(meta[f"granite.{key}"]) for hf, key in scales.items() if meta.get(f"granite.{key}")})
+        config.update({hf: float(meta[f"{arch}.{key}"]) for hf, key in scales.items() if meta.get(f"{arch}.{key}")})
+    if arch == "granitehybrid":
+        config.update(_granite_hybrid_config(meta, config, need, names, path))
     if arch == "smollm3":  # (HF's name: 1 rotates)
         config["no_rope_layers"] = [
             int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(config["num_hidden_layers"])
@@ -405,7 +437,7 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         )
     if arch == "lfm2":  # KV heads a count a layer, 0 where it convolves (llama.cpp's converter's); the file's MLP
         # length is the one the layers have (not a size to adjust, as its config's)
-        kv_heads = _lfm2_kv_heads(config["num_key_value_heads"], config["num_hidden_layers"], path)
+        kv_heads = _kv_heads_by_layer(arch, config["num_key_value_heads"], config["num_hidden_layers"], path)
         config.update(
             num_key_value_heads=max(kv_heads),
             layer_types=["full_attention" if n else "conv" for n in kv_heads],
@@ -470,9 +502,49 @@ def _mamba_config(meta: dict[str, Any], arch: str, need: Callable[[str], Any], n
     return config
 
 
-def _lfm2_kv_heads(counts: Any, layers: int, path: Path) -> list[int]:
-    """LFM2's ``lfm2.attention.head_count_kv``: a count a layer, 0 for a short convolution's (one count: every
-    layer's)."""
+def _granite_hybrid_config(
+    meta: dict[str, Any], config: dict[str, Any], need: Callable[[str], Any], names: set[str], path: Path
+) -> dict[str, Any]:
+    """Granite 4.0-H's config (llama.cpp's ``granitehybrid``) as transformers names it (``granitemoehybrid``): a
+    layer attends where ``attention.head_count_kv`` gives it KV heads, else a Mamba-2 mixer of the ``ssm.*`` keys
+    (its heads are ``ssm.time_step_rank``); its experts' count (0: its MLP the shared one) and the shared MLP's
+    length; no position embedding, as the 4.0-H models have none. A file that rotates (``rope.scaling.finetuned``:
+    Bamba's, converted as Granite's) is refused: its partial rotary embedding would be read as none."""
+    if meta.get("granitehybrid.rope.scaling.finetuned"):
+        raise ConfigError(
+            f"{path}: GGUF granitehybrid with granitehybrid.rope.scaling.finetuned (a rotary embedding: Bamba's) is not "
+            "supported; Granite 4.0-H's files (no position embedding) are"
+        )
+    kv_heads = _kv_heads_by_layer("granitehybrid", config["num_key_value_heads"], config["num_hidden_layers"], path)
+    hidden, inner, heads = config["hidden_size"], need("ssm.inner_size"), need("ssm.time_step_rank")
+    if not all(isinstance(n, int) and n > 0 for n in (inner, heads)) or inner % heads or inner % hidden:
+        raise ConfigError(
+            f"{path}: GGUF granitehybrid.ssm.inner_size {inner!r} must be a multiple of embedding_length {hidden} and "
+            f"of ssm.time_step_rank {heads!r} (the mixers' heads)"
+        )
+    mixer = f"blk.{kv_heads.index(0)}" if 0 in kv_heads else None
+    return {
+        "model_type": "granitemoehybrid",
+        "num_key_value_heads": max(kv_heads),
+        "layer_types": ["attention" if n else "mamba" for n in kv_heads],
+        "position_embedding_type": "nope",
+        "num_local_experts": meta.get("granitehybrid.expert_count") or 0,
+        "num_experts_per_tok": meta.get("granitehybrid.expert_used_count") or 0,
+        "shared_intermediate_size": need("expert_shared_feed_forward_length"),
+        "mamba_n_heads": heads,
+        "mamba_d_head": inner // heads,
+        "mamba_expand": inner // hidden,
+        "mamba_d_state": need("ssm.state_size"),
+        "mamba_d_conv": need("ssm.conv_kernel"),
+        "mamba_n_groups": need("ssm.group_count"),
+        "mamba_conv_bias": f"{mixer}.ssm_conv1d.bias" in names,
+        "mamba_proj_bias": f"{mixer}.ssm_in.bias" in names,
+    }
+
+
+def _kv_heads_by_layer(arch: str, counts: Any, layers: int, path: Path) -> list[int]:
+    """LFM2's and Granite 4.0-H's ``attention.head_count_kv``: a count a layer, 0 for a layer that does not attend
+    (a short convolution's, a Mamba-2 mixer's; one count: every layer's)."""
     if isinstance(counts, int):
         counts = [counts] * layers
     if not (
@@ -482,11 +554,11 @@ def _lfm2_kv_heads(counts: Any, layers: int, path: Path) -> list[int]:
         and any(counts)
     ):
         raise ConfigError(
-            f"{path}: GGUF lfm2.attention.head_count_kv must list each of the {layers} layers' KV heads (0: a "
-            f"convolution), some of them positive; got {counts!r}"
+            f"{path}: GGUF {arch}.attention.head_count_kv must list each of the {layers} layers' KV heads (0: a layer "
+            f"that does not attend), some of them positive; got {counts!r}"
         )
     if len({n for n in counts if n}) > 1:
-        raise ConfigError(f"{path}: GGUF lfm2.attention.head_count_kv {counts}: attention layers of different counts")
+        raise ConfigError(f"{path}: GGUF {arch}.attention.head_count_kv {counts}: attention layers of different counts")
     return counts
 
 
@@ -609,6 +681,12 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
                 patterns[gguf_name.format(n=n)] = hf_name.format(n=n)
         else:
             patterns[gguf_name] = hf_name
+    joins = {
+        gguf_name.format(n=n): (hf_name.format(n=n), place)
+        for gguf_name, (hf_name, place) in JOINED_TENSORS.get(arch, {}).items()
+        for n in range(config["num_hidden_layers"])
+    }
+    joined: dict[str, dict[int, np.ndarray]] = {}  # HF name -> the parts of it read so far, by place
     gpt_oss_experts: dict[str, dict[str, np.ndarray]] = {}  # layer -> its experts' parts ("gate.weight"...)
     for tensor in checkpoint.reader.tensors:
         if tensor.name == ROPE_FREQS or tensor.name in LONGROPE_FACTORS.values():
@@ -620,8 +698,17 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
             if len(parts) == len(GPT_OSS_EXPERT_PARTS):  # NOTE: a layer's experts yielded whole, then let go
                 yield from _gpt_oss_experts(n, gpt_oss_experts.pop(n))
             continue
+        if tensor.name in joins:  # NOTE: a tensor yielded once its parts are all read (two: a gate's and an up's)
+            name, place = joins[tensor.name]
+            parts = joined.setdefault(name, {})
+            parts[place] = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+            if len(parts) == 2:
+                yield name, np.concatenate([parts[0], parts[1]])
+                del joined[name]
+            continue
         block, _, kind = tensor.name.removesuffix(".weight").rpartition(".")
-        if kind in EXPERT_TENSORS and config.get("num_experts") and block.startswith("blk."):
+        num_experts = config.get("num_experts") or config.get("num_local_experts")  # (Granite's name of the count)
+        if kind in EXPERT_TENSORS and num_experts and block.startswith("blk."):
             experts = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)  # (E, rows, cols)
             prefix = f"model.layers.{block.removeprefix('blk.')}.mlp.experts"
             yield from ((f"{prefix}.{e}.{EXPERT_TENSORS[kind]}.weight", experts[e]) for e in range(experts.shape[0]))
@@ -641,11 +728,13 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
             weight = weight.reshape(1, -1)  # NOTE: llama.cpp's is a vector (n_embd), HF's a (1, H) projection
         elif tensor.name.endswith(("shortconv.conv.weight", "ssm_conv1d.weight")):
             weight = weight[:, None, :]  # NOTE: llama.cpp's (C, taps), a depthwise Conv1d's (C, 1, taps)
-        if arch == "mamba2" and tensor.name.endswith(MAMBA2_RESHAPED):
+        if arch in ("mamba2", "granitehybrid") and tensor.name.endswith(MAMBA2_RESHAPED):
             weight = weight.reshape(-1)
         if tensor.name.endswith(".ssm_a"):
             weight = np.log(-weight)  # NOTE: the converter's A = -exp(A_log), back to A_log
         yield patterns[tensor.name], weight
+    for name in joined:  # (a tensor of which the file has one part)
+        raise ConfigError(f"{checkpoint.path}: GGUF {arch} has half of {name!r} (its gate rows or its up rows)")
     for n, parts in gpt_oss_experts.items():  # (a layer that lacks some)
         gguf_names = {part: name for name, part in GPT_OSS_EXPERTS.items()}
         missing = [
