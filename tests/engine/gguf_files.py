@@ -171,6 +171,45 @@ def write_gguf(
     writer.close()
 
 
+def add_bpe_tokenizer(writer, tokenizer) -> None:
+    """``tokenizer`` (``llama3_tokenizer``'s) as llama.cpp's converter writes a byte-level BPE: its tokens (control
+    and user-defined ones marked), Llama 3's pre-tokenizer, its merges, BOS (added to each text) and EOS."""
+    import json
+
+    vocab = tokenizer.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIAL else 4 if t in USER_DEFINED else 1 for t in tokens])
+    merges = json.loads(tokenizer.to_str())["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(vocab[SPECIAL[0]])
+    writer.add_eos_token_id(vocab[SPECIAL[1]])
+    writer.add_add_bos_token(True)
+
+
+# transformers' names of a Mamba-2 mixer's tensors -> llama.cpp's
+MAMBA2_TENSOR_NAMES = {
+    "in_proj.weight": "ssm_in.weight", "conv1d.weight": "ssm_conv1d.weight", "conv1d.bias": "ssm_conv1d.bias",
+    "dt_bias": "ssm_dt.bias", "A_log": "ssm_a", "D": "ssm_d", "norm.weight": "ssm_norm.weight",
+    "out_proj.weight": "ssm_out.weight",
+}  # fmt: skip
+
+
+def mamba2_gguf_tensor(name: str, tensor: torch.Tensor, n_groups: int) -> tuple[str, torch.Tensor]:
+    """A Mamba-2 mixer's tensor (transformers' ``name`` within the mixer) as llama.cpp's converter writes it: its
+    GGUF name within the block, the convolution (C, taps), A as -exp(A_log), A and D as (heads, 1), the gated norm's
+    weight by group."""
+    if name == "conv1d.weight":
+        tensor = tensor.squeeze(1)
+    elif name in ("A_log", "D"):
+        tensor = (-torch.exp(tensor) if name == "A_log" else tensor).reshape(-1, 1)
+    elif name == "norm.weight":
+        tensor = tensor.reshape(n_groups, -1)
+    return MAMBA2_TENSOR_NAMES[name], tensor
+
+
 def assert_reads_as_transformers(llm, path: Path, texts: list[str]) -> None:
     """The engine's tokens of each text are those of transformers' GGUF reading of ``path``, and decode to
     its text."""

@@ -8,8 +8,6 @@ gives the greedy tokens and prompt log-probabilities of the models they were wri
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -17,11 +15,11 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from gguf_files import (  # noqa: E402
-    SPECIAL,
     TEXTS,
-    USER_DEFINED,
+    add_bpe_tokenizer,
     assert_greedy_tokens_and_logprobs,
     llama3_tokenizer,
+    mamba2_gguf_tensor,
     permute,
     uneven_norms_,
 )
@@ -37,9 +35,6 @@ NAMES = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "mamba.in_proj.weight": "ssm_in.weight", "mamba.conv1d.weight": "ssm_conv1d.weight",
-    "mamba.conv1d.bias": "ssm_conv1d.bias", "mamba.dt_bias": "ssm_dt.bias", "mamba.A_log": "ssm_a", "mamba.D": "ssm_d",
-    "mamba.norm.weight": "ssm_norm.weight", "mamba.out_proj.weight": "ssm_out.weight",
     "block_sparse_moe.router.weight": "ffn_gate_inp.weight", "block_sparse_moe.experts.down_proj": "ffn_down_exps.weight",
 }  # fmt: skip
 
@@ -91,17 +86,7 @@ def write_granite_gguf(path, model, tokenizer, rope: bool = False) -> None:
     writer.add_ssm_inner_size(c.mamba_expand * c.hidden_size)
     writer.add_ssm_time_step_rank(c.mamba_n_heads)
     writer.add_rope_scaling_finetuned(rope)
-    vocab = tokenizer.get_vocab()
-    tokens = sorted(vocab, key=vocab.get)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("llama-bpe")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIAL else 4 if t in USER_DEFINED else 1 for t in tokens])
-    merges = json.loads(tokenizer.to_str())["model"]["merges"]
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_bos_token_id(vocab[SPECIAL[0]])
-    writer.add_eos_token_id(vocab[SPECIAL[1]])
-    writer.add_add_bos_token(True)
+    add_bpe_tokenizer(writer, tokenizer)
     shexp = "_shexp" if c.num_local_experts else ""
     state = {name: tensor.float() for name, tensor in model.state_dict().items()}
     tensors = {
@@ -119,16 +104,13 @@ def write_granite_gguf(path, model, tokenizer, rope: bool = False) -> None:
         elif part == "block_sparse_moe.experts.gate_up_proj":  # (E, 2 I, H): gate rows, then up rows
             gate, up = tensor.chunk(2, dim=1)
             tensors.update({f"blk.{n}.ffn_gate_exps.weight": gate, f"blk.{n}.ffn_up_exps.weight": up})
+        elif part.startswith("mamba."):
+            gguf_name, tensor = mamba2_gguf_tensor(part.removeprefix("mamba."), tensor, c.mamba_n_groups)
+            tensors[f"blk.{n}.{gguf_name}"] = tensor
         else:
             if part in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
                 heads = c.num_attention_heads if "q_proj" in part else c.num_key_value_heads
                 tensor = torch.from_numpy(permute(tensor.numpy(), heads))
-            elif part == "mamba.conv1d.weight":
-                tensor = tensor.squeeze(1)
-            elif part in ("mamba.A_log", "mamba.D"):
-                tensor = (-torch.exp(tensor) if part == "mamba.A_log" else tensor).reshape(-1, 1)
-            elif part == "mamba.norm.weight":
-                tensor = tensor.reshape(c.mamba_n_groups, -1)
             tensors[f"blk.{n}.{NAMES[part]}"] = tensor
     for name, tensor in tensors.items():
         writer.add_tensor(name, tensor.contiguous().numpy())

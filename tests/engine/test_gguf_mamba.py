@@ -8,8 +8,6 @@ written from (transformers reads neither: Falcon Mamba's norms and Mamba-2 are n
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -18,9 +16,8 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")  # transformers reads GGUF files only with it
 
 from gguf_files import (  # noqa: E402
-    SPECIAL,
     TEXTS,
-    USER_DEFINED,
+    add_bpe_tokenizer,
     assert_greedy_tokens_and_logprobs,
     llama3_tokenizer,
     uneven_norms_,
@@ -80,17 +77,7 @@ def write_mamba_gguf(path, model, tokenizer, inner_size=None) -> None:
     writer.add_layer_norm_rms_eps(c.layer_norm_epsilon)
     if not mamba2:
         writer.add_ssm_dt_b_c_rms(c.model_type == "falcon_mamba")
-    vocab = tokenizer.get_vocab()
-    tokens = sorted(vocab, key=vocab.get)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("llama-bpe")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIAL else 4 if t in USER_DEFINED else 1 for t in tokens])
-    merges = json.loads(tokenizer.to_str())["model"]["merges"]
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_bos_token_id(vocab[SPECIAL[0]])
-    writer.add_eos_token_id(vocab[SPECIAL[1]])
-    writer.add_add_bos_token(True)
+    add_bpe_tokenizer(writer, tokenizer)
     names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
     state = model.state_dict()
     for name, tensor in state.items():

@@ -11,14 +11,15 @@ and Phi-4 (``phi3``), OLMo 2 (``olmo2``), StableLM (``stablelm``), StarCoder2 (`
 (``gpt-oss``: its experts in MXFP4 or not, dequantized by ``gguf``; its YaRN ramp truncated, as llama.cpp
 computes it, where the HF config says ``truncate: false``), Gemma (``gemma``: Gemma 1, CodeGemma), Gemma 2 and
 Gemma 3's text models, LFM2 (``lfm2``), Mamba, Falcon Mamba (``mamba``, with ``ssm.dt_b_c_rms``), Mamba-2
-(``mamba2``) and Granite 4.0-H (``granitehybrid``), with a byte-level BPE tokenizer (``tokenizer.ggml.model =
-gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2,
-Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores it, a tensor of
-frequency factors (``rope_freqs.weight``); linear and YaRN scaling as ``rope.scaling.*`` keys; Phi-3.5's and Phi-4
-mini's LongRoPE as two tensors of factors (``rope_factors_short/long.weight``).
+(``mamba2``), Granite 4.0-H (``granitehybrid``) and Nemotron-H (``nemotron_h``), with a byte-level BPE tokenizer
+(``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a SentencePiece BPE
+one (``llama``: Llama 2, Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores
+it, a tensor of frequency factors (``rope_freqs.weight``); linear and YaRN scaling as ``rope.scaling.*`` keys;
+Phi-3.5's and Phi-4 mini's LongRoPE as two tensors of factors (``rope_factors_short/long.weight``).
 
-NOTE: llama.cpp's converter permutes the rows of a Llama (SmolLM3, Granite, Granite 4.0-H) model's Q and K projections (its
-RoPE rotates adjacent pairs, HF's rotates halves); ``_unpermute`` undoes it, as transformers' GGUF loader
+NOTE: llama.cpp's converter permutes the rows of a Llama (SmolLM3, Granite; Granite 4.0-H's and Nemotron-H's
+attention too, though they do not rotate) model's Q and K projections (its RoPE rotates adjacent pairs, HF's rotates
+halves); ``_unpermute`` undoes it, as transformers' GGUF loader
 does. The others are converted unpermuted (llama.cpp runs them with NEOX-style RoPE, HF's).
 """
 
@@ -145,28 +146,49 @@ ARCH_TENSORS["mamba"] = {
     "blk.{n}.ssm_a": "backbone.layers.{n}.mixer.A_log",
     "blk.{n}.ssm_d": "backbone.layers.{n}.mixer.D",
 }
+
+
+def _mamba2_tensors(mixer: str) -> dict[str, str]:
+    """llama.cpp's names of a layer's Mamba-2 mixer's tensors -> its HF names under ``mixer`` (with ``{n}``)."""
+    return {
+        **{
+            f"blk.{{n}}.{ours}.{kind}": f"{mixer}.{theirs}.{kind}"
+            for ours, theirs in MAMBA_MIXER.items()
+            for kind in ("weight", "bias")
+        },
+        "blk.{n}.ssm_dt.bias": f"{mixer}.dt_bias",
+        "blk.{n}.ssm_a": f"{mixer}.A_log",
+        "blk.{n}.ssm_d": f"{mixer}.D",
+        "blk.{n}.ssm_norm.weight": f"{mixer}.norm.weight",
+    }
+
+
 ARCH_TENSORS["mamba2"] = {
-    **{key: value for key, value in ARCH_TENSORS["mamba"].items() if "ssm_x" not in key and "ssm_dt" not in key},
-    "blk.{n}.ssm_dt.bias": "backbone.layers.{n}.mixer.dt_bias",
-    "blk.{n}.ssm_norm.weight": "backbone.layers.{n}.mixer.norm.weight",
+    **{key: value for key, value in ARCH_TENSORS["mamba"].items() if "blk." not in key},
+    "blk.{n}.attn_norm.weight": "backbone.layers.{n}.norm.weight",
+    **_mamba2_tensors("backbone.layers.{n}.mixer"),
 }
 # Granite 4.0-H's (llama.cpp's ``granitehybrid``): Llama's layers, a Mamba-2 mixer where a layer does not attend (as
 # Mamba-2's), its experts' router and stacked experts (Qwen3-MoE's) beside the shared MLP (``*_shexp``; without
 # experts the shared MLP is Llama's own, ``ffn_gate``...)
 ARCH_TENSORS["granitehybrid"] = {
-    **{
-        f"blk.{{n}}.{ours}.{kind}": f"model.layers.{{n}}.mamba.{theirs}.{kind}"
-        for ours, theirs in MAMBA_MIXER.items()
-        for kind in ("weight", "bias")
-    },
-    "blk.{n}.ssm_dt.bias": "model.layers.{n}.mamba.dt_bias",
-    "blk.{n}.ssm_a": "model.layers.{n}.mamba.A_log",
-    "blk.{n}.ssm_d": "model.layers.{n}.mamba.D",
-    "blk.{n}.ssm_norm.weight": "model.layers.{n}.mamba.norm.weight",
+    **_mamba2_tensors("model.layers.{n}.mamba"),
     "blk.{n}.ffn_gate_inp.weight": "model.layers.{n}.mlp.gate.weight",
     "blk.{n}.ffn_down.weight": "model.layers.{n}.shared_mlp.output_linear.weight",
     "blk.{n}.ffn_down_shexp.weight": "model.layers.{n}.shared_mlp.output_linear.weight",
 }
+# Nemotron-H's (``nemotron_h``): blocks of a norm and one mixer each, under the Hub's names (``backbone.``, ``mixer``):
+# a Mamba-2 mixer, attention or a two-matrix MLP
+ARCH_TENSORS["nemotron_h"] = {
+    **ARCH_TENSORS["mamba2"],
+    **{
+        f"blk.{{n}}.attn_{ours}.weight": f"backbone.layers.{{n}}.mixer.{theirs}_proj.weight"
+        for ours, theirs in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o"))
+    },  # fmt: skip
+    **{f"blk.{{n}}.ffn_{x}.weight": f"backbone.layers.{{n}}.mixer.{x}_proj.weight" for x in ("up", "down")},
+}
+# The architectures of Mamba-2 mixers (their tensors' shapes: ``MAMBA2_RESHAPED``)
+MAMBA2_ARCHS = ("mamba2", "granitehybrid", "nemotron_h")
 # Tensors the converter splits that a checkpoint holds as one: GGUF name -> (HF name, the part's place in it). Granite
 # 4.0-H's shared MLP (with experts ``*_shexp``, without them Llama's names): its gate rows, then its up rows, in
 # ``shared_mlp.input_linear`` (the engine's ``gate_up_proj``, loaded whole: ``FUSED_CHECKPOINTS``)
@@ -194,7 +216,7 @@ GGUF_MOE = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 # tensors of an HF checkpoint they split into (``mlp.experts.{e}.gate_proj.weight``...)
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # The architectures whose Q and K rows llama.cpp's converter permutes (its Llama converter's)
-PERMUTED = ("llama", "smollm3", "granite", "granitehybrid")
+PERMUTED = ("llama", "smollm3", "granite", "granitehybrid", "nemotron_h")
 # SmolLM3's layers without a rotary embedding: every fourth, as llama.cpp's code has it (the file does not say)
 SMOLLM3_NO_ROPE_STEP = 4
 # The architectures whose norms llama.cpp's converter stores as 1 + weight (Gemma's RMSNorm scales by
@@ -424,6 +446,8 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         config.update({hf: float(meta[f"{arch}.{key}"]) for hf, key in scales.items() if meta.get(f"{arch}.{key}")})
     if arch == "granitehybrid":
         config.update(_granite_hybrid_config(meta, config, need, names, path))
+    if arch == "nemotron_h":
+        config.update(_nemotron_h_config(config, need, names, path))
     if arch == "smollm3":  # (HF's name: 1 rotates)
         config["no_rope_layers"] = [
             int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(config["num_hidden_layers"])
@@ -516,11 +540,12 @@ def _granite_hybrid_config(
             "supported; Granite 4.0-H's files (no position embedding) are"
         )
     kv_heads = _kv_heads_by_layer("granitehybrid", config["num_key_value_heads"], config["num_hidden_layers"], path)
-    hidden, inner, heads = config["hidden_size"], need("ssm.inner_size"), need("ssm.time_step_rank")
-    if not all(isinstance(n, int) and n > 0 for n in (inner, heads)) or inner % heads or inner % hidden:
+    hidden = config["hidden_size"]
+    heads, head_dim = _mamba2_heads("granitehybrid", need, path)
+    if heads * head_dim % hidden:
         raise ConfigError(
-            f"{path}: GGUF granitehybrid.ssm.inner_size {inner!r} must be a multiple of embedding_length {hidden} and "
-            f"of ssm.time_step_rank {heads!r} (the mixers' heads)"
+            f"{path}: GGUF granitehybrid.ssm.inner_size {heads * head_dim} must be a multiple of embedding_length "
+            f"{hidden} (Granite's mamba_expand)"
         )
     mixer = f"blk.{kv_heads.index(0)}" if 0 in kv_heads else None
     return {
@@ -532,8 +557,8 @@ def _granite_hybrid_config(
         "num_experts_per_tok": meta.get("granitehybrid.expert_used_count") or 0,
         "shared_intermediate_size": need("expert_shared_feed_forward_length"),
         "mamba_n_heads": heads,
-        "mamba_d_head": inner // heads,
-        "mamba_expand": inner // hidden,
+        "mamba_d_head": head_dim,
+        "mamba_expand": heads * head_dim // hidden,
         "mamba_d_state": need("ssm.state_size"),
         "mamba_d_conv": need("ssm.conv_kernel"),
         "mamba_n_groups": need("ssm.group_count"),
@@ -542,9 +567,58 @@ def _granite_hybrid_config(
     }
 
 
+def _nemotron_h_config(
+    config: dict[str, Any], need: Callable[[str], Any], names: set[str], path: Path
+) -> dict[str, Any]:
+    """Nemotron-H's config (llama.cpp's ``nemotron_h``: Nemotron-H, Nemotron Nano 2) as the Hub names it: each block
+    attention where ``attention.head_count_kv`` gives it KV heads, an MLP where ``feed_forward_length`` gives it a
+    length, else a Mamba-2 mixer (its ``ssm.*`` keys as Granite 4.0-H's). The steps unclamped, as llama.cpp runs them
+    (the file has no time_step_min)."""
+    layers = config["num_hidden_layers"]
+    kv_heads = _kv_heads_by_layer("nemotron_h", config["num_key_value_heads"], layers, path)
+    lengths = config["intermediate_size"]
+    lengths = [lengths] * layers if isinstance(lengths, int) else lengths
+    if not (
+        isinstance(lengths, list) and len(lengths) == layers and all(isinstance(n, int) and n >= 0 for n in lengths)
+    ):
+        raise ConfigError(
+            f"{path}: GGUF nemotron_h.feed_forward_length must list each of the {layers} blocks' MLP length (0: not "
+            f"an MLP); got {lengths!r}"
+        )
+    heads, head_dim = _mamba2_heads("nemotron_h", need, path)
+    mixer = next((f"blk.{i}" for i, (kv, n) in enumerate(zip(kv_heads, lengths)) if not kv and not n), None)
+    return {
+        "model_type": "nemotron_h",
+        "hybrid_override_pattern": "".join("*" if kv else "-" if n else "M" for kv, n in zip(kv_heads, lengths)),
+        "num_key_value_heads": max(kv_heads),
+        "intermediate_size": max(lengths),
+        "layer_norm_epsilon": config["rms_norm_eps"],
+        "mamba_num_heads": heads,
+        "mamba_head_dim": head_dim,
+        "n_groups": need("ssm.group_count"),
+        "ssm_state_size": need("ssm.state_size"),
+        "conv_kernel": need("ssm.conv_kernel"),
+        "use_conv_bias": f"{mixer}.ssm_conv1d.bias" in names,
+        "use_bias": f"{mixer}.ssm_in.bias" in names,
+        "time_step_min": 0.0,
+    }
+
+
+def _mamba2_heads(arch: str, need: Callable[[str], Any], path: Path) -> tuple[int, int]:
+    """A Mamba-2 mixer's (heads, their width) from llama.cpp's ``ssm.time_step_rank`` (its heads: a step each) and
+    ``ssm.inner_size``."""
+    inner, heads = need("ssm.inner_size"), need("ssm.time_step_rank")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (inner, heads)) or inner % heads:
+        raise ConfigError(
+            f"{path}: GGUF {arch}.ssm.inner_size {inner!r} must be a multiple of ssm.time_step_rank {heads!r} (the "
+            "mixers' heads)"
+        )
+    return heads, inner // heads
+
+
 def _kv_heads_by_layer(arch: str, counts: Any, layers: int, path: Path) -> list[int]:
-    """LFM2's and Granite 4.0-H's ``attention.head_count_kv``: a count a layer, 0 for a layer that does not attend
-    (a short convolution's, a Mamba-2 mixer's; one count: every layer's)."""
+    """LFM2's, Granite 4.0-H's and Nemotron-H's ``attention.head_count_kv``: a count a layer, 0 for a layer that does
+    not attend (a short convolution's, a Mamba-2 mixer's, an MLP block's; one count: every layer's)."""
     if isinstance(counts, int):
         counts = [counts] * layers
     if not (
@@ -728,7 +802,7 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
             weight = weight.reshape(1, -1)  # NOTE: llama.cpp's is a vector (n_embd), HF's a (1, H) projection
         elif tensor.name.endswith(("shortconv.conv.weight", "ssm_conv1d.weight")):
             weight = weight[:, None, :]  # NOTE: llama.cpp's (C, taps), a depthwise Conv1d's (C, 1, taps)
-        if arch in ("mamba2", "granitehybrid") and tensor.name.endswith(MAMBA2_RESHAPED):
+        if arch in MAMBA2_ARCHS and tensor.name.endswith(MAMBA2_RESHAPED):
             weight = weight.reshape(-1)
         if tensor.name.endswith(".ssm_a"):
             weight = np.log(-weight)  # NOTE: the converter's A = -exp(A_log), back to A_log
