@@ -11,7 +11,8 @@ and Phi-4 (``phi3``), OLMo 2 (``olmo2``), StableLM (``stablelm``), StarCoder2 (`
 (``gpt-oss``: its experts in MXFP4 or not, dequantized by ``gguf``; its YaRN ramp truncated, as llama.cpp
 computes it, where the HF config says ``truncate: false``), Gemma (``gemma``: Gemma 1, CodeGemma), Gemma 2 and
 Gemma 3's text models, LFM2 (``lfm2``), Mamba, Falcon Mamba (``mamba``, with ``ssm.dt_b_c_rms``), Mamba-2
-(``mamba2``), Granite 4.0-H (``granitehybrid``) and Nemotron-H (``nemotron_h``), with a byte-level BPE tokenizer
+(``mamba2``), Granite 4.0-H (``granitehybrid``), Nemotron-H (``nemotron_h``) and Falcon-H1 (``falcon-h1``), with a
+byte-level BPE tokenizer
 (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a SentencePiece BPE
 one (``llama``: Llama 2, Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores
 it, a tensor of frequency factors (``rope_freqs.weight``); linear and YaRN scaling as ``rope.scaling.*`` keys;
@@ -187,8 +188,11 @@ ARCH_TENSORS["nemotron_h"] = {
     },  # fmt: skip
     **{f"blk.{{n}}.ffn_{x}.weight": f"backbone.layers.{{n}}.mixer.{x}_proj.weight" for x in ("up", "down")},
 }
+# Falcon-H1's (``falcon-h1``): Llama's layers, each with a Mamba-2 mixer beside its attention; its muP multipliers
+# already folded into the weights by the converter (as the engine's loader folds a checkpoint's: 1 here)
+ARCH_TENSORS["falcon-h1"] = _mamba2_tensors("model.layers.{n}.mamba")
 # The architectures of Mamba-2 mixers (their tensors' shapes: ``MAMBA2_RESHAPED``)
-MAMBA2_ARCHS = ("mamba2", "granitehybrid", "nemotron_h")
+MAMBA2_ARCHS = ("mamba2", "granitehybrid", "nemotron_h", "falcon-h1")
 # Tensors the converter splits that a checkpoint holds as one: GGUF name -> (HF name, the part's place in it). Granite
 # 4.0-H's shared MLP (with experts ``*_shexp``, without them Llama's names): its gate rows, then its up rows, in
 # ``shared_mlp.input_linear`` (the engine's ``gate_up_proj``, loaded whole: ``FUSED_CHECKPOINTS``)
@@ -448,6 +452,8 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         config.update(_granite_hybrid_config(meta, config, need, names, path))
     if arch == "nemotron_h":
         config.update(_nemotron_h_config(config, need, names, path))
+    if arch == "falcon-h1":
+        config.update(_falcon_h1_config(config, need, names, path))
     if arch == "smollm3":  # (HF's name: 1 rotates)
         config["no_rope_layers"] = [
             int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(config["num_hidden_layers"])
@@ -601,6 +607,31 @@ def _nemotron_h_config(
         "use_conv_bias": f"{mixer}.ssm_conv1d.bias" in names,
         "use_bias": f"{mixer}.ssm_in.bias" in names,
         "time_step_min": 0.0,
+    }
+
+
+def _falcon_h1_config(
+    config: dict[str, Any], need: Callable[[str], Any], names: set[str], path: Path
+) -> dict[str, Any]:
+    """Falcon-H1's config (llama.cpp's ``falcon-h1``) as transformers names it: its mixers' ``ssm.*`` keys (their heads
+    ``ssm.time_step_rank``), their gated norm where the file has its weights, after the gate (as llama.cpp runs it;
+    the file does not say ``mamba_norm_before_gate``), the biases where the file has them; every muP multiplier 1,
+    the converter having folded them into the weights."""
+    heads, head_dim = _mamba2_heads("falcon-h1", need, path)
+    return {
+        "model_type": "falcon_h1",
+        "mamba_d_ssm": heads * head_dim,
+        "mamba_n_heads": heads,
+        "mamba_d_head": head_dim,
+        "mamba_n_groups": need("ssm.group_count"),
+        "mamba_d_state": need("ssm.state_size"),
+        "mamba_d_conv": need("ssm.conv_kernel"),
+        "mamba_rms_norm": "blk.0.ssm_norm.weight" in names,
+        "mamba_norm_before_gate": False,
+        "mamba_conv_bias": "blk.0.ssm_conv1d.bias" in names,
+        "mamba_proj_bias": "blk.0.ssm_in.bias" in names,
+        "projectors_bias": "blk.0.ssm_out.bias" in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
     }
 
 
