@@ -12,9 +12,8 @@ and Phi-4 (``phi3``), OLMo 2 (``olmo2``), StableLM (``stablelm``), StarCoder2 (`
 computes it, where the HF config says ``truncate: false``), Gemma (``gemma``: Gemma 1, CodeGemma), Gemma 2 and
 Gemma 3's text models, LFM2 (``lfm2``), Mamba, Falcon Mamba (``mamba``, with ``ssm.dt_b_c_rms``), Mamba-2
 (``mamba2``), Granite 4.0-H (``granitehybrid``), Nemotron-H (``nemotron_h``) and Falcon-H1 (``falcon-h1``), with a
-byte-level BPE tokenizer
-(``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a SentencePiece BPE
-one (``llama``: Llama 2, Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores
+byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern by
+``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2, Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores
 it, a tensor of frequency factors (``rope_freqs.weight``); linear and YaRN scaling as ``rope.scaling.*`` keys;
 Phi-3.5's and Phi-4 mini's LongRoPE as two tensors of factors (``rope_factors_short/long.weight``).
 
