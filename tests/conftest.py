@@ -71,6 +71,14 @@ def hf_dirs(tmp_path_factory) -> dict[str, str]:
     return _HFDirs(tmp_path_factory)
 
 
+@pytest.fixture(scope="session")
+def bpe_tokenizer():
+    """``gguf_files.llama3_tokenizer()``, trained once (engine/test_gguf_mamba.py and the hybrids' GGUF tests)."""
+    from gguf_files import llama3_tokenizer
+
+    return llama3_tokenizer()
+
+
 # Fixtures of the server tests (server/test_serve.py, server/test_batch_api.py); they need torch and transformers,
 # imported when a test asks for them.
 @pytest.fixture(scope="session")

@@ -101,6 +101,16 @@ def uneven_norms_(model):
     return model
 
 
+def varied_(model):
+    """``model`` (in eval mode) with its biases (0 at init) drawn from N(0, 0.2) and its norm weights spread around 1
+    (``uneven_norms_``), so that they count."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+    return uneven_norms_(model.eval())
+
+
 def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's converter's row order of a Q or K projection (its rope rotates adjacent pairs)."""
     shape = weight.shape
@@ -171,15 +181,16 @@ def write_gguf(
     writer.close()
 
 
-def add_bpe_tokenizer(writer, tokenizer) -> None:
+def add_bpe_tokenizer(writer, tokenizer, pre: str = "llama-bpe") -> None:
     """``tokenizer`` (``llama3_tokenizer``'s) as llama.cpp's converter writes a byte-level BPE: its tokens (control
-    and user-defined ones marked), Llama 3's pre-tokenizer, its merges, BOS (added to each text) and EOS."""
+    and user-defined ones marked), the pre-tokenizer ``pre`` (Llama 3's split), its merges, BOS (added to each text)
+    and EOS."""
     import json
 
     vocab = tokenizer.get_vocab()
     tokens = sorted(vocab, key=vocab.get)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in SPECIAL else 4 if t in USER_DEFINED else 1 for t in tokens])
     merges = json.loads(tokenizer.to_str())["model"]["merges"]
@@ -208,6 +219,30 @@ def mamba2_gguf_tensor(name: str, tensor: torch.Tensor, n_groups: int) -> tuple[
     elif name == "norm.weight":
         tensor = tensor.reshape(n_groups, -1)
     return MAMBA2_TENSOR_NAMES[name], tensor
+
+
+def write_gguf_tensors(writer, tensors: dict[str, torch.Tensor]) -> None:
+    """``tensors`` (by their GGUF names) into ``writer``'s file, after its metadata; the file closed."""
+    for name, tensor in tensors.items():
+        writer.add_tensor(name, tensor.contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def assert_gives_the_outputs_of(llm, model, tokenizer, path: Path):
+    """The engine (``llm``) on the GGUF file at ``path``, written from ``model`` (or read by transformers) with
+    ``tokenizer``: the tokenizer's tokens of ``TEXTS``, and ``model``'s greedy tokens and prompt log-probabilities of
+    them; the simulator's shape of the file (returned: ``simulate --model FILE``) counts ``model``'s parameters."""
+    from sloserve.checkpoint import model_spec
+
+    prompts = [llm.tokenizer.encode(text) for text in TEXTS]
+    assert prompts == [tokenizer.encode(text).ids for text in TEXTS]
+    assert_greedy_tokens_and_logprobs(llm, model, prompts)
+    spec = model_spec(str(path))
+    assert spec.num_params == sum(p.numel() for p in model.parameters())
+    return spec
 
 
 def assert_reads_as_transformers(llm, path: Path, texts: list[str]) -> None:

@@ -15,16 +15,14 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from gguf_files import (  # noqa: E402
-    TEXTS,
     add_bpe_tokenizer,
-    assert_greedy_tokens_and_logprobs,
-    llama3_tokenizer,
+    assert_gives_the_outputs_of,
     mamba2_gguf_tensor,
-    uneven_norms_,
+    varied_,
+    write_gguf_tensors,
 )
 
 from sloserve import LLM  # noqa: E402
-from sloserve.checkpoint import model_spec  # noqa: E402
 
 # transformers' names of a layer's attention and MLP tensors -> llama.cpp's
 NAMES = {
@@ -49,12 +47,7 @@ def tiny_falcon_h1(vocab_size: int, rms_norm: bool):
         mlp_multipliers=[1.2, 0.8], embedding_multiplier=2.0, lm_head_multiplier=0.5, initializer_range=0.2,
         pad_token_id=None, bos_token_id=0, eos_token_id=1,
     )  # fmt: skip
-    model = transformers.FalconH1ForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.2)
-    return uneven_norms_(model.eval())
+    return varied_(transformers.FalconH1ForCausalLM(config))
 
 
 def folded(name: str, tensor: torch.Tensor, c) -> torch.Tensor:
@@ -110,30 +103,16 @@ def write_falcon_h1_gguf(path, model, tokenizer) -> None:
                 tensors[f"blk.{n}.{part}"] = tensor
             else:
                 tensors[f"blk.{n}.{NAMES[part]}"] = tensor
-    for name, tensor in tensors.items():
-        writer.add_tensor(name, tensor.contiguous().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return llama3_tokenizer()
+    write_gguf_tensors(writer, tensors)
 
 
 @pytest.mark.parametrize("rms_norm", [False, True])
-def test_a_falcon_h1_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model(rms_norm, tokenizer, tmp_path):
-    model = tiny_falcon_h1(tokenizer.get_vocab_size(), rms_norm)
+def test_a_falcon_h1_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model(rms_norm, bpe_tokenizer, tmp_path):
+    model = tiny_falcon_h1(bpe_tokenizer.get_vocab_size(), rms_norm)
     path = tmp_path / "tiny-falcon-h1.gguf"
-    write_falcon_h1_gguf(path, model, tokenizer)
+    write_falcon_h1_gguf(path, model, bpe_tokenizer)
     llm = LLM(str(path), kv_capacity_tokens=1024)
     config = llm.loaded.config
     assert config.model_type == "falcon_h1" and config.mamba["rms_norm"] == rms_norm
     assert config.embedding_multiplier == 1.0 and config.logits_scaling == 1.0  # (folded by the converter)
-    prompts = [llm.tokenizer.encode(text) for text in TEXTS]
-    assert prompts == [tokenizer.encode(text).ids for text in TEXTS]
-    assert_greedy_tokens_and_logprobs(llm, model, prompts)
-    spec = model_spec(str(path))  # (simulate --model FILE)
-    assert spec.num_params == sum(p.numel() for p in model.parameters()) and spec.kv_layers == 2
+    assert assert_gives_the_outputs_of(llm, model, bpe_tokenizer, path).kv_layers == 2

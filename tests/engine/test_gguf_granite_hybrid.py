@@ -15,17 +15,15 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from gguf_files import (  # noqa: E402
-    TEXTS,
     add_bpe_tokenizer,
-    assert_greedy_tokens_and_logprobs,
-    llama3_tokenizer,
+    assert_gives_the_outputs_of,
     mamba2_gguf_tensor,
     permute,
-    uneven_norms_,
+    varied_,
+    write_gguf_tensors,
 )
 
 from sloserve import LLM  # noqa: E402
-from sloserve.checkpoint import model_spec  # noqa: E402
 from sloserve.checkpoint.config import MAMBA  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 
@@ -51,12 +49,7 @@ def tiny_granite(vocab_size: int, num_experts: int):
         attention_multiplier=0.0625, logits_scaling=4.0, initializer_range=0.2, max_position_embeddings=4096,
         pad_token_id=None, bos_token_id=0, eos_token_id=1,
     )  # fmt: skip
-    model = transformers.GraniteMoeHybridForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.2)
-    return uneven_norms_(model.eval())
+    return varied_(transformers.GraniteMoeHybridForCausalLM(config))
 
 
 def write_granite_gguf(path, model, tokenizer, rope: bool = False) -> None:
@@ -112,39 +105,27 @@ def write_granite_gguf(path, model, tokenizer, rope: bool = False) -> None:
                 heads = c.num_attention_heads if "q_proj" in part else c.num_key_value_heads
                 tensor = torch.from_numpy(permute(tensor.numpy(), heads))
             tensors[f"blk.{n}.{NAMES[part]}"] = tensor
-    for name, tensor in tensors.items():
-        writer.add_tensor(name, tensor.contiguous().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return llama3_tokenizer()
+    write_gguf_tensors(writer, tensors)
 
 
 @pytest.mark.parametrize("num_experts", [4, 0])
-def test_a_granite_4_h_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model(num_experts, tokenizer, tmp_path):
-    model = tiny_granite(tokenizer.get_vocab_size(), num_experts)
+def test_a_granite_4_h_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model(
+    num_experts, bpe_tokenizer, tmp_path
+):
+    model = tiny_granite(bpe_tokenizer.get_vocab_size(), num_experts)
     path = tmp_path / "tiny-granite-4-h.gguf"
-    write_granite_gguf(path, model, tokenizer)
+    write_granite_gguf(path, model, bpe_tokenizer)
     llm = LLM(str(path), kv_capacity_tokens=1024)
     config = llm.loaded.config
     assert config.model_type == "granitemoehybrid" and config.layer_types == (MAMBA, "full_attention", MAMBA, MAMBA)
     assert not any(config.rotary_layers) and config.max_position_embeddings == 2**20
     assert (config.embedding_multiplier, config.logits_scaling) == (12.0, 4.0)
     assert config.is_moe == bool(num_experts) and config.mamba["n_heads"] == 8 and config.mamba["head_dim"] == 16
-    prompts = [llm.tokenizer.encode(text) for text in TEXTS]
-    assert prompts == [tokenizer.encode(text).ids for text in TEXTS]
-    assert_greedy_tokens_and_logprobs(llm, model, prompts)
-    spec = model_spec(str(path))  # (simulate --model FILE)
-    assert spec.num_params == sum(p.numel() for p in model.parameters()) and spec.kv_layers == 1
+    assert assert_gives_the_outputs_of(llm, model, bpe_tokenizer, path).kv_layers == 1
 
 
-def test_a_granite_hybrid_gguf_file_that_rotates_is_refused_by_name(tokenizer, tmp_path):
-    model = tiny_granite(tokenizer.get_vocab_size(), 0)
-    write_granite_gguf(tmp_path / "bamba.gguf", model, tokenizer, rope=True)
+def test_a_granite_hybrid_gguf_file_that_rotates_is_refused_by_name(bpe_tokenizer, tmp_path):
+    model = tiny_granite(bpe_tokenizer.get_vocab_size(), 0)
+    write_granite_gguf(tmp_path / "bamba.gguf", model, bpe_tokenizer, rope=True)
     with pytest.raises(ConfigError, match="granitehybrid.rope.scaling.finetuned \\(a rotary embedding: Bamba's\\)"):
         LLM(str(tmp_path / "bamba.gguf"), kv_capacity_tokens=1024)

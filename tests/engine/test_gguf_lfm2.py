@@ -8,8 +8,6 @@ the file (``from_pretrained(gguf_file=...)``: a reading of its own)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -18,9 +16,8 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")  # transformers reads GGUF files only with it
 
 from gguf_files import (  # noqa: E402
-    SPECIAL,
     TEXTS,
-    USER_DEFINED,
+    add_bpe_tokenizer,
     assert_greedy_tokens_and_logprobs,
     llama3_tokenizer,
     uneven_norms_,
@@ -62,17 +59,7 @@ def write_lfm2_gguf(path, model, tokenizer, head_count_kv=None) -> None:
     writer.add_vocab_size(c.vocab_size)
     writer.add_shortconv_l_cache(c.conv_L_cache)
     writer.add_feed_forward_length(model.model.layers[0].feed_forward.w1.out_features)  # (the adjusted length)
-    vocab = tokenizer.get_vocab()
-    tokens = sorted(vocab, key=vocab.get)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("lfm2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIAL else 4 if t in USER_DEFINED else 1 for t in tokens])
-    merges = json.loads(tokenizer.to_str())["model"]["merges"]
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_bos_token_id(vocab[SPECIAL[0]])
-    writer.add_eos_token_id(vocab[SPECIAL[1]])
-    writer.add_add_bos_token(True)
+    add_bpe_tokenizer(writer, tokenizer, pre="lfm2")
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, c.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight":

@@ -18,13 +18,12 @@ pytest.importorskip("accelerate")  # transformers reads GGUF files only with it
 from gguf_files import (  # noqa: E402
     TEXTS,
     add_bpe_tokenizer,
-    assert_greedy_tokens_and_logprobs,
-    llama3_tokenizer,
-    uneven_norms_,
+    assert_gives_the_outputs_of,
+    varied_,
+    write_gguf_tensors,
 )
 
 from sloserve import LLM  # noqa: E402
-from sloserve.checkpoint import model_spec  # noqa: E402
 from sloserve.checkpoint.config import UNNAMED_CONTEXT_TOKENS  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 
@@ -49,11 +48,7 @@ def tiny_model(arch: str, vocab_size: int):
     else:  # (no biases of in_proj and out_proj: transformers' GGUF reader reads no use_bias, and would drop them)
         config = transformers.MambaConfig(**common, state_size=8, time_step_rank=8)
         model = transformers.MambaForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.2)
-    return uneven_norms_(model.eval())
+    return varied_(model)
 
 
 def write_mamba_gguf(path, model, tokenizer, inner_size=None) -> None:
@@ -79,6 +74,7 @@ def write_mamba_gguf(path, model, tokenizer, inner_size=None) -> None:
         writer.add_ssm_dt_b_c_rms(c.model_type == "falcon_mamba")
     add_bpe_tokenizer(writer, tokenizer)
     names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
+    tensors = {}
     state = model.state_dict()
     for name, tensor in state.items():
         if name == "lm_head.weight" and torch.equal(tensor, state["backbone.embeddings.weight"]):
@@ -96,23 +92,15 @@ def write_mamba_gguf(path, model, tokenizer, inner_size=None) -> None:
             weight = weight.reshape(c.n_groups, -1)  # (by group)
         if name.endswith("A_log"):
             weight = -torch.exp(weight)
-        writer.add_tensor(names.get_name(base) + (f".{kind}" if kind else ""), weight.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return llama3_tokenizer()
+        tensors[names.get_name(base) + (f".{kind}" if kind else "")] = weight
+    write_gguf_tensors(writer, tensors)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_mamba_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model(arch, tokenizer, tmp_path):
-    model = tiny_model(arch, tokenizer.get_vocab_size())
+def test_a_mamba_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model(arch, bpe_tokenizer, tmp_path):
+    model = tiny_model(arch, bpe_tokenizer.get_vocab_size())
     path = tmp_path / f"tiny-{arch}.gguf"
-    write_mamba_gguf(path, model, tokenizer)
+    write_mamba_gguf(path, model, bpe_tokenizer)
     llm = LLM(str(path))
     config = llm.loaded.config
     assert (config.model_type, config.max_position_embeddings, config.num_kv_layers) == (
@@ -123,8 +111,6 @@ def test_a_mamba_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model(arc
     assert config.tie_word_embeddings == (arch != "mamba2")
     if arch == "falcon_mamba":
         assert config.mamba["dt_bc_norms"] and config.mamba["dt_bc_norm_eps"] == pytest.approx(1e-5)  # (float32)
-    prompts = [llm.tokenizer.encode(text) for text in TEXTS]
-    assert prompts == [tokenizer.encode(text).ids for text in TEXTS]
     reference = model
     if arch == "mamba":  # transformers' own reading of the file: the model it was written from
         reference = transformers.AutoModelForCausalLM.from_pretrained(
@@ -133,15 +119,13 @@ def test_a_mamba_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model(arc
         # (transformers makes the file's BOS, 0, its pad id too: generate would take a prompt's BOS for padding)
         reference.generation_config.pad_token_id = None
         with torch.no_grad():
-            ids = torch.tensor([prompts[0]])
+            ids = torch.tensor([bpe_tokenizer.encode(TEXTS[0]).ids])
             torch.testing.assert_close(reference(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
-    assert_greedy_tokens_and_logprobs(llm, reference, prompts)
-    spec = model_spec(str(path))  # (simulate --model FILE)
-    assert spec.num_params == sum(p.numel() for p in model.parameters()) and spec.kv_bytes_per_token == 0
+    assert assert_gives_the_outputs_of(llm, reference, bpe_tokenizer, path).kv_bytes_per_token == 0
 
 
-def test_a_mamba_gguf_file_whose_sizes_do_not_fit_is_refused_by_name(tokenizer, tmp_path):
-    model = tiny_model("mamba2", tokenizer.get_vocab_size())
-    write_mamba_gguf(tmp_path / "bad.gguf", model, tokenizer, inner_size=100)
+def test_a_mamba_gguf_file_whose_sizes_do_not_fit_is_refused_by_name(bpe_tokenizer, tmp_path):
+    model = tiny_model("mamba2", bpe_tokenizer.get_vocab_size())
+    write_mamba_gguf(tmp_path / "bad.gguf", model, bpe_tokenizer, inner_size=100)
     with pytest.raises(ConfigError, match="GGUF mamba2.ssm.inner_size 100 must be a multiple of embedding_length 64"):
         LLM(str(tmp_path / "bad.gguf"))

@@ -15,17 +15,15 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from gguf_files import (  # noqa: E402
-    TEXTS,
     add_bpe_tokenizer,
-    assert_greedy_tokens_and_logprobs,
-    llama3_tokenizer,
+    assert_gives_the_outputs_of,
     mamba2_gguf_tensor,
     permute,
-    uneven_norms_,
+    varied_,
+    write_gguf_tensors,
 )
 
 from sloserve import LLM  # noqa: E402
-from sloserve.checkpoint import model_spec  # noqa: E402
 from sloserve.checkpoint.config import MAMBA, MLP_LAYER  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 
@@ -45,15 +43,11 @@ def tiny_nemotron_h(vocab_size: int):
         ssm_state_size=16, chunk_size=8, initializer_range=0.2, max_position_embeddings=4096, pad_token_id=None,
         bos_token_id=0, eos_token_id=1,
     )  # fmt: skip
-    model = transformers.NemotronHForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.2)
+    model = varied_(transformers.NemotronHForCausalLM(config))
     for layer in model.model.layers:
         if hasattr(layer.mixer, "time_step_limit"):
             layer.mixer.time_step_limit = (0.0, float("inf"))
-    return uneven_norms_(model.eval())
+    return model
 
 
 def write_nemotron_h_gguf(path, model, tokenizer, ffn_lengths=None) -> None:
@@ -98,38 +92,24 @@ def write_nemotron_h_gguf(path, model, tokenizer, ffn_lengths=None) -> None:
                 heads = c.num_attention_heads if projection == "q_proj" else c.num_key_value_heads
                 tensor = torch.from_numpy(permute(tensor.numpy(), heads))
             tensors[f"blk.{n}.{NAMES[projection]}.weight"] = tensor
-    for name, tensor in tensors.items():
-        writer.add_tensor(name, tensor.contiguous().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf_tensors(writer, tensors)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return llama3_tokenizer()
-
-
-def test_a_nemotron_h_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model(tokenizer, tmp_path):
-    model = tiny_nemotron_h(tokenizer.get_vocab_size())
+def test_a_nemotron_h_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model(bpe_tokenizer, tmp_path):
+    model = tiny_nemotron_h(bpe_tokenizer.get_vocab_size())
     path = tmp_path / "tiny-nemotron-h.gguf"
-    write_nemotron_h_gguf(path, model, tokenizer)
+    write_nemotron_h_gguf(path, model, bpe_tokenizer)
     llm = LLM(str(path), kv_capacity_tokens=1024)
     config = llm.loaded.config
     assert config.model_type == "nemotron_h" and config.layer_types == (
         MAMBA, MLP_LAYER, "full_attention", MLP_LAYER, MAMBA
     )  # fmt: skip
     assert config.mamba["time_step_limit"] == (0.0, float("inf")) and config.intermediate_size == 128
-    prompts = [llm.tokenizer.encode(text) for text in TEXTS]
-    assert prompts == [tokenizer.encode(text).ids for text in TEXTS]
-    assert_greedy_tokens_and_logprobs(llm, model, prompts)
-    spec = model_spec(str(path))  # (simulate --model FILE)
-    assert spec.num_params == sum(p.numel() for p in model.parameters()) and spec.kv_layers == 1
+    assert assert_gives_the_outputs_of(llm, model, bpe_tokenizer, path).kv_layers == 1
 
 
-def test_a_nemotron_h_gguf_file_whose_mlp_lengths_do_not_fit_its_blocks_is_refused(tokenizer, tmp_path):
-    model = tiny_nemotron_h(tokenizer.get_vocab_size())
-    write_nemotron_h_gguf(tmp_path / "bad.gguf", model, tokenizer, ffn_lengths=[0, 128, 0])
+def test_a_nemotron_h_gguf_file_whose_mlp_lengths_do_not_fit_its_blocks_is_refused(bpe_tokenizer, tmp_path):
+    model = tiny_nemotron_h(bpe_tokenizer.get_vocab_size())
+    write_nemotron_h_gguf(tmp_path / "bad.gguf", model, bpe_tokenizer, ffn_lengths=[0, 128, 0])
     with pytest.raises(ConfigError, match="nemotron_h.feed_forward_length must list each of the 5 blocks' MLP length"):
         LLM(str(tmp_path / "bad.gguf"), kv_capacity_tokens=1024)
