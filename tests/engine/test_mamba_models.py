@@ -5,6 +5,7 @@ refused by name. Their greedy tokens on five schedules: test_mamba.py's hybrid t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -53,6 +54,22 @@ def test_a_mamba_models_shape_is_transformers_and_its_tokens_take_no_kv(hf_dirs,
     normed = [name for name, _ in mixer.named_modules() if name.endswith("_layernorm")]
     assert normed == (["dt_layernorm", "b_layernorm", "c_layernorm"] if arch == "falcon_mamba" else [])
     assert all(p.numel() == 0 for name, p in mixer.named_parameters() if "layernorm" in name)
+
+
+def test_falcon_mamba_7bs_shape_as_its_config_gives_it():
+    """Falcon Mamba 7B's config.json: 7.27B parameters (its model card's; transformers' count of the config), no
+    KV, a request's states 37 MB (64 layers of 8,192 channels: 3 convolution inputs in bf16, 16 float32 states);
+    a spec of no attention layer must keep states."""
+    raw = {"model_type": "falcon_mamba", "vocab_size": 65024, "hidden_size": 4096, "num_hidden_layers": 64,
+           "state_size": 16, "expand": 2, "conv_kernel": 4, "time_step_rank": 256, "tie_word_embeddings": False,
+           "torch_dtype": "bfloat16"}  # fmt: skip
+    spec = from_hf_config(raw, "falcon-mamba-7b").spec()
+    assert (spec.num_params, spec.kv_bytes_per_token) == (7_272_665_088, 0)
+    assert spec.state_bytes_per_sequence == 64 * (8192 * 3 * 2 + 8192 * 16 * 4) == 36_700_160
+    with pytest.raises(ConfigError, match="kv_layers 0 \\(no attention layer\\) needs state_bytes_per_sequence > 0"):
+        dataclasses.replace(spec, state_bytes_per_sequence=0)
+    with pytest.raises(ConfigError, match="kv_layers 65 exceeds num_layers 64"):
+        dataclasses.replace(spec, kv_layers=65)
 
 
 @pytest.mark.parametrize("arch", ["mamba", "mamba2"])

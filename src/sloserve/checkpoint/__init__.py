@@ -35,8 +35,8 @@ def model_spec(name: str) -> ModelSpec:
 def check_engine_model(model: str) -> None:
     """A ConfigError now for an engine model (``--model`` of ``run``, ``profile`` and ``serve``) that the loader
     would refuse for what its name or config says: an unknown ``random:`` shape, a directory that does not exist or
-    has no readable config.json, a GGUF file that is missing or not one, or an unsupported architecture. Reads no weights and imports no torch (2-3 s), so a typo is answered at once, before
-    an engine or a server starts."""
+    has no readable config.json, a GGUF file that is missing or not one, or an unsupported architecture. Reads no
+    weights and imports no torch (2-3 s), so a typo is answered at once, before an engine or a server starts."""
     from sloserve.checkpoint.config import RANDOM_PREFIX, load_hf_config
     from sloserve.checkpoint.gguf import is_gguf
 

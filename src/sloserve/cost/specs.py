@@ -118,7 +118,10 @@ class ModelSpec:
         if self.attention_layers > self.num_layers:
             raise ConfigError(f"{owner}: kv_layers {kv_layers} exceeds num_layers {self.num_layers}")
         if self.attention_layers == 0 and not self.state_bytes_per_sequence:
-            raise ConfigError(f"{owner}: a model of no attention layer (kv_layers 0) keeps its requests' states")
+            raise ConfigError(
+                f"{owner}: kv_layers 0 (no attention layer) needs state_bytes_per_sequence > 0: such a model's "
+                "requests hold their context in states"
+            )
         if (self.window_layers > 0) != (self.window_tokens > 0):
             raise ConfigError(f"{owner}: window_layers and window_tokens are both 0 or both positive")
         if self.window_layers > self.attention_layers:
@@ -349,8 +352,9 @@ def kv_capacity_tokens(
 ) -> int:
     """How many tokens of KV cache fit (InferMax's M): (num_gpus * memory * utilization - weights -
     activation reserve - ``state_slots`` requests' states) / kv_bytes_per_token; a model of no attention (0 bytes a
-    token) as many as its slots' requests hold, ``state_slots`` x max_context_len, where their states fit. With tensor parallelism both
-    the weights and each token's KV are split across GPUs, so the totals are unchanged and memory sums.
+    token) as many as its slots' requests hold, ``state_slots`` x max_context_len, where their states fit. With
+    tensor parallelism both the weights and each token's KV are split across GPUs, so the totals are unchanged and
+    memory sums.
 
     ``activation_reserve_bytes`` is the total over all GPUs (default: ``default_activation_reserve``).
     ``state_slots``: the requests a model with state layers keeps states for (``registry.state_slots``: the

@@ -147,9 +147,8 @@ def make_scheduler(
         )
     if kv_capacity_tokens < config.block_size:
         raise ConfigError(f"KV capacity {kv_capacity_tokens} tokens is below one block of {config.block_size} tokens")
-    if (
-        max_requests is not None
-    ):  # (before swap space: a model of no attention, 0 KV bytes a token, hears of its states)
+    # (before swap space is asked for: a model of no attention, 0 KV bytes a token, hears of its states)
+    if max_requests is not None:
         _check_request_states(name, config)
     if getattr(config, "preemption_mode", "recompute") == "swap" and swap_space_tokens < config.block_size:
         # NOTE: an error, not a silent recompute: a run asked to swap would otherwise measure recomputation
