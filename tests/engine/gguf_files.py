@@ -39,17 +39,21 @@ SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
 USER_DEFINED = ["<think>", "</think>"]  # added tokens that are not special (Qwen3's)
 
 
-def llama3_tokenizer(split: str = SPLIT):
-    """A byte-level BPE tokenizer trained on ``CORPUS`` after ``split`` (Llama 3's), its specials and user-defined
-    tokens added, BOS added to each text."""
+def llama3_tokenizer(split: str | None = SPLIT):
+    """A byte-level BPE tokenizer trained on ``CORPUS`` after ``split`` (Llama 3's; None: GPT-2's, the ByteLevel
+    pre-tokenizer's own), its specials and user-defined tokens added, BOS added to each text."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
+    tok.pre_tokenizer = (
+        pre_tokenizers.ByteLevel(add_prefix_space=False)
+        if split is None
+        else pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(

@@ -123,11 +123,13 @@ def test_greedy_tokens_equal_transformers_with_llama3_rope_scaling(llama3):
     assert differs  # NOTE: the scaling changes the tokens here: read without it, the file would fail this test
 
 
-@pytest.mark.parametrize("pre", ["tekken", "deepseek-r1-qwen", "smaug-bpe", "dbrx", "gpt-4o"])
+@pytest.mark.parametrize(
+    "pre", ["tekken", "deepseek-r1-qwen", "smaug-bpe", "dbrx", "gpt-4o", "falcon-h1", "midm-2.0", "olmo", "mpt"]
+)
 def test_the_pre_tokenizer_a_file_names_reads_the_tokens_transformers_reads(tmp_path, pre):
-    """Other names of llama.cpp's pre-tokenizers (Mistral Nemo's, DeepSeek-R1's Qwen distills', Phi-4 mini's): the
-    engine splits text as transformers' GGUF reader does, and as the tokenizer.json trained with that
-    split; a name neither knows is refused rather than read as GPT-2's, and a merge that is not two tokens
+    """Other names of llama.cpp's pre-tokenizers (Mistral Nemo's, DeepSeek-R1's Qwen distills', Phi-4 mini's,
+    Falcon-H1's; OLMo's and MPT's, GPT-2's pattern): the engine splits text as transformers' GGUF reader does, and
+    as the tokenizer.json trained with that split; a name neither knows is refused rather than read as GPT-2's, and a merge that is not two tokens
     by name."""
     tokenizer = llama3_tokenizer(PRE_TOKENIZER_SPLITS[pre])
     path = tmp_path / f"{pre}.gguf"

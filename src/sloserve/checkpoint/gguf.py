@@ -256,6 +256,8 @@ PRE_TOKENIZER_SPLITS: dict[str | None, str | None] = {
     None: None,
     "default": None,
     "gpt-2": None,
+    # (llama.cpp's other names of GPT-2's pattern: OLMo's GPT-NeoX vocabulary, MPT's, Phi-2's, Jais's)
+    **dict.fromkeys(("olmo", "mpt", "phi-2", "jais")),
     "smollm": None,  # NOTE: llama.cpp splits its digits one by one first; its vocabulary has no runs of them
     "starcoder": None,  # (StarCoder2's: as SmolLM's, llama.cpp's case)
     "stablelm2": QWEN_SPLIT,  # (StableLM 2's: Qwen's pattern, llama.cpp's case)
@@ -265,6 +267,8 @@ PRE_TOKENIZER_SPLITS: dict[str | None, str | None] = {
     "llama3": LLAMA3_SPLIT,
     "llama-v3": LLAMA3_SPLIT,
     "falcon3": LLAMA3_SPLIT,
+    "falcon-h1": LLAMA3_SPLIT,  # (Falcon-H1's, llama.cpp's and transformers' case)
+    "midm-2.0": LLAMA3_SPLIT,
     "smaug-bpe": LLAMA3_SPLIT,
     "dbrx": LLAMA3_SPLIT,  # (Phi-4's: GPT-4's cl100k split, Llama 3's pattern)
     "pixtral": LLAMA3_SPLIT,
