@@ -238,14 +238,16 @@ def write_gguf_tensors(writer, tensors: dict[str, torch.Tensor]) -> None:
 def assert_gives_the_outputs_of(llm, model, tokenizer, path: Path):
     """The engine (``llm``) on the GGUF file at ``path``, written from ``model`` (or read by transformers) with
     ``tokenizer``: the tokenizer's tokens of ``TEXTS``, and ``model``'s greedy tokens and prompt log-probabilities of
-    them; the simulator's shape of the file (returned: ``simulate --model FILE``) counts ``model``'s parameters."""
+    them; the simulator's shape of the file (returned: ``simulate --model FILE``) counts ``model``'s parameters (and
+    its routers' biases, a checkpoint's weights that transformers holds as buffers)."""
     from sloserve.checkpoint import model_spec
 
     prompts = [llm.tokenizer.encode(text) for text in TEXTS]
     assert prompts == [tokenizer.encode(text).ids for text in TEXTS]
     assert_greedy_tokens_and_logprobs(llm, model, prompts)
     spec = model_spec(str(path))
-    assert spec.num_params == sum(p.numel() for p in model.parameters())
+    routers_biases = sum(b.numel() for name, b in model.named_buffers() if name.endswith("expert_bias"))
+    assert spec.num_params == sum(p.numel() for p in model.parameters()) + routers_biases  # (buffers to transformers)
     return spec
 
 

@@ -18,6 +18,7 @@ pytest.importorskip("accelerate")  # transformers reads GGUF files only with it
 from gguf_files import (  # noqa: E402
     TEXTS,
     add_bpe_tokenizer,
+    assert_gives_the_outputs_of,
     assert_greedy_tokens_and_logprobs,
     llama3_tokenizer,
     uneven_norms_,
@@ -44,10 +45,29 @@ def tiny_lfm2(vocab_size: int):
     return uneven_norms_(transformers.Lfm2ForCausalLM(config).eval())
 
 
+def tiny_lfm2_moe(vocab_size: int):
+    """A random transformers LFM2-MoE: a dense first MLP, then 8 experts (2 a token, their scores sigmoids chosen
+    with the router's bias, renormalized, scaled by 2)."""
+    torch.manual_seed(12)
+    config = transformers.Lfm2MoeConfig(
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_dense_layers=1,
+        routed_scaling_factor=2.0, layer_types=LAYER_TYPES, max_position_embeddings=256, initializer_range=0.2,
+        conv_L_cache=3, pad_token_id=None, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    model = transformers.Lfm2MoeForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:  # (the router's bias: 0 at init)
+            layer.feed_forward.expert_bias.normal_(0.0, 0.5)
+    return uneven_norms_(model.eval())
+
+
 def write_lfm2_gguf(path, model, tokenizer, head_count_kv=None) -> None:
-    """``model`` as llama.cpp's LFM2 converter writes it (``head_count_kv``: in place of its own list)."""
+    """``model`` as llama.cpp's LFM2 (LFM2-MoE) converter writes it (``head_count_kv``: in place of its own list);
+    LFM2-MoE's experts stacked, gate and up apart."""
     c = model.config
-    writer = gguf.GGUFWriter(str(path), "lfm2")
+    moe = c.model_type == "lfm2_moe"
+    writer = gguf.GGUFWriter(str(path), "lfm2moe" if moe else "lfm2")
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
     writer.add_block_count(c.num_hidden_layers)
@@ -59,13 +79,31 @@ def write_lfm2_gguf(path, model, tokenizer, head_count_kv=None) -> None:
     writer.add_vocab_size(c.vocab_size)
     writer.add_shortconv_l_cache(c.conv_L_cache)
     writer.add_feed_forward_length(model.model.layers[0].feed_forward.w1.out_features)  # (the adjusted length)
+    if moe:
+        writer.add_expert_count(c.num_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+        writer.add_leading_dense_block_count(c.num_dense_layers)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(c.routed_scaling_factor)
     add_bpe_tokenizer(writer, tokenizer, pre="lfm2")
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, c.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2MOE if moe else gguf.MODEL_ARCH.LFM2, c.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight":
             continue  # tied to the embedding: the converter leaves it out
         base, _, kind = name.rpartition(".")
         weight = tensor.float().numpy()
+        if moe and ".feed_forward." in name and ".w" not in name:  # (the router, its bias, the stacked experts)
+            block = f"blk.{name.split('.')[2]}"
+            if kind == "gate_up_proj":  # (E, 2 I, H): gate rows, then up rows
+                gate, up = weight[:, : c.moe_intermediate_size], weight[:, c.moe_intermediate_size :]
+                writer.add_tensor(f"{block}.ffn_gate_exps.weight", gate.copy())
+                writer.add_tensor(f"{block}.ffn_up_exps.weight", up.copy())
+            else:
+                gguf_name = {"down_proj": "ffn_down_exps.weight", "weight": "ffn_gate_inp.weight",
+                             "expert_bias": "exp_probs_b.bias"}[kind]  # fmt: skip
+                writer.add_tensor(f"{block}.{gguf_name}", weight)
+            continue
         if "conv.conv" in name:
             weight = weight.squeeze(1)  # the converter's: llama.cpp's convolution takes a 2-D weight
         writer.add_tensor(f"{names.get_name(base)}.{kind}", weight)
@@ -118,3 +156,17 @@ def test_an_lfm2_gguf_file_whose_kv_head_counts_do_not_fit_its_layers_is_refused
     write_lfm2_gguf(tmp_path / "none.gguf", model, tokenizer, head_count_kv=[0, 0, 0, 0])
     with pytest.raises(ConfigError, match=r"some of them positive"):
         LLM(str(tmp_path / "none.gguf"), kv_capacity_tokens=1024)
+
+
+def test_an_lfm2_moe_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model(bpe_tokenizer, tmp_path):
+    """LFM2-MoE (llama.cpp's ``lfm2moe``, which transformers does not read): its experts after the leading dense
+    layer, stacked, with the router's bias (``exp_probs_b``) and ``expert_weights_scale``: the model's outputs."""
+    model = tiny_lfm2_moe(bpe_tokenizer.get_vocab_size())
+    path = tmp_path / "tiny-lfm2-moe.gguf"
+    write_lfm2_gguf(path, model, bpe_tokenizer)
+    llm = LLM(str(path), kv_capacity_tokens=1024)
+    config = llm.loaded.config
+    assert config.model_type == "lfm2_moe" and config.moe["moe_layers"] == (False, True, True, True)
+    assert config.moe["routed_scaling_factor"] == 2.0 and config.intermediate_size == 96
+    spec = assert_gives_the_outputs_of(llm, model, bpe_tokenizer, path)
+    assert (spec.num_experts, spec.experts_per_token, spec.kv_layers) == (8, 2, 1)

@@ -6,21 +6,22 @@ K-quants... as llama.cpp defines them) and copied into the model under their HF 
 runs the same weights transformers does when it loads the file (``from_pretrained(gguf_file=...)``).
 
 Supported: the Llama architecture (``general.architecture = llama``: Llama 2 and 3.x, SmolLM, Mistral without
-sliding windows), SmolLM3, Granite 3, Qwen2, Qwen3, Qwen3-MoE (``qwen3moe``), Qwen2-MoE (``qwen2moe``), Phi-3
-and Phi-4 (``phi3``), OLMo 2 (``olmo2``), StableLM (``stablelm``), StarCoder2 (``starcoder2``), gpt-oss
-(``gpt-oss``: its experts in MXFP4 or not, dequantized by ``gguf``; its YaRN ramp truncated, as llama.cpp
-computes it, where the HF config says ``truncate: false``), Gemma (``gemma``: Gemma 1, CodeGemma), Gemma 2 and
-Gemma 3's text models, LFM2 (``lfm2``), Mamba, Falcon Mamba (``mamba``, with ``ssm.dt_b_c_rms``), Mamba-2
+sliding windows), SmolLM3, Granite 3, Qwen2, Qwen3, Qwen3-MoE (``qwen3moe``), Qwen2-MoE (``qwen2moe``), Phi-3 and
+Phi-4 (``phi3``), OLMo 2 (``olmo2``), StableLM (``stablelm``), StarCoder2 (``starcoder2``), gpt-oss (``gpt-oss``:
+its experts in MXFP4 or not, dequantized by ``gguf``; its YaRN ramp truncated, as llama.cpp computes it, where the
+HF config says ``truncate: false``), Gemma (``gemma``: Gemma 1, CodeGemma), Gemma 2 and Gemma 3's text models, LFM2
+and LFM2-MoE (``lfm2``, ``lfm2moe``), Mamba, Falcon Mamba (``mamba``, with ``ssm.dt_b_c_rms``), Mamba-2
 (``mamba2``), Granite 4.0-H (``granitehybrid``), Nemotron-H (``nemotron_h``) and Falcon-H1 (``falcon-h1``), with a
 byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern by
-``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2, Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores
-it, a tensor of frequency factors (``rope_freqs.weight``); linear and YaRN scaling as ``rope.scaling.*`` keys;
-Phi-3.5's and Phi-4 mini's LongRoPE as two tensors of factors (``rope_factors_short/long.weight``).
+``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2, Mistral 7B, TinyLlama, Phi-3, Gemma). Llama
+3.1's rope scaling comes as llama.cpp stores it, a tensor of frequency factors (``rope_freqs.weight``); linear and
+YaRN scaling as ``rope.scaling.*`` keys; Phi-3.5's and Phi-4 mini's LongRoPE as two tensors of factors
+(``rope_factors_short/long.weight``).
 
 NOTE: llama.cpp's converter permutes the rows of a Llama (SmolLM3, Granite; Granite 4.0-H's and Nemotron-H's
 attention too, though they do not rotate) model's Q and K projections (its RoPE rotates adjacent pairs, HF's rotates
-halves); ``_unpermute`` undoes it, as transformers' GGUF loader
-does. The others are converted unpermuted (llama.cpp runs them with NEOX-style RoPE, HF's).
+halves); ``_unpermute`` undoes it, as transformers' GGUF loader does. The others are converted unpermuted (llama.cpp
+runs them with NEOX-style RoPE, HF's).
 """
 
 from __future__ import annotations
@@ -204,6 +205,11 @@ JOINED_TENSORS = {
 }
 # Mamba-2's tensors the converter writes in a shape of its own (A and D as (heads, 1); the norm by group): flattened
 MAMBA2_RESHAPED = ("ssm_a", "ssm_d", "ssm_norm.weight")
+ARCH_TENSORS["lfm2moe"] = {  # LFM2-MoE's: LFM2's, the experts' router and its bias (``exp_probs_b``; stacked experts)
+    **ARCH_TENSORS["lfm2"],
+    "blk.{n}.ffn_gate_inp.weight": "model.layers.{n}.feed_forward.gate.weight",
+    "blk.{n}.exp_probs_b.bias": "model.layers.{n}.feed_forward.expert_bias",
+}
 # The architectures whose norms are LayerNorms: the HF config's name of their epsilon
 LAYER_NORM_EPS_NAMES = {"stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon"}
 # The architectures whose rotary embedding may turn part of a head (``rope.dimension_count``)
@@ -468,8 +474,8 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
             f"{path}: GGUF olmo2 with olmo2.attention.sliding_window {meta['olmo2.attention.sliding_window']} "
             "(Olmo 3's sliding layers) is not supported"
         )
-    if arch == "lfm2":  # KV heads a count a layer, 0 where it convolves (llama.cpp's converter's); the file's MLP
-        # length is the one the layers have (not a size to adjust, as its config's)
+    if arch in ("lfm2", "lfm2moe"):  # KV heads a count a layer, 0 where it convolves (llama.cpp's converter's); the
+        # file's MLP length is the one the layers have (not a size to adjust, as its config's)
         kv_heads = _kv_heads_by_layer(arch, config["num_key_value_heads"], config["num_hidden_layers"], path)
         config.update(
             num_key_value_heads=max(kv_heads),
@@ -477,6 +483,8 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
             block_auto_adjust_ff_dim=False,
             conv_L_cache=need("shortconv.l_cache"),
         )
+    if arch == "lfm2moe":
+        config.update(_lfm2_moe_config(meta, need, names, path))
     if arch == "stablelm":  # (its biases and second norms, as the tensors say: transformers' GGUF reader's rule)
         config["use_qkv_bias"] = "blk.0.attn_q.bias" in names
         config["use_parallel_residual"] = bool(
@@ -533,6 +541,27 @@ def _mamba_config(meta: dict[str, Any], arch: str, need: Callable[[str], Any], n
         )
     config.update(num_heads=heads, head_dim=inner // heads, n_groups=need("ssm.group_count"))
     return config
+
+
+def _lfm2_moe_config(meta: dict[str, Any], need: Callable[[str], Any], names: set[str], path: Path) -> dict[str, Any]:
+    """LFM2-MoE's experts (llama.cpp's ``lfm2moe``) as transformers names them: their count, the used, their length,
+    the leading dense layers; sigmoid scores (``expert_gating_func`` 2, the only one llama.cpp runs it with) chosen
+    with the router's bias where the file has it, renormalized and scaled as ``expert_weights_norm`` and
+    ``expert_weights_scale`` say (absent: renormalized, unscaled, llama.cpp's)."""
+    gating = meta.get("lfm2moe.expert_gating_func", 2)
+    if gating != 2:
+        raise ConfigError(f"{path}: GGUF lfm2moe.expert_gating_func {gating!r} is not supported (2: sigmoid)")
+    dense = need("leading_dense_block_count")
+    return {
+        "model_type": "lfm2_moe",
+        "num_experts": need("expert_count"),
+        "num_experts_per_tok": need("expert_used_count"),
+        "moe_intermediate_size": need("expert_feed_forward_length"),
+        "num_dense_layers": dense,
+        "norm_topk_prob": bool(meta.get("lfm2moe.expert_weights_norm", True)),
+        "routed_scaling_factor": float(meta.get("lfm2moe.expert_weights_scale") or 1.0),
+        "use_expert_bias": f"blk.{dense}.exp_probs_b.bias" in names,
+    }
 
 
 def _granite_hybrid_config(
