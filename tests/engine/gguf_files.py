@@ -235,7 +235,7 @@ def write_gguf_tensors(writer, tensors: dict[str, torch.Tensor]) -> None:
     writer.close()
 
 
-def assert_gives_the_outputs_of(llm, model, tokenizer, path: Path):
+def assert_gives_the_outputs_of(llm, model, tokenizer, path: Path, by_full_forwards: bool = False):
     """The engine (``llm``) on the GGUF file at ``path``, written from ``model`` (or read by transformers) with
     ``tokenizer``: the tokenizer's tokens of ``TEXTS``, and ``model``'s greedy tokens and prompt log-probabilities of
     them; the simulator's shape of the file (returned: ``simulate --model FILE``) counts ``model``'s parameters (and
@@ -244,7 +244,7 @@ def assert_gives_the_outputs_of(llm, model, tokenizer, path: Path):
 
     prompts = [llm.tokenizer.encode(text) for text in TEXTS]
     assert prompts == [tokenizer.encode(text).ids for text in TEXTS]
-    assert_greedy_tokens_and_logprobs(llm, model, prompts)
+    assert_greedy_tokens_and_logprobs(llm, model, prompts, by_full_forwards)
     spec = model_spec(str(path))
     routers_biases = sum(b.numel() for name, b in model.named_buffers() if name.endswith("expert_bias"))
     assert spec.num_params == sum(p.numel() for p in model.parameters()) + routers_biases  # (buffers to transformers)
@@ -261,14 +261,15 @@ def assert_reads_as_transformers(llm, path: Path, texts: list[str]) -> None:
         assert llm.tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=True)
 
 
-def assert_greedy_tokens_and_logprobs(llm, model, prompts: list[list[int]]) -> None:
-    """The engine's greedy tokens and prompt log-probabilities on ``prompts`` are ``model``'s (transformers')."""
-    from hf_models import greedy, prompt_logprobs
+def assert_greedy_tokens_and_logprobs(llm, model, prompts: list[list[int]], by_full_forwards: bool = False) -> None:
+    """The engine's greedy tokens and prompt log-probabilities on ``prompts`` are ``model``'s (transformers'; its
+    tokens from forward passes over whole sequences where ``by_full_forwards``: ``hf_models.BY_FULL_FORWARDS``)."""
+    from hf_models import greedy, greedy_by_full_forwards, prompt_logprobs
     from sloserve import SamplingParams
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
     for ids, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == greedy(model, ids, 12)
+        assert out.outputs[0].token_ids == (greedy_by_full_forwards if by_full_forwards else greedy)(model, ids, 12)
         ours = [entry.logprob for entry in out.prompt_logprobs[1:]]
         assert ours == pytest.approx(prompt_logprobs(model, ids), abs=1e-4)

@@ -11,8 +11,8 @@ Phi-4 (``phi3``), OLMo 2 (``olmo2``), StableLM (``stablelm``), StarCoder2 (``sta
 its experts in MXFP4 or not, dequantized by ``gguf``; its YaRN ramp truncated, as llama.cpp computes it, where the
 HF config says ``truncate: false``), Gemma (``gemma``: Gemma 1, CodeGemma), Gemma 2 and Gemma 3's text models, LFM2
 and LFM2-MoE (``lfm2``, ``lfm2moe``), Mamba, Falcon Mamba (``mamba``, with ``ssm.dt_b_c_rms``), Mamba-2
-(``mamba2``), Granite 4.0-H (``granitehybrid``), Nemotron-H (``nemotron_h``) and Falcon-H1 (``falcon-h1``), with a
-byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern by
+(``mamba2``), Granite 4.0-H (``granitehybrid``), Nemotron-H (``nemotron_h``), Falcon-H1 (``falcon-h1``) and Jamba
+(``jamba``), with a byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern by
 ``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2, Mistral 7B, TinyLlama, Phi-3, Gemma). Llama
 3.1's rope scaling comes as llama.cpp stores it, a tensor of frequency factors (``rope_freqs.weight``); linear and
 YaRN scaling as ``rope.scaling.*`` keys; Phi-3.5's and Phi-4 mini's LongRoPE as two tensors of factors
@@ -191,6 +191,19 @@ ARCH_TENSORS["nemotron_h"] = {
 # Falcon-H1's (``falcon-h1``): Llama's layers, each with a Mamba-2 mixer beside its attention; its muP multipliers
 # already folded into the weights by the converter (as the engine's loader folds a checkpoint's: 1 here)
 ARCH_TENSORS["falcon-h1"] = _mamba2_tensors("model.layers.{n}.mamba")
+# Jamba's (``jamba``): Llama's layers, Mamba's mixer (Mamba 1's ``ssm_*`` with its norms of the step, B and C) where a
+# layer does not attend, experts (stacked: ``EXPERT_TENSORS``) where a layer has a router
+ARCH_TENSORS["jamba"] = {
+    **{
+        f"blk.{{n}}.{ours}.{kind}": f"model.layers.{{n}}.mamba.{theirs}.{kind}"
+        for ours, theirs in {**MAMBA_MIXER, "ssm_x": "x_proj", "ssm_dt": "dt_proj"}.items()
+        for kind in ("weight", "bias")
+    },
+    "blk.{n}.ssm_a": "model.layers.{n}.mamba.A_log",
+    "blk.{n}.ssm_d": "model.layers.{n}.mamba.D",
+    **{f"blk.{{n}}.ssm_{x}_norm.weight": f"model.layers.{{n}}.mamba.{x}_layernorm.weight" for x in ("dt", "b", "c")},
+    "blk.{n}.ffn_gate_inp.weight": "model.layers.{n}.mlp.gate.weight",
+}
 # The architectures of Mamba-2 mixers (their tensors' shapes: ``MAMBA2_RESHAPED``)
 MAMBA2_ARCHS = ("mamba2", "granitehybrid", "nemotron_h", "falcon-h1")
 # Tensors the converter splits that a checkpoint holds as one: GGUF name -> (HF name, the part's place in it). Granite
@@ -463,6 +476,8 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         config.update(_nemotron_h_config(config, need, names, path))
     if arch == "falcon-h1":
         config.update(_falcon_h1_config(config, need, names, path))
+    if arch == "jamba":
+        config.update(_jamba_config(meta, config, need, names, path))
     if arch == "smollm3":  # (HF's name: 1 rotates)
         config["no_rope_layers"] = [
             int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(config["num_hidden_layers"])
@@ -665,6 +680,53 @@ def _falcon_h1_config(
         "projectors_bias": "blk.0.ssm_out.bias" in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
     }
+
+
+def _jamba_config(
+    meta: dict[str, Any], config: dict[str, Any], need: Callable[[str], Any], names: set[str], path: Path
+) -> dict[str, Any]:
+    """Jamba's config (llama.cpp's ``jamba``) as transformers names it: the attention layers those with KV heads
+    (``attention.head_count_kv``), the experts' those with a router (``ffn_gate_inp``), each as the period and offset
+    of its config (a file of another layout refused); Mamba's mixers of the ``ssm.*`` keys, biases where the file has
+    them."""
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    kv_heads = _kv_heads_by_layer("jamba", config["num_key_value_heads"], layers, path)
+    inner = need("ssm.inner_size")
+    if not isinstance(inner, int) or inner <= 0 or inner % hidden:
+        raise ConfigError(
+            f"{path}: GGUF jamba.ssm.inner_size {inner!r} must be a multiple of embedding_length {hidden}"
+        )
+    attn_period, attn_offset = _period_and_offset([i for i, n in enumerate(kv_heads) if n], layers, "attention", path)
+    routed = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names]
+    experts = need("expert_count") if routed else 1  # (one expert: transformers' dense MLP)
+    expert_period, expert_offset = _period_and_offset(routed, layers, "experts'", path) if routed else (1, 0)
+    mixer = f"blk.{kv_heads.index(0)}" if 0 in kv_heads else None
+    return {
+        "num_key_value_heads": max(kv_heads),
+        "attn_layer_period": attn_period,
+        "attn_layer_offset": attn_offset,
+        "num_experts": experts,
+        "num_experts_per_tok": meta.get("jamba.expert_used_count") or 1,
+        "expert_layer_period": expert_period,
+        "expert_layer_offset": expert_offset,
+        "mamba_d_state": need("ssm.state_size"),
+        "mamba_d_conv": need("ssm.conv_kernel"),
+        "mamba_expand": inner // hidden,
+        "mamba_dt_rank": need("ssm.time_step_rank"),
+        "mamba_conv_bias": f"{mixer}.ssm_conv1d.bias" in names,
+        "mamba_proj_bias": f"{mixer}.ssm_in.bias" in names,
+    }
+
+
+def _period_and_offset(indices: list[int], layers: int, what: str, path: Path) -> tuple[int, int]:
+    """The (period, offset) of Jamba's config whose layers ``i % period == offset`` are ``indices``, or a ConfigError."""
+    offset = indices[0] if indices else 0
+    period = indices[1] - indices[0] if len(indices) > 1 else layers
+    if not indices or [i for i in range(layers) if i % period == offset] != indices:
+        raise ConfigError(
+            f"{path}: GGUF jamba's {what} layers {indices} are not every period-th layer from an offset (Jamba's layout)"
+        )
+    return period, offset
 
 
 def _mamba2_heads(arch: str, need: Callable[[str], Any], path: Path) -> tuple[int, int]:
