@@ -246,7 +246,8 @@ def assert_gives_the_outputs_of(llm, model, tokenizer, path: Path, by_full_forwa
     assert prompts == [tokenizer.encode(text).ids for text in TEXTS]
     assert_greedy_tokens_and_logprobs(llm, model, prompts, by_full_forwards)
     spec = model_spec(str(path))
-    routers_biases = sum(b.numel() for name, b in model.named_buffers() if name.endswith("expert_bias"))
+    biases = ("expert_bias", "e_score_correction_bias")  # (LFM2-MoE's, DeepSeek-V3's routing's)
+    routers_biases = sum(b.numel() for name, b in model.named_buffers() if name.endswith(biases))
     assert spec.num_params == sum(p.numel() for p in model.parameters()) + routers_biases  # (buffers to transformers)
     return spec
 

@@ -112,6 +112,7 @@ def test_nemotron_hs_blocks_as_the_hub_and_transformers_5_name_them(hf_dirs, tmp
     hf = hf_cached("nemotron_h_moe")  # (its router's bias: a buffer to transformers, a tensor of the checkpoint)
     assert moe.num_params == sum(p.numel() for p in hf.parameters()) + 2 * 8
     assert (moe.num_experts, moe.experts_per_token, moe.expert_params) == (8, 2, 2 * 8 * 2 * 64 * 32)
+    assert moe.kv_layers == 1  # (the attention block's alone: the experts' blocks keep no KV)
     with pytest.raises(ConfigError, match="moe_latent_size \\(experts on a latent projection\\) is not supported"):
         from_hf_config({**hub, "hybrid_override_pattern": "ME*EM", "moe_latent_size": 16})
     with pytest.raises(ConfigError, match="nemotron_h block type 'X' is not one of M, \\*, -, E"):

@@ -578,6 +578,7 @@ SLIDING = "sliding_attention"
 CHUNKED = "chunked_attention"  # (Llama 4's: only the positions of its own chunk of attention_chunk_size)
 MAMBA = "mamba"  # (a layer of Mamba-2's mixer: ``ModelConfig.mamba``)
 MLP_LAYER = "mlp"  # (Nemotron-H's layers of an MLP alone)
+MOE_LAYER = "moe"  # (Nemotron 3's layers of experts alone)
 PARALLEL_HYBRID = "attention_and_mamba"  # (Falcon-H1's layers: attention and a Mamba-2 mixer side by side)
 SHORT_CONV = "conv"  # (LFM2's layers of a gated short convolution: ``ModelConfig.short_conv``)
 LINEAR_ATTENTION = "linear_attention"  # (Qwen3-Next's layers of gated DeltaNet: ``ModelConfig.gated_delta_net``)
@@ -832,8 +833,9 @@ class ModelConfig:
 
     def layer_has_kv(self, layer: int) -> bool:
         """Whether layer ``layer`` attends (and has a KV cache): not a Mamba layer, nor a short convolution's, nor a
-        gated DeltaNet's, nor Nemotron-H's MLP ones."""
-        return not self.layer_types or self.layer_types[layer] not in (MAMBA, MLP_LAYER, SHORT_CONV, LINEAR_ATTENTION)
+        gated DeltaNet's, nor Nemotron-H's MLP and experts' ones."""
+        kinds = (MAMBA, MLP_LAYER, MOE_LAYER, SHORT_CONV, LINEAR_ATTENTION)
+        return not self.layer_types or self.layer_types[layer] not in kinds
 
     def kv_layer_index(self, layer: int) -> int | None:
         """Layer ``layer``'s index among the layers with a KV cache (the attention layers); None for another."""
@@ -982,7 +984,7 @@ class ModelConfig:
             }
             if self.moe is not None:  # the router and its bias, two-matrix experts, the shared one
                 e, moe_i = self.moe["num_experts"], self.moe["moe_intermediate_size"]
-                mixers["moe"] = e * h + e + e * 2 * h * moe_i + 2 * h * self.moe["shared_expert_intermediate_size"]
+                mixers[MOE_LAYER] = e * h + e + e * 2 * h * moe_i + 2 * h * self.moe["shared_expert_intermediate_size"]
             blocks = sum(h + mixers[kind] for kind in self.layer_types)
             return v * h + blocks + h + (0 if self.tie_word_embeddings else v * h)
         if self.architecture == "gpt_neox":  # q/k/v and dense (biases where attention_bias), a two-matrix
@@ -2014,8 +2016,8 @@ def _mamba2(raw: dict[str, Any], name: str, defaults: dict[str, Any] = MAMBA2_DE
 
 
 # Nemotron-H's blocks by the Hub's pattern letters (``hybrid_override_pattern``) and by transformers 5's names
-NEMOTRON_H_KINDS = {"M": MAMBA, "*": "full_attention", "-": MLP_LAYER, "E": "moe"}
-NEMOTRON_H_NAMES = {"linear_attention": MAMBA, "full_attention": "full_attention", "mlp": MLP_LAYER, "moe": "moe"}
+NEMOTRON_H_KINDS = {"M": MAMBA, "*": "full_attention", "-": MLP_LAYER, "E": MOE_LAYER}
+NEMOTRON_H_NAMES = {"linear_attention": MAMBA, "full_attention": "full_attention", "mlp": MLP_LAYER, "moe": MOE_LAYER}
 
 
 def _nemotron_h_kinds(raw: dict[str, Any], name: str) -> list[str]:
@@ -2042,7 +2044,7 @@ def _nemotron_h_moe(raw: dict[str, Any], kinds: list[str], name: str) -> dict[st
     """Nemotron-H's experts' blocks (Nemotron 3 Nano's): DeepSeek-V3's routing (sigmoid scores chosen with the
     router's bias from the best groups, renormalized, scaled), two-matrix squared-ReLU experts beside a shared one;
     transformers' defaults. None without them."""
-    if "moe" not in kinds:
+    if MOE_LAYER not in kinds:
         return None
     if raw.get("moe_latent_size") is not None:
         raise ConfigError(f"{name}: moe_latent_size (experts on a latent projection) is not supported")
@@ -2051,7 +2053,7 @@ def _nemotron_h_moe(raw: dict[str, Any], kinds: list[str], name: str) -> dict[st
         "num_experts_per_tok": raw.get("num_experts_per_tok", 2),
         "moe_intermediate_size": raw.get("moe_intermediate_size", 7688),
         "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
-        "moe_layers": tuple(kind == "moe" for kind in kinds),
+        "moe_layers": tuple(kind == MOE_LAYER for kind in kinds),
         # (transformers' NemotronHMoE runs its shared expert whatever n_shared_experts says)
         "shared_expert_intermediate_size": raw.get("moe_shared_expert_intermediate_size", 7688),
         "routed_scaling_factor": _json_float(raw.get("routed_scaling_factor", 1.0), "routed_scaling_factor", name),

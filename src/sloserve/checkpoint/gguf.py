@@ -11,12 +11,12 @@ Phi-4 (``phi3``), OLMo 2 (``olmo2``), StableLM (``stablelm``), StarCoder2 (``sta
 its experts in MXFP4 or not, dequantized by ``gguf``; its YaRN ramp truncated, as llama.cpp computes it, where the
 HF config says ``truncate: false``), Gemma (``gemma``: Gemma 1, CodeGemma), Gemma 2 and Gemma 3's text models, LFM2
 and LFM2-MoE (``lfm2``, ``lfm2moe``), Mamba, Falcon Mamba (``mamba``, with ``ssm.dt_b_c_rms``), Mamba-2
-(``mamba2``), Granite 4.0-H (``granitehybrid``), Nemotron-H (``nemotron_h``), Falcon-H1 (``falcon-h1``) and Jamba
-(``jamba``), with a byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern by
-``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2, Mistral 7B, TinyLlama, Phi-3, Gemma). Llama
-3.1's rope scaling comes as llama.cpp stores it, a tensor of frequency factors (``rope_freqs.weight``); linear and
-YaRN scaling as ``rope.scaling.*`` keys; Phi-3.5's and Phi-4 mini's LongRoPE as two tensors of factors
-(``rope_factors_short/long.weight``).
+(``mamba2``), Granite 4.0-H (``granitehybrid``), Nemotron-H and Nemotron 3 (``nemotron_h``, ``nemotron_h_moe``),
+Falcon-H1 (``falcon-h1``) and Jamba (``jamba``), with a byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``;
+the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2, Mistral
+7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores it, a tensor of frequency factors
+(``rope_freqs.weight``); linear and YaRN scaling as ``rope.scaling.*`` keys; Phi-3.5's and Phi-4 mini's LongRoPE as
+two tensors of factors (``rope_factors_short/long.weight``).
 
 NOTE: llama.cpp's converter permutes the rows of a Llama (SmolLM3, Granite; Granite 4.0-H's and Nemotron-H's
 attention too, though they do not rotate) model's Q and K projections (its RoPE rotates adjacent pairs, HF's rotates
@@ -204,8 +204,17 @@ ARCH_TENSORS["jamba"] = {
     **{f"blk.{{n}}.ssm_{x}_norm.weight": f"model.layers.{{n}}.mamba.{x}_layernorm.weight" for x in ("dt", "b", "c")},
     "blk.{n}.ffn_gate_inp.weight": "model.layers.{n}.mlp.gate.weight",
 }
+ARCH_TENSORS["nemotron_h_moe"] = {  # (Nemotron 3's: blocks of experts beside a shared one, their router's bias)
+    **ARCH_TENSORS["nemotron_h"],
+    "blk.{n}.ffn_gate_inp.weight": "backbone.layers.{n}.mixer.gate.weight",
+    "blk.{n}.exp_probs_b.bias": "backbone.layers.{n}.mixer.gate.e_score_correction_bias",
+    **{
+        f"blk.{{n}}.ffn_{x}_shexp.weight": f"backbone.layers.{{n}}.mixer.shared_experts.{x}_proj.weight"
+        for x in ("up", "down")
+    },
+}
 # The architectures of Mamba-2 mixers (their tensors' shapes: ``MAMBA2_RESHAPED``)
-MAMBA2_ARCHS = ("mamba2", "granitehybrid", "nemotron_h", "falcon-h1")
+MAMBA2_ARCHS = ("mamba2", "granitehybrid", "nemotron_h", "nemotron_h_moe", "falcon-h1")
 # Tensors the converter splits that a checkpoint holds as one: GGUF name -> (HF name, the part's place in it). Granite
 # 4.0-H's shared MLP (with experts ``*_shexp``, without them Llama's names): its gate rows, then its up rows, in
 # ``shared_mlp.input_linear`` (the engine's ``gate_up_proj``, loaded whole: ``FUSED_CHECKPOINTS``)
@@ -238,7 +247,7 @@ GGUF_MOE = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 # tensors of an HF checkpoint they split into (``mlp.experts.{e}.gate_proj.weight``...)
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # The architectures whose Q and K rows llama.cpp's converter permutes (its Llama converter's)
-PERMUTED = ("llama", "smollm3", "granite", "granitehybrid", "nemotron_h")
+PERMUTED = ("llama", "smollm3", "granite", "granitehybrid", "nemotron_h", "nemotron_h_moe")
 # SmolLM3's layers without a rotary embedding: every fourth, as llama.cpp's code has it (the file does not say)
 SMOLLM3_NO_ROPE_STEP = 4
 # The architectures whose norms llama.cpp's converter stores as 1 + weight (Gemma's RMSNorm scales by
@@ -472,8 +481,8 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         config.update({hf: float(meta[f"{arch}.{key}"]) for hf, key in scales.items() if meta.get(f"{arch}.{key}")})
     if arch == "granitehybrid":
         config.update(_granite_hybrid_config(meta, config, need, names, path))
-    if arch == "nemotron_h":
-        config.update(_nemotron_h_config(config, need, names, path))
+    if arch in ("nemotron_h", "nemotron_h_moe"):
+        config.update(_nemotron_h_config(meta, arch, config, need, names, path))
     if arch == "falcon-h1":
         config.update(_falcon_h1_config(config, need, names, path))
     if arch == "jamba":
@@ -621,28 +630,31 @@ def _granite_hybrid_config(
 
 
 def _nemotron_h_config(
-    config: dict[str, Any], need: Callable[[str], Any], names: set[str], path: Path
+    meta: dict[str, Any], arch: str, config: dict[str, Any], need: Callable[[str], Any], names: set[str], path: Path
 ) -> dict[str, Any]:
-    """Nemotron-H's config (llama.cpp's ``nemotron_h``: Nemotron-H, Nemotron Nano 2) as the Hub names it: each block
-    attention where ``attention.head_count_kv`` gives it KV heads, an MLP where ``feed_forward_length`` gives it a
-    length, else a Mamba-2 mixer (its ``ssm.*`` keys as Granite 4.0-H's). The steps unclamped, as llama.cpp runs them
-    (the file has no time_step_min)."""
+    """Nemotron-H's config (llama.cpp's ``nemotron_h``: Nemotron-H, Nemotron Nano 2; ``nemotron_h_moe``: Nemotron 3
+    Nano) as the Hub names it: each block attention where ``attention.head_count_kv`` gives it KV heads, experts where
+    it has a router (``ffn_gate_inp``), an MLP where ``feed_forward_length`` gives it a length, else a Mamba-2 mixer
+    (its ``ssm.*`` keys as Granite 4.0-H's). The experts' routing by the ``expert_*`` keys (absent: one group, as
+    llama.cpp reads them). The steps unclamped, as llama.cpp runs them (the file has no time_step_min)."""
     layers = config["num_hidden_layers"]
-    kv_heads = _kv_heads_by_layer("nemotron_h", config["num_key_value_heads"], layers, path)
+    kv_heads = _kv_heads_by_layer(arch, config["num_key_value_heads"], layers, path)
     lengths = config["intermediate_size"]
     lengths = [lengths] * layers if isinstance(lengths, int) else lengths
     if not (
         isinstance(lengths, list) and len(lengths) == layers and all(isinstance(n, int) and n >= 0 for n in lengths)
     ):
         raise ConfigError(
-            f"{path}: GGUF nemotron_h.feed_forward_length must list each of the {layers} blocks' MLP length (0: not "
+            f"{path}: GGUF {arch}.feed_forward_length must list each of the {layers} blocks' MLP length (0: not "
             f"an MLP); got {lengths!r}"
         )
-    heads, head_dim = _mamba2_heads("nemotron_h", need, path)
-    mixer = next((f"blk.{i}" for i, (kv, n) in enumerate(zip(kv_heads, lengths)) if not kv and not n), None)
-    return {
+    routed = [f"blk.{i}.ffn_gate_inp.weight" in names for i in range(layers)]
+    kinds = ["*" if kv else "E" if moe else "-" if n else "M" for kv, moe, n in zip(kv_heads, routed, lengths)]
+    heads, head_dim = _mamba2_heads(arch, need, path)
+    mixer = f"blk.{kinds.index('M')}" if "M" in kinds else None
+    nemotron_h = {
         "model_type": "nemotron_h",
-        "hybrid_override_pattern": "".join("*" if kv else "-" if n else "M" for kv, n in zip(kv_heads, lengths)),
+        "hybrid_override_pattern": "".join(kinds),
         "num_key_value_heads": max(kv_heads),
         "intermediate_size": max(lengths),
         "layer_norm_epsilon": config["rms_norm_eps"],
@@ -655,6 +667,20 @@ def _nemotron_h_config(
         "use_bias": f"{mixer}.ssm_in.bias" in names,
         "time_step_min": 0.0,
     }
+    if any(routed):
+        if meta.get(f"{arch}.moe_latent_size"):
+            raise ConfigError(f"{path}: GGUF {arch}.moe_latent_size (experts on a latent projection) is not supported")
+        nemotron_h.update(
+            n_routed_experts=need("expert_count"),
+            num_experts_per_tok=need("expert_used_count"),
+            moe_intermediate_size=need("expert_feed_forward_length"),
+            moe_shared_expert_intermediate_size=need("expert_shared_feed_forward_length"),
+            norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)),
+            routed_scaling_factor=float(meta.get(f"{arch}.expert_weights_scale") or 1.0),
+            n_group=meta.get(f"{arch}.expert_group_count") or 1,
+            topk_group=meta.get(f"{arch}.expert_group_used_count") or 1,
+        )
+    return nemotron_h
 
 
 def _falcon_h1_config(
@@ -906,7 +932,8 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
                 del joined[name]
             continue
         block, _, kind = tensor.name.removesuffix(".weight").rpartition(".")
-        num_experts = config.get("num_experts") or config.get("num_local_experts")  # (Granite's name of the count)
+        # (the count under transformers' names: Granite's, Nemotron-H's)
+        num_experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
         if kind in EXPERT_TENSORS and num_experts and block.startswith("blk."):
             experts = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)  # (E, rows, cols)
             prefix = f"model.layers.{block.removeprefix('blk.')}.mlp.experts"

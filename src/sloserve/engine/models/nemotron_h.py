@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sloserve.checkpoint.config import MAMBA, MLP_LAYER, ModelConfig
+from sloserve.checkpoint.config import MAMBA, MLP_LAYER, MOE_LAYER, ModelConfig
 from sloserve.engine.attention import AttentionBackend
 from sloserve.engine.models.gpt2 import ACTIVATIONS
 from sloserve.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel, RMSNorm, mamba_mixer
@@ -31,7 +31,7 @@ class NemotronHBlock(nn.Module):
         self.mamba = mamba_mixer(config, layer) if kind == MAMBA else None
         self.self_attn = LlamaAttention(config, backend, layer) if kind == "full_attention" else None
         self.mlp = UpDownMLP(config) if kind == MLP_LAYER else None
-        if kind == "moe":
+        if kind == MOE_LAYER:
             moe, relu2 = config.moe, ACTIVATIONS["relu2"]
             experts = UpDownExperts(moe["num_experts"], config.hidden_size, moe["moe_intermediate_size"], relu2)
             shared = UpDownMLP(config, intermediate_size=moe["shared_expert_intermediate_size"])
@@ -70,7 +70,7 @@ def checkpoint_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) -> tu
         kind = config.layer_types[int(parts[2])]
         part = {
             "norm": "input_layernorm",
-            "mixer": {MAMBA: "mamba", MLP_LAYER: "mlp", "moe": "mlp"}.get(kind, "self_attn"),
+            "mixer": {MAMBA: "mamba", MLP_LAYER: "mlp", MOE_LAYER: "mlp"}.get(kind, "self_attn"),
         }
         parts[3] = part.get(parts[3], parts[3])
         key = ".".join(parts)
