@@ -243,7 +243,9 @@ def setup_from_options(options: SimOptions) -> Setup:
     if options.max_model_len is not None:
         if not 2 <= options.max_model_len <= MAX_LENGTH_TOKENS:
             raise ConfigError(f"--max-model-len must be in 2..{MAX_LENGTH_TOKENS:,}, got {options.max_model_len:,}")
-        if options.max_model_len > model.max_context_len:  # the engine refuses it; a simulation may ask "what if"
+        # (the engine refuses it, but for a model of no attention: no position embedding ends its context; a
+        # simulation may ask "what if")
+        if options.max_model_len > model.max_context_len and model.attention_layers:
             print(
                 f"note: --max-model-len {options.max_model_len:,} is above {model.name}'s context of "
                 f"{model.max_context_len:,} tokens; simulated as given",

@@ -85,10 +85,11 @@ def test_a_context_past_the_default_one_gives_transformers_tokens(hf_dirs):
         LLM(hf_dirs["llama"], "vllm", max_model_len=4096)
 
 
-def test_the_simulator_runs_a_model_of_no_attention_on_its_state_slots(hf_dirs, monkeypatch):
+def test_the_simulator_runs_a_model_of_no_attention_on_its_state_slots(hf_dirs, monkeypatch, capsys):
     """The roofline reads no KV, only the states; the KV capacity is the slots' contexts (256 x 2,048 tokens); a
-    simulation completes every request, no more at once than the slots; what would move KV to the CPU is refused
-    for the states it cannot move, by name."""
+    simulation completes every request, no more at once than the slots, in a context past the default one without a
+    note (the engine serves it too); what would move KV to the CPU is refused for the states it cannot move, by
+    name."""
     from sloserve.cost import BatchShape, RooflineCostModel, get_gpu, kv_capacity_tokens
     from sloserve.runs import SimOptions, run_simulation, setup_from_options
     from sloserve.sched import registry
@@ -104,9 +105,11 @@ def test_the_simulator_runs_a_model_of_no_attention_on_its_state_slots(hf_dirs, 
     monkeypatch.setattr(registry, "STATE_SLOTS", 3)
     setup = setup_from_options(
         SimOptions(trace="sharegpt", offline=True, num_requests=20, model=hf_dirs["mamba2"], gpu="h100",
-                   swap_space_gib=4.0)
+                   swap_space_gib=4.0, max_model_len=8192)
     )  # fmt: skip
-    assert setup.swap_space_tokens == 0
+    assert (
+        setup.swap_space_tokens == 0 and setup.model.max_context_len == 8192 and "note" not in capsys.readouterr().err
+    )
     result = run_simulation(setup, "vllm", {}, setup.make_workload(None))
     assert result["completed"] == 20 and max(result["_result"][1].column("num_requests")) == 3
     for scheduler, options, message in (
