@@ -131,6 +131,11 @@ ARCH_TENSORS["lfm2"] = {  # LFM2's short convolutions (llama.cpp's ``shortconv``
     },
     "token_embd_norm.weight": "model.norm.weight",
 }
+ARCH_TENSORS["lfm2moe"] = {  # LFM2-MoE's: LFM2's, the experts' router and its bias (``exp_probs_b``; stacked experts)
+    **ARCH_TENSORS["lfm2"],
+    "blk.{n}.ffn_gate_inp.weight": "model.layers.{n}.feed_forward.gate.weight",
+    "blk.{n}.exp_probs_b.bias": "model.layers.{n}.feed_forward.expert_bias",
+}
 # Mamba's and Mamba-2's blocks (llama.cpp's ``mamba``: Falcon Mamba's too; ``mamba2``), under their HF names: the norm
 # ``attn_norm``; the mixer's A as A = -exp(A_log) (``ssm_a``, read back as A_log), its convolution (C, taps);
 # Mamba-2's step bias as ``ssm_dt.bias``, A, D (heads, 1) and its norm's weight by group (groups, d_inner / groups)
@@ -227,11 +232,6 @@ JOINED_TENSORS = {
 }
 # Mamba-2's tensors the converter writes in a shape of its own (A and D as (heads, 1); the norm by group): flattened
 MAMBA2_RESHAPED = ("ssm_a", "ssm_d", "ssm_norm.weight")
-ARCH_TENSORS["lfm2moe"] = {  # LFM2-MoE's: LFM2's, the experts' router and its bias (``exp_probs_b``; stacked experts)
-    **ARCH_TENSORS["lfm2"],
-    "blk.{n}.ffn_gate_inp.weight": "model.layers.{n}.feed_forward.gate.weight",
-    "blk.{n}.exp_probs_b.bias": "model.layers.{n}.feed_forward.expert_bias",
-}
 # The architectures whose norms are LayerNorms: the HF config's name of their epsilon
 LAYER_NORM_EPS_NAMES = {"stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon"}
 # The architectures whose rotary embedding may turn part of a head (``rope.dimension_count``)
@@ -472,10 +472,8 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
             intermediate_size=need("expert_feed_forward_length"),
             sliding_window=need("attention.sliding_window"),
         )
-    if arch in (
-        "granite",
-        "granitehybrid",
-    ):  # its scales, under llama.cpp's names (absent: none, as llama.cpp reads it)
+    # (Granite's scales, under llama.cpp's names; absent: none, as llama.cpp reads it)
+    if arch in ("granite", "granitehybrid"):
         scales = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
                   "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}  # fmt: skip
         config.update({hf: float(meta[f"{arch}.{key}"]) for hf, key in scales.items() if meta.get(f"{arch}.{key}")})
