@@ -140,45 +140,39 @@ ARCH_TENSORS["lfm2moe"] = {  # LFM2-MoE's: LFM2's, the experts' router and its b
 # ``attn_norm``; the mixer's A as A = -exp(A_log) (``ssm_a``, read back as A_log), its convolution (C, taps);
 # Mamba-2's step bias as ``ssm_dt.bias``, A, D (heads, 1) and its norm's weight by group (groups, d_inner / groups)
 MAMBA_MIXER = {"ssm_in": "in_proj", "ssm_conv1d": "conv1d", "ssm_out": "out_proj"}
-ARCH_TENSORS["mamba"] = {
+MAMBA_BACKBONE = {
     "token_embd.weight": "backbone.embeddings.weight",
     "output_norm.weight": "backbone.norm_f.weight",
     "blk.{n}.attn_norm.weight": "backbone.layers.{n}.norm.weight",
-    **{
-        f"blk.{{n}}.{ours}.{kind}": f"backbone.layers.{{n}}.mixer.{theirs}.{kind}"
-        for ours, theirs in {**MAMBA_MIXER, "ssm_x": "x_proj", "ssm_dt": "dt_proj"}.items()
-        for kind in ("weight", "bias")
-    },
-    "blk.{n}.ssm_a": "backbone.layers.{n}.mixer.A_log",
-    "blk.{n}.ssm_d": "backbone.layers.{n}.mixer.D",
 }
 
 
-def _mamba2_tensors(mixer: str) -> dict[str, str]:
-    """llama.cpp's names of a layer's Mamba-2 mixer's tensors -> its HF names under ``mixer`` (with ``{n}``)."""
-    return {
+def _mamba_mixer_tensors(mixer: str, version: int) -> dict[str, str]:
+    """llama.cpp's names of a layer's Mamba mixer's tensors -> its HF names under ``mixer`` (with ``{n}``): Mamba's
+    (``version`` 1: ``ssm_x`` and the step's ``ssm_dt``) or Mamba-2's (its step's bias ``ssm_dt.bias``, its gated
+    norm)."""
+    projections = {**MAMBA_MIXER, **({"ssm_x": "x_proj", "ssm_dt": "dt_proj"} if version == 1 else {})}
+    tensors = {
         **{
             f"blk.{{n}}.{ours}.{kind}": f"{mixer}.{theirs}.{kind}"
-            for ours, theirs in MAMBA_MIXER.items()
+            for ours, theirs in projections.items()
             for kind in ("weight", "bias")
         },
-        "blk.{n}.ssm_dt.bias": f"{mixer}.dt_bias",
         "blk.{n}.ssm_a": f"{mixer}.A_log",
         "blk.{n}.ssm_d": f"{mixer}.D",
-        "blk.{n}.ssm_norm.weight": f"{mixer}.norm.weight",
     }
+    if version == 2:
+        tensors.update({"blk.{n}.ssm_dt.bias": f"{mixer}.dt_bias", "blk.{n}.ssm_norm.weight": f"{mixer}.norm.weight"})
+    return tensors
 
 
-ARCH_TENSORS["mamba2"] = {
-    **{key: value for key, value in ARCH_TENSORS["mamba"].items() if "blk." not in key},
-    "blk.{n}.attn_norm.weight": "backbone.layers.{n}.norm.weight",
-    **_mamba2_tensors("backbone.layers.{n}.mixer"),
-}
+ARCH_TENSORS["mamba"] = {**MAMBA_BACKBONE, **_mamba_mixer_tensors("backbone.layers.{n}.mixer", 1)}
+ARCH_TENSORS["mamba2"] = {**MAMBA_BACKBONE, **_mamba_mixer_tensors("backbone.layers.{n}.mixer", 2)}
 # Granite 4.0-H's (llama.cpp's ``granitehybrid``): Llama's layers, a Mamba-2 mixer where a layer does not attend (as
 # Mamba-2's), its experts' router and stacked experts (Qwen3-MoE's) beside the shared MLP (``*_shexp``; without
 # experts the shared MLP is Llama's own, ``ffn_gate``...)
 ARCH_TENSORS["granitehybrid"] = {
-    **_mamba2_tensors("model.layers.{n}.mamba"),
+    **_mamba_mixer_tensors("model.layers.{n}.mamba", 2),
     "blk.{n}.ffn_gate_inp.weight": "model.layers.{n}.mlp.gate.weight",
     "blk.{n}.ffn_down.weight": "model.layers.{n}.shared_mlp.output_linear.weight",
     "blk.{n}.ffn_down_shexp.weight": "model.layers.{n}.shared_mlp.output_linear.weight",
@@ -195,17 +189,11 @@ ARCH_TENSORS["nemotron_h"] = {
 }
 # Falcon-H1's (``falcon-h1``): Llama's layers, each with a Mamba-2 mixer beside its attention; its muP multipliers
 # already folded into the weights by the converter (as the engine's loader folds a checkpoint's: 1 here)
-ARCH_TENSORS["falcon-h1"] = _mamba2_tensors("model.layers.{n}.mamba")
+ARCH_TENSORS["falcon-h1"] = _mamba_mixer_tensors("model.layers.{n}.mamba", 2)
 # Jamba's (``jamba``): Llama's layers, Mamba's mixer (Mamba 1's ``ssm_*`` with its norms of the step, B and C) where a
 # layer does not attend, experts (stacked: ``EXPERT_TENSORS``) where a layer has a router
 ARCH_TENSORS["jamba"] = {
-    **{
-        f"blk.{{n}}.{ours}.{kind}": f"model.layers.{{n}}.mamba.{theirs}.{kind}"
-        for ours, theirs in {**MAMBA_MIXER, "ssm_x": "x_proj", "ssm_dt": "dt_proj"}.items()
-        for kind in ("weight", "bias")
-    },
-    "blk.{n}.ssm_a": "model.layers.{n}.mamba.A_log",
-    "blk.{n}.ssm_d": "model.layers.{n}.mamba.D",
+    **_mamba_mixer_tensors("model.layers.{n}.mamba", 1),
     **{f"blk.{{n}}.ssm_{x}_norm.weight": f"model.layers.{{n}}.mamba.{x}_layernorm.weight" for x in ("dt", "b", "c")},
     "blk.{n}.ffn_gate_inp.weight": "model.layers.{n}.mlp.gate.weight",
 }
@@ -402,22 +390,23 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
     eos = {meta[key] for key in END_OF_GENERATION_KEYS if meta.get(key) is not None}
     eos |= {token_id for token_id, token in enumerate(tokens) if token in END_OF_GENERATION_TEXTS}
     names = {t.name for t in reader.tensors}
+    # (every architecture's: its vocabulary and special ids, float32 weights, an LM head of its own or the embeddings')
+    vocabulary = {
+        "vocab_size": meta.get(f"{arch}.vocab_size") or len(tokens),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": sorted(eos),
+        "torch_dtype": "float32",  # dequantized weights are float32
+        "tie_word_embeddings": "output.weight" not in names,
+    }
     if arch in ("mamba", "mamba2"):
-        config = _mamba_config(meta, arch, need, names, path)
-        config.update(
-            vocab_size=meta.get(f"{arch}.vocab_size") or len(tokens),
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=sorted(eos),
-            tie_word_embeddings="output.weight" not in names,
-        )
-        return GGUFCheckpoint(path, config, meta, reader)
+        return GGUFCheckpoint(path, {**_mamba_config(meta, arch, need, names, path), **vocabulary}, meta, reader)
     heads = need("attention.head_count")
     # (a Qwen3-MoE file may have no dense MLP's length: its every MLP is the experts)
     experts_only = arch in GGUF_MOE or arch == "gpt-oss"
     dense_mlp = meta.get(f"{arch}.feed_forward_length") if experts_only else need("feed_forward_length")
     config = {
         "model_type": "gemma3_text" if arch == "gemma3" else arch,
-        "vocab_size": meta.get(f"{arch}.vocab_size") or len(tokens),
+        **vocabulary,
         "hidden_size": hidden,
         "intermediate_size": dense_mlp,
         "num_hidden_layers": need("block_count"),
@@ -431,9 +420,6 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
             else {"rms_norm_eps": float(need("attention.layer_norm_rms_epsilon"))}
         ),
         "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": sorted(eos),
-        "torch_dtype": "float32",  # dequantized weights are float32
     }
     rotated = meta.get(f"{arch}.rope.dimension_count")
     if rotated is not None and rotated != config["head_dim"]:
@@ -524,7 +510,6 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         frequencies = config["head_dim"] // 2
         config["rope_scaling"] = {"rope_type": "frequency_factors",
                                   "factors": _frequency_factors(factors, frequencies, path)}  # fmt: skip
-    config["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
     return GGUFCheckpoint(path, config, meta, reader)
 
 
@@ -533,35 +518,26 @@ def _mamba_config(meta: dict[str, Any], arch: str, need: Callable[[str], Any], n
     Falcon Mamba's is ``mamba`` with ``ssm.dt_b_c_rms``: its norms of the step, B and C at the file's one epsilon, as
     llama.cpp runs them (the file has no mixer_rms_eps). The biases where the file has them. The context is not the
     file's (the converter's 2**20, "arbitrary" by its own word): the default of a config that names none."""
-    hidden, inner = need("embedding_length"), need("ssm.inner_size")
-    if not (isinstance(inner, int) and isinstance(hidden, int) and hidden > 0 and inner > 0 and inner % hidden == 0):
-        raise ConfigError(
-            f"{path}: GGUF {arch}.ssm.inner_size {inner!r} must be a multiple of embedding_length {hidden}"
-        )
+    hidden = need("embedding_length")
     eps = float(need("attention.layer_norm_rms_epsilon"))
     config = {
         "model_type": arch,
         "hidden_size": hidden,
         "num_hidden_layers": need("block_count"),
-        "expand": inner // hidden,
+        "expand": _mamba_expand(arch, hidden, need, path),
         "state_size": need("ssm.state_size"),
         "conv_kernel": need("ssm.conv_kernel"),
         "layer_norm_epsilon": eps,
         "use_bias": "blk.0.ssm_in.bias" in names,
         "use_conv_bias": "blk.0.ssm_conv1d.bias" in names,
-        "torch_dtype": "float32",  # dequantized weights are float32
     }
     if arch == "mamba":
         config["time_step_rank"] = need("ssm.time_step_rank")
         if meta.get("mamba.ssm.dt_b_c_rms"):
             config.update(model_type="falcon_mamba", mixer_rms_eps=eps)
         return config
-    heads = need("ssm.time_step_rank")  # (Mamba-2's: a step a head)
-    if not (isinstance(heads, int) and heads > 0 and inner % heads == 0):
-        raise ConfigError(
-            f"{path}: GGUF mamba2.ssm.time_step_rank {heads!r} (its heads) must divide inner_size {inner}"
-        )
-    config.update(num_heads=heads, head_dim=inner // heads, n_groups=need("ssm.group_count"))
+    heads, head_dim = _mamba2_heads(arch, need, path)
+    config.update(num_heads=heads, head_dim=head_dim, n_groups=need("ssm.group_count"))
     return config
 
 
@@ -600,13 +576,7 @@ def _granite_hybrid_config(
             "supported; Granite 4.0-H's files (no position embedding) are"
         )
     kv_heads = _kv_heads_by_layer("granitehybrid", config["num_key_value_heads"], config["num_hidden_layers"], path)
-    hidden = config["hidden_size"]
     heads, head_dim = _mamba2_heads("granitehybrid", need, path)
-    if heads * head_dim % hidden:
-        raise ConfigError(
-            f"{path}: GGUF granitehybrid.ssm.inner_size {heads * head_dim} must be a multiple of embedding_length "
-            f"{hidden} (Granite's mamba_expand)"
-        )
     mixer = f"blk.{kv_heads.index(0)}" if 0 in kv_heads else None
     return {
         "model_type": "granitemoehybrid",
@@ -618,7 +588,7 @@ def _granite_hybrid_config(
         "shared_intermediate_size": need("expert_shared_feed_forward_length"),
         "mamba_n_heads": heads,
         "mamba_d_head": head_dim,
-        "mamba_expand": heads * head_dim // hidden,
+        "mamba_expand": _mamba_expand("granitehybrid", config["hidden_size"], need, path),
         "mamba_d_state": need("ssm.state_size"),
         "mamba_d_conv": need("ssm.conv_kernel"),
         "mamba_n_groups": need("ssm.group_count"),
@@ -713,13 +683,8 @@ def _jamba_config(
     (``attention.head_count_kv``), the experts' those with a router (``ffn_gate_inp``), each as the period and offset
     of its config (a file of another layout refused); Mamba's mixers of the ``ssm.*`` keys, biases where the file has
     them."""
-    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    layers = config["num_hidden_layers"]
     kv_heads = _kv_heads_by_layer("jamba", config["num_key_value_heads"], layers, path)
-    inner = need("ssm.inner_size")
-    if not isinstance(inner, int) or inner <= 0 or inner % hidden:
-        raise ConfigError(
-            f"{path}: GGUF jamba.ssm.inner_size {inner!r} must be a multiple of embedding_length {hidden}"
-        )
     attn_period, attn_offset = _period_and_offset([i for i, n in enumerate(kv_heads) if n], layers, "attention", path)
     routed = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names]
     experts = need("expert_count") if routed else 1  # (one expert: transformers' dense MLP)
@@ -735,7 +700,7 @@ def _jamba_config(
         "expert_layer_offset": expert_offset,
         "mamba_d_state": need("ssm.state_size"),
         "mamba_d_conv": need("ssm.conv_kernel"),
-        "mamba_expand": inner // hidden,
+        "mamba_expand": _mamba_expand("jamba", config["hidden_size"], need, path),
         "mamba_dt_rank": need("ssm.time_step_rank"),
         "mamba_conv_bias": f"{mixer}.ssm_conv1d.bias" in names,
         "mamba_proj_bias": f"{mixer}.ssm_in.bias" in names,
@@ -751,6 +716,16 @@ def _period_and_offset(indices: list[int], layers: int, what: str, path: Path) -
             f"{path}: GGUF jamba's {what} layers {indices} are not every period-th layer from an offset (Jamba's layout)"
         )
     return period, offset
+
+
+def _mamba_expand(arch: str, hidden: Any, need: Callable[[str], Any], path: Path) -> int:
+    """A Mamba mixer's channels a hidden one (transformers' ``expand``) from llama.cpp's ``ssm.inner_size``."""
+    inner = need("ssm.inner_size")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (inner, hidden)) or inner % hidden:
+        raise ConfigError(
+            f"{path}: GGUF {arch}.ssm.inner_size {inner!r} must be a multiple of embedding_length {hidden}"
+        )
+    return inner // hidden
 
 
 def _mamba2_heads(arch: str, need: Callable[[str], Any], path: Path) -> tuple[int, int]:
@@ -910,6 +885,8 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
         for n in range(config["num_hidden_layers"])
     }
     joined: dict[str, dict[int, np.ndarray]] = {}  # HF name -> the parts of it read so far, by place
+    # (the experts' count under transformers' names: Qwen's, Granite's, Nemotron-H's)
+    num_experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
     gpt_oss_experts: dict[str, dict[str, np.ndarray]] = {}  # layer -> its experts' parts ("gate.weight"...)
     for tensor in checkpoint.reader.tensors:
         if tensor.name == ROPE_FREQS or tensor.name in LONGROPE_FACTORS.values():
@@ -930,8 +907,6 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
                 del joined[name]
             continue
         block, _, kind = tensor.name.removesuffix(".weight").rpartition(".")
-        # (the count under transformers' names: Granite's, Nemotron-H's)
-        num_experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
         if kind in EXPERT_TENSORS and num_experts and block.startswith("blk."):
             experts = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)  # (E, rows, cols)
             prefix = f"model.layers.{block.removeprefix('blk.')}.mlp.experts"
