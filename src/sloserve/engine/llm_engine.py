@@ -124,10 +124,15 @@ def check_kv_fits(
     if loaded.device.type == "cuda":
         free = free_cuda_bytes(loaded)
         if capacity * bytes_per_token + state_bytes > free:
+            remedy = (  # (a model of no attention: its tokens take no memory, its requests' states do)
+                f"give at most {max(free - state_bytes, 0) // bytes_per_token:,}"
+                if bytes_per_token
+                else "keep fewer requests' states (the scheduler's max_num_seqs)"
+            )
             raise ConfigError(
                 f"kv_capacity_tokens {capacity:,} needs {gib(capacity * bytes_per_token)} of KV cache "
                 f"({bytes_per_token:,} bytes a token){states} but {loaded.device} has {gib(free)} free after the "
-                f"weights; give at most {max(free - state_bytes, 0) // max(bytes_per_token, 1):,}"
+                f"weights; {remedy}"
             )
     else:
         host_bytes += capacity * bytes_per_token + state_bytes
