@@ -29,6 +29,9 @@ except ImportError:
 else:
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        from triton_interpreter import skip_repeated_patches
+
+        skip_repeated_patches()
     elif XDIST_WORKERS > 1:
         # On a GPU each engine without a KV capacity takes 90% of the memory free (as vLLM): the workers
         # share the GPU, so each may take its share and no more (the engine sizes its KV cache within it;
