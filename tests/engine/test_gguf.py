@@ -127,8 +127,8 @@ def test_sloserve_run_takes_a_gguf_model():
 
 @pytest.mark.parametrize("length", [4, 1000, 5000, 2_000_000])
 def test_a_cut_off_file_is_named_truncated_in_one_line(tmp_path, length):
-    """A download that stopped part-way: the gguf reader fails with numpy's errors (an IndexError at
-    some lengths), which must become exit 2 and one line naming the file."""
+    """A download that stopped part-way (in the header, its vocabulary, the tensor table, the weights): exit 2
+    and one line naming the file."""
     cut = tmp_path / "cut.gguf"
     with GGUF_PATH.open("rb") as f:
         cut.write_bytes(f.read(length))

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from sloserve.checkpoint.gguf_file import GGUFFile, read_gguf_file
 from sloserve.core.errors import ConfigError
 
 # GGUF tensor names of the Llama architecture -> HF names ({n}: the layer).
@@ -316,27 +317,21 @@ def is_gguf(model: str) -> bool:
     return model.lower().endswith(".gguf")
 
 
-def _reader(path: Path):
+def _reader(path: Path) -> GGUFFile:
     try:
-        import gguf
+        import gguf  # noqa: F401  (its tensor types and dequantization)
     except ImportError:
         raise ConfigError("GGUF checkpoints need the gguf package: pip install 'sloserve[engine]'") from None
     if not path.is_file():
         raise ConfigError(f"--model {path}: no such GGUF file")
     try:
-        return gguf.GGUFReader(str(path))
-    except (ValueError, OSError, IndexError) as e:
-        # NOTE: the reader fails on a cut-off file with numpy's errors (IndexError, reshape), which
-        # say nothing of the file; a file that starts as GGUF but does not parse is named as such.
+        return read_gguf_file(path)
+    except (ValueError, OSError) as e:
+        # NOTE: a file that starts as GGUF but does not parse is named as such
         with path.open("rb") as f:
             starts_as_gguf = f.read(4) == b"GGUF"
         what = f"truncated or corrupt: {path.stat().st_size:,} bytes" if starts_as_gguf else "not a GGUF file"
         raise ConfigError(f"--model {path}: not a readable GGUF file ({what}; the reader says: {e})") from None
-
-
-def _metadata(reader) -> dict[str, Any]:
-    """The file's key-value metadata, as Python values (token lists included)."""
-    return {key: value.contents() for key, value in reader.fields.items() if not key.startswith("GGUF.")}
 
 
 @dataclass
@@ -346,7 +341,7 @@ class GGUFCheckpoint:
     path: Path
     hf_config: dict[str, Any]  # as an HF config.json would give it
     metadata: dict[str, Any]
-    reader: Any = field(repr=False, default=None)  # the gguf.GGUFReader (memory-maps the file)
+    reader: GGUFFile | None = field(repr=False, default=None)  # its tensors (views of the memory-mapped file)
 
     @property
     def chat_template(self) -> str | None:
@@ -375,7 +370,7 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
     """NOTE: cached by (path, mtime, size): the engine, its tokenizer and the chat template each need
     the file, and parsing its metadata (~100k tokens and merges) takes seconds."""
     reader = _reader(path)
-    meta = _metadata(reader)
+    meta = reader.metadata
     arch = meta.get("general.architecture")
     if arch not in ARCH_TENSORS:
         raise ConfigError(f"{path}: GGUF architecture {arch!r} is not supported ({', '.join(ARCH_TENSORS)})")

