@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -258,9 +259,24 @@ def language_model_name(key: str) -> str | None:
     return key if prefix is None else LANGUAGE_MODEL_PREFIXES[prefix] + key[len(prefix) :]
 
 
+@contextlib.contextmanager
+def _weights_left_unset():
+    """``torch.nn.init``'s fills do nothing inside (transformers' ``no_init_weights`` does the same). NOTE: on the
+    meta device they would compute nothing, but ``normal_``'s meta function imports ``torch._dynamo`` (2-3.6 s of
+    every engine's start on the CPU, where nothing else imports it)."""
+    fills = {name: getattr(nn.init, name) for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")}
+    try:
+        for name in fills:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fill in fills.items():
+            setattr(nn.init, name, fill)
+
+
 def create_model(config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """An uninitialised model on ``device`` (parameters allocated, not filled)."""
-    with torch.device("meta"):
+    with torch.device("meta"), _weights_left_unset():
         model = MODEL_CLASSES[config.architecture](config, backend)
     model = model.to_empty(device=device).to(dtype)
     for module in model.modules():  # (parameters a module keeps in float32 whatever the model's dtype)
