@@ -149,3 +149,23 @@ def test_the_pre_tokenizer_a_file_names_reads_the_tokens_transformers_reads(tmp_
     write_llama3_gguf(unknown, hf_llama3(tokenizer.get_vocab_size(), ROPE), tokenizer, pre="nonesuch")
     with pytest.raises(ConfigError, match="pre-tokenizer 'nonesuch' \\(tokenizer.ggml.pre\\) is not supported"):
         LLM(str(unknown), kv_capacity_tokens=256)
+
+
+@pytest.mark.parametrize("pre,whole", [("llama-bpe", True), ("tekken", True), ("lfm2", True), ("gpt-2", False)])
+def test_a_piece_in_the_vocabulary_is_one_token_after_llama_3s_split(pre, whole):
+    """llama.cpp's ``ignore_merges`` (and Llama 3's tokenizer.json's): after Llama 3's or Tekken's split, a piece
+    that is a token is that token, although no merge makes it; GPT-2's split goes on merging (``ab`` + ``c``). The
+    reference: the tokenizers library's BPE told the same, on the same vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from sloserve.checkpoint.gguf import GGUFCheckpoint, gguf_tokenizer
+
+    tokens = [*pre_tokenizers.ByteLevel.alphabet(), "ab", "abc"]  # "abc": in the vocabulary, no merge reaches it
+    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+                "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.token_type": [1] * len(tokens)}  # fmt: skip
+    ours = gguf_tokenizer(GGUFCheckpoint("tiny.gguf", {}, metadata))
+    reference = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, [("a", "b")], ignore_merges=whole))
+    reference.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    ids = ours.encode("abc").ids
+    assert ids == reference.encode("abc").ids
+    assert [tokens[i] for i in ids] == (["abc"] if whole else ["ab", "c"])

@@ -293,6 +293,12 @@ PRE_TOKENIZER_SPLITS: dict[str | None, str | None] = {
     "lfm2": LLAMA3_SPLIT,  # (llama.cpp's: LFM2's pattern is Llama 3's)
     "gpt-4o": GPT4O_SPLIT,  # (Phi-4 mini's)
 }
+# The pre-tokenizers after whose split llama.cpp takes a piece that is a token whole, merges or not (its
+# ``ignore_merges``: Llama 3's and Mistral Nemo's tokenizer.json say so, as tiktoken encodes). NOTE: transformers'
+# GGUF reader does not; on a vocabulary whose merges reach every token (a trained one) the two agree.
+WHOLE_PIECE_PRE_TOKENIZERS = frozenset(
+    {"llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "tekken"}
+)
 # The ids that end a generation besides EOS (llama.cpp's end-of-generation tokens): Llama 3.1's
 # <|eot_id|> (end of turn) and <|eom_id|> (end of a message that called a tool), as its generation config
 # lists them
@@ -1034,8 +1040,9 @@ def _byte_level_bpe(checkpoint: GGUFCheckpoint, tokens: list[str]):
             f"{checkpoint.path}: GGUF merge {bad} of tokenizer.ggml.merges is {meta['tokenizer.ggml.merges'][bad]!r}, "
             "not two tokens separated by a space"
         )
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
     pre = meta.get("tokenizer.ggml.pre")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=pre in WHOLE_PIECE_PRE_TOKENIZERS))
     if pre not in PRE_TOKENIZER_SPLITS:
         known = ", ".join(name for name in PRE_TOKENIZER_SPLITS if name is not None)
         raise ConfigError(
