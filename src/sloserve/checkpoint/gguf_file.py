@@ -1,17 +1,18 @@
 """A GGUF file's metadata and tensor table, read in one pass over its header (the format: ggml's docs/gguf.md).
 
 NOTE: gguf-py's ``GGUFReader`` builds a numpy view for every string of the tokenizer's arrays: opening
-SmolLM2-135M's file (49,152 tokens, 48,900 merges) took it 5.4 s on a 2-core VM, a Llama 3 file (128,256 and
-280,147) several times that, before a single weight is read. This reads the same header with ``struct`` and
-keeps the tensors as views of the memory-mapped file, shaped as ``GGUFReader`` shapes them, so that
-``gguf.quants.dequantize`` (still gguf-py's) takes them as they are. tests/engine/test_gguf_file.py checks
-both readers give the same metadata and tensors."""
+SmolLM2-135M's file (49,152 tokens, 48,900 merges) took it 4.9 s on a 2-core VM, a Llama 3-sized vocabulary
+(128,256 tokens, 280,147 merges) 20 s, before a single weight is read (`python benchmarks/gguf_open.py`). This
+reads the same header with ``struct``, without the gguf package (the simulator's install reads a file's config
+too), and gives each tensor as a view of the memory-mapped file shaped as ``GGUFReader`` shapes it, so that
+``gguf.quants.dequantize`` takes it as it is. tests/engine/test_gguf_file.py checks both readers give the same
+metadata and tensors."""
 
 from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,22 +24,52 @@ DEFAULT_ALIGNMENT = 32
 # GGUF's value types (gguf.GGUFValueType): the fixed-size ones as struct formats
 SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 STRING, ARRAY = 8, 9
-# the tensor types ``GGUFReader`` gives an element dtype (every other one: its bytes, a row of blocks at a time)
-ELEMENT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
-                  "I32": np.int32, "I64": np.int64}  # fmt: skip
+# ggml's tensor types (gguf.GGMLQuantizationType's values) that ``GGUFReader`` gives an element dtype: F32, F16,
+# I8, I16, I32, I64, F64 (every other one: its bytes, a row of blocks at a time)
+ELEMENT_DTYPES = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64, 28: np.float64}
 
 
 @dataclass(frozen=True)
 class GGUFTensor:
+    """A tensor of the file. NOTE: its type and weights come from the gguf package (its types' block sizes), which
+    only the engine's install has: the simulator reads a file's metadata and tensor names without it."""
+
     name: str
-    tensor_type: Any  # gguf.GGMLQuantizationType
-    data: np.ndarray  # read-only view of the file: (*dims reversed) elements, or (..., bytes of a row's blocks)
+    type_id: int  # ggml's type: gguf.GGMLQuantizationType's value
+    shape: tuple[int, ...]  # its weights', numpy's order (ggml's dimensions reversed)
+    start: int  # where its bytes start in the file
+    file: mmap.mmap = field(repr=False)
+
+    @property
+    def tensor_type(self):
+        import gguf
+
+        return gguf.GGMLQuantizationType(self.type_id)
+
+    @property
+    def data(self) -> np.ndarray:
+        """A read-only view of the file: the weights (``shape``), or a quantized type's bytes (..., a row's blocks)
+        as ``GGUFReader`` gives them. Raises ``ValueError`` where the file ends before the tensor does."""
+        dtype, shape = ELEMENT_DTYPES.get(self.type_id), self.shape
+        if dtype is None:
+            import gguf
+
+            dtype, shape = np.uint8, gguf.quant_shape_to_byte_shape(shape, self.tensor_type)
+        count = int(np.prod(shape))
+        if self.start + count * np.dtype(dtype).itemsize > len(self.file):
+            raise ValueError(f"tensor {self.name!r} runs past the file's end ({len(self.file):,} bytes)")
+        return np.frombuffer(self.file, dtype, count, self.start).reshape(shape)
 
 
 @dataclass(frozen=True)
 class GGUFFile:
     metadata: dict[str, Any]  # key -> int, float, bool, str or a list of them (arrays of arrays flattened)
     tensors: list[GGUFTensor]
+
+    def check_tensors(self) -> None:
+        """Raise ``ValueError`` if the file ends before a tensor does (needs the gguf package)."""
+        for tensor in self.tensors:
+            tensor.data.shape  # noqa: B018  (the view checks its extent)
 
 
 class _Header:
@@ -96,8 +127,6 @@ def read_gguf_file(path: str | Path) -> GGUFFile:
 
 
 def _read(header: _Header) -> GGUFFile:
-    import gguf
-
     version = header.scalar("I")
     if version not in VERSIONS:
         if version & 0xFFFF == 0:
@@ -114,22 +143,15 @@ def _read(header: _Header) -> GGUFFile:
     for _ in range(num_tensors):
         name = header.string()
         dims = [header.scalar("Q") for _ in range(header.scalar("I"))]
-        table.append((name, dims, gguf.GGMLQuantizationType(header.scalar("I")), header.scalar("Q")))
+        table.append((name, tuple(reversed(dims)), header.scalar("I"), header.scalar("Q")))
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"general.alignment {alignment!r} is not a power of two")
-    data, data_start = header.buffer, -(-header.offset // alignment) * alignment
+    data_start = -(-header.offset // alignment) * alignment
     tensors, names = [], set()
-    for name, dims, tensor_type, offset in table:
+    for name, shape, type_id, offset in table:
         if name in names:
             raise ValueError(f"tensor {name!r} appears twice")
         names.add(name)
-        shape = tuple(reversed(dims))  # NOTE: ggml lists the fastest-varying dimension first
-        dtype = ELEMENT_DTYPES.get(tensor_type.name)
-        if dtype is None:
-            dtype, shape = np.uint8, gguf.quant_shape_to_byte_shape(shape, tensor_type)
-        count, start = int(np.prod(shape)), data_start + offset
-        if start + count * np.dtype(dtype).itemsize > len(data):
-            raise ValueError(f"tensor {name!r} runs past the file's end ({len(data):,} bytes)")
-        tensors.append(GGUFTensor(name, tensor_type, np.frombuffer(data, dtype, count, start).reshape(shape)))
+        tensors.append(GGUFTensor(name, type_id, shape, data_start + offset, header.buffer))
     return GGUFFile(metadata, tensors)
