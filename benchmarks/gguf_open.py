@@ -46,6 +46,7 @@ def open_with_gguf_py(path: Path) -> int:
 
 def open_with_ours(path: Path) -> int:
     file = read_gguf_file(path)
+    file.check_tensors()  # (every tensor's view made, as GGUFReader makes them)
     return len(file.metadata) + len(file.tensors)
 
 

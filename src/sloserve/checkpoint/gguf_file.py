@@ -1,8 +1,8 @@
 """A GGUF file's metadata and tensor table, read in one pass over its header (the format: ggml's docs/gguf.md).
 
 NOTE: gguf-py's ``GGUFReader`` builds a numpy view for every string of the tokenizer's arrays: opening
-SmolLM2-135M's file (49,152 tokens, 48,900 merges) took it 4.9 s on a 2-core VM, a Llama 3-sized vocabulary
-(128,256 tokens, 280,147 merges) 20 s, before a single weight is read (`python benchmarks/gguf_open.py`). This
+SmolLM2-135M's file (49,152 tokens, 48,900 merges) took it 3.6-4.9 s on a 2-core VM, a Llama 3-sized vocabulary
+(128,256 tokens, 280,147 merges) 14-20 s, before a single weight is read (`python benchmarks/gguf_open.py`). This
 reads the same header with ``struct``, without the gguf package (the simulator's install reads a file's config
 too), and gives each tensor as a view of the memory-mapped file shaped as ``GGUFReader`` shapes it, so that
 ``gguf.quants.dequantize`` takes it as it is. tests/engine/test_gguf_file.py checks both readers give the same
