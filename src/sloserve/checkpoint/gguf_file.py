@@ -63,6 +63,8 @@ class GGUFTensor:
 
 @dataclass(frozen=True)
 class GGUFFile:
+    """What ``read_gguf_file`` read: the key-value metadata and the tensor table, in the file's order."""
+
     metadata: dict[str, Any]  # key -> int, float, bool, str or a list of them (arrays of arrays flattened)
     tensors: list[GGUFTensor]
 
