@@ -261,9 +261,9 @@ def language_model_name(key: str) -> str | None:
 
 @contextlib.contextmanager
 def _weights_left_unset():
-    """``torch.nn.init``'s fills do nothing inside (transformers' ``no_init_weights`` does the same). NOTE: on the
-    meta device they would compute nothing, but ``normal_``'s meta function imports ``torch._dynamo`` (2-3.6 s of
-    every engine's start on the CPU, where nothing else imports it)."""
+    """``torch.nn.init``'s fills do nothing inside, in the whole process (as in transformers' ``no_init_weights``).
+    NOTE: on the meta device they would compute nothing, but ``normal_``'s meta function imports ``torch._dynamo``
+    (2-3.6 s of every engine's start on the CPU, where nothing else imports it)."""
     fills = {name: getattr(nn.init, name) for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")}
     try:
         for name in fills:
