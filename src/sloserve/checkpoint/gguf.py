@@ -12,7 +12,7 @@ its experts in MXFP4 or not, dequantized by ``gguf``; its YaRN ramp truncated, a
 HF config says ``truncate: false``), Gemma (``gemma``: Gemma 1, CodeGemma), Gemma 2 and Gemma 3's text models, LFM2
 and LFM2-MoE (``lfm2``, ``lfm2moe``), Mamba, Falcon Mamba (``mamba``, with ``ssm.dt_b_c_rms``), Mamba-2
 (``mamba2``), Granite 4.0-H (``granitehybrid``), Nemotron-H and Nemotron 3 (``nemotron_h``, ``nemotron_h_moe``),
-Falcon-H1 (``falcon-h1``) and Jamba (``jamba``), with a byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``;
+Falcon-H1 (``falcon-h1``), Jamba (``jamba``) and Qwen3.5's dense text models (``qwen35``), with a byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``;
 the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2, Mistral
 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores it, a tensor of frequency factors
 (``rope_freqs.weight``); linear and YaRN scaling as ``rope.scaling.*`` keys; Phi-3.5's and Phi-4 mini's LongRoPE as
@@ -208,6 +208,37 @@ ARCH_TENSORS["nemotron_h_moe"] = {  # (Nemotron 3's: blocks of experts beside a 
         for x in ("up", "down")
     },
 }
+# Qwen3.5's (``qwen35``: the dense 0.8B-27B): Qwen3's attention (its Q rows twice as many: each head's gate),
+# gated DeltaNets (``linear_attn``) in the other layers, the second norm named ``post_attention_norm``
+ARCH_TENSORS["qwen35"] = {
+    **ARCH_TENSORS["qwen3"],
+    "blk.{n}.post_attention_norm.weight": "model.layers.{n}.post_attention_layernorm.weight",
+    **{
+        f"blk.{{n}}.{ours}": f"model.layers.{{n}}.linear_attn.{theirs}"
+        for ours, theirs in (
+            ("attn_qkv.weight", "in_proj_qkv.weight"),
+            ("attn_gate.weight", "in_proj_z.weight"),
+            ("ssm_alpha.weight", "in_proj_a.weight"),
+            ("ssm_beta.weight", "in_proj_b.weight"),
+            ("ssm_a", "A_log"),
+            ("ssm_dt.bias", "dt_bias"),
+            ("ssm_conv1d.weight", "conv1d.weight"),
+            ("ssm_norm.weight", "norm.weight"),
+            ("ssm_out.weight", "out_proj.weight"),
+        )
+    },  # fmt: skip
+}
+# Qwen3.5's tensors whose value heads the converter reorders (``_qwen35_value_heads_grouped``)
+QWEN35_VALUE_HEAD_TENSORS = (
+    "attn_qkv",
+    "attn_gate",
+    "ssm_alpha",
+    "ssm_beta",
+    "ssm_a",
+    "ssm_dt",
+    "ssm_conv1d",
+    "ssm_out",
+)
 # The architectures of Mamba-2 mixers (their tensors' shapes: ``MAMBA2_RESHAPED``)
 MAMBA2_ARCHS = ("mamba2", "granitehybrid", "nemotron_h", "nemotron_h_moe", "falcon-h1")
 # Tensors the converter splits that a checkpoint holds as one: GGUF name -> (HF name, the part's place in it). Granite
@@ -225,7 +256,7 @@ MAMBA2_RESHAPED = ("ssm_a", "ssm_d", "ssm_norm.weight")
 # The architectures whose norms are LayerNorms: the HF config's name of their epsilon
 LAYER_NORM_EPS_NAMES = {"stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon"}
 # The architectures whose rotary embedding may turn part of a head (``rope.dimension_count``)
-PARTIAL_ROTARY_ARCHS = ("phi3", "stablelm")
+PARTIAL_ROTARY_ARCHS = ("phi3", "stablelm", "qwen35")
 ARCH_TENSORS["gemma3"] = {
     **ARCH_TENSORS["gemma2"],
     "blk.{n}.attn_q_norm.weight": "model.layers.{n}.self_attn.q_norm.weight",
@@ -470,6 +501,8 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         config.update(_nemotron_h_config(meta, arch, config, need, names, path))
     if arch == "falcon-h1":
         config.update(_falcon_h1_config(config, need, names, path))
+    if arch == "qwen35":
+        config.update(_qwen35_config(meta, config, need, path))
     if arch == "jamba":
         config.update(_jamba_config(meta, config, need, names, path))
     if arch == "smollm3":  # (HF's name: 1 rotates)
@@ -650,6 +683,61 @@ def _nemotron_h_config(
             topk_group=meta.get(f"{arch}.expert_group_used_count") or 1,
         )
     return nemotron_h
+
+
+def _qwen35_config(meta: dict[str, Any], config: dict[str, Any], need: Callable[[str], Any], path: Path):
+    """Qwen3.5's text model's config (llama.cpp's ``qwen35``) as transformers names it: full attention every
+    ``full_attention_interval``-th layer, gated DeltaNets elsewhere (their heads by the ``ssm.*`` keys: the key heads
+    ``group_count`` of ``state_size``, the value heads ``time_step_rank`` of ``inner_size`` in all). The
+    multi-token-prediction blocks the converter appends (``nextn_predict_layers``) are left out, as the engine runs
+    none. NOTE: the file's interleaved MRoPE sections (``rope.dimension_sections``) turn a text's positions as one
+    rotary embedding does: its three position ids are equal."""
+    interval = need("full_attention_interval")
+    layers = config["num_hidden_layers"] - (meta.get("qwen35.nextn_predict_layers") or 0)
+    value_heads, value_width = need("ssm.time_step_rank"), need("ssm.inner_size")
+    key_heads = need("ssm.group_count")
+    if not (isinstance(interval, int) and interval >= 1 and layers >= 1 and value_heads % key_heads == 0
+            and value_width % value_heads == 0):  # fmt: skip
+        raise ConfigError(
+            f"{path}: GGUF qwen35's full_attention_interval {interval!r}, {layers} layers (less the "
+            f"nextn_predict_layers), ssm.inner_size {value_width} over ssm.time_step_rank {value_heads} value heads "
+            f"over ssm.group_count {key_heads} key heads do not make Qwen3.5's layers"
+        )
+    return {
+        "model_type": "qwen3_5_text",
+        "num_hidden_layers": layers,
+        "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)],
+        "linear_conv_kernel_dim": need("ssm.conv_kernel"),
+        "linear_key_head_dim": need("ssm.state_size"),
+        "linear_num_key_heads": key_heads,
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": value_width // value_heads,
+        "partial_rotary_factor": config.get("partial_rotary_factor", 1.0),
+    }
+
+
+def _qwen35_value_heads_grouped(name: str, weight: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+    """A Qwen3.5 DeltaNet tensor with its value heads back in transformers' order. NOTE: where a key head has several
+    value heads, llama.cpp's converter reorders them from grouped by key head (K0's v0, v1, then K1's) to tiled (K0's
+    v0, K1's v0, K0's v1, K1's v1): in the value rows of ``attn_qkv``, the rows of ``attn_gate``, ``ssm_alpha`` and
+    ``ssm_beta``, ``ssm_a``, ``ssm_dt``, the value channels of ``ssm_conv1d`` and the columns of ``ssm_out``."""
+    key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    kind = name.split(".")[2] if name.startswith("blk.") else None
+    if key_heads == value_heads or kind not in QWEN35_VALUE_HEAD_TENSORS:
+        return weight
+    per_key = value_heads // key_heads
+
+    def grouped(x: np.ndarray, axis: int, head_width: int) -> np.ndarray:  # (tiled: per_key, key_heads, head_width)
+        tiled = x.reshape(*x.shape[:axis], per_key, key_heads, head_width, *x.shape[axis + 1 :])
+        return np.swapaxes(tiled, axis, axis + 1).reshape(x.shape)
+
+    width = config["linear_value_head_dim"]
+    if kind in ("attn_qkv", "ssm_conv1d"):  # (the queries' and keys' rows or channels first, as they were)
+        keys = 2 * key_heads * config["linear_key_head_dim"]
+        return np.concatenate([weight[:keys], grouped(weight[keys:], 0, width)])
+    if kind == "ssm_out":
+        return grouped(weight, 1, width)
+    return grouped(weight, 0, width if kind == "attn_gate" else 1)
 
 
 def _falcon_h1_config(
@@ -889,12 +977,15 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
         for n in range(config["num_hidden_layers"])
     }
     joined: dict[str, dict[int, np.ndarray]] = {}  # HF name -> the parts of it read so far, by place
+    layers = config["num_hidden_layers"]
     # (the experts' count under transformers' names: Qwen's, Granite's, Nemotron-H's)
     num_experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
     gpt_oss_experts: dict[str, dict[str, np.ndarray]] = {}  # layer -> its experts' parts ("gate.weight"...)
     for tensor in checkpoint.reader.tensors:
         if tensor.name == ROPE_FREQS or tensor.name in LONGROPE_FACTORS.values():
             continue  # NOTE: the config's rope scaling (read_gguf), not a weight
+        if arch == "qwen35" and int(tensor.name.split(".")[1] if tensor.name.startswith("blk.") else 0) >= layers:
+            continue  # NOTE: Qwen3.5's multi-token-prediction blocks, after its layers (_qwen35_config)
         if arch == "gpt-oss" and tensor.name.split(".")[2:3] and tensor.name.split(".")[2] in GPT_OSS_EXPERTS:
             _, n, kind, suffix = tensor.name.split(".")
             parts = gpt_oss_experts.setdefault(n, {})
@@ -921,6 +1012,10 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
         weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         if not weight.flags.writeable:  # an F32 tensor is a view of the memory-mapped file
             weight = weight.copy()
+        if arch == "qwen35":
+            weight = _qwen35_value_heads_grouped(tensor.name, weight, config)
+            if tensor.name.endswith("norm.weight") and not tensor.name.endswith("ssm_norm.weight"):
+                weight -= 1.0  # NOTE: the converter's 1 + w (transformers' norms scale by it), its gated norm's w
         if arch in PERMUTED and tensor.name.endswith("attn_q.weight"):
             weight = _unpermute(weight, config["num_attention_heads"])
         elif arch in PERMUTED and tensor.name.endswith("attn_k.weight"):

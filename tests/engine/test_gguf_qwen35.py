@@ -1,0 +1,120 @@
+"""A Qwen3.5 GGUF file written here (``gguf.GGUFWriter``) from a tiny random transformers model and a trained BPE
+tokenizer, as llama.cpp's converter lays it out (``qwen35``): full attention every ``full_attention_interval``-th
+layer, the DeltaNets' heads by the ``ssm.*`` keys, their value heads reordered from grouped by key head to tiled,
+A as -exp(A_log), the convolution (C, taps), every norm but the DeltaNet's gated one stored as 1 + w, a
+multi-token-prediction block appended (``nextn_predict_layers``). transformers does not read it: the engine gives
+the greedy tokens and prompt log-probabilities of the model it was written from."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from gguf_files import add_bpe_tokenizer, assert_gives_the_outputs_of, varied_, write_gguf_tensors  # noqa: E402
+
+from sloserve import LLM  # noqa: E402
+from sloserve.core.errors import ConfigError  # noqa: E402
+
+LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+
+
+def tiny_qwen35(vocab_size: int, key_heads: int = 2):
+    """A random Qwen3.5 text model: DeltaNets of ``key_heads`` key heads of 8 and 6 value heads of 12 (with 2 key
+    heads, 3 value heads a key head: the converter reorders them, in an order that is not its own inverse), gated
+    attention (4 heads of 16, 2 KV heads, a quarter of each rotated)."""
+    torch.manual_seed(35 + key_heads)
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=len(LAYERS),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=key_heads,
+        linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=12, layer_types=LAYERS,
+        initializer_range=0.2, max_position_embeddings=4096, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    return varied_(transformers.Qwen3_5ForCausalLM(config))
+
+
+def tiled(tensor: torch.Tensor, dim: int, key_heads: int, per_key: int, width: int) -> torch.Tensor:
+    """llama.cpp's converter's value heads along ``dim``: grouped by key head -> tiled (its ``_reorder_v_heads``)."""
+    shape = list(tensor.shape)
+    tensor = tensor.reshape(*shape[:dim], key_heads, per_key, width, *shape[dim + 1 :])
+    return tensor.transpose(dim, dim + 1).reshape(shape)
+
+
+def write_qwen35_gguf(path, model, tokenizer, interval: int = 2) -> None:
+    """``model`` as llama.cpp's Qwen3.5 converter writes it, with one multi-token-prediction block after its layers
+    (random tensors under the converter's names, which the engine must leave out)."""
+    c = model.config
+    layers = c.num_hidden_layers
+    writer = gguf.GGUFWriter(str(path), "qwen35")
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(layers + 1)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
+    writer.add_rope_dimension_sections([2, 1, 1, 0])  # (interleaved MRoPE: equal positions for a text)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(c.linear_key_head_dim)
+    writer.add_ssm_group_count(c.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(c.linear_num_value_heads)
+    writer.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+    writer.add_full_attention_interval(interval)
+    writer.add_nextn_predict_layers(1)
+    add_bpe_tokenizer(writer, tokenizer)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, layers + 1)
+    key_heads, value_heads, width = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_value_head_dim
+    per_key, keys = value_heads // key_heads, 2 * key_heads * c.linear_key_head_dim
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.float().clone()
+        if ".linear_attn." in name and per_key > 1:  # (the converter's _LinearAttentionVReorderBase)
+            kind = name.split(".linear_attn.")[1]
+            if kind.startswith(("in_proj_qkv", "conv1d")):
+                tensor = tensor.squeeze(1) if kind.startswith("conv1d") else tensor
+                tensor = torch.cat([tensor[:keys], tiled(tensor[keys:], 0, key_heads, per_key, width)])
+            elif kind.startswith("in_proj_z"):
+                tensor = tiled(tensor, 0, key_heads, per_key, width)
+            elif kind.startswith(("in_proj_a", "in_proj_b", "A_log", "dt_bias")):
+                tensor = tiled(tensor.reshape(value_heads, -1), 0, key_heads, per_key, 1).reshape(tensor.shape)
+            elif kind.startswith("out_proj"):
+                tensor = tiled(tensor, 1, key_heads, per_key, width)
+        if name.endswith(".A_log"):  # (Qwen3-Next's converter's rules)
+            tensor = -torch.exp(tensor)
+        elif name.endswith(".dt_bias"):
+            name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        elif "conv1d" in name:
+            tensor = tensor.squeeze()
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            tensor = tensor + 1
+        base, dot, suffix = name.rpartition(".")
+        gguf_name = names.get_name(base) + dot + suffix if suffix in ("weight", "bias") else names.get_name(name)
+        tensors[gguf_name] = tensor
+    mtp = {"nextn.eh_proj.weight": (c.hidden_size, 2 * c.hidden_size), "nextn.enorm.weight": (c.hidden_size,),
+           "attn_norm.weight": (c.hidden_size,), "attn_q.weight": (2 * c.num_attention_heads * c.head_dim, c.hidden_size)}  # fmt: skip
+    tensors.update({f"blk.{layers}.{name}": torch.randn(shape) for name, shape in mtp.items()})
+    write_gguf_tensors(writer, tensors)
+
+
+@pytest.mark.parametrize("key_heads", [2, 6])  # (2: value heads reordered; 6: one a key head, none)
+def test_a_qwen35_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model(bpe_tokenizer, tmp_path, key_heads):
+    model = tiny_qwen35(bpe_tokenizer.get_vocab_size(), key_heads)
+    path = tmp_path / "tiny-qwen35.gguf"
+    write_qwen35_gguf(path, model, bpe_tokenizer)
+    llm = LLM(str(path), kv_capacity_tokens=1024)
+    config = llm.loaded.config
+    assert config.model_type == "qwen3_5_text" and config.layer_types == tuple(LAYERS)
+    assert assert_gives_the_outputs_of(llm, model, bpe_tokenizer, path).kv_layers == 2
+
+
+def test_a_qwen35_gguf_file_whose_layers_do_not_divide_is_refused(bpe_tokenizer, tmp_path):
+    model = tiny_qwen35(bpe_tokenizer.get_vocab_size())
+    write_qwen35_gguf(tmp_path / "bad.gguf", model, bpe_tokenizer, interval=0)
+    with pytest.raises(ConfigError, match="qwen35's full_attention_interval 0, 4 layers .* do not make Qwen3.5's"):
+        LLM(str(tmp_path / "bad.gguf"), kv_capacity_tokens=1024)
