@@ -39,8 +39,8 @@ SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
 USER_DEFINED = ["<think>", "</think>"]  # added tokens that are not special (Qwen3's)
 
 
-def llama3_tokenizer(split: str | None = SPLIT):
-    """A byte-level BPE tokenizer trained on ``CORPUS`` after ``split`` (Llama 3's; None: GPT-2's, the ByteLevel
+def llama3_tokenizer(split: str | None = SPLIT, corpus: list[str] = CORPUS):
+    """A byte-level BPE tokenizer trained on ``corpus`` after ``split`` (Llama 3's; None: GPT-2's, the ByteLevel
     pre-tokenizer's own), its specials and user-defined tokens added, BOS added to each text."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -59,7 +59,7 @@ def llama3_tokenizer(split: str | None = SPLIT):
     trainer = trainers.BpeTrainer(
         vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(corpus, trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in USER_DEFINED])
     tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[(SPECIAL[0], 0)])
     return tok

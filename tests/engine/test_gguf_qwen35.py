@@ -42,7 +42,7 @@ def tiled(tensor: torch.Tensor, dim: int, key_heads: int, per_key: int, width: i
     return tensor.transpose(dim, dim + 1).reshape(shape)
 
 
-def write_qwen35_gguf(path, model, tokenizer, interval: int = 2) -> None:
+def write_qwen35_gguf(path, model, tokenizer, interval: int = 2, pre: str = "llama-bpe") -> None:
     """``model`` as llama.cpp's Qwen3.5 converter writes it, with one multi-token-prediction block after its layers
     (random tensors under the converter's names, which the engine must leave out)."""
     c = model.config
@@ -67,7 +67,7 @@ def write_qwen35_gguf(path, model, tokenizer, interval: int = 2) -> None:
     writer.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
     writer.add_full_attention_interval(interval)
     writer.add_nextn_predict_layers(1)
-    add_bpe_tokenizer(writer, tokenizer)
+    add_bpe_tokenizer(writer, tokenizer, pre)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, layers + 1)
     key_heads, value_heads, width = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_value_head_dim
     per_key, keys = value_heads // key_heads, 2 * key_heads * c.linear_key_head_dim
@@ -118,3 +118,21 @@ def test_a_qwen35_gguf_file_whose_layers_do_not_divide_is_refused(bpe_tokenizer,
     write_qwen35_gguf(tmp_path / "bad.gguf", model, bpe_tokenizer, interval=0)
     with pytest.raises(ConfigError, match="qwen35's full_attention_interval 0, 4 layers .* do not make Qwen3.5's"):
         LLM(str(tmp_path / "bad.gguf"), kv_capacity_tokens=1024)
+
+
+def test_qwen35s_pre_tokenizer_keeps_a_words_combining_marks_with_it(tmp_path):
+    """``tokenizer.ggml.pre = qwen35`` (Qwen3.5's files): Qwen's split with a word's combining marks kept in it (an
+    accent written apart, U+0301), as Qwen3.5's tokenizer.json splits; Qwen2's split would part them, and merges
+    learned across them would not apply."""
+    from gguf_files import CORPUS, llama3_tokenizer
+
+    from sloserve.checkpoint.gguf import QWEN35_SPLIT, QWEN_SPLIT
+
+    text = "the cafe\u0301 of re\u0301sume\u0301s"
+    tokenizer = llama3_tokenizer(QWEN35_SPLIT, [*CORPUS, *[text] * 30])
+    path = tmp_path / "qwen35-marks.gguf"
+    model = tiny_qwen35(tokenizer.get_vocab_size())
+    write_qwen35_gguf(path, model, tokenizer, pre="qwen35")
+    ours = LLM(str(path), kv_capacity_tokens=1024).tokenizer.encode(text)
+    assert ours == tokenizer.encode(text).ids
+    assert ours != llama3_tokenizer(QWEN_SPLIT, [*CORPUS, *[text] * 30]).encode(text).ids  # (the split matters)

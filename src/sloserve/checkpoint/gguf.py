@@ -291,6 +291,11 @@ QWEN_SPLIT = (
     r"\s+(?!\S)|\s+"
 )
 LLAMA3_SPLIT = QWEN_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+# Qwen3.5's: Qwen's, a word's combining marks (\p{M}: accents written apart) kept with its letters
+QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
 TEKKEN_SPLIT = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
@@ -311,6 +316,7 @@ PRE_TOKENIZER_SPLITS: dict[str | None, str | None] = {
     "starcoder": None,  # (StarCoder2's: as SmolLM's, llama.cpp's case)
     "stablelm2": QWEN_SPLIT,  # (StableLM 2's: Qwen's pattern, llama.cpp's case)
     "qwen2": QWEN_SPLIT,
+    "qwen35": QWEN35_SPLIT,  # (Qwen3.5's; llama.cpp's case)
     "deepseek-r1-qwen": QWEN_SPLIT,
     "llama-bpe": LLAMA3_SPLIT,
     "llama3": LLAMA3_SPLIT,
