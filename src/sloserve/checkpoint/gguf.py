@@ -12,9 +12,9 @@ its experts in MXFP4 or not, dequantized by ``gguf``; its YaRN ramp truncated, a
 HF config says ``truncate: false``), Gemma (``gemma``: Gemma 1, CodeGemma), Gemma 2 and Gemma 3's text models, LFM2
 and LFM2-MoE (``lfm2``, ``lfm2moe``), Mamba, Falcon Mamba (``mamba``, with ``ssm.dt_b_c_rms``), Mamba-2
 (``mamba2``), Granite 4.0-H (``granitehybrid``), Nemotron-H and Nemotron 3 (``nemotron_h``, ``nemotron_h_moe``),
-Falcon-H1 (``falcon-h1``), Jamba (``jamba``) and Qwen3.5's dense text models (``qwen35``), with a byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``;
-the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2, Mistral
-7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores it, a tensor of frequency factors
+Falcon-H1 (``falcon-h1``), Jamba (``jamba``) and Qwen3.5's dense text models (``qwen35``), with a byte-level BPE
+tokenizer (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a
+SentencePiece BPE one (``llama``: Llama 2, Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores it, a tensor of frequency factors
 (``rope_freqs.weight``); linear and YaRN scaling as ``rope.scaling.*`` keys; Phi-3.5's and Phi-4 mini's LongRoPE as
 two tensors of factors (``rope_factors_short/long.weight``).
 
@@ -229,16 +229,8 @@ ARCH_TENSORS["qwen35"] = {
     },  # fmt: skip
 }
 # Qwen3.5's tensors whose value heads the converter reorders (``_qwen35_value_heads_grouped``)
-QWEN35_VALUE_HEAD_TENSORS = (
-    "attn_qkv",
-    "attn_gate",
-    "ssm_alpha",
-    "ssm_beta",
-    "ssm_a",
-    "ssm_dt",
-    "ssm_conv1d",
-    "ssm_out",
-)
+QWEN35_VALUE_HEAD_TENSORS = ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_a", "ssm_dt", "ssm_conv1d",
+                             "ssm_out")  # fmt: skip
 # The architectures of Mamba-2 mixers (their tensors' shapes: ``MAMBA2_RESHAPED``)
 MAMBA2_ARCHS = ("mamba2", "granitehybrid", "nemotron_h", "nemotron_h_moe", "falcon-h1")
 # Tensors the converter splits that a checkpoint holds as one: GGUF name -> (HF name, the part's place in it). Granite
