@@ -121,6 +121,26 @@ def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, 2, shape[0] // num_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
+def add_model_shape(writer, c, block_count: int | None = None) -> None:
+    """The keys of a transformers config ``c`` every converter writes: the context, the widths, the layers
+    (``block_count``: more, where the converter appends blocks), the heads, the norms' epsilon, the rope base."""
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # (Gemma 3's: one a layer type)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(block_count or c.num_hidden_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # (Phi-3's config has none)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if hasattr(c, "rms_norm_eps"):
+        writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    else:  # (LayerNorms: StableLM's, StarCoder2's)
+        writer.add_layer_norm_eps(getattr(c, "layer_norm_eps", None) or c.norm_epsilon)
+    writer.add_rope_freq_base(rope["rope_theta"])
+
+
 def write_gguf(
     path: Path,
     model,
@@ -135,22 +155,8 @@ def write_gguf(
     import gguf
 
     c = model.config
-    rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # (Gemma 3's: one a layer type)
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # (Phi-3's config has none)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    if hasattr(c, "rms_norm_eps"):
-        writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    else:  # (LayerNorms: StableLM's, StarCoder2's)
-        writer.add_layer_norm_eps(getattr(c, "layer_norm_eps", None) or c.norm_epsilon)
-    writer.add_rope_freq_base(rope["rope_theta"])
+    add_model_shape(writer, c)
     for method, value in fields.items():
         getattr(writer, method)(value)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",

@@ -16,6 +16,7 @@ gguf = pytest.importorskip("gguf")
 
 from gguf_files import (  # noqa: E402
     add_bpe_tokenizer,
+    add_model_shape,
     assert_gives_the_outputs_of,
     mamba2_gguf_tensor,
     varied_,
@@ -70,16 +71,7 @@ def write_falcon_h1_gguf(path, model, tokenizer) -> None:
     """``model`` as llama.cpp's Falcon-H1 converter writes it."""
     c = model.config
     writer = gguf.GGUFWriter(str(path), "falcon-h1")
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    add_model_shape(writer, c)
     writer.add_vocab_size(c.vocab_size)
     writer.add_ssm_conv_kernel(c.mamba_d_conv)
     writer.add_ssm_inner_size(c.mamba_d_ssm)

@@ -13,7 +13,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from gguf_files import add_bpe_tokenizer, assert_gives_the_outputs_of, varied_, write_gguf_tensors  # noqa: E402
+from gguf_files import (  # noqa: E402
+    add_bpe_tokenizer,
+    add_model_shape,
+    assert_gives_the_outputs_of,
+    varied_,
+    write_gguf_tensors,
+)
 
 from sloserve import LLM  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
@@ -48,18 +54,9 @@ def write_qwen35_gguf(path, model, tokenizer, interval: int = 2, pre: str = "lla
     c = model.config
     layers = c.num_hidden_layers
     writer = gguf.GGUFWriter(str(path), "qwen35")
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_block_count(layers + 1)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    add_model_shape(writer, c, block_count=layers + 1)
     writer.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
     writer.add_rope_dimension_sections([2, 1, 1, 0])  # (interleaved MRoPE: equal positions for a text)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
     writer.add_ssm_state_size(c.linear_key_head_dim)
     writer.add_ssm_group_count(c.linear_num_key_heads)
