@@ -14,8 +14,9 @@ and LFM2-MoE (``lfm2``, ``lfm2moe``), Mamba, Falcon Mamba (``mamba``, with ``ssm
 (``mamba2``), Granite 4.0-H (``granitehybrid``), Nemotron-H and Nemotron 3 (``nemotron_h``, ``nemotron_h_moe``),
 Falcon-H1 (``falcon-h1``), Jamba (``jamba``) and Qwen3.5's dense text models (``qwen35``), with a byte-level BPE
 tokenizer (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a
-SentencePiece BPE one (``llama``: Llama 2, Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as llama.cpp stores it, a tensor of frequency factors
-(``rope_freqs.weight``); linear and YaRN scaling as ``rope.scaling.*`` keys; Phi-3.5's and Phi-4 mini's LongRoPE as
+SentencePiece BPE one (``llama``: Llama 2, Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as
+llama.cpp stores it, a tensor of frequency factors (``rope_freqs.weight``); linear and YaRN scaling as
+``rope.scaling.*`` keys; Phi-3.5's and Phi-4 mini's LongRoPE as
 two tensors of factors (``rope_factors_short/long.weight``).
 
 NOTE: llama.cpp's converter permutes the rows of a Llama (SmolLM3, Granite; Granite 4.0-H's and Nemotron-H's
@@ -263,9 +264,10 @@ EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_d
 PERMUTED = ("llama", "smollm3", "granite", "granitehybrid", "nemotron_h", "nemotron_h_moe")
 # SmolLM3's layers without a rotary embedding: every fourth, as llama.cpp's code has it (the file does not say)
 SMOLLM3_NO_ROPE_STEP = 4
-# The architectures whose norms llama.cpp's converter stores as 1 + weight (Gemma's RMSNorm scales by
-# 1 + weight; llama.cpp's by the weight)
-SHIFTED_NORMS = ("gemma", "gemma2", "gemma3")
+# The architectures whose norms llama.cpp's converter stores as 1 + weight (Gemma's and Qwen3.5's RMSNorms scale by
+# 1 + weight; llama.cpp's by the weight). NOTE: not Qwen3.5's DeltaNets' gated norm (``ssm_norm``), which scales by
+# its weight
+SHIFTED_NORMS = ("gemma", "gemma2", "gemma3", "qwen35")
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")  # their SentencePiece vocabularies: see _gemma_vocabulary
 # What llama.cpp's code says of a Gemma model that its file does not: which layers slide (every
 # pattern-th is global), the layer count of the 27B model (its scores are scaled by (hidden / heads)
@@ -1012,13 +1014,15 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
             weight = weight.copy()
         if arch == "qwen35":
             weight = _qwen35_value_heads_grouped(tensor.name, weight, config)
-            if tensor.name.endswith("norm.weight") and not tensor.name.endswith("ssm_norm.weight"):
-                weight -= 1.0  # NOTE: the converter's 1 + w (transformers' norms scale by it), its gated norm's w
         if arch in PERMUTED and tensor.name.endswith("attn_q.weight"):
             weight = _unpermute(weight, config["num_attention_heads"])
         elif arch in PERMUTED and tensor.name.endswith("attn_k.weight"):
             weight = _unpermute(weight, config["num_key_value_heads"])
-        elif arch in SHIFTED_NORMS and tensor.name.endswith("norm.weight"):
+        elif (
+            arch in SHIFTED_NORMS
+            and tensor.name.endswith("norm.weight")
+            and not tensor.name.endswith("ssm_norm.weight")
+        ):
             weight -= 1.0
         elif tensor.name.endswith("ffn_gate_inp_shexp.weight"):
             weight = weight.reshape(1, -1)  # NOTE: llama.cpp's is a vector (n_embd), HF's a (1, H) projection
