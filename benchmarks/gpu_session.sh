@@ -18,7 +18,8 @@
 #                                             # decode_attention.py (split count and tile, the kernel alone)
 #                                             # and async_scheduling.py: offline batches of 64 and 256, on / off;
 #                                             # last, decode_attention.py on DeepSeek-V2-Lite's latent (MLA)
-#                                             # and moe_layer.py (a MoE layer: by expert / fused / graphed)
+#                                             # and moe_layer.py (a MoE layer: by expert / fused / graphed);
+#                                             # gguf_dequant.py (GGUF formats: gguf-py / torch on the GPU)
 #   bash benchmarks/gpu_session.sh fidelity   # fidelity.py with CUDA graphs: profile, run, simulate;
 #                                             # cost_forms.py on the measured profile and the runs' steps
 #   bash benchmarks/gpu_session.sh infermax   # infermax_engine.py: Figure 9's schedulers at M = 1K and
@@ -96,6 +97,7 @@ decode_attention=()
 # DeepSeek-V2-Lite's 16 query heads on its one 576-number latent key (keys only)
 mla_attention=(--mla 16 --cases 1x1024,1x8192,8x32768,64x1024,256x1024 --splits 1,2,4,8,16,32)
 moe_layer=()
+gguf_dequant=()
 # B = 256: the simulator's ratios at M = 1K are those of B = 1024 within 0.03 (2026-11-26).
 infermax=(--num-requests 256 --capacities 1000,10000)
 if [[ ${SMOKE:-0} == 1 ]]; then
@@ -108,6 +110,7 @@ if [[ ${SMOKE:-0} == 1 ]]; then
   decode_attention=(--smoke)
   mla_attention=(--smoke --mla 4)
   moe_layer=(--smoke)
+  gguf_dequant=(--rows 256 --columns 1024 --repeats 1)
   compile+=(--kv-len 64 --mixed 64:128:8 --small-prompts 64 --repeats 2)
   fidelity=(--max-model-len 1024 --kv-capacity-tokens 65536 --num-requests 20 "${grid[@]}")
   layers=2 requests=20
@@ -130,6 +133,7 @@ case "${1:-}" in
       tests/engine/test_mla.py::test_long_prompts_by_head_beside_short_ones_over_the_latent_give_hf_greedy_tokens \
       tests/engine/test_mamba.py::test_on_cuda_a_hybrid_models_captured_decode_steps_give_hf_greedy_tokens \
       tests/engine/test_sampler.py::test_on_cuda_the_score_controls_and_sampling_never_wait_for_the_device \
+      tests/engine/test_gguf_dequant.py \
       -k "not compiled" 2>&1 | tee -a "$log"
     ;;
   speed)
@@ -144,6 +148,9 @@ case "${1:-}" in
     python3 benchmarks/decode_attention.py "${mla_attention[@]}" 2>&1 | tee -a "$log"
     # A MoE layer alone, by expert against the fused kernels (added 2026-11-30, about 20 s)
     python3 benchmarks/moe_layer.py "${moe_layer[@]}" 2>&1 | tee -a "$log"
+    # A GGUF model's matrices dequantized by gguf-py on the host or by torch on the GPU (added 2026-12-02, about
+    # 10 s): what a GGUF model's start would save
+    python3 benchmarks/gguf_dequant.py "${gguf_dequant[@]}" 2>&1 | tee -a "$log"
     ;;
   fidelity)
     # The summaries stay behind; the profile, the preset fitted to it and the engine's figures come

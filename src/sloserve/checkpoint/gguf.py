@@ -2,8 +2,9 @@
 
 The ``gguf`` package reads the file: its metadata gives the config, the tokenizer and the chat
 template; its tensors are dequantized to float32 (``gguf.quants.dequantize``: Q4_0, Q4_1, Q8_0,
-K-quants... as llama.cpp defines them) and copied into the model under their HF names, so the engine
-runs the same weights transformers does when it loads the file (``from_pretrained(gguf_file=...)``).
+K-quants... as llama.cpp defines them; on a GPU the same arithmetic in torch there, ``gguf_dequant``) and copied
+into the model under their HF names, so the engine runs the same weights transformers does when it loads the file
+(``from_pretrained(gguf_file=...)``).
 
 Supported: the Llama architecture (``general.architecture = llama``: Llama 2 and 3.x, SmolLM, Mistral without
 sliding windows), SmolLM3, Granite 3, Qwen2, Qwen3, Qwen3-MoE (``qwen3moe``), Qwen2-MoE (``qwen2moe``), Phi-3 and
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from sloserve.checkpoint.gguf_file import ELEMENT_DTYPES, GGUFFile, read_gguf_file
+from sloserve.checkpoint.gguf_file import ELEMENT_DTYPES, GGUFFile, GGUFTensor, read_gguf_file
 from sloserve.core.errors import ConfigError
 
 # GGUF tensor names of the Llama architecture -> HF names ({n}: the layer).
@@ -716,7 +718,7 @@ def _qwen35_config(meta: dict[str, Any], config: dict[str, Any], need: Callable[
     }
 
 
-def _qwen35_value_heads_grouped(name: str, weight: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+def _qwen35_value_heads_grouped(name: str, weight, config: dict[str, Any]):
     """A Qwen3.5 DeltaNet tensor with its value heads back in transformers' order. NOTE: where a key head has several
     value heads, llama.cpp's converter reorders them from grouped by key head (K0's v0, v1, then K1's) to tiled (K0's
     v0, K1's v0, K0's v1, K1's v1): in the value rows of ``attn_qkv``, the rows of ``attn_gate``, ``ssm_alpha`` and
@@ -727,14 +729,16 @@ def _qwen35_value_heads_grouped(name: str, weight: np.ndarray, config: dict[str,
         return weight
     per_key = value_heads // key_heads
 
-    def grouped(x: np.ndarray, axis: int, head_width: int) -> np.ndarray:  # (tiled: per_key, key_heads, head_width)
+    def grouped(x, axis: int, head_width: int):  # (tiled: per_key, key_heads, head_width)
         tiled = x.reshape(*x.shape[:axis], per_key, key_heads, head_width, *x.shape[axis + 1 :])
-        return np.swapaxes(tiled, axis, axis + 1).reshape(x.shape)
+        return tiled.swapaxes(axis, axis + 1).reshape(x.shape)
 
     width = config["linear_value_head_dim"]
     if kind in ("attn_qkv", "ssm_conv1d"):  # (the queries' and keys' rows or channels first, as they were)
         keys = 2 * key_heads * config["linear_key_head_dim"]
-        return np.concatenate([weight[:keys], grouped(weight[keys:], 0, width)])
+        import torch
+
+        return torch.cat([weight[:keys], grouped(weight[keys:], 0, width)])
     if kind == "ssm_out":
         return grouped(weight, 1, width)
     return grouped(weight, 0, width if kind == "attn_gate" else 1)
@@ -952,16 +956,22 @@ def _longrope_scaling(meta: dict[str, Any], reader: Any, rotary_dim: int, path: 
             "attention_factor": attention_factor}  # fmt: skip
 
 
-def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+def _unpermute(weight, num_heads: int):
     """Undo llama.cpp's row permutation of a Q or K projection (out_features, in_features)."""
     half = weight.shape[0] // num_heads // 2
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def gguf_tensors(checkpoint: GGUFCheckpoint):
-    """(HF name, float32 array) for each tensor of the file, dequantized, Q and K unpermuted."""
-    import gguf
+def gguf_tensors(checkpoint: GGUFCheckpoint, device: Any = "cpu", *, torch_dequantizes: bool | None = None):
+    """(HF name, float32 tensor on ``device``) for each tensor of the file, dequantized, Q and K unpermuted.
+    ``torch_dequantizes``: dequantize with torch on ``device`` each tensor whose format it reads
+    (``gguf_dequant.DEQUANTIZED``: the bytes go there quantized), gguf-py on the CPU the others; ``None`` (the
+    default): off the CPU only, gguf-py being as fast on it (``gguf_dequant``). Bit-equal either way."""
+    import torch
 
+    device = torch.device(device)
+    if torch_dequantizes is None:
+        torch_dequantizes = device.type != "cpu"
     config = checkpoint.hf_config
     arch = checkpoint.metadata["general.architecture"]
     patterns = {}
@@ -976,42 +986,39 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
         for gguf_name, (hf_name, place) in JOINED_TENSORS.get(arch, {}).items()
         for n in range(config["num_hidden_layers"])
     }
-    joined: dict[str, dict[int, np.ndarray]] = {}  # HF name -> the parts of it read so far, by place
+    joined: dict[str, dict[int, torch.Tensor]] = {}  # HF name -> the parts of it read so far, by place
     layers = config["num_hidden_layers"]
     # (the experts' count under transformers' names: Qwen's, Granite's, Nemotron-H's)
     num_experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
-    gpt_oss_experts: dict[str, dict[str, np.ndarray]] = {}  # layer -> its experts' parts ("gate.weight"...)
+    gpt_oss_experts: dict[str, dict[str, torch.Tensor]] = {}  # layer -> its experts' parts ("gate.weight"...)
     for tensor in checkpoint.reader.tensors:
         if tensor.name == ROPE_FREQS or tensor.name in LONGROPE_FACTORS.values():
             continue  # NOTE: the config's rope scaling (read_gguf), not a weight
         if arch == "qwen35" and int(tensor.name.split(".")[1] if tensor.name.startswith("blk.") else 0) >= layers:
             continue  # NOTE: Qwen3.5's multi-token-prediction blocks, after its layers (_qwen35_config)
+        weight = _dequantized(tensor, device, torch_dequantizes)
         if arch == "gpt-oss" and tensor.name.split(".")[2:3] and tensor.name.split(".")[2] in GPT_OSS_EXPERTS:
             _, n, kind, suffix = tensor.name.split(".")
             parts = gpt_oss_experts.setdefault(n, {})
-            parts[f"{GPT_OSS_EXPERTS[kind]}.{suffix}"] = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            parts[f"{GPT_OSS_EXPERTS[kind]}.{suffix}"] = weight
             if len(parts) == len(GPT_OSS_EXPERT_PARTS):  # NOTE: a layer's experts yielded whole, then let go
                 yield from _gpt_oss_experts(n, gpt_oss_experts.pop(n))
             continue
         if tensor.name in joins:  # NOTE: a tensor yielded once its parts are all read (two: a gate's and an up's)
             name, place = joins[tensor.name]
             parts = joined.setdefault(name, {})
-            parts[place] = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+            parts[place] = weight
             if len(parts) == 2:
-                yield name, np.concatenate([parts[0], parts[1]])
+                yield name, torch.cat([parts[0], parts[1]])
                 del joined[name]
             continue
         block, _, kind = tensor.name.removesuffix(".weight").rpartition(".")
         if kind in EXPERT_TENSORS and num_experts and block.startswith("blk."):
-            experts = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)  # (E, rows, cols)
-            prefix = f"model.layers.{block.removeprefix('blk.')}.mlp.experts"
-            yield from ((f"{prefix}.{e}.{EXPERT_TENSORS[kind]}.weight", experts[e]) for e in range(experts.shape[0]))
+            prefix = f"model.layers.{block.removeprefix('blk.')}.mlp.experts"  # (weight: (E, rows, cols))
+            yield from ((f"{prefix}.{e}.{EXPERT_TENSORS[kind]}.weight", weight[e]) for e in range(weight.shape[0]))
             continue
         if tensor.name not in patterns:
             raise ConfigError(f"{checkpoint.path}: unexpected GGUF tensor {tensor.name!r} for a {arch} model")
-        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        if not weight.flags.writeable:  # an F32 tensor is a view of the memory-mapped file
-            weight = weight.copy()
         if arch == "qwen35":
             weight = _qwen35_value_heads_grouped(tensor.name, weight, config)
         if arch in PERMUTED and tensor.name.endswith("attn_q.weight"):
@@ -1031,7 +1038,7 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
         if arch in MAMBA2_ARCHS and tensor.name.endswith(MAMBA2_RESHAPED):
             weight = weight.reshape(-1)
         if tensor.name.endswith(".ssm_a"):
-            weight = np.log(-weight)  # NOTE: the converter's A = -exp(A_log), back to A_log
+            weight = torch.log(-weight)  # NOTE: the converter's A = -exp(A_log), back to A_log
         yield patterns[tensor.name], weight
     for name in joined:  # (a tensor of which the file has one part)
         raise ConfigError(f"{checkpoint.path}: GGUF {arch} has half of {name!r} (its gate rows or its up rows)")
@@ -1043,22 +1050,43 @@ def gguf_tensors(checkpoint: GGUFCheckpoint):
         raise ConfigError(f"{checkpoint.path}: GGUF gpt-oss layer {n}'s experts have no {', '.join(missing)}")
 
 
-def _gpt_oss_experts(n: str, parts: dict[str, np.ndarray]):
+def _dequantized(tensor: GGUFTensor, device, torch_dequantizes: bool):
+    """A tensor's weights as a float32 torch tensor of its own (writable) on ``device``."""
+    import torch
+
+    from sloserve.checkpoint.gguf_dequant import DEQUANTIZED, dequantize
+
+    if torch_dequantizes and tensor.type_id in DEQUANTIZED:
+        with warnings.catch_warnings():  # NOTE: a read-only view of the file, read only (dequantize's output is new)
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(tensor.data.reshape(-1).view(np.uint8))
+        return dequantize(raw.to(device), tensor.type_id, tensor.shape)
+    import gguf
+
+    weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    if weights.dtype != np.float32 or not weights.flags.writeable:  # (an F32 tensor is a view of the file)
+        weights = weights.astype(np.float32)
+    return torch.from_numpy(weights).to(device)
+
+
+def _gpt_oss_experts(n: str, parts: dict):
     """transformers' gpt-oss expert tensors of layer ``n`` from llama.cpp's ``parts`` ("gate.weight"...): gate
     and up (E, I, H) each interleaved into ``gate_up_proj`` (E, H, 2 I), gate in the even columns, their biases
     (E, I) into ``gate_up_proj_bias`` (E, 2 I); down (E, H, I) transposed to ``down_proj`` (E, I, H), its bias
     kept."""
+    import torch
+
     gate, up = parts["gate.weight"], parts["up.weight"]
     experts, rows, hidden = gate.shape
-    gate_up = np.empty((experts, hidden, 2 * rows), dtype=np.float32)
-    gate_up[:, :, ::2], gate_up[:, :, 1::2] = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
-    bias = np.empty((experts, 2 * rows), dtype=np.float32)
+    gate_up = torch.empty((experts, hidden, 2 * rows), dtype=torch.float32, device=gate.device)
+    gate_up[:, :, ::2], gate_up[:, :, 1::2] = gate.transpose(1, 2), up.transpose(1, 2)
+    bias = torch.empty((experts, 2 * rows), dtype=torch.float32, device=gate.device)
     bias[:, ::2], bias[:, 1::2] = parts["gate.bias"], parts["up.bias"]
     prefix = f"model.layers.{n}.mlp.experts"
     yield f"{prefix}.gate_up_proj", gate_up
     yield f"{prefix}.gate_up_proj_bias", bias
-    yield f"{prefix}.down_proj", np.ascontiguousarray(parts["down.weight"].transpose(0, 2, 1), dtype=np.float32)
-    yield f"{prefix}.down_proj_bias", parts["down.bias"].astype(np.float32)
+    yield f"{prefix}.down_proj", parts["down.weight"].transpose(1, 2).contiguous()
+    yield f"{prefix}.down_proj_bias", parts["down.bias"]
 
 
 def gguf_tokenizer(checkpoint: GGUFCheckpoint):

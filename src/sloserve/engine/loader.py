@@ -154,7 +154,8 @@ def load_model(
         init_random_(net, seed)
         tokenizer = ByteTokenizer()
     elif checkpoint is not None:
-        copy_weights(net, ((path, name, weight) for name, weight in gguf_tensors(checkpoint)), f"GGUF file {path}")
+        weights = gguf_tensors(checkpoint, dev)  # (dequantized on the GPU where the model is on one)
+        copy_weights(net, ((path, name, weight) for name, weight in weights), f"GGUF file {path}")
         tokenizer = load_tokenizer(path)
     else:
         load_weights(net, path)
