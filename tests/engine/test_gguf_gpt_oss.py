@@ -3,7 +3,7 @@
 (``ffn_gate_exps``, ``ffn_up_exps``: transformers' interleaved columns split, ``ffn_down_exps``), in MXFP4 as
 the published files hold them or in float32, every other layer sliding (llama.cpp's pattern) and YaRN. The
 engine gives the greedy tokens and log-probabilities of the transformers model the file was written from
-(its experts as MXFP4 stores them)."""
+(its experts as MXFP4 stores them); its tensors are the same dequantized by torch (on a GPU) or by gguf-py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,11 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 import numpy as np  # noqa: E402
-from gguf_files import assert_greedy_tokens_and_logprobs, write_gguf  # noqa: E402
+from gguf_files import (  # noqa: E402
+    assert_greedy_tokens_and_logprobs,
+    assert_the_same_tensors_either_way,
+    write_gguf,
+)
 
 from hf_models import VOCAB, hf_cached  # noqa: E402
 from sloserve import LLM  # noqa: E402
@@ -111,6 +115,15 @@ def test_gpt_oss_reads_as_its_model(tmp_path, mxfp4):
     llm = LLM(str(path), kv_capacity_tokens=512)
     assert [llm.loaded.config.layer_window(i) for i in range(2)] == [8, None]
     assert_greedy_tokens_and_logprobs(llm, model, PROMPTS)
+
+
+def test_the_experts_are_the_same_dequantized_by_torch(tmp_path, monkeypatch):
+    """The loader's gpt-oss tensors from MXFP4 experts dequantized by torch (on the CPU here, as on a GPU) and by
+    gguf-py: bit-equal, the gate and up columns interleaved alike."""
+    model = reference_model()
+    path = tmp_path / "tiny-gpt-oss.gguf"
+    write_gpt_oss_gguf(path, model, as_llama_cpp_writes_it(model, mxfp4=True))
+    assert assert_the_same_tensors_either_way(path, "cpu", monkeypatch) > 0
 
 
 def test_a_gpt_oss_file_without_an_experts_bias_is_refused(tmp_path):

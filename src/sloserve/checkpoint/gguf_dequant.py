@@ -7,8 +7,8 @@ elementwise kernels over the tensor's bytes, copied there quantized (4.5 bits a 
 Each format follows gguf-py's ``dequantize_blocks`` operation for operation: the same float32 products and
 sums in the same order, each its own kernel (no fused multiply-add), so the weights are bit-equal to
 gguf-py's on any device (tests/engine/test_gguf_dequant.py). Formats: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0 and the K-quants Q2_K-Q6_K (llama.cpp's ``Q*_K_S``/``Q*_K_M`` files mix them). The others (IQ*, TQ*,
-MXFP4) stay gguf-py's: ``DEQUANTIZED`` tells which.
+Q8_0, the K-quants Q2_K-Q6_K (llama.cpp's ``Q*_K_S``/``Q*_K_M`` files mix them) and MXFP4 (gpt-oss's experts).
+The others (IQ*, TQ*, NVFP4) stay gguf-py's: ``DEQUANTIZED`` tells which.
 
 On the CPU the engine keeps gguf-py: this port ran at 0.34-0.97x its speed there on 2 cores
 (``python benchmarks/gguf_dequant.py``), which also times it on CUDA where there is one.
@@ -162,6 +162,19 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:  # (n, 210) -> (n, 256)
     return (dl * q).reshape(n, QK_K)
 
 
+# MXFP4's e2m1 values, doubled (its scale is halved to match: ggml's ``ggml_e8m0_to_fp32_half``)
+MXFP4_VALUES = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
+
+
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:  # (n, 17) -> (n, 32): gpt-oss's experts
+    n = blocks.shape[0]
+    e = blocks[:, :1].to(torch.int32)  # the scale's exponent (e8m0), halved below
+    d = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32)
+    values = torch.tensor(MXFP4_VALUES, dtype=torch.int8, device=blocks.device)
+    q = values[_nibbles(blocks[:, 1:], 16).reshape(n, 32).long()]
+    return d * q.float()
+
+
 def _f16_weights(blocks: torch.Tensor) -> torch.Tensor:  # (n, 2) -> (n, 1)
     return _f16(blocks)
 
@@ -189,6 +202,7 @@ DEQUANTIZED: dict[int, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] 
     12: (QK_K, 144, _q4_k),
     13: (QK_K, 176, _q5_k),
     14: (QK_K, 210, _q6_k),
+    39: (32, 17, _mxfp4),
 }
 
 
