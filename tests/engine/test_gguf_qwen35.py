@@ -2,8 +2,9 @@
 tokenizer, as llama.cpp's converter lays it out (``qwen35``): full attention every ``full_attention_interval``-th
 layer, the DeltaNets' heads by the ``ssm.*`` keys, their value heads reordered from grouped by key head to tiled,
 A as -exp(A_log), the convolution (C, taps), every norm but the DeltaNet's gated one stored as 1 + w, a
-multi-token-prediction block appended (``nextn_predict_layers``). transformers does not read it: the engine gives
-the greedy tokens and prompt log-probabilities of the model it was written from."""
+multi-token-prediction block appended (``nextn_predict_layers``); and a Qwen3.5-MoE one (``qwen35moe``: experts in
+every layer, gate and up apart, beside a shared expert). transformers does not read them: the engine gives the greedy
+tokens and prompt log-probabilities of the model each was written from."""
 
 from __future__ import annotations
 
@@ -41,6 +42,19 @@ def tiny_qwen35(vocab_size: int, key_heads: int = 2):
     return varied_(transformers.Qwen3_5ForCausalLM(config))
 
 
+def tiny_qwen35_moe(vocab_size: int):
+    """``tiny_qwen35``'s layers with 4 experts of 32 (2 a token) and a shared expert of 48 in each, no dense MLP."""
+    torch.manual_seed(36)
+    config = transformers.Qwen3_5MoeTextConfig(
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=len(LAYERS), num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
+        linear_value_head_dim=12, layer_types=LAYERS, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, initializer_range=0.2, max_position_embeddings=4096, bos_token_id=0,
+        eos_token_id=1,
+    )  # fmt: skip
+    return varied_(transformers.Qwen3_5MoeForCausalLM(config))
+
+
 def tiled(tensor: torch.Tensor, dim: int, key_heads: int, per_key: int, width: int) -> torch.Tensor:
     """llama.cpp's converter's value heads along ``dim``: grouped by key head -> tiled (its ``_reorder_v_heads``)."""
     shape = list(tensor.shape)
@@ -53,8 +67,15 @@ def write_qwen35_gguf(path, model, tokenizer, interval: int = 2, pre: str = "lla
     (random tensors under the converter's names, which the engine must leave out)."""
     c = model.config
     layers = c.num_hidden_layers
-    writer = gguf.GGUFWriter(str(path), "qwen35")
+    moe = isinstance(c, transformers.Qwen3_5MoeTextConfig)
+    arch = gguf.MODEL_ARCH.QWEN35MOE if moe else gguf.MODEL_ARCH.QWEN35
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     add_model_shape(writer, c, block_count=layers + 1)
+    if moe:  # (the converter's Qwen2-MoE keys)
+        writer.add_expert_count(c.num_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     writer.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
     writer.add_rope_dimension_sections([2, 1, 1, 0])  # (interleaved MRoPE: equal positions for a text)
     writer.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
@@ -65,12 +86,21 @@ def write_qwen35_gguf(path, model, tokenizer, interval: int = 2, pre: str = "lla
     writer.add_full_attention_interval(interval)
     writer.add_nextn_predict_layers(1)
     add_bpe_tokenizer(writer, tokenizer, pre)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, layers + 1)
+    names = gguf.get_tensor_name_map(arch, layers + 1)
     key_heads, value_heads, width = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_value_head_dim
     per_key, keys = value_heads // key_heads, 2 * key_heads * c.linear_key_head_dim
     tensors = {}
     for name, tensor in model.state_dict().items():
         tensor = tensor.float().clone()
+        if name.endswith("mlp.experts.gate_up_proj"):  # (E, 2 I, H): the converter's gate (E, I, H), then up
+            stem = name.removesuffix(".gate_up_proj")
+            gate, up = tensor.chunk(2, dim=1)
+            tensors[names.get_name(f"{stem}.gate_proj") + ".weight"] = gate
+            tensors[names.get_name(f"{stem}.up_proj") + ".weight"] = up
+            continue
+        if name.endswith("mlp.experts.down_proj"):  # (E, H, I), as it is
+            tensors[names.get_name(name) + ".weight"] = tensor
+            continue
         if ".linear_attn." in name and per_key > 1:  # (the converter's _LinearAttentionVReorderBase)
             kind = name.split(".linear_attn.")[1]
             if kind.startswith(("in_proj_qkv", "conv1d")):
@@ -107,6 +137,19 @@ def test_a_qwen35_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model(bp
     llm = LLM(str(path), kv_capacity_tokens=1024)
     config = llm.loaded.config
     assert config.model_type == "qwen3_5_text" and config.layer_types == tuple(LAYERS)
+    assert assert_gives_the_outputs_of(llm, model, bpe_tokenizer, path).kv_layers == 2
+
+
+def test_a_qwen35moe_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model(bpe_tokenizer, tmp_path):
+    """Qwen3.5-MoE (``qwen35moe``): the layers of Qwen3.5's file, experts stacked (gate and up apart) beside a shared
+    expert and its gate in every one."""
+    model = tiny_qwen35_moe(bpe_tokenizer.get_vocab_size())
+    path = tmp_path / "tiny-qwen35moe.gguf"
+    write_qwen35_gguf(path, model, bpe_tokenizer)
+    llm = LLM(str(path), kv_capacity_tokens=1024)
+    config = llm.loaded.config
+    assert config.model_type == "qwen3_5_moe_text" and config.layer_types == tuple(LAYERS)
+    assert (config.moe["num_experts"], config.moe["num_experts_per_tok"]) == (4, 2)
     assert assert_gives_the_outputs_of(llm, model, bpe_tokenizer, path).kv_layers == 2
 
 

@@ -13,7 +13,7 @@ its experts in MXFP4 or not, dequantized by ``gguf``; its YaRN ramp truncated, a
 HF config says ``truncate: false``), Gemma (``gemma``: Gemma 1, CodeGemma), Gemma 2 and Gemma 3's text models, LFM2
 and LFM2-MoE (``lfm2``, ``lfm2moe``), Mamba, Falcon Mamba (``mamba``, with ``ssm.dt_b_c_rms``), Mamba-2
 (``mamba2``), Granite 4.0-H (``granitehybrid``), Nemotron-H and Nemotron 3 (``nemotron_h``, ``nemotron_h_moe``),
-Falcon-H1 (``falcon-h1``), Jamba (``jamba``) and Qwen3.5's dense text models (``qwen35``), with a byte-level BPE
+Falcon-H1 (``falcon-h1``), Jamba (``jamba``) and Qwen3.5's text models (``qwen35``, ``qwen35moe``), with a byte-level BPE
 tokenizer (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a
 SentencePiece BPE one (``llama``: Llama 2, Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as
 llama.cpp stores it, a tensor of frequency factors (``rope_freqs.weight``); linear and YaRN scaling as
@@ -231,6 +231,18 @@ ARCH_TENSORS["qwen35"] = {
         )
     },  # fmt: skip
 }
+# Qwen3.5's MoE (``qwen35moe``: 35B-A3B-397B-A17B): Qwen3.5's layers, experts in every one (stacked:
+# ``EXPERT_TENSORS``; the converter splits the checkpoint's gate_up_proj) beside a shared expert and its gate
+ARCH_TENSORS["qwen35moe"] = {
+    **ARCH_TENSORS["qwen35"],
+    "blk.{n}.ffn_gate_inp.weight": "model.layers.{n}.mlp.gate.weight",
+    **{
+        f"blk.{{n}}.ffn_{x}_shexp.weight": f"model.layers.{{n}}.mlp.shared_expert.{x}_proj.weight"
+        for x in ("gate", "up", "down")
+    },
+    "blk.{n}.ffn_gate_inp_shexp.weight": "model.layers.{n}.mlp.shared_expert_gate.weight",
+}
+QWEN35_ARCHS = ("qwen35", "qwen35moe")
 # Qwen3.5's tensors whose value heads the converter reorders (``_qwen35_value_heads_grouped``)
 QWEN35_VALUE_HEAD_TENSORS = ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_a", "ssm_dt", "ssm_conv1d",
                              "ssm_out")  # fmt: skip
@@ -251,7 +263,7 @@ MAMBA2_RESHAPED = ("ssm_a", "ssm_d", "ssm_norm.weight")
 # The architectures whose norms are LayerNorms: the HF config's name of their epsilon
 LAYER_NORM_EPS_NAMES = {"stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon"}
 # The architectures whose rotary embedding may turn part of a head (``rope.dimension_count``)
-PARTIAL_ROTARY_ARCHS = ("phi3", "stablelm", "qwen35")
+PARTIAL_ROTARY_ARCHS = ("phi3", "stablelm", *QWEN35_ARCHS)
 ARCH_TENSORS["gemma3"] = {
     **ARCH_TENSORS["gemma2"],
     "blk.{n}.attn_q_norm.weight": "model.layers.{n}.self_attn.q_norm.weight",
@@ -269,7 +281,7 @@ SMOLLM3_NO_ROPE_STEP = 4
 # The architectures whose norms llama.cpp's converter stores as 1 + weight (Gemma's and Qwen3.5's RMSNorms scale by
 # 1 + weight; llama.cpp's by the weight). NOTE: not Qwen3.5's DeltaNets' gated norm (``ssm_norm``), which scales by
 # its weight
-SHIFTED_NORMS = ("gemma", "gemma2", "gemma3", "qwen35")
+SHIFTED_NORMS = ("gemma", "gemma2", "gemma3", *QWEN35_ARCHS)
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")  # their SentencePiece vocabularies: see _gemma_vocabulary
 # What llama.cpp's code says of a Gemma model that its file does not: which layers slide (every
 # pattern-th is global), the layer count of the 27B model (its scores are scaled by (hidden / heads)
@@ -436,7 +448,7 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         return GGUFCheckpoint(path, {**_mamba_config(meta, arch, need, names, path), **vocabulary}, meta, reader)
     heads = need("attention.head_count")
     # (a Qwen3-MoE file may have no dense MLP's length: its every MLP is the experts)
-    experts_only = arch in GGUF_MOE or arch == "gpt-oss"
+    experts_only = arch in GGUF_MOE or arch in ("gpt-oss", "qwen35moe")
     dense_mlp = meta.get(f"{arch}.feed_forward_length") if experts_only else need("feed_forward_length")
     config = {
         "model_type": "gemma3_text" if arch == "gemma3" else arch,
@@ -503,8 +515,8 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         config.update(_nemotron_h_config(meta, arch, config, need, names, path))
     if arch == "falcon-h1":
         config.update(_falcon_h1_config(config, need, names, path))
-    if arch == "qwen35":
-        config.update(_qwen35_config(meta, config, need, path))
+    if arch in QWEN35_ARCHS:
+        config.update(_qwen35_config(meta, arch, config, need, path))
     if arch == "jamba":
         config.update(_jamba_config(meta, config, need, names, path))
     if arch == "smollm3":  # (HF's name: 1 rotates)
@@ -687,26 +699,37 @@ def _nemotron_h_config(
     return nemotron_h
 
 
-def _qwen35_config(meta: dict[str, Any], config: dict[str, Any], need: Callable[[str], Any], path: Path):
-    """Qwen3.5's text model's config (llama.cpp's ``qwen35``) as transformers names it: full attention every
+def _qwen35_config(meta: dict[str, Any], arch: str, config: dict[str, Any], need: Callable[[str], Any], path: Path):
+    """Qwen3.5's text model's config (llama.cpp's ``qwen35``; ``qwen35moe``: its experts too, in every layer, with a
+    shared expert, the top weights renormalized as transformers' Qwen3.5-MoE does) as transformers names it: full
+    attention every
     ``full_attention_interval``-th layer, gated DeltaNets elsewhere (their heads by the ``ssm.*`` keys: the key heads
     ``group_count`` of ``state_size``, the value heads ``time_step_rank`` of ``inner_size`` in all). The
     multi-token-prediction blocks the converter appends (``nextn_predict_layers``) are left out, as the engine runs
     none. NOTE: the file's interleaved MRoPE sections (``rope.dimension_sections``) turn a text's positions as one
     rotary embedding does: its three position ids are equal."""
     interval = need("full_attention_interval")
-    layers = config["num_hidden_layers"] - (meta.get("qwen35.nextn_predict_layers") or 0)
+    layers = config["num_hidden_layers"] - (meta.get(f"{arch}.nextn_predict_layers") or 0)
     value_heads, value_width = need("ssm.time_step_rank"), need("ssm.inner_size")
     key_heads = need("ssm.group_count")
     if not (isinstance(interval, int) and interval >= 1 and layers >= 1 and value_heads % key_heads == 0
             and value_width % value_heads == 0):  # fmt: skip
         raise ConfigError(
-            f"{path}: GGUF qwen35's full_attention_interval {interval!r}, {layers} layers (less the "
+            f"{path}: GGUF {arch}'s full_attention_interval {interval!r}, {layers} layers (less the "
             f"nextn_predict_layers), ssm.inner_size {value_width} over ssm.time_step_rank {value_heads} value heads "
             f"over ssm.group_count {key_heads} key heads do not make Qwen3.5's layers"
         )
+    experts = {}
+    if arch == "qwen35moe":
+        experts = {
+            "num_experts": need("expert_count"),
+            "num_experts_per_tok": need("expert_used_count"),
+            "moe_intermediate_size": need("expert_feed_forward_length"),
+            "shared_expert_intermediate_size": need("expert_shared_feed_forward_length"),
+        }
     return {
-        "model_type": "qwen3_5_text",
+        "model_type": "qwen3_5_moe_text" if experts else "qwen3_5_text",
+        **experts,
         "num_hidden_layers": layers,
         "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)],
         "linear_conv_kernel_dim": need("ssm.conv_kernel"),
@@ -994,7 +1017,7 @@ def gguf_tensors(checkpoint: GGUFCheckpoint, device: Any = "cpu", *, torch_dequa
     for tensor in checkpoint.reader.tensors:
         if tensor.name == ROPE_FREQS or tensor.name in LONGROPE_FACTORS.values():
             continue  # NOTE: the config's rope scaling (read_gguf), not a weight
-        if arch == "qwen35" and int(tensor.name.split(".")[1] if tensor.name.startswith("blk.") else 0) >= layers:
+        if arch in QWEN35_ARCHS and int(tensor.name.split(".")[1] if tensor.name.startswith("blk.") else 0) >= layers:
             continue  # NOTE: Qwen3.5's multi-token-prediction blocks, after its layers (_qwen35_config)
         weight = _dequantized(tensor, device, torch_dequantizes)
         if arch == "gpt-oss" and tensor.name.split(".")[2:3] and tensor.name.split(".")[2] in GPT_OSS_EXPERTS:
@@ -1019,7 +1042,7 @@ def gguf_tensors(checkpoint: GGUFCheckpoint, device: Any = "cpu", *, torch_dequa
             continue
         if tensor.name not in patterns:
             raise ConfigError(f"{checkpoint.path}: unexpected GGUF tensor {tensor.name!r} for a {arch} model")
-        if arch == "qwen35":
+        if arch in QWEN35_ARCHS:
             weight = _qwen35_value_heads_grouped(tensor.name, weight, config)
         if arch in PERMUTED and tensor.name.endswith("attn_q.weight"):
             weight = _unpermute(weight, config["num_attention_heads"])
