@@ -55,6 +55,20 @@ def tiny_qwen35_moe(vocab_size: int):
     return varied_(transformers.Qwen3_5MoeForCausalLM(config))
 
 
+def tiny_qwen3_next(vocab_size: int):
+    """``tiny_qwen35_moe``'s shape as Qwen3-Next's (its DeltaNets' projections grouped by key head), an MLP of 80
+    where a layer is dense (none here: experts in every one, as llama.cpp builds it)."""
+    torch.manual_seed(37)
+    config = transformers.Qwen3NextConfig(
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=len(LAYERS), num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
+        linear_value_head_dim=12, layer_types=LAYERS, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, intermediate_size=80, initializer_range=0.2, max_position_embeddings=4096,
+        bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    return varied_(transformers.Qwen3NextForCausalLM(config))
+
+
 def tiled(tensor: torch.Tensor, dim: int, key_heads: int, per_key: int, width: int) -> torch.Tensor:
     """llama.cpp's converter's value heads along ``dim``: grouped by key head -> tiled (its ``_reorder_v_heads``)."""
     shape = list(tensor.shape)
@@ -67,28 +81,33 @@ def write_qwen35_gguf(path, model, tokenizer, interval: int = 2, pre: str = "lla
     (random tensors under the converter's names, which the engine must leave out)."""
     c = model.config
     layers = c.num_hidden_layers
-    moe = isinstance(c, transformers.Qwen3_5MoeTextConfig)
-    arch = gguf.MODEL_ARCH.QWEN35MOE if moe else gguf.MODEL_ARCH.QWEN35
+    qwen3_next = isinstance(c, transformers.Qwen3NextConfig)  # (its converter: no MRoPE, MTP, value heads tiled)
+    moe = qwen3_next or isinstance(c, transformers.Qwen3_5MoeTextConfig)
+    arch = gguf.MODEL_ARCH.QWEN3NEXT if qwen3_next else gguf.MODEL_ARCH.QWEN35MOE if moe else gguf.MODEL_ARCH.QWEN35
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
-    add_model_shape(writer, c, block_count=layers + 1)
+    add_model_shape(writer, c, block_count=layers + (not qwen3_next))
     if moe:  # (the converter's Qwen2-MoE keys)
         writer.add_expert_count(c.num_experts)
         writer.add_expert_used_count(c.num_experts_per_tok)
         writer.add_expert_feed_forward_length(c.moe_intermediate_size)
         writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     writer.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
-    writer.add_rope_dimension_sections([2, 1, 1, 0])  # (interleaved MRoPE: equal positions for a text)
+    if not qwen3_next:
+        writer.add_rope_dimension_sections([2, 1, 1, 0])  # (interleaved MRoPE: equal positions for a text)
     writer.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
     writer.add_ssm_state_size(c.linear_key_head_dim)
     writer.add_ssm_group_count(c.linear_num_key_heads)
     writer.add_ssm_time_step_rank(c.linear_num_value_heads)
     writer.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
     writer.add_full_attention_interval(interval)
-    writer.add_nextn_predict_layers(1)
+    if not qwen3_next:
+        writer.add_nextn_predict_layers(1)
     add_bpe_tokenizer(writer, tokenizer, pre)
     names = gguf.get_tensor_name_map(arch, layers + 1)
     key_heads, value_heads, width = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_value_head_dim
     per_key, keys = value_heads // key_heads, 2 * key_heads * c.linear_key_head_dim
+    if qwen3_next:
+        per_key = 1  # (Qwen3-Next's converter reorders no value heads)
     tensors = {}
     for name, tensor in model.state_dict().items():
         tensor = tensor.float().clone()
@@ -100,6 +119,13 @@ def write_qwen35_gguf(path, model, tokenizer, interval: int = 2, pre: str = "lla
             continue
         if name.endswith("mlp.experts.down_proj"):  # (E, H, I), as it is
             tensors[names.get_name(name) + ".weight"] = tensor
+            continue
+        if name.endswith("in_proj_qkvz.weight"):  # (Qwen3-Next's: each key head's q, k, v, z -> all q, k, v; z)
+            groups = tensor.reshape(key_heads, -1, c.hidden_size)
+            k, v = c.linear_key_head_dim, value_heads // key_heads * width
+            q_, k_, v_, z_ = (part.reshape(-1, c.hidden_size) for part in groups.split([k, k, v, v], dim=1))
+            stem = name.removesuffix(".linear_attn.in_proj_qkvz.weight").replace("model.layers", "blk")
+            tensors[f"{stem}.attn_qkv.weight"], tensors[f"{stem}.attn_gate.weight"] = torch.cat([q_, k_, v_]), z_
             continue
         if ".linear_attn." in name and per_key > 1:  # (the converter's _LinearAttentionVReorderBase)
             kind = name.split(".linear_attn.")[1]
@@ -123,6 +149,9 @@ def write_qwen35_gguf(path, model, tokenizer, interval: int = 2, pre: str = "lla
         base, dot, suffix = name.rpartition(".")
         gguf_name = names.get_name(base) + dot + suffix if suffix in ("weight", "bias") else names.get_name(name)
         tensors[gguf_name] = tensor
+    if qwen3_next:
+        write_gguf_tensors(writer, tensors)
+        return
     mtp = {"nextn.eh_proj.weight": (c.hidden_size, 2 * c.hidden_size), "nextn.enorm.weight": (c.hidden_size,),
            "attn_norm.weight": (c.hidden_size,), "attn_q.weight": (2 * c.num_attention_heads * c.head_dim, c.hidden_size)}  # fmt: skip
     tensors.update({f"blk.{layers}.{name}": torch.randn(shape) for name, shape in mtp.items()})
@@ -150,6 +179,18 @@ def test_a_qwen35moe_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model
     config = llm.loaded.config
     assert config.model_type == "qwen3_5_moe_text" and config.layer_types == tuple(LAYERS)
     assert (config.moe["num_experts"], config.moe["num_experts_per_tok"]) == (4, 2)
+    assert assert_gives_the_outputs_of(llm, model, bpe_tokenizer, path).kv_layers == 2
+
+
+def test_a_qwen3next_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model(bpe_tokenizer, tmp_path):
+    """Qwen3-Next (``qwen3next``): Qwen3.5-MoE's layers, its DeltaNets' grouped ``in_proj_qkvz`` written by the
+    converter as all heads' q, k, v (``attn_qkv``) and z (``attn_gate``), ``in_proj_ba`` as it is (``ssm_ba``)."""
+    model = tiny_qwen3_next(bpe_tokenizer.get_vocab_size())
+    path = tmp_path / "tiny-qwen3next.gguf"
+    write_qwen35_gguf(path, model, bpe_tokenizer)
+    llm = LLM(str(path), kv_capacity_tokens=1024)
+    config = llm.loaded.config
+    assert config.model_type == "qwen3_next" and config.layer_types == tuple(LAYERS)
     assert assert_gives_the_outputs_of(llm, model, bpe_tokenizer, path).kv_layers == 2
 
 

@@ -9,16 +9,16 @@ into the model under their HF names, so the engine runs the same weights transfo
 Supported: the Llama architecture (``general.architecture = llama``: Llama 2 and 3.x, SmolLM, Mistral without
 sliding windows), SmolLM3, Granite 3, Qwen2, Qwen3, Qwen3-MoE (``qwen3moe``), Qwen2-MoE (``qwen2moe``), Phi-3 and
 Phi-4 (``phi3``), OLMo 2 (``olmo2``), StableLM (``stablelm``), StarCoder2 (``starcoder2``), gpt-oss (``gpt-oss``:
-its experts in MXFP4 or not, dequantized by ``gguf``; its YaRN ramp truncated, as llama.cpp computes it, where the
+its experts in MXFP4 or not, dequantized as the others; its YaRN ramp truncated, as llama.cpp computes it, where the
 HF config says ``truncate: false``), Gemma (``gemma``: Gemma 1, CodeGemma), Gemma 2 and Gemma 3's text models, LFM2
 and LFM2-MoE (``lfm2``, ``lfm2moe``), Mamba, Falcon Mamba (``mamba``, with ``ssm.dt_b_c_rms``), Mamba-2
 (``mamba2``), Granite 4.0-H (``granitehybrid``), Nemotron-H and Nemotron 3 (``nemotron_h``, ``nemotron_h_moe``),
-Falcon-H1 (``falcon-h1``), Jamba (``jamba``) and Qwen3.5's text models (``qwen35``, ``qwen35moe``), with a byte-level BPE
-tokenizer (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern by ``tokenizer.ggml.pre``) or a
-SentencePiece BPE one (``llama``: Llama 2, Mistral 7B, TinyLlama, Phi-3, Gemma). Llama 3.1's rope scaling comes as
-llama.cpp stores it, a tensor of frequency factors (``rope_freqs.weight``); linear and YaRN scaling as
-``rope.scaling.*`` keys; Phi-3.5's and Phi-4 mini's LongRoPE as
-two tensors of factors (``rope_factors_short/long.weight``).
+Falcon-H1 (``falcon-h1``), Jamba (``jamba``), Qwen3.5's text models (``qwen35``, ``qwen35moe``) and Qwen3-Next
+(``qwen3next``), with a byte-level BPE tokenizer (``tokenizer.ggml.model = gpt2``; the pre-tokenizer's split pattern
+by ``tokenizer.ggml.pre``) or a SentencePiece BPE one (``llama``: Llama 2, Mistral 7B, TinyLlama, Phi-3, Gemma).
+Llama 3.1's rope scaling comes as llama.cpp stores it, a tensor of frequency factors (``rope_freqs.weight``); linear
+and YaRN scaling as ``rope.scaling.*`` keys; Phi-3.5's and Phi-4 mini's LongRoPE as two tensors of factors
+(``rope_factors_short/long.weight``).
 
 NOTE: llama.cpp's converter permutes the rows of a Llama (SmolLM3, Granite; Granite 4.0-H's and Nemotron-H's
 attention too, though they do not rotate) model's Q and K projections (its RoPE rotates adjacent pairs, HF's rotates
@@ -242,7 +242,15 @@ ARCH_TENSORS["qwen35moe"] = {
     },
     "blk.{n}.ffn_gate_inp_shexp.weight": "model.layers.{n}.mlp.shared_expert_gate.weight",
 }
-QWEN35_ARCHS = ("qwen35", "qwen35moe")
+# Qwen3-Next's (``qwen3next``: 80B-A3B): the same, but for its DeltaNets' projections, its checkpoints' grouped by key
+# head (each head's q, k, value heads' v, z: ``in_proj_qkvz``; b, a: ``in_proj_ba``). The converter writes q, k and v
+# of all heads as ``attn_qkv`` and z as ``attn_gate`` (joined and grouped back: ``_qwen3next_grouped_qkvz``), b and a
+# as they were (``ssm_ba``), and reorders no value heads
+ARCH_TENSORS["qwen3next"] = {
+    **{k: v for k, v in ARCH_TENSORS["qwen35moe"].items() if ".linear_attn.in_proj" not in v},
+    "blk.{n}.ssm_ba.weight": "model.layers.{n}.linear_attn.in_proj_ba.weight",
+}
+QWEN35_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 # Qwen3.5's tensors whose value heads the converter reorders (``_qwen35_value_heads_grouped``)
 QWEN35_VALUE_HEAD_TENSORS = ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_a", "ssm_dt", "ssm_conv1d",
                              "ssm_out")  # fmt: skip
@@ -256,7 +264,11 @@ JOINED_TENSORS = {
         f"blk.{{n}}.ffn_{part}{suffix}.weight": ("model.layers.{n}.shared_mlp.input_linear.weight", place)
         for place, part in enumerate(("gate", "up"))
         for suffix in ("", "_shexp")
-    }
+    },
+    "qwen3next": {
+        f"blk.{{n}}.attn_{part}.weight": ("model.layers.{n}.linear_attn.in_proj_qkvz.weight", place)
+        for place, part in enumerate(("qkv", "gate"))
+    },
 }
 # Mamba-2's tensors the converter writes in a shape of its own (A and D as (heads, 1); the norm by group): flattened
 MAMBA2_RESHAPED = ("ssm_a", "ssm_d", "ssm_norm.weight")
@@ -448,7 +460,7 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         return GGUFCheckpoint(path, {**_mamba_config(meta, arch, need, names, path), **vocabulary}, meta, reader)
     heads = need("attention.head_count")
     # (a Qwen3-MoE file may have no dense MLP's length: its every MLP is the experts)
-    experts_only = arch in GGUF_MOE or arch in ("gpt-oss", "qwen35moe")
+    experts_only = arch in GGUF_MOE or arch in ("gpt-oss", "qwen35moe", "qwen3next")
     dense_mlp = meta.get(f"{arch}.feed_forward_length") if experts_only else need("feed_forward_length")
     config = {
         "model_type": "gemma3_text" if arch == "gemma3" else arch,
@@ -701,8 +713,8 @@ def _nemotron_h_config(
 
 def _qwen35_config(meta: dict[str, Any], arch: str, config: dict[str, Any], need: Callable[[str], Any], path: Path):
     """Qwen3.5's text model's config (llama.cpp's ``qwen35``; ``qwen35moe``: its experts too, in every layer, with a
-    shared expert, the top weights renormalized as transformers' Qwen3.5-MoE does) as transformers names it: full
-    attention every
+    shared expert, the top weights renormalized as transformers' Qwen3.5-MoE does; ``qwen3next``: Qwen3-Next's, the
+    same layers) as transformers names it: full attention every
     ``full_attention_interval``-th layer, gated DeltaNets elsewhere (their heads by the ``ssm.*`` keys: the key heads
     ``group_count`` of ``state_size``, the value heads ``time_step_rank`` of ``inner_size`` in all). The
     multi-token-prediction blocks the converter appends (``nextn_predict_layers``) are left out, as the engine runs
@@ -720,7 +732,8 @@ def _qwen35_config(meta: dict[str, Any], arch: str, config: dict[str, Any], need
             f"over ssm.group_count {key_heads} key heads do not make Qwen3.5's layers"
         )
     experts = {}
-    if arch == "qwen35moe":
+    # NOTE: experts in every layer (no decoder_sparse_step, mlp_only_layers: the defaults), as llama.cpp builds them
+    if arch in ("qwen35moe", "qwen3next"):
         experts = {
             "num_experts": need("expert_count"),
             "num_experts_per_tok": need("expert_used_count"),
@@ -728,7 +741,7 @@ def _qwen35_config(meta: dict[str, Any], arch: str, config: dict[str, Any], need
             "shared_expert_intermediate_size": need("expert_shared_feed_forward_length"),
         }
     return {
-        "model_type": "qwen3_5_moe_text" if experts else "qwen3_5_text",
+        "model_type": {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}[arch],
         **experts,
         "num_hidden_layers": layers,
         "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)],
@@ -765,6 +778,18 @@ def _qwen35_value_heads_grouped(name: str, weight, config: dict[str, Any]):
     if kind == "ssm_out":
         return grouped(weight, 1, width)
     return grouped(weight, 0, width if kind == "attn_gate" else 1)
+
+
+def _qwen3next_grouped_qkvz(weight, config: dict[str, Any]):
+    """Qwen3-Next's ``in_proj_qkvz`` (rows grouped by key head: its q, its k, its value heads' v, then z) from the
+    converter's ``attn_qkv`` and ``attn_gate`` joined (all heads' q, then k, v, z), as the checkpoint holds it."""
+    import torch
+
+    key_heads, key_width = config["linear_num_key_heads"], config["linear_key_head_dim"]
+    group_values = config["linear_num_value_heads"] // key_heads * config["linear_value_head_dim"]
+    sizes = [key_heads * key_width] * 2 + [key_heads * group_values] * 2
+    parts = [part.reshape(key_heads, -1, weight.shape[-1]) for part in weight.split(sizes)]  # (k heads, rows, H)
+    return torch.cat(parts, dim=1).reshape(weight.shape)
 
 
 def _falcon_h1_config(
@@ -1032,7 +1057,8 @@ def gguf_tensors(checkpoint: GGUFCheckpoint, device: Any = "cpu", *, torch_dequa
             parts = joined.setdefault(name, {})
             parts[place] = weight
             if len(parts) == 2:
-                yield name, torch.cat([parts[0], parts[1]])
+                whole = torch.cat([parts[0], parts[1]])
+                yield name, _qwen3next_grouped_qkvz(whole, config) if arch == "qwen3next" else whole
                 del joined[name]
             continue
         block, _, kind = tensor.name.removesuffix(".weight").rpartition(".")
@@ -1042,7 +1068,7 @@ def gguf_tensors(checkpoint: GGUFCheckpoint, device: Any = "cpu", *, torch_dequa
             continue
         if tensor.name not in patterns:
             raise ConfigError(f"{checkpoint.path}: unexpected GGUF tensor {tensor.name!r} for a {arch} model")
-        if arch in QWEN35_ARCHS:
+        if arch in ("qwen35", "qwen35moe"):
             weight = _qwen35_value_heads_grouped(tensor.name, weight, config)
         if arch in PERMUTED and tensor.name.endswith("attn_q.weight"):
             weight = _unpermute(weight, config["num_attention_heads"])
