@@ -56,7 +56,8 @@ def evaluate(task_dir, model: str, model_args: dict) -> dict[int, list[float]]:
         model=model,
         model_args=model_args,
         tasks=["sloserve_choices"],
-        task_manager=TaskManager(include_path=str(task_dir)),
+        # (include_defaults=False: indexing lm-eval's thousands of own tasks took 10 s a call)
+        task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
         log_samples=True,
         batch_size=4,
     )
