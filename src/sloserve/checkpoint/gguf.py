@@ -1,9 +1,9 @@
 """GGUF checkpoints (llama.cpp's single-file format): ``--model PATH.gguf``.
 
-The ``gguf`` package reads the file: its metadata gives the config, the tokenizer and the chat
-template; its tensors are dequantized to float32 (``gguf.quants.dequantize``: Q4_0, Q4_1, Q8_0,
-K-quants... as llama.cpp defines them; on a GPU the same arithmetic in torch there, ``gguf_dequant``) and copied
-into the model under their HF names, so the engine runs the same weights transformers does when it loads the file
+``gguf_file`` reads the file: its metadata gives the config, the tokenizer and the chat template; its tensors are
+dequantized to float32 (by the ``gguf`` package, ``gguf.quants.dequantize``: Q4_0, Q4_1, Q8_0, K-quants... as
+llama.cpp defines them; on a GPU by the same arithmetic in torch there, ``gguf_dequant``) and copied into the model
+under their HF names, so the engine runs the same weights transformers does when it loads the file
 (``from_pretrained(gguf_file=...)``).
 
 Supported: the Llama architecture (``general.architecture = llama``: Llama 2 and 3.x, SmolLM, Mistral without
@@ -759,6 +759,8 @@ def _qwen35_value_heads_grouped(name: str, weight, config: dict[str, Any]):
     value heads, llama.cpp's converter reorders them from grouped by key head (K0's v0, v1, then K1's) to tiled (K0's
     v0, K1's v0, K0's v1, K1's v1): in the value rows of ``attn_qkv``, the rows of ``attn_gate``, ``ssm_alpha`` and
     ``ssm_beta``, ``ssm_a``, ``ssm_dt``, the value channels of ``ssm_conv1d`` and the columns of ``ssm_out``."""
+    import torch
+
     key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
     kind = name.split(".")[2] if name.startswith("blk.") else None
     if key_heads == value_heads or kind not in QWEN35_VALUE_HEAD_TENSORS:
@@ -772,8 +774,6 @@ def _qwen35_value_heads_grouped(name: str, weight, config: dict[str, Any]):
     width = config["linear_value_head_dim"]
     if kind in ("attn_qkv", "ssm_conv1d"):  # (the queries' and keys' rows or channels first, as they were)
         keys = 2 * key_heads * config["linear_key_head_dim"]
-        import torch
-
         return torch.cat([weight[:keys], grouped(weight[keys:], 0, width)])
     if kind == "ssm_out":
         return grouped(weight, 1, width)
@@ -1014,7 +1014,7 @@ def gguf_tensors(checkpoint: GGUFCheckpoint, device: Any = "cpu", *, torch_dequa
     """(HF name, float32 tensor on ``device``) for each tensor of the file, dequantized, Q and K unpermuted.
     ``torch_dequantizes``: dequantize with torch on ``device`` each tensor whose format it reads
     (``gguf_dequant.DEQUANTIZED``: the bytes go there quantized), gguf-py on the CPU the others; ``None`` (the
-    default): off the CPU only, gguf-py being as fast on it (``gguf_dequant``). Bit-equal either way."""
+    default): off the CPU only, gguf-py being faster on it (``gguf_dequant``). Bit-equal either way."""
     import torch
 
     device = torch.device(device)
