@@ -28,30 +28,30 @@ from sloserve.core.errors import ConfigError  # noqa: E402
 LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
 
+# The tiny models' shape: DeltaNets of 6 value heads of 12 (key heads of 8), gated attention (4 heads of 16, 2 KV heads,
+# a quarter of each rotated); the MoE models' experts: 4 of 32 (2 a token) and a shared expert of 48 in each layer
+SHAPE = dict(
+    hidden_size=64, num_hidden_layers=len(LAYERS), num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=12, layer_types=LAYERS,
+    initializer_range=0.2, max_position_embeddings=4096, bos_token_id=0, eos_token_id=1,
+)  # fmt: skip
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+
 def tiny_qwen35(vocab_size: int, key_heads: int = 2):
-    """A random Qwen3.5 text model: DeltaNets of ``key_heads`` key heads of 8 and 6 value heads of 12 (with 2 key
-    heads, 3 value heads a key head: the converter reorders them, in an order that is not its own inverse), gated
-    attention (4 heads of 16, 2 KV heads, a quarter of each rotated)."""
+    """A random Qwen3.5 text model of ``SHAPE`` whose DeltaNets have ``key_heads`` key heads (with 2, 3 value heads
+    a key head: the converter reorders them, in an order that is not its own inverse)."""
     torch.manual_seed(35 + key_heads)
     config = transformers.Qwen3_5TextConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=len(LAYERS),
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=key_heads,
-        linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=12, layer_types=LAYERS,
-        initializer_range=0.2, max_position_embeddings=4096, bos_token_id=0, eos_token_id=1,
-    )  # fmt: skip
+        vocab_size=vocab_size, intermediate_size=96, linear_num_key_heads=key_heads, **SHAPE
+    )
     return varied_(transformers.Qwen3_5ForCausalLM(config))
 
 
 def tiny_qwen35_moe(vocab_size: int):
-    """``tiny_qwen35``'s layers with 4 experts of 32 (2 a token) and a shared expert of 48 in each, no dense MLP."""
+    """A random Qwen3.5-MoE text model of ``SHAPE`` (2 key heads) with ``EXPERTS``, no dense MLP."""
     torch.manual_seed(36)
-    config = transformers.Qwen3_5MoeTextConfig(
-        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=len(LAYERS), num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
-        linear_value_head_dim=12, layer_types=LAYERS, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48, initializer_range=0.2, max_position_embeddings=4096, bos_token_id=0,
-        eos_token_id=1,
-    )  # fmt: skip
+    config = transformers.Qwen3_5MoeTextConfig(vocab_size=vocab_size, linear_num_key_heads=2, **SHAPE, **EXPERTS)
     return varied_(transformers.Qwen3_5MoeForCausalLM(config))
 
 
@@ -60,12 +60,8 @@ def tiny_qwen3_next(vocab_size: int):
     where a layer is dense (none here: experts in every one, as llama.cpp builds it)."""
     torch.manual_seed(37)
     config = transformers.Qwen3NextConfig(
-        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=len(LAYERS), num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
-        linear_value_head_dim=12, layer_types=LAYERS, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48, intermediate_size=80, initializer_range=0.2, max_position_embeddings=4096,
-        bos_token_id=0, eos_token_id=1,
-    )  # fmt: skip
+        vocab_size=vocab_size, intermediate_size=80, linear_num_key_heads=2, **SHAPE, **EXPERTS
+    )
     return varied_(transformers.Qwen3NextForCausalLM(config))
 
 
