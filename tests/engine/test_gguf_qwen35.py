@@ -8,6 +8,8 @@ tokens and prompt log-probabilities of the model each was written from."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -154,39 +156,29 @@ def write_qwen35_gguf(path, model, tokenizer, interval: int = 2, pre: str = "lla
     write_gguf_tensors(writer, tensors)
 
 
-@pytest.mark.parametrize("key_heads", [2, 6])  # (2: value heads reordered; 6: one a key head, none)
-def test_a_qwen35_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model(bpe_tokenizer, tmp_path, key_heads):
-    model = tiny_qwen35(bpe_tokenizer.get_vocab_size(), key_heads)
-    path = tmp_path / "tiny-qwen35.gguf"
+# Each file of the test below: its tiny model and transformers' model type. Qwen3.5 with 2 key heads (its value heads
+# reordered by the converter) and 6 (one a key head: none); Qwen3.5-MoE, its experts stacked (gate and up apart) beside
+# a shared expert and its gate in every layer; Qwen3-Next, its DeltaNets' grouped ``in_proj_qkvz`` written by the
+# converter as all heads' q, k, v (``attn_qkv``) and z (``attn_gate``), ``in_proj_ba`` as it is (``ssm_ba``)
+MODELS = {
+    "qwen35": (tiny_qwen35, "qwen3_5_text"),
+    "qwen35-a-value-head-a-key-head": (functools.partial(tiny_qwen35, key_heads=6), "qwen3_5_text"),
+    "qwen35moe": (tiny_qwen35_moe, "qwen3_5_moe_text"),
+    "qwen3next": (tiny_qwen3_next, "qwen3_next"),
+}
+
+
+@pytest.mark.parametrize("case", MODELS)
+def test_a_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model(bpe_tokenizer, tmp_path, case):
+    make, model_type = MODELS[case]
+    model = make(bpe_tokenizer.get_vocab_size())
+    path = tmp_path / f"tiny-{case}.gguf"
     write_qwen35_gguf(path, model, bpe_tokenizer)
     llm = LLM(str(path), kv_capacity_tokens=1024)
     config = llm.loaded.config
-    assert config.model_type == "qwen3_5_text" and config.layer_types == tuple(LAYERS)
-    assert assert_gives_the_outputs_of(llm, model, bpe_tokenizer, path).kv_layers == 2
-
-
-def test_a_qwen35moe_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model(bpe_tokenizer, tmp_path):
-    """Qwen3.5-MoE (``qwen35moe``): the layers of Qwen3.5's file, experts stacked (gate and up apart) beside a shared
-    expert and its gate in every one."""
-    model = tiny_qwen35_moe(bpe_tokenizer.get_vocab_size())
-    path = tmp_path / "tiny-qwen35moe.gguf"
-    write_qwen35_gguf(path, model, bpe_tokenizer)
-    llm = LLM(str(path), kv_capacity_tokens=1024)
-    config = llm.loaded.config
-    assert config.model_type == "qwen3_5_moe_text" and config.layer_types == tuple(LAYERS)
-    assert (config.moe["num_experts"], config.moe["num_experts_per_tok"]) == (4, 2)
-    assert assert_gives_the_outputs_of(llm, model, bpe_tokenizer, path).kv_layers == 2
-
-
-def test_a_qwen3next_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model(bpe_tokenizer, tmp_path):
-    """Qwen3-Next (``qwen3next``): Qwen3.5-MoE's layers, its DeltaNets' grouped ``in_proj_qkvz`` written by the
-    converter as all heads' q, k, v (``attn_qkv``) and z (``attn_gate``), ``in_proj_ba`` as it is (``ssm_ba``)."""
-    model = tiny_qwen3_next(bpe_tokenizer.get_vocab_size())
-    path = tmp_path / "tiny-qwen3next.gguf"
-    write_qwen35_gguf(path, model, bpe_tokenizer)
-    llm = LLM(str(path), kv_capacity_tokens=1024)
-    config = llm.loaded.config
-    assert config.model_type == "qwen3_next" and config.layer_types == tuple(LAYERS)
+    assert config.model_type == model_type and config.layer_types == tuple(LAYERS)
+    if model_type != "qwen3_5_text":
+        assert (config.moe["num_experts"], config.moe["num_experts_per_tok"]) == (4, 2)
     assert assert_gives_the_outputs_of(llm, model, bpe_tokenizer, path).kv_layers == 2
 
 
