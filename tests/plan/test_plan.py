@@ -206,8 +206,9 @@ def test_a_plan_without_an_slo_is_refused_and_a_request_logs_slos_are_one(tmp_pa
     log.write_text("".join(json.dumps({"arrival_s": i / 4, "prompt_tokens": 100 + i, "output_tokens": 50,
                                        "slo_ttft_s": 0.5 if i % 2 else None, "slo_tpot_s": None}) + "\n"
                            for i in range(100)))  # fmt: skip
+    # (--workers 1: no local Ray, which a test outside the ray group must not start: tests/conftest.py)
     proc = _cli("plan", "--trace", str(log), "--qps", "3", "--gpus", "a100", "--tp", "1", "--schedulers", "vllm",
-                "--num-requests", "100", "--out", str(tmp_path / "p"))  # fmt: skip
+                "--num-requests", "100", "--workers", "1", "--out", str(tmp_path / "p"))  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     answer = json.loads((tmp_path / "p" / "plan.json").read_text())
     assert answer["answer"]["verified"]["met"] and answer["answer"]["verified"]["attainment"] >= 0.9
