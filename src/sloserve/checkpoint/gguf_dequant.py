@@ -16,6 +16,7 @@ On the CPU the engine keeps gguf-py: this port ran at 0.34-0.97x its speed there
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -175,22 +176,18 @@ def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:  # (n, 17) -> (n, 32): gpt-oss
     return d * q.float()
 
 
-def _f16_weights(blocks: torch.Tensor) -> torch.Tensor:  # (n, 2) -> (n, 1)
-    return _f16(blocks)
-
-
 def _bf16_weights(blocks: torch.Tensor) -> torch.Tensor:  # (n, 2) -> (n, 1)
     return _as(blocks, torch.bfloat16).float()
 
 
 def _f32_weights(blocks: torch.Tensor) -> torch.Tensor:  # (n, 4) -> (n, 1)
-    return _as(blocks, torch.float32).clone()
+    return _as(blocks, torch.float32)
 
 
 # ggml's type id (gguf.GGMLQuantizationType) -> (weights a block, bytes a block, the block's dequantization)
 DEQUANTIZED: dict[int, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
     0: (1, 4, _f32_weights),  # F32
-    1: (1, 2, _f16_weights),  # F16
+    1: (1, 2, _f16),  # F16
     30: (1, 2, _bf16_weights),  # BF16
     2: (32, 18, _q4_0),
     3: (32, 20, _q4_1),
@@ -210,9 +207,7 @@ def dequantize(raw: torch.Tensor, type_id: int, shape: tuple[int, ...]) -> torch
     """float32 weights of ``shape`` (numpy's order, the last dimension ggml's rows) from a tensor's bytes ``raw``
     (uint8, any shape, on the device to dequantize on), of ggml type ``type_id`` (one of ``DEQUANTIZED``)."""
     block_weights, block_bytes, blocks_to_weights = DEQUANTIZED[type_id]
-    count = 1
-    for size in shape:
-        count *= size
+    count = math.prod(shape)
     if count % block_weights or raw.numel() != count // block_weights * block_bytes:
         raise ValueError(f"{raw.numel():,} bytes are not {shape} weights of ggml type {type_id}")
     blocks = raw.reshape(-1, block_bytes)  # (n, block_bytes)
