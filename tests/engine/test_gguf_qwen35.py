@@ -74,7 +74,9 @@ def tiled(tensor: torch.Tensor, dim: int, key_heads: int, per_key: int, width: i
     return tensor.transpose(dim, dim + 1).reshape(shape)
 
 
-def write_qwen35_gguf(path, model, tokenizer, interval: int = 2, pre: str = "llama-bpe") -> None:
+def write_qwen35_gguf(
+    path, model, tokenizer, interval: int = 2, pre: str = "llama-bpe", fused_experts: bool = False
+) -> None:
     """``model`` as llama.cpp's Qwen3.5 converter writes it, with one multi-token-prediction block after its layers
     (random tensors under the converter's names, which the engine must leave out)."""
     c = model.config
@@ -109,6 +111,9 @@ def write_qwen35_gguf(path, model, tokenizer, interval: int = 2, pre: str = "lla
     tensors = {}
     for name, tensor in model.state_dict().items():
         tensor = tensor.float().clone()
+        if name.endswith("mlp.experts.gate_up_proj") and fused_experts:  # (E, 2 I, H) as it is: ffn_gate_up_exps
+            tensors[names.get_name(name) + ".weight"] = tensor
+            continue
         if name.endswith("mlp.experts.gate_up_proj"):  # (E, 2 I, H): the converter's gate (E, I, H), then up
             stem = name.removesuffix(".gate_up_proj")
             gate, up = tensor.chunk(2, dim=1)
@@ -157,13 +162,15 @@ def write_qwen35_gguf(path, model, tokenizer, interval: int = 2, pre: str = "lla
 
 
 # Each file of the test below: its tiny model and transformers' model type. Qwen3.5 with 2 key heads (its value heads
-# reordered by the converter) and 6 (one a key head: none); Qwen3.5-MoE, its experts stacked (gate and up apart) beside
-# a shared expert and its gate in every layer; Qwen3-Next, its DeltaNets' grouped ``in_proj_qkvz`` written by the
-# converter as all heads' q, k, v (``attn_qkv``) and z (``attn_gate``), ``in_proj_ba`` as it is (``ssm_ba``)
+# reordered by the converter) and 6 (one a key head: none); Qwen3.5-MoE, its experts stacked (gate and up apart, or
+# as one: ``ffn_gate_up_exps``) beside a shared expert and its gate in every layer; Qwen3-Next, its DeltaNets'
+# grouped ``in_proj_qkvz`` written by the converter as all heads' q, k, v (``attn_qkv``) and z (``attn_gate``),
+# ``in_proj_ba`` as it is (``ssm_ba``)
 MODELS = {
     "qwen35": (tiny_qwen35, "qwen3_5_text"),
     "qwen35-a-value-head-a-key-head": (functools.partial(tiny_qwen35, key_heads=6), "qwen3_5_text"),
     "qwen35moe": (tiny_qwen35_moe, "qwen3_5_moe_text"),
+    "qwen35moe-gate-up-fused": (tiny_qwen35_moe, "qwen3_5_moe_text"),
     "qwen3next": (tiny_qwen3_next, "qwen3_next"),
 }
 
@@ -173,7 +180,7 @@ def test_a_gguf_file_gives_the_greedy_tokens_and_logprobs_of_its_model(bpe_token
     make, model_type = MODELS[case]
     model = make(bpe_tokenizer.get_vocab_size())
     path = tmp_path / f"tiny-{case}.gguf"
-    write_qwen35_gguf(path, model, bpe_tokenizer)
+    write_qwen35_gguf(path, model, bpe_tokenizer, fused_experts=case.endswith("-fused"))
     llm = LLM(str(path), kv_capacity_tokens=1024)
     config = llm.loaded.config
     assert config.model_type == model_type and config.layer_types == tuple(LAYERS)

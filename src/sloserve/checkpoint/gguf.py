@@ -286,6 +286,9 @@ GGUF_MOE = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 # A mixture of experts' stacked tensors ((E, I, H) gate and up, (E, H, I) down), by the per-expert
 # tensors of an HF checkpoint they split into (``mlp.experts.{e}.gate_proj.weight``...)
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# ... or gate and up as one (E, 2 I, H), the gate's rows first (as llama.cpp's SwiGLU halves it; Qwen3.5-MoE's and
+# Qwen3-Next's files may hold them so, as their checkpoints' gate_up_proj)
+FUSED_EXPERTS = "ffn_gate_up_exps"
 # The architectures whose Q and K rows llama.cpp's converter permutes (its Llama converter's)
 PERMUTED = ("llama", "smollm3", "granite", "granitehybrid", "nemotron_h", "nemotron_h_moe")
 # SmolLM3's layers without a rotary embedding: every fourth, as llama.cpp's code has it (the file does not say)
@@ -1062,9 +1065,12 @@ def gguf_tensors(checkpoint: GGUFCheckpoint, device: Any = "cpu", *, torch_dequa
                 del joined[name]
             continue
         block, _, kind = tensor.name.removesuffix(".weight").rpartition(".")
-        if kind in EXPERT_TENSORS and num_experts and block.startswith("blk."):
+        if kind in (*EXPERT_TENSORS, FUSED_EXPERTS) and num_experts and block.startswith("blk."):
             prefix = f"model.layers.{block.removeprefix('blk.')}.mlp.experts"  # (weight: (E, rows, cols))
-            yield from ((f"{prefix}.{e}.{EXPERT_TENSORS[kind]}.weight", weight[e]) for e in range(weight.shape[0]))
+            parts = dict(zip(("gate_proj", "up_proj"), weight.chunk(2, dim=1))) if kind == FUSED_EXPERTS else None
+            for e in range(weight.shape[0]):
+                for part, stacked in (parts or {EXPERT_TENSORS[kind]: weight}).items():
+                    yield f"{prefix}.{e}.{part}.weight", stacked[e]
             continue
         if tensor.name not in patterns:
             raise ConfigError(f"{checkpoint.path}: unexpected GGUF tensor {tensor.name!r} for a {arch} model")
