@@ -783,16 +783,20 @@ def _qwen35_value_heads_grouped(name: str, weight, config: dict[str, Any]):
     return grouped(weight, 0, width if kind == "attn_gate" else 1)
 
 
-def _qwen3next_grouped_qkvz(weight, config: dict[str, Any]):
+def _qwen3next_grouped_qkvz(qkv, z, config: dict[str, Any]):
     """Qwen3-Next's ``in_proj_qkvz`` (rows grouped by key head: its q, its k, its value heads' v, then z) from the
-    converter's ``attn_qkv`` and ``attn_gate`` joined (all heads' q, then k, v, z), as the checkpoint holds it."""
+    converter's ``attn_qkv`` (all heads' q, then k, v) and ``attn_gate`` (z), as the checkpoint holds it."""
     import torch
 
     key_heads, key_width = config["linear_num_key_heads"], config["linear_key_head_dim"]
     group_values = config["linear_num_value_heads"] // key_heads * config["linear_value_head_dim"]
-    sizes = [key_heads * key_width] * 2 + [key_heads * group_values] * 2
-    parts = [part.reshape(key_heads, -1, weight.shape[-1]) for part in weight.split(sizes)]  # (k heads, rows, H)
-    return torch.cat(parts, dim=1).reshape(weight.shape)
+    q, k, v = qkv.split([key_heads * key_width] * 2 + [key_heads * group_values])
+    parts = [part.reshape(key_heads, -1, qkv.shape[-1]) for part in (q, k, v, z)]  # (k heads, rows, H)
+    return torch.cat(parts, dim=1).reshape(-1, qkv.shape[-1])
+
+
+# How a joined tensor's two parts make the checkpoint's (``JOINED_TENSORS``; else the first's rows, then the second's)
+JOINS = {"qwen3next": _qwen3next_grouped_qkvz}
 
 
 def _falcon_h1_config(
@@ -1055,22 +1059,24 @@ def gguf_tensors(checkpoint: GGUFCheckpoint, device: Any = "cpu", *, torch_dequa
             if len(parts) == len(GPT_OSS_EXPERT_PARTS):  # NOTE: a layer's experts yielded whole, then let go
                 yield from _gpt_oss_experts(n, gpt_oss_experts.pop(n))
             continue
-        if tensor.name in joins:  # NOTE: a tensor yielded once its parts are all read (two: a gate's and an up's)
+        if tensor.name in joins:  # NOTE: yielded once its two parts are read (gate and up; Qwen3-Next's qkv, z)
             name, place = joins[tensor.name]
             parts = joined.setdefault(name, {})
             parts[place] = weight
             if len(parts) == 2:
-                whole = torch.cat([parts[0], parts[1]])
-                yield name, _qwen3next_grouped_qkvz(whole, config) if arch == "qwen3next" else whole
+                first, second = parts[0], parts[1]
+                yield name, JOINS[arch](first, second, config) if arch in JOINS else torch.cat([first, second])
                 del joined[name]
             continue
         block, _, kind = tensor.name.removesuffix(".weight").rpartition(".")
         if kind in (*EXPERT_TENSORS, FUSED_EXPERTS) and num_experts and block.startswith("blk."):
             prefix = f"model.layers.{block.removeprefix('blk.')}.mlp.experts"  # (weight: (E, rows, cols))
-            parts = dict(zip(("gate_proj", "up_proj"), weight.chunk(2, dim=1))) if kind == FUSED_EXPERTS else None
+            if kind == FUSED_EXPERTS:
+                stacked = dict(zip(("gate_proj", "up_proj"), weight.chunk(2, dim=1)))
+            else:
+                stacked = {EXPERT_TENSORS[kind]: weight}
             for e in range(weight.shape[0]):
-                for part, stacked in (parts or {EXPERT_TENSORS[kind]: weight}).items():
-                    yield f"{prefix}.{e}.{part}.weight", stacked[e]
+                yield from ((f"{prefix}.{e}.{part}.weight", experts[e]) for part, experts in stacked.items())
             continue
         if tensor.name not in patterns:
             raise ConfigError(f"{checkpoint.path}: unexpected GGUF tensor {tensor.name!r} for a {arch} model")
