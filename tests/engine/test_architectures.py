@@ -94,7 +94,8 @@ def test_granite_4s_config_as_the_hub_says_it():
     its MLP the shared one's size; NoPE where position_embedding_type is null. The 4.0-H models' "mamba" layers
     (transformers 5's "linear_attention"; a config without layer_types: all of them, transformers' default) with
     their mixers' settings; another layer type or position embedding refused by name."""
-    from sloserve.checkpoint.config import MAMBA, from_hf_config
+    from sloserve.checkpoint.config import from_hf_config
+    from sloserve.checkpoint.model_config import MAMBA
 
     raw = {**hf_cached("granitemoehybrid").config.to_dict(), "layer_types": ["attention", "attention"]}
     micro = from_hf_config(raw)
@@ -369,7 +370,8 @@ def test_hunyuans_ntk_alpha_as_the_hub_and_transformers_write_it(hf_dirs):
 def test_granite_swas_layers_rope_bases_and_window_as_its_config_says():
     """Granite SWA: each layer's rope base from ``layer_rope_theta`` (0: no rope), transformers' pattern where the
     config has no layer types (full attention where i % 4 == 0), a sink a head; two rope bases refused by name."""
-    from sloserve.checkpoint.config import SLIDING, from_hf_config
+    from sloserve.checkpoint.config import from_hf_config
+    from sloserve.checkpoint.model_config import SLIDING
 
     raw = hf_cached("granite_swa").config.to_dict()
     config = from_hf_config(raw)
@@ -577,7 +579,8 @@ def test_llama_4s_layers_and_experts_as_its_configs_say():
     transformers' parameters. What the Hub's configs write: no_rope_layers [] (transformers' pattern) and
     attn_temperature_tuning 4 (true); a null chunk size (no chunked layer), experts at moe_layers; bad ones refused by
     name."""
-    from sloserve.checkpoint.config import CHUNKED, from_hf_config
+    from sloserve.checkpoint.config import from_hf_config
+    from sloserve.checkpoint.model_config import CHUNKED
 
     def count(config) -> int:
         with torch.device("meta"):
@@ -644,7 +647,8 @@ def test_a_config_without_a_setting_reads_transformers_default_of_it(key):
     (DeepSeek-V2's without a top k, GLM-4.5's of an odd rotated width)."""
     from transformers import CONFIG_MAPPING
 
-    from sloserve.checkpoint.config import ARCHITECTURES, from_hf_config
+    from sloserve.checkpoint.config import from_hf_config
+    from sloserve.checkpoint.model_types import ARCHITECTURES
 
     unread = {"deepseek_v2", "glm4_moe"}
     wrong, checked = {}, 0

@@ -26,7 +26,8 @@ from hf_models import (  # noqa: E402
 )
 from sloserve import LLM  # noqa: E402
 from sloserve.checkpoint import model_spec  # noqa: E402
-from sloserve.checkpoint.config import LINEAR_ATTENTION, from_hf_config  # noqa: E402
+from sloserve.checkpoint.config import from_hf_config  # noqa: E402
+from sloserve.checkpoint.model_config import LINEAR_ATTENTION  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.engine.models import gated_delta_net, qwen3_next  # noqa: E402
 from sloserve.engine.models.gated_delta_net import GatedDeltaNet, chunked_delta_rule, delta_rule_step  # noqa: E402

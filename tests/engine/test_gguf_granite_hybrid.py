@@ -24,7 +24,7 @@ from gguf_files import (  # noqa: E402
 )
 
 from sloserve import LLM  # noqa: E402
-from sloserve.checkpoint.config import MAMBA  # noqa: E402
+from sloserve.checkpoint.model_config import MAMBA  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 
 LAYER_TYPES = ["mamba", "attention", "mamba", "mamba"]

@@ -16,7 +16,7 @@ gguf = pytest.importorskip("gguf")
 from gguf_files import add_bpe_tokenizer, assert_gives_the_outputs_of, varied_, write_gguf_tensors  # noqa: E402
 
 from sloserve import LLM  # noqa: E402
-from sloserve.checkpoint.config import MAMBA  # noqa: E402
+from sloserve.checkpoint.model_config import MAMBA  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 
 # transformers' names of a layer's tensors -> llama.cpp's (the experts': stacked, below)

@@ -24,7 +24,7 @@ from gguf_files import (  # noqa: E402
 )
 
 from sloserve import LLM  # noqa: E402
-from sloserve.checkpoint.config import UNNAMED_CONTEXT_TOKENS  # noqa: E402
+from sloserve.checkpoint.model_types import UNNAMED_CONTEXT_TOKENS  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 
 ARCHS = ("mamba", "falcon_mamba", "mamba2")

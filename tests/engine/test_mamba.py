@@ -93,7 +93,7 @@ def test_nemotron_hs_blocks_as_the_hub_and_transformers_5_name_them(hf_dirs, tmp
     """The Hub's ``hybrid_override_pattern`` (M: Mamba, *: attention, -: MLP) and ``mamba_*`` names read as
     transformers 5's list and names; transformers' parameter count; one block of five with a KV cache; Nemotron 3's
     experts (E) and an unknown letter refused by name; a pattern without attention of no KV cache."""
-    from sloserve.checkpoint.config import MAMBA, MLP_LAYER
+    from sloserve.checkpoint.model_config import MAMBA, MLP_LAYER
 
     raw = hf_cached("nemotron_h").config.to_dict()
     listed = from_hf_config(raw)

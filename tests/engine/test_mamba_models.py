@@ -16,7 +16,9 @@ transformers = pytest.importorskip("transformers")
 from hf_models import hf_cached, hf_greedy  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.checkpoint import model_spec  # noqa: E402
-from sloserve.checkpoint.config import MAMBA, UNNAMED_CONTEXT_TOKENS, from_hf_config  # noqa: E402
+from sloserve.checkpoint.config import from_hf_config  # noqa: E402
+from sloserve.checkpoint.model_config import MAMBA  # noqa: E402
+from sloserve.checkpoint.model_types import UNNAMED_CONTEXT_TOKENS  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.engine import llm_engine  # noqa: E402
 from sloserve.engine.state_cache import StateCache  # noqa: E402

@@ -13,7 +13,8 @@ transformers = pytest.importorskip("transformers")
 from hf_models import MAX_TOKENS, PROMPTS, greedy_by_full_forwards, greedy_tokens, hf_cached, reference  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.checkpoint import model_spec  # noqa: E402
-from sloserve.checkpoint.config import SHORT_CONV, from_hf_config  # noqa: E402
+from sloserve.checkpoint.config import from_hf_config  # noqa: E402
+from sloserve.checkpoint.model_config import SHORT_CONV  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.engine.models.short_conv import ShortConv  # noqa: E402
 from sloserve.engine.state_cache import StateCache  # noqa: E402
@@ -275,7 +276,7 @@ def test_lfm3s_config_shape_and_rope_as_transformers(hf_dirs, tmp_path):
     tokens without them; transformers' layer pattern where the config has none; an unknown layer type refused."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from sloserve.checkpoint.config import SLIDING
+    from sloserve.checkpoint.model_config import SLIDING
     from sloserve.engine.models.llama import rope_inv_freq
 
     hf = hf_cached("lfm3")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from sloserve.checkpoint.config import ModelConfig
+from sloserve.checkpoint.model_config import ModelConfig
 from sloserve.core.outputs import BlockCopy, SlotCopy
 from sloserve.engine.async_scheduling import to_device
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sloserve.checkpoint.config import ModelConfig
+from sloserve.checkpoint.model_config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.core.prefix import TokenPrompt
 from sloserve.core.request import Request

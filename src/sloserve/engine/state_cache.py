@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sloserve.checkpoint.config import ModelConfig
+from sloserve.checkpoint.model_config import ModelConfig
 from sloserve.core.request import Request
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sloserve.checkpoint.config import ModelConfig
+from sloserve.checkpoint.model_config import ModelConfig
 from sloserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from sloserve.engine.models.nemotron import UpDownMLP
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sloserve.checkpoint.config import ModelConfig
+from sloserve.checkpoint.model_config import ModelConfig
 from sloserve.engine.attention import AttentionBackend, PrefillSeq, attend, causal_mask, gather_kv
 from sloserve.engine.models.llama import (
     LlamaDecoderLayer,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from sloserve.checkpoint.config import ModelConfig
+from sloserve.checkpoint.model_config import ModelConfig
 
 # The checkpoint's names of the modules the engine names as Llama's
 CHECKPOINT_NAMES = {

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sloserve.checkpoint.config import ModelConfig
+from sloserve.checkpoint.model_config import ModelConfig
 from sloserve.engine.models.llama import MergedLinear, MergedParts
 from sloserve.engine.models.mamba2 import SCAN_NUMBERS, GatedRMSNorm
 from sloserve.engine.models.short_conv import causal_conv

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sloserve.checkpoint.config import ModelConfig
+from sloserve.checkpoint.model_config import ModelConfig
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
 from sloserve.engine.models.llama import (
     AddAndNorm,

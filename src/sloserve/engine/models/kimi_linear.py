@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sloserve.checkpoint.config import ModelConfig
+from sloserve.checkpoint.model_config import ModelConfig
 from sloserve.engine.attention import AttentionBackend
 from sloserve.engine.models.deepseek_v2 import DeepseekV2DecoderLayer
 from sloserve.engine.models.deepseek_v2 import checkpoint_tensor as deepseek_tensor

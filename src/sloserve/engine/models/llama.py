@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sloserve.checkpoint.config import UNGATED_SHARED_EXPERTS, ModelConfig
+from sloserve.checkpoint.model_config import ModelConfig
+from sloserve.checkpoint.model_types import UNGATED_SHARED_EXPERTS
 from sloserve.core.errors import ConfigError
 from sloserve.engine import fused_ops
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata

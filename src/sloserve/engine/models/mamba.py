@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from sloserve.checkpoint.config import ModelConfig
+from sloserve.checkpoint.model_config import ModelConfig
 from sloserve.engine.attention import AttentionBackend
 from sloserve.engine.models.llama import LlamaForCausalLM, LlamaModel, RMSNorm
 from sloserve.engine.models.nemotron_h import NemotronHBlock

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sloserve.checkpoint.config import BIASED_ROUTINGS, ModelConfig
+from sloserve.checkpoint.model_config import ModelConfig
+from sloserve.checkpoint.model_types import BIASED_ROUTINGS
 from sloserve.engine import fused_ops
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sloserve.checkpoint.config import ModelConfig
+from sloserve.checkpoint.model_config import ModelConfig
 from sloserve.engine.attention import AttentionBackend
 from sloserve.engine.models.llama import AddAndNorm, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, Rotary
 from sloserve.engine.models.llama4 import Llama4Attention, unweighted_rms_norm

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sloserve.checkpoint.config import MAMBA, MLP_LAYER, MOE_LAYER, ModelConfig
+from sloserve.checkpoint.model_config import MAMBA, MLP_LAYER, MOE_LAYER, ModelConfig
 from sloserve.engine.attention import AttentionBackend
 from sloserve.engine.models.gpt2 import ACTIVATIONS
 from sloserve.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel, RMSNorm, mamba_mixer

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sloserve.checkpoint.config import OPT_POSITION_OFFSET as POSITION_OFFSET
-from sloserve.checkpoint.config import ModelConfig
+from sloserve.checkpoint.model_config import ModelConfig
+from sloserve.checkpoint.model_types import OPT_POSITION_OFFSET as POSITION_OFFSET
 from sloserve.engine.attention import AttentionBackend, AttentionMetadata
 from sloserve.engine.kv_cache import layer_caches
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sloserve.checkpoint.config import ModelConfig
+from sloserve.checkpoint.model_config import ModelConfig
 from sloserve.engine.attention import AttentionBackend
 from sloserve.engine.models.gated_delta_net import GatedDeltaNet
 from sloserve.engine.models.gemma3 import GemmaRMSNorm

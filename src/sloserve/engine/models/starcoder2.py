@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from sloserve.checkpoint.config import ModelConfig
+from sloserve.checkpoint.model_config import ModelConfig
 from sloserve.engine.models.gpt2 import GPT2MLP
 from sloserve.engine.models.llama import LayerNorm, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
