@@ -296,7 +296,8 @@ def assert_the_same_tensors_either_way(path: Path, device: str, monkeypatch) -> 
     """The loader's tensors of the file at ``path`` dequantized by torch on ``device`` (each of them: counted)
     and by gguf-py: the same names, the same bits. Returns how many."""
     from sloserve.checkpoint import gguf_dequant
-    from sloserve.checkpoint.gguf import gguf_tensors, read_gguf
+    from sloserve.checkpoint.gguf import read_gguf
+    from sloserve.checkpoint.gguf_tensors import gguf_tensors
 
     checkpoint = read_gguf(path)
     by_gguf_py = dict(gguf_tensors(checkpoint, "cpu", torch_dequantizes=False))

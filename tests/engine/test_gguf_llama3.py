@@ -19,7 +19,8 @@ gguf = pytest.importorskip("gguf")
 from gguf_files import SPECIAL, TEXTS, USER_DEFINED, llama3_tokenizer, tiny_llama, write_gguf  # noqa: E402
 
 from sloserve import LLM, SamplingParams  # noqa: E402
-from sloserve.checkpoint.gguf import PRE_TOKENIZER_SPLITS, read_gguf  # noqa: E402
+from sloserve.checkpoint.gguf import read_gguf  # noqa: E402
+from sloserve.checkpoint.gguf_tokenizer import PRE_TOKENIZER_SPLITS  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 
 ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -158,7 +159,8 @@ def test_a_piece_in_the_vocabulary_is_one_token_after_llama_3s_split(pre, whole)
     reference: the tokenizers library's BPE told the same, on the same vocabulary."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from sloserve.checkpoint.gguf import GGUFCheckpoint, gguf_tokenizer
+    from sloserve.checkpoint.gguf import GGUFCheckpoint
+    from sloserve.checkpoint.gguf_tokenizer import gguf_tokenizer
 
     tokens = [*pre_tokenizers.ByteLevel.alphabet(), "ab", "abc"]  # "abc": in the vocabulary, no merge reaches it
     metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,

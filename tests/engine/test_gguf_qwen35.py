@@ -202,7 +202,7 @@ def test_qwen35s_pre_tokenizer_keeps_a_words_combining_marks_with_it(tmp_path):
     learned across them would not apply."""
     from gguf_files import CORPUS, llama3_tokenizer
 
-    from sloserve.checkpoint.gguf import QWEN35_SPLIT, QWEN_SPLIT
+    from sloserve.checkpoint.gguf_tokenizer import QWEN35_SPLIT, QWEN_SPLIT
 
     text = "the cafe\u0301 of re\u0301sume\u0301s"
     tokenizer = llama3_tokenizer(QWEN35_SPLIT, [*CORPUS, *[text] * 30])

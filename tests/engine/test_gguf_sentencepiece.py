@@ -18,7 +18,7 @@ import gguf_files  # noqa: E402
 from gguf_files import tiny_llama, write_gguf  # noqa: E402
 
 from sloserve import LLM, SamplingParams  # noqa: E402
-from sloserve.checkpoint.gguf import merges_from_scores  # noqa: E402
+from sloserve.checkpoint.gguf_tokenizer import merges_from_scores  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 
 CORPUS = [

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from sloserve.checkpoint.config import RANDOM_PREFIX, from_hf_config, load_hf_config, random_config
-from sloserve.checkpoint.gguf import gguf_tensors, is_gguf, read_gguf
+from sloserve.checkpoint.gguf import is_gguf, read_gguf
+from sloserve.checkpoint.gguf_tensors import gguf_tensors
 from sloserve.checkpoint.model_config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention_selector import BACKENDS, triton_available

@@ -121,7 +121,8 @@ def load_tokenizer_file(path: Path) -> HFTokenizer:
 def load_tokenizer(model_dir: Path) -> HFTokenizer | None:
     """The directory's tokenizer, or None when it has no tokenizer.json (prompts must be token ids);
     for a ``.gguf`` file, the tokenizer in its metadata."""
-    from sloserve.checkpoint.gguf import gguf_tokenizer, is_gguf, read_gguf
+    from sloserve.checkpoint.gguf import is_gguf, read_gguf
+    from sloserve.checkpoint.gguf_tokenizer import gguf_tokenizer
 
     if is_gguf(str(model_dir)):
         checkpoint = read_gguf(model_dir)
