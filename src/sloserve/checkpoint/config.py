@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from sloserve.checkpoint.family_configs import (
     mamba_config,
     mpt_config,
     nemotron_h_config,
+    opt_config,
 )
 from sloserve.checkpoint.generation_config import generation_eos_ids
 from sloserve.checkpoint.layer_types import (
@@ -76,6 +78,7 @@ from sloserve.checkpoint.model_types import (
     QKV_BIASED,
     QWEN3_NEXT_TYPES,
     RMS_NORM_EPS_DEFAULTS,
+    ROTARY_INTERLEAVED,
     SETTING_NAMES,
     SLIDING_PATTERNS,
     TEXT_MODEL_TYPES,
@@ -165,46 +168,14 @@ def _fp8_weight_block(quantization: Any, model_type: str, name: str) -> tuple[in
 
 
 def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
-    """``from_hf_config``'s reading of a supported, unquantized-as-held ``raw`` of ``model_type``."""
-
-    def need(key: str) -> Any:
-        if key not in raw:  # (under the config's own name where it has one: BLOOM's n_head)
-            theirs = [t for t, ours in SETTING_NAMES.get(model_type, {}).items() if ours == key]
-            raise ConfigError(f"{name}: config.json has no {theirs[0] if theirs else key!r}")
-        return raw[key]
-
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    heads = need("num_attention_heads")
-    hidden = need("hidden_size")
-    common = dict(
-        model_type=model_type,
-        vocab_size=need("vocab_size"),
-        hidden_size=hidden,
-        num_hidden_layers=need("num_hidden_layers"),
-        num_attention_heads=heads,
-        max_position_embeddings=need("max_position_embeddings"),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type == "opt")),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-        torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-        name=name,
-    )
+    """``from_hf_config``'s reading of a supported, unquantized-as-held ``raw`` of ``model_type``: the settings
+    every config names, then a family's own reader (``family_configs``) or Llama's outline: what it refuses
+    (``_refuse_unsupported``), its rotary embedding (``_rotary``), its layers (``_layers``) and the fields
+    only some families set (``_family_fields``)."""
+    need = _needing(raw, model_type, name)
+    common = _common_settings(raw, model_type, name, need)
     if model_type == "opt":
-        if raw.get("activation_function", "relu") not in ("relu", "gelu"):
-            raise ConfigError(f"{name}: OPT activation {raw.get('activation_function')!r} is not supported")
-        return ModelConfig(
-            **common,
-            intermediate_size=need("ffn_dim"),
-            num_key_value_heads=heads,
-            head_dim=hidden // heads,
-            norm_eps=1e-5,
-            hidden_act=raw.get("activation_function", "relu"),
-            word_embed_proj_dim=raw.get("word_embed_proj_dim", hidden),
-            do_layer_norm_before=bool(raw.get("do_layer_norm_before", True)),
-            enable_bias=bool(raw.get("enable_bias", True)),
-            extra={"remove_final_layer_norm": bool(raw.get("_remove_final_layer_norm", False))},
-        )
+        return opt_config(raw, common, name, need)
     if model_type in ("gemma3_text", "gemma2", "vaultgemma"):
         return gemma3_config(raw, common, name, need)
     if model_type == "gpt_neox":
@@ -221,6 +192,112 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         return nemotron_h_config(raw, common, name, need)
     if model_type in MAMBA_TYPES:
         return mamba_config(raw, common, name)
+    _refuse_unsupported(raw, model_type, name)
+    head_dim = raw.get("head_dim") or common["hidden_size"] // common["num_attention_heads"]
+    rotary = _rotary(raw, model_type, head_dim, name)
+    layers = _layers(raw, model_type, common, rotary, need, name)
+    return ModelConfig(
+        **common,
+        intermediate_size=layers.intermediate_size,
+        num_key_value_heads=raw.get("num_key_value_heads") or common["num_attention_heads"],
+        head_dim=head_dim,
+        norm_eps=float(_norm_eps(raw, model_type)),
+        hidden_act=_activation(raw, model_type, name),
+        rope_theta=rotary.theta if layers.rope_theta is None else layers.rope_theta,
+        rope_scaling=rotary.scaling,
+        rope_local_theta=rotary.local_theta,
+        partial_rotary_dim=rotary.rotary_dim if rotary.rotary_dim != head_dim else None,
+        rotary_interleaved=model_type in ROTARY_INTERLEAVED,
+        llama4_scaling_beta=read_llama4_scaling_beta(model_type, rotary.scaling, rotary.settings, name),
+        **_biases(raw, model_type),
+        lm_head_bias=model_type == "phi" or (model_type == "phimoe" and bool(raw.get("lm_head_bias", False))),
+        attention_sinks=model_type in ("gpt_oss", "granite_swa", "granitemoe_swa"),
+        qk_norm=model_type in (*QK_NORMED, *QWEN3_NEXT_TYPES)
+        or (model_type in ("glm4_moe", "sarvam_moe") and bool(raw.get("use_qk_norm", model_type == "sarvam_moe"))),
+        qk_norm_after_rotary=model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"),
+        qk_norm_whole_projection=model_type in (*OLMO_TYPES, "minimax_m2"),
+        clip_qkv=raw.get("clip_qkv") if model_type in ("olmoe", "olmo") else None,
+        moe=read_moe(raw, common["num_hidden_layers"], name) if model_type in MOE_TYPES else None,
+        layer_types=layers.layer_types,
+        sliding_window=int(layers.sliding_window) if layers.sliding_window else None,
+        attention_chunk_size=layers.attention_chunk_size,
+        rotary_layers=tuple(bool(flag) for flag in layers.rotary_layers or ()),
+        mamba=layers.mamba,
+        short_conv=layers.short_conv,
+        gated_delta_net=layers.gated_delta_net,
+        **_family_fields(raw, model_type, name),
+    )
+
+
+def _needing(raw: dict[str, Any], model_type: str, name: str) -> Callable[[str], Any]:
+    """``need(key)``: ``raw[key]``, or a ConfigError naming the setting as the config names it (BLOOM's n_head)."""
+
+    def need(key: str) -> Any:
+        if key not in raw:
+            theirs = [t for t, ours in SETTING_NAMES.get(model_type, {}).items() if ours == key]
+            raise ConfigError(f"{name}: config.json has no {theirs[0] if theirs else key!r}")
+        return raw[key]
+
+    return need
+
+
+def _common_settings(raw: dict[str, Any], model_type: str, name: str, need: Callable[[str], Any]) -> dict[str, Any]:
+    """The ModelConfig fields every family's config gives: the shape, the context, the special tokens, the dtype."""
+    eos = raw.get("eos_token_id")
+    return dict(
+        model_type=model_type,
+        vocab_size=need("vocab_size"),
+        hidden_size=need("hidden_size"),
+        num_hidden_layers=need("num_hidden_layers"),
+        num_attention_heads=need("num_attention_heads"),
+        max_position_embeddings=need("max_position_embeddings"),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type == "opt")),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        name=name,
+    )
+
+
+def _refuse_unsupported(raw: dict[str, Any], model_type: str, name: str) -> None:
+    """A ConfigError for a setting of Llama's outline that the engine's models leave out."""
+    if raw.get("use_sliding_window"):
+        raise ConfigError(f"{name}: sliding-window attention (use_sliding_window) is not supported for {model_type}")
+    if model_type in COHERE_TYPES and raw.get("use_qk_norm"):
+        # NOTE: Command R+'s query and key LayerNorms (a weight per head and dimension) would be left out
+        raise ConfigError(f"{name}: use_qk_norm (Command R+'s query and key LayerNorms) is not supported")
+    if model_type in ("phi", "stablelm") and raw.get("qk_layernorm"):
+        # NOTE: their query and key LayerNorms (one for every head) would be left out
+        raise ConfigError(f"{name}: qk_layernorm (query and key LayerNorms) is not supported for {model_type}")
+    if model_type == "stablelm" and raw.get("use_parallel_residual"):
+        raise ConfigError(f"{name}: use_parallel_residual (StableLM 2 12B's layers) is not supported")
+
+
+def _activation(raw: dict[str, Any], model_type: str, name: str) -> str:
+    """The MLP's activation (``hidden_act``), one of those the model type's MLP runs."""
+    activation = raw.get("hidden_act", "silu")
+    if model_type == "gemma" and activation == "gelu":  # (Gemma's first configs' name of it, as transformers reads it)
+        activation = "gelu_pytorch_tanh"
+    activations = MLP_ACTIVATIONS.get(model_type, ("silu",))
+    if activation not in activations:
+        raise ConfigError(f"{name}: hidden_act {activation!r} is not supported ({', '.join(activations)})")
+    return activation
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rotary:
+    """A config's rotary embedding, as ``_rotary`` reads it."""
+
+    theta: float  # rope_theta (the base, θ); the full-attention layers' where the sliding ones have their own
+    local_theta: float | None  # the sliding layers' base (OLMo 3, LFM3)
+    scaling: dict[str, Any] | None  # the rope scaling the engine applies (None: plain rope)
+    settings: dict[str, Any]  # transformers 5's rope_parameters, as read
+    rotary_dim: int  # the dimensions of a head that turn (head_dim but for partial rotary embeddings)
+    unrotated: bool  # no layer rotates (OLMo Hybrid as released: no position embedding)
+
+
+def _rotary(raw: dict[str, Any], model_type: str, head_dim: int, name: str) -> _Rotary:
+    """The rotary embedding of a config of Llama's outline: its base, scaling and rotated dimensions."""
     # transformers >= 5 keeps rope settings in rope_parameters; older configs at the top level.
     rope = dict(raw.get("rope_parameters") or {})
     default_theta = DEFAULT_ROPE_THETA.get(model_type, 10000.0)
@@ -229,16 +306,11 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         local_theta = float((rope.get(SLIDING) or {}).get("rope_theta", raw.get("rope_theta", default_theta)))
         rope = dict(rope.get("full_attention") or {})
     rope_theta = rope.get("rope_theta", raw.get("rope_theta", default_theta))
-    no_rope = model_type == "olmo_hybrid" and rope_theta is None  # (OLMo Hybrid as released: no position embedding)
-    rope_theta = default_theta if no_rope else float(rope_theta)
-    head_dim = raw.get("head_dim") or hidden // heads
-    if model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"):
+    unrotated = model_type == "olmo_hybrid" and rope_theta is None
+    rope_theta = default_theta if unrotated else float(rope_theta)
+    if model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"):  # (the scaling folded into the base)
         rope_theta, rope, raw = read_ntk_alpha(raw, rope, rope_theta, head_dim, name)
     scaling = config_rope_scaling(raw, rope, name)
-    if raw.get("use_sliding_window"):
-        raise ConfigError(f"{name}: sliding-window attention (use_sliding_window) is not supported for {model_type}")
-    glm = model_type in ("glm", "glm4")
-    cohere = model_type in COHERE_TYPES
     rotated = rope.get(
         "partial_rotary_factor", raw.get("partial_rotary_factor", PARTIAL_ROTARY_DEFAULTS.get(model_type, 1.0))
     )
@@ -261,6 +333,36 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         for key in ("short_mscale", "long_mscale") if model_type == "phimoe" else ():  # (Phi-3.5-MoE's cos/sin scales)
             if isinstance(scaling.get(key), bool) or not isinstance(scaling.get(key), (int, float)):
                 raise ConfigError(f"{name}: phimoe's longrope rope scaling needs {key}, a number")
+    return _Rotary(rope_theta, local_theta, scaling, rope, rotary_dim, unrotated)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layers:
+    """What a config of Llama's outline says of its layers (ModelConfig's fields of the same names), as
+    ``_layers`` reads it."""
+
+    intermediate_size: int  # the dense MLPs' (or the hybrids' shared MLP's)
+    layer_types: tuple[str, ...]  # each layer's kind (): every one full attention)
+    sliding_window: Any  # the sliding layers' window (None: no layer slides)
+    rotary_layers: Sequence[bool] | None  # whether each layer rotates (None: every one)
+    attention_chunk_size: int | None  # Llama 4's chunked layers' chunk
+    mamba: dict[str, Any] | None  # the Mamba mixers' settings (Jamba, Bamba, Granite 4.0-H, Falcon-H1)
+    short_conv: dict[str, Any] | None  # LFM2's short convolutions' settings
+    gated_delta_net: dict[str, Any] | None  # the linear-attention layers' (Qwen3-Next, Qwen3.5, OLMo Hybrid, Kimi)
+    rope_theta: float | None  # the one base of Granite SWA's ``layer_rope_theta`` (None: the config's rope_theta)
+
+
+def _layers(
+    raw: dict[str, Any],
+    model_type: str,
+    common: dict[str, Any],
+    rotary: _Rotary,
+    need: Callable[[str], Any],
+    name: str,
+) -> _Layers:
+    """Each layer's kind (full or sliding attention, chunked, a Mamba mixer, a short convolution, linear
+    attention), whether it rotates, and the MLPs' size, by each family's settings and transformers' defaults."""
+    num_layers = common["num_hidden_layers"]
     # NOTE: Mistral 7B v0.1's and Phi-3 mini's every layer sees the last sliding_window positions (later
     # Mistrals, Phi-4: null; a window as long as the context changes nothing); Qwen's sliding_window is
     # unused unless use_sliding_window
@@ -271,7 +373,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
     )
     if window is not None and window >= common["max_position_embeddings"]:
         window = None
-    layer_types = (SLIDING,) * common["num_hidden_layers"] if window else ()
+    layer_types = (SLIDING,) * num_layers if window else ()
     if model_type == "dots1":  # (without layer_types: those from max_window_layers on sliding, as transformers')
         window, first_sliding = raw.get("sliding_window", 4096), raw.get("max_window_layers", 62)
         layer_types, window = sliding_layers(raw, window, lambda i: window is not None and i >= first_sliding, name)
@@ -286,122 +388,84 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         if not raw.get("layer_types") and not (isinstance(pattern, int) and pattern > 0):
             raise ConfigError(f"{name}: sliding_window_pattern {pattern!r} needs layer_types (or a positive integer)")
         layer_types = tuple(raw.get("layer_types") or [SLIDING if (i + 1) % pattern else "full_attention"
-                                                       for i in range(common["num_hidden_layers"])])  # fmt: skip
-        if len(layer_types) != common["num_hidden_layers"]:
-            raise ConfigError(
-                f"{name}: layer_types has {len(layer_types)} entries; the model has {common['num_hidden_layers']} layers"
-            )
+                                                       for i in range(num_layers)])  # fmt: skip
+        if len(layer_types) != num_layers:
+            raise ConfigError(f"{name}: layer_types has {len(layer_types)} entries; the model has {num_layers} layers")
     rotary_layers = raw.get("no_rope_layers") if model_type == "smollm3" else None  # (HF's name: 1 rotates)
-    if no_rope:
-        rotary_layers = [False] * common["num_hidden_layers"]
+    if rotary.unrotated:
+        rotary_layers = [False] * num_layers
     if model_type in ("qwen3_5_moe_text", "solar_open"):  # (no dense MLP: its experts' size stands for one, unbuilt)
         intermediate = raw.get("moe_intermediate_size", MOE_DEFAULTS[model_type]["moe_intermediate_size"])
     else:
         intermediate = need("intermediate_size")
-    mamba, short_conv, extra = None, None, {}
+    mamba = short_conv = gated_delta_net = chunk = rope_theta = None
     if model_type == "jamba":  # (attention in one layer of attn_layer_period, without rope; Mamba's mixers elsewhere)
-        layer_types, mamba = jamba_layers(raw, common["num_hidden_layers"], name)
-        rotary_layers = [False] * common["num_hidden_layers"]
+        layer_types, mamba = jamba_layers(raw, num_layers, name)
+        rotary_layers = [False] * num_layers
     if model_type in LFM_TYPES:
-        layer_types, intermediate, short_conv = lfm2_layers(raw, common["num_hidden_layers"], model_type, name)
+        layer_types, intermediate, short_conv = lfm2_layers(raw, num_layers, model_type, name)
         window = raw.get("sliding_window") if SLIDING in layer_types else None
-        if model_type == "lfm3":  # (each operator's and MLP's output normalized; each head's output gated)
-            extra = {key: bool(raw.get(key, True)) for key in ("use_sandwich_norm", "use_attention_gate")}
-    if model_type == "cohere2_moe":  # (its layers' kinds and rotations; RMSNorms where it gives their epsilon)
-        layer_types, window, rotary_layers = cohere2_moe_layers(raw, common["num_hidden_layers"], name)
+    if model_type == "cohere2_moe":  # (its layers' kinds and rotations)
+        layer_types, window, rotary_layers = cohere2_moe_layers(raw, num_layers, name)
         intermediate = raw.get("prefix_dense_intermediate_size") or intermediate  # (its dense MLPs')
-        extra = {"rms_norm": raw.get("rms_norm_eps") is not None}
-    if model_type == "hyperclovax":  # (each part's output normalized before it joins the stream)
-        extra = {"use_post_norm": bool(raw.get("use_post_norm", True))}
     if model_type == "granitemoehybrid":
-        rotary_layers, intermediate, layer_types, mamba = granite_4_layers(raw, common["num_hidden_layers"], name)
+        rotary_layers, intermediate, layer_types, mamba = granite_4_layers(raw, num_layers, name)
     elif model_type == "bamba":  # (attention at attn_layer_indices, Mamba-2 elsewhere)
-        layer_types, mamba = bamba_layers(raw, common["num_hidden_layers"], name)
-    elif model_type == "falcon_h1":  # (both in every layer; its multipliers folded into the weights as they load)
-        layer_types = (PARALLEL_HYBRID,) * common["num_hidden_layers"]
+        layer_types, mamba = bamba_layers(raw, num_layers, name)
+    elif model_type == "falcon_h1":  # (both in every layer)
+        layer_types = (PARALLEL_HYBRID,) * num_layers
         mamba = read_mamba2(raw, name, FALCON_H1_MAMBA_DEFAULTS)
-        extra = {"falcon_h1_multipliers": _falcon_h1_multipliers(raw, name)}
-    gated_delta_net = None
     if model_type in GATED_DELTA_NET_TYPES:
-        layer_types, gated_delta_net = gated_delta_net_layers(raw, common["num_hidden_layers"], model_type, name)
+        layer_types, gated_delta_net = gated_delta_net_layers(raw, num_layers, model_type, name)
     if model_type in ("granite_swa", "granitemoe_swa"):
-        layer_types, window, rotary_layers, rope_theta = granite_swa_layers(raw, common["num_hidden_layers"],
-                                                                              rope_theta, name)  # fmt: skip
+        layer_types, window, rotary_layers, rope_theta = granite_swa_layers(raw, num_layers, rotary.theta, name)
     if model_type in ("exaone4", "exaone_moe") and window:  # (its hybrid attention: the global layers without rope)
         rotary_layers = [layer_type == SLIDING for layer_type in layer_types]
     if model_type == "cohere2":  # (only its sliding layers rotate: none where it has no window)
         rotary_layers = [layer_type == SLIDING and bool(window) for layer_type in layer_types]
-    chunk, llama4 = None, {}
-    if model_type == "nanochat":  # (Llama 4's unweighted norms of the rotated heads, Gemma 2's capped logits)
-        llama4 = {"qk_unweighted_norm": True, "final_logit_softcapping": raw["final_logit_softcapping"]}
     if model_type == "llama4_text":  # (chunked layers that rotate, global ones that do not; the dense MLPs' size)
-        layer_types, rotary_layers, chunk = llama4_layers(raw, common["num_hidden_layers"], name)
-        intermediate, llama4 = raw["intermediate_size_mlp"], _llama4_attention(raw, name)
-    mup = {}
+        layer_types, rotary_layers, chunk = llama4_layers(raw, num_layers, name)
+        intermediate = raw["intermediate_size_mlp"]
     if model_type == "afmoe":  # (layer_types, or every global_attn_every_n_layers-th global; only the sliding rotate)
         every = raw.get("global_attn_every_n_layers", 4)
         check_positive_ints({"global_attn_every_n_layers": every}, ("global_attn_every_n_layers",), name)
         layer_types, window = sliding_layers(raw, raw.get("sliding_window", 1024), lambda i: (i + 1) % every, name)
         rotary_layers = [kind == SLIDING for kind in layer_types]
-        if raw.get("mup_enabled"):  # (the embeddings times sqrt(hidden_size))
-            mup = {"embedding_multiplier": hidden**0.5}
-    if cohere and not (isinstance(raw["logit_scale"], (int, float)) and raw["logit_scale"] > 0):
-        raise ConfigError(f"{name}: logit_scale must be a positive number, got {raw['logit_scale']!r}")
-    if cohere and raw.get("use_qk_norm"):
-        # NOTE: Command R+'s query and key LayerNorms (a weight per head and dimension) would be left out
-        raise ConfigError(f"{name}: use_qk_norm (Command R+'s query and key LayerNorms) is not supported")
-    if rotary_layers is not None and len(rotary_layers) != common["num_hidden_layers"]:
-        raise ConfigError(
-            f"{name}: no_rope_layers has {len(rotary_layers)} flags; the model has {common['num_hidden_layers']} layers"
-        )
-    activation = raw.get("hidden_act", "silu")
-    if model_type == "gemma" and activation == "gelu":  # (Gemma's first configs' name of it, as transformers reads it)
-        activation = "gelu_pytorch_tanh"
-    activations = MLP_ACTIVATIONS.get(model_type, ("silu",))
-    if activation not in activations:
-        raise ConfigError(f"{name}: hidden_act {activation!r} is not supported ({', '.join(activations)})")
-    if model_type in ("phi", "stablelm") and raw.get("qk_layernorm"):
-        # NOTE: their query and key LayerNorms (one for every head) would be left out
-        raise ConfigError(f"{name}: qk_layernorm (query and key LayerNorms) is not supported for {model_type}")
-    if model_type == "stablelm" and raw.get("use_parallel_residual"):
-        raise ConfigError(f"{name}: use_parallel_residual (StableLM 2 12B's layers) is not supported")
-    return ModelConfig(
-        **common,
-        intermediate_size=intermediate,
-        num_key_value_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        norm_eps=float(_norm_eps(raw, model_type)),
-        hidden_act=activation,
-        rope_theta=rope_theta,
-        rope_scaling=scaling,
-        rope_local_theta=local_theta,
-        partial_rotary_dim=rotary_dim if rotary_dim != head_dim else None,
-        rotary_interleaved=glm or model_type in ("ernie4_5", "ernie4_5_moe", *COHERE_TYPES, "llama4_text", "helium"),
-        llama4_scaling_beta=read_llama4_scaling_beta(model_type, scaling, rope, name),
-        **_biases(raw, model_type),
-        lm_head_bias=model_type == "phi" or (model_type == "phimoe" and bool(raw.get("lm_head_bias", False))),
-        attention_sinks=model_type in ("gpt_oss", "granite_swa", "granitemoe_swa"),
-        qk_norm=model_type in (*QK_NORMED, *QWEN3_NEXT_TYPES)
-        or (model_type in ("glm4_moe", "sarvam_moe") and bool(raw.get("use_qk_norm", model_type == "sarvam_moe"))),
-        qk_norm_after_rotary=model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"),
-        qk_norm_whole_projection=model_type in (*OLMO_TYPES, "minimax_m2"),
-        clip_qkv=raw.get("clip_qkv") if model_type in ("olmoe", "olmo") else None,
-        moe=read_moe(raw, common["num_hidden_layers"], name) if model_type in MOE_TYPES else None,
-        layer_types=layer_types,
-        sliding_window=int(window) if window else None,
-        attention_chunk_size=chunk,
-        **llama4,
-        rotary_layers=tuple(bool(flag) for flag in rotary_layers or ()),
-        mamba=mamba,
-        short_conv=short_conv,
-        gated_delta_net=gated_delta_net,
-        **(_granite_multipliers(raw) if model_type in GRANITE_SCALED else {}),
-        **mup,
-        **(_falcon_h1_scales(raw, name) if model_type == "falcon_h1" else {}),
-        extra=extra,
-        # NOTE: Cohere's logits times logit_scale, as its inverse's quotient (the Hub's: powers of two, exact)
-        **({"logits_scaling": 1 / float(raw["logit_scale"])} if cohere else {}),
+    if rotary_layers is not None and len(rotary_layers) != num_layers:
+        raise ConfigError(f"{name}: no_rope_layers has {len(rotary_layers)} flags; the model has {num_layers} layers")
+    return _Layers(
+        intermediate, layer_types, window, rotary_layers, chunk, mamba, short_conv, gated_delta_net, rope_theta
     )
+
+
+def _family_fields(raw: dict[str, Any], model_type: str, name: str) -> dict[str, Any]:
+    """ModelConfig's fields that only some families of Llama's outline set: their scales and multipliers, Llama 4's
+    attention, and ``extra`` (what a family's model reads of its config beyond the fields)."""
+    fields: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    if model_type == "lfm3":  # (each operator's and MLP's output normalized; each head's output gated)
+        extra = {key: bool(raw.get(key, True)) for key in ("use_sandwich_norm", "use_attention_gate")}
+    if model_type == "cohere2_moe":  # (RMSNorms where it gives their epsilon)
+        extra = {"rms_norm": raw.get("rms_norm_eps") is not None}
+    if model_type == "hyperclovax":  # (each part's output normalized before it joins the stream)
+        extra = {"use_post_norm": bool(raw.get("use_post_norm", True))}
+    if model_type == "falcon_h1":  # (its multipliers folded into the weights as they load)
+        extra = {"falcon_h1_multipliers": _falcon_h1_multipliers(raw, name)}
+        fields.update(_falcon_h1_scales(raw, name))
+    if model_type == "nanochat":  # (Llama 4's unweighted norms of the rotated heads, Gemma 2's capped logits)
+        fields.update(qk_unweighted_norm=True, final_logit_softcapping=raw["final_logit_softcapping"])
+    if model_type == "llama4_text":
+        fields.update(_llama4_attention(raw, name))
+    if model_type == "afmoe" and raw.get("mup_enabled"):  # (the embeddings times sqrt(hidden_size))
+        fields["embedding_multiplier"] = raw["hidden_size"] ** 0.5
+    if model_type in GRANITE_SCALED:
+        fields.update(_granite_multipliers(raw))
+    if model_type in COHERE_TYPES:
+        if not (isinstance(raw["logit_scale"], (int, float)) and raw["logit_scale"] > 0):
+            raise ConfigError(f"{name}: logit_scale must be a positive number, got {raw['logit_scale']!r}")
+        # NOTE: Cohere's logits times logit_scale, as its inverse's quotient (the Hub's: powers of two, exact)
+        fields["logits_scaling"] = 1 / float(raw["logit_scale"])
+    return {**fields, "extra": extra}
 
 
 def _norm_eps(raw: dict[str, Any], model_type: str) -> float:

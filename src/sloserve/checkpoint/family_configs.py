@@ -1,4 +1,4 @@
-"""The ``ModelConfig`` of the model types whose config.json is not read as Llama's outline is: GPT-2,
+"""The ``ModelConfig`` of the model types whose config.json is not read as Llama's outline is: OPT, GPT-2,
 GPT-NeoX, Falcon, MPT, DeepSeek's latent attention (and Kimi Linear's names), Nemotron-H, Mamba and
 Gemma 3. ``config.from_hf_config`` calls them."""
 
@@ -14,6 +14,26 @@ from sloserve.checkpoint.model_types import DEEPSEEK_MLA_DEFAULTS, GPT2_ACTIVATI
 from sloserve.checkpoint.moe_config import nemotron_h_moe, read_moe
 from sloserve.checkpoint.rope_config import config_rope_scaling, read_llama4_scaling_beta, read_rope_scaling
 from sloserve.core.errors import ConfigError
+
+
+def opt_config(raw: dict[str, Any], common: dict[str, Any], name: str, need) -> ModelConfig:
+    """OPT's config: learned positions, LayerNorms (before or after each block), ReLU or GELU, the embeddings
+    projected where ``word_embed_proj_dim`` differs from the hidden size."""
+    if raw.get("activation_function", "relu") not in ("relu", "gelu"):
+        raise ConfigError(f"{name}: OPT activation {raw.get('activation_function')!r} is not supported")
+    hidden, heads = common["hidden_size"], common["num_attention_heads"]
+    return ModelConfig(
+        **common,
+        intermediate_size=need("ffn_dim"),
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        norm_eps=1e-5,
+        hidden_act=raw.get("activation_function", "relu"),
+        word_embed_proj_dim=raw.get("word_embed_proj_dim", hidden),
+        do_layer_norm_before=bool(raw.get("do_layer_norm_before", True)),
+        enable_bias=bool(raw.get("enable_bias", True)),
+        extra={"remove_final_layer_norm": bool(raw.get("_remove_final_layer_norm", False))},
+    )
 
 
 def gpt_neox_config(raw: dict[str, Any], common: dict[str, Any], name: str, need) -> ModelConfig:

@@ -550,6 +550,8 @@ MLP_ACTIVATIONS = {
 TWO_MATRIX_MLPS = ("opt", "gpt_neox", "gpt2", "phi", "starcoder2", "nemotron", "arcee", "apertus", "jais2", "nanochat")
 # Cohere's models (Command R, R7B and A, A+: a logit scale; rope by adjacent pairs)
 COHERE_TYPES = ("cohere", "cohere2", "cohere2_moe")
+# The models of Llama's outline whose rotary embedding turns adjacent pairs (GPT-J's layout), not halves
+ROTARY_INTERLEAVED = ("glm", "glm4", "ernie4_5", "ernie4_5_moe", *COHERE_TYPES, "llama4_text", "helium")
 # The models of Llama's outline whose norms are LayerNorms with biases
 LAYER_NORMS = ("phi", "starcoder2", "stablelm", "nemotron", "phimoe", "jais2")
 # The models of Llama's outline whose norms have no weights (OLMo 1's)
