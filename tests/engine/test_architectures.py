@@ -661,3 +661,35 @@ def test_a_config_without_a_setting_reads_transformers_default_of_it(key):
         if sparse != whole:
             wrong[model_type] = [f for f in whole.__dataclass_fields__ if getattr(sparse, f) != getattr(whole, f)]
     assert not wrong and checked
+
+
+def test_a_setting_of_the_wrong_kind_is_one_config_error_naming_it():
+    """Every model type transformers knows, its default config with one setting at a time made null, a string, -1,
+    0, true, a list or an object: read, or refused with a ConfigError; never a TypeError or a division by zero deep
+    in the reading (164 kinds of them before the settings' kinds were checked as read)."""
+    from transformers import CONFIG_MAPPING
+
+    from sloserve.checkpoint.config import from_hf_config
+    from sloserve.checkpoint.model_types import ARCHITECTURES
+
+    crashes, readings = {}, 0
+    for model_type in sorted(set(ARCHITECTURES) & set(CONFIG_MAPPING)):
+        defaults = CONFIG_MAPPING[model_type]().to_dict()
+        for key in sorted(set(defaults) - {"model_type"}):
+            for bad in (None, "x", -1, 0, True, [], {}):
+                readings += 1
+                try:
+                    from_hf_config({**defaults, key: bad}, model_type)
+                except ConfigError:
+                    pass
+                except Exception as error:  # noqa: BLE001 (what the test looks for)
+                    crashes[(model_type, key, repr(bad))] = f"{type(error).__name__}: {error}"
+    assert readings > 10_000 and not crashes
+    defaults = CONFIG_MAPPING["llama"]().to_dict()
+    with pytest.raises(ConfigError, match=r"^llama: hidden_size must be a positive integer, got 'x'$"):
+        from_hf_config({**defaults, "hidden_size": "x"}, "llama")
+    with pytest.raises(ConfigError, match=r"^llama: rope_parameters must be an object, got -1$"):
+        from_hf_config({**defaults, "rope_parameters": -1}, "llama")
+    hunyuan = CONFIG_MAPPING["hunyuan_v1_moe"]().to_dict()
+    with pytest.raises(ConfigError, match=r"num_experts must be an integer >= 0, or a list of them \(one a layer\)"):
+        from_hf_config({**hunyuan, "num_experts": [8, "x"]}, "hunyuan_v1_moe")

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sloserve.checkpoint.config_values import check_positive_ints, json_float
+from sloserve.checkpoint.config_values import check_positive_ints, check_setting_kinds, json_float
 from sloserve.checkpoint.family_configs import (
     deepseek_config,
     falcon_config,
@@ -104,6 +104,7 @@ def from_hf_config(raw: dict[str, Any], name: str = "model") -> ModelConfig:
             f"{name}: unsupported architecture {model_type!r} (config.json model_type); "
             f"supported: {', '.join(sorted([*ARCHITECTURES, *MULTIMODAL]))}"
         )
+    check_setting_kinds(raw, model_type, name)
     if model_type == "gemma3_text":
         raw = {**GEMMA3_TEXT_DEFAULTS, **raw}
     elif model_type in ("gemma2", "vaultgemma"):
@@ -201,7 +202,7 @@ def _config_of(raw: dict[str, Any], model_type: str, name: str) -> ModelConfig:
         intermediate_size=layers.intermediate_size,
         num_key_value_heads=raw.get("num_key_value_heads") or common["num_attention_heads"],
         head_dim=head_dim,
-        norm_eps=float(_norm_eps(raw, model_type)),
+        norm_eps=_norm_eps(raw, model_type, name),
         hidden_act=_activation(raw, model_type, name),
         rope_theta=rotary.theta if layers.rope_theta is None else layers.rope_theta,
         rope_scaling=rotary.scaling,
@@ -303,11 +304,12 @@ def _rotary(raw: dict[str, Any], model_type: str, head_dim: int, name: str) -> _
     default_theta = DEFAULT_ROPE_THETA.get(model_type, 10000.0)
     local_theta = None
     if model_type in ("olmo3", "lfm3"):  # (transformers 5: one dict a layer type; the scaling the full layers' only)
-        local_theta = float((rope.get(SLIDING) or {}).get("rope_theta", raw.get("rope_theta", default_theta)))
+        local_theta = (rope.get(SLIDING) or {}).get("rope_theta", raw.get("rope_theta", default_theta))
+        local_theta = json_float(local_theta, "rope_theta", name)
         rope = dict(rope.get("full_attention") or {})
     rope_theta = rope.get("rope_theta", raw.get("rope_theta", default_theta))
     unrotated = model_type == "olmo_hybrid" and rope_theta is None
-    rope_theta = default_theta if unrotated else float(rope_theta)
+    rope_theta = default_theta if unrotated else json_float(rope_theta, "rope_theta", name)
     if model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"):  # (the scaling folded into the base)
         rope_theta, rope, raw = read_ntk_alpha(raw, rope, rope_theta, head_dim, name)
     scaling = config_rope_scaling(raw, rope, name)
@@ -468,17 +470,18 @@ def _family_fields(raw: dict[str, Any], model_type: str, name: str) -> dict[str,
     return {**fields, "extra": extra}
 
 
-def _norm_eps(raw: dict[str, Any], model_type: str) -> float:
+def _norm_eps(raw: dict[str, Any], model_type: str, name: str) -> float:
     """The norms' epsilon under each config's name, transformers' default where it has none."""
+    key, default = "rms_norm_eps", RMS_NORM_EPS_DEFAULTS.get(model_type, 1e-6)
     if model_type == "cohere2_moe" and raw.get("rms_norm_eps") is not None:  # (its RMSNorms; else LayerNorms)
-        return raw["rms_norm_eps"]
-    if model_type in (*COHERE_TYPES, "phi", "stablelm", "jais2"):
-        return raw.get("layer_norm_eps", 1e-5)
-    if model_type == "nemotron":
-        return raw.get("norm_eps", 1e-5)
-    if model_type == "starcoder2":
-        return raw.get("norm_epsilon", 1e-5)
-    return raw.get("rms_norm_eps", RMS_NORM_EPS_DEFAULTS.get(model_type, 1e-6))
+        key = "rms_norm_eps"
+    elif model_type in (*COHERE_TYPES, "phi", "stablelm", "jais2"):
+        key, default = "layer_norm_eps", 1e-5
+    elif model_type == "nemotron":
+        key, default = "norm_eps", 1e-5
+    elif model_type == "starcoder2":
+        key, default = "norm_epsilon", 1e-5
+    return json_float(raw.get(key, default), key, name)
 
 
 def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:

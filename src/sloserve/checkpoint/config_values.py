@@ -63,3 +63,73 @@ def layer_index(raw: dict[str, Any], key: str, default: int, name: str) -> int:
         allowed = "an integer >= 0" + (" or -1" if default == -1 else "")
         raise ConfigError(f"{name}: {key} must be {allowed}, got {value!r}")
     return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    """A JSON number, or transformers 5's spelling of a non-finite one ({"__float__": "Infinity"})."""
+    if isinstance(value, dict) and set(value) == {"__float__"}:
+        return isinstance(value["__float__"], str)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# What each kind of setting must be: (the words of the error, the check)
+POSITIVE_INT = ("a positive integer", lambda v: _is_int(v) and v > 0)
+COUNT = ("an integer >= 0", lambda v: _is_int(v) and v >= 0)
+NUMBER = ("a number", _is_number)
+POSITIVE_NUMBER = ("a positive number", lambda v: _is_number(v) and not isinstance(v, dict) and v > 0)
+NONZERO_NUMBER = ("a number other than 0", lambda v: _is_number(v) and v != 0)
+OBJECT = ("an object", lambda v: isinstance(v, dict))
+LIST = ("a list", lambda v: isinstance(v, (list, tuple)))
+
+# The kind of value a config.json's setting holds, checked before it is read (``check_setting_kinds``): a value of
+# another kind would otherwise fail deep in the reading (a TypeError, a division by zero). The second entry: whether
+# a null is accepted (some model types read it as unset).
+SETTING_KINDS: dict[str, tuple[tuple[str, Any], bool]] = {
+    # the shape, under transformers' names and GPT-2's, BLOOM's, MPT's and EXAONE's
+    **{key: (POSITIVE_INT, False) for key in (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings",
+        "n_embd", "n_embed", "d_model", "n_layer", "n_layers", "num_layers", "n_head", "n_heads", "n_positions",
+        "seq_length", "max_seq_len", "mamba_d_head",
+    )},
+    # sizes where 0 or null means "the default" or "none" for some model type
+    **{key: (COUNT, True) for key in (
+        "intermediate_size", "moe_intermediate_size", "head_dim", "num_key_value_heads", "num_experts",
+        "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+    )},
+    "num_experts_per_token": (COUNT, False),
+    "sliding_window": (("an integer >= 0", lambda v: isinstance(v, int) and v >= 0), True),  # (false: no window)
+    **{key: (NUMBER, True) for key in ("rms_norm_eps", "layer_norm_epsilon", "attention_multiplier",
+                                       "router_jitter_noise", "rope_theta")},
+    **{key: (NUMBER, False) for key in ("layer_norm_eps", "norm_eps", "norm_epsilon", "embedding_multiplier",
+                                        "residual_multiplier", "swiglu_alpha", "swiglu_limit")},
+    "logits_scaling": (NONZERO_NUMBER, False),
+    "query_pre_attn_scalar": (POSITIVE_NUMBER, False),
+    "dim_model_base": (POSITIVE_NUMBER, True),
+    **{key: (OBJECT, True) for key in ("rope_parameters", "rope_scaling", "attn_config")},
+    **{key: (LIST, True) for key in ("layer_types", "mlp_only_layers", "no_rope_layers", "layer_rope_theta",
+                                     "layers_block_type", "time_step_limit")},
+}  # fmt: skip
+# The settings a model type's config may give as one value a layer, each of the setting's kind (Hunyuan's; the
+# reader takes one for all, ``one_for_all_layers``)
+PER_LAYER_SETTINGS = {"hunyuan_v1_moe": ("num_experts",)}
+
+
+def check_setting_kinds(raw: dict[str, Any], model_type: str, name: str) -> None:
+    """A ConfigError naming the first setting of ``raw`` (a config.json's dict of ``model_type``, as written) whose
+    value is not of its kind (``SETTING_KINDS``)."""
+    for key, value in raw.items():
+        if key not in SETTING_KINDS:
+            continue
+        (words, holds), null_allowed = SETTING_KINDS[key]
+        if value is None and null_allowed:
+            continue
+        if isinstance(value, list) and value and key in PER_LAYER_SETTINGS.get(model_type, ()):
+            if all(v is not None and holds(v) for v in value):
+                continue
+            words = f"{words}, or a list of them (one a layer)"
+        if value is None or not holds(value):
+            raise ConfigError(f"{name}: {key} must be {words}, got {value!r}")

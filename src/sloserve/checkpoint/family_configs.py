@@ -53,7 +53,7 @@ def gpt_neox_config(raw: dict[str, Any], common: dict[str, Any], name: str, need
         num_key_value_heads=common["num_attention_heads"],
         head_dim=head_dim,
         norm_eps=float(raw.get("layer_norm_eps", 1e-5)),
-        rope_theta=float(rope.get("rope_theta", raw.get("rotary_emb_base", 10000.0))),
+        rope_theta=json_float(rope.get("rope_theta", raw.get("rotary_emb_base", 10000.0)), "rope_theta", name),
         rope_scaling=config_rope_scaling(raw, rope, name),
         partial_rotary_dim=rotary_dim if rotary_dim != head_dim else None,
         hidden_act="gelu",
@@ -97,7 +97,7 @@ def falcon_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> Mod
         num_key_value_heads=kv_heads,
         head_dim=hidden // heads,
         norm_eps=float(raw.get("layer_norm_epsilon") or 1e-5),
-        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        rope_theta=json_float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)), "rope_theta", name),
         rope_scaling=config_rope_scaling(raw, rope, name),
         hidden_act="gelu_pytorch_tanh" if bloom else "gelu",
         attention_bias=bias,
@@ -139,7 +139,7 @@ def mpt_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> ModelC
         intermediate_size=raw.get("expansion_ratio", 4) * hidden,
         num_key_value_heads=heads,
         head_dim=hidden // heads,
-        norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+        norm_eps=json_float(raw.get("layer_norm_epsilon", 1e-5), "layer_norm_epsilon", name),
         hidden_act="gelu",
         clip_qkv=clip,
         attention_multiplier=None if attn["softmax_scale"] is None else float(attn["softmax_scale"]),
@@ -176,8 +176,8 @@ def deepseek_config(raw: dict[str, Any], common: dict[str, Any], name: str, need
         num_key_value_heads=common["num_attention_heads"],
         head_dim=qk,  # (a query's and a key's; the rotary embedding turns the last qk_rope_head_dim of it)
         partial_rotary_dim=mla["qk_rope_head_dim"],
-        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        norm_eps=json_float(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", name),
+        rope_theta=json_float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)), "rope_theta", name),
         rope_scaling=scaling,
         llama4_scaling_beta=read_llama4_scaling_beta(raw["model_type"], scaling, rope, name),
         attention_bias=bool(raw.get("attention_bias", False)),
@@ -262,7 +262,7 @@ def gpt2_config(raw: dict[str, Any], common: dict[str, Any], name: str) -> Model
         intermediate_size=raw.get("n_inner") or 4 * hidden,
         num_key_value_heads=1 if bigcode and raw.get("multi_query", True) else heads,
         head_dim=hidden // heads,
-        norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+        norm_eps=json_float(raw.get("layer_norm_epsilon", 1e-5), "layer_norm_epsilon", name),
         hidden_act=activation,
         attention_bias=True,
         attention_output_bias=True,
@@ -308,7 +308,7 @@ def nemotron_h_config(raw: dict[str, Any], common: dict[str, Any], name: str, ne
         intermediate_size=need("intermediate_size"),
         num_key_value_heads=raw.get("num_key_value_heads") or common["num_attention_heads"],
         head_dim=raw.get("head_dim") or common["hidden_size"] // common["num_attention_heads"],
-        norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+        norm_eps=json_float(raw.get("layer_norm_epsilon", 1e-5), "layer_norm_epsilon", name),
         hidden_act="relu2",
         mlp_bias=bool(raw.get("mlp_bias", False)),  # (its attention has no biases whatever the config says)
         layer_types=tuple(kinds),
@@ -397,12 +397,16 @@ def gemma3_config(raw: dict[str, Any], common: dict[str, Any], name: str, need) 
         intermediate_size=need("intermediate_size"),
         num_key_value_heads=raw.get("num_key_value_heads") or common["num_attention_heads"],
         head_dim=raw.get("head_dim") or 256,
-        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(full.get("rope_theta", raw.get("rope_theta", 10_000.0 if gemma2 else 1_000_000.0))),
+        norm_eps=json_float(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", name),
+        rope_theta=json_float(
+            full.get("rope_theta", raw.get("rope_theta", 10_000.0 if gemma2 else 1_000_000.0)), "rope_theta", name
+        ),
         rope_scaling=read_rope_scaling(
             full if full.get("rope_type", "default") != "default" else raw.get("rope_scaling"), name
         ),
-        rope_local_theta=float(local.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0))),
+        rope_local_theta=json_float(
+            local.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0)), "rope_theta", name
+        ),
         attention_bias=bool(raw.get("attention_bias", False)),
         hidden_act=activation,
         qk_norm=not gemma2,

@@ -132,12 +132,15 @@ def read_moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | No
         if kind in GATED_SHARED_EXPERTS
         else 0,
     }
+    # NOTE: before the settings of each kind multiply or compare them (``_check_moe_sizes`` checks them again)
+    check_positive_ints(moe, ("num_experts", "num_experts_per_tok", "moe_intermediate_size"), name)
     if kind == "phimoe":  # (SparseMixer's: two experts a token, their logits' margin)
         if moe["num_experts_per_tok"] != 2:
             raise ConfigError(f"{name}: phimoe routes each token to 2 experts (SparseMixer), got num_experts_per_tok "
                               f"{moe['num_experts_per_tok']!r}")  # fmt: skip
-        moe["router_jitter_noise"] = float(raw.get("router_jitter_noise", 0.01))
+        moe["router_jitter_noise"] = json_float(raw.get("router_jitter_noise", 0.01), "router_jitter_noise", name)
     if kind == "cohere2_moe":  # (the softmax of the top k logits or their sigmoids; its shared MLPs as one)
+        check_positive_ints(raw, ("intermediate_size",), name)
         moe.update(_cohere2_moe_routing(raw, name), shared_expert_intermediate_size=raw.get("intermediate_size")
                    * layer_index(raw, "num_shared_experts", 0, name))  # fmt: skip
     if kind == "llama4_text":  # (its shared expert, ungated, as wide as each routed one)
@@ -167,8 +170,8 @@ def read_moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | No
     if kind == "gpt_oss":  # softmax over the top k router logits (with biases); the experts' clamped SwiGLU
         moe.update(
             norm_topk_prob=True,
-            swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
-            swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+            swiglu_alpha=json_float(raw.get("swiglu_alpha", 1.702), "swiglu_alpha", name),
+            swiglu_limit=json_float(raw.get("swiglu_limit", 7.0), "swiglu_limit", name),
         )
     _check_moe_sizes(moe, name)
     return moe
