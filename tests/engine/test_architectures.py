@@ -690,6 +690,8 @@ def test_a_setting_of_the_wrong_kind_is_one_config_error_naming_it():
         from_hf_config({**defaults, "hidden_size": "x"}, "llama")
     with pytest.raises(ConfigError, match=r"^llama: rope_parameters must be an object, got -1$"):
         from_hf_config({**defaults, "rope_parameters": -1}, "llama")
+    with pytest.raises(ConfigError, match=r"^llama: eos_token_id must be a token id .*, got \[2, 'x'\]$"):
+        from_hf_config({**defaults, "eos_token_id": [2, "x"]}, "llama")  # (once a generation that never met its EOS)
     hunyuan = CONFIG_MAPPING["hunyuan_v1_moe"]().to_dict()
     with pytest.raises(ConfigError, match=r"num_experts must be an integer >= 0, or a list of them \(one a layer\)"):
         from_hf_config({**hunyuan, "num_experts": [8, "x"]}, "hunyuan_v1_moe")

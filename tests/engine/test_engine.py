@@ -491,6 +491,10 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(ConfigError, match="model.safetensors: not a readable safetensors file .*not fully covered"):
         LLM(str(cut_off))
+    (tmp_path / "listed").mkdir()
+    (tmp_path / "listed" / "config.json").write_text("[]")
+    with pytest.raises(ConfigError, match=r"listed/config.json: must be a JSON object, got list"):
+        LLM(str(tmp_path / "listed"))  # (once "'list' object has no attribute 'get'")
     (tmp_path / "rwkv").mkdir()
     (tmp_path / "rwkv" / "config.json").write_text(json.dumps({"model_type": "rwkv"}))
     with pytest.raises(

@@ -611,6 +611,8 @@ def load_hf_config(path: str | Path) -> ModelConfig:
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{config_file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{config_file}: must be a JSON object, got {type(raw).__name__}")
     config = from_hf_config(raw, name=path.name)
     # NOTE: a generation config's EOS ids end a generation too, as in vLLM (it adds them to every request's
     # stop ids): Qwen2.5/Qwen3 Instruct's config.json names <|im_end|>, their generation config <|endoftext|>

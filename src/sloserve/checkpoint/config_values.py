@@ -76,6 +76,11 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _is_token_ids(value: Any) -> bool:
+    """One token id or a list of them (a config's EOS ids)."""
+    return all(_is_int(i) and i >= 0 for i in (value if isinstance(value, list) else [value]))
+
+
 # What each kind of setting must be: (the words of the error, the check)
 POSITIVE_INT = ("a positive integer", lambda v: _is_int(v) and v > 0)
 COUNT = ("an integer >= 0", lambda v: _is_int(v) and v >= 0)
@@ -84,6 +89,7 @@ POSITIVE_NUMBER = ("a positive number", lambda v: _is_number(v) and not isinstan
 NONZERO_NUMBER = ("a number other than 0", lambda v: _is_number(v) and v != 0)
 OBJECT = ("an object", lambda v: isinstance(v, dict))
 LIST = ("a list", lambda v: isinstance(v, (list, tuple)))
+
 
 # The kind of value a config.json's setting holds, checked before it is read (``check_setting_kinds``): a value of
 # another kind would otherwise fail deep in the reading (a TypeError, a division by zero). The second entry: whether
@@ -101,6 +107,8 @@ SETTING_KINDS: dict[str, tuple[tuple[str, Any], bool]] = {
         "num_local_experts", "n_routed_experts", "num_experts_per_tok",
     )},
     "num_experts_per_token": (COUNT, False),
+    "bos_token_id": (("a token id (an integer >= 0)", COUNT[1]), True),
+    "eos_token_id": (("a token id (an integer >= 0) or a list of them", _is_token_ids), True),
     "sliding_window": (("an integer >= 0", lambda v: isinstance(v, int) and v >= 0), True),  # (false: no window)
     **{key: (NUMBER, True) for key in ("rms_norm_eps", "layer_norm_epsilon", "attention_multiplier",
                                        "router_jitter_noise", "rope_theta")},
