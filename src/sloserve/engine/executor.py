@@ -17,7 +17,7 @@ import collections.abc
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -62,6 +62,27 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass
+class StepInputs:
+    """A step's flat inputs, as ``EngineExecutor.execute`` builds them from a ``SchedulerOutput``: every token
+    the step processes, in the order of its chunks and then its cohort's members, and where each request's
+    tokens sit among them."""
+
+    tokens: list[int] = field(default_factory=list)  # (T,) 0 where the token is still on the device (``late``)
+    positions: list[int] = field(default_factory=list)  # (T,)
+    prefills: list[PrefillSeq] = field(default_factory=list)  # the chunks of several tokens, their context tables
+    prefill_slots: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (flat index, slots written to)
+    decodes: list[tuple[int, Request]] = field(default_factory=list)  # (flat index, request) of one-token rows
+    samplers: list[tuple[Request, int]] = field(default_factory=list)  # (request, flat index of its last token)
+    scored: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (sequence, flat index, position predicted)
+    # Scheduled, but ended (their client went away, or a token brought back late ended them): finished, not computed
+    skipped: list[Request] = field(default_factory=list)
+    late: list[tuple[int, int]] = field(default_factory=list)  # (flat index, row of the step before's tokens)
+    state_prefills: list[tuple[int, int, int, bool]] = field(default_factory=list)  # (``StateMetadata.prefills``)
+    state_saves: dict[int, tuple[int, int]] = field(default_factory=dict)  # (``StateMetadata.saves``)
+    saved_after: list[tuple[int, int]] = field(default_factory=list)  # (slot, entry): states saved after the pass
 
 
 class EngineExecutor:
@@ -203,91 +224,26 @@ class EngineExecutor:
         self.cache.copy_slots(output.slot_copies)
         if self.states is not None:  # (a request holds its states' slot while it holds KV blocks)
             self.states.keep_only(self.kv.block_tables)
-        state_prefills: list[tuple[int, int, int, bool]] = []  # (flat index, tokens, state slot, goes on)
-        state_saves: dict[int, tuple[int, int]] = {}  # (``StateMetadata.saves``)
-        saved_after: list[tuple[int, int]] = []  # (slot, entry's slot): states saved as the forward pass left them
-        tokens: list[int] = []
-        positions: list[int] = []
-        prefills: list[PrefillSeq] = []
-        prefill_slots: list[tuple[int, np.ndarray]] = []  # (flat index, slots its tokens are written to)
-        decodes: list[tuple[int, Request]] = []  # (flat index, request) of sequences processing one token
-        samplers: list[tuple[Request, int]] = []  # (request, flat index of its last token)
-        scored: list[tuple[Sequence, int, int]] = []  # (sequence, flat index, prompt position it predicts)
-        # Scheduled, but ended (their client went away, or a token brought back late ended them): finished,
-        # not computed
-        skipped: list[Request] = []
-        late: list[tuple[int, int]] = []  # (flat index, row of ``before``) of tokens still on the device
-
-        def add(request: Request, num_tokens: int) -> None:
-            seq = self.sequences[request]
-            start = request.num_computed_tokens
-            end = start + num_tokens
-            if request.aborted or request in self._stopped:
-                # NOTE: its slots were allocated for this step and are left unwritten; the scheduler
-                # frees them when it sees the request finished, as after an EOS.
-                skipped.append(request)
-                return
-            flat = len(tokens)
-            known = seq.token_ids[start:end]
-            tokens.extend(known)
-            if len(known) < num_tokens:  # NOTE: a decode's token (``_launches_early``), sampled by ``before``
-                late.append((flat, before.rows[request]))
-                tokens.append(0)
-            positions.extend(range(start, end))
-            if self.states is not None:
-                cache, saved = self.states.cache, self.kv.cached_states
-                first = request not in self.states.of
-                slot = self.states.slot(request)
-                if first and start > 0:  # (admitted past a cached prefix: from the states saved at its end)
-                    cache.copy(cache.entry_slot(saved.loads.pop(request)), slot)
-                if num_tokens > 1:
-                    state_prefills.append((flat, num_tokens, slot, start > 0))
-                elif start == 0:  # (a one-token prompt runs as a decode: from zero states)
-                    cache.clear(slot)
-                pending = None if saved is None else saved.pending.get(request)
-                if pending is not None and start < pending[1] <= end:  # (the chunk reaches its saved point)
-                    k, entry = pending[1] - start, cache.entry_slot(pending[2])
-                    if k < num_tokens:
-                        state_saves[flat] = (k, entry)
-                    else:
-                        saved_after.append((slot, entry))
-            if num_tokens == 1:
-                decodes.append((flat, request))
-            else:
-                context = self.kv.slot_table(request, end)
-                prefills.append(PrefillSeq(flat, num_tokens, to_device(torch.from_numpy(context), self.device)))
-                prefill_slots.append((flat, context[start:]))
-            if end == request.num_tokens:
-                samplers.append((request, flat + num_tokens - 1))
-            if seq.prompt_logprobs is not None:
-                # NOTE: position q's hidden state predicts token q + 1; positions scored before (a
-                # refill after a recompute preemption) are not scored again. The step before's scores may
-                # still be on their way (async scheduling): this chunk then starts past them, and a
-                # preempted request's refill comes steps later.
-                first = max(start + 1, len(seq.prompt_logprobs) + 1)
-                for position in range(first, min(end, seq.num_prompt_tokens - 1) + 1):
-                    scored.append((seq, flat + position - 1 - start, position))
-
+        inputs = StepInputs()
         for request, num_tokens in output.chunks:
-            add(request, num_tokens)
+            self._add_chunk(inputs, request, num_tokens, before)
         if output.decode is not None:
             cohort = output.decode.cohort
             cohort.settle_all()  # the KV growth reserved for the members by count gets its block ids now
-            self._add_cohort(cohort.members, tokens, positions, decodes, samplers, skipped, late)
+            self._add_cohort(cohort.members, inputs)
+        samplers, late = inputs.samplers, inputs.late
         self.during_forward_exposed_s = 0.0
         seqs = [self.sequences[r] for r, _ in samplers]
         launched, ended_early = None, None
-        if tokens:
+        if inputs.tokens:
             # NOTE: built before the forward pass: a copy to the device after its launch waits for it
             rows = index_tensor([i for _, i in samplers], self.device)  # (N,)
             late_tokens = None
             if late:  # (P,) flat indices, (P,) the tokens there: gathered on the device
                 source = before.device_ids[index_tensor([row for _, row in late], self.device)]
                 late_tokens = (index_tensor([i for i, _ in late], self.device), source)
-            hidden = self._forward(
-                tokens, positions, prefills, prefill_slots, decodes, late_tokens, state_prefills, state_saves
-            )
-            for slot, entry in saved_after:
+            hidden = self._forward(inputs, late_tokens)
+            for slot, entry in inputs.saved_after:
                 self.states.cache.copy(slot, entry)
             if self.during_forward is not None and not pipelined:
                 self._overlap(self.during_forward)
@@ -302,7 +258,7 @@ class EngineExecutor:
             scores = self._controlled(logits, samplers, lambda: self._late_rows(samplers, late, late_tokens))
             sampled = sample_on_device(scores, params, [s.generator for s in seqs])  # (N,)
             logprobs = self._logprobs_on_device(logits, seqs, sampled)
-            prompt_logprobs = self._prompt_logprobs_on_device(hidden, scored)
+            prompt_logprobs = self._prompt_logprobs_on_device(hidden, inputs.scored)
             if pipelined:  # NOTE: all of it comes back with the tokens (``resolve``)
                 if started is not None:
                     sampled_at = torch.cuda.Event(enable_timing=True)
@@ -313,7 +269,7 @@ class EngineExecutor:
             else:
                 sampled = sampled.tolist()
                 _append_prompt_logprobs(prompt_logprobs)
-        ended_before = self._end_skipped(skipped)
+        ended_before = self._end_skipped(inputs.skipped)
         if pipelined:
             finished, ended_in_flight = self._finish_early(samplers, seqs, ended_early)
             ended_before += ended_in_flight
@@ -323,13 +279,65 @@ class EngineExecutor:
         else:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            by_row = _logprobs_by_row(logprobs, sampled) if tokens else None
-            finished = self._accept([r for r, _ in samplers], sampled if tokens else [], logprobs=by_row)
+            by_row = _logprobs_by_row(logprobs, sampled) if inputs.tokens else None
+            finished = self._accept([r for r, _ in samplers], sampled if inputs.tokens else [], logprobs=by_row)
         elapsed = time.perf_counter() - t0
-        self.num_forward_tokens += len(tokens)
+        self.num_forward_tokens += len(inputs.tokens)
         if shape is not None:
             self.step_log.append((shape, elapsed))
         return StepResult(step_end_times=(now + elapsed,), finished=finished, ended_before=ended_before)
+
+    def _add_chunk(self, inputs: StepInputs, request: Request, num_tokens: int, before: SampledOnDevice | None) -> None:
+        """Add ``request``'s next ``num_tokens`` tokens to the step's ``inputs`` (``before``: the step before's
+        tokens, where they are still on the device)."""
+        seq = self.sequences[request]
+        start = request.num_computed_tokens
+        end = start + num_tokens
+        if request.aborted or request in self._stopped:
+            # NOTE: its slots were allocated for this step and are left unwritten; the scheduler
+            # frees them when it sees the request finished, as after an EOS.
+            inputs.skipped.append(request)
+            return
+        flat = len(inputs.tokens)
+        known = seq.token_ids[start:end]
+        inputs.tokens.extend(known)
+        if len(known) < num_tokens:  # NOTE: a decode's token (``_launches_early``), sampled by ``before``
+            inputs.late.append((flat, before.rows[request]))
+            inputs.tokens.append(0)
+        inputs.positions.extend(range(start, end))
+        if self.states is not None:
+            cache, saved = self.states.cache, self.kv.cached_states
+            first = request not in self.states.of
+            slot = self.states.slot(request)
+            if first and start > 0:  # (admitted past a cached prefix: from the states saved at its end)
+                cache.copy(cache.entry_slot(saved.loads.pop(request)), slot)
+            if num_tokens > 1:
+                inputs.state_prefills.append((flat, num_tokens, slot, start > 0))
+            elif start == 0:  # (a one-token prompt runs as a decode: from zero states)
+                cache.clear(slot)
+            pending = None if saved is None else saved.pending.get(request)
+            if pending is not None and start < pending[1] <= end:  # (the chunk reaches its saved point)
+                k, entry = pending[1] - start, cache.entry_slot(pending[2])
+                if k < num_tokens:
+                    inputs.state_saves[flat] = (k, entry)
+                else:
+                    inputs.saved_after.append((slot, entry))
+        if num_tokens == 1:
+            inputs.decodes.append((flat, request))
+        else:
+            context = self.kv.slot_table(request, end)
+            inputs.prefills.append(PrefillSeq(flat, num_tokens, to_device(torch.from_numpy(context), self.device)))
+            inputs.prefill_slots.append((flat, context[start:]))
+        if end == request.num_tokens:
+            inputs.samplers.append((request, flat + num_tokens - 1))
+        if seq.prompt_logprobs is not None:
+            # NOTE: position q's hidden state predicts token q + 1; positions scored before (a
+            # refill after a recompute preemption) are not scored again. The step before's scores may
+            # still be on their way (async scheduling): this chunk then starts past them, and a
+            # preempted request's refill comes steps later.
+            first = max(start + 1, len(seq.prompt_logprobs) + 1)
+            for position in range(first, min(end, seq.num_prompt_tokens - 1) + 1):
+                inputs.scored.append((seq, flat + position - 1 - start, position))
 
     def _launches_early(self, output: SchedulerOutput) -> bool:
         """Whether ``output`` may be launched before the step before's tokens are on the host."""
@@ -430,23 +438,15 @@ class EngineExecutor:
                 ended.append(request)
         return ended
 
-    def _add_cohort(
-        self,
-        members: collections.abc.Collection[Request],
-        tokens: list[int],
-        positions: list[int],
-        decodes: list[tuple[int, Request]],
-        samplers: list[tuple[Request, int]],
-        skipped: list[Request],
-        late: list[tuple[int, int]],
-    ) -> None:
-        """``execute``'s ``add(request, 1)`` for every member of the decode cohort, a list at a time.
+    def _add_cohort(self, members: collections.abc.Collection[Request], inputs: StepInputs) -> None:
+        """``_add_chunk(inputs, request, 1)`` for every member of the decode cohort, a list at a time.
 
         NOTE: a member processes one token, its last known one (num_tokens_to_process is 1), and
         samples; its prompt is done, so it has no prompt position to score."""
+        tokens, late = inputs.tokens, inputs.late
         running = [r for r in members if not r.aborted and r not in self._stopped]
         if len(running) < len(members):
-            skipped.extend(r for r in members if r.aborted or r in self._stopped)
+            inputs.skipped.extend(r for r in members if r.aborted or r in self._stopped)
         sequences = self.sequences
         starts = [r.num_computed_tokens for r in running]
         flat = range(len(tokens), len(tokens) + len(running))
@@ -461,9 +461,9 @@ class EngineExecutor:
                 else:
                     late.append((i, row))
                     tokens.append(0)
-        positions.extend(starts)
-        decodes.extend(zip(flat, running))
-        samplers.extend(zip(running, flat))
+        inputs.positions.extend(starts)
+        inputs.decodes.extend(zip(flat, running))
+        inputs.samplers.extend(zip(running, flat))
 
     def _overlap(self, host_work: Callable[[], None]) -> None:
         """Run ``host_work`` while the forward pass just launched computes; keep the part of its time
@@ -550,19 +550,14 @@ class EngineExecutor:
 
     def _forward(
         self,
-        tokens: list[int],
-        positions: list[int],
-        prefills: list[PrefillSeq],
-        prefill_slots: list[tuple[int, np.ndarray]],
-        decodes: list[tuple[int, Request]],
+        inputs: StepInputs,
         late_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,  # (P,) flat indices, (P,) their tokens
-        state_prefills: list[tuple[int, int, int, bool]] = (),  # (``StateMetadata.prefills``)
-        state_saves: dict[int, tuple[int, int]] | None = None,  # (``StateMetadata.saves``)
     ) -> torch.Tensor:  # (T, H)
         """The model's forward pass over the step's flat tokens: a graph replay for a decode-only step
         that fits the captured graphs, else the piecewise graphs' replays for a step that fits them,
         else eager. ``late_tokens``: the tokens at those flat indices, on the device (async scheduling:
-        ``tokens`` holds 0 there)."""
+        ``inputs.tokens`` holds 0 there)."""
+        tokens, positions, prefills, decodes = inputs.tokens, inputs.positions, inputs.prefills, inputs.decodes
         # NOTE: the decodes' context tables are built at once, as block ids (a batch of hundreds of
         # long contexts is a block size smaller that way); the device expands them to slots.
         g = self.kv.table_block_size
@@ -580,13 +575,13 @@ class EngineExecutor:
         if self.piecewise is not None and self.piecewise.fits(len(tokens)):
             # NOTE: the metadata covers the padding rows, whose K/V go to the pad slot
             size = self.piecewise.size_for(len(tokens))
-            meta = self._metadata(size, prefills, prefill_slots, decodes, lengths, written, block_ids)
+            meta = self._metadata(size, inputs, lengths, written, block_ids)
             return self.piecewise.forward(tokens, positions, meta, late_tokens)
-        meta = self._metadata(len(tokens), prefills, prefill_slots, decodes, lengths, written, block_ids)
+        meta = self._metadata(len(tokens), inputs, lengths, written, block_ids)
         if self.states is not None:
             slots = index_tensor([self.states.of[r] for _, r in decodes], self.device)  # (B,)
             meta.states = StateMetadata(
-                state_prefills, meta.decode_token_index, slots, self.states.cache, state_saves or {}
+                inputs.state_prefills, meta.decode_token_index, slots, self.states.cache, inputs.state_saves
             )
         ids = index_tensor(tokens, self.device)  # (T,)
         if late_tokens is not None:
@@ -596,23 +591,21 @@ class EngineExecutor:
 
     def _metadata(
         self,
-        num_tokens: int,
-        prefills: list[PrefillSeq],
-        prefill_slots: list[tuple[int, np.ndarray]],
-        decodes: list[tuple[int, Request]],
+        num_tokens: int,  # (the step's tokens and its padding rows)
+        inputs: StepInputs,
         lengths: np.ndarray,  # (B,) each decode's context tokens
         written: np.ndarray,  # (B,) slot of each decode's new token
         block_ids: np.ndarray,  # (B, >= max context / g) their block_id_tables
     ) -> AttentionMetadata:
         device = self.device
         slot_mapping = np.full(num_tokens, self.cache.pad_slot, dtype=np.int64)  # (T,) padding rows: the pad slot
-        for flat, slots in prefill_slots:
+        for flat, slots in inputs.prefill_slots:
             slot_mapping[flat : flat + len(slots)] = slots
-        flat_index = np.array([i for i, _ in decodes], dtype=np.int64)  # (B,)
+        flat_index = np.array([i for i, _ in inputs.decodes], dtype=np.int64)  # (B,)
         slot_mapping[flat_index] = written
         return AttentionMetadata(
             slot_mapping=to_device(torch.from_numpy(slot_mapping), device),
-            prefills=prefills,
+            prefills=inputs.prefills,
             decode_token_index=to_device(torch.from_numpy(flat_index), device),
             decode_slots=expand_block_ids(to_device(torch.from_numpy(block_ids), device), self.kv.table_block_size),
             decode_context_lens=to_device(torch.from_numpy(lengths), device),
