@@ -94,136 +94,25 @@ def solve_bound(
             "(the model is NP-hard; --max-cells raises the limit)"
         )
     k = _int_coefficients(cost)
-    C, M, P = problem.max_num_batched_tokens, problem.kv_capacity_tokens, problem.prefill_token_budget
     model = cp_model.CpModel()
-    I, O, T = problem.prompts, problem.outputs, problem.arrivals
-
-    S = [[None] * (J + 1) for _ in range(n)]
-    m = [[None] * (J + 1) for _ in range(n)]
-    c = [[None] * (J + 1) for _ in range(n)]
-    g = [[None] * (J + 1) for _ in range(n)]
-    e = [[None] * (J + 1) for _ in range(n)]
-    act = [[None] * (J + 1) for _ in range(n)]
-    isdec = [[None] * (J + 1) for _ in range(n)]
-    ispre = [[None] * (J + 1) for _ in range(n)]
-    terms: list[list] = [[] for _ in range(J + 1)]  # per batch: integer time expressions
-    request_terms: list[list] = [[] for _ in range(n)]  # the same, per request
+    cells = _Cells.empty(n, J)
+    batch_terms: list[list] = [[] for _ in range(J + 1)]  # per batch: integer time expressions
     for i in range(n):
-        top = I[i] + O[i] - 1
-        S[i][0], m[i][0] = I[i], 0
-        for j in range(1, J + 1):
-            S[i][j] = model.NewIntVar(I[i], I[i] + O[i], f"S{i}_{j}")
-            m[i][j] = model.NewIntVar(0, top, f"m{i}_{j}")
-            c[i][j] = model.NewIntVar(0, min(C, top), f"c{i}_{j}")
-            g[i][j] = model.NewBoolVar(f"g{i}_{j}")
-            e[i][j] = model.NewBoolVar(f"e{i}_{j}")
-            rem = S[i][j - 1] - m[i][j - 1]  # tokens available to process
-            model.Add(S[i][j] == S[i][j - 1] + g[i][j])
-            # (1) memory and (2) tokens to process
-            model.Add(m[i][j] == 0).OnlyEnforceIf(e[i][j])
-            model.Add(c[i][j] == 0).OnlyEnforceIf(e[i][j])
-            model.Add(m[i][j] == m[i][j - 1] + c[i][j]).OnlyEnforceIf(e[i][j].Not())
-            model.Add(c[i][j] <= rem)
-            # (3) a token is sampled exactly when every known token has been processed
-            model.Add(c[i][j] == rem).OnlyEnforceIf(g[i][j])
-            model.Add(c[i][j] <= rem - 1).OnlyEnforceIf(g[i][j].Not())
-            # phases: in prefill while >= 2 tokens are to be processed, else decode
-            pre = model.NewBoolVar(f"pre{i}_{j}")
-            model.Add(rem >= 2).OnlyEnforceIf(pre)
-            model.Add(rem <= 1).OnlyEnforceIf(pre.Not())
-            act[i][j] = model.NewBoolVar(f"act{i}_{j}")
-            model.Add(c[i][j] >= 1).OnlyEnforceIf(act[i][j])
-            model.Add(c[i][j] == 0).OnlyEnforceIf(act[i][j].Not())
-            isdec[i][j] = model.NewBoolVar(f"dec{i}_{j}")
-            model.AddBoolAnd([act[i][j], pre.Not()]).OnlyEnforceIf(isdec[i][j])
-            model.AddBoolOr([act[i][j].Not(), pre]).OnlyEnforceIf(isdec[i][j].Not())
-            ispre[i][j] = model.NewBoolVar(f"pf{i}_{j}")
-            model.AddBoolAnd([act[i][j], pre]).OnlyEnforceIf(ispre[i][j])
-            model.AddBoolOr([act[i][j].Not(), pre.Not()]).OnlyEnforceIf(ispre[i][j].Not())
-            # cost terms: prefill attention work c^2 + 2mc, KV read by decodes and by chunks
-            sq = model.NewIntVar(0, min(C, top) ** 2, f"sq{i}_{j}")
-            model.AddMultiplicationEquality(sq, [c[i][j], c[i][j]])
-            work = model.NewIntVar(0, min(C, top) ** 2 + 2 * top * min(C, top), f"w{i}_{j}")
-            if j == 1:
-                model.Add(work == sq).OnlyEnforceIf(ispre[i][j])
-            else:
-                mc = model.NewIntVar(0, top * min(C, top), f"mc{i}_{j}")
-                model.AddMultiplicationEquality(mc, [m[i][j - 1], c[i][j]])
-                model.Add(work == sq + 2 * mc).OnlyEnforceIf(ispre[i][j])
-            model.Add(work == 0).OnlyEnforceIf(ispre[i][j].Not())
-            kv_read = model.NewIntVar(0, top, f"kd{i}_{j}")
-            model.Add(kv_read == m[i][j - 1]).OnlyEnforceIf(isdec[i][j])
-            model.Add(kv_read == 0).OnlyEnforceIf(isdec[i][j].Not())
-            chunk_ctx = model.NewIntVar(0, top, f"kp{i}_{j}")
-            model.Add(chunk_ctx == m[i][j - 1]).OnlyEnforceIf(ispre[i][j])
-            model.Add(chunk_ctx == 0).OnlyEnforceIf(ispre[i][j].Not())
-            cell = [
-                k["a_o"] * c[i][j],
-                k["a_d"] * kv_read,
-                k["s_d"] * isdec[i][j],
-                k["a_p"] * work,
-                k["s_p"] * ispre[i][j],
-                k["m_p"] * chunk_ctx,
-            ]
-            terms[j] += cell
-            request_terms[i] += cell
-        model.Add(sum(g[i][j] for j in range(1, J + 1)) == O[i])  # termination
-        # Redundant cuts (they tighten the relaxation the solver bounds with): every KV a request ends
-        # with is processed once, and the request costs at least what relaxation.py says any schedule pays.
-        model.Add(sum(c[i][j] for j in range(1, J + 1)) >= I[i] + O[i] - 1)
-        model.Add(sum(request_terms[i]) >= math.floor(request_work(k, I[i], O[i])))
-    _break_symmetry(model, problem, S)
-
+        _add_request(model, problem, k, cells, i, batch_terms)
+    _break_symmetry(model, problem, cells.S)
     horizon = _horizon(problem, cost)
     if horizon * max(J, 2) > 2**62:  # NOTE: CP-SAT's integers are 64-bit: the sum of J batch times must fit
         raise ConfigError(
             f"bound: a schedule of these requests could last up to {horizon / TIME_UNITS_PER_S:,.0f} s, beyond what "
             "the solver's 64-bit time in picoseconds holds over its batches; give shorter requests or fewer of them"
         )
-    batch_time = []
-    any_act = []
-    for j in range(1, J + 1):
-        model.Add(sum(c[i][j] for i in range(n)) <= C)  # (4)
-        model.Add(sum(m[i][j] for i in range(n)) <= M)  # (4)
-        flags = {}
-        for name, lits in (
-            ("act", [act[i][j] for i in range(n)]),
-            ("dec", [isdec[i][j] for i in range(n)]),
-            ("pre", [ispre[i][j] for i in range(n)]),
-        ):
-            flags[name] = model.NewBoolVar(f"any_{name}{j}")
-            model.AddMaxEquality(flags[name], lits)
-        if P is not None:
-            model.Add(sum(c[i][j] for i in range(n)) <= P).OnlyEnforceIf(flags["pre"])
-        t = model.NewIntVar(0, horizon, f"time{j}")
-        model.Add(t == sum(terms[j]) + k["b_o"] * flags["act"] + k["b_d"] * flags["dec"] + k["b_p"] * flags["pre"])
-        batch_time.append(t)
-        any_act.append(flags["act"])
-    # NOTE: empty batches go last (symmetry breaking; an empty batch costs nothing).
-    for j in range(len(any_act) - 1):
-        model.AddImplication(any_act[j + 1], any_act[j])
-    # Redundant cuts: at least J_min batches run (one token per request per batch, C tokens per batch,
-    # M KV tokens held after each), and they take at least the relaxation's time.
-    model.Add(sum(any_act) >= min_batches(I, O, M, C, P))
-    model.Add(sum(batch_time) >= math.floor(offline_bound(k, I, O, M, C, P)))
-
+    batch_time = _add_batches(model, problem, k, cells, batch_terms, horizon)
     if problem.online:
-        start = [model.NewIntVar(0, horizon, f"start{j}") for j in range(1, J + 1)]
-        for j in range(J):
-            if j:
-                model.Add(start[j] >= start[j - 1] + batch_time[j - 1])
-            for i in range(n):
-                arrival = round(T[i] * TIME_UNITS_PER_S)
-                if arrival > 0:
-                    model.Add(start[j] >= arrival).OnlyEnforceIf(act[i][j + 1])
-        end = model.NewIntVar(0, 2 * horizon, "end")
-        model.Add(end == start[-1] + batch_time[-1])
-        model.Minimize(end)
+        model.Minimize(_latest_end(model, problem, cells, batch_time, horizon))
     else:
         model.Minimize(sum(batch_time))
-
     if hint:
-        _add_hints(model, _relabel_hint(hint, problem), problem, S, m, c, g, e)
+        _add_hints(model, _relabel_hint(hint, problem), problem, cells)
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
@@ -236,12 +125,161 @@ def solve_bound(
     num_vars = len(model.Proto().variables)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return BoundResult(name, math.nan, math.nan, math.nan, math.nan, [], wall, num_vars)
-    plan = _extract(problem, cost, solver, S, m, c, e)
+    plan = _extract(problem, cost, solver, cells)
     objective = solver.ObjectiveValue() / TIME_UNITS_PER_S
     bound = solver.BestObjectiveBound() / TIME_UNITS_PER_S
-    latency = plan[-1].end_s - min(T) if plan else 0.0
+    latency = plan[-1].end_s - min(problem.arrivals) if plan else 0.0
     gap = (objective - bound) / objective if objective > 0 else 0.0
     return BoundResult(name, latency, objective, bound, gap, plan, wall, num_vars)
+
+
+@dataclass
+class _Cells:
+    """The model's variables, each a list per request i of one per batch j = 0..J (j = 0: before the first
+    batch; the module docstring's symbols)."""
+
+    S: list[list]  # prompt + generated tokens after batch j
+    m: list[list]  # tokens with KV after batch j
+    c: list[list]  # tokens processed in batch j
+    g: list[list]  # 1 if batch j samples a token
+    e: list[list]  # 1 if the KV is dropped at batch j
+    active: list[list]  # 1 if batch j processes any of its tokens
+    decodes: list[list]  # 1 if it is a decode in batch j
+    prefills: list[list]  # 1 if it is a prefill chunk in batch j
+
+    @classmethod
+    def empty(cls, num_requests: int, num_batches: int) -> _Cells:
+        return cls(*([[None] * (num_batches + 1) for _ in range(num_requests)] for _ in range(8)))
+
+
+def _add_request(model, problem: BoundProblem, k: dict[str, int], cells: _Cells, i: int, batch_terms: list[list]):
+    """Request i's variables in every batch, constraints (1)-(3), termination, its phases and its share of each
+    batch's time (added to ``batch_terms``), and the cuts its own work gives."""
+    J, C = problem.num_batches, problem.max_num_batched_tokens
+    prompt, output = problem.prompts[i], problem.outputs[i]
+    S, m, c, g, e = cells.S[i], cells.m[i], cells.c[i], cells.g[i], cells.e[i]
+    top = prompt + output - 1
+    S[0], m[0] = prompt, 0
+    request_terms = []  # its share of every batch's time
+    for j in range(1, J + 1):
+        S[j] = model.NewIntVar(prompt, prompt + output, f"S{i}_{j}")
+        m[j] = model.NewIntVar(0, top, f"m{i}_{j}")
+        c[j] = model.NewIntVar(0, min(C, top), f"c{i}_{j}")
+        g[j] = model.NewBoolVar(f"g{i}_{j}")
+        e[j] = model.NewBoolVar(f"e{i}_{j}")
+        rem = S[j - 1] - m[j - 1]  # tokens available to process
+        model.Add(S[j] == S[j - 1] + g[j])
+        # (1) memory and (2) tokens to process
+        model.Add(m[j] == 0).OnlyEnforceIf(e[j])
+        model.Add(c[j] == 0).OnlyEnforceIf(e[j])
+        model.Add(m[j] == m[j - 1] + c[j]).OnlyEnforceIf(e[j].Not())
+        model.Add(c[j] <= rem)
+        # (3) a token is sampled exactly when every known token has been processed
+        model.Add(c[j] == rem).OnlyEnforceIf(g[j])
+        model.Add(c[j] <= rem - 1).OnlyEnforceIf(g[j].Not())
+        # phases: in prefill while >= 2 tokens are to be processed, else decode
+        pre = model.NewBoolVar(f"pre{i}_{j}")
+        model.Add(rem >= 2).OnlyEnforceIf(pre)
+        model.Add(rem <= 1).OnlyEnforceIf(pre.Not())
+        active = cells.active[i][j] = model.NewBoolVar(f"act{i}_{j}")
+        model.Add(c[j] >= 1).OnlyEnforceIf(active)
+        model.Add(c[j] == 0).OnlyEnforceIf(active.Not())
+        decode = cells.decodes[i][j] = model.NewBoolVar(f"dec{i}_{j}")
+        model.AddBoolAnd([active, pre.Not()]).OnlyEnforceIf(decode)
+        model.AddBoolOr([active.Not(), pre]).OnlyEnforceIf(decode.Not())
+        prefill = cells.prefills[i][j] = model.NewBoolVar(f"pf{i}_{j}")
+        model.AddBoolAnd([active, pre]).OnlyEnforceIf(prefill)
+        model.AddBoolOr([active.Not(), pre.Not()]).OnlyEnforceIf(prefill.Not())
+        # cost terms: prefill attention work c^2 + 2mc, KV read by decodes and by chunks
+        sq = model.NewIntVar(0, min(C, top) ** 2, f"sq{i}_{j}")
+        model.AddMultiplicationEquality(sq, [c[j], c[j]])
+        work = model.NewIntVar(0, min(C, top) ** 2 + 2 * top * min(C, top), f"w{i}_{j}")
+        if j == 1:
+            model.Add(work == sq).OnlyEnforceIf(prefill)
+        else:
+            mc = model.NewIntVar(0, top * min(C, top), f"mc{i}_{j}")
+            model.AddMultiplicationEquality(mc, [m[j - 1], c[j]])
+            model.Add(work == sq + 2 * mc).OnlyEnforceIf(prefill)
+        model.Add(work == 0).OnlyEnforceIf(prefill.Not())
+        kv_read = model.NewIntVar(0, top, f"kd{i}_{j}")
+        model.Add(kv_read == m[j - 1]).OnlyEnforceIf(decode)
+        model.Add(kv_read == 0).OnlyEnforceIf(decode.Not())
+        chunk_ctx = model.NewIntVar(0, top, f"kp{i}_{j}")
+        model.Add(chunk_ctx == m[j - 1]).OnlyEnforceIf(prefill)
+        model.Add(chunk_ctx == 0).OnlyEnforceIf(prefill.Not())
+        cell = [
+            k["a_o"] * c[j],
+            k["a_d"] * kv_read,
+            k["s_d"] * decode,
+            k["a_p"] * work,
+            k["s_p"] * prefill,
+            k["m_p"] * chunk_ctx,
+        ]
+        batch_terms[j] += cell
+        request_terms += cell
+    model.Add(sum(g[j] for j in range(1, J + 1)) == output)  # termination
+    # Redundant cuts (they tighten the relaxation the solver bounds with): every KV a request ends
+    # with is processed once, and the request costs at least what relaxation.py says any schedule pays.
+    model.Add(sum(c[j] for j in range(1, J + 1)) >= prompt + output - 1)
+    model.Add(sum(request_terms) >= math.floor(request_work(k, prompt, output)))
+
+
+def _add_batches(
+    model, problem: BoundProblem, k: dict[str, int], cells: _Cells, batch_terms: list[list], horizon: int
+) -> list:
+    """Each batch's constraints (4) and prefill budget, and its time (returned, one a batch): the requests'
+    terms plus each kind of work's base cost where the batch holds any; empty batches last; the cuts the
+    relaxation gives."""
+    n, J = len(problem.prompts), problem.num_batches
+    C, M, P = problem.max_num_batched_tokens, problem.kv_capacity_tokens, problem.prefill_token_budget
+    c, m = cells.c, cells.m
+    batch_time = []
+    any_act = []
+    for j in range(1, J + 1):
+        model.Add(sum(c[i][j] for i in range(n)) <= C)  # (4)
+        model.Add(sum(m[i][j] for i in range(n)) <= M)  # (4)
+        flags = {}
+        for name, lits in (
+            ("act", [cells.active[i][j] for i in range(n)]),
+            ("dec", [cells.decodes[i][j] for i in range(n)]),
+            ("pre", [cells.prefills[i][j] for i in range(n)]),
+        ):
+            flags[name] = model.NewBoolVar(f"any_{name}{j}")
+            model.AddMaxEquality(flags[name], lits)
+        if P is not None:
+            model.Add(sum(c[i][j] for i in range(n)) <= P).OnlyEnforceIf(flags["pre"])
+        t = model.NewIntVar(0, horizon, f"time{j}")
+        model.Add(
+            t == sum(batch_terms[j]) + k["b_o"] * flags["act"] + k["b_d"] * flags["dec"] + k["b_p"] * flags["pre"]
+        )
+        batch_time.append(t)
+        any_act.append(flags["act"])
+    # NOTE: empty batches go last (symmetry breaking; an empty batch costs nothing).
+    for j in range(len(any_act) - 1):
+        model.AddImplication(any_act[j + 1], any_act[j])
+    # Redundant cuts: at least J_min batches run (one token per request per batch, C tokens per batch,
+    # M KV tokens held after each), and they take at least the relaxation's time.
+    I, O = problem.prompts, problem.outputs
+    model.Add(sum(any_act) >= min_batches(I, O, M, C, P))
+    model.Add(sum(batch_time) >= math.floor(offline_bound(k, I, O, M, C, P)))
+    return batch_time
+
+
+def _latest_end(model, problem: BoundProblem, cells: _Cells, batch_time: list, horizon: int):
+    """Online: the last batch's end, each batch starting after the one before and after the arrival of every
+    request it processes."""
+    n, J = len(problem.prompts), problem.num_batches
+    start = [model.NewIntVar(0, horizon, f"start{j}") for j in range(1, J + 1)]
+    for j in range(J):
+        if j:
+            model.Add(start[j] >= start[j - 1] + batch_time[j - 1])
+        for i in range(n):
+            arrival = round(problem.arrivals[i] * TIME_UNITS_PER_S)
+            if arrival > 0:
+                model.Add(start[j] >= arrival).OnlyEnforceIf(cells.active[i][j + 1])
+    end = model.NewIntVar(0, 2 * horizon, "end")
+    model.Add(end == start[-1] + batch_time[-1])
+    return end
 
 
 def _interchangeable(problem: BoundProblem) -> list[list[int]]:
@@ -290,8 +328,9 @@ def _horizon(problem: BoundProblem, cost: LinearCostModel) -> int:
     return int(2 * total * TIME_UNITS_PER_S) + 1
 
 
-def _add_hints(model, hint, problem, S, m, c, g, e) -> None:
+def _add_hints(model, hint, problem, cells: _Cells) -> None:
     """Warm start from a heuristic schedule: per batch {request: (c, evicted before)}."""
+    S, m, c, g, e = cells.S, cells.m, cells.c, cells.g, cells.e
     n = len(problem.prompts)
     S_prev = list(problem.prompts)
     m_prev = [0] * n
@@ -311,9 +350,10 @@ def _add_hints(model, hint, problem, S, m, c, g, e) -> None:
             m_prev[i] = m_now
 
 
-def _extract(problem, cost, solver, S, m, c, e) -> list[BatchPlan]:
+def _extract(problem, cost, solver, cells: _Cells) -> list[BatchPlan]:
     """The solved schedule, timed in floating point like the simulator (a batch starts when the
     previous one ends and its requests have arrived)."""
+    S, m, c, e = cells.S, cells.m, cells.c, cells.e
     n, J = len(problem.prompts), problem.num_batches
     plan: list[BatchPlan] = []
     now = 0.0
