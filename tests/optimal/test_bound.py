@@ -267,6 +267,14 @@ def test_bound_without_a_schedule_in_the_time_limit_compares_with_the_relaxation
         assert refused.exit_code == 2 and message in refused.output, refused.output
 
 
+def test_bound_under_a_token_budget_below_sarathis_chunk():
+    """C = 256 under Sarathi's P = 512: its chunks are capped at C (once "P=512 exceeds C=256", exit 2)."""
+    args = ["bound", "--fixed", "8,3", "--num-requests", "2", "--compare", "vllm,sarathi"]
+    result = CliRunner().invoke(main, [*args, "--max-num-batched-tokens", "256", "--time-limit", "10"])
+    assert result.exit_code == 0, result.output
+    assert "bound: OPTIMAL" in result.output and "sarathi" in result.output
+
+
 def _fewest_bins(sizes: list[int], capacity: int) -> int:
     """Exact bin packing by search over subsets (a handful of items)."""
     n = len(sizes)

@@ -165,6 +165,14 @@ def test_unknown_scheduler_and_option_errors():
         scheduler("vllm", 1000, chunked_prefill="true")
 
 
+def test_a_presets_prefill_budget_is_capped_by_a_smaller_token_budget_the_caller_set():
+    """Sarathi's P = 512 under C = 256 chunks at 256, as vLLM's chunks are at max_num_batched_tokens (once "P=512
+    exceeds C=256", a budget the caller never set: `sloserve bound --max-num-batched-tokens 256` failed so)."""
+    assert scheduler("sarathi", 4096, max_num_batched_tokens="256").config.prefill_token_budget == 256
+    assert scheduler("sarathi", 4096, max_num_batched_tokens="1024").config.prefill_token_budget == 512
+    assert scheduler("sarathi_pc", 4096, max_num_batched_tokens="256").config.prefill_token_budget == 256
+
+
 def test_a_policy_gets_only_the_kv_managers_its_spec_names():
     # RR shares BROS's config, whose kv_manager may be bidirectional; RR's spec does not name it.
     with pytest.raises(

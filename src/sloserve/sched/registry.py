@@ -107,6 +107,11 @@ def build_config(name: str, options: Mapping[str, Any] | None = None) -> Any:
         if key not in hints:
             raise ConfigError(f"scheduler {name} has no option {key!r}; valid: {', '.join(sorted(hints))}")
         values[key] = _coerce(name, key, value, hints[key])
+    # NOTE: a preset's prefill budget above the token budget the caller set (Sarathi's P = 512 under C = 256) is
+    # capped at it, as vLLM's chunks are at max_num_batched_tokens; a budget the caller set is checked as set
+    budget, tokens = values.get("prefill_token_budget"), values.get("max_num_batched_tokens")
+    if "prefill_token_budget" not in (options or {}) and None not in (budget, tokens) and budget > tokens:
+        values["prefill_token_budget"] = tokens
     return spec.config_cls(**values)
 
 
