@@ -80,9 +80,11 @@ class StepInputs:
     # Scheduled, but ended (their client went away, or a token brought back late ended them): finished, not computed
     skipped: list[Request] = field(default_factory=list)
     late: list[tuple[int, int]] = field(default_factory=list)  # (flat index, row of the step before's tokens)
-    state_prefills: list[tuple[int, int, int, bool]] = field(default_factory=list)  # (``StateMetadata.prefills``)
+    # (flat index, tokens, state slot, goes on): ``StateMetadata.prefills``
+    state_prefills: list[tuple[int, int, int, bool]] = field(default_factory=list)
     state_saves: dict[int, tuple[int, int]] = field(default_factory=dict)  # (``StateMetadata.saves``)
-    saved_after: list[tuple[int, int]] = field(default_factory=list)  # (slot, entry): states saved after the pass
+    # (slot, entry's slot): states saved as the forward pass leaves them
+    saved_after: list[tuple[int, int]] = field(default_factory=list)
 
 
 class EngineExecutor:
