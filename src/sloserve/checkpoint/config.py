@@ -343,8 +343,8 @@ class _Layers:
     """What a config of Llama's outline says of its layers (ModelConfig's fields of the same names), as
     ``_layers`` reads it."""
 
-    intermediate_size: int  # the dense MLPs' (or the hybrids' shared MLP's)
-    layer_types: tuple[str, ...]  # each layer's kind (): every one full attention)
+    intermediate_size: int  # the dense MLPs' width (without them, what stands for it: the experts', a shared MLP's)
+    layer_types: tuple[str, ...]  # each layer's kind (empty: every one full attention)
     sliding_window: Any  # the sliding layers' window (None: no layer slides)
     rotary_layers: Sequence[bool] | None  # whether each layer rotates (None: every one)
     attention_chunk_size: int | None  # Llama 4's chunked layers' chunk
