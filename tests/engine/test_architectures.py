@@ -346,7 +346,10 @@ def test_hunyuan_moe_settings_a_layer_and_always_renormalized(hf_dirs):
 
     raw = json.loads((Path(hf_dirs["hunyuan_moe"]) / "config.json").read_text())
     layers = raw["num_hidden_layers"]
-    moe = from_hf_config({**raw, "num_experts": [8] * layers, "moe_topk": [2] * layers, "norm_topk_prob": False}).moe
+    # (as the Hub's config.json gives them: moe_intermediate_size and num_shared_expert a value a layer, not read)
+    hub = {"moe_intermediate_size": [raw["intermediate_size"]] * layers, "num_shared_expert": [1] * layers}
+    per_layer = {**raw, **hub, "num_experts": [8] * layers, "moe_topk": [2] * layers, "norm_topk_prob": False}
+    moe = from_hf_config(per_layer).moe
     assert (moe["num_experts"], moe["num_experts_per_tok"], moe["norm_topk_prob"]) == (8, 2, True)
     with pytest.raises(ConfigError, match="num_experts_per_tok differs between layers \\(\\[2, 3\\]\\)"):
         from_hf_config({**raw, "moe_topk": [2, 3]})
@@ -692,6 +695,8 @@ def test_a_setting_of_the_wrong_kind_is_one_config_error_naming_it():
         from_hf_config({**defaults, "rope_parameters": -1}, "llama")
     with pytest.raises(ConfigError, match=r"^llama: eos_token_id must be a token id .*, got \[2, 'x'\]$"):
         from_hf_config({**defaults, "eos_token_id": [2, "x"]}, "llama")  # (once a generation that never met its EOS)
+    bamba = CONFIG_MAPPING["bamba"]().to_dict()  # (a Mamba-2 head's width "auto": the mixer's over its heads)
+    assert from_hf_config({**bamba, "mamba_d_head": "auto"}, "bamba") == from_hf_config(bamba, "bamba")
     hunyuan = CONFIG_MAPPING["hunyuan_v1_moe"]().to_dict()
     with pytest.raises(ConfigError, match=r"num_experts must be an integer >= 0, or a list of them \(one a layer\)"):
         from_hf_config({**hunyuan, "num_experts": [8, "x"]}, "hunyuan_v1_moe")

@@ -99,8 +99,9 @@ SETTING_KINDS: dict[str, tuple[tuple[str, Any], bool]] = {
     **{key: (POSITIVE_INT, False) for key in (
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings",
         "n_embd", "n_embed", "d_model", "n_layer", "n_layers", "num_layers", "n_head", "n_heads", "n_positions",
-        "seq_length", "max_seq_len", "mamba_d_head",
+        "seq_length", "max_seq_len",
     )},
+    "mamba_d_head": (('a positive integer or "auto"', lambda v: v == "auto" or POSITIVE_INT[1](v)), False),
     # sizes where 0 or null means "the default" or "none" for some model type
     **{key: (COUNT, True) for key in (
         "intermediate_size", "moe_intermediate_size", "head_dim", "num_key_value_heads", "num_experts",
@@ -121,9 +122,10 @@ SETTING_KINDS: dict[str, tuple[tuple[str, Any], bool]] = {
     **{key: (LIST, True) for key in ("layer_types", "mlp_only_layers", "no_rope_layers", "layer_rope_theta",
                                      "layers_block_type", "time_step_limit")},
 }  # fmt: skip
-# The settings a model type's config may give as one value a layer, each of the setting's kind (Hunyuan's; the
-# reader takes one for all, ``one_for_all_layers``)
-PER_LAYER_SETTINGS = {"hunyuan_v1_moe": ("num_experts",)}
+# The settings a model type's config may give as one value a layer, each of the setting's kind: Hunyuan-A13B's
+# (the reader takes one for all, ``one_for_all_layers``; its moe_intermediate_size is not read, as transformers'
+# experts are intermediate_size wide)
+PER_LAYER_SETTINGS = {"hunyuan_v1_moe": ("num_experts", "moe_intermediate_size")}
 
 
 def check_setting_kinds(raw: dict[str, Any], model_type: str, name: str) -> None:
