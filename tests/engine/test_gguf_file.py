@@ -5,6 +5,7 @@ same tensors (dtype, shape, bytes) for files of random metadata, tensor types an
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -135,3 +136,39 @@ def test_versions_and_byte_orders_it_does_not_read_are_named(tmp_path):
     old.write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(16))
     with pytest.raises(ValueError, match="GGUF version 1 .this reads versions 2 and 3"):
         read_gguf_file(old)
+
+
+SHAPE = {
+    "llama.context_length": ("uint32", 64),
+    "llama.embedding_length": ("uint32", 32),
+    "llama.block_count": ("uint32", 1),
+    "llama.feed_forward_length": ("uint32", 64),
+    "llama.attention.head_count": ("uint32", 4),
+    "llama.attention.layer_norm_rms_epsilon": ("float32", 1e-5),
+    "llama.rope.freq_base": ("float32", 10000.0),
+}
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("llama.embedding_length", ("string", "wide")),
+        ("llama.attention.head_count", ("uint32", 0)),
+        ("llama.rope.freq_base", ("array", [1.0, 2.0])),
+        ("llama.attention.layer_norm_rms_epsilon", ("string", "1e-5")),
+        ("tokenizer.ggml.eos_token_id", ("string", "</s>")),
+    ],
+)
+def test_a_metadata_value_of_the_wrong_type_is_one_config_error_naming_it(tmp_path, key, value):
+    """A value the config is read from, of another type than converters write (once a TypeError, a division by
+    zero or "unhashable type" deep in the reading)."""
+    from sloserve.checkpoint.gguf import read_gguf
+    from sloserve.core.errors import ConfigError
+
+    path = tmp_path / "odd.gguf"
+    write_file(path, {**SHAPE, key: value}, {}, None)
+    message = re.escape(f"odd.gguf: GGUF metadata {key} must be ") + ".*" + re.escape(f", got {value[1]!r}")
+    with pytest.raises(ConfigError, match=message):
+        read_gguf(path)
+    write_file(path, SHAPE, {}, None)
+    assert read_gguf(path).hf_config["hidden_size"] == 32

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from sloserve.checkpoint.config_values import COUNT, NUMBER, POSITIVE_INT, check_positive_ints
 from sloserve.checkpoint.gguf_file import ELEMENT_DTYPES, GGUFFile, read_gguf_file
 from sloserve.checkpoint.gguf_names import ARCH_TENSORS, LONGROPE_FACTORS, QWEN35_ARCHS, ROPE_FREQS
 from sloserve.core.errors import ConfigError
@@ -67,6 +68,12 @@ END_OF_GENERATION_TEXTS = frozenset({
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
     "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
 })  # fmt: skip
+# The kinds of the metadata every architecture's reading needs (under "{arch}."); the others are checked where read
+GGUF_SETTING_KINDS = {
+    **{key: POSITIVE_INT for key in ("embedding_length", "block_count", "context_length")},
+    "attention.head_count": COUNT,  # (0 in a model of no attention: Mamba's)
+    **{key: NUMBER for key in ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "rope.freq_base")},
+}
 
 
 def is_gguf(model: str) -> bool:
@@ -127,8 +134,9 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
     reader = _reader(path)
     meta = reader.metadata
     arch = meta.get("general.architecture")
-    if arch not in ARCH_TENSORS:
+    if not isinstance(arch, str) or arch not in ARCH_TENSORS:
         raise ConfigError(f"{path}: GGUF architecture {arch!r} is not supported ({', '.join(ARCH_TENSORS)})")
+    _check_metadata_kinds(meta, arch, path)
 
     def need(key: str) -> Any:
         if f"{arch}.{key}" not in meta:
@@ -151,6 +159,9 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
     if arch in ("mamba", "mamba2"):
         return GGUFCheckpoint(path, {**_mamba_config(meta, arch, need, names, path), **vocabulary}, meta, reader)
     heads = need("attention.head_count")
+    check_positive_ints(
+        {f"{arch}.attention.head_count": heads}, (f"{arch}.attention.head_count",), str(path), "GGUF metadata "
+    )
     # (a Qwen3-MoE file may have no dense MLP's length: its every MLP is the experts)
     experts_only = arch in GGUF_MOE or arch in ("gpt-oss", "qwen35moe", "qwen3next")
     dense_mlp = meta.get(f"{arch}.feed_forward_length") if experts_only else need("feed_forward_length")
@@ -263,6 +274,19 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
         config["rope_scaling"] = {"rope_type": "frequency_factors",
                                   "factors": _frequency_factors(factors, frequencies, path)}  # fmt: skip
     return GGUFCheckpoint(path, config, meta, reader)
+
+
+def _check_metadata_kinds(meta: dict[str, Any], arch: str, path: Path) -> None:
+    """A ConfigError naming the first metadata value that every architecture's reading needs of a kind (the shape's
+    integers, the norms' epsilon and the rope base's numbers, the special tokens' ids) but that is not of it: a
+    value of another type would otherwise fail deep in the reading."""
+    kinds = {
+        **{f"{arch}.{key}": kind for key, kind in GGUF_SETTING_KINDS.items()},
+        **{key: COUNT for key in (*END_OF_GENERATION_KEYS, "tokenizer.ggml.bos_token_id")},
+    }
+    for key, (words, holds) in kinds.items():
+        if key in meta and not holds(meta[key]):
+            raise ConfigError(f"{path}: GGUF metadata {key} must be {words}, got {meta[key]!r}")
 
 
 def _mamba_config(meta: dict[str, Any], arch: str, need: Callable[[str], Any], names: set[str], path: Path):
