@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from sloserve.core.errors import ConfigError
 from sloserve.cost.base import BatchShape
@@ -149,7 +149,7 @@ class _Cells:
 
     @classmethod
     def empty(cls, num_requests: int, num_batches: int) -> _Cells:
-        return cls(*([[None] * (num_batches + 1) for _ in range(num_requests)] for _ in range(8)))
+        return cls(*([[None] * (num_batches + 1) for _ in range(num_requests)] for _ in fields(cls)))
 
 
 def _add_request(model, problem: BoundProblem, k: dict[str, int], cells: _Cells, i: int, batch_terms: list[list]):
