@@ -8,6 +8,11 @@ from typing import Any
 from sloserve.core.errors import ConfigError
 
 
+def _is_int(value: Any) -> bool:
+    """An integer, not a bool (JSON's true is not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def checked_layer_types(kinds: Any, layers: int, known, model_type: str, name: str) -> tuple[str, ...]:
     """A config's ``layer_types`` (``kinds``): ``layers`` entries, each one of ``known``; else a ConfigError naming
     them."""
@@ -21,7 +26,7 @@ def checked_layer_types(kinds: Any, layers: int, known, model_type: str, name: s
 def check_layer_period(period: Any, offset: Any, setting: str, name: str) -> None:
     """A ConfigError naming Jamba's ``{setting}_period`` or ``{setting}_offset`` unless 0 <= offset < period."""
     check_positive_ints({f"{setting}_period": period}, (f"{setting}_period",), name)
-    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < period:
+    if not _is_int(offset) or not 0 <= offset < period:
         raise ConfigError(f"{name}: {setting}_offset must be an integer in 0..{period - 1}, got {offset!r}")
 
 
@@ -40,7 +45,7 @@ def check_positive_ints(settings: dict[str, Any], keys: tuple[str, ...], name: s
     its name's prefix in the config)."""
     for key in keys:
         value = settings[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not _is_int(value) or value < 1:
             raise ConfigError(f"{name}: {label}{key} must be a positive integer, got {value!r}")
 
 
@@ -59,14 +64,10 @@ def layer_index(raw: dict[str, Any], key: str, default: int, name: str) -> int:
     value = raw.get(key, default)
     if value is None and default == 0:  # (DeepSeek's configs may say null: none)
         return 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < min(default, 0):
+    if not _is_int(value) or value < min(default, 0):
         allowed = "an integer >= 0" + (" or -1" if default == -1 else "")
         raise ConfigError(f"{name}: {key} must be {allowed}, got {value!r}")
     return value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:
