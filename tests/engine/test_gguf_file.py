@@ -157,6 +157,12 @@ SHAPE = {
         ("llama.rope.freq_base", ("array", [1.0, 2.0])),
         ("llama.attention.layer_norm_rms_epsilon", ("string", "1e-5")),
         ("tokenizer.ggml.eos_token_id", ("string", "</s>")),
+        # an architecture's own keys: a TypeError once, or read as another value (bool("false") is true)
+        ("llama.attention.key_length", ("string", "16")),
+        ("llama.nextn_predict_layers", ("float32", 1.5)),
+        ("llama.residual_scale", ("array", [0.25])),
+        ("llama.expert_weights_norm", ("string", "false")),
+        ("llama.rope.scaling.type", ("uint32", 1)),
     ],
 )
 def test_a_metadata_value_of_the_wrong_type_is_one_config_error_naming_it(tmp_path, key, value):
@@ -172,3 +178,20 @@ def test_a_metadata_value_of_the_wrong_type_is_one_config_error_naming_it(tmp_pa
         read_gguf(path)
     write_file(path, SHAPE, {}, None)
     assert read_gguf(path).hf_config["hidden_size"] == 32
+
+
+def test_a_block_count_beyond_the_files_blocks_is_one_config_error(tmp_path):
+    """A corrupt count of blocks (the reading builds lists a layer long: 10**9 ran it out of memory) against the
+    blocks the file's tensors hold."""
+    from sloserve.checkpoint.gguf import read_gguf
+    from sloserve.core.errors import ConfigError
+
+    norm = (GGML.F32, np.ones(32, dtype=np.float32))
+    tensors = {"token_embd.weight": (GGML.F32, np.ones((8, 32), dtype=np.float32)), "blk.0.attn_norm.weight": norm}
+    for count in (2, 10**9):
+        path = tmp_path / f"{count}.gguf"
+        write_file(path, {**SHAPE, "llama.block_count": ("uint32", count)}, tensors, None)
+        with pytest.raises(ConfigError, match=f"llama.block_count is {count}, but the file's tensors hold blocks 0-0 "):
+            read_gguf(path)
+    write_file(path, SHAPE, {**tensors, "blk.1.attn_norm.weight": norm}, None)  # (more blocks: the loader's to refuse)
+    assert read_gguf(path).hf_config["num_hidden_layers"] == 1

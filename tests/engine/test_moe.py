@@ -144,6 +144,8 @@ def test_bad_experts_and_cuda_graphs_are_refused(tmp_path):
     glm = {**moe_config(), "model_type": "glm4_moe", "n_routed_experts": 6}
     with pytest.raises(ConfigError, match="first_k_dense_replace must be an integer >= 0, got 1.5"):
         from_hf_config({**glm, "first_k_dense_replace": 1.5})
+    # (more dense layers than layers: every layer dense, read without a set of 10**12 indices)
+    assert from_hf_config({**glm, "first_k_dense_replace": 10**12}).moe["moe_layers"] == (False,) * 4
     with pytest.raises(ConfigError, match="routed_scaling_factor must be a positive number, got 'x'"):
         from_hf_config({**glm, "routed_scaling_factor": "x"})
     command = {**moe_config(), "model_type": "cohere2_moe", "num_experts": 6}

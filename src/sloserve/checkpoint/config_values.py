@@ -90,6 +90,8 @@ POSITIVE_NUMBER = ("a positive number", lambda v: _is_number(v) and not isinstan
 NONZERO_NUMBER = ("a number other than 0", lambda v: _is_number(v) and v != 0)
 OBJECT = ("an object", lambda v: isinstance(v, dict))
 LIST = ("a list", lambda v: isinstance(v, (list, tuple)))
+BOOLEAN = ("true or false", lambda v: isinstance(v, bool))
+TEXT = ("a string", lambda v: isinstance(v, str))
 
 
 # The kind of value a config.json's setting holds, checked before it is read (``check_setting_kinds``): a value of

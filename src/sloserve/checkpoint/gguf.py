@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from sloserve.checkpoint.config_values import COUNT, NUMBER, POSITIVE_INT, check_positive_ints
+from sloserve.checkpoint.config_values import BOOLEAN, COUNT, NUMBER, POSITIVE_INT, TEXT, check_positive_ints
 from sloserve.checkpoint.gguf_file import ELEMENT_DTYPES, GGUFFile, read_gguf_file
 from sloserve.checkpoint.gguf_names import ARCH_TENSORS, LONGROPE_FACTORS, QWEN35_ARCHS, ROPE_FREQS
 from sloserve.core.errors import ConfigError
@@ -68,12 +69,35 @@ END_OF_GENERATION_TEXTS = frozenset({
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
     "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
 })  # fmt: skip
-# The kinds of the metadata every architecture's reading needs (under "{arch}."); the others are checked where read
+# The kind of each "{arch}." metadata value the reading takes as it is, checked where the file has it: a value of
+# another type would otherwise fail deep in the reading (a TypeError, a division by zero) or be read as another
+# (a string's bool() is true). Those of two kinds (a count or one a layer: attention.head_count_kv,
+# feed_forward_length, attention.sliding_window_pattern) are checked where they are read.
 GGUF_SETTING_KINDS = {
-    **{key: POSITIVE_INT for key in ("embedding_length", "block_count", "context_length")},
-    "attention.head_count": COUNT,  # (0 in a model of no attention: Mamba's)
-    **{key: NUMBER for key in ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "rope.freq_base")},
-}
+    **{key: POSITIVE_INT for key in (
+        "embedding_length", "block_count", "context_length", "vocab_size", "attention.key_length",
+        "attention.value_length", "rope.dimension_count", "expert_feed_forward_length", "shortconv.l_cache",
+        "ssm.conv_kernel", "ssm.state_size", "ssm.inner_size", "ssm.time_step_rank",
+    )},
+    **{key: COUNT for key in (
+        "attention.head_count",  # (0 in a model of no attention: Mamba's)
+        "attention.sliding_window", "expert_count", "expert_used_count", "expert_shared_feed_forward_length",
+        "expert_group_count", "expert_group_used_count", "expert_gating_func", "leading_dense_block_count",
+        "full_attention_interval", "nextn_predict_layers", "moe_latent_size", "ssm.group_count",
+        "rope.scaling.original_context_length",
+    )},
+    **{key: NUMBER for key in (
+        "attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "rope.freq_base", "rope.freq_base_swa",
+        "attention.scale", "embedding_scale", "residual_scale", "logit_scale", "expert_weights_scale",
+        "attn_logit_softcapping", "final_logit_softcapping", "rope.scaling.factor", "rope.scaling.attn_factor",
+        "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+        "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_log_multiplier",
+    )},
+    **{key: BOOLEAN for key in (
+        "expert_weights_norm", "use_parallel_residual", "ssm.dt_b_c_rms", "rope.scaling.finetuned",
+    )},
+    "rope.scaling.type": TEXT,
+}  # fmt: skip
 
 
 def is_gguf(model: str) -> bool:
@@ -148,6 +172,7 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
     eos = {meta[key] for key in END_OF_GENERATION_KEYS if meta.get(key) is not None}
     eos |= {token_id for token_id, token in enumerate(tokens) if token in END_OF_GENERATION_TEXTS}
     names = {t.name for t in reader.tensors}
+    _check_block_count(meta, arch, names, path)
     # (every architecture's: its vocabulary and special ids, float32 weights, an LM head of its own or the embeddings')
     vocabulary = {
         "vocab_size": meta.get(f"{arch}.vocab_size") or len(tokens),
@@ -277,9 +302,8 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
 
 
 def _check_metadata_kinds(meta: dict[str, Any], arch: str, path: Path) -> None:
-    """A ConfigError naming the first metadata value that every architecture's reading needs of a kind (the shape's
-    integers, the norms' epsilon and the rope base's numbers, the special tokens' ids) but that is not of it: a
-    value of another type would otherwise fail deep in the reading."""
+    """A ConfigError naming the first metadata value the reading takes of a kind (``GGUF_SETTING_KINDS``, the special
+    tokens' ids) that is not of it."""
     kinds = {
         **{f"{arch}.{key}": kind for key, kind in GGUF_SETTING_KINDS.items()},
         **{key: COUNT for key in (*END_OF_GENERATION_KEYS, "tokenizer.ggml.bos_token_id")},
@@ -287,6 +311,18 @@ def _check_metadata_kinds(meta: dict[str, Any], arch: str, path: Path) -> None:
     for key, (words, holds) in kinds.items():
         if key in meta and not holds(meta[key]):
             raise ConfigError(f"{path}: GGUF metadata {key} must be {words}, got {meta[key]!r}")
+
+
+def _check_block_count(meta: dict[str, Any], arch: str, names: set[str], path: Path) -> None:
+    """A ConfigError where ``block_count`` counts more blocks than the file's tensors hold (``blk.{i}.*``; less the
+    multi-token-prediction blocks, which a file may leave out). NOTE: the reading builds lists a layer long: a count of
+    10**9 from a corrupt header ran it out of memory. A file of no block's tensors (its metadata alone) is not checked."""
+    blocks = [int(name.split(".")[1]) for name in names if re.match(r"blk\.\d+\.", name)]
+    count = meta.get(f"{arch}.block_count")
+    if blocks and count is not None and count - (meta.get(f"{arch}.nextn_predict_layers") or 0) > max(blocks) + 1:
+        raise ConfigError(
+            f"{path}: GGUF {arch}.block_count is {count}, but the file's tensors hold blocks 0-{max(blocks)} only"
+        )
 
 
 def _mamba_config(meta: dict[str, Any], arch: str, need: Callable[[str], Any], names: set[str], path: Path):
@@ -440,7 +476,7 @@ def _qwen35_config(meta: dict[str, Any], arch: str, config: dict[str, Any], need
     layers = config["num_hidden_layers"] - (meta.get(f"{arch}.nextn_predict_layers") or 0)
     value_heads, value_width = need("ssm.time_step_rank"), need("ssm.inner_size")
     key_heads = need("ssm.group_count")
-    if not (isinstance(interval, int) and interval >= 1 and layers >= 1 and value_heads % key_heads == 0
+    if not (interval >= 1 and layers >= 1 and key_heads >= 1 and value_heads % key_heads == 0
             and value_width % value_heads == 0):  # fmt: skip
         raise ConfigError(
             f"{path}: GGUF {arch}'s full_attention_interval {interval!r}, {layers} layers (less the "

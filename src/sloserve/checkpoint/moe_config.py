@@ -102,7 +102,7 @@ def read_moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | No
     ):  # ("dense", "sparse")
         dense = dense_layers(raw["mlp_layer_types"], layers, name)
     elif kind in (*DEEPSEEK_ROUTED, "cohere2_moe"):  # (its first first_k_dense_replace layers' MLPs dense)
-        dense = set(range(layer_index(raw, "first_k_dense_replace", 0, name)))
+        dense = set(range(min(layer_index(raw, "first_k_dense_replace", 0, name), layers)))
     elif kind == "jamba":  # (its experts where i % expert_layer_period is expert_layer_offset; one expert: none)
         period, offset = raw.get("expert_layer_period", 2), raw.get("expert_layer_offset", 1)
         check_layer_period(period, offset, "expert_layer", name)
