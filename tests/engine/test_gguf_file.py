@@ -180,6 +180,28 @@ def test_a_metadata_value_of_the_wrong_type_is_one_config_error_naming_it(tmp_pa
     assert read_gguf(path).hf_config["hidden_size"] == 32
 
 
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("tokenizer.ggml.tokens", ("array", [7, 8]), "a list of strings; item 0 is 7"),
+        ("tokenizer.ggml.scores", ("array", ["a", "b"]), "a list of numbers; item 0 is 'a'"),
+        ("tokenizer.ggml.token_type", ("string", "normal"), "a list of integers, got 'normal'"),
+        ("tokenizer.ggml.add_bos_token", ("string", "no"), "true or false, got 'no'"),
+        ("tokenizer.chat_template", ("uint32", 1), "a string, got 1"),
+    ],
+)
+def test_the_tokenizers_metadata_of_the_wrong_type_is_one_config_error_naming_it(tmp_path, key, value, message):
+    """Read before the tokenizer is built (once a TypeError there, or "no" read as true), a list's first item of
+    another kind named rather than the list (a vocabulary's is 100,000 tokens long)."""
+    from sloserve.checkpoint.gguf import read_gguf
+    from sloserve.core.errors import ConfigError
+
+    path = tmp_path / "odd.gguf"
+    write_file(path, {**SHAPE, "tokenizer.ggml.tokens": ("array", ["a", "b"]), key: value}, {}, None)
+    with pytest.raises(ConfigError, match=re.escape(f"odd.gguf: GGUF metadata {key} must be {message}")):
+        read_gguf(path)
+
+
 def test_a_block_count_beyond_the_files_blocks_is_one_config_error(tmp_path):
     """A corrupt count of blocks (the reading builds lists a layer long: 10**9 ran it out of memory) against the
     blocks the file's tensors hold."""

@@ -131,7 +131,7 @@ def test_the_pre_tokenizer_a_file_names_reads_the_tokens_transformers_reads(tmp_
     """Other names of llama.cpp's pre-tokenizers (Mistral Nemo's, DeepSeek-R1's Qwen distills', Phi-4 mini's,
     Falcon-H1's; OLMo's and MPT's, GPT-2's pattern): the engine splits text as transformers' GGUF reader does, and
     as the tokenizer.json trained with that split; a name neither knows is refused rather than read as GPT-2's, and a merge that is not two tokens
-    by name."""
+    that make a third by name."""
     tokenizer = llama3_tokenizer(PRE_TOKENIZER_SPLITS[pre])
     path = tmp_path / f"{pre}.gguf"
     write_llama3_gguf(path, hf_llama3(tokenizer.get_vocab_size(), ROPE), tokenizer, pre=pre)
@@ -145,6 +145,14 @@ def test_the_pre_tokenizer_a_file_names_reads_the_tokens_transformers_reads(tmp_
                {"add_tokenizer_model": "gpt2", "add_token_list": sorted(tokenizer.get_vocab(), key=tokenizer.get_vocab().get),
                 "add_token_merges": [*merges[:3], "nospace", *merges[3:]]})  # fmt: skip
     with pytest.raises(ConfigError, match="GGUF merge 3 of tokenizer.ggml.merges is 'nospace', not two tokens"):
+        LLM(str(bad_merge), kv_capacity_tokens=256)
+    # (two tokens that make none: a panic in the tokenizers library, once, which no `except Exception` caught)
+    write_gguf(bad_merge, hf_llama3(tokenizer.get_vocab_size(), ROPE),
+               {"add_tokenizer_model": "gpt2", "add_token_list": sorted(tokenizer.get_vocab(), key=tokenizer.get_vocab().get),
+                "add_token_merges": [*merges[:3], "<think> </think>", *merges[3:]]})  # fmt: skip
+    with pytest.raises(
+        ConfigError, match="merge 3 of tokenizer.ggml.merges is '<think> </think>', not two tokens .* that"
+    ):
         LLM(str(bad_merge), kv_capacity_tokens=256)
     unknown = tmp_path / "unknown.gguf"
     write_llama3_gguf(unknown, hf_llama3(tokenizer.get_vocab_size(), ROPE), tokenizer, pre="nonesuch")

@@ -92,6 +92,9 @@ OBJECT = ("an object", lambda v: isinstance(v, dict))
 LIST = ("a list", lambda v: isinstance(v, (list, tuple)))
 BOOLEAN = ("true or false", lambda v: isinstance(v, bool))
 TEXT = ("a string", lambda v: isinstance(v, str))
+STRINGS = ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
+NUMBERS = ("a list of numbers", lambda v: isinstance(v, list) and all(_is_number(x) for x in v))
+INTEGERS = ("a list of integers", lambda v: isinstance(v, list) and all(_is_int(x) for x in v))
 
 
 # The kind of value a config.json's setting holds, checked before it is read (``check_setting_kinds``): a value of

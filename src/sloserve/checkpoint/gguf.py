@@ -38,7 +38,17 @@ from typing import Any
 
 import numpy as np
 
-from sloserve.checkpoint.config_values import BOOLEAN, COUNT, NUMBER, POSITIVE_INT, TEXT, check_positive_ints
+from sloserve.checkpoint.config_values import (
+    BOOLEAN,
+    COUNT,
+    INTEGERS,
+    NUMBER,
+    NUMBERS,
+    POSITIVE_INT,
+    STRINGS,
+    TEXT,
+    check_positive_ints,
+)
 from sloserve.checkpoint.gguf_file import ELEMENT_DTYPES, GGUFFile, read_gguf_file
 from sloserve.checkpoint.gguf_names import ARCH_TENSORS, LONGROPE_FACTORS, QWEN35_ARCHS, ROPE_FREQS
 from sloserve.core.errors import ConfigError
@@ -69,6 +79,8 @@ END_OF_GENERATION_TEXTS = frozenset({
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
     "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
 })  # fmt: skip
+# The special tokens a file may name by id (tokenizer.ggml.{name}_token_id)
+SPECIAL_TOKENS = ("bos", "eos", "unknown", "padding")
 # The kind of each "{arch}." metadata value the reading takes as it is, checked where the file has it: a value of
 # another type would otherwise fail deep in the reading (a TypeError, a division by zero) or be read as another
 # (a string's bool() is true). Those of two kinds (a count or one a layer: attention.head_count_kv,
@@ -97,6 +109,14 @@ GGUF_SETTING_KINDS = {
         "expert_weights_norm", "use_parallel_residual", "ssm.dt_b_c_rms", "rope.scaling.finetuned",
     )},
     "rope.scaling.type": TEXT,
+}  # fmt: skip
+# ... and of the tokenizer's, the special tokens' ids and the chat template
+GGUF_TOKENIZER_KINDS = {
+    "tokenizer.ggml.model": TEXT, "tokenizer.ggml.pre": TEXT, "tokenizer.ggml.tokens": STRINGS,
+    "tokenizer.ggml.merges": STRINGS, "tokenizer.ggml.scores": NUMBERS, "tokenizer.ggml.token_type": INTEGERS,
+    "tokenizer.ggml.add_bos_token": BOOLEAN, "tokenizer.ggml.add_space_prefix": BOOLEAN,
+    **{key: COUNT for key in (*END_OF_GENERATION_KEYS, *(f"tokenizer.ggml.{name}_token_id" for name in SPECIAL_TOKENS))},
+    "tokenizer.chat_template": TEXT,
 }  # fmt: skip
 
 
@@ -137,7 +157,7 @@ class GGUFCheckpoint:
         """``bos_token``... as text, for chat templates."""
         tokens = self.metadata.get("tokenizer.ggml.tokens") or []
         named = {}
-        for name in ("bos", "eos", "unknown", "padding"):
+        for name in SPECIAL_TOKENS:
             token_id = self.metadata.get(f"tokenizer.ggml.{name}_token_id")
             if token_id is not None and token_id < len(tokens):
                 named[{"unknown": "unk_token", "padding": "pad_token"}.get(name, f"{name}_token")] = tokens[token_id]
@@ -304,13 +324,16 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
 def _check_metadata_kinds(meta: dict[str, Any], arch: str, path: Path) -> None:
     """A ConfigError naming the first metadata value the reading takes of a kind (``GGUF_SETTING_KINDS``, the special
     tokens' ids) that is not of it."""
-    kinds = {
-        **{f"{arch}.{key}": kind for key, kind in GGUF_SETTING_KINDS.items()},
-        **{key: COUNT for key in (*END_OF_GENERATION_KEYS, "tokenizer.ggml.bos_token_id")},
-    }
+    kinds = {**{f"{arch}.{key}": kind for key, kind in GGUF_SETTING_KINDS.items()}, **GGUF_TOKENIZER_KINDS}
     for key, (words, holds) in kinds.items():
-        if key in meta and not holds(meta[key]):
-            raise ConfigError(f"{path}: GGUF metadata {key} must be {words}, got {meta[key]!r}")
+        if key not in meta or holds(meta[key]):
+            continue
+        value = meta[key]
+        if isinstance(value, list) and value and kinds[key] in (STRINGS, NUMBERS, INTEGERS):  # (a vocabulary's list:
+            # its first item of another kind, not the list)
+            index = next(i for i, item in enumerate(value) if not holds([item]))
+            raise ConfigError(f"{path}: GGUF metadata {key} must be {words}; item {index} is {value[index]!r}")
+        raise ConfigError(f"{path}: GGUF metadata {key} must be {words}, got {value!r}")
 
 
 def _check_block_count(meta: dict[str, Any], arch: str, names: set[str], path: Path) -> None:

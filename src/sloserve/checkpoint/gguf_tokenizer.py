@@ -140,14 +140,15 @@ def _byte_level_bpe(checkpoint: GGUFCheckpoint, tokens: list[str]):
 
     meta = checkpoint.metadata
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-    bad = next((i for i, merge in enumerate(merges) if len(merge) != 2), None)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    # NOTE: the tokenizers package panics (a BaseException) on a merge whose result is not a token
+    bad = next((i for i, m in enumerate(merges) if len(m) != 2 or not {*m, "".join(m)} <= vocab.keys()), None)
     if bad is not None:
         raise ConfigError(
             f"{checkpoint.path}: GGUF merge {bad} of tokenizer.ggml.merges is {meta['tokenizer.ggml.merges'][bad]!r}, "
-            "not two tokens separated by a space"
+            "not two tokens separated by a space that make a third (tokenizer.ggml.tokens)"
         )
     pre = meta.get("tokenizer.ggml.pre")
-    vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=pre in WHOLE_PIECE_PRE_TOKENIZERS))
     if pre not in PRE_TOKENIZER_SPLITS:
         known = ", ".join(name for name in PRE_TOKENIZER_SPLITS if name is not None)
