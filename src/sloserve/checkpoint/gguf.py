@@ -181,28 +181,47 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
     if not isinstance(arch, str) or arch not in ARCH_TENSORS:
         raise ConfigError(f"{path}: GGUF architecture {arch!r} is not supported ({', '.join(ARCH_TENSORS)})")
     _check_metadata_kinds(meta, arch, path)
+    names = {t.name for t in reader.tensors}
+    _check_block_count(meta, arch, names, path)
 
     def need(key: str) -> Any:
         if f"{arch}.{key}" not in meta:
             raise ConfigError(f"{path}: GGUF metadata has no '{arch}.{key}'")
         return meta[f"{arch}.{key}"]
 
-    hidden = need("embedding_length")
+    vocabulary = _vocabulary(meta, arch, names)
+    if arch in ("mamba", "mamba2"):
+        return GGUFCheckpoint(path, {**_mamba_config(meta, arch, need, names, path), **vocabulary}, meta, reader)
+    config = {**_transformer_config(meta, arch, need, path), **vocabulary}
+    config["rope_scaling"] = _rope_scaling(meta, arch, path)
+    _add_architecture_fields(config, meta, arch, need, names, reader, path)
+    factors = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if factors is not None:
+        frequencies = config["head_dim"] // 2
+        config["rope_scaling"] = {"rope_type": "frequency_factors",
+                                  "factors": _frequency_factors(factors, frequencies, path)}  # fmt: skip
+    return GGUFCheckpoint(path, config, meta, reader)
+
+
+def _vocabulary(meta: dict[str, Any], arch: str, names: set[str]) -> dict[str, Any]:
+    """Every architecture's: its vocabulary and special ids, float32 weights, an LM head of its own or the
+    embeddings'."""
     tokens = meta.get("tokenizer.ggml.tokens") or []
     eos = {meta[key] for key in END_OF_GENERATION_KEYS if meta.get(key) is not None}
     eos |= {token_id for token_id, token in enumerate(tokens) if token in END_OF_GENERATION_TEXTS}
-    names = {t.name for t in reader.tensors}
-    _check_block_count(meta, arch, names, path)
-    # (every architecture's: its vocabulary and special ids, float32 weights, an LM head of its own or the embeddings')
-    vocabulary = {
+    return {
         "vocab_size": meta.get(f"{arch}.vocab_size") or len(tokens),
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": sorted(eos),
         "torch_dtype": "float32",  # dequantized weights are float32
         "tie_word_embeddings": "output.weight" not in names,
     }
-    if arch in ("mamba", "mamba2"):
-        return GGUFCheckpoint(path, {**_mamba_config(meta, arch, need, names, path), **vocabulary}, meta, reader)
+
+
+def _transformer_config(meta: dict[str, Any], arch: str, need: Callable[[str], Any], path: Path) -> dict[str, Any]:
+    """The shape every architecture with attention has: its width, layers, heads and their width, MLP, context,
+    norms' epsilon, rope base and the part of a head it turns."""
+    hidden = need("embedding_length")
     heads = need("attention.head_count")
     check_positive_ints(
         {f"{arch}.attention.head_count": heads}, (f"{arch}.attention.head_count",), str(path), "GGUF metadata "
@@ -212,7 +231,6 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
     dense_mlp = meta.get(f"{arch}.feed_forward_length") if experts_only else need("feed_forward_length")
     config = {
         "model_type": "gemma3_text" if arch == "gemma3" else arch,
-        **vocabulary,
         "hidden_size": hidden,
         "intermediate_size": dense_mlp,
         "num_hidden_layers": need("block_count"),
@@ -231,17 +249,26 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
     if rotated is not None and rotated != config["head_dim"]:
         # NOTE: Phi-4 mini's partial rotary, as transformers' phi3 reads it, and StableLM's (its other archs
         # rotate whole heads)
-        if (
-            arch not in PARTIAL_ROTARY_ARCHS
-            or not isinstance(rotated, int)
-            or int(config["head_dim"] * (rotated / config["head_dim"])) != rotated
-        ):
+        if arch not in PARTIAL_ROTARY_ARCHS or int(config["head_dim"] * (rotated / config["head_dim"])) != rotated:
             raise ConfigError(
                 f"{path}: GGUF {arch}.rope.dimension_count {rotated} rotates part of a head of {config['head_dim']}; "
                 f"partial rotary embeddings are supported for {', '.join(PARTIAL_ROTARY_ARCHS)} only"
             )
         config["partial_rotary_factor"] = rotated / config["head_dim"]
-    config["rope_scaling"] = _rope_scaling(meta, arch, path)
+    return config
+
+
+def _add_architecture_fields(
+    config: dict[str, Any],
+    meta: dict[str, Any],
+    arch: str,
+    need: Callable[[str], Any],
+    names: set[str],
+    reader: GGUFFile,
+    path: Path,
+) -> None:
+    """What ``config`` needs of each architecture besides the shape, as its HF config names it. NOTE: in this order:
+    the hybrids read the fields set before them (the KV heads, the MLP's length, the epsilon)."""
     if arch in GEMMA_LAYOUT:
         config.update(_gemma_config(meta, arch, config, path))
     if arch in GGUF_MOE:  # every layer's MLP the experts (llama.cpp's qwen3moe and qwen2moe)
@@ -312,13 +339,8 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GGUFCheckpoint:
     if arch == "phi3":  # every layer's window (Phi-3 mini's 2,047; 0: none, Phi-4's)
         config["sliding_window"] = meta.get("phi3.attention.sliding_window") or None
         if any(t.name in LONGROPE_FACTORS.values() for t in reader.tensors):
-            config["rope_scaling"] = _longrope_scaling(meta, reader, rotated or config["head_dim"], path)
-    factors = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
-    if factors is not None:
-        frequencies = config["head_dim"] // 2
-        config["rope_scaling"] = {"rope_type": "frequency_factors",
-                                  "factors": _frequency_factors(factors, frequencies, path)}  # fmt: skip
-    return GGUFCheckpoint(path, config, meta, reader)
+            rotary_dim = meta.get("phi3.rope.dimension_count") or config["head_dim"]
+            config["rope_scaling"] = _longrope_scaling(meta, reader, rotary_dim, path)
 
 
 def _check_metadata_kinds(meta: dict[str, Any], arch: str, path: Path) -> None:
