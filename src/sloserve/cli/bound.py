@@ -60,52 +60,17 @@ def bound(
 
     from sloserve.cost import LinearCostModel, linear_coefficients
     from sloserve.optimal import MAX_CELLS, BoundProblem, relaxed_bound, run_heuristic, solve_bound
-    from sloserve.optimal.gantt import plot_gantt
-    from sloserve.optimal.problem import MAX_BOUND_TOKENS
 
     try:
         import ortools  # noqa: F401
     except ImportError:
         raise ConfigError("sloserve bound needs OR-Tools: pip install 'sloserve[bound]'") from None
     check_out(out)  # NOTE: before the solve, which may take minutes
-    if (fixed is None) == (trace is None):
-        raise ConfigError("give --fixed I,O or --trace NAME")
-    if num_requests < 1:
-        raise ConfigError(f"--num-requests must be >= 1, got {num_requests}")
-    if not time_limit > 0:
-        raise ConfigError(f"--time-limit must be > 0 seconds, got {time_limit}")
-    if max_cells is not None and max_cells < 1:
-        raise ConfigError(f"--max-cells must be >= 1, got {max_cells}")
-    check_rate("--rate", rate)
-    if num_requests > MAX_BOUND_REQUESTS:
-        raise ConfigError(
-            f"--num-requests {num_requests} is above bound's limit of {MAX_BOUND_REQUESTS:,} (the exact model is "
-            "NP-hard and solves tens of requests; past the limit only the relaxation bounds the heuristics): "
-            "give fewer, or compare policies on large workloads with `sloserve compare`"
-        )
-    if fixed is not None:
-        try:
-            prompt, output = (int(x) for x in fixed.split(","))
-        except ValueError:
-            raise ConfigError(f"--fixed expects I,O (two integers), got {fixed!r}") from None
-        if prompt < 1 or output < 1:
-            raise ConfigError(f"--fixed lengths must be >= 1, got {fixed!r}")
-        from sloserve.workload import synthetic_workload
-
-        workload = synthetic_workload(prompt, output, num_requests, context_len=10**9, seed=seed, rate=rate)
-    else:
-        from sloserve.workload import workload_from_trace
-
-        workload = workload_from_trace(
-            trace, num_requests=num_requests, seed=seed, context_len=10**9, rate=rate, offline=rate is None
-        )
-    reqs = workload.requests
+    _check_options(fixed, trace, num_requests, rate, time_limit, max_cells)
+    reqs = _workload(fixed, trace, num_requests, rate, seed).requests
     prompts = tuple(r.num_prompt_tokens for r in reqs)
     outputs = tuple(r.true_output_tokens for r in reqs)
-    if capacity is None:
-        longest = max(range(len(reqs)), key=lambda i: prompts[i] + outputs[i])
-        capacity = max(2 * prompts[longest], prompts[longest] + outputs[longest] - 1)
-        capacity = max(min(capacity, MAX_BOUND_TOKENS), prompts[longest] + outputs[longest] - 1)
+    capacity = _default_capacity(prompts, outputs) if capacity is None else capacity
     cost = LinearCostModel(linear_coefficients(cost_model))
     problem = BoundProblem(prompts, outputs, tuple(r.arrival_time for r in reqs), capacity, budget, prefill_budget)
     names = scheduler_list(compare_with)
@@ -156,38 +121,94 @@ def bound(
             f"{run.num_evictions} evictions"
         )
     if out is not None:
-        import json as _json
+        status = result.status if in_reach else "NOT_SOLVED"
+        _write_schedule(out, problem, status, relaxed, runs, result if solved else None)
 
-        out.mkdir(parents=True, exist_ok=True)
-        doc = {
-            "status": result.status if in_reach else "NOT_SOLVED", "relaxed_bound_s": relaxed,
-            "problem": {"prompts": prompts, "outputs": outputs, "arrivals": problem.arrivals,
-                        "kv_capacity_tokens": capacity, "max_num_batched_tokens": budget,
-                        "prefill_token_budget": prefill_budget, "num_batches": problem.num_batches},
-            "heuristics": {r.name: {"latency_s": r.latency_s, "evictions": r.num_evictions} for r in runs},
-        }  # fmt: skip
-        if solved:
-            doc.update(
-                latency_s=result.latency_s,
-                objective_s=result.objective_s,
-                best_bound_s=result.best_bound_s,
-                gap=result.gap,
-                schedule=[
-                    {
-                        "start_s": b.start_s,
-                        "end_s": b.end_s,
-                        "tokens": b.tokens,
-                        "evicted": b.evicted,
-                        "kv_tokens": b.kv_tokens,
-                    }
-                    for b in result.schedule
-                ],
-            )
-            plot_gantt(
-                problem,
-                result.schedule,
-                out / "gantt.png",
-                title=f"{result.status} schedule, latency {result.latency_s * 1e3:.2f} ms",
-            )
-        (out / "schedule.json").write_text(_json.dumps(doc, indent=2))
-        click.echo(f"wrote {out}/schedule.json" + (f" and {out}/gantt.png" if solved else ""))
+
+def _check_options(fixed, trace, num_requests, rate, time_limit, max_cells) -> None:
+    """A ConfigError for the first option out of range (before any request is sampled)."""
+    if (fixed is None) == (trace is None):
+        raise ConfigError("give --fixed I,O or --trace NAME")
+    if num_requests < 1:
+        raise ConfigError(f"--num-requests must be >= 1, got {num_requests}")
+    if not time_limit > 0:
+        raise ConfigError(f"--time-limit must be > 0 seconds, got {time_limit}")
+    if max_cells is not None and max_cells < 1:
+        raise ConfigError(f"--max-cells must be >= 1, got {max_cells}")
+    check_rate("--rate", rate)
+    if num_requests > MAX_BOUND_REQUESTS:
+        raise ConfigError(
+            f"--num-requests {num_requests} is above bound's limit of {MAX_BOUND_REQUESTS:,} (the exact model is "
+            "NP-hard and solves tens of requests; past the limit only the relaxation bounds the heuristics): "
+            "give fewer, or compare policies on large workloads with `sloserve compare`"
+        )
+
+
+def _workload(fixed, trace, num_requests, rate, seed):
+    """The requests of ``--fixed I,O`` or sampled from ``--trace``, Poisson at ``--rate`` or all at t=0."""
+    if fixed is not None:
+        try:
+            prompt, output = (int(x) for x in fixed.split(","))
+        except ValueError:
+            raise ConfigError(f"--fixed expects I,O (two integers), got {fixed!r}") from None
+        if prompt < 1 or output < 1:
+            raise ConfigError(f"--fixed lengths must be >= 1, got {fixed!r}")
+        from sloserve.workload import synthetic_workload
+
+        return synthetic_workload(prompt, output, num_requests, context_len=10**9, seed=seed, rate=rate)
+    from sloserve.workload import workload_from_trace
+
+    return workload_from_trace(
+        trace, num_requests=num_requests, seed=seed, context_len=10**9, rate=rate, offline=rate is None
+    )
+
+
+def _default_capacity(prompts: tuple[int, ...], outputs: tuple[int, ...]) -> int:
+    """M when not given: max(2I, I+O-1) of the longest request, capped at the bound's largest but never below what
+    that request needs."""
+    from sloserve.optimal.problem import MAX_BOUND_TOKENS
+
+    longest = max(range(len(prompts)), key=lambda i: prompts[i] + outputs[i])
+    capacity = max(2 * prompts[longest], prompts[longest] + outputs[longest] - 1)
+    return max(min(capacity, MAX_BOUND_TOKENS), prompts[longest] + outputs[longest] - 1)
+
+
+def _write_schedule(out: Path, problem, status: str, relaxed: float, runs: list, result) -> None:
+    """``out``/schedule.json (the problem, the relaxation, each heuristic; the schedule where one was found, then
+    drawn in gantt.png too)."""
+    import json
+
+    from sloserve.optimal.gantt import plot_gantt
+
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "status": status,
+        "relaxed_bound_s": relaxed,
+        "problem": dataclasses.asdict(problem),  # (I, O, T, M, C, P, J)
+        "heuristics": {r.name: {"latency_s": r.latency_s, "evictions": r.num_evictions} for r in runs},
+    }
+    if result is not None:
+        doc.update(
+            latency_s=result.latency_s,
+            objective_s=result.objective_s,
+            best_bound_s=result.best_bound_s,
+            gap=result.gap,
+            schedule=[
+                {
+                    "start_s": b.start_s,
+                    "end_s": b.end_s,
+                    "tokens": b.tokens,
+                    "evicted": b.evicted,
+                    "kv_tokens": b.kv_tokens,
+                }
+                for b in result.schedule
+            ],  # fmt: skip
+        )
+        plot_gantt(
+            problem,
+            result.schedule,
+            out / "gantt.png",
+            title=f"{result.status} schedule, latency {result.latency_s * 1e3:.2f} ms",
+        )
+    (out / "schedule.json").write_text(json.dumps(doc, indent=2))
+    click.echo(f"wrote {out}/schedule.json" + (f" and {out}/gantt.png" if result is not None else ""))
