@@ -309,7 +309,9 @@ def test_jct_slo_is_scale_times_unloaded_latency():
         ({"reserve": -0.1}, "reserve must be in \\[0, 1\\)"),
         ({"buffer": 1.5}, "buffer must be in \\[0, 1\\)"),
         ({"target_forward_size": 0}, "target_forward_size \\(TFS\\) must be in"),
-        ({"slo_scale": 0}, "slo_scale must be > 0"),
+        ({"slo_scale": 0}, "slo_scale must be a finite number > 0"),
+        ({"slo_scale": "inf"}, "slo_scale must be a finite number > 0, got inf"),  # (a ValueError once)
+        ({"soon_deadline_s": "inf"}, "urgent_deadline_s < soon_deadline_s, both finite, got 0.5, inf"),
         ({"predictor": "psychic"}, "predictor.*expected one of oracle, noisy-oracle, histogram"),
         ({"pipelining": "false"}, "pipelining and kv_manager=pipelined go together"),
         ({"predictor_bucket_tokens": 0}, "predictor_bucket_tokens must be >= 1"),

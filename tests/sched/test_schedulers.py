@@ -165,6 +165,13 @@ def test_unknown_scheduler_and_option_errors():
         scheduler("vllm", 1000, chunked_prefill="true")
 
 
+@pytest.mark.parametrize("name", scheduler_names())
+def test_every_policy_refuses_a_block_of_no_tokens(name):
+    """(BROS's and RR's configs did not check it: a ZeroDivisionError once)"""
+    with pytest.raises(ConfigError, match="block_size.* must be >= 1"):
+        scheduler(name, 1000, block_size="0")
+
+
 def test_a_presets_prefill_budget_is_capped_by_a_smaller_token_budget_the_caller_set():
     """Sarathi's P = 512 under C = 256 chunks at 256, as vLLM's chunks are at max_num_batched_tokens (once "P=512
     exceeds C=256", a budget the caller never set: `sloserve bound --max-num-batched-tokens 256` failed so)."""

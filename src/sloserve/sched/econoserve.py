@@ -97,11 +97,12 @@ class EconoServeConfig:
                 f"target_forward_size (TFS) must be in (0, max_num_batched_tokens={self.max_num_batched_tokens}], "
                 f"got {self.target_forward_size}"
             )
-        if not self.slo_scale > 0:
-            raise ConfigError(f"slo_scale must be > 0, got {self.slo_scale}")
-        if not 0 < self.urgent_deadline_s < self.soon_deadline_s:
+        # (finite: a deadline of inf has no place on the deadline wheel)
+        if not (self.slo_scale > 0 and math.isfinite(self.slo_scale)):
+            raise ConfigError(f"slo_scale must be a finite number > 0, got {self.slo_scale}")
+        if not 0 < self.urgent_deadline_s < self.soon_deadline_s < math.inf:
             raise ConfigError(
-                f"deadline ranges need 0 < urgent_deadline_s < soon_deadline_s, got "
+                f"deadline ranges need 0 < urgent_deadline_s < soon_deadline_s, both finite, got "
                 f"{self.urgent_deadline_s}, {self.soon_deadline_s}"
             )
         if min(self.kv_range_tokens, self.max_num_seqs, self.block_size, self.predictor_bucket_tokens) < 1:

@@ -142,6 +142,8 @@ def make_scheduler(
     spec = get_spec(name)
     config = build_config(name, options)
     config.resolve(max_model_len)
+    if config.block_size < 1:  # (every policy's KV is counted in blocks)
+        raise ConfigError(f"scheduler {name}: block_size must be >= 1, got {config.block_size}")
     if spec.needs_cost_model and cost_model is None:
         raise ConfigError(f"scheduler {name} estimates batch times and needs a cost model")
     if config.kv_manager not in KV_MANAGERS:
