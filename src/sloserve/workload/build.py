@@ -110,58 +110,20 @@ def build_workload(
         or not rate_scale > 0
     ):
         raise ConfigError(f"rate_scale must be > 0, got {rate_scale!r}")
-    counts = _split(spec, num_requests)
-    children = np.random.SeedSequence(seed).spawn(len(spec.streams))
-
-    times, prompts, outputs, stream_ids, caps, thinks, sessions = [], [], [], [], [], [], []
-    settings: list[_Settings] = []  # per row
-    contents: list[Callable[[int, int], SegmentedPrompt] | None] = []  # per row: its prompt's content
-    for i, (stream, n, child) in enumerate(zip(spec.streams, counts, children)):
-        len_seed, arr_seed = child.spawn(2)
-        prefix = f"{spec.origin}: streams[{i}] ({stream.name}): "
-        rngs = np.random.default_rng(len_seed), np.random.default_rng(arr_seed)
-        try:
-            if isinstance(stream.source, ConversationSource):
-                sampled = _sample_conversations(stream, n, *rngs, rate_scale or 1.0, context_len, i)
-            else:
-                sampled = _sample(stream, n, *rngs, rate_scale or 1.0, prefix)
-        except ConfigError as exc:
-            if str(exc).startswith(prefix):
-                raise
-            exc.args = (prefix + str(exc),)
-            raise
-        contents.extend(sampled.contents)
-        times.append(sampled.t + stream.start_s)
-        prompts.append(sampled.p)
-        outputs.append(sampled.o)
-        thinks.append(sampled.think)
-        sessions.append(sampled.session)
-        stream_ids.append(np.full(n, i, dtype=np.int64))
-        if any(r is not None for r in sampled.recorded):
-            rows = [_request_settings(stream, recorded) for recorded in sampled.recorded]
-        else:
-            rows = [_request_settings(stream, None)] * n
-        settings.extend(rows)
-        caps.append(np.array([row.max_tokens or context_len for row in rows], dtype=np.int64))
-
-    t = np.concatenate(times) if times else np.zeros(0)
-    p = np.concatenate(prompts).astype(np.int64)
-    o = np.concatenate(outputs).astype(np.int64)
-    sid = np.concatenate(stream_ids)
-    think = np.concatenate(thinks)
-    session = np.concatenate(sessions)
-    sample = np.concatenate([np.arange(n, dtype=np.int64) for n in counts])
+    rows = _sample_streams(spec, _split(spec, num_requests), seed, rate_scale or 1.0, context_len)
+    t, p, o = rows.t, rows.p, rows.o
 
     prompt_clipped = p > context_len - 1
     p = np.minimum(p, context_len - 1)
     output_clipped = p + o > context_len
     o = np.minimum(o, context_len - p)
     clipped = prompt_clipped | output_clipped
-    max_tokens = np.minimum(np.concatenate(caps), context_len - p)
+    max_tokens = np.minimum(rows.caps, context_len - p)
     capped = o > max_tokens
     o = np.minimum(o, max_tokens)
 
-    order = np.lexsort((sample, sid, t))
+    order = np.lexsort((rows.sample, rows.sid, t))
+    settings, contents = rows.settings, rows.contents
     requests = [
         Request(
             request_id=rid,
@@ -182,29 +144,98 @@ def build_workload(
                 p[order].tolist(),
                 o[order].tolist(),
                 max_tokens[order].tolist(),
-                think[order].tolist(),
+                rows.think[order].tolist(),
             )
         )
     ]
     requests_by_row = [None] * len(requests)  # row k of the unsorted arrays -> its Request
     for rid, k in enumerate(order.tolist()):
         requests_by_row[k] = requests[rid]
-    details = _details(spec, sid, clipped, prompt_clipped, output_clipped, capped, context_len)
+    details = _details(spec, rows.sid, clipped, prompt_clipped, output_clipped, capped, context_len)
+    return Workload(spec.name, requests, int(clipped.sum()), details, _chains(spec, rows, requests_by_row))
+
+
+@dataclass
+class _Rows:
+    """The sampled requests of every stream, a row each, streams one after another (not yet in arrival order)."""
+
+    t: np.ndarray  # arrival, s
+    p: np.ndarray  # prompt tokens
+    o: np.ndarray  # output tokens
+    sid: np.ndarray  # the stream's index
+    think: np.ndarray  # the think time before it (a conversation's turn), s
+    session: np.ndarray  # its conversation (a conversation's turn)
+    sample: np.ndarray  # its place among its stream's
+    caps: np.ndarray  # max_tokens (the context where none)
+    settings: list[_Settings]
+    contents: list[Callable[[int, int], SegmentedPrompt] | None]  # its prompt's content
+
+
+def _sample_streams(spec: WorkloadSpec, counts: list[int], seed: int, rate_scale: float, context_len: int) -> _Rows:
+    """``counts[i]`` requests of each stream, each stream from its own child of ``SeedSequence(seed)``."""
+    children = np.random.SeedSequence(seed).spawn(len(spec.streams))
+    times, prompts, outputs, stream_ids, caps, thinks, sessions = [], [], [], [], [], [], []
+    settings: list[_Settings] = []
+    contents: list[Callable[[int, int], SegmentedPrompt] | None] = []
+    for i, (stream, n, child) in enumerate(zip(spec.streams, counts, children)):
+        len_seed, arr_seed = child.spawn(2)
+        prefix = f"{spec.origin}: streams[{i}] ({stream.name}): "
+        rngs = np.random.default_rng(len_seed), np.random.default_rng(arr_seed)
+        try:
+            if isinstance(stream.source, ConversationSource):
+                sampled = _sample_conversations(stream, n, *rngs, rate_scale, context_len, i)
+            else:
+                sampled = _sample(stream, n, *rngs, rate_scale, prefix)
+        except ConfigError as exc:
+            if str(exc).startswith(prefix):
+                raise
+            exc.args = (prefix + str(exc),)
+            raise
+        contents.extend(sampled.contents)
+        times.append(sampled.t + stream.start_s)
+        prompts.append(sampled.p)
+        outputs.append(sampled.o)
+        thinks.append(sampled.think)
+        sessions.append(sampled.session)
+        stream_ids.append(np.full(n, i, dtype=np.int64))
+        if any(r is not None for r in sampled.recorded):
+            rows = [_request_settings(stream, recorded) for recorded in sampled.recorded]
+        else:
+            rows = [_request_settings(stream, None)] * n
+        settings.extend(rows)
+        caps.append(np.array([row.max_tokens or context_len for row in rows], dtype=np.int64))
+    return _Rows(
+        t=np.concatenate(times) if times else np.zeros(0),
+        p=np.concatenate(prompts).astype(np.int64),
+        o=np.concatenate(outputs).astype(np.int64),
+        sid=np.concatenate(stream_ids),
+        think=np.concatenate(thinks),
+        session=np.concatenate(sessions),
+        sample=np.concatenate([np.arange(n, dtype=np.int64) for n in counts]),
+        caps=np.concatenate(caps),
+        settings=settings,
+        contents=contents,
+    )
+
+
+def _chains(spec: WorkloadSpec, rows: _Rows, requests_by_row: list[Request]) -> list[list[list[Request]]]:
+    """The requests released one batch after another: a conversation's turns (each its own batch, in turn order),
+    a closed-batches stream's batches (in sample order)."""
     chains = []
     for i, stream in enumerate(spec.streams):
         if isinstance(stream.source, ConversationSource):  # a session's turns, one at a time
             turns: dict[int, list[Request]] = {}
-            for k in np.flatnonzero(sid == i).tolist():  # rows in turn order within a session
-                turns.setdefault(int(session[k]), []).append(requests_by_row[k])
+            for k in np.flatnonzero(rows.sid == i).tolist():  # rows in turn order within a session
+                turns.setdefault(int(rows.session[k]), []).append(requests_by_row[k])
             chains.extend([[r] for r in turns[s]] for s in sorted(turns))
             continue
         if stream.arrival.process != "closed-batches":
             continue
-        members = sorted((sample[k], requests_by_row[k]) for k in range(len(requests_by_row)) if sid[k] == i)
+        members = sorted((rows.sample[k], requests_by_row[k]) for k in range(len(requests_by_row)) if rows.sid[k] == i)
         in_order = [r for _, r in members]
         size = stream.arrival.batch_size or len(in_order)
         chains.append([in_order[j : j + size] for j in range(0, len(in_order), size)])
-    return Workload(spec.name, requests, int(clipped.sum()), details, chains)
+    return chains
 
 
 def workload_from_trace(
