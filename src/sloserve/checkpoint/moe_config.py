@@ -91,27 +91,9 @@ def read_moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | No
         experts = raw.get("n_routed_experts", MOE_DEFAULTS[kind]["num_experts"])
     if not experts:
         return None
-    step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
-    if kind == "ernie4_5_moe":  # (every moe_layer_interval-th layer from the start index to the end one's)
-        start = layer_index(raw, "moe_layer_start_index", 1, name)
-        end = layer_index(raw, "moe_layer_end_index", -1, name)
-        step, end = raw.get("moe_layer_interval", 1), layers - 1 if end == -1 else end
-        dense = {i for i in range(layers) if not start <= i <= end}
-    elif kind in ("glm4_moe_lite", "kimi_linear", "exaone_moe", "hy_v3", "cohere2_moe") and raw.get(
-        "mlp_layer_types"
-    ):  # ("dense", "sparse")
-        dense = dense_layers(raw["mlp_layer_types"], layers, name)
-    elif kind in (*DEEPSEEK_ROUTED, "cohere2_moe"):  # (its first first_k_dense_replace layers' MLPs dense)
-        dense = set(range(min(layer_index(raw, "first_k_dense_replace", 0, name), layers)))
-    elif kind == "jamba":  # (its experts where i % expert_layer_period is expert_layer_offset; one expert: none)
-        period, offset = raw.get("expert_layer_period", 2), raw.get("expert_layer_offset", 1)
-        check_layer_period(period, offset, "expert_layer", name)
-        if experts == 1:
-            return None
-        dense = {i for i in range(layers) if i % period != offset}
-    elif kind == "llama4_text":  # (its experts at moe_layers, else every interleave_moe_layer_step-th layer)
-        step = 1 if raw.get("moe_layers") is not None else raw.get("interleave_moe_layer_step", 1)
-        dense = _llama4_dense_layers(raw, layers, name)
+    dense, step = _dense_layers_and_step(raw, kind, layers, name)
+    if kind == "jamba" and experts == 1:  # (one expert: transformers' dense MLP)
+        return None
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         setting = {"ernie4_5_moe": "moe_layer_interval", "llama4_text": "interleave_moe_layer_step"}.get(
             kind, "decoder_sparse_step"
@@ -134,6 +116,39 @@ def read_moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | No
     }
     # NOTE: before the settings of each kind multiply or compare them (``_check_moe_sizes`` checks them again)
     check_positive_ints(moe, ("num_experts", "num_experts_per_tok", "moe_intermediate_size"), name)
+    _add_kind_settings(moe, raw, kind, name)
+    _check_moe_sizes(moe, name)
+    return moe
+
+
+def _dense_layers_and_step(raw: dict[str, Any], kind: str, layers: int, name: str) -> tuple[set[int], int]:
+    """The layers whose MLP is dense, and the step of the others' experts (every ``step``-th layer of the rest, not
+    yet checked), as each kind's config places them."""
+    step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
+    if kind == "ernie4_5_moe":  # (every moe_layer_interval-th layer from the start index to the end one's)
+        start = layer_index(raw, "moe_layer_start_index", 1, name)
+        end = layer_index(raw, "moe_layer_end_index", -1, name)
+        step, end = raw.get("moe_layer_interval", 1), layers - 1 if end == -1 else end
+        dense = {i for i in range(layers) if not start <= i <= end}
+    elif kind in ("glm4_moe_lite", "kimi_linear", "exaone_moe", "hy_v3", "cohere2_moe") and raw.get(
+        "mlp_layer_types"
+    ):  # ("dense", "sparse")
+        dense = dense_layers(raw["mlp_layer_types"], layers, name)
+    elif kind in (*DEEPSEEK_ROUTED, "cohere2_moe"):  # (its first first_k_dense_replace layers' MLPs dense)
+        dense = set(range(min(layer_index(raw, "first_k_dense_replace", 0, name), layers)))
+    elif kind == "jamba":  # (its experts where i % expert_layer_period is expert_layer_offset)
+        period, offset = raw.get("expert_layer_period", 2), raw.get("expert_layer_offset", 1)
+        check_layer_period(period, offset, "expert_layer", name)
+        dense = {i for i in range(layers) if i % period != offset}
+    elif kind == "llama4_text":  # (its experts at moe_layers, else every interleave_moe_layer_step-th layer)
+        step = 1 if raw.get("moe_layers") is not None else raw.get("interleave_moe_layer_step", 1)
+        dense = _llama4_dense_layers(raw, layers, name)
+    return dense, step
+
+
+def _add_kind_settings(moe: dict[str, Any], raw: dict[str, Any], kind: str, name: str) -> None:
+    """What each kind's experts need besides their count, width and layers: PhiMoE's SparseMixer, Command A+'s and
+    DeepSeek's routing, the shared experts of the kinds that size them from other settings, gpt-oss's SwiGLU."""
     if kind == "phimoe":  # (SparseMixer's: two experts a token, their logits' margin)
         if moe["num_experts_per_tok"] != 2:
             raise ConfigError(f"{name}: phimoe routes each token to 2 experts (SparseMixer), got num_experts_per_tok "
@@ -173,8 +188,6 @@ def read_moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | No
             swiglu_alpha=json_float(raw.get("swiglu_alpha", 1.702), "swiglu_alpha", name),
             swiglu_limit=json_float(raw.get("swiglu_limit", 7.0), "swiglu_limit", name),
         )
-    _check_moe_sizes(moe, name)
-    return moe
 
 
 def _cohere2_moe_routing(raw: dict[str, Any], name: str) -> dict[str, Any]:
