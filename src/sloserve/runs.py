@@ -301,7 +301,7 @@ def run_simulation(
     """Simulate ``workload`` (fresh copies of its requests) with ``scheduler``; returns the summary,
     with the requests and timeline under ``"_result"`` for writing (``public`` drops them)."""
     from sloserve.metrics import summarize
-    from sloserve.sched import make_scheduler, scheduler_names, supports_disaggregation, supports_prefix_caching
+    from sloserve.sched import make_scheduler, supports_prefix_caching
     from sloserve.sched.registry import saved_state_entries, state_slots
     from sloserve.sim import simulate
 
@@ -329,26 +329,9 @@ def run_simulation(
         max_requests=slots,
     )
     num_prefill, num_decode = parse_disaggregation(o.disaggregate, o.link_gbps)
-    if num_decode and slots is not None:  # NOTE: the link carries KV; such a model's states would go with it
-        raise ConfigError(
-            f"--disaggregate {o.disaggregate}: {setup.model.name} keeps states in its Mamba-2 or short-convolution "
-            "layers, and handing them to a decode replica is not simulated; simulate it without --disaggregate"
-        )
-    if num_decode and o.replicas != 1:  # NOTE: --replicas was once ignored here, silently
-        raise ConfigError(
-            f"--replicas {o.replicas} and --disaggregate {o.disaggregate} both set the replicas: --disaggregate P:D "
-            "alone runs P prefill and D decode replicas"
-        )
     decode_factory = None
     if num_decode:
-        if not supports_disaggregation(scheduler):
-            roles = [n for n in scheduler_names() if supports_disaggregation(n)]
-            raise ConfigError(
-                f"--disaggregate: scheduler {scheduler} cannot prefill for another replica; those that can: "
-                f"{', '.join(roles)}"
-            )
-        factory = functools.partial(factory, options={**set_options, "role": "prefill"})
-        decode_factory = functools.partial(factory, options={**set_options, "role": "decode"})
+        factory, decode_factory = _disaggregated_factories(setup, scheduler, set_options, factory, slots is not None)
         decode_factory()
     factory()  # validate the options before running
     result = simulate(
@@ -397,6 +380,34 @@ def run_simulation(
     )
     summary["_result"] = (requests, result.timeline)
     return summary
+
+
+def _disaggregated_factories(
+    setup: Setup, scheduler: str, set_options: dict[str, str], factory: Callable, keeps_states: bool
+) -> tuple[Callable, Callable]:
+    """The prefill and the decode replicas' schedulers of ``--disaggregate P:D`` (DistServe's), or a ConfigError
+    where the model, the other options or the scheduler cannot run so."""
+    from sloserve.sched import scheduler_names, supports_disaggregation
+
+    o = setup.options
+    if keeps_states:  # NOTE: the link carries KV; such a model's states would go with it
+        raise ConfigError(
+            f"--disaggregate {o.disaggregate}: {setup.model.name} keeps states in its Mamba-2 or short-convolution "
+            "layers, and handing them to a decode replica is not simulated; simulate it without --disaggregate"
+        )
+    if o.replicas != 1:  # NOTE: --replicas was once ignored here, silently
+        raise ConfigError(
+            f"--replicas {o.replicas} and --disaggregate {o.disaggregate} both set the replicas: --disaggregate P:D "
+            "alone runs P prefill and D decode replicas"
+        )
+    if not supports_disaggregation(scheduler):
+        roles = [n for n in scheduler_names() if supports_disaggregation(n)]
+        raise ConfigError(
+            f"--disaggregate: scheduler {scheduler} cannot prefill for another replica; those that can: "
+            f"{', '.join(roles)}"
+        )
+    prefill = functools.partial(factory, options={**set_options, "role": "prefill"})
+    return prefill, functools.partial(prefill, options={**set_options, "role": "decode"})
 
 
 def parse_disaggregation(text: str | None, link_gbps: float) -> tuple[int, int]:
