@@ -344,15 +344,14 @@ def _add_architecture_fields(
 
 
 def _check_metadata_kinds(meta: dict[str, Any], arch: str, path: Path) -> None:
-    """A ConfigError naming the first metadata value the reading takes of a kind (``GGUF_SETTING_KINDS``, the special
-    tokens' ids) that is not of it."""
+    """A ConfigError naming the first metadata value the reading takes of a kind (``GGUF_SETTING_KINDS``,
+    ``GGUF_TOKENIZER_KINDS``) that is not of it; of a vocabulary's list, its first item of another kind."""
     kinds = {**{f"{arch}.{key}": kind for key, kind in GGUF_SETTING_KINDS.items()}, **GGUF_TOKENIZER_KINDS}
     for key, (words, holds) in kinds.items():
         if key not in meta or holds(meta[key]):
             continue
         value = meta[key]
-        if isinstance(value, list) and value and kinds[key] in (STRINGS, NUMBERS, INTEGERS):  # (a vocabulary's list:
-            # its first item of another kind, not the list)
+        if isinstance(value, list) and value and kinds[key] in (STRINGS, NUMBERS, INTEGERS):
             index = next(i for i, item in enumerate(value) if not holds([item]))
             raise ConfigError(f"{path}: GGUF metadata {key} must be {words}; item {index} is {value[index]!r}")
         raise ConfigError(f"{path}: GGUF metadata {key} must be {words}, got {value!r}")
