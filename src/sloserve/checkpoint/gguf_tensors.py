@@ -142,27 +142,7 @@ def gguf_tensors(checkpoint: GGUFCheckpoint, device: Any = "cpu", *, torch_dequa
             continue
         if tensor.name not in patterns:
             raise ConfigError(f"{checkpoint.path}: unexpected GGUF tensor {tensor.name!r} for a {arch} model")
-        if arch in ("qwen35", "qwen35moe"):
-            weight = _qwen35_value_heads_grouped(tensor.name, weight, config)
-        if arch in PERMUTED and tensor.name.endswith("attn_q.weight"):
-            weight = _unpermute(weight, config["num_attention_heads"])
-        elif arch in PERMUTED and tensor.name.endswith("attn_k.weight"):
-            weight = _unpermute(weight, config["num_key_value_heads"])
-        elif (
-            arch in SHIFTED_NORMS
-            and tensor.name.endswith("norm.weight")
-            and not tensor.name.endswith("ssm_norm.weight")
-        ):
-            weight -= 1.0
-        elif tensor.name.endswith("ffn_gate_inp_shexp.weight"):
-            weight = weight.reshape(1, -1)  # NOTE: llama.cpp's is a vector (n_embd), HF's a (1, H) projection
-        elif tensor.name.endswith(("shortconv.conv.weight", "ssm_conv1d.weight")):
-            weight = weight[:, None, :]  # NOTE: llama.cpp's (C, taps), a depthwise Conv1d's (C, 1, taps)
-        if arch in MAMBA2_ARCHS and tensor.name.endswith(MAMBA2_RESHAPED):
-            weight = weight.reshape(-1)
-        if tensor.name.endswith(".ssm_a"):
-            weight = torch.log(-weight)  # NOTE: the converter's A = -exp(A_log), back to A_log
-        yield patterns[tensor.name], weight
+        yield patterns[tensor.name], _as_checkpoint_holds_it(arch, tensor.name, weight, config)
     for name in joined:  # (a tensor of which the file has one part)
         raise ConfigError(f"{checkpoint.path}: GGUF {arch} has half of {name!r} (its gate rows or its up rows)")
     for n, parts in gpt_oss_experts.items():  # (a layer that lacks some)
@@ -171,6 +151,30 @@ def gguf_tensors(checkpoint: GGUFCheckpoint, device: Any = "cpu", *, torch_dequa
             f"blk.{n}.{gguf_names[p.split('.')[0]]}.{p.split('.')[1]}" for p in GPT_OSS_EXPERT_PARTS if p not in parts
         ]
         raise ConfigError(f"{checkpoint.path}: GGUF gpt-oss layer {n}'s experts have no {', '.join(missing)}")
+
+
+def _as_checkpoint_holds_it(arch: str, name: str, weight, config: dict[str, Any]):
+    """The file's tensor ``name`` as the HF checkpoint holds it: Q and K rows unpermuted, Gemma's and Qwen3.5's norms
+    less their 1, vectors and convolutions in HF's shapes, Mamba's A back to A_log, Qwen3.5's value heads regrouped."""
+    import torch
+
+    if arch in ("qwen35", "qwen35moe"):
+        weight = _qwen35_value_heads_grouped(name, weight, config)
+    if arch in PERMUTED and name.endswith("attn_q.weight"):
+        weight = _unpermute(weight, config["num_attention_heads"])
+    elif arch in PERMUTED and name.endswith("attn_k.weight"):
+        weight = _unpermute(weight, config["num_key_value_heads"])
+    elif arch in SHIFTED_NORMS and name.endswith("norm.weight") and not name.endswith("ssm_norm.weight"):
+        weight -= 1.0
+    elif name.endswith("ffn_gate_inp_shexp.weight"):
+        weight = weight.reshape(1, -1)  # NOTE: llama.cpp's is a vector (n_embd), HF's a (1, H) projection
+    elif name.endswith(("shortconv.conv.weight", "ssm_conv1d.weight")):
+        weight = weight[:, None, :]  # NOTE: llama.cpp's (C, taps), a depthwise Conv1d's (C, 1, taps)
+    if arch in MAMBA2_ARCHS and name.endswith(MAMBA2_RESHAPED):
+        weight = weight.reshape(-1)
+    if name.endswith(".ssm_a"):
+        weight = torch.log(-weight)  # NOTE: the converter's A = -exp(A_log), back to A_log
+    return weight
 
 
 def _dequantized(tensor: GGUFTensor, device, torch_dequantizes: bool):
