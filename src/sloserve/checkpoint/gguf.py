@@ -620,7 +620,7 @@ def _period_and_offset(indices: list[int], layers: int, what: str, path: Path) -
 def _mamba_expand(arch: str, hidden: Any, need: Callable[[str], Any], path: Path) -> int:
     """A Mamba mixer's channels a hidden one (transformers' ``expand``) from llama.cpp's ``ssm.inner_size``."""
     inner = need("ssm.inner_size")
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (inner, hidden)) or inner % hidden:
+    if inner % hidden:  # (both positive integers: GGUF_SETTING_KINDS)
         raise ConfigError(
             f"{path}: GGUF {arch}.ssm.inner_size {inner!r} must be a multiple of embedding_length {hidden}"
         )
@@ -631,7 +631,7 @@ def _mamba2_heads(arch: str, need: Callable[[str], Any], path: Path) -> tuple[in
     """A Mamba-2 mixer's (heads, their width) from llama.cpp's ``ssm.time_step_rank`` (its heads: a step each) and
     ``ssm.inner_size``."""
     inner, heads = need("ssm.inner_size"), need("ssm.time_step_rank")
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (inner, heads)) or inner % heads:
+    if inner % heads:  # (both positive integers: GGUF_SETTING_KINDS)
         raise ConfigError(
             f"{path}: GGUF {arch}.ssm.inner_size {inner!r} must be a multiple of ssm.time_step_rank {heads!r} (the "
             "mixers' heads)"
@@ -750,7 +750,7 @@ def _longrope_scaling(meta: dict[str, Any], reader: Any, rotary_dim: int, path: 
     tensors = {t.name: t for t in reader.tensors}
     missing = [name for name in LONGROPE_FACTORS.values() if name not in tensors]
     original = meta.get("phi3.rope.scaling.original_context_length")
-    if missing or not isinstance(original, int) or original < 1:
+    if missing or not original:  # (absent or 0; an integer where present: GGUF_SETTING_KINDS)
         raise ConfigError(
             f"{path}: GGUF longrope scaling needs tensors {' and '.join(LONGROPE_FACTORS.values())} and "
             f"phi3.rope.scaling.original_context_length (missing: {', '.join(missing) or 'the context length'})"

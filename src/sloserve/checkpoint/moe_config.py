@@ -94,11 +94,10 @@ def read_moe(raw: dict[str, Any], layers: int, name: str) -> dict[str, Any] | No
     dense, step = _dense_layers_and_step(raw, kind, layers, name)
     if kind == "jamba" and experts == 1:  # (one expert: transformers' dense MLP)
         return None
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        setting = {"ernie4_5_moe": "moe_layer_interval", "llama4_text": "interleave_moe_layer_step"}.get(
-            kind, "decoder_sparse_step"
-        )
-        raise ConfigError(f"{name}: {setting} must be a positive integer, got {step!r}")
+    setting = {"ernie4_5_moe": "moe_layer_interval", "llama4_text": "interleave_moe_layer_step"}.get(
+        kind, "decoder_sparse_step"
+    )
+    check_positive_ints({setting: step}, (setting,), name)
     moe = {
         "num_experts": experts,
         "num_experts_per_tok": raw.get("num_experts_per_tok", MOE_DEFAULTS[kind]["num_experts_per_tok"]),
