@@ -491,6 +491,14 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(ConfigError, match="model.safetensors: not a readable safetensors file .*not fully covered"):
         LLM(str(cut_off))
+    deeper = tmp_path / "deeper"  # a config that asks for more layers than the weights hold: refused before
+    shutil.copytree(hf_dirs["llama"], deeper)  # the model is built (once all 1000 layers, then "weights missing")
+    config = json.loads((deeper / "config.json").read_text())
+    (deeper / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1000}))
+    with pytest.raises(
+        ConfigError, match="the config has 1000 layers .num_hidden_layers., but the .*files hold the weights of 2$"
+    ):
+        LLM(str(deeper))
     (tmp_path / "listed").mkdir()
     (tmp_path / "listed" / "config.json").write_text("[]")
     with pytest.raises(ConfigError, match=r"listed/config.json: must be a JSON object, got list"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -336,21 +337,53 @@ def init_random_(model: nn.Module, seed: int) -> None:
             p.normal_(0.0, p.shape[1] ** -0.5, generator=generator)
 
 
-def stores_lm_head(path: Path) -> bool:
-    """Whether a multimodal checkpoint's language model has an LM head of its own (Mistral Small 3.1's)
-    rather than one tied to its embedding (Gemma 3's). NOTE: its config cannot be trusted to say:
-    transformers' multimodal configs default to tied, and read the flag at the top level or in the
-    text_config depending on the version."""
+def checkpoint_names(path: Path, multimodal: bool) -> list[str]:
+    """The names of the tensors in the ``*.safetensors`` files of ``path``, read from their headers; a
+    multimodal checkpoint's those of its language model, as the engine names them (``language_model_name``:
+    its vision tensors left out). A ConfigError where there are none or one is unreadable."""
     from safetensors import SafetensorError, safe_open
 
-    for file in sorted(path.glob("*.safetensors")):
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model directory {path} has no *.safetensors weights")
+    names: list[str] = []
+    for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
-                if any(language_model_name(key) == "lm_head.weight" for key in f.keys()):
-                    return True
-        except SafetensorError as e:
+                keys = f.keys()
+        except SafetensorError as e:  # a cut-off download fails here ("file not fully covered")
             raise ConfigError(f"{file}: not a readable safetensors file ({e})") from None
-    return False
+        names += keys if not multimodal else [n for n in map(language_model_name, keys) if n is not None]
+    return names
+
+
+def stores_lm_head(names: list[str]) -> bool:
+    """Whether a multimodal checkpoint's language model (``names``: ``checkpoint_names``) has an LM head of
+    its own (Mistral Small 3.1's) rather than one tied to its embedding (Gemma 3's). NOTE: its config cannot
+    be trusted to say: transformers' multimodal configs default to tied, and read the flag at the top level
+    or in the text_config depending on the version."""
+    return "lm_head.weight" in names
+
+
+# The modules that hold a model's decoder layers, as checkpoints name them: model.layers.N (most),
+# transformer.h.N (GPT-2, Falcon, BLOOM), transformer.blocks.N (MPT), backbone.layers.N (Mamba)
+LAYER_CONTAINERS = frozenset(("layers", "h", "blocks"))
+
+
+def check_layer_count(config: ModelConfig, names: list[str], path: Path) -> None:
+    """A ConfigError where ``config`` has more decoder layers than the checkpoint's tensors (``names``)
+    hold: a wrong ``num_hidden_layers`` is refused before the model is built (a count of 10**5 took
+    minutes to build a tiny model's layers; a tenfold one would not fit an 8B model in memory)."""
+    held = 1 + max(
+        (int(index) for name in names for container, index in pairwise(name.split("."))
+         if container in LAYER_CONTAINERS and index.isdigit()),
+        default=-1,
+    )  # fmt: skip
+    if config.num_hidden_layers > held:
+        raise ConfigError(
+            f"model directory {path}: the config has {config.num_hidden_layers} layers (num_hidden_layers), "
+            f"but the *.safetensors files hold the weights of {held}"
+        )
 
 
 @torch.no_grad()
