@@ -499,6 +499,13 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
         ConfigError, match="the config has 1000 layers .num_hidden_layers., but the .*files hold the weights of 2$"
     ):
         LLM(str(deeper))
+    wider = tmp_path / "wider"  # a vocabulary of 10**9: once a raw allocation error (or the memory filled)
+    shutil.copytree(hf_dirs["llama"], wider)
+    (wider / "config.json").write_text(json.dumps({**config, "vocab_size": 10**9}))
+    with pytest.raises(
+        ConfigError, match="the config describes a model of 128,000,.* parameters, but the .*files hold"
+    ):
+        LLM(str(wider))
     (tmp_path / "listed").mkdir()
     (tmp_path / "listed" / "config.json").write_text("[]")
     with pytest.raises(ConfigError, match=r"listed/config.json: must be a JSON object, got list"):

@@ -18,8 +18,8 @@ from sloserve.checkpoint.model_config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention_selector import BACKENDS, triton_available
 from sloserve.engine.models import (
-    check_layer_count,
-    checkpoint_names,
+    check_config_fits_checkpoint,
+    checkpoint_shapes,
     copy_weights,
     create_model,
     init_random_,
@@ -127,10 +127,10 @@ def load_model(
     else:
         config = load_hf_config(path)
         multimodal = config.extra.get("multimodal_checkpoint", False)
-        names = checkpoint_names(path, multimodal)
-        check_layer_count(config, names, path)
+        shapes = checkpoint_shapes(path, multimodal)
         if multimodal:
-            config = dataclasses.replace(config, tie_word_embeddings=not stores_lm_head(names))
+            config = dataclasses.replace(config, tie_word_embeddings=not stores_lm_head(shapes))
+        check_config_fits_checkpoint(config, shapes, path)
     backend_name = resolve_attention_backend(attention_backend, dev)
     # A mixture of experts' tokens through fused_moe's kernels where the Triton backend runs (CUDA, or
     # Triton's interpreter), with SLOSERVE_FUSED_MOE=1 (off until a GPU session has timed it)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from itertools import pairwise
 from pathlib import Path
 
@@ -337,52 +338,63 @@ def init_random_(model: nn.Module, seed: int) -> None:
             p.normal_(0.0, p.shape[1] ** -0.5, generator=generator)
 
 
-def checkpoint_names(path: Path, multimodal: bool) -> list[str]:
-    """The names of the tensors in the ``*.safetensors`` files of ``path``, read from their headers; a
-    multimodal checkpoint's those of its language model, as the engine names them (``language_model_name``:
+def checkpoint_shapes(path: Path, multimodal: bool) -> dict[str, tuple[int, ...]]:
+    """The shapes of the tensors in the ``*.safetensors`` files of ``path`` by name, read from their headers;
+    a multimodal checkpoint's those of its language model, as the engine names them (``language_model_name``:
     its vision tensors left out). A ConfigError where there are none or one is unreadable."""
     from safetensors import SafetensorError, safe_open
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"model directory {path} has no *.safetensors weights")
-    names: list[str] = []
+    shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
-                keys = f.keys()
+                for key in f.keys():
+                    name = language_model_name(key) if multimodal else key
+                    if name is not None:
+                        shapes[name] = tuple(f.get_slice(key).get_shape())
         except SafetensorError as e:  # a cut-off download fails here ("file not fully covered")
             raise ConfigError(f"{file}: not a readable safetensors file ({e})") from None
-        names += keys if not multimodal else [n for n in map(language_model_name, keys) if n is not None]
-    return names
+    return shapes
 
 
-def stores_lm_head(names: list[str]) -> bool:
-    """Whether a multimodal checkpoint's language model (``names``: ``checkpoint_names``) has an LM head of
+def stores_lm_head(shapes: dict[str, tuple[int, ...]]) -> bool:
+    """Whether a multimodal checkpoint's language model (``shapes``: ``checkpoint_shapes``) has an LM head of
     its own (Mistral Small 3.1's) rather than one tied to its embedding (Gemma 3's). NOTE: its config cannot
     be trusted to say: transformers' multimodal configs default to tied, and read the flag at the top level
     or in the text_config depending on the version."""
-    return "lm_head.weight" in names
+    return "lm_head.weight" in shapes
 
 
 # The modules that hold a model's decoder layers, as checkpoints name them: model.layers.N (most),
 # transformer.h.N (GPT-2, Falcon, BLOOM), transformer.blocks.N (MPT), backbone.layers.N (Mamba)
 LAYER_CONTAINERS = frozenset(("layers", "h", "blocks"))
+# Values a checkpoint's number may hold: 2 where 4-bit weights are packed two a byte (gpt-oss's MXFP4)
+MOST_VALUES_PER_NUMBER = 2
 
 
-def check_layer_count(config: ModelConfig, names: list[str], path: Path) -> None:
-    """A ConfigError where ``config`` has more decoder layers than the checkpoint's tensors (``names``)
-    hold: a wrong ``num_hidden_layers`` is refused before the model is built (a count of 10**5 took
-    minutes to build a tiny model's layers; a tenfold one would not fit an 8B model in memory)."""
-    held = 1 + max(
-        (int(index) for name in names for container, index in pairwise(name.split("."))
+def check_config_fits_checkpoint(config: ModelConfig, shapes: dict[str, tuple[int, ...]], path: Path) -> None:
+    """A ConfigError where ``config`` describes a larger model than the checkpoint's tensors (``shapes``)
+    hold, before the model is built: more decoder layers than the files hold, or more parameters than their
+    numbers can hold. NOTE: a wrong num_hidden_layers of 10**5 took minutes to build a tiny model's layers,
+    a vocab_size of 10**9 a raw allocation error; a tenfold 8B model does not fit in memory."""
+    held_layers = 1 + max(
+        (int(index) for name in shapes for container, index in pairwise(name.split("."))
          if container in LAYER_CONTAINERS and index.isdigit()),
         default=-1,
     )  # fmt: skip
-    if config.num_hidden_layers > held:
+    if config.num_hidden_layers > held_layers:
         raise ConfigError(
             f"model directory {path}: the config has {config.num_hidden_layers} layers (num_hidden_layers), "
-            f"but the *.safetensors files hold the weights of {held}"
+            f"but the *.safetensors files hold the weights of {held_layers}"
+        )
+    held_numbers = sum(math.prod(shape) for shape in shapes.values())
+    if config.num_params > MOST_VALUES_PER_NUMBER * held_numbers:
+        raise ConfigError(
+            f"model directory {path}: the config describes a model of {config.num_params:,} parameters, but the "
+            f"*.safetensors files hold {held_numbers:,} numbers: the config is not the weights' config"
         )
 
 
