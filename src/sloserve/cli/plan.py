@@ -181,17 +181,39 @@ def plan(
     """The cheapest deployment that serves --qps within the SLOs: searches GPU type, tensor parallelism,
     replicas, colocated or disaggregated (P:D), scheduler and --set-grid options; each candidate's
     goodput by bisection, the winners simulated whole. Parallel on Ray (see docs/planning.md)."""
-    from sloserve.checkpoint import model_spec
-    from sloserve.plan import PlanQuery, enumerate_candidates, parse_prices
+    from sloserve.plan import PlanQuery
     from sloserve.plan import plan as run_plan
-    from sloserve.plan.deploy import deployment_of, write_deployment
-    from sloserve.plan.prices import price_per_gpu_hour
-    from sloserve.plan.report import plan_table, write_plan
     from sloserve.runs import SimOptions
-    from sloserve.sched import SCHEDULERS
-    from sloserve.sched.registry import supports_disaggregation
 
     check_out(out)
+    _check_numbers(qps, attainment, max_gpus, tolerance, alternatives)
+    base = SimOptions(**options)
+    model, workload = _model_and_workload(base, qps)
+    candidates, skipped, price_table = _candidates(
+        base, model, gpus, tensor_parallel, schedulers, layouts, grid_pairs, max_gpus, prices
+    )
+    query = PlanQuery(qps, attainment, max_gpus, base, tolerance, alternatives)
+    slo = {"ttft_s": base.slo_ttft, "tpot_s": base.slo_tpot, "jct_s": base.slo_jct}
+    describe = {"model": model.name, "workload": workload.name.split("@")[0], "slo": slo,
+                "num_requests_per_unit": base.num_requests, "seed": base.seed,
+                "cost_model": base.cost_model, "router": base.router,
+                "enable_prefix_caching": base.enable_prefix_caching}  # fmt: skip
+    with ParallelExecutor(workers, ray_address, default_workers=None) as executor:
+        with ProgressBar(len(candidates), f"plan ({executor.workers} workers)", enabled=True) as on_progress:
+
+            def on_round(text: str, decided: int) -> None:
+                if on_progress is not None:  # the bar counts decided candidates; its label, the round
+                    on_progress(decided, f"plan ({executor.workers} workers), {text}")
+
+            doc = run_plan(
+                query, candidates, price_table, executor, skipped=skipped, describe=describe, on_round=on_round
+            )
+    _write_and_show(doc, out, as_json)
+    if doc["answer"] is None:
+        fail(doc["message"])
+
+
+def _check_numbers(qps: float, attainment: float, max_gpus: int, tolerance: float, alternatives: int) -> None:
     check_rate("--qps", qps)
     if not 0 < attainment <= 1:
         raise ConfigError(f"--attainment must be in (0, 1], got {attainment}")
@@ -201,14 +223,41 @@ def plan(
         raise ConfigError(f"--tolerance must be in (0, 1), got {tolerance}")
     if alternatives < 0:
         raise ConfigError(f"--alternatives must be >= 0, got {alternatives}")
-    base = SimOptions(**options)
+
+
+def _model_and_workload(base, qps: float):
+    """The model spec and the workload at ``qps``: bad workload options fail here, and a trace without SLOs."""
+    from sloserve.checkpoint import model_spec
+
     model = model_spec(base.model)
-    workload = make_workload_from_options(base, model.max_context_len, rate=qps)  # bad workload options fail here
+    workload = make_workload_from_options(base, model.max_context_len, rate=qps)
     if base.trace and not any(r.slo != SLO() for r in workload.requests):  # NOTE: a request log records SLOs
         raise ConfigError(
             "plan needs an SLO to meet: give --slo-ttft, --slo-tpot and/or --slo-jct, or a trace whose rows "
             "record their SLOs (serve --request-log)"
         )
+    return model, workload
+
+
+def _candidates(
+    base,
+    model,
+    gpus: str,
+    tensor_parallel: str,
+    schedulers: str,
+    layouts: str,
+    grid_pairs: tuple[str, ...],
+    max_gpus: int,
+    prices: str | None,
+) -> tuple[list, list[dict[str, Any]], dict[str, float]]:
+    """The deployments to search, those left out (with why) and the prices per GPU-hour: a bad scheduler
+    name, --set-grid value, --prices, --tp or --layouts, no deployment to search, or one on a GPU without a
+    price is a ConfigError first."""
+    from sloserve.plan import enumerate_candidates, parse_prices
+    from sloserve.plan.prices import price_per_gpu_hour
+    from sloserve.sched import SCHEDULERS
+    from sloserve.sched.registry import supports_disaggregation
+
     names = scheduler_list(schedulers)
     for name in names:
         if name not in SCHEDULERS:
@@ -237,29 +286,22 @@ def plan(
         raise ConfigError(f"no configuration to search ({len(skipped)} left out): {reasons}")
     for gpu in sorted({c.gpu for c in candidates}):
         price_per_gpu_hour(price_table, gpu)  # a GPU without a price fails here
-    query = PlanQuery(qps, attainment, max_gpus, base, tolerance, alternatives)
-    slo = {"ttft_s": base.slo_ttft, "tpot_s": base.slo_tpot, "jct_s": base.slo_jct}
-    describe = {"model": model.name, "workload": workload.name.split("@")[0], "slo": slo,
-                "num_requests_per_unit": base.num_requests, "seed": base.seed,
-                "cost_model": base.cost_model, "router": base.router,
-                "enable_prefix_caching": base.enable_prefix_caching}  # fmt: skip
-    with ParallelExecutor(workers, ray_address, default_workers=None) as executor:
-        with ProgressBar(len(candidates), f"plan ({executor.workers} workers)", enabled=True) as on_progress:
+    return candidates, skipped, price_table
 
-            def on_round(text: str, decided: int) -> None:
-                if on_progress is not None:  # the bar counts decided candidates; its label, the round
-                    on_progress(decided, f"plan ({executor.workers} workers), {text}")
 
-            doc = run_plan(
-                query, candidates, price_table, executor, skipped=skipped, describe=describe, on_round=on_round
-            )
+def _write_and_show(doc: dict, out: Path, as_json: bool) -> None:
+    """plan.json, its plots and (where there is an answer) deploy.yaml under ``out``; the table or the JSON."""
+    from sloserve.plan.deploy import deployment_of, write_deployment
+    from sloserve.plan.report import plan_table, write_plan
+
     written = write_plan(doc, out)
     deployment = deployment_of(doc)
     if deployment is not None:
+        query = doc["query"]
         header = (
-            f"written by sloserve plan: the cheapest deployment serving {qps:g} req/s of {describe['workload']} "
-            f"at {attainment:.0%} SLO attainment\nserve it with: sloserve serve --config {out / 'deploy.yaml'} "
-            "--model MODEL_DIR --device cuda"
+            f"written by sloserve plan: the cheapest deployment serving {query['qps']:g} req/s of "
+            f"{query['workload']} at {query['attainment']:.0%} SLO attainment\nserve it with: sloserve serve "
+            f"--config {out / 'deploy.yaml'} --model MODEL_DIR --device cuda"
         )
         written.append(write_deployment(deployment, out / "deploy.yaml", header))
     if as_json:
@@ -271,8 +313,6 @@ def plan(
         if deployment is not None and deployment.simulated_only():
             click.echo(f"note: the answer uses {deployment.simulated_only()}: sloserve serve cannot deploy it")
         click.echo(f"wrote {', '.join(str(p) for p in written)}")
-    if doc["answer"] is None:
-        fail(doc["message"])
 
 
 def _plan_lines(doc: dict) -> list[str]:
