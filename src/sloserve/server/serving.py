@@ -681,18 +681,11 @@ class OpenAIServing:
         info = self.engine.info
         return GrammarMatchers(self.engine.tokenizer.to_json(), info.vocab_size, info.eos_token_ids)
 
-    def sampling_params(
-        self,
-        body: SamplingRequest,
-        prompt_ids: list[int],
-        max_tokens: int | None,
-        grammar: str | None,
-        index: int | None,
-    ) -> SamplingParams:
-        """One prompt's sampling params; a ParameterError when it cannot run (``index``: its place in a list).
-        A prompt too long for the context is OpenAI's ``context_length_exceeded``, naming ``max_tokens``
-        (or the field the request capped its output with) where a smaller cap would fit, else the prompt's
-        field (a chat's ``messages``)."""
+    def _room_to_generate(
+        self, body: SamplingRequest, prompt_ids: list[int], max_tokens: int | None, index: int | None
+    ) -> int:
+        """The tokens the context leaves after ``prompt_ids``; a ParameterError where the prompt is empty,
+        has a token outside the vocabulary, or leaves no room or less than ``max_tokens``."""
         chat = isinstance(body, ChatCompletionRequest)
         prompt_field = _prompt_field(body)
         where = "the prompt" if index is None else f"prompt {index}"  # a chat's: its messages, rendered
@@ -722,6 +715,21 @@ class OpenAIServing:
                 "completion). Please reduce the prompt or the completion length.",
                 "context_length_exceeded",
             )
+        return room
+
+    def sampling_params(
+        self,
+        body: SamplingRequest,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        grammar: str | None,
+        index: int | None,
+    ) -> SamplingParams:
+        """One prompt's sampling params; a ParameterError when it cannot run (``index``: its place in a list).
+        A prompt too long for the context is OpenAI's ``context_length_exceeded``, naming ``max_tokens``
+        (or the field the request capped its output with) where a smaller cap would fit, else the prompt's
+        field (a chat's ``messages``)."""
+        room = self._room_to_generate(body, prompt_ids, max_tokens, index)
         logit_bias = {int(token): bias for token, bias in (body.logit_bias or {}).items()}
         named = (("logit_bias", logit_bias), ("stop_token_ids", body.stop_token_ids or ()),
                  ("allowed_token_ids", body.allowed_token_ids or ()))  # fmt: skip
