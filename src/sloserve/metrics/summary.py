@@ -248,38 +248,13 @@ def summarize(
     summary: dict[str, Any] = _request_metrics(table, everyone, duration)
     summary["duration_s"] = duration
 
-    steps = timeline.as_dict()
-    step_s = steps["duration_s"]
-    denom = float(kv_capacity_tokens) * num_replicas * duration
     summary["kv_capacity_tokens"] = int(kv_capacity_tokens)
     summary["num_replicas"] = int(num_replicas)
-    used_s = float(np.dot(steps["kv_used_tokens"], step_s))  # token-seconds
-    allocated_s = float(np.dot(steps["kv_allocated_tokens"], step_s))
-    summary["kv_utilization_mean"] = _ratio(used_s, denom)
-    summary["kv_allocated_mean"] = _ratio(allocated_s, denom)
-    summary["forward_size"] = _step_stats(steps["num_tokens"])
-    summary["batch_size"] = _step_stats(steps["num_requests"])
-    summary["num_steps"] = len(timeline)
-
-    preemptions = int(steps["num_preempted"].sum())
-    per_request = int(table["num_preemptions"].sum())
-    if preemptions != per_request:
-        warnings.warn(
-            f"preemptions: timeline counts {preemptions}, requests count {per_request}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    summary["preemptions"] = preemptions
+    steps = timeline.as_dict()
+    summary.update(_step_metrics(table, steps, float(kv_capacity_tokens) * num_replicas * duration))
     summary["allocation_failures"] = int(num_allocation_failures)
     summary["swapped_bytes"] = int(swapped_bytes)
-    sched = steps["sched_time_s"]
-    summary["sched_time_per_step_s"] = {
-        "mean": _float(sched.mean()) if sched.size else None,
-        "p99": _float(np.percentile(sched, 99)) if sched.size else None,
-        "total": float(sched.sum()),
-    }
-    # Scheduling wall time over the (simulated or measured) time the steps took: its share of JCT.
-    summary["sched_time_share"] = _ratio(float(sched.sum()), float(step_s.sum()))
+    summary.update(_scheduling_metrics(steps))
     if policy_metrics:
         summary["policy"] = {
             k: distribution(v) if isinstance(v, (list, tuple)) else v for k, v in policy_metrics.items()
@@ -309,6 +284,47 @@ def summarize(
     if extra:
         ordered.update(extra)
     return ordered
+
+
+def _step_metrics(
+    table: dict[str, np.ndarray], steps: dict[str, np.ndarray], capacity_token_s: float
+) -> dict[str, Any]:
+    """What the steps held: KV used and allocated over ``capacity_token_s`` (the replicas' KV capacity times
+    the makespan), forward and batch sizes, steps and preemptions (a RuntimeWarning where the timeline's
+    count is not the requests'). ``steps``: the timeline's columns."""
+    step_s = steps["duration_s"]
+    used_s = float(np.dot(steps["kv_used_tokens"], step_s))  # token-seconds
+    allocated_s = float(np.dot(steps["kv_allocated_tokens"], step_s))
+    preemptions = int(steps["num_preempted"].sum())
+    per_request = int(table["num_preemptions"].sum())
+    if preemptions != per_request:
+        warnings.warn(
+            f"preemptions: timeline counts {preemptions}, requests count {per_request}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return {
+        "kv_utilization_mean": _ratio(used_s, capacity_token_s),
+        "kv_allocated_mean": _ratio(allocated_s, capacity_token_s),
+        "forward_size": _step_stats(steps["num_tokens"]),
+        "batch_size": _step_stats(steps["num_requests"]),
+        "num_steps": step_s.size,
+        "preemptions": preemptions,
+    }
+
+
+def _scheduling_metrics(steps: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The scheduler's wall time per step (``steps``: the timeline's columns), and its share of the time the
+    steps took (simulated or measured): its share of JCT."""
+    sched = steps["sched_time_s"]
+    return {
+        "sched_time_per_step_s": {
+            "mean": _float(sched.mean()) if sched.size else None,
+            "p99": _float(np.percentile(sched, 99)) if sched.size else None,
+            "total": float(sched.sum()),
+        },
+        "sched_time_share": _ratio(float(sched.sum()), float(steps["duration_s"].sum())),
+    }
 
 
 def metric_value(summary: dict, metric: str, stat: str = "mean") -> float:
