@@ -695,6 +695,9 @@ def test_a_setting_of_the_wrong_kind_is_one_config_error_naming_it():
         from_hf_config({**defaults, "rope_parameters": -1}, "llama")
     with pytest.raises(ConfigError, match=r"^llama: eos_token_id must be a token id .*, got \[2, 'x'\]$"):
         from_hf_config({**defaults, "eos_token_id": [2, "x"]}, "llama")  # (once a generation that never met its EOS)
+    mixtral = CONFIG_MAPPING["mixtral"]().to_dict()  # (10**8 layers: once seconds of per-layer lists; 10**9 the memory)
+    with pytest.raises(ConfigError, match=r"^mixtral: num_hidden_layers must be a positive integer up to 10,000, got"):
+        from_hf_config({**mixtral, "num_hidden_layers": 10**8}, "mixtral")
     bamba = CONFIG_MAPPING["bamba"]().to_dict()  # (a Mamba-2 head's width "auto": the mixer's over its heads)
     assert from_hf_config({**bamba, "mamba_d_head": "auto"}, "bamba") == from_hf_config(bamba, "bamba")
     hunyuan = CONFIG_MAPPING["hunyuan_v1_moe"]().to_dict()

@@ -88,6 +88,11 @@ COUNT = ("an integer >= 0", lambda v: _is_int(v) and v >= 0)
 NUMBER = ("a number", _is_number)
 POSITIVE_NUMBER = ("a positive number", lambda v: _is_number(v) and not isinstance(v, dict) and v > 0)
 NONZERO_NUMBER = ("a number other than 0", lambda v: _is_number(v) and v != 0)
+# The most decoder layers a config.json may give. NOTE: the deepest models have a few hundred (Llama 3.1 405B:
+# 126); a corrupt count of 10**8 made the reader build its per-layer lists for seconds to minutes (10**9: out of
+# memory) before the weights could say they hold fewer (engine/models: check_config_fits_checkpoint)
+MAX_LAYERS = 10_000
+LAYER_COUNT = (f"a positive integer up to {MAX_LAYERS:,}", lambda v: _is_int(v) and 0 < v <= MAX_LAYERS)
 OBJECT = ("an object", lambda v: isinstance(v, dict))
 LIST = ("a list", lambda v: isinstance(v, (list, tuple)))
 BOOLEAN = ("true or false", lambda v: isinstance(v, bool))
@@ -103,10 +108,10 @@ INTEGERS = ("a list of integers", lambda v: isinstance(v, list) and all(_is_int(
 SETTING_KINDS: dict[str, tuple[tuple[str, Any], bool]] = {
     # the shape, under transformers' names and GPT-2's, BLOOM's, MPT's and EXAONE's
     **{key: (POSITIVE_INT, False) for key in (
-        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings",
-        "n_embd", "n_embed", "d_model", "n_layer", "n_layers", "num_layers", "n_head", "n_heads", "n_positions",
-        "seq_length", "max_seq_len",
+        "vocab_size", "hidden_size", "num_attention_heads", "max_position_embeddings",
+        "n_embd", "n_embed", "d_model", "n_head", "n_heads", "n_positions", "seq_length", "max_seq_len",
     )},
+    **{key: (LAYER_COUNT, False) for key in ("num_hidden_layers", "n_layer", "n_layers", "num_layers")},
     "mamba_d_head": (('a positive integer or "auto"', lambda v: v == "auto" or POSITIVE_INT[1](v)), False),
     # sizes where 0 or null means "the default" or "none" for some model type
     **{key: (COUNT, True) for key in (
