@@ -496,14 +496,14 @@ def test_bad_input_is_one_clear_error(tmp_path, hf_dirs):
     config = json.loads((deeper / "config.json").read_text())
     (deeper / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1000}))
     with pytest.raises(
-        ConfigError, match="the config has 1000 layers .num_hidden_layers., but the .*files hold the weights of 2$"
+        ConfigError, match="deeper: the config has 1000 layers .num_hidden_layers., but the weights are those of 2$"
     ):
         LLM(str(deeper))
     wider = tmp_path / "wider"  # a vocabulary of 10**9: once a raw allocation error (or the memory filled)
     shutil.copytree(hf_dirs["llama"], wider)
     (wider / "config.json").write_text(json.dumps({**config, "vocab_size": 10**9}))
     with pytest.raises(
-        ConfigError, match="the config describes a model of 128,000,.* parameters, but the .*files hold"
+        ConfigError, match="wider: the config describes a model of 128,000,.* parameters, but the weights hold"
     ):
         LLM(str(wider))
     (tmp_path / "listed").mkdir()

@@ -124,6 +124,18 @@ def test_greedy_tokens_equal_transformers_with_llama3_rope_scaling(llama3):
     assert differs  # NOTE: the scaling changes the tokens here: read without it, the file would fail this test
 
 
+def test_a_file_whose_metadata_describes_more_than_its_tensors_is_refused_before_the_model_is_built(tmp_path):
+    """A corrupt width (feed_forward_length 10**9 over a tiny model's tensors): one ConfigError from the tensors'
+    shapes, not the allocation error of building the model the metadata describes (a raw RuntimeError, once)."""
+    tokenizer = llama3_tokenizer()
+    model = hf_llama3(tokenizer.get_vocab_size(), ROPE)
+    model.config.intermediate_size = 10**9  # (the file's metadata only: its tensors are the model's)
+    path = tmp_path / "wide.gguf"
+    write_llama3_gguf(path, model, tokenizer)
+    with pytest.raises(ConfigError, match=r"wide.gguf: the config describes a model of .* parameters, but the weights"):
+        LLM(str(path), kv_capacity_tokens=256)
+
+
 @pytest.mark.parametrize(
     "pre", ["tekken", "deepseek-r1-qwen", "smaug-bpe", "dbrx", "gpt-4o", "falcon-h1", "midm-2.0", "olmo", "mpt"]
 )

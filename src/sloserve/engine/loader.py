@@ -124,13 +124,15 @@ def load_model(
     elif is_gguf(model):
         checkpoint = read_gguf(path)
         config = from_hf_config(checkpoint.hf_config, name=path.stem)
+        shapes = {tensor.name: tensor.shape for tensor in checkpoint.reader.tensors}
+        check_config_fits_checkpoint(config, shapes, f"GGUF file {path}")
     else:
         config = load_hf_config(path)
         multimodal = config.extra.get("multimodal_checkpoint", False)
         shapes = checkpoint_shapes(path, multimodal)
         if multimodal:
             config = dataclasses.replace(config, tie_word_embeddings=not stores_lm_head(shapes))
-        check_config_fits_checkpoint(config, shapes, path)
+        check_config_fits_checkpoint(config, shapes, f"model directory {path}")
     backend_name = resolve_attention_backend(attention_backend, dev)
     # A mixture of experts' tokens through fused_moe's kernels where the Triton backend runs (CUDA, or
     # Triton's interpreter), with SLOSERVE_FUSED_MOE=1 (off until a GPU session has timed it)

@@ -369,17 +369,18 @@ def stores_lm_head(shapes: dict[str, tuple[int, ...]]) -> bool:
 
 
 # The modules that hold a model's decoder layers, as checkpoints name them: model.layers.N (most),
-# transformer.h.N (GPT-2, Falcon, BLOOM), transformer.blocks.N (MPT), backbone.layers.N (Mamba)
-LAYER_CONTAINERS = frozenset(("layers", "h", "blocks"))
+# transformer.h.N (GPT-2, Falcon, BLOOM), transformer.blocks.N (MPT), backbone.layers.N (Mamba), blk.N (GGUF)
+LAYER_CONTAINERS = frozenset(("layers", "h", "blocks", "blk"))
 # Values a checkpoint's number may hold: 2 where 4-bit weights are packed two a byte (gpt-oss's MXFP4)
 MOST_VALUES_PER_NUMBER = 2
 
 
-def check_config_fits_checkpoint(config: ModelConfig, shapes: dict[str, tuple[int, ...]], path: Path) -> None:
-    """A ConfigError where ``config`` describes a larger model than the checkpoint's tensors (``shapes``)
-    hold, before the model is built: more decoder layers than the files hold, or more parameters than their
-    numbers can hold. NOTE: a wrong num_hidden_layers of 10**5 took minutes to build a tiny model's layers,
-    a vocab_size of 10**9 a raw allocation error; a tenfold 8B model does not fit in memory."""
+def check_config_fits_checkpoint(config: ModelConfig, shapes: dict[str, tuple[int, ...]], source: str) -> None:
+    """A ConfigError naming ``source`` (the model directory or GGUF file) where ``config`` describes a larger
+    model than the checkpoint's tensors (``shapes``, in values) hold, before the model is built: more decoder
+    layers than the tensors hold, or more parameters than their numbers can hold. NOTE: a wrong
+    num_hidden_layers of 10**5 took minutes to build a tiny model's layers, a vocab_size of 10**9 a raw
+    allocation error; a tenfold 8B model does not fit in memory."""
     held_layers = 1 + max(
         (int(index) for name in shapes for container, index in pairwise(name.split("."))
          if container in LAYER_CONTAINERS and index.isdigit()),
@@ -387,14 +388,14 @@ def check_config_fits_checkpoint(config: ModelConfig, shapes: dict[str, tuple[in
     )  # fmt: skip
     if config.num_hidden_layers > held_layers:
         raise ConfigError(
-            f"model directory {path}: the config has {config.num_hidden_layers} layers (num_hidden_layers), "
-            f"but the *.safetensors files hold the weights of {held_layers}"
+            f"{source}: the config has {config.num_hidden_layers} layers (num_hidden_layers), but the weights "
+            f"are those of {held_layers}"
         )
     held_numbers = sum(math.prod(shape) for shape in shapes.values())
     if config.num_params > MOST_VALUES_PER_NUMBER * held_numbers:
         raise ConfigError(
-            f"model directory {path}: the config describes a model of {config.num_params:,} parameters, but the "
-            f"*.safetensors files hold {held_numbers:,} numbers: the config is not the weights' config"
+            f"{source}: the config describes a model of {config.num_params:,} parameters, but the weights hold "
+            f"{held_numbers:,} numbers: the config is not the weights' config"
         )
 
 
