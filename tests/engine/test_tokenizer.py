@@ -35,6 +35,20 @@ def test_a_lone_surrogate_is_a_config_error_naming_it(library_tokenizer):
         HFTokenizer.from_tokenizer(library_tokenizer).encode("fox \ud800 jumps")
 
 
+def test_a_tokenizer_path_that_holds_none_is_one_config_error_saying_what_it_is(tmp_path):
+    """``bench-serve --tokenizer``'s reading: a path that does not exist, a file that is no tokenizer (once
+    "no tokenizer.json in this directory" for a file) and a directory without one, each in its words."""
+    from sloserve.engine.tokenizer import load_tokenizer_file
+
+    with pytest.raises(ConfigError, match="nowhere: no such file or directory"):
+        load_tokenizer_file(tmp_path / "nowhere")
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(ConfigError, match="model.safetensors: not a tokenizer.json, a model directory or a .gguf file"):
+        load_tokenizer_file(tmp_path / "model.safetensors")
+    with pytest.raises(ConfigError, match=f"{tmp_path}: no tokenizer.json in this directory"):
+        load_tokenizer_file(tmp_path)
+
+
 def test_other_threads_run_while_a_long_text_is_encoded(library_tokenizer):
     """The main thread counts while a worker encodes 0.5 MB of text. NOTE: with a switch interval of 10 s,
     a thread that holds the GIL keeps it until it returns to Python (the library's ``encode`` does), and the

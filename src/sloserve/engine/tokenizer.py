@@ -114,6 +114,8 @@ def load_tokenizer_file(path: Path) -> HFTokenizer:
         raise ConfigError(f"{path}: no such file or directory (a tokenizer.json, a model directory or a .gguf file)")
     tokenizer = load_tokenizer(path)
     if tokenizer is None:
+        if path.is_file():  # (a model's weights or config given for its tokenizer)
+            raise ConfigError(f"{path}: not a tokenizer.json, a model directory or a .gguf file")
         raise ConfigError(f"{path}: no tokenizer.json in this directory")
     return tokenizer
 
