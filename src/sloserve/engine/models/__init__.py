@@ -338,26 +338,35 @@ def init_random_(model: nn.Module, seed: int) -> None:
             p.normal_(0.0, p.shape[1] ** -0.5, generator=generator)
 
 
-def checkpoint_shapes(path: Path, multimodal: bool) -> dict[str, tuple[int, ...]]:
-    """The shapes of the tensors in the ``*.safetensors`` files of ``path`` by name, read from their headers;
-    a multimodal checkpoint's those of its language model, as the engine names them (``language_model_name``:
-    its vision tensors left out). A ConfigError where there are none or one is unreadable."""
+def _safetensors_keys(path: Path, multimodal: bool, device: str = "cpu"):
+    """(file, the opened file, key, the engine's name) of each tensor in the ``*.safetensors`` files of ``path``;
+    a multimodal checkpoint's language model's only, as the engine names them (``language_model_name``). A
+    ConfigError at once where there are no files, and at a file that is unreadable."""
     from safetensors import SafetensorError, safe_open
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"model directory {path} has no *.safetensors weights")
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
+
+    def keys():
+        for file in files:
+            try:
+                opened = safe_open(str(file), framework="pt", device=device)
+            except SafetensorError as e:  # a cut-off download fails here ("file not fully covered")
+                raise ConfigError(f"{file}: not a readable safetensors file ({e})") from None
+            with opened as f:
                 for key in f.keys():
                     name = language_model_name(key) if multimodal else key
-                    if name is not None:
-                        shapes[name] = tuple(f.get_slice(key).get_shape())
-        except SafetensorError as e:  # a cut-off download fails here ("file not fully covered")
-            raise ConfigError(f"{file}: not a readable safetensors file ({e})") from None
-    return shapes
+                    if name is not None:  # NOTE: a vision tensor is never read from the file
+                        yield file, f, key, name
+
+    return keys()
+
+
+def checkpoint_shapes(path: Path, multimodal: bool) -> dict[str, tuple[int, ...]]:
+    """The shapes of the tensors in the ``*.safetensors`` files of ``path`` by the engine's names, read from
+    their headers (``_safetensors_keys``: a multimodal checkpoint's language model's)."""
+    return {name: tuple(f.get_slice(key).get_shape()) for _, f, key, name in _safetensors_keys(path, multimodal)}
 
 
 def stores_lm_head(shapes: dict[str, tuple[int, ...]]) -> bool:
@@ -405,27 +414,11 @@ def load_weights(model: nn.Module, path: Path) -> None:
 
     A parameter missing from the files (other than a tied LM head) is a ConfigError naming it.
     """
-    from safetensors import SafetensorError, safe_open
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"model directory {path} has no *.safetensors weights")
     device = next(model.parameters()).device
     multimodal = model.config.extra.get("multimodal_checkpoint", False)
-
-    def tensors():
-        for file in files:
-            try:
-                opened = safe_open(str(file), framework="pt", device=str(device))
-            except SafetensorError as e:  # a cut-off download fails here ("file not fully covered")
-                raise ConfigError(f"{file}: not a readable safetensors file ({e})") from None
-            with opened as f:
-                for key in f.keys():
-                    name = language_model_name(key) if multimodal else key
-                    if name is not None:  # NOTE: a vision tensor is never read from the file
-                        yield file, name, f.get_tensor(key)
-
-    copy_weights(model, tensors(), f"model directory {path}")
+    keys = _safetensors_keys(path, multimodal, str(device))
+    tensors = ((file, name, f.get_tensor(key)) for file, f, key, name in keys)
+    copy_weights(model, tensors, f"model directory {path}")
 
 
 # The model types whose stacked experts are (E, inputs, outputs) whatever their shape (Llama 4's: transformers'
