@@ -99,8 +99,9 @@ class AnswerTokens:
         kept = []
         for token, text, item in zip(token_ids, texts, items, strict=True):
             if self.state == "start":
-                if token == self.open_id:  # NOTE: the whitespace before it is nobody's (finish drops it)
+                if token == self.open_id:  # NOTE: the whitespace before it is nobody's (the parser drops it)
                     self.state = "thinking"
+                    self.undecided = []
                     continue
                 if not text.strip():
                     self.undecided.append(item)
