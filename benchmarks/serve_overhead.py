@@ -173,7 +173,7 @@ def served(
                 "raw",
                 "--output",
                 args.py_spy,
-            ]  # fmt: skip
+            ]
         )
     offset = os.path.getsize(args.request_log)
     result = run_benchmark(base_url, args.model, requests, prompts)

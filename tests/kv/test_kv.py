@@ -139,9 +139,9 @@ def test_manager_invariants_under_random_operations(ops, manager, block_size):
             # Its compact form, the block ids the engine sends for decodes, follows every change to a
             # block table (the manager keeps them as arrays between calls).
             block_ids = kv.block_id_tables(held, lengths)
-            for row, (rr, n) in enumerate(zip(held, lengths)):
-                assert table[row, :n].tolist() == kv.slot_ids(rr, 0, n) == kv.slot_table(rr, n).tolist()
-                num_blocks = -(-n // block_size)
+            for row, (rr, length) in enumerate(zip(held, lengths)):
+                assert table[row, :length].tolist() == kv.slot_ids(rr, 0, length) == kv.slot_table(rr, length).tolist()
+                num_blocks = -(-length // block_size)
                 assert block_ids[row, :num_blocks].tolist() == kv.block_tables[rr][:num_blocks]
 
 

@@ -105,7 +105,7 @@ def test_llama3_json_streamed_anywhere_equals_whole(fragments, cuts):
             '[get_weather(city="Paris", days=2), now()]',
             None,
             [("get_weather", '{"city": "Paris", "days": 2}'), ("now", "{}")],
-        ),  # fmt: skip
+        ),
         ("\n[f(a={'x': [1, None, True]}, b=-1.5)]", None, [("f", '{"a": {"x": [1, null, true]}, "b": -1.5}')]),
         ("[f(x=1)] and some text", "[f(x=1)] and some text", []),  # not a list, whole
         ("[f(x=y)]", "[f(x=y)]", []),  # not a literal

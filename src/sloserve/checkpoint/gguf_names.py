@@ -152,7 +152,7 @@ ARCH_TENSORS["nemotron_h"] = {
     **{
         f"blk.{{n}}.attn_{ours}.weight": f"backbone.layers.{{n}}.mixer.{theirs}_proj.weight"
         for ours, theirs in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o"))
-    },  # fmt: skip
+    },
     **{f"blk.{{n}}.ffn_{x}.weight": f"backbone.layers.{{n}}.mixer.{x}_proj.weight" for x in ("up", "down")},
 }
 # Falcon-H1's (``falcon-h1``): Llama's layers, each with a Mamba-2 mixer beside its attention; its muP multipliers
@@ -192,7 +192,7 @@ ARCH_TENSORS["qwen35"] = {
             ("ssm_norm.weight", "norm.weight"),
             ("ssm_out.weight", "out_proj.weight"),
         )
-    },  # fmt: skip
+    },
 }
 # Qwen3.5's MoE (``qwen35moe``: 35B-A3B-397B-A17B): Qwen3.5's layers, experts in every one (stacked:
 # ``EXPERT_TENSORS``; the converter splits the checkpoint's gate_up_proj) beside a shared expert and its gate

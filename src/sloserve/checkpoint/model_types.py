@@ -415,7 +415,7 @@ CONFIG_DEFAULTS = {
         "qk_rope_head_dim": 64,
         "v_head_dim": 256,
         "rms_norm_eps": 1e-5,
-    },  # fmt: skip
+    },
     # (Mistral Small 4's latent sizes, transformers' Mistral4Config defaults)
     "mistral4": {
         "q_lora_rank": 1024,

@@ -202,7 +202,7 @@ def _write_schedule(out: Path, problem, status: str, relaxed: float, runs: list,
                     "kv_tokens": b.kv_tokens,
                 }
                 for b in result.schedule
-            ],  # fmt: skip
+            ],
         )
         plot_gantt(
             problem,

@@ -254,7 +254,7 @@ class LLM:
                         b.cumulative_logprob,
                         decode(b.token_ids),
                         "stop" if b.finished else "length",
-                    )  # fmt: skip
+                    )
                     for b in found[i]
                 ]
             )

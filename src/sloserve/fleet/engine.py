@@ -88,6 +88,8 @@ class FleetEngine(AsyncLLMEngine):
         self._num_tries: dict[int, int] = {}
         self._aborted: set[int] = set()
         self._channels: dict[str, asyncio.Task] = {}  # replica key -> the task listening to its outputs
+        # NOTE: the loop holds its tasks weakly: an admission no one references may be collected mid-call
+        self._admissions: set[asyncio.Task] = set()
         self._started_ray = False
         # NOTE: a name of its own: two servers deploying on one cluster must not replace each other's replicas
         self.app_name = f"sloserve-{uuid.uuid4().hex[:8]}"
@@ -193,10 +195,10 @@ class FleetEngine(AsyncLLMEngine):
     def _send(self, message: tuple) -> None:
         kind = message[0]
         if kind == "add":
-            self._loop = loop = asyncio.get_running_loop()  # NOTE: submit runs on the server's loop
+            self._loop = asyncio.get_running_loop()  # NOTE: submit runs on the server's loop
             add: AddRequest = message[1]
             self._adds[add.request_id] = add
-            loop.create_task(self._admit(add))
+            self._start_admission(add)
         elif kind in ("abort", "abort_all") and self._loop is not None:
             ids = list(self._adds) if kind == "abort_all" else [message[1]]
             try:
@@ -205,6 +207,12 @@ class FleetEngine(AsyncLLMEngine):
                 pass
         elif kind == "stop":
             self._shutdown()
+
+    def _start_admission(self, add: AddRequest) -> None:
+        """Admit ``add`` in a task of its own, held until it ends."""
+        admission = asyncio.get_running_loop().create_task(self._admit(add))
+        self._admissions.add(admission)
+        admission.add_done_callback(self._admissions.discard)
 
     async def _admit(self, add: AddRequest) -> None:
         """Route ``add`` to a replica (Ray Serve calls the routing policy) and listen to that replica."""
@@ -274,7 +282,7 @@ class FleetEngine(AsyncLLMEngine):
                 self._num_tries[request_id] = self._num_tries.get(request_id, 0) + 1
                 self._replica_failed("retried")
                 log.warning("request %d: its replica went away before its first token; sending it again", request_id)
-                asyncio.get_running_loop().create_task(self._admit(add))
+                self._start_admission(add)
             else:
                 self._replica_failed("error")
                 self._end(request_id, "error", reason)

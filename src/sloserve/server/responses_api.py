@@ -319,7 +319,7 @@ class ResponsesRequest(RequestBody):
                 self.tool_choice.model_dump()
                 if isinstance(self.tool_choice, NamedFunction)
                 else self.tool_choice or "auto"
-            ),  # fmt: skip
+            ),
             "parallel_tool_calls": self.parallel_tool_calls is not False,
             "text": {"format": self.text.format.model_dump(by_alias=True, exclude_none=True)}
             if self.text is not None and self.text.format is not None
