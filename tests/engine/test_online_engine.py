@@ -26,7 +26,6 @@ from sloserve.engine.async_engine import (  # noqa: E402
     QueueFullError,
     ShuttingDownError,
 )
-from sloserve.engine.detokenizer import Detokenizer  # noqa: E402
 from sloserve.engine.engine_core import AddRequest, EngineCore, EngineSpec  # noqa: E402
 from sloserve.engine.llm_engine import LLMEngine  # noqa: E402
 from sloserve.engine.loader import load_model  # noqa: E402
@@ -89,19 +88,6 @@ def test_aborted_requests_teach_the_length_predictor_nothing():
     _, _, engine = _run("infermax", ABORT_AT_STEP)
     observed = engine.scheduler.predictor._all
     assert sorted(observed) == sorted(n for i, n in enumerate(MAX_TOKENS) if i not in ABORT_AT_STEP)
-
-
-def test_detokenizer_holds_back_a_possible_stop_string_and_cuts_it():
-    tok = ByteTokenizer()
-    d = Detokenizer(tok, stop=("END",))
-    assert d.push(list(b"abcE")) == "ab"  # "cE" could be the start of "END": held back
-    assert d.push(list(b"N")) == "c"
-    assert d.push(list(b"Dxyz")) == "" and d.stopped and d.text == "abc"
-    d = Detokenizer(tok, stop=("xyz", "END", "EN"), include_stop_str_in_output=True)  # vLLM's option
-    assert d.push(list(b"abcENDxyz")) == "abcEN" and d.stopped  # the first in the text; "EN" is done first
-    d = Detokenizer(tok)
-    euro = list("€".encode())  # three bytes: nothing is final until the last one
-    assert d.push(euro[:1]) == "" and d.push(euro[1:2]) == "" and d.push(euro[2:]) == "€"
 
 
 async def _collect(served):

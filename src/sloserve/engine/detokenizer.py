@@ -16,8 +16,8 @@ class Detokenizer:
 
     ``push(token_ids)`` appends tokens and returns the text that is now final: text that could still
     turn out to be the start of a stop string, or an incomplete UTF-8 character, is held back until
-    the next token decides it. ``stopped`` is set when a stop string appeared; the text then ends
-    before it (OpenAI's rule: the stop string is not returned), or after it with
+    the next token decides it. ``stopped`` is set when a stop string appeared (the first to end in the
+    text); the text then ends before it (OpenAI's rule: the stop string is not returned), or after it with
     ``include_stop_str_in_output`` (vLLM's). ``skip_special_tokens`` (vLLM's default) leaves special
     tokens out of the text.
     """
@@ -72,10 +72,12 @@ class Detokenizer:
         return new
 
     def _find_stop(self, searched_from: int) -> None:
-        hits = [(i, len(s), s) for i, s in ((self.text.find(s, searched_from), s) for s in self.stop) if i >= 0]
+        hits = [(i + len(s), i, s) for i, s in ((self.text.find(s, searched_from), s) for s in self.stop) if i >= 0]
         if hits:
-            start, length, stop = min(hits)  # the first in the text; of two that start there, the shorter (done first)
-            self.text = self.text[: start + length if self.include_stop_str_in_output else start]
+            # NOTE: the first to end in the text, as if it came a character at a time: the same stop however the
+            # tokens arrive (one a push, a step's few, all at once); of two ending at one character, the longer
+            end, start, stop = min(hits)
+            self.text = self.text[: end if self.include_stop_str_in_output else start]
             self.stopped, self.stop_reason = True, stop
 
     @classmethod
