@@ -236,6 +236,10 @@ def test_stop_strings_end_a_sequence_in_the_step_that_completes_one(reference_ll
     decode = llm.tokenizer.decode
     assert stop in decode(cut) and stop not in decode(cut[:-1])
     assert not llm.engine.has_unfinished()
+    # min_tokens: a stop string ending in the text of the first min_tokens tokens does not count (vLLM's rule)
+    held = llm.generate(prompt, dataclasses.replace(greedy, stop=[stop], min_tokens=len(cut)))[0].outputs[0]
+    assert held.token_ids[: len(cut)] == cut and len(held.token_ids) > len(cut)
+    assert held.text.startswith(out[0].text + stop)
     never = llm.generate(prompt, dataclasses.replace(greedy, stop="never in the text"))[0].outputs[0]
     assert (never.text, never.token_ids, never.finish_reason) == (full.text, full.token_ids, "length")
     assert never.stop_reason is None

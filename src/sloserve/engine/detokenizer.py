@@ -18,8 +18,8 @@ class Detokenizer:
     turn out to be the start of a stop string, or an incomplete UTF-8 character, is held back until
     the next token decides it. ``stopped`` is set when a stop string appeared (the first to end in the
     text); the text then ends before it (OpenAI's rule: the stop string is not returned), or after it with
-    ``include_stop_str_in_output`` (vLLM's). ``skip_special_tokens`` (vLLM's default) leaves special
-    tokens out of the text.
+    ``include_stop_str_in_output`` (vLLM's); one that ends within the text of the first ``min_tokens``
+    tokens does not count. ``skip_special_tokens`` (vLLM's default) leaves special tokens out of the text.
     """
 
     def __init__(
@@ -29,11 +29,15 @@ class Detokenizer:
         *,
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
         self.include_stop_str_in_output = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
+        # NOTE: a stop string counts once it ends in the text of the tokens after the first min_tokens (vLLM's
+        # rule, as its EOS and stop tokens wait for them)
+        self.min_tokens = min_tokens
         self.token_ids: list[int] = []
         self.text = ""  # all final text so far (the stop string excluded, unless include_stop_str_in_output)
         self.num_sent_chars = 0  # chars of text already returned by push
@@ -42,6 +46,7 @@ class Detokenizer:
         self._prefix_offset = 0  # first token of the decode window
         self._read_offset = 0  # tokens before this are in self.text
         self._max_stop_chars = max((len(s) for s in self.stop), default=0)
+        self._min_tokens_chars: int | None = None  # the text's length after the first min_tokens tokens
 
     def push(self, token_ids: list[int], finished: bool = False, stop_token: bool = False) -> str:
         """Add tokens; return the new text that can be sent (all of it when ``finished``). ``stop_token``:
@@ -51,28 +56,44 @@ class Detokenizer:
             return ""
         if stop_token and not self.include_stop_str_in_output:
             token_ids = token_ids[:-1]
-        self.token_ids.extend(token_ids)
-        window = self.token_ids[self._prefix_offset :]
-        skip = self.skip_special_tokens
-        prefix_text = self.tokenizer.decode(self.token_ids[self._prefix_offset : self._read_offset], skip)
-        window_text = self.tokenizer.decode(window, skip)
-        if len(window_text) > len(prefix_text) and not window_text.endswith("\ufffd"):
-            searched_from = max(0, len(self.text) - self._max_stop_chars + 1)
-            self.text += window_text[len(prefix_text) :]
-            # NOTE: the tokens just rendered become the next window's context.
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self.token_ids)
-            self._find_stop(searched_from)
-        elif finished:  # an incomplete character at the very end: send it as the replacement char
-            self.text += window_text[len(prefix_text) :]
+        self._decode(token_ids, finished)
         hold = 0 if (finished or self.stopped) else max(self._max_stop_chars - 1, 0)
         end = max(self.num_sent_chars, len(self.text) - hold)
         new = self.text[self.num_sent_chars : end]
         self.num_sent_chars = end
         return new
 
-    def _find_stop(self, searched_from: int) -> None:
-        hits = [(i + len(s), i, s) for i, s in ((self.text.find(s, searched_from), s) for s in self.stop) if i >= 0]
+    def _decode(self, token_ids: list[int], finished: bool) -> None:
+        """Add ``token_ids`` to the text, and look for a stop string ending in what they add."""
+        self.token_ids.extend(token_ids)
+        window = self.token_ids[self._prefix_offset :]
+        skip = self.skip_special_tokens
+        prefix_text = self.tokenizer.decode(self.token_ids[self._prefix_offset : self._read_offset], skip)
+        window_text = self.tokenizer.decode(window, skip)
+        if len(window_text) > len(prefix_text) and not window_text.endswith("\ufffd"):
+            old_length = len(self.text)
+            self.text += window_text[len(prefix_text) :]
+            # NOTE: the tokens just rendered become the next window's context.
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self.token_ids)
+            if len(self.token_ids) >= self.min_tokens:
+                self._find_stop(max(old_length, self._min_tokens_length()))
+        elif finished:  # an incomplete character at the very end: send it as the replacement char
+            self.text += window_text[len(prefix_text) :]
+
+    def _min_tokens_length(self) -> int:
+        """The length of the text the first ``min_tokens`` tokens complete (an incomplete last character
+        is completed by the tokens after them)."""
+        if self._min_tokens_chars is None:
+            text = self.tokenizer.decode(self.token_ids[: self.min_tokens], self.skip_special_tokens)
+            self._min_tokens_chars = len(text.rstrip("\ufffd"))
+        return self._min_tokens_chars
+
+    def _find_stop(self, searched_length: int) -> None:
+        """Look for a stop string ending past ``searched_length`` characters of the text (those before were
+        looked at already, or are the first ``min_tokens`` tokens')."""
+        found = ((self.text.find(s, max(0, searched_length - len(s) + 1)), s) for s in self.stop)
+        hits = [(i + len(s), i, s) for i, s in found if i >= 0]
         if hits:
             # NOTE: the first to end in the text, as if it came a character at a time: the same stop however the
             # tokens arrive (one a push, a step's few, all at once); of two ending at one character, the longer
@@ -87,4 +108,5 @@ class Detokenizer:
             params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=params.skip_special_tokens,
+            min_tokens=params.min_tokens,
         )

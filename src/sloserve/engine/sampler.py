@@ -79,7 +79,8 @@ class SamplingParams:
     Controls of the scores, applied in this order before temperature and top-p (vLLM's order and
     formulas): ``allowed_token_ids`` (every other token's score is -inf, EOS's too), ``bad_words``
     (the last token of a word's tokens cannot follow the others: ``tokenize_bad_words``),
-    ``min_tokens`` (EOS and ``stop_token_ids`` cannot be sampled before that many output tokens),
+    ``min_tokens`` (EOS and ``stop_token_ids`` cannot be sampled before that many output tokens; a
+    stop string ending in their text does not count: ``Detokenizer``),
     ``logit_bias`` (added to the named tokens' scores), ``repetition_penalty`` (a score of a
     token in the prompt or the output is divided by it when positive, multiplied when negative),
     ``frequency_penalty`` (times each token's count in the output, subtracted) and
