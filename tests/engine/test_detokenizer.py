@@ -25,6 +25,8 @@ def test_detokenizer_holds_back_a_possible_stop_string_and_cuts_it():
     assert d.push(list(b"Dxyz")) == "" and d.stopped and d.text == "abc"
     d = Detokenizer(tok, stop=("xyz", "END", "EN"), include_stop_str_in_output=True)  # vLLM's option
     assert d.push(list(b"abcENDxyz")) == "abcEN" and d.stopped  # "EN" ends first
+    d = Detokenizer(tok, stop=("END",), include_stop_str_in_output=True)
+    assert d.push(list(b"abcE")) == "abcE"  # nothing held back: the text up to a stop string's end stays
     d = Detokenizer(tok)
     euro = list("€".encode())  # three bytes: nothing is final until the last one
     assert d.push(euro[:1]) == "" and d.push(euro[1:2]) == "" and d.push(euro[2:]) == "€"

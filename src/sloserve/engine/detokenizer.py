@@ -15,11 +15,12 @@ class Detokenizer:
     """Turns one request's output tokens into text as they come, and finds its stop strings.
 
     ``push(token_ids)`` appends tokens and returns the text that is now final: text that could still
-    turn out to be the start of a stop string, or an incomplete UTF-8 character, is held back until
-    the next token decides it. ``stopped`` is set when a stop string appeared (the first to end in the
-    text); the text then ends before it (OpenAI's rule: the stop string is not returned), or after it with
-    ``include_stop_str_in_output`` (vLLM's); one that ends within the text of the first ``min_tokens``
-    tokens does not count. ``skip_special_tokens`` (vLLM's default) leaves special tokens out of the text.
+    turn out to be the start of a stop string (unless ``include_stop_str_in_output``), or an incomplete
+    UTF-8 character, is held back until the next token decides it. ``stopped`` is set when a stop
+    string appeared (the first to end in the text); the text then ends before it (OpenAI's rule: the
+    stop string is not returned), or after it with ``include_stop_str_in_output`` (vLLM's); one that
+    ends within the text of the first ``min_tokens`` tokens does not count. ``skip_special_tokens``
+    (vLLM's default) leaves special tokens out of the text.
     """
 
     def __init__(
@@ -45,7 +46,10 @@ class Detokenizer:
         self.stop_reason: str | None = None  # the stop string found
         self._prefix_offset = 0  # first token of the decode window
         self._read_offset = 0  # tokens before this are in self.text
-        self._max_stop_chars = max((len(s) for s in self.stop), default=0)
+        # NOTE: text held back, as it may begin a stop string; none when the stop string is in the output
+        # (the text it ends stays), as vLLM
+        longest = max((len(s) for s in self.stop), default=0)
+        self._held_chars = 0 if include_stop_str_in_output else max(longest - 1, 0)
         self._min_tokens_chars: int | None = None  # the text's length after the first min_tokens tokens
 
     def push(self, token_ids: list[int], finished: bool = False, stop_token: bool = False) -> str:
@@ -57,7 +61,7 @@ class Detokenizer:
         if stop_token and not self.include_stop_str_in_output:
             token_ids = token_ids[:-1]
         self._decode(token_ids, finished)
-        hold = 0 if (finished or self.stopped) else max(self._max_stop_chars - 1, 0)
+        hold = 0 if (finished or self.stopped) else self._held_chars
         end = max(self.num_sent_chars, len(self.text) - hold)
         new = self.text[self.num_sent_chars : end]
         self.num_sent_chars = end
