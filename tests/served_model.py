@@ -3,6 +3,7 @@ on the tiny chat model of ``chat_model.py``."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
@@ -69,3 +70,38 @@ class Server:
 def generate(llm: LLM, prompt_ids: list[int], max_tokens: int) -> tuple[str, list[int]]:
     out = llm.generate({"prompt_token_ids": prompt_ids}, SamplingParams(max_tokens=max_tokens, temperature=0))[0]
     return out.outputs[0].text, out.outputs[0].token_ids
+
+
+def start_order_by_priority(server: Server) -> list[str]:
+    """Requests of priorities 5, 5, -1 and 2 sent while a long one runs, on a server that runs one at a time
+    in the order of ``waiting_order=priority``: the order they finish in (by name)."""
+
+    async def main() -> list[str]:
+        finished: list[str] = []
+
+        async def one(name: str, priority: int, max_tokens: int = 4) -> None:
+            await server.async_client.completions.create(
+                model=MODEL, prompt=name, max_tokens=max_tokens, extra_body={"priority": priority, "ignore_eos": True}
+            )
+            finished.append(name)
+
+        running = await server.async_client.completions.create(
+            model=MODEL, prompt="first", max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+        )
+        await anext(aiter(running))  # it runs: the next ones queue behind it
+        tasks = []
+        deadline = time.monotonic() + 30
+        # NOTE: one at a time, each accepted before the next is sent: over four connections their
+        # arrival order would be the connections' race, and low-a must arrive before low-b
+        for k, (name, priority) in enumerate((("low-a", 5), ("low-b", 5), ("high", -1), ("mid", 2)), 1):
+            tasks.append(asyncio.ensure_future(one(name, priority)))
+            while server.engine.num_queued < k:
+                assert time.monotonic() < deadline, f"{name} was not accepted"
+                await asyncio.sleep(0.005)
+        assert server.engine.num_unfinished == 5  # all four accepted while "first" runs (~200 steps to go)
+        async for _ in running:
+            pass
+        await asyncio.gather(*tasks)
+        return finished
+
+    return asyncio.run(main())

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.ray
 from test_batch_api import completion_line, read_jsonl, upload, wait_final
 
 from hf_models import VOCAB
-from served_model import MODEL, Server, generate
+from served_model import MODEL, Server, generate, start_order_by_priority
 from sloserve.core.errors import ConfigError
 from sloserve.fleet.engine import FleetOptions
 from sloserve.fleet.replica import local_replica_pids
@@ -85,6 +85,21 @@ def test_a_fleet_the_cluster_cannot_place_fails_at_its_deadline_saying_what_is_m
         ].status in ("DELETING", "NOT_STARTED")
     finally:
         ray.shutdown()
+
+
+def test_a_fleet_sends_the_requests_priorities_to_its_replicas(chat_model_dir):
+    """vLLM's ``priority`` reaches the replica's scheduler: one replica under waiting_order=priority, running one
+    request at a time, starts those queued by priority as one server does (before the fixture below: its two
+    replicas take this machine's two cores)."""
+    ordered = Server(
+        chat_model_dir,
+        scheduler_options={"waiting_order": "priority", "max_num_seqs": 1},
+        fleet=FleetOptions(num_replicas=1, cpus_per_replica=1),
+    )
+    try:
+        assert start_order_by_priority(ordered) == ["high", "mid", "low-a", "low-b"]
+    finally:
+        ordered.stop()
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 
 import httpx  # noqa: E402
 
-from served_model import MODEL, Server  # noqa: E402
+from served_model import MODEL, Server, start_order_by_priority  # noqa: E402
 from sloserve.bench.client import request_body  # noqa: E402
 from sloserve.core.request import Request  # noqa: E402
 from sloserve.engine.tokenizer import HFTokenizer  # noqa: E402
@@ -774,35 +774,7 @@ def test_vllms_priority_needs_a_scheduler_that_orders_by_it_and_then_goes_first(
     assert e.value.body["param"] == "priority" and "less than or equal to 1000000000" in e.value.message
     ordered = Server(chat_model_dir, scheduler_options={"waiting_order": "priority", "max_num_seqs": 1})
     try:
-
-        async def main() -> list[str]:
-            finished: list[str] = []
-
-            async def one(name: str, priority: int, max_tokens: int = 4) -> None:
-                await ordered.async_client.completions.create(model=MODEL, prompt=name, max_tokens=max_tokens,
-                                                              extra_body={"priority": priority, "ignore_eos": True})  # fmt: skip
-                finished.append(name)
-
-            running = await ordered.async_client.completions.create(
-                model=MODEL, prompt="first", max_tokens=200, stream=True, extra_body={"ignore_eos": True}
-            )
-            await anext(aiter(running))  # it runs: the next ones queue behind it
-            tasks = []
-            deadline = time.monotonic() + 30
-            # NOTE: one at a time, each accepted before the next is sent: over four connections their
-            # arrival order would be the connections' race, and low-a must arrive before low-b
-            for k, (name, priority) in enumerate((("low-a", 5), ("low-b", 5), ("high", -1), ("mid", 2)), 1):
-                tasks.append(asyncio.ensure_future(one(name, priority)))
-                while ordered.engine.num_queued < k:
-                    assert time.monotonic() < deadline, f"{name} was not accepted"
-                    await asyncio.sleep(0.005)
-            assert ordered.engine.num_unfinished == 5  # all four accepted while "first" runs (~200 steps to go)
-            async for _ in running:
-                pass
-            await asyncio.gather(*tasks)
-            return finished
-
-        assert asyncio.run(main()) == ["high", "mid", "low-a", "low-b"]
+        assert start_order_by_priority(ordered) == ["high", "mid", "low-a", "low-b"]
     finally:
         ordered.stop()
     # bench-serve sends a workload request's priority (vLLM's field), none at 0

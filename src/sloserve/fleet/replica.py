@@ -178,6 +178,7 @@ class EngineReplica:
             routed.params,
             request_class=routed.request_class,
             slo=routed.slo,
+            priority=routed.priority,
         )
         engine.ingress_id[served.request_id] = ingress_id
         engine.by_ingress_id[ingress_id] = served

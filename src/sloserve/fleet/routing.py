@@ -46,11 +46,14 @@ class RoutedRequest:
     params: SamplingParams
     request_class: RequestClass = RequestClass.RT
     slo: SLO = field(default_factory=SLO)
+    priority: int = 0  # vLLM's (AsyncLLMEngine.submit)
 
     def as_request(self) -> Request:
         """The request as a policy sees it: its prompt by its tokens, ``max_tokens`` for its length."""
         n = self.params.max_tokens
-        request = Request(0, 0.0, len(self.prompt_token_ids), n, n, self.request_class, self.slo)
+        request = Request(
+            0, 0.0, len(self.prompt_token_ids), n, n, self.request_class, self.slo, priority=self.priority
+        )
         request.prompt_blocks = TokenPrompt(self.prompt_token_ids)
         return request
 
