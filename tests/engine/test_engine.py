@@ -857,6 +857,22 @@ def test_the_engine_takes_the_simulators_steps(scheduler, capacity, options, cac
     assert [r.num_cached_tokens for r in requests] == [r.num_cached_tokens for r in simulated]
 
 
+def test_a_cache_salt_shares_cached_blocks_only_under_the_same_salt():
+    """vLLM's ``cache_salt`` offline: a prompt finds the blocks an earlier one of the same tokens left only under
+    the same salt (none: its own namespace); the tokens are the same either way."""
+    llm = LLM("random:tiny-llama", block_size=4)
+    ids, greedy = list(range(3, 23)), SamplingParams(max_tokens=3, temperature=0)
+
+    def run(salt: str | None):
+        return llm.generate({"prompt_token_ids": ids} | ({} if salt is None else {"cache_salt": salt}), greedy)[0]
+
+    first, *others = [run(salt) for salt in ("tenant-a", "tenant-b", None, "tenant-a")]
+    assert [o.num_cached_tokens for o in [first, *others]] == [0, 0, 0, 16]  # 20 tokens: the last is computed
+    assert all(o.outputs[0].token_ids == first.outputs[0].token_ids for o in others)
+    with pytest.raises(ConfigError, match="prompt 0: cache_salt must be a non-empty string, got ''"):
+        llm.generate({"prompt_token_ids": ids, "cache_salt": ""}, greedy)
+
+
 def test_run_with_a_closed_loop_workload_on_the_wall_clock(tmp_path):
     """BROS on its own workload (RT Poisson + BE batches resubmitted when done), arrivals in real time."""
     proc = _cli(

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from helpers import Driver, llama7b_cost
 from sloserve.core.errors import ConfigError
-from sloserve.core.prefix import SegmentedPrompt, TokenPrompt
+from sloserve.core.prefix import SegmentedPrompt, TokenPrompt, salted_root_key, segment_hash_ids
 from sloserve.core.request import Request, RequestClass
 from sloserve.kv.manager import ExactReservationKVManager, PagedKVManager
 from sloserve.sim import simulate
@@ -102,6 +102,20 @@ def test_uniform_segments_are_indexed_as_any_segments_are(ids, segment_tokens, c
 def test_namespaces_keep_two_traces_apart():
     a, b = SegmentedPrompt.uniform((1, 2), 512, 1000), SegmentedPrompt.uniform((1, 2), 512, 1000, namespace=7)
     assert not set(a.block_keys(16)) & set(b.block_keys(16))
+
+
+def test_a_cache_salt_keys_a_prompts_blocks_apart_from_every_other_salts():
+    """vLLM's ``cache_salt``: the same tokens under two salts, or one salt and none, share no block key (nor
+    the request log's hash ids); under one salt, as unsalted, they do, in every process (sha256, not hash())."""
+    tokens = list(range(40))
+    keys = {salt: TokenPrompt(tokens, salted_root_key(salt)).block_keys(8) for salt in (None, "tenant-a", "tenant-b")}
+    assert keys[None] == TokenPrompt(tokens).block_keys(8)
+    assert keys["tenant-a"] == TokenPrompt(tokens, salted_root_key("tenant-a")).block_keys(8)
+    assert all(
+        not set(keys[x]) & set(keys[y]) for x, y in [(None, "tenant-a"), (None, "tenant-b"), ("tenant-a", "tenant-b")]
+    )
+    assert salted_root_key("tenant-a") == -2198100225488869504  # fixed: a router and a replica must agree
+    assert segment_hash_ids(tokens, 8, salted_root_key("tenant-a"))[0] != segment_hash_ids(tokens, 8)[0]
 
 
 # --- the manager ----------------------------------------------------------------------------------

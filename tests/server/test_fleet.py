@@ -166,20 +166,26 @@ def test_concurrent_requests_spread_over_both_replicas(fleet):
 def test_prefix_affinity_sends_a_conversation_to_the_replica_that_caches_it(fleet):
     """Each conversation's first turn goes to the replica with the emptier KV, and its next turn, which
     resends it, to the replica whose prefix cache holds it (as reported): every next turn finds its
-    prefix cached, and both replicas hold conversations."""
+    prefix cached, and both replicas hold conversations. Half of them under vLLM's ``cache_salt``: the
+    router keys their blocks as the replicas do, and the same tokens under another salt find nothing."""
     rng = random.Random(0)
     hits_before = [fleet.metric("sloserve_prefix_cache_hits_total", replica=r) for r in ("0", "1")]
-    for _ in range(4):
+    for k in range(4):
         history = [rng.randrange(3, VOCAB) for _ in range(200)]
+        options = {"ignore_eos": True, "cache_salt": f"tenant-{k}" if k % 2 else None}
         first = fleet.client.completions.create(
-            model=MODEL, prompt=history, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+            model=MODEL, prompt=history, max_tokens=4, temperature=0, extra_body=options
         )
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         time.sleep(0.5)  # NOTE: the replicas report their caches every 100 ms
         turn = fleet.client.completions.create(
-            model=MODEL, prompt=history + [7] * 20, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+            model=MODEL, prompt=history + [7] * 20, max_tokens=4, temperature=0, extra_body=options
         )
         assert turn.usage.prompt_tokens_details.cached_tokens == 192  # the history's 12 full blocks
+        other = fleet.client.completions.create(
+            model=MODEL, prompt=history, max_tokens=4, temperature=0, extra_body={**options, "cache_salt": "other"}
+        )
+        assert other.usage.prompt_tokens_details.cached_tokens == 0
     hits = [fleet.metric("sloserve_prefix_cache_hits_total", replica=r) - hits_before[i] for i, r in enumerate("01")]
     assert min(hits) > 0, hits
 

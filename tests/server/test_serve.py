@@ -565,7 +565,8 @@ def test_the_request_log_reads_as_a_trace(server, tmp_path):
 
 def test_the_request_log_keeps_the_prompts_sharing(tmp_path):
     """Two requests whose prompts share their first 512 tokens log the same first hash id; replayed
-    as a trace with caching, the second finds the first's blocks as the server did."""
+    as a trace with caching, the second finds the first's blocks as the server did. A third of the same
+    tokens under vLLM's ``cache_salt`` finds none, and logs hash ids of its own."""
     from sloserve.sched import make_scheduler
     from sloserve.sim import simulate
     from sloserve.workload import workload_from_trace
@@ -574,21 +575,27 @@ def test_the_request_log_keeps_the_prompts_sharing(tmp_path):
     server = Server("random:tiny-llama", request_log=log)  # a context of 1024: room for 512-token segments
     try:
         shared = [7, 8, 9, 10] * 150  # 600 tokens
-        for tail in ([1, 2, 3], [4, 5, 6, 11, 12]):
-            server.client.completions.create(model=MODEL, prompt=shared + tail, max_tokens=2, temperature=0)
+        for tail, salt in (([1, 2, 3], None), ([4, 5, 6, 11, 12], None), ([4, 5, 6, 11, 12], "tenant-b")):
+            server.client.completions.create(
+                model=MODEL, prompt=shared + tail, max_tokens=2, temperature=0, extra_body={"cache_salt": salt}
+            )
+        with pytest.raises(openai.BadRequestError) as e:
+            server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"cache_salt": ""})
+        assert e.value.body["param"] == "cache_salt"
     finally:
         server.stop()
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert lines[0]["hash_ids"][0] == lines[1]["hash_ids"][0] and lines[0]["hash_ids"] != lines[1]["hash_ids"]
     assert lines[1]["cached_tokens"] == 592  # the server found the shared 600 tokens' full blocks
-    workload = workload_from_trace(str(log), num_requests=2, seed=0, context_len=1024, trace_arrivals=True)
+    assert lines[2]["cached_tokens"] == 0 and not set(lines[2]["hash_ids"]) & set(lines[1]["hash_ids"])
+    workload = workload_from_trace(str(log), num_requests=3, seed=0, context_len=1024, trace_arrivals=True)
     simulate(
         workload.requests,
         lambda: make_scheduler("vllm", kv_capacity_tokens=10_000, max_model_len=1024, enable_prefix_caching=True),
         llama7b_cost(),
     )
     # the log's granularity is Mooncake's 512-token segment: the replay finds the first one
-    assert [r.num_cached_tokens for r in workload.requests] == [0, 512]
+    assert [r.num_cached_tokens for r in workload.requests] == [0, 512, 0]
 
 
 def test_a_full_queue_answers_429_and_every_accepted_request_completes(chat_model_dir):

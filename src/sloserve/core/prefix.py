@@ -5,11 +5,13 @@ key only when their tokens and every token before them are the same.
 A prompt is known by its tokens (``TokenPrompt``: the engine) or, in a simulation, by the content ids
 of its segments (``SegmentedPrompt``: a trace's ``hash_ids``, where Mooncake's 512-token segment k
 of two requests holds the same tokens when their ids agree up to k; a conversation's system prompt,
-turns and answers).
+turns and answers). A request's ``cache_salt`` (vLLM's) is the parent key of its first block
+(``salted_root_key``): prompts of different salts share no block.
 """
 
 from __future__ import annotations
 
+import hashlib
 from bisect import bisect_right
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +23,15 @@ import numpy as np
 # in every process (PYTHONHASHSEED applies to str and bytes only), so keys are reproducible.
 ROOT_KEY = 0
 _MIX = np.int64(0x9E3779B97F4A7C15 - (1 << 64))  # odd (2^64 / golden ratio), as a signed 64-bit int
+
+
+def salted_root_key(cache_salt: str | None) -> int:
+    """The parent key of the first block of a prompt salted with ``cache_salt`` (None: ``ROOT_KEY``), the
+    same in every process (the engine's, a fleet's router)."""
+    if cache_salt is None:
+        return ROOT_KEY
+    digest = hashlib.sha256(cache_salt.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)
 
 
 def chain_keys(contents: Iterable[Hashable], parent: int = ROOT_KEY) -> list[int]:
@@ -167,6 +178,7 @@ class TokenPrompt:
     cached for the next turn that resends it."""
 
     token_ids: Sequence[int]
+    root_key: int = ROOT_KEY  # the first block's parent key (``salted_root_key``)
     _keys: dict[int, list[int]] = field(default_factory=dict, repr=False)
     _index: dict[int, BlockIndex] = field(default_factory=dict, repr=False)
 
@@ -181,7 +193,7 @@ class TokenPrompt:
         if len(keys) < full:  # NOTE: a full block's tokens never change: only new blocks are keyed
             ids = self.token_ids
             new = (tuple(ids[j * block_size : (j + 1) * block_size]) for j in range(len(keys), full))
-            keys += chain_keys(new, keys[-1] if keys else ROOT_KEY)
+            keys += chain_keys(new, keys[-1] if keys else self.root_key)
         return keys
 
     def block_index(self, block_size: int) -> BlockIndex:
@@ -196,10 +208,10 @@ class TokenPrompt:
 PromptBlocks = SegmentedPrompt | TokenPrompt
 
 
-def segment_hash_ids(token_ids: Sequence[int], segment_tokens: int = 512) -> list[int]:
+def segment_hash_ids(token_ids: Sequence[int], segment_tokens: int = 512, root_key: int = ROOT_KEY) -> list[int]:
     """A prompt's prefix structure in Mooncake's trace format: one id per segment of
     ``segment_tokens`` tokens (the last may be partial), chained so that equal ids mean equal tokens
     there and before; non-negative (a trace's ``hash_ids``). A served request's log line carries them,
-    so a served day replays with its real sharing."""
+    so a served day replays with its real sharing (``root_key``: its salt's, which no other salt shares)."""
     segments = (tuple(token_ids[i : i + segment_tokens]) for i in range(0, len(token_ids), segment_tokens))
-    return [key & ((1 << 63) - 1) for key in chain_keys(segments)]
+    return [key & ((1 << 63) - 1) for key in chain_keys(segments, root_key)]

@@ -99,9 +99,11 @@ class ServedRequest:
         slo: SLO,
         loop: asyncio.AbstractEventLoop,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.priority = priority
+        self.cache_salt = cache_salt
         self.arrival_time = arrival_time
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -272,9 +274,11 @@ class AsyncLLMEngine:
         request_class: RequestClass = RequestClass.RT,
         slo: SLO = SLO(),
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> ServedRequest:
         """Accept a request (call from a running event loop: its deltas go to that loop); ``priority``:
-        vLLM's, for a scheduler that orders by it (the lower, the sooner). Raises
+        vLLM's, for a scheduler that orders by it (the lower, the sooner); ``cache_salt``: vLLM's, its
+        prompt's cached blocks are shared only with requests of the same salt. Raises
         ConfigError for a request that can never run (the message names why), QueueFullError,
         ShuttingDownError or EngineDeadError; nothing is queued then."""
         if self.error is not None:
@@ -300,13 +304,21 @@ class AsyncLLMEngine:
             self._scheduler.check_fits(probe, len(prompt) + params.max_tokens - 1)
             self._next_id += 1
             served = ServedRequest(
-                request_id, arrival, prompt, params, request_class, slo, asyncio.get_running_loop(), priority
+                request_id,
+                arrival,
+                prompt,
+                params,
+                request_class,
+                slo,
+                asyncio.get_running_loop(),
+                priority,
+                cache_salt,
             )
             served.detokenizer = Detokenizer.for_params(self.tokenizer, params)
             self._served[request_id] = served
             self._num_queued += 1
             self._num_unfinished += 1
-        self._send(("add", AddRequest(request_id, prompt, params, request_class, slo, arrival, priority)))
+        self._send(("add", AddRequest(request_id, prompt, params, request_class, slo, arrival, priority, cache_salt)))
         return served
 
     def check_room(self, num_requests: int) -> None:

@@ -126,6 +126,7 @@ class AddRequest:
     slo: SLO
     arrival_time: float  # on the engine clock
     priority: int = 0  # vLLM's: the lower, the sooner (schedulers with waiting_order=priority)
+    cache_salt: str | None = None  # vLLM's: its prompt's cached blocks are shared only under the same salt
 
 
 class Output(NamedTuple):
@@ -319,7 +320,9 @@ class EngineCore:
     def _add(self, add: AddRequest, live: _Live) -> None:
         """``add`` into the engine; a request it cannot take ends alone, with "error" and the reason."""
         try:
-            self.engine.add_request(add.prompt_token_ids, add.params, add.arrival_time, request=live.request)
+            self.engine.add_request(
+                add.prompt_token_ids, add.params, add.arrival_time, request=live.request, cache_salt=add.cache_salt
+            )
         except Exception as e:  # noqa: BLE001 - one request the engine cannot take must not stop it
             # NOTE: the server checked it as the engine does; this is for what only the engine can find
             # (a model without the tokenizer a grammar needs), or a bug (its traceback goes to the log):

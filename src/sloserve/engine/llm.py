@@ -22,6 +22,8 @@ from sloserve.engine.loader import load_model
 from sloserve.engine.logprobs import Logprobs, cumulative_logprob
 from sloserve.engine.sampler import SamplingParams
 
+# A text, or vLLM's TokensPrompt: {"prompt_token_ids": [...]}, with its "cache_salt" (the prompt's cached blocks
+# are shared only with prompts of the same salt)
 Prompt = str | dict[str, Any]
 
 
@@ -150,6 +152,9 @@ class LLM:
                 )
             return prompt, self.loaded.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            salt = prompt.get("cache_salt")
+            if salt is not None and not (isinstance(salt, str) and salt):
+                raise ConfigError(f"prompt {index}: cache_salt must be a non-empty string, got {salt!r}")
             return None, list(prompt["prompt_token_ids"])
         raise ConfigError(
             f"prompt {index}: expected a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
@@ -186,9 +191,10 @@ class LLM:
         if tokenizer is None and any(p.stop for p in params):
             raise ConfigError("stop strings need the model's tokenizer (tokenizer.json); this model has none")
         engine = self.engine
+        salts = [prompt.get("cache_salt") if isinstance(prompt, dict) else None for prompt in prompts]
         sequences = [
-            [engine.add_request(ids, p.for_choice(j)) for j in range(p.n)]
-            for (_, ids), p in zip(encoded, params, strict=True)
+            [engine.add_request(ids, p.for_choice(j), cache_salt=salt) for j in range(p.n)]
+            for (_, ids), p, salt in zip(encoded, params, salts, strict=True)
         ]
         stops = {r: Detokenizer.for_params(tokenizer, p) for rs, p in zip(sequences, params) if p.stop for r in rs}
         watched = dict(stops)  # the sequences whose text may still hold a stop string

@@ -20,7 +20,7 @@ import torch
 
 from sloserve.checkpoint.model_config import ModelConfig
 from sloserve.core.errors import ConfigError
-from sloserve.core.prefix import TokenPrompt
+from sloserve.core.prefix import TokenPrompt, salted_root_key
 from sloserve.core.request import Request
 from sloserve.cost import LinearCostModel, get_preset, linear_coefficients
 from sloserve.cost.base import CostModel
@@ -326,9 +326,11 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float = 0.0,
         request: Request | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Queue a request (validated with ``check_request`` first). ``request`` may carry a workload's
-        own request (its class, SLO and arrival); otherwise one is made."""
+        own request (its class, SLO and arrival); otherwise one is made. ``cache_salt`` (vLLM's): its
+        prompt's blocks are shared only with requests of the same salt."""
         params = self.check_request(prompt_token_ids, params)
         if request is None:
             # NOTE: the engine cannot know the output length; the oracle predictor sees max_tokens.
@@ -343,7 +345,8 @@ class LLMEngine:
         # logprobs computes every prompt token, so it neither finds nor leaves blocks in the cache
         # (vLLM v1 skips the cache for them too).
         scores_prompt = params.prompt_logprobs is not None
-        request.prompt_blocks = None if scores_prompt else TokenPrompt(self.executor.sequences[request].token_ids)
+        token_ids = self.executor.sequences[request].token_ids
+        request.prompt_blocks = None if scores_prompt else TokenPrompt(token_ids, salted_root_key(cache_salt))
         self.replica.add(request, arrival_time)
         return request
 

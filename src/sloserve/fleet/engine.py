@@ -218,7 +218,9 @@ class FleetEngine(AsyncLLMEngine):
         """Route ``add`` to a replica (Ray Serve calls the routing policy) and listen to that replica."""
         from sloserve.fleet.routing import RoutedRequest
 
-        routed = RoutedRequest(add.prompt_token_ids, add.params, add.request_class, add.slo, add.priority)
+        routed = RoutedRequest(
+            add.prompt_token_ids, add.params, add.request_class, add.slo, add.priority, add.cache_salt
+        )
         try:
             key = await self._calls.admit.remote(routed, add.request_id)
         except Exception as exc:  # noqa: BLE001 - the replica died while admitting it: Ray's errors vary

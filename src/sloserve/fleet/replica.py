@@ -179,6 +179,7 @@ class EngineReplica:
             request_class=routed.request_class,
             slo=routed.slo,
             priority=routed.priority,
+            cache_salt=routed.cache_salt,
         )
         engine.ingress_id[served.request_id] = ingress_id
         engine.by_ingress_id[ingress_id] = served

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from sloserve.core.prefix import TokenPrompt
+from sloserve.core.prefix import TokenPrompt, salted_root_key
 from sloserve.core.request import SLO, Request, RequestClass
 from sloserve.engine.llm_engine import engine_cost_model
 from sloserve.engine.sampler import SamplingParams
@@ -47,6 +47,7 @@ class RoutedRequest:
     request_class: RequestClass = RequestClass.RT
     slo: SLO = field(default_factory=SLO)
     priority: int = 0  # vLLM's (AsyncLLMEngine.submit)
+    cache_salt: str | None = None  # vLLM's (AsyncLLMEngine.submit): the router keys its blocks as the replica does
 
     def as_request(self) -> Request:
         """The request as a policy sees it: its prompt by its tokens, ``max_tokens`` for its length."""
@@ -54,7 +55,7 @@ class RoutedRequest:
         request = Request(
             0, 0.0, len(self.prompt_token_ids), n, n, self.request_class, self.slo, priority=self.priority
         )
-        request.prompt_blocks = TokenPrompt(self.prompt_token_ids)
+        request.prompt_blocks = TokenPrompt(self.prompt_token_ids, salted_root_key(self.cache_salt))
         return request
 
 

@@ -175,7 +175,10 @@ async def _search(
     batch = next(searching)
     while True:
         served = [
-            engine.submit(ids, step, request_class=request_class, slo=slo, priority=body.priority) for ids in batch
+            engine.submit(
+                ids, step, request_class=request_class, slo=slo, priority=body.priority, cache_salt=body.cache_salt
+            )
+            for ids in batch
         ]
         try:
             generated = await asyncio.gather(*(collect(s) for s in served))

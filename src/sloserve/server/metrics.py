@@ -18,7 +18,7 @@ from typing import IO
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from sloserve.core.errors import ConfigError
-from sloserve.core.prefix import segment_hash_ids
+from sloserve.core.prefix import salted_root_key, segment_hash_ids
 from sloserve.engine.async_engine import EngineStats, ServedRequest
 from sloserve.metrics.summary import SLO_TOLERANCE_S
 from sloserve.server.vllm_metrics import VllmNames
@@ -231,7 +231,8 @@ class ServerMetrics:
             "prompt_tokens": served.num_prompt_tokens,
             "output_tokens": served.num_output_tokens,
             "cached_tokens": served.num_cached_tokens,
-            "hash_ids": segment_hash_ids(served.prompt_token_ids),  # Mooncake's format: 512-token segments
+            # Mooncake's format: 512-token segments; a salted prompt's share nothing with another salt's
+            "hash_ids": segment_hash_ids(served.prompt_token_ids, root_key=salted_root_key(served.cache_salt)),
             "max_tokens": served.params.max_tokens,
             "request_class": served.request_class.value,
             "priority": served.priority,

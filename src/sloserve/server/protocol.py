@@ -172,6 +172,9 @@ class SamplingRequest(RequestBody):
     # the lower, the sooner: under a scheduler with waiting_order=priority only; bounded as a trace's is, so
     # that the request log replays (simulate --trace requests.jsonl)
     priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    # its prompt's cached blocks are shared only with requests of the same salt (another tenant cannot time
+    # its way to them)
+    cache_salt: str | None = Field(default=None, min_length=1)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, and the k best
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N"
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the prompt's last k (-1: the context)

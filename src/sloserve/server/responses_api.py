@@ -69,10 +69,11 @@ NOT_SERVED: dict[str, tuple[Any, ...]] = {
     "truncation": ("disabled",),
     "max_tool_calls": (),
 }
-# vLLM's sampling extensions of a Responses request (and our slo): passed on to the chat request
+# vLLM's sampling extensions of a Responses request (and our slo, vLLM's cache_salt): passed on to the chat request
 SAMPLING_EXTRAS = ("seed", "stop", "ignore_eos", "slo", "presence_penalty", "frequency_penalty", "logit_bias",
                    "priority", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
-                   "allowed_token_ids", "bad_words", "include_stop_str_in_output", "skip_special_tokens")  # fmt: skip
+                   "allowed_token_ids", "bad_words", "include_stop_str_in_output", "skip_special_tokens",
+                   "cache_salt")  # fmt: skip
 # OpenAI's ``include`` values; only the logprobs change an answer here (the others name outputs of
 # tools this server does not run, or encrypted reasoning, which it does not make)
 INCLUDABLE = Literal[

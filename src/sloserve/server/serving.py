@@ -626,7 +626,14 @@ class OpenAIServing:
             for ids, p in zip(prompts, params, strict=True):
                 for j in range(body.num_choices):
                     served.append(
-                        self.engine.submit(ids, p.for_choice(j), request_class=cls, slo=slo, priority=body.priority)
+                        self.engine.submit(
+                            ids,
+                            p.for_choice(j),
+                            request_class=cls,
+                            slo=slo,
+                            priority=body.priority,
+                            cache_salt=body.cache_salt,
+                        )
                     )
         except BaseException:
             for s in served:
