@@ -159,7 +159,8 @@ def test_a_template_that_fails_on_the_messages_is_their_error(source, raised):
 
 
 def test_tokenize_and_detokenize_as_vllm_serves_them(server, chat_model_dir):
-    """vLLM's ``/tokenize`` (a prompt, or chat messages as a chat request reads them) and ``/detokenize``."""
+    """vLLM's ``/tokenize`` (a prompt, or chat messages as a chat request reads them) and ``/detokenize``; a
+    completion's and a chat's ``add_special_tokens`` read as /tokenize's."""
     hf = transformers.AutoTokenizer.from_pretrained(chat_model_dir)
     url = server.url
     answer = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
@@ -174,6 +175,18 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(server, chat_model_dir):
     assert chat["token_strs"] == [hf.decode([t]) for t in chat["tokens"]]
     served = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
     assert served.usage.prompt_tokens == chat["count"]
+    # vLLM's add_special_tokens on the requests that generate: a completion's BOS left out, a chat's added on top
+    for special, tokens in ((None, answer["tokens"]), (True, answer["tokens"]), (False, bare["tokens"])):
+        completion = server.client.completions.create(
+            model=MODEL, prompt="Hello world", max_tokens=1, extra_body={"add_special_tokens": special}
+        )
+        assert completion.usage.prompt_tokens == len(tokens)
+    on_top = server.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1, extra_body={"add_special_tokens": True}
+    )
+    assert on_top.usage.prompt_tokens == chat["count"] + len(answer["tokens"]) - len(bare["tokens"])
+    tokenized = httpx.post(url + "/tokenize", json={"messages": messages, "add_special_tokens": True}).json()
+    assert tokenized["count"] == on_top.usage.prompt_tokens
     text = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": answer["tokens"]}).json()
     assert text == {"prompt": hf.decode(answer["tokens"])} and text["prompt"].endswith("Hello world")
     text = httpx.post(url + "/detokenize", json={"tokens": chat["tokens"]}).json()

@@ -175,6 +175,9 @@ class SamplingRequest(RequestBody):
     # its prompt's cached blocks are shared only with requests of the same salt (another tenant cannot time
     # its way to them)
     cache_salt: str | None = Field(default=None, min_length=1)
+    # the tokenizer's special tokens (BOS) around a text prompt: a completion's by default, a chat's where its
+    # template is not the model's own (the model's writes them); true or false says so
+    add_special_tokens: bool | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, and the k best
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N"
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the prompt's last k (-1: the context)

@@ -475,7 +475,8 @@ class OpenAIServing:
     def completion_prompts(self, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
         """Each prompt's tokens (truncated as asked), and what ``echo`` shows of it ("" without echo)."""
         prompts = body.prompt_list()
-        whole_ids = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        special = body.add_special_tokens is not False
+        whole_ids = [self.encode(p, add_special_tokens=special) if isinstance(p, str) else list(p) for p in prompts]
         prompt_ids = [body.truncated(ids, self.engine.max_model_len) for ids in whole_ids]
         texts = [""] * len(prompts)
         if body.echo:  # the prompt as sent, or the text of the tokens read
@@ -488,7 +489,8 @@ class OpenAIServing:
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         """The tokens a chat request's model reads (truncated as asked)."""
-        return body.truncated(self.chat_prompt_ids(body.messages, body), self.engine.max_model_len)
+        prompt_ids = self.chat_prompt_ids(body.messages, body, body.add_special_tokens)
+        return body.truncated(prompt_ids, self.engine.max_model_len)
 
     async def submit_chat(self, body: ChatCompletionRequest, request_class: RequestClass | None = None) -> Submission:
         self._check_request(body, 1)
