@@ -838,6 +838,40 @@ def test_documents_and_a_requests_own_chat_template_render_as_transformers_rende
         trusting.stop()
 
 
+EFFORT_TEMPLATE = """{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}
+Reasoning: {{ reasoning_effort | default("medium") }}
+{% if add_generation_prompt %}<|assistant|>{% endif %}"""
+
+
+def test_reasoning_effort_is_the_chat_templates_variable(chat_model_dir, hf):
+    """OpenAI's ``reasoning_effort`` (a Responses request's ``reasoning.effort``) is the chat template's variable
+    of that name, as gpt-oss's template reads it (here the server's ``--chat-template``); ``chat_template_kwargs``
+    naming it win; another value is a 400 naming it."""
+    server = Server(chat_model_dir, chat_template=EFFORT_TEMPLATE)
+    try:
+        for level in ("low", "high"):
+            expected = hf[1].apply_chat_template(HI, chat_template=EFFORT_TEMPLATE, reasoning_effort=level,
+                                                 add_generation_prompt=True, tokenize=False)  # fmt: skip
+            assert expected.endswith(f"Reasoning: {level}\n<|assistant|>")
+            expected_ids = hf[1].encode(expected, add_special_tokens=False)
+            tokenized = httpx.post(server.url + "/tokenize", json={"messages": HI, "reasoning_effort": level}).json()
+            assert tokenized["tokens"] == expected_ids
+            answer = server.client.chat.completions.create(
+                model=MODEL, messages=HI, max_tokens=2, reasoning_effort=level
+            )
+            assert answer.usage.prompt_tokens == len(expected_ids)
+            response = server.client.responses.create(
+                model=MODEL, input=HI, max_output_tokens=2, reasoning={"effort": level}
+            )
+            assert response.usage.input_tokens == len(expected_ids) and response.reasoning.effort == level
+        kwargs_win = {"messages": HI, "reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}
+        assert httpx.post(server.url + "/tokenize", json=kwargs_win).json()["tokens"] == expected_ids
+        wrong = httpx.post(server.url + "/tokenize", json={"messages": HI, "reasoning_effort": "extreme"})
+        assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "reasoning_effort"
+    finally:
+        server.stop()
+
+
 TOOL_TEMPLATE = """{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}
 {% if tools %}<|tools|>{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}
 {% if add_generation_prompt %}<|assistant|>{% endif %}"""

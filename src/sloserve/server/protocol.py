@@ -462,6 +462,15 @@ class ChatTemplateFields(RequestBody):
     tools: list[ToolDefinition] | None = None  # for the template to show the model
     documents: list[dict[str, Any]] | None = None  # for a retrieval-augmented template to show
     chat_template: str | None = None  # the request's own (--trust-request-chat-template)
+    # OpenAI's: the template's ``reasoning_effort`` (gpt-oss's "Reasoning: high"), unless chat_template_kwargs
+    # sets it; a template that reads none is unchanged
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+
+    def template_variables(self) -> dict[str, Any] | None:
+        """What the template reads beside the messages: ``chat_template_kwargs``, and ``reasoning_effort``."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as the client sent them, for the chat template (transformers' ``tools``)."""
@@ -473,7 +482,7 @@ class ChatTemplateFields(RequestBody):
                 messages[-1].role,
                 add_generation_prompt=self.add_generation_prompt,
                 continue_final_message=self.continue_final_message,
-                variables=self.chat_template_kwargs,
+                variables=self.template_variables(),
             )
         except ChatOptionError as e:
             raise ParameterError(e.option, str(e)) from None

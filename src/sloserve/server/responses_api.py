@@ -154,6 +154,15 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(BaseModel):
+    """OpenAI's ``reasoning``: ``effort`` is the chat template's ``reasoning_effort`` (gpt-oss's); a reasoning
+    item holds the thinking's text, and no summary is made (``summary`` is echoed, as vLLM accepts it)."""
+
+    model_config = ConfigDict(extra="ignore")
+    effort: Literal["low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(RequestBody):
     """The fields of OpenAI's ``POST /v1/responses`` this server serves (``NOT_SERVED``: refused)."""
 
@@ -176,6 +185,7 @@ class ResponsesRequest(RequestBody):
     user: str | None = None
     include: list[INCLUDABLE] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    reasoning: ReasoningConfig | None = None
 
     _nulls = nulls_unset("temperature", "top_p", "stream")
 
@@ -275,6 +285,7 @@ class ResponsesRequest(RequestBody):
             "stream": self.stream,
             "service_tier": self.service_tier,
             "parallel_tool_calls": self.parallel_tool_calls,
+            "reasoning_effort": self.reasoning.effort if self.reasoning is not None else None,
             **{name: value for name, value in (self.model_extra or {}).items() if name in SAMPLING_EXTRAS},
         }
         if self.wants_logprobs:
@@ -331,7 +342,7 @@ class ResponsesRequest(RequestBody):
             "truncation": "disabled",
             "top_logprobs": self.top_logprobs,
             "previous_response_id": self.previous_response_id,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": (self.reasoning or ReasoningConfig()).model_dump(),
             "error": None,
         }
 

@@ -534,7 +534,7 @@ class OpenAIServing:
             [m.for_template() for m in messages],
             add_generation_prompt=fields.add_generation_prompt,
             continue_final_message=fields.continue_final_message,
-            variables=fields.chat_template_kwargs,
+            variables=fields.template_variables(),
             tools=fields.template_tools(),
             documents=fields.documents,
         )
