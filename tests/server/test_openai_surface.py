@@ -168,7 +168,8 @@ def test_vllms_prompt_logprobs_equal_transformers_with_their_ranks(server, hf):
 
 def test_vllms_truncate_prompt_tokens_and_tokens_as_token_ids(server, hf):
     """``truncate_prompt_tokens: k`` reads the prompt's last k tokens (echo shows their text), as if
-    sent alone; ``return_tokens_as_token_ids`` names logprobs' tokens ``token_id:N``."""
+    sent alone, or its first k with ``truncation_side: right``; ``return_tokens_as_token_ids`` names
+    logprobs' tokens ``token_id:N``."""
     ids = hf[1].encode(PROMPTS[1])
     common = dict(model=MODEL, max_tokens=4, temperature=0, logprobs=1)
     cut = server.client.completions.create(
@@ -177,6 +178,11 @@ def test_vllms_truncate_prompt_tokens_and_tokens_as_token_ids(server, hf):
     alone = server.client.completions.create(**common, prompt=ids[-3:]).choices[0]
     assert cut.text == hf[1].decode(ids[-3:]) + alone.text
     assert cut.logprobs.tokens[3:] == alone.logprobs.tokens
+    first = server.client.completions.create(
+        **common, prompt=PROMPTS[1], echo=True, extra_body={"truncate_prompt_tokens": 3, "truncation_side": "right"}
+    ).choices[0]
+    alone = server.client.completions.create(**common, prompt=ids[:3]).choices[0]
+    assert first.text == hf[1].decode(ids[:3], skip_special_tokens=True) + alone.text  # (echo: the text, no <s>)
     chat = server.client.chat.completions.create(model=MODEL, messages=HI, max_tokens=1,
                                                  extra_body={"truncate_prompt_tokens": 2})  # fmt: skip
     assert chat.usage.prompt_tokens == 2
@@ -290,6 +296,12 @@ def test_best_of_returns_the_choices_with_the_highest_cumulative_logprob(server)
         ("chat", {"messages": HI, "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         ("chat", {"messages": HI, "priority": 5}, "priority"),
         ("chat", {"messages": HI, "functions": [{"name": "f"}]}, "functions"),  # OpenAI's former tools
+        # vLLM's newer extensions this server does not serve: refused, not ignored
+        ("completions", {"prompt": "hi", "logprobs": 1, "logprob_token_ids": [3]}, "logprob_token_ids"),
+        ("chat", {"messages": HI, "repetition_detection": {"max_pattern_size": 4}}, "repetition_detection"),
+        ("chat", {"messages": HI, "thinking_token_budget": 64}, "thinking_token_budget"),
+        ("completions", {"prompt": "hi", "return_token_ids": True}, "return_token_ids"),
+        ("completions", {"prompt": "hi", "truncation_side": "middle"}, "truncation_side"),
     ],
 )  # fmt: skip
 def test_choices_and_logprobs_out_of_range_are_400s_naming_the_field(server, route, body, param):

@@ -49,6 +49,11 @@ FIELDS_NOT_SERVED: dict[str, tuple[tuple[Any, ...], str]] = {
     "logits_processors": (([],), ""),
     "spaces_between_special_tokens": ((True,), ""),
     "guided_whitespace_pattern": ((), ""),
+    "logprob_token_ids": (([],), "logprobs"),
+    "repetition_detection": ((), ""),
+    "thinking_token_budget": ((-1,), ""),
+    "prompt_embeds": (([],), "prompt"),
+    "return_token_ids": ((False,), "logprobs with return_tokens_as_token_ids"),
 }
 
 
@@ -181,6 +186,7 @@ class SamplingRequest(RequestBody):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, and the k best
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N"
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the prompt's last k (-1: the context)
+    truncation_side: Literal["left", "right"] | None = None  # right: keep the first k instead
     use_beam_search: bool = False  # n beams (beam_search.py), not sampled
     length_penalty: float = Field(default=1.0, allow_inf_nan=False)  # beam search's score: logprob / length**it
     top_k: int | None = Field(default=None, ge=-1)  # None, 0 or -1: every token
@@ -273,7 +279,8 @@ class SamplingRequest(RequestBody):
             raise ParameterError("use_beam_search", "beam search cannot follow a structured output")
 
     def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
-        """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (-1: as many as the context holds)."""
+        """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (-1: as many as the context holds), or
+        its first k with ``truncation_side: right``."""
         k = self.truncate_prompt_tokens
         if k is None:
             return prompt_ids
@@ -282,7 +289,8 @@ class SamplingRequest(RequestBody):
                 "truncate_prompt_tokens",
                 f"truncate_prompt_tokens ({k}) is above the model's context ({max_model_len} tokens)",
             )
-        return prompt_ids[-(max_model_len if k == -1 else k) :]
+        kept = max_model_len if k == -1 else k
+        return prompt_ids[:kept] if self.truncation_side == "right" else prompt_ids[-kept:]
 
     def constraint(self) -> Constraint | None:
         """The one structured output the request asks for (None: plain text); a 400 naming the
