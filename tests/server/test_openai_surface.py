@@ -201,6 +201,40 @@ def test_vllms_truncate_prompt_tokens_and_tokens_as_token_ids(server, hf):
         assert e.value.body["param"] == "truncate_prompt_tokens"
 
 
+def test_vllms_return_token_ids_give_each_choices_tokens_and_its_prompts(server, hf):
+    """``return_token_ids``: a completion choice's ``token_ids`` (the tokens its logprobs name) and its prompt's
+    ``prompt_token_ids``; chat's prompt ids are the response's (what /tokenize reads); streamed, each chunk's
+    tokens, the prompt's in a choice's first chunk (chat: the role chunk); beam search's beams too."""
+    ids = hf[1].encode(PROMPTS[1])
+    common = dict(model=MODEL, max_tokens=5, temperature=0)
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    whole = server.client.completions.create(
+        **common, prompt=[ids, ids[:4]], n=2, logprobs=0, extra_body={**extra, "return_tokens_as_token_ids": True}
+    ).model_dump()
+    for choice in whole["choices"]:
+        assert choice["token_ids"] == [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+        assert choice["prompt_token_ids"] == (ids if choice["index"] < 2 else ids[:4])
+    chunks = [
+        c.model_dump() for c in server.client.completions.create(**common, prompt=ids, stream=True, extra_body=extra)
+    ]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
+    assert [c["choices"][0].get("prompt_token_ids") for c in chunks] == [ids] + [None] * (len(chunks) - 1)
+    chat = server.client.chat.completions.create(**common, messages=HI, extra_body=extra).model_dump()
+    tokenized = httpx.post(server.url + "/tokenize", json={"messages": HI}).json()["tokens"]
+    assert chat["prompt_token_ids"] == tokenized and len(chat["choices"][0]["token_ids"]) == 5
+    streamed = [
+        c.model_dump()
+        for c in server.client.chat.completions.create(**common, messages=HI, stream=True, extra_body=extra)
+    ]
+    assert streamed[0]["prompt_token_ids"] == tokenized and all("prompt_token_ids" not in c for c in streamed[1:])
+    assert [t for c in streamed[1:] for t in c["choices"][0]["token_ids"]] == chat["choices"][0]["token_ids"]
+    beams = server.client.completions.create(**common, prompt=ids, n=2, extra_body={**extra, "use_beam_search": True})
+    for choice in beams.model_dump()["choices"]:
+        assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 5
+    plain = server.client.completions.create(**common, prompt=ids).model_dump()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+
+
 def test_n_choices_are_sequences_of_their_own(server):
     greedy = server.client.completions.create(
         model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0, n=3, logprobs=0
@@ -300,7 +334,6 @@ def test_best_of_returns_the_choices_with_the_highest_cumulative_logprob(server)
         ("completions", {"prompt": "hi", "logprobs": 1, "logprob_token_ids": [3]}, "logprob_token_ids"),
         ("chat", {"messages": HI, "repetition_detection": {"max_pattern_size": 4}}, "repetition_detection"),
         ("chat", {"messages": HI, "thinking_token_budget": 64}, "thinking_token_budget"),
-        ("completions", {"prompt": "hi", "return_token_ids": True}, "return_token_ids"),
         ("completions", {"prompt": "hi", "truncation_side": "middle"}, "truncation_side"),
     ],
 )  # fmt: skip

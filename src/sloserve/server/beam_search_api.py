@@ -110,12 +110,14 @@ class BeamSearch:
         )
 
     def choices(self, results: list[list[Beam]]) -> list[Choice]:
-        width = self.body.n
-        return [
-            _choice(self.serving, self.body, p * width + j, beam)
-            for p, beams in enumerate(results)
-            for j, beam in enumerate(beams)
-        ]
+        width, choices = self.body.n, []
+        for p, beams in enumerate(results):
+            for j, beam in enumerate(beams):
+                choice = _choice(self.serving, self.body, p * width + j, beam)
+                if self.body.return_token_ids:  # vLLM's
+                    choice.token_ids, choice.prompt_token_ids = beam.output_token_ids, self.prompts[p]
+                choices.append(choice)
+        return choices
 
     def usage(self, results: list[list[Beam]]) -> dict[str, int]:
         num_output = sum(len(b.output_token_ids) for beams in results for b in beams)
@@ -135,10 +137,13 @@ class BeamSearch:
             return
         objects, body, width = self.objects, self.body, self.body.n
         for choice in self.choices(results):
-            chunks = [objects.chunk("", None, role=True, index=choice.index)] if objects.chat else []
+            prompt_ids = choice.prompt_token_ids  # (None unless return_token_ids)
+            role = objects.chunk("", None, role=True, index=choice.index, prompt_token_ids=prompt_ids)
+            chunks = [role] if objects.chat else []
             chunks.append(
-                objects.chunk(choice.text, choice.finish_reason, index=choice.index, logprobs=choice.logprobs)
-            )
+                objects.chunk(choice.text, choice.finish_reason, index=choice.index, logprobs=choice.logprobs,
+                              token_ids=choice.token_ids, prompt_token_ids=None if objects.chat else prompt_ids)
+            )  # fmt: skip
             for chunk in chunks:
                 if body.continuous_usage:  # vLLM's: the choice's prompt and its tokens so far
                     beam = results[choice.index // width][choice.index % width]

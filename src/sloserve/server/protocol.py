@@ -53,7 +53,6 @@ FIELDS_NOT_SERVED: dict[str, tuple[tuple[Any, ...], str]] = {
     "repetition_detection": ((), ""),
     "thinking_token_budget": ((-1,), ""),
     "prompt_embeds": (([],), "prompt"),
-    "return_token_ids": ((False,), "logprobs with return_tokens_as_token_ids"),
 }
 
 
@@ -185,6 +184,7 @@ class SamplingRequest(RequestBody):
     add_special_tokens: bool | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, and the k best
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N"
+    return_token_ids: bool = False  # each choice's token ids and its prompt's beside the text (streamed: as they come)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the prompt's last k (-1: the context)
     truncation_side: Literal["left", "right"] | None = None  # right: keep the first k instead
     use_beam_search: bool = False  # n beams (beam_search.py), not sampled

@@ -59,7 +59,8 @@ async def stream(engine: AsyncLLMEngine, submission: Submission, objects: Respon
     parsers = [submission.output_parser() for _ in served] if submission.parses_output else None
     body = submission.body
     plain = (len(served) == 1 and body.num_logprobs is None and not submission.echo and parsers is None
-             and not body.continuous_usage)  # fmt: skip
+             and not body.continuous_usage and not body.return_token_ids)  # fmt: skip
+    ids = body.return_token_ids  # vLLM's: each chunk's token ids, and the prompt's first
     offsets = [0] * len(served)  # each choice's text_offset: the characters of the token strings sent
     started = [False] * len(served)
     num_sent = [0] * len(served)  # each choice's tokens sent
@@ -74,7 +75,8 @@ async def stream(engine: AsyncLLMEngine, submission: Submission, objects: Respon
     try:
         if objects.chat:
             for i in range(len(served)):
-                yield event(i, objects.chunk("", None, role=True, index=i))
+                yield event(i, objects.chunk("", None, role=True, index=i,
+                                             prompt_token_ids=served[i].prompt_token_ids if ids else None))  # fmt: skip
                 if submission.chat_echo:
                     yield event(i, objects.chunk(submission.chat_echo, None, index=i))
         async for i, delta in _merged(served):
@@ -89,20 +91,26 @@ async def stream(engine: AsyncLLMEngine, submission: Submission, objects: Respon
             text, logprobs = submission.shown(
                 i, delta.text, delta.token_ids, delta.logprobs, offsets[i], first=not started[i]
             )
+            token_ids = prompt_token_ids = None
+            if ids:
+                token_ids = [] if submission.echo_only else delta.token_ids
+                prompt_token_ids = served[i].prompt_token_ids if not started[i] and not objects.chat else None
             started[i] = True
             num_sent[i] += len(delta.token_ids)
             if logprobs is not None and "tokens" in logprobs:
                 offsets[i] += sum(len(t) for t in logprobs["tokens"])
             if parsers is None:
                 yield event(i, objects.chunk(text, delta.finish_reason, index=i, logprobs=logprobs,
-                                             stop_reason=delta.stop_reason))  # fmt: skip
+                                             stop_reason=delta.stop_reason, token_ids=token_ids,
+                                             prompt_token_ids=prompt_token_ids))  # fmt: skip
                 continue
             reason = delta.finish_reason
             found = parsers[i].feed(text, finished=reason is not None)
             if reason is not None:
                 reason = parsers[i].finish_reason(reason)
             yield event(i, objects.chunk(found.content, reason, index=i, logprobs=logprobs, tool_calls=found.calls,
-                                         stop_reason=delta.stop_reason, reasoning=found.reasoning))  # fmt: skip
+                                         stop_reason=delta.stop_reason, reasoning=found.reasoning,
+                                         token_ids=token_ids))  # fmt: skip
         if body.include_usage:
             yield sse(objects.usage_chunk(submission.usage()))
         yield sse("[DONE]")

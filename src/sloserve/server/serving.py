@@ -212,8 +212,12 @@ class ResponseObjects:
         tool_calls: list[dict[str, Any]] | None = None,
         stop_reason: int | str | None = None,
         reasoning: str = "",
+        token_ids: list[int] | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
-        """A streamed chunk of choice ``index``; the last one (``finish_reason``) has vLLM's ``stop_reason``."""
+        """A streamed chunk of choice ``index``; the last one (``finish_reason``) has vLLM's ``stop_reason``.
+        vLLM's ``return_token_ids``: ``token_ids``, the chunk's tokens, and ``prompt_token_ids``, the prompt's (a
+        completion choice's first chunk, chat's role chunk)."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if reasoning:
@@ -227,6 +231,12 @@ class ResponseObjects:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        if prompt_token_ids is not None and not self.chat:
+            choice["prompt_token_ids"] = prompt_token_ids
+        if prompt_token_ids is not None and self.chat:
+            return {**self.head, "choices": [choice], "prompt_token_ids": prompt_token_ids}
         return {**self.head, "choices": [choice]}
 
     def text_event(self, text: str) -> str:
@@ -244,18 +254,21 @@ class ResponseObjects:
         if self.chat:
             items = [
                 {"index": c.index, "message": c.message(), "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-                 "stop_reason": c.stop_reason} for c in choices
+                 "stop_reason": c.stop_reason, **c.ids(prompt=False)} for c in choices
             ]  # fmt: skip
         else:
             items = [
                 {"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
                  "stop_reason": c.stop_reason, **({} if c.prompt_logprobs is None else
-                                                   {"prompt_logprobs": c.prompt_logprobs})} for c in choices
+                                                   {"prompt_logprobs": c.prompt_logprobs}), **c.ids(prompt=True)}
+                for c in choices
             ]  # fmt: skip
         obj = "chat.completion" if self.chat else "text_completion"
         whole = {**self.head, "object": obj, "choices": items, "usage": counts}
         if prompt_logprobs is not None:
             whole["prompt_logprobs"] = prompt_logprobs
+        if self.chat and choices and choices[0].prompt_token_ids is not None:  # NOTE: chat's one prompt's
+            whole["prompt_token_ids"] = choices[0].prompt_token_ids
         return whole
 
 
@@ -271,6 +284,19 @@ class Choice:
     stop_reason: int | str | None = None  # vLLM's: the stop token id or string it ended on
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # completions: vLLM's, where asked
     reasoning_content: str | None = None  # chat, with --reasoning-parser: the model's thinking
+    # vLLM's return_token_ids: the tokens sampled, and the prompt's (None: not asked for)
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+    def ids(self, prompt: bool) -> dict[str, list[int]]:
+        """The choice's token ids as its object carries them (``prompt``: its prompt's too), where asked."""
+        if self.token_ids is None:
+            return {}
+        return (
+            {"prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids}
+            if prompt
+            else {"token_ids": self.token_ids}
+        )
 
     def message(self) -> dict[str, Any]:
         """The chat message of this choice."""
@@ -414,6 +440,9 @@ class Submission:
                 r = results[i]
                 text, logprobs = self.shown(i, r.text, r.token_ids, r.logprobs, 0, first=True)
                 choice = Choice(p // k * n + rank, text, r.finish_reason, logprobs, stop_reason=r.stop_reason)
+                if self.body.return_token_ids:
+                    choice.token_ids = [] if self.echo_only else r.token_ids
+                    choice.prompt_token_ids = self.served[i].prompt_token_ids
                 if not self.chat:  # NOTE: chat's are the response's
                     choice.prompt_logprobs = self.prompt_logprobs(i)
                 if self.parses_output:
