@@ -235,6 +235,28 @@ def test_vllms_return_token_ids_give_each_choices_tokens_and_its_prompts(server,
     assert "token_ids" not in plain and "prompt_token_ids" not in plain
 
 
+def test_vllms_request_id_names_the_response(server):
+    """vLLM's ``request_id`` (the ``X-Request-Id`` header first): the response's id is ``cmpl-<it>`` (chat:
+    ``chatcmpl-<it>``), every streamed chunk's too; without either, an id of its own each time."""
+    common = dict(model=MODEL, max_tokens=2, temperature=0)
+    assert (
+        server.client.completions.create(**common, prompt="hi", extra_body={"request_id": "job-7"}).id == "cmpl-job-7"
+    )
+    header = {"X-Request-Id": "trace-1"}
+    both = server.client.completions.create(
+        **common, prompt="hi", extra_body={"request_id": "job-7"}, extra_headers=header
+    )
+    assert both.id == "cmpl-trace-1"
+    chunks = list(server.client.chat.completions.create(**common, messages=HI, stream=True, extra_headers=header))
+    assert {c.id for c in chunks} == {"chatcmpl-trace-1"}
+    beams = server.client.completions.create(
+        **common, prompt="hi", n=2, extra_body={"use_beam_search": True, "request_id": "b"}
+    )
+    assert beams.id == "cmpl-b"
+    ids = {server.client.completions.create(**common, prompt="hi").id for _ in range(2)}
+    assert len(ids) == 2 and all(i.startswith("cmpl-") for i in ids)
+
+
 def test_n_choices_are_sequences_of_their_own(server):
     greedy = server.client.completions.create(
         model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0, n=3, logprobs=0

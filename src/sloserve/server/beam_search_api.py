@@ -35,7 +35,7 @@ async def beam_search_response(
     serving: OpenAIServing, body: CompletionRequest | ChatCompletionRequest, raw: Request
 ) -> Response:
     """The response to ``body`` (``use_beam_search``); the searches end if the client leaves first."""
-    search = await BeamSearch.checked(serving, body)
+    search = await BeamSearch.checked(serving, body, request_id=raw.headers.get("x-request-id"))
     if body.stream:
         return StreamingResponse(search.events(), media_type="text/event-stream")
     results = await unless_gone(raw, search.beams())
@@ -64,8 +64,10 @@ class BeamSearch:
         serving: OpenAIServing,
         body: CompletionRequest | ChatCompletionRequest,
         request_class: RequestClass | None = None,
+        request_id: str | None = None,
     ) -> BeamSearch:
-        """``body``'s searches, its prompts tokenized off the event loop (``OpenAIServing.off_loop``)."""
+        """``body``'s searches, its prompts tokenized off the event loop (``OpenAIServing.off_loop``);
+        ``request_id``: the ``X-Request-Id`` header's (else the body's)."""
         serving.check_model(body.model)
         body.check_supported()
         body.check_beam_search()
@@ -74,7 +76,7 @@ class BeamSearch:
             prompts = [await serving.off_loop(serving.chat_prompt, body)]
         else:
             prompts, _ = await serving.off_loop(serving.completion_prompts, body)
-        return cls(serving, body, prompts, request_class)
+        return cls(serving, body, prompts, request_class, request_id or body.request_id)
 
     def __init__(
         self,
@@ -82,6 +84,7 @@ class BeamSearch:
         body: CompletionRequest | ChatCompletionRequest,
         prompts: list[list[int]],
         request_class: RequestClass | None = None,
+        request_id: str | None = None,
     ) -> None:
         chat = isinstance(body, ChatCompletionRequest)
         self.prompts = prompts
@@ -96,7 +99,7 @@ class BeamSearch:
         self.request_class = request_class or body.request_class()
         self.params = [BeamSearchParams(body.n, fit, body.ignore_eos, body.length_penalty) for fit in fits]
         self.objects = ResponseObjects(
-            chat, serving.config.model_name, service_tier(self.request_class, body.service_tier)
+            chat, serving.config.model_name, service_tier(self.request_class, body.service_tier), request_id
         )
 
     async def beams(self) -> list[list[Beam]]:

@@ -185,6 +185,7 @@ class SamplingRequest(RequestBody):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, and the k best
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N"
     return_token_ids: bool = False  # each choice's token ids and its prompt's beside the text (streamed: as they come)
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)  # the response's id ends with it
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the prompt's last k (-1: the context)
     truncation_side: Literal["left", "right"] | None = None  # right: keep the first k instead
     use_beam_search: bool = False  # n beams (beam_search.py), not sampled

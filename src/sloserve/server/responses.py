@@ -39,8 +39,9 @@ def sse(payload: dict[str, Any] | str) -> str:
 async def respond(serving: OpenAIServing, raw: Request, submission: Submission, kind: str) -> Response:
     """Stream the choices' deltas as SSE, or wait for all of them; abort them if the client leaves."""
     engine = serving.engine
-    objects = ResponseObjects(kind == "chat", serving.config.model_name, submission.service_tier)
     body = submission.body
+    request_id = raw.headers.get("x-request-id") or body.request_id
+    objects = ResponseObjects(kind == "chat", serving.config.model_name, submission.service_tier, request_id)
     if body.stream:
         return StreamingResponse(stream(engine, submission, objects), media_type="text/event-stream")
     results = await until_done_or_gone(engine, raw, submission)

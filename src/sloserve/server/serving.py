@@ -190,9 +190,11 @@ def ended_early(reason: str, engine_error: str | None) -> ErrorResponse:
 class ResponseObjects:
     """The OpenAI objects of one response: its id, the streamed chunks, the usage chunk, the whole body."""
 
-    def __init__(self, chat: bool, model: str, service_tier: str = "default") -> None:
+    def __init__(self, chat: bool, model: str, service_tier: str = "default", request_id: str | None = None) -> None:
+        """``request_id``: vLLM's (the ``X-Request-Id`` header, else the body's): the id is ``cmpl-<it>`` (chat:
+        ``chatcmpl-``), else a new one."""
         self.chat = chat
-        self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id or uuid.uuid4().hex}",
                      "object": "chat.completion.chunk" if chat else "text_completion", "created": now_unix(),
                      "model": model, "service_tier": service_tier}  # fmt: skip
         # NOTE: a token chunk differs from the next only in its text, so it is formatted around the
