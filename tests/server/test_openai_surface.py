@@ -996,7 +996,8 @@ def test_a_reasoning_models_structured_output_holds_from_the_token_after_its_thi
     turn, then ``</think>``, a token of this vocabulary as of DeepSeek-R1's and Qwen3's); the answer
     is whatever the random model writes within the schema. Streamed or not alike; the same request
     to /v1/completions (no reasoning) is JSON from its first token, which none of those tokens is. Tool
-    calls (``--tool-call-parser hermes``) are looked for in the answer."""
+    calls (``--tool-call-parser hermes``) are looked for in the answer. ``include_reasoning: false`` leaves
+    the thinking out."""
     jsonschema = pytest.importorskip("jsonschema")
     tokenizer = HFTokenizer(thinking_model_dir / "tokenizer.json")
     [close] = tokenizer.encode("</think>", add_special_tokens=False)
@@ -1015,6 +1016,14 @@ def test_a_reasoning_models_structured_output_holds_from_the_token_after_its_thi
         deltas = [c.choices[0].delta for c in server.client.chat.completions.create(messages=HI, stream=True, **common)
                   if c.choices]  # fmt: skip
         assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == reasoning
+        assert "".join(d.content or "" for d in deltas) == whole.message.content
+        # vLLM's include_reasoning: false leaves the thinking out, streamed or not; the answer is the same
+        hidden = {**common, "extra_body": {**common["extra_body"], "include_reasoning": False}}
+        unshown = server.client.chat.completions.create(messages=HI, **hidden).choices[0].message
+        assert getattr(unshown, "reasoning_content", None) is None and unshown.content == whole.message.content
+        deltas = [c.choices[0].delta for c in server.client.chat.completions.create(messages=HI, stream=True, **hidden)
+                  if c.choices]  # fmt: skip
+        assert not any(getattr(d, "reasoning_content", None) for d in deltas)
         assert "".join(d.content or "" for d in deltas) == whole.message.content
         plain = server.client.completions.create(prompt="hi", **common).choices[0]
         assert plain.finish_reason == "stop" and plain.text.startswith("{")

@@ -508,6 +508,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # vLLM's: the answer begins with the last message, when it is in the answer's role
+    include_reasoning: bool = True  # vLLM's: false leaves reasoning_content out (with --reasoning-parser)
 
     @property
     def echoed_text(self) -> str:

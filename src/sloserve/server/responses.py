@@ -110,7 +110,8 @@ async def stream(engine: AsyncLLMEngine, submission: Submission, objects: Respon
             if reason is not None:
                 reason = parsers[i].finish_reason(reason)
             yield event(i, objects.chunk(found.content, reason, index=i, logprobs=logprobs, tool_calls=found.calls,
-                                         stop_reason=delta.stop_reason, reasoning=found.reasoning,
+                                         stop_reason=delta.stop_reason,
+                                         reasoning=found.reasoning if body.include_reasoning else "",
                                          token_ids=token_ids))  # fmt: skip
         if body.include_usage:
             yield sse(objects.usage_chunk(submission.usage()))

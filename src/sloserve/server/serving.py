@@ -294,11 +294,8 @@ class Choice:
         """The choice's token ids as its object carries them (``prompt``: its prompt's too), where asked."""
         if self.token_ids is None:
             return {}
-        return (
-            {"prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids}
-            if prompt
-            else {"token_ids": self.token_ids}
-        )
+        ids = {"token_ids": self.token_ids}
+        return {"prompt_token_ids": self.prompt_token_ids, **ids} if prompt else ids
 
     def message(self) -> dict[str, Any]:
         """The chat message of this choice."""
@@ -450,6 +447,8 @@ class Submission:
                 if self.parses_output:
                     parser = self.output_parser()
                     choice.reasoning_content, choice.text, choice.tool_calls = parser.message(text)
+                    if not self.body.include_reasoning:
+                        choice.reasoning_content = None
                     choice.finish_reason = parser.finish_reason(r.finish_reason)
                 if self.chat_echo:  # NOTE: not the model's: not parsed
                     choice.text = self.chat_echo + (choice.text or "")
