@@ -262,7 +262,7 @@ class BatchRunner:
             return None, False
         if isinstance(body, ResponsesRequest):
             return output_line(line.custom_id, 200, whole_response(self.serving, body, submission, results[0])), False
-        objects = ResponseObjects(chat, self.serving.config.model_name, submission.service_tier, body.request_id)
+        objects = ResponseObjects(chat, self.serving.config.model_name, submission.service_tier, body.response_id())
         return output_line(line.custom_id, 200, submission.whole(objects, results)), False
 
     async def _beam_search(self, line: Line, body, flight: InFlight) -> tuple[dict[str, Any] | None, bool]:

@@ -9,7 +9,7 @@ requests are aborted).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from typing import Any
 
 from fastapi import Request
@@ -35,7 +35,7 @@ async def beam_search_response(
     serving: OpenAIServing, body: CompletionRequest | ChatCompletionRequest, raw: Request
 ) -> Response:
     """The response to ``body`` (``use_beam_search``); the searches end if the client leaves first."""
-    search = await BeamSearch.checked(serving, body, request_id=raw.headers.get("x-request-id"))
+    search = await BeamSearch.checked(serving, body, headers=raw.headers)
     if body.stream:
         return StreamingResponse(search.events(), media_type="text/event-stream")
     results = await unless_gone(raw, search.beams())
@@ -64,10 +64,10 @@ class BeamSearch:
         serving: OpenAIServing,
         body: CompletionRequest | ChatCompletionRequest,
         request_class: RequestClass | None = None,
-        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> BeamSearch:
         """``body``'s searches, its prompts tokenized off the event loop (``OpenAIServing.off_loop``);
-        ``request_id``: the ``X-Request-Id`` header's (else the body's)."""
+        ``headers``: the HTTP request's (its ``X-Request-Id`` names the response)."""
         serving.check_model(body.model)
         body.check_supported()
         body.check_beam_search()
@@ -76,7 +76,7 @@ class BeamSearch:
             prompts = [await serving.off_loop(serving.chat_prompt, body)]
         else:
             prompts, _ = await serving.off_loop(serving.completion_prompts, body)
-        return cls(serving, body, prompts, request_class, request_id or body.request_id)
+        return cls(serving, body, prompts, request_class, body.response_id(headers))
 
     def __init__(
         self,
@@ -141,8 +141,9 @@ class BeamSearch:
         objects, body, width = self.objects, self.body, self.body.n
         for choice in self.choices(results):
             prompt_ids = choice.prompt_token_ids  # (None unless return_token_ids)
-            role = objects.chunk("", None, role=True, index=choice.index, prompt_token_ids=prompt_ids)
-            chunks = [role] if objects.chat else []
+            chunks = []
+            if objects.chat:
+                chunks.append(objects.chunk("", None, role=True, index=choice.index, prompt_token_ids=prompt_ids))
             chunks.append(
                 objects.chunk(choice.text, choice.finish_reason, index=choice.index, logprobs=choice.logprobs,
                               token_ids=choice.token_ids, prompt_token_ids=None if objects.chat else prompt_ids)

@@ -293,6 +293,10 @@ class SamplingRequest(RequestBody):
         kept = max_model_len if k == -1 else k
         return prompt_ids[:kept] if self.truncation_side == "right" else prompt_ids[-kept:]
 
+    def response_id(self, headers: Mapping[str, str] | None = None) -> str | None:
+        """What names the response (vLLM's rule): the ``X-Request-Id`` header, else ``request_id`` (None: neither)."""
+        return (headers or {}).get("x-request-id") or self.request_id
+
     def constraint(self) -> Constraint | None:
         """The one structured output the request asks for (None: plain text); a 400 naming the
         second field when it asks for two."""

@@ -40,8 +40,9 @@ async def respond(serving: OpenAIServing, raw: Request, submission: Submission, 
     """Stream the choices' deltas as SSE, or wait for all of them; abort them if the client leaves."""
     engine = serving.engine
     body = submission.body
-    request_id = raw.headers.get("x-request-id") or body.request_id
-    objects = ResponseObjects(kind == "chat", serving.config.model_name, submission.service_tier, request_id)
+    objects = ResponseObjects(
+        kind == "chat", serving.config.model_name, submission.service_tier, body.response_id(raw.headers)
+    )
     if body.stream:
         return StreamingResponse(stream(engine, submission, objects), media_type="text/event-stream")
     results = await until_done_or_gone(engine, raw, submission)

@@ -235,11 +235,10 @@ class ResponseObjects:
             choice["stop_reason"] = stop_reason
         if token_ids is not None:
             choice["token_ids"] = token_ids
-        if prompt_token_ids is not None and not self.chat:
-            choice["prompt_token_ids"] = prompt_token_ids
-        if prompt_token_ids is not None and self.chat:
-            return {**self.head, "choices": [choice], "prompt_token_ids": prompt_token_ids}
-        return {**self.head, "choices": [choice]}
+        chunk = {**self.head, "choices": [choice]}
+        if prompt_token_ids is not None:  # (chat's on the chunk, a completion's on its choice)
+            (chunk if self.chat else choice)["prompt_token_ids"] = prompt_token_ids
+        return chunk
 
     def text_event(self, text: str) -> str:
         """The SSE event of a chunk of ``text`` that does not finish choice 0 (no logprobs)."""
