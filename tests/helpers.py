@@ -189,3 +189,26 @@ def shared_prefix_workload(seed: int) -> tuple[int, list[Request]]:
             )
         )
     return capacity, requests
+
+
+def reset_prefix_cache_and_check(kv, prompted: list[Request]) -> None:
+    """``kv.reset_prefix_cache()`` as one of a random test's operations: it succeeds exactly when no request
+    holds a GPU block; then every block is back in the pool and none of ``prompted``'s prompts finds a cached
+    block, else nothing changed (a lookup finds what it found before)."""
+    cache = kv.prefix_cache
+    evictable = cache.evictable.count if cache is not None else 0
+    held = kv.gpu.num_free + evictable < kv.gpu.num_blocks
+    probes = [
+        Request(10_000 + r.request_id, 0.0, r.num_prompt_tokens, 1, 1, prompt_blocks=r.prompt_blocks) for r in prompted
+    ]
+    found = [list(kv.find_cached_prefix(p)) for p in probes]
+    free = kv.num_free_blocks
+    done = kv.reset_prefix_cache()
+    assert done is not held
+    if done:
+        assert kv.gpu.num_free == kv.gpu.num_blocks == kv.num_free_blocks
+        assert all(not len(kv.find_cached_prefix(p)) for p in probes)
+    else:
+        assert kv.num_free_blocks == free
+        assert [list(kv.find_cached_prefix(p)) for p in probes] == found
+    kv.check_integrity()

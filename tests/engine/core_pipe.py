@@ -11,7 +11,8 @@ from sloserve.engine.engine_core import Output, outputs_of
 
 class CorePipe:
     """Reads an ``EngineCore``'s messages: each request's tokens in order (``tokens``), their
-    log-probabilities and its prompt's where it asked for them, and its finish reason (``reasons``)."""
+    log-probabilities and its prompt's where it asked for them, its finish reason (``reasons``), and the answers
+    to prefix cache resets (``resets``)."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
@@ -19,12 +20,16 @@ class CorePipe:
         self.reasons: dict[int, str] = {}
         self.logprobs: dict[int, list] = {}
         self.prompt_logprobs: dict[int, list] = {}
+        self.resets: list[bool] = []  # the answers to ("reset_prefix_cache",), in order
 
     def read(self) -> list[Output]:
         """Every message sent since the last read; returns their outputs."""
         outputs = []
         while self.conn.poll():
-            _, columns, _ = self.conn.recv()
+            kind, columns, _ = self.conn.recv()
+            if kind == "reset_prefix_cache":
+                self.resets.append(columns)
+                continue
             for out in outputs_of(columns):
                 assert out.request_id not in self.reasons, "news after a request's last output"
                 self.tokens[out.request_id] += out.token_ids

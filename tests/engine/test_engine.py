@@ -873,6 +873,26 @@ def test_a_cache_salt_shares_cached_blocks_only_under_the_same_salt():
         llm.generate({"prompt_token_ids": ids, "cache_salt": ""}, greedy)
 
 
+def test_a_reset_prefix_cache_makes_the_next_prompts_compute_afresh():
+    """vLLM's ``LLM.reset_prefix_cache``: a prompt sent again finds its blocks, and after a reset finds none, as on a
+    cold engine (the same tokens); an engine's reset waits for no request but is refused while one holds KV."""
+    llm = LLM("random:tiny-llama", block_size=4)
+    ids, greedy = list(range(3, 23)), SamplingParams(max_tokens=3, temperature=0)
+    first = llm.generate({"prompt_token_ids": ids}, greedy)[0]
+    again = llm.generate({"prompt_token_ids": ids}, greedy)[0]
+    assert llm.reset_prefix_cache()
+    reset = llm.generate({"prompt_token_ids": ids}, greedy)[0]
+    assert [o.num_cached_tokens for o in (first, again, reset)] == [0, 16, 0]
+    assert again.outputs[0].token_ids == reset.outputs[0].token_ids == first.outputs[0].token_ids
+    engine = llm.engine
+    running = engine.add_request(ids, greedy)
+    engine.step()  # (its prompt computed, its blocks held)
+    assert not engine.reset_prefix_cache() and running.num_cached_tokens == 16
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.reset_prefix_cache()
+
+
 def test_run_with_a_closed_loop_workload_on_the_wall_clock(tmp_path):
     """BROS on its own workload (RT Poisson + BE batches resubmitted when done), arrivals in real time."""
     proc = _cli(

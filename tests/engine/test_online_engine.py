@@ -285,6 +285,40 @@ def test_a_request_waits_out_of_the_queue_while_its_grammar_compiles_and_the_oth
     assert model.tokenizer.decode(sent.tokens[0]) in ("yes", "no way")
 
 
+def test_a_prefix_cache_reset_drops_the_ended_requests_first_and_is_refused_while_one_is_served():
+    """vLLM's reset_prefix_cache through the core's pipe: refused while a request runs; right after its abort
+    (its scheduler frees its KV in its next step) the core drops it first and resets, so its prompt sent again
+    finds nothing cached, and sent a third time finds what the second left."""
+    engine = LLMEngine(tiny(), "vllm", kv_capacity_tokens=2048)
+    server, pipe = multiprocessing.Pipe()
+    core = EngineCore(engine, time.perf_counter(), pipe)
+    sent = CorePipe(server)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+
+    def add(request_id: int) -> None:
+        core.apply(("add", AddRequest(request_id, PROMPTS[7], params, RequestClass.RT, SLO(), core.clock())))
+
+    add(0)
+    core.run_step()
+    core.run_step()
+    core.apply(("reset_prefix_cache",))
+    sent.read()
+    assert sent.resets == [False] and engine.has_unfinished()
+    core.apply(("abort", 0))
+    assert engine.scheduler.kv.allocated_tokens > 0  # (not freed yet)
+    core.apply(("reset_prefix_cache",))
+    outputs = sent.read()
+    assert sent.resets == [False, True] and sent.reasons == {0: "abort"} and not engine.has_unfinished()
+    for request_id in (1, 2):
+        add(request_id)
+        while engine.has_unfinished():
+            core.run_step()
+        outputs += sent.read()
+    cached = {out.request_id: out.num_cached_tokens for out in outputs if out.finish_reason is not None}
+    assert cached == {0: 0, 1: 0, 2: 64}  # 73 tokens: 4 full blocks of 16 before the last token
+    assert sent.tokens[1] == sent.tokens[2]
+
+
 def test_overlapped_publishing_sends_each_step_during_the_next_and_the_last_before_an_abort(monkeypatch):
     """With ``overlap_publish`` a step's tokens are kept until the next step's forward pass has been
     launched, and sent before its logits are computed; an abort first sends what the step before gave

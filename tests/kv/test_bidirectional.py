@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import reset_prefix_cache_and_check
 from sloserve.core.errors import ConfigError
 from sloserve.core.outputs import SlotCopy
 from sloserve.core.prefix import TokenPrompt
@@ -104,7 +105,7 @@ def test_block_size_must_leave_two_slots_per_side():
 
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["admit", "grow", "free", "restore", "truncate", "drop", "steps"]),
+        st.sampled_from(["admit", "grow", "free", "restore", "truncate", "drop", "steps", "reset"]),
         st.integers(0, 5),
         st.integers(1, 12),
     ),
@@ -282,6 +283,8 @@ def test_invariants_under_random_operations(ops, block_size, free_block_first, c
         elif op == "truncate" and r in grown_from:  # undo the last growth, as BROS's _remove does
             kv.truncate(r, grown_from.pop(r))
             assert r not in kv.prefix_blocks or len(kv.token_slots[r]) >= len(kv.prefix_blocks[r]) * block_size
+        elif op == "reset":
+            reset_prefix_cache_and_check(kv, reqs)
         kv.check_integrity()
         for b in range(kv.gpu.num_blocks):
             assert kv.rt_fill[b] + len(kv.be_tokens[b]) <= block_size

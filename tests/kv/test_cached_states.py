@@ -86,6 +86,28 @@ def test_a_prefix_is_found_up_to_the_block_that_ends_at_saved_states():
     kv.check_integrity()
 
 
+def test_a_reset_prefix_cache_forgets_the_saved_states_with_the_blocks():
+    """vLLM's reset_prefix_cache on a model with state layers: refused while the prompt that saves states holds
+    its blocks; once it left, its blocks and its states are forgotten, every entry free for new saves."""
+    kv = PagedKVManager(64, 4, enable_prefix_caching=True)
+    kv.max_requests, kv.cached_states = 4, CachedStates(2)
+    first = Request(0, 0.0, 40, 4, 4, prompt_blocks=TokenPrompt(list(range(40))))
+    assert kv.allocate_slots(first, 40)
+    kv.cache_blocks(first, 40)
+    first.add_computed(40)
+    kv.cached_states.end_step()
+    resent = Request(1, 0.0, 50, 4, 4, prompt_blocks=TokenPrompt([*range(40), *range(100, 110)]))
+    assert not kv.reset_prefix_cache() and len(kv.find_cached_prefix(resent)) == 9
+    kv.free(first)
+    assert len(kv.find_cached_prefix(resent)) == 9  # (cached, nobody's)
+    assert kv.reset_prefix_cache()
+    assert kv.find_cached_prefix(resent) == [] and not kv.cached_states.entry_of
+    assert kv.allocate_slots(resent, 50)
+    kv.cache_blocks(resent, 50)
+    assert kv.cached_states.pending[resent][1:] == (48, 0)  # the forgotten states' entry, free again
+    kv.check_integrity()
+
+
 def test_the_least_recently_used_saved_states_are_evicted_first():
     """Two entries: the states of key 1 then key 2 saved; a request starting from key 1 makes key 2 the least
     recently used, so a third save takes key 2's entry; key 2 stays findable until the step ends."""

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import reset_prefix_cache_and_check
 from sloserve.core.prefix import TokenPrompt
 from sloserve.core.request import Request
 from sloserve.kv.pipelined import CHECKPOINTED, PipelinedKVManager
@@ -146,7 +147,7 @@ def test_a_host_that_finishes_first_keeps_its_region_until_hosted_gts_finish():
     st.lists(
         st.tuples(
             st.sampled_from(
-                ["reserve", "lend", "lend", "lend", "grow", "grow", "grow", "free", "evict", "restore", "trim"]
+                ["reserve", "lend", "lend", "lend", "grow", "grow", "grow", "free", "evict", "restore", "trim", "reset"]
             ),
             st.integers(0, 5),
             st.integers(0, 5),
@@ -195,6 +196,8 @@ def test_random_operations_keep_every_slot_owned_once(ops, caching):
             kv.restore(ra)
         elif op == "trim" and ra in live and kv.token_slots.get(ra):
             kv.trim(ra, len(kv.token_slots[ra]) - n % 4)
+        elif op == "reset":
+            reset_prefix_cache_and_check(kv, reqs)
         kv.check_integrity()
         # The engine's context tables (read every decode step, from arrays the manager keeps
         # between reads) follow every grant, trim, eviction and restore.

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import Driver, llama7b_cost
+from helpers import Driver, llama7b_cost, reset_prefix_cache_and_check
 from sloserve.core.errors import ConfigError
 from sloserve.core.prefix import SegmentedPrompt, TokenPrompt, salted_root_key, segment_hash_ids
 from sloserve.core.request import Request, RequestClass
@@ -246,7 +246,8 @@ def test_swap_out_leaves_a_shared_block_with_its_other_user():
 
 _OPS = st.lists(
     st.tuples(
-        st.sampled_from(["admit", "grow", "free", "swap_out", "swap_in", "evict_all", "free_some"]), st.integers(0, 7)
+        st.sampled_from(["admit", "grow", "free", "swap_out", "swap_in", "evict_all", "free_some", "reset"]),
+        st.integers(0, 7),
     ),
     max_size=60,
 )
@@ -292,6 +293,8 @@ def test_shared_blocks_are_never_freed_under_a_live_user(ops, manager, block_siz
             assert kv.num_free_blocks == free + released
         elif op == "evict_all":
             kv.prefix_cache.evict_to_pool(len(kv.prefix_cache.evictable))  # every cached block nobody uses
+        elif op == "reset":
+            reset_prefix_cache_and_check(kv, requests)
         kv.check_integrity()
         live = {b for table in kv.block_tables.values() for b in table}
         assert not live & set(kv.gpu.free_ids()) and not live & set(kv.prefix_cache.evictable.blocks())

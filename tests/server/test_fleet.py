@@ -190,6 +190,29 @@ def test_prefix_affinity_sends_a_conversation_to_the_replica_that_caches_it(flee
     assert min(hits) > 0, hits
 
 
+def test_reset_prefix_cache_resets_every_replica(fleet):
+    """vLLM's ``POST /reset_prefix_cache`` on a fleet: each replica forgets its cache. Four conversations, two
+    on each replica (prefix-affinity); after a reset none finds its history cached, wherever it is sent."""
+    rng = random.Random(1)
+    histories = [[rng.randrange(3, VOCAB) for _ in range(200)] for _ in range(4)]
+
+    def cached(history: list[int]) -> int:
+        answer = fleet.client.completions.create(
+            model=MODEL, prompt=history, max_tokens=2, temperature=0, extra_body={"ignore_eos": True}
+        )
+        return answer.usage.prompt_tokens_details.cached_tokens
+
+    hits_before = [fleet.metric("sloserve_prefix_cache_hits_total", replica=r) for r in ("0", "1")]
+    assert [cached(h) for h in histories] == [0] * 4
+    time.sleep(0.5)  # NOTE: the replicas report their caches every 100 ms
+    assert [cached(h) for h in histories] == [192] * 4
+    hits = [fleet.metric("sloserve_prefix_cache_hits_total", replica=r) - hits_before[i] for i, r in enumerate("01")]
+    assert min(hits) > 0, hits  # (both replicas hold some)
+    reset = httpx.post(fleet.url + "/reset_prefix_cache", timeout=30)
+    assert reset.status_code == 200 and reset.content == b""
+    assert [cached(h) for h in histories] == [0] * 4
+
+
 def test_a_killed_replica_is_replaced_and_no_request_is_lost(fleet):
     """kill -9 of one replica while 16 streams and 12 batch lines run on both: the streams on it end with an
     error event, the others complete; requests sent right after the kill (some routed to the dead replica

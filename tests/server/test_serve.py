@@ -952,6 +952,63 @@ def test_a_resent_conversation_reports_its_cached_tokens(server):
     )
 
 
+def _reset_while_a_request_runs(server) -> httpx.Response:
+    """``POST /reset_prefix_cache`` sent while a streamed request is running: the engine process is paused once
+    the stream has begun, until the reset is in its pipe (a try where the tiny model finished the request
+    first is made again)."""
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    pid = server.engine._process.pid
+    for _ in range(5):
+        with (
+            httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response,
+            concurrent.futures.ThreadPoolExecutor(1) as pool,
+        ):
+            lines = response.iter_lines()  # NOTE: held: a collected iterator would close the stream (an abort)
+            next(line for line in lines if line.startswith("data: "))
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                time.sleep(0.2)  # (what the engine sent before it stopped is read)
+                if server.engine.num_unfinished:
+                    asked = pool.submit(httpx.post, server.url + "/reset_prefix_cache", timeout=30)
+                    deadline = time.monotonic() + 10
+                    while not server.engine._answers:  # (until the question is in the engine's pipe)
+                        assert time.monotonic() < deadline, "the reset never reached the engine's pipe"
+                        time.sleep(0.01)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            if server.engine.num_unfinished:
+                return asked.result()
+    raise AssertionError("the request finished before the engine was paused, five times")
+
+
+def test_reset_prefix_cache_makes_a_resent_prompt_compute_afresh(server):
+    """vLLM's ``POST /reset_prefix_cache``: 200 with an empty body, then a prompt sent again finds nothing cached
+    (and gets the same answer); 409 naming why while a request is served, 200 once its client left; 400 for
+    ``reset_running_requests``."""
+    prompt = "Tell me about latency and throughput once more. " * 6
+
+    def sent() -> tuple[int, str]:
+        answer = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        return answer.usage.prompt_tokens_details.cached_tokens, answer.choices[0].text
+
+    first = sent()
+    assert sent()[0] > 0
+    reset = httpx.post(server.url + "/reset_prefix_cache")
+    assert reset.status_code == 200 and reset.content == b""
+    assert sent() == (0, first[1])
+    busy = _reset_while_a_request_runs(server)
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "requests_running"
+    assert "while requests hold KV (1 unfinished)" in busy.json()["error"]["message"]
+    # (its client left: the server aborts its request)
+    deadline = time.monotonic() + 30
+    while (reset := httpx.post(server.url + "/reset_prefix_cache")).status_code == 409:
+        assert time.monotonic() < deadline, "the aborted request still holds its KV"
+        time.sleep(0.05)
+    assert reset.status_code == 200 and sent() == (0, first[1])
+    refused = httpx.post(server.url + "/reset_prefix_cache", params={"reset_running_requests": "true"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "reset_running_requests"
+
+
 def test_bench_serve_sends_the_same_tokens_for_the_same_hash_ids():
     """bench-serve's prompts for a trace with prefix structure: a server caching by tokens finds what
     the simulation finds by ids (the engine's ``run`` uses the same tokens)."""

@@ -15,12 +15,14 @@ schedules it in (``LLMEngine.abort``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
 import multiprocessing
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -207,6 +209,9 @@ class AsyncLLMEngine:
         self._reader: threading.Thread | None = None
         self._scheduler = None  # a scheduler like the engine's, for its admission check (check_fits)
         self._stopped = threading.Event()
+        # The engine's answers to come (``reset_prefix_cache``), in the order asked: the pipe keeps it
+        self._answers: deque[concurrent.futures.Future] = deque()
+        self._ask_lock = threading.Lock()  # an answer's future is queued and its question sent together
 
     # --- lifecycle -----------------------------------------------------------------------------
     def clock(self) -> float:
@@ -334,6 +339,24 @@ class AsyncLLMEngine:
         """The client went away: end ``served`` ("abort") and free its KV (no-op once it has ended)."""
         self._send(("abort", served.request_id))
 
+    async def reset_prefix_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache``: the engine forgets every cached prefix, once the requests that have
+        ended are dropped (``EngineCore.reset_prefix_cache``). False while a request is still served. Raises
+        EngineDeadError or ShuttingDownError when the engine is gone."""
+        return await asyncio.wrap_future(self._ask(("reset_prefix_cache",)))
+
+    def _ask(self, message: tuple) -> concurrent.futures.Future:
+        """Send ``message``; the future of the engine's answer."""
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+        with self._ask_lock:
+            if self.error is not None:
+                raise EngineDeadError(f"the engine failed: {self.error}")
+            if self._stopped.is_set():
+                raise ShuttingDownError("the engine has stopped")
+            self._answers.append(answer)
+            self._send(message)
+        return answer
+
     def begin_shutdown(self) -> None:
         """Admit nothing more (``submit`` raises ShuttingDownError); running work goes on."""
         self.draining = True
@@ -371,6 +394,9 @@ class AsyncLLMEngine:
                 message = self._conn.recv()
                 if message[0] == "step":
                     self._on_step(outputs_of(message[1]), message[2])
+                elif message[0] == "reset_prefix_cache":
+                    self._on_step([], message[2])
+                    self._answers.popleft().set_result(message[1])
                 elif message[0] == "failed":
                     self._fail(message[1])
                     return
@@ -380,7 +406,14 @@ class AsyncLLMEngine:
             if not self.draining:
                 self._fail(self._exit_reason())
         finally:
-            self._stopped.set()
+            with self._ask_lock:
+                self._stopped.set()
+                while self._answers:  # (asked as the engine stopped)
+                    self._answers.popleft().set_exception(
+                        EngineDeadError(f"the engine failed: {self.error}")
+                        if self.error
+                        else ShuttingDownError("the engine has stopped")
+                    )
 
     def _exit_reason(self) -> str:
         """Why the engine process's pipe closed: its exit code, or the signal that killed it (SIGKILL:

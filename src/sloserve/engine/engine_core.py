@@ -10,9 +10,10 @@ one GIL, and every microsecond the loop spends on a token would be taken from th
 
 Messages over the pipe (pickled tuples):
 
-    server -> core   ("add", AddRequest) | ("abort", request_id) | ("abort_all",) | ("stop",)
+    server -> core   ("add", AddRequest) | ("abort", request_id) | ("abort_all",) | ("reset_prefix_cache",)
+                     | ("stop",)
     core -> server   ("ready", EngineInfo) | ("failed", message) | ("step", Output columns, EngineStats)
-                     | ("stopped",)
+                     | ("reset_prefix_cache", done, EngineStats) | ("stopped",)
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ MAX_TIMELINE_STEPS = 100_000
 CACHE_KEYS_PERIOD_S = 0.1
 # Seconds the core waits for a command at a time when it has nothing to step but grammars compiling.
 GRAMMAR_WAIT_S = 0.005
+# Steps a prefix cache reset runs at most to drop the requests that ended but still hold KV (one does it).
+MAX_DROP_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -312,10 +315,27 @@ class EngineCore:
                 self.abort(live)
             for request_id in list(self._compiling):
                 self._abort_compiling(request_id)
+        elif kind == "reset_prefix_cache":
+            done = self.reset_prefix_cache()
+            self.conn.send(("reset_prefix_cache", done, self.stats()))
         elif kind == "stop":
             self.stopping = True
         if kind != "add":
             self.publish([])  # the aborted requests' last outputs go now, not after a step
+
+    def reset_prefix_cache(self) -> bool:
+        """The engine's ``reset_prefix_cache``, once the requests that ended but still hold KV (aborted, or ended
+        on a stop string the server found) are dropped, which their scheduler does in its next step: a client
+        that has its answer finds the reset done. False while a request is still served."""
+        for _ in range(MAX_DROP_STEPS):
+            if not self.engine.has_unfinished() or not all(live.ended for live in self.live.values()):
+                break
+            self.run_step()
+        self.flush()
+        done = self.engine.reset_prefix_cache()
+        if done:
+            self._keys_sent_at = -math.inf  # (a fleet's router hears of the empty cache at once: stats() sends it)
+        return done
 
     def _add(self, add: AddRequest, live: _Live) -> None:
         """``add`` into the engine; a request it cannot take ends alone, with "error" and the reason."""

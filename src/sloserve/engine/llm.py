@@ -133,6 +133,12 @@ class LLM:
     def tokenizer(self):
         return self.loaded.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's ``LLM.reset_prefix_cache``): the next call computes its prompts
+        afresh, as a cold engine would (a benchmark's runs start alike). True: between calls no request
+        holds KV."""
+        return self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` samples with when given no params: the model's generation config's
         temperature, top_p, top_k, min_p and repetition_penalty (``checkpoint/generation_config.py``),

@@ -422,6 +422,12 @@ class LLMEngine:
         if not request.is_finished:
             request.aborted = True
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``): later prompts compute their blocks
+        again, as on a cold engine. False, and nothing changed, while a request holds KV (one running, or one
+        aborted that its scheduler has not dropped yet: its next step does)."""
+        return self.scheduler.kv.reset_prefix_cache()
+
     def release(self, request: Request) -> SequenceState | None:
         """Forget a finished request's tokens and return them: an engine that runs for long must
         release every request it finished, or it keeps all their tokens."""

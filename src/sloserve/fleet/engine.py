@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass
 
 from sloserve.core.errors import ConfigError
-from sloserve.engine.async_engine import AsyncLLMEngine, EngineObserver
+from sloserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineObserver
 from sloserve.engine.engine_core import AddRequest, EngineInfo, EngineSpec, Output
 from sloserve.router import ROUTERS
 
@@ -190,6 +190,25 @@ class FleetEngine(AsyncLLMEngine):
             raise ConfigError(
                 f"--replicas {self.fleet.num_replicas} need {need} {resource}s ({each} each); this machine has {have}"
             )
+
+    async def reset_prefix_cache(self) -> bool:
+        """Every replica's ``reset_prefix_cache``: True when each one reset its cache. Each call goes to a
+        replica not asked yet (``EveryReplica``); one that answers it was asked says none is left."""
+        from sloserve.fleet.routing import EveryReplica
+
+        if self.error is not None or self._calls is None:
+            raise EngineDeadError(f"the fleet failed: {self.error or 'not started'}")
+        answers: dict[str, bool] = {}
+        # NOTE: bounded: Ray Serve may replace a replica meanwhile (a new one is asked too, its cache is empty)
+        for _ in range(2 * self.fleet.num_replicas + 1):
+            try:
+                key, done = await self._calls.reset_prefix_cache.remote(EveryReplica(frozenset(answers)))
+            except Exception as exc:  # noqa: BLE001 - the replica died: Ray's errors vary
+                raise EngineDeadError(f"a replica failed while resetting its prefix cache: {exc}") from None
+            if done is None:
+                break
+            answers[key] = done
+        return all(answers.values())
 
     # --- the "pipe": Ray Serve calls ------------------------------------------------------------
     def _send(self, message: tuple) -> None:

@@ -12,6 +12,8 @@ Calls, through Ray Serve (``FleetEngine`` makes them):
     outputs(target)             one stream per replica (``target`` names it): the deltas of all its
                                 requests, those of one step or more in one item
     abort(target, ingress_ids)  end these requests ("abort")
+    reset_prefix_cache(every)   the engine's prefix cache reset, unless ``every`` says it was asked
+                                before; returns this replica's key and whether it reset (None: asked before)
 
 NOTE: one stream per replica, not one per request: a Ray Serve stream carries ~1,700 items a second
 on a 2-core machine, fewer than the tokens one small engine makes; a replica's stream sends whatever
@@ -32,7 +34,7 @@ from ray import serve
 from sloserve.engine.async_engine import AsyncLLMEngine, EngineInfo, EngineStats, ServedRequest, StreamDelta
 from sloserve.engine.engine_core import EngineSpec
 from sloserve.engine.logprobs import Logprobs
-from sloserve.fleet.routing import ReplicaTarget, RoutedRequest
+from sloserve.fleet.routing import EveryReplica, ReplicaTarget, RoutedRequest
 
 # Seconds between two items of a replica's output stream at least: a Ray Serve stream item costs
 # ~0.6 ms of CPU, and an engine of a small model steps every 1-2 ms (a GPU step of an 8B model takes
@@ -207,6 +209,11 @@ class EngineReplica:
             served = self.engine.by_ingress_id.get(ingress_id)
             if served is not None and target.key == self.key:
                 self.engine.abort(served)
+
+    async def reset_prefix_cache(self, every: EveryReplica) -> tuple[str, bool | None]:
+        if self.key in every.asked:
+            return self.key, None
+        return self.key, await self.engine.reset_prefix_cache()
 
     def _event(self) -> asyncio.Event:
         engine = self.engine

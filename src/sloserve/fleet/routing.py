@@ -9,7 +9,7 @@ request's prompt to the replica's queue, its count to its outstanding requests),
 arrives between reports does not all go to the replica that looked idlest.
 
 A call whose first argument is a ``ReplicaTarget`` (a replica's output stream, an abort) goes to the
-replica it names.
+replica it names; one with an ``EveryReplica`` (a prefix cache reset) to a replica it has not reached yet.
 """
 
 from __future__ import annotations
@@ -35,6 +35,14 @@ class ReplicaTarget:
     """A call for one replica: the one whose Ray Serve replica id is ``key``."""
 
     key: str
+
+
+@dataclass(frozen=True)
+class EveryReplica:
+    """A call for each replica in turn (a prefix cache reset): one not in ``asked`` (replica keys), or any
+    replica once each was asked."""
+
+    asked: frozenset[str]
 
 
 @dataclass
@@ -132,6 +140,9 @@ class FleetRequestRouter(RequestRouter):
         if isinstance(first, ReplicaTarget):
             named = [r for r in candidate_replicas if r.replica_id.unique_id == first.key]
             return [named] if named else [candidate_replicas]  # NOTE: gone: another one says it is not it
+        if isinstance(first, EveryReplica):
+            left = [r for r in candidate_replicas if r.replica_id.unique_id not in first.asked]
+            return [left or candidate_replicas]
         if not isinstance(first, RoutedRequest):
             return [candidate_replicas]
         request = first.as_request()

@@ -98,6 +98,13 @@ class CachedStates:
         self.evicted.clear()
         self.loads.clear()
 
+    def clear(self) -> None:
+        """Forget every saved state (the prefix cache was reset); no request may be saving or loading one."""
+        assert not self.pending and not self.loads, "states are being saved or loaded"
+        self.entry_of.clear()
+        self.evicted.clear()
+        self._free = list(range(self.num_entries - 1, -1, -1))
+
     def _add(self, key: int, entry: int) -> None:
         self.entry_of[key] = entry
         self.num_saved += 1

@@ -331,6 +331,18 @@ class KVCacheManager:
         # taken uncached (fresh or evicted) and only this request could have registered them
         self.prefix_cache.release(self._table_ids(request), num_cached=self._num_registered.pop(request, 0))
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``), and with it the states saved at their
+        ends: a later prompt finds nothing cached until new blocks are registered. False, and nothing
+        changed, while a request holds KV on the GPU (prefix caching off: True, nothing to forget)."""
+        if self.allocated_tokens:
+            return False
+        if self.prefix_cache is not None and not self.prefix_cache.reset():
+            return False
+        if self.cached_states is not None:
+            self.cached_states.clear()
+        return True
+
     def slot_ids(self, request: Request, start: int, end: int) -> list[int]:
         """Physical slot ids of tokens ``start..end-1`` of ``request`` (the engine writes KV there)."""
         table = self.block_tables[request]

@@ -321,6 +321,22 @@ class PrefixCache:
         reserved by count must be in the pool, as they would be gone from the cache once taken."""
         self.pool.release(self._evict(num_blocks).tolist())
 
+    def reset(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``): the cached blocks nobody uses go back
+        to the pool, counted as evicted (a policy that remembers its lookups sees the cache changed), and
+        no prompt finds them again. False, and nothing changed, while a request holds a block."""
+        if self.ref_counts.any():
+            return False
+        self.evict_to_pool(len(self.evictable))
+        # NOTE: every block is in the pool now, none cached: what is left of the index are stale places
+        self.group_base.clear()
+        self.slots.fill(-1)
+        self.num_places = 0
+        self._placed = ([], [], [], [])
+        self._matches.clear()
+        self._last_match = ([], _NO_BLOCKS)
+        return True
+
     def _evict(self, num_blocks: int) -> np.ndarray:
         """The ``num_blocks`` least recently released cached blocks, no longer cached."""
         evicted = self.evictable.pop(num_blocks)

@@ -4,8 +4,8 @@ Routes, a router each: ``POST /v1/completions`` (completions_api.py), ``POST /v1
 (chat_api.py), both with ``stream: true`` as server-sent events ending in ``data: [DONE]``
 (responses.py); OpenAI's Responses API, ``POST /v1/responses``, through the chat path, and its
 stored responses (responses_api.py); ``GET /v1/models`` and ``/version`` (models_api.py); vLLM's ``POST /tokenize`` and ``/detokenize``
-(tokenize_api.py); ``GET /health`` and ``GET /metrics`` (metrics_api.py); and with a data dir the
-Files and Batches routes (batch_api.py).
+(tokenize_api.py); ``GET /health`` and ``GET /metrics`` (metrics_api.py); vLLM's ``POST /reset_prefix_cache``
+(prefix_cache_api.py); and with a data dir the Files and Batches routes (batch_api.py).
 With ``--api-key``, every route but /health and /metrics needs the key (401 without it), and files and
 batches are their key's own (auth.py). Errors are OpenAI's error object (``{"error": {"message", "type", "param", "code"}}``): 400 for a bad
 body or parameter or a prompt that does not fit, 404 for an unknown model or route, 429 with
@@ -36,6 +36,7 @@ from sloserve.server.completions_api import completions_router
 from sloserve.server.metrics import ServerMetrics
 from sloserve.server.metrics_api import metrics_router
 from sloserve.server.models_api import models_router
+from sloserve.server.prefix_cache_api import prefix_cache_router
 from sloserve.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, error_body
 from sloserve.server.response_store import ResponseStore
 from sloserve.server.responses import json_error
@@ -92,6 +93,7 @@ def build_app(
     app.include_router(models_router(serving))
     app.include_router(tokenize_router(serving))
     app.include_router(metrics_router(engine, metrics))
+    app.include_router(prefix_cache_router(engine))
     if batches is not None:
         app.include_router(batches.router())
     if api_keys:
