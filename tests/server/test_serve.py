@@ -1009,6 +1009,29 @@ def test_reset_prefix_cache_makes_a_resent_prompt_compute_afresh(server):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "reset_running_requests"
 
 
+def test_bench_serve_resets_the_servers_prefix_cache_so_each_run_starts_cold(server, tmp_path):
+    """``bench-serve --reset-prefix-cache``: a trace with prefix structure replayed twice finds the same cached
+    tokens each time (what its own turns share); replayed again without the reset it finds more (the run
+    before left them). A server without the route: exit 2 naming it."""
+    from click.testing import CliRunner
+
+    from sloserve.cli import main
+
+    args = ["bench-serve", "--base-url", server.url + "/v1", "--model", MODEL, "--trace", "mooncake-conv"]
+    args += ["--rate", "50", "--num-requests", "12", "--max-tokens", "2", "--vocab-size", str(VOCAB), "--json"]
+    cached = []
+    for reset in (True, True, False):
+        result = CliRunner().invoke(main, args + (["--reset-prefix-cache"] if reset else []))
+        assert result.exit_code == 0, result.output
+        summary = json.loads(result.output)
+        assert summary["completed"] == 12 and summary["prefix_cache_reset"] is reset
+        cached.append(summary["cached_tokens"])
+    assert cached[0] == cached[1] < cached[2], cached
+    elsewhere = ["--base-url", server.url + "/elsewhere/v1", "--reset-prefix-cache", "--max-model-len", "256"]
+    bad = CliRunner().invoke(main, args[:1] + elsewhere + args[3:])
+    assert bad.exit_code == 2 and "POST " + server.url + "/elsewhere/reset_prefix_cache answered 404" in bad.output
+
+
 def test_bench_serve_sends_the_same_tokens_for_the_same_hash_ids():
     """bench-serve's prompts for a trace with prefix structure: a server caching by tokens finds what
     the simulation finds by ids (the engine's ``run`` uses the same tokens)."""

@@ -25,6 +25,7 @@ import math
 import random
 import socket
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -330,6 +331,25 @@ def server_max_model_len(base_url: str, model: str) -> int:
     raise ConfigError(
         f"--model {model!r} is not served at {url}; it serves: {', '.join(str(m.get('id')) for m in data)}"
     )
+
+
+def reset_server_prefix_cache(base_url: str) -> None:
+    """POST the server's ``/reset_prefix_cache`` (vLLM's route, beside the API root ``base_url``), so a run's
+    prompts find nothing an earlier run left cached. A ConfigError says why the server would not."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    url = root + "/reset_prefix_cache"
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=60).close()
+    except urllib.error.HTTPError as e:
+        try:
+            reason = json.loads(e.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            reason = e.reason
+        if e.code == 404:
+            reason = "the server has no such route (vLLM serves it only with VLLM_SERVER_DEV_MODE=1)"
+        raise ConfigError(f"--reset-prefix-cache: POST {url} answered {e.code}: {reason}") from None
+    except OSError as e:  # URLError
+        raise ConfigError(f"--reset-prefix-cache: cannot POST {url} ({e})") from None
 
 
 def summarize_benchmark(result: BenchResult, extra: dict) -> dict:

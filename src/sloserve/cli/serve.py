@@ -379,6 +379,12 @@ def _fleet_options(
     "it encodes to exactly the trace's lengths, one word per token, instead of token ids.",
 )
 @click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="Per-request timeout (s).")
+@click.option(
+    "--reset-prefix-cache",
+    is_flag=True,
+    help="POST the server's /reset_prefix_cache (vLLM's) first: the run's prompts find nothing an earlier run "
+    "left cached (runs of the same trace otherwise find their prompts cached).",
+)
 @click.option("--out", type=click.Path(path_type=Path), help="Write summary.json, requests.csv and latency_cdf.png.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def bench_serve(
@@ -388,6 +394,7 @@ def bench_serve(
     vocab_size: int,
     tokenizer_path: Path | None,
     timeout_s: float,
+    reset_prefix_cache: bool,
     out: Path | None,
     as_json: bool,
     **options: Any,
@@ -419,6 +426,8 @@ def bench_serve(
         except ImportError as exc:  # tokenizers, gguf
             raise ConfigError(f"--tokenizer needs the engine extra: pip install 'sloserve[engine]' ({exc})") from None
         prompts = bench.WordPrompts(tokenizer).texts(requests, options["seed"])
+    if reset_prefix_cache:
+        bench.reset_server_prefix_cache(base_url)
     with ProgressBar(len(requests), f"bench-serve {served_model}", enabled=not as_json) as on_progress:
         result = bench.run_benchmark(
             base_url, served_model, requests, prompts, chains=chains, timeout_s=timeout_s, on_progress=on_progress
@@ -432,6 +441,7 @@ def bench_serve(
             "num_clipped": workload.num_clipped,
             "seed": options["seed"],
             "max_model_len": max_model_len,
+            "prefix_cache_reset": reset_prefix_cache,
         },
     )
     if out is not None:
