@@ -10,7 +10,8 @@ simulator's error on throughput and mean TTFT, TPOT and end-to-end latency.
 
 Unlike benchmarks/fidelity.py (the engine's own clock against the simulator's), the served figures are
 what a client measures: HTTP, the event loop and detokenization are in them and not in the simulator.
-Two loads: offline (every request at t=0), then Poisson at --load times the served offline throughput;
+Two loads: offline (every request at t=0), then Poisson at --load times the served offline throughput
+(the same prompts: the server's prefix cache is reset before each load, which the simulator starts cold);
 with --workload, the spec's own arrivals instead, and the figures of each class too (the request log
 records each request's class, SLO and priority, and the replay keeps them). The served and in-process
 engines schedule with the fitted preset too (BROS, EconoServe and InferMax decide by batch times).
@@ -160,6 +161,7 @@ def main() -> None:
                     *workload,
                     "--max-model-len",
                     str(args.max_model_len),
+                    "--reset-prefix-cache",  # NOTE: the Poisson load resends the offline one's prompts: cold, as simulated
                     "--json",
                 )
             )
