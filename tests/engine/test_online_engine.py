@@ -9,6 +9,8 @@ import asyncio
 import dataclasses
 import functools
 import multiprocessing
+import os
+import signal
 import threading
 import time
 
@@ -369,6 +371,29 @@ def test_a_bad_value_of_the_overlap_switch_stops_the_engine_at_start_naming_it(m
     online = AsyncLLMEngine(EngineSpec("random:tiny-llama", kv_capacity_tokens=256))
     with pytest.raises(ConfigError, match="SLOSERVE_OVERLAP_PUBLISH must be 0 or 1, got 'yes'"):
         online.start()
+
+
+def test_a_reset_whose_asker_gave_up_leaves_the_engine_serving():
+    """A prefix cache reset cancelled before the engine answered (a timeout; the engine process paused): its
+    answer comes later and is dropped; the engine goes on serving, and the next reset is answered."""
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    async def main():
+        online = _online()
+        try:
+            os.kill(online._process.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(online.reset_prefix_cache(), 0.2)
+            finally:
+                os.kill(online._process.pid, signal.SIGCONT)
+            # (a reader thread that died on the late answer would leave these waiting: bounded)
+            _, tokens, reason = await asyncio.wait_for(_collect(online.submit(PROMPTS[0], params)), 60)
+            return len(tokens), reason, await asyncio.wait_for(online.reset_prefix_cache(), 60), online.error
+        finally:
+            await asyncio.to_thread(online.drain, 5.0)
+
+    assert asyncio.run(main()) == (4, "length", True, None)
 
 
 def test_a_killed_engine_process_ends_every_open_request_saying_how_and_refuses_new_ones():

@@ -191,26 +191,31 @@ def test_prefix_affinity_sends_a_conversation_to_the_replica_that_caches_it(flee
 
 
 def test_reset_prefix_cache_resets_every_replica(fleet):
-    """vLLM's ``POST /reset_prefix_cache`` on a fleet: each replica forgets its cache. Four conversations, two
-    on each replica (prefix-affinity); after a reset none finds its history cached, wherever it is sent."""
+    """vLLM's ``POST /reset_prefix_cache`` on a fleet: each replica forgets its cache. Sixteen conversations sent
+    at once spread over both replicas (prefix-affinity balances a burst), and each, sent again alone, finds its
+    history cached on its replica; after a reset none does."""
     rng = random.Random(1)
-    histories = [[rng.randrange(3, VOCAB) for _ in range(200)] for _ in range(4)]
+    histories = [[rng.randrange(3, VOCAB) for _ in range(200)] for _ in range(16)]
+    options = {"max_tokens": 2, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
-    def cached(history: list[int]) -> int:
-        answer = fleet.client.completions.create(
-            model=MODEL, prompt=history, max_tokens=2, temperature=0, extra_body={"ignore_eos": True}
-        )
-        return answer.usage.prompt_tokens_details.cached_tokens
+    async def burst() -> list[int]:
+        client = async_client(fleet)
+        calls = [client.completions.create(model=MODEL, prompt=h, **options) for h in histories]
+        return [r.usage.prompt_tokens_details.cached_tokens for r in await asyncio.gather(*calls)]
+
+    def one_by_one() -> list[int]:  # (no imbalance: each goes where its history is cached, if anywhere)
+        answers = [fleet.client.completions.create(model=MODEL, prompt=h, **options) for h in histories]
+        return [r.usage.prompt_tokens_details.cached_tokens for r in answers]
 
     hits_before = [fleet.metric("sloserve_prefix_cache_hits_total", replica=r) for r in ("0", "1")]
-    assert [cached(h) for h in histories] == [0] * 4
+    assert asyncio.run(burst()) == [0] * 16
     time.sleep(0.5)  # NOTE: the replicas report their caches every 100 ms
-    assert [cached(h) for h in histories] == [192] * 4
+    assert one_by_one() == [192] * 16
     hits = [fleet.metric("sloserve_prefix_cache_hits_total", replica=r) - hits_before[i] for i, r in enumerate("01")]
     assert min(hits) > 0, hits  # (both replicas hold some)
     reset = httpx.post(fleet.url + "/reset_prefix_cache", timeout=30)
     assert reset.status_code == 200 and reset.content == b""
-    assert [cached(h) for h in histories] == [0] * 4
+    assert one_by_one() == [0] * 16
 
 
 def test_a_killed_replica_is_replaced_and_no_request_is_lost(fleet):

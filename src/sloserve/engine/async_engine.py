@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import math
 import multiprocessing
@@ -163,6 +164,16 @@ def _deliver(outbox: list[tuple[ServedRequest, StreamDelta]]) -> None:
 def _put_all(items: list[tuple[ServedRequest, StreamDelta]]) -> None:
     for served, delta in items:
         served._queue.put_nowait(delta)
+
+
+def _answer(future: concurrent.futures.Future, result: object = None, error: BaseException | None = None) -> None:
+    """Settle the future of an answer from the engine, unless its asker gave up (cancelled it: a client that
+    left, a timeout)."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
 
 
 class EngineObserver(Protocol):
@@ -396,7 +407,7 @@ class AsyncLLMEngine:
                     self._on_step(outputs_of(message[1]), message[2])
                 elif message[0] == "reset_prefix_cache":
                     self._on_step([], message[2])
-                    self._answers.popleft().set_result(message[1])
+                    _answer(self._answers.popleft(), message[1])
                 elif message[0] == "failed":
                     self._fail(message[1])
                     return
@@ -409,11 +420,8 @@ class AsyncLLMEngine:
             with self._ask_lock:
                 self._stopped.set()
                 while self._answers:  # (asked as the engine stopped)
-                    self._answers.popleft().set_exception(
-                        EngineDeadError(f"the engine failed: {self.error}")
-                        if self.error
-                        else ShuttingDownError("the engine has stopped")
-                    )
+                    gone = EngineDeadError(f"the engine failed: {self.error}") if self.error else None
+                    _answer(self._answers.popleft(), error=gone or ShuttingDownError("the engine has stopped"))
 
     def _exit_reason(self) -> str:
         """Why the engine process's pipe closed: its exit code, or the signal that killed it (SIGKILL:

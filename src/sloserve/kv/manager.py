@@ -334,7 +334,7 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's ``reset_prefix_cache``), and with it the states saved at their
         ends: a later prompt finds nothing cached until new blocks are registered. False, and nothing
-        changed, while a request holds KV on the GPU (prefix caching off: True, nothing to forget)."""
+        changed, while a request holds KV on the GPU (with prefix caching off too, as vLLM's)."""
         if self.allocated_tokens:
             return False
         if self.prefix_cache is not None and not self.prefix_cache.reset():
