@@ -3,6 +3,7 @@ down; the served model's default name and the warning of an open server."""
 
 from __future__ import annotations
 
+import json
 import re
 import sqlite3
 import subprocess
@@ -60,6 +61,29 @@ def test_every_route_but_health_and_metrics_needs_a_key(server):
     for key in KEYS:
         assert client(server, key).completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.total_tokens > 0
     assert server.metric("sloserve_requests_rejected_total", reason="unauthorized") >= 10
+
+
+def test_bench_serve_sends_its_key_from_the_flag_or_openai_api_key(server, monkeypatch):
+    """bench-serve against a server with keys: refused in one line saying how to give the key without one;
+    with ``--api-key`` or $OPENAI_API_KEY (as vLLM's benchmark reads it), every request and the prefix cache
+    reset go through."""
+    from click.testing import CliRunner
+
+    from sloserve.cli import main
+
+    args = ["bench-serve", "--base-url", server.url + "/v1", "--model", MODEL, "--trace", "sharegpt", "--rate", "50"]
+    args += ["--num-requests", "4", "--max-tokens", "2", "--vocab-size", "64", "--reset-prefix-cache", "--json"]
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    refused = CliRunner().invoke(main, args)
+    assert (
+        refused.exit_code == 2
+        and "401" in refused.output
+        and "give it with --api-key or OPENAI_API_KEY" in refused.output
+    )
+    for extra, env in (([f"--api-key={KEYS[1]}"], {}), ([], {"OPENAI_API_KEY": KEYS[0]})):
+        result = CliRunner().invoke(main, args + extra, env=env)
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output)["completed"] == 4 and KEYS[0] not in result.output
 
 
 def test_files_and_batches_belong_to_the_key_that_made_them(server):

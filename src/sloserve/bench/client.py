@@ -114,11 +114,21 @@ def request_body(model: str, request: Request, prompt: list[int] | str) -> dict:
     return body
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header that carries ``api_key`` to the server (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _refused(status: int) -> str:
+    """What to do about an HTTP ``status`` the server answered with (a hint for a 401)."""
+    return " (the server wants an API key: give it with --api-key or OPENAI_API_KEY)" if status == 401 else ""
+
+
 class _Client:
     """Streams requests over one aiohttp session (its C HTTP parser keeps the client's own cost per
     token low: the client shares the machine with the server in a loopback benchmark)."""
 
-    def __init__(self, base_url: str, model: str, timeout_s: float) -> None:
+    def __init__(self, base_url: str, model: str, timeout_s: float, api_key: str | None = None) -> None:
         self.url = base_url.rstrip("/") + "/completions"
         self.models_url = base_url.rstrip("/") + "/models"
         self.model = model
@@ -128,6 +138,7 @@ class _Client:
         self.http = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=timeout_s),
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
+            headers=auth_headers(api_key),
         )
         self.start = time.perf_counter()
         self.inter_token_s: list[float] = []
@@ -226,13 +237,15 @@ def run_benchmark(
     chains: Sequence[Sequence[Sequence[Request]]] = (),
     timeout_s: float = 600.0,
     on_progress: Callable[[int], None] | None = None,
+    api_key: str | None = None,
 ) -> BenchResult:
-    """Replay ``requests`` (arrival times relative to the start) against ``base_url`` (``.../v1``)."""
+    """Replay ``requests`` (arrival times relative to the start) against ``base_url`` (``.../v1``), with
+    ``api_key`` as a bearer token where the server wants one."""
     if len(prompts) != len(requests):
         raise ConfigError(f"{len(prompts)} prompts for {len(requests)} requests")
 
     async def main() -> BenchResult:
-        client = _Client(base_url, model, timeout_s)
+        client = _Client(base_url, model, timeout_s, api_key)
         try:
             await _check_server(client)
             client.start = time.perf_counter()
@@ -253,7 +266,7 @@ async def _check_server(client: _Client) -> None:
     except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         raise ConfigError(f"--base-url: cannot read {client.models_url} ({type(e).__name__}: {e})") from None
     if status != 200:
-        raise ConfigError(f"--base-url: GET {client.models_url} answered HTTP {status}")
+        raise ConfigError(f"--base-url: GET {client.models_url} answered HTTP {status}{_refused(status)}")
     names = [m.get("id") for m in body.get("data", [])]
     if client.model not in names:
         raise ConfigError(
@@ -315,13 +328,15 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-def server_max_model_len(base_url: str, model: str) -> int:
+def server_max_model_len(base_url: str, model: str, api_key: str | None = None) -> int:
     """The context the server reports for ``model`` in ``/v1/models`` (vLLM and sloserve do)."""
     url = base_url.rstrip("/") + "/models"
     try:
-        with urllib.request.urlopen(url, timeout=30) as response:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=auth_headers(api_key)), timeout=30) as response:
             data = json.loads(response.read()).get("data", [])
-    except (OSError, ValueError) as e:  # URLError and HTTPError are OSErrors
+    except urllib.error.HTTPError as e:
+        raise ConfigError(f"--base-url: cannot read {url} ({e}){_refused(e.code)}") from None
+    except (OSError, ValueError) as e:  # URLError
         raise ConfigError(f"--base-url: cannot read {url} ({e})") from None
     for entry in data:
         if entry.get("id") == model:
@@ -333,13 +348,15 @@ def server_max_model_len(base_url: str, model: str) -> int:
     )
 
 
-def reset_server_prefix_cache(base_url: str) -> None:
+def reset_server_prefix_cache(base_url: str, api_key: str | None = None) -> None:
     """POST the server's ``/reset_prefix_cache`` (vLLM's route, beside the API root ``base_url``), so a run's
     prompts find nothing an earlier run left cached. A ConfigError says why the server would not."""
     root = base_url.rstrip("/").removesuffix("/v1")
     url = root + "/reset_prefix_cache"
     try:
-        urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=60).close()
+        urllib.request.urlopen(
+            urllib.request.Request(url, method="POST", headers=auth_headers(api_key)), timeout=60
+        ).close()
     except urllib.error.HTTPError as e:
         try:
             reason = json.loads(e.read())["error"]["message"]
@@ -347,7 +364,7 @@ def reset_server_prefix_cache(base_url: str) -> None:
             reason = e.reason
         if e.code == 404:
             reason = "the server has no such route (vLLM serves it only with VLLM_SERVER_DEV_MODE=1)"
-        raise ConfigError(f"--reset-prefix-cache: POST {url} answered {e.code}: {reason}") from None
+        raise ConfigError(f"--reset-prefix-cache: POST {url} answered {e.code}: {reason}{_refused(e.code)}") from None
     except OSError as e:  # URLError
         raise ConfigError(f"--reset-prefix-cache: cannot POST {url} ({e})") from None
 

@@ -362,6 +362,12 @@ def _fleet_options(
     help="The server's OpenAI API root (ours or any OpenAI-compatible one, e.g. vLLM's).",
 )
 @click.option("--model", "served_model", required=True, help="The model name the server serves.")
+@click.option(
+    "--api-key",
+    envvar="OPENAI_API_KEY",
+    help="Sent as 'Authorization: Bearer KEY', to a server started with API keys [$OPENAI_API_KEY, as vLLM's "
+    "benchmark and the openai client read it].",
+)
 @workload_options
 @click.option("--max-model-len", type=int, help="Clip requests to this context [the server's max_model_len].")
 @click.option(
@@ -390,6 +396,7 @@ def _fleet_options(
 def bench_serve(
     base_url: str,
     served_model: str,
+    api_key: str | None,
     max_model_len: int | None,
     vocab_size: int,
     tokenizer_path: Path | None,
@@ -411,7 +418,7 @@ def bench_serve(
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise ConfigError(f"--timeout must be a finite number of seconds > 0, got {timeout_s}")
     if max_model_len is None:
-        max_model_len = bench.server_max_model_len(base_url, served_model)
+        max_model_len = bench.server_max_model_len(base_url, served_model, api_key)
     elif not 2 <= max_model_len <= MAX_LENGTH_TOKENS:
         raise ConfigError(f"--max-model-len must be in 2..{MAX_LENGTH_TOKENS:,}, got {max_model_len:,}")
     workload = make_workload_from_options(SimOptions.of_workload(options), max_model_len)
@@ -427,10 +434,17 @@ def bench_serve(
             raise ConfigError(f"--tokenizer needs the engine extra: pip install 'sloserve[engine]' ({exc})") from None
         prompts = bench.WordPrompts(tokenizer).texts(requests, options["seed"])
     if reset_prefix_cache:
-        bench.reset_server_prefix_cache(base_url)
+        bench.reset_server_prefix_cache(base_url, api_key)
     with ProgressBar(len(requests), f"bench-serve {served_model}", enabled=not as_json) as on_progress:
         result = bench.run_benchmark(
-            base_url, served_model, requests, prompts, chains=chains, timeout_s=timeout_s, on_progress=on_progress
+            base_url,
+            served_model,
+            requests,
+            prompts,
+            chains=chains,
+            timeout_s=timeout_s,
+            on_progress=on_progress,
+            api_key=api_key,
         )
     summary = bench.summarize_benchmark(
         result,
