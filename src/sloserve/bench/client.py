@@ -119,7 +119,7 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def _refused(status: int) -> str:
+def _auth_hint(status: int) -> str:
     """What to do about an HTTP ``status`` the server answered with (a hint for a 401)."""
     return " (the server wants an API key: give it with --api-key or OPENAI_API_KEY)" if status == 401 else ""
 
@@ -266,7 +266,7 @@ async def _check_server(client: _Client) -> None:
     except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         raise ConfigError(f"--base-url: cannot read {client.models_url} ({type(e).__name__}: {e})") from None
     if status != 200:
-        raise ConfigError(f"--base-url: GET {client.models_url} answered HTTP {status}{_refused(status)}")
+        raise ConfigError(f"--base-url: GET {client.models_url} answered HTTP {status}{_auth_hint(status)}")
     names = [m.get("id") for m in body.get("data", [])]
     if client.model not in names:
         raise ConfigError(
@@ -335,7 +335,7 @@ def server_max_model_len(base_url: str, model: str, api_key: str | None = None) 
         with urllib.request.urlopen(urllib.request.Request(url, headers=auth_headers(api_key)), timeout=30) as response:
             data = json.loads(response.read()).get("data", [])
     except urllib.error.HTTPError as e:
-        raise ConfigError(f"--base-url: cannot read {url} ({e}){_refused(e.code)}") from None
+        raise ConfigError(f"--base-url: cannot read {url} ({e}){_auth_hint(e.code)}") from None
     except (OSError, ValueError) as e:  # URLError
         raise ConfigError(f"--base-url: cannot read {url} ({e})") from None
     for entry in data:
@@ -364,7 +364,7 @@ def reset_server_prefix_cache(base_url: str, api_key: str | None = None) -> None
             reason = e.reason
         if e.code == 404:
             reason = "the server has no such route (vLLM serves it only with VLLM_SERVER_DEV_MODE=1)"
-        raise ConfigError(f"--reset-prefix-cache: POST {url} answered {e.code}: {reason}{_refused(e.code)}") from None
+        raise ConfigError(f"--reset-prefix-cache: POST {url} answered {e.code}: {reason}{_auth_hint(e.code)}") from None
     except OSError as e:  # URLError
         raise ConfigError(f"--reset-prefix-cache: cannot POST {url} ({e})") from None
 
