@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 import transformers
 
@@ -37,6 +38,13 @@ SEEDS = {"llama": 0, "qwen2": 1, "opt": 2, "qwen3": 3, "gemma3": 5, "mistral": 7
          "cohere2_moe": 95, "cohere2_moe_sigmoid": 96, "bloom": 97, "bloom_6_heads": 98, "falcon_rw_alibi": 99,
          "mpt": 100, "mpt_6_heads": 101, "flex_olmo": 102, "nanochat": 103, "mamba": 104, "falcon_mamba": 105,
          "mamba2": 106}  # fmt: skip
+# The first transformers release that builds an architecture's reference as the tests know it: 5.23 normalizes Mamba-2's
+# gated RMSNorm by group, as mamba_ssm's kernels and the engine do (before: over the whole width, another function where
+# a model has several groups: Mamba-2's, Granite 4.0-H's, Bamba's), draws ERNIE 4.5 MoE's router weights at random
+# (another tiny model) and brings LFM3 and InternLM3; 5.24 EXAONE and Sarvam MoE. An older one (the GPU image's 5.17 on
+# 2026-12-04) skips their tests.
+NEEDS_TRANSFORMERS = {"mamba2": (5, 23), "granite_4_h": (5, 23), "bamba": (5, 23), "ernie4_5_moe": (5, 23),
+                      "lfm3": (5, 23), "internlm3": (5, 23), "exaone": (5, 24), "sarvam_moe": (5, 24)}  # fmt: skip
 # The models of delta-rule layers (their decays made mild: states that last past a chunk)
 DELTA_RULE_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 # Phi-4 mini's LongRoPE, scaled down: a pretrained context of 64 positions (of 256), a factor per frequency
@@ -47,6 +55,11 @@ LONGROPE_PRETRAINED_CONTEXT = 64
 
 
 def hf_model(arch: str):
+    needs = NEEDS_TRANSFORMERS.get(arch)
+    if needs is not None and tuple(int(n) for n in transformers.__version__.split(".")[:2]) < needs:
+        pytest.skip(
+            f"{arch}'s reference needs transformers >= {'.'.join(map(str, needs))}, not {transformers.__version__}"
+        )
     common = dict(
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256
     )

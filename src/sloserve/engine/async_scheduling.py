@@ -57,6 +57,13 @@ def copy_to_device(destination: torch.Tensor, host: torch.Tensor) -> None:
         destination.copy_(host.pin_memory(), non_blocking=True)
 
 
+def fill_at(tensor: torch.Tensor, index: tuple[torch.Tensor, ...], value: float) -> None:
+    """``tensor[index] = value`` (``index``: tensors on ``tensor``'s device), the value made on the device.
+    NOTE: an indexed assignment of a Python number copies it from pageable host memory to a GPU tensor's
+    device (``index_put_`` moves a CPU scalar there), which waits for every kernel queued before it."""
+    tensor.index_put_(index, torch.full((), value, dtype=tensor.dtype, device=tensor.device))
+
+
 def index_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
     """``values`` as an int64 tensor on ``device`` (``to_device``)."""
     return to_device(torch.tensor(values, dtype=torch.int64), device)

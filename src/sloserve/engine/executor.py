@@ -168,6 +168,9 @@ class EngineExecutor:
         for rotary in (getattr(loaded.model, "rotary", None), getattr(loaded.model, "local_rotary", None)):
             if rotary is not None:
                 rotary.serve_context(max_context)  # NOTE: before the graphs capture its tables
+                # NOTE: built now, not in the first step: its copy of the frequencies to the GPU would wait for the
+                # device in a step launched early (async scheduling)
+                rotary.tables(loaded.device)
         graphs = None
         if loaded.cuda_graphs:
             graphs = DecodeGraphs(

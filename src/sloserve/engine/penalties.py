@@ -14,7 +14,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from sloserve.engine.async_scheduling import float_tensor, index_tensor
+from sloserve.engine.async_scheduling import fill_at, float_tensor, index_tensor
 from sloserve.engine.sampler import SamplingParams
 
 
@@ -104,7 +104,7 @@ class PenaltyCounts:
         self.output_counts[slot] = 0
         self.in_prompt[slot] = False
         if num_prompt_tokens:
-            self.in_prompt[slot, index_tensor(token_ids[:num_prompt_tokens], self.device)] = True
+            fill_at(self.in_prompt[slot], (index_tensor(token_ids[:num_prompt_tokens], self.device),), True)
         return slot
 
     def _grow(self, vocab: int) -> None:

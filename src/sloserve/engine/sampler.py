@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from sloserve.core.errors import ConfigError
-from sloserve.engine.async_scheduling import float_tensor, index_tensor, to_device
+from sloserve.engine.async_scheduling import fill_at, float_tensor, index_tensor, to_device
 
 # The most top log-probabilities a request may ask for per token (vLLM's default max_logprobs; OpenAI's
 # top_logprobs allows 20 too).
@@ -320,7 +320,9 @@ def apply_controls(
     allowing = [i for i in rows if params[i].allowed_token_ids]
     if allowing:  # every score but the allowed tokens' to -inf
         barred = torch.ones(len(allowing), vocab, dtype=torch.bool, device=device)  # (A, vocab)
-        barred[_scattered(range(len(allowing)), [params[i].allowed_token_tensor for i in allowing], device)] = False
+        fill_at(
+            barred, _scattered(range(len(allowing)), [params[i].allowed_token_tensor for i in allowing], device), False
+        )
         index = index_tensor(allowing, device)
         logits[index] = logits[index].masked_fill(barred, -math.inf)
     # bad words: a word's last token is barred where the output ends with the tokens before it. Where the
@@ -342,7 +344,7 @@ def apply_controls(
             for token, last in words.get(_output_ending(token_ids[i], num_prompt_tokens[i], length), ()):
                 banned_if_last.append((i, late_entry[i], token, last))
     if banned:
-        logits[tuple(index_tensor(banned, device).T)] = -math.inf
+        fill_at(logits, tuple(index_tensor(banned, device).T), -math.inf)
     if banned_if_last:  # NOTE: added, not set: a row may bar one token by two words, one of them not in force
         last_is = late_tokens[index_tensor([at for _, at, _, _ in banned_if_last], device)] == index_tensor(
             [token for _, _, token, _ in banned_if_last], device
@@ -354,10 +356,12 @@ def apply_controls(
     # added at once
     holding = [i for i in rows if len(token_ids[i]) + (i in late_entry) - num_prompt_tokens[i] < params[i].min_tokens]
     if holding:
-        logits[index_tensor(holding, device)[:, None], index_tensor(sorted(eos_token_ids), device)] = -math.inf
+        fill_at(
+            logits, (index_tensor(holding, device)[:, None], index_tensor(sorted(eos_token_ids), device)), -math.inf
+        )
         stopping = [i for i in holding if params[i].stop_token_ids]
         if stopping:
-            logits[_scattered(stopping, [params[i].stop_token_tensor for i in stopping], device)] = -math.inf
+            fill_at(logits, _scattered(stopping, [params[i].stop_token_tensor for i in stopping], device), -math.inf)
     biasing = [i for i in rows if params[i].logit_bias]
     if biasing:
         tokens, biases = zip(*(params[i].logit_bias_tensors for i in biasing), strict=True)

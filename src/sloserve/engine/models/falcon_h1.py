@@ -52,6 +52,8 @@ def checkpoint_tensor(key: str, tensor: torch.Tensor, config: ModelConfig) -> tu
         scale = gate
     elif ".mlp.down_proj." in key:
         scale = down
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(tensor.device)  # (a checkpoint's tensors may come on the GPU the model loads to)
     if isinstance(scale, torch.Tensor) or scale != 1.0:
         tensor = (tensor.double() * scale).to(tensor.dtype)  # (one rounding, from float64)
     return key, tensor
