@@ -18,7 +18,7 @@ A prompt's prefill runs with the prefill kernel and dense (one SDPA call a promp
 ``TritonAttention.dense_prefill_min_tokens``), the latter asking SDPA for FlashAttention first, then for
 cuDNN's attention first (``dense_prefill_sdpa``), side by side. Eager steps, the prefills' other kernels, mixed
 and profiled steps run as the environment sets the engine (split decodes unless ``SLOSERVE_DECODE_SPLITS=1``,
-the fused kernels unless ``SLOSERVE_FUSED_KERNELS=0``, dense prefills if ``SLOSERVE_DENSE_PREFILL=1``;
+the fused kernels unless ``SLOSERVE_FUSED_KERNELS=0``, dense prefills unless ``SLOSERVE_DENSE_PREFILL=0``;
 ``gpu_session.sh`` sets them all on).
 
 MBU = (weight bytes + KV bytes read) per decode step / step time / HBM bandwidth (the datasheet's,

@@ -68,8 +68,9 @@ export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # Issue 43's kernels and graphs: flash decoding's splits and the fused elementwise kernels are the
 # engine's defaults since the second GPU session (2026-11-29); long fresh prompts' dense attention,
 # piecewise CUDA graphs for steps with a prefill, the served engine's publishing during the next
-# forward pass and a mixture of experts on the fused kernels (and CUDA graphs) are off by default until
-# one has checked and timed them: every stage here runs with them all on (the dense prefills asking SDPA for cuDNN's attention first on Hopper: "auto").
+# forward pass and a mixture of experts on the fused kernels (and CUDA graphs) since the third
+# (2026-12-04). Every stage here runs with them all on, as set below, whatever the defaults (the dense
+# prefills asking SDPA for cuDNN's attention first on Hopper: "auto"); a stage's own setting overrides.
 export SLOSERVE_DECODE_SPLITS=${SLOSERVE_DECODE_SPLITS:-auto} SLOSERVE_FUSED_KERNELS=${SLOSERVE_FUSED_KERNELS:-1}
 export SLOSERVE_DENSE_PREFILL=${SLOSERVE_DENSE_PREFILL:-1} SLOSERVE_PIECEWISE_GRAPHS=${SLOSERVE_PIECEWISE_GRAPHS:-1}
 export SLOSERVE_DENSE_PREFILL_SDPA=${SLOSERVE_DENSE_PREFILL_SDPA:-auto}

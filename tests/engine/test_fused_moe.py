@@ -109,8 +109,8 @@ def test_models_on_fused_experts_give_hf_greedy_tokens(hf_dirs, arch, monkeypatc
 
 
 def test_the_fused_moe_switch(hf_dirs, monkeypatch):
-    """Off unless SLOSERVE_FUSED_MOE=1, and only beside the Triton backend (the torch backend keeps the
-    reference); a bad value is one clear error."""
+    """On the CPU (Triton's interpreter) off unless SLOSERVE_FUSED_MOE=1 (on CUDA on unless 0), and only beside
+    the Triton backend (the torch backend keeps the reference); a bad value is one clear error."""
     from sloserve.core.errors import ConfigError
     from sloserve.engine.loader import load_model
 

@@ -275,9 +275,9 @@ def test_a_sliding_window_or_chunked_layer_keeps_the_kernel_for_fresh_prompts(mo
 
 
 def test_the_dense_prefill_setting_comes_from_the_environment(monkeypatch):
-    """Off unless SLOSERVE_DENSE_PREFILL=1; a bad value is one clear error."""
+    """On unless SLOSERVE_DENSE_PREFILL=0; a bad value is one clear error."""
     monkeypatch.delenv("SLOSERVE_DENSE_PREFILL", raising=False)
-    assert triton_attention.TritonAttention().dense_prefill_min_tokens is None
+    assert triton_attention.TritonAttention().dense_prefill_min_tokens == triton_attention.DENSE_PREFILL_MIN_TOKENS
     for setting, threshold in (("0", None), ("1", triton_attention.DENSE_PREFILL_MIN_TOKENS)):
         monkeypatch.setenv("SLOSERVE_DENSE_PREFILL", setting)
         assert triton_attention.TritonAttention().dense_prefill_min_tokens == threshold

@@ -67,8 +67,8 @@ class EngineSpec:
     # Report what a fleet's router reads (EngineStats' queue, free KV and cache keys) after each step:
     # a fleet's replica does; one engine has no router to tell
     report_routing_stats: bool = False
-    # Publish each step's tokens during the next step's forward pass (EngineCore); None: on CUDA where
-    # SLOSERVE_OVERLAP_PUBLISH=1 (engine/switches.py: off until a GPU session has timed it)
+    # Publish each step's tokens during the next step's forward pass (EngineCore); None: on CUDA unless
+    # SLOSERVE_OVERLAP_PUBLISH=0 (engine/switches.py)
     overlap_publish: bool | None = None
     # Launch each step before the step before's tokens are on the host (LLMEngine); None: on CUDA unless
     # SLOSERVE_ASYNC_SCHEDULING=0
@@ -228,9 +228,10 @@ class EngineCore:
         # With overlap_publish, a step's news goes out during the next step's forward pass, where the
         # host's work hides behind the GPU's (vLLM v1 takes its outputs off the step's path too). On
         # the CPU the forward pass is the host's own work: waiting for it would only add a step to
-        # every token's latency, so None (the default) overlaps on CUDA only, where switched on.
+        # every token's latency, so None (the default) overlaps on CUDA only, unless switched off (an H200,
+        # 2026-12-04: served / in-process throughput 0.891 with, 0.858 without; benchmarks/RESULTS.md).
         if overlap_publish is None:
-            overlap_publish = switch("SLOSERVE_OVERLAP_PUBLISH") and engine.loaded.device.type == "cuda"
+            overlap_publish = switch("SLOSERVE_OVERLAP_PUBLISH", default=True) and engine.loaded.device.type == "cuda"
         self.overlap_publish = overlap_publish
         self._unpublished: list[Request] | None = None  # the finished requests of a step not yet published
         if overlap_publish:

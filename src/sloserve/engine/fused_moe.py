@@ -21,9 +21,9 @@ output) and the k rows are summed at once, not one by one into the output: the s
 otherwise, so equal to the reference to the dtype's rounding (to about 1e-7 in float32: the tests'
 greedy tokens are transformers').
 
-Used on CUDA with the Triton attention backend when ``SLOSERVE_FUSED_MOE=1`` (``load_model``; off until a
-GPU session has checked and timed it), which also lets a mixture of experts run in CUDA graphs. The tests
-run the kernel on the CPU in Triton's interpreter.
+Used on CUDA with the Triton attention backend unless ``SLOSERVE_FUSED_MOE=0`` (``load_model``; an H200 ran
+its tests and timed it on 2026-12-04), which also lets a mixture of experts run in CUDA graphs. The tests
+run the kernel on the CPU in Triton's interpreter (``SLOSERVE_FUSED_MOE=1`` there).
 """
 
 from __future__ import annotations

@@ -134,9 +134,15 @@ def load_model(
             config = dataclasses.replace(config, tie_word_embeddings=not stores_lm_head(shapes))
         check_config_fits_checkpoint(config, shapes, f"model directory {path}")
     backend_name = resolve_attention_backend(attention_backend, dev)
-    # A mixture of experts' tokens through fused_moe's kernels where the Triton backend runs (CUDA, or
-    # Triton's interpreter), with SLOSERVE_FUSED_MOE=1 (off until a GPU session has timed it)
-    fused_moe = switch("SLOSERVE_FUSED_MOE") and config.is_moe and backend_name == "triton" and config.moe_experts_gated
+    # A mixture of experts' tokens through fused_moe's kernels where the Triton backend runs: on CUDA unless
+    # SLOSERVE_FUSED_MOE=0 (an H200, 2026-12-04: four MoE models' greedy tokens, a layer 7.7-54x as fast as by
+    # expert; benchmarks/RESULTS.md), in Triton's interpreter with SLOSERVE_FUSED_MOE=1
+    fused_moe = (
+        switch("SLOSERVE_FUSED_MOE", default=dev.type == "cuda")
+        and config.is_moe
+        and backend_name == "triton"
+        and config.moe_experts_gated
+    )
     if cuda_graphs is None:
         # NOTE: on by default since the H200 session of 2026-11-26: capture and replay gave the eager
         # engine's tokens there, and decode steps ran 1.07-1.66x faster (benchmarks/RESULTS.md). Not for
@@ -147,7 +153,7 @@ def load_model(
         if config.is_moe and not fused_moe:
             raise ConfigError(
                 f"CUDA graphs cannot replay {config.name}'s mixture of experts (its routing sets its shapes; "
-                "SLOSERVE_FUSED_MOE=1 runs it on kernels they can)"
+                "SLOSERVE_FUSED_MOE=1, the default on CUDA, runs it on kernels they can)"
             )
     torch_dtype = resolve_dtype(dtype, config, dev)
     net = create_model(config, BACKENDS[backend_name](), torch_dtype, dev)

@@ -24,10 +24,10 @@ kernels, a copy of their output into the static buffer): about 5 launches a laye
 padding rows cost their share of every matmul (at most 31 tokens past 32).
 
 ``capture=False`` runs the same pieces on the same padded buffers eagerly, without graphs: that is how
-the CPU tests check everything but the capture. Off unless ``SLOSERVE_PIECEWISE_GRAPHS=1`` is in the
-environment (written without a GPU, 2026-11-28; on an H200, 2026-11-29, a 64-token prompt's step took
-6.3 ms on the pieces against 14.3 eagerly, but the engine-level test of the Triton backend on them did not
-get to run there: ``benchmarks/RESULTS.md``).
+the CPU tests check everything but the capture. On with CUDA graphs unless ``SLOSERVE_PIECEWISE_GRAPHS=0``
+is in the environment (written without a GPU, 2026-11-28; on an H200, 2026-12-04, a 64-token prompt's step
+took 6.6 ms on the pieces against 15.8 eagerly, a 256-token one 8.8 against 16.9, and the engine on them gave
+the eager engine's tokens: ``benchmarks/RESULTS.md``).
 ``SLOSERVE_COMPILE_PIECES=1`` runs the pieces compiled by ``torch.compile`` (``compiled_pieces``; written
 without a GPU too, 2026-11-29: ``gpu_session.sh compile`` times it).
 """
@@ -242,10 +242,11 @@ class PiecewiseGraphs:
 
 
 def piecewise_graphs_for(model: nn.Module, cache: KVCacheTensor, cuda_graphs: bool) -> PiecewiseGraphs | None:
-    """The engine's piecewise graphs: with CUDA graphs on, ``SLOSERVE_PIECEWISE_GRAPHS=1`` and a model
-    that has the pieces; else None (steps with a prefill run eagerly). Their pieces are compiled with
+    """The engine's piecewise graphs: with CUDA graphs on, a model that has the pieces and unless
+    ``SLOSERVE_PIECEWISE_GRAPHS=0``; else None (steps with a prefill run eagerly). Their pieces are compiled with
     ``SLOSERVE_COMPILE_PIECES=1`` too."""
     compile = switch("SLOSERVE_COMPILE_PIECES")  # (read first: a bad value is an error either way)
-    if not (switch("SLOSERVE_PIECEWISE_GRAPHS") and cuda_graphs and getattr(model, "supports_piecewise_graphs", False)):
+    pieces = switch("SLOSERVE_PIECEWISE_GRAPHS", default=True)
+    if not (pieces and cuda_graphs and getattr(model, "supports_piecewise_graphs", False)):
         return None
     return PiecewiseGraphs(model, cache, compile=compile)

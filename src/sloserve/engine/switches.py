@@ -1,10 +1,10 @@
 """Switches for the engine's features written without a GPU (issue 43), one environment variable each,
-read when the part that uses it is built. Off until a GPU session has checked and timed them
-(``benchmarks/gpu_session.sh`` turns them on): SLOSERVE_DENSE_PREFILL (TritonAttention),
-SLOSERVE_PIECEWISE_GRAPHS and SLOSERVE_COMPILE_PIECES (``piecewise_graphs_for``), SLOSERVE_OVERLAP_PUBLISH
-(``EngineCore``), SLOSERVE_FUSED_MOE (``load_model``: ``fused_moe``). On since one did (H200, 2026-11-29;
-benchmarks/RESULTS.md), unless set to 0: SLOSERVE_ASYNC_SCHEDULING (``LLMEngine``, on CUDA) and
-SLOSERVE_FUSED_KERNELS (``load_model``). Flash decoding's SLOSERVE_DECODE_SPLITS, a count or "auto" (the
+read when the part that uses it is built. Off until a GPU session has checked and timed it
+(``benchmarks/gpu_session.sh`` turns it on): SLOSERVE_COMPILE_PIECES (``piecewise_graphs_for``). On since
+one did, unless set to 0: SLOSERVE_ASYNC_SCHEDULING (``LLMEngine``, on CUDA) and SLOSERVE_FUSED_KERNELS
+(``load_model``) since 2026-11-29; SLOSERVE_DENSE_PREFILL (TritonAttention), SLOSERVE_PIECEWISE_GRAPHS
+(``piecewise_graphs_for``, with CUDA graphs), SLOSERVE_OVERLAP_PUBLISH (``EngineCore``, on CUDA) and
+SLOSERVE_FUSED_MOE (``load_model``: ``fused_moe``, on CUDA) since 2026-12-04 (H200s; benchmarks/RESULTS.md). Flash decoding's SLOSERVE_DECODE_SPLITS, a count or "auto" (the
 default), and the SDPA backend a dense prefill asks for first, SLOSERVE_DENSE_PREFILL_SDPA, are read in
 ``triton_attention``."""
 

@@ -82,11 +82,12 @@ MAX_SPLITS = 64
 # 32K contexts 2.2x as fast as one split; benchmarks/RESULTS.md).
 _SPLITS_SETTING = os.environ.get("SLOSERVE_DECODE_SPLITS", "auto")
 # A prompt of at least this many tokens with nothing cached before it attends to this step's own K/V
-# only: with SLOSERVE_DENSE_PREFILL=1 it runs as one causal ``scaled_dot_product_attention`` call
-# (FlashAttention on CUDA: contiguous K/V, no slot gather, tiles tuned for the GPU) instead of the prefill
-# kernel. NOTE: written for issue 43's prefill MFU goal; off: on an H200 (2026-11-29) dense was 5% slower
-# than the kernel at 1,024 tokens and 3-7% faster at 4-8K (``benchmarks/engine_speed.py``'s prefill rows,
-# hence 4,096, the smallest size it was faster at), and its engine-level token test did not get to run there.
+# only: it runs as one causal ``scaled_dot_product_attention`` call (cuDNN's or FlashAttention on CUDA:
+# contiguous K/V, no slot gather, tiles tuned for the GPU) instead of the prefill kernel, unless
+# SLOSERVE_DENSE_PREFILL=0. NOTE: written for issue 43's prefill MFU goal; on an H200 (2026-12-04, cuDNN's
+# first) dense was 10% slower than the kernel at 1,024 tokens and 2-8% faster at 4-8K (``engine_speed.py``'s
+# prefill rows, hence 4,096, the smallest size it was faster at; 3-7% on 2026-11-29, FlashAttention's), and
+# its engine-level token tests passed there (benchmarks/RESULTS.md).
 DENSE_PREFILL_MIN_TOKENS = 4096
 # The SDPA backend a dense prefill asks for first (``_dense_causal``; the others follow, the fused ones
 # first, so a shape it cannot take runs as before): SLOSERVE_DENSE_PREFILL_SDPA "cudnn" (cuDNN's fused
@@ -633,9 +634,10 @@ class TritonAttention(AttentionBackend):
             num_decode_splits = None if setting == "auto" else int(setting)
         self.num_decode_splits = num_decode_splits
         # Prompts of at least this many tokens with nothing cached run dense (``_dense_causal``); None: none
-        # do. "env": DENSE_PREFILL_MIN_TOKENS when SLOSERVE_DENSE_PREFILL is 1, else None.
+        # do. "env": DENSE_PREFILL_MIN_TOKENS unless SLOSERVE_DENSE_PREFILL is 0, else None.
         if dense_prefill_min_tokens == "env":
-            dense_prefill_min_tokens = DENSE_PREFILL_MIN_TOKENS if switch("SLOSERVE_DENSE_PREFILL") else None
+            dense = switch("SLOSERVE_DENSE_PREFILL", default=True)
+            dense_prefill_min_tokens = DENSE_PREFILL_MIN_TOKENS if dense else None
         self.dense_prefill_min_tokens = dense_prefill_min_tokens
         # The SDPA backend those ask for first: a SLOSERVE_DENSE_PREFILL_SDPA value ("env": that variable's,
         # "auto" when unset), resolved for the GPU at each dense prefill (``sdpa_preference``).

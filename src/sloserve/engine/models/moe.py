@@ -14,7 +14,7 @@ load into views of them (``checkpoint_views``).
 NOTE: the reference computation here groups the step's tokens by expert (a sort) and runs one pair of
 matmuls per expert that has tokens. Its shapes depend on the routing, so a CUDA graph cannot replay it:
 engines on a MoE model run eagerly (``ModelConfig.is_moe``), unless its experts run ``fused_moe``'s
-grouped matmuls (``use_fused_experts``: with ``SLOSERVE_FUSED_MOE=1`` on CUDA), whose shapes do not.
+grouped matmuls (``use_fused_experts``: on CUDA unless ``SLOSERVE_FUSED_MOE=0``), whose shapes do not.
 """
 
 from __future__ import annotations
