@@ -7,9 +7,10 @@ for a random model of a real shape.
         --long-context 2048 --mixed 64:128:8 [--gpu h200 --rates 4.24,685]   # (the CPU's ratios mean nothing)
 
 A step is timed as the engine's clock counts it (``StepTimer``: slot tables, attention metadata,
-forward pass, logits and sampling), so the figures are what a served request sees: on CUDA a decode
-step is launched before the step before's tokens are back, as the engine's default async scheduling
-runs them (since 2026-11-30; ``SLOSERVE_ASYNC_SCHEDULING=0`` times them one by one, as before). On CUDA with the
+forward pass, logits and sampling), so the figures are what a served request sees: on CUDA a step is
+launched before the step before's tokens are back, as the engine's default async scheduling runs them
+(decode steps since 2026-11-30, steps with a prefill since 2026-12-04; ``SLOSERVE_ASYNC_SCHEDULING=0`` times
+them one by one, as before). On CUDA with the
 Triton backend each decode batch is timed eagerly and replaying CUDA graphs, the graphs captured
 three times, side by side: as before issue 43 (one program per decode and KV head walking the whole
 context; PyTorch's elementwise kernels), with flash decoding's splits of the context

@@ -697,9 +697,9 @@ def test_on_cuda_a_step_launched_early_waits_for_nothing_but_the_step_before(mon
 
 
 def test_a_profile_times_decode_batches_as_an_asynchronous_engine_runs_them():
-    """``StepTimer`` with async scheduling: a decode batch's timed steps are each launched before the step
-    before's tokens are back (one more step first, with nothing in flight), a batch with a prefill is timed
-    step by step; nothing is left in flight or in the KV cache."""
+    """``StepTimer`` with async scheduling: a batch's timed steps are each launched before the step before's
+    tokens are back (one more step first, with nothing in flight), a batch with a prefill too (its chunks
+    of new requests each step, two steps' held at most); nothing is left in flight or in the KV cache."""
     from sloserve.engine.profile import StepTimer
 
     loaded = load_model("random:tiny-llama")
@@ -712,6 +712,9 @@ def test_a_profile_times_decode_batches_as_an_asynchronous_engine_runs_them():
     assert len(calls) == 4 and timer.executor.num_early_launches == 3  # one untimed, then each one early
     assert timer.executor.in_flight is None and not timer.executor.sequences
     assert timer.time([(20, 10)], decodes, repeats=2, warmup=1) > 0
-    assert len(calls) == 7 and timer.executor.num_early_launches == 3
+    assert len(calls) == 8 and timer.executor.num_early_launches == 6
+    prefills = [[c.request for c in output.chunks if c.num_tokens > 1] for output in calls[4:]]
+    assert all(len(p) == 1 for p in prefills) and len({p[0] for p in prefills}) == 4  # a new request each step
+    assert timer.executor.in_flight is None and not timer.executor.sequences
     assert timer.kv.num_free_blocks == timer.kv.gpu.num_blocks
     assert not StepTimer(loaded, 4, max_context=64).async_scheduling  # the CPU's default
