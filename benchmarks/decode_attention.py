@@ -14,6 +14,12 @@ paged), with the slot table as wide as the batch's longest context (an eager ste
 split past a short context reads nothing). Every variant's output is checked against one split's. The
 table gives per case the fastest variant, ``decode_splits``' pick at the default tile and one split: the
 time of one layer's call (the KV write, the kernel, the combine) and the KV bytes read over it.
+
+On CUDA a variant is timed as the engine's decode graphs run it: calls on copies of the KV cache (an
+engine's layers, each with its own, at least ``ROTATED_BYTES`` read in all, so that no call finds the one
+before's KV in the L2 cache) captured in one CUDA graph and replayed (``timing.graphed_median_s``). Until
+2026-12-04 each call was launched and timed alone: under about 100 us a call the figure was the launches'
+(59 us at batch 1 and 1K tokens for a kernel whose profile took 11).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import argparse
 import math
 import os
 import sys
+from functools import partial
 
 if "--smoke" in sys.argv:  # (before triton is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -31,10 +38,12 @@ import torch  # noqa: E402
 from sloserve.engine.attention import AttentionMetadata  # noqa: E402
 from sloserve.engine.kv_cache import expand_block_ids  # noqa: E402
 from sloserve.engine.triton_attention import TritonAttention, decode_splits, multiprocessors  # noqa: E402
-from timing import median_s  # noqa: E402
+from timing import graphed_median_s  # noqa: E402
 
 BLOCK_SIZE = 16  # the KV manager's default block
 MLA_LATENT, MLA_ROPE = 512, 64  # DeepSeek-V2's and V3's kv_lora_rank and qk_rope_head_dim
+ROTATED_BYTES = 256 << 20  # the KV the graph of a variant's calls reads at least: 5x an H100's or H200's L2 (50 MB)
+MAX_COPIES = 32  # and the most copies of the cache it rotates (a Llama-3-8B step's layers)
 
 
 def decode_step(
@@ -124,6 +133,13 @@ def main() -> None:
             inputs, meta = decode_step(batch, context, width, heads, dtype, device, value_dim is not None)
             tensors = 1 if value_dim else 2  # (K and V, or keys only)
             kv_bytes = tensors * batch * context * heads[1] * heads[2] * inputs[3].element_size()
+            # the calls of a graph: each on a cache of its own (the first: the inputs'), as an engine's layers
+            q, k, v, k_cache, v_cache = inputs
+            copies = min(MAX_COPIES, -(-ROTATED_BYTES // kv_bytes)) if device.type == "cuda" else 1
+            caches = [(k_cache, v_cache)] + [
+                (torch.randn_like(k_cache), None if v_cache is None else torch.randn_like(v_cache))
+                for _ in range(copies - 1)
+            ]
             times, reference = {}, None
             for tile in tiles:
                 for splits in split_counts:
@@ -131,17 +147,15 @@ def main() -> None:
                         continue
                     backend = TritonAttention(block_n=tile, num_decode_splits=splits, dense_prefill_min_tokens=None)
 
-                    def call(backend=backend, inputs=inputs, meta=meta):
-                        return backend.forward(*inputs, meta, value_dim=value_dim)
-
-                    out = call().float()
+                    calls = [partial(backend.forward, q, k, v, *kv, meta, value_dim=value_dim) for kv in caches]
+                    out = calls[0]().float()
                     if reference is None:
                         reference = out
                     error = float((out - reference).norm() / reference.norm())
                     assert error < 2e-2 and not out.isnan().any(), (
                         f"{case} width {width}: {splits} splits, tile {tile}: {error}"
                     )
-                    times[splits, tile] = median_s(call, device, warmup_ms=10, rep_ms=40)
+                    times[splits, tile] = graphed_median_s(calls, device, rep_ms=40)
             picked = decode_splits(batch, heads[1], width, multiprocessors(device))
             (best_splits, best_tile), best = min(times.items(), key=lambda item: item[1])
             rows.append((batch, context, width, best_splits, best_tile, best, picked, times.get((picked, default_tile)),

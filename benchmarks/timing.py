@@ -4,7 +4,7 @@ their figures are taken the same way."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -20,3 +20,17 @@ def median_s(fn: Callable[[], object], device: torch.device, *, warmup_ms: int =
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def graphed_median_s(fns: Sequence[Callable[[], object]], device: torch.device, *, rep_ms: int = 100) -> float:
+    """Median seconds of one call of ``fns`` (calls alike but for their data), captured one after another in
+    one CUDA graph and replayed: the kernels' time without the host's launches between them, as a captured
+    engine step runs them (``median_s`` times a small kernel's launch: tens of microseconds). Each replay
+    starts with the L2 cache flushed (``do_bench``); ``fns`` that read data of their own (an engine's layers
+    do) keep one call from finding the last one's in the cache. On the CPU, ``median_s`` of the first."""
+    if device.type != "cuda":
+        return median_s(fns[0], device)
+    from sloserve.engine.cuda_graphs import capture_graph
+
+    graph, _ = capture_graph(lambda: [fn() for fn in fns], None, device)
+    return median_s(graph.replay, device, warmup_ms=10, rep_ms=rep_ms) / len(fns)
