@@ -17,6 +17,7 @@
 #                                             # decode step's kernels (torch.profiler); then
 #                                             # decode_attention.py (split count and tile, the kernel alone)
 #                                             # and async_scheduling.py: offline batches of 64 and 256, on / off;
+#                                             # input_copies.py: a decode step's input copies on the host;
 #                                             # last, decode_attention.py on DeepSeek-V2-Lite's latent (MLA)
 #                                             # and moe_layer.py (a MoE layer: by expert / fused / graphed);
 #                                             # gguf_dequant.py (GGUF formats: gguf-py / torch on the GPU)
@@ -48,10 +49,10 @@
 # install them with --target, and put that folder on PYTHONPATH (its bin/ on PATH) before calling
 # this script; src/ is put in front of whatever PYTHONPATH holds. The first run of the tests compiles
 # the Triton kernels (about 40 s more).
-# The call prepared on 2026-11-30 (benchmarks/RESULTS.md, "The next GPU session"):
+# The call prepared on 2026-12-04 (benchmarks/RESULTS.md, "The next GPU session"):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH || exit
-#   TESTS_S=270 SPEED_S=170 SERVE_S=140 bash benchmarks/gpu_session.sh all
+#   TESTS_S=250 SPEED_S=185 SERVE_S=140 bash benchmarks/gpu_session.sh all
 # Every stage's output goes to $OUT/session.log ($OUT: the device tool's output folder; else ./gpu-logs),
 # beside issue 43's figures (figures.jsonl, printed as a table at the end of `all`), the serve stage's
 # py-spy stacks and the fidelity stage's profile, preset, engine figures and the engine runs' steps (a
@@ -99,6 +100,7 @@ decode_attention=()
 mla_attention=(--mla 16 --cases 1x1024,1x8192,8x32768,64x1024,256x1024 --splits 1,2,4,8,16,32)
 moe_layer=()
 gguf_dequant=()
+input_copies=()
 # B = 256: the simulator's ratios at M = 1K are those of B = 1024 within 0.03 (2026-11-26).
 infermax=(--num-requests 256 --capacities 1000,10000)
 if [[ ${SMOKE:-0} == 1 ]]; then
@@ -111,6 +113,7 @@ if [[ ${SMOKE:-0} == 1 ]]; then
   decode_attention=(--smoke)
   mla_attention=(--smoke --mla 4)
   moe_layer=(--smoke)
+  input_copies=(--smoke)
   gguf_dequant=(--rows 256 --columns 1024 --repeats 1)
   compile+=(--kv-len 64 --mixed 64:128:8 --small-prompts 64 --repeats 2)
   fidelity=(--max-model-len 1024 --kv-capacity-tokens 65536 --num-requests 20 "${grid[@]}")
@@ -145,6 +148,9 @@ case "${1:-}" in
     # Async scheduling on / off (issue 43 item 1), after the table: the stage's limit cuts this, not the table
     SLOSERVE_PIECEWISE_GRAPHS=0 python3 benchmarks/async_scheduling.py "${engine[@]}" "${async_ab[@]}" 2>&1 \
       | tee -a "$log"
+    # A decode step's input copies on the host (added 2026-12-04, about 15 s): where the served engine's 11-13%
+    # of py-spy samples in copy_to_device go
+    python3 benchmarks/input_copies.py "${input_copies[@]}" 2>&1 | tee -a "$log"
     # MLA's decode attention alone (added 2026-11-30, about 30 s; the stage's limit may cut it)
     python3 benchmarks/decode_attention.py "${mla_attention[@]}" 2>&1 | tee -a "$log"
     # A MoE layer alone, by expert against the fused kernels (added 2026-11-30, about 20 s)
