@@ -696,7 +696,7 @@ def test_on_cuda_a_step_launched_early_waits_for_nothing_but_the_step_before(mon
     assert (llm.engine.executor.piecewise is not None) == (path == "piecewise graphs")
 
 
-def test_a_profile_times_decode_batches_as_an_asynchronous_engine_runs_them():
+def test_a_profile_times_batches_as_an_asynchronous_engine_runs_them():
     """``StepTimer`` with async scheduling: a batch's timed steps are each launched before the step before's
     tokens are back (one more step first, with nothing in flight), a batch with a prefill too (its chunks
     of new requests each step, two steps' held at most); nothing is left in flight or in the KV cache."""
