@@ -150,7 +150,8 @@ def served(
 ) -> tuple[dict[str, float], list[str]]:
     """The load against the server: its figures, and the lines the server logged of its requests. With
     ``profile_pid``, py-spy samples that process and its children (the engine) for ``--py-spy-seconds``
-    from the start, into ``--py-spy`` (collapsed stacks)."""
+    from the start, into ``--py-spy`` (collapsed stacks, each thread's apart, its idle samples too: where the
+    engine core waits, for the GPU or for work, as well as where it works)."""
     from sloserve.runs import fresh_request
 
     requests = [fresh_request(r) for r in requests]
@@ -165,6 +166,8 @@ def served(
                 str(profile_pid),
                 "--subprocesses",
                 "--nonblocking",
+                "--threads",
+                "--idle",
                 "--rate",
                 "250",
                 "--duration",
