@@ -170,7 +170,7 @@ class EngineExecutor:
                 rotary.serve_context(max_context)  # NOTE: before the graphs capture its tables
                 # NOTE: built now, not in the first step: its copy of the frequencies to the GPU would wait for the
                 # device in a step launched early (async scheduling)
-                rotary.tables(loaded.device)
+                rotary.tables(cache.gpu.device)  # (the device the steps' positions are on: cuda:0, not cuda)
         graphs = None
         if loaded.cuda_graphs:
             graphs = DecodeGraphs(
