@@ -9,10 +9,11 @@ by ``Tensor.pin_memory`` then copied without blocking. Which part costs that?
 
 Each variant is timed on the host (microseconds a call, the median of --calls calls) while the GPU runs a
 long kernel queued first, as under async scheduling, where the forward pass before is in flight: a copy
-that waits for the device shows as milliseconds. The variants: ``copy_to_device`` as the engine calls it;
-the same into a contiguous destination; ``pin_memory`` alone; a copy from a pinned buffer made once (the
-pinning's allocation and the copy into it gone: what a staging buffer kept by the graphs would cost); and
-from pageable memory (a wait).
+that waits for the device shows as milliseconds. The variants: ``InputStaging.copy``, as the graphs copy
+their inputs since 2026-12-04 (pinned buffers kept, two in turn); ``copy_to_device``, as they did before
+(each array pinned by ``Tensor.pin_memory``, then copied), into the buffers' views and into a contiguous
+destination; ``pin_memory`` alone; a copy from one pinned buffer made once (no wait for its copy before
+the last); and from pageable memory (a wait).
 """
 
 from __future__ import annotations
@@ -26,19 +27,37 @@ from functools import partial
 import numpy as np
 import torch
 
-from sloserve.engine.async_scheduling import copy_to_device
+from sloserve.engine.async_scheduling import InputStaging
 
 MAX_BATCH, TABLE_BLOCKS = 256, 256  # a decode graph's largest batch; a 4,096-token context's 16-slot blocks
 
-# (destination view, a contiguous destination, a pinned copy of the array made once, the array) -> one copy
-VARIANTS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray], object]] = {
-    "copy_to_device, into the buffers' views": lambda view, dense, pinned, a: copy_to_device(view, torch.from_numpy(a)),
-    "copy_to_device, into contiguous tensors": lambda view, dense, pinned, a: copy_to_device(
+
+def copy_to_device(destination: torch.Tensor, host: torch.Tensor) -> None:
+    """How the graphs copied their inputs before ``InputStaging``: pinned by ``pin_memory`` each call."""
+    if destination.device.type != "cuda":
+        destination.copy_(host)
+    else:
+        destination.copy_(host.pin_memory(), non_blocking=True)
+
+
+# (destination view, a contiguous destination, a pinned copy of the array made once, the buffer's staging,
+# the array) -> one copy
+Copy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, InputStaging, np.ndarray], object]
+VARIANTS: dict[str, Copy] = {
+    "InputStaging.copy, into the buffers' views": lambda view, dense, pinned, staging, a: staging.copy(view, a),
+    "copy_to_device, into the buffers' views": lambda view, dense, pinned, staging, a: copy_to_device(
+        view, torch.from_numpy(a)
+    ),
+    "copy_to_device, into contiguous tensors": lambda view, dense, pinned, staging, a: copy_to_device(
         dense, torch.from_numpy(a)
     ),
-    "pin_memory alone": lambda view, dense, pinned, a: torch.from_numpy(a).pin_memory() if view.is_cuda else None,
-    "from a pinned buffer made once (views)": lambda view, dense, pinned, a: view.copy_(pinned, non_blocking=True),
-    "from pageable memory (views)": lambda view, dense, pinned, a: view.copy_(torch.from_numpy(a)),
+    "pin_memory alone": lambda view, dense, pinned, staging, a: (
+        torch.from_numpy(a).pin_memory() if view.is_cuda else None
+    ),
+    "from a pinned buffer made once (views)": lambda view, dense, pinned, staging, a: view.copy_(
+        pinned, non_blocking=True
+    ),
+    "from pageable memory (views)": lambda view, dense, pinned, staging, a: view.copy_(torch.from_numpy(a)),
 }
 
 
@@ -46,6 +65,8 @@ def host_us(fn: Callable[[], object], calls: int, busy: Callable[[], None]) -> f
     """Median microseconds of ``fn`` on the host, each call after ``busy`` (a kernel queued ahead)."""
     times = []
     for _ in range(calls):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # NOTE: the copies before this one have run, as in the engine (its step before's)
         busy()
         start = time.perf_counter()
         fn()
@@ -77,9 +98,10 @@ def main() -> None:
         pinned = [torch.from_numpy(a).pin_memory() if cuda else torch.from_numpy(a) for a in (host_inputs, host_table)]
         dense = [torch.empty(a.shape, dtype=torch.int64, device=device) for a in (host_inputs, host_table)]
         target = [inputs[:, :b], tables[:b, :TABLE_BLOCKS]]  # the buffers' views, as DecodeGraphs.forward's
+        staging = [InputStaging(t.numel(), device) for t in (inputs, tables)]
         for what, copy in VARIANTS.items():
             us = [
-                host_us(partial(copy, target[i], dense[i], pinned[i], a), calls, busy)
+                host_us(partial(copy, target[i], dense[i], pinned[i], staging[i], a), calls, busy)
                 for i, a in enumerate((host_inputs, host_table))
             ]
             print(f"{b:>5} {what:<44} {us[0]:>10.1f} {us[1]:>9.1f}")

@@ -24,6 +24,7 @@ from core_pipe import CorePipe  # noqa: E402
 from sloserve import LLM, SamplingParams  # noqa: E402
 from sloserve.core.errors import ConfigError  # noqa: E402
 from sloserve.core.request import SLO, Request, RequestClass  # noqa: E402
+from sloserve.engine.async_scheduling import InputStaging  # noqa: E402
 from sloserve.engine.engine_core import AddRequest, EngineCore, EngineSpec  # noqa: E402
 from sloserve.engine.llm_engine import LLMEngine, default_async_scheduling  # noqa: E402
 from sloserve.engine.loader import load_model  # noqa: E402
@@ -550,6 +551,39 @@ def test_on_cuda_grammars_give_the_tokens_they_give_without(chat_model_dir):
         outputs[async_scheduling] = [(o.outputs[0].token_ids, o.outputs[0].text) for o in llm.generate(prompts, params)]
     assert outputs[True] == outputs[False]
     assert llm.engine.executor.num_early_launches > 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 5), st.integers(1, 8), st.booleans()), min_size=1, max_size=6))
+def test_input_staging_copies_each_batch_of_inputs_whole_and_nothing_else(copies):
+    """``InputStaging``, copy after copy through its alternating host buffers: each destination (all of a
+    buffer, or a view of its first rows and columns, as the graphs' tables) holds exactly its values, the
+    rest of the buffer what it held."""
+    buffer = torch.full((5, 8), -1, dtype=torch.int64)  # (rows, columns) a static input buffer
+    staging = InputStaging(buffer.numel(), buffer.device)
+    for k, (rows, columns, whole) in enumerate(copies):
+        want = buffer.clone()
+        values = np.arange(k * 100, k * 100 + buffer.numel()).reshape(5, 8)
+        if not whole:
+            values = values[:rows, :columns]
+        destination = buffer if whole else buffer[:rows, :columns]
+        staging.copy(destination, values)
+        want[: values.shape[0], : values.shape[1]] = torch.from_numpy(values)
+        assert torch.equal(buffer, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned copies and events: needs a GPU")
+def test_on_cuda_input_staging_rewrites_a_host_buffer_only_after_its_copy_ran():
+    """Copies queued behind a busy device: the third reuses the first's host buffer, so it waits until the
+    first copy has run instead of changing what that copy reads."""
+    n = 1 << 20
+    staging = InputStaging(n, torch.device("cuda"))
+    destinations = [torch.zeros(n, dtype=torch.int64, device="cuda") for _ in range(3)]
+    torch.cuda._sleep(100_000_000)  # (spins for that many clock cycles: the copies queue behind it)
+    for k, destination in enumerate(destinations):
+        staging.copy(destination, np.full(n, k + 1, dtype=np.int64))
+    torch.cuda.synchronize()
+    assert [int(d.min()) for d in destinations] == [1, 2, 3] == [int(d.max()) for d in destinations]
 
 
 def test_it_is_on_on_cuda_unless_switched_off_and_never_on_by_default_on_the_cpu(monkeypatch):

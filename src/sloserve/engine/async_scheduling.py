@@ -28,14 +28,16 @@ events), its host time having overlapped the step before's.
 
 NOTE: a copy from pageable host memory to the GPU waits for every kernel queued before it, which would
 make the host wait for step t while it prepares step t+1; so a step's inputs go to the device from
-pinned memory without blocking (``to_device``; the caching host allocator keeps each pinned buffer until
-its copy has run).
+pinned memory without blocking: the graphs' static buffers' through pinned buffers they keep
+(``InputStaging``), the others' through ``to_device`` (the caching host allocator keeps each pinned buffer
+until its copy has run).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from sloserve.core.request import Request
@@ -49,12 +51,37 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def copy_to_device(destination: torch.Tensor, host: torch.Tensor) -> None:
-    """Copy ``host`` (a CPU tensor) into ``destination``; to a GPU from pinned memory without blocking."""
-    if destination.device.type != "cuda":
-        destination.copy_(host)
-    else:
-        destination.copy_(host.pin_memory(), non_blocking=True)
+class InputStaging:
+    """Pinned host memory that a static device buffer's inputs are written into, step after step, and copied
+    from without blocking (vLLM v1 keeps its step inputs so, ``CpuGpuBuffer``): no pinned allocation a step.
+    The graphs' static buffers each have one (``DecodeGraphs``, ``PiecewiseGraphs``).
+
+    NOTE: a copy without blocking reads the host memory when the device reaches it, after the kernels queued
+    before it, so that memory must not be rewritten until then: the staging alternates between two host
+    buffers and waits for a buffer's last copy (an event) before it writes it again. In the engine that copy
+    belongs to the step before the last one, whose tokens the host already has (async scheduling launches
+    one step ahead), so the wait returns at once."""
+
+    NUM_BUFFERS = 2
+
+    def __init__(self, max_numel: int, device: torch.device, dtype: torch.dtype = torch.int64) -> None:
+        """Room for ``max_numel`` numbers a copy; ``device``: where the copies go (on a CPU, plain memory)."""
+        cuda = device.type == "cuda"
+        self._buffers = [torch.empty(max_numel, dtype=dtype, pin_memory=cuda) for _ in range(self.NUM_BUFFERS)]
+        self._copied = [torch.cuda.Event() if cuda else None for _ in range(self.NUM_BUFFERS)]  # (each buffer's)
+        self._next = 0
+
+    def copy(self, destination: torch.Tensor, values: np.ndarray) -> None:
+        """Copy ``values`` (of ``destination``'s shape) into ``destination``, through the next host buffer."""
+        i, self._next = self._next, (self._next + 1) % self.NUM_BUFFERS
+        copied = self._copied[i]
+        if copied is not None and not copied.query():  # (an event never recorded has nothing to wait for)
+            copied.synchronize()
+        host = self._buffers[i][: values.size].view(values.shape)  # contiguous, so copied in one piece
+        host.numpy()[...] = values
+        destination.copy_(host, non_blocking=copied is not None)
+        if copied is not None:
+            copied.record()
 
 
 def fill_at(tensor: torch.Tensor, index: tuple[torch.Tensor, ...], value: float) -> None:

@@ -18,7 +18,9 @@ contexts: 128 KiB, not 2 MiB); the token-slot managers' entries are single slots
 The tables are as wide as the longest context (``max_context``); a row's entries past its context
 length are never read. NOTE: the expanded table takes 8 bytes x largest size x ``max_context`` of
 device memory (16 MiB at 256 x 8k; 256 MiB at 256 x 128k), in the graphs' memory pool, taken after
-the KV cache from the share of memory the engine leaves free (``GPU_MEMORY_UTILIZATION``).
+the KV cache from the share of memory the engine leaves free (``GPU_MEMORY_UTILIZATION``); the host keeps
+two pinned copies of the block-id table to copy from (``InputStaging``: 2 x 8 bytes x largest size x
+``max_context`` / g, 2 MiB at 256 x 8k with blocks of 16).
 
 A model with state layers (Mamba-2's, short convolutions': ``state_cache.py``) takes each row's state slot as
 one more input; a padding row reads and writes the state cache's ``pad_slot``.
@@ -42,7 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from sloserve.engine.async_scheduling import copy_to_device
+from sloserve.engine.async_scheduling import InputStaging
 from sloserve.engine.attention import AttentionMetadata
 from sloserve.engine.kv_cache import KVCacheTensor, expand_block_ids
 from sloserve.engine.state_cache import StateCache, StateMetadata
@@ -110,6 +112,7 @@ class DecodeGraphs:
         self.inputs = torch.from_numpy(self._padding(n)).to(device)  # (5, n) rows: TOKEN_IDS ... STATE_SLOT
         width = -(-max_context // g)
         self.block_ids = torch.full((n, width), self.pad_block, dtype=torch.int64, device=device)  # (n, L / g)
+        self._staged_inputs, self._staged_tables = InputStaging(5 * n, device), InputStaging(n * width, device)
         self.token_index = torch.arange(n, dtype=torch.int64, device=device)  # (n,) decode i is flat token i
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # size -> (size, H) hidden states a replay writes
@@ -170,15 +173,15 @@ class DecodeGraphs:
         the device (async scheduling)."""
         b, width = block_ids.shape
         size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, b)]
-        host = self._padding(size)  # (4, size)
+        host = self._padding(self.batch_sizes[-1])  # (5, n): all of the buffer, so its copy is one piece
         host[TOKEN_IDS, :b] = token_ids
         host[POSITIONS, :b] = positions
         host[SLOT_WRITTEN, :b] = slots_written
         host[CONTEXT_LEN, :b] = context_lens
         if state_slots is not None:
             host[STATE_SLOT, :b] = state_slots
-        copy_to_device(self.inputs[:, :size], torch.from_numpy(host))
-        copy_to_device(self.block_ids[:b, :width], torch.from_numpy(block_ids))
+        self._staged_inputs.copy(self.inputs, host)
+        self._staged_tables.copy(self.block_ids[:b, :width], block_ids)
         self.block_ids[b:size, 0] = self.pad_block  # a padding row reads the pad slot only
         if late_tokens is not None:
             self.inputs[TOKEN_IDS][late_tokens[0]] = late_tokens[1]

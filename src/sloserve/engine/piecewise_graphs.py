@@ -38,10 +38,11 @@ import bisect
 import functools
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
-from sloserve.engine.async_scheduling import copy_to_device
+from sloserve.engine.async_scheduling import InputStaging
 from sloserve.engine.attention import AttentionMetadata
 from sloserve.engine.cuda_graphs import capture_graph, padded_sizes
 from sloserve.engine.kv_cache import KVCacheTensor, layer_caches
@@ -157,6 +158,7 @@ class PiecewiseGraphs:
 
         # NOTE: every piece reads and writes these, so a replay finds its inputs where the capture did.
         self.token_ids, self.positions = buffer(n, kind=torch.int64), buffer(n, kind=torch.int64)  # (n,) each
+        self._staged_ids, self._staged_positions = InputStaging(n, device), InputStaging(n, device)
         rd, tables, kind = config.rotary_dim, config.rotary_table_rows, model.rotary.table_dtype or dtype
         self.cos, self.sin = buffer(n, tables, rd, kind=kind), buffer(n, tables, rd, kind=kind)  # (n, 1 | 2, rd) tables
         self.q, self.k = buffer(n, nh, config.head_dim), buffer(n, nkv, hd)
@@ -227,8 +229,9 @@ class PiecewiseGraphs:
         t = len(token_ids)
         size = self.size_for(t)
         assert meta.slot_mapping.numel() == size, "the slot mapping covers the padding rows"
-        copy_to_device(self.token_ids[:size], torch.tensor(token_ids + [0] * (size - t), dtype=torch.int64))
-        copy_to_device(self.positions[:size], torch.tensor(positions + [0] * (size - t), dtype=torch.int64))
+        padding = [0] * (size - t)  # (the padding rows: token 0 at position 0)
+        self._staged_ids.copy(self.token_ids[:size], np.array(token_ids + padding, dtype=np.int64))
+        self._staged_positions.copy(self.positions[:size], np.array(positions + padding, dtype=np.int64))
         if late_tokens is not None:
             self.token_ids[late_tokens[0]] = late_tokens[1]
         rows = slice(0, size)
