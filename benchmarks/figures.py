@@ -72,6 +72,7 @@ def table(rows: list[dict]) -> list[str]:
     tpot_same = _span(_values(rows, "served_tpot_added_same_arrivals"))
     sent, received = _values(rows, "sim_error_as_sent"), _values(rows, "sim_error_as_received")
     asynchronous = [f"{r['batch']}: {r['value']:.3f}" for r in rows if r["figure"] == "async_on_off"]
+    idle_served, idle_local = _values(rows, "served_device_idle_share"), _values(rows, "in_process_device_idle_share")
 
     def met(values: list[float], ok) -> str:
         return "-" if not values else ("yes" if all(ok(v) for v in values) else "no")
@@ -97,6 +98,8 @@ def table(rows: list[dict]) -> list[str]:
         f"{_span(received)} | - | {met(sent + received, lambda v: v <= 0.05)} |",
         f"| async scheduling, on / off tok/s by batch (not in the issue's table) | - | 64: 1.089, 256: 1.065 | > 1 | "
         f"{', '.join(asynchronous) or '-'} | - | - |",
+        f"| GPU waiting for the host between steps, served; in-process on the same arrivals (not in the issue's "
+        f"table) | - | - | - | {_span(idle_served)}; {_span(idle_local)} | - | - |",
     ]
     return lines
 

@@ -36,9 +36,11 @@ import argparse
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import urllib.request
 
 import numpy as np
 
@@ -86,6 +88,7 @@ def engine_clock(arrival: np.ndarray, first: np.ndarray, last: np.ndarray, outpu
     """The engine's figures from its own times (seconds, one entry a request): output tokens over the
     span from the first arrival to the last token, TTFT, TPOT, and the span of the arrivals."""
     return {
+        "engine_span_s": float(last.max() - arrival.min()),
         "engine_tokens_per_s": float(output.sum() / (last.max() - arrival.min())),
         "engine_ttft_p50_s": float(np.percentile(first - arrival, 50)),
         "engine_tpot_mean_s": mean_tpot(first, last, output),
@@ -142,7 +145,14 @@ def in_process(args, loaded, requests) -> dict[str, float]:
     prompts = synthetic_prompts(requests, loaded.config.vocab_size, args.seed)
     params = [SamplingParams(max_tokens=r.true_output_tokens, temperature=0, ignore_eos=True) for r in requests]
     wall = run_requests(engine, requests, prompts, params, wall_clock=True)
-    return figures(requests, wall)
+    return {**figures(requests, wall), "device_idle_s": engine.executor.device_idle.seconds}
+
+
+def device_idle_total(base_url: str) -> float:
+    """The server's ``sloserve_device_idle_seconds_total`` (its one engine's): a GPU's waits for the host."""
+    text = urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=30).read().decode()
+    found = re.search(r'^sloserve_device_idle_seconds_total\{replica="0"\} (\S+)$', text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
 
 
 def served(
@@ -179,7 +189,9 @@ def served(
             ]
         )
     offset = os.path.getsize(args.request_log)
+    idle_before = device_idle_total(base_url)
     result = run_benchmark(base_url, args.model, requests, prompts)
+    idle = device_idle_total(base_url) - idle_before
     lines = logged_lines(args.request_log, offset)
     if spy is not None:
         try:
@@ -190,7 +202,8 @@ def served(
         sys.exit(f"{len(result.errors)} requests failed: {next(iter(result.errors.values()))}")
     # NOTE: the client's figures, then the engine's from the server's log (a request's line is written
     # when it ends, before its last event reaches the client)
-    return {**figures(requests, result.wall_s), **engine_clock(*logged_times([json.loads(x) for x in lines]))}, lines
+    engine = engine_clock(*logged_times([json.loads(x) for x in lines]))
+    return {**figures(requests, result.wall_s), **engine, "device_idle_s": idle}, lines
 
 
 def print_table(local: dict, remote: dict, keys: tuple[str, ...]) -> None:
@@ -334,6 +347,17 @@ def main() -> None:
     )
     added = (remote["light"]["ttft_p50_s"] - local["light"]["ttft_p50_s"]) * 1e3
     print(f"TTFT added at p50 (light load, goal <= 5 ms): {added:+.2f} ms")
+    if args.device.startswith("cuda"):
+        # The GPU's waits for the host between steps (sloserve_device_idle_seconds_total), as a share of the
+        # engine's span: where the served engine's host work, unlike the in-process engine's, is not hidden
+        shares = {
+            what: run["device_idle_s"] / run["engine_span_s"]
+            for what, run in (("in-process", in_process_offline), ("same arrivals", same_offline),
+                              ("served", served_offline))
+        }  # fmt: skip
+        print("device idle between steps (offline): " + ", ".join(f"{k} {v:.1%}" for k, v in shares.items()))
+        record("served_device_idle_share", shares["served"])
+        record("in_process_device_idle_share", shares["same arrivals"])
 
 
 if __name__ == "__main__":

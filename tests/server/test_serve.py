@@ -1102,6 +1102,14 @@ def test_serve_config_serves_the_planned_deployment(tmp_path):
     assert "prefill_token_budget must be >= 1, got -5" in refused("scheduler_options: {prefill_token_budget: -5}\n")
 
 
+def test_the_device_idle_counter_is_per_engine_and_counts_nothing_on_the_cpu(server):
+    """``sloserve_device_idle_seconds_total`` (a GPU's waits for the host between steps) comes with each
+    engine's stats; on the CPU the host is the device and nothing is counted."""
+    server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    assert re.search(r'^sloserve_device_idle_seconds_total\{replica="0"\} 0\.0$', text, re.MULTILINE)
+
+
 def test_metrics_answer_under_vllms_names_too(server):
     """vLLM's dashboard reads vllm:* families with a model_name label; each is ours, renamed; the
     request phases (queue, prefill, decode) and lengths are histograms under both names."""

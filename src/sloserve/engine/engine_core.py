@@ -169,6 +169,7 @@ class EngineStats:
     # tokens looked up at admission, and of them found cached.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    device_idle_s: float = 0.0  # since the start: a GPU's waits for the host between steps (``DeviceIdleTime``)
     # What a fleet's router reads (``router.ReplicaLoad``, as the simulator's replicas report it), where
     # EngineSpec.report_routing_stats asks for it
     queued_prompt_tokens: int = 0  # prompt tokens still to compute
@@ -502,6 +503,7 @@ class EngineCore:
             scheduler.num_preemptions,
             cache.num_queried_tokens if cache is not None else 0,
             cache.num_hit_tokens if cache is not None else 0,
+            self.engine.executor.device_idle.seconds,
         )
         if not self.report_routing_stats:
             return stats

@@ -30,6 +30,7 @@ from sloserve.cost.base import BatchShape, batch_shape
 from sloserve.engine.async_scheduling import SampledOnDevice, index_tensor, to_device
 from sloserve.engine.attention import AttentionMetadata, PrefillSeq
 from sloserve.engine.cuda_graphs import DecodeGraphs
+from sloserve.engine.device_idle import DeviceIdleTime
 from sloserve.engine.kv_cache import KVCacheTensor, expand_block_ids
 from sloserve.engine.loader import LoadedModel
 from sloserve.engine.logprobs import Logprobs, PendingLogprobs, logprobs_on_device
@@ -109,6 +110,8 @@ class EngineExecutor:
     ``async_scheduling``: a step may launch before the step before's tokens are on the host
     (``async_scheduling.py``): they come back during its forward pass (``in_flight`` until then), and
     ``during_forward`` runs after them, in every step launched early (one with no tokens too).
+
+    ``device_idle``: on CUDA, the seconds the device waited for the host between steps (``device_idle.py``).
     """
 
     def __init__(
@@ -149,6 +152,7 @@ class EngineExecutor:
         self._clock_offset = 0.0  # the engine's clock less time.perf_counter(), as of the last step
         # The in-flight step's entry of ``step_log`` and its device time's start and end events (CUDA)
         self._timed: tuple[int, torch.cuda.Event, torch.cuda.Event] | None = None
+        self.device_idle = DeviceIdleTime(device)  # (the GPU's waits for the host between steps)
 
     @classmethod
     def for_model(
@@ -241,6 +245,7 @@ class EngineExecutor:
         seqs = [self.sequences[r] for r, _ in samplers]
         launched, ended_early = None, None
         if inputs.tokens:
+            self.device_idle.forward_launched()
             # NOTE: built before the forward pass: a copy to the device after its launch waits for it
             rows = index_tensor([i for _, i in samplers], self.device)  # (N,)
             late_tokens = None
@@ -264,6 +269,7 @@ class EngineExecutor:
             sampled = sample_on_device(scores, params, [s.generator for s in seqs])  # (N,)
             logprobs = self._logprobs_on_device(logits, seqs, sampled)
             prompt_logprobs = self._prompt_logprobs_on_device(hidden, inputs.scored)
+            self.device_idle.step_ended()
             if pipelined:  # NOTE: all of it comes back with the tokens (``resolve``)
                 if started is not None:
                     sampled_at = torch.cuda.Event(enable_timing=True)

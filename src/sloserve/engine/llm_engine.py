@@ -382,6 +382,8 @@ class LLMEngine:
                 self.executor.resolve()  # no step ran to bring its tokens back during
         else:
             self.executor.resolve()
+        if not self.scheduler.has_unfinished():
+            self.executor.device_idle.engine_idle()  # (until work comes, the device waits for the clients)
         return self.take_finished()
 
     def take_finished(self) -> list[Request]:

@@ -92,6 +92,12 @@ class ServerMetrics:
         self.prefix_cache_hits = Counter(
             "sloserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", per_replica, registry=r
         )
+        self.device_idle = Counter(
+            "sloserve_device_idle_seconds",
+            "Seconds a GPU waited for the host between steps while requests were running",
+            per_replica,
+            registry=r,
+        )
         self.replica_failures = Counter(
             "sloserve_replica_failures",
             "Requests whose replica failed under them, by what became of them (retried, error)",
@@ -172,6 +178,7 @@ class ServerMetrics:
             (self.preemptions, "num_preemptions"),
             (self.prefix_cache_queries, "prefix_cache_queries"),
             (self.prefix_cache_hits, "prefix_cache_hits"),
+            (self.device_idle, "device_idle_s"),
         ):
             now, before = getattr(stats, name), getattr(last, name, 0)
             counter.labels(replica).inc(now - before if now >= before else now)
