@@ -197,13 +197,15 @@ if triton is not None:
         ok = i < size
         x = tl.load(x_ptr + token * stride_x + i, mask=ok, other=0.0).to(tl.float32)
         residual = tl.load(residual_ptr + token * stride_residual + i, mask=ok, other=0.0).to(tl.float32)
+        # NOTE: loaded with the row, not after the sum's reduction: a load issued after that barrier is one
+        # more trip to memory in a kernel whose time, at a decode's few rows, is such trips
+        weight = tl.load(weight_ptr + i, mask=ok, other=0.0).to(tl.float32)
         dtype = out_ptr.dtype.element_ty
         # The sum rounded to the dtype, as PyTorch's add stores it, and normalized from there.
         summed = (x + residual).to(dtype)
         tl.store(sum_ptr + token * size + i, summed, mask=ok)
         summed = summed.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(summed * summed, axis=0) / size + eps)
-        weight = tl.load(weight_ptr + i, mask=ok, other=0.0).to(tl.float32)
         # One rounding, after the weight, as F.rms_norm's fused kernel rounds.
         tl.store(out_ptr + token * size + i, (summed * rstd * weight).to(dtype), mask=ok)
 
