@@ -28,7 +28,9 @@
 #                                             # after fidelity, whose fit the simulator then uses
 #   bash benchmarks/gpu_session.sh serve      # serve_overhead.py on random:llama-3-8b, 300 requests: served /
 #                                             # in-process throughput and TPOT, on the client's and the
-#                                             # engine's clocks; py-spy samples the server's
+#                                             # engine's clocks, and the GPU's waits for the host
+#                                             # between steps on each side (device idle share);
+#                                             # py-spy samples the server's
 #                                             # processes under the offline load when py-spy is on PATH
 #                                             # ($OUT/serve-py-spy.txt, collapsed stacks)
 #   bash benchmarks/gpu_session.sh serve-fidelity  # serve_fidelity.py (issue 27): the simulator against the
@@ -131,7 +133,7 @@ case "${1:-}" in
     # test_triton_backend_gives_hf_greedy_tokens)
     SLOSERVE_PIECEWISE_GRAPHS=0 python3 -m pytest -p no:cacheprovider -vv -rfEs --tb=short tests/engine/test_triton_attention.py tests/engine/test_fused_ops.py \
       tests/engine/test_cuda_graphs.py tests/engine/test_piecewise_graphs.py tests/engine/test_attention.py \
-      tests/engine/test_engine.py tests/engine/test_async_scheduling.py \
+      tests/engine/test_engine.py tests/engine/test_async_scheduling.py tests/engine/test_device_idle.py \
       tests/engine/test_fused_moe.py::test_fused_experts_are_the_reference \
       tests/engine/test_fused_moe.py::test_models_on_fused_experts_give_hf_greedy_tokens \
       tests/engine/test_mla.py::test_long_prompts_by_head_beside_short_ones_over_the_latent_give_hf_greedy_tokens \
