@@ -560,7 +560,7 @@ def test_input_staging_copies_each_batch_of_inputs_whole_and_nothing_else(copies
     buffer, or a view of its first rows and columns, as the graphs' tables) holds exactly its values, the
     rest of the buffer what it held."""
     buffer = torch.full((5, 8), -1, dtype=torch.int64)  # (rows, columns) a static input buffer
-    staging = InputStaging(buffer.numel(), buffer.device)
+    staging = InputStaging(buffer.device)
     for k, (rows, columns, whole) in enumerate(copies):
         want = buffer.clone()
         values = np.arange(k * 100, k * 100 + buffer.numel()).reshape(5, 8)
@@ -577,7 +577,7 @@ def test_on_cuda_input_staging_rewrites_a_host_buffer_only_after_its_copy_ran():
     """Copies queued behind a busy device: the third reuses the first's host buffer, so it waits until the
     first copy has run instead of changing what that copy reads."""
     n = 1 << 20
-    staging = InputStaging(n, torch.device("cuda"))
+    staging = InputStaging(torch.device("cuda"))
     destinations = [torch.zeros(n, dtype=torch.int64, device="cuda") for _ in range(3)]
     torch.cuda._sleep(100_000_000)  # (spins for that many clock cycles: the copies queue behind it)
     for k, destination in enumerate(destinations):

@@ -64,11 +64,13 @@ class InputStaging:
 
     NUM_BUFFERS = 2
 
-    def __init__(self, max_numel: int, device: torch.device, dtype: torch.dtype = torch.int64) -> None:
-        """Room for ``max_numel`` numbers a copy; ``device``: where the copies go (on a CPU, plain memory)."""
-        cuda = device.type == "cuda"
-        self._buffers = [torch.empty(max_numel, dtype=dtype, pin_memory=cuda) for _ in range(self.NUM_BUFFERS)]
-        self._copied = [torch.cuda.Event() if cuda else None for _ in range(self.NUM_BUFFERS)]  # (each buffer's)
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.int64) -> None:
+        """``device``: where the copies go (from plain memory on a CPU); ``dtype``: the numbers'."""
+        self._pinned = device.type == "cuda"
+        # NOTE: each buffer grows to the largest copy made through it (doubling), not to the destination's
+        # size: a graph's table of 128k-token contexts would pin hundreds of MiB that short ones never use
+        self._buffers = [torch.empty(0, dtype=dtype) for _ in range(self.NUM_BUFFERS)]
+        self._copied = [torch.cuda.Event() if self._pinned else None for _ in range(self.NUM_BUFFERS)]
         self._next = 0
 
     def copy(self, destination: torch.Tensor, values: np.ndarray) -> None:
@@ -77,7 +79,11 @@ class InputStaging:
         copied = self._copied[i]
         if copied is not None and not copied.query():  # (an event never recorded has nothing to wait for)
             copied.synchronize()
-        host = self._buffers[i][: values.size].view(values.shape)  # contiguous, so copied in one piece
+        buffer = self._buffers[i]
+        if values.size > buffer.numel():  # (the old one is freed once its last copy has run: the allocator's)
+            size = max(values.size, 2 * buffer.numel())
+            buffer = self._buffers[i] = torch.empty(size, dtype=buffer.dtype, pin_memory=self._pinned)
+        host = buffer[: values.size].view(values.shape)  # contiguous, so copied in one piece
         host.numpy()[...] = values
         destination.copy_(host, non_blocking=copied is not None)
         if copied is not None:

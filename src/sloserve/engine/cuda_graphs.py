@@ -19,8 +19,8 @@ The tables are as wide as the longest context (``max_context``); a row's entries
 length are never read. NOTE: the expanded table takes 8 bytes x largest size x ``max_context`` of
 device memory (16 MiB at 256 x 8k; 256 MiB at 256 x 128k), in the graphs' memory pool, taken after
 the KV cache from the share of memory the engine leaves free (``GPU_MEMORY_UTILIZATION``); the host keeps
-two pinned copies of the block-id table to copy from (``InputStaging``: 2 x 8 bytes x largest size x
-``max_context`` / g, 2 MiB at 256 x 8k with blocks of 16).
+two pinned buffers to copy the block-id tables from, each as large as the largest table yet (``InputStaging``:
+at most 2 x 8 bytes x largest size x ``max_context`` / g, 2 MiB at 256 x 8k with blocks of 16).
 
 A model with state layers (Mamba-2's, short convolutions': ``state_cache.py``) takes each row's state slot as
 one more input; a padding row reads and writes the state cache's ``pad_slot``.
@@ -112,7 +112,7 @@ class DecodeGraphs:
         self.inputs = torch.from_numpy(self._padding(n)).to(device)  # (5, n) rows: TOKEN_IDS ... STATE_SLOT
         width = -(-max_context // g)
         self.block_ids = torch.full((n, width), self.pad_block, dtype=torch.int64, device=device)  # (n, L / g)
-        self._staged_inputs, self._staged_tables = InputStaging(5 * n, device), InputStaging(n * width, device)
+        self._staged_inputs, self._staged_tables = InputStaging(device), InputStaging(device)
         self.token_index = torch.arange(n, dtype=torch.int64, device=device)  # (n,) decode i is flat token i
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # size -> (size, H) hidden states a replay writes

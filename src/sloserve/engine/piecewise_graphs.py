@@ -158,7 +158,7 @@ class PiecewiseGraphs:
 
         # NOTE: every piece reads and writes these, so a replay finds its inputs where the capture did.
         self.token_ids, self.positions = buffer(n, kind=torch.int64), buffer(n, kind=torch.int64)  # (n,) each
-        self._staged_ids, self._staged_positions = InputStaging(n, device), InputStaging(n, device)
+        self._staged_ids, self._staged_positions = InputStaging(device), InputStaging(device)
         rd, tables, kind = config.rotary_dim, config.rotary_table_rows, model.rotary.table_dtype or dtype
         self.cos, self.sin = buffer(n, tables, rd, kind=kind), buffer(n, tables, rd, kind=kind)  # (n, 1 | 2, rd) tables
         self.q, self.k = buffer(n, nh, config.head_dim), buffer(n, nkv, hd)
