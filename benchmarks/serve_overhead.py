@@ -144,8 +144,24 @@ def in_process(args, loaded, requests) -> dict[str, float]:
     )
     prompts = synthetic_prompts(requests, loaded.config.vocab_size, args.seed)
     params = [SamplingParams(max_tokens=r.true_output_tokens, temperature=0, ignore_eos=True) for r in requests]
+    before = allocator_counts(loaded.device)
     wall = run_requests(engine, requests, prompts, params, wall_clock=True)
-    return {**figures(requests, wall), "device_idle_s": engine.executor.device_idle.seconds}
+    after = allocator_counts(loaded.device)
+    # (the caching allocator's trips to the driver during the run: a cudaMalloc can take a millisecond, and a
+    # retry after freeing the cache, cudaFree, waits for the device: a stall of the engine's pipeline)
+    allocator = {f"allocator_{k}": after[k] - before[k] for k in after}
+    return {**figures(requests, wall), "device_idle_s": engine.executor.device_idle.seconds, **allocator}
+
+
+def allocator_counts(device) -> dict[str, int]:
+    """The CUDA caching allocator's segment allocations, frees and retries so far (none off CUDA)."""
+    if device.type != "cuda":
+        return {}
+    import torch
+
+    stats = torch.cuda.memory_stats(device)
+    keys = {"segment allocs": "num_device_alloc", "segment frees": "num_device_free", "retries": "num_alloc_retries"}
+    return {name: int(stats.get(key, 0)) for name, key in keys.items()}
 
 
 def device_idle_total(base_url: str) -> float:
@@ -356,6 +372,10 @@ def main() -> None:
                               ("served", served_offline))
         }  # fmt: skip
         print("device idle between steps (offline): " + ", ".join(f"{k} {v:.1%}" for k, v in shares.items()))
+        counts = {k.removeprefix("allocator_"): v for k, v in same_offline.items() if k.startswith("allocator_")}
+        print(
+            "in-process on the same arrivals, the CUDA allocator's " + ", ".join(f"{k} {v}" for k, v in counts.items())
+        )
         record("served_device_idle_share", shares["served"])
         record("in_process_device_idle_share", shares["same arrivals"])
 
