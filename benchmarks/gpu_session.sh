@@ -32,7 +32,8 @@
 #                                             # between steps on each side (device idle share);
 #                                             # py-spy samples the server's
 #                                             # processes under the offline load when py-spy is on PATH
-#                                             # ($OUT/serve-py-spy.txt, collapsed stacks)
+#                                             # ($OUT/serve-py-spy.txt, collapsed stacks; their
+#                                             # summary by thread in the log: py_spy_summary.py)
 #   bash benchmarks/gpu_session.sh serve-fidelity  # serve_fidelity.py (issue 27): the simulator against the
 #                                             # server, on the same model options
 #   bash benchmarks/gpu_session.sh compile    # torch.compile of the piecewise graphs' pieces (issue 43 item
@@ -188,6 +189,10 @@ case "${1:-}" in
     spy=()
     command -v py-spy >/dev/null && spy=(--py-spy "$out/serve-py-spy.txt" --py-spy-seconds 20)
     python3 benchmarks/serve_overhead.py "${model[@]}" --no-pin --num-requests "$requests" --rate 8 "${spy[@]}" 2>&1 | tee -a "$log"
+    # Where the engine core's and the server's threads were (in the log: it comes back without the samples)
+    if [[ -s "$out/serve-py-spy.txt" ]]; then
+      python3 benchmarks/py_spy_summary.py "$out/serve-py-spy.txt" 2>&1 | tee -a "$log"
+    fi
     ;;
   serve-fidelity)
     python3 benchmarks/serve_fidelity.py "${model[@]}" --no-pin --num-requests "$requests" "${grid[@]}" 2>&1 \
