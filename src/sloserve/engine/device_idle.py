@@ -41,10 +41,12 @@ class DeviceIdleTime:
         if self._last_end is not None:
             self._pending.append((self._last_end, launched))
 
-    def step_ended(self) -> None:
-        """A step's sampling has been launched: the next step's wait starts where the device ends it."""
+    def step_ended(self) -> torch.cuda.Event | None:
+        """A step's sampling has been launched: the next step's wait starts where the device ends it. Returns
+        the (timing) event recorded there, on CUDA; the executor's step log times the step up to it too."""
         if self.enabled:
             self._last_end = _recorded()
+        return self._last_end
 
     def engine_idle(self) -> None:
         """The engine has no request left to run: the device's wait until the next step is not the host's."""

@@ -269,11 +269,9 @@ class EngineExecutor:
             sampled = sample_on_device(scores, params, [s.generator for s in seqs])  # (N,)
             logprobs = self._logprobs_on_device(logits, seqs, sampled)
             prompt_logprobs = self._prompt_logprobs_on_device(hidden, inputs.scored)
-            self.device_idle.step_ended()
+            sampled_at = self.device_idle.step_ended()  # (on CUDA: an event after the sampling)
             if pipelined:  # NOTE: all of it comes back with the tokens (``resolve``)
                 if started is not None:
-                    sampled_at = torch.cuda.Event(enable_timing=True)
-                    sampled_at.record()
                     timed = (len(self.step_log), started, sampled_at)  # (this step's entry is the next one)
                 launched = SampledOnDevice(sampled, [r for r, _ in samplers], logprobs, prompt_logprobs)
                 self.num_early_launches += before is not None
