@@ -4,8 +4,8 @@ JSON lines in the file that SLOSERVE_FIGURES names (``gpu_session.sh`` sets it),
     python benchmarks/figures.py FIGURES.jsonl
 
 prints the table with the issue's goals, the first GPU session's figures (2026-11-26, the issue's "now") and
-the last one's (2026-12-04; H200s), which the runbook's ``all`` does last. A figure no stage measured (a stage cut by its time
-limit, or one not run) shows as "-". Beside an engine figure, its ceiling on the machine of the run
+the last one's (2026-12-04; H200s), which the runbook's ``table``, ``stages`` and ``all`` do last. A figure no
+stage measured (a stage cut by its time limit, or one not run) shows as "-". Beside an engine figure, its ceiling on the machine of the run
 (``engine_speed.py``'s ``Rates.least_step_s``: the step's kernels one after another at the copy and
 matmul rates measured there; then with the step's matmuls at the time they took alone there): a goal
 beyond it is out of reach of kernels that run in sequence.

@@ -4,22 +4,26 @@
 # tokenizers, pytest and hypothesis; sloserve runs from src/, and what else it needs travels as wheels
 # (below).
 #
+#   bash benchmarks/gpu_session.sh table      # issue 43's table in one call (item 6): speed, serve and
+#                                             # serve-fidelity, each under its own time limit (seconds:
+#                                             # SPEED_S, SERVE_S, SERVE_FIDELITY_S; 530 in all), then the
+#                                             # table (benchmarks/figures.py)
 #   bash benchmarks/gpu_session.sh tests      # Triton kernels vs the reference (fp32/fp16/bf16): attention
 #                                             # (split decodes too) and the fused elementwise kernels; CUDA
 #                                             # graphs (decode, piecewise) vs eager, the engine vs HF greedy
 #                                             # tokens on CUDA
-#   bash benchmarks/gpu_session.sh speed      # engine_speed.py (issue 43's table): decode MBU eager and
+#   bash benchmarks/gpu_session.sh speed      # engine_speed.py (issue 43's engine rows): decode MBU eager and
 #                                             # graphed (before / +split decodes / +fused kernels), 8 x 32K
 #                                             # contexts, prefill MFU (kernel / dense), small prompts and a
 #                                             # mixed step eager / piecewise (the mixed one against its parts'
 #                                             # rooflines), each beside its ceiling at the copy and
 #                                             # matmul rates measured there (kernels in sequence), a
 #                                             # decode step's kernels (torch.profiler); then
-#                                             # decode_attention.py (split count and tile, the kernel alone)
-#                                             # and async_scheduling.py: offline batches of 64 and 256, on / off;
-#                                             # input_copies.py: a decode step's input copies on the host;
-#                                             # last, decode_attention.py on DeepSeek-V2-Lite's latent (MLA)
-#                                             # and moe_layer.py (a MoE layer: by expert / fused / graphed);
+#                                             # async_scheduling.py: offline batches of 64 and 256, on / off
+#   bash benchmarks/gpu_session.sh kernels    # kernels alone: decode_attention.py (split count and tile),
+#                                             # input_copies.py (a decode step's input copies on the host),
+#                                             # decode_attention.py on DeepSeek-V2-Lite's latent (MLA),
+#                                             # moe_layer.py (a MoE layer: by expert / fused / graphed),
 #                                             # gguf_dequant.py (GGUF formats: gguf-py / torch on the GPU)
 #   bash benchmarks/gpu_session.sh fidelity   # fidelity.py with CUDA graphs: profile, run, simulate;
 #                                             # cost_forms.py on the measured profile and the runs' steps
@@ -39,11 +43,14 @@
 #   bash benchmarks/gpu_session.sh compile    # torch.compile of the piecewise graphs' pieces (issue 43 item
 #                                             # 2): its tests on CUDA, then small prompts and the mixed step
 #                                             # eager / piecewise / compiled pieces, and the compile's time
-#   bash benchmarks/gpu_session.sh all        # tests, speed and serve in one call (issue 43's table but the
-#                                             # served fidelity), each under its own time limit (seconds:
-#                                             # TESTS_S, SPEED_S, SERVE_S), then fidelity, infermax,
-#                                             # serve-fidelity and compile when FIDELITY_S, INFERMAX_S,
-#                                             # SERVE_FIDELITY_S, COMPILE_S are set
+#   bash benchmarks/gpu_session.sh stages tests:250 kernels:110   # these stages, each under its limit
+#                                             # (seconds), then the table of what they measured
+#   bash benchmarks/gpu_session.sh all        # tests, speed, serve, serve-fidelity and kernels, each under
+#                                             # its own limit (TESTS_S, SPEED_S, SERVE_S, SERVE_FIDELITY_S,
+#                                             # KERNELS_S), then fidelity, infermax and compile when
+#                                             # FIDELITY_S, INFERMAX_S, COMPILE_S are set: longer than one call
+#
+# A stage that fails or runs out of time does not stop the next one; the exit code is the last failing one's.
 #
 # The device image (2026-11-26) lacks pydantic (pydantic, pydantic-core, annotated-types,
 # typing-inspection, a typing-extensions >= 4.16), gguf, llguidance (the tests' structured outputs), and
@@ -52,20 +59,20 @@
 # install them with --target, and put that folder on PYTHONPATH (its bin/ on PATH) before calling
 # this script; src/ is put in front of whatever PYTHONPATH holds. The first run of the tests compiles
 # the Triton kernels (about 40 s more).
-# The call prepared on 2026-12-04 (benchmarks/RESULTS.md, "The next GPU session"):
+# The calls prepared on 2026-12-04 (benchmarks/RESULTS.md, "The next GPU session"), each after
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH || exit
-#   TESTS_S=250 SPEED_S=185 SERVE_S=140 bash benchmarks/gpu_session.sh all
+# are `bash benchmarks/gpu_session.sh table`, then `bash benchmarks/gpu_session.sh stages tests:250 kernels:110`.
 # Every stage's output goes to $OUT/session.log ($OUT: the device tool's output folder; else ./gpu-logs),
-# beside issue 43's figures (figures.jsonl, printed as a table at the end of `all`), the serve stage's
-# py-spy stacks and the fidelity stage's profile, preset, engine figures and the engine runs' steps (a
-# tar of four steps.csv): seven files, within the tool's eight.
+# beside issue 43's figures (figures.jsonl, printed as a table at the end of `table`, `stages` and `all`),
+# the serve stage's py-spy stacks and the fidelity stage's profile, preset, engine figures and the engine
+# runs' steps (a tar of four steps.csv): seven files, within the tool's eight.
 #
 # SMOKE=1 runs the same stages on the CPU with a tiny random model and a few requests each: a check of
 # this script and of the commands it runs (arguments, imports, files) before device time is spent on
 # them; its figures mean nothing. From the repository root, after `make .venv/.engine`:
-#   PATH=.venv/bin:$PATH SMOKE=1 TESTS_S=400 SPEED_S=120 SERVE_S=200 FIDELITY_S=300 INFERMAX_S=120 \
-#     SERVE_FIDELITY_S=300 COMPILE_S=200 OUT=/tmp/gpu-smoke bash benchmarks/gpu_session.sh all
+#   PATH=.venv/bin:$PATH SMOKE=1 TESTS_S=400 SPEED_S=120 SERVE_S=200 SERVE_FIDELITY_S=300 KERNELS_S=200 \
+#     FIDELITY_S=300 INFERMAX_S=120 COMPILE_S=200 OUT=/tmp/gpu-smoke bash benchmarks/gpu_session.sh all
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -104,6 +111,8 @@ mla_attention=(--mla 16 --cases 1x1024,1x8192,8x32768,64x1024,256x1024 --splits 
 moe_layer=()
 gguf_dequant=()
 input_copies=()
+# The profile of serve-fidelity's grid: 3 timings a batch (its default, 5, is for the CPU's noise)
+serve_fidelity=(--repeats 3)
 # B = 256: the simulator's ratios at M = 1K are those of B = 1024 within 0.03 (2026-11-26).
 infermax=(--num-requests 256 --capacities 1000,10000)
 if [[ ${SMOKE:-0} == 1 ]]; then
@@ -117,6 +126,7 @@ if [[ ${SMOKE:-0} == 1 ]]; then
   mla_attention=(--smoke --mla 4)
   moe_layer=(--smoke)
   input_copies=(--smoke)
+  serve_fidelity=()
   gguf_dequant=(--rows 256 --columns 1024 --repeats 1)
   compile+=(--kv-len 64 --mixed 64:128:8 --small-prompts 64 --repeats 2)
   fidelity=(--max-model-len 1024 --kv-capacity-tokens 65536 --num-requests 20 "${grid[@]}")
@@ -124,6 +134,19 @@ if [[ ${SMOKE:-0} == 1 ]]; then
   async_ab=(--batches 4,8 --prompt-len 16 --output-len 8 --repeats 1)
   infermax=(--num-requests 24 --inputs 4,16 --capacities 200)
 fi
+
+# Each STAGE:SECONDS given, the stage under its time limit; then issue 43's table from what they recorded.
+# The exit code is the last failing stage's (0 when every stage passed).
+run_stages() {
+  local status=0 stage start rc
+  for stage in "$@"; do
+    start=$SECONDS
+    timeout "${stage#*:}" bash "$0" "${stage%%:*}" || { rc=$?; status=$rc; echo "stage ${stage%%:*} exited $rc"; }
+    echo "stage ${stage%%:*}: $((SECONDS - start)) s" | tee -a "$log"
+  done
+  python3 benchmarks/figures.py "$SLOSERVE_FIGURES" 2>&1 | tee -a "$log"
+  return $status
+}
 
 case "${1:-}" in
   tests)
@@ -146,15 +169,17 @@ case "${1:-}" in
   speed)
     # (engine_speed.py captures the piecewise graphs it compares itself)
     SLOSERVE_PIECEWISE_GRAPHS=0 python3 benchmarks/engine_speed.py "${engine[@]}" "${speed[@]}" 2>&1 | tee -a "$log"
-    # Flash decoding's split count and tile, the decode attention alone (added 2026-11-29, about 50 s)
-    python3 benchmarks/decode_attention.py "${decode_attention[@]}" 2>&1 | tee -a "$log"
     # Async scheduling on / off (issue 43 item 1), after the table: the stage's limit cuts this, not the table
     SLOSERVE_PIECEWISE_GRAPHS=0 python3 benchmarks/async_scheduling.py "${engine[@]}" "${async_ab[@]}" 2>&1 \
       | tee -a "$log"
+    ;;
+  kernels)
+    # Flash decoding's split count and tile, the decode attention alone (added 2026-11-29, about 50 s)
+    python3 benchmarks/decode_attention.py "${decode_attention[@]}" 2>&1 | tee -a "$log"
     # A decode step's input copies on the host (added 2026-12-04, about 15 s): where the served engine's 11-13%
-    # of py-spy samples in copy_to_device go
+    # of py-spy samples in copy_to_device went, and whether InputStaging's copies cost less on the host
     python3 benchmarks/input_copies.py "${input_copies[@]}" 2>&1 | tee -a "$log"
-    # MLA's decode attention alone (added 2026-11-30, about 30 s; the stage's limit may cut it)
+    # MLA's decode attention alone (added 2026-11-30, about 30 s)
     python3 benchmarks/decode_attention.py "${mla_attention[@]}" 2>&1 | tee -a "$log"
     # A MoE layer alone, by expert against the fused kernels (added 2026-11-30, about 20 s)
     python3 benchmarks/moe_layer.py "${moe_layer[@]}" 2>&1 | tee -a "$log"
@@ -195,7 +220,8 @@ case "${1:-}" in
     fi
     ;;
   serve-fidelity)
-    python3 benchmarks/serve_fidelity.py "${model[@]}" --no-pin --num-requests "$requests" "${grid[@]}" 2>&1 \
+    python3 benchmarks/serve_fidelity.py "${model[@]}" --no-pin --num-requests "$requests" "${grid[@]}" \
+      "${serve_fidelity[@]}" 2>&1 \
       | tee -a "$log"
     ;;
   compile)
@@ -203,21 +229,23 @@ case "${1:-}" in
       -k compiled 2>&1 | tee -a "$log"
     SLOSERVE_PIECEWISE_GRAPHS=0 python3 benchmarks/engine_speed.py "${engine[@]}" "${compile[@]}" 2>&1 | tee -a "$log"
     ;;
+  table)
+    # Issue 43's table in one call of under nine minutes (item 6); the 2026-12-04 session's speed and serve
+    # stages took 146 s (with the kernels then in it) and 110 s
+    run_stages speed:"${SPEED_S:-160}" serve:"${SERVE_S:-140}" serve-fidelity:"${SERVE_FIDELITY_S:-230}"
+    ;;
+  stages)
+    shift
+    run_stages "$@"
+    ;;
   all)
-    # One stage failing or running out of time does not stop the next one; the exit code is the worst.
-    status=0
-    for stage in tests:${TESTS_S:-150} speed:${SPEED_S:-240} serve:${SERVE_S:-190} ${FIDELITY_S:+fidelity:$FIDELITY_S} \
-        ${INFERMAX_S:+infermax:$INFERMAX_S} ${SERVE_FIDELITY_S:+serve-fidelity:$SERVE_FIDELITY_S} \
-        ${COMPILE_S:+compile:$COMPILE_S}; do
-      start=$SECONDS
-      timeout "${stage#*:}" bash "$0" "${stage%%:*}" || { rc=$?; status=$rc; echo "stage ${stage%%:*} exited $rc"; }
-      echo "stage ${stage%%:*}: $((SECONDS - start)) s" | tee -a "$log"
-    done
-    python3 benchmarks/figures.py "$SLOSERVE_FIGURES" 2>&1 | tee -a "$log"
-    exit $status
+    run_stages tests:"${TESTS_S:-250}" speed:"${SPEED_S:-160}" serve:"${SERVE_S:-140}" \
+      serve-fidelity:"${SERVE_FIDELITY_S:-230}" kernels:"${KERNELS_S:-110}" ${FIDELITY_S:+fidelity:$FIDELITY_S} \
+      ${INFERMAX_S:+infermax:$INFERMAX_S} ${COMPILE_S:+compile:$COMPILE_S}
     ;;
   *)
-    echo "usage: $0 tests|speed|fidelity|infermax|serve|serve-fidelity|compile|all" >&2
+    echo "usage: $0 table|tests|speed|kernels|serve|serve-fidelity|fidelity|infermax|compile|all" >&2
+    echo "       $0 stages STAGE:SECONDS..." >&2
     exit 2
     ;;
 esac
