@@ -1110,6 +1110,48 @@ def test_the_device_idle_counter_is_per_engine_and_counts_nothing_on_the_cpu(ser
     assert re.search(r'^sloserve_device_idle_seconds_total\{replica="0"\} 0\.0$', text, re.MULTILINE)
 
 
+def test_full_garbage_collections_are_counted_for_the_server_and_each_engine(server):
+    """``sloserve_gc_full_collections_total{process}`` and their seconds: the server's own process (here, the
+    test's: a full collection of it counts) and its engine's (``engine-0``, from the engine's stats)."""
+
+    def counted(process: str) -> tuple[float, float]:
+        text = httpx.get(server.url + "/metrics").text
+        count, seconds = (
+            re.search(rf'^sloserve_gc_full_collection{name}_total\{{process="{process}"\}} (\S+)$', text, re.MULTILINE)
+            for name in ("s", "_seconds")
+        )
+        assert count is not None and seconds is not None, f"no counts for {process}"
+        return float(count.group(1)), float(seconds.group(1))
+
+    server.client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0)
+    before = counted("server")
+    gc.collect()
+    after = counted("server")
+    assert after[0] >= before[0] + 1
+    assert after[1] > before[1]
+    assert counted("engine-0")[0] >= 0
+
+
+def test_an_engines_full_collections_count_once_and_from_zero_after_a_restart():
+    """The engine reports totals since its process started serving; the server's counters take what they grew
+    by, and a replica's new process (Ray Serve restarts it) starts again from 0."""
+    from prometheus_client import generate_latest
+
+    from sloserve.engine.engine_core import EngineStats
+    from sloserve.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(MODEL)
+    try:
+        for count, seconds in ((3, 0.3), (5, 0.5), (1, 0.1)):  # (the third: a restarted process)
+            metrics.on_step(EngineStats(0, 0, 0, 0, 0, 1, 0, gc_full_collections=count, gc_full_collection_s=seconds))
+        text = generate_latest(metrics.registry).decode()
+    finally:
+        metrics.close()
+    assert re.search(r'^sloserve_gc_full_collections_total\{process="engine-0"\} 6\.0$', text, re.MULTILINE)
+    found = re.search(r'^sloserve_gc_full_collection_seconds_total\{process="engine-0"\} (\S+)$', text, re.MULTILINE)
+    assert found is not None and float(found.group(1)) == pytest.approx(0.6)
+
+
 def test_metrics_answer_under_vllms_names_too(server):
     """vLLM's dashboard reads vllm:* families with a model_name label; each is ours, renamed; the
     request phases (queue, prefill, decode) and lengths are histograms under both names."""

@@ -160,6 +160,7 @@ def run(
     check_out(out)
     set_options = parse_set_options(set_pairs)
     loaded = _load_engine_model(options)
+    from sloserve.engine.gc_heap import frozen_heap
     from sloserve.engine.llm_engine import LLMEngine, run_requests
     from sloserve.engine.sampler import SamplingParams
     from sloserve.workload.build import synthetic_prompts
@@ -181,7 +182,8 @@ def run(
     params = [SamplingParams(max_tokens=r.true_output_tokens, temperature=0, ignore_eos=True) for r in requests]
     if out is not None:
         engine.executor.step_log = []
-    with ProgressBar(len(requests), f"{scheduler} (engine)", enabled=True) as on_progress:  # stderr: --json is safe
+    progress = ProgressBar(len(requests), f"{scheduler} (engine)", enabled=True)  # stderr: --json is safe
+    with progress as on_progress, frozen_heap():  # (as a served engine core runs: engine/gc_heap.py)
         wall = run_requests(
             engine, requests, prompts, params, wall_clock=not virtual_clock, chains=chains, on_progress=on_progress
         )

@@ -32,6 +32,7 @@ import numpy as np
 from sloserve.checkpoint.config import RANDOM_PREFIX
 from sloserve.core.errors import ConfigError, SloserveError
 from sloserve.core.request import SLO, Request, RequestClass, RequestStatus
+from sloserve.engine.gc_heap import FullCollections, frozen_heap
 from sloserve.engine.logprobs import Logprobs
 from sloserve.engine.sampler import SamplingParams
 from sloserve.engine.switches import switch
@@ -170,6 +171,9 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     device_idle_s: float = 0.0  # since the start: a GPU's waits for the host between steps (``DeviceIdleTime``)
+    # The engine process's full garbage collections since it started serving (``gc_heap.FullCollections``)
+    gc_full_collections: int = 0
+    gc_full_collection_s: float = 0.0  # their seconds in all
     # What a fleet's router reads (``router.ReplicaLoad``, as the simulator's replicas report it), where
     # EngineSpec.report_routing_stats asks for it
     queued_prompt_tokens: int = 0  # prompt tokens still to compute
@@ -241,12 +245,22 @@ class EngineCore:
         # meanwhile (llguidance lets go of the GIL), and each joins the policy's queue once compiled
         self._compiling: dict[int, tuple[AddRequest, _Live, Future]] = {}
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="sloserve-grammar")
+        self.full_collections: FullCollections | None = None  # the process's, while ``run`` serves
 
     def clock(self) -> float:
         """The server's engine clock (``time.perf_counter`` is system-wide on Linux)."""
         return time.perf_counter() - self.clock_start
 
     def run(self) -> None:
+        """Serve commands until "stop", with the heap the process started with frozen (``gc_heap``)."""
+        with frozen_heap():
+            self.full_collections = FullCollections()
+            try:
+                self._serve()
+            finally:
+                self.full_collections.close()
+
+    def _serve(self) -> None:
         engine, conn = self.engine, self.conn
         while True:
             self.add_compiled()
@@ -493,6 +507,7 @@ class EngineCore:
         counts[RequestStatus.WAITING] += self.num_compiling  # NOTE: as vLLM counts WAITING_FOR_FSM
         scheduler, replica = self.engine.scheduler, self.engine.replica
         cache = scheduler.kv.prefix_cache
+        collections = self.full_collections
         stats = EngineStats(
             counts[RequestStatus.WAITING],
             counts[RequestStatus.RUNNING],
@@ -504,6 +519,8 @@ class EngineCore:
             cache.num_queried_tokens if cache is not None else 0,
             cache.num_hit_tokens if cache is not None else 0,
             self.engine.executor.device_idle.seconds,
+            collections.count if collections is not None else 0,
+            collections.seconds if collections is not None else 0.0,
         )
         if not self.report_routing_stats:
             return stats

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from sloserve.core.errors import ConfigError
 from sloserve.core.prefix import salted_root_key, segment_hash_ids
 from sloserve.engine.async_engine import EngineStats, ServedRequest
+from sloserve.engine.gc_heap import FullCollections
 from sloserve.metrics.summary import SLO_TOLERANCE_S
 from sloserve.server.vllm_metrics import VllmNames
 
@@ -98,6 +99,23 @@ class ServerMetrics:
             per_replica,
             registry=r,
         )
+        # The full garbage collections of this process ("server") and of each engine's ("engine-REPLICA"),
+        # during which that process stood still (engine/gc_heap.py)
+        by_process = ["process"]
+        self.gc_full_collections = Counter(
+            "sloserve_gc_full_collections",
+            "Full (oldest-generation) garbage collections of a serving process: server, engine-REPLICA",
+            by_process,
+            registry=r,
+        )
+        self.gc_full_collection_seconds = Counter(
+            "sloserve_gc_full_collection_seconds",
+            "Seconds a serving process spent in full garbage collections",
+            by_process,
+            registry=r,
+        )
+        self._full_collections = FullCollections()  # this process's
+        self._gc_counted: dict[str, tuple[int, float]] = {}  # process -> (collections, seconds) counted
         self.replica_failures = Counter(
             "sloserve_replica_failures",
             "Requests whose replica failed under them, by what became of them (retried, error)",
@@ -162,6 +180,10 @@ class ServerMetrics:
 
     def exposition(self) -> bytes:
         """The text ``/metrics`` answers: our families, then vLLM's names for those it has."""
+        # NOTE: this process's collections are counted here, on the event loop; the engines' in on_step (the
+        # reader thread): each key of _gc_counted has one writer
+        gc = self._full_collections
+        self._count_full_collections("server", gc.count, gc.seconds)
         return generate_latest(self.registry) + generate_latest(self.vllm_registry)
 
     def on_step(self, stats: EngineStats, replica: str = "0") -> None:
@@ -183,6 +205,16 @@ class ServerMetrics:
             now, before = getattr(stats, name), getattr(last, name, 0)
             counter.labels(replica).inc(now - before if now >= before else now)
         self._last_totals[replica] = stats
+        self._count_full_collections(f"engine-{replica}", stats.gc_full_collections, stats.gc_full_collection_s)
+
+    def _count_full_collections(self, process: str, count: int, seconds: float) -> None:
+        """``process``'s full garbage collections since it started (a replica restarted starts again from 0)."""
+        counted, counted_s = self._gc_counted.get(process, (0, 0.0))
+        if count < counted:
+            counted, counted_s = 0, 0.0
+        self.gc_full_collections.labels(process).inc(count - counted)
+        self.gc_full_collection_seconds.labels(process).inc(max(0.0, seconds - counted_s))
+        self._gc_counted[process] = (count, seconds)
 
     def on_replica_failure(self, outcome: str) -> None:
         """A fleet's replica failed under a request, which was sent again ("retried") or ended ("error")."""
@@ -253,6 +285,7 @@ class ServerMetrics:
             self._log.flush()
 
     def close(self) -> None:
+        self._full_collections.close()
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -23,6 +23,7 @@ from sloserve.core.errors import ConfigError
 from sloserve.engine.async_engine import AsyncLLMEngine
 from sloserve.engine.chat_template import ChatTemplate
 from sloserve.engine.engine_core import EngineSpec
+from sloserve.engine.gc_heap import frozen_heap
 from sloserve.engine.sampler import SamplingParams
 from sloserve.fleet.engine import FleetEngine, FleetOptions
 from sloserve.sched.registry import build_config
@@ -225,6 +226,8 @@ def uvicorn_config(app, options: ServeOptions) -> uvicorn.Config:
 
 
 def run_server(app, options: ServeOptions) -> None:
-    """Serve ``app`` until a signal drains and stops it."""
+    """Serve ``app`` until a signal drains and stops it, with the heap the process started with frozen
+    (``engine/gc_heap.py``)."""
     server = DrainingServer(uvicorn_config(app, options), app.state.engine, options.drain_timeout_s, app.state.batches)
-    server.run()
+    with frozen_heap():
+        server.run()

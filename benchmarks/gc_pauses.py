@@ -1,0 +1,121 @@
+"""The served path's garbage-collection pauses (issue 43 item 4): the server's process and its engine's, with the
+heap each starts with frozen (the default, ``engine/gc_heap.py``) and not (``SLOSERVE_FREEZE_GC=0``), on the
+same offline load.
+
+    python benchmarks/gc_pauses.py [--num-requests 1000] [--repeats 2]
+
+Each run starts a ``sloserve serve`` (pinned as ``serve_overhead.py`` pins it on a machine of 4 cores or fewer:
+the engine's process on core 0, the HTTP process and the client on core 1), sends it the trace's requests at
+t=0 and reads its ``/metrics``: each process's full (oldest-generation) collections during the load and their
+seconds in all (and so a collection's mean), during which that process stood still. Beside them, what the client measured: output tokens/s
+and mean TPOT. The two settings alternate, ``--repeats`` runs each; the table gives each run, then the
+settings' means and their ratio (frozen / not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import urllib.request
+
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve_overhead import figures, start_server, workload
+from sloserve.bench.client import free_loopback_port, run_benchmark, synthetic_prompts
+from sloserve.runs import fresh_request
+
+PROCESSES = ("server", "engine-0")
+SETTINGS = {"not frozen": "0", "frozen": "1"}
+
+
+def full_collections(port: int) -> dict[str, tuple[float, float]]:
+    """``/metrics``: each process's (full collections, their seconds) so far."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    found: dict[str, dict[str, float]] = {p: {} for p in PROCESSES}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            process = sample.labels.get("process")
+            if process in found and sample.name.startswith("sloserve_gc_"):
+                found[process][sample.name] = sample.value
+    return {
+        p: (
+            v.get("sloserve_gc_full_collections_total", 0.0),
+            v.get("sloserve_gc_full_collection_seconds_total", 0.0),
+        )
+        for p, v in found.items()
+    }
+
+
+def one_run(args, frozen: str, requests, vocab_size: int) -> dict[str, float]:
+    """A fresh server with SLOSERVE_FREEZE_GC=``frozen`` under the offline load: its figures."""
+    os.environ["SLOSERVE_FREEZE_GC"] = frozen  # (the server's environment is this process's)
+    port = free_loopback_port()
+    proc = start_server(args, port)
+    if args.pin:
+        os.sched_setaffinity(0, {1})
+    try:
+        before = full_collections(port)  # (the start-up's: the freeze's own collection)
+        requests = [fresh_request(r) for r in requests]
+        result = run_benchmark(
+            f"http://127.0.0.1:{port}/v1", args.model, requests, synthetic_prompts(requests, vocab_size, args.seed)
+        )
+        after = full_collections(port)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    if result.errors:
+        raise SystemExit(f"{len(result.errors)} requests failed: {next(iter(result.errors.values()))}")
+    run = figures(requests, result.wall_s)
+    for p in PROCESSES:
+        count, seconds = after[p][0] - before[p][0], after[p][1] - before[p][1]
+        run[f"{p} collections"], run[f"{p} seconds"] = count, seconds
+        run[f"{p} ms a collection"] = 1e3 * seconds / count if count else 0.0
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="random:tiny-llama")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--scheduler", default="vllm")
+    parser.add_argument("--trace", default="sharegpt")
+    parser.add_argument("--num-requests", type=int, default=1000)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--max-tokens", type=int, default=256, help="cap on the trace's output lengths")
+    parser.add_argument("--kv-capacity-tokens", type=int, default=65536)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, default=256, help="prompt ids are drawn from [0, this)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) <= 4)
+    args = parser.parse_args()  # NOTE: serve_overhead's start_server and workload read their options from it
+
+    requests = workload(args, True, args.num_requests)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in SETTINGS}
+    for _ in range(args.repeats):
+        for name, frozen in SETTINGS.items():
+            runs[name].append(one_run(args, frozen, requests, args.vocab_size))
+
+    keys = [f"{p} {what}" for p in PROCESSES for what in ("collections", "seconds", "ms a collection")]
+    keys += ["tokens_per_s", "tpot_mean_s"]
+    print(
+        f"{args.model} on {args.device}, {args.scheduler}, {args.trace}: {args.num_requests} requests at t=0"
+        f"{', pinned' if args.pin else ''}; each process's full garbage collections during the load"
+    )
+    print(
+        "| figure | "
+        + " | ".join(f"{name} {i + 1}" for name in SETTINGS for i in range(args.repeats))
+        + " | frozen / not |"
+    )
+    print("|---" * (2 + len(SETTINGS) * args.repeats) + "|")
+    for key in keys:
+        values = [run[key] for name in SETTINGS for run in runs[name]]
+        means = [float(np.mean([run[key] for run in runs[name]])) for name in SETTINGS]
+        ratio = f"{means[1] / means[0]:.3f}" if means[0] else "-"
+        print(f"| {key} | " + " | ".join(f"{v:.4g}" for v in values) + f" | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
