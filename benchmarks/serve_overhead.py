@@ -166,11 +166,25 @@ def allocator_counts(device) -> dict[str, int]:
     return {name: int(stats.get(key, 0)) for name, key in keys.items()}
 
 
-def device_idle_total(base_url: str) -> float:
-    """The server's ``sloserve_device_idle_seconds_total`` (its one engine's): a GPU's waits for the host."""
+# The server's counters a load's figures take the growth of: (key, family, labels)
+SERVER_COUNTERS = (
+    ("device_idle_s", "sloserve_device_idle_seconds_total", 'replica="0"'),  # a GPU's waits for the host
+    # full garbage collections (engine/gc_heap.py), of the server's process and of its engine's
+    ("server_gc_collections", "sloserve_gc_full_collections_total", 'process="server"'),
+    ("server_gc_s", "sloserve_gc_full_collection_seconds_total", 'process="server"'),
+    ("engine_gc_collections", "sloserve_gc_full_collections_total", 'process="engine-0"'),
+    ("engine_gc_s", "sloserve_gc_full_collection_seconds_total", 'process="engine-0"'),
+)
+
+
+def server_counters(base_url: str) -> dict[str, float]:
+    """The server's ``SERVER_COUNTERS`` now (0 for one it does not report)."""
     text = urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=30).read().decode()
-    found = re.search(r'^sloserve_device_idle_seconds_total\{replica="0"\} (\S+)$', text, re.MULTILINE)
-    return float(found.group(1)) if found else 0.0
+    found = {}
+    for key, family, labels in SERVER_COUNTERS:
+        match = re.search(rf"^{family}\{{{labels}\}} (\S+)$", text, re.MULTILINE)
+        found[key] = float(match.group(1)) if match else 0.0
+    return found
 
 
 def served(
@@ -207,9 +221,9 @@ def served(
             ]
         )
     offset = os.path.getsize(args.request_log)
-    idle_before = device_idle_total(base_url)
+    counted_before = server_counters(base_url)
     result = run_benchmark(base_url, args.model, requests, prompts)
-    idle = device_idle_total(base_url) - idle_before
+    counted = {k: v - counted_before[k] for k, v in server_counters(base_url).items()}
     lines = logged_lines(args.request_log, offset)
     if spy is not None:
         try:
@@ -221,7 +235,7 @@ def served(
     # NOTE: the client's figures, then the engine's from the server's log (a request's line is written
     # when it ends, before its last event reaches the client)
     engine = engine_clock(*logged_times([json.loads(x) for x in lines]))
-    return {**figures(requests, result.wall_s), **engine, "device_idle_s": idle}, lines
+    return {**figures(requests, result.wall_s), **engine, **counted}, lines
 
 
 def print_table(local: dict, remote: dict, keys: tuple[str, ...]) -> None:
@@ -365,6 +379,13 @@ def main() -> None:
     )
     added = (remote["light"]["ttft_p50_s"] - local["light"]["ttft_p50_s"]) * 1e3
     print(f"TTFT added at p50 (light load, goal <= 5 ms): {added:+.2f} ms")
+    print(
+        "full garbage collections during the served offline load: "
+        + ", ".join(
+            f"{who} {served_offline[f'{who}_gc_collections']:.0f} ({served_offline[f'{who}_gc_s'] * 1e3:.1f} ms)"
+            for who in ("server", "engine")
+        )
+    )
     if args.device.startswith("cuda"):
         # The GPU's waits for the host between steps (sloserve_device_idle_seconds_total), as a share of the
         # engine's span: where the served engine's host work, unlike the in-process engine's, is not hidden
