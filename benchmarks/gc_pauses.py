@@ -7,21 +7,25 @@ same offline load.
 Each run starts a ``sloserve serve`` (pinned as ``serve_overhead.py`` pins it on a machine of 4 cores or fewer:
 the engine's process on core 0, the HTTP process and the client on core 1), sends it the trace's requests at
 t=0 and reads its ``/metrics``: each process's full (oldest-generation) collections during the load and their
-seconds in all (and so a collection's mean), during which that process stood still. Beside them, what the client measured: output tokens/s
-and mean TPOT. The two settings alternate, ``--repeats`` runs each; the table gives each run, then the
-settings' means and their ratio (frozen / not).
+seconds in all (and so a collection's mean), during which that process stood still. Beside them, how long the
+requests took to reach the engine (the spread of their arrivals on the engine's clock, from the server's
+``--request-log``: the server's admissions) and what the client measured: output tokens/s and mean TPOT. The
+two settings alternate, ``--repeats`` runs each; the table gives each run, then the settings' means and their
+ratio (frozen / not).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import tempfile
 import urllib.request
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve_overhead import figures, start_server, workload
+from serve_overhead import figures, logged_lines, logged_times, start_server, workload
 from sloserve.bench.client import free_loopback_port, run_benchmark, synthetic_prompts
 from sloserve.runs import fresh_request
 
@@ -52,7 +56,8 @@ def one_run(args, frozen: str, requests, vocab_size: int) -> dict[str, float]:
     """A fresh server with SLOSERVE_FREEZE_GC=``frozen`` under the offline load: its figures."""
     os.environ["SLOSERVE_FREEZE_GC"] = frozen  # (the server's environment is this process's)
     port = free_loopback_port()
-    proc = start_server(args, port)
+    request_log = os.path.join(tempfile.mkdtemp(prefix="gc-pauses-"), "requests.jsonl")
+    proc = start_server(args, port, ("--request-log", request_log))
     if args.pin:
         os.sched_setaffinity(0, {1})
     try:
@@ -68,6 +73,8 @@ def one_run(args, frozen: str, requests, vocab_size: int) -> dict[str, float]:
     if result.errors:
         raise SystemExit(f"{len(result.errors)} requests failed: {next(iter(result.errors.values()))}")
     run = figures(requests, result.wall_s)
+    arrival = logged_times([json.loads(line) for line in logged_lines(request_log, 0)])[0]
+    run["arrival spread ms"] = 1e3 * (arrival.max() - arrival.min())  # (the engine's clock: the server's admissions)
     for p in PROCESSES:
         count, seconds = after[p][0] - before[p][0], after[p][1] - before[p][1]
         run[f"{p} collections"], run[f"{p} seconds"] = count, seconds
@@ -99,7 +106,7 @@ def main() -> None:
             runs[name].append(one_run(args, frozen, requests, args.vocab_size))
 
     keys = [f"{p} {what}" for p in PROCESSES for what in ("collections", "seconds", "ms a collection")]
-    keys += ["tokens_per_s", "tpot_mean_s"]
+    keys += ["arrival spread ms", "tokens_per_s", "tpot_mean_s"]
     print(
         f"{args.model} on {args.device}, {args.scheduler}, {args.trace}: {args.num_requests} requests at t=0"
         f"{', pinned' if args.pin else ''}; each process's full garbage collections during the load"
