@@ -232,15 +232,15 @@ case "${1:-}" in
   table)
     # Issue 43's table in one call of under nine minutes (item 6); the 2026-12-04 session's speed and serve
     # stages took 146 s (with the kernels then in it) and 110 s
-    run_stages speed:"${SPEED_S:-160}" serve:"${SERVE_S:-140}" serve-fidelity:"${SERVE_FIDELITY_S:-230}"
+    run_stages speed:"${SPEED_S:-180}" serve:"${SERVE_S:-130}" serve-fidelity:"${SERVE_FIDELITY_S:-220}"
     ;;
   stages)
     shift
     run_stages "$@"
     ;;
   all)
-    run_stages tests:"${TESTS_S:-250}" speed:"${SPEED_S:-160}" serve:"${SERVE_S:-140}" \
-      serve-fidelity:"${SERVE_FIDELITY_S:-230}" kernels:"${KERNELS_S:-110}" ${FIDELITY_S:+fidelity:$FIDELITY_S} \
+    run_stages tests:"${TESTS_S:-250}" speed:"${SPEED_S:-180}" serve:"${SERVE_S:-130}" \
+      serve-fidelity:"${SERVE_FIDELITY_S:-220}" kernels:"${KERNELS_S:-110}" ${FIDELITY_S:+fidelity:$FIDELITY_S} \
       ${INFERMAX_S:+infermax:$INFERMAX_S} ${COMPILE_S:+compile:$COMPILE_S}
     ;;
   *)
