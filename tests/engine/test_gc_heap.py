@@ -11,7 +11,7 @@ import pytest
 
 from sloserve.core.errors import ConfigError
 from sloserve.engine.engine_core import EngineCore
-from sloserve.engine.gc_heap import FullCollections, frozen_heap
+from sloserve.engine.gc_heap import FullCollections, freeze_switch, frozen_heap
 from sloserve.engine.llm_engine import LLMEngine
 from sloserve.engine.loader import load_model
 
@@ -41,20 +41,32 @@ def test_what_was_alive_when_the_heap_froze_is_not_collected_until_it_thaws():
 
 
 def test_with_the_switch_off_nothing_is_frozen(monkeypatch):
+    assert freeze_switch()  # (on by default)
     monkeypatch.setenv("SLOSERVE_FREEZE_GC", "0")
     alive = Node()
     was_alive = weakref.ref(alive)
-    with frozen_heap():
+    with frozen_heap(freeze_switch()):
         assert gc.get_freeze_count() == 0
         del alive
         gc.collect()
         assert was_alive() is None
 
 
-def test_a_bad_switch_value_is_refused_by_name(monkeypatch):
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_a_bad_switch_value_stops_the_command_by_name_before_it_starts(command, monkeypatch):
+    from click.testing import CliRunner
+
+    from sloserve.cli import main
+
     monkeypatch.setenv("SLOSERVE_FREEZE_GC", "yes")
-    with pytest.raises(ConfigError, match="SLOSERVE_FREEZE_GC must be 0 or 1, got 'yes'"), frozen_heap():
-        pass
+    with pytest.raises(ConfigError, match="SLOSERVE_FREEZE_GC must be 0 or 1, got 'yes'"):
+        freeze_switch()
+    from sloserve.bench.client import free_loopback_port
+
+    args = ["--trace", "sharegpt", "--num-requests", "1"] if command == "run" else ["--port", str(free_loopback_port())]
+    result = CliRunner().invoke(main, [command, "--model", "random:tiny-llama", *args])
+    assert result.exit_code == 2, result.output
+    assert "SLOSERVE_FREEZE_GC must be 0 or 1, got 'yes'" in result.output
 
 
 def test_full_collections_count_the_oldest_generation_only_until_closed():

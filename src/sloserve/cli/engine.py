@@ -154,13 +154,14 @@ def run(
     """Replay a workload through the real engine (random prompt tokens of the trace's lengths, the
     same tokens for the same hash ids; outputs forced to the trace's lengths with ignore_eos, greedy)."""
 
+    from sloserve.engine.gc_heap import freeze_switch, frozen_heap
     from sloserve.metrics import summarize
     from sloserve.sched import parse_set_options
 
     check_out(out)
     set_options = parse_set_options(set_pairs)
+    freeze = freeze_switch()
     loaded = _load_engine_model(options)
-    from sloserve.engine.gc_heap import frozen_heap
     from sloserve.engine.llm_engine import LLMEngine, run_requests
     from sloserve.engine.sampler import SamplingParams
     from sloserve.workload.build import synthetic_prompts
@@ -183,7 +184,7 @@ def run(
     if out is not None:
         engine.executor.step_log = []
     progress = ProgressBar(len(requests), f"{scheduler} (engine)", enabled=True)  # stderr: --json is safe
-    with progress as on_progress, frozen_heap():  # (as a served engine core runs: engine/gc_heap.py)
+    with progress as on_progress, frozen_heap(freeze):  # (as a served engine core runs: engine/gc_heap.py)
         wall = run_requests(
             engine, requests, prompts, params, wall_clock=not virtual_clock, chains=chains, on_progress=on_progress
         )

@@ -261,6 +261,7 @@ def serve(
             err=True,
         )
     from sloserve.engine.engine_core import EngineSpec
+    from sloserve.engine.gc_heap import freeze_switch
 
     spec = EngineSpec(
         options["model"],
@@ -295,6 +296,7 @@ def serve(
         reasoning_parser=reasoning_parser,
         generation_config=generation_config,
         fleet=_fleet_options(replicas, router, ray_address, cpus_per_replica, replica_start_timeout),
+        freeze_gc=freeze_switch(),
         batch_limits=_import_serve_extra("sloserve.server.batch_api").BatchLimits(
             max_file_bytes=int(max_batch_file_mb * 1024 * 1024),
             max_file_lines=max_batch_lines,

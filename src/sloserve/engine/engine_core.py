@@ -32,7 +32,7 @@ import numpy as np
 from sloserve.checkpoint.config import RANDOM_PREFIX
 from sloserve.core.errors import ConfigError, SloserveError
 from sloserve.core.request import SLO, Request, RequestClass, RequestStatus
-from sloserve.engine.gc_heap import FullCollections, frozen_heap
+from sloserve.engine.gc_heap import FullCollections, freeze_switch, frozen_heap
 from sloserve.engine.logprobs import Logprobs
 from sloserve.engine.sampler import SamplingParams
 from sloserve.engine.switches import switch
@@ -245,6 +245,7 @@ class EngineCore:
         # meanwhile (llguidance lets go of the GIL), and each joins the policy's queue once compiled
         self._compiling: dict[int, tuple[AddRequest, _Live, Future]] = {}
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="sloserve-grammar")
+        self.freeze_heap = freeze_switch()  # (``run`` freezes the process's start-up heap: gc_heap.py)
         self.full_collections: FullCollections | None = None  # the process's, while ``run`` serves
 
     def clock(self) -> float:
@@ -253,7 +254,7 @@ class EngineCore:
 
     def run(self) -> None:
         """Serve commands until "stop", with the heap the process started with frozen (``gc_heap``)."""
-        with frozen_heap():
+        with frozen_heap(self.freeze_heap):
             self.full_collections = FullCollections()
             try:
                 self._serve()

@@ -6,8 +6,8 @@ process starts with a few hundred thousand of them (torch's, FastAPI's and pydan
 which stay alive to its end; each full collection scans them again while the process stands still: the engine
 core launches nothing, the server admits and streams nothing. vLLM freezes them once started (``gc.freeze``:
 moved to a permanent generation the collector skips), in its engine core and its API server; so does sloserve
-(``frozen_heap``): where the engine core runs (``engine_core.run_core``), while ``sloserve serve`` serves and
-while ``sloserve run`` runs. The collections of younger generations scan only what was made since, and are
+(``frozen_heap``): while the engine core's process serves (``EngineCore.run``), while ``sloserve serve`` serves
+and while ``sloserve run`` runs; ``SLOSERVE_FREEZE_GC=0`` turns it off (``freeze_switch``). The collections of younger generations scan only what was made since, and are
 not changed.
 
 ``FullCollections`` counts and times a process's full collections; the server exports its own and each
@@ -33,11 +33,17 @@ from sloserve.engine.switches import switch
 OLDEST_GENERATION = len(gc.get_threshold()) - 1
 
 
+def freeze_switch() -> bool:
+    """Whether serving processes freeze their heap: SLOSERVE_FREEZE_GC, on unless "0" (read where a process
+    starts, so that a bad value stops it with the variable's name before it serves)."""
+    return switch("SLOSERVE_FREEZE_GC", default=True)
+
+
 @contextlib.contextmanager
-def frozen_heap() -> Iterator[None]:
-    """What is alive now frozen out of the collector's scans until the block ends (unless
-    SLOSERVE_FREEZE_GC=0): a collection first, so that no garbage is frozen."""
-    if not switch("SLOSERVE_FREEZE_GC", default=True):
+def frozen_heap(enabled: bool = True) -> Iterator[None]:
+    """What is alive now frozen out of the collector's scans until the block ends (where ``enabled``): a
+    collection first, so that no garbage is frozen. NOTE: not nested: the inner block's end thaws all."""
+    if not enabled:
         yield
         return
     gc.collect()

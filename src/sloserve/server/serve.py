@@ -82,6 +82,8 @@ class ServeOptions:
     # 15 s): a request sent on a connection as the server closes it meets a reset (one in a few hundred
     # in a loopback benchmark). A server's keep-alive must outlive its clients': nginx's 75 s.
     timeout_keep_alive_s: float = 75.0
+    # The process's start-up heap frozen while it serves (engine/gc_heap.py; SLOSERVE_FREEZE_GC, read by the CLI)
+    freeze_gc: bool = True
 
 
 def check_address(host: str, port: int) -> None:
@@ -229,5 +231,5 @@ def run_server(app, options: ServeOptions) -> None:
     """Serve ``app`` until a signal drains and stops it, with the heap the process started with frozen
     (``engine/gc_heap.py``)."""
     server = DrainingServer(uvicorn_config(app, options), app.state.engine, options.drain_timeout_s, app.state.batches)
-    with frozen_heap():
+    with frozen_heap(options.freeze_gc):
         server.run()
