@@ -61,7 +61,7 @@ def one_run(args, frozen: str, requests, vocab_size: int) -> dict[str, float]:
     if args.pin:
         os.sched_setaffinity(0, {1})
     try:
-        before = full_collections(port)  # (the start-up's: the freeze's own collection)
+        before = full_collections(port)  # (the start-up's: the server's among them, its freeze's collection)
         requests = [fresh_request(r) for r in requests]
         result = run_benchmark(
             f"http://127.0.0.1:{port}/v1", args.model, requests, synthetic_prompts(requests, vocab_size, args.seed)

@@ -46,7 +46,7 @@ import numpy as np
 
 from figures import record
 from sloserve.bench.client import free_loopback_port, run_benchmark, synthetic_prompts, wait_until_ready
-from sloserve.engine.gc_heap import frozen_heap
+from sloserve.engine.gc_heap import freeze_switch, frozen_heap
 from sloserve.engine.llm_engine import LLMEngine, run_requests
 from sloserve.engine.loader import load_model
 from sloserve.engine.sampler import SamplingParams
@@ -146,7 +146,7 @@ def in_process(args, loaded, requests) -> dict[str, float]:
     prompts = synthetic_prompts(requests, loaded.config.vocab_size, args.seed)
     params = [SamplingParams(max_tokens=r.true_output_tokens, temperature=0, ignore_eos=True) for r in requests]
     before = allocator_counts(loaded.device)
-    with frozen_heap():  # (as the served engine's process and `sloserve run` run: engine/gc_heap.py)
+    with frozen_heap(freeze_switch()):  # (as the served engine's process and `sloserve run` do: gc_heap.py)
         wall = run_requests(engine, requests, prompts, params, wall_clock=True)
     after = allocator_counts(loaded.device)
     # (the caching allocator's trips to the driver during the run: a cudaMalloc can take a millisecond, and a

@@ -7,8 +7,8 @@ which stay alive to its end; each full collection scans them again while the pro
 core launches nothing, the server admits and streams nothing. vLLM freezes them once started (``gc.freeze``:
 moved to a permanent generation the collector skips), in its engine core and its API server; so does sloserve
 (``frozen_heap``): while the engine core's process serves (``EngineCore.run``), while ``sloserve serve`` serves
-and while ``sloserve run`` runs; ``SLOSERVE_FREEZE_GC=0`` turns it off (``freeze_switch``). The collections of younger generations scan only what was made since, and are
-not changed.
+and while ``sloserve run`` runs; ``SLOSERVE_FREEZE_GC=0`` turns it off (``freeze_switch``). The collections of
+younger generations scan only what was made since, and are not changed.
 
 ``FullCollections`` counts and times a process's full collections; the server exports its own and each
 engine's (``sloserve_gc_full_collections_total{process}``, ``sloserve_gc_full_collection_seconds_total``), and
