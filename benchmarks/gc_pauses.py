@@ -25,7 +25,7 @@ import urllib.request
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve_overhead import figures, logged_lines, logged_times, start_server, workload
+from serve_overhead import add_server_arguments, figures, logged_lines, logged_times, start_server, workload
 from sloserve.bench.client import free_loopback_port, run_benchmark, synthetic_prompts
 from sloserve.runs import fresh_request
 
@@ -84,19 +84,9 @@ def one_run(args, frozen: str, requests, vocab_size: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="random:tiny-llama")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--scheduler", default="vllm")
-    parser.add_argument("--trace", default="sharegpt")
-    parser.add_argument("--num-requests", type=int, default=1000)
-    parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--max-tokens", type=int, default=256, help="cap on the trace's output lengths")
-    parser.add_argument("--kv-capacity-tokens", type=int, default=65536)
-    parser.add_argument("--seed", type=int, default=0)
+    add_server_arguments(parser, num_requests=1000)
     parser.add_argument("--vocab-size", type=int, default=256, help="prompt ids are drawn from [0, this)")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) <= 4)
     args = parser.parse_args()  # NOTE: serve_overhead's start_server and workload read their options from it
 
     requests = workload(args, True, args.num_requests)

@@ -291,16 +291,14 @@ def start_server(args, port: int, extra: tuple[str, ...] = ()) -> subprocess.Pop
     return proc
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_server_arguments(parser: argparse.ArgumentParser, num_requests: int) -> None:
+    """The options ``start_server`` and ``workload`` read: the model's, the trace's and the pinning."""
     parser.add_argument("--model", default="random:tiny-llama")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--scheduler", default="vllm")
     parser.add_argument("--trace", default="sharegpt")
-    parser.add_argument("--num-requests", type=int, default=200, help="requests of the offline load")
-    parser.add_argument("--light-requests", type=int, default=60, help="requests of the light load")
-    parser.add_argument("--rate", type=float, default=4.0, help="Poisson rate of the light load (req/s)")
+    parser.add_argument("--num-requests", type=int, default=num_requests, help="requests of the offline load")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-tokens", type=int, default=256, help="cap on the trace's output lengths")
     parser.add_argument("--kv-capacity-tokens", type=int, default=65536)
@@ -311,6 +309,13 @@ def main() -> None:
         default=(os.cpu_count() or 1) <= 4,
         help="engine on core 0 with one torch thread on both sides, the client on core 1",
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_arguments(parser, num_requests=200)
+    parser.add_argument("--light-requests", type=int, default=60, help="requests of the light load")
+    parser.add_argument("--rate", type=float, default=4.0, help="Poisson rate of the light load (req/s)")
     parser.add_argument("--py-spy", metavar="FILE", help="sample the server's processes during the offline load")
     parser.add_argument("--py-spy-seconds", type=int, default=15)
     args = parser.parse_args()
