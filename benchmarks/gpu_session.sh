@@ -57,8 +57,8 @@
 # of the serve extra fastapi (with starlette and opentelemetry-api), uvicorn, httptools and
 # python-multipart, and py-spy: carry their wheels (`make gpu-wheels` downloads them into .whl/),
 # install them with --target, and put that folder on PYTHONPATH (its bin/ on PATH) before calling
-# this script; src/ is put in front of whatever PYTHONPATH holds. The first run of the tests compiles
-# the Triton kernels (about 40 s more).
+# this script; src/ is put in front of whatever PYTHONPATH holds. The first stage of a machine that runs the
+# Triton kernels compiles them (about 40 s more; `table`'s speed stage, before the tests).
 # The calls prepared on 2026-12-04 (benchmarks/RESULTS.md, "The next GPU session"), each after
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH || exit
