@@ -115,7 +115,7 @@ class ServerMetrics:
             registry=r,
         )
         self._full_collections = FullCollections()  # this process's
-        self._gc_counted: dict[str, tuple[int, float]] = {}  # process -> (collections, seconds) counted
+        self._server_gc_counted = (0, 0.0)  # (collections, seconds) of it the counters hold
         self.replica_failures = Counter(
             "sloserve_replica_failures",
             "Requests whose replica failed under them, by what became of them (retried, error)",
@@ -180,10 +180,11 @@ class ServerMetrics:
 
     def exposition(self) -> bytes:
         """The text ``/metrics`` answers: our families, then vLLM's names for those it has."""
-        # NOTE: this process's collections are counted here, on the event loop; the engines' in on_step (the
-        # reader thread): each key of _gc_counted has one writer
-        gc = self._full_collections
-        self._count_full_collections("server", gc.count, gc.seconds)
+        # NOTE: this process's collections are counted here (the engines' come with their stats, ``on_step``)
+        gc, (counted, counted_s) = self._full_collections, self._server_gc_counted
+        self.gc_full_collections.labels("server").inc(gc.count - counted)
+        self.gc_full_collection_seconds.labels("server").inc(gc.seconds - counted_s)
+        self._server_gc_counted = (gc.count, gc.seconds)
         return generate_latest(self.registry) + generate_latest(self.vllm_registry)
 
     def on_step(self, stats: EngineStats, replica: str = "0") -> None:
@@ -196,25 +197,18 @@ class ServerMetrics:
         # NOTE: the engine reports totals since it started; a counter takes what they grew by, and a
         # replica restarted by Ray Serve starts again from 0
         last = self._last_totals.get(replica)
-        for counter, name in (
-            (self.preemptions, "num_preemptions"),
-            (self.prefix_cache_queries, "prefix_cache_queries"),
-            (self.prefix_cache_hits, "prefix_cache_hits"),
-            (self.device_idle, "device_idle_s"),
+        engine = f"engine-{replica}"  # (the garbage collections' label: the process)
+        for counter, name, label in (
+            (self.preemptions, "num_preemptions", replica),
+            (self.prefix_cache_queries, "prefix_cache_queries", replica),
+            (self.prefix_cache_hits, "prefix_cache_hits", replica),
+            (self.device_idle, "device_idle_s", replica),
+            (self.gc_full_collections, "gc_full_collections", engine),
+            (self.gc_full_collection_seconds, "gc_full_collection_s", engine),
         ):
             now, before = getattr(stats, name), getattr(last, name, 0)
-            counter.labels(replica).inc(now - before if now >= before else now)
+            counter.labels(label).inc(now - before if now >= before else now)
         self._last_totals[replica] = stats
-        self._count_full_collections(f"engine-{replica}", stats.gc_full_collections, stats.gc_full_collection_s)
-
-    def _count_full_collections(self, process: str, count: int, seconds: float) -> None:
-        """``process``'s full garbage collections since it started (a replica restarted starts again from 0)."""
-        counted, counted_s = self._gc_counted.get(process, (0, 0.0))
-        if count < counted:
-            counted, counted_s = 0, 0.0
-        self.gc_full_collections.labels(process).inc(count - counted)
-        self.gc_full_collection_seconds.labels(process).inc(max(0.0, seconds - counted_s))
-        self._gc_counted[process] = (count, seconds)
 
     def on_replica_failure(self, outcome: str) -> None:
         """A fleet's replica failed under a request, which was sent again ("retried") or ended ("error")."""
