@@ -20,36 +20,23 @@ import argparse
 import json
 import os
 import tempfile
-import urllib.request
 
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
-from serve_overhead import add_server_arguments, figures, logged_lines, logged_times, start_server, workload
+from serve_overhead import (
+    add_server_arguments,
+    figures,
+    logged_lines,
+    logged_times,
+    server_counters,
+    start_server,
+    workload,
+)
 from sloserve.bench.client import free_loopback_port, run_benchmark, synthetic_prompts
 from sloserve.runs import fresh_request
 
-PROCESSES = ("server", "engine-0")
+PROCESSES = ("server", "engine")  # (``serve_overhead.SERVER_COUNTERS``' prefixes)
 SETTINGS = {"not frozen": "0", "frozen": "1"}
-
-
-def full_collections(port: int) -> dict[str, tuple[float, float]]:
-    """``/metrics``: each process's (full collections, their seconds) so far."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    found: dict[str, dict[str, float]] = {p: {} for p in PROCESSES}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            process = sample.labels.get("process")
-            if process in found and sample.name.startswith("sloserve_gc_"):
-                found[process][sample.name] = sample.value
-    return {
-        p: (
-            v.get("sloserve_gc_full_collections_total", 0.0),
-            v.get("sloserve_gc_full_collection_seconds_total", 0.0),
-        )
-        for p, v in found.items()
-    }
 
 
 def one_run(args, frozen: str, requests, vocab_size: int) -> dict[str, float]:
@@ -61,12 +48,11 @@ def one_run(args, frozen: str, requests, vocab_size: int) -> dict[str, float]:
     if args.pin:
         os.sched_setaffinity(0, {1})
     try:
-        before = full_collections(port)  # (the start-up's: the server's among them, its freeze's collection)
+        base_url = f"http://127.0.0.1:{port}/v1"
+        before = server_counters(base_url)  # (the start-up's: the server's among them, its freeze's collection)
         requests = [fresh_request(r) for r in requests]
-        result = run_benchmark(
-            f"http://127.0.0.1:{port}/v1", args.model, requests, synthetic_prompts(requests, vocab_size, args.seed)
-        )
-        after = full_collections(port)
+        result = run_benchmark(base_url, args.model, requests, synthetic_prompts(requests, vocab_size, args.seed))
+        after = server_counters(base_url)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -76,9 +62,10 @@ def one_run(args, frozen: str, requests, vocab_size: int) -> dict[str, float]:
     arrival = logged_times([json.loads(line) for line in logged_lines(request_log, 0)])[0]
     run["arrival spread ms"] = 1e3 * (arrival.max() - arrival.min())  # (the engine's clock: the server's admissions)
     for p in PROCESSES:
-        count, seconds = after[p][0] - before[p][0], after[p][1] - before[p][1]
+        count = after[f"{p}_gc_collections"] - before[f"{p}_gc_collections"]
+        seconds = after[f"{p}_gc_s"] - before[f"{p}_gc_s"]
         run[f"{p} collections"], run[f"{p} seconds"] = count, seconds
-        run[f"{p} ms a collection"] = 1e3 * seconds / count if count else 0.0
+        run[f"{p} ms a collection"] = 1e3 * seconds / count if count else float("nan")  # (none in this run)
     return run
 
 
@@ -109,8 +96,10 @@ def main() -> None:
     print("|---" * (2 + len(SETTINGS) * args.repeats) + "|")
     for key in keys:
         values = [run[key] for name in SETTINGS for run in runs[name]]
-        means = [float(np.mean([run[key] for run in runs[name]])) for name in SETTINGS]
-        ratio = f"{means[1] / means[0]:.3f}" if means[0] else "-"
+        # (a setting's mean over its runs that had the figure: "ms a collection" is NaN in a run without one)
+        had = [[run[key] for run in runs[name] if not np.isnan(run[key])] for name in SETTINGS]
+        means = [float(np.mean(values)) if values else float("nan") for values in had]
+        ratio = f"{means[1] / means[0]:.3f}" if means[0] and not np.isnan(means[0] + means[1]) else "-"
         print(f"| {key} | " + " | ".join(f"{v:.4g}" for v in values) + f" | {ratio} |")
 
 
