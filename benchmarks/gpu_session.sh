@@ -22,6 +22,7 @@
 #                                             # async_scheduling.py: offline batches of 64 and 256, on / off
 #   bash benchmarks/gpu_session.sh kernels    # kernels alone: decode_attention.py (split count and tile),
 #                                             # input_copies.py (a decode step's input copies on the host),
+#                                             # fused_ops.py (the fused elementwise kernels, by warps),
 #                                             # decode_attention.py on DeepSeek-V2-Lite's latent (MLA),
 #                                             # moe_layer.py (a MoE layer: by expert / fused / graphed),
 #                                             # gguf_dequant.py (GGUF formats: gguf-py / torch on the GPU)
@@ -111,6 +112,7 @@ mla_attention=(--mla 16 --cases 1x1024,1x8192,8x32768,64x1024,256x1024 --splits 
 moe_layer=()
 gguf_dequant=()
 input_copies=()
+fused_ops=()
 # The profile of serve-fidelity's grid: 3 timings a batch (its default, 5, is for the CPU's noise)
 serve_fidelity=(--repeats 3)
 # B = 256: the simulator's ratios at M = 1K are those of B = 1024 within 0.03 (2026-11-26).
@@ -126,6 +128,7 @@ if [[ ${SMOKE:-0} == 1 ]]; then
   mla_attention=(--smoke --mla 4)
   moe_layer=(--smoke)
   input_copies=(--smoke)
+  fused_ops=(--smoke)
   serve_fidelity=()
   gguf_dequant=(--rows 256 --columns 1024 --repeats 1)
   compile+=(--kv-len 64 --mixed 64:128:8 --small-prompts 64 --repeats 2)
@@ -179,6 +182,9 @@ case "${1:-}" in
     # A decode step's input copies on the host (added 2026-12-04, about 15 s): where the served engine's 11-13%
     # of py-spy samples in copy_to_device went, and whether InputStaging's copies cost less on the host
     python3 benchmarks/input_copies.py "${input_copies[@]}" 2>&1 | tee -a "$log"
+    # The fused elementwise kernels alone (added 2026-12-04 late, about 40 s): add-and-RMSNorm's warps (3.1 us
+    # a call at batch 1 on 2026-12-04, where SiLU-and-multiply took 1.4) and each kernel against its bytes
+    python3 benchmarks/fused_ops.py "${fused_ops[@]}" 2>&1 | tee -a "$log"
     # MLA's decode attention alone (added 2026-11-30, about 30 s)
     python3 benchmarks/decode_attention.py "${mla_attention[@]}" 2>&1 | tee -a "$log"
     # A MoE layer alone, by expert against the fused kernels (added 2026-11-30, about 20 s)

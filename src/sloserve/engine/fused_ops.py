@@ -272,10 +272,11 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def add_rms_norm_triton(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm_torch`` as one kernel: x and residual (T, H), each with a contiguous last dim ->
-    (normalized sum, sum), each a new contiguous (T, H)."""
+    (normalized sum, sum), each a new contiguous (T, H). ``num_warps``: of each row's program (None: Triton's
+    default, 4; benchmarks/fused_ops.py times others)."""
     t, size = x.shape
     assert residual.shape == x.shape and x.stride(1) == 1 and residual.stride(1) == 1 and weight.is_contiguous()
     out = torch.empty((t, size), dtype=x.dtype, device=x.device)
@@ -284,7 +285,7 @@ def add_rms_norm_triton(
         return out, summed
     _add_rms_norm_kernel[(t,)](
         x, residual, weight, out, summed, size, x.stride(0), residual.stride(0), eps,
-        BLOCK=triton.next_power_of_2(size),
+        BLOCK=triton.next_power_of_2(size), **({} if num_warps is None else {"num_warps": num_warps}),
     )  # fmt: skip
     return out, summed
 
