@@ -23,6 +23,9 @@ A third runs the offline load in-process again on the arrivals the served engine
 the first at 0): the two engines on the same arrivals and the same clock, so that what the served path
 costs the engine is told from what the requests' arrival over HTTP changes (a trickle admits them into
 batches already decoding: more mixed steps, lower TTFT, higher TPOT).
+Last, each served process's CPU time over the offline load (the server's HTTP process, its engine's), as a
+share of a core and a time an output token: the HTTP process streams every token through one event loop, and
+near a whole core it would hold the tokens back whatever the engine does.
 
 --pin (the default on a machine of 4 cores or fewer) gives the engine the same compute on both sides:
 core 0 and one torch thread, for the in-process run and for the server's engine process alike. The
@@ -72,6 +75,7 @@ def figures(requests, wall_s: float) -> dict[str, float]:
     done = table["finished"]
     return {
         "tokens_per_s": float(table["output_tokens"][done].sum()) / wall_s,
+        "completed_tokens": int(table["output_tokens"][done].sum()),
         "ttft_p50_s": float(np.nanpercentile(table["ttft_s"][done], 50)),
         "ttft_mean_s": float(np.nanmean(table["ttft_s"][done])),
         "tpot_mean_s": float(np.nanmean(table["tpot_s"][done])),
@@ -187,11 +191,28 @@ def server_counters(base_url: str) -> dict[str, float]:
     return found
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds process ``pid`` has run (its threads', user and system; Linux's /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # (after the command's name, which may hold spaces)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
+
+
+def engine_pid(server_pid: int) -> int:
+    """The server's engine process: its child that multiprocessing spawned."""
+    children = [int(c) for c in open(f"/proc/{server_pid}/task/{server_pid}/children").read().split()]
+    engines = [c for c in children if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+    if len(engines) != 1:
+        raise RuntimeError(f"expected the server to have one engine process, found {engines} among {children}")
+    return engines[0]
+
+
 def served(
-    args, base_url: str, vocab_size: int, requests, profile_pid: int | None = None
+    args, base_url: str, vocab_size: int, requests, server_pid: int, profile: bool = False
 ) -> tuple[dict[str, float], list[str]]:
-    """The load against the server: its figures, and the lines the server logged of its requests. With
-    ``profile_pid``, py-spy samples that process and its children (the engine) for ``--py-spy-seconds``
+    """The load against the server (process ``server_pid``): its figures, with each process's CPU seconds
+    during the load (``server_cpu_s``, ``engine_cpu_s``), and the lines the server logged of its requests. With
+    ``profile``, py-spy samples that process and its children (the engine) for ``--py-spy-seconds``
     from the start, into ``--py-spy`` (collapsed stacks, each thread's apart, its idle samples too: where the
     engine core waits, for the GPU or for work, as well as where it works)."""
     from sloserve.runs import fresh_request
@@ -199,13 +220,13 @@ def served(
     requests = [fresh_request(r) for r in requests]
     prompts = synthetic_prompts(requests, vocab_size, args.seed)
     spy = None
-    if profile_pid is not None:
+    if profile:
         spy = subprocess.Popen(
             [
                 "py-spy",
                 "record",
                 "--pid",
-                str(profile_pid),
+                str(server_pid),
                 "--subprocesses",
                 "--nonblocking",
                 "--threads",
@@ -222,8 +243,11 @@ def served(
         )
     offset = os.path.getsize(args.request_log)
     counted_before = server_counters(base_url)
+    pids = {"server_cpu_s": server_pid, "engine_cpu_s": engine_pid(server_pid)}
+    cpu_before = {key: cpu_seconds(pid) for key, pid in pids.items()}
     result = run_benchmark(base_url, args.model, requests, prompts)
     counted = {k: v - counted_before[k] for k, v in server_counters(base_url).items()}
+    counted.update({key: cpu_seconds(pid) - cpu_before[key] for key, pid in pids.items()})
     lines = logged_lines(args.request_log, offset)
     if spy is not None:
         try:
@@ -260,11 +284,7 @@ def pin(pid: int, cores: set[int]) -> None:
 
 def pin_server(pid: int) -> None:
     """The server's engine process (its spawned child) on core 0, its HTTP process on core 1."""
-    children = [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
-    engines = [c for c in children if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
-    if len(engines) != 1:
-        raise RuntimeError(f"expected the server to have one engine process, found {engines} among {children}")
-    pin(engines[0], {0})
+    pin(engine_pid(pid), {0})
     pin(pid, {1})
 
 
@@ -344,8 +364,10 @@ def main() -> None:
     remote, received = {}, {}
     try:
         for name, reqs in loads.items():
-            spied = proc.pid if args.py_spy and name == "offline" else None
-            remote[name], received[name] = served(args, f"http://127.0.0.1:{port}/v1", vocab_size, reqs, spied)
+            spied = bool(args.py_spy) and name == "offline"
+            remote[name], received[name] = served(
+                args, f"http://127.0.0.1:{port}/v1", vocab_size, reqs, proc.pid, spied
+            )
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -391,6 +413,18 @@ def main() -> None:
             for who in ("server", "engine")
         )
     )
+    # Each process's CPU time over the served offline load, as a share of one core over the client's wall clock
+    # and a time an output token: a server process near a whole core streams late whatever the engine does
+    wall_s = served_offline["completed_tokens"] / served_offline["tokens_per_s"]
+    print(
+        "CPU during the served offline load: "
+        + ", ".join(
+            f"{who} process {served_offline[f'{who}_cpu_s']:.2f} s ({served_offline[f'{who}_cpu_s'] / wall_s:.0%} of "
+            f"a core, {served_offline[f'{who}_cpu_s'] / served_offline['completed_tokens'] * 1e6:.1f} us an output token)"
+            for who in ("server", "engine")
+        )
+    )
+    record("served_server_cpu_share", served_offline["server_cpu_s"] / wall_s)
     if args.device.startswith("cuda"):
         # The GPU's waits for the host between steps (sloserve_device_idle_seconds_total), as a share of the
         # engine's span: where the served engine's host work, unlike the in-process engine's, is not hidden
