@@ -34,7 +34,8 @@
 #   bash benchmarks/gpu_session.sh serve      # serve_overhead.py on random:llama-3-8b, 300 requests: served /
 #                                             # in-process throughput and TPOT, on the client's and the
 #                                             # engine's clocks, and the GPU's waits for the host
-#                                             # between steps on each side (device idle share);
+#                                             # between steps on each side (device idle share), each
+#                                             # served process's CPU share over the offline load;
 #                                             # py-spy samples the server's
 #                                             # processes under the offline load when py-spy is on PATH
 #                                             # ($OUT/serve-py-spy.txt, collapsed stacks; their
