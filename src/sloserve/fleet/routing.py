@@ -150,9 +150,12 @@ class FleetRequestRouter(RequestRouter):
         chosen = self.policy.route(request, reports)
         # NOTE: counted here, where it is chosen: Ray Serve calls on_request_routed only under its
         # rejection protocol. Until the replica's next report, what was routed to it counts.
+        prompt_tokens = len(first.prompt_token_ids)
         chosen.outstanding += 1
-        chosen.queued_tokens += len(first.prompt_token_ids)
-        chosen.free_tokens -= len(first.prompt_token_ids)
+        chosen.queued_tokens += prompt_tokens
+        chosen.free_tokens -= prompt_tokens
+        # (the uncached tokens take empty slots: a burst's prompts spread by prefix-affinity's no-match rule)
+        chosen.empty_tokens -= prompt_tokens - (chosen.cached_prefix_tokens(request) or 0)
         replica = candidate_replicas[next(i for i, r in enumerate(reports) if r is chosen)]
         rest = [r for r in candidate_replicas if r is not replica]
         return [[replica], rest] if rest else [[replica]]
