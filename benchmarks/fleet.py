@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from serve_overhead import workload  # NOTE: its loads, so that the two benchmarks compare
+from serve_overhead import engine_pid, pin, workload  # NOTE: its loads, so that the two benchmarks compare
 from sloserve.bench.client import free_loopback_port, run_benchmark, synthetic_prompts, wait_until_ready
 from sloserve.metrics.summary import request_table
 from sloserve.runs import fresh_request
@@ -49,11 +49,7 @@ def start_server(args, port: int, replicas: int, extra: Sequence[str] = ()) -> s
         proc.kill()
         sys.exit(f"the server did not start: {e}")
     if replicas == 1:  # its engine process on core 0, as a replica of the fleet gets one core
-        children = [int(c) for c in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
-        for child in children:
-            if b"spawn_main" in open(f"/proc/{child}/cmdline", "rb").read():
-                for tid in os.listdir(f"/proc/{child}/task"):
-                    os.sched_setaffinity(int(tid), {0})
+        pin(engine_pid(proc.pid), {0})
     return proc
 
 

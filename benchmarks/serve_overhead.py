@@ -76,6 +76,7 @@ def figures(requests, wall_s: float) -> dict[str, float]:
     return {
         "tokens_per_s": float(table["output_tokens"][done].sum()) / wall_s,
         "completed_tokens": int(table["output_tokens"][done].sum()),
+        "wall_s": wall_s,
         "ttft_p50_s": float(np.nanpercentile(table["ttft_s"][done], 50)),
         "ttft_mean_s": float(np.nanmean(table["ttft_s"][done])),
         "tpot_mean_s": float(np.nanmean(table["tpot_s"][done])),
@@ -415,7 +416,7 @@ def main() -> None:
     )
     # Each process's CPU time over the served offline load, as a share of one core over the client's wall clock
     # and a time an output token: a server process near a whole core streams late whatever the engine does
-    wall_s = served_offline["completed_tokens"] / served_offline["tokens_per_s"]
+    wall_s = served_offline["wall_s"]
     print(
         "CPU during the served offline load: "
         + ", ".join(
