@@ -63,19 +63,17 @@ from sloserve.engine.loader import LoadedModel, cuda_graphs_supported, load_mode
 from sloserve.engine.piecewise_graphs import PiecewiseGraphs
 from sloserve.engine.profile import StepTimer
 from sloserve.engine.triton_attention import TritonAttention, decode_splits, multiprocessors
-from timing import median_s
+from timing import copy_rate_bytes_s, median_s
 
 
 def measure_ceilings(device: torch.device) -> tuple[float, float]:
     """(copy bandwidth B/s, bf16 matmul FLOP/s) measured on ``device``: a 2 GiB device-to-device copy
     (bytes read + written) and an 8192^3 product on random data, medians of CUDA-event timings."""
-    src = torch.randn(1 << 30, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    copy_s = median_s(lambda: dst.copy_(src), device)
+    copy_rate = copy_rate_bytes_s(device)
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     b = torch.randn_like(a)
     matmul_s = median_s(lambda: a @ b, device)
-    return 2 * (2 << 30) / copy_s, 2 * 8192**3 / matmul_s
+    return copy_rate, 2 * 8192**3 / matmul_s
 
 
 @dataclasses.dataclass(frozen=True)

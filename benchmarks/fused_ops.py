@@ -33,12 +33,12 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from sloserve.engine import fused_ops  # noqa: E402
-from timing import graphed_median_s, median_s  # noqa: E402
+from timing import copy_rate_bytes_s, graphed_median_s  # noqa: E402
 
 ROTATED_BYTES = 256 << 20  # what a variant's graph reads at least: 5x an H100's or H200's L2 cache (50 MB)
 MAX_COPIES = 32  # and the most copies of its inputs it rotates (a Llama-3-8B step's layers)
 WARPS = (4, 8, 16, 32)  # add-and-RMSNorm's warps a program (4: Triton's default, the engine's)
-ENGINE = "fused (the engine's)"  # the variant the engine runs (add-and-RMSNorm's: at 4 warps)
+ENGINES = " (the engine's)"  # how the name of the variant the engine runs ends
 
 
 class Sizes:
@@ -72,12 +72,12 @@ def cases(sizes: Sizes, tokens: int, dtype: torch.dtype, device: torch.device):
 
     norm = {"PyTorch (add, then rms_norm)": lambda a: fused_ops.add_rms_norm_torch(*a)}
     for warps in WARPS:
-        name = f"fused, {warps} warps" if warps != 4 else f"{ENGINE[:-1]}, 4 warps)"
+        name = f"fused, {warps} warps" + (ENGINES if warps == 4 else "")
         norm[name] = lambda a, w=warps: fused_ops.add_rms_norm_triton(*a, num_warps=w)
     yield "add-and-RMSNorm", (4 * tokens * h + h) * e, norm_inputs, norm, close
 
     silu = {"PyTorch (silu, then mul)": lambda a: (fused_ops.silu_and_mul_torch(a[0]),)}
-    silu[ENGINE] = lambda a: (fused_ops.silu_and_mul_triton(a[0]),)
+    silu["fused" + ENGINES] = lambda a: (fused_ops.silu_and_mul_triton(a[0]),)
     yield "SiLU-and-multiply", 3 * tokens * i * e, lambda: (3 * randn(tokens, 2 * i),), silu, close
 
     def rotary_inputs():
@@ -88,7 +88,7 @@ def cases(sizes: Sizes, tokens: int, dtype: torch.dtype, device: torch.device):
         return qkv[:, : nh + nkv], cos, sin
 
     rotary = {"PyTorch (5 kernels)": lambda a: (fused_ops.rotary_torch(*a),)}
-    rotary[ENGINE] = lambda a: (fused_ops.rotary_triton(*a),)
+    rotary["fused" + ENGINES] = lambda a: (fused_ops.rotary_triton(*a),)
     yield "rotary (Q and K)", (2 * tokens * (nh + nkv) * hd + 2 * tokens * hd) * e, rotary_inputs, rotary, close
 
     def kv_inputs():
@@ -106,7 +106,7 @@ def cases(sizes: Sizes, tokens: int, dtype: torch.dtype, device: torch.device):
         return call
 
     write = {"PyTorch (2 index copies)": written(fused_ops.write_kv_torch)}
-    write[ENGINE] = written(fused_ops.write_kv_triton)
+    write["fused" + ENGINES] = written(fused_ops.write_kv_triton)
 
     def stored(out, reference) -> None:
         assert all(torch.equal(a, b) for a, b in zip(out, reference, strict=True)), "a slot not written as PyTorch"
@@ -135,12 +135,7 @@ def main() -> None:
     sizes, dtype = (TINY, torch.float32) if args.smoke else (LLAMA_3_8B, torch.bfloat16)
     tokens_list = [1, 8] if args.smoke else [int(t) for t in args.tokens.split(",")]
     torch.manual_seed(0)
-    copy_rate = None
-    if device.type == "cuda":
-        src = torch.empty(1 << 30, dtype=torch.bfloat16, device=device)
-        dst = torch.empty_like(src)
-        copy_rate = 2 * (2 << 30) / median_s(lambda: dst.copy_(src), device)  # bytes read + written a second
-        del src, dst
+    copy_rate = copy_rate_bytes_s(device) if device.type == "cuda" else None
     title = f"Fused elementwise kernels on {torch.cuda.get_device_name() if device.type == 'cuda' else 'the CPU'}"
     table = Table(title=f"{title}, {dtype}, hidden {sizes.hidden}, intermediate {sizes.intermediate}")
     for column in ("kernel", "rows", "variant", "us a call", "GB/s", "of a copy's", "PyTorch / this"):
@@ -177,7 +172,7 @@ def main() -> None:
         for kernel, calls in calls_a_layer.items():
             fused = {name: t for name, t in measured[kernel, tokens].items() if name.startswith("fused")}
             pick = min(fused, key=fused.get)
-            engine += calls * next(t for name, t in fused.items() if name.startswith(ENGINE[:-1]))
+            engine += calls * next(t for name, t in fused.items() if name.endswith(ENGINES))
             fastest += calls * fused[pick]
             picks.append(f"{kernel}: {pick}")
         console.print(

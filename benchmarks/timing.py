@@ -34,3 +34,10 @@ def graphed_median_s(fns: Sequence[Callable[[], object]], device: torch.device, 
 
     graph, _ = capture_graph(lambda: [fn() for fn in fns], None, device)
     return median_s(graph.replay, device, warmup_ms=10, rep_ms=rep_ms) / len(fns)
+
+
+def copy_rate_bytes_s(device: torch.device) -> float:
+    """A device-to-device copy's rate, bytes read and written a second: a 2 GiB copy (``median_s``)."""
+    src = torch.randn(1 << 30, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    return 2 * (2 << 30) / median_s(lambda: dst.copy_(src), device)
