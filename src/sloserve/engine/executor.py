@@ -234,8 +234,7 @@ class EngineExecutor:
         if self.states is not None:  # (a request holds its states' slot while it holds KV blocks)
             self.states.keep_only(self.kv.block_tables)
         inputs = StepInputs()
-        for request, num_tokens in output.chunks:
-            self._add_chunk(inputs, request, num_tokens, before)
+        self._add_chunks(inputs, output.chunks, before)
         if output.decode is not None:
             cohort = output.decode.cohort
             cohort.settle_all()  # the KV growth reserved for the members by count gets its block ids now
@@ -295,6 +294,30 @@ class EngineExecutor:
         if shape is not None:
             self.step_log.append((shape, elapsed))
         return StepResult(step_end_times=(now + elapsed,), finished=finished, ended_before=ended_before)
+
+    def _add_chunks(
+        self, inputs: StepInputs, chunks: list[tuple[Request, int]], before: SampledOnDevice | None
+    ) -> None:
+        """``_add_chunk`` for each of ``chunks``, in order; each run of decodes among them (a policy that names
+        every request it runs, BROS's) a list at a time, as the decode cohort's (``_add_cohort``): the same
+        inputs. NOTE: a decode here processes one token past its prompt and samples (a model with states
+        keeps each request's own, chunk by chunk)."""
+        decodes: list[Request] = []
+        for request, num_tokens in chunks:
+            if (
+                num_tokens == 1
+                and not request.is_prefill
+                and request.num_computed_tokens >= request.num_prompt_tokens
+                and self.states is None
+            ):
+                decodes.append(request)
+                continue
+            if decodes:
+                self._add_cohort(decodes, inputs)
+                decodes = []
+            self._add_chunk(inputs, request, num_tokens, before)
+        if decodes:
+            self._add_cohort(decodes, inputs)
 
     def _add_chunk(self, inputs: StepInputs, request: Request, num_tokens: int, before: SampledOnDevice | None) -> None:
         """Add ``request``'s next ``num_tokens`` tokens to the step's ``inputs`` (``before``: the step before's
@@ -448,7 +471,8 @@ class EngineExecutor:
         return ended
 
     def _add_cohort(self, members: collections.abc.Collection[Request], inputs: StepInputs) -> None:
-        """``_add_chunk(inputs, request, 1)`` for every member of the decode cohort, a list at a time.
+        """``_add_chunk(inputs, request, 1)`` for each of ``members`` (the decode cohort's, or a run of decodes
+        a policy named), a list at a time.
 
         NOTE: a member processes one token, its last known one (num_tokens_to_process is 1), and
         samples; its prompt is done, so it has no prompt position to score."""
