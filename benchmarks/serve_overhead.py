@@ -17,8 +17,10 @@ Prompts are random token ids of the trace's prompt lengths; outputs are forced t
 A second table splits the served figures where they are taken: on the engine's clock (the server's
 --request-log: each request's arrival at the engine, first token and finish) beside the in-process
 engine's, with the arrival spread (how long the server took to hand the offline load's requests, all sent
-at t=0, to the engine). The engine's figures apart from the client's say whether a served run loses in
-the engine (other batches, slower steps) or between the engine and the client.
+at t=0, to the engine) beside the time the client took to write them (aiohttp's trace of each request's
+headers sent): a spread the client did not make is the server's admitting. The engine's figures apart
+from the client's say whether a served run loses in the engine (other batches, slower steps) or between
+the engine and the client.
 A third runs the offline load in-process again on the arrivals the served engine saw (the request log's,
 the first at 0): the two engines on the same arrivals and the same clock, so that what the served path
 costs the engine is told from what the requests' arrival over HTTP changes (a trickle admits them into
@@ -260,7 +262,8 @@ def served(
     # NOTE: the client's figures, then the engine's from the server's log (a request's line is written
     # when it ends, before its last event reaches the client)
     engine = engine_clock(*logged_times([json.loads(x) for x in lines]))
-    return {**figures(requests, result.wall_s), **engine, **counted}, lines
+    written = result.sent_s[-1] - result.sent_s[0]  # (the client's clock: its first request to its last written)
+    return {**figures(requests, result.wall_s), **engine, **counted, "client_sent_spread_s": written}, lines
 
 
 def print_table(local: dict, remote: dict, keys: tuple[str, ...]) -> None:
@@ -388,6 +391,12 @@ def main() -> None:
         "\nOn the engine's clock (served: the server's --request-log), tokens/s from the first arrival to the last token:"
     )
     print_table(local, remote, ("engine_tokens_per_s", "engine_ttft_p50_s", "engine_tpot_mean_s", "arrival_spread_s"))
+    # Where the arrival spread comes from: the client putting the burst on the wire, or the server admitting it
+    print(
+        f"the offline load's {args.num_requests} requests, all sent at t=0: the client wrote them over "
+        f"{remote['offline']['client_sent_spread_s'] * 1e3:.1f} ms, the engine received them over "
+        f"{remote['offline']['arrival_spread_s'] * 1e3:.1f} ms"
+    )
     print(
         "\nThe offline load in-process on the arrivals the served engine saw (its request log), both on the engine's clock:"
     )

@@ -874,6 +874,21 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):
             proc.kill()
 
 
+def test_the_bench_client_records_when_it_wrote_each_request(server):
+    """``BenchResult.sent_s``: each request's headers written (the client's clock), after its send began and
+    before its first token came back; the check of the model list before the load is not among them."""
+    from sloserve.bench.client import run_benchmark, synthetic_prompts
+
+    requests = workload_from_trace(
+        "sharegpt", num_requests=6, seed=0, context_len=256, offline=True, max_tokens=4
+    ).requests
+    result = run_benchmark(server.url + "/v1", MODEL, requests, synthetic_prompts(requests, VOCAB, seed=0))
+    assert not result.errors and len(result.sent_s) == 6
+    assert result.sent_s == sorted(result.sent_s)
+    assert min(r.arrival_time for r in requests) <= result.sent_s[0]
+    assert result.sent_s[-1] <= max(r.first_token_time for r in requests)
+
+
 def test_bench_serve_sends_a_workloads_classes_and_closed_loop_batches(server, tmp_path):
     """An RT stream with an SLO and BE batches each sent when the one before it completes: every
     request completes, the BE ones as best-effort (service_tier flex) and the RT ones with their SLO."""

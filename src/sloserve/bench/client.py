@@ -47,6 +47,9 @@ class BenchResult:
     wall_s: float
     errors: dict[int, str] = field(default_factory=dict)  # request id -> what went wrong
     inter_token_s: list[float] = field(default_factory=list)  # gaps between consecutive chunks, all requests
+    # When each request's headers were written, on the client's clock (seconds from the start, in order):
+    # how long the client itself took to put a burst on the wire
+    sent_s: list[float] = field(default_factory=list)
 
 
 class WordPrompts:
@@ -135,13 +138,21 @@ class _Client:
         # NOTE: a pooled connection is reused only within 4 s of its last response: uvicorn's servers
         # (vLLM's) close idle ones after 5 s, and a request sent as one closes meets a reset (aiohttp
         # keeps them 15 s by default)
+        written = aiohttp.TraceConfig()
+        written.on_request_headers_sent.append(self._written)
         self.http = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=timeout_s),
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
             headers=auth_headers(api_key),
+            trace_configs=[written],
         )
         self.start = time.perf_counter()
         self.inter_token_s: list[float] = []
+        self.sent_s: list[float] = []
+
+    async def _written(self, session, context, params: aiohttp.TraceRequestHeadersSentParams) -> None:
+        if params.url.path.endswith("/completions"):  # (not the check of the model list before the load)
+            self.sent_s.append(self.clock())
 
     def clock(self) -> float:
         return time.perf_counter() - self.start
@@ -252,7 +263,7 @@ def run_benchmark(
             errors = await _replay(client, requests, prompts, chains, on_progress)
         finally:
             await client.close()
-        return BenchResult(list(requests), client.clock(), errors, client.inter_token_s)
+        return BenchResult(list(requests), client.clock(), errors, client.inter_token_s, client.sent_s)
 
     return asyncio.run(main())
 
