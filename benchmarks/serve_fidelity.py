@@ -113,7 +113,10 @@ def main() -> None:
     parser.add_argument("--kv-capacity-tokens", type=int, default=65536)
     parser.add_argument("--load", type=float, default=0.7, help="Poisson rate as a fraction of offline throughput")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prefill-chunks", default="16,32,64,128,256,512,1024")
+    # Up to vLLM's token budget at the default context (max(1,024, 2,048) tokens): the offline load's prefill
+    # steps reach 2,047 tokens, batches of several prompts that the grid's (k prompts of c tokens, k * c up to
+    # the largest chunk) then cover; up to 1,024 the fit extrapolated them
+    parser.add_argument("--prefill-chunks", default="16,32,64,128,256,512,1024,2048")
     parser.add_argument("--context-lens", default="0,256,512")
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,100")
     parser.add_argument("--decode-kv-lens", default="64,256,768")
