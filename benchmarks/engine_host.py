@@ -98,10 +98,11 @@ def table_times(batch: int, kv_len: int, repeats: int) -> tuple[float, float, fl
     return ids_ms, slots_ms, pipelined_ms
 
 
-def step_split(loaded, scheduler: str, batch: int, kv_len: int, steps: int) -> dict[str, float]:
+def step_split(loaded, scheduler: str, batch: int, kv_len: int, steps: int) -> dict[str, float] | str:
     """ms per decode step of ``batch`` requests with ``kv_len`` prompt tokens, by part of
     ``LLMEngine.step``: the scheduler's ``schedule`` and ``update``, the executor's ``execute`` (host
-    only: ``NoForward``), and the whole step. Timed once every request decodes."""
+    only: ``NoForward``), and the whole step. Timed once every request decodes; why not, where the policy
+    never runs them all together for ``steps`` steps (one that runs requests to their end a few at a time)."""
     max_model_len = loaded.config.max_position_embeddings
     engine = LLMEngine(loaded, scheduler, kv_capacity_tokens=(batch + 1) * max_model_len, max_model_len=max_model_len)
     engine.executor.model = NoForward(loaded.config.hidden_size, loaded.config.vocab_size)
@@ -116,7 +117,7 @@ def step_split(loaded, scheduler: str, batch: int, kv_len: int, steps: int) -> d
         engine.step()  # until every request has decoded once (EconoServe's join their cohort)
     left = min(r.max_tokens - r.num_output_tokens for r in requests)
     if left < steps:
-        raise SystemExit(f"{scheduler}: {left} decode steps left before a request ends, need {steps}")
+        return f"{scheduler} at batch {batch}: {left} decode steps left before a request ends once all decoded, need {steps}"
     spent = {"schedule": 0.0, "update": 0.0, "execute": 0.0}
 
     def timed(name: str, call):
@@ -201,9 +202,13 @@ def main() -> None:
     for column in ("scheduler", "batch", "schedule ms", "update ms", "execute ms", "step ms", f"{gpu.name} ms",
                    "scheduler share", "host share"):  # fmt: skip
         split.add_column(column, justify="right")
+    skipped: list[str] = []
     for name in args.schedulers.split(","):
         for batch in batches:
             ms = step_split(loaded, name, batch, kv_len, args.steps)
+            if isinstance(ms, str):
+                skipped.append(ms)
+                continue
             gpu_ms = (model.weight_bytes + batch * (kv_len + 1) * model.kv_bytes_per_token) / gpu.hbm_bandwidth * 1e3
             split.add_row(
                 name,
@@ -217,6 +222,8 @@ def main() -> None:
                 f"{ms['step'] / (ms['step'] + gpu_ms):.1%}",
             )
     Console(width=140).print(split)
+    for why in skipped:
+        print(f"not timed: {why}")
 
 
 if __name__ == "__main__":
