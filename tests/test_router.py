@@ -145,3 +145,30 @@ def test_a_fleet_replica_report_matches_the_replica_own_cache():
     assert found == [160, 144, 96, 0, 0]
     no_cache = ReplicaReport(0, cached_keys=None)
     assert no_cache.cached_prefix_tokens(_request(3, history)) is None
+
+
+def test_a_fleet_router_adds_back_what_a_late_report_does_not_include():
+    """A replica's report reaches the router 0.1-0.3 s after its engine's step: the requests sent the replica
+    that its engine had not been given by then count again on top of it (not the ones it had), and a
+    request never admitted stops counting after the horizon."""
+    pytest.importorskip("ray.serve", reason="the fleet extra (ray[serve]) is not installed")
+    from sloserve.fleet.routing import SENT_HORIZON_S, ReplicaReport, SentRequests
+
+    sent = SentRequests()
+    for i, (prompt, uncached) in enumerate([(200, 200), (220, 28), (100, 100)]):
+        sent.add(10.0 + i * 0.01, prompt, uncached)
+    assert sent.not_in(num_admitted=3, now=10.1) == []
+    assert sent.not_in(num_admitted=1, now=10.1) == [(220, 28), (100, 100)]
+    assert sent.not_in(num_admitted=5, now=10.1) == []  # (other routers' requests)
+    report = ReplicaReport(0, outstanding=1, queued_tokens=50, free_tokens=4000, empty_tokens=3000)
+    for prompt, uncached in sent.not_in(num_admitted=1, now=10.1):
+        report.add_routed(prompt, uncached)
+    assert (report.outstanding, report.queued_tokens, report.free_tokens, report.empty_tokens) == (
+        3,
+        370,
+        3680,
+        2872,
+    )
+    assert sent.not_in(num_admitted=0, now=10.02 + SENT_HORIZON_S + 0.001) == []
+    sent.add(20.0, 16, 16)  # (the old ones go)
+    assert sent.count == 4 and list(sent.recent) == [(20.0, 16, 16)]

@@ -163,12 +163,24 @@ def test_concurrent_requests_spread_over_both_replicas(fleet):
         assert fleet.metric("sloserve_prefix_cache_queries_total", replica=replica) > 0
 
 
+def reset_prefix_caches(fleet: Server) -> None:
+    """``POST /reset_prefix_cache``, then long enough for both replicas' empty caches to reach the router."""
+    answer = httpx.post(fleet.url + "/reset_prefix_cache", timeout=30)
+    assert answer.status_code == 200 and answer.content == b""
+    time.sleep(0.5)  # NOTE: the replicas report their caches every 100 ms
+
+
 def test_prefix_affinity_sends_a_conversation_to_the_replica_that_caches_it(fleet):
     """Each conversation's first turn goes to the replica with the emptier KV, and its next turn, which
     resends it, to the replica whose prefix cache holds it (as reported): every next turn finds its
     prefix cached, and both replicas hold conversations. Half of them under vLLM's ``cache_salt``: the
     router keys their blocks as the replicas do, and the same tokens under another salt find nothing."""
     rng = random.Random(0)
+    # NOTE: from empty caches, as equal as the two replicas' KV can be: each conversation's third request (another
+    # salt) goes to the replica the conversation did not take, so the next one is balanced to the other again. What
+    # the tests before left in one replica's KV (a few blocks more on one) drew all four conversations to the other
+    # (a CI failure: hits [768, 0]).
+    reset_prefix_caches(fleet)
     hits_before = [fleet.metric("sloserve_prefix_cache_hits_total", replica=r) for r in ("0", "1")]
     for k in range(4):
         history = [rng.randrange(3, VOCAB) for _ in range(200)]
@@ -207,21 +219,16 @@ def test_reset_prefix_cache_resets_every_replica(fleet):
         answers = [fleet.client.completions.create(model=MODEL, prompt=h, **options) for h in histories]
         return [r.usage.prompt_tokens_details.cached_tokens for r in answers]
 
-    def reset() -> None:
-        answer = httpx.post(fleet.url + "/reset_prefix_cache", timeout=30)
-        assert answer.status_code == 200 and answer.content == b""
-        time.sleep(0.5)  # NOTE: the replicas report their caches every 100 ms
-
     # NOTE: from empty caches: what the tests before left cached on one replica would draw the whole burst to the
     # other (the most empty KV)
-    reset()
+    reset_prefix_caches(fleet)
     hits_before = [fleet.metric("sloserve_prefix_cache_hits_total", replica=r) for r in ("0", "1")]
     assert asyncio.run(burst()) == [0] * 16
     time.sleep(0.5)  # NOTE: the replicas report their caches every 100 ms
     assert one_by_one() == [192] * 16
     hits = [fleet.metric("sloserve_prefix_cache_hits_total", replica=r) - hits_before[i] for i, r in enumerate("01")]
     assert min(hits) > 0, hits  # (both replicas hold some)
-    reset()
+    reset_prefix_caches(fleet)
     assert one_by_one() == [0] * 16
 
 

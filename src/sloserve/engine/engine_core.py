@@ -179,6 +179,9 @@ class EngineStats:
     queued_prompt_tokens: int = 0  # prompt tokens still to compute
     kv_free_tokens: int = 0  # an allocation could take them now, cached blocks nobody uses included
     kv_empty_tokens: int = 0  # holding nothing, not even a cached prefix
+    # Requests the engine was given ("add"), since the start: the figures above include them, so a router
+    # knows which of those it sent since are not in them yet
+    num_requests_added: int = 0
     # The keys of the blocks the prefix cache holds (None: no prefix cache); sent at most every
     # CACHE_KEYS_PERIOD_S, else the last ones sent stand
     cached_block_keys: np.ndarray | None = None  # sorted (PrefixCache.cached_keys)
@@ -228,6 +231,7 @@ class EngineCore:
         self.live: dict[int, _Live] = {}
         self.stopping = False
         self.num_steps = 0
+        self.num_added = 0  # "add" commands taken (EngineStats.num_requests_added)
         self._pending: list[Output] = []  # last outputs of aborted requests, sent with the next message
         self._keys_sent_at = -math.inf
         # With overlap_publish, a step's news goes out during the next step's forward pass, where the
@@ -308,6 +312,7 @@ class EngineCore:
             self.flush()
         if kind == "add":
             add: AddRequest = command[1]
+            self.num_added += 1
             request = Request(
                 add.request_id,
                 add.arrival_time,
@@ -535,6 +540,7 @@ class EngineCore:
             queued_prompt_tokens=replica.queued_prompt_tokens(),
             kv_free_tokens=replica.kv_free_tokens(),
             kv_empty_tokens=replica.kv_empty_tokens(),
+            num_requests_added=self.num_added,
             cached_block_keys=keys,
         )
 

@@ -227,19 +227,29 @@ class EngineReplica:
         report = {
             "rank": self.rank,
             "report_id": self.num_reports,
-            "outstanding": self.engine.num_unfinished,
             "block_size": self.info.block_size,
             "cached_keys": self.stats.cached_keys,
         }
         stats = self.stats.last
         if stats is None:  # no step yet: all of it is free
             capacity = self.info.kv_capacity_tokens
-            return {**report, "queued_prompt_tokens": 0, "kv_free_tokens": capacity, "kv_empty_tokens": capacity}
+            return {
+                **report,
+                "outstanding": 0,
+                "queued_prompt_tokens": 0,
+                "kv_free_tokens": capacity,
+                "kv_empty_tokens": capacity,
+                "num_admitted": 0,
+            }
+        # NOTE: each figure as of the engine's last step, with the requests it had been given by then (those
+        # admitted since, the router adds back: FleetRequestRouter._report)
         return {
             **report,
+            "outstanding": stats.num_waiting + stats.num_running + stats.num_swapped,
             "queued_prompt_tokens": stats.queued_prompt_tokens,
             "kv_free_tokens": stats.kv_free_tokens,
             "kv_empty_tokens": stats.kv_empty_tokens,
+            "num_admitted": stats.num_requests_added,
         }
 
     def check_health(self) -> None:
