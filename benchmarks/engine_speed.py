@@ -471,6 +471,13 @@ def main() -> None:
         chunk, cached, num_decodes = mixed
         t_eager, t_pieces, t_compiled = eager_and_piecewise([(chunk, cached)], [args.kv_len] * num_decodes)
         t_mixed = min(t for t in (t_eager, t_pieces, t_compiled) if t is not None)
+        # The same with the chunk's attention on a second stream beside the decodes' (SLOSERVE_OVERLAP_ATTENTION,
+        # off by default until timed here: triton_attention.SideStream)
+        overlapped = []
+        if splitting and not backend.overlap_prefill_decode:
+            backend.overlap_prefill_decode = True
+            overlapped = eager_and_piecewise([(chunk, cached)], [args.kv_len] * num_decodes)
+            backend.overlap_prefill_decode = False
         t_prefill = timer.time([(chunk, cached)], [], repeats=args.repeats)
         t_decode = timer.time([], [args.kv_len] * num_decodes, repeats=args.repeats)
         matmuls = matmuls_alone_s(loaded, chunk + num_decodes, 1 + num_decodes)
@@ -480,6 +487,11 @@ def main() -> None:
             f"alone: chunk {ms(t_prefill)} ms, "
             f"decodes {ms(t_decode)} ms (as the environment sets the engine); its matmuls alone {matmuls.column()} ms"
         )
+        if overlapped:
+            print(
+                f"  the chunk's attention beside the decodes' (a second stream): {ms(overlapped[0])} ms eager, "
+                f"{ms(overlapped[1])} ms on piecewise graphs, {ms(overlapped[2])} ms compiled"
+            )
         if gpu:
             # The chunk attends to cached + its own causal half; each decode reads its context once.
             chunk_attention = (
@@ -513,6 +525,10 @@ def main() -> None:
                 f"mixed / their sum: {t_mixed / (prefill_roof + decode_roof):.2f}x (goal <= 1.25x){floor}"
             )
             record("mixed_over_roofline", t_mixed / (prefill_roof + decode_roof))
+            if overlapped:
+                ratio = min(t for t in overlapped if t is not None) / (prefill_roof + decode_roof)
+                print(f"  with the chunk's attention beside the decodes': {ratio:.2f}x")
+                record("mixed_over_roofline_overlapped", ratio)
 
     if args.profile_kernels and loaded.device.type == "cuda":
         print("\nWhere an eager step's GPU time goes (torch.profiler; kernels of one step):")

@@ -16,7 +16,8 @@
 #                                             # graphed (before / +split decodes / +fused kernels), 8 x 32K
 #                                             # contexts, prefill MFU (kernel / dense), small prompts and a
 #                                             # mixed step eager / piecewise (the mixed one against its parts'
-#                                             # rooflines), each beside its ceiling at the copy and
+#                                             # rooflines; again with the chunk's attention on a second
+#                                             # stream), each beside its ceiling at the copy and
 #                                             # matmul rates measured there (kernels in sequence), a
 #                                             # decode step's kernels (torch.profiler); then
 #                                             # async_scheduling.py: offline batches of 64 and 256, on / off

@@ -330,6 +330,58 @@ def test_on_cuda_a_dense_prefill_asking_each_sdpa_backend_first_matches_the_refe
     assert out.shape == (300, 32, 128) and error < TOLERANCE[dtype]
 
 
+def test_the_overlap_setting_comes_from_the_environment(monkeypatch):
+    """A mixed step's prefill attention goes on a second stream only with SLOSERVE_OVERLAP_ATTENTION=1; a bad
+    value is one clear error."""
+    monkeypatch.delenv("SLOSERVE_OVERLAP_ATTENTION", raising=False)
+    assert not triton_attention.TritonAttention().overlap_prefill_decode
+    for setting, on in (("0", False), ("1", True)):
+        monkeypatch.setenv("SLOSERVE_OVERLAP_ATTENTION", setting)
+        assert triton_attention.TritonAttention().overlap_prefill_decode is on
+    monkeypatch.setenv("SLOSERVE_OVERLAP_ATTENTION", "on")
+    with pytest.raises(ConfigError, match="SLOSERVE_OVERLAP_ATTENTION must be 0 or 1, got 'on'"):
+        triton_attention.TritonAttention()
+
+
+@pytest.mark.parametrize("dense_from", [None, 40])
+def test_prefills_beside_the_decodes_give_the_same_output_bit_for_bit(monkeypatch, dense_from):
+    """With the overlap on, a step of prefills (a chunk after cached tokens, fresh prompts: dense ones with
+    ``dense_from``) and decodes: on CUDA its prefill attention runs on the second stream, and the output and
+    the cache writes are the one-stream run's exactly (the same kernels on the same inputs); elsewhere nothing
+    changes. A step of prefills only and one of decodes only keep one stream."""
+    gen = torch.Generator().manual_seed(11)
+    dtype = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
+    step = make_step(gen, 8, 2, 32, [(0, 40), (50, 70), (0, 90)], [0, 3, 130, 64, 700], num_slots=1500)
+    only_prefills = make_step(gen, 8, 2, 32, [(0, 40), (50, 70)], [], num_slots=300)
+    only_decodes = make_step(gen, 8, 2, 32, [], [3, 130], num_slots=300)
+    forks = []
+    real_beside = triton_attention.SideStream.beside
+
+    def beside(self, device):
+        forks.append(device)
+        return real_beside(self, device)
+
+    monkeypatch.setattr(triton_attention.SideStream, "beside", beside)
+
+    def run(step, overlap: bool):
+        q, k, v, k_cache, v_cache, meta = (x.to(DEVICE, dtype) if torch.is_tensor(x) else x for x in step)
+        backend = triton_attention.TritonAttention(
+            block_m=32, block_n=32, dense_prefill_min_tokens=dense_from, overlap_prefill_decode=overlap
+        )
+        out = backend.forward(q, k, v, k_cache, v_cache, _to(meta, DEVICE))
+        return out.cpu(), k_cache.cpu(), v_cache.cpu()
+
+    one_stream = run(step, overlap=False)
+    assert not forks
+    two_streams = run(step, overlap=True)
+    assert [device.type for device in forks] == (["cuda"] if DEVICE.type == "cuda" else [])
+    assert all(torch.equal(a, b) for a, b in zip(one_stream, two_streams, strict=True))
+    forks.clear()
+    run(only_prefills, overlap=True)
+    run(only_decodes, overlap=True)
+    assert not forks
+
+
 def test_the_split_setting_comes_from_the_environment(monkeypatch):
     """Flash decoding picks its splits (None) unless SLOSERVE_DECODE_SPLITS says a count (1: off) or
     auto; a bad value is one clear error."""

@@ -35,6 +35,12 @@ padded to a power of two, 512 + 64 rather than 1,024), the value's part of the k
 Both accumulate in float32 and take float32 dots in IEEE precision (Triton's default for float32
 is tf32, about 3e-4 relative error, which would make the engine's float32 tests inexact).
 
+A step with prefills beside decodes (Sarathi's mixed step) may launch its prefill attention on a second CUDA
+stream (``SideStream``, SLOSERVE_OVERLAP_ATTENTION=1), first, so that the decode kernel's programs, bound by
+reading their KV, take the multiprocessors the prefill's programs, bound by their dots, leave: POD-Attention's
+overlap (Kamath et al., ASPLOS'25) from two launches instead of one fused kernel. The same kernels on the same
+inputs, so the same output bit for bit.
+
 NOTE: on the CPU these kernels run only under Triton's interpreter (``TRITON_INTERPRET=1`` in the
 environment before triton is imported): that is how the tests check them against the reference on
 machines without a GPU. The engine picks this backend for CUDA devices (``attention_backend="auto"``).
@@ -543,6 +549,34 @@ def _prefill_kernel(
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & d_ok[None, :])
 
 
+class SideStream:
+    """A second CUDA stream, of the highest priority, for work that may run beside what the current stream
+    launches next: ``beside`` runs its block's launches there, after everything the current stream launched
+    before it; ``join`` makes the current stream wait for them.
+
+    NOTE: a tensor the current stream made and the side stream reads or writes (the step's queries, the
+    output) needs no ``record_stream``: the current stream joins before the caller returns, so its later
+    work, the only work that could be given the tensor's memory once it is freed, comes after the side
+    stream's. What the side stream makes in its block is its own pool's, reused only by its later work."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # made at the first use on each device
+
+    @contextlib.contextmanager
+    def beside(self, device: torch.device):
+        stream = self._streams.get(device)
+        if stream is None:
+            # NOTE: -1 asks for the highest priority (torch maps it into the device's range): a program of
+            # this stream is dispatched before the current stream's waiting ones as multiprocessors free up
+            stream = self._streams[device] = torch.cuda.Stream(device, priority=-1)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            yield
+
+    def join(self, device: torch.device) -> None:
+        torch.cuda.current_stream(device).wait_stream(self._streams[device])
+
+
 def _pow2_at_least_16(x: int) -> int:
     return max(MIN_DOT_DIM, triton.next_power_of_2(x))
 
@@ -619,6 +653,7 @@ class TritonAttention(AttentionBackend):
         num_decode_splits: int | None | Literal["env"] = "env",
         dense_prefill_min_tokens: int | None | Literal["env"] = "env",
         dense_prefill_sdpa: str = "env",
+        overlap_prefill_decode: bool | Literal["env"] = "env",
     ) -> None:
         # Tile sizes: query tokens per prefill program, context tokens per step of either kernel.
         # NOTE: FlashAttention-2's Triton defaults for head_dim 64-128; tune them on the GPU.
@@ -645,6 +680,12 @@ class TritonAttention(AttentionBackend):
             dense_prefill_sdpa = _SDPA_SETTING
         sdpa_preference(dense_prefill_sdpa, None)  # (a bad value is an error here, as the engine is built)
         self.dense_prefill_sdpa = dense_prefill_sdpa
+        # A step's prefill attention on a second stream, beside its decodes' (``SideStream``, on CUDA, where the
+        # step is not being captured); "env": SLOSERVE_OVERLAP_ATTENTION (off unless 1: not timed on a GPU yet)
+        if overlap_prefill_decode == "env":
+            overlap_prefill_decode = switch("SLOSERVE_OVERLAP_ATTENTION")
+        self.overlap_prefill_decode = overlap_prefill_decode
+        self.side_stream = SideStream()
 
     def forward(
         self,
@@ -683,7 +724,7 @@ class TritonAttention(AttentionBackend):
         qk_scale = LOG2E * softmax_scale if softcap is None else softmax_scale / softcap
         softcap_log2 = 0.0 if softcap is None else softcap * LOG2E
         precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 only matters for float32
-        packed = None
+        fresh, packed = [], None
         # (SDPA has no cap, sinks, window or chunks; MLA's prefills keep the kernel, where its keys are read once)
         dense = self.dense_prefill_min_tokens is not None and window is None and softcap is None and sinks is None
         dense = dense and chunk is None and not values_in_keys and alibi is None
@@ -691,52 +732,57 @@ class TritonAttention(AttentionBackend):
         alibi_log2 = out if alibi is None else alibi.float() * LOG2E  # (nh,) (unread without ALiBi)
         if meta.prefills and dense:
             fresh, packed = meta.fresh_prefills(self.dense_prefill_min_tokens)
-            prefer = sdpa_preference(self.dense_prefill_sdpa, compute_capability(q.device))
+        elif meta.prefills:
+            packed = meta.packed_prefills
+        num_decodes = meta.decode_token_index.numel()
+        beside = self.overlap_prefill_decode and meta.prefills and num_decodes and q.is_cuda
+        beside = beside and not torch.cuda.is_current_stream_capturing()
+        # NOTE: the prefills first: launched second, their programs would wait for a decode kernel that fills
+        # the GPU with its own
+        with self.side_stream.beside(q.device) if beside else contextlib.nullcontext():
+            prefer = sdpa_preference(self.dense_prefill_sdpa, compute_capability(q.device)) if fresh else ()
             for seq in fresh:
                 rows = slice(seq.query_start, seq.query_start + seq.query_len)
                 out[rows] = _dense_causal(q[rows], k[rows], v[rows], softmax_scale, prefer)
-        elif meta.prefills:
-            packed = meta.packed_prefills
-        if packed is not None:
-            grid = (packed.query_lens.numel(), triton.cdiv(packed.max_query_len, block_m), num_heads)
-            _prefill_kernel[grid](
-                q,
-                k_cache,
-                v_cache,
-                out,
-                packed.query_starts,
-                packed.query_lens,
-                packed.context_lens,
-                packed.slot_starts,
-                packed.slots,
-                sinks_log2,
-                alibi_log2,
-                q.stride(0),
-                q.stride(1),
-                k_cache.stride(0),
-                k_cache.stride(1),
-                v_cache.stride(0),
-                v_cache.stride(1),
-                out.stride(0),
-                out.stride(1),
-                qk_scale,
-                window or 0,
-                chunk or 0,
-                softcap_log2,
-                GROUP=group,
-                HEAD_DIM=head_dim,
-                VALUE_DIM=value_dim,
-                VALUE_DIM_PAD=value_dim_pad,
-                TAIL_PAD=tail_pad,
-                BLOCK_M=block_m,
-                BLOCK_N=block_n,
-                INPUT_PRECISION=precision,
-                SOFTCAP=softcap is not None,
-                SINKS=sinks is not None,
-                VALUES_IN_KEYS=values_in_keys,
-                ALIBI=alibi is not None,
-            )
-        num_decodes = meta.decode_token_index.numel()
+            if packed is not None:
+                grid = (packed.query_lens.numel(), triton.cdiv(packed.max_query_len, block_m), num_heads)
+                _prefill_kernel[grid](
+                    q,
+                    k_cache,
+                    v_cache,
+                    out,
+                    packed.query_starts,
+                    packed.query_lens,
+                    packed.context_lens,
+                    packed.slot_starts,
+                    packed.slots,
+                    sinks_log2,
+                    alibi_log2,
+                    q.stride(0),
+                    q.stride(1),
+                    k_cache.stride(0),
+                    k_cache.stride(1),
+                    v_cache.stride(0),
+                    v_cache.stride(1),
+                    out.stride(0),
+                    out.stride(1),
+                    qk_scale,
+                    window or 0,
+                    chunk or 0,
+                    softcap_log2,
+                    GROUP=group,
+                    HEAD_DIM=head_dim,
+                    VALUE_DIM=value_dim,
+                    VALUE_DIM_PAD=value_dim_pad,
+                    TAIL_PAD=tail_pad,
+                    BLOCK_M=block_m,
+                    BLOCK_N=block_n,
+                    INPUT_PRECISION=precision,
+                    SOFTCAP=softcap is not None,
+                    SINKS=sinks is not None,
+                    VALUES_IN_KEYS=values_in_keys,
+                    ALIBI=alibi is not None,
+                )
         if num_decodes:
             table = meta.decode_slots
             block_h = _fit_tile(_pow2_at_least_16(group), value_dim_pad)
@@ -805,4 +851,6 @@ class TritonAttention(AttentionBackend):
                     NUM_SPLITS=splits,
                     SPLITS_PAD=triton.next_power_of_2(splits),
                 )
+        if beside:
+            self.side_stream.join(q.device)
         return out
