@@ -39,7 +39,7 @@ The mixed step and small prompts' steps (``--small-prompts``) are timed eagerly 
 graphs (``piecewise_graphs``), side by side, and with ``--compile-pieces`` on piecewise graphs of the
 pieces compiled by ``torch.compile`` too.
 The kernel tables (``--profile-kernels``, torch.profiler) sum each kernel's GPU time over an eager
-decode step, and over the mixed step: what fusing or replacing a kernel can gain.
+decode step, the mixed step and a prefill of up to 8K tokens: what fusing or replacing a kernel can gain.
 On the CPU there are no published peaks: the ratios are printed only with --gpu.
 """
 
@@ -535,6 +535,10 @@ def main() -> None:
         steps = [(f"decode step, batch {b}", [], [args.kv_len] * b) for b in map(int, args.profile_kernels.split(","))]
         if mixed:
             steps.append(("mixed step", [(mixed[0], mixed[1])], [args.kv_len] * mixed[2]))
+        # The longest prompt of the prefill MFU goal's 4-8K tokens: the kernels its step spends time in beside the matmuls
+        long_prompt = max((n for n in prompts if n <= 8192), default=0)
+        if long_prompt:
+            steps.append((f"prefill step, {long_prompt} tokens", [(long_prompt, 0)], []))
         for what, prefills, decode_lens in steps:
             try:
                 print("\n".join(kernel_table(timer, what, prefills, decode_lens)))
