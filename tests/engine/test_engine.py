@@ -1058,6 +1058,33 @@ def test_the_host_share_fit_is_not_bent_by_descheduled_steps():
     assert per_request == pytest.approx(0, abs=1e-12) and per_step > 0
 
 
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="two cores to pin apart"
+)
+def test_the_host_calibrations_reader_runs_off_the_cores_a_pinned_profile_holds():
+    """Pinned to one core (as a profile for a pinned server's engine is), ``measure_host``'s reader of the
+    pipe goes to the other cores, where the server's process would read; unpinned, it stays where it is."""
+    import subprocess
+    import sys
+
+    from sloserve.engine.profile import _beside_this_process
+
+    mine = os.sched_getaffinity(0)
+    first = min(mine)
+    reader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        if mine == set(range(os.cpu_count())):  # (not held to some of the machine's cores already)
+            _beside_this_process(reader.pid)
+            assert os.sched_getaffinity(reader.pid) == mine
+        os.sched_setaffinity(0, {first})
+        _beside_this_process(reader.pid)
+        assert os.sched_getaffinity(reader.pid) and first not in os.sched_getaffinity(reader.pid)
+    finally:
+        os.sched_setaffinity(0, mine)
+        reader.kill()
+        reader.wait()
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
