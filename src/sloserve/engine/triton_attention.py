@@ -734,6 +734,22 @@ class TritonAttention(AttentionBackend):
             fresh, packed = meta.fresh_prefills(self.dense_prefill_min_tokens)
         elif meta.prefills:
             packed = meta.packed_prefills
+        # Both kernels' strides (a token's and a head's) of the queries, the caches and the output
+        strides = (*q.stride()[:2], *k_cache.stride()[:2], *v_cache.stride()[:2], *out.stride()[:2])
+        # Both kernels' compile-time settings (each adds its own tiles)
+        settings = dict(
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            VALUE_DIM=value_dim,
+            VALUE_DIM_PAD=value_dim_pad,
+            TAIL_PAD=tail_pad,
+            BLOCK_N=block_n,
+            INPUT_PRECISION=precision,
+            SOFTCAP=softcap is not None,
+            SINKS=sinks is not None,
+            VALUES_IN_KEYS=values_in_keys,
+            ALIBI=alibi is not None,
+        )
         num_decodes = meta.decode_token_index.numel()
         beside = self.overlap_prefill_decode and meta.prefills and num_decodes and q.is_cuda
         beside = beside and not torch.cuda.is_current_stream_capturing()
@@ -758,30 +774,13 @@ class TritonAttention(AttentionBackend):
                     packed.slots,
                     sinks_log2,
                     alibi_log2,
-                    q.stride(0),
-                    q.stride(1),
-                    k_cache.stride(0),
-                    k_cache.stride(1),
-                    v_cache.stride(0),
-                    v_cache.stride(1),
-                    out.stride(0),
-                    out.stride(1),
+                    *strides,
                     qk_scale,
                     window or 0,
                     chunk or 0,
                     softcap_log2,
-                    GROUP=group,
-                    HEAD_DIM=head_dim,
-                    VALUE_DIM=value_dim,
-                    VALUE_DIM_PAD=value_dim_pad,
-                    TAIL_PAD=tail_pad,
                     BLOCK_M=block_m,
-                    BLOCK_N=block_n,
-                    INPUT_PRECISION=precision,
-                    SOFTCAP=softcap is not None,
-                    SINKS=sinks is not None,
-                    VALUES_IN_KEYS=values_in_keys,
-                    ALIBI=alibi is not None,
+                    **settings,
                 )
         if num_decodes:
             table = meta.decode_slots
@@ -810,32 +809,15 @@ class TritonAttention(AttentionBackend):
                 alibi_log2,
                 table,
                 meta.decode_context_lens,
-                q.stride(0),
-                q.stride(1),
-                k_cache.stride(0),
-                k_cache.stride(1),
-                v_cache.stride(0),
-                v_cache.stride(1),
-                out.stride(0),
-                out.stride(1),
+                *strides,
                 table.stride(0),
                 qk_scale,
                 window or 0,
                 chunk or 0,
                 softcap_log2,
-                GROUP=group,
                 BLOCK_H=block_h,
-                HEAD_DIM=head_dim,
-                VALUE_DIM=value_dim,
-                VALUE_DIM_PAD=value_dim_pad,
-                TAIL_PAD=tail_pad,
-                BLOCK_N=block_n,
                 NUM_SPLITS=splits,
-                INPUT_PRECISION=precision,
-                SOFTCAP=softcap is not None,
-                SINKS=sinks is not None,
-                VALUES_IN_KEYS=values_in_keys,
-                ALIBI=alibi is not None,
+                **settings,
             )
             if splits > 1:
                 _combine_splits_kernel[(num_decodes, num_heads)](
