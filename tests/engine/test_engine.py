@@ -1037,6 +1037,33 @@ def test_a_profile_step_is_an_engine_step_and_leaves_nothing_behind():
         assert all(c + m <= 1024 for c, m in prefills) and all(m + 1 <= 1024 for m in decode_lens)
 
 
+def test_a_profile_times_each_batchs_second_step_unless_timed_as_an_asynchronous_engine(monkeypatch):
+    """A request's first step computes what it keeps for its later ones (once in its life in a run; for every
+    request at once in a freshly built batch), so a profile times each batch's second step: one untimed before
+    it. Timed as an asynchronous engine runs them, the first step is already untimed: no more warm-up."""
+    from sloserve.cost.profile_grid import ProfileGrid
+    from sloserve.engine.loader import load_model
+    from sloserve.engine.profile import StepTimer, profile
+
+    warmups = []
+    real_time = StepTimer.time
+    monkeypatch.setattr(
+        StepTimer, "time", lambda self, *a, **kw: warmups.append(kw["warmup"]) or real_time(self, *a, **kw)
+    )
+    grid = ProfileGrid(
+        prefill_chunks=(16, 32, 64), context_lens=(0, 32), batch_sizes=(1, 2, 4), decode_kv_lens=(16, 32)
+    )
+    loaded = load_model("random:tiny-llama")
+    num_points = len(grid.shapes(256, 4096))
+    profile(loaded, grid, max_model_len=256, max_slots=4096, name="t", repeats=1, host_share=False)
+    assert warmups == [1] * 2 * num_points  # (a warm-up pass, then one timed)
+    warmups.clear()
+    profile(
+        loaded, grid, max_model_len=256, max_slots=4096, name="t", repeats=1, host_share=False, host_overlapped=True
+    )
+    assert warmups == [0] * 2 * num_points
+
+
 def test_the_host_share_fit_is_not_bent_by_descheduled_steps():
     """``measure_host``'s line: 0.15 ms a step + 5 us a request, 3% noise, and one step in 16 taken 20-40x
     longer (the OS ran something else meanwhile): found within 5%, where least squares is off by 2x or
