@@ -364,6 +364,55 @@ def test_a_lone_surrogate_is_a_400_naming_its_field(server, route, fields, where
     )
 
 
+def _at(value, path: str):
+    """The item of parsed JSON ``value`` at a dotted ``path`` (a list's index as a number)."""
+    for key in path.split(".") if path else ():
+        value = value[int(key)] if isinstance(value, list) else value[key]
+    return value
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    body=st.recursive(
+        st.integers(-3, 10**6) | st.text(max_size=6) | st.none(),
+        lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text("abc", max_size=3), inner, max_size=3),
+        max_leaves=30,
+    ),
+    data=st.data(),
+)
+def test_invalid_unicode_at_names_where_a_lone_surrogate_is(body, data):
+    """``invalid_unicode_at`` finds a lone surrogate wherever it is, in a string or a key, and names its path;
+    None for a body without one (a prompt's thousands of token ids checked without a path built for each)."""
+    from sloserve.server.protocol import invalid_unicode_at
+
+    assert invalid_unicode_at(body) is None
+    assert invalid_unicode_at({"prompt": list(range(5000)), "n": [body]}) is None
+    places = []  # (container, key) of every string and key in the body
+
+    def walk(item):
+        pairs = item.items() if isinstance(item, dict) else enumerate(item) if isinstance(item, list) else ()
+        for key, child in pairs:
+            places.append((item, key))
+            walk(child)
+
+    body = {"body": body}
+    walk(body)
+    container, key = data.draw(st.sampled_from(places))
+    as_key = isinstance(container, dict) and data.draw(st.booleans())
+    if as_key:  # the key itself made bad
+        container["\ud800" + key] = container.pop(key)
+    else:
+        container[key] = "x\udfff"
+    where = invalid_unicode_at(body)
+    assert where is not None
+    *parents, last = where.encode().decode("unicode_escape").split(".")
+    parent = _at(body, ".".join(parents))
+    if as_key:
+        assert last == "\ud800" + key and last in parent
+    else:
+        assert parent[int(last) if isinstance(parent, list) else last] == "x\udfff"
+
+
 JSON_VALUES = st.recursive(
     st.none()
     | st.booleans()

@@ -620,10 +620,19 @@ class OpenAIServing:
 
     def _check_in_vocabulary(self, param: str, token_ids) -> None:
         """A 400 naming ``param`` for a token id outside the model's vocabulary."""
+        outside = self._outside_vocabulary(token_ids)
+        if outside is not None:
+            raise ParameterError(
+                param, f"token id {outside} is outside the vocabulary [0, {self.engine.info.vocab_size})"
+            )
+
+    def _outside_vocabulary(self, token_ids: list[int]) -> int | None:
+        """The first of ``token_ids`` outside the model's vocabulary, or None."""
         vocab_size = self.engine.info.vocab_size
-        outside = [t for t in token_ids if not 0 <= t < vocab_size]
-        if outside:
-            raise ParameterError(param, f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
+        # NOTE: min and max first: the ids of a prompt sent as tokens are thousands of numbers, all in range
+        if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+            return None
+        return next(t for t in token_ids if not 0 <= t < vocab_size)
 
     def _params(self, body: SamplingRequest, prompts: list[list[int]], max_tokens: int | None) -> list[SamplingParams]:
         """Each prompt's sampling params, checked, with the request's grammar (compiled once for all)."""
@@ -730,11 +739,11 @@ class OpenAIServing:
         max_model_len = self.engine.max_model_len
         if not prompt_ids:
             raise ParameterError(prompt_field, f"{where} is empty")
-        vocab_size = self.engine.info.vocab_size
-        outside = [t for t in prompt_ids if not 0 <= t < vocab_size]
-        if outside:
+        outside = self._outside_vocabulary(prompt_ids)
+        if outside is not None:
             raise ParameterError(
-                prompt_field, f"{where} has token id {outside[0]}, outside the vocabulary [0, {vocab_size})"
+                prompt_field,
+                f"{where} has token id {outside}, outside the vocabulary [0, {self.engine.info.vocab_size})",
             )
         room = max_model_len - len(prompt_ids)
         if room < 1:
