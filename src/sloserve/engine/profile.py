@@ -293,10 +293,10 @@ def profile(
     # median over the passes: a slow spell on a shared machine then lands on all points alike
     # instead of on a run of neighbours (one batch size, say), which would bend the fit.
     # NOTE: and each time is of a batch's second step: a request's first step computes what it keeps for the
-    # steps after (its sampling controls' cached properties, its rows' index tables), once in its life in a
-    # run, but for every request at once in a freshly built batch: the first of tiny-llama's decode steps of
-    # 16-100 requests took 4-12% (0.3-0.5 ms) longer than the next on the 2-core VM (2026-12-05), and
-    # presets fitted to first steps priced a run's decode steps 12-33% over their time. (A pipelined
+    # steps after (its sampling controls' cached properties), once in its life in a run, but for every request
+    # at once in a freshly built batch: the first of tiny-llama's decode steps of 16-100 requests took 4-12%
+    # (0.3-0.5 ms) longer than the next on the 2-core VM (2026-12-05), and a preset fitted to first steps
+    # priced a run's decode steps 9-28% over their time by batch size (16% over all). (A pipelined
     # timing's first step is already untimed: ``StepTimer.time``.)
     warmup = 0 if timer.async_scheduling else 1
     samples: list[list[float]] = [[] for _ in points]
