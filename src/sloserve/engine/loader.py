@@ -17,6 +17,7 @@ from sloserve.checkpoint.gguf_tensors import gguf_tensors
 from sloserve.checkpoint.model_config import ModelConfig
 from sloserve.core.errors import ConfigError
 from sloserve.engine.attention_selector import BACKENDS, triton_available
+from sloserve.engine.c_heap import keep_freed_memory
 from sloserve.engine.models import (
     check_config_fits_checkpoint,
     checkpoint_shapes,
@@ -114,6 +115,8 @@ def load_model(
     if not -(2**63) <= seed < 2**64:  # torch.manual_seed's range (random weights are drawn from it)
         raise ConfigError(f"seed must be in -2**63..2**64-1, torch's range, got {seed}")
     dev = resolve_device(device)
+    if dev.type == "cpu" and switch("SLOSERVE_KEEP_FREED_MEMORY", default=True):
+        keep_freed_memory()  # (a step's large tensors in the memory the step before freed: c_heap.py)
     # NOTE: fused_ops reads this switch at import (every kernel call checks ENABLED): a bad value is
     # refused here, when a model is loaded, as the other switches are when their part is built
     switch("SLOSERVE_FUSED_KERNELS", default=True)
