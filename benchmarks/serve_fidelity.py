@@ -26,6 +26,9 @@ Between the two, the same received requests run through the engine in-process (`
 wall clock, pinned as the server's engine is): served against in-process is what the served path adds
 (the server's process, the pipe, the engine core's publishing), in-process against simulated is the
 simulator's own error (the profile's batch times and its measured host share).
+Last, the served engine's steps (``serve --step-log``) beside the in-process engine's (``run --out``'s
+steps.csv) by batch: the executor's time of a step of the same shape served and in-process, and the served
+loop's host work around it (the engine's scheduling and update, publishing, polling).
 With --pin (the default on 4 cores or fewer) the profile and the server's engine process run on core
 0 with one torch thread, the server's HTTP process and the client on core 1, as in
 benchmarks/serve_overhead.py.
@@ -34,6 +37,7 @@ benchmarks/serve_overhead.py.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import tempfile
@@ -43,6 +47,7 @@ from fidelity import figure, simulate, sloserve
 from figures import record
 from serve_overhead import logged_times, mean_tpot, start_server
 from sloserve.bench.client import free_loopback_port
+from sloserve.cost.fit import read_profile_csv
 
 METRICS = [
     ("throughput req/s", "throughput_rps", None),
@@ -145,7 +150,10 @@ def main() -> None:
     port = free_loopback_port()
     request_log = out / "request-log.jsonl"
     request_log.unlink(missing_ok=True)
-    proc = start_server(args, port, ("--request-log", str(request_log), "--cost-model", str(preset)))
+    step_log = out / "served-steps.csv"  # (each served step's shape, time and the engine loop's parts)
+    proc = start_server(
+        args, port, ("--request-log", str(request_log), "--cost-model", str(preset), "--step-log", str(step_log))
+    )
     if args.pin:
         os.sched_setaffinity(0, {1})
     rows = []
@@ -202,6 +210,7 @@ def main() -> None:
         record(f"sim_error_as_{which}", mean_error(rows, which))
     # After the server is gone (it and the in-process engine would share core 0)
     with_preset = [*engine, "--cost-model", str(preset)]
+    runs = [(row[0], row[-1][1]) for row in rows]  # (each load's label and its files' name)
     rows = [(*row[:-1], in_process(args, with_preset, row[-1][0], out / f"run-{row[-1][1]}")) for row in rows]
 
     print(
@@ -226,6 +235,57 @@ def main() -> None:
                 )
     for which in COMPARED:
         mean_error(rows, which)
+    print(
+        "\nThe served engine's steps (--step-log) against the in-process engine's (run --out), by batch: execute is "
+        "the executor's step (the profile's time), the loop's parts the served engine's host work around it\n"
+        "| load | steps | served: steps, KV tokens a step | execute ms | engine step ms | publish ms | between ms "
+        "| in-process: steps, KV tokens a step | execute ms | served / in-process execute |\n" + "|---" * 10 + "|"
+    )
+    for label, run in runs:
+        lines = (out / f"received-{run}.jsonl").read_text().splitlines()
+        compare_steps(label, served_steps(step_log, lines), out / f"run-{run}" / "steps.csv")
+
+
+# Decode-only steps by their decodes (the steps with a prefill in one more row)
+DECODE_BATCHES = ((1, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 128), (129, 1 << 30))
+
+
+def served_steps(step_log: Path, lines: list[str]) -> list[dict]:
+    """The step log's rows of one load: the steps that started from its first arrival to its last finish."""
+    logged = [json.loads(line) for line in lines]
+    first, last = min(r["arrival_s"] for r in logged), max(r["finish_s"] for r in logged)
+    with step_log.open(newline="") as handle:
+        return [row for row in csv.DictReader(handle) if first <= float(row["start_s"]) <= last]
+
+
+def compare_steps(label: str, served: list[dict], in_process_steps: Path) -> None:
+    """Print the served steps of a load beside the in-process run's of the same requests, by batch."""
+    shapes, times = read_profile_csv(in_process_steps)
+    local = [(s.num_decode, s.num_prefill, s.decode_kv_tokens, t) for s, t in zip(shapes, times, strict=True)]
+    remote = [
+        (int(r["num_decode"]), int(r["num_prefill"]), int(r["decode_kv_tokens"]), float(r["time_s"]),
+         float(r["engine_step_s"]), float(r["publish_s"]), float(r["between_s"]))
+        for r in served
+    ]  # fmt: skip
+
+    def group(steps: list[tuple], lo: int | None, hi: int | None) -> list[tuple]:
+        if lo is None:  # the steps with a prefill
+            return [s for s in steps if s[1] > 0]
+        return [s for s in steps if s[1] == 0 and lo <= s[0] <= hi]
+
+    def mean(steps: list[tuple], column: int, scale: float = 1e3) -> float:
+        return scale * sum(s[column] for s in steps) / len(steps)
+
+    for lo, hi in (*DECODE_BATCHES, (None, None)):
+        here, there = group(remote, lo, hi), group(local, lo, hi)
+        if not here or not there:
+            continue
+        name = "with a prefill" if lo is None else f"{lo}-{hi} decodes" if hi < 1 << 30 else f"{lo}+ decodes"
+        print(
+            f"| {label} | {name} | {len(here)}, {mean(here, 2, 1):.0f} | {mean(here, 3):.3f} | {mean(here, 4):.3f} | "
+            f"{mean(here, 5):.3f} | {mean(here, 6):.3f} | {len(there)}, {mean(there, 2, 1):.0f} | {mean(there, 3):.3f} | "
+            f"{mean(here, 3, 1) / mean(there, 3, 1):.3f} |"
+        )
 
 
 def error(measured: float, simulated: float) -> float:

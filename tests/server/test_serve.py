@@ -797,6 +797,12 @@ def test_serve_refuses_bad_settings_with_one_line_and_exit_2():
         "--timeout-keep-alive", "inf"
     )
     assert "--max-batch-file-mb must be a finite number > 0, got inf" in serve("--max-batch-file-mb", "inf")
+    assert "--step-log no/such/dir/steps.csv: cannot open for writing (No such file or directory)" in serve(
+        "--step-log", "no/such/dir/steps.csv"
+    )
+    assert "--step-log is one engine's steps: it cannot be given with --replicas 2" in serve(
+        "--step-log", "steps.csv", "--replicas", "2"
+    )
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

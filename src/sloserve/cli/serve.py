@@ -75,6 +75,12 @@ def _import_serve_extra(module: str):
 @click.option("--rt-tpot-ms", type=float, help="Default TPOT SLO of real-time requests (ms).")
 @click.option("--request-log", type=click.Path(path_type=Path), help="Append one JSONL line per request here.")
 @click.option(
+    "--step-log",
+    type=click.Path(path_type=Path),
+    help="Write one CSV row per engine step here (afresh): its shape and measured time, as `run --out`'s "
+    "steps.csv, and the engine loop's parts around it (docs/serving.md). One engine only.",
+)
+@click.option(
     "--drain-timeout",
     type=float,
     default=30.0,
@@ -187,6 +193,7 @@ def serve(
     rt_ttft_ms: float | None,
     rt_tpot_ms: float | None,
     request_log: Path | None,
+    step_log: Path | None,
     drain_timeout: float,
     log_level: str,
     timeout_keep_alive: float,
@@ -249,6 +256,8 @@ def serve(
         raise ConfigError(f"--max-batch-file-mb must be a finite number > 0, got {max_batch_file_mb}")
     if enable_auto_tool_choice != (tool_call_parser is not None):
         raise ConfigError("--enable-auto-tool-choice and --tool-call-parser go together: give both, or neither")
+    if step_log is not None and replicas > 1:
+        raise ConfigError(f"--step-log is one engine's steps: it cannot be given with --replicas {replicas}")
     # NOTE: the model before the server's modules, which import torch (2-3 s): a typo in --model is answered at once
     check_engine_model(options["model"])
     serve_module = _import_serve_extra("sloserve.server.serve")
@@ -262,6 +271,10 @@ def serve(
         )
     from sloserve.engine.engine_core import EngineSpec
     from sloserve.engine.gc_heap import freeze_switch
+    from sloserve.engine.step_log import check_step_log_path
+
+    if step_log is not None:
+        check_step_log_path(step_log)
 
     spec = EngineSpec(
         options["model"],
@@ -276,6 +289,7 @@ def serve(
         cost_model=cost_model,
         scheduler_options=set_options,
         enable_prefix_caching=options["enable_prefix_caching"],
+        step_log=None if step_log is None else str(step_log),
     )
     serve_options = serve_module.ServeOptions(
         host=host,

@@ -351,11 +351,18 @@ def write_profile_csv(shapes: Sequence[BatchShape], times_s: Sequence[float], pa
     """Write measured steps in the format ``read_profile_csv`` (and ``sloserve fit-cost``) reads."""
     with Path(path).open("w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow((*CSV_COLUMNS, LONGEST_COLUMN))
+        writer.writerow(PROFILE_HEADER)
         for shape, t in zip(shapes, times_s, strict=True):
-            writer.writerow(
-                [getattr(shape, col) for col in CSV_COLUMNS[:-1]] + [repr(float(t)), shape.decode_max_kv_tokens]
-            )
+            writer.writerow(profile_row(shape, t))
+
+
+# A profile CSV's columns as written (``read_profile_csv`` reads them by name: other columns may follow)
+PROFILE_HEADER = (*CSV_COLUMNS, LONGEST_COLUMN)
+
+
+def profile_row(shape: BatchShape, time_s: float) -> list:
+    """One measured step as a row under ``PROFILE_HEADER``."""
+    return [getattr(shape, col) for col in CSV_COLUMNS[:-1]] + [repr(float(time_s)), shape.decode_max_kv_tokens]
 
 
 def _number(value: float) -> int | float:

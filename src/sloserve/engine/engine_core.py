@@ -35,6 +35,7 @@ from sloserve.core.request import SLO, Request, RequestClass, RequestStatus
 from sloserve.engine.gc_heap import FullCollections, freeze_switch, frozen_heap
 from sloserve.engine.logprobs import Logprobs
 from sloserve.engine.sampler import SamplingParams
+from sloserve.engine.step_log import StepLog
 from sloserve.engine.switches import switch
 from sloserve.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -74,6 +75,8 @@ class EngineSpec:
     # Launch each step before the step before's tokens are on the host (LLMEngine); None: on CUDA unless
     # SLOSERVE_ASYNC_SCHEDULING=0
     async_scheduling: bool | None = None
+    # Write each step's shape, measured time and the loop's parts around it here (``step_log.py``)
+    step_log: str | None = None
 
     def build(self):
         """The engine (loads the model: in the core process)."""
@@ -223,6 +226,7 @@ class EngineCore:
         conn: Connection,
         report_routing_stats: bool = False,
         overlap_publish: bool | None = None,
+        step_log: str | None = None,
     ) -> None:
         self.engine = engine
         self.report_routing_stats = report_routing_stats
@@ -251,6 +255,8 @@ class EngineCore:
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="sloserve-grammar")
         self.freeze_heap = freeze_switch()  # (``run`` freezes the process's start-up heap: gc_heap.py)
         self.full_collections: FullCollections | None = None  # the process's, while ``run`` serves
+        self.step_log = None if step_log is None else StepLog(step_log, engine.executor)
+        self._last_step_end = time.perf_counter()  # or the end of the last idle wait (StepLog's between_s)
 
     def clock(self) -> float:
         """The server's engine clock (``time.perf_counter`` is system-wide on Linux)."""
@@ -264,6 +270,8 @@ class EngineCore:
                 self._serve()
             finally:
                 self.full_collections.close()
+                if self.step_log is not None:
+                    self.step_log.close()
 
     def _serve(self) -> None:
         engine, conn = self.engine, self.conn
@@ -271,15 +279,21 @@ class EngineCore:
             self.add_compiled()
             if not engine.has_unfinished():
                 self.flush()  # no forward pass follows to publish the last step during
+                if self.step_log is not None:
+                    self.step_log.flush()
                 if self._compiling:  # nothing to step until a grammar compiles; a command may come meanwhile
-                    if conn.poll(GRAMMAR_WAIT_S):
+                    waited = conn.poll(GRAMMAR_WAIT_S)
+                    self._last_step_end = time.perf_counter()  # (a wait, as an idle one)
+                    if waited:
                         self.apply(conn.recv())
                     continue
                 if self.stopping:
                     self._grammar_thread.shutdown(wait=False)
                     conn.send(("stopped",))
                     return
-                self.apply(conn.recv())  # idle: wait for a command
+                command = conn.recv()  # idle: wait for a command
+                self._last_step_end = time.perf_counter()
+                self.apply(command)
             while conn.poll():
                 self.apply(conn.recv())
             if engine.has_unfinished():
@@ -289,13 +303,20 @@ class EngineCore:
         """One served step: the engine's step from the wall clock's now, then its news published, or
         with ``overlap_publish`` kept for the next step's forward pass (``flush``)
         (``engine.profile.measure_host`` times this)."""
+        started = time.perf_counter()
         self.engine.replica.now = self.clock()
         finished = self.engine.step()
+        stepped = time.perf_counter()
         self.flush()  # the step before, where this one ran no forward pass to publish it during
         if self.overlap_publish:
             self._unpublished = finished
         else:
             self.publish(finished)
+        ended = time.perf_counter()
+        if self.step_log is not None:
+            start_s = started - self.clock_start  # (the engine's clock)
+            self.step_log.record(start_s, stepped - started, ended - stepped, started - self._last_step_end)
+        self._last_step_end = ended
 
     def flush(self) -> None:
         """Publish the last step's news if it is still kept (``overlap_publish``), with the requests
@@ -549,7 +570,7 @@ def run_core(spec: EngineSpec, conn: Connection, clock_start: float) -> None:
     """The core process: build the engine, say "ready" (or "failed" with the reason), serve commands."""
     try:
         engine = spec.build()
-        core = EngineCore(engine, clock_start, conn, spec.report_routing_stats, spec.overlap_publish)
+        core = EngineCore(engine, clock_start, conn, spec.report_routing_stats, spec.overlap_publish, spec.step_log)
     except SloserveError as e:
         conn.send(("failed", str(e)))
         return

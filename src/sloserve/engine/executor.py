@@ -408,6 +408,18 @@ class EngineExecutor:
                 seq.finish_reason = "abort"
         return list(skipped)
 
+    def take_step_log(self) -> list[tuple[BatchShape, float]]:
+        """The entries of ``step_log`` whose times are final, removed from it: all but a step still in flight
+        on a GPU, whose time comes back with its tokens (``resolve``)."""
+        if not self.step_log:
+            return []
+        num_final = len(self.step_log) if self._timed is None else self._timed[0]
+        taken, self.step_log[:num_final] = self.step_log[:num_final], []
+        if self._timed is not None:  # NOTE: its entry moved up by the entries taken
+            entry, started, sampled_at = self._timed
+            self._timed = (entry - num_final, started, sampled_at)
+        return taken
+
     def resolve(self) -> list[Request]:
         """Bring the last step's tokens to the host if they are still on the device (async scheduling):
         append them and return the requests they ended that the scheduler has not finished; those end
