@@ -47,7 +47,6 @@ from fidelity import figure, simulate, sloserve
 from figures import record
 from serve_overhead import logged_times, mean_tpot, start_server
 from sloserve.bench.client import free_loopback_port
-from sloserve.cost.fit import read_profile_csv
 
 METRICS = [
     ("throughput req/s", "throughput_rps", None),
@@ -254,37 +253,38 @@ def served_steps(step_log: Path, lines: list[str]) -> list[dict]:
     """The step log's rows of one load: the steps that started from its first arrival to its last finish."""
     logged = [json.loads(line) for line in lines]
     first, last = min(r["arrival_s"] for r in logged), max(r["finish_s"] for r in logged)
-    with step_log.open(newline="") as handle:
-        return [row for row in csv.DictReader(handle) if first <= float(row["start_s"]) <= last]
+    return [row for row in step_rows(step_log) if first <= row["start_s"] <= last]
+
+
+def step_rows(path: Path) -> list[dict[str, float]]:
+    """A profile CSV's rows (a run's steps.csv, a served step log), every column a number."""
+    with path.open(newline="") as handle:
+        return [{column: float(value) for column, value in row.items()} for row in csv.DictReader(handle)]
 
 
 def compare_steps(label: str, served: list[dict], in_process_steps: Path) -> None:
     """Print the served steps of a load beside the in-process run's of the same requests, by batch."""
-    shapes, times = read_profile_csv(in_process_steps)
-    local = [(s.num_decode, s.num_prefill, s.decode_kv_tokens, t) for s, t in zip(shapes, times, strict=True)]
-    remote = [
-        (int(r["num_decode"]), int(r["num_prefill"]), int(r["decode_kv_tokens"]), float(r["time_s"]),
-         float(r["engine_step_s"]), float(r["publish_s"]), float(r["between_s"]))
-        for r in served
-    ]  # fmt: skip
+    in_process = step_rows(in_process_steps)
 
-    def group(steps: list[tuple], lo: int | None, hi: int | None) -> list[tuple]:
+    def group(steps: list[dict], lo: int | None, hi: int | None) -> list[dict]:
         if lo is None:  # the steps with a prefill
-            return [s for s in steps if s[1] > 0]
-        return [s for s in steps if s[1] == 0 and lo <= s[0] <= hi]
+            return [s for s in steps if s["num_prefill"] > 0]
+        return [s for s in steps if s["num_prefill"] == 0 and lo <= s["num_decode"] <= hi]
 
-    def mean(steps: list[tuple], column: int, scale: float = 1e3) -> float:
-        return scale * sum(s[column] for s in steps) / len(steps)
+    def mean(steps: list[dict], column: str) -> float:
+        return sum(s[column] for s in steps) / len(steps)
 
     for lo, hi in (*DECODE_BATCHES, (None, None)):
-        here, there = group(remote, lo, hi), group(local, lo, hi)
+        here, there = group(served, lo, hi), group(in_process, lo, hi)
         if not here or not there:
             continue
         name = "with a prefill" if lo is None else f"{lo}-{hi} decodes" if hi < 1 << 30 else f"{lo}+ decodes"
+        served_ms = [1e3 * mean(here, c) for c in ("time_s", "engine_step_s", "publish_s", "between_s")]
         print(
-            f"| {label} | {name} | {len(here)}, {mean(here, 2, 1):.0f} | {mean(here, 3):.3f} | {mean(here, 4):.3f} | "
-            f"{mean(here, 5):.3f} | {mean(here, 6):.3f} | {len(there)}, {mean(there, 2, 1):.0f} | {mean(there, 3):.3f} | "
-            f"{mean(here, 3, 1) / mean(there, 3, 1):.3f} |"
+            f"| {label} | {name} | {len(here)}, {mean(here, 'decode_kv_tokens'):.0f} | "
+            + " | ".join(f"{ms:.3f}" for ms in served_ms)
+            + f" | {len(there)}, {mean(there, 'decode_kv_tokens'):.0f} | {1e3 * mean(there, 'time_s'):.3f} | "
+            f"{mean(here, 'time_s') / mean(there, 'time_s'):.3f} |"
         )
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 
 # glibc's largest M_MMAP_THRESHOLD on a 64-bit machine (HEAP_MAX_SIZE / 2): larger blocks are mapped as before
 MMAP_THRESHOLD_BYTES = 32 << 20
@@ -35,7 +34,7 @@ _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 def keep_freed_memory() -> bool:
     """Fix glibc's thresholds for this whole process (see the module's docstring); calling again changes nothing.
     True where they are set now, False where the C library is not glibc or the process's environment sets them."""
-    if not sys.platform.startswith("linux") or not _is_glibc():
+    if not _is_glibc():
         return False
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     if (
@@ -52,6 +51,7 @@ def keep_freed_memory() -> bool:
 
 
 def _is_glibc() -> bool:
+    """Whether this process runs on glibc (elsewhere, macOS or musl, the name is unknown or unset)."""
     try:
         return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
     except (ValueError, OSError):  # (the name unknown here, or not set)
