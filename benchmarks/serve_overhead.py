@@ -342,6 +342,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=4.0, help="Poisson rate of the light load (req/s)")
     parser.add_argument("--py-spy", metavar="FILE", help="sample the server's processes during the offline load")
     parser.add_argument("--py-spy-seconds", type=int, default=15)
+    parser.add_argument("--stream-interval", type=int, default=1, help="the server's (tokens a chunk after the first)")
     args = parser.parse_args()
     if args.pin:
         import torch
@@ -362,7 +363,7 @@ def main() -> None:
 
         torch.cuda.empty_cache()
     port = free_loopback_port()
-    proc = start_server(args, port, ("--request-log", args.request_log))
+    proc = start_server(args, port, ("--request-log", args.request_log, "--stream-interval", str(args.stream_interval)))
     if args.pin:
         os.sched_setaffinity(0, {1})
     remote, received = {}, {}

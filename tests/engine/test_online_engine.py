@@ -15,6 +15,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -26,7 +28,9 @@ from sloserve.engine.async_engine import (  # noqa: E402
     AsyncLLMEngine,
     EngineDeadError,
     QueueFullError,
+    ServedRequest,
     ShuttingDownError,
+    StreamDelta,
 )
 from sloserve.engine.engine_core import AddRequest, EngineCore, EngineSpec  # noqa: E402
 from sloserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -115,6 +119,10 @@ def _all_freed(online: AsyncLLMEngine) -> bool:
     return stats.kv_used_tokens == 0 and stats.kv_allocated_tokens == 0 and stats.num_running == 0
 
 
+# Each request's stream interval in the test below: each step's tokens, 3 at a time, the whole output at once
+STREAM_INTERVALS = [1, 3, None, 1, 3, None, 5, 1]
+
+
 @pytest.mark.parametrize("overlap_publish", [False, True])
 def test_streams_carry_every_token_once_and_match_offline_generation(overlap_publish):
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
@@ -126,17 +134,61 @@ def test_streams_carry_every_token_once_and_match_offline_generation(overlap_pub
 
     async def main():
         online = _online(overlap_publish=overlap_publish)
+
+        async def collect(served):  # (``_collect``, and the token counts of the deltas)
+            parts, ids, reason, sizes = [], [], None, []
+            async for delta in served:
+                sizes.append(len(delta.token_ids))
+                parts.append(delta.text)
+                ids.extend(delta.token_ids)
+                reason = delta.finish_reason
+            return "".join(parts), ids, reason, sizes
+
         try:
-            streams = [online.submit(p, s) for p, s in zip(PROMPTS, params, strict=True)]
-            return await asyncio.gather(*(_collect(s) for s in streams)), online
+            streams = [
+                online.submit(p, s, stream_interval=n)
+                for p, s, n in zip(PROMPTS, params, STREAM_INTERVALS, strict=True)
+            ]
+            return await asyncio.gather(*(collect(s) for s in streams)), online
         finally:
             await asyncio.to_thread(online.drain, 5.0)
 
     results, online = asyncio.run(main())
-    for (text, ids, reason), expected in zip(results, want, strict=True):
+    for (text, ids, reason, sizes), expected, interval in zip(results, want, STREAM_INTERVALS, strict=True):
         assert ids == expected and reason == "length"
         assert text == ByteTokenizer().decode(expected)
+        if interval is None:  # not streamed: one delta, the whole output
+            assert sizes == [len(expected)]
+        else:  # (the loop joins deltas that wait for it: never smaller ones)
+            assert all(n >= interval for n in sizes[1:-1]), sizes
     assert online.num_unfinished == 0 and _all_freed(online)
+
+
+@given(
+    sizes=st.lists(st.integers(0, 4), min_size=1, max_size=30),
+    interval=st.one_of(st.none(), st.integers(1, 6)),
+)
+def test_a_stream_interval_hands_over_every_token_once_first_at_once_then_at_least_n_at_a_time(sizes, interval):
+    """``ServedRequest.release`` on deltas of random token counts (0: a step that gave a request no
+    token), the last one ending it."""
+    served = ServedRequest(0, 0.0, [1], SamplingParams(), RequestClass.RT, SLO(), None, stream_interval=interval)
+    tokens = iter(range(1000))
+    came = [
+        StreamDelta(f"<{n}>", [next(tokens) for _ in range(n)], "length" if i == len(sizes) - 1 else None)
+        for i, n in enumerate(sizes)
+    ]
+    handed = [d for d in map(served.release, came) if d is not None]
+    assert StreamDelta.joined(handed) == StreamDelta.joined(came)  # everything, once, in order
+    assert handed[-1].finish_reason == "length" and all(d.finish_reason is None for d in handed[:-1])
+    with_tokens = [d for d in handed if d.token_ids]
+    if interval is None:
+        assert len(handed) == 1
+    elif interval == 1:
+        assert handed == came
+    elif with_tokens:
+        first = next(d for d in came if d.token_ids)
+        assert with_tokens[0].token_ids == first.token_ids  # the first token's step at once
+        assert all(len(d.token_ids) >= interval for d in handed[1:-1] if d is not with_tokens[0])
 
 
 @pytest.mark.parametrize("overlap_publish", [False, True])

@@ -91,6 +91,26 @@ def test_completions_streamed_or_not_equal_llm_generate(server, reference_llm):
     assert by_ids.choices[0].text == generate(reference_llm, ids, 8)[0]
 
 
+def test_a_stream_interval_sends_the_first_token_then_several_a_chunk_and_the_same_text(chat_model_dir, reference_llm):
+    """``serve --stream-interval 4`` (vLLM's): a streamed completion's first token in a chunk of its own, then
+    chunks of at least 4 tokens (the last of what is left), the text and tokens of the unstreamed answer."""
+    ids = reference_llm.tokenizer.encode("Hello world")
+    text, want = generate(reference_llm, ids, 11)  # (greedy: stops at EOS, where the server's requests go on)
+    s = Server(chat_model_dir, stream_interval=4)
+    try:
+        common = dict(model=MODEL, prompt=ids, max_tokens=11, temperature=0)
+        extra = {"return_token_ids": True, "ignore_eos": True}
+        chunks = [c.model_dump() for c in s.client.completions.create(**common, stream=True, extra_body=extra)]
+        whole = s.client.completions.create(**common, extra_body=extra).model_dump()["choices"][0]
+    finally:
+        s.stop()
+    sizes = [len(c["choices"][0]["token_ids"]) for c in chunks]
+    assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 11, sizes
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole["token_ids"]
+    assert whole["token_ids"][: len(want)] == list(want) and whole["text"].startswith(text)
+
+
 def test_chat_renders_the_model_template_as_transformers_does(server, reference_llm, chat_model_dir):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}]
     hf = transformers.AutoTokenizer.from_pretrained(chat_model_dir)
@@ -778,6 +798,7 @@ def test_serve_refuses_bad_settings_with_one_line_and_exit_2():
 
     assert "--set predictor=histogram" in serve("--scheduler", "econoserve")  # an oracle predictor
     assert "--rt-ttft-ms must be > 0" in serve("--rt-ttft-ms", "-3")
+    assert "--stream-interval must be >= 1, got 0" in serve("--stream-interval", "0")
     assert "disagree: give one" in serve("--scheduling-policy", "priority", "--set", "waiting_order=lpm")
     assert "scheduler bros has no option 'waiting_order'" in serve(
         "--scheduler", "bros", "--scheduling-policy", "priority"

@@ -77,12 +77,14 @@ class StreamDelta:
     logprobs: list[Logprobs] | None = None
     stop_reason: int | str | None = None  # the last delta's: the stop token id or string it ended on (vLLM's)
 
-    def then(self, later: StreamDelta) -> StreamDelta:
-        """This delta and the ``later`` one as one."""
-        logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
-        return StreamDelta(
-            self.text + later.text, self.token_ids + later.token_ids, later.finish_reason, logprobs, later.stop_reason
-        )
+    @staticmethod
+    def joined(deltas: list[StreamDelta]) -> StreamDelta:
+        """Consecutive deltas as one (their texts, tokens and log-probabilities in order; the last one's end)."""
+        last = deltas[-1]
+        with_logprobs = any(d.logprobs is not None for d in deltas)
+        logprobs = [lp for d in deltas for lp in d.logprobs or ()] if with_logprobs else None
+        token_ids = [t for d in deltas for t in d.token_ids]
+        return StreamDelta("".join(d.text for d in deltas), token_ids, last.finish_reason, logprobs, last.stop_reason)
 
 
 class ServedRequest:
@@ -90,6 +92,11 @@ class ServedRequest:
 
     Timestamps are on the engine's clock (``AsyncLLMEngine.clock``: seconds since it started; token
     times are ends of engine steps), so TTFT and TPOT mean what they mean in the simulator.
+
+    ``stream_interval``: how its deltas are handed over (``release``): 1, each step's at once; n > 1, its
+    first token at once, then at least n tokens at a time, and the last delta with whatever is left (vLLM's
+    ``--stream-interval``); None, the last delta only, the whole output as one (vLLM's FINAL_ONLY: a request
+    that is not streamed). The timestamps are the engine's whichever it is.
     """
 
     def __init__(
@@ -103,6 +110,7 @@ class ServedRequest:
         loop: asyncio.AbstractEventLoop,
         priority: int = 0,
         cache_salt: str | None = None,
+        stream_interval: int | None = 1,
     ) -> None:
         self.request_id = request_id
         self.priority = priority
@@ -113,7 +121,7 @@ class ServedRequest:
         self.request_class = request_class
         self.slo = slo
         self.submitted_unix_s = time.time()
-        self.num_output_tokens = 0  # tokens sent to the client
+        self.num_output_tokens = 0  # tokens the engine gave it (handed over, or held: ``release``)
         self.num_cached_tokens = 0  # prompt tokens the engine found in its prefix cache
         self.prompt_logprobs: list[Logprobs] | None = None  # with params.prompt_logprobs, once it has a token
         self.first_scheduled_time = math.nan  # when the engine first ran it (NaN until then)
@@ -127,6 +135,30 @@ class ServedRequest:
         self._loop = loop
         self._queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
         self.detokenizer: Detokenizer | None = None  # its text from its tokens, and its stop strings
+        self.stream_interval = stream_interval
+        self._held: _HeldDeltas | None = None  # what came and was not handed over yet (``release``)
+        self._handed_a_token = False
+
+    def release(self, delta: StreamDelta) -> StreamDelta | None:
+        """What to hand over now that ``delta`` came (from the reader thread): ``delta`` joined to those
+        held before it, or None while ``stream_interval`` holds it."""
+        interval, held = self.stream_interval, self._held
+        if interval != 1 and delta.finish_reason is None:
+            num_held = len(delta.token_ids) + (0 if held is None else len(held.token_ids))
+            if interval is None:
+                hold = True
+            else:  # NOTE: a stream's first token goes at once (the client's TTFT is the engine's), as in vLLM
+                first = bool(delta.token_ids) and not self._handed_a_token
+                hold = not first and num_held < interval
+            if hold:
+                self._held = held = held or _HeldDeltas()
+                held.add(delta)
+                return None
+        if held is not None:
+            delta = held.before(delta)
+            self._held = None
+        self._handed_a_token = self._handed_a_token or bool(delta.token_ids)
+        return delta
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -137,13 +169,41 @@ class ServedRequest:
         vLLM's output collector does when its consumer falls behind: fewer, larger chunks)."""
         queue = self._queue
         while True:
-            delta = await queue.get()
-            while delta.finish_reason is None and not queue.empty():
-                later = queue.get_nowait()
-                delta = delta.then(later)
+            ready = [await queue.get()]
+            while ready[-1].finish_reason is None and not queue.empty():
+                ready.append(queue.get_nowait())
+            delta = ready[0] if len(ready) == 1 else StreamDelta.joined(ready)
             yield delta
             if delta.finish_reason is not None:
                 return
+
+
+class _HeldDeltas:
+    """A request's deltas held back (``ServedRequest.release``), as their parts in lists that grow in place.
+
+    NOTE: not a list of the deltas: each held delta (and its token list) would outlive the young garbage
+    collections, and 200 held streams then cost the server's process a full collection (18-20 ms, the
+    loop stopped) in an offline load where it ran none; strings and ints are not tracked."""
+
+    __slots__ = ("texts", "token_ids", "logprobs")
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[Logprobs] | None = None
+
+    def add(self, delta: StreamDelta) -> None:
+        self.texts.append(delta.text)
+        self.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += delta.logprobs
+
+    def before(self, last: StreamDelta) -> StreamDelta:
+        """The held deltas, then ``last``, as one."""
+        self.add(last)
+        return StreamDelta("".join(self.texts), self.token_ids, last.finish_reason, self.logprobs, last.stop_reason)
 
 
 def _deliver(outbox: list[tuple[ServedRequest, StreamDelta]]) -> None:
@@ -291,10 +351,12 @@ class AsyncLLMEngine:
         slo: SLO = SLO(),
         priority: int = 0,
         cache_salt: str | None = None,
+        stream_interval: int | None = 1,
     ) -> ServedRequest:
         """Accept a request (call from a running event loop: its deltas go to that loop); ``priority``:
         vLLM's, for a scheduler that orders by it (the lower, the sooner); ``cache_salt``: vLLM's, its
-        prompt's cached blocks are shared only with requests of the same salt. Raises
+        prompt's cached blocks are shared only with requests of the same salt; ``stream_interval``: how
+        its deltas come (``ServedRequest``: 1 each step's, n at least n tokens at a time, None the last only). Raises
         ConfigError for a request that can never run (the message names why), QueueFullError,
         ShuttingDownError or EngineDeadError; nothing is queued then."""
         if self.error is not None:
@@ -302,6 +364,8 @@ class AsyncLLMEngine:
         if self.draining:
             raise ShuttingDownError("the server is shutting down and accepts no new requests")
         assert self.info is not None, "start() first"
+        if stream_interval is not None and not stream_interval >= 1:
+            raise ConfigError(f"stream_interval must be >= 1 or None, got {stream_interval}")
         prompt = list(prompt_token_ids)
         params = check_request(
             prompt,
@@ -329,6 +393,7 @@ class AsyncLLMEngine:
                 asyncio.get_running_loop(),
                 priority,
                 cache_salt,
+                stream_interval,
             )
             served.detokenizer = Detokenizer.for_params(self.tokenizer, params)
             self._served[request_id] = served
@@ -465,9 +530,11 @@ class AsyncLLMEngine:
                 served.finish_reason, served.finish_time = out.finish_reason, out.finish_time
                 served.error = out.error
                 ended.append(served)
-            outbox.append(
-                (served, StreamDelta(out.text, out.token_ids, out.finish_reason, out.logprobs, out.stop_reason))
+            delta = served.release(
+                StreamDelta(out.text, out.token_ids, out.finish_reason, out.logprobs, out.stop_reason)
             )
+            if delta is not None:
+                outbox.append((served, delta))
         if stats is not None:
             self.last_stats = stats
             if self.observer is not None:

@@ -82,6 +82,8 @@ class ServeOptions:
     # 15 s): a request sent on a connection as the server closes it meets a reset (one in a few hundred
     # in a loopback benchmark). A server's keep-alive must outlive its clients': nginx's 75 s.
     timeout_keep_alive_s: float = 75.0
+    # --stream-interval: a streamed choice's tokens after its first, at least this many a chunk (vLLM's)
+    stream_interval: int = 1
     # The process's start-up heap frozen while it serves (engine/gc_heap.py; SLOSERVE_FREEZE_GC, read by the CLI)
     freeze_gc: bool = True
 
@@ -121,6 +123,8 @@ def make_app(spec: EngineSpec, options: ServeOptions):
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
     if options.max_queued_requests < 1:
         raise ConfigError(f"--max-queued-requests must be >= 1, got {options.max_queued_requests}")
+    if options.stream_interval < 1:
+        raise ConfigError(f"--stream-interval must be >= 1, got {options.stream_interval}")
     if options.tool_call_parser is not None and options.tool_call_parser not in TOOL_CALL_PARSERS:
         raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
     if options.reasoning_parser is not None and options.reasoning_parser not in REASONING_PARSERS:
@@ -152,6 +156,7 @@ def make_app(spec: EngineSpec, options: ServeOptions):
         options.trust_request_chat_template,
         getattr(scheduler_config, "waiting_order", "fcfs") == "priority",
         defaults,
+        options.stream_interval,
     )
     serving = OpenAIServing(online, config, template)
     batches = None if store is None else BatchService(store, serving, options.batch_limits, metrics)

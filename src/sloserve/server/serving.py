@@ -77,6 +77,9 @@ class ServerConfig:
     # with, and max_tokens: that of one that sets none (the model's generation config:
     # checkpoint/generation_config.py; empty: the API's defaults)
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    # --stream-interval: a streamed choice's tokens after its first go out at least this many at a time
+    # (vLLM's); a choice that is not streamed is handed over whole, once it ends
+    stream_interval: int = 1
 
 
 class ModelNotFoundError(ConfigError):
@@ -673,6 +676,7 @@ class OpenAIServing:
                             slo=slo,
                             priority=body.priority,
                             cache_salt=body.cache_salt,
+                            stream_interval=self.config.stream_interval if body.stream else None,
                         )
                     )
         except BaseException:
