@@ -181,9 +181,9 @@ class ServedRequest:
 class _HeldDeltas:
     """A request's deltas held back (``ServedRequest.release``), as their parts in lists that grow in place.
 
-    NOTE: not a list of the deltas: each held delta (and its token list) would outlive the young garbage
-    collections, and 200 held streams then cost the server's process a full collection (18-20 ms, the
-    loop stopped) in an offline load where it ran none; strings and ints are not tracked."""
+    NOTE: not a list of the deltas: held deltas (each with its token list) outlive the young garbage
+    collections, and a burst of held streams then costs the server's process full collections, its loop
+    stopped (benchmarks/RESULTS.md); the strings and ints kept here are not tracked by the collector."""
 
     __slots__ = ("texts", "token_ids", "logprobs")
 
