@@ -255,8 +255,6 @@ def serve(
             )
         if scheduling_policy == "priority":
             set_options["waiting_order"] = "priority"
-    if stream_interval < 1:
-        raise ConfigError(f"--stream-interval must be >= 1, got {stream_interval}")
     if not 0 < port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {port}")
     if not (drain_timeout >= 0 and math.isfinite(drain_timeout)):

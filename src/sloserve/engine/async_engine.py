@@ -80,11 +80,10 @@ class StreamDelta:
     @staticmethod
     def joined(deltas: list[StreamDelta]) -> StreamDelta:
         """Consecutive deltas as one (their texts, tokens and log-probabilities in order; the last one's end)."""
-        last = deltas[-1]
-        with_logprobs = any(d.logprobs is not None for d in deltas)
-        logprobs = [lp for d in deltas for lp in d.logprobs or ()] if with_logprobs else None
-        token_ids = [t for d in deltas for t in d.token_ids]
-        return StreamDelta("".join(d.text for d in deltas), token_ids, last.finish_reason, logprobs, last.stop_reason)
+        held = _HeldDeltas()
+        for delta in deltas[:-1]:
+            held.add(delta)
+        return held.before(deltas[-1])
 
 
 class ServedRequest:
@@ -179,7 +178,8 @@ class ServedRequest:
 
 
 class _HeldDeltas:
-    """A request's deltas held back (``ServedRequest.release``), as their parts in lists that grow in place.
+    """Consecutive deltas of a request as their parts, in lists that grow in place, until ``before`` joins them to
+    a last one: those ``ServedRequest.release`` holds back, and ``StreamDelta.joined``'s.
 
     NOTE: not a list of the deltas: held deltas (each with its token list) outlive the young garbage
     collections, and a burst of held streams then costs the server's process full collections, its loop
