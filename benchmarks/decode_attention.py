@@ -11,9 +11,11 @@ the tile from measurements rather than reasoning.
 Each case is BATCH decodes of CONTEXT tokens each, in 16-slot blocks at random places of the cache (as
 paged), with the slot table as wide as the batch's longest context (an eager step's) or as
 --max-model-len (a CUDA graph's: ``decode_splits`` counts its splits over the table's width, and a
-split past a short context reads nothing). Every variant's output is checked against one split's. The
-table gives per case the fastest variant, ``decode_splits``' pick at the default tile and one split: the
-time of one layer's call (the KV write, the kernel, the combine) and the KV bytes read over it.
+split past a short context reads nothing). ``decode_splits``' pick at the default tile runs twice: its
+splits merged by the combine kernel, and by the decode kernel's last split (``combine_splits_in_kernel``;
+"k" in the table: one launch fewer). Every variant's output is checked against one split's. The table
+gives per case the fastest variant, the pick (both ways) and one split: the time of one layer's call (the
+KV write, the kernel, the combine) and the KV bytes read over it.
 
 On CUDA a variant is timed as the engine's decode graphs run it: calls on copies of the KV cache (an
 engine's layers, each with its own, at least ``ROTATED_BYTES`` read in all, so that no call finds the one
@@ -104,8 +106,8 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.smoke:
         args.cases, args.max_model_len, args.splits, args.block_n, args.heads = (
-            "1x128,2x100",
-            256,
+            "1x128,2x300",
+            512,
             "1,2,4",
             "16,64",
             "4,2,16",
@@ -141,37 +143,44 @@ def main() -> None:
                 for _ in range(copies - 1)
             ]
             times, reference = {}, None
-            for tile in tiles:
-                for splits in split_counts:
-                    if splits > 1 and splits * tile > width:  # (the same work as fewer splits)
-                        continue
-                    backend = TritonAttention(block_n=tile, num_decode_splits=splits, dense_prefill_min_tokens=None)
-
-                    calls = [partial(backend.forward, q, k, v, *kv, meta, value_dim=value_dim) for kv in caches]
-                    out = calls[0]().float()
-                    if reference is None:
-                        reference = out
-                    error = float((out - reference).norm() / reference.norm())
-                    assert error < 2e-2 and not out.isnan().any(), (
-                        f"{case} width {width}: {splits} splits, tile {tile}: {error}"
-                    )
-                    times[splits, tile] = graphed_median_s(calls, device, rep_ms=40)
             picked = decode_splits(batch, heads[1], width, multiprocessors(device))
-            (best_splits, best_tile), best = min(times.items(), key=lambda item: item[1])
-            rows.append((batch, context, width, best_splits, best_tile, best, picked, times.get((picked, default_tile)),
-                         times.get((1, default_tile)), kv_bytes))  # fmt: skip
+            variants = [(splits, tile, False) for tile in tiles for splits in split_counts]
+            variants += [(picked, default_tile, True)] if picked > 1 else []
+            for splits, tile, in_kernel in variants:
+                if splits > 1 and splits * tile > width:  # (the same work as fewer splits)
+                    continue
+                backend = TritonAttention(
+                    block_n=tile,
+                    num_decode_splits=splits,
+                    dense_prefill_min_tokens=None,
+                    combine_splits_in_kernel=in_kernel,
+                )
+                calls = [partial(backend.forward, q, k, v, *kv, meta, value_dim=value_dim) for kv in caches]
+                out = calls[0]().float()
+                if reference is None:
+                    reference = out
+                error = float((out - reference).norm() / reference.norm())
+                assert error < 2e-2 and not out.isnan().any(), (
+                    f"{case} width {width}: {splits} splits, tile {tile}, in kernel {in_kernel}: {error}"
+                )
+                times[splits, tile, in_kernel] = graphed_median_s(calls, device, rep_ms=40)
+            best_variant, best = min(times.items(), key=lambda item: item[1])
+            rows.append((batch, context, width, best_variant, best, picked, times.get((picked, default_tile, False)),
+                         times.get((picked, default_tile, True)), times.get((1, default_tile, False)), kv_bytes))  # fmt: skip
 
     def us(t: float | None) -> str:
         return "-" if t is None else f"{t * 1e6:.1f}"
 
-    print(f"\n{'batch':>5} {'context':>7} {'table':>6} {'best':>11} {'us':>8} {'GB/s':>7} {'picked':>6} {'us':>8} "
-          f"{'1 split us':>10} {'best gain':>9}")  # fmt: skip
-    for batch, context, width, splits, tile, best, picked, t_picked, t_one, kv_bytes in rows:
+    print(f"\n{'batch':>5} {'context':>7} {'table':>6} {'best':>12} {'us':>8} {'GB/s':>7} {'picked':>6} {'us':>8} "
+          f"{'k us':>8} {'1 split us':>10} {'best gain':>9}")  # fmt: skip
+    for batch, context, width, (splits, tile, in_kernel), best, picked, t_picked, t_in_kernel, t_one, kv_bytes in rows:
         gain = "-" if t_one is None else f"{t_one / best:.2f}x"
-        print(f"{batch:>5} {context:>7} {width:>6} {f'{splits} x {tile}':>11} {us(best):>8} "
-              f"{kv_bytes / best / 1e9:>7.0f} {picked:>6} {us(t_picked):>8} {us(t_one):>10} {gain:>9}")  # fmt: skip
+        best_name = f"{splits} x {tile}{' k' if in_kernel else ''}"
+        print(f"{batch:>5} {context:>7} {width:>6} {best_name:>12} {us(best):>8} {kv_bytes / best / 1e9:>7.0f} "
+              f"{picked:>6} {us(t_picked):>8} {us(t_in_kernel):>8} {us(t_one):>10} {gain:>9}")  # fmt: skip
     print(
-        f"(best: splits x BLOCK_N; picked: decode_splits' count at BLOCK_N {default_tile}; "
+        f"(best: splits x BLOCK_N, k: merged in the decode kernel; picked: decode_splits' count at BLOCK_N "
+        f"{default_tile}, merged by the combine kernel (us) and in the decode kernel (k us); "
         f"{multiprocessors(device)} multiprocessors; KV bytes {math.prod(heads[1:])} x {2 - bool(value_dim)} x context "
         "x batch x itemsize; a wide head's tile is cut to triton_attention.TILE_NUMBERS)"
     )

@@ -143,20 +143,23 @@ def test_triton_backend_gives_hf_greedy_tokens(hf_dirs, arch, scheduler, options
         assert llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("in_kernel", ["0", "1"], ids=["combine_kernel", "combined_in_kernel"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_split_decodes_give_hf_greedy_tokens(hf_dirs, arch, monkeypatch):
+def test_split_decodes_give_hf_greedy_tokens(hf_dirs, arch, in_kernel, monkeypatch):
     """Flash decoding (each decode's context in 3 splits, forced) through the whole engine, a sliding
-    window too: HF's greedy tokens."""
+    window too, the splits merged by a second kernel or by the decode kernel's last split
+    (``SLOSERVE_COMBINE_SPLITS_IN_KERNEL``): HF's greedy tokens."""
     pytest.importorskip("triton")
     from sloserve.engine import triton_attention
 
     monkeypatch.setattr(triton_attention, "_SPLITS_SETTING", "3")
+    monkeypatch.setenv("SLOSERVE_COMBINE_SPLITS_IN_KERNEL", in_kernel)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokens, llm = greedy_tokens(
         hf_dirs[arch], "sarathi", attention_backend="triton", device=device, prefill_token_budget=8, block_size=4
     )
     backend = next(m.backend for m in llm.loaded.model.modules() if hasattr(m, "backend"))
-    assert backend.num_decode_splits == 3
+    assert backend.num_decode_splits == 3 and backend.combine_splits_in_kernel is (in_kernel == "1")
     assert tokens == reference(arch)
 
 

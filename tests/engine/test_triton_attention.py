@@ -65,6 +65,7 @@ def check_against_reference(
     value_dim: int | None = None,
     chunk: int | None = None,
     alibi: torch.Tensor | None = None,
+    combine_in_kernel: bool = False,
 ) -> float:
     """Run the Triton backend on ``step`` cast to ``dtype``; assert its cache writes are the
     reference's and return its relative error against the float64 reference. ``value_dim``: keys only
@@ -80,7 +81,11 @@ def check_against_reference(
     real_empty_like = torch.empty_like
     monkeypatch.setattr(triton_attention.torch, "empty_like", lambda x: real_empty_like(x).fill_(math.nan))
     backend = triton_attention.TritonAttention(
-        block_m=block, block_n=block, num_decode_splits=splits, dense_prefill_min_tokens=dense_from
+        block_m=block,
+        block_n=block,
+        num_decode_splits=splits,
+        dense_prefill_min_tokens=dense_from,
+        combine_splits_in_kernel=combine_in_kernel,
     )
     out = backend.forward(
         q.to(DEVICE, dtype),
@@ -395,6 +400,120 @@ def test_the_split_setting_comes_from_the_environment(monkeypatch):
         triton_attention.TritonAttention()
 
 
+def test_the_combine_setting_comes_from_the_environment(monkeypatch):
+    """Split decodes are merged in the decode kernel only with SLOSERVE_COMBINE_SPLITS_IN_KERNEL=1; a bad value
+    is one clear error."""
+    monkeypatch.delenv("SLOSERVE_COMBINE_SPLITS_IN_KERNEL", raising=False)
+    assert not triton_attention.TritonAttention().combine_splits_in_kernel
+    for setting, on in (("0", False), ("1", True)):
+        monkeypatch.setenv("SLOSERVE_COMBINE_SPLITS_IN_KERNEL", setting)
+        assert triton_attention.TritonAttention().combine_splits_in_kernel is on
+    monkeypatch.setenv("SLOSERVE_COMBINE_SPLITS_IN_KERNEL", "yes")
+    with pytest.raises(ConfigError, match="SLOSERVE_COMBINE_SPLITS_IN_KERNEL must be 0 or 1, got 'yes'"):
+        triton_attention.TritonAttention()
+
+
+# (heads, head dim, decodes' cached tokens, splits, the layer's options): GQA, a group cut in blocks of 16
+# heads (MLA's latent, keys only), a window, sinks, ALiBi, contexts shorter than some splits
+COMBINE_CASES = [
+    ((8, 2), 32, [0, 3, 130, 64, 700], 4, {}),
+    ((4, 4), 16, [5, 200], 8, {"window": 40}),
+    ((7, 1), 32, [90, 1, 300], 3, {"sinks": True}),
+    ((4, 2), 16, [33, 260], 5, {"alibi": True}),
+    ((32, 1), 48, [2, 150, 70], 3, {"value_dim": 32}),
+]
+
+
+@pytest.mark.parametrize(("heads", "head_dim", "decodes", "splits", "layer"), COMBINE_CASES)
+def test_splits_merged_in_the_decode_kernel_give_the_combine_kernels_output(
+    monkeypatch, heads, head_dim, decodes, splits, layer
+):
+    """The decode kernel's last split to finish merges a decode's splits (``COMBINE_IN_KERNEL``): the output
+    the combine kernel gives (bit for bit in the interpreter; on CUDA within the reference's tolerance, the
+    same math in another kernel), the cache writes the same, and the counters zero again after each call, so
+    the next call (another layer's) reuses them; no combine kernel launched."""
+    gen = torch.Generator().manual_seed(sum(decodes) + splits)
+    dtype = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
+    q, k, v, k_cache, v_cache, meta = make_step(gen, *heads, head_dim, [], decodes, num_slots=1500)
+    value_dim = layer.get("value_dim")
+    if value_dim is not None:
+        v = v_cache = None
+    options = {
+        "window": layer.get("window"),
+        "value_dim": value_dim,
+        "sinks": torch.randn(heads[0], generator=gen).to(DEVICE, dtype) if layer.get("sinks") else None,
+        "alibi": torch.rand(heads[0], generator=gen).to(DEVICE) if layer.get("alibi") else None,
+    }
+    combines = []
+    real_combine = triton_attention._combine_splits_kernel
+
+    class CountedCombine:  # (the kernel's launches, ``kernel[grid](...)``, counted)
+        def __getitem__(self, grid):
+            combines.append(grid)
+            return real_combine[grid]
+
+    monkeypatch.setattr(triton_attention, "_combine_splits_kernel", CountedCombine())
+
+    def run(backend):
+        caches = [_to_device(x, dtype) for x in (k_cache, v_cache)]
+        out = backend.forward(
+            q.to(DEVICE, dtype), k.to(DEVICE, dtype), _to_device(v, dtype), *caches, _to(meta, DEVICE), **options
+        )
+        return [out.cpu()] + [x.cpu() for x in caches if x is not None]
+
+    by_kernel = run(triton_attention.TritonAttention(block_n=16, num_decode_splits=splits))
+    assert len(combines) == 1
+    backend = triton_attention.TritonAttention(block_n=16, num_decode_splits=splits, combine_splits_in_kernel=True)
+    in_kernel = run(backend)
+    counters = backend.split_counters.zeros(1, DEVICE)
+    assert len(combines) == 1 and not counters.any()
+    again = run(backend)
+    assert backend.split_counters.zeros(1, DEVICE) is counters and not counters.any()
+    if DEVICE.type == "cpu":
+        assert torch.equal(in_kernel[0], by_kernel[0])
+    else:
+        torch.testing.assert_close(in_kernel[0], by_kernel[0])
+    assert all(torch.equal(a, b) for a, b in zip(in_kernel[1:], by_kernel[1:], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(in_kernel, again, strict=True))
+
+
+def test_split_counters_grow_and_keep_every_tensor_made():
+    """One zeroed tensor serves every launch that fits in it; a larger launch gets a new one, at least twice the
+    size, and the old one stays alive (a CUDA graph may replay on it)."""
+    counters = triton_attention.SplitCounters()
+    cpu = torch.device("cpu")
+    first = counters.zeros(24, cpu)
+    assert first.dtype == torch.int32 and first.numel() == 24 and not first.any()
+    assert counters.zeros(10, cpu) is first and counters.zeros(24, cpu) is first
+    second = counters.zeros(25, cpu)
+    assert second.numel() == 48 and not second.any() and counters.zeros(30, cpu) is second
+    assert counters.zeros(100, cpu).numel() == 100
+    assert [t.numel() for t in counters._made] == [24, 48, 100]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_on_cuda_splits_merged_in_the_decode_kernel_replay_in_a_cuda_graph():
+    """Captured in a CUDA graph (as the decode graphs run it) and replayed on new queries, the decode kernel
+    that merges its own splits gives the eager call's output each time: the counters it left zero are the ones
+    the graph replays on."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, k_cache, v_cache, meta = (
+        x.to(DEVICE, torch.bfloat16) if torch.is_tensor(x) else x
+        for x in make_step(gen, 32, 8, 128, [], [1000, 17, 4000, 300], num_slots=6000)
+    )
+    meta = _to(meta, DEVICE)
+    backend = triton_attention.TritonAttention(num_decode_splits=None, combine_splits_in_kernel=True)
+    backend.forward(q, k, v, k_cache, v_cache, meta)  # (warm-up: the kernels compiled, the counters made)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, k_cache, v_cache, meta)
+    for seed in range(3):
+        q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, q.dtype))
+        graph.replay()
+        assert torch.equal(out, backend.forward(q, k, v, k_cache, v_cache, meta))
+    assert not backend.split_counters.zeros(1, DEVICE).any()
+
+
 def test_how_many_splits_a_decode_batch_gets():
     """Enough (decode, KV head, split) programs to fill an H200's 132 multiprocessors twice, no split
     under MIN_SPLIT_TOKENS context tokens, none once the batch fills the GPU by itself."""
@@ -473,16 +592,22 @@ def test_mla_decodes_split_by_the_programs_their_heads_take(monkeypatch):
     block=st.sampled_from([16, 32]),
     local=st.one_of(st.none(), st.tuples(st.sampled_from(["window", "chunk"]), st.integers(1, 80))),
     splits=st.sampled_from([None, 1, 2, 5]),
+    combine_in_kernel=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_any_step_matches_the_reference(heads, head_dim, prefills, decodes, block, local, splits, seed):
-    """Any step, in a sliding window or chunks (Llama 4's local layers) of any length, or neither."""
+def test_any_step_matches_the_reference(
+    heads, head_dim, prefills, decodes, block, local, splits, combine_in_kernel, seed
+):
+    """Any step, in a sliding window or chunks (Llama 4's local layers) of any length, or neither; split
+    decodes merged by either kernel."""
     if not prefills and not decodes:
         return
     option = {} if local is None else {local[0]: local[1]}
     with pytest.MonkeyPatch.context() as monkeypatch:
         step = make_step(torch.Generator().manual_seed(seed), *heads, head_dim, prefills, decodes, num_slots=800)
-        error = check_against_reference(monkeypatch, step, torch.float32, block, splits=splits, **option)
+        error = check_against_reference(
+            monkeypatch, step, torch.float32, block, splits=splits, combine_in_kernel=combine_in_kernel, **option
+        )
         assert error < TOLERANCE[torch.float32]
 
 

@@ -1,7 +1,8 @@
 """Switches for the engine's features written without a GPU (issue 43), one environment variable each,
 read when the part that uses it is built. Off until a GPU session has checked and timed it
 (``benchmarks/gpu_session.sh`` turns it on): SLOSERVE_COMPILE_PIECES (``piecewise_graphs_for``) and
-SLOSERVE_OVERLAP_ATTENTION (TritonAttention: a mixed step's prefill attention on a second stream). On since
+SLOSERVE_OVERLAP_ATTENTION (TritonAttention: a mixed step's prefill attention on a second stream) and
+SLOSERVE_COMBINE_SPLITS_IN_KERNEL (TritonAttention: split decodes merged by the decode kernel). On since
 one did, unless set to 0: SLOSERVE_ASYNC_SCHEDULING (``LLMEngine``, on CUDA) and SLOSERVE_FUSED_KERNELS
 (``load_model``) since 2026-11-29; SLOSERVE_DENSE_PREFILL (TritonAttention), SLOSERVE_PIECEWISE_GRAPHS
 (``piecewise_graphs_for``, with CUDA graphs), SLOSERVE_OVERLAP_PUBLISH (``EngineCore``, on CUDA) and

@@ -12,7 +12,9 @@ bidirectional) works unchanged, as with the PyTorch reference (``attention.Torch
   With one split it writes the output; with several (flash decoding: a few long contexts would
   otherwise leave most of the GPU idle, one program per KV head walking thousands of tokens) each
   split writes its unnormalized sums, and ``_combine_splits_kernel`` merges them, rescaling each
-  split's sums by ``exp2(m_split - m_max)`` (``decode_splits`` picks how many).
+  split's sums by ``exp2(m_split - m_max)`` (``decode_splits`` picks how many); or, with
+  ``COMBINE_IN_KERNEL`` (SLOSERVE_COMBINE_SPLITS_IN_KERNEL=1), the last split of a (decode, block of heads)
+  to finish merges them itself, found by an atomic count (``SplitCounters``): one launch fewer a layer.
 - ``_prefill_kernel``: one program per (prefill sequence, tile of ``BLOCK_M`` query tokens, head).
   A chunk of ``c`` tokens after ``n - c`` cached ones sits at positions ``n - c .. n - 1`` and query
   ``i`` sees keys ``0 .. n - c + i`` (the bottom-right causal mask of chunked prefill); key tiles
@@ -236,6 +238,7 @@ def _decode_kernel(
     split_acc_ptr,  # (B, nh, NUM_SPLITS, vd) float32: each split's unnormalized sum (NUM_SPLITS > 1)
     split_max_ptr,  # (B, nh, NUM_SPLITS) float32: its running max m (log2 units)
     split_sum_ptr,  # (B, nh, NUM_SPLITS) float32: its sum l of exp2(score - m)
+    splits_done_ptr,  # (B * programs along axis 1,) int32 zeros: the splits done of each (COMBINE_IN_KERNEL only)
     token_index_ptr,  # (B,) flat token of each decode
     sinks_ptr,  # (nh,) float32 each head's sink logit, log2 units (SINKS only)
     alibi_ptr,  # (nh,) float32 each head's ALiBi slope, log2 units (ALIBI only)
@@ -262,6 +265,8 @@ def _decode_kernel(
     TAIL_PAD: tl.constexpr,  # hd - vd rounded up to a power of two >= 16; 0 when hd == vd
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,  # partitions of each context, one program each
+    SPLITS_PAD: tl.constexpr,  # NUM_SPLITS rounded up to a power of two
+    COMBINE_IN_KERNEL: tl.constexpr,  # the last split to finish merges the splits (NUM_SPLITS > 1)
     INPUT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,  # a logit per head joins the softmax (gpt-oss)
@@ -351,6 +356,63 @@ def _decode_kernel(
         tl.store(split_acc_ptr + row[:, None] * VALUE_DIM + d[None, :], acc, mask=store_ok)
         tl.store(split_max_ptr + row, m_i, mask=g_ok)
         tl.store(split_sum_ptr + row, l_i, mask=g_ok)
+        if COMBINE_IN_KERNEL:
+            # Count this split done: every thread's stores above come first (the barrier), and the count's
+            # release makes them visible to whichever program counts last, whose acquire reads them.
+            tl.debug_barrier()
+            counter = splits_done_ptr + seq * tl.num_programs(1) + tl.program_id(1)
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == NUM_SPLITS - 1:  # the last of this (decode, block of heads) merges its splits
+                tl.store(counter, 0)  # NOTE: zero again for the next launch (the counters are reused)
+                first_g = tl.program_id(1) % head_blocks * BLOCK_H
+                for i in range(0, tl.minimum(BLOCK_H, GROUP - first_g)):
+                    head = kv_head * GROUP + first_g + i
+                    _merge_splits(
+                        out_ptr + token * stride_o_token + head * stride_o_head,
+                        split_acc_ptr,
+                        split_max_ptr,
+                        split_sum_ptr,
+                        (seq * num_heads + head) * NUM_SPLITS,
+                        VALUE_DIM,
+                        VALUE_DIM_PAD,
+                        NUM_SPLITS,
+                        SPLITS_PAD,
+                        ".cg",  # NOTE: past the L1 cache, which is not kept coherent with other programs' stores
+                    )
+
+
+@triton.jit
+def _merge_splits(
+    out_ptr,  # (vd,) one output row: a decode's head
+    split_acc_ptr,  # (B, nh, NUM_SPLITS, vd) float32
+    split_max_ptr,  # (B, nh, NUM_SPLITS) float32
+    split_sum_ptr,  # (B, nh, NUM_SPLITS) float32
+    first_row,  # that head's first split's row, (seq * nh + head) * NUM_SPLITS
+    VALUE_DIM: tl.constexpr,
+    VALUE_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    CACHE: tl.constexpr,  # the loads' cache modifier
+):
+    """A decode head's splits' softmax sums merged as one online-softmax step, out = sum_s w_s acc_s /
+    sum_s w_s l_s with w_s = exp2(m_s - max_s m_s)."""
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, VALUE_DIM_PAD)
+    s_ok = s < NUM_SPLITS
+    d_ok = d < VALUE_DIM
+    row = first_row + s  # (SPLITS_PAD,)
+    m = tl.load(split_max_ptr + row, mask=s_ok, other=float("-inf"), cache_modifier=CACHE)  # (SPLITS_PAD,)
+    l = tl.load(split_sum_ptr + row, mask=s_ok, other=0.0, cache_modifier=CACHE)
+    acc = tl.load(
+        split_acc_ptr + row[:, None] * VALUE_DIM + d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+        cache_modifier=CACHE,
+    )  # (SPLITS_PAD, VALUE_DIM_PAD)
+    m_max = tl.max(m, 0)  # finite: split 0 read at least the decode's own token
+    w = tl.exp2(m - m_max)  # (SPLITS_PAD,) 0 for the splits that read nothing
+    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)  # (VALUE_DIM_PAD,)
+    tl.store(out_ptr + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit
@@ -367,23 +429,22 @@ def _combine_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # NUM_SPLITS rounded up to a power of two
 ):
-    """One program per (decode, query head): the splits' softmax sums merged as one online-softmax
-    step, out = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp2(m_s - max_s m_s)."""
+    """One program per (decode, query head): its splits merged (``_merge_splits``)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     token = tl.load(token_index_ptr + seq)
-    s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, VALUE_DIM_PAD)
-    s_ok = s < NUM_SPLITS
-    d_ok = d < VALUE_DIM
-    row = (seq * tl.num_programs(1) + head) * NUM_SPLITS + s  # (SPLITS_PAD,)
-    m = tl.load(split_max_ptr + row, mask=s_ok, other=float("-inf"))  # (SPLITS_PAD,)
-    l = tl.load(split_sum_ptr + row, mask=s_ok, other=0.0)
-    acc = tl.load(split_acc_ptr + row[:, None] * VALUE_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    m_max = tl.max(m, 0)  # finite: split 0 read at least the decode's own token
-    w = tl.exp2(m - m_max)  # (SPLITS_PAD,) 0 for the splits that read nothing
-    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)  # (VALUE_DIM_PAD,)
-    tl.store(out_ptr + token * stride_o_token + head * stride_o_head + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    _merge_splits(
+        out_ptr + token * stride_o_token + head * stride_o_head,
+        split_acc_ptr,
+        split_max_ptr,
+        split_sum_ptr,
+        (seq * tl.num_programs(1) + head) * NUM_SPLITS,
+        VALUE_DIM,
+        VALUE_DIM_PAD,
+        NUM_SPLITS,
+        SPLITS_PAD,
+        "",
+    )
 
 
 @triton.jit
@@ -577,6 +638,33 @@ class SideStream:
         torch.cuda.current_stream(device).wait_stream(self._streams[device])
 
 
+class SplitCounters:
+    """Zeroed int32 counters on each device, one per decode program's (decode, block of heads), for the decode
+    kernel's last split to find itself (``COMBINE_IN_KERNEL``). The kernel leaves them zero again, so one
+    tensor serves every launch; it is made anew, larger, only when a launch needs more.
+
+    NOTE: every tensor made is kept for the backend's life: a CUDA graph captured with one replays on it after
+    a larger one has replaced it. None is made during a capture, which would record its zeroing, not run it:
+    the warm-up runs before each capture (``cuda_graphs.capture_graph``) make the one it needs."""
+
+    def __init__(self) -> None:
+        self._latest: dict[torch.device, torch.Tensor] = {}
+        self._made: list[torch.Tensor] = []
+
+    def zeros(self, count: int, device: torch.device) -> torch.Tensor:
+        """At least ``count`` counters on ``device``, all zero between launches."""
+        counters = self._latest.get(device)
+        if counters is None or counters.numel() < count:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"{count} split counters needed in a CUDA graph's capture; a warm-up run must make them first"
+                )
+            size = max(count, 2 * (0 if counters is None else counters.numel()))
+            counters = self._latest[device] = torch.zeros(size, dtype=torch.int32, device=device)
+            self._made.append(counters)
+        return counters
+
+
 def _pow2_at_least_16(x: int) -> int:
     return max(MIN_DOT_DIM, triton.next_power_of_2(x))
 
@@ -654,6 +742,7 @@ class TritonAttention(AttentionBackend):
         dense_prefill_min_tokens: int | None | Literal["env"] = "env",
         dense_prefill_sdpa: str = "env",
         overlap_prefill_decode: bool | Literal["env"] = "env",
+        combine_splits_in_kernel: bool | Literal["env"] = "env",
     ) -> None:
         # Tile sizes: query tokens per prefill program, context tokens per step of either kernel.
         # NOTE: FlashAttention-2's Triton defaults for head_dim 64-128; tune them on the GPU.
@@ -686,6 +775,12 @@ class TritonAttention(AttentionBackend):
             overlap_prefill_decode = switch("SLOSERVE_OVERLAP_ATTENTION")
         self.overlap_prefill_decode = overlap_prefill_decode
         self.side_stream = SideStream()
+        # Split decodes merged by the decode kernel's last split to finish rather than by a second kernel
+        # (``SplitCounters``); "env": SLOSERVE_COMBINE_SPLITS_IN_KERNEL (off unless 1: not timed on a GPU yet)
+        if combine_splits_in_kernel == "env":
+            combine_splits_in_kernel = switch("SLOSERVE_COMBINE_SPLITS_IN_KERNEL")
+        self.combine_splits_in_kernel = combine_splits_in_kernel
+        self.split_counters = SplitCounters()
 
     def forward(
         self,
@@ -790,6 +885,8 @@ class TritonAttention(AttentionBackend):
                 num_decodes, head_programs, table.shape[1], multiprocessors(q.device)
             )
             split_acc = split_max = split_sum = out  # unused with one split
+            in_kernel = splits > 1 and self.combine_splits_in_kernel
+            splits_done = self.split_counters.zeros(num_decodes * head_programs, q.device) if in_kernel else out
             if splits > 1:
                 split_acc = torch.empty(
                     (num_decodes, num_heads, splits, value_dim), dtype=torch.float32, device=q.device
@@ -804,6 +901,7 @@ class TritonAttention(AttentionBackend):
                 split_acc,
                 split_max,
                 split_sum,
+                splits_done,
                 meta.decode_token_index,
                 sinks_log2,
                 alibi_log2,
@@ -817,9 +915,11 @@ class TritonAttention(AttentionBackend):
                 softcap_log2,
                 BLOCK_H=block_h,
                 NUM_SPLITS=splits,
+                SPLITS_PAD=triton.next_power_of_2(splits),
+                COMBINE_IN_KERNEL=in_kernel,
                 **settings,
             )
-            if splits > 1:
+            if splits > 1 and not in_kernel:
                 _combine_splits_kernel[(num_decodes, num_heads)](
                     out,
                     split_acc,
