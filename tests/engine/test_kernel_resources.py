@@ -1,0 +1,64 @@
+"""Every Triton kernel the engine launches compiles for a Hopper GPU, checked on a machine without one:
+``benchmarks/kernel_resources.py`` has Triton's own JIT compile the engine's launches (Llama-3-8B's shapes and
+other models' layer options, bf16) for sm_90, nothing run. Triton's interpreter, which the other kernel tests
+run here, executes the kernels' code with numpy and never meets the compiler: a kernel that it runs but the
+compiler refuses, or whose program needs more shared memory or registers than a multiprocessor has (a launch
+that fails with "out of resources" on the GPU), is found here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = {
+    "_decode_kernel",
+    "_combine_splits_kernel",
+    "_prefill_kernel",
+    "_add_rms_norm_kernel",
+    "_silu_and_mul_kernel",
+    "_rotary_kernel",
+    "_write_kv_kernel",
+    "_expert_matmul_kernel",
+}
+
+
+def _has_nvidia_tools() -> bool:
+    try:
+        from triton import knobs
+
+        return os.path.exists(knobs.nvidia.ptxas.path) and os.path.exists(knobs.nvidia.cuobjdump.path)
+    except Exception:  # (a Triton without its NVIDIA backend)
+        return False
+
+
+@pytest.mark.skipif(not _has_nvidia_tools(), reason="Triton's NVIDIA backend (ptxas, cuobjdump)")
+def test_every_kernel_compiles_for_hopper_and_fits_a_multiprocessor():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert {row["kernel"] for row in rows} == KERNELS
+    for row in rows:  # each launches on an H100 or H200: at least one program a multiprocessor
+        assert row["programs_an_sm"] >= 1 and row["registers"] <= 255 and row["shared_bytes"] <= 227 * 1024, row
+    by_case = {}
+    for row in rows:
+        by_case.setdefault(row["case"], set()).add(row["kernel"])
+    # the splits merged by the decode kernel: no combine kernel (a decode kernel of its own specialization)
+    assert by_case["llama: 4 splits merged in the kernel"] == {"_decode_kernel"}
+    assert "_combine_splits_kernel" in by_case["llama: decodes in 4 splits"]
