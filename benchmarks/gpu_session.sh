@@ -22,6 +22,7 @@
 #                                             # decode step's kernels (torch.profiler); then
 #                                             # async_scheduling.py: offline batches of 64 and 256, on / off
 #   bash benchmarks/gpu_session.sh kernels    # kernels alone: decode_attention.py (split count and tile),
+#                                             # prefill_attention.py (tile, warps and stages),
 #                                             # input_copies.py (a decode step's input copies on the host),
 #                                             # fused_ops.py (the fused elementwise kernels, by warps),
 #                                             # decode_attention.py on DeepSeek-V2-Lite's latent (MLA),
@@ -109,6 +110,8 @@ speed=() fidelity=() layers=32 requests=300
 compile=(--batch-sizes '' --prefill '' --long-batch 0 --profile-kernels '' --no-ceilings --compile-pieces)
 async_ab=(--batches 64,256 --prompt-len 128 --output-len 128 --repeats 2)
 decode_attention=()
+# The mixed step's chunk (512 after 1,024 cached), a fresh 1K prompt, a long prompt's last chunk
+prefill_attention=(--cases 1024+512,0+1024,3072+1024)
 # DeepSeek-V2-Lite's 16 query heads on its one 576-number latent key (keys only)
 mla_attention=(--mla 16 --cases 1x1024,1x8192,8x32768,64x1024,256x1024 --splits 1,2,4,8,16,32)
 moe_layer=()
@@ -127,6 +130,7 @@ if [[ ${SMOKE:-0} == 1 ]]; then
   speed=(--batch-sizes 1,8 --kv-len 64 --long-context 512 --long-batch 2 --mixed 64:128:8 --prefill 256
     --small-prompts 64 --repeats 2 --gpu h200 --rates 4.24,685)
   decode_attention=(--smoke)
+  prefill_attention=(--smoke)
   mla_attention=(--smoke --mla 4)
   moe_layer=(--smoke)
   input_copies=(--smoke)
@@ -181,6 +185,9 @@ case "${1:-}" in
   kernels)
     # Flash decoding's split count and tile, the decode attention alone (added 2026-11-29, about 50 s)
     python3 benchmarks/decode_attention.py "${decode_attention[@]}" 2>&1 | tee -a "$log"
+    # The prefill kernel's tile, warps and stages, its attention alone (added 2026-12-06, about 60 s): the mixed
+    # step's chunk took 1.4 ms at about 245 TFLOP/s on 2026-12-04
+    python3 benchmarks/prefill_attention.py "${prefill_attention[@]}" 2>&1 | tee -a "$log"
     # A decode step's input copies on the host (added 2026-12-04, about 15 s): where the served engine's 11-13%
     # of py-spy samples in copy_to_device went, and whether InputStaging's copies cost less on the host
     python3 benchmarks/input_copies.py "${input_copies[@]}" 2>&1 | tee -a "$log"

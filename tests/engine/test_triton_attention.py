@@ -477,6 +477,31 @@ def test_splits_merged_in_the_decode_kernel_give_the_combine_kernels_output(
     assert all(torch.equal(a, b) for a, b in zip(in_kernel, again, strict=True))
 
 
+@pytest.mark.parametrize(("warps", "stages", "block_m"), [(4, None, 64), (8, 2, 128)])
+def test_the_prefill_kernel_launches_with_the_backends_warps_and_stages(monkeypatch, warps, stages, block_m):
+    """``prefill_num_warps`` and ``prefill_num_stages`` reach the prefill kernel's launch (None: Triton's stages);
+    a program's query rows grow with its warps: 128 rows of 128-wide heads at 8 warps (two warpgroups), cut to 64
+    at 4 (``TILE_NUMBERS``). The reference's output either way."""
+    launches = []
+    real_prefill = triton_attention._prefill_kernel
+
+    class RecordedPrefill:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs) or real_prefill[grid](*args, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "_prefill_kernel", RecordedPrefill())
+    q, k, v, k_cache, v_cache, meta = make_step(torch.Generator().manual_seed(2), 4, 2, 128, [(10, 20)], [], 64)
+    want = TorchAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta)
+    backend = triton_attention.TritonAttention(
+        block_m=128, dense_prefill_min_tokens=None, prefill_num_warps=warps, prefill_num_stages=stages
+    )
+    got = backend.forward(*(x.to(DEVICE, torch.float32) for x in (q, k, v, k_cache, v_cache)), _to(meta, DEVICE))
+    assert [(launch["BLOCK_M"], launch["num_warps"], launch.get("num_stages")) for launch in launches] == [
+        (block_m, warps, stages)
+    ]
+    assert float((got.cpu().double() - want).norm() / want.norm()) < TOLERANCE[torch.float32]
+
+
 def test_split_counters_grow_and_keep_every_tensor_made():
     """One zeroed tensor serves every launch that fits in it; a larger launch gets a new one, at least twice the
     size, and the old one stays alive (a CUDA graph may replay on it)."""

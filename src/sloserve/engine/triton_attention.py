@@ -743,11 +743,18 @@ class TritonAttention(AttentionBackend):
         dense_prefill_sdpa: str = "env",
         overlap_prefill_decode: bool | Literal["env"] = "env",
         combine_splits_in_kernel: bool | Literal["env"] = "env",
+        prefill_num_warps: int = 4,
+        prefill_num_stages: int | None = None,
     ) -> None:
         # Tile sizes: query tokens per prefill program, context tokens per step of either kernel.
         # NOTE: FlashAttention-2's Triton defaults for head_dim 64-128; tune them on the GPU.
         self.block_m = block_m
         self.block_n = block_n
+        # The prefill kernel's warps a program (Triton's default, 4: one warpgroup of Hopper's matmuls) and its
+        # loads' pipeline stages (None: Triton's default, 3); a program's tile of query rows may grow with its
+        # warps (``TILE_NUMBERS`` a warpgroup). benchmarks/prefill_attention.py times them on the GPU.
+        self.prefill_num_warps = prefill_num_warps
+        self.prefill_num_stages = prefill_num_stages
         # Splits of each decode's context: None picks them (``decode_splits``); 1 turns flash decoding
         # off; "env": SLOSERVE_DECODE_SPLITS ("auto" or a number; auto when unset). Read at each call, so a
         # CUDA graph keeps the count it was captured with.
@@ -812,7 +819,7 @@ class TritonAttention(AttentionBackend):
         value_dim_pad = _pow2_at_least_16(value_dim)
         tail_pad = 0 if value_dim == head_dim else _pow2_at_least_16(head_dim - value_dim)
         # tiles of wide heads (MLA's 512-wide latent, 256-wide heads) cut to the 128-wide heads' size
-        block_m = _fit_tile(self.block_m, value_dim_pad)
+        block_m = _fit_tile(self.block_m, value_dim_pad, TILE_NUMBERS * max(1, self.prefill_num_warps // 4))
         block_n = _fit_tile(self.block_n, value_dim_pad * (1 if values_in_keys else 2), 2 * TILE_NUMBERS)
         softmax_scale = scale if scale is not None else 1 / math.sqrt(head_dim)
         # NOTE: capped scores are scaled to log2 units after the cap (softcap_log2), not before
@@ -876,6 +883,8 @@ class TritonAttention(AttentionBackend):
                     softcap_log2,
                     BLOCK_M=block_m,
                     **settings,
+                    num_warps=self.prefill_num_warps,
+                    **({} if self.prefill_num_stages is None else {"num_stages": self.prefill_num_stages}),
                 )
         if num_decodes:
             table = meta.decode_slots
