@@ -429,9 +429,9 @@ def test_splits_merged_in_the_decode_kernel_give_the_combine_kernels_output(
     monkeypatch, heads, head_dim, decodes, splits, layer
 ):
     """The decode kernel's last split to finish merges a decode's splits (``COMBINE_IN_KERNEL``): the output
-    the combine kernel gives (bit for bit in the interpreter; on CUDA within the reference's tolerance, the
-    same math in another kernel), the cache writes the same, and the counters zero again after each call, so
-    the next call (another layer's) reuses them; no combine kernel launched."""
+    the combine kernel gives (the same math on at least 16 rows, padded: their sums may round apart), the cache
+    writes the same, and the counters zero again after each call, so the next call (another layer's) reuses
+    them; no combine kernel launched."""
     gen = torch.Generator().manual_seed(sum(decodes) + splits)
     dtype = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
     q, k, v, k_cache, v_cache, meta = make_step(gen, *heads, head_dim, [], decodes, num_slots=1500)
@@ -469,10 +469,7 @@ def test_splits_merged_in_the_decode_kernel_give_the_combine_kernels_output(
     assert len(combines) == 1 and not counters.any()
     again = run(backend)
     assert backend.split_counters.zeros(1, DEVICE) is counters and not counters.any()
-    if DEVICE.type == "cpu":
-        assert torch.equal(in_kernel[0], by_kernel[0])
-    else:
-        torch.testing.assert_close(in_kernel[0], by_kernel[0])
+    torch.testing.assert_close(in_kernel[0], by_kernel[0])  # (float32 here: within 1.3e-6 of each other)
     assert all(torch.equal(a, b) for a, b in zip(in_kernel[1:], by_kernel[1:], strict=True))
     assert all(torch.equal(a, b) for a, b in zip(in_kernel, again, strict=True))
 

@@ -924,7 +924,10 @@ class TritonAttention(AttentionBackend):
                 softcap_log2,
                 BLOCK_H=block_h,
                 NUM_SPLITS=splits,
-                SPLITS_PAD=triton.next_power_of_2(splits),
+                # NOTE: at least 16 rows merged in the kernel: with 2-8 (4 rows or 8) ptxas gave the whole decode
+                # kernel 150-152 registers a thread instead of 118-120, a program fewer a multiprocessor
+                # (benchmarks/kernel_resources.py, Triton 3.9, sm_90); the padded rows are masked, weight 0
+                SPLITS_PAD=max(MIN_DOT_DIM, triton.next_power_of_2(splits)) if in_kernel else 1,
                 COMBINE_IN_KERNEL=in_kernel,
                 **settings,
             )
