@@ -1,18 +1,19 @@
-"""The engine's Triton kernels compiled for a Hopper GPU without one (issue 43): what ptxas gives each kernel
-as the engine launches it on Llama-3-8B's shapes (and the options other models' layers take), read from its
-cubin: registers a thread, bytes spilled to local memory, shared memory, warps, and so the programs one
+"""The engine's Triton kernels compiled for NVIDIA GPUs without one (issue 43): what ptxas gives each kernel as
+the engine launches it on Llama-3-8B's shapes (and the options other models' layers take), read from its cubin:
+registers a thread, bytes spilled to local memory, shared memory, warps, and so the programs one
 multiprocessor can hold at once.
 
-    python benchmarks/kernel_resources.py            # sm_90 (H100, H200), bf16, a table
-    python benchmarks/kernel_resources.py --json     # the same as JSON lines (tests/engine/test_kernel_resources.py)
+    python benchmarks/kernel_resources.py                # sm_90 (H100, H200), bf16, a table
+    python benchmarks/kernel_resources.py --arch 80,90   # and sm_80 (A100): 86 (A10, RTX 30) and 89 (L4, L40) too
+    python benchmarks/kernel_resources.py --json         # JSON lines (tests/engine/test_kernel_resources.py)
 
 How: Triton's own JIT compiles each launch of the engine's wrappers (``TritonAttention.forward``,
 ``fused_ops``' and ``fused_moe``'s) on CPU tensors, its driver told of the GPU (``PaperDriver``) and its
 launches compiled only (``JITFunction.run`` as a warm-up): the specialization a CUDA launch makes (dtypes,
 16-byte alignment, strides divisible by 16, constexprs, warps) with nothing run. Triton's interpreter cannot
 say any of this: it runs the kernels' code with numpy, never the compiler. A kernel that does not compile for
-the GPU fails here, on the CPU; one that spills or holds few programs a multiprocessor shows it before a GPU
-session times it.
+a GPU fails here, on the CPU; one that cannot fit on its multiprocessor (a launch that fails with "out of
+resources" there), spills or holds few programs a multiprocessor shows it before a GPU session times it.
 
 NOTE: the figures are the compiler's, not timings: registers and shared memory bound how many programs run
 at once (occupancy), which a memory-bound kernel (a decode's attention, the elementwise kernels) needs to keep
@@ -27,6 +28,7 @@ import os
 import re
 import subprocess
 import tempfile
+from typing import NamedTuple
 
 os.environ.pop("TRITON_INTERPRET", None)  # (before triton is imported: the compiler, not the interpreter)
 
@@ -41,22 +43,39 @@ from sloserve.engine import fused_moe, fused_ops  # noqa: E402
 from sloserve.engine.attention import AttentionMetadata, PrefillSeq  # noqa: E402
 from sloserve.engine.triton_attention import TritonAttention  # noqa: E402
 
-# A Hopper multiprocessor: 65,536 registers, allocated 256 a warp; 228 KB of shared memory, 1 KB of it kept
-# by the system a program; at most 64 warps and 32 programs (NVIDIA's CUDA C++ Programming Guide, compute
-# capability 9.0)
-REGISTERS_AN_SM, REGISTER_UNIT = 65_536, 256
-SHARED_AN_SM, SHARED_RESERVED = 228 * 1024, 1024
-WARPS_AN_SM, PROGRAMS_AN_SM = 64, 32
+
+class Multiprocessor(NamedTuple):
+    """A multiprocessor's limits (NVIDIA's CUDA C++ Programming Guide, by compute capability): 65,536 registers
+    on all of these, allocated 256 a warp; its shared memory, a program's most, and 1 KB of it kept by the system
+    a program; its most warps and programs."""
+
+    shared_bytes: int
+    shared_bytes_a_program: int
+    warps: int
+    programs: int
+    registers: int = 65_536
+    register_unit: int = 256
+    shared_reserved: int = 1024
+
+
+MULTIPROCESSORS = {
+    80: Multiprocessor(164 << 10, 163 << 10, 64, 32),  # A100
+    86: Multiprocessor(100 << 10, 99 << 10, 48, 16),  # A10, RTX 30
+    89: Multiprocessor(100 << 10, 99 << 10, 48, 24),  # L4, L40, RTX 40
+    90: Multiprocessor(228 << 10, 227 << 10, 64, 32),  # H100, H200
+}
 
 
 class PaperDriver:
-    """What Triton's JIT asks of a driver before it compiles a launch: the device, its stream, its target."""
+    """What Triton's JIT asks of a driver before it compiles a launch: the device, its stream, its target. Each
+    target is a device of its own (its number the compute capability): Triton keeps a device's target and
+    compiled kernels for it once it has seen it."""
 
-    def __init__(self, target: GPUTarget) -> None:
-        self.target = target
+    def __init__(self) -> None:
+        self.target = GPUTarget("cuda", 90, 32)
 
     def get_current_device(self) -> int:
-        return 0
+        return self.target.arch
 
     def get_current_stream(self, device: int | None = None) -> int:
         return 0
@@ -65,31 +84,36 @@ class PaperDriver:
         return self.target
 
 
-def compile_launches(arch: int, launch_all) -> list[tuple[str, str, object]]:
-    """(case, kernel name, Triton's compiled kernel) of every launch ``launch_all(case_name_setter)`` makes, each
-    compiled for ``sm_{arch}`` and none run; a launch of a kernel compiled already (the same specialization: a
-    case before had it) is not listed again.
+def compile_launches(archs: list[int], launch_all) -> list[tuple[int, str, str, object]]:
+    """(compute capability, case, kernel name, Triton's compiled kernel) of every launch
+    ``launch_all(case_name_setter)`` makes, once for each of ``archs``, each compiled for it and none run; a
+    launch of a kernel compiled already (the same specialization: a case before had it) is not listed again.
 
     NOTE: for this script's process only: Triton's driver and JIT stay as set here (on a machine without a GPU
     Triton has no driver to go back to)."""
     compiled, case = [], [""]
     real_run = JITFunction.run
+    paper = PaperDriver()
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
-        if all(kernel is not seen for _, _, seen in compiled):
-            compiled.append((case[0], self.fn.__name__, kernel))
+        if all(kernel is not seen for *_, seen in compiled):
+            compiled.append((paper.target.arch, case[0], self.fn.__name__, kernel))
         return kernel
 
-    driver.set_active(PaperDriver(GPUTarget("cuda", arch, 32)))
+    driver.set_active(paper)
     JITFunction.run = compile_only
-    launch_all(lambda name: case.__setitem__(0, name))
+    for arch in archs:
+        paper.target = GPUTarget("cuda", arch, 32)
+        launch_all(lambda name: case.__setitem__(0, name))
     return compiled
 
 
-def resources(kernel) -> dict:
-    """A compiled kernel's registers a thread, spilled bytes (its stack frame and local memory), shared memory
-    (dynamic and static) and warps, and the programs a multiprocessor holds at once."""
+def resources(kernel, arch: int) -> dict:
+    """A kernel compiled for ``sm_{arch}``: its registers a thread, spilled bytes (its stack frame and local
+    memory), shared memory (dynamic and static) and warps, the programs a multiprocessor holds at once, and
+    whether it fits one at all (its shared memory within a program's most, at least one program)."""
+    sm = MULTIPROCESSORS[arch]
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
@@ -99,16 +123,17 @@ def resources(kernel) -> dict:
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage))
     registers, warps = int(fields["REG"]), kernel.metadata.num_warps
     shared = kernel.metadata.shared + int(fields["SHARED"])
-    registers_a_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    registers_a_warp = -(-registers * 32 // sm.register_unit) * sm.register_unit
     programs = min(
-        PROGRAMS_AN_SM,
-        WARPS_AN_SM // warps,
-        REGISTERS_AN_SM // (registers_a_warp * warps),
-        SHARED_AN_SM // (shared + SHARED_RESERVED),
+        sm.programs,
+        sm.warps // warps,
+        sm.registers // (registers_a_warp * warps),
+        sm.shared_bytes // (shared + sm.shared_reserved),
     )
     spilled = int(fields["STACK"]) + int(fields["LOCAL"])
+    fits = programs >= 1 and shared <= sm.shared_bytes_a_program
     return {"warps": warps, "registers": registers, "spilled_bytes": spilled, "shared_bytes": shared,
-            "programs_an_sm": programs}  # fmt: skip
+            "programs_an_sm": programs, "fits": fits}  # fmt: skip
 
 
 def engine_launches(case, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -187,24 +212,32 @@ def engine_launches(case, dtype: torch.dtype = torch.bfloat16) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", type=int, default=90, help="the GPU's compute capability x 10 (90: Hopper)")
+    parser.add_argument(
+        "--arch", default="90", help=f"GPUs' compute capabilities x 10, comma-separated, of {sorted(MULTIPROCESSORS)}"
+    )
     parser.add_argument("--json", action="store_true", help="a JSON line a kernel instead of the table")
     args = parser.parse_args()
+    archs = [int(x) for x in args.arch.split(",")]
+    unknown = sorted(set(archs) - set(MULTIPROCESSORS))
+    if unknown:
+        parser.error(f"--arch {args.arch}: no multiprocessor limits for {unknown}; known: {sorted(MULTIPROCESSORS)}")
     rows = [
-        {"case": case, "kernel": name, **resources(kernel)}
-        for case, name, kernel in compile_launches(args.arch, engine_launches)
+        {"arch": arch, "case": case, "kernel": name, **resources(kernel, arch)}
+        for arch, case, name, kernel in compile_launches(archs, engine_launches)
     ]
     if args.json:
         for row in rows:
             print(json.dumps(row))
         return
-    print(f"the engine's Triton kernels for sm_{args.arch}, bf16, as launched (triton {triton.__version__}); "
-          "programs a multiprocessor: the fewest its registers, shared memory and warps allow")  # fmt: skip
-    print(f"\n{'case':<44} {'kernel':<24} {'warps':>5} {'registers':>9} {'spilled B':>9} {'shared KB':>9} "
-          f"{'programs/SM':>11}")  # fmt: skip
-    for row in rows:
-        print(f"{row['case']:<44} {row['kernel']:<24} {row['warps']:>5} {row['registers']:>9} "
-              f"{row['spilled_bytes']:>9} {row['shared_bytes'] / 1024:>9.1f} {row['programs_an_sm']:>11}")  # fmt: skip
+    print(f"the engine's Triton kernels, bf16, as launched (triton {triton.__version__}); programs a multiprocessor: "
+          "the fewest its registers, shared memory and warps allow")  # fmt: skip
+    for arch in archs:
+        print(f"\nsm_{arch}\n{'case':<44} {'kernel':<24} {'warps':>5} {'registers':>9} {'spilled B':>9} "
+              f"{'shared KB':>9} {'programs/SM':>11}")  # fmt: skip
+        for row in (row for row in rows if row["arch"] == arch):
+            fits = "" if row["fits"] else "  does not fit"
+            print(f"{row['case']:<44} {row['kernel']:<24} {row['warps']:>5} {row['registers']:>9} "
+                  f"{row['spilled_bytes']:>9} {row['shared_bytes'] / 1024:>9.1f} {row['programs_an_sm']:>11}{fits}")  # fmt: skip
 
 
 if __name__ == "__main__":
