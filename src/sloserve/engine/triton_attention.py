@@ -85,6 +85,10 @@ TILE_NUMBERS = 64 * 128
 WAVES = 2
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
+# The rows of the decode kernel's merge of its own splits (``COMBINE_IN_KERNEL``), at least: the splits padded,
+# masked (weight 0). NOTE: with 4 or 8 rows ptxas gave the whole decode kernel 150-152 registers a thread instead
+# of 118-120, a program fewer a multiprocessor (benchmarks/kernel_resources.py, Triton 3.9, sm_90)
+MIN_MERGE_ROWS = 16
 # The engine's default: splits picked by ``decode_splits`` unless SLOSERVE_DECODE_SPLITS says a number
 # (1: flash decoding off). Checked against the reference and timed on an H200 (2026-11-29: 8 decodes of
 # 32K contexts 2.2x as fast as one split; benchmarks/RESULTS.md).
@@ -265,7 +269,7 @@ def _decode_kernel(
     TAIL_PAD: tl.constexpr,  # hd - vd rounded up to a power of two >= 16; 0 when hd == vd
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,  # partitions of each context, one program each
-    SPLITS_PAD: tl.constexpr,  # NUM_SPLITS rounded up to a power of two
+    SPLITS_PAD: tl.constexpr,  # the merge's rows: NUM_SPLITS rounded up to a power of two >= MIN_MERGE_ROWS
     COMBINE_IN_KERNEL: tl.constexpr,  # the last split to finish merges the splits (NUM_SPLITS > 1)
     INPUT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -924,10 +928,7 @@ class TritonAttention(AttentionBackend):
                 softcap_log2,
                 BLOCK_H=block_h,
                 NUM_SPLITS=splits,
-                # NOTE: at least 16 rows merged in the kernel: with 2-8 (4 rows or 8) ptxas gave the whole decode
-                # kernel 150-152 registers a thread instead of 118-120, a program fewer a multiprocessor
-                # (benchmarks/kernel_resources.py, Triton 3.9, sm_90); the padded rows are masked, weight 0
-                SPLITS_PAD=max(MIN_DOT_DIM, triton.next_power_of_2(splits)) if in_kernel else 1,
+                SPLITS_PAD=max(MIN_MERGE_ROWS, triton.next_power_of_2(splits)) if in_kernel else 1,
                 COMBINE_IN_KERNEL=in_kernel,
                 **settings,
             )
