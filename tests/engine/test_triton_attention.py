@@ -335,16 +335,22 @@ def test_on_cuda_a_dense_prefill_asking_each_sdpa_backend_first_matches_the_refe
     assert out.shape == (300, 32, 128) and error < TOLERANCE[dtype]
 
 
-def test_the_overlap_setting_comes_from_the_environment(monkeypatch):
-    """A mixed step's prefill attention goes on a second stream only with SLOSERVE_OVERLAP_ATTENTION=1; a bad
-    value is one clear error."""
-    monkeypatch.delenv("SLOSERVE_OVERLAP_ATTENTION", raising=False)
-    assert not triton_attention.TritonAttention().overlap_prefill_decode
+@pytest.mark.parametrize(
+    ("variable", "attribute"),
+    [
+        ("SLOSERVE_OVERLAP_ATTENTION", "overlap_prefill_decode"),  # a mixed step's prefill attention on a second stream
+        ("SLOSERVE_COMBINE_SPLITS_IN_KERNEL", "combine_splits_in_kernel"),  # split decodes merged by the decode kernel
+    ],
+)
+def test_the_switches_not_yet_timed_come_from_the_environment(monkeypatch, variable, attribute):
+    """Each feature not yet timed on a GPU is off unless its variable is 1; a bad value is one clear error."""
+    monkeypatch.delenv(variable, raising=False)
+    assert getattr(triton_attention.TritonAttention(), attribute) is False
     for setting, on in (("0", False), ("1", True)):
-        monkeypatch.setenv("SLOSERVE_OVERLAP_ATTENTION", setting)
-        assert triton_attention.TritonAttention().overlap_prefill_decode is on
-    monkeypatch.setenv("SLOSERVE_OVERLAP_ATTENTION", "on")
-    with pytest.raises(ConfigError, match="SLOSERVE_OVERLAP_ATTENTION must be 0 or 1, got 'on'"):
+        monkeypatch.setenv(variable, setting)
+        assert getattr(triton_attention.TritonAttention(), attribute) is on
+    monkeypatch.setenv(variable, "on")
+    with pytest.raises(ConfigError, match=f"{variable} must be 0 or 1, got 'on'"):
         triton_attention.TritonAttention()
 
 
@@ -397,19 +403,6 @@ def test_the_split_setting_comes_from_the_environment(monkeypatch):
         assert triton_attention.TritonAttention().num_decode_splits == splits
     monkeypatch.setattr(triton_attention, "_SPLITS_SETTING", "0")
     with pytest.raises(ConfigError, match="SLOSERVE_DECODE_SPLITS must be auto or a positive integer, got '0'"):
-        triton_attention.TritonAttention()
-
-
-def test_the_combine_setting_comes_from_the_environment(monkeypatch):
-    """Split decodes are merged in the decode kernel only with SLOSERVE_COMBINE_SPLITS_IN_KERNEL=1; a bad value
-    is one clear error."""
-    monkeypatch.delenv("SLOSERVE_COMBINE_SPLITS_IN_KERNEL", raising=False)
-    assert not triton_attention.TritonAttention().combine_splits_in_kernel
-    for setting, on in (("0", False), ("1", True)):
-        monkeypatch.setenv("SLOSERVE_COMBINE_SPLITS_IN_KERNEL", setting)
-        assert triton_attention.TritonAttention().combine_splits_in_kernel is on
-    monkeypatch.setenv("SLOSERVE_COMBINE_SPLITS_IN_KERNEL", "yes")
-    with pytest.raises(ConfigError, match="SLOSERVE_COMBINE_SPLITS_IN_KERNEL must be 0 or 1, got 'yes'"):
         triton_attention.TritonAttention()
 
 
