@@ -81,7 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="1024+512,0+1024,0+4096,2048+256", help="CACHED+CHUNK")
     parser.add_argument("--block-m", default="64,128")
-    parser.add_argument("--block-n", default="32,64,128")
+    parser.add_argument("--block-n", default="32,64", help="(128 is cut to 64 for 128-wide heads: TILE_NUMBERS)")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--stages", default="2,3")
     parser.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head dim")
@@ -99,8 +99,9 @@ def main() -> None:
     for block_m, block_n, warps, stages in itertools.product(
         *([int(x) for x in option.split(",")] for option in (args.block_m, args.block_n, args.warps, args.stages))
     ):
-        # (a tile the backend would cut to fewer rows is another variant's)
-        if _fit_tile(block_m, value_pad, TILE_NUMBERS * max(1, warps // 4)) == block_m:
+        # (a tile the backend would cut to fewer rows or keys is another variant's: TritonAttention.forward's fit)
+        rows_fit = _fit_tile(block_m, value_pad, TILE_NUMBERS * max(1, warps // 4)) == block_m
+        if rows_fit and _fit_tile(block_n, 2 * value_pad, 2 * TILE_NUMBERS) == block_n:
             variants.append((block_m, block_n, warps, stages))
     variants = [DEFAULT, *(v for v in variants if v[:3] != DEFAULT[:3] or v[3] != 3)]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton's interpreter)"
