@@ -39,7 +39,13 @@ import torch  # noqa: E402
 
 from sloserve.engine.attention import AttentionMetadata  # noqa: E402
 from sloserve.engine.kv_cache import expand_block_ids  # noqa: E402
-from sloserve.engine.triton_attention import TritonAttention, decode_splits, multiprocessors  # noqa: E402
+from sloserve.engine.triton_attention import (  # noqa: E402
+    TILE_NUMBERS,
+    TritonAttention,
+    _fit_tile,
+    decode_splits,
+    multiprocessors,
+)
 from timing import graphed_median_s  # noqa: E402
 
 BLOCK_SIZE = 16  # the KV manager's default block
@@ -95,7 +101,7 @@ def main() -> None:
     )
     parser.add_argument("--max-model-len", type=int, default=8192, help="a CUDA graph's table width")
     parser.add_argument("--splits", default="1,2,4,8,16,32,64")
-    parser.add_argument("--block-n", default="32,64,128")
+    parser.add_argument("--block-n", default="32,64", help="(128 is cut to 64 for 128-wide heads: TILE_NUMBERS)")
     parser.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head dim")
     parser.add_argument(
         "--mla", type=int, help="this many query heads on DeepSeek's latent instead (one 576-number key, 512 its value)"
@@ -121,6 +127,12 @@ def main() -> None:
     default_tile = TritonAttention(num_decode_splits=1).block_n
     # (MLA: the default tile only, which the backend cuts to the latent's width: the others would be cut alike)
     tiles = [default_tile] if value_dim else [int(x) for x in args.block_n.split(",")]
+    # (a tile the backend would cut to fewer keys, TritonAttention.forward's fit, would be another tile's run)
+    value_pad = max(16, 1 << (heads[2] - 1).bit_length())
+    cut = [tile for tile in tiles if _fit_tile(tile, 2 * value_pad, 2 * TILE_NUMBERS) != tile]
+    if cut:
+        print(f"BLOCK_N {cut}: cut by the backend to fewer keys for {heads[2]}-wide heads; not timed")
+        tiles = [tile for tile in tiles if tile not in cut]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton's interpreter)"
     layout = f"keys only, values their first {value_dim}" if value_dim else "K and V"
     print(
