@@ -41,9 +41,10 @@ def _has_nvidia_tools() -> bool:
 
 
 @pytest.mark.skipif(not _has_nvidia_tools(), reason="Triton's NVIDIA backend (ptxas, cuobjdump)")
-def test_every_kernel_compiles_for_hopper_and_ampere_and_fits_a_multiprocessor():
+def test_every_kernel_compiles_for_hopper_and_ampere_and_fits_a_multiprocessor(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # (compiled here, not found in a cache another run left)
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--arch", "80,90", "--json"],
         capture_output=True,
