@@ -358,8 +358,9 @@ def test_the_switches_not_yet_timed_come_from_the_environment(monkeypatch, varia
 def test_prefills_beside_the_decodes_give_the_same_output_bit_for_bit(monkeypatch, dense_from):
     """With the overlap on, a step of prefills (a chunk after cached tokens, fresh prompts: dense ones with
     ``dense_from``) and decodes: on CUDA its prefill attention runs on the second stream, and the output and
-    the cache writes are the one-stream run's exactly (the same kernels on the same inputs); elsewhere nothing
-    changes. A step of prefills only and one of decodes only keep one stream."""
+    the cache writes are the one-stream run's exactly (tiles of 32 keys both ways: the overlap's launch changes
+    only the pipeline's stages, not the sums); elsewhere nothing changes. A step of prefills only and one of
+    decodes only keep one stream."""
     gen = torch.Generator().manual_seed(11)
     dtype = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
     step = make_step(gen, 8, 2, 32, [(0, 40), (50, 70), (0, 90)], [0, 3, 130, 64, 700], num_slots=1500)
@@ -391,6 +392,19 @@ def test_prefills_beside_the_decodes_give_the_same_output_bit_for_bit(monkeypatc
     run(only_prefills, overlap=True)
     run(only_decodes, overlap=True)
     assert not forks
+
+
+def test_a_prefill_beside_the_decodes_launches_with_room_left_for_them():
+    """Beside the decodes the prefill kernel reads at most ``OVERLAP_PREFILL_LAUNCH``'s 32 keys a tile at its 2
+    stages (two default programs hold every register of a Hopper multiprocessor); alone, the backend's tile,
+    warps and stages; the other settings pass through."""
+    settings = {"BLOCK_N": 64, "GROUP": 4}
+    default = triton_attention.TritonAttention()
+    assert default.prefill_launch(settings, beside=False) == {"BLOCK_N": 64, "GROUP": 4, "num_warps": 4}
+    assert default.prefill_launch(settings, beside=True) == {"BLOCK_N": 32, "GROUP": 4, "num_warps": 4, "num_stages": 2}
+    tuned = triton_attention.TritonAttention(prefill_num_warps=8, prefill_num_stages=3)
+    assert tuned.prefill_launch({"BLOCK_N": 16}, beside=True) == {"BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
+    assert tuned.prefill_launch({"BLOCK_N": 16}, beside=False) == {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3}
 
 
 def test_the_split_setting_comes_from_the_environment(monkeypatch):

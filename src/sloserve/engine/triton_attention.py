@@ -40,8 +40,9 @@ is tf32, about 3e-4 relative error, which would make the engine's float32 tests 
 A step with prefills beside decodes (Sarathi's mixed step) may launch its prefill attention on a second CUDA
 stream (``SideStream``, SLOSERVE_OVERLAP_ATTENTION=1), first, so that the decode kernel's programs, bound by
 reading their KV, take the multiprocessors the prefill's programs, bound by their dots, leave: POD-Attention's
-overlap (Kamath et al., ASPLOS'25) from two launches instead of one fused kernel. The same kernels on the same
-inputs, so the same output bit for bit.
+overlap (Kamath et al., ASPLOS'25) from two launches instead of one fused kernel. The prefill kernel is launched
+there with smaller tiles (``OVERLAP_PREFILL_LAUNCH``), so that a decode program fits on a multiprocessor beside
+its programs: the same attention, its sums taken in another order (within rounding of the one-stream output).
 
 NOTE: on the CPU these kernels run only under Triton's interpreter (``TRITON_INTERPRET=1`` in the
 environment before triton is imported): that is how the tests check them against the reference on
@@ -85,6 +86,11 @@ TILE_NUMBERS = 64 * 128
 WAVES = 2
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
+# A prefill launched beside the decodes (``overlap_prefill_decode``) reads 32 keys a tile, its loads in 2 stages.
+# NOTE: launched as by default (64 x 64 tiles, 3 stages: 254 registers a thread on sm_90) two prefill programs hold
+# every register of a Hopper multiprocessor and no decode program (120 registers a thread) starts beside them until
+# they end; at 64 x 32 and 2 stages (186) one does (benchmarks/kernel_resources.py, Triton 3.9; benchmarks/RESULTS.md)
+OVERLAP_PREFILL_LAUNCH = {"BLOCK_N": 32, "num_stages": 2}
 # The rows of the decode kernel's merge of its own splits (``COMBINE_IN_KERNEL``), at least: the splits padded,
 # masked (weight 0). NOTE: with 4 or 8 rows ptxas gave the whole decode kernel 150-152 registers a thread instead
 # of 118-120, a program fewer a multiprocessor (benchmarks/kernel_resources.py, Triton 3.9, sm_90)
@@ -793,6 +799,17 @@ class TritonAttention(AttentionBackend):
         self.combine_splits_in_kernel = combine_splits_in_kernel
         self.split_counters = SplitCounters()
 
+    def prefill_launch(self, settings: dict, beside: bool) -> dict:
+        """The prefill kernel's compile-time settings and launch options: ``settings`` (both kernels', BLOCK_N
+        among them) with this backend's warps and stages; beside the decodes (``beside``), at most
+        ``OVERLAP_PREFILL_LAUNCH``'s keys a tile, at its stages."""
+        launch = {**settings, "num_warps": self.prefill_num_warps}
+        if self.prefill_num_stages is not None:
+            launch["num_stages"] = self.prefill_num_stages
+        if beside:
+            launch.update(OVERLAP_PREFILL_LAUNCH, BLOCK_N=min(settings["BLOCK_N"], OVERLAP_PREFILL_LAUNCH["BLOCK_N"]))
+        return launch
+
     def forward(
         self,
         q,
@@ -886,9 +903,7 @@ class TritonAttention(AttentionBackend):
                     chunk or 0,
                     softcap_log2,
                     BLOCK_M=block_m,
-                    **settings,
-                    num_warps=self.prefill_num_warps,
-                    **({} if self.prefill_num_stages is None else {"num_stages": self.prefill_num_stages}),
+                    **self.prefill_launch(settings, beside),
                 )
         if num_decodes:
             table = meta.decode_slots
