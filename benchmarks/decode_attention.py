@@ -156,7 +156,8 @@ def main() -> None:
             ]
             times, reference = {}, None
             picked = decode_splits(batch, heads[1], width, multiprocessors(device))
-            variants = [(splits, tile, False) for tile in tiles for splits in split_counts]
+            # (the pick both ways, whether or not --splits names it)
+            variants = [(splits, tile, False) for tile in tiles for splits in sorted({*split_counts, picked})]
             variants += [(picked, default_tile, True)] if picked > 1 else []
             for splits, tile, in_kernel in variants:
                 if splits > 1 and splits * tile > width:  # (the same work as fewer splits)
