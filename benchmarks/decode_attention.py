@@ -39,13 +39,7 @@ import torch  # noqa: E402
 
 from sloserve.engine.attention import AttentionMetadata  # noqa: E402
 from sloserve.engine.kv_cache import expand_block_ids  # noqa: E402
-from sloserve.engine.triton_attention import (  # noqa: E402
-    TILE_NUMBERS,
-    TritonAttention,
-    _fit_tile,
-    decode_splits,
-    multiprocessors,
-)
+from sloserve.engine.triton_attention import TritonAttention, decode_splits, multiprocessors  # noqa: E402
 from timing import graphed_median_s  # noqa: E402
 
 BLOCK_SIZE = 16  # the KV manager's default block
@@ -127,9 +121,8 @@ def main() -> None:
     default_tile = TritonAttention(num_decode_splits=1).block_n
     # (MLA: the default tile only, which the backend cuts to the latent's width: the others would be cut alike)
     tiles = [default_tile] if value_dim else [int(x) for x in args.block_n.split(",")]
-    # (a tile the backend would cut to fewer keys, TritonAttention.forward's fit, would be another tile's run)
-    value_pad = max(16, 1 << (heads[2] - 1).bit_length())
-    cut = [tile for tile in tiles if _fit_tile(tile, 2 * value_pad, 2 * TILE_NUMBERS) != tile]
+    # (a tile the backend would cut to fewer keys, TritonAttention.tiles, would be another tile's run)
+    cut = [tile for tile in tiles if TritonAttention(block_n=tile).tiles(heads[2])[1] != tile]
     if cut:
         print(f"BLOCK_N {cut}: cut by the backend to fewer keys for {heads[2]}-wide heads; not timed")
         tiles = [tile for tile in tiles if tile not in cut]

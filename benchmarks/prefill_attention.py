@@ -37,7 +37,7 @@ from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from sloserve.engine.attention import AttentionMetadata, PrefillSeq  # noqa: E402
 from sloserve.engine.kv_cache import expand_block_ids  # noqa: E402
-from sloserve.engine.triton_attention import TILE_NUMBERS, TritonAttention, _fit_tile  # noqa: E402
+from sloserve.engine.triton_attention import TritonAttention  # noqa: E402
 from timing import graphed_median_s  # noqa: E402
 
 BLOCK_SIZE = 16  # the KV manager's default block
@@ -94,14 +94,13 @@ def main() -> None:
             "40+24,0+40", "16,32", "16", "4,8", "2", "4,2,16"
         )  # fmt: skip
     heads = tuple(int(x) for x in args.heads.split(","))
-    value_pad = max(16, 1 << (heads[2] - 1).bit_length())
     variants = []
     for block_m, block_n, warps, stages in itertools.product(
         *([int(x) for x in option.split(",")] for option in (args.block_m, args.block_n, args.warps, args.stages))
     ):
-        # (a tile the backend would cut to fewer rows or keys is another variant's: TritonAttention.forward's fit)
-        rows_fit = _fit_tile(block_m, value_pad, TILE_NUMBERS * max(1, warps // 4)) == block_m
-        if rows_fit and _fit_tile(block_n, 2 * value_pad, 2 * TILE_NUMBERS) == block_n:
+        # (a tile the backend would cut to fewer rows or keys is another variant's: TritonAttention.tiles)
+        backend = TritonAttention(block_m=block_m, block_n=block_n, prefill_num_warps=warps)
+        if backend.tiles(heads[2]) == (block_m, block_n):
             variants.append((block_m, block_n, warps, stages))
     variants = [DEFAULT, *(v for v in variants if v[:3] != DEFAULT[:3] or v[3] != 3)]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton's interpreter)"

@@ -799,6 +799,15 @@ class TritonAttention(AttentionBackend):
         self.combine_splits_in_kernel = combine_splits_in_kernel
         self.split_counters = SplitCounters()
 
+    def tiles(self, value_dim: int, values_in_keys: bool = False) -> tuple[int, int]:
+        """(BLOCK_M, BLOCK_N) as launched for values ``value_dim`` wide (``values_in_keys``: a keys-only cache's,
+        whose tile is read once): ``block_m`` and ``block_n`` cut for wide heads (MLA's 512-wide latent, 256-wide
+        heads) to a 128-wide head's size (``TILE_NUMBERS``; the query rows' a warpgroup of the prefill's warps)."""
+        value_dim_pad = _pow2_at_least_16(value_dim)
+        block_m = _fit_tile(self.block_m, value_dim_pad, TILE_NUMBERS * max(1, self.prefill_num_warps // 4))
+        block_n = _fit_tile(self.block_n, value_dim_pad * (1 if values_in_keys else 2), 2 * TILE_NUMBERS)
+        return block_m, block_n
+
     def prefill_launch(self, settings: dict, beside: bool) -> dict:
         """The prefill kernel's compile-time settings and launch options: ``settings`` (both kernels', BLOCK_N
         among them) with this backend's warps and stages; beside the decodes (``beside``), at most
@@ -839,9 +848,7 @@ class TritonAttention(AttentionBackend):
         group = num_heads // num_kv_heads
         value_dim_pad = _pow2_at_least_16(value_dim)
         tail_pad = 0 if value_dim == head_dim else _pow2_at_least_16(head_dim - value_dim)
-        # tiles of wide heads (MLA's 512-wide latent, 256-wide heads) cut to the 128-wide heads' size
-        block_m = _fit_tile(self.block_m, value_dim_pad, TILE_NUMBERS * max(1, self.prefill_num_warps // 4))
-        block_n = _fit_tile(self.block_n, value_dim_pad * (1 if values_in_keys else 2), 2 * TILE_NUMBERS)
+        block_m, block_n = self.tiles(value_dim, values_in_keys)
         softmax_scale = scale if scale is not None else 1 / math.sqrt(head_dim)
         # NOTE: capped scores are scaled to log2 units after the cap (softcap_log2), not before
         qk_scale = LOG2E * softmax_scale if softcap is None else softmax_scale / softcap
