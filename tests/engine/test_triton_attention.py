@@ -33,6 +33,19 @@ DTYPES = [torch.float32] if DEVICE.type == "cpu" else [torch.float32, torch.floa
 HEADS = [(4, 2), (4, 4), (7, 1), (8, 2)]
 
 
+def _record_launches(monkeypatch, kernel: str) -> list[tuple[tuple, dict]]:
+    """The (grid, keyword arguments) of each launch of ``triton_attention``'s ``kernel`` (``kernel[grid](...)``),
+    run as before, from now on."""
+    launches, real = [], getattr(triton_attention, kernel)
+
+    class Recorded:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, kwargs)) or real[grid](*args, **kwargs)
+
+    monkeypatch.setattr(triton_attention, kernel, Recorded())
+    return launches
+
+
 def _to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     return AttentionMetadata(
         slot_mapping=meta.slot_mapping.to(device),
@@ -451,15 +464,7 @@ def test_splits_merged_in_the_decode_kernel_give_the_combine_kernels_output(
         "sinks": torch.randn(heads[0], generator=gen).to(DEVICE, dtype) if layer.get("sinks") else None,
         "alibi": torch.rand(heads[0], generator=gen).to(DEVICE) if layer.get("alibi") else None,
     }
-    combines = []
-    real_combine = triton_attention._combine_splits_kernel
-
-    class CountedCombine:  # (the kernel's launches, ``kernel[grid](...)``, counted)
-        def __getitem__(self, grid):
-            combines.append(grid)
-            return real_combine[grid]
-
-    monkeypatch.setattr(triton_attention, "_combine_splits_kernel", CountedCombine())
+    combines = _record_launches(monkeypatch, "_combine_splits_kernel")
 
     def run(backend):
         caches = [_to_device(x, dtype) for x in (k_cache, v_cache)]
@@ -486,23 +491,14 @@ def test_the_prefill_kernel_launches_with_the_backends_warps_and_stages(monkeypa
     """``prefill_num_warps`` and ``prefill_num_stages`` reach the prefill kernel's launch (None: Triton's stages);
     a program's query rows grow with its warps: 128 rows of 128-wide heads at 8 warps (two warpgroups), cut to 64
     at 4 (``TILE_NUMBERS``). The reference's output either way."""
-    launches = []
-    real_prefill = triton_attention._prefill_kernel
-
-    class RecordedPrefill:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(kwargs) or real_prefill[grid](*args, **kwargs)
-
-    monkeypatch.setattr(triton_attention, "_prefill_kernel", RecordedPrefill())
+    launches = _record_launches(monkeypatch, "_prefill_kernel")
     q, k, v, k_cache, v_cache, meta = make_step(torch.Generator().manual_seed(2), 4, 2, 128, [(10, 20)], [], 64)
     want = TorchAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta)
     backend = triton_attention.TritonAttention(
         block_m=128, dense_prefill_min_tokens=None, prefill_num_warps=warps, prefill_num_stages=stages
     )
     got = backend.forward(*(x.to(DEVICE, torch.float32) for x in (q, k, v, k_cache, v_cache)), _to(meta, DEVICE))
-    assert [(launch["BLOCK_M"], launch["num_warps"], launch.get("num_stages")) for launch in launches] == [
-        (block_m, warps, stages)
-    ]
+    assert [(kw["BLOCK_M"], kw["num_warps"], kw.get("num_stages")) for _, kw in launches] == [(block_m, warps, stages)]
     assert float((got.cpu().double() - want).norm() / want.norm()) < TOLERANCE[torch.float32]
 
 
