@@ -132,8 +132,10 @@ def resources(kernel, arch: int) -> dict:
     )
     spilled = int(fields["STACK"]) + int(fields["LOCAL"])
     fits = programs >= 1 and shared <= sm.shared_bytes_a_program
+    # (what one program holds of a multiprocessor as allocated: what kernels running side by side share)
+    held = {"registers_a_program": registers_a_warp * warps, "shared_bytes_a_program": shared + sm.shared_reserved}
     return {"warps": warps, "registers": registers, "spilled_bytes": spilled, "shared_bytes": shared,
-            "programs_an_sm": programs, "fits": fits}  # fmt: skip
+            "programs_an_sm": programs, "fits": fits, **held}  # fmt: skip
 
 
 def engine_launches(case, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -170,6 +172,13 @@ def engine_launches(case, dtype: torch.dtype = torch.bfloat16) -> None:
 
     llama = step(32, 8, 128)
     attention("llama: a chunk after 100 cached, 2 decodes", llama)
+    # the chunk's launch on its own CUDA stream beside the decode kernel (SLOSERVE_OVERLAP_ATTENTION; without CUDA
+    # the backend does not make it, so it is told the prefill is beside)
+    case("llama: the chunk beside decodes (overlap)")
+    beside = TritonAttention(num_decode_splits=1, dense_prefill_min_tokens=None)
+    as_launched = beside.prefill_launch
+    beside.prefill_launch = lambda settings, _: as_launched(settings, beside=True)
+    beside.forward(*llama)
     attention("llama: decodes in 4 splits", llama, splits=4)
     attention("llama: 4 splits merged in the kernel", llama, splits=4, in_kernel=True)
     attention("llama: 32 splits merged in the kernel", llama, splits=32, in_kernel=True)

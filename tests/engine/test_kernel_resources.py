@@ -64,3 +64,14 @@ def test_every_kernel_compiles_for_hopper_and_ampere_and_fits_a_multiprocessor(t
     # the splits merged by the decode kernel: no combine kernel (a decode kernel of its own specialization)
     assert by_case[90, "llama: 4 splits merged in the kernel"] == {"_decode_kernel"}
     assert "_combine_splits_kernel" in by_case[90, "llama: decodes in 4 splits"]
+    # the chunk's prefill programs launched beside the decodes (OVERLAP_PREFILL_LAUNCH) leave a decode program room
+    # on a Hopper multiprocessor, where the default launch's two held all its registers
+    hopper = {(row["case"], row["kernel"]): row for row in rows if row["arch"] == 90}
+    chunk = hopper["llama: a chunk after 100 cached, 2 decodes", "_prefill_kernel"]
+    decode = hopper["llama: a chunk after 100 cached, 2 decodes", "_decode_kernel"]
+    beside = hopper["llama: the chunk beside decodes (overlap)", "_prefill_kernel"]
+    registers, shared = 65_536, 228 << 10
+    assert chunk["programs_an_sm"] * chunk["registers_a_program"] + decode["registers_a_program"] > registers
+    held = [beside] * beside["programs_an_sm"] + [decode]
+    assert sum(row["registers_a_program"] for row in held) <= registers, (beside, decode)
+    assert sum(row["shared_bytes_a_program"] for row in held) <= shared, (beside, decode)
