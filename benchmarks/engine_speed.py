@@ -31,8 +31,9 @@ part alone at max(FLOPs / peak, bytes / bandwidth). Beside each figure, its ceil
 figure of a step whose kernels run one after another at the copy and matmul rates measured here
 (``Rates.least_step_s``; ``--rates`` gives them instead), with nothing for the elementwise kernels and
 the gaps. A goal beyond it needs kernels that overlap, or rates this machine did not show. Beside it,
-the step's matmuls timed alone on its own shapes (``matmuls_alone_s``, eagerly and as one CUDA graph)
-and the ceiling with their time (the faster) in place of the rates' (recorded as
+the step's matmuls timed alone on its own shapes (``matmuls_alone_s``, eagerly, as one CUDA graph, and as
+one graph with cuBLASLt's choice of kernels: ``TORCH_BLAS_PREFER_CUBLASLT=1`` gives the engine that choice)
+and the ceiling with their time (the fastest) in place of the rates' (recorded as
 ``FIGURE_ceiling_timed_matmuls``): what the matmul library reaches at a decode's or a chunk's row
 counts, so a step's time beyond its matmuls is the attention's, the elementwise kernels' and the gaps'.
 The mixed step and small prompts' steps (``--small-prompts``) are timed eagerly and on piecewise CUDA
@@ -128,19 +129,25 @@ def record_ceilings(figure: str, values: list[float], **where) -> list[str]:
 
 
 class MatmulTimes(NamedTuple):
-    """Seconds a step's matmuls took alone (``matmuls_alone_s``): launched one by one, and replayed as
-    one CUDA graph (None on the CPU, or where the capture failed)."""
+    """Seconds a step's matmuls took alone (``matmuls_alone_s``): launched one by one, replayed as one CUDA
+    graph (the BLAS library as this process prefers it: the engine's), and as one graph captured with cuBLASLt
+    preferred (``torch.backends.cuda.preferred_blas_library``, which ``TORCH_BLAS_PREFER_CUBLASLT=1`` sets for a
+    whole process: its own heuristics pick the kernels of these decode-sized products); None on the CPU, or
+    where a capture failed."""
 
     eager: float
     graphed: float | None
+    graphed_cublaslt: float | None = None
 
     @property
     def fastest(self) -> float:
-        return self.eager if self.graphed is None else min(self.eager, self.graphed)
+        return min(t for t in self if t is not None)
 
     def column(self) -> str:
-        """In ms, eager/graphed."""
-        return "/".join(f"{t * 1e3:.3f}" for t in self if t is not None)
+        """In ms, eager/graphed/graphed with cuBLASLt ("-": not captured); eager alone on the CPU."""
+        if self.graphed is None and self.graphed_cublaslt is None:
+            return f"{self.eager * 1e3:.3f}"
+        return "/".join("-" if t is None else f"{t * 1e3:.3f}" for t in self)
 
 
 def matmuls_alone_s(loaded: LoadedModel, tokens: int, sequences: int) -> MatmulTimes:
@@ -165,12 +172,19 @@ def matmuls_alone_s(loaded: LoadedModel, tokens: int, sequences: int) -> MatmulT
     eager = median_s(run, loaded.device)
     if loaded.device.type != "cuda":
         return MatmulTimes(eager, None)
-    try:
-        graph, _ = capture_graph(run, torch.cuda.graph_pool_handle(), loaded.device)
-    except Exception as e:  # (a diagnosis: the figures around it still run)
-        print(f"  the matmuls of {tokens} rows could not be captured: {e!r}")
-        return MatmulTimes(eager, None)
-    return MatmulTimes(eager, median_s(graph.replay, loaded.device))
+    graphed = []
+    library = torch.backends.cuda.preferred_blas_library()  # (the engine's: this process's)
+    for preferred in (library, "cublaslt"):
+        try:
+            torch.backends.cuda.preferred_blas_library(preferred)  # (read at each call: a capture keeps its kernels)
+            graph, _ = capture_graph(run, torch.cuda.graph_pool_handle(), loaded.device)
+            graphed.append(median_s(graph.replay, loaded.device))
+        except Exception as e:  # (a diagnosis: the figures around it still run)
+            print(f"  the matmuls of {tokens} rows could not be captured with {preferred} preferred: {e!r}")
+            graphed.append(None)
+        finally:
+            torch.backends.cuda.preferred_blas_library(library)
+    return MatmulTimes(eager, *graphed)
 
 
 def extend_positions(loaded: LoadedModel, positions: int) -> None:
@@ -361,16 +375,16 @@ def main() -> None:
             print(
                 f"{b:>6} {kv_len:>7} {n_splits:>6} {eager * 1e3:>9.3f} {graphed['before']:>10} {graphed['split']:>10} "
                 f"{graphed['fused']:>10} {gain:>7} {b / best:>10.1f} {mbu(read, eager):>15} "
-                f"{mbu(read, times.get('fused')):>15} {matmuls.column():>15} {ceilings[0]:>8} {ceilings[1]:>8}"
+                f"{mbu(read, times.get('fused')):>15} {matmuls.column():>23} {ceilings[0]:>8} {ceilings[1]:>8}"
             )
 
     # Graphed ms: "before" (one split, unfused), "+split" (flash decoding), "+fused" (and the fused
-    # elementwise kernels: the engine's default); gain = before / +fused; "matmuls ms e/g": the step's
-    # matmuls alone (``matmuls_alone_s``), eagerly / on a CUDA graph; the ceiling at the measured rates,
-    # then with the matmuls' own time (the faster).
+    # elementwise kernels: the engine's default); gain = before / +fused; "matmuls ms e/g/Lt": the step's
+    # matmuls alone (``matmuls_alone_s``), eagerly / on a CUDA graph / on one with cuBLASLt preferred; the
+    # ceiling at the measured rates, then with the matmuls' own time (the fastest).
     header = (
         f"\n{'batch':>6} {'KV/req':>7} {'splits':>6} {'eager ms':>9} {'before ms':>10} {'+split ms':>10} "
-        f"{'+fused ms':>10} {'gain':>7} {'tok/s':>10} {'MBU eager':>15} {'MBU +fused':>15} {'matmuls ms e/g':>15} "
+        f"{'+fused ms':>10} {'gain':>7} {'tok/s':>10} {'MBU eager':>15} {'MBU +fused':>15} {'matmuls ms e/g/Lt':>23} "
         f"{'ceiling':>8} {'ceil. mm':>8}"
     )
     if batches:
@@ -393,7 +407,7 @@ def main() -> None:
     if prompts:
         print(
             f"\n{'prefill tokens':>14} {'step ms':>9} {'flash ms':>9} {'cuDNN ms':>9} {'tok/s':>10} {'MFU':>7} "
-            f"{'matmuls ms e/g':>15} {'ceiling':>8} {'ceil. mm':>8}"
+            f"{'matmuls ms e/g/Lt':>23} {'ceiling':>8} {'ceil. mm':>8}"
         )
     for n in prompts:
         t_dense = {}
@@ -423,7 +437,7 @@ def main() -> None:
         dense = {sdpa: f"{t_dense[sdpa] * 1e3:.3f}" if sdpa in t_dense else "-" for sdpa in ("flash", "cudnn")}
         print(
             f"{n:>14} {t * 1e3:>9.3f} {dense['flash']:>9} {dense['cudnn']:>9} {n / best:>10.1f} {mfu:>7} "
-            f"{matmuls.column():>15} {ceilings[0]:>8} {ceilings[1]:>8}"
+            f"{matmuls.column():>23} {ceilings[0]:>8} {ceilings[1]:>8}"
         )
 
     # Steps with a prefill eagerly and on piecewise graphs (captured here for the sizes below, whatever
