@@ -2,7 +2,7 @@
 at 1k-16k tokens, a mixed step against the roofline of its parts, and where a step's GPU time goes,
 for a random model of a real shape.
 
-    python benchmarks/engine_speed.py                       # random:llama-3-8b, bf16, cuda, H200 peaks
+    python benchmarks/engine_speed.py                       # random:llama-3-8b, bf16, cuda, the GPU's own peaks
     python benchmarks/engine_speed.py --device cpu --model random:tiny-llama --dtype float32 \\
         --long-context 2048 --mixed 64:128:8 [--gpu h200 --rates 4.24,685]   # (the CPU's ratios mean nothing)
 
@@ -41,7 +41,8 @@ graphs (``piecewise_graphs``), side by side, and with ``--compile-pieces`` on pi
 pieces compiled by ``torch.compile`` too.
 The kernel tables (``--profile-kernels``, torch.profiler) sum each kernel's GPU time over an eager
 decode step, the mixed step and a prefill of up to 8K tokens: what fusing or replacing a kernel can gain.
-On the CPU there are no published peaks: the ratios are printed only with --gpu.
+On CUDA the peaks are the bundled spec of the GPU the run is on (``gpu_of_device``: an H100's 3.35 TB/s, an H200's
+4.8); on the CPU, and on a GPU without a spec, the ratios are printed only with --gpu.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from typing import NamedTuple
 import torch
 
 from figures import record
-from sloserve.cost import get_gpu
+from sloserve.cost import get_gpu, gpu_of_device
 from sloserve.engine import fused_ops
 from sloserve.engine.cuda_graphs import DecodeGraphs, capture_graph
 from sloserve.engine.llm_engine import kv_bytes_per_token
@@ -236,7 +237,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention-backend", default="auto", help="auto (triton on CUDA), torch or triton")
-    parser.add_argument("--gpu", default=None, help="GPU spec for the peaks [h200 on cuda, none on cpu]")
+    parser.add_argument("--gpu", default=None, help="GPU spec for the peaks [the device's on cuda, none on cpu]")
     parser.add_argument("--batch-sizes", default="1,8,32,64,128,256")
     parser.add_argument("--kv-len", type=int, default=1024, help="tokens cached per decoding request")
     parser.add_argument("--long-context", type=int, default=32768, help="the long-context row's cached tokens")
@@ -268,8 +269,12 @@ def main() -> None:
     graphs_ok = not args.no_cuda_graphs and cuda_graphs_supported(device, loaded.attention_backend)
     backend = next(m.backend for m in loaded.model.modules() if hasattr(m, "backend"))
     splitting = isinstance(backend, TritonAttention)
-    gpu_name = args.gpu or ("h200" if loaded.device.type == "cuda" else None)
-    gpu = get_gpu(gpu_name) if gpu_name else None
+    gpu = get_gpu(args.gpu) if args.gpu else None
+    if gpu is None and loaded.device.type == "cuda":  # the peaks of the GPU the run is on
+        gpu = gpu_of_device(torch.cuda.get_device_name(loaded.device))
+        if gpu is None:
+            print(f"no bundled peaks for {torch.cuda.get_device_name(loaded.device)!r}: --gpu names a spec to "
+                  "compute MBU and MFU against; the times below are measured all the same")  # fmt: skip
     rates = None
     if args.rates:
         try:

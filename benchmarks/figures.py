@@ -1,7 +1,7 @@
 """Issue 43's table from one run of the GPU runbook: each benchmark records its figures (``record``) as
 JSON lines in the file that SLOSERVE_FIGURES names (``gpu_session.sh`` sets it), and
 
-    python benchmarks/figures.py FIGURES.jsonl
+    python benchmarks/figures.py FIGURES.jsonl [DEVICE]   # DEVICE: the run's GPU, named in the table
 
 prints the table with the issue's goals, the first GPU session's figures (2026-11-26, the issue's "now") and
 the last one's (2026-12-04; H200s), which the runbook's ``table``, ``stages`` and ``all`` do last. A figure no
@@ -40,9 +40,9 @@ def _span(values: list[float], percent: bool = True) -> str:
     return show(low) if low == high else f"{show(low)}-{show(high)}"
 
 
-def table(rows: list[dict]) -> list[str]:
-    """Issue 43's rows: figure, the first and the last GPU sessions', the goal, this run's, its ceiling on the
-    run's machine, whether it meets the goal (the worst of a span must)."""
+def table(rows: list[dict], device: str = "") -> list[str]:
+    """Issue 43's rows: figure, the first and the last GPU sessions' (H200s), the goal, this run's (on ``device``),
+    its ceiling on the run's machine, whether it meets the goal (the worst of a span must)."""
 
     def wide(figure: str) -> list[float]:
         return [r["value"] for r in rows if r["figure"] == figure and 64 <= r["batch"] <= 256]
@@ -79,7 +79,8 @@ def table(rows: list[dict]) -> list[str]:
         return "-" if not values else ("yes" if all(ok(v) for v in values) else "no")
 
     lines = [
-        "| figure | 2026-11-26 | 2026-12-04 | goal | this run | ceiling here (rates; matmuls timed) | met |",
+        f"| figure | 2026-11-26 (H200) | 2026-12-04 (H200) | goal | this run{f' ({device})' if device else ''} | "
+        "ceiling here (rates; matmuls timed) | met |",
         "| --- | --- | --- | --- | --- | --- | --- |",
         f"| decode MBU, batch 1 | 47.5% | 66.1% | >= 75% | {_span(decode_one)} | {ceilings['decode_one']} | "
         f"{met(decode_one, lambda v: v >= 0.75)} |",
@@ -109,12 +110,12 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    if len(sys.argv) != 2:
-        sys.exit("usage: python benchmarks/figures.py FIGURES.jsonl")
-    path = Path(sys.argv[1])
+    if len(sys.argv) not in (2, 3):
+        sys.exit("usage: python benchmarks/figures.py FIGURES.jsonl [DEVICE]")
+    path, device = Path(sys.argv[1]), sys.argv[2] if len(sys.argv) == 3 else ""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     print(f"\nIssue 43's table ({len(rows)} figures recorded in {path}):")
-    print("\n".join(table(rows)))
+    print("\n".join(table(rows, device)))
 
 
 if __name__ == "__main__":

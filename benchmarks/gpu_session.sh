@@ -96,8 +96,11 @@ log="$out/session.log"
 # Each benchmark records issue 43's figures here (benchmarks/figures.py); `all` prints the table last.
 export SLOSERVE_FIGURES=${SLOSERVE_FIGURES:-$out/figures.jsonl}
 echo "== ${1:-} $(date -u +%FT%TZ)" | tee -a "$log"
+# (the GPU named in issue 43's table: an H100's figures are against its own peaks, the sessions' before were H200s')
+device_name=cpu
 if [[ ${SMOKE:-0} != 1 ]]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$log"
+  device_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
 fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$log"
 # Each stage's model and sizes: issue 43's (Llama-3-8B's shape in bf16 on the GPU), or SMOKE's.
@@ -153,7 +156,7 @@ run_stages() {
     timeout "${stage#*:}" bash "$0" "${stage%%:*}" || { rc=$?; status=$rc; echo "stage ${stage%%:*} exited $rc"; }
     echo "stage ${stage%%:*}: $((SECONDS - start)) s" | tee -a "$log"
   done
-  python3 benchmarks/figures.py "$SLOSERVE_FIGURES" 2>&1 | tee -a "$log"
+  python3 benchmarks/figures.py "$SLOSERVE_FIGURES" "$device_name" 2>&1 | tee -a "$log"
   return $status
 }
 

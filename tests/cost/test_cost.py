@@ -27,6 +27,7 @@ from sloserve.cost import (
     get_gpu,
     get_model,
     get_preset,
+    gpu_of_device,
     kv_capacity_tokens,
     list_presets,
     load_preset,
@@ -998,6 +999,20 @@ def test_each_gpu_prices_a_small_decode_by_its_memory_bandwidth_and_holds_what_i
             kv_capacity_tokens(big, get_gpu(name))
     assert 0 < kv_capacity_tokens(big, get_gpu("b200")) < kv_capacity_tokens(big, get_gpu("mi300x"))
     assert get_gpu("hgx-b200") is get_gpu("b200")
+
+
+def test_a_device_is_known_by_the_name_it_reports_and_a_variant_with_other_peaks_is_not() -> None:
+    """The names CUDA gives the bundled GPUs (spaces and case as nvidia-smi may print them) find their specs, so a
+    benchmark on the machine of the run takes its peaks; an H100 NVL or an A100 80GB PCIe, whose peaks differ
+    from their siblings', and a CPU find none."""
+    assert gpu_of_device("NVIDIA H100 80GB HBM3") is get_gpu("h100")
+    assert gpu_of_device("NVIDIA H200") is get_gpu("h200")
+    assert gpu_of_device("  nvidia  H100 PCIe ") is get_gpu("h100-pcie")
+    assert gpu_of_device("NVIDIA A100-SXM4-40GB") is get_gpu("a100-40gb")
+    assert gpu_of_device("AMD Instinct MI300X") is get_gpu("mi300x")
+    for name in ("NVIDIA H100 NVL", "NVIDIA H200 NVL", "NVIDIA A100 80GB PCIe", "cpu", ""):
+        assert gpu_of_device(name) is None
+    assert gpu_of_device("NVIDIA H100 80GB HBM3").hbm_bandwidth < gpu_of_device("NVIDIA H200").hbm_bandwidth
 
 
 def test_profile_grid_has_lopsided_decode_batches() -> None:

@@ -18,6 +18,7 @@ from .specs import (
     ModelSpec,
     get_gpu,
     get_model,
+    gpu_of_device,
     kv_capacity_tokens,
 )
 
@@ -46,6 +47,7 @@ __all__ = [
     "get_gpu",
     "get_model",
     "get_preset",
+    "gpu_of_device",
     "kv_capacity_tokens",
     "list_presets",
     "load_preset",

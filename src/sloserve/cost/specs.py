@@ -289,6 +289,21 @@ GPUS: dict[str, HardwareSpec] = {
 }
 
 GPU_ALIASES: dict[str, str] = {"a100": "a100-80gb", "h100-sxm": "h100", "h200-sxm": "h200", "hgx-b200": "b200"}
+# The name a device reports (``torch.cuda.get_device_name``, nvidia-smi's "name"), lower-cased, of each bundled GPU.
+# NOTE: variants with other peaks are left out rather than matched to a sibling: H100 NVL and H200 NVL (other
+# clocks and power), A100 80GB PCIe (1,935 GB/s), the A100 PCIe 40GB (250 W).
+DEVICE_NAMES: dict[str, str] = {
+    "nvidia h100 80gb hbm3": "h100",
+    "nvidia h100 pcie": "h100-pcie",
+    "nvidia h200": "h200",
+    "nvidia a100-sxm4-80gb": "a100-80gb",
+    "nvidia a100-sxm4-40gb": "a100-40gb",
+    "nvidia a30": "a30",
+    "nvidia l40s": "l40s",
+    "nvidia l4": "l4",
+    "nvidia b200": "b200",
+    "amd instinct mi300x": "mi300x",
+}
 
 
 def get_model(name: str) -> ModelSpec:
@@ -306,6 +321,13 @@ def get_gpu(name: str) -> HardwareSpec:
     if key not in GPUS:
         raise UnknownNameError("gpu", name, [*GPUS, *GPU_ALIASES])
     return GPUS[key]
+
+
+def gpu_of_device(device_name: str) -> HardwareSpec | None:
+    """The bundled ``HardwareSpec`` of the device that reports ``device_name`` (``torch.cuda.get_device_name``:
+    "NVIDIA H100 80GB HBM3" is ``h100``); None for a device whose peaks are not bundled."""
+    key = DEVICE_NAMES.get(" ".join(device_name.split()).lower())
+    return None if key is None else GPUS[key]
 
 
 def check_tensor_parallel(model: ModelSpec, num_gpus: int) -> None:
