@@ -66,7 +66,8 @@
 # The calls prepared on 2026-12-04 (benchmarks/RESULTS.md, "The next GPU session"), each after
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH || exit
-# are `bash benchmarks/gpu_session.sh table`, then `bash benchmarks/gpu_session.sh stages tests:250 kernels:110`.
+# are `bash benchmarks/gpu_session.sh table`, then `bash benchmarks/gpu_session.sh stages tests:250 kernels:110`,
+# both on an H200 where one is lent (the limits below were sized there; on an H100 the serve stages run longer).
 # Every stage's output goes to $OUT/session.log ($OUT: the device tool's output folder; else ./gpu-logs),
 # beside issue 43's figures (figures.jsonl, printed as a table at the end of `table`, `stages` and `all`),
 # the serve stage's py-spy stacks and the fidelity stage's profile, preset, engine figures and the engine
