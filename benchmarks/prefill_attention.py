@@ -18,7 +18,9 @@ Each case is one prefill (CACHED tokens then a CHUNK of new ones) in 16-slot blo
 cache; each variant is timed on copies of the cache (an engine's layers, each with its own), its calls captured
 in one CUDA graph and replayed (``timing.graphed_median_s``), and checked against the default's output. The
 table gives per case every variant's time of one layer's call (the KV write and the kernel) and its rate in
-TFLOP/s (4 x heads x head_dim per visible query-key pair: the two matmuls), fastest first.
+TFLOP/s (4 x heads x head_dim per visible query-key pair: the two matmuls), fastest first; "beside decodes" is the
+launch a mixed step's chunk gets on its own stream beside the decode kernel (``OVERLAP_PREFILL_LAUNCH``: 64 x 32,
+2 stages, at most 192 registers a thread), timed alone: what that launch costs where nothing runs beside it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,34 @@ BLOCK_SIZE = 16  # the KV manager's default block
 ROTATED_BYTES = 256 << 20  # the KV the graph of a variant's calls reads at least: 5x an H100's or H200's L2 (50 MB)
 MAX_COPIES = 32  # and the most copies of the cache it rotates (a Llama-3-8B step's layers)
 DEFAULT = (64, 64, 4, None)  # TritonAttention's: BLOCK_M, BLOCK_N, warps, stages (None: Triton's default, 3)
+# The launch of a prefill beside the decode kernel (SLOSERVE_OVERLAP_ATTENTION: OVERLAP_PREFILL_LAUNCH), here alone
+BESIDE = "beside decodes"
+
+
+def backend_for(variant) -> TritonAttention:
+    """The backend that launches the prefill kernel as ``variant`` says: a (BLOCK_M, BLOCK_N, warps, stages), or
+    ``BESIDE`` (the default backend's launch beside the decodes, as on the mixed step's second stream)."""
+    if variant == BESIDE:
+        backend = TritonAttention(num_decode_splits=1, dense_prefill_min_tokens=None)
+        as_launched = backend.prefill_launch
+        backend.prefill_launch = lambda settings, _: as_launched(settings, beside=True)
+        return backend
+    block_m, block_n, warps, stages = variant
+    return TritonAttention(
+        block_m=block_m,
+        block_n=block_n,
+        num_decode_splits=1,
+        dense_prefill_min_tokens=None,
+        prefill_num_warps=warps,
+        prefill_num_stages=stages,
+    )
+
+
+def label(variant) -> str:
+    if variant == BESIDE:
+        return BESIDE
+    block_m, block_n, warps, stages = variant
+    return f"{block_m} x {block_n}, {warps}w, {'-' if stages is None else stages}s"
 
 
 def prefill_step(
@@ -102,7 +132,7 @@ def main() -> None:
         backend = TritonAttention(block_m=block_m, block_n=block_n, prefill_num_warps=warps)
         if backend.tiles(heads[2]) == (block_m, block_n):
             variants.append((block_m, block_n, warps, stages))
-    variants = [DEFAULT, *(v for v in variants if v[:3] != DEFAULT[:3] or v[3] != 3)]
+    variants = [DEFAULT, BESIDE, *(v for v in variants if v[:3] != DEFAULT[:3] or v[3] != 3)]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton's interpreter)"
     print(f"prefill attention alone on {name}, {dtype}, heads {heads}; one layer's call; KV in {BLOCK_SIZE}-slot "
           "blocks; variants BLOCK_M x BLOCK_N, warps, stages (- : Triton's default, 3)")  # fmt: skip
@@ -119,32 +149,24 @@ def main() -> None:
             (torch.randn_like(k_cache), torch.randn_like(v_cache)) for _ in range(copies - 1)
         ]
         times, reference = {}, None
-        for block_m, block_n, warps, stages in variants:
-            backend = TritonAttention(
-                block_m=block_m,
-                block_n=block_n,
-                num_decode_splits=1,
-                dense_prefill_min_tokens=None,
-                prefill_num_warps=warps,
-                prefill_num_stages=stages,
-            )
+        for variant in variants:
+            backend = backend_for(variant)
             calls = [partial(backend.forward, q, k, v, *kv, meta) for kv in caches]
             try:
                 out = calls[0]().float()
             except OutOfResources as error:  # (more shared memory than a multiprocessor has)
-                print(f"  {case}: {block_m} x {block_n}, {warps} warps, stages {stages}: {error}")
+                print(f"  {case}: {label(variant)}: {error}")
                 continue
             if reference is None:
                 reference = out
             error = float((out - reference).norm() / reference.norm())
-            assert error < 2e-2 and not out.isnan().any(), f"{case}: {block_m} x {block_n}, {warps} warps: {error}"
-            times[block_m, block_n, warps, stages] = graphed_median_s(calls, device, rep_ms=40)
+            assert error < 2e-2 and not out.isnan().any(), f"{case}: {label(variant)}: {error}"
+            times[variant] = graphed_median_s(calls, device, rep_ms=40)
         default = times[DEFAULT]
         print(f"\n{cached} cached + {chunk} new tokens ({flops / 1e9:.1f} GFLOP a layer):")
         print(f"{'variant':>22} {'us':>9} {'TFLOP/s':>8} {'vs default':>10}")
-        for (block_m, block_n, warps, stages), t in sorted(times.items(), key=lambda item: item[1]):
-            variant = f"{block_m} x {block_n}, {warps}w, {'-' if stages is None else stages}s"
-            print(f"{variant:>22} {t * 1e6:>9.1f} {flops / t / 1e12:>8.1f} {default / t:>9.2f}x")
+        for variant, t in sorted(times.items(), key=lambda item: item[1]):
+            print(f"{label(variant):>22} {t * 1e6:>9.1f} {flops / t / 1e12:>8.1f} {default / t:>9.2f}x")
 
 
 if __name__ == "__main__":

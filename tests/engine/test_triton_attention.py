@@ -409,14 +409,15 @@ def test_prefills_beside_the_decodes_give_the_same_output_bit_for_bit(monkeypatc
 
 def test_a_prefill_beside_the_decodes_launches_with_room_left_for_them():
     """Beside the decodes the prefill kernel reads at most ``OVERLAP_PREFILL_LAUNCH``'s 32 keys a tile at its 2
-    stages (two default programs hold every register of a Hopper multiprocessor); alone, the backend's tile,
-    warps and stages; the other settings pass through."""
+    stages in at most 192 registers a thread (two default programs hold every register of a Hopper
+    multiprocessor); alone, the backend's tile, warps and stages, uncapped; the other settings pass through."""
     settings = {"BLOCK_N": 64, "GROUP": 4}
     default = triton_attention.TritonAttention()
+    beside = {"num_stages": 2, "maxnreg": 192}
     assert default.prefill_launch(settings, beside=False) == {"BLOCK_N": 64, "GROUP": 4, "num_warps": 4}
-    assert default.prefill_launch(settings, beside=True) == {"BLOCK_N": 32, "GROUP": 4, "num_warps": 4, "num_stages": 2}
+    assert default.prefill_launch(settings, beside=True) == {"BLOCK_N": 32, "GROUP": 4, "num_warps": 4, **beside}
     tuned = triton_attention.TritonAttention(prefill_num_warps=8, prefill_num_stages=3)
-    assert tuned.prefill_launch({"BLOCK_N": 16}, beside=True) == {"BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
+    assert tuned.prefill_launch({"BLOCK_N": 16}, beside=True) == {"BLOCK_N": 16, "num_warps": 8, **beside}
     assert tuned.prefill_launch({"BLOCK_N": 16}, beside=False) == {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3}
 
 

@@ -86,11 +86,13 @@ TILE_NUMBERS = 64 * 128
 WAVES = 2
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
-# A prefill launched beside the decodes (``overlap_prefill_decode``) reads 32 keys a tile, its loads in 2 stages.
-# NOTE: launched as by default (64 x 64 tiles, 3 stages: 254 registers a thread on sm_90) two prefill programs hold
-# every register of a Hopper multiprocessor and no decode program (120 registers a thread) starts beside them until
-# they end; at 64 x 32 and 2 stages (186) one does (benchmarks/kernel_resources.py, Triton 3.9; benchmarks/RESULTS.md)
-OVERLAP_PREFILL_LAUNCH = {"BLOCK_N": 32, "num_stages": 2}
+# A prefill launched beside the decodes (``overlap_prefill_decode``) reads 32 keys a tile, its loads in 2 stages, in
+# at most 192 registers a thread. NOTE: launched as by default (64 x 64 tiles, 3 stages: 254 registers a thread on
+# sm_90) two prefill programs hold every register of a Hopper multiprocessor and no decode program (105-121 registers
+# a thread) starts beside them until they end; at 64 x 32 and 2 stages (186 with Triton 3.9, 192 with 3.6) one does
+# (benchmarks/kernel_resources.py; benchmarks/RESULTS.md). The cap keeps that room whatever the compiler's choice:
+# two programs of 4 warps at 192 leave 16,384 of the 65,536 registers, a decode program's of 4 warps at 128.
+OVERLAP_PREFILL_LAUNCH = {"BLOCK_N": 32, "num_stages": 2, "maxnreg": 192}
 # The rows of the decode kernel's merge of its own splits (``COMBINE_IN_KERNEL``), at least: the splits padded,
 # masked (weight 0). NOTE: with 4 or 8 rows ptxas gave the whole decode kernel 150-152 registers a thread instead
 # of 118-120, a program fewer a multiprocessor (benchmarks/kernel_resources.py, Triton 3.9, sm_90)
@@ -811,7 +813,7 @@ class TritonAttention(AttentionBackend):
     def prefill_launch(self, settings: dict, beside: bool) -> dict:
         """The prefill kernel's compile-time settings and launch options: ``settings`` (both kernels', BLOCK_N
         among them) with this backend's warps and stages; beside the decodes (``beside``), at most
-        ``OVERLAP_PREFILL_LAUNCH``'s keys a tile, at its stages."""
+        ``OVERLAP_PREFILL_LAUNCH``'s keys a tile, at its stages and under its cap on registers."""
         launch = {**settings, "num_warps": self.prefill_num_warps}
         if self.prefill_num_stages is not None:
             launch["num_stages"] = self.prefill_num_stages
