@@ -271,10 +271,11 @@ def main() -> None:
     splitting = isinstance(backend, TritonAttention)
     gpu = get_gpu(args.gpu) if args.gpu else None
     if gpu is None and loaded.device.type == "cuda":  # the peaks of the GPU the run is on
-        gpu = gpu_of_device(torch.cuda.get_device_name(loaded.device))
+        device_name = torch.cuda.get_device_name(loaded.device)
+        gpu = gpu_of_device(device_name)
         if gpu is None:
-            print(f"no bundled peaks for {torch.cuda.get_device_name(loaded.device)!r}: --gpu names a spec to "
-                  "compute MBU and MFU against; the times below are measured all the same")  # fmt: skip
+            print(f"no bundled peaks for {device_name!r}: --gpu names a spec to compute MBU and MFU against; the "
+                  "times below are measured all the same")  # fmt: skip
     rates = None
     if args.rates:
         try:

@@ -39,6 +39,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from prefill_attention import BESIDE, backend_for  # noqa: E402
 from sloserve.engine import fused_moe, fused_ops  # noqa: E402
 from sloserve.engine.attention import AttentionMetadata, PrefillSeq  # noqa: E402
 from sloserve.engine.triton_attention import TritonAttention  # noqa: E402
@@ -175,10 +176,7 @@ def engine_launches(case, dtype: torch.dtype = torch.bfloat16) -> None:
     # the chunk's launch on its own CUDA stream beside the decode kernel (SLOSERVE_OVERLAP_ATTENTION; without CUDA
     # the backend does not make it, so it is told the prefill is beside)
     case("llama: the chunk beside decodes (overlap)")
-    beside = TritonAttention(num_decode_splits=1, dense_prefill_min_tokens=None)
-    as_launched = beside.prefill_launch
-    beside.prefill_launch = lambda settings, _: as_launched(settings, beside=True)
-    beside.forward(*llama)
+    backend_for(BESIDE).forward(*llama)  # (the launch prefill_attention.py times as "beside decodes")
     attention("llama: decodes in 4 splits", llama, splits=4)
     attention("llama: 4 splits merged in the kernel", llama, splits=4, in_kernel=True)
     attention("llama: 32 splits merged in the kernel", llama, splits=32, in_kernel=True)
